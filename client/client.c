@@ -1,0 +1,780 @@
+/*
+ * client — libkvxfer: blocking calls over the daemon's Unix socket; see
+ * kvxfer.h. Never logs, never aborts, never raises SIGPIPE.
+ *
+ * One request is outstanding at a time: call() sends a Request and reads
+ * frames until the Reply with the same id arrives or the timeout passes.
+ * A timed-out call leaves the connection unusable (a late reply would be
+ * taken for the next call's), so the client is closed for further use.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "frame.h"
+#include "kvxfer.h"
+#include "kvxfer.pb-c.h"
+
+#define REPLY_MAX (1u << 30)
+
+struct host_pool {
+    uint32_t id;
+    void *base;
+    uint64_t size;
+    struct host_pool *next;
+};
+
+struct kvx_client {
+    int fd;
+    int broken;               /* a call failed mid-way: no more calls */
+    uint64_t next_id;
+    frame_reader_t rd;
+    char address[192];
+    char err[512];
+    struct host_pool *pools;
+};
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int fail(kvx_client_t *c, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int fail(kvx_client_t *c, int rc, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof(c->err), fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
+/* Wait until fd is ready for events or the deadline (-1 = none) passes. */
+static int wait_fd(int fd, short events, int64_t deadline)
+{
+    for (;;) {
+        int t = -1;
+        if (deadline >= 0) {
+            int64_t left = deadline - now_ms();
+            if (left <= 0)
+                return KVX_ERR_TIMEOUT;
+            t = left > 1000000 ? 1000000 : (int)left;
+        }
+        struct pollfd p = {fd, events, 0};
+        int n = poll(&p, 1, t);
+        if (n > 0)
+            return 0;
+        if (n < 0 && errno != EINTR)
+            return KVX_ERR_IO;
+    }
+}
+
+static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
+                    int fd_to_pass, int64_t deadline)
+{
+    size_t off = 0;
+    while (off < len) {
+        struct iovec iov = {(void *)(buf + off), len - off};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+        union {
+            char b[CMSG_SPACE(sizeof(int))];
+            struct cmsghdr align;
+        } cm;
+        if (fd_to_pass >= 0 && off == 0) {
+            mh.msg_control = cm.b;
+            mh.msg_controllen = sizeof(cm.b);
+            struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+            h->cmsg_level = SOL_SOCKET;
+            h->cmsg_type = SCM_RIGHTS;
+            h->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(h), &fd_to_pass, sizeof(int));
+        }
+        ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int rc = wait_fd(c->fd, POLLOUT, deadline);
+                if (rc)
+                    return fail(c, rc, "send: %s",
+                                rc == KVX_ERR_TIMEOUT ? "timed out"
+                                                      : strerror(errno));
+                continue;
+            }
+            return fail(c, errno == EPIPE ? KVX_ERR_CLOSED : KVX_ERR_IO,
+                        "send: %s", strerror(errno));
+        }
+        off += (size_t)n;
+    }
+    return 0;
+}
+
+/* Read frames until the reply to id; *out is unpacked (caller frees). */
+static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
+                      Kvxfer__Reply **out)
+{
+    for (;;) {
+        const uint8_t *msg;
+        uint32_t len;
+        int rc = frame_reader_next(&c->rd, REPLY_MAX, &msg, &len);
+        if (rc < 0)
+            return fail(c, KVX_ERR_PROTOCOL, "reply of %u bytes is too large",
+                        len);
+        if (rc == 1) {
+            Kvxfer__Reply *r = kvxfer__reply__unpack(NULL, len, msg);
+            if (!r)
+                return fail(c, KVX_ERR_PROTOCOL, "undecodable reply");
+            if (r->id == id || r->id == 0) {
+                /* id 0: the daemon could not tell which request */
+                *out = r;
+                return 0;
+            }
+            kvxfer__reply__free_unpacked(r, NULL); /* stale: skip */
+            continue;
+        }
+        size_t room;
+        uint8_t *buf = frame_reader_space(&c->rd, 65536, &room);
+        if (!buf)
+            return fail(c, KVX_ERR_NOMEM, "out of memory");
+        ssize_t n = recv(c->fd, buf, room, MSG_DONTWAIT);
+        if (n > 0) {
+            frame_reader_commit(&c->rd, (size_t)n);
+            continue;
+        }
+        if (n == 0)
+            return fail(c, KVX_ERR_CLOSED, "the daemon closed the connection");
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return fail(c, KVX_ERR_IO, "recv: %s", strerror(errno));
+        if ((rc = wait_fd(c->fd, POLLIN, deadline)))
+            return fail(c, rc, "no reply from the daemon: %s",
+                        rc == KVX_ERR_TIMEOUT ? "timed out" : "poll failed");
+    }
+}
+
+/* Send rq (its id is set here) and wait for its reply. Returns the
+ * daemon's status; *out (if not NULL) receives the reply on success. */
+static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
+                int timeout_ms, Kvxfer__Reply **out)
+{
+    c->err[0] = 0;
+    if (c->broken)
+        return fail(c, KVX_ERR_CLOSED,
+                    "connection unusable after an earlier failure");
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    rq->id = ++c->next_id;
+    size_t n = kvxfer__request__get_packed_size(rq);
+    uint8_t *buf = malloc(n + FRAME_HDR);
+    if (!buf)
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    frame_put_len(buf, (uint32_t)n);
+    kvxfer__request__pack(rq, buf + FRAME_HDR);
+    int rc = send_all(c, buf, n + FRAME_HDR, fd_to_pass, deadline);
+    free(buf);
+    Kvxfer__Reply *r = NULL;
+    if (!rc)
+        rc = recv_reply(c, rq->id, deadline, &r);
+    if (rc) {
+        c->broken = 1;
+        return rc;
+    }
+    if (r->status) {
+        rc = r->status < KVX_ERR_LAST ? KVX_ERR_PROTOCOL : r->status;
+        snprintf(c->err, sizeof(c->err), "%s", r->message);
+        kvxfer__reply__free_unpacked(r, NULL);
+        if (rc == KVX_ERR_PROTOCOL)
+            c->broken = 1; /* the daemon closes after protocol errors */
+        return rc;
+    }
+    if (out)
+        *out = r;
+    else
+        kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
+static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (!path)
+        path = KVX_DEFAULT_SOCKET;
+    if (strlen(path) >= sizeof(sa.sun_path))
+        return fail(c, KVX_ERR_INVALID, "socket path longer than %zu bytes",
+                    sizeof(sa.sun_path) - 1);
+    strcpy(sa.sun_path, path);
+    c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (c->fd < 0)
+        return fail(c, KVX_ERR_IO, "socket: %s", strerror(errno));
+    if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        if (errno != EINPROGRESS && errno != EAGAIN)
+            return fail(c, KVX_ERR_IO, "connect %s: %s", path,
+                        strerror(errno));
+        int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+        int rc = wait_fd(c->fd, POLLOUT, deadline);
+        if (rc)
+            return fail(c, rc, "connect %s: timed out", path);
+    }
+    return 0;
+}
+
+static kvx_client_t *client_new(void)
+{
+    kvx_client_t *c = calloc(1, sizeof(*c));
+    if (c) {
+        c->fd = -1;
+        frame_reader_init(&c->rd);
+    }
+    return c;
+}
+
+int kvx_hello(kvx_client_t *c, const kvx_hello_t *h, int timeout_ms)
+{
+    if (!c || !h || !h->instance_id)
+        return KVX_ERR_INVALID;
+    Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
+    pc.tp = h->parallel.tp;
+    pc.pp = h->parallel.pp;
+    pc.cp = h->parallel.cp;
+    pc.total_layers = h->parallel.total_layers;
+    pc.total_kv_heads = h->parallel.total_kv_heads;
+    pc.n_layers_per_pp = h->parallel.num_layers_per_pp;
+    pc.layers_per_pp = (uint32_t *)h->parallel.layers_per_pp;
+    Kvxfer__Hello m = KVXFER__HELLO__INIT;
+    m.version_major = h->version_major ? h->version_major : KVX_VERSION_MAJOR;
+    m.version_minor = h->version_major ? h->version_minor : KVX_VERSION_MINOR;
+    m.instance_id = (char *)h->instance_id;
+    m.role = (Kvxfer__Role)h->role;
+    m.rank = h->rank;
+    m.parallel = &pc;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_HELLO;
+    rq.hello = &m;
+    Kvxfer__Reply *r;
+    int rc = call(c, &rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_HELLO) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "hello: reply without HelloReply");
+    }
+    snprintf(c->address, sizeof(c->address), "%s", r->hello->daemon_address);
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
+int kvx_connect(const char *socket_path, const kvx_hello_t *h, int timeout_ms,
+                kvx_client_t **out)
+{
+    if (!h || !out || !h->instance_id)
+        return KVX_ERR_INVALID;
+    kvx_client_t *c;
+    int rc = kvx_connect_observer(socket_path, timeout_ms, &c);
+    if (rc)
+        return rc;
+    if ((rc = kvx_hello(c, h, timeout_ms))) {
+        kvx_close(c);
+        return rc;
+    }
+    *out = c;
+    return 0;
+}
+
+int kvx_connect_observer(const char *socket_path, int timeout_ms,
+                         kvx_client_t **out)
+{
+    kvx_client_t *c = client_new();
+    if (!c)
+        return KVX_ERR_NOMEM;
+    int rc = open_socket(c, socket_path, timeout_ms);
+    if (rc) {
+        kvx_close(c);
+        return rc;
+    }
+    *out = c;
+    return 0;
+}
+
+void kvx_close(kvx_client_t *c)
+{
+    if (!c)
+        return;
+    if (c->fd >= 0)
+        close(c->fd);
+    while (c->pools) {
+        struct host_pool *p = c->pools;
+        c->pools = p->next;
+        munmap(p->base, p->size);
+        free(p);
+    }
+    frame_reader_cleanup(&c->rd);
+    free(c);
+}
+
+const char *kvx_last_error(const kvx_client_t *c) { return c ? c->err : ""; }
+
+int kvxfer_daemon_address(const kvx_client_t *c, char *buf, size_t len)
+{
+    if (!c || !buf || !c->address[0])
+        return KVX_ERR_INVALID;
+    if (strlen(c->address) >= len)
+        return KVX_ERR_LIMIT;
+    strcpy(buf, c->address);
+    return 0;
+}
+
+int kvx_join(kvx_client_t *c, const char *const *addr, uint32_t n,
+             int timeout_ms)
+{
+    if (!c || !addr)
+        return KVX_ERR_INVALID;
+    Kvxfer__Join m = KVXFER__JOIN__INIT;
+    m.n_rank_addresses = n;
+    m.rank_addresses = (char **)addr;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_JOIN;
+    rq.join = &m;
+    return call(c, &rq, -1, timeout_ms, NULL);
+}
+
+int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
+                         uint64_t size, void **base, uint32_t *pool_id,
+                         int timeout_ms)
+{
+    if (!c || !l || !base || !pool_id || !size)
+        return KVX_ERR_INVALID;
+    struct host_pool *hp = calloc(1, sizeof(*hp));
+    if (!hp)
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    int rc;
+    int fd = memfd_create("kvxfer-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) {
+        rc = fail(c, KVX_ERR_IO, "memfd_create: %s", strerror(errno));
+        goto err_free;
+    }
+    if (ftruncate(fd, (off_t)size) < 0) {
+        rc = fail(c, KVX_ERR_NOMEM, "ftruncate %llu: %s",
+                  (unsigned long long)size, strerror(errno));
+        goto err_close_fd;
+    }
+    /* sealed size: the daemon refuses a pool that could shrink under it */
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) <
+        0) {
+        rc = fail(c, KVX_ERR_IO, "F_ADD_SEALS: %s", strerror(errno));
+        goto err_close_fd;
+    }
+    hp->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (hp->base == MAP_FAILED) {
+        rc = fail(c, KVX_ERR_NOMEM, "mmap %llu: %s", (unsigned long long)size,
+                  strerror(errno));
+        goto err_close_fd;
+    }
+    hp->size = size;
+    Kvxfer__Layout lay = KVXFER__LAYOUT__INIT;
+    lay.preset = (char *)l->preset;
+    lay.num_layers = l->num_layers;
+    lay.kv_factor = l->kv_factor;
+    lay.num_heads = l->num_heads;
+    lay.head_dim = l->head_dim;
+    lay.elem_size = l->elem_size;
+    lay.dtype = l->dtype;
+    lay.tokens_per_block = l->tokens_per_block;
+    lay.num_blocks = l->num_blocks;
+    lay.n_layer_offset = l->num_layers <= KVX_MAX_LAYERS ? l->num_layers
+                                                        : KVX_MAX_LAYERS;
+    lay.layer_offset = (uint64_t *)l->layer_offset;
+    lay.kv_stride = l->kv_stride;
+    lay.block_stride = l->block_stride;
+    lay.token_stride = l->token_stride;
+    lay.head_stride = l->head_stride;
+    Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
+    m.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
+    m.size = size;
+    m.layout = &lay;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
+    rq.register_pool = &m;
+    Kvxfer__Reply *r;
+    if ((rc = call(c, &rq, fd, timeout_ms, &r)))
+        goto err_unmap;
+    hp->id = r->register_pool ? r->register_pool->pool_id : 0;
+    kvxfer__reply__free_unpacked(r, NULL);
+    close(fd);
+    hp->next = c->pools;
+    c->pools = hp;
+    *base = hp->base;
+    *pool_id = hp->id;
+    return 0;
+
+err_unmap:
+    munmap(hp->base, size);
+err_close_fd:
+    close(fd);
+err_free:
+    free(hp);
+    return rc;
+}
+
+int kvx_pool_deregister(kvx_client_t *c, uint32_t pool_id, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    Kvxfer__DeregisterPool m = KVXFER__DEREGISTER_POOL__INIT;
+    m.pool_id = pool_id;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_DEREGISTER_POOL;
+    rq.deregister_pool = &m;
+    int rc = call(c, &rq, -1, timeout_ms, NULL);
+    if (rc)
+        return rc;
+    for (struct host_pool **p = &c->pools; *p; p = &(*p)->next)
+        if ((*p)->id == pool_id) {
+            struct host_pool *hp = *p;
+            *p = hp->next;
+            munmap(hp->base, hp->size);
+            free(hp);
+            break;
+        }
+    return 0;
+}
+
+void kvx_context_params_free(kvx_context_params_t *p)
+{
+    if (!p)
+        return;
+    free(p->data);
+    p->data = NULL;
+    p->len = 0;
+}
+
+int kvx_publish(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
+                const uint32_t *blocks, uint32_t nblocks, uint32_t num_tokens,
+                kvx_context_params_t *params, int timeout_ms)
+{
+    if (!c || (!blocks && nblocks) || !params)
+        return KVX_ERR_INVALID;
+    Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
+    m.request_id = request_id;
+    m.pool_id = pool_id;
+    m.n_blocks = nblocks;
+    m.blocks = (uint32_t *)blocks;
+    m.num_tokens = num_tokens;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
+    rq.publish = &m;
+    Kvxfer__Reply *r;
+    int rc = call(c, &rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_PUBLISH) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "publish: reply without params");
+    }
+    params->len = r->publish->context_params.len;
+    params->data = malloc(params->len ? params->len : 1);
+    if (!params->data) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    memcpy(params->data, r->publish->context_params.data, params->len);
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
+int kvx_fetch(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
+              size_t params_len, uint32_t pool_id, const uint32_t *blocks,
+              uint32_t nblocks, uint32_t skip_tokens, int timeout_ms)
+{
+    if (!c || (!blocks && nblocks) || (!params && params_len))
+        return KVX_ERR_INVALID;
+    Kvxfer__Fetch m = KVXFER__FETCH__INIT;
+    m.request_id = request_id;
+    m.context_params.data = (uint8_t *)params;
+    m.context_params.len = params_len;
+    m.pool_id = pool_id;
+    m.n_blocks = nblocks;
+    m.blocks = (uint32_t *)blocks;
+    m.skip_tokens = skip_tokens;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_FETCH;
+    rq.fetch = &m;
+    return call(c, &rq, -1, timeout_ms, NULL);
+}
+
+int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
+             kvx_batch_t **out)
+{
+    if (!c || !out)
+        return KVX_ERR_INVALID;
+    Kvxfer__Poll m = KVXFER__POLL__INIT;
+    m.at_least = at_least;
+    m.timeout_ms = poll_timeout_ms;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_POLL;
+    rq.poll = &m;
+    Kvxfer__Reply *r;
+    /* the daemon answers at the poll timeout; allow for a busy loop */
+    int rc = call(c, &rq, -1, (int)poll_timeout_ms + 10000, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_POLL) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "poll: reply without a batch");
+    }
+    /* one allocation: batch, events, then the message strings */
+    size_t n = r->poll->n_events, strbytes = 0;
+    for (size_t i = 0; i < n; i++)
+        strbytes += strlen(r->poll->events[i]->message) + 1;
+    kvx_batch_t *b = malloc(sizeof(*b) + n * sizeof(kvx_event_t) + strbytes);
+    if (!b) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    b->seq = r->poll->batch;
+    b->num_events = (uint32_t)n;
+    b->events = (kvx_event_t *)(b + 1);
+    char *s = (char *)(b->events + n);
+    for (size_t i = 0; i < n; i++) {
+        const Kvxfer__Event *e = r->poll->events[i];
+        b->events[i].request_id = e->request_id;
+        b->events[i].kind = (kvx_event_kind_t)e->kind;
+        b->events[i].code = e->code;
+        b->events[i].message = s;
+        size_t l = strlen(e->message) + 1;
+        memcpy(s, e->message, l);
+        s += l;
+    }
+    kvxfer__reply__free_unpacked(r, NULL);
+    *out = b;
+    return 0;
+}
+
+void kvx_batch_free(kvx_batch_t *b) { free(b); }
+
+int kvx_cancel(kvx_client_t *c, uint64_t request_id, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    Kvxfer__Cancel m = KVXFER__CANCEL__INIT;
+    m.request_id = request_id;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_CANCEL;
+    rq.cancel = &m;
+    return call(c, &rq, -1, timeout_ms, NULL);
+}
+
+/* ---- status as JSON --------------------------------------------------- */
+
+struct sbuf {
+    char *p;
+    size_t len, cap;
+    int oom;
+};
+
+static void sb_printf(struct sbuf *b, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static void sb_printf(struct sbuf *b, const char *fmt, ...)
+{
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        size_t room = b->cap - b->len;
+        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? room : 0, fmt,
+                          ap);
+        va_end(ap);
+        if (n < 0)
+            return;
+        if (b->p && (size_t)n < room) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t ncap = b->cap ? b->cap * 2 : 1024;
+        while (ncap < b->len + (size_t)n + 1)
+            ncap *= 2;
+        char *np = realloc(b->p, ncap);
+        if (!np) {
+            b->oom = 1;
+            return;
+        }
+        b->p = np;
+        b->cap = ncap;
+    }
+}
+
+static void sb_str(struct sbuf *b, const char *s)
+{
+    sb_printf(b, "\"");
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            sb_printf(b, "\\%c", ch);
+        else if (ch < 0x20)
+            sb_printf(b, "\\u%04x", ch);
+        else
+            sb_printf(b, "%c", ch);
+    }
+    sb_printf(b, "\"");
+}
+
+static const char *role_name(int role)
+{
+    switch (role) {
+    case 1: return "context";
+    case 2: return "generation";
+    case 3: return "both";
+    default: return "none";
+    }
+}
+
+static void counts_json(struct sbuf *b, Kvxfer__Count **c, size_t n)
+{
+    sb_printf(b, "{");
+    for (size_t i = 0; i < n; i++) {
+        sb_printf(b, "%s", i ? "," : "");
+        sb_str(b, c[i]->name);
+        sb_printf(b, ":%llu", (unsigned long long)c[i]->value);
+    }
+    sb_printf(b, "}");
+}
+
+static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
+{
+    sb_printf(b, "{\"version\":");
+    sb_str(b, s->version);
+    sb_printf(b, ",\"build\":");
+    sb_str(b, s->build);
+    sb_printf(b, ",\"uptime_ms\":%llu,\"daemon_address\":",
+              (unsigned long long)s->uptime_ms);
+    sb_str(b, s->daemon_address);
+    sb_printf(b, ",\"worker_threads\":%u,\"config\":{", s->worker_threads);
+    for (size_t i = 0; i < s->n_config; i++) {
+        const char *kv = s->config[i]->name, *eq = strchr(kv, '=');
+        if (!eq)
+            continue;
+        char key[128];
+        snprintf(key, sizeof(key), "%.*s", (int)(eq - kv), kv);
+        sb_printf(b, "%s", i ? "," : "");
+        sb_str(b, key);
+        sb_printf(b, ":");
+        sb_str(b, eq + 1);
+    }
+    sb_printf(b, "},\"sessions\":[");
+    for (size_t i = 0; i < s->n_sessions; i++) {
+        const Kvxfer__SessionInfo *x = s->sessions[i];
+        sb_printf(b, "%s{\"session_id\":%llu,\"pid\":%d,\"uid\":%u,"
+                     "\"instance\":",
+                  i ? "," : "", (unsigned long long)x->session_id, x->pid,
+                  x->uid);
+        sb_str(b, x->instance_id);
+        sb_printf(b, ",\"rank\":%u,\"role\":\"%s\",\"pools\":%u}", x->rank,
+                  role_name(x->role), x->pools);
+    }
+    sb_printf(b, "],\"pools\":[");
+    for (size_t i = 0; i < s->n_pools; i++) {
+        const Kvxfer__PoolInfo *x = s->pools[i];
+        sb_printf(b, "%s{\"pool_id\":%u,\"session_id\":%llu,\"kind\":",
+                  i ? "," : "", x->pool_id,
+                  (unsigned long long)x->session_id);
+        sb_str(b, x->kind);
+        sb_printf(b, ",\"size\":%llu,\"preset\":",
+                  (unsigned long long)x->size);
+        sb_str(b, x->preset);
+        sb_printf(b, ",\"num_blocks\":%u,\"users\":%u}", x->num_blocks,
+                  x->users);
+    }
+    sb_printf(b, "],\"requests_by_state\":");
+    counts_json(b, s->requests_by_state, s->n_requests_by_state);
+    sb_printf(b, ",\"bytes_moved\":%llu,\"transfers_done\":%llu,"
+                 "\"errors_by_code\":",
+              (unsigned long long)s->bytes_moved,
+              (unsigned long long)s->transfers_done);
+    counts_json(b, s->errors_by_code, s->n_errors_by_code);
+    sb_printf(b, ",\"batches_sealed\":%llu}",
+              (unsigned long long)s->batches_sealed);
+}
+
+int kvx_status_json(kvx_client_t *c, char **json, int timeout_ms)
+{
+    if (!c || !json)
+        return KVX_ERR_INVALID;
+    Kvxfer__StatusRequest m = KVXFER__STATUS_REQUEST__INIT;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_STATUS;
+    rq.status = &m;
+    Kvxfer__Reply *r;
+    int rc = call(c, &rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_STATUS_REPLY) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "status: reply without status");
+    }
+    struct sbuf b = {0};
+    status_json(&b, r->status_reply);
+    kvxfer__reply__free_unpacked(r, NULL);
+    if (b.oom || !b.p) {
+        free(b.p);
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    *json = b.p;
+    return 0;
+}
+
+int kvx_requests_json(kvx_client_t *c, char **json, int timeout_ms)
+{
+    if (!c || !json)
+        return KVX_ERR_INVALID;
+    Kvxfer__ListRequests m = KVXFER__LIST_REQUESTS__INIT;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
+    rq.list_requests = &m;
+    Kvxfer__Reply *r;
+    int rc = call(c, &rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_REQUESTS) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "requests: unexpected reply");
+    }
+    struct sbuf b = {0};
+    sb_printf(&b, "[");
+    for (size_t i = 0; i < r->requests->n_requests; i++) {
+        const Kvxfer__RequestInfo *x = r->requests->requests[i];
+        sb_printf(&b, "%s{\"instance\":", i ? "," : "");
+        sb_str(&b, x->instance_id);
+        sb_printf(&b, ",\"request_id\":%llu,\"side\":",
+                  (unsigned long long)x->request_id);
+        sb_str(&b, x->side);
+        sb_printf(&b, ",\"state\":");
+        sb_str(&b, x->state);
+        sb_printf(&b, ",\"age_ms\":%llu,\"bytes_done\":%llu,"
+                      "\"bytes_total\":%llu,\"detail\":",
+                  (unsigned long long)x->age_ms,
+                  (unsigned long long)x->bytes_done,
+                  (unsigned long long)x->bytes_total);
+        sb_str(&b, x->detail);
+        sb_printf(&b, "}");
+    }
+    sb_printf(&b, "]");
+    kvxfer__reply__free_unpacked(r, NULL);
+    if (b.oom || !b.p) {
+        free(b.p);
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    *json = b.p;
+    return 0;
+}

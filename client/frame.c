@@ -1,0 +1,57 @@
+/* frame — length-prefixed frame reassembly; see frame.h. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "frame.h"
+#include "kvxfer.h"
+
+void frame_reader_init(frame_reader_t *r) { memset(r, 0, sizeof(*r)); }
+
+void frame_reader_cleanup(frame_reader_t *r)
+{
+    free(r->buf);
+    memset(r, 0, sizeof(*r));
+}
+
+uint8_t *frame_reader_space(frame_reader_t *r, size_t want, size_t *room)
+{
+    if (r->off > 0 && (r->off == r->len || r->cap - r->len < want)) {
+        /* drop consumed frames before growing */
+        memmove(r->buf, r->buf + r->off, r->len - r->off);
+        r->len -= r->off;
+        r->off = 0;
+    }
+    if (r->cap - r->len < want) {
+        size_t ncap = r->cap ? r->cap : 4096;
+        while (ncap - r->len < want)
+            ncap *= 2;
+        uint8_t *nb = realloc(r->buf, ncap);
+        if (!nb)
+            return NULL;
+        r->buf = nb;
+        r->cap = ncap;
+    }
+    *room = r->cap - r->len;
+    return r->buf + r->len;
+}
+
+void frame_reader_commit(frame_reader_t *r, size_t n) { r->len += n; }
+
+int frame_reader_next(frame_reader_t *r, uint32_t max_len,
+                      const uint8_t **msg, uint32_t *len)
+{
+    size_t avail = r->len - r->off;
+    if (avail < FRAME_HDR)
+        return 0;
+    uint32_t n = frame_get_len(r->buf + r->off);
+    if (n > max_len) {
+        *len = n;
+        return KVX_ERR_PROTOCOL;
+    }
+    if (avail < FRAME_HDR + (size_t)n)
+        return 0;
+    *msg = r->buf + r->off + FRAME_HDR;
+    *len = n;
+    r->off += FRAME_HDR + n;
+    return 1;
+}

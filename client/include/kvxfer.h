@@ -1,0 +1,247 @@
+/*
+ * kvxfer.h — client library for kvxferd, the per-node KV cache transfer
+ * daemon.
+ *
+ * One engine rank opens one connection (kvx_connect) and uses it from one
+ * thread at a time. Every call blocks until the daemon answers or its
+ * timeout (milliseconds; negative = wait forever) passes, and returns a
+ * kvx_status_t: 0 on success, a negative KVX_ERR_* code otherwise. The codes
+ * are the daemon's own: a refused request returns exactly the code the
+ * daemon saw, and kvx_last_error() gives its message, which names the field
+ * at fault. The library never logs, never aborts and never raises signals
+ * (it uses MSG_NOSIGNAL).
+ *
+ * Life of a request:
+ *   context rank:    kvx_publish() -> context params (opaque bytes)
+ *   router:          hands the params to the generation instance
+ *   generation rank: kvx_fetch(params) -> the daemon fills its blocks
+ *   every rank:      kvx_poll() returns sealed batches of terminal events;
+ *                    batch k is identical on every rank of an instance.
+ */
+#ifndef KVXFER_H
+#define KVXFER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVX_VERSION_MAJOR 1
+#define KVX_VERSION_MINOR 0
+#define KVX_VERSION_STRING "1.0.0"
+
+#define KVX_DEFAULT_SOCKET "/run/kvxfer/kvxferd.sock"
+
+/* One status type for the daemon, the protocol and the library. */
+typedef enum {
+    KVX_OK = 0,
+    KVX_ERR_INVALID = -1,     /* a field or argument is invalid */
+    KVX_ERR_NOMEM = -2,       /* out of memory */
+    KVX_ERR_IO = -3,          /* socket or system call failed */
+    KVX_ERR_TIMEOUT = -4,     /* the call's own timeout passed */
+    KVX_ERR_PROTOCOL = -5,    /* malformed or oversized frame */
+    KVX_ERR_VERSION = -6,     /* protocol major version differs */
+    KVX_ERR_PERM = -7,        /* peer not allowed by uid/gid lists */
+    KVX_ERR_NOT_FOUND = -8,   /* unknown request, pool or instance */
+    KVX_ERR_EXISTS = -9,      /* already published/fetched/registered */
+    KVX_ERR_STATE = -10,      /* not allowed in this state */
+    KVX_ERR_AUTH = -11,       /* capability token does not match */
+    KVX_ERR_CANCELLED = -12,  /* request was cancelled */
+    KVX_ERR_TIMED_OUT = -13,  /* a daemon deadline (lease, fetch) expired */
+    KVX_ERR_PEER_GONE = -14,  /* the other side disconnected */
+    KVX_ERR_UNSUPPORTED = -15,/* not available in this build/config */
+    KVX_ERR_LIMIT = -16,      /* a configured limit was reached */
+    KVX_ERR_SHUTDOWN = -17,   /* the daemon is draining */
+    KVX_ERR_LAYOUT = -18,     /* layout invalid or does not fit the pool */
+    KVX_ERR_MISMATCH = -19,   /* the two sides' configurations differ */
+    KVX_ERR_CLOSED = -20,     /* the connection is closed */
+    KVX_ERR_BUSY = -21,       /* resource in use */
+} kvx_status_t;
+
+#define KVX_ERR_LAST KVX_ERR_BUSY
+
+/* Static string naming the code, e.g. "capability token mismatch". */
+const char *kvx_status_str(int status);
+/* Short identifier, e.g. "AUTH"; used in status counters and logs. */
+const char *kvx_status_name(int status);
+
+typedef enum {
+    KVX_ROLE_CONTEXT = 1,
+    KVX_ROLE_GENERATION = 2,
+    KVX_ROLE_BOTH = 3,
+} kvx_role_t;
+
+typedef enum {
+    KVX_DTYPE_UNSPECIFIED = 0,
+    KVX_DTYPE_FP32 = 1,
+    KVX_DTYPE_FP16 = 2,
+    KVX_DTYPE_BF16 = 3,
+    KVX_DTYPE_FP8 = 4,
+    KVX_DTYPE_INT8 = 5,
+} kvx_dtype_t;
+
+/* Returns 0 and sets *out for "fp32", "fp16", "bf16", "fp8", "int8". */
+int kvx_dtype_parse(const char *name, kvx_dtype_t *out);
+const char *kvx_dtype_name(kvx_dtype_t dtype);
+unsigned kvx_dtype_size(kvx_dtype_t dtype);
+
+#define KVX_MAX_LAYERS 1024
+#define KVX_MAX_RANKS 1024
+
+typedef struct {
+    uint32_t tp, pp, cp;
+    uint32_t total_layers;   /* layers of the whole model */
+    uint32_t total_kv_heads; /* KV heads of the whole model */
+    /* Layers held by each PP rank; NULL/0 = even split, remainder to the
+     * first ranks. */
+    const uint32_t *layers_per_pp;
+    uint32_t num_layers_per_pp;
+} kvx_parallel_t;
+
+/*
+ * Layout descriptor of one pool:
+ *   offset(layer, kv, block, token, head, d) = layer_offset[layer]
+ *       + kv*kv_stride + block*block_stride + token*token_stride
+ *       + head*head_stride + d*elem_size
+ * num_layers / num_heads are this rank's (after PP / TP split).
+ */
+typedef struct {
+    char preset[16];
+    uint32_t num_layers, kv_factor, num_heads, head_dim, elem_size;
+    kvx_dtype_t dtype;
+    uint32_t tokens_per_block, num_blocks;
+    uint64_t layer_offset[KVX_MAX_LAYERS];
+    uint64_t kv_stride, block_stride, token_stride, head_stride;
+} kvx_layout_t;
+
+/*
+ * Fill *out from a named preset: "trtllm", "vllm-nhd", "vllm-hnd",
+ * "flashinfer", "sglang", "mla". Per-layer presets place the layers one
+ * after another in the pool. Returns KVX_ERR_INVALID for an unknown preset
+ * or zero dimensions; "sglang" needs tokens_per_block 1, "mla" needs
+ * kv_factor 1 and num_heads 1.
+ */
+int kvx_layout_preset(const char *preset, uint32_t num_layers,
+                      uint32_t kv_factor, uint32_t num_heads,
+                      uint32_t head_dim, kvx_dtype_t dtype,
+                      uint32_t tokens_per_block, uint32_t num_blocks,
+                      kvx_layout_t *out);
+/* Bytes the layout spans: the smallest pool size that holds it. */
+uint64_t kvx_layout_span(const kvx_layout_t *layout);
+/* Byte offset of one element. */
+uint64_t kvx_layout_offset(const kvx_layout_t *layout, uint32_t layer,
+                           uint32_t kv, uint32_t block, uint32_t token,
+                           uint32_t head);
+
+typedef struct kvx_client kvx_client_t;
+
+typedef struct {
+    const char *instance_id; /* unique in the cluster, <= 128 bytes */
+    kvx_role_t role;
+    uint32_t rank;           /* pp*(tp*cp) + tp_rank*cp + cp_rank */
+    kvx_parallel_t parallel;
+    /* 0 = this library's protocol version (tests set others) */
+    uint32_t version_major, version_minor;
+} kvx_hello_t;
+
+/* Connect to the daemon at socket_path (NULL = KVX_DEFAULT_SOCKET) and say
+ * hello. On success *out is a new client; free it with kvx_close(). */
+int kvx_connect(const char *socket_path, const kvx_hello_t *hello,
+                int timeout_ms, kvx_client_t **out);
+void kvx_close(kvx_client_t *client);
+
+/* The two halves of kvx_connect, for callers that want the daemon's
+ * message when Hello is refused: connect without Hello (enough for
+ * status and requests), then say it. */
+int kvx_connect_observer(const char *socket_path, int timeout_ms,
+                         kvx_client_t **out);
+int kvx_hello(kvx_client_t *client, const kvx_hello_t *hello, int timeout_ms);
+
+/* The daemon's message for the last failed call ("" if none). Valid until
+ * the next call on this client. */
+const char *kvx_last_error(const kvx_client_t *client);
+
+/* This daemon's address, to share with the instance's other ranks (engines
+ * allgather it at start-up) and pass to kvx_join(). */
+int kvxfer_daemon_address(const kvx_client_t *client, char *buf, size_t len);
+
+/* Tell the daemon where every rank of this instance is served. Every local
+ * rank must join with the same list before publish/fetch are accepted. */
+int kvx_join(kvx_client_t *client, const char *const *rank_addresses,
+             uint32_t num_ranks, int timeout_ms);
+
+/* Create a host-memory pool of layout->... (memfd, shared with the daemon)
+ * and register it. *base is this process's mapping; *pool_id names it. */
+int kvx_pool_create_host(kvx_client_t *client, const kvx_layout_t *layout,
+                         uint64_t size, void **base, uint32_t *pool_id,
+                         int timeout_ms);
+/* Deregister (and unmap, for pools created by kvx_pool_create_host). */
+int kvx_pool_deregister(kvx_client_t *client, uint32_t pool_id,
+                        int timeout_ms);
+
+typedef struct {
+    uint8_t *data;
+    size_t len;
+} kvx_context_params_t;
+
+void kvx_context_params_free(kvx_context_params_t *params);
+
+/* Offer request_id's KV in blocks[0..num_blocks) of pool_id. On success
+ * *params (free with kvx_context_params_free) is identical on every rank. */
+int kvx_publish(kvx_client_t *client, uint64_t request_id, uint32_t pool_id,
+                const uint32_t *blocks, uint32_t num_blocks,
+                uint32_t num_tokens, kvx_context_params_t *params,
+                int timeout_ms);
+
+/* Fill blocks (covering tokens [0, num_tokens) of the request) with the KV
+ * named by params, writing only tokens >= skip_tokens. Returns once the
+ * daemon accepted the fetch; its end arrives as an event in kvx_poll(). */
+int kvx_fetch(kvx_client_t *client, uint64_t request_id,
+              const uint8_t *params, size_t params_len, uint32_t pool_id,
+              const uint32_t *blocks, uint32_t num_blocks,
+              uint32_t skip_tokens, int timeout_ms);
+
+typedef enum {
+    KVX_EVENT_COMPLETE = 1,
+    KVX_EVENT_ERROR = 2,
+    KVX_EVENT_CANCELLED = 3,
+    KVX_EVENT_TIMED_OUT = 4,
+} kvx_event_kind_t;
+
+typedef struct {
+    uint64_t request_id;
+    kvx_event_kind_t kind;
+    int code;             /* kvx_status_t, 0 for COMPLETE */
+    const char *message;  /* owned by the batch */
+} kvx_event_t;
+
+typedef struct {
+    uint64_t seq;         /* batch number k, 0, 1, 2, ... per rank */
+    uint32_t num_events;
+    kvx_event_t *events;
+} kvx_batch_t;
+
+/* Get this rank's next batch. It is sealed once at_least events are
+ * pending or poll_timeout_ms passes (possibly empty); every rank of the
+ * instance receives the same batch k. Free with kvx_batch_free(). */
+int kvx_poll(kvx_client_t *client, uint32_t at_least, uint32_t poll_timeout_ms,
+             kvx_batch_t **out);
+void kvx_batch_free(kvx_batch_t *batch);
+
+/* Cancel request_id (published or fetched by this rank's instance). When it
+ * returns 0, the daemon will never again read or write its blocks. */
+int kvx_cancel(kvx_client_t *client, uint64_t request_id, int timeout_ms);
+
+/* The daemon's status as one JSON object (malloc'd, caller frees). */
+int kvx_status_json(kvx_client_t *client, char **json, int timeout_ms);
+/* In-flight requests as a JSON array (malloc'd, caller frees). */
+int kvx_requests_json(kvx_client_t *client, char **json, int timeout_ms);
+
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVXFER_H */

@@ -1,0 +1,187 @@
+/* batch — sealed batches and lockstep polls; see batch.h. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "batch.h"
+#include "kvxfer.h"
+
+int batch_init(batch_state_t *bs, uint32_t nranks, batch_deliver_cb cb,
+               void *arg)
+{
+    memset(bs, 0, sizeof(*bs));
+    bs->nranks = nranks;
+    bs->present = calloc(nranks, 1);
+    bs->cursor = calloc(nranks, sizeof(*bs->cursor));
+    bs->wait = calloc(nranks, sizeof(*bs->wait));
+    bs->deliver = cb;
+    bs->arg = arg;
+    if (!bs->present || !bs->cursor || !bs->wait) {
+        batch_cleanup(bs);
+        return KVX_ERR_NOMEM;
+    }
+    return 0;
+}
+
+static void events_free(batch_event_t *ev, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        free(ev[i].message);
+    free(ev);
+}
+
+void batch_cleanup(batch_state_t *bs)
+{
+    while (bs->head) {
+        batch_t *b = bs->head;
+        bs->head = b->next;
+        events_free(b->events, b->nevents);
+        free(b);
+    }
+    events_free(bs->pending, bs->npending);
+    free(bs->present);
+    free(bs->cursor);
+    free(bs->wait);
+    memset(bs, 0, sizeof(*bs));
+}
+
+static const batch_t *find(const batch_state_t *bs, uint64_t seq)
+{
+    for (const batch_t *b = bs->head; b; b = b->next)
+        if (b->seq == seq)
+            return b;
+    return NULL;
+}
+
+/* Drop batches every connected rank has read. */
+static void trim(batch_state_t *bs)
+{
+    uint64_t low = bs->next_seq;
+    for (uint32_t r = 0; r < bs->nranks; r++)
+        if (bs->present[r] && bs->cursor[r] < low)
+            low = bs->cursor[r];
+    while (bs->head && bs->head->seq < low) {
+        batch_t *b = bs->head;
+        bs->head = b->next;
+        if (!bs->head)
+            bs->tail = NULL;
+        events_free(b->events, b->nevents);
+        free(b);
+    }
+}
+
+static void deliver(batch_state_t *bs, uint32_t rank, uint64_t req_id,
+                    const batch_t *b)
+{
+    bs->cursor[rank] = b->seq + 1;
+    bs->deliver(bs->arg, rank, req_id, b);
+}
+
+static int seal(batch_state_t *bs)
+{
+    batch_t *b = calloc(1, sizeof(*b));
+    if (!b)
+        return KVX_ERR_NOMEM;
+    b->seq = bs->next_seq++;
+    b->events = bs->pending;
+    b->nevents = bs->npending;
+    bs->pending = NULL;
+    bs->npending = bs->cap_pending = 0;
+    if (bs->tail)
+        bs->tail->next = b;
+    else
+        bs->head = b;
+    bs->tail = b;
+    bs->sealed_total++;
+    for (uint32_t r = 0; r < bs->nranks; r++) {
+        struct batch_waiter *w = &bs->wait[r];
+        if (w->active && bs->cursor[r] == b->seq) {
+            w->active = 0;
+            deliver(bs, r, w->req_id, b);
+        }
+    }
+    trim(bs);
+    return 0;
+}
+
+/* Seal the next batch if a rank waiting for it asks for it now. */
+static void maybe_seal(batch_state_t *bs, uint64_t now_ms, int force)
+{
+    for (uint32_t r = 0; r < bs->nranks; r++) {
+        struct batch_waiter *w = &bs->wait[r];
+        if (!w->active || bs->cursor[r] != bs->next_seq)
+            continue;
+        if (force || bs->npending >= w->at_least || now_ms >= w->deadline_ms) {
+            seal(bs);
+            return;
+        }
+    }
+}
+
+void batch_rank_join(batch_state_t *bs, uint32_t rank)
+{
+    bs->present[rank] = 1;
+    bs->cursor[rank] = bs->next_seq;
+    bs->wait[rank].active = 0;
+}
+
+void batch_rank_leave(batch_state_t *bs, uint32_t rank)
+{
+    bs->present[rank] = 0;
+    bs->wait[rank].active = 0;
+    trim(bs);
+}
+
+int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,
+               const char *message, uint64_t now_ms)
+{
+    if (bs->npending == bs->cap_pending) {
+        uint32_t ncap = bs->cap_pending ? bs->cap_pending * 2 : 16;
+        batch_event_t *n = realloc(bs->pending, ncap * sizeof(*n));
+        if (!n)
+            return KVX_ERR_NOMEM;
+        bs->pending = n;
+        bs->cap_pending = ncap;
+    }
+    batch_event_t *e = &bs->pending[bs->npending];
+    e->message = strdup(message ? message : "");
+    if (!e->message)
+        return KVX_ERR_NOMEM;
+    e->request_id = request_id;
+    e->kind = kind;
+    e->code = code;
+    bs->npending++;
+    maybe_seal(bs, now_ms, 0);
+    return 0;
+}
+
+int batch_poll(batch_state_t *bs, uint32_t rank, uint64_t req_id,
+               uint32_t at_least, uint64_t deadline_ms, uint64_t now_ms)
+{
+    if (bs->wait[rank].active)
+        return KVX_ERR_BUSY;
+    const batch_t *b = find(bs, bs->cursor[rank]);
+    if (b) {
+        deliver(bs, rank, req_id, b);
+        trim(bs);
+        return 0;
+    }
+    bs->wait[rank] = (struct batch_waiter){1, req_id, at_least, deadline_ms};
+    maybe_seal(bs, now_ms, 0);
+    return 0;
+}
+
+void batch_tick(batch_state_t *bs, uint64_t now_ms)
+{
+    maybe_seal(bs, now_ms, 0);
+}
+
+void batch_flush(batch_state_t *bs) { maybe_seal(bs, 0, 1); }
+
+uint64_t batch_next_deadline(const batch_state_t *bs)
+{
+    uint64_t d = UINT64_MAX;
+    for (uint32_t r = 0; r < bs->nranks; r++)
+        if (bs->wait[r].active && bs->wait[r].deadline_ms < d)
+            d = bs->wait[r].deadline_ms;
+    return d;
+}

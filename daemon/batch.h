@@ -1,0 +1,85 @@
+/*
+ * batch — completion agreement for one instance: terminal events are
+ * collected in arrival order and sealed into numbered batches; batch k has
+ * the same contents for every rank of the instance.
+ *
+ * Rules (docs/protocol.md):
+ *  - each rank reads batches in order; its poll asks for its next batch k;
+ *  - if k is sealed, the poll is answered at once;
+ *  - otherwise the poll waits; batch k is sealed when the pending events
+ *    reach the at_least of any rank waiting for k, or when any such wait
+ *    reaches its deadline (then possibly empty);
+ *  - a sealed batch is kept until every connected rank has read it.
+ * Owns the events and batches; delivers through the callback given at
+ * init and never touches sessions itself.
+ */
+#ifndef KVX_BATCH_H
+#define KVX_BATCH_H
+
+#include <stdint.h>
+
+typedef struct batch_event {
+    uint64_t request_id;
+    int kind;        /* KVX_EVENT_* */
+    int code;        /* kvx_status_t */
+    char *message;
+} batch_event_t;
+
+typedef struct batch {
+    uint64_t seq;
+    uint32_t nevents;
+    batch_event_t *events;
+    struct batch *next;
+} batch_t;
+
+struct batch_waiter {
+    int active;
+    uint64_t req_id;
+    uint32_t at_least;
+    uint64_t deadline_ms;
+};
+
+/* Called for every waiting poll a sealed batch answers. */
+typedef void (*batch_deliver_cb)(void *arg, uint32_t rank, uint64_t req_id,
+                                 const batch_t *b);
+
+typedef struct batch_state {
+    uint32_t nranks;
+    uint8_t *present;          /* rank connected */
+    uint64_t *cursor;          /* next seq each rank reads */
+    struct batch_waiter *wait;
+    batch_event_t *pending;
+    uint32_t npending, cap_pending;
+    batch_t *head, *tail;      /* sealed and not yet read by all */
+    uint64_t next_seq;
+    uint64_t sealed_total;
+    batch_deliver_cb deliver;
+    void *arg;
+} batch_state_t;
+
+int batch_init(batch_state_t *bs, uint32_t nranks, batch_deliver_cb cb,
+               void *arg);
+void batch_cleanup(batch_state_t *bs);
+
+/* A rank connects (reads from the next batch on) or leaves (its waiting
+ * poll is dropped and it no longer holds batches). */
+void batch_rank_join(batch_state_t *bs, uint32_t rank);
+void batch_rank_leave(batch_state_t *bs, uint32_t rank);
+
+/* Queue a terminal event (message copied). */
+int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,
+               const char *message, uint64_t now_ms);
+
+/* Rank asks for its next batch. Delivers now or waits; returns
+ * KVX_ERR_BUSY if this rank already has a poll waiting. */
+int batch_poll(batch_state_t *bs, uint32_t rank, uint64_t req_id,
+               uint32_t at_least, uint64_t deadline_ms, uint64_t now_ms);
+
+/* Seal what deadlines call for. */
+void batch_tick(batch_state_t *bs, uint64_t now_ms);
+/* Seal now for every waiting rank (drain). */
+void batch_flush(batch_state_t *bs);
+/* Earliest waiting deadline, or UINT64_MAX. */
+uint64_t batch_next_deadline(const batch_state_t *bs);
+
+#endif /* KVX_BATCH_H */

@@ -1,0 +1,83 @@
+/*
+ * conf — kvxferd configuration: one declarative table of keys, the YAML
+ * loader and the checks.
+ *
+ * Owns: the key table and the parsing of config files. Never touches
+ * daemon state: conf_load() fills a kvx_conf_t the caller owns, and the
+ * caller decides what to apply (see conf_apply_reloadable()).
+ */
+#ifndef KVX_CONF_H
+#define KVX_CONF_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+#define CONF_MAX_IDS 64
+
+typedef struct kvx_conf {
+    /* socket */
+    char socket_path[108];
+    unsigned socket_mode;          /* e.g. 0660 */
+    char socket_group[64];         /* "" = daemon's group */
+    /* auth: the daemon's own uid and root are always allowed */
+    uint32_t allowed_uids[CONF_MAX_IDS];
+    unsigned num_allowed_uids;
+    uint32_t allowed_gids[CONF_MAX_IDS];
+    unsigned num_allowed_gids;
+    /* limits */
+    uint32_t max_frame_bytes;
+    uint32_t hello_frame_bytes;
+    uint32_t max_sessions;
+    uint32_t max_requests;
+    uint32_t max_pools;
+    uint32_t max_blocks_per_request;
+    /* copy */
+    uint32_t worker_threads;
+    uint64_t copy_chunk_bytes;
+    uint32_t max_inflight_chunks;
+    /* deadlines, milliseconds */
+    uint32_t offer_lease_ms;
+    uint32_t fetch_timeout_ms;
+    uint32_t poll_timeout_max_ms;
+    uint32_t drain_timeout_ms;
+    uint32_t deadline_tick_ms;
+    /* log */
+    int log_level;                 /* syslog priority, LOG_ERR..LOG_DEBUG */
+} kvx_conf_t;
+
+/* Fill every key with its default. */
+void conf_defaults(kvx_conf_t *conf);
+
+/*
+ * Load path over the defaults into *conf. Every problem is written to err
+ * (one line each, "FILE:LINE:COL: key: problem (expected ...)" followed by
+ * the offending line) and the function returns the number of problems
+ * (0 = ok, *conf valid), or -1 if the file cannot be opened (message
+ * written to err). *conf is only written when there are no problems.
+ */
+int conf_load(const char *path, kvx_conf_t *conf, FILE *err);
+
+/*
+ * Copy the reloadable keys of *next into *cur; write to log_out one line per
+ * changed non-reloadable key ("key: changed, needs restart"). Returns the
+ * number of reloadable keys that changed.
+ */
+int conf_apply_reloadable(kvx_conf_t *cur, const kvx_conf_t *next,
+                          FILE *log_out);
+
+/* Print the markdown table of keys (for docs/configuration.md). */
+void conf_print_markdown(FILE *out);
+
+/* Iterate "key" / "value as text" pairs of conf (for status). Returns the
+ * number of keys; calls fn for each. */
+int conf_foreach(const kvx_conf_t *conf,
+                 void (*fn)(const char *key, const char *value, void *arg),
+                 void *arg);
+
+/* Log level name ("error", "warning", "notice", "info", "debug") <-> syslog
+ * priority. */
+int conf_log_level_parse(const char *name);
+const char *conf_log_level_name(int level);
+
+#endif /* KVX_CONF_H */

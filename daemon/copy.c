@@ -1,0 +1,139 @@
+/* copy — worker threads for host copies; see copy.h. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "copy.h"
+#include "log.h"
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    copy_job_t *head, *tail;  /* to run */
+    copy_job_t *done;         /* finished, for the loop */
+    pthread_t *threads;
+    unsigned nthreads;
+    unsigned inflight;        /* loop thread only */
+    int stop;
+    uv_async_t async;
+    int async_open;
+} c;
+
+static void *worker_main(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&c.mu);
+    for (;;) {
+        while (!c.head && !c.stop)
+            pthread_cond_wait(&c.cv, &c.mu);
+        if (!c.head)
+            break;
+        copy_job_t *j = c.head;
+        c.head = j->next;
+        if (!c.head)
+            c.tail = NULL;
+        pthread_mutex_unlock(&c.mu);
+
+        plan_exec(j->plan, j->unit_begin, j->unit_end);
+
+        pthread_mutex_lock(&c.mu);
+        j->next = c.done;
+        c.done = j;
+        pthread_mutex_unlock(&c.mu);
+        uv_async_send(&c.async);
+        pthread_mutex_lock(&c.mu);
+    }
+    pthread_mutex_unlock(&c.mu);
+    return NULL;
+}
+
+static void on_async(uv_async_t *a)
+{
+    (void)a;
+    pthread_mutex_lock(&c.mu);
+    copy_job_t *list = c.done;
+    c.done = NULL;
+    pthread_mutex_unlock(&c.mu);
+    /* the list is newest first; complete in submission order */
+    copy_job_t *rev = NULL;
+    while (list) {
+        copy_job_t *n = list->next;
+        list->next = rev;
+        rev = list;
+        list = n;
+    }
+    while (rev) {
+        copy_job_t *n = rev->next;
+        c.inflight--;
+        rev->done(rev);
+        rev = n;
+    }
+}
+
+int copy_init(uv_loop_t *loop, unsigned nthreads)
+{
+    int rc;
+    pthread_mutex_init(&c.mu, NULL);
+    pthread_cond_init(&c.cv, NULL);
+    if ((rc = uv_async_init(loop, &c.async, on_async))) {
+        log_error("copy: uv_async_init: %s", uv_strerror(rc));
+        return KVX_ERR_IO;
+    }
+    c.async_open = 1;
+    c.threads = calloc(nthreads, sizeof(*c.threads));
+    if (!c.threads) {
+        log_error("copy: out of memory for %u threads", nthreads);
+        goto err_close_async;
+    }
+    for (c.nthreads = 0; c.nthreads < nthreads; c.nthreads++) {
+        if ((rc = pthread_create(&c.threads[c.nthreads], NULL, worker_main,
+                                 NULL))) {
+            log_error("copy: pthread_create: %s", strerror(rc));
+            goto err_stop_threads;
+        }
+    }
+    return 0;
+
+err_stop_threads:
+    copy_cleanup();
+    return KVX_ERR_IO;
+err_close_async:
+    uv_close((uv_handle_t *)&c.async, NULL);
+    c.async_open = 0;
+    return KVX_ERR_NOMEM;
+}
+
+void copy_submit(copy_job_t *j)
+{
+    j->next = NULL;
+    c.inflight++;
+    pthread_mutex_lock(&c.mu);
+    if (c.tail)
+        c.tail->next = j;
+    else
+        c.head = j;
+    c.tail = j;
+    pthread_cond_signal(&c.cv);
+    pthread_mutex_unlock(&c.mu);
+}
+
+unsigned copy_inflight(void) { return c.inflight; }
+unsigned copy_threads(void) { return c.nthreads; }
+
+void copy_cleanup(void)
+{
+    pthread_mutex_lock(&c.mu);
+    c.stop = 1;
+    pthread_cond_broadcast(&c.cv);
+    pthread_mutex_unlock(&c.mu);
+    for (unsigned i = 0; i < c.nthreads; i++)
+        pthread_join(c.threads[i], NULL);
+    free(c.threads);
+    c.threads = NULL;
+    c.nthreads = 0;
+    if (c.async_open) {
+        on_async(&c.async); /* finish what the workers handed back */
+        uv_close((uv_handle_t *)&c.async, NULL);
+        c.async_open = 0;
+    }
+}

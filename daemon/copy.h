@@ -1,0 +1,41 @@
+/*
+ * copy — the host copy engine: worker threads that execute plan unit
+ * ranges with memcpy, off the loop thread.
+ *
+ * Owns the threads, the job queue and the async handle that brings
+ * finished jobs back. Workers only read the plan and the memory it is
+ * bound to and write the destination; they never touch daemon state. The
+ * submitter owns each job and keeps the plan and its memory alive until
+ * the job's done callback has run on the loop.
+ */
+#ifndef KVX_COPY_H
+#define KVX_COPY_H
+
+#include <stdint.h>
+#include <uv.h>
+
+#include "plan.h"
+
+typedef struct copy_job copy_job_t;
+typedef void (*copy_done_cb)(copy_job_t *job);
+
+struct copy_job {
+    const plan_t *plan;
+    uint64_t unit_begin, unit_end;
+    uint64_t bytes;
+    copy_done_cb done;   /* runs on the loop thread */
+    void *owner;
+    copy_job_t *next;    /* queue link, owned by copy */
+};
+
+/* Start n worker threads; finished jobs come back on loop. */
+int copy_init(uv_loop_t *loop, unsigned nthreads);
+/* Queue a job (loop thread only). */
+void copy_submit(copy_job_t *job);
+/* Jobs submitted and not yet done. */
+unsigned copy_inflight(void);
+unsigned copy_threads(void);
+/* Stop the workers after the queue drains and close the async handle. */
+void copy_cleanup(void);
+
+#endif /* KVX_COPY_H */

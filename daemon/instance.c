@@ -1,0 +1,248 @@
+/* instance — replicas, ranks, join and batches; see instance.h. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon.h"
+#include "instance.h"
+#include "log.h"
+#include "session.h"
+#include "xfer.h"
+
+static instance_t *instances;
+
+#define WHY(code, ...)                                                      \
+    do {                                                                    \
+        snprintf(why, why_len, __VA_ARGS__);                                \
+        return (code);                                                      \
+    } while (0)
+
+instance_t *instance_find(const char *id)
+{
+    for (instance_t *i = instances; i; i = i->next)
+        if (!strcmp(i->id, id))
+            return i;
+    return NULL;
+}
+
+instance_t *instance_first(void) { return instances; }
+
+/* A sealed batch answers a waiting poll: send it to the rank's session. */
+static void deliver(void *arg, uint32_t rank, uint64_t req_id,
+                    const batch_t *b)
+{
+    instance_t *inst = arg;
+    Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
+    Kvxfer__Event *ev = calloc(b->nevents ? b->nevents : 1, sizeof(*ev));
+    Kvxfer__Event **evp = calloc(b->nevents ? b->nevents : 1, sizeof(*evp));
+    if (!ev || !evp) {
+        free(ev);
+        free(evp);
+        session_reply(inst->rank_sid[rank], req_id, KVX_ERR_NOMEM,
+                      "poll: out of memory building the batch");
+        return;
+    }
+    for (uint32_t i = 0; i < b->nevents; i++) {
+        kvxfer__event__init(&ev[i]);
+        ev[i].request_id = b->events[i].request_id;
+        ev[i].kind = b->events[i].kind;
+        ev[i].code = b->events[i].code;
+        ev[i].message = b->events[i].message;
+        evp[i] = &ev[i];
+    }
+    pr.batch = b->seq;
+    pr.n_events = b->nevents;
+    pr.events = evp;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = req_id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_POLL;
+    r.poll = &pr;
+    session_reply_msg(inst->rank_sid[rank], &r);
+    free(ev);
+    free(evp);
+}
+
+static void instance_free(instance_t *inst)
+{
+    for (instance_t **p = &instances; *p; p = &(*p)->next)
+        if (*p == inst) {
+            *p = inst->next;
+            break;
+        }
+    kvxd.stats.batches_sealed += inst->batches.sealed_total;
+    batch_cleanup(&inst->batches);
+    map_free(&inst->offers);
+    map_free(&inst->fetches);
+    if (inst->addresses)
+        for (uint32_t r = 0; r < inst->nranks; r++)
+            free(inst->addresses[r]);
+    free(inst->addresses);
+    free(inst->local);
+    free(inst->rank_sid);
+    free(inst);
+}
+
+int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
+                    const plan_side_t *side, uint64_t sid, instance_t **out,
+                    char *why, size_t why_len)
+{
+    int rc;
+    if ((rc = plan_side_check(side, why, why_len)))
+        return rc;
+    uint32_t nranks = plan_side_ranks(side);
+    if (rank >= nranks)
+        WHY(KVX_ERR_INVALID, "hello.rank: %u outside the %u ranks of tp*pp*cp",
+            rank, nranks);
+    instance_t *inst = instance_find(id);
+    if (inst) {
+        if (inst->role != role)
+            WHY(KVX_ERR_MISMATCH, "hello.role: instance %s has another role",
+                id);
+        if (inst->side.tp != side->tp || inst->side.pp != side->pp ||
+            inst->side.cp != side->cp)
+            WHY(KVX_ERR_MISMATCH,
+                "hello.parallel: tp/pp/cp %u/%u/%u differ from instance %s's "
+                "%u/%u/%u",
+                side->tp, side->pp, side->cp, id, inst->side.tp,
+                inst->side.pp, inst->side.cp);
+        if (inst->side.total_layers != side->total_layers ||
+            inst->side.total_heads != side->total_heads ||
+            inst->side.num_layers_per_pp != side->num_layers_per_pp ||
+            memcmp(inst->side.layers_per_pp, side->layers_per_pp,
+                   sizeof(side->layers_per_pp)))
+            WHY(KVX_ERR_MISMATCH,
+                "hello.parallel: layers or heads differ from instance %s's",
+                id);
+        if (inst->rank_sid[rank])
+            WHY(KVX_ERR_EXISTS,
+                "hello.rank: rank %u of instance %s is already connected",
+                rank, id);
+    } else {
+        inst = calloc(1, sizeof(*inst));
+        if (!inst)
+            WHY(KVX_ERR_NOMEM, "hello: out of memory");
+        snprintf(inst->id, sizeof(inst->id), "%s", id);
+        inst->role = role;
+        inst->side = *side;
+        inst->nranks = nranks;
+        inst->rank_sid = calloc(nranks, sizeof(*inst->rank_sid));
+        if (!inst->rank_sid ||
+            batch_init(&inst->batches, nranks, deliver, inst)) {
+            free(inst->rank_sid);
+            free(inst);
+            WHY(KVX_ERR_NOMEM, "hello: out of memory");
+        }
+        inst->next = instances;
+        instances = inst;
+        log_info("instance %s created: tp %u pp %u, %u ranks", id, side->tp,
+                 side->pp, nranks);
+    }
+    inst->rank_sid[rank] = sid;
+    inst->nconnected++;
+    batch_rank_join(&inst->batches, rank);
+    *out = inst;
+    return 0;
+}
+
+void instance_detach(instance_t *inst, uint32_t rank)
+{
+    if (!inst->rank_sid[rank])
+        return;
+    inst->rank_sid[rank] = 0;
+    inst->nconnected--;
+    batch_rank_leave(&inst->batches, rank);
+    char msg[256];
+    snprintf(msg, sizeof(msg), "rank %u of instance %s disconnected", rank,
+             inst->id);
+    xfer_end_instance(inst, KVX_ERR_PEER_GONE, msg);
+    /* freed by instance_tick() once its requests are fenced and gone */
+}
+
+int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
+                  size_t n, char *why, size_t why_len)
+{
+    if (n != inst->nranks)
+        WHY(KVX_ERR_INVALID,
+            "join.rank_addresses: %zu addresses for %u ranks", n,
+            inst->nranks);
+    for (size_t i = 0; i < n; i++)
+        if (!addr[i][0] || strlen(addr[i]) >= sizeof(kvxd.address))
+            WHY(KVX_ERR_INVALID,
+                "join.rank_addresses[%zu]: empty or longer than %zu bytes",
+                i, sizeof(kvxd.address) - 1);
+    if (!strcmp(addr[rank], "") || strcmp(addr[rank], kvxd.address))
+        WHY(KVX_ERR_INVALID,
+            "join.rank_addresses[%u]: '%s' is not this daemon ('%s')", rank,
+            addr[rank], kvxd.address);
+    if (inst->joined) {
+        for (size_t i = 0; i < n; i++)
+            if (strcmp(addr[i], inst->addresses[i]))
+                WHY(KVX_ERR_MISMATCH,
+                    "join.rank_addresses[%zu]: '%s' differs from '%s' given "
+                    "by another rank",
+                    i, addr[i], inst->addresses[i]);
+        return 0;
+    }
+    inst->addresses = calloc(n, sizeof(char *));
+    inst->local = calloc(n, 1);
+    if (!inst->addresses || !inst->local)
+        goto err_nomem;
+    inst->nlocal = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!(inst->addresses[i] = strdup(addr[i])))
+            goto err_nomem;
+        inst->local[i] = !strcmp(addr[i], kvxd.address);
+        inst->nlocal += inst->local[i];
+    }
+    inst->joined = 1;
+    return 0;
+
+err_nomem:
+    if (inst->addresses)
+        for (size_t i = 0; i < n; i++)
+            free(inst->addresses[i]);
+    free(inst->addresses);
+    free(inst->local);
+    inst->addresses = NULL;
+    inst->local = NULL;
+    WHY(KVX_ERR_NOMEM, "join: out of memory");
+}
+
+int instance_ready(const instance_t *inst, char *why, size_t why_len)
+{
+    if (!inst->joined)
+        WHY(KVX_ERR_STATE, "instance %s has not joined (call kvx_join first)",
+            inst->id);
+    for (uint32_t r = 0; r < inst->nranks; r++)
+        if (inst->local[r] && !inst->rank_sid[r])
+            WHY(KVX_ERR_STATE,
+                "instance %s is incomplete: local rank %u has not said hello",
+                inst->id, r);
+    return 0;
+}
+
+void instance_tick(uint64_t now_ms)
+{
+    for (instance_t *i = instances, *n; i; i = n) {
+        n = i->next;
+        if (i->nconnected == 0 && i->offers.n == 0 && i->fetches.n == 0) {
+            log_info("instance %s: last rank left", i->id);
+            instance_free(i);
+            continue;
+        }
+        batch_tick(&i->batches, now_ms);
+    }
+}
+
+void instance_flush_all(void)
+{
+    for (instance_t *i = instances; i; i = i->next)
+        batch_flush(&i->batches);
+}
+
+void instance_cleanup(void)
+{
+    while (instances)
+        instance_free(instances);
+}

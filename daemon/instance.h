@@ -1,0 +1,61 @@
+/*
+ * instance — model replicas known to this daemon: their parallel config,
+ * which session serves each rank, the rank addresses from join, the
+ * completion batches, and the requests (offers and fetches) they own.
+ *
+ * Owns instances. An instance is created by the first Hello that names
+ * it and freed when its last rank leaves; a rank leaving ends every
+ * request of the instance (the other ranks get an error batch).
+ */
+#ifndef KVX_INSTANCE_H
+#define KVX_INSTANCE_H
+
+#include <stdint.h>
+
+#include "batch.h"
+#include "kvxfer.h"
+#include "map.h"
+#include "plan.h"
+
+#define INSTANCE_ID_MAX 128
+
+typedef struct instance {
+    char id[INSTANCE_ID_MAX + 1];
+    kvx_role_t role;
+    plan_side_t side;        /* parallel part; layout part per request */
+    uint32_t nranks;
+    uint64_t *rank_sid;      /* session id per rank, 0 = not connected */
+    uint32_t nconnected;
+    char **addresses;        /* from join, nranks entries */
+    int joined;
+    uint8_t *local;          /* rank served by this daemon */
+    uint32_t nlocal;
+    batch_state_t batches;
+    map_t offers;            /* request_id -> offer (context side) */
+    map_t fetches;           /* request_id -> genreq (generation side) */
+    struct instance *next;
+} instance_t;
+
+/* Hello: attach session sid as rank h->rank of instance h->instance_id,
+ * creating it, or checking that the config matches. */
+int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
+                    const plan_side_t *side, uint64_t sid, instance_t **out,
+                    char *why, size_t why_len);
+/* The session of rank went away: end the instance's requests with
+ * PEER_GONE, and free the instance when no rank is left. */
+void instance_detach(instance_t *inst, uint32_t rank);
+/* Join: every rank must send the same address list. */
+int instance_join(instance_t *inst, uint32_t rank, char *const *addresses,
+                  size_t n, char *why, size_t why_len);
+/* 0 if publish/fetch may proceed (joined, every local rank connected). */
+int instance_ready(const instance_t *inst, char *why, size_t why_len);
+instance_t *instance_find(const char *id);
+instance_t *instance_first(void);
+/* Deadlines of waiting polls; frees instances with no rank and no
+ * request left (only here, so no caller holds a freed instance). */
+void instance_tick(uint64_t now_ms);
+/* Seal a batch for every waiting poll (drain). */
+void instance_flush_all(void);
+void instance_cleanup(void);
+
+#endif /* KVX_INSTANCE_H */

@@ -1,0 +1,280 @@
+/*
+ * kvxferd — the per-node KV cache transfer daemon.
+ *
+ * This file is the table of contents: parse the command line, load the
+ * configuration, bring the modules up in order (copy engine, socket),
+ * run the loop, and on SIGTERM/SIGINT drain and take them down in reverse.
+ * SIGHUP reloads the reloadable configuration keys.
+ */
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "copy.h"
+#include "daemon.h"
+#include "instance.h"
+#include "log.h"
+#include "notify.h"
+#include "pool.h"
+#include "server.h"
+#include "session.h"
+#include "xfer.h"
+
+static uv_signal_t sig_term, sig_int, sig_hup;
+static uv_timer_t tick;
+static uint64_t drain_deadline;
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvxferd [--config FILE] [--socket PATH] [--check-config]\n"
+            "               [--print-config-table] [--version] [--help]\n"
+            "\n"
+            "  --config FILE         YAML configuration (default: built-in "
+            "defaults)\n"
+            "  --socket PATH         listen here instead of socket.path\n"
+            "  --check-config        validate the configuration and exit\n"
+            "  --print-config-table  print the configuration keys as a "
+            "markdown table\n"
+            "  --version             print the version and build\n"
+            "  --help                this text\n");
+}
+
+/* Load a config file, logging every problem; 0 on success. */
+static int load_config(const char *path, kvx_conf_t *out, FILE *errs)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *mem = errs ? NULL : open_memstream(&buf, &len);
+    int n = conf_load(path, out, errs ? errs : mem ? mem : stderr);
+    if (mem) {
+        fclose(mem);
+        for (char *line = strtok(buf, "\n"); line; line = strtok(NULL, "\n"))
+            log_error("%s", line);
+        free(buf);
+    }
+    return n;
+}
+
+static void make_address(void)
+{
+    char host[64] = "localhost";
+    uint8_t id[8] = {0};
+    gethostname(host, sizeof(host) - 1);
+    if (getrandom(id, sizeof(id), 0) != sizeof(id))
+        memcpy(id, &kvxd.start_ms, sizeof(id));
+    snprintf(kvxd.address, sizeof(kvxd.address),
+             "kvx://%s/%02x%02x%02x%02x%02x%02x%02x%02x", host, id[0], id[1],
+             id[2], id[3], id[4], id[5], id[6], id[7]);
+}
+
+static void stop_loop(void)
+{
+    uv_timer_stop(&tick);
+    uv_stop(kvxd.loop);
+}
+
+static void on_tick(uv_timer_t *t)
+{
+    (void)t;
+    uint64_t now = kvxd_now_ms();
+    xfer_tick(now);
+    instance_tick(now);
+    if (!kvxd.draining)
+        return;
+    instance_flush_all(); /* answer waiting polls with the final events */
+    if ((xfer_count() == 0 && copy_inflight() == 0 &&
+         session_unflushed() == 0) ||
+        now >= drain_deadline) {
+        if (xfer_count() || copy_inflight())
+            log_warn("drain: %u requests still open after %u ms; exiting",
+                     xfer_count(), kvxd.conf.drain_timeout_ms);
+        stop_loop();
+    }
+}
+
+static void drain(const char *signame)
+{
+    if (kvxd.draining)
+        return;
+    log_notice("%s: draining: %u requests in flight", signame, xfer_count());
+    notify_send("STOPPING=1");
+    kvxd.draining = 1;
+    drain_deadline = kvxd_now_ms() + kvxd.conf.drain_timeout_ms;
+    server_cleanup();
+    char msg[96];
+    snprintf(msg, sizeof(msg), "daemon shutting down (%s)", signame);
+    xfer_end_all(KVX_ERR_SHUTDOWN, msg);
+    on_tick(&tick);
+}
+
+static void reload(void)
+{
+    notify_send("RELOADING=1");
+    if (!kvxd.config_path) {
+        log_notice("SIGHUP: no --config file; nothing to reload");
+    } else {
+        kvx_conf_t next = kvxd.conf;
+        if (load_config(kvxd.config_path, &next, NULL) == 0) {
+            char *buf = NULL;
+            size_t len = 0;
+            FILE *mem = open_memstream(&buf, &len);
+            int n = conf_apply_reloadable(&kvxd.conf, &next,
+                                          mem ? mem : stderr);
+            if (mem) {
+                fclose(mem);
+                for (char *l = strtok(buf, "\n"); l; l = strtok(NULL, "\n"))
+                    log_warn("reload: %s", l);
+                free(buf);
+            }
+            kvx__log_level = kvxd.conf.log_level;
+            uv_timer_set_repeat(&tick, kvxd.conf.deadline_tick_ms);
+            log_notice("SIGHUP: reloaded %s: %d keys changed",
+                       kvxd.config_path, n);
+        } else {
+            log_error("SIGHUP: %s has errors; keeping the running "
+                      "configuration",
+                      kvxd.config_path);
+        }
+    }
+    notify_send("READY=1");
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    (void)h;
+    if (signum == SIGHUP)
+        reload();
+    else
+        drain(signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+static void close_walk(uv_handle_t *h, void *arg)
+{
+    (void)arg;
+    if (!uv_is_closing(h))
+        uv_close(h, NULL);
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"config", required_argument, NULL, 'c'},
+        {"socket", required_argument, NULL, 's'},
+        {"check-config", no_argument, NULL, 'k'},
+        {"print-config-table", no_argument, NULL, 'p'},
+        {"version", no_argument, NULL, 'V'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
+    const char *socket_override = NULL;
+    int check_only = 0, opt;
+    while ((opt = getopt_long(argc, argv, "c:s:kpVh", opts, NULL)) != -1) {
+        switch (opt) {
+        case 'c':
+            kvxd.config_path = optarg;
+            break;
+        case 's':
+            socket_override = optarg;
+            break;
+        case 'k':
+            check_only = 1;
+            break;
+        case 'p':
+            conf_print_markdown(stdout);
+            return 0;
+        case 'V':
+            printf("kvxferd %s (protocol %d.%d, build: host-only, no CUDA)\n",
+                   KVX_VERSION_STRING, KVX_VERSION_MAJOR, KVX_VERSION_MINOR);
+            return 0;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "kvxferd: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return 2;
+    }
+
+    /* configuration */
+    conf_defaults(&kvxd.conf);
+    if (kvxd.config_path) {
+        int n = load_config(kvxd.config_path, &kvxd.conf,
+                            check_only ? stderr : NULL);
+        if (n) {
+            if (check_only)
+                fprintf(stderr, "%s: %d problem%s\n", kvxd.config_path,
+                        n < 0 ? 1 : n, n == 1 ? "" : "s");
+            return 1;
+        }
+    }
+    if (check_only) {
+        printf("%s: ok\n", kvxd.config_path ? kvxd.config_path
+                                            : "built-in defaults");
+        return 0;
+    }
+    if (socket_override) {
+        if (strlen(socket_override) >= sizeof(kvxd.conf.socket_path)) {
+            fprintf(stderr, "kvxferd: --socket: path longer than %zu bytes\n",
+                    sizeof(kvxd.conf.socket_path) - 1);
+            return 2;
+        }
+        strcpy(kvxd.conf.socket_path, socket_override);
+    }
+    kvx__log_level = kvxd.conf.log_level;
+    signal(SIGPIPE, SIG_IGN);
+
+    kvxd.loop = uv_default_loop();
+    kvxd.start_ms = kvxd_now_ms();
+    make_address();
+    unsigned nthreads = kvxd.conf.worker_threads;
+    if (!nthreads) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        nthreads = n > 0 ? (unsigned)n : 1;
+    }
+
+    /* bring up, in order */
+    int rc = 1;
+    if (copy_init(kvxd.loop, nthreads))
+        goto out;
+    if (server_init())
+        goto err_copy;
+    uv_signal_init(kvxd.loop, &sig_term);
+    uv_signal_init(kvxd.loop, &sig_int);
+    uv_signal_init(kvxd.loop, &sig_hup);
+    uv_signal_start(&sig_term, on_signal, SIGTERM);
+    uv_signal_start(&sig_int, on_signal, SIGINT);
+    uv_signal_start(&sig_hup, on_signal, SIGHUP);
+    uv_timer_init(kvxd.loop, &tick);
+    uv_timer_start(&tick, on_tick, kvxd.conf.deadline_tick_ms,
+                   kvxd.conf.deadline_tick_ms);
+
+    log_notice("kvxferd %s ready: %s, %u copy threads, address %s",
+               KVX_VERSION_STRING, kvxd.conf.socket_path, nthreads,
+               kvxd.address);
+    notify_send("READY=1");
+    uv_run(kvxd.loop, UV_RUN_DEFAULT);
+
+    /* take down, in reverse */
+    rc = 0;
+    session_close_all("daemon exiting");
+    server_cleanup();
+err_copy:
+    copy_cleanup();
+    instance_cleanup();
+    pool_cleanup();
+    uv_walk(kvxd.loop, close_walk, NULL);
+    uv_run(kvxd.loop, UV_RUN_DEFAULT);
+    uv_loop_close(kvxd.loop);
+out:
+    log_notice("kvxferd exiting (%s)", rc ? "error" : "drained");
+    return rc;
+}

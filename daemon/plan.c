@@ -1,0 +1,315 @@
+/* plan — slices, segments and the host copy engine; see plan.h. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "plan.h"
+
+#define WHY(code, ...)                                                      \
+    do {                                                                    \
+        snprintf(why, why_len, __VA_ARGS__);                                \
+        return (code);                                                      \
+    } while (0)
+
+uint32_t plan_side_ranks(const plan_side_t *s) { return s->tp * s->pp * s->cp; }
+
+uint32_t plan_pp_layers(const plan_side_t *s, uint32_t p, uint32_t *first)
+{
+    uint32_t f = 0;
+    if (s->num_layers_per_pp) {
+        for (uint32_t i = 0; i < p; i++)
+            f += s->layers_per_pp[i];
+        *first = f;
+        return s->layers_per_pp[p];
+    }
+    uint32_t base = s->total_layers / s->pp, rem = s->total_layers % s->pp;
+    *first = p * base + (p < rem ? p : rem);
+    return base + (p < rem);
+}
+
+uint32_t plan_tp_heads(const plan_side_t *s, uint32_t t, uint32_t *first)
+{
+    if (s->tp <= s->total_heads) {
+        uint32_t n = s->total_heads / s->tp;
+        *first = t * n;
+        return n;
+    }
+    *first = t / (s->tp / s->total_heads); /* replicated heads */
+    return 1;
+}
+
+int plan_side_check(const plan_side_t *s, char *why, size_t why_len)
+{
+    if (s->tp < 1 || s->pp < 1 || s->cp < 1)
+        WHY(KVX_ERR_INVALID, "parallel: tp, pp and cp must be at least 1");
+    if ((uint64_t)s->tp * s->pp * s->cp > KVX_MAX_RANKS)
+        WHY(KVX_ERR_INVALID, "parallel: tp*pp*cp = %llu exceeds %u ranks",
+            (unsigned long long)s->tp * s->pp * s->cp, KVX_MAX_RANKS);
+    if (s->cp != 1)
+        WHY(KVX_ERR_UNSUPPORTED, "parallel.cp: %u not supported (expected 1)",
+            s->cp);
+    if (s->total_layers < 1 || s->total_layers > KVX_MAX_LAYERS * 64)
+        WHY(KVX_ERR_INVALID, "parallel.total_layers: %u out of range",
+            s->total_layers);
+    if (s->total_heads < 1)
+        WHY(KVX_ERR_INVALID, "parallel.total_kv_heads: 0 (expected >= 1)");
+    if (s->tp <= s->total_heads ? s->total_heads % s->tp
+                                : s->tp % s->total_heads)
+        WHY(KVX_ERR_INVALID,
+            "parallel.total_kv_heads: %u heads do not split over tp %u",
+            s->total_heads, s->tp);
+    if (s->num_layers_per_pp) {
+        if (s->num_layers_per_pp != s->pp)
+            WHY(KVX_ERR_INVALID,
+                "parallel.layers_per_pp: %u entries for pp %u",
+                s->num_layers_per_pp, s->pp);
+        uint64_t sum = 0;
+        for (uint32_t i = 0; i < s->pp; i++) {
+            if (!s->layers_per_pp[i])
+                WHY(KVX_ERR_INVALID, "parallel.layers_per_pp[%u]: 0", i);
+            sum += s->layers_per_pp[i];
+        }
+        if (sum != s->total_layers)
+            WHY(KVX_ERR_INVALID,
+                "parallel.layers_per_pp: sum %llu != total_layers %u",
+                (unsigned long long)sum, s->total_layers);
+    } else if (s->pp > s->total_layers) {
+        WHY(KVX_ERR_INVALID, "parallel.pp: %u exceeds total_layers %u", s->pp,
+            s->total_layers);
+    }
+    return 0;
+}
+
+int plan_compat(const plan_side_t *a, const plan_side_t *b, char *why,
+                size_t why_len)
+{
+    if (a->dtype != b->dtype)
+        WHY(KVX_ERR_MISMATCH, "dtype: context %s, generation %s",
+            kvx_dtype_name(a->dtype), kvx_dtype_name(b->dtype));
+    if (a->elem_size != b->elem_size)
+        WHY(KVX_ERR_MISMATCH, "elem_size: context %u, generation %u",
+            a->elem_size, b->elem_size);
+    if (a->head_dim != b->head_dim)
+        WHY(KVX_ERR_MISMATCH, "head_dim: context %u, generation %u",
+            a->head_dim, b->head_dim);
+    if (a->total_heads != b->total_heads)
+        WHY(KVX_ERR_MISMATCH, "total_kv_heads: context %u, generation %u",
+            a->total_heads, b->total_heads);
+    if (a->total_layers != b->total_layers)
+        WHY(KVX_ERR_MISMATCH, "total_layers: context %u, generation %u",
+            a->total_layers, b->total_layers);
+    if (a->kv_factor != b->kv_factor)
+        WHY(KVX_ERR_MISMATCH, "kv_factor: context %u, generation %u",
+            a->kv_factor, b->kv_factor);
+    return 0;
+}
+
+static uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+int plan_build(const plan_side_t *src, const plan_side_t *dst,
+               uint32_t dst_rank, uint32_t num_tokens, uint32_t skip,
+               plan_t **out, char *why, size_t why_len)
+{
+    int rc;
+    if ((rc = plan_side_check(src, why, why_len)) ||
+        (rc = plan_side_check(dst, why, why_len)) ||
+        (rc = plan_compat(src, dst, why, why_len)))
+        return rc;
+    if (dst_rank >= plan_side_ranks(dst))
+        WHY(KVX_ERR_INVALID, "rank: %u outside the %u ranks", dst_rank,
+            plan_side_ranks(dst));
+    if (num_tokens == 0)
+        WHY(KVX_ERR_INVALID, "num_tokens: 0");
+    if (skip >= num_tokens)
+        WHY(KVX_ERR_INVALID, "skip_tokens: %u leaves nothing of %u tokens",
+            skip, num_tokens);
+
+    uint32_t d_tp = (dst_rank / dst->cp) % dst->tp;
+    uint32_t d_pp = dst_rank / (dst->tp * dst->cp);
+    uint32_t dl0, dh0;
+    uint32_t dnl = plan_pp_layers(dst, d_pp, &dl0);
+    uint32_t dnh = plan_tp_heads(dst, d_tp, &dh0);
+
+    /* Slices: every (source PP rank x source head group) overlapping the
+     * destination's layer range x head range. */
+    uint32_t max_slices = src->pp * (src->tp < src->total_heads
+                                         ? src->tp
+                                         : src->total_heads);
+    plan_t *p = calloc(1, sizeof(*p));
+    if (!p)
+        WHY(KVX_ERR_NOMEM, "plan: out of memory");
+    p->dst_rank = dst_rank;
+    p->slices = calloc(max_slices ? max_slices : 1, sizeof(*p->slices));
+    uint32_t nseg_max = ceil_div(num_tokens, src->tokens_per_block) +
+                        ceil_div(num_tokens, dst->tokens_per_block) + 1;
+    p->segs = calloc(nseg_max, sizeof(*p->segs));
+    if (!p->slices || !p->segs) {
+        plan_free(p);
+        WHY(KVX_ERR_NOMEM, "plan: out of memory");
+    }
+
+    for (uint32_t sp = 0; sp < src->pp; sp++) {
+        uint32_t sl0, snl = plan_pp_layers(src, sp, &sl0);
+        uint32_t l0 = sl0 > dl0 ? sl0 : dl0;
+        uint32_t l1 = sl0 + snl < dl0 + dnl ? sl0 + snl : dl0 + dnl;
+        if (l0 >= l1)
+            continue;
+        /* one source per distinct head group; with replicated heads
+         * (tp > heads) pick the replica by destination rank to spread load */
+        uint32_t reps = src->tp > src->total_heads
+                            ? src->tp / src->total_heads
+                            : 1;
+        uint32_t groups = src->tp / reps;
+        for (uint32_t g = 0; g < groups; g++) {
+            uint32_t st = g * reps + dst_rank % reps;
+            uint32_t sh0, snh = plan_tp_heads(src, st, &sh0);
+            uint32_t h0 = sh0 > dh0 ? sh0 : dh0;
+            uint32_t h1 = sh0 + snh < dh0 + dnh ? sh0 + snh : dh0 + dnh;
+            if (h0 >= h1)
+                continue;
+            plan_slice_t *s = &p->slices[p->nslices++];
+            s->src_rank = sp * src->tp * src->cp + st * src->cp;
+            s->layer0 = l0;
+            s->nlayers = l1 - l0;
+            s->head0 = h0;
+            s->nheads = h1 - h0;
+            s->src_layer_base = sl0;
+            s->src_head_base = sh0;
+            s->dst_layer_base = dl0;
+            s->dst_head_base = dh0;
+        }
+    }
+
+    /* Segments: runs of tokens inside one source and one destination
+     * block, so differing tokens_per_block and a mid-block skip work. */
+    uint32_t ts = src->tokens_per_block, td = dst->tokens_per_block;
+    for (uint32_t t = skip; t < num_tokens;) {
+        plan_seg_t *g = &p->segs[p->nsegs++];
+        g->src_blk = t / ts;
+        g->src_tok = t % ts;
+        g->dst_blk = t / td;
+        g->dst_tok = t % td;
+        uint32_t n = num_tokens - t;
+        if (ts - g->src_tok < n)
+            n = ts - g->src_tok;
+        if (td - g->dst_tok < n)
+            n = td - g->dst_tok;
+        g->n = n;
+        t += n;
+    }
+    p->src_blocks_needed = ceil_div(num_tokens, ts);
+    p->dst_blocks_needed = ceil_div(num_tokens, td);
+
+    uint64_t u = 0, bytes = 0;
+    uint64_t tok_bytes = (uint64_t)src->kv_factor * src->head_dim *
+                         src->elem_size;
+    for (uint32_t i = 0; i < p->nslices; i++) {
+        p->slices[i].unit_begin = u;
+        u += (uint64_t)p->slices[i].nlayers * p->nsegs;
+        bytes += (uint64_t)p->slices[i].nlayers * p->slices[i].nheads *
+                 (num_tokens - skip) * tok_bytes;
+    }
+    p->nunits = u;
+    p->bytes = bytes;
+    p->src = calloc(p->nslices ? p->nslices : 1, sizeof(*p->src));
+    if (!p->src) {
+        plan_free(p);
+        WHY(KVX_ERR_NOMEM, "plan: out of memory");
+    }
+    *out = p;
+    return 0;
+}
+
+void plan_free(plan_t *p)
+{
+    if (!p)
+        return;
+    free(p->slices);
+    free(p->segs);
+    free(p->src);
+    free(p);
+}
+
+/* Slice holding unit u: slices are few, a linear scan is enough. */
+static uint32_t slice_of(const plan_t *p, uint64_t u)
+{
+    uint32_t i = 0;
+    while (i + 1 < p->nslices && p->slices[i + 1].unit_begin <= u)
+        i++;
+    return i;
+}
+
+uint64_t plan_units_bytes(const plan_t *p, uint64_t u0, uint64_t u1)
+{
+    uint64_t bytes = 0;
+    for (uint64_t u = u0; u < u1; u++) {
+        const plan_slice_t *s = &p->slices[slice_of(p, u)];
+        const plan_seg_t *g = &p->segs[(u - s->unit_begin) % p->nsegs];
+        const kvx_layout_t *dl = p->dst.layout;
+        bytes += (uint64_t)dl->kv_factor * g->n * s->nheads * dl->head_dim *
+                 dl->elem_size;
+    }
+    return bytes;
+}
+
+/* One dimension of a strided copy: count, source and destination strides. */
+struct xdim {
+    uint64_t n, ss, ds;
+};
+
+/* Copy a region of up to 3 dimensions around a contiguous run, merging
+ * dimensions that are contiguous on both sides so matching layouts become
+ * few large memcpy calls. */
+static void copy_strided(uint8_t *dst, const uint8_t *src, uint64_t run,
+                         struct xdim *d, int nd)
+{
+    for (int merged = 1; merged;) {
+        merged = 0;
+        for (int i = 0; i < nd; i++) {
+            if (d[i].n == 1 || (d[i].ss == run && d[i].ds == run)) {
+                run *= d[i].n;
+                d[i] = d[--nd];
+                merged = 1;
+                break;
+            }
+        }
+    }
+    while (nd < 3)
+        d[nd++] = (struct xdim){1, 0, 0};
+    for (uint64_t a = 0; a < d[2].n; a++)
+        for (uint64_t b = 0; b < d[1].n; b++) {
+            const uint8_t *s = src + a * d[2].ss + b * d[1].ss;
+            uint8_t *t = dst + a * d[2].ds + b * d[1].ds;
+            for (uint64_t c = 0; c < d[0].n; c++)
+                memcpy(t + c * d[0].ds, s + c * d[0].ss, run);
+        }
+}
+
+void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1)
+{
+    const kvx_layout_t *dl = p->dst.layout;
+    for (uint64_t u = u0; u < u1; u++) {
+        uint32_t si = slice_of(p, u);
+        const plan_slice_t *s = &p->slices[si];
+        const plan_mem_t *sm = &p->src[si];
+        const kvx_layout_t *sl = sm->layout;
+        uint64_t r = u - s->unit_begin;
+        uint32_t layer = s->layer0 + (uint32_t)(r / p->nsegs);
+        const plan_seg_t *g = &p->segs[r % p->nsegs];
+        const uint8_t *src =
+            sm->base + kvx_layout_offset(sl, layer - s->src_layer_base, 0,
+                                         sm->blocks[g->src_blk], g->src_tok,
+                                         s->head0 - s->src_head_base);
+        uint8_t *dst =
+            p->dst.base + kvx_layout_offset(dl, layer - s->dst_layer_base, 0,
+                                            p->dst.blocks[g->dst_blk],
+                                            g->dst_tok,
+                                            s->head0 - s->dst_head_base);
+        struct xdim d[3] = {
+            {s->nheads, sl->head_stride, dl->head_stride},
+            {g->n, sl->token_stride, dl->token_stride},
+            {dl->kv_factor, sl->kv_stride, dl->kv_stride},
+        };
+        copy_strided(dst, src, (uint64_t)dl->head_dim * dl->elem_size, d, 3);
+    }
+}

@@ -1,0 +1,97 @@
+/*
+ * plan — which bytes a destination rank needs from which source ranks,
+ * and the host copy engine that executes a plan.
+ *
+ * A plan is computed once, by the generation-side daemon, from the two
+ * instances' parallel configs and layout summaries. It lists slices
+ * (source rank x layer range x head range) and token segments (runs of
+ * tokens that lie inside one source block and one destination block). Its
+ * work is cut into units (slice, layer, segment): the scheduler hands out
+ * unit ranges, the copy engine executes them. Nothing here knows about
+ * sessions, requests or threads; plan_exec() only reads the plan and the
+ * memory it is bound to.
+ */
+#ifndef KVX_PLAN_H
+#define KVX_PLAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvxfer.h"
+
+/* One instance as the plan sees it. */
+typedef struct plan_side {
+    uint32_t tp, pp, cp;
+    uint32_t total_layers, total_heads;
+    uint32_t num_layers_per_pp;
+    uint32_t layers_per_pp[64];  /* empty = even split */
+    uint32_t kv_factor, head_dim, elem_size, dtype, tokens_per_block;
+} plan_side_t;
+
+typedef struct plan_slice {
+    uint32_t src_rank;
+    uint32_t layer0, nlayers;          /* global layer range */
+    uint32_t head0, nheads;            /* global head range */
+    uint32_t src_layer_base, src_head_base;
+    uint32_t dst_layer_base, dst_head_base;
+    uint64_t unit_begin;               /* first unit of this slice */
+} plan_slice_t;
+
+typedef struct plan_seg {
+    uint32_t src_blk, src_tok;         /* index into the source block table */
+    uint32_t dst_blk, dst_tok;         /* index into the destination table */
+    uint32_t n;
+} plan_seg_t;
+
+/* Memory a plan reads or writes: a mapped pool, its layout, a block table. */
+typedef struct plan_mem {
+    uint8_t *base;
+    const kvx_layout_t *layout;
+    const uint32_t *blocks;
+    uint32_t num_blocks;
+} plan_mem_t;
+
+typedef struct plan {
+    uint32_t dst_rank;
+    uint32_t nslices;
+    plan_slice_t *slices;
+    uint32_t nsegs;
+    plan_seg_t *segs;
+    uint64_t nunits;
+    uint64_t bytes;
+    uint32_t src_blocks_needed;        /* highest source block index + 1 */
+    uint32_t dst_blocks_needed;
+    /* Binding, set by the owner before plan_exec(): src[i] for slice i. */
+    plan_mem_t *src;
+    plan_mem_t dst;
+} plan_t;
+
+/* Ranks of a side: tp*pp*cp. */
+uint32_t plan_side_ranks(const plan_side_t *s);
+/* Layer range [*first, *first + return) of PP rank p. */
+uint32_t plan_pp_layers(const plan_side_t *s, uint32_t p, uint32_t *first);
+/* Head range [*first, *first + return) of TP rank t. */
+uint32_t plan_tp_heads(const plan_side_t *s, uint32_t t, uint32_t *first);
+
+/* Is side s itself consistent (heads divide over tp, layers over pp)?
+ * Returns 0 or KVX_ERR_INVALID / KVX_ERR_UNSUPPORTED with why. */
+int plan_side_check(const plan_side_t *s, char *why, size_t why_len);
+
+/* Can src feed dst? 0, or KVX_ERR_MISMATCH naming the mismatch. */
+int plan_compat(const plan_side_t *src, const plan_side_t *dst, char *why,
+                size_t why_len);
+
+/* Build the plan for destination rank dst_rank moving tokens
+ * [skip_tokens, num_tokens). *out is malloc'd; free with plan_free(). */
+int plan_build(const plan_side_t *src, const plan_side_t *dst,
+               uint32_t dst_rank, uint32_t num_tokens, uint32_t skip_tokens,
+               plan_t **out, char *why, size_t why_len);
+void plan_free(plan_t *p);
+
+/* Bytes moved by units [u0, u1). */
+uint64_t plan_units_bytes(const plan_t *p, uint64_t u0, uint64_t u1);
+
+/* Execute units [u0, u1) with memcpy on the calling thread. */
+void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1);
+
+#endif /* KVX_PLAN_H */

@@ -1,0 +1,140 @@
+/* pool — host pool mappings; see pool.h. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "layout.h"
+#include "log.h"
+#include "map.h"
+#include "pool.h"
+
+static map_t pools;
+static uint32_t next_id = 1;
+
+#define WHY(code, ...)                                                      \
+    do {                                                                    \
+        snprintf(why, why_len, __VA_ARGS__);                                \
+        rc = (code);                                                        \
+    } while (0)
+
+int pool_register_host(uint64_t session_id, int fd, uint64_t size,
+                       const kvx_layout_t *layout, pool_t **out, char *why,
+                       size_t why_len)
+{
+    int rc = 0;
+    struct stat st;
+    if (size == 0) {
+        WHY(KVX_ERR_INVALID, "register_pool.size: 0");
+        goto err_close_fd;
+    }
+    if (fstat(fd, &st) < 0) {
+        WHY(KVX_ERR_IO, "register_pool: fstat: %s", strerror(errno));
+        goto err_close_fd;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        WHY(KVX_ERR_INVALID, "register_pool: the fd is not a memfd");
+        goto err_close_fd;
+    }
+    /* A client that could shrink the file would make the daemon fault on
+     * its next access: insist the size is sealed. */
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+        WHY(KVX_ERR_INVALID,
+            "register_pool: memfd lacks F_SEAL_SHRINK (a client could "
+            "truncate it under the daemon)");
+        goto err_close_fd;
+    }
+    if ((uint64_t)st.st_size < size) {
+        WHY(KVX_ERR_INVALID,
+            "register_pool.size: %llu exceeds the memfd's %llu bytes",
+            (unsigned long long)size, (unsigned long long)st.st_size);
+        goto err_close_fd;
+    }
+    if ((rc = kvx__layout_check(layout, size, why, why_len)))
+        goto err_close_fd;
+
+    pool_t *p = calloc(1, sizeof(*p));
+    if (!p) {
+        WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
+        goto err_close_fd;
+    }
+    p->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p->base == MAP_FAILED) {
+        log_error("pool: mmap of %llu bytes: %m", (unsigned long long)size);
+        WHY(KVX_ERR_NOMEM, "register_pool: mmap of %llu bytes failed: %s",
+            (unsigned long long)size, strerror(errno));
+        goto err_free_pool;
+    }
+    p->id = next_id++;
+    p->session_id = session_id;
+    p->size = size;
+    p->layout = *layout;
+    p->users = 1; /* the registration itself */
+    if (map_put(&pools, p->id, p)) {
+        WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
+        goto err_unmap;
+    }
+    close(fd);
+    *out = p;
+    return 0;
+
+err_unmap:
+    munmap(p->base, size);
+err_free_pool:
+    free(p);
+err_close_fd:
+    close(fd);
+    return rc;
+}
+
+pool_t *pool_find(uint32_t id)
+{
+    pool_t *p = map_get(&pools, id);
+    return p && !p->released ? p : NULL;
+}
+
+void pool_ref(pool_t *p) { p->users++; }
+
+void pool_unref(pool_t *p)
+{
+    if (--p->users)
+        return;
+    map_del(&pools, p->id);
+    munmap(p->base, p->size);
+    log_debug("pool %u unmapped", p->id);
+    free(p);
+}
+
+void pool_release(pool_t *p)
+{
+    if (p->released)
+        return;
+    p->released = 1;
+    pool_unref(p);
+}
+
+uint32_t pool_list(pool_t **out, uint32_t max)
+{
+    return map_values(&pools, (void **)out, max);
+}
+
+uint32_t pool_count(void) { return pools.n; }
+
+void pool_cleanup(void)
+{
+    uint32_t n = pools.n;
+    pool_t **all = calloc(n ? n : 1, sizeof(*all));
+    if (all) {
+        n = map_values(&pools, (void **)all, n);
+        for (uint32_t i = 0; i < n; i++) {
+            munmap(all[i]->base, all[i]->size);
+            free(all[i]);
+        }
+        free(all);
+    }
+    map_free(&pools);
+}

@@ -1,0 +1,43 @@
+/*
+ * pool — memory that clients register: host pools are memfds mapped
+ * shared into the daemon.
+ *
+ * Owns every mapping. A pool lives until it is released (deregister or
+ * owner disconnect) AND no request uses it; the mapping is removed only
+ * then, so a copy in flight never touches unmapped memory.
+ */
+#ifndef KVX_POOL_H
+#define KVX_POOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvxfer.h"
+
+typedef struct pool {
+    uint32_t id;
+    uint64_t session_id;
+    uint8_t *base;
+    uint64_t size;
+    kvx_layout_t layout;
+    uint32_t users;      /* requests holding it */
+    int released;        /* deregistered or owner gone */
+} pool_t;
+
+/* Map a host memfd of size bytes described by layout. Takes ownership of
+ * fd (closed on every path). */
+int pool_register_host(uint64_t session_id, int fd, uint64_t size,
+                       const kvx_layout_t *layout, pool_t **out, char *why,
+                       size_t why_len);
+/* A live (not released) pool, or NULL. */
+pool_t *pool_find(uint32_t id);
+void pool_ref(pool_t *p);
+void pool_unref(pool_t *p);
+/* Release: no new users; unmapped once the last user is gone. */
+void pool_release(pool_t *p);
+/* Every pool (live or waiting for users), for status. */
+uint32_t pool_list(pool_t **out, uint32_t max);
+uint32_t pool_count(void);
+void pool_cleanup(void);
+
+#endif /* KVX_POOL_H */

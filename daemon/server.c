@@ -1,0 +1,172 @@
+/* server — listening socket and peer authorization; see server.h. */
+#include <errno.h>
+#include <grp.h>
+#include <libgen.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "log.h"
+#include "server.h"
+#include "session.h"
+
+static struct {
+    int fd;
+    uv_poll_t poll;
+    int open;
+    char path[108];
+} srv = {.fd = -1};
+
+static int peer_allowed(uid_t uid, gid_t gid)
+{
+    const kvx_conf_t *c = &kvxd.conf;
+    if (uid == 0 || uid == getuid())
+        return 1;
+    for (unsigned i = 0; i < c->num_allowed_uids; i++)
+        if (c->allowed_uids[i] == uid)
+            return 1;
+    for (unsigned i = 0; i < c->num_allowed_gids; i++)
+        if (c->allowed_gids[i] == gid)
+            return 1;
+    return 0;
+}
+
+static void on_accept(uv_poll_t *h, int status, int events)
+{
+    (void)h;
+    (void)events;
+    if (status < 0)
+        return;
+    for (;;) {
+        int fd = accept4(srv.fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                log_warn("server: accept: %m");
+            return;
+        }
+        struct ucred cr;
+        socklen_t len = sizeof(cr);
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) < 0) {
+            log_warn("server: SO_PEERCRED: %m");
+            close(fd);
+            continue;
+        }
+        if (!peer_allowed(cr.uid, cr.gid)) {
+            log_warn("server: refused pid %d uid %u gid %u: not in "
+                     "auth.allowed_uids or auth.allowed_gids",
+                     (int)cr.pid, (unsigned)cr.uid, (unsigned)cr.gid);
+            kvxd_count_error(KVX_ERR_PERM);
+            close(fd);
+            continue;
+        }
+        session_start(fd, cr.pid, cr.uid, cr.gid);
+    }
+}
+
+/* A socket file left by a dead daemon is removed; one with a live daemon
+ * behind it is an error. */
+static int clear_stale(const char *path)
+{
+    struct stat st;
+    if (lstat(path, &st) < 0)
+        return 0;
+    if (!S_ISSOCK(st.st_mode)) {
+        log_error("server: %s exists and is not a socket", path);
+        return KVX_ERR_EXISTS;
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    int live = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+    if (fd >= 0)
+        close(fd);
+    if (live) {
+        log_error("server: another daemon is listening on %s", path);
+        return KVX_ERR_EXISTS;
+    }
+    unlink(path);
+    return 0;
+}
+
+int server_init(void)
+{
+    const kvx_conf_t *c = &kvxd.conf;
+    int rc;
+    snprintf(srv.path, sizeof(srv.path), "%s", c->socket_path);
+    char dir[108];
+    snprintf(dir, sizeof(dir), "%s", c->socket_path);
+    if (mkdir(dirname(dir), 0755) < 0 && errno != EEXIST) {
+        log_error("server: mkdir %s: %m", dir);
+        return KVX_ERR_IO;
+    }
+    if ((rc = clear_stale(srv.path)))
+        return rc;
+    srv.fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (srv.fd < 0) {
+        log_error("server: socket: %m");
+        return KVX_ERR_IO;
+    }
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", srv.path);
+    mode_t old = umask(0177);
+    rc = bind(srv.fd, (struct sockaddr *)&sa, sizeof(sa));
+    umask(old);
+    if (rc < 0) {
+        log_error("server: bind %s: %m", srv.path);
+        goto err_close_fd;
+    }
+    if (chmod(srv.path, c->socket_mode) < 0) {
+        log_error("server: chmod %s %o: %m", srv.path, c->socket_mode);
+        goto err_unlink;
+    }
+    if (c->socket_group[0]) {
+        struct group *g = getgrnam(c->socket_group);
+        if (!g) {
+            log_error("server: socket.group: no group named '%s'",
+                      c->socket_group);
+            goto err_unlink;
+        }
+        if (chown(srv.path, (uid_t)-1, g->gr_gid) < 0) {
+            log_error("server: chown %s to group %s: %m", srv.path,
+                      c->socket_group);
+            goto err_unlink;
+        }
+    }
+    if (listen(srv.fd, 512) < 0) {
+        log_error("server: listen %s: %m", srv.path);
+        goto err_unlink;
+    }
+    if ((rc = uv_poll_init(kvxd.loop, &srv.poll, srv.fd))) {
+        log_error("server: uv_poll_init: %s", uv_strerror(rc));
+        goto err_unlink;
+    }
+    srv.open = 1;
+    uv_poll_start(&srv.poll, UV_READABLE, on_accept);
+    log_info("listening on %s (mode %04o)", srv.path, c->socket_mode);
+    return 0;
+
+err_unlink:
+    unlink(srv.path);
+err_close_fd:
+    close(srv.fd);
+    srv.fd = -1;
+    return KVX_ERR_IO;
+}
+
+void server_cleanup(void)
+{
+    if (srv.open) {
+        uv_poll_stop(&srv.poll);
+        uv_close((uv_handle_t *)&srv.poll, NULL);
+        srv.open = 0;
+    }
+    if (srv.fd >= 0) {
+        close(srv.fd);
+        srv.fd = -1;
+        unlink(srv.path);
+    }
+}

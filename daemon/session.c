@@ -1,0 +1,830 @@
+/*
+ * session — one client connection and the protocol edge; see session.h.
+ *
+ * Reading order: on_io() reads bytes and fds -> handle_frame() decodes a
+ * Request -> one handler per message validates every field and calls the
+ * module that acts -> reply() packs the Reply into the output buffer ->
+ * flush() writes what the socket takes, the rest when it is writable.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "frame.h"
+#include "instance.h"
+#include "layout.h"
+#include "log.h"
+#include "map.h"
+#include "pool.h"
+#include "session.h"
+#include "stats.h"
+#include "xfer.h"
+
+#define MAX_FDS 8
+#define OUT_MAX (256u << 20) /* a client this far behind is dropped */
+
+struct session {
+    uint64_t id;
+    int fd;
+    uv_poll_t poll;
+    int poll_events;
+    pid_t pid;
+    uid_t uid;
+    gid_t gid;
+    frame_reader_t rd;
+    uint8_t *out;
+    size_t out_len, out_off, out_cap;
+    int fds[MAX_FDS];           /* received with SCM_RIGHTS, not yet used */
+    int nfds;
+    int hello;                  /* Hello accepted */
+    instance_t *inst;
+    uint32_t rank;
+    kvx_role_t role;
+    map_t pools;                /* pool_id -> pool_t, registered here */
+    int closing;
+};
+
+static map_t sessions;
+static uint64_t next_sid = 1;
+
+static void session_close(session_t *s, const char *why);
+static void flush(session_t *s);
+
+/* ---- output ----------------------------------------------------------- */
+
+static void want_events(session_t *s)
+{
+    int ev = UV_READABLE | (s->out_len > s->out_off ? UV_WRITABLE : 0);
+    if (s->closing || ev == s->poll_events)
+        return;
+    s->poll_events = ev;
+    uv_poll_start(&s->poll, ev, NULL); /* callback kept from first start */
+}
+
+static void reply_packed(session_t *s, const Kvxfer__Reply *r)
+{
+    if (s->closing)
+        return;
+    size_t n = kvxfer__reply__get_packed_size(r);
+    if (s->out_len - s->out_off + n + FRAME_HDR > OUT_MAX) {
+        session_close(s, "client not reading its replies");
+        return;
+    }
+    if (s->out_cap - s->out_len < n + FRAME_HDR) {
+        if (s->out_off) {
+            memmove(s->out, s->out + s->out_off, s->out_len - s->out_off);
+            s->out_len -= s->out_off;
+            s->out_off = 0;
+        }
+        size_t ncap = s->out_cap ? s->out_cap : 4096;
+        while (ncap - s->out_len < n + FRAME_HDR)
+            ncap *= 2;
+        uint8_t *nb = realloc(s->out, ncap);
+        if (!nb) {
+            session_close(s, "out of memory for replies");
+            return;
+        }
+        s->out = nb;
+        s->out_cap = ncap;
+    }
+    frame_put_len(s->out + s->out_len, (uint32_t)n);
+    kvxfer__reply__pack(r, s->out + s->out_len + FRAME_HDR);
+    s->out_len += n + FRAME_HDR;
+    flush(s);
+}
+
+static void reply(session_t *s, uint64_t req_id, int status,
+                  const char *message)
+{
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = req_id;
+    r.status = status;
+    r.message = (char *)(message ? message : "");
+    if (status)
+        kvxd_count_error(status);
+    reply_packed(s, &r);
+}
+
+void session_reply(uint64_t sid, uint64_t req_id, int status,
+                   const char *message)
+{
+    session_t *s = map_get(&sessions, sid);
+    if (s)
+        reply(s, req_id, status, message);
+}
+
+void session_reply_msg(uint64_t sid, Kvxfer__Reply *r)
+{
+    session_t *s = map_get(&sessions, sid);
+    if (s)
+        reply_packed(s, r);
+}
+
+static void flush(session_t *s)
+{
+    while (s->out_off < s->out_len) {
+        ssize_t n = send(s->fd, s->out + s->out_off, s->out_len - s->out_off,
+                         MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            log_debug("session %llu: send: %m", (unsigned long long)s->id);
+            session_close(s, "send failed");
+            return;
+        }
+        s->out_off += (size_t)n;
+    }
+    if (s->out_off == s->out_len)
+        s->out_off = s->out_len = 0;
+    want_events(s);
+}
+
+/* ---- validation helpers ----------------------------------------------- */
+
+/* Block ids inside the pool and not repeated. */
+static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
+                        const char *what, char *why, size_t why_len)
+{
+    if (n == 0) {
+        snprintf(why, why_len, "%s.blocks: empty", what);
+        return KVX_ERR_INVALID;
+    }
+    if (n > kvxd.conf.max_blocks_per_request) {
+        snprintf(why, why_len,
+                 "%s.blocks: %zu blocks exceed limits.max_blocks_per_request "
+                 "%u",
+                 what, n, kvxd.conf.max_blocks_per_request);
+        return KVX_ERR_LIMIT;
+    }
+    uint32_t nb = p->layout.num_blocks;
+    uint8_t *seen = calloc((nb + 7) / 8, 1);
+    if (!seen) {
+        snprintf(why, why_len, "%s: out of memory", what);
+        return KVX_ERR_NOMEM;
+    }
+    int rc = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (b[i] >= nb) {
+            snprintf(why, why_len,
+                     "%s.blocks[%zu]: block %u outside pool %u's %u blocks",
+                     what, i, b[i], p->id, nb);
+            rc = KVX_ERR_INVALID;
+            break;
+        }
+        if (seen[b[i] / 8] & (1u << (b[i] % 8))) {
+            snprintf(why, why_len, "%s.blocks[%zu]: block %u listed twice",
+                     what, i, b[i]);
+            rc = KVX_ERR_INVALID;
+            break;
+        }
+        seen[b[i] / 8] |= (uint8_t)(1u << (b[i] % 8));
+    }
+    free(seen);
+    return rc;
+}
+
+static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
+                           char *why, size_t why_len)
+{
+    memset(l, 0, sizeof(*l));
+    if (!m) {
+        snprintf(why, why_len, "register_pool.layout: missing");
+        return KVX_ERR_INVALID;
+    }
+    if (strlen(m->preset) >= sizeof(l->preset)) {
+        snprintf(why, why_len, "layout.preset: longer than %zu bytes",
+                 sizeof(l->preset) - 1);
+        return KVX_ERR_INVALID;
+    }
+    if (m->n_layer_offset != m->num_layers ||
+        m->n_layer_offset > KVX_MAX_LAYERS) {
+        snprintf(why, why_len,
+                 "layout.layer_offset: %zu offsets for num_layers %u (at most "
+                 "%u)",
+                 m->n_layer_offset, m->num_layers, KVX_MAX_LAYERS);
+        return KVX_ERR_LAYOUT;
+    }
+    if (m->dtype > KVX_DTYPE_INT8) {
+        snprintf(why, why_len, "layout.dtype: unknown value %u", m->dtype);
+        return KVX_ERR_LAYOUT;
+    }
+    strcpy(l->preset, m->preset);
+    l->num_layers = m->num_layers;
+    l->kv_factor = m->kv_factor;
+    l->num_heads = m->num_heads;
+    l->head_dim = m->head_dim;
+    l->elem_size = m->elem_size;
+    l->dtype = m->dtype;
+    l->tokens_per_block = m->tokens_per_block;
+    l->num_blocks = m->num_blocks;
+    memcpy(l->layer_offset, m->layer_offset,
+           m->n_layer_offset * sizeof(uint64_t));
+    l->kv_stride = m->kv_stride;
+    l->block_stride = m->block_stride;
+    l->token_stride = m->token_stride;
+    l->head_stride = m->head_stride;
+    return 0;
+}
+
+/* Pool of this session, by id. */
+static pool_t *own_pool(session_t *s, uint32_t id)
+{
+    pool_t *p = map_get(&s->pools, id);
+    return p && !p->released ? p : NULL;
+}
+
+/* ---- handlers: one per message, validate then act --------------------- */
+
+#define FAIL(code, ...)                                                     \
+    do {                                                                    \
+        snprintf(why, sizeof(why), __VA_ARGS__);                            \
+        reply(s, rq->id, (code), why);                                      \
+        return;                                                             \
+    } while (0)
+
+static void on_hello(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    const Kvxfer__Hello *h = rq->hello;
+    if (s->hello)
+        FAIL(KVX_ERR_STATE, "hello: already said");
+    if (h->version_major != KVX_VERSION_MAJOR)
+        FAIL(KVX_ERR_VERSION,
+             "hello.version_major: client speaks protocol %u.%u, daemon "
+             "speaks %u.%u",
+             h->version_major, h->version_minor, KVX_VERSION_MAJOR,
+             KVX_VERSION_MINOR);
+    size_t idlen = strlen(h->instance_id);
+    if (idlen == 0 || idlen > INSTANCE_ID_MAX)
+        FAIL(KVX_ERR_INVALID, "hello.instance_id: %zu bytes (expected 1..%u)",
+             idlen, INSTANCE_ID_MAX);
+    if (h->role < KVXFER__ROLE__ROLE_CONTEXT ||
+        h->role > KVXFER__ROLE__ROLE_BOTH)
+        FAIL(KVX_ERR_INVALID, "hello.role: %d (expected context, generation "
+                              "or both)",
+             h->role);
+    if (!h->parallel)
+        FAIL(KVX_ERR_INVALID, "hello.parallel: missing");
+    const Kvxfer__ParallelConfig *pc = h->parallel;
+    plan_side_t side;
+    memset(&side, 0, sizeof(side));
+    side.tp = pc->tp;
+    side.pp = pc->pp;
+    side.cp = pc->cp ? pc->cp : 1;
+    side.total_layers = pc->total_layers;
+    side.total_heads = pc->total_kv_heads;
+    if (pc->n_layers_per_pp > 64)
+        FAIL(KVX_ERR_INVALID, "hello.parallel.layers_per_pp: %zu entries "
+                              "(at most 64)",
+             pc->n_layers_per_pp);
+    side.num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
+    for (size_t i = 0; i < pc->n_layers_per_pp; i++)
+        side.layers_per_pp[i] = pc->layers_per_pp[i];
+    int rc = instance_attach(h->instance_id, (kvx_role_t)h->role, h->rank,
+                             &side, s->id, &s->inst, why, sizeof(why));
+    if (rc) {
+        reply(s, rq->id, rc, why);
+        return;
+    }
+    s->hello = 1;
+    s->rank = h->rank;
+    s->role = (kvx_role_t)h->role;
+    log_info("session %llu: pid %d uid %u is rank %u of instance %s",
+             (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
+             s->rank, s->inst->id);
+    Kvxfer__HelloReply hr = KVXFER__HELLO_REPLY__INIT;
+    hr.version_major = KVX_VERSION_MAJOR;
+    hr.version_minor = KVX_VERSION_MINOR;
+    hr.session_id = s->id;
+    hr.daemon_address = kvxd.address;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = rq->id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_HELLO;
+    r.hello = &hr;
+    reply_packed(s, &r);
+}
+
+static void on_join(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    int rc = instance_join(s->inst, s->rank, rq->join->rank_addresses,
+                           rq->join->n_rank_addresses, why, sizeof(why));
+    reply(s, rq->id, rc, rc ? why : "");
+}
+
+static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    const Kvxfer__RegisterPool *m = rq->register_pool;
+    /* the fd travels with this frame: take it first so every path below
+     * closes it */
+    int fd = -1;
+    if (s->nfds > 0) {
+        fd = s->fds[0];
+        memmove(s->fds, s->fds + 1, (size_t)(--s->nfds) * sizeof(int));
+    }
+    if (fd < 0)
+        FAIL(KVX_ERR_INVALID,
+             "register_pool: no fd arrived with the request (send the memfd "
+             "with SCM_RIGHTS)");
+    if (m->kind != KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
+        close(fd);
+        FAIL(KVX_ERR_UNSUPPORTED,
+             "register_pool.kind: %d not supported by this build (host "
+             "memfd only)",
+             m->kind);
+    }
+    if (s->pools.n >= kvxd.conf.max_pools) {
+        close(fd);
+        FAIL(KVX_ERR_LIMIT, "register_pool: %u pools (limits.max_pools)",
+             s->pools.n);
+    }
+    kvx_layout_t l;
+    int rc = layout_from_msg(m->layout, &l, why, sizeof(why));
+    if (rc) {
+        close(fd);
+        reply(s, rq->id, rc, why);
+        return;
+    }
+    pool_t *p;
+    if ((rc = pool_register_host(s->id, fd, m->size, &l, &p, why,
+                                 sizeof(why)))) {
+        reply(s, rq->id, rc, why);
+        return;
+    }
+    if (map_put(&s->pools, p->id, p)) {
+        pool_release(p);
+        FAIL(KVX_ERR_NOMEM, "register_pool: out of memory");
+    }
+    log_info("session %llu: pool %u registered: %s, %u blocks, %llu bytes",
+             (unsigned long long)s->id, p->id, l.preset, l.num_blocks,
+             (unsigned long long)m->size);
+    Kvxfer__RegisterPoolReply pr = KVXFER__REGISTER_POOL_REPLY__INIT;
+    pr.pool_id = p->id;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = rq->id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_REGISTER_POOL;
+    r.register_pool = &pr;
+    reply_packed(s, &r);
+}
+
+static void on_deregister_pool(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    uint32_t id = rq->deregister_pool->pool_id;
+    pool_t *p = own_pool(s, id);
+    if (!p)
+        FAIL(KVX_ERR_NOT_FOUND,
+             "deregister_pool.pool_id: no pool %u registered by this session",
+             id);
+    if (xfer_pool_users(p))
+        FAIL(KVX_ERR_BUSY,
+             "deregister_pool.pool_id: pool %u is used by %u requests; "
+             "cancel them first",
+             id, xfer_pool_users(p));
+    map_del(&s->pools, id);
+    pool_release(p);
+    reply(s, rq->id, 0, "");
+}
+
+static int ready_for(session_t *s, kvx_role_t need, const char *what,
+                     char *why, size_t why_len)
+{
+    if (!(s->role & need)) {
+        snprintf(why, why_len, "%s: instance %s has role %s", what,
+                 s->inst->id,
+                 s->role == KVX_ROLE_CONTEXT ? "context" : "generation");
+        return KVX_ERR_STATE;
+    }
+    return instance_ready(s->inst, why, why_len);
+}
+
+static void on_publish(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    const Kvxfer__Publish *m = rq->publish;
+    int rc;
+    if ((rc = ready_for(s, KVX_ROLE_CONTEXT, "publish", why, sizeof(why))))
+        goto fail;
+    pool_t *p = own_pool(s, m->pool_id);
+    if (!p)
+        FAIL(KVX_ERR_NOT_FOUND,
+             "publish.pool_id: no pool %u registered by this session",
+             m->pool_id);
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "publish", why,
+                           sizeof(why))))
+        goto fail;
+    const uint8_t *params;
+    size_t plen;
+    if ((rc = xfer_publish(s->inst, s->rank, m->request_id, p, m->blocks,
+                           (uint32_t)m->n_blocks, m->num_tokens, &params,
+                           &plen, why, sizeof(why))))
+        goto fail;
+    Kvxfer__PublishReply pr = KVXFER__PUBLISH_REPLY__INIT;
+    pr.context_params.data = (uint8_t *)params;
+    pr.context_params.len = plen;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = rq->id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_PUBLISH;
+    r.publish = &pr;
+    reply_packed(s, &r);
+    return;
+fail:
+    reply(s, rq->id, rc, why);
+}
+
+static void on_fetch(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    const Kvxfer__Fetch *m = rq->fetch;
+    int rc;
+    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch", why, sizeof(why))))
+        goto fail;
+    pool_t *p = own_pool(s, m->pool_id);
+    if (!p)
+        FAIL(KVX_ERR_NOT_FOUND,
+             "fetch.pool_id: no pool %u registered by this session",
+             m->pool_id);
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch", why,
+                           sizeof(why))))
+        goto fail;
+    rc = xfer_fetch(s->inst, s->rank, m->request_id, m->context_params.data,
+                    m->context_params.len, p, m->blocks,
+                    (uint32_t)m->n_blocks, m->skip_tokens, why, sizeof(why));
+fail:
+    reply(s, rq->id, rc, rc ? why : "");
+}
+
+static void on_poll(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    uint64_t now = kvxd_now_ms();
+    uint32_t t = rq->poll->timeout_ms;
+    if (t > kvxd.conf.poll_timeout_max_ms)
+        FAIL(KVX_ERR_INVALID,
+             "poll.timeout_ms: %u exceeds deadlines.poll_timeout_max_ms %u",
+             t, kvxd.conf.poll_timeout_max_ms);
+    if (batch_poll(&s->inst->batches, s->rank, rq->id, rq->poll->at_least,
+                   now + t, now))
+        FAIL(KVX_ERR_BUSY, "poll: this rank already has a poll waiting");
+}
+
+static void on_cancel(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    int rc = xfer_cancel(s->inst, rq->cancel->request_id, s->id, rq->id, why,
+                         sizeof(why));
+    if (rc <= 0)
+        reply(s, rq->id, rc, rc ? why : "");
+    /* rc 1: answered once the request's copies are fenced */
+}
+
+static void on_status(session_t *s, const Kvxfer__Request *rq)
+{
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    Kvxfer__StatusReply st = KVXFER__STATUS_REPLY__INIT;
+    stats_fill(&st);
+    r.id = rq->id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_STATUS_REPLY;
+    r.status_reply = &st;
+    reply_packed(s, &r);
+    stats_free(&st);
+}
+
+static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
+{
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    Kvxfer__RequestsReply rr = KVXFER__REQUESTS_REPLY__INIT;
+    rr.n_requests = xfer_infos(&rr.requests);
+    r.id = rq->id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_REQUESTS;
+    r.requests = &rr;
+    reply_packed(s, &r);
+    xfer_free_infos(rr.requests, rr.n_requests);
+}
+
+static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
+{
+    Kvxfer__Request *rq = kvxfer__request__unpack(NULL, len, buf);
+    if (!rq) {
+        reply(s, 0, KVX_ERR_PROTOCOL,
+              "frame: not a Request message; closing");
+        session_close(s, "undecodable frame");
+        return;
+    }
+    char why[512];
+    if (kvxd.draining && rq->body_case != KVXFER__REQUEST__BODY_STATUS &&
+        rq->body_case != KVXFER__REQUEST__BODY_POLL &&
+        rq->body_case != KVXFER__REQUEST__BODY_LIST_REQUESTS) {
+        reply(s, rq->id, KVX_ERR_SHUTDOWN, "daemon is shutting down");
+        goto out;
+    }
+    switch (rq->body_case) {
+    case KVXFER__REQUEST__BODY_HELLO:
+        on_hello(s, rq);
+        goto out;
+    case KVXFER__REQUEST__BODY_STATUS:
+        on_status(s, rq);
+        goto out;
+    case KVXFER__REQUEST__BODY_LIST_REQUESTS:
+        on_list_requests(s, rq);
+        goto out;
+    case KVXFER__REQUEST__BODY__NOT_SET:
+        reply(s, rq->id, KVX_ERR_PROTOCOL, "request: empty body");
+        goto out;
+    default:
+        break;
+    }
+    if (!s->hello) {
+        snprintf(why, sizeof(why), "request: say hello first");
+        reply(s, rq->id, KVX_ERR_STATE, why);
+        goto out;
+    }
+    switch (rq->body_case) {
+    case KVXFER__REQUEST__BODY_JOIN:
+        on_join(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_REGISTER_POOL:
+        on_register_pool(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_DEREGISTER_POOL:
+        on_deregister_pool(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_PUBLISH:
+        on_publish(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_FETCH:
+        on_fetch(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_POLL:
+        on_poll(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_CANCEL:
+        on_cancel(s, rq);
+        break;
+    default:
+        reply(s, rq->id, KVX_ERR_PROTOCOL, "request: unknown body");
+        break;
+    }
+out:
+    kvxfer__request__free_unpacked(rq, NULL);
+}
+
+/* ---- input ------------------------------------------------------------ */
+
+static void take_fds(session_t *s, struct msghdr *mh)
+{
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        int *fds = (int *)CMSG_DATA(c);
+        for (size_t i = 0; i < n; i++) {
+            if (s->nfds < MAX_FDS && s->hello)
+                s->fds[s->nfds++] = fds[i];
+            else
+                close(fds[i]); /* too many, or before hello */
+        }
+    }
+}
+
+static void on_readable(session_t *s)
+{
+    for (;;) {
+        size_t room;
+        uint8_t *buf = frame_reader_space(&s->rd, 65536, &room);
+        if (!buf) {
+            session_close(s, "out of memory for input");
+            return;
+        }
+        union {
+            char buf[CMSG_SPACE(MAX_FDS * sizeof(int))];
+            struct cmsghdr align;
+        } cm;
+        struct iovec iov = {buf, room};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1,
+                            .msg_control = cm.buf,
+                            .msg_controllen = sizeof(cm.buf)};
+        ssize_t n = recvmsg(s->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return;
+            session_close(s, "receive failed");
+            return;
+        }
+        take_fds(s, &mh);
+        if (n == 0) {
+            session_close(s, "client disconnected");
+            return;
+        }
+        frame_reader_commit(&s->rd, (size_t)n);
+        const uint8_t *msg;
+        uint32_t len;
+        int rc;
+        while (!s->closing) {
+            uint32_t cap = s->hello ? kvxd.conf.max_frame_bytes
+                                    : kvxd.conf.hello_frame_bytes;
+            rc = frame_reader_next(&s->rd, cap, &msg, &len);
+            if (rc == 0)
+                break;
+            if (rc < 0) {
+                char why[160];
+                snprintf(why, sizeof(why),
+                         "frame: length %u exceeds the %s cap of %u bytes; "
+                         "closing",
+                         len, s->hello ? "limits.max_frame_bytes"
+                                       : "limits.hello_frame_bytes",
+                         cap);
+                reply(s, 0, KVX_ERR_PROTOCOL, why);
+                session_close(s, "oversized frame");
+                return;
+            }
+            handle_frame(s, msg, len);
+        }
+        if (s->closing)
+            return;
+    }
+}
+
+static void on_io(uv_poll_t *h, int status, int events)
+{
+    session_t *s = h->data;
+    if (status < 0) {
+        session_close(s, uv_strerror(status));
+        return;
+    }
+    if (events & UV_WRITABLE)
+        flush(s);
+    if (!s->closing && (events & (UV_READABLE | UV_DISCONNECT)))
+        on_readable(s);
+}
+
+/* ---- life ------------------------------------------------------------- */
+
+int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
+{
+    if (sessions.n >= kvxd.conf.max_sessions) {
+        log_warn("session: refusing pid %d: %u sessions (limits."
+                 "max_sessions)",
+                 (int)pid, sessions.n);
+        close(fd);
+        return KVX_ERR_LIMIT;
+    }
+    session_t *s = calloc(1, sizeof(*s));
+    if (!s) {
+        close(fd);
+        return KVX_ERR_NOMEM;
+    }
+    s->id = next_sid++;
+    s->fd = fd;
+    s->pid = pid;
+    s->uid = uid;
+    s->gid = gid;
+    frame_reader_init(&s->rd);
+    int rc = uv_poll_init(kvxd.loop, &s->poll, fd);
+    if (rc) {
+        log_error("session: uv_poll_init: %s", uv_strerror(rc));
+        goto err_free;
+    }
+    s->poll.data = s;
+    if (map_put(&sessions, s->id, s)) {
+        uv_close((uv_handle_t *)&s->poll, (uv_close_cb)free);
+        close(fd);
+        return KVX_ERR_NOMEM;
+    }
+    s->poll_events = UV_READABLE | UV_DISCONNECT;
+    uv_poll_start(&s->poll, s->poll_events, on_io);
+    log_debug("session %llu: connected, pid %d uid %u",
+              (unsigned long long)s->id, (int)pid, (unsigned)uid);
+    return 0;
+
+err_free:
+    free(s);
+    close(fd);
+    return KVX_ERR_IO;
+}
+
+static void on_closed(uv_handle_t *h)
+{
+    session_t *s = h->data;
+    close(s->fd);
+    free(s);
+}
+
+static void session_close(session_t *s, const char *why)
+{
+    if (s->closing)
+        return;
+    s->closing = 1;
+    log_info("session %llu (pid %d%s%s): closed: %s",
+             (unsigned long long)s->id, (int)s->pid,
+             s->inst ? ", instance " : "", s->inst ? s->inst->id : "", why);
+    map_del(&sessions, s->id);
+    /* last try to deliver what is queued (e.g. a protocol error reply) */
+    if (s->out_len > s->out_off)
+        (void)!send(s->fd, s->out + s->out_off, s->out_len - s->out_off,
+                    MSG_NOSIGNAL | MSG_DONTWAIT);
+    uv_poll_stop(&s->poll);
+    /* pools first: requests using them end with an error for their peers,
+     * and each mapping goes once its last in-flight copy is back */
+    uint32_t n = s->pools.n;
+    pool_t **ps = calloc(n ? n : 1, sizeof(*ps));
+    if (ps) {
+        n = map_values(&s->pools, (void **)ps, n);
+        char msg[160];
+        snprintf(msg, sizeof(msg), "pool owner (pid %d) disconnected",
+                 (int)s->pid);
+        for (uint32_t i = 0; i < n; i++) {
+            xfer_end_pool_users(ps[i], KVX_ERR_PEER_GONE, msg);
+            pool_release(ps[i]);
+        }
+        free(ps);
+    }
+    map_free(&s->pools);
+    if (s->inst)
+        instance_detach(s->inst, s->rank);
+    for (int i = 0; i < s->nfds; i++)
+        close(s->fds[i]);
+    frame_reader_cleanup(&s->rd);
+    free(s->out);
+    s->out = NULL;
+    uv_close((uv_handle_t *)&s->poll, on_closed);
+}
+
+void session_close_all(const char *why)
+{
+    uint32_t n = sessions.n;
+    session_t **all = calloc(n ? n : 1, sizeof(*all));
+    if (!all)
+        return;
+    n = map_values(&sessions, (void **)all, n);
+    for (uint32_t i = 0; i < n; i++)
+        session_close(all[i], why);
+    free(all);
+    map_free(&sessions);
+}
+
+unsigned session_unflushed(void)
+{
+    unsigned k = 0;
+    for (uint32_t i = 0; i < sessions.nb; i++)
+        for (map_entry_t *e = sessions.b[i]; e; e = e->next) {
+            session_t *s = e->val;
+            k += s->out_len > s->out_off;
+        }
+    return k;
+}
+
+unsigned session_count(void) { return sessions.n; }
+
+size_t session_infos(Kvxfer__SessionInfo ***out)
+{
+    uint32_t n = sessions.n;
+    session_t **all = calloc(n ? n : 1, sizeof(*all));
+    Kvxfer__SessionInfo **v = calloc(n ? n : 1, sizeof(*v));
+    if (!all || !v) {
+        free(all);
+        free(v);
+        *out = NULL;
+        return 0;
+    }
+    n = map_values(&sessions, (void **)all, n);
+    size_t k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        Kvxfer__SessionInfo *si = malloc(sizeof(*si));
+        if (!si)
+            break;
+        kvxfer__session_info__init(si);
+        si->session_id = all[i]->id;
+        si->pid = all[i]->pid;
+        si->uid = all[i]->uid;
+        si->instance_id = all[i]->inst ? all[i]->inst->id : "";
+        si->rank = all[i]->rank;
+        si->role = (Kvxfer__Role)(all[i]->hello ? all[i]->role : 0);
+        si->pools = all[i]->pools.n;
+        v[k++] = si;
+    }
+    free(all);
+    *out = v;
+    return k;
+}
+
+void session_infos_free(Kvxfer__SessionInfo **infos, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(infos[i]);
+    free(infos);
+}

@@ -1,0 +1,42 @@
+/*
+ * session — one client connection: socket I/O, frames, the SCM_RIGHTS
+ * fds that arrive with them, and the protocol edge. Every request is
+ * validated here, field by field, before any module acts on it; error
+ * replies name the field.
+ *
+ * Owns the connection fd, its buffers and received fds, and the pools the
+ * client registered (released when it goes). Other modules hold session
+ * ids, never pointers, so a late reply to a gone session is dropped.
+ */
+#ifndef KVX_SESSION_H
+#define KVX_SESSION_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "kvxfer.pb-c.h"
+
+struct instance;
+
+typedef struct session session_t;
+
+/* Take a connected socket (nonblocking). Returns 0 or a negative status. */
+int session_start(int fd, pid_t pid, uid_t uid, gid_t gid);
+
+/* Reply to request req_id of session sid, if it is still connected. */
+void session_reply(uint64_t sid, uint64_t req_id, int status,
+                   const char *message);
+void session_reply_msg(uint64_t sid, Kvxfer__Reply *reply);
+
+/* Close every session (drain, exit). */
+void session_close_all(const char *why);
+/* Sessions whose output is not yet flushed. */
+unsigned session_unflushed(void);
+unsigned session_count(void);
+
+/* For status: fill infos (malloc'd, caller frees with
+ * session_infos_free). */
+size_t session_infos(Kvxfer__SessionInfo ***out);
+void session_infos_free(Kvxfer__SessionInfo **infos, size_t n);
+
+#endif /* KVX_SESSION_H */

@@ -1,0 +1,109 @@
+/* stats — the Status reply; see stats.h. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "copy.h"
+#include "daemon.h"
+#include "instance.h"
+#include "pool.h"
+#include "session.h"
+#include "stats.h"
+#include "xfer.h"
+
+struct conf_acc {
+    Kvxfer__Count **v;
+    size_t n, cap;
+};
+
+static void add_conf(const char *key, const char *value, void *arg)
+{
+    struct conf_acc *a = arg;
+    if (a->n == a->cap)
+        return;
+    Kvxfer__Count *c = malloc(sizeof(*c));
+    if (!c)
+        return;
+    kvxfer__count__init(c);
+    /* config entries carry "key=value" in name; value unused */
+    size_t len = strlen(key) + strlen(value) + 2;
+    c->name = malloc(len);
+    if (!c->name) {
+        free(c);
+        return;
+    }
+    snprintf(c->name, len, "%s=%s", key, value);
+    a->v[a->n++] = c;
+}
+
+void stats_fill(Kvxfer__StatusReply *st)
+{
+    st->version = KVX_VERSION_STRING;
+    st->build = "host";
+    st->uptime_ms = kvxd_now_ms() - kvxd.start_ms;
+    st->daemon_address = kvxd.address;
+    st->worker_threads = copy_threads();
+
+    struct conf_acc a = {calloc(64, sizeof(Kvxfer__Count *)), 0, 64};
+    if (a.v)
+        conf_foreach(&kvxd.conf, add_conf, &a);
+    st->config = a.v;
+    st->n_config = a.n;
+
+    st->n_sessions = session_infos(&st->sessions);
+
+    uint32_t np = pool_count();
+    pool_t **pools = calloc(np ? np : 1, sizeof(*pools));
+    st->pools = calloc(np ? np : 1, sizeof(*st->pools));
+    if (pools && st->pools) {
+        np = pool_list(pools, np);
+        for (uint32_t i = 0; i < np; i++) {
+            Kvxfer__PoolInfo *pi = malloc(sizeof(*pi));
+            if (!pi)
+                break;
+            kvxfer__pool_info__init(pi);
+            pi->pool_id = pools[i]->id;
+            pi->session_id = pools[i]->session_id;
+            pi->kind = pools[i]->released ? "host (released)" : "host";
+            pi->size = pools[i]->size;
+            pi->preset = pools[i]->layout.preset;
+            pi->num_blocks = pools[i]->layout.num_blocks;
+            pi->users = pools[i]->users - !pools[i]->released;
+            st->pools[st->n_pools++] = pi;
+        }
+    }
+    free(pools);
+
+    st->n_requests_by_state = xfer_states(&st->requests_by_state);
+    st->bytes_moved = kvxd.stats.bytes_moved;
+    st->transfers_done = kvxd.stats.transfers_done;
+
+    st->errors_by_code = calloc(32, sizeof(*st->errors_by_code));
+    for (int i = 1; st->errors_by_code && i < 32; i++) {
+        if (!kvxd.stats.errors_by_code[i])
+            continue;
+        Kvxfer__Count *c = malloc(sizeof(*c));
+        if (!c)
+            break;
+        kvxfer__count__init(c);
+        c->name = strdup(kvx_status_name(-i));
+        c->value = kvxd.stats.errors_by_code[i];
+        st->errors_by_code[st->n_errors_by_code++] = c;
+    }
+    uint64_t sealed = kvxd.stats.batches_sealed;
+    for (instance_t *i = instance_first(); i; i = i->next)
+        sealed += i->batches.sealed_total;
+    st->batches_sealed = sealed;
+}
+
+void stats_free(Kvxfer__StatusReply *st)
+{
+    xfer_free_counts(st->config, st->n_config);
+    session_infos_free(st->sessions, st->n_sessions);
+    for (size_t i = 0; i < st->n_pools; i++)
+        free(st->pools[i]);
+    free(st->pools);
+    xfer_free_counts(st->requests_by_state, st->n_requests_by_state);
+    xfer_free_counts(st->errors_by_code, st->n_errors_by_code);
+}

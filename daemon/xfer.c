@@ -1,0 +1,1028 @@
+/*
+ * xfer — offers, fetches, the chunk scheduler and deadlines; see xfer.h.
+ *
+ * Reading order:
+ *   xfer_publish()   context rank offers its blocks (offer_t, one per
+ *                    request, one part per rank)
+ *   xfer_fetch()     generation rank asks for them (genreq_t, one part per
+ *                    rank, each with its plan)
+ *   part_try_start() a part whose source ranks have all published is bound
+ *                    to their memory and queued
+ *   schedule()       round-robin over queued parts, one chunk of units per
+ *                    turn, at most max_inflight_chunks in the copy engine
+ *   on_chunk_done()  back on the loop; the last chunk of the last part
+ *                    completes the genreq, which completes the offer
+ *   genreq_end() / offer_end()  the one way a request ends: mark, fence
+ *                    (wait for in-flight chunks), then finalize: event,
+ *                    references dropped, cancel replies sent
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "copy.h"
+#include "daemon.h"
+#include "log.h"
+#include "session.h"
+#include "xfer.h"
+
+#define TOKEN_LEN 16
+#define PARAMS_VERSION 1
+#define PARAMS_MAX 65536
+
+#define WHY(code, ...)                                                      \
+    do {                                                                    \
+        snprintf(why, why_len, __VA_ARGS__);                                \
+        return (code);                                                      \
+    } while (0)
+
+/* A cancel waiting for the fence. */
+typedef struct waiter {
+    uint64_t sid, req_id;
+    struct waiter *next;
+} waiter_t;
+
+struct genreq;
+
+typedef struct offer_part {
+    pool_t *pool;          /* referenced while published */
+    uint32_t *blocks;
+    uint32_t nblocks;
+} offer_part_t;
+
+typedef struct offer {
+    instance_t *inst;
+    uint64_t request_id;
+    uint8_t token[TOKEN_LEN];
+    uint32_t num_tokens;
+    plan_side_t side;      /* instance config + layout summary */
+    char preset[16];
+    uint8_t *params;       /* packed ContextParams, same for every rank */
+    size_t params_len;
+    offer_part_t *parts;   /* nranks */
+    uint32_t npublished;
+    uint64_t created_ms, deadline_ms;
+    struct genreq *consumer;
+    int ending, end_kind, end_code;
+    char end_msg[256];
+    waiter_t *waiters;
+} offer_t;
+
+typedef struct genpart {
+    struct genreq *req;
+    uint32_t rank;
+    int fetched, started, done, queued;
+    pool_t *pool;          /* referenced while fetched */
+    uint32_t *blocks;
+    uint32_t nblocks;
+    plan_t *plan;
+    uint64_t next_unit, units_done, units_per_chunk;
+    uint32_t inflight;
+    struct genpart *rq_next;
+} genpart_t;
+
+typedef struct genreq {
+    instance_t *inst;
+    uint64_t request_id;
+    offer_t *offer;        /* NULL once detached */
+    uint32_t skip_tokens;
+    genpart_t *parts;      /* nranks */
+    uint32_t nfetched, ndone;
+    uint32_t inflight;
+    uint64_t created_ms, deadline_ms;
+    uint64_t bytes_total, bytes_done;
+    int ending, end_kind, end_code;
+    char end_msg[256];
+    waiter_t *waiters;
+} genreq_t;
+
+/* Round-robin queue of parts with units left to hand out. */
+static genpart_t *rq_head, *rq_tail;
+static uint32_t nrequests;
+
+static void schedule(void);
+static void genreq_end(genreq_t *g, int kind, int code, const char *msg);
+static void offer_end(offer_t *o, int kind, int code, const char *msg);
+
+/* ---- small helpers ---------------------------------------------------- */
+
+static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
+{
+    uint8_t d = 0;
+    for (size_t i = 0; i < n; i++)
+        d |= a[i] ^ b[i];
+    return d == 0;
+}
+
+static uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+static void side_from_layout(plan_side_t *s, const instance_t *inst,
+                             const kvx_layout_t *l)
+{
+    *s = inst->side;
+    s->kv_factor = l->kv_factor;
+    s->head_dim = l->head_dim;
+    s->elem_size = l->elem_size;
+    s->dtype = l->dtype;
+    s->tokens_per_block = l->tokens_per_block;
+}
+
+/* The pool's layout must hold exactly this rank's share of the model. */
+static int check_rank_layout(const instance_t *inst, uint32_t rank,
+                             const kvx_layout_t *l, const char *what,
+                             char *why, size_t why_len)
+{
+    const plan_side_t *s = &inst->side;
+    uint32_t tp = (rank / s->cp) % s->tp, pp = rank / (s->tp * s->cp), f;
+    uint32_t nl = plan_pp_layers(s, pp, &f), nh = plan_tp_heads(s, tp, &f);
+    if (l->num_layers != nl)
+        WHY(KVX_ERR_LAYOUT,
+            "%s.pool_id: layout has %u layers, rank %u holds %u", what,
+            l->num_layers, rank, nl);
+    if (l->num_heads != nh)
+        WHY(KVX_ERR_LAYOUT,
+            "%s.pool_id: layout has %u heads, rank %u holds %u", what,
+            l->num_heads, rank, nh);
+    return 0;
+}
+
+static void waiters_reply(waiter_t *w)
+{
+    while (w) {
+        waiter_t *n = w->next;
+        session_reply(w->sid, w->req_id, 0, "");
+        free(w);
+        w = n;
+    }
+}
+
+static int waiter_add(waiter_t **list, uint64_t sid, uint64_t req_id)
+{
+    waiter_t *w = malloc(sizeof(*w));
+    if (!w)
+        return KVX_ERR_NOMEM;
+    w->sid = sid;
+    w->req_id = req_id;
+    w->next = *list;
+    *list = w;
+    return 0;
+}
+
+static void push_event(instance_t *inst, uint64_t request_id, int kind,
+                       int code, const char *msg)
+{
+    if (code)
+        kvxd_count_error(code);
+    if (batch_push(&inst->batches, request_id, kind, code, msg,
+                   kvxd_now_ms()))
+        log_error("instance %s: out of memory queueing the event of request "
+                  "%llu",
+                  inst->id, (unsigned long long)request_id);
+}
+
+/* ---- context params --------------------------------------------------- */
+
+static int params_build(offer_t *o, const kvx_layout_t *l)
+{
+    instance_t *inst = o->inst;
+    Kvxfer__ContextParams cp = KVXFER__CONTEXT_PARAMS__INIT;
+    Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
+    Kvxfer__Layout lay = KVXFER__LAYOUT__INIT;
+    cp.version = PARAMS_VERSION;
+    cp.instance_id = inst->id;
+    cp.request_id = o->request_id;
+    cp.token.data = o->token;
+    cp.token.len = TOKEN_LEN;
+    pc.tp = inst->side.tp;
+    pc.pp = inst->side.pp;
+    pc.cp = inst->side.cp;
+    pc.total_layers = inst->side.total_layers;
+    pc.total_kv_heads = inst->side.total_heads;
+    pc.n_layers_per_pp = inst->side.num_layers_per_pp;
+    pc.layers_per_pp = inst->side.layers_per_pp;
+    cp.parallel = &pc;
+    lay.preset = o->preset;
+    lay.kv_factor = l->kv_factor;
+    lay.head_dim = l->head_dim;
+    lay.elem_size = l->elem_size;
+    lay.dtype = l->dtype;
+    lay.tokens_per_block = l->tokens_per_block;
+    cp.layout = &lay;
+    cp.n_rank_addresses = inst->nranks;
+    cp.rank_addresses = inst->addresses;
+    cp.num_tokens = o->num_tokens;
+    o->params_len = kvxfer__context_params__get_packed_size(&cp);
+    if (!(o->params = malloc(o->params_len)))
+        return KVX_ERR_NOMEM;
+    kvxfer__context_params__pack(&cp, o->params);
+    return 0;
+}
+
+int xfer_params_decode(const uint8_t *buf, size_t len,
+                       Kvxfer__ContextParams **out, char *why, size_t why_len)
+{
+    if (len == 0 || len > PARAMS_MAX)
+        WHY(KVX_ERR_INVALID,
+            "fetch.context_params: %zu bytes (expected 1..%u)", len,
+            PARAMS_MAX);
+    Kvxfer__ContextParams *p = kvxfer__context_params__unpack(NULL, len, buf);
+    if (!p)
+        WHY(KVX_ERR_INVALID,
+            "fetch.context_params: not a ContextParams message");
+    const char *bad = NULL;
+    if (p->version != PARAMS_VERSION)
+        bad = "version";
+    else if (!p->instance_id[0] || strlen(p->instance_id) > INSTANCE_ID_MAX)
+        bad = "instance_id";
+    else if (p->token.len != TOKEN_LEN)
+        bad = "token";
+    else if (!p->parallel || !p->layout)
+        bad = "parallel or layout missing";
+    else if (p->n_rank_addresses < 1 || p->n_rank_addresses > KVX_MAX_RANKS)
+        bad = "rank_addresses";
+    else if (p->num_tokens == 0)
+        bad = "num_tokens";
+    if (bad) {
+        kvxfer__context_params__free_unpacked(p, NULL);
+        WHY(KVX_ERR_INVALID, "fetch.context_params: invalid %s", bad);
+    }
+    *out = p;
+    return 0;
+}
+
+/* ---- publish ---------------------------------------------------------- */
+
+static void offer_free(offer_t *o)
+{
+    for (uint32_t r = 0; r < o->inst->nranks; r++) {
+        if (o->parts[r].pool)
+            pool_unref(o->parts[r].pool);
+        free(o->parts[r].blocks);
+    }
+    free(o->parts);
+    free(o->params);
+    free(o);
+}
+
+static int offer_create(instance_t *inst, uint64_t request_id,
+                        uint32_t num_tokens, const kvx_layout_t *l,
+                        offer_t **out, char *why, size_t why_len)
+{
+    if (nrequests >= kvxd.conf.max_requests)
+        WHY(KVX_ERR_LIMIT, "publish: %u requests in flight (limits."
+                           "max_requests)",
+            nrequests);
+    offer_t *o = calloc(1, sizeof(*o));
+    if (!o)
+        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    o->inst = inst;
+    o->request_id = request_id;
+    o->num_tokens = num_tokens;
+    side_from_layout(&o->side, inst, l);
+    snprintf(o->preset, sizeof(o->preset), "%s", l->preset);
+    o->created_ms = kvxd_now_ms();
+    o->deadline_ms = o->created_ms + kvxd.conf.offer_lease_ms;
+    if (getrandom(o->token, TOKEN_LEN, 0) != TOKEN_LEN) {
+        free(o);
+        WHY(KVX_ERR_IO, "publish: getrandom failed");
+    }
+    if (!(o->parts = calloc(inst->nranks, sizeof(*o->parts))) ||
+        params_build(o, l) || map_put(&inst->offers, request_id, o)) {
+        free(o->parts);
+        free(o->params);
+        free(o);
+        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    }
+    nrequests++;
+    *out = o;
+    return 0;
+}
+
+static void part_try_start(genpart_t *p);
+
+int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
+                 pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
+                 uint32_t num_tokens, const uint8_t **params,
+                 size_t *params_len, char *why, size_t why_len)
+{
+    int rc;
+    const kvx_layout_t *l = &pool->layout;
+    if ((rc = check_rank_layout(inst, rank, l, "publish", why, why_len)))
+        return rc;
+    if (num_tokens == 0)
+        WHY(KVX_ERR_INVALID, "publish.num_tokens: 0");
+    uint32_t need = ceil_div(num_tokens, l->tokens_per_block);
+    if (nblocks < need)
+        WHY(KVX_ERR_INVALID,
+            "publish.blocks: %u blocks of %u tokens cannot hold num_tokens "
+            "%u (need %u)",
+            nblocks, l->tokens_per_block, num_tokens, need);
+
+    offer_t *o = map_get(&inst->offers, request_id);
+    if (!o) {
+        if ((rc = offer_create(inst, request_id, num_tokens, l, &o, why,
+                               why_len)))
+            return rc;
+    } else {
+        if (o->ending)
+            WHY(KVX_ERR_STATE, "publish: request %llu is ending (%s)",
+                (unsigned long long)request_id, o->end_msg);
+        if (o->parts[rank].pool)
+            WHY(KVX_ERR_EXISTS,
+                "publish: request %llu already published by rank %u",
+                (unsigned long long)request_id, rank);
+        if (o->num_tokens != num_tokens)
+            WHY(KVX_ERR_MISMATCH,
+                "publish.num_tokens: %u differs from %u published by another "
+                "rank",
+                num_tokens, o->num_tokens);
+        if (l->tokens_per_block != o->side.tokens_per_block ||
+            l->head_dim != o->side.head_dim ||
+            l->dtype != o->side.dtype || l->kv_factor != o->side.kv_factor ||
+            strcmp(l->preset, o->preset))
+            WHY(KVX_ERR_MISMATCH,
+                "publish.pool_id: layout (preset, tokens_per_block, head_dim, "
+                "dtype or kv_factor) differs from another rank's");
+    }
+    offer_part_t *part = &o->parts[rank];
+    if (!(part->blocks = malloc(need * sizeof(uint32_t))))
+        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    memcpy(part->blocks, blocks, need * sizeof(uint32_t));
+    part->nblocks = need;
+    part->pool = pool;
+    pool_ref(pool);
+    o->npublished++;
+    log_debug("publish %s/%llu rank %u: %u blocks, %u tokens", inst->id,
+              (unsigned long long)request_id, rank, need, num_tokens);
+
+    /* a consumer may be waiting for this rank */
+    if (o->consumer)
+        for (uint32_t r = 0; r < o->consumer->inst->nranks; r++)
+            part_try_start(&o->consumer->parts[r]);
+    schedule();
+    *params = o->params;
+    *params_len = o->params_len;
+    return 0;
+}
+
+/* ---- fetch ------------------------------------------------------------ */
+
+static void genreq_free(genreq_t *g)
+{
+    for (uint32_t r = 0; r < g->inst->nranks; r++) {
+        genpart_t *p = &g->parts[r];
+        if (p->pool)
+            pool_unref(p->pool);
+        free(p->blocks);
+        plan_free(p->plan);
+    }
+    free(g->parts);
+    free(g);
+}
+
+/* Bind a fetched part to its sources once they have all published. */
+static void part_try_start(genpart_t *p)
+{
+    genreq_t *g = p->req;
+    if (!p->fetched || p->started || g->ending || !g->offer)
+        return;
+    offer_t *o = g->offer;
+    plan_t *plan = p->plan;
+    for (uint32_t i = 0; i < plan->nslices; i++)
+        if (!o->parts[plan->slices[i].src_rank].pool)
+            return; /* wait for that rank's publish */
+    for (uint32_t i = 0; i < plan->nslices; i++) {
+        offer_part_t *sp = &o->parts[plan->slices[i].src_rank];
+        plan->src[i] = (plan_mem_t){sp->pool->base, &sp->pool->layout,
+                                    sp->blocks, sp->nblocks};
+    }
+    p->started = 1;
+    if (plan->nunits == 0) {
+        p->done = 1;
+        if (++g->ndone == g->inst->nlocal)
+            genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
+        return;
+    }
+    uint64_t unit = plan->bytes / plan->nunits;
+    p->units_per_chunk = unit ? kvxd.conf.copy_chunk_bytes / unit : 1;
+    if (!p->units_per_chunk)
+        p->units_per_chunk = 1;
+    p->queued = 1;
+    p->rq_next = NULL;
+    if (rq_tail)
+        rq_tail->rq_next = p;
+    else
+        rq_head = p;
+    rq_tail = p;
+}
+
+int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
+               const uint8_t *pbuf, size_t plen, pool_t *pool,
+               const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
+               char *why, size_t why_len)
+{
+    int rc;
+    Kvxfer__ContextParams *cp;
+    if ((rc = check_rank_layout(inst, rank, &pool->layout, "fetch", why,
+                                why_len)))
+        return rc;
+    if ((rc = xfer_params_decode(pbuf, plen, &cp, why, why_len)))
+        return rc;
+    /* Everything the plan needs comes from the offer, found by id and
+     * proven by the token; the rest of the params is only a locator. */
+    offer_t *o = NULL;
+    instance_t *ci = NULL;
+    for (size_t i = 0; i < cp->n_rank_addresses; i++)
+        if (strcmp(cp->rank_addresses[i], kvxd.address)) {
+            snprintf(why, why_len,
+                     "fetch.context_params: context rank %zu is served by "
+                     "daemon '%s'; transfers between daemons are not "
+                     "available in this build",
+                     i, cp->rank_addresses[i]);
+            rc = KVX_ERR_UNSUPPORTED;
+            goto out;
+        }
+    if (!(ci = instance_find(cp->instance_id))) {
+        snprintf(why, why_len,
+                 "fetch.context_params: context instance '%s' is not on this "
+                 "daemon",
+                 cp->instance_id);
+        rc = KVX_ERR_NOT_FOUND;
+        goto out;
+    }
+    if (!(o = map_get(&ci->offers, cp->request_id)) || o->ending) {
+        snprintf(why, why_len,
+                 "fetch.context_params: no offer for request %llu of "
+                 "instance '%s' (expired, cancelled, completed or never "
+                 "published)",
+                 (unsigned long long)cp->request_id, cp->instance_id);
+        rc = KVX_ERR_NOT_FOUND;
+        goto out;
+    }
+    if (!ct_equal(cp->token.data, o->token, TOKEN_LEN)) {
+        snprintf(why, why_len,
+                 "fetch.context_params: capability token does not match the "
+                 "offer of request %llu",
+                 (unsigned long long)cp->request_id);
+        log_warn("fetch %s/%llu: forged or stale capability token for offer "
+                 "%s/%llu",
+                 inst->id, (unsigned long long)request_id, ci->id,
+                 (unsigned long long)cp->request_id);
+        rc = KVX_ERR_AUTH;
+        goto out;
+    }
+
+    genreq_t *g = map_get(&inst->fetches, request_id);
+    if (g) {
+        if (g->ending) {
+            snprintf(why, why_len, "fetch: request %llu is ending (%s)",
+                     (unsigned long long)request_id, g->end_msg);
+            rc = KVX_ERR_STATE;
+            goto out;
+        }
+        if (g->offer != o) {
+            snprintf(why, why_len,
+                     "fetch.context_params: request %llu is being fetched "
+                     "from another offer by another rank",
+                     (unsigned long long)request_id);
+            rc = KVX_ERR_MISMATCH;
+            goto out;
+        }
+        if (g->parts[rank].fetched) {
+            snprintf(why, why_len,
+                     "fetch: request %llu already fetched by rank %u",
+                     (unsigned long long)request_id, rank);
+            rc = KVX_ERR_EXISTS;
+            goto out;
+        }
+        if (g->skip_tokens != skip) {
+            snprintf(why, why_len,
+                     "fetch.skip_tokens: %u differs from %u given by another "
+                     "rank",
+                     skip, g->skip_tokens);
+            rc = KVX_ERR_MISMATCH;
+            goto out;
+        }
+    } else if (o->consumer) {
+        snprintf(why, why_len,
+                 "fetch: the offer of request %llu is already taken by "
+                 "request %llu of instance '%s'",
+                 (unsigned long long)cp->request_id,
+                 (unsigned long long)o->consumer->request_id,
+                 o->consumer->inst->id);
+        rc = KVX_ERR_EXISTS;
+        goto out;
+    } else if (nrequests >= kvxd.conf.max_requests) {
+        snprintf(why, why_len,
+                 "fetch: %u requests in flight (limits.max_requests)",
+                 nrequests);
+        rc = KVX_ERR_LIMIT;
+        goto out;
+    }
+
+    plan_side_t dst;
+    plan_t *plan;
+    side_from_layout(&dst, inst, &pool->layout);
+    if ((rc = plan_build(&o->side, &dst, rank, o->num_tokens, skip, &plan,
+                         why, why_len)))
+        goto out;
+    if (nblocks < plan->dst_blocks_needed) {
+        snprintf(why, why_len,
+                 "fetch.blocks: %u blocks of %u tokens cannot hold the "
+                 "offer's %u tokens (need %u)",
+                 nblocks, dst.tokens_per_block, o->num_tokens,
+                 plan->dst_blocks_needed);
+        rc = KVX_ERR_INVALID;
+        goto err_free_plan;
+    }
+    uint32_t *bt = malloc(plan->dst_blocks_needed * sizeof(uint32_t));
+    if (!bt) {
+        snprintf(why, why_len, "fetch: out of memory");
+        rc = KVX_ERR_NOMEM;
+        goto err_free_plan;
+    }
+    memcpy(bt, blocks, plan->dst_blocks_needed * sizeof(uint32_t));
+    if (!g) {
+        g = calloc(1, sizeof(*g));
+        if (g)
+            g->parts = calloc(inst->nranks, sizeof(*g->parts));
+        if (!g || !g->parts || map_put(&inst->fetches, request_id, g)) {
+            if (g)
+                free(g->parts);
+            free(g);
+            snprintf(why, why_len, "fetch: out of memory");
+            rc = KVX_ERR_NOMEM;
+            goto err_free_bt;
+        }
+        g->inst = inst;
+        g->request_id = request_id;
+        g->offer = o;
+        g->skip_tokens = skip;
+        g->created_ms = kvxd_now_ms();
+        g->deadline_ms = g->created_ms + kvxd.conf.fetch_timeout_ms;
+        for (uint32_t r = 0; r < inst->nranks; r++) {
+            g->parts[r].req = g;
+            g->parts[r].rank = r;
+        }
+        o->consumer = g;
+        nrequests++;
+    }
+    genpart_t *p = &g->parts[rank];
+    p->fetched = 1;
+    p->pool = pool;
+    pool_ref(pool);
+    p->blocks = bt;
+    p->nblocks = plan->dst_blocks_needed;
+    p->plan = plan;
+    plan->dst = (plan_mem_t){pool->base, &pool->layout, bt, p->nblocks};
+    g->nfetched++;
+    g->bytes_total += plan->bytes;
+    log_debug("fetch %s/%llu rank %u from %s/%llu: %u slices, %llu bytes",
+              inst->id, (unsigned long long)request_id, rank, ci->id,
+              (unsigned long long)o->request_id, plan->nslices,
+              (unsigned long long)plan->bytes);
+    part_try_start(p);
+    schedule();
+    rc = 0;
+    goto out;
+
+err_free_bt:
+    free(bt);
+err_free_plan:
+    plan_free(plan);
+out:
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    return rc;
+}
+
+/* ---- scheduler -------------------------------------------------------- */
+
+static void rq_remove(genpart_t *p)
+{
+    if (!p->queued)
+        return;
+    genpart_t *prev = NULL;
+    for (genpart_t *q = rq_head; q; prev = q, q = q->rq_next)
+        if (q == p) {
+            if (prev)
+                prev->rq_next = q->rq_next;
+            else
+                rq_head = q->rq_next;
+            if (rq_tail == q)
+                rq_tail = prev;
+            break;
+        }
+    p->queued = 0;
+}
+
+static void on_chunk_done(copy_job_t *job)
+{
+    genpart_t *p = job->owner;
+    genreq_t *g = p->req;
+    uint64_t units = job->unit_end - job->unit_begin;
+    p->inflight--;
+    g->inflight--;
+    p->units_done += units;
+    g->bytes_done += job->bytes;
+    kvxd.stats.bytes_moved += job->bytes;
+    free(job);
+    if (g->ending) {
+        if (g->inflight == 0)
+            genreq_end(g, g->end_kind, g->end_code, g->end_msg);
+    } else if (p->units_done == p->plan->nunits) {
+        p->done = 1;
+        if (++g->ndone == g->inst->nlocal)
+            genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
+    }
+    schedule();
+}
+
+static void schedule(void)
+{
+    uint32_t max = kvxd.conf.max_inflight_chunks
+                       ? kvxd.conf.max_inflight_chunks
+                       : 2 * copy_threads();
+    while (rq_head && copy_inflight() < max) {
+        genpart_t *p = rq_head;
+        rq_head = p->rq_next;
+        if (!rq_head)
+            rq_tail = NULL;
+        p->queued = 0;
+        copy_job_t *job = calloc(1, sizeof(*job));
+        if (!job) {
+            log_error("xfer: out of memory for a copy job");
+            genreq_end(p->req, KVX_EVENT_ERROR, KVX_ERR_NOMEM,
+                       "daemon out of memory");
+            continue;
+        }
+        uint64_t end = p->next_unit + p->units_per_chunk;
+        if (end > p->plan->nunits)
+            end = p->plan->nunits;
+        job->plan = p->plan;
+        job->unit_begin = p->next_unit;
+        job->unit_end = end;
+        job->bytes = plan_units_bytes(p->plan, p->next_unit, end);
+        job->done = on_chunk_done;
+        job->owner = p;
+        p->next_unit = end;
+        p->inflight++;
+        p->req->inflight++;
+        if (end < p->plan->nunits) { /* back of the line: fairness */
+            p->queued = 1;
+            p->rq_next = NULL;
+            if (rq_tail)
+                rq_tail->rq_next = p;
+            else
+                rq_head = p;
+            rq_tail = p;
+        }
+        copy_submit(job);
+    }
+}
+
+/* ---- the end of a request --------------------------------------------- */
+
+static void offer_try_finalize(offer_t *o)
+{
+    if (!o->ending || o->consumer)
+        return; /* the consumer's fence comes first */
+    instance_t *inst = o->inst;
+    push_event(inst, o->request_id, o->end_kind, o->end_code, o->end_msg);
+    map_del(&inst->offers, o->request_id);
+    nrequests--;
+    log_debug("offer %s/%llu ended: %s", inst->id,
+              (unsigned long long)o->request_id,
+              o->end_kind == KVX_EVENT_COMPLETE ? "complete" : o->end_msg);
+    waiter_t *w = o->waiters;
+    offer_free(o);
+    waiters_reply(w);
+}
+
+static void offer_end(offer_t *o, int kind, int code, const char *msg)
+{
+    if (o->ending)
+        return;
+    o->ending = 1;
+    o->end_kind = kind;
+    o->end_code = code;
+    snprintf(o->end_msg, sizeof(o->end_msg), "%s", msg);
+    if (o->consumer) {
+        char m[300];
+        snprintf(m, sizeof(m), "context side: %s", msg);
+        genreq_end(o->consumer, KVX_EVENT_ERROR,
+                   code ? code : KVX_ERR_STATE, m);
+    }
+    offer_try_finalize(o);
+}
+
+static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
+{
+    if (!g->ending) {
+        g->ending = 1;
+        g->end_kind = kind;
+        g->end_code = code;
+        snprintf(g->end_msg, sizeof(g->end_msg), "%s", msg);
+        for (uint32_t r = 0; r < g->inst->nranks; r++)
+            rq_remove(&g->parts[r]);
+    }
+    if (g->inflight)
+        return; /* fence: on_chunk_done comes back here */
+
+    instance_t *inst = g->inst;
+    offer_t *o = g->offer;
+    push_event(inst, g->request_id, g->end_kind, g->end_code, g->end_msg);
+    if (g->end_kind == KVX_EVENT_COMPLETE)
+        kvxd.stats.transfers_done++;
+    map_del(&inst->fetches, g->request_id);
+    nrequests--;
+    log_debug("fetch %s/%llu ended: %s", inst->id,
+              (unsigned long long)g->request_id,
+              g->end_kind == KVX_EVENT_COMPLETE ? "complete" : g->end_msg);
+    waiter_t *w = g->waiters;
+    g->offer = NULL;
+    int kind_done = g->end_kind, code_done = g->end_code;
+    char m[300];
+    snprintf(m, sizeof(m), "generation side: %s", g->end_msg);
+    genreq_free(g);
+    if (o) {
+        o->consumer = NULL;
+        if (kind_done == KVX_EVENT_COMPLETE)
+            offer_end(o, KVX_EVENT_COMPLETE, 0, "");
+        else
+            offer_end(o, KVX_EVENT_ERROR,
+                      code_done == 0 ? KVX_ERR_STATE : code_done, m);
+        offer_try_finalize(o);
+    }
+    waiters_reply(w);
+}
+
+/* ---- cancel, cleanup, deadlines --------------------------------------- */
+
+int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
+                uint64_t req_id, char *why, size_t why_len)
+{
+    offer_t *o = map_get(&inst->offers, request_id);
+    genreq_t *g = map_get(&inst->fetches, request_id);
+    if (!o && !g)
+        WHY(KVX_ERR_NOT_FOUND,
+            "cancel.request_id: no request %llu in flight in instance %s",
+            (unsigned long long)request_id, inst->id);
+    /* Register the waiter before ending: the end may finalize at once. */
+    if ((o && waiter_add(&o->waiters, sid, req_id)) ||
+        (g && !o && waiter_add(&g->waiters, sid, req_id)))
+        WHY(KVX_ERR_NOMEM, "cancel: out of memory");
+    if (g)
+        genreq_end(g, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
+                   "cancelled by the generation side");
+    if (o)
+        offer_end(o, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
+                  "cancelled by the context side");
+    return 1;
+}
+
+void xfer_end_instance(instance_t *inst, int code, const char *msg)
+{
+    uint32_t n = inst->offers.n + inst->fetches.n;
+    void **all = calloc(n ? n : 1, sizeof(void *));
+    if (!all)
+        return;
+    uint32_t no = map_values(&inst->offers, all, n);
+    uint32_t ng = map_values(&inst->fetches, all + no, n - no);
+    for (uint32_t i = 0; i < no; i++)
+        offer_end(all[i], KVX_EVENT_ERROR, code, msg);
+    /* ending an offer may have ended (and freed) its consumer: collect
+     * the genreqs again */
+    (void)ng;
+    ng = map_values(&inst->fetches, all, n);
+    for (uint32_t i = 0; i < ng; i++)
+        genreq_end(all[i], KVX_EVENT_ERROR, code, msg);
+    free(all);
+}
+
+void xfer_end_all(int code, const char *msg)
+{
+    for (instance_t *i = instance_first(), *n; i; i = n) {
+        n = i->next;
+        xfer_end_instance(i, code, msg);
+    }
+}
+
+void xfer_end_pool_users(const pool_t *pool, int code, const char *msg)
+{
+    for (instance_t *i = instance_first(), *n; i; i = n) {
+        n = i->next;
+        uint32_t cnt = i->offers.n + i->fetches.n;
+        void **all = calloc(cnt ? cnt : 1, sizeof(void *));
+        if (!all)
+            continue;
+        uint32_t no = map_values(&i->offers, all, cnt);
+        for (uint32_t k = 0; k < no; k++) {
+            offer_t *o = all[k];
+            for (uint32_t r = 0; r < i->nranks; r++)
+                if (o->parts[r].pool == pool) {
+                    offer_end(o, KVX_EVENT_ERROR, code, msg);
+                    break;
+                }
+        }
+        uint32_t ng = map_values(&i->fetches, all, cnt);
+        for (uint32_t k = 0; k < ng; k++) {
+            genreq_t *g = all[k];
+            if (!map_get(&i->fetches, g->request_id))
+                continue;
+            for (uint32_t r = 0; r < i->nranks; r++)
+                if (g->parts[r].pool == pool) {
+                    genreq_end(g, KVX_EVENT_ERROR, code, msg);
+                    break;
+                }
+        }
+        free(all);
+    }
+}
+
+uint32_t xfer_pool_users(const pool_t *pool) { return pool->users - 1; }
+
+void xfer_tick(uint64_t now)
+{
+    for (instance_t *i = instance_first(), *n; i; i = n) {
+        n = i->next;
+        uint32_t cnt = i->offers.n + i->fetches.n;
+        if (!cnt)
+            continue;
+        void **all = calloc(cnt, sizeof(void *));
+        if (!all)
+            continue;
+        uint32_t no = map_values(&i->offers, all, cnt);
+        for (uint32_t k = 0; k < no; k++) {
+            offer_t *o = all[k];
+            /* the lease bounds an offer nobody fetches; once fetched, the
+             * fetch timeout bounds it */
+            if (!o->ending && !o->consumer && now >= o->deadline_ms) {
+                char m[128];
+                snprintf(m, sizeof(m),
+                         "offer lease of %u ms expired (%u of %u ranks "
+                         "published)",
+                         kvxd.conf.offer_lease_ms, o->npublished, i->nranks);
+                offer_end(o, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
+            }
+        }
+        uint32_t ng = map_values(&i->fetches, all, cnt);
+        for (uint32_t k = 0; k < ng; k++) {
+            genreq_t *g = all[k];
+            if (!g->ending && now >= g->deadline_ms) {
+                char m[160];
+                snprintf(m, sizeof(m),
+                         "fetch timeout of %u ms expired (%u of %u ranks "
+                         "fetched, %u done)",
+                         kvxd.conf.fetch_timeout_ms, g->nfetched,
+                         i->nlocal, g->ndone);
+                genreq_end(g, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
+            }
+        }
+        free(all);
+    }
+}
+
+uint32_t xfer_count(void) { return nrequests; }
+
+/* ---- status ----------------------------------------------------------- */
+
+static const char *offer_state(const offer_t *o)
+{
+    if (o->ending)
+        return "ending";
+    if (o->consumer)
+        return "transferring";
+    return o->npublished < o->inst->nranks ? "publishing" : "offered";
+}
+
+static const char *genreq_state(const genreq_t *g)
+{
+    if (g->ending)
+        return "ending";
+    for (uint32_t r = 0; r < g->inst->nranks; r++)
+        if (g->parts[r].fetched && !g->parts[r].started)
+            return "waiting-source";
+    return g->nfetched < g->inst->nlocal ? "fetching" : "transferring";
+}
+
+static Kvxfer__Count *count_new(const char *name, uint64_t v)
+{
+    Kvxfer__Count *c = malloc(sizeof(*c));
+    if (!c)
+        return NULL;
+    kvxfer__count__init(c);
+    c->name = strdup(name);
+    c->value = v;
+    return c;
+}
+
+void xfer_free_counts(Kvxfer__Count **c, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (c[i]) {
+            free(c[i]->name);
+            free(c[i]);
+        }
+    free(c);
+}
+
+size_t xfer_states(Kvxfer__Count ***out)
+{
+    static const char *const names[] = {"publishing", "offered",
+                                        "transferring", "waiting-source",
+                                        "fetching", "ending"};
+    uint64_t counts[6] = {0};
+    for (instance_t *i = instance_first(); i; i = i->next) {
+        uint32_t cnt = i->offers.n + i->fetches.n;
+        void **all = calloc(cnt ? cnt : 1, sizeof(void *));
+        if (!all)
+            continue;
+        uint32_t no = map_values(&i->offers, all, cnt);
+        uint32_t ng = map_values(&i->fetches, all + no, cnt - no);
+        for (uint32_t k = 0; k < no + ng; k++) {
+            const char *s = k < no ? offer_state(all[k])
+                                   : genreq_state(all[k]);
+            for (int j = 0; j < 6; j++)
+                if (!strcmp(s, names[j]))
+                    counts[j]++;
+        }
+        free(all);
+    }
+    Kvxfer__Count **c = calloc(6, sizeof(*c));
+    if (!c)
+        return 0;
+    for (int j = 0; j < 6; j++)
+        c[j] = count_new(names[j], counts[j]);
+    *out = c;
+    return 6;
+}
+
+void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (c[i]) {
+            free(c[i]->instance_id);
+            free(c[i]->detail);
+            free(c[i]);
+        }
+    free(c);
+}
+
+size_t xfer_infos(Kvxfer__RequestInfo ***out)
+{
+    size_t total = 0, k = 0;
+    for (instance_t *i = instance_first(); i; i = i->next)
+        total += i->offers.n + i->fetches.n;
+    Kvxfer__RequestInfo **v = calloc(total ? total : 1, sizeof(*v));
+    void **all = calloc(total ? total : 1, sizeof(void *));
+    if (!v || !all) {
+        free(v);
+        free(all);
+        *out = NULL;
+        return 0;
+    }
+    uint64_t now = kvxd_now_ms();
+    for (instance_t *i = instance_first(); i; i = i->next) {
+        uint32_t no = map_values(&i->offers, all, total);
+        uint32_t ng = map_values(&i->fetches, all + no, total - no);
+        for (uint32_t j = 0; j < no + ng && k < total; j++) {
+            Kvxfer__RequestInfo *r = malloc(sizeof(*r));
+            if (!r)
+                break;
+            kvxfer__request_info__init(r);
+            char detail[160];
+            r->instance_id = strdup(i->id);
+            if (j < no) {
+                offer_t *o = all[j];
+                r->request_id = o->request_id;
+                r->side = "context";
+                r->state = (char *)offer_state(o);
+                r->age_ms = now - o->created_ms;
+                snprintf(detail, sizeof(detail),
+                         "%u/%u ranks published, %u tokens, lease left %lld "
+                         "ms",
+                         o->npublished, i->nranks, o->num_tokens,
+                         (long long)o->deadline_ms - (long long)now);
+            } else {
+                genreq_t *g = all[j];
+                r->request_id = g->request_id;
+                r->side = "generation";
+                r->state = (char *)genreq_state(g);
+                r->age_ms = now - g->created_ms;
+                r->bytes_done = g->bytes_done;
+                r->bytes_total = g->bytes_total;
+                snprintf(detail, sizeof(detail),
+                         "%u/%u ranks fetched, %u done, %u chunks in flight, "
+                         "timeout in %lld ms",
+                         g->nfetched, i->nlocal, g->ndone, g->inflight,
+                         (long long)g->deadline_ms - (long long)now);
+            }
+            r->detail = strdup(detail);
+            v[k++] = r;
+        }
+    }
+    free(all);
+    *out = v;
+    return k;
+}

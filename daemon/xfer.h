@@ -1,0 +1,66 @@
+/*
+ * xfer — the life of every request: offers (context side), fetches
+ * (generation side), their plans, the chunk scheduler that feeds the copy
+ * engine, deadlines, cancel, and the terminal events.
+ *
+ * Owns offers and genreqs (indexed in their instance's maps), their block
+ * tables, plans and copy jobs, and one pool reference per part. The rule
+ * it enforces: a request's terminal event is queued, and a cancel is
+ * answered, only after its last copy job has come back (the fence), so
+ * the daemon never touches those blocks afterwards.
+ */
+#ifndef KVX_XFER_H
+#define KVX_XFER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "instance.h"
+#include "kvxfer.pb-c.h"
+#include "pool.h"
+
+/* Offer blocks of pool for request_id from rank. On success *params is
+ * the packed ContextParams (owned by the offer; valid until the next loop
+ * turn). */
+int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
+                 pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
+                 uint32_t num_tokens, const uint8_t **params,
+                 size_t *params_len, char *why, size_t why_len);
+
+/* Fill blocks of pool for request_id at rank from the offer params name. */
+int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
+               const uint8_t *params, size_t params_len, pool_t *pool,
+               const uint32_t *blocks, uint32_t nblocks, uint32_t skip_tokens,
+               char *why, size_t why_len);
+
+/* Cancel request_id of inst. Returns 0 when done (reply now), 1 when the
+ * reply to (sid, req_id) is sent after the fence, or an error. */
+int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
+                uint64_t req_id, char *why, size_t why_len);
+
+/* End every request of inst with ERROR code. */
+void xfer_end_instance(instance_t *inst, int code, const char *msg);
+/* End every request (drain). */
+void xfer_end_all(int code, const char *msg);
+/* Pools of a session are going: end the requests that use them. */
+void xfer_end_pool_users(const pool_t *pool, int code, const char *msg);
+/* Does any request hold pool? */
+uint32_t xfer_pool_users(const pool_t *pool);
+
+/* Deadlines (lease, fetch timeout). */
+void xfer_tick(uint64_t now_ms);
+/* Requests not yet finalized. */
+uint32_t xfer_count(void);
+
+/* For status/list: counts by state, and per-request infos. */
+size_t xfer_states(Kvxfer__Count ***out);
+size_t xfer_infos(Kvxfer__RequestInfo ***out);
+void xfer_free_counts(Kvxfer__Count **c, size_t n);
+void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n);
+
+/* Decode and validate context params (exposed for fuzzing). */
+int xfer_params_decode(const uint8_t *buf, size_t len,
+                       Kvxfer__ContextParams **out, char *why,
+                       size_t why_len);
+
+#endif /* KVX_XFER_H */

@@ -1,0 +1,20 @@
+#!/bin/sh
+# Install the Debian packages kvxfer builds against, if any is missing.
+# As root: installs them. Otherwise: prints the exact apt-get line and fails.
+set -e
+PKGS="build-essential pkg-config libuv1-dev libucx-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev"
+missing=""
+for p in $PKGS; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+if [ "$(id -u)" = 0 ]; then
+    echo "deps: installing:$missing"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y --no-install-recommends $missing >/dev/null 2>&1 || {
+        apt-get update >/dev/null && apt-get install -y --no-install-recommends $missing; }
+else
+    echo "deps: missing packages:$missing" >&2
+    echo "deps: run: sudo apt-get install -y$missing" >&2
+    exit 1
+fi
