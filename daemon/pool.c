@@ -62,7 +62,9 @@ int pool_register_host(uint64_t session_id, int fd, uint64_t size,
         WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_close_fd;
     }
-    p->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    /* populate now: page faults at registration, not during copies */
+    p->base = mmap(NULL, size, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_POPULATE, fd, 0);
     if (p->base == MAP_FAILED) {
         log_error("pool: mmap of %llu bytes: %m", (unsigned long long)size);
         WHY(KVX_ERR_NOMEM, "register_pool: mmap of %llu bytes failed: %s",

@@ -53,16 +53,17 @@ static uint64_t next_sid = 1;
 
 static void session_close(session_t *s, const char *why);
 static void flush(session_t *s);
+static void on_io(uv_poll_t *h, int status, int events);
 
 /* ---- output ----------------------------------------------------------- */
 
 static void want_events(session_t *s)
 {
-    int ev = UV_READABLE | (s->out_len > s->out_off ? UV_WRITABLE : 0);
+    int ev = UV_READABLE | UV_DISCONNECT | (s->out_len > s->out_off ? UV_WRITABLE : 0);
     if (s->closing || ev == s->poll_events)
         return;
     s->poll_events = ev;
-    uv_poll_start(&s->poll, ev, NULL); /* callback kept from first start */
+    uv_poll_start(&s->poll, ev, on_io);
 }
 
 static void reply_packed(session_t *s, const Kvxfer__Reply *r)

@@ -747,12 +747,13 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     genreq_free(g);
     if (o) {
         o->consumer = NULL;
-        if (kind_done == KVX_EVENT_COMPLETE)
+        if (o->ending) /* the offer ended first and waited for this fence */
+            offer_try_finalize(o);
+        else if (kind_done == KVX_EVENT_COMPLETE)
             offer_end(o, KVX_EVENT_COMPLETE, 0, "");
         else
             offer_end(o, KVX_EVENT_ERROR,
                       code_done == 0 ? KVX_ERR_STATE : code_done, m);
-        offer_try_finalize(o);
     }
     waiters_reply(w);
 }

@@ -229,9 +229,10 @@ TEST(defaults_sane)
     /* The defaults pass the loader's own rules. */
     check_valid(&c);
     for (size_t i = 0; i < NKEYS; i++) {
-        char why[256];
-        if (keys[i].check)
+        if (keys[i].check) {
+            char why[256];
             CHECK_EQ(keys[i].check(&c, why, sizeof(why)), 0);
+        }
     }
     /* Fully written: no byte depends on what was there before. */
     kvx_conf_t z;
@@ -675,6 +676,21 @@ TEST(err_wrong_type)
                   "1..4096)\n"
                   "  max_pools:\n"
                   "            ^\n");
+    /* A long value is echoed cut short, control characters masked. */
+    expect_errors("limits:\n  max_sessions: \"0123456789abcdefghij0123456789"
+                  "abcdefghij\\tXYZ\"\n",
+                  1,
+                  "F:2:17: limits.max_sessions: invalid value \"0123456789"
+                  "abcdefghij0123456789abcdefghij...\" (expected an integer "
+                  "1..65536)\n"
+                  "  max_sessions: \"0123456789abcdefghij0123456789abcdefghij"
+                  "\\tXYZ\"\n"
+                  "                ^\n");
+    expect_errors("limits:\n  max_sessions: \"1\\x01\"\n", 1,
+                  "F:2:17: limits.max_sessions: invalid value \"1?\" "
+                  "(expected an integer 1..65536)\n"
+                  "  max_sessions: \"1\\x01\"\n"
+                  "                ^\n");
     expect_errors("socket:\n  group: \"a\\0b\"\n", 1,
                   "F:2:10: socket.group: value contains a NUL character "
                   "(expected a string of at most 63 characters)\n"

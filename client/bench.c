@@ -1,0 +1,665 @@
+/*
+ * kvxfer-bench — drive a real kvxferd with synthetic engine ranks.
+ *
+ * N context ranks and M generation ranks run as separate processes, each
+ * with its own connection and host pool, exactly as engines would. Context
+ * ranks fill their blocks with a reference pattern and publish; the parent
+ * plays the router (context params travel through shared memory);
+ * generation ranks fetch with up to --window requests outstanding and poll
+ * for completions. Every destination byte is checked against the pattern,
+ * computed from (request, layer, kv, token, head) alone, never through the
+ * daemon's plan. The baseline is memcpy of the same number of bytes in the
+ * same run; the ratio is reported beside it.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <stdarg.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvxfer.h"
+
+#define PARAMS_SLOT 2048
+#define TIMEOUT_MS 30000
+
+static struct opts {
+    const char *socket;
+    int spawn;
+    uint32_t ctx_ranks, gen_ranks, requests, blocks, window;
+    const char *layout;
+    uint32_t layers, heads, head_dim, tpb;
+    kvx_dtype_t dtype;
+    int json;
+    uint64_t pool_cap_mib;
+    int no_verify;
+    const char *daemon_config;
+} o = {
+    .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
+    .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
+    .head_dim = 128, .tpb = 16, .dtype = KVX_DTYPE_BF16,
+    .pool_cap_mib = 2048,
+};
+
+/* Shared between the parent and the rank processes. */
+struct shared {
+    _Atomic uint32_t ready;          /* ranks connected and registered */
+    _Atomic uint32_t go;
+    _Atomic uint32_t failed;
+    char address[192];
+    _Atomic uint64_t first_fetch_ns, last_done_ns;
+    _Atomic uint64_t mismatches, verified_bytes, errors;
+    char error_text[512];
+    /* then: params slots, then latencies of gen rank 0 */
+};
+
+static struct shared *sh;
+static uint8_t *slots;        /* requests x PARAMS_SLOT: u32 ready, u32 len, data */
+static uint64_t *lat_ns;      /* requests */
+static uint32_t reqs_in_pool; /* requests that fit the pool at once */
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    char buf[512];
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    if (sh) {
+        if (atomic_fetch_add(&sh->failed, 1) == 0)
+            snprintf(sh->error_text, sizeof(sh->error_text), "%s", buf);
+    }
+    fprintf(stderr, "kvxfer-bench: %s\n", buf);
+    exit(1);
+}
+
+#define CHECK_KVX(call, c)                                                  \
+    do {                                                                    \
+        int rc_ = (call);                                                   \
+        if (rc_)                                                            \
+            die("%s: %s: %s", #call, kvx_status_str(rc_),                   \
+                kvx_last_error(c));                                         \
+    } while (0)
+
+/* ---- reference pattern ------------------------------------------------ */
+
+static inline uint64_t mix(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* The bytes of one (request, layer, kv, token, head) row of head_dim
+ * elements, in global coordinates. */
+static inline void row_fill(uint8_t *dst, uint32_t rowbytes, uint64_t r,
+                            uint32_t l, uint32_t kv, uint32_t t, uint32_t h)
+{
+    uint64_t seed = mix(r * 0x9E3779B97F4A7C15ULL ^ ((uint64_t)l << 48) ^
+                        ((uint64_t)kv << 47) ^ ((uint64_t)t << 20) ^ h);
+    uint32_t i = 0;
+    for (; i + 8 <= rowbytes; i += 8) {
+        uint64_t w = seed + i * 0x9E3779B97F4A7C15ULL;
+        memcpy(dst + i, &w, 8);
+    }
+    if (i < rowbytes) {
+        uint64_t w = seed + i * 0x9E3779B97F4A7C15ULL;
+        memcpy(dst + i, &w, rowbytes - i);
+    }
+}
+
+static inline int row_check(const uint8_t *src, uint32_t rowbytes, uint64_t r,
+                            uint32_t l, uint32_t kv, uint32_t t, uint32_t h)
+{
+    uint8_t want[4096];
+    uint32_t n = rowbytes <= sizeof(want) ? rowbytes : sizeof(want);
+    row_fill(want, n, r, l, kv, t, h);
+    return memcmp(src, want, n) == 0;
+}
+
+/* Visit every row of request r held by one rank's blocks. */
+typedef struct rank_view {
+    uint8_t *base;
+    kvx_layout_t layout;
+    uint32_t head0;       /* first global head of the rank */
+} rank_view_t;
+
+static uint32_t req_block(uint64_t r, uint32_t i)
+{
+    return (uint32_t)((r % reqs_in_pool) * o.blocks + i);
+}
+
+static void fill_request(const rank_view_t *v, uint64_t r)
+{
+    const kvx_layout_t *l = &v->layout;
+    uint32_t rowbytes = l->head_dim * l->elem_size;
+    for (uint32_t b = 0; b < o.blocks; b++)
+        for (uint32_t layer = 0; layer < l->num_layers; layer++)
+            for (uint32_t kv = 0; kv < l->kv_factor; kv++)
+                for (uint32_t t = 0; t < l->tokens_per_block; t++)
+                    for (uint32_t h = 0; h < l->num_heads; h++)
+                        row_fill(v->base + kvx_layout_offset(
+                                               l, layer, kv, req_block(r, b),
+                                               t, h),
+                                 rowbytes, r, layer, kv,
+                                 b * l->tokens_per_block + t, v->head0 + h);
+}
+
+static uint64_t check_request(const rank_view_t *v, uint64_t r)
+{
+    const kvx_layout_t *l = &v->layout;
+    uint32_t rowbytes = l->head_dim * l->elem_size;
+    uint64_t bad = 0;
+    for (uint32_t b = 0; b < o.blocks; b++)
+        for (uint32_t layer = 0; layer < l->num_layers; layer++)
+            for (uint32_t kv = 0; kv < l->kv_factor; kv++)
+                for (uint32_t t = 0; t < l->tokens_per_block; t++)
+                    for (uint32_t h = 0; h < l->num_heads; h++)
+                        bad += !row_check(
+                            v->base + kvx_layout_offset(l, layer, kv,
+                                                        req_block(r, b), t,
+                                                        h),
+                            rowbytes, r, layer, kv,
+                            b * l->tokens_per_block + t, v->head0 + h);
+    return bad;
+}
+
+/* ---- ranks ------------------------------------------------------------ */
+
+static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
+                               uint32_t rank, uint32_t tp, rank_view_t *v,
+                               uint32_t *pool_id)
+{
+    kvx_hello_t h = {.instance_id = inst, .role = role, .rank = rank,
+                     .parallel = {.tp = tp, .pp = 1, .cp = 1,
+                                  .total_layers = o.layers,
+                                  .total_kv_heads = o.heads}};
+    kvx_client_t *c;
+    int rc = kvx_connect(o.socket, &h, TIMEOUT_MS, &c);
+    if (rc)
+        die("connect %s rank %u to %s: %s", inst, rank, o.socket,
+            kvx_status_str(rc));
+    char addr[192];
+    CHECK_KVX(kvxfer_daemon_address(c, addr, sizeof(addr)), c);
+    /* engines allgather the addresses; here every rank is on one daemon */
+    const char **addrs = calloc(tp, sizeof(char *));
+    for (uint32_t i = 0; i < tp; i++)
+        addrs[i] = addr;
+    CHECK_KVX(kvx_join(c, addrs, tp, TIMEOUT_MS), c);
+    free(addrs);
+    uint32_t heads = o.heads >= tp ? o.heads / tp : 1;
+    v->head0 = o.heads >= tp ? rank * heads : rank / (tp / o.heads);
+    uint32_t nblocks = reqs_in_pool * o.blocks;
+    if (kvx_layout_preset(o.layout, o.layers, 2, heads, o.head_dim, o.dtype,
+                          o.tpb, nblocks, &v->layout))
+        die("layout preset '%s' rejects these dimensions", o.layout);
+    uint64_t size = kvx_layout_span(&v->layout);
+    void *base;
+    CHECK_KVX(kvx_pool_create_host(c, &v->layout, size, &base, pool_id,
+                                   TIMEOUT_MS),
+              c);
+    v->base = base;
+    memset(v->base, 0, size); /* fault the pages in before timing */
+    return c;
+}
+
+static void wait_go(void)
+{
+    atomic_fetch_add(&sh->ready, 1);
+    while (!atomic_load(&sh->go)) {
+        if (atomic_load(&sh->failed))
+            exit(1);
+        usleep(100);
+    }
+}
+
+static void ctx_main(uint32_t rank)
+{
+    rank_view_t v;
+    uint32_t pool;
+    kvx_client_t *c = rank_open("bench-ctx", KVX_ROLE_CONTEXT, rank,
+                                o.ctx_ranks, &v, &pool);
+    int reuse = reqs_in_pool < o.requests;
+    if (!reuse)
+        for (uint64_t r = 0; r < o.requests; r++)
+            fill_request(&v, r);
+    wait_go();
+    uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
+    uint64_t published = 0, done = 0;
+    while (done < o.requests) {
+        if (published < o.requests && published - done < reqs_in_pool) {
+            uint64_t r = published;
+            if (reuse)
+                fill_request(&v, r);
+            for (uint32_t i = 0; i < o.blocks; i++)
+                bt[i] = req_block(r, i);
+            kvx_context_params_t p;
+            CHECK_KVX(kvx_publish(c, r, pool, bt, o.blocks, o.blocks * o.tpb,
+                                  &p, TIMEOUT_MS),
+                      c);
+            if (rank == 0) {
+                if (p.len > PARAMS_SLOT - 8)
+                    die("context params of %zu bytes", p.len);
+                uint8_t *s = slots + r * PARAMS_SLOT;
+                memcpy(s + 8, p.data, p.len);
+                ((uint32_t *)s)[1] = (uint32_t)p.len;
+                atomic_store_explicit((_Atomic uint32_t *)s, 1,
+                                      memory_order_release);
+            }
+            kvx_context_params_free(&p);
+            published++;
+            continue;
+        }
+        kvx_batch_t *b;
+        CHECK_KVX(kvx_poll(c, 1, 1000, &b), c);
+        for (uint32_t i = 0; i < b->num_events; i++) {
+            if (b->events[i].kind != KVX_EVENT_COMPLETE)
+                die("context request %llu: %s",
+                    (unsigned long long)b->events[i].request_id,
+                    b->events[i].message);
+            done++;
+        }
+        kvx_batch_free(b);
+    }
+    free(bt);
+    kvx_close(c);
+    exit(0);
+}
+
+static void gen_main(uint32_t rank)
+{
+    rank_view_t v;
+    uint32_t pool;
+    kvx_client_t *c = rank_open("bench-gen", KVX_ROLE_GENERATION, rank,
+                                o.gen_ranks, &v, &pool);
+    int reuse = reqs_in_pool < o.requests;
+    uint64_t *t0 = calloc(o.requests, sizeof(uint64_t));
+    uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
+    uint64_t next = 0, done = 0, bad = 0, checked = 0;
+    uint32_t window = o.window < reqs_in_pool ? o.window : reqs_in_pool;
+    wait_go();
+    while (done < o.requests) {
+        if (next < o.requests && next - done < window) {
+            uint8_t *s = slots + next * PARAMS_SLOT;
+            if (!atomic_load_explicit((_Atomic uint32_t *)s,
+                                      memory_order_acquire)) {
+                if (next == done) { /* nothing to poll for: wait a bit */
+                    struct timespec ts = {0, 2000};
+                    nanosleep(&ts, NULL);
+                    continue;
+                }
+                goto poll;
+            }
+            for (uint32_t i = 0; i < o.blocks; i++)
+                bt[i] = req_block(next, i);
+            t0[next] = now_ns();
+            uint64_t zero = 0;
+            atomic_compare_exchange_strong(&sh->first_fetch_ns, &zero,
+                                           t0[next]);
+            CHECK_KVX(kvx_fetch(c, next, s + 8, ((uint32_t *)s)[1], pool, bt,
+                                o.blocks, 0, TIMEOUT_MS),
+                      c);
+            next++;
+            continue;
+        }
+    poll:;
+        kvx_batch_t *b;
+        CHECK_KVX(kvx_poll(c, 1, 1000, &b), c);
+        uint64_t t = now_ns();
+        for (uint32_t i = 0; i < b->num_events; i++) {
+            const kvx_event_t *e = &b->events[i];
+            if (e->kind != KVX_EVENT_COMPLETE)
+                die("generation request %llu: %s (%s)",
+                    (unsigned long long)e->request_id, e->message,
+                    kvx_status_name(e->code));
+            if (rank == 0)
+                lat_ns[e->request_id] = t - t0[e->request_id];
+            if (reuse && !o.no_verify) {
+                bad += check_request(&v, e->request_id);
+                checked++;
+            }
+            done++;
+        }
+        kvx_batch_free(b);
+    }
+    uint64_t end = now_ns(), prev = atomic_load(&sh->last_done_ns);
+    while (end > prev &&
+           !atomic_compare_exchange_weak(&sh->last_done_ns, &prev, end))
+        ;
+    if (!reuse && !o.no_verify)
+        for (uint64_t r = 0; r < o.requests; r++, checked++)
+            bad += check_request(&v, r);
+    uint64_t per_req = (uint64_t)o.blocks * o.tpb * o.layers * 2 *
+                       v.layout.num_heads * o.head_dim *
+                       kvx_dtype_size(o.dtype);
+    atomic_fetch_add(&sh->mismatches, bad);
+    atomic_fetch_add(&sh->verified_bytes, checked * per_req);
+    free(t0);
+    free(bt);
+    kvx_close(c);
+    exit(0);
+}
+
+/* ---- parent: daemon, baseline, report --------------------------------- */
+
+static pid_t spawn_daemon(char *sock, size_t len)
+{
+    char exe[PATH_MAX], daemon[PATH_MAX + 16];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n <= 0)
+        die("readlink /proc/self/exe: %s", strerror(errno));
+    exe[n] = 0;
+    char *slash = strrchr(exe, '/');
+    *slash = 0;
+    const char *env = getenv("KVXFERD");
+    snprintf(daemon, sizeof(daemon), "%s", env ? env : exe);
+    if (!env)
+        strcat(daemon, "/kvxferd");
+    snprintf(sock, len, "/tmp/kvxfer-bench-%d.sock", (int)getpid());
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (!getenv("KVX_BENCH_DAEMON_LOG")) {
+            int fd = open("/dev/null", O_WRONLY);
+            if (fd >= 0)
+                dup2(fd, 2);
+        }
+        if (o.daemon_config)
+            execl(daemon, daemon, "--socket", sock, "--config",
+                  o.daemon_config, (char *)NULL);
+        else
+            execl(daemon, daemon, "--socket", sock, (char *)NULL);
+        fprintf(stderr, "kvxfer-bench: exec %s: %s\n", daemon,
+                strerror(errno));
+        _exit(127);
+    }
+    for (int i = 0; i < 500; i++) { /* up to 5 s */
+        kvx_client_t *c;
+        if (kvx_connect_observer(sock, 100, &c) == 0) {
+            kvx_close(c);
+            return pid;
+        }
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid)
+            die("daemon %s exited during start", daemon);
+        usleep(10000);
+    }
+    kill(pid, SIGKILL);
+    die("daemon %s did not start listening on %s", daemon, sock);
+    return -1;
+}
+
+static double memcpy_baseline(uint64_t total)
+{
+    uint64_t len = total < (1ull << 30) ? total : (1ull << 30);
+    uint8_t *a = malloc(len), *b = malloc(len);
+    if (!a || !b)
+        die("baseline: out of memory for 2 x %llu bytes",
+            (unsigned long long)len);
+    memset(a, 1, len);
+    memset(b, 2, len);
+    uint64_t t0 = now_ns(), done = 0;
+    while (done < total) {
+        uint64_t n = total - done < len ? total - done : len;
+        memcpy(b, a, n);
+        done += n;
+    }
+    uint64_t dt = now_ns() - t0;
+    volatile uint8_t sink = b[len / 2];
+    (void)sink;
+    free(a);
+    free(b);
+    return (double)total / (double)dt;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+        "usage: kvxfer-bench [--socket PATH | --spawn-daemon] [options]\n"
+        "  --ctx-ranks N          context ranks (TP), default 1\n"
+        "  --gen-ranks M          generation ranks (TP), default 1\n"
+        "  --requests R           requests, default 64\n"
+        "  --blocks B             blocks per request, default 256\n"
+        "  --window W             requests outstanding per gen rank, "
+        "default 16\n"
+        "  --layout PRESET        trtllm, vllm-nhd, vllm-hnd, flashinfer, "
+        "sglang, mla\n"
+        "  --layers L --heads H --head-dim D --tokens-per-block T\n"
+        "  --dtype fp32|fp16|bf16|fp8|int8\n"
+        "  --pool-mib N           cap per rank pool (blocks are reused), "
+        "default 2048\n"
+        "  --no-verify            skip the byte check\n"
+        "  --daemon-config FILE   config for --spawn-daemon\n"
+        "  --json                 one JSON object on stdout\n");
+}
+
+static uint32_t arg_u32(const char *name, const char *v, uint32_t min,
+                        uint32_t max)
+{
+    char *end;
+    errno = 0;
+    unsigned long x = strtoul(v, &end, 10);
+    if (errno || *end || !*v || x < min || x > max) {
+        fprintf(stderr, "kvxfer-bench: --%s: '%s' is not an integer in "
+                        "%u..%u\n",
+                name, v, min, max);
+        exit(2);
+    }
+    return (uint32_t)x;
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        {"socket", required_argument, NULL, 's'},
+        {"spawn-daemon", no_argument, NULL, 'S'},
+        {"ctx-ranks", required_argument, NULL, 'N'},
+        {"gen-ranks", required_argument, NULL, 'M'},
+        {"requests", required_argument, NULL, 'R'},
+        {"blocks", required_argument, NULL, 'B'},
+        {"window", required_argument, NULL, 'W'},
+        {"layout", required_argument, NULL, 'l'},
+        {"layers", required_argument, NULL, 'L'},
+        {"heads", required_argument, NULL, 'H'},
+        {"head-dim", required_argument, NULL, 'D'},
+        {"tokens-per-block", required_argument, NULL, 'T'},
+        {"dtype", required_argument, NULL, 'd'},
+        {"pool-mib", required_argument, NULL, 'P'},
+        {"no-verify", no_argument, NULL, 'n'},
+        {"daemon-config", required_argument, NULL, 'C'},
+        {"json", no_argument, NULL, 'j'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
+    int opt;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 's': o.socket = optarg; break;
+        case 'S': o.spawn = 1; break;
+        case 'N': o.ctx_ranks = arg_u32("ctx-ranks", optarg, 1, 64); break;
+        case 'M': o.gen_ranks = arg_u32("gen-ranks", optarg, 1, 64); break;
+        case 'R': o.requests = arg_u32("requests", optarg, 1, 10000000); break;
+        case 'B': o.blocks = arg_u32("blocks", optarg, 1, 10000000); break;
+        case 'W': o.window = arg_u32("window", optarg, 1, 65536); break;
+        case 'l': o.layout = optarg; break;
+        case 'L': o.layers = arg_u32("layers", optarg, 1, KVX_MAX_LAYERS); break;
+        case 'H': o.heads = arg_u32("heads", optarg, 1, 4096); break;
+        case 'D': o.head_dim = arg_u32("head-dim", optarg, 1, 2048); break;
+        case 'T': o.tpb = arg_u32("tokens-per-block", optarg, 1, 65536); break;
+        case 'P': o.pool_cap_mib = arg_u32("pool-mib", optarg, 1, 1 << 20); break;
+        case 'n': o.no_verify = 1; break;
+        case 'C': o.daemon_config = optarg; break;
+        case 'j': o.json = 1; break;
+        case 'd':
+            if (kvx_dtype_parse(optarg, &o.dtype)) {
+                fprintf(stderr, "kvxfer-bench: --dtype: unknown '%s'\n",
+                        optarg);
+                return 2;
+            }
+            break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (!o.spawn && !o.socket)
+        o.socket = KVX_DEFAULT_SOCKET;
+    uint32_t kvf = strcmp(o.layout, "mla") ? 2 : 1;
+    if (kvf == 1 || !strcmp(o.layout, "sglang")) {
+        fprintf(stderr, "kvxfer-bench: preset '%s' needs its own shape "
+                        "(mla: 1 head, kv 1; sglang: 1 token per block); "
+                        "not driven by this bench yet\n", o.layout);
+        return 2;
+    }
+    kvx_layout_t probe;
+    if (kvx_layout_preset(o.layout, o.layers, 2, 1, o.head_dim, o.dtype,
+                          o.tpb, 1, &probe)) {
+        fprintf(stderr, "kvxfer-bench: --layout: unknown preset '%s'\n",
+                o.layout);
+        return 2;
+    }
+    uint32_t maxr = o.ctx_ranks > o.gen_ranks ? o.ctx_ranks : o.gen_ranks;
+    if ((o.heads >= maxr && (o.heads % o.ctx_ranks || o.heads % o.gen_ranks)) ||
+        (o.heads < maxr && maxr % o.heads)) {
+        fprintf(stderr, "kvxfer-bench: --heads %u must split evenly over "
+                        "%u and %u ranks\n",
+                o.heads, o.ctx_ranks, o.gen_ranks);
+        return 2;
+    }
+
+    /* bytes: per rank pool, and the whole transfer */
+    uint32_t minr = o.ctx_ranks < o.gen_ranks ? o.ctx_ranks : o.gen_ranks;
+    uint64_t block_bytes = (uint64_t)o.tpb * o.layers * 2 *
+                           (o.heads >= minr ? o.heads / minr : 1) *
+                           o.head_dim * kvx_dtype_size(o.dtype);
+    uint64_t fit = (o.pool_cap_mib << 20) / (block_bytes * o.blocks);
+    if (fit == 0) {
+        fprintf(stderr, "kvxfer-bench: one request (%llu bytes per rank) "
+                        "exceeds --pool-mib %llu\n",
+                (unsigned long long)(block_bytes * o.blocks),
+                (unsigned long long)o.pool_cap_mib);
+        return 2;
+    }
+    reqs_in_pool = fit < o.requests ? (uint32_t)fit : o.requests;
+    uint32_t gen_heads = o.heads >= o.gen_ranks ? o.heads / o.gen_ranks : 1;
+    uint64_t total = (uint64_t)o.requests * o.blocks * o.tpb * o.layers * 2 *
+                     gen_heads * o.gen_ranks * o.head_dim *
+                     kvx_dtype_size(o.dtype);
+
+    size_t shlen = sizeof(struct shared) + (size_t)o.requests * PARAMS_SLOT +
+                   (size_t)o.requests * sizeof(uint64_t);
+    void *m = mmap(NULL, shlen, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        die("mmap %zu shared bytes: %s", shlen, strerror(errno));
+    sh = m;
+    slots = (uint8_t *)(sh + 1);
+    lat_ns = (uint64_t *)(slots + (size_t)o.requests * PARAMS_SLOT);
+
+    char sock[128];
+    pid_t dpid = -1;
+    if (o.spawn) {
+        dpid = spawn_daemon(sock, sizeof(sock));
+        o.socket = sock;
+    }
+
+    double base = memcpy_baseline(total);
+
+    uint32_t nproc = o.ctx_ranks + o.gen_ranks;
+    pid_t *kids = calloc(nproc, sizeof(pid_t));
+    for (uint32_t i = 0; i < nproc; i++) {
+        pid_t p = fork();
+        if (p == 0) {
+            if (i < o.ctx_ranks)
+                ctx_main(i);
+            else
+                gen_main(i - o.ctx_ranks);
+        }
+        kids[i] = p;
+    }
+    while (atomic_load(&sh->ready) < nproc && !atomic_load(&sh->failed))
+        usleep(1000);
+    atomic_store(&sh->go, 1);
+    int failed = 0;
+    for (uint32_t i = 0; i < nproc; i++) {
+        int st;
+        waitpid(kids[i], &st, 0);
+        failed |= !WIFEXITED(st) || WEXITSTATUS(st);
+        if (failed && !atomic_load(&sh->failed))
+            atomic_fetch_add(&sh->failed, 1);
+    }
+    if (dpid > 0) {
+        kill(dpid, SIGTERM);
+        waitpid(dpid, NULL, 0);
+    }
+    if (failed) {
+        fprintf(stderr, "kvxfer-bench: failed: %s\n",
+                sh->error_text[0] ? sh->error_text : "a rank crashed");
+        return 1;
+    }
+
+    double secs = (double)(sh->last_done_ns - sh->first_fetch_ns) / 1e9;
+    double gbps = (double)total / secs / 1e9;
+    qsort(lat_ns, o.requests, sizeof(uint64_t), cmp_u64);
+    double p50 = lat_ns[o.requests / 2] / 1e3;
+    double p99 = lat_ns[(o.requests * 99) / 100 < o.requests
+                            ? (o.requests * 99) / 100
+                            : o.requests - 1] / 1e3;
+    int verified = !o.no_verify && sh->mismatches == 0 &&
+                   sh->verified_bytes == total;
+    if (o.json) {
+        printf("{\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,"
+               "\"verified\":%s,\"requests_per_s\":%.0f,\"p50_us\":%.1f,"
+               "\"p99_us\":%.1f,\"bytes\":%llu,\"requests\":%u,\"blocks\":%u,"
+               "\"layout\":\"%s\",\"ctx_ranks\":%u,\"gen_ranks\":%u,"
+               "\"window\":%u,\"mismatched_rows\":%llu,\"seconds\":%.4f}\n",
+               gbps, base, gbps / base, verified ? "true" : "false",
+               o.requests / secs, p50, p99, (unsigned long long)total,
+               o.requests, o.blocks, o.layout, o.ctx_ranks, o.gen_ranks,
+               o.window, (unsigned long long)sh->mismatches, secs);
+    } else {
+        printf("kvxfer-bench: %u ctx -> %u gen ranks, %u requests x %u "
+               "blocks, %s, %u layers x %u heads x %u dim, %u tokens/block, "
+               "%s, window %u\n",
+               o.ctx_ranks, o.gen_ranks, o.requests, o.blocks, o.layout,
+               o.layers, o.heads, o.head_dim, o.tpb, kvx_dtype_name(o.dtype),
+               o.window);
+        printf("  %-22s %12.3f GB/s  (%.1f MiB in %.4f s)\n", "kvxferd",
+               gbps, total / 1048576.0, secs);
+        printf("  %-22s %12.3f GB/s  (same bytes, same run)\n",
+               "memcpy baseline", base);
+        printf("  %-22s %12.3f\n", "ratio", gbps / base);
+        printf("  %-22s %12.0f\n", "requests/s", o.requests / secs);
+        printf("  %-22s %12.1f us\n", "latency p50", p50);
+        printf("  %-22s %12.1f us\n", "latency p99", p99);
+        printf("  %-22s %12s  (%llu mismatched rows)\n", "verified",
+               o.no_verify ? "skipped" : verified ? "yes" : "NO",
+               (unsigned long long)sh->mismatches);
+    }
+    return o.no_verify || verified ? 0 : 1;
+}
