@@ -33,6 +33,9 @@
 
 #define PARAMS_SLOT 2048
 #define TIMEOUT_MS 30000
+/* Warm-up requests use ids from here; their params use slots after the
+ * timed requests' slots. */
+#define WARM_BASE (1ull << 40)
 
 static struct opts {
     const char *socket;
@@ -43,7 +46,7 @@ static struct opts {
     kvx_dtype_t dtype;
     int json;
     uint64_t pool_cap_mib;
-    int no_verify;
+    int no_verify, no_warmup;
     const char *daemon_config;
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
@@ -56,6 +59,7 @@ static struct opts {
 struct shared {
     _Atomic uint32_t ready;          /* ranks connected and registered */
     _Atomic uint32_t go;
+    _Atomic uint32_t ready2, go2;     /* between warm-up and timed pass */
     _Atomic uint32_t failed;
     char address[192];
     _Atomic uint64_t first_fetch_ns, last_done_ns;
@@ -146,8 +150,16 @@ typedef struct rank_view {
     uint32_t head0;       /* first global head of the rank */
 } rank_view_t;
 
+static uint8_t *slot_of(uint64_t r)
+{
+    uint64_t idx = r >= WARM_BASE ? o.requests + (r - WARM_BASE) : r;
+    return slots + idx * PARAMS_SLOT;
+}
+
 static uint32_t req_block(uint64_t r, uint32_t i)
 {
+    if (r >= WARM_BASE)
+        r -= WARM_BASE;
     return (uint32_t)((r % reqs_in_pool) * o.blocks + i);
 }
 
@@ -225,34 +237,28 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
     return c;
 }
 
-static void wait_go(void)
+static void barrier(_Atomic uint32_t *ready, _Atomic uint32_t *go)
 {
-    atomic_fetch_add(&sh->ready, 1);
-    while (!atomic_load(&sh->go)) {
+    atomic_fetch_add(ready, 1);
+    while (!atomic_load(go)) {
         if (atomic_load(&sh->failed))
             exit(1);
         usleep(100);
     }
 }
 
-static void ctx_main(uint32_t rank)
+/* Context rank: publish requests [first, first + count), keeping at most
+ * reqs_in_pool offers open, until all are consumed. */
+static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
+                    uint32_t pool, uint64_t first, uint64_t count, int fill)
 {
-    rank_view_t v;
-    uint32_t pool;
-    kvx_client_t *c = rank_open("bench-ctx", KVX_ROLE_CONTEXT, rank,
-                                o.ctx_ranks, &v, &pool);
-    int reuse = reqs_in_pool < o.requests;
-    if (!reuse)
-        for (uint64_t r = 0; r < o.requests; r++)
-            fill_request(&v, r);
-    wait_go();
     uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
     uint64_t published = 0, done = 0;
-    while (done < o.requests) {
-        if (published < o.requests && published - done < reqs_in_pool) {
-            uint64_t r = published;
-            if (reuse)
-                fill_request(&v, r);
+    while (done < count) {
+        if (published < count && published - done < reqs_in_pool) {
+            uint64_t r = first + published;
+            if (fill)
+                fill_request(v, r);
             for (uint32_t i = 0; i < o.blocks; i++)
                 bt[i] = req_block(r, i);
             kvx_context_params_t p;
@@ -262,7 +268,7 @@ static void ctx_main(uint32_t rank)
             if (rank == 0) {
                 if (p.len > PARAMS_SLOT - 8)
                     die("context params of %zu bytes", p.len);
-                uint8_t *s = slots + r * PARAMS_SLOT;
+                uint8_t *s = slot_of(r);
                 memcpy(s + 8, p.data, p.len);
                 ((uint32_t *)s)[1] = (uint32_t)p.len;
                 atomic_store_explicit((_Atomic uint32_t *)s, 1,
@@ -284,25 +290,42 @@ static void ctx_main(uint32_t rank)
         kvx_batch_free(b);
     }
     free(bt);
+}
+
+static void ctx_main(uint32_t rank)
+{
+    rank_view_t v;
+    uint32_t pool;
+    kvx_client_t *c = rank_open("bench-ctx", KVX_ROLE_CONTEXT, rank,
+                                o.ctx_ranks, &v, &pool);
+    int reuse = reqs_in_pool < o.requests;
+    barrier(&sh->ready, &sh->go);
+    if (!o.no_warmup)
+        ctx_run(c, &v, rank, pool, WARM_BASE, reqs_in_pool, 0);
+    if (!reuse && !o.no_verify)
+        for (uint64_t r = 0; r < o.requests; r++)
+            fill_request(&v, r);
+    barrier(&sh->ready2, &sh->go2);
+    ctx_run(c, &v, rank, pool, 0, o.requests, reuse && !o.no_verify);
     kvx_close(c);
     exit(0);
 }
 
-static void gen_main(uint32_t rank)
+/* Generation rank: fetch requests [first, first + count) with up to
+ * window outstanding; record latency (rank 0) and verify. */
+static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
+                        uint32_t pool, uint64_t first, uint64_t count,
+                        int timed, uint64_t *checked)
 {
-    rank_view_t v;
-    uint32_t pool;
-    kvx_client_t *c = rank_open("bench-gen", KVX_ROLE_GENERATION, rank,
-                                o.gen_ranks, &v, &pool);
-    int reuse = reqs_in_pool < o.requests;
-    uint64_t *t0 = calloc(o.requests, sizeof(uint64_t));
+    int check = timed && !o.no_verify && reqs_in_pool < o.requests;
+    uint64_t *t0 = calloc(count, sizeof(uint64_t));
     uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
-    uint64_t next = 0, done = 0, bad = 0, checked = 0;
+    uint64_t next = 0, done = 0, bad = 0;
     uint32_t window = o.window < reqs_in_pool ? o.window : reqs_in_pool;
-    wait_go();
-    while (done < o.requests) {
-        if (next < o.requests && next - done < window) {
-            uint8_t *s = slots + next * PARAMS_SLOT;
+    while (done < count) {
+        if (next < count && next - done < window) {
+            uint64_t r = first + next;
+            uint8_t *s = slot_of(r);
             if (!atomic_load_explicit((_Atomic uint32_t *)s,
                                       memory_order_acquire)) {
                 if (next == done) { /* nothing to poll for: wait a bit */
@@ -313,12 +336,13 @@ static void gen_main(uint32_t rank)
                 goto poll;
             }
             for (uint32_t i = 0; i < o.blocks; i++)
-                bt[i] = req_block(next, i);
+                bt[i] = req_block(r, i);
             t0[next] = now_ns();
             uint64_t zero = 0;
-            atomic_compare_exchange_strong(&sh->first_fetch_ns, &zero,
-                                           t0[next]);
-            CHECK_KVX(kvx_fetch(c, next, s + 8, ((uint32_t *)s)[1], pool, bt,
+            if (timed)
+                atomic_compare_exchange_strong(&sh->first_fetch_ns, &zero,
+                                               t0[next]);
+            CHECK_KVX(kvx_fetch(c, r, s + 8, ((uint32_t *)s)[1], pool, bt,
                                 o.blocks, 0, TIMEOUT_MS),
                       c);
             next++;
@@ -334,21 +358,41 @@ static void gen_main(uint32_t rank)
                 die("generation request %llu: %s (%s)",
                     (unsigned long long)e->request_id, e->message,
                     kvx_status_name(e->code));
-            if (rank == 0)
-                lat_ns[e->request_id] = t - t0[e->request_id];
-            if (reuse && !o.no_verify) {
-                bad += check_request(&v, e->request_id);
-                checked++;
+            uint64_t k = e->request_id - first;
+            if (timed && rank == 0)
+                lat_ns[k] = t - t0[k];
+            if (check) {
+                bad += check_request(v, e->request_id);
+                (*checked)++;
             }
             done++;
         }
         kvx_batch_free(b);
     }
-    uint64_t end = now_ns(), prev = atomic_load(&sh->last_done_ns);
-    while (end > prev &&
-           !atomic_compare_exchange_weak(&sh->last_done_ns, &prev, end))
-        ;
-    if (!reuse && !o.no_verify)
+    if (timed) {
+        uint64_t end = now_ns(), prev = atomic_load(&sh->last_done_ns);
+        while (end > prev &&
+               !atomic_compare_exchange_weak(&sh->last_done_ns, &prev, end))
+            ;
+    }
+    free(t0);
+    free(bt);
+    return bad;
+}
+
+static void gen_main(uint32_t rank)
+{
+    rank_view_t v;
+    uint32_t pool;
+    kvx_client_t *c = rank_open("bench-gen", KVX_ROLE_GENERATION, rank,
+                                o.gen_ranks, &v, &pool);
+    uint64_t checked = 0, bad;
+    barrier(&sh->ready, &sh->go);
+    if (!o.no_warmup)
+        gen_run(c, &v, rank, pool, WARM_BASE, reqs_in_pool, 0, &checked);
+    barrier(&sh->ready2, &sh->go2);
+    bad = gen_run(c, &v, rank, pool, 0, o.requests, 1, &checked);
+    if (reqs_in_pool >= o.requests && !o.no_verify)
         for (uint64_t r = 0; r < o.requests; r++, checked++)
             bad += check_request(&v, r);
     uint64_t per_req = (uint64_t)o.blocks * o.tpb * o.layers * 2 *
@@ -356,8 +400,6 @@ static void gen_main(uint32_t rank)
                        kvx_dtype_size(o.dtype);
     atomic_fetch_add(&sh->mismatches, bad);
     atomic_fetch_add(&sh->verified_bytes, checked * per_req);
-    free(t0);
-    free(bt);
     kvx_close(c);
     exit(0);
 }
@@ -456,6 +498,7 @@ static void usage(FILE *f)
         "  --pool-mib N           cap per rank pool (blocks are reused), "
         "default 2048\n"
         "  --no-verify            skip the byte check\n"
+        "  --no-warmup            time the first pass over the pools too\n"
         "  --daemon-config FILE   config for --spawn-daemon\n"
         "  --json                 one JSON object on stdout\n");
 }
@@ -493,6 +536,7 @@ int main(int argc, char **argv)
         {"dtype", required_argument, NULL, 'd'},
         {"pool-mib", required_argument, NULL, 'P'},
         {"no-verify", no_argument, NULL, 'n'},
+        {"no-warmup", no_argument, NULL, 'w'},
         {"daemon-config", required_argument, NULL, 'C'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
@@ -514,6 +558,7 @@ int main(int argc, char **argv)
         case 'T': o.tpb = arg_u32("tokens-per-block", optarg, 1, 65536); break;
         case 'P': o.pool_cap_mib = arg_u32("pool-mib", optarg, 1, 1 << 20); break;
         case 'n': o.no_verify = 1; break;
+        case 'w': o.no_warmup = 1; break;
         case 'C': o.daemon_config = optarg; break;
         case 'j': o.json = 1; break;
         case 'd':
@@ -571,7 +616,8 @@ int main(int argc, char **argv)
                      gen_heads * o.gen_ranks * o.head_dim *
                      kvx_dtype_size(o.dtype);
 
-    size_t shlen = sizeof(struct shared) + (size_t)o.requests * PARAMS_SLOT +
+    size_t shlen = sizeof(struct shared) +
+                   ((size_t)o.requests + reqs_in_pool) * PARAMS_SLOT +
                    (size_t)o.requests * sizeof(uint64_t);
     void *m = mmap(NULL, shlen, PROT_READ | PROT_WRITE,
                    MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -579,7 +625,8 @@ int main(int argc, char **argv)
         die("mmap %zu shared bytes: %s", shlen, strerror(errno));
     sh = m;
     slots = (uint8_t *)(sh + 1);
-    lat_ns = (uint64_t *)(slots + (size_t)o.requests * PARAMS_SLOT);
+    lat_ns = (uint64_t *)(slots +
+                          ((size_t)o.requests + reqs_in_pool) * PARAMS_SLOT);
 
     char sock[128];
     pid_t dpid = -1;
@@ -605,6 +652,9 @@ int main(int argc, char **argv)
     while (atomic_load(&sh->ready) < nproc && !atomic_load(&sh->failed))
         usleep(1000);
     atomic_store(&sh->go, 1);
+    while (atomic_load(&sh->ready2) < nproc && !atomic_load(&sh->failed))
+        usleep(1000);
+    atomic_store(&sh->go2, 1);
     int failed = 0;
     for (uint32_t i = 0; i < nproc; i++) {
         int st;
