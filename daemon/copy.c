@@ -15,17 +15,40 @@ static struct {
     unsigned nthreads;
     unsigned inflight;        /* loop thread only */
     int stop;
+    unsigned sleeping;        /* workers in pthread_cond_wait */
     uv_async_t async;
     int async_open;
 } c;
+
+#define SPIN_ROUNDS 4000
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 
 static void *worker_main(void *arg)
 {
     (void)arg;
     pthread_mutex_lock(&c.mu);
     for (;;) {
-        while (!c.head && !c.stop)
+        if (!c.head && !c.stop) {
+            /* Spin briefly before sleeping: a futex wake-up costs tens of
+             * microseconds on virtual machines, which dominates small
+             * requests; the spin is bounded so an idle daemon sleeps. */
+            pthread_mutex_unlock(&c.mu);
+            for (int i = 0; i < SPIN_ROUNDS && !__atomic_load_n(&c.head,
+                                                  __ATOMIC_RELAXED); i++)
+                cpu_relax();
+            pthread_mutex_lock(&c.mu);
+        }
+        while (!c.head && !c.stop) {
+            c.sleeping++;
             pthread_cond_wait(&c.cv, &c.mu);
+            c.sleeping--;
+        }
         if (!c.head)
             break;
         copy_job_t *j = c.head;
@@ -113,7 +136,8 @@ void copy_submit(copy_job_t *j)
     else
         c.head = j;
     c.tail = j;
-    pthread_cond_signal(&c.cv);
+    if (c.sleeping)
+        pthread_cond_signal(&c.cv);
     pthread_mutex_unlock(&c.mu);
 }
 

@@ -37,6 +37,55 @@
         return (code);                                                      \
     } while (0)
 
+/* A request waiting for its deadline: lists kept in deadline order, so
+ * the tick only looks at the heads. */
+typedef struct dl_node {
+    struct dl_node *prev, *next;
+    uint64_t deadline_ms;
+    int linked;
+} dl_node_t;
+
+typedef struct dl_list {
+    dl_node_t *head, *tail;
+} dl_list_t;
+
+/* Insert in deadline order, searching from the tail: deadlines are
+ * mostly increasing, so this is O(1) unless a reload shortened one. */
+static void dl_insert(dl_list_t *l, dl_node_t *n, uint64_t deadline)
+{
+    n->deadline_ms = deadline;
+    dl_node_t *after = l->tail;
+    while (after && after->deadline_ms > deadline)
+        after = after->prev;
+    n->prev = after;
+    n->next = after ? after->next : l->head;
+    if (n->next)
+        n->next->prev = n;
+    else
+        l->tail = n;
+    if (after)
+        after->next = n;
+    else
+        l->head = n;
+    n->linked = 1;
+}
+
+static void dl_remove(dl_list_t *l, dl_node_t *n)
+{
+    if (!n->linked)
+        return;
+    if (n->prev)
+        n->prev->next = n->next;
+    else
+        l->head = n->next;
+    if (n->next)
+        n->next->prev = n->prev;
+    else
+        l->tail = n->prev;
+    n->prev = n->next = NULL;
+    n->linked = 0;
+}
+
 /* A cancel waiting for the fence. */
 typedef struct waiter {
     uint64_t sid, req_id;
@@ -52,6 +101,7 @@ typedef struct offer_part {
 } offer_part_t;
 
 typedef struct offer {
+    dl_node_t lease;       /* first: on the lease list while unfetched */
     instance_t *inst;
     uint64_t request_id;
     uint8_t token[TOKEN_LEN];
@@ -62,7 +112,7 @@ typedef struct offer {
     size_t params_len;
     offer_part_t *parts;   /* nranks */
     uint32_t npublished;
-    uint64_t created_ms, deadline_ms;
+    uint64_t created_ms;
     struct genreq *consumer;
     int ending, end_kind, end_code;
     char end_msg[256];
@@ -83,6 +133,7 @@ typedef struct genpart {
 } genpart_t;
 
 typedef struct genreq {
+    dl_node_t timeout;     /* first: on the fetch-timeout list */
     instance_t *inst;
     uint64_t request_id;
     offer_t *offer;        /* NULL once detached */
@@ -90,7 +141,7 @@ typedef struct genreq {
     genpart_t *parts;      /* nranks */
     uint32_t nfetched, ndone;
     uint32_t inflight;
-    uint64_t created_ms, deadline_ms;
+    uint64_t created_ms;
     uint64_t bytes_total, bytes_done;
     int ending, end_kind, end_code;
     char end_msg[256];
@@ -100,6 +151,8 @@ typedef struct genreq {
 /* Round-robin queue of parts with units left to hand out. */
 static genpart_t *rq_head, *rq_tail;
 static uint32_t nrequests;
+static dl_list_t leases;    /* offers nobody fetches yet */
+static dl_list_t timeouts;  /* genreqs not yet ending */
 
 static void schedule(void);
 static void genreq_end(genreq_t *g, int kind, int code, const char *msg);
@@ -282,7 +335,6 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     side_from_layout(&o->side, inst, l);
     snprintf(o->preset, sizeof(o->preset), "%s", l->preset);
     o->created_ms = kvxd_now_ms();
-    o->deadline_ms = o->created_ms + kvxd.conf.offer_lease_ms;
     if (getrandom(o->token, TOKEN_LEN, 0) != TOKEN_LEN) {
         free(o);
         WHY(KVX_ERR_IO, "publish: getrandom failed");
@@ -295,6 +347,7 @@ static int offer_create(instance_t *inst, uint64_t request_id,
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
     }
     nrequests++;
+    dl_insert(&leases, &o->lease, o->created_ms + kvxd.conf.offer_lease_ms);
     *out = o;
     return 0;
 }
@@ -560,12 +613,14 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
         g->offer = o;
         g->skip_tokens = skip;
         g->created_ms = kvxd_now_ms();
-        g->deadline_ms = g->created_ms + kvxd.conf.fetch_timeout_ms;
+        dl_insert(&timeouts, &g->timeout,
+                  g->created_ms + kvxd.conf.fetch_timeout_ms);
         for (uint32_t r = 0; r < inst->nranks; r++) {
             g->parts[r].req = g;
             g->parts[r].rank = r;
         }
         o->consumer = g;
+        dl_remove(&leases, &o->lease); /* the fetch timeout bounds it now */
         nrequests++;
     }
     genpart_t *p = &g->parts[rank];
@@ -704,6 +759,7 @@ static void offer_end(offer_t *o, int kind, int code, const char *msg)
     if (o->ending)
         return;
     o->ending = 1;
+    dl_remove(&leases, &o->lease);
     o->end_kind = kind;
     o->end_code = code;
     snprintf(o->end_msg, sizeof(o->end_msg), "%s", msg);
@@ -720,6 +776,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
 {
     if (!g->ending) {
         g->ending = 1;
+        dl_remove(&timeouts, &g->timeout);
         g->end_kind = kind;
         g->end_code = code;
         snprintf(g->end_msg, sizeof(g->end_msg), "%s", msg);
@@ -845,42 +902,25 @@ uint32_t xfer_pool_users(const pool_t *pool) { return pool->users - 1; }
 
 void xfer_tick(uint64_t now)
 {
-    for (instance_t *i = instance_first(), *n; i; i = n) {
-        n = i->next;
-        uint32_t cnt = i->offers.n + i->fetches.n;
-        if (!cnt)
-            continue;
-        void **all = calloc(cnt, sizeof(void *));
-        if (!all)
-            continue;
-        uint32_t no = map_values(&i->offers, all, cnt);
-        for (uint32_t k = 0; k < no; k++) {
-            offer_t *o = all[k];
-            /* the lease bounds an offer nobody fetches; once fetched, the
-             * fetch timeout bounds it */
-            if (!o->ending && !o->consumer && now >= o->deadline_ms) {
-                char m[128];
-                snprintf(m, sizeof(m),
-                         "offer lease of %u ms expired (%u of %u ranks "
-                         "published)",
-                         kvxd.conf.offer_lease_ms, o->npublished, i->nranks);
-                offer_end(o, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
-            }
-        }
-        uint32_t ng = map_values(&i->fetches, all, cnt);
-        for (uint32_t k = 0; k < ng; k++) {
-            genreq_t *g = all[k];
-            if (!g->ending && now >= g->deadline_ms) {
-                char m[160];
-                snprintf(m, sizeof(m),
-                         "fetch timeout of %u ms expired (%u of %u ranks "
-                         "fetched, %u done)",
-                         kvxd.conf.fetch_timeout_ms, g->nfetched,
-                         i->nlocal, g->ndone);
-                genreq_end(g, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
-            }
-        }
-        free(all);
+    /* the lease bounds an offer nobody fetches; once fetched, the fetch
+     * timeout bounds it */
+    while (leases.head && leases.head->deadline_ms <= now) {
+        offer_t *o = (offer_t *)leases.head;
+        char m[128];
+        snprintf(m, sizeof(m),
+                 "offer lease of %u ms expired (%u of %u ranks published)",
+                 kvxd.conf.offer_lease_ms, o->npublished, o->inst->nranks);
+        offer_end(o, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
+    }
+    while (timeouts.head && timeouts.head->deadline_ms <= now) {
+        genreq_t *g = (genreq_t *)timeouts.head;
+        char m[160];
+        snprintf(m, sizeof(m),
+                 "fetch timeout of %u ms expired (%u of %u ranks fetched, "
+                 "%u done)",
+                 kvxd.conf.fetch_timeout_ms, g->nfetched, g->inst->nlocal,
+                 g->ndone);
+        genreq_end(g, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
     }
 }
 
@@ -1004,7 +1044,9 @@ size_t xfer_infos(Kvxfer__RequestInfo ***out)
                          "%u/%u ranks published, %u tokens, lease left %lld "
                          "ms",
                          o->npublished, i->nranks, o->num_tokens,
-                         (long long)o->deadline_ms - (long long)now);
+                         o->lease.linked ? (long long)o->lease.deadline_ms -
+                                               (long long)now
+                                         : 0);
             } else {
                 genreq_t *g = all[j];
                 r->request_id = g->request_id;
@@ -1017,7 +1059,7 @@ size_t xfer_infos(Kvxfer__RequestInfo ***out)
                          "%u/%u ranks fetched, %u done, %u chunks in flight, "
                          "timeout in %lld ms",
                          g->nfetched, i->nlocal, g->ndone, g->inflight,
-                         (long long)g->deadline_ms - (long long)now);
+                         (long long)g->timeout.deadline_ms - (long long)now);
             }
             r->detail = strdup(detail);
             v[k++] = r;
