@@ -23,6 +23,7 @@
 #include "frame.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
+#include "internal.h"
 
 #define REPLY_MAX (1u << 30)
 
@@ -707,9 +708,9 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
               (unsigned long long)s->batches_sealed);
 }
 
-int kvx_status_json(kvx_client_t *c, char **json, int timeout_ms)
+int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
 {
-    if (!c || !json)
+    if (!c || !out)
         return KVX_ERR_INVALID;
     Kvxfer__StatusRequest m = KVXFER__STATUS_REQUEST__INIT;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
@@ -723,20 +724,13 @@ int kvx_status_json(kvx_client_t *c, char **json, int timeout_ms)
         kvxfer__reply__free_unpacked(r, NULL);
         return fail(c, KVX_ERR_PROTOCOL, "status: reply without status");
     }
-    struct sbuf b = {0};
-    status_json(&b, r->status_reply);
-    kvxfer__reply__free_unpacked(r, NULL);
-    if (b.oom || !b.p) {
-        free(b.p);
-        return fail(c, KVX_ERR_NOMEM, "out of memory");
-    }
-    *json = b.p;
+    *out = r;
     return 0;
 }
 
-int kvx_requests_json(kvx_client_t *c, char **json, int timeout_ms)
+int kvx__requests_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
 {
-    if (!c || !json)
+    if (!c || !out)
         return KVX_ERR_INVALID;
     Kvxfer__ListRequests m = KVXFER__LIST_REQUESTS__INIT;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
@@ -750,6 +744,37 @@ int kvx_requests_json(kvx_client_t *c, char **json, int timeout_ms)
         kvxfer__reply__free_unpacked(r, NULL);
         return fail(c, KVX_ERR_PROTOCOL, "requests: unexpected reply");
     }
+    *out = r;
+    return 0;
+}
+
+int kvx_status_json(kvx_client_t *c, char **json, int timeout_ms)
+{
+    if (!json)
+        return KVX_ERR_INVALID;
+    Kvxfer__Reply *r;
+    int rc = kvx__status_get(c, &r, timeout_ms);
+    if (rc)
+        return rc;
+    struct sbuf b = {0};
+    status_json(&b, r->status_reply);
+    kvxfer__reply__free_unpacked(r, NULL);
+    if (b.oom || !b.p) {
+        free(b.p);
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    *json = b.p;
+    return 0;
+}
+
+int kvx_requests_json(kvx_client_t *c, char **json, int timeout_ms)
+{
+    if (!json)
+        return KVX_ERR_INVALID;
+    Kvxfer__Reply *r;
+    int rc = kvx__requests_get(c, &r, timeout_ms);
+    if (rc)
+        return rc;
     struct sbuf b = {0};
     sb_printf(&b, "[");
     for (size_t i = 0; i < r->requests->n_requests; i++) {

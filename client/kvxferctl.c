@@ -1,1 +1,364 @@
-int main(void) { return 0; }
+/*
+ * kvxferctl — the operator's view of a running kvxferd.
+ *
+ *   kvxferctl [--socket PATH] status [--json]
+ *   kvxferctl [--socket PATH] requests [--json]
+ *   kvxferctl plan --ctx-tp N --gen-tp M --heads H --layers L [...]
+ *
+ * status and requests connect without Hello (any allowed uid may look);
+ * plan is computed locally with the daemon's own planner.
+ */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "plan.h"
+
+#define TIMEOUT_MS 5000
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+        "usage: kvxferctl [--socket PATH] status [--json]\n"
+        "       kvxferctl [--socket PATH] requests [--json]\n"
+        "       kvxferctl plan [options]\n"
+        "\n"
+        "  status     version, uptime, config, sessions, pools, requests by\n"
+        "             state, bytes moved, transfers, errors, batches\n"
+        "  requests   in-flight requests with age and state (what to run\n"
+        "             when something looks stuck)\n"
+        "  plan       the slices each generation rank would pull, for two\n"
+        "             instance configurations:\n"
+        "               --ctx-tp N --ctx-pp N --gen-tp N --gen-pp N\n"
+        "               --heads H (total KV heads) --layers L (total)\n"
+        "               --ctx-tokens-per-block T --gen-tokens-per-block T\n"
+        "               --tokens N --skip-tokens N --head-dim D\n"
+        "               --ctx-dtype/--gen-dtype, --ctx-head-dim/--gen-head-dim\n"
+        "\n"
+        "  --socket PATH   daemon socket (default %s)\n",
+        KVX_DEFAULT_SOCKET);
+}
+
+static const char *role_name(int role)
+{
+    switch (role) {
+    case 1: return "context";
+    case 2: return "generation";
+    case 3: return "both";
+    default: return "-";
+    }
+}
+
+static void human_bytes(char *buf, size_t len, uint64_t b)
+{
+    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)b;
+    int i = 0;
+    while (v >= 1024 && i < 4) {
+        v /= 1024;
+        i++;
+    }
+    snprintf(buf, len, i ? "%.1f %s" : "%.0f %s", v, u[i]);
+}
+
+static kvx_client_t *open_daemon(const char *sock)
+{
+    kvx_client_t *c;
+    int rc = kvx_connect_observer(sock, TIMEOUT_MS, &c);
+    if (rc) {
+        fprintf(stderr, "kvxferctl: cannot connect to %s: %s\n",
+                sock ? sock : KVX_DEFAULT_SOCKET, kvx_status_str(rc));
+        exit(1);
+    }
+    return c;
+}
+
+static int cmd_status(const char *sock, int json)
+{
+    kvx_client_t *c = open_daemon(sock);
+    int rc;
+    if (json) {
+        char *j;
+        if ((rc = kvx_status_json(c, &j, TIMEOUT_MS)))
+            goto fail;
+        printf("%s\n", j);
+        free(j);
+        kvx_close(c);
+        return 0;
+    }
+    Kvxfer__Reply *r;
+    if ((rc = kvx__status_get(c, &r, TIMEOUT_MS)))
+        goto fail;
+    const Kvxfer__StatusReply *s = r->status_reply;
+    char b1[32];
+    printf("kvxferd %s (%s), up %llu.%03llu s\n", s->version, s->build,
+           (unsigned long long)(s->uptime_ms / 1000),
+           (unsigned long long)(s->uptime_ms % 1000));
+    printf("address        %s\n", s->daemon_address);
+    printf("copy threads   %u\n", s->worker_threads);
+    human_bytes(b1, sizeof(b1), s->bytes_moved);
+    printf("bytes moved    %s (%llu)\n", b1,
+           (unsigned long long)s->bytes_moved);
+    printf("transfers done %llu\n", (unsigned long long)s->transfers_done);
+    printf("batches sealed %llu\n", (unsigned long long)s->batches_sealed);
+    printf("\nrequests by state:");
+    for (size_t i = 0; i < s->n_requests_by_state; i++)
+        printf(" %s=%llu", s->requests_by_state[i]->name,
+               (unsigned long long)s->requests_by_state[i]->value);
+    printf("\nerrors by code:   ");
+    if (!s->n_errors_by_code)
+        printf(" none");
+    for (size_t i = 0; i < s->n_errors_by_code; i++)
+        printf(" %s=%llu", s->errors_by_code[i]->name,
+               (unsigned long long)s->errors_by_code[i]->value);
+    printf("\n\nsessions (%zu):\n", s->n_sessions);
+    if (s->n_sessions)
+        printf("  %-8s %-8s %-6s %-24s %-5s %-11s %s\n", "SESSION", "PID",
+               "UID", "INSTANCE", "RANK", "ROLE", "POOLS");
+    for (size_t i = 0; i < s->n_sessions; i++) {
+        const Kvxfer__SessionInfo *x = s->sessions[i];
+        printf("  %-8llu %-8d %-6u %-24s %-5u %-11s %u\n",
+               (unsigned long long)x->session_id, x->pid, x->uid,
+               x->instance_id[0] ? x->instance_id : "-", x->rank,
+               role_name(x->role), x->pools);
+    }
+    printf("\npools (%zu):\n", s->n_pools);
+    if (s->n_pools)
+        printf("  %-6s %-8s %-16s %-10s %-12s %s\n", "POOL", "SESSION",
+               "KIND", "PRESET", "SIZE", "BLOCKS/USERS");
+    for (size_t i = 0; i < s->n_pools; i++) {
+        const Kvxfer__PoolInfo *x = s->pools[i];
+        human_bytes(b1, sizeof(b1), x->size);
+        printf("  %-6u %-8llu %-16s %-10s %-12s %u/%u\n", x->pool_id,
+               (unsigned long long)x->session_id, x->kind, x->preset, b1,
+               x->num_blocks, x->users);
+    }
+    printf("\nconfig:\n");
+    for (size_t i = 0; i < s->n_config; i++)
+        printf("  %s\n", s->config[i]->name);
+    kvxfer__reply__free_unpacked(r, NULL);
+    kvx_close(c);
+    return 0;
+fail:
+    fprintf(stderr, "kvxferctl: status: %s: %s\n", kvx_status_str(rc),
+            kvx_last_error(c));
+    kvx_close(c);
+    return 1;
+}
+
+static int cmd_requests(const char *sock, int json)
+{
+    kvx_client_t *c = open_daemon(sock);
+    int rc;
+    if (json) {
+        char *j;
+        if ((rc = kvx_requests_json(c, &j, TIMEOUT_MS)))
+            goto fail;
+        printf("%s\n", j);
+        free(j);
+        kvx_close(c);
+        return 0;
+    }
+    Kvxfer__Reply *r;
+    if ((rc = kvx__requests_get(c, &r, TIMEOUT_MS)))
+        goto fail;
+    const Kvxfer__RequestsReply *q = r->requests;
+    if (!q->n_requests)
+        printf("no requests in flight\n");
+    else
+        printf("%-20s %-20s %-10s %-15s %10s %12s  %s\n", "INSTANCE",
+               "REQUEST", "SIDE", "STATE", "AGE_MS", "DONE/TOTAL",
+               "DETAIL");
+    for (size_t i = 0; i < q->n_requests; i++) {
+        const Kvxfer__RequestInfo *x = q->requests[i];
+        char prog[48] = "-";
+        if (x->bytes_total)
+            snprintf(prog, sizeof(prog), "%llu%%",
+                     (unsigned long long)(x->bytes_done * 100 /
+                                          x->bytes_total));
+        printf("%-20s %-20llu %-10s %-15s %10llu %12s  %s\n", x->instance_id,
+               (unsigned long long)x->request_id, x->side, x->state,
+               (unsigned long long)x->age_ms, prog, x->detail);
+    }
+    kvxfer__reply__free_unpacked(r, NULL);
+    kvx_close(c);
+    return 0;
+fail:
+    fprintf(stderr, "kvxferctl: requests: %s: %s\n", kvx_status_str(rc),
+            kvx_last_error(c));
+    kvx_close(c);
+    return 1;
+}
+
+static uint32_t num(const char *name, const char *v)
+{
+    char *end;
+    unsigned long x = strtoul(v, &end, 10);
+    if (!*v || *end || x > 1000000000ul) {
+        fprintf(stderr, "kvxferctl: plan: --%s: '%s' is not a number\n",
+                name, v);
+        exit(2);
+    }
+    return (uint32_t)x;
+}
+
+static int cmd_plan(int argc, char **argv)
+{
+    plan_side_t src = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 32,
+                       .total_heads = 8, .kv_factor = 2, .head_dim = 128,
+                       .elem_size = 2, .dtype = KVX_DTYPE_BF16,
+                       .tokens_per_block = 16};
+    plan_side_t dst = src;
+    uint32_t tokens = 0, skip = 0;
+    static const struct option lo[] = {
+        {"ctx-tp", required_argument, NULL, 1},
+        {"ctx-pp", required_argument, NULL, 2},
+        {"gen-tp", required_argument, NULL, 3},
+        {"gen-pp", required_argument, NULL, 4},
+        {"heads", required_argument, NULL, 5},
+        {"layers", required_argument, NULL, 6},
+        {"ctx-tokens-per-block", required_argument, NULL, 7},
+        {"gen-tokens-per-block", required_argument, NULL, 8},
+        {"tokens", required_argument, NULL, 9},
+        {"skip-tokens", required_argument, NULL, 10},
+        {"head-dim", required_argument, NULL, 11},
+        {"ctx-head-dim", required_argument, NULL, 12},
+        {"gen-head-dim", required_argument, NULL, 13},
+        {"ctx-dtype", required_argument, NULL, 14},
+        {"gen-dtype", required_argument, NULL, 15},
+        {"mla", no_argument, NULL, 16},
+        {NULL, 0, NULL, 0}};
+    int opt;
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        kvx_dtype_t dt;
+        switch (opt) {
+        case 1: src.tp = num("ctx-tp", optarg); break;
+        case 2: src.pp = num("ctx-pp", optarg); break;
+        case 3: dst.tp = num("gen-tp", optarg); break;
+        case 4: dst.pp = num("gen-pp", optarg); break;
+        case 5: src.total_heads = dst.total_heads = num("heads", optarg); break;
+        case 6: src.total_layers = dst.total_layers = num("layers", optarg); break;
+        case 7: src.tokens_per_block = num("ctx-tokens-per-block", optarg); break;
+        case 8: dst.tokens_per_block = num("gen-tokens-per-block", optarg); break;
+        case 9: tokens = num("tokens", optarg); break;
+        case 10: skip = num("skip-tokens", optarg); break;
+        case 11: src.head_dim = dst.head_dim = num("head-dim", optarg); break;
+        case 12: src.head_dim = num("ctx-head-dim", optarg); break;
+        case 13: dst.head_dim = num("gen-head-dim", optarg); break;
+        case 14:
+        case 15:
+            if (kvx_dtype_parse(optarg, &dt)) {
+                fprintf(stderr, "kvxferctl: plan: unknown dtype '%s'\n",
+                        optarg);
+                return 2;
+            }
+            if (opt == 14) {
+                src.dtype = dt;
+                src.elem_size = kvx_dtype_size(dt);
+            } else {
+                dst.dtype = dt;
+                dst.elem_size = kvx_dtype_size(dt);
+            }
+            break;
+        case 16:
+            src.kv_factor = dst.kv_factor = 1;
+            src.total_heads = dst.total_heads = 1;
+            break;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (!src.tokens_per_block || !dst.tokens_per_block) {
+        fprintf(stderr, "kvxferctl: plan: tokens per block must be >= 1\n");
+        return 2;
+    }
+    if (!tokens)
+        tokens = src.tokens_per_block * 4;
+    char why[256];
+    int rc;
+    if ((rc = plan_side_check(&src, why, sizeof(why)))) {
+        fprintf(stderr, "kvxferctl: plan: context: %s\n", why);
+        return 1;
+    }
+    if ((rc = plan_side_check(&dst, why, sizeof(why)))) {
+        fprintf(stderr, "kvxferctl: plan: generation: %s\n", why);
+        return 1;
+    }
+    printf("context:    tp %u pp %u, %u layers, %u KV heads, %u tokens/block\n",
+           src.tp, src.pp, src.total_layers, src.total_heads,
+           src.tokens_per_block);
+    printf("generation: tp %u pp %u, %u layers, %u KV heads, %u tokens/block\n",
+           dst.tp, dst.pp, dst.total_layers, dst.total_heads,
+           dst.tokens_per_block);
+    printf("request:    tokens [%u, %u)\n\n", skip, tokens);
+    uint32_t n = plan_side_ranks(&dst);
+    uint64_t total = 0;
+    for (uint32_t r = 0; r < n; r++) {
+        plan_t *p;
+        if ((rc = plan_build(&src, &dst, r, tokens, skip, &p, why,
+                             sizeof(why)))) {
+            fprintf(stderr, "kvxferctl: plan: refused: %s (%s)\n", why,
+                    kvx_status_name(rc));
+            return 1;
+        }
+        printf("generation rank %u: %u slices, %u token segments, %llu "
+               "bytes\n",
+               r, p->nslices, p->nsegs, (unsigned long long)p->bytes);
+        for (uint32_t i = 0; i < p->nslices; i++) {
+            const plan_slice_t *s = &p->slices[i];
+            printf("  <- context rank %-3u layers [%u, %u)  heads [%u, "
+                   "%u)\n",
+                   s->src_rank, s->layer0, s->layer0 + s->nlayers, s->head0,
+                   s->head0 + s->nheads);
+        }
+        total += p->bytes;
+        plan_free(p);
+    }
+    printf("\ntotal %llu bytes\n", (unsigned long long)total);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *sock = NULL;
+    int i = 1;
+    for (; i < argc; i++) {
+        if (!strcmp(argv[i], "--socket") && i + 1 < argc)
+            sock = argv[++i];
+        else if (!strncmp(argv[i], "--socket=", 9))
+            sock = argv[i] + 9;
+        else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            usage(stdout);
+            return 0;
+        } else
+            break;
+    }
+    if (i >= argc) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[i];
+    int json = 0;
+    if (!strcmp(cmd, "plan"))
+        return cmd_plan(argc - i, argv + i);
+    for (int k = i + 1; k < argc; k++) {
+        if (!strcmp(argv[k], "--json"))
+            json = 1;
+        else {
+            fprintf(stderr, "kvxferctl: %s: unknown option '%s'\n", cmd,
+                    argv[k]);
+            return 2;
+        }
+    }
+    if (!strcmp(cmd, "status"))
+        return cmd_status(sock, json);
+    if (!strcmp(cmd, "requests"))
+        return cmd_requests(sock, json);
+    fprintf(stderr, "kvxferctl: unknown command '%s'\n", cmd);
+    usage(stderr);
+    return 2;
+}

@@ -1,0 +1,16 @@
+/*
+ * internal.h — libkvxfer calls for kvxfer's own tools (kvxferctl), not
+ * part of the public API: they expose the protocol's generated types.
+ */
+#ifndef KVX_INTERNAL_H
+#define KVX_INTERNAL_H
+
+#include "kvxfer.h"
+#include "kvxfer.pb-c.h"
+
+/* The raw Status / ListRequests replies; free with
+ * kvxfer__reply__free_unpacked(reply, NULL). */
+int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms);
+int kvx__requests_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms);
+
+#endif
