@@ -57,7 +57,10 @@ static void *worker_main(void *arg)
             c.tail = NULL;
         pthread_mutex_unlock(&c.mu);
 
-        plan_exec(j->plan, j->unit_begin, j->unit_end);
+        if (j->run)
+            j->run(j);
+        else
+            plan_exec(j->plan, j->unit_begin, j->unit_end);
 
         pthread_mutex_lock(&c.mu);
         j->next = c.done;

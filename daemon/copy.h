@@ -20,6 +20,9 @@ typedef struct copy_job copy_job_t;
 typedef void (*copy_done_cb)(copy_job_t *job);
 
 struct copy_job {
+    /* either a plan range to copy, or run() for other blocking work
+     * (e.g. populating a new pool's page tables) */
+    void (*run)(copy_job_t *job);
     const plan_t *plan;
     uint64_t unit_begin, unit_end;
     uint64_t bytes;

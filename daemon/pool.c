@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "copy.h"
 #include "layout.h"
 #include "log.h"
 #include "map.h"
@@ -62,9 +63,7 @@ int pool_register_host(uint64_t session_id, int fd, uint64_t size,
         WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_close_fd;
     }
-    /* populate now: page faults at registration, not during copies */
-    p->base = mmap(NULL, size, PROT_READ | PROT_WRITE,
-                   MAP_SHARED | MAP_POPULATE, fd, 0);
+    p->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p->base == MAP_FAILED) {
         log_error("pool: mmap of %llu bytes: %m", (unsigned long long)size);
         WHY(KVX_ERR_NOMEM, "register_pool: mmap of %llu bytes failed: %s",
@@ -117,6 +116,39 @@ void pool_release(pool_t *p)
         return;
     p->released = 1;
     pool_unref(p);
+}
+
+/* Worker thread: fault the whole mapping in now, so the first transfer
+ * does not take a page fault per 4 KiB. Blocking work, never on the loop. */
+static void populate_run(copy_job_t *j)
+{
+    pool_t *p = j->owner;
+#ifdef MADV_POPULATE_WRITE
+    if (madvise(p->base, p->size, MADV_POPULATE_WRITE) == 0)
+        return;
+#endif
+    /* older kernels: touch one byte per page (reading keeps contents) */
+    long pg = sysconf(_SC_PAGESIZE);
+    for (uint64_t off = 0; off < p->size; off += (uint64_t)pg)
+        (void)*(volatile uint8_t *)(p->base + off);
+}
+
+static void populate_done(copy_job_t *j)
+{
+    pool_unref(j->owner);
+    free(j);
+}
+
+void pool_populate(pool_t *p)
+{
+    copy_job_t *j = calloc(1, sizeof(*j));
+    if (!j)
+        return; /* only an optimization */
+    j->run = populate_run;
+    j->done = populate_done;
+    j->owner = p;
+    pool_ref(p); /* the mapping outlives the job */
+    copy_submit(j);
 }
 
 uint32_t pool_list(pool_t **out, uint32_t max)

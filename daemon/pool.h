@@ -29,6 +29,8 @@ typedef struct pool {
 int pool_register_host(uint64_t session_id, int fd, uint64_t size,
                        const kvx_layout_t *layout, pool_t **out, char *why,
                        size_t why_len);
+/* Fault the mapping in on a copy worker (not on the loop). */
+void pool_populate(pool_t *p);
 /* A live (not released) pool, or NULL. */
 pool_t *pool_find(uint32_t id);
 void pool_ref(pool_t *p);

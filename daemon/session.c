@@ -164,6 +164,25 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
         return KVX_ERR_LIMIT;
     }
     uint32_t nb = p->layout.num_blocks;
+    if (n <= 32) { /* short tables: no bitmap of the whole pool */
+        for (size_t i = 0; i < n; i++) {
+            if (b[i] >= nb) {
+                snprintf(why, why_len,
+                         "%s.blocks[%zu]: block %u outside pool %u's %u "
+                         "blocks",
+                         what, i, b[i], p->id, nb);
+                return KVX_ERR_INVALID;
+            }
+            for (size_t k = 0; k < i; k++)
+                if (b[k] == b[i]) {
+                    snprintf(why, why_len,
+                             "%s.blocks[%zu]: block %u listed twice", what,
+                             i, b[i]);
+                    return KVX_ERR_INVALID;
+                }
+        }
+        return 0;
+    }
     uint8_t *seen = calloc((nb + 7) / 8, 1);
     if (!seen) {
         snprintf(why, why_len, "%s: out of memory", what);
@@ -364,6 +383,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         pool_release(p);
         FAIL(KVX_ERR_NOMEM, "register_pool: out of memory");
     }
+    pool_populate(p);
     log_info("session %llu: pool %u registered: %s, %u blocks, %llu bytes",
              (unsigned long long)s->id, p->id, l.preset, l.num_blocks,
              (unsigned long long)m->size);
