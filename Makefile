@@ -35,7 +35,7 @@ BINS := $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench \
 UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/test_*.c))
 ITEST      := $(BUILD)/tests/integration
 
-.PHONY: all deps test asan demo install uninstall clean bundle help test-gpu
+.PHONY: all deps test asan demo install uninstall clean bundle help test-gpu lint
 all: $(BINS)
 
 help:
@@ -45,6 +45,7 @@ help:
 	@echo "make demo       install missing packages, build, run the end-to-end demo"
 	@echo "make test-gpu   GPU tests (skips without a GPU)"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
+	@echo "make lint       cppcheck, no warnings allowed"
 
 deps:
 	@scripts/deps.sh
@@ -126,6 +127,10 @@ uninstall:
 	    $(DESTDIR)$(PREFIX)/lib/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/libkvxfer.so.1 \
 	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
 	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
+
+lint: $(GEN)
+	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
+	    --std=c11 -Iclient/include -Iclient -Idaemon -I$(BUILD)/gen daemon client
 
 clean:
 	rm -rf build build-asan dist

@@ -206,8 +206,8 @@ int kvx__layout_check(const kvx_layout_t *l, uint64_t pool_size, char *why,
         kvx_dtype_size(l->dtype) != l->elem_size)
         WHY("layout.elem_size: %u does not match dtype %s (%u bytes)",
             l->elem_size, kvx_dtype_name(l->dtype), kvx_dtype_size(l->dtype));
-    if (l->dtype == KVX_DTYPE_UNSPECIFIED && l->dtype != 0)
-        WHY("layout.dtype: unknown");
+    if ((unsigned)l->dtype > KVX_DTYPE_INT8)
+        WHY("layout.dtype: unknown value %u", (unsigned)l->dtype);
     if (l->tokens_per_block < 1 || l->tokens_per_block > 65536)
         WHY("layout.tokens_per_block: %u out of range (expected 1..65536)",
             l->tokens_per_block);

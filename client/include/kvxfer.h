@@ -87,8 +87,8 @@ int kvx_dtype_parse(const char *name, kvx_dtype_t *out);
 const char *kvx_dtype_name(kvx_dtype_t dtype);
 unsigned kvx_dtype_size(kvx_dtype_t dtype);
 
-#define KVX_MAX_LAYERS 1024
-#define KVX_MAX_RANKS 1024
+#define KVX_MAX_LAYERS 1024u
+#define KVX_MAX_RANKS 1024u
 
 typedef struct {
     uint32_t tp, pp, cp;
