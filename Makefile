@@ -16,18 +16,43 @@ CFLAGS   += $(OPT) -g -std=gnu11 -Wall -Wextra -Werror -fPIC $(SAN) \
 LDFLAGS  += $(SAN)
 LIBS     := $(PKG_LIBS) -lpthread
 
+# CUDA: with nvcc on PATH (or NVCC=...), the daemon gets the GPU data
+# plane (kernels for sm_80, sm_90, sm_100 + PTX, CUDA runtime linked
+# statically); CUDA=0 forces a host-only build.
+NVCC     ?= $(shell command -v nvcc 2>/dev/null)
+CUDA     ?= $(if $(NVCC),1,0)
+ifeq ($(CUDA),1)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_VER  := $(shell $(NVCC) --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
+GPU_SRC   := daemon/gpu.c
+GPU_OBJ   := $(BUILD)/obj/daemon/gpu_kernel.o
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
+NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC \
+             -gencode arch=compute_80,code=sm_80 \
+             -gencode arch=compute_90,code=sm_90 \
+             -gencode arch=compute_100,code=sm_100 \
+             -gencode arch=compute_100,code=compute_100
+$(BUILD)/obj/daemon/gpu.o: CFLAGS += -I$(CUDA_HOME)/include \
+             -DKVX_CUDA_VERSION='"$(CUDA_VER)"'
+else
+GPU_SRC   := daemon/gpu_none.c
+GPU_OBJ   :=
+CUDA_LIBS :=
+endif
+
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := client/status.c client/frame.c client/layout.c
 CLIENT   := $(COMMON) client/client.c
 DAEMON   := $(COMMON) daemon/log.c daemon/conf.c daemon/notify.c \
             daemon/pool.c daemon/copy.c daemon/plan.c daemon/batch.c \
             daemon/daemon.c daemon/instance.c \
-            daemon/xfer.c daemon/session.c daemon/server.c daemon/stats.c
+            daemon/xfer.c daemon/session.c daemon/server.c daemon/stats.c \
+            $(GPU_SRC)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 PB_OBJ     := $(BUILD)/obj/gen/kvxfer.pb-c.o
 CLIENT_OBJ := $(call obj,$(CLIENT)) $(PB_OBJ)
-DAEMON_OBJ := $(call obj,$(DAEMON)) $(PB_OBJ)
+DAEMON_OBJ := $(call obj,$(DAEMON)) $(PB_OBJ) $(GPU_OBJ)
 
 BINS := $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench \
         $(BUILD)/libkvxfer.so $(BUILD)/libkvxfer.a
@@ -64,6 +89,10 @@ $(BUILD)/obj/%.o: %.c $(GEN)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
+$(BUILD)/obj/daemon/gpu_kernel.o: daemon/gpu_kernel.cu daemon/gpu_desc.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Idaemon -c $< -o $@
+
 $(BUILD)/libkvxfer.a: $(CLIENT_OBJ)
 	rm -f $@; ar rcs $@ $^
 
@@ -71,7 +100,7 @@ $(BUILD)/libkvxfer.so: $(CLIENT_OBJ)
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvxfer.so.1 -o $@ $^ $(LIBS)
 
 $(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/main.o
-	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) $(CUDA_LIBS)
 
 $(BUILD)/kvxferctl: $(BUILD)/obj/client/kvxferctl.o $(BUILD)/obj/daemon/plan.o $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
@@ -83,7 +112,7 @@ $(BUILD)/kvxfer-bench: $(BUILD)/obj/client/bench.o $(BUILD)/libkvxfer.a
 # of the daemon except main.o.
 $(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h $(DAEMON_OBJ) $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(CUDA_LIBS)
 
 $(ITEST): tests/integration/integration.c tests/test.h $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)

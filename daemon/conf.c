@@ -137,6 +137,23 @@ static const struct conf_key keys[] = {
      .help = "Chunks queued to or running on the workers at once; 0 means "
              "twice the number of worker threads."},
 
+    {.name = "gpu.max_ctas", .type = CONF_U32, FIELD(gpu_max_ctas),
+     .def = 32, .min = 1, .max = 1024, .reloadable = 1,
+     .help = "Thread blocks one GPU copy kernel may use; the GPUs are busy "
+             "running the model."},
+    {.name = "gpu.chunk_bytes", .type = CONF_SIZE, FIELD(gpu_chunk_bytes),
+     .def = 64 * MiB, .min = 64 * KiB, .max = 4 * GiB, .reloadable = 1,
+     .help = "Bytes one GPU kernel launch moves at most; bounds how long a "
+             "cancel waits for its fence."},
+    {.name = "gpu.staging_bytes", .type = CONF_SIZE, FIELD(gpu_staging_bytes),
+     .def = 64 * MiB, .min = 0, .max = 64 * GiB,
+     .help = "GPU staging buffer per device with pools, for the cross-node "
+             "path; allocated once, on the first pool."},
+    {.name = "gpu.host_staging_bytes", .type = CONF_SIZE,
+     FIELD(host_staging_bytes), .def = 64 * MiB, .min = 0, .max = 64 * GiB,
+     .help = "Pinned host staging buffer, for the cross-node path; "
+             "allocated once, with the first GPU pool."},
+
     {.name = "deadlines.offer_lease_ms", .type = CONF_MS,
      FIELD(offer_lease_ms), .def = 30000, .min = 1, .max = 86400000,
      .reloadable = 1,

@@ -36,6 +36,11 @@ typedef struct kvx_conf {
     uint32_t worker_threads;
     uint64_t copy_chunk_bytes;
     uint32_t max_inflight_chunks;
+    /* gpu */
+    uint32_t gpu_max_ctas;
+    uint64_t gpu_chunk_bytes;
+    uint64_t gpu_staging_bytes;
+    uint64_t host_staging_bytes;
     /* deadlines, milliseconds */
     uint32_t offer_lease_ms;
     uint32_t fetch_timeout_ms;

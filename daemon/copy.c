@@ -62,15 +62,20 @@ static void *worker_main(void *arg)
         else
             plan_exec(j->plan, j->unit_begin, j->unit_end);
 
-        pthread_mutex_lock(&c.mu);
-        j->next = c.done;
-        c.done = j;
-        pthread_mutex_unlock(&c.mu);
-        uv_async_send(&c.async);
+        copy__complete(j);
         pthread_mutex_lock(&c.mu);
     }
     pthread_mutex_unlock(&c.mu);
     return NULL;
+}
+
+void copy__complete(copy_job_t *j)
+{
+    pthread_mutex_lock(&c.mu);
+    j->next = c.done;
+    c.done = j;
+    pthread_mutex_unlock(&c.mu);
+    uv_async_send(&c.async);
 }
 
 static void on_async(uv_async_t *a)
@@ -133,6 +138,11 @@ void copy_submit(copy_job_t *j)
 {
     j->next = NULL;
     c.inflight++;
+    if (j->gpu) { /* the GPU executor; it completes through copy__complete */
+        if ((j->status = gpu_launch(j, j->gpu)))
+            copy__complete(j);
+        return;
+    }
     pthread_mutex_lock(&c.mu);
     if (c.tail)
         c.tail->next = j;

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "gpu.h"
 #include "plan.h"
 
 typedef struct copy_job copy_job_t;
@@ -24,8 +25,10 @@ struct copy_job {
      * (e.g. populating a new pool's page tables) */
     void (*run)(copy_job_t *job);
     const plan_t *plan;
+    gpu_part_t *gpu;     /* set: the plan runs on this GPU, not on threads */
     uint64_t unit_begin, unit_end;
     uint64_t bytes;
+    int status;          /* 0, or why the job did not run */
     copy_done_cb done;   /* runs on the loop thread */
     void *owner;
     copy_job_t *next;    /* queue link, owned by copy */
@@ -35,6 +38,9 @@ struct copy_job {
 int copy_init(uv_loop_t *loop, unsigned nthreads);
 /* Queue a job (loop thread only). */
 void copy_submit(copy_job_t *job);
+/* Hand a finished job back to the loop; callable from any thread (copy
+ * workers, CUDA host functions). */
+void copy__complete(copy_job_t *job);
 /* Jobs submitted and not yet done. */
 unsigned copy_inflight(void);
 unsigned copy_threads(void);

@@ -16,6 +16,7 @@
 
 #include "copy.h"
 #include "daemon.h"
+#include "gpu.h"
 #include "instance.h"
 #include "log.h"
 #include "notify.h"
@@ -187,8 +188,9 @@ int main(int argc, char **argv)
             conf_print_markdown(stdout);
             return 0;
         case 'V':
-            printf("kvxferd %s (protocol %d.%d, build: host-only, no CUDA)\n",
-                   KVX_VERSION_STRING, KVX_VERSION_MAJOR, KVX_VERSION_MINOR);
+            printf("kvxferd %s (protocol %d.%d, build: %s)\n",
+                   KVX_VERSION_STRING, KVX_VERSION_MAJOR, KVX_VERSION_MINOR,
+                   gpu_build_info());
             return 0;
         case 'h':
             usage(stdout);
@@ -269,6 +271,7 @@ int main(int argc, char **argv)
     server_cleanup();
 err_copy:
     copy_cleanup();
+    gpu_cleanup();
     instance_cleanup();
     pool_cleanup();
     uv_walk(kvxd.loop, close_walk, NULL);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "copy.h"
+#include "daemon.h"
 #include "layout.h"
 #include "log.h"
 #include "map.h"
@@ -92,6 +93,83 @@ err_close_fd:
     return rc;
 }
 
+int pool_register_gpu(uint64_t session_id, gpu_import_req_t *req,
+                      const kvx_layout_t *layout, pool_t **out, char *why,
+                      size_t why_len)
+{
+    int rc;
+    if (req->size == 0) {
+        if (req->vmm && req->fd >= 0)
+            close(req->fd);
+        snprintf(why, why_len, "register_pool.size: 0");
+        return KVX_ERR_INVALID;
+    }
+    if ((rc = kvx__layout_check(layout, req->size, why, why_len))) {
+        if (req->vmm && req->fd >= 0)
+            close(req->fd);
+        return rc;
+    }
+    pool_t *p = calloc(1, sizeof(*p));
+    if (!p) {
+        if (req->vmm && req->fd >= 0)
+            close(req->fd);
+        snprintf(why, why_len, "register_pool: out of memory");
+        return KVX_ERR_NOMEM;
+    }
+    if ((rc = gpu_import(req, &p->import, &p->base, &p->device, why,
+                         why_len)))
+        goto err_free;
+    p->gpu = 1;
+    p->id = next_id++;
+    p->session_id = session_id;
+    p->size = req->size;
+    p->layout = *layout;
+    p->users = 1;
+    if (map_put(&pools, p->id, p)) {
+        snprintf(why, why_len, "register_pool: out of memory");
+        rc = KVX_ERR_NOMEM;
+        goto err_unimport;
+    }
+    *out = p;
+    return 0;
+
+err_unimport:
+    gpu_import_unref(p->import);
+err_free:
+    free(p);
+    return rc;
+}
+
+int pool_pin(pool_t *p, char *why, size_t why_len)
+{
+    if (p->gpu || p->pinned)
+        return 0;
+    uint64_t t0 = kvxd_now_ms();
+    if (gpu_host_register(p->base, p->size)) {
+        snprintf(why, why_len,
+                 "pool %u: cannot register host memory with CUDA for a "
+                 "GPU copy",
+                 p->id);
+        return KVX_ERR_IO;
+    }
+    p->pinned = 1;
+    log_info("pool %u: %llu host bytes pinned for GPU copies in %llu ms",
+             p->id, (unsigned long long)p->size,
+             (unsigned long long)(kvxd_now_ms() - t0));
+    return 0;
+}
+
+static void pool_unmap(pool_t *p)
+{
+    if (p->gpu) {
+        gpu_import_unref(p->import);
+        return;
+    }
+    if (p->pinned)
+        gpu_host_unregister(p->base);
+    munmap(p->base, p->size);
+}
+
 pool_t *pool_find(uint32_t id)
 {
     pool_t *p = map_get(&pools, id);
@@ -105,7 +183,7 @@ void pool_unref(pool_t *p)
     if (--p->users)
         return;
     map_del(&pools, p->id);
-    munmap(p->base, p->size);
+    pool_unmap(p);
     log_debug("pool %u unmapped", p->id);
     free(p);
 }
@@ -141,6 +219,8 @@ static void populate_done(copy_job_t *j)
 
 void pool_populate(pool_t *p)
 {
+    if (p->gpu)
+        return;
     copy_job_t *j = calloc(1, sizeof(*j));
     if (!j)
         return; /* only an optimization */
@@ -165,7 +245,7 @@ void pool_cleanup(void)
     if (all) {
         n = map_values(&pools, (void **)all, n);
         for (uint32_t i = 0; i < n; i++) {
-            munmap(all[i]->base, all[i]->size);
+            pool_unmap(all[i]);
             free(all[i]);
         }
         free(all);

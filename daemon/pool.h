@@ -12,11 +12,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "gpu.h"
 #include "kvxfer.h"
 
 typedef struct pool {
     uint32_t id;
     uint64_t session_id;
+    int gpu;             /* GPU pool (imported), else host memfd */
+    int device;          /* daemon's CUDA ordinal, GPU pools */
+    gpu_import_t *import;
+    int pinned;          /* host pool registered with CUDA (mixed copies) */
     uint8_t *base;
     uint64_t size;
     kvx_layout_t layout;
@@ -29,6 +34,13 @@ typedef struct pool {
 int pool_register_host(uint64_t session_id, int fd, uint64_t size,
                        const kvx_layout_t *layout, pool_t **out, char *why,
                        size_t why_len);
+/* Import a GPU allocation (gpu_import) and check the layout fits. */
+int pool_register_gpu(uint64_t session_id, gpu_import_req_t *req,
+                      const kvx_layout_t *layout, pool_t **out, char *why,
+                      size_t why_len);
+/* Make a host pool readable and writable by GPU kernels (pins it;
+ * blocking, once per pool). GPU pools: no-op. */
+int pool_pin(pool_t *p, char *why, size_t why_len);
 /* Fault the mapping in on a copy worker (not on the loop). */
 void pool_populate(pool_t *p);
 /* A live (not released) pool, or NULL. */

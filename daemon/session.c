@@ -343,39 +343,69 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
     const Kvxfer__RegisterPool *m = rq->register_pool;
+    int needs_fd = m->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD ||
+                   m->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
     /* the fd travels with this frame: take it first so every path below
      * closes it */
     int fd = -1;
-    if (s->nfds > 0) {
+    if (needs_fd && s->nfds > 0) {
         fd = s->fds[0];
         memmove(s->fds, s->fds + 1, (size_t)(--s->nfds) * sizeof(int));
     }
-    if (fd < 0)
-        FAIL(KVX_ERR_INVALID,
-             "register_pool: no fd arrived with the request (send the memfd "
-             "with SCM_RIGHTS)");
-    if (m->kind != KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
-        close(fd);
-        FAIL(KVX_ERR_UNSUPPORTED,
-             "register_pool.kind: %d not supported by this build (host "
-             "memfd only)",
-             m->kind);
-    }
-    if (s->pools.n >= kvxd.conf.max_pools) {
-        close(fd);
-        FAIL(KVX_ERR_LIMIT, "register_pool: %u pools (limits.max_pools)",
-             s->pools.n);
+    int rc = 0;
+    if (needs_fd && fd < 0) {
+        snprintf(why, sizeof(why),
+                 "register_pool: no fd arrived with the request (send it "
+                 "with SCM_RIGHTS)");
+        rc = KVX_ERR_INVALID;
+    } else if (m->kind > KVXFER__POOL_KIND__POOL_GPU_VMM_FD) {
+        snprintf(why, sizeof(why), "register_pool.kind: unknown value %d",
+                 m->kind);
+        rc = KVX_ERR_INVALID;
+    } else if (s->pools.n >= kvxd.conf.max_pools) {
+        snprintf(why, sizeof(why),
+                 "register_pool: %u pools (limits.max_pools)", s->pools.n);
+        rc = KVX_ERR_LIMIT;
     }
     kvx_layout_t l;
-    int rc = layout_from_msg(m->layout, &l, why, sizeof(why));
+    if (!rc)
+        rc = layout_from_msg(m->layout, &l, why, sizeof(why));
     if (rc) {
-        close(fd);
+        if (fd >= 0)
+            close(fd);
         reply(s, rq->id, rc, why);
         return;
     }
     pool_t *p;
-    if ((rc = pool_register_host(s->id, fd, m->size, &l, &p, why,
-                                 sizeof(why)))) {
+    if (m->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
+        rc = pool_register_host(s->id, fd, m->size, &l, &p, why,
+                                sizeof(why));
+    } else {
+        gpu_import_req_t g = {.vmm = m->kind ==
+                                     KVXFER__POOL_KIND__POOL_GPU_VMM_FD,
+                              .fd = fd,
+                              .alloc_id = m->alloc_id,
+                              .alloc_size = m->alloc_size,
+                              .offset = m->alloc_offset,
+                              .size = m->size,
+                              .owner = s->id};
+        if (m->gpu_uuid.len != 16 ||
+            (!g.vmm && m->ipc_handle.len != sizeof(g.ipc_handle))) {
+            if (fd >= 0)
+                close(fd);
+            FAIL(KVX_ERR_INVALID,
+                 "register_pool.%s: %zu bytes (expected %d)",
+                 m->gpu_uuid.len != 16 ? "gpu_uuid" : "ipc_handle",
+                 m->gpu_uuid.len != 16 ? m->gpu_uuid.len
+                                       : m->ipc_handle.len,
+                 m->gpu_uuid.len != 16 ? 16 : 64);
+        }
+        memcpy(g.uuid, m->gpu_uuid.data, 16);
+        if (!g.vmm)
+            memcpy(g.ipc_handle, m->ipc_handle.data, sizeof(g.ipc_handle));
+        rc = pool_register_gpu(s->id, &g, &l, &p, why, sizeof(why));
+    }
+    if (rc) {
         reply(s, rq->id, rc, why);
         return;
     }
@@ -384,8 +414,10 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         FAIL(KVX_ERR_NOMEM, "register_pool: out of memory");
     }
     pool_populate(p);
-    log_info("session %llu: pool %u registered: %s, %u blocks, %llu bytes",
-             (unsigned long long)s->id, p->id, l.preset, l.num_blocks,
+    log_info("session %llu: pool %u registered: %s %s, %u blocks, %llu "
+             "bytes",
+             (unsigned long long)s->id, p->id,
+             p->gpu ? "gpu" : "host", l.preset, l.num_blocks,
              (unsigned long long)m->size);
     Kvxfer__RegisterPoolReply pr = KVXFER__REGISTER_POOL_REPLY__INIT;
     pr.pool_id = p->id;
@@ -443,14 +475,14 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
     if ((rc = check_blocks(p, m->blocks, m->n_blocks, "publish", why,
                            sizeof(why))))
         goto fail;
-    const uint8_t *params;
+    uint8_t *params;
     size_t plen;
     if ((rc = xfer_publish(s->inst, s->rank, m->request_id, p, m->blocks,
                            (uint32_t)m->n_blocks, m->num_tokens, &params,
                            &plen, why, sizeof(why))))
         goto fail;
     Kvxfer__PublishReply pr = KVXFER__PUBLISH_REPLY__INIT;
-    pr.context_params.data = (uint8_t *)params;
+    pr.context_params.data = params;
     pr.context_params.len = plen;
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
     r.id = rq->id;
@@ -458,6 +490,7 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
     r.body_case = KVXFER__REPLY__BODY_PUBLISH;
     r.publish = &pr;
     reply_packed(s, &r);
+    free(params);
     return;
 fail:
     reply(s, rq->id, rc, why);
@@ -490,10 +523,8 @@ static void on_poll(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     uint64_t now = kvxd_now_ms();
     uint32_t t = rq->poll->timeout_ms;
-    if (t > kvxd.conf.poll_timeout_max_ms)
-        FAIL(KVX_ERR_INVALID,
-             "poll.timeout_ms: %u exceeds deadlines.poll_timeout_max_ms %u",
-             t, kvxd.conf.poll_timeout_max_ms);
+    if (t > kvxd.conf.poll_timeout_max_ms) /* cut, see configuration.md */
+        t = kvxd.conf.poll_timeout_max_ms;
     if (batch_poll(&s->inst->batches, s->rank, rq->id, rq->poll->at_least,
                    now + t, now))
         FAIL(KVX_ERR_BUSY, "poll: this rank already has a poll waiting");

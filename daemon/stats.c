@@ -6,6 +6,7 @@
 
 #include "copy.h"
 #include "daemon.h"
+#include "gpu.h"
 #include "instance.h"
 #include "pool.h"
 #include "session.h"
@@ -40,7 +41,10 @@ static void add_conf(const char *key, const char *value, void *arg)
 void stats_fill(Kvxfer__StatusReply *st)
 {
     st->version = KVX_VERSION_STRING;
-    st->build = "host";
+    static char gpu[512];
+    st->build = (char *)gpu_build_info();
+    gpu_status(gpu, sizeof(gpu));
+    st->gpu = gpu;
     st->uptime_ms = kvxd_now_ms() - kvxd.start_ms;
     st->daemon_address = kvxd.address;
     st->worker_threads = copy_threads();

@@ -129,6 +129,7 @@ typedef struct genpart {
     plan_t *plan;
     uint64_t next_unit, units_done, units_per_chunk;
     uint32_t inflight;
+    gpu_part_t *gpu;       /* plan uploaded to a GPU, when it runs there */
     struct genpart *rq_next;
 } genpart_t;
 
@@ -356,7 +357,7 @@ static void part_try_start(genpart_t *p);
 
 int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, const uint8_t **params,
+                 uint32_t num_tokens, uint8_t **params,
                  size_t *params_len, char *why, size_t why_len)
 {
     int rc;
@@ -409,13 +410,25 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
     log_debug("publish %s/%llu rank %u: %u blocks, %u tokens", inst->id,
               (unsigned long long)request_id, rank, need, num_tokens);
 
-    /* a consumer may be waiting for this rank */
-    if (o->consumer)
-        for (uint32_t r = 0; r < o->consumer->inst->nranks; r++)
-            part_try_start(&o->consumer->parts[r]);
-    schedule();
-    *params = o->params;
+    /* copy the params out first: starting a waiting consumer may end the
+     * request (and free the offer) before the reply is sent */
+    if (!(*params = malloc(o->params_len)))
+        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    memcpy(*params, o->params, o->params_len);
     *params_len = o->params_len;
+    /* a consumer may be waiting for this rank; look it up again after
+     * each part, since a failing part ends (and frees) it */
+    if (o->consumer) {
+        instance_t *gi = o->consumer->inst;
+        uint64_t gid = o->consumer->request_id;
+        for (uint32_t r = 0; r < gi->nranks; r++) {
+            genreq_t *g = map_get(&gi->fetches, gid);
+            if (!g || g->ending)
+                break;
+            part_try_start(&g->parts[r]);
+        }
+    }
+    schedule();
     return 0;
 }
 
@@ -428,6 +441,7 @@ static void genreq_free(genreq_t *g)
         if (p->pool)
             pool_unref(p->pool);
         free(p->blocks);
+        gpu_part_free(p->gpu);
         plan_free(p->plan);
     }
     free(g->parts);
@@ -451,6 +465,27 @@ static void part_try_start(genpart_t *p)
                                     sp->blocks, sp->nblocks};
     }
     p->started = 1;
+    /* A GPU pool on either side: the plan runs on the GPU, host pools in
+     * it are pinned so the kernel can reach them. */
+    int device = p->pool->gpu ? p->pool->device : -1;
+    for (uint32_t i = 0; i < plan->nslices && device < 0; i++) {
+        pool_t *sp = o->parts[plan->slices[i].src_rank].pool;
+        if (sp->gpu)
+            device = sp->device;
+    }
+    if (device >= 0 && plan->nunits) {
+        char why[256];
+        int rc = pool_pin(p->pool, why, sizeof(why));
+        for (uint32_t i = 0; i < plan->nslices && !rc; i++)
+            rc = pool_pin(o->parts[plan->slices[i].src_rank].pool, why,
+                          sizeof(why));
+        if (!rc)
+            rc = gpu_part_create(plan, device, &p->gpu, why, sizeof(why));
+        if (rc) {
+            genreq_end(g, KVX_EVENT_ERROR, rc, why);
+            return;
+        }
+    }
     if (plan->nunits == 0) {
         p->done = 1;
         if (++g->ndone == g->inst->nlocal)
@@ -458,7 +493,9 @@ static void part_try_start(genpart_t *p)
         return;
     }
     uint64_t unit = plan->bytes / plan->nunits;
-    p->units_per_chunk = unit ? kvxd.conf.copy_chunk_bytes / unit : 1;
+    uint64_t chunk = p->gpu ? kvxd.conf.gpu_chunk_bytes
+                            : kvxd.conf.copy_chunk_bytes;
+    p->units_per_chunk = unit ? chunk / unit : 1;
     if (!p->units_per_chunk)
         p->units_per_chunk = 1;
     p->queued = 1;
@@ -680,8 +717,16 @@ static void on_chunk_done(copy_job_t *job)
     g->inflight--;
     p->units_done += units;
     g->bytes_done += job->bytes;
-    kvxd.stats.bytes_moved += job->bytes;
+    int status = job->status;
+    if (!status)
+        kvxd.stats.bytes_moved += job->bytes;
     free(job);
+    if (status && !g->ending) {
+        char m[96];
+        snprintf(m, sizeof(m), "copy failed on %s: %s",
+                 p->gpu ? "the GPU" : "a worker", kvx_status_str(status));
+        genreq_end(g, KVX_EVENT_ERROR, status, m);
+    }
     if (g->ending) {
         if (g->inflight == 0)
             genreq_end(g, g->end_kind, g->end_code, g->end_msg);
@@ -715,6 +760,7 @@ static void schedule(void)
         if (end > p->plan->nunits)
             end = p->plan->nunits;
         job->plan = p->plan;
+        job->gpu = p->gpu;
         job->unit_begin = p->next_unit;
         job->unit_end = end;
         job->bytes = plan_units_bytes(p->plan, p->next_unit, end);

@@ -20,11 +20,10 @@
 #include "pool.h"
 
 /* Offer blocks of pool for request_id from rank. On success *params is
- * the packed ContextParams (owned by the offer; valid until the next loop
- * turn). */
+ * a malloc'd copy of the packed ContextParams (the caller frees it). */
 int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, const uint8_t **params,
+                 uint32_t num_tokens, uint8_t **params,
                  size_t *params_len, char *why, size_t why_len);
 
 /* Fill blocks of pool for request_id at rank from the offer params name. */

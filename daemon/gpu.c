@@ -1,0 +1,530 @@
+/* gpu — CUDA pools, plans and launches; see gpu.h. Built only with CUDA. */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "copy.h"
+#include "daemon.h"
+#include "gpu.h"
+#include "gpu_desc.h"
+#include "log.h"
+
+#define MAX_DEV 64
+
+/* Driver entry points for VMM import, fetched through the runtime so the
+ * daemon does not link libcuda (it starts without a driver). */
+static struct {
+    CUresult (*import)(CUmemGenericAllocationHandle *, void *,
+                       CUmemAllocationHandleType);
+    CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
+                        unsigned long long);
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                    unsigned long long);
+    CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *,
+                           size_t);
+    CUresult (*unmap)(CUdeviceptr, size_t);
+    CUresult (*release)(CUmemGenericAllocationHandle);
+    CUresult (*free_va)(CUdeviceptr, size_t);
+} drv;
+
+static struct {
+    int state;                 /* 0 untried, 1 ok, -1 unavailable */
+    char why[160];
+    int ndev;
+    cudaUUID_t uuid[MAX_DEV];
+    int used[MAX_DEV];         /* context created: a pool lives here */
+    cudaStream_t stream[MAX_DEV];
+    void *staging[MAX_DEV];    /* device staging, for the cross-node path */
+    void *host_staging;
+    uint8_t peer[MAX_DEV][MAX_DEV];
+    uint64_t launches, imports_legacy, imports_vmm;
+} g;
+
+struct gpu_import {
+    uint64_t owner, alloc_id;
+    uint8_t uuid[16];
+    int device, vmm;
+    uint8_t *base;
+    uint64_t alloc_size;
+    CUmemGenericAllocationHandle handle;
+    unsigned refs;
+    struct gpu_import *next;
+};
+
+static gpu_import_t *imports;
+
+struct gpu_part {
+    int device;
+    void *dmem;        /* device copy of slices, segs, tables, offsets */
+    gpu_plan_t plan;   /* with device pointers; passed by value */
+};
+
+const char *gpu_build_info(void)
+{
+    return "cuda " KVX_CUDA_VERSION ", kernels sm_80 sm_90 sm_100 + PTX";
+}
+
+#define CU_OK(call) ((call) == cudaSuccess)
+
+static int start(void)
+{
+    if (g.state)
+        return g.state > 0 ? 0 : KVX_ERR_UNSUPPORTED;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        snprintf(g.why, sizeof(g.why), "no usable GPU: %s",
+                 e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        log_warn("gpu: %s; host pools only", g.why);
+        g.state = -1;
+        return KVX_ERR_UNSUPPORTED;
+    }
+    g.ndev = n < MAX_DEV ? n : MAX_DEV;
+    for (int d = 0; d < g.ndev; d++) {
+        struct cudaDeviceProp p;
+        if (CU_OK(cudaGetDeviceProperties(&p, d)))
+            g.uuid[d] = p.uuid;
+    }
+    struct {
+        const char *name;
+        void **fn;
+    } syms[] = {{"cuMemImportFromShareableHandle", (void **)&drv.import},
+                {"cuMemAddressReserve", (void **)&drv.reserve},
+                {"cuMemMap", (void **)&drv.map},
+                {"cuMemSetAccess", (void **)&drv.set_access},
+                {"cuMemUnmap", (void **)&drv.unmap},
+                {"cuMemRelease", (void **)&drv.release},
+                {"cuMemAddressFree", (void **)&drv.free_va}};
+    for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
+        enum cudaDriverEntryPointQueryResult q;
+        if (!CU_OK(cudaGetDriverEntryPointByVersion(
+                syms[i].name, syms[i].fn, 12000, cudaEnableDefault, &q)) ||
+            q != cudaDriverEntryPointSuccess)
+            *syms[i].fn = NULL; /* VMM import then refused, legacy works */
+    }
+    g.state = 1;
+    log_info("gpu: %d devices; %s", g.ndev, gpu_build_info());
+    return 0;
+}
+
+/* Create the context and stream of device d on first use. */
+static int use_device(int d, char *why, size_t why_len)
+{
+    if (g.used[d])
+        return 0;
+    cudaError_t e;
+    if (!CU_OK(e = cudaSetDevice(d)) ||
+        !CU_OK(e = cudaStreamCreateWithFlags(&g.stream[d],
+                                             cudaStreamNonBlocking))) {
+        snprintf(why, why_len, "gpu %d: %s", d, cudaGetErrorString(e));
+        return KVX_ERR_IO;
+    }
+    /* staging for the cross-node path: allocated once, here */
+    if (kvxd.conf.gpu_staging_bytes &&
+        !CU_OK(cudaMalloc(&g.staging[d], kvxd.conf.gpu_staging_bytes)))
+        log_warn("gpu %d: cannot allocate %llu staging bytes", d,
+                 (unsigned long long)kvxd.conf.gpu_staging_bytes);
+    if (!g.host_staging && kvxd.conf.host_staging_bytes &&
+        !CU_OK(cudaHostAlloc(&g.host_staging, kvxd.conf.host_staging_bytes,
+                             cudaHostAllocPortable)))
+        log_warn("gpu: cannot allocate %llu pinned staging bytes",
+                 (unsigned long long)kvxd.conf.host_staging_bytes);
+    /* let this device read and write every other device that can */
+    for (int o = 0; o < g.ndev; o++) {
+        int can = 0;
+        if (o != d && CU_OK(cudaDeviceCanAccessPeer(&can, d, o)) && can) {
+            cudaError_t pe = cudaDeviceEnablePeerAccess(o, 0);
+            if (pe == cudaSuccess || pe == cudaErrorPeerAccessAlreadyEnabled)
+                g.peer[d][o] = 1;
+            (void)cudaGetLastError();
+        }
+    }
+    g.used[d] = 1;
+    log_info("gpu %d: context and stream created", d);
+    return 0;
+}
+
+void gpu_status(char *buf, size_t len)
+{
+    if (g.state <= 0) {
+        snprintf(buf, len, "%s", g.state < 0 ? g.why : "idle (no GPU pool)");
+        return;
+    }
+    size_t off = (size_t)snprintf(
+        buf, len, "%d devices; staging %llu B/device, %llu B pinned host; "
+                  "launches %llu; imports legacy %llu vmm %llu; in use:",
+        g.ndev, (unsigned long long)kvxd.conf.gpu_staging_bytes,
+        (unsigned long long)kvxd.conf.host_staging_bytes,
+        (unsigned long long)g.launches,
+        (unsigned long long)g.imports_legacy,
+        (unsigned long long)g.imports_vmm);
+    for (int d = 0; d < g.ndev && off < len; d++)
+        if (g.used[d])
+            off += (size_t)snprintf(buf + off, len - off, " %d", d);
+}
+
+static int device_of(const uint8_t uuid[16])
+{
+    for (int d = 0; d < g.ndev; d++)
+        if (!memcmp(g.uuid[d].bytes, uuid, 16))
+            return d;
+    return -1;
+}
+
+int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
+               int *device, char *why, size_t why_len)
+{
+    int rc;
+    if ((rc = start())) {
+        snprintf(why, why_len, "register_pool: GPU pool refused: %s", g.why);
+        goto err_close_fd;
+    }
+    int d = device_of(r->uuid);
+    if (d < 0) {
+        snprintf(why, why_len,
+                 "register_pool.gpu_uuid: the daemon sees no GPU with this "
+                 "UUID (CUDA_VISIBLE_DEVICES of the daemon?)");
+        rc = KVX_ERR_NOT_FOUND;
+        goto err_close_fd;
+    }
+    if (r->offset > r->alloc_size || r->size > r->alloc_size - r->offset) {
+        snprintf(why, why_len,
+                 "register_pool.size: [%llu, +%llu) outside the allocation "
+                 "of %llu bytes",
+                 (unsigned long long)r->offset, (unsigned long long)r->size,
+                 (unsigned long long)r->alloc_size);
+        rc = KVX_ERR_INVALID;
+        goto err_close_fd;
+    }
+    for (gpu_import_t *i = imports; i; i = i->next)
+        if (i->owner == r->owner && i->alloc_id == r->alloc_id &&
+            !memcmp(i->uuid, r->uuid, 16)) {
+            if (r->vmm && r->fd >= 0)
+                close(r->fd); /* already mapped: one import per allocation */
+            i->refs++;
+            *out = i;
+            *ptr = i->base + r->offset;
+            *device = i->device;
+            return 0;
+        }
+    if ((rc = use_device(d, why, why_len)))
+        goto err_close_fd;
+    gpu_import_t *imp = calloc(1, sizeof(*imp));
+    if (!imp) {
+        snprintf(why, why_len, "register_pool: out of memory");
+        rc = KVX_ERR_NOMEM;
+        goto err_close_fd;
+    }
+    imp->owner = r->owner;
+    imp->alloc_id = r->alloc_id;
+    memcpy(imp->uuid, r->uuid, 16);
+    imp->device = d;
+    imp->alloc_size = r->alloc_size;
+    imp->vmm = r->vmm;
+    cudaSetDevice(d);
+    if (!r->vmm) {
+        cudaIpcMemHandle_t h;
+        memcpy(&h, r->ipc_handle, sizeof(h));
+        void *p = NULL;
+        cudaError_t e = cudaIpcOpenMemHandle(&p, h,
+                                             cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            snprintf(why, why_len,
+                     "register_pool.ipc_handle: cudaIpcOpenMemHandle: %s",
+                     cudaGetErrorString(e));
+            rc = KVX_ERR_INVALID;
+            goto err_free;
+        }
+        imp->base = p;
+        g.imports_legacy++;
+    } else {
+        if (!drv.import || !drv.reserve || !drv.map || !drv.set_access) {
+            snprintf(why, why_len,
+                     "register_pool.kind: the driver lacks the VMM import "
+                     "entry points");
+            rc = KVX_ERR_UNSUPPORTED;
+            goto err_free;
+        }
+        CUresult cr;
+        CUdeviceptr va = 0;
+        if ((cr = drv.import(&imp->handle, (void *)(uintptr_t)r->fd,
+                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))) {
+            snprintf(why, why_len,
+                     "register_pool: cuMemImportFromShareableHandle failed "
+                     "(CUresult %d)",
+                     (int)cr);
+            rc = KVX_ERR_INVALID;
+            goto err_free;
+        }
+        if ((cr = drv.reserve(&va, r->alloc_size, 0, 0, 0)) ||
+            (cr = drv.map(va, r->alloc_size, 0, imp->handle, 0))) {
+            snprintf(why, why_len,
+                     "register_pool.alloc_size: mapping %llu bytes failed "
+                     "(CUresult %d)",
+                     (unsigned long long)r->alloc_size, (int)cr);
+            if (va)
+                drv.free_va(va, r->alloc_size);
+            drv.release(imp->handle);
+            rc = KVX_ERR_INVALID;
+            goto err_free;
+        }
+        CUmemAccessDesc acc[MAX_DEV];
+        size_t nacc = 0;
+        for (int o = 0; o < g.ndev; o++)
+            if (o == d || g.peer[d][o] || g.used[o]) {
+                acc[nacc].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+                acc[nacc].location.id = o;
+                acc[nacc].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                nacc++;
+            }
+        if ((cr = drv.set_access(va, r->alloc_size, acc, nacc))) {
+            /* peers may refuse; the owning device alone must work */
+            acc[0].location.id = d;
+            cr = drv.set_access(va, r->alloc_size, acc, 1);
+        }
+        if (cr) {
+            snprintf(why, why_len,
+                     "register_pool: cuMemSetAccess failed (CUresult %d)",
+                     (int)cr);
+            drv.unmap(va, r->alloc_size);
+            drv.free_va(va, r->alloc_size);
+            drv.release(imp->handle);
+            rc = KVX_ERR_INVALID;
+            goto err_free;
+        }
+        close(r->fd);
+        r->fd = -1;
+        imp->base = (uint8_t *)(uintptr_t)va;
+        g.imports_vmm++;
+    }
+    imp->refs = 1;
+    imp->next = imports;
+    imports = imp;
+    *out = imp;
+    *ptr = imp->base + r->offset;
+    *device = d;
+    log_info("gpu %d: imported %s allocation of %llu bytes", d,
+             r->vmm ? "VMM" : "legacy IPC",
+             (unsigned long long)r->alloc_size);
+    return 0;
+
+err_free:
+    free(imp);
+err_close_fd:
+    if (r->vmm && r->fd >= 0) {
+        close(r->fd);
+        r->fd = -1;
+    }
+    return rc;
+}
+
+void gpu_import_unref(gpu_import_t *imp)
+{
+    if (!imp || --imp->refs)
+        return;
+    for (gpu_import_t **p = &imports; *p; p = &(*p)->next)
+        if (*p == imp) {
+            *p = imp->next;
+            break;
+        }
+    cudaSetDevice(imp->device);
+    if (imp->vmm) {
+        CUdeviceptr va = (CUdeviceptr)(uintptr_t)imp->base;
+        drv.unmap(va, imp->alloc_size);
+        drv.free_va(va, imp->alloc_size);
+        drv.release(imp->handle);
+    } else {
+        cudaIpcCloseMemHandle(imp->base);
+    }
+    log_info("gpu %d: unmapped allocation of %llu bytes", imp->device,
+             (unsigned long long)imp->alloc_size);
+    free(imp);
+}
+
+int gpu_host_register(void *base, uint64_t size)
+{
+    if (start())
+        return KVX_ERR_UNSUPPORTED;
+    cudaError_t e = cudaHostRegister(base, size,
+                                     cudaHostRegisterPortable |
+                                         cudaHostRegisterMapped);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return KVX_ERR_IO;
+    }
+    return 0;
+}
+
+void gpu_host_unregister(void *base)
+{
+    cudaHostUnregister(base);
+    (void)cudaGetLastError();
+}
+
+/* Bump allocator over one host buffer that is then copied to the device
+ * in one go; offsets become device pointers. */
+struct pack {
+    uint8_t *buf;
+    size_t len, cap;
+};
+
+static size_t pack_add(struct pack *pk, const void *src, size_t n)
+{
+    size_t off = (pk->len + 15) & ~(size_t)15;
+    if (off + n > pk->cap)
+        return (size_t)-1;
+    memcpy(pk->buf + off, src, n);
+    pk->len = off + n;
+    return off;
+}
+
+int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
+                    size_t why_len)
+{
+    const kvx_layout_t *dl = p->dst.layout;
+    size_t cap = 64 + p->nslices * sizeof(gpu_slice_t) + 16 +
+                 p->nsegs * sizeof(gpu_seg_t) + 16 +
+                 p->dst.num_blocks * 4 + 16 + dl->num_layers * 8 + 16;
+    for (uint32_t i = 0; i < p->nslices; i++)
+        cap += p->src[i].num_blocks * 4 + 16 +
+               p->src[i].layout->num_layers * 8 + 16;
+    struct pack pk = {malloc(cap), 0, cap};
+    gpu_part_t *gp = calloc(1, sizeof(*gp));
+    gpu_slice_t *sl = calloc(p->nslices ? p->nslices : 1, sizeof(*sl));
+    if (!pk.buf || !gp || !sl) {
+        snprintf(why, why_len, "fetch: out of memory for the GPU plan");
+        goto err_free;
+    }
+    gp->device = device;
+    /* the slices array goes first, so its offset is 0 */
+    size_t off_slices = pack_add(&pk, sl, p->nslices * sizeof(gpu_slice_t));
+    size_t off_segs = pack_add(&pk, p->segs, p->nsegs * sizeof(gpu_seg_t));
+    size_t off_dblk = pack_add(&pk, p->dst.blocks, p->dst.num_blocks * 4);
+    size_t off_dlo = pack_add(&pk, dl->layer_offset, dl->num_layers * 8);
+    size_t *off_sblk = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
+    size_t *off_slo = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
+    if (!off_sblk || !off_slo) {
+        free(off_sblk);
+        free(off_slo);
+        snprintf(why, why_len, "fetch: out of memory for the GPU plan");
+        goto err_free;
+    }
+    for (uint32_t i = 0; i < p->nslices; i++) {
+        off_sblk[i] = pack_add(&pk, p->src[i].blocks, p->src[i].num_blocks * 4);
+        off_slo[i] = pack_add(&pk, p->src[i].layout->layer_offset,
+                              p->src[i].layout->num_layers * 8);
+    }
+    cudaError_t e;
+    cudaSetDevice(device);
+    if (!CU_OK(e = cudaMallocAsync(&gp->dmem, pk.len ? pk.len : 16,
+                                   g.stream[device]))) {
+        free(off_sblk);
+        free(off_slo);
+        snprintf(why, why_len, "fetch: GPU plan memory: %s",
+                 cudaGetErrorString(e));
+        goto err_free;
+    }
+    uint8_t *dm = gp->dmem;
+    for (uint32_t i = 0; i < p->nslices; i++) {
+        const plan_slice_t *s = &p->slices[i];
+        const kvx_layout_t *l = p->src[i].layout;
+        sl[i] = (gpu_slice_t){s->layer0, s->nlayers, s->head0, s->nheads,
+                              s->src_layer_base, s->src_head_base,
+                              s->dst_layer_base, s->dst_head_base,
+                              s->unit_begin,
+                              {p->src[i].base,
+                               (const uint32_t *)(dm + off_sblk[i]),
+                               (const uint64_t *)(dm + off_slo[i]),
+                               l->kv_stride, l->block_stride,
+                               l->token_stride, l->head_stride}};
+    }
+    memcpy(pk.buf + off_slices, sl, p->nslices * sizeof(gpu_slice_t));
+    free(off_sblk);
+    free(off_slo);
+    gp->plan = (gpu_plan_t){p->nslices,
+                            p->nsegs,
+                            dl->head_dim * dl->elem_size,
+                            dl->kv_factor,
+                            (const gpu_slice_t *)(dm + off_slices),
+                            (const gpu_seg_t *)(dm + off_segs),
+                            {p->dst.base, (const uint32_t *)(dm + off_dblk),
+                             (const uint64_t *)(dm + off_dlo), dl->kv_stride,
+                             dl->block_stride, dl->token_stride,
+                             dl->head_stride}};
+    /* pageable source: the runtime stages it, and the kernels that read it
+     * are ordered after it on the same stream */
+    if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, pk.buf, pk.len,
+                                   cudaMemcpyHostToDevice,
+                                   g.stream[device]))) {
+        cudaFreeAsync(gp->dmem, g.stream[device]);
+        snprintf(why, why_len, "fetch: GPU plan upload: %s",
+                 cudaGetErrorString(e));
+        goto err_free;
+    }
+    free(pk.buf);
+    free(sl);
+    *out = gp;
+    return 0;
+
+err_free:
+    free(pk.buf);
+    free(sl);
+    free(gp);
+    return KVX_ERR_NOMEM;
+}
+
+void gpu_part_free(gpu_part_t *gp)
+{
+    if (!gp)
+        return;
+    cudaSetDevice(gp->device);
+    cudaFreeAsync(gp->dmem, g.stream[gp->device]);
+    free(gp);
+}
+
+/* CUDA's callback thread: only hand the job back. */
+static void CUDART_CB on_done(void *arg) { copy__complete(arg); }
+
+int gpu_launch(struct copy_job *job, gpu_part_t *gp)
+{
+    int d = gp->device;
+    unsigned ctas = kvxd.conf.gpu_max_ctas ? kvxd.conf.gpu_max_ctas : 32;
+    cudaSetDevice(d);
+    int e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end, ctas,
+                              g.stream[d]);
+    if (e == cudaSuccess)
+        e = cudaLaunchHostFunc(g.stream[d], on_done, job);
+    if (e != cudaSuccess) {
+        log_error("gpu %d: launch failed: %s", d,
+                  cudaGetErrorString((cudaError_t)e));
+        (void)cudaGetLastError();
+        return KVX_ERR_IO;
+    }
+    g.launches++;
+    return 0;
+}
+
+void gpu_cleanup(void)
+{
+    if (g.state <= 0)
+        return;
+    for (int d = 0; d < g.ndev; d++)
+        if (g.used[d]) {
+            cudaSetDevice(d);
+            cudaStreamSynchronize(g.stream[d]);
+            cudaStreamDestroy(g.stream[d]);
+            if (g.staging[d])
+                cudaFree(g.staging[d]);
+        }
+    if (g.host_staging)
+        cudaFreeHost(g.host_staging);
+    while (imports) {
+        imports->refs = 1;
+        gpu_import_unref(imports);
+    }
+}

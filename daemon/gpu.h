@@ -1,0 +1,72 @@
+/*
+ * gpu — CUDA inside kvxferd: lazy start, import of client GPU allocations
+ * (legacy cudaIpcMemHandle, or a VMM POSIX fd from
+ * cuMemExportToShareableHandle), pinning of host pools for mixed copies,
+ * one stream per device, device-resident plans and the copy kernel launch,
+ * whose completion comes back to the loop through the copy engine.
+ *
+ * Owns CUDA contexts (primary, created only on devices that get a pool),
+ * imports (one per client allocation, shared by the pools inside it),
+ * streams, staging buffers and uploaded plans. Never blocks the loop on
+ * the GPU: launches are asynchronous, completion is a host function that
+ * only queues the job back (copy__complete()).
+ *
+ * Built without CUDA (gpu_none.c), every entry point answers
+ * KVX_ERR_UNSUPPORTED with a message that says so.
+ */
+#ifndef KVX_GPU_H
+#define KVX_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "plan.h"
+
+struct copy_job;
+
+typedef struct gpu_import gpu_import_t;
+typedef struct gpu_part gpu_part_t;
+
+/* "cuda 13.0, kernels sm_80 sm_90 sm_100 + PTX" or "host-only". */
+const char *gpu_build_info(void);
+
+/* Describe the GPU side for status: devices in use, staging, path. */
+void gpu_status(char *buf, size_t len);
+
+/* What a client sends to register a GPU pool. */
+typedef struct gpu_import_req {
+    int vmm;                  /* 1: fd is a VMM shareable handle */
+    int fd;                   /* VMM only; ownership passes to gpu_import */
+    uint8_t ipc_handle[64];   /* legacy only */
+    uint8_t uuid[16];         /* device, as the client's CUDA names it */
+    uint64_t alloc_id;        /* client's allocation base address */
+    uint64_t alloc_size;
+    uint64_t offset;          /* pool start inside the allocation */
+    uint64_t size;            /* pool bytes */
+    uint64_t owner;           /* session id: imports are per client */
+} gpu_import_req_t;
+
+/* Import (or find the cached import of) the allocation and return the
+ * daemon's pointer to the pool and its device ordinal. */
+int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
+               int *device, char *why, size_t why_len);
+void gpu_import_unref(gpu_import_t *imp);
+
+/* Pin a host pool so kernels can read and write it (mixed copies).
+ * Blocking: call from a worker thread. */
+int gpu_host_register(void *base, uint64_t size);
+void gpu_host_unregister(void *base);
+
+/* Upload plan p (bound: src/dst bases are device-visible) for execution
+ * on device. */
+int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
+                    char *why, size_t why_len);
+void gpu_part_free(gpu_part_t *gp);
+
+/* Launch job's unit range; the job comes back through copy__complete().
+ * Returns 0 or KVX_ERR_IO (the job is then not in flight). */
+int gpu_launch(struct copy_job *job, gpu_part_t *gp);
+
+void gpu_cleanup(void);
+
+#endif /* KVX_GPU_H */

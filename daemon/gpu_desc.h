@@ -1,0 +1,51 @@
+/*
+ * gpu_desc — the plan as the GPU copy kernel reads it: flat structs with
+ * device pointers, shared by the C host code (gpu.c) and the kernel
+ * (gpu_kernel.cu). Built from a plan_t by gpu.c, uploaded once per part.
+ */
+#ifndef KVX_GPU_DESC_H
+#define KVX_GPU_DESC_H
+
+#include <stdint.h>
+
+#define GPU_MAX_LAYERS 1024
+
+typedef struct gpu_side {
+    uint8_t *base;                 /* device-visible pointer to the pool */
+    const uint32_t *blocks;        /* device copy of the block table */
+    const uint64_t *layer_offset;  /* device copy of layer offsets */
+    uint64_t kv_stride, block_stride, token_stride, head_stride;
+} gpu_side_t;
+
+typedef struct gpu_slice {
+    uint32_t layer0, nlayers, head0, nheads;
+    uint32_t src_layer_base, src_head_base, dst_layer_base, dst_head_base;
+    uint64_t unit_begin;
+    gpu_side_t src;
+} gpu_slice_t;
+
+typedef struct gpu_seg {
+    uint32_t src_blk, src_tok, dst_blk, dst_tok, n;
+} gpu_seg_t;
+
+typedef struct gpu_plan {
+    uint32_t nslices, nsegs;
+    uint32_t row_bytes;            /* head_dim * elem_size */
+    uint32_t kv_factor;
+    const gpu_slice_t *slices;
+    const gpu_seg_t *segs;
+    gpu_side_t dst;
+} gpu_plan_t;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* Launch the copy of units [u0, u1) of the device-resident plan d on
+ * stream with at most ctas blocks. Returns a cudaError_t. */
+int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0, uint64_t u1,
+                      unsigned ctas, void *stream);
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVX_GPU_DESC_H */

@@ -1,0 +1,57 @@
+/* gpu_none — the GPU module of a host-only build; see gpu.h. */
+#include <stdio.h>
+#include <unistd.h>
+
+#include "gpu.h"
+#include "kvxfer.h"
+
+#define NO_CUDA "this kvxferd was built without CUDA (host pools only)"
+
+const char *gpu_build_info(void) { return "host-only (no CUDA)"; }
+
+void gpu_status(char *buf, size_t len) { snprintf(buf, len, "host-only"); }
+
+int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
+               int *device, char *why, size_t why_len)
+{
+    (void)out;
+    (void)ptr;
+    (void)device;
+    if (req->vmm && req->fd >= 0)
+        close(req->fd);
+    snprintf(why, why_len, "register_pool.kind: GPU pool refused: %s",
+             NO_CUDA);
+    return KVX_ERR_UNSUPPORTED;
+}
+
+void gpu_import_unref(gpu_import_t *imp) { (void)imp; }
+
+int gpu_host_register(void *base, uint64_t size)
+{
+    (void)base;
+    (void)size;
+    return KVX_ERR_UNSUPPORTED;
+}
+
+void gpu_host_unregister(void *base) { (void)base; }
+
+int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
+                    size_t why_len)
+{
+    (void)p;
+    (void)device;
+    (void)out;
+    snprintf(why, why_len, "%s", NO_CUDA);
+    return KVX_ERR_UNSUPPORTED;
+}
+
+void gpu_part_free(gpu_part_t *gp) { (void)gp; }
+
+int gpu_launch(struct copy_job *job, gpu_part_t *gp)
+{
+    (void)job;
+    (void)gp;
+    return KVX_ERR_UNSUPPORTED;
+}
+
+void gpu_cleanup(void) {}
