@@ -7,6 +7,7 @@
  * A timed-out call leaves the connection unusable (a late reply would be
  * taken for the next call's), so the client is closed for further use.
  */
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <fcntl.h>
@@ -351,6 +352,27 @@ int kvx_join(kvx_client_t *c, const char *const *addr, uint32_t n,
     return call(c, &rq, -1, timeout_ms, NULL);
 }
 
+static void layout_to_msg(const kvx_layout_t *l, Kvxfer__Layout *lay)
+{
+    kvxfer__layout__init(lay);
+    lay->preset = (char *)l->preset;
+    lay->num_layers = l->num_layers;
+    lay->kv_factor = l->kv_factor;
+    lay->num_heads = l->num_heads;
+    lay->head_dim = l->head_dim;
+    lay->elem_size = l->elem_size;
+    lay->dtype = l->dtype;
+    lay->tokens_per_block = l->tokens_per_block;
+    lay->num_blocks = l->num_blocks;
+    lay->n_layer_offset = l->num_layers <= KVX_MAX_LAYERS ? l->num_layers
+                                                        : KVX_MAX_LAYERS;
+    lay->layer_offset = (uint64_t *)l->layer_offset;
+    lay->kv_stride = l->kv_stride;
+    lay->block_stride = l->block_stride;
+    lay->token_stride = l->token_stride;
+    lay->head_stride = l->head_stride;
+}
+
 int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
                          uint64_t size, void **base, uint32_t *pool_id,
                          int timeout_ms)
@@ -384,23 +406,8 @@ int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
         goto err_close_fd;
     }
     hp->size = size;
-    Kvxfer__Layout lay = KVXFER__LAYOUT__INIT;
-    lay.preset = (char *)l->preset;
-    lay.num_layers = l->num_layers;
-    lay.kv_factor = l->kv_factor;
-    lay.num_heads = l->num_heads;
-    lay.head_dim = l->head_dim;
-    lay.elem_size = l->elem_size;
-    lay.dtype = l->dtype;
-    lay.tokens_per_block = l->tokens_per_block;
-    lay.num_blocks = l->num_blocks;
-    lay.n_layer_offset = l->num_layers <= KVX_MAX_LAYERS ? l->num_layers
-                                                        : KVX_MAX_LAYERS;
-    lay.layer_offset = (uint64_t *)l->layer_offset;
-    lay.kv_stride = l->kv_stride;
-    lay.block_stride = l->block_stride;
-    lay.token_stride = l->token_stride;
-    lay.head_stride = l->head_stride;
+    Kvxfer__Layout lay;
+    layout_to_msg(l, &lay);
     Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
     m.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
     m.size = size;
@@ -449,6 +456,140 @@ int kvx_pool_deregister(kvx_client_t *c, uint32_t pool_id, int timeout_ms)
             free(hp);
             break;
         }
+    return 0;
+}
+
+/* ---- GPU pools ----------------------------------------------------------
+ * The library finds the allocation a device pointer lives in and shares it
+ * with the daemon, through the CUDA driver the engine already loaded. It
+ * opens libcuda.so.1 with dlopen, so host-only users never need CUDA. The
+ * few driver types are declared here (ABI-stable since CUDA 11). */
+
+typedef int cu_result;
+typedef unsigned long long cu_ptr;
+typedef unsigned long long cu_handle;
+typedef struct {
+    uint8_t b[16];
+} cu_uuid;
+typedef struct {
+    uint8_t b[64];
+} cu_ipc_handle;
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
+
+static struct {
+    int loaded;
+    cu_result (*ptr_attr)(void *, int, cu_ptr);
+    cu_result (*dev_get)(int *, int);
+    cu_result (*dev_uuid)(cu_uuid *, int);
+    cu_result (*addr_range)(cu_ptr *, size_t *, cu_ptr);
+    cu_result (*retain)(cu_handle *, void *);
+    cu_result (*export_fd)(void *, cu_handle, int, unsigned long long);
+    cu_result (*release)(cu_handle);
+    cu_result (*ipc_get)(cu_ipc_handle *, cu_ptr);
+} cu;
+
+static int cu_load(void)
+{
+    if (cu.loaded)
+        return cu.loaded > 0 ? 0 : -1;
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!h)
+        h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!h) {
+        cu.loaded = -1;
+        return -1;
+    }
+    cu.ptr_attr = (cu_result(*)(void *, int, cu_ptr))dlsym(h, "cuPointerGetAttribute");
+    cu.dev_get = (cu_result(*)(int *, int))dlsym(h, "cuDeviceGet");
+    cu.dev_uuid = (cu_result(*)(cu_uuid *, int))dlsym(h, "cuDeviceGetUuid_v2");
+    if (!cu.dev_uuid)
+        cu.dev_uuid = (cu_result(*)(cu_uuid *, int))dlsym(h, "cuDeviceGetUuid");
+    cu.addr_range = (cu_result(*)(cu_ptr *, size_t *, cu_ptr))dlsym(h, "cuMemGetAddressRange_v2");
+    cu.retain = (cu_result(*)(cu_handle *, void *))dlsym(h, "cuMemRetainAllocationHandle");
+    cu.export_fd = (cu_result(*)(void *, cu_handle, int, unsigned long long))dlsym(h, "cuMemExportToShareableHandle");
+    cu.release = (cu_result(*)(cu_handle))dlsym(h, "cuMemRelease");
+    cu.ipc_get = (cu_result(*)(cu_ipc_handle *, cu_ptr))dlsym(h, "cuIpcGetMemHandle");
+    cu.loaded = cu.ptr_attr && cu.dev_get && cu.dev_uuid && cu.addr_range &&
+                cu.ipc_get ? 1 : -1;
+    return cu.loaded > 0 ? 0 : -1;
+}
+
+int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
+                          void *dev_ptr, uint64_t size, uint32_t *pool_id,
+                          int timeout_ms)
+{
+    if (!c || !l || !dev_ptr || !size || !pool_id)
+        return KVX_ERR_INVALID;
+    if (cu_load())
+        return fail(c, KVX_ERR_UNSUPPORTED,
+                    "GPU pool: cannot load libcuda.so.1 (no CUDA driver)");
+    cu_ptr p = (cu_ptr)(uintptr_t)dev_ptr, base = 0;
+    size_t asize = 0;
+    int ordinal = -1, dev;
+    cu_uuid uuid;
+    cu_result r;
+    if ((r = cu.ptr_attr(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)) ||
+        (r = cu.dev_get(&dev, ordinal)) || (r = cu.dev_uuid(&uuid, dev)))
+        return fail(c, KVX_ERR_INVALID,
+                    "GPU pool: %p is not device memory of this process "
+                    "(CUresult %d)",
+                    dev_ptr, r);
+    if ((r = cu.addr_range(&base, &asize, p)))
+        return fail(c, KVX_ERR_INVALID,
+                    "GPU pool: cuMemGetAddressRange failed (CUresult %d)", r);
+    if (p - base + size > asize)
+        return fail(c, KVX_ERR_INVALID,
+                    "GPU pool: %llu bytes at offset %llu overrun the "
+                    "allocation of %zu bytes",
+                    (unsigned long long)size,
+                    (unsigned long long)(p - base), asize);
+    Kvxfer__Layout lay;
+    layout_to_msg(l, &lay);
+    Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
+    m.size = size;
+    m.layout = &lay;
+    m.gpu_uuid.data = uuid.b;
+    m.gpu_uuid.len = 16;
+    m.alloc_size = asize;
+    m.alloc_offset = p - base;
+    m.alloc_id = base;
+    int fd = -1;
+    cu_ipc_handle ipc;
+    cu_handle h;
+    /* VMM memory (cuMemCreate: PyTorch expandable segments, newer
+     * TensorRT-LLM pools) has an allocation handle; cudaMalloc memory
+     * does not and goes by the legacy IPC handle */
+    if (cu.retain && cu.export_fd && cu.release &&
+        cu.retain(&h, (void *)(uintptr_t)base) == 0) {
+        r = cu.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        cu.release(h);
+        if (r)
+            return fail(c, KVX_ERR_UNSUPPORTED,
+                        "GPU pool: VMM allocation not exportable as a POSIX "
+                        "fd (create it with requestedHandleTypes "
+                        "POSIX_FILE_DESCRIPTOR; CUresult %d)",
+                        r);
+        m.kind = KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
+    } else {
+        if ((r = cu.ipc_get(&ipc, base)))
+            return fail(c, KVX_ERR_UNSUPPORTED,
+                        "GPU pool: cuIpcGetMemHandle failed (CUresult %d)", r);
+        m.kind = KVXFER__POOL_KIND__POOL_GPU_IPC;
+        m.ipc_handle.data = ipc.b;
+        m.ipc_handle.len = sizeof(ipc.b);
+    }
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
+    rq.register_pool = &m;
+    Kvxfer__Reply *rep;
+    int rc = call(c, &rq, fd, timeout_ms, &rep);
+    if (fd >= 0)
+        close(fd);
+    if (rc)
+        return rc;
+    *pool_id = rep->register_pool ? rep->register_pool->pool_id : 0;
+    kvxfer__reply__free_unpacked(rep, NULL);
     return 0;
 }
 

@@ -177,6 +177,17 @@ int kvx_join(kvx_client_t *client, const char *const *rank_addresses,
 int kvx_pool_create_host(kvx_client_t *client, const kvx_layout_t *layout,
                          uint64_t size, void **base, uint32_t *pool_id,
                          int timeout_ms);
+/* Register GPU memory [dev_ptr, dev_ptr + size) of the calling process as
+ * a pool. dev_ptr may point inside a larger allocation (e.g. PyTorch's
+ * caching allocator): the library finds the allocation and shares it with
+ * the daemon, by a legacy cudaIpcMemHandle (cudaMalloc memory) or a POSIX
+ * fd (cuMemCreate/VMM memory, which must be created exportable as
+ * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). Uses the process's CUDA
+ * driver through dlopen; KVX_ERR_UNSUPPORTED when there is none or the
+ * daemon was built without CUDA. */
+int kvx_pool_register_gpu(kvx_client_t *client, const kvx_layout_t *layout,
+                          void *dev_ptr, uint64_t size, uint32_t *pool_id,
+                          int timeout_ms);
 /* Deregister (and unmap, for pools created by kvx_pool_create_host). */
 int kvx_pool_deregister(kvx_client_t *client, uint32_t pool_id,
                         int timeout_ms);
