@@ -26,15 +26,18 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_VER  := $(shell $(NVCC) --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
 GPU_SRC   := daemon/gpu.c
 GPU_OBJ   := $(BUILD)/obj/daemon/gpu_kernel.o
-CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
-NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC \
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt
+NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC,-fno-threadsafe-statics \
              -gencode arch=compute_80,code=sm_80 \
              -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_100,code=sm_100 \
              -gencode arch=compute_100,code=compute_100
 $(BUILD)/obj/daemon/gpu.o: CFLAGS += -I$(CUDA_HOME)/include \
              -DKVX_CUDA_VERSION='"$(CUDA_VER)"'
+$(BUILD)/obj/client/bench.o: CFLAGS += -DKVX_CUDA
+BENCH_GPU_OBJ := $(BUILD)/obj/client/bench_gpu.o
 else
+BENCH_GPU_OBJ :=
 GPU_SRC   := daemon/gpu_none.c
 GPU_OBJ   :=
 CUDA_LIBS :=
@@ -89,6 +92,10 @@ $(BUILD)/obj/%.o: %.c $(GEN)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
+$(BUILD)/obj/client/bench_gpu.o: client/bench_gpu.cu client/bench_gpu.h client/bench_pattern.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Iclient -Iclient/include -c $< -o $@
+
 $(BUILD)/obj/daemon/gpu_kernel.o: daemon/gpu_kernel.cu daemon/gpu_desc.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Idaemon -c $< -o $@
@@ -105,8 +112,8 @@ $(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/main.o
 $(BUILD)/kvxferctl: $(BUILD)/obj/client/kvxferctl.o $(BUILD)/obj/daemon/plan.o $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/kvxfer-bench: $(BUILD)/obj/client/bench.o $(BUILD)/libkvxfer.a
-	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) -lm
+$(BUILD)/kvxfer-bench: $(BUILD)/obj/client/bench.o $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) -lm $(CUDA_LIBS)
 
 # Unit tests include the module's .c (to reach statics) and link the rest
 # of the daemon except main.o.
@@ -135,8 +142,19 @@ demo: deps
 	@$(MAKE) --no-print-directory all
 	@scripts/demo.sh $(BUILD)
 
-test-gpu: all
-	@echo "test-gpu: no GPU data plane in this build yet; 0 passed, 0 failed (skipped)"
+# GPU tests: need a CUDA build and a GPU; anything less skips, saying why.
+test-gpu: deps
+	@$(MAKE) --no-print-directory all $(if $(filter 1,$(CUDA)),$(BUILD)/tests/gpu)
+	@scripts/test-gpu.sh $(BUILD)
+
+$(BUILD)/tests/gpu: tests/gpu/gpu.c tests/test.h $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS) $(CUDA_LIBS)
+
+# A relocatable tree for GPU nodes whose image lacks libuv, protobuf-c or
+# libyaml: the binaries plus those libraries from Debian's packages.
+bundle: all $(if $(filter 1,$(CUDA)),$(BUILD)/tests/gpu)
+	@scripts/bundle.sh $(BUILD) dist/kvxfer
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib \

@@ -29,6 +29,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_pattern.h"
+#ifdef KVX_CUDA
+#include "bench_gpu.h"
+#endif
 #include "kvxfer.h"
 
 #define PARAMS_SLOT 2048
@@ -48,11 +52,14 @@ static struct opts {
     uint64_t pool_cap_mib;
     int no_verify, no_warmup;
     const char *daemon_config;
+    const char *ctx_layout, *gen_layout;
+    int gpu, vmm, ctx_device, gen_device, ctx_host, gen_host;
+    uint32_t ctas;
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
     .head_dim = 128, .tpb = 16, .dtype = KVX_DTYPE_BF16,
-    .pool_cap_mib = 2048,
+    .pool_cap_mib = 2048, .ctx_device = 0, .gen_device = 1,
 };
 
 /* Shared between the parent and the rank processes. */
@@ -106,32 +113,19 @@ static void die(const char *fmt, ...)
 
 /* ---- reference pattern ------------------------------------------------ */
 
-static inline uint64_t mix(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-}
-
 /* The bytes of one (request, layer, kv, token, head) row of head_dim
- * elements, in global coordinates. */
+ * elements, in global coordinates (bench_pattern.h). */
 static inline void row_fill(uint8_t *dst, uint32_t rowbytes, uint64_t r,
                             uint32_t l, uint32_t kv, uint32_t t, uint32_t h)
 {
-    uint64_t seed = mix(r * 0x9E3779B97F4A7C15ULL ^ ((uint64_t)l << 48) ^
-                        ((uint64_t)kv << 47) ^ ((uint64_t)t << 20) ^ h);
+    uint64_t seed = pat_seed(r, l, kv, t, h);
     uint32_t i = 0;
     for (; i + 8 <= rowbytes; i += 8) {
-        uint64_t w = seed + i * 0x9E3779B97F4A7C15ULL;
+        uint64_t w = pat_word(seed, i);
         memcpy(dst + i, &w, 8);
     }
-    if (i < rowbytes) {
-        uint64_t w = seed + i * 0x9E3779B97F4A7C15ULL;
-        memcpy(dst + i, &w, rowbytes - i);
-    }
+    for (; i < rowbytes; i++)
+        dst[i] = pat_byte(seed, i);
 }
 
 static inline int row_check(const uint8_t *src, uint32_t rowbytes, uint64_t r,
@@ -145,9 +139,10 @@ static inline int row_check(const uint8_t *src, uint32_t rowbytes, uint64_t r,
 
 /* Visit every row of request r held by one rank's blocks. */
 typedef struct rank_view {
-    uint8_t *base;
+    uint8_t *base;        /* host pool mapping, or the GPU pool */
     kvx_layout_t layout;
     uint32_t head0;       /* first global head of the rank */
+    int device;           /* >= 0: GPU pool on this device */
 } rank_view_t;
 
 static uint8_t *slot_of(uint64_t r)
@@ -165,6 +160,14 @@ static uint32_t req_block(uint64_t r, uint32_t i)
 
 static void fill_request(const rank_view_t *v, uint64_t r)
 {
+#ifdef KVX_CUDA
+    if (v->device >= 0) {
+        if (bgpu_fill(v->device, &v->layout, v->base, r, req_block(r, 0),
+                      o.blocks, v->head0, 0))
+            die("GPU pattern fill failed");
+        return;
+    }
+#endif
     const kvx_layout_t *l = &v->layout;
     uint32_t rowbytes = l->head_dim * l->elem_size;
     for (uint32_t b = 0; b < o.blocks; b++)
@@ -181,6 +184,15 @@ static void fill_request(const rank_view_t *v, uint64_t r)
 
 static uint64_t check_request(const rank_view_t *v, uint64_t r)
 {
+#ifdef KVX_CUDA
+    if (v->device >= 0) {
+        int64_t bad = bgpu_check(v->device, &v->layout, v->base, r,
+                                 req_block(r, 0), o.blocks, v->head0, 0, 0);
+        if (bad < 0)
+            die("GPU pattern check failed");
+        return (uint64_t)bad;
+    }
+#endif
     const kvx_layout_t *l = &v->layout;
     uint32_t rowbytes = l->head_dim * l->elem_size;
     uint64_t bad = 0;
@@ -224,11 +236,29 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
     uint32_t heads = o.heads >= tp ? o.heads / tp : 1;
     v->head0 = o.heads >= tp ? rank * heads : rank / (tp / o.heads);
     uint32_t nblocks = reqs_in_pool * o.blocks;
-    if (kvx_layout_preset(o.layout, o.layers, 2, heads, o.head_dim, o.dtype,
+    const char *preset = role == KVX_ROLE_CONTEXT ? o.ctx_layout : o.gen_layout;
+    if (kvx_layout_preset(preset, o.layers, 2, heads, o.head_dim, o.dtype,
                           o.tpb, nblocks, &v->layout))
-        die("layout preset '%s' rejects these dimensions", o.layout);
+        die("layout preset '%s' rejects these dimensions", preset);
     uint64_t size = kvx_layout_span(&v->layout);
     void *base;
+    v->device = -1;
+    int on_gpu = o.gpu && !(role == KVX_ROLE_CONTEXT ? o.ctx_host : o.gen_host);
+    if (on_gpu) {
+#ifdef KVX_CUDA
+        char err[256];
+        v->device = role == KVX_ROLE_CONTEXT ? o.ctx_device : o.gen_device;
+        if (bgpu_alloc(v->device, size, o.vmm, &base, err, sizeof(err)))
+            die("GPU %d: %s", v->device, err);
+        if (bgpu_memset(v->device, base, 0, size))
+            die("GPU %d: memset failed", v->device);
+        CHECK_KVX(kvx_pool_register_gpu(c, &v->layout, base, size, pool_id,
+                                        TIMEOUT_MS),
+                  c);
+        v->base = base;
+        return c;
+#endif
+    }
     CHECK_KVX(kvx_pool_create_host(c, &v->layout, size, &base, pool_id,
                                    TIMEOUT_MS),
               c);
@@ -427,6 +457,17 @@ static pid_t spawn_daemon(char *sock, size_t len)
             if (fd >= 0)
                 dup2(fd, 2);
         }
+        char cfg[128];
+        if (o.ctas && !o.daemon_config) {
+            snprintf(cfg, sizeof(cfg), "/tmp/kvxfer-bench-%d.yaml",
+                     (int)getppid());
+            FILE *f = fopen(cfg, "w");
+            if (f) {
+                fprintf(f, "gpu:\n  max_ctas: %u\n", o.ctas);
+                fclose(f);
+                o.daemon_config = cfg;
+            }
+        }
         if (o.daemon_config)
             execl(daemon, daemon, "--socket", sock, "--config",
                   o.daemon_config, (char *)NULL);
@@ -500,6 +541,13 @@ static void usage(FILE *f)
         "  --no-verify            skip the byte check\n"
         "  --no-warmup            time the first pass over the pools too\n"
         "  --daemon-config FILE   config for --spawn-daemon\n"
+        "  --ctx-layout P, --gen-layout P   a preset per side (default "
+        "--layout)\n"
+        "  --gpu                  pools in GPU memory (CUDA build)\n"
+        "  --ctx-device N, --gen-device N   GPUs (default 0 and 1)\n"
+        "  --vmm                  cuMemCreate (VMM fd) pools, not cudaMalloc\n"
+        "  --ctas N               gpu.max_ctas of the spawned daemon\n"
+        "  --ctx-host, --gen-host with --gpu: that side in host memory\n"
         "  --json                 one JSON object on stdout\n");
 }
 
@@ -538,6 +586,15 @@ int main(int argc, char **argv)
         {"no-verify", no_argument, NULL, 'n'},
         {"no-warmup", no_argument, NULL, 'w'},
         {"daemon-config", required_argument, NULL, 'C'},
+        {"ctx-layout", required_argument, NULL, 'x'},
+        {"gen-layout", required_argument, NULL, 'y'},
+        {"gpu", no_argument, NULL, 'g'},
+        {"vmm", no_argument, NULL, 'v'},
+        {"ctx-device", required_argument, NULL, 'a'},
+        {"gen-device", required_argument, NULL, 'b'},
+        {"ctas", required_argument, NULL, 'c'},
+        {"ctx-host", no_argument, NULL, 'X'},
+        {"gen-host", no_argument, NULL, 'Y'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -560,6 +617,15 @@ int main(int argc, char **argv)
         case 'n': o.no_verify = 1; break;
         case 'w': o.no_warmup = 1; break;
         case 'C': o.daemon_config = optarg; break;
+        case 'x': o.ctx_layout = optarg; break;
+        case 'y': o.gen_layout = optarg; break;
+        case 'g': o.gpu = 1; break;
+        case 'v': o.vmm = 1; break;
+        case 'a': o.ctx_device = (int)arg_u32("ctx-device", optarg, 0, 63); break;
+        case 'b': o.gen_device = (int)arg_u32("gen-device", optarg, 0, 63); break;
+        case 'c': o.ctas = arg_u32("ctas", optarg, 1, 1024); break;
+        case 'X': o.ctx_host = 1; break;
+        case 'Y': o.gen_host = 1; break;
         case 'j': o.json = 1; break;
         case 'd':
             if (kvx_dtype_parse(optarg, &o.dtype)) {
@@ -574,6 +640,21 @@ int main(int argc, char **argv)
     }
     if (!o.spawn && !o.socket)
         o.socket = KVX_DEFAULT_SOCKET;
+    if (!o.ctx_layout)
+        o.ctx_layout = o.layout;
+    if (!o.gen_layout)
+        o.gen_layout = o.layout;
+#ifndef KVX_CUDA
+    if (o.gpu) {
+        fprintf(stderr, "kvxfer-bench: --gpu: this build has no CUDA\n");
+        return 2;
+    }
+#endif
+    if (o.ctas && !o.spawn) {
+        fprintf(stderr, "kvxfer-bench: --ctas needs --spawn-daemon (it is "
+                        "the daemon's gpu.max_ctas)\n");
+        return 2;
+    }
     uint32_t kvf = strcmp(o.layout, "mla") ? 2 : 1;
     if (kvf == 1 || !strcmp(o.layout, "sglang")) {
         fprintf(stderr, "kvxfer-bench: preset '%s' needs its own shape "
@@ -635,7 +716,9 @@ int main(int argc, char **argv)
         o.socket = sock;
     }
 
-    double base = memcpy_baseline(total);
+    /* CUDA must not be initialized before fork: the GPU baseline runs
+     * after the ranks are done */
+    double base = o.gpu ? 0 : memcpy_baseline(total);
 
     uint32_t nproc = o.ctx_ranks + o.gen_ranks;
     pid_t *kids = calloc(nproc, sizeof(pid_t));
@@ -673,6 +756,10 @@ int main(int argc, char **argv)
         return 1;
     }
 
+#ifdef KVX_CUDA
+    if (o.gpu)
+        base = bgpu_peer_gbps(o.ctx_device, o.gen_device, total);
+#endif
     double secs = (double)(sh->last_done_ns - sh->first_fetch_ns) / 1e9;
     double gbps = (double)total / secs / 1e9;
     qsort(lat_ns, o.requests, sizeof(uint64_t), cmp_u64);
@@ -686,23 +773,29 @@ int main(int argc, char **argv)
         printf("{\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,"
                "\"verified\":%s,\"requests_per_s\":%.0f,\"p50_us\":%.1f,"
                "\"p99_us\":%.1f,\"bytes\":%llu,\"requests\":%u,\"blocks\":%u,"
-               "\"layout\":\"%s\",\"ctx_ranks\":%u,\"gen_ranks\":%u,"
+               "\"ctx_layout\":\"%s\",\"gen_layout\":\"%s\",\"gpu\":%s,"
+               "\"ctas\":%u,\"ctx_ranks\":%u,\"gen_ranks\":%u,"
                "\"window\":%u,\"mismatched_rows\":%llu,\"seconds\":%.4f}\n",
                gbps, base, gbps / base, verified ? "true" : "false",
                o.requests / secs, p50, p99, (unsigned long long)total,
-               o.requests, o.blocks, o.layout, o.ctx_ranks, o.gen_ranks,
+               o.requests, o.blocks, o.ctx_layout, o.gen_layout,
+               o.gpu ? "true" : "false", o.ctas, o.ctx_ranks, o.gen_ranks,
                o.window, (unsigned long long)sh->mismatches, secs);
     } else {
         printf("kvxfer-bench: %u ctx -> %u gen ranks, %u requests x %u "
-               "blocks, %s, %u layers x %u heads x %u dim, %u tokens/block, "
-               "%s, window %u\n",
-               o.ctx_ranks, o.gen_ranks, o.requests, o.blocks, o.layout,
+               "blocks, %s -> %s%s, %u layers x %u heads x %u dim, %u "
+               "tokens/block, %s, window %u\n",
+               o.ctx_ranks, o.gen_ranks, o.requests, o.blocks, o.ctx_layout,
+               o.gen_layout, o.gpu ? " (GPU pools)" : "",
                o.layers, o.heads, o.head_dim, o.tpb, kvx_dtype_name(o.dtype),
                o.window);
         printf("  %-22s %12.3f GB/s  (%.1f MiB in %.4f s)\n", "kvxferd",
                gbps, total / 1048576.0, secs);
         printf("  %-22s %12.3f GB/s  (same bytes, same run)\n",
-               "memcpy baseline", base);
+               o.gpu ? (o.ctx_device == o.gen_device ? "cudaMemcpy baseline"
+                                                     : "cudaMemcpyPeer baseline")
+                     : "memcpy baseline",
+               base);
         printf("  %-22s %12.3f\n", "ratio", gbps / base);
         printf("  %-22s %12.0f\n", "requests/s", o.requests / secs);
         printf("  %-22s %12.1f us\n", "latency p50", p50);

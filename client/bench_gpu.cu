@@ -1,0 +1,266 @@
+/*
+ * bench_gpu — what kvxfer-bench and the GPU tests need on the GPU, as an
+ * engine would have it: allocations (cudaMalloc, or cuMemCreate VMM memory
+ * exportable as a POSIX fd), the reference pattern written and checked by
+ * kernels (so 100,000-block pools need no host round trip), and the
+ * cudaMemcpyPeer baseline.
+ */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "bench_gpu.h"
+#include "bench_pattern.h"
+
+struct lay {
+    const uint64_t *layer_offset;
+    uint64_t kv_stride, block_stride, token_stride, head_stride;
+    uint32_t layers, kv, heads, tpb, rowbytes;
+};
+
+static int set_err(char *err, size_t len, const char *what, cudaError_t e)
+{
+    snprintf(err, len, "%s: %s", what, cudaGetErrorString(e));
+    return -1;
+}
+
+extern "C" int bgpu_device_count(void)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess)
+        return 0;
+    return n;
+}
+
+extern "C" int bgpu_alloc(int dev, uint64_t size, int vmm, void **ptr,
+                          char *err, size_t len)
+{
+    cudaError_t e;
+    if ((e = cudaSetDevice(dev)) != cudaSuccess)
+        return set_err(err, len, "cudaSetDevice", e);
+    if (!vmm) {
+        if ((e = cudaMalloc(ptr, size)) != cudaSuccess)
+            return set_err(err, len, "cudaMalloc", e);
+        return 0;
+    }
+    typedef CUresult (*create_t)(CUmemGenericAllocationHandle *, size_t,
+                                 const CUmemAllocationProp *,
+                                 unsigned long long);
+    typedef CUresult (*gran_t)(size_t *, const CUmemAllocationProp *,
+                               CUmemAllocationGranularity_flags);
+    typedef CUresult (*reserve_t)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
+                                  unsigned long long);
+    typedef CUresult (*map_t)(CUdeviceptr, size_t, size_t,
+                              CUmemGenericAllocationHandle,
+                              unsigned long long);
+    typedef CUresult (*access_t)(CUdeviceptr, size_t, const CUmemAccessDesc *,
+                                 size_t);
+    create_t create;
+    gran_t gran;
+    reserve_t reserve;
+    map_t map;
+    access_t access;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuMemCreate", (void **)&create,
+                                         12000, cudaEnableDefault, &q) ||
+        cudaGetDriverEntryPointByVersion(
+            "cuMemGetAllocationGranularity", (void **)&gran, 12000,
+            cudaEnableDefault, &q) ||
+        cudaGetDriverEntryPointByVersion("cuMemAddressReserve",
+                                         (void **)&reserve, 12000,
+                                         cudaEnableDefault, &q) ||
+        cudaGetDriverEntryPointByVersion("cuMemMap", (void **)&map, 12000,
+                                         cudaEnableDefault, &q) ||
+        cudaGetDriverEntryPointByVersion("cuMemSetAccess", (void **)&access,
+                                         12000, cudaEnableDefault, &q)) {
+        snprintf(err, len, "VMM entry points unavailable");
+        return -1;
+    }
+    cudaFree(0); /* make the primary context current */
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof(prop));
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t g = 0;
+    gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    size_t sz = (size + g - 1) / g * g;
+    CUmemGenericAllocationHandle h;
+    CUdeviceptr va;
+    CUresult r;
+    if ((r = create(&h, sz, &prop, 0)) || (r = reserve(&va, sz, 0, 0, 0)) ||
+        (r = map(va, sz, 0, h, 0))) {
+        snprintf(err, len, "VMM allocation of %zu bytes: CUresult %d", sz,
+                 (int)r);
+        return -1;
+    }
+    CUmemAccessDesc a;
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = dev;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if ((r = access(va, sz, &a, 1))) {
+        snprintf(err, len, "cuMemSetAccess: CUresult %d", (int)r);
+        return -1;
+    }
+    *ptr = (void *)va;
+    return 0;
+}
+
+extern "C" int bgpu_memset(int dev, void *p, int v, uint64_t n)
+{
+    cudaSetDevice(dev);
+    return cudaMemset(p, v, n) == cudaSuccess && cudaDeviceSynchronize() ==
+                                                     cudaSuccess
+               ? 0
+               : -1;
+}
+
+extern "C" int bgpu_copy_to_host(int dev, void *dst, const void *src,
+                                 uint64_t n)
+{
+    cudaSetDevice(dev);
+    return cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost) == cudaSuccess
+               ? 0
+               : -1;
+}
+
+/* One thread per row of (block, layer, kv, token, head). */
+__global__ void pat_kernel(struct lay L, uint8_t *base, uint64_t r,
+                           uint32_t block0, uint32_t nblocks, uint32_t head0,
+                           uint32_t layer0, uint32_t tok_from, int check,
+                           unsigned long long *bad)
+{
+    uint64_t rows = (uint64_t)nblocks * L.layers * L.kv * L.tpb * L.heads;
+    unsigned long long mine = 0;
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+         i < rows; i += (uint64_t)gridDim.x * blockDim.x) {
+        uint32_t h = i % L.heads;
+        uint64_t x = i / L.heads;
+        uint32_t t = x % L.tpb;
+        x /= L.tpb;
+        uint32_t kv = x % L.kv;
+        x /= L.kv;
+        uint32_t l = x % L.layers;
+        uint32_t b = (uint32_t)(x / L.layers);
+        uint32_t gt = b * L.tpb + t;
+        if (gt < tok_from)
+            continue;
+        uint8_t *row = base + L.layer_offset[l] + kv * L.kv_stride +
+                       (uint64_t)(block0 + b) * L.block_stride +
+                       t * L.token_stride + h * L.head_stride;
+        uint64_t seed = pat_seed(r, layer0 + l, kv, gt, head0 + h);
+        if (!check) {
+            if ((L.rowbytes & 7) == 0 && ((uintptr_t)row & 7) == 0)
+                for (uint32_t k = 0; k < L.rowbytes; k += 8)
+                    *(uint64_t *)(row + k) = pat_word(seed, k);
+            else
+                for (uint32_t k = 0; k < L.rowbytes; k++)
+                    row[k] = pat_byte(seed, k);
+        } else {
+            int ok = 1;
+            if ((L.rowbytes & 7) == 0 && ((uintptr_t)row & 7) == 0) {
+                for (uint32_t k = 0; k < L.rowbytes; k += 8)
+                    ok &= *(const uint64_t *)(row + k) == pat_word(seed, k);
+            } else {
+                for (uint32_t k = 0; k < L.rowbytes; k++)
+                    ok &= row[k] == pat_byte(seed, k);
+            }
+            mine += !ok;
+        }
+    }
+    if (mine)
+        atomicAdd(bad, mine);
+}
+
+static int run_pattern(int dev, const kvx_layout_t *l, void *base, uint64_t r,
+                       uint32_t block0, uint32_t nblocks, uint32_t head0,
+                       uint32_t layer0, uint32_t tok_from, int check,
+                       uint64_t *bad)
+{
+    cudaSetDevice(dev);
+    struct lay L;
+    uint64_t *lo;
+    unsigned long long *dbad;
+    if (cudaMalloc(&lo, l->num_layers * 8) ||
+        cudaMalloc(&dbad, sizeof(*dbad)))
+        return -1;
+    cudaMemcpy(lo, l->layer_offset, l->num_layers * 8,
+               cudaMemcpyHostToDevice);
+    cudaMemset(dbad, 0, sizeof(*dbad));
+    L.layer_offset = lo;
+    L.kv_stride = l->kv_stride;
+    L.block_stride = l->block_stride;
+    L.token_stride = l->token_stride;
+    L.head_stride = l->head_stride;
+    L.layers = l->num_layers;
+    L.kv = l->kv_factor;
+    L.heads = l->num_heads;
+    L.tpb = l->tokens_per_block;
+    L.rowbytes = l->head_dim * l->elem_size;
+    pat_kernel<<<1024, 256>>>(L, (uint8_t *)base, r, block0, nblocks, head0,
+                              layer0, tok_from, check, dbad);
+    unsigned long long hb = 0;
+    cudaError_t e = cudaMemcpy(&hb, dbad, sizeof(hb), cudaMemcpyDeviceToHost);
+    cudaFree(lo);
+    cudaFree(dbad);
+    if (bad)
+        *bad = hb;
+    return e == cudaSuccess ? 0 : -1;
+}
+
+extern "C" int bgpu_fill(int dev, const kvx_layout_t *l, void *base,
+                         uint64_t r, uint32_t block0, uint32_t nblocks,
+                         uint32_t head0, uint32_t layer0)
+{
+    return run_pattern(dev, l, base, r, block0, nblocks, head0, layer0, 0, 0,
+                       NULL);
+}
+
+extern "C" int64_t bgpu_check(int dev, const kvx_layout_t *l, void *base,
+                              uint64_t r, uint32_t block0, uint32_t nblocks,
+                              uint32_t head0, uint32_t layer0,
+                              uint32_t tok_from)
+{
+    uint64_t bad = 0;
+    if (run_pattern(dev, l, base, r, block0, nblocks, head0, layer0,
+                    tok_from, 1, &bad))
+        return -1;
+    return (int64_t)bad;
+}
+
+extern "C" double bgpu_peer_gbps(int src, int dst, uint64_t bytes)
+{
+    uint64_t len = bytes < (8ull << 30) ? bytes : (8ull << 30);
+    void *a, *b;
+    cudaSetDevice(src);
+    if (cudaMalloc(&a, len))
+        return 0;
+    cudaSetDevice(dst);
+    if (cudaMalloc(&b, len))
+        return 0;
+    if (src != dst) {
+        cudaDeviceEnablePeerAccess(src, 0);
+        cudaGetLastError();
+    }
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaMemcpyPeer(b, dst, a, src, len); /* warm up */
+    cudaDeviceSynchronize();
+    cudaEventRecord(e0, 0);
+    for (uint64_t done = 0; done < bytes;) {
+        uint64_t n = bytes - done < len ? bytes - done : len;
+        cudaMemcpyPeerAsync(b, dst, a, src, n, 0);
+        done += n;
+    }
+    cudaEventRecord(e1, 0);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cudaFree(b);
+    cudaSetDevice(src);
+    cudaFree(a);
+    return ms > 0 ? (double)bytes / (ms * 1e-3) / 1e9 : 0;
+}

@@ -1,0 +1,44 @@
+#!/bin/sh
+# make bundle: dist/kvxfer/{bin,lib,env.sh}. The libraries are taken from
+# Debian's packages (apt-get download + dpkg -x), every non-glibc shared
+# library the binaries need; glibc and the CUDA driver come from the node.
+set -e
+BUILD=${1:-build}
+OUT=${2:-dist/kvxfer}
+rm -rf "$OUT"
+mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/bin/tests"
+cp "$BUILD/kvxferd" "$BUILD/kvxferctl" "$BUILD/kvxfer-bench" "$OUT/bin/"
+cp "$BUILD/libkvxfer.so" "$OUT/lib/libkvxfer.so.1"
+for t in gpu integration; do [ -x "$BUILD/tests/$t" ] && cp "$BUILD/tests/$t" "$OUT/bin/tests/"; done
+cp scripts/test-gpu.sh "$OUT/bin/"
+libs=$(for b in "$OUT"/bin/kvxferd "$OUT"/bin/kvxferctl "$OUT"/bin/kvxfer-bench "$OUT"/bin/tests/*; do
+    ldd "$b" 2>/dev/null | awk '$3 ~ /^\// {print $3}'
+done | sort -u | grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*)\.so')
+tmp=$(mktemp -d)
+for l in $libs; do
+    pkg=""
+    for cand in "$l" "/usr$l" "$(readlink -f "$l")" "/usr$(readlink -f "$l")"; do
+        pkg=$(dpkg -S "$cand" 2>/dev/null | head -n1 | cut -d: -f1)
+        [ -n "$pkg" ] && break
+    done
+    [ -n "$pkg" ] || { echo "bundle: no package owns $l" >&2; exit 1; }
+    if [ ! -d "$tmp/$pkg" ]; then
+        (cd "$tmp" && apt-get download "$pkg" >/dev/null 2>&1) || {
+            echo "bundle: apt-get download $pkg failed" >&2; exit 1; }
+        dpkg -x "$tmp"/"${pkg}"_*.deb "$tmp/$pkg"
+    fi
+    name=$(basename "$l")
+    src=$(find "$tmp/$pkg" -name "$name" | head -n1)
+    [ -n "$src" ] || { echo "bundle: $name not in $pkg" >&2; exit 1; }
+    cp -L "$src" "$OUT/lib/$name"
+    echo "bundle: $name from $pkg"
+done
+rm -rf "$tmp"
+cat > "$OUT/env.sh" <<'ENV'
+# . dist/kvxfer/env.sh — put the bundle first on PATH and the loader path
+KVX_HOME=$(cd "$(dirname "${BASH_SOURCE:-$0}")" && pwd)
+export PATH="$KVX_HOME/bin:$PATH"
+export LD_LIBRARY_PATH="$KVX_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export KVX_BUILD="$KVX_HOME/bin"
+ENV
+echo "bundle: $OUT ($(du -sh "$OUT" | cut -f1))"
