@@ -283,9 +283,13 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                     uint32_t pool, uint64_t first, uint64_t count, int fill)
 {
     uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
+    uint8_t *fin = calloc(count, 1); /* request's offer complete */
     uint64_t published = 0, done = 0;
     while (done < count) {
-        if (published < count && published - done < reqs_in_pool) {
+        /* blocks are reused every reqs_in_pool requests: publish k only
+         * once k - reqs_in_pool is complete (they complete in any order) */
+        if (published < count &&
+            (published < reqs_in_pool || fin[published - reqs_in_pool])) {
             uint64_t r = first + published;
             if (fill)
                 fill_request(v, r);
@@ -315,10 +319,12 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                 die("context request %llu: %s",
                     (unsigned long long)b->events[i].request_id,
                     b->events[i].message);
+            fin[b->events[i].request_id - first] = 1;
             done++;
         }
         kvx_batch_free(b);
     }
+    free(fin);
     free(bt);
 }
 
@@ -351,9 +357,11 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
     uint64_t *t0 = calloc(count, sizeof(uint64_t));
     uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
     uint64_t next = 0, done = 0, bad = 0;
+    uint8_t *fin = calloc(count, 1);
     uint32_t window = o.window < reqs_in_pool ? o.window : reqs_in_pool;
     while (done < count) {
-        if (next < count && next - done < window) {
+        if (next < count && next - done < window &&
+            (next < reqs_in_pool || fin[next - reqs_in_pool])) {
             uint64_t r = first + next;
             uint8_t *s = slot_of(r);
             if (!atomic_load_explicit((_Atomic uint32_t *)s,
@@ -395,6 +403,7 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                 bad += check_request(v, e->request_id);
                 (*checked)++;
             }
+            fin[k] = 1;
             done++;
         }
         kvx_batch_free(b);
@@ -405,6 +414,7 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                !atomic_compare_exchange_weak(&sh->last_done_ns, &prev, end))
             ;
     }
+    free(fin);
     free(t0);
     free(bt);
     return bad;

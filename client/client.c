@@ -802,7 +802,9 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
     sb_printf(b, ",\"uptime_ms\":%llu,\"daemon_address\":",
               (unsigned long long)s->uptime_ms);
     sb_str(b, s->daemon_address);
-    sb_printf(b, ",\"worker_threads\":%u,\"config\":{", s->worker_threads);
+    sb_printf(b, ",\"worker_threads\":%u,\"gpu\":", s->worker_threads);
+    sb_str(b, s->gpu);
+    sb_printf(b, ",\"config\":{");
     for (size_t i = 0; i < s->n_config; i++) {
         const char *kv = s->config[i]->name, *eq = strchr(kv, '=');
         if (!eq)

@@ -98,6 +98,7 @@ static int cmd_status(const char *sock, int json)
            (unsigned long long)(s->uptime_ms % 1000));
     printf("address        %s\n", s->daemon_address);
     printf("copy threads   %u\n", s->worker_threads);
+    printf("gpu            %s\n", s->gpu[0] ? s->gpu : "-");
     human_bytes(b1, sizeof(b1), s->bytes_moved);
     printf("bytes moved    %s (%llu)\n", b1,
            (unsigned long long)s->bytes_moved);

@@ -278,9 +278,9 @@ int kvx__layout_check(const kvx_layout_t *l, uint64_t pool_size, char *why,
     qsort(r, l->num_layers, sizeof(*r), region_cmp);
     for (uint32_t i = 1; i < l->num_layers; i++)
         if (r[i].start < r[i - 1].end) {
+            unsigned long long at = r[i].start;
             free(r);
-            WHY("layout.layer_offset: layers overlap at byte %llu",
-                (unsigned long long)r[i].start);
+            WHY("layout.layer_offset: layers overlap at byte %llu", at);
         }
     free(r);
     return 0;

@@ -172,8 +172,9 @@ static const struct conf_key keys[] = {
     {.name = "deadlines.drain_timeout_ms", .type = CONF_MS,
      FIELD(drain_timeout_ms), .def = 5000, .min = 0, .max = 600000,
      .reloadable = 1,
-     .help = "On shutdown, how long requests in flight may finish before "
-             "they are cancelled."},
+     .help = "On shutdown every request ends at once with SHUTDOWN; this "
+             "bounds the wait for in-flight copies to be fenced and the "
+             "last replies to be sent."},
     {.name = "deadlines.deadline_tick_ms", .type = CONF_MS,
      FIELD(deadline_tick_ms), .def = 10, .min = 1, .max = 1000,
      .reloadable = 1,

@@ -48,7 +48,10 @@ struct gpu_import {
     uint64_t owner, alloc_id;
     uint8_t uuid[16];
     int device, vmm;
-    uint8_t *base;
+    uint8_t *base;             /* in the owning device's context */
+    uint8_t *base_on[MAX_DEV]; /* legacy: opened again in each context that
+                                  launches kernels on it (peer access) */
+    cudaIpcMemHandle_t ipc;
     uint64_t alloc_size;
     CUmemGenericAllocationHandle handle;
     unsigned refs;
@@ -241,6 +244,8 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
             goto err_free;
         }
         imp->base = p;
+        imp->base_on[d] = p;
+        imp->ipc = h;
         g.imports_legacy++;
     } else {
         if (!drv.import || !drv.reserve || !drv.map || !drv.set_access) {
@@ -339,11 +344,46 @@ void gpu_import_unref(gpu_import_t *imp)
         drv.free_va(va, imp->alloc_size);
         drv.release(imp->handle);
     } else {
-        cudaIpcCloseMemHandle(imp->base);
+        for (int o = 0; o < g.ndev; o++)
+            if (imp->base_on[o]) {
+                cudaSetDevice(o);
+                cudaIpcCloseMemHandle(imp->base_on[o]);
+            }
     }
     log_info("gpu %d: unmapped allocation of %llu bytes", imp->device,
              (unsigned long long)imp->alloc_size);
     free(imp);
+}
+
+int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
+                   char *why, size_t why_len)
+{
+    if (imp->vmm || device == imp->device) {
+        *base = imp->base; /* VMM: mapped for every device at import */
+        return 0;
+    }
+    if (!imp->base_on[device]) {
+        int rc = use_device(device, why, why_len);
+        if (rc)
+            return rc;
+        /* a legacy IPC mapping is per context: open it again where the
+         * kernel runs, which also enables peer access (lazily) */
+        void *p = NULL;
+        cudaSetDevice(device);
+        cudaError_t e = cudaIpcOpenMemHandle(&p, imp->ipc,
+                                             cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            snprintf(why, why_len,
+                     "gpu %d: cannot map a pool of gpu %d for peer access: "
+                     "%s",
+                     device, imp->device, cudaGetErrorString(e));
+            return KVX_ERR_UNSUPPORTED;
+        }
+        imp->base_on[device] = p;
+    }
+    *base = imp->base_on[device];
+    return 0;
 }
 
 int gpu_host_register(void *base, uint64_t size)
@@ -487,8 +527,17 @@ void gpu_part_free(gpu_part_t *gp)
     free(gp);
 }
 
-/* CUDA's callback thread: only hand the job back. */
-static void CUDART_CB on_done(void *arg) { copy__complete(arg); }
+/* CUDA's callback thread: only hand the job back. A stream callback (not
+ * a host function) runs even when the kernel failed, so a faulting copy
+ * ends its request with an error instead of hanging its fence. */
+static void CUDART_CB on_done(cudaStream_t st, cudaError_t e, void *arg)
+{
+    (void)st;
+    struct copy_job *job = arg;
+    if (e != cudaSuccess)
+        job->status = KVX_ERR_IO;
+    copy__complete(job);
+}
 
 int gpu_launch(struct copy_job *job, gpu_part_t *gp)
 {
@@ -498,7 +547,7 @@ int gpu_launch(struct copy_job *job, gpu_part_t *gp)
     int e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end, ctas,
                               g.stream[d]);
     if (e == cudaSuccess)
-        e = cudaLaunchHostFunc(g.stream[d], on_done, job);
+        e = cudaStreamAddCallback(g.stream[d], on_done, job, 0);
     if (e != cudaSuccess) {
         log_error("gpu %d: launch failed: %s", d,
                   cudaGetErrorString((cudaError_t)e));

@@ -51,6 +51,9 @@ typedef struct gpu_import_req {
 int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
                int *device, char *why, size_t why_len);
 void gpu_import_unref(gpu_import_t *imp);
+/* The pool's base as seen from kernels launched on device. */
+int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
+                   size_t why_len);
 
 /* Pin a host pool so kernels can read and write it (mixed copies).
  * Blocking: call from a worker thread. */

@@ -26,6 +26,16 @@ int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
 
 void gpu_import_unref(gpu_import_t *imp) { (void)imp; }
 
+int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
+                   size_t why_len)
+{
+    (void)imp;
+    (void)device;
+    (void)base;
+    snprintf(why, why_len, "%s", NO_CUDA);
+    return KVX_ERR_UNSUPPORTED;
+}
+
 int gpu_host_register(void *base, uint64_t size)
 {
     (void)base;

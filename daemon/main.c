@@ -121,6 +121,9 @@ static void reload(void)
     } else {
         kvx_conf_t next = kvxd.conf;
         if (load_config(kvxd.config_path, &next, NULL) == 0) {
+            /* --socket overrides the file for the daemon's whole life */
+            memcpy(next.socket_path, kvxd.conf.socket_path,
+                   sizeof(next.socket_path));
             char *buf = NULL;
             size_t len = 0;
             FILE *mem = open_memstream(&buf, &len);

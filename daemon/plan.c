@@ -108,7 +108,7 @@ int plan_compat(const plan_side_t *a, const plan_side_t *b, char *why,
     return 0;
 }
 
-static uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
 int plan_build(const plan_side_t *src, const plan_side_t *dst,
                uint32_t dst_rank, uint32_t num_tokens, uint32_t skip,
@@ -144,9 +144,13 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
         WHY(KVX_ERR_NOMEM, "plan: out of memory");
     p->dst_rank = dst_rank;
     p->slices = calloc(max_slices ? max_slices : 1, sizeof(*p->slices));
-    uint32_t nseg_max = ceil_div(num_tokens, src->tokens_per_block) +
-                        ceil_div(num_tokens, dst->tokens_per_block) + 1;
-    p->segs = calloc(nseg_max, sizeof(*p->segs));
+    /* segments cover [skip, num_tokens): each block boundary on either
+     * side starts one, so at most both sides' block counts + 1 */
+    uint64_t span = (uint64_t)num_tokens - skip;
+    uint64_t nseg_max = ceil_div(span, src->tokens_per_block) +
+                        ceil_div(span, dst->tokens_per_block) + 2;
+    p->segs = nseg_max <= UINT32_MAX ? calloc(nseg_max, sizeof(*p->segs))
+                                     : NULL;
     if (!p->slices || !p->segs) {
         plan_free(p);
         WHY(KVX_ERR_NOMEM, "plan: out of memory");
@@ -187,13 +191,13 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
     /* Segments: runs of tokens inside one source and one destination
      * block, so differing tokens_per_block and a mid-block skip work. */
     uint32_t ts = src->tokens_per_block, td = dst->tokens_per_block;
-    for (uint32_t t = skip; t < num_tokens;) {
+    for (uint64_t t = skip; t < num_tokens;) {
         plan_seg_t *g = &p->segs[p->nsegs++];
-        g->src_blk = t / ts;
-        g->src_tok = t % ts;
-        g->dst_blk = t / td;
-        g->dst_tok = t % td;
-        uint32_t n = num_tokens - t;
+        g->src_blk = (uint32_t)(t / ts);
+        g->src_tok = (uint32_t)(t % ts);
+        g->dst_blk = (uint32_t)(t / td);
+        g->dst_tok = (uint32_t)(t % td);
+        uint32_t n = (uint32_t)(num_tokens - t);
         if (ts - g->src_tok < n)
             n = ts - g->src_tok;
         if (td - g->dst_tok < n)
@@ -201,8 +205,8 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
         g->n = n;
         t += n;
     }
-    p->src_blocks_needed = ceil_div(num_tokens, ts);
-    p->dst_blocks_needed = ceil_div(num_tokens, td);
+    p->src_blocks_needed = (uint32_t)ceil_div(num_tokens, ts);
+    p->dst_blocks_needed = (uint32_t)ceil_div(num_tokens, td);
 
     uint64_t u = 0, bytes = 0;
     uint64_t tok_bytes = (uint64_t)src->kv_factor * src->head_dim *

@@ -159,6 +159,16 @@ int pool_pin(pool_t *p, char *why, size_t why_len)
     return 0;
 }
 
+int pool_device_base(pool_t *p, int device, uint8_t **base, char *why,
+                     size_t why_len)
+{
+    if (!p->gpu) {
+        *base = p->base; /* pinned host memory: same address (UVA) */
+        return 0;
+    }
+    return gpu_import_ptr(p->import, device, base, why, why_len);
+}
+
 static void pool_unmap(pool_t *p)
 {
     if (p->gpu) {

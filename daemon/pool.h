@@ -41,6 +41,10 @@ int pool_register_gpu(uint64_t session_id, gpu_import_req_t *req,
 /* Make a host pool readable and writable by GPU kernels (pins it;
  * blocking, once per pool). GPU pools: no-op. */
 int pool_pin(pool_t *p, char *why, size_t why_len);
+/* The pool's base as kernels on device see it (pinned host pools: their
+ * own address). */
+int pool_device_base(pool_t *p, int device, uint8_t **base, char *why,
+                     size_t why_len);
 /* Fault the mapping in on a copy worker (not on the loop). */
 void pool_populate(pool_t *p);
 /* A live (not released) pool, or NULL. */

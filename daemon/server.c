@@ -3,6 +3,7 @@
 #include <grp.h>
 #include <libgen.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -10,6 +11,8 @@
 #include <unistd.h>
 
 #include "daemon.h"
+#include "frame.h"
+#include "kvxfer.pb-c.h"
 #include "log.h"
 #include "server.h"
 #include "session.h"
@@ -21,7 +24,44 @@ static struct {
     char path[108];
 } srv = {.fd = -1};
 
-static int peer_allowed(uid_t uid, gid_t gid)
+static int gid_allowed(gid_t gid)
+{
+    const kvx_conf_t *c = &kvxd.conf;
+    for (unsigned i = 0; i < c->num_allowed_gids; i++)
+        if (c->allowed_gids[i] == gid)
+            return 1;
+    return 0;
+}
+
+/* Supplementary groups of the peer, from /proc (SO_PEERCRED gives only
+ * the primary group). The peer could exit and its pid be reused between
+ * accept and here; that race only ever refuses, never admits, since the
+ * new process must itself be in an allowed group. */
+static int groups_allowed(pid_t pid)
+{
+    char path[64], line[4096];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    int ok = 0;
+    while (!ok && fgets(line, sizeof(line), f)) {
+        if (strncmp(line, "Groups:", 7))
+            continue;
+        char *p = line + 7, *end;
+        for (;;) {
+            unsigned long g = strtoul(p, &end, 10);
+            if (end == p)
+                break;
+            ok |= gid_allowed((gid_t)g);
+            p = end;
+        }
+    }
+    fclose(f);
+    return ok;
+}
+
+static int peer_allowed(uid_t uid, gid_t gid, pid_t pid)
 {
     const kvx_conf_t *c = &kvxd.conf;
     if (uid == 0 || uid == getuid())
@@ -29,10 +69,29 @@ static int peer_allowed(uid_t uid, gid_t gid)
     for (unsigned i = 0; i < c->num_allowed_uids; i++)
         if (c->allowed_uids[i] == uid)
             return 1;
-    for (unsigned i = 0; i < c->num_allowed_gids; i++)
-        if (c->allowed_gids[i] == gid)
-            return 1;
-    return 0;
+    return gid_allowed(gid) ||
+           (c->num_allowed_gids && groups_allowed(pid));
+}
+
+/* Tell a refused peer why, in a Reply frame with id 0, then close. */
+static void refuse(int fd, uid_t uid)
+{
+    char msg[160];
+    snprintf(msg, sizeof(msg),
+             "connection refused: uid %u is not in auth.allowed_uids and "
+             "none of its groups is in auth.allowed_gids",
+             (unsigned)uid);
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.status = KVX_ERR_PERM;
+    r.message = msg;
+    uint8_t buf[256];
+    size_t n = kvxfer__reply__get_packed_size(&r);
+    if (n + FRAME_HDR <= sizeof(buf)) {
+        frame_put_len(buf, (uint32_t)n);
+        kvxfer__reply__pack(&r, buf + FRAME_HDR);
+        (void)!send(fd, buf, n + FRAME_HDR, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    close(fd);
 }
 
 static void on_accept(uv_poll_t *h, int status, int events)
@@ -55,12 +114,12 @@ static void on_accept(uv_poll_t *h, int status, int events)
             close(fd);
             continue;
         }
-        if (!peer_allowed(cr.uid, cr.gid)) {
+        if (!peer_allowed(cr.uid, cr.gid, cr.pid)) {
             log_warn("server: refused pid %d uid %u gid %u: not in "
                      "auth.allowed_uids or auth.allowed_gids",
                      (int)cr.pid, (unsigned)cr.uid, (unsigned)cr.gid);
             kvxd_count_error(KVX_ERR_PERM);
-            close(fd);
+            refuse(fd, cr.uid);
             continue;
         }
         session_start(fd, cr.pid, cr.uid, cr.gid);

@@ -183,7 +183,7 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
         }
         return 0;
     }
-    uint8_t *seen = calloc((nb + 7) / 8, 1);
+    uint8_t *seen = calloc(((size_t)nb + 7) / 8, 1);
     if (!seen) {
         snprintf(why, why_len, "%s: out of memory", what);
         return KVX_ERR_NOMEM;
@@ -243,8 +243,9 @@ static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
     l->dtype = m->dtype;
     l->tokens_per_block = m->tokens_per_block;
     l->num_blocks = m->num_blocks;
-    memcpy(l->layer_offset, m->layer_offset,
-           m->n_layer_offset * sizeof(uint64_t));
+    if (m->n_layer_offset)
+        memcpy(l->layer_offset, m->layer_offset,
+               m->n_layer_offset * sizeof(uint64_t));
     l->kv_stride = m->kv_stride;
     l->block_stride = m->block_stride;
     l->token_stride = m->token_stride;

@@ -69,7 +69,9 @@ void stats_fill(Kvxfer__StatusReply *st)
             kvxfer__pool_info__init(pi);
             pi->pool_id = pools[i]->id;
             pi->session_id = pools[i]->session_id;
-            pi->kind = pools[i]->released ? "host (released)" : "host";
+            static const char *const kinds[2][2] = {
+                {"host", "host (released)"}, {"gpu", "gpu (released)"}};
+            pi->kind = (char *)kinds[pools[i]->gpu][pools[i]->released];
             pi->size = pools[i]->size;
             pi->preset = pools[i]->layout.preset;
             pi->num_blocks = pools[i]->layout.num_blocks;

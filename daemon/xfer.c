@@ -86,16 +86,24 @@ static void dl_remove(dl_list_t *l, dl_node_t *n)
     n->linked = 0;
 }
 
-/* A cancel waiting for the fence. */
-typedef struct waiter {
+/* A cancel waiting for the fence. One cancel may wait on two requests
+ * (an instance with role both that offers and fetches the same id): the
+ * reply goes out when the last of them is finalized. */
+typedef struct cancel_wait {
     uint64_t sid, req_id;
+    unsigned pending;
+} cancel_wait_t;
+
+typedef struct waiter {
+    cancel_wait_t *cw;
     struct waiter *next;
 } waiter_t;
 
 struct genreq;
 
 typedef struct offer_part {
-    pool_t *pool;          /* referenced while published */
+    int published;
+    pool_t *pool;          /* referenced while published, until consumed */
     uint32_t *blocks;
     uint32_t nblocks;
 } offer_part_t;
@@ -115,6 +123,8 @@ typedef struct offer {
     uint64_t created_ms;
     struct genreq *consumer;
     int ending, end_kind, end_code;
+    int consumed;          /* complete before every rank published: kept,
+                              without memory, to answer late publishes */
     char end_msg[256];
     waiter_t *waiters;
 } offer_t;
@@ -152,12 +162,15 @@ typedef struct genreq {
 /* Round-robin queue of parts with units left to hand out. */
 static genpart_t *rq_head, *rq_tail;
 static uint32_t nrequests;
+static uint32_t chunks_inflight; /* ours only: pool populate jobs share the
+                                    copy engine but not this limit */
 static dl_list_t leases;    /* offers nobody fetches yet */
 static dl_list_t timeouts;  /* genreqs not yet ending */
 
 static void schedule(void);
 static void genreq_end(genreq_t *g, int kind, int code, const char *msg);
 static void offer_end(offer_t *o, int kind, int code, const char *msg);
+static void offer_drop(offer_t *o);
 
 /* ---- small helpers ---------------------------------------------------- */
 
@@ -169,7 +182,7 @@ static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
     return d == 0;
 }
 
-static uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
 static void side_from_layout(plan_side_t *s, const instance_t *inst,
                              const kvx_layout_t *l)
@@ -205,21 +218,24 @@ static void waiters_reply(waiter_t *w)
 {
     while (w) {
         waiter_t *n = w->next;
-        session_reply(w->sid, w->req_id, 0, "");
+        if (--w->cw->pending == 0) {
+            session_reply(w->cw->sid, w->cw->req_id, 0, "");
+            free(w->cw);
+        }
         free(w);
         w = n;
     }
 }
 
-static int waiter_add(waiter_t **list, uint64_t sid, uint64_t req_id)
+static int waiter_add(waiter_t **list, cancel_wait_t *cw)
 {
     waiter_t *w = malloc(sizeof(*w));
     if (!w)
         return KVX_ERR_NOMEM;
-    w->sid = sid;
-    w->req_id = req_id;
+    w->cw = cw;
     w->next = *list;
     *list = w;
+    cw->pending++;
     return 0;
 }
 
@@ -366,12 +382,13 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
         return rc;
     if (num_tokens == 0)
         WHY(KVX_ERR_INVALID, "publish.num_tokens: 0");
-    uint32_t need = ceil_div(num_tokens, l->tokens_per_block);
+    uint64_t need = ceil_div(num_tokens, l->tokens_per_block);
     if (nblocks < need)
         WHY(KVX_ERR_INVALID,
             "publish.blocks: %u blocks of %u tokens cannot hold num_tokens "
-            "%u (need %u)",
-            nblocks, l->tokens_per_block, num_tokens, need);
+            "%u (need %llu)",
+            nblocks, l->tokens_per_block, num_tokens,
+            (unsigned long long)need);
 
     offer_t *o = map_get(&inst->offers, request_id);
     if (!o) {
@@ -382,7 +399,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
         if (o->ending)
             WHY(KVX_ERR_STATE, "publish: request %llu is ending (%s)",
                 (unsigned long long)request_id, o->end_msg);
-        if (o->parts[rank].pool)
+        if (o->parts[rank].published)
             WHY(KVX_ERR_EXISTS,
                 "publish: request %llu already published by rank %u",
                 (unsigned long long)request_id, rank);
@@ -400,15 +417,28 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
                 "dtype or kv_factor) differs from another rank's");
     }
     offer_part_t *part = &o->parts[rank];
+    if (o->consumed) {
+        /* the consumer needed other ranks only (replicated heads) and is
+         * done: same params, nothing to hold, no second event */
+        if (!(*params = malloc(o->params_len)))
+            WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        memcpy(*params, o->params, o->params_len);
+        *params_len = o->params_len;
+        part->published = 1;
+        if (++o->npublished == inst->nranks)
+            offer_drop(o);
+        return 0;
+    }
     if (!(part->blocks = malloc(need * sizeof(uint32_t))))
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
     memcpy(part->blocks, blocks, need * sizeof(uint32_t));
-    part->nblocks = need;
+    part->nblocks = (uint32_t)need;
     part->pool = pool;
+    part->published = 1;
     pool_ref(pool);
     o->npublished++;
     log_debug("publish %s/%llu rank %u: %u blocks, %u tokens", inst->id,
-              (unsigned long long)request_id, rank, need, num_tokens);
+              (unsigned long long)request_id, rank, part->nblocks, num_tokens);
 
     /* copy the params out first: starting a waiting consumer may end the
      * request (and free the offer) before the reply is sent */
@@ -479,6 +509,14 @@ static void part_try_start(genpart_t *p)
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
             rc = pool_pin(o->parts[plan->slices[i].src_rank].pool, why,
                           sizeof(why));
+        /* the kernel runs on `device`: every base as that device sees it */
+        if (!rc)
+            rc = pool_device_base(p->pool, device, &plan->dst.base, why,
+                                  sizeof(why));
+        for (uint32_t i = 0; i < plan->nslices && !rc; i++)
+            rc = pool_device_base(o->parts[plan->slices[i].src_rank].pool,
+                                  device, &plan->src[i].base, why,
+                                  sizeof(why));
         if (!rc)
             rc = gpu_part_create(plan, device, &p->gpu, why, sizeof(why));
         if (rc) {
@@ -541,7 +579,8 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
         rc = KVX_ERR_NOT_FOUND;
         goto out;
     }
-    if (!(o = map_get(&ci->offers, cp->request_id)) || o->ending) {
+    if (!(o = map_get(&ci->offers, cp->request_id)) || o->ending ||
+        o->consumed) {
         snprintf(why, why_len,
                  "fetch.context_params: no offer for request %llu of "
                  "instance '%s' (expired, cancelled, completed or never "
@@ -715,6 +754,7 @@ static void on_chunk_done(copy_job_t *job)
     uint64_t units = job->unit_end - job->unit_begin;
     p->inflight--;
     g->inflight--;
+    chunks_inflight--;
     p->units_done += units;
     g->bytes_done += job->bytes;
     int status = job->status;
@@ -743,7 +783,7 @@ static void schedule(void)
     uint32_t max = kvxd.conf.max_inflight_chunks
                        ? kvxd.conf.max_inflight_chunks
                        : 2 * copy_threads();
-    while (rq_head && copy_inflight() < max) {
+    while (rq_head && chunks_inflight < max) {
         genpart_t *p = rq_head;
         rq_head = p->rq_next;
         if (!rq_head)
@@ -769,6 +809,7 @@ static void schedule(void)
         p->next_unit = end;
         p->inflight++;
         p->req->inflight++;
+        chunks_inflight++;
         if (end < p->plan->nunits) { /* back of the line: fairness */
             p->queued = 1;
             p->rq_next = NULL;
@@ -783,6 +824,39 @@ static void schedule(void)
 }
 
 /* ---- the end of a request --------------------------------------------- */
+
+/* Forget a consumed offer (all ranks published, lease over, cancel). */
+static void offer_drop(offer_t *o)
+{
+    dl_remove(&leases, &o->lease);
+    map_del(&o->inst->offers, o->request_id);
+    offer_free(o);
+}
+
+/* The consumer took everything it needed while some ranks have not
+ * published yet (replicated heads): complete now, release the memory,
+ * keep the params for the late ranks until they publish or the lease
+ * ends. */
+static void offer_consume(offer_t *o)
+{
+    instance_t *inst = o->inst;
+    push_event(inst, o->request_id, KVX_EVENT_COMPLETE, 0, "");
+    for (uint32_t r = 0; r < inst->nranks; r++) {
+        if (o->parts[r].pool)
+            pool_unref(o->parts[r].pool);
+        o->parts[r].pool = NULL;
+        free(o->parts[r].blocks);
+        o->parts[r].blocks = NULL;
+    }
+    o->consumed = 1;
+    nrequests--;
+    if (!o->lease.linked)
+        dl_insert(&leases, &o->lease,
+                  kvxd_now_ms() + kvxd.conf.offer_lease_ms);
+    waiter_t *w = o->waiters;
+    o->waiters = NULL;
+    waiters_reply(w);
+}
 
 static void offer_try_finalize(offer_t *o)
 {
@@ -810,10 +884,13 @@ static void offer_end(offer_t *o, int kind, int code, const char *msg)
     o->end_code = code;
     snprintf(o->end_msg, sizeof(o->end_msg), "%s", msg);
     if (o->consumer) {
+        /* the consumer reads this offer's memory: its fence comes first,
+         * and its finalize (now or after its last chunk) finalizes o */
         char m[300];
         snprintf(m, sizeof(m), "context side: %s", msg);
         genreq_end(o->consumer, KVX_EVENT_ERROR,
                    code ? code : KVX_ERR_STATE, m);
+        return;
     }
     offer_try_finalize(o);
 }
@@ -852,6 +929,9 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         o->consumer = NULL;
         if (o->ending) /* the offer ended first and waited for this fence */
             offer_try_finalize(o);
+        else if (kind_done == KVX_EVENT_COMPLETE &&
+                 o->npublished < o->inst->nranks)
+            offer_consume(o);
         else if (kind_done == KVX_EVENT_COMPLETE)
             offer_end(o, KVX_EVENT_COMPLETE, 0, "");
         else
@@ -872,16 +952,37 @@ int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
         WHY(KVX_ERR_NOT_FOUND,
             "cancel.request_id: no request %llu in flight in instance %s",
             (unsigned long long)request_id, inst->id);
-    /* Register the waiter before ending: the end may finalize at once. */
-    if ((o && waiter_add(&o->waiters, sid, req_id)) ||
-        (g && !o && waiter_add(&g->waiters, sid, req_id)))
+    offer_t *oc = o && o->consumed ? o : NULL;
+    if (oc) { /* already complete; a late rank's tombstone: drop it */
+        offer_drop(oc);
+        o = NULL;
+        if (!g)
+            return 0;
+    }
+    /* Register before ending: an end with nothing in flight finalizes at
+     * once and answers the waiters there. */
+    cancel_wait_t *cw = calloc(1, sizeof(*cw));
+    if (!cw)
         WHY(KVX_ERR_NOMEM, "cancel: out of memory");
+    cw->sid = sid;
+    cw->req_id = req_id;
+    cw->pending = 1; /* held by this function until both ends are called */
+    if ((o && waiter_add(&o->waiters, cw)) ||
+        (g && (!o || g->offer != o) && waiter_add(&g->waiters, cw))) {
+        /* out of memory: the added waiter (if any) answers; no hang */
+    }
+    uint64_t oid = o ? o->request_id : 0;
     if (g)
         genreq_end(g, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
                    "cancelled by the generation side");
-    if (o)
+    /* ending g may have ended and freed o: look it up again */
+    if (o && (o = map_get(&inst->offers, oid)) && !o->consumed)
         offer_end(o, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
                   "cancelled by the context side");
+    if (--cw->pending == 0) {
+        free(cw);
+        return 0; /* everything finalized already: reply now */
+    }
     return 1;
 }
 
@@ -893,8 +994,13 @@ void xfer_end_instance(instance_t *inst, int code, const char *msg)
         return;
     uint32_t no = map_values(&inst->offers, all, n);
     uint32_t ng = map_values(&inst->fetches, all + no, n - no);
-    for (uint32_t i = 0; i < no; i++)
-        offer_end(all[i], KVX_EVENT_ERROR, code, msg);
+    for (uint32_t i = 0; i < no; i++) {
+        offer_t *o = all[i];
+        if (o->consumed)
+            offer_drop(o);
+        else
+            offer_end(o, KVX_EVENT_ERROR, code, msg);
+    }
     /* ending an offer may have ended (and freed) its consumer: collect
      * the genreqs again */
     (void)ng;
@@ -952,6 +1058,10 @@ void xfer_tick(uint64_t now)
      * timeout bounds it */
     while (leases.head && leases.head->deadline_ms <= now) {
         offer_t *o = (offer_t *)leases.head;
+        if (o->consumed) { /* late ranks never came: forget it quietly */
+            offer_drop(o);
+            continue;
+        }
         char m[128];
         snprintf(m, sizeof(m),
                  "offer lease of %u ms expired (%u of %u ranks published)",
@@ -976,6 +1086,8 @@ uint32_t xfer_count(void) { return nrequests; }
 
 static const char *offer_state(const offer_t *o)
 {
+    if (o->consumed)
+        return "consumed";
     if (o->ending)
         return "ending";
     if (o->consumer)
@@ -1018,8 +1130,8 @@ size_t xfer_states(Kvxfer__Count ***out)
 {
     static const char *const names[] = {"publishing", "offered",
                                         "transferring", "waiting-source",
-                                        "fetching", "ending"};
-    uint64_t counts[6] = {0};
+                                        "fetching", "ending", "consumed"};
+    uint64_t counts[7] = {0};
     for (instance_t *i = instance_first(); i; i = i->next) {
         uint32_t cnt = i->offers.n + i->fetches.n;
         void **all = calloc(cnt ? cnt : 1, sizeof(void *));
@@ -1030,19 +1142,19 @@ size_t xfer_states(Kvxfer__Count ***out)
         for (uint32_t k = 0; k < no + ng; k++) {
             const char *s = k < no ? offer_state(all[k])
                                    : genreq_state(all[k]);
-            for (int j = 0; j < 6; j++)
+            for (int j = 0; j < 7; j++)
                 if (!strcmp(s, names[j]))
                     counts[j]++;
         }
         free(all);
     }
-    Kvxfer__Count **c = calloc(6, sizeof(*c));
+    Kvxfer__Count **c = calloc(7, sizeof(*c));
     if (!c)
         return 0;
-    for (int j = 0; j < 6; j++)
+    for (int j = 0; j < 7; j++)
         c[j] = count_new(names[j], counts[j]);
     *out = c;
-    return 6;
+    return 7;
 }
 
 void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n)

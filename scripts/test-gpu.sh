@@ -2,6 +2,7 @@
 # make test-gpu: the GPU tests, or a clear skip. Works from a build tree
 # (scripts/test-gpu.sh build) and from a bundle (bin/test-gpu.sh).
 BUILD=${1:-build}
+[ $# -gt 0 ] && shift
 if [ ! -x "$BUILD/tests/gpu" ]; then
     echo "test-gpu: skipped: this build has no CUDA (nvcc was not found)"
     echo "0 passed, 0 failed"

@@ -99,6 +99,15 @@ int main(int argc, char **argv)
     int passed = 0, failed = 0;
     signal(SIGPIPE, SIG_IGN);
     setvbuf(stdout, NULL, _IOLBF, 0);
+    for (int a = 1; a < argc; a++) {
+        int known = 0;
+        for (int i = 0; i < test_count; i++)
+            known |= !strcmp(argv[a], test_table[i].name);
+        if (!known) {
+            printf("FAIL %s: no such test\n", argv[a]);
+            failed++;
+        }
+    }
     for (int i = 0; i < test_count; i++) {
         int want = argc < 2;
         for (int a = 1; a < argc; a++)
