@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 run() { # name, args...
     name=$1; shift
     echo "== $name: kvxfer-bench $*" | tee -a "$OUT/bench.txt"
-    timeout 120 kvxfer-bench --spawn-daemon --gpu --json "$@" >>"$OUT/bench.txt" 2>&1 ||
+    timeout 60 kvxfer-bench --spawn-daemon --gpu --json "$@" >>"$OUT/bench.txt" 2>&1 ||
         echo "FAILED rc=$?" >>"$OUT/bench.txt"
 }
 M="--layers 32 --heads 8 --head-dim 128 --tokens-per-block 16 --dtype bf16 --pool-mib 40000"
