@@ -142,7 +142,7 @@ static const struct conf_key keys[] = {
      .help = "Thread blocks one GPU copy kernel may use; the GPUs are busy "
              "running the model."},
     {.name = "gpu.chunk_bytes", .type = CONF_SIZE, FIELD(gpu_chunk_bytes),
-     .def = 64 * MiB, .min = 64 * KiB, .max = 4 * GiB, .reloadable = 1,
+     .def = 256 * MiB, .min = 64 * KiB, .max = 4 * GiB, .reloadable = 1,
      .help = "Bytes one GPU kernel launch moves at most; bounds how long a "
              "cancel waits for its fence."},
     {.name = "gpu.staging_bytes", .type = CONF_SIZE, FIELD(gpu_staging_bytes),

@@ -19,7 +19,7 @@ __device__ static inline uint32_t slice_of(const gpu_plan_t *p, uint64_t u)
     return i;
 }
 
-#define UNROLL 4
+#define UNROLL 8
 
 /* Address of element row `row` (kv, token, head order) inside a unit. */
 struct unit_addr {

@@ -497,12 +497,18 @@ static void part_try_start(genpart_t *p)
     p->started = 1;
     /* A GPU pool on either side: the plan runs on the GPU, host pools in
      * it are pinned so the kernel can reach them. */
-    int device = p->pool->gpu ? p->pool->device : -1;
+    /* Launch where the source is when it is a GPU: the kernel then reads
+     * local HBM and writes the peer over NVLink (posted writes), which
+     * keeps far more bytes in flight than remote reads. A host source is
+     * read by the destination GPU. */
+    int device = -1;
     for (uint32_t i = 0; i < plan->nslices && device < 0; i++) {
         pool_t *sp = o->parts[plan->slices[i].src_rank].pool;
         if (sp->gpu)
             device = sp->device;
     }
+    if (device < 0 && p->pool->gpu)
+        device = p->pool->device;
     if (device >= 0 && plan->nunits) {
         char why[256];
         int rc = pool_pin(p->pool, why, sizeof(why));

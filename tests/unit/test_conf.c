@@ -249,12 +249,14 @@ TEST(table_sane)
         "limits.hello_frame_bytes", "limits.max_sessions",
         "limits.max_requests", "limits.max_pools",
         "limits.max_blocks_per_request", "copy.worker_threads",
-        "copy.chunk_bytes", "copy.max_inflight_chunks",
+        "copy.chunk_bytes", "copy.max_inflight_chunks", "gpu.max_ctas",
+        "gpu.chunk_bytes", "gpu.staging_bytes", "gpu.host_staging_bytes",
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
         "deadlines.deadline_tick_ms", "log.level"};
     static const char *const reloadable[] = {
-        "copy.chunk_bytes", "copy.max_inflight_chunks",
+        "copy.chunk_bytes", "copy.max_inflight_chunks", "gpu.max_ctas",
+        "gpu.chunk_bytes",
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
         "deadlines.deadline_tick_ms", "log.level"};
@@ -268,6 +270,8 @@ TEST(table_sane)
         M(max_frame_bytes), M(hello_frame_bytes), M(max_sessions),
         M(max_requests), M(max_pools), M(max_blocks_per_request),
         M(worker_threads), M(copy_chunk_bytes), M(max_inflight_chunks),
+        M(gpu_max_ctas), M(gpu_chunk_bytes), M(gpu_staging_bytes),
+        M(host_staging_bytes),
         M(offer_lease_ms), M(fetch_timeout_ms), M(poll_timeout_max_ms),
         M(drain_timeout_ms), M(deadline_tick_ms), M(log_level),
 #undef M
@@ -598,13 +602,13 @@ TEST(err_unknown_section)
 {
     expect_errors("sockets:\n  path: /x\n", 1,
                   "F:1:1: sockets: unknown section (expected one of socket, "
-                  "auth, limits, copy, deadlines, log)\n"
+                  "auth, limits, copy, gpu, deadlines, log)\n"
                   "sockets:\n"
                   "^\n");
     /* A dotted key at top level is not a shorthand. */
     expect_errors("log.level: info\n", 1,
                   "F:1:1: log.level: unknown section (expected one of "
-                  "socket, auth, limits, copy, deadlines, log)\n"
+                  "socket, auth, limits, copy, gpu, deadlines, log)\n"
                   "log.level: info\n"
                   "^\n");
 }
@@ -786,13 +790,13 @@ TEST(err_top_level)
 {
     expect_errors("- socket\n- log\n", 1,
                   "F:1:1: (top level): got a sequence (expected a mapping "
-                  "with sections socket, auth, limits, copy, deadlines, "
+                  "with sections socket, auth, limits, copy, gpu, deadlines, "
                   "log)\n"
                   "- socket\n"
                   "^\n");
     expect_errors("hello\n", 1,
                   "F:1:1: (top level): got a scalar (expected a mapping "
-                  "with sections socket, auth, limits, copy, deadlines, "
+                  "with sections socket, auth, limits, copy, gpu, deadlines, "
                   "log)\n"
                   "hello\n"
                   "^\n");
@@ -860,7 +864,7 @@ TEST(err_collects_all)
                   "  max_pools: 1\n"
                   "  ^\n"
                   "F:7:1: bogus: unknown section (expected one of socket, "
-                  "auth, limits, copy, deadlines, log)\n"
+                  "auth, limits, copy, gpu, deadlines, log)\n"
                   "bogus: {}\n"
                   "^\n"
                   "F:9:10: log.level: invalid value \"loud\" (expected one of "

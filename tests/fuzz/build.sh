@@ -1,0 +1,32 @@
+#!/bin/sh
+# Build the libFuzzer targets into build/fuzz/ with clang (see README.md).
+#   tests/fuzz/build.sh [frame request params config]
+# Each target is compiled together with the daemon sources it does not
+# include itself, all instrumented; host-only (gpu_none.c).
+set -eu
+cd "$(dirname "$0")/../.."
+CC=${CC:-clang}
+OUT=${OUT:-build/fuzz}
+PKGS="libuv libprotobuf-c yaml-0.1"
+[ -f build/gen/kvxfer.pb-c.c ] || make build/gen/kvxfer.pb-c.c
+mkdir -p "$OUT"
+SRC="client/status.c client/frame.c client/layout.c daemon/log.c
+     daemon/conf.c daemon/notify.c daemon/pool.c daemon/copy.c daemon/plan.c
+     daemon/batch.c daemon/daemon.c daemon/instance.c daemon/xfer.c
+     daemon/session.c daemon/server.c daemon/stats.c daemon/gpu_none.c
+     build/gen/kvxfer.pb-c.c"
+FLAGS="${FUZZ_CFLAGS:-} -g -O1 -std=gnu11 -D_GNU_SOURCE -fno-omit-frame-pointer -Itests/fuzz
+       -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+       -Ibuild/gen -Iclient/include -Iclient -Idaemon
+       $(pkg-config --cflags $PKGS)"
+for t in ${*:-frame request params config}; do
+    inc=$(sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' "tests/fuzz/fuzz_$t.c")
+    src=
+    for s in $SRC; do
+        case " $inc " in *" $s "*) ;; *) src="$src $s" ;; esac
+    done
+    echo "building $OUT/fuzz_$t"
+    # shellcheck disable=SC2086
+    $CC $FLAGS -w -o "$OUT/fuzz_$t" "tests/fuzz/fuzz_$t.c" $src \
+        $(pkg-config --libs $PKGS) -lpthread
+done

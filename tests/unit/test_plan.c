@@ -1,0 +1,876 @@
+/*
+ * test_plan — side checks, compatibility, slices for TP/PP changes and
+ * replicated heads, token segments, and an end-to-end property: for many
+ * random pairs of parallel configs and presets, plan_exec() moves every
+ * element to where direct indexing says it belongs, and nothing else.
+ */
+#include "../../daemon/plan.c"
+
+#include "test.h"
+
+#include <stdint.h>
+
+#include "layout.h"
+
+/* ---- helpers ---- */
+
+static uint64_t rng_state = 0xa4093822299f31d0ull;
+
+static uint32_t rnd(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (uint32_t)((rng_state * 0x2545f4914f6cdd1dull) >> 32);
+}
+
+static uint32_t rnd_in(uint32_t lo, uint32_t hi) /* inclusive */
+{
+    return lo + rnd() % (hi - lo + 1);
+}
+
+static plan_side_t side(uint32_t tp, uint32_t pp, uint32_t layers,
+                        uint32_t heads, uint32_t tpb)
+{
+    plan_side_t s;
+    memset(&s, 0, sizeof(s));
+    s.tp = tp;
+    s.pp = pp;
+    s.cp = 1;
+    s.total_layers = layers;
+    s.total_heads = heads;
+    s.kv_factor = 2;
+    s.head_dim = 8;
+    s.elem_size = 2;
+    s.dtype = KVX_DTYPE_FP16;
+    s.tokens_per_block = tpb;
+    return s;
+}
+
+static void set_lpp(plan_side_t *s, const uint32_t *lpp, uint32_t n)
+{
+    s->num_layers_per_pp = n;
+    for (uint32_t i = 0; i < n; i++)
+        s->layers_per_pp[i] = lpp[i];
+}
+
+static plan_t *build(const plan_side_t *a, const plan_side_t *b,
+                     uint32_t rank, uint32_t ntok, uint32_t skip)
+{
+    plan_t *p = NULL;
+    char why[256] = "";
+    int rc = plan_build(a, b, rank, ntok, skip, &p, why, sizeof(why));
+    if (rc)
+        fprintf(stderr, "plan_build: %d %s\n", rc, why);
+    CHECK_EQ(rc, 0);
+    CHECK(p != NULL);
+    CHECK_EQ(p->dst_rank, rank);
+    return p;
+}
+
+static void expect_build_error(const plan_side_t *a, const plan_side_t *b,
+                               uint32_t rank, uint32_t ntok, uint32_t skip,
+                               int code, const char *needle)
+{
+    plan_t *p = (plan_t *)0x1;
+    char why[256] = "";
+    CHECK_EQ(plan_build(a, b, rank, ntok, skip, &p, why, sizeof(why)), code);
+    CHECK(p == (plan_t *)0x1); /* *out untouched on error */
+    CHECK_STR_CONTAINS(why, needle);
+}
+
+static void expect_side_error(const plan_side_t *s, int code,
+                              const char *needle)
+{
+    char why[256] = "";
+    int rc = plan_side_check(s, why, sizeof(why));
+    if (rc != code)
+        fprintf(stderr, "rc %d why '%s'\n", rc, why);
+    CHECK_EQ(rc, code);
+    CHECK_STR_CONTAINS(why, needle);
+}
+
+static const plan_slice_t *find_slice(const plan_t *p, uint32_t src_rank)
+{
+    for (uint32_t i = 0; i < p->nslices; i++)
+        if (p->slices[i].src_rank == src_rank)
+            return &p->slices[i];
+    return NULL;
+}
+
+static void expect_slice(const plan_t *p, uint32_t src_rank, uint32_t l0,
+                         uint32_t nl, uint32_t h0, uint32_t nh)
+{
+    const plan_slice_t *s = find_slice(p, src_rank);
+    if (!s)
+        fprintf(stderr, "no slice from source rank %u\n", src_rank);
+    CHECK(s != NULL);
+    CHECK_EQ(s->layer0, l0);
+    CHECK_EQ(s->nlayers, nl);
+    CHECK_EQ(s->head0, h0);
+    CHECK_EQ(s->nheads, nh);
+}
+
+/* Segments cover [skip, ntok) exactly once, in order, each inside one
+ * source and one destination block. */
+static void check_segments(const plan_t *p, uint32_t ts, uint32_t td,
+                           uint32_t ntok, uint32_t skip)
+{
+    uint64_t t = skip;
+    CHECK(p->nsegs >= 1);
+    for (uint32_t i = 0; i < p->nsegs; i++) {
+        const plan_seg_t *g = &p->segs[i];
+        CHECK(g->n >= 1);
+        CHECK(g->src_tok < ts && g->dst_tok < td);
+        CHECK_EQ((uint64_t)g->src_blk * ts + g->src_tok, t);
+        CHECK_EQ((uint64_t)g->dst_blk * td + g->dst_tok, t);
+        CHECK((uint64_t)g->src_tok + g->n <= ts);
+        CHECK((uint64_t)g->dst_tok + g->n <= td);
+        /* maximal: a segment ends at a block boundary or at the end */
+        uint64_t end = t + g->n;
+        CHECK(end == ntok || end % ts == 0 || end % td == 0);
+        t = end;
+    }
+    CHECK_EQ(t, ntok);
+    CHECK_EQ(p->src_blocks_needed, ((uint64_t)ntok + ts - 1) / ts);
+    CHECK_EQ(p->dst_blocks_needed, ((uint64_t)ntok + td - 1) / td);
+}
+
+/* ---- plan_side_check ---- */
+
+TEST(side_check_accepts_good_configs)
+{
+    char why[256];
+    plan_side_t s = side(4, 2, 10, 8, 16);
+    CHECK_EQ(plan_side_check(&s, why, sizeof(why)), 0);
+    s = side(8, 1, 10, 2, 16); /* replicated heads */
+    CHECK_EQ(plan_side_check(&s, why, sizeof(why)), 0);
+    s = side(1, 3, 10, 1, 1);
+    uint32_t lpp[3] = {2, 5, 3};
+    set_lpp(&s, lpp, 3);
+    CHECK_EQ(plan_side_check(&s, why, sizeof(why)), 0);
+    s = side(1, 10, 10, 1, 1); /* one layer per PP rank */
+    CHECK_EQ(plan_side_check(&s, why, sizeof(why)), 0);
+}
+
+TEST(side_check_refusals)
+{
+    plan_side_t s = side(4, 1, 10, 6, 16);
+    expect_side_error(&s, KVX_ERR_INVALID, "6 heads do not split over tp 4");
+    s = side(4, 1, 10, 3, 16); /* tp > heads but not a multiple */
+    expect_side_error(&s, KVX_ERR_INVALID, "total_kv_heads");
+    s = side(3, 1, 10, 2, 16);
+    expect_side_error(&s, KVX_ERR_INVALID, "total_kv_heads");
+    s = side(2, 1, 10, 0, 16);
+    expect_side_error(&s, KVX_ERR_INVALID, "total_kv_heads: 0");
+    s = side(0, 1, 10, 8, 16);
+    expect_side_error(&s, KVX_ERR_INVALID, "at least 1");
+    s = side(1, 0, 10, 8, 16);
+    expect_side_error(&s, KVX_ERR_INVALID, "at least 1");
+    s = side(2, 1, 10, 8, 16);
+    s.cp = 2;
+    expect_side_error(&s, KVX_ERR_UNSUPPORTED, "parallel.cp: 2");
+    s.cp = 0;
+    expect_side_error(&s, KVX_ERR_INVALID, "cp");
+    s = side(64, 32, 100, 64, 16); /* 2048 ranks */
+    expect_side_error(&s, KVX_ERR_INVALID, "exceeds");
+    s = side(1, 1, 0, 8, 16);
+    expect_side_error(&s, KVX_ERR_INVALID, "total_layers");
+    s = side(1, 4, 3, 8, 16);
+    expect_side_error(&s, KVX_ERR_INVALID, "parallel.pp: 4 exceeds");
+
+    uint32_t lpp[3] = {2, 5, 4};
+    s = side(1, 3, 10, 8, 16);
+    set_lpp(&s, lpp, 3);
+    expect_side_error(&s, KVX_ERR_INVALID, "sum 11 != total_layers 10");
+    lpp[2] = 2;
+    set_lpp(&s, lpp, 3);
+    expect_side_error(&s, KVX_ERR_INVALID, "sum 9 != total_layers 10");
+    set_lpp(&s, lpp, 2);
+    expect_side_error(&s, KVX_ERR_INVALID, "2 entries for pp 3");
+    uint32_t z[3] = {0, 5, 5};
+    set_lpp(&s, z, 3);
+    expect_side_error(&s, KVX_ERR_INVALID, "layers_per_pp[0]: 0");
+}
+
+TEST(pp_and_tp_ranges)
+{
+    plan_side_t s = side(1, 3, 10, 8, 16);
+    uint32_t f, n;
+    /* even split, remainder to the first ranks: 4, 3, 3 */
+    n = plan_pp_layers(&s, 0, &f);
+    CHECK(f == 0 && n == 4);
+    n = plan_pp_layers(&s, 1, &f);
+    CHECK(f == 4 && n == 3);
+    n = plan_pp_layers(&s, 2, &f);
+    CHECK(f == 7 && n == 3);
+    uint32_t lpp[3] = {1, 7, 2};
+    set_lpp(&s, lpp, 3);
+    n = plan_pp_layers(&s, 1, &f);
+    CHECK(f == 1 && n == 7);
+    n = plan_pp_layers(&s, 2, &f);
+    CHECK(f == 8 && n == 2);
+    s = side(4, 1, 10, 8, 16);
+    n = plan_tp_heads(&s, 3, &f);
+    CHECK(f == 6 && n == 2);
+    s = side(8, 1, 10, 2, 16);
+    for (uint32_t t = 0; t < 8; t++) {
+        n = plan_tp_heads(&s, t, &f);
+        CHECK_EQ(n, 1);
+        CHECK_EQ(f, t / 4);
+    }
+    CHECK_EQ(plan_side_ranks(&s), 8);
+}
+
+/* ---- plan_compat ---- */
+
+TEST(compat_names_each_field)
+{
+    plan_side_t a = side(2, 1, 10, 8, 16), b = side(4, 2, 10, 8, 4);
+    char why[256];
+    CHECK_EQ(plan_compat(&a, &b, why, sizeof(why)), 0);
+    static const char *const names[] = {"dtype",          "elem_size",
+                                        "head_dim",       "total_kv_heads",
+                                        "total_layers",   "kv_factor"};
+    for (int i = 0; i < 6; i++) {
+        plan_side_t c = b;
+        switch (i) {
+        case 0: c.dtype = KVX_DTYPE_BF16; break;
+        case 1: c.elem_size = 4; break;
+        case 2: c.head_dim = 16; break;
+        case 3: c.total_heads = 4; break;
+        case 4: c.total_layers = 12; break;
+        default: c.kv_factor = 1; break;
+        }
+        why[0] = 0;
+        CHECK_EQ(plan_compat(&a, &c, why, sizeof(why)), KVX_ERR_MISMATCH);
+        CHECK_STR_CONTAINS(why, names[i]);
+        /* and plan_build refuses with the same message */
+        expect_build_error(&a, &c, 0, 10, 0, KVX_ERR_MISMATCH, names[i]);
+    }
+    plan_side_t c = b;
+    c.dtype = KVX_DTYPE_BF16;
+    CHECK_EQ(plan_compat(&a, &c, why, sizeof(why)), KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(why, "fp16");
+    CHECK_STR_CONTAINS(why, "bf16");
+}
+
+TEST(build_refuses_bad_arguments)
+{
+    plan_side_t a = side(2, 1, 10, 8, 16), b = side(2, 2, 10, 8, 16);
+    expect_build_error(&a, &b, 4, 10, 0, KVX_ERR_INVALID, "rank: 4");
+    expect_build_error(&a, &b, 0, 0, 0, KVX_ERR_INVALID, "num_tokens: 0");
+    expect_build_error(&a, &b, 0, 10, 10, KVX_ERR_INVALID, "skip_tokens");
+    expect_build_error(&a, &b, 0, 10, 11, KVX_ERR_INVALID, "skip_tokens");
+    plan_side_t bad = side(3, 1, 10, 8, 16);
+    expect_build_error(&bad, &b, 0, 10, 0, KVX_ERR_INVALID, "tp 3");
+    expect_build_error(&a, &bad, 0, 10, 0, KVX_ERR_INVALID, "tp 3");
+    bad = side(2, 1, 10, 8, 16);
+    bad.cp = 2;
+    expect_build_error(&a, &bad, 0, 10, 0, KVX_ERR_UNSUPPORTED, "cp");
+}
+
+/* ---- slices ---- */
+
+TEST(slices_tp_4_to_2)
+{
+    plan_side_t a = side(4, 1, 6, 8, 16), b = side(2, 1, 6, 8, 16);
+    plan_t *p = build(&a, &b, 0, 20, 0);
+    CHECK_EQ(p->nslices, 2);
+    expect_slice(p, 0, 0, 6, 0, 2);
+    expect_slice(p, 1, 0, 6, 2, 2);
+    CHECK_EQ(p->slices[0].dst_head_base, 0);
+    CHECK_EQ(p->slices[1].src_head_base, 2);
+    plan_free(p);
+    p = build(&a, &b, 1, 20, 0);
+    CHECK_EQ(p->nslices, 2);
+    expect_slice(p, 2, 0, 6, 4, 2);
+    expect_slice(p, 3, 0, 6, 6, 2);
+    CHECK_EQ(p->slices[0].dst_head_base, 4);
+    CHECK_EQ(p->slices[1].src_head_base, 6);
+    /* bytes: 6 layers * 4 heads * 20 tokens * K 2 * D 8 * 2 bytes */
+    CHECK_EQ(p->bytes, 6ull * 4 * 20 * 2 * 8 * 2);
+    plan_free(p);
+}
+
+TEST(slices_tp_2_to_4)
+{
+    plan_side_t a = side(2, 1, 6, 8, 16), b = side(4, 1, 6, 8, 16);
+    for (uint32_t r = 0; r < 4; r++) {
+        plan_t *p = build(&a, &b, r, 20, 0);
+        CHECK_EQ(p->nslices, 1);
+        expect_slice(p, r / 2, 0, 6, 2 * r, 2);
+        CHECK_EQ(p->slices[0].src_head_base, 4 * (r / 2));
+        CHECK_EQ(p->slices[0].dst_head_base, 2 * r);
+        plan_free(p);
+    }
+}
+
+TEST(slices_replicated_heads_spread_load)
+{
+    /* 8 source ranks, 2 heads: ranks 0-3 hold head 0, 4-7 head 1 */
+    plan_side_t a = side(8, 1, 4, 2, 16);
+    /* destination also tp 8: every rank needs one head; the four ranks
+     * that need the same head read four different replicas */
+    plan_side_t b = side(8, 1, 4, 2, 16);
+    uint32_t used[8] = {0};
+    for (uint32_t r = 0; r < 8; r++) {
+        plan_t *p = build(&a, &b, r, 20, 0);
+        CHECK_EQ(p->nslices, 1);
+        uint32_t src = p->slices[0].src_rank;
+        CHECK_EQ(p->slices[0].head0, r / 4);
+        CHECK_EQ(p->slices[0].nheads, 1);
+        CHECK_EQ(src / 4, r / 4); /* a replica of the right head */
+        used[src]++;
+        plan_free(p);
+    }
+    for (int i = 0; i < 8; i++)
+        CHECK_EQ(used[i], 1);
+
+    /* destination tp 4 (2 ranks per head): the pair picks two replicas */
+    b = side(4, 1, 4, 2, 16);
+    uint32_t s0 = 99, s1 = 99;
+    for (uint32_t r = 0; r < 2; r++) {
+        plan_t *p = build(&a, &b, r, 20, 0);
+        CHECK_EQ(p->nslices, 1);
+        CHECK_EQ(p->slices[0].head0, 0);
+        CHECK(p->slices[0].src_rank < 4);
+        if (r == 0)
+            s0 = p->slices[0].src_rank;
+        else
+            s1 = p->slices[0].src_rank;
+        plan_free(p);
+    }
+    CHECK(s0 != s1);
+
+    /* destination tp 1 needs both heads: one slice per head group */
+    b = side(1, 1, 4, 2, 16);
+    plan_t *p = build(&a, &b, 0, 20, 0);
+    CHECK_EQ(p->nslices, 2);
+    CHECK(p->slices[0].src_rank < 4 && p->slices[1].src_rank >= 4);
+    CHECK_EQ(p->slices[0].head0, 0);
+    CHECK_EQ(p->slices[1].head0, 1);
+    plan_free(p);
+}
+
+TEST(slices_pp_2_to_1)
+{
+    plan_side_t a = side(2, 2, 10, 4, 16), b = side(1, 1, 10, 4, 16);
+    plan_t *p = build(&a, &b, 0, 20, 0);
+    /* 2 PP ranks x 2 TP ranks */
+    CHECK_EQ(p->nslices, 4);
+    expect_slice(p, 0, 0, 5, 0, 2);
+    expect_slice(p, 1, 0, 5, 2, 2);
+    expect_slice(p, 2, 5, 5, 0, 2);
+    expect_slice(p, 3, 5, 5, 2, 2);
+    CHECK_EQ(find_slice(p, 2)->src_layer_base, 5);
+    CHECK_EQ(find_slice(p, 2)->dst_layer_base, 0);
+    plan_free(p);
+}
+
+TEST(slices_pp_1_to_3_uneven)
+{
+    plan_side_t a = side(1, 1, 10, 4, 16), b = side(1, 3, 10, 4, 16);
+    uint32_t lpp[3] = {2, 5, 3};
+    set_lpp(&b, lpp, 3);
+    uint32_t first[3] = {0, 2, 7};
+    for (uint32_t r = 0; r < 3; r++) {
+        plan_t *p = build(&a, &b, r, 20, 0);
+        CHECK_EQ(p->nslices, 1);
+        expect_slice(p, 0, first[r], lpp[r], 0, 4);
+        CHECK_EQ(p->slices[0].src_layer_base, 0);
+        CHECK_EQ(p->slices[0].dst_layer_base, first[r]);
+        plan_free(p);
+    }
+    /* uneven on both sides: 3,3,4 -> 5,5 */
+    uint32_t la[3] = {3, 3, 4};
+    a = side(1, 3, 10, 4, 16);
+    set_lpp(&a, la, 3);
+    b = side(1, 2, 10, 4, 16);
+    plan_t *p = build(&a, &b, 0, 20, 0);
+    CHECK_EQ(p->nslices, 2);
+    expect_slice(p, 0, 0, 3, 0, 4);
+    expect_slice(p, 1, 3, 2, 0, 4);
+    plan_free(p);
+    p = build(&a, &b, 1, 20, 0);
+    CHECK_EQ(p->nslices, 2);
+    expect_slice(p, 1, 5, 1, 0, 4);
+    expect_slice(p, 2, 6, 4, 0, 4);
+    CHECK_EQ(find_slice(p, 2)->src_layer_base, 6);
+    CHECK_EQ(find_slice(p, 2)->dst_layer_base, 5);
+    plan_free(p);
+}
+
+TEST(slices_tp_and_pp_together)
+{
+    /* src tp 2 pp 2, dst tp 4 pp 1: dst rank 3 needs heads 6-7 of every
+     * layer, from source tp rank 1 of both PP stages */
+    plan_side_t a = side(2, 2, 8, 8, 16), b = side(4, 1, 8, 8, 16);
+    plan_t *p = build(&a, &b, 3, 20, 0);
+    CHECK_EQ(p->nslices, 2);
+    expect_slice(p, 1, 0, 4, 6, 2);
+    expect_slice(p, 3, 4, 4, 6, 2);
+    plan_free(p);
+    /* dst tp 1 pp 2, rank 1 = PP stage 1: layers 4-7, all heads */
+    b = side(1, 2, 8, 8, 16);
+    p = build(&a, &b, 1, 20, 0);
+    CHECK_EQ(p->nslices, 2);
+    expect_slice(p, 2, 4, 4, 0, 4);
+    expect_slice(p, 3, 4, 4, 4, 4);
+    plan_free(p);
+}
+
+/* ---- segments ---- */
+
+TEST(segments_cover_tokens_once)
+{
+    static const uint32_t cases[][4] = {
+        /* ts, td, ntok, skip */
+        {16, 4, 50, 0},  {4, 16, 50, 0},  {5, 7, 71, 0},  {7, 5, 71, 0},
+        {16, 4, 50, 13}, {5, 7, 71, 34},  {5, 7, 71, 70}, {1, 64, 200, 3},
+        {64, 1, 200, 63}, {3, 3, 10, 0},  {3, 3, 10, 4},  {16, 16, 16, 15},
+        {16, 16, 17, 16}, {1, 1, 1, 0},   {7, 5, 35, 0},  {65536, 1, 9, 2},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        plan_side_t a = side(1, 1, 2, 2, cases[i][0]);
+        plan_side_t b = side(1, 1, 2, 2, cases[i][1]);
+        plan_t *p = build(&a, &b, 0, cases[i][2], cases[i][3]);
+        check_segments(p, cases[i][0], cases[i][1], cases[i][2], cases[i][3]);
+        plan_free(p);
+    }
+    /* 16 -> 4 from 0: every segment is one destination block */
+    plan_side_t a = side(1, 1, 2, 2, 16), b = side(1, 1, 2, 2, 4);
+    plan_t *p = build(&a, &b, 0, 50, 0);
+    CHECK_EQ(p->nsegs, 13);
+    CHECK_EQ(p->segs[12].n, 2);
+    plan_free(p);
+    /* 5 -> 7: cuts at 5, 7, 10, 14, 15, 20, 21 */
+    a = side(1, 1, 2, 2, 5);
+    b = side(1, 1, 2, 2, 7);
+    p = build(&a, &b, 0, 21, 0);
+    CHECK_EQ(p->nsegs, 7);
+    static const uint32_t len[7] = {5, 2, 3, 4, 1, 5, 1};
+    for (int i = 0; i < 7; i++)
+        CHECK_EQ(p->segs[i].n, len[i]);
+    plan_free(p);
+}
+
+TEST(segments_random)
+{
+    for (int i = 0; i < 3000; i++) {
+        uint32_t ts = rnd_in(1, 70), td = rnd_in(1, 70);
+        uint32_t n = rnd_in(1, 600), skip = rnd() % 3 ? rnd() % n : 0;
+        plan_side_t a = side(1, 1, 2, 2, ts), b = side(1, 1, 2, 2, td);
+        plan_t *p = build(&a, &b, 0, n, skip);
+        check_segments(p, ts, td, n, skip);
+        plan_free(p);
+    }
+}
+
+TEST(segments_near_uint32_max_tokens)
+{
+    /* The block counts and the segment array must not wrap when
+     * num_tokens + tokens_per_block - 1 exceeds 32 bits. */
+    plan_side_t a = side(1, 1, 2, 2, 16), b = side(1, 1, 2, 2, 64);
+    uint32_t n = UINT32_MAX, skip = UINT32_MAX - 100;
+    plan_t *p = build(&a, &b, 0, n, skip);
+    CHECK_EQ(p->src_blocks_needed, 268435456u); /* ceil(2^32-1 / 16) */
+    CHECK_EQ(p->dst_blocks_needed, 67108864u);
+    check_segments(p, 16, 64, n, skip);
+    plan_free(p);
+}
+
+TEST(segment_count_does_not_wrap)
+{
+    /* one token per block on both sides and 2^31 + 5 tokens: the segment
+     * array's size (source blocks + destination blocks + 1) exceeds 32
+     * bits. Refusing for memory is fine; a short array is not. */
+    plan_side_t a = side(1, 1, 2, 2, 1), b = side(1, 1, 2, 2, 1);
+    uint32_t n = 0x80000005u, skip = n - 100;
+    plan_t *p = NULL;
+    char why[256] = "";
+    int rc = plan_build(&a, &b, 0, n, skip, &p, why, sizeof(why));
+    if (rc) {
+        CHECK_EQ(rc, KVX_ERR_NOMEM);
+        return;
+    }
+    CHECK_EQ(p->nsegs, 100);
+    check_segments(p, 1, 1, n, skip);
+    plan_free(p);
+}
+
+/* ---- units and bytes ---- */
+
+TEST(units_bytes_sum_to_plan_bytes)
+{
+    for (int i = 0; i < 300; i++) {
+        uint32_t heads = 1u << rnd_in(0, 3);
+        plan_side_t a = side(1u << rnd_in(0, 3), rnd_in(1, 3), 6, heads,
+                             rnd_in(1, 20));
+        plan_side_t b = side(1u << rnd_in(0, 3), rnd_in(1, 3), 6, heads,
+                             rnd_in(1, 20));
+        a.kv_factor = b.kv_factor = rnd_in(1, 2);
+        uint32_t n = rnd_in(1, 100), skip = rnd() % n;
+        uint32_t r = rnd() % plan_side_ranks(&b);
+        plan_t *p = build(&a, &b, r, n, skip);
+        kvx_layout_t dl;
+        uint32_t f;
+        CHECK_EQ(kvx_layout_preset("vllm-nhd", plan_pp_layers(&b, r / b.tp, &f),
+                                   b.kv_factor, plan_tp_heads(&b, r % b.tp, &f),
+                                   b.head_dim, KVX_DTYPE_FP16,
+                                   b.tokens_per_block, 64, &dl),
+                 0);
+        p->dst.layout = &dl;
+        uint64_t units = 0;
+        for (uint32_t s = 0; s < p->nslices; s++)
+            units += (uint64_t)p->slices[s].nlayers * p->nsegs;
+        CHECK_EQ(p->nunits, units);
+        uint64_t all = plan_units_bytes(p, 0, p->nunits);
+        CHECK_EQ(all, p->bytes);
+        /* the destination's whole share, nothing more */
+        uint32_t dnl = plan_pp_layers(&b, r / b.tp, &f);
+        uint32_t dnh = plan_tp_heads(&b, r % b.tp, &f);
+        CHECK_EQ(p->bytes, (uint64_t)dnl * dnh * (n - skip) * b.kv_factor *
+                               b.head_dim * b.elem_size);
+        /* any split point adds up */
+        uint64_t cut = p->nunits ? rnd() % (p->nunits + 1) : 0;
+        CHECK_EQ(plan_units_bytes(p, 0, cut) +
+                     plan_units_bytes(p, cut, p->nunits),
+                 p->bytes);
+        /* units of slice i start where the previous slice's end */
+        for (uint32_t s = 1; s < p->nslices; s++)
+            CHECK_EQ(p->slices[s].unit_begin,
+                     p->slices[s - 1].unit_begin +
+                         (uint64_t)p->slices[s - 1].nlayers * p->nsegs);
+        plan_free(p);
+    }
+}
+
+/* ---- end to end: plan_exec against direct indexing ---- */
+
+static const char *const presets[] = {"trtllm",     "vllm-nhd", "vllm-hnd",
+                                      "flashinfer", "sglang",   "mla"};
+
+/* The reference value of byte b of element (layer, kv, token, head, d). */
+static uint8_t pattern(uint32_t layer, uint32_t kv, uint32_t tok,
+                       uint32_t head, uint32_t d, uint32_t b)
+{
+    uint32_t h = layer * 0x9e3779b1u ^ kv * 0x85ebca77u ^
+                 tok * 0xc2b2ae3du ^ head * 0x27d4eb2fu ^ d * 0x165667b1u;
+    h ^= h >> 15;
+    h *= 0x2c1b3c6du;
+    h ^= h >> 12;
+    return (uint8_t)(h >> (8 * (b & 3))) ^ (uint8_t)(b >> 2);
+}
+
+typedef struct rank_mem {
+    uint8_t *alloc, *base;
+    uint64_t size;
+    kvx_layout_t layout;
+    uint32_t *blocks;
+    uint32_t nblocks;
+    uint32_t l0, h0; /* global first layer and head */
+} rank_mem_t;
+
+/* Allocate the pool of rank r of side s (misaligned on purpose), with a
+ * random block table of need blocks out of a few more. */
+static void rank_mem_make(rank_mem_t *m, const plan_side_t *s, uint32_t r,
+                          const char *preset, uint32_t need)
+{
+    uint32_t t = (r / s->cp) % s->tp, p = r / (s->tp * s->cp);
+    uint32_t nl = plan_pp_layers(s, p, &m->l0);
+    uint32_t nh = plan_tp_heads(s, t, &m->h0);
+    uint32_t nb = need + rnd_in(0, 3);
+    CHECK_EQ(kvx_layout_preset(preset, nl, s->kv_factor, nh, s->head_dim,
+                               (kvx_dtype_t)s->dtype, s->tokens_per_block, nb,
+                               &m->layout),
+             0);
+    m->size = kvx_layout_span(&m->layout);
+    char why[256];
+    CHECK_EQ(kvx__layout_check(&m->layout, m->size, why, sizeof(why)), 0);
+    uint32_t mis = rnd() % 16;
+    m->alloc = malloc(m->size + 16);
+    CHECK(m->alloc);
+    m->base = m->alloc + mis;
+    /* a random table: distinct pool blocks in random order */
+    uint32_t *perm = malloc(nb * sizeof(uint32_t));
+    CHECK(perm);
+    for (uint32_t i = 0; i < nb; i++)
+        perm[i] = i;
+    for (uint32_t i = nb - 1; i > 0; i--) {
+        uint32_t j = rnd() % (i + 1), x = perm[i];
+        perm[i] = perm[j];
+        perm[j] = x;
+    }
+    m->blocks = perm;
+    m->nblocks = need;
+}
+
+static void rank_mem_free(rank_mem_t *m)
+{
+    free(m->alloc);
+    free(m->blocks);
+}
+
+/* Where element (local layer, kv, token, local head) of m lies. */
+static uint8_t *elem(const rank_mem_t *m, uint32_t layer, uint32_t kv,
+                     uint32_t tok, uint32_t head)
+{
+    const kvx_layout_t *l = &m->layout;
+    uint32_t tpb = l->tokens_per_block;
+    return m->base + kvx_layout_offset(l, layer, kv, m->blocks[tok / tpb],
+                                       tok % tpb, head);
+}
+
+/* Write the pattern of every token < ntok of this rank's share. */
+static void fill_source(rank_mem_t *m, uint32_t ntok)
+{
+    const kvx_layout_t *l = &m->layout;
+    memset(m->base, 0x3c, m->size);
+    for (uint32_t a = 0; a < l->num_layers; a++)
+        for (uint32_t k = 0; k < l->kv_factor; k++)
+            for (uint32_t t = 0; t < ntok; t++)
+                for (uint32_t h = 0; h < l->num_heads; h++) {
+                    uint8_t *e = elem(m, a, k, t, h);
+                    for (uint32_t d = 0; d < l->head_dim; d++)
+                        for (uint32_t b = 0; b < l->elem_size; b++)
+                            e[d * l->elem_size + b] =
+                                pattern(m->l0 + a, k, t, m->h0 + h, d, b);
+                }
+}
+
+typedef struct e2e {
+    plan_side_t s, d;
+    const char *sp, *dp;
+    uint32_t ntok, skip;
+} e2e_t;
+
+static int preset_fits(const char *p, const plan_side_t *s)
+{
+    uint32_t f;
+    if (!strcmp(p, "sglang"))
+        return s->tokens_per_block == 1;
+    if (!strcmp(p, "mla"))
+        return s->kv_factor == 1 && plan_tp_heads(s, 0, &f) == 1;
+    return 1;
+}
+
+static void random_side(plan_side_t *s, uint32_t heads, uint32_t layers,
+                        const char *preset)
+{
+    uint32_t tps[8], n = 0;
+    for (uint32_t t = 1; t <= 8; t++)
+        if (heads % t == 0 || t % heads == 0)
+            tps[n++] = t;
+    s->tp = tps[rnd() % n];
+    s->pp = rnd_in(1, layers < 4 ? layers : 4);
+    s->cp = 1;
+    s->total_layers = layers;
+    s->total_heads = heads;
+    s->num_layers_per_pp = 0;
+    if (s->pp > 1 && rnd() % 2) {
+        /* a random composition of layers into pp positive parts */
+        uint32_t left = layers;
+        for (uint32_t i = 0; i < s->pp; i++) {
+            uint32_t rest = s->pp - i - 1;
+            uint32_t v = rest ? rnd_in(1, left - rest) : left;
+            s->layers_per_pp[i] = v;
+            left -= v;
+        }
+        s->num_layers_per_pp = s->pp;
+    }
+    s->tokens_per_block = !strcmp(preset, "sglang") ? 1
+                          : rnd() % 4 == 0      ? rnd_in(1, 3)
+                                                : rnd_in(1, 64);
+}
+
+/* One random config for this preset pair. */
+static void e2e_pick(e2e_t *c, const char *sp, const char *dp)
+{
+    int mla = !strcmp(sp, "mla") || !strcmp(dp, "mla");
+    for (int tries = 0; tries < 100000; tries++) {
+        uint32_t heads = mla ? rnd_in(1, 4) : rnd_in(1, 16);
+        uint32_t layers = rnd_in(1, 8);
+        memset(&c->s, 0, sizeof(c->s));
+        memset(&c->d, 0, sizeof(c->d));
+        random_side(&c->s, heads, layers, sp);
+        random_side(&c->d, heads, layers, dp);
+        uint32_t kv = mla ? 1 : rnd_in(1, 2);
+        uint32_t dt = rnd_in(KVX_DTYPE_FP32, KVX_DTYPE_INT8);
+        /* a wide head now and then, so runs reach the streaming path */
+        uint32_t hd = rnd() % 5 == 0 ? 64 * rnd_in(1, 2) : rnd_in(1, 6);
+        plan_side_t *both[2] = {&c->s, &c->d};
+        for (int i = 0; i < 2; i++) {
+            both[i]->kv_factor = kv;
+            both[i]->head_dim = hd;
+            both[i]->dtype = dt;
+            both[i]->elem_size = kvx_dtype_size((kvx_dtype_t)dt);
+        }
+        if (!preset_fits(sp, &c->s) || !preset_fits(dp, &c->d))
+            continue;
+        char why[256];
+        CHECK_EQ(plan_side_check(&c->s, why, sizeof(why)), 0);
+        CHECK_EQ(plan_side_check(&c->d, why, sizeof(why)), 0);
+        c->sp = sp;
+        c->dp = dp;
+        c->ntok = hd >= 64 ? rnd_in(1, 40) : rnd_in(1, 130);
+        c->skip = rnd() % 3 == 0 ? rnd() % c->ntok : 0;
+        return;
+    }
+    CHECK(!"no config fits the preset pair");
+}
+
+static void e2e_run(const e2e_t *c)
+{
+    uint32_t ns = plan_side_ranks(&c->s), nd = plan_side_ranks(&c->d);
+    uint32_t sneed = (c->ntok + c->s.tokens_per_block - 1) /
+                     c->s.tokens_per_block;
+    uint32_t dneed = (c->ntok + c->d.tokens_per_block - 1) /
+                     c->d.tokens_per_block;
+    rank_mem_t *src = calloc(ns, sizeof(*src));
+    uint8_t **snap = calloc(ns, sizeof(*snap));
+    CHECK(src && snap);
+    for (uint32_t r = 0; r < ns; r++) {
+        rank_mem_make(&src[r], &c->s, r, c->sp, sneed);
+        fill_source(&src[r], c->ntok);
+        snap[r] = malloc(src[r].size);
+        CHECK(snap[r]);
+        memcpy(snap[r], src[r].base, src[r].size);
+    }
+    for (uint32_t r = 0; r < nd; r++) {
+        rank_mem_t dst;
+        rank_mem_make(&dst, &c->d, r, c->dp, dneed);
+        const kvx_layout_t *dl = &dst.layout;
+        memset(dst.base, 0xee, dst.size);
+        /* the expected pool, by direct indexing */
+        uint8_t *want = malloc(dst.size);
+        CHECK(want);
+        memset(want, 0xee, dst.size);
+        for (uint32_t a = 0; a < dl->num_layers; a++)
+            for (uint32_t k = 0; k < dl->kv_factor; k++)
+                for (uint32_t t = c->skip; t < c->ntok; t++)
+                    for (uint32_t h = 0; h < dl->num_heads; h++) {
+                        uint64_t o = (uint64_t)(elem(&dst, a, k, t, h) -
+                                                dst.base);
+                        for (uint32_t x = 0; x < dl->head_dim; x++)
+                            for (uint32_t b = 0; b < dl->elem_size; b++)
+                                want[o + x * dl->elem_size + b] =
+                                    pattern(dst.l0 + a, k, t, dst.h0 + h, x,
+                                            b);
+                    }
+
+        plan_t *p = build(&c->s, &c->d, r, c->ntok, c->skip);
+        CHECK(p->src_blocks_needed <= sneed);
+        CHECK(p->dst_blocks_needed <= dneed);
+        for (uint32_t i = 0; i < p->nslices; i++) {
+            const plan_slice_t *s = &p->slices[i];
+            CHECK(s->src_rank < ns);
+            const rank_mem_t *m = &src[s->src_rank];
+            CHECK_EQ(s->src_layer_base, m->l0);
+            CHECK_EQ(s->src_head_base, m->h0);
+            p->src[i] = (plan_mem_t){m->base, &m->layout, m->blocks,
+                                     m->nblocks};
+        }
+        p->dst = (plan_mem_t){dst.base, &dst.layout, dst.blocks, dst.nblocks};
+        CHECK_EQ(plan_units_bytes(p, 0, p->nunits), p->bytes);
+        /* execute in random unit ranges, in random order */
+        uint64_t cuts[9];
+        int nc = 0;
+        cuts[nc++] = 0;
+        for (int i = 0; i < 7 && p->nunits > 1; i++)
+            cuts[nc++] = rnd() % p->nunits;
+        cuts[nc++] = p->nunits;
+        for (int i = 1; i < nc; i++) /* sort */
+            for (int j = i; j > 0 && cuts[j] < cuts[j - 1]; j--) {
+                uint64_t x = cuts[j];
+                cuts[j] = cuts[j - 1];
+                cuts[j - 1] = x;
+            }
+        int start = nc > 2 ? (int)(rnd() % (uint32_t)(nc - 1)) : 0;
+        for (int i = 0; i < nc - 1; i++) {
+            int k = (start + i) % (nc - 1);
+            plan_exec(p, cuts[k], cuts[k + 1]);
+        }
+        if (memcmp(dst.base, want, dst.size)) {
+            uint64_t o = 0;
+            while (dst.base[o] == want[o])
+                o++;
+            fprintf(stderr,
+                    "%s tp%u pp%u tpb%u -> %s tp%u pp%u tpb%u rank %u: "
+                    "heads %u layers %u K%u D%u E%u tokens %u skip %u: "
+                    "byte %llu of %llu is %#x, want %#x\n",
+                    c->sp, c->s.tp, c->s.pp, c->s.tokens_per_block, c->dp,
+                    c->d.tp, c->d.pp, c->d.tokens_per_block, r,
+                    c->s.total_heads, c->s.total_layers, c->s.kv_factor,
+                    c->s.head_dim, c->s.elem_size, c->ntok, c->skip,
+                    (unsigned long long)o, (unsigned long long)dst.size,
+                    dst.base[o], want[o]);
+            CHECK(!"destination differs from direct indexing");
+        }
+        plan_free(p);
+        free(want);
+        rank_mem_free(&dst);
+    }
+    for (uint32_t r = 0; r < ns; r++) {
+        /* the source pools are only read */
+        CHECK(!memcmp(snap[r], src[r].base, src[r].size));
+        free(snap[r]);
+        rank_mem_free(&src[r]);
+    }
+    free(snap);
+    free(src);
+}
+
+TEST_T(end_to_end_every_preset_pair, 300)
+{
+    uint32_t runs = 0;
+    for (int i = 0; i < 6; i++)
+        for (int j = 0; j < 6; j++)
+            for (int k = 0; k < 40; k++) {
+                e2e_t c;
+                e2e_pick(&c, presets[i], presets[j]);
+                e2e_run(&c);
+                runs++;
+            }
+    CHECK_EQ(runs, 6 * 6 * 40);
+}
+
+TEST_T(end_to_end_fixed_cases, 120)
+{
+    /* the shapes named in the design: TP 4->2, 2->4, 8 ranks with 2
+     * heads, PP 2->1 and 1->3 uneven, 16->4 and 5->7 tokens per block,
+     * skip mid-block */
+    static const struct {
+        uint32_t stp, spp, dtp, dpp, heads, layers, ts, td, n, skip;
+        uint32_t dlpp[3];
+    } cases[] = {
+        {4, 1, 2, 1, 8, 4, 16, 16, 40, 0, {0}},
+        {2, 1, 4, 1, 8, 4, 16, 16, 40, 0, {0}},
+        {8, 1, 8, 1, 2, 4, 16, 16, 40, 0, {0}},
+        {8, 1, 2, 1, 2, 4, 16, 4, 40, 0, {0}},
+        {1, 1, 8, 1, 2, 4, 4, 16, 40, 0, {0}},
+        {2, 2, 2, 1, 4, 10, 16, 16, 40, 0, {0}},
+        {1, 1, 1, 3, 4, 10, 16, 16, 40, 0, {2, 5, 3}},
+        {2, 1, 2, 1, 4, 3, 16, 4, 50, 0, {0}},
+        {2, 1, 2, 1, 4, 3, 5, 7, 71, 0, {0}},
+        {2, 1, 2, 1, 4, 3, 16, 4, 50, 13, {0}},
+        {2, 1, 2, 1, 4, 3, 5, 7, 71, 33, {0}},
+        {4, 2, 1, 3, 4, 9, 5, 7, 71, 69, {4, 4, 1}},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        for (int p = 0; p < 4; p++)
+            for (int q = 0; q < 4; q++) {
+                e2e_t c;
+                c.s = side(cases[i].stp, cases[i].spp, cases[i].layers,
+                           cases[i].heads, cases[i].ts);
+                c.d = side(cases[i].dtp, cases[i].dpp, cases[i].layers,
+                           cases[i].heads, cases[i].td);
+                if (cases[i].dlpp[0])
+                    set_lpp(&c.d, cases[i].dlpp, cases[i].dpp);
+                c.sp = presets[p];
+                c.dp = presets[q];
+                c.ntok = cases[i].n;
+                c.skip = cases[i].skip;
+                e2e_run(&c);
+            }
+}
