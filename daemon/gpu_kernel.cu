@@ -21,30 +21,52 @@ __device__ static inline uint32_t slice_of(const gpu_plan_t *p, uint64_t u)
 
 #define UNROLL 8
 
-/* Address of element row `row` (kv, token, head order) inside a unit. */
-struct unit_addr {
-    const uint8_t *src;
-    uint8_t *dst;
-    uint64_t s_kv, s_tok, s_head, d_kv, d_tok, d_head;
-    uint32_t nheads, ntok;
+/* A unit's rows as (up to) three strided dimensions around a contiguous
+ * run; dimensions contiguous on both sides are merged into the run, as on
+ * the host (plan.c copy_strided), so matching layouts copy whole 32 KiB
+ * runs with no per-vector index arithmetic. */
+struct dims {
+    uint64_t n[3], ss[3], ds[3];
+    int nd;
+    uint64_t run;
 };
 
-__device__ static inline void row_ptrs(const unit_addr &a, uint32_t row,
-                                       const uint8_t **s, uint8_t **d)
+__device__ static inline void merge(dims &d)
 {
-    const uint32_t h = row % a.nheads;
-    const uint32_t rest = row / a.nheads;
-    const uint32_t t = rest % a.ntok;
-    const uint32_t kv = rest / a.ntok;
-    *s = a.src + kv * a.s_kv + t * a.s_tok + h * a.s_head;
-    *d = a.dst + kv * a.d_kv + t * a.d_tok + h * a.d_head;
+    for (int merged = 1; merged;) {
+        merged = 0;
+        for (int i = 0; i < d.nd; i++)
+            if (d.n[i] == 1 || (d.ss[i] == d.run && d.ds[i] == d.run)) {
+                d.run *= d.n[i];
+                d.nd--;
+                d.n[i] = d.n[d.nd];
+                d.ss[i] = d.ss[d.nd];
+                d.ds[i] = d.ds[d.nd];
+                merged = 1;
+                break;
+            }
+    }
+    for (int i = d.nd; i < 3; i++) {
+        d.n[i] = 1;
+        d.ss[i] = d.ds[i] = 0;
+    }
 }
 
-/* One warp per unit at a time (warp-strided over the chunk's units); the
- * lanes of the warp stride over the unit's 16-byte vectors, UNROLL loads
- * in flight per lane before the stores, so reads over NVLink or PCIe
- * keep enough bytes outstanding. */
-__global__ void kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1)
+/* Offsets of run r (0 <= r < n0*n1*n2). */
+__device__ static inline void run_off(const dims &d, uint64_t r, uint64_t *so,
+                                      uint64_t *dof)
+{
+    const uint64_t a = r % d.n[0], rest = r / d.n[0];
+    const uint64_t b = rest % d.n[1], c = rest / d.n[1];
+    *so = a * d.ss[0] + b * d.ss[1] + c * d.ss[2];
+    *dof = a * d.ds[0] + b * d.ds[1] + c * d.ds[2];
+}
+
+/* One warp per unit at a time (warp-strided over the chunk's units). Long
+ * runs: lanes stride over one run's 16-byte vectors, UNROLL loads in
+ * flight per lane. Short runs: lanes take (run, vector) pairs. */
+__global__ void __launch_bounds__(256, 2)
+kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1)
 {
     const unsigned lane = threadIdx.x & 31;
     const uint64_t warp =
@@ -56,61 +78,80 @@ __global__ void kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1)
         const uint64_t r = u - s->unit_begin;
         const uint32_t layer = s->layer0 + (uint32_t)(r / nsegs);
         const gpu_seg_t g = p.segs[r % nsegs];
-        unit_addr a;
-        a.src = s->src.base + s->src.layer_offset[layer - s->src_layer_base] +
-                (uint64_t)s->src.blocks[g.src_blk] * s->src.block_stride +
-                (uint64_t)g.src_tok * s->src.token_stride +
-                (uint64_t)(s->head0 - s->src_head_base) * s->src.head_stride;
-        a.dst = p.dst.base + p.dst.layer_offset[layer - s->dst_layer_base] +
-                (uint64_t)p.dst.blocks[g.dst_blk] * p.dst.block_stride +
-                (uint64_t)g.dst_tok * p.dst.token_stride +
-                (uint64_t)(s->head0 - s->dst_head_base) * p.dst.head_stride;
-        a.s_kv = s->src.kv_stride;
-        a.s_tok = s->src.token_stride;
-        a.s_head = s->src.head_stride;
-        a.d_kv = p.dst.kv_stride;
-        a.d_tok = p.dst.token_stride;
-        a.d_head = p.dst.head_stride;
-        a.nheads = s->nheads;
-        a.ntok = g.n;
-        const uint32_t rows = p.kv_factor * g.n * s->nheads;
-        const int vec_ok =
-            ((((uintptr_t)a.src | (uintptr_t)a.dst | a.s_kv | a.s_tok |
-               a.s_head | a.d_kv | a.d_tok | a.d_head | p.row_bytes) &
-              15) == 0);
-        if (vec_ok) {
-            const uint32_t vpr = p.row_bytes / 16;
-            const uint32_t nvec = rows * vpr;
-            for (uint32_t base = lane; base < nvec; base += 32 * UNROLL) {
+        const uint8_t *src =
+            s->src.base + s->src.layer_offset[layer - s->src_layer_base] +
+            (uint64_t)s->src.blocks[g.src_blk] * s->src.block_stride +
+            (uint64_t)g.src_tok * s->src.token_stride +
+            (uint64_t)(s->head0 - s->src_head_base) * s->src.head_stride;
+        uint8_t *dst =
+            p.dst.base + p.dst.layer_offset[layer - s->dst_layer_base] +
+            (uint64_t)p.dst.blocks[g.dst_blk] * p.dst.block_stride +
+            (uint64_t)g.dst_tok * p.dst.token_stride +
+            (uint64_t)(s->head0 - s->dst_head_base) * p.dst.head_stride;
+        dims d;
+        d.nd = 3;
+        d.run = p.row_bytes;
+        d.n[0] = s->nheads;
+        d.ss[0] = s->src.head_stride;
+        d.ds[0] = p.dst.head_stride;
+        d.n[1] = g.n;
+        d.ss[1] = s->src.token_stride;
+        d.ds[1] = p.dst.token_stride;
+        d.n[2] = p.kv_factor;
+        d.ss[2] = s->src.kv_stride;
+        d.ds[2] = p.dst.kv_stride;
+        merge(d);
+        const uint64_t nruns = d.n[0] * d.n[1] * d.n[2];
+        uint64_t align = (uintptr_t)src | (uintptr_t)dst | d.run;
+        for (int i = 0; i < 3; i++)
+            align |= d.ss[i] | d.ds[i];
+        if (align & 15) { /* unaligned rows: bytes */
+            for (uint64_t i = lane; i < nruns * d.run; i += 32) {
+                uint64_t so, dof, run = i / d.run, col = i - run * d.run;
+                run_off(d, run, &so, &dof);
+                dst[dof + col] = src[so + col];
+            }
+            continue;
+        }
+        const uint64_t vpr = d.run / 16;
+        if (vpr >= 32) {
+            for (uint64_t run = 0; run < nruns; run++) {
+                uint64_t so, dof;
+                run_off(d, run, &so, &dof);
+                const uint4 *s4 = (const uint4 *)(src + so);
+                uint4 *d4 = (uint4 *)(dst + dof);
+                for (uint64_t base = lane; base < vpr; base += 32 * UNROLL) {
+                    uint4 v[UNROLL];
+#pragma unroll
+                    for (int k = 0; k < UNROLL; k++)
+                        if (base + k * 32 < vpr)
+                            v[k] = s4[base + k * 32];
+#pragma unroll
+                    for (int k = 0; k < UNROLL; k++)
+                        if (base + k * 32 < vpr)
+                            d4[base + k * 32] = v[k];
+                }
+            }
+        } else {
+            const uint64_t nvec = nruns * vpr;
+            for (uint64_t base = lane; base < nvec; base += 32 * UNROLL) {
                 uint4 v[UNROLL];
                 uint4 *dp[UNROLL];
 #pragma unroll
                 for (int k = 0; k < UNROLL; k++) {
-                    const uint32_t i = base + k * 32;
+                    const uint64_t i = base + k * 32;
                     dp[k] = nullptr;
                     if (i < nvec) {
-                        const uint32_t row = i / vpr, col = i - row * vpr;
-                        const uint8_t *sp;
-                        uint8_t *d;
-                        row_ptrs(a, row, &sp, &d);
-                        v[k] = ((const uint4 *)sp)[col];
-                        dp[k] = (uint4 *)d + col;
+                        uint64_t so, dof, run = i / vpr, col = i - run * vpr;
+                        run_off(d, run, &so, &dof);
+                        v[k] = ((const uint4 *)(src + so))[col];
+                        dp[k] = (uint4 *)(dst + dof) + col;
                     }
                 }
 #pragma unroll
                 for (int k = 0; k < UNROLL; k++)
                     if (dp[k])
                         *dp[k] = v[k];
-            }
-        } else {
-            const uint64_t nbytes = (uint64_t)rows * p.row_bytes;
-            for (uint64_t i = lane; i < nbytes; i += 32) {
-                const uint32_t row = (uint32_t)(i / p.row_bytes);
-                const uint32_t col = (uint32_t)(i - (uint64_t)row * p.row_bytes);
-                const uint8_t *sp;
-                uint8_t *d;
-                row_ptrs(a, row, &sp, &d);
-                d[col] = sp[col];
             }
         }
     }
