@@ -147,6 +147,10 @@ static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
             kvxfer__reply__free_unpacked(r, NULL); /* stale: skip */
             continue;
         }
+        /* the reply is rarely there yet: wait first, then read */
+        if ((rc = wait_fd(c->fd, POLLIN, deadline)))
+            return fail(c, rc, "no reply from the daemon: %s",
+                        rc == KVX_ERR_TIMEOUT ? "timed out" : "poll failed");
         size_t room;
         uint8_t *buf = frame_reader_space(&c->rd, 65536, &room);
         if (!buf)
@@ -162,9 +166,6 @@ static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
             continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK)
             return fail(c, KVX_ERR_IO, "recv: %s", strerror(errno));
-        if ((rc = wait_fd(c->fd, POLLIN, deadline)))
-            return fail(c, rc, "no reply from the daemon: %s",
-                        rc == KVX_ERR_TIMEOUT ? "timed out" : "poll failed");
     }
 }
 

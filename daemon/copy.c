@@ -1,5 +1,6 @@
 /* copy — worker threads for host copies; see copy.h. */
 #include <pthread.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,11 +17,12 @@ static struct {
     unsigned inflight;        /* loop thread only */
     int stop;
     unsigned sleeping;        /* workers in pthread_cond_wait */
+    int spinning;             /* a worker is spinning for the next job */
     uv_async_t async;
     int async_open;
 } c;
 
-#define SPIN_ROUNDS 4000
+#define SPIN_NS 20000 /* how long one idle worker spins before sleeping */
 
 static inline void cpu_relax(void)
 {
@@ -34,15 +36,26 @@ static void *worker_main(void *arg)
     (void)arg;
     pthread_mutex_lock(&c.mu);
     for (;;) {
-        if (!c.head && !c.stop) {
-            /* Spin briefly before sleeping: a futex wake-up costs tens of
-             * microseconds on virtual machines, which dominates small
-             * requests; the spin is bounded so an idle daemon sleeps. */
+        if (!c.head && !c.stop && !c.spinning) {
+            /* One idle worker spins briefly before sleeping: a futex
+             * wake-up costs tens of microseconds on virtual machines,
+             * which dominates small requests. Bounded (SPIN_NS) and one
+             * spinner at most, so the CPUs stay with the engines. */
+            c.spinning = 1;
             pthread_mutex_unlock(&c.mu);
-            for (int i = 0; i < SPIN_ROUNDS && !__atomic_load_n(&c.head,
-                                                  __ATOMIC_RELAXED); i++)
+            struct timespec t0, t;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            for (int i = 1; !__atomic_load_n(&c.head, __ATOMIC_RELAXED); i++) {
                 cpu_relax();
+                if (i % 64 == 0) {
+                    clock_gettime(CLOCK_MONOTONIC, &t);
+                    if ((t.tv_sec - t0.tv_sec) * 1000000000L + t.tv_nsec -
+                            t0.tv_nsec > SPIN_NS)
+                        break;
+                }
+            }
             pthread_mutex_lock(&c.mu);
+            c.spinning = 0;
         }
         while (!c.head && !c.stop) {
             c.sleeping++;

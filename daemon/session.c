@@ -709,6 +709,8 @@ static void on_readable(session_t *s)
         }
         if (s->closing)
             return;
+        if ((size_t)n < room)
+            return; /* drained; level-triggered polling calls us again */
     }
 }
 

@@ -251,6 +251,23 @@ static void push_event(instance_t *inst, uint64_t request_id, int kind,
                   inst->id, (unsigned long long)request_id);
 }
 
+/* Capability tokens: kernel randomness, fetched 4 KiB at a time so a busy
+ * daemon does not make one syscall per offer. */
+static int random_token(uint8_t out[TOKEN_LEN])
+{
+    static uint8_t pool[4096];
+    static size_t left;
+    if (left < TOKEN_LEN) {
+        if (getrandom(pool, sizeof(pool), 0) != (ssize_t)sizeof(pool))
+            return KVX_ERR_IO;
+        left = sizeof(pool);
+    }
+    left -= TOKEN_LEN;
+    memcpy(out, pool + left, TOKEN_LEN);
+    memset(pool + left, 0, TOKEN_LEN); /* used once */
+    return 0;
+}
+
 /* ---- context params --------------------------------------------------- */
 
 static int params_build(offer_t *o, const kvx_layout_t *l)
@@ -352,7 +369,7 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     side_from_layout(&o->side, inst, l);
     snprintf(o->preset, sizeof(o->preset), "%s", l->preset);
     o->created_ms = kvxd_now_ms();
-    if (getrandom(o->token, TOKEN_LEN, 0) != TOKEN_LEN) {
+    if (random_token(o->token)) {
         free(o);
         WHY(KVX_ERR_IO, "publish: getrandom failed");
     }
