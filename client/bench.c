@@ -54,12 +54,13 @@ static struct opts {
     const char *daemon_config;
     const char *ctx_layout, *gen_layout;
     int gpu, vmm, ctx_device, gen_device, ctx_host, gen_host;
+    uint32_t pairs;       /* independent (context, generation) instance pairs */
     uint32_t ctas;
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
     .head_dim = 128, .tpb = 16, .dtype = KVX_DTYPE_BF16,
-    .pool_cap_mib = 2048, .ctx_device = 0, .gen_device = 1,
+    .pool_cap_mib = 2048, .ctx_device = 0, .gen_device = 1, .pairs = 1,
 };
 
 /* Shared between the parent and the rank processes. */
@@ -144,6 +145,8 @@ typedef struct rank_view {
     uint32_t head0;       /* first global head of the rank */
     int device;           /* >= 0: GPU pool on this device */
 } rank_view_t;
+
+static uint32_t my_pair; /* which instance pair this rank process is in */
 
 static uint8_t *slot_of(uint64_t r)
 {
@@ -332,17 +335,21 @@ static void ctx_main(uint32_t rank)
 {
     rank_view_t v;
     uint32_t pool;
-    kvx_client_t *c = rank_open("bench-ctx", KVX_ROLE_CONTEXT, rank,
-                                o.ctx_ranks, &v, &pool);
-    int reuse = reqs_in_pool < o.requests;
+    char name[32];
+    snprintf(name, sizeof(name), "bench-ctx-%u", my_pair);
+    kvx_client_t *c = rank_open(name, KVX_ROLE_CONTEXT, rank, o.ctx_ranks,
+                                &v, &pool);
+    uint64_t per = o.requests / o.pairs, first = my_pair * per;
+    int reuse = reqs_in_pool < per;
     barrier(&sh->ready, &sh->go);
     if (!o.no_warmup)
-        ctx_run(c, &v, rank, pool, WARM_BASE, reqs_in_pool, 0);
+        ctx_run(c, &v, rank, pool, WARM_BASE + my_pair * reqs_in_pool,
+                reqs_in_pool, 0);
     if (!reuse && !o.no_verify)
-        for (uint64_t r = 0; r < o.requests; r++)
+        for (uint64_t r = first; r < first + per; r++)
             fill_request(&v, r);
     barrier(&sh->ready2, &sh->go2);
-    ctx_run(c, &v, rank, pool, 0, o.requests, reuse && !o.no_verify);
+    ctx_run(c, &v, rank, pool, first, per, reuse && !o.no_verify);
     kvx_close(c);
     exit(0);
 }
@@ -353,7 +360,7 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                         uint32_t pool, uint64_t first, uint64_t count,
                         int timed, uint64_t *checked)
 {
-    int check = timed && !o.no_verify && reqs_in_pool < o.requests;
+    int check = timed && !o.no_verify && reqs_in_pool < count;
     uint64_t *t0 = calloc(count, sizeof(uint64_t));
     uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
     uint64_t next = 0, done = 0, bad = 0;
@@ -398,7 +405,7 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                     kvx_status_name(e->code));
             uint64_t k = e->request_id - first;
             if (timed && rank == 0)
-                lat_ns[k] = t - t0[k];
+                lat_ns[first + k] = t - t0[k];
             if (check) {
                 bad += check_request(v, e->request_id);
                 (*checked)++;
@@ -424,16 +431,20 @@ static void gen_main(uint32_t rank)
 {
     rank_view_t v;
     uint32_t pool;
-    kvx_client_t *c = rank_open("bench-gen", KVX_ROLE_GENERATION, rank,
-                                o.gen_ranks, &v, &pool);
+    char name[32];
+    snprintf(name, sizeof(name), "bench-gen-%u", my_pair);
+    kvx_client_t *c = rank_open(name, KVX_ROLE_GENERATION, rank, o.gen_ranks,
+                                &v, &pool);
+    uint64_t per = o.requests / o.pairs, first = my_pair * per;
     uint64_t checked = 0, bad;
     barrier(&sh->ready, &sh->go);
     if (!o.no_warmup)
-        gen_run(c, &v, rank, pool, WARM_BASE, reqs_in_pool, 0, &checked);
+        gen_run(c, &v, rank, pool, WARM_BASE + my_pair * reqs_in_pool,
+                reqs_in_pool, 0, &checked);
     barrier(&sh->ready2, &sh->go2);
-    bad = gen_run(c, &v, rank, pool, 0, o.requests, 1, &checked);
-    if (reqs_in_pool >= o.requests && !o.no_verify)
-        for (uint64_t r = 0; r < o.requests; r++, checked++)
+    bad = gen_run(c, &v, rank, pool, first, per, 1, &checked);
+    if (reqs_in_pool >= per && !o.no_verify)
+        for (uint64_t r = first; r < first + per; r++, checked++)
             bad += check_request(&v, r);
     uint64_t per_req = (uint64_t)o.blocks * o.tpb * o.layers * 2 *
                        v.layout.num_heads * o.head_dim *
@@ -558,6 +569,10 @@ static void usage(FILE *f)
         "  --vmm                  cuMemCreate (VMM fd) pools, not cudaMalloc\n"
         "  --ctas N               gpu.max_ctas of the spawned daemon\n"
         "  --ctx-host, --gen-host with --gpu: that side in host memory\n"
+        "  --pairs P              P independent context/generation "
+        "instance pairs\n"
+        "                         sharing the requests (daemon-wide "
+        "throughput)\n"
         "  --json                 one JSON object on stdout\n");
 }
 
@@ -604,6 +619,7 @@ int main(int argc, char **argv)
         {"gen-device", required_argument, NULL, 'b'},
         {"ctas", required_argument, NULL, 'c'},
         {"ctx-host", no_argument, NULL, 'X'},
+        {"pairs", required_argument, NULL, 'p'},
         {"gen-host", no_argument, NULL, 'Y'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
@@ -635,6 +651,7 @@ int main(int argc, char **argv)
         case 'b': o.gen_device = (int)arg_u32("gen-device", optarg, 0, 63); break;
         case 'c': o.ctas = arg_u32("ctas", optarg, 1, 1024); break;
         case 'X': o.ctx_host = 1; break;
+        case 'p': o.pairs = arg_u32("pairs", optarg, 1, 64); break;
         case 'Y': o.gen_host = 1; break;
         case 'j': o.json = 1; break;
         case 'd':
@@ -663,6 +680,11 @@ int main(int argc, char **argv)
     if (o.ctas && !o.spawn) {
         fprintf(stderr, "kvxfer-bench: --ctas needs --spawn-daemon (it is "
                         "the daemon's gpu.max_ctas)\n");
+        return 2;
+    }
+    if (o.requests % o.pairs) {
+        fprintf(stderr, "kvxfer-bench: --requests %u must divide over "
+                        "--pairs %u\n", o.requests, o.pairs);
         return 2;
     }
     uint32_t kvf = strcmp(o.layout, "mla") ? 2 : 1;
@@ -701,14 +723,16 @@ int main(int argc, char **argv)
                 (unsigned long long)o.pool_cap_mib);
         return 2;
     }
-    reqs_in_pool = fit < o.requests ? (uint32_t)fit : o.requests;
+    uint32_t per_pair_reqs = o.requests / o.pairs;
+    reqs_in_pool = fit < per_pair_reqs ? (uint32_t)fit : per_pair_reqs;
     uint32_t gen_heads = o.heads >= o.gen_ranks ? o.heads / o.gen_ranks : 1;
     uint64_t total = (uint64_t)o.requests * o.blocks * o.tpb * o.layers * 2 *
                      gen_heads * o.gen_ranks * o.head_dim *
                      kvx_dtype_size(o.dtype);
 
     size_t shlen = sizeof(struct shared) +
-                   ((size_t)o.requests + reqs_in_pool) * PARAMS_SLOT +
+                   ((size_t)o.requests + (size_t)o.pairs * reqs_in_pool) *
+                       PARAMS_SLOT +
                    (size_t)o.requests * sizeof(uint64_t);
     void *m = mmap(NULL, shlen, PROT_READ | PROT_WRITE,
                    MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -717,7 +741,9 @@ int main(int argc, char **argv)
     sh = m;
     slots = (uint8_t *)(sh + 1);
     lat_ns = (uint64_t *)(slots +
-                          ((size_t)o.requests + reqs_in_pool) * PARAMS_SLOT);
+                          ((size_t)o.requests +
+                           (size_t)o.pairs * reqs_in_pool) *
+                              PARAMS_SLOT);
 
     char sock[128];
     pid_t dpid = -1;
@@ -730,15 +756,18 @@ int main(int argc, char **argv)
      * after the ranks are done */
     double base = o.gpu ? 0 : memcpy_baseline(total);
 
-    uint32_t nproc = o.ctx_ranks + o.gen_ranks;
+    uint32_t per_pair = o.ctx_ranks + o.gen_ranks;
+    uint32_t nproc = per_pair * o.pairs;
     pid_t *kids = calloc(nproc, sizeof(pid_t));
     for (uint32_t i = 0; i < nproc; i++) {
         pid_t p = fork();
         if (p == 0) {
-            if (i < o.ctx_ranks)
-                ctx_main(i);
+            my_pair = i / per_pair;
+            uint32_t k = i % per_pair;
+            if (k < o.ctx_ranks)
+                ctx_main(k);
             else
-                gen_main(i - o.ctx_ranks);
+                gen_main(k - o.ctx_ranks);
         }
         kids[i] = p;
     }
@@ -785,12 +814,12 @@ int main(int argc, char **argv)
                "\"p99_us\":%.1f,\"bytes\":%llu,\"requests\":%u,\"blocks\":%u,"
                "\"ctx_layout\":\"%s\",\"gen_layout\":\"%s\",\"gpu\":%s,"
                "\"ctas\":%u,\"ctx_ranks\":%u,\"gen_ranks\":%u,"
-               "\"window\":%u,\"mismatched_rows\":%llu,\"seconds\":%.4f}\n",
+               "\"window\":%u,\"pairs\":%u,\"mismatched_rows\":%llu,\"seconds\":%.4f}\n",
                gbps, base, gbps / base, verified ? "true" : "false",
                o.requests / secs, p50, p99, (unsigned long long)total,
                o.requests, o.blocks, o.ctx_layout, o.gen_layout,
                o.gpu ? "true" : "false", o.ctas, o.ctx_ranks, o.gen_ranks,
-               o.window, (unsigned long long)sh->mismatches, secs);
+               o.window, o.pairs, (unsigned long long)sh->mismatches, secs);
     } else {
         printf("kvxfer-bench: %u ctx -> %u gen ranks, %u requests x %u "
                "blocks, %s -> %s%s, %u layers x %u heads x %u dim, %u "

@@ -136,6 +136,11 @@ static const struct conf_key keys[] = {
      .reloadable = 1,
      .help = "Chunks queued to or running on the workers at once; 0 means "
              "twice the number of worker threads."},
+    {.name = "copy.spin_us", .type = CONF_U32, FIELD(spin_us), .def = 20,
+     .min = 0, .max = 1000,
+     .help = "An idle copy worker (one at most) spins this long before "
+             "sleeping; saves a wake-up per small request; 0 turns it "
+             "off."},
 
     {.name = "gpu.max_ctas", .type = CONF_U32, FIELD(gpu_max_ctas),
      .def = 32, .min = 1, .max = 1024, .reloadable = 1,

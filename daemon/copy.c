@@ -1,6 +1,7 @@
 /* copy — worker threads for host copies; see copy.h. */
 #include <pthread.h>
 #include <time.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,11 +19,11 @@ static struct {
     int stop;
     unsigned sleeping;        /* workers in pthread_cond_wait */
     int spinning;             /* a worker is spinning for the next job */
+    long spin_ns;             /* copy.spin_us */
     uv_async_t async;
     int async_open;
 } c;
 
-#define SPIN_NS 20000 /* how long one idle worker spins before sleeping */
 
 static inline void cpu_relax(void)
 {
@@ -36,11 +37,11 @@ static void *worker_main(void *arg)
     (void)arg;
     pthread_mutex_lock(&c.mu);
     for (;;) {
-        if (!c.head && !c.stop && !c.spinning) {
+        if (!c.head && !c.stop && !c.spinning && c.spin_ns) {
             /* One idle worker spins briefly before sleeping: a futex
              * wake-up costs tens of microseconds on virtual machines,
-             * which dominates small requests. Bounded (SPIN_NS) and one
-             * spinner at most, so the CPUs stay with the engines. */
+             * which dominates small requests. Bounded (copy.spin_us) and
+             * one spinner at most, so the CPUs stay with the engines. */
             c.spinning = 1;
             pthread_mutex_unlock(&c.mu);
             struct timespec t0, t;
@@ -50,7 +51,7 @@ static void *worker_main(void *arg)
                 if (i % 64 == 0) {
                     clock_gettime(CLOCK_MONOTONIC, &t);
                     if ((t.tv_sec - t0.tv_sec) * 1000000000L + t.tv_nsec -
-                            t0.tv_nsec > SPIN_NS)
+                            t0.tv_nsec > c.spin_ns)
                         break;
                 }
             }
@@ -114,7 +115,7 @@ static void on_async(uv_async_t *a)
     }
 }
 
-int copy_init(uv_loop_t *loop, unsigned nthreads)
+int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us)
 {
     int rc;
     pthread_mutex_init(&c.mu, NULL);
@@ -124,6 +125,7 @@ int copy_init(uv_loop_t *loop, unsigned nthreads)
         return KVX_ERR_IO;
     }
     c.async_open = 1;
+    c.spin_ns = (long)spin_us * 1000;
     c.threads = calloc(nthreads, sizeof(*c.threads));
     if (!c.threads) {
         log_error("copy: out of memory for %u threads", nthreads);

@@ -34,8 +34,9 @@ struct copy_job {
     copy_job_t *next;    /* queue link, owned by copy */
 };
 
-/* Start n worker threads; finished jobs come back on loop. */
-int copy_init(uv_loop_t *loop, unsigned nthreads);
+/* Start n worker threads; finished jobs come back on loop. An idle
+ * worker spins up to spin_us before sleeping (0: never). */
+int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us);
 /* Queue a job (loop thread only). */
 void copy_submit(copy_job_t *job);
 /* Hand a finished job back to the loop; callable from any thread (copy

@@ -248,7 +248,7 @@ int main(int argc, char **argv)
 
     /* bring up, in order */
     int rc = 1;
-    if (copy_init(kvxd.loop, nthreads))
+    if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us))
         goto out;
     if (server_init())
         goto err_copy;

@@ -249,8 +249,8 @@ TEST(table_sane)
         "limits.hello_frame_bytes", "limits.max_sessions",
         "limits.max_requests", "limits.max_pools",
         "limits.max_blocks_per_request", "copy.worker_threads",
-        "copy.chunk_bytes", "copy.max_inflight_chunks", "gpu.max_ctas",
-        "gpu.chunk_bytes", "gpu.staging_bytes", "gpu.host_staging_bytes",
+        "copy.chunk_bytes", "copy.max_inflight_chunks", "copy.spin_us",
+        "gpu.max_ctas", "gpu.chunk_bytes", "gpu.staging_bytes", "gpu.host_staging_bytes",
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
         "deadlines.deadline_tick_ms", "log.level"};
@@ -270,6 +270,7 @@ TEST(table_sane)
         M(max_frame_bytes), M(hello_frame_bytes), M(max_sessions),
         M(max_requests), M(max_pools), M(max_blocks_per_request),
         M(worker_threads), M(copy_chunk_bytes), M(max_inflight_chunks),
+        M(spin_us),
         M(gpu_max_ctas), M(gpu_chunk_bytes), M(gpu_staging_bytes),
         M(host_staging_bytes),
         M(offer_lease_ms), M(fetch_timeout_ms), M(poll_timeout_max_ms),
