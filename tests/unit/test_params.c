@@ -502,4 +502,6 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
         free(params);
     CHECK_EQ(rc, KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "publish.blocks");
+    free(pool->base); /* refused: nothing references the pool */
+    free(pool);
 }
