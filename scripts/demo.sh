@@ -6,7 +6,8 @@ set -e
 BUILD=${1:-build}
 DIR=$(mktemp -d /tmp/kvxfer-demo.XXXXXX)
 SOCK=$DIR/kvxferd.sock
-trap 'kill $DPID 2>/dev/null; wait $DPID 2>/dev/null; rm -rf "$DIR"' EXIT INT TERM
+cleanup() { kill "$DPID" 2>/dev/null || true; wait "$DPID" 2>/dev/null || true; rm -rf "$DIR"; }
+trap cleanup EXIT INT TERM
 
 echo "== starting kvxferd on $SOCK"
 "$BUILD/kvxferd" --socket "$SOCK" 2>"$DIR/kvxferd.log" &
