@@ -1,6 +1,7 @@
 /* gpu — CUDA pools, plans and launches; see gpu.h. Built only with CUDA. */
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <stdint.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +15,7 @@
 #include "log.h"
 
 #define MAX_DEV 64
+#define CU_OK(call) ((call) == cudaSuccess)
 
 /* Driver entry points for VMM import, fetched through the runtime so the
  * daemon does not link libcuda (it starts without a driver). */
@@ -44,6 +46,113 @@ static struct {
     uint64_t launches, imports_legacy, imports_vmm;
 } g;
 
+/* Completion without blocking the stream: after each kernel an event is
+ * recorded, and one thread per device waits for the events in order and
+ * hands the jobs back (copy__complete). A stream callback would stall the
+ * stream between kernels for its own latency. */
+struct done_item {
+    cudaEvent_t ev;
+    struct copy_job *job;
+    struct done_item *next;
+};
+
+static struct waiter_thread {
+    pthread_t th;
+    int running, stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct done_item *head, *tail;
+    struct done_item *free_items;  /* with their events, for reuse */
+} wt[MAX_DEV];
+
+/* Pinned host memory for plan uploads, so cudaMemcpyAsync is truly
+ * asynchronous (from pageable memory it synchronizes the stream). Size
+ * classes of 4 KiB << k; buffers are kept for reuse until exit. Shared
+ * with CUDA's callback thread (releases), hence the mutex. */
+#define PIN_CLASSES 16
+struct pin_buf {
+    void *p;
+    int cls;
+    struct pin_buf *next;
+};
+static struct {
+    pthread_mutex_t mu;
+    struct pin_buf *free[PIN_CLASSES];
+} pin = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static struct pin_buf *pin_all[4096];
+static int pin_nall;
+
+static struct pin_buf *pin_get(size_t n)
+{
+    int k = 0;
+    while (k < PIN_CLASSES - 1 && ((size_t)4096 << k) < n)
+        k++;
+    if (((size_t)4096 << k) < n)
+        return NULL;
+    pthread_mutex_lock(&pin.mu);
+    struct pin_buf *b = pin.free[k];
+    if (b)
+        pin.free[k] = b->next;
+    pthread_mutex_unlock(&pin.mu);
+    if (b)
+        return b;
+    if (pin_nall >= (int)(sizeof(pin_all) / sizeof(pin_all[0])))
+        return NULL;
+    b = calloc(1, sizeof(*b));
+    if (!b)
+        return NULL;
+    if (!CU_OK(cudaHostAlloc(&b->p, (size_t)4096 << k,
+                             cudaHostAllocPortable))) {
+        (void)cudaGetLastError();
+        free(b);
+        return NULL;
+    }
+    b->cls = k;
+    pthread_mutex_lock(&pin.mu);
+    pin_all[pin_nall++] = b;
+    pthread_mutex_unlock(&pin.mu);
+    return b;
+}
+
+static void pin_put(struct pin_buf *b)
+{
+    pthread_mutex_lock(&pin.mu);
+    b->next = pin.free[b->cls];
+    pin.free[b->cls] = b;
+    pthread_mutex_unlock(&pin.mu);
+}
+
+/* CUDA's thread, after the upload that read the buffer. */
+static void CUDART_CB pin_release(void *arg) { pin_put(arg); }
+
+static void *waiter_main(void *arg)
+{
+    int d = (int)(intptr_t)arg;
+    struct waiter_thread *w = &wt[d];
+    cudaSetDevice(d);
+    pthread_mutex_lock(&w->mu);
+    for (;;) {
+        while (!w->head && !w->stop)
+            pthread_cond_wait(&w->cv, &w->mu);
+        if (!w->head)
+            break;
+        struct done_item *it = w->head;
+        w->head = it->next;
+        if (!w->head)
+            w->tail = NULL;
+        pthread_mutex_unlock(&w->mu);
+        cudaError_t e = cudaEventSynchronize(it->ev);
+        if (e != cudaSuccess)
+            it->job->status = KVX_ERR_IO;
+        copy__complete(it->job);
+        pthread_mutex_lock(&w->mu);
+        it->next = w->free_items;
+        w->free_items = it;
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
 struct gpu_import {
     uint64_t owner, alloc_id;
     uint8_t uuid[16];
@@ -62,6 +171,7 @@ static gpu_import_t *imports;
 
 struct gpu_part {
     int device;
+    struct pin_buf *pin;  /* the descriptor's pinned copy (upload source) */
     void *dmem;        /* device copy of slices, segs, tables, offsets */
     gpu_plan_t plan;   /* with device pointers; passed by value */
 };
@@ -71,7 +181,6 @@ const char *gpu_build_info(void)
     return "cuda " KVX_CUDA_VERSION ", kernels sm_80 sm_90 sm_100 + PTX";
 }
 
-#define CU_OK(call) ((call) == cudaSuccess)
 
 static int start(void)
 {
@@ -146,8 +255,16 @@ static int use_device(int d, char *why, size_t why_len)
             (void)cudaGetLastError();
         }
     }
+    pthread_mutex_init(&wt[d].mu, NULL);
+    pthread_cond_init(&wt[d].cv, NULL);
+    if (pthread_create(&wt[d].th, NULL, waiter_main, (void *)(intptr_t)d)) {
+        snprintf(why, why_len, "gpu %d: cannot start its completion thread",
+                 d);
+        return KVX_ERR_IO;
+    }
+    wt[d].running = 1;
     g.used[d] = 1;
-    log_info("gpu %d: context and stream created", d);
+    log_info("gpu %d: context, stream and completion thread started", d);
     return 0;
 }
 
@@ -496,11 +613,23 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
                              (const uint64_t *)(dm + off_dlo), dl->kv_stride,
                              dl->block_stride, dl->token_stride,
                              dl->head_stride}};
-    /* pageable source: the runtime stages it, and the kernels that read it
-     * are ordered after it on the same stream */
-    if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, pk.buf, pk.len,
+    /* from pinned memory, so the upload does not synchronize the stream;
+     * the kernels that read it are ordered after it on the same stream,
+     * and the pinned buffer goes back once the upload has run */
+    gp->pin = pin_get(pk.len ? pk.len : 16);
+    if (!gp->pin) {
+        cudaFreeAsync(gp->dmem, g.stream[device]);
+        snprintf(why, why_len, "fetch: no pinned memory for a %zu-byte GPU "
+                 "plan", pk.len);
+        goto err_free;
+    }
+    memcpy(gp->pin->p, pk.buf, pk.len);
+    if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, gp->pin->p, pk.len,
                                    cudaMemcpyHostToDevice,
-                                   g.stream[device]))) {
+                                   g.stream[device])) ||
+        !CU_OK(e = cudaLaunchHostFunc(g.stream[device], pin_release,
+                                      gp->pin))) {
+        /* the upload may still read the buffer: leak it, do not reuse */
         cudaFreeAsync(gp->dmem, g.stream[device]);
         snprintf(why, why_len, "fetch: GPU plan upload: %s",
                  cudaGetErrorString(e));
@@ -527,18 +656,6 @@ void gpu_part_free(gpu_part_t *gp)
     free(gp);
 }
 
-/* CUDA's callback thread: only hand the job back. A stream callback (not
- * a host function) runs even when the kernel failed, so a faulting copy
- * ends its request with an error instead of hanging its fence. */
-static void CUDART_CB on_done(cudaStream_t st, cudaError_t e, void *arg)
-{
-    (void)st;
-    struct copy_job *job = arg;
-    if (e != cudaSuccess)
-        job->status = KVX_ERR_IO;
-    copy__complete(job);
-}
-
 int gpu_launch(struct copy_job *job, gpu_part_t *gp)
 {
     int d = gp->device;
@@ -546,8 +663,43 @@ int gpu_launch(struct copy_job *job, gpu_part_t *gp)
     cudaSetDevice(d);
     int e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end, ctas,
                               g.stream[d]);
+    struct waiter_thread *w = &wt[d];
+    struct done_item *it = NULL;
+    if (e == cudaSuccess) {
+        pthread_mutex_lock(&w->mu);
+        it = w->free_items;
+        if (it)
+            w->free_items = it->next;
+        pthread_mutex_unlock(&w->mu);
+        if (!it && (it = calloc(1, sizeof(*it))) &&
+            !CU_OK(cudaEventCreateWithFlags(&it->ev,
+                                            cudaEventBlockingSync |
+                                                cudaEventDisableTiming))) {
+            free(it);
+            it = NULL;
+        }
+        if (!it)
+            e = cudaErrorMemoryAllocation;
+    }
     if (e == cudaSuccess)
-        e = cudaStreamAddCallback(g.stream[d], on_done, job, 0);
+        e = cudaEventRecord(it->ev, g.stream[d]);
+    if (e == cudaSuccess) {
+        it->job = job;
+        it->next = NULL;
+        pthread_mutex_lock(&w->mu);
+        if (w->tail)
+            w->tail->next = it;
+        else
+            w->head = it;
+        w->tail = it;
+        pthread_cond_signal(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+    } else if (it) {
+        pthread_mutex_lock(&w->mu);
+        it->next = w->free_items;
+        w->free_items = it;
+        pthread_mutex_unlock(&w->mu);
+    }
     if (e != cudaSuccess) {
         log_error("gpu %d: launch failed: %s", d,
                   cudaGetErrorString((cudaError_t)e));
@@ -563,6 +715,20 @@ void gpu_cleanup(void)
     if (g.state <= 0)
         return;
     for (int d = 0; d < g.ndev; d++)
+        if (wt[d].running) {
+            pthread_mutex_lock(&wt[d].mu);
+            wt[d].stop = 1;
+            pthread_cond_signal(&wt[d].cv);
+            pthread_mutex_unlock(&wt[d].mu);
+            pthread_join(wt[d].th, NULL);
+            while (wt[d].free_items) {
+                struct done_item *it = wt[d].free_items;
+                wt[d].free_items = it->next;
+                cudaEventDestroy(it->ev);
+                free(it);
+            }
+        }
+    for (int d = 0; d < g.ndev; d++)
         if (g.used[d]) {
             cudaSetDevice(d);
             cudaStreamSynchronize(g.stream[d]);
@@ -572,6 +738,11 @@ void gpu_cleanup(void)
         }
     if (g.host_staging)
         cudaFreeHost(g.host_staging);
+    for (int i = 0; i < pin_nall; i++) {
+        cudaFreeHost(pin_all[i]->p);
+        free(pin_all[i]);
+    }
+    pin_nall = 0;
     while (imports) {
         imports->refs = 1;
         gpu_import_unref(imports);
