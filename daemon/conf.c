@@ -143,7 +143,7 @@ static const struct conf_key keys[] = {
              "off."},
 
     {.name = "gpu.max_ctas", .type = CONF_U32, FIELD(gpu_max_ctas),
-     .def = 32, .min = 1, .max = 1024, .reloadable = 1,
+     .def = 64, .min = 1, .max = 1024, .reloadable = 1,
      .help = "Thread blocks one GPU copy kernel may use; the GPUs are busy "
              "running the model."},
     {.name = "gpu.chunk_bytes", .type = CONF_SIZE, FIELD(gpu_chunk_bytes),

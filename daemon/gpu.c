@@ -659,7 +659,7 @@ void gpu_part_free(gpu_part_t *gp)
 int gpu_launch(struct copy_job *job, gpu_part_t *gp)
 {
     int d = gp->device;
-    unsigned ctas = kvxd.conf.gpu_max_ctas ? kvxd.conf.gpu_max_ctas : 32;
+    unsigned ctas = kvxd.conf.gpu_max_ctas ? kvxd.conf.gpu_max_ctas : 64;
     cudaSetDevice(d);
     int e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end, ctas,
                               g.stream[d]);

@@ -133,17 +133,30 @@ kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1)
                 }
             }
         } else {
-            const uint64_t nvec = nruns * vpr;
-            for (uint64_t base = lane; base < nvec; base += 32 * UNROLL) {
+            /* short runs (layout conversion): lanes take (run, vector)
+             * pairs; 32-bit index math, a shift when the run is a power
+             * of two vectors (64-bit division costs ~100 instructions) */
+            const uint32_t v32 = (uint32_t)vpr;
+            const uint32_t nvec = (uint32_t)(nruns * vpr);
+            const int pow2 = (v32 & (v32 - 1)) == 0;
+            const uint32_t shift = __ffs(v32) - 1;
+            const uint32_t n0 = (uint32_t)d.n[0], n1 = (uint32_t)d.n[1];
+            for (uint32_t base = lane; base < nvec; base += 32 * UNROLL) {
                 uint4 v[UNROLL];
                 uint4 *dp[UNROLL];
 #pragma unroll
                 for (int k = 0; k < UNROLL; k++) {
-                    const uint64_t i = base + k * 32;
+                    const uint32_t i = base + k * 32;
                     dp[k] = nullptr;
                     if (i < nvec) {
-                        uint64_t so, dof, run = i / vpr, col = i - run * vpr;
-                        run_off(d, run, &so, &dof);
+                        const uint32_t run = pow2 ? i >> shift : i / v32;
+                        const uint32_t col = i - run * v32;
+                        const uint32_t a = run % n0, rest = run / n0;
+                        const uint32_t b = rest % n1, c = rest / n1;
+                        const uint64_t so =
+                            a * d.ss[0] + b * d.ss[1] + c * d.ss[2];
+                        const uint64_t dof =
+                            a * d.ds[0] + b * d.ds[1] + c * d.ds[2];
                         v[k] = ((const uint4 *)(src + so))[col];
                         dp[k] = (uint4 *)(dst + dof) + col;
                     }
