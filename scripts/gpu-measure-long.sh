@@ -4,7 +4,7 @@
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-gpu-out}
 mkdir -p "$OUT"
-. "$B/env.sh"
+B=$(cd "$B" && pwd); export PATH="$B/bin:$PATH" LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 run() {
     name=$1; shift
     echo "== $name: kvxfer-bench $*" | tee -a "$OUT/bench-long.txt"
