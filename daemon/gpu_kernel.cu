@@ -65,7 +65,7 @@ __device__ static inline void run_off(const dims &d, uint64_t r, uint64_t *so,
 /* One warp per unit at a time (warp-strided over the chunk's units). Long
  * runs: lanes stride over one run's 16-byte vectors, UNROLL loads in
  * flight per lane. Short runs: lanes take (run, vector) pairs. */
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(512, 1)
 kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1)
 {
     const unsigned lane = threadIdx.x & 31;
@@ -175,6 +175,6 @@ extern "C" int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0,
 {
     if (u1 <= u0)
         return 0;
-    kvx_copy_kernel<<<ctas, 256, 0, (cudaStream_t)stream>>>(*d, u0, u1);
+    kvx_copy_kernel<<<ctas, 512, 0, (cudaStream_t)stream>>>(*d, u0, u1);
     return (int)cudaGetLastError();
 }
