@@ -55,12 +55,15 @@ static struct opts {
     const char *ctx_layout, *gen_layout;
     int gpu, vmm, ctx_device, gen_device, ctx_host, gen_host;
     uint32_t pairs;       /* independent (context, generation) instance pairs */
+    uint32_t ctx_pp, gen_pp, ctx_tpb, gen_tpb, skip;
+    int mla;
     uint32_t ctas;
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
     .head_dim = 128, .tpb = 16, .dtype = KVX_DTYPE_BF16,
     .pool_cap_mib = 2048, .ctx_device = 0, .gen_device = 1, .pairs = 1,
+    .ctx_pp = 1, .gen_pp = 1,
 };
 
 /* Shared between the parent and the rank processes. */
@@ -75,6 +78,10 @@ struct shared {
     char error_text[512];
     /* then: params slots, then latencies of gen rank 0 */
 };
+
+/* Derived from the options: tokens per request, KV factor, and each side's
+ * blocks per request. */
+static uint32_t num_tokens, kvf;
 
 static struct shared *sh;
 static uint8_t *slots;        /* requests x PARAMS_SLOT: u32 ready, u32 len, data */
@@ -143,6 +150,8 @@ typedef struct rank_view {
     uint8_t *base;        /* host pool mapping, or the GPU pool */
     kvx_layout_t layout;
     uint32_t head0;       /* first global head of the rank */
+    uint32_t layer0;      /* first global layer of the rank (PP) */
+    uint32_t bpr;         /* blocks per request on this side */
     int device;           /* >= 0: GPU pool on this device */
 } rank_view_t;
 
@@ -154,43 +163,49 @@ static uint8_t *slot_of(uint64_t r)
     return slots + idx * PARAMS_SLOT;
 }
 
-static uint32_t req_block(uint64_t r, uint32_t i)
+static uint32_t req_block(const rank_view_t *v, uint64_t r, uint32_t i)
 {
     if (r >= WARM_BASE)
         r -= WARM_BASE;
-    return (uint32_t)((r % reqs_in_pool) * o.blocks + i);
+    return (uint32_t)((r % reqs_in_pool) * v->bpr + i);
 }
 
 static void fill_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        if (bgpu_fill(v->device, &v->layout, v->base, r, req_block(r, 0),
-                      o.blocks, v->head0, 0))
+        if (bgpu_fill(v->device, &v->layout, v->base, r, req_block(v, r, 0),
+                      v->bpr, v->head0, v->layer0))
             die("GPU pattern fill failed");
         return;
     }
 #endif
     const kvx_layout_t *l = &v->layout;
     uint32_t rowbytes = l->head_dim * l->elem_size;
-    for (uint32_t b = 0; b < o.blocks; b++)
+    for (uint32_t b = 0; b < v->bpr; b++)
         for (uint32_t layer = 0; layer < l->num_layers; layer++)
             for (uint32_t kv = 0; kv < l->kv_factor; kv++)
-                for (uint32_t t = 0; t < l->tokens_per_block; t++)
+                for (uint32_t t = 0; t < l->tokens_per_block; t++) {
+                    uint32_t gt = b * l->tokens_per_block + t;
+                    if (gt >= num_tokens)
+                        break;
                     for (uint32_t h = 0; h < l->num_heads; h++)
                         row_fill(v->base + kvx_layout_offset(
-                                               l, layer, kv, req_block(r, b),
-                                               t, h),
-                                 rowbytes, r, layer, kv,
-                                 b * l->tokens_per_block + t, v->head0 + h);
+                                               l, layer, kv,
+                                               req_block(v, r, b), t, h),
+                                 rowbytes, r, v->layer0 + layer, kv, gt,
+                                 v->head0 + h);
+                }
 }
 
+/* Mismatched rows of request r among tokens [skip, num_tokens). */
 static uint64_t check_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
         int64_t bad = bgpu_check(v->device, &v->layout, v->base, r,
-                                 req_block(r, 0), o.blocks, v->head0, 0, 0);
+                                 req_block(v, r, 0), v->bpr, v->head0,
+                                 v->layer0, o.skip, num_tokens);
         if (bad < 0)
             die("GPU pattern check failed");
         return (uint64_t)bad;
@@ -199,28 +214,41 @@ static uint64_t check_request(const rank_view_t *v, uint64_t r)
     const kvx_layout_t *l = &v->layout;
     uint32_t rowbytes = l->head_dim * l->elem_size;
     uint64_t bad = 0;
-    for (uint32_t b = 0; b < o.blocks; b++)
+    for (uint32_t b = 0; b < v->bpr; b++)
         for (uint32_t layer = 0; layer < l->num_layers; layer++)
             for (uint32_t kv = 0; kv < l->kv_factor; kv++)
-                for (uint32_t t = 0; t < l->tokens_per_block; t++)
+                for (uint32_t t = 0; t < l->tokens_per_block; t++) {
+                    uint32_t gt = b * l->tokens_per_block + t;
+                    if (gt < o.skip)
+                        continue;
+                    if (gt >= num_tokens)
+                        break;
                     for (uint32_t h = 0; h < l->num_heads; h++)
                         bad += !row_check(
                             v->base + kvx_layout_offset(l, layer, kv,
-                                                        req_block(r, b), t,
+                                                        req_block(v, r, b), t,
                                                         h),
-                            rowbytes, r, layer, kv,
-                            b * l->tokens_per_block + t, v->head0 + h);
+                            rowbytes, r, v->layer0 + layer, kv, gt,
+                            v->head0 + h);
+                }
     return bad;
 }
 
 /* ---- ranks ------------------------------------------------------------ */
 
+/* Connect rank `rank` (pp_rank * tp + tp_rank) of one side, join, and
+ * register its pool: its share of layers (PP) and heads (TP; replicated
+ * when tp > heads) in the side's layout. */
 static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
-                               uint32_t rank, uint32_t tp, rank_view_t *v,
-                               uint32_t *pool_id)
+                               uint32_t rank, rank_view_t *v, uint32_t *pool_id)
 {
+    int ctx = role == KVX_ROLE_CONTEXT;
+    uint32_t tp = ctx ? o.ctx_ranks : o.gen_ranks;
+    uint32_t pp = ctx ? o.ctx_pp : o.gen_pp;
+    uint32_t tpb = ctx ? o.ctx_tpb : o.gen_tpb;
+    uint32_t nranks = tp * pp;
     kvx_hello_t h = {.instance_id = inst, .role = role, .rank = rank,
-                     .parallel = {.tp = tp, .pp = 1, .cp = 1,
+                     .parallel = {.tp = tp, .pp = pp, .cp = 1,
                                   .total_layers = o.layers,
                                   .total_kv_heads = o.heads}};
     kvx_client_t *c;
@@ -231,41 +259,46 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
     char addr[192];
     CHECK_KVX(kvxfer_daemon_address(c, addr, sizeof(addr)), c);
     /* engines allgather the addresses; here every rank is on one daemon */
-    const char **addrs = calloc(tp, sizeof(char *));
-    for (uint32_t i = 0; i < tp; i++)
+    const char **addrs = calloc(nranks, sizeof(char *));
+    for (uint32_t i = 0; i < nranks; i++)
         addrs[i] = addr;
-    CHECK_KVX(kvx_join(c, addrs, tp, TIMEOUT_MS), c);
+    CHECK_KVX(kvx_join(c, addrs, nranks, TIMEOUT_MS), c);
     free(addrs);
+    uint32_t tpr = rank % tp, ppr = rank / tp;
     uint32_t heads = o.heads >= tp ? o.heads / tp : 1;
-    v->head0 = o.heads >= tp ? rank * heads : rank / (tp / o.heads);
-    uint32_t nblocks = reqs_in_pool * o.blocks;
-    const char *preset = role == KVX_ROLE_CONTEXT ? o.ctx_layout : o.gen_layout;
-    if (kvx_layout_preset(preset, o.layers, 2, heads, o.head_dim, o.dtype,
-                          o.tpb, nblocks, &v->layout))
+    v->head0 = o.heads >= tp ? tpr * heads : tpr / (tp / o.heads);
+    uint32_t base = o.layers / pp, rem = o.layers % pp;
+    uint32_t layers = base + (ppr < rem);
+    v->layer0 = ppr * base + (ppr < rem ? ppr : rem);
+    v->bpr = (num_tokens + tpb - 1) / tpb;
+    uint32_t nblocks = reqs_in_pool * v->bpr;
+    const char *preset = ctx ? o.ctx_layout : o.gen_layout;
+    if (kvx_layout_preset(preset, layers, kvf, heads, o.head_dim, o.dtype,
+                          tpb, nblocks, &v->layout))
         die("layout preset '%s' rejects these dimensions", preset);
     uint64_t size = kvx_layout_span(&v->layout);
-    void *base;
+    void *ptr;
     v->device = -1;
-    int on_gpu = o.gpu && !(role == KVX_ROLE_CONTEXT ? o.ctx_host : o.gen_host);
+    int on_gpu = o.gpu && !(ctx ? o.ctx_host : o.gen_host);
     if (on_gpu) {
 #ifdef KVX_CUDA
         char err[256];
-        v->device = role == KVX_ROLE_CONTEXT ? o.ctx_device : o.gen_device;
-        if (bgpu_alloc(v->device, size, o.vmm, &base, err, sizeof(err)))
+        v->device = ctx ? o.ctx_device : o.gen_device;
+        if (bgpu_alloc(v->device, size, o.vmm, &ptr, err, sizeof(err)))
             die("GPU %d: %s", v->device, err);
-        if (bgpu_memset(v->device, base, 0, size))
+        if (bgpu_memset(v->device, ptr, 0, size))
             die("GPU %d: memset failed", v->device);
-        CHECK_KVX(kvx_pool_register_gpu(c, &v->layout, base, size, pool_id,
+        CHECK_KVX(kvx_pool_register_gpu(c, &v->layout, ptr, size, pool_id,
                                         TIMEOUT_MS),
                   c);
-        v->base = base;
+        v->base = ptr;
         return c;
 #endif
     }
-    CHECK_KVX(kvx_pool_create_host(c, &v->layout, size, &base, pool_id,
+    CHECK_KVX(kvx_pool_create_host(c, &v->layout, size, &ptr, pool_id,
                                    TIMEOUT_MS),
               c);
-    v->base = base;
+    v->base = ptr;
     memset(v->base, 0, size); /* fault the pages in before timing */
     return c;
 }
@@ -285,7 +318,7 @@ static void barrier(_Atomic uint32_t *ready, _Atomic uint32_t *go)
 static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                     uint32_t pool, uint64_t first, uint64_t count, int fill)
 {
-    uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
+    uint32_t *bt = malloc(v->bpr * sizeof(uint32_t));
     uint8_t *fin = calloc(count, 1); /* request's offer complete */
     uint64_t published = 0, done = 0;
     while (done < count) {
@@ -296,11 +329,11 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
             uint64_t r = first + published;
             if (fill)
                 fill_request(v, r);
-            for (uint32_t i = 0; i < o.blocks; i++)
-                bt[i] = req_block(r, i);
+            for (uint32_t i = 0; i < v->bpr; i++)
+                bt[i] = req_block(v, r, i);
             kvx_context_params_t p;
-            CHECK_KVX(kvx_publish(c, r, pool, bt, o.blocks, o.blocks * o.tpb,
-                                  &p, TIMEOUT_MS),
+            CHECK_KVX(kvx_publish(c, r, pool, bt, v->bpr, num_tokens, &p,
+                                  TIMEOUT_MS),
                       c);
             if (rank == 0) {
                 if (p.len > PARAMS_SLOT - 8)
@@ -337,8 +370,7 @@ static void ctx_main(uint32_t rank)
     uint32_t pool;
     char name[32];
     snprintf(name, sizeof(name), "bench-ctx-%u", my_pair);
-    kvx_client_t *c = rank_open(name, KVX_ROLE_CONTEXT, rank, o.ctx_ranks,
-                                &v, &pool);
+    kvx_client_t *c = rank_open(name, KVX_ROLE_CONTEXT, rank, &v, &pool);
     uint64_t per = o.requests / o.pairs, first = my_pair * per;
     int reuse = reqs_in_pool < per;
     barrier(&sh->ready, &sh->go);
@@ -362,7 +394,7 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
 {
     int check = timed && !o.no_verify && reqs_in_pool < count;
     uint64_t *t0 = calloc(count, sizeof(uint64_t));
-    uint32_t *bt = malloc(o.blocks * sizeof(uint32_t));
+    uint32_t *bt = malloc(v->bpr * sizeof(uint32_t));
     uint64_t next = 0, done = 0, bad = 0;
     uint8_t *fin = calloc(count, 1);
     uint32_t window = o.window < reqs_in_pool ? o.window : reqs_in_pool;
@@ -380,15 +412,15 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                 }
                 goto poll;
             }
-            for (uint32_t i = 0; i < o.blocks; i++)
-                bt[i] = req_block(r, i);
+            for (uint32_t i = 0; i < v->bpr; i++)
+                bt[i] = req_block(v, r, i);
             t0[next] = now_ns();
             uint64_t zero = 0;
             if (timed)
                 atomic_compare_exchange_strong(&sh->first_fetch_ns, &zero,
                                                t0[next]);
             CHECK_KVX(kvx_fetch(c, r, s + 8, ((uint32_t *)s)[1], pool, bt,
-                                o.blocks, 0, TIMEOUT_MS),
+                                v->bpr, o.skip, TIMEOUT_MS),
                       c);
             next++;
             continue;
@@ -433,8 +465,7 @@ static void gen_main(uint32_t rank)
     uint32_t pool;
     char name[32];
     snprintf(name, sizeof(name), "bench-gen-%u", my_pair);
-    kvx_client_t *c = rank_open(name, KVX_ROLE_GENERATION, rank, o.gen_ranks,
-                                &v, &pool);
+    kvx_client_t *c = rank_open(name, KVX_ROLE_GENERATION, rank, &v, &pool);
     uint64_t per = o.requests / o.pairs, first = my_pair * per;
     uint64_t checked = 0, bad;
     barrier(&sh->ready, &sh->go);
@@ -446,9 +477,9 @@ static void gen_main(uint32_t rank)
     if (reqs_in_pool >= per && !o.no_verify)
         for (uint64_t r = first; r < first + per; r++, checked++)
             bad += check_request(&v, r);
-    uint64_t per_req = (uint64_t)o.blocks * o.tpb * o.layers * 2 *
-                       v.layout.num_heads * o.head_dim *
-                       kvx_dtype_size(o.dtype);
+    uint64_t per_req = (uint64_t)(num_tokens - o.skip) *
+                       v.layout.num_layers * kvf * v.layout.num_heads *
+                       o.head_dim * kvx_dtype_size(o.dtype);
     atomic_fetch_add(&sh->mismatches, bad);
     atomic_fetch_add(&sh->verified_bytes, checked * per_req);
     kvx_close(c);
@@ -547,10 +578,14 @@ static void usage(FILE *f)
 {
     fprintf(f,
         "usage: kvxfer-bench [--socket PATH | --spawn-daemon] [options]\n"
-        "  --ctx-ranks N          context ranks (TP), default 1\n"
-        "  --gen-ranks M          generation ranks (TP), default 1\n"
+        "  --ctx-tp N, --gen-tp M TP of each side (also --ctx-ranks,\n"
+        "                         --gen-ranks), default 1\n"
+        "  --ctx-pp N, --gen-pp M PP of each side (layers split evenly)\n"
+        "  --ctx-tokens-per-block T, --gen-tokens-per-block T\n"
+        "  --skip-tokens S        prefix reuse: fetch moves tokens >= S\n"
+        "  --mla                  MLA: K only, one latent head, mla layout\n"
         "  --requests R           requests, default 64\n"
-        "  --blocks B             blocks per request, default 256\n"
+        "  --blocks B             context blocks per request, default 256\n"
         "  --window W             requests outstanding per gen rank, "
         "default 16\n"
         "  --layout PRESET        trtllm, vllm-nhd, vllm-hnd, flashinfer, "
@@ -620,6 +655,14 @@ int main(int argc, char **argv)
         {"ctas", required_argument, NULL, 'c'},
         {"ctx-host", no_argument, NULL, 'X'},
         {"pairs", required_argument, NULL, 'p'},
+        {"ctx-tp", required_argument, NULL, 'N'},
+        {"gen-tp", required_argument, NULL, 'M'},
+        {"ctx-pp", required_argument, NULL, 1001},
+        {"gen-pp", required_argument, NULL, 1002},
+        {"ctx-tokens-per-block", required_argument, NULL, 1003},
+        {"gen-tokens-per-block", required_argument, NULL, 1004},
+        {"skip-tokens", required_argument, NULL, 1005},
+        {"mla", no_argument, NULL, 1006},
         {"gen-host", no_argument, NULL, 'Y'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
@@ -652,6 +695,12 @@ int main(int argc, char **argv)
         case 'c': o.ctas = arg_u32("ctas", optarg, 1, 1024); break;
         case 'X': o.ctx_host = 1; break;
         case 'p': o.pairs = arg_u32("pairs", optarg, 1, 64); break;
+        case 1001: o.ctx_pp = arg_u32("ctx-pp", optarg, 1, 64); break;
+        case 1002: o.gen_pp = arg_u32("gen-pp", optarg, 1, 64); break;
+        case 1003: o.ctx_tpb = arg_u32("ctx-tokens-per-block", optarg, 1, 65536); break;
+        case 1004: o.gen_tpb = arg_u32("gen-tokens-per-block", optarg, 1, 65536); break;
+        case 1005: o.skip = arg_u32("skip-tokens", optarg, 0, UINT32_MAX - 1); break;
+        case 1006: o.mla = 1; break;
         case 'Y': o.gen_host = 1; break;
         case 'j': o.json = 1; break;
         case 'd':
@@ -687,48 +736,79 @@ int main(int argc, char **argv)
                         "--pairs %u\n", o.requests, o.pairs);
         return 2;
     }
-    uint32_t kvf = strcmp(o.layout, "mla") ? 2 : 1;
-    if (kvf == 1 || !strcmp(o.layout, "sglang")) {
-        fprintf(stderr, "kvxfer-bench: preset '%s' needs its own shape "
-                        "(mla: 1 head, kv 1; sglang: 1 token per block); "
-                        "not driven by this bench yet\n", o.layout);
+    /* MLA: one latent "head", K only, the mla layout on both sides */
+    kvf = 2;
+    if (o.mla) {
+        kvf = 1;
+        o.heads = 1;
+        if (o.ctx_layout == o.layout)
+            o.ctx_layout = "mla";
+        if (o.gen_layout == o.layout)
+            o.gen_layout = "mla";
+    }
+    if (!o.ctx_tpb)
+        o.ctx_tpb = o.tpb;
+    if (!o.gen_tpb)
+        o.gen_tpb = o.tpb;
+    num_tokens = o.blocks * o.ctx_tpb; /* --blocks counts context blocks */
+    if (o.skip >= num_tokens) {
+        fprintf(stderr, "kvxfer-bench: --skip-tokens %u leaves nothing of "
+                        "%u tokens\n", o.skip, num_tokens);
         return 2;
     }
-    kvx_layout_t probe;
-    if (kvx_layout_preset(o.layout, o.layers, 2, 1, o.head_dim, o.dtype,
-                          o.tpb, 1, &probe)) {
-        fprintf(stderr, "kvxfer-bench: --layout: unknown preset '%s'\n",
-                o.layout);
-        return 2;
+    const char *presets[2] = {o.ctx_layout, o.gen_layout};
+    uint32_t tpbs[2] = {o.ctx_tpb, o.gen_tpb};
+    for (int k = 0; k < 2; k++) {
+        kvx_layout_t probe;
+        if (kvx_layout_preset(presets[k], 1, kvf, 1, o.head_dim, o.dtype,
+                              tpbs[k], 1, &probe)) {
+            fprintf(stderr, "kvxfer-bench: %s layout '%s' does not take "
+                            "this shape (mla: --mla; sglang: 1 token per "
+                            "block)\n", k ? "generation" : "context",
+                    presets[k]);
+            return 2;
+        }
     }
-    uint32_t maxr = o.ctx_ranks > o.gen_ranks ? o.ctx_ranks : o.gen_ranks;
-    if ((o.heads >= maxr && (o.heads % o.ctx_ranks || o.heads % o.gen_ranks)) ||
-        (o.heads < maxr && maxr % o.heads)) {
-        fprintf(stderr, "kvxfer-bench: --heads %u must split evenly over "
-                        "%u and %u ranks\n",
-                o.heads, o.ctx_ranks, o.gen_ranks);
-        return 2;
+    uint32_t tps[2] = {o.ctx_ranks, o.gen_ranks};
+    uint32_t pps[2] = {o.ctx_pp, o.gen_pp};
+    for (int k = 0; k < 2; k++) {
+        if (o.heads >= tps[k] ? o.heads % tps[k] : tps[k] % o.heads) {
+            fprintf(stderr, "kvxfer-bench: --heads %u do not split over tp "
+                            "%u\n", o.heads, tps[k]);
+            return 2;
+        }
+        if (pps[k] > o.layers) {
+            fprintf(stderr, "kvxfer-bench: pp %u exceeds --layers %u\n",
+                    pps[k], o.layers);
+            return 2;
+        }
     }
 
-    /* bytes: per rank pool, and the whole transfer */
-    uint32_t minr = o.ctx_ranks < o.gen_ranks ? o.ctx_ranks : o.gen_ranks;
-    uint64_t block_bytes = (uint64_t)o.tpb * o.layers * 2 *
-                           (o.heads >= minr ? o.heads / minr : 1) *
-                           o.head_dim * kvx_dtype_size(o.dtype);
-    uint64_t fit = (o.pool_cap_mib << 20) / (block_bytes * o.blocks);
+    /* bytes: the largest rank pool per request, and the whole transfer */
+    uint64_t row = (uint64_t)o.head_dim * kvx_dtype_size(o.dtype);
+    uint64_t req_rank_bytes = 0;
+    for (int k = 0; k < 2; k++) {
+        uint64_t heads = o.heads >= tps[k] ? o.heads / tps[k] : 1;
+        uint64_t layers = (o.layers + pps[k] - 1) / pps[k];
+        uint64_t bpr = (num_tokens + tpbs[k] - 1) / tpbs[k];
+        uint64_t b = bpr * tpbs[k] * layers * kvf * heads * row;
+        if (b > req_rank_bytes)
+            req_rank_bytes = b;
+    }
+    uint64_t fit = (o.pool_cap_mib << 20) / req_rank_bytes;
     if (fit == 0) {
         fprintf(stderr, "kvxfer-bench: one request (%llu bytes per rank) "
                         "exceeds --pool-mib %llu\n",
-                (unsigned long long)(block_bytes * o.blocks),
+                (unsigned long long)req_rank_bytes,
                 (unsigned long long)o.pool_cap_mib);
         return 2;
     }
     uint32_t per_pair_reqs = o.requests / o.pairs;
     reqs_in_pool = fit < per_pair_reqs ? (uint32_t)fit : per_pair_reqs;
-    uint32_t gen_heads = o.heads >= o.gen_ranks ? o.heads / o.gen_ranks : 1;
-    uint64_t total = (uint64_t)o.requests * o.blocks * o.tpb * o.layers * 2 *
-                     gen_heads * o.gen_ranks * o.head_dim *
-                     kvx_dtype_size(o.dtype);
+    /* every generation rank receives its heads of every layer */
+    uint64_t gen_heads = o.heads >= o.gen_ranks ? o.heads / o.gen_ranks : 1;
+    uint64_t total = (uint64_t)o.requests * (num_tokens - o.skip) *
+                     o.layers * kvf * gen_heads * o.gen_ranks * row;
 
     size_t shlen = sizeof(struct shared) +
                    ((size_t)o.requests + (size_t)o.pairs * reqs_in_pool) *
@@ -756,7 +836,8 @@ int main(int argc, char **argv)
      * after the ranks are done */
     double base = o.gpu ? 0 : memcpy_baseline(total);
 
-    uint32_t per_pair = o.ctx_ranks + o.gen_ranks;
+    uint32_t nctx = o.ctx_ranks * o.ctx_pp, ngen = o.gen_ranks * o.gen_pp;
+    uint32_t per_pair = nctx + ngen;
     uint32_t nproc = per_pair * o.pairs;
     pid_t *kids = calloc(nproc, sizeof(pid_t));
     for (uint32_t i = 0; i < nproc; i++) {
@@ -764,10 +845,10 @@ int main(int argc, char **argv)
         if (p == 0) {
             my_pair = i / per_pair;
             uint32_t k = i % per_pair;
-            if (k < o.ctx_ranks)
+            if (k < nctx)
                 ctx_main(k);
             else
-                gen_main(k - o.ctx_ranks);
+                gen_main(k - nctx);
         }
         kids[i] = p;
     }
@@ -814,20 +895,26 @@ int main(int argc, char **argv)
                "\"p99_us\":%.1f,\"bytes\":%llu,\"requests\":%u,\"blocks\":%u,"
                "\"ctx_layout\":\"%s\",\"gen_layout\":\"%s\",\"gpu\":%s,"
                "\"ctas\":%u,\"ctx_ranks\":%u,\"gen_ranks\":%u,"
-               "\"window\":%u,\"pairs\":%u,\"mismatched_rows\":%llu,\"seconds\":%.4f}\n",
+               "\"window\":%u,\"pairs\":%u,\"ctx_pp\":%u,\"gen_pp\":%u,"
+               "\"ctx_tpb\":%u,\"gen_tpb\":%u,\"skip_tokens\":%u,"
+               "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f}\n",
                gbps, base, gbps / base, verified ? "true" : "false",
                o.requests / secs, p50, p99, (unsigned long long)total,
                o.requests, o.blocks, o.ctx_layout, o.gen_layout,
                o.gpu ? "true" : "false", o.ctas, o.ctx_ranks, o.gen_ranks,
-               o.window, o.pairs, (unsigned long long)sh->mismatches, secs);
+               o.window, o.pairs, o.ctx_pp, o.gen_pp, o.ctx_tpb, o.gen_tpb,
+               o.skip, o.mla ? "true" : "false",
+               (unsigned long long)sh->mismatches, secs);
     } else {
-        printf("kvxfer-bench: %u ctx -> %u gen ranks, %u requests x %u "
-               "blocks, %s -> %s%s, %u layers x %u heads x %u dim, %u "
-               "tokens/block, %s, window %u\n",
-               o.ctx_ranks, o.gen_ranks, o.requests, o.blocks, o.ctx_layout,
-               o.gen_layout, o.gpu ? " (GPU pools)" : "",
-               o.layers, o.heads, o.head_dim, o.tpb, kvx_dtype_name(o.dtype),
-               o.window);
+        printf("kvxfer-bench: context tp %u pp %u (%s, %u tokens/block) -> "
+               "generation tp %u pp %u (%s, %u tokens/block)%s\n"
+               "  %u requests x %u tokens (skip %u), %u layers x %u KV heads "
+               "x %u dim, %s%s, window %u\n",
+               o.ctx_ranks, o.ctx_pp, o.ctx_layout, o.ctx_tpb, o.gen_ranks,
+               o.gen_pp, o.gen_layout, o.gen_tpb,
+               o.gpu ? ", GPU pools" : "", o.requests, num_tokens, o.skip,
+               o.layers, o.heads, o.head_dim, kvx_dtype_name(o.dtype),
+               o.mla ? ", MLA" : "", o.window);
         printf("  %-22s %12.3f GB/s  (%.1f MiB in %.4f s)\n", "kvxferd",
                gbps, total / 1048576.0, secs);
         printf("  %-22s %12.3f GB/s  (same bytes, same run)\n",

@@ -129,7 +129,8 @@ extern "C" int bgpu_copy_to_host(int dev, void *dst, const void *src,
 /* One thread per row of (block, layer, kv, token, head). */
 __global__ void pat_kernel(struct lay L, uint8_t *base, uint64_t r,
                            uint32_t block0, uint32_t nblocks, uint32_t head0,
-                           uint32_t layer0, uint32_t tok_from, int check,
+                           uint32_t layer0, uint32_t tok_from,
+                           uint32_t tok_to, int check,
                            unsigned long long *bad)
 {
     uint64_t rows = (uint64_t)nblocks * L.layers * L.kv * L.tpb * L.heads;
@@ -145,7 +146,7 @@ __global__ void pat_kernel(struct lay L, uint8_t *base, uint64_t r,
         uint32_t l = x % L.layers;
         uint32_t b = (uint32_t)(x / L.layers);
         uint32_t gt = b * L.tpb + t;
-        if (gt < tok_from)
+        if (gt < tok_from || gt >= tok_to)
             continue;
         uint8_t *row = base + L.layer_offset[l] + kv * L.kv_stride +
                        (uint64_t)(block0 + b) * L.block_stride +
@@ -176,8 +177,8 @@ __global__ void pat_kernel(struct lay L, uint8_t *base, uint64_t r,
 
 static int run_pattern(int dev, const kvx_layout_t *l, void *base, uint64_t r,
                        uint32_t block0, uint32_t nblocks, uint32_t head0,
-                       uint32_t layer0, uint32_t tok_from, int check,
-                       uint64_t *bad)
+                       uint32_t layer0, uint32_t tok_from, uint32_t tok_to,
+                       int check, uint64_t *bad)
 {
     cudaSetDevice(dev);
     struct lay L;
@@ -200,7 +201,7 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *base, uint64_t r,
     L.tpb = l->tokens_per_block;
     L.rowbytes = l->head_dim * l->elem_size;
     pat_kernel<<<1024, 256>>>(L, (uint8_t *)base, r, block0, nblocks, head0,
-                              layer0, tok_from, check, dbad);
+                              layer0, tok_from, tok_to, check, dbad);
     unsigned long long hb = 0;
     cudaError_t e = cudaMemcpy(&hb, dbad, sizeof(hb), cudaMemcpyDeviceToHost);
     cudaFree(lo);
@@ -214,18 +215,18 @@ extern "C" int bgpu_fill(int dev, const kvx_layout_t *l, void *base,
                          uint64_t r, uint32_t block0, uint32_t nblocks,
                          uint32_t head0, uint32_t layer0)
 {
-    return run_pattern(dev, l, base, r, block0, nblocks, head0, layer0, 0, 0,
-                       NULL);
+    return run_pattern(dev, l, base, r, block0, nblocks, head0, layer0, 0,
+                       UINT32_MAX, 0, NULL);
 }
 
 extern "C" int64_t bgpu_check(int dev, const kvx_layout_t *l, void *base,
                               uint64_t r, uint32_t block0, uint32_t nblocks,
                               uint32_t head0, uint32_t layer0,
-                              uint32_t tok_from)
+                              uint32_t tok_from, uint32_t tok_to)
 {
     uint64_t bad = 0;
     if (run_pattern(dev, l, base, r, block0, nblocks, head0, layer0,
-                    tok_from, 1, &bad))
+                    tok_from, tok_to, 1, &bad))
         return -1;
     return (int64_t)bad;
 }

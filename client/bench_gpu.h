@@ -19,13 +19,13 @@ int bgpu_memset(int dev, void *p, int v, uint64_t n);
 int bgpu_copy_to_host(int dev, void *dst, const void *src, uint64_t n);
 /* Write / check the reference rows of request r in blocks
  * [block0, block0 + nblocks) of a pool with layout l on device dev.
- * Check returns mismatched rows (tokens < tok_from skipped) or -1. */
+ * Check returns mismatched rows among tokens [tok_from, tok_to), or -1. */
 int bgpu_fill(int dev, const kvx_layout_t *l, void *base, uint64_t r,
               uint32_t block0, uint32_t nblocks, uint32_t head0,
               uint32_t layer0);
 int64_t bgpu_check(int dev, const kvx_layout_t *l, void *base, uint64_t r,
                    uint32_t block0, uint32_t nblocks, uint32_t head0,
-                   uint32_t layer0, uint32_t tok_from);
+                   uint32_t layer0, uint32_t tok_from, uint32_t tok_to);
 /* cudaMemcpyPeer of bytes (one contiguous copy, repeated past 8 GiB). */
 double bgpu_peer_gbps(int src, int dst, uint64_t bytes);
 #ifdef __cplusplus

@@ -10,6 +10,7 @@
  * killed mid-read are written out here.
  */
 #include <fcntl.h>
+#include <stdint.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -296,7 +297,7 @@ TEST_T(cancel_in_flight_no_write_after, 120)
         CHECK_EQ(bgpu_copy_to_host(1, s2, p, n), 0);
         CHECK(snapshot_equal(1, p, n, s1, s2));
         /* it was in flight: some but not all of it arrived */
-        int64_t bad = bgpu_check(1, &l, p, 7, 0, BLOCKS, 0, 0, 0);
+        int64_t bad = bgpu_check(1, &l, p, 7, 0, BLOCKS, 0, 0, 0, UINT32_MAX);
         printf("cancel: %lld of %llu rows not written\n", (long long)bad,
                (unsigned long long)BLOCKS * LAYERS * 2 * TPB * HEADS);
         kvx_batch_t *bt;
