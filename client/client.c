@@ -256,6 +256,7 @@ int kvx_hello(kvx_client_t *c, const kvx_hello_t *h, int timeout_ms)
     pc.total_kv_heads = h->parallel.total_kv_heads;
     pc.n_layers_per_pp = h->parallel.num_layers_per_pp;
     pc.layers_per_pp = (uint32_t *)h->parallel.layers_per_pp;
+    pc.attention_dp = h->parallel.attention_dp;
     Kvxfer__Hello m = KVXFER__HELLO__INIT;
     m.version_major = h->version_major ? h->version_major : KVX_VERSION_MAJOR;
     m.version_minor = h->version_major ? h->version_minor : KVX_VERSION_MINOR;
@@ -641,6 +642,15 @@ int kvx_fetch(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
               size_t params_len, uint32_t pool_id, const uint32_t *blocks,
               uint32_t nblocks, uint32_t skip_tokens, int timeout_ms)
 {
+    return kvx_fetch_dp(c, request_id, params, params_len, pool_id, blocks,
+                        nblocks, skip_tokens, 0, timeout_ms);
+}
+
+int kvx_fetch_dp(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
+                 size_t params_len, uint32_t pool_id, const uint32_t *blocks,
+                 uint32_t nblocks, uint32_t skip_tokens, uint32_t dp_rank,
+                 int timeout_ms)
+{
     if (!c || (!blocks && nblocks) || (!params && params_len))
         return KVX_ERR_INVALID;
     Kvxfer__Fetch m = KVXFER__FETCH__INIT;
@@ -651,6 +661,7 @@ int kvx_fetch(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
     m.n_blocks = nblocks;
     m.blocks = (uint32_t *)blocks;
     m.skip_tokens = skip_tokens;
+    m.dp_rank = dp_rank;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_FETCH;
     rq.fetch = &m;

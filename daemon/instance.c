@@ -106,6 +106,11 @@ int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
                 "%u/%u/%u",
                 side->tp, side->pp, side->cp, id, inst->side.tp,
                 inst->side.pp, inst->side.cp);
+        if (inst->side.attention_dp != side->attention_dp)
+            WHY(KVX_ERR_MISMATCH,
+                "hello.parallel.attention_dp: %u differs from instance %s's "
+                "%u",
+                side->attention_dp, id, inst->side.attention_dp);
         if (inst->side.total_layers != side->total_layers ||
             inst->side.total_heads != side->total_heads ||
             inst->side.num_layers_per_pp != side->num_layers_per_pp ||

@@ -57,11 +57,16 @@ int plan_side_check(const plan_side_t *s, char *why, size_t why_len)
             s->total_layers);
     if (s->total_heads < 1)
         WHY(KVX_ERR_INVALID, "parallel.total_kv_heads: 0 (expected >= 1)");
-    if (s->tp <= s->total_heads ? s->total_heads % s->tp
-                                : s->tp % s->total_heads)
+    if (s->attention_dp > 1 && s->tp % s->attention_dp)
+        WHY(KVX_ERR_INVALID,
+            "parallel.attention_dp: %u does not divide tp %u",
+            s->attention_dp, s->tp);
+    uint32_t htp = s->attention_dp > 1 ? s->tp / s->attention_dp : s->tp;
+    if (htp <= s->total_heads ? s->total_heads % htp
+                              : htp % s->total_heads)
         WHY(KVX_ERR_INVALID,
             "parallel.total_kv_heads: %u heads do not split over tp %u",
-            s->total_heads, s->tp);
+            s->total_heads, htp);
     if (s->num_layers_per_pp) {
         if (s->num_layers_per_pp != s->pp)
             WHY(KVX_ERR_INVALID,
@@ -82,6 +87,20 @@ int plan_side_check(const plan_side_t *s, char *why, size_t why_len)
             s->total_layers);
     }
     return 0;
+}
+
+uint32_t plan_dp_view(const plan_side_t *s, uint32_t rank, plan_side_t *eff,
+                      uint32_t *eff_rank)
+{
+    *eff = *s;
+    uint32_t dp = s->attention_dp > 1 ? s->attention_dp : 1;
+    uint32_t group_tp = s->tp / dp;
+    uint32_t tp = (rank / s->cp) % s->tp, pp = rank / (s->tp * s->cp);
+    eff->tp = group_tp;
+    eff->attention_dp = 0;
+    *eff_rank = pp * group_tp * s->cp + (tp % group_tp) * s->cp +
+                rank % s->cp;
+    return tp / group_tp;
 }
 
 int plan_compat(const plan_side_t *a, const plan_side_t *b, char *why,

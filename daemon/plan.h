@@ -26,6 +26,7 @@ typedef struct plan_side {
     uint32_t num_layers_per_pp;
     uint32_t layers_per_pp[64];  /* empty = even split */
     uint32_t kv_factor, head_dim, elem_size, dtype, tokens_per_block;
+    uint32_t attention_dp;       /* generation side; 0/1 = off */
 } plan_side_t;
 
 typedef struct plan_slice {
@@ -76,6 +77,12 @@ uint32_t plan_tp_heads(const plan_side_t *s, uint32_t t, uint32_t *first);
 /* Is side s itself consistent (heads divide over tp, layers over pp)?
  * Returns 0 or KVX_ERR_INVALID / KVX_ERR_UNSUPPORTED with why. */
 int plan_side_check(const plan_side_t *s, char *why, size_t why_len);
+
+/* A rank of a side with attention DP, seen as a rank of the plain side
+ * the plan works on: *eff is the side with tp/attention_dp ranks per
+ * group, *eff_rank the rank inside its group, return value the group. */
+uint32_t plan_dp_view(const plan_side_t *s, uint32_t rank, plan_side_t *eff,
+                      uint32_t *eff_rank);
 
 /* Can src feed dst? 0, or KVX_ERR_MISMATCH naming the mismatch. */
 int plan_compat(const plan_side_t *src, const plan_side_t *dst, char *why,

@@ -300,6 +300,12 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     side.cp = pc->cp ? pc->cp : 1;
     side.total_layers = pc->total_layers;
     side.total_heads = pc->total_kv_heads;
+    side.attention_dp = pc->attention_dp;
+    if (pc->attention_dp > 1 && h->role != KVXFER__ROLE__ROLE_GENERATION)
+        FAIL(KVX_ERR_UNSUPPORTED,
+             "hello.parallel.attention_dp: %u: attention DP is supported on "
+             "the generation side only",
+             pc->attention_dp);
     if (pc->n_layers_per_pp > 64)
         FAIL(KVX_ERR_INVALID, "hello.parallel.layers_per_pp: %zu entries "
                               "(at most 64)",
@@ -514,7 +520,8 @@ static void on_fetch(session_t *s, const Kvxfer__Request *rq)
         goto fail;
     rc = xfer_fetch(s->inst, s->rank, m->request_id, m->context_params.data,
                     m->context_params.len, p, m->blocks,
-                    (uint32_t)m->n_blocks, m->skip_tokens, why, sizeof(why));
+                    (uint32_t)m->n_blocks, m->skip_tokens, m->dp_rank, why,
+                    sizeof(why));
 fail:
     reply(s, rq->id, rc, rc ? why : "");
 }

@@ -149,6 +149,8 @@ typedef struct genreq {
     uint64_t request_id;
     offer_t *offer;        /* NULL once detached */
     uint32_t skip_tokens;
+    uint32_t dp_rank;      /* attention-DP group receiving */
+    uint32_t need;         /* local ranks of that group */
     genpart_t *parts;      /* nranks */
     uint32_t nfetched, ndone;
     uint32_t inflight;
@@ -200,9 +202,11 @@ static int check_rank_layout(const instance_t *inst, uint32_t rank,
                              const kvx_layout_t *l, const char *what,
                              char *why, size_t why_len)
 {
-    const plan_side_t *s = &inst->side;
-    uint32_t tp = (rank / s->cp) % s->tp, pp = rank / (s->tp * s->cp), f;
-    uint32_t nl = plan_pp_layers(s, pp, &f), nh = plan_tp_heads(s, tp, &f);
+    plan_side_t s;
+    uint32_t r, f;
+    plan_dp_view(&inst->side, rank, &s, &r); /* attention DP: per group */
+    uint32_t tp = (r / s.cp) % s.tp, pp = r / (s.tp * s.cp);
+    uint32_t nl = plan_pp_layers(&s, pp, &f), nh = plan_tp_heads(&s, tp, &f);
     if (l->num_layers != nl)
         WHY(KVX_ERR_LAYOUT,
             "%s.pool_id: layout has %u layers, rank %u holds %u", what,
@@ -212,6 +216,19 @@ static int check_rank_layout(const instance_t *inst, uint32_t rank,
             "%s.pool_id: layout has %u heads, rank %u holds %u", what,
             l->num_heads, rank, nh);
     return 0;
+}
+
+/* Local ranks of inst in attention-DP group dp (all local ranks without
+ * DP): the ranks a fetch must hear from before its request completes. */
+static uint32_t group_ranks(const instance_t *inst, uint32_t dp)
+{
+    uint32_t n = 0;
+    for (uint32_t r = 0; r < inst->nranks; r++) {
+        plan_side_t e;
+        uint32_t er;
+        n += inst->local[r] && plan_dp_view(&inst->side, r, &e, &er) == dp;
+    }
+    return n;
 }
 
 static void waiters_reply(waiter_t *w)
@@ -549,7 +566,7 @@ static void part_try_start(genpart_t *p)
     }
     if (plan->nunits == 0) {
         p->done = 1;
-        if (++g->ndone == g->inst->nlocal)
+        if (++g->ndone == g->need)
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
         return;
     }
@@ -571,10 +588,26 @@ static void part_try_start(genpart_t *p)
 int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
                const uint8_t *pbuf, size_t plen, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
-               char *why, size_t why_len)
+               uint32_t dp_rank, char *why, size_t why_len)
 {
     int rc;
     Kvxfer__ContextParams *cp;
+    /* attention DP: only the named group receives; the plan sees the
+     * group as a plain instance of tp/attention_dp ranks */
+    plan_side_t dst;
+    uint32_t eff_rank;
+    uint32_t group = plan_dp_view(&inst->side, rank, &dst, &eff_rank);
+    uint32_t ngroups = inst->side.attention_dp > 1 ? inst->side.attention_dp
+                                                   : 1;
+    if (dp_rank >= ngroups)
+        WHY(KVX_ERR_INVALID,
+            "fetch.dp_rank: %u, but instance %s has %u attention-DP "
+            "group%s",
+            dp_rank, inst->id, ngroups, ngroups == 1 ? "" : "s");
+    if (group != dp_rank)
+        WHY(KVX_ERR_INVALID,
+            "fetch.dp_rank: rank %u is in attention-DP group %u, not %u",
+            rank, group, dp_rank);
     if ((rc = check_rank_layout(inst, rank, &pool->layout, "fetch", why,
                                 why_len)))
         return rc;
@@ -648,6 +681,13 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
             rc = KVX_ERR_EXISTS;
             goto out;
         }
+        if (g->dp_rank != dp_rank) {
+            snprintf(why, why_len,
+                     "fetch.dp_rank: %u differs from %u given by another rank",
+                     dp_rank, g->dp_rank);
+            rc = KVX_ERR_MISMATCH;
+            goto out;
+        }
         if (g->skip_tokens != skip) {
             snprintf(why, why_len,
                      "fetch.skip_tokens: %u differs from %u given by another "
@@ -673,11 +713,14 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
         goto out;
     }
 
-    plan_side_t dst;
     plan_t *plan;
-    side_from_layout(&dst, inst, &pool->layout);
-    if ((rc = plan_build(&o->side, &dst, rank, o->num_tokens, skip, &plan,
-                         why, why_len)))
+    {
+        plan_side_t full;
+        side_from_layout(&full, inst, &pool->layout);
+        plan_dp_view(&full, rank, &dst, &eff_rank);
+    }
+    if ((rc = plan_build(&o->side, &dst, eff_rank, o->num_tokens, skip,
+                         &plan, why, why_len)))
         goto out;
     if (nblocks < plan->dst_blocks_needed) {
         snprintf(why, why_len,
@@ -711,6 +754,8 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
         g->request_id = request_id;
         g->offer = o;
         g->skip_tokens = skip;
+        g->dp_rank = dp_rank;
+        g->need = group_ranks(inst, dp_rank);
         g->created_ms = kvxd_now_ms();
         dl_insert(&timeouts, &g->timeout,
                   g->created_ms + kvxd.conf.fetch_timeout_ms);
@@ -795,7 +840,7 @@ static void on_chunk_done(copy_job_t *job)
             genreq_end(g, g->end_kind, g->end_code, g->end_msg);
     } else if (p->units_done == p->plan->nunits) {
         p->done = 1;
-        if (++g->ndone == g->inst->nlocal)
+        if (++g->ndone == g->need)
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
     }
     schedule();
@@ -1097,7 +1142,7 @@ void xfer_tick(uint64_t now)
         snprintf(m, sizeof(m),
                  "fetch timeout of %u ms expired (%u of %u ranks fetched, "
                  "%u done)",
-                 kvxd.conf.fetch_timeout_ms, g->nfetched, g->inst->nlocal,
+                 kvxd.conf.fetch_timeout_ms, g->nfetched, g->need,
                  g->ndone);
         genreq_end(g, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
     }
@@ -1125,7 +1170,7 @@ static const char *genreq_state(const genreq_t *g)
     for (uint32_t r = 0; r < g->inst->nranks; r++)
         if (g->parts[r].fetched && !g->parts[r].started)
             return "waiting-source";
-    return g->nfetched < g->inst->nlocal ? "fetching" : "transferring";
+    return g->nfetched < g->need ? "fetching" : "transferring";
 }
 
 static Kvxfer__Count *count_new(const char *name, uint64_t v)
@@ -1239,7 +1284,7 @@ size_t xfer_infos(Kvxfer__RequestInfo ***out)
                 snprintf(detail, sizeof(detail),
                          "%u/%u ranks fetched, %u done, %u chunks in flight, "
                          "timeout in %lld ms",
-                         g->nfetched, i->nlocal, g->ndone, g->inflight,
+                         g->nfetched, g->need, g->ndone, g->inflight,
                          (long long)g->timeout.deadline_ms - (long long)now);
             }
             r->detail = strdup(detail);

@@ -30,7 +30,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
 int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
                const uint8_t *params, size_t params_len, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip_tokens,
-               char *why, size_t why_len);
+               uint32_t dp_rank, char *why, size_t why_len);
 
 /* Cancel request_id of inst. Returns 0 when done (reply now), 1 when the
  * reply to (sid, req_id) is sent after the fence, or an error. */

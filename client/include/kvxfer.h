@@ -98,6 +98,10 @@ typedef struct {
      * first ranks. */
     const uint32_t *layers_per_pp;
     uint32_t num_layers_per_pp;
+    /* Generation side only: attention data parallelism. The tp ranks form
+     * attention_dp groups of tp/attention_dp ranks; a request goes to one
+     * group (kvx_fetch_dp), whose ranks split all KV heads. 0/1 = off. */
+    uint32_t attention_dp;
 } kvx_parallel_t;
 
 /*
@@ -213,6 +217,14 @@ int kvx_fetch(kvx_client_t *client, uint64_t request_id,
               const uint8_t *params, size_t params_len, uint32_t pool_id,
               const uint32_t *blocks, uint32_t num_blocks,
               uint32_t skip_tokens, int timeout_ms);
+
+/* kvx_fetch for an instance with attention DP: dp_rank names the group
+ * that receives; only that group's ranks fetch, and the request completes
+ * when they all have their blocks. kvx_fetch is dp_rank 0. */
+int kvx_fetch_dp(kvx_client_t *client, uint64_t request_id,
+                 const uint8_t *params, size_t params_len, uint32_t pool_id,
+                 const uint32_t *blocks, uint32_t num_blocks,
+                 uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms);
 
 typedef enum {
     KVX_EVENT_COMPLETE = 1,

@@ -572,6 +572,7 @@ typedef struct side {
     const char *preset;
     uint32_t tpb;
     const uint32_t *layers_per_pp; /* NULL: even split */
+    uint32_t dp;                   /* attention DP groups (0/1: none) */
 } side_t;
 
 typedef struct rank {
@@ -596,12 +597,15 @@ static void rank_share(rank_t *r)
     const side_t *s = r->s;
     r->tp_rank = r->rank % s->tp;
     r->pp_rank = r->rank / s->tp;
-    if (s->tp <= m->heads) {
-        r->nheads = m->heads / s->tp;
-        r->head0 = r->tp_rank * r->nheads;
+    /* attention DP: heads split inside a group of tp/dp ranks */
+    uint32_t tp = s->dp > 1 ? s->tp / s->dp : s->tp;
+    uint32_t tpr = r->tp_rank % tp;
+    if (tp <= m->heads) {
+        r->nheads = m->heads / tp;
+        r->head0 = tpr * r->nheads;
     } else {
         r->nheads = 1;
-        r->head0 = r->tp_rank / (s->tp / m->heads);
+        r->head0 = tpr / (tp / m->heads);
     }
     if (s->layers_per_pp) {
         r->layer0 = 0;
@@ -627,7 +631,8 @@ static kvx_hello_t rank_hello(const rank_t *r)
                      .total_layers = r->m->layers,
                      .total_kv_heads = r->m->heads,
                      .layers_per_pp = r->s->layers_per_pp,
-                     .num_layers_per_pp = r->s->layers_per_pp ? r->s->pp : 0}};
+                     .num_layers_per_pp = r->s->layers_per_pp ? r->s->pp : 0,
+                     .attention_dp = r->s->dp}};
     return h;
 }
 
@@ -3409,6 +3414,7 @@ TEST(mismatched_models)
         {"mm-layers", {6, 4, 32, 2, KVX_DTYPE_BF16}, "total_layers"},
         {"mm-kv", {4, 4, 32, 1, KVX_DTYPE_BF16}, "kv_factor"},
         {"mm-dtype", {4, 4, 32, 2, KVX_DTYPE_FP32}, "dtype"},
+        {"mm-hdim", {4, 4, 16, 2, KVX_DTYPE_BF16}, "head_dim"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         side_t gs = {.inst = cases[i].inst,
@@ -3503,5 +3509,148 @@ TEST(replicated_late_publish)
     rank_close(&c0);
     rank_close(&c1);
     rank_close(&g);
+    daemon_stop_ok(d);
+}
+
+/* ---- property test: random configuration pairs through a real daemon ---
+ * kvxfer-bench runs real context and generation rank processes against a
+ * daemon and checks every destination row against the reference pattern,
+ * a function of (request, layer, kv, token, head) in global coordinates:
+ * the expected bytes follow from the two configurations alone, never from
+ * the daemon's plan. Seeded, so a failure reproduces; the command line is
+ * printed. */
+
+static uint32_t prng(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(*s >> 33);
+}
+
+static uint32_t pick_tp(uint64_t *s, uint32_t heads)
+{
+    /* a TP the heads split over, or replicate across (tp > heads) */
+    static const uint32_t tps[] = {1, 2, 4, 8};
+    for (;;) {
+        uint32_t tp = tps[prng(s) % 4];
+        if (heads >= tp ? heads % tp == 0 : tp % heads == 0)
+            return tp;
+    }
+}
+
+TEST_T(property_random_config_pairs, 240)
+{
+    static const char *const presets[] = {"trtllm", "vllm-nhd", "vllm-hnd",
+                                          "flashinfer", "sglang"};
+    uint64_t seed = 20261130;
+    const char *env = getenv("KVX_PROPERTY_SEED");
+    if (env)
+        seed = strtoull(env, NULL, 10);
+    int cases = 48;
+    for (int i = 0; i < cases; i++) {
+        int mla = prng(&seed) % 6 == 0;
+        uint32_t heads = mla ? 1 : 1 + prng(&seed) % 16;
+        uint32_t layers = 1 + prng(&seed) % 8;
+        uint32_t ctp = pick_tp(&seed, heads), gtp = pick_tp(&seed, heads);
+        uint32_t cpp = 1 + prng(&seed) % 4, gpp = 1 + prng(&seed) % 4;
+        if (cpp > layers)
+            cpp = layers;
+        if (gpp > layers)
+            gpp = layers;
+        if (ctp * cpp + gtp * gpp > 12) { /* keep the process count sane */
+            cpp = gpp = 1;
+        }
+        const char *cl = mla ? "mla" : presets[prng(&seed) % 5];
+        const char *gl = mla ? "mla" : presets[prng(&seed) % 5];
+        uint32_t ctpb = !strcmp(cl, "sglang") ? 1 : 1 + prng(&seed) % 64;
+        uint32_t gtpb = !strcmp(gl, "sglang") ? 1 : 1 + prng(&seed) % 64;
+        uint32_t blocks = 1 + prng(&seed) % (ctpb == 1 ? 40 : 4);
+        uint32_t tokens = blocks * ctpb;
+        uint32_t skip = prng(&seed) % 3 ? 0 : prng(&seed) % tokens;
+        uint32_t hdim = mla ? 72 : (prng(&seed) % 2 ? 16 : 24);
+        char cmd[1024];
+        snprintf(cmd, sizeof(cmd),
+                 "%s/kvxfer-bench --spawn-daemon --json --requests 3 "
+                 "--window 2 --blocks %u --layers %u --heads %u "
+                 "--head-dim %u --ctx-tp %u --ctx-pp %u --gen-tp %u "
+                 "--gen-pp %u --ctx-layout %s --gen-layout %s "
+                 "--ctx-tokens-per-block %u --gen-tokens-per-block %u "
+                 "--skip-tokens %u %s 2>&1",
+                 build_dir(), blocks, layers, heads, hdim, ctp, cpp, gtp, gpp,
+                 cl, gl, ctpb, gtpb, skip, mla ? "--mla" : "");
+        FILE *f = popen(cmd, "r");
+        CHECK(f);
+        char out[4096] = "";
+        size_t n = fread(out, 1, sizeof(out) - 1, f);
+        out[n] = 0;
+        int st = pclose(f);
+        if (i < 3)
+            printf("case %d: %.160s\n", i, out);
+        if (st != 0 || !strstr(out, "\"verified\":true")) {
+            fprintf(stderr, "case %d failed:\n%s\n-> %s\n", i, cmd, out);
+            CHECK(0);
+        }
+    }
+}
+
+/* Attention DP on the generation side: gen tp 2 in 2 groups of one rank;
+ * each request goes to one group, whose rank receives all heads, and
+ * completes when that group alone has it. */
+TEST(attention_dp)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs = {.inst = "dp-ctx", .role = KVX_ROLE_CONTEXT, .tp = 2,
+                 .pp = 1, .preset = "trtllm", .tpb = 4};
+    side_t gs = {.inst = "dp-gen", .role = KVX_ROLE_GENERATION, .tp = 2,
+                 .pp = 1, .preset = "vllm-nhd", .tpb = 4, .dp = 2};
+    rank_t c[2], g[2];
+    for (uint32_t i = 0; i < 2; i++)
+        rank_open(d, &M_SMALL, &cs, i, 8, &c[i]);
+    for (uint32_t i = 0; i < 2; i++) {
+        rank_open(d, &M_SMALL, &gs, i, 8, &g[i]);
+        CHECK_EQ(g[i].nheads, M_SMALL.heads); /* a group holds all heads */
+        memset(g[i].base, 0x5a, g[i].size);
+    }
+    static const uint32_t b1[2] = {0, 1}, b2[2] = {2, 3}, gb[2] = {4, 6};
+    kvx_context_params_t p1, p2;
+    for (int i = 0; i < 2; i++) {
+        fill_req(&c[i], 1, b1, 8);
+        fill_req(&c[i], 2, b2, 8);
+        CHECK_KVX(kvx_publish(c[i].c, 1, c[i].pool, b1, 2, 8, &p1, T_MS),
+                  c[i].c);
+        CHECK_KVX(kvx_publish(c[i].c, 2, c[i].pool, b2, 2, 8, &p2, T_MS),
+                  c[i].c);
+        if (i == 0) {
+            kvx_context_params_free(&p1);
+            kvx_context_params_free(&p2);
+        }
+    }
+    /* a rank outside the named group is refused, naming both groups */
+    CHECK_FAILS(kvx_fetch_dp(g[1].c, 12, p1.data, p1.len, g[1].pool, gb, 2,
+                             0, 0, T_MS),
+                g[1].c, KVX_ERR_INVALID, "group 1, not 0");
+    CHECK_FAILS(kvx_fetch_dp(g[0].c, 12, p1.data, p1.len, g[0].pool, gb, 2,
+                             0, 2, T_MS),
+                g[0].c, KVX_ERR_INVALID, "2 attention-DP groups");
+    CHECK_KVX(kvx_fetch_dp(g[0].c, 10, p1.data, p1.len, g[0].pool, gb, 2, 0,
+                           0, T_MS),
+              g[0].c);
+    CHECK_KVX(kvx_fetch_dp(g[1].c, 11, p2.data, p2.len, g[1].pool, gb, 2, 0,
+                           1, T_MS),
+              g[1].c);
+    ev_t ev[8];
+    int n = collect(g[0].c, ev, 8, 2, 5000);
+    print_events("gen rank 0", ev, n);
+    CHECK_EQ(n, 2);
+    CHECK(expect_event(ev, n, 10, KVX_EVENT_COMPLETE, 0));
+    CHECK(expect_event(ev, n, 11, KVX_EVENT_COMPLETE, 0));
+    expect_t e1 = {1, gb, 8, 0}, e2 = {2, gb, 8, 0};
+    CHECK_EQ(check_pool(&g[0], &e1, 1, 0x5a), 0);
+    CHECK_EQ(check_pool(&g[1], &e2, 1, 0x5a), 0);
+    kvx_context_params_free(&p1);
+    kvx_context_params_free(&p2);
+    for (int i = 0; i < 2; i++) {
+        rank_close(&g[i]);
+        rank_close(&c[i]);
+    }
     daemon_stop_ok(d);
 }
