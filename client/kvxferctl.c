@@ -8,10 +8,13 @@
  * status and requests connect without Hello (any allowed uid may look);
  * plan is computed locally with the daemon's own planner.
  */
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <yaml.h>
 
 #include "internal.h"
 #include "plan.h"
@@ -36,6 +39,9 @@ static void usage(FILE *f)
         "               --ctx-tokens-per-block T --gen-tokens-per-block T\n"
         "               --tokens N --skip-tokens N --head-dim D\n"
         "               --ctx-dtype/--gen-dtype, --ctx-head-dim/--gen-head-dim\n"
+        "               --gen-dp D (attention DP), --mla\n"
+        "             or --from FILE: a YAML file with sections context:,\n"
+        "             generation:, model:, request: (docs/operations.md)\n"
         "\n"
         "  --socket PATH   daemon socket (default %s)\n",
         KVX_DEFAULT_SOCKET);
@@ -205,6 +211,215 @@ static uint32_t num(const char *name, const char *v)
     return (uint32_t)x;
 }
 
+/* ---- kvxferctl plan --from FILE -----------------------------------------
+ * context: / generation: {tp, pp, layers_per_pp: [..], tokens_per_block,
+ * head_dim, dtype, attention_dp}; model: {layers, kv_heads, head_dim,
+ * dtype, mla}; request: {tokens, skip_tokens}. Unknown keys are errors
+ * that name FILE:LINE:COL. */
+
+struct plan_req {
+    uint32_t tokens, skip;
+};
+
+static int yerr(const char *file, const yaml_mark_t *m, const char *what,
+                const char *key)
+{
+    fprintf(stderr, "%s:%zu:%zu: %s: %s\n", file, m->line + 1,
+            m->column + 1, key, what);
+    return 1;
+}
+
+static int set_u32(const char *file, const yaml_event_t *ev, const char *key,
+                   uint32_t *out)
+{
+    char *end;
+    const char *v = (const char *)ev->data.scalar.value;
+    unsigned long x = strtoul(v, &end, 10);
+    if (!*v || *end || x > 1000000000ul)
+        return yerr(file, &ev->start_mark, "not a non-negative integer",
+                    key);
+    *out = (uint32_t)x;
+    return 0;
+}
+
+static int side_key(const char *file, yaml_parser_t *p, yaml_event_t *kev,
+                    plan_side_t *s)
+{
+    char key[64];
+    snprintf(key, sizeof(key), "%s", (const char *)kev->data.scalar.value);
+    yaml_event_t v;
+    if (!yaml_parser_parse(p, &v))
+        return yerr(file, &p->problem_mark, p->problem, "yaml");
+    int rc = 0;
+    if (!strcmp(key, "layers_per_pp")) {
+        if (v.type != YAML_SEQUENCE_START_EVENT) {
+            rc = yerr(file, &v.start_mark, "expected a list of integers",
+                      key);
+        } else {
+            s->num_layers_per_pp = 0;
+            for (;;) {
+                yaml_event_t e;
+                if (!yaml_parser_parse(p, &e)) {
+                    rc = yerr(file, &p->problem_mark, p->problem, "yaml");
+                    break;
+                }
+                if (e.type == YAML_SEQUENCE_END_EVENT) {
+                    yaml_event_delete(&e);
+                    break;
+                }
+                if (e.type != YAML_SCALAR_EVENT || s->num_layers_per_pp >= 64 ||
+                    set_u32(file, &e, key,
+                            &s->layers_per_pp[s->num_layers_per_pp++])) {
+                    rc = rc ? rc : yerr(file, &e.start_mark,
+                                        "expected up to 64 integers", key);
+                    yaml_event_delete(&e);
+                    break;
+                }
+                yaml_event_delete(&e);
+            }
+        }
+        yaml_event_delete(&v);
+        return rc;
+    }
+    if (v.type != YAML_SCALAR_EVENT) {
+        rc = yerr(file, &v.start_mark, "expected a scalar", key);
+    } else if (!strcmp(key, "tp")) {
+        rc = set_u32(file, &v, key, &s->tp);
+    } else if (!strcmp(key, "pp")) {
+        rc = set_u32(file, &v, key, &s->pp);
+    } else if (!strcmp(key, "tokens_per_block")) {
+        rc = set_u32(file, &v, key, &s->tokens_per_block);
+    } else if (!strcmp(key, "head_dim")) {
+        rc = set_u32(file, &v, key, &s->head_dim);
+    } else if (!strcmp(key, "attention_dp")) {
+        rc = set_u32(file, &v, key, &s->attention_dp);
+    } else if (!strcmp(key, "layers")) {
+        rc = set_u32(file, &v, key, &s->total_layers);
+    } else if (!strcmp(key, "kv_heads")) {
+        rc = set_u32(file, &v, key, &s->total_heads);
+    } else if (!strcmp(key, "dtype")) {
+        kvx_dtype_t dt;
+        if (kvx_dtype_parse((const char *)v.data.scalar.value, &dt))
+            rc = yerr(file, &v.start_mark,
+                      "unknown dtype (expected fp32, fp16, bf16, fp8, int8)",
+                      key);
+        s->dtype = dt;
+        s->elem_size = kvx_dtype_size(dt);
+    } else if (!strcmp(key, "mla")) {
+        const char *b = (const char *)v.data.scalar.value;
+        if (!strcmp(b, "true")) {
+            s->kv_factor = 1;
+            s->total_heads = 1;
+        } else if (strcmp(b, "false")) {
+            rc = yerr(file, &v.start_mark, "expected true or false", key);
+        }
+    } else {
+        rc = yerr(file, &kev->start_mark,
+                  "unknown key (expected tp, pp, layers_per_pp, "
+                  "tokens_per_block, head_dim, dtype, attention_dp, "
+                  "layers, kv_heads, mla)",
+                  key);
+    }
+    yaml_event_delete(&v);
+    return rc;
+}
+
+static int load_plan_file(const char *file, plan_side_t *src,
+                          plan_side_t *dst, struct plan_req *rq)
+{
+    FILE *f = fopen(file, "r");
+    if (!f) {
+        fprintf(stderr, "kvxferctl: plan: %s: %s\n", file, strerror(errno));
+        return 1;
+    }
+    yaml_parser_t p;
+    yaml_parser_initialize(&p);
+    yaml_parser_set_input_file(&p, f);
+    int rc = 0, depth = 0;
+    plan_side_t *cur[2] = {NULL, NULL}; /* sides the section applies to */
+    int in_request = 0;
+    char section[32] = "";
+    for (int done = 0; !done && !rc;) {
+        yaml_event_t ev;
+        if (!yaml_parser_parse(&p, &ev)) {
+            rc = yerr(file, &p.problem_mark,
+                      p.problem ? p.problem : "syntax error", "yaml");
+            break;
+        }
+        switch (ev.type) {
+        case YAML_STREAM_END_EVENT:
+            done = 1;
+            break;
+        case YAML_MAPPING_START_EVENT:
+            depth++;
+            break;
+        case YAML_MAPPING_END_EVENT:
+            depth--;
+            break;
+        case YAML_SCALAR_EVENT:
+            if (depth == 1) {
+                snprintf(section, sizeof(section), "%s",
+                         (const char *)ev.data.scalar.value);
+                in_request = !strcmp(section, "request");
+                cur[0] = !strcmp(section, "context") ? src
+                         : !strcmp(section, "generation") ? dst
+                         : !strcmp(section, "model") ? src
+                                                     : NULL;
+                cur[1] = !strcmp(section, "model") ? dst : NULL;
+                if (!cur[0] && !in_request)
+                    rc = yerr(file, &ev.start_mark,
+                              "unknown section (expected context, "
+                              "generation, model, request)",
+                              section);
+            } else if (depth == 2 && in_request) {
+                char key[32];
+                snprintf(key, sizeof(key), "%s",
+                         (const char *)ev.data.scalar.value);
+                yaml_event_t v;
+                if (!yaml_parser_parse(&p, &v)) {
+                    rc = yerr(file, &p.problem_mark, p.problem, "yaml");
+                    break;
+                }
+                if (v.type != YAML_SCALAR_EVENT)
+                    rc = yerr(file, &v.start_mark, "expected an integer",
+                              key);
+                else if (!strcmp(key, "tokens"))
+                    rc = set_u32(file, &v, key, &rq->tokens);
+                else if (!strcmp(key, "skip_tokens"))
+                    rc = set_u32(file, &v, key, &rq->skip);
+                else
+                    rc = yerr(file, &ev.start_mark,
+                              "unknown key (expected tokens, skip_tokens)",
+                              key);
+                yaml_event_delete(&v);
+            } else if (depth == 2) {
+                plan_side_t before = *cur[0];
+                rc = side_key(file, &p, &ev, cur[0]);
+                if (!rc && cur[1]) { /* model keys apply to both sides */
+                    plan_side_t *o = cur[1];
+                    o->total_layers = cur[0]->total_layers;
+                    o->total_heads = cur[0]->total_heads;
+                    o->head_dim = cur[0]->head_dim;
+                    o->dtype = cur[0]->dtype;
+                    o->elem_size = cur[0]->elem_size;
+                    o->kv_factor = cur[0]->kv_factor;
+                }
+                (void)before;
+            } else {
+                rc = yerr(file, &ev.start_mark,
+                          "expected section: key: value", "yaml");
+            }
+            break;
+        default:
+            break;
+        }
+        yaml_event_delete(&ev);
+    }
+    yaml_parser_delete(&p);
+    fclose(f);
+    return rc;
+}
+
 static int cmd_plan(int argc, char **argv)
 {
     plan_side_t src = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 32,
@@ -230,6 +445,8 @@ static int cmd_plan(int argc, char **argv)
         {"ctx-dtype", required_argument, NULL, 14},
         {"gen-dtype", required_argument, NULL, 15},
         {"mla", no_argument, NULL, 16},
+        {"gen-dp", required_argument, NULL, 17},
+        {"from", required_argument, NULL, 18},
         {NULL, 0, NULL, 0}};
     int opt;
     optind = 1;
@@ -268,6 +485,15 @@ static int cmd_plan(int argc, char **argv)
             src.kv_factor = dst.kv_factor = 1;
             src.total_heads = dst.total_heads = 1;
             break;
+        case 17: dst.attention_dp = num("gen-dp", optarg); break;
+        case 18: {
+            struct plan_req rq = {tokens, skip};
+            if (load_plan_file(optarg, &src, &dst, &rq))
+                return 1;
+            tokens = rq.tokens;
+            skip = rq.skip;
+            break;
+        }
         default:
             usage(stderr);
             return 2;
@@ -298,9 +524,17 @@ static int cmd_plan(int argc, char **argv)
     printf("request:    tokens [%u, %u)\n\n", skip, tokens);
     uint32_t n = plan_side_ranks(&dst);
     uint64_t total = 0;
+    if (dst.attention_dp > 1)
+        printf("attention DP: %u groups of %u ranks; a request goes to one "
+               "group (the plan of group 0 is shown; others are alike)\n\n",
+               dst.attention_dp, dst.tp / dst.attention_dp);
     for (uint32_t r = 0; r < n; r++) {
         plan_t *p;
-        if ((rc = plan_build(&src, &dst, r, tokens, skip, &p, why,
+        plan_side_t eff;
+        uint32_t er;
+        if (plan_dp_view(&dst, r, &eff, &er) != 0)
+            continue; /* not in group 0 */
+        if ((rc = plan_build(&src, &eff, er, tokens, skip, &p, why,
                              sizeof(why)))) {
             fprintf(stderr, "kvxferctl: plan: refused: %s (%s)\n", why,
                     kvx_status_name(rc));
