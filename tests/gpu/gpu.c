@@ -374,3 +374,58 @@ TEST_T(client_killed_while_pool_read, 120)
     daemon_stop(&d);
     bench("--requests 2 --blocks 8 --layers 4");
 }
+
+/* The property test of the integration suite, on GPU pools: random
+ * configuration pairs (TP, PP, heads, tokens per block, presets, skip,
+ * MLA), context pools on GPU 0 and generation pools on GPU 1, every row
+ * checked against the reference pattern by a kernel. */
+static uint32_t prng(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(*s >> 33);
+}
+
+static uint32_t pick_tp(uint64_t *s, uint32_t heads)
+{
+    static const uint32_t tps[] = {1, 2, 4};
+    for (;;) {
+        uint32_t tp = tps[prng(s) % 3];
+        if (heads >= tp ? heads % tp == 0 : tp % heads == 0)
+            return tp;
+    }
+}
+
+TEST_T(property_random_config_pairs_gpu, 400)
+{
+    NEED_GPUS(2);
+    static const char *const pr[] = {"trtllm", "vllm-nhd", "vllm-hnd",
+                                     "flashinfer", "sglang"};
+    uint64_t seed = 4242;
+    for (int i = 0; i < 16; i++) {
+        int mla = prng(&seed) % 6 == 0;
+        uint32_t heads = mla ? 1 : 1 + prng(&seed) % 8;
+        uint32_t layers = 1 + prng(&seed) % 6;
+        uint32_t ctp = pick_tp(&seed, heads), gtp = pick_tp(&seed, heads);
+        uint32_t cpp = 1 + prng(&seed) % 2, gpp = 1 + prng(&seed) % 2;
+        if (cpp > layers)
+            cpp = layers;
+        if (gpp > layers)
+            gpp = layers;
+        const char *cl = mla ? "mla" : pr[prng(&seed) % 5];
+        const char *gl = mla ? "mla" : pr[prng(&seed) % 5];
+        uint32_t ctpb = !strcmp(cl, "sglang") ? 1 : 1 + prng(&seed) % 32;
+        uint32_t gtpb = !strcmp(gl, "sglang") ? 1 : 1 + prng(&seed) % 32;
+        uint32_t blocks = 1 + prng(&seed) % (ctpb == 1 ? 40 : 4);
+        uint32_t skip = prng(&seed) % 3 ? 0 : prng(&seed) % (blocks * ctpb);
+        char args[512];
+        snprintf(args, sizeof(args),
+                 "--requests 3 --window 2 --blocks %u --layers %u --heads %u "
+                 "--head-dim %u --ctx-tp %u --ctx-pp %u --gen-tp %u "
+                 "--gen-pp %u --ctx-layout %s --gen-layout %s "
+                 "--ctx-tokens-per-block %u --gen-tokens-per-block %u "
+                 "--skip-tokens %u %s",
+                 blocks, layers, heads, mla ? 72 : 64, ctp, cpp, gtp, gpp, cl,
+                 gl, ctpb, gtpb, skip, mla ? "--mla" : "");
+        bench(args);
+    }
+}
