@@ -153,8 +153,9 @@ static void daemon_start(struct daemon *d)
     snprintf(log, sizeof(log), "%s/d.log", d->dir);
     FILE *f = fopen(cfg, "w");
     CHECK(f);
-    /* small GPU chunks: many launches, so a cancel lands mid-transfer */
-    fprintf(f, "gpu:\n  chunk_bytes: 1MiB\n  max_ctas: 4\n");
+    /* small GPU chunks and one CTA: many slow launches, so a cancel or a
+     * kill lands mid-transfer (2 GiB at full speed takes ~6 ms) */
+    fprintf(f, "gpu:\n  chunk_bytes: 1MiB\n  max_ctas: 1\n");
     fclose(f);
     snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
     d->pid = fork();
