@@ -503,13 +503,27 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
     return 0;
 }
 
+int gpu_started(void) { return g.state > 0; }
+
 int gpu_host_register(void *base, uint64_t size)
 {
-    if (start())
+    /* the loop starts CUDA (start()); a worker only pins once it runs */
+    if (g.state <= 0 && start())
         return KVX_ERR_UNSUPPORTED;
+    /* register through a context that exists: no new context on a GPU
+     * without pools (a worker thread has no current device yet) */
+    for (int d = 0; d < g.ndev; d++)
+        if (g.used[d]) {
+            cudaSetDevice(d);
+            break;
+        }
     cudaError_t e = cudaHostRegister(base, size,
                                      cudaHostRegisterPortable |
                                          cudaHostRegisterMapped);
+    if (e == cudaErrorHostMemoryAlreadyRegistered) {
+        (void)cudaGetLastError(); /* pinned by the populate job already */
+        return 0;
+    }
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         return KVX_ERR_IO;

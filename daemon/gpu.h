@@ -55,8 +55,10 @@ void gpu_import_unref(gpu_import_t *imp);
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
                    size_t why_len);
 
+/* Is CUDA up with at least one GPU (a GPU pool was registered)? */
+int gpu_started(void);
 /* Pin a host pool so kernels can read and write it (mixed copies).
- * Blocking: call from a worker thread. */
+ * Blocking. Pinning what is already pinned succeeds. */
 int gpu_host_register(void *base, uint64_t size);
 void gpu_host_unregister(void *base);
 

@@ -36,6 +36,8 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
     return KVX_ERR_UNSUPPORTED;
 }
 
+int gpu_started(void) { return 0; }
+
 int gpu_host_register(void *base, uint64_t size)
 {
     (void)base;

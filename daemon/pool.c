@@ -210,20 +210,27 @@ void pool_release(pool_t *p)
  * does not take a page fault per 4 KiB. Blocking work, never on the loop. */
 static void populate_run(copy_job_t *j)
 {
-    pool_t *p = j->owner;
+    pool_t *p = j->owner; /* base, size and pin_on_populate: set before */
 #ifdef MADV_POPULATE_WRITE
-    if (madvise(p->base, p->size, MADV_POPULATE_WRITE) == 0)
-        return;
+    if (madvise(p->base, p->size, MADV_POPULATE_WRITE) != 0)
 #endif
-    /* older kernels: touch one byte per page (reading keeps contents) */
-    long pg = sysconf(_SC_PAGESIZE);
-    for (uint64_t off = 0; off < p->size; off += (uint64_t)pg)
-        (void)*(volatile uint8_t *)(p->base + off);
+    {
+        /* older kernels: touch one byte per page (reading keeps data) */
+        long pg = sysconf(_SC_PAGESIZE);
+        for (uint64_t off = 0; off < p->size; off += (uint64_t)pg)
+            (void)*(volatile uint8_t *)(p->base + off);
+    }
+    /* the result travels in the job; the loop sets p->pinned */
+    if (p->pin_on_populate)
+        j->status = gpu_host_register(p->base, p->size) ? 1 : 0;
 }
 
 static void populate_done(copy_job_t *j)
 {
-    pool_unref(j->owner);
+    pool_t *p = j->owner;
+    if (p->pin_on_populate && j->status == 0)
+        p->pinned = 1;
+    pool_unref(p);
     free(j);
 }
 
@@ -237,6 +244,9 @@ void pool_populate(pool_t *p)
     j->run = populate_run;
     j->done = populate_done;
     j->owner = p;
+    /* with GPUs in use, pin here too, off the loop: a mixed GPU/host copy
+     * would otherwise pin on the loop thread at its first use */
+    p->pin_on_populate = gpu_started();
     pool_ref(p); /* the mapping outlives the job */
     copy_submit(j);
 }

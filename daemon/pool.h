@@ -22,6 +22,7 @@ typedef struct pool {
     int device;          /* daemon's CUDA ordinal, GPU pools */
     gpu_import_t *import;
     int pinned;          /* host pool registered with CUDA (mixed copies) */
+    int pin_on_populate; /* the populate job also pins (set before it) */
     uint8_t *base;
     uint64_t size;
     kvx_layout_t layout;
