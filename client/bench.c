@@ -71,6 +71,7 @@ struct shared {
     _Atomic uint32_t ready;          /* ranks connected and registered */
     _Atomic uint32_t go;
     _Atomic uint32_t ready2, go2;     /* between warm-up and timed pass */
+    _Atomic uint32_t ready3, go3;     /* before any rank disconnects */
     _Atomic uint32_t failed;
     char address[192];
     _Atomic uint64_t first_fetch_ns, last_done_ns;
@@ -382,6 +383,9 @@ static void ctx_main(uint32_t rank)
             fill_request(&v, r);
     barrier(&sh->ready2, &sh->go2);
     ctx_run(c, &v, rank, pool, first, per, reuse && !o.no_verify);
+    /* a rank that leaves ends its instance's requests: with replicated
+     * heads other ranks may still be publishing theirs */
+    barrier(&sh->ready3, &sh->go3);
     kvx_close(c);
     exit(0);
 }
@@ -482,6 +486,7 @@ static void gen_main(uint32_t rank)
                        o.head_dim * kvx_dtype_size(o.dtype);
     atomic_fetch_add(&sh->mismatches, bad);
     atomic_fetch_add(&sh->verified_bytes, checked * per_req);
+    barrier(&sh->ready3, &sh->go3);
     kvx_close(c);
     exit(0);
 }
@@ -858,6 +863,9 @@ int main(int argc, char **argv)
     while (atomic_load(&sh->ready2) < nproc && !atomic_load(&sh->failed))
         usleep(1000);
     atomic_store(&sh->go2, 1);
+    while (atomic_load(&sh->ready3) < nproc && !atomic_load(&sh->failed))
+        usleep(1000);
+    atomic_store(&sh->go3, 1);
     int failed = 0;
     for (uint32_t i = 0; i < nproc; i++) {
         int st;

@@ -829,14 +829,14 @@ static void on_chunk_done(copy_job_t *job)
     if (!status)
         kvxd.stats.bytes_moved += job->bytes;
     free(job);
+    /* each branch calls genreq_end at most once: it may free g */
     if (status && !g->ending) {
         char m[96];
         snprintf(m, sizeof(m), "copy failed on %s: %s",
                  p->gpu ? "the GPU" : "a worker", kvx_status_str(status));
         genreq_end(g, KVX_EVENT_ERROR, status, m);
-    }
-    if (g->ending) {
-        if (g->inflight == 0)
+    } else if (g->ending) {
+        if (g->inflight == 0) /* the fence is complete: finalize */
             genreq_end(g, g->end_kind, g->end_code, g->end_msg);
     } else if (p->units_done == p->plan->nunits) {
         p->done = 1;
@@ -1035,9 +1035,20 @@ int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
     cw->sid = sid;
     cw->req_id = req_id;
     cw->pending = 1; /* held by this function until both ends are called */
-    if ((o && waiter_add(&o->waiters, cw)) ||
-        (g && (!o || g->offer != o) && waiter_add(&g->waiters, cw))) {
-        /* out of memory: the added waiter (if any) answers; no hang */
+    if (o && waiter_add(&o->waiters, cw)) {
+        free(cw);
+        WHY(KVX_ERR_NOMEM, "cancel: out of memory");
+    }
+    if (g && (!o || g->offer != o) && waiter_add(&g->waiters, cw)) {
+        /* o's waiter (if any) holds cw; nothing has ended yet, so the
+         * request stays as it was and the cancel fails cleanly */
+        if (o) {
+            waiter_t *w = o->waiters;
+            o->waiters = w->next;
+            free(w);
+        }
+        free(cw);
+        WHY(KVX_ERR_NOMEM, "cancel: out of memory");
     }
     uint64_t oid = o ? o->request_id : 0;
     if (g)
