@@ -250,8 +250,10 @@ int main(int argc, char **argv)
     int rc = 1;
     if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us))
         goto out;
-    if (server_init())
+    if (session_init(kvxd.loop))
         goto err_copy;
+    if (server_init())
+        goto err_session;
     uv_signal_init(kvxd.loop, &sig_term);
     uv_signal_init(kvxd.loop, &sig_int);
     uv_signal_init(kvxd.loop, &sig_hup);
@@ -272,6 +274,8 @@ int main(int argc, char **argv)
     rc = 0;
     session_close_all("daemon exiting");
     server_cleanup();
+err_session:
+    session_cleanup();
 err_copy:
     copy_cleanup();
     gpu_cleanup();

@@ -46,12 +46,21 @@ struct session {
     kvx_role_t role;
     map_t pools;                /* pool_id -> pool_t, registered here */
     int closing;
+    const char *close_why;      /* set: close at the next safe point */
 };
 
 static map_t sessions;
 static uint64_t next_sid = 1;
 
+/* Sessions to close at a safe point. A write can fail deep inside the end
+ * of a request (an event delivered to a gone client); closing there would
+ * end other requests while the caller still walks them. So output errors
+ * only mark the session, and the closer runs from the loop's top level. */
+static uv_async_t closer;
+static int closer_open;
+
 static void session_close(session_t *s, const char *why);
+static void session_close_later(session_t *s, const char *why);
 static void flush(session_t *s);
 static void on_io(uv_poll_t *h, int status, int events);
 
@@ -60,7 +69,7 @@ static void on_io(uv_poll_t *h, int status, int events);
 static void want_events(session_t *s)
 {
     int ev = UV_READABLE | UV_DISCONNECT | (s->out_len > s->out_off ? UV_WRITABLE : 0);
-    if (s->closing || ev == s->poll_events)
+    if (s->closing || s->close_why || ev == s->poll_events)
         return;
     s->poll_events = ev;
     uv_poll_start(&s->poll, ev, on_io);
@@ -68,11 +77,11 @@ static void want_events(session_t *s)
 
 static void reply_packed(session_t *s, const Kvxfer__Reply *r)
 {
-    if (s->closing)
+    if (s->closing || s->close_why)
         return;
     size_t n = kvxfer__reply__get_packed_size(r);
     if (s->out_len - s->out_off + n + FRAME_HDR > OUT_MAX) {
-        session_close(s, "client not reading its replies");
+        session_close_later(s, "client not reading its replies");
         return;
     }
     if (s->out_cap - s->out_len < n + FRAME_HDR) {
@@ -86,7 +95,7 @@ static void reply_packed(session_t *s, const Kvxfer__Reply *r)
             ncap *= 2;
         uint8_t *nb = realloc(s->out, ncap);
         if (!nb) {
-            session_close(s, "out of memory for replies");
+            session_close_later(s, "out of memory for replies");
             return;
         }
         s->out = nb;
@@ -127,6 +136,8 @@ void session_reply_msg(uint64_t sid, Kvxfer__Reply *r)
 
 static void flush(session_t *s)
 {
+    if (s->close_why)
+        return;
     while (s->out_off < s->out_len) {
         ssize_t n = send(s->fd, s->out + s->out_off, s->out_len - s->out_off,
                          MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -136,7 +147,7 @@ static void flush(session_t *s)
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 break;
             log_debug("session %llu: send: %m", (unsigned long long)s->id);
-            session_close(s, "send failed");
+            session_close_later(s, "send failed");
             return;
         }
         s->out_off += (size_t)n;
@@ -694,7 +705,7 @@ static void on_readable(session_t *s)
         const uint8_t *msg;
         uint32_t len;
         int rc;
-        while (!s->closing) {
+        while (!s->closing && !s->close_why) {
             uint32_t cap = s->hello ? kvxd.conf.max_frame_bytes
                                     : kvxd.conf.hello_frame_bytes;
             rc = frame_reader_next(&s->rd, cap, &msg, &len);
@@ -714,7 +725,7 @@ static void on_readable(session_t *s)
             }
             handle_frame(s, msg, len);
         }
-        if (s->closing)
+        if (s->closing || s->close_why)
             return;
         if ((size_t)n < room)
             return; /* drained; level-triggered polling calls us again */
@@ -735,6 +746,45 @@ static void on_io(uv_poll_t *h, int status, int events)
 }
 
 /* ---- life ------------------------------------------------------------- */
+
+static void on_closer(uv_async_t *a)
+{
+    (void)a;
+    uint32_t n = sessions.n;
+    session_t **all = calloc(n ? n : 1, sizeof(*all));
+    if (!all)
+        return;
+    n = map_values(&sessions, (void **)all, n);
+    for (uint32_t i = 0; i < n; i++)
+        if (all[i]->close_why && !all[i]->closing)
+            session_close(all[i], all[i]->close_why);
+    free(all);
+}
+
+static void session_close_later(session_t *s, const char *why)
+{
+    if (s->closing || s->close_why)
+        return;
+    s->close_why = why;
+    uv_poll_stop(&s->poll); /* nothing more in or out until closed */
+    uv_async_send(&closer);
+}
+
+int session_init(uv_loop_t *loop)
+{
+    if (uv_async_init(loop, &closer, on_closer))
+        return KVX_ERR_IO;
+    closer_open = 1;
+    return 0;
+}
+
+void session_cleanup(void)
+{
+    if (closer_open) {
+        uv_close((uv_handle_t *)&closer, NULL);
+        closer_open = 0;
+    }
+}
 
 int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
 {

@@ -14,11 +14,17 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include <uv.h>
+
 #include "kvxfer.pb-c.h"
 
 struct instance;
 
 typedef struct session session_t;
+
+/* Set up / take down what sessions share (the deferred closer). */
+int session_init(uv_loop_t *loop);
+void session_cleanup(void);
 
 /* Take a connected socket (nonblocking). Returns 0 or a negative status. */
 int session_start(int fd, pid_t pid, uid_t uid, gid_t gid);
