@@ -3574,6 +3574,9 @@ TEST_T(property_random_config_pairs, 240)
         uint32_t hdim = mla ? 72 : (prng(&seed) % 2 ? 16 : 24);
         char cmd[1024];
         snprintf(cmd, sizeof(cmd),
+                 /* the bench's rank processes exit without freeing:
+                  * leak reports there are noise under make asan */
+                 "ASAN_OPTIONS=detect_leaks=0 "
                  "%s/kvxfer-bench --spawn-daemon --json --requests 3 "
                  "--window 2 --blocks %u --layers %u --heads %u "
                  "--head-dim %u --ctx-tp %u --ctx-pp %u --gen-tp %u "
