@@ -230,6 +230,7 @@ static void populate_done(copy_job_t *j)
     pool_t *p = j->owner;
     if (p->pin_on_populate && j->status == 0)
         p->pinned = 1;
+    p->populating = 0;
     pool_unref(p);
     free(j);
 }
@@ -248,6 +249,7 @@ void pool_populate(pool_t *p)
      * would otherwise pin on the loop thread at its first use */
     p->pin_on_populate = gpu_started();
     pool_ref(p); /* the mapping outlives the job */
+    p->populating = 1;
     copy_submit(j);
 }
 

@@ -23,6 +23,7 @@ typedef struct pool {
     gpu_import_t *import;
     int pinned;          /* host pool registered with CUDA (mixed copies) */
     int pin_on_populate; /* the populate job also pins (set before it) */
+    int populating;      /* a populate job holds a reference */
     uint8_t *base;
     uint64_t size;
     kvx_layout_t layout;

@@ -75,7 +75,8 @@ void stats_fill(Kvxfer__StatusReply *st)
             pi->size = pools[i]->size;
             pi->preset = pools[i]->layout.preset;
             pi->num_blocks = pools[i]->layout.num_blocks;
-            pi->users = pools[i]->users - !pools[i]->released;
+            pi->users = pools[i]->users - !pools[i]->released -
+                        (pools[i]->populating ? 1 : 0);
             st->pools[st->n_pools++] = pi;
         }
     }

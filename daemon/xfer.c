@@ -1129,7 +1129,12 @@ void xfer_end_pool_users(const pool_t *pool, int code, const char *msg)
     }
 }
 
-uint32_t xfer_pool_users(const pool_t *pool) { return pool->users - 1; }
+/* References other than the registration and a populate job are
+ * requests'. */
+uint32_t xfer_pool_users(const pool_t *pool)
+{
+    return pool->users - 1 - (pool->populating ? 1 : 0);
+}
 
 void xfer_tick(uint64_t now)
 {

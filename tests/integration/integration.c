@@ -1040,6 +1040,8 @@ typedef struct xcase {
     uint32_t cbl[XMAX_REQ][512], gbl[XMAX_REQ][512];
     daemon_t *d;
     _Atomic int *connected;
+    _Atomic int *finished; /* ranks done: none leaves before all are (a
+                              leaving rank ends its instance's requests) */
     pslot_t *slots; /* nreq x nctx */
 } xcase_t;
 
@@ -1088,6 +1090,7 @@ static void x_ctx_main(void *arg)
     CHECK_EQ(n, x->nreq);
     for (uint32_t q = 0; q < x->nreq; q++)
         expect_event(ev, n, x->ids[q], KVX_EVENT_COMPLETE, 0);
+    barrier(x->finished, (int)(x_nranks(&x->ctx) + x_nranks(&x->gen)));
     rank_close(&r);
 }
 
@@ -1121,6 +1124,7 @@ static void x_gen_main(void *arg)
     for (uint32_t q = 0; q < x->nreq; q++)
         e[q] = (expect_t){x->ids[q], x->gbl[q], x->ntok[q], x->skip};
     CHECK_EQ(check_pool(&r, e, (int)x->nreq, 0xa5), 0);
+    barrier(x->finished, (int)(x_nranks(&x->ctx) + x_nranks(&x->gen)));
     rank_close(&r);
 }
 
@@ -1163,6 +1167,7 @@ static void xfer_case(daemon_t *d, const model_t *m, const side_t *ctx,
     uint32_t nctx = x_nranks(ctx), ngen = x_nranks(gen);
     CHECK(nctx + ngen <= XMAX_RANKS);
     x->connected = shm_alloc(sizeof(*x->connected));
+    x->finished = shm_alloc(sizeof(*x->finished));
     x->slots = shm_alloc(sizeof(pslot_t) * nreq * nctx);
     rank_arg_t args[XMAX_RANKS];
     pid_t pids[XMAX_RANKS];
