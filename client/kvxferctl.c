@@ -395,16 +395,17 @@ static int load_plan_file(const char *file, plan_side_t *src,
             } else if (depth == 2) {
                 plan_side_t before = *cur[0];
                 rc = side_key(file, &p, &ev, cur[0]);
-                if (!rc && cur[1]) { /* model keys apply to both sides */
-                    plan_side_t *o = cur[1];
-                    o->total_layers = cur[0]->total_layers;
-                    o->total_heads = cur[0]->total_heads;
-                    o->head_dim = cur[0]->head_dim;
-                    o->dtype = cur[0]->dtype;
-                    o->elem_size = cur[0]->elem_size;
-                    o->kv_factor = cur[0]->kv_factor;
+                if (!rc && cur[1]) {
+                    /* a model key applies to both sides: copy the fields
+                     * it changed, wherever the sections stand */
+                    plan_side_t *a = cur[0], *o = cur[1];
+#define SAME(f)                                                             \
+    if (a->f != before.f)                                                   \
+        o->f = a->f;
+                    SAME(total_layers) SAME(total_heads) SAME(head_dim)
+                    SAME(dtype) SAME(elem_size) SAME(kv_factor)
+#undef SAME
                 }
-                (void)before;
             } else {
                 rc = yerr(file, &ev.start_mark,
                           "expected section: key: value", "yaml");

@@ -311,7 +311,7 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     side.cp = pc->cp ? pc->cp : 1;
     side.total_layers = pc->total_layers;
     side.total_heads = pc->total_kv_heads;
-    side.attention_dp = pc->attention_dp;
+    side.attention_dp = pc->attention_dp > 1 ? pc->attention_dp : 0;
     if (pc->attention_dp > 1 && h->role != KVXFER__ROLE__ROLE_GENERATION)
         FAIL(KVX_ERR_UNSUPPORTED,
              "hello.parallel.attention_dp: %u: attention DP is supported on "
