@@ -63,7 +63,7 @@ BINS := $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench \
 UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/test_*.c))
 ITEST      := $(BUILD)/tests/integration
 
-.PHONY: all deps test asan demo install uninstall clean bundle help test-gpu lint
+.PHONY: all deps test asan demo install uninstall clean bundle help test-gpu lint fuzz
 all: $(BINS)
 
 help:
@@ -74,6 +74,7 @@ help:
 	@echo "make test-gpu   GPU tests (skips without a GPU)"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make lint       cppcheck, no warnings allowed"
+	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
 
 deps:
 	@scripts/deps.sh
@@ -174,6 +175,19 @@ uninstall:
 	    $(DESTDIR)$(PREFIX)/lib/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/libkvxfer.so.1 \
 	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
 	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
+
+# libFuzzer targets (clang): every decoder, FUZZ_SECONDS each.
+FUZZ_SECONDS ?= 30
+fuzz: $(GEN)
+	@tests/fuzz/build.sh
+	@for t in frame request params config; do \
+	    mkdir -p build/fuzz/corpus-$$t; \
+	    echo "== fuzz_$$t, $(FUZZ_SECONDS) s"; \
+	    build/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -max_len=8192 \
+	        build/fuzz/corpus-$$t $$([ $$t = config ] && echo config) \
+	        > build/fuzz/$$t.log 2>&1 || { tail -n 40 build/fuzz/$$t.log; exit 1; }; \
+	    grep "DONE" build/fuzz/$$t.log; \
+	done
 
 lint: $(GEN)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \

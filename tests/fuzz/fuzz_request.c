@@ -6,9 +6,6 @@
  * block count comes from the request id), xfer_params_decode for Fetch.
  * Whatever a validator accepts must really hold.
  *
- * Built with -DKVX_FUZZ_SKIP_KNOWN_BUGS it steps around the bugs listed
- * in tests/fuzz/README.md, so a run can look for new ones; drop each skip
- * once its bug is fixed.
  */
 #include "../../daemon/session.c"
 
@@ -40,42 +37,16 @@ static void refused(int rc, const char *why, size_t why_len)
     MUST(why[0] != 0);
 }
 
-#ifdef KVX_FUZZ_SKIP_KNOWN_BUGS
-/* Layers not evenly spaced take the region check whose error path reads
- * freed memory (client/layout.c). */
-static int uneven_layers(const kvx_layout_t *l)
-{
-    if (l->num_layers < 2 || l->num_layers > KVX_MAX_LAYERS)
-        return 0;
-    uint64_t d = l->layer_offset[1] - l->layer_offset[0];
-    if (l->layer_offset[1] <= l->layer_offset[0])
-        return 1;
-    for (uint32_t i = 2; i < l->num_layers; i++)
-        if (l->layer_offset[i] <= l->layer_offset[i - 1] ||
-            l->layer_offset[i] - l->layer_offset[i - 1] != d)
-            return 1;
-    return 0;
-}
-#endif
 
 static void on_layout(const Kvxfer__RegisterPool *m)
 {
     kvx_layout_t l;
     char why[512];
-#ifdef KVX_FUZZ_SKIP_KNOWN_BUGS
-    /* memcpy from NULL when no layer offsets came (daemon/session.c) */
-    if (m->layout && !m->layout->n_layer_offset)
-        return;
-#endif
     int rc = layout_from_msg(m->layout, &l, why, sizeof(why));
     if (rc) {
         refused(rc, why, sizeof(why));
         return;
     }
-#ifdef KVX_FUZZ_SKIP_KNOWN_BUGS
-    if (uneven_layers(&l))
-        return;
-#endif
     rc = kvx__layout_check(&l, m->size, why, sizeof(why));
     if (rc) {
         MUST(rc == KVX_ERR_LAYOUT);
@@ -108,12 +79,6 @@ static void on_blocks(uint64_t id, const uint32_t *b, size_t n)
     memset(&p, 0, sizeof(p));
     p.id = 1;
     p.layout.num_blocks = (uint32_t)id;
-#ifdef KVX_FUZZ_SKIP_KNOWN_BUGS
-    /* the bitmap size wraps for pools of 2^32-7 blocks or more
-     * (daemon/session.c) */
-    if (n > 32 && p.layout.num_blocks > UINT32_MAX - 7)
-        return;
-#endif
     char why[512];
     int rc = check_blocks(&p, b, n, "fuzz", why, sizeof(why));
     if (rc) {
