@@ -185,6 +185,11 @@ static const struct conf_key keys[] = {
      .reloadable = 1,
      .help = "Granularity of deadline checks: a deadline fires up to this "
              "late."},
+    {.name = "deadlines.hello_timeout_ms", .type = CONF_MS,
+     FIELD(hello_timeout_ms), .def = 10000, .min = 1, .max = 3600000,
+     .reloadable = 1,
+     .help = "A connection that has not said Hello this long after connecting "
+             "is closed (status requests need no Hello)."},
 
     {.name = "log.level", .type = CONF_LEVEL, FIELD(log_level),
      .def = LOG_INFO, .min = LOG_ERR, .max = LOG_DEBUG, .reloadable = 1,

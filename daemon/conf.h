@@ -48,6 +48,7 @@ typedef struct kvx_conf {
     uint32_t poll_timeout_max_ms;
     uint32_t drain_timeout_ms;
     uint32_t deadline_tick_ms;
+    uint32_t hello_timeout_ms;
     /* log */
     int log_level;                 /* syslog priority, LOG_ERR..LOG_DEBUG */
 } kvx_conf_t;

@@ -85,6 +85,7 @@ static void on_tick(uv_timer_t *t)
     uint64_t now = kvxd_now_ms();
     xfer_tick(now);
     instance_tick(now);
+    session_tick(now);
     if (!kvxd.draining)
         return;
     instance_flush_all(); /* answer waiting polls with the final events */

@@ -47,6 +47,7 @@ struct session {
     map_t pools;                /* pool_id -> pool_t, registered here */
     int closing;
     const char *close_why;      /* set: close at the next safe point */
+    uint64_t connected_ms;
 };
 
 static map_t sessions;
@@ -805,6 +806,7 @@ int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
     s->pid = pid;
     s->uid = uid;
     s->gid = gid;
+    s->connected_ms = kvxd_now_ms();
     frame_reader_init(&s->rd);
     int rc = uv_poll_init(kvxd.loop, &s->poll, fd);
     if (rc) {
@@ -901,6 +903,21 @@ unsigned session_unflushed(void)
 }
 
 unsigned session_count(void) { return sessions.n; }
+
+void session_tick(uint64_t now)
+{
+    /* a connection that never says Hello must not hold a session slot
+     * forever (limits.max_sessions); status requests need no Hello and
+     * are answered at once */
+    for (uint32_t i = 0; i < sessions.nb; i++)
+        for (map_entry_t *e = sessions.b[i]; e; e = e->next) {
+            session_t *s = e->val;
+            if (!s->hello && !s->close_why &&
+                now - s->connected_ms >= kvxd.conf.hello_timeout_ms)
+                session_close_later(s, "no Hello within "
+                                       "deadlines.hello_timeout_ms");
+        }
+}
 
 size_t session_infos(Kvxfer__SessionInfo ***out)
 {

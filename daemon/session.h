@@ -34,6 +34,8 @@ void session_reply(uint64_t sid, uint64_t req_id, int status,
                    const char *message);
 void session_reply_msg(uint64_t sid, Kvxfer__Reply *reply);
 
+/* Close connections that stayed without Hello past the deadline. */
+void session_tick(uint64_t now_ms);
 /* Close every session (drain, exit). */
 void session_close_all(const char *why);
 /* Sessions whose output is not yet flushed. */

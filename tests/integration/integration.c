@@ -3665,3 +3665,24 @@ TEST(attention_dp)
     }
     daemon_stop_ok(d);
 }
+
+/* A connection that never says Hello is closed at
+ * deadlines.hello_timeout_ms; one that says it in time stays. */
+TEST(hello_timeout)
+{
+    daemon_t *d = daemon_start("deadlines:\n  hello_timeout_ms: 200\n");
+    int idle = raw_connect(d);
+    rank_t r;
+    side_t s = {.inst = "ht", .role = KVX_ROLE_CONTEXT, .tp = 1, .pp = 1,
+                .preset = "vllm-nhd", .tpb = 4};
+    rank_open(d, &M_SMALL, &s, 0, 4, &r);
+    CHECK(raw_closed(idle, 2000)); /* cut within the deadline + a tick */
+    usleep(300000);
+    char *json; /* the session that said Hello is still served */
+    CHECK_KVX(kvx_status_json(r.c, &json, T_MS), r.c);
+    CHECK_STR_CONTAINS(json, "\"instance\":\"ht\"");
+    free(json);
+    close(idle);
+    rank_close(&r);
+    daemon_stop_ok(d);
+}

@@ -253,13 +253,15 @@ TEST(table_sane)
         "gpu.max_ctas", "gpu.chunk_bytes", "gpu.staging_bytes", "gpu.host_staging_bytes",
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
-        "deadlines.deadline_tick_ms", "log.level"};
+        "deadlines.deadline_tick_ms", "deadlines.hello_timeout_ms",
+        "log.level"};
     static const char *const reloadable[] = {
         "copy.chunk_bytes", "copy.max_inflight_chunks", "gpu.max_ctas",
         "gpu.chunk_bytes",
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
-        "deadlines.deadline_tick_ms", "log.level"};
+        "deadlines.deadline_tick_ms", "deadlines.hello_timeout_ms",
+        "log.level"};
     /* Every member of kvx_conf_t; each must belong to some key. */
     static const struct {
         size_t off, size;
@@ -274,7 +276,8 @@ TEST(table_sane)
         M(gpu_max_ctas), M(gpu_chunk_bytes), M(gpu_staging_bytes),
         M(host_staging_bytes),
         M(offer_lease_ms), M(fetch_timeout_ms), M(poll_timeout_max_ms),
-        M(drain_timeout_ms), M(deadline_tick_ms), M(log_level),
+        M(drain_timeout_ms), M(deadline_tick_ms), M(hello_timeout_ms),
+        M(log_level),
 #undef M
     };
 
