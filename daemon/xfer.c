@@ -1072,7 +1072,6 @@ void xfer_end_instance(instance_t *inst, int code, const char *msg)
     if (!all)
         return;
     uint32_t no = map_values(&inst->offers, all, n);
-    uint32_t ng = map_values(&inst->fetches, all + no, n - no);
     for (uint32_t i = 0; i < no; i++) {
         offer_t *o = all[i];
         if (o->consumed)
@@ -1081,9 +1080,8 @@ void xfer_end_instance(instance_t *inst, int code, const char *msg)
             offer_end(o, KVX_EVENT_ERROR, code, msg);
     }
     /* ending an offer may have ended (and freed) its consumer: collect
-     * the genreqs again */
-    (void)ng;
-    ng = map_values(&inst->fetches, all, n);
+     * the genreqs only now */
+    uint32_t ng = map_values(&inst->fetches, all, n);
     for (uint32_t i = 0; i < ng; i++)
         genreq_end(all[i], KVX_EVENT_ERROR, code, msg);
     free(all);
