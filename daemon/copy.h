@@ -1,12 +1,15 @@
 /*
- * copy — the host copy engine: worker threads that execute plan unit
- * ranges with memcpy, off the loop thread.
+ * copy — the copy engine: one entry for every copy off the loop thread.
+ * A job is a range of plan units; copy_submit() runs it on a worker
+ * thread (memcpy, plan_exec) or, when the job carries a GPU part, hands it
+ * to the GPU (gpu_launch). Either way the job comes back through
+ * copy__complete() and one async handle, and its done callback runs on
+ * the loop.
  *
- * Owns the threads, the job queue and the async handle that brings
- * finished jobs back. Workers only read the plan and the memory it is
- * bound to and write the destination; they never touch daemon state. The
- * submitter owns each job and keeps the plan and its memory alive until
- * the job's done callback has run on the loop.
+ * Owns the threads, the job queue and the async handle. Workers only read
+ * the plan and the memory it is bound to and write the destination; they
+ * never touch daemon state. The submitter owns each job and keeps the plan
+ * and its memory alive until the job's done callback has run.
  */
 #ifndef KVX_COPY_H
 #define KVX_COPY_H

@@ -7,14 +7,18 @@
  *   xfer_fetch()     generation rank asks for them (genreq_t, one part per
  *                    rank, each with its plan)
  *   part_try_start() a part whose source ranks have all published is bound
- *                    to their memory and queued
+ *                    to their memory (uploaded to a GPU when a pool is
+ *                    GPU memory) and queued
  *   schedule()       round-robin over queued parts, one chunk of units per
  *                    turn, at most max_inflight_chunks in the copy engine
  *   on_chunk_done()  back on the loop; the last chunk of the last part
  *                    completes the genreq, which completes the offer
  *   genreq_end() / offer_end()  the one way a request ends: mark, fence
  *                    (wait for in-flight chunks), then finalize: event,
- *                    references dropped, cancel replies sent
+ *                    references dropped, cancel replies sent. An offer
+ *                    with a consumer is finalized by the consumer's
+ *                    finalize; offer_consume() keeps a completed offer
+ *                    for late ranks of replicated heads
  */
 #include <stdio.h>
 #include <stdlib.h>
