@@ -503,20 +503,29 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
     return 0;
 }
 
-int gpu_started(void) { return g.state > 0; }
-
-int gpu_host_register(void *base, uint64_t size)
+int gpu_started(void)
 {
-    /* the loop starts CUDA (start()); a worker only pins once it runs */
-    if (g.state <= 0 && start())
-        return KVX_ERR_UNSUPPORTED;
-    /* register through a context that exists: no new context on a GPU
-     * without pools (a worker thread has no current device yet) */
+    /* a device with a context, or -1: pins go through it, so pinning
+     * creates no context on a GPU without pools */
+    if (g.state <= 0)
+        return -1;
     for (int d = 0; d < g.ndev; d++)
-        if (g.used[d]) {
-            cudaSetDevice(d);
-            break;
-        }
+        if (g.used[d])
+            return d;
+    return -1;
+}
+
+int gpu_host_register(void *base, uint64_t size, int device)
+{
+    /* called on the loop (device -1: pick one here), or on a worker with
+     * the device the loop picked; the worker reads no daemon state */
+    if (device < 0) {
+        if (g.state <= 0 && start())
+            return KVX_ERR_UNSUPPORTED;
+        device = gpu_started();
+    }
+    if (device >= 0)
+        cudaSetDevice(device);
     cudaError_t e = cudaHostRegister(base, size,
                                      cudaHostRegisterPortable |
                                          cudaHostRegisterMapped);

@@ -55,11 +55,13 @@ void gpu_import_unref(gpu_import_t *imp);
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
                    size_t why_len);
 
-/* Is CUDA up with at least one GPU (a GPU pool was registered)? */
+/* A device with a context (a GPU pool lives there), or -1 when CUDA is
+ * not in use. Loop thread. */
 int gpu_started(void);
-/* Pin a host pool so kernels can read and write it (mixed copies).
- * Blocking. Pinning what is already pinned succeeds. */
-int gpu_host_register(void *base, uint64_t size);
+/* Pin a host pool so kernels can read and write it (mixed copies), through
+ * device's context (-1: the loop picks one). Blocking. Pinning what is
+ * already pinned succeeds. */
+int gpu_host_register(void *base, uint64_t size, int device);
 void gpu_host_unregister(void *base);
 
 /* Upload plan p (bound: src/dst bases are device-visible) for execution

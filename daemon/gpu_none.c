@@ -36,12 +36,13 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
     return KVX_ERR_UNSUPPORTED;
 }
 
-int gpu_started(void) { return 0; }
+int gpu_started(void) { return -1; }
 
-int gpu_host_register(void *base, uint64_t size)
+int gpu_host_register(void *base, uint64_t size, int device)
 {
     (void)base;
     (void)size;
+    (void)device;
     return KVX_ERR_UNSUPPORTED;
 }
 

@@ -75,6 +75,7 @@ int pool_register_host(uint64_t session_id, int fd, uint64_t size,
     p->session_id = session_id;
     p->size = size;
     p->layout = *layout;
+    p->pin_on_populate = -1;
     p->users = 1; /* the registration itself */
     if (map_put(&pools, p->id, p)) {
         WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
@@ -145,7 +146,7 @@ int pool_pin(pool_t *p, char *why, size_t why_len)
     if (p->gpu || p->pinned)
         return 0;
     uint64_t t0 = kvxd_now_ms();
-    if (gpu_host_register(p->base, p->size)) {
+    if (gpu_host_register(p->base, p->size, -1)) {
         snprintf(why, why_len,
                  "pool %u: cannot register host memory with CUDA for a "
                  "GPU copy",
@@ -221,14 +222,15 @@ static void populate_run(copy_job_t *j)
             (void)*(volatile uint8_t *)(p->base + off);
     }
     /* the result travels in the job; the loop sets p->pinned */
-    if (p->pin_on_populate)
-        j->status = gpu_host_register(p->base, p->size) ? 1 : 0;
+    if (p->pin_on_populate >= 0)
+        j->status = gpu_host_register(p->base, p->size,
+                                      p->pin_on_populate) ? 1 : 0;
 }
 
 static void populate_done(copy_job_t *j)
 {
     pool_t *p = j->owner;
-    if (p->pin_on_populate && j->status == 0)
+    if (p->pin_on_populate >= 0 && j->status == 0)
         p->pinned = 1;
     p->populating = 0;
     pool_unref(p);

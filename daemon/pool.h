@@ -22,7 +22,8 @@ typedef struct pool {
     int device;          /* daemon's CUDA ordinal, GPU pools */
     gpu_import_t *import;
     int pinned;          /* host pool registered with CUDA (mixed copies) */
-    int pin_on_populate; /* the populate job also pins (set before it) */
+    int pin_on_populate; /* >= 0: the populate job also pins, through this
+                            device's context (set before the job) */
     int populating;      /* a populate job holds a reference */
     uint8_t *base;
     uint64_t size;
