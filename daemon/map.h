@@ -95,6 +95,16 @@ static inline uint32_t map_values(const map_t *m, void **out, uint32_t max)
     return k;
 }
 
+/* Collect up to max keys into out; returns how many. */
+static inline uint32_t map_keys(const map_t *m, uint64_t *out, uint32_t max)
+{
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < m->nb; i++)
+        for (map_entry_t *e = m->b[i]; e && k < max; e = e->next)
+            out[k++] = e->key;
+    return k;
+}
+
 static inline void map_free(map_t *m)
 {
     for (uint32_t i = 0; i < m->nb; i++)

@@ -1069,26 +1069,82 @@ int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
     return 1;
 }
 
+/* Visit the offers, then the fetches, of inst. Ending one request can end
+ * and free another (its consumer, its offer), so the walk goes by request
+ * id and looks each one up again before touching it. */
+typedef void (*offer_fn)(offer_t *o, void *arg);
+typedef void (*genreq_fn)(genreq_t *g, void *arg);
+
+static void each_request(instance_t *inst, offer_fn on_offer,
+                         genreq_fn on_fetch, void *arg)
+{
+    uint32_t n = inst->offers.n > inst->fetches.n ? inst->offers.n
+                                                   : inst->fetches.n;
+    uint64_t *ids = calloc(n ? n : 1, sizeof(*ids));
+    if (!ids) {
+        log_error("xfer: out of memory ending the requests of instance %s",
+                  inst->id);
+        return;
+    }
+    uint32_t k = map_keys(&inst->offers, ids, n);
+    for (uint32_t i = 0; i < k; i++) {
+        offer_t *o = map_get(&inst->offers, ids[i]);
+        if (o)
+            on_offer(o, arg);
+    }
+    k = map_keys(&inst->fetches, ids, n);
+    for (uint32_t i = 0; i < k; i++) {
+        genreq_t *g = map_get(&inst->fetches, ids[i]);
+        if (g)
+            on_fetch(g, arg);
+    }
+    free(ids);
+}
+
+struct end_why {
+    int code;
+    const char *msg;
+    const pool_t *pool; /* NULL: every request; else those using it */
+};
+
+static int offer_uses(const offer_t *o, const pool_t *p)
+{
+    for (uint32_t r = 0; r < o->inst->nranks; r++)
+        if (o->parts[r].pool == p)
+            return 1;
+    return 0;
+}
+
+static int genreq_uses(const genreq_t *g, const pool_t *p)
+{
+    for (uint32_t r = 0; r < g->inst->nranks; r++)
+        if (g->parts[r].pool == p)
+            return 1;
+    return 0;
+}
+
+static void end_offer_cb(offer_t *o, void *arg)
+{
+    const struct end_why *w = arg;
+    if (w->pool && !offer_uses(o, w->pool))
+        return;
+    if (o->consumed)
+        offer_drop(o);
+    else
+        offer_end(o, KVX_EVENT_ERROR, w->code, w->msg);
+}
+
+static void end_genreq_cb(genreq_t *g, void *arg)
+{
+    const struct end_why *w = arg;
+    if (!w->pool || genreq_uses(g, w->pool))
+        genreq_end(g, KVX_EVENT_ERROR, w->code, w->msg);
+}
+
 void xfer_end_instance(instance_t *inst, int code, const char *msg)
 {
-    uint32_t n = inst->offers.n + inst->fetches.n;
-    void **all = calloc(n ? n : 1, sizeof(void *));
-    if (!all)
-        return;
-    uint32_t no = map_values(&inst->offers, all, n);
-    for (uint32_t i = 0; i < no; i++) {
-        offer_t *o = all[i];
-        if (o->consumed)
-            offer_drop(o);
-        else
-            offer_end(o, KVX_EVENT_ERROR, code, msg);
-    }
-    /* ending an offer may have ended (and freed) its consumer: collect
-     * the genreqs only now */
-    uint32_t ng = map_values(&inst->fetches, all, n);
-    for (uint32_t i = 0; i < ng; i++)
-        genreq_end(all[i], KVX_EVENT_ERROR, code, msg);
-    free(all);
+    struct end_why w = {code, msg, NULL};
+    each_request(inst, end_offer_cb, end_genreq_cb, &w);
 }
 
 void xfer_end_all(int code, const char *msg)
@@ -1101,34 +1157,9 @@ void xfer_end_all(int code, const char *msg)
 
 void xfer_end_pool_users(const pool_t *pool, int code, const char *msg)
 {
-    for (instance_t *i = instance_first(), *n; i; i = n) {
-        n = i->next;
-        uint32_t cnt = i->offers.n + i->fetches.n;
-        void **all = calloc(cnt ? cnt : 1, sizeof(void *));
-        if (!all)
-            continue;
-        uint32_t no = map_values(&i->offers, all, cnt);
-        for (uint32_t k = 0; k < no; k++) {
-            offer_t *o = all[k];
-            for (uint32_t r = 0; r < i->nranks; r++)
-                if (o->parts[r].pool == pool) {
-                    offer_end(o, KVX_EVENT_ERROR, code, msg);
-                    break;
-                }
-        }
-        uint32_t ng = map_values(&i->fetches, all, cnt);
-        for (uint32_t k = 0; k < ng; k++) {
-            genreq_t *g = all[k];
-            if (!map_get(&i->fetches, g->request_id))
-                continue;
-            for (uint32_t r = 0; r < i->nranks; r++)
-                if (g->parts[r].pool == pool) {
-                    genreq_end(g, KVX_EVENT_ERROR, code, msg);
-                    break;
-                }
-        }
-        free(all);
-    }
+    struct end_why w = {code, msg, pool};
+    for (instance_t *i = instance_first(); i; i = i->next)
+        each_request(i, end_offer_cb, end_genreq_cb, &w);
 }
 
 /* References other than the registration and a populate job are
