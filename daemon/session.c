@@ -160,6 +160,12 @@ static void flush(session_t *s)
 
 /* ---- validation helpers ----------------------------------------------- */
 
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
 /* Block ids inside the pool and not repeated. */
 static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
                         const char *what, char *why, size_t why_len)
@@ -175,50 +181,46 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
                  what, n, kvxd.conf.max_blocks_per_request);
         return KVX_ERR_LIMIT;
     }
+    /* the first bad entry in table order: out of range, or a repeat of
+     * an earlier one; memory bounded by the table, not by the pool */
     uint32_t nb = p->layout.num_blocks;
-    if (n <= 32) { /* short tables: no bitmap of the whole pool */
-        for (size_t i = 0; i < n; i++) {
-            if (b[i] >= nb) {
-                snprintf(why, why_len,
-                         "%s.blocks[%zu]: block %u outside pool %u's %u "
-                         "blocks",
-                         what, i, b[i], p->id, nb);
-                return KVX_ERR_INVALID;
-            }
+    size_t bad = n, dup = n;
+    for (size_t i = 0; i < n && bad == n; i++)
+        if (b[i] >= nb)
+            bad = i;
+    if (n <= 32) {
+        for (size_t i = 1; i < bad && dup == n; i++)
             for (size_t k = 0; k < i; k++)
                 if (b[k] == b[i]) {
-                    snprintf(why, why_len,
-                             "%s.blocks[%zu]: block %u listed twice", what,
-                             i, b[i]);
-                    return KVX_ERR_INVALID;
+                    dup = i;
+                    break;
                 }
+    } else {
+        uint64_t *v = malloc(n * sizeof(*v)); /* block << 32 | index */
+        if (!v) {
+            snprintf(why, why_len, "%s: out of memory", what);
+            return KVX_ERR_NOMEM;
         }
-        return 0;
+        for (size_t i = 0; i < n; i++)
+            v[i] = (uint64_t)b[i] << 32 | i;
+        qsort(v, n, sizeof(*v), cmp_u64);
+        for (size_t i = 1; i < n; i++)
+            if (v[i] >> 32 == v[i - 1] >> 32 && (uint32_t)v[i] < dup)
+                dup = (uint32_t)v[i];
+        free(v);
     }
-    uint8_t *seen = calloc(((size_t)nb + 7) / 8, 1);
-    if (!seen) {
-        snprintf(why, why_len, "%s: out of memory", what);
-        return KVX_ERR_NOMEM;
+    if (bad < n && bad <= dup) {
+        snprintf(why, why_len,
+                 "%s.blocks[%zu]: block %u outside pool %u's %u blocks", what,
+                 bad, b[bad], p->id, nb);
+        return KVX_ERR_INVALID;
     }
-    int rc = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (b[i] >= nb) {
-            snprintf(why, why_len,
-                     "%s.blocks[%zu]: block %u outside pool %u's %u blocks",
-                     what, i, b[i], p->id, nb);
-            rc = KVX_ERR_INVALID;
-            break;
-        }
-        if (seen[b[i] / 8] & (1u << (b[i] % 8))) {
-            snprintf(why, why_len, "%s.blocks[%zu]: block %u listed twice",
-                     what, i, b[i]);
-            rc = KVX_ERR_INVALID;
-            break;
-        }
-        seen[b[i] / 8] |= (uint8_t)(1u << (b[i] % 8));
+    if (dup < n) {
+        snprintf(why, why_len, "%s.blocks[%zu]: block %u listed twice", what,
+                 dup, b[dup]);
+        return KVX_ERR_INVALID;
     }
-    free(seen);
-    return rc;
+    return 0;
 }
 
 static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
