@@ -681,7 +681,9 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
     rq.poll = &m;
     Kvxfer__Reply *r;
     /* the daemon answers at the poll timeout; allow for a busy loop */
-    int rc = call(c, &rq, -1, (int)poll_timeout_ms + 10000, &r);
+    /* the daemon cuts timeouts to its maximum (an hour at most) */
+    uint32_t t = poll_timeout_ms < 3600000u ? poll_timeout_ms : 3600000u;
+    int rc = call(c, &rq, -1, (int)t + 10000, &r);
     if (rc)
         return rc;
     if (r->body_case != KVXFER__REPLY__BODY_POLL) {

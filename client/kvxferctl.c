@@ -81,19 +81,28 @@ static kvx_client_t *open_daemon(const char *sock)
     return c;
 }
 
+/* --json: print what the library renders. */
+static int print_json(kvx_client_t *c, const char *what,
+                      int (*get)(kvx_client_t *, char **, int))
+{
+    char *j;
+    int rc = get(c, &j, TIMEOUT_MS);
+    if (rc)
+        fprintf(stderr, "kvxferctl: %s: %s: %s\n", what, kvx_status_str(rc),
+                kvx_last_error(c));
+    else
+        printf("%s\n", j);
+    free(rc ? NULL : j);
+    kvx_close(c);
+    return rc ? 1 : 0;
+}
+
 static int cmd_status(const char *sock, int json)
 {
     kvx_client_t *c = open_daemon(sock);
     int rc;
-    if (json) {
-        char *j;
-        if ((rc = kvx_status_json(c, &j, TIMEOUT_MS)))
-            goto fail;
-        printf("%s\n", j);
-        free(j);
-        kvx_close(c);
-        return 0;
-    }
+    if (json)
+        return print_json(c, "status", kvx_status_json);
     Kvxfer__Reply *r;
     if ((rc = kvx__status_get(c, &r, TIMEOUT_MS)))
         goto fail;
@@ -159,15 +168,8 @@ static int cmd_requests(const char *sock, int json)
 {
     kvx_client_t *c = open_daemon(sock);
     int rc;
-    if (json) {
-        char *j;
-        if ((rc = kvx_requests_json(c, &j, TIMEOUT_MS)))
-            goto fail;
-        printf("%s\n", j);
-        free(j);
-        kvx_close(c);
-        return 0;
-    }
+    if (json)
+        return print_json(c, "requests", kvx_requests_json);
     Kvxfer__Reply *r;
     if ((rc = kvx__requests_get(c, &r, TIMEOUT_MS)))
         goto fail;

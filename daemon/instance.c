@@ -176,7 +176,7 @@ int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
             WHY(KVX_ERR_INVALID,
                 "join.rank_addresses[%zu]: empty or longer than %zu bytes",
                 i, sizeof(kvxd.address) - 1);
-    if (!strcmp(addr[rank], "") || strcmp(addr[rank], kvxd.address))
+    if (strcmp(addr[rank], kvxd.address))
         WHY(KVX_ERR_INVALID,
             "join.rank_addresses[%u]: '%s' is not this daemon ('%s')", rank,
             addr[rank], kvxd.address);
