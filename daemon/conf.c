@@ -74,6 +74,8 @@ struct conf_key {
 
 static int check_group(const kvx_conf_t *conf, char *why, size_t n);
 static int check_hello(const kvx_conf_t *conf, char *why, size_t n);
+static int check_listen(const kvx_conf_t *conf, char *why, size_t n);
+static int check_keepalive(const kvx_conf_t *conf, char *why, size_t n);
 
 #define FIELD(f) .off = offsetof(kvx_conf_t, f), .size = sizeof(((kvx_conf_t *)0)->f)
 #define IDS(f, nf) FIELD(f), .count_off = offsetof(kvx_conf_t, nf)
@@ -158,6 +160,39 @@ static const struct conf_key keys[] = {
      FIELD(host_staging_bytes), .def = 64 * MiB, .min = 0, .max = 64 * GiB,
      .help = "Pinned host staging buffer, for the cross-node path; "
              "allocated once, with the first GPU pool."},
+
+    {.name = "peer.listen", .type = CONF_STRING, FIELD(peer_listen),
+     .def_str = "", .check = check_listen,
+     .help = "IP:PORT this daemon accepts peer daemons on (UCX) and "
+             "advertises in its address; port 0 picks a free port; empty "
+             "turns transfers between daemons off."},
+    {.name = "peer.secret_file", .type = CONF_STRING,
+     FIELD(peer_secret_file), .def_str = "",
+     .help = "File holding the cluster secret (at least 16 bytes, readable "
+             "by the owner only) that daemons prove to each other; "
+             "required with peer.listen."},
+    {.name = "peer.keepalive_interval_ms", .type = CONF_MS,
+     FIELD(keepalive_interval_ms), .def = 1000, .min = 10, .max = 600000,
+     .reloadable = 1, .check = check_keepalive,
+     .help = "How often each peer daemon is pinged."},
+    {.name = "peer.keepalive_timeout_ms", .type = CONF_MS,
+     FIELD(keepalive_timeout_ms), .def = 5000, .min = 50, .max = 3600000,
+     .reloadable = 1,
+     .help = "A peer silent this long is lost: every transfer with it ends "
+             "with KVX_ERR_PEER_GONE; the next use reconnects."},
+    {.name = "peer.connect_timeout_ms", .type = CONF_MS,
+     FIELD(peer_connect_timeout_ms), .def = 5000, .min = 10, .max = 600000,
+     .reloadable = 1,
+     .help = "Connecting to a peer and authenticating must finish within "
+             "this."},
+    {.name = "peer.slot_bytes", .type = CONF_SIZE, FIELD(slot_bytes),
+     .def = 4 * MiB, .min = 64 * KiB, .max = 1 * GiB,
+     .help = "Staging slot size: the unit gathered, sent by UCX and "
+             "scattered; slots are pipelined."},
+    {.name = "peer.slots", .type = CONF_U32, FIELD(slots), .def = 8,
+     .min = 2, .max = 1024,
+     .help = "Staging slots for each direction (sending and receiving); "
+             "allocated and registered once, at start."},
 
     {.name = "deadlines.offer_lease_ms", .type = CONF_MS,
      FIELD(offer_lease_ms), .def = 30000, .min = 1, .max = 86400000,
@@ -541,6 +576,44 @@ static int check_hello(const kvx_conf_t *conf, char *why, size_t n)
                      "at most %u)", conf->hello_frame_bytes,
              conf->max_frame_bytes);
     return 1;
+}
+
+static int check_listen(const kvx_conf_t *conf, char *why, size_t n)
+{
+    const char *l = conf->peer_listen;
+    if (!l[0])
+        return 0;
+    const char *colon = strrchr(l, ':');
+    char *end;
+    if (!colon || colon == l) {
+        snprintf(why, n, "'%s' is not IP:PORT", l);
+        return 1;
+    }
+    unsigned long port = strtoul(colon + 1, &end, 10);
+    if (!colon[1] || *end || port > 65535) {
+        snprintf(why, n, "'%s': port must be 0..65535", l);
+        return 1;
+    }
+    if (!strncmp(l, "0.0.0.0:", 8)) {
+        snprintf(why, n, "'%s': give the IP other daemons reach, not 0.0.0.0",
+                 l);
+        return 1;
+    }
+    if (!conf->peer_secret_file[0]) {
+        snprintf(why, n, "needs peer.secret_file (the cluster secret)");
+        return 1;
+    }
+    return 0;
+}
+
+static int check_keepalive(const kvx_conf_t *conf, char *why, size_t n)
+{
+    if (conf->keepalive_interval_ms >= conf->keepalive_timeout_ms) {
+        snprintf(why, n, "%u ms is not below peer.keepalive_timeout_ms (%u)",
+                 conf->keepalive_interval_ms, conf->keepalive_timeout_ms);
+        return 1;
+    }
+    return 0;
 }
 
 /* ---- defaults, reload, listings ---- */

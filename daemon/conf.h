@@ -42,6 +42,14 @@ typedef struct kvx_conf {
     uint64_t gpu_chunk_bytes;
     uint64_t gpu_staging_bytes;
     uint64_t host_staging_bytes;
+    /* peer daemons (UCX) */
+    char peer_listen[64];          /* "IP:PORT"; "" = no peers */
+    char peer_secret_file[108];
+    uint32_t keepalive_interval_ms;
+    uint32_t keepalive_timeout_ms;
+    uint32_t peer_connect_timeout_ms;
+    uint64_t slot_bytes;
+    uint32_t slots;
     /* deadlines, milliseconds */
     uint32_t offer_lease_ms;
     uint32_t fetch_timeout_ms;

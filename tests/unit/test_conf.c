@@ -251,13 +251,17 @@ TEST(table_sane)
         "limits.max_blocks_per_request", "copy.worker_threads",
         "copy.chunk_bytes", "copy.max_inflight_chunks", "copy.spin_us",
         "gpu.max_ctas", "gpu.chunk_bytes", "gpu.staging_bytes", "gpu.host_staging_bytes",
+        "peer.listen", "peer.secret_file", "peer.keepalive_interval_ms",
+        "peer.keepalive_timeout_ms", "peer.connect_timeout_ms",
+        "peer.slot_bytes", "peer.slots",
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
         "deadlines.deadline_tick_ms", "deadlines.hello_timeout_ms",
         "log.level"};
     static const char *const reloadable[] = {
         "copy.chunk_bytes", "copy.max_inflight_chunks", "gpu.max_ctas",
-        "gpu.chunk_bytes",
+        "gpu.chunk_bytes", "peer.keepalive_interval_ms",
+        "peer.keepalive_timeout_ms", "peer.connect_timeout_ms",
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
         "deadlines.deadline_tick_ms", "deadlines.hello_timeout_ms",
@@ -275,6 +279,9 @@ TEST(table_sane)
         M(spin_us),
         M(gpu_max_ctas), M(gpu_chunk_bytes), M(gpu_staging_bytes),
         M(host_staging_bytes),
+        M(peer_listen), M(peer_secret_file), M(keepalive_interval_ms),
+        M(keepalive_timeout_ms), M(peer_connect_timeout_ms), M(slot_bytes),
+        M(slots),
         M(offer_lease_ms), M(fetch_timeout_ms), M(poll_timeout_max_ms),
         M(drain_timeout_ms), M(deadline_tick_ms), M(hello_timeout_ms),
         M(log_level),
@@ -606,13 +613,13 @@ TEST(err_unknown_section)
 {
     expect_errors("sockets:\n  path: /x\n", 1,
                   "F:1:1: sockets: unknown section (expected one of socket, "
-                  "auth, limits, copy, gpu, deadlines, log)\n"
+                  "auth, limits, copy, gpu, peer, deadlines, log)\n"
                   "sockets:\n"
                   "^\n");
     /* A dotted key at top level is not a shorthand. */
     expect_errors("log.level: info\n", 1,
                   "F:1:1: log.level: unknown section (expected one of "
-                  "socket, auth, limits, copy, gpu, deadlines, log)\n"
+                  "socket, auth, limits, copy, gpu, peer, deadlines, log)\n"
                   "log.level: info\n"
                   "^\n");
 }
@@ -794,13 +801,13 @@ TEST(err_top_level)
 {
     expect_errors("- socket\n- log\n", 1,
                   "F:1:1: (top level): got a sequence (expected a mapping "
-                  "with sections socket, auth, limits, copy, gpu, deadlines, "
+                  "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
                   "log)\n"
                   "- socket\n"
                   "^\n");
     expect_errors("hello\n", 1,
                   "F:1:1: (top level): got a scalar (expected a mapping "
-                  "with sections socket, auth, limits, copy, gpu, deadlines, "
+                  "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
                   "log)\n"
                   "hello\n"
                   "^\n");
@@ -868,7 +875,7 @@ TEST(err_collects_all)
                   "  max_pools: 1\n"
                   "  ^\n"
                   "F:7:1: bogus: unknown section (expected one of socket, "
-                  "auth, limits, copy, gpu, deadlines, log)\n"
+                  "auth, limits, copy, gpu, peer, deadlines, log)\n"
                   "bogus: {}\n"
                   "^\n"
                   "F:9:10: log.level: invalid value \"loud\" (expected one of "
