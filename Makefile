@@ -7,6 +7,10 @@ CC      ?= cc
 PKGS     := libuv libprotobuf-c yaml-0.1
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+# the daemon alone talks UCX and computes HMACs (peer daemons)
+DAEMON_PKGS := ucx libcrypto
+PKG_CFLAGS += $(shell pkg-config --cflags $(DAEMON_PKGS) 2>/dev/null)
+DAEMON_LIBS := $(shell pkg-config --libs $(DAEMON_PKGS) 2>/dev/null)
 
 OPT      ?= -O2
 SAN      ?=
@@ -49,7 +53,8 @@ CLIENT   := $(COMMON) client/client.c
 DAEMON   := $(COMMON) daemon/log.c daemon/conf.c daemon/notify.c \
             daemon/pool.c daemon/copy.c daemon/plan.c daemon/batch.c \
             daemon/daemon.c daemon/instance.c \
-            daemon/xfer.c daemon/session.c daemon/server.c daemon/stats.c \
+            daemon/xfer.c daemon/remote.c daemon/agree.c daemon/peer.c \
+            daemon/session.c daemon/server.c daemon/stats.c \
             $(GPU_SRC)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
@@ -108,7 +113,7 @@ $(BUILD)/libkvxfer.so: $(CLIENT_OBJ)
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvxfer.so.1 -o $@ $^ $(LIBS)
 
 $(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/main.o
-	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) $(CUDA_LIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
 $(BUILD)/kvxferctl: $(BUILD)/obj/client/kvxferctl.o $(BUILD)/obj/daemon/plan.o $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
@@ -120,7 +125,7 @@ $(BUILD)/kvxfer-bench: $(BUILD)/obj/client/bench.o $(BENCH_GPU_OBJ) $(BUILD)/lib
 # of the daemon except main.o.
 $(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h $(DAEMON_OBJ) $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(CUDA_LIBS)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
 $(ITEST): tests/integration/integration.c tests/test.h $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)

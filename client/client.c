@@ -861,8 +861,37 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
               (unsigned long long)s->bytes_moved,
               (unsigned long long)s->transfers_done);
     counts_json(b, s->errors_by_code, s->n_errors_by_code);
-    sb_printf(b, ",\"batches_sealed\":%llu}",
+    sb_printf(b, ",\"batches_sealed\":%llu,\"peers\":[",
               (unsigned long long)s->batches_sealed);
+    for (size_t i = 0; i < s->n_peers; i++) {
+        const Kvxfer__PeerInfo *x = s->peers[i];
+        sb_printf(b, "%s{\"address\":", i ? "," : "");
+        sb_str(b, x->address);
+        sb_printf(b, ",\"state\":");
+        sb_str(b, x->state);
+        sb_printf(b, ",\"direction\":");
+        sb_str(b, x->direction);
+        sb_printf(b, ",\"bytes_sent\":%llu,\"bytes_received\":%llu,"
+                     "\"errors\":%llu,\"last_seen_ms\":%llu}",
+                  (unsigned long long)x->bytes_sent,
+                  (unsigned long long)x->bytes_received,
+                  (unsigned long long)x->errors,
+                  (unsigned long long)x->last_seen_ms);
+    }
+    sb_printf(b, "]");
+    if (s->ucx) {
+        sb_printf(b, ",\"ucx\":{\"listen\":");
+        sb_str(b, s->ucx->listen);
+        sb_printf(b, ",\"transports\":");
+        sb_str(b, s->ucx->transports);
+        sb_printf(b, ",\"staging\":");
+        sb_str(b, s->ucx->staging);
+        sb_printf(b, ",\"version\":");
+        sb_str(b, s->ucx->version);
+        sb_printf(b, ",\"slots\":%u,\"slot_bytes\":%llu}", s->ucx->slots,
+                  (unsigned long long)s->ucx->slot_bytes);
+    }
+    sb_printf(b, "}");
 }
 
 int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)

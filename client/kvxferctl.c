@@ -114,6 +114,21 @@ static int cmd_status(const char *sock, int json)
     printf("address        %s\n", s->daemon_address);
     printf("copy threads   %u\n", s->worker_threads);
     printf("gpu            %s\n", s->gpu[0] ? s->gpu : "-");
+    if (s->ucx && s->ucx->listen[0])
+        printf("peers          UCX %s, %s staging, %u x %llu-byte slots, "
+               "transports %s\n",
+               s->ucx->version, s->ucx->staging, s->ucx->slots,
+               (unsigned long long)s->ucx->slot_bytes,
+               s->ucx->transports[0] ? s->ucx->transports : "-");
+    else
+        printf("peers          off (peer.listen is empty)\n");
+    for (size_t i = 0; i < s->n_peers; i++)
+        printf("  %-40s %-10s %-3s sent %llu received %llu errors %llu\n",
+               s->peers[i]->address, s->peers[i]->state,
+               s->peers[i]->direction,
+               (unsigned long long)s->peers[i]->bytes_sent,
+               (unsigned long long)s->peers[i]->bytes_received,
+               (unsigned long long)s->peers[i]->errors);
     human_bytes(b1, sizeof(b1), s->bytes_moved);
     printf("bytes moved    %s (%llu)\n", b1,
            (unsigned long long)s->bytes_moved);

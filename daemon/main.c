@@ -20,10 +20,12 @@
 #include "instance.h"
 #include "log.h"
 #include "notify.h"
+#include "peer.h"
 #include "pool.h"
 #include "server.h"
 #include "session.h"
 #include "xfer.h"
+#include "xfer_int.h"
 
 static uv_signal_t sig_term, sig_int, sig_hup;
 static uv_timer_t tick;
@@ -84,6 +86,8 @@ static void on_tick(uv_timer_t *t)
     (void)t;
     uint64_t now = kvxd_now_ms();
     xfer_tick(now);
+    peer_tick(now);
+    remote_tick(now);
     instance_tick(now);
     session_tick(now);
     if (!kvxd.draining)
@@ -255,6 +259,11 @@ int main(int argc, char **argv)
         goto err_copy;
     if (server_init())
         goto err_session;
+    char why[512];
+    if (peer_init(why, sizeof(why)) || remote_init(why, sizeof(why))) {
+        log_error("%s", why);
+        goto err_server;
+    }
     uv_signal_init(kvxd.loop, &sig_term);
     uv_signal_init(kvxd.loop, &sig_int);
     uv_signal_init(kvxd.loop, &sig_hup);
@@ -274,11 +283,15 @@ int main(int argc, char **argv)
     /* take down, in reverse */
     rc = 0;
     session_close_all("daemon exiting");
+err_server:
     server_cleanup();
+    peer_cleanup();
 err_session:
     session_cleanup();
 err_copy:
     copy_cleanup();
+    remote_cleanup(); /* after the copies that use the slots */
+    peer_shutdown();  /* after the slots' UCX registrations */
     gpu_cleanup();
     instance_cleanup();
     pool_cleanup();

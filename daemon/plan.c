@@ -378,3 +378,45 @@ void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1)
     _mm_sfence(); /* streamed stores visible before the job reports done */
 #endif
 }
+
+void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
+                      uint8_t *buf, int gather)
+{
+    const kvx_layout_t *dl = p->dst.layout;
+    const uint64_t row = (uint64_t)dl->head_dim * dl->elem_size;
+    for (uint64_t u = u0; u < u1; u++) {
+        uint32_t si = slice_of(p, u);
+        const plan_slice_t *s = &p->slices[si];
+        uint64_t r = u - s->unit_begin;
+        uint32_t layer = s->layer0 + (uint32_t)(r / p->nsegs);
+        const plan_seg_t *g = &p->segs[r % p->nsegs];
+        const uint64_t hs = row, ts = s->nheads * row, ks = g->n * ts;
+        if (gather) {
+            const plan_mem_t *sm = &p->src[si];
+            const kvx_layout_t *sl = sm->layout;
+            const uint8_t *src =
+                sm->base + kvx_layout_offset(sl, layer - s->src_layer_base, 0,
+                                             sm->blocks[g->src_blk],
+                                             g->src_tok,
+                                             s->head0 - s->src_head_base);
+            struct xdim d[3] = {{s->nheads, sl->head_stride, hs},
+                                {g->n, sl->token_stride, ts},
+                                {dl->kv_factor, sl->kv_stride, ks}};
+            copy_strided(buf, src, row, d, 3);
+        } else {
+            uint8_t *dst =
+                p->dst.base + kvx_layout_offset(dl, layer - s->dst_layer_base,
+                                                0, p->dst.blocks[g->dst_blk],
+                                                g->dst_tok,
+                                                s->head0 - s->dst_head_base);
+            struct xdim d[3] = {{s->nheads, hs, dl->head_stride},
+                                {g->n, ts, dl->token_stride},
+                                {dl->kv_factor, ks, dl->kv_stride}};
+            copy_strided(dst, buf, row, d, 3);
+        }
+        buf += dl->kv_factor * ks;
+    }
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}

@@ -101,4 +101,12 @@ uint64_t plan_units_bytes(const plan_t *p, uint64_t u0, uint64_t u1);
 /* Execute units [u0, u1) with memcpy on the calling thread. */
 void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1);
 
+/* Between daemons the units travel packed: unit after unit, each as
+ * [kv][token][head][row], plan_units_bytes() long in all. Gather units
+ * [u0, u1) from the bound sources into buf (gather != 0), or scatter them
+ * from buf into the bound destination. Only the side used must be bound;
+ * p->dst.layout gives the row shape either way. */
+void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
+                      uint8_t *buf, int gather);
+
 #endif /* KVX_PLAN_H */

@@ -6,6 +6,7 @@
 
 #include "copy.h"
 #include "daemon.h"
+#include "peer.h"
 #include "gpu.h"
 #include "instance.h"
 #include "pool.h"
@@ -102,6 +103,11 @@ void stats_fill(Kvxfer__StatusReply *st)
     for (instance_t *i = instance_first(); i; i = i->next)
         sealed += i->batches.sealed_total;
     st->batches_sealed = sealed;
+    st->n_peers = peer_infos(&st->peers);
+    static Kvxfer__UcxInfo ucx;
+    kvxfer__ucx_info__init(&ucx);
+    peer_ucx_info(&ucx);
+    st->ucx = &ucx;
 }
 
 void stats_free(Kvxfer__StatusReply *st)
@@ -113,4 +119,5 @@ void stats_free(Kvxfer__StatusReply *st)
     free(st->pools);
     xfer_free_counts(st->requests_by_state, st->n_requests_by_state);
     xfer_free_counts(st->errors_by_code, st->n_errors_by_code);
+    peer_free_infos(st->peers, st->n_peers);
 }

@@ -28,10 +28,11 @@
 #include "copy.h"
 #include "daemon.h"
 #include "log.h"
+#include "peer.h"
 #include "session.h"
 #include "xfer.h"
+#include "xfer_int.h"
 
-#define TOKEN_LEN 16
 #define PARAMS_VERSION 1
 #define PARAMS_MAX 65536
 
@@ -40,18 +41,6 @@
         snprintf(why, why_len, __VA_ARGS__);                                \
         return (code);                                                      \
     } while (0)
-
-/* A request waiting for its deadline: lists kept in deadline order, so
- * the tick only looks at the heads. */
-typedef struct dl_node {
-    struct dl_node *prev, *next;
-    uint64_t deadline_ms;
-    int linked;
-} dl_node_t;
-
-typedef struct dl_list {
-    dl_node_t *head, *tail;
-} dl_list_t;
 
 /* Insert in deadline order, searching from the tail: deadlines are
  * mostly increasing, so this is O(1) unless a reload shortened one. */
@@ -89,81 +78,6 @@ static void dl_remove(dl_list_t *l, dl_node_t *n)
     n->prev = n->next = NULL;
     n->linked = 0;
 }
-
-/* A cancel waiting for the fence. One cancel may wait on two requests
- * (an instance with role both that offers and fetches the same id): the
- * reply goes out when the last of them is finalized. */
-typedef struct cancel_wait {
-    uint64_t sid, req_id;
-    unsigned pending;
-} cancel_wait_t;
-
-typedef struct waiter {
-    cancel_wait_t *cw;
-    struct waiter *next;
-} waiter_t;
-
-struct genreq;
-
-typedef struct offer_part {
-    int published;
-    pool_t *pool;          /* referenced while published, until consumed */
-    uint32_t *blocks;
-    uint32_t nblocks;
-} offer_part_t;
-
-typedef struct offer {
-    dl_node_t lease;       /* first: on the lease list while unfetched */
-    instance_t *inst;
-    uint64_t request_id;
-    uint8_t token[TOKEN_LEN];
-    uint32_t num_tokens;
-    plan_side_t side;      /* instance config + layout summary */
-    char preset[16];
-    uint8_t *params;       /* packed ContextParams, same for every rank */
-    size_t params_len;
-    offer_part_t *parts;   /* nranks */
-    uint32_t npublished;
-    uint64_t created_ms;
-    struct genreq *consumer;
-    int ending, end_kind, end_code;
-    int consumed;          /* complete before every rank published: kept,
-                              without memory, to answer late publishes */
-    char end_msg[256];
-    waiter_t *waiters;
-} offer_t;
-
-typedef struct genpart {
-    struct genreq *req;
-    uint32_t rank;
-    int fetched, started, done, queued;
-    pool_t *pool;          /* referenced while fetched */
-    uint32_t *blocks;
-    uint32_t nblocks;
-    plan_t *plan;
-    uint64_t next_unit, units_done, units_per_chunk;
-    uint32_t inflight;
-    gpu_part_t *gpu;       /* plan uploaded to a GPU, when it runs there */
-    struct genpart *rq_next;
-} genpart_t;
-
-typedef struct genreq {
-    dl_node_t timeout;     /* first: on the fetch-timeout list */
-    instance_t *inst;
-    uint64_t request_id;
-    offer_t *offer;        /* NULL once detached */
-    uint32_t skip_tokens;
-    uint32_t dp_rank;      /* attention-DP group receiving */
-    uint32_t need;         /* local ranks of that group */
-    genpart_t *parts;      /* nranks */
-    uint32_t nfetched, ndone;
-    uint32_t inflight;
-    uint64_t created_ms;
-    uint64_t bytes_total, bytes_done;
-    int ending, end_kind, end_code;
-    char end_msg[256];
-    waiter_t *waiters;
-} genreq_t;
 
 /* Round-robin queue of parts with units left to hand out. */
 static genpart_t *rq_head, *rq_tail;
@@ -390,7 +304,11 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     side_from_layout(&o->side, inst, l);
     snprintf(o->preset, sizeof(o->preset), "%s", l->preset);
     o->created_ms = kvxd_now_ms();
-    if (random_token(o->token)) {
+    /* an instance spread over daemons: every daemon of it must give the
+     * same params, so the token is derived from the cluster secret */
+    if (inst->nlocal < inst->nranks && peer_enabled())
+        peer_token(inst->id, inst->addresses[0], request_id, o->token);
+    else if (random_token(o->token)) {
         free(o);
         WHY(KVX_ERR_IO, "publish: getrandom failed");
     }
@@ -463,7 +381,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
         memcpy(*params, o->params, o->params_len);
         *params_len = o->params_len;
         part->published = 1;
-        if (++o->npublished == inst->nranks)
+        if (++o->npublished == inst->nlocal)
             offer_drop(o);
         return 0;
     }
@@ -484,6 +402,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
     memcpy(*params, o->params, o->params_len);
     *params_len = o->params_len;
+    remote_offer_published(o);
     /* a consumer may be waiting for this rank; look it up again after
      * each part, since a failing part ends (and frees) it */
     if (o->consumer) {
@@ -510,8 +429,13 @@ static void genreq_free(genreq_t *g)
             pool_unref(p->pool);
         free(p->blocks);
         gpu_part_free(p->gpu);
+        remote_part_free(p);
         plan_free(p->plan);
     }
+    if (g->src_addresses)
+        for (uint32_t i = 0; i < g->src_nranks; i++)
+            free(g->src_addresses[i]);
+    free(g->src_addresses);
     free(g->parts);
     free(g);
 }
@@ -589,6 +513,191 @@ static void part_try_start(genpart_t *p)
     rq_tail = p;
 }
 
+/* A fetch whose sources are reached through peer daemons (remote.c):
+ * the plan comes from the params, the token is proven to the daemon
+ * serving each source rank, and each slice is pulled from it. */
+static int side_from_params(const Kvxfer__ContextParams *cp, plan_side_t *s,
+                            char *why, size_t why_len)
+{
+    const Kvxfer__ParallelConfig *pc = cp->parallel;
+    const Kvxfer__Layout *l = cp->layout;
+    memset(s, 0, sizeof(*s));
+    if (pc->n_layers_per_pp > 64)
+        WHY(KVX_ERR_INVALID, "fetch.context_params: layers_per_pp has %zu "
+                             "entries",
+            pc->n_layers_per_pp);
+    s->tp = pc->tp;
+    s->pp = pc->pp;
+    s->cp = pc->cp;
+    s->total_layers = pc->total_layers;
+    s->total_heads = pc->total_kv_heads;
+    s->num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
+    for (size_t i = 0; i < pc->n_layers_per_pp; i++)
+        s->layers_per_pp[i] = pc->layers_per_pp[i];
+    s->kv_factor = l->kv_factor;
+    s->head_dim = l->head_dim;
+    s->elem_size = l->elem_size;
+    s->dtype = l->dtype;
+    s->tokens_per_block = l->tokens_per_block;
+    int rc = plan_side_check(s, why, why_len);
+    if (!rc && plan_side_ranks(s) != cp->n_rank_addresses)
+        WHY(KVX_ERR_INVALID,
+            "fetch.context_params: %zu rank addresses for %u ranks",
+            cp->n_rank_addresses, plan_side_ranks(s));
+    return rc;
+}
+
+static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
+                        const Kvxfer__ContextParams *cp, pool_t *pool,
+                        const uint32_t *blocks, uint32_t nblocks,
+                        uint32_t skip, uint32_t dp_rank, char *why,
+                        size_t why_len)
+{
+    int rc;
+    if (!peer_enabled()) {
+        for (size_t i = 0; i < cp->n_rank_addresses; i++)
+            if (strcmp(cp->rank_addresses[i], kvxd.address))
+                WHY(KVX_ERR_UNSUPPORTED,
+                    "fetch.context_params: context rank %zu is served by "
+                    "daemon '%s', and transfers between daemons are off "
+                    "here (peer.listen is empty)",
+                    i, cp->rank_addresses[i]);
+        WHY(KVX_ERR_UNSUPPORTED,
+            "fetch: instance %s spans daemons, and transfers between "
+            "daemons are off here (peer.listen is empty)",
+            inst->id);
+    }
+    for (size_t i = 0; i < cp->n_rank_addresses; i++)
+        if ((rc = peer_address_check(cp->rank_addresses[i], why, why_len)))
+            return rc;
+    plan_side_t src, dst, full;
+    uint32_t eff_rank;
+    if ((rc = side_from_params(cp, &src, why, why_len)))
+        return rc;
+    side_from_layout(&full, inst, &pool->layout);
+    plan_dp_view(&full, rank, &dst, &eff_rank);
+    if ((rc = plan_compat(&src, &dst, why, why_len)))
+        return rc;
+
+    genreq_t *g = map_get(&inst->fetches, request_id);
+    if (g) {
+        if (g->ending)
+            WHY(KVX_ERR_STATE, "fetch: request %llu is ending (%s)",
+                (unsigned long long)request_id, g->end_msg);
+        if (!g->remote || strcmp(g->src_instance, cp->instance_id) ||
+            g->src_request != cp->request_id ||
+            memcmp(g->token, cp->token.data, TOKEN_LEN))
+            WHY(KVX_ERR_MISMATCH,
+                "fetch.context_params: request %llu is being fetched from "
+                "another offer by another rank",
+                (unsigned long long)request_id);
+        if (g->parts[rank].fetched)
+            WHY(KVX_ERR_EXISTS, "fetch: request %llu already fetched by "
+                                "rank %u",
+                (unsigned long long)request_id, rank);
+        if (g->dp_rank != dp_rank)
+            WHY(KVX_ERR_MISMATCH,
+                "fetch.dp_rank: %u differs from %u given by another rank",
+                dp_rank, g->dp_rank);
+        if (g->skip_tokens != skip)
+            WHY(KVX_ERR_MISMATCH,
+                "fetch.skip_tokens: %u differs from %u given by another "
+                "rank",
+                skip, g->skip_tokens);
+    } else if (nrequests >= kvxd.conf.max_requests) {
+        WHY(KVX_ERR_LIMIT, "fetch: %u requests in flight (limits."
+                           "max_requests)",
+            nrequests);
+    }
+    plan_t *plan;
+    if ((rc = plan_build(&src, &dst, eff_rank, cp->num_tokens, skip, &plan,
+                         why, why_len)))
+        return rc;
+    if (nblocks < plan->dst_blocks_needed) {
+        plan_free(plan);
+        WHY(KVX_ERR_INVALID,
+            "fetch.blocks: %u blocks of %u tokens cannot hold the offer's "
+            "%u tokens (need %u)",
+            nblocks, dst.tokens_per_block, cp->num_tokens,
+            plan->dst_blocks_needed);
+    }
+    uint32_t *bt = malloc(plan->dst_blocks_needed * sizeof(uint32_t) + 1);
+    if (!bt) {
+        plan_free(plan);
+        WHY(KVX_ERR_NOMEM, "fetch: out of memory");
+    }
+    memcpy(bt, blocks, plan->dst_blocks_needed * sizeof(uint32_t));
+    if (!g) {
+        g = calloc(1, sizeof(*g));
+        if (g) {
+            g->parts = calloc(inst->nranks, sizeof(*g->parts));
+            g->src_addresses = calloc(cp->n_rank_addresses, sizeof(char *));
+        }
+        int bad = !g || !g->parts || !g->src_addresses;
+        for (size_t i = 0; !bad && i < cp->n_rank_addresses; i++)
+            bad = !(g->src_addresses[i] = strdup(cp->rank_addresses[i]));
+        if (bad || map_put(&inst->fetches, request_id, g)) {
+            if (g && g->src_addresses)
+                for (size_t i = 0; i < cp->n_rank_addresses; i++)
+                    free(g->src_addresses[i]);
+            if (g) {
+                free(g->src_addresses);
+                free(g->parts);
+            }
+            free(g);
+            free(bt);
+            plan_free(plan);
+            WHY(KVX_ERR_NOMEM, "fetch: out of memory");
+        }
+        g->src_nranks = (uint32_t)cp->n_rank_addresses;
+        g->inst = inst;
+        g->request_id = request_id;
+        g->remote = 1;
+        g->src_side = src;
+        snprintf(g->src_instance, sizeof(g->src_instance), "%s",
+                 cp->instance_id);
+        g->src_request = cp->request_id;
+        memcpy(g->token, cp->token.data, TOKEN_LEN);
+        g->skip_tokens = skip;
+        g->dp_rank = dp_rank;
+        g->need = group_ranks(inst, dp_rank);
+        g->created_ms = kvxd_now_ms();
+        dl_insert(&timeouts, &g->timeout,
+                  g->created_ms + kvxd.conf.fetch_timeout_ms);
+        for (uint32_t r = 0; r < inst->nranks; r++) {
+            g->parts[r].req = g;
+            g->parts[r].rank = r;
+        }
+        nrequests++;
+    }
+    genpart_t *p = &g->parts[rank];
+    p->fetched = 1;
+    p->pool = pool;
+    pool_ref(pool);
+    p->blocks = bt;
+    p->nblocks = plan->dst_blocks_needed;
+    p->plan = plan;
+    plan->dst = (plan_mem_t){pool->base, &pool->layout, bt, p->nblocks};
+    p->started = 1;
+    g->nfetched++;
+    g->bytes_total += plan->bytes;
+    log_debug("fetch %s/%llu rank %u from %s/%llu through peers: %u "
+              "slices, %llu bytes",
+              inst->id, (unsigned long long)request_id, rank,
+              cp->instance_id, (unsigned long long)cp->request_id,
+              plan->nslices, (unsigned long long)plan->bytes);
+    if (plan->nunits == 0) {
+        p->done = 1;
+        if (++g->ndone == g->need)
+            genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
+        return 0;
+    }
+    char w[256];
+    if ((rc = remote_part_start(p, cp, w, sizeof(w))))
+        genreq_end(g, KVX_EVENT_ERROR, rc, w); /* reported as an event */
+    return 0;
+}
+
 int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
                const uint8_t *pbuf, size_t plen, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
@@ -621,16 +730,14 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
      * proven by the token; the rest of the params is only a locator. */
     offer_t *o = NULL;
     instance_t *ci = NULL;
+    int remote = inst->nlocal < inst->nranks;
     for (size_t i = 0; i < cp->n_rank_addresses; i++)
-        if (strcmp(cp->rank_addresses[i], kvxd.address)) {
-            snprintf(why, why_len,
-                     "fetch.context_params: context rank %zu is served by "
-                     "daemon '%s'; transfers between daemons are not "
-                     "available in this build",
-                     i, cp->rank_addresses[i]);
-            rc = KVX_ERR_UNSUPPORTED;
-            goto out;
-        }
+        remote |= strcmp(cp->rank_addresses[i], kvxd.address) != 0;
+    if (remote) {
+        rc = fetch_remote(inst, rank, request_id, cp, pool, blocks, nblocks,
+                          skip, dp_rank, why, why_len);
+        goto out;
+    }
     if (!(ci = instance_find(cp->instance_id))) {
         snprintf(why, why_len,
                  "fetch.context_params: context instance '%s' is not on this "
@@ -700,6 +807,13 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
             rc = KVX_ERR_MISMATCH;
             goto out;
         }
+    } else if (o->rconsumer[0]) {
+        snprintf(why, why_len,
+                 "fetch: the offer of request %llu is already taken by "
+                 "daemon %s",
+                 (unsigned long long)cp->request_id, o->rconsumer);
+        rc = KVX_ERR_EXISTS;
+        goto out;
     } else if (o->consumer) {
         snprintf(why, why_len,
                  "fetch: the offer of request %llu is already taken by "
@@ -819,20 +933,19 @@ static void rq_remove(genpart_t *p)
     p->queued = 0;
 }
 
-static void on_chunk_done(copy_job_t *job)
+/* A copy of part p came back (a chunk here, a scattered slot in
+ * remote.c): count it, and end the request on error, on its fence, or
+ * when every part is done. */
+void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
+                        int status)
 {
-    genpart_t *p = job->owner;
     genreq_t *g = p->req;
-    uint64_t units = job->unit_end - job->unit_begin;
     p->inflight--;
     g->inflight--;
-    chunks_inflight--;
     p->units_done += units;
-    g->bytes_done += job->bytes;
-    int status = job->status;
+    g->bytes_done += bytes;
     if (!status)
-        kvxd.stats.bytes_moved += job->bytes;
-    free(job);
+        kvxd.stats.bytes_moved += bytes;
     /* each branch calls genreq_end at most once: it may free g */
     if (status && !g->ending) {
         char m[96];
@@ -847,6 +960,16 @@ static void on_chunk_done(copy_job_t *job)
         if (++g->ndone == g->need)
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
     }
+}
+
+static void on_chunk_done(copy_job_t *job)
+{
+    genpart_t *p = job->owner;
+    uint64_t units = job->unit_end - job->unit_begin, bytes = job->bytes;
+    int status = job->status;
+    chunks_inflight--;
+    free(job);
+    xfer_part_progress(p, units, bytes, status);
     schedule();
 }
 
@@ -932,8 +1055,8 @@ static void offer_consume(offer_t *o)
 
 static void offer_try_finalize(offer_t *o)
 {
-    if (!o->ending || o->consumer)
-        return; /* the consumer's fence comes first */
+    if (!o->ending || o->consumer || o->gathers)
+        return; /* the consumer's fence, or our gathers', comes first */
     instance_t *inst = o->inst;
     push_event(inst, o->request_id, o->end_kind, o->end_code, o->end_msg);
     map_del(&inst->offers, o->request_id);
@@ -955,6 +1078,7 @@ static void offer_end(offer_t *o, int kind, int code, const char *msg)
     o->end_kind = kind;
     o->end_code = code;
     snprintf(o->end_msg, sizeof(o->end_msg), "%s", msg);
+    remote_offer_stop(o, code ? code : KVX_ERR_STATE, msg);
     if (o->consumer) {
         /* the consumer reads this offer's memory: its fence comes first,
          * and its finalize (now or after its last chunk) finalizes o */
@@ -975,8 +1099,11 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         g->end_kind = kind;
         g->end_code = code;
         snprintf(g->end_msg, sizeof(g->end_msg), "%s", msg);
-        for (uint32_t r = 0; r < g->inst->nranks; r++)
+        for (uint32_t r = 0; r < g->inst->nranks; r++) {
             rq_remove(&g->parts[r]);
+            remote_part_stop(&g->parts[r], code ? code : KVX_ERR_STATE,
+                             msg);
+        }
     }
     if (g->inflight)
         return; /* fence: on_chunk_done comes back here */
@@ -1002,7 +1129,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         if (o->ending) /* the offer ended first and waited for this fence */
             offer_try_finalize(o);
         else if (kind_done == KVX_EVENT_COMPLETE &&
-                 o->npublished < o->inst->nranks)
+                 o->npublished < o->inst->nlocal)
             offer_consume(o);
         else if (kind_done == KVX_EVENT_COMPLETE)
             offer_end(o, KVX_EVENT_COMPLETE, 0, "");
@@ -1011,6 +1138,35 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
                       code_done == 0 ? KVX_ERR_STATE : code_done, m);
     }
     waiters_reply(w);
+}
+
+void xfer_genreq_end(genreq_t *g, int kind, int code, const char *msg)
+{
+    genreq_end(g, kind, code, msg);
+}
+
+void xfer_offer_end(offer_t *o, int kind, int code, const char *msg)
+{
+    offer_end(o, kind, code, msg);
+}
+
+void xfer_offer_fenced(offer_t *o) { offer_try_finalize(o); }
+
+/* Remote streams took o: the generation side's fetch timeout, its END or
+ * the loss of its daemon bounds it now, not the lease. */
+void xfer_offer_taken(offer_t *o) { dl_remove(&leases, &o->lease); }
+
+void xfer_offer_remote_done(offer_t *o, int complete, int code,
+                            const char *msg)
+{
+    if (o->ending)
+        return;
+    if (!complete)
+        offer_end(o, KVX_EVENT_ERROR, code ? code : KVX_ERR_STATE, msg);
+    else if (o->npublished < o->inst->nlocal)
+        offer_consume(o);
+    else
+        offer_end(o, KVX_EVENT_COMPLETE, 0, "");
 }
 
 /* ---- cancel, cleanup, deadlines --------------------------------------- */
@@ -1182,7 +1338,7 @@ void xfer_tick(uint64_t now)
         char m[128];
         snprintf(m, sizeof(m),
                  "offer lease of %u ms expired (%u of %u ranks published)",
-                 kvxd.conf.offer_lease_ms, o->npublished, o->inst->nranks);
+                 kvxd.conf.offer_lease_ms, o->npublished, o->inst->nlocal);
         offer_end(o, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
     }
     while (timeouts.head && timeouts.head->deadline_ms <= now) {
@@ -1209,7 +1365,7 @@ static const char *offer_state(const offer_t *o)
         return "ending";
     if (o->consumer)
         return "transferring";
-    return o->npublished < o->inst->nranks ? "publishing" : "offered";
+    return o->npublished < o->inst->nlocal ? "publishing" : "offered";
 }
 
 static const char *genreq_state(const genreq_t *g)
@@ -1318,7 +1474,7 @@ size_t xfer_infos(Kvxfer__RequestInfo ***out)
                 snprintf(detail, sizeof(detail),
                          "%u/%u ranks published, %u tokens, lease left %lld "
                          "ms",
-                         o->npublished, i->nranks, o->num_tokens,
+                         o->npublished, i->nlocal, o->num_tokens,
                          o->lease.linked ? (long long)o->lease.deadline_ms -
                                                (long long)now
                                          : 0);

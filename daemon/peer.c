@@ -1,0 +1,1226 @@
+/*
+ * peer — UCX on the loop, connections, authentication, keep-alive; see
+ * peer.h.
+ *
+ * Reading order:
+ *   peer_init()      context, worker, event fd on the loop, listener,
+ *                    the secret, this daemon's address
+ *   progress()       the one place the worker is progressed: before the
+ *                    loop sleeps (uv_prepare) and when its fd wakes it
+ *   peer_connect()   outgoing connection: endpoint, then HELLO
+ *   on_conn_request  incoming connection: endpoint from the request
+ *   auth_*           HELLO -> CHALLENGE -> RESPONSE -> AUTH_RESULT; the
+ *                    secret never goes on the wire, only HMACs of both
+ *                    nonces under it, and each side proves it knows it
+ *   am_ctrl/am_data  messages in: authenticated ones go to remote.c
+ *   conn_fail()      the one way a connection ends
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <netdb.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "daemon.h"
+#include "log.h"
+#include "peer.h"
+
+#define PEER_VERSION 1
+#define NONCE_LEN 32
+#define MAC_LEN 32
+#define SECRET_MAX 4096
+#define AM_CTRL 1
+#define AM_DATA 2
+#define MAX_LOST_KEPT 64
+
+enum conn_state { CONN_AUTH, CONN_READY, CONN_LOST };
+static const char *const state_names[] = {"connecting", "connected", "lost"};
+
+typedef struct qmsg {
+    uint8_t *buf;
+    size_t len;
+    struct qmsg *next;
+} qmsg_t;
+
+struct peer_conn {
+    ucp_ep_h ep;
+    int outgoing;
+    enum conn_state state;
+    char address[192];          /* the peer's; for incoming: after HELLO */
+    uint8_t nonce_c[NONCE_LEN], nonce_s[NONCE_LEN];
+    uint64_t created_ms, last_seen_ms, last_ping_ms;
+    uint64_t bytes_sent, bytes_received, errors;
+    uint32_t outstanding;       /* UCX requests not yet back */
+    int closed;                 /* ucp_ep_close started (or no ep) */
+    int close_done;
+    qmsg_t *q_head, *q_tail;    /* sends waiting for authentication */
+    char transports[128];
+    struct peer_conn *next;
+};
+
+/* A UCX request of ours: what to do when it comes back. */
+typedef struct ureq {
+    peer_conn_t *c;
+    uint8_t *buf;               /* freed when done (packed control msg) */
+    void (*done)(void *arg, int status);
+    void *arg;
+    /* a receive: the message and where it goes */
+    int recv_kind;              /* 0 send, 1 ctrl recv, 2 data recv */
+    Kvxfer__PeerMsg *hdr;
+    size_t len;
+} ureq_t;
+
+static struct {
+    int on;
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_listener_h listener;
+    uv_poll_t poll;
+    uv_prepare_t prepare;
+    int poll_on;
+    uint8_t secret[SECRET_MAX];
+    size_t secret_len;
+    peer_conn_t *conns;
+    int ucx_cuda;
+    char listen[64];
+    char version[32];
+} P;
+
+static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void conn_try_free(peer_conn_t *c);
+
+/* ---- UCX on the loop --------------------------------------------------- */
+
+static void progress(void)
+{
+    if (!P.worker)
+        return;
+    for (;;) {
+        while (ucp_worker_progress(P.worker))
+            ;
+        ucs_status_t st = ucp_worker_arm(P.worker);
+        if (st != UCS_ERR_BUSY)
+            break;
+    }
+}
+
+static void on_poll(uv_poll_t *h, int status, int events)
+{
+    (void)h;
+    (void)status;
+    (void)events;
+    progress();
+}
+
+/* Runs before the loop blocks: what the loop did this turn (sends,
+ * receives) is progressed and the worker armed, so no event is missed. */
+static void on_prepare(uv_prepare_t *h)
+{
+    (void)h;
+    progress();
+}
+
+/* ---- small helpers ----------------------------------------------------- */
+
+static uint64_t now_ms(void) { return kvxd_now_ms(); }
+
+static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
+                 uint8_t out[MAC_LEN])
+{
+    uint8_t msg[8 + 2 * NONCE_LEN];
+    size_t l = strlen(label);
+    memcpy(msg, label, l);
+    memcpy(msg + l, nc, NONCE_LEN);
+    memcpy(msg + l + NONCE_LEN, ns, NONCE_LEN);
+    unsigned n = MAC_LEN;
+    HMAC(EVP_sha256(), P.secret, (int)P.secret_len, msg, l + 2 * NONCE_LEN,
+         out, &n);
+}
+
+static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
+{
+    uint8_t d = 0;
+    for (size_t i = 0; i < n; i++)
+        d |= a[i] ^ b[i];
+    return d == 0;
+}
+
+/* "kvx://IP:PORT/id" -> sockaddr. 0, or -1 with why. */
+static int parse_address(const char *a, struct sockaddr_storage *ss,
+                         socklen_t *sl, char *why, size_t why_len)
+{
+    char host[128], port[16];
+    const char *p = !strncmp(a, "kvx://", 6) ? a + 6 : NULL;
+    const char *slash = p ? strchr(p, '/') : NULL;
+    const char *colon = NULL;
+    for (const char *q = p; q && q < slash; q++)
+        if (*q == ':')
+            colon = q;
+    if (!p || !slash || !colon || colon - p >= (long)sizeof(host) ||
+        slash - colon - 1 >= (long)sizeof(port) || slash == colon + 1) {
+        snprintf(why, why_len,
+                 "daemon '%s' has no peer listener (its peer.listen is "
+                 "empty, or the address is not kvx://IP:PORT/ID)",
+                 a);
+        return -1;
+    }
+    memcpy(host, p, colon - p);
+    host[colon - p] = 0;
+    memcpy(port, colon + 1, slash - colon - 1);
+    port[slash - colon - 1] = 0;
+    if (host[0] == '[') { /* [v6]:port */
+        memmove(host, host + 1, strlen(host));
+        char *e = strchr(host, ']');
+        if (e)
+            *e = 0;
+    }
+    struct addrinfo hints = {.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV,
+                             .ai_socktype = SOCK_STREAM},
+                    *res;
+    int e = getaddrinfo(host, port, &hints, &res);
+    if (e) {
+        snprintf(why, why_len, "daemon address '%s': %s", a, gai_strerror(e));
+        return -1;
+    }
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    *sl = res->ai_addrlen;
+    freeaddrinfo(res);
+    return 0;
+}
+
+static int read_secret(char *why, size_t why_len)
+{
+    const char *f = kvxd.conf.peer_secret_file;
+    int fd = open(f, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st)) {
+        snprintf(why, why_len, "peer.secret_file: %s: %s", f,
+                 strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    ssize_t n = -1;
+    if (st.st_mode & 077)
+        snprintf(why, why_len,
+                 "peer.secret_file: %s is readable by group or others (mode "
+                 "%03o); chmod 600 it",
+                 f, (unsigned)(st.st_mode & 0777));
+    else if ((n = read(fd, P.secret, sizeof(P.secret))) < 16)
+        snprintf(why, why_len,
+                 "peer.secret_file: %s holds %zd bytes; the secret needs at "
+                 "least 16 (head -c 32 /dev/urandom > FILE)",
+                 f, n);
+    close(fd);
+    if ((st.st_mode & 077) || n < 16)
+        return -1;
+    P.secret_len = (size_t)n;
+    return 0;
+}
+
+/* The transports an endpoint uses, from ucp_ep_print_info ("tl/dev"). */
+static void ep_transports(ucp_ep_h ep, char *out, size_t n)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *m = open_memstream(&buf, &len);
+    out[0] = 0;
+    if (!m)
+        return;
+    ucp_ep_print_info(ep, m);
+    fclose(m);
+    for (char *l = strtok(buf, "\n"); l; l = strtok(NULL, "\n")) {
+        char *lane = strstr(l, "lane[");
+        char *colon = lane ? strstr(lane, ": ") : NULL;
+        if (!colon)
+            continue;
+        char tl[64];
+        /* "lane[0]:  8:tcp/lo.0 md[4] ..." */
+        char *s = colon + 2;
+        while (*s == ' ')
+            s++;
+        char *c2 = strchr(s, ':');
+        if (c2 && c2 - s < 4)
+            s = c2 + 1;
+        if (sscanf(s, "%63[^ ]", tl) != 1)
+            continue;
+        if (!strstr(out, tl) && strlen(out) + strlen(tl) + 2 < n) {
+            if (out[0])
+                strcat(out, ",");
+            strcat(out, tl);
+        }
+    }
+    free(buf);
+}
+
+/* ---- connections ------------------------------------------------------- */
+
+static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    (void)ep;
+    peer_conn_t *c = arg;
+    conn_fail(c, KVX_ERR_PEER_GONE, "endpoint to %s failed: %s",
+              c->address[0] ? c->address : "(unauthenticated peer)",
+              ucs_status_string(status));
+}
+
+static peer_conn_t *conn_new(int outgoing, const char *address)
+{
+    peer_conn_t *c = calloc(1, sizeof(*c));
+    if (!c)
+        return NULL;
+    c->outgoing = outgoing;
+    c->state = CONN_AUTH;
+    snprintf(c->address, sizeof(c->address), "%s", address ? address : "");
+    c->created_ms = c->last_seen_ms = c->last_ping_ms = now_ms();
+    c->next = P.conns;
+    P.conns = c;
+    return c;
+}
+
+static void conn_unlink(peer_conn_t *c)
+{
+    for (peer_conn_t **pp = &P.conns; *pp; pp = &(*pp)->next)
+        if (*pp == c) {
+            *pp = c->next;
+            return;
+        }
+}
+
+static void ureq_done(ureq_t *u, int status)
+{
+    peer_conn_t *c = u->c;
+    if (u->done)
+        u->done(u->arg, status);
+    free(u->buf);
+    free(u);
+    c->outstanding--;
+    conn_try_free(c);
+}
+
+static void send_cb(void *request, ucs_status_t status, void *user_data)
+{
+    ureq_t *u = user_data;
+    if (status != UCS_OK && u->c->state != CONN_LOST)
+        conn_fail(u->c, KVX_ERR_PEER_GONE, "send to %s failed: %s",
+                  u->c->address, ucs_status_string(status));
+    ureq_done(u, status == UCS_OK ? 0 : KVX_ERR_PEER_GONE);
+    ucp_request_free(request);
+}
+
+/* Start one AM send of ours. */
+static int am_send(peer_conn_t *c, unsigned id, const void *hdr,
+                   size_t hdr_len, const void *buf, size_t len, ureq_t *u)
+{
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                        UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS |
+                        UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+        .cb.send = send_cb,
+        .user_data = u,
+        .flags = UCP_AM_SEND_FLAG_REPLY};
+    u->c = c;
+    c->outstanding++;
+    ucs_status_ptr_t r = ucp_am_send_nbx(c->ep, id, hdr, hdr_len, buf, len,
+                                         &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+        c->outstanding--;
+        return KVX_ERR_PEER_GONE;
+    }
+    c->bytes_sent += hdr_len + len;
+    return 0;
+}
+
+static int send_packed(peer_conn_t *c, uint8_t *buf, size_t len)
+{
+    ureq_t *u = calloc(1, sizeof(*u));
+    if (!u) {
+        free(buf);
+        return KVX_ERR_NOMEM;
+    }
+    u->buf = buf;
+    if (am_send(c, AM_CTRL, NULL, 0, buf, len, u)) {
+        free(buf);
+        free(u);
+        conn_fail(c, KVX_ERR_PEER_GONE, "cannot send to %s", c->address);
+        return KVX_ERR_PEER_GONE;
+    }
+    return 0;
+}
+
+static uint8_t *pack(const Kvxfer__PeerMsg *m, size_t *len)
+{
+    *len = kvxfer__peer_msg__get_packed_size(m);
+    uint8_t *b = malloc(*len ? *len : 1);
+    if (b)
+        kvxfer__peer_msg__pack(m, b);
+    return b;
+}
+
+/* Send now, whatever the state (the handshake itself). */
+static int send_now(peer_conn_t *c, const Kvxfer__PeerMsg *m)
+{
+    size_t len;
+    uint8_t *b = pack(m, &len);
+    if (!b)
+        return KVX_ERR_NOMEM;
+    return send_packed(c, b, len);
+}
+
+int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
+{
+    if (!c || c->state == CONN_LOST)
+        return KVX_ERR_PEER_GONE;
+    if (c->state == CONN_READY)
+        return send_now(c, m);
+    qmsg_t *q = calloc(1, sizeof(*q));
+    if (!q || !(q->buf = pack(m, &q->len))) {
+        free(q);
+        return KVX_ERR_NOMEM;
+    }
+    if (c->q_tail)
+        c->q_tail->next = q;
+    else
+        c->q_head = q;
+    c->q_tail = q;
+    return 0;
+}
+
+int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
+                   const void *buf, size_t len,
+                   void (*done)(void *arg, int status), void *arg)
+{
+    if (!c || c->state != CONN_READY)
+        return KVX_ERR_PEER_GONE;
+    ureq_t *u = calloc(1, sizeof(*u));
+    size_t hl;
+    uint8_t *hb = pack(hdr, &hl);
+    if (!u || !hb) {
+        free(u);
+        free(hb);
+        return KVX_ERR_NOMEM;
+    }
+    /* the header is copied by UCX before the call returns for eager
+     * sends; for rendezvous it is kept: keep it until completion */
+    u->buf = hb;
+    u->done = done;
+    u->arg = arg;
+    if (am_send(c, AM_DATA, hb, hl, buf, len, u)) {
+        free(hb);
+        free(u);
+        conn_fail(c, KVX_ERR_PEER_GONE, "cannot send to %s", c->address);
+        return KVX_ERR_PEER_GONE;
+    }
+    return 0;
+}
+
+static void close_cb(void *request, ucs_status_t status, void *user_data)
+{
+    (void)status;
+    peer_conn_t *c = user_data;
+    ucp_request_free(request);
+    c->close_done = 1;
+    conn_try_free(c);
+}
+
+static void conn_close_ep(peer_conn_t *c)
+{
+    if (c->closed)
+        return;
+    c->closed = 1;
+    if (!c->ep) {
+        c->close_done = 1;
+        return;
+    }
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                        UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = close_cb,
+        .user_data = c,
+        .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &prm);
+    if (r == NULL || UCS_PTR_IS_ERR(r))
+        c->close_done = 1;
+}
+
+/* Free a lost connection once UCX has given back everything of it. Lost
+ * connections beyond MAX_LOST_KEPT are dropped from the status list. */
+static void conn_try_free(peer_conn_t *c)
+{
+    if (c->state != CONN_LOST || c->outstanding || !c->close_done)
+        return;
+    unsigned lost = 0;
+    for (peer_conn_t *x = P.conns; x; x = x->next)
+        lost += x->state == CONN_LOST;
+    int replaced = 0;
+    for (peer_conn_t *x = P.conns; x; x = x->next)
+        if (x != c && x->state != CONN_LOST &&
+            x->outgoing == c->outgoing && !strcmp(x->address, c->address))
+            replaced = 1;
+    if (replaced || lost > MAX_LOST_KEPT || !c->address[0] || c->ep == NULL) {
+        conn_unlink(c);
+        free(c);
+    }
+}
+
+static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
+{
+    if (c->state == CONN_LOST)
+        return;
+    char msg[300];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    int was_ready = c->state == CONN_READY;
+    c->state = CONN_LOST;
+    c->errors++;
+    if (was_ready || c->outgoing)
+        log_warn("peer %s: %s", c->address[0] ? c->address : "(incoming)",
+                 msg);
+    while (c->q_head) {
+        qmsg_t *q = c->q_head;
+        c->q_head = q->next;
+        free(q->buf);
+        free(q);
+    }
+    c->q_tail = NULL;
+    remote_on_conn_lost(c, code, msg);
+    conn_close_ep(c);
+    conn_try_free(c);
+}
+
+static void conn_ready(peer_conn_t *c)
+{
+    c->state = CONN_READY;
+    c->last_seen_ms = now_ms();
+    ep_transports(c->ep, c->transports, sizeof(c->transports));
+    log_info("peer %s: authenticated (%s, %s)", c->address,
+             c->outgoing ? "outgoing" : "incoming",
+             c->transports[0] ? c->transports : "transports unknown");
+    while (c->q_head && c->state == CONN_READY) {
+        qmsg_t *q = c->q_head;
+        c->q_head = q->next;
+        if (!c->q_head)
+            c->q_tail = NULL;
+        uint8_t *b = q->buf;
+        size_t len = q->len;
+        free(q);
+        send_packed(c, b, len);
+    }
+}
+
+peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
+{
+    if (!P.on) {
+        snprintf(why, why_len,
+                 "daemon '%s' is another daemon, and transfers between "
+                 "daemons are off here (peer.listen is empty)",
+                 address);
+        return NULL;
+    }
+    for (peer_conn_t *c = P.conns; c; c = c->next)
+        if (c->outgoing && c->state != CONN_LOST &&
+            !strcmp(c->address, address))
+            return c;
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (parse_address(address, &ss, &sl, why, why_len))
+        return NULL;
+    peer_conn_t *c = conn_new(1, address);
+    if (!c) {
+        snprintf(why, why_len, "out of memory");
+        return NULL;
+    }
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_FLAGS |
+                      UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+        .sockaddr = {.addr = (struct sockaddr *)&ss, .addrlen = sl},
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_err_cb, .arg = c}};
+    ucs_status_t st = ucp_ep_create(P.worker, &ep, &c->ep);
+    if (st != UCS_OK) {
+        c->ep = NULL;
+        conn_fail(c, KVX_ERR_PEER_GONE, "cannot connect: %s",
+                  ucs_status_string(st));
+        snprintf(why, why_len, "cannot connect to daemon %s: %s", address,
+                 ucs_status_string(st));
+        return NULL;
+    }
+    if (getrandom(c->nonce_c, NONCE_LEN, 0) != NONCE_LEN) {
+        conn_fail(c, KVX_ERR_IO, "getrandom failed");
+        snprintf(why, why_len, "getrandom failed");
+        return NULL;
+    }
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
+    h.version = PEER_VERSION;
+    h.address = kvxd.address;
+    h.nonce.data = c->nonce_c;
+    h.nonce.len = NONCE_LEN;
+    m.m_case = KVXFER__PEER_MSG__M_HELLO;
+    m.hello = &h;
+    if (send_now(c, &m)) {
+        snprintf(why, why_len, "cannot send to daemon %s", address);
+        return NULL;
+    }
+    log_debug("peer %s: connecting", address);
+    return c;
+}
+
+const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
+
+int peer_address_check(const char *address, char *why, size_t why_len)
+{
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (!strcmp(address, kvxd.address))
+        return 0;
+    if (parse_address(address, &ss, &sl, why, why_len))
+        return KVX_ERR_INVALID;
+    return 0;
+}
+
+void peer_token(const char *instance, const char *addr0, uint64_t request,
+                uint8_t out[16])
+{
+    uint8_t buf[512], mac[MAC_LEN];
+    int n = snprintf((char *)buf, sizeof(buf), "kvx-token\n%s\n%s\n%llu",
+                     instance, addr0, (unsigned long long)request);
+    unsigned ml = MAC_LEN;
+    HMAC(EVP_sha256(), P.secret, (int)P.secret_len, buf,
+         (size_t)(n < (int)sizeof(buf) ? n : (int)sizeof(buf) - 1), mac, &ml);
+    memcpy(out, mac, 16);
+}
+int peer_conn_alive(const peer_conn_t *c) { return c->state != CONN_LOST; }
+
+static void on_conn_request(ucp_conn_request_h req, void *arg)
+{
+    (void)arg;
+    peer_conn_t *c = conn_new(0, NULL);
+    if (!c) {
+        ucp_listener_reject(P.listener, req);
+        return;
+    }
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .conn_request = req,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_err_cb, .arg = c}};
+    if (ucp_ep_create(P.worker, &ep, &c->ep) != UCS_OK) {
+        c->ep = NULL;
+        conn_fail(c, KVX_ERR_PEER_GONE, "cannot accept a connection");
+    }
+}
+
+/* ---- authentication ---------------------------------------------------- */
+
+static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
+{
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    log_warn("peer %s: authentication failed: %s",
+             c->address[0] ? c->address : "(unknown)", msg);
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
+    r.code = KVX_ERR_AUTH;
+    char m2[512];
+    snprintf(m2, sizeof(m2), "daemon %s refused authentication: %s",
+             kvxd.address, msg);
+    r.message = m2;
+    m.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
+    m.auth_result = &r;
+    send_now(c, &m);
+    /* close after the refusal is out: the keep-alive tick closes it */
+    c->state = CONN_LOST;
+    c->errors++;
+    c->last_seen_ms = 0;
+}
+
+static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
+{
+    Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
+    uint8_t mac[MAC_LEN];
+    switch (m->m_case) {
+    case KVXFER__PEER_MSG__M_HELLO: { /* we are the server */
+        const Kvxfer__PeerHello *h = m->hello;
+        if (c->outgoing || c->nonce_s[0] || c->address[0])
+            break;
+        snprintf(c->address, sizeof(c->address), "%s",
+                 h->address ? h->address : "");
+        if (h->version != PEER_VERSION) {
+            auth_refuse(c, "peer protocol version %u, this daemon speaks %u",
+                        h->version, PEER_VERSION);
+            return;
+        }
+        if (h->nonce.len != NONCE_LEN || !c->address[0]) {
+            auth_refuse(c, "malformed hello");
+            return;
+        }
+        memcpy(c->nonce_c, h->nonce.data, NONCE_LEN);
+        if (getrandom(c->nonce_s, NONCE_LEN, 0) != NONCE_LEN) {
+            conn_fail(c, KVX_ERR_IO, "getrandom failed");
+            return;
+        }
+        c->nonce_s[0] |= 1; /* marks "challenge sent" */
+        Kvxfer__PeerChallenge ch = KVXFER__PEER_CHALLENGE__INIT;
+        hmac("kvx-s", c->nonce_c, c->nonce_s, mac);
+        ch.address = kvxd.address;
+        ch.nonce.data = c->nonce_s;
+        ch.nonce.len = NONCE_LEN;
+        ch.mac.data = mac;
+        ch.mac.len = MAC_LEN;
+        out.m_case = KVXFER__PEER_MSG__M_CHALLENGE;
+        out.challenge = &ch;
+        send_now(c, &out);
+        return;
+    }
+    case KVXFER__PEER_MSG__M_CHALLENGE: { /* we are the client */
+        const Kvxfer__PeerChallenge *ch = m->challenge;
+        if (!c->outgoing || ch->nonce.len != NONCE_LEN ||
+            ch->mac.len != MAC_LEN)
+            break;
+        memcpy(c->nonce_s, ch->nonce.data, NONCE_LEN);
+        hmac("kvx-s", c->nonce_c, c->nonce_s, mac);
+        if (!ct_equal(mac, ch->mac.data, MAC_LEN)) {
+            log_warn("peer %s: authentication failed: it does not know the "
+                     "cluster secret",
+                     c->address);
+            conn_fail(c, KVX_ERR_AUTH,
+                      "authentication failed: daemon %s does not know the "
+                      "cluster secret",
+                      c->address);
+            return;
+        }
+        if (ch->address && strcmp(ch->address, c->address))
+            log_warn("peer %s: answers as %s (restarted?)", c->address,
+                     ch->address);
+        Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
+        hmac("kvx-c", c->nonce_c, c->nonce_s, mac);
+        r.mac.data = mac;
+        r.mac.len = MAC_LEN;
+        out.m_case = KVXFER__PEER_MSG__M_RESPONSE;
+        out.response = &r;
+        send_now(c, &out);
+        return;
+    }
+    case KVXFER__PEER_MSG__M_RESPONSE: { /* server: check the client */
+        if (c->outgoing || !c->nonce_s[0] || m->response->mac.len != MAC_LEN)
+            break;
+        hmac("kvx-c", c->nonce_c, c->nonce_s, mac);
+        if (!ct_equal(mac, m->response->mac.data, MAC_LEN)) {
+            auth_refuse(c, "wrong cluster secret");
+            return;
+        }
+        Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
+        r.message = "";
+        out.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
+        out.auth_result = &r;
+        send_now(c, &out);
+        conn_ready(c);
+        return;
+    }
+    case KVXFER__PEER_MSG__M_AUTH_RESULT: /* client: the verdict */
+        if (!c->outgoing)
+            break;
+        if (m->auth_result->code == 0) {
+            conn_ready(c);
+        } else {
+            conn_fail(c, KVX_ERR_AUTH, "authentication failed: %s",
+                      m->auth_result->message ? m->auth_result->message
+                                              : "refused");
+        }
+        return;
+    default:
+        break;
+    }
+    conn_fail(c, KVX_ERR_PROTOCOL, "unexpected message %d during "
+                                   "authentication",
+              (int)m->m_case);
+}
+
+/* ---- messages in ------------------------------------------------------- */
+
+static peer_conn_t *conn_of(const ucp_am_recv_param_t *p)
+{
+    if (!(p->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+        return NULL;
+    for (peer_conn_t *c = P.conns; c; c = c->next)
+        if (c->ep == p->reply_ep && !c->closed)
+            return c;
+    return NULL;
+}
+
+static void dispatch(peer_conn_t *c, const uint8_t *buf, size_t len)
+{
+    Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, len, buf);
+    if (!m) {
+        conn_fail(c, KVX_ERR_PROTOCOL, "malformed message from %s",
+                  c->address);
+        return;
+    }
+    c->last_seen_ms = now_ms();
+    if (c->state == CONN_AUTH) {
+        auth_msg(c, m);
+    } else if (c->state == CONN_READY) {
+        if (m->m_case == KVXFER__PEER_MSG__M_PING) {
+            Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
+            r.m_case = KVXFER__PEER_MSG__M_PONG;
+            r.pong = m->ping;
+            send_now(c, &r);
+        } else if (m->m_case != KVXFER__PEER_MSG__M_PONG) {
+            remote_on_msg(c, m);
+        }
+    }
+    kvxfer__peer_msg__free_unpacked(m, NULL);
+}
+
+static void recv_cb(void *request, ucs_status_t status, size_t length,
+                    void *user_data)
+{
+    (void)length;
+    ureq_t *u = user_data;
+    peer_conn_t *c = u->c;
+    int ok = status == UCS_OK && c->state != CONN_LOST;
+    if (u->recv_kind == 1) {
+        if (ok)
+            dispatch(c, u->buf, u->len);
+    } else {
+        if (ok)
+            c->last_seen_ms = now_ms();
+        remote_on_data(c, u->hdr->data, ok ? 0 : KVX_ERR_PEER_GONE);
+        kvxfer__peer_msg__free_unpacked(u->hdr, NULL);
+    }
+    ureq_done(u, 0);
+    ucp_request_free(request);
+}
+
+/* Receive rendezvous data into dst; recv_cb finishes. */
+static int recv_into(peer_conn_t *c, void *desc, void *dst, size_t len,
+                     ureq_t *u)
+{
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                        UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+        .cb.recv_am = recv_cb,
+        .user_data = u};
+    u->c = c;
+    c->outstanding++;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(P.worker, desc, dst, len, &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+        c->outstanding--;
+        return -1;
+    }
+    return 0;
+}
+
+static ucs_status_t am_ctrl(void *arg, const void *header, size_t hlen,
+                            void *data, size_t len,
+                            const ucp_am_recv_param_t *param)
+{
+    (void)arg;
+    (void)header;
+    (void)hlen;
+    peer_conn_t *c = conn_of(param);
+    if (!c || c->state == CONN_LOST)
+        return UCS_OK;
+    c->bytes_received += len;
+    if (len > kvxd.conf.max_frame_bytes) {
+        conn_fail(c, KVX_ERR_PROTOCOL, "%zu-byte message from %s exceeds "
+                                       "limits.max_frame_bytes",
+                  len, c->address);
+        return UCS_OK;
+    }
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        dispatch(c, data, len);
+        return UCS_OK;
+    }
+    ureq_t *u = calloc(1, sizeof(*u));
+    if (!u || !(u->buf = malloc(len ? len : 1))) {
+        free(u);
+        conn_fail(c, KVX_ERR_NOMEM, "out of memory receiving from %s",
+                  c->address);
+        return UCS_OK;
+    }
+    u->recv_kind = 1;
+    u->len = len;
+    if (recv_into(c, data, u->buf, len, u)) {
+        free(u->buf);
+        free(u);
+        conn_fail(c, KVX_ERR_PEER_GONE, "receive from %s failed", c->address);
+    }
+    return UCS_OK;
+}
+
+static ucs_status_t am_data(void *arg, const void *header, size_t hlen,
+                            void *data, size_t len,
+                            const ucp_am_recv_param_t *param)
+{
+    (void)arg;
+    peer_conn_t *c = conn_of(param);
+    if (!c || c->state != CONN_READY)
+        return UCS_OK;
+    c->bytes_received += hlen + len;
+    c->last_seen_ms = now_ms();
+    Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, hlen, header);
+    if (!m || m->m_case != KVXFER__PEER_MSG__M_DATA) {
+        if (m)
+            kvxfer__peer_msg__free_unpacked(m, NULL);
+        conn_fail(c, KVX_ERR_PROTOCOL, "malformed data header from %s",
+                  c->address);
+        return UCS_OK;
+    }
+    void *dst = remote_data_target(c, m->data, len);
+    if (!dst) { /* the stream is gone: drop */
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+        return UCS_OK;
+    }
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        memcpy(dst, data, len);
+        remote_on_data(c, m->data, 0);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+        return UCS_OK;
+    }
+    ureq_t *u = calloc(1, sizeof(*u));
+    if (!u) {
+        remote_on_data(c, m->data, KVX_ERR_NOMEM);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+        return UCS_OK;
+    }
+    u->recv_kind = 2;
+    u->hdr = m;
+    if (recv_into(c, data, dst, len, u)) {
+        remote_on_data(c, m->data, KVX_ERR_PEER_GONE);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+        free(u);
+        conn_fail(c, KVX_ERR_PEER_GONE, "receive from %s failed", c->address);
+    }
+    return UCS_OK;
+}
+
+/* ---- life -------------------------------------------------------------- */
+
+static int set_handler(unsigned id, ucp_am_recv_callback_t cb)
+{
+    ucp_am_handler_param_t h = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                      UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+        .id = id,
+        .cb = cb,
+        .flags = UCP_AM_FLAG_WHOLE_MSG};
+    return ucp_worker_set_am_recv_handler(P.worker, &h) == UCS_OK ? 0 : -1;
+}
+
+int peer_init(char *why, size_t why_len)
+{
+    if (!kvxd.conf.peer_listen[0])
+        return 0;
+    if (read_secret(why, why_len))
+        return -1;
+    unsigned maj, min, rel;
+    ucp_get_version(&maj, &min, &rel);
+    snprintf(P.version, sizeof(P.version), "%u.%u.%u", maj, min, rel);
+    ucp_config_t *cfg;
+    ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
+    if (st != UCS_OK) {
+        snprintf(why, why_len, "UCX configuration: %s",
+                 ucs_status_string(st));
+        return -1;
+    }
+    ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES |
+                                      UCP_PARAM_FIELD_NAME,
+                        .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                        .name = "kvxferd"};
+    st = ucp_init(&prm, cfg, &P.ctx);
+    ucp_config_release(cfg);
+    if (st != UCS_OK) {
+        snprintf(why, why_len, "ucp_init: %s", ucs_status_string(st));
+        return -1;
+    }
+    ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+    if (ucp_context_query(P.ctx, &ca) == UCS_OK)
+        P.ucx_cuda = !!(ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    if ((st = ucp_worker_create(P.ctx, &wp, &P.worker)) != UCS_OK) {
+        snprintf(why, why_len, "ucp_worker_create: %s",
+                 ucs_status_string(st));
+        goto err_ctx;
+    }
+    int efd;
+    if ((st = ucp_worker_get_efd(P.worker, &efd)) != UCS_OK) {
+        snprintf(why, why_len, "ucp_worker_get_efd: %s",
+                 ucs_status_string(st));
+        goto err_worker;
+    }
+    if (set_handler(AM_CTRL, am_ctrl) || set_handler(AM_DATA, am_data)) {
+        snprintf(why, why_len, "cannot set the UCX message handlers");
+        goto err_worker;
+    }
+
+    /* the listener, on the configured IP:PORT */
+    char addr[sizeof(kvxd.conf.peer_listen) + 16];
+    snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (parse_address(addr, &ss, &sl, why, why_len)) {
+        snprintf(why, why_len, "peer.listen: '%s' is not IP:PORT",
+                 kvxd.conf.peer_listen);
+        goto err_worker;
+    }
+    ucp_listener_params_t lp = {
+        .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
+                      UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+        .sockaddr = {.addr = (struct sockaddr *)&ss, .addrlen = sl},
+        .conn_handler = {.cb = on_conn_request, .arg = NULL}};
+    if ((st = ucp_listener_create(P.worker, &lp, &P.listener)) != UCS_OK) {
+        snprintf(why, why_len, "peer.listen: cannot listen on %s: %s",
+                 kvxd.conf.peer_listen, ucs_status_string(st));
+        goto err_worker;
+    }
+    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+    if ((st = ucp_listener_query(P.listener, &la)) != UCS_OK) {
+        snprintf(why, why_len, "ucp_listener_query: %s",
+                 ucs_status_string(st));
+        goto err_listener;
+    }
+    char ip[INET6_ADDRSTRLEN];
+    unsigned port;
+    if (la.sockaddr.ss_family == AF_INET6) {
+        struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&la.sockaddr;
+        inet_ntop(AF_INET6, &a6->sin6_addr, ip, sizeof(ip));
+        port = ntohs(a6->sin6_port);
+        snprintf(P.listen, sizeof(P.listen), "[%s]:%u", ip, port);
+    } else {
+        struct sockaddr_in *a4 = (struct sockaddr_in *)&la.sockaddr;
+        inet_ntop(AF_INET, &a4->sin_addr, ip, sizeof(ip));
+        port = ntohs(a4->sin_port);
+        snprintf(P.listen, sizeof(P.listen), "%s:%u", ip, port);
+    }
+    /* the address: the listener, and the random incarnation id */
+    const char *id = strrchr(kvxd.address, '/');
+    char tail[32];
+    snprintf(tail, sizeof(tail), "%s", id ? id : "/0");
+    snprintf(kvxd.address, sizeof(kvxd.address), "kvx://%s%s", P.listen,
+             tail);
+
+    uv_poll_init(kvxd.loop, &P.poll, efd);
+    uv_poll_start(&P.poll, UV_READABLE, on_poll);
+    uv_prepare_init(kvxd.loop, &P.prepare);
+    uv_prepare_start(&P.prepare, on_prepare);
+    P.poll_on = 1;
+    P.on = 1;
+    log_notice("peers: UCX %s listening on %s (CUDA memory %s by UCX)",
+               P.version, P.listen,
+               P.ucx_cuda ? "supported" : "not supported");
+    return 0;
+
+err_listener:
+    ucp_listener_destroy(P.listener);
+    P.listener = NULL;
+err_worker:
+    ucp_worker_destroy(P.worker);
+    P.worker = NULL;
+err_ctx:
+    ucp_cleanup(P.ctx);
+    P.ctx = NULL;
+    return -1;
+}
+
+int peer_enabled(void) { return P.on; }
+
+void peer_tick(uint64_t now)
+{
+    if (!P.on)
+        return;
+    for (peer_conn_t *c = P.conns, *n; c; c = n) {
+        n = c->next;
+        if (c->state == CONN_LOST) {
+            if (!c->closed && now >= c->last_seen_ms + 100) {
+                /* a refusal had its moment to go out */
+                remote_on_conn_lost(c, KVX_ERR_AUTH, "authentication failed");
+                conn_close_ep(c);
+                conn_try_free(c);
+            }
+            continue;
+        }
+        if (c->state == CONN_AUTH &&
+            now >= c->created_ms + kvxd.conf.peer_connect_timeout_ms) {
+            conn_fail(c, KVX_ERR_PEER_GONE,
+                      "connect and authentication took over %u ms "
+                      "(peer.connect_timeout_ms)",
+                      kvxd.conf.peer_connect_timeout_ms);
+            continue;
+        }
+        if (c->state != CONN_READY)
+            continue;
+        if (now >= c->last_seen_ms + kvxd.conf.keepalive_timeout_ms) {
+            conn_fail(c, KVX_ERR_PEER_GONE,
+                      "no word from %s for %llu ms "
+                      "(peer.keepalive_timeout_ms %u)",
+                      c->address,
+                      (unsigned long long)(now - c->last_seen_ms),
+                      kvxd.conf.keepalive_timeout_ms);
+            continue;
+        }
+        if (now >= c->last_ping_ms + kvxd.conf.keepalive_interval_ms) {
+            c->last_ping_ms = now;
+            Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+            m.m_case = KVXFER__PEER_MSG__M_PING;
+            m.ping = now;
+            send_now(c, &m);
+        }
+    }
+}
+
+void *peer_mem_map(void *addr, size_t len)
+{
+    if (!P.on)
+        return NULL;
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                             UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                               .address = addr,
+                               .length = len};
+    ucp_mem_h h;
+    return ucp_mem_map(P.ctx, &mp, &h) == UCS_OK ? h : NULL;
+}
+
+void peer_mem_unmap(void *memh)
+{
+    if (memh)
+        ucp_mem_unmap(P.ctx, memh);
+}
+
+void peer_cleanup(void)
+{
+    if (!P.on)
+        return;
+    for (peer_conn_t *c = P.conns; c; c = c->next)
+        if (c->state != CONN_LOST)
+            conn_fail(c, KVX_ERR_SHUTDOWN, "daemon exiting");
+    /* let the force-closes and cancelled requests come back */
+    for (int i = 0; i < 1000 && P.conns; i++) {
+        progress();
+        for (peer_conn_t *c = P.conns, *n; c; c = n) {
+            n = c->next;
+            if (!c->outstanding && c->close_done) {
+                conn_unlink(c);
+                free(c);
+            }
+        }
+        if (P.conns)
+            usleep(1000);
+    }
+}
+
+void peer_shutdown(void)
+{
+    if (!P.on)
+        return;
+    if (P.poll_on) {
+        uv_poll_stop(&P.poll);
+        uv_prepare_stop(&P.prepare);
+        uv_close((uv_handle_t *)&P.poll, NULL);
+        uv_close((uv_handle_t *)&P.prepare, NULL);
+    }
+    if (P.listener)
+        ucp_listener_destroy(P.listener);
+    ucp_worker_destroy(P.worker);
+    ucp_cleanup(P.ctx);
+    P.worker = NULL;
+    P.on = 0;
+}
+
+/* ---- status ------------------------------------------------------------ */
+
+size_t peer_infos(Kvxfer__PeerInfo ***out)
+{
+    size_t n = 0, k = 0;
+    *out = NULL;
+    for (peer_conn_t *c = P.conns; c; c = c->next)
+        n += c->address[0] != 0;
+    if (!n)
+        return 0;
+    Kvxfer__PeerInfo **v = calloc(n, sizeof(*v));
+    if (!v)
+        return 0;
+    uint64_t now = now_ms();
+    for (peer_conn_t *c = P.conns; c && k < n; c = c->next) {
+        if (!c->address[0])
+            continue;
+        Kvxfer__PeerInfo *p = malloc(sizeof(*p));
+        if (!p)
+            break;
+        kvxfer__peer_info__init(p);
+        p->address = strdup(c->address);
+        p->state = (char *)state_names[c->state];
+        p->direction = c->outgoing ? "out" : "in";
+        p->bytes_sent = c->bytes_sent;
+        p->bytes_received = c->bytes_received;
+        p->errors = c->errors;
+        p->last_seen_ms = now - c->last_seen_ms;
+        v[k++] = p;
+    }
+    *out = v;
+    return k;
+}
+
+void peer_free_infos(Kvxfer__PeerInfo **v, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (v[i]) {
+            free(v[i]->address);
+            free(v[i]);
+        }
+    free(v);
+}
+
+void peer_ucx_info(Kvxfer__UcxInfo *info)
+{
+    static char tls[256];
+    tls[0] = 0;
+    for (peer_conn_t *c = P.conns; c; c = c->next) {
+        if (c->state != CONN_READY || !c->transports[0])
+            continue;
+        char copy[128];
+        snprintf(copy, sizeof(copy), "%s", c->transports);
+        for (char *t = strtok(copy, ","); t; t = strtok(NULL, ","))
+            if (!strstr(tls, t) && strlen(tls) + strlen(t) + 2 < sizeof(tls)) {
+                if (tls[0])
+                    strcat(tls, ",");
+                strcat(tls, t);
+            }
+    }
+    info->listen = P.on ? kvxd.address : "";
+    info->transports = tls;
+    info->staging = P.on ? "host" : "";
+    info->version = P.version;
+    info->slots = P.on ? kvxd.conf.slots : 0;
+    info->slot_bytes = P.on ? kvxd.conf.slot_bytes : 0;
+}

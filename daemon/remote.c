@@ -1,0 +1,1067 @@
+/*
+ * remote — transfers between daemons: the generation daemon pulls each
+ * slice of a part from the daemon serving its source rank, through
+ * staging slots, pipelined.
+ *
+ * Reading order (generation daemon, "D"):
+ *   remote_part_start()  one rstream per slice; OPEN to the source daemon
+ *                        with the capability token and what the plan needs
+ *   on_opened()          the source accepted: the stream joins the pull
+ *                        queue
+ *   pull_schedule()      round-robin over streams: a free receive slot gets
+ *                        the next units that fit in it, asked for by PULL
+ *   remote_data_target / remote_on_data
+ *                        DATA lands in the slot (rendezvous straight into
+ *                        it), a copy job scatters it into the pool, the
+ *                        slot is free again, xfer counts the units
+ * (context daemon, "S"):
+ *   on_open()            finds the offer, checks the token, builds the
+ *                        same plan, and counts the streams it will serve
+ *   on_pull()            a free send slot gathers the units (copy job),
+ *                        then UCX sends the slot (on_sent frees it)
+ *   on_end()             the generation side is done with the stream; the
+ *                        last one completes the offer
+ * Either side: a lost connection ends every stream on it.
+ *
+ * Owns the slots (registered with UCX once), the streams and their copy
+ * jobs. The fences: a request's scatters (D) and an offer's gathers (S)
+ * are counted in the request, which xfer does not finalize before they
+ * are back. Slots hold only daemon memory, so a receive or a send still
+ * in flight never touches a request's blocks.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "copy.h"
+#include "daemon.h"
+#include "log.h"
+#include "map.h"
+#include "peer.h"
+#include "xfer_int.h"
+
+enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
+
+typedef struct slot {
+    uint8_t *mem;
+    uint32_t idx;
+    enum slot_state state;
+    void *owner;                 /* rstream (receive) or sstream (send) */
+    uint64_t u0, u1, bytes;
+    genpart_t *part;             /* receive: whose destination */
+    uint32_t dst_slot;           /* send: the receiver's slot */
+    copy_job_t job;
+    struct slot *next_free;
+} slot_t;
+
+typedef struct slots {
+    uint8_t *mem;
+    size_t len;
+    void *memh;
+    slot_t *v;
+    slot_t *free;
+    uint32_t nfree;
+} slots_t;
+
+/* D: one slice of a part, pulled from its source daemon. */
+typedef struct rstream {
+    uint64_t id, source;         /* ours; the source daemon's */
+    genpart_t *part;
+    peer_conn_t *conn;
+    uint32_t slice;
+    uint64_t u_begin, u_end, next_unit;
+    int opened, ended, queued, refused;
+    uint64_t retry_ms;           /* not published there yet: ask again */
+    uint64_t retry_until_ms;
+    uint64_t units_done;
+    uint32_t held;               /* slots PULLED or RECEIVING for it */
+    struct rstream *rq_next;
+} rstream_t;
+
+/* S: a stream some generation daemon reads from one of our offers. */
+typedef struct pull {
+    uint32_t slot;
+    uint64_t u0, u1;
+    struct sstream *s;
+    struct pull *next;
+} pull_t;
+
+typedef struct sstream {
+    uint64_t id, dst_id;
+    peer_conn_t *conn;
+    offer_t *offer;              /* NULL once the offer is gone */
+    plan_t *plan;
+    kvx_layout_t dst_layout;     /* the row shape of the packed units */
+    uint32_t slice, src_rank;
+    uint64_t u_begin, u_end;
+    int ended;
+    uint32_t gathers, sends;
+    struct sstream *next;        /* offer's list */
+} sstream_t;
+
+#define OPEN_RETRY_MS 2000
+
+static slots_t rslots, sslots;
+static map_t rstreams, sstreams;
+static uint64_t next_id = 1;
+static rstream_t *rq_head, *rq_tail;
+static pull_t *pq_head, *pq_tail;  /* pulls waiting for a send slot */
+
+static void pull_schedule(void);
+static void serve_pulls(void);
+
+/* ---- slots ------------------------------------------------------------- */
+
+static int slots_init(slots_t *s, const char *what, char *why,
+                      size_t why_len)
+{
+    uint32_t n = kvxd.conf.slots;
+    s->len = (size_t)n * kvxd.conf.slot_bytes;
+    s->mem = mmap(NULL, s->len, PROT_READ | PROT_WRITE,
+                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (s->mem == MAP_FAILED) {
+        s->mem = NULL;
+        snprintf(why, why_len, "peer.slots: cannot map %zu bytes of %s "
+                               "slots",
+                 s->len, what);
+        return -1;
+    }
+    s->v = calloc(n, sizeof(*s->v));
+    if (!s->v) {
+        snprintf(why, why_len, "out of memory");
+        return -1;
+    }
+    for (uint32_t i = n; i-- > 0;) {
+        s->v[i].mem = s->mem + (size_t)i * kvxd.conf.slot_bytes;
+        s->v[i].idx = i;
+        s->v[i].next_free = s->free;
+        s->free = &s->v[i];
+    }
+    s->nfree = n;
+    /* registered once, so rendezvous never registers per message */
+    s->memh = peer_mem_map(s->mem, s->len);
+    return 0;
+}
+
+static void slots_cleanup(slots_t *s)
+{
+    peer_mem_unmap(s->memh);
+    if (s->mem)
+        munmap(s->mem, s->len);
+    free(s->v);
+    memset(s, 0, sizeof(*s));
+}
+
+static slot_t *slot_get(slots_t *s)
+{
+    slot_t *x = s->free;
+    if (x) {
+        s->free = x->next_free;
+        s->nfree--;
+        x->state = SLOT_BUSY;
+    }
+    return x;
+}
+
+static void slot_put(slots_t *s, slot_t *x)
+{
+    x->state = SLOT_FREE;
+    x->owner = NULL;
+    x->next_free = s->free;
+    s->free = x;
+    s->nfree++;
+}
+
+int remote_init(char *why, size_t why_len)
+{
+    if (!peer_enabled())
+        return 0;
+    if (slots_init(&rslots, "receive", why, why_len) ||
+        slots_init(&sslots, "send", why, why_len))
+        return -1;
+    log_info("peers: %u + %u staging slots of %llu bytes (pinned host)",
+             kvxd.conf.slots, kvxd.conf.slots,
+             (unsigned long long)kvxd.conf.slot_bytes);
+    return 0;
+}
+
+void remote_cleanup(void)
+{
+    slots_cleanup(&rslots);
+    slots_cleanup(&sslots);
+    map_free(&rstreams);
+    map_free(&sstreams);
+}
+
+static void send_end(peer_conn_t *c, uint64_t stream, int code,
+                     const char *msg)
+{
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerStreamEnd e = KVXFER__PEER_STREAM_END__INIT;
+    e.stream = stream;
+    e.code = code;
+    e.message = (char *)msg;
+    m.m_case = KVXFER__PEER_MSG__M_END;
+    m.end = &e;
+    peer_send(c, &m);
+}
+
+/* ---- D: the generation side -------------------------------------------- */
+
+static void rq_push(rstream_t *r)
+{
+    if (r->queued)
+        return;
+    r->queued = 1;
+    r->rq_next = NULL;
+    if (rq_tail)
+        rq_tail->rq_next = r;
+    else
+        rq_head = r;
+    rq_tail = r;
+}
+
+static void rq_drop(rstream_t *r)
+{
+    if (!r->queued)
+        return;
+    rstream_t *prev = NULL;
+    for (rstream_t *q = rq_head; q; prev = q, q = q->rq_next)
+        if (q == r) {
+            if (prev)
+                prev->rq_next = q->rq_next;
+            else
+                rq_head = q->rq_next;
+            if (rq_tail == q)
+                rq_tail = prev;
+            break;
+        }
+    r->queued = 0;
+}
+
+static int send_open(rstream_t *r)
+{
+    genpart_t *p = r->part;
+    genreq_t *g = p->req;
+    const plan_t *plan = p->plan;
+    const kvx_layout_t *l = &p->pool->layout;
+    plan_side_t eff;
+    uint32_t eff_rank;
+    plan_dp_view(&g->inst->side, p->rank, &eff, &eff_rank);
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerOpen o = KVXFER__PEER_OPEN__INIT;
+    Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
+    Kvxfer__Layout lay = KVXFER__LAYOUT__INIT;
+    o.stream = r->id;
+    o.instance_id = g->src_instance;
+    o.request_id = g->src_request;
+    o.token.data = g->token;
+    o.token.len = TOKEN_LEN;
+    pc.tp = eff.tp;
+    pc.pp = eff.pp;
+    pc.cp = eff.cp;
+    pc.total_layers = eff.total_layers;
+    pc.total_kv_heads = eff.total_heads;
+    pc.n_layers_per_pp = eff.num_layers_per_pp;
+    pc.layers_per_pp = eff.layers_per_pp;
+    o.dst_parallel = &pc;
+    lay.preset = (char *)l->preset;
+    lay.kv_factor = l->kv_factor;
+    lay.head_dim = l->head_dim;
+    lay.elem_size = l->elem_size;
+    lay.dtype = l->dtype;
+    lay.tokens_per_block = l->tokens_per_block;
+    o.dst_layout = &lay;
+    o.dst_rank = eff_rank;
+    o.skip_tokens = g->skip_tokens;
+    o.slice_begin = r->slice;
+    o.slice_end = r->slice + 1;
+    o.nunits = plan->nunits;
+    o.bytes = plan->bytes;
+    o.dst_ranks = plan_side_ranks(&eff);
+    m.m_case = KVXFER__PEER_MSG__M_OPEN;
+    m.open = &o;
+    return peer_send(r->conn, &m);
+}
+
+int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
+                      char *why, size_t why_len)
+{
+    const plan_t *plan = p->plan;
+    if (!peer_enabled()) {
+        snprintf(why, why_len,
+                 "fetch.context_params: the context ranks are served by "
+                 "daemon '%s', and transfers between daemons are off here "
+                 "(peer.listen is empty)",
+                 cp->rank_addresses[0]);
+        return KVX_ERR_UNSUPPORTED;
+    }
+    if (p->pool->gpu) {
+        snprintf(why, why_len,
+                 "fetch.pool_id: GPU pools between daemons are not "
+                 "available yet; register a host pool");
+        return KVX_ERR_UNSUPPORTED;
+    }
+    p->streams = calloc(plan->nslices ? plan->nslices : 1,
+                        sizeof(*p->streams));
+    if (!p->streams) {
+        snprintf(why, why_len, "fetch: out of memory");
+        return KVX_ERR_NOMEM;
+    }
+    for (uint32_t i = 0; i < plan->nslices; i++) {
+        const char *addr = cp->rank_addresses[plan->slices[i].src_rank];
+        peer_conn_t *c = peer_connect(addr, why, why_len);
+        if (!c)
+            return KVX_ERR_PEER_GONE;
+        rstream_t *r = calloc(1, sizeof(*r));
+        if (!r || map_put(&rstreams, next_id, r)) {
+            free(r);
+            snprintf(why, why_len, "fetch: out of memory");
+            return KVX_ERR_NOMEM;
+        }
+        r->id = next_id++;
+        r->part = p;
+        r->conn = c;
+        r->slice = i;
+        r->u_begin = r->next_unit = plan->slices[i].unit_begin;
+        r->u_end = i + 1 < plan->nslices ? plan->slices[i + 1].unit_begin
+                                         : plan->nunits;
+        p->streams[p->nstreams++] = r;
+        if (send_open(r)) {
+            snprintf(why, why_len, "fetch: cannot reach daemon %s", addr);
+            return KVX_ERR_PEER_GONE;
+        }
+    }
+    return 0;
+}
+
+/* End r on the wire and release what waits on it; the slots it holds go
+ * back now (PULLED: a late DATA is dropped) or when their receive
+ * returns (RECEIVING). */
+static void rstream_stop(rstream_t *r, int code, const char *msg)
+{
+    if (r->ended)
+        return;
+    r->ended = 1;
+    rq_drop(r);
+    if (r->opened && peer_conn_alive(r->conn))
+        send_end(r->conn, r->source, code, msg);
+    for (uint32_t i = 0; i < kvxd.conf.slots && rslots.v; i++) {
+        slot_t *x = &rslots.v[i];
+        if (x->owner == r && x->state == SLOT_PULLED)
+            slot_put(&rslots, x);
+    }
+}
+
+void remote_part_stop(genpart_t *p, int code, const char *msg)
+{
+    for (uint32_t i = 0; i < p->nstreams; i++)
+        rstream_stop(p->streams[i], code, msg);
+    pull_schedule();
+}
+
+void remote_part_free(genpart_t *p)
+{
+    for (uint32_t i = 0; i < p->nstreams; i++) {
+        rstream_t *r = p->streams[i];
+        rstream_stop(r, KVX_ERR_STATE, "request ended");
+        for (uint32_t k = 0; k < kvxd.conf.slots && rslots.v; k++)
+            if (rslots.v[k].owner == r) /* a receive still landing */
+                rslots.v[k].owner = NULL;
+        if (!r->opened && !r->refused && peer_conn_alive(r->conn)) {
+            /* its OPENED is on the way: kept as an orphan, so the source
+             * hears END when it comes (on_opened) */
+            r->part = NULL;
+            continue;
+        }
+        map_del(&rstreams, r->id);
+        free(r);
+    }
+    free(p->streams);
+    p->streams = NULL;
+    p->nstreams = 0;
+}
+
+static void pull_schedule(void)
+{
+    uint64_t slot_bytes = kvxd.conf.slot_bytes;
+    while (rq_head && rslots.nfree) {
+        rstream_t *r = rq_head;
+        rq_head = r->rq_next;
+        if (!rq_head)
+            rq_tail = NULL;
+        r->queued = 0;
+        if (r->ended || r->next_unit >= r->u_end)
+            continue;
+        const plan_t *plan = r->part->plan;
+        uint64_t u0 = r->next_unit, u1 = u0, bytes = 0;
+        while (u1 < r->u_end) {
+            uint64_t b = plan_units_bytes(plan, u1, u1 + 1);
+            if (bytes + b > slot_bytes)
+                break;
+            bytes += b;
+            u1++;
+        }
+        if (u1 == u0) {
+            char m[160];
+            snprintf(m, sizeof(m),
+                     "a plan unit of %llu bytes exceeds peer.slot_bytes "
+                     "(%llu)",
+                     (unsigned long long)plan_units_bytes(plan, u0, u0 + 1),
+                     (unsigned long long)slot_bytes);
+            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR, KVX_ERR_LIMIT, m);
+            continue;
+        }
+        slot_t *x = slot_get(&rslots);
+        x->state = SLOT_PULLED;
+        x->owner = r;
+        x->u0 = u0;
+        x->u1 = u1;
+        x->bytes = bytes;
+        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+        Kvxfer__PeerPull pl = KVXFER__PEER_PULL__INIT;
+        pl.stream = r->source;
+        pl.slot = x->idx;
+        pl.unit_begin = u0;
+        pl.unit_end = u1;
+        m.m_case = KVXFER__PEER_MSG__M_PULL;
+        m.pull = &pl;
+        r->next_unit = u1;
+        r->held++;
+        if (peer_send(r->conn, &m)) {
+            slot_put(&rslots, x);
+            r->held--;
+            continue; /* the lost connection ends the request */
+        }
+        if (r->next_unit < r->u_end)
+            rq_push(r);
+    }
+}
+
+static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
+{
+    rstream_t *r = map_get(&rstreams, o->stream);
+    if (!r || r->conn != c || r->opened)
+        return;
+    r->opened = 1;
+    r->source = o->source;
+    if (!r->part) { /* an orphan: its request is gone */
+        send_end(c, r->source, KVX_ERR_CANCELLED, "request ended");
+        map_del(&rstreams, r->id);
+        free(r);
+        return;
+    }
+    if (r->ended) { /* ended while opening: tell it */
+        send_end(c, r->source, r->part->req->end_code
+                                   ? r->part->req->end_code
+                                   : KVX_ERR_CANCELLED,
+                 "request ended");
+        return;
+    }
+    rq_push(r);
+    pull_schedule();
+}
+
+static void scatter_run(copy_job_t *job)
+{
+    slot_t *x = job->owner;
+    plan_exec_packed(job->plan, x->u0, x->u1, x->mem, 0);
+}
+
+static void scatter_done(copy_job_t *job)
+{
+    slot_t *x = job->owner;
+    rstream_t *r = x->owner;
+    genpart_t *part = x->part;
+    uint64_t units = x->u1 - x->u0, bytes = x->bytes;
+    int status = job->status;
+    if (r) {
+        r->held--;
+        r->units_done += units;
+        /* the stream is complete: the source may let go (before the
+         * progress below, which may free the request and r) */
+        if (!status && r->units_done == r->u_end - r->u_begin)
+            rstream_stop(r, 0, "");
+    }
+    slot_put(&rslots, x);
+    xfer_part_progress(part, units, bytes, status);
+    pull_schedule();
+}
+
+void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
+                         size_t len)
+{
+    rstream_t *r = map_get(&rstreams, d->stream);
+    if (!r || r->conn != c || r->ended || d->slot >= kvxd.conf.slots)
+        return NULL;
+    slot_t *x = &rslots.v[d->slot];
+    if (x->owner != r || x->state != SLOT_PULLED || x->u0 != d->unit_begin ||
+        x->u1 != d->unit_end || len != x->bytes) {
+        log_warn("peer %s: data for stream %llu does not match its pull; "
+                 "dropped",
+                 peer_conn_address(c), (unsigned long long)d->stream);
+        return NULL;
+    }
+    x->state = SLOT_RECEIVING;
+    return x->mem;
+}
+
+void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
+{
+    (void)c;
+    slot_t *x = &rslots.v[d->slot];
+    rstream_t *r = x->owner;
+    if (x->state != SLOT_RECEIVING)
+        return;
+    if (!r || r->ended || status) {
+        if (r)
+            r->held--;
+        slot_put(&rslots, x);
+        if (r && status && !r->ended)
+            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR, status,
+                            "receiving from the context daemon failed");
+        pull_schedule();
+        return;
+    }
+    genpart_t *p = r->part;
+    x->state = SLOT_BUSY;
+    memset(&x->job, 0, sizeof(x->job));
+    x->job.run = scatter_run;
+    x->job.plan = p->plan;
+    x->job.done = scatter_done;
+    x->job.owner = x;
+    x->part = p;
+    /* the fence: xfer does not finalize the request before this returns */
+    p->inflight++;
+    p->req->inflight++;
+    copy_submit(&x->job);
+}
+
+/* ---- S: the context side ----------------------------------------------- */
+
+static void sstream_free(sstream_t *s)
+{
+    map_del(&sstreams, s->id);
+    plan_free(s->plan);
+    free(s);
+}
+
+/* Detach s from its offer (ended); freed once its copies are back. */
+static void sstream_end(sstream_t *s)
+{
+    if (s->ended)
+        return;
+    s->ended = 1;
+    offer_t *o = s->offer;
+    if (o)
+        for (sstream_t **pp = &o->streams; *pp; pp = &(*pp)->next)
+            if (*pp == s) {
+                *pp = s->next;
+                break;
+            }
+    s->offer = NULL;
+    /* pulls of s still queued go */
+    pull_t *prev = NULL;
+    for (pull_t *q = pq_head, *n; q; q = n) {
+        n = q->next;
+        if (q->s == s) {
+            if (prev)
+                prev->next = n;
+            else
+                pq_head = n;
+            if (pq_tail == q)
+                pq_tail = prev;
+            free(q);
+        } else {
+            prev = q;
+        }
+    }
+    if (!s->gathers && !s->sends)
+        sstream_free(s);
+}
+
+static void open_refuse(peer_conn_t *c, uint64_t dst_id, int code,
+                        const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void open_refuse(peer_conn_t *c, uint64_t dst_id, int code,
+                        const char *fmt, ...)
+{
+    char msg[300];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    send_end(c, dst_id, code, msg);
+}
+
+/* Streams that will read o: the slices, over every rank of the receiving
+ * group, whose source rank is served here. */
+static uint32_t streams_expected(const offer_t *o, const plan_side_t *dst,
+                                 uint32_t skip)
+{
+    uint32_t n = 0, ranks = plan_side_ranks(dst);
+    for (uint32_t r = 0; r < ranks; r++) {
+        plan_t *p;
+        char why[64];
+        if (plan_build(&o->side, dst, r, o->num_tokens, skip, &p, why,
+                       sizeof(why)))
+            continue;
+        for (uint32_t i = 0; i < p->nslices; i++)
+            n += o->inst->local[p->slices[i].src_rank];
+        plan_free(p);
+    }
+    return n;
+}
+
+static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
+{
+    instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
+    offer_t *o = inst ? map_get(&inst->offers, m->request_id) : NULL;
+    if (!o || o->ending || o->consumed) {
+        open_refuse(c, m->stream, KVX_ERR_NOT_FOUND,
+                    "no offer for request %llu of instance '%s' on daemon %s "
+                    "(not yet published, expired, cancelled or completed)",
+                    (unsigned long long)m->request_id,
+                    m->instance_id ? m->instance_id : "", kvxd.address);
+        return;
+    }
+    uint8_t d = m->token.len != TOKEN_LEN;
+    for (size_t i = 0; !d && i < TOKEN_LEN; i++)
+        d |= m->token.data[i] ^ o->token[i];
+    if (d) {
+        log_warn("peer %s: forged or stale capability token for offer "
+                 "%s/%llu",
+                 peer_conn_address(c), inst->id,
+                 (unsigned long long)m->request_id);
+        open_refuse(c, m->stream, KVX_ERR_AUTH,
+                    "capability token does not match the offer of request "
+                    "%llu",
+                    (unsigned long long)m->request_id);
+        return;
+    }
+    if (o->consumer) {
+        open_refuse(c, m->stream, KVX_ERR_EXISTS,
+                    "the offer of request %llu is already taken on daemon "
+                    "%s",
+                    (unsigned long long)m->request_id, kvxd.address);
+        return;
+    }
+    if (!m->dst_parallel || !m->dst_layout ||
+        m->dst_parallel->n_layers_per_pp > 64) {
+        open_refuse(c, m->stream, KVX_ERR_PROTOCOL, "malformed open");
+        return;
+    }
+    plan_side_t dst = {0};
+    const Kvxfer__ParallelConfig *pc = m->dst_parallel;
+    dst.tp = pc->tp;
+    dst.pp = pc->pp;
+    dst.cp = pc->cp;
+    dst.total_layers = pc->total_layers;
+    dst.total_heads = pc->total_kv_heads;
+    dst.num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
+    for (size_t i = 0; i < pc->n_layers_per_pp; i++)
+        dst.layers_per_pp[i] = pc->layers_per_pp[i];
+    dst.kv_factor = m->dst_layout->kv_factor;
+    dst.head_dim = m->dst_layout->head_dim;
+    dst.elem_size = m->dst_layout->elem_size;
+    dst.dtype = m->dst_layout->dtype;
+    dst.tokens_per_block = m->dst_layout->tokens_per_block;
+    char why[256];
+    plan_t *plan;
+    int rc = plan_side_check(&dst, why, sizeof(why));
+    if (!rc)
+        rc = plan_compat(&o->side, &dst, why, sizeof(why));
+    if (!rc && m->dst_rank >= plan_side_ranks(&dst))
+        rc = KVX_ERR_INVALID;
+    if (!rc)
+        rc = plan_build(&o->side, &dst, m->dst_rank, o->num_tokens,
+                        m->skip_tokens, &plan, why, sizeof(why));
+    if (rc) {
+        open_refuse(c, m->stream, rc, "%s", why);
+        return;
+    }
+    if (plan->nunits != m->nunits || plan->bytes != m->bytes ||
+        m->slice_begin >= plan->nslices ||
+        !inst->local[plan->slices[m->slice_begin].src_rank]) {
+        plan_free(plan);
+        open_refuse(c, m->stream, KVX_ERR_MISMATCH,
+                    "the plan on daemon %s differs (%llu units, %llu bytes) "
+                    "or slice %u is not served there",
+                    kvxd.address, (unsigned long long)m->nunits,
+                    (unsigned long long)m->bytes, m->slice_begin);
+        return;
+    }
+    char who[256];
+    snprintf(who, sizeof(who), "%s", peer_conn_address(c));
+    if (o->rconsumer[0] && strcmp(o->rconsumer, who) &&
+        !o->streams_expect) {
+        plan_free(plan);
+        open_refuse(c, m->stream, KVX_ERR_EXISTS,
+                    "the offer of request %llu is already taken",
+                    (unsigned long long)m->request_id);
+        return;
+    }
+    sstream_t *s = calloc(1, sizeof(*s));
+    if (!s || map_put(&sstreams, next_id, s)) {
+        free(s);
+        plan_free(plan);
+        open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
+        return;
+    }
+    s->id = next_id++;
+    s->dst_id = m->stream;
+    s->conn = c;
+    s->offer = o;
+    s->plan = plan;
+    s->slice = m->slice_begin;
+    s->src_rank = plan->slices[s->slice].src_rank;
+    s->u_begin = plan->slices[s->slice].unit_begin;
+    s->u_end = s->slice + 1 < plan->nslices
+                   ? plan->slices[s->slice + 1].unit_begin
+                   : plan->nunits;
+    /* the row shape of the packed units; only these fields are read */
+    memset(&s->dst_layout, 0, sizeof(s->dst_layout));
+    s->dst_layout.kv_factor = dst.kv_factor;
+    s->dst_layout.head_dim = dst.head_dim;
+    s->dst_layout.elem_size = dst.elem_size;
+    plan->dst.layout = &s->dst_layout;
+    if (!o->streams_expect) {
+        o->streams_expect = streams_expected(o, &dst, m->skip_tokens);
+        snprintf(o->rconsumer, sizeof(o->rconsumer), "%s", who);
+        xfer_offer_taken(o);
+    }
+    s->next = o->streams;
+    o->streams = s;
+    Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerOpened op = KVXFER__PEER_OPENED__INIT;
+    op.stream = s->dst_id;
+    op.source = s->id;
+    r.m_case = KVXFER__PEER_MSG__M_OPENED;
+    r.opened = &op;
+    peer_send(c, &r);
+}
+
+static void gather_run(copy_job_t *job)
+{
+    slot_t *x = job->owner;
+    plan_exec_packed(job->plan, x->u0, x->u1, x->mem, 1);
+}
+
+static void on_sent(void *arg, int status)
+{
+    (void)status; /* a failed send fails the connection, which ends s */
+    slot_t *x = arg;
+    sstream_t *s = x->owner;
+    s->sends--;
+    slot_put(&sslots, x);
+    if (s->ended && !s->gathers && !s->sends)
+        sstream_free(s);
+    serve_pulls();
+}
+
+static void gather_done(copy_job_t *job)
+{
+    slot_t *x = job->owner;
+    sstream_t *s = x->owner;
+    offer_t *o = s->offer;
+    s->gathers--;
+    if (o) {
+        o->gathers--;
+        if (o->ending && !o->gathers)
+            xfer_offer_fenced(o);
+    }
+    if (s->ended || job->status) {
+        if (!s->ended && job->status) {
+            send_end(s->conn, s->dst_id, job->status, "gather failed");
+            sstream_end(s);
+        }
+        slot_put(&sslots, x);
+        if (s->ended && !s->gathers && !s->sends)
+            sstream_free(s);
+        serve_pulls();
+        return;
+    }
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
+    d.stream = s->dst_id;
+    d.slot = x->dst_slot;
+    d.unit_begin = x->u0;
+    d.unit_end = x->u1;
+    d.bytes = x->bytes;
+    m.m_case = KVXFER__PEER_MSG__M_DATA;
+    m.data = &d;
+    s->sends++;
+    kvxd.stats.bytes_moved += x->bytes;
+    if (peer_send_data(s->conn, &m, x->mem, x->bytes, on_sent, x)) {
+        s->sends--;
+        slot_put(&sslots, x);
+        if (s->ended && !s->gathers && !s->sends)
+            sstream_free(s);
+    }
+}
+
+/* Start queued pulls whose source is published, while send slots last. */
+static void serve_pulls(void)
+{
+    pull_t *prev = NULL;
+    for (pull_t *q = pq_head, *n; q && sslots.nfree; q = n) {
+        n = q->next;
+        sstream_t *s = q->s;
+        offer_t *o = s->offer;
+        if (o && !o->parts[s->src_rank].pool && !o->ending) {
+            prev = q; /* its rank has not published yet */
+            continue;
+        }
+        if (prev)
+            prev->next = n;
+        else
+            pq_head = n;
+        if (pq_tail == q)
+            pq_tail = prev;
+        if (!o || o->ending) {
+            free(q);
+            continue;
+        }
+        slot_t *x = slot_get(&sslots);
+        x->owner = s;
+        x->u0 = q->u0;
+        x->u1 = q->u1;
+        x->bytes = plan_units_bytes(s->plan, q->u0, q->u1);
+        /* bind the source (published now; stays until the offer ends,
+         * which waits for this gather) */
+        for (uint32_t i = 0; i < s->plan->nslices; i++) {
+            offer_part_t *sp = &o->parts[s->plan->slices[i].src_rank];
+            if (sp->pool)
+                s->plan->src[i] = (plan_mem_t){sp->pool->base,
+                                               &sp->pool->layout,
+                                               sp->blocks, sp->nblocks};
+        }
+        memset(&x->job, 0, sizeof(x->job));
+        x->job.run = gather_run;
+        x->job.plan = s->plan;
+        x->job.done = gather_done;
+        x->job.owner = x;
+        x->dst_slot = q->slot;
+        s->gathers++;
+        o->gathers++;
+        free(q);
+        copy_submit(&x->job);
+    }
+}
+
+static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
+{
+    sstream_t *s = map_get(&sstreams, m->stream);
+    if (!s || s->conn != c || s->ended)
+        return; /* ended: the END crossed this pull */
+    if (m->unit_begin < s->u_begin || m->unit_end > s->u_end ||
+        m->unit_begin >= m->unit_end ||
+        plan_units_bytes(s->plan, m->unit_begin, m->unit_end) >
+            kvxd.conf.slot_bytes) {
+        send_end(c, s->dst_id, KVX_ERR_INVALID,
+                 "pull outside the stream or larger than peer.slot_bytes "
+                 "of the context daemon");
+        offer_t *o = s->offer;
+        sstream_end(s);
+        if (o)
+            xfer_offer_end(o, KVX_EVENT_ERROR, KVX_ERR_PROTOCOL,
+                           "a generation daemon sent a bad pull");
+        return;
+    }
+    pull_t *q = calloc(1, sizeof(*q));
+    if (!q)
+        return;
+    q->slot = m->slot;
+    q->u0 = m->unit_begin;
+    q->u1 = m->unit_end;
+    q->s = s;
+    if (pq_tail)
+        pq_tail->next = q;
+    else
+        pq_head = q;
+    pq_tail = q;
+    serve_pulls();
+}
+
+void remote_offer_published(offer_t *o)
+{
+    if (o->streams)
+        serve_pulls();
+}
+
+void remote_offer_stop(offer_t *o, int code, const char *msg)
+{
+    while (o->streams) {
+        sstream_t *s = o->streams;
+        if (peer_conn_alive(s->conn))
+            send_end(s->conn, s->dst_id, code, msg);
+        /* its gathers still count in o->gathers: the offer's fence */
+        s->offer = o;
+        sstream_end(s);
+    }
+}
+
+/* ---- either side ------------------------------------------------------- */
+
+static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
+{
+    /* to S: the generation side is done with stream e->stream */
+    sstream_t *s = map_get(&sstreams, e->stream);
+    if (s && s->conn == c && !s->ended) {
+        offer_t *o = s->offer;
+        sstream_end(s);
+        if (!o)
+            return;
+        if (e->code == 0) {
+            if (++o->streams_done == o->streams_expect)
+                xfer_offer_remote_done(o, 1, 0, "");
+        } else {
+            char m[300];
+            snprintf(m, sizeof(m), "generation side: %s",
+                     e->message ? e->message : "");
+            xfer_offer_remote_done(o, 0, e->code, m);
+        }
+        return;
+    }
+}
+
+static void on_end_to_d(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
+{
+    rstream_t *r = map_get(&rstreams, e->stream);
+    if (!r || r->conn != c)
+        return;
+    if (!r->part) { /* an orphan refused: nothing left of it */
+        map_del(&rstreams, r->id);
+        free(r);
+        return;
+    }
+    if (r->ended)
+        return;
+    uint64_t now = kvxd_now_ms();
+    if (!r->opened)
+        r->refused = 1;
+    if (e->code == KVX_ERR_NOT_FOUND && !r->opened) {
+        /* a context rank on that daemon may not have published yet (an
+         * instance spread over daemons): ask again, for a while */
+        if (!r->retry_until_ms)
+            r->retry_until_ms = now + OPEN_RETRY_MS;
+        if (now < r->retry_until_ms) {
+            r->refused = 0;
+            r->retry_ms = now + 20;
+            return;
+        }
+    }
+    char m[300];
+    snprintf(m, sizeof(m), "context side: %s", e->message ? e->message : "");
+    xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
+                    e->code ? e->code : KVX_ERR_STATE, m);
+}
+
+void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
+{
+    switch (m->m_case) {
+    case KVXFER__PEER_MSG__M_OPEN:
+        on_open(c, m->open);
+        break;
+    case KVXFER__PEER_MSG__M_OPENED:
+        on_opened(c, m->opened);
+        break;
+    case KVXFER__PEER_MSG__M_PULL:
+        on_pull(c, m->pull);
+        break;
+    case KVXFER__PEER_MSG__M_END:
+        /* the direction tells which side it is for: streams a daemon
+         * opened are rstreams; END from their source names our id */
+        if (m->end->stream && map_get(&rstreams, m->end->stream) &&
+            ((rstream_t *)map_get(&rstreams, m->end->stream))->conn == c)
+            on_end_to_d(c, m->end);
+        else
+            on_end(c, m->end);
+        break;
+    default:
+        remote_agree_msg(c, m);
+        break;
+    }
+}
+
+void remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
+{
+    char m[400];
+    snprintf(m, sizeof(m), "daemon %s: %s", peer_conn_address(c), msg);
+    /* D: requests pulling over c; nothing more goes to it */
+    uint32_t n = rstreams.n;
+    void **v = calloc(n ? n : 1, sizeof(*v));
+    if (v) {
+        n = map_values(&rstreams, v, n);
+        for (uint32_t i = 0; i < n; i++) {
+            rstream_t *r = v[i];
+            if (r->conn != c)
+                continue;
+            r->opened = 0;
+            r->refused = 1;
+            if (!r->part) { /* orphan */
+                map_del(&rstreams, r->id);
+                free(r);
+                v[i] = NULL;
+            }
+        }
+        /* ending one request frees its streams: look each up again */
+        for (uint32_t i = 0; i < n; i++) {
+            rstream_t *r = v[i];
+            if (!r || map_get(&rstreams, r->id) != r || r->conn != c ||
+                r->ended || !r->part)
+                continue;
+            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
+                            code == KVX_ERR_AUTH ? KVX_ERR_AUTH
+                                                 : KVX_ERR_PEER_GONE,
+                            m);
+            free(v);
+            remote_on_conn_lost(c, code, msg);
+            return;
+        }
+        free(v);
+    }
+    /* S: offers read over c */
+    n = sstreams.n;
+    v = calloc(n ? n : 1, sizeof(*v));
+    if (!v)
+        return;
+    n = map_values(&sstreams, v, n);
+    for (uint32_t i = 0; i < n; i++) {
+        sstream_t *s = v[i];
+        if (s->conn == c && !s->ended && s->offer) {
+            offer_t *o = s->offer;
+            sstream_end(s);
+            xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, m);
+            free(v);
+            remote_on_conn_lost(c, code, msg);
+            return;
+        }
+    }
+    free(v);
+    remote_agree_conn_lost(c, m);
+}
+
+void remote_tick(uint64_t now)
+{
+    if (!peer_enabled())
+        return;
+    uint32_t n = rstreams.n;
+    if (!n)
+        return;
+    void **v = calloc(n, sizeof(*v));
+    if (!v)
+        return;
+    n = map_values(&rstreams, v, n);
+    for (uint32_t i = 0; i < n; i++) {
+        rstream_t *r = v[i];
+        if (r->retry_ms && now >= r->retry_ms && !r->ended && r->part) {
+            r->retry_ms = 0;
+            send_open(r);
+        }
+    }
+    free(v);
+}

@@ -1,0 +1,167 @@
+/*
+ * xfer_int — the request types xfer.c and remote.c share: offers,
+ * fetches and their parts, and the calls between the two files. Nothing
+ * else includes this.
+ *
+ * remote.c moves the parts whose source is another daemon (or whose
+ * instance spans daemons); xfer.c owns the requests' life either way:
+ * creation, the fence, the terminal event.
+ */
+#ifndef KVX_XFER_INT_H
+#define KVX_XFER_INT_H
+
+#include <stdint.h>
+
+#include "gpu.h"
+#include "instance.h"
+#include "plan.h"
+#include "peer.h"
+#include "pool.h"
+
+#define TOKEN_LEN 16
+
+/* A request waiting for its deadline: lists kept in deadline order, so
+ * the tick only looks at the heads. */
+typedef struct dl_node {
+    struct dl_node *prev, *next;
+    uint64_t deadline_ms;
+    int linked;
+} dl_node_t;
+
+typedef struct dl_list {
+    dl_node_t *head, *tail;
+} dl_list_t;
+
+/* A cancel waiting for the fence. One cancel may wait on two requests
+ * (an instance with role both that offers and fetches the same id): the
+ * reply goes out when the last of them is finalized. */
+typedef struct cancel_wait {
+    uint64_t sid, req_id;
+    unsigned pending;
+} cancel_wait_t;
+
+typedef struct waiter {
+    cancel_wait_t *cw;
+    struct waiter *next;
+} waiter_t;
+
+struct genreq;
+struct rstream;
+struct sstream;
+
+typedef struct offer_part {
+    int published;
+    pool_t *pool;          /* referenced while published, until consumed */
+    uint32_t *blocks;
+    uint32_t nblocks;
+} offer_part_t;
+
+typedef struct offer {
+    dl_node_t lease;       /* first: on the lease list while unfetched */
+    instance_t *inst;
+    uint64_t request_id;
+    uint8_t token[TOKEN_LEN];
+    uint32_t num_tokens;
+    plan_side_t side;      /* instance config + layout summary */
+    char preset[16];
+    uint8_t *params;       /* packed ContextParams, same for every rank */
+    size_t params_len;
+    offer_part_t *parts;   /* nranks */
+    uint32_t npublished;
+    uint64_t created_ms;
+    struct genreq *consumer;
+    int ending, end_kind, end_code;
+    int consumed;          /* complete before every rank published: kept,
+                              without memory, to answer late publishes */
+    char end_msg[256];
+    waiter_t *waiters;
+    /* remote consumers: streams from peer daemons reading this offer */
+    struct sstream *streams;
+    uint32_t streams_expect;   /* streams that will come in all */
+    uint32_t streams_done;     /* completed */
+    uint32_t gathers;          /* gathers in flight: the fence */
+    char rconsumer[256];       /* who: "address instance/request" */
+} offer_t;
+
+typedef struct genpart {
+    struct genreq *req;
+    uint32_t rank;
+    int fetched, started, done, queued;
+    pool_t *pool;          /* referenced while fetched */
+    uint32_t *blocks;
+    uint32_t nblocks;
+    plan_t *plan;
+    uint64_t next_unit, units_done, units_per_chunk;
+    uint32_t inflight;
+    gpu_part_t *gpu;       /* plan uploaded to a GPU, when it runs there */
+    struct genpart *rq_next;
+    /* remote: one receiving stream per slice (remote.c) */
+    struct rstream **streams;
+    uint32_t nstreams;
+} genpart_t;
+
+typedef struct genreq {
+    dl_node_t timeout;     /* first: on the fetch-timeout list */
+    instance_t *inst;
+    uint64_t request_id;
+    offer_t *offer;        /* NULL once detached */
+    uint32_t skip_tokens;
+    uint32_t dp_rank;      /* attention-DP group receiving */
+    uint32_t need;         /* local ranks of that group */
+    genpart_t *parts;      /* nranks */
+    uint32_t nfetched, ndone;
+    uint32_t inflight;
+    uint64_t created_ms;
+    uint64_t bytes_total, bytes_done;
+    int ending, end_kind, end_code;
+    char end_msg[256];
+    waiter_t *waiters;
+    int remote;            /* sources reached through peer daemons */
+    plan_side_t src_side;  /* remote: the offer's side, from the params */
+    char src_instance[INSTANCE_ID_MAX + 1];
+    uint64_t src_request;
+    uint8_t token[TOKEN_LEN];
+    char **src_addresses;  /* remote: daemon of each context rank */
+    uint32_t src_nranks;
+} genreq_t;
+
+
+/* ---- xfer.c, for remote.c ---------------------------------------------- */
+
+/* The one way a request ends (fence first; see xfer.c). */
+void xfer_genreq_end(genreq_t *g, int kind, int code, const char *msg);
+void xfer_offer_end(offer_t *o, int kind, int code, const char *msg);
+/* Units of part p came back from a copy (status 0 or an error). */
+void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
+                        int status);
+/* Every remote consumer of o is done (complete or not). */
+void xfer_offer_remote_done(offer_t *o, int complete, int code,
+                            const char *msg);
+/* The fence of o's gathers is over: finalize if ending. */
+void xfer_offer_fenced(offer_t *o);
+/* Streams from a peer took o (it leaves the lease list). */
+void xfer_offer_taken(offer_t *o);
+
+/* ---- remote.c, for xfer.c ---------------------------------------------- */
+
+/* Start a part whose sources are on other daemons (or reached through
+ * them): one stream per slice. 0, or an error with why. */
+int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
+                      char *why, size_t why_len);
+/* The request of p is ending: tell the sources, release what waits. */
+void remote_part_stop(genpart_t *p, int code, const char *msg);
+void remote_part_free(genpart_t *p);
+/* Offer o is ending: tell every stream reading it. */
+void remote_offer_stop(offer_t *o, int code, const char *msg);
+/* Rank published to o: serve the pulls that waited for it. */
+void remote_offer_published(offer_t *o);
+/* The slots and the pull scheduler. */
+int remote_init(char *why, size_t why_len);
+void remote_cleanup(void);
+void remote_tick(uint64_t now_ms);
+
+/* ---- agree.c: batches of instances spread over daemons ----------------- */
+void remote_agree_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m);
+void remote_agree_conn_lost(peer_conn_t *c, const char *msg);
+
+#endif /* KVX_XFER_INT_H */
