@@ -62,6 +62,7 @@ struct peer_conn {
     uint64_t bytes_sent, bytes_received, errors;
     uint32_t outstanding;       /* UCX requests not yet back */
     int closed;                 /* ucp_ep_close started (or no ep) */
+    int refused;                /* we refused it: let the refusal out */
     int close_done;
     qmsg_t *q_head, *q_tail;    /* sends waiting for authentication */
     char transports[128];
@@ -92,6 +93,7 @@ static struct {
     size_t secret_len;
     peer_conn_t *conns;
     int ucx_cuda;
+    char transports[256];       /* every transport a connection used */
     char listen[64];
     char version[32];
 } P;
@@ -253,8 +255,14 @@ static void ep_transports(ucp_ep_h ep, char *out, size_t n)
         char *c2 = strchr(s, ':');
         if (c2 && c2 - s < 4)
             s = c2 + 1;
-        if (sscanf(s, "%63[^ ]", tl) != 1)
-            continue;
+        if (sscanf(s, "%63[^ ]", tl) != 1 || !strchr(tl, '/'))
+            continue; /* "cm": the connection manager, not a transport */
+        if (!strstr(P.transports, tl) &&
+            strlen(P.transports) + strlen(tl) + 2 < sizeof(P.transports)) {
+            if (P.transports[0])
+                strcat(P.transports, ",");
+            strcat(P.transports, tl);
+        }
         if (!strstr(out, tl) && strlen(out) + strlen(tl) + 2 < n) {
             if (out[0])
                 strcat(out, ",");
@@ -499,8 +507,8 @@ static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
     }
     c->q_tail = NULL;
     remote_on_conn_lost(c, code, msg);
-    conn_close_ep(c);
-    conn_try_free(c);
+    /* the endpoint is closed from the tick, never from inside a UCX
+     * callback (UCX may still be failing it there) */
 }
 
 static void conn_ready(peer_conn_t *c)
@@ -655,10 +663,11 @@ static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
     m.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
     m.auth_result = &r;
     send_now(c, &m);
-    /* close after the refusal is out: the keep-alive tick closes it */
+    /* close after the refusal is out: the tick closes it */
     c->state = CONN_LOST;
+    c->refused = 1;
     c->errors++;
-    c->last_seen_ms = 0;
+    c->last_seen_ms = now_ms();
 }
 
 static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
@@ -1062,9 +1071,10 @@ void peer_tick(uint64_t now)
     for (peer_conn_t *c = P.conns, *n; c; c = n) {
         n = c->next;
         if (c->state == CONN_LOST) {
-            if (!c->closed && now >= c->last_seen_ms + 100) {
-                /* a refusal had its moment to go out */
-                remote_on_conn_lost(c, KVX_ERR_AUTH, "authentication failed");
+            /* close outside UCX callbacks; a refusal (auth_refuse) gets
+             * its moment to go out first */
+            if (!c->closed && (!c->refused || now >= c->last_seen_ms + 200 ||
+                               !c->outstanding)) {
                 conn_close_ep(c);
                 conn_try_free(c);
             }
@@ -1121,9 +1131,11 @@ void peer_cleanup(void)
 {
     if (!P.on)
         return;
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = P.conns; c; c = c->next) {
         if (c->state != CONN_LOST)
             conn_fail(c, KVX_ERR_SHUTDOWN, "daemon exiting");
+        conn_close_ep(c);
+    }
     /* let the force-closes and cancelled requests come back */
     for (int i = 0; i < 1000 && P.conns; i++) {
         progress();
@@ -1203,22 +1215,8 @@ void peer_free_infos(Kvxfer__PeerInfo **v, size_t n)
 
 void peer_ucx_info(Kvxfer__UcxInfo *info)
 {
-    static char tls[256];
-    tls[0] = 0;
-    for (peer_conn_t *c = P.conns; c; c = c->next) {
-        if (c->state != CONN_READY || !c->transports[0])
-            continue;
-        char copy[128];
-        snprintf(copy, sizeof(copy), "%s", c->transports);
-        for (char *t = strtok(copy, ","); t; t = strtok(NULL, ","))
-            if (!strstr(tls, t) && strlen(tls) + strlen(t) + 2 < sizeof(tls)) {
-                if (tls[0])
-                    strcat(tls, ",");
-                strcat(tls, t);
-            }
-    }
     info->listen = P.on ? kvxd.address : "";
-    info->transports = tls;
+    info->transports = P.transports;
     info->staging = P.on ? "host" : "";
     info->version = P.version;
     info->slots = P.on ? kvxd.conf.slots : 0;
