@@ -1,18 +1,398 @@
 /*
  * agree — completion batches of an instance whose ranks sit on several
- * daemons: sealed at the daemon of rank 0 (the root), with the others
- * (members) forwarding their events and their ranks' polls.
+ * daemons. The daemon of rank 0 (the root) seals every batch: the other
+ * daemons (members) forward their terminal events and their ranks' polls
+ * to it, and it sends each sealed batch back to the member of the rank
+ * that asked. So batch k is the one batch.c sealed, identical on every
+ * rank, wherever the rank is.
+ *
+ * Events: each daemon's request covers its local ranks; the root merges
+ * the reports of one request until they cover every rank the request
+ * needs, then queues one event (the first error goes out at once).
+ * A lost member: its ranks leave the root's batches, the instance's
+ * requests end with KVX_ERR_PEER_GONE, and the merged requests still
+ * waiting for it end so too. A lost root: the members' waiting polls fail.
+ *
+ * Owns the merge entries and the members' forwarded polls.
  */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "agree.h"
+#include "daemon.h"
+#include "log.h"
+#include "peer.h"
+#include "session.h"
+#include "xfer.h"
 #include "xfer_int.h"
+
+typedef struct merge {
+    uint32_t seen, expect;
+    int emitted;
+} merge_t;
+
+/* Per spread instance, on any daemon of it. */
+typedef struct spread {
+    instance_t *inst;
+    map_t merges;          /* root: (request_id << 1 | offer) -> merge */
+    uint64_t *poll_req;    /* member: forwarded poll per rank, 0 = none */
+    struct spread *next;
+} spread_t;
+
+static spread_t *spreads;
+
+int agree_spread(const instance_t *inst)
+{
+    return inst->joined && inst->nlocal < inst->nranks && peer_enabled();
+}
+
+static int is_root(const instance_t *inst) { return inst->local[0]; }
+
+static spread_t *spread_of(instance_t *inst, int create)
+{
+    for (spread_t *s = spreads; s; s = s->next)
+        if (s->inst == inst)
+            return s;
+    if (!create)
+        return NULL;
+    spread_t *s = calloc(1, sizeof(*s));
+    if (!s || !(s->poll_req = calloc(inst->nranks, sizeof(uint64_t)))) {
+        free(s);
+        return NULL;
+    }
+    s->inst = inst;
+    s->next = spreads;
+    spreads = s;
+    return s;
+}
+
+void agree_forget(instance_t *inst)
+{
+    for (spread_t **pp = &spreads; *pp; pp = &(*pp)->next)
+        if ((*pp)->inst == inst) {
+            spread_t *s = *pp;
+            *pp = s->next;
+            uint32_t n = s->merges.n;
+            void **v = calloc(n ? n : 1, sizeof(*v));
+            if (v) {
+                n = map_values(&s->merges, v, n);
+                for (uint32_t i = 0; i < n; i++)
+                    free(v[i]);
+                free(v);
+            }
+            map_free(&s->merges);
+            free(s->poll_req);
+            free(s);
+            return;
+        }
+}
+
+void agree_joined(instance_t *inst)
+{
+    if (!agree_spread(inst) || !is_root(inst))
+        return;
+    /* every rank reads from batch 0: the remote ones are present from
+     * the start, so none misses a batch sealed before its first poll */
+    for (uint32_t r = 0; r < inst->nranks; r++)
+        if (!inst->local[r])
+            batch_rank_join(&inst->batches, r);
+}
+
+/* ---- events ------------------------------------------------------------ */
+
+static void queue_event(instance_t *inst, uint64_t request_id, int kind,
+                        int code, const char *msg)
+{
+    if (batch_push(&inst->batches, request_id, kind, code, msg,
+                   kvxd_now_ms()))
+        log_error("instance %s: out of memory queueing the event of request "
+                  "%llu",
+                  inst->id, (unsigned long long)request_id);
+}
+
+/* Root: one daemon's report of a request. */
+static void merge_report(instance_t *inst, uint64_t request_id, int offer,
+                         int kind, int code, const char *msg, uint32_t ranks,
+                         uint32_t expect)
+{
+    spread_t *s = spread_of(inst, 1);
+    uint64_t key = request_id << 1 | (offer ? 1 : 0);
+    merge_t *m = s ? map_get(&s->merges, key) : NULL;
+    if (s && !m && (m = calloc(1, sizeof(*m)))) {
+        m->expect = expect;
+        if (map_put(&s->merges, key, m)) {
+            free(m);
+            m = NULL;
+        }
+    }
+    if (!m) { /* out of memory: at least the event goes out */
+        queue_event(inst, request_id, kind, code, msg);
+        return;
+    }
+    m->seen += ranks;
+    if (!m->emitted && (kind != KVX_EVENT_COMPLETE || m->seen >= m->expect)) {
+        m->emitted = 1;
+        queue_event(inst, request_id, kind, code, msg);
+    }
+    if (m->seen >= m->expect) {
+        map_del(&s->merges, key);
+        free(m);
+    }
+}
+
+void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
+                 int code, const char *msg, uint32_t ranks, uint32_t expect)
+{
+    if (is_root(inst)) {
+        merge_report(inst, request_id, offer, kind, code, msg, ranks, expect);
+        return;
+    }
+    char why[256];
+    peer_conn_t *c = peer_connect(inst->addresses[0], why, sizeof(why));
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerEvent e = KVXFER__PEER_EVENT__INIT;
+    e.instance_id = inst->id;
+    e.request_id = request_id;
+    e.kind = kind;
+    e.code = code;
+    e.message = (char *)msg;
+    e.ranks = ranks;
+    e.offer = offer;
+    e.expect = expect;
+    m.m_case = KVXFER__PEER_MSG__M_EVENT;
+    m.event = &e;
+    if (!c || peer_send(c, &m))
+        log_warn("instance %s: the event of request %llu cannot reach the "
+                 "root daemon %s",
+                 inst->id, (unsigned long long)request_id,
+                 inst->addresses[0]);
+}
+
+/* ---- polls ------------------------------------------------------------- */
+
+int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
+               uint32_t at_least, uint32_t timeout_ms, char *why,
+               size_t why_len)
+{
+    spread_t *s = spread_of(inst, 1);
+    if (!s) {
+        snprintf(why, why_len, "poll: out of memory");
+        return KVX_ERR_NOMEM;
+    }
+    if (s->poll_req[rank]) {
+        snprintf(why, why_len, "poll: this rank already has a poll waiting");
+        return KVX_ERR_BUSY;
+    }
+    peer_conn_t *c = peer_connect(inst->addresses[0], why, why_len);
+    if (!c)
+        return KVX_ERR_PEER_GONE;
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerPoll p = KVXFER__PEER_POLL__INIT;
+    p.instance_id = inst->id;
+    p.rank = rank;
+    p.req_id = req_id;
+    p.at_least = at_least;
+    p.timeout_ms = timeout_ms;
+    m.m_case = KVXFER__PEER_MSG__M_POLL;
+    m.poll = &p;
+    if (peer_send(c, &m)) {
+        snprintf(why, why_len, "poll: the root daemon %s of instance %s is "
+                               "unreachable",
+                 inst->addresses[0], inst->id);
+        return KVX_ERR_PEER_GONE;
+    }
+    s->poll_req[rank] = req_id;
+    return 0;
+}
+
+/* Root: a sealed batch for a rank of another daemon. */
+void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
+                   const batch_t *b)
+{
+    char why[256];
+    peer_conn_t *c = peer_connect(inst->addresses[rank], why, sizeof(why));
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerBatch pb = KVXFER__PEER_BATCH__INIT;
+    Kvxfer__Event *ev = calloc(b->nevents ? b->nevents : 1, sizeof(*ev));
+    Kvxfer__Event **evp = calloc(b->nevents ? b->nevents : 1, sizeof(*evp));
+    if (!c || !ev || !evp) {
+        free(ev);
+        free(evp);
+        log_warn("instance %s: batch %llu for rank %u cannot reach daemon %s",
+                 inst->id, (unsigned long long)b->seq, rank,
+                 inst->addresses[rank]);
+        return;
+    }
+    for (uint32_t i = 0; i < b->nevents; i++) {
+        kvxfer__event__init(&ev[i]);
+        ev[i].request_id = b->events[i].request_id;
+        ev[i].kind = b->events[i].kind;
+        ev[i].code = b->events[i].code;
+        ev[i].message = b->events[i].message;
+        evp[i] = &ev[i];
+    }
+    pb.instance_id = inst->id;
+    pb.rank = rank;
+    pb.req_id = req_id;
+    pb.batch = b->seq;
+    pb.n_events = b->nevents;
+    pb.events = evp;
+    pb.message = "";
+    m.m_case = KVXFER__PEER_MSG__M_BATCH;
+    m.batch = &pb;
+    peer_send(c, &m);
+    free(ev);
+    free(evp);
+}
+
+/* Member: the root answered a forwarded poll. */
+static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
+{
+    instance_t *inst = pb->instance_id ? instance_find(pb->instance_id)
+                                       : NULL;
+    spread_t *s = inst ? spread_of(inst, 0) : NULL;
+    if (!s || pb->rank >= inst->nranks || !inst->local[pb->rank] ||
+        strcmp(peer_conn_address(c), inst->addresses[0]) ||
+        s->poll_req[pb->rank] != pb->req_id)
+        return;
+    s->poll_req[pb->rank] = 0;
+    uint64_t sid = inst->rank_sid[pb->rank];
+    if (pb->code) {
+        session_reply(sid, pb->req_id, pb->code, pb->message);
+        return;
+    }
+    Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
+    pr.batch = pb->batch;
+    pr.n_events = pb->n_events;
+    pr.events = pb->events;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = pb->req_id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_POLL;
+    r.poll = &pr;
+    session_reply_msg(sid, &r);
+}
+
+/* Root: a member's rank polls. */
+static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
+{
+    instance_t *inst = p->instance_id ? instance_find(p->instance_id) : NULL;
+    const char *bad = NULL;
+    if (!inst || !inst->joined || !inst->local[0])
+        bad = "is not rooted at this daemon";
+    else if (p->rank >= inst->nranks || inst->local[p->rank] ||
+             strcmp(inst->addresses[p->rank], peer_conn_address(c)))
+        bad = "has no such rank at that daemon";
+    uint64_t now = kvxd_now_ms();
+    uint32_t t = p->timeout_ms > kvxd.conf.poll_timeout_max_ms
+                     ? kvxd.conf.poll_timeout_max_ms
+                     : p->timeout_ms;
+    if (!bad && batch_poll(&inst->batches, p->rank, p->req_id, p->at_least,
+                           now + t, now))
+        bad = "already has a poll of that rank waiting";
+    if (!bad)
+        return;
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerBatch pb = KVXFER__PEER_BATCH__INIT;
+    char msg[300];
+    snprintf(msg, sizeof(msg), "poll: instance %s %s (root daemon %s)",
+             p->instance_id ? p->instance_id : "", bad, kvxd.address);
+    pb.instance_id = p->instance_id;
+    pb.rank = p->rank;
+    pb.req_id = p->req_id;
+    pb.code = KVX_ERR_STATE;
+    pb.message = msg;
+    m.m_case = KVXFER__PEER_MSG__M_BATCH;
+    m.batch = &pb;
+    peer_send(c, &m);
+}
+
+static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
+{
+    instance_t *inst = e->instance_id ? instance_find(e->instance_id) : NULL;
+    if (!inst || !inst->joined || !inst->local[0])
+        return;
+    int member = 0;
+    for (uint32_t r = 0; r < inst->nranks && !member; r++)
+        member = !strcmp(inst->addresses[r], peer_conn_address(c));
+    if (!member || e->expect > inst->nranks)
+        return;
+    if (e->code)
+        kvxd_count_error(e->code);
+    merge_report(inst, e->request_id, e->offer, e->kind, e->code,
+                 e->message ? e->message : "", e->ranks, e->expect);
+}
 
 void remote_agree_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 {
-    (void)c;
-    (void)m;
+    switch (m->m_case) {
+    case KVXFER__PEER_MSG__M_EVENT:
+        on_event(c, m->event);
+        break;
+    case KVXFER__PEER_MSG__M_POLL:
+        on_poll(c, m->poll);
+        break;
+    case KVXFER__PEER_MSG__M_BATCH:
+        on_batch(c, m->batch);
+        break;
+    default:
+        break;
+    }
 }
+
+/* ---- a lost daemon ----------------------------------------------------- */
 
 void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
 {
-    (void)c;
-    (void)msg;
+    const char *addr = peer_conn_address(c);
+    for (instance_t *inst = instance_first(); inst; inst = inst->next) {
+        if (!agree_spread(inst))
+            continue;
+        spread_t *s = spread_of(inst, 0);
+        if (!is_root(inst)) {
+            if (strcmp(inst->addresses[0], addr) || !s)
+                continue;
+            for (uint32_t r = 0; r < inst->nranks; r++)
+                if (s->poll_req[r]) {
+                    char m[400];
+                    snprintf(m, sizeof(m), "poll: root daemon of instance "
+                                           "%s lost: %s",
+                             inst->id, msg);
+                    session_reply(inst->rank_sid[r], s->poll_req[r],
+                                  KVX_ERR_PEER_GONE, m);
+                    s->poll_req[r] = 0;
+                }
+            continue;
+        }
+        int had = 0;
+        for (uint32_t r = 0; r < inst->nranks; r++)
+            if (!inst->local[r] && !strcmp(inst->addresses[r], addr) &&
+                inst->batches.present[r]) {
+                batch_rank_leave(&inst->batches, r);
+                had = 1;
+            }
+        if (!had)
+            continue;
+        char m[400];
+        snprintf(m, sizeof(m), "member %s", msg);
+        /* what waited for the lost member's reports ends now */
+        if (s) {
+            uint32_t n = s->merges.n;
+            uint64_t *keys = calloc(n ? n : 1, sizeof(*keys));
+            n = keys ? map_keys(&s->merges, keys, n) : 0;
+            for (uint32_t i = 0; i < n; i++) {
+                merge_t *e = map_del(&s->merges, keys[i]);
+                if (e && !e->emitted) {
+                    kvxd_count_error(KVX_ERR_PEER_GONE);
+                    queue_event(inst, keys[i] >> 1, KVX_EVENT_ERROR,
+                                KVX_ERR_PEER_GONE, m);
+                }
+                free(e);
+            }
+            free(keys);
+        }
+        /* a rank gone ends the instance's requests, as on one daemon */
+        xfer_end_instance(inst, KVX_ERR_PEER_GONE, m);
+    }
 }

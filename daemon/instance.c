@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "daemon.h"
+#include "agree.h"
 #include "instance.h"
 #include "log.h"
 #include "session.h"
@@ -32,6 +33,10 @@ static void deliver(void *arg, uint32_t rank, uint64_t req_id,
                     const batch_t *b)
 {
     instance_t *inst = arg;
+    if (inst->joined && !inst->local[rank]) { /* a rank of another daemon */
+        agree_deliver(inst, rank, req_id, b);
+        return;
+    }
     Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
     Kvxfer__Event *ev = calloc(b->nevents ? b->nevents : 1, sizeof(*ev));
     Kvxfer__Event **evp = calloc(b->nevents ? b->nevents : 1, sizeof(*evp));
@@ -70,6 +75,7 @@ static void instance_free(instance_t *inst)
             *p = inst->next;
             break;
         }
+    agree_forget(inst);
     kvxd.stats.batches_sealed += inst->batches.sealed_total;
     batch_cleanup(&inst->batches);
     map_free(&inst->offers);
@@ -201,6 +207,7 @@ int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
         inst->nlocal += inst->local[i];
     }
     inst->joined = 1;
+    agree_joined(inst);
     return 0;
 
 err_nomem:

@@ -281,9 +281,25 @@ static int send_open(rstream_t *r)
     o.nunits = plan->nunits;
     o.bytes = plan->bytes;
     o.dst_ranks = plan_side_ranks(&eff);
+    /* the daemon of each rank of the receiving group, in the plan's rank
+     * order: the source waits for their streams, and knows whom to miss */
+    char **addrs = calloc(o.dst_ranks ? o.dst_ranks : 1, sizeof(char *));
+    if (!addrs)
+        return KVX_ERR_NOMEM;
+    for (uint32_t q = 0; q < g->inst->nranks; q++) {
+        plan_side_t e;
+        uint32_t er;
+        if (plan_dp_view(&g->inst->side, q, &e, &er) == g->dp_rank &&
+            er < o.dst_ranks)
+            addrs[er] = g->inst->addresses[q];
+    }
+    o.n_dst_addresses = o.dst_ranks;
+    o.dst_addresses = addrs;
     m.m_case = KVXFER__PEER_MSG__M_OPEN;
     m.open = &o;
-    return peer_send(r->conn, &m);
+    int rc = peer_send(r->conn, &m);
+    free(addrs);
+    return rc;
 }
 
 int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
@@ -598,22 +614,46 @@ static void open_refuse(peer_conn_t *c, uint64_t dst_id, int code,
 }
 
 /* Streams that will read o: the slices, over every rank of the receiving
- * group, whose source rank is served here. */
-static uint32_t streams_expected(const offer_t *o, const plan_side_t *dst,
-                                 uint32_t skip)
+ * group, whose source rank is served here; and the daemons they come
+ * from (losing one of them ends o). */
+static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
+                                 uint32_t skip, const Kvxfer__PeerOpen *m)
 {
     uint32_t n = 0, ranks = plan_side_ranks(dst);
+    if (m->n_dst_addresses == ranks)
+        o->consumer_addrs = calloc(ranks, sizeof(char *));
     for (uint32_t r = 0; r < ranks; r++) {
         plan_t *p;
         char why[64];
         if (plan_build(&o->side, dst, r, o->num_tokens, skip, &p, why,
                        sizeof(why)))
             continue;
+        uint32_t k = 0;
         for (uint32_t i = 0; i < p->nslices; i++)
-            n += o->inst->local[p->slices[i].src_rank];
+            k += o->inst->local[p->slices[i].src_rank];
         plan_free(p);
+        n += k;
+        if (!k || !o->consumer_addrs)
+            continue;
+        int seen = 0;
+        for (uint32_t j = 0; j < o->nconsumer_addrs && !seen; j++)
+            seen = !strcmp(o->consumer_addrs[j], m->dst_addresses[r]);
+        if (!seen && (o->consumer_addrs[o->nconsumer_addrs] =
+                          strdup(m->dst_addresses[r])))
+            o->nconsumer_addrs++;
     }
     return n;
+}
+
+/* S: did o wait for streams from the daemon at addr? */
+static int offer_waits_for(const offer_t *o, const char *addr)
+{
+    if (o->ending || !o->streams_expect || o->streams_done >= o->streams_expect)
+        return 0;
+    for (uint32_t j = 0; j < o->nconsumer_addrs; j++)
+        if (!strcmp(o->consumer_addrs[j], addr))
+            return 1;
+    return 0;
 }
 
 static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
@@ -729,7 +769,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->dst_layout.elem_size = dst.elem_size;
     plan->dst.layout = &s->dst_layout;
     if (!o->streams_expect) {
-        o->streams_expect = streams_expected(o, &dst, m->skip_tokens);
+        o->streams_expect = streams_expected(o, &dst, m->skip_tokens, m);
         snprintf(o->rconsumer, sizeof(o->rconsumer), "%s", who);
         xfer_offer_taken(o);
     }
@@ -1042,6 +1082,18 @@ void remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
         }
     }
     free(v);
+    /* S: offers still waiting for streams from that daemon */
+    for (instance_t *i = instance_first(); i; i = i->next) {
+        uint32_t no = i->offers.n;
+        uint64_t *ids = calloc(no ? no : 1, sizeof(*ids));
+        no = ids ? map_keys(&i->offers, ids, no) : 0;
+        for (uint32_t k = 0; k < no; k++) {
+            offer_t *o = map_get(&i->offers, ids[k]);
+            if (o && offer_waits_for(o, peer_conn_address(c)))
+                xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, m);
+        }
+        free(ids);
+    }
     remote_agree_conn_lost(c, m);
 }
 

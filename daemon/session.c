@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "agree.h"
 #include "daemon.h"
 #include "frame.h"
 #include "instance.h"
@@ -547,6 +548,15 @@ static void on_poll(session_t *s, const Kvxfer__Request *rq)
     uint32_t t = rq->poll->timeout_ms;
     if (t > kvxd.conf.poll_timeout_max_ms) /* cut, see configuration.md */
         t = kvxd.conf.poll_timeout_max_ms;
+    if (agree_spread(s->inst) && !s->inst->local[0]) {
+        /* batches of an instance spread over daemons come from the
+         * daemon of rank 0 */
+        int rc = agree_poll(s->inst, s->rank, rq->id, rq->poll->at_least, t,
+                            why, sizeof(why));
+        if (rc)
+            reply(s, rq->id, rc, why);
+        return;
+    }
     if (batch_poll(&s->inst->batches, s->rank, rq->id, rq->poll->at_least,
                    now + t, now))
         FAIL(KVX_ERR_BUSY, "poll: this rank already has a poll waiting");

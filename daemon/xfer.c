@@ -25,6 +25,7 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include "agree.h"
 #include "copy.h"
 #include "daemon.h"
 #include "log.h"
@@ -174,11 +175,19 @@ static int waiter_add(waiter_t **list, cancel_wait_t *cw)
     return 0;
 }
 
+/* ranks: the ranks of inst this request covers here; expect: all it
+ * needs (they differ for an instance spread over daemons, whose root
+ * merges the reports: agree.c). */
 static void push_event(instance_t *inst, uint64_t request_id, int kind,
-                       int code, const char *msg)
+                       int code, const char *msg, int offer, uint32_t ranks,
+                       uint32_t expect)
 {
     if (code)
         kvxd_count_error(code);
+    if (agree_spread(inst)) {
+        agree_event(inst, request_id, offer, kind, code, msg, ranks, expect);
+        return;
+    }
     if (batch_push(&inst->batches, request_id, kind, code, msg,
                    kvxd_now_ms()))
         log_error("instance %s: out of memory queueing the event of request "
@@ -282,6 +291,9 @@ static void offer_free(offer_t *o)
             pool_unref(o->parts[r].pool);
         free(o->parts[r].blocks);
     }
+    for (uint32_t i = 0; i < o->nconsumer_addrs; i++)
+        free(o->consumer_addrs[i]);
+    free(o->consumer_addrs);
     free(o->parts);
     free(o->params);
     free(o);
@@ -1035,7 +1047,8 @@ static void offer_drop(offer_t *o)
 static void offer_consume(offer_t *o)
 {
     instance_t *inst = o->inst;
-    push_event(inst, o->request_id, KVX_EVENT_COMPLETE, 0, "");
+    push_event(inst, o->request_id, KVX_EVENT_COMPLETE, 0, "", 1,
+               inst->nlocal, inst->nranks);
     for (uint32_t r = 0; r < inst->nranks; r++) {
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
@@ -1058,7 +1071,8 @@ static void offer_try_finalize(offer_t *o)
     if (!o->ending || o->consumer || o->gathers)
         return; /* the consumer's fence, or our gathers', comes first */
     instance_t *inst = o->inst;
-    push_event(inst, o->request_id, o->end_kind, o->end_code, o->end_msg);
+    push_event(inst, o->request_id, o->end_kind, o->end_code, o->end_msg, 1,
+               inst->nlocal, inst->nranks);
     map_del(&inst->offers, o->request_id);
     nrequests--;
     log_debug("offer %s/%llu ended: %s", inst->id,
@@ -1110,7 +1124,11 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
 
     instance_t *inst = g->inst;
     offer_t *o = g->offer;
-    push_event(inst, g->request_id, g->end_kind, g->end_code, g->end_msg);
+    push_event(inst, g->request_id, g->end_kind, g->end_code, g->end_msg, 0,
+               g->need,
+               inst->nranks / (inst->side.attention_dp > 1
+                                   ? inst->side.attention_dp
+                                   : 1));
     if (g->end_kind == KVX_EVENT_COMPLETE)
         kvxd.stats.transfers_done++;
     map_del(&inst->fetches, g->request_id);
@@ -1154,7 +1172,15 @@ void xfer_offer_fenced(offer_t *o) { offer_try_finalize(o); }
 
 /* Remote streams took o: the generation side's fetch timeout, its END or
  * the loss of its daemon bounds it now, not the lease. */
-void xfer_offer_taken(offer_t *o) { dl_remove(&leases, &o->lease); }
+void xfer_offer_taken(offer_t *o)
+{
+    /* a backstop only: a daemon that never opens its streams (alive, but
+     * its ranks never fetch) must not hold the offer forever */
+    dl_remove(&leases, &o->lease);
+    dl_insert(&leases, &o->lease,
+              kvxd_now_ms() + kvxd.conf.offer_lease_ms +
+                  kvxd.conf.fetch_timeout_ms);
+}
 
 void xfer_offer_remote_done(offer_t *o, int complete, int code,
                             const char *msg)

@@ -81,6 +81,8 @@ typedef struct offer {
     uint32_t streams_done;     /* completed */
     uint32_t gathers;          /* gathers in flight: the fence */
     char rconsumer[256];       /* who: "address instance/request" */
+    char **consumer_addrs;     /* daemons whose streams it waits for */
+    uint32_t nconsumer_addrs;
 } offer_t;
 
 typedef struct genpart {

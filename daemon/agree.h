@@ -1,0 +1,31 @@
+/*
+ * agree — completion batches of instances spread over daemons, sealed at
+ * the daemon of rank 0; see agree.c.
+ */
+#ifndef KVX_AGREE_H
+#define KVX_AGREE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "instance.h"
+
+/* Does inst have ranks on other daemons (and peers are on)? */
+int agree_spread(const instance_t *inst);
+/* inst joined: the root counts every remote rank as present. */
+void agree_joined(instance_t *inst);
+/* inst is freed. */
+void agree_forget(instance_t *inst);
+/* A terminal event of a request covering `ranks` of the `expect` ranks
+ * it needs: merged at the root, forwarded there from a member. */
+void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
+                 int code, const char *msg, uint32_t ranks, uint32_t expect);
+/* Member: a local rank polls; the root answers. */
+int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
+               uint32_t at_least, uint32_t timeout_ms, char *why,
+               size_t why_len);
+/* Root: a sealed batch for a rank served by another daemon. */
+void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
+                   const struct batch *b);
+
+#endif /* KVX_AGREE_H */
