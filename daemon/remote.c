@@ -91,7 +91,9 @@ typedef struct pull {
 typedef struct sstream {
     uint64_t id, dst_id;
     peer_conn_t *conn;
-    offer_t *offer;              /* NULL once the offer is gone */
+    offer_t *offer;              /* NULL once the stream ended */
+    offer_t *fence;              /* whose o->gathers count ours: set for
+                                    life (the offer outlives our gathers) */
     plan_t *plan;
     kvx_layout_t dst_layout;     /* the row shape of the packed units */
     uint32_t slice, src_rank;
@@ -755,6 +757,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->dst_id = m->stream;
     s->conn = c;
     s->offer = o;
+    s->fence = o;
     s->plan = plan;
     s->slice = m->slice_begin;
     s->src_rank = plan->slices[s->slice].src_rank;
@@ -806,13 +809,11 @@ static void gather_done(copy_job_t *job)
 {
     slot_t *x = job->owner;
     sstream_t *s = x->owner;
-    offer_t *o = s->offer;
+    offer_t *o = s->fence;
     s->gathers--;
-    if (o) {
-        o->gathers--;
-        if (o->ending && !o->gathers)
-            xfer_offer_fenced(o);
-    }
+    o->gathers--;
+    if (o->ending && !o->gathers)
+        xfer_offer_fenced(o); /* may free o: not used below */
     if (s->ended || job->status) {
         if (!s->ended && job->status) {
             send_end(s->conn, s->dst_id, job->status, "gather failed");
@@ -939,7 +940,6 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
         if (peer_conn_alive(s->conn))
             send_end(s->conn, s->dst_id, code, msg);
         /* its gathers still count in o->gathers: the offer's fence */
-        s->offer = o;
         sstream_end(s);
     }
 }
