@@ -30,6 +30,10 @@ struct copy_job {
     const plan_t *plan;
     gpu_part_t *gpu;     /* set: the plan runs on this GPU, not on threads */
     uint64_t unit_begin, unit_end;
+    /* between daemons (GPU): one side is a staging slot holding the units
+     * packed (plan_exec_packed); gather: the slot is the destination */
+    uint8_t *packed;
+    int packed_gather;
     uint64_t bytes;
     int status;          /* 0, or why the job did not run */
     copy_done_cb done;   /* runs on the loop thread */

@@ -40,6 +40,7 @@
 #include "log.h"
 #include "map.h"
 #include "peer.h"
+#include "pool.h"
 #include "xfer_int.h"
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
@@ -63,6 +64,7 @@ typedef struct slots {
     slot_t *v;
     slot_t *free;
     uint32_t nfree;
+    int pinned;                  /* registered with CUDA (GPU pools) */
 } slots_t;
 
 /* D: one slice of a part, pulled from its source daemon. */
@@ -100,6 +102,7 @@ typedef struct sstream {
     uint64_t u_begin, u_end;
     int ended;
     uint32_t gathers, sends;
+    gpu_part_t *gpu;             /* a GPU source: the gather is a kernel */
     struct sstream *next;        /* offer's list */
 } sstream_t;
 
@@ -147,8 +150,25 @@ static int slots_init(slots_t *s, const char *what, char *why,
     return 0;
 }
 
+/* GPU pools: kernels read and write the slots (pinned, mapped). */
+static int slots_pin(slots_t *s, int device, char *why, size_t why_len)
+{
+    if (s->pinned)
+        return 0;
+    if (gpu_host_register(s->mem, s->len, device)) {
+        snprintf(why, why_len, "cannot pin the %zu-byte staging slots for "
+                               "the GPU",
+                 s->len);
+        return KVX_ERR_IO;
+    }
+    s->pinned = 1;
+    return 0;
+}
+
 static void slots_cleanup(slots_t *s)
 {
+    if (s->pinned)
+        gpu_host_unregister(s->mem);
     peer_mem_unmap(s->memh);
     if (s->mem)
         munmap(s->mem, s->len);
@@ -317,10 +337,17 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         return KVX_ERR_UNSUPPORTED;
     }
     if (p->pool->gpu) {
-        snprintf(why, why_len,
-                 "fetch.pool_id: GPU pools between daemons are not "
-                 "available yet; register a host pool");
-        return KVX_ERR_UNSUPPORTED;
+        /* a GPU destination: the scatter is a kernel reading the slot */
+        int rc, dev = p->pool->device;
+        plan_t *pl = p->plan;
+        static const kvx_layout_t none; /* sources: packed in the slot */
+        for (uint32_t i = 0; i < pl->nslices; i++)
+            pl->src[i] = (plan_mem_t){NULL, &none, NULL, 0};
+        if ((rc = slots_pin(&rslots, dev, why, why_len)) ||
+            (rc = pool_device_base(p->pool, dev, &pl->dst.base, why,
+                                   why_len)) ||
+            (rc = gpu_part_create(pl, dev, &p->gpu, why, why_len)))
+            return rc;
     }
     p->streams = calloc(plan->nslices ? plan->nslices : 1,
                         sizeof(*p->streams));
@@ -546,7 +573,16 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
     genpart_t *p = r->part;
     x->state = SLOT_BUSY;
     memset(&x->job, 0, sizeof(x->job));
-    x->job.run = scatter_run;
+    if (p->gpu) { /* a kernel reads the slot, writes the GPU pool */
+        x->job.gpu = p->gpu;
+        x->job.unit_begin = x->u0;
+        x->job.unit_end = x->u1;
+        x->job.bytes = x->bytes;
+        x->job.packed = x->mem;
+        x->job.packed_gather = 0;
+    } else {
+        x->job.run = scatter_run;
+    }
     x->job.plan = p->plan;
     x->job.done = scatter_done;
     x->job.owner = x;
@@ -562,6 +598,7 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
 static void sstream_free(sstream_t *s)
 {
     map_del(&sstreams, s->id);
+    gpu_part_free(s->gpu);
     plan_free(s->plan);
     free(s);
 }
@@ -844,6 +881,36 @@ static void gather_done(copy_job_t *job)
     }
 }
 
+/* Bind s's plan to the published source (it stays until the offer ends,
+ * which waits for our gathers); a GPU source gets its plan uploaded, once.
+ * Slices of other ranks stay unbound: s gathers only its own. */
+static int sstream_bind(sstream_t *s, offer_t *o)
+{
+    static const kvx_layout_t none;
+    plan_t *pl = s->plan;
+    pool_t *src = o->parts[s->src_rank].pool;
+    if (s->gpu || (pl->src[s->slice].base && !src->gpu))
+        return 0;
+    for (uint32_t i = 0; i < pl->nslices; i++) {
+        offer_part_t *sp = &o->parts[pl->slices[i].src_rank];
+        pl->src[i] = i == s->slice ? (plan_mem_t){sp->pool->base,
+                                                  &sp->pool->layout,
+                                                  sp->blocks, sp->nblocks}
+                                   : (plan_mem_t){NULL, &none, NULL, 0};
+    }
+    if (!src->gpu)
+        return 0;
+    char why[256];
+    int rc, dev = src->device;
+    pl->dst = (plan_mem_t){NULL, &s->dst_layout, NULL, 0};
+    if ((rc = slots_pin(&sslots, dev, why, sizeof(why))) ||
+        (rc = pool_device_base(src, dev, &pl->src[s->slice].base, why,
+                               sizeof(why))) ||
+        (rc = gpu_part_create(pl, dev, &s->gpu, why, sizeof(why))))
+        log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);
+    return rc;
+}
+
 /* Start queued pulls whose source is published, while send slots last. */
 static void serve_pulls(void)
 {
@@ -871,17 +938,28 @@ static void serve_pulls(void)
         x->u0 = q->u0;
         x->u1 = q->u1;
         x->bytes = plan_units_bytes(s->plan, q->u0, q->u1);
-        /* bind the source (published now; stays until the offer ends,
-         * which waits for this gather) */
-        for (uint32_t i = 0; i < s->plan->nslices; i++) {
-            offer_part_t *sp = &o->parts[s->plan->slices[i].src_rank];
-            if (sp->pool)
-                s->plan->src[i] = (plan_mem_t){sp->pool->base,
-                                               &sp->pool->layout,
-                                               sp->blocks, sp->nblocks};
-        }
         memset(&x->job, 0, sizeof(x->job));
-        x->job.run = gather_run;
+        int rc = sstream_bind(s, o);
+        if (rc) {
+            slot_put(&sslots, x);
+            free(q);
+            send_end(s->conn, s->dst_id, rc, "the context daemon cannot "
+                                             "bind its GPU source");
+            sstream_end(s);
+            xfer_offer_end(o, KVX_EVENT_ERROR, rc,
+                           "binding the GPU source for a peer failed");
+            return; /* lists changed: the next pull or tick goes on */
+        }
+        if (s->gpu) { /* a kernel reads the GPU pool, writes the slot */
+            x->job.gpu = s->gpu;
+            x->job.unit_begin = x->u0;
+            x->job.unit_end = x->u1;
+            x->job.bytes = x->bytes;
+            x->job.packed = x->mem;
+            x->job.packed_gather = 1;
+        } else {
+            x->job.run = gather_run;
+        }
         x->job.plan = s->plan;
         x->job.done = gather_done;
         x->job.owner = x;
