@@ -18,6 +18,8 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <stdarg.h>
 #include <netdb.h>
 #include <openssl/evp.h>
@@ -27,6 +29,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 #include <uv.h>
@@ -946,6 +949,82 @@ static int set_handler(unsigned id, ucp_am_recv_callback_t cb)
     return ucp_worker_set_am_recv_handler(P.worker, &h) == UCS_OK ? 0 : -1;
 }
 
+/* Wait (at most LISTEN_IF_WAIT_MS) until the interface that holds the
+ * peer.listen IP is running (IFF_UP and IFF_RUNNING).
+ *
+ * Why: UCX (1.13) looks at the network interfaces once, in ucp_init, and
+ * leaves out the ones that are not running. A link that was just set up
+ * (a veth pair: the second end gets IFF_RUNNING from the kernel's link
+ * watch up to a second after "ip link set up") is then missing from the
+ * worker for good: it only has tcp on lo, and every connection to
+ * another host fails with "Destination is unreachable". A daemon started
+ * with its network (containers, namespaces, boot) hits that window, so
+ * peer_init gives the interface a moment before bringing UCX up.
+ * Loopback and wildcard listen addresses, and an IP no interface holds
+ * (ucp_listener_create says so), do not wait. */
+#define LISTEN_IF_WAIT_MS 3000
+
+static int listen_if_state(const struct sockaddr_storage *ss, char *name,
+                           size_t name_len)
+{
+    struct ifaddrs *all;
+    int r = -1; /* -1: not found, wildcard or loopback; 0: down; 1: up */
+    if (getifaddrs(&all))
+        return -1;
+    for (struct ifaddrs *i = all; i; i = i->ifa_next) {
+        const struct sockaddr *a = i->ifa_addr;
+        if (!a || a->sa_family != ss->ss_family)
+            continue;
+        int same;
+        if (a->sa_family == AF_INET)
+            same = !memcmp(&((const struct sockaddr_in *)a)->sin_addr,
+                           &((const struct sockaddr_in *)ss)->sin_addr,
+                           sizeof(struct in_addr));
+        else if (a->sa_family == AF_INET6)
+            same = !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
+                           &((const struct sockaddr_in6 *)ss)->sin6_addr,
+                           sizeof(struct in6_addr));
+        else
+            continue;
+        if (!same)
+            continue;
+        snprintf(name, name_len, "%s", i->ifa_name);
+        if (!(i->ifa_flags & IFF_LOOPBACK))
+            r = (i->ifa_flags & IFF_UP) && (i->ifa_flags & IFF_RUNNING);
+        break;
+    }
+    freeifaddrs(all);
+    return r;
+}
+
+static void listen_if_wait(void)
+{
+    char addr[sizeof(kvxd.conf.peer_listen) + 16], why[256], name[IFNAMSIZ];
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
+    if (parse_address(addr, &ss, &sl, why, sizeof(why)))
+        return; /* peer_init reports it */
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        int up = listen_if_state(&ss, name, sizeof(name));
+        if (up)
+            return;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        long ms = (t.tv_sec - t0.tv_sec) * 1000L +
+                  (t.tv_nsec - t0.tv_nsec) / 1000000L;
+        if (ms >= LISTEN_IF_WAIT_MS) {
+            log_warn("peers: interface %s of peer.listen %s is not running; "
+                     "UCX will not use it until the daemon restarts",
+                     name, kvxd.conf.peer_listen);
+            return;
+        }
+        struct timespec d = {.tv_sec = 0, .tv_nsec = 10 * 1000000L};
+        nanosleep(&d, NULL);
+    }
+}
+
 int peer_init(char *why, size_t why_len)
 {
     if (!kvxd.conf.peer_listen[0])
@@ -955,6 +1034,7 @@ int peer_init(char *why, size_t why_len)
     unsigned maj, min, rel;
     ucp_get_version(&maj, &min, &rel);
     snprintf(P.version, sizeof(P.version), "%u.%u.%u", maj, min, rel);
+    listen_if_wait(); /* before ucp_init looks at the interfaces */
     ucp_config_t *cfg;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) {
