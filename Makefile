@@ -127,7 +127,7 @@ $(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h $(DAEMON_OBJ) $(BUILD)/l
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
-$(ITEST): tests/integration/integration.c tests/test.h $(BUILD)/libkvxfer.a
+$(ITEST): tests/integration/integration.c tests/integration/peer_tests.c tests/test.h $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
 

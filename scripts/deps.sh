@@ -2,7 +2,7 @@
 # Install the Debian packages kvxfer builds against, if any is missing.
 # As root: installs them. Otherwise: prints the exact apt-get line and fails.
 set -e
-PKGS="build-essential pkg-config libuv1-dev libucx-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev"
+PKGS="build-essential pkg-config libuv1-dev libucx-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev libssl-dev ucx-utils iproute2"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -23,7 +23,8 @@
  * Sections: harness (daemon, ranks, pattern, events, raw sockets), then
  * the tests in the order of the spec: transfers, lockstep batches,
  * deadlines, cancel, dying clients, drain, bad input, status, config,
- * peer credentials, and more.
+ * peer credentials, and more; last, from peer_tests.c, transfers between
+ * two daemons in two network namespaces.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -141,6 +142,10 @@ static int h_ndaemons;
 static pid_t h_owner;            /* the test process */
 static _Atomic int *h_fail_flag; /* shared with rank processes */
 static int h_dir_seq;
+/* Peer tests (peer_tests.c): the network namespace the next daemon_start2
+ * runs in (NULL: ours), and what h_cleanup undoes after the daemons. */
+static const char *h_netns;
+static void (*h_cleanup_hook)(void);
 
 static const char *build_dir(void)
 {
@@ -184,6 +189,8 @@ static void h_cleanup(int failed)
         }
     }
     h_ndaemons = 0;
+    if (h_cleanup_hook)
+        h_cleanup_hook();
 }
 
 static void h_on_exit(int status, void *arg)
@@ -260,7 +267,11 @@ static daemon_t *daemon_start2(const char *socket_extra, const char *extra)
         }
         signal(SIGALRM, SIG_DFL);
         alarm(0);
-        execl(exe, exe, "--config", d->cfg, (char *)NULL);
+        if (h_netns) /* ip execs in place: the pid stays the daemon's */
+            execlp("ip", "ip", "netns", "exec", h_netns, exe, "--config",
+                   d->cfg, (char *)NULL);
+        else
+            execl(exe, exe, "--config", d->cfg, (char *)NULL);
         fprintf(stderr, "exec %s: %s\n", exe, strerror(errno));
         _exit(127);
     }
@@ -1038,7 +1049,7 @@ typedef struct xcase {
     uint32_t ntok[XMAX_REQ];
     uint32_t cmaxb, gmaxb;
     uint32_t cbl[XMAX_REQ][512], gbl[XMAX_REQ][512];
-    daemon_t *d;
+    daemon_t *d, *gd; /* context ranks' daemon, generation ranks' */
     _Atomic int *connected;
     _Atomic int *finished; /* ranks done: none leaves before all are (a
                               leaving rank ends its instance's requests) */
@@ -1100,7 +1111,7 @@ static void x_gen_main(void *arg)
     xcase_t *x = a->x;
     uint32_t nctx = x_nranks(&x->ctx);
     rank_t r;
-    rank_open(x->d, x->m, &x->gen, a->rank, x->nreq * x->gmaxb, &r);
+    rank_open(x->gd, x->m, &x->gen, a->rank, x->nreq * x->gmaxb, &r);
     memset(r.base, 0xa5, r.size);
     barrier(x->connected, (int)(nctx + x_nranks(&x->gen)));
     for (uint32_t q = 0; q < x->nreq; q++) {
@@ -1128,12 +1139,13 @@ static void x_gen_main(void *arg)
     rank_close(&r);
 }
 
-/* Run one case on daemon d: every rank its own process; the context ranks
- * publish every request, generation ranks fetch and verify their whole
- * pool. Also checks that every context rank got identical params. */
-static void xfer_case(daemon_t *d, const model_t *m, const side_t *ctx,
-                      const side_t *gen, uint32_t nreq, uint32_t maxtok,
-                      uint32_t skip)
+/* Run one case, context ranks on daemon d and generation ranks on gd:
+ * every rank its own process; the context ranks publish every request,
+ * generation ranks fetch and verify their whole pool. Also checks that
+ * every context rank got identical params. */
+static void xfer_case2(daemon_t *d, daemon_t *gd, const model_t *m,
+                       const side_t *ctx, const side_t *gen, uint32_t nreq,
+                       uint32_t maxtok, uint32_t skip)
 {
     xcase_t *x = calloc(1, sizeof(*x));
     CHECK(x != NULL);
@@ -1147,6 +1159,7 @@ static void xfer_case(daemon_t *d, const model_t *m, const side_t *ctx,
     x->maxtok = maxtok;
     x->skip = skip;
     x->d = d;
+    x->gd = gd;
     x->cmaxb = ceil_div(maxtok, ctx->tpb);
     x->gmaxb = ceil_div(maxtok, gen->tpb);
     CHECK(x->cmaxb <= 512 && x->gmaxb <= 512);
@@ -1198,6 +1211,13 @@ static void xfer_case(daemon_t *d, const model_t *m, const side_t *ctx,
     munmap((void *)x->connected, sizeof(*x->connected));
     munmap(x->slots, sizeof(pslot_t) * nreq * nctx);
     free(x);
+}
+
+static void xfer_case(daemon_t *d, const model_t *m, const side_t *ctx,
+                      const side_t *gen, uint32_t nreq, uint32_t maxtok,
+                      uint32_t skip)
+{
+    xfer_case2(d, d, m, ctx, gen, nreq, maxtok, skip);
 }
 
 /* 1. */
@@ -3686,3 +3706,7 @@ TEST(hello_timeout)
     rank_close(&r);
     daemon_stop_ok(d);
 }
+
+/* ---- cross-daemon (UCX) tests, two daemons in two network namespaces -- */
+
+#include "peer_tests.c"

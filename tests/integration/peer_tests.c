@@ -1,0 +1,1124 @@
+/*
+ * peer_tests.c — cross-daemon transfers (issue #4): two kvxferd, A and B,
+ * each in its own network namespace, joined by a veth pair
+ * (10.X.0.1/24 in A, 10.X.0.2/24 in B), talking UCX over it. Included by
+ * integration.c, whose harness it uses: daemons, ranks, the reference
+ * pattern, events.
+ *
+ * Client processes stay in our namespace: the daemons' unix sockets are on
+ * the shared filesystem. The namespaces, the veth and the secrets dir are
+ * named after the test process's pid and removed by h_cleanup (on failure
+ * and on the alarm too); ones left by a test that was killed outright are
+ * removed by the next peer test.
+ *
+ * Without network namespaces (not root, no iproute2) both daemons run in
+ * our namespace on 127.0.0.1 and one line says so; KVX_PEER_LOOPBACK=1
+ * forces that. The link-down test then freezes daemon A (SIGSTOP: it falls
+ * silent like a cut link) instead of cutting a link it does not have.
+ */
+#include <dirent.h>
+
+#define P_SECRET "kvxfer-integration-cluster-secret-0001"
+#define P_SECRET_OTHER "another-cluster-secret-not-the-same"
+#define P_KA_TIMEOUT_MS 1000 /* peer.keepalive_timeout_ms of every daemon */
+#define P_BOUND_MS (P_KA_TIMEOUT_MS + 1500) /* a lost peer's requests end */
+
+typedef struct peer_net {
+    int netns;        /* 1: namespaces A and B; 0: loopback */
+    char ns[2][32];   /* kvxA-PID, kvxB-PID */
+    char veth[2][16]; /* kvxaPID in A, kvxbPID in B */
+    char ip[2][20];   /* what each daemon listens on */
+    char dir[64];     /* secrets */
+} peer_net_t;
+
+static peer_net_t p_net;
+
+/* Run a shell command quietly; its exit status (-1: could not run). Its
+ * output's first line goes to why, when given. */
+static int p_sh(char *why, size_t whylen, const char *fmt, ...)
+{
+    char cmd[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof(cmd), fmt, ap);
+    va_end(ap);
+    char full[600];
+    snprintf(full, sizeof(full), "(%s) 2>&1", cmd);
+    fflush(stdout);
+    fflush(stderr);
+    FILE *f = popen(full, "r");
+    if (!f) {
+        if (why)
+            snprintf(why, whylen, "popen: %s", strerror(errno));
+        return -1;
+    }
+    char line[256] = "";
+    char first[256] = "";
+    while (fgets(line, sizeof(line), f))
+        if (!first[0])
+            memcpy(first, line, sizeof(first));
+    int st = pclose(f);
+    int rc = st == -1 ? -1 : WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+    if (why && rc) {
+        first[strcspn(first, "\n")] = 0;
+        if (first[0])
+            snprintf(why, whylen, "%.150s: %.140s", cmd, first);
+        else
+            snprintf(why, whylen, "%.150s: exit %d", cmd, rc);
+    }
+    return rc;
+}
+
+/* What a peer test leaves on the machine: the namespaces (the veth pair
+ * goes with them) and the secrets. Called by h_cleanup after the daemons
+ * are dead. */
+static void p_teardown(void)
+{
+    if (getpid() != h_owner)
+        return;
+    if (p_net.netns)
+        for (int i = 0; i < 2; i++)
+            p_sh(NULL, 0, "ip netns del %s", p_net.ns[i]);
+    p_net.netns = 0;
+    if (p_net.dir[0])
+        p_sh(NULL, 0, "rm -rf '%s'", p_net.dir);
+    p_net.dir[0] = 0;
+}
+
+/* Namespaces and dirs of peer tests whose process is gone (killed before
+ * its cleanup ran). */
+static void p_remove_stale(void)
+{
+    DIR *d = opendir("/var/run/netns");
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            char side;
+            int pid;
+            if (sscanf(e->d_name, "kvx%c-%d", &side, &pid) == 2 &&
+                (side == 'A' || side == 'B') && pid > 0 && kill(pid, 0) < 0 &&
+                errno == ESRCH)
+                p_sh(NULL, 0, "ip netns del %s", e->d_name);
+        }
+        closedir(d);
+    }
+    d = opendir("/tmp");
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            int pid;
+            if (sscanf(e->d_name, "kvx-peer-%d", &pid) == 1 && pid > 0 &&
+                kill(pid, 0) < 0 && errno == ESRCH)
+                p_sh(NULL, 0, "rm -rf '/tmp/%s'", e->d_name);
+        }
+        closedir(d);
+    }
+}
+
+/* The two namespaces and the veth between them; 0, or -1 with why. */
+static int p_netns_up(char *why, size_t whylen)
+{
+    int pid = (int)getpid();
+    int x = 64 + pid % 128; /* 10.X.0.0/24; any X works inside the pair */
+    snprintf(p_net.ns[0], sizeof(p_net.ns[0]), "kvxA-%d", pid);
+    snprintf(p_net.ns[1], sizeof(p_net.ns[1]), "kvxB-%d", pid);
+    snprintf(p_net.veth[0], sizeof(p_net.veth[0]), "kvxa%d", pid);
+    snprintf(p_net.veth[1], sizeof(p_net.veth[1]), "kvxb%d", pid);
+    snprintf(p_net.ip[0], sizeof(p_net.ip[0]), "10.%d.0.1", x);
+    snprintf(p_net.ip[1], sizeof(p_net.ip[1]), "10.%d.0.2", x);
+    if (p_sh(why, whylen, "ip netns add %s", p_net.ns[0]))
+        return -1;
+    p_net.netns = 1; /* from here on p_teardown removes what exists */
+    if (p_sh(why, whylen, "ip netns add %s", p_net.ns[1]) ||
+        p_sh(why, whylen,
+             "ip link add %s netns %s type veth peer name %s netns %s",
+             p_net.veth[0], p_net.ns[0], p_net.veth[1], p_net.ns[1]))
+        return -1;
+    for (int i = 0; i < 2; i++)
+        if (p_sh(why, whylen, "ip -n %s addr add %s/24 dev %s", p_net.ns[i],
+                 p_net.ip[i], p_net.veth[i]) ||
+            p_sh(why, whylen, "ip -n %s link set lo up", p_net.ns[i]) ||
+            p_sh(why, whylen, "ip -n %s link set %s up", p_net.ns[i],
+                 p_net.veth[i]))
+            return -1;
+    return 0;
+}
+
+/* Set up the network for this test: namespaces, or loopback. */
+static void p_setup(void)
+{
+    h_init();
+    CHECK(h_cleanup_hook == NULL);
+    p_remove_stale();
+    memset(&p_net, 0, sizeof(p_net));
+    h_cleanup_hook = p_teardown;
+    snprintf(p_net.dir, sizeof(p_net.dir), "/tmp/kvx-peer-%d", (int)getpid());
+    p_sh(NULL, 0, "rm -rf '%s'", p_net.dir);
+    CHECK(mkdir(p_net.dir, 0700) == 0);
+    char why[300] = "";
+    const char *lo = getenv("KVX_PEER_LOOPBACK");
+    int up = -1;
+    if (lo && *lo && strcmp(lo, "0"))
+        snprintf(why, sizeof(why), "KVX_PEER_LOOPBACK is set");
+    else
+        up = p_netns_up(why, sizeof(why));
+    if (up) {
+        p_teardown(); /* whatever half of it exists */
+        snprintf(p_net.dir, sizeof(p_net.dir), "/tmp/kvx-peer-%d",
+                 (int)getpid());
+        CHECK(mkdir(p_net.dir, 0700) == 0);
+        p_net.netns = 0;
+        snprintf(p_net.ip[0], sizeof(p_net.ip[0]), "127.0.0.1");
+        snprintf(p_net.ip[1], sizeof(p_net.ip[1]), "127.0.0.1");
+        fprintf(stderr,
+                "peer tests: network namespaces unavailable (%s); using "
+                "loopback\n",
+                why);
+    }
+}
+
+/* Start daemon A (side 0) or B (side 1) in its namespace, with the
+ * cluster secret given and the test's keep-alive. peer_extra: more lines
+ * of the peer section; extra: whole sections. */
+static daemon_t *p_daemon(int side, const char *secret, const char *peer_extra,
+                          const char *extra)
+{
+    CHECK(p_net.dir[0]); /* p_setup first */
+    char path[128];
+    snprintf(path, sizeof(path), "%s/secret-%c", p_net.dir, "AB"[side]);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    CHECK(fd >= 0);
+    CHECK(fchmod(fd, 0600) == 0); /* whatever the umask */
+    CHECK(write(fd, secret, strlen(secret)) == (ssize_t)strlen(secret));
+    CHECK(close(fd) == 0);
+    char cfg[2048];
+    snprintf(cfg, sizeof(cfg),
+             "peer:\n"
+             "  listen: \"%s:0\"\n"
+             "  secret_file: %s\n"
+             "  keepalive_interval_ms: 200\n"
+             "  keepalive_timeout_ms: %d\n"
+             "%s%s",
+             p_net.ip[side], path, P_KA_TIMEOUT_MS,
+             peer_extra ? peer_extra : "", extra ? extra : "");
+    h_netns = p_net.netns ? p_net.ns[side] : NULL;
+    daemon_t *d = daemon_start(cfg);
+    h_netns = NULL;
+    return d;
+}
+
+/* The address a rank got from daemon side: kvx://IP:PORT/<16 hex>, PORT
+ * the bound one. *ipport gets "IP:PORT". */
+static void p_check_addr(const rank_t *r, int side, char *ipport, size_t len)
+{
+    char want[64];
+    snprintf(want, sizeof(want), "kvx://%s:", p_net.ip[side]);
+    if (strncmp(r->addr, want, strlen(want))) {
+        fprintf(stderr, "daemon %c address \"%s\", expected \"%s...\"\n",
+                side ? 'B' : 'A', r->addr, want);
+        CHECK(!"address names the peer.listen IP");
+    }
+    const char *port = r->addr + strlen(want);
+    char *end;
+    long p = strtol(port, &end, 10);
+    CHECK(end > port && p > 0 && p < 65536 && *end == '/');
+    CHECK_EQ(strlen(end + 1), 16);
+    CHECK_EQ(strspn(end + 1, "0123456789abcdef"), 16);
+    if (ipport) {
+        size_t n = (size_t)(end - (r->addr + 6));
+        CHECK(n < len);
+        memcpy(ipport, r->addr + 6, n);
+        ipport[n] = 0;
+    }
+}
+
+static void p_side(side_t *s, const char *inst, kvx_role_t role,
+                   const char *preset, uint32_t tpb)
+{
+    *s = (side_t){.inst = inst,
+                  .role = role,
+                  .tp = 1,
+                  .pp = 1,
+                  .preset = preset,
+                  .tpb = tpb};
+}
+
+/* Differing bytes of one request's tokens [skip, ntok) in a rank's pool
+ * (the rest of the pool is not looked at). */
+static uint64_t p_check_req(const rank_t *r, uint64_t req,
+                            const uint32_t *blocks, uint32_t ntok,
+                            uint32_t skip)
+{
+    const kvx_layout_t *l = &r->lay;
+    uint32_t rowbytes = l->head_dim * l->elem_size;
+    uint8_t row[4096];
+    CHECK(rowbytes <= sizeof(row));
+    uint64_t bad = 0;
+    for (uint32_t t = skip; t < ntok; t++)
+        for (uint32_t ly = 0; ly < l->num_layers; ly++)
+            for (uint32_t kv = 0; kv < l->kv_factor; kv++)
+                for (uint32_t h = 0; h < l->num_heads; h++) {
+                    row_fill(row, rowbytes, req, r->layer0 + ly, kv, t,
+                             r->head0 + h);
+                    const uint8_t *p =
+                        r->base +
+                        kvx_layout_offset(l, ly, kv,
+                                          blocks[t / l->tokens_per_block],
+                                          t % l->tokens_per_block, h);
+                    if (memcmp(row, p, rowbytes))
+                        for (uint32_t i = 0; i < rowbytes; i++)
+                            bad += row[i] != p[i];
+                }
+    if (bad)
+        fprintf(stderr, "%s rank %u request %llu: %llu bytes differ\n",
+                r->s->inst, r->rank, (unsigned long long)req,
+                (unsigned long long)bad);
+    return bad;
+}
+
+/* One request c -> g, both COMPLETE, the bytes checked. */
+static void p_one(rank_t *c, rank_t *g, uint64_t req, const uint32_t *cb,
+                  const uint32_t *gb, uint32_t nb, uint32_t ntok,
+                  int timeout_ms)
+{
+    fill_req(c, req, cb, ntok);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c->c, req, c->pool, cb, nb, ntok, &p, T_MS), c->c);
+    CHECK_KVX(kvx_fetch(g->c, req, p.data, p.len, g->pool, gb, nb, 0, T_MS),
+              g->c);
+    wait_event(g->c, req, KVX_EVENT_COMPLETE, 0, timeout_ms);
+    wait_event(c->c, req, KVX_EVENT_COMPLETE, 0, timeout_ms);
+    CHECK_EQ(p_check_req(g, req, gb, ntok, 0), 0);
+    kvx_context_params_free(&p);
+}
+
+/* The JSON value starting at the first '[' or '{' after key ("\"peers\":"),
+ * up to its matching bracket; malloc'd, or NULL when key is absent. */
+static char *p_json_section(const char *json, const char *key)
+{
+    const char *p = strstr(json, key);
+    if (!p)
+        return NULL;
+    p += strlen(key);
+    CHECK(*p == '[' || *p == '{');
+    int depth = 0, in_str = 0;
+    const char *q = p;
+    for (; *q; q++) {
+        if (in_str) {
+            if (*q == '\\' && q[1])
+                q++;
+            else if (*q == '"')
+                in_str = 0;
+            continue;
+        }
+        if (*q == '"')
+            in_str = 1;
+        else if (*q == '[' || *q == '{')
+            depth++;
+        else if ((*q == ']' || *q == '}') && --depth == 0)
+            break;
+    }
+    CHECK(*q);
+    return strndup(p, (size_t)(q - p + 1));
+}
+
+/* The status JSON's "peers" array; the test fails without one. */
+static char *p_peers(daemon_t *d)
+{
+    char *json = status_json(d);
+    char *peers = p_json_section(json, "\"peers\":");
+    if (!peers)
+        fprintf(stderr, "no \"peers\" in the status: %s\n", json);
+    CHECK(peers != NULL);
+    free(json);
+    return peers;
+}
+
+/* ==== the tests ========================================================== */
+
+/* Context on A, generation on B, and back: every rank its own process,
+ * the whole generation pool compared; also a context instance of tp 2
+ * whose two sources are both remote. */
+TEST_T(peer_transfer_both_directions, 90)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    /* the addresses are the peer.listen IPs with the bound ports */
+    rank_t r;
+    side_t s;
+    p_side(&s, "pb-addr", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    rank_hello_only(a, &M_SMALL, &s, 0, &r);
+    p_check_addr(&r, 0, NULL, 0);
+    rank_close(&r);
+    rank_hello_only(b, &M_SMALL, &s, 0, &r);
+    p_check_addr(&r, 1, NULL, 0);
+    rank_close(&r);
+    side_t c = {
+        .inst = "pb-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g = {
+        .inst = "pb-gen", .tp = 1, .pp = 1, .preset = "flashinfer", .tpb = 8};
+    xfer_case2(a, b, &M_SMALL, &c, &g, 8, 45, 0);
+    side_t c2 = {
+        .inst = "pb-ctx2", .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 8};
+    side_t g2 = {
+        .inst = "pb-gen2", .tp = 1, .pp = 1, .preset = "vllm-hnd", .tpb = 4};
+    xfer_case2(b, a, &M_SMALL, &c2, &g2, 6, 37, 0);
+    /* and with skip_tokens, generation tp 2 */
+    side_t c3 = {
+        .inst = "pb-ctx3", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 8};
+    side_t g3 = {
+        .inst = "pb-gen3", .tp = 2, .pp = 1, .preset = "vllm-nhd", .tpb = 8};
+    xfer_case2(a, b, &M_SMALL, &c3, &g3, 4, 40, 13);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
+/* 64 requests in flight at once, half A -> B and half B -> A. */
+TEST_T(peer_many_concurrent, 60)
+{
+    enum { N = 64, H = N / 2, TOK = 10, TPB = 4, NB = 3 };
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    model_t m = {.layers = 2,
+                 .heads = 2,
+                 .head_dim = 16,
+                 .kv = 2,
+                 .dtype = KVX_DTYPE_BF16};
+    side_t cas, gbs, cbs, gas;
+    p_side(&cas, "pm-ctx-a", KVX_ROLE_CONTEXT, "vllm-nhd", TPB);
+    p_side(&gbs, "pm-gen-b", KVX_ROLE_GENERATION, "flashinfer", TPB);
+    p_side(&cbs, "pm-ctx-b", KVX_ROLE_CONTEXT, "trtllm", TPB);
+    p_side(&gas, "pm-gen-a", KVX_ROLE_GENERATION, "vllm-nhd", TPB);
+    rank_t ca, gb, cb, ga;
+    rank_open(a, &m, &cas, 0, H * NB, &ca);
+    rank_open(b, &m, &gbs, 0, H * NB, &gb);
+    rank_open(b, &m, &cbs, 0, H * NB, &cb);
+    rank_open(a, &m, &gas, 0, H * NB, &ga);
+    memset(gb.base, 0xa5, gb.size);
+    memset(ga.base, 0xa5, ga.size);
+    static uint32_t cbl[N][NB], gbl[N][NB];
+    static kvx_context_params_t p[N];
+    /* request q < H: ca -> gb; q >= H: cb -> ga */
+    for (uint32_t q = 0; q < N; q++) {
+        uint32_t k = q % H;
+        for (uint32_t i = 0; i < NB; i++) {
+            cbl[q][i] = i * H + k;
+            gbl[q][i] = (NB - 1 - i) * H + (H - 1 - k);
+        }
+        rank_t *c = q < H ? &ca : &cb;
+        fill_req(c, 3000 + q, cbl[q], TOK);
+        CHECK_KVX(
+            kvx_publish(c->c, 3000 + q, c->pool, cbl[q], NB, TOK, &p[q], T_MS),
+            c->c);
+    }
+    /* interleaved: both directions in flight together */
+    for (uint32_t k = 0; k < H; k++)
+        for (uint32_t half = 0; half < 2; half++) {
+            uint32_t q = half * H + k;
+            rank_t *g = half ? &ga : &gb;
+            CHECK_KVX(kvx_fetch(g->c, 3000 + q, p[q].data, p[q].len, g->pool,
+                                gbl[q], NB, 0, T_MS),
+                      g->c);
+        }
+    static ev_t e[4][H + 16];
+    rank_t *who[4] = {&gb, &ga, &ca, &cb};
+    for (int i = 0; i < 4; i++) {
+        int n = collect(who[i]->c, e[i], H + 16, H, 15000);
+        if (n != H) {
+            fprintf(stderr, "%s: %d of %d events\n", who[i]->s->inst, n, H);
+            print_events(who[i]->s->inst, e[i], n < H + 16 ? n : H + 16);
+        }
+        CHECK_EQ(n, H);
+    }
+    /* nothing more arrives: exactly once */
+    for (int i = 0; i < 4; i++) {
+        kvx_batch_t *bt;
+        CHECK_KVX(kvx_poll(who[i]->c, 1, 100, &bt), who[i]->c);
+        CHECK_EQ(bt->num_events, 0);
+        kvx_batch_free(bt);
+    }
+    static expect_t ea[H], eb[H];
+    for (uint32_t q = 0; q < N; q++) {
+        int half = q >= H;
+        expect_event(e[half ? 1 : 0], H, 3000 + q, KVX_EVENT_COMPLETE, 0);
+        expect_event(e[half ? 3 : 2], H, 3000 + q, KVX_EVENT_COMPLETE, 0);
+        (half ? ea : eb)[q % H] = (expect_t){3000 + q, gbl[q], TOK, 0};
+        kvx_context_params_free(&p[q]);
+    }
+    CHECK_EQ(check_pool(&gb, eb, H, 0xa5), 0);
+    CHECK_EQ(check_pool(&ga, ea, H, 0xa5), 0);
+    rank_close(&ca);
+    rank_close(&gb);
+    rank_close(&cb);
+    rank_close(&ga);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
+/* A forged capability token travels to the context daemon and is refused
+ * there: the fetch is accepted, then ends ERROR AUTH; nothing is written;
+ * the offer stays and the genuine params then complete. */
+TEST_T(peer_wrong_token, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    side_t cs, gs;
+    p_side(&cs, "pt-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(&gs, "pt-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_t c, g;
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    memset(g.base, 0xa5, g.size);
+    /* connected first, so the bound below is the token check's */
+    uint32_t wc[1] = {0}, wg[1] = {7};
+    p_one(&c, &g, 30, wc, wg, 1, 3, 5000);
+    expect_t ex[2] = {{30, wg, 3, 0}};
+    uint32_t cb[2] = {3, 1}, gb[2] = {6, 2};
+    fill_req(&c, 31, cb, 8);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 31, c.pool, cb, 2, 8, &p, T_MS), c.c);
+
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p.len, p.data);
+    CHECK(cp != NULL);
+    CHECK_EQ(cp->token.len, 16);
+    cp->token.data[5] ^= 0x40;
+    size_t flen = kvxfer__context_params__get_packed_size(cp);
+    uint8_t *forged = malloc(flen);
+    CHECK(forged != NULL);
+    kvxfer__context_params__pack(cp, forged);
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    CHECK_KVX(kvx_fetch(g.c, 31, forged, flen, g.pool, gb, 2, 0, T_MS), g.c);
+    free(forged);
+    ev_t e = wait_event(g.c, 31, KVX_EVENT_ERROR, KVX_ERR_AUTH, 1000);
+    fprintf(stderr, "forged token: \"%s\"\n", e.msg);
+    sleep_ms(100);
+    CHECK_EQ(check_pool(&g, ex, 1, 0xa5), 0);
+    char *json;
+    CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
+    CHECK_STR_CONTAINS(json, "\"request_id\":31,\"side\":\"context\","
+                             "\"state\":\"offered\"");
+    free(json);
+
+    /* the genuine params: complete, and only now bytes arrive */
+    CHECK_KVX(kvx_fetch(g.c, 31, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 31, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 31, KVX_EVENT_COMPLETE, 0, 5000);
+    ex[1] = (expect_t){31, gb, 8, 0};
+    CHECK_EQ(check_pool(&g, ex, 2, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
+/* B holds another cluster secret: its fetch from A ends ERROR AUTH naming
+ * authentication, the refusing daemon logs it, the offer is untouched and
+ * both daemons carry on. */
+TEST_T(peer_wrong_secret, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET_OTHER, NULL, NULL);
+    side_t cs, gs;
+    p_side(&cs, "ps-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(&gs, "ps-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_t c, g;
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t bl[2] = {0, 1};
+    fill_req(&c, 41, bl, 8);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 41, c.pool, bl, 2, 8, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 41, p.data, p.len, g.pool, bl, 2, 0, T_MS), g.c);
+    /* connect + authentication are bounded by peer.connect_timeout_ms */
+    ev_t e = wait_event(g.c, 41, KVX_EVENT_ERROR, KVX_ERR_AUTH, 7000);
+    CHECK_STR_CONTAINS(e.msg, "authentication");
+    int64_t end = now_ms() + 2000;
+    while (!log_contains(a, "authentication failed") &&
+           !log_contains(b, "authentication failed") && now_ms() < end)
+        sleep_ms(20);
+    if (!log_contains(a, "authentication failed") &&
+        !log_contains(b, "authentication failed")) {
+        dump_tail(a->log, 20);
+        dump_tail(b->log, 20);
+        CHECK(!"a daemon logs \"authentication failed\"");
+    }
+    CHECK_EQ(check_pool(&g, NULL, 0, 0xa5), 0);
+    /* an unauthenticated peer touched nothing: the offer is still there */
+    char *json;
+    CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
+    CHECK_STR_CONTAINS(json, "\"request_id\":41,\"side\":\"context\","
+                             "\"state\":\"offered\"");
+    free(json);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    /* both still serve local transfers */
+    fresh_pair_ok(a, "ps-ctx2", "ps-gen2");
+    fresh_pair_ok(b, "ps-ctx3", "ps-gen3");
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
+/* ---- a peer lost mid-transfer ------------------------------------------- */
+
+/* 256 MiB over 64 requests of 4 MiB (M_BIG: 1 KiB a token); small staging
+ * so that it moves in many pieces. */
+#define PL_REQ 64u
+#define PL_TOK 4096u
+#define PL_TPB 16u
+#define PL_NB (PL_TOK / PL_TPB)
+#define PL_PEER "  slot_bytes: 1MiB\n  slots: 2\n"
+
+typedef struct pl {
+    daemon_t *a, *b;
+    rank_t c, g; /* context on A, generation on B */
+    uint32_t cb[PL_REQ][PL_NB], gb[PL_REQ][PL_NB];
+    kvx_context_params_t p[PL_REQ];
+    ev_t ge[PL_REQ + 16], ce[PL_REQ + 16];
+} pl_t;
+
+/* Throttle the veth (when tc can) so the transfer takes seconds; the
+ * queue stays short, so keep-alives are not starved behind data. */
+static void pl_throttle(void)
+{
+    if (!p_net.netns)
+        return;
+    char why[300];
+    for (int i = 0; i < 2; i++)
+        if (p_sh(why, sizeof(why),
+                 "ip netns exec %s tc qdisc replace dev %s root tbf rate "
+                 "800mbit burst 256kb latency 20ms",
+                 p_net.ns[i], p_net.veth[i])) {
+            fprintf(stderr, "no throttle, full speed (%s)\n", why);
+            return;
+        }
+}
+
+/* Daemons, ranks, a warm-up request (the peers are connected and
+ * keep-alives run), then every request published and fetched; returns
+ * once bytes are arriving. */
+static pl_t *pl_start(void)
+{
+    p_setup();
+    pl_t *x = calloc(1, sizeof(*x));
+    CHECK(x != NULL);
+    x->a = p_daemon(0, P_SECRET, PL_PEER, NULL);
+    x->b = p_daemon(1, P_SECRET, PL_PEER, NULL);
+    pl_throttle();
+    static side_t cs, gs; /* the ranks keep pointers to them */
+    p_side(&cs, "pl-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", PL_TPB);
+    p_side(&gs, "pl-gen", KVX_ROLE_GENERATION, "flashinfer", PL_TPB);
+    rank_open(x->a, &M_BIG, &cs, 0, PL_REQ * PL_NB + 4, &x->c);
+    rank_open(x->b, &M_BIG, &gs, 0, PL_REQ * PL_NB + 4, &x->g);
+    uint32_t wc[2] = {PL_REQ * PL_NB, PL_REQ * PL_NB + 1};
+    uint32_t wg[2] = {PL_REQ * PL_NB + 3, PL_REQ * PL_NB + 2};
+    p_one(&x->c, &x->g, 1, wc, wg, 2, 2 * PL_TPB - 3, 5000);
+
+    memset(x->g.base, 0xa5, x->g.size);
+    for (uint32_t q = 0; q < PL_REQ; q++) {
+        for (uint32_t i = 0; i < PL_NB; i++) {
+            x->cb[q][i] = q * PL_NB + i;
+            x->gb[q][i] = i * PL_REQ + (PL_REQ - 1 - q);
+        }
+        fill_req(&x->c, 100 + q, x->cb[q], PL_TOK);
+    }
+    for (uint32_t q = 0; q < PL_REQ; q++)
+        CHECK_KVX(kvx_publish(x->c.c, 100 + q, x->c.pool, x->cb[q], PL_NB,
+                              PL_TOK, &x->p[q], T_MS),
+                  x->c.c);
+    for (uint32_t q = 0; q < PL_REQ; q++)
+        CHECK_KVX(kvx_fetch(x->g.c, 100 + q, x->p[q].data, x->p[q].len,
+                            x->g.pool, x->gb[q], PL_NB, 0, T_MS),
+                  x->g.c);
+    /* under way: the first row of some request has landed */
+    const kvx_layout_t *l = &x->g.lay;
+    uint8_t sentinel[128];
+    memset(sentinel, 0xa5, sizeof(sentinel));
+    int64_t end = now_ms() + 5000;
+    for (;;) {
+        for (uint32_t q = 0; q < PL_REQ; q++)
+            if (memcmp(x->g.base +
+                           kvx_layout_offset(l, 0, 0, x->gb[q][0], 0, 0),
+                       sentinel, sizeof(sentinel)))
+                return x;
+        if (now_ms() > end) {
+            fprintf(stderr, "no byte arrived within 5 s of the fetches\n");
+            CHECK(!"the transfer is under way");
+        }
+        sleep_ms(1);
+    }
+}
+
+/* Collect the side's PL_REQ events until deadline; every request once,
+ * COMPLETE or ERROR PEER_GONE. Returns the number of errors; done[q] is
+ * set for the complete ones. */
+static int pl_collect(kvx_client_t *c, ev_t *ev, int64_t deadline,
+                      const char *who, int *done)
+{
+    int64_t left = deadline - now_ms();
+    int n = collect(c, ev, PL_REQ + 16, PL_REQ, left > 300 ? (int)left : 300);
+    if (n != (int)PL_REQ) {
+        fprintf(stderr,
+                "%s: %d of %u requests ended within %d ms of losing the "
+                "peer\n",
+                who, n, PL_REQ, P_BOUND_MS);
+        print_events(who, ev, n < (int)PL_REQ + 16 ? n : (int)PL_REQ + 16);
+        CHECK_EQ(n, PL_REQ);
+    }
+    int errors = 0;
+    for (uint32_t q = 0; q < PL_REQ; q++) {
+        int count = 0;
+        const ev_t *e = NULL;
+        for (int i = 0; i < n; i++)
+            if (ev[i].req == 100 + q) {
+                e = &ev[i];
+                count++;
+            }
+        if (count != 1 ||
+            !(e->kind == KVX_EVENT_COMPLETE ||
+              (e->kind == KVX_EVENT_ERROR && e->code == KVX_ERR_PEER_GONE))) {
+            fprintf(stderr,
+                    "%s: request %u: expected one COMPLETE or ERROR "
+                    "PEER_GONE, got %d event(s)\n",
+                    who, 100 + q, count);
+            print_events(who, ev, n);
+            CHECK(!"COMPLETE or ERROR PEER_GONE");
+        }
+        done[q] = e->kind == KVX_EVENT_COMPLETE;
+        errors += !done[q];
+    }
+    fprintf(stderr, "%s: %u requests: %d PEER_GONE, %u complete\n", who, PL_REQ,
+            errors, PL_REQ - errors);
+    return errors;
+}
+
+/* The generation side's outcome: the complete requests hold their bytes;
+ * some request was cut (else the transfer ended before the peer was
+ * lost, and nothing was tested). */
+static void pl_gen_outcome(pl_t *x, int64_t t_lost, int *gdone)
+{
+    int errors =
+        pl_collect(x->g.c, x->ge, t_lost + P_BOUND_MS, "generation", gdone);
+    if (errors == 0)
+        fprintf(stderr, "every request completed before the peer was lost: "
+                        "make the transfer bigger\n");
+    CHECK(errors > 0);
+    for (uint32_t q = 0; q < PL_REQ; q++)
+        if (gdone[q])
+            CHECK_EQ(p_check_req(&x->g, 100 + q, x->gb[q], PL_TOK, 0), 0);
+}
+
+static void pl_free(pl_t *x)
+{
+    for (uint32_t q = 0; q < PL_REQ; q++)
+        kvx_context_params_free(&x->p[q]);
+    free(x);
+}
+
+/* The link between the daemons goes down mid-transfer: both sides end
+ * every affected request ERROR PEER_GONE within the keep-alive timeout
+ * (+ a tick); with the link back, a new transfer completes. */
+TEST_T(peer_link_down_mid_transfer, 90)
+{
+    pl_t *x = pl_start();
+    int64_t t_lost = now_ms();
+    if (p_net.netns) {
+        char why[300];
+        if (p_sh(why, sizeof(why), "ip -n %s link set %s down", p_net.ns[0],
+                 p_net.veth[0])) {
+            fprintf(stderr, "%s\n", why);
+            CHECK(!"link down");
+        }
+        t_lost = now_ms(); /* down by now */
+    } else {
+        fprintf(stderr, "peer_link_down_mid_transfer: loopback, no link to "
+                        "cut: daemon A is frozen (SIGSTOP) instead\n");
+        CHECK(kill(x->a->pid, SIGSTOP) == 0);
+    }
+    static int gdone[PL_REQ], cdone[PL_REQ];
+    pl_gen_outcome(x, t_lost, gdone);
+    int64_t t_back = now_ms();
+    if (!p_net.netns) {
+        CHECK(kill(x->a->pid, SIGCONT) == 0);
+        t_lost = t_back; /* A learns it from now on */
+    }
+    int errors =
+        pl_collect(x->c.c, x->ce, t_lost + P_BOUND_MS, "context", cdone);
+    CHECK(errors > 0);
+    /* delivered on the context side means delivered on the generation
+     * side (the reverse may differ: the last acknowledgement may be lost) */
+    for (uint32_t q = 0; q < PL_REQ; q++)
+        if (cdone[q] && !gdone[q]) {
+            fprintf(stderr, "request %u: context COMPLETE, generation not\n",
+                    100 + q);
+            CHECK(!"context complete implies generation complete");
+        }
+
+    if (p_net.netns) {
+        char why[300];
+        if (p_sh(why, sizeof(why), "ip -n %s link set %s up", p_net.ns[0],
+                 p_net.veth[0])) {
+            fprintf(stderr, "%s\n", why);
+            CHECK(!"link up");
+        }
+    }
+    /* the next use reconnects (within peer.connect_timeout_ms) */
+    uint32_t nc[3] = {PL_REQ * PL_NB + 2, PL_REQ * PL_NB, PL_REQ * PL_NB + 1};
+    uint32_t ng[3] = {0, PL_NB, 2 * PL_NB};
+    p_one(&x->c, &x->g, 7000, nc, ng, 3, 3 * PL_TPB - 5, 8000);
+    char *peers = p_peers(x->b);
+    CHECK_STR_CONTAINS(peers, "\"state\":\"connected\"");
+    free(peers);
+    rank_close(&x->c);
+    rank_close(&x->g);
+    daemon_healthy(x->a);
+    daemon_healthy(x->b);
+    daemon_stop_ok(x->a);
+    daemon_stop_ok(x->b);
+    pl_free(x);
+}
+
+/* Daemon A is SIGKILLed mid-transfer: B ends its requests ERROR PEER_GONE
+ * within the keep-alive bound and stays healthy. */
+TEST_T(peer_killed_mid_transfer, 90)
+{
+    pl_t *x = pl_start();
+    int64_t t_lost = now_ms();
+    CHECK(kill(x->a->pid, SIGKILL) == 0);
+    int st = daemon_wait(x->a, 2000);
+    CHECK(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+    static int gdone[PL_REQ];
+    pl_gen_outcome(x, t_lost, gdone);
+    daemon_healthy(x->b);
+    /* B lists A as lost (or has already dropped it) */
+    char *peers = p_peers(x->b);
+    CHECK(strstr(peers, "\"state\":\"connected\"") == NULL);
+    free(peers);
+    /* B's pool of the dead transfer can go, and local transfers work */
+    CHECK_KVX(kvx_pool_deregister(x->g.c, x->g.pool, T_MS), x->g.c);
+    fresh_pair_ok(x->b, "pk-ctx2", "pk-gen2");
+    rank_close(&x->c);
+    rank_close(&x->g);
+    daemon_healthy(x->b);
+    daemon_stop_ok(x->b);
+    pl_free(x);
+}
+
+/* ---- an instance spread over the two daemons ---------------------------- */
+
+#define SP_N 16
+
+typedef struct sp_shared {
+    _Atomic int hello, connected, done1, fetched900, rank1_ready, b_killed;
+    char addr[2][192];
+    pslot_t slots[SP_N];
+    pslot_t slot900;
+    uint32_t nb[2];
+    ls_batch_t b[2][LS_MAXB];
+} sp_shared_t;
+
+typedef struct sp_arg {
+    daemon_t *d;
+    sp_shared_t *sh;
+    uint32_t rank;
+} sp_arg_t;
+
+/* Generation rank 0 on A, rank 1 on B, both joined with [A, B]: the same
+ * fetches and polls on both (ls_plan), batches recorded for the parent.
+ * Then request 900, fetched by rank 0 only, and B killed. */
+static void sp_rank_main(void *arg)
+{
+    sp_arg_t *a = arg;
+    sp_shared_t *sh = a->sh;
+    static side_t gs = {.inst = "sp-gen",
+                        .role = KVX_ROLE_GENERATION,
+                        .tp = 2,
+                        .pp = 1,
+                        .preset = "vllm-nhd",
+                        .tpb = 4};
+    rank_t g;
+    rank_hello_only(a->d, &M_LS, &gs, a->rank, &g);
+    p_check_addr(&g, (int)a->rank, NULL, 0);
+    snprintf(sh->addr[a->rank], sizeof(sh->addr[a->rank]), "%s", g.addr);
+    barrier(&sh->hello, 2);
+    const char *addrs[2] = {sh->addr[0], sh->addr[1]};
+    CHECK_KVX(kvx_join(g.c, addrs, 2, T_MS), g.c);
+    rank_pool(&g, SP_N * 2 + 2);
+    memset(g.base, 0xa5, g.size);
+    barrier(&sh->connected, 3);
+    uint32_t next = 0, seen = 0, nb = 0;
+    uint32_t blocks[2];
+    size_t np = sizeof(ls_plan) / sizeof(ls_plan[0]);
+    for (uint32_t step = 0; seen < SP_N || step < np; step++) {
+        CHECK(step < 60);
+        uint32_t wave = SP_N, at_least = step % 2 ? 1000 : 3,
+                 tmo = step % 2 ? 40 : 400;
+        if (step < np) {
+            wave = ls_plan[step].wave;
+            at_least = ls_plan[step].at_least;
+            tmo = ls_plan[step].timeout_ms;
+        }
+        for (uint32_t i = 0; i < wave && next < SP_N; i++, next++) {
+            pslot_t *s = &sh->slots[next];
+            blocks[0] = 2 * next + 1;
+            blocks[1] = 2 * next;
+            CHECK_KVX(kvx_fetch(g.c, 600 + next, s->data, s->len, g.pool,
+                                blocks, 2, 0, T_MS),
+                      g.c);
+        }
+        kvx_batch_t *b;
+        CHECK_KVX(kvx_poll(g.c, at_least, tmo, &b), g.c);
+        CHECK(nb < LS_MAXB);
+        ls_batch_t *r = &sh->b[a->rank][nb++];
+        r->seq = b->seq;
+        r->n = b->num_events;
+        r->at_least = at_least;
+        CHECK(b->num_events <= LS_MAXE);
+        for (uint32_t i = 0; i < b->num_events; i++) {
+            r->req[i] = b->events[i].request_id;
+            r->kind[i] = b->events[i].kind;
+            if (b->events[i].kind != KVX_EVENT_COMPLETE)
+                fprintf(stderr, "rank %u: request %llu %s %s: %s\n", a->rank,
+                        (unsigned long long)b->events[i].request_id,
+                        kind_name(b->events[i].kind),
+                        kvx_status_name(b->events[i].code),
+                        b->events[i].message);
+        }
+        seen += b->num_events;
+        kvx_batch_free(b);
+    }
+    sh->nb[a->rank] = nb;
+    CHECK_EQ(seen, SP_N);
+    static expect_t e[SP_N];
+    static uint32_t bt[SP_N][2];
+    for (uint32_t q = 0; q < SP_N; q++) {
+        bt[q][0] = 2 * q + 1;
+        bt[q][1] = 2 * q;
+        e[q] = (expect_t){600 + q, bt[q], 7, 0};
+    }
+    CHECK_EQ(check_pool(&g, e, SP_N, 0xa5), 0);
+    barrier(&sh->done1, 3);
+
+    /* request 900: rank 0 fetches, rank 1 never will, B dies */
+    if (a->rank == 1) {
+        atomic_store(&sh->rank1_ready, 1);
+        wait_count(&sh->b_killed, 1);
+        rank_close(&g);
+        return;
+    }
+    slot_wait(&sh->slot900);
+    uint32_t b900[2] = {2 * SP_N, 2 * SP_N + 1};
+    CHECK_KVX(kvx_fetch(g.c, 900, sh->slot900.data, sh->slot900.len, g.pool,
+                        b900, 2, 0, T_MS),
+              g.c);
+    atomic_store(&sh->fetched900, 1);
+    wait_count(&sh->b_killed, 1);
+    ev_t ev =
+        wait_event(g.c, 900, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, P_BOUND_MS);
+    fprintf(stderr, "rank 0 after B died: request 900 %s \"%s\"\n",
+            kvx_status_name(ev.code), ev.msg);
+    rank_close(&g);
+}
+
+/* wait_count for the test process: when a rank failed it exits through
+ * exit(), so h_cleanup shows the logs and removes the namespaces. */
+static void p_wait_count(_Atomic int *ctr, int n)
+{
+    int64_t end = now_ms() + 15000;
+    while (atomic_load(ctr) < n) {
+        if (failed_flag()) {
+            fprintf(stderr, "a rank process failed\n");
+            exit(1);
+        }
+        if (now_ms() > end) {
+            fprintf(stderr, "p_wait_count: %d of %d after 15 s\n",
+                    atomic_load(ctr), n);
+            exit(1);
+        }
+        sleep_ms(1);
+    }
+}
+
+TEST_T(peer_spread_instance_batches, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    sp_shared_t *sh = shm_alloc(sizeof(*sh));
+    sp_arg_t args[2] = {{a, sh, 0}, {b, sh, 1}};
+    pid_t pids[2];
+    for (int i = 0; i < 2; i++)
+        pids[i] = spawn(sp_rank_main, &args[i]);
+    side_t cs;
+    p_side(&cs, "sp-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 8);
+    rank_t c;
+    rank_open(a, &M_LS, &cs, 0, SP_N + 1, &c);
+    for (uint32_t q = 0; q < SP_N; q++) {
+        uint32_t blk = SP_N - 1 - q;
+        fill_req(&c, 600 + q, &blk, 7);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, 600 + q, c.pool, &blk, 1, 7, &p, T_MS), c.c);
+        slot_put(&sh->slots[q], &p);
+        kvx_context_params_free(&p);
+    }
+    atomic_fetch_add(&sh->connected, 1);
+    p_wait_count(&sh->connected, 3);
+    atomic_fetch_add(&sh->done1, 1);
+    p_wait_count(&sh->done1, 3);
+    ev_t ce[SP_N + 4];
+    int n = collect(c.c, ce, SP_N + 4, SP_N, 5000);
+    CHECK_EQ(n, SP_N);
+    for (uint32_t q = 0; q < SP_N; q++)
+        expect_event(ce, n, 600 + q, KVX_EVENT_COMPLETE, 0);
+
+    /* batch k is the same on both ranks: seq, request ids, order, kinds */
+    CHECK_EQ(sh->nb[0], sh->nb[1]);
+    int timeout_sealed = 0;
+    for (uint32_t k = 0; k < sh->nb[0]; k++) {
+        ls_batch_t *x = &sh->b[0][k], *y = &sh->b[1][k];
+        if (x->seq != k || y->seq != k || x->n != y->n)
+            fprintf(stderr,
+                    "batch %u: rank 0 (A) seq %llu (%u events), rank 1 (B) "
+                    "seq %llu (%u events)\n",
+                    k, (unsigned long long)x->seq, x->n,
+                    (unsigned long long)y->seq, y->n);
+        CHECK_EQ(x->seq, k);
+        CHECK_EQ(y->seq, k);
+        CHECK_EQ(x->n, y->n);
+        for (uint32_t i = 0; i < x->n; i++) {
+            CHECK_EQ(x->req[i], y->req[i]);
+            CHECK_EQ(x->kind[i], y->kind[i]);
+            CHECK_EQ(x->kind[i], KVX_EVENT_COMPLETE);
+        }
+        timeout_sealed += x->n < x->at_least;
+    }
+    CHECK(timeout_sealed >= 2);
+
+    /* B dies while request 900 waits for its rank: rank 0 gets the error */
+    uint32_t blk = SP_N;
+    fill_req(&c, 900, &blk, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 900, c.pool, &blk, 1, 7, &p, T_MS), c.c);
+    slot_put(&sh->slot900, &p);
+    kvx_context_params_free(&p);
+    p_wait_count(&sh->fetched900, 1);
+    p_wait_count(&sh->rank1_ready, 1);
+    CHECK(kill(b->pid, SIGKILL) == 0);
+    int st = daemon_wait(b, 2000);
+    CHECK(st != -1 && WIFSIGNALED(st));
+    atomic_store(&sh->b_killed, 1);
+    CHECK(wait_children(pids, 2, P_BOUND_MS + 3000));
+    ev_t e[4];
+    n = collect(c.c, e, 4, 1, P_BOUND_MS);
+    CHECK_EQ(n, 1);
+    CHECK_EQ(e[0].req, 900);
+    if (e[0].kind != KVX_EVENT_ERROR)
+        print_events("context", e, n);
+    CHECK_EQ(e[0].kind, KVX_EVENT_ERROR);
+    rank_close(&c);
+    daemon_healthy(a);
+    daemon_stop_ok(a);
+}
+
+/* ---- status ---------------------------------------------------------------
+ */
+
+/* After a transfer A -> B, both list the other as a connected peer with
+ * the bytes moved, and the UCX section says where it listens and that it
+ * stages in host memory. */
+TEST_T(peer_status, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    side_t cs, gs;
+    p_side(&cs, "pst-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(&gs, "pst-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_t c, g;
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    char ipport[2][64];
+    p_check_addr(&c, 0, ipport[0], sizeof(ipport[0]));
+    p_check_addr(&g, 1, ipport[1], sizeof(ipport[1]));
+
+    char *json = status_json(a);
+    char *ucx = p_json_section(json, "\"ucx\":");
+    if (!ucx)
+        fprintf(stderr, "no \"ucx\" in the status: %s\n", json);
+    CHECK(ucx != NULL);
+    char want[128];
+    snprintf(want, sizeof(want), "\"listen\":\"kvx://%s", ipport[0]);
+    CHECK_STR_CONTAINS(ucx, want);
+    CHECK_STR_CONTAINS(ucx, "\"transports\":\"\""); /* none used yet */
+    CHECK_STR_CONTAINS(ucx, "\"staging\":\"host\"");
+    free(ucx);
+    free(json);
+
+    uint32_t cb[3] = {2, 0, 1}, gb[3] = {5, 7, 4};
+    p_one(&c, &g, 51, cb, gb, 3, 10, 5000);
+    long long payload = 10ll * M_SMALL.layers * M_SMALL.kv * M_SMALL.heads *
+                        M_SMALL.head_dim * 2;
+
+    char *pb = p_peers(b); /* B dialled A's advertised address */
+    fprintf(stderr, "B's peers: %s\n", pb);
+    CHECK_STR_CONTAINS(pb, ipport[0]);
+    CHECK_STR_CONTAINS(pb, "\"state\":\"connected\"");
+    CHECK(json_num(pb, "bytes_received") >= payload);
+    CHECK(json_num(pb, "bytes_sent") > 0);
+    CHECK_EQ(json_num(pb, "errors"), 0);
+    free(pb);
+    char *pa = p_peers(a);
+    fprintf(stderr, "A's peers: %s\n", pa);
+    CHECK_STR_CONTAINS(pa, "\"state\":\"connected\"");
+    CHECK(json_num(pa, "bytes_sent") >= payload);
+    CHECK(json_num(pa, "bytes_received") > 0);
+    CHECK_EQ(json_num(pa, "errors"), 0);
+    free(pa);
+
+    /* kvxferctl prints the same sections */
+    char cmd[400], *out;
+    snprintf(cmd, sizeof(cmd), "%s/kvxferctl --socket %s status --json",
+             build_dir(), b->sock);
+    fflush(stdout);
+    fflush(stderr);
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    size_t len = 0, cap = 1 << 16;
+    out = malloc(cap);
+    CHECK(out != NULL);
+    size_t k;
+    while ((k = fread(out + len, 1, cap - 1 - len, f)) > 0)
+        len += k;
+    out[len] = 0;
+    CHECK_EQ(pclose(f), 0);
+    CHECK_STR_CONTAINS(out, "\"peers\":[");
+    CHECK_STR_CONTAINS(out, "\"state\":\"connected\"");
+    CHECK_STR_CONTAINS(out, "\"staging\":\"host\"");
+    /* the transports the connection used, as "tl/device" */
+    char *ux = p_json_section(out, "\"ucx\":");
+    CHECK(ux != NULL);
+    CHECK(strstr(ux, "\"transports\":\"\"") == NULL);
+    CHECK(strchr(strstr(ux, "\"transports\":\"") + 14, '/') != NULL);
+    free(ux);
+    free(out);
+
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
