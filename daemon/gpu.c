@@ -684,8 +684,8 @@ int gpu_launch(struct copy_job *job, gpu_part_t *gp)
     int d = gp->device;
     unsigned ctas = kvxd.conf.gpu_max_ctas ? kvxd.conf.gpu_max_ctas : 64;
     cudaSetDevice(d);
-    int e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end, ctas,
-                              g.stream[d]);
+    int e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end,
+                              job->bytes, ctas, g.stream[d]);
     struct waiter_thread *w = &wt[d];
     struct done_item *it = NULL;
     if (e == cudaSuccess) {

@@ -40,10 +40,11 @@ typedef struct gpu_plan {
 #ifdef __cplusplus
 extern "C" {
 #endif
-/* Launch the copy of units [u0, u1) of the device-resident plan d on
- * stream with at most ctas blocks. Returns a cudaError_t. */
+/* Launch the copy of units [u0, u1) of the device-resident plan d, bytes
+ * in all, on stream with at most ctas blocks. Launches on one device must
+ * be serialized (one stream). Returns a cudaError_t. */
 int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0, uint64_t u1,
-                      unsigned ctas, void *stream);
+                      uint64_t bytes, unsigned ctas, void *stream);
 #ifdef __cplusplus
 }
 #endif

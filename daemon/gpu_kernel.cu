@@ -3,13 +3,42 @@
  * two layouts, reading or writing peer GPU memory (NVLink/PCIe P2P) or
  * mapped host memory. Rows are head_dim * elem_size bytes and move as
  * 16-byte vectors when every address and stride is 16-byte aligned, else
- * as bytes. Any CTA budget works (warps stride over units); the budget is
- * the caller's, since the GPUs are busy running the model.
+ * as bytes. Any CTA budget works; the budget is the caller's, since the
+ * GPUs are busy running the model.
+ *
+ * Work is handed out dynamically: a launch's units are cut into pieces of
+ * about PIECE_BYTES (a part of a long unit, or a few short units), and
+ * each warp takes the next piece from a counter in device memory, so all
+ * warps finish together and the next launch on the stream waits for no
+ * straggler. Pieces are small (4 KiB: one batch of UNROLL 16-byte loads
+ * per lane), which also keeps the warps of a launch close together in
+ * memory. The counter is reset by the last warp of the launch; the
+ * launches of one device are serialized on its stream (gpu.c), so one
+ * counter per device serves them all (a faulted kernel leaves it dirty,
+ * but a fault also ends the context).
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "gpu_desc.h"
+
+/* Measured on two H200s over NVLink (issue #3): 4 KiB pieces did as well
+ * as 2 KiB ones and better than 8, 16 and 64 KiB ones or a static
+ * assignment; 256-thread CTAs matched 512 at 64 CTAs but lost 13-33% of
+ * the throughput at 8-32 CTAs. Overridable with -D for measurements. */
+#ifndef THREADS
+#define THREADS 512
+#endif
+#ifndef PIECE_BYTES
+#define PIECE_BYTES (4u << 10)
+#endif
+#ifndef UNROLL
+#define UNROLL 8
+#endif
+#define MAX_PARTS 64
+
+__device__ static unsigned long long next_piece; /* of the running launch */
+__device__ static unsigned int warps_done;
 
 __device__ static inline uint32_t slice_of(const gpu_plan_t *p, uint64_t u)
 {
@@ -18,8 +47,6 @@ __device__ static inline uint32_t slice_of(const gpu_plan_t *p, uint64_t u)
         i++;
     return i;
 }
-
-#define UNROLL 8
 
 /* A unit's rows as (up to) three strided dimensions around a contiguous
  * run; dimensions contiguous on both sides are merged into the run, as on
@@ -62,119 +89,206 @@ __device__ static inline void run_off(const dims &d, uint64_t r, uint64_t *so,
     *dof = a * d.ds[0] + b * d.ds[1] + c * d.ds[2];
 }
 
-/* One warp per unit at a time (warp-strided over the chunk's units). Long
- * runs: lanes stride over one run's 16-byte vectors, UNROLL loads in
- * flight per lane. Short runs: lanes take (run, vector) pairs. */
-__global__ void __launch_bounds__(512, 1)
-kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1)
+/* Unit u resolved: its first source and destination bytes, its dimensions,
+ * and its size in elements: 16-byte vectors when aligned, else bytes. */
+struct unit {
+    const uint8_t *src;
+    uint8_t *dst;
+    dims d;
+    uint64_t nruns, nelem;
+    int bytes; /* unaligned: copied byte by byte */
+};
+
+__device__ static __forceinline__ void
+unit_get(const gpu_plan_t &p, uint64_t u, unit &x)
 {
-    const unsigned lane = threadIdx.x & 31;
-    const uint64_t warp =
-        (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) >> 5;
-    const uint64_t nwarps = ((uint64_t)gridDim.x * blockDim.x) >> 5;
-    const uint32_t nsegs = p.nsegs;
-    for (uint64_t u = u0 + warp; u < u1; u += nwarps) {
-        const gpu_slice_t *s = &p.slices[slice_of(&p, u)];
-        const uint64_t r = u - s->unit_begin;
-        const uint32_t layer = s->layer0 + (uint32_t)(r / nsegs);
-        const gpu_seg_t g = p.segs[r % nsegs];
-        const uint8_t *src =
-            s->src.base + s->src.layer_offset[layer - s->src_layer_base] +
+    const gpu_slice_t *s = &p.slices[slice_of(&p, u)];
+    const uint64_t r = u - s->unit_begin;
+    const uint32_t layer = s->layer0 + (uint32_t)(r / p.nsegs);
+    const gpu_seg_t g = p.segs[r % p.nsegs];
+    x.src = s->src.base + s->src.layer_offset[layer - s->src_layer_base] +
             (uint64_t)s->src.blocks[g.src_blk] * s->src.block_stride +
             (uint64_t)g.src_tok * s->src.token_stride +
             (uint64_t)(s->head0 - s->src_head_base) * s->src.head_stride;
-        uint8_t *dst =
-            p.dst.base + p.dst.layer_offset[layer - s->dst_layer_base] +
+    x.dst = p.dst.base + p.dst.layer_offset[layer - s->dst_layer_base] +
             (uint64_t)p.dst.blocks[g.dst_blk] * p.dst.block_stride +
             (uint64_t)g.dst_tok * p.dst.token_stride +
             (uint64_t)(s->head0 - s->dst_head_base) * p.dst.head_stride;
-        dims d;
-        d.nd = 3;
-        d.run = p.row_bytes;
-        d.n[0] = s->nheads;
-        d.ss[0] = s->src.head_stride;
-        d.ds[0] = p.dst.head_stride;
-        d.n[1] = g.n;
-        d.ss[1] = s->src.token_stride;
-        d.ds[1] = p.dst.token_stride;
-        d.n[2] = p.kv_factor;
-        d.ss[2] = s->src.kv_stride;
-        d.ds[2] = p.dst.kv_stride;
-        merge(d);
-        const uint64_t nruns = d.n[0] * d.n[1] * d.n[2];
-        uint64_t align = (uintptr_t)src | (uintptr_t)dst | d.run;
-        for (int i = 0; i < 3; i++)
-            align |= d.ss[i] | d.ds[i];
-        if (align & 15) { /* unaligned rows: bytes */
-            for (uint64_t i = lane; i < nruns * d.run; i += 32) {
-                uint64_t so, dof, run = i / d.run, col = i - run * d.run;
-                run_off(d, run, &so, &dof);
-                dst[dof + col] = src[so + col];
-            }
-            continue;
+    dims &d = x.d;
+    d.nd = 3;
+    d.run = p.row_bytes;
+    d.n[0] = s->nheads;
+    d.ss[0] = s->src.head_stride;
+    d.ds[0] = p.dst.head_stride;
+    d.n[1] = g.n;
+    d.ss[1] = s->src.token_stride;
+    d.ds[1] = p.dst.token_stride;
+    d.n[2] = p.kv_factor;
+    d.ss[2] = s->src.kv_stride;
+    d.ds[2] = p.dst.kv_stride;
+    merge(d);
+    x.nruns = d.n[0] * d.n[1] * d.n[2];
+    uint64_t align = (uintptr_t)x.src | (uintptr_t)x.dst | d.run;
+    for (int i = 0; i < 3; i++)
+        align |= d.ss[i] | d.ds[i];
+    x.bytes = (align & 15) != 0;
+    x.nelem = x.nruns * (x.bytes ? d.run : d.run / 16);
+}
+
+/* Copy elements [lo, hi) of unit x (vectors, or bytes when unaligned),
+ * the whole warp together. Long runs: lanes stride over one run's
+ * vectors, UNROLL loads in flight per lane. Short runs: lanes take (run,
+ * vector) pairs. */
+__device__ static __forceinline__ void
+unit_copy(const unit &x, uint64_t lo, uint64_t hi, unsigned lane)
+{
+    const dims &d = x.d;
+    if (x.bytes) {
+        for (uint64_t i = lo + lane; i < hi; i += 32) {
+            uint64_t so, dof, run = i / d.run, col = i - run * d.run;
+            run_off(d, run, &so, &dof);
+            x.dst[dof + col] = x.src[so + col];
         }
-        const uint64_t vpr = d.run / 16;
-        if (vpr >= 32) {
-            for (uint64_t run = 0; run < nruns; run++) {
-                uint64_t so, dof;
-                run_off(d, run, &so, &dof);
-                const uint4 *s4 = (const uint4 *)(src + so);
-                uint4 *d4 = (uint4 *)(dst + dof);
-                for (uint64_t base = lane; base < vpr; base += 32 * UNROLL) {
-                    uint4 v[UNROLL];
-#pragma unroll
-                    for (int k = 0; k < UNROLL; k++)
-                        if (base + k * 32 < vpr)
-                            v[k] = s4[base + k * 32];
-#pragma unroll
-                    for (int k = 0; k < UNROLL; k++)
-                        if (base + k * 32 < vpr)
-                            d4[base + k * 32] = v[k];
-                }
-            }
-        } else {
-            /* short runs (layout conversion): lanes take (run, vector)
-             * pairs; 32-bit index math, a shift when the run is a power
-             * of two vectors (64-bit division costs ~100 instructions) */
-            const uint32_t v32 = (uint32_t)vpr;
-            const uint32_t nvec = (uint32_t)(nruns * vpr);
-            const int pow2 = (v32 & (v32 - 1)) == 0;
-            const uint32_t shift = __ffs(v32) - 1;
-            const uint32_t n0 = (uint32_t)d.n[0], n1 = (uint32_t)d.n[1];
-            for (uint32_t base = lane; base < nvec; base += 32 * UNROLL) {
+        return;
+    }
+    const uint64_t vpr = d.run / 16;
+    if (vpr >= 32) {
+        for (uint64_t run = lo / vpr, rb = run * vpr; rb < hi;
+             run++, rb += vpr) {
+            uint64_t so, dof;
+            run_off(d, run, &so, &dof);
+            const uint4 *s4 = (const uint4 *)(x.src + so);
+            uint4 *d4 = (uint4 *)(x.dst + dof);
+            const uint64_t c0 = lo > rb ? lo - rb : 0;
+            const uint64_t c1 = hi - rb < vpr ? hi - rb : vpr;
+            for (uint64_t base = c0 + lane; base < c1; base += 32 * UNROLL) {
                 uint4 v[UNROLL];
-                uint4 *dp[UNROLL];
-#pragma unroll
-                for (int k = 0; k < UNROLL; k++) {
-                    const uint32_t i = base + k * 32;
-                    dp[k] = nullptr;
-                    if (i < nvec) {
-                        const uint32_t run = pow2 ? i >> shift : i / v32;
-                        const uint32_t col = i - run * v32;
-                        const uint32_t a = run % n0, rest = run / n0;
-                        const uint32_t b = rest % n1, c = rest / n1;
-                        const uint64_t so =
-                            a * d.ss[0] + b * d.ss[1] + c * d.ss[2];
-                        const uint64_t dof =
-                            a * d.ds[0] + b * d.ds[1] + c * d.ds[2];
-                        v[k] = ((const uint4 *)(src + so))[col];
-                        dp[k] = (uint4 *)(dst + dof) + col;
-                    }
-                }
 #pragma unroll
                 for (int k = 0; k < UNROLL; k++)
-                    if (dp[k])
-                        *dp[k] = v[k];
+                    if (base + k * 32 < c1)
+                        v[k] = s4[base + k * 32];
+#pragma unroll
+                for (int k = 0; k < UNROLL; k++)
+                    if (base + k * 32 < c1)
+                        d4[base + k * 32] = v[k];
             }
+        }
+        return;
+    }
+    /* short runs (layout conversion): lanes take (run, vector) pairs;
+     * 32-bit index math, a shift when the run is a power of two vectors
+     * (64-bit division costs ~100 instructions) */
+    const uint32_t v32 = (uint32_t)vpr;
+    const uint32_t end = (uint32_t)hi;
+    const int pow2 = (v32 & (v32 - 1)) == 0;
+    const uint32_t shift = __ffs(v32) - 1;
+    const uint32_t n0 = (uint32_t)d.n[0], n1 = (uint32_t)d.n[1];
+    for (uint32_t base = (uint32_t)lo + lane; base < end;
+         base += 32 * UNROLL) {
+        uint4 v[UNROLL];
+        uint4 *dp[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            const uint32_t i = base + k * 32;
+            dp[k] = nullptr;
+            if (i < end) {
+                const uint32_t run = pow2 ? i >> shift : i / v32;
+                const uint32_t col = i - run * v32;
+                const uint32_t a = run % n0, rest = run / n0;
+                const uint32_t b = rest % n1, c = rest / n1;
+                const uint64_t so = a * d.ss[0] + b * d.ss[1] + c * d.ss[2];
+                const uint64_t dof =
+                    a * d.ds[0] + b * d.ds[1] + c * d.ds[2];
+                v[k] = ((const uint4 *)(x.src + so))[col];
+                dp[k] = (uint4 *)(x.dst + dof) + col;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++)
+            if (dp[k])
+                *dp[k] = v[k];
+    }
+}
+
+/* Piece t of the launch: units [u0 + t*per, +per) whole when parts == 1,
+ * else part t % parts of unit u0 + t / parts, cut at multiples of 32
+ * elements (a warp's accesses stay whole 512-byte spans where the runs
+ * allow). */
+__device__ static __forceinline__ void
+piece_copy(const gpu_plan_t &p, uint64_t u0, uint64_t u1, uint32_t parts,
+           uint32_t per, uint64_t t, unsigned lane)
+{
+    unit x;
+    if (parts == 1) {
+        uint64_t u = u0 + t * per, e = u + per < u1 ? u + per : u1;
+        for (; u < e; u++) {
+            unit_get(p, u, x);
+            unit_copy(x, 0, x.nelem, lane);
+        }
+        return;
+    }
+    unit_get(p, u0 + t / parts, x);
+    const uint32_t k = (uint32_t)(t % parts);
+    const uint64_t n32 = (x.nelem + 31) / 32;
+    uint64_t lo = n32 * k / parts * 32, hi = n32 * (k + 1) / parts * 32;
+    if (hi > x.nelem)
+        hi = x.nelem;
+    if (lo < hi)
+        unit_copy(x, lo, hi, lane);
+}
+
+__global__ void __launch_bounds__(THREADS, 1)
+kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1, uint32_t parts,
+                uint32_t per)
+{
+    const unsigned lane = threadIdx.x & 31;
+    const uint64_t npieces =
+        parts > 1 ? (u1 - u0) * parts : (u1 - u0 + per - 1) / per;
+    const uint64_t warp =
+        (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) >> 5;
+    const uint64_t nwarps = ((uint64_t)gridDim.x * blockDim.x) >> 5;
+    /* the first piece is the warp's own; the rest come from the counter,
+     * each fetched while the one before copies */
+    for (uint64_t t = warp; t < npieces;) {
+        unsigned long long n = 0;
+        if (lane == 0)
+            n = atomicAdd(&next_piece, 1ull);
+        piece_copy(p, u0, u1, parts, per, t, lane);
+        t = nwarps + __shfl_sync(0xffffffffu, n, 0);
+    }
+    if (lane == 0) {
+        if (atomicAdd(&warps_done, 1u) == nwarps - 1) {
+            /* every warp has taken its last piece: reset for the next
+             * launch, which the stream starts after this one ends */
+            atomicExch(&next_piece, 0ull);
+            atomicExch(&warps_done, 0u);
         }
     }
 }
 
 extern "C" int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0,
-                                 uint64_t u1, unsigned ctas, void *stream)
+                                 uint64_t u1, uint64_t bytes, unsigned ctas,
+                                 void *stream)
 {
     if (u1 <= u0)
         return 0;
-    kvx_copy_kernel<<<ctas, 512, 0, (cudaStream_t)stream>>>(*d, u0, u1);
+    /* pieces of about PIECE_BYTES: parts of a large unit, or whole units
+     * grouped (the units of a launch are of one shape, give or take a
+     * segment cut at a block boundary), but no fewer pieces than warps
+     * where the units allow, so small launches spread over every warp */
+    const uint64_t n = u1 - u0, unit = bytes / n;
+    const uint64_t warps = (uint64_t)ctas * (THREADS / 32);
+    uint64_t parts = 1, per = 1;
+    if (unit >= PIECE_BYTES) {
+        parts = (unit + PIECE_BYTES / 2) / PIECE_BYTES;
+        parts = parts < MAX_PARTS ? parts : MAX_PARTS;
+    } else if (unit) {
+        per = PIECE_BYTES / unit;
+        uint64_t spread = n / warps;
+        per = per < spread ? per : spread;
+        per = per ? per : 1;
+    }
+    kvx_copy_kernel<<<ctas, THREADS, 0, (cudaStream_t)stream>>>(
+        *d, u0, u1, (uint32_t)parts, (uint32_t)per);
     return (int)cudaGetLastError();
 }
