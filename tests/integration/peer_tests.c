@@ -1035,6 +1035,146 @@ TEST_T(peer_spread_instance_batches, 60)
     daemon_stop_ok(a);
 }
 
+/* Cancel mid-transfer from both sides: the generation side cancels the
+ * first half, the context side the second half. Once every cancel has
+ * returned, no byte lands in the generation pool (checked 300 ms later),
+ * and every request ends on both sides. */
+TEST_T(peer_cancel_mid_transfer, 90)
+{
+    pl_t *x = pl_start();
+    int cancelled = 0;
+    for (uint32_t q = 0; q < PL_REQ; q++) {
+        kvx_client_t *c = q < PL_REQ / 2 ? x->g.c : x->c.c;
+        int rc = kvx_cancel(c, 100 + q, T_MS);
+        /* NOT_FOUND: it completed (or ended) before the cancel came */
+        if (rc && rc != KVX_ERR_NOT_FOUND) {
+            fprintf(stderr, "cancel %u: %s: %s\n", 100 + q,
+                    kvx_status_name(rc), kvx_last_error(c));
+            CHECK(!"cancel returns");
+        }
+        cancelled += rc == 0;
+    }
+    CHECK(cancelled > 0);
+    uint8_t *snap = malloc(x->g.size);
+    CHECK(snap != NULL);
+    memcpy(snap, x->g.base, x->g.size);
+    sleep_ms(300);
+    CHECK(memcmp(snap, x->g.base, x->g.size) == 0);
+    free(snap);
+    /* every request ends once on each side; a completed one is intact */
+    for (int side = 0; side < 2; side++) {
+        rank_t *r = side ? &x->c : &x->g;
+        ev_t *ev = side ? x->ce : x->ge;
+        int n = collect(r->c, ev, PL_REQ + 16, PL_REQ, 5000);
+        CHECK_EQ(n, PL_REQ);
+        for (uint32_t q = 0; q < PL_REQ; q++) {
+            int count = 0;
+            const ev_t *e = NULL;
+            for (int k = 0; k < n; k++)
+                if (ev[k].req == 100 + q) {
+                    count++;
+                    e = &ev[k];
+                }
+            CHECK_EQ(count, 1);
+            if (e->kind == KVX_EVENT_COMPLETE) {
+                if (!side)
+                    CHECK_EQ(p_check_req(&x->g, 100 + q, x->gb[q], PL_TOK, 0),
+                             0);
+            } else {
+                CHECK(e->kind == KVX_EVENT_CANCELLED ||
+                      e->kind == KVX_EVENT_ERROR);
+            }
+        }
+    }
+    /* nothing is left in flight on either daemon */
+    for (int side = 0; side < 2; side++) {
+        char *json;
+        kvx_client_t *c = side ? x->c.c : x->g.c;
+        CHECK_KVX(kvx_requests_json(c, &json, T_MS), c);
+        CHECK(strstr(json, "\"request_id\":1") == NULL ||
+              strstr(json, "transferring") == NULL);
+        free(json);
+    }
+    rank_close(&x->c);
+    rank_close(&x->g);
+    daemon_healthy(x->a);
+    daemon_healthy(x->b);
+    daemon_stop_ok(x->a);
+    daemon_stop_ok(x->b);
+    pl_free(x);
+}
+
+/* Bad peer configuration is refused with a message naming the problem:
+ * by --check-config, and by a daemon at start (the secret file). */
+TEST(peer_config_errors)
+{
+    h_init();
+    char dir[64], cfg[128], sec[128], cmd[512];
+    snprintf(dir, sizeof(dir), "/tmp/kvx-pcfg-%d", (int)getpid());
+    snprintf(cfg, sizeof(cfg), "%s/k.yaml", dir);
+    snprintf(sec, sizeof(sec), "%s/secret", dir);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s; mkdir -p %s", dir, dir);
+    CHECK(system(cmd) == 0);
+    static const struct {
+        const char *peer, *want;
+    } cases[] = {
+        {"  listen: \"127.0.0.1:0\"\n", "needs peer.secret_file"},
+        {"  listen: \"0.0.0.0:7000\"\n  secret_file: /x\n", "not 0.0.0.0"},
+        {"  listen: \"127.0.0.1\"\n  secret_file: /x\n", "is not IP:PORT"},
+        {"  listen: \"127.0.0.1:70000\"\n  secret_file: /x\n",
+         "port must be 0..65535"},
+        {"  keepalive_interval_ms: 5000\n  keepalive_timeout_ms: 1000\n",
+         "is not below peer.keepalive_timeout_ms"},
+        {"  slots: 1\n", "peer.slots"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char text[512];
+        snprintf(text, sizeof(text), "peer:\n%s", cases[i].peer);
+        write_file(cfg, text);
+        snprintf(cmd, sizeof(cmd), "%s/kvxferd --check-config --config %s "
+                                   "2>&1",
+                 build_dir(), cfg);
+        FILE *f = popen(cmd, "r");
+        CHECK(f != NULL);
+        char out[2048] = "";
+        size_t n = fread(out, 1, sizeof(out) - 1, f);
+        out[n] = 0;
+        CHECK(pclose(f) != 0);
+        CHECK_STR_CONTAINS(out, cases[i].want);
+    }
+    /* the secret: readable by others, or too short, stops the daemon */
+    static const struct {
+        const char *content;
+        int mode;
+        const char *want;
+    } secrets[] = {
+        {"0123456789abcdef0123", 0644, "readable by group or others"},
+        {"short", 0600, "needs at least 16"},
+    };
+    for (size_t i = 0; i < sizeof(secrets) / sizeof(secrets[0]); i++) {
+        write_file(sec, secrets[i].content);
+        CHECK(chmod(sec, secrets[i].mode) == 0);
+        char text[512];
+        snprintf(text, sizeof(text),
+                 "socket:\n  path: %s/s.sock\npeer:\n  listen: "
+                 "\"127.0.0.1:0\"\n  secret_file: %s\n",
+                 dir, sec);
+        write_file(cfg, text);
+        snprintf(cmd, sizeof(cmd), "timeout 10 %s/kvxferd --config %s 2>&1",
+                 build_dir(), cfg);
+        FILE *f = popen(cmd, "r");
+        CHECK(f != NULL);
+        char out[4096] = "";
+        size_t n = fread(out, 1, sizeof(out) - 1, f);
+        out[n] = 0;
+        int st = pclose(f);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+        CHECK_STR_CONTAINS(out, secrets[i].want);
+    }
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+}
+
 /* ---- status ---------------------------------------------------------------
  */
 
