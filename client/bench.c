@@ -10,6 +10,13 @@
  * computed from (request, layer, kv, token, head) alone, never through the
  * daemon's plan. The baseline is memcpy of the same number of bytes in the
  * same run; the ratio is reported beside it.
+ *
+ * With --daemons 2 the context ranks use one spawned daemon and the
+ * generation ranks another, so every byte crosses between daemons over
+ * UCX. The baseline is then ucx_perftest ucp_am_bw between two processes
+ * of this host with the daemons' slot size and UCX_TLS (the daemons move
+ * slots as UCX active messages), and with GPU pools the slowest of that,
+ * device-to-host and host-to-device copies (the host-staged path).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -23,7 +30,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -58,12 +69,16 @@ static struct opts {
     uint32_t ctx_pp, gen_pp, ctx_tpb, gen_tpb, skip;
     int mla;
     uint32_t ctas;
+    uint32_t daemons;     /* 2: context ranks on daemon A, generation on B */
+    const char *gen_socket; /* the generation ranks' daemon */
+    uint64_t slot_bytes;  /* peer.slot_bytes of both daemons */
+    const char *ucx_tls;
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
     .head_dim = 128, .tpb = 16, .dtype = KVX_DTYPE_BF16,
     .pool_cap_mib = 2048, .ctx_device = 0, .gen_device = 1, .pairs = 1,
-    .ctx_pp = 1, .gen_pp = 1,
+    .ctx_pp = 1, .gen_pp = 1, .daemons = 1, .slot_bytes = 4u << 20,
 };
 
 /* Shared between the parent and the rank processes. */
@@ -73,7 +88,8 @@ struct shared {
     _Atomic uint32_t ready2, go2;     /* between warm-up and timed pass */
     _Atomic uint32_t ready3, go3;     /* before any rank disconnects */
     _Atomic uint32_t failed;
-    char address[192];
+    char address[192];               /* daemon of the context ranks */
+    char gen_address[192];           /* daemon of the generation ranks */
     _Atomic uint64_t first_fetch_ns, last_done_ns;
     _Atomic uint64_t mismatches, verified_bytes, errors;
     char error_text[512];
@@ -253,13 +269,18 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
                                   .total_layers = o.layers,
                                   .total_kv_heads = o.heads}};
     kvx_client_t *c;
-    int rc = kvx_connect(o.socket, &h, TIMEOUT_MS, &c);
+    const char *sock = ctx ? o.socket : o.gen_socket;
+    int rc = kvx_connect(sock, &h, TIMEOUT_MS, &c);
     if (rc)
-        die("connect %s rank %u to %s: %s", inst, rank, o.socket,
+        die("connect %s rank %u to %s: %s", inst, rank, sock,
             kvx_status_str(rc));
     char addr[192];
     CHECK_KVX(kvxfer_daemon_address(c, addr, sizeof(addr)), c);
-    /* engines allgather the addresses; here every rank is on one daemon */
+    if (rank == 0 && my_pair == 0)
+        snprintf(ctx ? sh->address : sh->gen_address, sizeof(sh->address),
+                 "%s", addr);
+    /* engines allgather the addresses; here all ranks of an instance are
+     * on one daemon (with --daemons 2, each side on its own) */
     const char **addrs = calloc(nranks, sizeof(char *));
     for (uint32_t i = 0; i < nranks; i++)
         addrs[i] = addr;
@@ -493,9 +514,10 @@ static void gen_main(uint32_t rank)
 
 /* ---- parent: daemon, baseline, report --------------------------------- */
 
-static pid_t spawn_daemon(char *sock, size_t len)
+/* The kvxferd next to this binary, or $KVXFERD. */
+static void daemon_binary(char *daemon, size_t len)
 {
-    char exe[PATH_MAX], daemon[PATH_MAX + 16];
+    char exe[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     if (n <= 0)
         die("readlink /proc/self/exe: %s", strerror(errno));
@@ -503,9 +525,45 @@ static pid_t spawn_daemon(char *sock, size_t len)
     char *slash = strrchr(exe, '/');
     *slash = 0;
     const char *env = getenv("KVXFERD");
-    snprintf(daemon, sizeof(daemon), "%s", env ? env : exe);
-    if (!env)
-        strcat(daemon, "/kvxferd");
+    if (env)
+        snprintf(daemon, len, "%s", env);
+    else
+        snprintf(daemon, len, "%s/kvxferd", exe);
+}
+
+static void print_log(const char *path, long tail);
+
+/* Wait until the daemon accepts connections on sock; with a log, show it
+ * when the daemon dies first. */
+static void daemon_await(pid_t pid, const char *daemon, const char *sock,
+                         const char *log, int tries)
+{
+    for (int i = 0; i < tries; i++) { /* 10 ms each */
+        kvx_client_t *c;
+        if (kvx_connect_observer(sock, 100, &c) == 0) {
+            kvx_close(c);
+            return;
+        }
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            if (log)
+                print_log(log, 4096);
+            die("daemon %s exited during start%s", daemon,
+                log ? " (its log is above)" : "");
+        }
+        usleep(10000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    if (log)
+        print_log(log, 4096);
+    die("daemon %s did not start listening on %s", daemon, sock);
+}
+
+static pid_t spawn_daemon(char *sock, size_t len)
+{
+    char daemon[PATH_MAX + 16];
+    daemon_binary(daemon, sizeof(daemon));
     snprintf(sock, len, "/tmp/kvxfer-bench-%d.sock", (int)getpid());
     pid_t pid = fork();
     if (pid == 0) {
@@ -534,20 +592,385 @@ static pid_t spawn_daemon(char *sock, size_t len)
                 strerror(errno));
         _exit(127);
     }
-    for (int i = 0; i < 500; i++) { /* up to 5 s */
-        kvx_client_t *c;
-        if (kvx_connect_observer(sock, 100, &c) == 0) {
-            kvx_close(c);
-            return pid;
+    daemon_await(pid, daemon, sock, NULL, 500); /* up to 5 s */
+    return pid;
+}
+
+/* ---- two daemons: temp dir, peer secret, configs, ucx_perftest -------- *
+ * Everything lives in one mkdtemp directory under /tmp (mode 0700), which
+ * the parent removes at exit, on a signal too; children of the parent
+ * (ranks) inherit the handlers but leave the cleanup to it. */
+
+enum { F_SECRET, F_CFG_A, F_CFG_B, F_SOCK_A, F_SOCK_B, F_LOG_A, F_LOG_B,
+       F_PERFTEST, F_NUM };
+static const char *const peer_file_names[F_NUM] = {
+    "secret", "a.yaml", "b.yaml", "a.sock", "b.sock", "a.log", "b.log",
+    "perftest.log"};
+static char peer_dir[64];              /* "" until created */
+static char peer_files[F_NUM][96];     /* built once: unlink in a handler */
+static pid_t parent_pid;
+/* daemons A and B, then the ucx_perftest server and client */
+static volatile pid_t owned[4];
+
+/* Async-signal-safe: kill, waitpid, unlink and rmdir only. */
+static void peer_cleanup(void)
+{
+    if (getpid() != parent_pid)
+        return;
+    if (sh) /* ranks waiting at a barrier leave (a lock-free store) */
+        atomic_fetch_add(&sh->failed, 1);
+    for (int i = 0; i < 4; i++) {
+        pid_t p = owned[i];
+        if (p > 0) {
+            owned[i] = 0;
+            kill(p, SIGKILL);
+            waitpid(p, NULL, 0);
         }
-        int st;
-        if (waitpid(pid, &st, WNOHANG) == pid)
-            die("daemon %s exited during start", daemon);
-        usleep(10000);
     }
-    kill(pid, SIGKILL);
-    die("daemon %s did not start listening on %s", daemon, sock);
-    return -1;
+    if (!peer_dir[0])
+        return;
+    for (int i = 0; i < F_NUM; i++)
+        unlink(peer_files[i]);
+    rmdir(peer_dir);
+    peer_dir[0] = 0;
+}
+
+static void peer_on_signal(int sig)
+{
+    peer_cleanup();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+/* The last `tail` bytes of a log file, to stderr. */
+static void print_log(const char *path, long tail)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    char buf[4096];
+    if (tail > (long)sizeof(buf))
+        tail = sizeof(buf);
+    fseek(f, 0, SEEK_END);
+    long end = ftell(f);
+    fseek(f, end > tail ? end - tail : 0, SEEK_SET);
+    size_t n = fread(buf, 1, sizeof(buf), f);
+    fclose(f);
+    if (n) {
+        fprintf(stderr, "---- %s%s\n", path, end > tail ? " (end)" : "");
+        fwrite(buf, 1, n, stderr);
+        if (buf[n - 1] != '\n')
+            fputc('\n', stderr);
+    }
+}
+
+/* Write one daemon's config: the peer section the bench needs, gpu.max_ctas
+ * with --ctas, then --daemon-config appended as is. */
+static void peer_write_config(const char *path)
+{
+    FILE *f = fopen(path, "w");
+    if (!f)
+        die("create %s: %s", path, strerror(errno));
+    fprintf(f,
+            "# written by kvxfer-bench --daemons 2; removed when it exits\n"
+            "peer:\n  listen: \"127.0.0.1:0\"\n  secret_file: \"%s\"\n"
+            "  slot_bytes: %llu\n",
+            peer_files[F_SECRET], (unsigned long long)o.slot_bytes);
+    if (o.ctas)
+        fprintf(f, "gpu:\n  max_ctas: %u\n", o.ctas);
+    if (o.daemon_config) {
+        FILE *in = fopen(o.daemon_config, "r");
+        if (!in)
+            die("--daemon-config %s: %s", o.daemon_config, strerror(errno));
+        char buf[4096];
+        size_t n;
+        int last = '\n';
+        fprintf(f, "# from %s\n", o.daemon_config);
+        while ((n = fread(buf, 1, sizeof(buf), in)) > 0) {
+            fwrite(buf, 1, n, f);
+            last = buf[n - 1];
+        }
+        fclose(in);
+        if (last != '\n')
+            fputc('\n', f);
+    }
+    if (fclose(f))
+        die("write %s: %s", path, strerror(errno));
+}
+
+static void peer_setup(void)
+{
+    parent_pid = getpid();
+    snprintf(peer_dir, sizeof(peer_dir), "/tmp/kvxfer-bench-XXXXXX");
+    if (!mkdtemp(peer_dir)) {
+        int e = errno;
+        peer_dir[0] = 0;
+        die("mkdtemp /tmp/kvxfer-bench-XXXXXX: %s", strerror(e));
+    }
+    for (int i = 0; i < F_NUM; i++)
+        snprintf(peer_files[i], sizeof(peer_files[i]), "%s/%s", peer_dir,
+                 peer_file_names[i]);
+    atexit(peer_cleanup);
+    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+    for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
+        struct sigaction old;
+        /* a signal ignored by whoever started us (nohup, &) stays so */
+        if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN)
+            signal(sigs[i], peer_on_signal);
+    }
+
+    /* the cluster secret: 32 random bytes, readable by the owner only (the
+     * daemon refuses a secret others can read) */
+    uint8_t secret[32];
+    if (getrandom(secret, sizeof(secret), 0) != (ssize_t)sizeof(secret))
+        die("getrandom: %s", strerror(errno));
+    int fd = open(peer_files[F_SECRET], O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd < 0)
+        die("create %s: %s", peer_files[F_SECRET], strerror(errno));
+    if (write(fd, secret, sizeof(secret)) != (ssize_t)sizeof(secret) ||
+        close(fd))
+        die("write %s: %s", peer_files[F_SECRET], strerror(errno));
+    peer_write_config(peer_files[F_CFG_A]);
+    peer_write_config(peer_files[F_CFG_B]);
+}
+
+/* Start daemon k (0: A, 1: B) on its socket and config; its stderr goes to
+ * its log in the temp dir ($KVX_BENCH_DAEMON_LOG: to ours). */
+static pid_t peer_spawn(int k)
+{
+    char daemon[PATH_MAX + 16];
+    daemon_binary(daemon, sizeof(daemon));
+    const char *sock = peer_files[F_SOCK_A + k];
+    const char *cfg = peer_files[F_CFG_A + k];
+    const char *log = peer_files[F_LOG_A + k];
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork: %s", strerror(errno));
+    if (pid == 0) {
+        if (!getenv("KVX_BENCH_DAEMON_LOG")) {
+            int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+            if (fd >= 0)
+                dup2(fd, 2);
+        }
+        execl(daemon, daemon, "--socket", sock, "--config", cfg,
+              (char *)NULL);
+        fprintf(stderr, "kvxfer-bench: exec %s: %s\n", daemon,
+                strerror(errno));
+        _exit(127);
+    }
+    owned[k] = pid;
+    /* UCX initialization makes the start slower: up to 10 s */
+    daemon_await(pid, daemon, sock,
+                 getenv("KVX_BENCH_DAEMON_LOG") ? NULL : log, 1000);
+    return pid;
+}
+
+/* ucx_perftest on $PATH, or $KVX_UCX_PERFTEST; NULL when there is none. */
+static const char *perftest_binary(void)
+{
+    static char buf[PATH_MAX];
+    const char *env = getenv("KVX_UCX_PERFTEST");
+    if (env)
+        return access(env, X_OK) == 0 ? env : NULL;
+    const char *path = getenv("PATH");
+    if (!path || !*path)
+        path = "/usr/bin:/bin";
+    while (*path) {
+        size_t n = strcspn(path, ":");
+        if (n && n < sizeof(buf) - 16) {
+            snprintf(buf, sizeof(buf), "%.*s/ucx_perftest", (int)n, path);
+            if (access(buf, X_OK) == 0)
+                return buf;
+        }
+        path += n + (path[n] == ':');
+    }
+    return NULL;
+}
+
+/* A TCP port nobody listens on now (the server binds it a moment later;
+ * a lost race is retried with another). */
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    socklen_t alen = sizeof(a);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) ||
+        getsockname(fd, (struct sockaddr *)&a, &alen))
+        die("find a free TCP port: %s", strerror(errno));
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* waitpid with a deadline; SIGKILL past it. Returns the status, or -1. */
+static int wait_until(pid_t pid, uint64_t deadline_ns)
+{
+    int st;
+    for (;;) {
+        pid_t r = waitpid(pid, &st, WNOHANG);
+        if (r == pid)
+            return st;
+        if (r < 0)
+            return -1;
+        if (now_ns() > deadline_ns) {
+            kill(pid, SIGKILL);
+            waitpid(pid, NULL, 0);
+            return -1;
+        }
+        usleep(2000);
+    }
+}
+
+/* One ucx_perftest run, a server and a client process on 127.0.0.1 with
+ * this environment (UCX_TLS included); returns the client's overall
+ * bandwidth as printed: MB/s meaning 2^20 bytes per second. */
+static double perftest_once(const char *bin, const char *test,
+                            uint64_t size, uint64_t iters)
+{
+    char s[24], n[24], w[24], p[8];
+    snprintf(s, sizeof(s), "%llu", (unsigned long long)size);
+    snprintf(n, sizeof(n), "%llu", (unsigned long long)iters);
+    /* warm-up: a tenth of the iterations (ucx_perftest's default is
+     * 10000, and it caps that the same way) */
+    snprintf(w, sizeof(w), "%llu",
+             (unsigned long long)(iters / 10 ? (iters / 10 < 100 ? iters / 10
+                                                                 : 100)
+                                             : 1));
+    const char *log = peer_files[F_PERFTEST];
+    for (int attempt = 0; attempt < 3; attempt++) {
+        snprintf(p, sizeof(p), "%d", free_port());
+        pid_t srv = fork();
+        if (srv < 0)
+            die("fork: %s", strerror(errno));
+        if (srv == 0) {
+            int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+            if (fd >= 0) {
+                dup2(fd, 1);
+                dup2(fd, 2);
+            }
+            /* -f: final figures only; -v: as CSV */
+            execl(bin, bin, "-t", test, "-s", s, "-n", n, "-w", w, "-p", p,
+                  "-f", "-v", (char *)NULL);
+            _exit(127);
+        }
+        owned[2] = srv;
+        uint64_t deadline = now_ns() + 120ull * 1000000000ull;
+        /* the client fails at once (connection refused) until the server
+         * listens: try again while the server waits */
+        for (int tries = 0; tries < 200; tries++) {
+            int st;
+            if (waitpid(srv, &st, WNOHANG) == srv) {
+                owned[2] = 0;
+                break; /* port taken, most likely: another port */
+            }
+            int pfd[2];
+            if (pipe(pfd))
+                die("pipe: %s", strerror(errno));
+            pid_t cli = fork();
+            if (cli < 0)
+                die("fork: %s", strerror(errno));
+            if (cli == 0) {
+                dup2(pfd[1], 1);
+                int fd = open("/dev/null", O_WRONLY);
+                if (fd >= 0)
+                    dup2(fd, 2);
+                close(pfd[0]);
+                execl(bin, bin, "127.0.0.1", "-t", test, "-s", s, "-n", n,
+                      "-w", w, "-p", p, "-f", "-v", (char *)NULL);
+                _exit(127);
+            }
+            owned[3] = cli;
+            close(pfd[1]);
+            char out[4096];
+            size_t len = 0;
+            for (;;) {
+                struct pollfd pf = {.fd = pfd[0], .events = POLLIN};
+                int64_t left = (int64_t)(deadline - now_ns()) / 1000000;
+                if (left <= 0 || poll(&pf, 1, (int)left) <= 0)
+                    break;
+                ssize_t r = read(pfd[0], out + len, sizeof(out) - 1 - len);
+                if (r <= 0)
+                    break;
+                len += (size_t)r;
+                if (len == sizeof(out) - 1)
+                    break;
+            }
+            out[len] = 0;
+            close(pfd[0]);
+            st = wait_until(cli, deadline);
+            owned[3] = 0;
+            if (st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0) {
+                /* "iterations,50.0_percentile_lat,avg_lat,overall_lat,
+                 *  avg_bw,overall_bw,avg_mr,overall_mr" then the values */
+                char *line = strstr(out, "iterations,");
+                line = line ? strchr(line, '\n') : NULL;
+                double bw = 0;
+                if (line) {
+                    char *f = line + 1;
+                    for (int i = 0; i < 5 && f; i++)
+                        if ((f = strchr(f, ',')))
+                            f++;
+                    if (f)
+                        bw = strtod(f, NULL);
+                }
+                wait_until(srv, now_ns() + 10ull * 1000000000ull);
+                owned[2] = 0;
+                if (!(bw > 0))
+                    die("ucx_perftest -t %s: no bandwidth in its output: "
+                        "%.300s", test, out);
+                return bw;
+            }
+            if (now_ns() > deadline)
+                break;
+            usleep(50000);
+        }
+        if (owned[2]) {
+            kill(srv, SIGKILL);
+            waitpid(srv, NULL, 0);
+            owned[2] = 0;
+        }
+        if (now_ns() > deadline)
+            break;
+    }
+    print_log(log, 2048);
+    die("ucx_perftest -t %s -s %s -n %s failed (the server's output is "
+        "above)", test, s, n);
+    return 0;
+}
+
+/* ucx_perftest `test` with messages of size bytes, in GB/s (1e9 bytes/s):
+ * a 100-iteration run first (also a warm-up); unless probe_only, then one
+ * moving about `total` bytes, at least 100 iterations and about 2 s at
+ * most, which is the figure returned. */
+static double perftest_gbps(const char *bin, const char *test, uint64_t size,
+                            uint64_t total, int probe_only)
+{
+    uint64_t want = (total + size - 1) / size;
+    double mibps = perftest_once(bin, test, size, 100);
+    if (!probe_only && want > 100) {
+        double per_iter = (double)size / (mibps * 1048576.0);
+        uint64_t cap = (uint64_t)(2.0 / per_iter);
+        uint64_t iters = want < cap ? want : cap;
+        if (iters > 100)
+            mibps = perftest_once(bin, test, size, iters);
+    }
+    /* ucx_perftest's "MB/s" is 2^20 bytes per second */
+    return mibps * 1048576.0 / 1e9;
+}
+
+/* A JSON string: the value between quotes, escaped. */
+static void json_str(const char *v)
+{
+    putchar('"');
+    for (; *v; v++) {
+        unsigned char ch = (unsigned char)*v;
+        if (ch == '"' || ch == '\\')
+            printf("\\%c", ch);
+        else if (ch < 0x20)
+            printf("\\u%04x", ch);
+        else
+            putchar(ch);
+    }
+    putchar('"');
 }
 
 static double memcpy_baseline(uint64_t total)
@@ -601,7 +1024,26 @@ static void usage(FILE *f)
         "default 2048\n"
         "  --no-verify            skip the byte check\n"
         "  --no-warmup            time the first pass over the pools too\n"
-        "  --daemon-config FILE   config for --spawn-daemon\n"
+        "  --daemon-config FILE   config for --spawn-daemon; with --daemons 2 "
+        "it is\n"
+        "                         appended to each generated config (so it "
+        "must not\n"
+        "                         repeat peer:, nor gpu: with --ctas)\n"
+        "  --daemons 1|2          2: with --spawn-daemon, context ranks on "
+        "daemon A,\n"
+        "                         generation ranks on daemon B (peer.listen "
+        "127.0.0.1:0,\n"
+        "                         a fresh secret); baseline ucx_perftest "
+        "ucp_am_bw\n"
+        "                         (package ucx-utils), with --gpu the "
+        "slowest of it,\n"
+        "                         D2H and H2D\n"
+        "  --slot-bytes N         peer.slot_bytes of both daemons and the "
+        "ucx_perftest\n"
+        "                         message size, in bytes (default 4194304)\n"
+        "  --ucx-tls LIST         UCX_TLS of both daemons and ucx_perftest "
+        "(default:\n"
+        "                         UCX_TLS as it is in this environment)\n"
         "  --ctx-layout P, --gen-layout P   a preset per side (default "
         "--layout)\n"
         "  --gpu                  pools in GPU memory (CUDA build)\n"
@@ -669,6 +1111,9 @@ int main(int argc, char **argv)
         {"skip-tokens", required_argument, NULL, 1005},
         {"mla", no_argument, NULL, 1006},
         {"gen-host", no_argument, NULL, 'Y'},
+        {"daemons", required_argument, NULL, 1007},
+        {"slot-bytes", required_argument, NULL, 1008},
+        {"ucx-tls", required_argument, NULL, 1009},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -706,6 +1151,10 @@ int main(int argc, char **argv)
         case 1004: o.gen_tpb = arg_u32("gen-tokens-per-block", optarg, 1, 65536); break;
         case 1005: o.skip = arg_u32("skip-tokens", optarg, 0, UINT32_MAX - 1); break;
         case 1006: o.mla = 1; break;
+        case 1007: o.daemons = arg_u32("daemons", optarg, 1, 2); break;
+        /* the bounds of the daemon's peer.slot_bytes */
+        case 1008: o.slot_bytes = arg_u32("slot-bytes", optarg, 64u << 10, 1u << 30); break;
+        case 1009: o.ucx_tls = optarg; break;
         case 'Y': o.gen_host = 1; break;
         case 'j': o.json = 1; break;
         case 'd':
@@ -735,6 +1184,32 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvxfer-bench: --ctas needs --spawn-daemon (it is "
                         "the daemon's gpu.max_ctas)\n");
         return 2;
+    }
+    if (o.daemons == 2 && !o.spawn) {
+        fprintf(stderr, "kvxfer-bench: --daemons 2 needs --spawn-daemon\n");
+        return 2;
+    }
+    if (o.daemons == 1 && (o.ucx_tls || o.slot_bytes != 4u << 20)) {
+        fprintf(stderr, "kvxfer-bench: --slot-bytes and --ucx-tls are for "
+                        "--daemons 2 (one daemon moves no bytes over "
+                        "UCX)\n");
+        return 2;
+    }
+    const char *perftest = NULL;
+    if (o.daemons == 2) {
+        perftest = perftest_binary();
+        if (!perftest) {
+            fprintf(stderr, "kvxfer-bench: --daemons 2: ucx_perftest not "
+                            "found (install the ucx-utils package, or set "
+                            "KVX_UCX_PERFTEST); it is the baseline\n");
+            return 2;
+        }
+        /* inherited by both daemons and ucx_perftest */
+        if (o.ucx_tls && setenv("UCX_TLS", o.ucx_tls, 1)) {
+            fprintf(stderr, "kvxfer-bench: setenv UCX_TLS: %s\n",
+                    strerror(errno));
+            return 2;
+        }
     }
     if (o.requests % o.pairs) {
         fprintf(stderr, "kvxfer-bench: --requests %u must divide over "
@@ -831,15 +1306,23 @@ int main(int argc, char **argv)
                               PARAMS_SLOT);
 
     char sock[128];
-    pid_t dpid = -1;
-    if (o.spawn) {
+    pid_t dpid = -1, gen_dpid = -1;
+    if (o.spawn && o.daemons == 2) {
+        peer_setup();
+        dpid = peer_spawn(0);
+        gen_dpid = peer_spawn(1);
+        o.socket = peer_files[F_SOCK_A];
+        o.gen_socket = peer_files[F_SOCK_B];
+    } else if (o.spawn) {
         dpid = spawn_daemon(sock, sizeof(sock));
         o.socket = sock;
     }
+    if (!o.gen_socket)
+        o.gen_socket = o.socket;
 
     /* CUDA must not be initialized before fork: the GPU baseline runs
-     * after the ranks are done */
-    double base = o.gpu ? 0 : memcpy_baseline(total);
+     * after the ranks are done; ucx_perftest too, with the daemons gone */
+    double base = o.gpu || o.daemons == 2 ? 0 : memcpy_baseline(total);
 
     uint32_t nctx = o.ctx_ranks * o.ctx_pp, ngen = o.gen_ranks * o.gen_pp;
     uint32_t per_pair = nctx + ngen;
@@ -877,17 +1360,58 @@ int main(int argc, char **argv)
     if (dpid > 0) {
         kill(dpid, SIGTERM);
         waitpid(dpid, NULL, 0);
+        owned[0] = 0;
+    }
+    if (gen_dpid > 0) {
+        kill(gen_dpid, SIGTERM);
+        waitpid(gen_dpid, NULL, 0);
+        owned[1] = 0;
     }
     if (failed) {
+        if (o.daemons == 2 && !getenv("KVX_BENCH_DAEMON_LOG")) {
+            print_log(peer_files[F_LOG_A], 2048);
+            print_log(peer_files[F_LOG_B], 2048);
+        }
         fprintf(stderr, "kvxfer-bench: failed: %s\n",
                 sh->error_text[0] ? sh->error_text : "a rank crashed");
         return 1;
     }
 
+    /* --daemons 2: ucx_perftest between two processes of this host, on
+     * host memory, moving about the same bytes in messages of a slot */
+    double ucx_gbps = 0, ucx_put_gbps = 0, d2h = 0, h2d = 0;
+    if (o.daemons == 2) {
+        ucx_gbps = perftest_gbps(perftest, "ucp_am_bw", o.slot_bytes, total,
+                                 0);
+        /* put: an extra figure, the 100-iteration run only */
+        ucx_put_gbps = perftest_gbps(perftest, "ucp_put_bw", o.slot_bytes,
+                                     total, 1);
+        base = ucx_gbps;
+    }
 #ifdef KVX_CUDA
-    if (o.gpu)
+    int ctx_gpu = o.gpu && !o.ctx_host, gen_gpu = o.gpu && !o.gen_host;
+    if (o.gpu && o.daemons == 2) {
+        /* host-staged: D2H on the context GPU, UCX between the daemons,
+         * H2D on the generation GPU; the slowest stage bounds it */
+        if ((ctx_gpu || gen_gpu) &&
+            bgpu_host_gbps(ctx_gpu ? o.ctx_device : -1,
+                           gen_gpu ? o.gen_device : -1, total, &d2h, &h2d))
+            die("GPU host copy baseline failed");
+        if (ctx_gpu && d2h < base)
+            base = d2h;
+        if (gen_gpu && h2d < base)
+            base = h2d;
+    } else if (o.gpu)
         base = bgpu_peer_gbps(o.ctx_device, o.gen_device, total);
 #endif
+    const char *base_name =
+        o.daemons == 1 ? NULL
+        : !o.gpu       ? "ucx_perftest ucp_am_bw"
+        : o.ctx_host && o.gen_host ? "ucx_perftest ucp_am_bw"
+        : o.ctx_host   ? "min(H2D,ucx_perftest)"
+        : o.gen_host   ? "min(D2H,ucx_perftest)"
+                       : "min(D2H,H2D,ucx_perftest)";
+    const char *tls = getenv("UCX_TLS");
     double secs = (double)(sh->last_done_ns - sh->first_fetch_ns) / 1e9;
     double gbps = (double)total / secs / 1e9;
     qsort(lat_ns, o.requests, sizeof(uint64_t), cmp_u64);
@@ -905,7 +1429,7 @@ int main(int argc, char **argv)
                "\"ctas\":%u,\"ctx_ranks\":%u,\"gen_ranks\":%u,"
                "\"window\":%u,\"pairs\":%u,\"ctx_pp\":%u,\"gen_pp\":%u,"
                "\"ctx_tpb\":%u,\"gen_tpb\":%u,\"skip_tokens\":%u,"
-               "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f}\n",
+               "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f",
                gbps, base, gbps / base, verified ? "true" : "false",
                o.requests / secs, p50, p99, (unsigned long long)total,
                o.requests, o.blocks, o.ctx_layout, o.gen_layout,
@@ -913,6 +1437,23 @@ int main(int argc, char **argv)
                o.window, o.pairs, o.ctx_pp, o.gen_pp, o.ctx_tpb, o.gen_tpb,
                o.skip, o.mla ? "true" : "false",
                (unsigned long long)sh->mismatches, secs);
+        if (o.daemons == 2) {
+            printf(",\"daemons\":2,\"slot_bytes\":%llu,\"ucx_tls\":",
+                   (unsigned long long)o.slot_bytes);
+            json_str(tls ? tls : "default");
+            printf(",\"ucx_perftest_gbps\":%.3f,"
+                   "\"ucx_perftest_put_gbps\":%.3f",
+                   ucx_gbps, ucx_put_gbps);
+            if (o.gpu)
+                printf(",\"d2h_gbps\":%.3f,\"h2d_gbps\":%.3f", d2h, h2d);
+            printf(",\"baseline\":");
+            json_str(base_name);
+            printf(",\"ctx_daemon\":");
+            json_str(sh->address);
+            printf(",\"gen_daemon\":");
+            json_str(sh->gen_address);
+        }
+        printf("}\n");
     } else {
         printf("kvxfer-bench: context tp %u pp %u (%s, %u tokens/block) -> "
                "generation tp %u pp %u (%s, %u tokens/block)%s\n"
@@ -925,11 +1466,30 @@ int main(int argc, char **argv)
                o.mla ? ", MLA" : "", o.window);
         printf("  %-22s %12.3f GB/s  (%.1f MiB in %.4f s)\n", "kvxferd",
                gbps, total / 1048576.0, secs);
-        printf("  %-22s %12.3f GB/s  (same bytes, same run)\n",
-               o.gpu ? (o.ctx_device == o.gen_device ? "cudaMemcpy baseline"
-                                                     : "cudaMemcpyPeer baseline")
-                     : "memcpy baseline",
-               base);
+        if (o.daemons == 2) {
+            printf("  daemons: context on %s, generation on %s\n"
+                   "  slot %llu bytes, UCX_TLS %s\n",
+                   sh->address, sh->gen_address,
+                   (unsigned long long)o.slot_bytes, tls ? tls : "(default)");
+            printf("  %-22s %12.3f GB/s\n", "ucx_perftest am_bw",
+                   ucx_gbps);
+            printf("  %-22s %12.3f GB/s  (100 messages)\n",
+                   "ucx_perftest put_bw", ucx_put_gbps);
+            if (o.gpu && !o.ctx_host)
+                printf("  %-22s %12.3f GB/s  (GPU %d to pinned host)\n",
+                       "D2H", d2h, o.ctx_device);
+            if (o.gpu && !o.gen_host)
+                printf("  %-22s %12.3f GB/s  (pinned host to GPU %d)\n",
+                       "H2D", h2d, o.gen_device);
+            printf("  %-22s %12.3f GB/s  (%s, same run)\n", "baseline",
+                   base, base_name);
+        } else
+            printf("  %-22s %12.3f GB/s  (same bytes, same run)\n",
+                   o.gpu ? (o.ctx_device == o.gen_device
+                                ? "cudaMemcpy baseline"
+                                : "cudaMemcpyPeer baseline")
+                         : "memcpy baseline",
+                   base);
         printf("  %-22s %12.3f\n", "ratio", gbps / base);
         printf("  %-22s %12.0f\n", "requests/s", o.requests / secs);
         printf("  %-22s %12.1f us\n", "latency p50", p50);

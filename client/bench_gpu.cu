@@ -3,7 +3,8 @@
  * engine would have it: allocations (cudaMalloc, or cuMemCreate VMM memory
  * exportable as a POSIX fd), the reference pattern written and checked by
  * kernels (so 100,000-block pools need no host round trip), and the
- * cudaMemcpyPeer baseline.
+ * baselines: cudaMemcpyPeer, and pinned host <-> device copies for the
+ * host-staged path between daemons.
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -264,4 +265,60 @@ extern "C" double bgpu_peer_gbps(int src, int dst, uint64_t bytes)
     cudaSetDevice(src);
     cudaFree(a);
     return ms > 0 ? (double)bytes / (ms * 1e-3) / 1e9 : 0;
+}
+
+/* Time cudaMemcpyAsync of bytes between host (pinned, len bytes) and a
+ * fresh device buffer of len bytes, one warm-up copy first. */
+static double host_copy(int dev, void *host, uint64_t len, uint64_t bytes,
+                        int to_dev)
+{
+    void *d;
+    if (cudaSetDevice(dev) || cudaMalloc(&d, len))
+        return -1;
+    cudaMemcpyKind kind = to_dev ? cudaMemcpyHostToDevice
+                                 : cudaMemcpyDeviceToHost;
+    void *dst = to_dev ? d : host;
+    const void *src = to_dev ? host : d;
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaError_t e = cudaMemcpy(dst, src, len, kind);
+    cudaEventRecord(e0, 0);
+    for (uint64_t done = 0; e == cudaSuccess && done < bytes;) {
+        uint64_t n = bytes - done < len ? bytes - done : len;
+        e = cudaMemcpyAsync(dst, src, n, kind, 0);
+        done += n;
+    }
+    cudaEventRecord(e1, 0);
+    if (e == cudaSuccess)
+        e = cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(d);
+    if (e != cudaSuccess || ms <= 0)
+        return -1;
+    return (double)bytes / (ms * 1e-3) / 1e9;
+}
+
+extern "C" int bgpu_host_gbps(int d2h_dev, int h2d_dev, uint64_t bytes,
+                              double *d2h, double *h2d)
+{
+    /* past a few tens of MiB the rate no longer depends on the size;
+     * 1 GiB keeps the pinning short */
+    uint64_t len = bytes < (1ull << 30) ? bytes : (1ull << 30);
+    void *host;
+    *d2h = *h2d = 0;
+    if (cudaSetDevice(d2h_dev >= 0 ? d2h_dev : h2d_dev) ||
+        cudaHostAlloc(&host, len, cudaHostAllocPortable))
+        return -1;
+    memset(host, 1, len);
+    int rc = 0;
+    if (d2h_dev >= 0 && (*d2h = host_copy(d2h_dev, host, len, bytes, 0)) < 0)
+        rc = -1;
+    if (h2d_dev >= 0 && (*h2d = host_copy(h2d_dev, host, len, bytes, 1)) < 0)
+        rc = -1;
+    cudaFreeHost(host);
+    return rc;
 }

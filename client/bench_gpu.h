@@ -28,6 +28,12 @@ int64_t bgpu_check(int dev, const kvx_layout_t *l, void *base, uint64_t r,
                    uint32_t layer0, uint32_t tok_from, uint32_t tok_to);
 /* cudaMemcpyPeer of bytes (one contiguous copy, repeated past 8 GiB). */
 double bgpu_peer_gbps(int src, int dst, uint64_t bytes);
+/* Copies of bytes between pinned host memory and a device (buffers of at
+ * most 1 GiB, repeated): device to host on d2h_dev into *d2h, host to
+ * device on h2d_dev into *h2d, in GB/s; a device of -1 is not measured
+ * (its figure is 0). Returns 0, or -1 when an allocation or copy fails. */
+int bgpu_host_gbps(int d2h_dev, int h2d_dev, uint64_t bytes, double *d2h,
+                   double *h2d);
 #ifdef __cplusplus
 }
 #endif
