@@ -52,7 +52,8 @@ static struct {
  * stream between kernels for its own latency. */
 struct done_item {
     cudaEvent_t ev;
-    struct copy_job *job;
+    struct copy_job *job;      /* a kernel's job, back to the loop */
+    struct pin_buf *pin;       /* or a plan upload's buffer, to reuse */
     struct done_item *next;
 };
 
@@ -122,8 +123,45 @@ static void pin_put(struct pin_buf *b)
     pthread_mutex_unlock(&pin.mu);
 }
 
-/* CUDA's thread, after the upload that read the buffer. */
-static void CUDART_CB pin_release(void *arg) { pin_put(arg); }
+/* After the work queued on d's stream so far: job back to the loop
+ * (copy__complete), or pin back to the pool. An event and the waiter
+ * thread, never a stream callback (it would stall the stream). */
+static cudaError_t waiter_enqueue(int d, struct copy_job *job,
+                                  struct pin_buf *pin)
+{
+    struct waiter_thread *w = &wt[d];
+    pthread_mutex_lock(&w->mu);
+    struct done_item *it = w->free_items;
+    if (it)
+        w->free_items = it->next;
+    pthread_mutex_unlock(&w->mu);
+    if (!it && (it = calloc(1, sizeof(*it))) &&
+        !CU_OK(cudaEventCreateWithFlags(&it->ev, cudaEventBlockingSync |
+                                                     cudaEventDisableTiming))) {
+        free(it);
+        it = NULL;
+    }
+    if (!it)
+        return cudaErrorMemoryAllocation;
+    cudaError_t e = cudaEventRecord(it->ev, g.stream[d]);
+    pthread_mutex_lock(&w->mu);
+    if (e == cudaSuccess) {
+        it->job = job;
+        it->pin = pin;
+        it->next = NULL;
+        if (w->tail)
+            w->tail->next = it;
+        else
+            w->head = it;
+        w->tail = it;
+        pthread_cond_signal(&w->cv);
+    } else {
+        it->next = w->free_items;
+        w->free_items = it;
+    }
+    pthread_mutex_unlock(&w->mu);
+    return e;
+}
 
 static void *waiter_main(void *arg)
 {
@@ -142,9 +180,13 @@ static void *waiter_main(void *arg)
             w->tail = NULL;
         pthread_mutex_unlock(&w->mu);
         cudaError_t e = cudaEventSynchronize(it->ev);
-        if (e != cudaSuccess)
-            it->job->status = KVX_ERR_IO;
-        copy__complete(it->job);
+        if (it->pin) { /* an upload has read its pinned buffer */
+            pin_put(it->pin);
+        } else {
+            if (e != cudaSuccess)
+                it->job->status = KVX_ERR_IO;
+            copy__complete(it->job);
+        }
         pthread_mutex_lock(&w->mu);
         it->next = w->free_items;
         w->free_items = it;
@@ -558,7 +600,8 @@ static size_t pack_add(struct pack *pk, const void *src, size_t n)
     size_t off = (pk->len + 15) & ~(size_t)15;
     if (off + n > pk->cap)
         return (size_t)-1;
-    memcpy(pk->buf + off, src, n);
+    if (n) /* an unbound side (packed, between daemons) adds nothing */
+        memcpy(pk->buf + off, src, n);
     pk->len = off + n;
     return off;
 }
@@ -569,6 +612,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     const kvx_layout_t *dl = p->dst.layout;
     size_t cap = 64 + p->nslices * sizeof(gpu_slice_t) + 16 +
                  p->nsegs * sizeof(gpu_seg_t) + 16 +
+                 (p->nsegs + 1) * sizeof(uint64_t) + 16 +
                  p->dst.num_blocks * 4 + 16 + dl->num_layers * 8 + 16;
     for (uint32_t i = 0; i < p->nslices; i++)
         cap += p->src[i].num_blocks * 4 + 16 +
@@ -584,6 +628,18 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     /* the slices array goes first, so its offset is 0 */
     size_t off_slices = pack_add(&pk, sl, p->nslices * sizeof(gpu_slice_t));
     size_t off_segs = pack_add(&pk, p->segs, p->nsegs * sizeof(gpu_seg_t));
+    /* packed offsets (between daemons): tokens before each segment */
+    uint64_t *seg_tok = malloc((p->nsegs + 1) * sizeof(uint64_t));
+    if (!seg_tok) {
+        snprintf(why, why_len, "fetch: out of memory for the GPU plan");
+        goto err_free;
+    }
+    seg_tok[0] = 0;
+    for (uint32_t i = 0; i < p->nsegs; i++)
+        seg_tok[i + 1] = seg_tok[i] + p->segs[i].n;
+    size_t off_segtok = pack_add(&pk, seg_tok,
+                                 (p->nsegs + 1) * sizeof(uint64_t));
+    free(seg_tok);
     size_t off_dblk = pack_add(&pk, p->dst.blocks, p->dst.num_blocks * 4);
     size_t off_dlo = pack_add(&pk, dl->layer_offset, dl->num_layers * 8);
     size_t *off_sblk = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
@@ -610,13 +666,20 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
         goto err_free;
     }
     uint8_t *dm = gp->dmem;
+    uint64_t packed = 0, row = (uint64_t)dl->head_dim * dl->elem_size;
+    uint64_t seg_tokens = 0;
+    for (uint32_t i = 0; i < p->nsegs; i++)
+        seg_tokens += p->segs[i].n;
     for (uint32_t i = 0; i < p->nslices; i++) {
         const plan_slice_t *s = &p->slices[i];
         const kvx_layout_t *l = p->src[i].layout;
+        uint64_t begin = packed;
+        packed += (uint64_t)s->nlayers * seg_tokens * s->nheads *
+                  dl->kv_factor * row;
         sl[i] = (gpu_slice_t){s->layer0, s->nlayers, s->head0, s->nheads,
                               s->src_layer_base, s->src_head_base,
                               s->dst_layer_base, s->dst_head_base,
-                              s->unit_begin,
+                              s->unit_begin, begin,
                               {p->src[i].base,
                                (const uint32_t *)(dm + off_sblk[i]),
                                (const uint64_t *)(dm + off_slo[i]),
@@ -632,6 +695,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
                             dl->kv_factor,
                             (const gpu_slice_t *)(dm + off_slices),
                             (const gpu_seg_t *)(dm + off_segs),
+                            (const uint64_t *)(dm + off_segtok),
                             {p->dst.base, (const uint32_t *)(dm + off_dblk),
                              (const uint64_t *)(dm + off_dlo), dl->kv_stride,
                              dl->block_stride, dl->token_stride,
@@ -650,8 +714,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, gp->pin->p, pk.len,
                                    cudaMemcpyHostToDevice,
                                    g.stream[device])) ||
-        !CU_OK(e = cudaLaunchHostFunc(g.stream[device], pin_release,
-                                      gp->pin))) {
+        !CU_OK(e = waiter_enqueue(device, NULL, gp->pin))) {
         /* the upload may still read the buffer: leak it, do not reuse */
         cudaFreeAsync(gp->dmem, g.stream[device]);
         snprintf(why, why_len, "fetch: GPU plan upload: %s",
@@ -684,45 +747,20 @@ int gpu_launch(struct copy_job *job, gpu_part_t *gp)
     int d = gp->device;
     unsigned ctas = kvxd.conf.gpu_max_ctas ? kvxd.conf.gpu_max_ctas : 64;
     cudaSetDevice(d);
-    int e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end,
-                              job->bytes, ctas, g.stream[d]);
-    struct waiter_thread *w = &wt[d];
-    struct done_item *it = NULL;
-    if (e == cudaSuccess) {
-        pthread_mutex_lock(&w->mu);
-        it = w->free_items;
-        if (it)
-            w->free_items = it->next;
-        pthread_mutex_unlock(&w->mu);
-        if (!it && (it = calloc(1, sizeof(*it))) &&
-            !CU_OK(cudaEventCreateWithFlags(&it->ev,
-                                            cudaEventBlockingSync |
-                                                cudaEventDisableTiming))) {
-            free(it);
-            it = NULL;
-        }
-        if (!it)
-            e = cudaErrorMemoryAllocation;
-    }
+    uint8_t *packed = NULL;
+    int e = cudaSuccess;
+    if (job->packed && /* a pinned staging slot, as the GPU sees it */
+        (e = cudaHostGetDevicePointer((void **)&packed, job->packed, 0)) !=
+            cudaSuccess)
+        packed = NULL;
     if (e == cudaSuccess)
-        e = cudaEventRecord(it->ev, g.stream[d]);
-    if (e == cudaSuccess) {
-        it->job = job;
-        it->next = NULL;
-        pthread_mutex_lock(&w->mu);
-        if (w->tail)
-            w->tail->next = it;
-        else
-            w->head = it;
-        w->tail = it;
-        pthread_cond_signal(&w->cv);
-        pthread_mutex_unlock(&w->mu);
-    } else if (it) {
-        pthread_mutex_lock(&w->mu);
-        it->next = w->free_items;
-        w->free_items = it;
-        pthread_mutex_unlock(&w->mu);
-    }
+        e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end,
+                              job->bytes, ctas, g.stream[d], packed,
+                              !job->packed          ? GPU_PACKED_NONE
+                              : job->packed_gather ? GPU_PACKED_GATHER
+                                                   : GPU_PACKED_SCATTER);
+    if (e == cudaSuccess)
+        e = waiter_enqueue(d, job, NULL);
     if (e != cudaSuccess) {
         log_error("gpu %d: launch failed: %s", d,
                   cudaGetErrorString((cudaError_t)e));

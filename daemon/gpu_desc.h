@@ -21,6 +21,7 @@ typedef struct gpu_slice {
     uint32_t layer0, nlayers, head0, nheads;
     uint32_t src_layer_base, src_head_base, dst_layer_base, dst_head_base;
     uint64_t unit_begin;
+    uint64_t packed_begin;         /* byte offset of its first unit, packed */
     gpu_side_t src;
 } gpu_slice_t;
 
@@ -34,8 +35,14 @@ typedef struct gpu_plan {
     uint32_t kv_factor;
     const gpu_slice_t *slices;
     const gpu_seg_t *segs;
+    const uint64_t *seg_tok;       /* tokens before each segment; [nsegs]:
+                                      all (packed offsets) */
     gpu_side_t dst;
 } gpu_plan_t;
+
+/* Packed: between daemons one side is a staging slot holding the units
+ * one after another, each [kv][token][head][row] (plan_exec_packed). */
+enum { GPU_PACKED_NONE = 0, GPU_PACKED_GATHER = 1, GPU_PACKED_SCATTER = 2 };
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,7 +51,8 @@ extern "C" {
  * in all, on stream with at most ctas blocks. Launches on one device must
  * be serialized (one stream). Returns a cudaError_t. */
 int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0, uint64_t u1,
-                      uint64_t bytes, unsigned ctas, void *stream);
+                      uint64_t bytes, unsigned ctas, void *stream,
+                      uint8_t *packed, int packed_mode);
 #ifdef __cplusplus
 }
 #endif

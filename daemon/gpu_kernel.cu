@@ -89,6 +89,23 @@ __device__ static inline void run_off(const dims &d, uint64_t r, uint64_t *so,
     *dof = a * d.ds[0] + b * d.ds[1] + c * d.ds[2];
 }
 
+/* Where unit u starts in a packed buffer (plan order, no gaps). */
+__device__ static inline uint64_t packed_off(const gpu_plan_t &p, uint64_t u)
+{
+    const gpu_slice_t *s = &p.slices[slice_of(&p, u)];
+    const uint64_t r = u - s->unit_begin;
+    const uint64_t per_tok = (uint64_t)s->nheads * p.kv_factor * p.row_bytes;
+    return s->packed_begin +
+           ((r / p.nsegs) * p.seg_tok[p.nsegs] + p.seg_tok[r % p.nsegs]) *
+               per_tok;
+}
+
+struct packed_arg {
+    uint8_t *base; /* the slot, at unit u0 */
+    uint64_t off0; /* packed_off(u0) */
+    int mode;      /* GPU_PACKED_* */
+};
+
 /* Unit u resolved: its first source and destination bytes, its dimensions,
  * and its size in elements: 16-byte vectors when aligned, else bytes. */
 struct unit {
@@ -100,20 +117,24 @@ struct unit {
 };
 
 __device__ static __forceinline__ void
-unit_get(const gpu_plan_t &p, uint64_t u, unit &x)
+unit_get(const gpu_plan_t &p, uint64_t u, unit &x, const packed_arg &pk)
 {
     const gpu_slice_t *s = &p.slices[slice_of(&p, u)];
     const uint64_t r = u - s->unit_begin;
     const uint32_t layer = s->layer0 + (uint32_t)(r / p.nsegs);
     const gpu_seg_t g = p.segs[r % p.nsegs];
-    x.src = s->src.base + s->src.layer_offset[layer - s->src_layer_base] +
-            (uint64_t)s->src.blocks[g.src_blk] * s->src.block_stride +
-            (uint64_t)g.src_tok * s->src.token_stride +
-            (uint64_t)(s->head0 - s->src_head_base) * s->src.head_stride;
-    x.dst = p.dst.base + p.dst.layer_offset[layer - s->dst_layer_base] +
-            (uint64_t)p.dst.blocks[g.dst_blk] * p.dst.block_stride +
-            (uint64_t)g.dst_tok * p.dst.token_stride +
-            (uint64_t)(s->head0 - s->dst_head_base) * p.dst.head_stride;
+    /* a packed side is not bound: its tables are empty, never read */
+    if (pk.mode != GPU_PACKED_SCATTER)
+        x.src = s->src.base +
+                s->src.layer_offset[layer - s->src_layer_base] +
+                (uint64_t)s->src.blocks[g.src_blk] * s->src.block_stride +
+                (uint64_t)g.src_tok * s->src.token_stride +
+                (uint64_t)(s->head0 - s->src_head_base) * s->src.head_stride;
+    if (pk.mode != GPU_PACKED_GATHER)
+        x.dst = p.dst.base + p.dst.layer_offset[layer - s->dst_layer_base] +
+                (uint64_t)p.dst.blocks[g.dst_blk] * p.dst.block_stride +
+                (uint64_t)g.dst_tok * p.dst.token_stride +
+                (uint64_t)(s->head0 - s->dst_head_base) * p.dst.head_stride;
     dims &d = x.d;
     d.nd = 3;
     d.run = p.row_bytes;
@@ -126,6 +147,17 @@ unit_get(const gpu_plan_t &p, uint64_t u, unit &x)
     d.n[2] = p.kv_factor;
     d.ss[2] = s->src.kv_stride;
     d.ds[2] = p.dst.kv_stride;
+    if (pk.mode != GPU_PACKED_NONE) { /* one side is the slot */
+        uint8_t *at = pk.base + (packed_off(p, u) - pk.off0);
+        uint64_t *st = pk.mode == GPU_PACKED_GATHER ? d.ds : d.ss;
+        st[0] = p.row_bytes;
+        st[1] = (uint64_t)s->nheads * p.row_bytes;
+        st[2] = (uint64_t)g.n * s->nheads * p.row_bytes;
+        if (pk.mode == GPU_PACKED_GATHER)
+            x.dst = at;
+        else
+            x.src = at;
+    }
     merge(d);
     x.nruns = d.n[0] * d.n[1] * d.n[2];
     uint64_t align = (uintptr_t)x.src | (uintptr_t)x.dst | d.run;
@@ -216,18 +248,18 @@ unit_copy(const unit &x, uint64_t lo, uint64_t hi, unsigned lane)
  * allow). */
 __device__ static __forceinline__ void
 piece_copy(const gpu_plan_t &p, uint64_t u0, uint64_t u1, uint32_t parts,
-           uint32_t per, uint64_t t, unsigned lane)
+           uint32_t per, uint64_t t, unsigned lane, const packed_arg &pk)
 {
     unit x;
     if (parts == 1) {
         uint64_t u = u0 + t * per, e = u + per < u1 ? u + per : u1;
         for (; u < e; u++) {
-            unit_get(p, u, x);
+            unit_get(p, u, x, pk);
             unit_copy(x, 0, x.nelem, lane);
         }
         return;
     }
-    unit_get(p, u0 + t / parts, x);
+    unit_get(p, u0 + t / parts, x, pk);
     const uint32_t k = (uint32_t)(t % parts);
     const uint64_t n32 = (x.nelem + 31) / 32;
     uint64_t lo = n32 * k / parts * 32, hi = n32 * (k + 1) / parts * 32;
@@ -239,9 +271,12 @@ piece_copy(const gpu_plan_t &p, uint64_t u0, uint64_t u1, uint32_t parts,
 
 __global__ void __launch_bounds__(THREADS, 1)
 kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1, uint32_t parts,
-                uint32_t per)
+                uint32_t per, uint8_t *packed, int packed_mode)
 {
     const unsigned lane = threadIdx.x & 31;
+    packed_arg pk = {packed, 0, packed_mode};
+    if (packed_mode != GPU_PACKED_NONE)
+        pk.off0 = packed_off(p, u0);
     const uint64_t npieces =
         parts > 1 ? (u1 - u0) * parts : (u1 - u0 + per - 1) / per;
     const uint64_t warp =
@@ -253,7 +288,7 @@ kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1, uint32_t parts,
         unsigned long long n = 0;
         if (lane == 0)
             n = atomicAdd(&next_piece, 1ull);
-        piece_copy(p, u0, u1, parts, per, t, lane);
+        piece_copy(p, u0, u1, parts, per, t, lane, pk);
         t = nwarps + __shfl_sync(0xffffffffu, n, 0);
     }
     if (lane == 0) {
@@ -268,7 +303,8 @@ kvx_copy_kernel(gpu_plan_t p, uint64_t u0, uint64_t u1, uint32_t parts,
 
 extern "C" int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0,
                                  uint64_t u1, uint64_t bytes, unsigned ctas,
-                                 void *stream)
+                                 void *stream, uint8_t *packed,
+                                 int packed_mode)
 {
     if (u1 <= u0)
         return 0;
@@ -289,6 +325,6 @@ extern "C" int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0,
         per = per ? per : 1;
     }
     kvx_copy_kernel<<<ctas, THREADS, 0, (cudaStream_t)stream>>>(
-        *d, u0, u1, (uint32_t)parts, (uint32_t)per);
+        *d, u0, u1, (uint32_t)parts, (uint32_t)per, packed, packed_mode);
     return (int)cudaGetLastError();
 }

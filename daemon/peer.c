@@ -718,10 +718,17 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             break;
         memcpy(c->nonce_s, ch->nonce.data, NONCE_LEN);
         hmac("kvx-s", c->nonce_c, c->nonce_s, mac);
-        if (!ct_equal(mac, ch->mac.data, MAC_LEN)) {
-            log_warn("peer %s: authentication failed: it does not know the "
-                     "cluster secret",
-                     c->address);
+        int bad = !ct_equal(mac, ch->mac.data, MAC_LEN);
+        /* answer either way, so the peer learns (and logs) it too */
+        Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
+        uint8_t mac_c[MAC_LEN];
+        hmac("kvx-c", c->nonce_c, c->nonce_s, mac_c);
+        r.mac.data = mac_c;
+        r.mac.len = MAC_LEN;
+        out.m_case = KVXFER__PEER_MSG__M_RESPONSE;
+        out.response = &r;
+        send_now(c, &out);
+        if (bad) {
             conn_fail(c, KVX_ERR_AUTH,
                       "authentication failed: daemon %s does not know the "
                       "cluster secret",
@@ -731,13 +738,6 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         if (ch->address && strcmp(ch->address, c->address))
             log_warn("peer %s: answers as %s (restarted?)", c->address,
                      ch->address);
-        Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
-        hmac("kvx-c", c->nonce_c, c->nonce_s, mac);
-        r.mac.data = mac;
-        r.mac.len = MAC_LEN;
-        out.m_case = KVXFER__PEER_MSG__M_RESPONSE;
-        out.response = &r;
-        send_now(c, &out);
         return;
     }
     case KVXFER__PEER_MSG__M_RESPONSE: { /* server: check the client */
@@ -862,7 +862,8 @@ static ucs_status_t am_ctrl(void *arg, const void *header, size_t hlen,
     if (!c || c->state == CONN_LOST)
         return UCS_OK;
     c->bytes_received += len;
-    if (len > kvxd.conf.max_frame_bytes) {
+    if (len > (c->state == CONN_READY ? kvxd.conf.max_frame_bytes
+                                      : kvxd.conf.hello_frame_bytes)) {
         conn_fail(c, KVX_ERR_PROTOCOL, "%zu-byte message from %s exceeds "
                                        "limits.max_frame_bytes",
                   len, c->address);

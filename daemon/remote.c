@@ -317,6 +317,8 @@ static int send_open(rstream_t *r)
     }
     o.n_dst_addresses = o.dst_ranks;
     o.dst_addresses = addrs;
+    o.consumer_instance = g->inst->id;
+    o.consumer_request = g->request_id;
     m.m_case = KVXFER__PEER_MSG__M_OPEN;
     m.open = &o;
     int rc = peer_send(r->conn, &m);
@@ -773,14 +775,17 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                     (unsigned long long)m->bytes, m->slice_begin);
         return;
     }
+    /* one consumer per offer: the generation request (instance and
+     * id, the same from every daemon of a spread instance) */
     char who[256];
-    snprintf(who, sizeof(who), "%s", peer_conn_address(c));
-    if (o->rconsumer[0] && strcmp(o->rconsumer, who) &&
-        !o->streams_expect) {
+    snprintf(who, sizeof(who), "request %llu of instance '%s'",
+             (unsigned long long)m->consumer_request,
+             m->consumer_instance ? m->consumer_instance : "");
+    if (o->rconsumer[0] && strcmp(o->rconsumer, who)) {
         plan_free(plan);
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
-                    "the offer of request %llu is already taken",
-                    (unsigned long long)m->request_id);
+                    "the offer of request %llu is already taken by %s",
+                    (unsigned long long)m->request_id, o->rconsumer);
         return;
     }
     sstream_t *s = calloc(1, sizeof(*s));
@@ -872,7 +877,6 @@ static void gather_done(copy_job_t *job)
     m.m_case = KVXFER__PEER_MSG__M_DATA;
     m.data = &d;
     s->sends++;
-    kvxd.stats.bytes_moved += x->bytes;
     if (peer_send_data(s->conn, &m, x->mem, x->bytes, on_sent, x)) {
         s->sends--;
         slot_put(&sslots, x);

@@ -821,8 +821,8 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
         }
     } else if (o->rconsumer[0]) {
         snprintf(why, why_len,
-                 "fetch: the offer of request %llu is already taken by "
-                 "daemon %s",
+                 "fetch: the offer of request %llu is already taken by %s "
+                 "through a peer daemon",
                  (unsigned long long)cp->request_id, o->rconsumer);
         rc = KVX_ERR_EXISTS;
         goto out;
@@ -1389,7 +1389,7 @@ static const char *offer_state(const offer_t *o)
         return "consumed";
     if (o->ending)
         return "ending";
-    if (o->consumer)
+    if (o->consumer || o->streams)
         return "transferring";
     return o->npublished < o->inst->nlocal ? "publishing" : "offered";
 }
