@@ -193,6 +193,13 @@ static const struct conf_key keys[] = {
      .min = 2, .max = 1024,
      .help = "Staging slots for each direction (sending and receiving); "
              "allocated and registered once, at start."},
+    {.name = "peer.busy_poll", .type = CONF_U32, FIELD(busy_poll), .def = 2,
+     .min = 0, .max = 2,
+     .help = "While transfers between daemons are in flight the loop "
+             "polls UCX every turn instead of sleeping on its event fd: "
+             "0 never, 1 always, 2 with 4 or more CPUs (with fewer, the "
+             "spinning loop takes the copy threads' CPU). Idle, it always "
+             "sleeps."},
 
     {.name = "deadlines.offer_lease_ms", .type = CONF_MS,
      FIELD(offer_lease_ms), .def = 30000, .min = 1, .max = 86400000,

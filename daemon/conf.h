@@ -50,6 +50,7 @@ typedef struct kvx_conf {
     uint32_t peer_connect_timeout_ms;
     uint64_t slot_bytes;
     uint32_t slots;
+    uint32_t busy_poll;            /* 0 never, 1 in flight, 2 auto */
     /* deadlines, milliseconds */
     uint32_t offer_lease_ms;
     uint32_t fetch_timeout_ms;

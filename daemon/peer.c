@@ -91,6 +91,9 @@ static struct {
     ucp_listener_h listener;
     uv_poll_t poll;
     uv_prepare_t prepare;
+    uv_idle_t idle;             /* runs while UCX requests are in flight */
+    int busy_poll;              /* peer.busy_poll, resolved */
+    uint32_t inflight;          /* our UCX requests, every connection */
     int poll_on;
     uint8_t secret[SECRET_MAX];
     size_t secret_len;
@@ -118,6 +121,29 @@ static void progress(void)
         if (st != UCS_ERR_BUSY)
             break;
     }
+}
+
+/* While our sends and receives are in flight the loop does not sleep
+ * between turns: it progresses the worker every turn, as a busy UCX
+ * application would (an event-fd wake-up per fragment costs bandwidth).
+ * With nothing in flight it sleeps on the event fd: no spinning idle. */
+static void on_idle(uv_idle_t *h)
+{
+    (void)h;
+    while (ucp_worker_progress(P.worker))
+        ;
+}
+
+static void inflight_add(int n)
+{
+    uint32_t before = P.inflight;
+    P.inflight += n;
+    if (!P.busy_poll)
+        return;
+    if (!before && P.inflight)
+        uv_idle_start(&P.idle, on_idle);
+    else if (before && !P.inflight)
+        uv_idle_stop(&P.idle);
 }
 
 static void on_poll(uv_poll_t *h, int status, int events)
@@ -317,6 +343,7 @@ static void ureq_done(ureq_t *u, int status)
     free(u->buf);
     free(u);
     c->outstanding--;
+    inflight_add(-1);
     conn_try_free(c);
 }
 
@@ -344,10 +371,12 @@ static int am_send(peer_conn_t *c, unsigned id, const void *hdr,
         .flags = UCP_AM_SEND_FLAG_REPLY};
     u->c = c;
     c->outstanding++;
+    inflight_add(1);
     ucs_status_ptr_t r = ucp_am_send_nbx(c->ep, id, hdr, hdr_len, buf, len,
                                          &prm);
     if (UCS_PTR_IS_ERR(r)) {
         c->outstanding--;
+        inflight_add(-1);
         return KVX_ERR_PEER_GONE;
     }
     c->bytes_sent += hdr_len + len;
@@ -843,9 +872,11 @@ static int recv_into(peer_conn_t *c, void *desc, void *dst, size_t len,
         .user_data = u};
     u->c = c;
     c->outstanding++;
+    inflight_add(1);
     ucs_status_ptr_t r = ucp_am_recv_data_nbx(P.worker, desc, dst, len, &prm);
     if (UCS_PTR_IS_ERR(r)) {
         c->outstanding--;
+        inflight_add(-1);
         return -1;
     }
     return 0;
@@ -1124,6 +1155,9 @@ int peer_init(char *why, size_t why_len)
     uv_poll_start(&P.poll, UV_READABLE, on_poll);
     uv_prepare_init(kvxd.loop, &P.prepare);
     uv_prepare_start(&P.prepare, on_prepare);
+    uv_idle_init(kvxd.loop, &P.idle);
+    P.busy_poll = kvxd.conf.busy_poll == 2 ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
+                                           : (int)kvxd.conf.busy_poll;
     P.poll_on = 1;
     P.on = 1;
     log_notice("peers: UCX %s listening on %s (CUDA memory %s by UCX)",
@@ -1239,8 +1273,10 @@ void peer_shutdown(void)
     if (P.poll_on) {
         uv_poll_stop(&P.poll);
         uv_prepare_stop(&P.prepare);
+        uv_idle_stop(&P.idle);
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
+        uv_close((uv_handle_t *)&P.idle, NULL);
     }
     if (P.listener)
         ucp_listener_destroy(P.listener);

@@ -323,7 +323,7 @@ struct xdim {
  * dimensions that are contiguous on both sides so matching layouts become
  * few large memcpy calls. */
 static void copy_strided(uint8_t *dst, const uint8_t *src, uint64_t run,
-                         struct xdim *d, int nd)
+                         struct xdim *d, int nd, int stream)
 {
     for (int merged = 1; merged;) {
         merged = 0;
@@ -343,7 +343,10 @@ static void copy_strided(uint8_t *dst, const uint8_t *src, uint64_t run,
             const uint8_t *s = src + a * d[2].ss + b * d[1].ss;
             uint8_t *t = dst + a * d[2].ds + b * d[1].ds;
             for (uint64_t c = 0; c < d[0].n; c++)
-                copy_run(t + c * d[0].ds, s + c * d[0].ss, run);
+                if (stream)
+                    copy_run(t + c * d[0].ds, s + c * d[0].ss, run);
+                else
+                    memcpy(t + c * d[0].ds, s + c * d[0].ss, run);
         }
 }
 
@@ -372,7 +375,8 @@ void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1)
             {g->n, sl->token_stride, dl->token_stride},
             {dl->kv_factor, sl->kv_stride, dl->kv_stride},
         };
-        copy_strided(dst, src, (uint64_t)dl->head_dim * dl->elem_size, d, 3);
+        copy_strided(dst, src, (uint64_t)dl->head_dim * dl->elem_size, d, 3,
+                     1);
     }
 #if defined(__x86_64__)
     _mm_sfence(); /* streamed stores visible before the job reports done */
@@ -402,7 +406,8 @@ void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
             struct xdim d[3] = {{s->nheads, sl->head_stride, hs},
                                 {g->n, sl->token_stride, ts},
                                 {dl->kv_factor, sl->kv_stride, ks}};
-            copy_strided(buf, src, row, d, 3);
+            /* into a slot UCX reads next: keep it in cache */
+            copy_strided(buf, src, row, d, 3, 0);
         } else {
             uint8_t *dst =
                 p->dst.base + kvx_layout_offset(dl, layer - s->dst_layer_base,
@@ -412,7 +417,7 @@ void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
             struct xdim d[3] = {{s->nheads, hs, dl->head_stride},
                                 {g->n, ts, dl->token_stride},
                                 {dl->kv_factor, ks, dl->kv_stride}};
-            copy_strided(dst, buf, row, d, 3);
+            copy_strided(dst, buf, row, d, 3, 1);
         }
         buf += dl->kv_factor * ks;
     }
