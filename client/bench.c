@@ -1357,6 +1357,41 @@ int main(int argc, char **argv)
         if (failed && !atomic_load(&sh->failed))
             atomic_fetch_add(&sh->failed, 1);
     }
+    /* the same transports for the baseline: without --ucx-tls, the ones
+     * the daemons' connection used (status "ucx.transports", "tl/dev") */
+    static char used_tls[128];
+    if (o.daemons == 2 && !failed && !getenv("UCX_TLS")) {
+        kvx_client_t *c;
+        char *json = NULL;
+        if (kvx_connect_observer(o.gen_socket, 2000, &c) == 0) {
+            kvx_status_json(c, &json, 2000);
+            kvx_close(c);
+        }
+        const char *t = json ? strstr(json, "\"transports\":\"") : NULL;
+        if (t) {
+            t += 14;
+            size_t n = 0;
+            while (*t && *t != '"') {
+                char tl[32];
+                size_t k = 0;
+                while (*t && *t != '/' && *t != '"' && k + 1 < sizeof(tl))
+                    tl[k++] = *t++;
+                tl[k] = 0;
+                while (*t && *t != ',' && *t != '"')
+                    t++;
+                if (*t == ',')
+                    t++;
+                if (k && !strstr(used_tls, tl) &&
+                    n + k + 2 < sizeof(used_tls)) {
+                    n += snprintf(used_tls + n, sizeof(used_tls) - n, "%s%s",
+                                  n ? "," : "", tl);
+                }
+            }
+        }
+        free(json);
+        if (used_tls[0])
+            setenv("UCX_TLS", used_tls, 1);
+    }
     if (dpid > 0) {
         kill(dpid, SIGTERM);
         waitpid(dpid, NULL, 0);
