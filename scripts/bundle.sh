@@ -11,7 +11,13 @@ cp "$BUILD/kvxferd" "$BUILD/kvxferctl" "$BUILD/kvxfer-bench" "$OUT/bin/"
 cp "$BUILD/libkvxfer.so" "$OUT/lib/libkvxfer.so.1"
 for t in gpu integration; do [ -x "$BUILD/tests/$t" ] && cp "$BUILD/tests/$t" "$OUT/bin/tests/"; done
 cp scripts/test-gpu.sh "$OUT/bin/"
-libs=$(for b in "$OUT"/bin/kvxferd "$OUT"/bin/kvxferctl "$OUT"/bin/kvxfer-bench "$OUT"/bin/tests/*; do
+# the baseline of kvxfer-bench --daemons 2 (Debian's ucx-utils)
+[ -x /usr/bin/ucx_perftest ] && cp /usr/bin/ucx_perftest "$OUT/bin/"
+# UCX transport modules: none (tcp, shared memory and self are in the core
+# library); an empty module directory keeps UCX from loading a node's own,
+# possibly different, UCX modules
+mkdir -p "$OUT/lib/ucx"
+libs=$(for b in "$OUT"/bin/kvxferd "$OUT"/bin/kvxferctl "$OUT"/bin/kvxfer-bench "$OUT"/bin/ucx_perftest "$OUT"/bin/tests/*; do
     ldd "$b" 2>/dev/null | awk '$3 ~ /^\// {print $3}'
 done | sort -u | grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*)\.so')
 tmp=$(mktemp -d)
@@ -40,5 +46,6 @@ KVX_HOME=$(cd "$(dirname "${BASH_SOURCE:-$0}")" && pwd)
 export PATH="$KVX_HOME/bin:$PATH"
 export LD_LIBRARY_PATH="$KVX_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KVX_BUILD="$KVX_HOME/bin"
+export UCX_MODULE_DIR="$KVX_HOME/lib/ucx"
 ENV
 echo "bundle: $OUT ($(du -sh "$OUT" | cut -f1))"

@@ -136,6 +136,37 @@ TEST_T(host_to_gpu_and_back, 120)
     bench("--gen-host --ctx-device 0 --requests 4 --blocks 8 --layers 4");
 }
 
+/* ---- two daemons, GPU pools, host-staged ------------------------------ */
+
+/* Context daemon and generation daemon on one host, talking UCX over
+ * loopback: each GPU pool is gathered by a kernel into a pinned slot,
+ * sent, and scattered by a kernel (issue #4's host-staged path). */
+TEST_T(two_daemons_gpu_pools_host_staged, 300)
+{
+    NEED_GPUS(2);
+    for (int a = 0; a < 4; a += 3)
+        for (int b = 1; b < 4; b += 2) {
+            char args[256];
+            snprintf(args, sizeof(args),
+                     "--daemons 2 --ctx-layout %s --gen-layout %s "
+                     "--requests 4 --blocks 8 --layers 4 --heads 4 "
+                     "--head-dim 64 --tokens-per-block 16",
+                     presets[a], presets[b]);
+            bench(args);
+        }
+    /* TP split across daemons, odd rows (the byte path), one GPU */
+    bench("--daemons 2 --ctx-ranks 4 --gen-ranks 2 --ctx-layout trtllm "
+          "--gen-layout vllm-nhd --requests 4 --blocks 8 --layers 4");
+    bench("--daemons 2 --requests 4 --blocks 8 --layers 3 --heads 2 "
+          "--head-dim 7 --dtype fp8 --tokens-per-block 5");
+    bench("--daemons 2 --gen-device 0 --requests 4 --blocks 8 --layers 4");
+    /* mixed: a host pool on one side */
+    bench("--daemons 2 --ctx-host --gen-device 1 --requests 4 --blocks 8 "
+          "--layers 4");
+    bench("--daemons 2 --gen-host --ctx-device 0 --requests 4 --blocks 8 "
+          "--layers 4");
+}
+
 /* ---- cancel in flight and a killed client ----------------------------- */
 
 struct daemon {
