@@ -872,10 +872,10 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_printf(b, ",\"direction\":");
         sb_str(b, x->direction);
         sb_printf(b, ",\"bytes_sent\":%llu,\"bytes_received\":%llu,"
-                     "\"errors\":%llu,\"last_seen_ms\":%llu}",
+                     "\"errors\":%llu,\"streams\":%u,\"last_seen_ms\":%llu}",
                   (unsigned long long)x->bytes_sent,
                   (unsigned long long)x->bytes_received,
-                  (unsigned long long)x->errors,
+                  (unsigned long long)x->errors, x->streams,
                   (unsigned long long)x->last_seen_ms);
     }
     sb_printf(b, "]");

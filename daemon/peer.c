@@ -1314,6 +1314,7 @@ size_t peer_infos(Kvxfer__PeerInfo ***out)
         p->bytes_received = c->bytes_received;
         p->errors = c->errors;
         p->last_seen_ms = now - c->last_seen_ms;
+        p->streams = remote_conn_streams(c);
         v[k++] = p;
     }
     *out = v;

@@ -1199,3 +1199,19 @@ void remote_tick(uint64_t now)
     }
     free(v);
 }
+
+uint32_t remote_conn_streams(const peer_conn_t *c)
+{
+    uint32_t n = 0, k;
+    void **v = calloc(rstreams.n + sstreams.n + 1, sizeof(*v));
+    if (!v)
+        return 0;
+    k = map_values(&rstreams, v, rstreams.n);
+    for (uint32_t i = 0; i < k; i++)
+        n += ((rstream_t *)v[i])->conn == c && !((rstream_t *)v[i])->ended;
+    k = map_values(&sstreams, v, sstreams.n);
+    for (uint32_t i = 0; i < k; i++)
+        n += ((sstream_t *)v[i])->conn == c && !((sstream_t *)v[i])->ended;
+    free(v);
+    return n;
+}
