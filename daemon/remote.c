@@ -45,6 +45,8 @@
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
 
+#define SLOT_JOBS 16
+
 typedef struct slot {
     uint8_t *mem;
     uint32_t idx;
@@ -53,7 +55,12 @@ typedef struct slot {
     uint64_t u0, u1, bytes;
     genpart_t *part;             /* receive: whose destination */
     uint32_t dst_slot;           /* send: the receiver's slot */
-    copy_job_t job;
+    /* a gather or scatter: one GPU kernel, or up to SLOT_JOBS pieces of
+     * about copy.chunk_bytes on the copy threads at once (a large slot
+     * is not copied by one thread while the others idle) */
+    copy_job_t jobs[SLOT_JOBS];
+    uint32_t pending;
+    copy_done_cb finish;         /* once every piece is back; jobs[0] */
     struct slot *next_free;
 } slot_t;
 
@@ -194,6 +201,72 @@ static void slot_put(slots_t *s, slot_t *x)
     x->next_free = s->free;
     s->free = x;
     s->nfree++;
+}
+
+static void piece_run(copy_job_t *job)
+{
+    plan_exec_packed(job->plan, job->unit_begin, job->unit_end, job->packed,
+                     job->packed_gather);
+}
+
+static void piece_done(copy_job_t *job)
+{
+    slot_t *x = job->owner;
+    if (job->status && !x->jobs[0].status)
+        x->jobs[0].status = job->status;
+    if (--x->pending == 0)
+        x->finish(&x->jobs[0]);
+}
+
+/* Gather units [x->u0, x->u1) into the slot, or scatter them from it:
+ * a kernel on gpu, else pieces on the copy threads; finish(&x->jobs[0])
+ * runs on the loop when all of it is back (jobs[0].status: the first
+ * error). */
+static void slot_copy(slot_t *x, const plan_t *plan, gpu_part_t *gpu,
+                      int gather, copy_done_cb finish)
+{
+    memset(x->jobs, 0, sizeof(x->jobs));
+    x->finish = finish;
+    if (gpu) {
+        copy_job_t *j = &x->jobs[0];
+        j->gpu = gpu;
+        j->plan = plan;
+        j->unit_begin = x->u0;
+        j->unit_end = x->u1;
+        j->bytes = x->bytes;
+        j->packed = x->mem;
+        j->packed_gather = gather;
+        j->done = finish;
+        j->owner = x;
+        x->pending = 1;
+        copy_submit(j);
+        return;
+    }
+    uint64_t chunk = x->bytes / SLOT_JOBS + 1;
+    if (chunk < kvxd.conf.copy_chunk_bytes)
+        chunk = kvxd.conf.copy_chunk_bytes;
+    uint32_t n = 0;
+    uint64_t off = 0;
+    for (uint64_t u = x->u0; u < x->u1 && n < SLOT_JOBS;) {
+        copy_job_t *j = &x->jobs[n++];
+        uint64_t b = 0, e = u;
+        while (e < x->u1 && (b < chunk || n == SLOT_JOBS))
+            b += plan_units_bytes(plan, e, e + 1), e++;
+        j->run = piece_run;
+        j->plan = plan;
+        j->unit_begin = u;
+        j->unit_end = e;
+        j->bytes = b;
+        j->packed = x->mem + off;
+        j->packed_gather = gather;
+        j->done = piece_done;
+        j->owner = x;
+        off += b;
+        u = e;
+    }
+    x->pending = n;
+    for (uint32_t i = 0; i < n; i++)
+        copy_submit(&x->jobs[i]);
 }
 
 int remote_init(char *why, size_t why_len)
@@ -511,12 +584,6 @@ static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
     pull_schedule();
 }
 
-static void scatter_run(copy_job_t *job)
-{
-    slot_t *x = job->owner;
-    plan_exec_packed(job->plan, x->u0, x->u1, x->mem, 0);
-}
-
 static void scatter_done(copy_job_t *job)
 {
     slot_t *x = job->owner;
@@ -574,25 +641,12 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
     }
     genpart_t *p = r->part;
     x->state = SLOT_BUSY;
-    memset(&x->job, 0, sizeof(x->job));
-    if (p->gpu) { /* a kernel reads the slot, writes the GPU pool */
-        x->job.gpu = p->gpu;
-        x->job.unit_begin = x->u0;
-        x->job.unit_end = x->u1;
-        x->job.bytes = x->bytes;
-        x->job.packed = x->mem;
-        x->job.packed_gather = 0;
-    } else {
-        x->job.run = scatter_run;
-    }
-    x->job.plan = p->plan;
-    x->job.done = scatter_done;
-    x->job.owner = x;
     x->part = p;
     /* the fence: xfer does not finalize the request before this returns */
     p->inflight++;
     p->req->inflight++;
-    copy_submit(&x->job);
+    /* a GPU pool: a kernel reads the slot; else the copy threads */
+    slot_copy(x, p->plan, p->gpu, 0, scatter_done);
 }
 
 /* ---- S: the context side ----------------------------------------------- */
@@ -829,11 +883,6 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     peer_send(c, &r);
 }
 
-static void gather_run(copy_job_t *job)
-{
-    slot_t *x = job->owner;
-    plan_exec_packed(job->plan, x->u0, x->u1, x->mem, 1);
-}
 
 static void on_sent(void *arg, int status)
 {
@@ -942,7 +991,6 @@ static void serve_pulls(void)
         x->u0 = q->u0;
         x->u1 = q->u1;
         x->bytes = plan_units_bytes(s->plan, q->u0, q->u1);
-        memset(&x->job, 0, sizeof(x->job));
         int rc = sstream_bind(s, o);
         if (rc) {
             slot_put(&sslots, x);
@@ -954,24 +1002,12 @@ static void serve_pulls(void)
                            "binding the GPU source for a peer failed");
             return; /* lists changed: the next pull or tick goes on */
         }
-        if (s->gpu) { /* a kernel reads the GPU pool, writes the slot */
-            x->job.gpu = s->gpu;
-            x->job.unit_begin = x->u0;
-            x->job.unit_end = x->u1;
-            x->job.bytes = x->bytes;
-            x->job.packed = x->mem;
-            x->job.packed_gather = 1;
-        } else {
-            x->job.run = gather_run;
-        }
-        x->job.plan = s->plan;
-        x->job.done = gather_done;
-        x->job.owner = x;
         x->dst_slot = q->slot;
         s->gathers++;
         o->gathers++;
         free(q);
-        copy_submit(&x->job);
+        /* a GPU pool: a kernel writes the slot; else the copy threads */
+        slot_copy(x, s->plan, s->gpu, 1, gather_done);
     }
 }
 
