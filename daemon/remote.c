@@ -119,6 +119,7 @@ static slots_t rslots, sslots;
 static map_t rstreams, sstreams;
 static uint64_t next_id = 1;
 static rstream_t *rq_head, *rq_tail;
+static uint32_t retrying;          /* rstreams waiting to OPEN again */
 static pull_t *pq_head, *pq_tail;  /* pulls waiting for a send slot */
 
 static void pull_schedule(void);
@@ -388,6 +389,9 @@ static int send_open(rstream_t *r)
             er < o.dst_ranks)
             addrs[er] = g->inst->addresses[q];
     }
+    for (uint32_t q = 0; q < o.dst_ranks; q++)
+        if (!addrs[q])
+            addrs[q] = "";
     o.n_dst_addresses = o.dst_ranks;
     o.dst_addresses = addrs;
     o.consumer_instance = g->inst->id;
@@ -490,6 +494,11 @@ void remote_part_free(genpart_t *p)
         for (uint32_t k = 0; k < kvxd.conf.slots && rslots.v; k++)
             if (rslots.v[k].owner == r) /* a receive still landing */
                 rslots.v[k].owner = NULL;
+        if (r->retry_ms) { /* refused, waiting to ask again: no OPEN out */
+            r->retry_ms = 0;
+            retrying--;
+            r->refused = 1;
+        }
         if (!r->opened && !r->refused && peer_conn_alive(r->conn)) {
             /* its OPENED is on the way: kept as an orphan, so the source
              * hears END when it comes (on_opened) */
@@ -809,8 +818,11 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     int rc = plan_side_check(&dst, why, sizeof(why));
     if (!rc)
         rc = plan_compat(&o->side, &dst, why, sizeof(why));
-    if (!rc && m->dst_rank >= plan_side_ranks(&dst))
+    if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {
+        snprintf(why, sizeof(why), "open: destination rank %u of %u",
+                 m->dst_rank, plan_side_ranks(&dst));
         rc = KVX_ERR_INVALID;
+    }
     if (!rc)
         rc = plan_build(&o->side, &dst, m->dst_rank, o->num_tokens,
                         m->skip_tokens, &plan, why, sizeof(why));
@@ -1108,6 +1120,8 @@ static void on_end_to_d(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
             r->retry_until_ms = now + OPEN_RETRY_MS;
         if (now < r->retry_until_ms) {
             r->refused = 0;
+            if (!r->retry_ms)
+                retrying++;
             r->retry_ms = now + 20;
             return;
         }
@@ -1220,7 +1234,7 @@ void remote_tick(uint64_t now)
     if (!peer_enabled())
         return;
     uint32_t n = rstreams.n;
-    if (!n)
+    if (!n || !retrying)
         return;
     void **v = calloc(n, sizeof(*v));
     if (!v)
@@ -1228,9 +1242,11 @@ void remote_tick(uint64_t now)
     n = map_values(&rstreams, v, n);
     for (uint32_t i = 0; i < n; i++) {
         rstream_t *r = v[i];
-        if (r->retry_ms && now >= r->retry_ms && !r->ended && r->part) {
+        if (r->retry_ms && now >= r->retry_ms) {
             r->retry_ms = 0;
-            send_open(r);
+            retrying--;
+            if (!r->ended && r->part)
+                send_open(r);
         }
     }
     free(v);

@@ -1104,6 +1104,75 @@ TEST_T(peer_cancel_mid_transfer, 90)
     pl_free(x);
 }
 
+/* A context instance spread over both daemons (rank 0 on A, rank 1 on
+ * B), the generation rank on A fetching as soon as rank 0 has published:
+ * the slice from rank 1 is asked for again until B's rank publishes, and
+ * both daemons give the same params (the token is derived from the
+ * cluster secret). A request rank 1 never publishes fails NOT_FOUND. */
+TEST_T(peer_spread_context_late_publish, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    static side_t cs = {.inst = "sc-ctx",
+                        .role = KVX_ROLE_CONTEXT,
+                        .tp = 2,
+                        .pp = 1,
+                        .preset = "vllm-nhd",
+                        .tpb = 4};
+    static side_t gs;
+    p_side(&gs, "sc-gen", KVX_ROLE_GENERATION, "trtllm", 4);
+    rank_t c0, c1, g;
+    rank_hello_only(a, &M_SMALL, &cs, 0, &c0);
+    rank_hello_only(b, &M_SMALL, &cs, 1, &c1);
+    const char *addrs[2] = {c0.addr, c1.addr};
+    CHECK_KVX(kvx_join(c0.c, addrs, 2, T_MS), c0.c);
+    CHECK_KVX(kvx_join(c1.c, addrs, 2, T_MS), c1.c);
+    rank_pool(&c0, 8);
+    rank_pool(&c1, 8);
+    rank_open(a, &M_SMALL, &gs, 0, 8, &g);
+    memset(g.base, 0xa5, g.size);
+
+    uint32_t cb[3] = {5, 1, 3}, gb[3] = {2, 7, 0};
+    const uint32_t ntok = 10;
+    fill_req(&c0, 77, cb, ntok);
+    fill_req(&c1, 77, cb, ntok);
+    kvx_context_params_t p0, p1;
+    CHECK_KVX(kvx_publish(c0.c, 77, c0.pool, cb, 3, ntok, &p0, T_MS), c0.c);
+    CHECK_KVX(kvx_fetch(g.c, 77, p0.data, p0.len, g.pool, gb, 3, 0, T_MS),
+              g.c);
+    sleep_ms(300); /* B has no offer yet: its slice is asked for again */
+    CHECK_KVX(kvx_publish(c1.c, 77, c1.pool, cb, 3, ntok, &p1, T_MS), c1.c);
+    CHECK_EQ(p0.len, p1.len);
+    CHECK(!memcmp(p0.data, p1.data, p0.len));
+    wait_event(g.c, 77, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 77, gb, ntok, 0), 0);
+    /* the context instance's batches come from A for both ranks */
+    wait_event(c0.c, 77, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c1.c, 77, KVX_EVENT_COMPLETE, 0, 5000);
+
+    /* rank 1 never publishes request 78: NOT_FOUND after the retries */
+    fill_req(&c0, 78, cb, ntok);
+    kvx_context_params_t p2;
+    CHECK_KVX(kvx_publish(c0.c, 78, c0.pool, cb, 3, ntok, &p2, T_MS), c0.c);
+    int64_t t0 = now_ms();
+    CHECK_KVX(kvx_fetch(g.c, 78, p2.data, p2.len, g.pool, gb, 3, 0, T_MS),
+              g.c);
+    ev_t e = wait_event(g.c, 78, KVX_EVENT_ERROR, KVX_ERR_NOT_FOUND, 6000);
+    CHECK(now_ms() - t0 >= 1500);
+    CHECK_STR_CONTAINS(e.msg, "no offer");
+    kvx_context_params_free(&p0);
+    kvx_context_params_free(&p1);
+    kvx_context_params_free(&p2);
+    rank_close(&g);
+    rank_close(&c0);
+    rank_close(&c1);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 TEST(peer_config_errors)
