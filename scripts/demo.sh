@@ -1,7 +1,8 @@
 #!/bin/sh
 # The end-to-end demo: a real kvxferd, two context ranks handing KV blocks
 # to two generation ranks (separate processes), every byte verified, and
-# the bandwidth beside a memcpy baseline of the same bytes.
+# the bandwidth beside a memcpy baseline of the same bytes; then the same
+# between two daemons over UCX.
 set -e
 BUILD=${1:-build}
 DIR=$(mktemp -d /tmp/kvxfer-demo.XXXXXX)
@@ -38,3 +39,10 @@ echo "== kvxferctl status"
 
 kill -TERM $DPID
 wait $DPID && echo "== kvxferd drained and exited 0"
+
+echo
+echo "== between two daemons (two nodes, here on loopback): context ranks on"
+echo "   daemon A, generation ranks on daemon B, UCX between them, verified;"
+echo "   beside ucx_perftest on the same transports and message size"
+"$BUILD/kvxfer-bench" --spawn-daemon --daemons 2 --ctx-ranks 2 --gen-ranks 2 \
+    --requests 8 --blocks 32 --window 4 --layout vllm-nhd
