@@ -12,13 +12,18 @@
  *                        the next units that fit in it, asked for by PULL
  *   remote_data_target / remote_on_data
  *                        DATA lands in the slot (rendezvous straight into
- *                        it), a copy job scatters it into the pool, the
- *                        slot is free again, xfer counts the units
+ *                        it), slot_copy() scatters it into the pool (copy
+ *                        threads, or a kernel for a GPU pool), the slot
+ *                        is free again, xfer counts the units
+ *   on_end_to_d()        the source refused or ended the stream; "not
+ *                        yet published" is asked again for OPEN_RETRY_MS
  * (context daemon, "S"):
  *   on_open()            finds the offer, checks the token, builds the
  *                        same plan, and counts the streams it will serve
- *   on_pull()            a free send slot gathers the units (copy job),
- *                        then UCX sends the slot (on_sent frees it)
+ *   on_pull()/serve_pulls()
+ *                        a free send slot gathers the units (slot_copy:
+ *                        copy threads, or a kernel writing the pinned
+ *                        slot), then UCX sends the slot (on_sent frees it)
  *   on_end()             the generation side is done with the stream; the
  *                        last one completes the offer
  * Either side: a lost connection ends every stream on it.
