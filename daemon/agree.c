@@ -99,8 +99,6 @@ void agree_joined(instance_t *inst)
             batch_rank_join(&inst->batches, r);
 }
 
-/* ---- events ------------------------------------------------------------ */
-
 static void queue_event(instance_t *inst, uint64_t request_id, int kind,
                         int code, const char *msg)
 {
@@ -110,6 +108,89 @@ static void queue_event(instance_t *inst, uint64_t request_id, int kind,
                   "%llu",
                   inst->id, (unsigned long long)request_id);
 }
+
+/* Root: the requests still waiting for reports end with PEER_GONE (a
+ * rank they need is gone, so its report never comes). */
+static void merges_fail(instance_t *inst, const char *msg)
+{
+    spread_t *s = spread_of(inst, 0);
+    if (!s)
+        return;
+    uint32_t n = s->merges.n;
+    uint64_t *keys = calloc(n ? n : 1, sizeof(*keys));
+    n = keys ? map_keys(&s->merges, keys, n) : 0;
+    for (uint32_t i = 0; i < n; i++) {
+        merge_t *e = map_del(&s->merges, keys[i]);
+        if (e && !e->emitted) {
+            kvxd_count_error(KVX_ERR_PEER_GONE);
+            queue_event(inst, keys[i] >> 1, KVX_EVENT_ERROR,
+                        KVX_ERR_PEER_GONE, msg);
+        }
+        free(e);
+    }
+    free(keys);
+}
+
+/* Member: tell the root that a local rank joined (again) or left, as a
+ * rank of one daemon tells its batches (a rank gone ends the instance's
+ * requests; back, it reads from the next batch). */
+void agree_rank(instance_t *inst, uint32_t rank, int joined)
+{
+    if (!agree_spread(inst))
+        return;
+    if (is_root(inst)) { /* a root rank gone: its reports never come */
+        if (!joined) {
+            char msg[300];
+            snprintf(msg, sizeof(msg), "rank %u of instance %s "
+                                       "disconnected",
+                     rank, inst->id);
+            merges_fail(inst, msg);
+        }
+        return;
+    }
+    spread_t *s = spread_of(inst, 0);
+    if (s && !joined)
+        s->poll_req[rank] = 0; /* its poll went with its client */
+    char why[256];
+    peer_conn_t *c = peer_connect(inst->addresses[0], why, sizeof(why));
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerRanks r = KVXFER__PEER_RANKS__INIT;
+    r.instance_id = inst->id;
+    r.rank = rank;
+    r.joined = joined;
+    m.m_case = KVXFER__PEER_MSG__M_RANKS;
+    m.ranks = &r;
+    if (!c || peer_send(c, &m))
+        log_warn("instance %s: rank %u %s, and the root daemon %s cannot "
+                 "be told",
+                 inst->id, rank, joined ? "joined" : "left",
+                 inst->addresses[0]);
+}
+
+/* Root: a member's rank joined or left. */
+static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
+{
+    instance_t *inst = r->instance_id ? instance_find(r->instance_id) : NULL;
+    if (!inst || !agree_spread(inst) || !is_root(inst) ||
+        r->rank >= inst->nranks || inst->local[r->rank] ||
+        strcmp(inst->addresses[r->rank], peer_conn_address(c)))
+        return;
+    int present = inst->batches.present[r->rank];
+    if (r->joined && !present) {
+        batch_rank_join(&inst->batches, r->rank);
+    } else if (!r->joined && present) {
+        batch_rank_leave(&inst->batches, r->rank);
+        char msg[300];
+        snprintf(msg, sizeof(msg), "rank %u of instance %s (daemon %s) "
+                                   "disconnected",
+                 r->rank, inst->id, inst->addresses[r->rank]);
+        merges_fail(inst, msg);
+        xfer_end_instance(inst, KVX_ERR_PEER_GONE, msg);
+    }
+}
+
+/* ---- events ------------------------------------------------------------ */
+
 
 /* Root: one daemon's report of a request. */
 static void merge_report(instance_t *inst, uint64_t request_id, int offer,
@@ -336,6 +417,9 @@ void remote_agree_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     case KVXFER__PEER_MSG__M_BATCH:
         on_batch(c, m->batch);
         break;
+    case KVXFER__PEER_MSG__M_RANKS:
+        on_ranks(c, m->ranks);
+        break;
     default:
         break;
     }
@@ -377,21 +461,7 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
         char m[400];
         snprintf(m, sizeof(m), "member %s", msg);
         /* what waited for the lost member's reports ends now */
-        if (s) {
-            uint32_t n = s->merges.n;
-            uint64_t *keys = calloc(n ? n : 1, sizeof(*keys));
-            n = keys ? map_keys(&s->merges, keys, n) : 0;
-            for (uint32_t i = 0; i < n; i++) {
-                merge_t *e = map_del(&s->merges, keys[i]);
-                if (e && !e->emitted) {
-                    kvxd_count_error(KVX_ERR_PEER_GONE);
-                    queue_event(inst, keys[i] >> 1, KVX_EVENT_ERROR,
-                                KVX_ERR_PEER_GONE, m);
-                }
-                free(e);
-            }
-            free(keys);
-        }
+        merges_fail(inst, m);
         /* a rank gone ends the instance's requests, as on one daemon */
         xfer_end_instance(inst, KVX_ERR_PEER_GONE, m);
     }

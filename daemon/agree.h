@@ -14,6 +14,8 @@
 int agree_spread(const instance_t *inst);
 /* inst joined: the root counts every remote rank as present. */
 void agree_joined(instance_t *inst);
+/* A local rank of inst joined (again) or left: the root hears of it. */
+void agree_rank(instance_t *inst, uint32_t rank, int joined);
 /* inst is freed. */
 void agree_forget(instance_t *inst);
 /* A terminal event of a request covering `ranks` of the `expect` ranks

@@ -163,6 +163,7 @@ void instance_detach(instance_t *inst, uint32_t rank)
     inst->rank_sid[rank] = 0;
     inst->nconnected--;
     batch_rank_leave(&inst->batches, rank);
+    agree_rank(inst, rank, 0);
     char msg[256];
     snprintf(msg, sizeof(msg), "rank %u of instance %s disconnected", rank,
              inst->id);

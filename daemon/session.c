@@ -358,6 +358,8 @@ static void on_join(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     int rc = instance_join(s->inst, s->rank, rq->join->rank_addresses,
                            rq->join->n_rank_addresses, why, sizeof(why));
+    if (!rc)
+        agree_rank(s->inst, s->rank, 1); /* spread: the root counts it */
     reply(s, rq->id, rc, rc ? why : "");
 }
 

@@ -1173,6 +1173,93 @@ TEST_T(peer_spread_context_late_publish, 60)
     daemon_stop_ok(b);
 }
 
+/* A rank of a spread instance on the member daemon leaves with a poll
+ * still waiting at the root (killed), then comes back: the root drops
+ * the old poll and ends the instance's requests (as one daemon does when
+ * a rank leaves), and the new client's polls are answered. */
+typedef struct rr_arg {
+    daemon_t *d;
+    const side_t *s;
+    char addr0[192], addr1[192];
+    _Atomic int polling;
+} rr_arg_t;
+
+static void rr_rank1_main(void *arg)
+{
+    rr_arg_t *a = arg;
+    rank_t g;
+    rank_hello_only(a->d, &M_SMALL, a->s, 1, &g);
+    snprintf(a->addr1, sizeof(a->addr1), "%s", g.addr);
+    const char *addrs[2] = {a->addr0, g.addr};
+    CHECK_KVX(kvx_join(g.c, addrs, 2, T_MS), g.c);
+    atomic_store(&a->polling, 1);
+    kvx_batch_t *b;
+    kvx_poll(g.c, 1000, 20000, &b); /* killed while it waits */
+    _exit(1);
+}
+
+TEST_T(peer_spread_member_rank_returns, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    static side_t gs = {.inst = "rr-gen",
+                        .role = KVX_ROLE_GENERATION,
+                        .tp = 2,
+                        .pp = 1,
+                        .preset = "vllm-nhd",
+                        .tpb = 4};
+    static side_t cs;
+    p_side(&cs, "rr-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    rank_t c, g0;
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    rank_hello_only(a, &M_SMALL, &gs, 0, &g0);
+    rr_arg_t *ra = shm_alloc(sizeof(*ra));
+    ra->d = b;
+    ra->s = &gs;
+    snprintf(ra->addr0, sizeof(ra->addr0), "%s", g0.addr);
+    pid_t kid = spawn(rr_rank1_main, ra);
+    int64_t end = now_ms() + 10000;
+    while (!atomic_load(&ra->polling) && now_ms() < end)
+        sleep_ms(5);
+    CHECK(atomic_load(&ra->polling));
+    const char *addrs[2] = {g0.addr, ra->addr1};
+    CHECK_KVX(kvx_join(g0.c, addrs, 2, T_MS), g0.c);
+    rank_pool(&g0, 8);
+
+    /* request 5: rank 0 fetches, rank 1 (gone soon) never does */
+    uint32_t cb[2] = {0, 1}, gb[2] = {3, 4};
+    fill_req(&c, 5, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 5, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g0.c, 5, p.data, p.len, g0.pool, gb, 2, 0, T_MS),
+              g0.c);
+    sleep_ms(200);
+    CHECK(kill(kid, SIGKILL) == 0);
+    int st;
+    CHECK(waitpid(kid, &st, 0) == kid);
+    /* rank 0 hears that its instance lost a rank */
+    ev_t e = wait_event(g0.c, 5, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 5000);
+    CHECK_STR_CONTAINS(e.msg, "disconnected");
+    /* rank 1 comes back: its polls are answered (not BUSY) */
+    rank_t g1;
+    rank_hello_only(b, &M_SMALL, &gs, 1, &g1);
+    CHECK_KVX(kvx_join(g1.c, addrs, 2, T_MS), g1.c);
+    for (int i = 0; i < 2; i++) {
+        kvx_batch_t *bt;
+        CHECK_KVX(kvx_poll(g1.c, 1000, 200, &bt), g1.c);
+        kvx_batch_free(bt);
+    }
+    kvx_context_params_free(&p);
+    rank_close(&g1);
+    rank_close(&g0);
+    rank_close(&c);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 TEST(peer_config_errors)
