@@ -282,7 +282,8 @@ int remote_init(char *why, size_t why_len)
     if (slots_init(&rslots, "receive", why, why_len) ||
         slots_init(&sslots, "send", why, why_len))
         return -1;
-    log_info("peers: %u + %u staging slots of %llu bytes (pinned host)",
+    log_info("peers: %u + %u host staging slots of %llu bytes, registered "
+             "with UCX (pinned for CUDA on first GPU use)",
              kvxd.conf.slots, kvxd.conf.slots,
              (unsigned long long)kvxd.conf.slot_bytes);
     return 0;
