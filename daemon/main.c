@@ -2,9 +2,12 @@
  * kvxferd — the per-node KV cache transfer daemon.
  *
  * This file is the table of contents: parse the command line, load the
- * configuration, bring the modules up in order (copy engine, socket),
- * run the loop, and on SIGTERM/SIGINT drain and take them down in reverse.
- * SIGHUP reloads the reloadable configuration keys.
+ * configuration, bring the modules up in order (copy engine, sessions,
+ * socket, peer daemons: peer.c for UCX, remote.c for its slots), run the
+ * loop, and on SIGTERM/SIGINT drain and take them down in reverse.
+ * SIGHUP reloads the reloadable configuration keys. The tick drives every
+ * deadline: requests (xfer), peers' keep-alive (peer), opens asked again
+ * (remote), polls (instance), hellos (session).
  */
 #include <getopt.h>
 #include <signal.h>
