@@ -185,8 +185,9 @@ uninstall:
 FUZZ_SECONDS ?= 30
 fuzz: $(GEN)
 	@tests/fuzz/build.sh
-	@for t in frame request params config; do \
+	@for t in frame request params config peer; do \
 	    mkdir -p build/fuzz/corpus-$$t; \
+	    [ ! -d tests/fuzz/seeds-$$t ] || cp tests/fuzz/seeds-$$t/* build/fuzz/corpus-$$t/; \
 	    echo "== fuzz_$$t, $(FUZZ_SECONDS) s"; \
 	    build/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -max_len=8192 \
 	        build/fuzz/corpus-$$t $$([ $$t = config ] && echo config) \

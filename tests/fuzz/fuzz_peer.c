@@ -1,0 +1,377 @@
+/*
+ * fuzz_peer — what another daemon sends, as remote.c and agree.c see it:
+ * a run of PeerMsg records from the input goes to remote_on_msg() (OPEN,
+ * PULL, END, OPENED, EVENT, POLL, BATCH, RANKS), and DATA headers to
+ * remote_data_target()/remote_on_data(), against a real context offer
+ * (host pool, published) and a real generation fetch whose sources are
+ * "on the peer". peer.c is replaced by the stubs below (no UCX): sends
+ * are encoded (they must pack) and their completions run after the
+ * record, as the loop would run them. A record's flag byte can put the
+ * offer's real token, or a stream id the daemon handed out, into the
+ * message, so the fuzzer gets past the token check and into the streams.
+ * Some record kinds make the daemon talk to itself, mutated: 0x10 plays
+ * its own last OPEN back to it (then it is the context daemon too), 0x11
+ * answers its last PULL with DATA of the right size, 0x12 answers its
+ * OPEN with OPENED. Whatever arrives, the daemon must not crash, leak or
+ * hang; the copy jobs it starts must come back.
+ *
+ * fuzz-exclude: daemon/peer.c
+ */
+#include "../../daemon/remote.c"
+
+#include <sys/mman.h>
+
+/* ---- peer.c, stubbed ---------------------------------------------------- */
+
+struct peer_conn {
+    char address[192];
+    int alive;
+};
+static struct peer_conn fake = {"kvx://10.0.0.2:7000/00000000000000bb", 1};
+
+typedef struct pending {
+    void (*done)(void *, int);
+    void *arg;
+} pending_t;
+static pending_t sent[4096];
+static size_t nsent;
+static uint64_t last_open_stream, last_opened_source, last_pull_slot;
+static uint8_t last_open[4096]; /* the daemon's own last OPEN, packed */
+static size_t last_open_len;
+
+int peer_init(char *why, size_t why_len)
+{
+    (void)why;
+    (void)why_len;
+    return 0;
+}
+int peer_enabled(void) { return 1; }
+void peer_tick(uint64_t now_ms) { (void)now_ms; }
+void peer_cleanup(void) {}
+void peer_shutdown(void) {}
+peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
+{
+    (void)address;
+    (void)why;
+    (void)why_len;
+    return &fake;
+}
+const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
+int peer_conn_alive(const peer_conn_t *c) { return c->alive; }
+int peer_address_check(const char *address, char *why, size_t why_len)
+{
+    (void)why;
+    (void)why_len;
+    return strncmp(address, "kvx://", 6) ? KVX_ERR_INVALID : 0;
+}
+void peer_token(const char *instance, const char *addr0, uint64_t request,
+                uint8_t out[16])
+{
+    (void)instance;
+    (void)addr0;
+    memset(out, (int)request, 16);
+}
+
+static void must_pack(const Kvxfer__PeerMsg *m)
+{
+    size_t n = kvxfer__peer_msg__get_packed_size(m);
+    uint8_t *b = malloc(n ? n : 1);
+    if (!b)
+        abort();
+    kvxfer__peer_msg__pack(m, b);
+    Kvxfer__PeerMsg *back = kvxfer__peer_msg__unpack(NULL, n, b);
+    if (!back)
+        abort();
+    kvxfer__peer_msg__free_unpacked(back, NULL);
+    free(b);
+}
+
+int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
+{
+    if (!c->alive)
+        return KVX_ERR_PEER_GONE;
+    must_pack(m);
+    if (m->m_case == KVXFER__PEER_MSG__M_OPEN) {
+        last_open_stream = m->open->stream;
+        size_t n = kvxfer__peer_msg__get_packed_size(m);
+        if (n <= sizeof(last_open)) {
+            kvxfer__peer_msg__pack(m, last_open);
+            last_open_len = n;
+        }
+    }
+    if (m->m_case == KVXFER__PEER_MSG__M_OPENED)
+        last_opened_source = m->opened->source;
+    if (m->m_case == KVXFER__PEER_MSG__M_PULL)
+        last_pull_slot = m->pull->slot;
+    return 0;
+}
+
+int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
+                   const void *buf, size_t len,
+                   void (*done)(void *arg, int status), void *arg)
+{
+    (void)buf;
+    (void)len;
+    if (!c->alive || nsent == sizeof(sent) / sizeof(sent[0]))
+        return KVX_ERR_PEER_GONE;
+    must_pack(hdr);
+    sent[nsent++] = (pending_t){done, arg};
+    return 0;
+}
+
+void *peer_mem_map(void *addr, size_t len)
+{
+    (void)addr;
+    (void)len;
+    return NULL;
+}
+void peer_mem_unmap(void *memh) { (void)memh; }
+size_t peer_infos(Kvxfer__PeerInfo ***out)
+{
+    *out = NULL;
+    return 0;
+}
+void peer_free_infos(Kvxfer__PeerInfo **v, size_t n)
+{
+    (void)v;
+    (void)n;
+}
+void peer_ucx_info(Kvxfer__UcxInfo *info) { (void)info; }
+
+/* ---- the daemon state the messages meet --------------------------------- */
+
+static instance_t *ctx, *gen;
+static pool_t *cpool, *gpool;
+static uint8_t token[TOKEN_LEN];
+
+static pool_t *host_pool(uint64_t sid, const kvx_layout_t *l)
+{
+    uint64_t size = kvx_layout_span(l);
+    int fd = memfd_create("fuzz", MFD_ALLOW_SEALING);
+    if (fd < 0 || ftruncate(fd, (off_t)size) ||
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK))
+        abort();
+    pool_t *p;
+    char why[256];
+    if (pool_register_host(sid, fd, size, l, &p, why, sizeof(why)))
+        abort();
+    return p;
+}
+
+/* Run the loop until every copy job is back (gathers, scatters). */
+static void settle(void)
+{
+    for (int i = 0; i < 100000; i++) {
+        while (nsent) { /* UCX would have completed these */
+            pending_t s = sent[--nsent];
+            s.done(s.arg, 0);
+        }
+        uv_run(kvxd.loop, UV_RUN_NOWAIT);
+        if (!copy_inflight() && !nsent)
+            return;
+        usleep(10);
+    }
+    abort(); /* a job never came back */
+}
+
+static kvx_layout_t lay;
+
+/* Offer 1 of "ctx" published, and fetch 1 of "gen" reading it "from the
+ * peer", whenever the previous ones have ended. */
+static void ensure_requests(void)
+{
+    char why[256];
+    if (!map_get(&ctx->offers, 1)) {
+        uint32_t blocks[4] = {3, 1, 2, 0};
+        uint8_t *params;
+        size_t plen;
+        if (xfer_publish(ctx, 0, 1, cpool, blocks, 4, 13, &params, &plen, why,
+                         sizeof(why)))
+            abort();
+        Kvxfer__ContextParams *cp =
+            kvxfer__context_params__unpack(NULL, plen, params);
+        memcpy(token, cp->token.data, TOKEN_LEN);
+        kvxfer__context_params__free_unpacked(cp, NULL);
+        free(params);
+    }
+    if (!map_get(&gen->fetches, 1)) {
+        offer_t *o = map_get(&ctx->offers, 1);
+        Kvxfer__ContextParams *cp =
+            kvxfer__context_params__unpack(NULL, o->params_len, o->params);
+        char *addr = fake.address;
+        char *orig = cp->rank_addresses[0];
+        cp->rank_addresses[0] = addr;
+        size_t n = kvxfer__context_params__get_packed_size(cp);
+        uint8_t *p = malloc(n);
+        kvxfer__context_params__pack(cp, p);
+        cp->rank_addresses[0] = orig;
+        kvxfer__context_params__free_unpacked(cp, NULL);
+        uint32_t gblocks[4] = {0, 2, 1, 3};
+        /* refused while the offer's old consumer is ending: next time */
+        xfer_fetch(gen, 0, 1, p, n, gpool, gblocks, 4, 0, 0, why,
+                   sizeof(why));
+        free(p);
+    }
+}
+
+/* Events nobody polls for: sealed and dropped, so they do not pile up. */
+static void drain_batches(void)
+{
+    uint64_t now = kvxd_now_ms();
+    batch_poll(&ctx->batches, 0, 1, 0, now, now);
+    batch_poll(&gen->batches, 0, 1, 0, now, now);
+    batch_tick(&ctx->batches, now);
+    batch_tick(&gen->batches, now);
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc;
+    (void)argv;
+    conf_defaults(&kvxd.conf);
+    kvxd.conf.slot_bytes = 64 * 1024;
+    kvxd.conf.slots = 4;
+    kvxd.conf.log_level = 0;
+    kvx__log_level = 0;
+    kvxd.loop = uv_default_loop();
+    snprintf(kvxd.address, sizeof(kvxd.address),
+             "kvx://10.0.0.1:7000/00000000000000aa");
+    if (copy_init(kvxd.loop, 1, 0))
+        abort();
+    char why[256];
+    if (remote_init(why, sizeof(why)))
+        abort();
+    plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
+                        .total_heads = 2};
+    char *a0 = kvxd.address;
+    if (instance_attach("ctx", KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
+                        sizeof(why)) ||
+        instance_join(ctx, 0, &a0, 1, why, sizeof(why)) ||
+        instance_attach("gen", KVX_ROLE_GENERATION, 0, &side, 2, &gen, why,
+                        sizeof(why)) ||
+        instance_join(gen, 0, &a0, 1, why, sizeof(why)))
+        abort();
+    kvx_layout_preset("vllm-nhd", 2, 2, 2, 64, KVX_DTYPE_BF16, 4, 16, &lay);
+    cpool = host_pool(1, &lay);
+    gpool = host_pool(2, &lay);
+    settle(); /* the pools' populate jobs */
+    ensure_requests();
+    settle();
+    return 0;
+}
+
+/* ---- the input: records of [kind][flags][len][PeerMsg bytes] ----------- */
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    ensure_requests();
+    while (size >= 3) {
+        uint8_t kind = data[0], flags = data[1];
+        size_t len = data[2];
+        data += 3;
+        size -= 3;
+        if (len > size)
+            len = size;
+        Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, len, data);
+        data += len;
+        size -= len;
+        if (kind == 0x10 && last_open_len) { /* our OPEN, to us */
+            Kvxfer__PeerMsg *o =
+                kvxfer__peer_msg__unpack(NULL, last_open_len, last_open);
+            if (o && m && m->m_case == KVXFER__PEER_MSG__M_OPEN) {
+                if (flags & 1)
+                    o->open->dst_rank = m->open->dst_rank;
+                if (flags & 2)
+                    o->open->skip_tokens = m->open->skip_tokens;
+                if (flags & 4)
+                    o->open->slice_begin = m->open->slice_begin;
+                if (flags & 8)
+                    o->open->nunits = m->open->nunits;
+            }
+            if (o)
+                remote_on_msg(&fake, o);
+            kvxfer__peer_msg__free_unpacked(o, NULL);
+            if (m)
+                kvxfer__peer_msg__free_unpacked(m, NULL);
+            settle();
+            continue;
+        }
+        if (kind == 0x12) { /* OPENED for our OPEN */
+            Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
+            Kvxfer__PeerOpened op = KVXFER__PEER_OPENED__INIT;
+            op.stream = last_open_stream;
+            op.source = m && m->m_case == KVXFER__PEER_MSG__M_OPENED
+                            ? m->opened->source
+                            : last_opened_source;
+            r.m_case = KVXFER__PEER_MSG__M_OPENED;
+            r.opened = &op;
+            remote_on_msg(&fake, &r);
+            if (m)
+                kvxfer__peer_msg__free_unpacked(m, NULL);
+            settle();
+            continue;
+        }
+        if (kind == 0x11 && last_pull_slot < kvxd.conf.slots) {
+            /* DATA for our last PULL, of the size it asked for */
+            slot_t *x = &rslots.v[last_pull_slot];
+            Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
+            d.stream = last_open_stream;
+            d.slot = (uint32_t)last_pull_slot;
+            d.unit_begin = x->u0;
+            d.unit_end = x->u1;
+            d.bytes = x->bytes;
+            size_t dlen = flags & 32 ? (size_t)flags : (size_t)x->bytes;
+            void *dst = remote_data_target(&fake, &d, dlen);
+            if (dst) {
+                memset(dst, flags, dlen);
+                remote_on_data(&fake, &d, flags & 16 ? KVX_ERR_IO : 0);
+            }
+            if (m)
+                kvxfer__peer_msg__free_unpacked(m, NULL);
+            settle();
+            continue;
+        }
+        if (!m)
+            continue;
+        /* steer: the real token, the ids the daemon handed out */
+        if (m->m_case == KVXFER__PEER_MSG__M_OPEN && (flags & 1) &&
+            m->open->token.len == TOKEN_LEN)
+            memcpy(m->open->token.data, token, TOKEN_LEN);
+        if (m->m_case == KVXFER__PEER_MSG__M_OPEN && (flags & 2)) {
+            if (m->open->instance_id != protobuf_c_empty_string)
+                free(m->open->instance_id); /* unpacked strings own memory */
+            m->open->instance_id = strdup("ctx");
+            m->open->request_id = 1;
+        }
+        if (m->m_case == KVXFER__PEER_MSG__M_PULL && (flags & 4))
+            m->pull->stream = last_opened_source;
+        if (m->m_case == KVXFER__PEER_MSG__M_OPENED && (flags & 4))
+            m->opened->stream = last_open_stream;
+        if (m->m_case == KVXFER__PEER_MSG__M_END && (flags & 4))
+            m->end->stream = flags & 8 ? last_open_stream
+                                       : last_opened_source;
+        if (m->m_case == KVXFER__PEER_MSG__M_DATA) {
+            if (flags & 4)
+                m->data->stream = last_open_stream;
+            if (flags & 8)
+                m->data->slot = (uint32_t)last_pull_slot;
+            size_t dlen = kind & 1 ? (size_t)m->data->bytes : kind;
+            void *dst = remote_data_target(&fake, m->data, dlen);
+            if (dst) {
+                memset(dst, kind, dlen);
+                remote_on_data(&fake, m->data, flags & 16 ? KVX_ERR_IO : 0);
+            }
+        } else {
+            remote_on_msg(&fake, m);
+        }
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+        if (kind == 0xff) { /* the connection is lost, then back */
+            fake.alive = 0;
+            remote_on_conn_lost(&fake, KVX_ERR_PEER_GONE, "fuzz");
+            fake.alive = 1;
+        }
+        settle();
+    }
+    drain_batches();
+    return 0;
+}
