@@ -46,6 +46,7 @@
 #include "map.h"
 #include "peer.h"
 #include "pool.h"
+#include "rrq.h"
 #include "xfer_int.h"
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
@@ -86,12 +87,12 @@ typedef struct rstream {
     peer_conn_t *conn;
     uint32_t slice;
     uint64_t u_begin, u_end, next_unit;
-    int opened, ended, queued, refused;
+    int opened, ended, refused;
     uint64_t retry_ms;           /* not published there yet: ask again */
     uint64_t retry_until_ms;
     uint64_t units_done;
     uint32_t held;               /* slots PULLED or RECEIVING for it */
-    struct rstream *rq_next;
+    rrq_entry_t turn;            /* waiting for a receive slot */
 } rstream_t;
 
 /* S: a stream some generation daemon reads from one of our offers. */
@@ -123,7 +124,7 @@ typedef struct sstream {
 static slots_t rslots, sslots;
 static map_t rstreams, sstreams;
 static uint64_t next_id = 1;
-static rstream_t *rq_head, *rq_tail;
+static rrq_t pullq;
 static uint32_t retrying;          /* rstreams waiting to OPEN again */
 static pull_t *pq_head, *pq_tail;  /* pulls waiting for a send slot */
 
@@ -312,36 +313,8 @@ static void send_end(peer_conn_t *c, uint64_t stream, int code,
 
 /* ---- D: the generation side -------------------------------------------- */
 
-static void rq_push(rstream_t *r)
-{
-    if (r->queued)
-        return;
-    r->queued = 1;
-    r->rq_next = NULL;
-    if (rq_tail)
-        rq_tail->rq_next = r;
-    else
-        rq_head = r;
-    rq_tail = r;
-}
-
-static void rq_drop(rstream_t *r)
-{
-    if (!r->queued)
-        return;
-    rstream_t *prev = NULL;
-    for (rstream_t *q = rq_head; q; prev = q, q = q->rq_next)
-        if (q == r) {
-            if (prev)
-                prev->rq_next = q->rq_next;
-            else
-                rq_head = q->rq_next;
-            if (rq_tail == q)
-                rq_tail = prev;
-            break;
-        }
-    r->queued = 0;
-}
+static void rq_push(rstream_t *r) { rrq_push(&pullq, &r->turn); }
+static void rq_drop(rstream_t *r) { rrq_remove(&pullq, &r->turn); }
 
 static int send_open(rstream_t *r)
 {
@@ -522,12 +495,8 @@ void remote_part_free(genpart_t *p)
 static void pull_schedule(void)
 {
     uint64_t slot_bytes = kvxd.conf.slot_bytes;
-    while (rq_head && rslots.nfree) {
-        rstream_t *r = rq_head;
-        rq_head = r->rq_next;
-        if (!rq_head)
-            rq_tail = NULL;
-        r->queued = 0;
+    while (pullq.head && rslots.nfree) {
+        rstream_t *r = RRQ_OWNER(rrq_pop(&pullq), rstream_t, turn);
         if (r->ended || r->next_unit >= r->u_end)
             continue;
         const plan_t *plan = r->part->plan;

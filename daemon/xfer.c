@@ -81,7 +81,7 @@ static void dl_remove(dl_list_t *l, dl_node_t *n)
 }
 
 /* Round-robin queue of parts with units left to hand out. */
-static genpart_t *rq_head, *rq_tail;
+static rrq_t runq;
 static uint32_t nrequests;
 static uint32_t chunks_inflight; /* ours only: pool populate jobs share the
                                     copy engine but not this limit */
@@ -516,13 +516,7 @@ static void part_try_start(genpart_t *p)
     p->units_per_chunk = unit ? chunk / unit : 1;
     if (!p->units_per_chunk)
         p->units_per_chunk = 1;
-    p->queued = 1;
-    p->rq_next = NULL;
-    if (rq_tail)
-        rq_tail->rq_next = p;
-    else
-        rq_head = p;
-    rq_tail = p;
+    rrq_push(&runq, &p->turn);
 }
 
 /* A fetch whose sources are reached through peer daemons (remote.c):
@@ -927,23 +921,6 @@ out:
 
 /* ---- scheduler -------------------------------------------------------- */
 
-static void rq_remove(genpart_t *p)
-{
-    if (!p->queued)
-        return;
-    genpart_t *prev = NULL;
-    for (genpart_t *q = rq_head; q; prev = q, q = q->rq_next)
-        if (q == p) {
-            if (prev)
-                prev->rq_next = q->rq_next;
-            else
-                rq_head = q->rq_next;
-            if (rq_tail == q)
-                rq_tail = prev;
-            break;
-        }
-    p->queued = 0;
-}
 
 /* A copy of part p came back (a chunk here, a scattered slot in
  * remote.c): count it, and end the request on error, on its fence, or
@@ -990,12 +967,8 @@ static void schedule(void)
     uint32_t max = kvxd.conf.max_inflight_chunks
                        ? kvxd.conf.max_inflight_chunks
                        : 2 * copy_threads();
-    while (rq_head && chunks_inflight < max) {
-        genpart_t *p = rq_head;
-        rq_head = p->rq_next;
-        if (!rq_head)
-            rq_tail = NULL;
-        p->queued = 0;
+    while (runq.head && chunks_inflight < max) {
+        genpart_t *p = RRQ_OWNER(rrq_pop(&runq), genpart_t, turn);
         copy_job_t *job = calloc(1, sizeof(*job));
         if (!job) {
             log_error("xfer: out of memory for a copy job");
@@ -1018,13 +991,7 @@ static void schedule(void)
         p->req->inflight++;
         chunks_inflight++;
         if (end < p->plan->nunits) { /* back of the line: fairness */
-            p->queued = 1;
-            p->rq_next = NULL;
-            if (rq_tail)
-                rq_tail->rq_next = p;
-            else
-                rq_head = p;
-            rq_tail = p;
+            rrq_push(&runq, &p->turn);
         }
         copy_submit(job);
     }
@@ -1114,7 +1081,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         g->end_code = code;
         snprintf(g->end_msg, sizeof(g->end_msg), "%s", msg);
         for (uint32_t r = 0; r < g->inst->nranks; r++) {
-            rq_remove(&g->parts[r]);
+            rrq_remove(&runq, &g->parts[r].turn);
             remote_part_stop(&g->parts[r], code ? code : KVX_ERR_STATE,
                              msg);
         }

@@ -17,6 +17,7 @@
 #include "plan.h"
 #include "peer.h"
 #include "pool.h"
+#include "rrq.h"
 
 #define TOKEN_LEN 16
 
@@ -88,7 +89,7 @@ typedef struct offer {
 typedef struct genpart {
     struct genreq *req;
     uint32_t rank;
-    int fetched, started, done, queued;
+    int fetched, started, done;
     pool_t *pool;          /* referenced while fetched */
     uint32_t *blocks;
     uint32_t nblocks;
@@ -96,7 +97,7 @@ typedef struct genpart {
     uint64_t next_unit, units_done, units_per_chunk;
     uint32_t inflight;
     gpu_part_t *gpu;       /* plan uploaded to a GPU, when it runs there */
-    struct genpart *rq_next;
+    rrq_entry_t turn;      /* on the scheduler's queue (xfer.c) */
     /* remote: one receiving stream per slice (remote.c) */
     struct rstream **streams;
     uint32_t nstreams;
