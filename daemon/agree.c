@@ -295,23 +295,12 @@ void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
     peer_conn_t *c = peer_connect(inst->addresses[rank], why, sizeof(why));
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerBatch pb = KVXFER__PEER_BATCH__INIT;
-    Kvxfer__Event *ev = calloc(b->nevents ? b->nevents : 1, sizeof(*ev));
-    Kvxfer__Event **evp = calloc(b->nevents ? b->nevents : 1, sizeof(*evp));
-    if (!c || !ev || !evp) {
-        free(ev);
-        free(evp);
+    Kvxfer__Event *ev, **evp;
+    if (!c || instance_batch_events(b, &ev, &evp)) {
         log_warn("instance %s: batch %llu for rank %u cannot reach daemon %s",
                  inst->id, (unsigned long long)b->seq, rank,
                  inst->addresses[rank]);
         return;
-    }
-    for (uint32_t i = 0; i < b->nevents; i++) {
-        kvxfer__event__init(&ev[i]);
-        ev[i].request_id = b->events[i].request_id;
-        ev[i].kind = b->events[i].kind;
-        ev[i].code = b->events[i].code;
-        ev[i].message = b->events[i].message;
-        evp[i] = &ev[i];
     }
     pb.instance_id = inst->id;
     pb.rank = rank;

@@ -28,6 +28,27 @@ instance_t *instance_find(const char *id)
 
 instance_t *instance_first(void) { return instances; }
 
+int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
+                          Kvxfer__Event ***evp)
+{
+    *ev = calloc(b->nevents ? b->nevents : 1, sizeof(**ev));
+    *evp = calloc(b->nevents ? b->nevents : 1, sizeof(**evp));
+    if (!*ev || !*evp) {
+        free(*ev);
+        free(*evp);
+        return KVX_ERR_NOMEM;
+    }
+    for (uint32_t i = 0; i < b->nevents; i++) {
+        kvxfer__event__init(&(*ev)[i]);
+        (*ev)[i].request_id = b->events[i].request_id;
+        (*ev)[i].kind = b->events[i].kind;
+        (*ev)[i].code = b->events[i].code;
+        (*ev)[i].message = b->events[i].message;
+        (*evp)[i] = &(*ev)[i];
+    }
+    return 0;
+}
+
 /* A sealed batch answers a waiting poll: send it to the rank's session. */
 static void deliver(void *arg, uint32_t rank, uint64_t req_id,
                     const batch_t *b)
@@ -38,22 +59,11 @@ static void deliver(void *arg, uint32_t rank, uint64_t req_id,
         return;
     }
     Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
-    Kvxfer__Event *ev = calloc(b->nevents ? b->nevents : 1, sizeof(*ev));
-    Kvxfer__Event **evp = calloc(b->nevents ? b->nevents : 1, sizeof(*evp));
-    if (!ev || !evp) {
-        free(ev);
-        free(evp);
+    Kvxfer__Event *ev, **evp;
+    if (instance_batch_events(b, &ev, &evp)) {
         session_reply(inst->rank_sid[rank], req_id, KVX_ERR_NOMEM,
                       "poll: out of memory building the batch");
         return;
-    }
-    for (uint32_t i = 0; i < b->nevents; i++) {
-        kvxfer__event__init(&ev[i]);
-        ev[i].request_id = b->events[i].request_id;
-        ev[i].kind = b->events[i].kind;
-        ev[i].code = b->events[i].code;
-        ev[i].message = b->events[i].message;
-        evp[i] = &ev[i];
     }
     pr.batch = b->seq;
     pr.n_events = b->nevents;

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "batch.h"
+#include "kvxfer.pb-c.h"
 #include "kvxfer.h"
 #include "map.h"
 #include "plan.h"
@@ -50,6 +51,10 @@ int instance_join(instance_t *inst, uint32_t rank, char *const *addresses,
 /* 0 if publish/fetch may proceed (joined, every local rank connected). */
 int instance_ready(const instance_t *inst, char *why, size_t why_len);
 instance_t *instance_find(const char *id);
+/* Batch b as the protocol's events (pointing into b): *ev and *evp are
+ * malloc'd, the caller frees both. 0 or KVX_ERR_NOMEM. */
+int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
+                          Kvxfer__Event ***evp);
 instance_t *instance_first(void);
 /* Deadlines of waiting polls; frees instances with no rank and no
  * request left (only here, so no caller holds a freed instance). */

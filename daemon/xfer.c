@@ -519,6 +519,54 @@ static void part_try_start(genpart_t *p)
     rrq_push(&runq, &p->turn);
 }
 
+/* A new fetch of request_id by inst, in its map and on the timeout list;
+ * NULL when out of memory (nothing left behind). */
+static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
+                            uint32_t skip, uint32_t dp_rank)
+{
+    genreq_t *g = calloc(1, sizeof(*g));
+    if (g)
+        g->parts = calloc(inst->nranks, sizeof(*g->parts));
+    if (!g || !g->parts || map_put(&inst->fetches, request_id, g)) {
+        if (g)
+            free(g->parts);
+        free(g);
+        return NULL;
+    }
+    g->inst = inst;
+    g->request_id = request_id;
+    g->skip_tokens = skip;
+    g->dp_rank = dp_rank;
+    g->need = group_ranks(inst, dp_rank);
+    g->created_ms = kvxd_now_ms();
+    dl_insert(&timeouts, &g->timeout,
+              g->created_ms + kvxd.conf.fetch_timeout_ms);
+    for (uint32_t r = 0; r < inst->nranks; r++) {
+        g->parts[r].req = g;
+        g->parts[r].rank = r;
+    }
+    nrequests++;
+    return g;
+}
+
+/* Rank's part of g takes the pool (a reference), its block table bt and
+ * its plan, bound to the pool as the destination. */
+static genpart_t *part_fetched(genreq_t *g, uint32_t rank, pool_t *pool,
+                               uint32_t *bt, plan_t *plan)
+{
+    genpart_t *p = &g->parts[rank];
+    p->fetched = 1;
+    p->pool = pool;
+    pool_ref(pool);
+    p->blocks = bt;
+    p->nblocks = plan->dst_blocks_needed;
+    p->plan = plan;
+    plan->dst = (plan_mem_t){pool->base, &pool->layout, bt, p->nblocks};
+    g->nfetched++;
+    g->bytes_total += plan->bytes;
+    return p;
+}
+
 /* A fetch whose sources are reached through peer daemons (remote.c):
  * the plan comes from the params, the token is proven to the daemon
  * serving each source rank, and each slice is pulled from it. */
@@ -634,59 +682,29 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
     }
     memcpy(bt, blocks, plan->dst_blocks_needed * sizeof(uint32_t));
     if (!g) {
-        g = calloc(1, sizeof(*g));
-        if (g) {
-            g->parts = calloc(inst->nranks, sizeof(*g->parts));
-            g->src_addresses = calloc(cp->n_rank_addresses, sizeof(char *));
-        }
-        int bad = !g || !g->parts || !g->src_addresses;
+        char **addrs = calloc(cp->n_rank_addresses, sizeof(char *));
+        int bad = !addrs;
         for (size_t i = 0; !bad && i < cp->n_rank_addresses; i++)
-            bad = !(g->src_addresses[i] = strdup(cp->rank_addresses[i]));
-        if (bad || map_put(&inst->fetches, request_id, g)) {
-            if (g && g->src_addresses)
-                for (size_t i = 0; i < cp->n_rank_addresses; i++)
-                    free(g->src_addresses[i]);
-            if (g) {
-                free(g->src_addresses);
-                free(g->parts);
-            }
-            free(g);
+            bad = !(addrs[i] = strdup(cp->rank_addresses[i]));
+        if (bad || !(g = genreq_new(inst, request_id, skip, dp_rank))) {
+            for (size_t i = 0; addrs && i < cp->n_rank_addresses; i++)
+                free(addrs[i]);
+            free(addrs);
             free(bt);
             plan_free(plan);
             WHY(KVX_ERR_NOMEM, "fetch: out of memory");
         }
-        g->src_nranks = (uint32_t)cp->n_rank_addresses;
-        g->inst = inst;
-        g->request_id = request_id;
         g->remote = 1;
         g->src_side = src;
+        g->src_addresses = addrs;
+        g->src_nranks = (uint32_t)cp->n_rank_addresses;
         snprintf(g->src_instance, sizeof(g->src_instance), "%s",
                  cp->instance_id);
         g->src_request = cp->request_id;
         memcpy(g->token, cp->token.data, TOKEN_LEN);
-        g->skip_tokens = skip;
-        g->dp_rank = dp_rank;
-        g->need = group_ranks(inst, dp_rank);
-        g->created_ms = kvxd_now_ms();
-        dl_insert(&timeouts, &g->timeout,
-                  g->created_ms + kvxd.conf.fetch_timeout_ms);
-        for (uint32_t r = 0; r < inst->nranks; r++) {
-            g->parts[r].req = g;
-            g->parts[r].rank = r;
-        }
-        nrequests++;
     }
-    genpart_t *p = &g->parts[rank];
-    p->fetched = 1;
-    p->pool = pool;
-    pool_ref(pool);
-    p->blocks = bt;
-    p->nblocks = plan->dst_blocks_needed;
-    p->plan = plan;
-    plan->dst = (plan_mem_t){pool->base, &pool->layout, bt, p->nblocks};
-    p->started = 1;
-    g->nfetched++;
-    g->bytes_total += plan->bytes;
+    genpart_t *p = part_fetched(g, rank, pool, bt, plan);
+    p->started = 1; /* its sources are bound on the peers */
     log_debug("fetch %s/%llu rank %u from %s/%llu through peers: %u "
               "slices, %llu bytes",
               inst->id, (unsigned long long)request_id, rank,
@@ -863,44 +881,16 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
     }
     memcpy(bt, blocks, plan->dst_blocks_needed * sizeof(uint32_t));
     if (!g) {
-        g = calloc(1, sizeof(*g));
-        if (g)
-            g->parts = calloc(inst->nranks, sizeof(*g->parts));
-        if (!g || !g->parts || map_put(&inst->fetches, request_id, g)) {
-            if (g)
-                free(g->parts);
-            free(g);
+        if (!(g = genreq_new(inst, request_id, skip, dp_rank))) {
             snprintf(why, why_len, "fetch: out of memory");
             rc = KVX_ERR_NOMEM;
             goto err_free_bt;
         }
-        g->inst = inst;
-        g->request_id = request_id;
         g->offer = o;
-        g->skip_tokens = skip;
-        g->dp_rank = dp_rank;
-        g->need = group_ranks(inst, dp_rank);
-        g->created_ms = kvxd_now_ms();
-        dl_insert(&timeouts, &g->timeout,
-                  g->created_ms + kvxd.conf.fetch_timeout_ms);
-        for (uint32_t r = 0; r < inst->nranks; r++) {
-            g->parts[r].req = g;
-            g->parts[r].rank = r;
-        }
         o->consumer = g;
         dl_remove(&leases, &o->lease); /* the fetch timeout bounds it now */
-        nrequests++;
     }
-    genpart_t *p = &g->parts[rank];
-    p->fetched = 1;
-    p->pool = pool;
-    pool_ref(pool);
-    p->blocks = bt;
-    p->nblocks = plan->dst_blocks_needed;
-    p->plan = plan;
-    plan->dst = (plan_mem_t){pool->base, &pool->layout, bt, p->nblocks};
-    g->nfetched++;
-    g->bytes_total += plan->bytes;
+    genpart_t *p = part_fetched(g, rank, pool, bt, plan);
     log_debug("fetch %s/%llu rank %u from %s/%llu: %u slices, %llu bytes",
               inst->id, (unsigned long long)request_id, rank, ci->id,
               (unsigned long long)o->request_id, plan->nslices,
