@@ -322,9 +322,15 @@ static int send_open(rstream_t *r)
     genreq_t *g = p->req;
     const plan_t *plan = p->plan;
     const kvx_layout_t *l = &p->pool->layout;
-    plan_side_t eff;
+    plan_side_t full, eff;
     uint32_t eff_rank;
-    plan_dp_view(&g->inst->side, p->rank, &eff, &eff_rank);
+    full = g->inst->side; /* with the pool's layout summary */
+    full.kv_factor = l->kv_factor;
+    full.head_dim = l->head_dim;
+    full.elem_size = l->elem_size;
+    full.dtype = l->dtype;
+    full.tokens_per_block = l->tokens_per_block;
+    plan_dp_view(&full, p->rank, &eff, &eff_rank);
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerOpen o = KVXFER__PEER_OPEN__INIT;
     Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
@@ -334,20 +340,9 @@ static int send_open(rstream_t *r)
     o.request_id = g->src_request;
     o.token.data = g->token;
     o.token.len = TOKEN_LEN;
-    pc.tp = eff.tp;
-    pc.pp = eff.pp;
-    pc.cp = eff.cp;
-    pc.total_layers = eff.total_layers;
-    pc.total_kv_heads = eff.total_heads;
-    pc.n_layers_per_pp = eff.num_layers_per_pp;
-    pc.layers_per_pp = eff.layers_per_pp;
-    o.dst_parallel = &pc;
+    xfer_side_to_msg(&eff, &pc, &lay);
     lay.preset = (char *)l->preset;
-    lay.kv_factor = l->kv_factor;
-    lay.head_dim = l->head_dim;
-    lay.elem_size = l->elem_size;
-    lay.dtype = l->dtype;
-    lay.tokens_per_block = l->tokens_per_block;
+    o.dst_parallel = &pc;
     o.dst_layout = &lay;
     o.dst_rank = eff_rank;
     o.skip_tokens = g->skip_tokens;
@@ -768,29 +763,11 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                     (unsigned long long)m->request_id, kvxd.address);
         return;
     }
-    if (!m->dst_parallel || !m->dst_layout ||
-        m->dst_parallel->n_layers_per_pp > 64) {
-        open_refuse(c, m->stream, KVX_ERR_PROTOCOL, "malformed open");
-        return;
-    }
-    plan_side_t dst = {0};
-    const Kvxfer__ParallelConfig *pc = m->dst_parallel;
-    dst.tp = pc->tp;
-    dst.pp = pc->pp;
-    dst.cp = pc->cp;
-    dst.total_layers = pc->total_layers;
-    dst.total_heads = pc->total_kv_heads;
-    dst.num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
-    for (size_t i = 0; i < pc->n_layers_per_pp; i++)
-        dst.layers_per_pp[i] = pc->layers_per_pp[i];
-    dst.kv_factor = m->dst_layout->kv_factor;
-    dst.head_dim = m->dst_layout->head_dim;
-    dst.elem_size = m->dst_layout->elem_size;
-    dst.dtype = m->dst_layout->dtype;
-    dst.tokens_per_block = m->dst_layout->tokens_per_block;
+    plan_side_t dst;
     char why[256];
     plan_t *plan;
-    int rc = plan_side_check(&dst, why, sizeof(why));
+    int rc = xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, why,
+                                sizeof(why));
     if (!rc)
         rc = plan_compat(&o->side, &dst, why, sizeof(why));
     if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {

@@ -214,8 +214,52 @@ static int random_token(uint8_t out[TOKEN_LEN])
 
 /* ---- context params --------------------------------------------------- */
 
+void xfer_side_to_msg(const plan_side_t *s, Kvxfer__ParallelConfig *pc,
+                      Kvxfer__Layout *lay)
+{
+    pc->tp = s->tp;
+    pc->pp = s->pp;
+    pc->cp = s->cp;
+    pc->total_layers = s->total_layers;
+    pc->total_kv_heads = s->total_heads;
+    pc->n_layers_per_pp = s->num_layers_per_pp;
+    pc->layers_per_pp = (uint32_t *)s->layers_per_pp;
+    lay->kv_factor = s->kv_factor;
+    lay->head_dim = s->head_dim;
+    lay->elem_size = s->elem_size;
+    lay->dtype = s->dtype;
+    lay->tokens_per_block = s->tokens_per_block;
+}
+
+int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
+                       const Kvxfer__Layout *l, plan_side_t *s, char *why,
+                       size_t why_len)
+{
+    memset(s, 0, sizeof(*s));
+    if (!pc || !l)
+        WHY(KVX_ERR_INVALID, "parallel config or layout missing");
+    if (pc->n_layers_per_pp > 64)
+        WHY(KVX_ERR_INVALID, "layers_per_pp has %zu entries (at most 64)",
+            pc->n_layers_per_pp);
+    s->tp = pc->tp;
+    s->pp = pc->pp;
+    s->cp = pc->cp;
+    s->total_layers = pc->total_layers;
+    s->total_heads = pc->total_kv_heads;
+    s->num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
+    for (size_t i = 0; i < pc->n_layers_per_pp; i++)
+        s->layers_per_pp[i] = pc->layers_per_pp[i];
+    s->kv_factor = l->kv_factor;
+    s->head_dim = l->head_dim;
+    s->elem_size = l->elem_size;
+    s->dtype = l->dtype;
+    s->tokens_per_block = l->tokens_per_block;
+    return plan_side_check(s, why, why_len);
+}
+
 static int params_build(offer_t *o, const kvx_layout_t *l)
 {
+    (void)l; /* o->side already holds the layout summary */
     instance_t *inst = o->inst;
     Kvxfer__ContextParams cp = KVXFER__CONTEXT_PARAMS__INIT;
     Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
@@ -225,20 +269,9 @@ static int params_build(offer_t *o, const kvx_layout_t *l)
     cp.request_id = o->request_id;
     cp.token.data = o->token;
     cp.token.len = TOKEN_LEN;
-    pc.tp = inst->side.tp;
-    pc.pp = inst->side.pp;
-    pc.cp = inst->side.cp;
-    pc.total_layers = inst->side.total_layers;
-    pc.total_kv_heads = inst->side.total_heads;
-    pc.n_layers_per_pp = inst->side.num_layers_per_pp;
-    pc.layers_per_pp = inst->side.layers_per_pp;
-    cp.parallel = &pc;
+    xfer_side_to_msg(&o->side, &pc, &lay);
     lay.preset = o->preset;
-    lay.kv_factor = l->kv_factor;
-    lay.head_dim = l->head_dim;
-    lay.elem_size = l->elem_size;
-    lay.dtype = l->dtype;
-    lay.tokens_per_block = l->tokens_per_block;
+    cp.parallel = &pc;
     cp.layout = &lay;
     cp.n_rank_addresses = inst->nranks;
     cp.rank_addresses = inst->addresses;
@@ -573,28 +606,11 @@ static genpart_t *part_fetched(genreq_t *g, uint32_t rank, pool_t *pool,
 static int side_from_params(const Kvxfer__ContextParams *cp, plan_side_t *s,
                             char *why, size_t why_len)
 {
-    const Kvxfer__ParallelConfig *pc = cp->parallel;
-    const Kvxfer__Layout *l = cp->layout;
-    memset(s, 0, sizeof(*s));
-    if (pc->n_layers_per_pp > 64)
-        WHY(KVX_ERR_INVALID, "fetch.context_params: layers_per_pp has %zu "
-                             "entries",
-            pc->n_layers_per_pp);
-    s->tp = pc->tp;
-    s->pp = pc->pp;
-    s->cp = pc->cp;
-    s->total_layers = pc->total_layers;
-    s->total_heads = pc->total_kv_heads;
-    s->num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
-    for (size_t i = 0; i < pc->n_layers_per_pp; i++)
-        s->layers_per_pp[i] = pc->layers_per_pp[i];
-    s->kv_factor = l->kv_factor;
-    s->head_dim = l->head_dim;
-    s->elem_size = l->elem_size;
-    s->dtype = l->dtype;
-    s->tokens_per_block = l->tokens_per_block;
-    int rc = plan_side_check(s, why, why_len);
-    if (!rc && plan_side_ranks(s) != cp->n_rank_addresses)
+    char w[200];
+    int rc = xfer_side_from_msg(cp->parallel, cp->layout, s, w, sizeof(w));
+    if (rc)
+        WHY(rc, "fetch.context_params: %s", w);
+    if (plan_side_ranks(s) != cp->n_rank_addresses)
         WHY(KVX_ERR_INVALID,
             "fetch.context_params: %zu rank addresses for %u ranks",
             cp->n_rank_addresses, plan_side_ranks(s));

@@ -131,6 +131,14 @@ typedef struct genreq {
 
 /* ---- xfer.c, for remote.c ---------------------------------------------- */
 
+/* A side (parallel config and layout summary) to and from the wire; the
+ * message points into s. from_msg validates (plan_side_check). */
+void xfer_side_to_msg(const plan_side_t *s, Kvxfer__ParallelConfig *pc,
+                      Kvxfer__Layout *lay);
+int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
+                       const Kvxfer__Layout *l, plan_side_t *s, char *why,
+                       size_t why_len);
+
 /* The one way a request ends (fence first; see xfer.c). */
 void xfer_genreq_end(genreq_t *g, int kind, int code, const char *msg);
 void xfer_offer_end(offer_t *o, int kind, int code, const char *msg);
