@@ -131,6 +131,15 @@ static void merges_fail(instance_t *inst, const char *msg)
     free(keys);
 }
 
+/* Member: send m to the daemon of rank 0 (connecting on first use).
+ * 0, or an error when it cannot be reached. */
+static int to_root(const instance_t *inst, const Kvxfer__PeerMsg *m)
+{
+    char why[256];
+    peer_conn_t *c = peer_connect(inst->addresses[0], why, sizeof(why));
+    return c ? peer_send(c, m) : KVX_ERR_PEER_GONE;
+}
+
 /* Member: tell the root that a local rank joined (again) or left, as a
  * rank of one daemon tells its batches (a rank gone ends the instance's
  * requests; back, it reads from the next batch). */
@@ -151,8 +160,6 @@ void agree_rank(instance_t *inst, uint32_t rank, int joined)
     spread_t *s = spread_of(inst, 0);
     if (s && !joined)
         s->poll_req[rank] = 0; /* its poll went with its client */
-    char why[256];
-    peer_conn_t *c = peer_connect(inst->addresses[0], why, sizeof(why));
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerRanks r = KVXFER__PEER_RANKS__INIT;
     r.instance_id = inst->id;
@@ -160,7 +167,7 @@ void agree_rank(instance_t *inst, uint32_t rank, int joined)
     r.joined = joined;
     m.m_case = KVXFER__PEER_MSG__M_RANKS;
     m.ranks = &r;
-    if (!c || peer_send(c, &m))
+    if (to_root(inst, &m))
         log_warn("instance %s: rank %u %s, and the root daemon %s cannot "
                  "be told",
                  inst->id, rank, joined ? "joined" : "left",
@@ -229,8 +236,6 @@ void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
         merge_report(inst, request_id, offer, kind, code, msg, ranks, expect);
         return;
     }
-    char why[256];
-    peer_conn_t *c = peer_connect(inst->addresses[0], why, sizeof(why));
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerEvent e = KVXFER__PEER_EVENT__INIT;
     e.instance_id = inst->id;
@@ -243,7 +248,7 @@ void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
     e.expect = expect;
     m.m_case = KVXFER__PEER_MSG__M_EVENT;
     m.event = &e;
-    if (!c || peer_send(c, &m))
+    if (to_root(inst, &m))
         log_warn("instance %s: the event of request %llu cannot reach the "
                  "root daemon %s",
                  inst->id, (unsigned long long)request_id,
@@ -265,9 +270,6 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
         snprintf(why, why_len, "poll: this rank already has a poll waiting");
         return KVX_ERR_BUSY;
     }
-    peer_conn_t *c = peer_connect(inst->addresses[0], why, why_len);
-    if (!c)
-        return KVX_ERR_PEER_GONE;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerPoll p = KVXFER__PEER_POLL__INIT;
     p.instance_id = inst->id;
@@ -277,7 +279,7 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
     p.timeout_ms = timeout_ms;
     m.m_case = KVXFER__PEER_MSG__M_POLL;
     m.poll = &p;
-    if (peer_send(c, &m)) {
+    if (to_root(inst, &m)) {
         snprintf(why, why_len, "poll: the root daemon %s of instance %s is "
                                "unreachable",
                  inst->addresses[0], inst->id);
