@@ -388,8 +388,18 @@ static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
     int member = 0;
     for (uint32_t r = 0; r < inst->nranks && !member; r++)
         member = !strcmp(inst->addresses[r], peer_conn_address(c));
-    if (!member || e->expect > inst->nranks)
+    /* what a member reports must make sense for this instance: the ranks
+     * it covers and needs within the instance, a known kind, a code that
+     * is an error exactly when the kind is not COMPLETE */
+    int kind = (int)e->kind, complete = kind == KVX_EVENT_COMPLETE;
+    if (!member || !e->expect || e->expect > inst->nranks || !e->ranks ||
+        e->ranks > e->expect || kind < KVX_EVENT_COMPLETE ||
+        kind > KVX_EVENT_TIMED_OUT || (complete != (e->code == 0)) ||
+        e->code < KVX_ERR_LAST || e->code > 0) {
+        log_warn("peer %s: malformed event for instance %s dropped",
+                 peer_conn_address(c), inst->id);
         return;
+    }
     if (e->code)
         kvxd_count_error(e->code);
     merge_report(inst, e->request_id, e->offer, e->kind, e->code,
