@@ -819,6 +819,45 @@ TEST_T(peer_killed_mid_transfer, 90)
     pl_free(x);
 }
 
+/* Daemon A (context) drained by SIGTERM mid-transfer: it tells B, whose
+ * requests each end once (COMPLETE with their bytes, or ERROR SHUTDOWN /
+ * PEER_GONE) within the keep-alive bound; A exits 0; B stays healthy. */
+TEST_T(peer_drained_mid_transfer, 90)
+{
+    pl_t *x = pl_start();
+    int64_t t0 = now_ms();
+    CHECK(kill(x->a->pid, SIGTERM) == 0);
+    int n = collect(x->g.c, x->ge, PL_REQ + 16, PL_REQ, P_BOUND_MS);
+    CHECK(now_ms() - t0 <= P_BOUND_MS + 500);
+    CHECK_EQ(n, PL_REQ);
+    int errors = 0;
+    for (uint32_t q = 0; q < PL_REQ; q++) {
+        int count = 0;
+        const ev_t *e = NULL;
+        for (int i = 0; i < n; i++)
+            if (x->ge[i].req == 100 + q) {
+                count++;
+                e = &x->ge[i];
+            }
+        CHECK_EQ(count, 1);
+        if (e->kind == KVX_EVENT_COMPLETE) {
+            CHECK_EQ(p_check_req(&x->g, 100 + q, x->gb[q], PL_TOK, 0), 0);
+        } else {
+            CHECK_EQ(e->kind, KVX_EVENT_ERROR);
+            CHECK(e->code == KVX_ERR_SHUTDOWN || e->code == KVX_ERR_PEER_GONE);
+            errors++;
+        }
+    }
+    CHECK(errors > 0);
+    int st = daemon_wait(x->a, 10000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    daemon_healthy(x->b);
+    rank_close(&x->c);
+    rank_close(&x->g);
+    daemon_stop_ok(x->b);
+    pl_free(x);
+}
+
 /* ---- an instance spread over the two daemons ---------------------------- */
 
 #define SP_N 16
