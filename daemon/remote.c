@@ -346,27 +346,26 @@ static int send_open(rstream_t *r)
     o.dst_layout = &lay;
     o.dst_rank = eff_rank;
     o.skip_tokens = g->skip_tokens;
-    o.slice_begin = r->slice;
-    o.slice_end = r->slice + 1;
+    o.slice = r->slice;
     o.nunits = plan->nunits;
     o.bytes = plan->bytes;
-    o.dst_ranks = plan_side_ranks(&eff);
+    uint32_t nd = plan_side_ranks(&eff);
     /* the daemon of each rank of the receiving group, in the plan's rank
      * order: the source waits for their streams, and knows whom to miss */
-    char **addrs = calloc(o.dst_ranks ? o.dst_ranks : 1, sizeof(char *));
+    char **addrs = calloc(nd ? nd : 1, sizeof(char *));
     if (!addrs)
         return KVX_ERR_NOMEM;
     for (uint32_t q = 0; q < g->inst->nranks; q++) {
         plan_side_t e;
         uint32_t er;
         if (plan_dp_view(&g->inst->side, q, &e, &er) == g->dp_rank &&
-            er < o.dst_ranks)
+            er < nd)
             addrs[er] = g->inst->addresses[q];
     }
-    for (uint32_t q = 0; q < o.dst_ranks; q++)
+    for (uint32_t q = 0; q < nd; q++)
         if (!addrs[q])
             addrs[q] = "";
-    o.n_dst_addresses = o.dst_ranks;
+    o.n_dst_addresses = nd;
     o.dst_addresses = addrs;
     o.consumer_instance = g->inst->id;
     o.consumer_request = g->request_id;
@@ -783,14 +782,14 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         return;
     }
     if (plan->nunits != m->nunits || plan->bytes != m->bytes ||
-        m->slice_begin >= plan->nslices ||
-        !inst->local[plan->slices[m->slice_begin].src_rank]) {
+        m->slice >= plan->nslices ||
+        !inst->local[plan->slices[m->slice].src_rank]) {
         plan_free(plan);
         open_refuse(c, m->stream, KVX_ERR_MISMATCH,
                     "the plan on daemon %s differs (%llu units, %llu bytes) "
                     "or slice %u is not served there",
                     kvxd.address, (unsigned long long)m->nunits,
-                    (unsigned long long)m->bytes, m->slice_begin);
+                    (unsigned long long)m->bytes, m->slice);
         return;
     }
     /* one consumer per offer: the generation request (instance and
@@ -819,7 +818,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->offer = o;
     s->fence = o;
     s->plan = plan;
-    s->slice = m->slice_begin;
+    s->slice = m->slice;
     s->src_rank = plan->slices[s->slice].src_rank;
     s->u_begin = plan->slices[s->slice].unit_begin;
     s->u_end = s->slice + 1 < plan->nslices
@@ -1111,68 +1110,76 @@ void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     }
 }
 
+/* A request, by its stable names: ending one request can free others'
+ * streams, so the streams are read first and the requests ended after. */
+typedef struct req_ref {
+    instance_t *inst; /* instances are freed only by instance_tick() */
+    uint64_t id;
+} req_ref_t;
+
 void remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
 {
     char m[400];
     snprintf(m, sizeof(m), "daemon %s: %s", peer_conn_address(c), msg);
-    /* D: requests pulling over c; nothing more goes to it */
-    uint32_t n = rstreams.n;
+    uint32_t n = rstreams.n + sstreams.n, k = 0;
     void **v = calloc(n ? n : 1, sizeof(*v));
-    if (v) {
-        n = map_values(&rstreams, v, n);
-        for (uint32_t i = 0; i < n; i++) {
-            rstream_t *r = v[i];
-            if (r->conn != c)
-                continue;
-            r->opened = 0;
-            r->refused = 1;
-            if (!r->part) { /* orphan */
-                map_del(&rstreams, r->id);
-                free(r);
-                v[i] = NULL;
-            }
+    req_ref_t *fetches = calloc(n ? n : 1, sizeof(*fetches));
+    req_ref_t *offers = calloc(n ? n : 1, sizeof(*offers));
+    uint32_t nf = 0, no = 0;
+    if (!v || !fetches || !offers) {
+        log_error("remote: out of memory ending the transfers with %s",
+                  peer_conn_address(c));
+        goto out;
+    }
+    /* D: nothing more goes to c; orphans on it go now */
+    k = map_values(&rstreams, v, rstreams.n);
+    for (uint32_t i = 0; i < k; i++) {
+        rstream_t *r = v[i];
+        if (r->conn != c)
+            continue;
+        r->opened = 0;
+        r->refused = 1;
+        if (!r->part) {
+            map_del(&rstreams, r->id);
+            free(r);
+        } else if (!r->ended) {
+            fetches[nf++] = (req_ref_t){r->part->req->inst,
+                                        r->part->req->request_id};
         }
-        /* ending one request frees its streams: look each up again */
-        for (uint32_t i = 0; i < n; i++) {
-            rstream_t *r = v[i];
-            if (!r || map_get(&rstreams, r->id) != r || r->conn != c ||
-                r->ended || !r->part)
-                continue;
-            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
+    }
+    /* S: the streams on c end here (no END can reach it) */
+    k = map_values(&sstreams, v, sstreams.n);
+    for (uint32_t i = 0; i < k; i++) {
+        sstream_t *s = v[i];
+        if (s->conn != c || s->ended || !s->offer)
+            continue;
+        offers[no++] = (req_ref_t){s->offer->inst, s->offer->request_id};
+        sstream_end(s); /* may free s */
+    }
+    for (uint32_t i = 0; i < nf; i++) {
+        genreq_t *g = map_get(&fetches[i].inst->fetches, fetches[i].id);
+        if (g && !g->ending)
+            xfer_genreq_end(g, KVX_EVENT_ERROR,
                             code == KVX_ERR_AUTH ? KVX_ERR_AUTH
                                                  : KVX_ERR_PEER_GONE,
                             m);
-            free(v);
-            remote_on_conn_lost(c, code, msg);
-            return;
-        }
-        free(v);
     }
-    /* S: offers read over c */
-    n = sstreams.n;
-    v = calloc(n ? n : 1, sizeof(*v));
-    if (!v)
-        return;
-    n = map_values(&sstreams, v, n);
-    for (uint32_t i = 0; i < n; i++) {
-        sstream_t *s = v[i];
-        if (s->conn == c && !s->ended && s->offer) {
-            offer_t *o = s->offer;
-            sstream_end(s);
+    for (uint32_t i = 0; i < no; i++) {
+        offer_t *o = map_get(&offers[i].inst->offers, offers[i].id);
+        if (o)
             xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, m);
-            free(v);
-            remote_on_conn_lost(c, code, msg);
-            return;
-        }
     }
+out:
     free(v);
+    free(fetches);
+    free(offers);
     /* S: offers still waiting for streams from that daemon */
     for (instance_t *i = instance_first(); i; i = i->next) {
-        uint32_t no = i->offers.n;
-        uint64_t *ids = calloc(no ? no : 1, sizeof(*ids));
-        no = ids ? map_keys(&i->offers, ids, no) : 0;
-        for (uint32_t k = 0; k < no; k++) {
-            offer_t *o = map_get(&i->offers, ids[k]);
+        uint32_t nids = i->offers.n;
+        uint64_t *ids = calloc(nids ? nids : 1, sizeof(*ids));
+        nids = ids ? map_keys(&i->offers, ids, nids) : 0;
+        for (uint32_t j = 0; j < nids; j++) {
+            offer_t *o = map_get(&i->offers, ids[j]);
             if (o && offer_waits_for(o, peer_conn_address(c)))
                 xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, m);
         }

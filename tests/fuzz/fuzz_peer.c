@@ -284,7 +284,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 if (flags & 2)
                     o->open->skip_tokens = m->open->skip_tokens;
                 if (flags & 4)
-                    o->open->slice_begin = m->open->slice_begin;
+                    o->open->slice = m->open->slice;
                 if (flags & 8)
                     o->open->nunits = m->open->nunits;
             }
