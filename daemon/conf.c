@@ -168,7 +168,7 @@ static const struct conf_key keys[] = {
              "turns transfers between daemons off."},
     {.name = "peer.secret_file", .type = CONF_STRING,
      FIELD(peer_secret_file), .def_str = "",
-     .help = "File holding the cluster secret (at least 16 bytes, readable "
+     .help = "File holding the cluster secret (16 to 4096 bytes, readable "
              "by the owner only) that daemons prove to each other; "
              "required with peer.listen."},
     {.name = "peer.keepalive_interval_ms", .type = CONF_MS,

@@ -232,6 +232,7 @@ static int parse_address(const char *a, struct sockaddr_storage *ss,
 
 static int read_secret(char *why, size_t why_len)
 {
+    uint8_t buf[SECRET_MAX + 1];
     const char *f = kvxd.conf.peer_secret_file;
     int fd = open(f, O_RDONLY | O_CLOEXEC);
     struct stat st;
@@ -248,14 +249,19 @@ static int read_secret(char *why, size_t why_len)
                  "peer.secret_file: %s is readable by group or others (mode "
                  "%03o); chmod 600 it",
                  f, (unsigned)(st.st_mode & 0777));
-    else if ((n = read(fd, P.secret, sizeof(P.secret))) < 16)
+    else if ((n = read(fd, buf, sizeof(buf))) < 16 || n > SECRET_MAX)
         snprintf(why, why_len,
-                 "peer.secret_file: %s holds %zd bytes; the secret needs at "
-                 "least 16 (head -c 32 /dev/urandom > FILE)",
-                 f, n);
+                 "peer.secret_file: %s holds %s%zd bytes; the secret needs "
+                 "16 to %d (head -c 32 /dev/urandom > FILE)",
+                 f, n > SECRET_MAX ? "over " : "", n > SECRET_MAX ? SECRET_MAX : n,
+                 SECRET_MAX);
     close(fd);
-    if ((st.st_mode & 077) || n < 16)
+    if ((st.st_mode & 077) || n < 16 || n > SECRET_MAX) {
+        memset(buf, 0, sizeof(buf));
         return -1;
+    }
+    memcpy(P.secret, buf, (size_t)n);
+    memset(buf, 0, sizeof(buf));
     P.secret_len = (size_t)n;
     return 0;
 }
