@@ -154,12 +154,10 @@ static const struct conf_key keys[] = {
              "cancel waits for its fence."},
     {.name = "gpu.staging_bytes", .type = CONF_SIZE, FIELD(gpu_staging_bytes),
      .def = 64 * MiB, .min = 0, .max = 64 * GiB,
-     .help = "GPU staging buffer per device with pools, for the cross-node "
-             "path; allocated once, on the first pool."},
-    {.name = "gpu.host_staging_bytes", .type = CONF_SIZE,
-     FIELD(host_staging_bytes), .def = 64 * MiB, .min = 0, .max = 64 * GiB,
-     .help = "Pinned host staging buffer, for the cross-node path; "
-             "allocated once, with the first GPU pool."},
+     .help = "GPU staging buffer per device with pools, kept for GPU-memory "
+             "slots between daemons (with a CUDA-aware UCX; not used yet); "
+             "allocated once, on the first pool; 0: none. The host staging "
+             "is the peer slots."},
 
     {.name = "peer.listen", .type = CONF_STRING, FIELD(peer_listen),
      .def_str = "", .check = check_listen,

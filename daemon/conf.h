@@ -41,7 +41,6 @@ typedef struct kvx_conf {
     uint32_t gpu_max_ctas;
     uint64_t gpu_chunk_bytes;
     uint64_t gpu_staging_bytes;
-    uint64_t host_staging_bytes;
     /* peer daemons (UCX) */
     char peer_listen[64];          /* "IP:PORT"; "" = no peers */
     char peer_secret_file[108];

@@ -41,7 +41,6 @@ static struct {
     int used[MAX_DEV];         /* context created: a pool lives here */
     cudaStream_t stream[MAX_DEV];
     void *staging[MAX_DEV];    /* device staging, for the cross-node path */
-    void *host_staging;
     uint8_t peer[MAX_DEV][MAX_DEV];
     uint64_t launches, imports_legacy, imports_vmm;
 } g;
@@ -282,11 +281,6 @@ static int use_device(int d, char *why, size_t why_len)
         !CU_OK(cudaMalloc(&g.staging[d], kvxd.conf.gpu_staging_bytes)))
         log_warn("gpu %d: cannot allocate %llu staging bytes", d,
                  (unsigned long long)kvxd.conf.gpu_staging_bytes);
-    if (!g.host_staging && kvxd.conf.host_staging_bytes &&
-        !CU_OK(cudaHostAlloc(&g.host_staging, kvxd.conf.host_staging_bytes,
-                             cudaHostAllocPortable)))
-        log_warn("gpu: cannot allocate %llu pinned staging bytes",
-                 (unsigned long long)kvxd.conf.host_staging_bytes);
     /* let this device read and write every other device that can */
     for (int o = 0; o < g.ndev; o++) {
         int can = 0;
@@ -317,10 +311,9 @@ void gpu_status(char *buf, size_t len)
         return;
     }
     size_t off = (size_t)snprintf(
-        buf, len, "%d devices; staging %llu B/device, %llu B pinned host; "
+        buf, len, "%d devices; staging %llu B/device; "
                   "launches %llu; imports legacy %llu vmm %llu; in use:",
         g.ndev, (unsigned long long)kvxd.conf.gpu_staging_bytes,
-        (unsigned long long)kvxd.conf.host_staging_bytes,
         (unsigned long long)g.launches,
         (unsigned long long)g.imports_legacy,
         (unsigned long long)g.imports_vmm);
@@ -797,8 +790,6 @@ void gpu_cleanup(void)
             if (g.staging[d])
                 cudaFree(g.staging[d]);
         }
-    if (g.host_staging)
-        cudaFreeHost(g.host_staging);
     for (int i = 0; i < pin_nall; i++) {
         cudaFreeHost(pin_all[i]->p);
         free(pin_all[i]);
