@@ -72,6 +72,8 @@ static struct opts {
     uint32_t daemons;     /* 2: context ranks on daemon A, generation on B */
     const char *gen_socket; /* the generation ranks' daemon */
     uint64_t slot_bytes;  /* peer.slot_bytes of both daemons */
+    const char *peer_config[16]; /* --peer-config lines, peer section */
+    uint32_t npeer_config;
     const char *ucx_tls;
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
@@ -676,6 +678,8 @@ static void peer_write_config(const char *path)
             "peer:\n  listen: \"127.0.0.1:0\"\n  secret_file: \"%s\"\n"
             "  slot_bytes: %llu\n",
             peer_files[F_SECRET], (unsigned long long)o.slot_bytes);
+    for (uint32_t i = 0; i < o.npeer_config; i++)
+        fprintf(f, "  %s\n", o.peer_config[i]);
     if (o.ctas)
         fprintf(f, "gpu:\n  max_ctas: %u\n", o.ctas);
     if (o.daemon_config) {
@@ -1041,6 +1045,9 @@ static void usage(FILE *f)
         "  --slot-bytes N         peer.slot_bytes of both daemons and the "
         "ucx_perftest\n"
         "                         message size, in bytes (default 4194304)\n"
+        "  --peer-config 'KEY: VALUE'  a line of both daemons' peer "
+        "section, e.g.\n"
+        "                         'slots: 16' (repeatable, up to 16)\n"
         "  --ucx-tls LIST         UCX_TLS of both daemons and ucx_perftest "
         "(default:\n"
         "                         UCX_TLS as it is in this environment)\n"
@@ -1114,6 +1121,7 @@ int main(int argc, char **argv)
         {"daemons", required_argument, NULL, 1007},
         {"slot-bytes", required_argument, NULL, 1008},
         {"ucx-tls", required_argument, NULL, 1009},
+        {"peer-config", required_argument, NULL, 1010},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -1153,6 +1161,16 @@ int main(int argc, char **argv)
         case 1006: o.mla = 1; break;
         case 1007: o.daemons = arg_u32("daemons", optarg, 1, 2); break;
         /* the bounds of the daemon's peer.slot_bytes */
+        case 1010:
+            if (o.npeer_config == 16 || strchr(optarg, '\n') ||
+                !strchr(optarg, ':')) {
+                fprintf(stderr, "kvxfer-bench: --peer-config '%s': one "
+                                "'KEY: VALUE' line, at most 16 of them\n",
+                        optarg);
+                return 2;
+            }
+            o.peer_config[o.npeer_config++] = optarg;
+            break;
         case 1008: o.slot_bytes = arg_u32("slot-bytes", optarg, 64u << 10, 1u << 30); break;
         case 1009: o.ucx_tls = optarg; break;
         case 'Y': o.gen_host = 1; break;
@@ -1189,8 +1207,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvxfer-bench: --daemons 2 needs --spawn-daemon\n");
         return 2;
     }
-    if (o.daemons == 1 && (o.ucx_tls || o.slot_bytes != 4u << 20)) {
-        fprintf(stderr, "kvxfer-bench: --slot-bytes and --ucx-tls are for "
+    if (o.daemons == 1 &&
+        (o.ucx_tls || o.slot_bytes != 4u << 20 || o.npeer_config)) {
+        fprintf(stderr, "kvxfer-bench: --slot-bytes, --peer-config and "
+                        "--ucx-tls are for "
                         "--daemons 2 (one daemon moves no bytes over "
                         "UCX)\n");
         return 2;
@@ -1360,14 +1380,17 @@ int main(int argc, char **argv)
     /* the same transports for the baseline: without --ucx-tls, the ones
      * the daemons' connection used (status "ucx.transports", "tl/dev") */
     static char used_tls[128];
-    if (o.daemons == 2 && !failed && !getenv("UCX_TLS")) {
+    uint64_t message_bytes = 0; /* status "ucx.message_bytes" */
+    int want_tls = !getenv("UCX_TLS");
+    if (o.daemons == 2 && !failed) {
         kvx_client_t *c;
         char *json = NULL;
         if (kvx_connect_observer(o.gen_socket, 2000, &c) == 0) {
             kvx_status_json(c, &json, 2000);
             kvx_close(c);
         }
-        const char *t = json ? strstr(json, "\"transports\":\"") : NULL;
+        const char *t =
+            json && want_tls ? strstr(json, "\"transports\":\"") : NULL;
         if (t) {
             t += 14;
             size_t n = 0;
@@ -1388,8 +1411,12 @@ int main(int argc, char **argv)
                 }
             }
         }
+        /* the daemons send a slot as pieces of ucx.message_bytes */
+        const char *mb = json ? strstr(json, "\"message_bytes\":") : NULL;
+        if (mb)
+            message_bytes = strtoull(mb + 16, NULL, 10);
         free(json);
-        if (used_tls[0])
+        if (want_tls && used_tls[0])
             setenv("UCX_TLS", used_tls, 1);
     }
     if (dpid > 0) {
@@ -1414,14 +1441,19 @@ int main(int argc, char **argv)
 
     /* --daemons 2: ucx_perftest between two processes of this host, on
      * host memory, moving about the same bytes in messages of a slot */
-    double ucx_gbps = 0, ucx_put_gbps = 0, d2h = 0, h2d = 0;
+    double ucx_gbps = 0, ucx_put_gbps = 0, ucx_msg_gbps = 0, d2h = 0, h2d = 0;
     if (o.daemons == 2) {
         ucx_gbps = perftest_gbps(perftest, "ucp_am_bw", o.slot_bytes, total,
                                  0);
+        /* slots went as smaller messages: UCX with those too, and the
+         * baseline is the better of the two */
+        if (message_bytes && message_bytes < o.slot_bytes)
+            ucx_msg_gbps = perftest_gbps(perftest, "ucp_am_bw",
+                                         message_bytes, total, 0);
         /* put: an extra figure, the 100-iteration run only */
         ucx_put_gbps = perftest_gbps(perftest, "ucp_put_bw", o.slot_bytes,
                                      total, 1);
-        base = ucx_gbps;
+        base = ucx_gbps > ucx_msg_gbps ? ucx_gbps : ucx_msg_gbps;
     }
 #ifdef KVX_CUDA
     int ctx_gpu = o.gpu && !o.ctx_host, gen_gpu = o.gpu && !o.gen_host;
@@ -1441,8 +1473,10 @@ int main(int argc, char **argv)
 #endif
     const char *base_name =
         o.daemons == 1 ? NULL
-        : !o.gpu       ? "ucx_perftest ucp_am_bw"
-        : o.ctx_host && o.gen_host ? "ucx_perftest ucp_am_bw"
+        : (!o.gpu || (o.ctx_host && o.gen_host))
+            ? (ucx_msg_gbps > 0 ? "ucx_perftest ucp_am_bw, the better of "
+                                  "slot-sized and piece-sized messages"
+                                : "ucx_perftest ucp_am_bw")
         : o.ctx_host   ? "min(H2D,ucx_perftest)"
         : o.gen_host   ? "min(D2H,ucx_perftest)"
                        : "min(D2H,H2D,ucx_perftest)";
@@ -1473,12 +1507,20 @@ int main(int argc, char **argv)
                o.skip, o.mla ? "true" : "false",
                (unsigned long long)sh->mismatches, secs);
         if (o.daemons == 2) {
-            printf(",\"daemons\":2,\"slot_bytes\":%llu,\"ucx_tls\":",
+            printf(",\"daemons\":2,\"slot_bytes\":%llu,\"peer_config\":[",
                    (unsigned long long)o.slot_bytes);
+            for (uint32_t i = 0; i < o.npeer_config; i++) {
+                if (i)
+                    putchar(',');
+                json_str(o.peer_config[i]);
+            }
+            printf("],\"ucx_tls\":");
             json_str(tls ? tls : "default");
-            printf(",\"ucx_perftest_gbps\":%.3f,"
+            printf(",\"message_bytes\":%llu,\"ucx_perftest_gbps\":%.3f,"
+                   "\"ucx_perftest_message_gbps\":%.3f,"
                    "\"ucx_perftest_put_gbps\":%.3f",
-                   ucx_gbps, ucx_put_gbps);
+                   (unsigned long long)message_bytes, ucx_gbps, ucx_msg_gbps,
+                   ucx_put_gbps);
             if (o.gpu)
                 printf(",\"d2h_gbps\":%.3f,\"h2d_gbps\":%.3f", d2h, h2d);
             printf(",\"baseline\":");
@@ -1508,6 +1550,11 @@ int main(int argc, char **argv)
                    (unsigned long long)o.slot_bytes, tls ? tls : "(default)");
             printf("  %-22s %12.3f GB/s\n", "ucx_perftest am_bw",
                    ucx_gbps);
+            if (ucx_msg_gbps > 0)
+                printf("  %-22s %12.3f GB/s  (messages of %llu bytes, the "
+                       "daemons' pieces)\n",
+                       "ucx_perftest am_bw", ucx_msg_gbps,
+                       (unsigned long long)message_bytes);
             printf("  %-22s %12.3f GB/s  (100 messages)\n",
                    "ucx_perftest put_bw", ucx_put_gbps);
             if (o.gpu && !o.ctx_host)

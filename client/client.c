@@ -888,8 +888,12 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_str(b, s->ucx->staging);
         sb_printf(b, ",\"version\":");
         sb_str(b, s->ucx->version);
-        sb_printf(b, ",\"slots\":%u,\"slot_bytes\":%llu}", s->ucx->slots,
-                  (unsigned long long)s->ucx->slot_bytes);
+        sb_printf(b,
+                  ",\"slots\":%u,\"slot_bytes\":%llu,\"message_bytes\":%llu,"
+                  "\"send_window\":%u}",
+                  s->ucx->slots, (unsigned long long)s->ucx->slot_bytes,
+                  (unsigned long long)s->ucx->message_bytes,
+                  s->ucx->send_window);
     }
     sb_printf(b, "}");
 }

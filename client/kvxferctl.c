@@ -115,10 +115,13 @@ static int cmd_status(const char *sock, int json)
     printf("copy threads   %u\n", s->worker_threads);
     printf("gpu            %s\n", s->gpu[0] ? s->gpu : "-");
     if (s->ucx && s->ucx->listen[0])
-        printf("peers          UCX %s, %s staging, %u x %llu-byte slots, "
+        printf("peers          UCX %s, %s staging, %u x %llu-byte slots "
+               "sent as %llu-byte messages, %u at once per peer, "
                "transports %s\n",
                s->ucx->version, s->ucx->staging, s->ucx->slots,
                (unsigned long long)s->ucx->slot_bytes,
+               (unsigned long long)s->ucx->message_bytes,
+               s->ucx->send_window,
                s->ucx->transports[0] ? s->ucx->transports : "-");
     else
         printf("peers          off (peer.listen is empty)\n");

@@ -191,6 +191,16 @@ static const struct conf_key keys[] = {
      .min = 2, .max = 1024,
      .help = "Staging slots for each direction (sending and receiving); "
              "allocated and registered once, at start."},
+    {.name = "peer.message_bytes", .type = CONF_SIZE, FIELD(message_bytes),
+     .def = 4 * MiB, .min = 64 * KiB, .max = 1 * GiB,
+     .help = "Largest message UCX is given: a larger slot is sent as "
+             "pieces of this size (at most 64), received straight into "
+             "their place in the slot."},
+    {.name = "peer.send_window", .type = CONF_U32, FIELD(send_window),
+     .def = 4, .min = 1, .max = 1024,
+     .help = "Messages in flight to one peer at once; more wait, "
+             "gathered, in order, so that one slot finishes while the "
+             "next is gathered and the one before is scattered."},
     {.name = "peer.busy_poll", .type = CONF_U32, FIELD(busy_poll), .def = 2,
      .min = 0, .max = 2,
      .help = "While transfers between daemons are in flight the loop "

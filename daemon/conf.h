@@ -49,6 +49,8 @@ typedef struct kvx_conf {
     uint32_t peer_connect_timeout_ms;
     uint64_t slot_bytes;
     uint32_t slots;
+    uint64_t message_bytes;        /* largest UCX message */
+    uint32_t send_window;          /* messages in flight to one peer */
     uint32_t busy_poll;            /* 0 never, 1 in flight, 2 auto */
     /* deadlines, milliseconds */
     uint32_t offer_lease_ms;

@@ -68,6 +68,10 @@ struct peer_conn {
     int refused;                /* we refused it: let the refusal out */
     int close_done;
     qmsg_t *q_head, *q_tail;    /* sends waiting for authentication */
+    /* slot sends: peer.send_window in flight, the rest wait here in
+     * order (each counted in outstanding) */
+    struct ureq *dq_head, *dq_tail;
+    uint32_t data_inflight;
     char transports[128];
     struct peer_conn *next;
 };
@@ -82,6 +86,11 @@ typedef struct ureq {
     int recv_kind;              /* 0 send, 1 ctrl recv, 2 data recv */
     Kvxfer__PeerMsg *hdr;
     size_t len;
+    /* a slot send: its data, and its place in the connection's queue */
+    int is_data;
+    size_t hdr_len;
+    const void *data;
+    struct ureq *next;
 } ureq_t;
 
 static struct {
@@ -353,12 +362,18 @@ static void ureq_done(ureq_t *u, int status)
     conn_try_free(c);
 }
 
+static void data_start(peer_conn_t *c);
+
 static void send_cb(void *request, ucs_status_t status, void *user_data)
 {
     ureq_t *u = user_data;
     if (status != UCS_OK && u->c->state != CONN_LOST)
         conn_fail(u->c, KVX_ERR_PEER_GONE, "send to %s failed: %s",
                   u->c->address, ucs_status_string(status));
+    if (u->is_data) {
+        u->c->data_inflight--;
+        data_start(u->c); /* before ureq_done, which may free c */
+    }
     ureq_done(u, status == UCS_OK ? 0 : KVX_ERR_PEER_GONE);
     ucp_request_free(request);
 }
@@ -444,6 +459,33 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     return 0;
 }
 
+/* Start queued slot sends while the window has room. A send UCX refuses
+ * fails the connection, which ends the queue. */
+static void data_start(peer_conn_t *c)
+{
+    while (c->state == CONN_READY && c->dq_head &&
+           c->data_inflight < kvxd.conf.send_window) {
+        ureq_t *u = c->dq_head;
+        c->dq_head = u->next;
+        if (!c->dq_head)
+            c->dq_tail = NULL;
+        u->next = NULL;
+        c->outstanding--; /* am_send counts it again */
+        c->data_inflight++;
+        if (am_send(c, AM_DATA, u->buf, u->hdr_len, u->data, u->len, u)) {
+            c->data_inflight--;
+            c->outstanding++;
+            u->next = c->dq_head; /* conn_fail gives it back with the rest */
+            c->dq_head = u;
+            if (!c->dq_tail)
+                c->dq_tail = u;
+            conn_fail(c, KVX_ERR_PEER_GONE, "cannot send to %s",
+                      c->address);
+            return;
+        }
+    }
+}
+
 int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
                    const void *buf, size_t len,
                    void (*done)(void *arg, int status), void *arg)
@@ -460,15 +502,21 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
     }
     /* the header is copied by UCX before the call returns for eager
      * sends; for rendezvous it is kept: keep it until completion */
+    u->c = c;
     u->buf = hb;
+    u->hdr_len = hl;
+    u->data = buf;
+    u->len = len;
+    u->is_data = 1;
     u->done = done;
     u->arg = arg;
-    if (am_send(c, AM_DATA, hb, hl, buf, len, u)) {
-        free(hb);
-        free(u);
-        conn_fail(c, KVX_ERR_PEER_GONE, "cannot send to %s", c->address);
-        return KVX_ERR_PEER_GONE;
-    }
+    c->outstanding++; /* waiting: keeps c until it is given back */
+    if (c->dq_tail)
+        c->dq_tail->next = u;
+    else
+        c->dq_head = u;
+    c->dq_tail = u;
+    data_start(c);
     return 0;
 }
 
@@ -544,6 +592,18 @@ static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
         free(q);
     }
     c->q_tail = NULL;
+    /* queued slot sends never started: their owners get them back (c
+     * stays: its endpoint is not closed yet, so it cannot be freed) */
+    while (c->dq_head) {
+        ureq_t *u = c->dq_head;
+        c->dq_head = u->next;
+        if (u->done)
+            u->done(u->arg, KVX_ERR_PEER_GONE);
+        free(u->buf);
+        free(u);
+        c->outstanding--;
+    }
+    c->dq_tail = NULL;
     remote_on_conn_lost(c, code, msg);
     /* the endpoint is closed from the tick, never from inside a UCX
      * callback (UCX may still be failing it there) */
@@ -1345,4 +1405,6 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
     info->version = P.version;
     info->slots = P.on ? kvxd.conf.slots : 0;
     info->slot_bytes = P.on ? kvxd.conf.slot_bytes : 0;
+    info->message_bytes = P.on ? remote_message_bytes() : 0;
+    info->send_window = P.on ? kvxd.conf.send_window : 0;
 }

@@ -76,7 +76,11 @@ void peer_ucx_info(Kvxfer__UcxInfo *info); /* strings are static */
 
 /* A control message from an authenticated peer (m is freed after). */
 void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m);
-/* Where the data of d goes (len bytes): a slot, or NULL to drop it. */
+/* The largest piece a slot is sent in: peer.message_bytes, or more when a
+ * slot would take over 64 pieces. */
+uint64_t remote_message_bytes(void);
+/* Where the data of d goes (len bytes): its place in a slot, or NULL to
+ * drop it. */
 void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
                          size_t len);
 /* The data of d is in its slot (status 0) or will never be (error). */

@@ -52,6 +52,7 @@
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
 
 #define SLOT_JOBS 16
+#define MAX_PIECES 64            /* UCX messages per slot, at most */
 
 typedef struct slot {
     uint8_t *mem;
@@ -61,6 +62,12 @@ typedef struct slot {
     uint64_t u0, u1, bytes;
     genpart_t *part;             /* receive: whose destination */
     uint32_t dst_slot;           /* send: the receiver's slot */
+    /* a slot travels as pieces of at most remote_message_bytes(), each
+     * its own UCX message; receive: which have landed or are landing */
+    uint64_t piece_bytes, got;   /* got: a bit per piece */
+    uint32_t npieces, landing;
+    int rx_status;               /* the first piece that failed */
+    uint32_t sends_left;         /* send: pieces UCX has not given back */
     /* a gather or scatter: one GPU kernel, or up to SLOT_JOBS pieces of
      * about copy.chunk_bytes on the copy threads at once (a large slot
      * is not copied by one thread while the others idle) */
@@ -205,6 +212,9 @@ static void slot_put(slots_t *s, slot_t *x)
 {
     x->state = SLOT_FREE;
     x->owner = NULL;
+    x->piece_bytes = x->got = 0;
+    x->npieces = x->landing = x->sends_left = 0;
+    x->rx_status = 0;
     x->next_free = s->free;
     s->free = x;
     s->nfree++;
@@ -447,7 +457,10 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
         send_end(r->conn, r->source, code, msg);
     for (uint32_t i = 0; i < kvxd.conf.slots && rslots.v; i++) {
         slot_t *x = &rslots.v[i];
-        if (x->owner == r && x->state == SLOT_PULLED)
+        /* pulled, or some pieces in and none landing: nothing more will
+         * be written into it (landing pieces free it when back) */
+        if (x->owner == r && (x->state == SLOT_PULLED ||
+                              (x->state == SLOT_RECEIVING && !x->landing)))
             slot_put(&rslots, x);
     }
 }
@@ -582,6 +595,16 @@ static void scatter_done(copy_job_t *job)
     pull_schedule();
 }
 
+uint64_t remote_message_bytes(void)
+{
+    uint64_t m = kvxd.conf.message_bytes, slot = kvxd.conf.slot_bytes;
+    if (m > slot)
+        m = slot;
+    if ((slot + m - 1) / m > MAX_PIECES)
+        m = (slot + MAX_PIECES - 1) / MAX_PIECES;
+    return m;
+}
+
 void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
                          size_t len)
 {
@@ -589,34 +612,63 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
     if (!r || r->conn != c || r->ended || d->slot >= kvxd.conf.slots)
         return NULL;
     slot_t *x = &rslots.v[d->slot];
-    if (x->owner != r || x->state != SLOT_PULLED || x->u0 != d->unit_begin ||
-        x->u1 != d->unit_end || len != x->bytes) {
-        log_warn("peer %s: data for stream %llu does not match its pull; "
-                 "dropped",
-                 peer_conn_address(c), (unsigned long long)d->stream);
+    /* piece_bytes 0: the whole slot in one message (a sender that does
+     * not cut slots) */
+    uint64_t pb = d->piece_bytes ? d->piece_bytes : d->bytes;
+    const char *bad = NULL;
+    if (x->owner != r || x->u0 != d->unit_begin || x->u1 != d->unit_end ||
+        d->bytes != x->bytes ||
+        (x->state != SLOT_PULLED && x->state != SLOT_RECEIVING))
+        bad = "does not match its pull";
+    else if (!pb || (x->bytes + pb - 1) / pb > MAX_PIECES ||
+             d->offset % pb || d->offset >= x->bytes ||
+             len != (x->bytes - d->offset < pb ? x->bytes - d->offset : pb) ||
+             (x->state == SLOT_RECEIVING && pb != x->piece_bytes))
+        bad = "is not a piece of its slot";
+    else if (x->got & (1ull << (d->offset / pb)))
+        bad = "repeats a piece";
+    if (bad) {
+        log_warn("peer %s: data for stream %llu %s; dropped",
+                 peer_conn_address(c), (unsigned long long)d->stream, bad);
         return NULL;
     }
-    x->state = SLOT_RECEIVING;
-    return x->mem;
+    if (x->state == SLOT_PULLED) {
+        x->state = SLOT_RECEIVING;
+        x->piece_bytes = pb;
+        x->npieces = (uint32_t)((x->bytes + pb - 1) / pb);
+    }
+    x->got |= 1ull << (d->offset / pb);
+    x->landing++;
+    return x->mem + d->offset;
 }
 
 void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
 {
     (void)c;
+    if (d->slot >= kvxd.conf.slots)
+        return;
     slot_t *x = &rslots.v[d->slot];
     rstream_t *r = x->owner;
-    if (x->state != SLOT_RECEIVING)
+    if (x->state != SLOT_RECEIVING || !x->landing)
         return;
-    if (!r || r->ended || status) {
+    x->landing--;
+    if (status && !x->rx_status)
+        x->rx_status = status;
+    if (x->landing)
+        return; /* pieces still landing: the last one decides */
+    if (!r || r->ended || x->rx_status) {
+        int st = x->rx_status;
         if (r)
             r->held--;
         slot_put(&rslots, x);
-        if (r && status && !r->ended)
-            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR, status,
+        if (r && st && !r->ended)
+            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR, st,
                             "receiving from the context daemon failed");
         pull_schedule();
         return;
     }
+    if ((uint32_t)__builtin_popcountll(x->got) != x->npieces)
+        return; /* more pieces to come */
     genpart_t *p = r->part;
     x->state = SLOT_BUSY;
     x->part = p;
@@ -847,16 +899,23 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 }
 
 
-static void on_sent(void *arg, int status)
+/* Every piece of send slot x is back from UCX: the slot is free. */
+static void slot_sent(slot_t *x)
 {
-    (void)status; /* a failed send fails the connection, which ends s */
-    slot_t *x = arg;
     sstream_t *s = x->owner;
     s->sends--;
     slot_put(&sslots, x);
     if (s->ended && !s->gathers && !s->sends)
         sstream_free(s);
     serve_pulls();
+}
+
+static void on_sent(void *arg, int status)
+{
+    (void)status; /* a failed send fails the connection, which ends s */
+    slot_t *x = arg;
+    if (--x->sends_left == 0)
+        slot_sent(x);
 }
 
 static void gather_done(copy_job_t *job)
@@ -879,6 +938,10 @@ static void gather_done(copy_job_t *job)
         serve_pulls();
         return;
     }
+    /* the slot goes as pieces, in order; the connection's send window
+     * queues those it cannot start yet */
+    uint64_t pb = remote_message_bytes();
+    uint32_t n = (uint32_t)((x->bytes + pb - 1) / pb);
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
     d.stream = s->dst_id;
@@ -886,14 +949,22 @@ static void gather_done(copy_job_t *job)
     d.unit_begin = x->u0;
     d.unit_end = x->u1;
     d.bytes = x->bytes;
+    d.piece_bytes = pb;
     m.m_case = KVXFER__PEER_MSG__M_DATA;
     m.data = &d;
     s->sends++;
-    if (peer_send_data(s->conn, &m, x->mem, x->bytes, on_sent, x)) {
-        s->sends--;
-        slot_put(&sslots, x);
-        if (s->ended && !s->gathers && !s->sends)
-            sstream_free(s);
+    x->sends_left = n; /* before any send: a failure may call back early */
+    for (uint32_t k = 0; k < n; k++) {
+        d.offset = k * pb;
+        uint64_t len = x->bytes - d.offset < pb ? x->bytes - d.offset : pb;
+        if (peer_send_data(s->conn, &m, x->mem + d.offset, len, on_sent,
+                           x)) {
+            /* not sent (the connection is gone): never called back */
+            x->sends_left -= n - k;
+            if (!x->sends_left)
+                slot_sent(x);
+            return;
+        }
     }
 }
 

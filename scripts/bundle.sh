@@ -42,7 +42,7 @@ done
 rm -rf "$tmp"
 cat > "$OUT/env.sh" <<'ENV'
 # . dist/kvxfer/env.sh — put the bundle first on PATH and the loader path
-KVX_HOME=$(cd "$(dirname "${BASH_SOURCE:-$0}")" && pwd)
+KVX_HOME=${KVX_HOME:-$(cd "$(dirname "${BASH_SOURCE:-$0}")" && pwd)}
 export PATH="$KVX_HOME/bin:$PATH"
 export LD_LIBRARY_PATH="$KVX_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KVX_BUILD="$KVX_HOME/bin"

@@ -8,7 +8,7 @@ B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-gpu-out}
 mkdir -p "$OUT"
 B=$(cd "$B" && pwd)
-. "$B/env.sh"
+KVX_HOME=$B . "$B/env.sh"
 run() { # name, args...
     name=$1; shift
     echo "== $name: kvxfer-bench $*" | tee -a "$OUT/bench-peer.txt"

@@ -376,6 +376,53 @@ TEST_T(peer_transfer_both_directions, 90)
     daemon_stop_ok(b);
 }
 
+/* A slot larger than peer.message_bytes goes as pieces (here 8, the last
+ * shorter), one in flight at a time: every byte lands, both ways, with
+ * the presets' different row shapes; status reports the settings. */
+TEST_T(peer_slot_in_pieces, 90)
+{
+    static const char *const extra = "  slot_bytes: 512KiB\n"
+                                      "  message_bytes: 72KiB\n"
+                                      "  send_window: 1\n";
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, extra, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, extra, NULL);
+    /* 8 KiB a token: a 300-token request is about five slots */
+    static const model_t m = {.layers = 4,
+                              .heads = 4,
+                              .head_dim = 128,
+                              .kv = 2,
+                              .dtype = KVX_DTYPE_BF16};
+    side_t c = {
+        .inst = "pp-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g = {
+        .inst = "pp-gen", .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 8};
+    xfer_case2(a, b, &m, &c, &g, 4, 300, 0);
+    side_t c2 = {
+        .inst = "pp-ctx2", .tp = 2, .pp = 1, .preset = "flashinfer", .tpb = 8};
+    side_t g2 = {
+        .inst = "pp-gen2", .tp = 1, .pp = 1, .preset = "vllm-hnd", .tpb = 16};
+    xfer_case2(b, a, &m, &c2, &g2, 3, 257, 5);
+    for (int i = 0; i < 2; i++) {
+        char *json = status_json(i ? b : a);
+        char *ucx = p_json_section(json, "\"ucx\":");
+        CHECK(ucx != NULL);
+        CHECK_EQ(json_num(ucx, "slot_bytes"), 512 * 1024);
+        CHECK_EQ(json_num(ucx, "message_bytes"), 72 * 1024);
+        CHECK_EQ(json_num(ucx, "send_window"), 1);
+        free(ucx);
+        char *peers = p_json_section(json, "\"peers\":");
+        CHECK(peers != NULL);
+        CHECK_EQ(json_num(peers, "errors"), 0);
+        free(peers);
+        free(json);
+    }
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
 /* 64 requests in flight at once, half A -> B and half B -> A. */
 TEST_T(peer_many_concurrent, 60)
 {
@@ -582,7 +629,11 @@ TEST_T(peer_wrong_secret, 60)
 #define PL_TOK 4096u
 #define PL_TPB 16u
 #define PL_NB (PL_TOK / PL_TPB)
-#define PL_PEER "  slot_bytes: 1MiB\n  slots: 2\n"
+/* slots go as 4 pieces, one at a time: losing the peer also finds
+ * pieces waiting in the send window and slots half received */
+#define PL_PEER                                                               \
+    "  slot_bytes: 1MiB\n  slots: 2\n  message_bytes: 256KiB\n"              \
+    "  send_window: 1\n"
 
 typedef struct pl {
     daemon_t *a, *b;
