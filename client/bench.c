@@ -961,6 +961,29 @@ static double perftest_gbps(const char *bin, const char *test, uint64_t size,
     return mibps * 1048576.0 / 1e9;
 }
 
+/* --daemons 2: where the slots' time went, from the daemons' status
+ * ("ucx.received" of B, "ucx.sent" of A): slots, then per slot the
+ * average wait, wire and copy in microseconds. */
+static double slot_rx[4], slot_tx[4];
+
+static void slot_times_of(const char *json, const char *key, double out[4])
+{
+    const char *p = json ? strstr(json, key) : NULL;
+    memset(out, 0, 4 * sizeof(double));
+    if (!p)
+        return;
+    static const char *const f[4] = {"\"slots\":", "\"wait_ns\":",
+                                     "\"wire_ns\":", "\"copy_ns\":"};
+    double v[4];
+    for (int i = 0; i < 4; i++) {
+        const char *q = strstr(p, f[i]);
+        v[i] = q ? strtod(q + strlen(f[i]), NULL) : 0;
+    }
+    out[0] = v[0];
+    for (int i = 1; i < 4; i++)
+        out[i] = v[0] > 0 ? v[i] / v[0] / 1e3 : 0;
+}
+
 /* A JSON string: the value between quotes, escaped. */
 static void json_str(const char *v)
 {
@@ -1415,6 +1438,14 @@ int main(int argc, char **argv)
         const char *mb = json ? strstr(json, "\"message_bytes\":") : NULL;
         if (mb)
             message_bytes = strtoull(mb + 16, NULL, 10);
+        slot_times_of(json, "\"received\":{", slot_rx);
+        free(json);
+        json = NULL;
+        if (kvx_connect_observer(o.socket, 2000, &c) == 0) {
+            kvx_status_json(c, &json, 2000);
+            kvx_close(c);
+        }
+        slot_times_of(json, "\"sent\":{", slot_tx);
         free(json);
         if (want_tls && used_tls[0])
             setenv("UCX_TLS", used_tls, 1);
@@ -1523,6 +1554,12 @@ int main(int argc, char **argv)
                    ucx_put_gbps);
             if (o.gpu)
                 printf(",\"d2h_gbps\":%.3f,\"h2d_gbps\":%.3f", d2h, h2d);
+            /* warm-up included */
+            printf(",\"slot_us\":{\"received\":{\"slots\":%.0f,\"wait\":%.1f,"
+                   "\"wire\":%.1f,\"scatter\":%.1f},\"sent\":{\"slots\":%.0f,"
+                   "\"wait\":%.1f,\"gather\":%.1f,\"wire\":%.1f}}",
+                   slot_rx[0], slot_rx[1], slot_rx[2], slot_rx[3], slot_tx[0],
+                   slot_tx[1], slot_tx[3], slot_tx[2]);
             printf(",\"baseline\":");
             json_str(base_name);
             printf(",\"ctx_daemon\":");
@@ -1557,6 +1594,12 @@ int main(int argc, char **argv)
                        (unsigned long long)message_bytes);
             printf("  %-22s %12.3f GB/s  (100 messages)\n",
                    "ucx_perftest put_bw", ucx_put_gbps);
+            printf("  slots received by B  %.0f, per slot: wait %.0f us, "
+                   "wire %.0f us, scatter %.0f us\n"
+                   "  slots sent by A      %.0f, per slot: wait %.0f us, "
+                   "gather %.0f us, wire %.0f us\n",
+                   slot_rx[0], slot_rx[1], slot_rx[2], slot_rx[3], slot_tx[0],
+                   slot_tx[1], slot_tx[3], slot_tx[2]);
             if (o.gpu && !o.ctx_host)
                 printf("  %-22s %12.3f GB/s  (GPU %d to pinned host)\n",
                        "D2H", d2h, o.ctx_device);

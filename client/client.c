@@ -890,10 +890,24 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_str(b, s->ucx->version);
         sb_printf(b,
                   ",\"slots\":%u,\"slot_bytes\":%llu,\"message_bytes\":%llu,"
-                  "\"send_window\":%u}",
+                  "\"send_window\":%u",
                   s->ucx->slots, (unsigned long long)s->ucx->slot_bytes,
                   (unsigned long long)s->ucx->message_bytes,
                   s->ucx->send_window);
+        const Kvxfer__SlotTimes *t[2] = {s->ucx->received, s->ucx->sent};
+        for (int i = 0; i < 2; i++) {
+            static const Kvxfer__SlotTimes none = KVXFER__SLOT_TIMES__INIT;
+            const Kvxfer__SlotTimes *x = t[i] ? t[i] : &none;
+            sb_printf(b,
+                      ",\"%s\":{\"slots\":%llu,\"bytes\":%llu,"
+                      "\"wait_ns\":%llu,\"wire_ns\":%llu,\"copy_ns\":%llu}",
+                      i ? "sent" : "received", (unsigned long long)x->slots,
+                      (unsigned long long)x->bytes,
+                      (unsigned long long)x->wait_ns,
+                      (unsigned long long)x->wire_ns,
+                      (unsigned long long)x->copy_ns);
+        }
+        sb_printf(b, "}");
     }
     sb_printf(b, "}");
 }

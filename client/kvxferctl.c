@@ -125,6 +125,23 @@ static int cmd_status(const char *sock, int json)
                s->ucx->transports[0] ? s->ucx->transports : "-");
     else
         printf("peers          off (peer.listen is empty)\n");
+    if (s->ucx && s->ucx->listen[0]) {
+        /* per slot, averaged since start */
+        const Kvxfer__SlotTimes *t[2] = {s->ucx->received, s->ucx->sent};
+        static const char *const what[2][2] = {{"received", "scatter"},
+                                               {"sent", "gather"}};
+        for (int i = 0; i < 2; i++) {
+            const Kvxfer__SlotTimes *x = t[i];
+            if (!x || !x->slots)
+                continue;
+            double n = (double)x->slots;
+            printf("slots %-8s %llu (%.1f MiB), per slot: wait %.0f us, "
+                   "wire %.0f us, %s %.0f us\n",
+                   what[i][0], (unsigned long long)x->slots,
+                   x->bytes / 1048576.0, x->wait_ns / n / 1e3,
+                   x->wire_ns / n / 1e3, what[i][1], x->copy_ns / n / 1e3);
+        }
+    }
     for (size_t i = 0; i < s->n_peers; i++)
         printf("  %-40s %-10s %-3s sent %llu received %llu errors %llu\n",
                s->peers[i]->address, s->peers[i]->state,

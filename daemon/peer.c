@@ -1407,4 +1407,11 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
     info->slot_bytes = P.on ? kvxd.conf.slot_bytes : 0;
     info->message_bytes = P.on ? remote_message_bytes() : 0;
     info->send_window = P.on ? kvxd.conf.send_window : 0;
+    static Kvxfer__SlotTimes rx, tx;
+    kvxfer__slot_times__init(&rx);
+    kvxfer__slot_times__init(&tx);
+    if (P.on)
+        remote_slot_times(&rx, &tx);
+    info->received = &rx;
+    info->sent = &tx;
 }

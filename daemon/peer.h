@@ -85,6 +85,8 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
                          size_t len);
 /* The data of d is in its slot (status 0) or will never be (error). */
 void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
+/* Where the slots' time went since start, for status. */
+void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent);
 /* Streams (either way) on c, for status. */
 uint32_t remote_conn_streams(const peer_conn_t *c);
 /* c failed: every transfer on it ends with code. */

@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include "copy.h"
 #include "daemon.h"
@@ -68,6 +69,8 @@ typedef struct slot {
     uint32_t npieces, landing;
     int rx_status;               /* the first piece that failed */
     uint32_t sends_left;         /* send: pieces UCX has not given back */
+    /* for status: wait from t_wait, copy or wire from t_stage */
+    uint64_t t_wait, t_stage;
     /* a gather or scatter: one GPU kernel, or up to SLOT_JOBS pieces of
      * about copy.chunk_bytes on the copy threads at once (a large slot
      * is not copied by one thread while the others idle) */
@@ -106,6 +109,7 @@ typedef struct rstream {
 typedef struct pull {
     uint32_t slot;
     uint64_t u0, u1;
+    uint64_t t_arrived;
     struct sstream *s;
     struct pull *next;
 } pull_t;
@@ -137,6 +141,32 @@ static pull_t *pq_head, *pq_tail;  /* pulls waiting for a send slot */
 
 static void pull_schedule(void);
 static void serve_pulls(void);
+
+/* Status: where the slots' time went (Kvxfer__SlotTimes, summed). */
+typedef struct slot_times {
+    uint64_t slots, bytes, wait_ns, wire_ns, copy_ns;
+} slot_times_t;
+static slot_times_t st_rx, st_tx;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent)
+{
+    const slot_times_t *from[2] = {&st_rx, &st_tx};
+    Kvxfer__SlotTimes *to[2] = {received, sent};
+    for (int i = 0; i < 2; i++) {
+        to[i]->slots = from[i]->slots;
+        to[i]->bytes = from[i]->bytes;
+        to[i]->wait_ns = from[i]->wait_ns;
+        to[i]->wire_ns = from[i]->wire_ns;
+        to[i]->copy_ns = from[i]->copy_ns;
+    }
+}
 
 /* ---- slots ------------------------------------------------------------- */
 
@@ -531,6 +561,7 @@ static void pull_schedule(void)
         x->u0 = u0;
         x->u1 = u1;
         x->bytes = bytes;
+        x->t_wait = now_ns();
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
         Kvxfer__PeerPull pl = KVXFER__PEER_PULL__INIT;
         pl.stream = r->source;
@@ -582,6 +613,9 @@ static void scatter_done(copy_job_t *job)
     genpart_t *part = x->part;
     uint64_t units = x->u1 - x->u0, bytes = x->bytes;
     int status = job->status;
+    st_rx.copy_ns += now_ns() - x->t_stage;
+    st_rx.slots++;
+    st_rx.bytes += bytes;
     if (r) {
         r->held--;
         r->units_done += units;
@@ -633,6 +667,8 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
         return NULL;
     }
     if (x->state == SLOT_PULLED) {
+        x->t_stage = now_ns();
+        st_rx.wait_ns += x->t_stage - x->t_wait;
         x->state = SLOT_RECEIVING;
         x->piece_bytes = pb;
         x->npieces = (uint32_t)((x->bytes + pb - 1) / pb);
@@ -669,6 +705,9 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
     }
     if ((uint32_t)__builtin_popcountll(x->got) != x->npieces)
         return; /* more pieces to come */
+    uint64_t t = now_ns();
+    st_rx.wire_ns += t - x->t_stage;
+    x->t_stage = t;
     genpart_t *p = r->part;
     x->state = SLOT_BUSY;
     x->part = p;
@@ -903,6 +942,9 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 static void slot_sent(slot_t *x)
 {
     sstream_t *s = x->owner;
+    st_tx.wire_ns += now_ns() - x->t_stage;
+    st_tx.slots++;
+    st_tx.bytes += x->bytes;
     s->sends--;
     slot_put(&sslots, x);
     if (s->ended && !s->gathers && !s->sends)
@@ -938,6 +980,9 @@ static void gather_done(copy_job_t *job)
         serve_pulls();
         return;
     }
+    uint64_t t = now_ns();
+    st_tx.copy_ns += t - x->t_stage;
+    x->t_stage = t;
     /* the slot goes as pieces, in order; the connection's send window
      * queues those it cannot start yet */
     uint64_t pb = remote_message_bytes();
@@ -1037,6 +1082,8 @@ static void serve_pulls(void)
             return; /* lists changed: the next pull or tick goes on */
         }
         x->dst_slot = q->slot;
+        x->t_stage = now_ns();
+        st_tx.wait_ns += x->t_stage - q->t_arrived;
         s->gathers++;
         o->gathers++;
         free(q);
@@ -1070,6 +1117,7 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
     q->slot = m->slot;
     q->u0 = m->unit_begin;
     q->u1 = m->unit_end;
+    q->t_arrived = now_ns();
     q->s = s;
     if (pq_tail)
         pq_tail->next = q;

@@ -1469,6 +1469,28 @@ TEST_T(peer_status, 60)
     long long payload = 10ll * M_SMALL.layers * M_SMALL.kv * M_SMALL.heads *
                         M_SMALL.head_dim * 2;
 
+    /* where the slots' time went: B received, A sent, every byte */
+    for (int i = 0; i < 2; i++) {
+        char *js = status_json(i ? a : b);
+        char *ux = p_json_section(js, "\"ucx\":");
+        CHECK(ux != NULL);
+        char *t = p_json_section(ux, i ? "\"sent\":" : "\"received\":");
+        CHECK(t != NULL);
+        fprintf(stderr, "%s slot times: %s\n", i ? "A sent" : "B received", t);
+        CHECK(json_num(t, "slots") >= 1);
+        CHECK_EQ(json_num(t, "bytes"), payload);
+        CHECK(json_num(t, "wire_ns") > 0);
+        CHECK(json_num(t, "copy_ns") > 0);
+        free(t);
+        /* and nothing the other way */
+        t = p_json_section(ux, i ? "\"received\":" : "\"sent\":");
+        CHECK(t != NULL);
+        CHECK_EQ(json_num(t, "slots"), 0);
+        free(t);
+        free(ux);
+        free(js);
+    }
+
     char *pb = p_peers(b); /* B dialled A's advertised address */
     fprintf(stderr, "B's peers: %s\n", pb);
     CHECK_STR_CONTAINS(pb, ipport[0]);
@@ -1510,6 +1532,20 @@ TEST_T(peer_status, 60)
     CHECK(strstr(ux, "\"transports\":\"\"") == NULL);
     CHECK(strchr(strstr(ux, "\"transports\":\"") + 14, '/') != NULL);
     free(ux);
+    free(out);
+    /* and in text: B's received slots, A sent none */
+    snprintf(cmd, sizeof(cmd), "%s/kvxferctl --socket %s status", build_dir(),
+             b->sock);
+    f = popen(cmd, "r");
+    CHECK(f != NULL);
+    out = calloc(1, cap);
+    CHECK(out != NULL);
+    len = 0;
+    while ((k = fread(out + len, 1, cap - 1 - len, f)) > 0)
+        len += k;
+    CHECK_EQ(pclose(f), 0);
+    CHECK_STR_CONTAINS(out, "\nslots received 1 (0.0 MiB), per slot: wait ");
+    CHECK(strstr(out, "\nslots sent") == NULL);
     free(out);
 
     rank_close(&c);
