@@ -338,17 +338,24 @@ void remote_cleanup(void)
     map_free(&sstreams);
 }
 
-static void send_end(peer_conn_t *c, uint64_t stream, int code,
-                     const char *msg)
+static void send_end_ex(peer_conn_t *c, uint64_t stream, int code,
+                        const char *msg, int final)
 {
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerStreamEnd e = KVXFER__PEER_STREAM_END__INIT;
     e.stream = stream;
     e.code = code;
     e.message = (char *)msg;
+    e.final = final;
     m.m_case = KVXFER__PEER_MSG__M_END;
     m.end = &e;
     peer_send(c, &m);
+}
+
+static void send_end(peer_conn_t *c, uint64_t stream, int code,
+                     const char *msg)
+{
+    send_end_ex(c, stream, code, msg, 0);
 }
 
 /* ---- D: the generation side -------------------------------------------- */
@@ -825,11 +832,24 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
     offer_t *o = inst ? map_get(&inst->offers, m->request_id) : NULL;
     if (!o || o->ending || o->consumed) {
-        open_refuse(c, m->stream, KVX_ERR_NOT_FOUND,
-                    "no offer for request %llu of instance '%s' on daemon %s "
-                    "(not yet published, expired, cancelled or completed)",
-                    (unsigned long long)m->request_id,
-                    m->instance_id ? m->instance_id : "", kvxd.address);
+        /* every rank of the instance is ours: its offers are all here,
+         * so this one ended (or never was) and asking again cannot help;
+         * else a rank may not have published yet: the peer asks again */
+        int final = inst && inst->joined && inst->addresses;
+        for (uint32_t i = 0; final && i < inst->nranks; i++)
+            final = inst->addresses[i] &&
+                    !strcmp(inst->addresses[i], kvxd.address);
+        char msg[300];
+        snprintf(msg, sizeof(msg),
+                 "no offer for request %llu of instance '%s' on daemon %s "
+                 "(%s)",
+                 (unsigned long long)m->request_id,
+                 m->instance_id ? m->instance_id : "", kvxd.address,
+                 o ? (o->consumed ? "consumed" : "ending")
+                 : final ? "expired, cancelled or completed"
+                         : "not yet published, expired, cancelled or "
+                           "completed");
+        send_end_ex(c, m->stream, KVX_ERR_NOT_FOUND, msg, final || o);
         return;
     }
     uint8_t d = m->token.len != TOKEN_LEN;
@@ -1183,7 +1203,7 @@ static void on_end_to_d(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
     uint64_t now = kvxd_now_ms();
     if (!r->opened)
         r->refused = 1;
-    if (e->code == KVX_ERR_NOT_FOUND && !r->opened) {
+    if (e->code == KVX_ERR_NOT_FOUND && !r->opened && !e->final) {
         /* a context rank on that daemon may not have published yet (an
          * instance spread over daemons): ask again, for a while */
         if (!r->retry_until_ms)

@@ -423,6 +423,60 @@ TEST_T(peer_slot_in_pieces, 90)
     daemon_stop_ok(b);
 }
 
+/* A fetch on B for an offer A's engine already cancelled: A serves every
+ * rank of that instance, so its NOT_FOUND is final and the request ends
+ * at once (not after the retry window for ranks that have not published
+ * yet); an offer that completed likewise. */
+TEST_T(peer_open_for_ended_offer, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    side_t cs, gs;
+    p_side(&cs, "pe-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(&gs, "pe-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_t c, g;
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    uint32_t cb[2] = {4, 5}, gb[2] = {1, 2};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 61, c.pool, cb, 2, 8, &p, T_MS), c.c);
+    CHECK_KVX(kvx_cancel(c.c, 61, T_MS), c.c);
+    wait_event(c.c, 61, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 2000);
+    int64_t t0 = now_ms();
+    CHECK_KVX(kvx_fetch(g.c, 61, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    ev_t e = wait_event(g.c, 61, KVX_EVENT_ERROR, KVX_ERR_NOT_FOUND, 5000);
+    int64_t took = now_ms() - t0;
+    fprintf(stderr, "NOT_FOUND after %lld ms: %s\n", (long long)took, e.msg);
+    CHECK_STR_CONTAINS(e.msg, "expired, cancelled or completed");
+    CHECK(strstr(e.msg, "not yet published") == NULL);
+    /* the retry window is 2 s; a final answer is one round trip */
+    CHECK(took < 1500);
+    kvx_context_params_free(&p);
+
+    /* completed, then fetched again with the same params: final too */
+    uint32_t gb2[2] = {3, 6};
+    p_one(&c, &g, 62, cb, gb, 2, 8, 5000);
+    CHECK_KVX(kvx_publish(c.c, 63, c.pool, cb, 2, 8, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 63, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 63, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 63, KVX_EVENT_COMPLETE, 0, 5000);
+    t0 = now_ms();
+    CHECK_KVX(kvx_fetch(g.c, 64, p.data, p.len, g.pool, gb2, 2, 0, T_MS), g.c);
+    e = wait_event(g.c, 64, KVX_EVENT_ERROR, KVX_ERR_NOT_FOUND, 5000);
+    took = now_ms() - t0;
+    fprintf(stderr, "again: NOT_FOUND after %lld ms: %s\n", (long long)took,
+            e.msg);
+    CHECK(took < 1500);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
 /* 64 requests in flight at once, half A -> B and half B -> A. */
 TEST_T(peer_many_concurrent, 60)
 {
