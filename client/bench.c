@@ -73,6 +73,7 @@ static struct opts {
     const char *gen_socket; /* the generation ranks' daemon */
     uint64_t slot_bytes;  /* peer.slot_bytes of both daemons */
     const char *peer_config[16]; /* --peer-config lines, peer section */
+    uint32_t baseline_runs;        /* ucx_perftest runs, the median taken */
     uint32_t npeer_config;
     const char *ucx_tls;
 } o = {
@@ -81,6 +82,7 @@ static struct opts {
     .head_dim = 128, .tpb = 16, .dtype = KVX_DTYPE_BF16,
     .pool_cap_mib = 2048, .ctx_device = 0, .gen_device = 1, .pairs = 1,
     .ctx_pp = 1, .gen_pp = 1, .daemons = 1, .slot_bytes = 4u << 20,
+    .baseline_runs = 1,
 };
 
 /* Shared between the parent and the rank processes. */
@@ -961,6 +963,20 @@ static double perftest_gbps(const char *bin, const char *test, uint64_t size,
     return mibps * 1048576.0 / 1e9;
 }
 
+/* The median of n values (sorts a copy; n <= 9). */
+static double median(const double *v, uint32_t n)
+{
+    double c[9];
+    memcpy(c, v, n * sizeof(double));
+    for (uint32_t i = 1; i < n; i++)
+        for (uint32_t j = i; j > 0 && c[j - 1] > c[j]; j--) {
+            double t = c[j];
+            c[j] = c[j - 1];
+            c[j - 1] = t;
+        }
+    return n % 2 ? c[n / 2] : (c[n / 2 - 1] + c[n / 2]) / 2;
+}
+
 /* --daemons 2: where the slots' time went, from the daemons' status
  * ("ucx.received" of B, "ucx.sent" of A): slots, then per slot the
  * average wait, wire and copy in microseconds. */
@@ -1068,6 +1084,9 @@ static void usage(FILE *f)
         "  --slot-bytes N         peer.slot_bytes of both daemons and the "
         "ucx_perftest\n"
         "                         message size, in bytes (default 4194304)\n"
+        "  --baseline-runs N      ucx_perftest N times (1 to 9), the "
+        "median is the\n"
+        "                         baseline (default 1)\n"
         "  --peer-config 'KEY: VALUE'  a line of both daemons' peer "
         "section, e.g.\n"
         "                         'slots: 16' (repeatable, up to 16)\n"
@@ -1145,6 +1164,7 @@ int main(int argc, char **argv)
         {"slot-bytes", required_argument, NULL, 1008},
         {"ucx-tls", required_argument, NULL, 1009},
         {"peer-config", required_argument, NULL, 1010},
+        {"baseline-runs", required_argument, NULL, 1011},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -1184,6 +1204,7 @@ int main(int argc, char **argv)
         case 1006: o.mla = 1; break;
         case 1007: o.daemons = arg_u32("daemons", optarg, 1, 2); break;
         /* the bounds of the daemon's peer.slot_bytes */
+        case 1011: o.baseline_runs = arg_u32("baseline-runs", optarg, 1, 9); break;
         case 1010:
             if (o.npeer_config == 16 || strchr(optarg, '\n') ||
                 !strchr(optarg, ':')) {
@@ -1231,8 +1252,10 @@ int main(int argc, char **argv)
         return 2;
     }
     if (o.daemons == 1 &&
-        (o.ucx_tls || o.slot_bytes != 4u << 20 || o.npeer_config)) {
-        fprintf(stderr, "kvxfer-bench: --slot-bytes, --peer-config and "
+        (o.ucx_tls || o.slot_bytes != 4u << 20 || o.npeer_config ||
+         o.baseline_runs != 1)) {
+        fprintf(stderr, "kvxfer-bench: --slot-bytes, --peer-config, "
+                        "--baseline-runs and "
                         "--ucx-tls are for "
                         "--daemons 2 (one daemon moves no bytes over "
                         "UCX)\n");
@@ -1473,14 +1496,22 @@ int main(int argc, char **argv)
     /* --daemons 2: ucx_perftest between two processes of this host, on
      * host memory, moving about the same bytes in messages of a slot */
     double ucx_gbps = 0, ucx_put_gbps = 0, ucx_msg_gbps = 0, d2h = 0, h2d = 0;
+    double runs[2][9] = {{0}};
     if (o.daemons == 2) {
-        ucx_gbps = perftest_gbps(perftest, "ucp_am_bw", o.slot_bytes, total,
-                                 0);
-        /* slots went as smaller messages: UCX with those too, and the
-         * baseline is the better of the two */
-        if (message_bytes && message_bytes < o.slot_bytes)
-            ucx_msg_gbps = perftest_gbps(perftest, "ucp_am_bw",
-                                         message_bytes, total, 0);
+        /* --baseline-runs N: the median of N runs (the figure moves from
+         * run to run on a busy host); slots that went as smaller
+         * messages: UCX with those too, and the baseline is the better
+         * of the two medians */
+        int pieces = message_bytes && message_bytes < o.slot_bytes;
+        for (uint32_t i = 0; i < o.baseline_runs; i++) {
+            runs[0][i] = perftest_gbps(perftest, "ucp_am_bw", o.slot_bytes,
+                                       total, 0);
+            if (pieces)
+                runs[1][i] = perftest_gbps(perftest, "ucp_am_bw",
+                                           message_bytes, total, 0);
+        }
+        ucx_gbps = median(runs[0], o.baseline_runs);
+        ucx_msg_gbps = pieces ? median(runs[1], o.baseline_runs) : 0;
         /* put: an extra figure, the 100-iteration run only */
         ucx_put_gbps = perftest_gbps(perftest, "ucp_put_bw", o.slot_bytes,
                                      total, 1);
@@ -1549,9 +1580,15 @@ int main(int argc, char **argv)
             json_str(tls ? tls : "default");
             printf(",\"message_bytes\":%llu,\"ucx_perftest_gbps\":%.3f,"
                    "\"ucx_perftest_message_gbps\":%.3f,"
-                   "\"ucx_perftest_put_gbps\":%.3f",
+                   "\"ucx_perftest_put_gbps\":%.3f,\"ucx_perftest_runs\":[",
                    (unsigned long long)message_bytes, ucx_gbps, ucx_msg_gbps,
                    ucx_put_gbps);
+            for (uint32_t i = 0; i < o.baseline_runs; i++)
+                printf("%s%.3f", i ? "," : "", runs[0][i]);
+            printf("],\"ucx_perftest_message_runs\":[");
+            for (uint32_t i = 0; ucx_msg_gbps > 0 && i < o.baseline_runs; i++)
+                printf("%s%.3f", i ? "," : "", runs[1][i]);
+            printf("]");
             if (o.gpu)
                 printf(",\"d2h_gbps\":%.3f,\"h2d_gbps\":%.3f", d2h, h2d);
             /* warm-up included */
@@ -1585,8 +1622,8 @@ int main(int argc, char **argv)
                    "  slot %llu bytes, UCX_TLS %s\n",
                    sh->address, sh->gen_address,
                    (unsigned long long)o.slot_bytes, tls ? tls : "(default)");
-            printf("  %-22s %12.3f GB/s\n", "ucx_perftest am_bw",
-                   ucx_gbps);
+            printf("  %-22s %12.3f GB/s%s\n", "ucx_perftest am_bw",
+                   ucx_gbps, o.baseline_runs > 1 ? "  (median)" : "");
             if (ucx_msg_gbps > 0)
                 printf("  %-22s %12.3f GB/s  (messages of %llu bytes, the "
                        "daemons' pieces)\n",

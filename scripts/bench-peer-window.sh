@@ -1,7 +1,8 @@
 #!/bin/bash
 # The CPU path between two daemons on one host, under several daemon
 # settings, interleaved so that drift hits every setting alike; each run
-# has its own ucx_perftest baseline. Run from an unpacked bundle:
+# has its own ucx_perftest baseline (the median of BASELINE_RUNS runs,
+# 3). Run from an unpacked bundle:
 #   scripts/bench-peer-window.sh dist/kvxfer OUTDIR
 # VARIANTS: ';'-separated lists of kvxfer-bench arguments.
 B=${1:-dist/kvxfer}
@@ -15,7 +16,8 @@ IFS=';' read -r -a V <<<"$VARIANTS"
 for i in $(seq 1 "$RUNS"); do
     for v in "${V[@]}"; do
         eval "args=($v)"
-        r=$(timeout 120 kvxfer-bench --spawn-daemon --daemons 2 --json \
+        r=$(timeout 180 kvxfer-bench --spawn-daemon --daemons 2 --json \
+            --baseline-runs "${BASELINE_RUNS:-3}" \
             --requests 16 --blocks 32 --window 4 "${args[@]}" 2>&1 | tail -1)
         echo "[$v] run=$i $r" >>"$OUT/window.txt"
         g=$(echo "$r" | grep -o '"gbps":[0-9.]*,"baseline_gbps":[0-9.]*,"ratio":[0-9.]*')

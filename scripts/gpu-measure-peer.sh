@@ -12,7 +12,7 @@ KVX_HOME=$B . "$B/env.sh"
 run() { # name, args...
     name=$1; shift
     echo "== $name: kvxfer-bench $*" | tee -a "$OUT/bench-peer.txt"
-    timeout 120 kvxfer-bench --spawn-daemon --daemons 2 --json "$@" \
+    timeout 180 kvxfer-bench --spawn-daemon --daemons 2 --json --baseline-runs 3 "$@" \
         >>"$OUT/bench-peer.txt" 2>&1 || echo "FAILED rc=$?" >>"$OUT/bench-peer.txt"
 }
 M="--layers 32 --heads 8 --head-dim 128 --tokens-per-block 16 --dtype bf16 --pool-mib 20000"
