@@ -7,9 +7,11 @@
  * transfer layer (remote.c).
  *
  * Two active messages: CTRL carries one packed PeerMsg as its data; DATA
- * carries a packed PeerMsg (PeerData) as its header and a staging slot as
- * its data, received straight into the receiver's slot (rendezvous for
- * large slots).
+ * carries a packed PeerMsg (PeerData) as its header and a piece of a
+ * staging slot as its data, received straight into its place in the
+ * receiver's slot (rendezvous for large pieces). DATA sends go out at most
+ * peer.send_window at a time per connection, the rest queued in order;
+ * control messages never wait behind them.
  *
  * Owns the UCP objects, the connections and every UCX request it starts.
  * A connection that fails (endpoint error, keep-alive, authentication)
@@ -56,9 +58,11 @@ int peer_conn_alive(const peer_conn_t *c);
 /* Send a control message; queued until the connection is authenticated.
  * 0, or an error (the connection is lost). */
 int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m);
-/* Send a slot: hdr (a PeerData) as the header, buf[0..len) as the data.
+/* Send a piece of a slot: hdr (a PeerData) as the header, buf[0..len) as
+ * the data; queued while peer.send_window sends are in flight. 0: then
  * done(arg, status) runs on the loop once buf may be reused (status 0 or
- * a kvx_status_t); it always runs, also when the connection fails. */
+ * a kvx_status_t), always, also when the connection fails (it may run
+ * before this returns). An error: not sent, done never runs. */
 int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
                    const void *buf, size_t len,
                    void (*done)(void *arg, int status), void *arg);

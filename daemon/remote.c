@@ -11,10 +11,11 @@
  *   pull_schedule()      round-robin over streams: a free receive slot gets
  *                        the next units that fit in it, asked for by PULL
  *   remote_data_target / remote_on_data
- *                        DATA lands in the slot (rendezvous straight into
- *                        it), slot_copy() scatters it into the pool (copy
- *                        threads, or a kernel for a GPU pool), the slot
- *                        is free again, xfer counts the units
+ *                        DATA lands in the slot, piece by piece
+ *                        (rendezvous straight into its place); once all
+ *                        pieces are in, slot_copy() scatters it into the
+ *                        pool (copy threads, or a kernel for a GPU pool),
+ *                        the slot is free again, xfer counts the units
  *   on_end_to_d()        the source refused or ended the stream; "not
  *                        yet published" is asked again for OPEN_RETRY_MS
  * (context daemon, "S"):
@@ -23,7 +24,10 @@
  *   on_pull()/serve_pulls()
  *                        a free send slot gathers the units (slot_copy:
  *                        copy threads, or a kernel writing the pinned
- *                        slot), then UCX sends the slot (on_sent frees it)
+ *                        slot), then gather_done() sends it as pieces of
+ *                        remote_message_bytes() (peer.c keeps
+ *                        peer.send_window of them in flight); the last
+ *                        one back frees it (on_sent, slot_sent)
  *   on_end()             the generation side is done with the stream; the
  *                        last one completes the offer
  * Either side: a lost connection ends every stream on it.
