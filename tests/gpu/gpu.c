@@ -160,6 +160,12 @@ TEST_T(two_daemons_gpu_pools_host_staged, 300)
     bench("--daemons 2 --requests 4 --blocks 8 --layers 3 --heads 2 "
           "--head-dim 7 --dtype fp8 --tokens-per-block 5");
     bench("--daemons 2 --gen-device 0 --requests 4 --blocks 8 --layers 4");
+    /* slots in pieces, one in flight: the kernels gather and scatter
+     * whole slots, the pieces land in place */
+    bench("--daemons 2 --slot-bytes 1048576 --peer-config "
+          "'message_bytes: 128KiB' --peer-config 'send_window: 1' "
+          "--ctx-layout trtllm --gen-layout vllm-hnd --requests 4 --blocks 8 "
+          "--layers 4");
     /* mixed: a host pool on one side */
     bench("--daemons 2 --ctx-host --gen-device 1 --requests 4 --blocks 8 "
           "--layers 4");
