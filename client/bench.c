@@ -32,6 +32,7 @@
 #include <string.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -74,6 +75,7 @@ static struct opts {
     uint64_t slot_bytes;  /* peer.slot_bytes of both daemons */
     const char *peer_config[16]; /* --peer-config lines, peer section */
     uint32_t baseline_runs;        /* ucx_perftest runs, the median taken */
+    const char *cpus[2];           /* --cpus-a, --cpus-b: CPU lists */
     uint32_t npeer_config;
     const char *ucx_tls;
 } o = {
@@ -600,6 +602,59 @@ static pid_t spawn_daemon(char *sock, size_t len)
     return pid;
 }
 
+/* --cpus-a/--cpus-b: daemon A and the ucx_perftest client (the senders)
+ * run on cpuset[0], daemon B and the server (the receivers) on
+ * cpuset[1], so the baseline and the daemons get the same CPUs. */
+static cpu_set_t cpuset[2];
+
+static void cpus_parse(const char *name, const char *v, cpu_set_t *set)
+{
+    long ncpu = sysconf(_SC_NPROCESSORS_CONF);
+    CPU_ZERO(set);
+    const char *p = v;
+    while (*p) {
+        char *end;
+        errno = 0;
+        long a = strtol(p, &end, 10), b = a;
+        if (end == p || errno)
+            goto bad;
+        if (*end == '-') {
+            p = end + 1;
+            b = strtol(p, &end, 10);
+            if (end == p || errno)
+                goto bad;
+        }
+        if (a < 0 || b < a || b >= ncpu || b >= CPU_SETSIZE) {
+            fprintf(stderr, "kvxfer-bench: --%s '%s': CPUs %ld-%ld are not "
+                            "in 0..%ld\n",
+                    name, v, a, b, ncpu - 1);
+            exit(2);
+        }
+        for (long c = a; c <= b; c++)
+            CPU_SET((int)c, set);
+        p = end;
+        if (*p == ',')
+            p++;
+        else if (*p)
+            goto bad;
+    }
+    if (CPU_COUNT(set))
+        return;
+bad:
+    fprintf(stderr, "kvxfer-bench: --%s '%s': expected a CPU list such as "
+                    "0-7,16\n",
+            name, v);
+    exit(2);
+}
+
+/* In a child before exec: run on side k's CPUs, if given. */
+static void cpus_apply(int k)
+{
+    if (o.cpus[k] && sched_setaffinity(0, sizeof(cpuset[k]), &cpuset[k]))
+        fprintf(stderr, "kvxfer-bench: sched_setaffinity(%s): %s\n",
+                o.cpus[k], strerror(errno));
+}
+
 /* ---- two daemons: temp dir, peer secret, configs, ucx_perftest -------- *
  * Everything lives in one mkdtemp directory under /tmp (mode 0700), which
  * the parent removes at exit, on a signal too; children of the parent
@@ -758,6 +813,7 @@ static pid_t peer_spawn(int k)
             if (fd >= 0)
                 dup2(fd, 2);
         }
+        cpus_apply(k);
         execl(daemon, daemon, "--socket", sock, "--config", cfg,
               (char *)NULL);
         fprintf(stderr, "kvxfer-bench: exec %s: %s\n", daemon,
@@ -853,6 +909,7 @@ static double perftest_once(const char *bin, const char *test,
                 dup2(fd, 1);
                 dup2(fd, 2);
             }
+            cpus_apply(1); /* the server receives, as daemon B */
             /* -f: final figures only; -v: as CSV */
             execl(bin, bin, "-t", test, "-s", s, "-n", n, "-w", w, "-p", p,
                   "-f", "-v", (char *)NULL);
@@ -880,6 +937,7 @@ static double perftest_once(const char *bin, const char *test,
                 if (fd >= 0)
                     dup2(fd, 2);
                 close(pfd[0]);
+                cpus_apply(0); /* the client sends, as daemon A */
                 execl(bin, bin, "127.0.0.1", "-t", test, "-s", s, "-n", n,
                       "-w", w, "-p", p, "-f", "-v", (char *)NULL);
                 _exit(127);
@@ -1084,6 +1142,11 @@ static void usage(FILE *f)
         "  --slot-bytes N         peer.slot_bytes of both daemons and the "
         "ucx_perftest\n"
         "                         message size, in bytes (default 4194304)\n"
+        "  --cpus-a LIST, --cpus-b LIST  run daemon A and the "
+        "ucx_perftest client\n"
+        "                         (senders) on LIST, daemon B and the "
+        "server on the\n"
+        "                         other (e.g. 0-7 and 8-15)\n"
         "  --baseline-runs N      ucx_perftest N times (1 to 9), the "
         "median is the\n"
         "                         baseline (default 1)\n"
@@ -1165,6 +1228,8 @@ int main(int argc, char **argv)
         {"ucx-tls", required_argument, NULL, 1009},
         {"peer-config", required_argument, NULL, 1010},
         {"baseline-runs", required_argument, NULL, 1011},
+        {"cpus-a", required_argument, NULL, 1012},
+        {"cpus-b", required_argument, NULL, 1013},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -1204,6 +1269,12 @@ int main(int argc, char **argv)
         case 1006: o.mla = 1; break;
         case 1007: o.daemons = arg_u32("daemons", optarg, 1, 2); break;
         /* the bounds of the daemon's peer.slot_bytes */
+        case 1012:
+        case 1013:
+            o.cpus[opt - 1012] = optarg;
+            cpus_parse(opt == 1012 ? "cpus-a" : "cpus-b", optarg,
+                       &cpuset[opt - 1012]);
+            break;
         case 1011: o.baseline_runs = arg_u32("baseline-runs", optarg, 1, 9); break;
         case 1010:
             if (o.npeer_config == 16 || strchr(optarg, '\n') ||
@@ -1253,9 +1324,9 @@ int main(int argc, char **argv)
     }
     if (o.daemons == 1 &&
         (o.ucx_tls || o.slot_bytes != 4u << 20 || o.npeer_config ||
-         o.baseline_runs != 1)) {
+         o.baseline_runs != 1 || o.cpus[0] || o.cpus[1])) {
         fprintf(stderr, "kvxfer-bench: --slot-bytes, --peer-config, "
-                        "--baseline-runs and "
+                        "--baseline-runs, --cpus-a/b and "
                         "--ucx-tls are for "
                         "--daemons 2 (one daemon moves no bytes over "
                         "UCX)\n");
@@ -1576,7 +1647,11 @@ int main(int argc, char **argv)
                     putchar(',');
                 json_str(o.peer_config[i]);
             }
-            printf("],\"ucx_tls\":");
+            printf("],\"cpus_a\":");
+            json_str(o.cpus[0] ? o.cpus[0] : "");
+            printf(",\"cpus_b\":");
+            json_str(o.cpus[1] ? o.cpus[1] : "");
+            printf(",\"ucx_tls\":");
             json_str(tls ? tls : "default");
             printf(",\"message_bytes\":%llu,\"ucx_perftest_gbps\":%.3f,"
                    "\"ucx_perftest_message_gbps\":%.3f,"
