@@ -13,7 +13,14 @@
  * requests end with KVX_ERR_PEER_GONE, and the merged requests still
  * waiting for it end so too. A lost root: the members' waiting polls fail.
  *
- * Owns the merge entries and the members' forwarded polls.
+ * The root may join its instance after a member's ranks did: a member's
+ * rank joining or leaving is sent again until the root acknowledges it
+ * (announcements, kept apart from the instance, which may be freed
+ * first), and a poll the root cannot take yet is asked again until its
+ * deadline.
+ *
+ * Owns the merge entries, the members' forwarded polls and the
+ * announcements.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,17 +37,42 @@
 typedef struct merge {
     uint32_t seen, expect;
     int emitted;
+    uint64_t deadline_ms;  /* the missing reports never came: TIMED_OUT */
 } merge_t;
+
+/* A member's forwarded poll of one rank. */
+typedef struct fpoll {
+    uint64_t req;          /* 0 = none */
+    uint32_t at_least;
+    uint64_t deadline_ms;
+    uint64_t retry_ms;     /* the root could not take it yet: ask again */
+} fpoll_t;
 
 /* Per spread instance, on any daemon of it. */
 typedef struct spread {
     instance_t *inst;
     map_t merges;          /* root: (request_id << 1 | offer) -> merge */
-    uint64_t *poll_req;    /* member: forwarded poll per rank, 0 = none */
+    fpoll_t *poll;         /* member: per rank */
     struct spread *next;
 } spread_t;
 
 static spread_t *spreads;
+
+/* Member: a rank's joined or left, until the root acknowledges it. */
+typedef struct announce {
+    char instance[INSTANCE_ID_MAX + 1];
+    char root[192];
+    uint32_t rank;
+    int joined;
+    uint64_t next_ms, until_ms;
+    struct announce *next;
+} announce_t;
+
+#define ANNOUNCE_EVERY_MS 100
+#define ANNOUNCE_FOR_MS 60000
+#define POLL_RETRY_MS 20
+
+static announce_t *announces;
 
 int agree_spread(const instance_t *inst)
 {
@@ -57,7 +89,7 @@ static spread_t *spread_of(instance_t *inst, int create)
     if (!create)
         return NULL;
     spread_t *s = calloc(1, sizeof(*s));
-    if (!s || !(s->poll_req = calloc(inst->nranks, sizeof(uint64_t)))) {
+    if (!s || !(s->poll = calloc(inst->nranks, sizeof(fpoll_t)))) {
         free(s);
         return NULL;
     }
@@ -82,7 +114,7 @@ void agree_forget(instance_t *inst)
                 free(v);
             }
             map_free(&s->merges);
-            free(s->poll_req);
+            free(s->poll);
             free(s);
             return;
         }
@@ -140,6 +172,24 @@ static int to_root(const instance_t *inst, const Kvxfer__PeerMsg *m)
     return c ? peer_send(c, m) : KVX_ERR_PEER_GONE;
 }
 
+/* A PeerRanks to daemon addr: a member's announcement, or the root's
+ * acknowledgement of one (ack). 0 or an error. */
+static int announce_send(const char *instance, const char *addr,
+                         uint32_t rank, int joined, int ack)
+{
+    char why[256];
+    peer_conn_t *c = peer_connect(addr, why, sizeof(why));
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerRanks r = KVXFER__PEER_RANKS__INIT;
+    r.instance_id = (char *)instance;
+    r.rank = rank;
+    r.joined = joined;
+    r.ack = ack;
+    m.m_case = KVXFER__PEER_MSG__M_RANKS;
+    m.ranks = &r;
+    return c ? peer_send(c, &m) : KVX_ERR_PEER_GONE;
+}
+
 /* Member: tell the root that a local rank joined (again) or left, as a
  * rank of one daemon tells its batches (a rank gone ends the instance's
  * requests; back, it reads from the next batch). */
@@ -159,26 +209,61 @@ void agree_rank(instance_t *inst, uint32_t rank, int joined)
     }
     spread_t *s = spread_of(inst, 0);
     if (s && !joined)
-        s->poll_req[rank] = 0; /* its poll went with its client */
-    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-    Kvxfer__PeerRanks r = KVXFER__PEER_RANKS__INIT;
-    r.instance_id = inst->id;
-    r.rank = rank;
-    r.joined = joined;
-    m.m_case = KVXFER__PEER_MSG__M_RANKS;
-    m.ranks = &r;
-    if (to_root(inst, &m))
+        s->poll[rank].req = 0; /* its poll went with its client */
+    announce_t *a = NULL;
+    for (announce_t **pp = &announces; *pp; pp = &(*pp)->next)
+        if ((*pp)->rank == rank && !strcmp((*pp)->instance, inst->id)) {
+            a = *pp; /* the newer state replaces the older */
+            break;
+        }
+    if (!a && (a = calloc(1, sizeof(*a)))) {
+        a->next = announces;
+        announces = a;
+    }
+    uint64_t now = kvxd_now_ms();
+    if (a) {
+        snprintf(a->instance, sizeof(a->instance), "%s", inst->id);
+        snprintf(a->root, sizeof(a->root), "%s", inst->addresses[0]);
+        a->rank = rank;
+        a->joined = joined;
+        a->next_ms = now + ANNOUNCE_EVERY_MS;
+        a->until_ms = now + ANNOUNCE_FOR_MS;
+    }
+    if (announce_send(inst->id, inst->addresses[0], rank, joined, 0))
         log_warn("instance %s: rank %u %s, and the root daemon %s cannot "
-                 "be told",
+                 "be told yet",
                  inst->id, rank, joined ? "joined" : "left",
                  inst->addresses[0]);
 }
 
-/* Root: a member's rank joined or left. */
+/* Member: the root took an announcement into account. */
+static void on_ranks_ack(peer_conn_t *c, const Kvxfer__PeerRanks *r)
+{
+    for (announce_t **pp = &announces; *pp; pp = &(*pp)->next) {
+        announce_t *a = *pp;
+        if (a->rank == r->rank && a->joined == r->joined &&
+            r->instance_id && !strcmp(a->instance, r->instance_id) &&
+            !strcmp(a->root, peer_conn_address(c))) {
+            *pp = a->next;
+            free(a);
+            return;
+        }
+    }
+}
+
+/* Root: a member's rank joined or left. Acknowledged once this daemon is
+ * the joined root of the instance (before, the member asks again). */
 static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
 {
+    if (r->ack) {
+        on_ranks_ack(c, r);
+        return;
+    }
     instance_t *inst = r->instance_id ? instance_find(r->instance_id) : NULL;
-    if (!inst || !agree_spread(inst) || !is_root(inst) ||
+    if (!inst || !inst->joined)
+        return; /* not yet: no ack, it comes again */
+    announce_send(inst->id, peer_conn_address(c), r->rank, r->joined, 1);
+    if (!agree_spread(inst) || !is_root(inst) ||
         r->rank >= inst->nranks || inst->local[r->rank] ||
         strcmp(inst->addresses[r->rank], peer_conn_address(c)))
         return;
@@ -207,8 +292,12 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
     spread_t *s = spread_of(inst, 1);
     uint64_t key = request_id << 1 | (offer ? 1 : 0);
     merge_t *m = s ? map_get(&s->merges, key) : NULL;
+    int created = 0;
     if (s && !m && (m = calloc(1, sizeof(*m)))) {
         m->expect = expect;
+        m->deadline_ms = kvxd_now_ms() + (offer ? kvxd.conf.offer_lease_ms
+                                                : kvxd.conf.fetch_timeout_ms);
+        created = 1;
         if (map_put(&s->merges, key, m)) {
             free(m);
             m = NULL;
@@ -218,6 +307,22 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
         queue_event(inst, request_id, kind, code, msg);
         return;
     }
+    /* it needs every rank, and one of another daemon is gone: its report
+     * never comes (a rank gone ends the instance's requests) */
+    for (uint32_t r = 0; created && kind == KVX_EVENT_COMPLETE &&
+                         expect == inst->nranks && r < inst->nranks;
+         r++)
+        if (!inst->local[r] && !inst->batches.present[r]) {
+            char gone[300];
+            snprintf(gone, sizeof(gone),
+                     "rank %u of instance %s (daemon %s) is not connected",
+                     r, inst->id, inst->addresses[r]);
+            kvxd_count_error(KVX_ERR_PEER_GONE);
+            m->emitted = 1;
+            queue_event(inst, request_id, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE,
+                        gone);
+            break;
+        }
     m->seen += ranks;
     if (!m->emitted && (kind != KVX_EVENT_COMPLETE || m->seen >= m->expect)) {
         m->emitted = 1;
@@ -257,19 +362,10 @@ void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
 
 /* ---- polls ------------------------------------------------------------- */
 
-int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
-               uint32_t at_least, uint32_t timeout_ms, char *why,
-               size_t why_len)
+/* Member: forward a poll of a local rank to the root. 0 or an error. */
+static int poll_send(instance_t *inst, uint32_t rank, uint64_t req_id,
+                     uint32_t at_least, uint32_t timeout_ms)
 {
-    spread_t *s = spread_of(inst, 1);
-    if (!s) {
-        snprintf(why, why_len, "poll: out of memory");
-        return KVX_ERR_NOMEM;
-    }
-    if (s->poll_req[rank]) {
-        snprintf(why, why_len, "poll: this rank already has a poll waiting");
-        return KVX_ERR_BUSY;
-    }
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerPoll p = KVXFER__PEER_POLL__INIT;
     p.instance_id = inst->id;
@@ -279,13 +375,31 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
     p.timeout_ms = timeout_ms;
     m.m_case = KVXFER__PEER_MSG__M_POLL;
     m.poll = &p;
-    if (to_root(inst, &m)) {
+    return to_root(inst, &m);
+}
+
+int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
+               uint32_t at_least, uint32_t timeout_ms, char *why,
+               size_t why_len)
+{
+    spread_t *s = spread_of(inst, 1);
+    if (!s) {
+        snprintf(why, why_len, "poll: out of memory");
+        return KVX_ERR_NOMEM;
+    }
+    if (s->poll[rank].req) {
+        snprintf(why, why_len, "poll: this rank already has a poll waiting");
+        return KVX_ERR_BUSY;
+    }
+    if (poll_send(inst, rank, req_id, at_least, timeout_ms)) {
         snprintf(why, why_len, "poll: the root daemon %s of instance %s is "
                                "unreachable",
                  inst->addresses[0], inst->id);
         return KVX_ERR_PEER_GONE;
     }
-    s->poll_req[rank] = req_id;
+    s->poll[rank] = (fpoll_t){.req = req_id,
+                              .at_least = at_least,
+                              .deadline_ms = kvxd_now_ms() + timeout_ms};
     return 0;
 }
 
@@ -326,9 +440,15 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     spread_t *s = inst ? spread_of(inst, 0) : NULL;
     if (!s || pb->rank >= inst->nranks || !inst->local[pb->rank] ||
         strcmp(peer_conn_address(c), inst->addresses[0]) ||
-        s->poll_req[pb->rank] != pb->req_id)
+        s->poll[pb->rank].req != pb->req_id)
         return;
-    s->poll_req[pb->rank] = 0;
+    fpoll_t *fp = &s->poll[pb->rank];
+    if (pb->code && pb->retry && kvxd_now_ms() < fp->deadline_ms) {
+        fp->retry_ms = kvxd_now_ms() + POLL_RETRY_MS; /* agree_tick */
+        return;
+    }
+    fp->req = 0;
+    fp->retry_ms = 0;
     uint64_t sid = inst->rank_sid[pb->rank];
     if (pb->code) {
         session_reply(sid, pb->req_id, pb->code, pb->message);
@@ -351,8 +471,13 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
 {
     instance_t *inst = p->instance_id ? instance_find(p->instance_id) : NULL;
     const char *bad = NULL;
-    if (!inst || !inst->joined || !inst->local[0])
+    int retry = 0;
+    if (!inst || !inst->joined) {
+        bad = "has not joined at its root daemon yet";
+        retry = 1; /* its rank 0 may come: the member asks again */
+    } else if (!inst->local[0]) {
         bad = "is not rooted at this daemon";
+    }
     else if (p->rank >= inst->nranks || inst->local[p->rank] ||
              strcmp(inst->addresses[p->rank], peer_conn_address(c)))
         bad = "has no such rank at that daemon";
@@ -375,6 +500,7 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     pb.req_id = p->req_id;
     pb.code = KVX_ERR_STATE;
     pb.message = msg;
+    pb.retry = retry;
     m.m_case = KVXFER__PEER_MSG__M_BATCH;
     m.batch = &pb;
     peer_send(c, &m);
@@ -439,14 +565,14 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
             if (strcmp(inst->addresses[0], addr) || !s)
                 continue;
             for (uint32_t r = 0; r < inst->nranks; r++)
-                if (s->poll_req[r]) {
+                if (s->poll[r].req) {
                     char m[400];
                     snprintf(m, sizeof(m), "poll: root daemon of instance "
                                            "%s lost: %s",
                              inst->id, msg);
-                    session_reply(inst->rank_sid[r], s->poll_req[r],
+                    session_reply(inst->rank_sid[r], s->poll[r].req,
                                   KVX_ERR_PEER_GONE, m);
-                    s->poll_req[r] = 0;
+                    s->poll[r] = (fpoll_t){0};
                 }
             continue;
         }
@@ -465,5 +591,93 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
         merges_fail(inst, m);
         /* a rank gone ends the instance's requests, as on one daemon */
         xfer_end_instance(inst, KVX_ERR_PEER_GONE, m);
+    }
+}
+
+/* ---- retries ----------------------------------------------------------- */
+
+void agree_tick(uint64_t now)
+{
+    /* announcements the root has not acknowledged: again */
+    for (announce_t **pp = &announces; *pp;) {
+        announce_t *a = *pp;
+        if (now >= a->until_ms) {
+            log_warn("instance %s: the root daemon %s never acknowledged "
+                     "that rank %u %s",
+                     a->instance, a->root, a->rank,
+                     a->joined ? "joined" : "left");
+            *pp = a->next;
+            free(a);
+            continue;
+        }
+        if (now >= a->next_ms) {
+            a->next_ms = now + ANNOUNCE_EVERY_MS;
+            announce_send(a->instance, a->root, a->rank, a->joined, 0);
+        }
+        pp = &a->next;
+    }
+    /* root: merged requests whose missing reports never came */
+    for (spread_t *s = spreads; s; s = s->next) {
+        instance_t *inst = s->inst;
+        if (!is_root(inst) || !s->merges.n)
+            continue;
+        uint32_t n = s->merges.n;
+        uint64_t *keys = calloc(n, sizeof(*keys));
+        n = keys ? map_keys(&s->merges, keys, n) : 0;
+        for (uint32_t i = 0; i < n; i++) {
+            merge_t *m = map_get(&s->merges, keys[i]);
+            if (!m || now < m->deadline_ms)
+                continue;
+            if (!m->emitted) {
+                char msg[300];
+                snprintf(msg, sizeof(msg),
+                         "%u of the %u ranks of instance %s never reported "
+                         "(other daemons)",
+                         m->expect - m->seen, m->expect, inst->id);
+                kvxd_count_error(KVX_ERR_TIMED_OUT);
+                queue_event(inst, keys[i] >> 1, KVX_EVENT_TIMED_OUT,
+                            KVX_ERR_TIMED_OUT, msg);
+            }
+            map_del(&s->merges, keys[i]);
+            free(m);
+        }
+        free(keys);
+    }
+    /* polls the root could not take yet: again, until their deadline */
+    for (spread_t *s = spreads; s; s = s->next) {
+        instance_t *inst = s->inst;
+        if (is_root(inst))
+            continue;
+        for (uint32_t r = 0; r < inst->nranks; r++) {
+            fpoll_t *fp = &s->poll[r];
+            if (!fp->req || !fp->retry_ms || now < fp->retry_ms)
+                continue;
+            fp->retry_ms = 0;
+            uint64_t req = fp->req;
+            if (now >= fp->deadline_ms) {
+                char m[300];
+                snprintf(m, sizeof(m), "poll: instance %s has not joined at "
+                                       "its root daemon %s",
+                         inst->id, inst->addresses[0]);
+                fp->req = 0;
+                session_reply(inst->rank_sid[r], req, KVX_ERR_STATE, m);
+                continue;
+            }
+            if (poll_send(inst, r, req, fp->at_least,
+                          (uint32_t)(fp->deadline_ms - now))) {
+                fp->req = 0;
+                session_reply(inst->rank_sid[r], req, KVX_ERR_PEER_GONE,
+                              "poll: the root daemon is unreachable");
+            }
+        }
+    }
+}
+
+void agree_cleanup(void)
+{
+    while (announces) {
+        announce_t *a = announces;
+        announces = a->next;
+        free(a);
     }
 }

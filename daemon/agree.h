@@ -29,5 +29,9 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
 /* Root: a sealed batch for a rank served by another daemon. */
 void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
                    const struct batch *b);
+/* Member: announcements and polls the root could not take yet, again. */
+void agree_tick(uint64_t now_ms);
+/* At exit. */
+void agree_cleanup(void);
 
 #endif /* KVX_AGREE_H */

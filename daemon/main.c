@@ -17,6 +17,7 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include "agree.h"
 #include "copy.h"
 #include "daemon.h"
 #include "gpu.h"
@@ -91,6 +92,7 @@ static void on_tick(uv_timer_t *t)
     xfer_tick(now);
     peer_tick(now);
     remote_tick(now);
+    agree_tick(now);
     instance_tick(now);
     session_tick(now);
     if (!kvxd.draining)
@@ -297,6 +299,7 @@ err_copy:
     peer_shutdown();  /* after the slots' UCX registrations */
     gpu_cleanup();
     instance_cleanup();
+    agree_cleanup();
     pool_cleanup();
     uv_walk(kvxd.loop, close_walk, NULL);
     uv_run(kvxd.loop, UV_RUN_DEFAULT);

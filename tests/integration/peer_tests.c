@@ -1407,6 +1407,152 @@ TEST_T(peer_spread_member_rank_returns, 60)
 
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
+/* The root daemon's rank 0 joins after the member's rank 1 did. Rank 1's
+ * poll, forwarded before the root joined, is asked again and answered
+ * (an empty batch at its deadline), not refused. A rank 1 that left
+ * before the root joined is known to have left: the root's request
+ * that needs it ends PEER_GONE instead of waiting for it forever. */
+typedef struct lj_arg {
+    daemon_t *d;
+    const side_t *s;
+    char addr0[192], addr1[192];
+    _Atomic int joined, done;
+    int rc;
+    uint32_t nevents;
+    char msg[256];
+} lj_arg_t;
+
+static void lj_rank1_main(void *arg)
+{
+    lj_arg_t *a = arg;
+    rank_t g;
+    rank_hello_only(a->d, &M_SMALL, a->s, 1, &g);
+    snprintf(a->addr1, sizeof(a->addr1), "%s", g.addr);
+    const char *addrs[2] = {a->addr0, g.addr};
+    CHECK_KVX(kvx_join(g.c, addrs, 2, T_MS), g.c);
+    atomic_store(&a->joined, 1);
+    kvx_batch_t *b = NULL;
+    a->rc = kvx_poll(g.c, 1, 1500, &b); /* before the root has joined */
+    if (a->rc == KVX_OK) {
+        a->nevents = b->num_events;
+        kvx_batch_free(b);
+    } else {
+        snprintf(a->msg, sizeof(a->msg), "%s", kvx_last_error(g.c));
+    }
+    atomic_store(&a->done, 1);
+    _exit(0); /* leaves */
+}
+
+TEST_T(peer_spread_root_joins_late, 60)
+{
+    p_setup();
+    /* A's fetch deadline bounds a merged request too (part 3) */
+    daemon_t *a = p_daemon(0, P_SECRET, NULL,
+                           "deadlines:\n  fetch_timeout_ms: 1500\n");
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    static side_t gs = {.inst = "lj-gen",
+                        .role = KVX_ROLE_GENERATION,
+                        .tp = 2,
+                        .pp = 1,
+                        .preset = "vllm-nhd",
+                        .tpb = 4};
+    static side_t cs;
+    p_side(&cs, "lj-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    rank_t c, g0;
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    rank_hello_only(a, &M_SMALL, &gs, 0, &g0);
+    lj_arg_t *la = shm_alloc(sizeof(*la));
+    la->d = b;
+    la->s = &gs;
+    snprintf(la->addr0, sizeof(la->addr0), "%s", g0.addr);
+    pid_t kid = spawn(lj_rank1_main, la);
+    int64_t end = now_ms() + 10000;
+    while (!atomic_load(&la->joined) && now_ms() < end)
+        sleep_ms(5);
+    CHECK(atomic_load(&la->joined));
+    sleep_ms(300); /* rank 1's poll reaches the root, which has not joined */
+    const char *addrs[2] = {g0.addr, la->addr1};
+    CHECK_KVX(kvx_join(g0.c, addrs, 2, T_MS), g0.c);
+    int st;
+    CHECK(waitpid(kid, &st, 0) == kid);
+    if (la->rc != KVX_OK)
+        fprintf(stderr, "rank 1's poll: %s (%s)\n", kvx_status_name(la->rc),
+                la->msg);
+    CHECK_EQ(la->rc, KVX_OK); /* asked again once the root joined */
+    CHECK_EQ(la->nevents, 0);
+    rank_pool(&g0, 8);
+
+    /* rank 1 has left: a request that needs it ends PEER_GONE */
+    uint32_t cb[2] = {0, 1}, gb[2] = {3, 4};
+    fill_req(&c, 7, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 7, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g0.c, 7, p.data, p.len, g0.pool, gb, 2, 0, T_MS),
+              g0.c);
+    ev_t e = wait_event(g0.c, 7, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 5000);
+    fprintf(stderr, "request 7: %s\n", e.msg);
+    kvx_context_params_free(&p);
+
+    /* the same before the root joined at all: a second instance whose
+     * rank 1 joins and leaves first */
+    static side_t gs2 = {.inst = "lj-gen2",
+                         .role = KVX_ROLE_GENERATION,
+                         .tp = 2,
+                         .pp = 1,
+                         .preset = "vllm-nhd",
+                         .tpb = 4};
+    rank_t h0, h1;
+    rank_hello_only(a, &M_SMALL, &gs2, 0, &h0);
+    rank_hello_only(b, &M_SMALL, &gs2, 1, &h1);
+    const char *addrs2[2] = {h0.addr, h1.addr};
+    CHECK_KVX(kvx_join(h1.c, addrs2, 2, T_MS), h1.c);
+    rank_close(&h1); /* left before the root joined */
+    sleep_ms(300);
+    CHECK_KVX(kvx_join(h0.c, addrs2, 2, T_MS), h0.c);
+    rank_pool(&h0, 8);
+    sleep_ms(300); /* the announcement comes again and is taken */
+    CHECK_KVX(kvx_publish(c.c, 8, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(h0.c, 8, p.data, p.len, h0.pool, gb, 2, 0, T_MS),
+              h0.c);
+    e = wait_event(h0.c, 8, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 5000);
+    fprintf(stderr, "request 8: %s\n", e.msg);
+    kvx_context_params_free(&p);
+
+    /* 3: rank 1 stays but never fetches: rank 0's part is done, the
+     * merged request ends TIMED_OUT at A's fetch deadline (not never) */
+    static side_t gs3 = {.inst = "lj-gen3",
+                         .role = KVX_ROLE_GENERATION,
+                         .tp = 2,
+                         .pp = 1,
+                         .preset = "vllm-nhd",
+                         .tpb = 4};
+    rank_t k0, k1;
+    rank_hello_only(a, &M_SMALL, &gs3, 0, &k0);
+    rank_hello_only(b, &M_SMALL, &gs3, 1, &k1);
+    const char *addrs3[2] = {k0.addr, k1.addr};
+    CHECK_KVX(kvx_join(k1.c, addrs3, 2, T_MS), k1.c);
+    CHECK_KVX(kvx_join(k0.c, addrs3, 2, T_MS), k0.c);
+    rank_pool(&k0, 8);
+    CHECK_KVX(kvx_publish(c.c, 9, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    int64_t t9 = now_ms();
+    CHECK_KVX(kvx_fetch(k0.c, 9, p.data, p.len, k0.pool, gb, 2, 0, T_MS),
+              k0.c);
+    e = wait_event(k0.c, 9, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 5000);
+    fprintf(stderr, "request 9 after %lld ms: %s\n",
+            (long long)(now_ms() - t9), e.msg);
+    CHECK_STR_CONTAINS(e.msg, "never reported");
+    kvx_context_params_free(&p);
+    rank_close(&k1);
+    rank_close(&k0);
+    rank_close(&h0);
+    rank_close(&g0);
+    rank_close(&c);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
 TEST(peer_config_errors)
 {
     h_init();
