@@ -16,11 +16,12 @@
  * The root may join its instance after a member's ranks did: a member's
  * rank joining or leaving is sent again until the root acknowledges it
  * (announcements, kept apart from the instance, which may be freed
- * first), and a poll the root cannot take yet is asked again until its
- * deadline.
+ * first), a poll the root cannot take yet is asked again until its
+ * deadline, and a member's event that comes before the root joined is
+ * kept until it does (early_t).
  *
- * Owns the merge entries, the members' forwarded polls and the
- * announcements.
+ * Owns the merge entries, the members' forwarded polls, the
+ * announcements and the early events.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,6 +75,32 @@ typedef struct announce {
 
 static announce_t *announces;
 
+/* Root: a member's event that came before this daemon joined the
+ * instance (its rank 0 may not even have said hello): merged when it
+ * joins, or dropped after EARLY_FOR_MS. */
+typedef struct early {
+    char instance[INSTANCE_ID_MAX + 1];
+    char from[192];
+    uint64_t request_id;
+    int offer, kind, code;
+    char *msg;
+    uint32_t ranks, expect;
+    uint64_t until_ms;
+    struct early *next;
+} early_t;
+
+#define EARLY_MAX 4096
+#define EARLY_FOR_MS 60000
+
+static early_t *earlies;
+static uint32_t nearly;
+
+static void merge_report(instance_t *inst, uint64_t request_id, int offer,
+                         int kind, int code, const char *msg, uint32_t ranks,
+                         uint32_t expect);
+static int event_ok(const instance_t *inst, const char *from, int kind,
+                    int code, uint32_t ranks, uint32_t expect);
+
 int agree_spread(const instance_t *inst)
 {
     return inst->joined && inst->nlocal < inst->nranks && peer_enabled();
@@ -122,13 +149,44 @@ void agree_forget(instance_t *inst)
 
 void agree_joined(instance_t *inst)
 {
-    if (!agree_spread(inst) || !is_root(inst))
-        return;
+    int root = agree_spread(inst) && is_root(inst);
     /* every rank reads from batch 0: the remote ones are present from
      * the start, so none misses a batch sealed before its first poll */
-    for (uint32_t r = 0; r < inst->nranks; r++)
+    for (uint32_t r = 0; root && r < inst->nranks; r++)
         if (!inst->local[r])
             batch_rank_join(&inst->batches, r);
+    /* members' events that came before: merged now, in arrival order */
+    early_t *mine = NULL, **tail = &mine;
+    for (early_t **pp = &earlies; *pp;) {
+        early_t *x = *pp;
+        if (strcmp(x->instance, inst->id)) {
+            pp = &x->next;
+            continue;
+        }
+        *pp = x->next;
+        x->next = NULL;
+        *tail = x;
+        tail = &x->next;
+        nearly--;
+    }
+    /* earlies is newest first: reverse to arrival order */
+    early_t *ordered = NULL;
+    while (mine) {
+        early_t *x = mine;
+        mine = x->next;
+        x->next = ordered;
+        ordered = x;
+    }
+    while (ordered) {
+        early_t *x = ordered;
+        ordered = x->next;
+        if (root && event_ok(inst, x->from, x->kind, x->code, x->ranks,
+                             x->expect))
+            merge_report(inst, x->request_id, x->offer, x->kind, x->code,
+                         x->msg, x->ranks, x->expect);
+        free(x->msg);
+        free(x);
+    }
 }
 
 static void queue_event(instance_t *inst, uint64_t request_id, int kind,
@@ -506,26 +564,70 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     peer_send(c, &m);
 }
 
+/* What a member reports must make sense for this instance: from a daemon
+ * of it, the ranks it covers and needs within the instance, a known
+ * kind, a code that is an error exactly when the kind is not COMPLETE
+ * (inst NULL: all but the instance's own bounds). */
+static int event_ok(const instance_t *inst, const char *from, int kind,
+                    int code, uint32_t ranks, uint32_t expect)
+{
+    int member = !inst, complete = kind == KVX_EVENT_COMPLETE;
+    for (uint32_t r = 0; inst && r < inst->nranks && !member; r++)
+        member = !strcmp(inst->addresses[r], from);
+    if (!member || !expect || (inst && expect > inst->nranks) || !ranks ||
+        ranks > expect || kind < KVX_EVENT_COMPLETE ||
+        kind > KVX_EVENT_TIMED_OUT || (complete != (code == 0)) ||
+        code < KVX_ERR_LAST || code > 0) {
+        log_warn("peer %s: malformed event for instance %s dropped", from,
+                 inst ? inst->id : "(not joined here yet)");
+        return 0;
+    }
+    return 1;
+}
+
+/* Root, not joined yet: keep a member's event until it joins. */
+static void early_hold(const char *from, const Kvxfer__PeerEvent *e)
+{
+    if (!e->instance_id || strlen(e->instance_id) > INSTANCE_ID_MAX ||
+        !event_ok(NULL, from, (int)e->kind, e->code, e->ranks, e->expect))
+        return;
+    if (nearly >= EARLY_MAX) {
+        log_warn("instance %s: %u events wait for the instance to join "
+                 "here; the event of request %llu from %s is dropped",
+                 e->instance_id, nearly, (unsigned long long)e->request_id,
+                 from);
+        return;
+    }
+    early_t *x = calloc(1, sizeof(*x));
+    if (!x || !(x->msg = strdup(e->message ? e->message : ""))) {
+        free(x);
+        return;
+    }
+    snprintf(x->instance, sizeof(x->instance), "%s", e->instance_id);
+    snprintf(x->from, sizeof(x->from), "%s", from);
+    x->request_id = e->request_id;
+    x->offer = e->offer;
+    x->kind = (int)e->kind;
+    x->code = e->code;
+    x->ranks = e->ranks;
+    x->expect = e->expect;
+    x->until_ms = kvxd_now_ms() + EARLY_FOR_MS;
+    x->next = earlies;
+    earlies = x;
+    nearly++;
+}
+
 static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
 {
     instance_t *inst = e->instance_id ? instance_find(e->instance_id) : NULL;
-    if (!inst || !inst->joined || !inst->local[0])
-        return;
-    int member = 0;
-    for (uint32_t r = 0; r < inst->nranks && !member; r++)
-        member = !strcmp(inst->addresses[r], peer_conn_address(c));
-    /* what a member reports must make sense for this instance: the ranks
-     * it covers and needs within the instance, a known kind, a code that
-     * is an error exactly when the kind is not COMPLETE */
-    int kind = (int)e->kind, complete = kind == KVX_EVENT_COMPLETE;
-    if (!member || !e->expect || e->expect > inst->nranks || !e->ranks ||
-        e->ranks > e->expect || kind < KVX_EVENT_COMPLETE ||
-        kind > KVX_EVENT_TIMED_OUT || (complete != (e->code == 0)) ||
-        e->code < KVX_ERR_LAST || e->code > 0) {
-        log_warn("peer %s: malformed event for instance %s dropped",
-                 peer_conn_address(c), inst->id);
+    if (!inst || !inst->joined) {
+        early_hold(peer_conn_address(c), e);
         return;
     }
+    if (!inst->local[0] ||
+        !event_ok(inst, peer_conn_address(c), (int)e->kind, e->code,
+                  e->ranks, e->expect))
+        return;
     if (e->code)
         kvxd_count_error(e->code);
     merge_report(inst, e->request_id, e->offer, e->kind, e->code,
@@ -598,6 +700,21 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
 
 void agree_tick(uint64_t now)
 {
+    /* members' events whose instance never joined here */
+    for (early_t **pp = &earlies; *pp;) {
+        early_t *x = *pp;
+        if (now < x->until_ms) {
+            pp = &x->next;
+            continue;
+        }
+        log_warn("instance %s never joined here: the event of request %llu "
+                 "from %s is dropped",
+                 x->instance, (unsigned long long)x->request_id, x->from);
+        *pp = x->next;
+        nearly--;
+        free(x->msg);
+        free(x);
+    }
     /* announcements the root has not acknowledged: again */
     for (announce_t **pp = &announces; *pp;) {
         announce_t *a = *pp;
@@ -675,6 +792,13 @@ void agree_tick(uint64_t now)
 
 void agree_cleanup(void)
 {
+    while (earlies) {
+        early_t *x = earlies;
+        earlies = x->next;
+        free(x->msg);
+        free(x);
+    }
+    nearly = 0;
     while (announces) {
         announce_t *a = announces;
         announces = a->next;

@@ -1553,6 +1553,54 @@ TEST_T(peer_spread_root_joins_late, 60)
     daemon_stop_ok(b);
 }
 
+/* A member's event that reaches the root before the root joined the
+ * instance: rank 1 of a spread context instance publishes and cancels on
+ * B while rank 0 on A has only said hello; once rank 0 joins, both ranks
+ * read the CANCELLED event in the same batch. */
+TEST_T(peer_spread_event_before_root_joined, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    static side_t cs = {.inst = "eb-ctx",
+                        .role = KVX_ROLE_CONTEXT,
+                        .tp = 2,
+                        .pp = 1,
+                        .preset = "vllm-nhd",
+                        .tpb = 4};
+    rank_t c0, c1;
+    rank_hello_only(a, &M_SMALL, &cs, 0, &c0);
+    rank_hello_only(b, &M_SMALL, &cs, 1, &c1);
+    const char *addrs[2] = {c0.addr, c1.addr};
+    CHECK_KVX(kvx_join(c1.c, addrs, 2, T_MS), c1.c);
+    rank_pool(&c1, 8);
+    uint32_t cb[2] = {2, 3};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c1.c, 21, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
+    CHECK_KVX(kvx_cancel(c1.c, 21, T_MS), c1.c);
+    kvx_context_params_free(&p);
+    sleep_ms(300); /* the event is at A, which has not joined */
+    CHECK_KVX(kvx_join(c0.c, addrs, 2, T_MS), c0.c);
+    kvx_batch_t *b0, *b1;
+    CHECK_KVX(kvx_poll(c0.c, 1, 3000, &b0), c0.c);
+    CHECK_KVX(kvx_poll(c1.c, 1, 3000, &b1), c1.c);
+    CHECK_EQ(b0->num_events, 1);
+    CHECK_EQ(b1->num_events, 1);
+    CHECK_EQ(b0->seq, b1->seq);
+    CHECK_EQ(b0->events[0].request_id, 21);
+    CHECK_EQ(b0->events[0].kind, KVX_EVENT_CANCELLED);
+    CHECK_EQ(b1->events[0].request_id, 21);
+    CHECK_EQ(b1->events[0].kind, KVX_EVENT_CANCELLED);
+    kvx_batch_free(b0);
+    kvx_batch_free(b1);
+    rank_close(&c1);
+    rank_close(&c0);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
 TEST(peer_config_errors)
 {
     h_init();
