@@ -243,6 +243,14 @@ static void p_side(side_t *s, const char *inst, kvx_role_t role,
                   .tpb = tpb};
 }
 
+/* A side of tp 2 (vllm-nhd, 4 tokens a block): rank 0 on daemon A and
+ * rank 1 on daemon B make a spread instance. */
+static void p_side2(side_t *s, const char *inst, kvx_role_t role)
+{
+    p_side(s, inst, role, "vllm-nhd", 4);
+    s->tp = 2;
+}
+
 /* Differing bytes of one request's tokens [skip, ntok) in a rank's pool
  * (the rest of the pool is not looked at). */
 static uint64_t p_check_req(const rank_t *r, uint64_t req,
@@ -989,12 +997,8 @@ static void sp_rank_main(void *arg)
 {
     sp_arg_t *a = arg;
     sp_shared_t *sh = a->sh;
-    static side_t gs = {.inst = "sp-gen",
-                        .role = KVX_ROLE_GENERATION,
-                        .tp = 2,
-                        .pp = 1,
-                        .preset = "vllm-nhd",
-                        .tpb = 4};
+    static side_t gs;
+    p_side2(&gs, "sp-gen", KVX_ROLE_GENERATION);
     rank_t g;
     rank_hello_only(a->d, &M_LS, &gs, a->rank, &g);
     p_check_addr(&g, (int)a->rank, NULL, 0);
@@ -1259,12 +1263,8 @@ TEST_T(peer_spread_context_late_publish, 60)
     p_setup();
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
-    static side_t cs = {.inst = "sc-ctx",
-                        .role = KVX_ROLE_CONTEXT,
-                        .tp = 2,
-                        .pp = 1,
-                        .preset = "vllm-nhd",
-                        .tpb = 4};
+    static side_t cs;
+    p_side2(&cs, "sc-ctx", KVX_ROLE_CONTEXT);
     static side_t gs;
     p_side(&gs, "sc-gen", KVX_ROLE_GENERATION, "trtllm", 4);
     rank_t c0, c1, g;
@@ -1326,8 +1326,29 @@ typedef struct rr_arg {
     daemon_t *d;
     const side_t *s;
     char addr0[192], addr1[192];
-    _Atomic int polling;
+    _Atomic int joined;
+    int rc;                /* lj: rank 1's poll, and what it read */
+    uint32_t nevents;
+    char msg[256];
 } rr_arg_t;
+
+/* Rank 1 of the spread instance gs on daemon b, in a child running fn
+ * (its rank 0, on A, has address addr0): returns once rank 1 joined. */
+static pid_t rank1_spawn(void (*fn)(void *), rr_arg_t **out, daemon_t *b,
+                         const side_t *gs, const char *addr0)
+{
+    rr_arg_t *ra = shm_alloc(sizeof(*ra));
+    ra->d = b;
+    ra->s = gs;
+    snprintf(ra->addr0, sizeof(ra->addr0), "%s", addr0);
+    pid_t kid = spawn(fn, ra);
+    int64_t end = now_ms() + 10000;
+    while (!atomic_load(&ra->joined) && now_ms() < end)
+        sleep_ms(5);
+    CHECK(atomic_load(&ra->joined));
+    *out = ra;
+    return kid;
+}
 
 static void rr_rank1_main(void *arg)
 {
@@ -1337,7 +1358,7 @@ static void rr_rank1_main(void *arg)
     snprintf(a->addr1, sizeof(a->addr1), "%s", g.addr);
     const char *addrs[2] = {a->addr0, g.addr};
     CHECK_KVX(kvx_join(g.c, addrs, 2, T_MS), g.c);
-    atomic_store(&a->polling, 1);
+    atomic_store(&a->joined, 1);
     kvx_batch_t *b;
     kvx_poll(g.c, 1000, 20000, &b); /* killed while it waits */
     _exit(1);
@@ -1348,26 +1369,15 @@ TEST_T(peer_spread_member_rank_returns, 60)
     p_setup();
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
-    static side_t gs = {.inst = "rr-gen",
-                        .role = KVX_ROLE_GENERATION,
-                        .tp = 2,
-                        .pp = 1,
-                        .preset = "vllm-nhd",
-                        .tpb = 4};
+    static side_t gs;
+    p_side2(&gs, "rr-gen", KVX_ROLE_GENERATION);
     static side_t cs;
     p_side(&cs, "rr-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
     rank_t c, g0;
     rank_open(a, &M_SMALL, &cs, 0, 8, &c);
     rank_hello_only(a, &M_SMALL, &gs, 0, &g0);
-    rr_arg_t *ra = shm_alloc(sizeof(*ra));
-    ra->d = b;
-    ra->s = &gs;
-    snprintf(ra->addr0, sizeof(ra->addr0), "%s", g0.addr);
-    pid_t kid = spawn(rr_rank1_main, ra);
-    int64_t end = now_ms() + 10000;
-    while (!atomic_load(&ra->polling) && now_ms() < end)
-        sleep_ms(5);
-    CHECK(atomic_load(&ra->polling));
+    rr_arg_t *ra;
+    pid_t kid = rank1_spawn(rr_rank1_main, &ra, b, &gs, g0.addr);
     const char *addrs[2] = {g0.addr, ra->addr1};
     CHECK_KVX(kvx_join(g0.c, addrs, 2, T_MS), g0.c);
     rank_pool(&g0, 8);
@@ -1412,19 +1422,9 @@ TEST_T(peer_spread_member_rank_returns, 60)
  * (an empty batch at its deadline), not refused. A rank 1 that left
  * before the root joined is known to have left: the root's request
  * that needs it ends PEER_GONE instead of waiting for it forever. */
-typedef struct lj_arg {
-    daemon_t *d;
-    const side_t *s;
-    char addr0[192], addr1[192];
-    _Atomic int joined, done;
-    int rc;
-    uint32_t nevents;
-    char msg[256];
-} lj_arg_t;
-
 static void lj_rank1_main(void *arg)
 {
-    lj_arg_t *a = arg;
+    rr_arg_t *a = arg;
     rank_t g;
     rank_hello_only(a->d, &M_SMALL, a->s, 1, &g);
     snprintf(a->addr1, sizeof(a->addr1), "%s", g.addr);
@@ -1439,7 +1439,6 @@ static void lj_rank1_main(void *arg)
     } else {
         snprintf(a->msg, sizeof(a->msg), "%s", kvx_last_error(g.c));
     }
-    atomic_store(&a->done, 1);
     _exit(0); /* leaves */
 }
 
@@ -1450,26 +1449,15 @@ TEST_T(peer_spread_root_joins_late, 60)
     daemon_t *a = p_daemon(0, P_SECRET, NULL,
                            "deadlines:\n  fetch_timeout_ms: 1500\n");
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
-    static side_t gs = {.inst = "lj-gen",
-                        .role = KVX_ROLE_GENERATION,
-                        .tp = 2,
-                        .pp = 1,
-                        .preset = "vllm-nhd",
-                        .tpb = 4};
+    static side_t gs;
+    p_side2(&gs, "lj-gen", KVX_ROLE_GENERATION);
     static side_t cs;
     p_side(&cs, "lj-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
     rank_t c, g0;
     rank_open(a, &M_SMALL, &cs, 0, 8, &c);
     rank_hello_only(a, &M_SMALL, &gs, 0, &g0);
-    lj_arg_t *la = shm_alloc(sizeof(*la));
-    la->d = b;
-    la->s = &gs;
-    snprintf(la->addr0, sizeof(la->addr0), "%s", g0.addr);
-    pid_t kid = spawn(lj_rank1_main, la);
-    int64_t end = now_ms() + 10000;
-    while (!atomic_load(&la->joined) && now_ms() < end)
-        sleep_ms(5);
-    CHECK(atomic_load(&la->joined));
+    rr_arg_t *la;
+    pid_t kid = rank1_spawn(lj_rank1_main, &la, b, &gs, g0.addr);
     sleep_ms(300); /* rank 1's poll reaches the root, which has not joined */
     const char *addrs[2] = {g0.addr, la->addr1};
     CHECK_KVX(kvx_join(g0.c, addrs, 2, T_MS), g0.c);
@@ -1495,12 +1483,8 @@ TEST_T(peer_spread_root_joins_late, 60)
 
     /* the same before the root joined at all: a second instance whose
      * rank 1 joins and leaves first */
-    static side_t gs2 = {.inst = "lj-gen2",
-                         .role = KVX_ROLE_GENERATION,
-                         .tp = 2,
-                         .pp = 1,
-                         .preset = "vllm-nhd",
-                         .tpb = 4};
+    static side_t gs2;
+    p_side2(&gs2, "lj-gen2", KVX_ROLE_GENERATION);
     rank_t h0, h1;
     rank_hello_only(a, &M_SMALL, &gs2, 0, &h0);
     rank_hello_only(b, &M_SMALL, &gs2, 1, &h1);
@@ -1520,12 +1504,8 @@ TEST_T(peer_spread_root_joins_late, 60)
 
     /* 3: rank 1 stays but never fetches: rank 0's part is done, the
      * merged request ends TIMED_OUT at A's fetch deadline (not never) */
-    static side_t gs3 = {.inst = "lj-gen3",
-                         .role = KVX_ROLE_GENERATION,
-                         .tp = 2,
-                         .pp = 1,
-                         .preset = "vllm-nhd",
-                         .tpb = 4};
+    static side_t gs3;
+    p_side2(&gs3, "lj-gen3", KVX_ROLE_GENERATION);
     rank_t k0, k1;
     rank_hello_only(a, &M_SMALL, &gs3, 0, &k0);
     rank_hello_only(b, &M_SMALL, &gs3, 1, &k1);
@@ -1562,12 +1542,8 @@ TEST_T(peer_spread_event_before_root_joined, 60)
     p_setup();
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
-    static side_t cs = {.inst = "eb-ctx",
-                        .role = KVX_ROLE_CONTEXT,
-                        .tp = 2,
-                        .pp = 1,
-                        .preset = "vllm-nhd",
-                        .tpb = 4};
+    static side_t cs;
+    p_side2(&cs, "eb-ctx", KVX_ROLE_CONTEXT);
     rank_t c0, c1;
     rank_hello_only(a, &M_SMALL, &cs, 0, &c0);
     rank_hello_only(b, &M_SMALL, &cs, 1, &c1);
