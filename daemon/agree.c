@@ -230,13 +230,12 @@ static int to_root(const instance_t *inst, const Kvxfer__PeerMsg *m)
     return c ? peer_send(c, m) : KVX_ERR_PEER_GONE;
 }
 
-/* A PeerRanks to daemon addr: a member's announcement, or the root's
- * acknowledgement of one (ack). 0 or an error. */
-static int announce_send(const char *instance, const char *addr,
-                         uint32_t rank, int joined, int ack)
+/* A PeerRanks on connection c: a member's announcement to the root, or
+ * the root's acknowledgement of one (ack), on the connection it came
+ * by. 0 or an error. */
+static int ranks_send(peer_conn_t *c, const char *instance, uint32_t rank,
+                      int joined, int ack)
 {
-    char why[256];
-    peer_conn_t *c = peer_connect(addr, why, sizeof(why));
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerRanks r = KVXFER__PEER_RANKS__INIT;
     r.instance_id = (char *)instance;
@@ -246,6 +245,15 @@ static int announce_send(const char *instance, const char *addr,
     m.m_case = KVXFER__PEER_MSG__M_RANKS;
     m.ranks = &r;
     return c ? peer_send(c, &m) : KVX_ERR_PEER_GONE;
+}
+
+/* Member: an announcement to the root at addr (connecting on first use). */
+static int announce_send(const char *instance, const char *addr,
+                         uint32_t rank, int joined)
+{
+    char why[256];
+    return ranks_send(peer_connect(addr, why, sizeof(why)), instance, rank,
+                      joined, 0);
 }
 
 /* Member: tell the root that a local rank joined (again) or left, as a
@@ -287,7 +295,7 @@ void agree_rank(instance_t *inst, uint32_t rank, int joined)
         a->next_ms = now + ANNOUNCE_EVERY_MS;
         a->until_ms = now + ANNOUNCE_FOR_MS;
     }
-    if (announce_send(inst->id, inst->addresses[0], rank, joined, 0))
+    if (announce_send(inst->id, inst->addresses[0], rank, joined))
         log_warn("instance %s: rank %u %s, and the root daemon %s cannot "
                  "be told yet",
                  inst->id, rank, joined ? "joined" : "left",
@@ -320,7 +328,7 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
     instance_t *inst = r->instance_id ? instance_find(r->instance_id) : NULL;
     if (!inst || !inst->joined)
         return; /* not yet: no ack, it comes again */
-    announce_send(inst->id, peer_conn_address(c), r->rank, r->joined, 1);
+    ranks_send(c, inst->id, r->rank, r->joined, 1); /* on the same link */
     if (!agree_spread(inst) || !is_root(inst) ||
         r->rank >= inst->nranks || inst->local[r->rank] ||
         strcmp(inst->addresses[r->rank], peer_conn_address(c)))
@@ -729,7 +737,7 @@ void agree_tick(uint64_t now)
         }
         if (now >= a->next_ms) {
             a->next_ms = now + ANNOUNCE_EVERY_MS;
-            announce_send(a->instance, a->root, a->rank, a->joined, 0);
+            announce_send(a->instance, a->root, a->rank, a->joined);
         }
         pp = &a->next;
     }
