@@ -251,6 +251,18 @@ static void p_side2(side_t *s, const char *inst, kvx_role_t role)
     s->tp = 2;
 }
 
+/* A context rank on daemon a and a generation rank on daemon b, each an
+ * instance of its own (vllm-nhd, 4 tokens a block, pools of 8 blocks);
+ * the sides outlive the ranks, so the caller holds them. */
+static void p_pair(daemon_t *a, daemon_t *b, side_t *cs, side_t *gs,
+                   const char *ctx, const char *gen, rank_t *c, rank_t *g)
+{
+    p_side(cs, ctx, KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(gs, gen, KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_open(a, &M_SMALL, cs, 0, 8, c);
+    rank_open(b, &M_SMALL, gs, 0, 8, g);
+}
+
 /* Differing bytes of one request's tokens [skip, ntok) in a rank's pool
  * (the rest of the pool is not looked at). */
 static uint64_t p_check_req(const rank_t *r, uint64_t req,
@@ -441,11 +453,8 @@ TEST_T(peer_open_for_ended_offer, 60)
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
     side_t cs, gs;
-    p_side(&cs, "pe-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
-    p_side(&gs, "pe-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
     rank_t c, g;
-    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
-    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    p_pair(a, b, &cs, &gs, "pe-ctx", "pe-gen", &c, &g);
     uint32_t cb[2] = {4, 5}, gb[2] = {1, 2};
     kvx_context_params_t p;
     CHECK_KVX(kvx_publish(c.c, 61, c.pool, cb, 2, 8, &p, T_MS), c.c);
@@ -579,11 +588,8 @@ TEST_T(peer_wrong_token, 60)
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
     side_t cs, gs;
-    p_side(&cs, "pt-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
-    p_side(&gs, "pt-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
     rank_t c, g;
-    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
-    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    p_pair(a, b, &cs, &gs, "pt-ctx", "pt-gen", &c, &g);
     memset(g.base, 0xa5, g.size);
     /* connected first, so the bound below is the token check's */
     uint32_t wc[1] = {0}, wg[1] = {7};
@@ -640,11 +646,8 @@ TEST_T(peer_wrong_secret, 60)
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     daemon_t *b = p_daemon(1, P_SECRET_OTHER, NULL, NULL);
     side_t cs, gs;
-    p_side(&cs, "ps-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
-    p_side(&gs, "ps-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
     rank_t c, g;
-    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
-    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    p_pair(a, b, &cs, &gs, "ps-ctx", "ps-gen", &c, &g);
     memset(g.base, 0xa5, g.size);
     uint32_t bl[2] = {0, 1};
     fill_req(&c, 41, bl, 8);
@@ -1666,11 +1669,8 @@ TEST_T(peer_status, 60)
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
     side_t cs, gs;
-    p_side(&cs, "pst-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
-    p_side(&gs, "pst-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
     rank_t c, g;
-    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
-    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    p_pair(a, b, &cs, &gs, "pst-ctx", "pst-gen", &c, &g);
     char ipport[2][64];
     p_check_addr(&c, 0, ipport[0], sizeof(ipport[0]));
     p_check_addr(&g, 1, ipport[1], sizeof(ipport[1]));
