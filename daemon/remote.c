@@ -12,22 +12,26 @@
  *                        the next units that fit in it, asked for by PULL
  *   remote_data_target / remote_on_data
  *                        DATA lands in the slot, piece by piece
- *                        (rendezvous straight into its place); once all
- *                        pieces are in, slot_copy() scatters it into the
- *                        pool (copy threads, or a kernel for a GPU pool),
- *                        the slot is free again, xfer counts the units
+ *                        (rendezvous straight into its place); each piece
+ *                        in is scattered into the pool at once
+ *                        (piece_copy: copy threads, or a kernel for a GPU
+ *                        pool) while the next ones are on the wire;
+ *                        scatter_done() counts its units in xfer, and the
+ *                        last one frees the slot
  *   on_end_to_d()        the source refused or ended the stream; "not
  *                        yet published" is asked again for OPEN_RETRY_MS
  * (context daemon, "S"):
  *   on_open()            finds the offer, checks the token, builds the
  *                        same plan, and counts the streams it will serve
  *   on_pull()/serve_pulls()
- *                        a free send slot gathers the units (slot_copy:
- *                        copy threads, or a kernel writing the pinned
- *                        slot), then gather_done() sends it as pieces of
- *                        remote_message_bytes() (peer.c keeps
- *                        peer.send_window of them in flight); the last
- *                        one back frees it (on_sent, slot_sent)
+ *                        a free send slot is cut into pieces of
+ *                        remote_message_bytes() on unit boundaries
+ *                        (slot_cut, the same cut the receiver checks);
+ *                        each piece is gathered (piece_copy: copy threads,
+ *                        or a kernel writing the pinned slot) and sent the
+ *                        moment it is (gather_done; peer.c keeps
+ *                        peer.send_window messages in flight); the last
+ *                        one back frees the slot (on_sent, sslot_release)
  *   on_end()             the generation side is done with the stream; the
  *                        last one completes the offer
  * Either side: a lost connection ends every stream on it.
@@ -56,8 +60,17 @@
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
 
-#define SLOT_JOBS 16
 #define MAX_PIECES 64            /* UCX messages per slot, at most */
+#define SLOT_JOBS 64             /* copy jobs per slot, at most */
+
+/* A piece: whole plan units [u0, u1), bytes [off, off + len) of its slot,
+ * one UCX message. Both daemons cut a slot the same way (slot_pieces), so
+ * each piece is gathered, sent and scattered on its own: the wire carries
+ * piece k while piece k+1 is gathered, and piece k is scattered while
+ * k+1 is on the wire. */
+typedef struct piece {
+    uint64_t u0, u1, off, len;
+} piece_t;
 
 typedef struct slot {
     uint8_t *mem;
@@ -67,20 +80,25 @@ typedef struct slot {
     uint64_t u0, u1, bytes;
     genpart_t *part;             /* receive: whose destination */
     uint32_t dst_slot;           /* send: the receiver's slot */
-    /* a slot travels as pieces of at most remote_message_bytes(), each
-     * its own UCX message; receive: which have landed or are landing */
-    uint64_t piece_bytes, got;   /* got: a bit per piece */
-    uint32_t npieces, landing;
-    int rx_status;               /* the first piece that failed */
+    piece_t pc[MAX_PIECES];
+    uint64_t piece_bytes;        /* the cut: at most this much a piece */
+    uint32_t npieces;
+    uint64_t got;                /* receive: a bit per piece landing/in */
+    uint32_t landing;            /* receive: pieces UCX is writing */
+    uint32_t arrived;            /* receive: pieces in */
+    uint32_t copied;             /* pieces gathered or scattered */
+    uint32_t pending;            /* pieces being gathered or scattered */
     uint32_t sends_left;         /* send: pieces UCX has not given back */
+    int status;                  /* the first failure (copy or receive) */
     /* for status: wait from t_wait, copy or wire from t_stage */
     uint64_t t_wait, t_stage;
-    /* a gather or scatter: one GPU kernel, or up to SLOT_JOBS pieces of
-     * about copy.chunk_bytes on the copy threads at once (a large slot
-     * is not copied by one thread while the others idle) */
+    /* a piece is copied by one GPU kernel, or by up to jpp jobs of about
+     * copy.chunk_bytes on the copy threads (jobs[k * jpp ...]); piece_done
+     * runs on the loop once all of piece k is back */
+    uint32_t jpp;
+    uint8_t piece_jobs[MAX_PIECES];
     copy_job_t jobs[SLOT_JOBS];
-    uint32_t pending;
-    copy_done_cb finish;         /* once every piece is back; jobs[0] */
+    void (*piece_done)(struct slot *x, uint32_t k);
     struct slot *next_free;
 } slot_t;
 
@@ -246,12 +264,47 @@ static void slot_put(slots_t *s, slot_t *x)
 {
     x->state = SLOT_FREE;
     x->owner = NULL;
+    x->part = NULL;
     x->piece_bytes = x->got = 0;
-    x->npieces = x->landing = x->sends_left = 0;
-    x->rx_status = 0;
+    x->npieces = x->landing = x->arrived = x->copied = x->pending = 0;
+    x->sends_left = 0;
+    x->status = 0;
     x->next_free = s->free;
     s->free = x;
     s->nfree++;
+}
+
+/* Cut units [u0, u1) of plan into pieces of at most pb bytes on unit
+ * boundaries (a unit larger than pb is a piece alone; the last of
+ * MAX_PIECES takes the rest). Deterministic: the receiver checks each
+ * DATA against the same cut. Returns the number of pieces. */
+static uint32_t slot_pieces(const plan_t *plan, uint64_t u0, uint64_t u1,
+                            uint64_t pb, piece_t *pc)
+{
+    uint32_t n = 0;
+    uint64_t off = 0;
+    for (uint64_t u = u0; u < u1; n++) {
+        uint64_t e = u + 1, b = plan_units_bytes(plan, u, e);
+        while (e < u1) {
+            uint64_t nb = plan_units_bytes(plan, e, e + 1);
+            if (b + nb > pb && n < MAX_PIECES - 1)
+                break;
+            b += nb;
+            e++;
+        }
+        pc[n] = (piece_t){u, e, off, b};
+        off += b;
+        u = e;
+    }
+    return n;
+}
+
+/* Cut x (u0, u1, bytes set) into pieces of at most pb. */
+static void slot_cut(slot_t *x, const plan_t *plan, uint64_t pb)
+{
+    x->piece_bytes = pb;
+    x->npieces = slot_pieces(plan, x->u0, x->u1, pb, x->pc);
+    x->jpp = SLOT_JOBS / x->npieces;
 }
 
 static void piece_run(copy_job_t *job)
@@ -260,64 +313,70 @@ static void piece_run(copy_job_t *job)
                      job->packed_gather);
 }
 
-static void piece_done(copy_job_t *job)
+static void job_done(copy_job_t *job)
 {
     slot_t *x = job->owner;
-    if (job->status && !x->jobs[0].status)
-        x->jobs[0].status = job->status;
-    if (--x->pending == 0)
-        x->finish(&x->jobs[0]);
+    uint32_t k = (uint32_t)(job - x->jobs) / x->jpp;
+    if (job->status && !x->status)
+        x->status = job->status;
+    if (--x->piece_jobs[k] == 0)
+        x->piece_done(x, k);
 }
 
-/* Gather units [x->u0, x->u1) into the slot, or scatter them from it:
- * a kernel on gpu, else pieces on the copy threads; finish(&x->jobs[0])
- * runs on the loop when all of it is back (jobs[0].status: the first
- * error). */
-static void slot_copy(slot_t *x, const plan_t *plan, gpu_part_t *gpu,
-                      int gather, copy_done_cb finish)
+/* Gather piece k of x into the slot, or scatter it from there: a kernel
+ * on gpu, else up to x->jpp jobs on the copy threads; x->piece_done(x, k)
+ * runs on the loop when all of it is back (x->status: the first error). */
+static void piece_copy(slot_t *x, uint32_t k, const plan_t *plan,
+                       gpu_part_t *gpu, int gather)
 {
-    memset(x->jobs, 0, sizeof(x->jobs));
-    x->finish = finish;
-    if (gpu) {
-        copy_job_t *j = &x->jobs[0];
-        j->gpu = gpu;
-        j->plan = plan;
-        j->unit_begin = x->u0;
-        j->unit_end = x->u1;
-        j->bytes = x->bytes;
-        j->packed = x->mem;
-        j->packed_gather = gather;
-        j->done = finish;
-        j->owner = x;
-        x->pending = 1;
-        copy_submit(j);
-        return;
-    }
-    uint64_t chunk = x->bytes / SLOT_JOBS + 1;
-    if (chunk < kvxd.conf.copy_chunk_bytes)
-        chunk = kvxd.conf.copy_chunk_bytes;
+    const piece_t *pc = &x->pc[k];
+    copy_job_t *jobs = &x->jobs[k * x->jpp];
+    uint64_t chunk = kvxd.conf.copy_chunk_bytes, off = pc->off;
     uint32_t n = 0;
-    uint64_t off = 0;
-    for (uint64_t u = x->u0; u < x->u1 && n < SLOT_JOBS;) {
-        copy_job_t *j = &x->jobs[n++];
+    x->pending++;
+    for (uint64_t u = pc->u0; u < pc->u1;) {
+        copy_job_t *j = &jobs[n++];
         uint64_t b = 0, e = u;
-        while (e < x->u1 && (b < chunk || n == SLOT_JOBS))
-            b += plan_units_bytes(plan, e, e + 1), e++;
-        j->run = piece_run;
+        if (gpu) {
+            e = pc->u1;
+            b = pc->len;
+        } else {
+            while (e < pc->u1 && (b < chunk || n == x->jpp))
+                b += plan_units_bytes(plan, e, e + 1), e++;
+        }
+        memset(j, 0, sizeof(*j));
+        j->run = gpu ? NULL : piece_run;
+        j->gpu = gpu;
         j->plan = plan;
         j->unit_begin = u;
         j->unit_end = e;
         j->bytes = b;
         j->packed = x->mem + off;
         j->packed_gather = gather;
-        j->done = piece_done;
+        j->done = job_done;
         j->owner = x;
         off += b;
         u = e;
     }
-    x->pending = n;
+    x->piece_jobs[k] = (uint8_t)n;
     for (uint32_t i = 0; i < n; i++)
-        copy_submit(&x->jobs[i]);
+        copy_submit(&jobs[i]);
+}
+
+/* The piece of x at byte offset off, or -1. */
+static int piece_at(const slot_t *x, uint64_t off)
+{
+    uint32_t lo = 0, hi = x->npieces;
+    while (lo < hi) {
+        uint32_t m = (lo + hi) / 2;
+        if (x->pc[m].off == off)
+            return (int)m;
+        if (x->pc[m].off < off)
+            lo = m + 1;
+        else
+            hi = m;
+    }
+    return -1;
 }
 
 int remote_init(char *why, size_t why_len)
@@ -486,8 +545,8 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
 }
 
 /* End r on the wire and release what waits on it; the slots it holds go
- * back now (PULLED: a late DATA is dropped) or when their receive
- * returns (RECEIVING). */
+ * back now (PULLED: a late DATA is dropped) or when the pieces landing in
+ * them or being scattered from them are back (RECEIVING). */
 static void rstream_stop(rstream_t *r, int code, const char *msg)
 {
     if (r->ended)
@@ -500,8 +559,9 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
         slot_t *x = &rslots.v[i];
         /* pulled, or some pieces in and none landing: nothing more will
          * be written into it (landing pieces free it when back) */
-        if (x->owner == r && (x->state == SLOT_PULLED ||
-                              (x->state == SLOT_RECEIVING && !x->landing)))
+        if (x->owner == r &&
+            (x->state == SLOT_PULLED || (x->state == SLOT_RECEIVING &&
+                                         !x->landing && !x->pending)))
             slot_put(&rslots, x);
     }
 }
@@ -617,29 +677,6 @@ static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
     pull_schedule();
 }
 
-static void scatter_done(copy_job_t *job)
-{
-    slot_t *x = job->owner;
-    rstream_t *r = x->owner;
-    genpart_t *part = x->part;
-    uint64_t units = x->u1 - x->u0, bytes = x->bytes;
-    int status = job->status;
-    st_rx.copy_ns += now_ns() - x->t_stage;
-    st_rx.slots++;
-    st_rx.bytes += bytes;
-    if (r) {
-        r->held--;
-        r->units_done += units;
-        /* the stream is complete: the source may let go (before the
-         * progress below, which may free the request and r) */
-        if (!status && r->units_done == r->u_end - r->u_begin)
-            rstream_stop(r, 0, "");
-    }
-    slot_put(&rslots, x);
-    xfer_part_progress(part, units, bytes, status);
-    pull_schedule();
-}
-
 uint64_t remote_message_bytes(void)
 {
     uint64_t m = kvxd.conf.message_bytes, slot = kvxd.conf.slot_bytes;
@@ -661,18 +698,22 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
      * not cut slots) */
     uint64_t pb = d->piece_bytes ? d->piece_bytes : d->bytes;
     const char *bad = NULL;
+    int k = -1;
     if (x->owner != r || x->u0 != d->unit_begin || x->u1 != d->unit_end ||
         d->bytes != x->bytes ||
         (x->state != SLOT_PULLED && x->state != SLOT_RECEIVING))
         bad = "does not match its pull";
-    else if (!pb || (x->bytes + pb - 1) / pb > MAX_PIECES ||
-             d->offset % pb || d->offset >= x->bytes ||
-             len != (x->bytes - d->offset < pb ? x->bytes - d->offset : pb) ||
-             (x->state == SLOT_RECEIVING && pb != x->piece_bytes))
+    else if (!pb || (x->state == SLOT_RECEIVING && pb != x->piece_bytes))
         bad = "is not a piece of its slot";
-    else if (x->got & (1ull << (d->offset / pb)))
+    if (!bad && x->state == SLOT_PULLED)
+        slot_cut(x, r->part->plan, pb);
+    if (!bad && ((k = piece_at(x, d->offset)) < 0 || len != x->pc[k].len))
+        bad = "is not a piece of its slot";
+    else if (!bad && (x->got & (1ull << k)))
         bad = "repeats a piece";
     if (bad) {
+        if (x->owner == r && x->state == SLOT_PULLED)
+            x->npieces = 0; /* the cut waits for a good first piece */
         log_warn("peer %s: data for stream %llu %s; dropped",
                  peer_conn_address(c), (unsigned long long)d->stream, bad);
         return NULL;
@@ -681,12 +722,51 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
         x->t_stage = now_ns();
         st_rx.wait_ns += x->t_stage - x->t_wait;
         x->state = SLOT_RECEIVING;
-        x->piece_bytes = pb;
-        x->npieces = (uint32_t)((x->bytes + pb - 1) / pb);
     }
-    x->got |= 1ull << (d->offset / pb);
+    x->got |= 1ull << k;
     x->landing++;
-    return x->mem + d->offset;
+    return x->mem + x->pc[k].off;
+}
+
+/* Receive slot x goes back once nothing lands in it and nothing reads it.
+ * Returns whether it did. */
+static int rslot_release(slot_t *x)
+{
+    if (x->landing || x->pending)
+        return 0;
+    rstream_t *r = x->owner;
+    if (r)
+        r->held--;
+    slot_put(&rslots, x);
+    return 1;
+}
+
+/* Piece k of receive slot x is scattered into the pool. */
+static void scatter_done(slot_t *x, uint32_t k)
+{
+    rstream_t *r = x->owner;
+    genpart_t *part = x->part;
+    uint64_t units = x->pc[k].u1 - x->pc[k].u0, bytes = x->pc[k].len;
+    int status = x->status;
+    x->pending--;
+    x->copied++;
+    int whole = x->copied == x->npieces;
+    if (whole) {
+        st_rx.copy_ns += now_ns() - x->t_stage;
+        st_rx.slots++;
+        st_rx.bytes += x->bytes;
+    }
+    if (r)
+        r->units_done += units;
+    if (whole || status || !r || r->ended) {
+        /* the stream is complete: the source may let go (before the
+         * progress below, which may free the request and r) */
+        if (rslot_release(x) && whole && r && !status && !r->ended &&
+            r->units_done == r->u_end - r->u_begin)
+            rstream_stop(r, 0, "");
+    }
+    xfer_part_progress(part, units, bytes, status);
+    pull_schedule();
 }
 
 void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
@@ -695,38 +775,37 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
     if (d->slot >= kvxd.conf.slots)
         return;
     slot_t *x = &rslots.v[d->slot];
-    rstream_t *r = x->owner;
-    if (x->state != SLOT_RECEIVING || !x->landing)
+    int k = piece_at(x, d->offset);
+    if (x->state != SLOT_RECEIVING || !x->landing || k < 0)
         return;
     x->landing--;
-    if (status && !x->rx_status)
-        x->rx_status = status;
-    if (x->landing)
-        return; /* pieces still landing: the last one decides */
-    if (!r || r->ended || x->rx_status) {
-        int st = x->rx_status;
-        if (r)
-            r->held--;
-        slot_put(&rslots, x);
-        if (r && st && !r->ended)
-            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR, st,
+    rstream_t *r = x->owner;
+    if (status || x->status || !r || r->ended) {
+        int first = status && !x->status;
+        if (first)
+            x->status = status;
+        genreq_t *g = r && !r->ended && first ? r->part->req : NULL;
+        rslot_release(x);
+        if (g)
+            xfer_genreq_end(g, KVX_EVENT_ERROR, status,
                             "receiving from the context daemon failed");
         pull_schedule();
         return;
     }
-    if ((uint32_t)__builtin_popcountll(x->got) != x->npieces)
-        return; /* more pieces to come */
-    uint64_t t = now_ns();
-    st_rx.wire_ns += t - x->t_stage;
-    x->t_stage = t;
+    if (++x->arrived == x->npieces) {
+        uint64_t t = now_ns();
+        st_rx.wire_ns += t - x->t_stage;
+        x->t_stage = t;
+    }
+    /* the fence: xfer does not finalize the request before the scatter
+     * of every piece is back */
     genpart_t *p = r->part;
-    x->state = SLOT_BUSY;
     x->part = p;
-    /* the fence: xfer does not finalize the request before this returns */
     p->inflight++;
     p->req->inflight++;
-    /* a GPU pool: a kernel reads the slot; else the copy threads */
-    slot_copy(x, p->plan, p->gpu, 0, scatter_done);
+    x->piece_done = scatter_done;
+    /* a GPU pool: a kernel reads the piece; else the copy threads */
+    piece_copy(x, (uint32_t)k, p->plan, p->gpu, 0);
 }
 
 /* ---- S: the context side ----------------------------------------------- */
@@ -962,13 +1041,18 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 }
 
 
-/* Every piece of send slot x is back from UCX: the slot is free. */
-static void slot_sent(slot_t *x)
+/* Send slot x goes back once every piece is gathered and every piece
+ * sent is back from UCX. */
+static void sslot_release(slot_t *x)
 {
+    if (x->pending || x->sends_left)
+        return;
     sstream_t *s = x->owner;
-    st_tx.wire_ns += now_ns() - x->t_stage;
-    st_tx.slots++;
-    st_tx.bytes += x->bytes;
+    if (!x->status && x->copied == x->npieces) {
+        st_tx.wire_ns += now_ns() - x->t_stage;
+        st_tx.slots++;
+        st_tx.bytes += x->bytes;
+    }
     s->sends--;
     slot_put(&sslots, x);
     if (s->ended && !s->gathers && !s->sends)
@@ -980,61 +1064,52 @@ static void on_sent(void *arg, int status)
 {
     (void)status; /* a failed send fails the connection, which ends s */
     slot_t *x = arg;
-    if (--x->sends_left == 0)
-        slot_sent(x);
+    x->sends_left--;
+    sslot_release(x);
 }
 
-static void gather_done(copy_job_t *job)
+/* Piece k of send slot x is gathered: it goes now, while the next ones
+ * are still being gathered (peer.c keeps peer.send_window messages in
+ * flight and queues the rest in order). */
+static void gather_done(slot_t *x, uint32_t k)
 {
-    slot_t *x = job->owner;
     sstream_t *s = x->owner;
+    if (!x->status && !s->ended) {
+        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+        Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
+        d.stream = s->dst_id;
+        d.slot = x->dst_slot;
+        d.unit_begin = x->u0;
+        d.unit_end = x->u1;
+        d.bytes = x->bytes;
+        d.piece_bytes = x->piece_bytes;
+        d.offset = x->pc[k].off;
+        m.m_case = KVXFER__PEER_MSG__M_DATA;
+        m.data = &d;
+        /* counted before: a failure may call back at once; x->pending
+         * still counts this piece, so that cannot release x under us */
+        x->sends_left++;
+        if (peer_send_data(s->conn, &m, x->mem + d.offset, x->pc[k].len,
+                           on_sent, x))
+            x->sends_left--; /* the connection is gone: never called back */
+    }
+    x->copied += !x->status;
+    if (--x->pending)
+        return;
+    /* every piece is gathered: the offer's memory is no longer read */
     offer_t *o = s->fence;
     s->gathers--;
     o->gathers--;
-    if (o->ending && !o->gathers)
-        xfer_offer_fenced(o); /* may free o: not used below */
-    if (s->ended || job->status) {
-        if (!s->ended && job->status) {
-            send_end(s->conn, s->dst_id, job->status, "gather failed");
-            sstream_end(s);
-        }
-        slot_put(&sslots, x);
-        if (s->ended && !s->gathers && !s->sends)
-            sstream_free(s);
-        serve_pulls();
-        return;
-    }
     uint64_t t = now_ns();
     st_tx.copy_ns += t - x->t_stage;
     x->t_stage = t;
-    /* the slot goes as pieces, in order; the connection's send window
-     * queues those it cannot start yet */
-    uint64_t pb = remote_message_bytes();
-    uint32_t n = (uint32_t)((x->bytes + pb - 1) / pb);
-    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-    Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
-    d.stream = s->dst_id;
-    d.slot = x->dst_slot;
-    d.unit_begin = x->u0;
-    d.unit_end = x->u1;
-    d.bytes = x->bytes;
-    d.piece_bytes = pb;
-    m.m_case = KVXFER__PEER_MSG__M_DATA;
-    m.data = &d;
-    s->sends++;
-    x->sends_left = n; /* before any send: a failure may call back early */
-    for (uint32_t k = 0; k < n; k++) {
-        d.offset = k * pb;
-        uint64_t len = x->bytes - d.offset < pb ? x->bytes - d.offset : pb;
-        if (peer_send_data(s->conn, &m, x->mem + d.offset, len, on_sent,
-                           x)) {
-            /* not sent (the connection is gone): never called back */
-            x->sends_left -= n - k;
-            if (!x->sends_left)
-                slot_sent(x);
-            return;
-        }
+    if (x->status && !s->ended) {
+        send_end(s->conn, s->dst_id, x->status, "gather failed");
+        sstream_end(s); /* s stays: x still counts in s->sends */
     }
+    if (o->ending && !o->gathers)
+        xfer_offer_fenced(o); /* may free o: not used below */
+    sslot_release(x);
 }
 
 /* Bind s's plan to the published source (it stays until the offer ends,
@@ -1109,10 +1184,15 @@ static void serve_pulls(void)
         x->t_stage = now_ns();
         st_tx.wait_ns += x->t_stage - q->t_arrived;
         s->gathers++;
+        s->sends++;
         o->gathers++;
         free(q);
-        /* a GPU pool: a kernel writes the slot; else the copy threads */
-        slot_copy(x, s->plan, s->gpu, 1, gather_done);
+        /* each piece is gathered on its own (a GPU pool: a kernel writes
+         * it; else the copy threads) and sent as soon as it is */
+        slot_cut(x, s->plan, remote_message_bytes());
+        x->piece_done = gather_done;
+        for (uint32_t k = 0; k < x->npieces; k++)
+            piece_copy(x, k, s->plan, s->gpu, 1);
     }
 }
 

@@ -21,6 +21,7 @@ for i in $(seq 1 "$RUNS"); do
             --requests 16 --blocks 32 --window 4 "${args[@]}" 2>&1 | tail -1)
         echo "[$v] run=$i $r" >>"$OUT/window.txt"
         g=$(echo "$r" | grep -o '"gbps":[0-9.]*,"baseline_gbps":[0-9.]*,"ratio":[0-9.]*')
-        echo "[$v] run=$i ${g:-$r}"
+        t=$(echo "$r" | grep -o '"slot_us":{[^}]*}[^}]*}')
+        echo "[$v] run=$i ${g:-$r} $t"
     done
 done

@@ -396,9 +396,11 @@ TEST_T(peer_transfer_both_directions, 90)
     daemon_stop_ok(b);
 }
 
-/* A slot larger than peer.message_bytes goes as pieces (here 8, the last
- * shorter), one in flight at a time: every byte lands, both ways, with
- * the presets' different row shapes; status reports the settings. */
+/* A slot larger than peer.message_bytes goes as pieces cut on unit
+ * boundaries (here 8 of 64 KiB, two 32 KiB units each), one in flight at
+ * a time, each scattered as it lands: every byte lands, both ways, with
+ * the presets' different row shapes; then units of 128 KiB, larger than
+ * a piece, go one a piece. Status reports the settings and every slot. */
 TEST_T(peer_slot_in_pieces, 90)
 {
     static const char *const extra = "  slot_bytes: 512KiB\n"
@@ -423,6 +425,17 @@ TEST_T(peer_slot_in_pieces, 90)
     side_t g2 = {
         .inst = "pp-gen2", .tp = 1, .pp = 1, .preset = "vllm-hnd", .tpb = 16};
     xfer_case2(b, a, &m, &c2, &g2, 3, 257, 5);
+    /* 32 heads over tp 2: a unit is 16 tokens x 16 heads x 256 B x 2 */
+    static const model_t big = {.layers = 2,
+                                .heads = 32,
+                                .head_dim = 128,
+                                .kv = 2,
+                                .dtype = KVX_DTYPE_BF16};
+    side_t c3 = {
+        .inst = "pp-ctx3", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g3 = {
+        .inst = "pp-gen3", .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 16};
+    xfer_case2(a, b, &big, &c3, &g3, 3, 100, 0);
     for (int i = 0; i < 2; i++) {
         char *json = status_json(i ? b : a);
         char *ucx = p_json_section(json, "\"ucx\":");
@@ -430,6 +443,16 @@ TEST_T(peer_slot_in_pieces, 90)
         CHECK_EQ(json_num(ucx, "slot_bytes"), 512 * 1024);
         CHECK_EQ(json_num(ucx, "message_bytes"), 72 * 1024);
         CHECK_EQ(json_num(ucx, "send_window"), 1);
+        /* every slot sent was received whole and scattered */
+        char *rx = p_json_section(ucx, "\"received\":");
+        char *tx = p_json_section(ucx, "\"sent\":");
+        CHECK(rx && tx);
+        if (rx && tx) {
+            CHECK(json_num(rx, "slots") > 0);
+            CHECK(json_num(tx, "slots") > 0);
+        }
+        free(rx);
+        free(tx);
         free(ucx);
         char *peers = p_json_section(json, "\"peers\":");
         CHECK(peers != NULL);
@@ -437,6 +460,19 @@ TEST_T(peer_slot_in_pieces, 90)
         free(peers);
         free(json);
     }
+    /* what A sent, B received, slot for slot and byte for byte */
+    char *ja = status_json(a), *jb = status_json(b);
+    char *ta = p_json_section(ja, "\"sent\":");
+    char *rb = p_json_section(jb, "\"received\":");
+    CHECK(ta && rb);
+    if (ta && rb) {
+        CHECK_EQ(json_num(ta, "slots"), json_num(rb, "slots"));
+        CHECK_EQ(json_num(ta, "bytes"), json_num(rb, "bytes"));
+    }
+    free(ta);
+    free(rb);
+    free(ja);
+    free(jb);
     daemon_healthy(a);
     daemon_healthy(b);
     daemon_stop_ok(a);
