@@ -76,6 +76,7 @@ static int check_group(const kvx_conf_t *conf, char *why, size_t n);
 static int check_hello(const kvx_conf_t *conf, char *why, size_t n);
 static int check_listen(const kvx_conf_t *conf, char *why, size_t n);
 static int check_keepalive(const kvx_conf_t *conf, char *why, size_t n);
+static int check_slots(const kvx_conf_t *conf, char *why, size_t n);
 
 #define FIELD(f) .off = offsetof(kvx_conf_t, f), .size = sizeof(((kvx_conf_t *)0)->f)
 #define IDS(f, nf) FIELD(f), .count_off = offsetof(kvx_conf_t, nf)
@@ -185,12 +186,14 @@ static const struct conf_key keys[] = {
              "this."},
     {.name = "peer.slot_bytes", .type = CONF_SIZE, FIELD(slot_bytes),
      .def = 4 * MiB, .min = 64 * KiB, .max = 1 * GiB,
-     .help = "Staging slot size: the unit gathered, sent by UCX and "
-             "scattered; slots are pipelined."},
-    {.name = "peer.slots", .type = CONF_U32, FIELD(slots), .def = 8,
-     .min = 2, .max = 1024,
+     .help = "Staging slot size: the most one pull asks for; its pieces "
+             "(peer.message_bytes) are gathered, sent and scattered "
+             "each on its own, pipelined."},
+    {.name = "peer.slots", .type = CONF_U32, FIELD(slots), .def = 0,
+     .min = 0, .max = 1024, .check = check_slots,
      .help = "Staging slots for each direction (sending and receiving); "
-             "allocated and registered once, at start."},
+             "allocated and registered once, at start. 0: as many as "
+             "fit in 32 MiB, at least 2 (8 of 4 MiB, 2 of 16 MiB)."},
     {.name = "peer.message_bytes", .type = CONF_SIZE, FIELD(message_bytes),
      .def = 4 * MiB, .min = 64 * KiB, .max = 1 * GiB,
      .help = "Largest message UCX is given: a larger slot is sent as "
@@ -616,6 +619,15 @@ static int check_listen(const kvx_conf_t *conf, char *why, size_t n)
     }
     if (!conf->peer_secret_file[0]) {
         snprintf(why, n, "needs peer.secret_file (the cluster secret)");
+        return 1;
+    }
+    return 0;
+}
+
+static int check_slots(const kvx_conf_t *conf, char *why, size_t n)
+{
+    if (conf->slots == 1) { /* one slot cannot overlap anything */
+        snprintf(why, n, "1: give 0 (as many as fit in 32 MiB) or 2..1024");
         return 1;
     }
     return 0;

@@ -1403,7 +1403,7 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
     info->transports = P.transports;
     info->staging = P.on ? "host" : "";
     info->version = P.version;
-    info->slots = P.on ? kvxd.conf.slots : 0;
+    info->slots = P.on ? remote_slots() : 0;
     info->slot_bytes = P.on ? kvxd.conf.slot_bytes : 0;
     info->message_bytes = P.on ? remote_message_bytes() : 0;
     info->send_window = P.on ? kvxd.conf.send_window : 0;

@@ -80,6 +80,9 @@ void peer_ucx_info(Kvxfer__UcxInfo *info); /* strings are static */
 
 /* A control message from an authenticated peer (m is freed after). */
 void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m);
+/* peer.slots, with 0 resolved: as many slots as fit in 32 MiB, at
+ * least 2. */
+uint32_t remote_slots(void);
 /* The largest piece a slot is sent in: peer.message_bytes, or more when a
  * slot would take over 64 pieces. */
 uint64_t remote_message_bytes(void);

@@ -195,7 +195,7 @@ void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent)
 static int slots_init(slots_t *s, const char *what, char *why,
                       size_t why_len)
 {
-    uint32_t n = kvxd.conf.slots;
+    uint32_t n = remote_slots();
     s->len = (size_t)n * kvxd.conf.slot_bytes;
     s->mem = mmap(NULL, s->len, PROT_READ | PROT_WRITE,
                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
@@ -388,7 +388,7 @@ int remote_init(char *why, size_t why_len)
         return -1;
     log_info("peers: %u + %u host staging slots of %llu bytes, registered "
              "with UCX (pinned for CUDA on first GPU use)",
-             kvxd.conf.slots, kvxd.conf.slots,
+             remote_slots(), remote_slots(),
              (unsigned long long)kvxd.conf.slot_bytes);
     return 0;
 }
@@ -555,7 +555,7 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
     rq_drop(r);
     if (r->opened && peer_conn_alive(r->conn))
         send_end(r->conn, r->source, code, msg);
-    for (uint32_t i = 0; i < kvxd.conf.slots && rslots.v; i++) {
+    for (uint32_t i = 0; i < remote_slots() && rslots.v; i++) {
         slot_t *x = &rslots.v[i];
         /* pulled, or some pieces in and none landing: nothing more will
          * be written into it (landing pieces free it when back) */
@@ -578,7 +578,7 @@ void remote_part_free(genpart_t *p)
     for (uint32_t i = 0; i < p->nstreams; i++) {
         rstream_t *r = p->streams[i];
         rstream_stop(r, KVX_ERR_STATE, "request ended");
-        for (uint32_t k = 0; k < kvxd.conf.slots && rslots.v; k++)
+        for (uint32_t k = 0; k < remote_slots() && rslots.v; k++)
             if (rslots.v[k].owner == r) /* a receive still landing */
                 rslots.v[k].owner = NULL;
         if (r->retry_ms) { /* refused, waiting to ask again: no OPEN out */
@@ -677,6 +677,16 @@ static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
     pull_schedule();
 }
 
+uint32_t remote_slots(void)
+{
+    uint32_t n = kvxd.conf.slots;
+    if (!n) { /* auto: 32 MiB of slots in flight each way, at least 2 */
+        uint64_t fit = (32ull << 20) / kvxd.conf.slot_bytes;
+        n = fit < 2 ? 2 : (uint32_t)fit;
+    }
+    return n;
+}
+
 uint64_t remote_message_bytes(void)
 {
     uint64_t m = kvxd.conf.message_bytes, slot = kvxd.conf.slot_bytes;
@@ -691,7 +701,7 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
                          size_t len)
 {
     rstream_t *r = map_get(&rstreams, d->stream);
-    if (!r || r->conn != c || r->ended || d->slot >= kvxd.conf.slots)
+    if (!r || r->conn != c || r->ended || d->slot >= remote_slots())
         return NULL;
     slot_t *x = &rslots.v[d->slot];
     /* piece_bytes 0: the whole slot in one message (a sender that does
@@ -772,7 +782,7 @@ static void scatter_done(slot_t *x, uint32_t k)
 void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
 {
     (void)c;
-    if (d->slot >= kvxd.conf.slots)
+    if (d->slot >= remote_slots())
         return;
     slot_t *x = &rslots.v[d->slot];
     int k = piece_at(x, d->offset);

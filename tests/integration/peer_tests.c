@@ -441,6 +441,8 @@ TEST_T(peer_slot_in_pieces, 90)
         char *ucx = p_json_section(json, "\"ucx\":");
         CHECK(ucx != NULL);
         CHECK_EQ(json_num(ucx, "slot_bytes"), 512 * 1024);
+        /* peer.slots 0: as many as fit in 32 MiB */
+        CHECK_EQ(json_num(ucx, "slots"), 64);
         CHECK_EQ(json_num(ucx, "message_bytes"), 72 * 1024);
         CHECK_EQ(json_num(ucx, "send_window"), 1);
         /* every slot sent was received whole and scattered */
