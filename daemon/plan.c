@@ -279,6 +279,27 @@ uint64_t plan_units_bytes(const plan_t *p, uint64_t u0, uint64_t u1)
     return bytes;
 }
 
+uint32_t plan_cut_pieces(const plan_t *p, uint64_t u0, uint64_t u1,
+                         uint64_t pb, plan_piece_t *pc, uint32_t max)
+{
+    uint32_t n = 0;
+    uint64_t off = 0;
+    for (uint64_t u = u0; u < u1; n++) {
+        uint64_t e = u + 1, b = plan_units_bytes(p, u, e);
+        while (e < u1) {
+            uint64_t nb = plan_units_bytes(p, e, e + 1);
+            if (b + nb > pb && n + 1 < max)
+                break;
+            b += nb;
+            e++;
+        }
+        pc[n] = (plan_piece_t){u, e, off, b};
+        off += b;
+        u = e;
+    }
+    return n;
+}
+
 /*
  * Copy one run with non-temporal stores. The destination is another
  * process's KV cache that this daemon never reads back, so streaming past

@@ -98,6 +98,20 @@ void plan_free(plan_t *p);
 /* Bytes moved by units [u0, u1). */
 uint64_t plan_units_bytes(const plan_t *p, uint64_t u0, uint64_t u1);
 
+/* A piece of a packed run: whole units [u0, u1), bytes [off, off + len)
+ * from the run's start. */
+typedef struct plan_piece {
+    uint64_t u0, u1, off, len;
+} plan_piece_t;
+
+/* Cut units [u0, u1) into at most max pieces on unit boundaries: each
+ * takes whole units while it stays within pb bytes (a unit larger than
+ * pb is a piece alone), and the last allowed piece takes the rest.
+ * Deterministic, so two daemons holding the same plan make the same cut.
+ * Returns the number of pieces written to pc (u0 < u1, max >= 1). */
+uint32_t plan_cut_pieces(const plan_t *p, uint64_t u0, uint64_t u1,
+                         uint64_t pb, plan_piece_t *pc, uint32_t max);
+
 /* Execute units [u0, u1) with memcpy on the calling thread. */
 void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1);
 

@@ -63,14 +63,12 @@ enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
 #define MAX_PIECES 64            /* UCX messages per slot, at most */
 #define SLOT_JOBS 64             /* copy jobs per slot, at most */
 
-/* A piece: whole plan units [u0, u1), bytes [off, off + len) of its slot,
- * one UCX message. Both daemons cut a slot the same way (slot_pieces), so
- * each piece is gathered, sent and scattered on its own: the wire carries
- * piece k while piece k+1 is gathered, and piece k is scattered while
- * k+1 is on the wire. */
-typedef struct piece {
-    uint64_t u0, u1, off, len;
-} piece_t;
+/* A slot travels as pieces (plan_cut_pieces(): whole units, at most
+ * remote_message_bytes() each), each one UCX message. Both daemons cut a
+ * slot the same way, so each piece is gathered, sent and scattered on its
+ * own: the wire carries piece k while piece k+1 is gathered, and piece k
+ * is scattered while k+1 is on the wire. */
+typedef plan_piece_t piece_t;
 
 typedef struct slot {
     uint8_t *mem;
@@ -274,36 +272,11 @@ static void slot_put(slots_t *s, slot_t *x)
     s->nfree++;
 }
 
-/* Cut units [u0, u1) of plan into pieces of at most pb bytes on unit
- * boundaries (a unit larger than pb is a piece alone; the last of
- * MAX_PIECES takes the rest). Deterministic: the receiver checks each
- * DATA against the same cut. Returns the number of pieces. */
-static uint32_t slot_pieces(const plan_t *plan, uint64_t u0, uint64_t u1,
-                            uint64_t pb, piece_t *pc)
-{
-    uint32_t n = 0;
-    uint64_t off = 0;
-    for (uint64_t u = u0; u < u1; n++) {
-        uint64_t e = u + 1, b = plan_units_bytes(plan, u, e);
-        while (e < u1) {
-            uint64_t nb = plan_units_bytes(plan, e, e + 1);
-            if (b + nb > pb && n < MAX_PIECES - 1)
-                break;
-            b += nb;
-            e++;
-        }
-        pc[n] = (piece_t){u, e, off, b};
-        off += b;
-        u = e;
-    }
-    return n;
-}
-
 /* Cut x (u0, u1, bytes set) into pieces of at most pb. */
 static void slot_cut(slot_t *x, const plan_t *plan, uint64_t pb)
 {
     x->piece_bytes = pb;
-    x->npieces = slot_pieces(plan, x->u0, x->u1, pb, x->pc);
+    x->npieces = plan_cut_pieces(plan, x->u0, x->u1, pb, x->pc, MAX_PIECES);
     x->jpp = SLOT_JOBS / x->npieces;
 }
 

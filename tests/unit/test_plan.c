@@ -501,6 +501,69 @@ TEST(segment_count_does_not_wrap)
 
 /* ---- units and bytes ---- */
 
+/* Give p the row shape of destination rank r of side b (vllm-nhd),
+ * which plan_units_bytes() reads. */
+static void bind_dst_layout(plan_t *p, const plan_side_t *b, uint32_t r,
+                            kvx_layout_t *dl)
+{
+    uint32_t f;
+    CHECK_EQ(kvx_layout_preset("vllm-nhd", plan_pp_layers(b, r / b->tp, &f),
+                               b->kv_factor, plan_tp_heads(b, r % b->tp, &f),
+                               b->head_dim, KVX_DTYPE_FP16,
+                               b->tokens_per_block, 64, dl),
+             0);
+    p->dst.layout = dl;
+}
+
+/* plan_cut_pieces(): pieces tile [u0, u1) in order, on unit boundaries,
+ * bytes adding up; each within pb unless a lone unit is larger or it is
+ * the last one allowed; no two neighbours could have been one piece; the
+ * same cut every time. */
+TEST(cut_pieces_tile_units)
+{
+    for (int i = 0; i < 300; i++) {
+        plan_side_t a = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
+                             rnd_in(1, 20));
+        plan_side_t b = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
+                             rnd_in(1, 20));
+        uint32_t n = rnd_in(1, 100);
+        uint32_t r = rnd() % plan_side_ranks(&b);
+        kvx_layout_t dl;
+        plan_t *p = build(&a, &b, r, n, 0);
+        bind_dst_layout(p, &b, r, &dl);
+        if (!p->nunits) {
+            plan_free(p);
+            continue;
+        }
+        uint64_t u0 = rnd() % p->nunits;
+        uint64_t u1 = u0 + 1 + rnd() % (p->nunits - u0);
+        uint64_t pb = 1 + rnd() % 2048;
+        uint32_t max = rnd_in(1, 64);
+        plan_piece_t pc[64], again[64];
+        uint32_t np = plan_cut_pieces(p, u0, u1, pb, pc, max);
+        CHECK(np >= 1 && np <= max);
+        uint64_t u = u0, off = 0;
+        for (uint32_t k = 0; k < np; k++) {
+            CHECK_EQ(pc[k].u0, u);
+            CHECK(pc[k].u1 > pc[k].u0);
+            CHECK_EQ(pc[k].off, off);
+            CHECK_EQ(pc[k].len, plan_units_bytes(p, pc[k].u0, pc[k].u1));
+            if (k + 1 < max)
+                CHECK(pc[k].len <= pb || pc[k].u1 == pc[k].u0 + 1);
+            if (k + 1 < np) /* it stopped because the next unit did not fit */
+                CHECK(pc[k].len + plan_units_bytes(p, pc[k].u1,
+                                                   pc[k].u1 + 1) > pb);
+            u = pc[k].u1;
+            off += pc[k].len;
+        }
+        CHECK_EQ(u, u1);
+        CHECK_EQ(off, plan_units_bytes(p, u0, u1));
+        CHECK_EQ(plan_cut_pieces(p, u0, u1, pb, again, max), np);
+        CHECK(memcmp(pc, again, np * sizeof(pc[0])) == 0);
+        plan_free(p);
+    }
+}
+
 TEST(units_bytes_sum_to_plan_bytes)
 {
     for (int i = 0; i < 300; i++) {
@@ -512,15 +575,10 @@ TEST(units_bytes_sum_to_plan_bytes)
         a.kv_factor = b.kv_factor = rnd_in(1, 2);
         uint32_t n = rnd_in(1, 100), skip = rnd() % n;
         uint32_t r = rnd() % plan_side_ranks(&b);
-        plan_t *p = build(&a, &b, r, n, skip);
         kvx_layout_t dl;
         uint32_t f;
-        CHECK_EQ(kvx_layout_preset("vllm-nhd", plan_pp_layers(&b, r / b.tp, &f),
-                                   b.kv_factor, plan_tp_heads(&b, r % b.tp, &f),
-                                   b.head_dim, KVX_DTYPE_FP16,
-                                   b.tokens_per_block, 64, &dl),
-                 0);
-        p->dst.layout = &dl;
+        plan_t *p = build(&a, &b, r, n, skip);
+        bind_dst_layout(p, &b, r, &dl);
         uint64_t units = 0;
         for (uint32_t s = 0; s < p->nslices; s++)
             units += (uint64_t)p->slices[s].nlayers * p->nsegs;
