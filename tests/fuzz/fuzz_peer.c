@@ -11,7 +11,8 @@
  * message, so the fuzzer gets past the token check and into the streams.
  * Some record kinds make the daemon talk to itself, mutated: 0x10 plays
  * its own last OPEN back to it (then it is the context daemon too), 0x11
- * answers its last PULL with DATA of the right size, 0x12 answers its
+ * answers its last PULL with DATA of the right size (or, flags & 64, as
+ * pieces of the cut a sender would make, in either order), 0x12 answers its
  * OPEN with OPENED. Whatever arrives, the daemon must not crash, leak or
  * hang; the copy jobs it starts must come back.
  *
@@ -231,6 +232,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     conf_defaults(&kvxd.conf);
     kvxd.conf.slot_bytes = 64 * 1024;
     kvxd.conf.slots = 4;
+    kvxd.conf.message_bytes = 16 * 1024; /* a slot goes as several pieces */
     kvxd.conf.log_level = 0;
     kvx__log_level = 0;
     kvxd.loop = uv_default_loop();
@@ -320,11 +322,32 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             d.unit_begin = x->u0;
             d.unit_end = x->u1;
             d.bytes = x->bytes;
-            size_t dlen = flags & 32 ? (size_t)flags : (size_t)x->bytes;
-            void *dst = remote_data_target(&fake, &d, dlen);
-            if (dst) {
-                memset(dst, flags, dlen);
-                remote_on_data(&fake, &d, flags & 16 ? KVX_ERR_IO : 0);
+            rstream_t *r = map_get(&rstreams, last_open_stream);
+            if ((flags & 64) && r && r->part && x->u1 > x->u0) {
+                /* as pieces, cut as a sender would (or not, flags & 32),
+                 * in order or backwards; flags & 16 fails the second */
+                piece_t pc[MAX_PIECES];
+                d.piece_bytes = 1 + (uint64_t)flags * 613 % 40000;
+                uint32_t np = plan_cut_pieces(r->part->plan, x->u0, x->u1,
+                                              d.piece_bytes, pc, MAX_PIECES);
+                for (uint32_t i = 0; i < np; i++) {
+                    uint32_t k = flags & 128 ? np - 1 - i : i;
+                    d.offset = pc[k].off + (flags & 32 ? 1 : 0);
+                    void *dst = remote_data_target(&fake, &d, pc[k].len);
+                    if (dst) {
+                        memset(dst, flags, pc[k].len);
+                        remote_on_data(&fake, &d,
+                                       (flags & 16) && i == 1 ? KVX_ERR_IO
+                                                              : 0);
+                    }
+                }
+            } else {
+                size_t dlen = flags & 32 ? (size_t)flags : (size_t)x->bytes;
+                void *dst = remote_data_target(&fake, &d, dlen);
+                if (dst) {
+                    memset(dst, flags, dlen);
+                    remote_on_data(&fake, &d, flags & 16 ? KVX_ERR_IO : 0);
+                }
             }
             if (m)
                 kvxfer__peer_msg__free_unpacked(m, NULL);
