@@ -884,6 +884,18 @@ static void pl_free(pl_t *x)
     free(x);
 }
 
+/* Both ranks leave, both daemons are healthy and stop cleanly. */
+static void pl_finish(pl_t *x)
+{
+    rank_close(&x->c);
+    rank_close(&x->g);
+    daemon_healthy(x->a);
+    daemon_healthy(x->b);
+    daemon_stop_ok(x->a);
+    daemon_stop_ok(x->b);
+    pl_free(x);
+}
+
 /* The link between the daemons goes down mid-transfer: both sides end
  * every affected request ERROR PEER_GONE within the keep-alive timeout
  * (+ a tick); with the link back, a new transfer completes. */
@@ -938,13 +950,7 @@ TEST_T(peer_link_down_mid_transfer, 90)
     char *peers = p_peers(x->b);
     CHECK_STR_CONTAINS(peers, "\"state\":\"connected\"");
     free(peers);
-    rank_close(&x->c);
-    rank_close(&x->g);
-    daemon_healthy(x->a);
-    daemon_healthy(x->b);
-    daemon_stop_ok(x->a);
-    daemon_stop_ok(x->b);
-    pl_free(x);
+    pl_finish(x);
 }
 
 /* Daemon A is SIGKILLed mid-transfer: B ends its requests ERROR PEER_GONE
@@ -1285,13 +1291,7 @@ TEST_T(peer_cancel_mid_transfer, 90)
         CHECK(strstr(json, "\"state\":\"") == NULL);
         free(json);
     }
-    rank_close(&x->c);
-    rank_close(&x->g);
-    daemon_healthy(x->a);
-    daemon_healthy(x->b);
-    daemon_stop_ok(x->a);
-    daemon_stop_ok(x->b);
-    pl_free(x);
+    pl_finish(x);
 }
 
 /* A context instance spread over both daemons (rank 0 on A, rank 1 on
