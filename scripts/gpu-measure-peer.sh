@@ -43,4 +43,8 @@ for i in 1 2 3; do
     run "gpu-vllm-nhd-slot4M-$i" --gpu $M --layout vllm-nhd --requests 16 --blocks 128 --window 4
 done
 run gpu-trtllm-slot4M --gpu $M --layout trtllm --requests 16 --blocks 128 --window 4
-run gpu-vllm-nhd-slot16M --gpu $M --layout vllm-nhd --requests 16 --blocks 128 --window 4 --slot-bytes 16777216
+for i in 1 2; do
+    # the default (peer.slots 0: 2 slots of 16 MiB) beside 8 slots
+    run "gpu-vllm-nhd-slot16M-$i" --gpu $M --layout vllm-nhd --requests 16 --blocks 128 --window 4 --slot-bytes 16777216
+    run "gpu-vllm-nhd-slot16M-8slots-$i" --gpu $M --layout vllm-nhd --requests 16 --blocks 128 --window 4 --slot-bytes 16777216 --peer-config 'slots: 8'
+done
