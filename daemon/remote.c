@@ -84,7 +84,7 @@ typedef struct slot {
     uint64_t got;                /* receive: a bit per piece landing/in */
     uint32_t landing;            /* receive: pieces UCX is writing */
     uint32_t arrived;            /* receive: pieces in */
-    uint32_t copied;             /* pieces gathered or scattered */
+    uint32_t copied;             /* receive: pieces scattered */
     uint32_t pending;            /* pieces being gathered or scattered */
     uint32_t sends_left;         /* send: pieces UCX has not given back */
     int status;                  /* the first failure (copy or receive) */
@@ -304,21 +304,18 @@ static void piece_copy(slot_t *x, uint32_t k, const plan_t *plan,
 {
     const piece_t *pc = &x->pc[k];
     copy_job_t *jobs = &x->jobs[k * x->jpp];
-    uint64_t chunk = kvxd.conf.copy_chunk_bytes, off = pc->off;
+    uint64_t chunk = gpu ? UINT64_MAX : kvxd.conf.copy_chunk_bytes;
+    uint64_t off = pc->off;
     uint32_t n = 0;
     x->pending++;
     for (uint64_t u = pc->u0; u < pc->u1;) {
+        /* about chunk bytes a job; the last allowed job takes the rest */
         copy_job_t *j = &jobs[n++];
         uint64_t b = 0, e = u;
-        if (gpu) {
-            e = pc->u1;
-            b = pc->len;
-        } else {
-            while (e < pc->u1 && (b < chunk || n == x->jpp))
-                b += plan_units_bytes(plan, e, e + 1), e++;
-        }
+        while (e < pc->u1 && (b < chunk || n == x->jpp))
+            b += plan_units_bytes(plan, e, e + 1), e++;
         memset(j, 0, sizeof(*j));
-        j->run = gpu ? NULL : piece_run;
+        j->run = gpu ? NULL : piece_run; /* a GPU job is one kernel */
         j->gpu = gpu;
         j->plan = plan;
         j->unit_begin = u;
@@ -1031,7 +1028,7 @@ static void sslot_release(slot_t *x)
     if (x->pending || x->sends_left)
         return;
     sstream_t *s = x->owner;
-    if (!x->status && x->copied == x->npieces) {
+    if (!x->status) {
         st_tx.wire_ns += now_ns() - x->t_stage;
         st_tx.slots++;
         st_tx.bytes += x->bytes;
@@ -1076,7 +1073,6 @@ static void gather_done(slot_t *x, uint32_t k)
                            on_sent, x))
             x->sends_left--; /* the connection is gone: never called back */
     }
-    x->copied += !x->status;
     if (--x->pending)
         return;
     /* every piece is gathered: the offer's memory is no longer read */
