@@ -254,6 +254,15 @@ static void p_side2(side_t *s, const char *inst, kvx_role_t role)
 /* A context rank on daemon a and a generation rank on daemon b, each an
  * instance of its own (vllm-nhd, 4 tokens a block, pools of 8 blocks);
  * the sides outlive the ranks, so the caller holds them. */
+/* Both daemons are healthy, then stop cleanly. */
+static void p_stop_both(daemon_t *a, daemon_t *b)
+{
+    daemon_healthy(a);
+    daemon_healthy(b);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
 static void p_pair(daemon_t *a, daemon_t *b, side_t *cs, side_t *gs,
                    const char *ctx, const char *gen, rank_t *c, rank_t *g)
 {
@@ -390,10 +399,7 @@ TEST_T(peer_transfer_both_directions, 90)
     side_t g3 = {
         .inst = "pb-gen3", .tp = 2, .pp = 1, .preset = "vllm-nhd", .tpb = 8};
     xfer_case2(a, b, &M_SMALL, &c3, &g3, 4, 40, 13);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 /* A slot larger than peer.message_bytes goes as pieces cut on unit
@@ -475,10 +481,7 @@ TEST_T(peer_slot_in_pieces, 90)
     free(rb);
     free(ja);
     free(jb);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 /* A fetch on B for an offer A's engine already cancelled: A serves every
@@ -526,10 +529,7 @@ TEST_T(peer_open_for_ended_offer, 60)
     kvx_context_params_free(&p);
     rank_close(&c);
     rank_close(&g);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 /* 64 requests in flight at once, half A -> B and half B -> A. */
@@ -611,10 +611,7 @@ TEST_T(peer_many_concurrent, 60)
     rank_close(&gb);
     rank_close(&cb);
     rank_close(&ga);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 /* A forged capability token travels to the context daemon and is refused
@@ -669,10 +666,7 @@ TEST_T(peer_wrong_token, 60)
     kvx_context_params_free(&p);
     rank_close(&c);
     rank_close(&g);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 /* B holds another cluster secret: its fetch from A ends ERROR AUTH naming
@@ -889,10 +883,7 @@ static void pl_finish(pl_t *x)
 {
     rank_close(&x->c);
     rank_close(&x->g);
-    daemon_healthy(x->a);
-    daemon_healthy(x->b);
-    daemon_stop_ok(x->a);
-    daemon_stop_ok(x->b);
+    p_stop_both(x->a, x->b);
     pl_free(x);
 }
 
@@ -1353,10 +1344,7 @@ TEST_T(peer_spread_context_late_publish, 60)
     rank_close(&g);
     rank_close(&c0);
     rank_close(&c1);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 /* A rank of a spread instance on the member daemon leaves with a poll
@@ -1450,10 +1438,7 @@ TEST_T(peer_spread_member_rank_returns, 60)
     rank_close(&g1);
     rank_close(&g0);
     rank_close(&c);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 /* Bad peer configuration is refused with a message naming the problem:
@@ -1568,10 +1553,7 @@ TEST_T(peer_spread_root_joins_late, 60)
     rank_close(&h0);
     rank_close(&g0);
     rank_close(&c);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 /* A member's event that reaches the root before the root joined the
@@ -1612,10 +1594,7 @@ TEST_T(peer_spread_event_before_root_joined, 60)
     kvx_batch_free(b1);
     rank_close(&c1);
     rank_close(&c0);
-    daemon_healthy(a);
-    daemon_healthy(b);
-    daemon_stop_ok(a);
-    daemon_stop_ok(b);
+    p_stop_both(a, b);
 }
 
 TEST(peer_config_errors)
