@@ -254,6 +254,14 @@ static void p_side2(side_t *s, const char *inst, kvx_role_t role)
 /* A context rank on daemon a and a generation rank on daemon b, each an
  * instance of its own (vllm-nhd, 4 tokens a block, pools of 8 blocks);
  * the sides outlive the ranks, so the caller holds them. */
+/* Daemons A and B with the cluster secret and default peer settings. */
+static void p_two_daemons(daemon_t **a, daemon_t **b)
+{
+    p_setup();
+    *a = p_daemon(0, P_SECRET, NULL, NULL);
+    *b = p_daemon(1, P_SECRET, NULL, NULL);
+}
+
 /* Both daemons are healthy, then stop cleanly. */
 static void p_stop_both(daemon_t *a, daemon_t *b)
 {
@@ -370,9 +378,8 @@ static char *p_peers(daemon_t *d)
  * whose two sources are both remote. */
 TEST_T(peer_transfer_both_directions, 90)
 {
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     /* the addresses are the peer.listen IPs with the bound ports */
     rank_t r;
     side_t s;
@@ -490,9 +497,8 @@ TEST_T(peer_slot_in_pieces, 90)
  * yet); an offer that completed likewise. */
 TEST_T(peer_open_for_ended_offer, 60)
 {
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     side_t cs, gs;
     rank_t c, g;
     p_pair(a, b, &cs, &gs, "pe-ctx", "pe-gen", &c, &g);
@@ -536,9 +542,8 @@ TEST_T(peer_open_for_ended_offer, 60)
 TEST_T(peer_many_concurrent, 60)
 {
     enum { N = 64, H = N / 2, TOK = 10, TPB = 4, NB = 3 };
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     model_t m = {.layers = 2,
                  .heads = 2,
                  .head_dim = 16,
@@ -619,9 +624,8 @@ TEST_T(peer_many_concurrent, 60)
  * the offer stays and the genuine params then complete. */
 TEST_T(peer_wrong_token, 60)
 {
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     side_t cs, gs;
     rank_t c, g;
     p_pair(a, b, &cs, &gs, "pt-ctx", "pt-gen", &c, &g);
@@ -1142,9 +1146,8 @@ static void p_wait_count(_Atomic int *ctr, int n)
 
 TEST_T(peer_spread_instance_batches, 60)
 {
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     sp_shared_t *sh = shm_alloc(sizeof(*sh));
     sp_arg_t args[2] = {{a, sh, 0}, {b, sh, 1}};
     pid_t pids[2];
@@ -1292,9 +1295,8 @@ TEST_T(peer_cancel_mid_transfer, 90)
  * cluster secret). A request rank 1 never publishes fails NOT_FOUND. */
 TEST_T(peer_spread_context_late_publish, 60)
 {
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     static side_t cs;
     p_side2(&cs, "sc-ctx", KVX_ROLE_CONTEXT);
     static side_t gs;
@@ -1395,9 +1397,8 @@ static void rr_rank1_main(void *arg)
 
 TEST_T(peer_spread_member_rank_returns, 60)
 {
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     static side_t gs;
     p_side2(&gs, "rr-gen", KVX_ROLE_GENERATION);
     static side_t cs;
@@ -1562,9 +1563,8 @@ TEST_T(peer_spread_root_joins_late, 60)
  * read the CANCELLED event in the same batch. */
 TEST_T(peer_spread_event_before_root_joined, 60)
 {
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     static side_t cs;
     p_side2(&cs, "eb-ctx", KVX_ROLE_CONTEXT);
     rank_t c0, c1;
@@ -1682,9 +1682,8 @@ TEST(peer_config_errors)
  * stages in host memory. */
 TEST_T(peer_status, 60)
 {
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
     side_t cs, gs;
     rank_t c, g;
     p_pair(a, b, &cs, &gs, "pst-ctx", "pst-gen", &c, &g);
