@@ -900,12 +900,14 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
             const Kvxfer__SlotTimes *x = t[i] ? t[i] : &none;
             sb_printf(b,
                       ",\"%s\":{\"slots\":%llu,\"bytes\":%llu,"
-                      "\"wait_ns\":%llu,\"wire_ns\":%llu,\"copy_ns\":%llu}",
+                      "\"wait_ns\":%llu,\"wire_ns\":%llu,\"copy_ns\":%llu,"
+                      "\"loop_lag_ns\":%llu}",
                       i ? "sent" : "received", (unsigned long long)x->slots,
                       (unsigned long long)x->bytes,
                       (unsigned long long)x->wait_ns,
                       (unsigned long long)x->wire_ns,
-                      (unsigned long long)x->copy_ns);
+                      (unsigned long long)x->copy_ns,
+                      (unsigned long long)x->loop_lag_ns);
         }
         sb_printf(b, "}");
     }

@@ -136,10 +136,11 @@ static int cmd_status(const char *sock, int json)
                 continue;
             double n = (double)x->slots;
             printf("slots %-8s %llu (%.1f MiB), per slot: wait %.0f us, "
-                   "wire %.0f us, %s %.0f us\n",
+                   "wire %.0f us, %s %.0f us (loop lag %.0f us)\n",
                    what[i][0], (unsigned long long)x->slots,
                    x->bytes / 1048576.0, x->wait_ns / n / 1e3,
-                   x->wire_ns / n / 1e3, what[i][1], x->copy_ns / n / 1e3);
+                   x->wire_ns / n / 1e3, what[i][1], x->copy_ns / n / 1e3,
+                   x->loop_lag_ns / n / 1e3);
         }
     }
     for (size_t i = 0; i < s->n_peers; i++)

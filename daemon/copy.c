@@ -85,6 +85,9 @@ static void *worker_main(void *arg)
 
 void copy__complete(copy_job_t *j)
 {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    j->t_done = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
     pthread_mutex_lock(&c.mu);
     j->next = c.done;
     c.done = j;

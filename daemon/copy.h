@@ -36,6 +36,7 @@ struct copy_job {
     int packed_gather;
     uint64_t bytes;
     int status;          /* 0, or why the job did not run */
+    uint64_t t_done;     /* CLOCK_MONOTONIC ns it finished (copy__complete) */
     copy_done_cb done;   /* runs on the loop thread */
     void *owner;
     copy_job_t *next;    /* queue link, owned by copy */

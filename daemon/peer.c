@@ -5,8 +5,10 @@
  * Reading order:
  *   peer_init()      context, worker, event fd on the loop, listener,
  *                    the secret, this daemon's address
- *   progress()       the one place the worker is progressed: before the
- *                    loop sleeps (uv_prepare) and when its fd wakes it
+ *   pump()           the one place the worker is progressed, a bounded
+ *                    turn at a time: before the loop sleeps (uv_prepare),
+ *                    when its fd wakes it, and on an idle handle while
+ *                    there is more
  *   peer_connect()   outgoing connection: endpoint, then HELLO
  *   on_conn_request  incoming connection: endpoint from the request
  *   auth_*           HELLO -> CHALLENGE -> RESPONSE -> AUTH_RESULT; the
@@ -100,7 +102,8 @@ static struct {
     ucp_listener_h listener;
     uv_poll_t poll;
     uv_prepare_t prepare;
-    uv_idle_t idle;             /* runs while UCX requests are in flight */
+    uv_idle_t idle;             /* keeps the loop turning: pump() */
+    int idle_on;
     int busy_poll;              /* peer.busy_poll, resolved */
     uint32_t inflight;          /* our UCX requests, every connection */
     int poll_on;
@@ -119,40 +122,57 @@ static void conn_try_free(peer_conn_t *c);
 
 /* ---- UCX on the loop --------------------------------------------------- */
 
-static void progress(void)
+/* One worker progress call per loop turn. Under load
+ * ucp_worker_progress() always finds work, and one call can take a
+ * millisecond (a TCP send of megabytes on loopback); draining it until it
+ * returned 0 kept the loop in UCX while finished gathers and scatters
+ * (copy.c's async), pulls and client requests waited, so slots cycled
+ * slower and the wire idled. Between calls the loop handles the rest; an
+ * idle handle keeps it turning while there is more. */
+static void pump_idle(uv_idle_t *h);
+
+static void idle_set(int on)
+{
+    if (on == P.idle_on)
+        return;
+    P.idle_on = on;
+    if (on)
+        uv_idle_start(&P.idle, pump_idle);
+    else
+        uv_idle_stop(&P.idle);
+}
+
+/* The one place the worker is progressed: one call a turn. Then, unless
+ * there is more to do now (more progress, or busy polling while our
+ * requests are in flight), the worker is armed and the loop may sleep on
+ * its event fd. */
+static void pump(void)
 {
     if (!P.worker)
         return;
-    for (;;) {
-        while (ucp_worker_progress(P.worker))
-            ;
-        ucs_status_t st = ucp_worker_arm(P.worker);
-        if (st != UCS_ERR_BUSY)
-            break;
+    if (ucp_worker_progress(P.worker)) {
+        idle_set(1); /* more to do: come back next turn, after the rest */
+        return;
     }
+    if (P.busy_poll && P.inflight) {
+        /* while transfers are in flight the loop does not sleep between
+         * turns, as a busy UCX application would (an event-fd wake-up
+         * per fragment costs bandwidth); idle, it sleeps: no spinning */
+        idle_set(1);
+        return;
+    }
+    idle_set(ucp_worker_arm(P.worker) == UCS_ERR_BUSY);
 }
 
-/* While our sends and receives are in flight the loop does not sleep
- * between turns: it progresses the worker every turn, as a busy UCX
- * application would (an event-fd wake-up per fragment costs bandwidth).
- * With nothing in flight it sleeps on the event fd: no spinning idle. */
-static void on_idle(uv_idle_t *h)
+static void pump_idle(uv_idle_t *h)
 {
     (void)h;
-    while (ucp_worker_progress(P.worker))
-        ;
+    pump();
 }
 
 static void inflight_add(int n)
 {
-    uint32_t before = P.inflight;
-    P.inflight += n;
-    if (!P.busy_poll)
-        return;
-    if (!before && P.inflight)
-        uv_idle_start(&P.idle, on_idle);
-    else if (before && !P.inflight)
-        uv_idle_stop(&P.idle);
+    P.inflight += n; /* pump() reads it */
 }
 
 static void on_poll(uv_poll_t *h, int status, int events)
@@ -160,15 +180,16 @@ static void on_poll(uv_poll_t *h, int status, int events)
     (void)h;
     (void)status;
     (void)events;
-    progress();
+    pump();
 }
 
 /* Runs before the loop blocks: what the loop did this turn (sends,
- * receives) is progressed and the worker armed, so no event is missed. */
+ * receives) is progressed, and the worker armed unless pump() keeps the
+ * loop turning, so no event is missed. */
 static void on_prepare(uv_prepare_t *h)
 {
     (void)h;
-    progress();
+    pump();
 }
 
 /* ---- small helpers ----------------------------------------------------- */
@@ -1319,7 +1340,8 @@ void peer_cleanup(void)
     }
     /* let the force-closes and cancelled requests come back */
     for (int i = 0; i < 1000 && P.conns; i++) {
-        progress();
+        while (ucp_worker_progress(P.worker))
+            ;
         for (peer_conn_t *c = P.conns, *n; c; c = n) {
             n = c->next;
             if (!c->outstanding && c->close_done) {
@@ -1340,6 +1362,7 @@ void peer_shutdown(void)
         uv_poll_stop(&P.poll);
         uv_prepare_stop(&P.prepare);
         uv_idle_stop(&P.idle);
+        P.idle_on = 0;
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);

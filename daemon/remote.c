@@ -161,10 +161,13 @@ static pull_t *pq_head, *pq_tail;  /* pulls waiting for a send slot */
 
 static void pull_schedule(void);
 static void serve_pulls(void);
+static void gather_done(struct slot *x, uint32_t k);
 
 /* Status: where the slots' time went (Kvxfer__SlotTimes, summed). */
 typedef struct slot_times {
     uint64_t slots, bytes, wait_ns, wire_ns, copy_ns;
+    uint64_t lag_ns; /* of copy: a piece's copy finished until the loop
+                      * took it up (busy with UCX, clients, ...) */
 } slot_times_t;
 static slot_times_t st_rx, st_tx;
 
@@ -185,6 +188,7 @@ void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent)
         to[i]->wait_ns = from[i]->wait_ns;
         to[i]->wire_ns = from[i]->wire_ns;
         to[i]->copy_ns = from[i]->copy_ns;
+        to[i]->loop_lag_ns = from[i]->lag_ns;
     }
 }
 
@@ -292,8 +296,11 @@ static void job_done(copy_job_t *job)
     uint32_t k = (uint32_t)(job - x->jobs) / x->jpp;
     if (job->status && !x->status)
         x->status = job->status;
-    if (--x->piece_jobs[k] == 0)
-        x->piece_done(x, k);
+    if (--x->piece_jobs[k])
+        return;
+    slot_times_t *t = x->piece_done == gather_done ? &st_tx : &st_rx;
+    t->lag_ns += now_ns() - job->t_done;
+    x->piece_done(x, k);
 }
 
 /* Gather piece k of x into the slot, or scatter it from there: a kernel

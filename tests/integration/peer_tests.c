@@ -1721,6 +1721,9 @@ TEST_T(peer_status, 60)
         CHECK_EQ(json_num(t, "bytes"), payload);
         CHECK(json_num(t, "wire_ns") > 0);
         CHECK(json_num(t, "copy_ns") > 0);
+        /* one piece a slot here: its loop lag lies within its copy */
+        CHECK(json_num(t, "loop_lag_ns") > 0);
+        CHECK(json_num(t, "loop_lag_ns") < json_num(t, "copy_ns"));
         free(t);
         /* and nothing the other way */
         t = p_json_section(ux, i ? "\"received\":" : "\"sent\":");
