@@ -5,10 +5,10 @@
  * Reading order:
  *   peer_init()      context, worker, event fd on the loop, listener,
  *                    the secret, this daemon's address
- *   pump()           the one place the worker is progressed, a bounded
- *                    turn at a time: before the loop sleeps (uv_prepare),
- *                    when its fd wakes it, and on an idle handle while
- *                    there is more
+ *   pump()           the one place the worker is progressed, one call at
+ *                    a time: on an idle handle while there is more,
+ *                    before the loop sleeps (uv_prepare), and when its
+ *                    fd wakes it
  *   peer_connect()   outgoing connection: endpoint, then HELLO
  *   on_conn_request  incoming connection: endpoint from the request
  *   auth_*           HELLO -> CHALLENGE -> RESPONSE -> AUTH_RESULT; the
@@ -122,7 +122,7 @@ static void conn_try_free(peer_conn_t *c);
 
 /* ---- UCX on the loop --------------------------------------------------- */
 
-/* One worker progress call per loop turn. Under load
+/* One worker progress call at a time. Under load
  * ucp_worker_progress() always finds work, and one call can take a
  * millisecond (a TCP send of megabytes on loopback); draining it until it
  * returned 0 kept the loop in UCX while finished gathers and scatters
@@ -142,7 +142,7 @@ static void idle_set(int on)
         uv_idle_stop(&P.idle);
 }
 
-/* The one place the worker is progressed: one call a turn. Then, unless
+/* The one place the worker is progressed: one call at a time. Then, unless
  * there is more to do now (more progress, or busy polling while our
  * requests are in flight), the worker is armed and the loop may sleep on
  * its event fd. */
@@ -185,7 +185,8 @@ static void on_poll(uv_poll_t *h, int status, int events)
 
 /* Runs before the loop blocks: what the loop did this turn (sends,
  * receives) is progressed, and the worker armed unless pump() keeps the
- * loop turning, so no event is missed. */
+ * loop turning, so no event is missed. (While the idle handle is on this
+ * is a turn's second call.) */
 static void on_prepare(uv_prepare_t *h)
 {
     (void)h;
