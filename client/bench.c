@@ -1037,26 +1037,28 @@ static double median(const double *v, uint32_t n)
 
 /* --daemons 2: where the slots' time went, from the daemons' status
  * ("ucx.received" of B, "ucx.sent" of A): slots, then per slot the
- * average wait, wire, copy and the copy's loop lag in microseconds. */
-static double slot_rx[5], slot_tx[5];
+ * average wait, wire, copy and the copy's loop lag in microseconds, then
+ * the slots gathered ahead (a count). */
+static double slot_rx[6], slot_tx[6];
 
-static void slot_times_of(const char *json, const char *key, double out[5])
+static void slot_times_of(const char *json, const char *key, double out[6])
 {
     const char *p = json ? strstr(json, key) : NULL;
-    memset(out, 0, 5 * sizeof(double));
+    memset(out, 0, 6 * sizeof(double));
     if (!p)
         return;
-    static const char *const f[5] = {"\"slots\":", "\"wait_ns\":",
+    static const char *const f[6] = {"\"slots\":",   "\"wait_ns\":",
                                      "\"wire_ns\":", "\"copy_ns\":",
-                                     "\"loop_lag_ns\":"};
-    double v[5];
-    for (int i = 0; i < 5; i++) {
+                                     "\"loop_lag_ns\":", "\"ahead\":"};
+    double v[6];
+    for (int i = 0; i < 6; i++) {
         const char *q = strstr(p, f[i]);
         v[i] = q ? strtod(q + strlen(f[i]), NULL) : 0;
     }
     out[0] = v[0];
     for (int i = 1; i < 5; i++)
         out[i] = v[0] > 0 ? v[i] / v[0] / 1e3 : 0;
+    out[5] = v[5];
 }
 
 /* A JSON string: the value between quotes, escaped. */
@@ -1671,9 +1673,10 @@ int main(int argc, char **argv)
             printf(",\"slot_us\":{\"received\":{\"slots\":%.0f,\"wait\":%.1f,"
                    "\"wire\":%.1f,\"scatter\":%.1f,\"scatter_lag\":%.1f},"
                    "\"sent\":{\"slots\":%.0f,\"wait\":%.1f,\"gather\":%.1f,"
-                   "\"gather_lag\":%.1f,\"wire\":%.1f}}",
+                   "\"gather_lag\":%.1f,\"wire\":%.1f,\"ahead\":%.0f}}",
                    slot_rx[0], slot_rx[1], slot_rx[2], slot_rx[3], slot_rx[4],
-                   slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4], slot_tx[2]);
+                   slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4], slot_tx[2],
+                   slot_tx[5]);
             printf(",\"baseline\":");
             json_str(base_name);
             printf(",\"ctx_daemon\":");
@@ -1711,9 +1714,11 @@ int main(int argc, char **argv)
             printf("  slots received by B  %.0f, per slot: wait %.0f us, "
                    "wire %.0f us, scatter %.0f us (loop lag %.0f)\n"
                    "  slots sent by A      %.0f, per slot: wait %.0f us, "
-                   "gather %.0f us (loop lag %.0f), wire %.0f us\n",
+                   "gather %.0f us (loop lag %.0f), wire %.0f us; %.0f "
+                   "gathered ahead\n",
                    slot_rx[0], slot_rx[1], slot_rx[2], slot_rx[3], slot_rx[4],
-                   slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4], slot_tx[2]);
+                   slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4], slot_tx[2],
+                   slot_tx[5]);
             if (o.gpu && !o.ctx_host)
                 printf("  %-22s %12.3f GB/s  (GPU %d to pinned host)\n",
                        "D2H", d2h, o.ctx_device);

@@ -135,12 +135,18 @@ static int cmd_status(const char *sock, int json)
             if (!x || !x->slots)
                 continue;
             double n = (double)x->slots;
+            char ahead[48] = "";
+            if (x->ahead)
+                snprintf(ahead, sizeof(ahead), ", %llu gathered ahead",
+                         (unsigned long long)x->ahead);
             printf("slots %-8s %llu (%.1f MiB), per slot: wait %.0f us, "
-                   "wire %.0f us, %s %.0f us (loop lag %.0f us)\n",
+                   "wire %.0f us, %s %.0f us (loop lag %.0f us)%s; %u of "
+                   "%u free\n",
                    what[i][0], (unsigned long long)x->slots,
                    x->bytes / 1048576.0, x->wait_ns / n / 1e3,
                    x->wire_ns / n / 1e3, what[i][1], x->copy_ns / n / 1e3,
-                   x->loop_lag_ns / n / 1e3);
+                   x->loop_lag_ns / n / 1e3, ahead, x->free_slots,
+                   s->ucx->slots);
         }
     }
     for (size_t i = 0; i < s->n_peers; i++)

@@ -212,6 +212,13 @@ static const struct conf_key keys[] = {
              "spinning loop takes the copy threads' CPU). Idle, it always "
              "sleeps."},
 
+    {.name = "peer.gather_ahead", .type = CONF_U32, FIELD(gather_ahead),
+     .def = 0, .min = 0, .max = 8,
+     .help = "Send slots a stream may gather before the generation daemon "
+             "pulls them (the next units it will ask for), so that a PULL "
+             "finds its data ready; only while no PULL waits for a slot "
+             "and more than one slot is free; 0 turns it off."},
+
     {.name = "deadlines.offer_lease_ms", .type = CONF_MS,
      FIELD(offer_lease_ms), .def = 30000, .min = 1, .max = 86400000,
      .reloadable = 1,

@@ -52,6 +52,7 @@ typedef struct kvx_conf {
     uint64_t message_bytes;        /* largest UCX message */
     uint32_t send_window;          /* messages in flight to one peer */
     uint32_t busy_poll;            /* 0 never, 1 in flight, 2 auto */
+    uint32_t gather_ahead;         /* send slots gathered before a PULL */
     /* deadlines, milliseconds */
     uint32_t offer_lease_ms;
     uint32_t fetch_timeout_ms;

@@ -32,6 +32,11 @@
  *                        moment it is (gather_done; peer.c keeps
  *                        peer.send_window messages in flight); the last
  *                        one back frees the slot (on_sent, sslot_release)
+ *   ahead_fill()/ahead_take()
+ *                        peer.gather_ahead: free send slots gather the
+ *                        units of a stream's next PULLs (cut as the
+ *                        receiver cuts, OPEN's pull_bytes); a PULL for
+ *                        them sends at once
  *   on_end()             the generation side is done with the stream; the
  *                        last one completes the offer
  * Either side: a lost connection ends every stream on it.
@@ -87,6 +92,11 @@ typedef struct slot {
     uint32_t copied;             /* receive: pieces scattered */
     uint32_t pending;            /* pieces being gathered or scattered */
     uint32_t sends_left;         /* send: pieces UCX has not given back */
+    int pulled;                  /* send: a PULL named it (dst_slot set) */
+    int ahead;                   /* send: gathered ahead, in its stream's
+                                    ahead[], held for the PULL to come */
+    uint64_t ready;              /* send: a bit per piece gathered ahead */
+    uint64_t gather_ns;          /* send: an unpulled slot's gather time */
     int status;                  /* the first failure (copy or receive) */
     /* for status: wait from t_wait, copy or wire from t_stage */
     uint64_t t_wait, t_stage;
@@ -126,6 +136,8 @@ typedef struct rstream {
 } rstream_t;
 
 /* S: a stream some generation daemon reads from one of our offers. */
+#define AHEAD_MAX 8              /* peer.gather_ahead's bound */
+
 typedef struct pull {
     uint32_t slot;
     uint64_t u0, u1;
@@ -147,6 +159,13 @@ typedef struct sstream {
     int ended;
     uint32_t gathers, sends;
     gpu_part_t *gpu;             /* a GPU source: the gather is a kernel */
+    /* gather-ahead (peer.gather_ahead): send slots gathered for the PULLs
+     * to come, cut as the generation daemon cuts them (pull_bytes, its
+     * peer.slot_bytes; 0: unknown, none) from ahead_at on */
+    uint64_t pull_bytes, ahead_at;
+    slot_t *ahead[AHEAD_MAX];
+    uint32_t nahead;
+    int ahead_off;               /* a PULL asked for something else */
     struct sstream *next;        /* offer's list */
 } sstream_t;
 
@@ -168,6 +187,7 @@ typedef struct slot_times {
     uint64_t slots, bytes, wait_ns, wire_ns, copy_ns;
     uint64_t lag_ns; /* of copy: a piece's copy finished until the loop
                       * took it up (busy with UCX, clients, ...) */
+    uint64_t ahead;  /* sent: slots a PULL found gathered ahead */
 } slot_times_t;
 static slot_times_t st_rx, st_tx;
 
@@ -189,7 +209,10 @@ void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent)
         to[i]->wire_ns = from[i]->wire_ns;
         to[i]->copy_ns = from[i]->copy_ns;
         to[i]->loop_lag_ns = from[i]->lag_ns;
+        to[i]->ahead = from[i]->ahead;
     }
+    received->free_slots = rslots.nfree;
+    sent->free_slots = sslots.nfree;
 }
 
 /* ---- slots ------------------------------------------------------------- */
@@ -270,6 +293,8 @@ static void slot_put(slots_t *s, slot_t *x)
     x->piece_bytes = x->got = 0;
     x->npieces = x->landing = x->arrived = x->copied = x->pending = 0;
     x->sends_left = 0;
+    x->pulled = x->ahead = 0;
+    x->ready = x->gather_ns = 0;
     x->status = 0;
     x->next_free = s->free;
     s->free = x;
@@ -436,6 +461,7 @@ static int send_open(rstream_t *r)
     o.slice = r->slice;
     o.nunits = plan->nunits;
     o.bytes = plan->bytes;
+    o.pull_bytes = kvxd.conf.slot_bytes; /* pull_schedule()'s cut */
     uint32_t nd = plan_side_ranks(&eff);
     /* the daemon of each rank of the receiving group, in the plan's rank
      * order: the source waits for their streams, and knows whom to miss */
@@ -835,6 +861,14 @@ static void sstream_end(sstream_t *s)
             prev = q;
         }
     }
+    /* slots gathered ahead go back now; one still gathering goes when its
+     * gather is back (sslot_release(): s ended) */
+    for (uint32_t i = 0; i < s->nahead; i++)
+        if (!s->ahead[i]->pending) {
+            s->sends--;
+            slot_put(&sslots, s->ahead[i]);
+        }
+    s->nahead = 0;
     if (!s->gathers && !s->sends)
         sstream_free(s);
 }
@@ -1005,6 +1039,10 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->u_end = s->slice + 1 < plan->nslices
                    ? plan->slices[s->slice + 1].unit_begin
                    : plan->nunits;
+    /* a PULL larger than our slots is refused anyway: no gather-ahead */
+    s->pull_bytes = m->pull_bytes <= kvxd.conf.slot_bytes ? m->pull_bytes
+                                                          : 0;
+    s->ahead_at = s->u_begin;
     /* the row shape of the packed units; only these fields are read */
     memset(&s->dst_layout, 0, sizeof(s->dst_layout));
     s->dst_layout.kv_factor = dst.kv_factor;
@@ -1029,13 +1067,14 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 
 
 /* Send slot x goes back once every piece is gathered and every piece
- * sent is back from UCX. */
+ * sent is back from UCX; gathered ahead, once its PULL has come and it
+ * is sent, or once the stream has ended. */
 static void sslot_release(slot_t *x)
 {
-    if (x->pending || x->sends_left)
-        return;
     sstream_t *s = x->owner;
-    if (!x->status) {
+    if (x->pending || x->sends_left || (x->ahead && !s->ended))
+        return;
+    if (!x->status && x->pulled) {
         st_tx.wire_ns += now_ns() - x->t_stage;
         st_tx.slots++;
         st_tx.bytes += x->bytes;
@@ -1055,30 +1094,43 @@ static void on_sent(void *arg, int status)
     sslot_release(x);
 }
 
+/* Send piece k of x to the receiver's slot. */
+static void piece_send(slot_t *x, uint32_t k)
+{
+    sstream_t *s = x->owner;
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
+    d.stream = s->dst_id;
+    d.slot = x->dst_slot;
+    d.unit_begin = x->u0;
+    d.unit_end = x->u1;
+    d.bytes = x->bytes;
+    d.piece_bytes = x->piece_bytes;
+    d.offset = x->pc[k].off;
+    m.m_case = KVXFER__PEER_MSG__M_DATA;
+    m.data = &d;
+    /* counted before: a failure may call back at once; the caller keeps x
+     * (x->pending still counts this piece, or sends_left another) */
+    x->sends_left++;
+    if (peer_send_data(s->conn, &m, x->mem + d.offset, x->pc[k].len,
+                       on_sent, x))
+        x->sends_left--; /* the connection is gone: never called back */
+}
+
+static void ahead_drop(sstream_t *s, slot_t *x);
+
 /* Piece k of send slot x is gathered: it goes now, while the next ones
  * are still being gathered (peer.c keeps peer.send_window messages in
- * flight and queues the rest in order). */
+ * flight and queues the rest in order); gathered ahead, it waits for its
+ * PULL (ahead_take()). */
 static void gather_done(slot_t *x, uint32_t k)
 {
     sstream_t *s = x->owner;
     if (!x->status && !s->ended) {
-        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-        Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
-        d.stream = s->dst_id;
-        d.slot = x->dst_slot;
-        d.unit_begin = x->u0;
-        d.unit_end = x->u1;
-        d.bytes = x->bytes;
-        d.piece_bytes = x->piece_bytes;
-        d.offset = x->pc[k].off;
-        m.m_case = KVXFER__PEER_MSG__M_DATA;
-        m.data = &d;
-        /* counted before: a failure may call back at once; x->pending
-         * still counts this piece, so that cannot release x under us */
-        x->sends_left++;
-        if (peer_send_data(s->conn, &m, x->mem + d.offset, x->pc[k].len,
-                           on_sent, x))
-            x->sends_left--; /* the connection is gone: never called back */
+        if (x->pulled)
+            piece_send(x, k);
+        else
+            x->ready |= 1ull << k;
     }
     if (--x->pending)
         return;
@@ -1087,9 +1139,14 @@ static void gather_done(slot_t *x, uint32_t k)
     s->gathers--;
     o->gathers--;
     uint64_t t = now_ns();
-    st_tx.copy_ns += t - x->t_stage;
+    if (x->pulled)
+        st_tx.copy_ns += t - x->t_stage;
+    else
+        x->gather_ns = t - x->t_stage; /* counted if its PULL comes */
     x->t_stage = t;
     if (x->status && !s->ended) {
+        if (x->ahead)
+            ahead_drop(s, x); /* not put back by sstream_end(): below */
         send_end(s->conn, s->dst_id, x->status, "gather failed");
         sstream_end(s); /* s stays: x still counts in s->sends */
     }
@@ -1128,9 +1185,114 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     return rc;
 }
 
-/* Start queued pulls whose source is published, while send slots last. */
+/* ---- S: gather-ahead (peer.gather_ahead) ------------------------------- */
+
+/* Take x off s's slots gathered ahead. */
+static void ahead_drop(sstream_t *s, slot_t *x)
+{
+    x->ahead = 0;
+    for (uint32_t i = 0; i < s->nahead; i++)
+        if (s->ahead[i] == x) {
+            s->ahead[i] = s->ahead[--s->nahead];
+            return;
+        }
+}
+
+/* Start the gather of x's pieces (x: owner, units and bytes set). */
+static void slot_gather(sstream_t *s, slot_t *x)
+{
+    s->gathers++;
+    s->sends++;
+    s->offer->gathers++;
+    x->t_stage = now_ns();
+    slot_cut(x, s->plan, remote_message_bytes());
+    x->piece_done = gather_done;
+    for (uint32_t k = 0; k < x->npieces; k++)
+        piece_copy(x, k, s->plan, s->gpu, 1);
+}
+
+/* While no PULL waits for a slot and more than one is free, gather the
+ * units s's next PULLs will ask for: from ahead_at, as many as fit in
+ * the receiver's slot (pull_schedule()'s cut), up to peer.gather_ahead
+ * slots. s is bound (a PULL of it was served). */
+static void ahead_fill(sstream_t *s)
+{
+    offer_t *o = s->offer;
+    while (s->nahead < kvxd.conf.gather_ahead && s->pull_bytes &&
+           !s->ahead_off && !s->ended && o && !o->ending && !pq_head &&
+           sslots.nfree > 1 && s->ahead_at < s->u_end) {
+        uint64_t u0 = s->ahead_at, u1 = u0, bytes = 0;
+        while (u1 < s->u_end) {
+            uint64_t b = plan_units_bytes(s->plan, u1, u1 + 1);
+            if (bytes + b > s->pull_bytes)
+                break;
+            bytes += b;
+            u1++;
+        }
+        if (u1 == u0)
+            return; /* a unit larger than its slot: the PULL fails it */
+        slot_t *x = slot_get(&sslots);
+        x->owner = s;
+        x->u0 = u0;
+        x->u1 = u1;
+        x->bytes = bytes;
+        x->ahead = 1;
+        s->ahead[s->nahead++] = x;
+        s->ahead_at = u1;
+        slot_gather(s, x);
+    }
+}
+
+/* A PULL of s for [u0, u1) into the receiver's slot: if those units are
+ * gathered ahead (or being gathered), they go now and 1 is returned. A
+ * PULL for anything else turns gather-ahead off for s (its slots go). */
+static int ahead_take(sstream_t *s, uint32_t slot, uint64_t u0, uint64_t u1)
+{
+    if (u1 > s->ahead_at)
+        s->ahead_at = u1;
+    for (uint32_t i = 0; i < s->nahead; i++) {
+        slot_t *x = s->ahead[i];
+        if (x->u0 != u0 || x->u1 != u1)
+            continue;
+        ahead_drop(s, x);
+        st_tx.ahead++;
+        x->pulled = 1;
+        x->dst_slot = slot;
+        if (!x->pending) { /* all gathered: the wire starts now */
+            st_tx.copy_ns += x->gather_ns;
+            x->t_stage = now_ns();
+        }
+        x->pending++; /* a send failing at once must not release x */
+        for (uint32_t k = 0; k < x->npieces; k++)
+            if (x->ready & (1ull << k))
+                piece_send(x, k);
+        x->ready = 0;
+        x->pending--;
+        sslot_release(x); /* when every send failed at once */
+        return 1;
+    }
+    if (s->nahead) {
+        /* the receiver cuts differently (another slot size): stop */
+        s->ahead_off = 1;
+        for (uint32_t i = 0; i < s->nahead; i++) {
+            slot_t *x = s->ahead[i];
+            x->ahead = 0; /* still gathering: goes when that is back */
+            if (!x->pending) {
+                s->sends--;
+                slot_put(&sslots, x);
+            }
+        }
+        s->nahead = 0;
+    }
+    return 0;
+}
+
+/* Start queued pulls whose source is published, while send slots last;
+ * then let the streams served gather ahead. */
 static void serve_pulls(void)
 {
+    sstream_t *served[16];
+    uint32_t nserved = 0;
     pull_t *prev = NULL;
     for (pull_t *q = pq_head, *n; q && sslots.nfree; q = n) {
         n = q->next;
@@ -1167,19 +1329,18 @@ static void serve_pulls(void)
             return; /* lists changed: the next pull or tick goes on */
         }
         x->dst_slot = q->slot;
-        x->t_stage = now_ns();
-        st_tx.wait_ns += x->t_stage - q->t_arrived;
-        s->gathers++;
-        s->sends++;
-        o->gathers++;
-        free(q);
+        x->pulled = 1;
         /* each piece is gathered on its own (a GPU pool: a kernel writes
          * it; else the copy threads) and sent as soon as it is */
-        slot_cut(x, s->plan, remote_message_bytes());
-        x->piece_done = gather_done;
-        for (uint32_t k = 0; k < x->npieces; k++)
-            piece_copy(x, k, s->plan, s->gpu, 1);
+        slot_gather(s, x);
+        st_tx.wait_ns += x->t_stage - q->t_arrived;
+        free(q);
+        if (kvxd.conf.gather_ahead && nserved < 16 &&
+            (!nserved || served[nserved - 1] != s))
+            served[nserved++] = s;
     }
+    for (uint32_t i = 0; i < nserved; i++)
+        ahead_fill(served[i]);
 }
 
 static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
@@ -1199,6 +1360,10 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
         if (o)
             xfer_offer_end(o, KVX_EVENT_ERROR, KVX_ERR_PROTOCOL,
                            "a generation daemon sent a bad pull");
+        return;
+    }
+    if (ahead_take(s, m->slot, m->unit_begin, m->unit_end)) {
+        ahead_fill(s);
         return;
     }
     pull_t *q = calloc(1, sizeof(*q));
@@ -1243,6 +1408,7 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
     if (s && s->conn == c && !s->ended) {
         offer_t *o = s->offer;
         sstream_end(s);
+        serve_pulls(); /* its slots gathered ahead are free */
         if (!o)
             return;
         if (e->code == 0) {
@@ -1401,6 +1567,8 @@ void remote_tick(uint64_t now)
 {
     if (!peer_enabled())
         return;
+    if (pq_head && sslots.nfree)
+        serve_pulls(); /* slots put back where no PULL was served */
     uint32_t n = rstreams.n;
     if (!n || !retrying)
         return;

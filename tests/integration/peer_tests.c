@@ -255,11 +255,17 @@ static void p_side2(side_t *s, const char *inst, kvx_role_t role)
  * instance of its own (vllm-nhd, 4 tokens a block, pools of 8 blocks);
  * the sides outlive the ranks, so the caller holds them. */
 /* Daemons A and B with the cluster secret and default peer settings. */
-static void p_two_daemons(daemon_t **a, daemon_t **b)
+static void p_two_daemons_with(const char *peer, daemon_t **a,
+                               daemon_t **b)
 {
     p_setup();
-    *a = p_daemon(0, P_SECRET, NULL, NULL);
-    *b = p_daemon(1, P_SECRET, NULL, NULL);
+    *a = p_daemon(0, P_SECRET, peer, NULL);
+    *b = p_daemon(1, P_SECRET, peer, NULL);
+}
+
+static void p_two_daemons(daemon_t **a, daemon_t **b)
+{
+    p_two_daemons_with(NULL, a, b);
 }
 
 /* Both daemons are healthy, then stop cleanly. */
@@ -359,6 +365,49 @@ static char *p_json_section(const char *json, const char *key)
     return strndup(p, (size_t)(q - p + 1));
 }
 
+/* Slots A sent whose PULL found them gathered ahead (status). */
+static long long p_ahead(daemon_t *a)
+{
+    char *js = status_json(a);
+    char *tx = p_json_section(js, "\"sent\":");
+    CHECK(tx != NULL);
+    long long n = json_num(tx, "ahead");
+    free(tx);
+    free(js);
+    return n;
+}
+
+/* Every slot of d, both directions, comes back free (within 2 s of the
+ * last transfer's end): none is leaked. */
+static void p_slots_all_free(daemon_t *d)
+{
+    int64_t end = now_ms() + 2000;
+    for (;;) {
+        char *js = status_json(d);
+        char *ux = p_json_section(js, "\"ucx\":");
+        CHECK(ux != NULL);
+        long long n = json_num(ux, "slots");
+        char *rx = p_json_section(ux, "\"received\":");
+        char *tx = p_json_section(ux, "\"sent\":");
+        CHECK(rx && tx);
+        long long fr = json_num(rx, "free_slots"), ft = json_num(tx, "free_slots");
+        free(rx);
+        free(tx);
+        free(ux);
+        free(js);
+        if (fr == n && ft == n)
+            return;
+        if (now_ms() > end) {
+            fprintf(stderr, "slots free: %lld of %lld receive, %lld of %lld "
+                            "send\n",
+                    fr, n, ft, n);
+            CHECK(!"every slot comes back");
+        }
+        sleep_ms(10);
+    }
+}
+
+
 /* The status JSON's "peers" array; the test fails without one. */
 static char *p_peers(daemon_t *d)
 {
@@ -409,6 +458,58 @@ TEST_T(peer_transfer_both_directions, 90)
     p_stop_both(a, b);
 }
 
+/* 8 KiB a token: a 300-token request is about 2.4 MB */
+static const model_t M_8K = {.layers = 4,
+                             .heads = 4,
+                             .head_dim = 128,
+                             .kv = 2,
+                             .dtype = KVX_DTYPE_BF16};
+
+/* Verified transfers of M_8K both ways: a to b, vllm-nhd tp 1 to trtllm
+ * tp 2 (n1 requests of up to 300 tokens); b to a, flashinfer tp 2 to
+ * vllm-hnd tp 1 (n2 of up to 257, skip 5). Instances named tag-... */
+static void p_both_ways(daemon_t *a, daemon_t *b, const char *tag,
+                        uint32_t n1, uint32_t n2)
+{
+    char in[4][32];
+    static const char *const what[4] = {"ctx", "gen", "ctx2", "gen2"};
+    for (int i = 0; i < 4; i++)
+        snprintf(in[i], sizeof(in[i]), "%s-%s", tag, what[i]);
+    side_t c = {.inst = in[0], .tp = 1, .pp = 1, .preset = "vllm-nhd",
+                .tpb = 16};
+    side_t g = {.inst = in[1], .tp = 2, .pp = 1, .preset = "trtllm",
+                .tpb = 8};
+    xfer_case2(a, b, &M_8K, &c, &g, n1, 300, 0);
+    side_t c2 = {.inst = in[2], .tp = 2, .pp = 1, .preset = "flashinfer",
+                 .tpb = 8};
+    side_t g2 = {.inst = in[3], .tp = 1, .pp = 1, .preset = "vllm-hnd",
+                 .tpb = 16};
+    xfer_case2(b, a, &M_8K, &c2, &g2, n2, 257, 5);
+}
+
+/* What from sent, to received, slot for slot and byte for byte, with no
+ * peer error on from. */
+static void p_sent_is_received(daemon_t *from, daemon_t *to)
+{
+    char *jf = status_json(from), *jt = status_json(to);
+    char *tx = p_json_section(jf, "\"sent\":");
+    char *rx = p_json_section(jt, "\"received\":");
+    CHECK(tx && rx);
+    if (tx && rx) {
+        CHECK(json_num(tx, "slots") > 0);
+        CHECK_EQ(json_num(tx, "slots"), json_num(rx, "slots"));
+        CHECK_EQ(json_num(tx, "bytes"), json_num(rx, "bytes"));
+    }
+    char *peers = p_json_section(jf, "\"peers\":");
+    CHECK(peers != NULL);
+    CHECK_EQ(json_num(peers, "errors"), 0);
+    free(peers);
+    free(tx);
+    free(rx);
+    free(jf);
+    free(jt);
+}
+
 /* A slot larger than peer.message_bytes goes as pieces cut on unit
  * boundaries (here 8 of 64 KiB, two 32 KiB units each), one in flight at
  * a time, each scattered as it lands: every byte lands, both ways, with
@@ -419,25 +520,9 @@ TEST_T(peer_slot_in_pieces, 90)
     static const char *const extra = "  slot_bytes: 512KiB\n"
                                       "  message_bytes: 72KiB\n"
                                       "  send_window: 1\n";
-    p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, extra, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, extra, NULL);
-    /* 8 KiB a token: a 300-token request is about five slots */
-    static const model_t m = {.layers = 4,
-                              .heads = 4,
-                              .head_dim = 128,
-                              .kv = 2,
-                              .dtype = KVX_DTYPE_BF16};
-    side_t c = {
-        .inst = "pp-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
-    side_t g = {
-        .inst = "pp-gen", .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 8};
-    xfer_case2(a, b, &m, &c, &g, 4, 300, 0);
-    side_t c2 = {
-        .inst = "pp-ctx2", .tp = 2, .pp = 1, .preset = "flashinfer", .tpb = 8};
-    side_t g2 = {
-        .inst = "pp-gen2", .tp = 1, .pp = 1, .preset = "vllm-hnd", .tpb = 16};
-    xfer_case2(b, a, &m, &c2, &g2, 3, 257, 5);
+    daemon_t *a, *b;
+    p_two_daemons_with(extra, &a, &b);
+    p_both_ways(a, b, "pp", 4, 3); /* about five slots a request */
     /* 32 heads over tp 2: a unit is 16 tokens x 16 heads x 256 B x 2 */
     static const model_t big = {.layers = 2,
                                 .heads = 32,
@@ -458,36 +543,14 @@ TEST_T(peer_slot_in_pieces, 90)
         CHECK_EQ(json_num(ucx, "slots"), 64);
         CHECK_EQ(json_num(ucx, "message_bytes"), 72 * 1024);
         CHECK_EQ(json_num(ucx, "send_window"), 1);
-        /* every slot sent was received whole and scattered */
-        char *rx = p_json_section(ucx, "\"received\":");
-        char *tx = p_json_section(ucx, "\"sent\":");
-        CHECK(rx && tx);
-        if (rx && tx) {
-            CHECK(json_num(rx, "slots") > 0);
-            CHECK(json_num(tx, "slots") > 0);
-        }
-        free(rx);
-        free(tx);
         free(ucx);
-        char *peers = p_json_section(json, "\"peers\":");
-        CHECK(peers != NULL);
-        CHECK_EQ(json_num(peers, "errors"), 0);
-        free(peers);
         free(json);
     }
-    /* what A sent, B received, slot for slot and byte for byte */
-    char *ja = status_json(a), *jb = status_json(b);
-    char *ta = p_json_section(ja, "\"sent\":");
-    char *rb = p_json_section(jb, "\"received\":");
-    CHECK(ta && rb);
-    if (ta && rb) {
-        CHECK_EQ(json_num(ta, "slots"), json_num(rb, "slots"));
-        CHECK_EQ(json_num(ta, "bytes"), json_num(rb, "bytes"));
-    }
-    free(ta);
-    free(rb);
-    free(ja);
-    free(jb);
+    /* every slot sent was received whole, each way */
+    p_sent_is_received(a, b);
+    p_sent_is_received(b, a);
+    p_slots_all_free(a);
+    p_slots_all_free(b);
     p_stop_both(a, b);
 }
 
@@ -735,6 +798,11 @@ TEST_T(peer_wrong_secret, 60)
 #define PL_PEER                                                               \
     "  slot_bytes: 1MiB\n  slots: 2\n  message_bytes: 256KiB\n"              \
     "  send_window: 1\n"
+/* A with 8 slots and gather-ahead, B pulling into 2: A holds slots
+ * gathered for PULLs to come when the transfer ends under it */
+#define PL_AHEAD                                                              \
+    "  slot_bytes: 1MiB\n  slots: 8\n  message_bytes: 256KiB\n"              \
+    "  send_window: 1\n  gather_ahead: 3\n"
 
 typedef struct pl {
     daemon_t *a, *b;
@@ -761,16 +829,16 @@ static void pl_throttle(void)
         }
 }
 
-/* Daemons, ranks, a warm-up request (the peers are connected and
- * keep-alives run), then every request published and fetched; returns
- * once bytes are arriving. */
-static pl_t *pl_start(void)
+/* Daemons (peer_a, peer_b: their peer sections), ranks, a warm-up
+ * request (the peers are connected and keep-alives run), then every
+ * request published and fetched; returns once bytes are arriving. */
+static pl_t *pl_start_with(const char *peer_a, const char *peer_b)
 {
     p_setup();
     pl_t *x = calloc(1, sizeof(*x));
     CHECK(x != NULL);
-    x->a = p_daemon(0, P_SECRET, PL_PEER, NULL);
-    x->b = p_daemon(1, P_SECRET, PL_PEER, NULL);
+    x->a = p_daemon(0, P_SECRET, peer_a, NULL);
+    x->b = p_daemon(1, P_SECRET, peer_b, NULL);
     pl_throttle();
     static side_t cs, gs; /* the ranks keep pointers to them */
     p_side(&cs, "pl-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", PL_TPB);
@@ -883,6 +951,8 @@ static void pl_free(pl_t *x)
 }
 
 /* Both ranks leave, both daemons are healthy and stop cleanly. */
+static pl_t *pl_start(void) { return pl_start_with(PL_PEER, PL_PEER); }
+
 static void pl_finish(pl_t *x)
 {
     rank_close(&x->c);
@@ -977,9 +1047,8 @@ TEST_T(peer_killed_mid_transfer, 90)
 /* Daemon A (context) drained by SIGTERM mid-transfer: it tells B, whose
  * requests each end once (COMPLETE with their bytes, or ERROR SHUTDOWN /
  * PEER_GONE) within the keep-alive bound; A exits 0; B stays healthy. */
-TEST_T(peer_drained_mid_transfer, 90)
+static void pl_drain_a(pl_t *x)
 {
-    pl_t *x = pl_start();
     int64_t t0 = now_ms();
     CHECK(kill(x->a->pid, SIGTERM) == 0);
     int n = collect(x->g.c, x->ge, PL_REQ + 16, PL_REQ, P_BOUND_MS);
@@ -1012,6 +1081,8 @@ TEST_T(peer_drained_mid_transfer, 90)
     daemon_stop_ok(x->b);
     pl_free(x);
 }
+
+TEST_T(peer_drained_mid_transfer, 90) { pl_drain_a(pl_start()); }
 
 /* ---- an instance spread over the two daemons ---------------------------- */
 
@@ -1224,13 +1295,25 @@ TEST_T(peer_spread_instance_batches, 60)
     daemon_stop_ok(a);
 }
 
+/* Wait (up to 5 s) until A has sent a slot gathered ahead. */
+static void pl_wait_ahead(pl_t *x)
+{
+    int64_t end = now_ms() + 5000;
+    while (!p_ahead(x->a)) {
+        if (now_ms() > end) {
+            fprintf(stderr, "no slot gathered ahead within 5 s\n");
+            CHECK(!"gather-ahead in use");
+        }
+        sleep_ms(5);
+    }
+}
+
 /* Cancel mid-transfer from both sides: the generation side cancels the
  * first half, the context side the second half. Once every cancel has
  * returned, no byte lands in the generation pool (checked 300 ms later),
  * and every request ends on both sides. */
-TEST_T(peer_cancel_mid_transfer, 90)
+static void pl_cancel_half_each(pl_t *x)
 {
-    pl_t *x = pl_start();
     int cancelled = 0;
     for (uint32_t q = 0; q < PL_REQ; q++) {
         kvx_client_t *c = q < PL_REQ / 2 ? x->g.c : x->c.c;
@@ -1285,7 +1368,65 @@ TEST_T(peer_cancel_mid_transfer, 90)
         CHECK(strstr(json, "\"state\":\"") == NULL);
         free(json);
     }
+}
+
+TEST_T(peer_cancel_mid_transfer, 90)
+{
+    pl_t *x = pl_start();
+    pl_cancel_half_each(x);
+    p_slots_all_free(x->a);
+    p_slots_all_free(x->b);
     pl_finish(x);
+}
+
+/* peer.gather_ahead: A gathers the units of B's next PULLs into free
+ * send slots. Verified transfers both ways, with several streams a
+ * request and layouts that differ; every slot A sent (ahead or not) is
+ * one B received, byte for byte. */
+TEST_T(peer_gather_ahead, 90)
+{
+    static const char *const extra = "  slot_bytes: 64KiB\n"
+                                      "  slots: 8\n"
+                                      "  gather_ahead: 3\n";
+    daemon_t *a, *b;
+    p_two_daemons_with(extra, &a, &b);
+    p_both_ways(a, b, "ga", 6, 4); /* about 38 slots a request */
+    long long na = p_ahead(a), nb = p_ahead(b);
+    fprintf(stderr, "slots sent gathered ahead: A %lld, B %lld\n", na, nb);
+    CHECK(na > 0);
+    CHECK(nb > 0);
+    p_sent_is_received(a, b);
+    p_sent_is_received(b, a);
+    p_slots_all_free(a);
+    p_slots_all_free(b);
+    p_stop_both(a, b);
+}
+
+/* Cancels from both sides while A holds slots gathered ahead: the same
+ * outcome as without (no byte lands after the cancels, every request
+ * ends once), and A's slots all come back: a second round of transfers
+ * completes, which needs them. */
+TEST_T(peer_gather_ahead_cancel_mid_transfer, 90)
+{
+    pl_t *x = pl_start_with(PL_AHEAD, PL_PEER);
+    pl_wait_ahead(x);
+    pl_cancel_half_each(x);
+    uint32_t wc[2] = {PL_REQ * PL_NB, PL_REQ * PL_NB + 1};
+    uint32_t wg[2] = {PL_REQ * PL_NB + 3, PL_REQ * PL_NB + 2};
+    for (uint64_t req = 300; req < 340; req++)
+        p_one(&x->c, &x->g, req, wc, wg, 2, 2 * PL_TPB - 3, 5000);
+    p_slots_all_free(x->a);
+    p_slots_all_free(x->b);
+    pl_finish(x);
+}
+
+/* A drained mid-transfer while it holds slots gathered ahead: B's
+ * requests each end once, and A fences every gather and exits 0. */
+TEST_T(peer_gather_ahead_drained_mid_transfer, 90)
+{
+    pl_t *x = pl_start_with(PL_AHEAD, PL_PEER);
+    pl_wait_ahead(x);
+    pl_drain_a(x);
 }
 
 /* A context instance spread over both daemons (rank 0 on A, rank 1 on
