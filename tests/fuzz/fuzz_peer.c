@@ -13,8 +13,10 @@
  * its own last OPEN back to it (then it is the context daemon too), 0x11
  * answers its last PULL with DATA of the right size (or, flags & 64, as
  * pieces of the cut a sender would make, in either order), 0x12 answers its
- * OPEN with OPENED. Whatever arrives, the daemon must not crash, leak or
- * hang; the copy jobs it starts must come back.
+ * OPEN with OPENED; with flags & 32 an OPEN carries pull_bytes, so the
+ * daemon gathers ahead (peer.gather_ahead 2). Whatever arrives, the
+ * daemon must not crash, leak or hang; the copy jobs it starts must come
+ * back.
  *
  * fuzz-exclude: daemon/peer.c
  */
@@ -233,6 +235,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     kvxd.conf.slot_bytes = 64 * 1024;
     kvxd.conf.slots = 4;
     kvxd.conf.message_bytes = 16 * 1024; /* a slot goes as several pieces */
+    kvxd.conf.gather_ahead = 2; /* OPENs carry pull_bytes: ahead_take()
+                                 * and ahead_fill() meet random PULLs */
     kvxd.conf.log_level = 0;
     kvx__log_level = 0;
     kvxd.loop = uv_default_loop();
@@ -365,6 +369,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 free(m->open->instance_id); /* unpacked strings own memory */
             m->open->instance_id = strdup("ctx");
             m->open->request_id = 1;
+            if (flags & 32) /* a receiver that lets us gather ahead */
+                m->open->pull_bytes = kvxd.conf.slot_bytes;
         }
         if (m->m_case == KVXFER__PEER_MSG__M_PULL && (flags & 4))
             m->pull->stream = last_opened_source;
