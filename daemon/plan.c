@@ -279,6 +279,21 @@ uint64_t plan_units_bytes(const plan_t *p, uint64_t u0, uint64_t u1)
     return bytes;
 }
 
+uint64_t plan_units_fit(const plan_t *p, uint64_t u0, uint64_t u_end,
+                        uint64_t max, uint64_t *bytes)
+{
+    uint64_t u1 = u0, b = 0;
+    while (u1 < u_end) {
+        uint64_t nb = plan_units_bytes(p, u1, u1 + 1);
+        if (b + nb > max)
+            break;
+        b += nb;
+        u1++;
+    }
+    *bytes = b;
+    return u1;
+}
+
 uint32_t plan_cut_pieces(const plan_t *p, uint64_t u0, uint64_t u1,
                          uint64_t pb, plan_piece_t *pc, uint32_t max)
 {

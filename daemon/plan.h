@@ -98,6 +98,13 @@ void plan_free(plan_t *p);
 /* Bytes moved by units [u0, u1). */
 uint64_t plan_units_bytes(const plan_t *p, uint64_t u0, uint64_t u1);
 
+/* The end of the run of whole units from u0 (up to u_end) that fits in
+ * max bytes, and its size in *bytes: what one PULL asks for, made the
+ * same way by the daemon that pulls and by one gathering ahead. u0 when
+ * unit u0 alone is larger (or u0 == u_end). */
+uint64_t plan_units_fit(const plan_t *p, uint64_t u0, uint64_t u_end,
+                        uint64_t max, uint64_t *bytes);
+
 /* A piece of a packed run: whole units [u0, u1), bytes [off, off + len)
  * from the run's start. */
 typedef struct plan_piece {

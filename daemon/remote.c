@@ -611,14 +611,8 @@ static void pull_schedule(void)
         if (r->ended || r->next_unit >= r->u_end)
             continue;
         const plan_t *plan = r->part->plan;
-        uint64_t u0 = r->next_unit, u1 = u0, bytes = 0;
-        while (u1 < r->u_end) {
-            uint64_t b = plan_units_bytes(plan, u1, u1 + 1);
-            if (bytes + b > slot_bytes)
-                break;
-            bytes += b;
-            u1++;
-        }
+        uint64_t u0 = r->next_unit, bytes;
+        uint64_t u1 = plan_units_fit(plan, u0, r->u_end, slot_bytes, &bytes);
         if (u1 == u0) {
             char m[160];
             snprintf(m, sizeof(m),
@@ -1221,14 +1215,9 @@ static void ahead_fill(sstream_t *s)
     while (s->nahead < kvxd.conf.gather_ahead && s->pull_bytes &&
            !s->ahead_off && !s->ended && o && !o->ending && !pq_head &&
            sslots.nfree > 1 && s->ahead_at < s->u_end) {
-        uint64_t u0 = s->ahead_at, u1 = u0, bytes = 0;
-        while (u1 < s->u_end) {
-            uint64_t b = plan_units_bytes(s->plan, u1, u1 + 1);
-            if (bytes + b > s->pull_bytes)
-                break;
-            bytes += b;
-            u1++;
-        }
+        uint64_t u0 = s->ahead_at, bytes;
+        uint64_t u1 = plan_units_fit(s->plan, u0, s->u_end, s->pull_bytes,
+                                     &bytes);
         if (u1 == u0)
             return; /* a unit larger than its slot: the PULL fails it */
         slot_t *x = slot_get(&sslots);

@@ -564,6 +564,45 @@ TEST(cut_pieces_tile_units)
     }
 }
 
+/* plan_units_fit(): the longest run of whole units from u0 within max
+ * bytes; walking a range with it (as PULLs do) tiles it, and the same
+ * call gives the same run (a daemon gathering ahead predicts PULLs). */
+TEST(units_fit_tiles_a_range)
+{
+    for (int i = 0; i < 300; i++) {
+        plan_side_t a = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
+                             rnd_in(1, 20));
+        plan_side_t b = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
+                             rnd_in(1, 20));
+        uint32_t n = rnd_in(1, 100);
+        uint32_t r = rnd() % plan_side_ranks(&b);
+        kvx_layout_t dl;
+        plan_t *p = build(&a, &b, r, n, 0);
+        bind_dst_layout(p, &b, r, &dl);
+        uint64_t u_end = p->nunits, max = 1 + rnd() % 4096, u = 0;
+        while (u < u_end) {
+            uint64_t bytes, again;
+            uint64_t u1 = plan_units_fit(p, u, u_end, max, &bytes);
+            CHECK(u1 >= u && u1 <= u_end);
+            CHECK_EQ(bytes, plan_units_bytes(p, u, u1));
+            CHECK(bytes <= max);
+            CHECK_EQ(plan_units_fit(p, u, u_end, max, &again), u1);
+            CHECK_EQ(again, bytes);
+            if (u1 < u_end) /* it stopped because the next did not fit */
+                CHECK(bytes + plan_units_bytes(p, u1, u1 + 1) > max);
+            if (u1 == u) { /* a unit larger than max: nothing fits */
+                CHECK(plan_units_bytes(p, u, u + 1) > max);
+                break;
+            }
+            u = u1;
+        }
+        uint64_t none;
+        CHECK_EQ(plan_units_fit(p, u_end, u_end, max, &none), u_end);
+        CHECK_EQ(none, 0);
+        plan_free(p);
+    }
+}
+
 TEST(units_bytes_sum_to_plan_bytes)
 {
     for (int i = 0; i < 300; i++) {
