@@ -515,6 +515,22 @@ static void bind_dst_layout(plan_t *p, const plan_side_t *b, uint32_t r,
     p->dst.layout = dl;
 }
 
+/* A random plan for one rank between two sides of 6 layers and 4 heads
+ * (tp 1 to 4, pp 1 or 2, 1 to 20 tokens a block), 1 to 100 tokens, with
+ * its destination row shape bound to dl. */
+static plan_t *random_bound_plan(kvx_layout_t *dl)
+{
+    plan_side_t a = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
+                         rnd_in(1, 20));
+    plan_side_t b = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
+                         rnd_in(1, 20));
+    uint32_t n = rnd_in(1, 100);
+    uint32_t r = rnd() % plan_side_ranks(&b);
+    plan_t *p = build(&a, &b, r, n, 0);
+    bind_dst_layout(p, &b, r, dl);
+    return p;
+}
+
 /* plan_cut_pieces(): pieces tile [u0, u1) in order, on unit boundaries,
  * bytes adding up; each within pb unless a lone unit is larger or it is
  * the last one allowed; no two neighbours could have been one piece; the
@@ -522,15 +538,8 @@ static void bind_dst_layout(plan_t *p, const plan_side_t *b, uint32_t r,
 TEST(cut_pieces_tile_units)
 {
     for (int i = 0; i < 300; i++) {
-        plan_side_t a = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
-                             rnd_in(1, 20));
-        plan_side_t b = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
-                             rnd_in(1, 20));
-        uint32_t n = rnd_in(1, 100);
-        uint32_t r = rnd() % plan_side_ranks(&b);
         kvx_layout_t dl;
-        plan_t *p = build(&a, &b, r, n, 0);
-        bind_dst_layout(p, &b, r, &dl);
+        plan_t *p = random_bound_plan(&dl);
         if (!p->nunits) {
             plan_free(p);
             continue;
@@ -570,15 +579,8 @@ TEST(cut_pieces_tile_units)
 TEST(units_fit_tiles_a_range)
 {
     for (int i = 0; i < 300; i++) {
-        plan_side_t a = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
-                             rnd_in(1, 20));
-        plan_side_t b = side(1u << rnd_in(0, 2), rnd_in(1, 2), 6, 4,
-                             rnd_in(1, 20));
-        uint32_t n = rnd_in(1, 100);
-        uint32_t r = rnd() % plan_side_ranks(&b);
         kvx_layout_t dl;
-        plan_t *p = build(&a, &b, r, n, 0);
-        bind_dst_layout(p, &b, r, &dl);
+        plan_t *p = random_bound_plan(&dl);
         uint64_t u_end = p->nunits, max = 1 + rnd() % 4096, u = 0;
         while (u < u_end) {
             uint64_t bytes, again;
