@@ -817,6 +817,22 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
 
 /* ---- S: the context side ----------------------------------------------- */
 
+/* s's slots gathered ahead are no longer held for a PULL: idle ones go
+ * back now, one still gathering when its gather is back (the caller
+ * frees s, or sslot_release() does, once nothing counts in it). */
+static void ahead_release(sstream_t *s)
+{
+    for (uint32_t i = 0; i < s->nahead; i++) {
+        slot_t *x = s->ahead[i];
+        x->ahead = 0;
+        if (!x->pending) {
+            s->sends--;
+            slot_put(&sslots, x);
+        }
+    }
+    s->nahead = 0;
+}
+
 static void sstream_free(sstream_t *s)
 {
     map_del(&sstreams, s->id);
@@ -855,14 +871,7 @@ static void sstream_end(sstream_t *s)
             prev = q;
         }
     }
-    /* slots gathered ahead go back now; one still gathering goes when its
-     * gather is back (sslot_release(): s ended) */
-    for (uint32_t i = 0; i < s->nahead; i++)
-        if (!s->ahead[i]->pending) {
-            s->sends--;
-            slot_put(&sslots, s->ahead[i]);
-        }
-    s->nahead = 0;
+    ahead_release(s);
     if (!s->gathers && !s->sends)
         sstream_free(s);
 }
@@ -1263,15 +1272,7 @@ static int ahead_take(sstream_t *s, uint32_t slot, uint64_t u0, uint64_t u1)
     if (s->nahead) {
         /* the receiver cuts differently (another slot size): stop */
         s->ahead_off = 1;
-        for (uint32_t i = 0; i < s->nahead; i++) {
-            slot_t *x = s->ahead[i];
-            x->ahead = 0; /* still gathering: goes when that is back */
-            if (!x->pending) {
-                s->sends--;
-                slot_put(&sslots, x);
-            }
-        }
-        s->nahead = 0;
+        ahead_release(s);
     }
     return 0;
 }

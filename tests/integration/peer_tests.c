@@ -251,10 +251,19 @@ static void p_side2(side_t *s, const char *inst, kvx_role_t role)
     s->tp = 2;
 }
 
-/* A context rank on daemon a and a generation rank on daemon b, each an
- * instance of its own (vllm-nhd, 4 tokens a block, pools of 8 blocks);
- * the sides outlive the ranks, so the caller holds them. */
-/* Daemons A and B with the cluster secret and default peer settings. */
+/* Rank 0 of the p_side2() instance s on daemon a and rank 1 on daemon b
+ * say Hello; addrs gets their addresses in rank order, for kvx_join(). */
+static void p_spread_hello(daemon_t *a, daemon_t *b, const side_t *s,
+                           rank_t *r0, rank_t *r1, const char *addrs[2])
+{
+    rank_hello_only(a, &M_SMALL, s, 0, r0);
+    rank_hello_only(b, &M_SMALL, s, 1, r1);
+    addrs[0] = r0->addr;
+    addrs[1] = r1->addr;
+}
+
+/* Daemons A and B with the cluster secret; peer: more lines of their
+ * peer sections (NULL: the default settings). */
 static void p_two_daemons_with(const char *peer, daemon_t **a,
                                daemon_t **b)
 {
@@ -277,6 +286,9 @@ static void p_stop_both(daemon_t *a, daemon_t *b)
     daemon_stop_ok(b);
 }
 
+/* A context rank on daemon a and a generation rank on daemon b, each an
+ * instance of its own (vllm-nhd, 4 tokens a block, pools of 8 blocks);
+ * the sides outlive the ranks, so the caller holds them. */
 static void p_pair(daemon_t *a, daemon_t *b, side_t *cs, side_t *gs,
                    const char *ctx, const char *gen, rank_t *c, rank_t *g)
 {
@@ -390,7 +402,8 @@ static void p_slots_all_free(daemon_t *d)
         char *rx = p_json_section(ux, "\"received\":");
         char *tx = p_json_section(ux, "\"sent\":");
         CHECK(rx && tx);
-        long long fr = json_num(rx, "free_slots"), ft = json_num(tx, "free_slots");
+        long long fr = json_num(rx, "free_slots");
+        long long ft = json_num(tx, "free_slots");
         free(rx);
         free(tx);
         free(ux);
@@ -1443,9 +1456,8 @@ TEST_T(peer_spread_context_late_publish, 60)
     static side_t gs;
     p_side(&gs, "sc-gen", KVX_ROLE_GENERATION, "trtllm", 4);
     rank_t c0, c1, g;
-    rank_hello_only(a, &M_SMALL, &cs, 0, &c0);
-    rank_hello_only(b, &M_SMALL, &cs, 1, &c1);
-    const char *addrs[2] = {c0.addr, c1.addr};
+    const char *addrs[2];
+    p_spread_hello(a, b, &cs, &c0, &c1, addrs);
     CHECK_KVX(kvx_join(c0.c, addrs, 2, T_MS), c0.c);
     CHECK_KVX(kvx_join(c1.c, addrs, 2, T_MS), c1.c);
     rank_pool(&c0, 8);
@@ -1654,9 +1666,8 @@ TEST_T(peer_spread_root_joins_late, 60)
     static side_t gs2;
     p_side2(&gs2, "lj-gen2", KVX_ROLE_GENERATION);
     rank_t h0, h1;
-    rank_hello_only(a, &M_SMALL, &gs2, 0, &h0);
-    rank_hello_only(b, &M_SMALL, &gs2, 1, &h1);
-    const char *addrs2[2] = {h0.addr, h1.addr};
+    const char *addrs2[2];
+    p_spread_hello(a, b, &gs2, &h0, &h1, addrs2);
     CHECK_KVX(kvx_join(h1.c, addrs2, 2, T_MS), h1.c);
     rank_close(&h1); /* left before the root joined */
     sleep_ms(300);
@@ -1675,9 +1686,8 @@ TEST_T(peer_spread_root_joins_late, 60)
     static side_t gs3;
     p_side2(&gs3, "lj-gen3", KVX_ROLE_GENERATION);
     rank_t k0, k1;
-    rank_hello_only(a, &M_SMALL, &gs3, 0, &k0);
-    rank_hello_only(b, &M_SMALL, &gs3, 1, &k1);
-    const char *addrs3[2] = {k0.addr, k1.addr};
+    const char *addrs3[2];
+    p_spread_hello(a, b, &gs3, &k0, &k1, addrs3);
     CHECK_KVX(kvx_join(k1.c, addrs3, 2, T_MS), k1.c);
     CHECK_KVX(kvx_join(k0.c, addrs3, 2, T_MS), k0.c);
     rank_pool(&k0, 8);
@@ -1709,9 +1719,8 @@ TEST_T(peer_spread_event_before_root_joined, 60)
     static side_t cs;
     p_side2(&cs, "eb-ctx", KVX_ROLE_CONTEXT);
     rank_t c0, c1;
-    rank_hello_only(a, &M_SMALL, &cs, 0, &c0);
-    rank_hello_only(b, &M_SMALL, &cs, 1, &c1);
-    const char *addrs[2] = {c0.addr, c1.addr};
+    const char *addrs[2];
+    p_spread_hello(a, b, &cs, &c0, &c1, addrs);
     CHECK_KVX(kvx_join(c1.c, addrs, 2, T_MS), c1.c);
     rank_pool(&c1, 8);
     uint32_t cb[2] = {2, 3};
