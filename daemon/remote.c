@@ -78,6 +78,7 @@ typedef plan_piece_t piece_t;
 typedef struct slot {
     uint8_t *mem;
     uint32_t idx;
+    struct slot_times *st;       /* its direction's times (st_rx, st_tx) */
     enum slot_state state;
     void *owner;                 /* rstream (receive) or sstream (send) */
     uint64_t u0, u1, bytes;
@@ -180,7 +181,6 @@ static pull_t *pq_head, *pq_tail;  /* pulls waiting for a send slot */
 
 static void pull_schedule(void);
 static void serve_pulls(void);
-static void gather_done(struct slot *x, uint32_t k);
 
 /* Status: where the slots' time went (Kvxfer__SlotTimes, summed). */
 typedef struct slot_times {
@@ -217,8 +217,8 @@ void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent)
 
 /* ---- slots ------------------------------------------------------------- */
 
-static int slots_init(slots_t *s, const char *what, char *why,
-                      size_t why_len)
+static int slots_init(slots_t *s, const char *what, slot_times_t *st,
+                      char *why, size_t why_len)
 {
     uint32_t n = remote_slots();
     s->len = (size_t)n * kvxd.conf.slot_bytes;
@@ -239,6 +239,7 @@ static int slots_init(slots_t *s, const char *what, char *why,
     for (uint32_t i = n; i-- > 0;) {
         s->v[i].mem = s->mem + (size_t)i * kvxd.conf.slot_bytes;
         s->v[i].idx = i;
+        s->v[i].st = st;
         s->v[i].next_free = s->free;
         s->free = &s->v[i];
     }
@@ -323,8 +324,7 @@ static void job_done(copy_job_t *job)
         x->status = job->status;
     if (--x->piece_jobs[k])
         return;
-    slot_times_t *t = x->piece_done == gather_done ? &st_tx : &st_rx;
-    t->lag_ns += now_ns() - job->t_done;
+    x->st->lag_ns += now_ns() - job->t_done;
     x->piece_done(x, k);
 }
 
@@ -385,8 +385,8 @@ int remote_init(char *why, size_t why_len)
 {
     if (!peer_enabled())
         return 0;
-    if (slots_init(&rslots, "receive", why, why_len) ||
-        slots_init(&sslots, "send", why, why_len))
+    if (slots_init(&rslots, "receive", &st_rx, why, why_len) ||
+        slots_init(&sslots, "send", &st_tx, why, why_len))
         return -1;
     log_info("peers: %u + %u host staging slots of %llu bytes, registered "
              "with UCX (pinned for CUDA on first GPU use)",
