@@ -32,6 +32,13 @@ static inline void cpu_relax(void)
 #endif
 }
 
+/* c.head is written under c.mu, but the spinning worker reads it without
+ * the lock; the stores are atomic so that read is not a data race. */
+static void head_set(copy_job_t *j)
+{
+    __atomic_store_n(&c.head, j, __ATOMIC_RELAXED);
+}
+
 static void *worker_main(void *arg)
 {
     (void)arg;
@@ -66,7 +73,7 @@ static void *worker_main(void *arg)
         if (!c.head)
             break;
         copy_job_t *j = c.head;
-        c.head = j->next;
+        head_set(j->next);
         if (!c.head)
             c.tail = NULL;
         pthread_mutex_unlock(&c.mu);
@@ -102,7 +109,7 @@ static void on_async(uv_async_t *a)
     copy_job_t *list = c.done;
     c.done = NULL;
     pthread_mutex_unlock(&c.mu);
-    /* the list is newest first; complete in submission order */
+    /* the list is newest first: complete in the order the jobs finished */
     copy_job_t *rev = NULL;
     while (list) {
         copy_job_t *n = list->next;
@@ -165,7 +172,7 @@ void copy_submit(copy_job_t *j)
     if (c.tail)
         c.tail->next = j;
     else
-        c.head = j;
+        head_set(j);
     c.tail = j;
     if (c.sleeping)
         pthread_cond_signal(&c.cv);
