@@ -11,7 +11,10 @@
  * needs, then queues one event (the first error goes out at once).
  * A lost member: its ranks leave the root's batches, the instance's
  * requests end with KVX_ERR_PEER_GONE, and the merged requests still
- * waiting for it end so too. A lost root: the members' waiting polls fail.
+ * waiting for it end so too. A lost root, or a root whose own ranks all
+ * left (the instance ends there): the members' waiting polls fail. A
+ * forwarded poll never answered fails a little after its deadline, so
+ * no engine's poll waits past its timeout whatever the root does.
  *
  * The root may join its instance after a member's ranks did: a member's
  * rank joining or leaving is sent again until the root acknowledges it
@@ -72,6 +75,8 @@ typedef struct announce {
 #define ANNOUNCE_EVERY_MS 100
 #define ANNOUNCE_FOR_MS 60000
 #define POLL_RETRY_MS 20
+/* a forwarded poll not answered this long after its deadline fails */
+#define POLL_LATE_MS 2000
 
 static announce_t *announces;
 
@@ -532,6 +537,44 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     session_reply_msg(sid, &r);
 }
 
+/* Root: the answer to a member's poll that no batch answers: code and
+ * msg for its engine, or (retry) "ask again". */
+static void poll_fail_send(peer_conn_t *c, const char *instance,
+                           uint32_t rank, uint64_t req_id, int code,
+                           const char *msg, int retry)
+{
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerBatch pb = KVXFER__PEER_BATCH__INIT;
+    pb.instance_id = (char *)instance;
+    pb.rank = rank;
+    pb.req_id = req_id;
+    pb.code = code;
+    pb.message = (char *)msg;
+    pb.retry = retry;
+    m.m_case = KVXFER__PEER_MSG__M_BATCH;
+    m.batch = &pb;
+    if (c)
+        peer_send(c, &m);
+}
+
+void agree_instance_ends(instance_t *inst)
+{
+    if (!agree_spread(inst) || !is_root(inst))
+        return;
+    char msg[512];
+    snprintf(msg, sizeof(msg), "poll: instance %s ended at its root daemon "
+                               "%s: every rank of it there left",
+             inst->id, kvxd.address);
+    for (uint32_t r = 0; r < inst->nranks; r++) {
+        uint64_t req;
+        if (inst->local[r] || !batch_take_waiter(&inst->batches, r, &req))
+            continue;
+        char why[256];
+        poll_fail_send(peer_connect(inst->addresses[r], why, sizeof(why)),
+                       inst->id, r, req, KVX_ERR_PEER_GONE, msg, 0);
+    }
+}
+
 /* Root: a member's rank polls. */
 static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
 {
@@ -556,20 +599,11 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
         bad = "already has a poll of that rank waiting";
     if (!bad)
         return;
-    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-    Kvxfer__PeerBatch pb = KVXFER__PEER_BATCH__INIT;
     char msg[300];
     snprintf(msg, sizeof(msg), "poll: instance %s %s (root daemon %s)",
              p->instance_id ? p->instance_id : "", bad, kvxd.address);
-    pb.instance_id = p->instance_id;
-    pb.rank = p->rank;
-    pb.req_id = p->req_id;
-    pb.code = KVX_ERR_STATE;
-    pb.message = msg;
-    pb.retry = retry;
-    m.m_case = KVXFER__PEER_MSG__M_BATCH;
-    m.batch = &pb;
-    peer_send(c, &m);
+    poll_fail_send(c, p->instance_id, p->rank, p->req_id, KVX_ERR_STATE, msg,
+                   retry);
 }
 
 /* What a member reports must make sense for this instance: from a daemon
@@ -775,6 +809,18 @@ void agree_tick(uint64_t now)
             continue;
         for (uint32_t r = 0; r < inst->nranks; r++) {
             fpoll_t *fp = &s->poll[r];
+            if (fp->req && !fp->retry_ms &&
+                now >= fp->deadline_ms + POLL_LATE_MS) {
+                char m[300];
+                snprintf(m, sizeof(m), "poll: the root daemon %s of "
+                                       "instance %s did not answer it",
+                         inst->addresses[0], inst->id);
+                uint64_t req = fp->req;
+                fp->req = 0;
+                kvxd_count_error(KVX_ERR_PEER_GONE);
+                session_reply(inst->rank_sid[r], req, KVX_ERR_PEER_GONE, m);
+                continue;
+            }
             if (!fp->req || !fp->retry_ms || now < fp->retry_ms)
                 continue;
             fp->retry_ms = 0;

@@ -16,6 +16,9 @@ int agree_spread(const instance_t *inst);
 void agree_joined(instance_t *inst);
 /* A local rank of inst joined (again) or left: the root hears of it. */
 void agree_rank(instance_t *inst, uint32_t rank, int joined);
+/* Root: inst ends here (no rank of it is left on this daemon): the
+ * polls other daemons' ranks have waiting in its batches fail now. */
+void agree_instance_ends(instance_t *inst);
 /* inst is freed. */
 void agree_forget(instance_t *inst);
 /* A terminal event of a request covering `ranks` of the `expect` ranks
@@ -29,7 +32,9 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
 /* Root: a sealed batch for a rank served by another daemon. */
 void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
                    const struct batch *b);
-/* Member: announcements and polls the root could not take yet, again. */
+/* Member: announcements and polls the root could not take yet, again;
+ * a forwarded poll the root never answered fails POLL_LATE_MS after its
+ * deadline. */
 void agree_tick(uint64_t now_ms);
 /* At exit. */
 void agree_cleanup(void);

@@ -170,6 +170,15 @@ int batch_poll(batch_state_t *bs, uint32_t rank, uint64_t req_id,
     return 0;
 }
 
+int batch_take_waiter(batch_state_t *bs, uint32_t rank, uint64_t *req_id)
+{
+    if (rank >= bs->nranks || !bs->wait[rank].active)
+        return 0;
+    bs->wait[rank].active = 0;
+    *req_id = bs->wait[rank].req_id;
+    return 1;
+}
+
 void batch_tick(batch_state_t *bs, uint64_t now_ms)
 {
     maybe_seal(bs, now_ms, 0);

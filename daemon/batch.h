@@ -75,6 +75,11 @@ int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,
 int batch_poll(batch_state_t *bs, uint32_t rank, uint64_t req_id,
                uint32_t at_least, uint64_t deadline_ms, uint64_t now_ms);
 
+/* Take rank's waiting poll away unanswered: 1 and its request id in
+ * *req_id, or 0 when none waits (the instance ends before any batch
+ * could answer it). */
+int batch_take_waiter(batch_state_t *bs, uint32_t rank, uint64_t *req_id);
+
 /* Seal what deadlines call for. */
 void batch_tick(batch_state_t *bs, uint64_t now_ms);
 /* Seal now for every waiting rank (drain). */

@@ -251,6 +251,7 @@ void instance_tick(uint64_t now_ms)
         n = i->next;
         if (i->nconnected == 0 && i->offers.n == 0 && i->fetches.n == 0) {
             log_info("instance %s: last rank left", i->id);
+            agree_instance_ends(i);
             instance_free(i);
             continue;
         }

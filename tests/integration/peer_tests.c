@@ -1514,6 +1514,7 @@ typedef struct rr_arg {
     int rc;                /* lj: rank 1's poll, and what it read */
     uint32_t nevents;
     char msg[256];
+    int64_t poll_ms;       /* rl: how long rank 1's poll took */
 } rr_arg_t;
 
 /* Rank 1 of the spread instance gs on daemon b, in a child running fn
@@ -1592,6 +1593,62 @@ TEST_T(peer_spread_member_rank_returns, 60)
     rank_close(&g1);
     rank_close(&g0);
     rank_close(&c);
+    p_stop_both(a, b);
+}
+
+/* Every rank on the root daemon leaves while a rank on the member daemon
+ * has a poll waiting there: the instance ends at the root, and that poll
+ * fails at once with PEER_GONE, not at the engine's socket timeout. */
+static void rl_rank1_main(void *arg)
+{
+    rr_arg_t *a = arg;
+    rank_t g;
+    rank_hello_only(a->d, &M_SMALL, a->s, 1, &g);
+    snprintf(a->addr1, sizeof(a->addr1), "%s", g.addr);
+    const char *addrs[2] = {a->addr0, g.addr};
+    CHECK_KVX(kvx_join(g.c, addrs, 2, T_MS), g.c);
+    atomic_store(&a->joined, 1);
+    kvx_batch_t *b = NULL;
+    int64_t t0 = now_ms();
+    a->rc = kvx_poll(g.c, 1, 8000, &b);
+    a->poll_ms = now_ms() - t0;
+    if (a->rc == KVX_OK)
+        kvx_batch_free(b);
+    else
+        snprintf(a->msg, sizeof(a->msg), "%s", kvx_last_error(g.c));
+    _exit(0);
+}
+
+TEST_T(peer_spread_root_ranks_leave, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t gs;
+    p_side2(&gs, "rl-gen", KVX_ROLE_GENERATION);
+    /* rank 1's child starts before rank 0 connects, or it would hold
+     * rank 0's socket open; A's address comes from another instance */
+    static side_t xs;
+    p_side(&xs, "rl-x", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    rank_t x;
+    rank_hello_only(a, &M_SMALL, &xs, 0, &x);
+    rr_arg_t *ra;
+    pid_t kid = rank1_spawn(rl_rank1_main, &ra, b, &gs, x.addr);
+    rank_t g0;
+    rank_hello_only(a, &M_SMALL, &gs, 0, &g0);
+    const char *addrs[2] = {g0.addr, ra->addr1};
+    CHECK_KVX(kvx_join(g0.c, addrs, 2, T_MS), g0.c);
+    sleep_ms(300); /* rank 1's poll now waits in A's batches */
+    rank_close(&g0);
+    int st;
+    CHECK(waitpid(kid, &st, 0) == kid);
+    fprintf(stderr, "rank 1's poll after %lld ms: %s (%s)\n",
+            (long long)ra->poll_ms, kvx_status_name(ra->rc), ra->msg);
+    CHECK_EQ(ra->rc, KVX_ERR_PEER_GONE);
+    CHECK_STR_CONTAINS(ra->msg, "ended at its root daemon");
+    CHECK(ra->poll_ms < 4000); /* not its 8 s timeout */
+    rank_close(&x);
+    daemon_healthy(a);
+    daemon_healthy(b);
     p_stop_both(a, b);
 }
 
