@@ -53,7 +53,7 @@ CLIENT   := $(COMMON) client/client.c
 DAEMON   := $(COMMON) daemon/log.c daemon/conf.c daemon/notify.c \
             daemon/pool.c daemon/copy.c daemon/plan.c daemon/batch.c \
             daemon/daemon.c daemon/instance.c \
-            daemon/xfer.c daemon/remote.c daemon/agree.c daemon/peer.c \
+            daemon/xfer.c daemon/remote.c daemon/agree.c daemon/peer.c daemon/fault.c \
             daemon/session.c daemon/server.c daemon/stats.c \
             $(GPU_SRC)
 
@@ -68,13 +68,14 @@ BINS := $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench \
 UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/test_*.c))
 ITEST      := $(BUILD)/tests/integration
 
-.PHONY: all deps test asan demo install uninstall clean bundle help test-gpu lint fuzz
+.PHONY: all deps test asan tsan demo install uninstall clean bundle help test-gpu lint fuzz
 all: $(BINS)
 
 help:
 	@echo "make            build $(BINS)"
 	@echo "make test       install missing packages, build, run every test"
 	@echo "make asan       the tests under ASan+UBSan"
+	@echo "make tsan       the tests under ThreadSanitizer (host-only build)"
 	@echo "make demo       install missing packages, build, run the end-to-end demo"
 	@echo "make test-gpu   GPU tests (skips without a GPU)"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
@@ -144,6 +145,17 @@ asan:
 	@BUILD=build-asan ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
 	    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 tests/run.sh
 
+# ThreadSanitizer over the same tests (host-only build). UCX's memory
+# hooks crash under TSAN at thread exit, so they are off for the run.
+tsan:
+	@scripts/deps.sh
+	@$(MAKE) --no-print-directory BUILD=build-tsan CUDA=0 OPT=-O1 \
+	    SAN="-fsanitize=thread -fno-omit-frame-pointer" \
+	    all build-tsan/tests/integration \
+	    $(patsubst $(BUILD)/%,build-tsan/%,$(UNIT_TESTS))
+	@BUILD=build-tsan UCX_MEM_EVENTS=no UCX_MEM_MALLOC_HOOKS=no \
+	    TSAN_OPTIONS=halt_on_error=1:exitcode=66 tests/run.sh
+
 demo: deps
 	@$(MAKE) --no-print-directory all
 	@scripts/demo.sh $(BUILD)
@@ -200,4 +212,4 @@ lint: $(GEN)
 	    --std=c11 -Iclient/include -Iclient -Idaemon -I$(BUILD)/gen daemon client
 
 clean:
-	rm -rf build build-asan dist
+	rm -rf build build-asan build-tsan dist

@@ -20,6 +20,7 @@
 #include "agree.h"
 #include "copy.h"
 #include "daemon.h"
+#include "fault.h"
 #include "gpu.h"
 #include "instance.h"
 #include "log.h"
@@ -246,6 +247,11 @@ int main(int argc, char **argv)
     }
     kvx__log_level = kvxd.conf.log_level;
     signal(SIGPIPE, SIG_IGN);
+    char fwhy[256];
+    if (fault_init(fwhy, sizeof(fwhy))) {
+        fprintf(stderr, "kvxferd: %s\n", fwhy);
+        return 2;
+    }
 
     kvxd.loop = uv_default_loop();
     kvxd.start_ms = kvxd_now_ms();
@@ -294,13 +300,14 @@ err_server:
 err_session:
     session_cleanup();
 err_copy:
+    gpu_stop();       /* GPU completions are all handed to the copy engine */
     copy_cleanup();
     remote_cleanup(); /* after the copies that use the slots */
     peer_shutdown();  /* after the slots' UCX registrations */
-    gpu_cleanup();
     instance_cleanup();
     agree_cleanup();
-    pool_cleanup();
+    pool_cleanup();   /* drops the pools' GPU imports */
+    gpu_cleanup();    /* frees what is left of CUDA */
     uv_walk(kvxd.loop, close_walk, NULL);
     uv_run(kvxd.loop, UV_RUN_DEFAULT);
     uv_loop_close(kvxd.loop);

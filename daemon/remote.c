@@ -56,6 +56,7 @@
 
 #include "copy.h"
 #include "daemon.h"
+#include "fault.h"
 #include "log.h"
 #include "map.h"
 #include "peer.h"
@@ -314,6 +315,8 @@ static void piece_run(copy_job_t *job)
 {
     plan_exec_packed(job->plan, job->unit_begin, job->unit_end, job->packed,
                      job->packed_gather);
+    if (fault_hit(job->packed_gather ? FAULT_GATHER : FAULT_SCATTER))
+        job->status = KVX_ERR_IO; /* as a failed GPU kernel reports */
 }
 
 static void job_done(copy_job_t *job)
@@ -1150,8 +1153,20 @@ static void gather_done(slot_t *x, uint32_t k)
     if (x->status && !s->ended) {
         if (x->ahead)
             ahead_drop(s, x); /* not put back by sstream_end(): below */
-        send_end(s->conn, s->dst_id, x->status, "gather failed");
+        char e[128];
+        snprintf(e, sizeof(e), "gather failed: %s", kvx_status_str(x->status));
+        send_end(s->conn, s->dst_id, x->status, e);
         sstream_end(s); /* s stays: x still counts in s->sends */
+        if (!o->ending) {
+            /* the offer ends with the error (not at its backstop lease):
+             * the generation side's END back finds the stream ended */
+            char m[128];
+            snprintf(m, sizeof(m), "gathering for peer daemon %s failed",
+                     peer_conn_address(s->conn));
+            xfer_offer_end(o, KVX_EVENT_ERROR, x->status, m); /* may free o */
+            sslot_release(x);
+            return;
+        }
     }
     if (o->ending && !o->gathers)
         xfer_offer_fenced(o); /* may free o: not used below */
@@ -1397,11 +1412,23 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
     sstream_t *s = map_get(&sstreams, e->stream);
     if (s && s->conn == c && !s->ended) {
         offer_t *o = s->offer;
+        /* every unit is gathered before it is sent, so a receiver that
+         * has them all finds no gather of the stream left: one that says
+         * done earlier is wrong, and the offer ends with an error (its
+         * fence still waits for those gathers) */
+        int early = e->code == 0 && s->gathers;
         sstream_end(s);
         serve_pulls(); /* its slots gathered ahead are free */
         if (!o)
             return;
-        if (e->code == 0) {
+        if (early) {
+            char m[300];
+            snprintf(m, sizeof(m), "peer daemon %s ended stream %llu as "
+                                   "done while it was still being gathered",
+                     peer_conn_address(c), (unsigned long long)e->stream);
+            log_warn("%s", m);
+            xfer_offer_remote_done(o, 0, KVX_ERR_PROTOCOL, m);
+        } else if (e->code == 0) {
             if (++o->streams_done == o->streams_expect)
                 xfer_offer_remote_done(o, 1, 0, "");
         } else {

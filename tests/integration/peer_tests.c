@@ -1652,6 +1652,63 @@ TEST_T(peer_spread_root_ranks_leave, 60)
     p_stop_both(a, b);
 }
 
+/* A copy job that fails between daemons (KVXFERD_FAULT makes a host job
+ * fail as a GPU kernel error would): a failed gather on the context
+ * daemon, then a failed scatter on the generation daemon. Each time both
+ * sides end the request with ERROR at once (the offer too, not at its
+ * backstop lease), the next request moves verified bytes, and every slot
+ * comes back free. A bad KVXFERD_FAULT stops the daemon at start. */
+static void pf_round(const char *fault_a, const char *fault_b,
+                     const char *tag)
+{
+    setenv("KVXFERD_FAULT", fault_a, 1);
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    setenv("KVXFERD_FAULT", fault_b, 1);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    unsetenv("KVXFERD_FAULT");
+    static side_t cs, gs;
+    char ctx[32], gen[32];
+    snprintf(ctx, sizeof(ctx), "pf-ctx-%s", tag);
+    snprintf(gen, sizeof(gen), "pf-gen-%s", tag);
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, ctx, gen, &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {5, 6};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    ev_t eg = wait_event(g.c, 1, KVX_EVENT_ERROR, KVX_ERR_IO, 5000);
+    ev_t ec = wait_event(c.c, 1, KVX_EVENT_ERROR, KVX_ERR_IO, 5000);
+    fprintf(stderr, "%s: generation: %s; context: %s\n", tag, eg.msg, ec.msg);
+    CHECK_STR_CONTAINS(eg.msg, "input/output");
+    kvx_context_params_free(&p);
+    p_one(&c, &g, 2, cb, gb, 2, 7, 5000);
+    p_slots_all_free(a);
+    p_slots_all_free(b);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
+TEST_T(peer_copy_faults, 90)
+{
+    p_setup();
+    pf_round("gather:1", "", "gather");
+    pf_round("", "scatter:1", "scatter");
+    char cmd[512], out[1024] = "";
+    snprintf(cmd, sizeof(cmd),
+             "KVXFERD_FAULT=bogus:1 timeout 10 %s/kvxferd --socket "
+             "/tmp/kvx-pf-%d.sock 2>&1; echo \"exit $?\"",
+             build_dir(), (int)getpid());
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    pclose(f);
+    CHECK_STR_CONTAINS(out, "KVXFERD_FAULT: 'bogus:1' is not SITE:N");
+    CHECK_STR_CONTAINS(out, "exit 2");
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 /* The root daemon's rank 0 joins after the member's rank 1 did. Rank 1's
@@ -1846,7 +1903,7 @@ TEST(peer_config_errors)
         int mode;
         const char *want;
     } secrets[] = {
-        {"0123456789abcdef0123", 0644, "readable by group or others"},
+        {"0123456789abcdef0123", 0644, "gives group or others access"},
         {"short", 0600, "the secret needs 16 to 4096"},
         {NULL, 0600, "holds over 4096 bytes"}, /* 5000 bytes */
     };

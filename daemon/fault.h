@@ -1,0 +1,21 @@
+/*
+ * fault — failures injected on purpose, for tests: the environment
+ * variable KVXFERD_FAULT="SITE:N[,SITE:N...]" makes the Nth event at SITE
+ * fail (that one only). Sites: gather (a copy job gathering into a send
+ * slot for a peer daemon) and scatter (one scattering out of a receive
+ * slot); a host job fails as a GPU kernel error would, with KVX_ERR_IO.
+ * Read once at start; the daemon warns in its log when any is set.
+ */
+#ifndef KVX_FAULT_H
+#define KVX_FAULT_H
+
+#include <stddef.h>
+
+typedef enum { FAULT_GATHER, FAULT_SCATTER, FAULT_NSITES } fault_site_t;
+
+/* Parse $KVXFERD_FAULT. 0, or -1 with why (a bad value names itself). */
+int fault_init(char *why, size_t why_len);
+/* Does this event at site fail? Thread-safe; 0 when nothing is set. */
+int fault_hit(fault_site_t site);
+
+#endif /* KVX_FAULT_H */
