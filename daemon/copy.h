@@ -48,7 +48,7 @@ int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us);
 /* Queue a job (loop thread only). */
 void copy_submit(copy_job_t *job);
 /* Hand a finished job back to the loop; callable from any thread (copy
- * workers, CUDA host functions). */
+ * workers, GPU completion threads). */
 void copy__complete(copy_job_t *job);
 /* Jobs submitted and not yet done. */
 unsigned copy_inflight(void);

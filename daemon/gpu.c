@@ -610,6 +610,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     for (uint32_t i = 0; i < p->nslices; i++)
         cap += p->src[i].num_blocks * 4 + 16 +
                p->src[i].layout->num_layers * 8 + 16;
+    int rc = KVX_ERR_NOMEM; /* or KVX_ERR_IO: a CUDA error */
     struct pack pk = {malloc(cap), 0, cap};
     gpu_part_t *gp = calloc(1, sizeof(*gp));
     gpu_slice_t *sl = calloc(p->nslices ? p->nslices : 1, sizeof(*sl));
@@ -656,6 +657,8 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
         free(off_slo);
         snprintf(why, why_len, "fetch: GPU plan memory: %s",
                  cudaGetErrorString(e));
+        if (e != cudaErrorMemoryAllocation)
+            rc = KVX_ERR_IO;
         goto err_free;
     }
     uint8_t *dm = gp->dmem;
@@ -712,6 +715,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
         cudaFreeAsync(gp->dmem, g.stream[device]);
         snprintf(why, why_len, "fetch: GPU plan upload: %s",
                  cudaGetErrorString(e));
+        rc = KVX_ERR_IO;
         goto err_free;
     }
     free(pk.buf);
@@ -723,7 +727,7 @@ err_free:
     free(pk.buf);
     free(sl);
     free(gp);
-    return KVX_ERR_NOMEM;
+    return rc;
 }
 
 void gpu_part_free(gpu_part_t *gp)
@@ -764,7 +768,7 @@ int gpu_launch(struct copy_job *job, gpu_part_t *gp)
     return 0;
 }
 
-void gpu_cleanup(void)
+void gpu_stop(void)
 {
     if (g.state <= 0)
         return;
@@ -774,7 +778,8 @@ void gpu_cleanup(void)
             wt[d].stop = 1;
             pthread_cond_signal(&wt[d].cv);
             pthread_mutex_unlock(&wt[d].mu);
-            pthread_join(wt[d].th, NULL);
+            pthread_join(wt[d].th, NULL); /* after its queue is empty */
+            wt[d].running = 0;
             while (wt[d].free_items) {
                 struct done_item *it = wt[d].free_items;
                 wt[d].free_items = it->next;
@@ -782,6 +787,13 @@ void gpu_cleanup(void)
                 free(it);
             }
         }
+}
+
+void gpu_cleanup(void)
+{
+    if (g.state <= 0)
+        return;
+    gpu_stop();
     for (int d = 0; d < g.ndev; d++)
         if (g.used[d]) {
             cudaSetDevice(d);

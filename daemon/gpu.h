@@ -7,9 +7,11 @@
  *
  * Owns CUDA contexts (primary, created only on devices that get a pool),
  * imports (one per client allocation, shared by the pools inside it),
- * streams, staging buffers and uploaded plans. Never blocks the loop on
- * the GPU: launches are asynchronous, completion is a host function that
- * only queues the job back (copy__complete()).
+ * streams, staging buffers, and the device memory of uploaded plans (freed
+ * with gpu_part_free() by whoever holds the plan). Never blocks the loop
+ * on the GPU: launches are asynchronous; an event recorded after each is
+ * waited for by the device's completion thread, which only queues the job
+ * back (copy__complete()).
  *
  * Built without CUDA (gpu_none.c), every entry point answers
  * KVX_ERR_UNSUPPORTED with a message that says so.
@@ -74,6 +76,10 @@ void gpu_part_free(gpu_part_t *gp);
  * Returns 0 or KVX_ERR_IO (the job is then not in flight). */
 int gpu_launch(struct copy_job *job, gpu_part_t *gp);
 
+/* At exit, before copy_cleanup(): every launched job's completion has
+ * been handed to the copy engine and the completion threads are gone. */
+void gpu_stop(void);
+/* At exit, after the pools (which drop their imports) are gone. */
 void gpu_cleanup(void);
 
 #endif /* KVX_GPU_H */
