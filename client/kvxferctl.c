@@ -436,6 +436,20 @@ static int load_plan_file(const char *file, plan_side_t *src,
                               "unknown key (expected tokens, skip_tokens)",
                               key);
                 yaml_event_delete(&v);
+            } else if (depth == 2 && cur[1] &&
+                       strcmp((const char *)ev.data.scalar.value, "layers") &&
+                       strcmp((const char *)ev.data.scalar.value,
+                              "kv_heads") &&
+                       strcmp((const char *)ev.data.scalar.value,
+                              "head_dim") &&
+                       strcmp((const char *)ev.data.scalar.value, "dtype") &&
+                       strcmp((const char *)ev.data.scalar.value, "mla")) {
+                /* tp, pp and the like belong to one side, not the model */
+                rc = yerr(file, &ev.start_mark,
+                          "not a model key (expected layers, kv_heads, "
+                          "head_dim, dtype, mla; parallelism goes under "
+                          "context: or generation:)",
+                          (const char *)ev.data.scalar.value);
             } else if (depth == 2) {
                 plan_side_t before = *cur[0];
                 rc = side_key(file, &p, &ev, cur[0]);

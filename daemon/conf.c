@@ -84,7 +84,8 @@ static int check_slots(const kvx_conf_t *conf, char *why, size_t n);
 static const struct conf_key keys[] = {
     {.name = "socket.path", .type = CONF_PATH, FIELD(socket_path),
      .def_str = "/run/kvxfer/kvxferd.sock",
-     .help = "Unix socket the daemon listens on; its directory must exist."},
+     .help = "Unix socket the daemon listens on; a missing directory is "
+             "created (mode 0755) when its parent exists."},
     {.name = "socket.mode", .type = CONF_MODE, FIELD(socket_mode),
      .def = 0660, .min = 0, .max = 0777,
      .help = "Permission bits of the socket file; only peers that can "

@@ -277,7 +277,7 @@ static int read_secret(char *why, size_t why_len)
     ssize_t n = -1;
     if (st.st_mode & 077)
         snprintf(why, why_len,
-                 "peer.secret_file: %s is readable by group or others (mode "
+                 "peer.secret_file: %s gives group or others access (mode "
                  "%03o); chmod 600 it",
                  f, (unsigned)(st.st_mode & 0777));
     else if ((n = read(fd, buf, sizeof(buf))) < 16 || n > SECRET_MAX)

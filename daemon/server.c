@@ -183,13 +183,18 @@ int server_init(void)
         goto err_unlink;
     }
     if (c->socket_group[0]) {
+        /* a name, or else a number (a gid with no name is allowed) */
         struct group *g = getgrnam(c->socket_group);
-        if (!g) {
+        char *end = NULL;
+        unsigned long num = strtoul(c->socket_group, &end, 10);
+        int numeric = *end == 0 && num < (gid_t)-1;
+        gid_t gid = g ? g->gr_gid : (gid_t)num;
+        if (!g && !numeric) {
             log_error("server: socket.group: no group named '%s'",
                       c->socket_group);
             goto err_unlink;
         }
-        if (chown(srv.path, (uid_t)-1, g->gr_gid) < 0) {
+        if (chown(srv.path, (uid_t)-1, gid) < 0) {
             log_error("server: chown %s to group %s: %m", srv.path,
                       c->socket_group);
             goto err_unlink;

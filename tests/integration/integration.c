@@ -2985,6 +2985,82 @@ TEST(peer_cred)
     daemon_stop_ok(d);
 }
 
+/* socket.group by name and by number (a gid with no name included): the
+ * socket file gets that group. */
+TEST(socket_group)
+{
+    if (geteuid() != 0) {
+        printf("socket_group: skipped: needs root to give the socket "
+               "another group\n");
+        return;
+    }
+    struct stat st;
+    daemon_t *d = daemon_start2("  group: \"4321\"\n", NULL);
+    CHECK(stat(d->sock, &st) == 0);
+    CHECK_EQ(st.st_gid, 4321);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+    d = daemon_start2("  group: root\n", NULL);
+    CHECK(stat(d->sock, &st) == 0);
+    CHECK_EQ(st.st_gid, 0);
+    daemon_stop_ok(d);
+}
+
+/* kvxferctl plan: the daemon's planner without a daemon, from options and
+ * from a YAML file; bad files and refused pairs exit 1 naming why. */
+static int ctl_run(const char *args, char *out, size_t cap)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "%s/kvxferctl %s 2>&1", build_dir(), args);
+    fflush(stdout);
+    fflush(stderr);
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    size_t n = fread(out, 1, cap - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+TEST(ctl_plan)
+{
+    char out[8192], args[512], file[128];
+    CHECK_EQ(ctl_run("plan --ctx-tp 4 --gen-tp 2 --heads 8 --layers 32", out,
+                     sizeof(out)),
+             0);
+    CHECK_STR_CONTAINS(out, "generation rank 1: 2 slices, 4 token segments, "
+                            "4194304 bytes");
+    CHECK_STR_CONTAINS(out, "<- context rank 3   layers [0, 32)  heads [6, 8)");
+    CHECK_STR_CONTAINS(out, "total 8388608 bytes");
+    /* refused as the daemon refuses it */
+    CHECK_EQ(ctl_run("plan --ctx-dtype fp8 --gen-dtype bf16", out,
+                     sizeof(out)),
+             1);
+    CHECK_STR_CONTAINS(out, "refused: dtype: context fp8, generation bf16 "
+                            "(MISMATCH)");
+    /* from a file: PP with uneven layers, attention DP, a skipped prefix */
+    snprintf(file, sizeof(file), "/tmp/kvx-it-%d-pair.yaml", (int)getpid());
+    write_file(file, "model:\n  layers: 32\n  kv_heads: 8\n  head_dim: 128\n"
+                     "  dtype: bf16\ncontext:\n  tp: 2\n  pp: 2\n"
+                     "  layers_per_pp: [20, 12]\n  tokens_per_block: 32\n"
+                     "generation:\n  tp: 4\n  attention_dp: 2\n"
+                     "  tokens_per_block: 16\nrequest:\n  tokens: 1000\n"
+                     "  skip_tokens: 200\n");
+    snprintf(args, sizeof(args), "plan --from %s", file);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "request:    tokens [200, 1000)");
+    CHECK_STR_CONTAINS(out, "<- context rank 2   layers [20, 32)  heads [0, 4)");
+    CHECK_STR_CONTAINS(out, "total 104857600 bytes");
+    /* an unknown key, and a side's key under model: file:line:column */
+    write_file(file, "model:\n  layers: 32\ncontext:\n  tp: 2\n  heads: 8\n");
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "pair.yaml:5:3: heads: unknown key");
+    write_file(file, "model:\n  layers: 32\n  tp: 4\n");
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "pair.yaml:3:3: tp: not a model key");
+    unlink(file);
+}
+
 /* ---- more: roles, limits, polls, registration ---------------------------- */
 
 /* An instance with role "both" moves KV to itself and cancels a request
