@@ -12,6 +12,7 @@
 #include <stdarg.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,9 @@
 #include "internal.h"
 
 #define REPLY_MAX (1u << 30)
+/* the most limits.max_frame_bytes can be: a larger request could never
+ * be taken (and past 4 GiB its length would not fit the frame header) */
+#define REQUEST_MAX (1u << 30)
 
 struct host_pool {
     uint32_t id;
@@ -181,6 +185,11 @@ static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
     int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
     rq->id = ++c->next_id;
     size_t n = kvxfer__request__get_packed_size(rq);
+    if (n > REQUEST_MAX)
+        return fail(c, KVX_ERR_LIMIT,
+                    "request of %zu bytes: larger than the %u bytes a "
+                    "frame may hold",
+                    n, REQUEST_MAX);
     uint8_t *buf = malloc(n + FRAME_HDR);
     if (!buf)
         return fail(c, KVX_ERR_NOMEM, "out of memory");
@@ -196,7 +205,10 @@ static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
         return rc;
     }
     if (r->status) {
-        rc = r->status < KVX_ERR_LAST ? KVX_ERR_PROTOCOL : r->status;
+        /* a code this library does not know (or positive) is the
+         * daemon breaking the protocol */
+        rc = r->status < KVX_ERR_LAST || r->status > 0 ? KVX_ERR_PROTOCOL
+                                                        : r->status;
         snprintf(c->err, sizeof(c->err), "%s", r->message);
         kvxfer__reply__free_unpacked(r, NULL);
         if (rc == KVX_ERR_PROTOCOL)
@@ -222,14 +234,22 @@ static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
     c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (c->fd < 0)
         return fail(c, KVX_ERR_IO, "socket: %s", strerror(errno));
-    if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-        if (errno != EINPROGRESS && errno != EAGAIN)
+    /* A Unix socket connects at once or not at all: EAGAIN means the
+     * daemon's listen backlog is full (its loop is busy or stopped), and
+     * the socket is left unconnected. Ask again until the deadline. */
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    while (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN)
             return fail(c, KVX_ERR_IO, "connect %s: %s", path,
                         strerror(errno));
-        int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
-        int rc = wait_fd(c->fd, POLLOUT, deadline);
-        if (rc)
-            return fail(c, rc, "connect %s: timed out", path);
+        if (deadline >= 0 && now_ms() >= deadline)
+            return fail(c, KVX_ERR_TIMEOUT,
+                        "connect %s: timed out (the daemon accepts no more "
+                        "connections: its backlog is full)",
+                        path);
+        usleep(2000);
     }
     return 0;
 }
@@ -246,15 +266,21 @@ static kvx_client_t *client_new(void)
 
 int kvx_hello(kvx_client_t *c, const kvx_hello_t *h, int timeout_ms)
 {
-    if (!c || !h || !h->instance_id)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!h || !h->instance_id)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
     pc.tp = h->parallel.tp;
     pc.pp = h->parallel.pp;
     pc.cp = h->parallel.cp;
     pc.total_layers = h->parallel.total_layers;
     pc.total_kv_heads = h->parallel.total_kv_heads;
-    pc.n_layers_per_pp = h->parallel.num_layers_per_pp;
+    /* NULL means an even split, whatever the count says */
+    pc.n_layers_per_pp =
+        h->parallel.layers_per_pp ? h->parallel.num_layers_per_pp : 0;
     pc.layers_per_pp = (uint32_t *)h->parallel.layers_per_pp;
     pc.attention_dp = h->parallel.attention_dp;
     Kvxfer__Hello m = KVXFER__HELLO__INIT;
@@ -343,8 +369,12 @@ int kvxfer_daemon_address(const kvx_client_t *c, char *buf, size_t len)
 int kvx_join(kvx_client_t *c, const char *const *addr, uint32_t n,
              int timeout_ms)
 {
-    if (!c || !addr)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!addr)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     Kvxfer__Join m = KVXFER__JOIN__INIT;
     m.n_rank_addresses = n;
     m.rank_addresses = (char **)addr;
@@ -379,8 +409,12 @@ int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
                          uint64_t size, void **base, uint32_t *pool_id,
                          int timeout_ms)
 {
-    if (!c || !l || !base || !pool_id || !size)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!l || !base || !pool_id || !size)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     struct host_pool *hp = calloc(1, sizeof(*hp));
     if (!hp)
         return fail(c, KVX_ERR_NOMEM, "out of memory");
@@ -491,16 +525,25 @@ static struct {
     cu_result (*ipc_get)(cu_ipc_handle *, cu_ptr);
 } cu;
 
+/* Once per process, whatever thread asks first (clients of several
+ * threads may register GPU pools at once). */
+static void cu_load_once(void);
+static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
+
 static int cu_load(void)
 {
-    if (cu.loaded)
-        return cu.loaded > 0 ? 0 : -1;
+    pthread_once(&cu_once, cu_load_once);
+    return cu.loaded > 0 ? 0 : -1;
+}
+
+static void cu_load_once(void)
+{
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (!h)
         h = dlopen("libcuda.so.1", RTLD_NOW);
     if (!h) {
         cu.loaded = -1;
-        return -1;
+        return;
     }
     cu.ptr_attr = (cu_result(*)(void *, int, cu_ptr))dlsym(h, "cuPointerGetAttribute");
     cu.dev_get = (cu_result(*)(int *, int))dlsym(h, "cuDeviceGet");
@@ -514,15 +557,18 @@ static int cu_load(void)
     cu.ipc_get = (cu_result(*)(cu_ipc_handle *, cu_ptr))dlsym(h, "cuIpcGetMemHandle");
     cu.loaded = cu.ptr_attr && cu.dev_get && cu.dev_uuid && cu.addr_range &&
                 cu.ipc_get ? 1 : -1;
-    return cu.loaded > 0 ? 0 : -1;
 }
 
 int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
                           void *dev_ptr, uint64_t size, uint32_t *pool_id,
                           int timeout_ms)
 {
-    if (!c || !l || !dev_ptr || !size || !pool_id)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!l || !dev_ptr || !size || !pool_id)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     if (cu_load())
         return fail(c, KVX_ERR_UNSUPPORTED,
                     "GPU pool: cannot load libcuda.so.1 (no CUDA driver)");
@@ -540,7 +586,7 @@ int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
     if ((r = cu.addr_range(&base, &asize, p)))
         return fail(c, KVX_ERR_INVALID,
                     "GPU pool: cuMemGetAddressRange failed (CUresult %d)", r);
-    if (p - base + size > asize)
+    if (p < base || size > asize || p - base > asize - size)
         return fail(c, KVX_ERR_INVALID,
                     "GPU pool: %llu bytes at offset %llu overrun the "
                     "allocation of %zu bytes",
@@ -566,6 +612,8 @@ int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
         cu.retain(&h, (void *)(uintptr_t)base) == 0) {
         r = cu.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
         cu.release(h);
+        if (!r && fd >= 0) /* not into a child another thread execs */
+            fcntl(fd, F_SETFD, FD_CLOEXEC);
         if (r)
             return fail(c, KVX_ERR_UNSUPPORTED,
                         "GPU pool: VMM allocation not exportable as a POSIX "
@@ -608,8 +656,12 @@ int kvx_publish(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
                 const uint32_t *blocks, uint32_t nblocks, uint32_t num_tokens,
                 kvx_context_params_t *params, int timeout_ms)
 {
-    if (!c || (!blocks && nblocks) || !params)
+    if (!c)
         return KVX_ERR_INVALID;
+    if ((!blocks && nblocks) || !params)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
     m.request_id = request_id;
     m.pool_id = pool_id;
@@ -651,8 +703,12 @@ int kvx_fetch_dp(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
                  uint32_t nblocks, uint32_t skip_tokens, uint32_t dp_rank,
                  int timeout_ms)
 {
-    if (!c || (!blocks && nblocks) || (!params && params_len))
+    if (!c)
         return KVX_ERR_INVALID;
+    if ((!blocks && nblocks) || (!params && params_len))
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     Kvxfer__Fetch m = KVXFER__FETCH__INIT;
     m.request_id = request_id;
     m.context_params.data = (uint8_t *)params;
@@ -671,8 +727,12 @@ int kvx_fetch_dp(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
 int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
              kvx_batch_t **out)
 {
-    if (!c || !out)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!out)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     Kvxfer__Poll m = KVXFER__POLL__INIT;
     m.at_least = at_least;
     m.timeout_ms = poll_timeout_ms;
@@ -918,8 +978,12 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
 
 int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
 {
-    if (!c || !out)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!out)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     Kvxfer__StatusRequest m = KVXFER__STATUS_REQUEST__INIT;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_STATUS;
@@ -938,8 +1002,12 @@ int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
 
 int kvx__requests_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
 {
-    if (!c || !out)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!out)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL or 0",
+                    __func__);
     Kvxfer__ListRequests m = KVXFER__LIST_REQUESTS__INIT;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;

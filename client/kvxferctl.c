@@ -343,18 +343,22 @@ static int side_key(const char *file, yaml_parser_t *p, yaml_event_t *kev,
         rc = set_u32(file, &v, key, &s->total_heads);
     } else if (!strcmp(key, "dtype")) {
         kvx_dtype_t dt;
-        if (kvx_dtype_parse((const char *)v.data.scalar.value, &dt))
+        if (kvx_dtype_parse((const char *)v.data.scalar.value, &dt)) {
             rc = yerr(file, &v.start_mark,
                       "unknown dtype (expected fp32, fp16, bf16, fp8, int8)",
                       key);
-        s->dtype = dt;
-        s->elem_size = kvx_dtype_size(dt);
+        } else {
+            s->dtype = dt;
+            s->elem_size = kvx_dtype_size(dt);
+        }
     } else if (!strcmp(key, "mla")) {
         const char *b = (const char *)v.data.scalar.value;
         if (!strcmp(b, "true")) {
             s->kv_factor = 1;
             s->total_heads = 1;
-        } else if (strcmp(b, "false")) {
+        } else if (!strcmp(b, "false")) {
+            s->kv_factor = 2; /* K and V again; kv_heads says how many */
+        } else {
             rc = yerr(file, &v.start_mark, "expected true or false", key);
         }
     } else {
@@ -436,6 +440,10 @@ static int load_plan_file(const char *file, plan_side_t *src,
                               "unknown key (expected tokens, skip_tokens)",
                               key);
                 yaml_event_delete(&v);
+            } else if (depth == 2 && !cur[0]) {
+                /* a key that is not a scalar at the top (a complex key) */
+                rc = yerr(file, &ev.start_mark,
+                          "expected section: key: value", "yaml");
             } else if (depth == 2 && cur[1] &&
                        strcmp((const char *)ev.data.scalar.value, "layers") &&
                        strcmp((const char *)ev.data.scalar.value,
@@ -451,18 +459,25 @@ static int load_plan_file(const char *file, plan_side_t *src,
                           "context: or generation:)",
                           (const char *)ev.data.scalar.value);
             } else if (depth == 2) {
-                plan_side_t before = *cur[0];
+                char key[32];
+                snprintf(key, sizeof(key), "%s",
+                         (const char *)ev.data.scalar.value);
                 rc = side_key(file, &p, &ev, cur[0]);
                 if (!rc && cur[1]) {
-                    /* a model key applies to both sides: copy the fields
-                     * it changed, wherever the sections stand */
+                    /* a model key applies to both sides: the fields it
+                     * names, whatever either side held before */
                     plan_side_t *a = cur[0], *o = cur[1];
-#define SAME(f)                                                             \
-    if (a->f != before.f)                                                   \
-        o->f = a->f;
-                    SAME(total_layers) SAME(total_heads) SAME(head_dim)
-                    SAME(dtype) SAME(elem_size) SAME(kv_factor)
-#undef SAME
+                    if (!strcmp(key, "layers"))
+                        o->total_layers = a->total_layers;
+                    else if (!strcmp(key, "kv_heads"))
+                        o->total_heads = a->total_heads;
+                    else if (!strcmp(key, "head_dim"))
+                        o->head_dim = a->head_dim;
+                    else if (!strcmp(key, "dtype"))
+                        o->dtype = a->dtype, o->elem_size = a->elem_size;
+                    else if (!strcmp(key, "mla"))
+                        o->kv_factor = a->kv_factor,
+                        o->total_heads = a->total_heads;
                 }
             } else {
                 rc = yerr(file, &ev.start_mark,

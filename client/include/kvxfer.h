@@ -151,7 +151,9 @@ typedef struct {
 } kvx_hello_t;
 
 /* Connect to the daemon at socket_path (NULL = KVX_DEFAULT_SOCKET) and say
- * hello. On success *out is a new client; free it with kvx_close(). */
+ * hello. On success *out is a new client; free it with kvx_close(). While
+ * the daemon's listen backlog is full (its loop busy or stopped) the
+ * connect is tried again until timeout_ms, then KVX_ERR_TIMEOUT. */
 int kvx_connect(const char *socket_path, const kvx_hello_t *hello,
                 int timeout_ms, kvx_client_t **out);
 void kvx_close(kvx_client_t *client);

@@ -2438,6 +2438,52 @@ TEST(bad_frames)
     daemon_stop_ok(d);
 }
 
+/* The daemon's listen backlog full (its loop stopped, 600 connections
+ * queued): kvx_connect_observer() waits out its timeout and says TIMEOUT
+ * naming the backlog, instead of success on a socket that never
+ * connected; once the daemon runs again, connecting works. */
+TEST(connect_backlog_full)
+{
+    daemon_t *d = daemon_start(NULL);
+    CHECK(kill(d->pid, SIGSTOP) == 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    memcpy(sa.sun_path, d->sock, strlen(d->sock) + 1);
+    enum { MAXQ = 600 };
+    static int q[MAXQ];
+    int nq = 0, full = 0;
+    while (nq < MAXQ) {
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                        0);
+        CHECK(fd >= 0);
+        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+            CHECK_EQ(errno, EAGAIN);
+            close(fd);
+            full = 1;
+            break;
+        }
+        q[nq++] = fd;
+    }
+    fprintf(stderr, "backlog full after %d connections\n", nq);
+    CHECK(full);
+    kvx_client_t *c = NULL;
+    int64_t t0 = now_ms();
+    int rc = kvx_connect_observer(d->sock, 300, &c);
+    int64_t took = now_ms() - t0;
+    CHECK_EQ(rc, KVX_ERR_TIMEOUT);
+    CHECK(c == NULL);
+    CHECK(took >= 250);
+    for (int i = 0; i < nq; i++)
+        close(q[i]);
+    CHECK(kill(d->pid, SIGCONT) == 0);
+    CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &c), NULL);
+    char *json;
+    CHECK_KVX(kvx_status_json(c, &json, T_MS), c);
+    free(json);
+    kvx_close(c);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
 TEST(bad_version)
 {
     daemon_t *d = daemon_start(NULL);
@@ -2478,6 +2524,23 @@ TEST(bad_requests)
     uint32_t ok2[2] = {0, 1};
 
     /* unknown pool */
+    /* a NULL argument, refused by the library: its own message, not the
+     * last call's */
+    CHECK_FAILS(kvx_publish(c.c, 1, c.pool, ok2, 2, 8, NULL, T_MS), c.c,
+                KVX_ERR_INVALID, "kvx_publish: a required argument");
+    /* layers_per_pp NULL with a count: an even split (it crashed the
+     * library) */
+    kvx_hello_t hl = {.instance_id = "br-lpp",
+                      .role = KVX_ROLE_CONTEXT,
+                      .parallel = {.tp = 1,
+                                   .pp = 2,
+                                   .cp = 1,
+                                   .total_layers = 4,
+                                   .total_kv_heads = 4,
+                                   .num_layers_per_pp = 2}};
+    kvx_client_t *cl = NULL;
+    CHECK_KVX(kvx_connect(d->sock, &hl, T_MS, &cl), cl);
+    kvx_close(cl);
     CHECK_FAILS(kvx_publish(c.c, 1, 9999, ok2, 2, 8, &p, T_MS), c.c,
                 KVX_ERR_NOT_FOUND, "publish.pool_id");
     /* block id outside the pool, duplicate block id */
@@ -3058,6 +3121,15 @@ TEST(ctl_plan)
     write_file(file, "model:\n  layers: 32\n  tp: 4\n");
     CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
     CHECK_STR_CONTAINS(out, "pair.yaml:3:3: tp: not a model key");
+    /* a complex key at the top: an error, not a crash */
+    write_file(file, "? {tp: 1}\n: 1\n");
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "expected section: key: value");
+    /* a model key sets both sides, whatever a side said before */
+    write_file(file, "generation:\n  head_dim: 64\nmodel:\n"
+                     "  head_dim: 128\n");
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "total 8388608 bytes");
     unlink(file);
 }
 
