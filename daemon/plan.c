@@ -89,6 +89,27 @@ int plan_side_check(const plan_side_t *s, char *why, size_t why_len)
     return 0;
 }
 
+int plan_side_layout_check(const plan_side_t *s, char *why, size_t why_len)
+{
+    if (s->tokens_per_block < 1 || s->tokens_per_block > 65536)
+        WHY(KVX_ERR_INVALID,
+            "layout.tokens_per_block: %u out of range (expected 1..65536)",
+            s->tokens_per_block);
+    if (s->head_dim < 1 || s->head_dim > 65536)
+        WHY(KVX_ERR_INVALID,
+            "layout.head_dim: %u out of range (expected 1..65536)",
+            s->head_dim);
+    if (s->elem_size != 1 && s->elem_size != 2 && s->elem_size != 4 &&
+        s->elem_size != 8)
+        WHY(KVX_ERR_INVALID,
+            "layout.elem_size: %u invalid (expected 1, 2, 4 or 8)",
+            s->elem_size);
+    if (s->kv_factor < 1 || s->kv_factor > 2)
+        WHY(KVX_ERR_INVALID, "layout.kv_factor: %u (expected 1 or 2)",
+            s->kv_factor);
+    return 0;
+}
+
 uint32_t plan_dp_view(const plan_side_t *s, uint32_t rank, plan_side_t *eff,
                       uint32_t *eff_rank)
 {
@@ -136,6 +157,8 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
     int rc;
     if ((rc = plan_side_check(src, why, why_len)) ||
         (rc = plan_side_check(dst, why, why_len)) ||
+        (rc = plan_side_layout_check(src, why, why_len)) ||
+        (rc = plan_side_layout_check(dst, why, why_len)) ||
         (rc = plan_compat(src, dst, why, why_len)))
         return rc;
     if (dst_rank >= plan_side_ranks(dst))

@@ -78,6 +78,11 @@ uint32_t plan_tp_heads(const plan_side_t *s, uint32_t t, uint32_t *first);
  * Returns 0 or KVX_ERR_INVALID / KVX_ERR_UNSUPPORTED with why. */
 int plan_side_check(const plan_side_t *s, char *why, size_t why_len);
 
+/* Are s's layout fields (tokens_per_block, head_dim, elem_size,
+ * kv_factor) in range? They come from params and peers, not only from
+ * checked pools. 0, or KVX_ERR_INVALID naming the field. */
+int plan_side_layout_check(const plan_side_t *s, char *why, size_t why_len);
+
 /* A rank of a side with attention DP, seen as a rank of the plain side
  * the plan works on: *eff is the side with tp/attention_dp ranks per
  * group, *eff_rank the rank inside its group, return value the group. */

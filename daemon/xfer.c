@@ -254,7 +254,8 @@ int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
     s->elem_size = l->elem_size;
     s->dtype = l->dtype;
     s->tokens_per_block = l->tokens_per_block;
-    return plan_side_check(s, why, why_len);
+    int rc = plan_side_check(s, why, why_len);
+    return rc ? rc : plan_side_layout_check(s, why, why_len);
 }
 
 static int params_build(offer_t *o, const kvx_layout_t *l)
@@ -412,10 +413,11 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
         if (l->tokens_per_block != o->side.tokens_per_block ||
             l->head_dim != o->side.head_dim ||
             l->dtype != o->side.dtype || l->kv_factor != o->side.kv_factor ||
+            l->elem_size != o->side.elem_size ||
             strcmp(l->preset, o->preset))
             WHY(KVX_ERR_MISMATCH,
                 "publish.pool_id: layout (preset, tokens_per_block, head_dim, "
-                "dtype or kv_factor) differs from another rank's");
+                "dtype, elem_size or kv_factor) differs from another rank's");
     }
     offer_part_t *part = &o->parts[rank];
     if (o->consumed) {
@@ -679,6 +681,13 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
                            "max_requests)",
             nrequests);
     }
+    /* before planning: forged params could ask for billions of tokens
+     * (the plan's segments); the blocks given bound what can land */
+    if ((uint64_t)nblocks * dst.tokens_per_block < cp->num_tokens)
+        WHY(KVX_ERR_INVALID,
+            "fetch.blocks: %u blocks of %u tokens cannot hold the offer's "
+            "%u tokens",
+            nblocks, dst.tokens_per_block, cp->num_tokens);
     plan_t *plan;
     if ((rc = plan_build(&src, &dst, eff_rank, cp->num_tokens, skip, &plan,
                          why, why_len)))

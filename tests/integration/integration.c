@@ -2484,6 +2484,49 @@ TEST(connect_backlog_full)
     daemon_stop_ok(d);
 }
 
+/* Two context ranks of one request whose pools hold the same shape in
+ * different element sizes (dtype unspecified): the second publish is
+ * refused, naming elem_size. (Accepted, a fetch copied the wider rows
+ * out of the narrower pool, past its end.) */
+TEST(publish_elem_size_mismatch)
+{
+    daemon_t *d = daemon_start(NULL);
+    static const side_t cs = {.inst = "es-ctx",
+                              .role = KVX_ROLE_CONTEXT,
+                              .tp = 2,
+                              .pp = 1,
+                              .preset = "vllm-nhd",
+                              .tpb = 4};
+    rank_t r[2];
+    for (uint32_t i = 0; i < 2; i++)
+        rank_hello_only(d, &M_SMALL, &cs, i, &r[i]);
+    for (uint32_t i = 0; i < 2; i++)
+        rank_join(&r[i]);
+    void *base[2];
+    uint32_t pool[2];
+    for (uint32_t i = 0; i < 2; i++) {
+        kvx_layout_t l;
+        CHECK_EQ(kvx_layout_preset("vllm-nhd", r[i].nlayers, 2, r[i].nheads,
+                                   32, i ? KVX_DTYPE_FP32 : KVX_DTYPE_BF16, 4,
+                                   8, &l),
+                 0);
+        l.dtype = KVX_DTYPE_UNSPECIFIED; /* elem_size 2, then 4 */
+        CHECK_KVX(kvx_pool_create_host(r[i].c, &l, kvx_layout_span(&l),
+                                       &base[i], &pool[i], T_MS),
+                  r[i].c);
+    }
+    uint32_t b[2] = {0, 1};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(r[0].c, 3, pool[0], b, 2, 7, &p, T_MS), r[0].c);
+    kvx_context_params_free(&p);
+    CHECK_FAILS(kvx_publish(r[1].c, 3, pool[1], b, 2, 7, &p, T_MS), r[1].c,
+                KVX_ERR_MISMATCH, "elem_size");
+    for (uint32_t i = 0; i < 2; i++)
+        rank_close(&r[i]);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
 TEST(bad_version)
 {
     daemon_t *d = daemon_start(NULL);

@@ -1709,6 +1709,60 @@ TEST_T(peer_copy_faults, 90)
     CHECK_STR_CONTAINS(out, "exit 2");
 }
 
+/* Params an engine forged, fetched between daemons: a layout with 0
+ * tokens a block (it divided by zero in the planner and killed the
+ * daemon) and billions of tokens (it planned them before looking at the
+ * blocks). Each is refused at once naming the field; the daemon stays
+ * healthy and the genuine params still complete. */
+static void pp_forge(const kvx_context_params_t *p, uint32_t tpb,
+                     uint32_t ntok, uint8_t *out, size_t *len)
+{
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p->len, p->data);
+    CHECK(cp != NULL && cp->layout);
+    if (tpb != UINT32_MAX)
+        cp->layout->tokens_per_block = tpb;
+    if (ntok)
+        cp->num_tokens = ntok;
+    *len = kvxfer__context_params__get_packed_size(cp);
+    CHECK(*len <= 4096);
+    kvxfer__context_params__pack(cp, out);
+    kvxfer__context_params__free_unpacked(cp, NULL);
+}
+
+TEST_T(peer_forged_params, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "fp-ctx", "fp-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    uint8_t f[4096];
+    size_t fl;
+    pp_forge(&p, 0, 0, f, &fl);
+    CHECK_FAILS(kvx_fetch(g.c, 1, f, fl, g.pool, gb, 2, 0, T_MS), g.c,
+                KVX_ERR_INVALID, "layout.tokens_per_block: 0 out of range");
+    pp_forge(&p, 1, 3500000000u, f, &fl);
+    int64_t t0 = now_ms();
+    CHECK_FAILS(kvx_fetch(g.c, 1, f, fl, g.pool, gb, 2, 0, T_MS), g.c,
+                KVX_ERR_INVALID, "fetch.blocks: 2 blocks of 4 tokens");
+    CHECK(now_ms() - t0 < 1000);
+    daemon_healthy(b);
+    /* the genuine params still work */
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 /* The root daemon's rank 0 joins after the member's rank 1 did. Rank 1's
