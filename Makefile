@@ -128,9 +128,14 @@ $(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h $(DAEMON_OBJ) $(BUILD)/l
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
-$(ITEST): tests/integration/integration.c tests/integration/peer_tests.c tests/test.h $(BUILD)/libkvxfer.a
+$(ITEST): tests/integration/integration.c tests/integration/peer_tests.c tests/test.h $(BUILD)/libkvxfer.a $(BUILD)/tests/fake_peer
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
+
+# a daemon without the cluster secret, for the peer tests (UCX)
+$(BUILD)/tests/fake_peer: tests/integration/fake_peer.c $(PB_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $< $(PB_OBJ) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS)
 
 test: deps
 	@$(MAKE) --no-print-directory all $(UNIT_TESTS) $(ITEST)

@@ -40,7 +40,7 @@
 #include "log.h"
 #include "peer.h"
 
-#define PEER_VERSION 1
+#define PEER_VERSION 2 /* 2: the MACs bind both daemons' addresses */
 #define NONCE_LEN 32
 #define MAC_LEN 32
 #define SECRET_MAX 4096
@@ -63,6 +63,8 @@ struct peer_conn {
     enum conn_state state;
     char address[192];          /* the peer's; for incoming: after HELLO */
     uint8_t nonce_c[NONCE_LEN], nonce_s[NONCE_LEN];
+    char server_addr[192];      /* outgoing: the address that answered */
+    int server_ok;              /* outgoing: its CHALLENGE MAC checked */
     uint64_t created_ms, last_seen_ms, last_ping_ms;
     uint64_t bytes_sent, bytes_received, errors;
     uint32_t outstanding;       /* UCX requests not yet back */
@@ -197,17 +199,41 @@ static void on_prepare(uv_prepare_t *h)
 
 static uint64_t now_ms(void) { return kvxd_now_ms(); }
 
+/* The handshake's MACs: HMAC-SHA256(secret, label | nonce_c | nonce_s |
+ * server address | "\n" | client address). Binding both daemons'
+ * addresses means a MAC made for one pair of daemons proves nothing for
+ * another: a man in the middle cannot relay one daemon's handshake into
+ * another connection. */
 static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
+                 const char *server, const char *client,
                  uint8_t out[MAC_LEN])
 {
-    uint8_t msg[8 + 2 * NONCE_LEN];
-    size_t l = strlen(label);
+    uint8_t msg[8 + 2 * NONCE_LEN + 2 * 192 + 1];
+    size_t l = strlen(label), ls = strnlen(server, 191),
+           lc = strnlen(client, 191), n = 0;
     memcpy(msg, label, l);
-    memcpy(msg + l, nc, NONCE_LEN);
-    memcpy(msg + l + NONCE_LEN, ns, NONCE_LEN);
-    unsigned n = MAC_LEN;
-    HMAC(EVP_sha256(), P.secret, (int)P.secret_len, msg, l + 2 * NONCE_LEN,
-         out, &n);
+    n += l;
+    memcpy(msg + n, nc, NONCE_LEN);
+    n += NONCE_LEN;
+    memcpy(msg + n, ns, NONCE_LEN);
+    n += NONCE_LEN;
+    memcpy(msg + n, server, ls);
+    n += ls;
+    msg[n++] = '\n';
+    memcpy(msg + n, client, lc);
+    n += lc;
+    unsigned len = MAC_LEN;
+    HMAC(EVP_sha256(), P.secret, (int)P.secret_len, msg, n, out, &len);
+}
+
+/* "kvx://IP:PORT/id": the IP:PORT part of a and b are the same (the id
+ * changes when a daemon restarts; where it listens does not). */
+static int same_listener(const char *a, const char *b)
+{
+    const char *ea = strrchr(a, '/'), *eb = strrchr(b, '/');
+    if (!ea || !eb || ea - a != eb - b)
+        return 0;
+    return !strncmp(a, b, (size_t)(ea - a));
 }
 
 static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
@@ -626,7 +652,10 @@ static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
         c->outstanding--;
     }
     c->dq_tail = NULL;
-    remote_on_conn_lost(c, code, msg);
+    /* an incoming connection that never authenticated carries nothing,
+     * and the address it claimed is unproven: it ends no transfer */
+    if (was_ready || c->outgoing)
+        remote_on_conn_lost(c, code, msg);
     /* the endpoint is closed from the tick, never from inside a UCX
      * callback (UCX may still be failing it there) */
 }
@@ -817,7 +846,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         }
         c->nonce_s[0] |= 1; /* marks "challenge sent" */
         Kvxfer__PeerChallenge ch = KVXFER__PEER_CHALLENGE__INIT;
-        hmac("kvx-s", c->nonce_c, c->nonce_s, mac);
+        hmac("kvx-s", c->nonce_c, c->nonce_s, kvxd.address, c->address, mac);
         ch.address = kvxd.address;
         ch.nonce.data = c->nonce_s;
         ch.nonce.len = NONCE_LEN;
@@ -834,17 +863,32 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             ch->mac.len != MAC_LEN)
             break;
         memcpy(c->nonce_s, ch->nonce.data, NONCE_LEN);
-        hmac("kvx-s", c->nonce_c, c->nonce_s, mac);
-        int bad = !ct_equal(mac, ch->mac.data, MAC_LEN);
-        /* answer either way, so the peer learns (and logs) it too */
+        /* the server MACs its own address: it must listen where we
+         * dialled (its id may be new: a restart) */
+        const char *sa = ch->address ? ch->address : "";
+        snprintf(c->server_addr, sizeof(c->server_addr), "%s", sa);
+        int elsewhere = !same_listener(sa, c->address);
+        hmac("kvx-s", c->nonce_c, c->nonce_s, sa, kvxd.address, mac);
+        int bad = elsewhere || !ct_equal(mac, ch->mac.data, MAC_LEN);
+        /* answer either way, so the peer learns (and logs) it too; but a
+         * valid MAC only to a server that proved itself, or it could be
+         * relayed */
         Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
-        uint8_t mac_c[MAC_LEN];
-        hmac("kvx-c", c->nonce_c, c->nonce_s, mac_c);
+        uint8_t mac_c[MAC_LEN] = {0};
+        if (!bad)
+            hmac("kvx-c", c->nonce_c, c->nonce_s, sa, kvxd.address, mac_c);
         r.mac.data = mac_c;
         r.mac.len = MAC_LEN;
         out.m_case = KVXFER__PEER_MSG__M_RESPONSE;
         out.response = &r;
         send_now(c, &out);
+        if (elsewhere) {
+            conn_fail(c, KVX_ERR_AUTH,
+                      "authentication failed: %s answered as '%.191s', "
+                      "which does not listen there",
+                      c->address, sa);
+            return;
+        }
         if (bad) {
             conn_fail(c, KVX_ERR_AUTH,
                       "authentication failed: daemon %s does not know the "
@@ -852,15 +896,16 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
                       c->address);
             return;
         }
-        if (ch->address && strcmp(ch->address, c->address))
-            log_warn("peer %s: answers as %s (restarted?)", c->address,
-                     ch->address);
+        c->server_ok = 1;
+        if (strcmp(sa, c->address))
+            log_warn("peer %s: answers as %s (restarted?)", c->address, sa);
         return;
     }
     case KVXFER__PEER_MSG__M_RESPONSE: { /* server: check the client */
         if (c->outgoing || !c->nonce_s[0] || m->response->mac.len != MAC_LEN)
             break;
-        hmac("kvx-c", c->nonce_c, c->nonce_s, mac);
+        hmac("kvx-c", c->nonce_c, c->nonce_s, kvxd.address, c->address,
+             mac);
         if (!ct_equal(mac, m->response->mac.data, MAC_LEN)) {
             auth_refuse(c, "wrong cluster secret");
             return;
@@ -870,13 +915,20 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         out.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
         out.auth_result = &r;
         send_now(c, &out);
-        conn_ready(c);
+        if (c->state != CONN_LOST) /* the send may have failed it */
+            conn_ready(c);
         return;
     }
     case KVXFER__PEER_MSG__M_AUTH_RESULT: /* client: the verdict */
         if (!c->outgoing)
             break;
-        if (m->auth_result->code == 0) {
+        if (m->auth_result->code == 0 && !c->server_ok) {
+            /* accepted by a server that never proved the secret */
+            conn_fail(c, KVX_ERR_AUTH,
+                      "authentication failed: %s accepted us without "
+                      "proving the cluster secret",
+                      c->address);
+        } else if (m->auth_result->code == 0) {
             conn_ready(c);
         } else {
             conn_fail(c, KVX_ERR_AUTH, "authentication failed: %s",

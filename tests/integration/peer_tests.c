@@ -1763,6 +1763,148 @@ TEST_T(peer_forged_params, 60)
     p_stop_both(a, b);
 }
 
+/* A daemon without the secret (build/tests/fake_peer) tries the
+ * handshake's shortcuts; none gets in and nothing is harmed:
+ *  1. skip: B dials it (params naming it as the context rank) and it
+ *     answers HELLO with AUTH_RESULT{0}, no CHALLENGE: B refuses it, the
+ *     fetch ends ERROR AUTH, and no OPEN (with the token) reaches it;
+ *  2. relay: B dials it and it relays B's handshake to A: B sees that
+ *     the answer comes from A's address, not the one it dialled, and
+ *     gives no MAC; A does not accept the relay;
+ *  3. claim: it connects to A claiming to be B and fails its handshake:
+ *     A ends nothing of B's (a spread instance's request still needs and
+ *     gets B's rank). */
+static FILE *p_fake(int side, const char *args, char *addr, size_t alen)
+{
+    char cmd[600];
+    if (p_net.netns)
+        snprintf(cmd, sizeof(cmd), "ip netns exec %s %s/tests/fake_peer %s",
+                 p_net.ns[side], build_dir(), args);
+    else
+        snprintf(cmd, sizeof(cmd), "%s/tests/fake_peer %s", build_dir(),
+                 args);
+    fflush(stdout);
+    fflush(stderr);
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    if (addr) {
+        CHECK(fgets(addr, (int)alen, f) != NULL);
+        addr[strcspn(addr, "\n")] = 0;
+        CHECK(!strncmp(addr, "kvx://", 6));
+    }
+    return f;
+}
+
+/* The rest of the fake's output, once it exits. */
+static void p_fake_rest(FILE *f, char *out, size_t cap)
+{
+    size_t n = fread(out, 1, cap - 1, f);
+    out[n] = 0;
+    pclose(f);
+}
+
+/* params p with context rank 0's daemon replaced by addr */
+static void p_params_at(const kvx_context_params_t *p, const char *addr,
+                        uint8_t *out, size_t *len)
+{
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p->len, p->data);
+    CHECK(cp != NULL && cp->n_rank_addresses == 1);
+    char *old = cp->rank_addresses[0];
+    cp->rank_addresses[0] = (char *)addr;
+    *len = kvxfer__context_params__get_packed_size(cp);
+    CHECK(*len <= 4096);
+    kvxfer__context_params__pack(cp, out);
+    cp->rank_addresses[0] = old;
+    kvxfer__context_params__free_unpacked(cp, NULL);
+}
+
+TEST_T(peer_handshake_shortcuts, 90)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "hs-ctx", "hs-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    uint8_t f[4096];
+    size_t fl;
+    char faddr[192], out[4096], args[400];
+
+    /* 1: a server that skips its CHALLENGE */
+    snprintf(args, sizeof(args), "skip %s 3", p_net.ip[0]);
+    FILE *fk = p_fake(0, args, faddr, sizeof(faddr));
+    p_params_at(&p, faddr, f, &fl);
+    CHECK_KVX(kvx_fetch(g.c, 11, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+    ev_t e = wait_event(g.c, 11, KVX_EVENT_ERROR, KVX_ERR_AUTH, 5000);
+    fprintf(stderr, "skip: %s\n", e.msg);
+    CHECK_STR_CONTAINS(e.msg, "without proving the cluster secret");
+    p_fake_rest(fk, out, sizeof(out));
+    CHECK(strstr(out, "got 7\n") == NULL); /* no OPEN, no token */
+    CHECK_STR_CONTAINS(out, "done");
+
+    /* 2: a relay from B to A */
+    char a_ipport[64];
+    const char *h = strstr(c.addr, "://");
+    CHECK(h != NULL);
+    snprintf(a_ipport, sizeof(a_ipport), "%.*s",
+             (int)(strrchr(c.addr, '/') - (h + 3)), h + 3);
+    snprintf(args, sizeof(args), "relay %s %s 3", p_net.ip[0], a_ipport);
+    fk = p_fake(0, args, faddr, sizeof(faddr));
+    p_params_at(&p, faddr, f, &fl);
+    CHECK_KVX(kvx_fetch(g.c, 12, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+    e = wait_event(g.c, 12, KVX_EVENT_ERROR, KVX_ERR_AUTH, 5000);
+    fprintf(stderr, "relay: %s\n", e.msg);
+    CHECK_STR_CONTAINS(e.msg, "does not listen there");
+    p_fake_rest(fk, out, sizeof(out));
+    fprintf(stderr, "relay's output: %s", out);
+    CHECK(strstr(out, "auth_result 0\n") == NULL);
+
+    /* the genuine params still complete */
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+
+    /* 3: a claim to be B, at A, that fails its handshake; a spread
+     * generation instance (rank 0 on A, rank 1 on B) then still moves a
+     * request that needs both ranks */
+    static side_t ss;
+    p_side2(&ss, "hs-spread", KVX_ROLE_GENERATION);
+    rank_t s0, s1;
+    const char *addrs[2];
+    p_spread_hello(a, b, &ss, &s0, &s1, addrs);
+    CHECK_KVX(kvx_join(s0.c, addrs, 2, T_MS), s0.c);
+    CHECK_KVX(kvx_join(s1.c, addrs, 2, T_MS), s1.c);
+    rank_pool(&s0, 8);
+    rank_pool(&s1, 8);
+    snprintf(args, sizeof(args), "claim %s %s 1", a_ipport, s1.addr);
+    fk = p_fake(1, args, NULL, 0);
+    p_fake_rest(fk, out, sizeof(out));
+    CHECK_STR_CONTAINS(out, "done");
+    sleep_ms(300);
+    fill_req(&c, 2, cb, 7);
+    CHECK_KVX(kvx_publish(c.c, 2, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(s0.c, 2, p.data, p.len, s0.pool, gb, 2, 0, T_MS),
+              s0.c);
+    CHECK_KVX(kvx_fetch(s1.c, 2, p.data, p.len, s1.pool, gb, 2, 0, T_MS),
+              s1.c);
+    wait_event(s0.c, 2, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(s1.c, 2, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&s0, 2, gb, 7, 0), 0);
+    CHECK_EQ(p_check_req(&s1, 2, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&s1);
+    rank_close(&s0);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 /* The root daemon's rank 0 joins after the member's rank 1 did. Rank 1's
