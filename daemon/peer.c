@@ -71,6 +71,9 @@ struct peer_conn {
     int closed;                 /* ucp_ep_close started (or no ep) */
     int refused;                /* we refused it: let the refusal out */
     int close_done;
+    /* lost, and remote.c not told yet (peer_flush_lost()) */
+    int lost_pending, lost_code;
+    char lost_msg[300];
     qmsg_t *q_head, *q_tail;    /* sends waiting for authentication */
     /* slot sends: peer.send_window in flight, the rest wait here in
      * order (each counted in outstanding) */
@@ -106,6 +109,7 @@ static struct {
     uv_prepare_t prepare;
     uv_idle_t idle;             /* keeps the loop turning: pump() */
     int idle_on;
+    uv_timer_t lost;            /* runs the losses conn_fail() deferred */
     int busy_poll;              /* peer.busy_poll, resolved */
     uint32_t inflight;          /* our UCX requests, every connection */
     int poll_on;
@@ -618,6 +622,28 @@ static void conn_try_free(peer_conn_t *c)
     }
 }
 
+/* Tell remote.c of every loss conn_fail() deferred (a loss it handles
+ * may fail more connections: until none is left). */
+static void peer_flush_lost(void)
+{
+    for (int again = 1; again;) {
+        again = 0;
+        for (peer_conn_t *c = P.conns; c; c = c->next)
+            if (c->lost_pending) {
+                c->lost_pending = 0;
+                remote_on_conn_lost(c, c->lost_code, c->lost_msg);
+                again = 1;
+                break; /* the list may have changed */
+            }
+    }
+}
+
+static void on_lost(uv_timer_t *t)
+{
+    (void)t;
+    peer_flush_lost();
+}
+
 static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
 {
     if (c->state == CONN_LOST)
@@ -653,9 +679,17 @@ static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
     }
     c->dq_tail = NULL;
     /* an incoming connection that never authenticated carries nothing,
-     * and the address it claimed is unproven: it ends no transfer */
-    if (was_ready || c->outgoing)
-        remote_on_conn_lost(c, code, msg);
+     * and the address it claimed is unproven: it ends no transfer.
+     * remote.c hears of the loss from the loop's next turn, never from
+     * inside this call: its caller (a send, a connect) still uses the
+     * streams and requests that the loss ends and frees */
+    if (was_ready || c->outgoing) {
+        c->lost_pending = 1;
+        c->lost_code = code;
+        snprintf(c->lost_msg, sizeof(c->lost_msg), "%s", msg);
+        if (P.poll_on)
+            uv_timer_start(&P.lost, on_lost, 0, 0);
+    }
     /* the endpoint is closed from the tick, never from inside a UCX
      * callback (UCX may still be failing it there) */
 }
@@ -1296,6 +1330,7 @@ int peer_init(char *why, size_t why_len)
     uv_prepare_init(kvxd.loop, &P.prepare);
     uv_prepare_start(&P.prepare, on_prepare);
     uv_idle_init(kvxd.loop, &P.idle);
+    uv_timer_init(kvxd.loop, &P.lost);
     P.busy_poll = kvxd.conf.busy_poll == 2 ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                                            : (int)kvxd.conf.busy_poll;
     P.poll_on = 1;
@@ -1323,9 +1358,12 @@ void peer_tick(uint64_t now)
 {
     if (!P.on)
         return;
+    peer_flush_lost();
     for (peer_conn_t *c = P.conns, *n; c; c = n) {
         n = c->next;
         if (c->state == CONN_LOST) {
+            if (c->lost_pending)
+                continue; /* remote.c hears of it first */
             /* close outside UCX callbacks; a refusal (auth_refuse) gets
              * its moment to go out first */
             if (!c->closed && (!c->refused || now >= c->last_seen_ms + 200 ||
@@ -1386,11 +1424,12 @@ void peer_cleanup(void)
 {
     if (!P.on)
         return;
-    for (peer_conn_t *c = P.conns; c; c = c->next) {
+    for (peer_conn_t *c = P.conns; c; c = c->next)
         if (c->state != CONN_LOST)
             conn_fail(c, KVX_ERR_SHUTDOWN, "daemon exiting");
+    peer_flush_lost(); /* the loop has stopped: now */
+    for (peer_conn_t *c = P.conns; c; c = c->next)
         conn_close_ep(c);
-    }
     /* let the force-closes and cancelled requests come back */
     for (int i = 0; i < 1000 && P.conns; i++) {
         while (ucp_worker_progress(P.worker))
@@ -1415,10 +1454,12 @@ void peer_shutdown(void)
         uv_poll_stop(&P.poll);
         uv_prepare_stop(&P.prepare);
         uv_idle_stop(&P.idle);
+        uv_timer_stop(&P.lost);
         P.idle_on = 0;
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);
+        uv_close((uv_handle_t *)&P.lost, NULL);
     }
     if (P.listener)
         ucp_listener_destroy(P.listener);

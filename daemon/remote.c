@@ -168,8 +168,24 @@ typedef struct sstream {
     slot_t *ahead[AHEAD_MAX];
     uint32_t nahead;
     int ahead_off;               /* a PULL asked for something else */
+    uint32_t queued;             /* its PULLs waiting for a send slot */
     struct sstream *next;        /* offer's list */
 } sstream_t;
+
+/* A generation daemon never has more PULLs of one stream out than its
+ * receive slots (peer.slots, at most 1024): more is a broken peer. */
+#define PULLS_QUEUED_MAX 1024
+
+/* Offers serve_pulls() could not bind a source for: ended from the
+ * tick, never inside serve_pulls(), whose callers (a gather or send
+ * coming back, a stream's end, a publish) still hold the offer. */
+typedef struct offer_fail {
+    char instance[INSTANCE_ID_MAX + 1];
+    uint64_t request_id;
+    int code;
+} offer_fail_t;
+static offer_fail_t ofails[64];
+static uint32_t nofails;
 
 #define OPEN_RETRY_MS 2000
 
@@ -646,7 +662,12 @@ static void pull_schedule(void)
         if (peer_send(r->conn, &m)) {
             slot_put(&rslots, x);
             r->held--;
-            continue; /* the lost connection ends the request */
+            /* a lost connection ends the request from the loop's next
+             * turn; a live one could not take the message (memory) */
+            if (peer_conn_alive(r->conn))
+                xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
+                                KVX_ERR_NOMEM, "out of memory sending a pull");
+            continue;
         }
         if (r->next_unit < r->u_end)
             rq_push(r);
@@ -869,6 +890,7 @@ static void sstream_end(sstream_t *s)
                 pq_head = n;
             if (pq_tail == q)
                 pq_tail = prev;
+            s->queued--;
             free(q);
         } else {
             prev = q;
@@ -1026,6 +1048,13 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                     (unsigned long long)m->request_id, o->rconsumer);
         return;
     }
+    if (o->streams_expect && o->streams_opened >= o->streams_expect) {
+        plan_free(plan);
+        open_refuse(c, m->stream, KVX_ERR_EXISTS,
+                    "the offer of request %llu has all its %u streams",
+                    (unsigned long long)m->request_id, o->streams_expect);
+        return;
+    }
     sstream_t *s = calloc(1, sizeof(*s));
     if (!s || map_put(&sstreams, next_id, s)) {
         free(s);
@@ -1060,6 +1089,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         snprintf(o->rconsumer, sizeof(o->rconsumer), "%s", who);
         xfer_offer_taken(o);
     }
+    o->streams_opened++;
     s->next = o->streams;
     o->streams = s;
     Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
@@ -1168,7 +1198,7 @@ static void gather_done(slot_t *x, uint32_t k)
             return;
         }
     }
-    if (o->ending && !o->gathers)
+    if ((o->ending || o->consume_fenced) && !o->gathers)
         xfer_offer_fenced(o); /* may free o: not used below */
     sslot_release(x);
 }
@@ -1307,6 +1337,7 @@ static void serve_pulls(void)
             prev = q; /* its rank has not published yet */
             continue;
         }
+        s->queued--;
         if (prev)
             prev->next = n;
         else
@@ -1326,11 +1357,18 @@ static void serve_pulls(void)
         if (rc) {
             slot_put(&sslots, x);
             free(q);
-            send_end(s->conn, s->dst_id, rc, "the context daemon cannot "
-                                             "bind its GPU source");
-            sstream_end(s);
-            xfer_offer_end(o, KVX_EVENT_ERROR, rc,
-                           "binding the GPU source for a peer failed");
+            peer_conn_t *sc = s->conn;
+            uint64_t dst = s->dst_id;
+            sstream_end(s); /* may free s */
+            send_end(sc, dst, rc, "the context daemon cannot bind its GPU "
+                                  "source");
+            if (nofails < 64) { /* ended from remote_tick() */
+                offer_fail_t *f = &ofails[nofails++];
+                snprintf(f->instance, sizeof(f->instance), "%s",
+                         o->inst->id);
+                f->request_id = o->request_id;
+                f->code = rc;
+            }
             return; /* lists changed: the next pull or tick goes on */
         }
         x->dst_slot = q->slot;
@@ -1357,11 +1395,12 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
         m->unit_begin >= m->unit_end ||
         plan_units_bytes(s->plan, m->unit_begin, m->unit_end) >
             kvxd.conf.slot_bytes) {
-        send_end(c, s->dst_id, KVX_ERR_INVALID,
+        offer_t *o = s->offer;
+        uint64_t dst = s->dst_id;
+        sstream_end(s);
+        send_end(c, dst, KVX_ERR_INVALID,
                  "pull outside the stream or larger than peer.slot_bytes "
                  "of the context daemon");
-        offer_t *o = s->offer;
-        sstream_end(s);
         if (o)
             xfer_offer_end(o, KVX_EVENT_ERROR, KVX_ERR_PROTOCOL,
                            "a generation daemon sent a bad pull");
@@ -1371,9 +1410,21 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
         ahead_fill(s);
         return;
     }
+    if (s->queued >= PULLS_QUEUED_MAX) {
+        offer_t *o = s->offer;
+        uint64_t dst = s->dst_id;
+        sstream_end(s);
+        send_end(c, dst, KVX_ERR_LIMIT, "more pulls waiting than any "
+                                        "daemon has slots");
+        if (o)
+            xfer_offer_end(o, KVX_EVENT_ERROR, KVX_ERR_PROTOCOL,
+                           "a generation daemon sent too many pulls");
+        return;
+    }
     pull_t *q = calloc(1, sizeof(*q));
     if (!q)
         return;
+    s->queued++;
     q->slot = m->slot;
     q->u0 = m->unit_begin;
     q->u1 = m->unit_end;
@@ -1397,10 +1448,12 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
 {
     while (o->streams) {
         sstream_t *s = o->streams;
-        if (peer_conn_alive(s->conn))
-            send_end(s->conn, s->dst_id, code, msg);
+        peer_conn_t *c = s->conn;
+        uint64_t dst = s->dst_id;
         /* its gathers still count in o->gathers: the offer's fence */
-        sstream_end(s);
+        sstream_end(s); /* may free s */
+        if (peer_conn_alive(c))
+            send_end(c, dst, code, msg);
     }
 }
 
@@ -1418,9 +1471,10 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
          * fence still waits for those gathers) */
         int early = e->code == 0 && s->gathers;
         sstream_end(s);
-        serve_pulls(); /* its slots gathered ahead are free */
-        if (!o)
+        if (!o) {
+            serve_pulls(); /* its slots gathered ahead are free */
             return;
+        }
         if (early) {
             char m[300];
             snprintf(m, sizeof(m), "peer daemon %s ended stream %llu as "
@@ -1437,6 +1491,7 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
                      e->message ? e->message : "");
             xfer_offer_remote_done(o, 0, e->code, m);
         }
+        serve_pulls(); /* its slots gathered ahead are free */
         return;
     }
 }
@@ -1584,6 +1639,14 @@ void remote_tick(uint64_t now)
 {
     if (!peer_enabled())
         return;
+    while (nofails) { /* sources serve_pulls() could not bind */
+        offer_fail_t f = ofails[--nofails];
+        instance_t *inst = instance_find(f.instance);
+        offer_t *o = inst ? map_get(&inst->offers, f.request_id) : NULL;
+        if (o)
+            xfer_offer_end(o, KVX_EVENT_ERROR, f.code,
+                           "binding the GPU source for a peer failed");
+    }
     if (pq_head && sslots.nfree)
         serve_pulls(); /* slots put back where no PULL was served */
     uint32_t n = rstreams.n;
@@ -1600,6 +1663,8 @@ void remote_tick(uint64_t now)
             retrying--;
             if (!r->ended && r->part)
                 send_open(r);
+            else
+                r->refused = 1; /* no OPEN out: no OPENED to wait for */
         }
     }
     free(v);

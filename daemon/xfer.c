@@ -452,7 +452,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
     remote_offer_published(o);
     /* a consumer may be waiting for this rank; look it up again after
      * each part, since a failing part ends (and frees) it */
-    if (o->consumer) {
+    if ((o = map_get(&inst->offers, request_id)) && o->consumer) {
         instance_t *gi = o->consumer->inst;
         uint64_t gid = o->consumer->request_id;
         for (uint32_t r = 0; r < gi->nranks; r++) {
@@ -742,7 +742,9 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         return 0;
     }
     char w[256];
-    if ((rc = remote_part_start(p, cp, w, sizeof(w))))
+    /* g is looked up again: starting may have ended it already */
+    if ((rc = remote_part_start(p, cp, w, sizeof(w))) &&
+        (g = map_get(&inst->fetches, request_id)))
         genreq_end(g, KVX_EVENT_ERROR, rc, w); /* reported as an event */
     return 0;
 }
@@ -1095,11 +1097,16 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         g->end_kind = kind;
         g->end_code = code;
         snprintf(g->end_msg, sizeof(g->end_msg), "%s", msg);
+        /* held while its parts stop: stopping one can end g again from
+         * inside (remote's scheduler, freed slots), which must not
+         * finalize it under this loop */
+        g->inflight++;
         for (uint32_t r = 0; r < g->inst->nranks; r++) {
             rrq_remove(&runq, &g->parts[r].turn);
             remote_part_stop(&g->parts[r], code ? code : KVX_ERR_STATE,
                              msg);
         }
+        g->inflight--;
     }
     if (g->inflight)
         return; /* fence: on_chunk_done comes back here */
@@ -1147,10 +1154,20 @@ void xfer_genreq_end(genreq_t *g, int kind, int code, const char *msg)
 
 void xfer_offer_end(offer_t *o, int kind, int code, const char *msg)
 {
+    if (o->consumed)
+        return; /* complete already: a tombstone for late ranks */
     offer_end(o, kind, code, msg);
 }
 
-void xfer_offer_fenced(offer_t *o) { offer_try_finalize(o); }
+void xfer_offer_fenced(offer_t *o)
+{
+    if (o->consume_fenced && !o->ending) {
+        o->consume_fenced = 0;
+        offer_consume(o); /* its last gather is back */
+        return;
+    }
+    offer_try_finalize(o);
+}
 
 /* Remote streams took o: the generation side's fetch timeout, its END or
  * the loss of its daemon bounds it now, not the lease. */
@@ -1167,10 +1184,12 @@ void xfer_offer_taken(offer_t *o)
 void xfer_offer_remote_done(offer_t *o, int complete, int code,
                             const char *msg)
 {
-    if (o->ending)
+    if (o->ending || o->consumed || o->consume_fenced)
         return;
     if (!complete)
         offer_end(o, KVX_EVENT_ERROR, code ? code : KVX_ERR_STATE, msg);
+    else if (o->npublished < o->inst->nlocal && o->gathers)
+        o->consume_fenced = 1; /* consumed by the last gather's return */
     else if (o->npublished < o->inst->nlocal)
         offer_consume(o);
     else

@@ -79,7 +79,9 @@ typedef struct offer {
     /* remote consumers: streams from peer daemons reading this offer */
     struct sstream *streams;
     uint32_t streams_expect;   /* streams that will come in all */
+    uint32_t streams_opened;   /* accepted: at most streams_expect */
     uint32_t streams_done;     /* completed */
+    int consume_fenced;        /* complete, consumed once gathers are 0 */
     uint32_t gathers;          /* gathers in flight: the fence */
     char rconsumer[256];       /* who: "address instance/request" */
     char **consumer_addrs;     /* daemons whose streams it waits for */
