@@ -31,6 +31,7 @@ static struct {
     CUresult (*unmap)(CUdeviceptr, size_t);
     CUresult (*release)(CUmemGenericAllocationHandle);
     CUresult (*free_va)(CUdeviceptr, size_t);
+    CUresult (*addr_range)(CUdeviceptr *, size_t *, CUdeviceptr);
 } drv;
 
 static struct {
@@ -251,7 +252,8 @@ static int start(void)
                 {"cuMemSetAccess", (void **)&drv.set_access},
                 {"cuMemUnmap", (void **)&drv.unmap},
                 {"cuMemRelease", (void **)&drv.release},
-                {"cuMemAddressFree", (void **)&drv.free_va}};
+                {"cuMemAddressFree", (void **)&drv.free_va},
+                {"cuMemGetAddressRange", (void **)&drv.addr_range}};
     for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
         enum cudaDriverEntryPointQueryResult q;
         if (!CU_OK(cudaGetDriverEntryPointByVersion(
@@ -358,6 +360,19 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
     for (gpu_import_t *i = imports; i; i = i->next)
         if (i->owner == r->owner && i->alloc_id == r->alloc_id &&
             !memcmp(i->uuid, r->uuid, 16)) {
+            /* the bounds above used the size the client gave: it must be
+             * the one the allocation was imported with */
+            if (r->alloc_size != i->alloc_size || r->vmm != i->vmm) {
+                snprintf(why, why_len,
+                         "register_pool.alloc_size: %llu bytes (%s), but "
+                         "this allocation was imported as %llu bytes (%s)",
+                         (unsigned long long)r->alloc_size,
+                         r->vmm ? "VMM" : "IPC",
+                         (unsigned long long)i->alloc_size,
+                         i->vmm ? "VMM" : "IPC");
+                rc = KVX_ERR_INVALID;
+                goto err_close_fd;
+            }
             if (r->vmm && r->fd >= 0)
                 close(r->fd); /* already mapped: one import per allocation */
             i->refs++;
@@ -392,6 +407,21 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
             snprintf(why, why_len,
                      "register_pool.ipc_handle: cudaIpcOpenMemHandle: %s",
                      cudaGetErrorString(e));
+            rc = KVX_ERR_INVALID;
+            goto err_free;
+        }
+        /* the handle maps the whole allocation: it must hold the size
+         * the client gave, or the bounds above mean nothing */
+        CUdeviceptr ab = 0;
+        size_t asz = 0;
+        if (drv.addr_range &&
+            (drv.addr_range(&ab, &asz, (CUdeviceptr)(uintptr_t)p) ||
+             asz < r->alloc_size)) {
+            cudaIpcCloseMemHandle(p);
+            snprintf(why, why_len,
+                     "register_pool.alloc_size: %llu bytes, but the "
+                     "allocation behind ipc_handle holds %zu",
+                     (unsigned long long)r->alloc_size, asz);
             rc = KVX_ERR_INVALID;
             goto err_free;
         }

@@ -141,12 +141,14 @@ err_free:
     return rc;
 }
 
+static uint64_t used_bytes(const pool_t *p);
+
 int pool_pin(pool_t *p, char *why, size_t why_len)
 {
     if (p->gpu || p->pinned)
         return 0;
     uint64_t t0 = kvxd_now_ms();
-    if (gpu_host_register(p->base, p->size, -1)) {
+    if (gpu_host_register(p->base, used_bytes(p), -1)) {
         snprintf(why, why_len,
                  "pool %u: cannot register host memory with CUDA for a "
                  "GPU copy",
@@ -155,7 +157,7 @@ int pool_pin(pool_t *p, char *why, size_t why_len)
     }
     p->pinned = 1;
     log_info("pool %u: %llu host bytes pinned for GPU copies in %llu ms",
-             p->id, (unsigned long long)p->size,
+             p->id, (unsigned long long)used_bytes(p),
              (unsigned long long)(kvxd_now_ms() - t0));
     return 0;
 }
@@ -207,23 +209,35 @@ void pool_release(pool_t *p)
     pool_unref(p);
 }
 
-/* Worker thread: fault the whole mapping in now, so the first transfer
- * does not take a page fault per 4 KiB. Blocking work, never on the loop. */
+/* The bytes of a host pool that copies can touch: its layout's span,
+ * whole pages (a client may declare a sparse memfd far larger; faulting
+ * in or pinning all of it would charge the daemon for the holes). */
+static uint64_t used_bytes(const pool_t *p)
+{
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t u = (kvx_layout_span(&p->layout) + pg - 1) / pg * pg;
+    return u < p->size ? u : p->size;
+}
+
+/* Worker thread: fault the used part of the mapping in now, so the first
+ * transfer does not take a page fault per 4 KiB. Blocking work, never on
+ * the loop. */
 static void populate_run(copy_job_t *j)
 {
     pool_t *p = j->owner; /* base, size and pin_on_populate: set before */
+    uint64_t used = used_bytes(p);
 #ifdef MADV_POPULATE_WRITE
-    if (madvise(p->base, p->size, MADV_POPULATE_WRITE) != 0)
+    if (madvise(p->base, used, MADV_POPULATE_WRITE) != 0)
 #endif
     {
         /* older kernels: touch one byte per page (reading keeps data) */
         long pg = sysconf(_SC_PAGESIZE);
-        for (uint64_t off = 0; off < p->size; off += (uint64_t)pg)
+        for (uint64_t off = 0; off < used; off += (uint64_t)pg)
             (void)*(volatile uint8_t *)(p->base + off);
     }
     /* the result travels in the job; the loop sets p->pinned */
     if (p->pin_on_populate >= 0)
-        j->status = gpu_host_register(p->base, p->size,
+        j->status = gpu_host_register(p->base, used,
                                       p->pin_on_populate) ? 1 : 0;
 }
 
