@@ -901,9 +901,12 @@ static int parse_number(const struct conf_key *k, const char *s,
             return PARSE_BAD;
         break;
     default:
-        if (*p == '-') /* a well-formed negative number: say why */
+        if (*p == '-') { /* a well-formed negative number: say why */
+            if (p[1] == '-') /* one sign only (and no recursion) */
+                return PARSE_BAD;
             return parse_number(k, p + 1, &v) == PARSE_BAD ? PARSE_BAD
                                                            : PARSE_RANGE;
+        }
         rc = parse_digits(&p, &v);
         if (rc == PARSE_BAD)
             return rc;

@@ -96,6 +96,7 @@ static void on_tick(uv_timer_t *t)
     agree_tick(now);
     instance_tick(now);
     session_tick(now);
+    server_tick(now);
     if (!kvxd.draining)
         return;
     instance_flush_all(); /* answer waiting polls with the final events */
@@ -124,6 +125,8 @@ static void drain(const char *signame)
     on_tick(&tick);
 }
 
+static int socket_overridden; /* --socket given */
+
 static void reload(void)
 {
     notify_send("RELOADING=1");
@@ -132,9 +135,12 @@ static void reload(void)
     } else {
         kvx_conf_t next = kvxd.conf;
         if (load_config(kvxd.config_path, &next, NULL) == 0) {
-            /* --socket overrides the file for the daemon's whole life */
-            memcpy(next.socket_path, kvxd.conf.socket_path,
-                   sizeof(next.socket_path));
+            /* --socket overrides the file for the daemon's whole life
+             * (without it, a changed socket.path is logged as needing a
+             * restart, like any other key) */
+            if (socket_overridden)
+                memcpy(next.socket_path, kvxd.conf.socket_path,
+                       sizeof(next.socket_path));
             char *buf = NULL;
             size_t len = 0;
             FILE *mem = open_memstream(&buf, &len);
@@ -244,6 +250,7 @@ int main(int argc, char **argv)
             return 2;
         }
         strcpy(kvxd.conf.socket_path, socket_override);
+        socket_overridden = 1;
     }
     kvx__log_level = kvxd.conf.log_level;
     signal(SIGPIPE, SIG_IGN);

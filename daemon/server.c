@@ -21,6 +21,8 @@ static struct {
     int fd;
     uv_poll_t poll;
     int open;
+    uint64_t paused_until; /* accept failed for want of fds: 0, or when */
+    uint64_t warned_ms;    /* the last time that was logged */
     char path[108];
 } srv = {.fd = -1};
 
@@ -39,13 +41,15 @@ static int gid_allowed(gid_t gid)
  * new process must itself be in an allowed group. */
 static int groups_allowed(pid_t pid)
 {
-    char path[64], line[4096];
+    char path[64];
     snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
     FILE *f = fopen(path, "r");
     if (!f)
         return 0;
     int ok = 0;
-    while (!ok && fgets(line, sizeof(line), f)) {
+    char *line = NULL; /* whole lines: a long Groups: line is not cut */
+    size_t cap = 0;
+    while (!ok && getline(&line, &cap, f) > 0) {
         if (strncmp(line, "Groups:", 7))
             continue;
         char *p = line + 7, *end;
@@ -57,6 +61,7 @@ static int groups_allowed(pid_t pid)
             p = end;
         }
     }
+    free(line);
     fclose(f);
     return ok;
 }
@@ -103,8 +108,18 @@ static void on_accept(uv_poll_t *h, int status, int events)
     for (;;) {
         int fd = accept4(srv.fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
-            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-                log_warn("server: accept: %m");
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                return;
+            /* out of fds or memory: the connection stays queued and the
+             * socket readable, so stop listening for a moment rather than
+             * spin on it (server_tick() listens again) */
+            uint64_t now = kvxd_now_ms();
+            if (now >= srv.warned_ms + 10000) { /* once in 10 s at most */
+                srv.warned_ms = now;
+                log_warn("server: accept: %m; not accepting for 100 ms");
+            }
+            srv.paused_until = now + 100;
+            uv_poll_stop(&srv.poll);
             return;
         }
         struct ucred cr;
@@ -137,14 +152,26 @@ static int clear_stale(const char *path)
         log_error("server: %s exists and is not a socket", path);
         return KVX_ERR_EXISTS;
     }
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+        log_error("server: socket: %m");
+        return KVX_ERR_IO;
+    }
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-    int live = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
-    if (fd >= 0)
-        close(fd);
-    if (live) {
+    int rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa)), err = errno;
+    close(fd);
+    /* only a refused connection proves nobody listens: a daemon that is
+     * busy (EAGAIN, a full backlog) or that we may not reach (EACCES)
+     * keeps its socket */
+    if (rc == 0 || err == EAGAIN) {
         log_error("server: another daemon is listening on %s", path);
+        return KVX_ERR_EXISTS;
+    }
+    if (err != ECONNREFUSED) {
+        log_error("server: cannot tell whether a daemon listens on %s: "
+                  "connect: %s",
+                  path, strerror(err));
         return KVX_ERR_EXISTS;
     }
     unlink(path);
@@ -219,6 +246,14 @@ err_close_fd:
     close(srv.fd);
     srv.fd = -1;
     return KVX_ERR_IO;
+}
+
+void server_tick(uint64_t now_ms)
+{
+    if (srv.open && srv.paused_until && now_ms >= srv.paused_until) {
+        srv.paused_until = 0;
+        uv_poll_start(&srv.poll, UV_READABLE, on_accept);
+    }
 }
 
 void server_cleanup(void)

@@ -7,7 +7,11 @@
 #ifndef KVX_SERVER_H
 #define KVX_SERVER_H
 
+#include <stdint.h>
+
 int server_init(void);
+/* Accept again after a pause for want of fds (from the tick). */
+void server_tick(uint64_t now_ms);
 /* Stop accepting and remove the socket file (drain, exit). */
 void server_cleanup(void);
 

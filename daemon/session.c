@@ -300,6 +300,15 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     if (idlen == 0 || idlen > INSTANCE_ID_MAX)
         FAIL(KVX_ERR_INVALID, "hello.instance_id: %zu bytes (expected 1..%u)",
              idlen, INSTANCE_ID_MAX);
+    /* it goes into logs, status and other daemons' messages: printable
+     * ASCII only (a newline could forge log lines) */
+    for (size_t i = 0; i < idlen; i++)
+        if ((unsigned char)h->instance_id[i] < 0x21 ||
+            (unsigned char)h->instance_id[i] > 0x7e)
+            FAIL(KVX_ERR_INVALID,
+                 "hello.instance_id: byte %zu is 0x%02x (expected printable "
+                 "ASCII, no spaces)",
+                 i, (unsigned char)h->instance_id[i]);
     if (h->role < KVXFER__ROLE__ROLE_CONTEXT ||
         h->role > KVXFER__ROLE__ROLE_BOTH)
         FAIL(KVX_ERR_INVALID, "hello.role: %d (expected context, generation "
@@ -801,6 +810,8 @@ void session_cleanup(void)
     }
 }
 
+static void on_closed(uv_handle_t *h);
+
 int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
 {
     if (sessions.n >= kvxd.conf.max_sessions) {
@@ -829,8 +840,7 @@ int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
     }
     s->poll.data = s;
     if (map_put(&sessions, s->id, s)) {
-        uv_close((uv_handle_t *)&s->poll, (uv_close_cb)free);
-        close(fd);
+        uv_close((uv_handle_t *)&s->poll, on_closed); /* closes fd, frees s */
         return KVX_ERR_NOMEM;
     }
     s->poll_events = UV_READABLE | UV_DISCONNECT;

@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -419,6 +420,25 @@ static int count_fds(pid_t pid)
             n++;
     closedir(dir);
     return n;
+}
+
+/* CPU seconds process pid has used (user + system). */
+static double cpu_seconds(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    /* after "(comm) ": state is field 3, utime 14, stime 15 */
+    char *p = strrchr(buf, ')');
+    CHECK(p != NULL);
+    unsigned long long ut = 0, st = 0;
+    CHECK(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu",
+                 &ut, &st) == 2);
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
 }
 
 static int count_pool_maps(pid_t pid)
@@ -2438,6 +2458,42 @@ TEST(bad_frames)
     daemon_stop_ok(d);
 }
 
+/* The daemon out of fds (RLIMIT_NOFILE lowered under it) while clients
+ * keep connecting: it stops accepting for a moment instead of spinning
+ * on the readable socket (under 0.3 s of CPU over 1 s; a spinning loop
+ * uses 1 s), and serves again once fds are free. */
+TEST(accept_out_of_fds)
+{
+    if (geteuid() != 0) {
+        printf("accept_out_of_fds: skipped: needs root to lower another "
+               "process's fd limit\n");
+        return;
+    }
+    daemon_t *d = daemon_start(NULL);
+    struct rlimit old, rl;
+    CHECK(prlimit(d->pid, RLIMIT_NOFILE, NULL, &old) == 0);
+    rl = old; /* the soft limit only: raising it back needs no privilege */
+    rl.rlim_cur = (rlim_t)count_fds(d->pid) + 4;
+    CHECK(prlimit(d->pid, RLIMIT_NOFILE, &rl, NULL) == 0);
+    int q[32];
+    for (int i = 0; i < 32; i++)
+        q[i] = raw_connect(d); /* queued in the backlog when not accepted */
+    sleep_ms(300);
+    double c0 = cpu_seconds(d->pid);
+    sleep_ms(1000);
+    double used = cpu_seconds(d->pid) - c0;
+    fprintf(stderr, "out of fds: the daemon used %.2f s of CPU in 1 s\n",
+            used);
+    CHECK(used < 0.3);
+    CHECK(log_contains(d, "not accepting for 100 ms"));
+    for (int i = 0; i < 32; i++)
+        close(q[i]);
+    CHECK(prlimit(d->pid, RLIMIT_NOFILE, &old, NULL) == 0);
+    sleep_ms(500);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
 /* The daemon's listen backlog full (its loop stopped, 600 connections
  * queued): kvx_connect_observer() waits out its timeout and says TIMEOUT
  * naming the backlog, instead of success on a socket that never
@@ -2583,6 +2639,13 @@ TEST(bad_requests)
                                    .num_layers_per_pp = 2}};
     kvx_client_t *cl = NULL;
     CHECK_KVX(kvx_connect(d->sock, &hl, T_MS, &cl), cl);
+    kvx_close(cl);
+    /* an instance id that would forge a log line */
+    hl.instance_id = "br\n<0>kvxferd: forged";
+    hl.parallel.num_layers_per_pp = 0;
+    CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &cl), NULL);
+    CHECK_FAILS(kvx_hello(cl, &hl, T_MS), cl, KVX_ERR_INVALID,
+                "hello.instance_id: byte 2 is 0x0a");
     kvx_close(cl);
     CHECK_FAILS(kvx_publish(c.c, 1, 9999, ok2, 2, 8, &p, T_MS), c.c,
                 KVX_ERR_NOT_FOUND, "publish.pool_id");
@@ -2951,6 +3014,25 @@ TEST(config_errors)
     CHECK_STR_CONTAINS(out, want);
     free(out);
     unlink(bad);
+
+    /* a value of many signs: a problem named, not a crash (it recursed
+     * once a sign and overflowed the stack, on SIGHUP too) */
+    {
+        size_t n = 200000;
+        char *v = malloc(n + 64);
+        CHECK(v != NULL);
+        strcpy(v, "limits:\n  max_sessions: \"");
+        size_t l = strlen(v);
+        memset(v + l, '-', n);
+        strcpy(v + l + n, "1\"\n");
+        write_file(bad, v);
+        free(v);
+        st = run_kvxferd("--check-config", "--config", bad, &out);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+        CHECK_STR_CONTAINS(out, "limits.max_sessions");
+        free(out);
+        unlink(bad);
+    }
 
     st = run_kvxferd("--check-config", "--config", "config/kvxferd.yaml", &out);
     if (!WIFEXITED(st) || WEXITSTATUS(st))

@@ -2141,24 +2141,6 @@ TEST(peer_config_errors)
  * the bytes moved, and the UCX section says where it listens and that it
  * stages in host memory. */
 /* CPU seconds process pid has used (user + system), from /proc. */
-static double p_cpu_seconds(pid_t pid)
-{
-    char path[64], buf[1024];
-    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    CHECK(f != NULL);
-    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    /* after "(comm) ": state is field 3, utime 14, stime 15 */
-    char *p = strrchr(buf, ')');
-    CHECK(p != NULL);
-    unsigned long long ut = 0, st = 0;
-    CHECK(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu",
-                 &ut, &st) == 2);
-    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
-}
-
 /* With peer.busy_poll 1 the loop polls UCX every turn while transfers
  * are in flight; once they are done both daemons sleep again: over two
  * idle seconds (keep-alives every 200 ms included) each uses a small
@@ -2175,9 +2157,9 @@ TEST_T(peer_idle_does_not_spin, 60)
     for (uint64_t req = 1; req <= 4; req++)
         p_one(&c, &g, req, cb, gb, 4, 16, 5000);
     usleep(300 * 1000); /* the last completions and releases */
-    double a0 = p_cpu_seconds(a->pid), b0 = p_cpu_seconds(b->pid);
+    double a0 = cpu_seconds(a->pid), b0 = cpu_seconds(b->pid);
     usleep(2000 * 1000);
-    double da = p_cpu_seconds(a->pid) - a0, db = p_cpu_seconds(b->pid) - b0;
+    double da = cpu_seconds(a->pid) - a0, db = cpu_seconds(b->pid) - b0;
     fprintf(stderr, "idle 2 s: daemon A used %.2f s of CPU, B %.2f s\n", da,
             db);
     CHECK(da < 0.3);
