@@ -39,8 +39,11 @@
 #include "xfer_int.h"
 
 typedef struct merge {
+    uint64_t request_id;
+    int offer;
     uint32_t seen, expect;
-    int emitted;
+    int emitted;           /* its event is queued: later reports are kept
+                              out until every one came, or the deadline */
     uint64_t deadline_ms;  /* the missing reports never came: TIMED_OUT */
 } merge_t;
 
@@ -50,13 +53,25 @@ typedef struct fpoll {
     uint32_t at_least;
     uint64_t deadline_ms;
     uint64_t retry_ms;     /* the root could not take it yet: ask again */
+    peer_conn_t *conn;     /* it went out on: only its loss fails it */
 } fpoll_t;
+
+/* Member: a batch the root sent for a rank whose poll here had already
+ * failed (the root counts it read): kept for the rank's next poll, so no
+ * batch is lost. At most LATE_MAX a rank, in order. */
+typedef struct late {
+    uint8_t *pb;           /* packed Kvxfer__PeerBatch */
+    size_t len;
+    struct late *next;
+} late_t;
+#define LATE_MAX 8
 
 /* Per spread instance, on any daemon of it. */
 typedef struct spread {
     instance_t *inst;
-    map_t merges;          /* root: (request_id << 1 | offer) -> merge */
+    map_t merges[2];       /* root: request_id -> merge; [1] offers */
     fpoll_t *poll;         /* member: per rank */
+    late_t **late;         /* member: per rank */
     struct spread *next;
 } spread_t;
 
@@ -95,10 +110,30 @@ typedef struct early {
 } early_t;
 
 #define EARLY_MAX 4096
+/* the longest event message a member's report carries on (ours are
+ * under 300 bytes) */
+#define EVENT_MSG_MAX 512
 #define EARLY_FOR_MS 60000
 
 static early_t *earlies;
 static uint32_t nearly;
+
+/* A poll reply for a local rank held back: the merged batch ends requests
+ * that still run on this daemon (another daemon's error went out first),
+ * and the rank may reuse their blocks once it reads it. Sent from the
+ * tick once they are fenced. */
+typedef struct held {
+    char instance[INSTANCE_ID_MAX + 1];
+    uint64_t sid;
+    uint8_t *reply;        /* packed Kvxfer__Reply */
+    size_t len;
+    uint64_t *ids;         /* the requests it waits for */
+    uint32_t nids;
+    uint64_t since_ms;
+    struct held *next;
+} held_t;
+
+static held_t *helds;
 
 static void merge_report(instance_t *inst, uint64_t request_id, int offer,
                          int kind, int code, const char *msg, uint32_t ranks,
@@ -121,7 +156,10 @@ static spread_t *spread_of(instance_t *inst, int create)
     if (!create)
         return NULL;
     spread_t *s = calloc(1, sizeof(*s));
-    if (!s || !(s->poll = calloc(inst->nranks, sizeof(fpoll_t)))) {
+    if (!s || !(s->poll = calloc(inst->nranks, sizeof(fpoll_t))) ||
+        !(s->late = calloc(inst->nranks, sizeof(late_t *)))) {
+        if (s)
+            free(s->poll);
         free(s);
         return NULL;
     }
@@ -137,15 +175,25 @@ void agree_forget(instance_t *inst)
         if ((*pp)->inst == inst) {
             spread_t *s = *pp;
             *pp = s->next;
-            uint32_t n = s->merges.n;
-            void **v = calloc(n ? n : 1, sizeof(*v));
-            if (v) {
-                n = map_values(&s->merges, v, n);
-                for (uint32_t i = 0; i < n; i++)
-                    free(v[i]);
-                free(v);
+            for (int k = 0; k < 2; k++) {
+                uint32_t n = s->merges[k].n;
+                void **v = calloc(n ? n : 1, sizeof(*v));
+                if (v) {
+                    n = map_values(&s->merges[k], v, n);
+                    for (uint32_t i = 0; i < n; i++)
+                        free(v[i]);
+                    free(v);
+                }
+                map_free(&s->merges[k]);
             }
-            map_free(&s->merges);
+            for (uint32_t r = 0; r < inst->nranks; r++)
+                while (s->late[r]) {
+                    late_t *l = s->late[r];
+                    s->late[r] = l->next;
+                    free(l->pb);
+                    free(l);
+                }
+            free(s->late);
             free(s->poll);
             free(s);
             return;
@@ -205,34 +253,49 @@ static void queue_event(instance_t *inst, uint64_t request_id, int kind,
 }
 
 /* Root: the requests still waiting for reports end with PEER_GONE (a
- * rank they need is gone, so its report never comes). */
+ * rank they need is gone, so its report never comes). One that still
+ * runs here is left alone: the instance's requests end next
+ * (xfer_end_instance()), and its own report, after its fence, says so.
+ * The others keep their entry, emitted, until their deadline, so a late
+ * report adds no second event. */
 static void merges_fail(instance_t *inst, const char *msg)
 {
     spread_t *s = spread_of(inst, 0);
     if (!s)
         return;
-    uint32_t n = s->merges.n;
-    uint64_t *keys = calloc(n ? n : 1, sizeof(*keys));
-    n = keys ? map_keys(&s->merges, keys, n) : 0;
-    for (uint32_t i = 0; i < n; i++) {
-        merge_t *e = map_del(&s->merges, keys[i]);
-        if (e && !e->emitted) {
+    for (int k = 0; k < 2; k++) {
+        uint32_t n = s->merges[k].n;
+        void **v = calloc(n ? n : 1, sizeof(*v));
+        n = v ? map_values(&s->merges[k], v, n) : 0;
+        for (uint32_t i = 0; i < n; i++) {
+            merge_t *e = v[i];
+            if (e->emitted ||
+                map_get(k ? &inst->offers : &inst->fetches, e->request_id))
+                continue;
+            e->emitted = 1;
             kvxd_count_error(KVX_ERR_PEER_GONE);
-            queue_event(inst, keys[i] >> 1, KVX_EVENT_ERROR,
+            queue_event(inst, e->request_id, KVX_EVENT_ERROR,
                         KVX_ERR_PEER_GONE, msg);
         }
-        free(e);
+        free(v);
     }
-    free(keys);
 }
 
 /* Member: send m to the daemon of rank 0 (connecting on first use).
  * 0, or an error when it cannot be reached. */
-static int to_root(const instance_t *inst, const Kvxfer__PeerMsg *m)
+static int to_root_on(const instance_t *inst, const Kvxfer__PeerMsg *m,
+                      peer_conn_t **on)
 {
     char why[256];
     peer_conn_t *c = peer_connect(inst->addresses[0], why, sizeof(why));
+    if (on)
+        *on = c;
     return c ? peer_send(c, m) : KVX_ERR_PEER_GONE;
+}
+
+static int to_root(const instance_t *inst, const Kvxfer__PeerMsg *m)
+{
+    return to_root_on(inst, m, NULL);
 }
 
 /* A PeerRanks on connection c: a member's announcement to the root, or
@@ -361,15 +424,17 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
                          uint32_t expect)
 {
     spread_t *s = spread_of(inst, 1);
-    uint64_t key = request_id << 1 | (offer ? 1 : 0);
-    merge_t *m = s ? map_get(&s->merges, key) : NULL;
+    map_t *mm = s ? &s->merges[offer ? 1 : 0] : NULL;
+    merge_t *m = mm ? map_get(mm, request_id) : NULL;
     int created = 0;
-    if (s && !m && (m = calloc(1, sizeof(*m)))) {
+    if (mm && !m && (m = calloc(1, sizeof(*m)))) {
+        m->request_id = request_id;
+        m->offer = offer ? 1 : 0;
         m->expect = expect;
         m->deadline_ms = kvxd_now_ms() + (offer ? kvxd.conf.offer_lease_ms
                                                 : kvxd.conf.fetch_timeout_ms);
         created = 1;
-        if (map_put(&s->merges, key, m)) {
+        if (map_put(mm, request_id, m)) {
             free(m);
             m = NULL;
         }
@@ -399,8 +464,8 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
         m->emitted = 1;
         queue_event(inst, request_id, kind, code, msg);
     }
-    if (m->seen >= m->expect) {
-        map_del(&s->merges, key);
+    if (m->seen >= m->expect) { /* every report came */
+        map_del(mm, request_id);
         free(m);
     }
 }
@@ -431,11 +496,80 @@ void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
                  inst->addresses[0]);
 }
 
+/* ---- the fence of a merged batch ---------------------------------------- */
+
+int agree_fence_batch(instance_t *inst, uint64_t sid, const Kvxfer__Reply *r)
+{
+    if (!agree_spread(inst) || !r->poll || !r->poll->n_events)
+        return 0;
+    uint64_t *ids = NULL;
+    uint32_t n = 0;
+    for (size_t i = 0; i < r->poll->n_events; i++) {
+        const Kvxfer__Event *e = r->poll->events[i];
+        if ((int)e->kind == KVX_EVENT_COMPLETE)
+            continue; /* every daemon reported it, after its fence */
+        char m[400];
+        snprintf(m, sizeof(m), "ended on another daemon of instance %s: %s",
+                 inst->id, e->message ? e->message : "");
+        if (!xfer_request_runs(inst, e->request_id, e->code, m))
+            continue;
+        uint64_t *v = realloc(ids, (n + 1) * sizeof(*ids));
+        if (!v)
+            break; /* out of memory: send it as it is */
+        ids = v;
+        ids[n++] = e->request_id;
+    }
+    held_t *h = n ? calloc(1, sizeof(*h)) : NULL;
+    size_t len = kvxfer__reply__get_packed_size(r);
+    if (!h || !(h->reply = malloc(len ? len : 1))) {
+        free(h);
+        free(ids);
+        return 0;
+    }
+    kvxfer__reply__pack(r, h->reply);
+    h->len = len;
+    snprintf(h->instance, sizeof(h->instance), "%s", inst->id);
+    h->sid = sid;
+    h->ids = ids;
+    h->nids = n;
+    h->since_ms = kvxd_now_ms();
+    h->next = helds;
+    helds = h;
+    return 1;
+}
+
+static void helds_tick(uint64_t now)
+{
+    for (held_t **pp = &helds; *pp;) {
+        held_t *h = *pp;
+        instance_t *inst = instance_find(h->instance);
+        int runs = 0;
+        for (uint32_t i = 0; inst && i < h->nids && !runs; i++)
+            runs = xfer_request_runs(inst, h->ids[i], 0, NULL);
+        if (runs) {
+            pp = &h->next;
+            continue;
+        }
+        *pp = h->next;
+        Kvxfer__Reply *r = kvxfer__reply__unpack(NULL, h->len, h->reply);
+        if (r) {
+            log_debug("instance %s: a batch held %llu ms for its fence",
+                      h->instance, (unsigned long long)(now - h->since_ms));
+            session_reply_msg(h->sid, r);
+            kvxfer__reply__free_unpacked(r, NULL);
+        }
+        free(h->reply);
+        free(h->ids);
+        free(h);
+    }
+}
+
 /* ---- polls ------------------------------------------------------------- */
 
 /* Member: forward a poll of a local rank to the root. 0 or an error. */
 static int poll_send(instance_t *inst, uint32_t rank, uint64_t req_id,
-                     uint32_t at_least, uint32_t timeout_ms)
+                     uint32_t at_least, uint32_t timeout_ms,
+                     peer_conn_t **on)
 {
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerPoll p = KVXFER__PEER_POLL__INIT;
@@ -446,7 +580,26 @@ static int poll_send(instance_t *inst, uint32_t rank, uint64_t req_id,
     p.timeout_ms = timeout_ms;
     m.m_case = KVXFER__PEER_MSG__M_POLL;
     m.poll = &p;
-    return to_root(inst, &m);
+    return to_root_on(inst, &m, on);
+}
+
+/* Member: a poll reply built from batch pb for request req_id of rank
+ * (through the fence of a merged batch). */
+static void batch_reply(instance_t *inst, uint32_t rank, uint64_t req_id,
+                        const Kvxfer__PeerBatch *pb)
+{
+    uint64_t sid = inst->rank_sid[rank];
+    Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
+    pr.batch = pb->batch;
+    pr.n_events = pb->n_events;
+    pr.events = pb->events;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = req_id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_POLL;
+    r.poll = &pr;
+    if (!agree_fence_batch(inst, sid, &r))
+        session_reply_msg(sid, &r);
 }
 
 int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
@@ -462,7 +615,21 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
         snprintf(why, why_len, "poll: this rank already has a poll waiting");
         return KVX_ERR_BUSY;
     }
-    if (poll_send(inst, rank, req_id, at_least, timeout_ms)) {
+    if (s->late[rank]) { /* a batch the root sent after a poll failed */
+        late_t *l = s->late[rank];
+        s->late[rank] = l->next;
+        Kvxfer__PeerBatch *pb = kvxfer__peer_batch__unpack(NULL, l->len,
+                                                           l->pb);
+        free(l->pb);
+        free(l);
+        if (pb) {
+            batch_reply(inst, rank, req_id, pb);
+            kvxfer__peer_batch__free_unpacked(pb, NULL);
+            return 0;
+        }
+    }
+    peer_conn_t *on = NULL;
+    if (poll_send(inst, rank, req_id, at_least, timeout_ms, &on)) {
         snprintf(why, why_len, "poll: the root daemon %s of instance %s is "
                                "unreachable",
                  inst->addresses[0], inst->id);
@@ -470,7 +637,8 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
     }
     s->poll[rank] = (fpoll_t){.req = req_id,
                               .at_least = at_least,
-                              .deadline_ms = kvxd_now_ms() + timeout_ms};
+                              .deadline_ms = kvxd_now_ms() + timeout_ms,
+                              .conn = on};
     return 0;
 }
 
@@ -510,9 +678,28 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
                                        : NULL;
     spread_t *s = inst ? spread_of(inst, 0) : NULL;
     if (!s || pb->rank >= inst->nranks || !inst->local[pb->rank] ||
-        strcmp(peer_conn_address(c), inst->addresses[0]) ||
-        s->poll[pb->rank].req != pb->req_id)
+        strcmp(peer_conn_address(c), inst->addresses[0]))
         return;
+    if (s->poll[pb->rank].req != pb->req_id) {
+        /* its poll failed here first (the backstop, a lost connection),
+         * but the root counts this batch read: the rank's next poll gets
+         * it. An error answer changed nothing there: dropped. */
+        uint32_t n = 0;
+        late_t **tail = &s->late[pb->rank];
+        for (; *tail; tail = &(*tail)->next)
+            n++;
+        late_t *l = NULL;
+        size_t len = kvxfer__peer_batch__get_packed_size(pb);
+        if (pb->code || !inst->rank_sid[pb->rank] || n >= LATE_MAX ||
+            !(l = calloc(1, sizeof(*l))) || !(l->pb = malloc(len ? len : 1))) {
+            free(l);
+            return;
+        }
+        kvxfer__peer_batch__pack(pb, l->pb);
+        l->len = len;
+        *tail = l;
+        return;
+    }
     fpoll_t *fp = &s->poll[pb->rank];
     if (pb->code && pb->retry && kvxd_now_ms() < fp->deadline_ms) {
         fp->retry_ms = kvxd_now_ms() + POLL_RETRY_MS; /* agree_tick */
@@ -520,21 +707,12 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     }
     fp->req = 0;
     fp->retry_ms = 0;
-    uint64_t sid = inst->rank_sid[pb->rank];
     if (pb->code) {
-        session_reply(sid, pb->req_id, pb->code, pb->message);
+        session_reply(inst->rank_sid[pb->rank], pb->req_id, pb->code,
+                      pb->message);
         return;
     }
-    Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
-    pr.batch = pb->batch;
-    pr.n_events = pb->n_events;
-    pr.events = pb->events;
-    Kvxfer__Reply r = KVXFER__REPLY__INIT;
-    r.id = pb->req_id;
-    r.message = "";
-    r.body_case = KVXFER__REPLY__BODY_POLL;
-    r.poll = &pr;
-    session_reply_msg(sid, &r);
+    batch_reply(inst, pb->rank, pb->req_id, pb);
 }
 
 /* Root: the answer to a member's poll that no batch answers: code and
@@ -590,6 +768,13 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     else if (p->rank >= inst->nranks || inst->local[p->rank] ||
              strcmp(inst->addresses[p->rank], peer_conn_address(c)))
         bad = "has no such rank at that daemon";
+    else if (!inst->batches.present[p->rank]) {
+        /* its daemon was lost (or its client left): not counted in the
+         * batches until it is announced again; asked again until then */
+        bad = "does not count that rank now (its daemon was lost, and "
+              "has not announced it again yet)";
+        retry = 1;
+    }
     uint64_t now = kvxd_now_ms();
     uint32_t t = p->timeout_ms > kvxd.conf.poll_timeout_max_ms
                      ? kvxd.conf.poll_timeout_max_ms
@@ -599,7 +784,7 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
         bad = "already has a poll of that rank waiting";
     if (!bad)
         return;
-    char msg[300];
+    char msg[512];
     snprintf(msg, sizeof(msg), "poll: instance %s %s (root daemon %s)",
              p->instance_id ? p->instance_id : "", bad, kvxd.address);
     poll_fail_send(c, p->instance_id, p->rank, p->req_id, KVX_ERR_STATE, msg,
@@ -614,9 +799,12 @@ static int event_ok(const instance_t *inst, const char *from, int kind,
                     int code, uint32_t ranks, uint32_t expect)
 {
     int member = !inst, complete = kind == KVX_EVENT_COMPLETE;
-    for (uint32_t r = 0; inst && r < inst->nranks && !member; r++)
-        member = !strcmp(inst->addresses[r], from);
+    uint32_t there = 0; /* a daemon reports for its own ranks at most */
+    for (uint32_t r = 0; inst && r < inst->nranks; r++)
+        there += !strcmp(inst->addresses[r], from);
+    member = member || there;
     if (!member || !expect || (inst && expect > inst->nranks) || !ranks ||
+        (inst && ranks > there) ||
         ranks > expect || kind < KVX_EVENT_COMPLETE ||
         kind > KVX_EVENT_TIMED_OUT || (complete != (code == 0)) ||
         code < KVX_ERR_LAST || code > 0) {
@@ -641,7 +829,8 @@ static void early_hold(const char *from, const Kvxfer__PeerEvent *e)
         return;
     }
     early_t *x = calloc(1, sizeof(*x));
-    if (!x || !(x->msg = strdup(e->message ? e->message : ""))) {
+    if (!x || !(x->msg = strndup(e->message ? e->message : "",
+                                 EVENT_MSG_MAX))) {
         free(x);
         return;
     }
@@ -672,8 +861,10 @@ static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
         return;
     if (e->code)
         kvxd_count_error(e->code);
-    merge_report(inst, e->request_id, e->offer, e->kind, e->code,
-                 e->message ? e->message : "", e->ranks, e->expect);
+    char msg[EVENT_MSG_MAX + 1]; /* a peer's message, cut to a sane size */
+    snprintf(msg, sizeof(msg), "%s", e->message ? e->message : "");
+    merge_report(inst, e->request_id, e->offer, e->kind, e->code, msg,
+                 e->ranks, e->expect);
 }
 
 void remote_agree_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
@@ -708,8 +899,10 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
         if (!is_root(inst)) {
             if (strcmp(inst->addresses[0], addr) || !s)
                 continue;
-            for (uint32_t r = 0; r < inst->nranks; r++)
-                if (s->poll[r].req) {
+            for (uint32_t r = 0; r < inst->nranks; r++) {
+                /* a poll that went out on another connection (a newer
+                 * one) is not this loss's */
+                if (s->poll[r].req && (!s->poll[r].conn || s->poll[r].conn == c)) {
                     char m[400];
                     snprintf(m, sizeof(m), "poll: root daemon of instance "
                                            "%s lost: %s",
@@ -718,6 +911,12 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
                                   KVX_ERR_PEER_GONE, m);
                     s->poll[r] = (fpoll_t){0};
                 }
+                /* the root dropped our ranks from its batches: they are
+                 * announced again until it takes them back (when the link
+                 * returns), so their polls are answered again */
+                if (inst->local[r] && inst->rank_sid[r])
+                    agree_rank(inst, r, 1);
+            }
             continue;
         }
         int had = 0;
@@ -742,6 +941,7 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
 
 void agree_tick(uint64_t now)
 {
+    helds_tick(now);
     /* members' events whose instance never joined here */
     for (early_t **pp = &earlies; *pp;) {
         early_t *x = *pp;
@@ -778,13 +978,12 @@ void agree_tick(uint64_t now)
     /* root: merged requests whose missing reports never came */
     for (spread_t *s = spreads; s; s = s->next) {
         instance_t *inst = s->inst;
-        if (!is_root(inst) || !s->merges.n)
-            continue;
-        uint32_t n = s->merges.n;
-        uint64_t *keys = calloc(n, sizeof(*keys));
-        n = keys ? map_keys(&s->merges, keys, n) : 0;
+        for (int k = 0; k < 2 && is_root(inst); k++) {
+        uint32_t n = s->merges[k].n;
+        uint64_t *keys = calloc(n ? n : 1, sizeof(*keys));
+        n = keys ? map_keys(&s->merges[k], keys, n) : 0;
         for (uint32_t i = 0; i < n; i++) {
-            merge_t *m = map_get(&s->merges, keys[i]);
+            merge_t *m = map_get(&s->merges[k], keys[i]);
             if (!m || now < m->deadline_ms)
                 continue;
             if (!m->emitted) {
@@ -794,13 +993,14 @@ void agree_tick(uint64_t now)
                          "(other daemons)",
                          m->expect - m->seen, m->expect, inst->id);
                 kvxd_count_error(KVX_ERR_TIMED_OUT);
-                queue_event(inst, keys[i] >> 1, KVX_EVENT_TIMED_OUT,
+                queue_event(inst, m->request_id, KVX_EVENT_TIMED_OUT,
                             KVX_ERR_TIMED_OUT, msg);
             }
-            map_del(&s->merges, keys[i]);
+            map_del(&s->merges[k], keys[i]);
             free(m);
         }
         free(keys);
+        }
     }
     /* polls the root could not take yet: again, until their deadline */
     for (spread_t *s = spreads; s; s = s->next) {
@@ -835,7 +1035,7 @@ void agree_tick(uint64_t now)
                 continue;
             }
             if (poll_send(inst, r, req, fp->at_least,
-                          (uint32_t)(fp->deadline_ms - now))) {
+                          (uint32_t)(fp->deadline_ms - now), &fp->conn)) {
                 fp->req = 0;
                 session_reply(inst->rank_sid[r], req, KVX_ERR_PEER_GONE,
                               "poll: the root daemon is unreachable");
@@ -857,5 +1057,12 @@ void agree_cleanup(void)
         announce_t *a = announces;
         announces = a->next;
         free(a);
+    }
+    while (helds) {
+        held_t *h = helds;
+        helds = h->next;
+        free(h->reply);
+        free(h->ids);
+        free(h);
     }
 }

@@ -32,6 +32,13 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
 /* Root: a sealed batch for a rank served by another daemon. */
 void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
                    const struct batch *b);
+/* A poll reply r for a local rank of a spread instance (sid its session):
+ * if its batch ends requests that still run here (an error merged from
+ * another daemon goes out first), they are ended and the reply held until
+ * they are fenced (agree_tick() sends it): 1. Else 0: send it now. */
+struct Kvxfer__Reply;
+int agree_fence_batch(instance_t *inst, uint64_t sid,
+                      const struct Kvxfer__Reply *r);
 /* Member: announcements and polls the root could not take yet, again;
  * a forwarded poll the root never answered fails POLL_LATE_MS after its
  * deadline. */

@@ -73,7 +73,8 @@ static void deliver(void *arg, uint32_t rank, uint64_t req_id,
     r.message = "";
     r.body_case = KVXFER__REPLY__BODY_POLL;
     r.poll = &pr;
-    session_reply_msg(inst->rank_sid[rank], &r);
+    if (!agree_fence_batch(inst, inst->rank_sid[rank], &r))
+        session_reply_msg(inst->rank_sid[rank], &r);
     free(ev);
     free(evp);
 }
@@ -139,6 +140,11 @@ int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
             WHY(KVX_ERR_EXISTS,
                 "hello.rank: rank %u of instance %s is already connected",
                 rank, id);
+        if (inst->joined && !inst->local[rank])
+            WHY(KVX_ERR_INVALID,
+                "hello.rank: rank %u of instance %s is served by daemon %s "
+                "(its join), not this one",
+                rank, id, inst->addresses[rank]);
     } else {
         inst = calloc(1, sizeof(*inst));
         if (!inst)
@@ -206,6 +212,14 @@ int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
                     i, addr[i], inst->addresses[i]);
         return 0;
     }
+    /* a rank connected here must be this daemon's in the list (the
+     * first join of a spread instance decides which ranks are local) */
+    for (size_t i = 0; i < n; i++)
+        if (inst->rank_sid[i] && strcmp(addr[i], kvxd.address))
+            WHY(KVX_ERR_INVALID,
+                "join.rank_addresses[%zu]: '%s', but rank %zu is connected "
+                "to this daemon ('%s')",
+                i, addr[i], i, kvxd.address);
     inst->addresses = calloc(n, sizeof(char *));
     inst->local = calloc(n, 1);
     if (!inst->addresses || !inst->local)

@@ -183,9 +183,9 @@ typedef struct offer_fail {
     char instance[INSTANCE_ID_MAX + 1];
     uint64_t request_id;
     int code;
+    struct offer_fail *next;
 } offer_fail_t;
-static offer_fail_t ofails[64];
-static uint32_t nofails;
+static offer_fail_t *ofails;
 
 #define OPEN_RETRY_MS 2000
 
@@ -416,6 +416,11 @@ int remote_init(char *why, size_t why_len)
 
 void remote_cleanup(void)
 {
+    while (ofails) {
+        offer_fail_t *f = ofails;
+        ofails = f->next;
+        free(f);
+    }
     slots_cleanup(&rslots);
     slots_cleanup(&sslots);
     map_free(&rstreams);
@@ -559,6 +564,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
                                          : plan->nunits;
         p->streams[p->nstreams++] = r;
         if (send_open(r)) {
+            r->refused = 1; /* no OPEN out: no OPENED to wait for */
             snprintf(why, why_len, "fetch: cannot reach daemon %s", addr);
             return KVX_ERR_PEER_GONE;
         }
@@ -1362,12 +1368,17 @@ static void serve_pulls(void)
             sstream_end(s); /* may free s */
             send_end(sc, dst, rc, "the context daemon cannot bind its GPU "
                                   "source");
-            if (nofails < 64) { /* ended from remote_tick() */
-                offer_fail_t *f = &ofails[nofails++];
+            offer_fail_t *f = calloc(1, sizeof(*f));
+            if (f) { /* ended from remote_tick() */
                 snprintf(f->instance, sizeof(f->instance), "%s",
                          o->inst->id);
                 f->request_id = o->request_id;
                 f->code = rc;
+                f->next = ofails;
+                ofails = f;
+            } else { /* out of memory: now, and nothing more this turn */
+                xfer_offer_end(o, KVX_EVENT_ERROR, rc,
+                               "binding the GPU source for a peer failed");
             }
             return; /* lists changed: the next pull or tick goes on */
         }
@@ -1639,13 +1650,15 @@ void remote_tick(uint64_t now)
 {
     if (!peer_enabled())
         return;
-    while (nofails) { /* sources serve_pulls() could not bind */
-        offer_fail_t f = ofails[--nofails];
-        instance_t *inst = instance_find(f.instance);
-        offer_t *o = inst ? map_get(&inst->offers, f.request_id) : NULL;
+    while (ofails) { /* sources serve_pulls() could not bind */
+        offer_fail_t *f = ofails;
+        ofails = f->next;
+        instance_t *inst = instance_find(f->instance);
+        offer_t *o = inst ? map_get(&inst->offers, f->request_id) : NULL;
         if (o)
-            xfer_offer_end(o, KVX_EVENT_ERROR, f.code,
+            xfer_offer_end(o, KVX_EVENT_ERROR, f->code,
                            "binding the GPU source for a peer failed");
+        free(f);
     }
     if (pq_head && sslots.nfree)
         serve_pulls(); /* slots put back where no PULL was served */
@@ -1661,10 +1674,13 @@ void remote_tick(uint64_t now)
         if (r->retry_ms && now >= r->retry_ms) {
             r->retry_ms = 0;
             retrying--;
-            if (!r->ended && r->part)
-                send_open(r);
-            else
+            if (r->ended || !r->part || send_open(r)) {
                 r->refused = 1; /* no OPEN out: no OPENED to wait for */
+                if (!r->ended && r->part && peer_conn_alive(r->conn))
+                    xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
+                                    KVX_ERR_NOMEM,
+                                    "out of memory sending an OPEN");
+            }
         }
     }
     free(v);

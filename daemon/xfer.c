@@ -1163,7 +1163,10 @@ void xfer_offer_fenced(offer_t *o)
 {
     if (o->consume_fenced && !o->ending) {
         o->consume_fenced = 0;
-        offer_consume(o); /* its last gather is back */
+        if (o->npublished < o->inst->nlocal)
+            offer_consume(o); /* its last gather is back */
+        else /* the last rank published meanwhile: nothing to keep */
+            offer_end(o, KVX_EVENT_COMPLETE, 0, "");
         return;
     }
     offer_try_finalize(o);
@@ -1322,6 +1325,22 @@ static void end_genreq_cb(genreq_t *g, void *arg)
     const struct end_why *w = arg;
     if (!w->pool || genreq_uses(g, w->pool))
         genreq_end(g, KVX_EVENT_ERROR, w->code, w->msg);
+}
+
+int xfer_request_runs(instance_t *inst, uint64_t request_id, int code,
+                      const char *msg)
+{
+    if (msg) {
+        int c = code ? code : KVX_ERR_STATE;
+        genreq_t *g = map_get(&inst->fetches, request_id);
+        if (g && !g->ending)
+            genreq_end(g, KVX_EVENT_ERROR, c, msg); /* may free g and o */
+        offer_t *o = map_get(&inst->offers, request_id);
+        if (o && !o->consumed && !o->ending)
+            offer_end(o, KVX_EVENT_ERROR, c, msg);
+    }
+    offer_t *o = map_get(&inst->offers, request_id);
+    return map_get(&inst->fetches, request_id) || (o && !o->consumed);
 }
 
 void xfer_end_instance(instance_t *inst, int code, const char *msg)

@@ -39,6 +39,13 @@ int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
 
 /* End every request of inst with ERROR code. */
 void xfer_end_instance(instance_t *inst, int code, const char *msg);
+
+/* A terminal event of request_id, merged from another daemon, is about to
+ * reach a rank here: end what of it still runs here (ERROR code; no-op if
+ * it is ending already). 1 while some of it runs (its fence pending),
+ * else 0. With msg NULL it only answers. */
+int xfer_request_runs(instance_t *inst, uint64_t request_id, int code,
+                      const char *msg);
 /* End every request (drain). */
 void xfer_end_all(int code, const char *msg);
 /* Pools of a session are going: end the requests that use them. */

@@ -1905,6 +1905,89 @@ TEST_T(peer_handshake_shortcuts, 90)
     p_stop_both(a, b);
 }
 
+/* A spread generation instance (rank 0 on A, the root; rank 1 on B)
+ * whose link is cut for longer than the keep-alive bound, then restored:
+ * the root dropped rank 1 from its batches when the link went, and B
+ * announces it again when the link is back, so a request that needs both
+ * ranks completes afterwards (it ended PEER_GONE at once, for good,
+ * before), and rank 1's polls are answered. */
+TEST_T(peer_spread_link_flap, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, ss;
+    p_side(&cs, "lf-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side2(&ss, "lf-gen", KVX_ROLE_GENERATION);
+    rank_t c, s0, s1;
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    const char *addrs[2];
+    p_spread_hello(a, b, &ss, &s0, &s1, addrs);
+    CHECK_KVX(kvx_join(s0.c, addrs, 2, T_MS), s0.c);
+    CHECK_KVX(kvx_join(s1.c, addrs, 2, T_MS), s1.c);
+    rank_pool(&s0, 8);
+    rank_pool(&s1, 8);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    /* one request first: the daemons are connected */
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(s0.c, 1, p.data, p.len, s0.pool, gb, 2, 0, T_MS),
+              s0.c);
+    CHECK_KVX(kvx_fetch(s1.c, 1, p.data, p.len, s1.pool, gb, 2, 0, T_MS),
+              s1.c);
+    wait_event(s0.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(s1.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    kvx_context_params_free(&p);
+    /* the cut: longer than the keep-alive timeout */
+    char why[300];
+    if (p_net.netns)
+        CHECK(!p_sh(why, sizeof(why), "ip -n %s link set %s down",
+                    p_net.ns[0], p_net.veth[0]));
+    else
+        CHECK(kill(a->pid, SIGSTOP) == 0);
+    sleep_ms(P_KA_TIMEOUT_MS + 800);
+    if (p_net.netns)
+        CHECK(!p_sh(why, sizeof(why), "ip -n %s link set %s up",
+                    p_net.ns[0], p_net.veth[0]));
+    else
+        CHECK(kill(a->pid, SIGCONT) == 0);
+    sleep_ms(P_KA_TIMEOUT_MS + 800); /* both sides saw the loss; back */
+    /* rank 1 polls until it is answered with a batch again */
+    int64_t end = now_ms() + 8000;
+    int rc;
+    do {
+        kvx_batch_t *bt = NULL;
+        rc = kvx_poll(s1.c, 0, 200, &bt);
+        if (rc == KVX_OK)
+            kvx_batch_free(bt);
+        else
+            sleep_ms(100);
+    } while (rc != KVX_OK && now_ms() < end);
+    CHECK_EQ(rc, KVX_OK);
+    /* drain what the loss ended on both ranks, then a request that needs
+     * both ranks completes, verified */
+    kvx_batch_t *bt = NULL;
+    while (kvx_poll(s0.c, 0, 100, &bt) == KVX_OK && bt->num_events)
+        kvx_batch_free(bt);
+    kvx_batch_free(bt);
+    fill_req(&c, 2, cb, 7);
+    CHECK_KVX(kvx_publish(c.c, 2, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(s0.c, 2, p.data, p.len, s0.pool, gb, 2, 0, T_MS),
+              s0.c);
+    CHECK_KVX(kvx_fetch(s1.c, 2, p.data, p.len, s1.pool, gb, 2, 0, T_MS),
+              s1.c);
+    ev_t e0 = wait_event(s0.c, 2, KVX_EVENT_COMPLETE, 0, 8000);
+    (void)e0;
+    wait_event(s1.c, 2, KVX_EVENT_COMPLETE, 0, 8000);
+    CHECK_EQ(p_check_req(&s0, 2, gb, 7, 0), 0);
+    CHECK_EQ(p_check_req(&s1, 2, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&s1);
+    rank_close(&s0);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 /* The root daemon's rank 0 joins after the member's rank 1 did. Rank 1's
