@@ -127,8 +127,6 @@ typedef struct held {
     uint64_t sid;
     uint8_t *reply;        /* packed Kvxfer__Reply */
     size_t len;
-    uint64_t *ids;         /* the requests it waits for */
-    uint32_t nids;
     uint64_t since_ms;
     struct held *next;
 } held_t;
@@ -498,40 +496,46 @@ void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
 
 /* ---- the fence of a merged batch ---------------------------------------- */
 
-int agree_fence_batch(instance_t *inst, uint64_t sid, const Kvxfer__Reply *r)
+/* The requests a merged batch ends (not COMPLETE: every daemon reported
+ * those after its fence) that still run on this daemon; with end set,
+ * they are ended first (ERROR, the event's code). Never called from
+ * inside a delivery: ending a request reports it, which can seal and
+ * deliver a batch again. */
+static uint32_t batch_runs(instance_t *inst, const Kvxfer__PollReply *pr,
+                           int end)
 {
-    if (!agree_spread(inst) || !r->poll || !r->poll->n_events)
-        return 0;
-    uint64_t *ids = NULL;
     uint32_t n = 0;
-    for (size_t i = 0; i < r->poll->n_events; i++) {
-        const Kvxfer__Event *e = r->poll->events[i];
+    for (size_t i = 0; i < pr->n_events; i++) {
+        const Kvxfer__Event *e = pr->events[i];
         if ((int)e->kind == KVX_EVENT_COMPLETE)
-            continue; /* every daemon reported it, after its fence */
+            continue;
         char m[400];
         snprintf(m, sizeof(m), "ended on another daemon of instance %s: %s",
                  inst->id, e->message ? e->message : "");
-        if (!xfer_request_runs(inst, e->request_id, e->code, m))
-            continue;
-        uint64_t *v = realloc(ids, (n + 1) * sizeof(*ids));
-        if (!v)
-            break; /* out of memory: send it as it is */
-        ids = v;
-        ids[n++] = e->request_id;
+        n += xfer_request_runs(inst, e->request_id, e->code, end ? m : NULL);
+        if (!(inst = instance_find(inst->id)))
+            return 0; /* gone with its last request */
     }
-    held_t *h = n ? calloc(1, sizeof(*h)) : NULL;
+    return n;
+}
+
+int agree_fence_batch(instance_t *inst, uint64_t sid, const Kvxfer__Reply *r)
+{
+    if (!agree_spread(inst) || !r->poll || !r->poll->n_events ||
+        !batch_runs(inst, r->poll, 0))
+        return 0;
+    /* held: the tick ends those requests and sends it once they are
+     * fenced */
+    held_t *h = calloc(1, sizeof(*h));
     size_t len = kvxfer__reply__get_packed_size(r);
     if (!h || !(h->reply = malloc(len ? len : 1))) {
         free(h);
-        free(ids);
-        return 0;
+        return 0; /* out of memory: send it as it is */
     }
     kvxfer__reply__pack(r, h->reply);
     h->len = len;
     snprintf(h->instance, sizeof(h->instance), "%s", inst->id);
     h->sid = sid;
-    h->ids = ids;
-    h->nids = n;
     h->since_ms = kvxd_now_ms();
     h->next = helds;
     helds = h;
@@ -542,16 +546,14 @@ static void helds_tick(uint64_t now)
 {
     for (held_t **pp = &helds; *pp;) {
         held_t *h = *pp;
+        Kvxfer__Reply *r = kvxfer__reply__unpack(NULL, h->len, h->reply);
         instance_t *inst = instance_find(h->instance);
-        int runs = 0;
-        for (uint32_t i = 0; inst && i < h->nids && !runs; i++)
-            runs = xfer_request_runs(inst, h->ids[i], 0, NULL);
-        if (runs) {
-            pp = &h->next;
+        if (r && inst && r->poll && batch_runs(inst, r->poll, 1)) {
+            kvxfer__reply__free_unpacked(r, NULL);
+            pp = &h->next; /* their fences are not done yet */
             continue;
         }
         *pp = h->next;
-        Kvxfer__Reply *r = kvxfer__reply__unpack(NULL, h->len, h->reply);
         if (r) {
             log_debug("instance %s: a batch held %llu ms for its fence",
                       h->instance, (unsigned long long)(now - h->since_ms));
@@ -559,8 +561,8 @@ static void helds_tick(uint64_t now)
             kvxfer__reply__free_unpacked(r, NULL);
         }
         free(h->reply);
-        free(h->ids);
         free(h);
+        pp = &helds; /* ending requests may have changed the list */
     }
 }
 
@@ -1062,7 +1064,6 @@ void agree_cleanup(void)
         held_t *h = helds;
         helds = h->next;
         free(h->reply);
-        free(h->ids);
         free(h);
     }
 }

@@ -1381,10 +1381,20 @@ void xfer_tick(uint64_t now)
             offer_drop(o);
             continue;
         }
-        char m[128];
-        snprintf(m, sizeof(m),
-                 "offer lease of %u ms expired (%u of %u ranks published)",
-                 kvxd.conf.offer_lease_ms, o->npublished, o->inst->nlocal);
+        char m[192];
+        if (o->streams_expect) /* taken through a peer: the backstop */
+            snprintf(m, sizeof(m),
+                     "taken by a peer daemon that did not finish within "
+                     "offer_lease_ms + fetch_timeout_ms (%u ms; %u of %u "
+                     "streams done)",
+                     kvxd.conf.offer_lease_ms + kvxd.conf.fetch_timeout_ms,
+                     o->streams_done, o->streams_expect);
+        else
+            snprintf(m, sizeof(m),
+                     "offer lease of %u ms expired (%u of %u ranks "
+                     "published)",
+                     kvxd.conf.offer_lease_ms, o->npublished,
+                     o->inst->nlocal);
         offer_end(o, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
     }
     while (timeouts.head && timeouts.head->deadline_ms <= now) {

@@ -1988,6 +1988,58 @@ TEST_T(peer_spread_link_flap, 60)
     p_stop_both(a, b);
 }
 
+/* The fence of a merged batch: a spread generation instance (rank 0 on
+ * A, the root; rank 1 on B) fetches a request whose part on B fails at
+ * its first scatter (KVXFERD_FAULT) while A's part is still pulling (64
+ * KiB slots, 2 of them). The root emits the error at once; before rank 0
+ * reads it, A ends its own part and waits for its fence: when rank 0 has
+ * the event, A no longer runs the request (before, A went on writing
+ * rank 0's blocks after rank 0 was told they were free). */
+TEST_T(peer_spread_error_fences_other_daemon, 60)
+{
+    p_setup();
+    const char *peer = "  slot_bytes: 64KiB\n  slots: 2\n";
+    daemon_t *a = p_daemon(0, P_SECRET, peer, NULL);
+    setenv("KVXFERD_FAULT", "scatter:1", 1);
+    daemon_t *b = p_daemon(1, P_SECRET, peer, NULL);
+    unsetenv("KVXFERD_FAULT");
+    static side_t cs, ss;
+    p_side(&cs, "fb-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side2(&ss, "fb-gen", KVX_ROLE_GENERATION);
+    enum { NB = 2048 };
+    rank_t c, s0, s1;
+    rank_open(a, &M_SMALL, &cs, 0, NB, &c);
+    const char *addrs[2];
+    p_spread_hello(a, b, &ss, &s0, &s1, addrs);
+    CHECK_KVX(kvx_join(s0.c, addrs, 2, T_MS), s0.c);
+    CHECK_KVX(kvx_join(s1.c, addrs, 2, T_MS), s1.c);
+    rank_pool(&s0, NB);
+    rank_pool(&s1, NB);
+    static uint32_t bl[NB];
+    for (uint32_t i = 0; i < NB; i++)
+        bl[i] = i;
+    uint32_t ntok = NB * 4;
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 5, c.pool, bl, NB, ntok, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(s0.c, 5, p.data, p.len, s0.pool, bl, NB, 0, T_MS),
+              s0.c);
+    CHECK_KVX(kvx_fetch(s1.c, 5, p.data, p.len, s1.pool, bl, NB, 0, T_MS),
+              s1.c);
+    ev_t e = wait_event(s0.c, 5, KVX_EVENT_ERROR, KVX_ERR_IO, 10000);
+    char *json;
+    CHECK_KVX(kvx_requests_json(s0.c, &json, T_MS), s0.c);
+    fprintf(stderr, "rank 0 got: %s; A's requests then: %.300s\n", e.msg,
+            json);
+    CHECK(strstr(json, "fb-gen") == NULL); /* A's part is fenced, gone */
+    free(json);
+    wait_event(s1.c, 5, KVX_EVENT_ERROR, KVX_ERR_IO, 10000);
+    kvx_context_params_free(&p);
+    rank_close(&s1);
+    rank_close(&s0);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 /* The root daemon's rank 0 joins after the member's rank 1 did. Rank 1's
