@@ -187,6 +187,22 @@ typedef struct offer_fail {
 } offer_fail_t;
 static offer_fail_t *ofails;
 
+/* An offer-done that came before the offer (its ranks had not published
+ * yet): applied at the publish, or dropped after offer_lease_ms. */
+typedef struct done_note {
+    char instance[INSTANCE_ID_MAX + 1];
+    uint64_t request_id;
+    uint64_t until_ms;
+    struct done_note *next;
+} done_note_t;
+static done_note_t *done_notes;
+static uint32_t ndone_notes;
+#define DONE_NOTES_MAX 4096
+static int done_notes_apply(offer_t *o);
+static void done_notes_tick(uint64_t now);
+static void offer_done_notify(offer_t *o);
+
+
 #define OPEN_RETRY_MS 2000
 
 static slots_t rslots, sslots;
@@ -416,6 +432,12 @@ int remote_init(char *why, size_t why_len)
 
 void remote_cleanup(void)
 {
+    while (done_notes) {
+        done_note_t *n = done_notes;
+        done_notes = n->next;
+        free(n);
+    }
+    ndone_notes = 0;
     while (ofails) {
         offer_fail_t *f = ofails;
         ofails = f->next;
@@ -1093,6 +1115,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     if (!o->streams_expect) {
         o->streams_expect = streams_expected(o, &dst, m->skip_tokens, m);
         snprintf(o->rconsumer, sizeof(o->rconsumer), "%s", who);
+        o->rdst = dst;
+        o->rskip = m->skip_tokens;
         xfer_offer_taken(o);
     }
     o->streams_opened++;
@@ -1451,6 +1475,8 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
 
 void remote_offer_published(offer_t *o)
 {
+    if (done_notes && done_notes_apply(o))
+        return; /* o may have ended: not used below */
     if (o->streams)
         serve_pulls();
 }
@@ -1465,6 +1491,137 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
         sstream_end(s); /* may free s */
         if (peer_conn_alive(c))
             send_end(c, dst, code, msg);
+    }
+}
+
+/* ---- S: context daemons whose ranks the consumer does not read -------- */
+
+
+/* o is read to the end by its consumer: tell each daemon of the context
+ * instance none of whose ranks the consumer reads (replicated heads read
+ * from other replicas) that its part is complete too, or its offer would
+ * wait for a stream that never comes and end TIMED_OUT. */
+static void offer_done_notify(offer_t *o)
+{
+    instance_t *inst = o->inst;
+    if (inst->nlocal == inst->nranks || !peer_enabled())
+        return;
+    uint8_t *read = calloc(inst->nranks, 1);
+    if (!read)
+        return;
+    uint32_t ranks = plan_side_ranks(&o->rdst);
+    for (uint32_t r = 0; r < ranks; r++) {
+        plan_t *p;
+        char why[64];
+        if (plan_build(&o->side, &o->rdst, r, o->num_tokens, o->rskip, &p,
+                       why, sizeof(why)))
+            continue;
+        for (uint32_t i = 0; i < p->nslices; i++)
+            if (p->slices[i].src_rank < inst->nranks)
+                read[p->slices[i].src_rank] = 1;
+        plan_free(p);
+    }
+    for (uint32_t r = 0; r < inst->nranks; r++) {
+        const char *addr = inst->addresses[r];
+        int any = 0, first = 1;
+        for (uint32_t q = 0; q < inst->nranks; q++)
+            if (!strcmp(inst->addresses[q], addr)) {
+                any |= read[q];
+                if (q < r)
+                    first = 0; /* that daemon is told once */
+            }
+        if (any || !first || inst->local[r])
+            continue;
+        char why[256];
+        peer_conn_t *c = peer_connect(addr, why, sizeof(why));
+        if (!c)
+            continue;
+        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+        Kvxfer__PeerOfferDone d = KVXFER__PEER_OFFER_DONE__INIT;
+        d.instance_id = inst->id;
+        d.request_id = o->request_id;
+        d.token.data = o->token;
+        d.token.len = TOKEN_LEN;
+        m.m_case = KVXFER__PEER_MSG__M_OFFER_DONE;
+        m.offer_done = &d;
+        peer_send(c, &m);
+    }
+    free(read);
+}
+
+/* The part of offer o on this daemon is complete: none of its ranks is
+ * read. Only an offer no stream took. */
+static void offer_done_apply(offer_t *o)
+{
+    if (o->streams_expect || o->ending || o->consumed || o->consume_fenced)
+        return;
+    xfer_offer_remote_done(o, 1, 0, "");
+}
+
+static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
+{
+    instance_t *inst = d->instance_id ? instance_find(d->instance_id) : NULL;
+    if (!inst || !inst->joined || d->token.len != TOKEN_LEN)
+        return;
+    /* from a daemon of the instance, with the offer's token */
+    int member = 0;
+    for (uint32_t r = 0; r < inst->nranks; r++)
+        member |= !strcmp(inst->addresses[r], peer_conn_address(c));
+    if (!member)
+        return;
+    uint8_t tok[TOKEN_LEN];
+    peer_token(inst->id, inst->addresses[0], d->request_id, tok);
+    uint8_t diff = 0;
+    for (size_t i = 0; i < TOKEN_LEN; i++)
+        diff |= tok[i] ^ d->token.data[i];
+    if (diff)
+        return;
+    offer_t *o = map_get(&inst->offers, d->request_id);
+    if (o) {
+        offer_done_apply(o);
+        return;
+    }
+    if (ndone_notes >= DONE_NOTES_MAX)
+        return;
+    done_note_t *n = calloc(1, sizeof(*n));
+    if (!n)
+        return;
+    snprintf(n->instance, sizeof(n->instance), "%s", inst->id);
+    n->request_id = d->request_id;
+    n->until_ms = kvxd_now_ms() + kvxd.conf.offer_lease_ms;
+    n->next = done_notes;
+    done_notes = n;
+    ndone_notes++;
+}
+
+/* A publish: an offer-done that came first applies now (1). */
+static int done_notes_apply(offer_t *o)
+{
+    for (done_note_t **pp = &done_notes; *pp; pp = &(*pp)->next) {
+        done_note_t *n = *pp;
+        if (n->request_id == o->request_id &&
+            !strcmp(n->instance, o->inst->id)) {
+            *pp = n->next;
+            free(n);
+            ndone_notes--;
+            offer_done_apply(o);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void done_notes_tick(uint64_t now)
+{
+    for (done_note_t **pp = &done_notes; *pp;) {
+        done_note_t *n = *pp;
+        if (now < n->until_ms) {
+            pp = &n->next;
+            continue;
+        }
+        *pp = n->next;
+        free(n);
+        ndone_notes--;
     }
 }
 
@@ -1494,8 +1651,10 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
             log_warn("%s", m);
             xfer_offer_remote_done(o, 0, KVX_ERR_PROTOCOL, m);
         } else if (e->code == 0) {
-            if (++o->streams_done == o->streams_expect)
+            if (++o->streams_done == o->streams_expect) {
+                offer_done_notify(o);
                 xfer_offer_remote_done(o, 1, 0, "");
+            }
         } else {
             char m[300];
             snprintf(m, sizeof(m), "generation side: %s",
@@ -1552,6 +1711,9 @@ void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         break;
     case KVXFER__PEER_MSG__M_PULL:
         on_pull(c, m->pull);
+        break;
+    case KVXFER__PEER_MSG__M_OFFER_DONE:
+        on_offer_done(c, m->offer_done);
         break;
     case KVXFER__PEER_MSG__M_END:
         /* the direction tells which side it is for: streams a daemon
@@ -1650,6 +1812,7 @@ void remote_tick(uint64_t now)
 {
     if (!peer_enabled())
         return;
+    done_notes_tick(now);
     while (ofails) { /* sources serve_pulls() could not bind */
         offer_fail_t *f = ofails;
         ofails = f->next;

@@ -2040,6 +2040,60 @@ TEST_T(peer_spread_error_fences_other_daemon, 60)
     p_stop_both(a, b);
 }
 
+/* A spread context instance with replicated heads (one KV head over tp
+ * 2: rank 0 on A, rank 1 on B) and a generation instance of tp 1 on B,
+ * which reads the head from rank 0's replica only: rank 1's offer on B
+ * is never opened. The request completes for both context ranks (not
+ * TIMED_OUT when B's offer lease runs out). */
+static const model_t M_1H = {
+    .layers = 4, .heads = 1, .head_dim = 32, .kv = 2, .dtype = KVX_DTYPE_BF16};
+
+TEST_T(peer_spread_replicated_unread_rank, 60)
+{
+    p_setup();
+    const char *dl = "deadlines:\n  offer_lease_ms: 1500\n";
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, dl);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, dl);
+    static side_t cs, gs;
+    p_side2(&cs, "ru-ctx", KVX_ROLE_CONTEXT);
+    p_side(&gs, "ru-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_t c0, c1, g;
+    rank_hello_only(a, &M_1H, &cs, 0, &c0);
+    rank_hello_only(b, &M_1H, &cs, 1, &c1);
+    const char *addrs[2] = {c0.addr, c1.addr};
+    CHECK_KVX(kvx_join(c0.c, addrs, 2, T_MS), c0.c);
+    CHECK_KVX(kvx_join(c1.c, addrs, 2, T_MS), c1.c);
+    rank_pool(&c0, 8);
+    rank_pool(&c1, 8);
+    rank_open(b, &M_1H, &gs, 0, 8, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {4, 5};
+    fill_req(&c0, 3, cb, 7);
+    fill_req(&c1, 3, cb, 7);
+    kvx_context_params_t p, p1;
+    CHECK_KVX(kvx_publish(c0.c, 3, c0.pool, cb, 2, 7, &p, T_MS), c0.c);
+    CHECK_KVX(kvx_publish(c1.c, 3, c1.pool, cb, 2, 7, &p1, T_MS), c1.c);
+    CHECK_KVX(kvx_fetch(g.c, 3, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 3, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 3, gb, 7, 0), 0);
+    /* both context ranks: COMPLETE, in the same batch, before and after
+     * B's offer lease would have run out */
+    ev_t e0 = wait_event(c0.c, 3, KVX_EVENT_COMPLETE, 0, 5000);
+    ev_t e1 = wait_event(c1.c, 3, KVX_EVENT_COMPLETE, 0, 5000);
+    (void)e0;
+    (void)e1;
+    sleep_ms(2000);
+    kvx_batch_t *bt = NULL;
+    CHECK_KVX(kvx_poll(c0.c, 0, 100, &bt), c0.c);
+    CHECK_EQ(bt->num_events, 0); /* no second event for request 3 */
+    kvx_batch_free(bt);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&p1);
+    rank_close(&g);
+    rank_close(&c1);
+    rank_close(&c0);
+    p_stop_both(a, b);
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 /* The root daemon's rank 0 joins after the member's rank 1 did. Rank 1's
