@@ -262,6 +262,18 @@ static void p_spread_hello(daemon_t *a, daemon_t *b, const side_t *s,
     addrs[1] = r1->addr;
 }
 
+/* p_spread_hello(), then both ranks join and get pools of nblocks. */
+static void p_spread_open(daemon_t *a, daemon_t *b, const side_t *s,
+                          uint32_t nblocks, rank_t *r0, rank_t *r1)
+{
+    const char *addrs[2];
+    p_spread_hello(a, b, s, r0, r1, addrs);
+    CHECK_KVX(kvx_join(r0->c, addrs, 2, T_MS), r0->c);
+    CHECK_KVX(kvx_join(r1->c, addrs, 2, T_MS), r1->c);
+    rank_pool(r0, nblocks);
+    rank_pool(r1, nblocks);
+}
+
 /* Daemons A and B with the cluster secret; peer: more lines of their
  * peer sections (NULL: the default settings). */
 static void p_two_daemons_with(const char *peer, daemon_t **a,
@@ -1456,12 +1468,7 @@ TEST_T(peer_spread_context_late_publish, 60)
     static side_t gs;
     p_side(&gs, "sc-gen", KVX_ROLE_GENERATION, "trtllm", 4);
     rank_t c0, c1, g;
-    const char *addrs[2];
-    p_spread_hello(a, b, &cs, &c0, &c1, addrs);
-    CHECK_KVX(kvx_join(c0.c, addrs, 2, T_MS), c0.c);
-    CHECK_KVX(kvx_join(c1.c, addrs, 2, T_MS), c1.c);
-    rank_pool(&c0, 8);
-    rank_pool(&c1, 8);
+    p_spread_open(a, b, &cs, 8, &c0, &c1);
     rank_open(a, &M_SMALL, &gs, 0, 8, &g);
     memset(g.base, 0xa5, g.size);
 
@@ -1535,15 +1542,22 @@ static pid_t rank1_spawn(void (*fn)(void *), rr_arg_t **out, daemon_t *b,
     return kid;
 }
 
+/* In rank 1's child: say hello on a->d, join with rank 0 at a->addr0,
+ * and tell the parent (a->joined). */
+static void rank1_join(rr_arg_t *a, rank_t *g)
+{
+    rank_hello_only(a->d, &M_SMALL, a->s, 1, g);
+    snprintf(a->addr1, sizeof(a->addr1), "%s", g->addr);
+    const char *addrs[2] = {a->addr0, g->addr};
+    CHECK_KVX(kvx_join(g->c, addrs, 2, T_MS), g->c);
+    atomic_store(&a->joined, 1);
+}
+
 static void rr_rank1_main(void *arg)
 {
     rr_arg_t *a = arg;
     rank_t g;
-    rank_hello_only(a->d, &M_SMALL, a->s, 1, &g);
-    snprintf(a->addr1, sizeof(a->addr1), "%s", g.addr);
-    const char *addrs[2] = {a->addr0, g.addr};
-    CHECK_KVX(kvx_join(g.c, addrs, 2, T_MS), g.c);
-    atomic_store(&a->joined, 1);
+    rank1_join(a, &g);
     kvx_batch_t *b;
     kvx_poll(g.c, 1000, 20000, &b); /* killed while it waits */
     _exit(1);
@@ -1603,11 +1617,7 @@ static void rl_rank1_main(void *arg)
 {
     rr_arg_t *a = arg;
     rank_t g;
-    rank_hello_only(a->d, &M_SMALL, a->s, 1, &g);
-    snprintf(a->addr1, sizeof(a->addr1), "%s", g.addr);
-    const char *addrs[2] = {a->addr0, g.addr};
-    CHECK_KVX(kvx_join(g.c, addrs, 2, T_MS), g.c);
-    atomic_store(&a->joined, 1);
+    rank1_join(a, &g);
     kvx_batch_t *b = NULL;
     int64_t t0 = now_ms();
     a->rc = kvx_poll(g.c, 1, 8000, &b);
@@ -1876,12 +1886,7 @@ TEST_T(peer_handshake_shortcuts, 90)
     static side_t ss;
     p_side2(&ss, "hs-spread", KVX_ROLE_GENERATION);
     rank_t s0, s1;
-    const char *addrs[2];
-    p_spread_hello(a, b, &ss, &s0, &s1, addrs);
-    CHECK_KVX(kvx_join(s0.c, addrs, 2, T_MS), s0.c);
-    CHECK_KVX(kvx_join(s1.c, addrs, 2, T_MS), s1.c);
-    rank_pool(&s0, 8);
-    rank_pool(&s1, 8);
+    p_spread_open(a, b, &ss, 8, &s0, &s1);
     snprintf(args, sizeof(args), "claim %s %s 1", a_ipport, s1.addr);
     fk = p_fake(1, args, NULL, 0);
     p_fake_rest(fk, out, sizeof(out));
@@ -1920,12 +1925,7 @@ TEST_T(peer_spread_link_flap, 60)
     p_side2(&ss, "lf-gen", KVX_ROLE_GENERATION);
     rank_t c, s0, s1;
     rank_open(a, &M_SMALL, &cs, 0, 8, &c);
-    const char *addrs[2];
-    p_spread_hello(a, b, &ss, &s0, &s1, addrs);
-    CHECK_KVX(kvx_join(s0.c, addrs, 2, T_MS), s0.c);
-    CHECK_KVX(kvx_join(s1.c, addrs, 2, T_MS), s1.c);
-    rank_pool(&s0, 8);
-    rank_pool(&s1, 8);
+    p_spread_open(a, b, &ss, 8, &s0, &s1);
     uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
     /* one request first: the daemons are connected */
     fill_req(&c, 1, cb, 7);
@@ -2009,12 +2009,7 @@ TEST_T(peer_spread_error_fences_other_daemon, 60)
     enum { NB = 2048 };
     rank_t c, s0, s1;
     rank_open(a, &M_SMALL, &cs, 0, NB, &c);
-    const char *addrs[2];
-    p_spread_hello(a, b, &ss, &s0, &s1, addrs);
-    CHECK_KVX(kvx_join(s0.c, addrs, 2, T_MS), s0.c);
-    CHECK_KVX(kvx_join(s1.c, addrs, 2, T_MS), s1.c);
-    rank_pool(&s0, NB);
-    rank_pool(&s1, NB);
+    p_spread_open(a, b, &ss, NB, &s0, &s1);
     static uint32_t bl[NB];
     for (uint32_t i = 0; i < NB; i++)
         bl[i] = i;
@@ -2094,8 +2089,6 @@ TEST_T(peer_spread_replicated_unread_rank, 60)
     p_stop_both(a, b);
 }
 
-/* Bad peer configuration is refused with a message naming the problem:
- * by --check-config, and by a daemon at start (the secret file). */
 /* The root daemon's rank 0 joins after the member's rank 1 did. Rank 1's
  * poll, forwarded before the root joined, is asked again and answered
  * (an empty batch at its deadline), not refused. A rank 1 that left
@@ -2105,11 +2098,7 @@ static void lj_rank1_main(void *arg)
 {
     rr_arg_t *a = arg;
     rank_t g;
-    rank_hello_only(a->d, &M_SMALL, a->s, 1, &g);
-    snprintf(a->addr1, sizeof(a->addr1), "%s", g.addr);
-    const char *addrs[2] = {a->addr0, g.addr};
-    CHECK_KVX(kvx_join(g.c, addrs, 2, T_MS), g.c);
-    atomic_store(&a->joined, 1);
+    rank1_join(a, &g);
     kvx_batch_t *b = NULL;
     a->rc = kvx_poll(g.c, 1, 1500, &b); /* before the root has joined */
     if (a->rc == KVX_OK) {
@@ -2246,6 +2235,8 @@ TEST_T(peer_spread_event_before_root_joined, 60)
     p_stop_both(a, b);
 }
 
+/* Bad peer configuration is refused with a message naming the problem:
+ * by --check-config, and by a daemon at start (the secret file). */
 TEST(peer_config_errors)
 {
     h_init();
