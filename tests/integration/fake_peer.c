@@ -16,6 +16,12 @@
  *   fake_peer claim TARGET_IP:PORT CLAIMED_ADDRESS SECONDS
  *       connects to TARGET, says HELLO as CLAIMED_ADDRESS, then sends a
  *       PING instead of a RESPONSE (which fails the connection there).
+ *   fake_peer replay SECRET_FILE IP TARGET_IP:PORT SECONDS
+ *       a daemon that knows the secret but misbehaves: listens on IP,
+ *       authenticates the daemon that dials it, takes its first OPEN,
+ *       then authenticates to TARGET and sends it that OPEN twice;
+ *       prints "opened" for each OPENED and "end CODE MESSAGE" for each
+ *       END that TARGET answers.
  *
  * Exits after SECONDS; prints "done".
  */
@@ -26,6 +32,9 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <sys/random.h>
 #include <ucp/api/ucp.h>
 
 #include "kvxfer.pb-c.h"
@@ -97,6 +106,7 @@ static ucp_ep_h dial(const char *ipport)
  * callback (which must not progress the worker). */
 typedef struct out {
     int to_target; /* 0: the daemon that dialled us; 1: the one we dialled */
+    ucp_ep_h ep;   /* or this one, when set */
     uint8_t *buf;
     size_t len;
 } out_t;
@@ -107,6 +117,7 @@ static void queue_raw(int to_target, const void *buf, size_t len)
 {
     if (nout == 64)
         return;
+    outq[nout].ep = NULL;
     outq[nout].to_target = to_target;
     outq[nout].buf = malloc(len ? len : 1);
     memcpy(outq[nout].buf, buf, len);
@@ -145,7 +156,9 @@ static void flush(void)
         to_ep = dial(target);
     int kept = 0;
     for (int i = 0; i < nout; i++) {
-        ucp_ep_h ep = outq[i].to_target ? to_ep : from_ep;
+        ucp_ep_h ep = outq[i].ep         ? outq[i].ep
+                      : outq[i].to_target ? to_ep
+                                          : from_ep;
         if (!ep) {
             outq[kept++] = outq[i];
             continue;
@@ -154,6 +167,126 @@ static void flush(void)
         free(outq[i].buf);
     }
     nout = kept;
+}
+
+/* replay mode: the secret, both handshakes' nonces, the OPEN taken */
+static uint8_t secret[4096];
+static size_t secret_len;
+static uint8_t nc_in[32], ns_in[32], nc_out[32];
+static char from_addr[192];
+static uint8_t *open_buf;
+static size_t open_len;
+
+/* The daemons' handshake MAC (daemon/peer.c, protocol 2). */
+static void mac(const char *label, const uint8_t *nc, const uint8_t *ns,
+                const char *server, const char *client, uint8_t out[32])
+{
+    uint8_t msg[8 + 64 + 2 * 192 + 1];
+    size_t n = 0, l = strlen(label), ls = strnlen(server, 191),
+           lc = strnlen(client, 191);
+    memcpy(msg, label, l);
+    n += l;
+    memcpy(msg + n, nc, 32);
+    n += 32;
+    memcpy(msg + n, ns, 32);
+    n += 32;
+    memcpy(msg + n, server, ls);
+    n += ls;
+    msg[n++] = '\n';
+    memcpy(msg + n, client, lc);
+    n += lc;
+    unsigned len = 32;
+    HMAC(EVP_sha256(), secret, (int)secret_len, msg, n, out, &len);
+}
+
+static void replay_msg(const Kvxfer__PeerMsg *m, const void *data, size_t len,
+                       ucp_ep_h reply)
+{
+    Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
+    uint8_t tag[32];
+    switch (m->m_case) {
+    case KVXFER__PEER_MSG__M_HELLO: { /* the daemon that dials us */
+        Kvxfer__PeerChallenge ch = KVXFER__PEER_CHALLENGE__INIT;
+        memcpy(nc_in, m->hello->nonce.data,
+               m->hello->nonce.len == 32 ? 32 : 0);
+        snprintf(from_addr, sizeof(from_addr), "%s",
+                 m->hello->address ? m->hello->address : "");
+        if (getrandom(ns_in, 32, 0) != 32)
+            die("getrandom");
+        mac("kvx-s", nc_in, ns_in, my_addr, from_addr, tag);
+        ch.address = my_addr;
+        ch.nonce.data = ns_in;
+        ch.nonce.len = 32;
+        ch.mac.data = tag;
+        ch.mac.len = 32;
+        out.m_case = KVXFER__PEER_MSG__M_CHALLENGE;
+        out.challenge = &ch;
+        queue_msg(0, &out);
+        break;
+    }
+    case KVXFER__PEER_MSG__M_RESPONSE: { /* ... proves the secret */
+        Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
+        r.message = "";
+        out.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
+        out.auth_result = &r;
+        queue_msg(0, &out);
+        break;
+    }
+    case KVXFER__PEER_MSG__M_OPEN: /* its stream: played to the target */
+        if (!open_buf) {
+            open_buf = malloc(len);
+            memcpy(open_buf, data, len);
+            open_len = len;
+            need_dial = 1;
+            Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
+            if (getrandom(nc_out, 32, 0) != 32)
+                die("getrandom");
+            h.version = 2;
+            h.address = my_addr;
+            h.nonce.data = nc_out;
+            h.nonce.len = 32;
+            out.m_case = KVXFER__PEER_MSG__M_HELLO;
+            out.hello = &h;
+            queue_msg(1, &out);
+        }
+        break;
+    case KVXFER__PEER_MSG__M_CHALLENGE: { /* the target's */
+        Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
+        mac("kvx-c", nc_out, m->challenge->nonce.data,
+            m->challenge->address ? m->challenge->address : "", my_addr,
+            tag);
+        r.mac.data = tag;
+        r.mac.len = 32;
+        out.m_case = KVXFER__PEER_MSG__M_RESPONSE;
+        out.response = &r;
+        queue_msg(1, &out);
+        break;
+    }
+    case KVXFER__PEER_MSG__M_AUTH_RESULT: /* the target let us in */
+        printf("auth_result %d\n", m->auth_result->code);
+        if (m->auth_result->code == 0) {
+            queue_raw(1, open_buf, open_len);
+            queue_raw(1, open_buf, open_len);
+        }
+        break;
+    case KVXFER__PEER_MSG__M_OPENED:
+        printf("opened\n");
+        break;
+    case KVXFER__PEER_MSG__M_END:
+        printf("end %d %s\n", m->end->code,
+               m->end->message ? m->end->message : "");
+        break;
+    case KVXFER__PEER_MSG__M_PING: /* keep both daemons' keep-alive */
+        out.m_case = KVXFER__PEER_MSG__M_PONG;
+        out.pong = m->ping;
+        queue_msg(0, &out);
+        if (nout)
+            outq[nout - 1].ep = reply;
+        break;
+    default:
+        break;
+    }
+    fflush(stdout);
 }
 
 static ucs_status_t on_ctrl(void *arg, const void *hdr, size_t hlen,
@@ -169,7 +302,12 @@ static ucs_status_t on_ctrl(void *arg, const void *hdr, size_t hlen,
     if (!m)
         return UCS_OK;
     int kind = (int)m->m_case;
-    if (!strcmp(mode, "skip")) {
+    if (!strcmp(mode, "replay")) {
+        replay_msg(m, data, len,
+                   (prm->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+                       ? prm->reply_ep
+                       : NULL);
+    } else if (!strcmp(mode, "skip")) {
         if (kind == KVXFER__PEER_MSG__M_HELLO) {
             Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
             Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
@@ -270,6 +408,15 @@ int main(int argc, char **argv)
         listen_on(argv[2]);
         target = argv[3];
         seconds = atof(argv[4]);
+    } else if (!strcmp(mode, "replay") && argc >= 6) {
+        FILE *f = fopen(argv[2], "r");
+        if (!f)
+            die("secret file");
+        secret_len = fread(secret, 1, sizeof(secret), f);
+        fclose(f);
+        listen_on(argv[3]);
+        target = argv[4];
+        seconds = atof(argv[5]);
     } else if (!strcmp(mode, "claim") && argc >= 5) {
         to_ep = dial(argv[2]);
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;

@@ -2235,6 +2235,51 @@ TEST_T(peer_spread_event_before_root_joined, 60)
     p_stop_both(a, b);
 }
 
+/* A daemon that knows the secret but misbehaves (fake_peer replay): B
+ * dials it (params naming it as the context rank) and opens its stream
+ * there; it replays that OPEN to A twice. A accepts the stream once and
+ * refuses the second (each stream the consumer needs, once: a second
+ * stream of the same slice could outlive the offer's consumption). */
+TEST_T(peer_open_twice, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "ot-ctx", "ot-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    char a_ipport[64], faddr[192], args[600], out[4096];
+    const char *h = strstr(c.addr, "://");
+    CHECK(h != NULL);
+    snprintf(a_ipport, sizeof(a_ipport), "%.*s",
+             (int)(strrchr(c.addr, '/') - (h + 3)), h + 3);
+    snprintf(args, sizeof(args), "replay %s/secret-A %s %s 3", p_net.dir,
+             p_net.ip[0], a_ipport);
+    FILE *fk = p_fake(0, args, faddr, sizeof(faddr));
+    uint8_t f[4096];
+    size_t fl;
+    p_params_at(&p, faddr, f, &fl);
+    CHECK_KVX(kvx_fetch(g.c, 1, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+    p_fake_rest(fk, out, sizeof(out));
+    fprintf(stderr, "the replaying daemon got:\n%s", out);
+    CHECK_STR_CONTAINS(out, "auth_result 0\nopened\n");
+    CHECK_STR_CONTAINS(out, "has all its 1 streams");
+    CHECK(strstr(strstr(out, "opened\n") + 7, "opened\n") == NULL);
+    /* both ends are cancelled (or ended already, when the fake left);
+     * the daemons stay healthy */
+    int rc = kvx_cancel(g.c, 1, T_MS);
+    CHECK(rc == KVX_OK || rc == KVX_ERR_NOT_FOUND);
+    rc = kvx_cancel(c.c, 1, T_MS);
+    CHECK(rc == KVX_OK || rc == KVX_ERR_NOT_FOUND);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
 /* Bad peer configuration is refused with a message naming the problem:
  * by --check-config, and by a daemon at start (the secret file). */
 TEST(peer_config_errors)
