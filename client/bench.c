@@ -162,10 +162,14 @@ static inline void row_fill(uint8_t *dst, uint32_t rowbytes, uint64_t r,
 static inline int row_check(const uint8_t *src, uint32_t rowbytes, uint64_t r,
                             uint32_t l, uint32_t kv, uint32_t t, uint32_t h)
 {
-    uint8_t want[4096];
-    uint32_t n = rowbytes <= sizeof(want) ? rowbytes : sizeof(want);
-    row_fill(want, n, r, l, kv, t, h);
-    return memcmp(src, want, n) == 0;
+    uint8_t small[4096], *want = small;
+    if (rowbytes > sizeof(small) && !(want = malloc(rowbytes)))
+        die("out of memory checking a row of %u bytes", rowbytes);
+    row_fill(want, rowbytes, r, l, kv, t, h); /* the whole row */
+    int ok = memcmp(src, want, rowbytes) == 0;
+    if (want != small)
+        free(want);
+    return ok;
 }
 
 /* Visit every row of request r held by one rank's blocks. */
@@ -334,11 +338,10 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
 static void barrier(_Atomic uint32_t *ready, _Atomic uint32_t *go)
 {
     atomic_fetch_add(ready, 1);
-    while (!atomic_load(go)) {
-        if (atomic_load(&sh->failed))
-            exit(1);
+    while (!atomic_load(go) && !atomic_load(&sh->failed))
         usleep(100);
-    }
+    if (atomic_load(&sh->failed)) /* another rank failed: stop too */
+        exit(1);
 }
 
 /* Context rank: publish requests [first, first + count), keeping at most
@@ -437,6 +440,8 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
             if (!atomic_load_explicit((_Atomic uint32_t *)s,
                                       memory_order_acquire)) {
                 if (next == done) { /* nothing to poll for: wait a bit */
+                    if (atomic_load(&sh->failed))
+                        exit(1); /* its context rank failed */
                     struct timespec ts = {0, 2000};
                     nanosleep(&ts, NULL);
                     continue;
@@ -599,6 +604,11 @@ static pid_t spawn_daemon(char *sock, size_t len)
         _exit(127);
     }
     daemon_await(pid, daemon, sock, NULL, 500); /* up to 5 s */
+    if (o.ctas && !o.daemon_config) { /* read at start: not needed now */
+        char cfg[128];
+        snprintf(cfg, sizeof(cfg), "/tmp/kvxfer-bench-%d.yaml", (int)getpid());
+        unlink(cfg);
+    }
     return pid;
 }
 
@@ -1019,6 +1029,20 @@ static double perftest_gbps(const char *bin, const char *test, uint64_t size,
     }
     /* ucx_perftest's "MB/s" is 2^20 bytes per second */
     return mibps * 1048576.0 / 1e9;
+}
+
+/* Reap the ranks that exited (without waiting for the others); one that
+ * failed, or died of a signal, marks the run failed. Then a moment's
+ * sleep: the caller polls. */
+static void kids_watch(const pid_t *kids, int *st, int *done, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (!done[i] && waitpid(kids[i], &st[i], WNOHANG) == kids[i]) {
+            done[i] = 1;
+            if (!WIFEXITED(st[i]) || WEXITSTATUS(st[i]))
+                atomic_fetch_add(&sh->failed, 1);
+        }
+    usleep(1000);
 }
 
 /* The median of n values (sorts a copy; n <= 9). */
@@ -1468,8 +1492,17 @@ int main(int argc, char **argv)
     uint32_t per_pair = nctx + ngen;
     uint32_t nproc = per_pair * o.pairs;
     pid_t *kids = calloc(nproc, sizeof(pid_t));
+    int *kst = calloc(nproc, sizeof(int)), *kdone = calloc(nproc, sizeof(int));
+    if (!kids || !kst || !kdone)
+        die("out of memory");
     for (uint32_t i = 0; i < nproc; i++) {
         pid_t p = fork();
+        if (p < 0) { /* the ranks already started stop at their barrier */
+            atomic_fetch_add(&sh->failed, 1);
+            for (uint32_t j = 0; j < i; j++)
+                waitpid(kids[j], NULL, 0);
+            die("fork: %s", strerror(errno));
+        }
         if (p == 0) {
             my_pair = i / per_pair;
             uint32_t k = i % per_pair;
@@ -1480,23 +1513,36 @@ int main(int argc, char **argv)
         }
         kids[i] = p;
     }
+    /* a rank that dies (a signal, or exit before its barrier) fails the
+     * run, so the others stop instead of waiting for it */
     while (atomic_load(&sh->ready) < nproc && !atomic_load(&sh->failed))
-        usleep(1000);
+        kids_watch(kids, kst, kdone, nproc);
     atomic_store(&sh->go, 1);
     while (atomic_load(&sh->ready2) < nproc && !atomic_load(&sh->failed))
-        usleep(1000);
+        kids_watch(kids, kst, kdone, nproc);
     atomic_store(&sh->go2, 1);
     while (atomic_load(&sh->ready3) < nproc && !atomic_load(&sh->failed))
-        usleep(1000);
+        kids_watch(kids, kst, kdone, nproc);
     atomic_store(&sh->go3, 1);
-    int failed = 0;
-    for (uint32_t i = 0; i < nproc; i++) {
-        int st;
-        waitpid(kids[i], &st, 0);
-        failed |= !WIFEXITED(st) || WEXITSTATUS(st);
-        if (failed && !atomic_load(&sh->failed))
-            atomic_fetch_add(&sh->failed, 1);
+    /* every rank exits; after a failure, one still there after 10 s (in
+     * a call that never returns) is killed */
+    uint64_t kill_at = 0;
+    for (uint32_t left = nproc; left;) {
+        kids_watch(kids, kst, kdone, nproc);
+        left = 0;
+        for (uint32_t i = 0; i < nproc; i++)
+            left += !kdone[i];
+        if (atomic_load(&sh->failed) && !kill_at)
+            kill_at = now_ns() + 10000000000ull;
+        for (uint32_t i = 0; kill_at && now_ns() > kill_at && i < nproc; i++)
+            if (!kdone[i])
+                kill(kids[i], SIGKILL);
     }
+    int failed = atomic_load(&sh->failed) != 0;
+    for (uint32_t i = 0; i < nproc; i++)
+        failed |= !WIFEXITED(kst[i]) || WEXITSTATUS(kst[i]);
+    free(kst);
+    free(kdone);
     /* the same transports for the baseline: without --ucx-tls, the ones
      * the daemons' connection used (status "ucx.transports", "tl/dev") */
     static char used_tls[128];
@@ -1626,6 +1672,8 @@ int main(int argc, char **argv)
                             : o.requests - 1] / 1e3;
     int verified = !o.no_verify && sh->mismatches == 0 &&
                    sh->verified_bytes == total;
+    if (!(base > 0)) /* a ratio against nothing is no figure (nor JSON) */
+        die("the baseline measured %.3f GB/s; no ratio can be given", base);
     if (o.json) {
         printf("{\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,"
                "\"verified\":%s,\"requests_per_s\":%.0f,\"p50_us\":%.1f,"

@@ -359,7 +359,11 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
     }
     for (gpu_import_t *i = imports; i; i = i->next)
         if (i->owner == r->owner && i->alloc_id == r->alloc_id &&
-            !memcmp(i->uuid, r->uuid, 16)) {
+            !memcmp(i->uuid, r->uuid, 16) &&
+            /* a legacy handle names the allocation: one freed and made
+             * again at the same address has another, and a new import */
+            (i->vmm || r->vmm ||
+             !memcmp(&i->ipc, r->ipc_handle, sizeof(i->ipc)))) {
             /* the bounds above used the size the client gave: it must be
              * the one the allocation was imported with */
             if (r->alloc_size != i->alloc_size || r->vmm != i->vmm) {
@@ -786,8 +790,20 @@ int gpu_launch(struct copy_job *job, gpu_part_t *gp)
                               !job->packed          ? GPU_PACKED_NONE
                               : job->packed_gather ? GPU_PACKED_GATHER
                                                    : GPU_PACKED_SCATTER);
-    if (e == cudaSuccess)
-        e = waiter_enqueue(d, job, NULL);
+    if (e == cudaSuccess && waiter_enqueue(d, job, NULL) != cudaSuccess) {
+        /* the kernel runs, but its completion cannot be queued: wait for
+         * it here (rare: out of memory), so it is not in flight when the
+         * job comes back */
+        log_error("gpu %d: cannot queue a completion; waiting for the "
+                  "kernel on the loop",
+                  d);
+        cudaError_t w = cudaStreamSynchronize(g.stream[d]);
+        (void)cudaGetLastError();
+        job->status = w == cudaSuccess ? 0 : KVX_ERR_IO;
+        g.launches++;
+        copy__complete(job);
+        return 0;
+    }
     if (e != cudaSuccess) {
         log_error("gpu %d: launch failed: %s", d,
                   cudaGetErrorString((cudaError_t)e));

@@ -324,6 +324,9 @@ extern "C" int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0,
         per = per < spread ? per : spread;
         per = per ? per : 1;
     }
+    /* an error an earlier call left on this thread (a failed allocation)
+     * must not pass for this launch's: clear it, launch, then ask */
+    (void)cudaGetLastError();
     kvx_copy_kernel<<<ctas, THREADS, 0, (cudaStream_t)stream>>>(
         *d, u0, u1, (uint32_t)parts, (uint32_t)per, packed, packed_mode);
     return (int)cudaGetLastError();
