@@ -60,6 +60,7 @@ struct done_item {
 static struct waiter_thread {
     pthread_t th;
     int running, stop;
+    int inited;                    /* mu and cv */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct done_item *head, *tail;
@@ -205,6 +206,7 @@ struct gpu_import {
     cudaIpcMemHandle_t ipc;
     uint64_t alloc_size;
     CUmemGenericAllocationHandle handle;
+    uint8_t access[MAX_DEV];   /* VMM: devices granted access to it */
     unsigned refs;
     struct gpu_import *next;
 };
@@ -293,11 +295,20 @@ static int use_device(int d, char *why, size_t why_len)
             (void)cudaGetLastError();
         }
     }
-    pthread_mutex_init(&wt[d].mu, NULL);
-    pthread_cond_init(&wt[d].cv, NULL);
+    if (!wt[d].inited) {
+        pthread_mutex_init(&wt[d].mu, NULL);
+        pthread_cond_init(&wt[d].cv, NULL);
+        wt[d].inited = 1;
+    }
     if (pthread_create(&wt[d].th, NULL, waiter_main, (void *)(intptr_t)d)) {
         snprintf(why, why_len, "gpu %d: cannot start its completion thread",
                  d);
+        /* undone, so the next use starts it all again */
+        cudaStreamDestroy(g.stream[d]);
+        if (g.staging[d])
+            cudaFree(g.staging[d]);
+        g.staging[d] = NULL;
+        (void)cudaGetLastError();
         return KVX_ERR_IO;
     }
     wt[d].running = 1;
@@ -476,8 +487,11 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
         if ((cr = drv.set_access(va, r->alloc_size, acc, nacc))) {
             /* peers may refuse; the owning device alone must work */
             acc[0].location.id = d;
+            nacc = 1;
             cr = drv.set_access(va, r->alloc_size, acc, 1);
         }
+        for (size_t k = 0; !cr && k < nacc; k++)
+            imp->access[acc[k].location.id] = 1;
         if (cr) {
             snprintf(why, why_len,
                      "register_pool: cuMemSetAccess failed (CUresult %d)",
@@ -544,8 +558,31 @@ void gpu_import_unref(gpu_import_t *imp)
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
                    char *why, size_t why_len)
 {
-    if (imp->vmm || device == imp->device) {
-        *base = imp->base; /* VMM: mapped for every device at import */
+    if (device == imp->device) {
+        *base = imp->base;
+        return 0;
+    }
+    if (imp->vmm) { /* one mapping; each device needs its access right */
+        if (!imp->access[device]) {
+            int rc = use_device(device, why, why_len);
+            if (rc)
+                return rc;
+            CUmemAccessDesc acc = {
+                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
+                             .id = device},
+                .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+            CUresult cr = drv.set_access((CUdeviceptr)(uintptr_t)imp->base,
+                                         imp->alloc_size, &acc, 1);
+            if (cr) {
+                snprintf(why, why_len,
+                         "gpu %d cannot access a VMM pool of gpu %d "
+                         "(cuMemSetAccess: CUresult %d)",
+                         device, imp->device, (int)cr);
+                return KVX_ERR_UNSUPPORTED;
+            }
+            imp->access[device] = 1;
+        }
+        *base = imp->base;
         return 0;
     }
     if (!imp->base_on[device]) {
