@@ -72,6 +72,7 @@ typedef struct spread {
     map_t merges[2];       /* root: request_id -> merge; [1] offers */
     fpoll_t *poll;         /* member: per rank */
     late_t **late;         /* member: per rank */
+    uint64_t *away_ms;     /* root: since when a rank is away */
     struct spread *next;
 } spread_t;
 
@@ -155,9 +156,12 @@ static spread_t *spread_of(instance_t *inst, int create)
         return NULL;
     spread_t *s = calloc(1, sizeof(*s));
     if (!s || !(s->poll = calloc(inst->nranks, sizeof(fpoll_t))) ||
-        !(s->late = calloc(inst->nranks, sizeof(late_t *)))) {
-        if (s)
+        !(s->late = calloc(inst->nranks, sizeof(late_t *))) ||
+        !(s->away_ms = calloc(inst->nranks, sizeof(uint64_t)))) {
+        if (s) {
             free(s->poll);
+            free(s->late);
+        }
         free(s);
         return NULL;
     }
@@ -192,6 +196,7 @@ void agree_forget(instance_t *inst)
                     free(l);
                 }
             free(s->late);
+            free(s->away_ms);
             free(s->poll);
             free(s);
             return;
@@ -400,7 +405,10 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
         strcmp(inst->addresses[r->rank], peer_conn_address(c)))
         return;
     int present = inst->batches.present[r->rank];
-    if (r->joined && !present) {
+    if (r->joined && present && inst->batches.away[r->rank]) {
+        /* back after a lost link: it reads on from where it was */
+        batch_rank_back(&inst->batches, r->rank);
+    } else if (r->joined && !present) {
         batch_rank_join(&inst->batches, r->rank);
     } else if (!r->joined && present) {
         batch_rank_leave(&inst->batches, r->rank);
@@ -446,7 +454,7 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
     for (uint32_t r = 0; created && kind == KVX_EVENT_COMPLETE &&
                          expect == inst->nranks && r < inst->nranks;
          r++)
-        if (!inst->local[r] && !inst->batches.present[r]) {
+        if (!inst->local[r] && !batch_rank_here(&inst->batches, r)) {
             char gone[300];
             snprintf(gone, sizeof(gone),
                      "rank %u of instance %s (daemon %s) is not connected",
@@ -770,7 +778,7 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     else if (p->rank >= inst->nranks || inst->local[p->rank] ||
              strcmp(inst->addresses[p->rank], peer_conn_address(c)))
         bad = "has no such rank at that daemon";
-    else if (!inst->batches.present[p->rank]) {
+    else if (!batch_rank_here(&inst->batches, p->rank)) {
         /* its daemon was lost (or its client left): not counted in the
          * batches until it is announced again; asked again until then */
         bad = "does not count that rank now (its daemon was lost, and "
@@ -921,11 +929,18 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
             }
             continue;
         }
+        /* its ranks are away: they keep their place in the batches, so
+         * when the link is back (the member announces them again) they
+         * read every batch sealed meanwhile; not back within
+         * ANNOUNCE_FOR_MS, they leave (agree_tick()) */
         int had = 0;
-        for (uint32_t r = 0; r < inst->nranks; r++)
+        if (!s)
+            s = spread_of(inst, 1);
+        for (uint32_t r = 0; s && r < inst->nranks; r++)
             if (!inst->local[r] && !strcmp(inst->addresses[r], addr) &&
-                inst->batches.present[r]) {
-                batch_rank_leave(&inst->batches, r);
+                batch_rank_here(&inst->batches, r)) {
+                batch_rank_away(&inst->batches, r);
+                s->away_ms[r] = kvxd_now_ms();
                 had = 1;
             }
         if (!had)
@@ -944,6 +959,12 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
 void agree_tick(uint64_t now)
 {
     helds_tick(now);
+    /* root: ranks away too long are gone: they free their batches */
+    for (spread_t *s = spreads; s; s = s->next)
+        for (uint32_t r = 0; is_root(s->inst) && r < s->inst->nranks; r++)
+            if (s->inst->batches.away[r] &&
+                now >= s->away_ms[r] + ANNOUNCE_FOR_MS)
+                batch_rank_leave(&s->inst->batches, r);
     /* members' events whose instance never joined here */
     for (early_t **pp = &earlies; *pp;) {
         early_t *x = *pp;

@@ -11,11 +11,12 @@ int batch_init(batch_state_t *bs, uint32_t nranks, batch_deliver_cb cb,
     memset(bs, 0, sizeof(*bs));
     bs->nranks = nranks;
     bs->present = calloc(nranks, 1);
+    bs->away = calloc(nranks, 1);
     bs->cursor = calloc(nranks, sizeof(*bs->cursor));
     bs->wait = calloc(nranks, sizeof(*bs->wait));
     bs->deliver = cb;
     bs->arg = arg;
-    if (!bs->present || !bs->cursor || !bs->wait) {
+    if (!bs->present || !bs->away || !bs->cursor || !bs->wait) {
         batch_cleanup(bs);
         return KVX_ERR_NOMEM;
     }
@@ -39,6 +40,7 @@ void batch_cleanup(batch_state_t *bs)
     }
     events_free(bs->pending, bs->npending);
     free(bs->present);
+    free(bs->away);
     free(bs->cursor);
     free(bs->wait);
     memset(bs, 0, sizeof(*bs));
@@ -120,6 +122,7 @@ static void maybe_seal(batch_state_t *bs, uint64_t now_ms, int force)
 void batch_rank_join(batch_state_t *bs, uint32_t rank)
 {
     bs->present[rank] = 1;
+    bs->away[rank] = 0;
     bs->cursor[rank] = bs->next_seq;
     bs->wait[rank].active = 0;
 }
@@ -127,8 +130,27 @@ void batch_rank_join(batch_state_t *bs, uint32_t rank)
 void batch_rank_leave(batch_state_t *bs, uint32_t rank)
 {
     bs->present[rank] = 0;
+    bs->away[rank] = 0;
     bs->wait[rank].active = 0;
     trim(bs);
+}
+
+void batch_rank_away(batch_state_t *bs, uint32_t rank)
+{
+    if (!bs->present[rank])
+        return;
+    bs->away[rank] = 1;
+    bs->wait[rank].active = 0;
+}
+
+void batch_rank_back(batch_state_t *bs, uint32_t rank)
+{
+    bs->away[rank] = 0;
+}
+
+int batch_rank_here(const batch_state_t *bs, uint32_t rank)
+{
+    return bs->present[rank] && !bs->away[rank];
 }
 
 int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,

@@ -46,6 +46,8 @@ typedef void (*batch_deliver_cb)(void *arg, uint32_t rank, uint64_t req_id,
 typedef struct batch_state {
     uint32_t nranks;
     uint8_t *present;          /* rank connected */
+    uint8_t *away;             /* present, but its daemon is unreachable:
+                                  it keeps its place and its batches */
     uint64_t *cursor;          /* next seq each rank reads */
     struct batch_waiter *wait;
     batch_event_t *pending;
@@ -65,6 +67,13 @@ void batch_cleanup(batch_state_t *bs);
  * poll is dropped and it no longer holds batches). */
 void batch_rank_join(batch_state_t *bs, uint32_t rank);
 void batch_rank_leave(batch_state_t *bs, uint32_t rank);
+/* A rank of another daemon that cannot be reached (a lost link): its
+ * waiting poll is dropped, but it keeps reading from where it was, so it
+ * misses no batch when back (batch_rank_back()); leave it to forget. */
+void batch_rank_away(batch_state_t *bs, uint32_t rank);
+void batch_rank_back(batch_state_t *bs, uint32_t rank);
+/* Present and not away. */
+int batch_rank_here(const batch_state_t *bs, uint32_t rank);
 
 /* Queue a terminal event (message copied). */
 int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,
