@@ -1650,8 +1650,17 @@ int main(int argc, char **argv)
             base = d2h;
         if (gen_gpu && h2d < base)
             base = h2d;
-    } else if (o.gpu)
+    } else if (o.gpu && ctx_gpu && gen_gpu) {
         base = bgpu_peer_gbps(o.ctx_device, o.gen_device, total);
+    } else if (o.gpu && (ctx_gpu || gen_gpu)) {
+        /* one side on the host: its copy crosses PCIe, one way */
+        if (bgpu_host_gbps(ctx_gpu ? o.ctx_device : -1,
+                           gen_gpu ? o.gen_device : -1, total, &d2h, &h2d))
+            die("GPU host copy baseline failed");
+        base = ctx_gpu ? d2h : h2d;
+    } else if (o.gpu) {
+        base = memcpy_baseline(total); /* both pools on the host */
+    }
 #endif
     const char *base_name =
         o.daemons == 1 ? NULL
@@ -1777,10 +1786,11 @@ int main(int argc, char **argv)
                    base, base_name);
         } else
             printf("  %-22s %12.3f GB/s  (same bytes, same run)\n",
-                   o.gpu ? (o.ctx_device == o.gen_device
-                                ? "cudaMemcpy baseline"
-                                : "cudaMemcpyPeer baseline")
-                         : "memcpy baseline",
+                   !o.gpu || (o.ctx_host && o.gen_host) ? "memcpy baseline"
+                   : o.ctx_host                        ? "H2D baseline"
+                   : o.gen_host                        ? "D2H baseline"
+                   : o.ctx_device == o.gen_device      ? "cudaMemcpy baseline"
+                                               : "cudaMemcpyPeer baseline",
                    base);
         printf("  %-22s %12.3f\n", "ratio", gbps / base);
         printf("  %-22s %12.0f\n", "requests/s", o.requests / secs);
