@@ -272,9 +272,10 @@ static void merges_fail(instance_t *inst, const char *msg)
         n = v ? map_values(&s->merges[k], v, n) : 0;
         for (uint32_t i = 0; i < n; i++) {
             merge_t *e = v[i];
-            if (e->emitted ||
-                map_get(k ? &inst->offers : &inst->fetches, e->request_id))
-                continue;
+            offer_t *o = k ? map_get(&inst->offers, e->request_id) : NULL;
+            if (e->emitted || (k && o && !o->consumed) ||
+                (!k && map_get(&inst->fetches, e->request_id)))
+                continue; /* it still runs here: its own report says */
             e->emitted = 1;
             kvxd_count_error(KVX_ERR_PEER_GONE);
             queue_event(inst, e->request_id, KVX_EVENT_ERROR,
@@ -330,7 +331,18 @@ static int announce_send(const char *instance, const char *addr,
 /* Member: tell the root that a local rank joined (again) or left, as a
  * rank of one daemon tells its batches (a rank gone ends the instance's
  * requests; back, it reads from the next batch). */
+static void announce_queue(instance_t *inst, uint32_t rank, int joined,
+                           int send_now);
+
 void agree_rank(instance_t *inst, uint32_t rank, int joined)
+{
+    announce_queue(inst, rank, joined, 1);
+}
+
+/* Member: rank joined or left; the announcement goes now (send_now) or
+ * from the tick, and again until the root acknowledges it. */
+static void announce_queue(instance_t *inst, uint32_t rank, int joined,
+                           int send_now)
 {
     if (!agree_spread(inst))
         return;
@@ -345,8 +357,15 @@ void agree_rank(instance_t *inst, uint32_t rank, int joined)
         return;
     }
     spread_t *s = spread_of(inst, 0);
-    if (s && !joined)
+    if (s && !joined) {
         s->poll[rank].req = 0; /* its poll went with its client */
+        while (s->late[rank]) { /* and what was kept for it */
+            late_t *l = s->late[rank];
+            s->late[rank] = l->next;
+            free(l->pb);
+            free(l);
+        }
+    }
     announce_t *a = NULL;
     for (announce_t **pp = &announces; *pp; pp = &(*pp)->next)
         if ((*pp)->rank == rank && !strcmp((*pp)->instance, inst->id)) {
@@ -363,10 +382,11 @@ void agree_rank(instance_t *inst, uint32_t rank, int joined)
         snprintf(a->root, sizeof(a->root), "%s", inst->addresses[0]);
         a->rank = rank;
         a->joined = joined;
-        a->next_ms = now + ANNOUNCE_EVERY_MS;
+        a->next_ms = now + (send_now ? ANNOUNCE_EVERY_MS : 0);
         a->until_ms = now + ANNOUNCE_FOR_MS;
     }
-    if (announce_send(inst->id, inst->addresses[0], rank, joined))
+    if (send_now &&
+        announce_send(inst->id, inst->addresses[0], rank, joined))
         log_warn("instance %s: rank %u %s, and the root daemon %s cannot "
                  "be told yet",
                  inst->id, rank, joined ? "joined" : "left",
@@ -552,16 +572,21 @@ int agree_fence_batch(instance_t *inst, uint64_t sid, const Kvxfer__Reply *r)
 
 static void helds_tick(uint64_t now)
 {
-    for (held_t **pp = &helds; *pp;) {
-        held_t *h = *pp;
+    /* over the list taken as it is: ending a request may deliver (and
+     * hold) again, onto the new list */
+    held_t *list = helds, *keep = NULL;
+    helds = NULL;
+    while (list) {
+        held_t *h = list;
+        list = h->next;
         Kvxfer__Reply *r = kvxfer__reply__unpack(NULL, h->len, h->reply);
         instance_t *inst = instance_find(h->instance);
         if (r && inst && r->poll && batch_runs(inst, r->poll, 1)) {
             kvxfer__reply__free_unpacked(r, NULL);
-            pp = &h->next; /* their fences are not done yet */
+            h->next = keep; /* their fences are not done yet */
+            keep = h;
             continue;
         }
-        *pp = h->next;
         if (r) {
             log_debug("instance %s: a batch held %llu ms for its fence",
                       h->instance, (unsigned long long)(now - h->since_ms));
@@ -570,7 +595,12 @@ static void helds_tick(uint64_t now)
         }
         free(h->reply);
         free(h);
-        pp = &helds; /* ending requests may have changed the list */
+    }
+    while (keep) {
+        held_t *h = keep;
+        keep = h->next;
+        h->next = helds;
+        helds = h;
     }
 }
 
@@ -722,6 +752,33 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
                       pb->message);
         return;
     }
+    if (s->late[pb->rank]) {
+        /* batches kept from before come first: this one waits behind
+         * them, and the oldest answers this poll (in order) */
+        late_t **tail = &s->late[pb->rank];
+        while (*tail)
+            tail = &(*tail)->next;
+        late_t *l = calloc(1, sizeof(*l));
+        size_t len = kvxfer__peer_batch__get_packed_size(pb);
+        if (l && (l->pb = malloc(len ? len : 1))) {
+            kvxfer__peer_batch__pack(pb, l->pb);
+            l->len = len;
+            *tail = l;
+        } else {
+            free(l);
+        }
+        late_t *h = s->late[pb->rank];
+        s->late[pb->rank] = h->next;
+        Kvxfer__PeerBatch *old =
+            kvxfer__peer_batch__unpack(NULL, h->len, h->pb);
+        free(h->pb);
+        free(h);
+        if (old) {
+            batch_reply(inst, pb->rank, pb->req_id, old);
+            kvxfer__peer_batch__free_unpacked(old, NULL);
+        }
+        return;
+    }
     batch_reply(inst, pb->rank, pb->req_id, pb);
 }
 
@@ -778,7 +835,13 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     else if (p->rank >= inst->nranks || inst->local[p->rank] ||
              strcmp(inst->addresses[p->rank], peer_conn_address(c)))
         bad = "has no such rank at that daemon";
-    else if (!batch_rank_here(&inst->batches, p->rank)) {
+    else if (inst->batches.present[p->rank] &&
+             inst->batches.away[p->rank]) {
+        /* its daemon reaches us again (its address, authenticated):
+         * back, reading on from where it was */
+        batch_rank_back(&inst->batches, p->rank);
+    }
+    if (!bad && !batch_rank_here(&inst->batches, p->rank)) {
         /* its daemon was lost (or its client left): not counted in the
          * batches until it is announced again; asked again until then */
         bad = "does not count that rank now (its daemon was lost, and "
@@ -925,7 +988,8 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
                  * announced again until it takes them back (when the link
                  * returns), so their polls are answered again */
                 if (inst->local[r] && inst->rank_sid[r])
-                    agree_rank(inst, r, 1);
+                    announce_queue(inst, r, 1, 0); /* from the tick: no
+                                                      reconnect in here */
             }
             continue;
         }
@@ -1018,6 +1082,13 @@ void agree_tick(uint64_t now)
                 kvxd_count_error(KVX_ERR_TIMED_OUT);
                 queue_event(inst, m->request_id, KVX_EVENT_TIMED_OUT,
                             KVX_ERR_TIMED_OUT, msg);
+                /* kept a while more, emitted: a report still to come
+                 * (a part ending at its own, later deadline) adds no
+                 * second event */
+                m->emitted = 1;
+                m->deadline_ms = now + kvxd.conf.offer_lease_ms +
+                                 kvxd.conf.fetch_timeout_ms;
+                continue;
             }
             map_del(&s->merges[k], keys[i]);
             free(m);

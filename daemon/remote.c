@@ -1583,6 +1583,9 @@ static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
     }
     if (ndone_notes >= DONE_NOTES_MAX)
         return;
+    for (done_note_t *x = done_notes; x; x = x->next)
+        if (x->request_id == d->request_id && !strcmp(x->instance, inst->id))
+            return; /* every daemon read tells us: one note */
     done_note_t *n = calloc(1, sizeof(*n));
     if (!n)
         return;
