@@ -683,8 +683,8 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
 }
 
 /* Root: a sealed batch for a rank of another daemon. */
-void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
-                   const batch_t *b)
+int agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
+                  const batch_t *b)
 {
     char why[256];
     peer_conn_t *c = peer_connect(inst->addresses[rank], why, sizeof(why));
@@ -695,7 +695,7 @@ void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
         log_warn("instance %s: batch %llu for rank %u cannot reach daemon %s",
                  inst->id, (unsigned long long)b->seq, rank,
                  inst->addresses[rank]);
-        return;
+        return KVX_ERR_PEER_GONE;
     }
     pb.instance_id = inst->id;
     pb.rank = rank;
@@ -706,9 +706,10 @@ void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
     pb.message = "";
     m.m_case = KVXFER__PEER_MSG__M_BATCH;
     m.batch = &pb;
-    peer_send(c, &m);
+    int rc = peer_send(c, &m);
     free(ev);
     free(evp);
+    return rc; /* not sent: the rank reads it again (when it is back) */
 }
 
 /* Member: the root answered a forwarded poll. */

@@ -29,9 +29,10 @@ void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
 int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
                uint32_t at_least, uint32_t timeout_ms, char *why,
                size_t why_len);
-/* Root: a sealed batch for a rank served by another daemon. */
-void agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
-                   const struct batch *b);
+/* Root: a sealed batch for a rank served by another daemon; 0, or an
+ * error when it could not be sent. */
+int agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
+                  const struct batch *b);
 /* A poll reply r for a local rank of a spread instance (sid its session):
  * if its batch ends requests that still run here (an error merged from
  * another daemon goes out first), they are ended and the reply held until

@@ -75,7 +75,8 @@ static void deliver(batch_state_t *bs, uint32_t rank, uint64_t req_id,
                     const batch_t *b)
 {
     bs->cursor[rank] = b->seq + 1;
-    bs->deliver(bs->arg, rank, req_id, b);
+    if (bs->deliver(bs->arg, rank, req_id, b))
+        bs->cursor[rank] = b->seq; /* not out: read it again */
 }
 
 static int seal(batch_state_t *bs)

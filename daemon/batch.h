@@ -39,9 +39,11 @@ struct batch_waiter {
     uint64_t deadline_ms;
 };
 
-/* Called for every waiting poll a sealed batch answers. */
-typedef void (*batch_deliver_cb)(void *arg, uint32_t rank, uint64_t req_id,
-                                 const batch_t *b);
+/* Called for every waiting poll a sealed batch answers: 0, or an error
+ * when it could not go out (the rank then reads the batch again at its
+ * next poll). */
+typedef int (*batch_deliver_cb)(void *arg, uint32_t rank, uint64_t req_id,
+                                const batch_t *b);
 
 typedef struct batch_state {
     uint32_t nranks;

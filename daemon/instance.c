@@ -50,20 +50,18 @@ int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
 }
 
 /* A sealed batch answers a waiting poll: send it to the rank's session. */
-static void deliver(void *arg, uint32_t rank, uint64_t req_id,
-                    const batch_t *b)
+static int deliver(void *arg, uint32_t rank, uint64_t req_id,
+                   const batch_t *b)
 {
     instance_t *inst = arg;
-    if (inst->joined && !inst->local[rank]) { /* a rank of another daemon */
-        agree_deliver(inst, rank, req_id, b);
-        return;
-    }
+    if (inst->joined && !inst->local[rank]) /* a rank of another daemon */
+        return agree_deliver(inst, rank, req_id, b);
     Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
     Kvxfer__Event *ev, **evp;
     if (instance_batch_events(b, &ev, &evp)) {
         session_reply(inst->rank_sid[rank], req_id, KVX_ERR_NOMEM,
                       "poll: out of memory building the batch");
-        return;
+        return 0;
     }
     pr.batch = b->seq;
     pr.n_events = b->nevents;
@@ -77,6 +75,7 @@ static void deliver(void *arg, uint32_t rank, uint64_t req_id,
         session_reply_msg(inst->rank_sid[rank], &r);
     free(ev);
     free(evp);
+    return 0;
 }
 
 static void instance_free(instance_t *inst)

@@ -31,10 +31,16 @@ typedef struct rec {
 static rec_t recs[MAXREC];
 static int nrec;
 
-static void on_deliver(void *arg, uint32_t rank, uint64_t req_id,
-                       const batch_t *b)
+static int fail_delivery; /* the next deliveries fail (not sent) */
+
+static int on_deliver(void *arg, uint32_t rank, uint64_t req_id,
+                      const batch_t *b)
 {
     CHECK(arg == (void *)recs);
+    if (fail_delivery) {
+        fail_delivery--;
+        return -1;
+    }
     CHECK(nrec < MAXREC);
     rec_t *r = &recs[nrec++];
     r->rank = rank;
@@ -50,6 +56,7 @@ static void on_deliver(void *arg, uint32_t rank, uint64_t req_id,
         snprintf(r->ev[i].msg, sizeof(r->ev[i].msg), "%s",
                  b->events[i].message);
     }
+    return 0;
 }
 
 static int same_events(const rec_t *a, const rec_t *b)
@@ -325,6 +332,43 @@ TEST(join_starts_at_next_seq)
     CHECK_EQ(nbatches_held(&bs), 0);
     batch_rank_join(&bs, 0);
     CHECK_EQ(bs.cursor[0], bs.next_seq);
+    batch_cleanup(&bs);
+}
+
+/* A rank of another daemon away (its link lost) keeps its place: the
+ * batches sealed meanwhile wait for it, and back it reads them in order;
+ * a delivery that could not go out is read again at the next poll. */
+TEST(away_rank_reads_what_it_missed)
+{
+    batch_state_t bs;
+    CHECK_EQ(batch_init(&bs, 2, on_deliver, recs), 0);
+    nrec = 0;
+    batch_rank_join(&bs, 0);
+    batch_rank_join(&bs, 1);
+    CHECK_EQ(batch_poll(&bs, 1, 1, 1, 1000, 0), 0); /* waits */
+    batch_rank_away(&bs, 1);
+    CHECK(!bs.wait[1].active); /* its poll went with the link */
+    CHECK(!batch_rank_here(&bs, 1));
+    push(&bs, 7, 0);
+    CHECK_EQ(batch_poll(&bs, 0, 2, 0, 1000, 0), 0); /* batch 0 */
+    push(&bs, 8, 0);
+    CHECK_EQ(batch_poll(&bs, 0, 3, 0, 1000, 0), 0); /* batch 1 */
+    CHECK_EQ(nbatches_held(&bs), 2); /* kept for rank 1 */
+    batch_rank_back(&bs, 1);
+    CHECK(batch_rank_here(&bs, 1));
+    /* the first delivery does not go out: the rank reads it again */
+    fail_delivery = 1;
+    CHECK_EQ(batch_poll(&bs, 1, 4, 0, 1000, 0), 0);
+    CHECK_EQ(bs.cursor[1], 0);
+    uint32_t n0 = nrec;
+    CHECK_EQ(batch_poll(&bs, 1, 5, 0, 1000, 0), 0);
+    CHECK_EQ(batch_poll(&bs, 1, 6, 0, 1000, 0), 0);
+    CHECK_EQ(nrec, n0 + 2);
+    CHECK_EQ(recs[n0].seq, 0);
+    CHECK_EQ(recs[n0].ev[0].request_id, 7);
+    CHECK_EQ(recs[n0 + 1].seq, 1);
+    CHECK_EQ(recs[n0 + 1].ev[0].request_id, 8);
+    CHECK_EQ(nbatches_held(&bs), 0);
     batch_cleanup(&bs);
 }
 
