@@ -171,6 +171,49 @@ static spread_t *spread_of(instance_t *inst, int create)
     return s;
 }
 
+/* Member: keep batch pb for rank's next poll, after those kept (at most
+ * LATE_MAX). 0, or -1 when it could not be kept. */
+static int late_push(spread_t *s, uint32_t rank, const Kvxfer__PeerBatch *pb)
+{
+    uint32_t n = 0;
+    late_t **tail = &s->late[rank];
+    for (; *tail; tail = &(*tail)->next)
+        n++;
+    late_t *l = NULL;
+    size_t len = kvxfer__peer_batch__get_packed_size(pb);
+    if (n >= LATE_MAX || !(l = calloc(1, sizeof(*l))) ||
+        !(l->pb = malloc(len ? len : 1))) {
+        free(l);
+        return -1;
+    }
+    kvxfer__peer_batch__pack(pb, l->pb);
+    l->len = len;
+    *tail = l;
+    return 0;
+}
+
+/* Member: the oldest batch kept for rank (free it with
+ * kvxfer__peer_batch__free_unpacked()), or NULL. */
+static Kvxfer__PeerBatch *late_pop(spread_t *s, uint32_t rank)
+{
+    late_t *l = s->late[rank];
+    if (!l)
+        return NULL;
+    s->late[rank] = l->next;
+    Kvxfer__PeerBatch *pb = kvxfer__peer_batch__unpack(NULL, l->len, l->pb);
+    free(l->pb);
+    free(l);
+    return pb;
+}
+
+static void late_clear(spread_t *s, uint32_t rank)
+{
+    Kvxfer__PeerBatch *pb;
+    while (s->late[rank])
+        if ((pb = late_pop(s, rank)))
+            kvxfer__peer_batch__free_unpacked(pb, NULL);
+}
+
 void agree_forget(instance_t *inst)
 {
     for (spread_t **pp = &spreads; *pp; pp = &(*pp)->next)
@@ -189,12 +232,7 @@ void agree_forget(instance_t *inst)
                 map_free(&s->merges[k]);
             }
             for (uint32_t r = 0; r < inst->nranks; r++)
-                while (s->late[r]) {
-                    late_t *l = s->late[r];
-                    s->late[r] = l->next;
-                    free(l->pb);
-                    free(l);
-                }
+                late_clear(s, r);
             free(s->late);
             free(s->away_ms);
             free(s->poll);
@@ -359,12 +397,7 @@ static void announce_queue(instance_t *inst, uint32_t rank, int joined,
     spread_t *s = spread_of(inst, 0);
     if (s && !joined) {
         s->poll[rank].req = 0; /* its poll went with its client */
-        while (s->late[rank]) { /* and what was kept for it */
-            late_t *l = s->late[rank];
-            s->late[rank] = l->next;
-            free(l->pb);
-            free(l);
-        }
+        late_clear(s, rank);   /* and what was kept for it */
     }
     announce_t *a = NULL;
     for (announce_t **pp = &announces; *pp; pp = &(*pp)->next)
@@ -655,18 +688,11 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
         snprintf(why, why_len, "poll: this rank already has a poll waiting");
         return KVX_ERR_BUSY;
     }
-    if (s->late[rank]) { /* a batch the root sent after a poll failed */
-        late_t *l = s->late[rank];
-        s->late[rank] = l->next;
-        Kvxfer__PeerBatch *pb = kvxfer__peer_batch__unpack(NULL, l->len,
-                                                           l->pb);
-        free(l->pb);
-        free(l);
-        if (pb) {
-            batch_reply(inst, rank, req_id, pb);
-            kvxfer__peer_batch__free_unpacked(pb, NULL);
-            return 0;
-        }
+    Kvxfer__PeerBatch *pb = late_pop(s, rank); /* sent after a poll failed */
+    if (pb) {
+        batch_reply(inst, rank, req_id, pb);
+        kvxfer__peer_batch__free_unpacked(pb, NULL);
+        return 0;
     }
     peer_conn_t *on = NULL;
     if (poll_send(inst, rank, req_id, at_least, timeout_ms, &on)) {
@@ -725,20 +751,8 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
         /* its poll failed here first (the backstop, a lost connection),
          * but the root counts this batch read: the rank's next poll gets
          * it. An error answer changed nothing there: dropped. */
-        uint32_t n = 0;
-        late_t **tail = &s->late[pb->rank];
-        for (; *tail; tail = &(*tail)->next)
-            n++;
-        late_t *l = NULL;
-        size_t len = kvxfer__peer_batch__get_packed_size(pb);
-        if (pb->code || !inst->rank_sid[pb->rank] || n >= LATE_MAX ||
-            !(l = calloc(1, sizeof(*l))) || !(l->pb = malloc(len ? len : 1))) {
-            free(l);
-            return;
-        }
-        kvxfer__peer_batch__pack(pb, l->pb);
-        l->len = len;
-        *tail = l;
+        if (!pb->code && inst->rank_sid[pb->rank])
+            late_push(s, pb->rank, pb);
         return;
     }
     fpoll_t *fp = &s->poll[pb->rank];
@@ -756,24 +770,8 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     if (s->late[pb->rank]) {
         /* batches kept from before come first: this one waits behind
          * them, and the oldest answers this poll (in order) */
-        late_t **tail = &s->late[pb->rank];
-        while (*tail)
-            tail = &(*tail)->next;
-        late_t *l = calloc(1, sizeof(*l));
-        size_t len = kvxfer__peer_batch__get_packed_size(pb);
-        if (l && (l->pb = malloc(len ? len : 1))) {
-            kvxfer__peer_batch__pack(pb, l->pb);
-            l->len = len;
-            *tail = l;
-        } else {
-            free(l);
-        }
-        late_t *h = s->late[pb->rank];
-        s->late[pb->rank] = h->next;
-        Kvxfer__PeerBatch *old =
-            kvxfer__peer_batch__unpack(NULL, h->len, h->pb);
-        free(h->pb);
-        free(h);
+        late_push(s, pb->rank, pb);
+        Kvxfer__PeerBatch *old = late_pop(s, pb->rank);
         if (old) {
             batch_reply(inst, pb->rank, pb->req_id, old);
             kvxfer__peer_batch__free_unpacked(old, NULL);

@@ -944,15 +944,29 @@ static void open_refuse(peer_conn_t *c, uint64_t dst_id, int code,
     send_end(c, dst_id, code, msg);
 }
 
+/* Does a token from a peer equal ours? In constant time. */
+static int token_equal(const ProtobufCBinaryData *t, const uint8_t *ours)
+{
+    if (t->len != TOKEN_LEN)
+        return 0;
+    uint8_t d = 0; /* every byte, whatever differs first */
+    for (size_t i = 0; i < TOKEN_LEN; i++)
+        d |= t->data[i] ^ ours[i];
+    return !d;
+}
+
 /* Streams that will read o: the slices, over every rank of the receiving
- * group, whose source rank is served here; and the daemons they come
- * from (losing one of them ends o). */
+ * group, whose source rank is served here; the daemons they come from
+ * (losing one of them ends o); and which context ranks the consumer reads
+ * at all (o->rread, for offer_done_notify()). */
 static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
                                  uint32_t skip, const Kvxfer__PeerOpen *m)
 {
     uint32_t n = 0, ranks = plan_side_ranks(dst);
     if (m->n_dst_addresses == ranks)
         o->consumer_addrs = calloc(ranks, sizeof(char *));
+    free(o->rread);
+    o->rread = calloc(o->inst->nranks, 1);
     for (uint32_t r = 0; r < ranks; r++) {
         plan_t *p;
         char why[64];
@@ -960,8 +974,11 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
                        sizeof(why)))
             continue;
         uint32_t k = 0;
-        for (uint32_t i = 0; i < p->nslices; i++)
+        for (uint32_t i = 0; i < p->nslices; i++) {
             k += o->inst->local[p->slices[i].src_rank];
+            if (o->rread)
+                o->rread[p->slices[i].src_rank] = 1;
+        }
         plan_free(p);
         n += k;
         if (!k || !o->consumer_addrs)
@@ -1012,10 +1029,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         send_end_ex(c, m->stream, KVX_ERR_NOT_FOUND, msg, final || o);
         return;
     }
-    uint8_t d = m->token.len != TOKEN_LEN;
-    for (size_t i = 0; !d && i < TOKEN_LEN; i++)
-        d |= m->token.data[i] ^ o->token[i];
-    if (d) {
+    if (!token_equal(&m->token, o->token)) {
         log_warn("peer %s: forged or stale capability token for offer "
                  "%s/%llu",
                  peer_conn_address(c), inst->id,
@@ -1115,8 +1129,6 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     if (!o->streams_expect) {
         o->streams_expect = streams_expected(o, &dst, m->skip_tokens, m);
         snprintf(o->rconsumer, sizeof(o->rconsumer), "%s", who);
-        o->rdst = dst;
-        o->rskip = m->skip_tokens;
         xfer_offer_taken(o);
     }
     o->streams_opened++;
@@ -1504,23 +1516,9 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
 static void offer_done_notify(offer_t *o)
 {
     instance_t *inst = o->inst;
-    if (inst->nlocal == inst->nranks || !peer_enabled())
+    const uint8_t *read = o->rread; /* from the first OPEN's plans */
+    if (inst->nlocal == inst->nranks || !peer_enabled() || !read)
         return;
-    uint8_t *read = calloc(inst->nranks, 1);
-    if (!read)
-        return;
-    uint32_t ranks = plan_side_ranks(&o->rdst);
-    for (uint32_t r = 0; r < ranks; r++) {
-        plan_t *p;
-        char why[64];
-        if (plan_build(&o->side, &o->rdst, r, o->num_tokens, o->rskip, &p,
-                       why, sizeof(why)))
-            continue;
-        for (uint32_t i = 0; i < p->nslices; i++)
-            if (p->slices[i].src_rank < inst->nranks)
-                read[p->slices[i].src_rank] = 1;
-        plan_free(p);
-    }
     for (uint32_t r = 0; r < inst->nranks; r++) {
         const char *addr = inst->addresses[r];
         int any = 0, first = 1;
@@ -1546,7 +1544,6 @@ static void offer_done_notify(offer_t *o)
         m.offer_done = &d;
         peer_send(c, &m);
     }
-    free(read);
 }
 
 /* The part of offer o on this daemon is complete: none of its ranks is
@@ -1561,7 +1558,7 @@ static void offer_done_apply(offer_t *o)
 static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
 {
     instance_t *inst = d->instance_id ? instance_find(d->instance_id) : NULL;
-    if (!inst || !inst->joined || d->token.len != TOKEN_LEN)
+    if (!inst || !inst->joined)
         return;
     /* from a daemon of the instance, with the offer's token */
     int member = 0;
@@ -1571,10 +1568,7 @@ static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
         return;
     uint8_t tok[TOKEN_LEN];
     peer_token(inst->id, inst->addresses[0], d->request_id, tok);
-    uint8_t diff = 0;
-    for (size_t i = 0; i < TOKEN_LEN; i++)
-        diff |= tok[i] ^ d->token.data[i];
-    if (diff)
+    if (!token_equal(&d->token, tok))
         return;
     offer_t *o = map_get(&inst->offers, d->request_id);
     if (o) {

@@ -328,6 +328,7 @@ static void offer_free(offer_t *o)
     for (uint32_t i = 0; i < o->nconsumer_addrs; i++)
         free(o->consumer_addrs[i]);
     free(o->consumer_addrs);
+    free(o->rread);
     free(o->parts);
     free(o->params);
     free(o);

@@ -84,8 +84,7 @@ typedef struct offer {
     int consume_fenced;        /* complete, consumed once gathers are 0 */
     uint32_t gathers;          /* gathers in flight: the fence */
     char rconsumer[256];       /* who: "address instance/request" */
-    plan_side_t rdst;          /* the consumer's side (first OPEN) */
-    uint32_t rskip;            /* and its skip_tokens */
+    uint8_t *rread;            /* context ranks the consumer reads */
     char **consumer_addrs;     /* daemons whose streams it waits for */
     uint32_t nconsumer_addrs;
 } offer_t;
