@@ -35,6 +35,9 @@ static const char *build_dir(void)
  * processes that fork ranks. */
 static int gpus(void)
 {
+    static int cached = -1;
+    if (cached >= 0)
+        return cached;
     int fd[2];
     if (pipe(fd))
         return 0;
@@ -50,7 +53,15 @@ static int gpus(void)
         n = 0;
     close(fd[0]);
     waitpid(p, NULL, 0);
-    return n;
+    return cached = n;
+}
+
+/* The generation side's GPU: GPU 1 where there are two, so that copies
+ * cross GPUs (NVLink or PCIe peer access); GPU 0 on a one-GPU machine,
+ * where the same code paths run within one device. */
+static int gen_dev(void)
+{
+    return gpus() >= 2 ? 1 : 0;
 }
 
 #define NEED_GPUS(k)                                                        \
@@ -68,8 +79,11 @@ static void bench(const char *args)
 {
     char cmd[1024];
     snprintf(cmd, sizeof(cmd),
-             "%s/kvxfer-bench --spawn-daemon --gpu %s --json 2>&1",
-             build_dir(), args);
+             "%s/kvxfer-bench --spawn-daemon --gpu %s%s --json 2>&1",
+             build_dir(), args,
+             gen_dev() == 0 && !strstr(args, "--gen-device")
+                 ? " --gen-device 0"
+                 : "");
     FILE *f = popen(cmd, "r");
     CHECK(f);
     char out[4096] = "";
@@ -87,7 +101,7 @@ static const char *presets[] = {"trtllm", "vllm-nhd", "vllm-hnd",
 
 TEST_T(every_preset_pair_across_gpus, 300)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
     for (int a = 0; a < 4; a++)
         for (int b = 0; b < 4; b++) {
             char args[256];
@@ -109,7 +123,7 @@ TEST_T(within_one_gpu, 120)
 
 TEST_T(tp_split_and_concat, 120)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
     bench("--ctx-ranks 4 --gen-ranks 2 --ctx-layout trtllm --gen-layout "
           "vllm-nhd --requests 4 --blocks 8 --layers 4");
     bench("--ctx-ranks 1 --gen-ranks 2 --requests 4 --blocks 8 --layers 4");
@@ -117,13 +131,13 @@ TEST_T(tp_split_and_concat, 120)
 
 TEST_T(vmm_fd_pools, 120)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
     bench("--vmm --requests 4 --blocks 16 --layers 4");
 }
 
 TEST_T(legacy_ipc_pools_odd_sizes, 120)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
     /* head_dim 7 x fp8: rows not 16-byte aligned, the byte path */
     bench("--requests 4 --blocks 8 --layers 3 --heads 2 --head-dim 7 "
           "--dtype fp8 --tokens-per-block 5");
@@ -143,7 +157,7 @@ TEST_T(host_to_gpu_and_back, 120)
  * sent, and scattered by a kernel (issue #4's host-staged path). */
 TEST_T(two_daemons_gpu_pools_host_staged, 300)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
     for (int a = 0; a < 4; a += 3)
         for (int b = 1; b < 4; b += 2) {
             char args[256];
@@ -167,8 +181,7 @@ TEST_T(two_daemons_gpu_pools_host_staged, 300)
           "--ctx-layout trtllm --gen-layout vllm-hnd --requests 4 --blocks 8 "
           "--layers 4");
     /* mixed: a host pool on one side */
-    bench("--daemons 2 --ctx-host --gen-device 1 --requests 4 --blocks 8 "
-          "--layers 4");
+    bench("--daemons 2 --ctx-host --requests 4 --blocks 8 --layers 4");
     bench("--daemons 2 --gen-host --ctx-device 0 --requests 4 --blocks 8 "
           "--layers 4");
 }
@@ -296,7 +309,7 @@ static void ctx_proc(struct daemon *d, struct shared *sh, int dev,
 
 TEST_T(cancel_in_flight_no_write_after, 120)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
     struct daemon d;
     daemon_start(&d);
     struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
@@ -311,8 +324,8 @@ TEST_T(cancel_in_flight_no_write_after, 120)
     uint32_t pool;
     pid_t gen = fork();
     if (gen == 0) {
-        kvx_client_t *c = rank(&d, "gpu-gen", KVX_ROLE_GENERATION, 1, &l,
-                               &p, &pool);
+        kvx_client_t *c = rank(&d, "gpu-gen", KVX_ROLE_GENERATION, gen_dev(),
+                               &l, &p, &pool);
         uint32_t *b = all_blocks();
         CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, b, BLOCKS,
                            0, 5000),
@@ -323,12 +336,12 @@ TEST_T(cancel_in_flight_no_write_after, 120)
         uint64_t n = kvx_layout_span(&l);
         uint8_t *s1 = malloc(n), *s2 = malloc(n);
         CHECK(s1 && s2);
-        CHECK_EQ(bgpu_copy_to_host(1, s1, p, n), 0);
+        CHECK_EQ(bgpu_copy_to_host(gen_dev(), s1, p, n), 0);
         usleep(300000);
-        CHECK_EQ(bgpu_copy_to_host(1, s2, p, n), 0);
+        CHECK_EQ(bgpu_copy_to_host(gen_dev(), s2, p, n), 0);
         CHECK(memcmp(s1, s2, n) == 0);
         /* it was in flight: some but not all of it arrived */
-        int64_t bad = bgpu_check(1, &l, p, 7, 0, BLOCKS, 0, 0, 0, UINT32_MAX);
+        int64_t bad = bgpu_check(gen_dev(), &l, p, 7, 0, BLOCKS, 0, 0, 0, UINT32_MAX);
         printf("cancel: %lld of %llu rows not written\n", (long long)bad,
                (unsigned long long)BLOCKS * LAYERS * 2 * TPB * HEADS);
         kvx_batch_t *bt;
@@ -348,7 +361,7 @@ TEST_T(cancel_in_flight_no_write_after, 120)
 
 TEST_T(client_killed_while_pool_read, 120)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
     struct daemon d;
     daemon_start(&d);
     struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
@@ -363,8 +376,8 @@ TEST_T(client_killed_while_pool_read, 120)
         kvx_layout_t l;
         void *p;
         uint32_t pool;
-        kvx_client_t *c = rank(&d, "gpu-gen", KVX_ROLE_GENERATION, 1, &l,
-                               &p, &pool);
+        kvx_client_t *c = rank(&d, "gpu-gen", KVX_ROLE_GENERATION, gen_dev(),
+                               &l, &p, &pool);
         uint32_t *b = all_blocks();
         CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, b, BLOCKS,
                            0, 5000),
@@ -408,7 +421,8 @@ TEST_T(client_killed_while_pool_read, 120)
 
 /* The property test of the integration suite, on GPU pools: random
  * configuration pairs (TP, PP, heads, tokens per block, presets, skip,
- * MLA), context pools on GPU 0 and generation pools on GPU 1, every row
+ * MLA), context pools on GPU 0 and generation pools on GPU 1 (GPU 0 on a
+ * one-GPU machine), every row
  * checked against the reference pattern by a kernel. */
 static uint32_t prng(uint64_t *s)
 {
@@ -428,7 +442,7 @@ static uint32_t pick_tp(uint64_t *s, uint32_t heads)
 
 TEST_T(property_random_config_pairs_gpu, 400)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
     static const char *const pr[] = {"trtllm", "vllm-nhd", "vllm-hnd",
                                      "flashinfer", "sglang"};
     uint64_t seed = 4242;
