@@ -32,6 +32,7 @@
 
 #include "agree.h"
 #include "daemon.h"
+#include "fault.h"
 #include "log.h"
 #include "peer.h"
 #include "session.h"
@@ -72,6 +73,10 @@ typedef struct spread {
     map_t merges[2];       /* root: request_id -> merge; [1] offers */
     fpoll_t *poll;         /* member: per rank */
     late_t **late;         /* member: per rank */
+    uint64_t *has;         /* member: per rank, 1 + the batch it reads
+                              next as far as this daemon has them (given
+                              or kept); 0: not known. Its polls say it
+                              (PeerPoll.resume) */
     uint64_t *away_ms;     /* root: since when a rank is away */
     struct spread *next;
 } spread_t;
@@ -157,10 +162,12 @@ static spread_t *spread_of(instance_t *inst, int create)
     spread_t *s = calloc(1, sizeof(*s));
     if (!s || !(s->poll = calloc(inst->nranks, sizeof(fpoll_t))) ||
         !(s->late = calloc(inst->nranks, sizeof(late_t *))) ||
+        !(s->has = calloc(inst->nranks, sizeof(uint64_t))) ||
         !(s->away_ms = calloc(inst->nranks, sizeof(uint64_t)))) {
         if (s) {
             free(s->poll);
             free(s->late);
+            free(s->has);
         }
         free(s);
         return NULL;
@@ -190,6 +197,22 @@ static int late_push(spread_t *s, uint32_t rank, const Kvxfer__PeerBatch *pb)
     l->len = len;
     *tail = l;
     return 0;
+}
+
+/* Member: late_push(), or the loss said loudly: the rank never reads
+ * batch pb (out of memory, or LATE_MAX kept already: its engine has not
+ * polled through many failed polls). */
+static int late_keep(spread_t *s, const instance_t *inst,
+                     const Kvxfer__PeerBatch *pb)
+{
+    int rc = late_push(s, pb->rank, pb);
+    if (rc)
+        log_error("instance %s: batch %llu for rank %u is lost (%u events): "
+                  "%d batches already wait for the rank's next poll, or out "
+                  "of memory",
+                  inst->id, (unsigned long long)pb->batch, pb->rank,
+                  (unsigned)pb->n_events, LATE_MAX);
+    return rc;
 }
 
 /* Member: the oldest batch kept for rank (free it with
@@ -234,6 +257,7 @@ void agree_forget(instance_t *inst)
             for (uint32_t r = 0; r < inst->nranks; r++)
                 late_clear(s, r);
             free(s->late);
+            free(s->has);
             free(s->away_ms);
             free(s->poll);
             free(s);
@@ -398,6 +422,7 @@ static void announce_queue(instance_t *inst, uint32_t rank, int joined,
     if (s && !joined) {
         s->poll[rank].req = 0; /* its poll went with its client */
         late_clear(s, rank);   /* and what was kept for it */
+        s->has[rank] = 0;
     }
     announce_t *a = NULL;
     for (announce_t **pp = &announces; *pp; pp = &(*pp)->next)
@@ -651,6 +676,8 @@ static int poll_send(instance_t *inst, uint32_t rank, uint64_t req_id,
     p.req_id = req_id;
     p.at_least = at_least;
     p.timeout_ms = timeout_ms;
+    spread_t *s = spread_of(inst, 0);
+    p.resume = s ? s->has[rank] : 0;
     m.m_case = KVXFER__PEER_MSG__M_POLL;
     m.poll = &p;
     return to_root_on(inst, &m, on);
@@ -732,7 +759,8 @@ int agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
     pb.message = "";
     m.m_case = KVXFER__PEER_MSG__M_BATCH;
     m.batch = &pb;
-    int rc = peer_send(c, &m);
+    /* fault "batch": lost on its way, as in a link that dies with it */
+    int rc = fault_hit(FAULT_BATCH) ? 0 : peer_send(c, &m);
     free(ev);
     free(evp);
     return rc; /* not sent: the rank reads it again (when it is back) */
@@ -747,38 +775,60 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     if (!s || pb->rank >= inst->nranks || !inst->local[pb->rank] ||
         strcmp(peer_conn_address(c), inst->addresses[0]))
         return;
-    if (s->poll[pb->rank].req != pb->req_id) {
+    uint32_t rank = pb->rank;
+    fpoll_t *fp = &s->poll[rank];
+    /* a batch this daemon has already (sent again by the root, which a
+     * poll of ours told it had not come while it was on its way) */
+    int dup = !pb->code && s->has[rank] && pb->batch + 1 < s->has[rank];
+    if (fp->req != pb->req_id) {
         /* its poll failed here first (the backstop, a lost connection),
          * but the root counts this batch read: the rank's next poll gets
          * it. An error answer changed nothing there: dropped. */
-        if (!pb->code && inst->rank_sid[pb->rank])
-            late_push(s, pb->rank, pb);
+        if (!pb->code && !dup && inst->rank_sid[rank] &&
+            !late_keep(s, inst, pb))
+            s->has[rank] = pb->batch + 2;
         return;
     }
-    fpoll_t *fp = &s->poll[pb->rank];
     if (pb->code && pb->retry && kvxd_now_ms() < fp->deadline_ms) {
         fp->retry_ms = kvxd_now_ms() + POLL_RETRY_MS; /* agree_tick */
         return;
     }
-    fp->req = 0;
-    fp->retry_ms = 0;
     if (pb->code) {
-        session_reply(inst->rank_sid[pb->rank], pb->req_id, pb->code,
+        fp->req = 0;
+        fp->retry_ms = 0;
+        session_reply(inst->rank_sid[rank], pb->req_id, pb->code,
                       pb->message);
         return;
     }
-    if (s->late[pb->rank]) {
+    if (dup && !s->late[rank]) {
+        /* the rank has read it: this poll asks for the next one */
+        uint64_t now = kvxd_now_ms();
+        uint32_t left = fp->deadline_ms > now
+                            ? (uint32_t)(fp->deadline_ms - now) : 1;
+        if (poll_send(inst, rank, fp->req, fp->at_least, left, &fp->conn)) {
+            uint64_t req = fp->req;
+            fp->req = 0;
+            session_reply(inst->rank_sid[rank], req, KVX_ERR_PEER_GONE,
+                          "poll: the root daemon is unreachable");
+        }
+        return;
+    }
+    fp->req = 0;
+    fp->retry_ms = 0;
+    if (s->late[rank]) {
         /* batches kept from before come first: this one waits behind
          * them, and the oldest answers this poll (in order) */
-        late_push(s, pb->rank, pb);
-        Kvxfer__PeerBatch *old = late_pop(s, pb->rank);
+        if (!dup && !late_keep(s, inst, pb))
+            s->has[rank] = pb->batch + 2;
+        Kvxfer__PeerBatch *old = late_pop(s, rank);
         if (old) {
-            batch_reply(inst, pb->rank, pb->req_id, old);
+            batch_reply(inst, rank, pb->req_id, old);
             kvxfer__peer_batch__free_unpacked(old, NULL);
         }
         return;
     }
-    batch_reply(inst, pb->rank, pb->req_id, pb);
+    s->has[rank] = pb->batch + 2;
+    batch_reply(inst, rank, pb->req_id, pb);
 }
 
 /* Root: the answer to a member's poll that no batch answers: code and
@@ -846,6 +896,16 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
         bad = "does not count that rank now (its daemon was lost, and "
               "has not announced it again yet)";
         retry = 1;
+    }
+    if (!bad) {
+        uint64_t again = batch_rank_resume(&inst->batches, p->rank,
+                                           p->resume);
+        if (again)
+            log_warn("instance %s: %llu batch(es) sent to rank %u at daemon "
+                     "%s never arrived (a link lost with them on their way): "
+                     "sent again, in order",
+                     inst->id, (unsigned long long)again, p->rank,
+                     peer_conn_address(c));
     }
     uint64_t now = kvxd_now_ms();
     uint32_t t = p->timeout_ms > kvxd.conf.poll_timeout_max_ms

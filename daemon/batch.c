@@ -13,10 +13,12 @@ int batch_init(batch_state_t *bs, uint32_t nranks, batch_deliver_cb cb,
     bs->present = calloc(nranks, 1);
     bs->away = calloc(nranks, 1);
     bs->cursor = calloc(nranks, sizeof(*bs->cursor));
+    bs->resume = calloc(nranks, sizeof(*bs->resume));
     bs->wait = calloc(nranks, sizeof(*bs->wait));
     bs->deliver = cb;
     bs->arg = arg;
-    if (!bs->present || !bs->away || !bs->cursor || !bs->wait) {
+    if (!bs->present || !bs->away || !bs->cursor || !bs->resume ||
+        !bs->wait) {
         batch_cleanup(bs);
         return KVX_ERR_NOMEM;
     }
@@ -42,6 +44,7 @@ void batch_cleanup(batch_state_t *bs)
     free(bs->present);
     free(bs->away);
     free(bs->cursor);
+    free(bs->resume);
     free(bs->wait);
     memset(bs, 0, sizeof(*bs));
 }
@@ -54,13 +57,16 @@ static const batch_t *find(const batch_state_t *bs, uint64_t seq)
     return NULL;
 }
 
-/* Drop batches every connected rank has read. */
+/* Drop batches every connected rank has read (a rank of another daemon
+ * that says what it has: has). */
 static void trim(batch_state_t *bs)
 {
     uint64_t low = bs->next_seq;
-    for (uint32_t r = 0; r < bs->nranks; r++)
-        if (bs->present[r] && bs->cursor[r] < low)
-            low = bs->cursor[r];
+    for (uint32_t r = 0; r < bs->nranks; r++) {
+        uint64_t c = bs->resume[r] ? bs->resume[r] - 1 : bs->cursor[r];
+        if (bs->present[r] && c < low)
+            low = c;
+    }
     while (bs->head && bs->head->seq < low) {
         batch_t *b = bs->head;
         bs->head = b->next;
@@ -125,6 +131,7 @@ void batch_rank_join(batch_state_t *bs, uint32_t rank)
     bs->present[rank] = 1;
     bs->away[rank] = 0;
     bs->cursor[rank] = bs->next_seq;
+    bs->resume[rank] = 0;
     bs->wait[rank].active = 0;
 }
 
@@ -132,6 +139,7 @@ void batch_rank_leave(batch_state_t *bs, uint32_t rank)
 {
     bs->present[rank] = 0;
     bs->away[rank] = 0;
+    bs->resume[rank] = 0;
     bs->wait[rank].active = 0;
     trim(bs);
 }
@@ -147,6 +155,28 @@ void batch_rank_away(batch_state_t *bs, uint32_t rank)
 void batch_rank_back(batch_state_t *bs, uint32_t rank)
 {
     bs->away[rank] = 0;
+}
+
+uint64_t batch_rank_resume(batch_state_t *bs, uint32_t rank, uint64_t resume)
+{
+    if (!bs->present[rank] || bs->wait[rank].active)
+        return 0;
+    if (!resume) /* nothing has arrived yet: it reads what it was first
+                    sent (kept since its first poll) */
+        resume = bs->resume[rank];
+    uint64_t next = resume - 1, again = 0;
+    if (resume && next > bs->cursor[rank])
+        return 0; /* says it has batches never sent to it: not believed */
+    if (resume && next < bs->cursor[rank] && find(bs, next)) {
+        /* kept since (it said so before): read again, from there */
+        again = bs->cursor[rank] - next;
+        bs->cursor[rank] = next;
+    }
+    /* kept for it from here on, until its next poll says it has them
+     * (batches it lost before it first said anything are gone) */
+    bs->resume[rank] = bs->cursor[rank] + 1;
+    trim(bs);
+    return again;
 }
 
 int batch_rank_here(const batch_state_t *bs, uint32_t rank)

@@ -51,6 +51,10 @@ typedef struct batch_state {
     uint8_t *away;             /* present, but its daemon is unreachable:
                                   it keeps its place and its batches */
     uint64_t *cursor;          /* next seq each rank reads */
+    uint64_t *resume;          /* a rank of another daemon: 1 + the seq
+                                  its daemon says it reads next (what it
+                                  surely has); 0: not said, the cursor
+                                  counts (batch_rank_resume()) */
     struct batch_waiter *wait;
     batch_event_t *pending;
     uint32_t npending, cap_pending;
@@ -74,6 +78,13 @@ void batch_rank_leave(batch_state_t *bs, uint32_t rank);
  * misses no batch when back (batch_rank_back()); leave it to forget. */
 void batch_rank_away(batch_state_t *bs, uint32_t rank);
 void batch_rank_back(batch_state_t *bs, uint32_t rank);
+/* A rank of another daemon says, on its poll, which batch it reads next
+ * (resume: 1 + its seq; 0: nothing has arrived there since it joined). Batches sent to
+ * it that never arrived (lost in a link that died with them in flight)
+ * are read again. From its cursor on, batches are kept for it until a
+ * later poll says it has them. Call with no poll of the rank waiting.
+ * Returns how many batches it reads again. */
+uint64_t batch_rank_resume(batch_state_t *bs, uint32_t rank, uint64_t resume);
 /* Present and not away. */
 int batch_rank_here(const batch_state_t *bs, uint32_t rank);
 

@@ -4,6 +4,8 @@
  * fail (that one only). Sites: gather (a copy job gathering into a send
  * slot for a peer daemon) and scatter (one scattering out of a receive
  * slot); a host job fails as a GPU kernel error would, with KVX_ERR_IO.
+ * batch: a sealed batch the root daemon sends to a rank of another
+ * daemon is lost on its way (it counts as sent, and never arrives).
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -11,7 +13,12 @@
 
 #include <stddef.h>
 
-typedef enum { FAULT_GATHER, FAULT_SCATTER, FAULT_NSITES } fault_site_t;
+typedef enum {
+    FAULT_GATHER,
+    FAULT_SCATTER,
+    FAULT_BATCH,
+    FAULT_NSITES
+} fault_site_t;
 
 /* Parse $KVXFERD_FAULT. 0, or -1 with why (a bad value names itself). */
 int fault_init(char *why, size_t why_len);

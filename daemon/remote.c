@@ -1825,13 +1825,22 @@ void remote_tick(uint64_t now)
     uint32_t n = rstreams.n;
     if (!n || !retrying)
         return;
+    /* by id: ending one request (out of memory below) frees its other
+     * streams, which may come later in this list */
     void **v = calloc(n, sizeof(*v));
-    if (!v)
+    uint64_t *ids = calloc(n, sizeof(*ids));
+    if (!v || !ids) {
+        free(v);
+        free(ids);
         return;
+    }
     n = map_values(&rstreams, v, n);
+    for (uint32_t i = 0; i < n; i++)
+        ids[i] = ((rstream_t *)v[i])->id;
+    free(v);
     for (uint32_t i = 0; i < n; i++) {
-        rstream_t *r = v[i];
-        if (r->retry_ms && now >= r->retry_ms) {
+        rstream_t *r = map_get(&rstreams, ids[i]);
+        if (r && r->retry_ms && now >= r->retry_ms) {
             r->retry_ms = 0;
             retrying--;
             if (r->ended || !r->part || send_open(r)) {
@@ -1843,7 +1852,7 @@ void remote_tick(uint64_t now)
             }
         }
     }
-    free(v);
+    free(ids);
 }
 
 uint32_t remote_conn_streams(const peer_conn_t *c)

@@ -2258,6 +2258,61 @@ TEST_T(peer_spread_event_before_root_joined, 60)
     p_stop_both(a, b);
 }
 
+/* A batch lost on its way to a member daemon (KVXFERD_FAULT=batch:1 on
+ * the root A: the first batch A sends to B counts as sent and never
+ * arrives, as in a link that dies with it in flight). Rank 1's poll
+ * fails (the root did not answer it); its next poll reads that very
+ * batch, event and all, because B's polls tell A which batch rank 1 reads
+ * next. The ranks then read on in lockstep. Before, the next poll read
+ * the batch after it: the event was lost for rank 1. */
+TEST_T(peer_spread_lost_batch_read_again, 60)
+{
+    p_setup();
+    setenv("KVXFERD_FAULT", "batch:1", 1);
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    unsetenv("KVXFERD_FAULT");
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    static side_t cs;
+    p_side2(&cs, "lb-ctx", KVX_ROLE_CONTEXT);
+    rank_t c0, c1;
+    p_spread_open(a, b, &cs, 8, &c0, &c1);
+    uint32_t cb[2] = {2, 3};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c1.c, 21, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
+    CHECK_KVX(kvx_cancel(c1.c, 21, T_MS), c1.c);
+    kvx_context_params_free(&p);
+    kvx_batch_t *b0, *b1;
+    CHECK_KVX(kvx_poll(c0.c, 1, 3000, &b0), c0.c);
+    CHECK_EQ(b0->num_events, 1);
+    CHECK_EQ(b0->events[0].request_id, 21);
+    CHECK_EQ(b0->events[0].kind, KVX_EVENT_CANCELLED);
+    int64_t t0 = now_ms();
+    int rc = kvx_poll(c1.c, 1, 300, &b1);
+    fprintf(stderr, "rank 1's first poll: %s after %lld ms: %s\n",
+            kvx_status_name(rc), (long long)(now_ms() - t0),
+            kvx_last_error(c1.c));
+    CHECK_EQ(rc, KVX_ERR_PEER_GONE);
+    CHECK_KVX(kvx_poll(c1.c, 1, 3000, &b1), c1.c);
+    CHECK_EQ(b1->seq, b0->seq);
+    CHECK_EQ(b1->num_events, 1);
+    CHECK_EQ(b1->events[0].request_id, 21);
+    CHECK_EQ(b1->events[0].kind, KVX_EVENT_CANCELLED);
+    kvx_batch_free(b0);
+    kvx_batch_free(b1);
+    /* on in lockstep: the next batch (empty, sealed at a deadline) */
+    CHECK_KVX(kvx_poll(c0.c, 0, 200, &b0), c0.c);
+    CHECK_KVX(kvx_poll(c1.c, 0, 200, &b1), c1.c);
+    CHECK_EQ(b0->seq, b1->seq);
+    CHECK_EQ(b0->num_events, 0);
+    CHECK_EQ(b1->num_events, 0);
+    kvx_batch_free(b0);
+    kvx_batch_free(b1);
+    CHECK(log_contains(a, "never arrived"));
+    rank_close(&c1);
+    rank_close(&c0);
+    p_stop_both(a, b);
+}
+
 /* A daemon that knows the secret but misbehaves (fake_peer replay): B
  * dials it (params naming it as the context rank) and opens its stream
  * there; it replays that OPEN to A twice. A accepts the stream once and

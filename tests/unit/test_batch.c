@@ -372,6 +372,58 @@ TEST(away_rank_reads_what_it_missed)
     batch_cleanup(&bs);
 }
 
+/* A rank of another daemon: batches sent to it are kept until its next
+ * poll says they arrived; one lost on the way (the link died with it in
+ * flight) is read again, in order, and then let go. */
+TEST(remote_rank_resume_reads_lost_batch_again)
+{
+    batch_state_t bs;
+    CHECK_EQ(batch_init(&bs, 2, on_deliver, recs), 0);
+    nrec = 0;
+    batch_rank_join(&bs, 0);
+    batch_rank_join(&bs, 1);
+    /* its first poll: its daemon knows nothing yet (resume 0) */
+    CHECK_EQ(batch_rank_resume(&bs, 1, 0), 0);
+    CHECK_EQ(batch_poll(&bs, 1, 1, 1, 1000, 0), 0);
+    push(&bs, 7, 0);                                   /* batch 0 */
+    CHECK_EQ(nrec, 1);
+    CHECK_EQ(recs[0].rank, 1);
+    CHECK_EQ(recs[0].seq, 0);
+    CHECK_EQ(batch_poll(&bs, 0, 2, 0, 1000, 0), 0);    /* rank 0 reads 0 */
+    CHECK_EQ(nbatches_held(&bs), 1); /* kept: rank 1 has not said */
+    /* rank 1's next poll says batch 0 arrived: it goes */
+    CHECK_EQ(batch_rank_resume(&bs, 1, 1 + 1), 0);
+    CHECK_EQ(nbatches_held(&bs), 0);
+    CHECK_EQ(batch_poll(&bs, 1, 3, 1, 1000, 0), 0);
+    push(&bs, 8, 0);                                   /* batch 1 */
+    CHECK_EQ(recs[nrec - 1].seq, 1);
+    CHECK_EQ(batch_poll(&bs, 0, 4, 0, 1000, 0), 0);    /* rank 0 reads 1 */
+    push(&bs, 9, 0);
+    CHECK_EQ(batch_poll(&bs, 0, 5, 0, 1000, 0), 0);    /* rank 0 reads 2 */
+    CHECK_EQ(nbatches_held(&bs), 2); /* 1 and 2, for rank 1 */
+    /* batch 1 was lost on the way: rank 1 still reads 1 next */
+    CHECK_EQ(batch_rank_resume(&bs, 1, 1 + 1), 1);
+    CHECK_EQ(bs.cursor[1], 1);
+    uint32_t n0 = nrec;
+    CHECK_EQ(batch_poll(&bs, 1, 6, 0, 1000, 0), 0);
+    CHECK_EQ(nrec, n0 + 1);
+    CHECK_EQ(recs[n0].seq, 1);
+    CHECK_EQ(recs[n0].ev[0].request_id, 8);
+    CHECK_EQ(batch_rank_resume(&bs, 1, 2 + 1), 0);
+    CHECK_EQ(batch_poll(&bs, 1, 7, 0, 1000, 0), 0);
+    CHECK_EQ(recs[n0 + 1].seq, 2);
+    CHECK_EQ(recs[n0 + 1].ev[0].request_id, 9);
+    CHECK_EQ(nbatches_held(&bs), 1); /* 2: until rank 1 says it has it */
+    /* a claim of batches never sent is not believed */
+    CHECK_EQ(batch_rank_resume(&bs, 1, 9 + 1), 0);
+    CHECK_EQ(bs.cursor[1], 3);
+    CHECK_EQ(nbatches_held(&bs), 1);
+    /* leaving lets go of what was kept for it */
+    batch_rank_leave(&bs, 1);
+    CHECK_EQ(nbatches_held(&bs), 0);
+    batch_cleanup(&bs);
+}
+
 TEST(second_poll_while_waiting_is_busy)
 {
     batch_state_t bs;
