@@ -78,6 +78,8 @@ typedef struct spread {
                               or kept); 0: not known. Its polls say it
                               (PeerPoll.resume) */
     uint64_t *away_ms;     /* root: since when a rank is away */
+    uint64_t *sess;        /* root: the member's session of each rank
+                              (PeerRanks.session); 0: not said */
     struct spread *next;
 } spread_t;
 
@@ -89,6 +91,7 @@ typedef struct announce {
     char root[192];
     uint32_t rank;
     int joined;
+    uint64_t session;      /* joined: the rank's session here */
     uint64_t next_ms, until_ms;
     struct announce *next;
 } announce_t;
@@ -163,11 +166,14 @@ static spread_t *spread_of(instance_t *inst, int create)
     if (!s || !(s->poll = calloc(inst->nranks, sizeof(fpoll_t))) ||
         !(s->late = calloc(inst->nranks, sizeof(late_t *))) ||
         !(s->has = calloc(inst->nranks, sizeof(uint64_t))) ||
-        !(s->away_ms = calloc(inst->nranks, sizeof(uint64_t)))) {
+        !(s->away_ms = calloc(inst->nranks, sizeof(uint64_t))) ||
+        !(s->sess = calloc(inst->nranks, sizeof(uint64_t)))) {
         if (s) {
             free(s->poll);
             free(s->late);
             free(s->has);
+            free(s->away_ms);
+            free(s->sess);
         }
         free(s);
         return NULL;
@@ -259,6 +265,7 @@ void agree_forget(instance_t *inst)
             free(s->late);
             free(s->has);
             free(s->away_ms);
+            free(s->sess);
             free(s->poll);
             free(s);
             return;
@@ -368,13 +375,14 @@ static int to_root(const instance_t *inst, const Kvxfer__PeerMsg *m)
  * the root's acknowledgement of one (ack), on the connection it came
  * by. 0 or an error. */
 static int ranks_send(peer_conn_t *c, const char *instance, uint32_t rank,
-                      int joined, int ack)
+                      int joined, uint64_t session, int ack)
 {
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerRanks r = KVXFER__PEER_RANKS__INIT;
     r.instance_id = (char *)instance;
     r.rank = rank;
     r.joined = joined;
+    r.session = session;
     r.ack = ack;
     m.m_case = KVXFER__PEER_MSG__M_RANKS;
     m.ranks = &r;
@@ -382,12 +390,11 @@ static int ranks_send(peer_conn_t *c, const char *instance, uint32_t rank,
 }
 
 /* Member: an announcement to the root at addr (connecting on first use). */
-static int announce_send(const char *instance, const char *addr,
-                         uint32_t rank, int joined)
+static int announce_send(const announce_t *a)
 {
     char why[256];
-    return ranks_send(peer_connect(addr, why, sizeof(why)), instance, rank,
-                      joined, 0);
+    return ranks_send(peer_connect(a->root, why, sizeof(why)), a->instance,
+                      a->rank, a->joined, a->session, 0);
 }
 
 /* Member: tell the root that a local rank joined (again) or left, as a
@@ -435,16 +442,19 @@ static void announce_queue(instance_t *inst, uint32_t rank, int joined,
         announces = a;
     }
     uint64_t now = kvxd_now_ms();
-    if (a) {
+    announce_t once; /* out of memory: told once, not again */
+    if (!a)
+        a = &once;
+    {
         snprintf(a->instance, sizeof(a->instance), "%s", inst->id);
         snprintf(a->root, sizeof(a->root), "%s", inst->addresses[0]);
         a->rank = rank;
         a->joined = joined;
+        a->session = joined ? inst->rank_sid[rank] : 0;
         a->next_ms = now + (send_now ? ANNOUNCE_EVERY_MS : 0);
         a->until_ms = now + ANNOUNCE_FOR_MS;
     }
-    if (send_now &&
-        announce_send(inst->id, inst->addresses[0], rank, joined))
+    if (send_now && announce_send(a))
         log_warn("instance %s: rank %u %s, and the root daemon %s cannot "
                  "be told yet",
                  inst->id, rank, joined ? "joined" : "left",
@@ -457,6 +467,7 @@ static void on_ranks_ack(peer_conn_t *c, const Kvxfer__PeerRanks *r)
     for (announce_t **pp = &announces; *pp; pp = &(*pp)->next) {
         announce_t *a = *pp;
         if (a->rank == r->rank && a->joined == r->joined &&
+            a->session == r->session &&
             r->instance_id && !strcmp(a->instance, r->instance_id) &&
             !strcmp(a->root, peer_conn_address(c))) {
             *pp = a->next;
@@ -477,26 +488,43 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
     instance_t *inst = r->instance_id ? instance_find(r->instance_id) : NULL;
     if (!inst || !inst->joined)
         return; /* not yet: no ack, it comes again */
-    ranks_send(c, inst->id, r->rank, r->joined, 1); /* on the same link */
+    /* on the same link */
+    ranks_send(c, inst->id, r->rank, r->joined, r->session, 1);
     if (!agree_spread(inst) || !is_root(inst) ||
         r->rank >= inst->nranks || inst->local[r->rank] ||
         strcmp(inst->addresses[r->rank], peer_conn_address(c)))
         return;
+    spread_t *s = spread_of(inst, 1);
+    uint64_t *sess = s ? &s->sess[r->rank] : NULL;
     int present = inst->batches.present[r->rank];
-    if (r->joined && present && inst->batches.away[r->rank]) {
-        /* back after a lost link: it reads on from where it was */
-        batch_rank_back(&inst->batches, r->rank);
-    } else if (r->joined && !present) {
-        batch_rank_join(&inst->batches, r->rank);
-    } else if (!r->joined && present) {
+    /* joined again with another session: its old client left while the
+     * link was down (the announcement of that replaced by this one), so
+     * the old rank leaves first: its requests end, and the new one reads
+     * no batch of the old one's */
+    int replaced = r->joined && present && sess && *sess && r->session &&
+                   *sess != r->session;
+    if (replaced || (!r->joined && present)) {
         batch_rank_leave(&inst->batches, r->rank);
         char msg[300];
         snprintf(msg, sizeof(msg), "rank %u of instance %s (daemon %s) "
                                    "disconnected",
                  r->rank, inst->id, inst->addresses[r->rank]);
+        if (replaced)
+            log_info("instance %s: rank %u at daemon %s is a new client: "
+                     "the old one left while unreachable",
+                     inst->id, r->rank, inst->addresses[r->rank]);
         merges_fail(inst, msg);
         xfer_end_instance(inst, KVX_ERR_PEER_GONE, msg);
+        present = 0;
     }
+    if (r->joined && present && inst->batches.away[r->rank]) {
+        /* back after a lost link: it reads on from where it was */
+        batch_rank_back(&inst->batches, r->rank);
+    } else if (r->joined && !present) {
+        batch_rank_join(&inst->batches, r->rank);
+    }
+    if (r->joined && sess && r->session)
+        *sess = r->session; /* (the join puts remote ranks in unsaid) */
 }
 
 /* ---- events ------------------------------------------------------------ */
@@ -678,6 +706,7 @@ static int poll_send(instance_t *inst, uint32_t rank, uint64_t req_id,
     p.timeout_ms = timeout_ms;
     spread_t *s = spread_of(inst, 0);
     p.resume = s ? s->has[rank] : 0;
+    p.session = inst->rank_sid[rank];
     m.m_case = KVXFER__PEER_MSG__M_POLL;
     m.poll = &p;
     return to_root_on(inst, &m, on);
@@ -873,6 +902,7 @@ void agree_instance_ends(instance_t *inst)
 static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
 {
     instance_t *inst = p->instance_id ? instance_find(p->instance_id) : NULL;
+    spread_t *s;
     const char *bad = NULL;
     int retry = 0;
     if (!inst || !inst->joined) {
@@ -884,7 +914,13 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     else if (p->rank >= inst->nranks || inst->local[p->rank] ||
              strcmp(inst->addresses[p->rank], peer_conn_address(c)))
         bad = "has no such rank at that daemon";
-    else if (inst->batches.present[p->rank] &&
+    else if (p->session && (s = spread_of(inst, 0)) && s->sess[p->rank] &&
+             s->sess[p->rank] != p->session) {
+        /* a new client of that rank, whose announcement (on_ranks():
+         * the old one leaves) has not come yet: not the old one back */
+        bad = "has a new client of that rank, not announced yet";
+        retry = 1;
+    } else if (inst->batches.present[p->rank] &&
              inst->batches.away[p->rank]) {
         /* its daemon reaches us again (its address, authenticated):
          * back, reading on from where it was */
@@ -897,6 +933,9 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
               "has not announced it again yet)";
         retry = 1;
     }
+    if (!bad && p->session && (s = spread_of(inst, 1)) &&
+        !s->sess[p->rank])
+        s->sess[p->rank] = p->session; /* its poll came before its word */
     if (!bad) {
         uint64_t again = batch_rank_resume(&inst->batches, p->rank,
                                            p->resume);
@@ -1117,7 +1156,7 @@ void agree_tick(uint64_t now)
         }
         if (now >= a->next_ms) {
             a->next_ms = now + ANNOUNCE_EVERY_MS;
-            announce_send(a->instance, a->root, a->rank, a->joined);
+            announce_send(a);
         }
         pp = &a->next;
     }

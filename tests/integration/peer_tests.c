@@ -2313,6 +2313,107 @@ TEST_T(peer_spread_lost_batch_read_again, 60)
     p_stop_both(a, b);
 }
 
+/* Rank 1 of a spread instance (member daemon B) is replaced while the
+ * link to the root A is down: the loss ends its request 5, which rank 0
+ * reads meanwhile; its client leaves, and a new client joins as rank 1
+ * before B can tell A (the announcement of the leave is replaced by that
+ * of the join). Back, A sees a new session: the old rank leaves and the
+ * new one reads from the next batch, in lockstep with rank 0, never a
+ * batch of the old one's (before: A took it for the old rank back, and it
+ * read the batch with request 5's end). Network namespaces only: on
+ * loopback the cut freezes a daemon, which then cannot seal or take a
+ * new client. */
+TEST_T(peer_spread_rank_replaced_while_away, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    if (!p_net.netns) {
+        printf("skip: peer_spread_rank_replaced_while_away needs network "
+               "namespaces (the link cut)\n");
+        p_stop_both(a, b);
+        return;
+    }
+    static side_t cs;
+    p_side2(&cs, "rp-ctx", KVX_ROLE_CONTEXT);
+    rank_t c0, c1, n1;
+    p_spread_open(a, b, &cs, 8, &c0, &c1);
+    uint32_t cb[2] = {2, 3};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c0.c, 5, c0.pool, cb, 2, 7, &p, T_MS), c0.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_publish(c1.c, 5, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
+    kvx_context_params_free(&p);
+    /* A knows rank 1's client: its poll went through A */
+    kvx_batch_t *bt = NULL;
+    CHECK_KVX(kvx_poll(c1.c, 0, 100, &bt), c1.c);
+    kvx_batch_free(bt);
+    char why[300];
+    CHECK(!p_sh(why, sizeof(why), "ip -n %s link set %s down", p_net.ns[1],
+                p_net.veth[1]));
+    sleep_ms(P_KA_TIMEOUT_MS + 800); /* each has lost the other */
+    ev_t e5 = wait_event(c0.c, 5, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 5000);
+    fprintf(stderr, "request 5 on rank 0: %s\n", e5.msg);
+    rank_close(&c1);
+    sleep_ms(200);
+    rank_hello_only(b, &M_SMALL, &cs, 1, &n1);
+    const char *addrs[2] = {c0.addr, n1.addr};
+    CHECK_KVX(kvx_join(n1.c, addrs, 2, T_MS), n1.c);
+    rank_pool(&n1, 8);
+    CHECK(!p_sh(why, sizeof(why), "ip -n %s link set %s up", p_net.ns[1],
+                p_net.veth[1]));
+    /* until A counts rank 1 again, its polls are asked to come again */
+    int64_t end = now_ms() + 8000;
+    int rc;
+    while ((rc = kvx_poll(n1.c, 0, 100, &bt)) != KVX_OK && now_ms() < end)
+        sleep_ms(50);
+    CHECK_KVX(rc, n1.c);
+    for (uint32_t k = 0; k < bt->num_events; k++)
+        CHECK(bt->events[k].request_id != 5);
+    fprintf(stderr, "the new rank 1 reads batch %llu first (%u events)\n",
+            (unsigned long long)bt->seq, bt->num_events);
+    kvx_batch_free(bt);
+    /* both ranks read the CANCELLED of a new request 6 in the same
+     * batch; the new rank 1 reads no event of request 5 */
+    CHECK_KVX(kvx_publish(c0.c, 6, c0.pool, cb, 2, 7, &p, T_MS), c0.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_cancel(c0.c, 6, T_MS), c0.c);
+    uint64_t seq[2] = {UINT64_MAX, UINT64_MAX};
+    kvx_client_t *cl[2] = {c0.c, n1.c};
+    end = now_ms() + 8000;
+    while ((seq[0] == UINT64_MAX || seq[1] == UINT64_MAX) &&
+           now_ms() < end) {
+        for (int i = 0; i < 2; i++) {
+            bt = NULL;
+            if (seq[i] != UINT64_MAX)
+                continue;
+            if (kvx_poll(cl[i], 0, 200, &bt) != KVX_OK) {
+                sleep_ms(50);
+                continue;
+            }
+            for (uint32_t k = 0; k < bt->num_events; k++) {
+                if (i == 1 && bt->events[k].request_id == 5)
+                    fprintf(stderr, "the new rank 1 read batch %llu of "
+                                    "the old one\n",
+                            (unsigned long long)bt->seq);
+                CHECK(i == 0 || bt->events[k].request_id != 5);
+                if (bt->events[k].request_id == 6) {
+                    CHECK_EQ(bt->events[k].kind, KVX_EVENT_CANCELLED);
+                    seq[i] = bt->seq;
+                }
+            }
+            kvx_batch_free(bt);
+        }
+    }
+    fprintf(stderr, "request 6 in batch %llu (rank 0) and %llu (rank 1)\n",
+            (unsigned long long)seq[0], (unsigned long long)seq[1]);
+    CHECK(seq[0] != UINT64_MAX);
+    CHECK_EQ(seq[0], seq[1]);
+    CHECK(log_contains(a, "is a new client"));
+    rank_close(&n1);
+    rank_close(&c0);
+    p_stop_both(a, b);
+}
+
 /* A daemon that knows the secret but misbehaves (fake_peer replay): B
  * dials it (params naming it as the context rank) and opens its stream
  * there; it replays that OPEN to A twice. A accepts the stream once and
