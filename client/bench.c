@@ -75,6 +75,7 @@ static struct opts {
     uint64_t slot_bytes;  /* peer.slot_bytes of both daemons */
     const char *peer_config[16]; /* --peer-config lines, peer section */
     uint32_t baseline_runs;        /* ucx_perftest runs, the median taken */
+    uint32_t passes;               /* timed passes over the requests */
     const char *cpus[2];           /* --cpus-a, --cpus-b: CPU lists */
     uint32_t npeer_config;
     const char *ucx_tls;
@@ -84,8 +85,10 @@ static struct opts {
     .head_dim = 128, .tpb = 16, .dtype = KVX_DTYPE_BF16,
     .pool_cap_mib = 2048, .ctx_device = 0, .gen_device = 1, .pairs = 1,
     .ctx_pp = 1, .gen_pp = 1, .daemons = 1, .slot_bytes = 4u << 20,
-    .baseline_runs = 1,
+    .baseline_runs = 1, .passes = 1,
 };
+
+#define MAX_PASSES 16
 
 /* Shared between the parent and the rank processes. */
 struct shared {
@@ -93,6 +96,9 @@ struct shared {
     _Atomic uint32_t go;
     _Atomic uint32_t ready2, go2;     /* between warm-up and timed pass */
     _Atomic uint32_t ready3, go3;     /* before any rank disconnects */
+    /* after each timed pass (--passes): the parent takes its time and,
+     * with --daemons 2, runs ucx_perftest once while the daemons idle */
+    _Atomic uint32_t pass_ready[MAX_PASSES], pass_go[MAX_PASSES];
     _Atomic uint32_t failed;
     char address[192];               /* daemon of the context ranks */
     char gen_address[192];           /* daemon of the generation ranks */
@@ -412,7 +418,10 @@ static void ctx_main(uint32_t rank)
         for (uint64_t r = first; r < first + per; r++)
             fill_request(&v, r);
     barrier(&sh->ready2, &sh->go2);
-    ctx_run(c, &v, rank, pool, first, per, reuse && !o.no_verify);
+    for (uint32_t ps = 0; ps < o.passes; ps++) {
+        ctx_run(c, &v, rank, pool, first, per, reuse && !o.no_verify);
+        barrier(&sh->pass_ready[ps], &sh->pass_go[ps]);
+    }
     /* a rank that leaves ends its instance's requests: with replicated
      * heads other ranks may still be publishing theirs */
     barrier(&sh->ready3, &sh->go3);
@@ -495,6 +504,20 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
     return bad;
 }
 
+/* Zero a rank's pool (between passes, outside the timing). */
+static void pool_clear(const rank_view_t *v)
+{
+    uint64_t size = kvx_layout_span(&v->layout);
+#ifdef KVX_CUDA
+    if (v->device >= 0) {
+        if (bgpu_memset(v->device, v->base, 0, size))
+            die("GPU %d: memset failed", v->device);
+        return;
+    }
+#endif
+    memset(v->base, 0, size);
+}
+
 static void gen_main(uint32_t rank)
 {
     rank_view_t v;
@@ -509,10 +532,16 @@ static void gen_main(uint32_t rank)
         gen_run(c, &v, rank, pool, WARM_BASE + my_pair * reqs_in_pool,
                 reqs_in_pool, 0, &checked);
     barrier(&sh->ready2, &sh->go2);
-    bad = gen_run(c, &v, rank, pool, first, per, 1, &checked);
-    if (reqs_in_pool >= per && !o.no_verify)
-        for (uint64_t r = first; r < first + per; r++, checked++)
-            bad += check_request(&v, r);
+    bad = 0;
+    for (uint32_t ps = 0; ps < o.passes; ps++) {
+        if (ps) /* each pass writes every byte again, checked again */
+            pool_clear(&v);
+        bad += gen_run(c, &v, rank, pool, first, per, 1, &checked);
+        if (reqs_in_pool >= per && !o.no_verify)
+            for (uint64_t r = first; r < first + per; r++, checked++)
+                bad += check_request(&v, r);
+        barrier(&sh->pass_ready[ps], &sh->pass_go[ps]);
+    }
     uint64_t per_req = (uint64_t)(num_tokens - o.skip) *
                        v.layout.num_layers * kvf * v.layout.num_heads *
                        o.head_dim * kvx_dtype_size(o.dtype);
@@ -1048,7 +1077,7 @@ static void kids_watch(const pid_t *kids, int *st, int *done, uint32_t n)
 /* The median of n values (sorts a copy; n <= 9). */
 static double median(const double *v, uint32_t n)
 {
-    double c[9];
+    double c[MAX_PASSES];
     memcpy(c, v, n * sizeof(double));
     for (uint32_t i = 1; i < n; i++)
         for (uint32_t j = i; j > 0 && c[j - 1] > c[j]; j--) {
@@ -1083,6 +1112,59 @@ static void slot_times_of(const char *json, const char *key, double out[6])
     for (int i = 1; i < 5; i++)
         out[i] = v[0] > 0 ? v[i] / v[0] / 1e3 : 0;
     out[5] = v[5];
+}
+
+/* --daemons 2: what the daemons' status says: the slot times (globals
+ * slot_rx, slot_tx) and, unless UCX_TLS is set, the transports their
+ * connection used ("ucx.transports", "tl/dev"), put in UCX_TLS for the
+ * baseline. Returns the size of the pieces they send slots in
+ * ("ucx.message_bytes"), or 0. */
+static uint64_t peers_read(void)
+{
+    static char used_tls[128];
+    uint64_t message_bytes = 0;
+    int want_tls = !getenv("UCX_TLS");
+    kvx_client_t *c;
+    char *json = NULL;
+    if (kvx_connect_observer(o.gen_socket, 2000, &c) == 0) {
+        kvx_status_json(c, &json, 2000);
+        kvx_close(c);
+    }
+    const char *t = json && want_tls ? strstr(json, "\"transports\":\"") : NULL;
+    if (t) {
+        t += 14;
+        size_t n = 0;
+        while (*t && *t != '"') {
+            char tl[32];
+            size_t k = 0;
+            while (*t && *t != '/' && *t != '"' && k + 1 < sizeof(tl))
+                tl[k++] = *t++;
+            tl[k] = 0;
+            while (*t && *t != ',' && *t != '"')
+                t++;
+            if (*t == ',')
+                t++;
+            if (k && !strstr(used_tls, tl) && n + k + 2 < sizeof(used_tls))
+                n += snprintf(used_tls + n, sizeof(used_tls) - n, "%s%s",
+                              n ? "," : "", tl);
+        }
+    }
+    /* the daemons send a slot as pieces of ucx.message_bytes */
+    const char *mb = json ? strstr(json, "\"message_bytes\":") : NULL;
+    if (mb)
+        message_bytes = strtoull(mb + 16, NULL, 10);
+    slot_times_of(json, "\"received\":{", slot_rx);
+    free(json);
+    json = NULL;
+    if (kvx_connect_observer(o.socket, 2000, &c) == 0) {
+        kvx_status_json(c, &json, 2000);
+        kvx_close(c);
+    }
+    slot_times_of(json, "\"sent\":{", slot_tx);
+    free(json);
+    if (want_tls && used_tls[0])
+        setenv("UCX_TLS", used_tls, 1);
+    return message_bytes;
 }
 
 /* A JSON string: the value between quotes, escaped. */
@@ -1152,6 +1234,14 @@ static void usage(FILE *f)
         "default 2048\n"
         "  --no-verify            skip the byte check\n"
         "  --no-warmup            time the first pass over the pools too\n"
+        "  --passes N             timed passes (1 to 16): the medians are "
+        "reported;\n"
+        "                         with --daemons 2, each pass has its own "
+        "ucx_perftest run\n"
+        "                         right after it (instead of "
+        "--baseline-runs), and the\n"
+        "                         ratio is the median of the passes' "
+        "ratios\n"
         "  --daemon-config FILE   config for --spawn-daemon; with --daemons 2 "
         "it is\n"
         "                         appended to each generated config (so it "
@@ -1255,6 +1345,7 @@ int main(int argc, char **argv)
         {"ucx-tls", required_argument, NULL, 1009},
         {"peer-config", required_argument, NULL, 1010},
         {"baseline-runs", required_argument, NULL, 1011},
+        {"passes", required_argument, NULL, 1014},
         {"cpus-a", required_argument, NULL, 1012},
         {"cpus-b", required_argument, NULL, 1013},
         {"json", no_argument, NULL, 'j'},
@@ -1303,6 +1394,7 @@ int main(int argc, char **argv)
                        &cpuset[opt - 1012]);
             break;
         case 1011: o.baseline_runs = arg_u32("baseline-runs", optarg, 1, 9); break;
+        case 1014: o.passes = arg_u32("passes", optarg, 1, MAX_PASSES); break;
         case 1010:
             if (o.npeer_config == 16 || strchr(optarg, '\n') ||
                 !strchr(optarg, ':')) {
@@ -1521,6 +1613,36 @@ int main(int argc, char **argv)
     while (atomic_load(&sh->ready2) < nproc && !atomic_load(&sh->failed))
         kids_watch(kids, kst, kdone, nproc);
     atomic_store(&sh->go2, 1);
+    /* each timed pass: its time; with --daemons 2 and several passes, one
+     * ucx_perftest run right after it, while the daemons idle, so that
+     * each pass has a baseline measured beside it (a busy host drifts) */
+    double pass_secs[MAX_PASSES] = {0}, pass_ucx[MAX_PASSES] = {0},
+           pass_msg[MAX_PASSES] = {0};
+    uint64_t message_bytes = 0; /* status "ucx.message_bytes" */
+    for (uint32_t ps = 0; ps < o.passes; ps++) {
+        while (atomic_load(&sh->pass_ready[ps]) < nproc &&
+               !atomic_load(&sh->failed))
+            kids_watch(kids, kst, kdone, nproc);
+        if (atomic_load(&sh->failed))
+            break;
+        pass_secs[ps] =
+            (double)(sh->last_done_ns - sh->first_fetch_ns) / 1e9;
+        atomic_store(&sh->first_fetch_ns, 0);
+        atomic_store(&sh->last_done_ns, 0);
+        if (o.daemons == 2 && o.passes > 1) {
+            if (ps == 0)
+                message_bytes = peers_read(); /* UCX_TLS for the runs */
+            pass_ucx[ps] = perftest_gbps(perftest, "ucp_am_bw",
+                                         o.slot_bytes, total, 0);
+            if (message_bytes && message_bytes < o.slot_bytes)
+                pass_msg[ps] = perftest_gbps(perftest, "ucp_am_bw",
+                                             message_bytes, total, 0);
+        }
+        /* the params slots of the timed requests are published again */
+        for (uint64_t r = 0; r < o.requests; r++)
+            atomic_store((_Atomic uint32_t *)slot_of(r), 0);
+        atomic_store(&sh->pass_go[ps], 1);
+    }
     while (atomic_load(&sh->ready3) < nproc && !atomic_load(&sh->failed))
         kids_watch(kids, kst, kdone, nproc);
     atomic_store(&sh->go3, 1);
@@ -1543,56 +1665,8 @@ int main(int argc, char **argv)
         failed |= !WIFEXITED(kst[i]) || WEXITSTATUS(kst[i]);
     free(kst);
     free(kdone);
-    /* the same transports for the baseline: without --ucx-tls, the ones
-     * the daemons' connection used (status "ucx.transports", "tl/dev") */
-    static char used_tls[128];
-    uint64_t message_bytes = 0; /* status "ucx.message_bytes" */
-    int want_tls = !getenv("UCX_TLS");
-    if (o.daemons == 2 && !failed) {
-        kvx_client_t *c;
-        char *json = NULL;
-        if (kvx_connect_observer(o.gen_socket, 2000, &c) == 0) {
-            kvx_status_json(c, &json, 2000);
-            kvx_close(c);
-        }
-        const char *t =
-            json && want_tls ? strstr(json, "\"transports\":\"") : NULL;
-        if (t) {
-            t += 14;
-            size_t n = 0;
-            while (*t && *t != '"') {
-                char tl[32];
-                size_t k = 0;
-                while (*t && *t != '/' && *t != '"' && k + 1 < sizeof(tl))
-                    tl[k++] = *t++;
-                tl[k] = 0;
-                while (*t && *t != ',' && *t != '"')
-                    t++;
-                if (*t == ',')
-                    t++;
-                if (k && !strstr(used_tls, tl) &&
-                    n + k + 2 < sizeof(used_tls)) {
-                    n += snprintf(used_tls + n, sizeof(used_tls) - n, "%s%s",
-                                  n ? "," : "", tl);
-                }
-            }
-        }
-        /* the daemons send a slot as pieces of ucx.message_bytes */
-        const char *mb = json ? strstr(json, "\"message_bytes\":") : NULL;
-        if (mb)
-            message_bytes = strtoull(mb + 16, NULL, 10);
-        slot_times_of(json, "\"received\":{", slot_rx);
-        free(json);
-        json = NULL;
-        if (kvx_connect_observer(o.socket, 2000, &c) == 0) {
-            kvx_status_json(c, &json, 2000);
-            kvx_close(c);
-        }
-        slot_times_of(json, "\"sent\":{", slot_tx);
-        free(json);
-        if (want_tls && used_tls[0])
-            setenv("UCX_TLS", used_tls, 1);
-    }
+    if (o.daemons == 2 && !failed)
+        message_bytes = peers_read();
     if (dpid > 0) {
         kill(dpid, SIGTERM);
         waitpid(dpid, NULL, 0);
@@ -1616,8 +1690,20 @@ int main(int argc, char **argv)
     /* --daemons 2: ucx_perftest between two processes of this host, on
      * host memory, moving about the same bytes in messages of a slot */
     double ucx_gbps = 0, ucx_put_gbps = 0, ucx_msg_gbps = 0, d2h = 0, h2d = 0;
-    double runs[2][9] = {{0}};
-    if (o.daemons == 2) {
+    double gpu_cap = INFINITY; /* host-staged: the slower GPU copy */
+    double runs[2][MAX_PASSES] = {{0}};
+    uint32_t nruns = o.baseline_runs;
+    if (o.daemons == 2 && o.passes > 1) {
+        /* the runs beside the passes */
+        nruns = o.passes;
+        memcpy(runs[0], pass_ucx, sizeof(pass_ucx));
+        memcpy(runs[1], pass_msg, sizeof(pass_msg));
+        ucx_gbps = median(runs[0], nruns);
+        ucx_msg_gbps = pass_msg[0] > 0 ? median(runs[1], nruns) : 0;
+        ucx_put_gbps = perftest_gbps(perftest, "ucp_put_bw", o.slot_bytes,
+                                     total, 1);
+        base = ucx_gbps > ucx_msg_gbps ? ucx_gbps : ucx_msg_gbps;
+    } else if (o.daemons == 2) {
         /* --baseline-runs N: the median of N runs (the figure moves from
          * run to run on a busy host); slots that went as smaller
          * messages: UCX with those too, and the baseline is the better
@@ -1650,6 +1736,10 @@ int main(int argc, char **argv)
             base = d2h;
         if (gen_gpu && h2d < base)
             base = h2d;
+        if (ctx_gpu)
+            gpu_cap = d2h;
+        if (gen_gpu && h2d < gpu_cap)
+            gpu_cap = h2d;
     } else if (o.gpu && ctx_gpu && gen_gpu) {
         base = bgpu_peer_gbps(o.ctx_device, o.gen_device, total);
     } else if (o.gpu && (ctx_gpu || gen_gpu)) {
@@ -1672,15 +1762,30 @@ int main(int argc, char **argv)
         : o.gen_host   ? "min(D2H,ucx_perftest)"
                        : "min(D2H,H2D,ucx_perftest)";
     const char *tls = getenv("UCX_TLS");
-    double secs = (double)(sh->last_done_ns - sh->first_fetch_ns) / 1e9;
-    double gbps = (double)total / secs / 1e9;
+    /* one pass: its GB/s over the baseline; several: the medians of the
+     * passes' GB/s, of their baselines, and of their ratios (each pass
+     * over the baseline measured right after it) */
+    double pass_gbps[MAX_PASSES], pass_ratio[MAX_PASSES];
+    for (uint32_t ps = 0; ps < o.passes; ps++) {
+        double b = base;
+        if (o.daemons == 2 && o.passes > 1) {
+            b = pass_ucx[ps] > pass_msg[ps] ? pass_ucx[ps] : pass_msg[ps];
+            if (gpu_cap < b)
+                b = gpu_cap;
+        }
+        pass_gbps[ps] = (double)total / pass_secs[ps] / 1e9;
+        pass_ratio[ps] = b > 0 ? pass_gbps[ps] / b : 0;
+    }
+    double secs = median(pass_secs, o.passes);
+    double gbps = median(pass_gbps, o.passes);
+    double ratio = o.passes > 1 ? median(pass_ratio, o.passes) : gbps / base;
     qsort(lat_ns, o.requests, sizeof(uint64_t), cmp_u64);
     double p50 = lat_ns[o.requests / 2] / 1e3;
     double p99 = lat_ns[(o.requests * 99) / 100 < o.requests
                             ? (o.requests * 99) / 100
                             : o.requests - 1] / 1e3;
     int verified = !o.no_verify && sh->mismatches == 0 &&
-                   sh->verified_bytes == total;
+                   sh->verified_bytes == total * o.passes;
     if (!(base > 0)) /* a ratio against nothing is no figure (nor JSON) */
         die("the baseline measured %.3f GB/s; no ratio can be given", base);
     if (o.json) {
@@ -1692,13 +1797,20 @@ int main(int argc, char **argv)
                "\"window\":%u,\"pairs\":%u,\"ctx_pp\":%u,\"gen_pp\":%u,"
                "\"ctx_tpb\":%u,\"gen_tpb\":%u,\"skip_tokens\":%u,"
                "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f",
-               gbps, base, gbps / base, verified ? "true" : "false",
+               gbps, base, ratio, verified ? "true" : "false",
                o.requests / secs, p50, p99, (unsigned long long)total,
                o.requests, o.blocks, o.ctx_layout, o.gen_layout,
                o.gpu ? "true" : "false", o.ctas, o.ctx_ranks, o.gen_ranks,
                o.window, o.pairs, o.ctx_pp, o.gen_pp, o.ctx_tpb, o.gen_tpb,
                o.skip, o.mla ? "true" : "false",
                (unsigned long long)sh->mismatches, secs);
+        printf(",\"passes\":%u,\"pass_gbps\":[", o.passes);
+        for (uint32_t ps = 0; ps < o.passes; ps++)
+            printf("%s%.3f", ps ? "," : "", pass_gbps[ps]);
+        printf("],\"pass_ratios\":[");
+        for (uint32_t ps = 0; ps < o.passes; ps++)
+            printf("%s%.3f", ps ? "," : "", pass_ratio[ps]);
+        printf("]");
         if (o.daemons == 2) {
             printf(",\"daemons\":2,\"slot_bytes\":%llu,\"peer_config\":[",
                    (unsigned long long)o.slot_bytes);
@@ -1718,10 +1830,10 @@ int main(int argc, char **argv)
                    "\"ucx_perftest_put_gbps\":%.3f,\"ucx_perftest_runs\":[",
                    (unsigned long long)message_bytes, ucx_gbps, ucx_msg_gbps,
                    ucx_put_gbps);
-            for (uint32_t i = 0; i < o.baseline_runs; i++)
+            for (uint32_t i = 0; i < nruns; i++)
                 printf("%s%.3f", i ? "," : "", runs[0][i]);
             printf("],\"ucx_perftest_message_runs\":[");
-            for (uint32_t i = 0; ucx_msg_gbps > 0 && i < o.baseline_runs; i++)
+            for (uint32_t i = 0; ucx_msg_gbps > 0 && i < nruns; i++)
                 printf("%s%.3f", i ? "," : "", runs[1][i]);
             printf("]");
             if (o.gpu)
@@ -1760,7 +1872,7 @@ int main(int argc, char **argv)
                    sh->address, sh->gen_address,
                    (unsigned long long)o.slot_bytes, tls ? tls : "(default)");
             printf("  %-22s %12.3f GB/s%s\n", "ucx_perftest am_bw",
-                   ucx_gbps, o.baseline_runs > 1 ? "  (median)" : "");
+                   ucx_gbps, nruns > 1 ? "  (median)" : "");
             if (ucx_msg_gbps > 0)
                 printf("  %-22s %12.3f GB/s  (messages of %llu bytes, the "
                        "daemons' pieces)\n",
@@ -1792,7 +1904,17 @@ int main(int argc, char **argv)
                    : o.ctx_device == o.gen_device      ? "cudaMemcpy baseline"
                                                : "cudaMemcpyPeer baseline",
                    base);
-        printf("  %-22s %12.3f\n", "ratio", gbps / base);
+        printf("  %-22s %12.3f%s\n", "ratio", ratio,
+               o.passes > 1 ? "  (median of the passes' ratios)" : "");
+        if (o.passes > 1) {
+            printf("  %-22s", "passes GB/s");
+            for (uint32_t ps = 0; ps < o.passes; ps++)
+                printf(" %.3f", pass_gbps[ps]);
+            printf("\n  %-22s", "passes ratio");
+            for (uint32_t ps = 0; ps < o.passes; ps++)
+                printf(" %.3f", pass_ratio[ps]);
+            printf("\n");
+        }
         printf("  %-22s %12.0f\n", "requests/s", o.requests / secs);
         printf("  %-22s %12.1f us\n", "latency p50", p50);
         printf("  %-22s %12.1f us\n", "latency p99", p99);

@@ -5,6 +5,8 @@
 # BASELINE_RUNS runs, 3). Run from an unpacked bundle:
 #   scripts/bench-peer-window.sh dist/kvxfer OUTDIR
 # VARIANTS: ';'-separated lists of kvxfer-bench arguments.
+# PASSES: N > 1 runs each bench with --passes N (a ucx_perftest run beside
+# each timed pass; the ratio is the median of the passes' ratios).
 # BUNDLES: space-separated bundle folders to compare (default: the first
 # argument); each run of each variant goes through each of them in turn.
 B=${1:-dist/kvxfer}
@@ -22,7 +24,9 @@ for i in $(seq 1 "$RUNS"); do
             [ ${#BS[@]} -gt 1 ] && tag="[$(basename "$b")] $tag"
             r=$(KVX_HOME=$(cd "$b" && pwd) && . "$KVX_HOME/env.sh" &&
                 timeout 180 kvxfer-bench --spawn-daemon --daemons 2 --json \
-                --baseline-runs "${BASELINE_RUNS:-3}" \
+                $(if [ "${PASSES:-1}" -gt 1 ]; then
+                      echo --passes "$PASSES"
+                  else echo --baseline-runs "${BASELINE_RUNS:-3}"; fi) \
                 --requests 16 --blocks 32 --window 4 "${args[@]}" 2>&1 |
                 tail -1)
             echo "$tag run=$i $r" >>"$OUT/window.txt"

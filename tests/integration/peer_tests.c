@@ -2575,6 +2575,58 @@ TEST_T(peer_idle_does_not_spin, 60)
     p_stop_both(a, b);
 }
 
+/* kvxfer-bench across two daemons it spawns (on loopback), in passes:
+ * every pass verified, each with its own ucx_perftest run beside it; the
+ * reported ratio is the median of the passes' ratios. */
+TEST_T(bench_two_daemons_passes, 90)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd),
+             "ASAN_OPTIONS=detect_leaks=0 %s/kvxfer-bench --spawn-daemon "
+             "--daemons 2 --passes 3 --requests 4 --blocks 8 --window 2 "
+             "--layers 4 --json 2>&1",
+             build_dir());
+    FILE *f = popen(cmd, "r");
+    CHECK(f);
+    char out[8192] = "";
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    if (st != 0 || !strstr(out, "\"verified\":true"))
+        fprintf(stderr, "%s\n-> %s\n", cmd, out);
+    CHECK(st == 0);
+    CHECK_STR_CONTAINS(out, "\"verified\":true");
+    CHECK_STR_CONTAINS(out, "\"passes\":3");
+    /* three passes, three ratios, three ucx_perftest runs */
+    const char *keys[] = {"\"pass_gbps\":[", "\"pass_ratios\":[",
+                          "\"ucx_perftest_runs\":["};
+    double ratios[3] = {0};
+    for (int k = 0; k < 3; k++) {
+        const char *p = strstr(out, keys[k]);
+        CHECK(p);
+        p += strlen(keys[k]);
+        for (int i = 0; i < 3; i++) {
+            char *e;
+            double v = strtod(p, &e);
+            CHECK(e != p && v > 0);
+            if (k == 1)
+                ratios[i] = v;
+            p = e + (i < 2 ? 1 : 0);
+            CHECK(i < 2 ? e[0] == ',' : e[0] == ']');
+        }
+    }
+    /* the ratio given is their median */
+    double lo = ratios[0] < ratios[1] ? ratios[0] : ratios[1];
+    double hi = ratios[0] < ratios[1] ? ratios[1] : ratios[0];
+    double med = ratios[2] < lo ? lo : ratios[2] > hi ? hi : ratios[2];
+    const char *r = strstr(out, "\"ratio\":");
+    CHECK(r);
+    double ratio = strtod(r + 8, NULL);
+    fprintf(stderr, "passes' ratios %.3f %.3f %.3f, ratio %.3f\n", ratios[0],
+            ratios[1], ratios[2], ratio);
+    CHECK(ratio - med < 0.0015 && med - ratio < 0.0015);
+}
+
 TEST_T(peer_status, 60)
 {
     daemon_t *a, *b;
