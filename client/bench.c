@@ -1774,7 +1774,7 @@ int main(int argc, char **argv)
     /* one pass: its GB/s over the baseline; several: the medians of the
      * passes' GB/s, of their baselines, and of their ratios (each pass
      * over the baseline measured right after it) */
-    double pass_gbps[MAX_PASSES], pass_ratio[MAX_PASSES];
+    double pass_gbps[MAX_PASSES] = {0}, pass_ratio[MAX_PASSES] = {0};
     for (uint32_t ps = 0; ps < o.passes; ps++) {
         double b = base;
         if (o.daemons == 2 && o.passes > 1) {
