@@ -80,6 +80,8 @@ typedef struct spread {
     uint64_t *away_ms;     /* root: since when a rank is away */
     uint64_t *sess;        /* root: the member's session of each rank
                               (PeerRanks.session); 0: not said */
+    uint64_t epoch;        /* member: the root's incarnation of the
+                              instance, as its batches say */
     struct spread *next;
 } spread_t;
 
@@ -205,19 +207,19 @@ static int late_push(spread_t *s, uint32_t rank, const Kvxfer__PeerBatch *pb)
     return 0;
 }
 
-/* Member: late_push(), or the loss said loudly: the rank never reads
- * batch pb (out of memory, or LATE_MAX kept already: its engine has not
- * polled through many failed polls). */
+/* Member: late_push(), or a warning: batch pb is not kept (out of
+ * memory, or LATE_MAX kept already: its engine has not polled through
+ * many failed polls); the caller does not count it arrived, so the rank's
+ * next poll says so and the root sends it again. */
 static int late_keep(spread_t *s, const instance_t *inst,
                      const Kvxfer__PeerBatch *pb)
 {
     int rc = late_push(s, pb->rank, pb);
     if (rc)
-        log_error("instance %s: batch %llu for rank %u is lost (%u events): "
-                  "%d batches already wait for the rank's next poll, or out "
-                  "of memory",
-                  inst->id, (unsigned long long)pb->batch, pb->rank,
-                  (unsigned)pb->n_events, LATE_MAX);
+        log_warn("instance %s: batch %llu for rank %u not kept here (%d "
+                 "already wait for the rank's next poll, or out of memory): "
+                 "the root sends it again then",
+                 inst->id, (unsigned long long)pb->batch, pb->rank, LATE_MAX);
     return rc;
 }
 
@@ -779,9 +781,12 @@ int agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
                  inst->addresses[rank]);
         return KVX_ERR_PEER_GONE;
     }
+    spread_t *s = spread_of(inst, 0);
     pb.instance_id = inst->id;
     pb.rank = rank;
     pb.req_id = req_id;
+    pb.epoch = inst->epoch;
+    pb.session = s ? s->sess[rank] : 0;
     pb.batch = b->seq;
     pb.n_events = b->nevents;
     pb.events = evp;
@@ -806,6 +811,24 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
         return;
     uint32_t rank = pb->rank;
     fpoll_t *fp = &s->poll[rank];
+    if (!pb->code && pb->epoch && pb->epoch != s->epoch) {
+        if (s->epoch) {
+            /* the root's instance was made anew (its ranks there left and
+             * came back): its batches are numbered from 0 again, and what
+             * this daemon kept or counted of the old one is moot */
+            log_info("instance %s: the root daemon %s has a new "
+                     "incarnation of it: batches numbered anew",
+                     inst->id, inst->addresses[0]);
+            for (uint32_t r = 0; r < inst->nranks; r++) {
+                late_clear(s, r);
+                s->has[r] = 0;
+            }
+        }
+        s->epoch = pb->epoch;
+    }
+    if (!pb->code && pb->session && pb->session != inst->rank_sid[rank])
+        return; /* sealed for a client of the rank that has since left (its
+                   own polls are answered on their own) */
     /* a batch this daemon has already (sent again by the root, which a
      * poll of ours told it had not come while it was on its way) */
     int dup = !pb->code && s->has[rank] && pb->batch + 1 < s->has[rank];

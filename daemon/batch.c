@@ -14,11 +14,12 @@ int batch_init(batch_state_t *bs, uint32_t nranks, batch_deliver_cb cb,
     bs->away = calloc(nranks, 1);
     bs->cursor = calloc(nranks, sizeof(*bs->cursor));
     bs->resume = calloc(nranks, sizeof(*bs->resume));
+    bs->joined_at = calloc(nranks, sizeof(*bs->joined_at));
     bs->wait = calloc(nranks, sizeof(*bs->wait));
     bs->deliver = cb;
     bs->arg = arg;
     if (!bs->present || !bs->away || !bs->cursor || !bs->resume ||
-        !bs->wait) {
+        !bs->joined_at || !bs->wait) {
         batch_cleanup(bs);
         return KVX_ERR_NOMEM;
     }
@@ -45,6 +46,7 @@ void batch_cleanup(batch_state_t *bs)
     free(bs->away);
     free(bs->cursor);
     free(bs->resume);
+    free(bs->joined_at);
     free(bs->wait);
     memset(bs, 0, sizeof(*bs));
 }
@@ -131,6 +133,7 @@ void batch_rank_join(batch_state_t *bs, uint32_t rank)
     bs->present[rank] = 1;
     bs->away[rank] = 0;
     bs->cursor[rank] = bs->next_seq;
+    bs->joined_at[rank] = bs->next_seq;
     bs->resume[rank] = 0;
     bs->wait[rank].active = 0;
 }
@@ -165,8 +168,9 @@ uint64_t batch_rank_resume(batch_state_t *bs, uint32_t rank, uint64_t resume)
                     sent (kept since its first poll) */
         resume = bs->resume[rank];
     uint64_t next = resume - 1, again = 0;
-    if (resume && next > bs->cursor[rank])
-        return 0; /* says it has batches never sent to it: not believed */
+    if (resume && (next > bs->cursor[rank] || next < bs->joined_at[rank]))
+        return 0; /* says it has batches never sent to it, or reads from
+                     before it joined: not believed */
     if (resume && next < bs->cursor[rank] && find(bs, next)) {
         /* kept since (it said so before): read again, from there */
         again = bs->cursor[rank] - next;

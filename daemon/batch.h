@@ -51,6 +51,7 @@ typedef struct batch_state {
     uint8_t *away;             /* present, but its daemon is unreachable:
                                   it keeps its place and its batches */
     uint64_t *cursor;          /* next seq each rank reads */
+    uint64_t *joined_at;       /* the seq each rank read first */
     uint64_t *resume;          /* a rank of another daemon: 1 + the seq
                                   its daemon says it reads next (what it
                                   surely has); 0: not said, the cursor

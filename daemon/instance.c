@@ -1,6 +1,7 @@
 /* instance — replicas, ranks, join and batches; see instance.h. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/random.h>
 #include <string.h>
 
 #include "daemon.h"
@@ -153,6 +154,10 @@ int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
         inst->side = *side;
         inst->nranks = nranks;
         inst->rank_sid = calloc(nranks, sizeof(*inst->rank_sid));
+        if (getrandom(&inst->epoch, sizeof(inst->epoch), 0) !=
+            sizeof(inst->epoch))
+            inst->epoch = kvxd_now_ms() ^ (uintptr_t)inst;
+        inst->epoch |= 1; /* nonzero */
         if (!inst->rank_sid ||
             batch_init(&inst->batches, nranks, deliver, inst)) {
             free(inst->rank_sid);

@@ -32,6 +32,8 @@ typedef struct instance {
     uint8_t *local;          /* rank served by this daemon */
     uint32_t nlocal;
     batch_state_t batches;
+    uint64_t epoch;          /* random, nonzero: this incarnation of the
+                                instance (PeerBatch.epoch) */
     map_t offers;            /* request_id -> offer (context side) */
     map_t fetches;           /* request_id -> genreq (generation side) */
     struct instance *next;

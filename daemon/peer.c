@@ -40,7 +40,10 @@
 #include "log.h"
 #include "peer.h"
 
-#define PEER_VERSION 2 /* 2: the MACs bind both daemons' addresses */
+/* 2: the MACs bind both daemons' addresses; 3: polls say what arrived
+ * (resume), batches and announcements carry sessions and the instance's
+ * epoch */
+#define PEER_VERSION 3
 #define NONCE_LEN 32
 #define MAC_LEN 32
 #define SECRET_MAX 4096

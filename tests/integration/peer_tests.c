@@ -2313,6 +2313,87 @@ TEST_T(peer_spread_lost_batch_read_again, 60)
     p_stop_both(a, b);
 }
 
+/* Poll c until a batch holds request req's event (up to 8 s): its seq,
+ * or UINT64_MAX. */
+static uint64_t p_seq_of(kvx_client_t *c, uint64_t req)
+{
+    int64_t end = now_ms() + 8000;
+    while (now_ms() < end) {
+        kvx_batch_t *bt = NULL;
+        if (kvx_poll(c, 0, 200, &bt) != KVX_OK) {
+            sleep_ms(50);
+            continue;
+        }
+        uint64_t seq = UINT64_MAX;
+        for (uint32_t k = 0; k < bt->num_events; k++)
+            if (bt->events[k].request_id == req)
+                seq = bt->seq;
+        kvx_batch_free(bt);
+        if (seq != UINT64_MAX)
+            return seq;
+    }
+    return UINT64_MAX;
+}
+
+/* The root's instance made anew: rank 0 (root A) leaves, so the instance
+ * ends at A, and comes back, while rank 1 stays on B. A numbers batches
+ * from 0 again; B sees the new epoch in A's batches and forgets what it
+ * counted of the old instance, so both ranks read a new request's end in
+ * the same batch (before: B took the new batches for ones it had, and
+ * rank 1 skipped them). */
+TEST_T(peer_spread_root_instance_recreated, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs;
+    p_side2(&cs, "rc-ctx", KVX_ROLE_CONTEXT);
+    rank_t c0, c1;
+    p_spread_open(a, b, &cs, 8, &c0, &c1);
+    uint32_t cb[2] = {2, 3};
+    kvx_context_params_t p;
+    /* a few batches with events for both ranks */
+    for (uint64_t q = 10; q < 14; q++) {
+        CHECK_KVX(kvx_publish(c1.c, q, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
+        kvx_context_params_free(&p);
+        CHECK_KVX(kvx_cancel(c1.c, q, T_MS), c1.c);
+        uint64_t s0 = p_seq_of(c0.c, q), s1 = p_seq_of(c1.c, q);
+        CHECK(s0 != UINT64_MAX);
+        CHECK_EQ(s0, s1);
+    }
+    /* rank 0 leaves: the instance ends at A (and is freed); it comes back
+     * as a new one */
+    rank_close(&c0);
+    sleep_ms(500);
+    rank_t n0;
+    rank_hello_only(a, &M_SMALL, &cs, 0, &n0);
+    const char *addrs[2] = {n0.addr, c1.addr};
+    CHECK_KVX(kvx_join(n0.c, addrs, 2, T_MS), n0.c);
+    rank_pool(&n0, 8);
+    /* rank 1's polls failed meanwhile (its root instance ended): drain */
+    kvx_batch_t *bt = NULL;
+    while (kvx_poll(c1.c, 0, 100, &bt) == KVX_OK && bt->num_events) {
+        kvx_batch_free(bt);
+        bt = NULL;
+    }
+    kvx_batch_free(bt);
+    CHECK_KVX(kvx_publish(n0.c, 20, n0.pool, cb, 2, 7, &p, T_MS), n0.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_cancel(n0.c, 20, T_MS), n0.c);
+    uint64_t s0 = p_seq_of(n0.c, 20), s1 = p_seq_of(c1.c, 20);
+    fprintf(stderr, "request 20 in batch %llu (rank 0) and %llu (rank 1)\n",
+            (unsigned long long)s0, (unsigned long long)s1);
+    CHECK(s0 != UINT64_MAX);
+    CHECK_EQ(s0, s1);
+    /* the new instance's first batches, not dozens of empty ones sealed
+     * for polls of rank 1 that took each new batch for an old one (61 in
+     * a run without the epoch) */
+    CHECK(s0 < 8);
+    CHECK(log_contains(b, "new incarnation"));
+    rank_close(&c1);
+    rank_close(&n0);
+    p_stop_both(a, b);
+}
+
 /* Rank 1 of a spread instance (member daemon B) is replaced while the
  * link to the root A is down: the loss ends its request 5, which rank 0
  * reads meanwhile; its client leaves, and a new client joins as rank 1

@@ -424,6 +424,33 @@ TEST(remote_rank_resume_reads_lost_batch_again)
     batch_cleanup(&bs);
 }
 
+/* A remote rank that joins again reads from its join on: a poll that
+ * claims it reads a batch from before (a member still counting the
+ * rank's old client) is not believed, though that batch is still kept
+ * for a rank that has not read it. */
+TEST(remote_rank_resume_not_before_join)
+{
+    batch_state_t bs;
+    CHECK_EQ(batch_init(&bs, 3, on_deliver, recs), 0);
+    nrec = 0;
+    for (uint32_t r = 0; r < 3; r++)
+        batch_rank_join(&bs, r);
+    batch_rank_leave(&bs, 1);
+    push(&bs, 10, 0);
+    CHECK_EQ(batch_poll(&bs, 0, 1, 0, 1000, 0), 0);    /* batch 0 */
+    CHECK_EQ(nbatches_held(&bs), 1);                   /* for rank 2 */
+    batch_rank_join(&bs, 1);                           /* from batch 1 */
+    CHECK_EQ(bs.joined_at[1], 1);
+    CHECK_EQ(batch_rank_resume(&bs, 1, 0), 0);
+    CHECK_EQ(batch_poll(&bs, 1, 2, 0, 1000, 0), 0);    /* batch 1, empty */
+    CHECK_EQ(recs[nrec - 1].seq, 1);
+    CHECK_EQ(batch_rank_resume(&bs, 1, 0 + 1), 0);     /* batch 0: no */
+    CHECK_EQ(bs.cursor[1], 2);
+    CHECK_EQ(batch_rank_resume(&bs, 1, 1 + 1), 1);     /* batch 1: again */
+    CHECK_EQ(bs.cursor[1], 1);
+    batch_cleanup(&bs);
+}
+
 TEST(second_poll_while_waiting_is_busy)
 {
     batch_state_t bs;
