@@ -99,6 +99,8 @@ struct shared {
     /* after each timed pass (--passes): the parent takes its time and,
      * with --daemons 2, runs ucx_perftest once while the daemons idle */
     _Atomic uint32_t pass_ready[MAX_PASSES], pass_go[MAX_PASSES];
+    /* passes after the first: between the warm-up and the timed run */
+    _Atomic uint32_t warm_ready[MAX_PASSES], warm_go[MAX_PASSES];
     _Atomic uint32_t failed;
     char address[192];               /* daemon of the context ranks */
     char gen_address[192];           /* daemon of the generation ranks */
@@ -422,6 +424,8 @@ static void ctx_main(uint32_t rank)
         if (ps && !o.no_warmup) /* the links idled through the baseline */
             ctx_run(c, &v, rank, pool, WARM_BASE + my_pair * reqs_in_pool,
                     reqs_in_pool, 0);
+        if (ps) /* every pair's warm-up is over before any timed fetch */
+            barrier(&sh->warm_ready[ps], &sh->warm_go[ps]);
         ctx_run(c, &v, rank, pool, first, per, reuse && !o.no_verify);
         barrier(&sh->pass_ready[ps], &sh->pass_go[ps]);
     }
@@ -541,8 +545,10 @@ static void gen_main(uint32_t rank)
                                     TCP starts slow again */
             gen_run(c, &v, rank, pool, WARM_BASE + my_pair * reqs_in_pool,
                     reqs_in_pool, 0, &checked);
-        if (ps) /* each pass writes every byte again, checked again */
+        if (ps) { /* each pass writes every byte again, checked again */
             pool_clear(&v);
+            barrier(&sh->warm_ready[ps], &sh->warm_go[ps]);
+        }
         bad += gen_run(c, &v, rank, pool, first, per, 1, &checked);
         if (reqs_in_pool >= per && !o.no_verify)
             for (uint64_t r = first; r < first + per; r++, checked++)
@@ -1448,6 +1454,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvxfer-bench: --daemons 2 needs --spawn-daemon\n");
         return 2;
     }
+    if (o.passes > 1 && o.baseline_runs != 1) {
+        fprintf(stderr, "kvxfer-bench: --baseline-runs and --passes: with "
+                        "passes, each pass has its own ucx_perftest run\n");
+        return 2;
+    }
     if (o.daemons == 1 &&
         (o.ucx_tls || o.slot_bytes != 4u << 20 || o.npeer_config ||
          o.baseline_runs != 1 || o.cpus[0] || o.cpus[1])) {
@@ -1627,6 +1638,11 @@ int main(int argc, char **argv)
            pass_msg[MAX_PASSES] = {0};
     uint64_t message_bytes = 0; /* status "ucx.message_bytes" */
     for (uint32_t ps = 0; ps < o.passes; ps++) {
+        while (ps && atomic_load(&sh->warm_ready[ps]) < nproc &&
+               !atomic_load(&sh->failed))
+            kids_watch(kids, kst, kdone, nproc);
+        if (ps)
+            atomic_store(&sh->warm_go[ps], 1);
         while (atomic_load(&sh->pass_ready[ps]) < nproc &&
                !atomic_load(&sh->failed))
             kids_watch(kids, kst, kdone, nproc);

@@ -826,9 +826,9 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
         }
         s->epoch = pb->epoch;
     }
-    if (!pb->code && pb->session && pb->session != inst->rank_sid[rank])
-        return; /* sealed for a client of the rank that has since left (its
-                   own polls are answered on their own) */
+    if (pb->session && pb->session != inst->rank_sid[rank])
+        return; /* for a client of the rank that has since left (its own
+                   polls are answered on their own) */
     /* a batch this daemon has already (sent again by the root, which a
      * poll of ours told it had not come while it was on its way) */
     int dup = !pb->code && s->has[rank] && pb->batch + 1 < s->has[rank];
@@ -884,16 +884,18 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
 }
 
 /* Root: the answer to a member's poll that no batch answers: code and
- * msg for its engine, or (retry) "ask again". */
+ * msg for its engine, or (retry) "ask again"; session: the poll's (a
+ * client of the rank that left since is not answered for the next). */
 static void poll_fail_send(peer_conn_t *c, const char *instance,
-                           uint32_t rank, uint64_t req_id, int code,
-                           const char *msg, int retry)
+                           uint32_t rank, uint64_t req_id, uint64_t session,
+                           int code, const char *msg, int retry)
 {
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerBatch pb = KVXFER__PEER_BATCH__INIT;
     pb.instance_id = (char *)instance;
     pb.rank = rank;
     pb.req_id = req_id;
+    pb.session = session;
     pb.code = code;
     pb.message = (char *)msg;
     pb.retry = retry;
@@ -916,8 +918,10 @@ void agree_instance_ends(instance_t *inst)
         if (inst->local[r] || !batch_take_waiter(&inst->batches, r, &req))
             continue;
         char why[256];
+        spread_t *s = spread_of(inst, 0);
         poll_fail_send(peer_connect(inst->addresses[r], why, sizeof(why)),
-                       inst->id, r, req, KVX_ERR_PEER_GONE, msg, 0);
+                       inst->id, r, req, s ? s->sess[r] : 0,
+                       KVX_ERR_PEER_GONE, msg, 0);
     }
 }
 
@@ -981,7 +985,8 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     char msg[512];
     snprintf(msg, sizeof(msg), "poll: instance %s %s (root daemon %s)",
              p->instance_id ? p->instance_id : "", bad, kvxd.address);
-    poll_fail_send(c, p->instance_id, p->rank, p->req_id, KVX_ERR_STATE, msg,
+    poll_fail_send(c, p->instance_id, p->rank, p->req_id, p->session,
+                   KVX_ERR_STATE, msg,
                    retry);
 }
 
