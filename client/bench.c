@@ -360,7 +360,10 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
     uint32_t *bt = malloc(v->bpr * sizeof(uint32_t));
     uint8_t *fin = calloc(count, 1); /* request's offer complete */
     uint64_t published = 0, done = 0;
-    while (done < count) {
+    /* every request is published, even one already complete: with
+     * replicated heads a consumer may take an offer before this rank
+     * publishes its part, which then only closes the offer */
+    while (done < count || published < count) {
         /* blocks are reused every reqs_in_pool requests: publish k only
          * once k - reqs_in_pool is complete (they complete in any order) */
         if (published < count &&
