@@ -921,8 +921,10 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
               (unsigned long long)s->bytes_moved,
               (unsigned long long)s->transfers_done);
     counts_json(b, s->errors_by_code, s->n_errors_by_code);
-    sb_printf(b, ",\"batches_sealed\":%llu,\"peers\":[",
-              (unsigned long long)s->batches_sealed);
+    sb_printf(b, ",\"batches_sealed\":%llu,\"batches_resent\":%llu,"
+                 "\"peers\":[",
+              (unsigned long long)s->batches_sealed,
+              (unsigned long long)s->batches_resent);
     for (size_t i = 0; i < s->n_peers; i++) {
         const Kvxfer__PeerInfo *x = s->peers[i];
         sb_printf(b, "%s{\"address\":", i ? "," : "");

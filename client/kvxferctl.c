@@ -161,6 +161,7 @@ static int cmd_status(const char *sock, int json)
            (unsigned long long)s->bytes_moved);
     printf("transfers done %llu\n", (unsigned long long)s->transfers_done);
     printf("batches sealed %llu\n", (unsigned long long)s->batches_sealed);
+    printf("batches resent %llu\n", (unsigned long long)s->batches_resent);
     printf("\nrequests by state:");
     for (size_t i = 0; i < s->n_requests_by_state; i++)
         printf(" %s=%llu", s->requests_by_state[i]->name,

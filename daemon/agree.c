@@ -966,6 +966,7 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     if (!bad) {
         uint64_t again = batch_rank_resume(&inst->batches, p->rank,
                                            p->resume);
+        kvxd.stats.batches_resent += again;
         if (again)
             log_warn("instance %s: %llu batch(es) sent to rank %u at daemon "
                      "%s never arrived (a link lost with them on their way): "

@@ -103,6 +103,7 @@ void stats_fill(Kvxfer__StatusReply *st)
     for (instance_t *i = instance_first(); i; i = i->next)
         sealed += i->batches.sealed_total;
     st->batches_sealed = sealed;
+    st->batches_resent = kvxd.stats.batches_resent;
     st->n_peers = peer_infos(&st->peers);
     static Kvxfer__UcxInfo ucx;
     kvxfer__ucx_info__init(&ucx);

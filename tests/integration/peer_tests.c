@@ -2308,6 +2308,13 @@ TEST_T(peer_spread_lost_batch_read_again, 60)
     kvx_batch_free(b0);
     kvx_batch_free(b1);
     CHECK(log_contains(a, "never arrived"));
+    kvx_client_t *o;
+    char *js;
+    CHECK_EQ(kvx_connect_observer(a->sock, 2000, &o), 0);
+    CHECK_EQ(kvx_status_json(o, &js, 2000), 0);
+    CHECK_STR_CONTAINS(js, "\"batches_resent\":1,");
+    free(js);
+    kvx_close(o);
     rank_close(&c1);
     rank_close(&c0);
     p_stop_both(a, b);
