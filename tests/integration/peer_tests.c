@@ -180,6 +180,11 @@ static void p_setup(void)
 /* Start daemon A (side 0) or B (side 1) in its namespace, with the
  * cluster secret given and the test's keep-alive. peer_extra: more lines
  * of the peer section; extra: whole sections. */
+/* peer.keepalive_timeout_ms of the daemons p_daemon() starts (a test that
+ * needs a longer one sets it first; each test runs in a process of its
+ * own) */
+static int p_ka_timeout_ms = P_KA_TIMEOUT_MS;
+
 static daemon_t *p_daemon(int side, const char *secret, const char *peer_extra,
                           const char *extra)
 {
@@ -199,7 +204,7 @@ static daemon_t *p_daemon(int side, const char *secret, const char *peer_extra,
              "  keepalive_interval_ms: 200\n"
              "  keepalive_timeout_ms: %d\n"
              "%s%s",
-             p_net.ip[side], path, P_KA_TIMEOUT_MS,
+             p_net.ip[side], path, p_ka_timeout_ms,
              peer_extra ? peer_extra : "", extra ? extra : "");
     h_netns = p_net.netns ? p_net.ns[side] : NULL;
     daemon_t *d = daemon_start(cfg);
@@ -2315,6 +2320,63 @@ TEST_T(peer_spread_lost_batch_read_again, 60)
     CHECK_STR_CONTAINS(js, "\"batches_resent\":1,");
     free(js);
     kvx_close(o);
+    rank_close(&c1);
+    rank_close(&c0);
+    p_stop_both(a, b);
+}
+
+/* A member's poll that the root answers too late: the root A is frozen
+ * (SIGSTOP, 3 s, within a 6 s keep-alive timeout) while rank 1's poll
+ * (200 ms) waits there, so B fails it 2 s after its deadline (PEER_GONE).
+ * The batch A seals for it once it runs again comes to B after that: B
+ * keeps it, and rank 1's next poll reads it, the same batch rank 0 reads
+ * (with the event of request 31 in it); then on in lockstep. */
+TEST_T(peer_spread_late_batch_kept, 60)
+{
+    p_setup();
+    p_ka_timeout_ms = 6000;
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    static side_t cs;
+    p_side2(&cs, "lk-ctx", KVX_ROLE_CONTEXT);
+    rank_t c0, c1;
+    p_spread_open(a, b, &cs, 8, &c0, &c1);
+    uint32_t cb[2] = {2, 3};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c1.c, 31, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_cancel(c1.c, 31, T_MS), c1.c);
+    sleep_ms(300); /* the event is at A, pending */
+    CHECK(kill(a->pid, SIGSTOP) == 0);
+    kvx_batch_t *b0, *b1;
+    int64_t t0 = now_ms();
+    int rc = kvx_poll(c1.c, 1, 200, &b1);
+    fprintf(stderr, "rank 1's poll: %s after %lld ms: %s\n",
+            kvx_status_name(rc), (long long)(now_ms() - t0),
+            kvx_last_error(c1.c));
+    CHECK_EQ(rc, KVX_ERR_PEER_GONE);
+    CHECK_STR_CONTAINS(kvx_last_error(c1.c), "did not answer");
+    sleep_ms(3000 - (now_ms() - t0) > 0 ? 3000 - (now_ms() - t0) : 0);
+    CHECK(kill(a->pid, SIGCONT) == 0);
+    sleep_ms(500); /* A answers the old poll; B keeps the batch */
+    CHECK_KVX(kvx_poll(c1.c, 1, 3000, &b1), c1.c);
+    CHECK_KVX(kvx_poll(c0.c, 1, 3000, &b0), c0.c);
+    fprintf(stderr, "rank 0 read batch %llu (%u events), rank 1 batch %llu "
+                    "(%u events)\n",
+            (unsigned long long)b0->seq, b0->num_events,
+            (unsigned long long)b1->seq, b1->num_events);
+    CHECK_EQ(b1->seq, b0->seq);
+    CHECK_EQ(b1->num_events, 1);
+    CHECK_EQ(b0->num_events, 1);
+    CHECK_EQ(b1->events[0].request_id, 31);
+    CHECK_EQ(b0->events[0].request_id, 31);
+    kvx_batch_free(b0);
+    kvx_batch_free(b1);
+    CHECK_KVX(kvx_poll(c0.c, 0, 200, &b0), c0.c);
+    CHECK_KVX(kvx_poll(c1.c, 0, 200, &b1), c1.c);
+    CHECK_EQ(b0->seq, b1->seq);
+    kvx_batch_free(b0);
+    kvx_batch_free(b1);
     rank_close(&c1);
     rank_close(&c0);
     p_stop_both(a, b);
