@@ -2382,6 +2382,65 @@ TEST_T(peer_spread_late_batch_kept, 60)
     p_stop_both(a, b);
 }
 
+/* An answer for a client that has left is not given to its successor:
+ * rank 1's client C1 polls while the root A is frozen (3 s, within a 6 s
+ * keep-alive timeout), its poll fails at B's backstop, C1 leaves and C2
+ * joins as rank 1. A, running again, answers C1's poll with the batch
+ * holding request 32's event (PeerBatch.session: C1's) before it hears
+ * of C1 leaving; B drops it. C2 reads from its join on, no event of
+ * request 32 (before: B kept the batch for rank 1 and C2 read it). */
+TEST_T(peer_spread_answer_for_left_client, 60)
+{
+    p_setup();
+    p_ka_timeout_ms = 6000;
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    static side_t cs;
+    p_side2(&cs, "lc-ctx", KVX_ROLE_CONTEXT);
+    rank_t c0, c1, n1;
+    p_spread_open(a, b, &cs, 8, &c0, &c1);
+    uint32_t cb[2] = {2, 3};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c1.c, 32, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_cancel(c1.c, 32, T_MS), c1.c);
+    sleep_ms(300); /* the event is at A, pending */
+    CHECK(kill(a->pid, SIGSTOP) == 0);
+    int64_t t0 = now_ms();
+    kvx_batch_t *b0, *b1;
+    CHECK_EQ(kvx_poll(c1.c, 1, 200, &b1), KVX_ERR_PEER_GONE);
+    rank_close(&c1);
+    sleep_ms(200);
+    rank_hello_only(b, &M_SMALL, &cs, 1, &n1);
+    const char *addrs[2] = {c0.addr, n1.addr};
+    CHECK_KVX(kvx_join(n1.c, addrs, 2, T_MS), n1.c);
+    rank_pool(&n1, 8);
+    sleep_ms(3000 - (now_ms() - t0) > 0 ? 3000 - (now_ms() - t0) : 0);
+    CHECK(kill(a->pid, SIGCONT) == 0);
+    /* rank 0 reads request 32's end */
+    CHECK_KVX(kvx_poll(c0.c, 1, 3000, &b0), c0.c);
+    CHECK_EQ(b0->num_events, 1);
+    CHECK_EQ(b0->events[0].request_id, 32);
+    /* C2 reads no batch of C1's: from its join on, in lockstep */
+    int64_t end = now_ms() + 5000;
+    int rc;
+    while ((rc = kvx_poll(n1.c, 0, 200, &b1)) != KVX_OK && now_ms() < end)
+        sleep_ms(50);
+    CHECK_KVX(rc, n1.c);
+    fprintf(stderr, "rank 0 read batch %llu; C2 first reads batch %llu (%u "
+                    "events)\n",
+            (unsigned long long)b0->seq, (unsigned long long)b1->seq,
+            b1->num_events);
+    for (uint32_t k = 0; k < b1->num_events; k++)
+        CHECK(b1->events[k].request_id != 32);
+    CHECK(b1->seq > b0->seq);
+    kvx_batch_free(b0);
+    kvx_batch_free(b1);
+    rank_close(&n1);
+    rank_close(&c0);
+    p_stop_both(a, b);
+}
+
 /* Poll c until a batch holds request req's event (up to 8 s): its seq,
  * or UINT64_MAX. */
 static uint64_t p_seq_of(kvx_client_t *c, uint64_t req)
