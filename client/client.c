@@ -901,6 +901,23 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_printf(b, ",\"rank\":%u,\"role\":\"%s\",\"pools\":%u}", x->rank,
                   role_name(x->role), x->pools);
     }
+    sb_printf(b, "],\"instances\":[");
+    for (size_t i = 0; i < s->n_instances; i++) {
+        const Kvxfer__InstanceInfo *x = s->instances[i];
+        sb_printf(b, "%s{\"id\":", i ? "," : "");
+        sb_str(b, x->id);
+        sb_printf(b, ",\"role\":\"%s\",\"ranks\":%u,\"local_ranks\":%u,"
+                     "\"connected\":%u,\"joined\":%s,\"spread\":%s,"
+                     "\"root\":",
+                  role_name(x->role), x->ranks, x->local_ranks, x->connected,
+                  x->joined ? "true" : "false", x->spread ? "true" : "false");
+        sb_str(b, x->root);
+        sb_printf(b, ",\"next_batch\":%llu,\"batches_kept\":%u,"
+                     "\"ranks_away\":%u,\"requests\":%u,"
+                     "\"epoch\":\"%016llx\"}",
+                  (unsigned long long)x->next_batch, x->batches_kept,
+                  x->ranks_away, x->requests, (unsigned long long)x->epoch);
+    }
     sb_printf(b, "],\"pools\":[");
     for (size_t i = 0; i < s->n_pools; i++) {
         const Kvxfer__PoolInfo *x = s->pools[i];

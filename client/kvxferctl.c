@@ -183,6 +183,26 @@ static int cmd_status(const char *sock, int json)
                x->instance_id[0] ? x->instance_id : "-", x->rank,
                role_name(x->role), x->pools);
     }
+    printf("\ninstances (%zu):\n", s->n_instances);
+    if (s->n_instances)
+        printf("  %-24s %-11s %-5s %-5s %-5s %-6s %-5s %-5s %-5s %s\n",
+               "INSTANCE", "ROLE", "RANKS", "LOCAL", "CONN", "NEXT", "KEPT",
+               "AWAY", "REQS", "ROOT");
+    for (size_t i = 0; i < s->n_instances; i++) {
+        const Kvxfer__InstanceInfo *x = s->instances[i];
+        char next[24];
+        snprintf(next, sizeof(next), "%llu",
+                 (unsigned long long)x->next_batch);
+        int member = x->spread && strcmp(x->root, s->daemon_address);
+        printf("  %-24s %-11s %-5u %-5u %-5u %-6s %-5u %-5u %-5u %s\n", x->id,
+               role_name(x->role), x->ranks, x->local_ranks, x->connected,
+               member ? "-" : next, x->batches_kept, x->ranks_away,
+               x->requests,
+               !x->joined    ? "(not joined)"
+               : !x->spread  ? "-"
+               : member      ? x->root
+                             : "this daemon");
+    }
     printf("\npools (%zu):\n", s->n_pools);
     if (s->n_pools)
         printf("  %-6s %-8s %-16s %-10s %-12s %s\n", "POOL", "SESSION",

@@ -157,6 +157,18 @@ int agree_spread(const instance_t *inst)
 
 static int is_root(const instance_t *inst) { return inst->local[0]; }
 
+static spread_t *spread_of(instance_t *inst, int create);
+
+uint32_t agree_kept(const instance_t *inst)
+{
+    uint32_t n = 0;
+    spread_t *s = spread_of((instance_t *)inst, 0);
+    for (uint32_t r = 0; s && r < inst->nranks; r++)
+        for (late_t *l = s->late[r]; l; l = l->next)
+            n++;
+    return n;
+}
+
 static spread_t *spread_of(instance_t *inst, int create)
 {
     for (spread_t *s = spreads; s; s = s->next)

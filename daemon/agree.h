@@ -12,6 +12,9 @@
 
 /* Does inst have ranks on other daemons (and peers are on)? */
 int agree_spread(const instance_t *inst);
+/* Member of a spread instance: batches kept for its ranks whose poll
+ * failed before the root's answer came (status). */
+uint32_t agree_kept(const instance_t *inst);
 /* inst joined: the root counts every remote rank as present. */
 void agree_joined(instance_t *inst);
 /* A local rank of inst joined (again) or left: the root hears of it. */

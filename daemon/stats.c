@@ -4,6 +4,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "agree.h"
 #include "copy.h"
 #include "daemon.h"
 #include "peer.h"
@@ -104,6 +105,36 @@ void stats_fill(Kvxfer__StatusReply *st)
         sealed += i->batches.sealed_total;
     st->batches_sealed = sealed;
     st->batches_resent = kvxd.stats.batches_resent;
+    size_t ni = 0;
+    for (instance_t *i = instance_first(); i; i = i->next)
+        ni++;
+    st->instances = calloc(ni ? ni : 1, sizeof(*st->instances));
+    for (instance_t *i = instance_first(); st->instances && i; i = i->next) {
+        Kvxfer__InstanceInfo *x = malloc(sizeof(*x));
+        if (!x)
+            break;
+        kvxfer__instance_info__init(x);
+        int spread = agree_spread(i), member = spread && !i->local[0];
+        x->id = i->id;
+        x->role = (Kvxfer__Role)i->role;
+        x->ranks = i->nranks;
+        x->local_ranks = i->nlocal;
+        x->connected = i->nconnected;
+        x->joined = i->joined;
+        x->spread = spread;
+        x->root = spread ? i->addresses[0] : "";
+        x->next_batch = member ? 0 : i->batches.next_seq;
+        uint32_t kept = 0, away = 0;
+        for (const batch_t *b = i->batches.head; b; b = b->next)
+            kept++;
+        for (uint32_t r = 0; r < i->nranks; r++)
+            away += i->batches.present[r] && i->batches.away[r];
+        x->batches_kept = member ? agree_kept(i) : kept;
+        x->ranks_away = member ? 0 : away;
+        x->requests = i->offers.n + i->fetches.n;
+        x->epoch = i->epoch;
+        st->instances[st->n_instances++] = x;
+    }
     st->n_peers = peer_infos(&st->peers);
     static Kvxfer__UcxInfo ucx;
     kvxfer__ucx_info__init(&ucx);
@@ -121,4 +152,7 @@ void stats_free(Kvxfer__StatusReply *st)
     xfer_free_counts(st->requests_by_state, st->n_requests_by_state);
     xfer_free_counts(st->errors_by_code, st->n_errors_by_code);
     peer_free_infos(st->peers, st->n_peers);
+    for (size_t i = 0; i < st->n_instances; i++)
+        free(st->instances[i]);
+    free(st->instances);
 }

@@ -2318,8 +2318,41 @@ TEST_T(peer_spread_lost_batch_read_again, 60)
     CHECK_EQ(kvx_connect_observer(a->sock, 2000, &o), 0);
     CHECK_EQ(kvx_status_json(o, &js, 2000), 0);
     CHECK_STR_CONTAINS(js, "\"batches_resent\":1,");
+    /* the instance as each daemon sees it: A seals (batches 0 and 1),
+     * B forwards */
+    char want[400];
+    snprintf(want, sizeof(want),
+             "{\"id\":\"lb-ctx\",\"role\":\"context\",\"ranks\":2,"
+             "\"local_ranks\":1,\"connected\":1,\"joined\":true,"
+             "\"spread\":true,\"root\":\"%s\",\"next_batch\":2,",
+             c0.addr);
+    CHECK_STR_CONTAINS(js, want);
     free(js);
     kvx_close(o);
+    CHECK_EQ(kvx_connect_observer(b->sock, 2000, &o), 0);
+    CHECK_EQ(kvx_status_json(o, &js, 2000), 0);
+    snprintf(want, sizeof(want),
+             "\"spread\":true,\"root\":\"%s\",\"next_batch\":0,"
+             "\"batches_kept\":0,\"ranks_away\":0,",
+             c0.addr);
+    CHECK_STR_CONTAINS(js, want);
+    free(js);
+    kvx_close(o);
+    char cmd[400];
+    snprintf(cmd, sizeof(cmd), "%s/kvxferctl --socket %s status", build_dir(),
+             b->sock);
+    fflush(stdout);
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    char out[16384];
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    CHECK_EQ(pclose(f), 0);
+    CHECK_STR_CONTAINS(out, "\ninstances (1):\n  INSTANCE ");
+    snprintf(want, sizeof(want), "context     2     1     1     -      0     "
+                                 "0     0     %s\n",
+             c0.addr);
+    CHECK_STR_CONTAINS(out, want);
     rank_close(&c1);
     rank_close(&c0);
     p_stop_both(a, b);
