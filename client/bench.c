@@ -48,6 +48,30 @@
 #include "kvxfer.h"
 
 #define PARAMS_SLOT 2048
+
+#ifdef KVX_CUDA
+/* The number of GPUs, counted in a child: CUDA must stay uninitialized in
+ * this process, which forks the ranks. 0 when it cannot tell. */
+static int gpu_count(void)
+{
+    int fd[2], n = 0;
+    if (pipe(fd))
+        return 0;
+    pid_t p = fork();
+    if (p == 0) {
+        int k = bgpu_device_count();
+        (void)!write(fd[1], &k, sizeof(k));
+        _exit(0);
+    }
+    close(fd[1]);
+    if (p < 0 || read(fd[0], &n, sizeof(n)) != sizeof(n))
+        n = 0;
+    close(fd[0]);
+    if (p > 0)
+        waitpid(p, NULL, 0);
+    return n;
+}
+#endif
 #define TIMEOUT_MS 30000
 /* Warm-up requests use ids from here; their params use slots after the
  * timed requests' slots. */
@@ -66,6 +90,7 @@ static struct opts {
     const char *daemon_config;
     const char *ctx_layout, *gen_layout;
     int gpu, vmm, ctx_device, gen_device, ctx_host, gen_host;
+    int gen_device_set;            /* --gen-device given */
     uint32_t pairs;       /* independent (context, generation) instance pairs */
     uint32_t ctx_pp, gen_pp, ctx_tpb, gen_tpb, skip;
     int mla;
@@ -1292,7 +1317,7 @@ static void usage(FILE *f)
         "  --ctx-layout P, --gen-layout P   a preset per side (default "
         "--layout)\n"
         "  --gpu                  pools in GPU memory (CUDA build)\n"
-        "  --ctx-device N, --gen-device N   GPUs (default 0 and 1)\n"
+        "  --ctx-device N, --gen-device N   GPUs (default 0 and 1; 0 and 0 with one GPU)\n"
         "  --vmm                  cuMemCreate (VMM fd) pools, not cudaMalloc\n"
         "  --ctas N               gpu.max_ctas of the spawned daemon\n"
         "  --ctx-host, --gen-host with --gpu: that side in host memory\n"
@@ -1391,7 +1416,10 @@ int main(int argc, char **argv)
         case 'g': o.gpu = 1; break;
         case 'v': o.vmm = 1; break;
         case 'a': o.ctx_device = (int)arg_u32("ctx-device", optarg, 0, 63); break;
-        case 'b': o.gen_device = (int)arg_u32("gen-device", optarg, 0, 63); break;
+        case 'b':
+            o.gen_device = (int)arg_u32("gen-device", optarg, 0, 63);
+            o.gen_device_set = 1;
+            break;
         case 'c': o.ctas = arg_u32("ctas", optarg, 1, 1024); break;
         case 'X': o.ctx_host = 1; break;
         case 'p': o.pairs = arg_u32("pairs", optarg, 1, 64); break;
@@ -1453,6 +1481,15 @@ int main(int argc, char **argv)
                         "the daemon's gpu.max_ctas)\n");
         return 2;
     }
+#ifdef KVX_CUDA
+    if (o.gpu && !o.gen_device_set && !o.gen_host && gpu_count() == 1) {
+        /* one GPU: both sides on it (the rank processes use it after
+         * fork; the count comes from a child, so CUDA stays unused here) */
+        o.gen_device = 0;
+        fprintf(stderr, "kvxfer-bench: one GPU: the generation side uses "
+                        "GPU 0 too (--gen-device)\n");
+    }
+#endif
     if (o.daemons == 2 && !o.spawn) {
         fprintf(stderr, "kvxfer-bench: --daemons 2 needs --spawn-daemon\n");
         return 2;
