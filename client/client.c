@@ -73,11 +73,9 @@ static int wait_fd(int fd, short events, int64_t deadline)
 {
     for (;;) {
         int t = -1;
-        if (deadline >= 0) {
+        if (deadline >= 0) { /* past it: one last look, without waiting */
             int64_t left = deadline - now_ms();
-            if (left <= 0)
-                return KVX_ERR_TIMEOUT;
-            t = left > 1000000 ? 1000000 : (int)left;
+            t = left <= 0 ? 0 : left > 1000000 ? 1000000 : (int)left;
         }
         struct pollfd p = {fd, events, 0};
         int n = poll(&p, 1, t);
@@ -85,6 +83,8 @@ static int wait_fd(int fd, short events, int64_t deadline)
             return 0;
         if (n < 0 && errno != EINTR)
             return KVX_ERR_IO;
+        if (n == 0 && t == 0)
+            return KVX_ERR_TIMEOUT;
     }
 }
 
@@ -182,6 +182,10 @@ static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
     if (c->broken)
         return fail(c, KVX_ERR_CLOSED,
                     "connection unusable after an earlier failure");
+    if (timeout_ms == 0) /* nothing sent: the connection stays usable */
+        return fail(c, KVX_ERR_INVALID,
+                    "timeout_ms 0: a call waits for the daemon's reply; "
+                    "give it time (a negative value waits without limit)");
     int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
     rq->id = ++c->next_id;
     size_t n = kvxfer__request__get_packed_size(rq);
@@ -312,10 +316,16 @@ int kvx_connect(const char *socket_path, const kvx_hello_t *h, int timeout_ms,
     if (!h || !out || !h->instance_id)
         return KVX_ERR_INVALID;
     kvx_client_t *c;
+    int64_t t0 = now_ms();
     int rc = kvx_connect_observer(socket_path, timeout_ms, &c);
     if (rc)
         return rc;
-    if ((rc = kvx_hello(c, h, timeout_ms))) {
+    /* one deadline for both halves */
+    int64_t left = timeout_ms - (now_ms() - t0);
+    if ((rc = kvx_hello(c, h,
+                        timeout_ms < 0 ? timeout_ms
+                        : left < 1     ? 1
+                                       : (int)left))) {
         kvx_close(c);
         return rc;
     }
@@ -326,6 +336,8 @@ int kvx_connect(const char *socket_path, const kvx_hello_t *h, int timeout_ms,
 int kvx_connect_observer(const char *socket_path, int timeout_ms,
                          kvx_client_t **out)
 {
+    if (!out)
+        return KVX_ERR_INVALID;
     kvx_client_t *c = client_new();
     if (!c)
         return KVX_ERR_NOMEM;
@@ -375,6 +387,10 @@ int kvx_join(kvx_client_t *c, const char *const *addr, uint32_t n,
         return fail(c, KVX_ERR_INVALID,
                     "%s: a required argument is NULL or 0",
                     __func__);
+    for (uint32_t i = 0; i < n; i++)
+        if (!addr[i])
+            return fail(c, KVX_ERR_INVALID,
+                        "%s: rank_addresses[%u] is NULL", __func__, i);
     Kvxfer__Join m = KVXFER__JOIN__INIT;
     m.n_rank_addresses = n;
     m.rank_addresses = (char **)addr;
@@ -454,7 +470,13 @@ int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
     Kvxfer__Reply *r;
     if ((rc = call(c, &rq, fd, timeout_ms, &r)))
         goto err_unmap;
-    hp->id = r->register_pool ? r->register_pool->pool_id : 0;
+    if (r->body_case != KVXFER__REPLY__BODY_REGISTER_POOL) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        rc = fail(c, KVX_ERR_PROTOCOL, "register_pool: reply without a "
+                                       "pool id");
+        goto err_unmap;
+    }
+    hp->id = r->register_pool->pool_id;
     kvxfer__reply__free_unpacked(r, NULL);
     close(fd);
     hp->next = c->pools;
@@ -638,7 +660,12 @@ int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
         close(fd);
     if (rc)
         return rc;
-    *pool_id = rep->register_pool ? rep->register_pool->pool_id : 0;
+    if (rep->body_case != KVXFER__REPLY__BODY_REGISTER_POOL) {
+        kvxfer__reply__free_unpacked(rep, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "register_pool: reply without a "
+                                         "pool id");
+    }
+    *pool_id = rep->register_pool->pool_id;
     kvxfer__reply__free_unpacked(rep, NULL);
     return 0;
 }
@@ -831,17 +858,45 @@ static void sb_printf(struct sbuf *b, const char *fmt, ...)
     }
 }
 
+/* The length of the valid UTF-8 sequence at s (shortest form, no
+ * surrogates, at most U+10FFFF), or 0. */
+static int utf8_len(const unsigned char *s)
+{
+    if (s[0] < 0x80)
+        return 1;
+    int n = s[0] >= 0xc2 && s[0] <= 0xdf   ? 2
+            : s[0] >= 0xe0 && s[0] <= 0xef ? 3
+            : s[0] >= 0xf0 && s[0] <= 0xf4 ? 4
+                                           : 0;
+    for (int i = 1; i < n; i++)
+        if ((s[i] & 0xc0) != 0x80)
+            return 0;
+    if ((n == 3 && s[0] == 0xe0 && s[1] < 0xa0) ||  /* overlong */
+        (n == 3 && s[0] == 0xed && s[1] >= 0xa0) || /* surrogate */
+        (n == 4 && s[0] == 0xf0 && s[1] < 0x90) ||  /* overlong */
+        (n == 4 && s[0] == 0xf4 && s[1] >= 0x90))   /* > U+10FFFF */
+        return 0;
+    return n;
+}
+
+/* A JSON string: quotes, backslashes and control characters escaped, and
+ * bytes that are not UTF-8 (a name the daemon took as bytes) as U+FFFD,
+ * so that the document always parses. */
 static void sb_str(struct sbuf *b, const char *s)
 {
     sb_printf(b, "\"");
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\')
-            sb_printf(b, "\\%c", ch);
-        else if (ch < 0x20)
-            sb_printf(b, "\\u%04x", ch);
+    const unsigned char *u = (const unsigned char *)s;
+    while (*u) {
+        int n = utf8_len(u);
+        if (*u == '"' || *u == '\\')
+            sb_printf(b, "\\%c", *u);
+        else if (*u < 0x20)
+            sb_printf(b, "\\u%04x", *u);
+        else if (n)
+            sb_printf(b, "%.*s", n, (const char *)u);
         else
-            sb_printf(b, "%c", ch);
+            sb_printf(b, "\\ufffd");
+        u += n ? n : 1;
     }
     sb_printf(b, "\"");
 }
@@ -1045,8 +1100,10 @@ int kvx__requests_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
 
 int kvx_status_json(kvx_client_t *c, char **json, int timeout_ms)
 {
-    if (!json)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!json)
+        return fail(c, KVX_ERR_INVALID, "%s: json is NULL", __func__);
     Kvxfer__Reply *r;
     int rc = kvx__status_get(c, &r, timeout_ms);
     if (rc)
@@ -1064,8 +1121,10 @@ int kvx_status_json(kvx_client_t *c, char **json, int timeout_ms)
 
 int kvx_requests_json(kvx_client_t *c, char **json, int timeout_ms)
 {
-    if (!json)
+    if (!c)
         return KVX_ERR_INVALID;
+    if (!json)
+        return fail(c, KVX_ERR_INVALID, "%s: json is NULL", __func__);
     Kvxfer__Reply *r;
     int rc = kvx__requests_get(c, &r, timeout_ms);
     if (rc)

@@ -237,6 +237,13 @@ static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
                  sizeof(l->preset) - 1);
         return KVX_ERR_INVALID;
     }
+    for (const char *p = m->preset; *p; p++)
+        if (*p < 0x21 || *p > 0x7e) { /* status shows it: no odd bytes */
+            snprintf(why, why_len, "layout.preset: byte 0x%02x at %zu is "
+                                   "not printable ASCII",
+                     (unsigned char)*p, (size_t)(p - m->preset));
+            return KVX_ERR_INVALID;
+        }
     if (m->n_layer_offset != m->num_layers ||
         m->n_layer_offset > KVX_MAX_LAYERS) {
         snprintf(why, why_len,

@@ -4,7 +4,8 @@
  *
  * One engine rank opens one connection (kvx_connect) and uses it from one
  * thread at a time. Every call blocks until the daemon answers or its
- * timeout (milliseconds; negative = wait forever) passes, and returns a
+ * timeout (milliseconds; negative = wait forever; 0 is refused with
+ * KVX_ERR_INVALID, nothing sent) passes, and returns a
  * kvx_status_t: 0 on success, a negative KVX_ERR_* code otherwise. The codes
  * are the daemon's own: a refused request returns exactly the code the
  * daemon saw, and kvx_last_error() gives its message, which names the field

@@ -2647,6 +2647,32 @@ TEST(bad_requests)
     CHECK_FAILS(kvx_hello(cl, &hl, T_MS), cl, KVX_ERR_INVALID,
                 "hello.instance_id: byte 2 is 0x0a");
     kvx_close(cl);
+    /* more refusals in the library: a NULL address in a join (it
+     * crashed in strlen), a NULL out, a NULL json (with its own message,
+     * not the last call's), a timeout of 0 (sent nothing: the client
+     * stays usable; it used to time out at once and break the client) */
+    CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &cl), NULL);
+    const char *holes[2] = {"kvx://x/0", NULL};
+    CHECK_FAILS(kvx_join(cl, holes, 2, T_MS), cl, KVX_ERR_INVALID,
+                "rank_addresses[1] is NULL");
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, NULL), KVX_ERR_INVALID);
+    CHECK_FAILS(kvx_status_json(cl, NULL, T_MS), cl, KVX_ERR_INVALID,
+                "json is NULL");
+    char *js = NULL;
+    CHECK_FAILS(kvx_status_json(cl, &js, 0), cl, KVX_ERR_INVALID,
+                "timeout_ms 0");
+    CHECK_KVX(kvx_status_json(cl, &js, T_MS), cl);
+    free(js);
+    kvx_close(cl);
+    /* a preset name that is not printable ASCII (status shows it) */
+    kvx_layout_t lbad;
+    rank_layout(&c, 8, &lbad);
+    snprintf(lbad.preset, sizeof(lbad.preset), "ab\xff");
+    void *bbad;
+    uint32_t pbad;
+    CHECK_FAILS(kvx_pool_create_host(c.c, &lbad, kvx_layout_span(&lbad),
+                                     &bbad, &pbad, T_MS),
+                c.c, KVX_ERR_INVALID, "layout.preset: byte 0xff at 2");
     CHECK_FAILS(kvx_publish(c.c, 1, 9999, ok2, 2, 8, &p, T_MS), c.c,
                 KVX_ERR_NOT_FOUND, "publish.pool_id");
     /* block id outside the pool, duplicate block id */
