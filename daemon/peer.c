@@ -444,7 +444,11 @@ static int am_send(peer_conn_t *c, unsigned id, const void *hdr,
                         UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
         .cb.send = send_cb,
         .user_data = u,
-        .flags = UCP_AM_SEND_FLAG_REPLY};
+        /* control messages eager, whatever their size: a large one sent
+         * by rendezvous is handled when its data has come, after smaller
+         * ones sent later, and the protocol relies on their order */
+        .flags = UCP_AM_SEND_FLAG_REPLY |
+                 (id == AM_CTRL ? UCP_AM_SEND_FLAG_EAGER : 0)};
     u->c = c;
     c->outstanding++;
     inflight_add(1);
@@ -464,6 +468,11 @@ static int send_packed(peer_conn_t *c, uint8_t *buf, size_t len)
     ureq_t *u = calloc(1, sizeof(*u));
     if (!u) {
         free(buf);
+        /* a message lost: what the other side waits for never comes, so
+         * the connection goes (its transfers end, the next use
+         * reconnects) */
+        conn_fail(c, KVX_ERR_NOMEM, "out of memory sending to %s",
+                  c->address);
         return KVX_ERR_NOMEM;
     }
     u->buf = buf;
@@ -490,8 +499,11 @@ static int send_now(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 {
     size_t len;
     uint8_t *b = pack(m, &len);
-    if (!b)
+    if (!b) { /* as in send_packed() */
+        conn_fail(c, KVX_ERR_NOMEM, "out of memory sending to %s",
+                  c->address);
         return KVX_ERR_NOMEM;
+    }
     return send_packed(c, b, len);
 }
 
@@ -627,17 +639,29 @@ static void conn_try_free(peer_conn_t *c)
 
 /* Tell remote.c of every loss conn_fail() deferred (a loss it handles
  * may fail more connections: until none is left). */
+static void on_lost(uv_timer_t *t);
+
 static void peer_flush_lost(void)
 {
+    int later = 0;
     for (int again = 1; again;) {
         again = 0;
         for (peer_conn_t *c = P.conns; c; c = c->next)
-            if (c->lost_pending) {
+            if (c->lost_pending == 1) {
                 c->lost_pending = 0;
-                remote_on_conn_lost(c, c->lost_code, c->lost_msg);
+                if (remote_on_conn_lost(c, c->lost_code, c->lost_msg)) {
+                    c->lost_pending = 2; /* out of memory: again soon */
+                    later = 1;
+                }
                 again = 1;
                 break; /* the list may have changed */
             }
+    }
+    if (later) {
+        for (peer_conn_t *c = P.conns; c; c = c->next)
+            if (c->lost_pending == 2)
+                c->lost_pending = 1;
+        uv_timer_start(&P.lost, on_lost, 10, 0);
     }
 }
 

@@ -96,7 +96,9 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
 void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent);
 /* Streams (either way) on c, for status. */
 uint32_t remote_conn_streams(const peer_conn_t *c);
-/* c failed: every transfer on it ends with code. */
-void remote_on_conn_lost(peer_conn_t *c, int code, const char *msg);
+/* c failed: every transfer on it ends with code. 0, or KVX_ERR_NOMEM when
+ * nothing could be done yet: peer.c calls it again a little later (c
+ * stays until then). */
+int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg);
 
 #endif /* KVX_PEER_H */

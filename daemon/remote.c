@@ -1734,7 +1734,7 @@ typedef struct req_ref {
     uint64_t id;
 } req_ref_t;
 
-void remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
+int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
 {
     char m[400];
     snprintf(m, sizeof(m), "daemon %s: %s", peer_conn_address(c), msg);
@@ -1743,10 +1743,13 @@ void remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
     req_ref_t *fetches = calloc(n ? n : 1, sizeof(*fetches));
     req_ref_t *offers = calloc(n ? n : 1, sizeof(*offers));
     uint32_t nf = 0, no = 0;
-    if (!v || !fetches || !offers) {
+    if (!v || !fetches || !offers) { /* nothing done: asked again */
         log_error("remote: out of memory ending the transfers with %s",
                   peer_conn_address(c));
-        goto out;
+        free(v);
+        free(fetches);
+        free(offers);
+        return KVX_ERR_NOMEM;
     }
     /* D: nothing more goes to c; orphans on it go now */
     k = map_values(&rstreams, v, rstreams.n);
@@ -1786,7 +1789,6 @@ void remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
         if (o)
             xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, m);
     }
-out:
     free(v);
     free(fetches);
     free(offers);
@@ -1803,6 +1805,7 @@ out:
         free(ids);
     }
     remote_agree_conn_lost(c, m);
+    return 0;
 }
 
 void remote_tick(uint64_t now)

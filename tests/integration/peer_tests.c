@@ -2474,6 +2474,58 @@ TEST_T(peer_spread_answer_for_left_client, 60)
     p_stop_both(a, b);
 }
 
+/* A batch of 300 events crosses to the member in one control message
+ * (about 20 KiB, past UCX's rendezvous threshold on tcp): control
+ * messages go eager whatever their size, so they are handled in the
+ * order they were sent. Both ranks read the same batches, every event
+ * once, in the same order. */
+TEST_T(peer_spread_large_batch, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs;
+    p_side2(&cs, "lg-ctx", KVX_ROLE_CONTEXT);
+    rank_t c0, c1;
+    p_spread_open(a, b, &cs, 8, &c0, &c1);
+    uint32_t cb[2] = {2, 3};
+    enum { N = 300 };
+    for (uint64_t q = 1000; q < 1000 + N; q++) {
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c1.c, q, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
+        kvx_context_params_free(&p);
+        CHECK_KVX(kvx_cancel(c1.c, q, T_MS), c1.c);
+    }
+    static uint64_t got[2][N];
+    uint32_t n[2] = {0, 0}, nb[2] = {0, 0}, big = 0;
+    kvx_client_t *cl[2] = {c0.c, c1.c};
+    for (int i = 0; i < 2; i++) {
+        int64_t end = now_ms() + 8000;
+        while (n[i] < N && now_ms() < end) {
+            kvx_batch_t *bt = NULL;
+            CHECK_KVX(kvx_poll(cl[i], N, 1000, &bt), cl[i]);
+            for (uint32_t k = 0; k < bt->num_events && n[i] < N; k++) {
+                CHECK_EQ(bt->events[k].kind, KVX_EVENT_CANCELLED);
+                got[i][n[i]++] = bt->events[k].request_id;
+            }
+            if (bt->num_events > big)
+                big = bt->num_events;
+            nb[i]++;
+            kvx_batch_free(bt);
+        }
+    }
+    fprintf(stderr, "rank 0: %u events in %u batches; rank 1: %u in %u; the "
+                    "largest batch %u events\n",
+            n[0], nb[0], n[1], nb[1], big);
+    CHECK_EQ(n[0], N);
+    CHECK_EQ(n[1], N);
+    CHECK_EQ(nb[0], nb[1]);
+    CHECK(memcmp(got[0], got[1], sizeof(got[0])) == 0);
+    CHECK(big >= 100); /* a large control message did cross */
+    rank_close(&c1);
+    rank_close(&c0);
+    p_stop_both(a, b);
+}
+
 /* Poll c until a batch holds request req's event (up to 8 s): its seq,
  * or UINT64_MAX. */
 static uint64_t p_seq_of(kvx_client_t *c, uint64_t req)
