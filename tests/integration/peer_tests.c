@@ -2358,6 +2358,29 @@ TEST_T(peer_spread_lost_batch_read_again, 60)
     p_stop_both(a, b);
 }
 
+/* Daemons A and B with a 6 s keep-alive timeout (so that A can be frozen
+ * for 3 s without either losing the other), a spread context instance
+ * `inst` with rank 0 on A and rank 1 on B, and request req published and
+ * cancelled by rank 1: its event waits at A, not yet in a batch; then A
+ * is frozen (SIGSTOP; the caller sends SIGCONT). */
+static void p_frozen_root(const char *inst, uint64_t req, side_t *cs,
+                          daemon_t **a, daemon_t **b, rank_t *c0, rank_t *c1)
+{
+    p_setup();
+    p_ka_timeout_ms = 6000;
+    *a = p_daemon(0, P_SECRET, NULL, NULL);
+    *b = p_daemon(1, P_SECRET, NULL, NULL);
+    p_side2(cs, inst, KVX_ROLE_CONTEXT);
+    p_spread_open(*a, *b, cs, 8, c0, c1);
+    uint32_t cb[2] = {2, 3};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c1->c, req, c1->pool, cb, 2, 7, &p, T_MS), c1->c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_cancel(c1->c, req, T_MS), c1->c);
+    sleep_ms(300); /* the event is at A, pending */
+    CHECK(kill((*a)->pid, SIGSTOP) == 0);
+}
+
 /* A member's poll that the root answers too late: the root A is frozen
  * (SIGSTOP, 3 s, within a 6 s keep-alive timeout) while rank 1's poll
  * (200 ms) waits there, so B fails it 2 s after its deadline (PEER_GONE).
@@ -2366,21 +2389,10 @@ TEST_T(peer_spread_lost_batch_read_again, 60)
  * (with the event of request 31 in it); then on in lockstep. */
 TEST_T(peer_spread_late_batch_kept, 60)
 {
-    p_setup();
-    p_ka_timeout_ms = 6000;
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
     static side_t cs;
-    p_side2(&cs, "lk-ctx", KVX_ROLE_CONTEXT);
     rank_t c0, c1;
-    p_spread_open(a, b, &cs, 8, &c0, &c1);
-    uint32_t cb[2] = {2, 3};
-    kvx_context_params_t p;
-    CHECK_KVX(kvx_publish(c1.c, 31, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
-    kvx_context_params_free(&p);
-    CHECK_KVX(kvx_cancel(c1.c, 31, T_MS), c1.c);
-    sleep_ms(300); /* the event is at A, pending */
-    CHECK(kill(a->pid, SIGSTOP) == 0);
+    p_frozen_root("lk-ctx", 31, &cs, &a, &b, &c0, &c1);
     kvx_batch_t *b0, *b1;
     int64_t t0 = now_ms();
     int rc = kvx_poll(c1.c, 1, 200, &b1);
@@ -2424,21 +2436,10 @@ TEST_T(peer_spread_late_batch_kept, 60)
  * request 32 (before: B kept the batch for rank 1 and C2 read it). */
 TEST_T(peer_spread_answer_for_left_client, 60)
 {
-    p_setup();
-    p_ka_timeout_ms = 6000;
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *a, *b;
     static side_t cs;
-    p_side2(&cs, "lc-ctx", KVX_ROLE_CONTEXT);
     rank_t c0, c1, n1;
-    p_spread_open(a, b, &cs, 8, &c0, &c1);
-    uint32_t cb[2] = {2, 3};
-    kvx_context_params_t p;
-    CHECK_KVX(kvx_publish(c1.c, 32, c1.pool, cb, 2, 7, &p, T_MS), c1.c);
-    kvx_context_params_free(&p);
-    CHECK_KVX(kvx_cancel(c1.c, 32, T_MS), c1.c);
-    sleep_ms(300); /* the event is at A, pending */
-    CHECK(kill(a->pid, SIGSTOP) == 0);
+    p_frozen_root("lc-ctx", 32, &cs, &a, &b, &c0, &c1);
     int64_t t0 = now_ms();
     kvx_batch_t *b0, *b1;
     CHECK_EQ(kvx_poll(c1.c, 1, 200, &b1), KVX_ERR_PEER_GONE);
