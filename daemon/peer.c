@@ -638,30 +638,23 @@ static void conn_try_free(peer_conn_t *c)
 }
 
 /* Tell remote.c of every loss conn_fail() deferred (a loss it handles
- * may fail more connections: until none is left). */
-static void on_lost(uv_timer_t *t);
-
+ * may fail more connections: until none is left). One remote.c cannot
+ * take yet (out of memory) stays pending: the tick (peer_tick()) tries
+ * again, and closes nothing pending. */
 static void peer_flush_lost(void)
 {
-    int later = 0;
     for (int again = 1; again;) {
         again = 0;
         for (peer_conn_t *c = P.conns; c; c = c->next)
-            if (c->lost_pending == 1) {
+            if (c->lost_pending) {
                 c->lost_pending = 0;
                 if (remote_on_conn_lost(c, c->lost_code, c->lost_msg)) {
-                    c->lost_pending = 2; /* out of memory: again soon */
-                    later = 1;
+                    c->lost_pending = 1;
+                    return;
                 }
                 again = 1;
                 break; /* the list may have changed */
             }
-    }
-    if (later) {
-        for (peer_conn_t *c = P.conns; c; c = c->next)
-            if (c->lost_pending == 2)
-                c->lost_pending = 1;
-        uv_timer_start(&P.lost, on_lost, 10, 0);
     }
 }
 

@@ -97,7 +97,7 @@ void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent);
 /* Streams (either way) on c, for status. */
 uint32_t remote_conn_streams(const peer_conn_t *c);
 /* c failed: every transfer on it ends with code. 0, or KVX_ERR_NOMEM when
- * nothing could be done yet: peer.c calls it again a little later (c
+ * nothing could be done yet: peer.c calls it again at the next tick (c
  * stays until then). */
 int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg);
 
