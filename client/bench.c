@@ -49,29 +49,6 @@
 
 #define PARAMS_SLOT 2048
 
-#ifdef KVX_CUDA
-/* The number of GPUs, counted in a child: CUDA must stay uninitialized in
- * this process, which forks the ranks. 0 when it cannot tell. */
-static int gpu_count(void)
-{
-    int fd[2], n = 0;
-    if (pipe(fd))
-        return 0;
-    pid_t p = fork();
-    if (p == 0) {
-        int k = bgpu_device_count();
-        (void)!write(fd[1], &k, sizeof(k));
-        _exit(0);
-    }
-    close(fd[1]);
-    if (p < 0 || read(fd[0], &n, sizeof(n)) != sizeof(n))
-        n = 0;
-    close(fd[0]);
-    if (p > 0)
-        waitpid(p, NULL, 0);
-    return n;
-}
-#endif
 #define TIMEOUT_MS 30000
 /* Warm-up requests use ids from here; their params use slots after the
  * timed requests' slots. */
@@ -1482,9 +1459,8 @@ int main(int argc, char **argv)
         return 2;
     }
 #ifdef KVX_CUDA
-    if (o.gpu && !o.gen_device_set && !o.gen_host && gpu_count() == 1) {
-        /* one GPU: both sides on it (the rank processes use it after
-         * fork; the count comes from a child, so CUDA stays unused here) */
+    if (o.gpu && !o.gen_device_set && !o.gen_host && bgpu_device_count() == 1) {
+        /* one GPU: both sides on it */
         o.gen_device = 0;
         fprintf(stderr, "kvxfer-bench: one GPU: the generation side uses "
                         "GPU 0 too (--gen-device)\n");

@@ -9,6 +9,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "bench_gpu.h"
@@ -28,9 +30,23 @@ static int set_err(char *err, size_t len, const char *what, cudaError_t e)
 
 extern "C" int bgpu_device_count(void)
 {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess)
+    int fd[2], n = 0;
+    if (pipe(fd))
         return 0;
+    pid_t p = fork();
+    if (p == 0) {
+        int k = 0;
+        if (cudaGetDeviceCount(&k) != cudaSuccess)
+            k = 0;
+        (void)!write(fd[1], &k, sizeof(k));
+        _exit(0);
+    }
+    close(fd[1]);
+    if (p < 0 || read(fd[0], &n, sizeof(n)) != (ssize_t)sizeof(n))
+        n = 0;
+    close(fd[0]);
+    if (p > 0)
+        waitpid(p, NULL, 0);
     return n;
 }
 

@@ -11,6 +11,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+/* The number of GPUs (0: none, or no driver), counted in a child process:
+ * CUDA stays uninitialized in the caller, which may fork ranks after. */
 int bgpu_device_count(void);
 /* vmm: cuMemCreate memory exportable as a POSIX fd; else cudaMalloc. */
 int bgpu_alloc(int dev, uint64_t size, int vmm, void **ptr, char *err,

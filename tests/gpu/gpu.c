@@ -31,29 +31,14 @@ static const char *build_dir(void)
     return b ? b : "build";
 }
 
-/* A GPU count probe in a child: CUDA must stay uninitialized in the test
- * processes that fork ranks. */
+/* The GPU count (probed in a child by bgpu_device_count(): CUDA must stay
+ * uninitialized in the test processes that fork ranks), once. */
 static int gpus(void)
 {
     static int cached = -1;
-    if (cached >= 0)
-        return cached;
-    int fd[2];
-    if (pipe(fd))
-        return 0;
-    pid_t p = fork();
-    if (p == 0) {
-        int n = bgpu_device_count();
-        (void)!write(fd[1], &n, sizeof(n));
-        _exit(0);
-    }
-    close(fd[1]);
-    int n = 0;
-    if (read(fd[0], &n, sizeof(n)) != sizeof(n))
-        n = 0;
-    close(fd[0]);
-    waitpid(p, NULL, 0);
-    return cached = n;
+    if (cached < 0)
+        cached = bgpu_device_count();
+    return cached;
 }
 
 /* The generation side's GPU: GPU 1 where there are two, so that copies
