@@ -3220,21 +3220,36 @@ TEST(socket_group)
     daemon_stop_ok(d);
 }
 
-/* kvxferctl plan: the daemon's planner without a daemon, from options and
- * from a YAML file; bad files and refused pairs exit 1 naming why. */
-static int ctl_run(const char *args, char *out, size_t cap)
+/* Run a shell command: its output (up to cap - 1 bytes) in out, its exit
+ * status returned (-1: killed by a signal). */
+static int cmd_run(const char *cmd, char *out, size_t cap)
 {
-    char cmd[1024];
-    snprintf(cmd, sizeof(cmd), "%s/kvxferctl %s 2>&1", build_dir(), args);
     fflush(stdout);
     fflush(stderr);
     FILE *f = popen(cmd, "r");
     CHECK(f != NULL);
-    size_t n = fread(out, 1, cap - 1, f);
+    size_t n = 0, k;
+    while (n < cap - 1 && (k = fread(out + n, 1, cap - 1 - n, f)) > 0)
+        n += k;
     out[n] = 0;
+    char rest[4096]; /* past cap: read to the end, or pclose() could wait
+                        on a command blocked writing */
+    while (fread(rest, 1, sizeof(rest), f) > 0)
+        ;
     int st = pclose(f);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
+
+/* kvxferctl ARGS, stderr included. */
+static int ctl_run(const char *args, char *out, size_t cap)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "%s/kvxferctl %s 2>&1", build_dir(), args);
+    return cmd_run(cmd, out, cap);
+}
+
+/* kvxferctl plan: the daemon's planner without a daemon, from options and
+ * from a YAML file; bad files and refused pairs exit 1 naming why. */
 
 TEST(ctl_plan)
 {
