@@ -205,6 +205,14 @@ static const struct conf_key keys[] = {
      .help = "Messages in flight to one peer at once; more wait, "
              "gathered, in order, so that one slot finishes while the "
              "next is gathered and the one before is scattered."},
+    {.name = "peer.lanes", .type = CONF_U32, FIELD(lanes), .def = 2,
+     .min = 0, .max = 16,
+     .help = "UCX workers, each on a thread of its own with a listener "
+             "of its own, that carry slot data to and from other daemons "
+             "(a slot's pieces spread over them), so that the wire's "
+             "copies run on that many cores; 0 carries data on the "
+             "loop's worker. Both daemons need lanes for a connection to "
+             "use them."},
     {.name = "peer.busy_poll", .type = CONF_U32, FIELD(busy_poll), .def = 2,
      .min = 0, .max = 2,
      .help = "While transfers between daemons are in flight the loop "

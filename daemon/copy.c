@@ -1,5 +1,7 @@
 /* copy — worker threads for host copies; see copy.h. */
 #include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <time.h>
 #include <unistd.h>
 #include <stdlib.h>
@@ -41,7 +43,9 @@ static void head_set(copy_job_t *j)
 
 static void *worker_main(void *arg)
 {
-    (void)arg;
+    char name[16];
+    snprintf(name, sizeof(name), "kvx-copy-%u", (unsigned)(uintptr_t)arg);
+    pthread_setname_np(pthread_self(), name); /* top -H, ps -L */
     pthread_mutex_lock(&c.mu);
     for (;;) {
         if (!c.head && !c.stop && !c.spinning && c.spin_ns) {
@@ -143,7 +147,7 @@ int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us)
     }
     for (c.nthreads = 0; c.nthreads < nthreads; c.nthreads++) {
         if ((rc = pthread_create(&c.threads[c.nthreads], NULL, worker_main,
-                                 NULL))) {
+                                 (void *)(uintptr_t)c.nthreads))) {
             log_error("copy: pthread_create: %s", strerror(rc));
             goto err_stop_threads;
         }

@@ -168,6 +168,9 @@ static void *waiter_main(void *arg)
 {
     int d = (int)(intptr_t)arg;
     struct waiter_thread *w = &wt[d];
+    char name[16];
+    snprintf(name, sizeof(name), "kvx-gpu-%d", d);
+    pthread_setname_np(pthread_self(), name);
     cudaSetDevice(d);
     pthread_mutex_lock(&w->mu);
     for (;;) {

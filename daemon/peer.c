@@ -15,6 +15,11 @@
  *                    secret never goes on the wire, only HMACs of both
  *                    nonces under it, and each side proves it knows it
  *   am_ctrl/am_data  messages in: authenticated ones go to remote.c
+ *   lanes_*          slot data over the lanes (lane.c, peer.lanes): once
+ *                    authenticated each side sends PeerLanes (its lanes'
+ *                    ports and this connection's key); data_start() sends
+ *                    over the other side's lanes, on_lane_event() runs
+ *                    what the lanes report
  *   conn_fail()      the one way a connection ends
  */
 #include <arpa/inet.h>
@@ -37,13 +42,15 @@
 #include <uv.h>
 
 #include "daemon.h"
+#include "lane.h"
 #include "log.h"
 #include "peer.h"
 
 /* 2: the MACs bind both daemons' addresses; 3: polls say what arrived
  * (resume), batches and announcements carry sessions and the instance's
- * epoch */
-#define PEER_VERSION 3
+ * epoch; 4: lanes (PeerLanes, PeerData.lane_key) */
+#define PEER_VERSION 4
+#define LANE_KEY_LEN 16
 #define NONCE_LEN 32
 #define MAC_LEN 32
 #define SECRET_MAX 4096
@@ -82,6 +89,13 @@ struct peer_conn {
      * order (each counted in outstanding) */
     struct ureq *dq_head, *dq_tail;
     uint32_t data_inflight;
+    /* lanes: the key our lanes accept from it (told in PeerLanes), and
+     * its lanes' ports and key; our endpoints to its lanes (out) and the
+     * ones its data came in on (in), by lane, 0 for none */
+    uint8_t rx_key[LANE_KEY_LEN], tx_key[LANE_KEY_LEN];
+    uint16_t lane_ports[LANES_MAX];
+    unsigned peer_lanes, lane_next;
+    uint64_t out_lep[LANES_MAX], in_lep[LANES_MAX];
     char transports[128];
     struct peer_conn *next;
 };
@@ -98,6 +112,9 @@ typedef struct ureq {
     size_t len;
     /* a slot send: its data, and its place in the connection's queue */
     int is_data;
+    int on_lane;                /* sent or received by a lane: not in
+                                   P.inflight (the loop's worker) */
+    int keyed;                  /* its header has the lane key */
     size_t hdr_len;
     const void *data;
     struct ureq *next;
@@ -391,6 +408,10 @@ static peer_conn_t *conn_new(int outgoing, const char *address)
     c->state = CONN_AUTH;
     snprintf(c->address, sizeof(c->address), "%s", address ? address : "");
     c->created_ms = c->last_seen_ms = c->last_ping_ms = now_ms();
+    if (getrandom(c->rx_key, LANE_KEY_LEN, 0) != LANE_KEY_LEN) {
+        free(c);
+        return NULL;
+    }
     c->next = P.conns;
     P.conns = c;
     return c;
@@ -411,9 +432,11 @@ static void ureq_done(ureq_t *u, int status)
     if (u->done)
         u->done(u->arg, status);
     free(u->buf);
+    int lane = u->on_lane;
     free(u);
     c->outstanding--;
-    inflight_add(-1);
+    if (!lane)
+        inflight_add(-1);
     conn_try_free(c);
 }
 
@@ -526,8 +549,36 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     return 0;
 }
 
-/* Start queued slot sends while the window has room. A send UCX refuses
- * fails the connection, which ends the queue. */
+/* The lane for c's next slot send, its endpoint made on first use; -1:
+ * none (no lanes here or there), or 0..n-1. Sends take the lanes both
+ * sides have in turn. */
+static int lane_pick(peer_conn_t *c)
+{
+    unsigned n = lanes_count();
+    if (c->peer_lanes < n)
+        n = c->peer_lanes;
+    if (!n)
+        return -1;
+    unsigned i = c->lane_next++ % n;
+    if (!c->out_lep[i]) {
+        struct sockaddr_storage ss;
+        socklen_t sl;
+        char why[128];
+        if (parse_address(c->address, &ss, &sl, why, sizeof(why)))
+            return -1;
+        if (ss.ss_family == AF_INET6)
+            ((struct sockaddr_in6 *)&ss)->sin6_port = htons(c->lane_ports[i]);
+        else
+            ((struct sockaddr_in *)&ss)->sin_port = htons(c->lane_ports[i]);
+        if (lane_connect(i, &ss, &c->out_lep[i]))
+            return -1;
+    }
+    return (int)i;
+}
+
+/* Start queued slot sends while the window has room: over a lane, or
+ * the connection's own endpoint. A send UCX refuses fails the
+ * connection, which ends the queue. */
 static void data_start(peer_conn_t *c)
 {
     while (c->state == CONN_READY && c->dq_head &&
@@ -537,8 +588,29 @@ static void data_start(peer_conn_t *c)
         if (!c->dq_head)
             c->dq_tail = NULL;
         u->next = NULL;
-        c->outstanding--; /* am_send counts it again */
         c->data_inflight++;
+        int lane = u->keyed ? lane_pick(c) : -1;
+        if (lane >= 0) {
+            /* c->outstanding still counts it, until LEV_SENT */
+            u->on_lane = 1;
+            uint8_t *hb = u->buf;
+            u->buf = NULL; /* the lane's now */
+            if (!lane_send((unsigned)lane, c->out_lep[lane], hb, u->hdr_len,
+                           u->data, u->len, u)) {
+                c->bytes_sent += u->hdr_len + u->len;
+                continue;
+            }
+            free(hb);
+            c->data_inflight--;
+            u->next = c->dq_head; /* conn_fail gives it back */
+            c->dq_head = u;
+            if (!c->dq_tail)
+                c->dq_tail = u;
+            conn_fail(c, KVX_ERR_NOMEM, "out of memory sending to %s",
+                      c->address);
+            return;
+        }
+        c->outstanding--; /* am_send counts it again */
         if (am_send(c, AM_DATA, u->buf, u->hdr_len, u->data, u->len, u)) {
             c->data_inflight--;
             c->outstanding++;
@@ -561,7 +633,16 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
         return KVX_ERR_PEER_GONE;
     ureq_t *u = calloc(1, sizeof(*u));
     size_t hl;
-    uint8_t *hb = pack(hdr, &hl);
+    /* the key the other side's lanes accept (ignored on the connection) */
+    Kvxfer__PeerData d;
+    Kvxfer__PeerMsg m = *hdr;
+    if (c->peer_lanes && hdr->m_case == KVXFER__PEER_MSG__M_DATA) {
+        d = *hdr->data;
+        d.lane_key.len = LANE_KEY_LEN;
+        d.lane_key.data = c->tx_key;
+        m.data = &d;
+    }
+    uint8_t *hb = pack(&m, &hl);
     if (!u || !hb) {
         free(u);
         free(hb);
@@ -575,6 +656,7 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
     u->data = buf;
     u->len = len;
     u->is_data = 1;
+    u->keyed = m.data != hdr->data;
     u->done = done;
     u->arg = arg;
     c->outstanding++; /* waiting: keeps c until it is given back */
@@ -601,6 +683,15 @@ static void conn_close_ep(peer_conn_t *c)
     if (c->closed)
         return;
     c->closed = 1;
+    /* its endpoints on the lanes too: sends and receives on them come
+     * back failed (LEV_SENT, LEV_RECEIVED; counted in outstanding). A
+     * lane holds no pointer to c, only its requests' */
+    for (unsigned i = 0; i < LANES_MAX; i++) {
+        if (c->out_lep[i])
+            lane_close(i, c->out_lep[i]);
+        if (c->in_lep[i])
+            lane_close(i, c->in_lep[i]);
+    }
     if (!c->ep) {
         c->close_done = 1;
         return;
@@ -722,6 +813,21 @@ static void conn_ready(peer_conn_t *c)
     log_info("peer %s: authenticated (%s, %s)", c->address,
              c->outgoing ? "outgoing" : "incoming",
              c->transports[0] ? c->transports : "transports unknown");
+    if (lanes_count()) { /* before anything queued: data may follow */
+        uint32_t ports[LANES_MAX];
+        Kvxfer__PeerLanes l = KVXFER__PEER_LANES__INIT;
+        for (unsigned i = 0; i < lanes_count(); i++)
+            ports[i] = lane_port(i);
+        l.n_ports = lanes_count();
+        l.ports = ports;
+        l.key.len = LANE_KEY_LEN;
+        l.key.data = c->rx_key;
+        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+        m.m_case = KVXFER__PEER_MSG__M_LANES;
+        m.lanes = &l;
+        if (send_now(c, &m))
+            return;
+    }
     while (c->q_head && c->state == CONN_READY) {
         qmsg_t *q = c->q_head;
         c->q_head = q->next;
@@ -1010,6 +1116,25 @@ static peer_conn_t *conn_of(const ucp_am_recv_param_t *p)
     return NULL;
 }
 
+/* The other side's lanes: its DATA to us may come over ours, ours to it
+ * goes over its. Told once; a bad one fails the connection. */
+static void lanes_told(peer_conn_t *c, const Kvxfer__PeerLanes *l)
+{
+    int ok = !c->peer_lanes && l->n_ports <= LANES_MAX &&
+             l->key.len == LANE_KEY_LEN;
+    for (size_t i = 0; ok && i < l->n_ports; i++)
+        ok = l->ports[i] > 0 && l->ports[i] <= 65535;
+    if (!ok) {
+        conn_fail(c, KVX_ERR_PROTOCOL, "bad lanes message from %s",
+                  c->address);
+        return;
+    }
+    for (size_t i = 0; i < l->n_ports; i++)
+        c->lane_ports[i] = (uint16_t)l->ports[i];
+    memcpy(c->tx_key, l->key.data, LANE_KEY_LEN);
+    c->peer_lanes = (unsigned)l->n_ports;
+}
+
 static void dispatch(peer_conn_t *c, const uint8_t *buf, size_t len)
 {
     Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, len, buf);
@@ -1027,6 +1152,8 @@ static void dispatch(peer_conn_t *c, const uint8_t *buf, size_t len)
             r.m_case = KVXFER__PEER_MSG__M_PONG;
             r.pong = m->ping;
             send_now(c, &r);
+        } else if (m->m_case == KVXFER__PEER_MSG__M_LANES) {
+            lanes_told(c, m->lanes);
         } else if (m->m_case != KVXFER__PEER_MSG__M_PONG) {
             remote_on_msg(c, m);
         }
@@ -1161,6 +1288,124 @@ static ucs_status_t am_data(void *arg, const void *header, size_t hlen,
     return UCS_OK;
 }
 
+/* ---- what the lanes report (on the loop) ------------------------------- */
+
+static peer_conn_t *conn_of_lep(unsigned lane, uint64_t lep, int *in)
+{
+    for (peer_conn_t *c = P.conns; c; c = c->next) {
+        if (c->out_lep[lane] == lep) {
+            *in = 0;
+            return c;
+        }
+        if (c->in_lep[lane] == lep) {
+            *in = 1;
+            return c;
+        }
+    }
+    return NULL;
+}
+
+/* Slot data that came over a lane: the key names the connection (only
+ * an authenticated peer was told it); then as am_data(). */
+static void lane_arrived(const lane_ev_t *e)
+{
+    Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, e->hlen, e->hdr);
+    peer_conn_t *c = NULL;
+    if (m && m->m_case == KVXFER__PEER_MSG__M_DATA &&
+        m->data->lane_key.len == LANE_KEY_LEN)
+        for (c = P.conns; c; c = c->next)
+            if (c->state == CONN_READY &&
+                ct_equal(c->rx_key, m->data->lane_key.data, LANE_KEY_LEN))
+                break;
+    if (!c) {
+        /* not (or no longer) a connection's: dropped, endpoint closed */
+        log_warn("lane %u: data with no connection's key; dropped, and "
+                 "its endpoint closed", e->lane);
+        if (m)
+            kvxfer__peer_msg__free_unpacked(m, NULL);
+        if (e->desc)
+            lane_drop(e->lane, e->desc);
+        lane_close(e->lane, e->lep);
+        return;
+    }
+    if (c->in_lep[e->lane] != e->lep) {
+        /* a new endpoint of its: the old one (if any) closes */
+        if (c->in_lep[e->lane])
+            lane_close(e->lane, c->in_lep[e->lane]);
+        c->in_lep[e->lane] = e->lep;
+    }
+    c->bytes_received += e->hlen + e->len;
+    c->last_seen_ms = now_ms();
+    void *dst = remote_data_target(c, m->data, e->len);
+    if (!dst) {
+        if (e->desc)
+            lane_drop(e->lane, e->desc);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+        return;
+    }
+    if (!e->desc) {
+        memcpy(dst, e->data, e->len);
+        remote_on_data(c, m->data, 0);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+        return;
+    }
+    ureq_t *u = calloc(1, sizeof(*u));
+    if (!u || lane_recv(e->lane, e->desc, dst, e->len, u)) {
+        free(u);
+        lane_drop(e->lane, e->desc);
+        remote_on_data(c, m->data, KVX_ERR_NOMEM);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+        conn_fail(c, KVX_ERR_NOMEM, "out of memory receiving from %s",
+                  c->address);
+        return;
+    }
+    u->c = c;
+    u->recv_kind = 2;
+    u->hdr = m;
+    u->on_lane = 1;
+    c->outstanding++;
+}
+
+static void on_lane_event(const lane_ev_t *e)
+{
+    ureq_t *u = e->cookie;
+    peer_conn_t *c;
+    int in;
+    switch (e->kind) {
+    case LEV_SENT:
+        c = u->c;
+        if (e->status && c->state != CONN_LOST)
+            conn_fail(c, KVX_ERR_PEER_GONE, "lane %u: send to %s failed: %s",
+                      e->lane, c->address, e->msg);
+        c->data_inflight--;
+        data_start(c); /* before ureq_done, which may free c */
+        ureq_done(u, e->status ? KVX_ERR_PEER_GONE : 0);
+        break;
+    case LEV_RECEIVED:
+        c = u->c;
+        if (!e->status && c->state != CONN_LOST)
+            c->last_seen_ms = now_ms();
+        remote_on_data(c, u->hdr->data,
+                       !e->status && c->state != CONN_LOST
+                           ? 0
+                           : KVX_ERR_PEER_GONE);
+        kvxfer__peer_msg__free_unpacked(u->hdr, NULL);
+        ureq_done(u, 0);
+        break;
+    case LEV_ARRIVED:
+        lane_arrived(e);
+        break;
+    case LEV_EP_ERROR:
+        c = conn_of_lep(e->lane, e->lep, &in);
+        if (c && c->state != CONN_LOST)
+            conn_fail(c, KVX_ERR_PEER_GONE, "lane %u %s %s failed: %s",
+                      e->lane, in ? "from" : "to", c->address, e->msg);
+        break;
+    case LEV_CLOSED: /* nothing waits for it */
+        break;
+    }
+}
+
 /* ---- life -------------------------------------------------------------- */
 
 static int set_handler(unsigned id, ucp_am_recv_callback_t cb)
@@ -1268,9 +1513,12 @@ int peer_init(char *why, size_t why_len)
                  ucs_status_string(st));
         return -1;
     }
+    /* lanes: workers of this context on other threads */
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES |
-                                      UCP_PARAM_FIELD_NAME,
+                                      UCP_PARAM_FIELD_NAME |
+                                      UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                         .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                        .mt_workers_shared = kvxd.conf.lanes > 0,
                         .name = "kvxferd"};
     st = ucp_init(&prm, cfg, &P.ctx);
     ucp_config_release(cfg);
@@ -1353,11 +1601,19 @@ int peer_init(char *why, size_t why_len)
     uv_timer_init(kvxd.loop, &P.lost);
     P.busy_poll = kvxd.conf.busy_poll == 2 ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                                            : (int)kvxd.conf.busy_poll;
+    if (lanes_start(P.ctx, kvxd.loop, &la.sockaddr, kvxd.conf.lanes,
+                    P.busy_poll, on_lane_event, why, why_len)) {
+        uv_close((uv_handle_t *)&P.poll, NULL);
+        uv_close((uv_handle_t *)&P.prepare, NULL);
+        uv_close((uv_handle_t *)&P.idle, NULL);
+        uv_close((uv_handle_t *)&P.lost, NULL);
+        goto err_listener;
+    }
     P.poll_on = 1;
     P.on = 1;
-    log_notice("peers: UCX %s listening on %s (CUDA memory %s by UCX)",
-               P.version, P.listen,
-               P.ucx_cuda ? "supported" : "not supported");
+    log_notice("peers: UCX %s listening on %s (CUDA memory %s by UCX), "
+               "%u lanes", P.version, P.listen,
+               P.ucx_cuda ? "supported" : "not supported", lanes_count());
     return 0;
 
 err_listener:
@@ -1450,10 +1706,12 @@ void peer_cleanup(void)
     peer_flush_lost(); /* the loop has stopped: now */
     for (peer_conn_t *c = P.conns; c; c = c->next)
         conn_close_ep(c);
-    /* let the force-closes and cancelled requests come back */
+    /* let the force-closes and cancelled requests come back (the
+     * lanes' too: their events run here, the loop has stopped) */
     for (int i = 0; i < 1000 && P.conns; i++) {
         while (ucp_worker_progress(P.worker))
             ;
+        lanes_drain();
         for (peer_conn_t *c = P.conns, *n; c; c = n) {
             n = c->next;
             if (!c->outstanding && c->close_done) {
@@ -1464,6 +1722,7 @@ void peer_cleanup(void)
         if (P.conns)
             usleep(1000);
     }
+    lanes_stop(); /* before the slots (remote_cleanup) and the context */
 }
 
 void peer_shutdown(void)
@@ -1544,6 +1803,7 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
     info->slot_bytes = P.on ? kvxd.conf.slot_bytes : 0;
     info->message_bytes = P.on ? remote_message_bytes() : 0;
     info->send_window = P.on ? kvxd.conf.send_window : 0;
+    info->lanes = lanes_count();
     static Kvxfer__SlotTimes rx, tx;
     kvxfer__slot_times__init(&rx);
     kvxfer__slot_times__init(&tx);

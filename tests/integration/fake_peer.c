@@ -241,7 +241,7 @@ static void replay_msg(const Kvxfer__PeerMsg *m, const void *data, size_t len,
             Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
             if (getrandom(nc_out, 32, 0) != 32)
                 die("getrandom");
-            h.version = 3; /* peer.c PEER_VERSION */
+            h.version = 4; /* peer.c PEER_VERSION */
             h.address = my_addr;
             h.nonce.data = nc_out;
             h.nonce.len = 32;
@@ -422,7 +422,7 @@ int main(int argc, char **argv)
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
         Kvxfer__PeerHello hm = KVXFER__PEER_HELLO__INIT;
         uint8_t nonce[32] = {1, 2, 3};
-        hm.version = 3; /* peer.c PEER_VERSION */
+        hm.version = 4; /* peer.c PEER_VERSION */
         hm.address = argv[3];
         hm.nonce.data = nonce;
         hm.nonce.len = sizeof(nonce);

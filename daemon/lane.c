@@ -1,0 +1,741 @@
+/*
+ * lane — UCX workers on their own threads for slot data; see lane.h.
+ *
+ * Reading order:
+ *   lanes_start()    per lane: worker, listener, eventfds, the thread
+ *   lane_main()      the thread: commands in, progress, sleep on the
+ *                    worker's fd and the command eventfd when idle
+ *   run_cmd()        connect, send, receive, drop, close, stop
+ *   on_data()        a message in: the header copied, the rendezvous
+ *                    descriptor kept, an LEV_ARRIVED to the loop
+ *   emit()/on_async  events to the loop, run there in order
+ *
+ * Threads: everything UCX of a lane runs on its thread, except its
+ * creation and destruction (before the thread starts and after it has
+ * been joined). The loop and a lane share only the two queues, each
+ * under its mutex; a cookie or buffer crosses with its command or event.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "lane.h"
+#include "log.h"
+
+#define AM_LANE_DATA 2 /* the same id as peer.c's AM_DATA */
+#define STOP_WAIT_MS 2000
+
+enum lcmd_op { LC_CONNECT, LC_SEND, LC_RECV, LC_DROP, LC_CLOSE, LC_STOP };
+
+typedef struct lcmd {
+    enum lcmd_op op;
+    uint64_t lep;
+    struct sockaddr_storage to;
+    uint8_t *hdr;
+    size_t hlen;
+    const void *data;
+    void *dst, *desc;
+    size_t len;
+    void *cookie;
+    struct lcmd *next;
+} lcmd_t;
+
+struct lane;
+
+/* An endpoint of a lane: outgoing (lane_connect) or accepted. */
+typedef struct lep {
+    uint64_t id;
+    ucp_ep_h ep;
+    struct lane *ln;
+    int failed;      /* its error reported; to be closed */
+    int closing;     /* ucp_ep_close_nbx started */
+    int want_closed; /* the loop asked: LEV_CLOSED once closed */
+    struct lep *next;
+} lep_t;
+
+typedef struct lane {
+    unsigned idx;
+    pthread_t th;
+    int started;
+    ucp_worker_h w;
+    ucp_listener_h lis;
+    uint16_t port;
+    int efd, cfd, epfd;
+    pthread_mutex_t mu;        /* the command queue */
+    lcmd_t *ch, *ct;
+    /* the lane thread's own */
+    lep_t *eps;
+    uint32_t outstanding;
+    int stopping;
+    lcmd_t stop_cmd;           /* posted by lanes_stop(), never freed */
+} lane_t;
+
+/* A UCX request of a lane: what to hand back. */
+typedef struct lreq {
+    lane_t *ln;
+    void *cookie;
+    uint8_t *hdr;
+} lreq_t;
+
+static struct {
+    unsigned n;
+    lane_t v[LANES_MAX];
+    int spin;
+    uv_async_t async;
+    int async_on;
+    pthread_mutex_t mu;        /* the event queue */
+    lane_ev_t *eh, *et;
+    void (*ev)(const lane_ev_t *e);
+    _Atomic uint64_t next_lep;
+} L;
+
+/* ---- events to the loop ----------------------------------------------- */
+
+static void emit(lane_t *ln, enum lane_ev_kind kind, uint64_t lep,
+                 ucs_status_t st, void *cookie)
+{
+    lane_ev_t *e = calloc(1, sizeof(*e));
+    if (!e) {
+        /* a lost event would hang what waits for it: the one thing a
+         * lane cannot do without; the daemon stops instead */
+        log_error("lane %u: out of memory for an event", ln->idx);
+        abort();
+    }
+    e->kind = kind;
+    e->lane = ln->idx;
+    e->lep = lep;
+    e->status = st == UCS_OK ? 0 : -1;
+    e->msg = ucs_status_string(st);
+    e->cookie = cookie;
+    pthread_mutex_lock(&L.mu);
+    if (L.et)
+        L.et->next = e;
+    else
+        L.eh = e;
+    L.et = e;
+    pthread_mutex_unlock(&L.mu);
+    uv_async_send(&L.async);
+}
+
+static void ev_free(lane_ev_t *e)
+{
+    free(e->hdr);
+    free(e->data);
+    free(e);
+}
+
+void lanes_drain(void)
+{
+    for (;;) {
+        pthread_mutex_lock(&L.mu);
+        lane_ev_t *e = L.eh;
+        L.eh = L.et = NULL;
+        pthread_mutex_unlock(&L.mu);
+        if (!e)
+            return;
+        while (e) {
+            lane_ev_t *n = e->next;
+            if (L.ev)
+                L.ev(e);
+            ev_free(e);
+            e = n;
+        }
+    }
+}
+
+static void on_async(uv_async_t *a)
+{
+    (void)a;
+    lanes_drain();
+}
+
+/* ---- the lane thread ---------------------------------------------------- */
+
+static lep_t *lep_find(lane_t *ln, uint64_t id)
+{
+    for (lep_t *p = ln->eps; p; p = p->next)
+        if (p->id == id)
+            return p;
+    return NULL;
+}
+
+static void lep_gone(lep_t *p)
+{
+    lane_t *ln = p->ln;
+    if (p->want_closed)
+        emit(ln, LEV_CLOSED, p->id, UCS_OK, NULL);
+    for (lep_t **pp = &ln->eps; *pp; pp = &(*pp)->next)
+        if (*pp == p) {
+            *pp = p->next;
+            break;
+        }
+    free(p);
+}
+
+static void close_cb(void *request, ucs_status_t status, void *user_data)
+{
+    (void)status;
+    lep_t *p = user_data;
+    ucp_request_free(request);
+    p->ln->outstanding--;
+    lep_gone(p);
+}
+
+static void lep_close(lep_t *p)
+{
+    if (p->closing)
+        return;
+    p->closing = 1;
+    if (!p->ep) {
+        lep_gone(p);
+        return;
+    }
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                        UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = close_cb,
+        .user_data = p,
+        .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &prm);
+    if (r == NULL || UCS_PTR_IS_ERR(r))
+        lep_gone(p);
+    else
+        p->ln->outstanding++;
+}
+
+static void ep_err(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    (void)ep;
+    lep_t *p = arg;
+    if (p->failed)
+        return;
+    p->failed = 1; /* closed from lane_main, outside UCX's callback */
+    emit(p->ln, LEV_EP_ERROR, p->id, status, NULL);
+}
+
+static lep_t *lep_new(lane_t *ln, uint64_t id)
+{
+    lep_t *p = calloc(1, sizeof(*p));
+    if (!p)
+        return NULL;
+    p->id = id;
+    p->ln = ln;
+    p->next = ln->eps;
+    ln->eps = p;
+    return p;
+}
+
+static void on_conn_request(ucp_conn_request_h req, void *arg)
+{
+    lane_t *ln = arg;
+    lep_t *p = ln->stopping ? NULL : lep_new(ln, atomic_fetch_add(&L.next_lep, 1));
+    if (!p) {
+        ucp_listener_reject(ln->lis, req);
+        return;
+    }
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .conn_request = req,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_err, .arg = p}};
+    if (ucp_ep_create(ln->w, &ep, &p->ep) != UCS_OK) {
+        p->ep = NULL;
+        p->closing = 1;
+        lep_gone(p);
+    }
+}
+
+static void send_cb(void *request, ucs_status_t status, void *user_data)
+{
+    lreq_t *q = user_data;
+    q->ln->outstanding--;
+    emit(q->ln, LEV_SENT, 0, status, q->cookie);
+    free(q->hdr);
+    free(q);
+    ucp_request_free(request);
+}
+
+static void recv_cb(void *request, ucs_status_t status, size_t length,
+                    void *user_data)
+{
+    (void)length;
+    lreq_t *q = user_data;
+    q->ln->outstanding--;
+    emit(q->ln, LEV_RECEIVED, 0, status, q->cookie);
+    free(q);
+    ucp_request_free(request);
+}
+
+static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
+                            void *data, size_t len,
+                            const ucp_am_recv_param_t *param)
+{
+    lane_t *ln = arg;
+    lep_t *p = NULL;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+        for (lep_t *x = ln->eps; x; x = x->next)
+            if (x->ep == param->reply_ep)
+                p = x;
+    if (!p || p->failed || p->closing || ln->stopping)
+        return UCS_OK; /* dropped (a rendezvous: released) */
+    int rndv = !!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
+    lane_ev_t *e = calloc(1, sizeof(*e));
+    uint8_t *h = malloc(hlen ? hlen : 1);
+    uint8_t *d = rndv ? NULL : malloc(len ? len : 1);
+    if (!e || !h || (!rndv && !d)) {
+        free(e);
+        free(h);
+        free(d);
+        log_error("lane %u: out of memory for a message; its endpoint "
+                  "closes", ln->idx);
+        ep_err(p, p->ep, UCS_ERR_NO_MEMORY);
+        return UCS_OK;
+    }
+    memcpy(h, header, hlen);
+    if (!rndv)
+        memcpy(d, data, len);
+    e->kind = LEV_ARRIVED;
+    e->lane = ln->idx;
+    e->lep = p->id;
+    e->msg = "";
+    e->hdr = h;
+    e->hlen = hlen;
+    e->desc = rndv ? data : NULL;
+    e->data = d;
+    e->len = len;
+    pthread_mutex_lock(&L.mu);
+    if (L.et)
+        L.et->next = e;
+    else
+        L.eh = e;
+    L.et = e;
+    pthread_mutex_unlock(&L.mu);
+    uv_async_send(&L.async);
+    return rndv ? UCS_INPROGRESS : UCS_OK;
+}
+
+static void run_cmd(lane_t *ln, lcmd_t *c)
+{
+    ucs_status_ptr_t r;
+    lep_t *p;
+    switch (c->op) {
+    case LC_CONNECT: {
+        p = lep_new(ln, c->lep);
+        if (!p) {
+            emit(ln, LEV_EP_ERROR, c->lep, UCS_ERR_NO_MEMORY, NULL);
+            break;
+        }
+        ucp_ep_params_t ep = {
+            .field_mask = UCP_EP_PARAM_FIELD_FLAGS |
+                          UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                          UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                          UCP_EP_PARAM_FIELD_ERR_HANDLER,
+            .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+            .sockaddr = {.addr = (struct sockaddr *)&c->to,
+                         .addrlen = c->to.ss_family == AF_INET6
+                                        ? sizeof(struct sockaddr_in6)
+                                        : sizeof(struct sockaddr_in)},
+            .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+            .err_handler = {.cb = ep_err, .arg = p}};
+        ucs_status_t st = ucp_ep_create(ln->w, &ep, &p->ep);
+        if (st != UCS_OK) {
+            p->ep = NULL;
+            ep_err(p, NULL, st);
+        }
+        break;
+    }
+    case LC_SEND: {
+        p = lep_find(ln, c->lep);
+        lreq_t *q = calloc(1, sizeof(*q));
+        if (!p || p->failed || p->closing || !q) {
+            free(q);
+            free(c->hdr);
+            emit(ln, LEV_SENT, 0,
+                 q ? UCS_ERR_CONNECTION_RESET : UCS_ERR_NO_MEMORY, c->cookie);
+            break;
+        }
+        q->ln = ln;
+        q->cookie = c->cookie;
+        q->hdr = c->hdr; /* kept until done: a rendezvous sends it late */
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                            UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FIELD_FLAGS |
+                            UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .cb.send = send_cb,
+            .user_data = q,
+            .flags = UCP_AM_SEND_FLAG_REPLY};
+        r = ucp_am_send_nbx(p->ep, AM_LANE_DATA, c->hdr, c->hlen, c->data,
+                            c->len, &prm);
+        if (UCS_PTR_IS_ERR(r)) {
+            emit(ln, LEV_SENT, 0, UCS_PTR_STATUS(r), c->cookie);
+            free(q->hdr);
+            free(q);
+        } else {
+            ln->outstanding++;
+        }
+        break;
+    }
+    case LC_RECV: {
+        lreq_t *q = calloc(1, sizeof(*q));
+        if (!q) {
+            ucp_am_data_release(ln->w, c->desc);
+            emit(ln, LEV_RECEIVED, 0, UCS_ERR_NO_MEMORY, c->cookie);
+            break;
+        }
+        q->ln = ln;
+        q->cookie = c->cookie;
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                            UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .cb.recv_am = recv_cb,
+            .user_data = q};
+        r = ucp_am_recv_data_nbx(ln->w, c->desc, c->dst, c->len, &prm);
+        if (UCS_PTR_IS_ERR(r)) {
+            emit(ln, LEV_RECEIVED, 0, UCS_PTR_STATUS(r), c->cookie);
+            free(q);
+        } else {
+            ln->outstanding++;
+        }
+        break;
+    }
+    case LC_DROP:
+        ucp_am_data_release(ln->w, c->desc);
+        break;
+    case LC_CLOSE:
+        p = lep_find(ln, c->lep);
+        if (!p) {
+            emit(ln, LEV_CLOSED, c->lep, UCS_OK, NULL);
+            break;
+        }
+        p->want_closed = 1;
+        lep_close(p);
+        break;
+    case LC_STOP:
+        ln->stopping = 1;
+        for (lep_t *x = ln->eps, *n; x; x = n) {
+            n = x->next;
+            lep_close(x);
+        }
+        break;
+    }
+    if (c != &ln->stop_cmd)
+        free(c);
+}
+
+static int run_cmds(lane_t *ln)
+{
+    pthread_mutex_lock(&ln->mu);
+    lcmd_t *c = ln->ch;
+    ln->ch = ln->ct = NULL;
+    pthread_mutex_unlock(&ln->mu);
+    int n = 0;
+    while (c) {
+        lcmd_t *next = c->next;
+        run_cmd(ln, c);
+        c = next;
+        n++;
+    }
+    return n;
+}
+
+static uint64_t mono_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
+}
+
+static void *lane_main(void *arg)
+{
+    lane_t *ln = arg;
+    char name[16];
+    snprintf(name, sizeof(name), "kvx-lane-%u", ln->idx);
+    pthread_setname_np(pthread_self(), name);
+    uint64_t stop_at = 0;
+    for (;;) {
+        int busy = run_cmds(ln);
+        while (ucp_worker_progress(ln->w))
+            busy = 1;
+        /* endpoints whose error came in a callback: closed here */
+        for (lep_t *x = ln->eps, *n; x; x = n) {
+            n = x->next;
+            if (x->failed && !x->closing)
+                lep_close(x);
+        }
+        if (ln->stopping) {
+            if (!stop_at)
+                stop_at = mono_ms() + STOP_WAIT_MS;
+            if ((!ln->eps && !ln->outstanding) || mono_ms() > stop_at)
+                break;
+            continue;
+        }
+        if (busy || (L.spin && ln->outstanding))
+            continue;
+        if (ucp_worker_arm(ln->w) == UCS_ERR_BUSY)
+            continue;
+        struct epoll_event ev[2];
+        int r = epoll_wait(ln->epfd, ev, 2, 1000);
+        for (int i = 0; i < r; i++)
+            if (ev[i].data.fd == ln->cfd) {
+                uint64_t v;
+                ssize_t rd = read(ln->cfd, &v, sizeof(v));
+                (void)rd;
+            }
+    }
+    return NULL;
+}
+
+/* ---- commands (the loop) ------------------------------------------------ */
+
+static int post(unsigned lane, lcmd_t *c)
+{
+    lane_t *ln = &L.v[lane];
+    pthread_mutex_lock(&ln->mu);
+    if (ln->ct)
+        ln->ct->next = c;
+    else
+        ln->ch = c;
+    ln->ct = c;
+    pthread_mutex_unlock(&ln->mu);
+    uint64_t one = 1;
+    ssize_t w = write(ln->cfd, &one, sizeof(one));
+    (void)w; /* an eventfd at its maximum is already readable */
+    return 0;
+}
+
+static lcmd_t *cmd(enum lcmd_op op)
+{
+    lcmd_t *c = calloc(1, sizeof(*c));
+    if (c)
+        c->op = op;
+    return c;
+}
+
+int lane_connect(unsigned lane, const struct sockaddr_storage *to,
+                 uint64_t *lep)
+{
+    lcmd_t *c = cmd(LC_CONNECT);
+    if (!c)
+        return KVX_ERR_NOMEM;
+    c->to = *to;
+    c->lep = *lep = atomic_fetch_add(&L.next_lep, 1);
+    return post(lane, c);
+}
+
+int lane_send(unsigned lane, uint64_t lep, uint8_t *hdr, size_t hlen,
+              const void *data, size_t len, void *cookie)
+{
+    lcmd_t *c = cmd(LC_SEND);
+    if (!c)
+        return KVX_ERR_NOMEM;
+    c->lep = lep;
+    c->hdr = hdr;
+    c->hlen = hlen;
+    c->data = data;
+    c->len = len;
+    c->cookie = cookie;
+    return post(lane, c);
+}
+
+int lane_recv(unsigned lane, void *desc, void *dst, size_t len, void *cookie)
+{
+    lcmd_t *c = cmd(LC_RECV);
+    if (!c)
+        return KVX_ERR_NOMEM;
+    c->desc = desc;
+    c->dst = dst;
+    c->len = len;
+    c->cookie = cookie;
+    return post(lane, c);
+}
+
+int lane_drop(unsigned lane, void *desc)
+{
+    lcmd_t *c = cmd(LC_DROP);
+    if (!c)
+        return KVX_ERR_NOMEM;
+    c->desc = desc;
+    return post(lane, c);
+}
+
+int lane_close(unsigned lane, uint64_t lep)
+{
+    lcmd_t *c = cmd(LC_CLOSE);
+    if (!c)
+        return KVX_ERR_NOMEM;
+    c->lep = lep;
+    return post(lane, c);
+}
+
+/* ---- life ---------------------------------------------------------------- */
+
+unsigned lanes_count(void) { return L.n; }
+
+uint16_t lane_port(unsigned lane) { return lane < L.n ? L.v[lane].port : 0; }
+
+static void lane_destroy(lane_t *ln)
+{
+    if (ln->lis)
+        ucp_listener_destroy(ln->lis);
+    if (ln->w)
+        ucp_worker_destroy(ln->w);
+    if (ln->epfd >= 0)
+        close(ln->epfd);
+    if (ln->cfd >= 0)
+        close(ln->cfd);
+    for (lcmd_t *c = ln->ch, *n; c; c = n) {
+        n = c->next;
+        if (c != &ln->stop_cmd) {
+            free(c->hdr);
+            free(c);
+        }
+    }
+    pthread_mutex_destroy(&ln->mu);
+    memset(ln, 0, sizeof(*ln));
+}
+
+static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
+                     const struct sockaddr_storage *ip, char *why,
+                     size_t why_len)
+{
+    ln->idx = idx;
+    ln->epfd = ln->cfd = -1;
+    pthread_mutex_init(&ln->mu, NULL);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    ucs_status_t st = ucp_worker_create(ctx, &wp, &ln->w);
+    if (st != UCS_OK) {
+        ln->w = NULL;
+        snprintf(why, why_len, "lane %u: ucp_worker_create: %s", idx,
+                 ucs_status_string(st));
+        return -1;
+    }
+    ucp_am_handler_param_t h = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                      UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                      UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+        .id = AM_LANE_DATA,
+        .cb = on_data,
+        .arg = ln,
+        .flags = UCP_AM_FLAG_WHOLE_MSG};
+    if ((st = ucp_worker_set_am_recv_handler(ln->w, &h)) != UCS_OK ||
+        (st = ucp_worker_get_efd(ln->w, &ln->efd)) != UCS_OK) {
+        snprintf(why, why_len, "lane %u: %s", idx, ucs_status_string(st));
+        return -1;
+    }
+    struct sockaddr_storage ss = *ip;
+    if (ss.ss_family == AF_INET6)
+        ((struct sockaddr_in6 *)&ss)->sin6_port = 0;
+    else
+        ((struct sockaddr_in *)&ss)->sin_port = 0;
+    ucp_listener_params_t lp = {
+        .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
+                      UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+        .sockaddr = {.addr = (struct sockaddr *)&ss,
+                     .addrlen = ss.ss_family == AF_INET6
+                                    ? sizeof(struct sockaddr_in6)
+                                    : sizeof(struct sockaddr_in)},
+        .conn_handler = {.cb = on_conn_request, .arg = ln}};
+    if ((st = ucp_listener_create(ln->w, &lp, &ln->lis)) != UCS_OK) {
+        ln->lis = NULL;
+        snprintf(why, why_len, "lane %u: cannot listen: %s", idx,
+                 ucs_status_string(st));
+        return -1;
+    }
+    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+    if ((st = ucp_listener_query(ln->lis, &la)) != UCS_OK) {
+        snprintf(why, why_len, "lane %u: ucp_listener_query: %s", idx,
+                 ucs_status_string(st));
+        return -1;
+    }
+    ln->port = la.sockaddr.ss_family == AF_INET6
+                   ? ntohs(((struct sockaddr_in6 *)&la.sockaddr)->sin6_port)
+                   : ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
+    ln->cfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    ln->epfd = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event e1 = {.events = EPOLLIN, .data.fd = ln->efd},
+                       e2 = {.events = EPOLLIN, .data.fd = ln->cfd};
+    if (ln->cfd < 0 || ln->epfd < 0 ||
+        epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->efd, &e1) ||
+        epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->cfd, &e2)) {
+        snprintf(why, why_len, "lane %u: eventfd/epoll: %s", idx,
+                 strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
+                const struct sockaddr_storage *ip, unsigned n, int spin,
+                void (*ev)(const lane_ev_t *e), char *why, size_t why_len)
+{
+    if (!n)
+        return 0;
+    if (n > LANES_MAX)
+        n = LANES_MAX;
+    pthread_mutex_init(&L.mu, NULL);
+    atomic_store(&L.next_lep, 1);
+    L.ev = ev;
+    L.spin = spin;
+    if (uv_async_init(loop, &L.async, on_async)) {
+        snprintf(why, why_len, "lanes: uv_async_init failed");
+        return -1;
+    }
+    L.async_on = 1;
+    for (L.n = 0; L.n < n; L.n++) {
+        lane_t *ln = &L.v[L.n];
+        if (lane_init(ln, L.n, ctx, ip, why, why_len)) {
+            lane_destroy(ln);
+            goto err;
+        }
+        if (pthread_create(&ln->th, NULL, lane_main, ln)) {
+            snprintf(why, why_len, "lane %u: cannot start its thread", L.n);
+            lane_destroy(ln);
+            goto err;
+        }
+        ln->started = 1;
+    }
+    return 0;
+err:
+    lanes_stop();
+    return -1;
+}
+
+void lanes_stop(void)
+{
+    for (unsigned i = 0; i < L.n; i++) {
+        L.v[i].stop_cmd.op = LC_STOP;
+        post(i, &L.v[i].stop_cmd);
+    }
+    for (unsigned i = 0; i < L.n; i++) {
+        lane_t *ln = &L.v[i];
+        if (ln->started)
+            pthread_join(ln->th, NULL);
+        for (lep_t *x = ln->eps, *n; x; x = n) { /* not closed in time */
+            n = x->next;
+            free(x);
+        }
+        ln->eps = NULL;
+        lane_destroy(ln);
+    }
+    L.n = 0;
+    L.ev = NULL; /* what still comes is dropped */
+    lanes_drain();
+    if (L.async_on) {
+        uv_close((uv_handle_t *)&L.async, NULL);
+        L.async_on = 0;
+    }
+}

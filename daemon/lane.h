@@ -1,0 +1,81 @@
+/*
+ * lane — UCX workers on their own threads that carry slot data (DATA
+ * messages) between daemons, so that the wire's copies (on TCP, the
+ * kernel's send and receive copies, which run in the thread that
+ * progresses the worker) run on more cores than the loop's one.
+ *
+ * peer.c owns the connections, their authentication and every decision;
+ * a lane only runs UCX for it. Each lane has a worker, a listener on the
+ * peer.listen IP (a port of its own, told to peers after
+ * authentication) and its endpoints. The loop talks to a lane by
+ * commands (a queue and an eventfd), and a lane answers by events (a
+ * queue and a uv_async), handled on the loop by the callback given to
+ * lanes_start(). Endpoints are named by ids; cookies are the loop's, a
+ * lane only hands them back.
+ *
+ * Owns: the lanes' threads, workers, listeners and endpoints, the UCX
+ * data descriptors of messages that arrived until the loop answers
+ * (lane_recv() or lane_drop()).
+ */
+#ifndef KVX_LANE_H
+#define KVX_LANE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+#include <uv.h>
+
+#define LANES_MAX 16
+
+enum lane_ev_kind {
+    LEV_SENT,     /* a lane_send() is done: cookie, status */
+    LEV_RECEIVED, /* a lane_recv() is done: cookie, status */
+    LEV_ARRIVED,  /* a message came on endpoint lep: hdr, and either desc
+                     (rendezvous: answer with lane_recv() or lane_drop())
+                     or data (len bytes, ours to free) */
+    LEV_EP_ERROR, /* endpoint lep failed (the lane closes it) */
+    LEV_CLOSED,   /* a lane_close() is done */
+};
+
+typedef struct lane_ev {
+    enum lane_ev_kind kind;
+    unsigned lane;
+    uint64_t lep;
+    int status;          /* 0, or the UCX status string in msg */
+    const char *msg;
+    void *cookie;
+    uint8_t *hdr;        /* LEV_ARRIVED: the header, ours to free */
+    size_t hlen;
+    void *desc;          /* LEV_ARRIVED, rendezvous */
+    uint8_t *data;       /* LEV_ARRIVED, eager: a copy, ours to free */
+    size_t len;
+    struct lane_ev *next;
+} lane_ev_t;
+
+/* Starts n lanes (0: none) on ctx, each listening on ip (port 0: any).
+ * ev is called on the loop for every event; the event is freed after. */
+int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
+                const struct sockaddr_storage *ip, unsigned n, int spin,
+                void (*ev)(const lane_ev_t *e), char *why, size_t why_len);
+unsigned lanes_count(void);
+uint16_t lane_port(unsigned lane);
+/* Runs the events that have come (a stopped loop's shutdown). */
+void lanes_drain(void);
+/* Every endpoint force-closed, the threads joined, the workers gone.
+ * Events still coming are dropped (their cookies with them). */
+void lanes_stop(void);
+
+/* Commands. Each returns 0, or KVX_ERR_NOMEM (nothing was queued). */
+int lane_connect(unsigned lane, const struct sockaddr_storage *to,
+                 uint64_t *lep);
+/* hdr is the lane's (freed after); data stays the caller's until
+ * LEV_SENT */
+int lane_send(unsigned lane, uint64_t lep, uint8_t *hdr, size_t hlen,
+              const void *data, size_t len, void *cookie);
+int lane_recv(unsigned lane, void *desc, void *dst, size_t len,
+              void *cookie);
+int lane_drop(unsigned lane, void *desc);
+int lane_close(unsigned lane, uint64_t lep);
+
+#endif
