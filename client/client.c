@@ -1006,11 +1006,12 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_printf(b, ",\"direction\":");
         sb_str(b, x->direction);
         sb_printf(b, ",\"bytes_sent\":%llu,\"bytes_received\":%llu,"
-                     "\"errors\":%llu,\"streams\":%u,\"last_seen_ms\":%llu}",
+                     "\"errors\":%llu,\"streams\":%u,\"last_seen_ms\":%llu,"
+                     "\"lanes\":%u}",
                   (unsigned long long)x->bytes_sent,
                   (unsigned long long)x->bytes_received,
                   (unsigned long long)x->errors, x->streams,
-                  (unsigned long long)x->last_seen_ms);
+                  (unsigned long long)x->last_seen_ms, x->lanes);
     }
     sb_printf(b, "]");
     if (s->ucx) {
@@ -1024,10 +1025,13 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_str(b, s->ucx->version);
         sb_printf(b,
                   ",\"slots\":%u,\"slot_bytes\":%llu,\"message_bytes\":%llu,"
-                  "\"send_window\":%u",
+                  "\"send_window\":%u,\"lanes\":%u,\"lane_ports\":[",
                   s->ucx->slots, (unsigned long long)s->ucx->slot_bytes,
                   (unsigned long long)s->ucx->message_bytes,
-                  s->ucx->send_window);
+                  s->ucx->send_window, s->ucx->lanes);
+        for (size_t i = 0; i < s->ucx->n_lane_ports; i++)
+            sb_printf(b, "%s%u", i ? "," : "", s->ucx->lane_ports[i]);
+        sb_printf(b, "]");
         const Kvxfer__SlotTimes *t[2] = {s->ucx->received, s->ucx->sent};
         for (int i = 0; i < 2; i++) {
             static const Kvxfer__SlotTimes none = KVXFER__SLOT_TIMES__INIT;

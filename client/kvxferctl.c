@@ -116,12 +116,12 @@ static int cmd_status(const char *sock, int json)
     printf("gpu            %s\n", s->gpu[0] ? s->gpu : "-");
     if (s->ucx && s->ucx->listen[0])
         printf("peers          UCX %s, %s staging, %u x %llu-byte slots "
-               "sent as %llu-byte messages, %u at once per peer, "
+               "sent as %llu-byte messages, %u at once per peer, %u lanes, "
                "transports %s\n",
                s->ucx->version, s->ucx->staging, s->ucx->slots,
                (unsigned long long)s->ucx->slot_bytes,
                (unsigned long long)s->ucx->message_bytes,
-               s->ucx->send_window,
+               s->ucx->send_window, s->ucx->lanes,
                s->ucx->transports[0] ? s->ucx->transports : "-");
     else
         printf("peers          off (peer.listen is empty)\n");
@@ -150,12 +150,13 @@ static int cmd_status(const char *sock, int json)
         }
     }
     for (size_t i = 0; i < s->n_peers; i++)
-        printf("  %-40s %-10s %-3s sent %llu received %llu errors %llu\n",
+        printf("  %-40s %-10s %-3s sent %llu received %llu errors %llu "
+               "lanes %u\n",
                s->peers[i]->address, s->peers[i]->state,
                s->peers[i]->direction,
                (unsigned long long)s->peers[i]->bytes_sent,
                (unsigned long long)s->peers[i]->bytes_received,
-               (unsigned long long)s->peers[i]->errors);
+               (unsigned long long)s->peers[i]->errors, s->peers[i]->lanes);
     human_bytes(b1, sizeof(b1), s->bytes_moved);
     printf("bytes moved    %s (%llu)\n", b1,
            (unsigned long long)s->bytes_moved);

@@ -211,8 +211,9 @@ static const struct conf_key keys[] = {
              "of its own, that carry slot data to and from other daemons "
              "(a slot's pieces spread over them), so that the wire's "
              "copies run on that many cores; 0 carries data on the "
-             "loop's worker. Both daemons need lanes for a connection to "
-             "use them."},
+             "loop's worker. Lane i listens on peer.listen's port + 1 + i "
+             "(any free port when that port is 0). Both daemons need lanes "
+             "for a connection to use them."},
     {.name = "peer.busy_poll", .type = CONF_U32, FIELD(busy_poll), .def = 2,
      .min = 0, .max = 2,
      .help = "While transfers between daemons are in flight the loop "
@@ -631,6 +632,12 @@ static int check_listen(const kvx_conf_t *conf, char *why, size_t n)
     if (!strncmp(l, "0.0.0.0:", 8)) {
         snprintf(why, n, "'%s': give the IP other daemons reach, not 0.0.0.0",
                  l);
+        return 1;
+    }
+    if (port && port + conf->lanes > 65535) {
+        snprintf(why, n, "'%s': its %u lanes (peer.lanes) would listen on "
+                 "ports %lu to %lu (this port + 1 + lane), past 65535",
+                 l, conf->lanes, port + 1, port + conf->lanes);
         return 1;
     }
     if (!conf->peer_secret_file[0]) {

@@ -607,8 +607,8 @@ static void lane_destroy(lane_t *ln)
 }
 
 static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
-                     const struct sockaddr_storage *ip, char *why,
-                     size_t why_len)
+                     const struct sockaddr_storage *ip, uint16_t port,
+                     char *why, size_t why_len)
 {
     ln->idx = idx;
     ln->epfd = ln->cfd = -1;
@@ -638,9 +638,9 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
     }
     struct sockaddr_storage ss = *ip;
     if (ss.ss_family == AF_INET6)
-        ((struct sockaddr_in6 *)&ss)->sin6_port = 0;
+        ((struct sockaddr_in6 *)&ss)->sin6_port = htons(port);
     else
-        ((struct sockaddr_in *)&ss)->sin_port = 0;
+        ((struct sockaddr_in *)&ss)->sin_port = htons(port);
     ucp_listener_params_t lp = {
         .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
                       UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
@@ -651,7 +651,8 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
         .conn_handler = {.cb = on_conn_request, .arg = ln}};
     if ((st = ucp_listener_create(ln->w, &lp, &ln->lis)) != UCS_OK) {
         ln->lis = NULL;
-        snprintf(why, why_len, "lane %u: cannot listen: %s", idx,
+        snprintf(why, why_len, "lane %u: cannot listen on port %u%s: %s",
+                 idx, port, port ? " (peer.listen's port + 1 + lane)" : "",
                  ucs_status_string(st));
         return -1;
     }
@@ -679,13 +680,20 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
 }
 
 int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
-                const struct sockaddr_storage *ip, unsigned n, int spin,
+                const struct sockaddr_storage *ip, uint16_t base_port,
+                unsigned n, int spin,
                 void (*ev)(const lane_ev_t *e), char *why, size_t why_len)
 {
     if (!n)
         return 0;
     if (n > LANES_MAX)
         n = LANES_MAX;
+    if (base_port && (unsigned)base_port + n > 65535) {
+        snprintf(why, why_len, "peer.lanes: %u lanes listen on ports %u to "
+                 "%u (peer.listen's port + 1 + lane), past 65535", n,
+                 base_port + 1u, base_port + n);
+        return -1;
+    }
     pthread_mutex_init(&L.mu, NULL);
     atomic_store(&L.next_lep, 1);
     L.ev = ev;
@@ -697,7 +705,8 @@ int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
     L.async_on = 1;
     for (L.n = 0; L.n < n; L.n++) {
         lane_t *ln = &L.v[L.n];
-        if (lane_init(ln, L.n, ctx, ip, why, why_len)) {
+        uint16_t port = base_port ? (uint16_t)(base_port + 1 + L.n) : 0;
+        if (lane_init(ln, L.n, ctx, ip, port, why, why_len)) {
             lane_destroy(ln);
             goto err;
         }

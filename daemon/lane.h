@@ -53,10 +53,13 @@ typedef struct lane_ev {
     struct lane_ev *next;
 } lane_ev_t;
 
-/* Starts n lanes (0: none) on ctx, each listening on ip (port 0: any).
- * ev is called on the loop for every event; the event is freed after. */
+/* Starts n lanes (0: none) on ctx, lane i listening on ip, port
+ * base_port + 1 + i (base_port 0: any free port). ev is called on the
+ * loop for every event; the event is freed after. spin: a lane polls
+ * instead of sleeping while it has requests in flight. */
 int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
-                const struct sockaddr_storage *ip, unsigned n, int spin,
+                const struct sockaddr_storage *ip, uint16_t base_port,
+                unsigned n, int spin,
                 void (*ev)(const lane_ev_t *e), char *why, size_t why_len);
 unsigned lanes_count(void);
 uint16_t lane_port(unsigned lane);

@@ -1601,8 +1601,13 @@ int peer_init(char *why, size_t why_len)
     uv_timer_init(kvxd.loop, &P.lost);
     P.busy_poll = kvxd.conf.busy_poll == 2 ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                                            : (int)kvxd.conf.busy_poll;
-    if (lanes_start(P.ctx, kvxd.loop, &la.sockaddr, kvxd.conf.lanes,
-                    P.busy_poll, on_lane_event, why, why_len)) {
+    /* lanes on the next ports when peer.listen names one (firewalls) */
+    uint16_t base = ss.ss_family == AF_INET6
+                        ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                        : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+    if (lanes_start(P.ctx, kvxd.loop, &la.sockaddr, base ? (uint16_t)port : 0,
+                    kvxd.conf.lanes, P.busy_poll, on_lane_event, why,
+                    why_len)) {
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);
@@ -1777,6 +1782,8 @@ size_t peer_infos(Kvxfer__PeerInfo ***out)
         p->errors = c->errors;
         p->last_seen_ms = now - c->last_seen_ms;
         p->streams = remote_conn_streams(c);
+        p->lanes = c->peer_lanes < lanes_count() ? c->peer_lanes
+                                                 : lanes_count();
         v[k++] = p;
     }
     *out = v;
@@ -1804,6 +1811,11 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
     info->message_bytes = P.on ? remote_message_bytes() : 0;
     info->send_window = P.on ? kvxd.conf.send_window : 0;
     info->lanes = lanes_count();
+    static uint32_t ports[LANES_MAX];
+    for (unsigned i = 0; i < lanes_count(); i++)
+        ports[i] = lane_port(i);
+    info->n_lane_ports = lanes_count();
+    info->lane_ports = ports;
     static Kvxfer__SlotTimes rx, tx;
     kvxfer__slot_times__init(&rx);
     kvxfer__slot_times__init(&tx);

@@ -22,6 +22,11 @@
  *       then authenticates to TARGET and sends it that OPEN twice;
  *       prints "opened" for each OPENED and "end CODE MESSAGE" for each
  *       END that TARGET answers.
+ *   fake_peer lane TARGET_IP:PORT BYTES SECONDS
+ *       connects to a daemon's lane (no handshake: lanes have none) and
+ *       sends it slot data of BYTES with a lane key no connection has;
+ *       prints "sent" when UCX is done with it and "closed" when the
+ *       daemon closes the endpoint.
  *
  * Exits after SECONDS; prints "done".
  */
@@ -62,11 +67,23 @@ static void die(const char *what)
     exit(2);
 }
 
+static int ep_failed;
+
 static void err_cb(void *arg, ucp_ep_h ep, ucs_status_t st)
 {
     (void)arg;
     (void)ep;
     (void)st;
+    ep_failed = 1;
+}
+
+static int lane_sent;
+
+static void lane_send_cb(void *req, ucs_status_t st, void *user)
+{
+    (void)user;
+    lane_sent = st == UCS_OK ? 1 : -1;
+    ucp_request_free(req);
 }
 
 static void sockaddr_of(const char *ipport, struct sockaddr_in *sa)
@@ -439,6 +456,53 @@ int main(int argc, char **argv)
         queue_msg(1, &pm);
         flush();
         seconds = atof(argv[4]);
+    } else if (!strcmp(mode, "lane") && argc >= 5) {
+        to_ep = dial(argv[2]);
+        size_t bytes = (size_t)atol(argv[3]);
+        uint8_t key[16], *data = malloc(bytes ? bytes : 1);
+        memset(key, 0xab, sizeof(key));
+        memset(data, 0x5a, bytes);
+        Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
+        d.stream = 1;
+        d.slot = 0;
+        d.unit_end = 1;
+        d.bytes = bytes;
+        d.piece_bytes = bytes;
+        d.lane_key.data = key;
+        d.lane_key.len = sizeof(key);
+        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+        m.m_case = KVXFER__PEER_MSG__M_DATA;
+        m.data = &d;
+        size_t hl = kvxfer__peer_msg__get_packed_size(&m);
+        uint8_t *h = malloc(hl);
+        kvxfer__peer_msg__pack(&m, h);
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                            UCP_OP_ATTR_FIELD_FLAGS,
+            .cb.send = lane_send_cb,
+            .flags = UCP_AM_SEND_FLAG_REPLY};
+        ucs_status_ptr_t r = ucp_am_send_nbx(to_ep, 2, h, hl, data, bytes,
+                                             &prm);
+        if (UCS_PTR_IS_ERR(r))
+            lane_sent = -1;
+        else if (r == NULL)
+            lane_sent = 1;
+        seconds = atof(argv[4]);
+        double end = now_s() + seconds;
+        int said_sent = 0;
+        while (now_s() < end && !ep_failed) {
+            ucp_worker_progress(worker);
+            if (lane_sent && !said_sent) {
+                printf(lane_sent > 0 ? "sent\n" : "send failed\n");
+                fflush(stdout);
+                said_sent = 1;
+            }
+        }
+        if (ep_failed)
+            printf("closed\n");
+        printf("done\n");
+        fflush(stdout);
+        return 0;
     } else {
         die("unknown mode");
     }

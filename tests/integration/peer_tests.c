@@ -2761,6 +2761,8 @@ TEST(peer_config_errors)
         {"  keepalive_interval_ms: 5000\n  keepalive_timeout_ms: 1000\n",
          "is not below peer.keepalive_timeout_ms"},
         {"  slots: 1\n", "peer.slots"},
+        {"  listen: \"127.0.0.1:65534\"\n  secret_file: /x\n",
+         "lanes (peer.lanes) would listen on ports 65535 to 65536"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char text[512];
@@ -3018,4 +3020,100 @@ TEST_T(peer_status, 60)
     rank_close(&g);
     daemon_stop_ok(a);
     daemon_stop_ok(b);
+}
+
+/* Port i of daemon d's lanes, from its status (0: none). */
+static unsigned p_lane_port(daemon_t *d, int i)
+{
+    char *json = status_json(d);
+    const char *l = strstr(json, "\"lane_ports\":[");
+    CHECK(l != NULL);
+    l += strlen("\"lane_ports\":[");
+    unsigned port = 0;
+    for (int k = 0; k <= i && *l && *l != ']'; k++) {
+        char *end;
+        port = (unsigned)strtoul(l, &end, 10);
+        l = *end == ',' ? end + 1 : end;
+        if (k < i && *end != ',')
+            port = 0;
+    }
+    free(json);
+    return port;
+}
+
+/* Lanes (peer.lanes, 2 by default): slot data goes over UCX workers on
+ * threads of their own, each with a listener of its own; the status says
+ * how many each connection uses. A lane takes data only with a key that
+ * an authenticated peer was told: a sender without one (fake_peer lane)
+ * has its data dropped, small (eager) or large (rendezvous), and its
+ * endpoint closed, and the daemons go on moving verified bytes. */
+TEST_T(peer_lanes, 120)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    char *json = status_json(a);
+    char *ucx = p_json_section(json, "\"ucx\":");
+    CHECK(ucx != NULL);
+    CHECK_EQ(json_num(ucx, "lanes"), 2);
+    free(ucx);
+    free(json);
+    unsigned port0 = p_lane_port(a, 0), port1 = p_lane_port(a, 1);
+    CHECK(port0 > 0 && port1 > 0 && port0 != port1);
+    p_both_ways(a, b, "pl", 6, 4);
+    for (int i = 0; i < 2; i++) {
+        char *pj = p_peers(i ? b : a);
+        fprintf(stderr, "%c's peers: %s\n", "AB"[i], pj);
+        CHECK_EQ(json_num(pj, "lanes"), 2);
+        CHECK_EQ(json_num(pj, "errors"), 0);
+        free(pj);
+    }
+
+    static const char *const sizes[2] = {"4096", "2097152"};
+    for (int i = 0; i < 2; i++) {
+        char args[200], out[1024];
+        snprintf(args, sizeof(args), "lane %s:%u %s 5", p_net.ip[0],
+                 i ? port1 : port0, sizes[i]);
+        FILE *f = p_fake(1, args, NULL, 0);
+        p_fake_rest(f, out, sizeof(out));
+        fprintf(stderr, "fake lane sender (%s bytes): %s", sizes[i], out);
+        CHECK_STR_CONTAINS(out, "closed");
+    }
+    CHECK(log_wait(a, "data with no connection's key; dropped", 2000));
+    /* nothing of the real connection was touched */
+    p_both_ways(a, b, "pl2", 3, 3);
+    char *pa = p_peers(a);
+    CHECK_EQ(json_num(pa, "errors"), 0);
+    CHECK_STR_CONTAINS(pa, "\"state\":\"connected\"");
+    free(pa);
+    p_stop_both(a, b);
+}
+
+/* Daemons with different peer.lanes: a connection uses the lanes both
+ * have (none when either has none: data over the connection itself),
+ * and every byte arrives either way. */
+TEST_T(peer_lanes_mixed, 150)
+{
+    static const struct {
+        const char *a, *b;
+        long long used;
+    } cases[] = {
+        {"  lanes: 0\n", NULL, 0},
+        {"  lanes: 4\n", "  lanes: 1\n", 1},
+    };
+    p_setup();
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        daemon_t *a = p_daemon(0, P_SECRET, cases[i].a, NULL);
+        daemon_t *b = p_daemon(1, P_SECRET, cases[i].b, NULL);
+        char tag[16];
+        snprintf(tag, sizeof(tag), "plm%zu", i);
+        p_both_ways(a, b, tag, 4, 3);
+        for (int k = 0; k < 2; k++) {
+            char *pj = p_peers(k ? b : a);
+            fprintf(stderr, "case %zu, %c's peers: %s\n", i, "AB"[k], pj);
+            CHECK_EQ(json_num(pj, "lanes"), cases[i].used);
+            CHECK_EQ(json_num(pj, "errors"), 0);
+            free(pj);
+        }
+        p_stop_both(a, b);
+    }
 }
