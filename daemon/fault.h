@@ -6,6 +6,8 @@
  * slot); a host job fails as a GPU kernel error would, with KVX_ERR_IO.
  * batch: a sealed batch the root daemon sends to a rank of another
  * daemon is lost on its way (it counts as sent, and never arrives).
+ * lanes: the Nth PeerLanes this daemon sends names port 1 for every
+ * lane, where nothing listens (a firewall that refuses the lanes).
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -17,6 +19,7 @@ typedef enum {
     FAULT_GATHER,
     FAULT_SCATTER,
     FAULT_BATCH,
+    FAULT_LANES,
     FAULT_NSITES
 } fault_site_t;
 

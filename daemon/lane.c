@@ -30,15 +30,24 @@
 #include "log.h"
 
 #define AM_LANE_DATA 2 /* the same id as peer.c's AM_DATA */
+#define HELD_MAX 64    /* messages held for an endpoint not bound yet */
 #define STOP_WAIT_MS 2000
 
-enum lcmd_op { LC_CONNECT, LC_SEND, LC_RECV, LC_DROP, LC_CLOSE, LC_STOP };
+enum lcmd_op {
+    LC_CONNECT,
+    LC_SEND,
+    LC_RECV,
+    LC_DROP,
+    LC_BIND,
+    LC_CLOSE,
+    LC_STOP
+};
 
 typedef struct lcmd {
     enum lcmd_op op;
     uint64_t lep;
     struct sockaddr_storage to;
-    uint8_t *hdr;
+    const uint8_t *hdr;
     size_t hlen;
     const void *data;
     void *dst, *desc;
@@ -57,6 +66,13 @@ typedef struct lep {
     int failed;      /* its error reported; to be closed */
     int closing;     /* ucp_ep_close_nbx started */
     int want_closed; /* the loop asked: LEV_CLOSED once closed */
+    int bound;       /* a connection's (lane_bind(), or ours) */
+    int waiting;     /* not bound: a message of it is with the loop */
+    uint64_t until_ms; /* not bound: closed then */
+    /* not bound and waiting: what came since, held until the bind
+     * (then to the loop) or the close (released); at most HELD_MAX */
+    lane_ev_t *held, *held_tail;
+    unsigned nheld;
     struct lep *next;
 } lep_t;
 
@@ -81,13 +97,13 @@ typedef struct lane {
 typedef struct lreq {
     lane_t *ln;
     void *cookie;
-    uint8_t *hdr;
 } lreq_t;
 
 static struct {
     unsigned n;
     lane_t v[LANES_MAX];
     int spin;
+    uint32_t bind_ms;
     uv_async_t async;
     int async_on;
     pthread_mutex_t mu;        /* the event queue */
@@ -122,6 +138,13 @@ static void emit(lane_t *ln, enum lane_ev_kind kind, uint64_t lep,
     L.et = e;
     pthread_mutex_unlock(&L.mu);
     uv_async_send(&L.async);
+}
+
+static uint64_t mono_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
 }
 
 static void ev_free(lane_ev_t *e)
@@ -166,9 +189,40 @@ static lep_t *lep_find(lane_t *ln, uint64_t id)
     return NULL;
 }
 
+static void ev_push(lane_ev_t *e)
+{
+    pthread_mutex_lock(&L.mu);
+    if (L.et)
+        L.et->next = e;
+    else
+        L.eh = e;
+    L.et = e;
+    pthread_mutex_unlock(&L.mu);
+    uv_async_send(&L.async);
+}
+
+/* p's held messages: to the loop (bound), or released (closing) */
+static void held_flush(lep_t *p, int deliver)
+{
+    for (lane_ev_t *e = p->held, *n; e; e = n) {
+        n = e->next;
+        e->next = NULL;
+        if (deliver) {
+            ev_push(e);
+            continue;
+        }
+        if (e->desc)
+            ucp_am_data_release(p->ln->w, e->desc);
+        ev_free(e);
+    }
+    p->held = p->held_tail = NULL;
+    p->nheld = 0;
+}
+
 static void lep_gone(lep_t *p)
 {
     lane_t *ln = p->ln;
+    held_flush(p, 0);
     if (p->want_closed)
         emit(ln, LEV_CLOSED, p->id, UCS_OK, NULL);
     for (lep_t **pp = &ln->eps; *pp; pp = &(*pp)->next)
@@ -193,6 +247,7 @@ static void lep_close(lep_t *p)
     if (p->closing)
         return;
     p->closing = 1;
+    held_flush(p, 0); /* released while the endpoint is still there */
     if (!p->ep) {
         lep_gone(p);
         return;
@@ -241,6 +296,7 @@ static void on_conn_request(ucp_conn_request_h req, void *arg)
         ucp_listener_reject(ln->lis, req);
         return;
     }
+    p->until_ms = mono_ms() + L.bind_ms; /* unbound until its data checks */
     ucp_ep_params_t ep = {
         .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
                       UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -260,7 +316,6 @@ static void send_cb(void *request, ucs_status_t status, void *user_data)
     lreq_t *q = user_data;
     q->ln->outstanding--;
     emit(q->ln, LEV_SENT, 0, status, q->cookie);
-    free(q->hdr);
     free(q);
     ucp_request_free(request);
 }
@@ -288,11 +343,21 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
                 p = x;
     if (!p || p->failed || p->closing || ln->stopping)
         return UCS_OK; /* dropped (a rendezvous: released) */
+    /* an endpoint no connection has claimed: its first message goes to
+     * the loop, which binds or closes it; what comes meanwhile is held
+     * (HELD_MAX at most: more closes the endpoint) */
+    int hold = !p->bound && p->waiting;
+    if (hold && p->nheld >= HELD_MAX) {
+        ep_err(p, p->ep, UCS_ERR_EXCEEDS_LIMIT);
+        return UCS_OK;
+    }
+    p->waiting = !p->bound;
     int rndv = !!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
+    int keep = rndv || p->bound; /* eager data of a stranger: not copied */
     lane_ev_t *e = calloc(1, sizeof(*e));
     uint8_t *h = malloc(hlen ? hlen : 1);
-    uint8_t *d = rndv ? NULL : malloc(len ? len : 1);
-    if (!e || !h || (!rndv && !d)) {
+    uint8_t *d = keep && !rndv ? malloc(len ? len : 1) : NULL;
+    if (!e || !h || (keep && !rndv && !d)) {
         free(e);
         free(h);
         free(d);
@@ -302,7 +367,7 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
         return UCS_OK;
     }
     memcpy(h, header, hlen);
-    if (!rndv)
+    if (d)
         memcpy(d, data, len);
     e->kind = LEV_ARRIVED;
     e->lane = ln->idx;
@@ -313,14 +378,16 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
     e->desc = rndv ? data : NULL;
     e->data = d;
     e->len = len;
-    pthread_mutex_lock(&L.mu);
-    if (L.et)
-        L.et->next = e;
-    else
-        L.eh = e;
-    L.et = e;
-    pthread_mutex_unlock(&L.mu);
-    uv_async_send(&L.async);
+    if (hold) {
+        if (p->held_tail)
+            p->held_tail->next = e;
+        else
+            p->held = e;
+        p->held_tail = e;
+        p->nheld++;
+    } else {
+        ev_push(e);
+    }
     return rndv ? UCS_INPROGRESS : UCS_OK;
 }
 
@@ -335,6 +402,7 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             emit(ln, LEV_EP_ERROR, c->lep, UCS_ERR_NO_MEMORY, NULL);
             break;
         }
+        p->bound = 1; /* ours: it only sends */
         ucp_ep_params_t ep = {
             .field_mask = UCP_EP_PARAM_FIELD_FLAGS |
                           UCP_EP_PARAM_FIELD_SOCK_ADDR |
@@ -359,14 +427,14 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
         lreq_t *q = calloc(1, sizeof(*q));
         if (!p || p->failed || p->closing || !q) {
             free(q);
-            free(c->hdr);
             emit(ln, LEV_SENT, 0,
                  q ? UCS_ERR_CONNECTION_RESET : UCS_ERR_NO_MEMORY, c->cookie);
             break;
         }
         q->ln = ln;
         q->cookie = c->cookie;
-        q->hdr = c->hdr; /* kept until done: a rendezvous sends it late */
+        /* rendezvous whatever the size: the receiving lane takes it
+         * straight into its place, never a copy on the loop */
         ucp_request_param_t prm = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                             UCP_OP_ATTR_FIELD_USER_DATA |
@@ -374,12 +442,11 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
                             UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
             .cb.send = send_cb,
             .user_data = q,
-            .flags = UCP_AM_SEND_FLAG_REPLY};
+            .flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_RNDV};
         r = ucp_am_send_nbx(p->ep, AM_LANE_DATA, c->hdr, c->hlen, c->data,
                             c->len, &prm);
         if (UCS_PTR_IS_ERR(r)) {
             emit(ln, LEV_SENT, 0, UCS_PTR_STATUS(r), c->cookie);
-            free(q->hdr);
             free(q);
         } else {
             ln->outstanding++;
@@ -412,6 +479,13 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
     }
     case LC_DROP:
         ucp_am_data_release(ln->w, c->desc);
+        break;
+    case LC_BIND:
+        if ((p = lep_find(ln, c->lep))) {
+            p->bound = 1;
+            p->waiting = 0;
+            held_flush(p, 1);
+        }
         break;
     case LC_CLOSE:
         p = lep_find(ln, c->lep);
@@ -450,13 +524,6 @@ static int run_cmds(lane_t *ln)
     return n;
 }
 
-static uint64_t mono_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
-}
-
 static void *lane_main(void *arg)
 {
     lane_t *ln = arg;
@@ -468,10 +535,13 @@ static void *lane_main(void *arg)
         int busy = run_cmds(ln);
         while (ucp_worker_progress(ln->w))
             busy = 1;
-        /* endpoints whose error came in a callback: closed here */
+        /* endpoints whose error came in a callback, and accepted ones
+         * that no connection claimed in time: closed here */
+        uint64_t now = mono_ms();
         for (lep_t *x = ln->eps, *n; x; x = n) {
             n = x->next;
-            if (x->failed && !x->closing)
+            if ((x->failed || (!x->bound && now >= x->until_ms)) &&
+                !x->closing)
                 lep_close(x);
         }
         if (ln->stopping) {
@@ -486,6 +556,7 @@ static void *lane_main(void *arg)
         if (ucp_worker_arm(ln->w) == UCS_ERR_BUSY)
             continue;
         struct epoll_event ev[2];
+        /* a second at most: the unbound endpoints' bind time */
         int r = epoll_wait(ln->epfd, ev, 2, 1000);
         for (int i = 0; i < r; i++)
             if (ev[i].data.fd == ln->cfd) {
@@ -499,7 +570,7 @@ static void *lane_main(void *arg)
 
 /* ---- commands (the loop) ------------------------------------------------ */
 
-static int post(unsigned lane, lcmd_t *c)
+static void post(unsigned lane, lcmd_t *c)
 {
     lane_t *ln = &L.v[lane];
     pthread_mutex_lock(&ln->mu);
@@ -512,71 +583,71 @@ static int post(unsigned lane, lcmd_t *c)
     uint64_t one = 1;
     ssize_t w = write(ln->cfd, &one, sizeof(one));
     (void)w; /* an eventfd at its maximum is already readable */
-    return 0;
 }
 
 static lcmd_t *cmd(enum lcmd_op op)
 {
     lcmd_t *c = calloc(1, sizeof(*c));
-    if (c)
-        c->op = op;
+    if (!c) { /* as in emit() */
+        log_error("lanes: out of memory for a command");
+        abort();
+    }
+    c->op = op;
     return c;
 }
 
-int lane_connect(unsigned lane, const struct sockaddr_storage *to,
-                 uint64_t *lep)
+void lane_connect(unsigned lane, const struct sockaddr_storage *to,
+                  uint64_t *lep)
 {
     lcmd_t *c = cmd(LC_CONNECT);
-    if (!c)
-        return KVX_ERR_NOMEM;
     c->to = *to;
     c->lep = *lep = atomic_fetch_add(&L.next_lep, 1);
-    return post(lane, c);
+    post(lane, c);
 }
 
-int lane_send(unsigned lane, uint64_t lep, uint8_t *hdr, size_t hlen,
-              const void *data, size_t len, void *cookie)
+void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
+               const void *data, size_t len, void *cookie)
 {
     lcmd_t *c = cmd(LC_SEND);
-    if (!c)
-        return KVX_ERR_NOMEM;
     c->lep = lep;
     c->hdr = hdr;
     c->hlen = hlen;
     c->data = data;
     c->len = len;
     c->cookie = cookie;
-    return post(lane, c);
+    post(lane, c);
 }
 
-int lane_recv(unsigned lane, void *desc, void *dst, size_t len, void *cookie)
+void lane_recv(unsigned lane, void *desc, void *dst, size_t len,
+               void *cookie)
 {
     lcmd_t *c = cmd(LC_RECV);
-    if (!c)
-        return KVX_ERR_NOMEM;
     c->desc = desc;
     c->dst = dst;
     c->len = len;
     c->cookie = cookie;
-    return post(lane, c);
+    post(lane, c);
 }
 
-int lane_drop(unsigned lane, void *desc)
+void lane_drop(unsigned lane, void *desc)
 {
     lcmd_t *c = cmd(LC_DROP);
-    if (!c)
-        return KVX_ERR_NOMEM;
     c->desc = desc;
-    return post(lane, c);
+    post(lane, c);
 }
 
-int lane_close(unsigned lane, uint64_t lep)
+void lane_bind(unsigned lane, uint64_t lep)
+{
+    lcmd_t *c = cmd(LC_BIND);
+    c->lep = lep;
+    post(lane, c);
+}
+
+void lane_close(unsigned lane, uint64_t lep)
 {
     lcmd_t *c = cmd(LC_CLOSE);
-    if (!c)
-        return KVX_ERR_NOMEM;
     c->lep = lep;
-    return post(lane, c);
+    post(lane, c);
 }
 
 /* ---- life ---------------------------------------------------------------- */
@@ -590,17 +661,20 @@ static void lane_destroy(lane_t *ln)
     if (ln->lis)
         ucp_listener_destroy(ln->lis);
     if (ln->w)
-        ucp_worker_destroy(ln->w);
+        ucp_worker_destroy(ln->w); /* may call back on what is left */
+    for (lep_t *x = ln->eps, *n; x; x = n) { /* not closed in time */
+        n = x->next;
+        free(x);
+    }
+    ln->eps = NULL;
     if (ln->epfd >= 0)
         close(ln->epfd);
     if (ln->cfd >= 0)
         close(ln->cfd);
     for (lcmd_t *c = ln->ch, *n; c; c = n) {
         n = c->next;
-        if (c != &ln->stop_cmd) {
-            free(c->hdr);
+        if (c != &ln->stop_cmd)
             free(c);
-        }
     }
     pthread_mutex_destroy(&ln->mu);
     memset(ln, 0, sizeof(*ln));
@@ -681,7 +755,7 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
 
 int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
                 const struct sockaddr_storage *ip, uint16_t base_port,
-                unsigned n, int spin,
+                unsigned n, int spin, uint32_t bind_ms,
                 void (*ev)(const lane_ev_t *e), char *why, size_t why_len)
 {
     if (!n)
@@ -698,6 +772,7 @@ int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
     atomic_store(&L.next_lep, 1);
     L.ev = ev;
     L.spin = spin;
+    L.bind_ms = bind_ms;
     if (uv_async_init(loop, &L.async, on_async)) {
         snprintf(why, why_len, "lanes: uv_async_init failed");
         return -1;
@@ -729,19 +804,27 @@ void lanes_stop(void)
         L.v[i].stop_cmd.op = LC_STOP;
         post(i, &L.v[i].stop_cmd);
     }
-    for (unsigned i = 0; i < L.n; i++) {
-        lane_t *ln = &L.v[i];
-        if (ln->started)
-            pthread_join(ln->th, NULL);
-        for (lep_t *x = ln->eps, *n; x; x = n) { /* not closed in time */
-            n = x->next;
-            free(x);
-        }
-        ln->eps = NULL;
-        lane_destroy(ln);
+    for (unsigned i = 0; i < L.n; i++)
+        if (L.v[i].started)
+            pthread_join(L.v[i].th, NULL);
+    /* the threads are gone: their workers are this thread's now. What
+     * still comes is dropped; a rendezvous the loop never answered is
+     * released while its worker lives */
+    L.ev = NULL;
+    pthread_mutex_lock(&L.mu);
+    lane_ev_t *e = L.eh;
+    L.eh = L.et = NULL;
+    pthread_mutex_unlock(&L.mu);
+    while (e) {
+        lane_ev_t *n = e->next;
+        if (e->kind == LEV_ARRIVED && e->desc && e->lane < L.n)
+            ucp_am_data_release(L.v[e->lane].w, e->desc);
+        ev_free(e);
+        e = n;
     }
+    for (unsigned i = 0; i < L.n; i++)
+        lane_destroy(&L.v[i]);
     L.n = 0;
-    L.ev = NULL; /* what still comes is dropped */
     lanes_drain();
     if (L.async_on) {
         uv_close((uv_handle_t *)&L.async, NULL);

@@ -33,7 +33,11 @@ enum lane_ev_kind {
     LEV_RECEIVED, /* a lane_recv() is done: cookie, status */
     LEV_ARRIVED,  /* a message came on endpoint lep: hdr, and either desc
                      (rendezvous: answer with lane_recv() or lane_drop())
-                     or data (len bytes, ours to free) */
+                     or data (len bytes, ours to free), or neither (data
+                     sent eagerly to an endpoint not bound yet: dropped
+                     at the lane). An endpoint not bound (lane_bind())
+                     has one message at a time reach the loop, the rest
+                     dropped, and is closed unbound after the bind time */
     LEV_EP_ERROR, /* endpoint lep failed (the lane closes it) */
     LEV_CLOSED,   /* a lane_close() is done */
 };
@@ -59,7 +63,7 @@ typedef struct lane_ev {
  * instead of sleeping while it has requests in flight. */
 int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
                 const struct sockaddr_storage *ip, uint16_t base_port,
-                unsigned n, int spin,
+                unsigned n, int spin, uint32_t bind_ms,
                 void (*ev)(const lane_ev_t *e), char *why, size_t why_len);
 unsigned lanes_count(void);
 uint16_t lane_port(unsigned lane);
@@ -69,16 +73,21 @@ void lanes_drain(void);
  * Events still coming are dropped (their cookies with them). */
 void lanes_stop(void);
 
-/* Commands. Each returns 0, or KVX_ERR_NOMEM (nothing was queued). */
-int lane_connect(unsigned lane, const struct sockaddr_storage *to,
-                 uint64_t *lep);
-/* hdr is the lane's (freed after); data stays the caller's until
- * LEV_SENT */
-int lane_send(unsigned lane, uint64_t lep, uint8_t *hdr, size_t hlen,
-              const void *data, size_t len, void *cookie);
-int lane_recv(unsigned lane, void *desc, void *dst, size_t len,
-              void *cookie);
-int lane_drop(unsigned lane, void *desc);
-int lane_close(unsigned lane, uint64_t lep);
+/* Commands, run by the lane in the order given. Out of memory for one
+ * stops the daemon (abort()): a lost command would hang what waits on
+ * it. */
+void lane_connect(unsigned lane, const struct sockaddr_storage *to,
+                  uint64_t *lep);
+/* Sent by rendezvous always (the receiver's lane gets it straight into
+ * place). hdr and data stay the caller's until LEV_SENT. */
+void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
+               const void *data, size_t len, void *cookie);
+void lane_recv(unsigned lane, void *desc, void *dst, size_t len,
+               void *cookie);
+void lane_drop(unsigned lane, void *desc);
+/* lep's messages are a connection's: no longer one at a time, no bind
+ * time */
+void lane_bind(unsigned lane, uint64_t lep);
+void lane_close(unsigned lane, uint64_t lep);
 
 #endif

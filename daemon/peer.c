@@ -42,6 +42,7 @@
 #include <uv.h>
 
 #include "daemon.h"
+#include "fault.h"
 #include "lane.h"
 #include "log.h"
 #include "peer.h"
@@ -50,7 +51,7 @@
  * (resume), batches and announcements carry sessions and the instance's
  * epoch; 4: lanes (PeerLanes, PeerData.lane_key) */
 #define PEER_VERSION 4
-#define LANE_KEY_LEN 16
+#define LANE_MAC_LEN 16
 #define NONCE_LEN 32
 #define MAC_LEN 32
 #define SECRET_MAX 4096
@@ -89,13 +90,20 @@ struct peer_conn {
      * order (each counted in outstanding) */
     struct ureq *dq_head, *dq_tail;
     uint32_t data_inflight;
-    /* lanes: the key our lanes accept from it (told in PeerLanes), and
-     * its lanes' ports and key; our endpoints to its lanes (out) and the
-     * ones its data came in on (in), by lane, 0 for none */
-    uint8_t rx_key[LANE_KEY_LEN], tx_key[LANE_KEY_LEN];
+    /* lanes: the keys of its DATA to us (rx) and ours to it (tx),
+     * derived at authentication; our id of the connection (told in
+     * PeerLanes) and its; its lanes' ports; our endpoints to its lanes
+     * (out) and the ones its data comes in on (in), by lane, 0 for none;
+     * whether a send over our lane i has worked yet (until then a failing
+     * lane turns lanes off for the connection: lanes_off) */
+    uint8_t rx_key[MAC_LEN], tx_key[MAC_LEN];
+    uint64_t lane_conn, peer_conn;
     uint16_t lane_ports[LANES_MAX];
     unsigned peer_lanes, lane_next;
+    int lanes_off;
     uint64_t out_lep[LANES_MAX], in_lep[LANES_MAX];
+    uint64_t lane_since[LANES_MAX];
+    uint8_t lane_ok[LANES_MAX];
     char transports[128];
     struct peer_conn *next;
 };
@@ -114,7 +122,8 @@ typedef struct ureq {
     int is_data;
     int on_lane;                /* sent or received by a lane: not in
                                    P.inflight (the loop's worker) */
-    int keyed;                  /* its header has the lane key */
+    int keyed;                  /* its header has lane_conn, lane_mac */
+    unsigned lane;              /* on_lane: which */
     size_t hdr_len;
     const void *data;
     struct ureq *next;
@@ -408,10 +417,13 @@ static peer_conn_t *conn_new(int outgoing, const char *address)
     c->state = CONN_AUTH;
     snprintf(c->address, sizeof(c->address), "%s", address ? address : "");
     c->created_ms = c->last_seen_ms = c->last_ping_ms = now_ms();
-    if (getrandom(c->rx_key, LANE_KEY_LEN, 0) != LANE_KEY_LEN) {
-        free(c);
-        return NULL;
-    }
+    do
+        if (getrandom(&c->lane_conn, sizeof(c->lane_conn), 0) !=
+            sizeof(c->lane_conn)) {
+            free(c);
+            return NULL;
+        }
+    while (!c->lane_conn);
     c->next = P.conns;
     P.conns = c;
     return c;
@@ -557,7 +569,7 @@ static int lane_pick(peer_conn_t *c)
     unsigned n = lanes_count();
     if (c->peer_lanes < n)
         n = c->peer_lanes;
-    if (!n)
+    if (!n || c->lanes_off)
         return -1;
     unsigned i = c->lane_next++ % n;
     if (!c->out_lep[i]) {
@@ -570,10 +582,45 @@ static int lane_pick(peer_conn_t *c)
             ((struct sockaddr_in6 *)&ss)->sin6_port = htons(c->lane_ports[i]);
         else
             ((struct sockaddr_in *)&ss)->sin_port = htons(c->lane_ports[i]);
-        if (lane_connect(i, &ss, &c->out_lep[i]))
-            return -1;
+        lane_connect(i, &ss, &c->out_lep[i]);
+        c->lane_since[i] = now_ms();
     }
     return (int)i;
+}
+
+/* The MAC of a DATA header sent over a lane: HMAC-SHA256 (first
+ * LANE_MAC_LEN bytes), under the direction's key, of the connection id
+ * and every field that places the piece, and its length. */
+static void lane_mac(const uint8_t key[MAC_LEN], const Kvxfer__PeerData *d,
+                     uint64_t len, uint8_t out[LANE_MAC_LEN])
+{
+    uint64_t v[9] = {d->lane_conn, d->stream,      d->slot,
+                     d->unit_begin, d->unit_end,   d->bytes,
+                     d->offset,     d->piece_bytes, len};
+    uint8_t full[MAC_LEN];
+    unsigned n = MAC_LEN;
+    HMAC(EVP_sha256(), key, MAC_LEN, (const uint8_t *)v, sizeof(v), full,
+         &n);
+    memcpy(out, full, LANE_MAC_LEN);
+}
+
+/* Lanes stop for c: lane `lane` failed before any data went over it
+ * (most likely a firewall that lets only peer.listen through). Its slot
+ * data goes over the connection itself from now on; the sends on that
+ * lane come back failed (its endpoint closes) and are sent again there
+ * (on_lane_event()); sends on other lanes finish where they are. */
+static void lanes_off(peer_conn_t *c, unsigned lane, const char *why)
+{
+    if (!c->lanes_off)
+        log_warn("peer %s: lane %u (port %u) %s before any data went over "
+                 "it; slot data to it goes over the connection itself "
+                 "(are the lane ports open?)",
+                 c->address, lane, c->lane_ports[lane], why);
+    c->lanes_off = 1;
+    if (c->out_lep[lane]) {
+        lane_close(lane, c->out_lep[lane]);
+        c->out_lep[lane] = 0;
+    }
 }
 
 /* Start queued slot sends while the window has room: over a lane, or
@@ -593,23 +640,13 @@ static void data_start(peer_conn_t *c)
         if (lane >= 0) {
             /* c->outstanding still counts it, until LEV_SENT */
             u->on_lane = 1;
-            uint8_t *hb = u->buf;
-            u->buf = NULL; /* the lane's now */
-            if (!lane_send((unsigned)lane, c->out_lep[lane], hb, u->hdr_len,
-                           u->data, u->len, u)) {
-                c->bytes_sent += u->hdr_len + u->len;
-                continue;
-            }
-            free(hb);
-            c->data_inflight--;
-            u->next = c->dq_head; /* conn_fail gives it back */
-            c->dq_head = u;
-            if (!c->dq_tail)
-                c->dq_tail = u;
-            conn_fail(c, KVX_ERR_NOMEM, "out of memory sending to %s",
-                      c->address);
-            return;
+            u->lane = (unsigned)lane;
+            lane_send((unsigned)lane, c->out_lep[lane], u->buf, u->hdr_len,
+                      u->data, u->len, u);
+            c->bytes_sent += u->hdr_len + u->len;
+            continue;
         }
+        u->on_lane = 0;
         c->outstanding--; /* am_send counts it again */
         if (am_send(c, AM_DATA, u->buf, u->hdr_len, u->data, u->len, u)) {
             c->data_inflight--;
@@ -633,13 +670,16 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
         return KVX_ERR_PEER_GONE;
     ureq_t *u = calloc(1, sizeof(*u));
     size_t hl;
-    /* the key the other side's lanes accept (ignored on the connection) */
+    /* what the other side's lanes check (ignored on the connection) */
     Kvxfer__PeerData d;
     Kvxfer__PeerMsg m = *hdr;
+    uint8_t mac[LANE_MAC_LEN];
     if (c->peer_lanes && hdr->m_case == KVXFER__PEER_MSG__M_DATA) {
         d = *hdr->data;
-        d.lane_key.len = LANE_KEY_LEN;
-        d.lane_key.data = c->tx_key;
+        d.lane_conn = c->peer_conn;
+        lane_mac(c->tx_key, &d, len, mac);
+        d.lane_mac.len = LANE_MAC_LEN;
+        d.lane_mac.data = mac;
         m.data = &d;
     }
     uint8_t *hb = pack(&m, &hl);
@@ -813,15 +853,24 @@ static void conn_ready(peer_conn_t *c)
     log_info("peer %s: authenticated (%s, %s)", c->address,
              c->outgoing ? "outgoing" : "incoming",
              c->transports[0] ? c->transports : "transports unknown");
+    /* the lanes' keys, one per direction, as the handshake's MACs are
+     * made (S the listening daemon's address, D the connecting one's):
+     * both daemons derive them, neither sends them */
+    const char *sa = c->outgoing ? c->server_addr : kvxd.address;
+    const char *da = c->outgoing ? kvxd.address : c->address;
+    hmac("kvx-lane-s", c->nonce_c, c->nonce_s, sa, da,
+         c->outgoing ? c->tx_key : c->rx_key);
+    hmac("kvx-lane-c", c->nonce_c, c->nonce_s, sa, da,
+         c->outgoing ? c->rx_key : c->tx_key);
     if (lanes_count()) { /* before anything queued: data may follow */
         uint32_t ports[LANES_MAX];
         Kvxfer__PeerLanes l = KVXFER__PEER_LANES__INIT;
+        int refuse = fault_hit(FAULT_LANES);
         for (unsigned i = 0; i < lanes_count(); i++)
-            ports[i] = lane_port(i);
+            ports[i] = refuse ? 1 : lane_port(i);
         l.n_ports = lanes_count();
         l.ports = ports;
-        l.key.len = LANE_KEY_LEN;
-        l.key.data = c->rx_key;
+        l.conn = c->lane_conn;
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
         m.m_case = KVXFER__PEER_MSG__M_LANES;
         m.lanes = &l;
@@ -1120,8 +1169,7 @@ static peer_conn_t *conn_of(const ucp_am_recv_param_t *p)
  * goes over its. Told once; a bad one fails the connection. */
 static void lanes_told(peer_conn_t *c, const Kvxfer__PeerLanes *l)
 {
-    int ok = !c->peer_lanes && l->n_ports <= LANES_MAX &&
-             l->key.len == LANE_KEY_LEN;
+    int ok = !c->peer_lanes && l->n_ports <= LANES_MAX && l->conn;
     for (size_t i = 0; ok && i < l->n_ports; i++)
         ok = l->ports[i] > 0 && l->ports[i] <= 65535;
     if (!ok) {
@@ -1131,7 +1179,7 @@ static void lanes_told(peer_conn_t *c, const Kvxfer__PeerLanes *l)
     }
     for (size_t i = 0; i < l->n_ports; i++)
         c->lane_ports[i] = (uint16_t)l->ports[i];
-    memcpy(c->tx_key, l->key.data, LANE_KEY_LEN);
+    c->peer_conn = l->conn;
     c->peer_lanes = (unsigned)l->n_ports;
 }
 
@@ -1305,22 +1353,40 @@ static peer_conn_t *conn_of_lep(unsigned lane, uint64_t lep, int *in)
     return NULL;
 }
 
-/* Slot data that came over a lane: the key names the connection (only
- * an authenticated peer was told it); then as am_data(). */
+/* Slot data that came over a lane: lane_conn names the connection, and
+ * lane_mac proves that the daemon at its other end sent it (only the two
+ * of them have the key); then as am_data(). */
 static void lane_arrived(const lane_ev_t *e)
 {
     Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, e->hlen, e->hdr);
     peer_conn_t *c = NULL;
+    const char *bad = "no connection's MAC";
     if (m && m->m_case == KVXFER__PEER_MSG__M_DATA &&
-        m->data->lane_key.len == LANE_KEY_LEN)
+        m->data->lane_mac.len == LANE_MAC_LEN && m->data->lane_conn) {
         for (c = P.conns; c; c = c->next)
-            if (c->state == CONN_READY &&
-                ct_equal(c->rx_key, m->data->lane_key.data, LANE_KEY_LEN))
+            if (c->state == CONN_READY && c->lane_conn == m->data->lane_conn)
                 break;
+        uint8_t mac[LANE_MAC_LEN];
+        if (c) {
+            lane_mac(c->rx_key, m->data, e->len, mac);
+            if (!ct_equal(mac, m->data->lane_mac.data, LANE_MAC_LEN))
+                c = NULL;
+        }
+        /* one endpoint a lane for a connection: a second one is not the
+         * daemon's (it never makes one) */
+        if (c && c->in_lep[e->lane] && c->in_lep[e->lane] != e->lep) {
+            bad = "a second endpoint of a connection's";
+            c = NULL;
+        }
+    }
+    if (c && !e->desc && !e->data) {
+        bad = "eager data, not rendezvous,";
+        c = NULL;
+    }
     if (!c) {
         /* not (or no longer) a connection's: dropped, endpoint closed */
-        log_warn("lane %u: data with no connection's key; dropped, and "
-                 "its endpoint closed", e->lane);
+        log_warn("lane %u: data with %s; dropped, and its endpoint closed",
+                 e->lane, bad);
         if (m)
             kvxfer__peer_msg__free_unpacked(m, NULL);
         if (e->desc)
@@ -1328,11 +1394,9 @@ static void lane_arrived(const lane_ev_t *e)
         lane_close(e->lane, e->lep);
         return;
     }
-    if (c->in_lep[e->lane] != e->lep) {
-        /* a new endpoint of its: the old one (if any) closes */
-        if (c->in_lep[e->lane])
-            lane_close(e->lane, c->in_lep[e->lane]);
+    if (!c->in_lep[e->lane]) {
         c->in_lep[e->lane] = e->lep;
+        lane_bind(e->lane, e->lep);
     }
     c->bytes_received += e->hlen + e->len;
     c->last_seen_ms = now_ms();
@@ -1350,8 +1414,7 @@ static void lane_arrived(const lane_ev_t *e)
         return;
     }
     ureq_t *u = calloc(1, sizeof(*u));
-    if (!u || lane_recv(e->lane, e->desc, dst, e->len, u)) {
-        free(u);
+    if (!u) {
         lane_drop(e->lane, e->desc);
         remote_on_data(c, m->data, KVX_ERR_NOMEM);
         kvxfer__peer_msg__free_unpacked(m, NULL);
@@ -1364,6 +1427,7 @@ static void lane_arrived(const lane_ev_t *e)
     u->hdr = m;
     u->on_lane = 1;
     c->outstanding++;
+    lane_recv(e->lane, e->desc, dst, e->len, u);
 }
 
 static void on_lane_event(const lane_ev_t *e)
@@ -1374,10 +1438,24 @@ static void on_lane_event(const lane_ev_t *e)
     switch (e->kind) {
     case LEV_SENT:
         c = u->c;
-        if (e->status && c->state != CONN_LOST)
+        c->data_inflight--;
+        if (!e->status)
+            c->lane_ok[u->lane] = 1;
+        else if (c->state == CONN_READY && !c->lane_ok[u->lane])
+            lanes_off(c, u->lane, e->msg); /* never worked: a firewall? */
+        if (e->status && c->state == CONN_READY && c->lanes_off) {
+            /* lanes are off for c: sent again over the connection */
+            u->on_lane = 0;
+            u->next = c->dq_head;
+            c->dq_head = u;
+            if (!c->dq_tail)
+                c->dq_tail = u;
+            data_start(c);
+            break;
+        } else if (e->status && c->state != CONN_LOST) {
             conn_fail(c, KVX_ERR_PEER_GONE, "lane %u: send to %s failed: %s",
                       e->lane, c->address, e->msg);
-        c->data_inflight--;
+        }
         data_start(c); /* before ureq_done, which may free c */
         ureq_done(u, e->status ? KVX_ERR_PEER_GONE : 0);
         break;
@@ -1397,7 +1475,9 @@ static void on_lane_event(const lane_ev_t *e)
         break;
     case LEV_EP_ERROR:
         c = conn_of_lep(e->lane, e->lep, &in);
-        if (c && c->state != CONN_LOST)
+        if (c && c->state == CONN_READY && !in && !c->lane_ok[e->lane])
+            lanes_off(c, e->lane, e->msg); /* never worked: a firewall? */
+        else if (c && c->state != CONN_LOST)
             conn_fail(c, KVX_ERR_PEER_GONE, "lane %u %s %s failed: %s",
                       e->lane, in ? "from" : "to", c->address, e->msg);
         break;
@@ -1606,7 +1686,8 @@ int peer_init(char *why, size_t why_len)
                         ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
                         : ntohs(((struct sockaddr_in *)&ss)->sin_port);
     if (lanes_start(P.ctx, kvxd.loop, &la.sockaddr, base ? (uint16_t)port : 0,
-                    kvxd.conf.lanes, P.busy_poll, on_lane_event, why,
+                    kvxd.conf.lanes, P.busy_poll,
+                    kvxd.conf.peer_connect_timeout_ms, on_lane_event, why,
                     why_len)) {
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
@@ -1673,6 +1754,13 @@ void peer_tick(uint64_t now)
                       kvxd.conf.keepalive_timeout_ms);
             continue;
         }
+        /* a lane endpoint that has not sent anything in the connect
+         * time (its connection hangs: a firewall that drops) */
+        for (unsigned i = 0; i < LANES_MAX; i++)
+            if (c->out_lep[i] && !c->lane_ok[i] &&
+                now >= c->lane_since[i] + kvxd.conf.peer_connect_timeout_ms)
+                lanes_off(c, i, "gave no answer within "
+                                "peer.connect_timeout_ms");
         if (now >= c->last_ping_ms + kvxd.conf.keepalive_interval_ms) {
             c->last_ping_ms = now;
             Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
@@ -1782,8 +1870,9 @@ size_t peer_infos(Kvxfer__PeerInfo ***out)
         p->errors = c->errors;
         p->last_seen_ms = now - c->last_seen_ms;
         p->streams = remote_conn_streams(c);
-        p->lanes = c->peer_lanes < lanes_count() ? c->peer_lanes
-                                                 : lanes_count();
+        p->lanes = c->lanes_off ? 0
+                   : c->peer_lanes < lanes_count() ? c->peer_lanes
+                                                   : lanes_count();
         v[k++] = p;
     }
     *out = v;

@@ -24,7 +24,8 @@
  *       END that TARGET answers.
  *   fake_peer lane TARGET_IP:PORT BYTES SECONDS
  *       connects to a daemon's lane (no handshake: lanes have none) and
- *       sends it slot data of BYTES with a lane key no connection has;
+ *       sends it slot data of BYTES with a connection id and MAC no
+ *       connection has;
  *       prints "sent" when UCX is done with it and "closed" when the
  *       daemon closes the endpoint.
  *
@@ -468,8 +469,9 @@ int main(int argc, char **argv)
         d.unit_end = 1;
         d.bytes = bytes;
         d.piece_bytes = bytes;
-        d.lane_key.data = key;
-        d.lane_key.len = sizeof(key);
+        d.lane_conn = 0x1234567890abcdefull; /* no connection's */
+        d.lane_mac.data = key;
+        d.lane_mac.len = sizeof(key);
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
         m.m_case = KVXFER__PEER_MSG__M_DATA;
         m.data = &d;

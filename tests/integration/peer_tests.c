@@ -3078,7 +3078,7 @@ TEST_T(peer_lanes, 120)
         fprintf(stderr, "fake lane sender (%s bytes): %s", sizes[i], out);
         CHECK_STR_CONTAINS(out, "closed");
     }
-    CHECK(log_wait(a, "data with no connection's key; dropped", 2000));
+    CHECK(log_wait(a, "data with no connection's MAC; dropped", 2000));
     /* nothing of the real connection was touched */
     p_both_ways(a, b, "pl2", 3, 3);
     char *pa = p_peers(a);
@@ -3116,4 +3116,37 @@ TEST_T(peer_lanes_mixed, 150)
         }
         p_stop_both(a, b);
     }
+}
+
+/* Lanes that cannot be reached (a firewall that lets only peer.listen
+ * through; here daemon A tells B port 1 for its lanes, KVXFERD_FAULT
+ * lanes:1): B's first lane send fails before any data went over it, B
+ * says so and sends A's slot data over the connection itself, and every
+ * byte arrives; the connection is not lost. */
+TEST_T(peer_lanes_refused, 90)
+{
+    p_setup();
+    setenv("KVXFERD_FAULT", "lanes:1", 1);
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    unsetenv("KVXFERD_FAULT");
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    side_t c = {.inst = "plr-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd",
+                .tpb = 16};
+    side_t g = {.inst = "plr-gen", .tp = 2, .pp = 1, .preset = "trtllm",
+                .tpb = 8};
+    xfer_case2(b, a, &M_8K, &c, &g, 4, 300, 0);
+    CHECK(log_wait(b, "before any data went over it; slot data to it goes "
+                      "over the connection itself", 2000));
+    side_t c2 = {.inst = "plr-ctx2", .tp = 1, .pp = 1, .preset = "vllm-hnd",
+                 .tpb = 16};
+    side_t g2 = {.inst = "plr-gen2", .tp = 1, .pp = 1, .preset = "vllm-nhd",
+                 .tpb = 16};
+    xfer_case2(b, a, &M_8K, &c2, &g2, 3, 257, 5);
+    char *pb = p_peers(b);
+    fprintf(stderr, "B's peers: %s\n", pb);
+    CHECK_EQ(json_num(pb, "lanes"), 0);
+    CHECK_EQ(json_num(pb, "errors"), 0);
+    CHECK_STR_CONTAINS(pb, "\"state\":\"connected\"");
+    free(pb);
+    p_stop_both(a, b);
 }
