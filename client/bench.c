@@ -1136,7 +1136,10 @@ static void slot_times_of(const char *json, const char *key, double out[6])
  * slot_rx, slot_tx) and, unless UCX_TLS is set, the transports their
  * connection used ("ucx.transports", "tl/dev"), put in UCX_TLS for the
  * baseline. Returns the size of the pieces they send slots in
- * ("ucx.message_bytes"), or 0. */
+ * ("ucx.message_bytes"), or 0. Sets lanes_used: the lanes daemon A's
+ * slot data goes over (its first connection's "lanes"). */
+static uint32_t lanes_used;
+
 static uint64_t peers_read(void)
 {
     static char used_tls[128];
@@ -1179,6 +1182,9 @@ static uint64_t peers_read(void)
         kvx_close(c);
     }
     slot_times_of(json, "\"sent\":{", slot_tx);
+    const char *ln = json ? strstr(json, "\"lanes\":") : NULL;
+    if (ln)
+        lanes_used = (uint32_t)strtoul(ln + 8, NULL, 10);
     free(json);
     if (want_tls && used_tls[0])
         setenv("UCX_TLS", used_tls, 1);
@@ -1866,11 +1872,12 @@ int main(int argc, char **argv)
             json_str(o.cpus[1] ? o.cpus[1] : "");
             printf(",\"ucx_tls\":");
             json_str(tls ? tls : "default");
-            printf(",\"message_bytes\":%llu,\"ucx_perftest_gbps\":%.3f,"
+            printf(",\"message_bytes\":%llu,\"lanes\":%u,"
+                   "\"ucx_perftest_gbps\":%.3f,"
                    "\"ucx_perftest_message_gbps\":%.3f,"
                    "\"ucx_perftest_put_gbps\":%.3f,\"ucx_perftest_runs\":[",
-                   (unsigned long long)message_bytes, ucx_gbps, ucx_msg_gbps,
-                   ucx_put_gbps);
+                   (unsigned long long)message_bytes, lanes_used, ucx_gbps,
+                   ucx_msg_gbps, ucx_put_gbps);
             for (uint32_t i = 0; i < nruns; i++)
                 printf("%s%.3f", i ? "," : "", runs[0][i]);
             printf("],\"ucx_perftest_message_runs\":[");
@@ -1909,9 +1916,11 @@ int main(int argc, char **argv)
                gbps, total / 1048576.0, secs);
         if (o.daemons == 2) {
             printf("  daemons: context on %s, generation on %s\n"
-                   "  slot %llu bytes, UCX_TLS %s\n",
+                   "  slot %llu bytes, UCX_TLS %s, %u lanes (ucx_perftest: "
+                   "one connection, one thread a side)\n",
                    sh->address, sh->gen_address,
-                   (unsigned long long)o.slot_bytes, tls ? tls : "(default)");
+                   (unsigned long long)o.slot_bytes, tls ? tls : "(default)",
+                   lanes_used);
             printf("  %-22s %12.3f GB/s%s\n", "ucx_perftest am_bw",
                    ucx_gbps, nruns > 1 ? "  (median)" : "");
             if (ucx_msg_gbps > 0)
