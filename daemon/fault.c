@@ -7,7 +7,8 @@
 #include "log.h"
 
 static const char *const names[FAULT_NSITES] = {"gather", "scatter",
-                                                "batch", "lanes"};
+                                                "batch", "lanes",
+                                                "lane_hold"};
 static unsigned long when[FAULT_NSITES]; /* 0: never */
 static unsigned long seen[FAULT_NSITES];
 
@@ -35,7 +36,7 @@ int fault_init(char *why, size_t why_len)
         unsigned long n = colon ? strtoul(colon + 1, &end, 10) : 0;
         if (site < 0 || !n || !end || *end) {
             snprintf(why, why_len, "KVXFERD_FAULT: '%.64s' is not SITE:N "
-                                   "(N >= 1; sites: gather, scatter, batch, lanes)",
+                                   "(N >= 1; sites: gather, scatter, batch, lanes, lane_hold)",
                      t);
             return -1;
         }

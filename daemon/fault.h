@@ -8,6 +8,8 @@
  * daemon is lost on its way (it counts as sent, and never arrives).
  * lanes: the Nth PeerLanes this daemon sends names port 1 for every
  * lane, where nothing listens (a firewall that refuses the lanes).
+ * lane_hold: the Nth DATA that comes to one of this daemon's lanes is
+ * kept there and never answered (a lane whose TCP stalls).
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -20,6 +22,7 @@ typedef enum {
     FAULT_SCATTER,
     FAULT_BATCH,
     FAULT_LANES,
+    FAULT_LANE_HOLD,
     FAULT_NSITES
 } fault_site_t;
 

@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "daemon.h"
+#include "fault.h"
 #include "lane.h"
 #include "log.h"
 
@@ -343,6 +344,9 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
                 p = x;
     if (!p || p->failed || p->closing || ln->stopping)
         return UCS_OK; /* dropped (a rendezvous: released) */
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) &&
+        fault_hit(FAULT_LANE_HOLD))
+        return UCS_INPROGRESS; /* kept, never answered: a stalled lane */
     /* an endpoint no connection has claimed: its first message goes to
      * the loop, which binds or closes it; what comes meanwhile is held
      * (HELD_MAX at most: more closes the endpoint) */

@@ -104,6 +104,14 @@ struct peer_conn {
     uint64_t out_lep[LANES_MAX], in_lep[LANES_MAX];
     uint64_t lane_since[LANES_MAX];
     uint8_t lane_ok[LANES_MAX];
+    /* sends on our lane i not back yet, and since when it has had them
+     * with none coming back (the lanes' keep-alive: peer_tick()) */
+    uint32_t lane_inflight[LANES_MAX];
+    uint64_t lane_moved_ms[LANES_MAX];
+    /* the same for its data coming in over our lanes: receives started
+     * and not back, and since when none has come back */
+    uint32_t lane_rx_inflight;
+    uint64_t lane_rx_moved_ms;
     char transports[128];
     struct peer_conn *next;
 };
@@ -641,6 +649,8 @@ static void data_start(peer_conn_t *c)
             /* c->outstanding still counts it, until LEV_SENT */
             u->on_lane = 1;
             u->lane = (unsigned)lane;
+            if (!c->lane_inflight[lane]++)
+                c->lane_moved_ms[lane] = now_ms();
             lane_send((unsigned)lane, c->out_lep[lane], u->buf, u->hdr_len,
                       u->data, u->len, u);
             c->bytes_sent += u->hdr_len + u->len;
@@ -1427,6 +1437,8 @@ static void lane_arrived(const lane_ev_t *e)
     u->hdr = m;
     u->on_lane = 1;
     c->outstanding++;
+    if (!c->lane_rx_inflight++)
+        c->lane_rx_moved_ms = now_ms();
     lane_recv(e->lane, e->desc, dst, e->len, u);
 }
 
@@ -1439,6 +1451,8 @@ static void on_lane_event(const lane_ev_t *e)
     case LEV_SENT:
         c = u->c;
         c->data_inflight--;
+        c->lane_inflight[u->lane]--;
+        c->lane_moved_ms[u->lane] = now_ms();
         if (!e->status)
             c->lane_ok[u->lane] = 1;
         else if (c->state == CONN_READY && !c->lane_ok[u->lane])
@@ -1461,6 +1475,8 @@ static void on_lane_event(const lane_ev_t *e)
         break;
     case LEV_RECEIVED:
         c = u->c;
+        c->lane_rx_inflight--;
+        c->lane_rx_moved_ms = now_ms();
         if (!e->status && c->state != CONN_LOST)
             c->last_seen_ms = now_ms();
         remote_on_data(c, u->hdr->data,
@@ -1761,6 +1777,33 @@ void peer_tick(uint64_t now)
                 now >= c->lane_since[i] + kvxd.conf.peer_connect_timeout_ms)
                 lanes_off(c, i, "gave no answer within "
                                 "peer.connect_timeout_ms");
+        /* a lane that carried data and now sends nothing: lost, like a
+         * peer silent on the connection (the lane's TCP may stall where
+         * the connection's does not) */
+        int stalled = -1;
+        for (unsigned i = 0; i < LANES_MAX && stalled < 0; i++)
+            if (c->lane_ok[i] && c->lane_inflight[i] &&
+                now >= c->lane_moved_ms[i] + kvxd.conf.keepalive_timeout_ms)
+                stalled = (int)i;
+        if (stalled >= 0) {
+            conn_fail(c, KVX_ERR_PEER_GONE,
+                      "lane %d to %s: nothing sent for %llu ms "
+                      "(peer.keepalive_timeout_ms %u)",
+                      stalled, c->address,
+                      (unsigned long long)(now - c->lane_moved_ms[stalled]),
+                      kvxd.conf.keepalive_timeout_ms);
+            continue;
+        }
+        if (c->lane_rx_inflight &&
+            now >= c->lane_rx_moved_ms + kvxd.conf.keepalive_timeout_ms) {
+            conn_fail(c, KVX_ERR_PEER_GONE,
+                      "lane data from %s: nothing arrived for %llu ms "
+                      "(peer.keepalive_timeout_ms %u)",
+                      c->address,
+                      (unsigned long long)(now - c->lane_rx_moved_ms),
+                      kvxd.conf.keepalive_timeout_ms);
+            continue;
+        }
         if (now >= c->last_ping_ms + kvxd.conf.keepalive_interval_ms) {
             c->last_ping_ms = now;
             Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;

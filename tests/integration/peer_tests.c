@@ -3150,3 +3150,63 @@ TEST_T(peer_lanes_refused, 90)
     free(pb);
     p_stop_both(a, b);
 }
+
+/* A lane stalls while the connection itself stays up (KVXFERD_FAULT
+ * lane_hold:3 at B: B's lane keeps the third piece that comes to it and
+ * never answers, as a lane whose TCP stalls would): A's lane send never
+ * comes back, and after peer.keepalive_timeout_ms A loses the connection
+ * (the lanes' keep-alive: `nothing sent for`), so the request ends ERROR
+ * PEER_GONE on both sides within the keep-alive bound instead of waiting
+ * for its fetch timeout; the next transfer completes over a new
+ * connection. */
+TEST_T(peer_lane_stalled, 90)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    setenv("KVXFERD_FAULT", "lane_hold:3", 1);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    unsetenv("KVXFERD_FAULT");
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pls-ctx", "pls-gen", &c, &g);
+    /* each request is one piece: the third request's is held */
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    int64_t t0 = now_ms();
+    int ended_error = 0;
+    for (uint64_t q = 1; q <= 4 && !ended_error; q++) {
+        fill_req(&c, q, cb, 7);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, q, c.pool, cb, 2, 7, &p, T_MS), c.c);
+        CHECK_KVX(kvx_fetch(g.c, q, p.data, p.len, g.pool, gb, 2, 0, T_MS),
+                  g.c);
+        kvx_context_params_free(&p);
+        t0 = now_ms();
+        ev_t e = {0};
+        int n = 0;
+        while (n == 0 && now_ms() - t0 < 10000)
+            n = collect(g.c, &e, 1, 1, 10000);
+        CHECK_EQ(n, 1);
+        CHECK_EQ(e.req, q);
+        ev_t ce = {0}; /* the context side's, whatever it is */
+        for (n = 0; n == 0 && now_ms() - t0 < 10000;)
+            n = collect(c.c, &ce, 1, 1, 10000);
+        if (e.kind == KVX_EVENT_ERROR) {
+            fprintf(stderr, "request %llu: %s (%lld ms)\n",
+                    (unsigned long long)q, e.msg, (long long)(now_ms() - t0));
+            CHECK_EQ(e.code, KVX_ERR_PEER_GONE);
+            CHECK(now_ms() - t0 <= P_BOUND_MS + 500);
+            ended_error = 1;
+        } else {
+            CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+            CHECK_EQ(p_check_req(&g, q, gb, 7, 0), 0);
+        }
+    }
+    CHECK(ended_error);
+    CHECK(log_wait(a, "nothing sent for", 2000));
+    /* a new connection carries the next one */
+    uint32_t cb2[2] = {4, 5}, gb2[2] = {6, 7};
+    p_one(&c, &g, 50, cb2, gb2, 2, 7, 8000);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}
