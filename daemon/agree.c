@@ -80,6 +80,9 @@ typedef struct spread {
     uint64_t *away_ms;     /* root: since when a rank is away */
     uint64_t *sess;        /* root: the member's session of each rank
                               (PeerRanks.session); 0: not said */
+    const peer_conn_t **via; /* root: the connection each remote rank's
+                              latest join came over (compared, never
+                              used: it may be gone); NULL: none yet */
     uint64_t epoch;        /* member: the root's incarnation of the
                               instance, as its batches say */
     struct spread *next;
@@ -181,13 +184,15 @@ static spread_t *spread_of(instance_t *inst, int create)
         !(s->late = calloc(inst->nranks, sizeof(late_t *))) ||
         !(s->has = calloc(inst->nranks, sizeof(uint64_t))) ||
         !(s->away_ms = calloc(inst->nranks, sizeof(uint64_t))) ||
-        !(s->sess = calloc(inst->nranks, sizeof(uint64_t)))) {
+        !(s->sess = calloc(inst->nranks, sizeof(uint64_t))) ||
+        !(s->via = calloc(inst->nranks, sizeof(*s->via)))) {
         if (s) {
             free(s->poll);
             free(s->late);
             free(s->has);
             free(s->away_ms);
             free(s->sess);
+            free(s->via);
         }
         free(s);
         return NULL;
@@ -280,6 +285,7 @@ void agree_forget(instance_t *inst)
             free(s->has);
             free(s->away_ms);
             free(s->sess);
+            free(s->via);
             free(s->poll);
             free(s);
             return;
@@ -539,6 +545,8 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
     }
     if (r->joined && sess && r->session)
         *sess = r->session; /* (the join puts remote ranks in unsaid) */
+    if (r->joined && s)
+        s->via[r->rank] = c;
 }
 
 /* ---- events ------------------------------------------------------------ */
@@ -1135,12 +1143,17 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
         /* its ranks are away: they keep their place in the batches, so
          * when the link is back (the member announces them again) they
          * read every batch sealed meanwhile; not back within
-         * ANNOUNCE_FOR_MS, they leave (agree_tick()) */
+         * ANNOUNCE_FOR_MS, they leave (agree_tick()). A rank whose
+         * latest join came over another connection is not this loss's:
+         * its member lost the link first and joined it again over a new
+         * connection before this daemon noticed that the old one was
+         * gone (a flap), and the requests started since go on */
         int had = 0;
         if (!s)
             s = spread_of(inst, 1);
         for (uint32_t r = 0; s && r < inst->nranks; r++)
             if (!inst->local[r] && !strcmp(inst->addresses[r], addr) &&
+                (!s->via[r] || s->via[r] == c) &&
                 batch_rank_here(&inst->batches, r)) {
                 batch_rank_away(&inst->batches, r);
                 s->away_ms[r] = kvxd_now_ms();
