@@ -972,6 +972,8 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
         /* its daemon reaches us again (its address, authenticated):
          * back, reading on from where it was */
         batch_rank_back(&inst->batches, p->rank);
+        if ((s = spread_of(inst, 1)))
+            s->via[p->rank] = c; /* its word comes over this one now */
     }
     if (!bad && !batch_rank_here(&inst->batches, p->rank)) {
         /* its daemon was lost (or its client left): not counted in the

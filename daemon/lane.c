@@ -430,9 +430,9 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
         p = lep_find(ln, c->lep);
         lreq_t *q = calloc(1, sizeof(*q));
         if (!p || p->failed || p->closing || !q) {
+            ucs_status_t st = q ? UCS_ERR_CONNECTION_RESET : UCS_ERR_NO_MEMORY;
             free(q);
-            emit(ln, LEV_SENT, 0,
-                 q ? UCS_ERR_CONNECTION_RESET : UCS_ERR_NO_MEMORY, c->cookie);
+            emit(ln, LEV_SENT, 0, st, c->cookie);
             break;
         }
         q->ln = ln;
@@ -544,7 +544,10 @@ static void *lane_main(void *arg)
         uint64_t now = mono_ms();
         for (lep_t *x = ln->eps, *n; x; x = n) {
             n = x->next;
-            if ((x->failed || (!x->bound && now >= x->until_ms)) &&
+            /* (not while its first message is with the loop, which
+             * answers it, then binds or closes) */
+            if ((x->failed ||
+                 (!x->bound && !x->waiting && now >= x->until_ms)) &&
                 !x->closing)
                 lep_close(x);
         }
@@ -804,6 +807,20 @@ err:
 
 void lanes_stop(void)
 {
+    /* rendezvous the loop never answered: released by their lanes while
+     * their endpoints are still there (commands run in order) */
+    pthread_mutex_lock(&L.mu);
+    lane_ev_t *pending = L.eh;
+    L.eh = L.et = NULL;
+    pthread_mutex_unlock(&L.mu);
+    while (pending) {
+        lane_ev_t *n = pending->next;
+        if (pending->kind == LEV_ARRIVED && pending->desc &&
+            pending->lane < L.n)
+            lane_drop(pending->lane, pending->desc);
+        ev_free(pending);
+        pending = n;
+    }
     for (unsigned i = 0; i < L.n; i++) {
         L.v[i].stop_cmd.op = LC_STOP;
         post(i, &L.v[i].stop_cmd);

@@ -23,6 +23,7 @@
  *   conn_fail()      the one way a connection ends
  */
 #include <arpa/inet.h>
+#include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
@@ -249,7 +250,7 @@ static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
                  const char *server, const char *client,
                  uint8_t out[MAC_LEN])
 {
-    uint8_t msg[8 + 2 * NONCE_LEN + 2 * 192 + 1];
+    uint8_t msg[32 + 2 * NONCE_LEN + 2 * 192 + 1]; /* labels < 32 */
     size_t l = strlen(label), ls = strnlen(server, 191),
            lc = strnlen(client, 191), n = 0;
     memcpy(msg, label, l);
@@ -602,9 +603,11 @@ static int lane_pick(peer_conn_t *c)
 static void lane_mac(const uint8_t key[MAC_LEN], const Kvxfer__PeerData *d,
                      uint64_t len, uint8_t out[LANE_MAC_LEN])
 {
-    uint64_t v[9] = {d->lane_conn, d->stream,      d->slot,
-                     d->unit_begin, d->unit_end,   d->bytes,
-                     d->offset,     d->piece_bytes, len};
+    uint64_t v[9] = {htole64(d->lane_conn),   htole64(d->stream),
+                     htole64(d->slot),        htole64(d->unit_begin),
+                     htole64(d->unit_end),    htole64(d->bytes),
+                     htole64(d->offset),      htole64(d->piece_bytes),
+                     htole64(len)};
     uint8_t full[MAC_LEN];
     unsigned n = MAC_LEN;
     HMAC(EVP_sha256(), key, MAC_LEN, (const uint8_t *)v, sizeof(v), full,
@@ -1460,6 +1463,7 @@ static void on_lane_event(const lane_ev_t *e)
         if (e->status && c->state == CONN_READY && c->lanes_off) {
             /* lanes are off for c: sent again over the connection */
             u->on_lane = 0;
+            c->bytes_sent -= u->hdr_len + u->len; /* counted again */
             u->next = c->dq_head;
             c->dq_head = u;
             if (!c->dq_tail)
@@ -1493,6 +1497,12 @@ static void on_lane_event(const lane_ev_t *e)
         c = conn_of_lep(e->lane, e->lep, &in);
         if (c && c->state == CONN_READY && !in && !c->lane_ok[e->lane])
             lanes_off(c, e->lane, e->msg); /* never worked: a firewall? */
+        else if (c && in)
+            /* the other daemon's endpoint into our lane: it closed it
+             * (its lanes off), or the link broke. Its receives here
+             * fail on their own, and a broken link loses the connection
+             * by its keep-alive; the connection goes on */
+            c->in_lep[e->lane] = 0;
         else if (c && c->state != CONN_LOST)
             conn_fail(c, KVX_ERR_PEER_GONE, "lane %u %s %s failed: %s",
                       e->lane, in ? "from" : "to", c->address, e->msg);
