@@ -504,6 +504,8 @@ int main(int argc, char **argv)
             printf("closed\n");
         printf("done\n");
         fflush(stdout);
+        free(h); /* the exit closes the rest */
+        free(data);
         return 0;
     } else {
         die("unknown mode");
