@@ -53,7 +53,7 @@ CLIENT   := $(COMMON) client/client.c
 DAEMON   := $(COMMON) daemon/log.c daemon/conf.c daemon/notify.c \
             daemon/pool.c daemon/copy.c daemon/plan.c daemon/batch.c \
             daemon/daemon.c daemon/instance.c \
-            daemon/xfer.c daemon/remote.c daemon/agree.c daemon/peer.c daemon/lane.c daemon/fault.c \
+            daemon/xfer.c daemon/remote.c daemon/agree.c daemon/peer.c daemon/lane.c daemon/ucx.c daemon/fault.c \
             daemon/session.c daemon/server.c daemon/stats.c \
             $(GPU_SRC)
 

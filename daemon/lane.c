@@ -29,6 +29,7 @@
 #include "fault.h"
 #include "lane.h"
 #include "log.h"
+#include "ucx.h"
 
 #define AM_LANE_DATA 2 /* the same id as peer.c's AM_DATA */
 #define HELD_MAX 64    /* messages held for an endpoint not bound yet */
@@ -253,18 +254,10 @@ static void lep_close(lep_t *p)
         lep_gone(p);
         return;
     }
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                        UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FIELD_FLAGS,
-        .cb.send = close_cb,
-        .user_data = p,
-        .flags = UCP_EP_CLOSE_FLAG_FORCE};
-    ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &prm);
-    if (r == NULL || UCS_PTR_IS_ERR(r))
-        lep_gone(p);
-    else
+    if (ucx_close(p->ep, close_cb, p))
         p->ln->outstanding++;
+    else
+        lep_gone(p);
 }
 
 static void ep_err(void *arg, ucp_ep_h ep, ucs_status_t status)
@@ -298,15 +291,7 @@ static void on_conn_request(ucp_conn_request_h req, void *arg)
         return;
     }
     p->until_ms = mono_ms() + L.bind_ms; /* unbound until its data checks */
-    ucp_ep_params_t ep = {
-        .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
-        .conn_request = req,
-        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-        .err_handler = {.cb = ep_err, .arg = p}};
-    if (ucp_ep_create(ln->w, &ep, &p->ep) != UCS_OK) {
-        p->ep = NULL;
+    if (ucx_accept(ln->w, req, ep_err, p, &p->ep) != UCS_OK) {
         p->closing = 1;
         lep_gone(p);
     }
@@ -407,23 +392,9 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             break;
         }
         p->bound = 1; /* ours: it only sends */
-        ucp_ep_params_t ep = {
-            .field_mask = UCP_EP_PARAM_FIELD_FLAGS |
-                          UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                          UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                          UCP_EP_PARAM_FIELD_ERR_HANDLER,
-            .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
-            .sockaddr = {.addr = (struct sockaddr *)&c->to,
-                         .addrlen = c->to.ss_family == AF_INET6
-                                        ? sizeof(struct sockaddr_in6)
-                                        : sizeof(struct sockaddr_in)},
-            .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-            .err_handler = {.cb = ep_err, .arg = p}};
-        ucs_status_t st = ucp_ep_create(ln->w, &ep, &p->ep);
-        if (st != UCS_OK) {
-            p->ep = NULL;
+        ucs_status_t st = ucx_connect(ln->w, &c->to, ep_err, p, &p->ep);
+        if (st != UCS_OK)
             ep_err(p, NULL, st);
-        }
         break;
     }
     case LC_SEND: {
@@ -722,30 +693,16 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
         ((struct sockaddr_in6 *)&ss)->sin6_port = htons(port);
     else
         ((struct sockaddr_in *)&ss)->sin_port = htons(port);
-    ucp_listener_params_t lp = {
-        .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
-                      UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
-        .sockaddr = {.addr = (struct sockaddr *)&ss,
-                     .addrlen = ss.ss_family == AF_INET6
-                                    ? sizeof(struct sockaddr_in6)
-                                    : sizeof(struct sockaddr_in)},
-        .conn_handler = {.cb = on_conn_request, .arg = ln}};
-    if ((st = ucp_listener_create(ln->w, &lp, &ln->lis)) != UCS_OK) {
-        ln->lis = NULL;
+    struct sockaddr_storage bound;
+    char lwhy[160];
+    if (ucx_listen(ln->w, &ss, on_conn_request, ln, &ln->lis, &bound, lwhy,
+                   sizeof(lwhy))) {
         snprintf(why, why_len, "lane %u: cannot listen on port %u%s: %s",
                  idx, port, port ? " (peer.listen's port + 1 + lane)" : "",
-                 ucs_status_string(st));
+                 lwhy);
         return -1;
     }
-    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
-    if ((st = ucp_listener_query(ln->lis, &la)) != UCS_OK) {
-        snprintf(why, why_len, "lane %u: ucp_listener_query: %s", idx,
-                 ucs_status_string(st));
-        return -1;
-    }
-    ln->port = la.sockaddr.ss_family == AF_INET6
-                   ? ntohs(((struct sockaddr_in6 *)&la.sockaddr)->sin6_port)
-                   : ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
+    ln->port = ucx_port(&bound);
     ln->cfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     ln->epfd = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event e1 = {.events = EPOLLIN, .data.fd = ln->efd},

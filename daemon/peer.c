@@ -47,6 +47,7 @@
 #include "lane.h"
 #include "log.h"
 #include "peer.h"
+#include "ucx.h"
 
 /* 2: the MACs bind both daemons' addresses; 3: polls say what arrived
  * (resume), batches and announcements carry sessions and the instance's
@@ -749,15 +750,7 @@ static void conn_close_ep(peer_conn_t *c)
         c->close_done = 1;
         return;
     }
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                        UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FIELD_FLAGS,
-        .cb.send = close_cb,
-        .user_data = c,
-        .flags = UCP_EP_CLOSE_FLAG_FORCE};
-    ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &prm);
-    if (r == NULL || UCS_PTR_IS_ERR(r))
+    if (!ucx_close(c->ep, close_cb, c))
         c->close_done = 1;
 }
 
@@ -924,18 +917,8 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
         snprintf(why, why_len, "out of memory");
         return NULL;
     }
-    ucp_ep_params_t ep = {
-        .field_mask = UCP_EP_PARAM_FIELD_FLAGS |
-                      UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-        .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
-        .sockaddr = {.addr = (struct sockaddr *)&ss, .addrlen = sl},
-        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-        .err_handler = {.cb = ep_err_cb, .arg = c}};
-    ucs_status_t st = ucp_ep_create(P.worker, &ep, &c->ep);
+    ucs_status_t st = ucx_connect(P.worker, &ss, ep_err_cb, c, &c->ep);
     if (st != UCS_OK) {
-        c->ep = NULL;
         conn_fail(c, KVX_ERR_PEER_GONE, "cannot connect: %s",
                   ucs_status_string(st));
         snprintf(why, why_len, "cannot connect to daemon %s: %s", address,
@@ -997,17 +980,8 @@ static void on_conn_request(ucp_conn_request_h req, void *arg)
         ucp_listener_reject(P.listener, req);
         return;
     }
-    ucp_ep_params_t ep = {
-        .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-        .conn_request = req,
-        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-        .err_handler = {.cb = ep_err_cb, .arg = c}};
-    if (ucp_ep_create(P.worker, &ep, &c->ep) != UCS_OK) {
-        c->ep = NULL;
+    if (ucx_accept(P.worker, req, ep_err_cb, c, &c->ep) != UCS_OK)
         conn_fail(c, KVX_ERR_PEER_GONE, "cannot accept a connection");
-    }
 }
 
 /* ---- authentication ---------------------------------------------------- */
@@ -1663,33 +1637,23 @@ int peer_init(char *why, size_t why_len)
                  kvxd.conf.peer_listen);
         goto err_worker;
     }
-    ucp_listener_params_t lp = {
-        .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
-                      UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
-        .sockaddr = {.addr = (struct sockaddr *)&ss, .addrlen = sl},
-        .conn_handler = {.cb = on_conn_request, .arg = NULL}};
-    if ((st = ucp_listener_create(P.worker, &lp, &P.listener)) != UCS_OK) {
+    struct sockaddr_storage bound;
+    char lwhy[160];
+    if (ucx_listen(P.worker, &ss, on_conn_request, NULL, &P.listener, &bound,
+                   lwhy, sizeof(lwhy))) {
         snprintf(why, why_len, "peer.listen: cannot listen on %s: %s",
-                 kvxd.conf.peer_listen, ucs_status_string(st));
+                 kvxd.conf.peer_listen, lwhy);
         goto err_worker;
     }
-    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
-    if ((st = ucp_listener_query(P.listener, &la)) != UCS_OK) {
-        snprintf(why, why_len, "ucp_listener_query: %s",
-                 ucs_status_string(st));
-        goto err_listener;
-    }
     char ip[INET6_ADDRSTRLEN];
-    unsigned port;
-    if (la.sockaddr.ss_family == AF_INET6) {
-        struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&la.sockaddr;
-        inet_ntop(AF_INET6, &a6->sin6_addr, ip, sizeof(ip));
-        port = ntohs(a6->sin6_port);
+    unsigned port = ucx_port(&bound);
+    if (bound.ss_family == AF_INET6) {
+        inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&bound)->sin6_addr, ip,
+                  sizeof(ip));
         snprintf(P.listen, sizeof(P.listen), "[%s]:%u", ip, port);
     } else {
-        struct sockaddr_in *a4 = (struct sockaddr_in *)&la.sockaddr;
-        inet_ntop(AF_INET, &a4->sin_addr, ip, sizeof(ip));
-        port = ntohs(a4->sin_port);
+        inet_ntop(AF_INET, &((struct sockaddr_in *)&bound)->sin_addr, ip,
+                  sizeof(ip));
         snprintf(P.listen, sizeof(P.listen), "%s:%u", ip, port);
     }
     /* the address: the listener, and the random incarnation id */
@@ -1708,10 +1672,8 @@ int peer_init(char *why, size_t why_len)
     P.busy_poll = kvxd.conf.busy_poll == 2 ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                                            : (int)kvxd.conf.busy_poll;
     /* lanes on the next ports when peer.listen names one (firewalls) */
-    uint16_t base = ss.ss_family == AF_INET6
-                        ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
-                        : ntohs(((struct sockaddr_in *)&ss)->sin_port);
-    if (lanes_start(P.ctx, kvxd.loop, &la.sockaddr, base ? (uint16_t)port : 0,
+    uint16_t base = ucx_port(&ss);
+    if (lanes_start(P.ctx, kvxd.loop, &bound, base ? (uint16_t)port : 0,
                     kvxd.conf.lanes, P.busy_poll,
                     kvxd.conf.peer_connect_timeout_ms, on_lane_event, why,
                     why_len)) {

@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 SRC="client/status.c client/frame.c client/layout.c daemon/log.c
      daemon/conf.c daemon/notify.c daemon/pool.c daemon/copy.c daemon/plan.c
      daemon/batch.c daemon/daemon.c daemon/instance.c daemon/xfer.c
-     daemon/remote.c daemon/agree.c daemon/peer.c daemon/lane.c daemon/fault.c daemon/session.c daemon/server.c daemon/stats.c daemon/gpu_none.c
+     daemon/remote.c daemon/agree.c daemon/peer.c daemon/lane.c daemon/ucx.c daemon/fault.c daemon/session.c daemon/server.c daemon/stats.c daemon/gpu_none.c
      build/gen/kvxfer.pb-c.c"
 FLAGS="${FUZZ_CFLAGS:-} -g -O1 -std=gnu11 -D_GNU_SOURCE -fno-omit-frame-pointer -Itests/fuzz
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
