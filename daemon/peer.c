@@ -134,6 +134,10 @@ typedef struct ureq {
                                    P.inflight (the loop's worker) */
     int keyed;                  /* its header has lane_conn, lane_mac */
     unsigned lane;              /* on_lane: which */
+    /* keyed: its DATA header unpacked, and the MAC, made when the lane
+     * is known (the MAC names it) and packed into buf again */
+    Kvxfer__PeerData pd;
+    uint8_t mac[LANE_MAC_LEN];
     size_t hdr_len;
     const void *data;
     struct ureq *next;
@@ -599,16 +603,17 @@ static int lane_pick(peer_conn_t *c)
 }
 
 /* The MAC of a DATA header sent over a lane: HMAC-SHA256 (first
- * LANE_MAC_LEN bytes), under the direction's key, of the connection id
- * and every field that places the piece, and its length. */
+ * LANE_MAC_LEN bytes), under the direction's key, of the connection id,
+ * every field that places the piece, its length and the lane it goes
+ * over (so a header seen on one lane proves nothing on another). */
 static void lane_mac(const uint8_t key[MAC_LEN], const Kvxfer__PeerData *d,
-                     uint64_t len, uint8_t out[LANE_MAC_LEN])
+                     uint64_t len, unsigned lane, uint8_t out[LANE_MAC_LEN])
 {
-    uint64_t v[9] = {htole64(d->lane_conn),   htole64(d->stream),
-                     htole64(d->slot),        htole64(d->unit_begin),
-                     htole64(d->unit_end),    htole64(d->bytes),
-                     htole64(d->offset),      htole64(d->piece_bytes),
-                     htole64(len)};
+    uint64_t v[10] = {htole64(d->lane_conn),   htole64(d->stream),
+                      htole64(d->slot),        htole64(d->unit_begin),
+                      htole64(d->unit_end),    htole64(d->bytes),
+                      htole64(d->offset),      htole64(d->piece_bytes),
+                      htole64(len),            htole64(lane)};
     uint8_t full[MAC_LEN];
     unsigned n = MAC_LEN;
     HMAC(EVP_sha256(), key, MAC_LEN, (const uint8_t *)v, sizeof(v), full,
@@ -653,6 +658,13 @@ static void data_start(peer_conn_t *c)
             /* c->outstanding still counts it, until LEV_SENT */
             u->on_lane = 1;
             u->lane = (unsigned)lane;
+            /* the MAC names the lane: made now, packed in place (the
+             * same size: a MAC is always LANE_MAC_LEN bytes) */
+            lane_mac(c->tx_key, &u->pd, u->len, u->lane, u->mac);
+            Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+            m.m_case = KVXFER__PEER_MSG__M_DATA;
+            m.data = &u->pd;
+            kvxfer__peer_msg__pack(&m, u->buf);
             if (!c->lane_inflight[lane]++)
                 c->lane_moved_ms[lane] = now_ms();
             lane_send((unsigned)lane, c->out_lep[lane], u->buf, u->hdr_len,
@@ -683,21 +695,21 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
     if (!c || c->state != CONN_READY)
         return KVX_ERR_PEER_GONE;
     ureq_t *u = calloc(1, sizeof(*u));
+    if (!u)
+        return KVX_ERR_NOMEM;
     size_t hl;
-    /* what the other side's lanes check (ignored on the connection) */
-    Kvxfer__PeerData d;
+    /* what the other side's lanes check (ignored on the connection): the
+     * MAC is made once the lane is known (data_start()) */
     Kvxfer__PeerMsg m = *hdr;
-    uint8_t mac[LANE_MAC_LEN];
     if (c->peer_lanes && hdr->m_case == KVXFER__PEER_MSG__M_DATA) {
-        d = *hdr->data;
-        d.lane_conn = c->peer_conn;
-        lane_mac(c->tx_key, &d, len, mac);
-        d.lane_mac.len = LANE_MAC_LEN;
-        d.lane_mac.data = mac;
-        m.data = &d;
+        u->pd = *hdr->data;
+        u->pd.lane_conn = c->peer_conn;
+        u->pd.lane_mac.len = LANE_MAC_LEN;
+        u->pd.lane_mac.data = u->mac;
+        m.data = &u->pd;
     }
     uint8_t *hb = pack(&m, &hl);
-    if (!u || !hb) {
+    if (!hb) {
         free(u);
         free(hb);
         return KVX_ERR_NOMEM;
@@ -1355,7 +1367,7 @@ static void lane_arrived(const lane_ev_t *e)
                 break;
         uint8_t mac[LANE_MAC_LEN];
         if (c) {
-            lane_mac(c->rx_key, m->data, e->len, mac);
+            lane_mac(c->rx_key, m->data, e->len, e->lane, mac);
             if (!ct_equal(mac, m->data->lane_mac.data, LANE_MAC_LEN))
                 c = NULL;
         }
