@@ -152,7 +152,6 @@ static uint64_t mono_ms(void)
 static void ev_free(lane_ev_t *e)
 {
     free(e->hdr);
-    free(e->data);
     free(e);
 }
 
@@ -341,23 +340,20 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
         return UCS_OK;
     }
     p->waiting = !p->bound;
+    /* lanes send by rendezvous only: eager data is never copied, the
+     * loop sees its header alone (and refuses it) */
     int rndv = !!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
-    int keep = rndv || p->bound; /* eager data of a stranger: not copied */
     lane_ev_t *e = calloc(1, sizeof(*e));
     uint8_t *h = malloc(hlen ? hlen : 1);
-    uint8_t *d = keep && !rndv ? malloc(len ? len : 1) : NULL;
-    if (!e || !h || (keep && !rndv && !d)) {
+    if (!e || !h) {
         free(e);
         free(h);
-        free(d);
         log_error("lane %u: out of memory for a message; its endpoint "
                   "closes", ln->idx);
         ep_err(p, p->ep, UCS_ERR_NO_MEMORY);
         return UCS_OK;
     }
     memcpy(h, header, hlen);
-    if (d)
-        memcpy(d, data, len);
     e->kind = LEV_ARRIVED;
     e->lane = ln->idx;
     e->lep = p->id;
@@ -365,7 +361,6 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
     e->hdr = h;
     e->hlen = hlen;
     e->desc = rndv ? data : NULL;
-    e->data = d;
     e->len = len;
     if (hold) {
         if (p->held_tail)
@@ -378,6 +373,29 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
         ev_push(e);
     }
     return rndv ? UCS_INPROGRESS : UCS_OK;
+}
+
+/* A send or receive UCX may have started (r): counted until its
+ * callback, or its failure handed back now as the event kind. */
+static void lreq_started(lane_t *ln, lreq_t *q, ucs_status_ptr_t r,
+                         enum lane_ev_kind kind)
+{
+    if (UCS_PTR_IS_ERR(r)) {
+        emit(ln, kind, 0, UCS_PTR_STATUS(r), q->cookie);
+        free(q);
+    } else {
+        ln->outstanding++;
+    }
+}
+
+static lreq_t *lreq_new(lane_t *ln, void *cookie)
+{
+    lreq_t *q = calloc(1, sizeof(*q));
+    if (q) {
+        q->ln = ln;
+        q->cookie = cookie;
+    }
+    return q;
 }
 
 static void run_cmd(lane_t *ln, lcmd_t *c)
@@ -399,15 +417,13 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
     }
     case LC_SEND: {
         p = lep_find(ln, c->lep);
-        lreq_t *q = calloc(1, sizeof(*q));
+        lreq_t *q = lreq_new(ln, c->cookie);
         if (!p || p->failed || p->closing || !q) {
             ucs_status_t st = q ? UCS_ERR_CONNECTION_RESET : UCS_ERR_NO_MEMORY;
             free(q);
             emit(ln, LEV_SENT, 0, st, c->cookie);
             break;
         }
-        q->ln = ln;
-        q->cookie = c->cookie;
         /* rendezvous whatever the size: the receiving lane takes it
          * straight into its place, never a copy on the loop */
         ucp_request_param_t prm = {
@@ -420,23 +436,16 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             .flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_RNDV};
         r = ucp_am_send_nbx(p->ep, AM_LANE_DATA, c->hdr, c->hlen, c->data,
                             c->len, &prm);
-        if (UCS_PTR_IS_ERR(r)) {
-            emit(ln, LEV_SENT, 0, UCS_PTR_STATUS(r), c->cookie);
-            free(q);
-        } else {
-            ln->outstanding++;
-        }
+        lreq_started(ln, q, r, LEV_SENT);
         break;
     }
     case LC_RECV: {
-        lreq_t *q = calloc(1, sizeof(*q));
+        lreq_t *q = lreq_new(ln, c->cookie);
         if (!q) {
             ucp_am_data_release(ln->w, c->desc);
             emit(ln, LEV_RECEIVED, 0, UCS_ERR_NO_MEMORY, c->cookie);
             break;
         }
-        q->ln = ln;
-        q->cookie = c->cookie;
         ucp_request_param_t prm = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                             UCP_OP_ATTR_FIELD_USER_DATA |
@@ -444,12 +453,7 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             .cb.recv_am = recv_cb,
             .user_data = q};
         r = ucp_am_recv_data_nbx(ln->w, c->desc, c->dst, c->len, &prm);
-        if (UCS_PTR_IS_ERR(r)) {
-            emit(ln, LEV_RECEIVED, 0, UCS_PTR_STATUS(r), c->cookie);
-            free(q);
-        } else {
-            ln->outstanding++;
-        }
+        lreq_started(ln, q, r, LEV_RECEIVED);
         break;
     }
     case LC_DROP:

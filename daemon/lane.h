@@ -31,11 +31,10 @@
 enum lane_ev_kind {
     LEV_SENT,     /* a lane_send() is done: cookie, status */
     LEV_RECEIVED, /* a lane_recv() is done: cookie, status */
-    LEV_ARRIVED,  /* a message came on endpoint lep: hdr, and either desc
-                     (rendezvous: answer with lane_recv() or lane_drop())
-                     or data (len bytes, ours to free), or neither (data
-                     sent eagerly to an endpoint not bound yet: dropped
-                     at the lane). An endpoint not bound (lane_bind())
+    LEV_ARRIVED,  /* a message came on endpoint lep: hdr, and desc for a
+                     rendezvous (answer with lane_recv() or lane_drop());
+                     NULL: it came eagerly, which lanes never send, and
+                     its data is gone. An endpoint not bound (lane_bind())
                      has one message at a time reach the loop, the rest
                      dropped, and is closed unbound after the bind time */
     LEV_EP_ERROR, /* endpoint lep failed (the lane closes it) */
@@ -52,7 +51,6 @@ typedef struct lane_ev {
     uint8_t *hdr;        /* LEV_ARRIVED: the header, ours to free */
     size_t hlen;
     void *desc;          /* LEV_ARRIVED, rendezvous */
-    uint8_t *data;       /* LEV_ARRIVED, eager: a copy, ours to free */
     size_t len;
     struct lane_ev *next;
 } lane_ev_t;

@@ -640,6 +640,16 @@ static void lanes_off(peer_conn_t *c, unsigned lane, const char *why)
     }
 }
 
+/* u's header, packed into its buffer (sized for it by
+ * peer_send_data(): lane_mac is always LANE_MAC_LEN bytes, or absent) */
+static void data_pack(ureq_t *u)
+{
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_DATA;
+    m.data = &u->pd;
+    kvxfer__peer_msg__pack(&m, u->buf);
+}
+
 /* Start queued slot sends while the window has room: over a lane, or
  * the connection's own endpoint. A send UCX refuses fails the
  * connection, which ends the queue. */
@@ -658,13 +668,9 @@ static void data_start(peer_conn_t *c)
             /* c->outstanding still counts it, until LEV_SENT */
             u->on_lane = 1;
             u->lane = (unsigned)lane;
-            /* the MAC names the lane: made now, packed in place (the
-             * same size: a MAC is always LANE_MAC_LEN bytes) */
+            /* the MAC names the lane: made now that it is known */
             lane_mac(c->tx_key, &u->pd, u->len, u->lane, u->mac);
-            Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-            m.m_case = KVXFER__PEER_MSG__M_DATA;
-            m.data = &u->pd;
-            kvxfer__peer_msg__pack(&m, u->buf);
+            data_pack(u);
             if (!c->lane_inflight[lane]++)
                 c->lane_moved_ms[lane] = now_ms();
             lane_send((unsigned)lane, c->out_lep[lane], u->buf, u->hdr_len,
@@ -673,6 +679,7 @@ static void data_start(peer_conn_t *c)
             continue;
         }
         u->on_lane = 0;
+        data_pack(u);
         c->outstanding--; /* am_send counts it again */
         if (am_send(c, AM_DATA, u->buf, u->hdr_len, u->data, u->len, u)) {
             c->data_inflight--;
@@ -694,35 +701,37 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
 {
     if (!c || c->state != CONN_READY)
         return KVX_ERR_PEER_GONE;
+    if (hdr->m_case != KVXFER__PEER_MSG__M_DATA)
+        return KVX_ERR_INVALID;
     ureq_t *u = calloc(1, sizeof(*u));
     if (!u)
         return KVX_ERR_NOMEM;
-    size_t hl;
     /* what the other side's lanes check (ignored on the connection): the
-     * MAC is made once the lane is known (data_start()) */
-    Kvxfer__PeerMsg m = *hdr;
-    if (c->peer_lanes && hdr->m_case == KVXFER__PEER_MSG__M_DATA) {
-        u->pd = *hdr->data;
+     * MAC is made, and the header packed, once the way is known
+     * (data_start()) */
+    u->pd = *hdr->data;
+    if (c->peer_lanes) {
         u->pd.lane_conn = c->peer_conn;
         u->pd.lane_mac.len = LANE_MAC_LEN;
         u->pd.lane_mac.data = u->mac;
-        m.data = &u->pd;
     }
-    uint8_t *hb = pack(&m, &hl);
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_DATA;
+    m.data = &u->pd;
+    size_t hl = kvxfer__peer_msg__get_packed_size(&m);
+    uint8_t *hb = malloc(hl ? hl : 1);
     if (!hb) {
         free(u);
-        free(hb);
         return KVX_ERR_NOMEM;
     }
-    /* the header is copied by UCX before the call returns for eager
-     * sends; for rendezvous it is kept: keep it until completion */
+    /* kept until completion: a rendezvous sends the header late */
     u->c = c;
     u->buf = hb;
     u->hdr_len = hl;
     u->data = buf;
     u->len = len;
     u->is_data = 1;
-    u->keyed = m.data != hdr->data;
+    u->keyed = c->peer_lanes != 0;
     u->done = done;
     u->arg = arg;
     c->outstanding++; /* waiting: keeps c until it is given back */
@@ -1378,7 +1387,7 @@ static void lane_arrived(const lane_ev_t *e)
             c = NULL;
         }
     }
-    if (c && !e->desc && !e->data) {
+    if (c && !e->desc) {
         bad = "eager data, not rendezvous,";
         c = NULL;
     }
@@ -1403,12 +1412,6 @@ static void lane_arrived(const lane_ev_t *e)
     if (!dst) {
         if (e->desc)
             lane_drop(e->lane, e->desc);
-        kvxfer__peer_msg__free_unpacked(m, NULL);
-        return;
-    }
-    if (!e->desc) {
-        memcpy(dst, e->data, e->len);
-        remote_on_data(c, m->data, 0);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         return;
     }
@@ -1716,6 +1719,31 @@ err_ctx:
 
 int peer_enabled(void) { return P.on; }
 
+/* The lanes' keep-alive: a lane of c that carried data and has had
+ * sends out with none back for peer.keepalive_timeout_ms, or c's data
+ * coming in over our lanes with no receive back as long: lost, like a
+ * peer silent on the connection (a lane's TCP may stall where the
+ * connection's does not). 1 with why, or 0. */
+static int lanes_stalled(const peer_conn_t *c, uint64_t now, char *why,
+                         size_t len)
+{
+    uint64_t t = kvxd.conf.keepalive_timeout_ms;
+    for (unsigned i = 0; i < LANES_MAX; i++)
+        if (c->lane_ok[i] && c->lane_inflight[i] &&
+            now >= c->lane_moved_ms[i] + t) {
+            snprintf(why, len, "lane %u to %s: nothing sent for %llu ms", i,
+                     c->address,
+                     (unsigned long long)(now - c->lane_moved_ms[i]));
+            return 1;
+        }
+    if (c->lane_rx_inflight && now >= c->lane_rx_moved_ms + t) {
+        snprintf(why, len, "lane data from %s: nothing arrived for %llu ms",
+                 c->address, (unsigned long long)(now - c->lane_rx_moved_ms));
+        return 1;
+    }
+    return 0;
+}
+
 void peer_tick(uint64_t now)
 {
     if (!P.on)
@@ -1761,31 +1789,11 @@ void peer_tick(uint64_t now)
                 now >= c->lane_since[i] + kvxd.conf.peer_connect_timeout_ms)
                 lanes_off(c, i, "gave no answer within "
                                 "peer.connect_timeout_ms");
-        /* a lane that carried data and now sends nothing: lost, like a
-         * peer silent on the connection (the lane's TCP may stall where
-         * the connection's does not) */
-        int stalled = -1;
-        for (unsigned i = 0; i < LANES_MAX && stalled < 0; i++)
-            if (c->lane_ok[i] && c->lane_inflight[i] &&
-                now >= c->lane_moved_ms[i] + kvxd.conf.keepalive_timeout_ms)
-                stalled = (int)i;
-        if (stalled >= 0) {
-            conn_fail(c, KVX_ERR_PEER_GONE,
-                      "lane %d to %s: nothing sent for %llu ms "
-                      "(peer.keepalive_timeout_ms %u)",
-                      stalled, c->address,
-                      (unsigned long long)(now - c->lane_moved_ms[stalled]),
-                      kvxd.conf.keepalive_timeout_ms);
-            continue;
-        }
-        if (c->lane_rx_inflight &&
-            now >= c->lane_rx_moved_ms + kvxd.conf.keepalive_timeout_ms) {
-            conn_fail(c, KVX_ERR_PEER_GONE,
-                      "lane data from %s: nothing arrived for %llu ms "
-                      "(peer.keepalive_timeout_ms %u)",
-                      c->address,
-                      (unsigned long long)(now - c->lane_rx_moved_ms),
-                      kvxd.conf.keepalive_timeout_ms);
+        char stall[300];
+        if (lanes_stalled(c, now, stall, sizeof(stall))) {
+            conn_fail(c, KVX_ERR_PEER_GONE, "%s (peer.keepalive_timeout_ms "
+                                            "%u)",
+                      stall, kvxd.conf.keepalive_timeout_ms);
             continue;
         }
         if (now >= c->last_ping_ms + kvxd.conf.keepalive_interval_ms) {

@@ -62,7 +62,8 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m);
  * the data; queued while peer.send_window sends are in flight. 0: then
  * done(arg, status) runs on the loop once buf may be reused (status 0 or
  * a kvx_status_t), always, also when the connection fails (it may run
- * before this returns). An error: not sent, done never runs. */
+ * before this returns). hdr is a DATA message (else KVX_ERR_INVALID).
+ * An error: not sent, done never runs. */
 int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
                    const void *buf, size_t len,
                    void (*done)(void *arg, int status), void *arg);

@@ -14,7 +14,6 @@ HZ=$(getconf CLK_TCK)
 snap() { # pid-pattern -> "tid comm utime stime" lines
     for p in $(pgrep -x "$1"); do
         for t in /proc/$p/task/*; do
-            read -r -a f <"$t/stat" 2>/dev/null || continue
             # comm may hold spaces in parentheses; fields after it count from ')'
             s=$(cat "$t/stat" 2>/dev/null) || continue
             rest=${s##*) }
