@@ -88,25 +88,46 @@ static int wait_fd(int fd, short events, int64_t deadline)
     }
 }
 
+/* fds travel in batches, each with the first byte of its own piece of
+ * the frame: the daemon's receive buffer holds a batch, and a stream
+ * socket never merges two sends' fds into one receive. */
+#define FDS_PER_SEND FRAME_FDS_PER_SEND
+
 static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
-                    int fd_to_pass, int64_t deadline)
+                    const int *fds, int nfds, int64_t deadline)
 {
     size_t off = 0;
+    int nb = (nfds + FDS_PER_SEND - 1) / FDS_PER_SEND, next = 0;
     while (off < len) {
-        struct iovec iov = {(void *)(buf + off), len - off};
+        /* piece b is [b * len / nb, (b + 1) * len / nb); its fds go with
+         * its first byte (len >= nb: a frame holds more bytes than
+         * batches) */
+        size_t end = len;
+        int with = 0;
+        if (next < nb) {
+            size_t start = (size_t)next * len / (size_t)nb;
+            if (off == start) {
+                with = nfds - next * FDS_PER_SEND;
+                if (with > FDS_PER_SEND)
+                    with = FDS_PER_SEND;
+            }
+            end = with ? (size_t)(next + 1) * len / (size_t)nb : start;
+        }
+        struct iovec iov = {(void *)(buf + off), end - off};
         struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
         union {
-            char b[CMSG_SPACE(sizeof(int))];
+            char b[CMSG_SPACE(FDS_PER_SEND * sizeof(int))];
             struct cmsghdr align;
         } cm;
-        if (fd_to_pass >= 0 && off == 0) {
+        if (with) {
             mh.msg_control = cm.b;
-            mh.msg_controllen = sizeof(cm.b);
+            mh.msg_controllen = CMSG_SPACE(with * sizeof(int));
             struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
             h->cmsg_level = SOL_SOCKET;
             h->cmsg_type = SCM_RIGHTS;
-            h->cmsg_len = CMSG_LEN(sizeof(int));
-            memcpy(CMSG_DATA(h), &fd_to_pass, sizeof(int));
+            h->cmsg_len = CMSG_LEN(with * sizeof(int));
+            memcpy(CMSG_DATA(h), fds + next * FDS_PER_SEND,
+                   with * sizeof(int));
         }
         ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n < 0) {
@@ -123,6 +144,8 @@ static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
             return fail(c, errno == EPIPE ? KVX_ERR_CLOSED : KVX_ERR_IO,
                         "send: %s", strerror(errno));
         }
+        if (with) /* sent with the first byte, whatever else went */
+            next++;
         off += (size_t)n;
     }
     return 0;
@@ -173,10 +196,11 @@ static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
     }
 }
 
-/* Send rq (its id is set here) and wait for its reply. Returns the
- * daemon's status; *out (if not NULL) receives the reply on success. */
-static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
-                int timeout_ms, Kvxfer__Reply **out)
+/* Send rq (its id is set here) with nfds fds and wait for its reply.
+ * Returns the daemon's status; *out (if not NULL) receives the reply on
+ * success. */
+static int call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
+                    int nfds, int timeout_ms, Kvxfer__Reply **out)
 {
     c->err[0] = 0;
     if (c->broken)
@@ -199,7 +223,7 @@ static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
         return fail(c, KVX_ERR_NOMEM, "out of memory");
     frame_put_len(buf, (uint32_t)n);
     kvxfer__request__pack(rq, buf + FRAME_HDR);
-    int rc = send_all(c, buf, n + FRAME_HDR, fd_to_pass, deadline);
+    int rc = send_all(c, buf, n + FRAME_HDR, fds, nfds, deadline);
     free(buf);
     Kvxfer__Reply *r = NULL;
     if (!rc)
@@ -224,6 +248,13 @@ static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
     else
         kvxfer__reply__free_unpacked(r, NULL);
     return 0;
+}
+
+/* call_fds() with one fd (fd_to_pass >= 0) or none. */
+static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
+                int timeout_ms, Kvxfer__Reply **out)
+{
+    return call_fds(c, rq, &fd_to_pass, fd_to_pass >= 0, timeout_ms, out);
 }
 
 static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
@@ -421,6 +452,48 @@ static void layout_to_msg(const kvx_layout_t *l, Kvxfer__Layout *lay)
     lay->head_stride = l->head_stride;
 }
 
+/* Send RegisterPool m with nfds fds and take the pool id. */
+static int register_pool(kvx_client_t *c, Kvxfer__RegisterPool *m,
+                         const int *fds, int nfds, int timeout_ms,
+                         uint32_t *pool_id)
+{
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
+    rq.register_pool = m;
+    Kvxfer__Reply *r;
+    int rc = call_fds(c, &rq, fds, nfds, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_REGISTER_POOL) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "register_pool: reply without a "
+                                         "pool id");
+    }
+    *pool_id = r->register_pool->pool_id;
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
+int kvx_pool_register_host(kvx_client_t *c, const kvx_layout_t *l, int fd,
+                           uint64_t offset, uint64_t size, uint32_t *pool_id,
+                           int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!l || fd < 0 || !pool_id || !size)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: a required argument is NULL, negative or 0",
+                    __func__);
+    Kvxfer__Layout lay;
+    layout_to_msg(l, &lay);
+    Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
+    m.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
+    m.size = size;
+    m.alloc_offset = offset;
+    m.layout = &lay;
+    return register_pool(c, &m, &fd, 1, timeout_ms, pool_id);
+}
+
 int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
                          uint64_t size, void **base, uint32_t *pool_id,
                          int timeout_ms)
@@ -464,20 +537,8 @@ int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
     m.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
     m.size = size;
     m.layout = &lay;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
-    rq.register_pool = &m;
-    Kvxfer__Reply *r;
-    if ((rc = call(c, &rq, fd, timeout_ms, &r)))
+    if ((rc = register_pool(c, &m, &fd, 1, timeout_ms, &hp->id)))
         goto err_unmap;
-    if (r->body_case != KVXFER__REPLY__BODY_REGISTER_POOL) {
-        kvxfer__reply__free_unpacked(r, NULL);
-        rc = fail(c, KVX_ERR_PROTOCOL, "register_pool: reply without a "
-                                       "pool id");
-        goto err_unmap;
-    }
-    hp->id = r->register_pool->pool_id;
-    kvxfer__reply__free_unpacked(r, NULL);
     close(fd);
     hp->next = c->pools;
     c->pools = hp;
@@ -581,6 +642,92 @@ static void cu_load_once(void)
                 cu.ipc_get ? 1 : -1;
 }
 
+/* Export the VMM allocations that cover [base, base + need): the one at
+ * base (asize bytes) and those mapped right after it, as PyTorch's
+ * expandable segments map theirs. *fds and *sizes (malloc'd, *n each)
+ * in address order; on failure nothing is left open. */
+static int vmm_export(kvx_client_t *c, cu_ptr base, size_t asize,
+                      uint64_t need, int **fds, uint64_t **sizes, int *n)
+{
+    int *f = NULL, k = 0, cap = 0, rc = 0;
+    uint64_t *sz = NULL, covered = 0;
+    cu_ptr at = base;
+    size_t len = asize;
+    while (covered < need) {
+        if (k == (int)KVX_MAX_POOL_CHUNKS) {
+            rc = fail(c, KVX_ERR_LIMIT,
+                      "GPU pool: spans more than %u VMM allocations",
+                      KVX_MAX_POOL_CHUNKS);
+            goto err_close;
+        }
+        if (k) { /* the next allocation must be mapped right here */
+            cu_ptr b = 0;
+            cu_result r = cu.addr_range(&b, &len, at);
+            if (r || b != at) {
+                rc = fail(c, KVX_ERR_INVALID,
+                          "GPU pool: needs %llu bytes mapped from %p, but "
+                          "the mapping ends at %p, %llu bytes in (nothing "
+                          "mapped there)",
+                          (unsigned long long)need, (void *)(uintptr_t)base,
+                          (void *)(uintptr_t)at,
+                          (unsigned long long)covered);
+                goto err_close;
+            }
+        }
+        if (k == cap) {
+            cap = cap ? cap * 2 : 4;
+            int *nf = realloc(f, (size_t)cap * sizeof(*f));
+            if (nf)
+                f = nf;
+            uint64_t *ns = nf ? realloc(sz, (size_t)cap * sizeof(*sz)) : NULL;
+            if (ns)
+                sz = ns;
+            if (!nf || !ns) {
+                rc = fail(c, KVX_ERR_NOMEM, "out of memory");
+                goto err_close;
+            }
+        }
+        cu_handle h;
+        cu_result r = cu.retain(&h, (void *)(uintptr_t)at);
+        if (r) {
+            rc = fail(c, KVX_ERR_INVALID,
+                      "GPU pool: the memory at %p, %llu bytes in, is not VMM "
+                      "memory like the rest (CUresult %d)",
+                      (void *)(uintptr_t)at, (unsigned long long)covered, r);
+            goto err_close;
+        }
+        int fd = -1;
+        r = cu.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        cu.release(h);
+        if (r || fd < 0) {
+            rc = fail(c, KVX_ERR_UNSUPPORTED,
+                      "GPU pool: VMM allocation not exportable as a POSIX "
+                      "fd (create it with requestedHandleTypes "
+                      "POSIX_FILE_DESCRIPTOR; CUresult %d)",
+                      r);
+            goto err_close;
+        }
+        fcntl(fd, F_SETFD, FD_CLOEXEC); /* not into a child another thread
+                                           execs */
+        f[k] = fd;
+        sz[k] = len;
+        k++;
+        covered += len;
+        at += len;
+    }
+    *fds = f;
+    *sizes = sz;
+    *n = k;
+    return 0;
+
+err_close:
+    for (int i = 0; i < k; i++)
+        close(f[i]);
+    free(f);
+    free(sz);
+    return rc;
+}
+
 int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
                           void *dev_ptr, uint64_t size, uint32_t *pool_id,
                           int timeout_ms)
@@ -608,12 +755,11 @@ int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
     if ((r = cu.addr_range(&base, &asize, p)))
         return fail(c, KVX_ERR_INVALID,
                     "GPU pool: cuMemGetAddressRange failed (CUresult %d)", r);
-    if (p < base || size > asize || p - base > asize - size)
+    if (p < base || p - base > asize)
         return fail(c, KVX_ERR_INVALID,
-                    "GPU pool: %llu bytes at offset %llu overrun the "
-                    "allocation of %zu bytes",
-                    (unsigned long long)size,
-                    (unsigned long long)(p - base), asize);
+                    "GPU pool: %p lies outside the allocation the driver "
+                    "names for it",
+                    dev_ptr);
     Kvxfer__Layout lay;
     layout_to_msg(l, &lay);
     Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
@@ -621,10 +767,10 @@ int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
     m.layout = &lay;
     m.gpu_uuid.data = uuid.b;
     m.gpu_uuid.len = 16;
-    m.alloc_size = asize;
     m.alloc_offset = p - base;
     m.alloc_id = base;
-    int fd = -1;
+    int *fds = NULL, nfds = 0;
+    uint64_t *sizes = NULL;
     cu_ipc_handle ipc;
     cu_handle h;
     /* VMM memory (cuMemCreate: PyTorch expandable segments, newer
@@ -632,42 +778,41 @@ int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
      * does not and goes by the legacy IPC handle */
     if (cu.retain && cu.export_fd && cu.release &&
         cu.retain(&h, (void *)(uintptr_t)base) == 0) {
-        r = cu.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
         cu.release(h);
-        if (!r && fd >= 0) /* not into a child another thread execs */
-            fcntl(fd, F_SETFD, FD_CLOEXEC);
-        if (r)
-            return fail(c, KVX_ERR_UNSUPPORTED,
-                        "GPU pool: VMM allocation not exportable as a POSIX "
-                        "fd (create it with requestedHandleTypes "
-                        "POSIX_FILE_DESCRIPTOR; CUresult %d)",
-                        r);
+        int rc = vmm_export(c, base, asize, p - base + size, &fds, &sizes,
+                            &nfds);
+        if (rc)
+            return rc;
         m.kind = KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
+        m.alloc_size = 0;
+        for (int i = 0; i < nfds; i++)
+            m.alloc_size += sizes[i];
+        if (nfds > 1) { /* one allocation: the field stays empty */
+            m.n_chunk_sizes = (size_t)nfds;
+            m.chunk_sizes = sizes;
+        }
     } else {
+        if (size > asize || p - base > asize - size)
+            return fail(c, KVX_ERR_INVALID,
+                        "GPU pool: %llu bytes at offset %llu overrun the "
+                        "allocation of %zu bytes (cudaMalloc memory: a pool "
+                        "lies inside one allocation)",
+                        (unsigned long long)size,
+                        (unsigned long long)(p - base), asize);
         if ((r = cu.ipc_get(&ipc, base)))
             return fail(c, KVX_ERR_UNSUPPORTED,
                         "GPU pool: cuIpcGetMemHandle failed (CUresult %d)", r);
         m.kind = KVXFER__POOL_KIND__POOL_GPU_IPC;
+        m.alloc_size = asize;
         m.ipc_handle.data = ipc.b;
         m.ipc_handle.len = sizeof(ipc.b);
     }
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
-    rq.register_pool = &m;
-    Kvxfer__Reply *rep;
-    int rc = call(c, &rq, fd, timeout_ms, &rep);
-    if (fd >= 0)
-        close(fd);
-    if (rc)
-        return rc;
-    if (rep->body_case != KVXFER__REPLY__BODY_REGISTER_POOL) {
-        kvxfer__reply__free_unpacked(rep, NULL);
-        return fail(c, KVX_ERR_PROTOCOL, "register_pool: reply without a "
-                                         "pool id");
-    }
-    *pool_id = rep->register_pool->pool_id;
-    kvxfer__reply__free_unpacked(rep, NULL);
-    return 0;
+    int rc = register_pool(c, &m, fds, nfds, timeout_ms, pool_id);
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+    free(fds);
+    free(sizes);
+    return rc;
 }
 
 void kvx_context_params_free(kvx_context_params_t *p)

@@ -13,6 +13,10 @@
 #include <stdint.h>
 
 #define FRAME_HDR 4
+/* fds (SCM_RIGHTS) that travel with one send: the library sends more in
+ * batches of this many, each with the first byte of its own piece of the
+ * frame, and the daemon's receive buffer holds this many. */
+#define FRAME_FDS_PER_SEND 64
 
 typedef struct frame_reader {
     uint8_t *buf;

@@ -208,7 +208,10 @@ struct gpu_import {
                                   launches kernels on it (peer access) */
     cudaIpcMemHandle_t ipc;
     uint64_t alloc_size;
-    CUmemGenericAllocationHandle handle;
+    /* VMM: the physical allocations, mapped back to back from base */
+    CUmemGenericAllocationHandle *handles;
+    uint64_t *chunk;           /* their sizes */
+    uint32_t nchunks;
     uint8_t access[MAX_DEV];   /* VMM: devices granted access to it */
     unsigned refs;
     struct gpu_import *next;
@@ -346,6 +349,111 @@ static int device_of(const uint8_t uuid[16])
     return -1;
 }
 
+void gpu_import_req_close(gpu_import_req_t *req)
+{
+    for (uint32_t i = 0; i < req->nfds; i++)
+        if (req->fds[i] >= 0)
+            close(req->fds[i]);
+    req->nfds = 0;
+}
+
+/* Unmap and release the first n chunks of a VMM import, and its range. */
+static void vmm_unmap(gpu_import_t *imp, uint32_t n, CUdeviceptr va)
+{
+    uint64_t off = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        drv.unmap(va + off, imp->chunk[k]);
+        drv.release(imp->handles[k]);
+        off += imp->chunk[k];
+    }
+    drv.free_va(va, imp->alloc_size);
+}
+
+/* Import r's physical allocations and map them back to back in one
+ * reserved range, so the pool reads as one; grant access to the devices
+ * that may launch on it. Sets imp->base. */
+static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d,
+                      char *why, size_t why_len)
+{
+    if (!drv.import || !drv.reserve || !drv.map || !drv.set_access) {
+        snprintf(why, why_len,
+                 "register_pool.kind: the driver lacks the VMM import "
+                 "entry points");
+        return KVX_ERR_UNSUPPORTED;
+    }
+    uint32_t n = r->nfds;
+    imp->handles = calloc(n, sizeof(*imp->handles));
+    imp->chunk = calloc(n, sizeof(*imp->chunk));
+    if (!imp->handles || !imp->chunk) {
+        snprintf(why, why_len, "register_pool: out of memory");
+        return KVX_ERR_NOMEM;
+    }
+    CUresult cr;
+    CUdeviceptr va = 0;
+    if ((cr = drv.reserve(&va, r->alloc_size, 0, 0, 0))) {
+        snprintf(why, why_len,
+                 "register_pool.alloc_size: reserving %llu bytes of address "
+                 "space failed (CUresult %d)",
+                 (unsigned long long)r->alloc_size, (int)cr);
+        return KVX_ERR_INVALID;
+    }
+    uint64_t off = 0;
+    uint32_t k;
+    for (k = 0; k < n; k++) {
+        imp->chunk[k] = n == 1 ? r->alloc_size : r->chunk_sizes[k];
+        if ((cr = drv.import(&imp->handles[k],
+                             (void *)(uintptr_t)r->fds[k],
+                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))) {
+            snprintf(why, why_len,
+                     "register_pool: cuMemImportFromShareableHandle of "
+                     "allocation %u of %u failed (CUresult %d)",
+                     k, n, (int)cr);
+            goto err_unmap;
+        }
+        if ((cr = drv.map(va + off, imp->chunk[k], 0, imp->handles[k], 0))) {
+            drv.release(imp->handles[k]);
+            snprintf(why, why_len,
+                     "register_pool.%s: mapping %llu bytes of allocation "
+                     "%u of %u failed (CUresult %d)",
+                     n == 1 ? "alloc_size" : "chunk_sizes",
+                     (unsigned long long)imp->chunk[k], k, n, (int)cr);
+            goto err_unmap;
+        }
+        off += imp->chunk[k];
+    }
+    CUmemAccessDesc acc[MAX_DEV];
+    size_t nacc = 0;
+    for (int o = 0; o < g.ndev; o++)
+        if (o == d || g.peer[d][o] || g.used[o]) {
+            acc[nacc].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            acc[nacc].location.id = o;
+            acc[nacc].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            nacc++;
+        }
+    if ((cr = drv.set_access(va, r->alloc_size, acc, nacc))) {
+        /* peers may refuse; the owning device alone must work */
+        acc[0].location.id = d;
+        nacc = 1;
+        cr = drv.set_access(va, r->alloc_size, acc, 1);
+    }
+    if (cr) {
+        snprintf(why, why_len,
+                 "register_pool: cuMemSetAccess failed (CUresult %d)",
+                 (int)cr);
+        goto err_unmap;
+    }
+    for (size_t i = 0; i < nacc; i++)
+        imp->access[acc[i].location.id] = 1;
+    imp->nchunks = n;
+    imp->base = (uint8_t *)(uintptr_t)va;
+    gpu_import_req_close(r);
+    return 0;
+
+err_unmap:
+    vmm_unmap(imp, k, va);
+    return KVX_ERR_INVALID;
+}
+
 int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
                int *device, char *why, size_t why_len)
 {
@@ -378,6 +486,12 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
              * again at the same address has another, and a new import */
             (i->vmm || r->vmm ||
              !memcmp(&i->ipc, r->ipc_handle, sizeof(i->ipc)))) {
+            /* VMM: the same first allocation with other ones after it
+             * (another pool of an expandable segment) is another range:
+             * its own import, the physical memory mapped twice */
+            if (r->vmm && i->vmm &&
+                (r->alloc_size != i->alloc_size || r->nfds != i->nchunks))
+                continue;
             /* the bounds above used the size the client gave: it must be
              * the one the allocation was imported with */
             if (r->alloc_size != i->alloc_size || r->vmm != i->vmm) {
@@ -391,8 +505,7 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
                 rc = KVX_ERR_INVALID;
                 goto err_close_fd;
             }
-            if (r->vmm && r->fd >= 0)
-                close(r->fd); /* already mapped: one import per allocation */
+            gpu_import_req_close(r); /* already mapped: one import */
             i->refs++;
             *out = i;
             *ptr = i->base + r->offset;
@@ -448,66 +561,8 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
         imp->ipc = h;
         g.imports_legacy++;
     } else {
-        if (!drv.import || !drv.reserve || !drv.map || !drv.set_access) {
-            snprintf(why, why_len,
-                     "register_pool.kind: the driver lacks the VMM import "
-                     "entry points");
-            rc = KVX_ERR_UNSUPPORTED;
+        if ((rc = vmm_import(r, imp, d, why, why_len)))
             goto err_free;
-        }
-        CUresult cr;
-        CUdeviceptr va = 0;
-        if ((cr = drv.import(&imp->handle, (void *)(uintptr_t)r->fd,
-                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))) {
-            snprintf(why, why_len,
-                     "register_pool: cuMemImportFromShareableHandle failed "
-                     "(CUresult %d)",
-                     (int)cr);
-            rc = KVX_ERR_INVALID;
-            goto err_free;
-        }
-        if ((cr = drv.reserve(&va, r->alloc_size, 0, 0, 0)) ||
-            (cr = drv.map(va, r->alloc_size, 0, imp->handle, 0))) {
-            snprintf(why, why_len,
-                     "register_pool.alloc_size: mapping %llu bytes failed "
-                     "(CUresult %d)",
-                     (unsigned long long)r->alloc_size, (int)cr);
-            if (va)
-                drv.free_va(va, r->alloc_size);
-            drv.release(imp->handle);
-            rc = KVX_ERR_INVALID;
-            goto err_free;
-        }
-        CUmemAccessDesc acc[MAX_DEV];
-        size_t nacc = 0;
-        for (int o = 0; o < g.ndev; o++)
-            if (o == d || g.peer[d][o] || g.used[o]) {
-                acc[nacc].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-                acc[nacc].location.id = o;
-                acc[nacc].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-                nacc++;
-            }
-        if ((cr = drv.set_access(va, r->alloc_size, acc, nacc))) {
-            /* peers may refuse; the owning device alone must work */
-            acc[0].location.id = d;
-            nacc = 1;
-            cr = drv.set_access(va, r->alloc_size, acc, 1);
-        }
-        for (size_t k = 0; !cr && k < nacc; k++)
-            imp->access[acc[k].location.id] = 1;
-        if (cr) {
-            snprintf(why, why_len,
-                     "register_pool: cuMemSetAccess failed (CUresult %d)",
-                     (int)cr);
-            drv.unmap(va, r->alloc_size);
-            drv.free_va(va, r->alloc_size);
-            drv.release(imp->handle);
-            rc = KVX_ERR_INVALID;
-            goto err_free;
-        }
-        close(r->fd);
-        r->fd = -1;
-        imp->base = (uint8_t *)(uintptr_t)va;
         g.imports_vmm++;
     }
     imp->refs = 1;
@@ -516,18 +571,18 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
     *out = imp;
     *ptr = imp->base + r->offset;
     *device = d;
-    log_info("gpu %d: imported %s allocation of %llu bytes", d,
-             r->vmm ? "VMM" : "legacy IPC",
-             (unsigned long long)r->alloc_size);
+    log_info("gpu %d: imported %s allocation of %llu bytes (%u physical)",
+             d, r->vmm ? "VMM" : "legacy IPC",
+             (unsigned long long)r->alloc_size,
+             imp->vmm ? imp->nchunks : 1);
     return 0;
 
 err_free:
+    free(imp->handles);
+    free(imp->chunk);
     free(imp);
 err_close_fd:
-    if (r->vmm && r->fd >= 0) {
-        close(r->fd);
-        r->fd = -1;
-    }
+    gpu_import_req_close(r);
     return rc;
 }
 
@@ -542,10 +597,9 @@ void gpu_import_unref(gpu_import_t *imp)
         }
     cudaSetDevice(imp->device);
     if (imp->vmm) {
-        CUdeviceptr va = (CUdeviceptr)(uintptr_t)imp->base;
-        drv.unmap(va, imp->alloc_size);
-        drv.free_va(va, imp->alloc_size);
-        drv.release(imp->handle);
+        vmm_unmap(imp, imp->nchunks, (CUdeviceptr)(uintptr_t)imp->base);
+        free(imp->handles);
+        free(imp->chunk);
     } else {
         for (int o = 0; o < g.ndev; o++)
             if (imp->base_on[o]) {

@@ -37,8 +37,13 @@ void gpu_status(char *buf, size_t len);
 
 /* What a client sends to register a GPU pool. */
 typedef struct gpu_import_req {
-    int vmm;                  /* 1: fd is a VMM shareable handle */
-    int fd;                   /* VMM only; ownership passes to gpu_import */
+    int vmm;                  /* 1: fds are VMM shareable handles */
+    int *fds;                 /* VMM only: one per physical allocation,
+                                 in address order; gpu_import closes them
+                                 (and sets nfds to 0) on every path */
+    uint32_t nfds;
+    const uint64_t *chunk_sizes; /* nfds > 1: their sizes, summing to
+                                    alloc_size */
     uint8_t ipc_handle[64];   /* legacy only */
     uint8_t uuid[16];         /* device, as the client's CUDA names it */
     uint64_t alloc_id;        /* client's allocation base address */
@@ -49,10 +54,14 @@ typedef struct gpu_import_req {
 } gpu_import_req_t;
 
 /* Import (or find the cached import of) the allocation and return the
- * daemon's pointer to the pool and its device ordinal. */
+ * daemon's pointer to the pool and its device ordinal. VMM allocations
+ * (several: mapped back to back in one reserved range, as the client had
+ * them) are imported from req->fds. */
 int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
                int *device, char *why, size_t why_len);
 void gpu_import_unref(gpu_import_t *imp);
+/* Close what is left of req's fds (an error path before gpu_import). */
+void gpu_import_req_close(gpu_import_req_t *req);
 /* The pool's base as seen from kernels launched on device. */
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
                    size_t why_len);

@@ -17,14 +17,21 @@ int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
     (void)out;
     (void)ptr;
     (void)device;
-    if (req->vmm && req->fd >= 0)
-        close(req->fd);
+    gpu_import_req_close(req);
     snprintf(why, why_len, "register_pool.kind: GPU pool refused: %s",
              NO_CUDA);
     return KVX_ERR_UNSUPPORTED;
 }
 
 void gpu_import_unref(gpu_import_t *imp) { (void)imp; }
+
+void gpu_import_req_close(gpu_import_req_t *req)
+{
+    for (uint32_t i = 0; i < req->nfds; i++)
+        if (req->fds[i] >= 0)
+            close(req->fds[i]);
+    req->nfds = 0;
+}
 
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
                    size_t why_len)

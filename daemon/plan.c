@@ -280,6 +280,89 @@ void plan_free(plan_t *p)
     free(p);
 }
 
+/* Check one bound side of slice si (src: its source, else the
+ * destination) against its pool; see plan_check_bounds(). Indexes are
+ * checked against the layout first, so the byte sum below cannot
+ * overflow: the layout itself was checked to fit its pool. */
+static int side_check(const plan_t *p, uint32_t si, const plan_mem_t *m,
+                      int src, char *why, size_t why_len)
+{
+    const plan_slice_t *s = &p->slices[si];
+    const kvx_layout_t *l = m->layout, *dl = p->dst.layout;
+    const char *verb = src ? "reads" : "writes";
+    uint32_t lb = src ? s->src_layer_base : s->dst_layer_base;
+    uint32_t hb = src ? s->src_head_base : s->dst_head_base;
+    uint64_t row = (uint64_t)dl->head_dim * dl->elem_size;
+    if (s->layer0 < lb || s->layer0 - lb > l->num_layers ||
+        s->nlayers > l->num_layers - (s->layer0 - lb) || s->head0 < hb ||
+        s->head0 - hb > l->num_heads ||
+        s->nheads > l->num_heads - (s->head0 - hb) ||
+        dl->kv_factor > l->kv_factor ||
+        row > (uint64_t)l->head_dim * l->elem_size) {
+        snprintf(why, why_len,
+                 "pool %u: the plan %s layers [%u, +%u) heads [%u, +%u) of "
+                 "a layout with %u layers and %u heads (rows of %llu "
+                 "bytes)",
+                 m->pool, verb, s->layer0 - lb, s->nlayers, s->head0 - hb,
+                 s->nheads, l->num_layers, l->num_heads,
+                 (unsigned long long)row);
+        return KVX_ERR_INVALID;
+    }
+    uint64_t lmax = 0;
+    for (uint32_t k = 0; k < s->nlayers; k++)
+        if (l->layer_offset[s->layer0 - lb + k] > lmax)
+            lmax = l->layer_offset[s->layer0 - lb + k];
+    uint64_t fixed = lmax + (uint64_t)(dl->kv_factor - 1) * l->kv_stride +
+                     (uint64_t)(s->head0 - hb + s->nheads - 1) *
+                         l->head_stride +
+                     row;
+    for (uint32_t i = 0; i < p->nsegs; i++) {
+        const plan_seg_t *g = &p->segs[i];
+        uint32_t bi = src ? g->src_blk : g->dst_blk;
+        uint32_t tok = src ? g->src_tok : g->dst_tok;
+        if (bi >= m->num_blocks) {
+            snprintf(why, why_len,
+                     "pool %u: the plan %s block table entry %u of %u", m->pool,
+                     verb, bi, m->num_blocks);
+            return KVX_ERR_INVALID;
+        }
+        uint32_t b = m->blocks[bi];
+        if (b >= l->num_blocks || g->n == 0 || tok > l->tokens_per_block ||
+            g->n > l->tokens_per_block - tok) {
+            snprintf(why, why_len,
+                     "pool %u: the plan %s tokens [%u, +%u) of block %u; the "
+                     "pool has %u blocks of %u tokens",
+                     m->pool, verb, tok, g->n, b, l->num_blocks,
+                     l->tokens_per_block);
+            return KVX_ERR_INVALID;
+        }
+        uint64_t end = fixed + (uint64_t)b * l->block_stride +
+                       (uint64_t)(tok + g->n - 1) * l->token_stride;
+        if (end > m->size) {
+            snprintf(why, why_len,
+                     "pool %u: the plan %s up to byte %llu, past the pool's "
+                     "%llu bytes",
+                     m->pool, verb, (unsigned long long)end,
+                     (unsigned long long)m->size);
+            return KVX_ERR_INVALID;
+        }
+    }
+    return 0;
+}
+
+int plan_check_bounds(const plan_t *p, char *why, size_t why_len)
+{
+    int rc;
+    for (uint32_t i = 0; i < p->nslices; i++) {
+        if (p->src && p->src[i].blocks &&
+            (rc = side_check(p, i, &p->src[i], 1, why, why_len)))
+            return rc;
+        if (p->dst.blocks && (rc = side_check(p, i, &p->dst, 0, why, why_len)))
+            return rc;
+    }
+    return 0;
+}
+
 /* Slice holding unit u: slices are few, a linear scan is enough. */
 static uint32_t slice_of(const plan_t *p, uint64_t u)
 {

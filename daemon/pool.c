@@ -23,7 +23,8 @@ static uint32_t next_id = 1;
         rc = (code);                                                        \
     } while (0)
 
-int pool_register_host(uint64_t session_id, int fd, uint64_t size,
+int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
+                       uint64_t size,
                        const kvx_layout_t *layout, pool_t **out, char *why,
                        size_t why_len)
 {
@@ -50,10 +51,13 @@ int pool_register_host(uint64_t session_id, int fd, uint64_t size,
             "truncate it under the daemon)");
         goto err_close_fd;
     }
-    if ((uint64_t)st.st_size < size) {
+    if (offset > (uint64_t)st.st_size ||
+        (uint64_t)st.st_size - offset < size) {
         WHY(KVX_ERR_INVALID,
-            "register_pool.size: %llu exceeds the memfd's %llu bytes",
-            (unsigned long long)size, (unsigned long long)st.st_size);
+            "register_pool.size: [%llu, +%llu) runs past the memfd's %llu "
+            "bytes",
+            (unsigned long long)offset, (unsigned long long)size,
+            (unsigned long long)st.st_size);
         goto err_close_fd;
     }
     if ((rc = kvx__layout_check(layout, size, why, why_len)))
@@ -64,13 +68,20 @@ int pool_register_host(uint64_t session_id, int fd, uint64_t size,
         WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_close_fd;
     }
-    p->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p->base == MAP_FAILED) {
-        log_error("pool: mmap of %llu bytes: %m", (unsigned long long)size);
+    /* mmap maps whole pages: from the page that holds the pool's start */
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE), in_page = offset % pg;
+    p->map_len = in_page + size;
+    p->map = mmap(NULL, p->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                  (off_t)(offset - in_page));
+    if (p->map == MAP_FAILED) {
+        log_error("pool: mmap of %llu bytes: %m",
+                  (unsigned long long)p->map_len);
         WHY(KVX_ERR_NOMEM, "register_pool: mmap of %llu bytes failed: %s",
-            (unsigned long long)size, strerror(errno));
+            (unsigned long long)p->map_len, strerror(errno));
         goto err_free_pool;
     }
+    p->base = p->map + in_page;
+    p->offset = offset;
     p->id = next_id++;
     p->session_id = session_id;
     p->size = size;
@@ -86,7 +97,7 @@ int pool_register_host(uint64_t session_id, int fd, uint64_t size,
     return 0;
 
 err_unmap:
-    munmap(p->base, size);
+    munmap(p->map, p->map_len);
 err_free_pool:
     free(p);
 err_close_fd:
@@ -100,20 +111,17 @@ int pool_register_gpu(uint64_t session_id, gpu_import_req_t *req,
 {
     int rc;
     if (req->size == 0) {
-        if (req->vmm && req->fd >= 0)
-            close(req->fd);
+        gpu_import_req_close(req);
         snprintf(why, why_len, "register_pool.size: 0");
         return KVX_ERR_INVALID;
     }
     if ((rc = kvx__layout_check(layout, req->size, why, why_len))) {
-        if (req->vmm && req->fd >= 0)
-            close(req->fd);
+        gpu_import_req_close(req);
         return rc;
     }
     pool_t *p = calloc(1, sizeof(*p));
     if (!p) {
-        if (req->vmm && req->fd >= 0)
-            close(req->fd);
+        gpu_import_req_close(req);
         snprintf(why, why_len, "register_pool: out of memory");
         return KVX_ERR_NOMEM;
     }
@@ -121,6 +129,7 @@ int pool_register_gpu(uint64_t session_id, gpu_import_req_t *req,
                          why_len)))
         goto err_free;
     p->gpu = 1;
+    p->offset = req->offset;
     p->id = next_id++;
     p->session_id = session_id;
     p->size = req->size;
@@ -148,7 +157,7 @@ int pool_pin(pool_t *p, char *why, size_t why_len)
     if (p->gpu || p->pinned)
         return 0;
     uint64_t t0 = kvxd_now_ms();
-    if (gpu_host_register(p->base, used_bytes(p), -1)) {
+    if (gpu_host_register(p->map, used_bytes(p), -1)) {
         snprintf(why, why_len,
                  "pool %u: cannot register host memory with CUDA for a "
                  "GPU copy",
@@ -169,7 +178,25 @@ int pool_device_base(pool_t *p, int device, uint8_t **base, char *why,
         *base = p->base; /* pinned host memory: same address (UVA) */
         return 0;
     }
-    return gpu_import_ptr(p->import, device, base, why, why_len);
+    /* the import maps the whole allocation; the pool starts inside it
+     * (a tensor slice, a tensor the caching allocator placed in a
+     * segment, several pools in one allocation) */
+    uint8_t *alloc;
+    int rc = gpu_import_ptr(p->import, device, &alloc, why, why_len);
+    if (rc)
+        return rc;
+    *base = alloc + p->offset;
+    return 0;
+}
+
+plan_mem_t pool_mem(const pool_t *p, const uint32_t *blocks, uint32_t n)
+{
+    return (plan_mem_t){.base = p->base,
+                        .layout = &p->layout,
+                        .blocks = blocks,
+                        .num_blocks = n,
+                        .size = p->size,
+                        .pool = p->id};
 }
 
 static void pool_unmap(pool_t *p)
@@ -179,8 +206,8 @@ static void pool_unmap(pool_t *p)
         return;
     }
     if (p->pinned)
-        gpu_host_unregister(p->base);
-    munmap(p->base, p->size);
+        gpu_host_unregister(p->map);
+    munmap(p->map, p->map_len);
 }
 
 pool_t *pool_find(uint32_t id)
@@ -209,14 +236,16 @@ void pool_release(pool_t *p)
     pool_unref(p);
 }
 
-/* The bytes of a host pool that copies can touch: its layout's span,
- * whole pages (a client may declare a sparse memfd far larger; faulting
- * in or pinning all of it would charge the daemon for the holes). */
+/* The bytes of a host pool's mapping, from p->map, that copies can
+ * touch: up to its layout's span, whole pages (a client may declare a
+ * sparse memfd far larger; faulting in or pinning all of it would charge
+ * the daemon for the holes). */
 static uint64_t used_bytes(const pool_t *p)
 {
     uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
-    uint64_t u = (kvx_layout_span(&p->layout) + pg - 1) / pg * pg;
-    return u < p->size ? u : p->size;
+    uint64_t u = (uint64_t)(p->base - p->map) + kvx_layout_span(&p->layout);
+    u = (u + pg - 1) / pg * pg;
+    return u < p->map_len ? u : p->map_len;
 }
 
 /* Worker thread: fault the used part of the mapping in now, so the first
@@ -227,17 +256,17 @@ static void populate_run(copy_job_t *j)
     pool_t *p = j->owner; /* base, size and pin_on_populate: set before */
     uint64_t used = used_bytes(p);
 #ifdef MADV_POPULATE_WRITE
-    if (madvise(p->base, used, MADV_POPULATE_WRITE) != 0)
+    if (madvise(p->map, used, MADV_POPULATE_WRITE) != 0)
 #endif
     {
         /* older kernels: touch one byte per page (reading keeps data) */
         long pg = sysconf(_SC_PAGESIZE);
         for (uint64_t off = 0; off < used; off += (uint64_t)pg)
-            (void)*(volatile uint8_t *)(p->base + off);
+            (void)*(volatile uint8_t *)(p->map + off);
     }
     /* the result travels in the job; the loop sets p->pinned */
     if (p->pin_on_populate >= 0)
-        j->status = gpu_host_register(p->base, used,
+        j->status = gpu_host_register(p->map, used,
                                       p->pin_on_populate) ? 1 : 0;
 }
 

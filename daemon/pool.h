@@ -25,16 +25,23 @@ typedef struct pool {
     int pin_on_populate; /* >= 0: the populate job also pins, through this
                             device's context (set before the job) */
     int populating;      /* a populate job holds a reference */
-    uint8_t *base;
+    uint8_t *base;       /* the pool's own start, in the daemon's mapping
+                            (GPU: its allocation's mapping + offset) */
+    uint64_t offset;     /* where the pool starts in its allocation (GPU)
+                            or memfd (host) */
+    uint8_t *map;        /* host: the mapping, from the page that holds
+                            base */
+    uint64_t map_len;
     uint64_t size;
     kvx_layout_t layout;
     uint32_t users;      /* requests holding it */
     int released;        /* deregistered or owner gone */
 } pool_t;
 
-/* Map a host memfd of size bytes described by layout. Takes ownership of
- * fd (closed on every path). */
-int pool_register_host(uint64_t session_id, int fd, uint64_t size,
+/* Map bytes [offset, offset + size) of a host memfd, described by layout.
+ * Takes ownership of fd (closed on every path). */
+int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
+                       uint64_t size,
                        const kvx_layout_t *layout, pool_t **out, char *why,
                        size_t why_len);
 /* Import a GPU allocation (gpu_import) and check the layout fits. */
@@ -44,10 +51,13 @@ int pool_register_gpu(uint64_t session_id, gpu_import_req_t *req,
 /* Make a host pool readable and writable by GPU kernels (pins it;
  * blocking, once per pool). GPU pools: no-op. */
 int pool_pin(pool_t *p, char *why, size_t why_len);
-/* The pool's base as kernels on device see it (pinned host pools: their
- * own address). */
+/* The pool's own start (never its allocation's) as kernels on device see
+ * it (pinned host pools: their own address). */
 int pool_device_base(pool_t *p, int device, uint8_t **base, char *why,
                      size_t why_len);
+/* The pool as a plan binds it, read or written through blocks[0, n):
+ * its start in the daemon's mapping, its layout, size and id. */
+plan_mem_t pool_mem(const pool_t *p, const uint32_t *blocks, uint32_t n);
 /* Fault the mapping in on a copy worker (not on the loop). */
 void pool_populate(pool_t *p);
 /* A live (not released) pool, or NULL. */

@@ -547,14 +547,20 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
                  cp->rank_addresses[0]);
         return KVX_ERR_UNSUPPORTED;
     }
+    if (!p->pool->gpu) { /* GPU pools: checked below, once unbound */
+        int rc = plan_check_bounds(p->plan, why, why_len);
+        if (rc)
+            return rc;
+    }
     if (p->pool->gpu) {
         /* a GPU destination: the scatter is a kernel reading the slot */
         int rc, dev = p->pool->device;
         plan_t *pl = p->plan;
         static const kvx_layout_t none; /* sources: packed in the slot */
         for (uint32_t i = 0; i < pl->nslices; i++)
-            pl->src[i] = (plan_mem_t){NULL, &none, NULL, 0};
-        if ((rc = slots_pin(&rslots, dev, why, why_len)) ||
+            pl->src[i] = (plan_mem_t){.layout = &none};
+        if ((rc = plan_check_bounds(pl, why, why_len)) ||
+            (rc = slots_pin(&rslots, dev, why, why_len)) ||
             (rc = pool_device_base(p->pool, dev, &pl->dst.base, why,
                                    why_len)) ||
             (rc = gpu_part_create(pl, dev, &p->gpu, why, why_len)))
@@ -1257,16 +1263,21 @@ static int sstream_bind(sstream_t *s, offer_t *o)
         return 0;
     for (uint32_t i = 0; i < pl->nslices; i++) {
         offer_part_t *sp = &o->parts[pl->slices[i].src_rank];
-        pl->src[i] = i == s->slice ? (plan_mem_t){sp->pool->base,
-                                                  &sp->pool->layout,
-                                                  sp->blocks, sp->nblocks}
-                                   : (plan_mem_t){NULL, &none, NULL, 0};
+        pl->src[i] = i == s->slice
+                         ? pool_mem(sp->pool, sp->blocks, sp->nblocks)
+                         : (plan_mem_t){.layout = &none};
+    }
+    char why[256];
+    int rc;
+    if ((rc = plan_check_bounds(pl, why, sizeof(why)))) {
+        pl->src[s->slice] = (plan_mem_t){.layout = &none};
+        log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);
+        return rc;
     }
     if (!src->gpu)
         return 0;
-    char why[256];
-    int rc, dev = src->device;
-    pl->dst = (plan_mem_t){NULL, &s->dst_layout, NULL, 0};
+    int dev = src->device;
+    pl->dst = (plan_mem_t){.layout = &s->dst_layout};
     if ((rc = slots_pin(&sslots, dev, why, sizeof(why))) ||
         (rc = pool_device_base(src, dev, &pl->src[s->slice].base, why,
                                sizeof(why))) ||
@@ -1402,8 +1413,8 @@ static void serve_pulls(void)
             peer_conn_t *sc = s->conn;
             uint64_t dst = s->dst_id;
             sstream_end(s); /* may free s */
-            send_end(sc, dst, rc, "the context daemon cannot bind its GPU "
-                                  "source");
+            send_end(sc, dst, rc, "the context daemon cannot bind its "
+                                  "source (its log says why)");
             offer_fail_t *f = calloc(1, sizeof(*f));
             if (f) { /* ended from remote_tick() */
                 snprintf(f->instance, sizeof(f->instance), "%s",
@@ -1414,7 +1425,7 @@ static void serve_pulls(void)
                 ofails = f;
             } else { /* out of memory: now, and nothing more this turn */
                 xfer_offer_end(o, KVX_EVENT_ERROR, rc,
-                               "binding the GPU source for a peer failed");
+                               "binding the source for a peer failed");
             }
             return; /* lists changed: the next pull or tick goes on */
         }
@@ -1820,7 +1831,7 @@ void remote_tick(uint64_t now)
         offer_t *o = inst ? map_get(&inst->offers, f->request_id) : NULL;
         if (o)
             xfer_offer_end(o, KVX_EVENT_ERROR, f->code,
-                           "binding the GPU source for a peer failed");
+                           "binding the source for a peer failed");
         free(f);
     }
     if (pq_head && sslots.nfree)

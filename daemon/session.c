@@ -25,7 +25,9 @@
 #include "stats.h"
 #include "xfer.h"
 
-#define MAX_FDS 8
+/* fds received and not yet taken by a request: a GPU pool over many VMM
+ * allocations brings one each; more are closed as they come */
+#define MAX_FDS (KVX_MAX_POOL_CHUNKS + 8)
 #define OUT_MAX (256u << 20) /* a client this far behind is dropped */
 
 struct session {
@@ -39,8 +41,8 @@ struct session {
     frame_reader_t rd;
     uint8_t *out;
     size_t out_len, out_off, out_cap;
-    int fds[MAX_FDS];           /* received with SCM_RIGHTS, not yet used */
-    int nfds;
+    int *fds;                   /* received with SCM_RIGHTS, not yet used */
+    uint32_t nfds, fds_cap;
     int hello;                  /* Hello accepted */
     instance_t *inst;
     uint32_t rank;
@@ -379,30 +381,85 @@ static void on_join(session_t *s, const Kvxfer__Request *rq)
     reply(s, rq->id, rc, rc ? why : "");
 }
 
+/* The fds and chunk sizes of a RegisterPool: need fds expected, got
+ * taken (queued: what was left). 0, or the code with why. */
+static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
+                          uint32_t got, uint32_t queued, char *why,
+                          size_t why_len)
+{
+    int vmm = m->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
+    uint64_t sum = 0;
+    int bad = 0;
+    if (m->kind > KVXFER__POOL_KIND__POOL_GPU_VMM_FD) {
+        snprintf(why, why_len, "register_pool.kind: unknown value %d",
+                 m->kind);
+        return KVX_ERR_INVALID;
+    }
+    for (size_t i = 0; i < m->n_chunk_sizes; i++)
+        bad |= !m->chunk_sizes[i] ||
+               __builtin_add_overflow(sum, m->chunk_sizes[i], &sum);
+    if (m->n_chunk_sizes > KVX_MAX_POOL_CHUNKS) {
+        snprintf(why, why_len,
+                 "register_pool.chunk_sizes: %zu allocations (at most %u)",
+                 m->n_chunk_sizes, KVX_MAX_POOL_CHUNKS);
+        return KVX_ERR_LIMIT;
+    }
+    if (m->n_chunk_sizes && !vmm) {
+        snprintf(why, why_len,
+                 "register_pool.chunk_sizes: only VMM pools span several "
+                 "allocations");
+        return KVX_ERR_INVALID;
+    }
+    if (m->n_chunk_sizes && (bad || sum != m->alloc_size)) {
+        snprintf(why, why_len,
+                 "register_pool.chunk_sizes: a size of 0, or sizes that do "
+                 "not sum to alloc_size %llu",
+                 (unsigned long long)m->alloc_size);
+        return KVX_ERR_INVALID;
+    }
+    if (got < need) {
+        snprintf(why, why_len,
+                 "register_pool: %zu fd(s) expected with the request, %u "
+                 "arrived (send them with SCM_RIGHTS)",
+                 need, queued);
+        return KVX_ERR_INVALID;
+    }
+    return 0;
+}
+
 static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
     const Kvxfer__RegisterPool *m = rq->register_pool;
-    int needs_fd = m->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD ||
-                   m->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
-    /* the fd travels with this frame: take it first so every path below
-     * closes it */
-    int fd = -1;
-    if (needs_fd && s->nfds > 0) {
-        fd = s->fds[0];
-        memmove(s->fds, s->fds + 1, (size_t)(--s->nfds) * sizeof(int));
-    }
+    int vmm = m->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
+    /* host memfd: one fd; VMM: one per physical allocation */
+    size_t need = m->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD ? 1
+                  : vmm ? (m->n_chunk_sizes ? m->n_chunk_sizes : 1)
+                        : 0;
+    if (need > KVX_MAX_POOL_CHUNKS)
+        need = 0; /* refused below; what came is closed with the session */
+    /* the fds travel with this frame: take them first so every path
+     * below closes them */
+    int *fds = NULL;
+    uint32_t nfds = 0;
     int rc = 0;
-    if (needs_fd && fd < 0) {
-        snprintf(why, sizeof(why),
-                 "register_pool: no fd arrived with the request (send it "
-                 "with SCM_RIGHTS)");
-        rc = KVX_ERR_INVALID;
-    } else if (m->kind > KVXFER__POOL_KIND__POOL_GPU_VMM_FD) {
-        snprintf(why, sizeof(why), "register_pool.kind: unknown value %d",
-                 m->kind);
-        rc = KVX_ERR_INVALID;
-    } else if (s->pools.n >= kvxd.conf.max_pools) {
+    if (need && s->nfds >= need) {
+        fds = malloc(need * sizeof(int));
+        if (!fds) {
+            snprintf(why, sizeof(why), "register_pool: out of memory");
+            rc = KVX_ERR_NOMEM;
+        } else {
+            nfds = (uint32_t)need;
+            memcpy(fds, s->fds, need * sizeof(int));
+            memmove(s->fds, s->fds + need,
+                    (s->nfds - need) * sizeof(int));
+            s->nfds -= (uint32_t)need;
+        }
+    }
+    int fd = nfds ? fds[0] : -1;
+    if (!rc)
+        rc = pool_msg_check(m, need, nfds, s->nfds, why, sizeof(why));
+    if (!rc && s->pools.n >= kvxd.conf.max_pools) {
         snprintf(why, sizeof(why),
                  "register_pool: %u pools (limits.max_pools)", s->pools.n);
         rc = KVX_ERR_LIMIT;
@@ -411,19 +468,22 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
     if (!rc)
         rc = layout_from_msg(m->layout, &l, why, sizeof(why));
     if (rc) {
-        if (fd >= 0)
-            close(fd);
+        for (uint32_t i = 0; i < nfds; i++)
+            close(fds[i]);
+        free(fds);
         reply(s, rq->id, rc, why);
         return;
     }
     pool_t *p;
     if (m->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
-        rc = pool_register_host(s->id, fd, m->size, &l, &p, why,
-                                sizeof(why));
+        free(fds); /* its one fd goes on, as fd */
+        rc = pool_register_host(s->id, fd, m->alloc_offset, m->size, &l, &p,
+                                why, sizeof(why));
     } else {
-        gpu_import_req_t g = {.vmm = m->kind ==
-                                     KVXFER__POOL_KIND__POOL_GPU_VMM_FD,
-                              .fd = fd,
+        gpu_import_req_t g = {.vmm = vmm,
+                              .fds = fds,
+                              .nfds = nfds,
+                              .chunk_sizes = m->chunk_sizes,
                               .alloc_id = m->alloc_id,
                               .alloc_size = m->alloc_size,
                               .offset = m->alloc_offset,
@@ -431,8 +491,8 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
                               .owner = s->id};
         if (m->gpu_uuid.len != 16 ||
             (!g.vmm && m->ipc_handle.len != sizeof(g.ipc_handle))) {
-            if (fd >= 0)
-                close(fd);
+            gpu_import_req_close(&g);
+            free(fds);
             FAIL(KVX_ERR_INVALID,
                  "register_pool.%s: %zu bytes (expected %d)",
                  m->gpu_uuid.len != 16 ? "gpu_uuid" : "ipc_handle",
@@ -444,6 +504,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         if (!g.vmm)
             memcpy(g.ipc_handle, m->ipc_handle.data, sizeof(g.ipc_handle));
         rc = pool_register_gpu(s->id, &g, &l, &p, why, sizeof(why));
+        free(fds); /* closed by the import, on every path */
     }
     if (rc) {
         reply(s, rq->id, rc, why);
@@ -693,7 +754,17 @@ static void take_fds(session_t *s, struct msghdr *mh)
         size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
         int *fds = (int *)CMSG_DATA(c);
         for (size_t i = 0; i < n; i++) {
-            if (s->nfds < MAX_FDS && s->hello)
+            if (s->nfds == s->fds_cap && s->hello && s->fds_cap < MAX_FDS) {
+                uint32_t cap = s->fds_cap ? s->fds_cap * 2 : 8;
+                if (cap > MAX_FDS)
+                    cap = MAX_FDS;
+                int *nf = realloc(s->fds, cap * sizeof(int));
+                if (nf) {
+                    s->fds = nf;
+                    s->fds_cap = cap;
+                }
+            }
+            if (s->nfds < s->fds_cap && s->hello)
                 s->fds[s->nfds++] = fds[i];
             else
                 close(fds[i]); /* too many, or before hello */
@@ -711,7 +782,7 @@ static void on_readable(session_t *s)
             return;
         }
         union {
-            char buf[CMSG_SPACE(MAX_FDS * sizeof(int))];
+            char buf[CMSG_SPACE(FRAME_FDS_PER_SEND * sizeof(int))];
             struct cmsghdr align;
         } cm;
         struct iovec iov = {buf, room};
@@ -901,8 +972,9 @@ static void session_close(session_t *s, const char *why)
     map_free(&s->pools);
     if (s->inst)
         instance_detach(s->inst, s->rank);
-    for (int i = 0; i < s->nfds; i++)
+    for (uint32_t i = 0; i < s->nfds; i++)
         close(s->fds[i]);
+    free(s->fds);
     frame_reader_cleanup(&s->rd);
     free(s->out);
     s->out = NULL;

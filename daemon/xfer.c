@@ -501,10 +501,17 @@ static void part_try_start(genpart_t *p)
             return; /* wait for that rank's publish */
     for (uint32_t i = 0; i < plan->nslices; i++) {
         offer_part_t *sp = &o->parts[plan->slices[i].src_rank];
-        plan->src[i] = (plan_mem_t){sp->pool->base, &sp->pool->layout,
-                                    sp->blocks, sp->nblocks};
+        plan->src[i] = pool_mem(sp->pool, sp->blocks, sp->nblocks);
     }
     p->started = 1;
+    char why[256];
+    int rc = plan_check_bounds(plan, why, sizeof(why));
+    if (rc) {
+        log_error("fetch of request %llu: %s",
+                  (unsigned long long)g->request_id, why);
+        genreq_end(g, KVX_EVENT_ERROR, rc, why);
+        return;
+    }
     /* A GPU pool on either side: the plan runs on the GPU, host pools in
      * it are pinned so the kernel can reach them. */
     /* Launch where the source is when it is a GPU: the kernel then reads
@@ -520,8 +527,7 @@ static void part_try_start(genpart_t *p)
     if (device < 0 && p->pool->gpu)
         device = p->pool->device;
     if (device >= 0 && plan->nunits) {
-        char why[256];
-        int rc = pool_pin(p->pool, why, sizeof(why));
+        rc = pool_pin(p->pool, why, sizeof(why));
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
             rc = pool_pin(o->parts[plan->slices[i].src_rank].pool, why,
                           sizeof(why));
@@ -597,7 +603,7 @@ static genpart_t *part_fetched(genreq_t *g, uint32_t rank, pool_t *pool,
     p->blocks = bt;
     p->nblocks = plan->dst_blocks_needed;
     p->plan = plan;
-    plan->dst = (plan_mem_t){pool->base, &pool->layout, bt, p->nblocks};
+    plan->dst = pool_mem(pool, bt, p->nblocks);
     g->nfetched++;
     g->bytes_total += plan->bytes;
     return p;

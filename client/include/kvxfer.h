@@ -90,6 +90,9 @@ unsigned kvx_dtype_size(kvx_dtype_t dtype);
 
 #define KVX_MAX_LAYERS 1024u
 #define KVX_MAX_RANKS 1024u
+/* Physical allocations one GPU pool may span (VMM memory mapped back to
+ * back, as PyTorch's expandable segments do). */
+#define KVX_MAX_POOL_CHUNKS 16384u
 
 typedef struct {
     uint32_t tp, pp, cp;
@@ -184,12 +187,23 @@ int kvx_join(kvx_client_t *client, const char *const *rank_addresses,
 int kvx_pool_create_host(kvx_client_t *client, const kvx_layout_t *layout,
                          uint64_t size, void **base, uint32_t *pool_id,
                          int timeout_ms);
+/* Register bytes [offset, offset + size) of a memfd the caller made as a
+ * pool (host memory the engine already has: an offload buffer, one pool
+ * of several in one file). The memfd must be sealed against shrinking
+ * (F_SEAL_SHRINK); offset need not be page-aligned. The caller keeps fd
+ * and its own mapping; the daemon maps only the pool's pages. */
+int kvx_pool_register_host(kvx_client_t *client, const kvx_layout_t *layout,
+                           int fd, uint64_t offset, uint64_t size,
+                           uint32_t *pool_id, int timeout_ms);
 /* Register GPU memory [dev_ptr, dev_ptr + size) of the calling process as
  * a pool. dev_ptr may point inside a larger allocation (e.g. PyTorch's
  * caching allocator): the library finds the allocation and shares it with
  * the daemon, by a legacy cudaIpcMemHandle (cudaMalloc memory) or a POSIX
  * fd (cuMemCreate/VMM memory, which must be created exportable as
- * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). Uses the process's CUDA
+ * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). VMM memory may span several
+ * physical allocations mapped back to back (PyTorch's
+ * expandable_segments), up to KVX_MAX_POOL_CHUNKS: each is exported and
+ * the daemon maps them back to back again. Uses the process's CUDA
  * driver through dlopen; KVX_ERR_UNSUPPORTED when there is none or the
  * daemon was built without CUDA. */
 int kvx_pool_register_gpu(kvx_client_t *client, const kvx_layout_t *layout,

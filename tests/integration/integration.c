@@ -1258,6 +1258,165 @@ TEST(publish_fetch_verified)
     daemon_stop_ok(d);
 }
 
+/* ---- pools inside a larger memfd, between guard bands ---------------- */
+
+/* The host side of the GPU-pool offset bug (issue 14): pools that start
+ * inside a larger allocation, two pools in one, every byte outside the
+ * destination pool checked unchanged after the transfer. */
+#define GB_GUARD 8192
+#define GB_SENT 0x5c
+
+static uint32_t gb_rnd(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(*s >> 33);
+}
+
+/* One request from a context pool to a generation pool, both inside one
+ * sealed memfd at offsets chosen by seed: unaligned, sometimes at 0,
+ * sometimes back to back, in either order. cd serves the context rank,
+ * gd the generation rank. */
+static void gb_case(daemon_t *cd, daemon_t *gd, const char *tag,
+                    const char *cp, const char *gp, uint64_t *seed)
+{
+    static const uint32_t tpbs[] = {2, 4, 8};
+    char ci[64], gi[64];
+    snprintf(ci, sizeof(ci), "%s-ctx", tag);
+    snprintf(gi, sizeof(gi), "%s-gen", tag);
+    side_t cs = {.inst = ci, .role = KVX_ROLE_CONTEXT, .tp = 1, .pp = 1,
+                 .preset = cp, .tpb = tpbs[gb_rnd(seed) % 3]};
+    side_t gs = {.inst = gi, .role = KVX_ROLE_GENERATION, .tp = 1, .pp = 1,
+                 .preset = gp, .tpb = tpbs[gb_rnd(seed) % 3]};
+    rank_t c, g;
+    rank_hello_only(cd, &M_SMALL, &cs, 0, &c);
+    rank_join(&c);
+    rank_hello_only(gd, &M_SMALL, &gs, 0, &g);
+    rank_join(&g);
+    rank_layout(&c, 8, &c.lay);
+    rank_layout(&g, 8, &g.lay);
+    c.size = kvx_layout_span(&c.lay);
+    g.size = kvx_layout_span(&g.lay);
+    /* first pool at 0 or after a guard, the second right after it or
+     * after a gap; either side first */
+    int ctx_first = gb_rnd(seed) % 2;
+    rank_t *first = ctx_first ? &c : &g, *second = ctx_first ? &g : &c;
+    uint64_t o1 = gb_rnd(seed) % 4 ? GB_GUARD + gb_rnd(seed) % 4096 : 0;
+    uint64_t o2 = o1 + first->size +
+                  (gb_rnd(seed) % 2 ? 0 : 1 + gb_rnd(seed) % 300);
+    uint64_t total = o2 + second->size + GB_GUARD;
+    int fd = memfd_create("kvx-guard", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0);
+    CHECK(ftruncate(fd, (off_t)total) == 0);
+    CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+    uint8_t *mem = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(mem != MAP_FAILED);
+    memset(mem, GB_SENT, total);
+    first->base = mem + o1;
+    second->base = mem + o2;
+    CHECK_KVX(kvx_pool_register_host(first->c, &first->lay, fd, o1,
+                                     first->size, &first->pool, T_MS),
+              first->c);
+    CHECK_KVX(kvx_pool_register_host(second->c, &second->lay, fd, o2,
+                                     second->size, &second->pool, T_MS),
+              second->c);
+
+    /* scattered blocks, different on the two sides */
+    uint32_t ntok = 16 - gb_rnd(seed) % 5, cb[8], gb[8];
+    uint32_t cn = ceil_div(ntok, cs.tpb), gn = ceil_div(ntok, gs.tpb);
+    for (uint32_t i = 0; i < 8; i++) {
+        cb[i] = (i * 5 + 3) % 8;
+        gb[i] = 7 - i;
+    }
+    uint64_t req = 0x6b00 + gb_rnd(seed);
+    fill_req(&c, req, cb, ntok);
+    uint8_t *before = malloc(total);
+    CHECK(before);
+    memcpy(before, mem, total);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, req, c.pool, cb, cn, ntok, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, req, p.data, p.len, g.pool, gb, gn, 0, T_MS),
+              g.c);
+    wait_event(g.c, req, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, req, KVX_EVENT_COMPLETE, 0, 5000);
+    kvx_context_params_free(&p);
+    expect_t e = {req, gb, ntok, 0};
+    uint64_t og = (uint64_t)(g.base - mem);
+    if (check_pool(&g, &e, 1, GB_SENT) ||
+        memcmp(mem, before, og) ||
+        memcmp(mem + og + g.size, before + og + g.size,
+               total - og - g.size)) {
+        for (uint64_t i = 0; i < total; i++)
+            if ((i < og || i >= og + g.size) && mem[i] != before[i]) {
+                fprintf(stderr, "%s: byte %llu outside the destination "
+                        "pool [%llu, +%llu) changed\n", tag,
+                        (unsigned long long)i, (unsigned long long)og,
+                        (unsigned long long)g.size);
+                break;
+            }
+        fprintf(stderr, "%s: %s at %llu, %s at %llu, %llu bytes in all\n",
+                tag, cp, (unsigned long long)(c.base - mem), gp,
+                (unsigned long long)og, (unsigned long long)total);
+        CHECK(!"wrong bytes, or bytes outside the destination pool written");
+    }
+    free(before);
+    rank_close(&c);
+    rank_close(&g);
+    munmap(mem, total);
+    close(fd);
+}
+
+static const char *const gb_presets[] = {"vllm-nhd", "vllm-hnd", "trtllm",
+                                         "flashinfer"};
+
+TEST_T(host_pools_inside_one_memfd_guard_bands, 60)
+{
+    daemon_t *d = daemon_start(NULL);
+    uint64_t seed = 14;
+    char tag[32];
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 4; b++)
+            for (int k = 0; k < 2; k++) {
+                snprintf(tag, sizeof(tag), "gb%d%d%d", a, b, k);
+                gb_case(d, d, tag, gb_presets[a], gb_presets[b], &seed);
+            }
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* kvx_pool_register_host refuses a range past the memfd and a memfd that
+ * could shrink, naming the problem. */
+TEST(host_pool_register_refusals)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t r;
+    side_t s = {.inst = "hr", .role = KVX_ROLE_CONTEXT, .tp = 1, .pp = 1,
+                .preset = "vllm-nhd", .tpb = 4};
+    rank_hello_only(d, &M_SMALL, &s, 0, &r);
+    rank_join(&r);
+    rank_layout(&r, 8, &r.lay);
+    uint64_t size = kvx_layout_span(&r.lay);
+    int fd = memfd_create("kvx-ref", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0);
+    CHECK(ftruncate(fd, (off_t)(size + 100)) == 0);
+    CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, 0, size, &r.pool,
+                                       T_MS),
+                r.c, KVX_ERR_INVALID, "F_SEAL_SHRINK");
+    CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+    CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, 101, size, &r.pool,
+                                       T_MS),
+                r.c, KVX_ERR_INVALID, "runs past the memfd's");
+    CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, UINT64_MAX - 4,
+                                       size, &r.pool, T_MS),
+                r.c, KVX_ERR_INVALID, "runs past the memfd's");
+    CHECK_KVX(kvx_pool_register_host(r.c, &r.lay, fd, 100, size, &r.pool,
+                                     T_MS),
+              r.c);
+    close(fd);
+    rank_close(&r);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
 /* 2. */
 TEST(two_by_two)
 {

@@ -500,6 +500,23 @@ TEST_T(peer_transfer_both_directions, 90)
     p_stop_both(a, b);
 }
 
+/* Pools inside one memfd between guard bands, across two daemons: the
+ * context daemon gathers from an offset pool into its slots, the
+ * generation daemon scatters into one; nothing outside moves. */
+TEST_T(peer_host_pools_guard_bands, 90)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    uint64_t seed = 41;
+    char tag[32];
+    for (int k = 0; k < 8; k++) {
+        snprintf(tag, sizeof(tag), "pgb%d", k);
+        gb_case(k % 2 ? b : a, k % 2 ? a : b, tag, gb_presets[k % 4],
+                gb_presets[(k / 2) % 4], &seed);
+    }
+    p_stop_both(a, b);
+}
+
 /* 8 KiB a token: a 300-token request is about 2.4 MB */
 static const model_t M_8K = {.layers = 4,
                              .heads = 4,

@@ -671,8 +671,15 @@ typedef struct rank_mem {
     uint32_t l0, h0; /* global first layer and head */
 } rank_mem_t;
 
-/* Allocate the pool of rank r of side s (misaligned on purpose), with a
- * random block table of need blocks out of a few more. */
+/* Guard bands: GUARD bytes of sentinel before and after every pool, in
+ * the same allocation, checked unchanged after every execution (a plan
+ * that reaches outside its pool fails here, not in an engine). */
+#define GUARD 4096
+#define SENTINEL 0xa5
+
+/* Allocate the pool of rank r of side s (misaligned on purpose) between
+ * guard bands, with a random block table of need blocks out of a few
+ * more. */
 static void rank_mem_make(rank_mem_t *m, const plan_side_t *s, uint32_t r,
                           const char *preset, uint32_t need)
 {
@@ -688,9 +695,10 @@ static void rank_mem_make(rank_mem_t *m, const plan_side_t *s, uint32_t r,
     char why[256];
     CHECK_EQ(kvx__layout_check(&m->layout, m->size, why, sizeof(why)), 0);
     uint32_t mis = rnd() % 16;
-    m->alloc = malloc(m->size + 16);
+    m->alloc = malloc(GUARD + m->size + 16 + GUARD);
     CHECK(m->alloc);
-    m->base = m->alloc + mis;
+    memset(m->alloc, SENTINEL, GUARD + m->size + 16 + GUARD);
+    m->base = m->alloc + GUARD + mis;
     /* a random table: distinct pool blocks in random order */
     uint32_t *perm = malloc(nb * sizeof(uint32_t));
     CHECK(perm);
@@ -703,6 +711,20 @@ static void rank_mem_make(rank_mem_t *m, const plan_side_t *s, uint32_t r,
     }
     m->blocks = perm;
     m->nblocks = need;
+}
+
+/* Every byte of m's allocation outside [base, base + size) is still the
+ * sentinel. */
+static int guards_intact(const rank_mem_t *m)
+{
+    const uint8_t *end = m->alloc + GUARD + m->size + 16 + GUARD;
+    for (const uint8_t *q = m->alloc; q < end; q++)
+        if ((q < m->base || q >= m->base + m->size) && *q != SENTINEL) {
+            fprintf(stderr, "guard byte %td from the pool's start is %#x\n",
+                    q - m->base, *q);
+            return 0;
+        }
+    return 1;
 }
 
 static void rank_mem_free(rank_mem_t *m)
@@ -867,10 +889,16 @@ static void e2e_run(const e2e_t *c)
             const rank_mem_t *m = &src[s->src_rank];
             CHECK_EQ(s->src_layer_base, m->l0);
             CHECK_EQ(s->src_head_base, m->h0);
-            p->src[i] = (plan_mem_t){m->base, &m->layout, m->blocks,
-                                     m->nblocks};
+            p->src[i] = (plan_mem_t){m->base,   &m->layout, m->blocks,
+                                     m->nblocks, m->size,   s->src_rank};
         }
-        p->dst = (plan_mem_t){dst.base, &dst.layout, dst.blocks, dst.nblocks};
+        p->dst = (plan_mem_t){dst.base,   &dst.layout, dst.blocks,
+                              dst.nblocks, dst.size,   100 + r};
+        char bwhy[256];
+        if (plan_check_bounds(p, bwhy, sizeof(bwhy))) {
+            fprintf(stderr, "%s\n", bwhy);
+            CHECK(!"a plan of valid pools fails its bounds check");
+        }
         CHECK_EQ(plan_units_bytes(p, 0, p->nunits), p->bytes);
         /* execute in random unit ranges, in random order */
         uint64_t cuts[9];
@@ -906,6 +934,7 @@ static void e2e_run(const e2e_t *c)
                     dst.base[o], want[o]);
             CHECK(!"destination differs from direct indexing");
         }
+        CHECK(guards_intact(&dst));
         /* the packed path between daemons: each range gathered into a
          * buffer as the context daemon does, scattered from it as the
          * generation daemon does, lands the same bytes */
@@ -921,6 +950,7 @@ static void e2e_run(const e2e_t *c)
         }
         free(buf);
         CHECK(!memcmp(dst.base, want, dst.size));
+        CHECK(guards_intact(&dst));
         plan_free(p);
         free(want);
         rank_mem_free(&dst);
@@ -928,6 +958,7 @@ static void e2e_run(const e2e_t *c)
     for (uint32_t r = 0; r < ns; r++) {
         /* the source pools are only read */
         CHECK(!memcmp(snap[r], src[r].base, src[r].size));
+        CHECK(guards_intact(&src[r]));
         free(snap[r]);
         rank_mem_free(&src[r]);
     }
@@ -987,4 +1018,50 @@ TEST_T(end_to_end_fixed_cases, 120)
                 c.skip = cases[i].skip;
                 e2e_run(&c);
             }
+}
+
+/* plan_check_bounds() refuses, naming the pool, every way a bound side
+ * could reach outside its pool: a pool smaller than its layout claims, a
+ * block past the layout's blocks, a table entry past the table. */
+TEST(bounds_check_refuses_outside_the_pool)
+{
+    plan_side_t a = side(1, 1, 2, 4, 16), b = side(1, 1, 2, 4, 16);
+    plan_t *p = build(&a, &b, 0, 40, 0);
+    rank_mem_t s, d;
+    rank_mem_make(&s, &a, 0, "vllm-nhd", 3);
+    rank_mem_make(&d, &b, 0, "trtllm", 3);
+    p->src[0] = (plan_mem_t){s.base, &s.layout, s.blocks, s.nblocks, s.size, 7};
+    p->dst = (plan_mem_t){d.base, &d.layout, d.blocks, d.nblocks, d.size, 9};
+    char why[256];
+    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), 0);
+
+    /* a pool one byte short of its last block */
+    uint32_t last = 0;
+    for (uint32_t i = 0; i < d.nblocks; i++)
+        if (d.blocks[i] > last)
+            last = d.blocks[i];
+    p->dst.size = (uint64_t)(last + 1) * d.layout.block_stride - 1;
+    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(why, "pool 9: the plan writes up to byte");
+    p->dst.size = d.size;
+
+    /* a block id past the layout's blocks */
+    uint32_t keep = s.blocks[1];
+    s.blocks[1] = s.layout.num_blocks;
+    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(why, "pool 7: the plan reads tokens");
+    s.blocks[1] = keep;
+
+    /* a table shorter than the plan's segments */
+    p->src[0].num_blocks = 1;
+    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(why, "pool 7: the plan reads block table entry 1 of 1");
+    p->src[0].num_blocks = s.nblocks;
+
+    /* an unbound side (packed, between daemons) is not checked */
+    p->dst = (plan_mem_t){.layout = &d.layout};
+    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), 0);
+    plan_free(p);
+    rank_mem_free(&s);
+    rank_mem_free(&d);
 }
