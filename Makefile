@@ -166,17 +166,24 @@ demo: deps
 	@scripts/demo.sh $(BUILD)
 
 # GPU tests: need a CUDA build and a GPU; anything less skips, saying why.
+GPU_TESTS := $(if $(filter 1,$(CUDA)),$(BUILD)/tests/gpu $(BUILD)/tests/libkvxtorch.so)
+
 test-gpu: deps
-	@$(MAKE) --no-print-directory all $(if $(filter 1,$(CUDA)),$(BUILD)/tests/gpu)
+	@$(MAKE) --no-print-directory all $(GPU_TESTS)
 	@scripts/test-gpu.sh $(BUILD)
 
 $(BUILD)/tests/gpu: tests/gpu/gpu.c tests/test.h $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS) $(CUDA_LIBS)
 
+# what tests/gpu/torch_pools.py calls through ctypes
+$(BUILD)/tests/libkvxtorch.so: tests/gpu/torch_shim.c $(BUILD)/libkvxfer.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -shared -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
+
 # A relocatable tree for GPU nodes whose image lacks libuv, protobuf-c or
 # libyaml: the binaries plus those libraries from Debian's packages.
-bundle: all $(if $(filter 1,$(CUDA)),$(BUILD)/tests/gpu)
+bundle: all $(GPU_TESTS)
 	@scripts/bundle.sh $(BUILD) dist/kvxfer
 
 install: all

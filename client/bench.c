@@ -81,6 +81,11 @@ static struct opts {
     const char *cpus[2];           /* --cpus-a, --cpus-b: CPU lists */
     uint32_t npeer_config;
     const char *ucx_tls;
+    int guard;                     /* --pool-offset given */
+    uint64_t pool_offset;          /* pools start this far into their
+                                      allocation, guard bands around */
+    uint64_t vmm_chunk;            /* --vmm-chunk: VMM pools of several
+                                      physical allocations */
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
@@ -108,6 +113,7 @@ struct shared {
     char gen_address[192];           /* daemon of the generation ranks */
     _Atomic uint64_t first_fetch_ns, last_done_ns;
     _Atomic uint64_t mismatches, verified_bytes, errors;
+    _Atomic uint64_t guard_changed;  /* guard-band bytes found changed */
     char error_text[512];
     /* then: params slots, then latencies of gen rank 0 */
 };
@@ -190,7 +196,15 @@ typedef struct rank_view {
     uint32_t layer0;      /* first global layer of the rank (PP) */
     uint32_t bpr;         /* blocks per request on this side */
     int device;           /* >= 0: GPU pool on this device */
+    uint8_t *alloc;       /* --pool-offset: the allocation around base */
+    uint64_t alloc_len;
 } rank_view_t;
+
+/* --pool-offset: every pool starts o.pool_offset bytes into an
+ * allocation that runs GUARD_TAIL bytes past it; both bands hold
+ * GUARD_BYTE and are checked unchanged when the rank ends. */
+#define GUARD_TAIL 65536
+#define GUARD_BYTE 0xa5
 
 static uint32_t my_pair; /* which instance pair this rank process is in */
 
@@ -271,6 +285,33 @@ static uint64_t check_request(const rank_view_t *v, uint64_t r)
     return bad;
 }
 
+/* Guard-band bytes around a rank's pool that are no longer GUARD_BYTE
+ * (--pool-offset): any is a write outside the pool. */
+static uint64_t guard_changed(const rank_view_t *v)
+{
+    if (!o.guard)
+        return 0;
+    uint64_t size = kvx_layout_span(&v->layout), off = o.pool_offset;
+    uint8_t *img = v->alloc;
+    uint8_t *tmp = NULL;
+#ifdef KVX_CUDA
+    if (v->device >= 0) {
+        tmp = malloc(v->alloc_len);
+        if (!tmp || bgpu_copy_to_host(v->device, tmp, v->alloc, off) ||
+            bgpu_copy_to_host(v->device, tmp + off + size,
+                              v->alloc + off + size, GUARD_TAIL))
+            die("GPU %d: guard-band copy failed", v->device);
+        img = tmp;
+    }
+#endif
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < v->alloc_len; i++)
+        if ((i < off || i >= off + size) && img[i] != GUARD_BYTE)
+            bad++;
+    free(tmp);
+    return bad;
+}
+
 /* ---- ranks ------------------------------------------------------------ */
 
 /* Connect rank `rank` (pp_rank * tp + tp_rank) of one side, join, and
@@ -322,20 +363,51 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
     void *ptr;
     v->device = -1;
     int on_gpu = o.gpu && !(ctx ? o.ctx_host : o.gen_host);
+    uint64_t off = o.pool_offset, tail = o.guard ? GUARD_TAIL : 0;
+    v->alloc = NULL;
+    v->alloc_len = off + size + tail;
     if (on_gpu) {
 #ifdef KVX_CUDA
         char err[256];
         v->device = ctx ? o.ctx_device : o.gen_device;
-        if (bgpu_alloc(v->device, size, o.vmm, &ptr, err, sizeof(err)))
+        void *alloc;
+        if (bgpu_alloc(v->device, v->alloc_len, o.vmm, o.vmm_chunk, &alloc,
+                       err, sizeof(err)))
             die("GPU %d: %s", v->device, err);
-        if (bgpu_memset(v->device, ptr, 0, size))
+        ptr = (uint8_t *)alloc + off;
+        if ((o.guard &&
+             (bgpu_memset(v->device, alloc, GUARD_BYTE, off) ||
+              bgpu_memset(v->device, (uint8_t *)ptr + size, GUARD_BYTE,
+                          tail))) ||
+            bgpu_memset(v->device, ptr, 0, size))
             die("GPU %d: memset failed", v->device);
         CHECK_KVX(kvx_pool_register_gpu(c, &v->layout, ptr, size, pool_id,
                                         TIMEOUT_MS),
                   c);
         v->base = ptr;
+        v->alloc = alloc;
         return c;
 #endif
+    }
+    if (o.guard) { /* a pool inside a larger memfd of the bench's own */
+        int fd = memfd_create("kvxfer-bench", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (fd < 0 || ftruncate(fd, (off_t)v->alloc_len) < 0 ||
+            fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0)
+            die("memfd of %llu bytes: %s", (unsigned long long)v->alloc_len,
+                strerror(errno));
+        v->alloc = mmap(NULL, v->alloc_len, PROT_READ | PROT_WRITE,
+                        MAP_SHARED, fd, 0);
+        if (v->alloc == MAP_FAILED)
+            die("mmap of %llu bytes: %s", (unsigned long long)v->alloc_len,
+                strerror(errno));
+        memset(v->alloc, GUARD_BYTE, v->alloc_len);
+        v->base = v->alloc + off;
+        memset(v->base, 0, size);
+        CHECK_KVX(kvx_pool_register_host(c, &v->layout, fd, off, size,
+                                         pool_id, TIMEOUT_MS),
+                  c);
+        close(fd);
+        return c;
     }
     CHECK_KVX(kvx_pool_create_host(c, &v->layout, size, &ptr, pool_id,
                                    TIMEOUT_MS),
@@ -434,6 +506,7 @@ static void ctx_main(uint32_t rank)
         ctx_run(c, &v, rank, pool, first, per, reuse && !o.no_verify);
         barrier(&sh->pass_ready[ps], &sh->pass_go[ps]);
     }
+    atomic_fetch_add(&sh->guard_changed, guard_changed(&v));
     /* a rank that leaves ends its instance's requests: with replicated
      * heads other ranks may still be publishing theirs */
     barrier(&sh->ready3, &sh->go3);
@@ -565,6 +638,7 @@ static void gen_main(uint32_t rank)
                        o.head_dim * kvx_dtype_size(o.dtype);
     atomic_fetch_add(&sh->mismatches, bad);
     atomic_fetch_add(&sh->verified_bytes, checked * per_req);
+    atomic_fetch_add(&sh->guard_changed, guard_changed(&v));
     barrier(&sh->ready3, &sh->go3);
     kvx_close(c);
     exit(0);
@@ -1302,6 +1376,14 @@ static void usage(FILE *f)
         "  --gpu                  pools in GPU memory (CUDA build)\n"
         "  --ctx-device N, --gen-device N   GPUs (default 0 and 1; 0 and 0 with one GPU)\n"
         "  --vmm                  cuMemCreate (VMM fd) pools, not cudaMalloc\n"
+        "  --vmm-chunk BYTES      --vmm pools made of physical allocations "
+        "of BYTES,\n"
+        "                         mapped back to back (PyTorch expandable "
+        "segments)\n"
+        "  --pool-offset BYTES    every pool starts BYTES into a larger "
+        "allocation;\n"
+        "                         guard bands around it are checked "
+        "unchanged\n"
         "  --ctas N               gpu.max_ctas of the spawned daemon\n"
         "  --ctx-host, --gen-host with --gpu: that side in host memory\n"
         "  --pairs P              P independent context/generation "
@@ -1372,6 +1454,8 @@ int main(int argc, char **argv)
         {"passes", required_argument, NULL, 1014},
         {"cpus-a", required_argument, NULL, 1012},
         {"cpus-b", required_argument, NULL, 1013},
+        {"pool-offset", required_argument, NULL, 1015},
+        {"vmm-chunk", required_argument, NULL, 1016},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -1422,6 +1506,14 @@ int main(int argc, char **argv)
             break;
         case 1011: o.baseline_runs = arg_u32("baseline-runs", optarg, 1, 9); break;
         case 1014: o.passes = arg_u32("passes", optarg, 1, MAX_PASSES); break;
+        case 1015:
+            o.pool_offset = arg_u32("pool-offset", optarg, 0, 1u << 30);
+            o.guard = 1;
+            break;
+        case 1016:
+            o.vmm_chunk = arg_u32("vmm-chunk", optarg, 1, 1u << 31);
+            o.vmm = 1;
+            break;
         case 1010:
             if (o.npeer_config == 16 || strchr(optarg, '\n') ||
                 !strchr(optarg, ':')) {
@@ -1832,7 +1924,8 @@ int main(int argc, char **argv)
                             ? (o.requests * 99) / 100
                             : o.requests - 1] / 1e3;
     int verified = !o.no_verify && sh->mismatches == 0 &&
-                   sh->verified_bytes == total * o.passes;
+                   sh->verified_bytes == total * o.passes &&
+                   sh->guard_changed == 0;
     if (!(base > 0)) /* a ratio against nothing is no figure (nor JSON) */
         die("the baseline measured %.3f GB/s; no ratio can be given", base);
     if (o.json) {
@@ -1843,14 +1936,19 @@ int main(int argc, char **argv)
                "\"ctas\":%u,\"ctx_ranks\":%u,\"gen_ranks\":%u,"
                "\"window\":%u,\"pairs\":%u,\"ctx_pp\":%u,\"gen_pp\":%u,"
                "\"ctx_tpb\":%u,\"gen_tpb\":%u,\"skip_tokens\":%u,"
-               "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f",
+               "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f,"
+               "\"pool_offset\":%llu,\"vmm_chunk\":%llu,"
+               "\"guard_bytes_changed\":%llu",
                gbps, base, ratio, verified ? "true" : "false",
                o.requests / secs, p50, p99, (unsigned long long)total,
                o.requests, o.blocks, o.ctx_layout, o.gen_layout,
                o.gpu ? "true" : "false", o.ctas, o.ctx_ranks, o.gen_ranks,
                o.window, o.pairs, o.ctx_pp, o.gen_pp, o.ctx_tpb, o.gen_tpb,
                o.skip, o.mla ? "true" : "false",
-               (unsigned long long)sh->mismatches, secs);
+               (unsigned long long)sh->mismatches, secs,
+               (unsigned long long)o.pool_offset,
+               (unsigned long long)o.vmm_chunk,
+               (unsigned long long)sh->guard_changed);
         printf(",\"passes\":%u,\"pass_gbps\":[", o.passes);
         for (uint32_t ps = 0; ps < o.passes; ps++)
             printf("%s%.3f", ps ? "," : "", pass_gbps[ps]);
@@ -1971,6 +2069,12 @@ int main(int argc, char **argv)
         printf("  %-22s %12s  (%llu mismatched rows)\n", "verified",
                o.no_verify ? "skipped" : verified ? "yes" : "NO",
                (unsigned long long)sh->mismatches);
+        if (o.guard)
+            printf("  %-22s %12llu  (pools at offset %llu, guard bands "
+                   "around)\n",
+                   "guard bytes changed",
+                   (unsigned long long)sh->guard_changed,
+                   (unsigned long long)o.pool_offset);
     }
     return o.no_verify || verified ? 0 : 1;
 }

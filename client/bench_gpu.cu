@@ -50,8 +50,8 @@ extern "C" int bgpu_device_count(void)
     return n;
 }
 
-extern "C" int bgpu_alloc(int dev, uint64_t size, int vmm, void **ptr,
-                          char *err, size_t len)
+extern "C" int bgpu_alloc(int dev, uint64_t size, int vmm, uint64_t chunk,
+                          void **ptr, char *err, size_t len)
 {
     cudaError_t e;
     if ((e = cudaSetDevice(dev)) != cudaSuccess)
@@ -103,15 +103,25 @@ extern "C" int bgpu_alloc(int dev, uint64_t size, int vmm, void **ptr,
     prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     size_t g = 0;
     gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
-    size_t sz = (size + g - 1) / g * g;
-    CUmemGenericAllocationHandle h;
+    /* one physical allocation, or (chunk > 0) several of chunk bytes
+     * mapped back to back in one reserved range, as PyTorch's
+     * expandable segments map theirs */
+    size_t one = chunk ? (chunk + g - 1) / g * g : (size + g - 1) / g * g;
+    size_t n = (size + one - 1) / one, sz = n * one;
     CUdeviceptr va;
     CUresult r;
-    if ((r = create(&h, sz, &prop, 0)) || (r = reserve(&va, sz, 0, 0, 0)) ||
-        (r = map(va, sz, 0, h, 0))) {
-        snprintf(err, len, "VMM allocation of %zu bytes: CUresult %d", sz,
-                 (int)r);
+    if ((r = reserve(&va, sz, 0, 0, 0))) {
+        snprintf(err, len, "reserving %zu bytes: CUresult %d", sz, (int)r);
         return -1;
+    }
+    for (size_t k = 0; k < n; k++) {
+        CUmemGenericAllocationHandle h;
+        if ((r = create(&h, one, &prop, 0)) ||
+            (r = map(va + k * one, one, 0, h, 0))) {
+            snprintf(err, len, "VMM allocation %zu of %zu (%zu bytes): "
+                     "CUresult %d", k, n, one, (int)r);
+            return -1;
+        }
     }
     CUmemAccessDesc a;
     a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;

@@ -14,9 +14,11 @@ extern "C" {
 /* The number of GPUs (0: none, or no driver), counted in a child process:
  * CUDA stays uninitialized in the caller, which may fork ranks after. */
 int bgpu_device_count(void);
-/* vmm: cuMemCreate memory exportable as a POSIX fd; else cudaMalloc. */
-int bgpu_alloc(int dev, uint64_t size, int vmm, void **ptr, char *err,
-               size_t len);
+/* vmm: cuMemCreate memory exportable as a POSIX fd (chunk > 0: physical
+ * allocations of chunk bytes, rounded to the granularity, mapped back to
+ * back, as PyTorch's expandable segments do); else cudaMalloc. */
+int bgpu_alloc(int dev, uint64_t size, int vmm, uint64_t chunk, void **ptr,
+               char *err, size_t len);
 int bgpu_memset(int dev, void *p, int v, uint64_t n);
 int bgpu_copy_to_host(int dev, void *dst, const void *src, uint64_t n);
 /* Write / check the reference rows of request r in blocks

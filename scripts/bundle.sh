@@ -10,6 +10,7 @@ mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/bin/tests"
 cp "$BUILD/kvxferd" "$BUILD/kvxferctl" "$BUILD/kvxfer-bench" "$OUT/bin/"
 cp "$BUILD/libkvxfer.so" "$OUT/lib/libkvxfer.so.1"
 for t in gpu integration; do [ -x "$BUILD/tests/$t" ] && cp "$BUILD/tests/$t" "$OUT/bin/tests/"; done
+[ -f "$BUILD/tests/libkvxtorch.so" ] && cp "$BUILD/tests/libkvxtorch.so" tests/gpu/torch_pools.py "$OUT/bin/tests/"
 cp scripts/test-gpu.sh "$OUT/bin/"
 # the baseline of kvxfer-bench --daemons 2 (Debian's ucx-utils)
 [ -x /usr/bin/ucx_perftest ] && cp /usr/bin/ucx_perftest "$OUT/bin/"

@@ -1,12 +1,15 @@
 #!/bin/sh
 # make test-gpu: the GPU tests, or a clear skip. Works from a build tree
 # (scripts/test-gpu.sh build) and from a bundle (bin/test-gpu.sh).
+# The C tests (tests/gpu), then PyTorch tensors as pools
+# (tests/gpu/torch_pools.py, with and without expandable segments) where
+# python3 has torch; the last line adds them up.
 BUILD=${1:-build}
 [ $# -gt 0 ] && shift
 # a build tree has tests/gpu, a bundle bin/tests/gpu
-if [ -x "$BUILD/tests/gpu" ]; then T="$BUILD/tests/gpu"; KB=$BUILD
-else T="$BUILD/bin/tests/gpu"; KB="$BUILD/bin"; fi
-if [ ! -x "$T" ]; then
+if [ -x "$BUILD/tests/gpu" ]; then T="$BUILD/tests"; KB=$BUILD
+else T="$BUILD/bin/tests"; KB="$BUILD/bin"; fi
+if [ ! -x "$T/gpu" ]; then
     echo "test-gpu: skipped: this build has no CUDA (nvcc was not found)"
     echo "0 passed, 0 failed"
     exit 0
@@ -17,4 +20,38 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
     exit 0
 fi
 nvidia-smi -L
-KVX_BUILD=$KB "$T" "$@"
+passed=0; failed=0
+add() { # the summary line of one run's output file
+    line=$(grep '^[0-9]* passed, [0-9]* failed$' "$1" | tail -n 1)
+    if [ -z "$line" ]; then failed=$((failed + 1)); return; fi
+    passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
+    failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
+}
+out=$(mktemp)
+KVX_BUILD=$KB "$T/gpu" "$@" 2>&1 | tee "$out"
+add "$out"
+src=$(dirname "$0")/../tests/gpu/torch_pools.py
+[ -f "$T/torch_pools.py" ] && src="$T/torch_pools.py"
+if [ $# -gt 0 ]; then
+    : # named C tests only
+elif ! python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    echo "test-gpu: torch tests skipped: python3 has no torch with CUDA"
+elif [ ! -f "$T/libkvxtorch.so" ]; then
+    echo "test-gpu: torch tests skipped: $T/libkvxtorch.so was not built"
+else
+    dir=$(mktemp -d)
+    "$KB/kvxferd" --socket "$dir/s.sock" 2>"$dir/d.log" &
+    dpid=$!
+    i=0; while [ ! -S "$dir/s.sock" ] && [ $i -lt 300 ]; do sleep 0.01; i=$((i + 1)); done
+    for conf in "" "expandable_segments:True"; do
+        PYTORCH_CUDA_ALLOC_CONF=$conf PYTHONUNBUFFERED=1 \
+            python3 "$src" "$dir/s.sock" "$T/libkvxtorch.so" >"$out" 2>&1
+        cat "$out"
+        add "$out"
+    done
+    kill "$dpid"; wait "$dpid" || { echo "FAIL kvxferd of the torch tests exited $?"; tail -20 "$dir/d.log"; failed=$((failed + 1)); }
+    rm -rf "$dir"
+fi
+rm -f "$out"
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]

@@ -84,19 +84,25 @@ static void bench(const char *args)
 static const char *presets[] = {"trtllm", "vllm-nhd", "vllm-hnd",
                                 "flashinfer"};
 
-TEST_T(every_preset_pair_across_gpus, 300)
+/* kvxfer-bench for every preset pair, with extra(a, b)'s arguments. */
+static void every_preset_pair(const char *(*extra)(int a, int b))
 {
-    NEED_GPUS(1);
     for (int a = 0; a < 4; a++)
         for (int b = 0; b < 4; b++) {
-            char args[256];
+            char args[512];
             snprintf(args, sizeof(args),
                      "--ctx-layout %s --gen-layout %s --requests 4 "
                      "--blocks 8 --layers 4 --heads 4 --head-dim 64 "
-                     "--tokens-per-block 16",
-                     presets[a], presets[b]);
+                     "--tokens-per-block 16 %s",
+                     presets[a], presets[b], extra ? extra(a, b) : "");
             bench(args);
         }
+}
+
+TEST_T(every_preset_pair_across_gpus, 300)
+{
+    NEED_GPUS(1);
+    every_preset_pair(NULL);
 }
 
 TEST_T(within_one_gpu, 120)
@@ -140,19 +146,25 @@ TEST_T(host_to_gpu_and_back, 120)
 /* Context daemon and generation daemon on one host, talking UCX over
  * loopback: each GPU pool is gathered by a kernel into a pinned slot,
  * sent, and scattered by a kernel (issue #4's host-staged path). */
-TEST_T(two_daemons_gpu_pools_host_staged, 300)
+/* Four preset pairs between two daemons, with extra arguments. */
+static void two_daemon_pairs(const char *extra)
 {
-    NEED_GPUS(1);
     for (int a = 0; a < 4; a += 3)
         for (int b = 1; b < 4; b += 2) {
-            char args[256];
+            char args[512];
             snprintf(args, sizeof(args),
                      "--daemons 2 --ctx-layout %s --gen-layout %s "
                      "--requests 4 --blocks 8 --layers 4 --heads 4 "
-                     "--head-dim 64 --tokens-per-block 16",
-                     presets[a], presets[b]);
+                     "--head-dim 64 --tokens-per-block 16 %s",
+                     presets[a], presets[b], extra);
             bench(args);
         }
+}
+
+TEST_T(two_daemons_gpu_pools_host_staged, 300)
+{
+    NEED_GPUS(1);
+    two_daemon_pairs("");
     /* TP split across daemons, odd rows (the byte path), one GPU */
     bench("--daemons 2 --ctx-ranks 4 --gen-ranks 2 --ctx-layout trtllm "
           "--gen-layout vllm-nhd --requests 4 --blocks 8 --layers 4");
@@ -178,7 +190,16 @@ struct daemon {
     char dir[64], sock[128];
 };
 
+static void daemon_start_cfg(struct daemon *d, const char *cfgtext);
+
 static void daemon_start(struct daemon *d)
+{
+    /* small GPU chunks and one CTA: many slow launches, so a cancel or a
+     * kill lands mid-transfer (2 GiB at full speed takes ~6 ms) */
+    daemon_start_cfg(d, "gpu:\n  chunk_bytes: 1MiB\n  max_ctas: 1\n");
+}
+
+static void daemon_start_cfg(struct daemon *d, const char *cfgtext)
 {
     snprintf(d->dir, sizeof(d->dir), "/tmp/kvx-gpu-%d", (int)getpid());
     mkdir(d->dir, 0700);
@@ -188,9 +209,7 @@ static void daemon_start(struct daemon *d)
     snprintf(log, sizeof(log), "%s/d.log", d->dir);
     FILE *f = fopen(cfg, "w");
     CHECK(f);
-    /* small GPU chunks and one CTA: many slow launches, so a cancel or a
-     * kill lands mid-transfer (2 GiB at full speed takes ~6 ms) */
-    fprintf(f, "gpu:\n  chunk_bytes: 1MiB\n  max_ctas: 1\n");
+    fprintf(f, "%s", cfgtext);
     fclose(f);
     snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
     d->pid = fork();
@@ -232,26 +251,35 @@ struct shared {
     volatile int stage;
 };
 
-static kvx_client_t *rank(struct daemon *d, const char *inst, kvx_role_t role,
-                          int dev, kvx_layout_t *l, void **ptr,
-                          uint32_t *pool)
+/* A rank 0 of a TP 1 instance, connected and joined. */
+static kvx_client_t *joined_client(struct daemon *d, const char *inst,
+                                   kvx_role_t role, uint32_t layers,
+                                   uint32_t heads)
 {
     kvx_hello_t h = {.instance_id = inst, .role = role, .rank = 0,
                      .parallel = {.tp = 1, .pp = 1, .cp = 1,
-                                  .total_layers = LAYERS,
-                                  .total_kv_heads = HEADS}};
+                                  .total_layers = layers,
+                                  .total_kv_heads = heads}};
     kvx_client_t *c;
     CHECK_EQ(kvx_connect(d->sock, &h, 5000, &c), 0);
     char addr[192];
     CHECK_EQ(kvxfer_daemon_address(c, addr, sizeof(addr)), 0);
     const char *a[1] = {addr};
     CHECK_EQ(kvx_join(c, a, 1, 5000), 0);
+    return c;
+}
+
+static kvx_client_t *rank(struct daemon *d, const char *inst, kvx_role_t role,
+                          int dev, kvx_layout_t *l, void **ptr,
+                          uint32_t *pool)
+{
+    kvx_client_t *c = joined_client(d, inst, role, LAYERS, HEADS);
     CHECK_EQ(kvx_layout_preset("vllm-nhd", LAYERS, 2, HEADS, HDIM,
                                KVX_DTYPE_BF16, TPB, BLOCKS, l),
              0);
     uint64_t size = kvx_layout_span(l);
     char err[256];
-    CHECK_EQ(bgpu_alloc(dev, size, 0, ptr, err, sizeof(err)), 0);
+    CHECK_EQ(bgpu_alloc(dev, size, 0, 0, ptr, err, sizeof(err)), 0);
     CHECK_EQ(bgpu_memset(dev, *ptr, 0, size), 0);
     CHECK_EQ(kvx_pool_register_gpu(c, l, *ptr, size, pool, 5000), 0);
     return c;
@@ -458,4 +486,208 @@ TEST_T(property_random_config_pairs_gpu, 400)
                  gl, ctpb, gtpb, skip, mla ? "--mla" : "");
         bench(args);
     }
+}
+
+/* ---- pools inside larger allocations (issue 14) ----------------------- */
+
+/* The offset bug's own shape, in one process as an engine has it: pools
+ * at random offsets inside larger allocations, sometimes two pools in
+ * one allocation back to back, legacy IPC, VMM and VMM made of several
+ * physical allocations (expandable segments); the memory before and
+ * after each pool holds a sentinel that must be unchanged after the
+ * transfer, and the destination is checked row by row. */
+#define OB_GUARD 65536
+#define OB_SENT 0xa5
+#define OB_CHUNK (2u << 20)
+
+static uint32_t ob_rnd(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(*s >> 33);
+}
+
+/* An offset inside an allocation: 0 now and then, else 16-byte aligned
+ * (a tensor slice), sometimes past a VMM chunk boundary. */
+static uint64_t ob_offset(uint64_t *s)
+{
+    uint32_t k = ob_rnd(s) % 4;
+    if (k == 0)
+        return 0;
+    uint64_t o = (uint64_t)(ob_rnd(s) % 65536) * 16;
+    return k == 3 ? o + OB_CHUNK - 4096 : o;
+}
+
+/* The next event of c: COMPLETE for req, or the test fails. */
+static void ob_complete(kvx_client_t *c, uint64_t req, const char *who)
+{
+    for (int i = 0; i < 100; i++) {
+        kvx_batch_t *b;
+        CHECK_EQ(kvx_poll(c, 1, 200, &b), 0);
+        if (b->num_events) {
+            if (b->events[0].request_id != req ||
+                b->events[0].kind != KVX_EVENT_COMPLETE)
+                fprintf(stderr, "%s: event %d (%s) for %llu\n", who,
+                        b->events[0].kind, b->events[0].message,
+                        (unsigned long long)b->events[0].request_id);
+            CHECK_EQ(b->events[0].request_id, req);
+            CHECK_EQ(b->events[0].kind, KVX_EVENT_COMPLETE);
+            kvx_batch_free(b);
+            return;
+        }
+        kvx_batch_free(b);
+    }
+    CHECK(!"no event within 20 s");
+}
+
+/* kinds: 0 legacy IPC, 1 VMM, 2 VMM of 2 MiB physical allocations */
+static const char *const ob_kinds[] = {"ipc", "vmm", "vmm-chunks"};
+
+static void ob_case(struct daemon *d, const char *cp, const char *gp,
+                    int kind, int shared, uint64_t *seed, uint64_t req)
+{
+    int cdev = 0, gdev = shared ? 0 : gen_dev();
+    char ci[64], gi[64], err[256];
+    snprintf(ci, sizeof(ci), "ob-ctx-%llu", (unsigned long long)req);
+    snprintf(gi, sizeof(gi), "ob-gen-%llu", (unsigned long long)req);
+    kvx_client_t *c = joined_client(d, ci, KVX_ROLE_CONTEXT, 3, 4);
+    kvx_client_t *gc = joined_client(d, gi, KVX_ROLE_GENERATION, 3, 4);
+    uint32_t nb = 48; /* > 2 MiB a pool: they cross chunk boundaries */
+    kvx_layout_t cl, gl;
+    CHECK_EQ(kvx_layout_preset(cp, 3, 2, 4, 64, KVX_DTYPE_BF16, 16, nb, &cl),
+             0);
+    CHECK_EQ(kvx_layout_preset(gp, 3, 2, 4, 64, KVX_DTYPE_BF16, 16, nb, &gl),
+             0);
+    uint64_t cs = kvx_layout_span(&cl), gs = kvx_layout_span(&gl);
+    int vmm = kind > 0;
+    uint64_t chunk = kind == 2 ? OB_CHUNK : 0;
+    /* one allocation holding both (either first), or one each */
+    uint8_t *calloc_, *galloc, *cb, *gb;
+    uint64_t clen, glen;
+    if (shared) {
+        int ctx_first = ob_rnd(seed) % 2;
+        uint64_t o1 = ob_offset(seed);
+        uint64_t o2 = o1 + (ctx_first ? cs : gs) +
+                      (ob_rnd(seed) % 2 ? 0 : (ob_rnd(seed) % 1024) * 16);
+        clen = glen = o2 + (ctx_first ? gs : cs) + OB_GUARD;
+        void *a;
+        CHECK_EQ(bgpu_alloc(cdev, clen, vmm, chunk, &a, err, sizeof(err)), 0);
+        calloc_ = galloc = a;
+        cb = calloc_ + (ctx_first ? o1 : o2);
+        gb = galloc + (ctx_first ? o2 : o1);
+    } else {
+        uint64_t oc = ob_offset(seed), og = ob_offset(seed);
+        clen = oc + cs + OB_GUARD;
+        glen = og + gs + OB_GUARD;
+        void *a, *b;
+        CHECK_EQ(bgpu_alloc(cdev, clen, vmm, chunk, &a, err, sizeof(err)), 0);
+        CHECK_EQ(bgpu_alloc(gdev, glen, vmm, chunk, &b, err, sizeof(err)), 0);
+        calloc_ = a;
+        galloc = b;
+        cb = calloc_ + oc;
+        gb = galloc + og;
+    }
+    CHECK_EQ(bgpu_memset(cdev, calloc_, OB_SENT, clen), 0);
+    if (!shared)
+        CHECK_EQ(bgpu_memset(gdev, galloc, OB_SENT, glen), 0);
+    CHECK_EQ(bgpu_fill(cdev, &cl, cb, req, 0, nb, 0, 0), 0);
+    uint32_t cpool, gpool;
+    CHECK_EQ(kvx_pool_register_gpu(c, &cl, cb, cs, &cpool, 5000), 0);
+    CHECK_EQ(kvx_pool_register_gpu(gc, &gl, gb, gs, &gpool, 5000), 0);
+    uint8_t *snap_c = malloc(clen), *snap_g = malloc(glen);
+    uint8_t *now_c = malloc(clen), *now_g = malloc(glen);
+    CHECK(snap_c && snap_g && now_c && now_g);
+    CHECK_EQ(bgpu_copy_to_host(cdev, snap_c, calloc_, clen), 0);
+    CHECK_EQ(bgpu_copy_to_host(gdev, snap_g, galloc, glen), 0);
+
+    uint32_t ntok = nb * 16 - ob_rnd(seed) % 16, bl[48];
+    for (uint32_t i = 0; i < nb; i++)
+        bl[i] = i;
+    kvx_context_params_t prm;
+    CHECK_EQ(kvx_publish(c, req, cpool, bl, nb, ntok, &prm, 5000), 0);
+    CHECK_EQ(kvx_fetch(gc, req, prm.data, prm.len, gpool, bl, nb, 0, 5000),
+             0);
+    kvx_context_params_free(&prm);
+    ob_complete(gc, req, "generation");
+    ob_complete(c, req, "context");
+
+    int64_t bad = bgpu_check(gdev, &gl, gb, req, 0, nb, 0, 0, 0, ntok);
+    CHECK_EQ(bgpu_copy_to_host(cdev, now_c, calloc_, clen), 0);
+    CHECK_EQ(bgpu_copy_to_host(gdev, now_g, galloc, glen), 0);
+    /* outside the destination pool, nothing moved: guards and source */
+    uint64_t og = (uint64_t)(gb - galloc), changed = 0, first = UINT64_MAX;
+    for (uint64_t i = 0; i < glen; i++)
+        if ((i < og || i >= og + gs) && now_g[i] != snap_g[i]) {
+            changed++;
+            if (first == UINT64_MAX)
+                first = i;
+        }
+    if (!shared)
+        for (uint64_t i = 0; i < clen; i++)
+            changed += now_c[i] != snap_c[i];
+    if (bad || changed) {
+        fprintf(stderr,
+                "%s %s -> %s, %s: context pool at %llu, generation pool at "
+                "%llu of %llu: %lld rows wrong, %llu bytes outside the "
+                "destination changed (first at %lld)\n",
+                ob_kinds[kind], cp, gp, shared ? "one allocation" : "two",
+                (unsigned long long)(cb - calloc_), (unsigned long long)og,
+                (unsigned long long)glen, (long long)bad,
+                (unsigned long long)changed,
+                first == UINT64_MAX ? -1LL : (long long)first);
+        CHECK(!"wrong bytes, or bytes outside the destination pool");
+    }
+    free(snap_c);
+    free(snap_g);
+    free(now_c);
+    free(now_g);
+    kvx_close(c);
+    kvx_close(gc);
+}
+
+TEST_T(pools_inside_allocations_guard_bands, 600)
+{
+    NEED_GPUS(1);
+    struct daemon d;
+    daemon_start_cfg(&d, "");
+    uint64_t seed = 1414, req = 1;
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 4; b++)
+            for (int kind = 0; kind < 3; kind++)
+                for (int shared = 0; shared < 2; shared++)
+                    ob_case(&d, presets[a], presets[b], kind, shared, &seed,
+                            req++);
+    printf("%llu cases: 4 x 4 presets x {ipc, vmm, vmm chunks} x {one "
+           "allocation, two}, %d GPU(s)\n",
+           (unsigned long long)(req - 1), gpus() >= 2 ? 2 : 1);
+    daemon_stop(&d);
+}
+
+/* The same through kvxfer-bench (every byte of every request checked,
+ * guard bands around every rank's pool): TP splits, host pools, and two
+ * daemons, where GPU pools are gathered into and scattered from staging
+ * slots by kernels. */
+static const char *offset_args(int a, int b)
+{
+    static char buf[64];
+    snprintf(buf, sizeof(buf), "--pool-offset %d%s", 4096 * (a + 1) + 512 * b,
+             (a + b) % 2 ? " --vmm" : "");
+    return buf;
+}
+
+TEST_T(pools_at_offsets_every_path, 600)
+{
+    NEED_GPUS(1);
+    every_preset_pair(offset_args);
+    bench("--pool-offset 8192 --vmm-chunk 2097152 --requests 4 --blocks 64 "
+          "--layers 4");
+    bench("--pool-offset 4096 --ctx-ranks 4 --gen-ranks 2 --ctx-layout "
+          "trtllm --gen-layout vllm-nhd --requests 4 --blocks 8 --layers 4");
+    bench("--pool-offset 12288 --ctx-host --requests 4 --blocks 8 --layers 4");
+    bench("--pool-offset 12290 --gen-host --ctx-device 0 --requests 4 "
+          "--blocks 8 --layers 4");
+    two_daemon_pairs("--pool-offset 8192");
+    bench("--daemons 2 --pool-offset 4096 --vmm-chunk 2097152 --requests 4 "
+          "--blocks 64 --layers 4");
+    bench("--daemons 2 --pool-offset 4096 --ctx-host --requests 4 --blocks 8 "
+          "--layers 4");
 }
