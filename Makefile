@@ -12,10 +12,15 @@ DAEMON_PKGS := ucx libcrypto
 PKG_CFLAGS += $(shell pkg-config --cflags $(DAEMON_PKGS) 2>/dev/null)
 DAEMON_LIBS := $(shell pkg-config --libs $(DAEMON_PKGS) 2>/dev/null)
 
+# one folder per layer (docs/architecture.md); headers by bare name
+DAEMON_DIRS := daemon/core daemon/net daemon/copy daemon/xfer daemon/agree \
+               daemon/remote daemon/local
+INCLUDES := -Ilib/include -Icommon -Ilib -Itools $(addprefix -I,$(DAEMON_DIRS))
+
 OPT      ?= -O2
 SAN      ?=
 CFLAGS   += $(OPT) -g -std=gnu11 -Wall -Wextra -Werror -fPIC $(SAN) \
-            -D_GNU_SOURCE -I$(BUILD)/gen -Iclient/include -Iclient -Idaemon \
+            -D_GNU_SOURCE -I$(BUILD)/gen $(INCLUDES) \
             $(PKG_CFLAGS)
 LDFLAGS  += $(SAN)
 LIBS     := $(PKG_LIBS) -lpthread
@@ -28,33 +33,37 @@ CUDA     ?= $(if $(NVCC),1,0)
 ifeq ($(CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_VER  := $(shell $(NVCC) --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
-GPU_SRC   := daemon/gpu.c
-GPU_OBJ   := $(BUILD)/obj/daemon/gpu_kernel.o
+GPU_SRC   := daemon/copy/gpu.c
+GPU_OBJ   := $(BUILD)/obj/daemon/copy/gpu_kernel.o
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt
 NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC,-fno-threadsafe-statics \
              -gencode arch=compute_80,code=sm_80 \
              -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_100,code=sm_100 \
              -gencode arch=compute_100,code=compute_100
-$(BUILD)/obj/daemon/gpu.o: CFLAGS += -I$(CUDA_HOME)/include \
+$(BUILD)/obj/daemon/copy/gpu.o: CFLAGS += -I$(CUDA_HOME)/include \
              -DKVX_CUDA_VERSION='"$(CUDA_VER)"'
-$(BUILD)/obj/client/bench.o: CFLAGS += -DKVX_CUDA
-BENCH_GPU_OBJ := $(BUILD)/obj/client/bench_gpu.o
+$(BUILD)/obj/tools/bench.o: CFLAGS += -DKVX_CUDA
+BENCH_GPU_OBJ := $(BUILD)/obj/tools/bench_gpu.o
 else
 BENCH_GPU_OBJ :=
-GPU_SRC   := daemon/gpu_none.c
+GPU_SRC   := daemon/copy/gpu_none.c
 GPU_OBJ   :=
 CUDA_LIBS :=
 endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
-COMMON   := client/status.c client/frame.c client/layout.c
-CLIENT   := $(COMMON) client/client.c
-DAEMON   := $(COMMON) daemon/log.c daemon/conf.c daemon/notify.c \
-            daemon/pool.c daemon/copy.c daemon/plan.c daemon/batch.c \
-            daemon/daemon.c daemon/instance.c \
-            daemon/xfer.c daemon/remote.c daemon/agree.c daemon/peer.c daemon/lane.c daemon/ucx.c daemon/fault.c \
-            daemon/session.c daemon/server.c daemon/stats.c \
+COMMON   := common/status.c common/frame.c common/layout.c
+CLIENT   := $(COMMON) lib/client.c
+DAEMON   := $(COMMON) \
+            daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
+            daemon/core/daemon.c daemon/core/fault.c \
+            daemon/net/ucx.c daemon/net/lane.c daemon/net/peer.c \
+            daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
+            daemon/xfer/instance.c daemon/xfer/xfer.c \
+            daemon/agree/batch.c daemon/agree/agree.c \
+            daemon/remote/remote.c \
+            daemon/local/session.c daemon/local/server.c daemon/local/stats.c \
             $(GPU_SRC)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
@@ -99,13 +108,13 @@ $(BUILD)/obj/%.o: %.c $(GEN)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
-$(BUILD)/obj/client/bench_gpu.o: client/bench_gpu.cu client/bench_gpu.h client/bench_pattern.h
+$(BUILD)/obj/tools/bench_gpu.o: tools/bench_gpu.cu tools/bench_gpu.h tools/bench_pattern.h
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Iclient -Iclient/include -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) -Itools -Ilib/include -c $< -o $@
 
-$(BUILD)/obj/daemon/gpu_kernel.o: daemon/gpu_kernel.cu daemon/gpu_desc.h
+$(BUILD)/obj/daemon/copy/gpu_kernel.o: daemon/copy/gpu_kernel.cu daemon/copy/gpu_desc.h
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Idaemon -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) -Idaemon/copy -c $< -o $@
 
 $(BUILD)/libkvxfer.a: $(CLIENT_OBJ)
 	rm -f $@; ar rcs $@ $^
@@ -113,13 +122,13 @@ $(BUILD)/libkvxfer.a: $(CLIENT_OBJ)
 $(BUILD)/libkvxfer.so: $(CLIENT_OBJ)
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvxfer.so.1 -o $@ $^ $(LIBS)
 
-$(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/main.o
+$(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/core/main.o
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
-$(BUILD)/kvxferctl: $(BUILD)/obj/client/kvxferctl.o $(BUILD)/obj/daemon/plan.o $(BUILD)/libkvxfer.a
+$(BUILD)/kvxferctl: $(BUILD)/obj/tools/kvxferctl.o $(BUILD)/obj/daemon/copy/plan.o $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/kvxfer-bench: $(BUILD)/obj/client/bench.o $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
+$(BUILD)/kvxfer-bench: $(BUILD)/obj/tools/bench.o $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) -lm $(CUDA_LIBS)
 
 # Unit tests include the module's .c (to reach statics) and link the rest
@@ -194,7 +203,7 @@ install: all
 	install -m 644 $(BUILD)/libkvxfer.a $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(BUILD)/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/libkvxfer.so.1
 	ln -sf libkvxfer.so.1 $(DESTDIR)$(PREFIX)/lib/libkvxfer.so
-	install -m 644 client/include/kvxfer.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 lib/include/kvxfer.h $(DESTDIR)$(PREFIX)/include/
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/kvxferd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
 	[ -e $(DESTDIR)/etc/kvxfer/kvxferd.yaml ] || install -m 644 config/kvxferd.yaml $(DESTDIR)/etc/kvxfer/kvxferd.yaml
 
@@ -221,7 +230,7 @@ fuzz: $(GEN)
 
 lint: $(GEN)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
-	    --std=c11 -Iclient/include -Iclient -Idaemon -I$(BUILD)/gen daemon client
+	    --std=c11 $(INCLUDES) -I$(BUILD)/gen daemon common lib tools
 
 clean:
 	rm -rf build build-asan build-tsan dist

@@ -10,14 +10,20 @@ OUT=${OUT:-build/fuzz}
 PKGS="libuv libprotobuf-c yaml-0.1 ucx libcrypto"
 [ -f build/gen/kvxfer.pb-c.c ] || make build/gen/kvxfer.pb-c.c
 mkdir -p "$OUT"
-SRC="client/status.c client/frame.c client/layout.c daemon/log.c
-     daemon/conf.c daemon/notify.c daemon/pool.c daemon/copy.c daemon/plan.c
-     daemon/batch.c daemon/daemon.c daemon/instance.c daemon/xfer.c
-     daemon/remote.c daemon/agree.c daemon/peer.c daemon/lane.c daemon/ucx.c daemon/fault.c daemon/session.c daemon/server.c daemon/stats.c daemon/gpu_none.c
+SRC="common/status.c common/frame.c common/layout.c
+     daemon/core/log.c daemon/core/conf.c daemon/core/notify.c
+     daemon/core/daemon.c daemon/core/fault.c
+     daemon/net/ucx.c daemon/net/lane.c daemon/net/peer.c
+     daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c
+     daemon/copy/gpu_none.c daemon/xfer/instance.c daemon/xfer/xfer.c
+     daemon/agree/batch.c daemon/agree/agree.c daemon/remote/remote.c
+     daemon/local/session.c daemon/local/server.c daemon/local/stats.c
      build/gen/kvxfer.pb-c.c"
 FLAGS="${FUZZ_CFLAGS:-} -g -O1 -std=gnu11 -D_GNU_SOURCE -fno-omit-frame-pointer -Itests/fuzz
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-       -Ibuild/gen -Iclient/include -Iclient -Idaemon
+       -Ibuild/gen -Ilib/include -Icommon -Ilib -Idaemon/core -Idaemon/net
+       -Idaemon/copy -Idaemon/xfer -Idaemon/agree -Idaemon/remote
+       -Idaemon/local
        $(pkg-config --cflags $PKGS)"
 for t in ${*:-frame request params config peer}; do
     # sources the target includes itself, or replaces ("fuzz-exclude:")

@@ -1,11 +1,11 @@
 /*
  * fuzz_config — conf_load on arbitrary file contents (written to a temp
- * file, as the daemon reads its config). daemon/conf.c is included to
+ * file, as the daemon reads its config). daemon/core/conf.c is included to
  * check the result against its own key table: a load with no problems
  * yields values inside every key's bounds; a load with problems reports
  * each one against the file's name and leaves *conf untouched.
  */
-#include "../../daemon/conf.c"
+#include "../../daemon/core/conf.c"
 
 #include <unistd.h>
 

@@ -9,7 +9,7 @@
  * prefix, never longer than the cap) and stop at the same place with the
  * same outcome.
  */
-#include "../../client/frame.c"
+#include "../../common/frame.c"
 
 #include <stdio.h>
 

@@ -18,9 +18,9 @@
  * daemon must not crash, leak or hang; the copy jobs it starts must come
  * back.
  *
- * fuzz-exclude: daemon/peer.c
+ * fuzz-exclude: daemon/net/peer.c
  */
-#include "../../daemon/remote.c"
+#include "../../daemon/remote/remote.c"
 
 #include <sys/mman.h>
 

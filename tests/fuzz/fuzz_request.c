@@ -1,13 +1,13 @@
 /*
  * fuzz_request — one Request message as the daemon's protocol edge sees
- * it: protobuf decode, re-encode, and the validators of daemon/session.c
+ * it: protobuf decode, re-encode, and the validators of daemon/local/session.c
  * (included to reach its statics): layout_from_msg + the pool check for
  * RegisterPool, check_blocks for Publish and Fetch (against a pool whose
  * block count comes from the request id), xfer_params_decode for Fetch.
  * Whatever a validator accepts must really hold.
  *
  */
-#include "../../daemon/session.c"
+#include "../../daemon/local/session.c"
 
 #include <stdio.h>
 

@@ -195,7 +195,7 @@ static char from_addr[192];
 static uint8_t *open_buf;
 static size_t open_len;
 
-/* The daemons' handshake MAC (daemon/peer.c, protocol 2). */
+/* The daemons' handshake MAC (daemon/net/peer.c, protocol 2). */
 static void mac(const char *label, const uint8_t *nc, const uint8_t *ns,
                 const char *server, const char *client, uint8_t out[32])
 {

@@ -1372,7 +1372,7 @@ TEST_T(host_pools_inside_one_memfd_guard_bands, 60)
 {
     daemon_t *d = daemon_start(NULL);
     uint64_t seed = 14;
-    char tag[32];
+    char tag[48];
     for (int a = 0; a < 4; a++)
         for (int b = 0; b < 4; b++)
             for (int k = 0; k < 2; k++) {

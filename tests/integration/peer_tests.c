@@ -508,7 +508,7 @@ TEST_T(peer_host_pools_guard_bands, 90)
     daemon_t *a, *b;
     p_two_daemons(&a, &b);
     uint64_t seed = 41;
-    char tag[32];
+    char tag[48];
     for (int k = 0; k < 8; k++) {
         snprintf(tag, sizeof(tag), "pgb%d", k);
         gb_case(k % 2 ? b : a, k % 2 ? a : b, tag, gb_presets[k % 4],

@@ -3,7 +3,7 @@
  * generated docs. Includes conf.c to reach the table and its helpers. Runs
  * from the repository root (config/ and docs/ are read from there).
  */
-#include "../../daemon/conf.c"
+#include "../../daemon/core/conf.c"
 
 #include "test.h"
 

@@ -4,7 +4,7 @@
  * allocated, compaction of consumed frames, and a few thousand random and
  * mutated streams through the reader and the Request decoder.
  */
-#include "../../client/frame.c"
+#include "../../common/frame.c"
 
 #include "test.h"
 

@@ -4,7 +4,7 @@
  * brute-force property: a layout the check accepts never aliases two
  * elements and never leaves the pool.
  */
-#include "../../client/layout.c"
+#include "../../common/layout.c"
 
 #include "test.h"
 

@@ -4,7 +4,7 @@
  * undecodable bytes, each invalid field, the accepted shape, and a few
  * thousand random and mutated inputs.
  */
-#include "../../daemon/xfer.c"
+#include "../../daemon/xfer/xfer.c"
 
 #include "test.h"
 

@@ -4,7 +4,7 @@
  * random pairs of parallel configs and presets, plan_exec() moves every
  * element to where direct indexing says it belongs, and nothing else.
  */
-#include "../../daemon/plan.c"
+#include "../../daemon/copy/plan.c"
 
 #include "test.h"
 

@@ -1,11 +1,11 @@
 /*
  * test_session — the protocol edge's own validators, static in
- * daemon/session.c: check_blocks (block tables) and layout_from_msg
+ * daemon/local/session.c: check_blocks (block tables) and layout_from_msg
  * (Layout message -> kvx_layout_t). Both short tables (pairwise check)
  * and long ones (bitmap) are covered, and a random comparison against a
  * reference checker.
  */
-#include "../../daemon/session.c"
+#include "../../daemon/local/session.c"
 
 #include "test.h"
 
