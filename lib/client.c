@@ -399,7 +399,7 @@ void kvx_close(kvx_client_t *c)
 
 const char *kvx_last_error(const kvx_client_t *c) { return c ? c->err : ""; }
 
-int kvxfer_daemon_address(const kvx_client_t *c, char *buf, size_t len)
+int kvx_daemon_address(const kvx_client_t *c, char *buf, size_t len)
 {
     if (!c || !buf || !c->address[0])
         return KVX_ERR_INVALID;

@@ -336,7 +336,7 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
         die("connect %s rank %u to %s: %s", inst, rank, sock,
             kvx_status_str(rc));
     char addr[192];
-    CHECK_KVX(kvxfer_daemon_address(c, addr, sizeof(addr)), c);
+    CHECK_KVX(kvx_daemon_address(c, addr, sizeof(addr)), c);
     if (rank == 0 && my_pair == 0)
         snprintf(ctx ? sh->address : sh->gen_address, sizeof(sh->address),
                  "%s", addr);

@@ -29,6 +29,19 @@
 extern "C" {
 #endif
 
+/* Marks the API: libkvxfer.so is built with -fvisibility=hidden and a
+ * version script (lib/libkvxfer.map), so a function is visible to engines
+ * only if declared here with KVX_EXPORT. Everything else the library
+ * holds (the daemon's common code, the generated protobuf-c kvxfer__*
+ * functions, the kvx__* calls of internal.h) stays inside, free to change
+ * without breaking an engine; kvxfer's own tools reach the internal calls
+ * by linking libkvxfer.a. */
+#if defined(__GNUC__) && __GNUC__ >= 4
+#define KVX_EXPORT __attribute__((visibility("default")))
+#else
+#define KVX_EXPORT
+#endif
+
 #define KVX_VERSION_MAJOR 1
 #define KVX_VERSION_MINOR 0
 #define KVX_VERSION_STRING "1.0.0"
@@ -64,9 +77,9 @@ typedef enum {
 #define KVX_ERR_LAST KVX_ERR_BUSY
 
 /* Static string naming the code, e.g. "capability token mismatch". */
-const char *kvx_status_str(int status);
+KVX_EXPORT const char *kvx_status_str(int status);
 /* Short identifier, e.g. "AUTH"; used in status counters and logs. */
-const char *kvx_status_name(int status);
+KVX_EXPORT const char *kvx_status_name(int status);
 
 typedef enum {
     KVX_ROLE_CONTEXT = 1,
@@ -84,9 +97,9 @@ typedef enum {
 } kvx_dtype_t;
 
 /* Returns 0 and sets *out for "fp32", "fp16", "bf16", "fp8", "int8". */
-int kvx_dtype_parse(const char *name, kvx_dtype_t *out);
-const char *kvx_dtype_name(kvx_dtype_t dtype);
-unsigned kvx_dtype_size(kvx_dtype_t dtype);
+KVX_EXPORT int kvx_dtype_parse(const char *name, kvx_dtype_t *out);
+KVX_EXPORT const char *kvx_dtype_name(kvx_dtype_t dtype);
+KVX_EXPORT unsigned kvx_dtype_size(kvx_dtype_t dtype);
 
 #define KVX_MAX_LAYERS 1024u
 #define KVX_MAX_RANKS 1024u
@@ -131,17 +144,18 @@ typedef struct {
  * or zero dimensions; "sglang" needs tokens_per_block 1, "mla" needs
  * kv_factor 1 and num_heads 1.
  */
-int kvx_layout_preset(const char *preset, uint32_t num_layers,
-                      uint32_t kv_factor, uint32_t num_heads,
-                      uint32_t head_dim, kvx_dtype_t dtype,
-                      uint32_t tokens_per_block, uint32_t num_blocks,
-                      kvx_layout_t *out);
+KVX_EXPORT int kvx_layout_preset(const char *preset, uint32_t num_layers,
+                                 uint32_t kv_factor, uint32_t num_heads,
+                                 uint32_t head_dim, kvx_dtype_t dtype,
+                                 uint32_t tokens_per_block, uint32_t num_blocks,
+                                 kvx_layout_t *out);
 /* Bytes the layout spans: the smallest pool size that holds it. */
-uint64_t kvx_layout_span(const kvx_layout_t *layout);
+KVX_EXPORT uint64_t kvx_layout_span(const kvx_layout_t *layout);
 /* Byte offset of one element. */
-uint64_t kvx_layout_offset(const kvx_layout_t *layout, uint32_t layer,
-                           uint32_t kv, uint32_t block, uint32_t token,
-                           uint32_t head);
+KVX_EXPORT uint64_t kvx_layout_offset(const kvx_layout_t *layout,
+                                      uint32_t layer, uint32_t kv,
+                                      uint32_t block, uint32_t token,
+                                      uint32_t head);
 
 typedef struct kvx_client kvx_client_t;
 
@@ -158,43 +172,47 @@ typedef struct {
  * hello. On success *out is a new client; free it with kvx_close(). While
  * the daemon's listen backlog is full (its loop busy or stopped) the
  * connect is tried again until timeout_ms, then KVX_ERR_TIMEOUT. */
-int kvx_connect(const char *socket_path, const kvx_hello_t *hello,
-                int timeout_ms, kvx_client_t **out);
-void kvx_close(kvx_client_t *client);
+KVX_EXPORT int kvx_connect(const char *socket_path, const kvx_hello_t *hello,
+                           int timeout_ms, kvx_client_t **out);
+KVX_EXPORT void kvx_close(kvx_client_t *client);
 
 /* The two halves of kvx_connect, for callers that want the daemon's
  * message when Hello is refused: connect without Hello (enough for
  * status and requests), then say it. */
-int kvx_connect_observer(const char *socket_path, int timeout_ms,
-                         kvx_client_t **out);
-int kvx_hello(kvx_client_t *client, const kvx_hello_t *hello, int timeout_ms);
+KVX_EXPORT int kvx_connect_observer(const char *socket_path, int timeout_ms,
+                                    kvx_client_t **out);
+KVX_EXPORT int kvx_hello(kvx_client_t *client, const kvx_hello_t *hello,
+                         int timeout_ms);
 
 /* The daemon's message for the last failed call ("" if none). Valid until
  * the next call on this client. */
-const char *kvx_last_error(const kvx_client_t *client);
+KVX_EXPORT const char *kvx_last_error(const kvx_client_t *client);
 
 /* This daemon's address, to share with the instance's other ranks (engines
  * allgather it at start-up) and pass to kvx_join(). */
-int kvxfer_daemon_address(const kvx_client_t *client, char *buf, size_t len);
+KVX_EXPORT int kvx_daemon_address(const kvx_client_t *client, char *buf,
+                                  size_t len);
 
 /* Tell the daemon where every rank of this instance is served. Every local
  * rank must join with the same list before publish/fetch are accepted. */
-int kvx_join(kvx_client_t *client, const char *const *rank_addresses,
-             uint32_t num_ranks, int timeout_ms);
+KVX_EXPORT int kvx_join(kvx_client_t *client, const char *const *rank_addresses,
+                        uint32_t num_ranks, int timeout_ms);
 
 /* Create a host-memory pool of layout->... (memfd, shared with the daemon)
  * and register it. *base is this process's mapping; *pool_id names it. */
-int kvx_pool_create_host(kvx_client_t *client, const kvx_layout_t *layout,
-                         uint64_t size, void **base, uint32_t *pool_id,
-                         int timeout_ms);
+KVX_EXPORT int kvx_pool_create_host(kvx_client_t *client,
+                                    const kvx_layout_t *layout, uint64_t size,
+                                    void **base, uint32_t *pool_id,
+                                    int timeout_ms);
 /* Register bytes [offset, offset + size) of a memfd the caller made as a
  * pool (host memory the engine already has: an offload buffer, one pool
  * of several in one file). The memfd must be sealed against shrinking
  * (F_SEAL_SHRINK); offset need not be page-aligned. The caller keeps fd
  * and its own mapping; the daemon maps only the pool's pages. */
-int kvx_pool_register_host(kvx_client_t *client, const kvx_layout_t *layout,
-                           int fd, uint64_t offset, uint64_t size,
-                           uint32_t *pool_id, int timeout_ms);
+KVX_EXPORT int kvx_pool_register_host(kvx_client_t *client,
+                                      const kvx_layout_t *layout, int fd,
+                                      uint64_t offset, uint64_t size,
+                                      uint32_t *pool_id, int timeout_ms);
 /* Register GPU memory [dev_ptr, dev_ptr + size) of the calling process as
  * a pool. dev_ptr may point inside a larger allocation (e.g. PyTorch's
  * caching allocator): the library finds the allocation and shares it with
@@ -206,42 +224,45 @@ int kvx_pool_register_host(kvx_client_t *client, const kvx_layout_t *layout,
  * the daemon maps them back to back again. Uses the process's CUDA
  * driver through dlopen; KVX_ERR_UNSUPPORTED when there is none or the
  * daemon was built without CUDA. */
-int kvx_pool_register_gpu(kvx_client_t *client, const kvx_layout_t *layout,
-                          void *dev_ptr, uint64_t size, uint32_t *pool_id,
-                          int timeout_ms);
+KVX_EXPORT int kvx_pool_register_gpu(kvx_client_t *client,
+                                     const kvx_layout_t *layout, void *dev_ptr,
+                                     uint64_t size, uint32_t *pool_id,
+                                     int timeout_ms);
 /* Deregister (and unmap, for pools created by kvx_pool_create_host). */
-int kvx_pool_deregister(kvx_client_t *client, uint32_t pool_id,
-                        int timeout_ms);
+KVX_EXPORT int kvx_pool_deregister(kvx_client_t *client, uint32_t pool_id,
+                                   int timeout_ms);
 
 typedef struct {
     uint8_t *data;
     size_t len;
 } kvx_context_params_t;
 
-void kvx_context_params_free(kvx_context_params_t *params);
+KVX_EXPORT void kvx_context_params_free(kvx_context_params_t *params);
 
 /* Offer request_id's KV in blocks[0..num_blocks) of pool_id. On success
  * *params (free with kvx_context_params_free) is identical on every rank. */
-int kvx_publish(kvx_client_t *client, uint64_t request_id, uint32_t pool_id,
-                const uint32_t *blocks, uint32_t num_blocks,
-                uint32_t num_tokens, kvx_context_params_t *params,
-                int timeout_ms);
+KVX_EXPORT int kvx_publish(kvx_client_t *client, uint64_t request_id,
+                           uint32_t pool_id, const uint32_t *blocks,
+                           uint32_t num_blocks, uint32_t num_tokens,
+                           kvx_context_params_t *params, int timeout_ms);
 
 /* Fill blocks (covering tokens [0, num_tokens) of the request) with the KV
  * named by params, writing only tokens >= skip_tokens. Returns once the
  * daemon accepted the fetch; its end arrives as an event in kvx_poll(). */
-int kvx_fetch(kvx_client_t *client, uint64_t request_id,
-              const uint8_t *params, size_t params_len, uint32_t pool_id,
-              const uint32_t *blocks, uint32_t num_blocks,
-              uint32_t skip_tokens, int timeout_ms);
+KVX_EXPORT int kvx_fetch(kvx_client_t *client, uint64_t request_id,
+                         const uint8_t *params, size_t params_len,
+                         uint32_t pool_id, const uint32_t *blocks,
+                         uint32_t num_blocks, uint32_t skip_tokens,
+                         int timeout_ms);
 
 /* kvx_fetch for an instance with attention DP: dp_rank names the group
  * that receives; only that group's ranks fetch, and the request completes
  * when they all have their blocks. kvx_fetch is dp_rank 0. */
-int kvx_fetch_dp(kvx_client_t *client, uint64_t request_id,
-                 const uint8_t *params, size_t params_len, uint32_t pool_id,
-                 const uint32_t *blocks, uint32_t num_blocks,
-                 uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms);
+KVX_EXPORT int kvx_fetch_dp(kvx_client_t *client, uint64_t request_id,
+                            const uint8_t *params, size_t params_len,
+                            uint32_t pool_id, const uint32_t *blocks,
+                            uint32_t num_blocks, uint32_t skip_tokens,
+                            uint32_t dp_rank, int timeout_ms);
 
 typedef enum {
     KVX_EVENT_COMPLETE = 1,
@@ -266,19 +287,21 @@ typedef struct {
 /* Get this rank's next batch. It is sealed once at_least events are
  * pending or poll_timeout_ms passes (possibly empty); every rank of the
  * instance receives the same batch k. Free with kvx_batch_free(). */
-int kvx_poll(kvx_client_t *client, uint32_t at_least, uint32_t poll_timeout_ms,
-             kvx_batch_t **out);
-void kvx_batch_free(kvx_batch_t *batch);
+KVX_EXPORT int kvx_poll(kvx_client_t *client, uint32_t at_least,
+                        uint32_t poll_timeout_ms, kvx_batch_t **out);
+KVX_EXPORT void kvx_batch_free(kvx_batch_t *batch);
 
 /* Cancel request_id (published or fetched by this rank's instance). When it
  * returns 0, the daemon will never again read or write its blocks. */
-int kvx_cancel(kvx_client_t *client, uint64_t request_id, int timeout_ms);
+KVX_EXPORT int kvx_cancel(kvx_client_t *client, uint64_t request_id,
+                          int timeout_ms);
 
 /* The daemon's status as one JSON object (malloc'd, caller frees). */
-int kvx_status_json(kvx_client_t *client, char **json, int timeout_ms);
+KVX_EXPORT int kvx_status_json(kvx_client_t *client, char **json,
+                               int timeout_ms);
 /* In-flight requests as a JSON array (malloc'd, caller frees). */
-int kvx_requests_json(kvx_client_t *client, char **json, int timeout_ms);
-
+KVX_EXPORT int kvx_requests_json(kvx_client_t *client, char **json,
+                                 int timeout_ms);
 
 #ifdef __cplusplus
 }

@@ -263,7 +263,7 @@ static kvx_client_t *joined_client(struct daemon *d, const char *inst,
     kvx_client_t *c;
     CHECK_EQ(kvx_connect(d->sock, &h, 5000, &c), 0);
     char addr[192];
-    CHECK_EQ(kvxfer_daemon_address(c, addr, sizeof(addr)), 0);
+    CHECK_EQ(kvx_daemon_address(c, addr, sizeof(addr)), 0);
     const char *a[1] = {addr};
     CHECK_EQ(kvx_join(c, a, 1, 5000), 0);
     return c;

@@ -56,7 +56,7 @@ static kvx_client_t *open_rank(const char *sock, const char *inst,
     kvx_client_t *c = NULL;
     char addr[192];
     if (kvx_connect(sock, &h, 5000, &c) ||
-        kvxfer_daemon_address(c, addr, sizeof(addr))) {
+        kvx_daemon_address(c, addr, sizeof(addr))) {
         snprintf(err, len, "%s: connect: %s", inst,
                  c ? kvx_last_error(c) : "failed");
         kvx_close(c);
