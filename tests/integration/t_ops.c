@@ -1,0 +1,431 @@
+/*
+ * t_ops.c — the daemon as an operator sees it: the status JSON and its
+ * request list, configuration errors and reload, peer credentials and
+ * socket.group, the socket file taken over only from a dead daemon, and
+ * kvxferctl plan.
+ */
+
+/* ---- 15. status --------------------------------------------------------- */
+
+TEST(status_and_requests)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "st-ctx", "st-gen", 8, &c, &g, &cs, &gs);
+    char *json = status_json(d);
+    char want[128];
+    snprintf(want, sizeof(want), "\"pid\":%d,", (int)getpid());
+    CHECK_STR_CONTAINS(json, want);
+    CHECK_STR_CONTAINS(json, "\"instance\":\"st-ctx\",\"rank\":0,"
+                             "\"role\":\"context\",\"pools\":1");
+    CHECK_STR_CONTAINS(json, "\"instance\":\"st-gen\",\"rank\":0,"
+                             "\"role\":\"generation\",\"pools\":1");
+    CHECK_EQ(json_pool_count(json), 2);
+    CHECK_EQ(json_num(json, "bytes_moved"), 0);
+    CHECK_EQ(json_num(json, "transfers_done"), 0);
+    free(json);
+
+    /* one transfer: bytes_moved is exactly its bytes */
+    uint32_t bl[3] = {2, 0, 1};
+    fill_req(&c, 40, bl, 10);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 40, c.pool, bl, 3, 10, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 40, p.data, p.len, g.pool, bl, 3, 0, T_MS), g.c);
+    wait_event(g.c, 40, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(c.c, 40, KVX_EVENT_COMPLETE, 0, 3000);
+    kvx_context_params_free(&p);
+    json = status_json(d);
+    CHECK_EQ(json_num(json, "bytes_moved"), 10ull * M_SMALL.layers *
+                                                M_SMALL.kv * M_SMALL.heads *
+                                                M_SMALL.head_dim * 2);
+    CHECK_EQ(json_num(json, "transfers_done"), 1);
+    free(json);
+
+    /* an error is counted by name */
+    CHECK_FAILS(kvx_cancel(c.c, 12345, T_MS), c.c, KVX_ERR_NOT_FOUND, "12345");
+    json = status_json(d);
+    CHECK_STR_CONTAINS(json, "\"errors_by_code\":{");
+    CHECK(json_num(json, "NOT_FOUND") >= 1);
+    free(json);
+
+    /* an unfetched offer is listed with its state and age */
+    CHECK_KVX(kvx_publish(c.c, 41, c.pool, bl, 3, 10, &p, T_MS), c.c);
+    sleep_ms(120);
+    CHECK_KVX(kvx_requests_json(g.c, &json, T_MS), g.c);
+    CHECK_STR_CONTAINS(json, "\"instance\":\"st-ctx\",\"request_id\":41,"
+                             "\"side\":\"context\",\"state\":\"offered\"");
+    long long age = json_num(json, "age_ms");
+    CHECK(age >= 100 && age < 5000);
+    free(json);
+    json = status_json(d);
+    CHECK_STR_CONTAINS(json, "\"offered\":1");
+    free(json);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
+/* ---- 16. configuration -------------------------------------------------- */
+
+/* Run kvxferd with args; returns the exit status, output in *out. */
+static int run_kvxferd(const char *a1, const char *a2, const char *a3,
+                       char **out)
+{
+    char exe[256], tmp[64];
+    snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
+    snprintf(tmp, sizeof(tmp), "/tmp/kvx-it-out-%d", (int)getpid());
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        execl(exe, exe, a1, a2, a3, (char *)NULL);
+        _exit(127);
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    *out = read_file(tmp);
+    unlink(tmp);
+    return st;
+}
+
+TEST(config_errors)
+{
+    char bad[64], *out;
+    snprintf(bad, sizeof(bad), "/tmp/kvx-it-%d-bad.yaml", (int)getpid());
+    write_file(bad, "socket:\n"
+                    "  path: /tmp/x.sock\n"
+                    "deadlines:\n"
+                    "  offer_lease_ms: soon\n"
+                    "limits:\n"
+                    "  max_sesions: 3\n");
+    int st = run_kvxferd("--check-config", "--config", bad, &out);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) != 0);
+    char want[128];
+    snprintf(want, sizeof(want), "%s:4:19: deadlines.offer_lease_ms: ", bad);
+    CHECK_STR_CONTAINS(out, want);
+    CHECK_STR_CONTAINS(out, "soon");
+    snprintf(want, sizeof(want), "%s:6:3: limits.max_sesions: unknown key",
+             bad);
+    CHECK_STR_CONTAINS(out, want);
+    free(out);
+    unlink(bad);
+
+    /* a value of many signs: a problem named, not a crash (it recursed
+     * once a sign and overflowed the stack, on SIGHUP too) */
+    {
+        size_t n = 200000;
+        char *v = malloc(n + 64);
+        CHECK(v != NULL);
+        strcpy(v, "limits:\n  max_sessions: \"");
+        size_t l = strlen(v);
+        memset(v + l, '-', n);
+        strcpy(v + l + n, "1\"\n");
+        write_file(bad, v);
+        free(v);
+        st = run_kvxferd("--check-config", "--config", bad, &out);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+        CHECK_STR_CONTAINS(out, "limits.max_sessions");
+        free(out);
+        unlink(bad);
+    }
+
+    st = run_kvxferd("--check-config", "--config", "config/kvxferd.yaml", &out);
+    if (!WIFEXITED(st) || WEXITSTATUS(st))
+        fprintf(stderr, "%s", out);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    free(out);
+}
+
+TEST(config_reload)
+{
+    daemon_t *d = daemon_start("log:\n  level: info\n");
+    char cfg[512];
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nlog:\n  level: debug\n"
+             "limits:\n  max_sessions: 77\n"
+             "deadlines:\n  offer_lease_ms: 200\n",
+             d->sock);
+    write_file(d->cfg, cfg);
+    CHECK(!log_contains(d, "reloaded"));
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "reloaded", 3000));
+    CHECK(log_contains(d, d->cfg));
+    CHECK(log_contains(d, "limits.max_sessions"));
+    CHECK(log_contains(d, "restart"));
+    /* the new level is in force: debug lines appear */
+    CHECK(!log_contains(d, "connected, pid"));
+    daemon_healthy(d);
+    CHECK(log_wait(d, "connected, pid", 2000));
+    /* a reloaded deadline is in force for new offers */
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rl-ctx", "rl-gen", 8, &c, &g, &cs, &gs);
+    uint32_t bl[1] = {1};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 3, c.pool, bl, 1, 2, &p, T_MS), c.c);
+    wait_event(c.c, 3, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 1500);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    char *json = status_json(d);
+    CHECK_STR_CONTAINS(json, "\"deadlines.offer_lease_ms\":\"200\"");
+    free(json);
+    /* a broken file keeps the running configuration */
+    write_file(d->cfg, "log:\n  level: loud\n");
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "keeping the running configuration", 3000));
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* ---- 17. peer credentials ------------------------------------------------ */
+
+static int pc_expect_ok;
+static gid_t pc_group = (gid_t)-1; /* a supplementary group to hold */
+
+static void pc_child(void *arg)
+{
+    daemon_t *d = arg;
+    gid_t groups[1] = {pc_group};
+    if (setgroups(pc_group == (gid_t)-1 ? 0 : 1, groups) || setgid(65534) ||
+        setuid(65534)) {
+        perror("setuid");
+        _exit(2);
+    }
+    side_t s = {.inst = "pc",
+                .role = KVX_ROLE_CONTEXT,
+                .tp = 1,
+                .pp = 1,
+                .preset = "vllm-nhd",
+                .tpb = 4};
+    rank_t r;
+    memset(&r, 0, sizeof(r));
+    r.m = &M_SMALL;
+    r.s = &s;
+    kvx_hello_t h = rank_hello(&r);
+    kvx_client_t *c = NULL;
+    int rc = kvx_connect_observer(d->sock, T_MS, &c);
+    if (rc == 0) {
+        rc = kvx_hello(c, &h, T_MS);
+        if (rc == KVX_ERR_PERM)
+            CHECK_STR_CONTAINS(kvx_last_error(c), "uid 65534");
+    }
+    if (pc_expect_ok) {
+        if (rc)
+            fprintf(stderr, "uid 65534 (allowed) refused: %s: %s\n",
+                    kvx_status_name(rc), c ? kvx_last_error(c) : "");
+        kvx_close(c);
+        _exit(rc ? 1 : 0);
+    }
+    kvx_close(c);
+    if (rc == 0) {
+        fprintf(stderr, "uid 65534 was let in\n");
+        _exit(1);
+    }
+    /* refused: told why (PERM), or at least the connection closed */
+    if (rc != KVX_ERR_PERM && rc != KVX_ERR_CLOSED && rc != KVX_ERR_IO) {
+        fprintf(stderr, "refused with %s, expected PERM, CLOSED or IO\n",
+                kvx_status_name(rc));
+        _exit(1);
+    }
+}
+
+TEST(peer_cred)
+{
+    if (geteuid() != 0) {
+        printf("peer_cred: skipped: needs root to connect as another uid\n");
+        return;
+    }
+    daemon_t *d = daemon_start2("  mode: 0666\n", NULL);
+    pid_t pid = spawn(pc_child, d);
+    CHECK(wait_children(&pid, 1, 10000));
+    CHECK(log_wait(d, "refused", 2000));
+    CHECK(log_contains(d, "uid 65534"));
+    char *json = status_json(d);
+    CHECK(json_num(json, "PERM") >= 1);
+    free(json);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+    /* listed in auth.allowed_uids: let in */
+    d = daemon_start2("  mode: 0666\n", "auth:\n  allowed_uids: [65534]\n");
+    pc_expect_ok = 1;
+    pid = spawn(pc_child, d);
+    CHECK(wait_children(&pid, 1, 10000));
+    CHECK(!log_contains(d, "refused"));
+    daemon_stop_ok(d);
+    /* by group */
+    d = daemon_start2("  mode: 0666\n", "auth:\n  allowed_gids: [65534]\n");
+    pid = spawn(pc_child, d);
+    CHECK(wait_children(&pid, 1, 10000));
+    CHECK(!log_contains(d, "refused"));
+    daemon_stop_ok(d);
+    /* by a supplementary group */
+    d = daemon_start2("  mode: 0666\n", "auth:\n  allowed_gids: [4321]\n");
+    pc_group = 4321;
+    pid = spawn(pc_child, d);
+    CHECK(wait_children(&pid, 1, 10000));
+    CHECK(!log_contains(d, "refused"));
+    daemon_stop_ok(d);
+}
+
+/* socket.group by name and by number (a gid with no name included): the
+ * socket file gets that group. */
+TEST(socket_group)
+{
+    if (geteuid() != 0) {
+        printf("socket_group: skipped: needs root to give the socket "
+               "another group\n");
+        return;
+    }
+    struct stat st;
+    daemon_t *d = daemon_start2("  group: \"4321\"\n", NULL);
+    CHECK(stat(d->sock, &st) == 0);
+    CHECK_EQ(st.st_gid, 4321);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+    d = daemon_start2("  group: root\n", NULL);
+    CHECK(stat(d->sock, &st) == 0);
+    CHECK_EQ(st.st_gid, 0);
+    daemon_stop_ok(d);
+}
+
+/* ---- the socket file -------------------------------------------------- */
+
+/* Run kvxferd --config cfg; kill it after timeout_ms. Returns the wait
+ * status, or -1 if it was still running. */
+static int run_daemon_cfg(const char *cfg, const char *log, int timeout_ms)
+{
+    char exe[256];
+    snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        signal(SIGALRM, SIG_DFL);
+        execl(exe, exe, "--config", cfg, (char *)NULL);
+        _exit(127);
+    }
+    int64_t end = now_ms() + timeout_ms;
+    for (;;) {
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid)
+            return st;
+        if (now_ms() > end) {
+            kill(pid, SIGKILL);
+            waitpid(pid, NULL, 0);
+            return -1;
+        }
+        sleep_ms(5);
+    }
+}
+
+/* A live daemon's socket is not taken over; a dead one's is. */
+TEST(socket_takeover)
+{
+    daemon_t *d = daemon_start(NULL);
+    char log2[160];
+    snprintf(log2, sizeof(log2), "%s/second.log", d->dir);
+    int st = run_daemon_cfg(d->cfg, log2, 3000);
+    CHECK(st != -1);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) != 0);
+    char *t = read_file(log2);
+    CHECK_STR_CONTAINS(t, "another daemon is listening");
+    free(t);
+    daemon_healthy(d); /* the first one still serves */
+    kill(d->pid, SIGKILL);
+    daemon_wait(d, 3000);
+    CHECK(access(d->sock, F_OK) == 0); /* left behind */
+    /* a new daemon on the stale socket file */
+    snprintf(log2, sizeof(log2), "%s/third.log", d->dir);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int fd = open(log2, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        dup2(fd, 2);
+        char exe[256];
+        snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
+        signal(SIGALRM, SIG_DFL);
+        execl(exe, exe, "--config", d->cfg, (char *)NULL);
+        _exit(127);
+    }
+    int64_t end = now_ms() + 5000;
+    kvx_client_t *c = NULL;
+    while (kvx_connect_observer(d->sock, 200, &c) != 0) {
+        CHECK(now_ms() < end);
+        CHECK(waitpid(pid, NULL, WNOHANG) == 0);
+        sleep_ms(10);
+    }
+    char *json;
+    CHECK_KVX(kvx_status_json(c, &json, T_MS), c);
+    free(json);
+    kvx_close(c);
+    kill(pid, SIGTERM);
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK(access(d->sock, F_OK) != 0);
+}
+
+/* ---- kvxferctl -------------------------------------------------------- */
+
+/* kvxferctl plan: the daemon's planner without a daemon, from options and
+ * from a YAML file; bad files and refused pairs exit 1 naming why. */
+
+TEST(ctl_plan)
+{
+    char out[8192], args[512], file[128];
+    CHECK_EQ(ctl_run("plan --ctx-tp 4 --gen-tp 2 --heads 8 --layers 32", out,
+                     sizeof(out)),
+             0);
+    CHECK_STR_CONTAINS(out, "generation rank 1: 2 slices, 4 token segments, "
+                            "4194304 bytes");
+    CHECK_STR_CONTAINS(out, "<- context rank 3   layers [0, 32)  heads [6, 8)");
+    CHECK_STR_CONTAINS(out, "total 8388608 bytes");
+    /* refused as the daemon refuses it */
+    CHECK_EQ(ctl_run("plan --ctx-dtype fp8 --gen-dtype bf16", out,
+                     sizeof(out)),
+             1);
+    CHECK_STR_CONTAINS(out, "refused: dtype: context fp8, generation bf16 "
+                            "(MISMATCH)");
+    /* from a file: PP with uneven layers, attention DP, a skipped prefix */
+    snprintf(file, sizeof(file), "/tmp/kvx-it-%d-pair.yaml", (int)getpid());
+    write_file(file, "model:\n  layers: 32\n  kv_heads: 8\n  head_dim: 128\n"
+                     "  dtype: bf16\ncontext:\n  tp: 2\n  pp: 2\n"
+                     "  layers_per_pp: [20, 12]\n  tokens_per_block: 32\n"
+                     "generation:\n  tp: 4\n  attention_dp: 2\n"
+                     "  tokens_per_block: 16\nrequest:\n  tokens: 1000\n"
+                     "  skip_tokens: 200\n");
+    snprintf(args, sizeof(args), "plan --from %s", file);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "request:    tokens [200, 1000)");
+    CHECK_STR_CONTAINS(out, "<- context rank 2   layers [20, 32)  heads [0, 4)");
+    CHECK_STR_CONTAINS(out, "total 104857600 bytes");
+    /* an unknown key, and a side's key under model: file:line:column */
+    write_file(file, "model:\n  layers: 32\ncontext:\n  tp: 2\n  heads: 8\n");
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "pair.yaml:5:3: heads: unknown key");
+    write_file(file, "model:\n  layers: 32\n  tp: 4\n");
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "pair.yaml:3:3: tp: not a model key");
+    /* a complex key at the top: an error, not a crash */
+    write_file(file, "? {tp: 1}\n: 1\n");
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "expected section: key: value");
+    /* a model key sets both sides, whatever a side said before */
+    write_file(file, "generation:\n  head_dim: 64\nmodel:\n"
+                     "  head_dim: 128\n");
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "total 8388608 bytes");
+    unlink(file);
+}

@@ -1,0 +1,821 @@
+/*
+ * t_peer_transfer.c — transfers between two daemons, every byte checked:
+ * both directions, pools between guard bands, slots larger than a
+ * message sent in pieces, an offer that ended first, many requests at
+ * once, copy jobs that fail, lanes (mixed counts, unreachable, stalled);
+ * and forged input that must get nowhere: a wrong token, another cluster
+ * secret, forged params, a fake peer's handshake shortcuts and a replayed
+ * OPEN.
+ */
+
+/* Context on A, generation on B, and back: every rank its own process,
+ * the whole generation pool compared; also a context instance of tp 2
+ * whose two sources are both remote. */
+TEST_T(peer_transfer_both_directions, 90)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    /* the addresses are the peer.listen IPs with the bound ports */
+    rank_t r;
+    side_t s;
+    p_side(&s, "pb-addr", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    rank_hello_only(a, &M_SMALL, &s, 0, &r);
+    p_check_addr(&r, 0, NULL, 0);
+    rank_close(&r);
+    rank_hello_only(b, &M_SMALL, &s, 0, &r);
+    p_check_addr(&r, 1, NULL, 0);
+    rank_close(&r);
+    side_t c = {
+        .inst = "pb-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g = {
+        .inst = "pb-gen", .tp = 1, .pp = 1, .preset = "flashinfer", .tpb = 8};
+    xfer_case2(a, b, &M_SMALL, &c, &g, 8, 45, 0);
+    side_t c2 = {
+        .inst = "pb-ctx2", .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 8};
+    side_t g2 = {
+        .inst = "pb-gen2", .tp = 1, .pp = 1, .preset = "vllm-hnd", .tpb = 4};
+    xfer_case2(b, a, &M_SMALL, &c2, &g2, 6, 37, 0);
+    /* and with skip_tokens, generation tp 2 */
+    side_t c3 = {
+        .inst = "pb-ctx3", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 8};
+    side_t g3 = {
+        .inst = "pb-gen3", .tp = 2, .pp = 1, .preset = "vllm-nhd", .tpb = 8};
+    xfer_case2(a, b, &M_SMALL, &c3, &g3, 4, 40, 13);
+    p_stop_both(a, b);
+}
+
+/* Pools inside one memfd between guard bands, across two daemons: the
+ * context daemon gathers from an offset pool into its slots, the
+ * generation daemon scatters into one; nothing outside moves. */
+TEST_T(peer_host_pools_guard_bands, 90)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    uint64_t seed = 41;
+    char tag[48];
+    for (int k = 0; k < 8; k++) {
+        snprintf(tag, sizeof(tag), "pgb%d", k);
+        gb_case(k % 2 ? b : a, k % 2 ? a : b, tag, gb_presets[k % 4],
+                gb_presets[(k / 2) % 4], &seed);
+    }
+    p_stop_both(a, b);
+}
+
+/* A slot larger than peer.message_bytes goes as pieces cut on unit
+ * boundaries (here 8 of 64 KiB, two 32 KiB units each), one in flight at
+ * a time, each scattered as it lands: every byte lands, both ways, with
+ * the presets' different row shapes; then units of 128 KiB, larger than
+ * a piece, go one a piece. Status reports the settings and every slot. */
+TEST_T(peer_slot_in_pieces, 90)
+{
+    static const char *const extra = "  slot_bytes: 512KiB\n"
+                                      "  message_bytes: 72KiB\n"
+                                      "  send_window: 1\n";
+    daemon_t *a, *b;
+    p_two_daemons_with(extra, &a, &b);
+    p_both_ways(a, b, "pp", 4, 3); /* about five slots a request */
+    /* 32 heads over tp 2: a unit is 16 tokens x 16 heads x 256 B x 2 */
+    static const model_t big = {.layers = 2,
+                                .heads = 32,
+                                .head_dim = 128,
+                                .kv = 2,
+                                .dtype = KVX_DTYPE_BF16};
+    side_t c3 = {
+        .inst = "pp-ctx3", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g3 = {
+        .inst = "pp-gen3", .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 16};
+    xfer_case2(a, b, &big, &c3, &g3, 3, 100, 0);
+    for (int i = 0; i < 2; i++) {
+        char *json = status_json(i ? b : a);
+        char *ucx = p_json_section(json, "\"ucx\":");
+        CHECK(ucx != NULL);
+        CHECK_EQ(json_num(ucx, "slot_bytes"), 512 * 1024);
+        /* peer.slots 0: as many as fit in 32 MiB */
+        CHECK_EQ(json_num(ucx, "slots"), 64);
+        CHECK_EQ(json_num(ucx, "message_bytes"), 72 * 1024);
+        CHECK_EQ(json_num(ucx, "send_window"), 1);
+        free(ucx);
+        free(json);
+    }
+    /* every slot sent was received whole, each way */
+    p_sent_is_received(a, b);
+    p_sent_is_received(b, a);
+    p_slots_all_free(a);
+    p_slots_all_free(b);
+    p_stop_both(a, b);
+}
+
+/* A fetch on B for an offer A's engine already cancelled: A serves every
+ * rank of that instance, so its NOT_FOUND is final and the request ends
+ * at once (not after the retry window for ranks that have not published
+ * yet); an offer that completed likewise. */
+TEST_T(peer_open_for_ended_offer, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pe-ctx", "pe-gen", &c, &g);
+    uint32_t cb[2] = {4, 5}, gb[2] = {1, 2};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 61, c.pool, cb, 2, 8, &p, T_MS), c.c);
+    CHECK_KVX(kvx_cancel(c.c, 61, T_MS), c.c);
+    wait_event(c.c, 61, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 2000);
+    int64_t t0 = now_ms();
+    CHECK_KVX(kvx_fetch(g.c, 61, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    ev_t e = wait_event(g.c, 61, KVX_EVENT_ERROR, KVX_ERR_NOT_FOUND, 5000);
+    int64_t took = now_ms() - t0;
+    fprintf(stderr, "NOT_FOUND after %lld ms: %s\n", (long long)took, e.msg);
+    CHECK_STR_CONTAINS(e.msg, "expired, cancelled or completed");
+    CHECK(strstr(e.msg, "not yet published") == NULL);
+    /* the retry window is 2 s; a final answer is one round trip */
+    CHECK(took < 1500);
+    kvx_context_params_free(&p);
+
+    /* completed, then fetched again with the same params: final too */
+    uint32_t gb2[2] = {3, 6};
+    p_one(&c, &g, 62, cb, gb, 2, 8, 5000);
+    CHECK_KVX(kvx_publish(c.c, 63, c.pool, cb, 2, 8, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 63, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 63, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 63, KVX_EVENT_COMPLETE, 0, 5000);
+    t0 = now_ms();
+    CHECK_KVX(kvx_fetch(g.c, 64, p.data, p.len, g.pool, gb2, 2, 0, T_MS), g.c);
+    e = wait_event(g.c, 64, KVX_EVENT_ERROR, KVX_ERR_NOT_FOUND, 5000);
+    took = now_ms() - t0;
+    fprintf(stderr, "again: NOT_FOUND after %lld ms: %s\n", (long long)took,
+            e.msg);
+    CHECK(took < 1500);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}
+
+/* 64 requests in flight at once, half A -> B and half B -> A. */
+TEST_T(peer_many_concurrent, 60)
+{
+    enum { N = 64, H = N / 2, TOK = 10, TPB = 4, NB = 3 };
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    model_t m = {.layers = 2,
+                 .heads = 2,
+                 .head_dim = 16,
+                 .kv = 2,
+                 .dtype = KVX_DTYPE_BF16};
+    side_t cas, gbs, cbs, gas;
+    p_side(&cas, "pm-ctx-a", KVX_ROLE_CONTEXT, "vllm-nhd", TPB);
+    p_side(&gbs, "pm-gen-b", KVX_ROLE_GENERATION, "flashinfer", TPB);
+    p_side(&cbs, "pm-ctx-b", KVX_ROLE_CONTEXT, "trtllm", TPB);
+    p_side(&gas, "pm-gen-a", KVX_ROLE_GENERATION, "vllm-nhd", TPB);
+    rank_t ca, gb, cb, ga;
+    rank_open(a, &m, &cas, 0, H * NB, &ca);
+    rank_open(b, &m, &gbs, 0, H * NB, &gb);
+    rank_open(b, &m, &cbs, 0, H * NB, &cb);
+    rank_open(a, &m, &gas, 0, H * NB, &ga);
+    memset(gb.base, 0xa5, gb.size);
+    memset(ga.base, 0xa5, ga.size);
+    static uint32_t cbl[N][NB], gbl[N][NB];
+    static kvx_context_params_t p[N];
+    /* request q < H: ca -> gb; q >= H: cb -> ga */
+    for (uint32_t q = 0; q < N; q++) {
+        uint32_t k = q % H;
+        for (uint32_t i = 0; i < NB; i++) {
+            cbl[q][i] = i * H + k;
+            gbl[q][i] = (NB - 1 - i) * H + (H - 1 - k);
+        }
+        rank_t *c = q < H ? &ca : &cb;
+        fill_req(c, 3000 + q, cbl[q], TOK);
+        CHECK_KVX(
+            kvx_publish(c->c, 3000 + q, c->pool, cbl[q], NB, TOK, &p[q], T_MS),
+            c->c);
+    }
+    /* interleaved: both directions in flight together */
+    for (uint32_t k = 0; k < H; k++)
+        for (uint32_t half = 0; half < 2; half++) {
+            uint32_t q = half * H + k;
+            rank_t *g = half ? &ga : &gb;
+            CHECK_KVX(kvx_fetch(g->c, 3000 + q, p[q].data, p[q].len, g->pool,
+                                gbl[q], NB, 0, T_MS),
+                      g->c);
+        }
+    static ev_t e[4][H + 16];
+    rank_t *who[4] = {&gb, &ga, &ca, &cb};
+    for (int i = 0; i < 4; i++) {
+        int n = collect(who[i]->c, e[i], H + 16, H, 15000);
+        if (n != H) {
+            fprintf(stderr, "%s: %d of %d events\n", who[i]->s->inst, n, H);
+            print_events(who[i]->s->inst, e[i], n < H + 16 ? n : H + 16);
+        }
+        CHECK_EQ(n, H);
+    }
+    /* nothing more arrives: exactly once */
+    for (int i = 0; i < 4; i++) {
+        kvx_batch_t *bt;
+        CHECK_KVX(kvx_poll(who[i]->c, 1, 100, &bt), who[i]->c);
+        CHECK_EQ(bt->num_events, 0);
+        kvx_batch_free(bt);
+    }
+    static expect_t ea[H], eb[H];
+    for (uint32_t q = 0; q < N; q++) {
+        int half = q >= H;
+        expect_event(e[half ? 1 : 0], H, 3000 + q, KVX_EVENT_COMPLETE, 0);
+        expect_event(e[half ? 3 : 2], H, 3000 + q, KVX_EVENT_COMPLETE, 0);
+        (half ? ea : eb)[q % H] = (expect_t){3000 + q, gbl[q], TOK, 0};
+        kvx_context_params_free(&p[q]);
+    }
+    CHECK_EQ(check_pool(&gb, eb, H, 0xa5), 0);
+    CHECK_EQ(check_pool(&ga, ea, H, 0xa5), 0);
+    rank_close(&ca);
+    rank_close(&gb);
+    rank_close(&cb);
+    rank_close(&ga);
+    p_stop_both(a, b);
+}
+
+/* A forged capability token travels to the context daemon and is refused
+ * there: the fetch is accepted, then ends ERROR AUTH; nothing is written;
+ * the offer stays and the genuine params then complete. */
+TEST_T(peer_wrong_token, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pt-ctx", "pt-gen", &c, &g);
+    memset(g.base, 0xa5, g.size);
+    /* connected first, so the bound below is the token check's */
+    uint32_t wc[1] = {0}, wg[1] = {7};
+    p_one(&c, &g, 30, wc, wg, 1, 3, 5000);
+    expect_t ex[2] = {{30, wg, 3, 0}};
+    uint32_t cb[2] = {3, 1}, gb[2] = {6, 2};
+    fill_req(&c, 31, cb, 8);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 31, c.pool, cb, 2, 8, &p, T_MS), c.c);
+
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p.len, p.data);
+    CHECK(cp != NULL);
+    CHECK_EQ(cp->token.len, 16);
+    cp->token.data[5] ^= 0x40;
+    size_t flen = kvxfer__context_params__get_packed_size(cp);
+    uint8_t *forged = malloc(flen);
+    CHECK(forged != NULL);
+    kvxfer__context_params__pack(cp, forged);
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    CHECK_KVX(kvx_fetch(g.c, 31, forged, flen, g.pool, gb, 2, 0, T_MS), g.c);
+    free(forged);
+    ev_t e = wait_event(g.c, 31, KVX_EVENT_ERROR, KVX_ERR_AUTH, 1000);
+    fprintf(stderr, "forged token: \"%s\"\n", e.msg);
+    sleep_ms(100);
+    CHECK_EQ(check_pool(&g, ex, 1, 0xa5), 0);
+    char *json;
+    CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
+    CHECK_STR_CONTAINS(json, "\"request_id\":31,\"side\":\"context\","
+                             "\"state\":\"offered\"");
+    free(json);
+
+    /* the genuine params: complete, and only now bytes arrive */
+    CHECK_KVX(kvx_fetch(g.c, 31, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 31, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 31, KVX_EVENT_COMPLETE, 0, 5000);
+    ex[1] = (expect_t){31, gb, 8, 0};
+    CHECK_EQ(check_pool(&g, ex, 2, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}
+
+/* B holds another cluster secret: its fetch from A ends ERROR AUTH naming
+ * authentication, the refusing daemon logs it, the offer is untouched and
+ * both daemons carry on. */
+TEST_T(peer_wrong_secret, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET_OTHER, NULL, NULL);
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "ps-ctx", "ps-gen", &c, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t bl[2] = {0, 1};
+    fill_req(&c, 41, bl, 8);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 41, c.pool, bl, 2, 8, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 41, p.data, p.len, g.pool, bl, 2, 0, T_MS), g.c);
+    /* connect + authentication are bounded by peer.connect_timeout_ms */
+    ev_t e = wait_event(g.c, 41, KVX_EVENT_ERROR, KVX_ERR_AUTH, 7000);
+    CHECK_STR_CONTAINS(e.msg, "authentication");
+    int64_t end = now_ms() + 2000;
+    while (!log_contains(a, "authentication failed") &&
+           !log_contains(b, "authentication failed") && now_ms() < end)
+        sleep_ms(20);
+    if (!log_contains(a, "authentication failed") &&
+        !log_contains(b, "authentication failed")) {
+        dump_tail(a->log, 20);
+        dump_tail(b->log, 20);
+        CHECK(!"a daemon logs \"authentication failed\"");
+    }
+    CHECK_EQ(check_pool(&g, NULL, 0, 0xa5), 0);
+    /* an unauthenticated peer touched nothing: the offer is still there */
+    char *json;
+    CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
+    CHECK_STR_CONTAINS(json, "\"request_id\":41,\"side\":\"context\","
+                             "\"state\":\"offered\"");
+    free(json);
+    daemon_healthy(a);
+    daemon_healthy(b);
+    /* both still serve local transfers */
+    fresh_pair_ok(a, "ps-ctx2", "ps-gen2");
+    fresh_pair_ok(b, "ps-ctx3", "ps-gen3");
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(a);
+    daemon_stop_ok(b);
+}
+
+/* A copy job that fails between daemons (KVXFERD_FAULT makes a host job
+ * fail as a GPU kernel error would): a failed gather on the context
+ * daemon, then a failed scatter on the generation daemon. Each time both
+ * sides end the request with ERROR at once (the offer too, not at its
+ * backstop lease), the next request moves verified bytes, and every slot
+ * comes back free. A bad KVXFERD_FAULT stops the daemon at start. */
+static void pf_round(const char *fault_a, const char *fault_b,
+                     const char *tag)
+{
+    setenv("KVXFERD_FAULT", fault_a, 1);
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    setenv("KVXFERD_FAULT", fault_b, 1);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    unsetenv("KVXFERD_FAULT");
+    static side_t cs, gs;
+    char ctx[32], gen[32];
+    snprintf(ctx, sizeof(ctx), "pf-ctx-%s", tag);
+    snprintf(gen, sizeof(gen), "pf-gen-%s", tag);
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, ctx, gen, &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {5, 6};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    ev_t eg = wait_event(g.c, 1, KVX_EVENT_ERROR, KVX_ERR_IO, 5000);
+    ev_t ec = wait_event(c.c, 1, KVX_EVENT_ERROR, KVX_ERR_IO, 5000);
+    fprintf(stderr, "%s: generation: %s; context: %s\n", tag, eg.msg, ec.msg);
+    CHECK_STR_CONTAINS(eg.msg, "input/output");
+    kvx_context_params_free(&p);
+    p_one(&c, &g, 2, cb, gb, 2, 7, 5000);
+    p_slots_all_free(a);
+    p_slots_all_free(b);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
+TEST_T(peer_copy_faults, 90)
+{
+    p_setup();
+    pf_round("gather:1", "", "gather");
+    pf_round("", "scatter:1", "scatter");
+    char cmd[512], out[1024] = "";
+    snprintf(cmd, sizeof(cmd),
+             "KVXFERD_FAULT=bogus:1 timeout 10 %s/kvxferd --socket "
+             "/tmp/kvx-pf-%d.sock 2>&1; echo \"exit $?\"",
+             build_dir(), (int)getpid());
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    pclose(f);
+    CHECK_STR_CONTAINS(out, "KVXFERD_FAULT: 'bogus:1' is not SITE:N");
+    CHECK_STR_CONTAINS(out, "exit 2");
+}
+
+/* Params an engine forged, fetched between daemons: a layout with 0
+ * tokens a block (it divided by zero in the planner and killed the
+ * daemon) and billions of tokens (it planned them before looking at the
+ * blocks). Each is refused at once naming the field; the daemon stays
+ * healthy and the genuine params still complete. */
+static void pp_forge(const kvx_context_params_t *p, uint32_t tpb,
+                     uint32_t ntok, uint8_t *out, size_t *len)
+{
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p->len, p->data);
+    CHECK(cp != NULL && cp->layout);
+    if (tpb != UINT32_MAX)
+        cp->layout->tokens_per_block = tpb;
+    if (ntok)
+        cp->num_tokens = ntok;
+    *len = kvxfer__context_params__get_packed_size(cp);
+    CHECK(*len <= 4096);
+    kvxfer__context_params__pack(cp, out);
+    kvxfer__context_params__free_unpacked(cp, NULL);
+}
+
+TEST_T(peer_forged_params, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "fp-ctx", "fp-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    uint8_t f[4096];
+    size_t fl;
+    pp_forge(&p, 0, 0, f, &fl);
+    CHECK_FAILS(kvx_fetch(g.c, 1, f, fl, g.pool, gb, 2, 0, T_MS), g.c,
+                KVX_ERR_INVALID, "layout.tokens_per_block: 0 out of range");
+    pp_forge(&p, 1, 3500000000u, f, &fl);
+    int64_t t0 = now_ms();
+    CHECK_FAILS(kvx_fetch(g.c, 1, f, fl, g.pool, gb, 2, 0, T_MS), g.c,
+                KVX_ERR_INVALID, "fetch.blocks: 2 blocks of 4 tokens");
+    CHECK(now_ms() - t0 < 1000);
+    daemon_healthy(b);
+    /* the genuine params still work */
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
+/* A daemon without the secret (build/tests/fake_peer) tries the
+ * handshake's shortcuts; none gets in and nothing is harmed:
+ *  1. skip: B dials it (params naming it as the context rank) and it
+ *     answers HELLO with AUTH_RESULT{0}, no CHALLENGE: B refuses it, the
+ *     fetch ends ERROR AUTH, and no OPEN (with the token) reaches it;
+ *  2. relay: B dials it and it relays B's handshake to A: B sees that
+ *     the answer comes from A's address, not the one it dialled, and
+ *     gives no MAC; A does not accept the relay;
+ *  3. claim: it connects to A claiming to be B and fails its handshake:
+ *     A ends nothing of B's (a spread instance's request still needs and
+ *     gets B's rank). */
+static FILE *p_fake(int side, const char *args, char *addr, size_t alen)
+{
+    char cmd[600];
+    if (p_net.netns)
+        snprintf(cmd, sizeof(cmd), "ip netns exec %s %s/tests/fake_peer %s",
+                 p_net.ns[side], build_dir(), args);
+    else
+        snprintf(cmd, sizeof(cmd), "%s/tests/fake_peer %s", build_dir(),
+                 args);
+    fflush(stdout);
+    fflush(stderr);
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    if (addr) {
+        CHECK(fgets(addr, (int)alen, f) != NULL);
+        addr[strcspn(addr, "\n")] = 0;
+        CHECK(!strncmp(addr, "kvx://", 6));
+    }
+    return f;
+}
+
+/* The rest of the fake's output, once it exits. */
+static void p_fake_rest(FILE *f, char *out, size_t cap)
+{
+    size_t n = fread(out, 1, cap - 1, f);
+    out[n] = 0;
+    pclose(f);
+}
+
+/* params p with context rank 0's daemon replaced by addr */
+static void p_params_at(const kvx_context_params_t *p, const char *addr,
+                        uint8_t *out, size_t *len)
+{
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p->len, p->data);
+    CHECK(cp != NULL && cp->n_rank_addresses == 1);
+    char *old = cp->rank_addresses[0];
+    cp->rank_addresses[0] = (char *)addr;
+    *len = kvxfer__context_params__get_packed_size(cp);
+    CHECK(*len <= 4096);
+    kvxfer__context_params__pack(cp, out);
+    cp->rank_addresses[0] = old;
+    kvxfer__context_params__free_unpacked(cp, NULL);
+}
+
+TEST_T(peer_handshake_shortcuts, 90)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "hs-ctx", "hs-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    uint8_t f[4096];
+    size_t fl;
+    char faddr[192], out[4096], args[400];
+
+    /* 1: a server that skips its CHALLENGE */
+    snprintf(args, sizeof(args), "skip %s 3", p_net.ip[0]);
+    FILE *fk = p_fake(0, args, faddr, sizeof(faddr));
+    p_params_at(&p, faddr, f, &fl);
+    CHECK_KVX(kvx_fetch(g.c, 11, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+    ev_t e = wait_event(g.c, 11, KVX_EVENT_ERROR, KVX_ERR_AUTH, 5000);
+    fprintf(stderr, "skip: %s\n", e.msg);
+    CHECK_STR_CONTAINS(e.msg, "without proving the cluster secret");
+    p_fake_rest(fk, out, sizeof(out));
+    CHECK(strstr(out, "got 7\n") == NULL); /* no OPEN, no token */
+    CHECK_STR_CONTAINS(out, "done");
+
+    /* 2: a relay from B to A */
+    char a_ipport[64];
+    const char *h = strstr(c.addr, "://");
+    CHECK(h != NULL);
+    snprintf(a_ipport, sizeof(a_ipport), "%.*s",
+             (int)(strrchr(c.addr, '/') - (h + 3)), h + 3);
+    snprintf(args, sizeof(args), "relay %s %s 3", p_net.ip[0], a_ipport);
+    fk = p_fake(0, args, faddr, sizeof(faddr));
+    p_params_at(&p, faddr, f, &fl);
+    CHECK_KVX(kvx_fetch(g.c, 12, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+    e = wait_event(g.c, 12, KVX_EVENT_ERROR, KVX_ERR_AUTH, 5000);
+    fprintf(stderr, "relay: %s\n", e.msg);
+    CHECK_STR_CONTAINS(e.msg, "does not listen there");
+    p_fake_rest(fk, out, sizeof(out));
+    fprintf(stderr, "relay's output: %s", out);
+    CHECK(strstr(out, "auth_result 0\n") == NULL);
+
+    /* the genuine params still complete */
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+
+    /* 3: a claim to be B, at A, that fails its handshake; a spread
+     * generation instance (rank 0 on A, rank 1 on B) then still moves a
+     * request that needs both ranks */
+    static side_t ss;
+    p_side2(&ss, "hs-spread", KVX_ROLE_GENERATION);
+    rank_t s0, s1;
+    p_spread_open(a, b, &ss, 8, &s0, &s1);
+    snprintf(args, sizeof(args), "claim %s %s 1", a_ipport, s1.addr);
+    fk = p_fake(1, args, NULL, 0);
+    p_fake_rest(fk, out, sizeof(out));
+    CHECK_STR_CONTAINS(out, "done");
+    sleep_ms(300);
+    fill_req(&c, 2, cb, 7);
+    CHECK_KVX(kvx_publish(c.c, 2, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(s0.c, 2, p.data, p.len, s0.pool, gb, 2, 0, T_MS),
+              s0.c);
+    CHECK_KVX(kvx_fetch(s1.c, 2, p.data, p.len, s1.pool, gb, 2, 0, T_MS),
+              s1.c);
+    wait_event(s0.c, 2, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(s1.c, 2, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&s0, 2, gb, 7, 0), 0);
+    CHECK_EQ(p_check_req(&s1, 2, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&s1);
+    rank_close(&s0);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
+/* A daemon that knows the secret but misbehaves (fake_peer replay): B
+ * dials it (params naming it as the context rank) and opens its stream
+ * there; it replays that OPEN to A twice. A accepts the stream once and
+ * refuses the second (each stream the consumer needs, once: a second
+ * stream of the same slice could outlive the offer's consumption). */
+TEST_T(peer_open_twice, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "ot-ctx", "ot-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    char a_ipport[64], faddr[192], args[600], out[4096];
+    const char *h = strstr(c.addr, "://");
+    CHECK(h != NULL);
+    snprintf(a_ipport, sizeof(a_ipport), "%.*s",
+             (int)(strrchr(c.addr, '/') - (h + 3)), h + 3);
+    snprintf(args, sizeof(args), "replay %s/secret-A %s %s 3", p_net.dir,
+             p_net.ip[0], a_ipport);
+    FILE *fk = p_fake(0, args, faddr, sizeof(faddr));
+    uint8_t f[4096];
+    size_t fl;
+    p_params_at(&p, faddr, f, &fl);
+    CHECK_KVX(kvx_fetch(g.c, 1, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+    p_fake_rest(fk, out, sizeof(out));
+    fprintf(stderr, "the replaying daemon got:\n%s", out);
+    CHECK_STR_CONTAINS(out, "auth_result 0\nopened\n");
+    CHECK_STR_CONTAINS(out, "has all its 1 streams");
+    CHECK(strstr(strstr(out, "opened\n") + 7, "opened\n") == NULL);
+    /* both ends are cancelled (or ended already, when the fake left);
+     * the daemons stay healthy */
+    int rc = kvx_cancel(g.c, 1, T_MS);
+    CHECK(rc == KVX_OK || rc == KVX_ERR_NOT_FOUND);
+    rc = kvx_cancel(c.c, 1, T_MS);
+    CHECK(rc == KVX_OK || rc == KVX_ERR_NOT_FOUND);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
+/* ---- lanes ------------------------------------------------------------ */
+
+/* Port i of daemon d's lanes, from its status (0: none). */
+static unsigned p_lane_port(daemon_t *d, int i)
+{
+    char *json = status_json(d);
+    const char *l = strstr(json, "\"lane_ports\":[");
+    CHECK(l != NULL);
+    l += strlen("\"lane_ports\":[");
+    unsigned port = 0;
+    for (int k = 0; k <= i && *l && *l != ']'; k++) {
+        char *end;
+        port = (unsigned)strtoul(l, &end, 10);
+        l = *end == ',' ? end + 1 : end;
+        if (k < i && *end != ',')
+            port = 0;
+    }
+    free(json);
+    return port;
+}
+
+/* Lanes (peer.lanes, 2 by default): slot data goes over UCX workers on
+ * threads of their own, each with a listener of its own; the status says
+ * how many each connection uses. A lane takes data only with a key that
+ * an authenticated peer was told: a sender without one (fake_peer lane)
+ * has its data dropped, small (eager) or large (rendezvous), and its
+ * endpoint closed, and the daemons go on moving verified bytes. */
+TEST_T(peer_lanes, 120)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    char *json = status_json(a);
+    char *ucx = p_json_section(json, "\"ucx\":");
+    CHECK(ucx != NULL);
+    CHECK_EQ(json_num(ucx, "lanes"), 2);
+    free(ucx);
+    free(json);
+    unsigned port0 = p_lane_port(a, 0), port1 = p_lane_port(a, 1);
+    CHECK(port0 > 0 && port1 > 0 && port0 != port1);
+    p_both_ways(a, b, "pl", 6, 4);
+    for (int i = 0; i < 2; i++) {
+        char *pj = p_peers(i ? b : a);
+        fprintf(stderr, "%c's peers: %s\n", "AB"[i], pj);
+        CHECK_EQ(json_num(pj, "lanes"), 2);
+        CHECK_EQ(json_num(pj, "errors"), 0);
+        free(pj);
+    }
+
+    static const char *const sizes[2] = {"4096", "2097152"};
+    for (int i = 0; i < 2; i++) {
+        char args[200], out[1024];
+        snprintf(args, sizeof(args), "lane %s:%u %s 5", p_net.ip[0],
+                 i ? port1 : port0, sizes[i]);
+        FILE *f = p_fake(1, args, NULL, 0);
+        p_fake_rest(f, out, sizeof(out));
+        fprintf(stderr, "fake lane sender (%s bytes): %s", sizes[i], out);
+        CHECK_STR_CONTAINS(out, "closed");
+    }
+    CHECK(log_wait(a, "data with no connection's MAC; dropped", 2000));
+    /* nothing of the real connection was touched */
+    p_both_ways(a, b, "pl2", 3, 3);
+    char *pa = p_peers(a);
+    CHECK_EQ(json_num(pa, "errors"), 0);
+    CHECK_STR_CONTAINS(pa, "\"state\":\"connected\"");
+    free(pa);
+    p_stop_both(a, b);
+}
+
+/* Daemons with different peer.lanes: a connection uses the lanes both
+ * have (none when either has none: data over the connection itself),
+ * and every byte arrives either way. */
+TEST_T(peer_lanes_mixed, 150)
+{
+    static const struct {
+        const char *a, *b;
+        long long used;
+    } cases[] = {
+        {"  lanes: 0\n", NULL, 0},
+        {"  lanes: 4\n", "  lanes: 1\n", 1},
+    };
+    p_setup();
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        daemon_t *a = p_daemon(0, P_SECRET, cases[i].a, NULL);
+        daemon_t *b = p_daemon(1, P_SECRET, cases[i].b, NULL);
+        char tag[16];
+        snprintf(tag, sizeof(tag), "plm%zu", i);
+        p_both_ways(a, b, tag, 4, 3);
+        for (int k = 0; k < 2; k++) {
+            char *pj = p_peers(k ? b : a);
+            fprintf(stderr, "case %zu, %c's peers: %s\n", i, "AB"[k], pj);
+            CHECK_EQ(json_num(pj, "lanes"), cases[i].used);
+            CHECK_EQ(json_num(pj, "errors"), 0);
+            free(pj);
+        }
+        p_stop_both(a, b);
+    }
+}
+
+/* Lanes that cannot be reached (a firewall that lets only peer.listen
+ * through; here daemon A tells B port 1 for its lanes, KVXFERD_FAULT
+ * lanes:1): B's first lane send fails before any data went over it, B
+ * says so and sends A's slot data over the connection itself, and every
+ * byte arrives; the connection is not lost. */
+TEST_T(peer_lanes_refused, 90)
+{
+    p_setup();
+    setenv("KVXFERD_FAULT", "lanes:1", 1);
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    unsetenv("KVXFERD_FAULT");
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    side_t c = {.inst = "plr-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd",
+                .tpb = 16};
+    side_t g = {.inst = "plr-gen", .tp = 2, .pp = 1, .preset = "trtllm",
+                .tpb = 8};
+    xfer_case2(b, a, &M_8K, &c, &g, 4, 300, 0);
+    CHECK(log_wait(b, "before any data went over it; slot data to it goes "
+                      "over the connection itself", 2000));
+    side_t c2 = {.inst = "plr-ctx2", .tp = 1, .pp = 1, .preset = "vllm-hnd",
+                 .tpb = 16};
+    side_t g2 = {.inst = "plr-gen2", .tp = 1, .pp = 1, .preset = "vllm-nhd",
+                 .tpb = 16};
+    xfer_case2(b, a, &M_8K, &c2, &g2, 3, 257, 5);
+    char *pb = p_peers(b);
+    fprintf(stderr, "B's peers: %s\n", pb);
+    CHECK_EQ(json_num(pb, "lanes"), 0);
+    CHECK_EQ(json_num(pb, "errors"), 0);
+    CHECK_STR_CONTAINS(pb, "\"state\":\"connected\"");
+    free(pb);
+    p_stop_both(a, b);
+}
+
+/* A lane stalls while the connection itself stays up (KVXFERD_FAULT
+ * lane_hold:3 at B: B's lane keeps the third piece that comes to it and
+ * never answers, as a lane whose TCP stalls would): A's lane send never
+ * comes back, and after peer.keepalive_timeout_ms A loses the connection
+ * (the lanes' keep-alive: `nothing sent for`), so the request ends ERROR
+ * PEER_GONE on both sides within the keep-alive bound instead of waiting
+ * for its fetch timeout; the next transfer completes over a new
+ * connection. */
+TEST_T(peer_lane_stalled, 90)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    setenv("KVXFERD_FAULT", "lane_hold:3", 1);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    unsetenv("KVXFERD_FAULT");
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pls-ctx", "pls-gen", &c, &g);
+    /* each request is one piece: the third request's is held */
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    int64_t t0 = now_ms();
+    int ended_error = 0;
+    for (uint64_t q = 1; q <= 4 && !ended_error; q++) {
+        fill_req(&c, q, cb, 7);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, q, c.pool, cb, 2, 7, &p, T_MS), c.c);
+        CHECK_KVX(kvx_fetch(g.c, q, p.data, p.len, g.pool, gb, 2, 0, T_MS),
+                  g.c);
+        kvx_context_params_free(&p);
+        t0 = now_ms();
+        ev_t e = {0};
+        int n = 0;
+        while (n == 0 && now_ms() - t0 < 10000)
+            n = collect(g.c, &e, 1, 1, 10000);
+        CHECK_EQ(n, 1);
+        CHECK_EQ(e.req, q);
+        ev_t ce = {0}; /* the context side's, whatever it is */
+        for (n = 0; n == 0 && now_ms() - t0 < 10000;)
+            n = collect(c.c, &ce, 1, 1, 10000);
+        if (e.kind == KVX_EVENT_ERROR) {
+            fprintf(stderr, "request %llu: %s (%lld ms)\n",
+                    (unsigned long long)q, e.msg, (long long)(now_ms() - t0));
+            CHECK_EQ(e.code, KVX_ERR_PEER_GONE);
+            CHECK(now_ms() - t0 <= P_BOUND_MS + 500);
+            ended_error = 1;
+        } else {
+            CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+            CHECK_EQ(p_check_req(&g, q, gb, 7, 0), 0);
+        }
+    }
+    CHECK(ended_error);
+    CHECK(log_wait(a, "nothing sent for", 2000));
+    /* a new connection carries the next one */
+    uint32_t cb2[2] = {4, 5}, gb2[2] = {6, 7};
+    p_one(&c, &g, 50, cb2, gb2, 2, 7, 8000);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}
