@@ -35,7 +35,6 @@
 #include "fault.h"
 #include "log.h"
 #include "peer.h"
-#include "session.h"
 #include "xfer.h"
 #include "xfer_int.h"
 
@@ -54,7 +53,8 @@ typedef struct fpoll {
     uint32_t at_least;
     uint64_t deadline_ms;
     uint64_t retry_ms;     /* the root could not take it yet: ask again */
-    peer_conn_t *conn;     /* it went out on: only its loss fails it */
+    uint64_t conn;         /* the connection (peer_conn_id) it went out
+                              on: only its loss fails it; 0: none */
 } fpoll_t;
 
 /* Member: a batch the root sent for a rank whose poll here had already
@@ -80,9 +80,9 @@ typedef struct spread {
     uint64_t *away_ms;     /* root: since when a rank is away */
     uint64_t *sess;        /* root: the member's session of each rank
                               (PeerRanks.session); 0: not said */
-    const peer_conn_t **via; /* root: the connection each remote rank's
-                              latest join came over (compared, never
-                              used: it may be gone); NULL: none yet */
+    uint64_t *via;         /* root: the connection (peer_conn_id) each
+                              remote rank's latest join came over; 0:
+                              none yet */
     uint64_t epoch;        /* member: the root's incarnation of the
                               instance, as its batches say */
     struct spread *next;
@@ -153,10 +153,6 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
 static int event_ok(const instance_t *inst, const char *from, int kind,
                     int code, uint32_t ranks, uint32_t expect);
 
-int agree_spread(const instance_t *inst)
-{
-    return inst->joined && inst->nlocal < inst->nranks && peer_enabled();
-}
 
 static int is_root(const instance_t *inst) { return inst->local[0]; }
 
@@ -204,7 +200,8 @@ static spread_t *spread_of(instance_t *inst, int create)
 }
 
 /* Member: keep batch pb for rank's next poll, after those kept (at most
- * LATE_MAX). 0, or -1 when it could not be kept. */
+ * LATE_MAX). 0, KVX_ERR_LIMIT when LATE_MAX are kept already, or
+ * KVX_ERR_NOMEM. */
 static int late_push(spread_t *s, uint32_t rank, const Kvxfer__PeerBatch *pb)
 {
     uint32_t n = 0;
@@ -213,10 +210,11 @@ static int late_push(spread_t *s, uint32_t rank, const Kvxfer__PeerBatch *pb)
         n++;
     late_t *l = NULL;
     size_t len = kvxfer__peer_batch__get_packed_size(pb);
-    if (n >= LATE_MAX || !(l = calloc(1, sizeof(*l))) ||
-        !(l->pb = malloc(len ? len : 1))) {
+    if (n >= LATE_MAX)
+        return KVX_ERR_LIMIT;
+    if (!(l = calloc(1, sizeof(*l))) || !(l->pb = malloc(len ? len : 1))) {
         free(l);
-        return -1;
+        return KVX_ERR_NOMEM;
     }
     kvxfer__peer_batch__pack(pb, l->pb);
     l->len = len;
@@ -294,7 +292,7 @@ void agree_forget(instance_t *inst)
 
 void agree_joined(instance_t *inst)
 {
-    int root = agree_spread(inst) && is_root(inst);
+    int root = instance_spread(inst) && is_root(inst);
     /* every rank reads from batch 0: the remote ones are present from
      * the start, so none misses a batch sealed before its first poll */
     for (uint32_t r = 0; root && r < inst->nranks; r++)
@@ -377,12 +375,12 @@ static void merges_fail(instance_t *inst, const char *msg)
 /* Member: send m to the daemon of rank 0 (connecting on first use).
  * 0, or an error when it cannot be reached. */
 static int to_root_on(const instance_t *inst, const Kvxfer__PeerMsg *m,
-                      peer_conn_t **on)
+                      uint64_t *on)
 {
     char why[256];
     peer_conn_t *c = peer_connect(inst->addresses[0], why, sizeof(why));
     if (on)
-        *on = c;
+        *on = c ? peer_conn_id(c) : 0;
     return c ? peer_send(c, m) : KVX_ERR_PEER_GONE;
 }
 
@@ -433,7 +431,7 @@ void agree_rank(instance_t *inst, uint32_t rank, int joined)
 static void announce_queue(instance_t *inst, uint32_t rank, int joined,
                            int send_now)
 {
-    if (!agree_spread(inst))
+    if (!instance_spread(inst))
         return;
     if (is_root(inst)) { /* a root rank gone: its reports never come */
         if (!joined) {
@@ -510,7 +508,7 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
         return; /* not yet: no ack, it comes again */
     /* on the same link */
     ranks_send(c, inst->id, r->rank, r->joined, r->session, 1);
-    if (!agree_spread(inst) || !is_root(inst) ||
+    if (!instance_spread(inst) || !is_root(inst) ||
         r->rank >= inst->nranks || inst->local[r->rank] ||
         strcmp(inst->addresses[r->rank], peer_conn_address(c)))
         return;
@@ -546,7 +544,7 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
     if (r->joined && sess && r->session)
         *sess = r->session; /* (the join puts remote ranks in unsaid) */
     if (r->joined && s)
-        s->via[r->rank] = c;
+        s->via[r->rank] = peer_conn_id(c);
 }
 
 /* ---- events ------------------------------------------------------------ */
@@ -657,7 +655,7 @@ static uint32_t batch_runs(instance_t *inst, const Kvxfer__PollReply *pr,
 
 int agree_fence_batch(instance_t *inst, uint64_t sid, const Kvxfer__Reply *r)
 {
-    if (!agree_spread(inst) || !r->poll || !r->poll->n_events ||
+    if (!instance_spread(inst) || !r->poll || !r->poll->n_events ||
         !batch_runs(inst, r->poll, 0))
         return 0;
     /* held: the tick ends those requests and sends it once they are
@@ -698,7 +696,7 @@ static void helds_tick(uint64_t now)
         if (r) {
             log_debug("instance %s: a batch held %llu ms for its fence",
                       h->instance, (unsigned long long)(now - h->since_ms));
-            session_reply_msg(h->sid, r);
+            kvxd_reply_msg(h->sid, r);
             kvxfer__reply__free_unpacked(r, NULL);
         }
         free(h->reply);
@@ -717,7 +715,7 @@ static void helds_tick(uint64_t now)
 /* Member: forward a poll of a local rank to the root. 0 or an error. */
 static int poll_send(instance_t *inst, uint32_t rank, uint64_t req_id,
                      uint32_t at_least, uint32_t timeout_ms,
-                     peer_conn_t **on)
+                     uint64_t *on)
 {
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerPoll p = KVXFER__PEER_POLL__INIT;
@@ -750,7 +748,7 @@ static void batch_reply(instance_t *inst, uint32_t rank, uint64_t req_id,
     r.body_case = KVXFER__REPLY__BODY_POLL;
     r.poll = &pr;
     if (!agree_fence_batch(inst, sid, &r))
-        session_reply_msg(sid, &r);
+        kvxd_reply_msg(sid, &r);
 }
 
 int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
@@ -772,7 +770,7 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
         kvxfer__peer_batch__free_unpacked(pb, NULL);
         return 0;
     }
-    peer_conn_t *on = NULL;
+    uint64_t on = 0;
     if (poll_send(inst, rank, req_id, at_least, timeout_ms, &on)) {
         snprintf(why, why_len, "poll: the root daemon %s of instance %s is "
                                "unreachable",
@@ -868,7 +866,7 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     if (pb->code) {
         fp->req = 0;
         fp->retry_ms = 0;
-        session_reply(inst->rank_sid[rank], pb->req_id, pb->code,
+        kvxd_reply(inst->rank_sid[rank], pb->req_id, pb->code,
                       pb->message);
         return;
     }
@@ -880,7 +878,7 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
         if (poll_send(inst, rank, fp->req, fp->at_least, left, &fp->conn)) {
             uint64_t req = fp->req;
             fp->req = 0;
-            session_reply(inst->rank_sid[rank], req, KVX_ERR_PEER_GONE,
+            kvxd_reply(inst->rank_sid[rank], req, KVX_ERR_PEER_GONE,
                           "poll: the root daemon is unreachable");
         }
         return;
@@ -927,7 +925,7 @@ static void poll_fail_send(peer_conn_t *c, const char *instance,
 
 void agree_instance_ends(instance_t *inst)
 {
-    if (!agree_spread(inst) || !is_root(inst))
+    if (!instance_spread(inst) || !is_root(inst))
         return;
     char msg[512];
     snprintf(msg, sizeof(msg), "poll: instance %s ended at its root daemon "
@@ -973,7 +971,8 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
          * back, reading on from where it was */
         batch_rank_back(&inst->batches, p->rank);
         if ((s = spread_of(inst, 1)))
-            s->via[p->rank] = c; /* its word comes over this one now */
+            s->via[p->rank] = peer_conn_id(c); /* its word comes over
+                                                  this one now */
     }
     if (!bad && !batch_rank_here(&inst->batches, p->rank)) {
         /* its daemon was lost (or its client left): not counted in the
@@ -1089,7 +1088,7 @@ static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
                  e->ranks, e->expect);
 }
 
-void remote_agree_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
+static void on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 {
     switch (m->m_case) {
     case KVXFER__PEER_MSG__M_EVENT:
@@ -1111,11 +1110,14 @@ void remote_agree_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 
 /* ---- a lost daemon ----------------------------------------------------- */
 
-void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
+static int on_conn_lost(peer_conn_t *c, int code, const char *why)
 {
+    (void)code;
+    char msg[400]; /* as remote.c words it for the transfers */
+    snprintf(msg, sizeof(msg), "daemon %s: %s", peer_conn_address(c), why);
     const char *addr = peer_conn_address(c);
     for (instance_t *inst = instance_first(); inst; inst = inst->next) {
-        if (!agree_spread(inst))
+        if (!instance_spread(inst))
             continue;
         spread_t *s = spread_of(inst, 0);
         if (!is_root(inst)) {
@@ -1124,12 +1126,12 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
             for (uint32_t r = 0; r < inst->nranks; r++) {
                 /* a poll that went out on another connection (a newer
                  * one) is not this loss's */
-                if (s->poll[r].req && (!s->poll[r].conn || s->poll[r].conn == c)) {
-                    char m[400];
+                if (s->poll[r].req && (!s->poll[r].conn || s->poll[r].conn == peer_conn_id(c))) {
+                    char m[600];
                     snprintf(m, sizeof(m), "poll: root daemon of instance "
                                            "%s lost: %s",
                              inst->id, msg);
-                    session_reply(inst->rank_sid[r], s->poll[r].req,
+                    kvxd_reply(inst->rank_sid[r], s->poll[r].req,
                                   KVX_ERR_PEER_GONE, m);
                     s->poll[r] = (fpoll_t){0};
                 }
@@ -1155,7 +1157,7 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
             s = spread_of(inst, 1);
         for (uint32_t r = 0; s && r < inst->nranks; r++)
             if (!inst->local[r] && !strcmp(inst->addresses[r], addr) &&
-                (!s->via[r] || s->via[r] == c) &&
+                (!s->via[r] || s->via[r] == peer_conn_id(c)) &&
                 batch_rank_here(&inst->batches, r)) {
                 batch_rank_away(&inst->batches, r);
                 s->away_ms[r] = kvxd_now_ms();
@@ -1163,13 +1165,14 @@ void remote_agree_conn_lost(peer_conn_t *c, const char *msg)
             }
         if (!had)
             continue;
-        char m[400];
+        char m[600];
         snprintf(m, sizeof(m), "member %s", msg);
         /* what waited for the lost member's reports ends now */
         merges_fail(inst, m);
         /* a rank gone ends the instance's requests, as on one daemon */
         xfer_end_instance(inst, KVX_ERR_PEER_GONE, m);
     }
+    return 0;
 }
 
 /* ---- retries ----------------------------------------------------------- */
@@ -1266,7 +1269,7 @@ void agree_tick(uint64_t now)
                 uint64_t req = fp->req;
                 fp->req = 0;
                 kvxd_count_error(KVX_ERR_PEER_GONE);
-                session_reply(inst->rank_sid[r], req, KVX_ERR_PEER_GONE, m);
+                kvxd_reply(inst->rank_sid[r], req, KVX_ERR_PEER_GONE, m);
                 continue;
             }
             if (!fp->req || !fp->retry_ms || now < fp->retry_ms)
@@ -1279,13 +1282,13 @@ void agree_tick(uint64_t now)
                                        "its root daemon %s",
                          inst->id, inst->addresses[0]);
                 fp->req = 0;
-                session_reply(inst->rank_sid[r], req, KVX_ERR_STATE, m);
+                kvxd_reply(inst->rank_sid[r], req, KVX_ERR_STATE, m);
                 continue;
             }
             if (poll_send(inst, r, req, fp->at_least,
                           (uint32_t)(fp->deadline_ms - now), &fp->conn)) {
                 fp->req = 0;
-                session_reply(inst->rank_sid[r], req, KVX_ERR_PEER_GONE,
+                kvxd_reply(inst->rank_sid[r], req, KVX_ERR_PEER_GONE,
                               "poll: the root daemon is unreachable");
             }
         }
@@ -1312,4 +1315,53 @@ void agree_cleanup(void)
         free(h->reply);
         free(h);
     }
+}
+
+/* ---- registration ------------------------------------------------------ */
+
+/* A sealed batch answers a waiting poll: to the rank's session here, or
+ * to the daemon of a rank elsewhere (instance_hooks_t.deliver). */
+static int deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
+                   const batch_t *b)
+{
+    if (inst->joined && !inst->local[rank]) /* a rank of another daemon */
+        return agree_deliver(inst, rank, req_id, b);
+    Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
+    Kvxfer__Event *ev, **evp;
+    if (instance_batch_events(b, &ev, &evp)) {
+        kvxd_reply(inst->rank_sid[rank], req_id, KVX_ERR_NOMEM,
+                      "poll: out of memory building the batch");
+        return 0;
+    }
+    pr.batch = b->seq;
+    pr.n_events = b->nevents;
+    pr.events = evp;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = req_id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_POLL;
+    r.poll = &pr;
+    if (!agree_fence_batch(inst, inst->rank_sid[rank], &r))
+        kvxd_reply_msg(inst->rank_sid[rank], &r);
+    free(ev);
+    free(evp);
+    return 0;
+}
+
+
+int agree_init(void)
+{
+    static const instance_hooks_t hooks = {.deliver = deliver,
+                                           .ends = agree_instance_ends,
+                                           .forget = agree_forget};
+    instance_set_hooks(&hooks);
+    xfer_set_spread_event(agree_event);
+    static const int kinds[] = {KVXFER__PEER_MSG__M_EVENT,
+                                KVXFER__PEER_MSG__M_POLL,
+                                KVXFER__PEER_MSG__M_BATCH,
+                                KVXFER__PEER_MSG__M_RANKS};
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        peer_on_msg(kinds[i], on_msg);
+    peer_on_lost(on_conn_lost);
+    return 0;
 }

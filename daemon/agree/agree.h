@@ -1,6 +1,7 @@
 /*
  * agree — completion batches of instances spread over daemons, sealed at
- * the daemon of rank 0; see agree.c.
+ * the daemon of rank 0; see agree.c. Sits above xfer and net: they call
+ * it only through what agree_init() registers.
  */
 #ifndef KVX_AGREE_H
 #define KVX_AGREE_H
@@ -10,8 +11,10 @@
 
 #include "instance.h"
 
-/* Does inst have ranks on other daemons (and peers are on)? */
-int agree_spread(const instance_t *inst);
+/* Register with the layers below: instance hooks (batch delivery, an
+ * instance's end), xfer's spread events, net's batch messages and
+ * losses. Before any instance exists. */
+int agree_init(void);
 /* Member of a spread instance: batches kept for its ranks whose poll
  * failed before the root's answer came (status). */
 uint32_t agree_kept(const instance_t *inst);

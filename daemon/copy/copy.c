@@ -1,4 +1,5 @@
 /* copy — worker threads for host copies; see copy.h. */
+#include <assert.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -9,6 +10,8 @@
 
 #include "copy.h"
 #include "log.h"
+
+static void job_finished(copy_job_t *j);
 
 static struct {
     pthread_mutex_t mu;
@@ -87,14 +90,25 @@ static void *worker_main(void *arg)
         else
             plan_exec(j->plan, j->unit_begin, j->unit_end);
 
-        copy__complete(j);
+        job_finished(j);
         pthread_mutex_lock(&c.mu);
     }
     pthread_mutex_unlock(&c.mu);
     return NULL;
 }
 
-void copy__complete(copy_job_t *j)
+/* A GPU launch is back (on a device's completion thread). */
+static void gpu_done(void *arg, int status)
+{
+    copy_job_t *j = arg;
+    if (status)
+        j->status = status;
+    job_finished(j);
+}
+
+/* Hand a finished job back to the loop; any thread (copy workers, GPU
+ * completion threads). */
+static void job_finished(copy_job_t *j)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -123,6 +137,7 @@ static void on_async(uv_async_t *a)
     }
     while (rev) {
         copy_job_t *n = rev->next;
+        assert(c.inflight > 0);
         c.inflight--;
         rev->done(rev);
         rev = n;
@@ -167,9 +182,11 @@ void copy_submit(copy_job_t *j)
 {
     j->next = NULL;
     c.inflight++;
-    if (j->gpu) { /* the GPU executor; it completes through copy__complete */
-        if ((j->status = gpu_launch(j, j->gpu)))
-            copy__complete(j);
+    if (j->gpu) { /* the GPU executor; it completes through gpu_done() */
+        gpu_work_t w = {j->unit_begin, j->unit_end, j->bytes, j->packed,
+                        j->packed_gather};
+        if ((j->status = gpu_launch(j->gpu, &w, gpu_done, j)))
+            job_finished(j);
         return;
     }
     pthread_mutex_lock(&c.mu);

@@ -3,7 +3,7 @@
  * A job is a range of plan units; copy_submit() runs it on a worker
  * thread (memcpy, plan_exec) or, when the job carries a GPU part, hands it
  * to the GPU (gpu_launch). Either way the job comes back through
- * copy__complete() and one async handle, and its done callback runs on
+ * one async handle, and its done callback runs on
  * the loop.
  *
  * Owns the threads, the job queue and the async handle. Workers only read
@@ -36,7 +36,7 @@ struct copy_job {
     int packed_gather;
     uint64_t bytes;
     int status;          /* 0, or why the job did not run */
-    uint64_t t_done;     /* CLOCK_MONOTONIC ns it finished (copy__complete) */
+    uint64_t t_done;     /* CLOCK_MONOTONIC ns it finished */
     copy_done_cb done;   /* runs on the loop thread */
     void *owner;
     copy_job_t *next;    /* queue link, owned by copy */
@@ -47,9 +47,6 @@ struct copy_job {
 int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us);
 /* Queue a job (loop thread only). */
 void copy_submit(copy_job_t *job);
-/* Hand a finished job back to the loop; callable from any thread (copy
- * workers, GPU completion threads). */
-void copy__complete(copy_job_t *job);
 /* Jobs submitted and not yet done. */
 unsigned copy_inflight(void);
 unsigned copy_threads(void);

@@ -8,7 +8,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "copy.h"
 #include "daemon.h"
 #include "gpu.h"
 #include "gpu_desc.h"
@@ -48,11 +47,12 @@ static struct {
 
 /* Completion without blocking the stream: after each kernel an event is
  * recorded, and one thread per device waits for the events in order and
- * hands the jobs back (copy__complete). A stream callback would stall the
+ * calls their done callbacks (the copy engine's). A stream callback would stall the
  * stream between kernels for its own latency. */
 struct done_item {
     cudaEvent_t ev;
-    struct copy_job *job;      /* a kernel's job, back to the loop */
+    gpu_done_cb done;          /* a kernel's completion, with arg */
+    void *arg;
     struct pin_buf *pin;       /* or a plan upload's buffer, to reuse */
     struct done_item *next;
 };
@@ -124,10 +124,10 @@ static void pin_put(struct pin_buf *b)
     pthread_mutex_unlock(&pin.mu);
 }
 
-/* After the work queued on d's stream so far: job back to the loop
- * (copy__complete), or pin back to the pool. An event and the waiter
+/* After the work queued on d's stream so far: done(arg, status) on the
+ * waiter thread, or pin back to the pool. An event and the waiter
  * thread, never a stream callback (it would stall the stream). */
-static cudaError_t waiter_enqueue(int d, struct copy_job *job,
+static cudaError_t waiter_enqueue(int d, gpu_done_cb done, void *arg,
                                   struct pin_buf *pin)
 {
     struct waiter_thread *w = &wt[d];
@@ -147,7 +147,8 @@ static cudaError_t waiter_enqueue(int d, struct copy_job *job,
     cudaError_t e = cudaEventRecord(it->ev, g.stream[d]);
     pthread_mutex_lock(&w->mu);
     if (e == cudaSuccess) {
-        it->job = job;
+        it->done = done;
+        it->arg = arg;
         it->pin = pin;
         it->next = NULL;
         if (w->tail)
@@ -187,9 +188,7 @@ static void *waiter_main(void *arg)
         if (it->pin) { /* an upload has read its pinned buffer */
             pin_put(it->pin);
         } else {
-            if (e != cudaSuccess)
-                it->job->status = KVX_ERR_IO;
-            copy__complete(it->job);
+            it->done(it->arg, e == cudaSuccess ? 0 : KVX_ERR_IO);
         }
         pthread_mutex_lock(&w->mu);
         it->next = w->free_items;
@@ -838,7 +837,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, gp->pin->p, pk.len,
                                    cudaMemcpyHostToDevice,
                                    g.stream[device])) ||
-        !CU_OK(e = waiter_enqueue(device, NULL, gp->pin))) {
+        !CU_OK(e = waiter_enqueue(device, NULL, NULL, gp->pin))) {
         /* the upload may still read the buffer: leak it, do not reuse */
         cudaFreeAsync(gp->dmem, g.stream[device]);
         snprintf(why, why_len, "fetch: GPU plan upload: %s",
@@ -867,35 +866,36 @@ void gpu_part_free(gpu_part_t *gp)
     free(gp);
 }
 
-int gpu_launch(struct copy_job *job, gpu_part_t *gp)
+int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
+               void *arg)
 {
     int d = gp->device;
     unsigned ctas = kvxd.conf.gpu_max_ctas ? kvxd.conf.gpu_max_ctas : 64;
     cudaSetDevice(d);
     uint8_t *packed = NULL;
     int e = cudaSuccess;
-    if (job->packed && /* a pinned staging slot, as the GPU sees it */
-        (e = cudaHostGetDevicePointer((void **)&packed, job->packed, 0)) !=
+    if (w->packed && /* a pinned staging slot, as the GPU sees it */
+        (e = cudaHostGetDevicePointer((void **)&packed, w->packed, 0)) !=
             cudaSuccess)
         packed = NULL;
     if (e == cudaSuccess)
-        e = gpu_kernel_launch(&gp->plan, job->unit_begin, job->unit_end,
-                              job->bytes, ctas, g.stream[d], packed,
-                              !job->packed          ? GPU_PACKED_NONE
-                              : job->packed_gather ? GPU_PACKED_GATHER
+        e = gpu_kernel_launch(&gp->plan, w->unit_begin, w->unit_end,
+                              w->bytes, ctas, g.stream[d], packed,
+                              !w->packed   ? GPU_PACKED_NONE
+                              : w->gather ? GPU_PACKED_GATHER
                                                    : GPU_PACKED_SCATTER);
-    if (e == cudaSuccess && waiter_enqueue(d, job, NULL) != cudaSuccess) {
+    if (e == cudaSuccess && waiter_enqueue(d, done, arg, NULL) !=
+                                cudaSuccess) {
         /* the kernel runs, but its completion cannot be queued: wait for
          * it here (rare: out of memory), so it is not in flight when the
          * job comes back */
         log_error("gpu %d: cannot queue a completion; waiting for the "
                   "kernel on the loop",
                   d);
-        cudaError_t w = cudaStreamSynchronize(g.stream[d]);
+        cudaError_t ws = cudaStreamSynchronize(g.stream[d]);
         (void)cudaGetLastError();
-        job->status = w == cudaSuccess ? 0 : KVX_ERR_IO;
         g.launches++;
-        copy__complete(job);
+        done(arg, ws == cudaSuccess ? 0 : KVX_ERR_IO);
         return 0;
     }
     if (e != cudaSuccess) {

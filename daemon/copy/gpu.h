@@ -3,7 +3,8 @@
  * (legacy cudaIpcMemHandle, or a VMM POSIX fd from
  * cuMemExportToShareableHandle), pinning of host pools for mixed copies,
  * one stream per device, device-resident plans and the copy kernel launch,
- * whose completion comes back to the loop through the copy engine.
+ * whose completion goes to the callback its caller (the copy engine)
+ * gave. Knows nothing of the layers above it.
  *
  * Owns CUDA contexts (primary, created only on devices that get a pool),
  * imports (one per client allocation, shared by the pools inside it),
@@ -11,7 +12,7 @@
  * with gpu_part_free() by whoever holds the plan). Never blocks the loop
  * on the GPU: launches are asynchronous; an event recorded after each is
  * waited for by the device's completion thread, which only queues the job
- * back (copy__complete()).
+ * back (the done callback of gpu_launch()).
  *
  * Built without CUDA (gpu_none.c), every entry point answers
  * KVX_ERR_UNSUPPORTED with a message that says so.
@@ -23,8 +24,6 @@
 #include <stdint.h>
 
 #include "plan.h"
-
-struct copy_job;
 
 typedef struct gpu_import gpu_import_t;
 typedef struct gpu_part gpu_part_t;
@@ -81,9 +80,22 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
                     char *why, size_t why_len);
 void gpu_part_free(gpu_part_t *gp);
 
-/* Launch job's unit range; the job comes back through copy__complete().
- * Returns 0 or KVX_ERR_IO (the job is then not in flight). */
-int gpu_launch(struct copy_job *job, gpu_part_t *gp);
+/* One launch: units [unit_begin, unit_end) of a part, bytes in all;
+ * between daemons one side is a pinned staging slot holding the units
+ * packed (gather: the slot is the destination). */
+typedef struct gpu_work {
+    uint64_t unit_begin, unit_end, bytes;
+    uint8_t *packed;
+    int gather;
+} gpu_work_t;
+/* Called once the launch has run (status 0 or KVX_ERR_IO), on the
+ * device's completion thread: it may only hand the result on. */
+typedef void (*gpu_done_cb)(void *arg, int status);
+
+/* Launch w on gp's device; done(arg, status) follows. Returns 0, or
+ * KVX_ERR_IO: then nothing is in flight and done is not called. */
+int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
+               void *arg);
 
 /* At exit, before copy_cleanup(): every launched job's completion has
  * been handed to the copy engine and the completion threads are gone. */

@@ -67,10 +67,13 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
 
 void gpu_part_free(gpu_part_t *gp) { (void)gp; }
 
-int gpu_launch(struct copy_job *job, gpu_part_t *gp)
+int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
+               void *arg)
 {
-    (void)job;
     (void)gp;
+    (void)w;
+    (void)done;
+    (void)arg;
     return KVX_ERR_UNSUPPORTED;
 }
 

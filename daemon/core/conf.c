@@ -22,6 +22,8 @@
 #include <syslog.h>
 #include <yaml.h>
 
+#include "kvxfer.h"
+
 #define KiB (1024ull)
 #define MiB (1024ull * KiB)
 #define GiB (1024ull * MiB)
@@ -1255,29 +1257,33 @@ static int depth_ok(struct loader *ld)
     return ok;
 }
 
-/* 0, 1 when too large (reported), -1 when unreadable (reported). */
+/* 0, 1 when too large (reported), KVX_ERR_IO when unreadable or
+ * KVX_ERR_NOMEM (reported). */
 static int read_file(const char *path, char **text, size_t *len, FILE *err)
 {
     FILE *f;
     char *buf;
     size_t n;
+    int rc;
 
     f = fopen(path, "rb");
     if (!f) {
         if (err)
             fprintf(err, "%s: cannot open: %s\n", path, strerror(errno));
-        return -1;
+        return KVX_ERR_IO;
     }
     buf = malloc(CONF_MAX_FILE_BYTES + 1);
     if (!buf) {
         if (err)
             fprintf(err, "%s: cannot read: %s\n", path, strerror(ENOMEM));
+        rc = KVX_ERR_NOMEM;
         goto err_close;
     }
     n = fread(buf, 1, CONF_MAX_FILE_BYTES + 1, f);
     if (ferror(f)) {
         if (err)
             fprintf(err, "%s: cannot read: %s\n", path, strerror(errno));
+        rc = KVX_ERR_IO;
         goto err_free;
     }
     fclose(f);
@@ -1297,7 +1303,7 @@ err_free:
     free(buf);
 err_close:
     fclose(f);
-    return -1;
+    return rc;
 }
 
 int conf_load(const char *path, kvx_conf_t *conf, FILE *err)
@@ -1310,7 +1316,7 @@ int conf_load(const char *path, kvx_conf_t *conf, FILE *err)
     int rc, problems;
 
     if (!path || !conf)
-        return -1;
+        return KVX_ERR_INVALID;
     rc = read_file(path, &text, &len, err);
     if (rc)
         return rc;
@@ -1318,7 +1324,7 @@ int conf_load(const char *path, kvx_conf_t *conf, FILE *err)
     if (!ld) {
         if (err)
             fprintf(err, "%s: cannot load: %s\n", path, strerror(ENOMEM));
-        rc = -1;
+        rc = KVX_ERR_NOMEM;
         goto err_free_text;
     }
     ld->path = path;

@@ -72,8 +72,10 @@ void conf_defaults(kvx_conf_t *conf);
  * Load path over the defaults into *conf. Every problem is written to err
  * (one line each, "FILE:LINE:COL: key: problem (expected ...)" followed by
  * the offending line) and the function returns the number of problems
- * (0 = ok, *conf valid), or -1 if the file cannot be opened (message
- * written to err). *conf is only written when there are no problems.
+ * (0 = ok, *conf valid), or a negative KVX_ERR_* code: KVX_ERR_IO if the
+ * file cannot be opened or read, KVX_ERR_NOMEM (message written to err),
+ * KVX_ERR_INVALID for a NULL path or conf. *conf is only written when there
+ * are no problems.
  */
 int conf_load(const char *path, kvx_conf_t *conf, FILE *err);
 

@@ -1,7 +1,9 @@
 /* daemon — the shared state and its small helpers; see daemon.h. */
+#include <stdlib.h>
 #include <time.h>
 
 #include "daemon.h"
+#include "list.h"
 
 kvxd_t kvxd;
 
@@ -16,4 +18,106 @@ void kvxd_count_error(int code)
 {
     if (code < 0 && -code < 32)
         kvxd.stats.errors_by_code[-code]++;
+}
+
+/* ---- replies ---------------------------------------------------------- */
+
+static kvxd_reply_sink_t sink;
+
+void kvxd_set_reply_sink(const kvxd_reply_sink_t *s) { sink = *s; }
+
+void kvxd_reply(uint64_t sid, uint64_t req_id, int status,
+                const char *message)
+{
+    if (sink.reply)
+        sink.reply(sid, req_id, status, message);
+}
+
+void kvxd_reply_msg(uint64_t sid, Kvxfer__Reply *reply)
+{
+    if (sink.reply_msg)
+        sink.reply_msg(sid, reply);
+}
+
+/* ---- deferred work ---------------------------------------------------- */
+
+typedef struct deferred {
+    list_t node;
+    void (*fn)(void *arg);
+    void *arg;
+} deferred_t;
+
+static struct {
+    uv_check_t check;
+    uv_idle_t idle; /* active while work waits: the loop must not block */
+    list_t queue;
+    int started;
+} D;
+
+/* Run what is queued now; what those queue runs at the next turn. */
+static void defer_run(uv_check_t *h)
+{
+    (void)h;
+    list_t now, *n, *tmp;
+    list_init(&now);
+    list_move_all(&D.queue, &now);
+    LIST_FOREACH_SAFE(n, tmp, &now)
+    {
+        deferred_t *d = LIST_OWNER(n, deferred_t, node);
+        list_remove(n);
+        d->fn(d->arg);
+        free(d);
+    }
+    if (list_empty(&D.queue))
+        uv_idle_stop(&D.idle);
+}
+
+static void on_idle(uv_idle_t *h) { (void)h; }
+
+int kvxd_defer(void (*fn)(void *arg), void *arg)
+{
+    deferred_t *d = malloc(sizeof(*d));
+    if (!d)
+        return KVX_ERR_NOMEM;
+    d->fn = fn;
+    d->arg = arg;
+    if (!D.queue.next) /* queued before kvxd_defer_init */
+        list_init(&D.queue);
+    list_push(&D.queue, &d->node);
+    if (D.started)
+        uv_idle_start(&D.idle, on_idle);
+    return 0;
+}
+
+int kvxd_defer_init(uv_loop_t *loop)
+{
+    if (!D.queue.next)
+        list_init(&D.queue);
+    if (uv_check_init(loop, &D.check) || uv_idle_init(loop, &D.idle) ||
+        uv_check_start(&D.check, defer_run))
+        return KVX_ERR_IO;
+    /* neither handle keeps the loop alive by itself */
+    uv_unref((uv_handle_t *)&D.check);
+    uv_unref((uv_handle_t *)&D.idle);
+    D.started = 1;
+    return 0;
+}
+
+void kvxd_defer_cleanup(void)
+{
+    if (!D.started)
+        return;
+    /* at exit, after every module's cleanup: what is still queued would
+     * act on objects that are gone, so it is dropped, not run */
+    list_t *n, *tmp;
+    LIST_FOREACH_SAFE(n, tmp, &D.queue)
+    {
+        list_remove(n);
+        free(LIST_OWNER(n, deferred_t, node));
+    }
+    uv_check_stop(&D.check);
+    uv_idle_stop(&D.idle);
+    uv_close((uv_handle_t *)&D.check, NULL);
+    uv_close((uv_handle_t *)&D.idle, NULL);
+    D.started = 0;
 }

@@ -11,6 +11,7 @@
 
 #include "conf.h"
 #include "kvxfer.h"
+#include "kvxfer.pb-c.h"
 
 typedef struct kvxd_stats {
     uint64_t bytes_moved;
@@ -37,5 +38,30 @@ extern kvxd_t kvxd;
 uint64_t kvxd_now_ms(void);
 /* Count an error code in the status counters. */
 void kvxd_count_error(int code);
+
+/* Replies to clients, by session id. The local layer registers the sink
+ * at its init; the layers below reply through it and never call a
+ * session (a reply to a session that is gone is dropped there). */
+typedef struct kvxd_reply_sink {
+    void (*reply)(uint64_t sid, uint64_t req_id, int status,
+                  const char *message);
+    void (*reply_msg)(uint64_t sid, Kvxfer__Reply *reply);
+} kvxd_reply_sink_t;
+void kvxd_set_reply_sink(const kvxd_reply_sink_t *sink);
+void kvxd_reply(uint64_t sid, uint64_t req_id, int status,
+                const char *message);
+void kvxd_reply_msg(uint64_t sid, Kvxfer__Reply *reply);
+
+/* Deferred work, the one way: fn(arg) runs on the loop after the current
+ * callback returns, before the loop waits again (one uv_check_t, with a
+ * uv_idle_t so the loop does not block while work is queued), in the
+ * order queued. The rule it serves: never end or free another module's
+ * object inside a callback of that module; queue it. 0, or
+ * KVX_ERR_NOMEM (nothing queued). */
+int kvxd_defer(void (*fn)(void *arg), void *arg);
+/* Start the queue on loop; at exit, after every other cleanup, stop it
+ * (what is still queued is dropped: its objects are gone). */
+int kvxd_defer_init(uv_loop_t *loop);
+void kvxd_defer_cleanup(void);
 
 #endif /* KVX_DAEMON_H */

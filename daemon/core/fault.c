@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "fault.h"
+#include "kvxfer.h"
 #include "log.h"
 
 static const char *const names[FAULT_NSITES] = {"gather", "scatter",
@@ -21,7 +22,7 @@ int fault_init(char *why, size_t why_len)
     if (strlen(env) >= sizeof(buf)) {
         snprintf(why, why_len, "KVXFERD_FAULT: longer than %zu bytes",
                  sizeof(buf) - 1);
-        return -1;
+        return KVX_ERR_INVALID;
     }
     strcpy(buf, env);
     char *save = NULL;
@@ -38,7 +39,7 @@ int fault_init(char *why, size_t why_len)
             snprintf(why, why_len, "KVXFERD_FAULT: '%.64s' is not SITE:N "
                                    "(N >= 1; sites: gather, scatter, batch, lanes, lane_hold)",
                      t);
-            return -1;
+            return KVX_ERR_INVALID;
         }
         when[site] = n;
         log_warn("fault injection (tests only): %s %lu fails", names[site],

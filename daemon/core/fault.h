@@ -26,7 +26,8 @@ typedef enum {
     FAULT_NSITES
 } fault_site_t;
 
-/* Parse $KVXFERD_FAULT. 0, or -1 with why (a bad value names itself). */
+/* Parse $KVXFERD_FAULT. 0, or KVX_ERR_INVALID with why (a bad value names
+ * itself). */
 int fault_init(char *why, size_t why_len);
 /* Does this event at site fail? Thread-safe; 0 when nothing is set. */
 int fault_hit(fault_site_t site);

@@ -27,10 +27,10 @@
 #include "notify.h"
 #include "peer.h"
 #include "pool.h"
+#include "remote.h"
 #include "server.h"
 #include "session.h"
 #include "xfer.h"
-#include "xfer_int.h"
 
 static uv_signal_t sig_term, sig_int, sig_hup;
 static uv_timer_t tick;
@@ -271,14 +271,18 @@ int main(int argc, char **argv)
 
     /* bring up, in order */
     int rc = 1;
-    if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us))
+    if (kvxd_defer_init(kvxd.loop))
         goto out;
+    if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us))
+        goto err_defer;
     if (session_init(kvxd.loop))
         goto err_copy;
     if (server_init())
         goto err_session;
     char why[512];
-    if (peer_init(why, sizeof(why)) || remote_init(why, sizeof(why))) {
+    /* net first; the layers above register with what is below them */
+    if (peer_init(why, sizeof(why)) || remote_init(why, sizeof(why)) ||
+        agree_init()) {
         log_error("%s", why);
         goto err_server;
     }
@@ -315,6 +319,8 @@ err_copy:
     agree_cleanup();
     pool_cleanup();   /* drops the pools' GPU imports */
     gpu_cleanup();    /* frees what is left of CUDA */
+err_defer:
+    kvxd_defer_cleanup(); /* last: drops what the cleanups above queued */
     uv_walk(kvxd.loop, close_walk, NULL);
     uv_run(kvxd.loop, UV_RUN_DEFAULT);
     uv_loop_close(kvxd.loop);

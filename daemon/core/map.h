@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kvxfer.h"
+
 typedef struct map_entry {
     uint64_t key;
     void *val;
@@ -37,14 +39,14 @@ static inline void *map_get(const map_t *m, uint64_t key)
     return NULL;
 }
 
-/* Returns 0, or -1 when out of memory. The key must not be present. */
+/* Returns 0, or KVX_ERR_NOMEM. The key must not be present. */
 static inline int map_put(map_t *m, uint64_t key, void *val)
 {
     if (m->n + 1 > m->nb) {
         uint32_t nnb = m->nb ? m->nb * 2 : 16;
         map_entry_t **nbk = calloc(nnb, sizeof(*nbk));
         if (!nbk)
-            return -1;
+            return KVX_ERR_NOMEM;
         for (uint32_t i = 0; i < m->nb; i++)
             for (map_entry_t *e = m->b[i], *nx; e; e = nx) {
                 nx = e->next;
@@ -58,7 +60,7 @@ static inline int map_put(map_t *m, uint64_t key, void *val)
     }
     map_entry_t *e = malloc(sizeof(*e));
     if (!e)
-        return -1;
+        return KVX_ERR_NOMEM;
     uint32_t h = map_hash(key, m->nb);
     e->key = key;
     e->val = val;

@@ -59,9 +59,9 @@ static uint64_t next_sid = 1;
 /* Sessions to close at a safe point. A write can fail deep inside the end
  * of a request (an event delivered to a gone client); closing there would
  * end other requests while the caller still walks them. So output errors
- * only mark the session, and the closer runs from the loop's top level. */
-static uv_async_t closer;
-static int closer_open;
+ * only mark the session, and close_marked() runs from the deferred-work
+ * queue (kvxd_defer). */
+static void close_marked(void *arg);
 
 static void session_close(session_t *s, const char *why);
 static void session_close_later(session_t *s, const char *why);
@@ -374,8 +374,11 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
 static void on_join(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
+    int first = !s->inst->joined;
     int rc = instance_join(s->inst, s->rank, rq->join->rank_addresses,
                            rq->join->n_rank_addresses, why, sizeof(why));
+    if (!rc && first)
+        agree_joined(s->inst); /* the root counts every remote rank */
     if (!rc)
         agree_rank(s->inst, s->rank, 1); /* spread: the root counts it */
     reply(s, rq->id, rc, rc ? why : "");
@@ -627,7 +630,7 @@ static void on_poll(session_t *s, const Kvxfer__Request *rq)
     uint32_t t = rq->poll->timeout_ms;
     if (t > kvxd.conf.poll_timeout_max_ms) /* cut, see configuration.md */
         t = kvxd.conf.poll_timeout_max_ms;
-    if (agree_spread(s->inst) && !s->inst->local[0]) {
+    if (instance_spread(s->inst) && !s->inst->local[0]) {
         /* batches of an instance spread over daemons come from the
          * daemon of rank 0 */
         int rc = agree_poll(s->inst, s->rank, rq->id, rq->poll->at_least, t,
@@ -656,11 +659,13 @@ static void on_status(session_t *s, const Kvxfer__Request *rq)
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
     Kvxfer__StatusReply st = KVXFER__STATUS_REPLY__INIT;
     stats_fill(&st);
+    st.n_sessions = session_infos(&st.sessions);
     r.id = rq->id;
     r.message = "";
     r.body_case = KVXFER__REPLY__BODY_STATUS_REPLY;
     r.status_reply = &st;
     reply_packed(s, &r);
+    session_infos_free(st.sessions, st.n_sessions);
     stats_free(&st);
 }
 
@@ -849,9 +854,12 @@ static void on_io(uv_poll_t *h, int status, int events)
 
 /* ---- life ------------------------------------------------------------- */
 
-static void on_closer(uv_async_t *a)
+/* Close the sessions marked by session_close_later(): queued with
+ * kvxd_defer(), and swept by session_tick() too (a defer that found no
+ * memory). */
+static void close_marked(void *arg)
 {
-    (void)a;
+    (void)arg;
     uint32_t n = sessions.n;
     session_t **all = calloc(n ? n : 1, sizeof(*all));
     if (!all)
@@ -869,24 +877,18 @@ static void session_close_later(session_t *s, const char *why)
         return;
     s->close_why = why;
     uv_poll_stop(&s->poll); /* nothing more in or out until closed */
-    uv_async_send(&closer);
+    kvxd_defer(close_marked, NULL); /* else the tick sweeps */
 }
 
 int session_init(uv_loop_t *loop)
 {
-    if (uv_async_init(loop, &closer, on_closer))
-        return KVX_ERR_IO;
-    closer_open = 1;
+    static const kvxd_reply_sink_t sink = {session_reply, session_reply_msg};
+    (void)loop;
+    kvxd_set_reply_sink(&sink);
     return 0;
 }
 
-void session_cleanup(void)
-{
-    if (closer_open) {
-        uv_close((uv_handle_t *)&closer, NULL);
-        closer_open = 0;
-    }
-}
+void session_cleanup(void) {}
 
 static void on_closed(uv_handle_t *h);
 
@@ -970,8 +972,13 @@ static void session_close(session_t *s, const char *why)
         free(ps);
     }
     map_free(&s->pools);
-    if (s->inst)
-        instance_detach(s->inst, s->rank);
+    if (s->inst && instance_detach(s->inst, s->rank)) {
+        agree_rank(s->inst, s->rank, 0);
+        char msg[256];
+        snprintf(msg, sizeof(msg), "rank %u of instance %s disconnected",
+                 s->rank, s->inst->id);
+        xfer_end_instance(s->inst, KVX_ERR_PEER_GONE, msg);
+    }
     for (uint32_t i = 0; i < s->nfds; i++)
         close(s->fds[i]);
     free(s->fds);
@@ -1020,6 +1027,7 @@ void session_tick(uint64_t now)
                 session_close_later(s, "no Hello within "
                                        "deadlines.hello_timeout_ms");
         }
+    close_marked(NULL); /* what a defer without memory left marked */
 }
 
 size_t session_infos(Kvxfer__SessionInfo ***out)

@@ -11,7 +11,7 @@
 #include "gpu.h"
 #include "instance.h"
 #include "pool.h"
-#include "session.h"
+#include "remote.h"
 #include "stats.h"
 #include "xfer.h"
 
@@ -57,7 +57,6 @@ void stats_fill(Kvxfer__StatusReply *st)
     st->config = a.v;
     st->n_config = a.n;
 
-    st->n_sessions = session_infos(&st->sessions);
 
     uint32_t np = pool_count();
     pool_t **pools = calloc(np ? np : 1, sizeof(*pools));
@@ -114,7 +113,7 @@ void stats_fill(Kvxfer__StatusReply *st)
         if (!x)
             break;
         kvxfer__instance_info__init(x);
-        int spread = agree_spread(i), member = spread && !i->local[0];
+        int spread = instance_spread(i), member = spread && !i->local[0];
         x->id = i->id;
         x->role = (Kvxfer__Role)i->role;
         x->ranks = i->nranks;
@@ -139,13 +138,13 @@ void stats_fill(Kvxfer__StatusReply *st)
     static Kvxfer__UcxInfo ucx;
     kvxfer__ucx_info__init(&ucx);
     peer_ucx_info(&ucx);
+    remote_ucx_info(&ucx);
     st->ucx = &ucx;
 }
 
 void stats_free(Kvxfer__StatusReply *st)
 {
     xfer_free_counts(st->config, st->n_config);
-    session_infos_free(st->sessions, st->n_sessions);
     for (size_t i = 0; i < st->n_pools; i++)
         free(st->pools[i]);
     free(st->pools);

@@ -7,6 +7,7 @@
 
 #include "kvxfer.pb-c.h"
 
+/* Everything but the sessions (session.c adds its own). */
 void stats_fill(Kvxfer__StatusReply *st);
 void stats_free(Kvxfer__StatusReply *st);
 

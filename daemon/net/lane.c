@@ -129,7 +129,7 @@ static void emit(lane_t *ln, enum lane_ev_kind kind, uint64_t lep,
     e->kind = kind;
     e->lane = ln->idx;
     e->lep = lep;
-    e->status = st == UCS_OK ? 0 : -1;
+    e->status = st == UCS_OK ? 0 : KVX_ERR_IO;
     e->msg = ucs_status_string(st);
     e->cookie = cookie;
     pthread_mutex_lock(&L.mu);
@@ -676,7 +676,7 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
         ln->w = NULL;
         snprintf(why, why_len, "lane %u: ucp_worker_create: %s", idx,
                  ucs_status_string(st));
-        return -1;
+        return KVX_ERR_IO;
     }
     ucp_am_handler_param_t h = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
@@ -690,7 +690,7 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
     if ((st = ucp_worker_set_am_recv_handler(ln->w, &h)) != UCS_OK ||
         (st = ucp_worker_get_efd(ln->w, &ln->efd)) != UCS_OK) {
         snprintf(why, why_len, "lane %u: %s", idx, ucs_status_string(st));
-        return -1;
+        return KVX_ERR_IO;
     }
     struct sockaddr_storage ss = *ip;
     if (ss.ss_family == AF_INET6)
@@ -699,12 +699,13 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
         ((struct sockaddr_in *)&ss)->sin_port = htons(port);
     struct sockaddr_storage bound;
     char lwhy[160];
-    if (ucx_listen(ln->w, &ss, on_conn_request, ln, &ln->lis, &bound, lwhy,
-                   sizeof(lwhy))) {
+    int rc = ucx_listen(ln->w, &ss, on_conn_request, ln, &ln->lis, &bound,
+                        lwhy, sizeof(lwhy));
+    if (rc) {
         snprintf(why, why_len, "lane %u: cannot listen on port %u%s: %s",
                  idx, port, port ? " (peer.listen's port + 1 + lane)" : "",
                  lwhy);
-        return -1;
+        return rc;
     }
     ln->port = ucx_port(&bound);
     ln->cfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -716,7 +717,7 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
         epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->cfd, &e2)) {
         snprintf(why, why_len, "lane %u: eventfd/epoll: %s", idx,
                  strerror(errno));
-        return -1;
+        return KVX_ERR_IO;
     }
     return 0;
 }
@@ -734,7 +735,7 @@ int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
         snprintf(why, why_len, "peer.lanes: %u lanes listen on ports %u to "
                  "%u (peer.listen's port + 1 + lane), past 65535", n,
                  base_port + 1u, base_port + n);
-        return -1;
+        return KVX_ERR_INVALID;
     }
     pthread_mutex_init(&L.mu, NULL);
     atomic_store(&L.next_lep, 1);
@@ -743,19 +744,21 @@ int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
     L.bind_ms = bind_ms;
     if (uv_async_init(loop, &L.async, on_async)) {
         snprintf(why, why_len, "lanes: uv_async_init failed");
-        return -1;
+        return KVX_ERR_IO;
     }
     L.async_on = 1;
+    int rc;
     for (L.n = 0; L.n < n; L.n++) {
         lane_t *ln = &L.v[L.n];
         uint16_t port = base_port ? (uint16_t)(base_port + 1 + L.n) : 0;
-        if (lane_init(ln, L.n, ctx, ip, port, why, why_len)) {
+        if ((rc = lane_init(ln, L.n, ctx, ip, port, why, why_len))) {
             lane_destroy(ln);
             goto err;
         }
         if (pthread_create(&ln->th, NULL, lane_main, ln)) {
             snprintf(why, why_len, "lane %u: cannot start its thread", L.n);
             lane_destroy(ln);
+            rc = KVX_ERR_IO;
             goto err;
         }
         ln->started = 1;
@@ -763,7 +766,7 @@ int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
     return 0;
 err:
     lanes_stop();
-    return -1;
+    return rc;
 }
 
 void lanes_stop(void)

@@ -45,7 +45,8 @@ typedef struct lane_ev {
     enum lane_ev_kind kind;
     unsigned lane;
     uint64_t lep;
-    int status;          /* 0, or the UCX status string in msg */
+    int status;          /* 0, or KVX_ERR_IO with the UCX status string
+                            in msg */
     const char *msg;
     void *cookie;
     uint8_t *hdr;        /* LEV_ARRIVED: the header, ours to free */
@@ -58,7 +59,8 @@ typedef struct lane_ev {
 /* Starts n lanes (0: none) on ctx, lane i listening on ip, port
  * base_port + 1 + i (base_port 0: any free port). ev is called on the
  * loop for every event; the event is freed after. spin: a lane polls
- * instead of sleeping while it has requests in flight. */
+ * instead of sleeping while it has requests in flight. 0, or with why
+ * KVX_ERR_INVALID (ports past 65535) or KVX_ERR_IO. */
 int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
                 const struct sockaddr_storage *ip, uint16_t base_port,
                 unsigned n, int spin, uint32_t bind_ms,

@@ -24,6 +24,7 @@
  */
 #include <arpa/inet.h>
 #include <endian.h>
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
@@ -71,6 +72,7 @@ typedef struct qmsg {
 } qmsg_t;
 
 struct peer_conn {
+    uint64_t id;                /* never reused (peer_conn_id) */
     ucp_ep_h ep;
     int outgoing;
     enum conn_state state;
@@ -86,6 +88,7 @@ struct peer_conn {
     int close_done;
     /* lost, and remote.c not told yet (peer_flush_lost()) */
     int lost_pending, lost_code;
+    unsigned lost_next;         /* the loss callback to call next */
     char lost_msg[300];
     qmsg_t *q_head, *q_tail;    /* sends waiting for authentication */
     /* slot sends: peer.send_window in flight, the rest wait here in
@@ -152,7 +155,6 @@ static struct {
     uv_prepare_t prepare;
     uv_idle_t idle;             /* keeps the loop turning: pump() */
     int idle_on;
-    uv_timer_t lost;            /* runs the losses conn_fail() deferred */
     int busy_poll;              /* peer.busy_poll, resolved */
     uint32_t inflight;          /* our UCX requests, every connection */
     int poll_on;
@@ -291,7 +293,7 @@ static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
     return d == 0;
 }
 
-/* "kvx://IP:PORT/id" -> sockaddr. 0, or -1 with why. */
+/* "kvx://IP:PORT/id" -> sockaddr. 0, or KVX_ERR_INVALID with why. */
 static int parse_address(const char *a, struct sockaddr_storage *ss,
                          socklen_t *sl, char *why, size_t why_len)
 {
@@ -308,7 +310,7 @@ static int parse_address(const char *a, struct sockaddr_storage *ss,
                  "daemon '%s' has no peer listener (its peer.listen is "
                  "empty, or the address is not kvx://IP:PORT/ID)",
                  a);
-        return -1;
+        return KVX_ERR_INVALID;
     }
     memcpy(host, p, colon - p);
     host[colon - p] = 0;
@@ -326,7 +328,7 @@ static int parse_address(const char *a, struct sockaddr_storage *ss,
     int e = getaddrinfo(host, port, &hints, &res);
     if (e) {
         snprintf(why, why_len, "daemon address '%s': %s", a, gai_strerror(e));
-        return -1;
+        return KVX_ERR_INVALID;
     }
     memcpy(ss, res->ai_addr, res->ai_addrlen);
     *sl = res->ai_addrlen;
@@ -345,7 +347,7 @@ static int read_secret(char *why, size_t why_len)
                  strerror(errno));
         if (fd >= 0)
             close(fd);
-        return -1;
+        return KVX_ERR_IO;
     }
     ssize_t n = -1;
     if (st.st_mode & 077)
@@ -362,7 +364,8 @@ static int read_secret(char *why, size_t why_len)
     close(fd);
     if ((st.st_mode & 077) || n < 16 || n > SECRET_MAX) {
         memset(buf, 0, sizeof(buf));
-        return -1;
+        /* n < 0: read() itself failed; else the file is unfit */
+        return n < 0 && !(st.st_mode & 077) ? KVX_ERR_IO : KVX_ERR_INVALID;
     }
     memcpy(P.secret, buf, (size_t)n);
     memset(buf, 0, sizeof(buf));
@@ -424,7 +427,10 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 static peer_conn_t *conn_new(int outgoing, const char *address)
 {
+    static uint64_t next_id;
     peer_conn_t *c = calloc(1, sizeof(*c));
+    if (c)
+        c->id = ++next_id;
     if (!c)
         return NULL;
     c->outgoing = outgoing;
@@ -475,6 +481,7 @@ static void send_cb(void *request, ucs_status_t status, void *user_data)
         conn_fail(u->c, KVX_ERR_PEER_GONE, "send to %s failed: %s",
                   u->c->address, ucs_status_string(status));
     if (u->is_data) {
+        assert(u->c->data_inflight > 0);
         u->c->data_inflight--;
         data_start(u->c); /* before ureq_done, which may free c */
     }
@@ -682,6 +689,7 @@ static void data_start(peer_conn_t *c)
         data_pack(u);
         c->outstanding--; /* am_send counts it again */
         if (am_send(c, AM_DATA, u->buf, u->hdr_len, u->data, u->len, u)) {
+            assert(c->data_inflight > 0);
             c->data_inflight--;
             c->outstanding++;
             u->next = c->dq_head; /* conn_fail gives it back with the rest */
@@ -795,7 +803,17 @@ static void conn_try_free(peer_conn_t *c)
     }
 }
 
-/* Tell remote.c of every loss conn_fail() deferred (a loss it handles
+/* What the layers above registered (peer.h). */
+#define MSG_KINDS 32
+#define LOST_CBS 4
+static struct {
+    peer_msg_cb msg[MSG_KINDS];
+    peer_lost_cb lost[LOST_CBS];
+    unsigned nlost;
+    peer_data_ops_t data;
+} H;
+
+/* Tell the loss callbacks of every loss conn_fail() deferred (a loss it handles
  * may fail more connections: until none is left). One remote.c cannot
  * take yet (out of memory) stays pending: the tick (peer_tick()) tries
  * again, and closes nothing pending. */
@@ -806,19 +824,20 @@ static void peer_flush_lost(void)
         for (peer_conn_t *c = P.conns; c; c = c->next)
             if (c->lost_pending) {
                 c->lost_pending = 0;
-                if (remote_on_conn_lost(c, c->lost_code, c->lost_msg)) {
-                    c->lost_pending = 1;
-                    return;
-                }
+                for (; c->lost_next < H.nlost; c->lost_next++)
+                    if (H.lost[c->lost_next](c, c->lost_code, c->lost_msg)) {
+                        c->lost_pending = 1;
+                        return;
+                    }
                 again = 1;
                 break; /* the list may have changed */
             }
     }
 }
 
-static void on_lost(uv_timer_t *t)
+static void flush_lost(void *arg)
 {
-    (void)t;
+    (void)arg;
     peer_flush_lost();
 }
 
@@ -865,8 +884,8 @@ static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
         c->lost_pending = 1;
         c->lost_code = code;
         snprintf(c->lost_msg, sizeof(c->lost_msg), "%s", msg);
-        if (P.poll_on)
-            uv_timer_start(&P.lost, on_lost, 0, 0);
+        if (P.poll_on) /* else (no memory) the tick flushes it */
+            kvxd_defer(flush_lost, NULL);
     }
     /* the endpoint is closed from the tick, never from inside a UCX
      * callback (UCX may still be failing it there) */
@@ -966,6 +985,8 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
     log_debug("peer %s: connecting", address);
     return c;
 }
+
+uint64_t peer_conn_id(const peer_conn_t *c) { return c->id; }
 
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
 
@@ -1210,8 +1231,9 @@ static void dispatch(peer_conn_t *c, const uint8_t *buf, size_t len)
             send_now(c, &r);
         } else if (m->m_case == KVXFER__PEER_MSG__M_LANES) {
             lanes_told(c, m->lanes);
-        } else if (m->m_case != KVXFER__PEER_MSG__M_PONG) {
-            remote_on_msg(c, m);
+        } else if (m->m_case != KVXFER__PEER_MSG__M_PONG &&
+                   (unsigned)m->m_case < MSG_KINDS && H.msg[m->m_case]) {
+            H.msg[m->m_case](c, m);
         }
     }
     kvxfer__peer_msg__free_unpacked(m, NULL);
@@ -1230,7 +1252,7 @@ static void recv_cb(void *request, ucs_status_t status, size_t length,
     } else {
         if (ok)
             c->last_seen_ms = now_ms();
-        remote_on_data(c, u->hdr->data, ok ? 0 : KVX_ERR_PEER_GONE);
+        H.data.arrived(c, u->hdr->data, ok ? 0 : KVX_ERR_PEER_GONE);
         kvxfer__peer_msg__free_unpacked(u->hdr, NULL);
     }
     ureq_done(u, 0);
@@ -1254,7 +1276,7 @@ static int recv_into(peer_conn_t *c, void *desc, void *dst, size_t len,
     if (UCS_PTR_IS_ERR(r)) {
         c->outstanding--;
         inflight_add(-1);
-        return -1;
+        return KVX_ERR_IO;
     }
     return 0;
 }
@@ -1316,27 +1338,27 @@ static ucs_status_t am_data(void *arg, const void *header, size_t hlen,
                   c->address);
         return UCS_OK;
     }
-    void *dst = remote_data_target(c, m->data, len);
+    void *dst = H.data.target(c, m->data, len);
     if (!dst) { /* the stream is gone: drop */
         kvxfer__peer_msg__free_unpacked(m, NULL);
         return UCS_OK;
     }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
         memcpy(dst, data, len);
-        remote_on_data(c, m->data, 0);
+        H.data.arrived(c, m->data, 0);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         return UCS_OK;
     }
     ureq_t *u = calloc(1, sizeof(*u));
     if (!u) {
-        remote_on_data(c, m->data, KVX_ERR_NOMEM);
+        H.data.arrived(c, m->data, KVX_ERR_NOMEM);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         return UCS_OK;
     }
     u->recv_kind = 2;
     u->hdr = m;
     if (recv_into(c, data, dst, len, u)) {
-        remote_on_data(c, m->data, KVX_ERR_PEER_GONE);
+        H.data.arrived(c, m->data, KVX_ERR_PEER_GONE);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         free(u);
         conn_fail(c, KVX_ERR_PEER_GONE, "receive from %s failed", c->address);
@@ -1408,7 +1430,7 @@ static void lane_arrived(const lane_ev_t *e)
     }
     c->bytes_received += e->hlen + e->len;
     c->last_seen_ms = now_ms();
-    void *dst = remote_data_target(c, m->data, e->len);
+    void *dst = H.data.target(c, m->data, e->len);
     if (!dst) {
         if (e->desc)
             lane_drop(e->lane, e->desc);
@@ -1418,7 +1440,7 @@ static void lane_arrived(const lane_ev_t *e)
     ureq_t *u = calloc(1, sizeof(*u));
     if (!u) {
         lane_drop(e->lane, e->desc);
-        remote_on_data(c, m->data, KVX_ERR_NOMEM);
+        H.data.arrived(c, m->data, KVX_ERR_NOMEM);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         conn_fail(c, KVX_ERR_NOMEM, "out of memory receiving from %s",
                   c->address);
@@ -1442,6 +1464,7 @@ static void on_lane_event(const lane_ev_t *e)
     switch (e->kind) {
     case LEV_SENT:
         c = u->c;
+        assert(c->data_inflight > 0);
         c->data_inflight--;
         c->lane_inflight[u->lane]--;
         c->lane_moved_ms[u->lane] = now_ms();
@@ -1468,11 +1491,12 @@ static void on_lane_event(const lane_ev_t *e)
         break;
     case LEV_RECEIVED:
         c = u->c;
+        assert(c->lane_rx_inflight > 0);
         c->lane_rx_inflight--;
         c->lane_rx_moved_ms = now_ms();
         if (!e->status && c->state != CONN_LOST)
             c->last_seen_ms = now_ms();
-        remote_on_data(c, u->hdr->data,
+        H.data.arrived(c, u->hdr->data,
                        !e->status && c->state != CONN_LOST
                            ? 0
                            : KVX_ERR_PEER_GONE);
@@ -1512,7 +1536,9 @@ static int set_handler(unsigned id, ucp_am_recv_callback_t cb)
         .id = id,
         .cb = cb,
         .flags = UCP_AM_FLAG_WHOLE_MSG};
-    return ucp_worker_set_am_recv_handler(P.worker, &h) == UCS_OK ? 0 : -1;
+    return ucp_worker_set_am_recv_handler(P.worker, &h) == UCS_OK
+               ? 0
+               : KVX_ERR_IO;
 }
 
 /* Wait (at most LISTEN_IF_WAIT_MS) until the interface that holds the
@@ -1595,8 +1621,9 @@ int peer_init(char *why, size_t why_len)
 {
     if (!kvxd.conf.peer_listen[0])
         return 0;
-    if (read_secret(why, why_len))
-        return -1;
+    int rc = read_secret(why, why_len);
+    if (rc)
+        return rc;
     unsigned maj, min, rel;
     ucp_get_version(&maj, &min, &rel);
     snprintf(P.version, sizeof(P.version), "%u.%u.%u", maj, min, rel);
@@ -1606,7 +1633,7 @@ int peer_init(char *why, size_t why_len)
     if (st != UCS_OK) {
         snprintf(why, why_len, "UCX configuration: %s",
                  ucs_status_string(st));
-        return -1;
+        return KVX_ERR_IO;
     }
     /* lanes: workers of this context on other threads */
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES |
@@ -1619,7 +1646,7 @@ int peer_init(char *why, size_t why_len)
     ucp_config_release(cfg);
     if (st != UCS_OK) {
         snprintf(why, why_len, "ucp_init: %s", ucs_status_string(st));
-        return -1;
+        return KVX_ERR_IO;
     }
     ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
     if (ucp_context_query(P.ctx, &ca) == UCS_OK)
@@ -1629,15 +1656,18 @@ int peer_init(char *why, size_t why_len)
     if ((st = ucp_worker_create(P.ctx, &wp, &P.worker)) != UCS_OK) {
         snprintf(why, why_len, "ucp_worker_create: %s",
                  ucs_status_string(st));
+        rc = KVX_ERR_IO;
         goto err_ctx;
     }
     int efd;
     if ((st = ucp_worker_get_efd(P.worker, &efd)) != UCS_OK) {
         snprintf(why, why_len, "ucp_worker_get_efd: %s",
                  ucs_status_string(st));
+        rc = KVX_ERR_IO;
         goto err_worker;
     }
-    if (set_handler(AM_CTRL, am_ctrl) || set_handler(AM_DATA, am_data)) {
+    if ((rc = set_handler(AM_CTRL, am_ctrl)) ||
+        (rc = set_handler(AM_DATA, am_data))) {
         snprintf(why, why_len, "cannot set the UCX message handlers");
         goto err_worker;
     }
@@ -1647,15 +1677,15 @@ int peer_init(char *why, size_t why_len)
     snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
     struct sockaddr_storage ss;
     socklen_t sl;
-    if (parse_address(addr, &ss, &sl, why, why_len)) {
+    if ((rc = parse_address(addr, &ss, &sl, why, why_len))) {
         snprintf(why, why_len, "peer.listen: '%s' is not IP:PORT",
                  kvxd.conf.peer_listen);
         goto err_worker;
     }
     struct sockaddr_storage bound;
     char lwhy[160];
-    if (ucx_listen(P.worker, &ss, on_conn_request, NULL, &P.listener, &bound,
-                   lwhy, sizeof(lwhy))) {
+    if ((rc = ucx_listen(P.worker, &ss, on_conn_request, NULL, &P.listener,
+                         &bound, lwhy, sizeof(lwhy)))) {
         snprintf(why, why_len, "peer.listen: cannot listen on %s: %s",
                  kvxd.conf.peer_listen, lwhy);
         goto err_worker;
@@ -1683,19 +1713,17 @@ int peer_init(char *why, size_t why_len)
     uv_prepare_init(kvxd.loop, &P.prepare);
     uv_prepare_start(&P.prepare, on_prepare);
     uv_idle_init(kvxd.loop, &P.idle);
-    uv_timer_init(kvxd.loop, &P.lost);
     P.busy_poll = kvxd.conf.busy_poll == 2 ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                                            : (int)kvxd.conf.busy_poll;
     /* lanes on the next ports when peer.listen names one (firewalls) */
     uint16_t base = ucx_port(&ss);
-    if (lanes_start(P.ctx, kvxd.loop, &bound, base ? (uint16_t)port : 0,
-                    kvxd.conf.lanes, P.busy_poll,
-                    kvxd.conf.peer_connect_timeout_ms, on_lane_event, why,
-                    why_len)) {
+    if ((rc = lanes_start(P.ctx, kvxd.loop, &bound,
+                          base ? (uint16_t)port : 0, kvxd.conf.lanes,
+                          P.busy_poll, kvxd.conf.peer_connect_timeout_ms,
+                          on_lane_event, why, why_len))) {
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);
-        uv_close((uv_handle_t *)&P.lost, NULL);
         goto err_listener;
     }
     P.poll_on = 1;
@@ -1714,7 +1742,7 @@ err_worker:
 err_ctx:
     ucp_cleanup(P.ctx);
     P.ctx = NULL;
-    return -1;
+    return rc;
 }
 
 int peer_enabled(void) { return P.on; }
@@ -1861,12 +1889,10 @@ void peer_shutdown(void)
         uv_poll_stop(&P.poll);
         uv_prepare_stop(&P.prepare);
         uv_idle_stop(&P.idle);
-        uv_timer_stop(&P.lost);
         P.idle_on = 0;
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);
-        uv_close((uv_handle_t *)&P.lost, NULL);
     }
     if (P.listener)
         ucp_listener_destroy(P.listener);
@@ -1904,7 +1930,7 @@ size_t peer_infos(Kvxfer__PeerInfo ***out)
         p->bytes_received = c->bytes_received;
         p->errors = c->errors;
         p->last_seen_ms = now - c->last_seen_ms;
-        p->streams = remote_conn_streams(c);
+        p->streams = H.data.streams ? H.data.streams(c) : 0;
         p->lanes = c->lanes_off ? 0
                    : c->peer_lanes < lanes_count() ? c->peer_lanes
                                                    : lanes_count();
@@ -1930,9 +1956,7 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
     info->transports = P.transports;
     info->staging = P.on ? "host" : "";
     info->version = P.version;
-    info->slots = P.on ? remote_slots() : 0;
     info->slot_bytes = P.on ? kvxd.conf.slot_bytes : 0;
-    info->message_bytes = P.on ? remote_message_bytes() : 0;
     info->send_window = P.on ? kvxd.conf.send_window : 0;
     info->lanes = lanes_count();
     static uint32_t ports[LANES_MAX];
@@ -1940,11 +1964,18 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
         ports[i] = lane_port(i);
     info->n_lane_ports = lanes_count();
     info->lane_ports = ports;
-    static Kvxfer__SlotTimes rx, tx;
-    kvxfer__slot_times__init(&rx);
-    kvxfer__slot_times__init(&tx);
-    if (P.on)
-        remote_slot_times(&rx, &tx);
-    info->received = &rx;
-    info->sent = &tx;
 }
+
+void peer_on_msg(int m_case, peer_msg_cb cb)
+{
+    assert(m_case > 0 && m_case < MSG_KINDS && !H.msg[m_case]);
+    H.msg[m_case] = cb;
+}
+
+void peer_on_lost(peer_lost_cb cb)
+{
+    assert(H.nlost < LOST_CBS);
+    H.lost[H.nlost++] = cb;
+}
+
+void peer_set_data_ops(const peer_data_ops_t *ops) { H.data = *ops; }

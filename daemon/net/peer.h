@@ -4,7 +4,8 @@
  * so nothing spins while idle), a sockaddr listener, one connection per
  * UCX endpoint with challenge-response authentication on the cluster
  * secret, the keep-alive, and the dispatch of active messages to the
- * transfer layer (remote.c).
+ * handlers the layers above registered (peer_on_msg, peer_on_lost,
+ * peer_set_data_ops).
  *
  * Two active messages: CTRL carries one packed PeerMsg as its data; DATA
  * carries a packed PeerMsg (PeerData) as its header and a piece of a
@@ -15,7 +16,7 @@
  *
  * Owns the UCP objects, the connections and every UCX request it starts.
  * A connection that fails (endpoint error, keep-alive, authentication)
- * is reported once through remote_on_conn_lost() and stays listed as
+ * is reported once to every loss callback (peer_on_lost) and stays listed as
  * "lost" for status; it is freed when its UCX requests are all back. The
  * next peer_connect() to that address makes a new one.
  */
@@ -31,7 +32,9 @@ typedef struct peer_conn peer_conn_t;
 
 /* Bring up UCX and the listener of conf.peer.listen, read the secret,
  * and write this daemon's address (kvx://IP:PORT/id) into kvxd.address.
- * Does nothing when peer.listen is empty. 0 or -1 with why. */
+ * Does nothing when peer.listen is empty. 0, or with why KVX_ERR_INVALID
+ * (peer.listen, peer.secret_file, peer.lanes' ports) or KVX_ERR_IO (UCX,
+ * a syscall). */
 int peer_init(char *why, size_t why_len);
 int peer_enabled(void);
 /* Keep-alive and connect deadlines. */
@@ -46,6 +49,9 @@ void peer_shutdown(void);
  * peer listener or peers are off. */
 peer_conn_t *peer_connect(const char *address, char *why, size_t why_len);
 const char *peer_conn_address(const peer_conn_t *c);
+/* A connection's name for the layers above, never reused: they keep it
+ * instead of the pointer, which a loss frees. */
+uint64_t peer_conn_id(const peer_conn_t *c);
 /* Is address this daemon, or one a connection can be made to? 0, or
  * KVX_ERR_INVALID with why. */
 int peer_address_check(const char *address, char *why, size_t why_len);
@@ -77,29 +83,33 @@ size_t peer_infos(Kvxfer__PeerInfo ***out);
 void peer_free_infos(Kvxfer__PeerInfo **v, size_t n);
 void peer_ucx_info(Kvxfer__UcxInfo *info); /* strings are static */
 
-/* ---- implemented by the transfer layer (remote.c) ---------------------- */
+/* ---- what the layers above register ------------------------------------
+ * net knows nothing of them: as UCX's active-message handlers, each
+ * registers at its init what it takes (remote: transfers and slot data;
+ * agree: batches), and net calls back through that alone. */
 
-/* A control message from an authenticated peer (m is freed after). */
-void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m);
-/* peer.slots, with 0 resolved: as many slots as fit in 32 MiB, at
- * least 2. */
-uint32_t remote_slots(void);
-/* The largest piece a slot is sent in: peer.message_bytes, or more when a
- * slot would take over 64 pieces. */
-uint64_t remote_message_bytes(void);
-/* Where the data of d goes (len bytes): its place in a slot, or NULL to
- * drop it. */
-void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
-                         size_t len);
-/* The data of d is in its slot (status 0) or will never be (error). */
-void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
-/* Where the slots' time went since start, for status. */
-void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent);
-/* Streams (either way) on c, for status. */
-uint32_t remote_conn_streams(const peer_conn_t *c);
-/* c failed: every transfer on it ends with code. 0, or KVX_ERR_NOMEM when
- * nothing could be done yet: peer.c calls it again at the next tick (c
- * stays until then). */
-int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg);
+/* A control message of kind m_case from an authenticated peer (m is
+ * freed after). One handler per kind; kinds nobody took are dropped. */
+typedef void (*peer_msg_cb)(peer_conn_t *c, const Kvxfer__PeerMsg *m);
+void peer_on_msg(int m_case, peer_msg_cb cb);
+
+/* c failed: every transfer on it ends with code. Each loss callback runs
+ * once per loss, in registration order; one that returns KVX_ERR_NOMEM
+ * (nothing done yet) is called again at the next tick, and those after it
+ * wait (c stays until then). */
+typedef int (*peer_lost_cb)(peer_conn_t *c, int code, const char *msg);
+void peer_on_lost(peer_lost_cb cb);
+
+/* The slot data path (remote). */
+typedef struct peer_data_ops {
+    /* where the data of d goes (len bytes): its place in a slot, or NULL
+     * to drop it */
+    void *(*target)(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len);
+    /* the data of d is in its slot (status 0) or will never be (error) */
+    void (*arrived)(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
+    /* streams (either way) on c, for status */
+    uint32_t (*streams)(const peer_conn_t *c);
+} peer_data_ops_t;
+void peer_set_data_ops(const peer_data_ops_t *ops);
 
 #endif /* KVX_PEER_H */

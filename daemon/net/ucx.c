@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <stdio.h>
 
+#include "kvxfer.h"
 #include "ucx.h"
 
 static socklen_t addr_len(const struct sockaddr_storage *ss)
@@ -82,7 +83,7 @@ int ucx_listen(ucp_worker_h w, const struct sockaddr_storage *ss,
     if (st != UCS_OK) {
         *lis = NULL;
         snprintf(why, why_len, "%s", ucs_status_string(st));
-        return -1;
+        return KVX_ERR_IO;
     }
     ucp_listener_attr_t a = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
     if ((st = ucp_listener_query(*lis, &a)) != UCS_OK) {
@@ -90,7 +91,7 @@ int ucx_listen(ucp_worker_h w, const struct sockaddr_storage *ss,
                  ucs_status_string(st));
         ucp_listener_destroy(*lis);
         *lis = NULL;
-        return -1;
+        return KVX_ERR_IO;
     }
     *bound = a.sockaddr;
     return 0;

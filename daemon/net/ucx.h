@@ -22,8 +22,8 @@ ucs_status_t ucx_accept(ucp_worker_h w, ucp_conn_request_h req,
 /* Force-closes ep: 1 when the close goes on and done(arg) comes later
  * (from the worker's progress), 0 when it is over now. */
 int ucx_close(ucp_ep_h ep, ucp_send_nbx_callback_t done, void *arg);
-/* A listener of w on ss, its bound port in *port. 0, or -1 with the UCX
- * error in why. */
+/* A listener of w on ss, its bound port in *port. 0, or KVX_ERR_IO with
+ * the UCX error in why. */
 int ucx_listen(ucp_worker_h w, const struct sockaddr_storage *ss,
                ucp_listener_conn_callback_t cb, void *arg,
                ucp_listener_h *lis, struct sockaddr_storage *bound,

@@ -47,6 +47,7 @@
  * are back. Slots hold only daemon memory, so a receive or a send still
  * in flight never touches a request's blocks.
  */
+#include <assert.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +63,7 @@
 #include "peer.h"
 #include "pool.h"
 #include "rrq.h"
+#include "remote.h"
 #include "xfer_int.h"
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
@@ -262,12 +264,12 @@ static int slots_init(slots_t *s, const char *what, slot_times_t *st,
         snprintf(why, why_len, "peer.slots: cannot map %zu bytes of %s "
                                "slots",
                  s->len, what);
-        return -1;
+        return KVX_ERR_NOMEM;
     }
     s->v = calloc(n, sizeof(*s->v));
     if (!s->v) {
         snprintf(why, why_len, "out of memory");
-        return -1;
+        return KVX_ERR_NOMEM;
     }
     for (uint32_t i = n; i-- > 0;) {
         s->v[i].mem = s->mem + (size_t)i * kvxd.conf.slot_bytes;
@@ -312,6 +314,7 @@ static slot_t *slot_get(slots_t *s)
 {
     slot_t *x = s->free;
     if (x) {
+        assert(s->nfree > 0 && x->state == SLOT_FREE);
         s->free = x->next_free;
         s->nfree--;
         x->state = SLOT_BUSY;
@@ -321,6 +324,7 @@ static slot_t *slot_get(slots_t *s)
 
 static void slot_put(slots_t *s, slot_t *x)
 {
+    assert(x->state != SLOT_FREE); /* one owner, one put */
     x->state = SLOT_FREE;
     x->owner = NULL;
     x->part = NULL;
@@ -332,6 +336,7 @@ static void slot_put(slots_t *s, slot_t *x)
     x->status = 0;
     x->next_free = s->free;
     s->free = x;
+    assert(s->nfree < remote_slots());
     s->nfree++;
 }
 
@@ -418,11 +423,31 @@ static int piece_at(const slot_t *x, uint64_t off)
 
 int remote_init(char *why, size_t why_len)
 {
+    /* what xfer and net call, whether peers are on or not */
+    static const xfer_remote_ops_t ops = {
+        .part_start = remote_part_start,
+        .part_stop = remote_part_stop,
+        .part_free = remote_part_free,
+        .offer_stop = remote_offer_stop,
+        .offer_published = remote_offer_published};
+    xfer_set_remote_ops(&ops);
+    static const int kinds[] = {
+        KVXFER__PEER_MSG__M_OPEN, KVXFER__PEER_MSG__M_OPENED,
+        KVXFER__PEER_MSG__M_PULL, KVXFER__PEER_MSG__M_OFFER_DONE,
+        KVXFER__PEER_MSG__M_END};
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        peer_on_msg(kinds[i], remote_on_msg);
+    peer_on_lost(remote_on_conn_lost);
+    static const peer_data_ops_t data = {.target = remote_data_target,
+                                         .arrived = remote_on_data,
+                                         .streams = remote_conn_streams};
+    peer_set_data_ops(&data);
     if (!peer_enabled())
         return 0;
-    if (slots_init(&rslots, "receive", &st_rx, why, why_len) ||
-        slots_init(&sslots, "send", &st_tx, why, why_len))
-        return -1;
+    int rc;
+    if ((rc = slots_init(&rslots, "receive", &st_rx, why, why_len)) ||
+        (rc = slots_init(&sslots, "send", &st_tx, why, why_len)))
+        return rc;
     log_info("peers: %u + %u host staging slots of %llu bytes, registered "
              "with UCX (pinned for CUDA on first GPU use)",
              remote_slots(), remote_slots(),
@@ -695,6 +720,7 @@ static void pull_schedule(void)
         r->held++;
         if (peer_send(r->conn, &m)) {
             slot_put(&rslots, x);
+            assert(r->held > 0);
             r->held--;
             /* a lost connection ends the request from the loop's next
              * turn; a live one could not take the message (memory) */
@@ -800,8 +826,10 @@ static int rslot_release(slot_t *x)
     if (x->landing || x->pending)
         return 0;
     rstream_t *r = x->owner;
-    if (r)
+    if (r) {
+        assert(r->held > 0);
         r->held--;
+    }
     slot_put(&rslots, x);
     return 1;
 }
@@ -813,6 +841,7 @@ static void scatter_done(slot_t *x, uint32_t k)
     genpart_t *part = x->part;
     uint64_t units = x->pc[k].u1 - x->pc[k].u0, bytes = x->pc[k].len;
     int status = x->status;
+    assert(x->pending > 0);
     x->pending--;
     x->copied++;
     int whole = x->copied == x->npieces;
@@ -884,6 +913,7 @@ static void ahead_release(sstream_t *s)
         slot_t *x = s->ahead[i];
         x->ahead = 0;
         if (!x->pending) {
+            assert(s->sends > 0);
             s->sends--;
             slot_put(&sslots, x);
         }
@@ -1163,6 +1193,7 @@ static void sslot_release(slot_t *x)
         st_tx.slots++;
         st_tx.bytes += x->bytes;
     }
+    assert(s->sends > 0);
     s->sends--;
     slot_put(&sslots, x);
     if (s->ended && !s->gathers && !s->sends)
@@ -1220,7 +1251,9 @@ static void gather_done(slot_t *x, uint32_t k)
         return;
     /* every piece is gathered: the offer's memory is no longer read */
     offer_t *o = s->fence;
+    assert(s->gathers > 0);
     s->gathers--;
+    assert(o->gathers > 0 /* the fence */);
     o->gathers--;
     uint64_t t = now_ns();
     if (x->pulled)
@@ -1363,6 +1396,7 @@ static int ahead_take(sstream_t *s, uint32_t slot, uint64_t u0, uint64_t u1)
             if (x->ready & (1ull << k))
                 piece_send(x, k);
         x->ready = 0;
+        assert(x->pending > 0);
         x->pending--;
         sslot_release(x); /* when every send failed at once */
         return 1;
@@ -1732,8 +1766,7 @@ void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         else
             on_end(c, m->end);
         break;
-    default:
-        remote_agree_msg(c, m);
+    default: /* kinds agree.c registered go there */
         break;
     }
 }
@@ -1815,7 +1848,6 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
         }
         free(ids);
     }
-    remote_agree_conn_lost(c, m);
     return 0;
 }
 
@@ -1883,4 +1915,18 @@ uint32_t remote_conn_streams(const peer_conn_t *c)
         n += ((sstream_t *)v[i])->conn == c && !((sstream_t *)v[i])->ended;
     free(v);
     return n;
+}
+
+void remote_ucx_info(Kvxfer__UcxInfo *info)
+{
+    int on = peer_enabled();
+    info->slots = on ? remote_slots() : 0;
+    info->message_bytes = on ? remote_message_bytes() : 0;
+    static Kvxfer__SlotTimes rx, tx;
+    kvxfer__slot_times__init(&rx);
+    kvxfer__slot_times__init(&tx);
+    if (on)
+        remote_slot_times(&rx, &tx);
+    info->received = &rx;
+    info->sent = &tx;
 }

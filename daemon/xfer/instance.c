@@ -5,11 +5,9 @@
 #include <string.h>
 
 #include "daemon.h"
-#include "agree.h"
 #include "instance.h"
 #include "log.h"
-#include "session.h"
-#include "xfer.h"
+#include "peer.h"
 
 static instance_t *instances;
 
@@ -50,33 +48,21 @@ int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
     return 0;
 }
 
-/* A sealed batch answers a waiting poll: send it to the rank's session. */
+/* The agreement layer's part (instance.h): a batch for a waiting poll,
+ * an instance's end. Without it, nothing is delivered. */
+static instance_hooks_t H;
+
+void instance_set_hooks(const instance_hooks_t *h) { H = *h; }
+
 static int deliver(void *arg, uint32_t rank, uint64_t req_id,
                    const batch_t *b)
 {
-    instance_t *inst = arg;
-    if (inst->joined && !inst->local[rank]) /* a rank of another daemon */
-        return agree_deliver(inst, rank, req_id, b);
-    Kvxfer__PollReply pr = KVXFER__POLL_REPLY__INIT;
-    Kvxfer__Event *ev, **evp;
-    if (instance_batch_events(b, &ev, &evp)) {
-        session_reply(inst->rank_sid[rank], req_id, KVX_ERR_NOMEM,
-                      "poll: out of memory building the batch");
-        return 0;
-    }
-    pr.batch = b->seq;
-    pr.n_events = b->nevents;
-    pr.events = evp;
-    Kvxfer__Reply r = KVXFER__REPLY__INIT;
-    r.id = req_id;
-    r.message = "";
-    r.body_case = KVXFER__REPLY__BODY_POLL;
-    r.poll = &pr;
-    if (!agree_fence_batch(inst, inst->rank_sid[rank], &r))
-        session_reply_msg(inst->rank_sid[rank], &r);
-    free(ev);
-    free(evp);
-    return 0;
+    return H.deliver ? H.deliver(arg, rank, req_id, b) : 0;
+}
+
+int instance_spread(const instance_t *inst)
+{
+    return inst->joined && inst->nlocal < inst->nranks && peer_enabled();
 }
 
 static void instance_free(instance_t *inst)
@@ -86,7 +72,8 @@ static void instance_free(instance_t *inst)
             *p = inst->next;
             break;
         }
-    agree_forget(inst);
+    if (H.forget)
+        H.forget(inst);
     kvxd.stats.batches_sealed += inst->batches.sealed_total;
     batch_cleanup(&inst->batches);
     map_free(&inst->offers);
@@ -176,19 +163,16 @@ int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
     return 0;
 }
 
-void instance_detach(instance_t *inst, uint32_t rank)
+int instance_detach(instance_t *inst, uint32_t rank)
 {
     if (!inst->rank_sid[rank])
-        return;
+        return 0;
     inst->rank_sid[rank] = 0;
     inst->nconnected--;
     batch_rank_leave(&inst->batches, rank);
-    agree_rank(inst, rank, 0);
-    char msg[256];
-    snprintf(msg, sizeof(msg), "rank %u of instance %s disconnected", rank,
-             inst->id);
-    xfer_end_instance(inst, KVX_ERR_PEER_GONE, msg);
-    /* freed by instance_tick() once its requests are fenced and gone */
+    /* freed by instance_tick() once its requests are fenced and gone; the
+     * caller ends them (xfer_end_instance) */
+    return 1;
 }
 
 int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
@@ -236,7 +220,6 @@ int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
         inst->nlocal += inst->local[i];
     }
     inst->joined = 1;
-    agree_joined(inst);
     return 0;
 
 err_nomem:
@@ -269,7 +252,8 @@ void instance_tick(uint64_t now_ms)
         n = i->next;
         if (i->nconnected == 0 && i->offers.n == 0 && i->fetches.n == 0) {
             log_info("instance %s: last rank left", i->id);
-            agree_instance_ends(i);
+            if (H.ends)
+                H.ends(i);
             instance_free(i);
             continue;
         }

@@ -39,15 +39,34 @@ typedef struct instance {
     struct instance *next;
 } instance_t;
 
+/* What the agreement layer does for instances, registered at its init
+ * (instance knows no layer above it). Any may be NULL. */
+typedef struct instance_hooks {
+    /* a sealed batch answers rank's waiting poll req_id */
+    int (*deliver)(instance_t *inst, uint32_t rank, uint64_t req_id,
+                   const batch_t *b);
+    /* the last rank left and no request is left: inst is freed next */
+    void (*ends)(instance_t *inst);
+    /* inst is freed now (also at exit) */
+    void (*forget)(instance_t *inst);
+} instance_hooks_t;
+void instance_set_hooks(const instance_hooks_t *h);
+
+/* Is inst spread over daemons (joined, some ranks elsewhere, peers on)? */
+int instance_spread(const instance_t *inst);
+
 /* Hello: attach session sid as rank h->rank of instance h->instance_id,
  * creating it, or checking that the config matches. */
 int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
                     const plan_side_t *side, uint64_t sid, instance_t **out,
                     char *why, size_t why_len);
-/* The session of rank went away: end the instance's requests with
- * PEER_GONE, and free the instance when no rank is left. */
-void instance_detach(instance_t *inst, uint32_t rank);
-/* Join: every rank must send the same address list. */
+/* The session of rank went away: the rank leaves the batches (1; 0 when
+ * it was not attached); the
+ * caller ends the instance's requests (xfer_end_instance). The instance
+ * is freed by instance_tick() once no rank and no request is left. */
+int instance_detach(instance_t *inst, uint32_t rank);
+/* Join: every rank must send the same address list. The first sets
+ * inst->joined. */
 int instance_join(instance_t *inst, uint32_t rank, char *const *addresses,
                   size_t n, char *why, size_t why_len);
 /* 0 if publish/fetch may proceed (joined, every local rank connected). */

@@ -20,17 +20,16 @@
  *                    finalize; offer_consume() keeps a completed offer
  *                    for late ranks of replicated heads
  */
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 
-#include "agree.h"
 #include "copy.h"
 #include "daemon.h"
 #include "log.h"
 #include "peer.h"
-#include "session.h"
 #include "xfer.h"
 #include "xfer_int.h"
 
@@ -82,6 +81,9 @@ static void dl_remove(dl_list_t *l, dl_node_t *n)
 
 /* Round-robin queue of parts with units left to hand out. */
 static rrq_t runq;
+/* registered by the layers above (xfer_int.h, xfer.h) */
+static xfer_remote_ops_t R;
+static xfer_spread_event_cb spread_event;
 static uint32_t nrequests;
 static uint32_t chunks_inflight; /* ours only: pool populate jobs share the
                                     copy engine but not this limit */
@@ -104,6 +106,10 @@ static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
 }
 
 static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+void xfer_set_remote_ops(const xfer_remote_ops_t *ops) { R = *ops; }
+
+void xfer_set_spread_event(xfer_spread_event_cb cb) { spread_event = cb; }
 
 static void side_from_layout(plan_side_t *s, const instance_t *inst,
                              const kvx_layout_t *l)
@@ -155,7 +161,7 @@ static void waiters_reply(waiter_t *w)
     while (w) {
         waiter_t *n = w->next;
         if (--w->cw->pending == 0) {
-            session_reply(w->cw->sid, w->cw->req_id, 0, "");
+            kvxd_reply(w->cw->sid, w->cw->req_id, 0, "");
             free(w->cw);
         }
         free(w);
@@ -184,8 +190,9 @@ static void push_event(instance_t *inst, uint64_t request_id, int kind,
 {
     if (code)
         kvxd_count_error(code);
-    if (agree_spread(inst)) {
-        agree_event(inst, request_id, offer, kind, code, msg, ranks, expect);
+    if (instance_spread(inst) && spread_event) {
+        spread_event(inst, request_id, offer, kind, code, msg, ranks,
+                     expect);
         return;
     }
     if (batch_push(&inst->batches, request_id, kind, code, msg,
@@ -450,7 +457,8 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
     memcpy(*params, o->params, o->params_len);
     *params_len = o->params_len;
-    remote_offer_published(o);
+    if (R.offer_published)
+        R.offer_published(o);
     /* a consumer may be waiting for this rank; look it up again after
      * each part, since a failing part ends (and frees) it */
     if ((o = map_get(&inst->offers, request_id)) && o->consumer) {
@@ -477,7 +485,8 @@ static void genreq_free(genreq_t *g)
             pool_unref(p->pool);
         free(p->blocks);
         gpu_part_free(p->gpu);
-        remote_part_free(p);
+        if (R.part_free)
+            R.part_free(p);
         plan_free(p->plan);
     }
     if (g->src_addresses)
@@ -748,9 +757,10 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
         return 0;
     }
-    char w[256];
+    char w[256] = "fetch: this kvxferd moves no data between daemons";
     /* g is looked up again: starting may have ended it already */
-    if ((rc = remote_part_start(p, cp, w, sizeof(w))) &&
+    if ((rc = R.part_start ? R.part_start(p, cp, w, sizeof(w))
+                           : KVX_ERR_UNSUPPORTED) &&
         (g = map_get(&inst->fetches, request_id)))
         genreq_end(g, KVX_EVENT_ERROR, rc, w); /* reported as an event */
     return 0;
@@ -953,7 +963,9 @@ void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
                         int status)
 {
     genreq_t *g = p->req;
+    assert(p->inflight > 0);
     p->inflight--;
+    assert(g->inflight > 0 /* the fence */);
     g->inflight--;
     p->units_done += units;
     g->bytes_done += bytes;
@@ -980,6 +992,7 @@ static void on_chunk_done(copy_job_t *job)
     genpart_t *p = job->owner;
     uint64_t units = job->unit_end - job->unit_begin, bytes = job->bytes;
     int status = job->status;
+    assert(chunks_inflight > 0);
     chunks_inflight--;
     free(job);
     xfer_part_progress(p, units, bytes, status);
@@ -1083,7 +1096,8 @@ static void offer_end(offer_t *o, int kind, int code, const char *msg)
     o->end_kind = kind;
     o->end_code = code;
     snprintf(o->end_msg, sizeof(o->end_msg), "%s", msg);
-    remote_offer_stop(o, code ? code : KVX_ERR_STATE, msg);
+    if (R.offer_stop)
+        R.offer_stop(o, code ? code : KVX_ERR_STATE, msg);
     if (o->consumer) {
         /* the consumer reads this offer's memory: its fence comes first,
          * and its finalize (now or after its last chunk) finalizes o */
@@ -1110,9 +1124,11 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         g->inflight++;
         for (uint32_t r = 0; r < g->inst->nranks; r++) {
             rrq_remove(&runq, &g->parts[r].turn);
-            remote_part_stop(&g->parts[r], code ? code : KVX_ERR_STATE,
+            if (R.part_stop)
+                R.part_stop(&g->parts[r], code ? code : KVX_ERR_STATE,
                              msg);
         }
+        assert(g->inflight > 0 /* the fence */);
         g->inflight--;
     }
     if (g->inflight)

@@ -37,6 +37,16 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
 int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
                 uint64_t req_id, char *why, size_t why_len);
 
+/* A request ended for ranks of an instance spread over daemons: its
+ * root merges the reports (the agreement layer registers this; without
+ * it every instance is treated as local). ranks: the ranks this request
+ * covers here; expect: all it needs. */
+typedef void (*xfer_spread_event_cb)(instance_t *inst, uint64_t request_id,
+                                     int offer, int kind, int code,
+                                     const char *msg, uint32_t ranks,
+                                     uint32_t expect);
+void xfer_set_spread_event(xfer_spread_event_cb cb);
+
 /* End every request of inst with ERROR code. */
 void xfer_end_instance(instance_t *inst, int code, const char *msg);
 

@@ -156,26 +156,24 @@ void xfer_offer_fenced(offer_t *o);
 /* Streams from a peer took o (it leaves the lease list). */
 void xfer_offer_taken(offer_t *o);
 
-/* ---- remote.c, for xfer.c ---------------------------------------------- */
+/* ---- registered by remote.c ------------------------------------------- */
 
-/* Start a part whose sources are on other daemons (or reached through
- * them): one stream per slice. 0, or an error with why. */
-int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
+/* What the layer above does for transfers between daemons (remote.c),
+ * registered once at its init: xfer calls it through these alone. Each
+ * may be NULL (no remote layer): then no part is remote. */
+typedef struct xfer_remote_ops {
+    /* start a part whose sources are on other daemons (or reached
+     * through them): one stream per slice. 0, or an error with why */
+    int (*part_start)(genpart_t *p, const Kvxfer__ContextParams *cp,
                       char *why, size_t why_len);
-/* The request of p is ending: tell the sources, release what waits. */
-void remote_part_stop(genpart_t *p, int code, const char *msg);
-void remote_part_free(genpart_t *p);
-/* Offer o is ending: tell every stream reading it. */
-void remote_offer_stop(offer_t *o, int code, const char *msg);
-/* Rank published to o: serve the pulls that waited for it. */
-void remote_offer_published(offer_t *o);
-/* The slots and the pull scheduler. */
-int remote_init(char *why, size_t why_len);
-void remote_cleanup(void);
-void remote_tick(uint64_t now_ms);
-
-/* ---- agree.c: batches of instances spread over daemons ----------------- */
-void remote_agree_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m);
-void remote_agree_conn_lost(peer_conn_t *c, const char *msg);
+    /* the request of p is ending: tell the sources, release what waits */
+    void (*part_stop)(genpart_t *p, int code, const char *msg);
+    void (*part_free)(genpart_t *p);
+    /* offer o is ending: tell every stream reading it */
+    void (*offer_stop)(offer_t *o, int code, const char *msg);
+    /* a rank published to o: serve the pulls that waited for it */
+    void (*offer_published)(offer_t *o);
+} xfer_remote_ops_t;
+void xfer_set_remote_ops(const xfer_remote_ops_t *ops);
 
 #endif /* KVX_XFER_INT_H */

@@ -16,7 +16,7 @@ SRC="common/status.c common/frame.c common/layout.c
      daemon/net/ucx.c daemon/net/lane.c daemon/net/peer.c
      daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c
      daemon/copy/gpu_none.c daemon/xfer/instance.c daemon/xfer/xfer.c
-     daemon/agree/batch.c daemon/agree/agree.c daemon/remote/remote.c
+     daemon/xfer/batch.c daemon/agree/agree.c daemon/remote/remote.c
      daemon/local/session.c daemon/local/server.c daemon/local/stats.c
      build/gen/kvxfer.pb-c.c"
 FLAGS="${FUZZ_CFLAGS:-} -g -O1 -std=gnu11 -D_GNU_SOURCE -fno-omit-frame-pointer -Itests/fuzz

@@ -82,7 +82,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         MUST(conf_load(path, &d, NULL) == 0);
         MUST(!memcmp(&c, &d, sizeof(c)));
     } else {
-        MUST(rc > 0); /* the file is readable: problems, not -1 */
+        MUST(rc > 0); /* the file is readable: problems, not a KVX_ERR_* */
         MUST(!memcmp(&c, &before, sizeof(c)));
         MUST(mlen > 0 && strstr(msg, path) == msg);
     }

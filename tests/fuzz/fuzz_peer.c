@@ -1,7 +1,8 @@
 /*
  * fuzz_peer — what another daemon sends, as remote.c and agree.c see it:
- * a run of PeerMsg records from the input goes to remote_on_msg() (OPEN,
- * PULL, END, OPENED, EVENT, POLL, BATCH, RANKS), and DATA headers to
+ * a run of PeerMsg records from the input goes to the handler remote.c
+ * or agree.c registered for its kind (OPEN, PULL, END, OPENED, EVENT,
+ * POLL, BATCH, RANKS), and DATA headers to
  * remote_data_target()/remote_on_data(), against a real context offer
  * (host pool, published) and a real generation fetch whose sources are
  * "on the peer". peer.c is replaced by the stubs below (no UCX): sends
@@ -21,6 +22,8 @@
  * fuzz-exclude: daemon/net/peer.c
  */
 #include "../../daemon/remote/remote.c"
+
+#include "agree.h"
 
 #include <sys/mman.h>
 
@@ -60,6 +63,7 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
     return &fake;
 }
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
+uint64_t peer_conn_id(const peer_conn_t *c) { return c == &fake ? 1 : 2; }
 int peer_conn_alive(const peer_conn_t *c) { return c->alive; }
 int peer_address_check(const char *address, char *why, size_t why_len)
 {
@@ -140,6 +144,19 @@ void peer_free_infos(Kvxfer__PeerInfo **v, size_t n)
     (void)n;
 }
 void peer_ucx_info(Kvxfer__UcxInfo *info) { (void)info; }
+
+/* What remote_init() and agree_init() register, dispatched as peer.c
+ * would. */
+static peer_msg_cb handlers[32];
+void peer_on_msg(int m_case, peer_msg_cb cb) { handlers[m_case] = cb; }
+void peer_on_lost(peer_lost_cb cb) { (void)cb; }
+void peer_set_data_ops(const peer_data_ops_t *ops) { (void)ops; }
+
+static void dispatch(peer_conn_t *c, const Kvxfer__PeerMsg *m)
+{
+    if ((unsigned)m->m_case < 32 && handlers[m->m_case])
+        handlers[m->m_case](c, m);
+}
 
 /* ---- the daemon state the messages meet --------------------------------- */
 
@@ -245,7 +262,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     if (copy_init(kvxd.loop, 1, 0))
         abort();
     char why[256];
-    if (remote_init(why, sizeof(why)))
+    if (remote_init(why, sizeof(why)) || agree_init())
         abort();
     plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
                         .total_heads = 2};
@@ -295,7 +312,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     o->open->nunits = m->open->nunits;
             }
             if (o)
-                remote_on_msg(&fake, o);
+                dispatch(&fake, o);
             kvxfer__peer_msg__free_unpacked(o, NULL);
             if (m)
                 kvxfer__peer_msg__free_unpacked(m, NULL);
@@ -311,7 +328,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                             : last_opened_source;
             r.m_case = KVXFER__PEER_MSG__M_OPENED;
             r.opened = &op;
-            remote_on_msg(&fake, &r);
+            dispatch(&fake, &r);
             if (m)
                 kvxfer__peer_msg__free_unpacked(m, NULL);
             settle();
@@ -391,7 +408,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 remote_on_data(&fake, m->data, flags & 16 ? KVX_ERR_IO : 0);
             }
         } else {
-            remote_on_msg(&fake, m);
+            dispatch(&fake, m);
         }
         kvxfer__peer_msg__free_unpacked(m, NULL);
         if (kind == 0xff) { /* the connection is lost, then back */

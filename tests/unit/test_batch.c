@@ -1,10 +1,10 @@
 /*
- * test_batch — the sealing rules of daemon/agree/batch.h: at_least, deadlines,
+ * test_batch — the sealing rules of daemon/xfer/batch.h: at_least, deadlines,
  * batch k identical on every rank, immediate answers for sealed batches,
  * trimming once every present rank has read, join/leave, BUSY, flush;
  * then a random schedule checked against those rules after every step.
  */
-#include "../../daemon/agree/batch.c"
+#include "../../daemon/xfer/batch.c"
 
 #include "test.h"
 

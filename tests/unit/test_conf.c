@@ -896,14 +896,14 @@ TEST(err_cannot_open)
     memset(&c, 0x11, sizeof(c));
     memcpy(&before, &c, sizeof(c));
     CHECK(mem != NULL);
-    CHECK_EQ(conf_load("/nonexistent/kvxferd.yaml", &c, mem), -1);
+    CHECK_EQ(conf_load("/nonexistent/kvxferd.yaml", &c, mem), KVX_ERR_IO);
     fclose(mem);
     CHECK(!strcmp(err, "/nonexistent/kvxferd.yaml: cannot open: No such "
                        "file or directory\n"));
     CHECK(!memcmp(&c, &before, sizeof(c)));
     free(err);
     /* NULL err is allowed: count only. */
-    CHECK_EQ(conf_load("/nonexistent/kvxferd.yaml", &c, NULL), -1);
+    CHECK_EQ(conf_load("/nonexistent/kvxferd.yaml", &c, NULL), KVX_ERR_IO);
     tmp_write("log: {level: x}\n", 16);
     CHECK_EQ(conf_load(tmp_path, &c, NULL), 1);
     unlink(tmp_path);

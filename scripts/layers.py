@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""The daemon's layers, checked: the graph of includes and calls between
+its files has no cycle, and no file reaches a layer above its own.
+
+    scripts/layers.py [-v]      (-v: print every file's edges)
+
+A file's module is its name without extension (xfer_int.h and gpu_desc.h
+belong to xfer and gpu). An edge a -> b is an #include of b's header or a
+call of a function b defines. main.c (the table of contents) may reach
+every layer. Exits 1 naming the offending edges.
+"""
+import collections
+import glob
+import os
+import re
+import sys
+
+ORDER = ["core", "net", "copy", "xfer", "agree", "remote", "local"]
+RANK = {"core": 0, "net": 1, "copy": 2, "xfer": 3, "agree": 4, "remote": 4,
+        "local": 5}
+ALIAS = {"xfer_int": "xfer", "gpu_desc": "gpu"}
+
+
+def module(path):
+    return ALIAS.get(os.path.basename(path).rsplit(".", 1)[0],
+                     os.path.basename(path).rsplit(".", 1)[0])
+
+
+def strip(text):
+    return re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+
+
+def main():
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    os.chdir(root)
+    sources = [f for f in glob.glob("daemon/*/*.c")
+               if not f.endswith("gpu_none.c")]  # gpu.c's stand-in
+    headers = glob.glob("daemon/*/*.h")
+    layer = {module(f): f.split("/")[1] for f in sources + headers}
+    defs = {}
+    for f in sources:
+        for m in re.finditer(r"^(?!static)[a-zA-Z_][\w \*]*?\b(\w+)\s*\([^;{]*\)\s*\{",
+                             strip(open(f).read()), flags=re.M):
+            if m.group(1) not in ("if", "while", "for", "switch"):
+                defs.setdefault(m.group(1), module(f))
+    edges, why = collections.defaultdict(set), collections.defaultdict(set)
+    for f in sources + headers:
+        a, text = module(f), strip(open(f).read())
+        for inc in re.findall(r'#include "(\w+)\.h"', text):
+            b = ALIAS.get(inc, inc)
+            if b in layer and b != a:
+                edges[a].add(b)
+                why[a, b].add("#include")
+        if f.endswith(".c"):
+            for name, b in defs.items():
+                if b != a and re.search(r"\b" + name + r"\s*\(", text):
+                    edges[a].add(b)
+                    why[a, b].add(name + "()")
+    bad = []
+    for a in sorted(edges):
+        for b in sorted(edges[a]):
+            la, lb = layer[a], layer[b]
+            up = a != "main" and (RANK[lb] > RANK[la] or
+                                  (RANK[lb] == RANK[la] and la != lb))
+            if up:
+                bad.append(f"{a} ({la}) -> {b} ({lb}): "
+                           + " ".join(sorted(why[a, b])))
+    # cycles: Tarjan's strongly connected components
+    index, low, stack, on, sccs = {}, {}, [], set(), []
+    sys.setrecursionlimit(10000)
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(sorted(comp))
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    if "-v" in sys.argv:
+        for name in ORDER:
+            for a in sorted(m for m, l in layer.items() if l == name):
+                if edges.get(a):
+                    print(f"{name:7} {a:9} -> {' '.join(sorted(edges[a]))}")
+    for c in sccs:
+        bad.append("cycle: " + " ".join(c))
+    if bad:
+        print("layers: FAIL\n  " + "\n  ".join(bad))
+        return 1
+    print(f"layers: ok ({len(layer)} modules, "
+          f"{sum(len(v) for v in edges.values())} edges, no cycle, "
+          "none upward)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

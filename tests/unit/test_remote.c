@@ -1,0 +1,254 @@
+/*
+ * test_remote — transfers between daemons with the net layer stubbed
+ * (stub_net.c, loopback): this daemon both fetches a request "from the
+ * daemon at OTHER" and serves that fetch from its own offer, every
+ * message and slot piece played back one at a time. A whole transfer
+ * moves the right bytes and ends COMPLETE on both sides; then the
+ * connection is lost after each message of the transfer in turn (every
+ * state a slot and a stream can be in), and each time the fetch ends
+ * (PEER_GONE, or COMPLETE when it was already done), the offer ends too
+ * (or, when the OPEN never reached it, holds nothing and ends at its
+ * lease), every slot is free again and no copy job is left.
+ *
+ * unit-exclude: daemon/net/peer.c
+ */
+#include "../../daemon/remote/remote.c"
+
+#include <sys/mman.h>
+
+#include "test.h"
+#include "xfer.h"
+
+#include "stub_net.c"
+
+#define ME "kvx://10.0.0.1:7000/00000000000000aa"
+#define OTHER "kvx://10.0.0.2:7000/00000000000000bb"
+
+static instance_t *ctx, *gen;
+static pool_t *cpool, *gpool;
+static kvx_layout_t lay;
+static const uint32_t cblocks[4] = {3, 1, 2, 0}, gblocks[4] = {0, 2, 1, 3};
+#define NTOK 13
+
+static pool_t *host_pool(uint64_t sid)
+{
+    uint64_t size = kvx_layout_span(&lay);
+    int fd = memfd_create("test", MFD_ALLOW_SEALING);
+    CHECK(fd >= 0 && !ftruncate(fd, (off_t)size) &&
+          !fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK));
+    pool_t *p;
+    char why[256];
+    CHECK_EQ(pool_register_host(sid, fd, 0, size, &lay, &p, why,
+                                sizeof(why)),
+             0);
+    return p;
+}
+
+/* Run the loop until no copy job is out. */
+static void settle(void)
+{
+    for (int i = 0; i < 100000; i++) {
+        uv_run(kvxd.loop, UV_RUN_NOWAIT);
+        if (!copy_inflight())
+            return;
+        usleep(10);
+    }
+    CHECK(!"a copy job never came back");
+}
+
+/* Pump one message and let the copies it starts finish. */
+static int step(void)
+{
+    int n = net_pump();
+    settle();
+    return n;
+}
+
+static void setup(void)
+{
+    conf_defaults(&kvxd.conf);
+    kvxd.conf.slot_bytes = 64 << 10; /* a request takes several slots */
+    kvxd.conf.message_bytes = 16 << 10; /* and a slot several pieces */
+    kvxd.conf.slots = 4;
+    kvxd.loop = uv_default_loop();
+    snprintf(kvxd.address, sizeof(kvxd.address), "%s", ME);
+    net_loopback = 1;
+    char why[256];
+    CHECK_EQ(kvxd_defer_init(kvxd.loop), 0);
+    CHECK_EQ(copy_init(kvxd.loop, 2, 0), 0);
+    CHECK_EQ(remote_init(why, sizeof(why)), 0);
+    plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
+                        .total_heads = 2};
+    char *a0 = kvxd.address;
+    CHECK_EQ(instance_attach("ctx", KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
+                             sizeof(why)),
+             0);
+    CHECK_EQ(instance_join(ctx, 0, &a0, 1, why, sizeof(why)), 0);
+    CHECK_EQ(instance_attach("gen", KVX_ROLE_GENERATION, 0, &side, 2, &gen,
+                             why, sizeof(why)),
+             0);
+    CHECK_EQ(instance_join(gen, 0, &a0, 1, why, sizeof(why)), 0);
+    CHECK_EQ(kvx_layout_preset("vllm-nhd", 2, 2, 2, 1024, KVX_DTYPE_BF16, 4,
+                               16, &lay),
+             0);
+    cpool = host_pool(1);
+    gpool = host_pool(2);
+    settle(); /* the pools' populate jobs */
+    /* the source: a pattern in the context pool */
+    for (uint64_t i = 0; i < kvx_layout_span(&lay); i++)
+        cpool->base[i] = (uint8_t)(i * 7 + 1);
+    memset(gpool->base, 0, kvx_layout_span(&lay));
+}
+
+/* Publish request 1 of ctx and fetch it into gen "from OTHER" (the
+ * params name OTHER as the daemon of context rank 0). */
+static void start_transfer(void)
+{
+    char why[256];
+    uint8_t *params;
+    size_t plen;
+    CHECK_EQ(xfer_publish(ctx, 0, 1, cpool, cblocks, 4, NTOK, &params, &plen,
+                          why, sizeof(why)),
+             0);
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, plen, params);
+    char *orig = cp->rank_addresses[0];
+    cp->rank_addresses[0] = OTHER;
+    size_t n = kvxfer__context_params__get_packed_size(cp);
+    uint8_t *p = malloc(n);
+    kvxfer__context_params__pack(cp, p);
+    cp->rank_addresses[0] = orig;
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    free(params);
+    CHECK_EQ(xfer_fetch(gen, 0, 1, p, n, gpool, gblocks, 4, 0, 0, why,
+                        sizeof(why)),
+             0);
+    free(p);
+    settle();
+}
+
+/* The one terminal event queued for request 1 in inst (kind, code). */
+static const batch_event_t *ended(instance_t *inst)
+{
+    for (uint32_t i = 0; i < inst->batches.npending; i++)
+        if (inst->batches.pending[i].request_id == 1)
+            return &inst->batches.pending[i];
+    return NULL;
+}
+
+/* Every byte of the fetched tokens, where each side's table puts them. */
+static void check_bytes(void)
+{
+    uint32_t row = lay.head_dim * lay.elem_size;
+    for (uint32_t t = 0; t < NTOK; t++)
+        for (uint32_t l = 0; l < lay.num_layers; l++)
+            for (uint32_t kv = 0; kv < 2; kv++)
+                for (uint32_t h = 0; h < lay.num_heads; h++) {
+                    uint32_t tpb = lay.tokens_per_block;
+                    uint64_t so = kvx_layout_offset(&lay, l, kv,
+                                                    cblocks[t / tpb],
+                                                    t % tpb, h);
+                    uint64_t go = kvx_layout_offset(&lay, l, kv,
+                                                    gblocks[t / tpb],
+                                                    t % tpb, h);
+                    CHECK(!memcmp(cpool->base + so, gpool->base + go, row));
+                }
+}
+
+static void check_quiet(void)
+{
+    CHECK_EQ(copy_inflight(), 0);
+    CHECK_EQ(rslots.nfree, remote_slots());
+    CHECK_EQ(sslots.nfree, remote_slots());
+    CHECK_EQ(rstreams.n, 0);
+    CHECK_EQ(sstreams.n, 0);
+}
+
+TEST(whole_transfer_through_the_loopback)
+{
+    setup();
+    start_transfer();
+    const Kvxfer__PeerMsg *open = net_sent(KVXFER__PEER_MSG__M_OPEN, 0);
+    CHECK(open);
+    CHECK_STR_CONTAINS(open->open->instance_id, "ctx");
+    CHECK_EQ(open->open->request_id, 1);
+    int msgs = 0;
+    while (step())
+        msgs++;
+    CHECK(net_sent(KVXFER__PEER_MSG__M_PULL, 2)); /* several slots */
+    CHECK(net_sent(KVXFER__PEER_MSG__M_DATA, 4)); /* of several pieces */ /* OPEN, OPENED, PULLs, pieces, ENDs */
+    const batch_event_t *g = ended(gen), *c = ended(ctx);
+    CHECK(g && c);
+    CHECK_EQ(g->kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(c->kind, KVX_EVENT_COMPLETE);
+    check_bytes();
+    check_quiet();
+    printf("a transfer takes %d messages here\n", msgs);
+}
+
+/* Lose the link after k messages, for every k the transfer has. */
+TEST_T(loss_in_every_state_ends_both_sides_and_frees_every_slot, 120)
+{
+    /* how many messages a whole transfer takes, in a child */
+    int total = 0;
+    int fds[2];
+    CHECK(!pipe(fds));
+    pid_t pid = fork();
+    if (pid == 0) {
+        setup();
+        start_transfer();
+        int n = 0;
+        while (step())
+            n++;
+        (void)!write(fds[1], &n, sizeof(n));
+        _exit(0);
+    }
+    CHECK(read(fds[0], &total, sizeof(total)) == sizeof(total));
+    waitpid(pid, NULL, 0);
+    CHECK(total > 12);
+    for (int k = 0; k <= total; k++) {
+        pid = fork();
+        if (pid == 0) {
+            setup();
+            start_transfer();
+            for (int i = 0; i < k; i++)
+                step();
+            net_lose(OTHER, "link down");
+            settle();
+            while (step()) /* what is left: dropped, nothing crashes */
+                ;
+            const batch_event_t *g = ended(gen), *c = ended(ctx);
+            offer_t *o = map_get(&ctx->offers, 1);
+            if (!c && o && !o->streams && !o->gathers && !o->consumer) {
+                /* the OPEN never reached the context side: its offer
+                 * waits for another consumer until its lease ends */
+                xfer_tick(kvxd_now_ms() + kvxd.conf.offer_lease_ms + 1);
+                settle();
+                c = ended(ctx);
+                CHECK(c && c->kind == KVX_EVENT_TIMED_OUT);
+            }
+            if (!g || !c) {
+                fprintf(stderr, "after %d of %d messages: fetch %s, offer "
+                                "%s\n",
+                        k, total, g ? "ended" : "still running",
+                        c ? "ended" : "still running");
+                _exit(1);
+            }
+            CHECK(g->kind == KVX_EVENT_COMPLETE ||
+                  (g->kind == KVX_EVENT_ERROR &&
+                   g->code == KVX_ERR_PEER_GONE));
+            if (g->kind == KVX_EVENT_COMPLETE)
+                check_bytes();
+            check_quiet();
+            _exit(0);
+        }
+        int st;
+        waitpid(pid, &st, 0);
+        if (!WIFEXITED(st) || WEXITSTATUS(st)) {
+            fprintf(stderr, "loss after %d of %d messages failed\n", k,
+                    total);
+            CHECK(0);
+        }
+    }
+    printf("the link lost after each of %d messages\n", total);
+}
