@@ -15,17 +15,26 @@ typedef struct list {
     struct list *prev, *next;
 } list_t;
 
-#define LIST_OWNER(ptr, type, field)                                        \
-    ((type *)((char *)(ptr) - offsetof(type, field)))
+#define LIST_OWNER(ptr, type, field)                                           \
+    ((type *)((char *)(ptr)-offsetof(type, field)))
 
 /* Every node of head, in order; n may be removed inside the loop. */
-#define LIST_FOREACH_SAFE(n, tmp, head)                                     \
-    for ((n) = (head)->next, (tmp) = (n)->next; (n) != (head);             \
+#define LIST_FOREACH_SAFE(n, tmp, head)                                        \
+    for ((n) = (head)->next, (tmp) = (n)->next; (n) != (head);                 \
          (n) = (tmp), (tmp) = (n)->next)
 
-static inline void list_init(list_t *l) { l->prev = l->next = l; }
-static inline int list_empty(const list_t *head) { return head->next == head; }
-static inline int list_linked(const list_t *n) { return n->next != n; }
+static inline void list_init(list_t *l)
+{
+    l->prev = l->next = l;
+}
+static inline int list_empty(const list_t *head)
+{
+    return head->next == head;
+}
+static inline int list_linked(const list_t *n)
+{
+    return n->next != n;
+}
 static inline list_t *list_first(const list_t *head)
 {
     return head->next == head ? NULL : head->next;

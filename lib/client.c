@@ -126,8 +126,7 @@ static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
             h->cmsg_level = SOL_SOCKET;
             h->cmsg_type = SCM_RIGHTS;
             h->cmsg_len = CMSG_LEN(with * sizeof(int));
-            memcpy(CMSG_DATA(h), fds + next * FDS_PER_SEND,
-                   with * sizeof(int));
+            memcpy(CMSG_DATA(h), fds + next * FDS_PER_SEND, with * sizeof(int));
         }
         ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n < 0) {
@@ -466,8 +465,9 @@ static int register_pool(kvx_client_t *c, Kvxfer__RegisterPool *m,
         return rc;
     if (r->body_case != KVXFER__REPLY__BODY_REGISTER_POOL) {
         kvxfer__reply__free_unpacked(r, NULL);
-        return fail(c, KVX_ERR_PROTOCOL, "register_pool: reply without a "
-                                         "pool id");
+        return fail(c, KVX_ERR_PROTOCOL,
+                    "register_pool: reply without a "
+                    "pool id");
     }
     *pool_id = r->register_pool->pool_id;
     kvxfer__reply__free_unpacked(r, NULL);
@@ -482,8 +482,7 @@ int kvx_pool_register_host(kvx_client_t *c, const kvx_layout_t *l, int fd,
         return KVX_ERR_INVALID;
     if (!l || fd < 0 || !pool_id || !size)
         return fail(c, KVX_ERR_INVALID,
-                    "%s: a required argument is NULL, negative or 0",
-                    __func__);
+                    "%s: a required argument is NULL, negative or 0", __func__);
     Kvxfer__Layout lay;
     layout_to_msg(l, &lay);
     Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
@@ -646,8 +645,8 @@ static void cu_load_once(void)
  * base (asize bytes) and those mapped right after it, as PyTorch's
  * expandable segments map theirs. *fds and *sizes (malloc'd, *n each)
  * in address order; on failure nothing is left open. */
-static int vmm_export(kvx_client_t *c, cu_ptr base, size_t asize,
-                      uint64_t need, int **fds, uint64_t **sizes, int *n)
+static int vmm_export(kvx_client_t *c, cu_ptr base, size_t asize, uint64_t need,
+                      int **fds, uint64_t **sizes, int *n)
 {
     int *f = NULL, k = 0, cap = 0, rc = 0;
     uint64_t *sz = NULL, covered = 0;
@@ -669,8 +668,7 @@ static int vmm_export(kvx_client_t *c, cu_ptr base, size_t asize,
                           "the mapping ends at %p, %llu bytes in (nothing "
                           "mapped there)",
                           (unsigned long long)need, (void *)(uintptr_t)base,
-                          (void *)(uintptr_t)at,
-                          (unsigned long long)covered);
+                          (void *)(uintptr_t)at, (unsigned long long)covered);
                 goto err_close;
             }
         }
@@ -779,8 +777,8 @@ int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
     if (cu.retain && cu.export_fd && cu.release &&
         cu.retain(&h, (void *)(uintptr_t)base) == 0) {
         cu.release(h);
-        int rc = vmm_export(c, base, asize, p - base + size, &fds, &sizes,
-                            &nfds);
+        int rc =
+            vmm_export(c, base, asize, p - base + size, &fds, &sizes, &nfds);
         if (rc)
             return rc;
         m.kind = KVXFER__POOL_KIND__POOL_GPU_VMM_FD;

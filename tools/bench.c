@@ -81,11 +81,11 @@ static struct opts {
     const char *cpus[2];           /* --cpus-a, --cpus-b: CPU lists */
     uint32_t npeer_config;
     const char *ucx_tls;
-    int guard;                     /* --pool-offset given */
-    uint64_t pool_offset;          /* pools start this far into their
-                                      allocation, guard bands around */
-    uint64_t vmm_chunk;            /* --vmm-chunk: VMM pools of several
-                                      physical allocations */
+    int guard;            /* --pool-offset given */
+    uint64_t pool_offset; /* pools start this far into their
+                             allocation, guard bands around */
+    uint64_t vmm_chunk;   /* --vmm-chunk: VMM pools of several
+                             physical allocations */
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
@@ -113,7 +113,7 @@ struct shared {
     char gen_address[192];           /* daemon of the generation ranks */
     _Atomic uint64_t first_fetch_ns, last_done_ns;
     _Atomic uint64_t mismatches, verified_bytes, errors;
-    _Atomic uint64_t guard_changed;  /* guard-band bytes found changed */
+    _Atomic uint64_t guard_changed; /* guard-band bytes found changed */
     char error_text[512];
     /* then: params slots, then latencies of gen rank 0 */
 };
@@ -371,14 +371,13 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
         char err[256];
         v->device = ctx ? o.ctx_device : o.gen_device;
         void *alloc;
-        if (bgpu_alloc(v->device, v->alloc_len, o.vmm, o.vmm_chunk, &alloc,
-                       err, sizeof(err)))
+        if (bgpu_alloc(v->device, v->alloc_len, o.vmm, o.vmm_chunk, &alloc, err,
+                       sizeof(err)))
             die("GPU %d: %s", v->device, err);
         ptr = (uint8_t *)alloc + off;
-        if ((o.guard &&
-             (bgpu_memset(v->device, alloc, GUARD_BYTE, off) ||
-              bgpu_memset(v->device, (uint8_t *)ptr + size, GUARD_BYTE,
-                          tail))) ||
+        if ((o.guard && (bgpu_memset(v->device, alloc, GUARD_BYTE, off) ||
+                         bgpu_memset(v->device, (uint8_t *)ptr + size,
+                                     GUARD_BYTE, tail))) ||
             bgpu_memset(v->device, ptr, 0, size))
             die("GPU %d: memset failed", v->device);
         CHECK_KVX(kvx_pool_register_gpu(c, &v->layout, ptr, size, pool_id,
@@ -395,16 +394,16 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
             fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0)
             die("memfd of %llu bytes: %s", (unsigned long long)v->alloc_len,
                 strerror(errno));
-        v->alloc = mmap(NULL, v->alloc_len, PROT_READ | PROT_WRITE,
-                        MAP_SHARED, fd, 0);
+        v->alloc =
+            mmap(NULL, v->alloc_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (v->alloc == MAP_FAILED)
             die("mmap of %llu bytes: %s", (unsigned long long)v->alloc_len,
                 strerror(errno));
         memset(v->alloc, GUARD_BYTE, v->alloc_len);
         v->base = v->alloc + off;
         memset(v->base, 0, size);
-        CHECK_KVX(kvx_pool_register_host(c, &v->layout, fd, off, size,
-                                         pool_id, TIMEOUT_MS),
+        CHECK_KVX(kvx_pool_register_host(c, &v->layout, fd, off, size, pool_id,
+                                         TIMEOUT_MS),
                   c);
         close(fd);
         return c;
@@ -1312,7 +1311,8 @@ static int cmp_u64(const void *a, const void *b)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
+    fprintf(
+        f,
         "usage: kvxfer-bench [--socket PATH | --spawn-daemon] [options]\n"
         "  --ctx-tp N, --gen-tp M TP of each side (also --ctx-ranks,\n"
         "                         --gen-ranks), default 1\n"
@@ -1374,7 +1374,8 @@ static void usage(FILE *f)
         "  --ctx-layout P, --gen-layout P   a preset per side (default "
         "--layout)\n"
         "  --gpu                  pools in GPU memory (CUDA build)\n"
-        "  --ctx-device N, --gen-device N   GPUs (default 0 and 1; 0 and 0 with one GPU)\n"
+        "  --ctx-device N, --gen-device N   GPUs (default 0 and 1; 0 and 0 "
+        "with one GPU)\n"
         "  --vmm                  cuMemCreate (VMM fd) pools, not cudaMalloc\n"
         "  --vmm-chunk BYTES      --vmm pools made of physical allocations "
         "of BYTES,\n"
@@ -1929,26 +1930,25 @@ int main(int argc, char **argv)
     if (!(base > 0)) /* a ratio against nothing is no figure (nor JSON) */
         die("the baseline measured %.3f GB/s; no ratio can be given", base);
     if (o.json) {
-        printf("{\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,"
-               "\"verified\":%s,\"requests_per_s\":%.0f,\"p50_us\":%.1f,"
-               "\"p99_us\":%.1f,\"bytes\":%llu,\"requests\":%u,\"blocks\":%u,"
-               "\"ctx_layout\":\"%s\",\"gen_layout\":\"%s\",\"gpu\":%s,"
-               "\"ctas\":%u,\"ctx_ranks\":%u,\"gen_ranks\":%u,"
-               "\"window\":%u,\"pairs\":%u,\"ctx_pp\":%u,\"gen_pp\":%u,"
-               "\"ctx_tpb\":%u,\"gen_tpb\":%u,\"skip_tokens\":%u,"
-               "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f,"
-               "\"pool_offset\":%llu,\"vmm_chunk\":%llu,"
-               "\"guard_bytes_changed\":%llu",
-               gbps, base, ratio, verified ? "true" : "false",
-               o.requests / secs, p50, p99, (unsigned long long)total,
-               o.requests, o.blocks, o.ctx_layout, o.gen_layout,
-               o.gpu ? "true" : "false", o.ctas, o.ctx_ranks, o.gen_ranks,
-               o.window, o.pairs, o.ctx_pp, o.gen_pp, o.ctx_tpb, o.gen_tpb,
-               o.skip, o.mla ? "true" : "false",
-               (unsigned long long)sh->mismatches, secs,
-               (unsigned long long)o.pool_offset,
-               (unsigned long long)o.vmm_chunk,
-               (unsigned long long)sh->guard_changed);
+        printf(
+            "{\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,"
+            "\"verified\":%s,\"requests_per_s\":%.0f,\"p50_us\":%.1f,"
+            "\"p99_us\":%.1f,\"bytes\":%llu,\"requests\":%u,\"blocks\":%u,"
+            "\"ctx_layout\":\"%s\",\"gen_layout\":\"%s\",\"gpu\":%s,"
+            "\"ctas\":%u,\"ctx_ranks\":%u,\"gen_ranks\":%u,"
+            "\"window\":%u,\"pairs\":%u,\"ctx_pp\":%u,\"gen_pp\":%u,"
+            "\"ctx_tpb\":%u,\"gen_tpb\":%u,\"skip_tokens\":%u,"
+            "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f,"
+            "\"pool_offset\":%llu,\"vmm_chunk\":%llu,"
+            "\"guard_bytes_changed\":%llu",
+            gbps, base, ratio, verified ? "true" : "false", o.requests / secs,
+            p50, p99, (unsigned long long)total, o.requests, o.blocks,
+            o.ctx_layout, o.gen_layout, o.gpu ? "true" : "false", o.ctas,
+            o.ctx_ranks, o.gen_ranks, o.window, o.pairs, o.ctx_pp, o.gen_pp,
+            o.ctx_tpb, o.gen_tpb, o.skip, o.mla ? "true" : "false",
+            (unsigned long long)sh->mismatches, secs,
+            (unsigned long long)o.pool_offset, (unsigned long long)o.vmm_chunk,
+            (unsigned long long)sh->guard_changed);
         printf(",\"passes\":%u,\"pass_gbps\":[", o.passes);
         for (uint32_t ps = 0; ps < o.passes; ps++)
             printf("%s%.3f", ps ? "," : "", pass_gbps[ps]);
@@ -2072,8 +2072,7 @@ int main(int argc, char **argv)
         if (o.guard)
             printf("  %-22s %12llu  (pools at offset %llu, guard bands "
                    "around)\n",
-                   "guard bytes changed",
-                   (unsigned long long)sh->guard_changed,
+                   "guard bytes changed", (unsigned long long)sh->guard_changed,
                    (unsigned long long)o.pool_offset);
     }
     return o.no_verify || verified ? 0 : 1;

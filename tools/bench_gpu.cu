@@ -118,8 +118,10 @@ extern "C" int bgpu_alloc(int dev, uint64_t size, int vmm, uint64_t chunk,
         CUmemGenericAllocationHandle h;
         if ((r = create(&h, one, &prop, 0)) ||
             (r = map(va + k * one, one, 0, h, 0))) {
-            snprintf(err, len, "VMM allocation %zu of %zu (%zu bytes): "
-                     "CUresult %d", k, n, one, (int)r);
+            snprintf(err, len,
+                     "VMM allocation %zu of %zu (%zu bytes): "
+                     "CUresult %d",
+                     k, n, one, (int)r);
             return -1;
         }
     }

@@ -153,7 +153,6 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
 static int event_ok(const instance_t *inst, const char *from, int kind,
                     int code, uint32_t ranks, uint32_t expect);
 
-
 static int is_root(const instance_t *inst) { return inst->local[0]; }
 
 static spread_t *spread_of(instance_t *inst, int create);
@@ -508,8 +507,8 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
         return; /* not yet: no ack, it comes again */
     /* on the same link */
     ranks_send(c, inst->id, r->rank, r->joined, r->session, 1);
-    if (!instance_spread(inst) || !is_root(inst) ||
-        r->rank >= inst->nranks || inst->local[r->rank] ||
+    if (!instance_spread(inst) || !is_root(inst) || r->rank >= inst->nranks ||
+        inst->local[r->rank] ||
         strcmp(inst->addresses[r->rank], peer_conn_address(c)))
         return;
     spread_t *s = spread_of(inst, 1);
@@ -714,8 +713,7 @@ static void helds_tick(uint64_t now)
 
 /* Member: forward a poll of a local rank to the root. 0 or an error. */
 static int poll_send(instance_t *inst, uint32_t rank, uint64_t req_id,
-                     uint32_t at_least, uint32_t timeout_ms,
-                     uint64_t *on)
+                     uint32_t at_least, uint32_t timeout_ms, uint64_t *on)
 {
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerPoll p = KVXFER__PEER_POLL__INIT;
@@ -866,8 +864,7 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     if (pb->code) {
         fp->req = 0;
         fp->retry_ms = 0;
-        kvxd_reply(inst->rank_sid[rank], pb->req_id, pb->code,
-                      pb->message);
+        kvxd_reply(inst->rank_sid[rank], pb->req_id, pb->code, pb->message);
         return;
     }
     if (dup && !s->late[rank]) {
@@ -879,7 +876,7 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
             uint64_t req = fp->req;
             fp->req = 0;
             kvxd_reply(inst->rank_sid[rank], req, KVX_ERR_PEER_GONE,
-                          "poll: the root daemon is unreachable");
+                       "poll: the root daemon is unreachable");
         }
         return;
     }
@@ -1126,13 +1123,14 @@ static int on_conn_lost(peer_conn_t *c, int code, const char *why)
             for (uint32_t r = 0; r < inst->nranks; r++) {
                 /* a poll that went out on another connection (a newer
                  * one) is not this loss's */
-                if (s->poll[r].req && (!s->poll[r].conn || s->poll[r].conn == peer_conn_id(c))) {
+                if (s->poll[r].req &&
+                    (!s->poll[r].conn || s->poll[r].conn == peer_conn_id(c))) {
                     char m[600];
                     snprintf(m, sizeof(m), "poll: root daemon of instance "
                                            "%s lost: %s",
                              inst->id, msg);
                     kvxd_reply(inst->rank_sid[r], s->poll[r].req,
-                                  KVX_ERR_PEER_GONE, m);
+                               KVX_ERR_PEER_GONE, m);
                     s->poll[r] = (fpoll_t){0};
                 }
                 /* the root dropped our ranks from its batches: they are
@@ -1289,7 +1287,7 @@ void agree_tick(uint64_t now)
                           (uint32_t)(fp->deadline_ms - now), &fp->conn)) {
                 fp->req = 0;
                 kvxd_reply(inst->rank_sid[r], req, KVX_ERR_PEER_GONE,
-                              "poll: the root daemon is unreachable");
+                           "poll: the root daemon is unreachable");
             }
         }
     }
@@ -1330,7 +1328,7 @@ static int deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
     Kvxfer__Event *ev, **evp;
     if (instance_batch_events(b, &ev, &evp)) {
         kvxd_reply(inst->rank_sid[rank], req_id, KVX_ERR_NOMEM,
-                      "poll: out of memory building the batch");
+                   "poll: out of memory building the batch");
         return 0;
     }
     pr.batch = b->seq;
@@ -1348,7 +1346,6 @@ static int deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
     return 0;
 }
 
-
 int agree_init(void)
 {
     static const instance_hooks_t hooks = {.deliver = deliver,
@@ -1356,10 +1353,9 @@ int agree_init(void)
                                            .forget = agree_forget};
     instance_set_hooks(&hooks);
     xfer_set_spread_event(agree_event);
-    static const int kinds[] = {KVXFER__PEER_MSG__M_EVENT,
-                                KVXFER__PEER_MSG__M_POLL,
-                                KVXFER__PEER_MSG__M_BATCH,
-                                KVXFER__PEER_MSG__M_RANKS};
+    static const int kinds[] = {
+        KVXFER__PEER_MSG__M_EVENT, KVXFER__PEER_MSG__M_POLL,
+        KVXFER__PEER_MSG__M_BATCH, KVXFER__PEER_MSG__M_RANKS};
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
         peer_on_msg(kinds[i], on_msg);
     peer_on_lost(on_conn_lost);

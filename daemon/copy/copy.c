@@ -3,10 +3,10 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <time.h>
-#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "copy.h"
 #include "log.h"

@@ -47,11 +47,11 @@ static struct {
 
 /* Completion without blocking the stream: after each kernel an event is
  * recorded, and one thread per device waits for the events in order and
- * calls their done callbacks (the copy engine's). A stream callback would stall the
- * stream between kernels for its own latency. */
+ * calls their done callbacks (the copy engine's). A stream callback would stall
+ * the stream between kernels for its own latency. */
 struct done_item {
     cudaEvent_t ev;
-    gpu_done_cb done;          /* a kernel's completion, with arg */
+    gpu_done_cb done; /* a kernel's completion, with arg */
     void *arg;
     struct pin_buf *pin;       /* or a plan upload's buffer, to reuse */
     struct done_item *next;
@@ -209,7 +209,7 @@ struct gpu_import {
     uint64_t alloc_size;
     /* VMM: the physical allocations, mapped back to back from base */
     CUmemGenericAllocationHandle *handles;
-    uint64_t *chunk;           /* their sizes */
+    uint64_t *chunk; /* their sizes */
     uint32_t nchunks;
     uint8_t access[MAX_DEV];   /* VMM: devices granted access to it */
     unsigned refs;
@@ -371,8 +371,8 @@ static void vmm_unmap(gpu_import_t *imp, uint32_t n, CUdeviceptr va)
 /* Import r's physical allocations and map them back to back in one
  * reserved range, so the pool reads as one; grant access to the devices
  * that may launch on it. Sets imp->base. */
-static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d,
-                      char *why, size_t why_len)
+static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d, char *why,
+                      size_t why_len)
 {
     if (!drv.import || !drv.reserve || !drv.map || !drv.set_access) {
         snprintf(why, why_len,
@@ -400,8 +400,7 @@ static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d,
     uint32_t k;
     for (k = 0; k < n; k++) {
         imp->chunk[k] = n == 1 ? r->alloc_size : r->chunk_sizes[k];
-        if ((cr = drv.import(&imp->handles[k],
-                             (void *)(uintptr_t)r->fds[k],
+        if ((cr = drv.import(&imp->handles[k], (void *)(uintptr_t)r->fds[k],
                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))) {
             snprintf(why, why_len,
                      "register_pool: cuMemImportFromShareableHandle of "
@@ -437,8 +436,7 @@ static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d,
     }
     if (cr) {
         snprintf(why, why_len,
-                 "register_pool: cuMemSetAccess failed (CUresult %d)",
-                 (int)cr);
+                 "register_pool: cuMemSetAccess failed (CUresult %d)", (int)cr);
         goto err_unmap;
     }
     for (size_t i = 0; i < nacc; i++)
@@ -570,9 +568,8 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
     *out = imp;
     *ptr = imp->base + r->offset;
     *device = d;
-    log_info("gpu %d: imported %s allocation of %llu bytes (%u physical)",
-             d, r->vmm ? "VMM" : "legacy IPC",
-             (unsigned long long)r->alloc_size,
+    log_info("gpu %d: imported %s allocation of %llu bytes (%u physical)", d,
+             r->vmm ? "VMM" : "legacy IPC", (unsigned long long)r->alloc_size,
              imp->vmm ? imp->nchunks : 1);
     return 0;
 
@@ -835,8 +832,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     }
     memcpy(gp->pin->p, pk.buf, pk.len);
     if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, gp->pin->p, pk.len,
-                                   cudaMemcpyHostToDevice,
-                                   g.stream[device])) ||
+                                   cudaMemcpyHostToDevice, g.stream[device])) ||
         !CU_OK(e = waiter_enqueue(device, NULL, NULL, gp->pin))) {
         /* the upload may still read the buffer: leak it, do not reuse */
         cudaFreeAsync(gp->dmem, g.stream[device]);
@@ -866,8 +862,7 @@ void gpu_part_free(gpu_part_t *gp)
     free(gp);
 }
 
-int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
-               void *arg)
+int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
 {
     int d = gp->device;
     unsigned ctas = kvxd.conf.gpu_max_ctas ? kvxd.conf.gpu_max_ctas : 64;
@@ -879,13 +874,12 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
             cudaSuccess)
         packed = NULL;
     if (e == cudaSuccess)
-        e = gpu_kernel_launch(&gp->plan, w->unit_begin, w->unit_end,
-                              w->bytes, ctas, g.stream[d], packed,
-                              !w->packed   ? GPU_PACKED_NONE
+        e = gpu_kernel_launch(&gp->plan, w->unit_begin, w->unit_end, w->bytes,
+                              ctas, g.stream[d], packed,
+                              !w->packed  ? GPU_PACKED_NONE
                               : w->gather ? GPU_PACKED_GATHER
-                                                   : GPU_PACKED_SCATTER);
-    if (e == cudaSuccess && waiter_enqueue(d, done, arg, NULL) !=
-                                cudaSuccess) {
+                                          : GPU_PACKED_SCATTER);
+    if (e == cudaSuccess && waiter_enqueue(d, done, arg, NULL) != cudaSuccess) {
         /* the kernel runs, but its completion cannot be queued: wait for
          * it here (rare: out of memory), so it is not in flight when the
          * job comes back */

@@ -36,10 +36,10 @@ void gpu_status(char *buf, size_t len);
 
 /* What a client sends to register a GPU pool. */
 typedef struct gpu_import_req {
-    int vmm;                  /* 1: fds are VMM shareable handles */
-    int *fds;                 /* VMM only: one per physical allocation,
-                                 in address order; gpu_import closes them
-                                 (and sets nfds to 0) on every path */
+    int vmm;  /* 1: fds are VMM shareable handles */
+    int *fds; /* VMM only: one per physical allocation,
+                 in address order; gpu_import closes them
+                 (and sets nfds to 0) on every path */
     uint32_t nfds;
     const uint64_t *chunk_sizes; /* nfds > 1: their sizes, summing to
                                     alloc_size */

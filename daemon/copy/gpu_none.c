@@ -67,8 +67,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
 
 void gpu_part_free(gpu_part_t *gp) { (void)gp; }
 
-int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
-               void *arg)
+int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
 {
     (void)gp;
     (void)w;

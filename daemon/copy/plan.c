@@ -312,10 +312,9 @@ static int side_check(const plan_t *p, uint32_t si, const plan_mem_t *m,
     for (uint32_t k = 0; k < s->nlayers; k++)
         if (l->layer_offset[s->layer0 - lb + k] > lmax)
             lmax = l->layer_offset[s->layer0 - lb + k];
-    uint64_t fixed = lmax + (uint64_t)(dl->kv_factor - 1) * l->kv_stride +
-                     (uint64_t)(s->head0 - hb + s->nheads - 1) *
-                         l->head_stride +
-                     row;
+    uint64_t fixed =
+        lmax + (uint64_t)(dl->kv_factor - 1) * l->kv_stride +
+        (uint64_t)(s->head0 - hb + s->nheads - 1) * l->head_stride + row;
     for (uint32_t i = 0; i < p->nsegs; i++) {
         const plan_seg_t *g = &p->segs[i];
         uint32_t bi = src ? g->src_blk : g->dst_blk;

@@ -24,9 +24,8 @@ static uint32_t next_id = 1;
     } while (0)
 
 int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
-                       uint64_t size,
-                       const kvx_layout_t *layout, pool_t **out, char *why,
-                       size_t why_len)
+                       uint64_t size, const kvx_layout_t *layout, pool_t **out,
+                       char *why, size_t why_len)
 {
     int rc = 0;
     struct stat st;
@@ -51,8 +50,7 @@ int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
             "truncate it under the daemon)");
         goto err_close_fd;
     }
-    if (offset > (uint64_t)st.st_size ||
-        (uint64_t)st.st_size - offset < size) {
+    if (offset > (uint64_t)st.st_size || (uint64_t)st.st_size - offset < size) {
         WHY(KVX_ERR_INVALID,
             "register_pool.size: [%llu, +%llu) runs past the memfd's %llu "
             "bytes",
@@ -266,8 +264,7 @@ static void populate_run(copy_job_t *j)
     }
     /* the result travels in the job; the loop sets p->pinned */
     if (p->pin_on_populate >= 0)
-        j->status = gpu_host_register(p->map, used,
-                                      p->pin_on_populate) ? 1 : 0;
+        j->status = gpu_host_register(p->map, used, p->pin_on_populate) ? 1 : 0;
 }
 
 static void populate_done(copy_job_t *j)

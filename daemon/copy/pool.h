@@ -41,9 +41,8 @@ typedef struct pool {
 /* Map bytes [offset, offset + size) of a host memfd, described by layout.
  * Takes ownership of fd (closed on every path). */
 int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
-                       uint64_t size,
-                       const kvx_layout_t *layout, pool_t **out, char *why,
-                       size_t why_len);
+                       uint64_t size, const kvx_layout_t *layout, pool_t **out,
+                       char *why, size_t why_len);
 /* Import a GPU allocation (gpu_import) and check the layout fits. */
 int pool_register_gpu(uint64_t session_id, gpu_import_req_t *req,
                       const kvx_layout_t *layout, pool_t **out, char *why,

@@ -24,10 +24,12 @@ void kvxd_count_error(int code)
 
 static kvxd_reply_sink_t sink;
 
-void kvxd_set_reply_sink(const kvxd_reply_sink_t *s) { sink = *s; }
+void kvxd_set_reply_sink(const kvxd_reply_sink_t *s)
+{
+    sink = *s;
+}
 
-void kvxd_reply(uint64_t sid, uint64_t req_id, int status,
-                const char *message)
+void kvxd_reply(uint64_t sid, uint64_t req_id, int status, const char *message)
 {
     if (sink.reply)
         sink.reply(sid, req_id, status, message);
@@ -72,7 +74,10 @@ static void defer_run(uv_check_t *h)
         uv_idle_stop(&D.idle);
 }
 
-static void on_idle(uv_idle_t *h) { (void)h; }
+static void on_idle(uv_idle_t *h)
+{
+    (void)h;
+}
 
 int kvxd_defer(void (*fn)(void *arg), void *arg)
 {

@@ -25,8 +25,8 @@ typedef struct kvxd_stats {
 typedef struct kvxd {
     uv_loop_t *loop;
     kvx_conf_t conf;
-    const char *config_path;  /* NULL: built-in defaults */
-    char address[192];        /* this daemon's address, see kvxfer.h */
+    const char *config_path; /* NULL: built-in defaults */
+    char address[192];       /* this daemon's address, see kvxfer.h */
     uint64_t start_ms;
     int draining;
     kvxd_stats_t stats;
@@ -48,8 +48,7 @@ typedef struct kvxd_reply_sink {
     void (*reply_msg)(uint64_t sid, Kvxfer__Reply *reply);
 } kvxd_reply_sink_t;
 void kvxd_set_reply_sink(const kvxd_reply_sink_t *sink);
-void kvxd_reply(uint64_t sid, uint64_t req_id, int status,
-                const char *message);
+void kvxd_reply(uint64_t sid, uint64_t req_id, int status, const char *message);
 void kvxd_reply_msg(uint64_t sid, Kvxfer__Reply *reply);
 
 /* Deferred work, the one way: fn(arg) runs on the loop after the current

@@ -41,7 +41,7 @@ struct session {
     frame_reader_t rd;
     uint8_t *out;
     size_t out_len, out_off, out_cap;
-    int *fds;                   /* received with SCM_RIGHTS, not yet used */
+    int *fds; /* received with SCM_RIGHTS, not yet used */
     uint32_t nfds, fds_cap;
     int hello;                  /* Hello accepted */
     instance_t *inst;
@@ -394,8 +394,7 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
     uint64_t sum = 0;
     int bad = 0;
     if (m->kind > KVXFER__POOL_KIND__POOL_GPU_VMM_FD) {
-        snprintf(why, why_len, "register_pool.kind: unknown value %d",
-                 m->kind);
+        snprintf(why, why_len, "register_pool.kind: unknown value %d", m->kind);
         return KVX_ERR_INVALID;
     }
     for (size_t i = 0; i < m->n_chunk_sizes; i++)
@@ -454,8 +453,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         } else {
             nfds = (uint32_t)need;
             memcpy(fds, s->fds, need * sizeof(int));
-            memmove(s->fds, s->fds + need,
-                    (s->nfds - need) * sizeof(int));
+            memmove(s->fds, s->fds + need, (s->nfds - need) * sizeof(int));
             s->nfds -= (uint32_t)need;
         }
     }

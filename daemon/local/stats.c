@@ -7,9 +7,9 @@
 #include "agree.h"
 #include "copy.h"
 #include "daemon.h"
-#include "peer.h"
 #include "gpu.h"
 #include "instance.h"
+#include "peer.h"
 #include "pool.h"
 #include "remote.h"
 #include "stats.h"
@@ -56,7 +56,6 @@ void stats_fill(Kvxfer__StatusReply *st)
         conf_foreach(&kvxd.conf, add_conf, &a);
     st->config = a.v;
     st->n_config = a.n;
-
 
     uint32_t np = pool_count();
     pool_t **pools = calloc(np ? np : 1, sizeof(*pools));

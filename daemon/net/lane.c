@@ -699,8 +699,8 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
         ((struct sockaddr_in *)&ss)->sin_port = htons(port);
     struct sockaddr_storage bound;
     char lwhy[160];
-    int rc = ucx_listen(ln->w, &ss, on_conn_request, ln, &ln->lis, &bound,
-                        lwhy, sizeof(lwhy));
+    int rc = ucx_listen(ln->w, &ss, on_conn_request, ln, &ln->lis, &bound, lwhy,
+                        sizeof(lwhy));
     if (rc) {
         snprintf(why, why_len, "lane %u: cannot listen on port %u%s: %s",
                  idx, port, port ? " (peer.listen's port + 1 + lane)" : "",

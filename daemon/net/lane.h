@@ -45,8 +45,8 @@ typedef struct lane_ev {
     enum lane_ev_kind kind;
     unsigned lane;
     uint64_t lep;
-    int status;          /* 0, or KVX_ERR_IO with the UCX status string
-                            in msg */
+    int status; /* 0, or KVX_ERR_IO with the UCX status string
+                   in msg */
     const char *msg;
     void *cookie;
     uint8_t *hdr;        /* LEV_ARRIVED: the header, ours to free */

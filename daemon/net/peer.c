@@ -23,16 +23,16 @@
  *   conn_fail()      the one way a connection ends
  */
 #include <arpa/inet.h>
-#include <endian.h>
 #include <assert.h>
+#include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
 #include <net/if.h>
-#include <stdarg.h>
 #include <netdb.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,7 +72,7 @@ typedef struct qmsg {
 } qmsg_t;
 
 struct peer_conn {
-    uint64_t id;                /* never reused (peer_conn_id) */
+    uint64_t id; /* never reused (peer_conn_id) */
     ucp_ep_h ep;
     int outgoing;
     enum conn_state state;
@@ -88,7 +88,7 @@ struct peer_conn {
     int close_done;
     /* lost, and remote.c not told yet (peer_flush_lost()) */
     int lost_pending, lost_code;
-    unsigned lost_next;         /* the loss callback to call next */
+    unsigned lost_next; /* the loss callback to call next */
     char lost_msg[300];
     qmsg_t *q_head, *q_tail;    /* sends waiting for authentication */
     /* slot sends: peer.send_window in flight, the rest wait here in
@@ -986,7 +986,10 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
     return c;
 }
 
-uint64_t peer_conn_id(const peer_conn_t *c) { return c->id; }
+uint64_t peer_conn_id(const peer_conn_t *c)
+{
+    return c->id;
+}
 
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
 
@@ -1497,9 +1500,8 @@ static void on_lane_event(const lane_ev_t *e)
         if (!e->status && c->state != CONN_LOST)
             c->last_seen_ms = now_ms();
         H.data.arrived(c, u->hdr->data,
-                       !e->status && c->state != CONN_LOST
-                           ? 0
-                           : KVX_ERR_PEER_GONE);
+                       !e->status && c->state != CONN_LOST ? 0
+                                                           : KVX_ERR_PEER_GONE);
         kvxfer__peer_msg__free_unpacked(u->hdr, NULL);
         ureq_done(u, 0);
         break;
@@ -1536,9 +1538,8 @@ static int set_handler(unsigned id, ucp_am_recv_callback_t cb)
         .id = id,
         .cb = cb,
         .flags = UCP_AM_FLAG_WHOLE_MSG};
-    return ucp_worker_set_am_recv_handler(P.worker, &h) == UCS_OK
-               ? 0
-               : KVX_ERR_IO;
+    return ucp_worker_set_am_recv_handler(P.worker, &h) == UCS_OK ? 0
+                                                                  : KVX_ERR_IO;
 }
 
 /* Wait (at most LISTEN_IF_WAIT_MS) until the interface that holds the
@@ -1717,10 +1718,10 @@ int peer_init(char *why, size_t why_len)
                                            : (int)kvxd.conf.busy_poll;
     /* lanes on the next ports when peer.listen names one (firewalls) */
     uint16_t base = ucx_port(&ss);
-    if ((rc = lanes_start(P.ctx, kvxd.loop, &bound,
-                          base ? (uint16_t)port : 0, kvxd.conf.lanes,
-                          P.busy_poll, kvxd.conf.peer_connect_timeout_ms,
-                          on_lane_event, why, why_len))) {
+    if ((rc = lanes_start(P.ctx, kvxd.loop, &bound, base ? (uint16_t)port : 0,
+                          kvxd.conf.lanes, P.busy_poll,
+                          kvxd.conf.peer_connect_timeout_ms, on_lane_event, why,
+                          why_len))) {
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);
@@ -1978,4 +1979,7 @@ void peer_on_lost(peer_lost_cb cb)
     H.lost[H.nlost++] = cb;
 }
 
-void peer_set_data_ops(const peer_data_ops_t *ops) { H.data = *ops; }
+void peer_set_data_ops(const peer_data_ops_t *ops)
+{
+    H.data = *ops;
+}

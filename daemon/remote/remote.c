@@ -62,8 +62,8 @@
 #include "map.h"
 #include "peer.h"
 #include "pool.h"
-#include "rrq.h"
 #include "remote.h"
+#include "rrq.h"
 #include "xfer_int.h"
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
@@ -424,12 +424,12 @@ static int piece_at(const slot_t *x, uint64_t off)
 int remote_init(char *why, size_t why_len)
 {
     /* what xfer and net call, whether peers are on or not */
-    static const xfer_remote_ops_t ops = {
-        .part_start = remote_part_start,
-        .part_stop = remote_part_stop,
-        .part_free = remote_part_free,
-        .offer_stop = remote_offer_stop,
-        .offer_published = remote_offer_published};
+    static const xfer_remote_ops_t ops = {.part_start = remote_part_start,
+                                          .part_stop = remote_part_stop,
+                                          .part_free = remote_part_free,
+                                          .offer_stop = remote_offer_stop,
+                                          .offer_published =
+                                              remote_offer_published};
     xfer_set_remote_ops(&ops);
     static const int kinds[] = {
         KVXFER__PEER_MSG__M_OPEN, KVXFER__PEER_MSG__M_OPENED,
@@ -586,8 +586,8 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
             pl->src[i] = (plan_mem_t){.layout = &none};
         if ((rc = plan_check_bounds(pl, why, why_len)) ||
             (rc = slots_pin(&rslots, dev, why, why_len)) ||
-            (rc = pool_device_base(p->pool, dev, &pl->dst.base, why,
-                                   why_len)) ||
+            (rc =
+                 pool_device_base(p->pool, dev, &pl->dst.base, why, why_len)) ||
             (rc = gpu_part_create(pl, dev, &p->gpu, why, why_len)))
             return rc;
     }
@@ -1296,9 +1296,8 @@ static int sstream_bind(sstream_t *s, offer_t *o)
         return 0;
     for (uint32_t i = 0; i < pl->nslices; i++) {
         offer_part_t *sp = &o->parts[pl->slices[i].src_rank];
-        pl->src[i] = i == s->slice
-                         ? pool_mem(sp->pool, sp->blocks, sp->nblocks)
-                         : (plan_mem_t){.layout = &none};
+        pl->src[i] = i == s->slice ? pool_mem(sp->pool, sp->blocks, sp->nblocks)
+                                   : (plan_mem_t){.layout = &none};
     }
     char why[256];
     int rc;
@@ -1447,8 +1446,9 @@ static void serve_pulls(void)
             peer_conn_t *sc = s->conn;
             uint64_t dst = s->dst_id;
             sstream_end(s); /* may free s */
-            send_end(sc, dst, rc, "the context daemon cannot bind its "
-                                  "source (its log says why)");
+            send_end(sc, dst, rc,
+                     "the context daemon cannot bind its "
+                     "source (its log says why)");
             offer_fail_t *f = calloc(1, sizeof(*f));
             if (f) { /* ended from remote_tick() */
                 snprintf(f->instance, sizeof(f->instance), "%s",

@@ -52,7 +52,10 @@ int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
  * an instance's end. Without it, nothing is delivered. */
 static instance_hooks_t H;
 
-void instance_set_hooks(const instance_hooks_t *h) { H = *h; }
+void instance_set_hooks(const instance_hooks_t *h)
+{
+    H = *h;
+}
 
 static int deliver(void *arg, uint32_t rank, uint64_t req_id,
                    const batch_t *b)

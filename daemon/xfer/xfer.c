@@ -107,9 +107,15 @@ static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
 
 static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
-void xfer_set_remote_ops(const xfer_remote_ops_t *ops) { R = *ops; }
+void xfer_set_remote_ops(const xfer_remote_ops_t *ops)
+{
+    R = *ops;
+}
 
-void xfer_set_spread_event(xfer_spread_event_cb cb) { spread_event = cb; }
+void xfer_set_spread_event(xfer_spread_event_cb cb)
+{
+    spread_event = cb;
+}
 
 static void side_from_layout(plan_side_t *s, const instance_t *inst,
                              const kvx_layout_t *l)
@@ -191,8 +197,7 @@ static void push_event(instance_t *inst, uint64_t request_id, int kind,
     if (code)
         kvxd_count_error(code);
     if (instance_spread(inst) && spread_event) {
-        spread_event(inst, request_id, offer, kind, code, msg, ranks,
-                     expect);
+        spread_event(inst, request_id, offer, kind, code, msg, ranks, expect);
         return;
     }
     if (batch_push(&inst->batches, request_id, kind, code, msg,
@@ -1125,8 +1130,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         for (uint32_t r = 0; r < g->inst->nranks; r++) {
             rrq_remove(&runq, &g->parts[r].turn);
             if (R.part_stop)
-                R.part_stop(&g->parts[r], code ? code : KVX_ERR_STATE,
-                             msg);
+                R.part_stop(&g->parts[r], code ? code : KVX_ERR_STATE, msg);
         }
         assert(g->inflight > 0 /* the fence */);
         g->inflight--;

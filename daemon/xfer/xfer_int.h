@@ -164,8 +164,8 @@ void xfer_offer_taken(offer_t *o);
 typedef struct xfer_remote_ops {
     /* start a part whose sources are on other daemons (or reached
      * through them): one stream per slice. 0, or an error with why */
-    int (*part_start)(genpart_t *p, const Kvxfer__ContextParams *cp,
-                      char *why, size_t why_len);
+    int (*part_start)(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
+                      size_t why_len);
     /* the request of p is ending: tell the sources, release what waits */
     void (*part_stop)(genpart_t *p, int code, const char *msg);
     void (*part_free)(genpart_t *p);

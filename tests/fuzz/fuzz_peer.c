@@ -63,7 +63,10 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
     return &fake;
 }
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
-uint64_t peer_conn_id(const peer_conn_t *c) { return c == &fake ? 1 : 2; }
+uint64_t peer_conn_id(const peer_conn_t *c)
+{
+    return c == &fake ? 1 : 2;
+}
 int peer_conn_alive(const peer_conn_t *c) { return c->alive; }
 int peer_address_check(const char *address, char *why, size_t why_len)
 {
@@ -148,9 +151,18 @@ void peer_ucx_info(Kvxfer__UcxInfo *info) { (void)info; }
 /* What remote_init() and agree_init() register, dispatched as peer.c
  * would. */
 static peer_msg_cb handlers[32];
-void peer_on_msg(int m_case, peer_msg_cb cb) { handlers[m_case] = cb; }
-void peer_on_lost(peer_lost_cb cb) { (void)cb; }
-void peer_set_data_ops(const peer_data_ops_t *ops) { (void)ops; }
+void peer_on_msg(int m_case, peer_msg_cb cb)
+{
+    handlers[m_case] = cb;
+}
+void peer_on_lost(peer_lost_cb cb)
+{
+    (void)cb;
+}
+void peer_set_data_ops(const peer_data_ops_t *ops)
+{
+    (void)ops;
+}
 
 static void dispatch(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 {

@@ -256,8 +256,12 @@ static kvx_client_t *joined_client(struct daemon *d, const char *inst,
                                    kvx_role_t role, uint32_t layers,
                                    uint32_t heads)
 {
-    kvx_hello_t h = {.instance_id = inst, .role = role, .rank = 0,
-                     .parallel = {.tp = 1, .pp = 1, .cp = 1,
+    kvx_hello_t h = {.instance_id = inst,
+                     .role = role,
+                     .rank = 0,
+                     .parallel = {.tp = 1,
+                                  .pp = 1,
+                                  .cp = 1,
                                   .total_layers = layers,
                                   .total_kv_heads = heads}};
     kvx_client_t *c;
@@ -270,8 +274,7 @@ static kvx_client_t *joined_client(struct daemon *d, const char *inst,
 }
 
 static kvx_client_t *rank(struct daemon *d, const char *inst, kvx_role_t role,
-                          int dev, kvx_layout_t *l, void **ptr,
-                          uint32_t *pool)
+                          int dev, kvx_layout_t *l, void **ptr, uint32_t *pool)
 {
     kvx_client_t *c = joined_client(d, inst, role, LAYERS, HEADS);
     CHECK_EQ(kvx_layout_preset("vllm-nhd", LAYERS, 2, HEADS, HDIM,
@@ -542,8 +545,8 @@ static void ob_complete(kvx_client_t *c, uint64_t req, const char *who)
 /* kinds: 0 legacy IPC, 1 VMM, 2 VMM of 2 MiB physical allocations */
 static const char *const ob_kinds[] = {"ipc", "vmm", "vmm-chunks"};
 
-static void ob_case(struct daemon *d, const char *cp, const char *gp,
-                    int kind, int shared, uint64_t *seed, uint64_t req)
+static void ob_case(struct daemon *d, const char *cp, const char *gp, int kind,
+                    int shared, uint64_t *seed, uint64_t req)
 {
     int cdev = 0, gdev = shared ? 0 : gen_dev();
     char ci[64], gi[64], err[256];
@@ -604,8 +607,7 @@ static void ob_case(struct daemon *d, const char *cp, const char *gp,
         bl[i] = i;
     kvx_context_params_t prm;
     CHECK_EQ(kvx_publish(c, req, cpool, bl, nb, ntok, &prm, 5000), 0);
-    CHECK_EQ(kvx_fetch(gc, req, prm.data, prm.len, gpool, bl, nb, 0, 5000),
-             0);
+    CHECK_EQ(kvx_fetch(gc, req, prm.data, prm.len, gpool, bl, nb, 0, 5000), 0);
     kvx_context_params_free(&prm);
     ob_complete(gc, req, "generation");
     ob_complete(c, req, "context");

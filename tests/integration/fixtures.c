@@ -118,7 +118,7 @@ typedef struct xcase {
     _Atomic int *connected;
     _Atomic int *finished; /* ranks done: none leaves before all are (a
                               leaving rank ends its instance's requests) */
-    pslot_t *slots; /* nreq x nctx */
+    pslot_t *slots;        /* nreq x nctx */
 } xcase_t;
 
 typedef struct rank_arg {
@@ -300,17 +300,25 @@ static uint32_t gb_rnd(uint64_t *s)
  * sealed memfd at offsets chosen by seed: unaligned, sometimes at 0,
  * sometimes back to back, in either order. cd serves the context rank,
  * gd the generation rank. */
-static void gb_case(daemon_t *cd, daemon_t *gd, const char *tag,
-                    const char *cp, const char *gp, uint64_t *seed)
+static void gb_case(daemon_t *cd, daemon_t *gd, const char *tag, const char *cp,
+                    const char *gp, uint64_t *seed)
 {
     static const uint32_t tpbs[] = {2, 4, 8};
     char ci[64], gi[64];
     snprintf(ci, sizeof(ci), "%s-ctx", tag);
     snprintf(gi, sizeof(gi), "%s-gen", tag);
-    side_t cs = {.inst = ci, .role = KVX_ROLE_CONTEXT, .tp = 1, .pp = 1,
-                 .preset = cp, .tpb = tpbs[gb_rnd(seed) % 3]};
-    side_t gs = {.inst = gi, .role = KVX_ROLE_GENERATION, .tp = 1, .pp = 1,
-                 .preset = gp, .tpb = tpbs[gb_rnd(seed) % 3]};
+    side_t cs = {.inst = ci,
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = cp,
+                 .tpb = tpbs[gb_rnd(seed) % 3]};
+    side_t gs = {.inst = gi,
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = gp,
+                 .tpb = tpbs[gb_rnd(seed) % 3]};
     rank_t c, g;
     rank_hello_only(cd, &M_SMALL, &cs, 0, &c);
     rank_join(&c);
@@ -325,8 +333,8 @@ static void gb_case(daemon_t *cd, daemon_t *gd, const char *tag,
     int ctx_first = gb_rnd(seed) % 2;
     rank_t *first = ctx_first ? &c : &g, *second = ctx_first ? &g : &c;
     uint64_t o1 = gb_rnd(seed) % 4 ? GB_GUARD + gb_rnd(seed) % 4096 : 0;
-    uint64_t o2 = o1 + first->size +
-                  (gb_rnd(seed) % 2 ? 0 : 1 + gb_rnd(seed) % 300);
+    uint64_t o2 =
+        o1 + first->size + (gb_rnd(seed) % 2 ? 0 : 1 + gb_rnd(seed) % 300);
     uint64_t total = o2 + second->size + GB_GUARD;
     int fd = memfd_create("kvx-guard", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     CHECK(fd >= 0);
@@ -337,8 +345,8 @@ static void gb_case(daemon_t *cd, daemon_t *gd, const char *tag,
     memset(mem, GB_SENT, total);
     first->base = mem + o1;
     second->base = mem + o2;
-    CHECK_KVX(kvx_pool_register_host(first->c, &first->lay, fd, o1,
-                                     first->size, &first->pool, T_MS),
+    CHECK_KVX(kvx_pool_register_host(first->c, &first->lay, fd, o1, first->size,
+                                     &first->pool, T_MS),
               first->c);
     CHECK_KVX(kvx_pool_register_host(second->c, &second->lay, fd, o2,
                                      second->size, &second->pool, T_MS),
@@ -358,27 +366,25 @@ static void gb_case(daemon_t *cd, daemon_t *gd, const char *tag,
     memcpy(before, mem, total);
     kvx_context_params_t p;
     CHECK_KVX(kvx_publish(c.c, req, c.pool, cb, cn, ntok, &p, T_MS), c.c);
-    CHECK_KVX(kvx_fetch(g.c, req, p.data, p.len, g.pool, gb, gn, 0, T_MS),
-              g.c);
+    CHECK_KVX(kvx_fetch(g.c, req, p.data, p.len, g.pool, gb, gn, 0, T_MS), g.c);
     wait_event(g.c, req, KVX_EVENT_COMPLETE, 0, 5000);
     wait_event(c.c, req, KVX_EVENT_COMPLETE, 0, 5000);
     kvx_context_params_free(&p);
     expect_t e = {req, gb, ntok, 0};
     uint64_t og = (uint64_t)(g.base - mem);
-    if (check_pool(&g, &e, 1, GB_SENT) ||
-        memcmp(mem, before, og) ||
-        memcmp(mem + og + g.size, before + og + g.size,
-               total - og - g.size)) {
+    if (check_pool(&g, &e, 1, GB_SENT) || memcmp(mem, before, og) ||
+        memcmp(mem + og + g.size, before + og + g.size, total - og - g.size)) {
         for (uint64_t i = 0; i < total; i++)
             if ((i < og || i >= og + g.size) && mem[i] != before[i]) {
-                fprintf(stderr, "%s: byte %llu outside the destination "
-                        "pool [%llu, +%llu) changed\n", tag,
-                        (unsigned long long)i, (unsigned long long)og,
+                fprintf(stderr,
+                        "%s: byte %llu outside the destination "
+                        "pool [%llu, +%llu) changed\n",
+                        tag, (unsigned long long)i, (unsigned long long)og,
                         (unsigned long long)g.size);
                 break;
             }
-        fprintf(stderr, "%s: %s at %llu, %s at %llu, %llu bytes in all\n",
-                tag, cp, (unsigned long long)(c.base - mem), gp,
+        fprintf(stderr, "%s: %s at %llu, %s at %llu, %llu bytes in all\n", tag,
+                cp, (unsigned long long)(c.base - mem), gp,
                 (unsigned long long)og, (unsigned long long)total);
         CHECK(!"wrong bytes, or bytes outside the destination pool written");
     }

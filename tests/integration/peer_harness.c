@@ -294,8 +294,7 @@ static void p_cancelled(rank_t *r, uint64_t q)
 
 /* Daemons A and B with the cluster secret; peer: more lines of their
  * peer sections (NULL: the default settings). */
-static void p_two_daemons_with(const char *peer, daemon_t **a,
-                               daemon_t **b)
+static void p_two_daemons_with(const char *peer, daemon_t **a, daemon_t **b)
 {
     p_setup();
     *a = p_daemon(0, P_SECRET, peer, NULL);
@@ -441,15 +440,15 @@ static void p_slots_all_free(daemon_t *d)
         if (fr == n && ft == n)
             return;
         if (now_ms() > end) {
-            fprintf(stderr, "slots free: %lld of %lld receive, %lld of %lld "
-                            "send\n",
+            fprintf(stderr,
+                    "slots free: %lld of %lld receive, %lld of %lld "
+                    "send\n",
                     fr, n, ft, n);
             CHECK(!"every slot comes back");
         }
         sleep_ms(10);
     }
 }
-
 
 /* The status JSON's "peers" array; the test fails without one. */
 static char *p_peers(daemon_t *d)
@@ -464,31 +463,27 @@ static char *p_peers(daemon_t *d)
 }
 
 /* 8 KiB a token: a 300-token request is about 2.4 MB */
-static const model_t M_8K = {.layers = 4,
-                             .heads = 4,
-                             .head_dim = 128,
-                             .kv = 2,
-                             .dtype = KVX_DTYPE_BF16};
+static const model_t M_8K = {
+    .layers = 4, .heads = 4, .head_dim = 128, .kv = 2, .dtype = KVX_DTYPE_BF16};
 
 /* Verified transfers of M_8K both ways: a to b, vllm-nhd tp 1 to trtllm
  * tp 2 (n1 requests of up to 300 tokens); b to a, flashinfer tp 2 to
  * vllm-hnd tp 1 (n2 of up to 257, skip 5). Instances named tag-... */
-static void p_both_ways(daemon_t *a, daemon_t *b, const char *tag,
-                        uint32_t n1, uint32_t n2)
+static void p_both_ways(daemon_t *a, daemon_t *b, const char *tag, uint32_t n1,
+                        uint32_t n2)
 {
     char in[4][32];
     static const char *const what[4] = {"ctx", "gen", "ctx2", "gen2"};
     for (int i = 0; i < 4; i++)
         snprintf(in[i], sizeof(in[i]), "%s-%s", tag, what[i]);
-    side_t c = {.inst = in[0], .tp = 1, .pp = 1, .preset = "vllm-nhd",
-                .tpb = 16};
-    side_t g = {.inst = in[1], .tp = 2, .pp = 1, .preset = "trtllm",
-                .tpb = 8};
+    side_t c = {
+        .inst = in[0], .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g = {.inst = in[1], .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 8};
     xfer_case2(a, b, &M_8K, &c, &g, n1, 300, 0);
-    side_t c2 = {.inst = in[2], .tp = 2, .pp = 1, .preset = "flashinfer",
-                 .tpb = 8};
-    side_t g2 = {.inst = in[3], .tp = 1, .pp = 1, .preset = "vllm-hnd",
-                 .tpb = 16};
+    side_t c2 = {
+        .inst = in[2], .tp = 2, .pp = 1, .preset = "flashinfer", .tpb = 8};
+    side_t g2 = {
+        .inst = in[3], .tp = 1, .pp = 1, .preset = "vllm-hnd", .tpb = 16};
     xfer_case2(b, a, &M_8K, &c2, &g2, n2, 257, 5);
 }
 

@@ -393,8 +393,7 @@ TEST(ctl_plan)
     CHECK_STR_CONTAINS(out, "<- context rank 3   layers [0, 32)  heads [6, 8)");
     CHECK_STR_CONTAINS(out, "total 8388608 bytes");
     /* refused as the daemon refuses it */
-    CHECK_EQ(ctl_run("plan --ctx-dtype fp8 --gen-dtype bf16", out,
-                     sizeof(out)),
+    CHECK_EQ(ctl_run("plan --ctx-dtype fp8 --gen-dtype bf16", out, sizeof(out)),
              1);
     CHECK_STR_CONTAINS(out, "refused: dtype: context fp8, generation bf16 "
                             "(MISMATCH)");
@@ -409,7 +408,8 @@ TEST(ctl_plan)
     snprintf(args, sizeof(args), "plan --from %s", file);
     CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
     CHECK_STR_CONTAINS(out, "request:    tokens [200, 1000)");
-    CHECK_STR_CONTAINS(out, "<- context rank 2   layers [20, 32)  heads [0, 4)");
+    CHECK_STR_CONTAINS(out,
+                       "<- context rank 2   layers [20, 32)  heads [0, 4)");
     CHECK_STR_CONTAINS(out, "total 104857600 bytes");
     /* an unknown key, and a side's key under model: file:line:column */
     write_file(file, "model:\n  layers: 32\ncontext:\n  tp: 2\n  heads: 8\n");

@@ -17,13 +17,13 @@
 #define PL_NB (PL_TOK / PL_TPB)
 /* slots go as 4 pieces, one at a time: losing the peer also finds
  * pieces waiting in the send window and slots half received */
-#define PL_PEER                                                               \
-    "  slot_bytes: 1MiB\n  slots: 2\n  message_bytes: 256KiB\n"              \
+#define PL_PEER                                                                \
+    "  slot_bytes: 1MiB\n  slots: 2\n  message_bytes: 256KiB\n"                \
     "  send_window: 1\n"
 /* A with 8 slots and gather-ahead, B pulling into 2: A holds slots
  * gathered for PULLs to come when the transfer ends under it */
-#define PL_AHEAD                                                              \
-    "  slot_bytes: 1MiB\n  slots: 8\n  message_bytes: 256KiB\n"              \
+#define PL_AHEAD                                                               \
+    "  slot_bytes: 1MiB\n  slots: 8\n  message_bytes: 256KiB\n"                \
     "  send_window: 1\n  gather_ahead: 3\n"
 
 typedef struct pl {
@@ -173,7 +173,10 @@ static void pl_free(pl_t *x)
 }
 
 /* Both ranks leave, both daemons are healthy and stop cleanly. */
-static pl_t *pl_start(void) { return pl_start_with(PL_PEER, PL_PEER); }
+static pl_t *pl_start(void)
+{
+    return pl_start_with(PL_PEER, PL_PEER);
+}
 
 static void pl_finish(pl_t *x)
 {
@@ -304,7 +307,10 @@ static void pl_drain_a(pl_t *x)
     pl_free(x);
 }
 
-TEST_T(peer_drained_mid_transfer, 90) { pl_drain_a(pl_start()); }
+TEST_T(peer_drained_mid_transfer, 90)
+{
+    pl_drain_a(pl_start());
+}
 
 /* ---- cancels mid-transfer; gather-ahead ------------------------------- */
 
@@ -333,8 +339,8 @@ static void pl_cancel_half_each(pl_t *x)
         int rc = kvx_cancel(c, 100 + q, T_MS);
         /* NOT_FOUND: it completed (or ended) before the cancel came */
         if (rc && rc != KVX_ERR_NOT_FOUND) {
-            fprintf(stderr, "cancel %u: %s: %s\n", 100 + q,
-                    kvx_status_name(rc), kvx_last_error(c));
+            fprintf(stderr, "cancel %u: %s: %s\n", 100 + q, kvx_status_name(rc),
+                    kvx_last_error(c));
             CHECK(!"cancel returns");
         }
         cancelled += rc == 0;
@@ -399,8 +405,8 @@ TEST_T(peer_cancel_mid_transfer, 90)
 TEST_T(peer_gather_ahead, 90)
 {
     static const char *const extra = "  slot_bytes: 64KiB\n"
-                                      "  slots: 8\n"
-                                      "  gather_ahead: 3\n";
+                                     "  slots: 8\n"
+                                     "  gather_ahead: 3\n";
     daemon_t *a, *b;
     p_two_daemons_with(extra, &a, &b);
     p_both_ways(a, b, "ga", 6, 4); /* about 38 slots a request */

@@ -34,8 +34,9 @@ TEST(peer_config_errors)
         char text[512];
         snprintf(text, sizeof(text), "peer:\n%s", cases[i].peer);
         write_file(cfg, text);
-        snprintf(cmd, sizeof(cmd), "%s/kvxferd --check-config --config %s "
-                                   "2>&1",
+        snprintf(cmd, sizeof(cmd),
+                 "%s/kvxferd --check-config --config %s "
+                 "2>&1",
                  build_dir(), cfg);
         FILE *f = popen(cmd, "r");
         CHECK(f != NULL);

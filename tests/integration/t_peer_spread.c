@@ -242,8 +242,7 @@ TEST_T(peer_spread_context_late_publish, 60)
     fill_req(&c1, 77, cb, ntok);
     kvx_context_params_t p0, p1;
     CHECK_KVX(kvx_publish(c0.c, 77, c0.pool, cb, 3, ntok, &p0, T_MS), c0.c);
-    CHECK_KVX(kvx_fetch(g.c, 77, p0.data, p0.len, g.pool, gb, 3, 0, T_MS),
-              g.c);
+    CHECK_KVX(kvx_fetch(g.c, 77, p0.data, p0.len, g.pool, gb, 3, 0, T_MS), g.c);
     sleep_ms(300); /* B has no offer yet: its slice is asked for again */
     CHECK_KVX(kvx_publish(c1.c, 77, c1.pool, cb, 3, ntok, &p1, T_MS), c1.c);
     CHECK_EQ(p0.len, p1.len);
@@ -259,8 +258,7 @@ TEST_T(peer_spread_context_late_publish, 60)
     kvx_context_params_t p2;
     CHECK_KVX(kvx_publish(c0.c, 78, c0.pool, cb, 3, ntok, &p2, T_MS), c0.c);
     int64_t t0 = now_ms();
-    CHECK_KVX(kvx_fetch(g.c, 78, p2.data, p2.len, g.pool, gb, 3, 0, T_MS),
-              g.c);
+    CHECK_KVX(kvx_fetch(g.c, 78, p2.data, p2.len, g.pool, gb, 3, 0, T_MS), g.c);
     ev_t e = wait_event(g.c, 78, KVX_EVENT_ERROR, KVX_ERR_NOT_FOUND, 6000);
     CHECK(now_ms() - t0 >= 1500);
     CHECK_STR_CONTAINS(e.msg, "no offer");
@@ -282,10 +280,10 @@ typedef struct rr_arg {
     const side_t *s;
     char addr0[192], addr1[192];
     _Atomic int joined;
-    int rc;                /* lj: rank 1's poll, and what it read */
+    int rc; /* lj: rank 1's poll, and what it read */
     uint32_t nevents;
     char msg[256];
-    int64_t poll_ms;       /* rl: how long rank 1's poll took */
+    int64_t poll_ms; /* rl: how long rank 1's poll took */
 } rr_arg_t;
 
 /* Rank 1 of the spread instance gs on daemon b, in a child running fn
@@ -349,8 +347,7 @@ TEST_T(peer_spread_member_rank_returns, 60)
     fill_req(&c, 5, cb, 7);
     kvx_context_params_t p;
     CHECK_KVX(kvx_publish(c.c, 5, c.pool, cb, 2, 7, &p, T_MS), c.c);
-    CHECK_KVX(kvx_fetch(g0.c, 5, p.data, p.len, g0.pool, gb, 2, 0, T_MS),
-              g0.c);
+    CHECK_KVX(kvx_fetch(g0.c, 5, p.data, p.len, g0.pool, gb, 2, 0, T_MS), g0.c);
     sleep_ms(200);
     CHECK(kill(kid, SIGKILL) == 0);
     int st;
@@ -448,10 +445,8 @@ TEST_T(peer_spread_link_flap, 60)
     fill_req(&c, 1, cb, 7);
     kvx_context_params_t p;
     CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
-    CHECK_KVX(kvx_fetch(s0.c, 1, p.data, p.len, s0.pool, gb, 2, 0, T_MS),
-              s0.c);
-    CHECK_KVX(kvx_fetch(s1.c, 1, p.data, p.len, s1.pool, gb, 2, 0, T_MS),
-              s1.c);
+    CHECK_KVX(kvx_fetch(s0.c, 1, p.data, p.len, s0.pool, gb, 2, 0, T_MS), s0.c);
+    CHECK_KVX(kvx_fetch(s1.c, 1, p.data, p.len, s1.pool, gb, 2, 0, T_MS), s1.c);
     wait_event(s0.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
     wait_event(s1.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
     kvx_context_params_free(&p);
@@ -459,14 +454,13 @@ TEST_T(peer_spread_link_flap, 60)
      * goes: the loss ends it */
     fill_req(&c, 9, cb, 7);
     CHECK_KVX(kvx_publish(c.c, 9, c.pool, cb, 2, 7, &p, T_MS), c.c);
-    CHECK_KVX(kvx_fetch(s0.c, 9, p.data, p.len, s0.pool, gb, 2, 0, T_MS),
-              s0.c);
+    CHECK_KVX(kvx_fetch(s0.c, 9, p.data, p.len, s0.pool, gb, 2, 0, T_MS), s0.c);
     kvx_context_params_free(&p);
     /* the cut: longer than the keep-alive timeout */
     char why[300];
     if (p_net.netns)
-        CHECK(!p_sh(why, sizeof(why), "ip -n %s link set %s down",
-                    p_net.ns[0], p_net.veth[0]));
+        CHECK(!p_sh(why, sizeof(why), "ip -n %s link set %s down", p_net.ns[0],
+                    p_net.veth[0]));
     else
         CHECK(kill(b->pid, SIGSTOP) == 0);
     sleep_ms(P_KA_TIMEOUT_MS + 800);
@@ -476,8 +470,8 @@ TEST_T(peer_spread_link_flap, 60)
     ev_t e9 = wait_event(s0.c, 9, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 5000);
     fprintf(stderr, "request 9 on rank 0: %s\n", e9.msg);
     if (p_net.netns)
-        CHECK(!p_sh(why, sizeof(why), "ip -n %s link set %s up",
-                    p_net.ns[0], p_net.veth[0]));
+        CHECK(!p_sh(why, sizeof(why), "ip -n %s link set %s up", p_net.ns[0],
+                    p_net.veth[0]));
     else
         CHECK(kill(b->pid, SIGCONT) == 0);
     sleep_ms(P_KA_TIMEOUT_MS + 800); /* both sides saw the loss; back */
@@ -511,10 +505,8 @@ TEST_T(peer_spread_link_flap, 60)
     kvx_batch_free(bt);
     fill_req(&c, 2, cb, 7);
     CHECK_KVX(kvx_publish(c.c, 2, c.pool, cb, 2, 7, &p, T_MS), c.c);
-    CHECK_KVX(kvx_fetch(s0.c, 2, p.data, p.len, s0.pool, gb, 2, 0, T_MS),
-              s0.c);
-    CHECK_KVX(kvx_fetch(s1.c, 2, p.data, p.len, s1.pool, gb, 2, 0, T_MS),
-              s1.c);
+    CHECK_KVX(kvx_fetch(s0.c, 2, p.data, p.len, s0.pool, gb, 2, 0, T_MS), s0.c);
+    CHECK_KVX(kvx_fetch(s1.c, 2, p.data, p.len, s1.pool, gb, 2, 0, T_MS), s1.c);
     ev_t e0 = wait_event(s0.c, 2, KVX_EVENT_COMPLETE, 0, 8000);
     (void)e0;
     wait_event(s1.c, 2, KVX_EVENT_COMPLETE, 0, 8000);
@@ -562,8 +554,7 @@ TEST_T(peer_spread_error_fences_other_daemon, 60)
     ev_t e = wait_event(s0.c, 5, KVX_EVENT_ERROR, KVX_ERR_IO, 10000);
     char *json;
     CHECK_KVX(kvx_requests_json(s0.c, &json, T_MS), s0.c);
-    fprintf(stderr, "rank 0 got: %s; A's requests then: %.300s\n", e.msg,
-            json);
+    fprintf(stderr, "rank 0 got: %s; A's requests then: %.300s\n", e.msg, json);
     CHECK(strstr(json, "fb-gen") == NULL); /* A's part is fenced, gone */
     free(json);
     wait_event(s1.c, 5, KVX_EVENT_ERROR, KVX_ERR_IO, 10000);
@@ -653,8 +644,8 @@ TEST_T(peer_spread_root_joins_late, 60)
 {
     p_setup();
     /* A's fetch deadline bounds a merged request too (part 3) */
-    daemon_t *a = p_daemon(0, P_SECRET, NULL,
-                           "deadlines:\n  fetch_timeout_ms: 1500\n");
+    daemon_t *a =
+        p_daemon(0, P_SECRET, NULL, "deadlines:\n  fetch_timeout_ms: 1500\n");
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
     static side_t gs;
     p_side2(&gs, "lj-gen", KVX_ROLE_GENERATION);
@@ -682,8 +673,7 @@ TEST_T(peer_spread_root_joins_late, 60)
     fill_req(&c, 7, cb, 7);
     kvx_context_params_t p;
     CHECK_KVX(kvx_publish(c.c, 7, c.pool, cb, 2, 7, &p, T_MS), c.c);
-    CHECK_KVX(kvx_fetch(g0.c, 7, p.data, p.len, g0.pool, gb, 2, 0, T_MS),
-              g0.c);
+    CHECK_KVX(kvx_fetch(g0.c, 7, p.data, p.len, g0.pool, gb, 2, 0, T_MS), g0.c);
     ev_t e = wait_event(g0.c, 7, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 5000);
     fprintf(stderr, "request 7: %s\n", e.msg);
     kvx_context_params_free(&p);
@@ -702,8 +692,7 @@ TEST_T(peer_spread_root_joins_late, 60)
     rank_pool(&h0, 8);
     sleep_ms(300); /* the announcement comes again and is taken */
     CHECK_KVX(kvx_publish(c.c, 8, c.pool, cb, 2, 7, &p, T_MS), c.c);
-    CHECK_KVX(kvx_fetch(h0.c, 8, p.data, p.len, h0.pool, gb, 2, 0, T_MS),
-              h0.c);
+    CHECK_KVX(kvx_fetch(h0.c, 8, p.data, p.len, h0.pool, gb, 2, 0, T_MS), h0.c);
     e = wait_event(h0.c, 8, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 5000);
     fprintf(stderr, "request 8: %s\n", e.msg);
     kvx_context_params_free(&p);
@@ -720,11 +709,10 @@ TEST_T(peer_spread_root_joins_late, 60)
     rank_pool(&k0, 8);
     CHECK_KVX(kvx_publish(c.c, 9, c.pool, cb, 2, 7, &p, T_MS), c.c);
     int64_t t9 = now_ms();
-    CHECK_KVX(kvx_fetch(k0.c, 9, p.data, p.len, k0.pool, gb, 2, 0, T_MS),
-              k0.c);
+    CHECK_KVX(kvx_fetch(k0.c, 9, p.data, p.len, k0.pool, gb, 2, 0, T_MS), k0.c);
     e = wait_event(k0.c, 9, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 5000);
-    fprintf(stderr, "request 9 after %lld ms: %s\n",
-            (long long)(now_ms() - t9), e.msg);
+    fprintf(stderr, "request 9 after %lld ms: %s\n", (long long)(now_ms() - t9),
+            e.msg);
     CHECK_STR_CONTAINS(e.msg, "never reported");
     kvx_context_params_free(&p);
     rank_close(&k1);
@@ -849,8 +837,9 @@ TEST_T(peer_spread_lost_batch_read_again, 60)
     snprintf(args, sizeof(args), "--socket %s status", b->sock);
     CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
     CHECK_STR_CONTAINS(out, "\ninstances (1):\n  INSTANCE ");
-    snprintf(want, sizeof(want), "context     2     1     1     -      0     "
-                                 "0     0     %s\n",
+    snprintf(want, sizeof(want),
+             "context     2     1     1     -      0     "
+             "0     0     %s\n",
              c0.addr);
     CHECK_STR_CONTAINS(out, want);
     rank_close(&c1);
@@ -902,8 +891,9 @@ TEST_T(peer_spread_late_batch_kept, 60)
     sleep_ms(500); /* A answers the old poll; B keeps the batch */
     CHECK_KVX(kvx_poll(c1.c, 1, 3000, &b1), c1.c);
     CHECK_KVX(kvx_poll(c0.c, 1, 3000, &b0), c0.c);
-    fprintf(stderr, "rank 0 read batch %llu (%u events), rank 1 batch %llu "
-                    "(%u events)\n",
+    fprintf(stderr,
+            "rank 0 read batch %llu (%u events), rank 1 batch %llu "
+            "(%u events)\n",
             (unsigned long long)b0->seq, b0->num_events,
             (unsigned long long)b1->seq, b1->num_events);
     CHECK_EQ(b1->seq, b0->seq);
@@ -957,8 +947,9 @@ TEST_T(peer_spread_answer_for_left_client, 60)
     while ((rc = kvx_poll(n1.c, 0, 200, &b1)) != KVX_OK && now_ms() < end)
         sleep_ms(50);
     CHECK_KVX(rc, n1.c);
-    fprintf(stderr, "rank 0 read batch %llu; C2 first reads batch %llu (%u "
-                    "events)\n",
+    fprintf(stderr,
+            "rank 0 read batch %llu; C2 first reads batch %llu (%u "
+            "events)\n",
             (unsigned long long)b0->seq, (unsigned long long)b1->seq,
             b1->num_events);
     for (uint32_t k = 0; k < b1->num_events; k++)
@@ -1006,8 +997,9 @@ TEST_T(peer_spread_large_batch, 60)
             kvx_batch_free(bt);
         }
     }
-    fprintf(stderr, "rank 0: %u events in %u batches; rank 1: %u in %u; the "
-                    "largest batch %u events\n",
+    fprintf(stderr,
+            "rank 0: %u events in %u batches; rank 1: %u in %u; the "
+            "largest batch %u events\n",
             n[0], nb[0], n[1], nb[1], big);
     CHECK_EQ(n[0], N);
     CHECK_EQ(n[1], N);
@@ -1159,8 +1151,7 @@ TEST_T(peer_spread_rank_replaced_while_away, 60)
     uint64_t seq[2] = {UINT64_MAX, UINT64_MAX};
     kvx_client_t *cl[2] = {c0.c, n1.c};
     end = now_ms() + 8000;
-    while ((seq[0] == UINT64_MAX || seq[1] == UINT64_MAX) &&
-           now_ms() < end) {
+    while ((seq[0] == UINT64_MAX || seq[1] == UINT64_MAX) && now_ms() < end) {
         for (int i = 0; i < 2; i++) {
             bt = NULL;
             if (seq[i] != UINT64_MAX)
@@ -1171,8 +1162,9 @@ TEST_T(peer_spread_rank_replaced_while_away, 60)
             }
             for (uint32_t k = 0; k < bt->num_events; k++) {
                 if (i == 1 && bt->events[k].request_id == 5)
-                    fprintf(stderr, "the new rank 1 read batch %llu of "
-                                    "the old one\n",
+                    fprintf(stderr,
+                            "the new rank 1 read batch %llu of "
+                            "the old one\n",
                             (unsigned long long)bt->seq);
                 CHECK(i == 0 || bt->events[k].request_id != 5);
                 if (bt->events[k].request_id == 6) {

@@ -69,8 +69,8 @@ TEST_T(peer_host_pools_guard_bands, 90)
 TEST_T(peer_slot_in_pieces, 90)
 {
     static const char *const extra = "  slot_bytes: 512KiB\n"
-                                      "  message_bytes: 72KiB\n"
-                                      "  send_window: 1\n";
+                                     "  message_bytes: 72KiB\n"
+                                     "  send_window: 1\n";
     daemon_t *a, *b;
     p_two_daemons_with(extra, &a, &b);
     p_both_ways(a, b, "pp", 4, 3); /* about five slots a request */
@@ -342,8 +342,7 @@ TEST_T(peer_wrong_secret, 60)
  * sides end the request with ERROR at once (the offer too, not at its
  * backstop lease), the next request moves verified bytes, and every slot
  * comes back free. A bad KVXFERD_FAULT stops the daemon at start. */
-static void pf_round(const char *fault_a, const char *fault_b,
-                     const char *tag)
+static void pf_round(const char *fault_a, const char *fault_b, const char *tag)
 {
     setenv("KVXFERD_FAULT", fault_a, 1);
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
@@ -398,8 +397,8 @@ TEST_T(peer_copy_faults, 90)
  * daemon) and billions of tokens (it planned them before looking at the
  * blocks). Each is refused at once naming the field; the daemon stays
  * healthy and the genuine params still complete. */
-static void pp_forge(const kvx_context_params_t *p, uint32_t tpb,
-                     uint32_t ntok, uint8_t *out, size_t *len)
+static void pp_forge(const kvx_context_params_t *p, uint32_t tpb, uint32_t ntok,
+                     uint8_t *out, size_t *len)
 {
     Kvxfer__ContextParams *cp =
         kvxfer__context_params__unpack(NULL, p->len, p->data);
@@ -465,8 +464,7 @@ static FILE *p_fake(int side, const char *args, char *addr, size_t alen)
         snprintf(cmd, sizeof(cmd), "ip netns exec %s %s/tests/fake_peer %s",
                  p_net.ns[side], build_dir(), args);
     else
-        snprintf(cmd, sizeof(cmd), "%s/tests/fake_peer %s", build_dir(),
-                 args);
+        snprintf(cmd, sizeof(cmd), "%s/tests/fake_peer %s", build_dir(), args);
     fflush(stdout);
     fflush(stderr);
     FILE *f = popen(cmd, "r");
@@ -568,10 +566,8 @@ TEST_T(peer_handshake_shortcuts, 90)
     sleep_ms(300);
     fill_req(&c, 2, cb, 7);
     CHECK_KVX(kvx_publish(c.c, 2, c.pool, cb, 2, 7, &p, T_MS), c.c);
-    CHECK_KVX(kvx_fetch(s0.c, 2, p.data, p.len, s0.pool, gb, 2, 0, T_MS),
-              s0.c);
-    CHECK_KVX(kvx_fetch(s1.c, 2, p.data, p.len, s1.pool, gb, 2, 0, T_MS),
-              s1.c);
+    CHECK_KVX(kvx_fetch(s0.c, 2, p.data, p.len, s0.pool, gb, 2, 0, T_MS), s0.c);
+    CHECK_KVX(kvx_fetch(s1.c, 2, p.data, p.len, s1.pool, gb, 2, 0, T_MS), s1.c);
     wait_event(s0.c, 2, KVX_EVENT_COMPLETE, 0, 5000);
     wait_event(s1.c, 2, KVX_EVENT_COMPLETE, 0, 5000);
     CHECK_EQ(p_check_req(&s0, 2, gb, 7, 0), 0);
@@ -739,17 +735,19 @@ TEST_T(peer_lanes_refused, 90)
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     unsetenv("KVXFERD_FAULT");
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
-    side_t c = {.inst = "plr-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd",
-                .tpb = 16};
-    side_t g = {.inst = "plr-gen", .tp = 2, .pp = 1, .preset = "trtllm",
-                .tpb = 8};
+    side_t c = {
+        .inst = "plr-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g = {
+        .inst = "plr-gen", .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 8};
     xfer_case2(b, a, &M_8K, &c, &g, 4, 300, 0);
-    CHECK(log_wait(b, "before any data went over it; slot data to it goes "
-                      "over the connection itself", 2000));
-    side_t c2 = {.inst = "plr-ctx2", .tp = 1, .pp = 1, .preset = "vllm-hnd",
-                 .tpb = 16};
-    side_t g2 = {.inst = "plr-gen2", .tp = 1, .pp = 1, .preset = "vllm-nhd",
-                 .tpb = 16};
+    CHECK(log_wait(b,
+                   "before any data went over it; slot data to it goes "
+                   "over the connection itself",
+                   2000));
+    side_t c2 = {
+        .inst = "plr-ctx2", .tp = 1, .pp = 1, .preset = "vllm-hnd", .tpb = 16};
+    side_t g2 = {
+        .inst = "plr-gen2", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
     xfer_case2(b, a, &M_8K, &c2, &g2, 3, 257, 5);
     char *pb = p_peers(b);
     fprintf(stderr, "B's peers: %s\n", pb);

@@ -141,8 +141,7 @@ TEST(accept_out_of_fds)
     double c0 = cpu_seconds(d->pid);
     sleep_ms(1000);
     double used = cpu_seconds(d->pid) - c0;
-    fprintf(stderr, "out of fds: the daemon used %.2f s of CPU in 1 s\n",
-            used);
+    fprintf(stderr, "out of fds: the daemon used %.2f s of CPU in 1 s\n", used);
     CHECK(used < 0.3);
     CHECK(log_contains(d, "not accepting for 100 ms"));
     for (int i = 0; i < 32; i++)
@@ -167,8 +166,7 @@ TEST(connect_backlog_full)
     static int q[MAXQ];
     int nq = 0, full = 0;
     while (nq < MAXQ) {
-        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                        0);
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         CHECK(fd >= 0);
         if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
             CHECK_EQ(errno, EAGAIN);
@@ -221,9 +219,9 @@ TEST(publish_elem_size_mismatch)
     uint32_t pool[2];
     for (uint32_t i = 0; i < 2; i++) {
         kvx_layout_t l;
-        CHECK_EQ(kvx_layout_preset("vllm-nhd", r[i].nlayers, 2, r[i].nheads,
-                                   32, i ? KVX_DTYPE_FP32 : KVX_DTYPE_BF16, 4,
-                                   8, &l),
+        CHECK_EQ(kvx_layout_preset("vllm-nhd", r[i].nlayers, 2, r[i].nheads, 32,
+                                   i ? KVX_DTYPE_FP32 : KVX_DTYPE_BF16, 4, 8,
+                                   &l),
                  0);
         l.dtype = KVX_DTYPE_UNSPECIFIED; /* elem_size 2, then 4 */
         CHECK_KVX(kvx_pool_create_host(r[i].c, &l, kvx_layout_span(&l),
@@ -329,8 +327,8 @@ TEST(bad_requests)
     snprintf(lbad.preset, sizeof(lbad.preset), "ab\xff");
     void *bbad;
     uint32_t pbad;
-    CHECK_FAILS(kvx_pool_create_host(c.c, &lbad, kvx_layout_span(&lbad),
-                                     &bbad, &pbad, T_MS),
+    CHECK_FAILS(kvx_pool_create_host(c.c, &lbad, kvx_layout_span(&lbad), &bbad,
+                                     &pbad, T_MS),
                 c.c, KVX_ERR_INVALID, "layout.preset: byte 0xff at 2");
     CHECK_FAILS(kvx_publish(c.c, 1, 9999, ok2, 2, 8, &p, T_MS), c.c,
                 KVX_ERR_NOT_FOUND, "publish.pool_id");
@@ -733,8 +731,12 @@ TEST(hello_timeout)
     daemon_t *d = daemon_start("deadlines:\n  hello_timeout_ms: 200\n");
     int idle = raw_connect(d);
     rank_t r;
-    side_t s = {.inst = "ht", .role = KVX_ROLE_CONTEXT, .tp = 1, .pp = 1,
-                .preset = "vllm-nhd", .tpb = 4};
+    side_t s = {.inst = "ht",
+                .role = KVX_ROLE_CONTEXT,
+                .tp = 1,
+                .pp = 1,
+                .preset = "vllm-nhd",
+                .tpb = 4};
     rank_open(d, &M_SMALL, &s, 0, 4, &r);
     CHECK(raw_closed(idle, 2000)); /* cut within the deadline + a tick */
     usleep(300000);

@@ -47,8 +47,12 @@ TEST(host_pool_register_refusals)
 {
     daemon_t *d = daemon_start(NULL);
     rank_t r;
-    side_t s = {.inst = "hr", .role = KVX_ROLE_CONTEXT, .tp = 1, .pp = 1,
-                .preset = "vllm-nhd", .tpb = 4};
+    side_t s = {.inst = "hr",
+                .role = KVX_ROLE_CONTEXT,
+                .tp = 1,
+                .pp = 1,
+                .preset = "vllm-nhd",
+                .tpb = 4};
     rank_hello_only(d, &M_SMALL, &s, 0, &r);
     rank_join(&r);
     rank_layout(&r, 8, &r.lay);
@@ -56,18 +60,16 @@ TEST(host_pool_register_refusals)
     int fd = memfd_create("kvx-ref", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     CHECK(fd >= 0);
     CHECK(ftruncate(fd, (off_t)(size + 100)) == 0);
-    CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, 0, size, &r.pool,
-                                       T_MS),
+    CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, 0, size, &r.pool, T_MS),
                 r.c, KVX_ERR_INVALID, "F_SEAL_SHRINK");
     CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
-    CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, 101, size, &r.pool,
-                                       T_MS),
+    CHECK_FAILS(
+        kvx_pool_register_host(r.c, &r.lay, fd, 101, size, &r.pool, T_MS), r.c,
+        KVX_ERR_INVALID, "runs past the memfd's");
+    CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, UINT64_MAX - 4, size,
+                                       &r.pool, T_MS),
                 r.c, KVX_ERR_INVALID, "runs past the memfd's");
-    CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, UINT64_MAX - 4,
-                                       size, &r.pool, T_MS),
-                r.c, KVX_ERR_INVALID, "runs past the memfd's");
-    CHECK_KVX(kvx_pool_register_host(r.c, &r.lay, fd, 100, size, &r.pool,
-                                     T_MS),
+    CHECK_KVX(kvx_pool_register_host(r.c, &r.lay, fd, 100, size, &r.pool, T_MS),
               r.c);
     close(fd);
     rank_close(&r);
@@ -568,10 +570,19 @@ TEST_T(property_random_config_pairs, 240)
 TEST(attention_dp)
 {
     daemon_t *d = daemon_start(NULL);
-    side_t cs = {.inst = "dp-ctx", .role = KVX_ROLE_CONTEXT, .tp = 2,
-                 .pp = 1, .preset = "trtllm", .tpb = 4};
-    side_t gs = {.inst = "dp-gen", .role = KVX_ROLE_GENERATION, .tp = 2,
-                 .pp = 1, .preset = "vllm-nhd", .tpb = 4, .dp = 2};
+    side_t cs = {.inst = "dp-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "trtllm",
+                 .tpb = 4};
+    side_t gs = {.inst = "dp-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4,
+                 .dp = 2};
     rank_t c[2], g[2];
     for (uint32_t i = 0; i < 2; i++)
         rank_open(d, &M_SMALL, &cs, i, 8, &c[i]);
@@ -595,18 +606,18 @@ TEST(attention_dp)
         }
     }
     /* a rank outside the named group is refused, naming both groups */
-    CHECK_FAILS(kvx_fetch_dp(g[1].c, 12, p1.data, p1.len, g[1].pool, gb, 2,
-                             0, 0, T_MS),
-                g[1].c, KVX_ERR_INVALID, "group 1, not 0");
-    CHECK_FAILS(kvx_fetch_dp(g[0].c, 12, p1.data, p1.len, g[0].pool, gb, 2,
-                             0, 2, T_MS),
-                g[0].c, KVX_ERR_INVALID, "2 attention-DP groups");
-    CHECK_KVX(kvx_fetch_dp(g[0].c, 10, p1.data, p1.len, g[0].pool, gb, 2, 0,
-                           0, T_MS),
-              g[0].c);
-    CHECK_KVX(kvx_fetch_dp(g[1].c, 11, p2.data, p2.len, g[1].pool, gb, 2, 0,
-                           1, T_MS),
-              g[1].c);
+    CHECK_FAILS(
+        kvx_fetch_dp(g[1].c, 12, p1.data, p1.len, g[1].pool, gb, 2, 0, 0, T_MS),
+        g[1].c, KVX_ERR_INVALID, "group 1, not 0");
+    CHECK_FAILS(
+        kvx_fetch_dp(g[0].c, 12, p1.data, p1.len, g[0].pool, gb, 2, 0, 2, T_MS),
+        g[0].c, KVX_ERR_INVALID, "2 attention-DP groups");
+    CHECK_KVX(
+        kvx_fetch_dp(g[0].c, 10, p1.data, p1.len, g[0].pool, gb, 2, 0, 0, T_MS),
+        g[0].c);
+    CHECK_KVX(
+        kvx_fetch_dp(g[1].c, 11, p2.data, p2.len, g[1].pool, gb, 2, 0, 1, T_MS),
+        g[1].c);
     ev_t ev[8];
     int n = collect(g[0].c, ev, 8, 2, 5000);
     print_events("gen rank 0", ev, n);

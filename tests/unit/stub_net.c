@@ -25,14 +25,14 @@ static struct peer_conn net_conns[NET_CONNS];
 static int net_nconns;
 static Kvxfer__PeerMsg *sent[NET_SENT]; /* decoded copies, in order */
 static int nsent;
-static const char *net_down;            /* peer_connect() refuses this */
+static const char *net_down; /* peer_connect() refuses this */
 static int net_loopback;
 
 /* loopback: what was sent and is not yet played back */
 typedef struct wire {
     peer_conn_t *c;
-    Kvxfer__PeerMsg *m;      /* decoded copy */
-    uint8_t *data;           /* DATA: a copy of the piece */
+    Kvxfer__PeerMsg *m; /* decoded copy */
+    uint8_t *data;      /* DATA: a copy of the piece */
     size_t len;
     void (*done)(void *arg, int status);
     void *arg;
@@ -54,8 +54,14 @@ int peer_init(char *why, size_t why_len)
     (void)why_len;
     return 0;
 }
-int peer_enabled(void) { return 1; }
-void peer_tick(uint64_t now_ms) { (void)now_ms; }
+int peer_enabled(void)
+{
+    return 1;
+}
+void peer_tick(uint64_t now_ms)
+{
+    (void)now_ms;
+}
 void peer_cleanup(void) {}
 void peer_shutdown(void) {}
 
@@ -77,9 +83,18 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
     return c;
 }
 
-const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
-uint64_t peer_conn_id(const peer_conn_t *c) { return c->id; }
-int peer_conn_alive(const peer_conn_t *c) { return c->alive; }
+const char *peer_conn_address(const peer_conn_t *c)
+{
+    return c->address;
+}
+uint64_t peer_conn_id(const peer_conn_t *c)
+{
+    return c->id;
+}
+int peer_conn_alive(const peer_conn_t *c)
+{
+    return c->alive;
+}
 
 int peer_address_check(const char *address, char *why, size_t why_len)
 {
@@ -98,9 +113,8 @@ void peer_token(const char *instance, const char *addr0, uint64_t request,
     out[15] = (uint8_t)strlen(instance);
 }
 
-static void wire_push(peer_conn_t *c, const Kvxfer__PeerMsg *m,
-                      const void *buf, size_t len,
-                      void (*done)(void *, int), void *arg);
+static void wire_push(peer_conn_t *c, const Kvxfer__PeerMsg *m, const void *buf,
+                      size_t len, void (*done)(void *, int), void *arg);
 
 int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 {
@@ -122,9 +136,8 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     return 0;
 }
 
-static void wire_push(peer_conn_t *c, const Kvxfer__PeerMsg *m,
-                      const void *buf, size_t len,
-                      void (*done)(void *, int), void *arg)
+static void wire_push(peer_conn_t *c, const Kvxfer__PeerMsg *m, const void *buf,
+                      size_t len, void (*done)(void *, int), void *arg)
 {
     wire_t *w = calloc(1, sizeof(*w));
     size_t n = kvxfer__peer_msg__get_packed_size(m);
@@ -170,9 +183,8 @@ __attribute__((unused)) static int net_pump(void)
     return 1;
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
-                   const void *buf, size_t len,
-                   void (*done)(void *arg, int status), void *arg)
+int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
+                   size_t len, void (*done)(void *arg, int status), void *arg)
 {
     int rc = peer_send(c, hdr);
     if (rc)
@@ -190,7 +202,10 @@ void *peer_mem_map(void *addr, size_t len)
     (void)len;
     return (void *)1;
 }
-void peer_mem_unmap(void *memh) { (void)memh; }
+void peer_mem_unmap(void *memh)
+{
+    (void)memh;
+}
 size_t peer_infos(Kvxfer__PeerInfo ***out)
 {
     *out = NULL;
@@ -201,14 +216,27 @@ void peer_free_infos(Kvxfer__PeerInfo **v, size_t n)
     (void)v;
     (void)n;
 }
-void peer_ucx_info(Kvxfer__UcxInfo *info) { (void)info; }
+void peer_ucx_info(Kvxfer__UcxInfo *info)
+{
+    (void)info;
+}
 
-void peer_on_msg(int m_case, peer_msg_cb cb) { reg.msg[m_case] = cb; }
-void peer_on_lost(peer_lost_cb cb) { reg.lost[reg.nlost++] = cb; }
-void peer_set_data_ops(const peer_data_ops_t *ops) { reg.data = *ops; }
+void peer_on_msg(int m_case, peer_msg_cb cb)
+{
+    reg.msg[m_case] = cb;
+}
+void peer_on_lost(peer_lost_cb cb)
+{
+    reg.lost[reg.nlost++] = cb;
+}
+void peer_set_data_ops(const peer_data_ops_t *ops)
+{
+    reg.data = *ops;
+}
 
 /* A message from the daemon at address, to its registered handler. */
-__attribute__((unused)) static void net_deliver(const char *address, const Kvxfer__PeerMsg *m)
+__attribute__((unused)) static void net_deliver(const char *address,
+                                                const Kvxfer__PeerMsg *m)
 {
     char why[64];
     peer_conn_t *c = peer_connect(address, why, sizeof(why));
@@ -219,7 +247,8 @@ __attribute__((unused)) static void net_deliver(const char *address, const Kvxfe
 /* The connection to address (made now if there was none) is lost: its
  * queued sends fail first (as peer.c fails them), then every loss
  * callback runs, in order. */
-__attribute__((unused)) static void net_lose(const char *address, const char *msg)
+__attribute__((unused)) static void net_lose(const char *address,
+                                             const char *msg)
 {
     char why[64];
     peer_conn_t *c = peer_connect(address, why, sizeof(why));
@@ -248,7 +277,8 @@ __attribute__((unused)) static void net_lose(const char *address, const char *ms
 }
 
 /* The n-th message sent of kind m_case (0: the first), or NULL. */
-__attribute__((unused)) static const Kvxfer__PeerMsg *net_sent(int m_case, int nth)
+__attribute__((unused)) static const Kvxfer__PeerMsg *net_sent(int m_case,
+                                                               int nth)
 {
     for (int i = 0; i < nsent; i++)
         if ((int)sent[i]->m_case == m_case && nth-- == 0)

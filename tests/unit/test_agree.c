@@ -31,8 +31,7 @@ static void sink_reply(uint64_t sid, uint64_t req, int status,
 {
     if (nreplies < 32)
         replies[nreplies++] = (struct reply){sid, req, status, ""};
-    snprintf(replies[nreplies - 1].msg, sizeof(replies[0].msg), "%s",
-             message);
+    snprintf(replies[nreplies - 1].msg, sizeof(replies[0].msg), "%s", message);
 }
 
 static void sink_reply_msg(uint64_t sid, Kvxfer__Reply *r)
@@ -53,8 +52,8 @@ static instance_t *spread_instance(const char *id, int root)
         kvxd_set_reply_sink(&sink);
         CHECK_EQ(agree_init(), 0);
     }
-    plan_side_t side = {.tp = 2, .pp = 1, .cp = 1, .total_layers = 2,
-                        .total_heads = 2};
+    plan_side_t side = {
+        .tp = 2, .pp = 1, .cp = 1, .total_layers = 2, .total_heads = 2};
     uint32_t rank = root ? 0 : 1;
     instance_t *inst;
     char why[256];
@@ -191,8 +190,7 @@ TEST(lost_root_fails_the_members_waiting_poll)
     CHECK_EQ(m->poll->req_id, 42);
     CHECK_EQ(m->poll->rank, 1);
     /* a second poll of the same rank while one waits */
-    CHECK_EQ(agree_poll(inst, 1, 43, 1, 5000, why, sizeof(why)),
-             KVX_ERR_BUSY);
+    CHECK_EQ(agree_poll(inst, 1, 43, 1, 5000, why, sizeof(why)), KVX_ERR_BUSY);
     CHECK_EQ(nreplies, 0);
     net_lose(OTHER, "root went away");
     CHECK_EQ(nreplies, 1);
@@ -213,4 +211,3 @@ TEST(member_poll_refused_when_the_root_is_unreachable)
     CHECK_STR_CONTAINS(why, "root daemon " OTHER " of instance u1 is "
                             "unreachable");
 }
-

@@ -889,11 +889,11 @@ static void e2e_run(const e2e_t *c)
             const rank_mem_t *m = &src[s->src_rank];
             CHECK_EQ(s->src_layer_base, m->l0);
             CHECK_EQ(s->src_head_base, m->h0);
-            p->src[i] = (plan_mem_t){m->base,   &m->layout, m->blocks,
-                                     m->nblocks, m->size,   s->src_rank};
+            p->src[i] = (plan_mem_t){m->base,    &m->layout, m->blocks,
+                                     m->nblocks, m->size,    s->src_rank};
         }
-        p->dst = (plan_mem_t){dst.base,   &dst.layout, dst.blocks,
-                              dst.nblocks, dst.size,   100 + r};
+        p->dst = (plan_mem_t){dst.base,    &dst.layout, dst.blocks,
+                              dst.nblocks, dst.size,    100 + r};
         char bwhy[256];
         if (plan_check_bounds(p, bwhy, sizeof(bwhy))) {
             fprintf(stderr, "%s\n", bwhy);

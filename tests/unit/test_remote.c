@@ -38,8 +38,7 @@ static pool_t *host_pool(uint64_t sid)
           !fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK));
     pool_t *p;
     char why[256];
-    CHECK_EQ(pool_register_host(sid, fd, 0, size, &lay, &p, why,
-                                sizeof(why)),
+    CHECK_EQ(pool_register_host(sid, fd, 0, size, &lay, &p, why, sizeof(why)),
              0);
     return p;
 }
@@ -67,7 +66,7 @@ static int step(void)
 static void setup(void)
 {
     conf_defaults(&kvxd.conf);
-    kvxd.conf.slot_bytes = 64 << 10; /* a request takes several slots */
+    kvxd.conf.slot_bytes = 64 << 10;    /* a request takes several slots */
     kvxd.conf.message_bytes = 16 << 10; /* and a slot several pieces */
     kvxd.conf.slots = 4;
     kvxd.loop = uv_default_loop();
@@ -77,19 +76,19 @@ static void setup(void)
     CHECK_EQ(kvxd_defer_init(kvxd.loop), 0);
     CHECK_EQ(copy_init(kvxd.loop, 2, 0), 0);
     CHECK_EQ(remote_init(why, sizeof(why)), 0);
-    plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
-                        .total_heads = 2};
+    plan_side_t side = {
+        .tp = 1, .pp = 1, .cp = 1, .total_layers = 2, .total_heads = 2};
     char *a0 = kvxd.address;
     CHECK_EQ(instance_attach("ctx", KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
                              sizeof(why)),
              0);
     CHECK_EQ(instance_join(ctx, 0, &a0, 1, why, sizeof(why)), 0);
-    CHECK_EQ(instance_attach("gen", KVX_ROLE_GENERATION, 0, &side, 2, &gen,
-                             why, sizeof(why)),
+    CHECK_EQ(instance_attach("gen", KVX_ROLE_GENERATION, 0, &side, 2, &gen, why,
+                             sizeof(why)),
              0);
     CHECK_EQ(instance_join(gen, 0, &a0, 1, why, sizeof(why)), 0);
-    CHECK_EQ(kvx_layout_preset("vllm-nhd", 2, 2, 2, 1024, KVX_DTYPE_BF16, 4,
-                               16, &lay),
+    CHECK_EQ(kvx_layout_preset("vllm-nhd", 2, 2, 2, 1024, KVX_DTYPE_BF16, 4, 16,
+                               &lay),
              0);
     cpool = host_pool(1);
     gpool = host_pool(2);
@@ -120,9 +119,9 @@ static void start_transfer(void)
     cp->rank_addresses[0] = orig;
     kvxfer__context_params__free_unpacked(cp, NULL);
     free(params);
-    CHECK_EQ(xfer_fetch(gen, 0, 1, p, n, gpool, gblocks, 4, 0, 0, why,
-                        sizeof(why)),
-             0);
+    CHECK_EQ(
+        xfer_fetch(gen, 0, 1, p, n, gpool, gblocks, 4, 0, 0, why, sizeof(why)),
+        0);
     free(p);
     settle();
 }
@@ -145,12 +144,10 @@ static void check_bytes(void)
             for (uint32_t kv = 0; kv < 2; kv++)
                 for (uint32_t h = 0; h < lay.num_heads; h++) {
                     uint32_t tpb = lay.tokens_per_block;
-                    uint64_t so = kvx_layout_offset(&lay, l, kv,
-                                                    cblocks[t / tpb],
-                                                    t % tpb, h);
-                    uint64_t go = kvx_layout_offset(&lay, l, kv,
-                                                    gblocks[t / tpb],
-                                                    t % tpb, h);
+                    uint64_t so = kvx_layout_offset(
+                        &lay, l, kv, cblocks[t / tpb], t % tpb, h);
+                    uint64_t go = kvx_layout_offset(
+                        &lay, l, kv, gblocks[t / tpb], t % tpb, h);
                     CHECK(!memcmp(cpool->base + so, gpool->base + go, row));
                 }
 }
@@ -176,7 +173,7 @@ TEST(whole_transfer_through_the_loopback)
     while (step())
         msgs++;
     CHECK(net_sent(KVXFER__PEER_MSG__M_PULL, 2)); /* several slots */
-    CHECK(net_sent(KVXFER__PEER_MSG__M_DATA, 4)); /* of several pieces */ /* OPEN, OPENED, PULLs, pieces, ENDs */
+    CHECK(net_sent(KVXFER__PEER_MSG__M_DATA, 4)); /* of several pieces */
     const batch_event_t *g = ended(gen), *c = ended(ctx);
     CHECK(g && c);
     CHECK_EQ(g->kind, KVX_EVENT_COMPLETE);
@@ -228,15 +225,15 @@ TEST_T(loss_in_every_state_ends_both_sides_and_frees_every_slot, 120)
                 CHECK(c && c->kind == KVX_EVENT_TIMED_OUT);
             }
             if (!g || !c) {
-                fprintf(stderr, "after %d of %d messages: fetch %s, offer "
-                                "%s\n",
+                fprintf(stderr,
+                        "after %d of %d messages: fetch %s, offer "
+                        "%s\n",
                         k, total, g ? "ended" : "still running",
                         c ? "ended" : "still running");
                 _exit(1);
             }
             CHECK(g->kind == KVX_EVENT_COMPLETE ||
-                  (g->kind == KVX_EVENT_ERROR &&
-                   g->code == KVX_ERR_PEER_GONE));
+                  (g->kind == KVX_EVENT_ERROR && g->code == KVX_ERR_PEER_GONE));
             if (g->kind == KVX_EVENT_COMPLETE)
                 check_bytes();
             check_quiet();
@@ -245,8 +242,7 @@ TEST_T(loss_in_every_state_ends_both_sides_and_frees_every_slot, 120)
         int st;
         waitpid(pid, &st, 0);
         if (!WIFEXITED(st) || WEXITSTATUS(st)) {
-            fprintf(stderr, "loss after %d of %d messages failed\n", k,
-                    total);
+            fprintf(stderr, "loss after %d of %d messages failed\n", k, total);
             CHECK(0);
         }
     }
