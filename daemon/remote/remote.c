@@ -895,8 +895,7 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
      * of every piece is back */
     genpart_t *p = r->part;
     x->part = p;
-    p->inflight++;
-    p->req->inflight++;
+    xfer_part_fence_hold(p);
     x->piece_done = scatter_done;
     /* a GPU pool: a kernel reads the piece; else the copy threads */
     piece_copy(x, (uint32_t)k, p->plan, p->gpu, 0);
@@ -1253,8 +1252,7 @@ static void gather_done(slot_t *x, uint32_t k)
     offer_t *o = s->fence;
     assert(s->gathers > 0);
     s->gathers--;
-    assert(o->gathers > 0 /* the fence */);
-    o->gathers--;
+    xfer_offer_fence_release(o);
     uint64_t t = now_ns();
     if (x->pulled)
         st_tx.copy_ns += t - x->t_stage;
@@ -1279,7 +1277,7 @@ static void gather_done(slot_t *x, uint32_t k)
             return;
         }
     }
-    if ((o->ending || o->consume_fenced) && !o->gathers)
+    if (xfer_offer_fence_done(o))
         xfer_offer_fenced(o); /* may free o: not used below */
     sslot_release(x);
 }
@@ -1336,7 +1334,7 @@ static void slot_gather(sstream_t *s, slot_t *x)
 {
     s->gathers++;
     s->sends++;
-    s->offer->gathers++;
+    xfer_offer_fence_hold(s->offer);
     x->t_stage = now_ns();
     slot_cut(x, s->plan, remote_message_bytes());
     x->piece_done = gather_done;

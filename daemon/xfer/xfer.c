@@ -1186,6 +1186,25 @@ void xfer_offer_end(offer_t *o, int kind, int code, const char *msg)
     offer_end(o, kind, code, msg);
 }
 
+void xfer_offer_fence_hold(offer_t *o) { o->gathers++; }
+
+void xfer_offer_fence_release(offer_t *o)
+{
+    assert(o->gathers > 0); /* the fence */
+    o->gathers--;
+}
+
+int xfer_offer_fence_done(const offer_t *o)
+{
+    return (o->ending || o->consume_fenced) && !o->gathers;
+}
+
+void xfer_part_fence_hold(genpart_t *p)
+{
+    p->inflight++;
+    p->req->inflight++;
+}
+
 void xfer_offer_fenced(offer_t *o)
 {
     if (o->consume_fenced && !o->ending) {

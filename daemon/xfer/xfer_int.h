@@ -153,6 +153,18 @@ void xfer_offer_remote_done(offer_t *o, int complete, int code,
                             const char *msg);
 /* The fence of o's gathers is over: finalize if ending. */
 void xfer_offer_fenced(offer_t *o);
+
+/* The fences, counted here alone. An offer's memory is read by gathers
+ * for peer daemons: each holds the offer's fence until it is back. Once
+ * xfer_offer_fence_done() (ending or consumed, no gather out), the
+ * releaser calls xfer_offer_fenced(), which may free the offer. A
+ * part's memory is written by scatters of pieces from peer daemons: each
+ * holds the part's and its request's fence, released by
+ * xfer_part_progress(). */
+void xfer_offer_fence_hold(offer_t *o);
+void xfer_offer_fence_release(offer_t *o);
+int xfer_offer_fence_done(const offer_t *o);
+void xfer_part_fence_hold(genpart_t *p);
 /* Streams from a peer took o (it leaves the lease list). */
 void xfer_offer_taken(offer_t *o);
 
