@@ -1186,7 +1186,10 @@ void xfer_offer_end(offer_t *o, int kind, int code, const char *msg)
     offer_end(o, kind, code, msg);
 }
 
-void xfer_offer_fence_hold(offer_t *o) { o->gathers++; }
+void xfer_offer_fence_hold(offer_t *o)
+{
+    o->gathers++;
+}
 
 void xfer_offer_fence_release(offer_t *o)
 {

@@ -66,7 +66,7 @@ static int step(void)
 static void setup(void)
 {
     conf_defaults(&kvxd.conf);
-    kvx__log_level = 4; /* warnings and worse */
+    kvx__log_level = 4;                 /* warnings and worse */
     kvxd.conf.slot_bytes = 64 << 10;    /* a request takes several slots */
     kvxd.conf.message_bytes = 16 << 10; /* and a slot several pieces */
     kvxd.conf.slots = 4;
