@@ -61,7 +61,7 @@ DAEMON   := $(COMMON) \
             daemon/net/ucx.c daemon/net/lane.c daemon/net/peer.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
             daemon/xfer/instance.c daemon/xfer/xfer.c \
-            daemon/agree/batch.c daemon/agree/agree.c \
+            daemon/xfer/batch.c daemon/agree/agree.c \
             daemon/remote/remote.c \
             daemon/local/session.c daemon/local/server.c daemon/local/stats.c \
             $(GPU_SRC)
@@ -78,6 +78,7 @@ UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/t
 ITEST      := $(BUILD)/tests/integration
 
 .PHONY: all deps test asan tsan demo install uninstall clean bundle help test-gpu lint fuzz
+.PHONY: check-lib
 all: $(BINS)
 
 help:
@@ -88,7 +89,9 @@ help:
 	@echo "make demo       install missing packages, build, run the end-to-end demo"
 	@echo "make test-gpu   GPU tests (skips without a GPU)"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
+	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
 	@echo "make lint       cppcheck, no warnings allowed"
+	@echo "make format-check  clang-format on the lines changed since origin/main (else HEAD~1)"
 	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
 
 deps:
@@ -119,8 +122,26 @@ $(BUILD)/obj/daemon/copy/gpu_kernel.o: daemon/copy/gpu_kernel.cu daemon/copy/gpu
 $(BUILD)/libkvxfer.a: $(CLIENT_OBJ)
 	rm -f $@; ar rcs $@ $^
 
-$(BUILD)/libkvxfer.so: $(CLIENT_OBJ)
-	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvxfer.so.1 -o $@ $^ $(LIBS)
+# The library shows only its API (STYLE.md habit 13): its objects are
+# compiled with hidden visibility, kvxfer.h marks the API KVX_EXPORT and
+# the version script keeps everything else local (check: make check-lib).
+# The real file carries the version of kvxfer.h, its soname the major;
+# libkvxfer.so.1 (what the loader opens) and libkvxfer.so (what -lkvxfer
+# finds) are links to it, here as after make install.
+KVX_VERSION := $(shell sed -n 's/^.define KVX_VERSION_STRING "\(.*\)"/\1/p' lib/include/kvxfer.h)
+SO_REAL := libkvxfer.so.$(KVX_VERSION)
+SO_NAME := libkvxfer.so.$(firstword $(subst ., ,$(KVX_VERSION)))
+$(CLIENT_OBJ): CFLAGS += -fvisibility=hidden
+
+$(BUILD)/$(SO_REAL): $(CLIENT_OBJ) lib/libkvxfer.map
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,$(SO_NAME) \
+	    -Wl,--version-script=lib/libkvxfer.map -o $@ $(CLIENT_OBJ) $(LIBS)
+
+$(BUILD)/$(SO_NAME): $(BUILD)/$(SO_REAL)
+	ln -sf $(SO_REAL) $@
+
+$(BUILD)/libkvxfer.so: $(BUILD)/$(SO_NAME)
+	ln -sf $(SO_NAME) $@
 
 $(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/core/main.o
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
@@ -132,12 +153,13 @@ $(BUILD)/kvxfer-bench: $(BUILD)/obj/tools/bench.o $(BENCH_GPU_OBJ) $(BUILD)/libk
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) -lm $(CUDA_LIBS)
 
 # Unit tests include the module's .c (to reach statics) and link the rest
-# of the daemon except main.o.
-$(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h $(DAEMON_OBJ) $(BUILD)/libkvxfer.a
+# of the daemon except main.o and what a "unit-exclude:" line replaces
+# (tests/unit/stub_net.c stands in for net).
+$(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h tests/unit/stub_net.c $(DAEMON_OBJ) $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p; s|^ \* unit-exclude: \(.*\)$$|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
-$(ITEST): tests/integration/integration.c tests/integration/peer_tests.c tests/test.h $(BUILD)/libkvxfer.a $(BUILD)/tests/fake_peer
+$(ITEST): tests/integration/integration.c $(filter-out %/fake_peer.c,$(wildcard tests/integration/*.c)) tests/test.h $(BUILD)/libkvxfer.a $(BUILD)/tests/fake_peer
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
 
@@ -197,20 +219,30 @@ bundle: all $(GPU_TESTS)
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib \
+	    $(DESTDIR)$(PREFIX)/lib/pkgconfig \
 	    $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/systemd/system \
 	    $(DESTDIR)/etc/kvxfer
 	install -m 755 $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench $(DESTDIR)$(PREFIX)/bin/
 	install -m 644 $(BUILD)/libkvxfer.a $(DESTDIR)$(PREFIX)/lib/
-	install -m 755 $(BUILD)/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/libkvxfer.so.1
-	ln -sf libkvxfer.so.1 $(DESTDIR)$(PREFIX)/lib/libkvxfer.so
+	install -m 755 $(BUILD)/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/
+	ln -sf $(SO_REAL) $(DESTDIR)$(PREFIX)/lib/$(SO_NAME)
+	ln -sf $(SO_NAME) $(DESTDIR)$(PREFIX)/lib/libkvxfer.so
 	install -m 644 lib/include/kvxfer.h $(DESTDIR)$(PREFIX)/include/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KVX_VERSION)|g' \
+	    lib/kvxfer.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/kvxferd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
 	[ -e $(DESTDIR)/etc/kvxfer/kvxferd.yaml ] || install -m 644 config/kvxferd.yaml $(DESTDIR)/etc/kvxfer/kvxferd.yaml
+
+# libkvxfer exports only its API, and an install of it works through
+# pkg-config (the install goes to a temporary directory)
+check-lib: all
+	@MAKE="$(MAKE)" scripts/check-lib.sh $(BUILD)
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/kvxferd $(DESTDIR)$(PREFIX)/bin/kvxferctl \
 	    $(DESTDIR)$(PREFIX)/bin/kvxfer-bench $(DESTDIR)$(PREFIX)/lib/libkvxfer.a \
-	    $(DESTDIR)$(PREFIX)/lib/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/libkvxfer.so.1 \
+	    $(DESTDIR)$(PREFIX)/lib/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/$(SO_NAME) \
+	    $(DESTDIR)$(PREFIX)/lib/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc \
 	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
 	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
 
@@ -231,6 +263,13 @@ fuzz: $(GEN)
 lint: $(GEN)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
 	    --std=c11 $(INCLUDES) -I$(BUILD)/gen daemon common lib tools
+	python3 scripts/layers.py
+
+# clang-format (.clang-format) on changed lines only: the existing code
+# is not fully formatted. BASE=<commit> to compare with another base.
+.PHONY: format-check
+format-check:
+	@scripts/check-format.sh $(BASE)
 
 clean:
 	rm -rf build build-asan build-tsan dist
