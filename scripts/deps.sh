@@ -3,6 +3,8 @@
 # As root: installs them. Otherwise: prints the exact apt-get line and fails.
 set -e
 PKGS="build-essential pkg-config libuv1-dev libucx-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev libssl-dev ucx-utils iproute2"
+# `deps.sh ci`: also what .ci/run uses (make lint, make fuzz, make format-check)
+[ "${1:-}" != ci ] || PKGS="$PKGS clang libclang-rt-dev clang-format cppcheck"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
