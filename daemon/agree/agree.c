@@ -33,6 +33,7 @@
 #include "agree.h"
 #include "daemon.h"
 #include "fault.h"
+#include "list.h"
 #include "log.h"
 #include "peer.h"
 #include "xfer.h"
@@ -63,7 +64,7 @@ typedef struct fpoll {
 typedef struct late {
     uint8_t *pb;           /* packed Kvxfer__PeerBatch */
     size_t len;
-    struct late *next;
+    list_t node; /* on its rank's spread_t.late, oldest first */
 } late_t;
 #define LATE_MAX 8
 
@@ -72,7 +73,7 @@ typedef struct spread {
     instance_t *inst;
     map_t merges[2];       /* root: request_id -> merge; [1] offers */
     fpoll_t *poll;         /* member: per rank */
-    late_t **late;         /* member: per rank */
+    list_t *late;          /* member: per rank, late_t */
     uint64_t *has;         /* member: per rank, 1 + the batch it reads
                               next as far as this daemon has them (given
                               or kept); 0: not known. Its polls say it
@@ -85,10 +86,10 @@ typedef struct spread {
                               none yet */
     uint64_t epoch;        /* member: the root's incarnation of the
                               instance, as its batches say */
-    struct spread *next;
+    list_t node;           /* on spreads */
 } spread_t;
 
-static spread_t *spreads;
+static list_t spreads = {&spreads, &spreads};
 
 /* Member: a rank's joined or left, until the root acknowledges it. */
 typedef struct announce {
@@ -98,7 +99,7 @@ typedef struct announce {
     int joined;
     uint64_t session;      /* joined: the rank's session here */
     uint64_t next_ms, until_ms;
-    struct announce *next;
+    list_t node; /* on announces */
 } announce_t;
 
 #define ANNOUNCE_EVERY_MS 100
@@ -107,7 +108,7 @@ typedef struct announce {
 /* a forwarded poll not answered this long after its deadline fails */
 #define POLL_LATE_MS 2000
 
-static announce_t *announces;
+static list_t announces = {&announces, &announces};
 
 /* Root: a member's event that came before this daemon joined the
  * instance (its rank 0 may not even have said hello): merged when it
@@ -120,7 +121,7 @@ typedef struct early {
     char *msg;
     uint32_t ranks, expect;
     uint64_t until_ms;
-    struct early *next;
+    list_t node; /* on earlies, in arrival order */
 } early_t;
 
 #define EARLY_MAX 4096
@@ -129,7 +130,7 @@ typedef struct early {
 #define EVENT_MSG_MAX 512
 #define EARLY_FOR_MS 60000
 
-static early_t *earlies;
+static list_t earlies = {&earlies, &earlies};
 static uint32_t nearly;
 
 /* A poll reply for a local rank held back: the merged batch ends requests
@@ -142,10 +143,15 @@ typedef struct held {
     uint8_t *reply;        /* packed Kvxfer__Reply */
     size_t len;
     uint64_t since_ms;
-    struct held *next;
+    list_t node; /* on helds */
 } held_t;
 
-static held_t *helds;
+static list_t helds = {&helds, &helds};
+
+#define SPREAD(n) LIST_OWNER(n, spread_t, node)
+#define ANNOUNCE(n) LIST_OWNER(n, announce_t, node)
+#define EARLY(n) LIST_OWNER(n, early_t, node)
+#define HELD(n) LIST_OWNER(n, held_t, node)
 
 static void merge_report(instance_t *inst, uint64_t request_id, int offer,
                          int kind, int code, const char *msg, uint32_t ranks,
@@ -162,21 +168,22 @@ uint32_t agree_kept(const instance_t *inst)
     uint32_t n = 0;
     spread_t *s = spread_of((instance_t *)inst, 0);
     for (uint32_t r = 0; s && r < inst->nranks; r++)
-        for (late_t *l = s->late[r]; l; l = l->next)
+        for (list_t *l = s->late[r].next; l != &s->late[r]; l = l->next)
             n++;
     return n;
 }
 
 static spread_t *spread_of(instance_t *inst, int create)
 {
-    for (spread_t *s = spreads; s; s = s->next)
-        if (s->inst == inst)
-            return s;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &spreads)
+    if (SPREAD(n)->inst == inst)
+        return SPREAD(n);
     if (!create)
         return NULL;
     spread_t *s = calloc(1, sizeof(*s));
     if (!s || !(s->poll = calloc(inst->nranks, sizeof(fpoll_t))) ||
-        !(s->late = calloc(inst->nranks, sizeof(late_t *))) ||
+        !(s->late = calloc(inst->nranks, sizeof(list_t))) ||
         !(s->has = calloc(inst->nranks, sizeof(uint64_t))) ||
         !(s->away_ms = calloc(inst->nranks, sizeof(uint64_t))) ||
         !(s->sess = calloc(inst->nranks, sizeof(uint64_t))) ||
@@ -192,9 +199,10 @@ static spread_t *spread_of(instance_t *inst, int create)
         free(s);
         return NULL;
     }
+    for (uint32_t r = 0; r < inst->nranks; r++)
+        list_init(&s->late[r]);
     s->inst = inst;
-    s->next = spreads;
-    spreads = s;
+    list_push(&spreads, &s->node);
     return s;
 }
 
@@ -204,8 +212,7 @@ static spread_t *spread_of(instance_t *inst, int create)
 static int late_push(spread_t *s, uint32_t rank, const Kvxfer__PeerBatch *pb)
 {
     uint32_t n = 0;
-    late_t **tail = &s->late[rank];
-    for (; *tail; tail = &(*tail)->next)
+    for (list_t *x = s->late[rank].next; x != &s->late[rank]; x = x->next)
         n++;
     late_t *l = NULL;
     size_t len = kvxfer__peer_batch__get_packed_size(pb);
@@ -217,7 +224,7 @@ static int late_push(spread_t *s, uint32_t rank, const Kvxfer__PeerBatch *pb)
     }
     kvxfer__peer_batch__pack(pb, l->pb);
     l->len = len;
-    *tail = l;
+    list_push(&s->late[rank], &l->node);
     return 0;
 }
 
@@ -241,10 +248,11 @@ static int late_keep(spread_t *s, const instance_t *inst,
  * kvxfer__peer_batch__free_unpacked()), or NULL. */
 static Kvxfer__PeerBatch *late_pop(spread_t *s, uint32_t rank)
 {
-    late_t *l = s->late[rank];
-    if (!l)
+    list_t *first = list_first(&s->late[rank]);
+    if (!first)
         return NULL;
-    s->late[rank] = l->next;
+    late_t *l = LIST_OWNER(first, late_t, node);
+    list_remove(first);
     Kvxfer__PeerBatch *pb = kvxfer__peer_batch__unpack(NULL, l->len, l->pb);
     free(l->pb);
     free(l);
@@ -254,39 +262,37 @@ static Kvxfer__PeerBatch *late_pop(spread_t *s, uint32_t rank)
 static void late_clear(spread_t *s, uint32_t rank)
 {
     Kvxfer__PeerBatch *pb;
-    while (s->late[rank])
+    while (!list_empty(&s->late[rank]))
         if ((pb = late_pop(s, rank)))
             kvxfer__peer_batch__free_unpacked(pb, NULL);
 }
 
 void agree_forget(instance_t *inst)
 {
-    for (spread_t **pp = &spreads; *pp; pp = &(*pp)->next)
-        if ((*pp)->inst == inst) {
-            spread_t *s = *pp;
-            *pp = s->next;
-            for (int k = 0; k < 2; k++) {
-                uint32_t n = s->merges[k].n;
-                void **v = calloc(n ? n : 1, sizeof(*v));
-                if (v) {
-                    n = map_values(&s->merges[k], v, n);
-                    for (uint32_t i = 0; i < n; i++)
-                        free(v[i]);
-                    free(v);
-                }
-                map_free(&s->merges[k]);
-            }
-            for (uint32_t r = 0; r < inst->nranks; r++)
-                late_clear(s, r);
-            free(s->late);
-            free(s->has);
-            free(s->away_ms);
-            free(s->sess);
-            free(s->via);
-            free(s->poll);
-            free(s);
-            return;
+    spread_t *s = spread_of(inst, 0);
+    if (!s)
+        return;
+    list_remove(&s->node);
+    for (int k = 0; k < 2; k++) {
+        uint32_t n = s->merges[k].n;
+        void **v = calloc(n ? n : 1, sizeof(*v));
+        if (v) {
+            n = map_values(&s->merges[k], v, n);
+            for (uint32_t i = 0; i < n; i++)
+                free(v[i]);
+            free(v);
         }
+        map_free(&s->merges[k]);
+    }
+    for (uint32_t r = 0; r < inst->nranks; r++)
+        late_clear(s, r);
+    free(s->late);
+    free(s->has);
+    free(s->away_ms);
+    free(s->sess);
+    free(s->via);
+    free(s->poll);
+    free(s);
 }
 
 void agree_joined(instance_t *inst)
@@ -298,30 +304,17 @@ void agree_joined(instance_t *inst)
         if (!inst->local[r])
             batch_rank_join(&inst->batches, r);
     /* members' events that came before: merged now, in arrival order */
-    early_t *mine = NULL, **tail = &mine;
-    for (early_t **pp = &earlies; *pp;) {
-        early_t *x = *pp;
-        if (strcmp(x->instance, inst->id)) {
-            pp = &x->next;
-            continue;
-        }
-        *pp = x->next;
-        x->next = NULL;
-        *tail = x;
-        tail = &x->next;
+    list_t mine, *n, *t;
+    list_init(&mine);
+    LIST_FOREACH_SAFE(n, t, &earlies)
+    if (!strcmp(EARLY(n)->instance, inst->id)) {
+        list_remove(n);
+        list_push(&mine, n);
         nearly--;
     }
-    /* earlies is newest first: reverse to arrival order */
-    early_t *ordered = NULL;
-    while (mine) {
-        early_t *x = mine;
-        mine = x->next;
-        x->next = ordered;
-        ordered = x;
-    }
-    while (ordered) {
-        early_t *x = ordered;
-        ordered = x->next;
+    LIST_FOREACH_SAFE(n, t, &mine)
+    {
+        early_t *x = EARLY(n);
         if (root && event_ok(inst, x->from, x->kind, x->code, x->ranks,
                              x->expect))
             merge_report(inst, x->request_id, x->offer, x->kind, x->code,
@@ -449,15 +442,14 @@ static void announce_queue(instance_t *inst, uint32_t rank, int joined,
         s->has[rank] = 0;
     }
     announce_t *a = NULL;
-    for (announce_t **pp = &announces; *pp; pp = &(*pp)->next)
-        if ((*pp)->rank == rank && !strcmp((*pp)->instance, inst->id)) {
-            a = *pp; /* the newer state replaces the older */
-            break;
-        }
-    if (!a && (a = calloc(1, sizeof(*a)))) {
-        a->next = announces;
-        announces = a;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &announces)
+    if (ANNOUNCE(n)->rank == rank && !strcmp(ANNOUNCE(n)->instance, inst->id)) {
+        a = ANNOUNCE(n); /* the newer state replaces the older */
+        break;
     }
+    if (!a && (a = calloc(1, sizeof(*a))))
+        list_push(&announces, &a->node);
     uint64_t now = kvxd_now_ms();
     announce_t once; /* out of memory: told once, not again */
     if (!a)
@@ -481,13 +473,15 @@ static void announce_queue(instance_t *inst, uint32_t rank, int joined,
 /* Member: the root took an announcement into account. */
 static void on_ranks_ack(peer_conn_t *c, const Kvxfer__PeerRanks *r)
 {
-    for (announce_t **pp = &announces; *pp; pp = &(*pp)->next) {
-        announce_t *a = *pp;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &announces)
+    {
+        announce_t *a = ANNOUNCE(n);
         if (a->rank == r->rank && a->joined == r->joined &&
-            a->session == r->session &&
-            r->instance_id && !strcmp(a->instance, r->instance_id) &&
+            a->session == r->session && r->instance_id &&
+            !strcmp(a->instance, r->instance_id) &&
             !strcmp(a->root, peer_conn_address(c))) {
-            *pp = a->next;
+            list_remove(n);
             free(a);
             return;
         }
@@ -670,8 +664,7 @@ int agree_fence_batch(instance_t *inst, uint64_t sid, const Kvxfer__Reply *r)
     snprintf(h->instance, sizeof(h->instance), "%s", inst->id);
     h->sid = sid;
     h->since_ms = kvxd_now_ms();
-    h->next = helds;
-    helds = h;
+    list_push(&helds, &h->node);
     return 1;
 }
 
@@ -679,17 +672,19 @@ static void helds_tick(uint64_t now)
 {
     /* over the list taken as it is: ending a request may deliver (and
      * hold) again, onto the new list */
-    held_t *list = helds, *keep = NULL;
-    helds = NULL;
-    while (list) {
-        held_t *h = list;
-        list = h->next;
+    list_t list, keep, *n, *t;
+    list_init(&list);
+    list_init(&keep);
+    list_move_all(&helds, &list);
+    LIST_FOREACH_SAFE(n, t, &list)
+    {
+        held_t *h = HELD(n);
+        list_remove(n);
         Kvxfer__Reply *r = kvxfer__reply__unpack(NULL, h->len, h->reply);
         instance_t *inst = instance_find(h->instance);
         if (r && inst && r->poll && batch_runs(inst, r->poll, 1)) {
             kvxfer__reply__free_unpacked(r, NULL);
-            h->next = keep; /* their fences are not done yet */
-            keep = h;
+            list_push(&keep, n); /* their fences are not done yet */
             continue;
         }
         if (r) {
@@ -701,12 +696,7 @@ static void helds_tick(uint64_t now)
         free(h->reply);
         free(h);
     }
-    while (keep) {
-        held_t *h = keep;
-        keep = h->next;
-        h->next = helds;
-        helds = h;
-    }
+    list_move_all(&keep, &helds);
 }
 
 /* ---- polls ------------------------------------------------------------- */
@@ -867,7 +857,7 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
         kvxd_reply(inst->rank_sid[rank], pb->req_id, pb->code, pb->message);
         return;
     }
-    if (dup && !s->late[rank]) {
+    if (dup && list_empty(&s->late[rank])) {
         /* the rank has read it: this poll asks for the next one */
         uint64_t now = kvxd_now_ms();
         uint32_t left = fp->deadline_ms > now
@@ -882,7 +872,7 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     }
     fp->req = 0;
     fp->retry_ms = 0;
-    if (s->late[rank]) {
+    if (!list_empty(&s->late[rank])) {
         /* batches kept from before come first: this one waits behind
          * them, and the oldest answers this poll (in order) */
         if (!dup && !late_keep(s, inst, pb))
@@ -1061,8 +1051,7 @@ static void early_hold(const char *from, const Kvxfer__PeerEvent *e)
     x->ranks = e->ranks;
     x->expect = e->expect;
     x->until_ms = kvxd_now_ms() + EARLY_FOR_MS;
-    x->next = earlies;
-    earlies = x;
+    list_push(&earlies, &x->node);
     nearly++;
 }
 
@@ -1179,35 +1168,38 @@ void agree_tick(uint64_t now)
 {
     helds_tick(now);
     /* root: ranks away too long are gone: they free their batches */
-    for (spread_t *s = spreads; s; s = s->next)
-        for (uint32_t r = 0; is_root(s->inst) && r < s->inst->nranks; r++)
-            if (s->inst->batches.away[r] &&
-                now >= s->away_ms[r] + ANNOUNCE_FOR_MS)
-                batch_rank_leave(&s->inst->batches, r);
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &spreads)
+    for (uint32_t r = 0;
+         is_root(SPREAD(n)->inst) && r < SPREAD(n)->inst->nranks; r++) {
+        spread_t *s = SPREAD(n);
+        if (s->inst->batches.away[r] && now >= s->away_ms[r] + ANNOUNCE_FOR_MS)
+            batch_rank_leave(&s->inst->batches, r);
+    }
     /* members' events whose instance never joined here */
-    for (early_t **pp = &earlies; *pp;) {
-        early_t *x = *pp;
-        if (now < x->until_ms) {
-            pp = &x->next;
+    LIST_FOREACH_SAFE(n, t, &earlies)
+    {
+        early_t *x = EARLY(n);
+        if (now < x->until_ms)
             continue;
-        }
         log_warn("instance %s never joined here: the event of request %llu "
                  "from %s is dropped",
                  x->instance, (unsigned long long)x->request_id, x->from);
-        *pp = x->next;
+        list_remove(n);
         nearly--;
         free(x->msg);
         free(x);
     }
     /* announcements the root has not acknowledged: again */
-    for (announce_t **pp = &announces; *pp;) {
-        announce_t *a = *pp;
+    LIST_FOREACH_SAFE(n, t, &announces)
+    {
+        announce_t *a = ANNOUNCE(n);
         if (now >= a->until_ms) {
             log_warn("instance %s: the root daemon %s never acknowledged "
                      "that rank %u %s",
                      a->instance, a->root, a->rank,
                      a->joined ? "joined" : "left");
-            *pp = a->next;
+            list_remove(n);
             free(a);
             continue;
         }
@@ -1215,10 +1207,11 @@ void agree_tick(uint64_t now)
             a->next_ms = now + ANNOUNCE_EVERY_MS;
             announce_send(a);
         }
-        pp = &a->next;
     }
     /* root: merged requests whose missing reports never came */
-    for (spread_t *s = spreads; s; s = s->next) {
+    LIST_FOREACH_SAFE(n, t, &spreads)
+    {
+        spread_t *s = SPREAD(n);
         instance_t *inst = s->inst;
         for (int k = 0; k < 2 && is_root(inst); k++) {
         uint32_t n = s->merges[k].n;
@@ -1252,7 +1245,9 @@ void agree_tick(uint64_t now)
         }
     }
     /* polls the root could not take yet: again, until their deadline */
-    for (spread_t *s = spreads; s; s = s->next) {
+    LIST_FOREACH_SAFE(n, t, &spreads)
+    {
+        spread_t *s = SPREAD(n);
         instance_t *inst = s->inst;
         if (is_root(inst))
             continue;
@@ -1295,23 +1290,24 @@ void agree_tick(uint64_t now)
 
 void agree_cleanup(void)
 {
-    while (earlies) {
-        early_t *x = earlies;
-        earlies = x->next;
-        free(x->msg);
-        free(x);
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &earlies)
+    {
+        list_remove(n);
+        free(EARLY(n)->msg);
+        free(EARLY(n));
     }
     nearly = 0;
-    while (announces) {
-        announce_t *a = announces;
-        announces = a->next;
-        free(a);
+    LIST_FOREACH_SAFE(n, t, &announces)
+    {
+        list_remove(n);
+        free(ANNOUNCE(n));
     }
-    while (helds) {
-        held_t *h = helds;
-        helds = h->next;
-        free(h->reply);
-        free(h);
+    LIST_FOREACH_SAFE(n, t, &helds)
+    {
+        list_remove(n);
+        free(HELD(n)->reply);
+        free(HELD(n));
     }
 }
 

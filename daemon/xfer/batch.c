@@ -1,4 +1,5 @@
 /* batch — sealed batches and lockstep polls; see batch.h. */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -92,6 +93,9 @@ static int seal(batch_state_t *bs)
     batch_t *b = calloc(1, sizeof(*b));
     if (!b)
         return KVX_ERR_NOMEM;
+    /* batches are numbered 0, 1, 2, ... with no gap: every rank reads
+     * batch k as the same batch */
+    assert(!bs->tail || bs->tail->seq + 1 == bs->next_seq);
     b->seq = bs->next_seq++;
     b->events = bs->pending;
     b->nevents = bs->npending;
@@ -132,6 +136,7 @@ void batch_rank_join(batch_state_t *bs, uint32_t rank)
 {
     bs->present[rank] = 1;
     bs->away[rank] = 0;
+    assert(bs->cursor[rank] <= bs->next_seq); /* no rank reads ahead */
     bs->cursor[rank] = bs->next_seq;
     bs->joined_at[rank] = bs->next_seq;
     bs->resume[rank] = 0;

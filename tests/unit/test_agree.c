@@ -47,6 +47,7 @@ static instance_t *spread_instance(const char *id, int root)
     static int once;
     if (!once++) {
         conf_defaults(&kvxd.conf);
+        kvx__log_level = 4; /* warnings and worse */
         snprintf(kvxd.address, sizeof(kvxd.address), "%s", ME);
         static const kvxd_reply_sink_t sink = {sink_reply, sink_reply_msg};
         kvxd_set_reply_sink(&sink);
