@@ -174,6 +174,28 @@ typedef struct sstream {
     struct sstream *next;        /* offer's list */
 } sstream_t;
 
+/* S: what this module keeps of an offer peer daemons read (offer_t's
+ * remote): made at the first OPEN, freed with the offer
+ * (remote_offer_free(), through xfer). xfer never reads it. */
+typedef struct roffer {
+    sstream_t *streams;      /* reading it now */
+    uint32_t streams_expect; /* streams that will come in all */
+    uint32_t streams_opened; /* accepted: at most streams_expect */
+    uint32_t streams_done;   /* completed */
+    char rconsumer[256];     /* who: "request N of instance 'x'" */
+    uint8_t *rread;          /* context ranks the consumer reads */
+    char **consumer_addrs;   /* daemons whose streams it waits for */
+    uint32_t nconsumer_addrs;
+} roffer_t;
+
+/* An offer no peer opened reads as this. */
+static const roffer_t roffer_none;
+
+static const roffer_t *RO(const offer_t *o)
+{
+    return o->remote ? o->remote : &roffer_none;
+}
+
 /* A generation daemon never has more PULLs of one stream out than its
  * receive slots (peer.slots, at most 1024): more is a broken peer. */
 #define PULLS_QUEUED_MAX 1024
@@ -421,6 +443,30 @@ static int piece_at(const slot_t *x, uint64_t off)
     return -1;
 }
 
+void remote_offer_free(offer_t *o)
+{
+    roffer_t *ro = o->remote;
+    if (!ro)
+        return;
+    for (uint32_t i = 0; i < ro->nconsumer_addrs; i++)
+        free(ro->consumer_addrs[i]);
+    free(ro->consumer_addrs);
+    free(ro->rread);
+    free(ro);
+    o->remote = NULL;
+}
+
+static const char *offer_taker(const offer_t *o)
+{
+    return RO(o)->rconsumer[0] ? RO(o)->rconsumer : NULL;
+}
+
+static uint32_t offer_streams(const offer_t *o, uint32_t *done)
+{
+    *done = RO(o)->streams_done;
+    return RO(o)->streams_expect;
+}
+
 int remote_init(char *why, size_t why_len)
 {
     /* what xfer and net call, whether peers are on or not */
@@ -429,7 +475,10 @@ int remote_init(char *why, size_t why_len)
                                           .part_free = remote_part_free,
                                           .offer_stop = remote_offer_stop,
                                           .offer_published =
-                                              remote_offer_published};
+                                              remote_offer_published,
+                                          .offer_free = remote_offer_free,
+                                          .offer_taker = offer_taker,
+                                          .offer_streams = offer_streams};
     xfer_set_remote_ops(&ops);
     static const int kinds[] = {
         KVXFER__PEER_MSG__M_OPEN, KVXFER__PEER_MSG__M_OPENED,
@@ -935,8 +984,8 @@ static void sstream_end(sstream_t *s)
         return;
     s->ended = 1;
     offer_t *o = s->offer;
-    if (o)
-        for (sstream_t **pp = &o->streams; *pp; pp = &(*pp)->next)
+    if (o && o->remote)
+        for (sstream_t **pp = &o->remote->streams; *pp; pp = &(*pp)->next)
             if (*pp == s) {
                 *pp = s->next;
                 break;
@@ -993,15 +1042,16 @@ static int token_equal(const ProtobufCBinaryData *t, const uint8_t *ours)
 /* Streams that will read o: the slices, over every rank of the receiving
  * group, whose source rank is served here; the daemons they come from
  * (losing one of them ends o); and which context ranks the consumer reads
- * at all (o->rread, for offer_done_notify()). */
+ * at all (roffer_t.rread, for offer_done_notify()). */
 static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
                                  uint32_t skip, const Kvxfer__PeerOpen *m)
 {
     uint32_t n = 0, ranks = plan_side_ranks(dst);
+    roffer_t *ro = o->remote; /* made by on_open() */
     if (m->n_dst_addresses == ranks)
-        o->consumer_addrs = calloc(ranks, sizeof(char *));
-    free(o->rread);
-    o->rread = calloc(o->inst->nranks, 1);
+        ro->consumer_addrs = calloc(ranks, sizeof(char *));
+    free(ro->rread);
+    ro->rread = calloc(o->inst->nranks, 1);
     for (uint32_t r = 0; r < ranks; r++) {
         plan_t *p;
         char why[64];
@@ -1011,19 +1061,19 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
         uint32_t k = 0;
         for (uint32_t i = 0; i < p->nslices; i++) {
             k += o->inst->local[p->slices[i].src_rank];
-            if (o->rread)
-                o->rread[p->slices[i].src_rank] = 1;
+            if (ro->rread)
+                ro->rread[p->slices[i].src_rank] = 1;
         }
         plan_free(p);
         n += k;
-        if (!k || !o->consumer_addrs)
+        if (!k || !ro->consumer_addrs)
             continue;
         int seen = 0;
-        for (uint32_t j = 0; j < o->nconsumer_addrs && !seen; j++)
-            seen = !strcmp(o->consumer_addrs[j], m->dst_addresses[r]);
-        if (!seen && (o->consumer_addrs[o->nconsumer_addrs] =
+        for (uint32_t j = 0; j < ro->nconsumer_addrs && !seen; j++)
+            seen = !strcmp(ro->consumer_addrs[j], m->dst_addresses[r]);
+        if (!seen && (ro->consumer_addrs[ro->nconsumer_addrs] =
                           strdup(m->dst_addresses[r])))
-            o->nconsumer_addrs++;
+            ro->nconsumer_addrs++;
     }
     return n;
 }
@@ -1031,10 +1081,12 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
 /* S: did o wait for streams from the daemon at addr? */
 static int offer_waits_for(const offer_t *o, const char *addr)
 {
-    if (o->ending || !o->streams_expect || o->streams_done >= o->streams_expect)
+    const roffer_t *ro = RO(o);
+    if (o->ending || !ro->streams_expect ||
+        ro->streams_done >= ro->streams_expect)
         return 0;
-    for (uint32_t j = 0; j < o->nconsumer_addrs; j++)
-        if (!strcmp(o->consumer_addrs[j], addr))
+    for (uint32_t j = 0; j < ro->nconsumer_addrs; j++)
+        if (!strcmp(ro->consumer_addrs[j], addr))
             return 1;
     return 0;
 }
@@ -1118,18 +1170,24 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     snprintf(who, sizeof(who), "request %llu of instance '%s'",
              (unsigned long long)m->consumer_request,
              m->consumer_instance ? m->consumer_instance : "");
-    if (o->rconsumer[0] && strcmp(o->rconsumer, who)) {
+    if (!o->remote && !(o->remote = calloc(1, sizeof(*o->remote)))) {
+        plan_free(plan);
+        open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
+        return;
+    }
+    roffer_t *ro = o->remote;
+    if (ro->rconsumer[0] && strcmp(ro->rconsumer, who)) {
         plan_free(plan);
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
                     "the offer of request %llu is already taken by %s",
-                    (unsigned long long)m->request_id, o->rconsumer);
+                    (unsigned long long)m->request_id, ro->rconsumer);
         return;
     }
-    if (o->streams_expect && o->streams_opened >= o->streams_expect) {
+    if (ro->streams_expect && ro->streams_opened >= ro->streams_expect) {
         plan_free(plan);
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
                     "the offer of request %llu has all its %u streams",
-                    (unsigned long long)m->request_id, o->streams_expect);
+                    (unsigned long long)m->request_id, ro->streams_expect);
         return;
     }
     sstream_t *s = calloc(1, sizeof(*s));
@@ -1161,14 +1219,14 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->dst_layout.head_dim = dst.head_dim;
     s->dst_layout.elem_size = dst.elem_size;
     plan->dst.layout = &s->dst_layout;
-    if (!o->streams_expect) {
-        o->streams_expect = streams_expected(o, &dst, m->skip_tokens, m);
-        snprintf(o->rconsumer, sizeof(o->rconsumer), "%s", who);
+    if (!ro->streams_expect) {
+        ro->streams_expect = streams_expected(o, &dst, m->skip_tokens, m);
+        snprintf(ro->rconsumer, sizeof(ro->rconsumer), "%s", who);
         xfer_offer_taken(o);
     }
-    o->streams_opened++;
-    s->next = o->streams;
-    o->streams = s;
+    ro->streams_opened++;
+    s->next = ro->streams;
+    ro->streams = s;
     Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerOpened op = KVXFER__PEER_OPENED__INIT;
     op.stream = s->dst_id;
@@ -1532,14 +1590,14 @@ void remote_offer_published(offer_t *o)
 {
     if (done_notes && done_notes_apply(o))
         return; /* o may have ended: not used below */
-    if (o->streams)
+    if (RO(o)->streams)
         serve_pulls();
 }
 
 void remote_offer_stop(offer_t *o, int code, const char *msg)
 {
-    while (o->streams) {
-        sstream_t *s = o->streams;
+    while (RO(o)->streams) {
+        sstream_t *s = o->remote->streams;
         peer_conn_t *c = s->conn;
         uint64_t dst = s->dst_id;
         /* its gathers still count in o->gathers: the offer's fence */
@@ -1559,7 +1617,7 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
 static void offer_done_notify(offer_t *o)
 {
     instance_t *inst = o->inst;
-    const uint8_t *read = o->rread; /* from the first OPEN's plans */
+    const uint8_t *read = RO(o)->rread; /* from the first OPEN's plans */
     if (inst->nlocal == inst->nranks || !peer_enabled() || !read)
         return;
     for (uint32_t r = 0; r < inst->nranks; r++) {
@@ -1593,7 +1651,7 @@ static void offer_done_notify(offer_t *o)
  * read. Only an offer no stream took. */
 static void offer_done_apply(offer_t *o)
 {
-    if (o->streams_expect || o->ending || o->consumed || o->consume_fenced)
+    if (RO(o)->streams_expect || o->ending || o->consumed || o->consume_fenced)
         return;
     xfer_offer_remote_done(o, 1, 0, "");
 }
@@ -1691,7 +1749,8 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
             log_warn("%s", m);
             xfer_offer_remote_done(o, 0, KVX_ERR_PROTOCOL, m);
         } else if (e->code == 0) {
-            if (++o->streams_done == o->streams_expect) {
+            roffer_t *ro = o->remote; /* a stream of o: made */
+            if (++ro->streams_done == ro->streams_expect) {
                 offer_done_notify(o);
                 xfer_offer_remote_done(o, 1, 0, "");
             }

@@ -51,5 +51,6 @@ void remote_part_stop(genpart_t *p, int code, const char *msg);
 void remote_part_free(genpart_t *p);
 void remote_offer_stop(offer_t *o, int code, const char *msg);
 void remote_offer_published(offer_t *o);
+void remote_offer_free(offer_t *o);
 
 #endif /* KVX_REMOTE_H */

@@ -337,10 +337,8 @@ static void offer_free(offer_t *o)
             pool_unref(o->parts[r].pool);
         free(o->parts[r].blocks);
     }
-    for (uint32_t i = 0; i < o->nconsumer_addrs; i++)
-        free(o->consumer_addrs[i]);
-    free(o->consumer_addrs);
-    free(o->rread);
+    if (R.offer_free)
+        R.offer_free(o);
     free(o->parts);
     free(o->params);
     free(o);
@@ -880,11 +878,11 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
             rc = KVX_ERR_MISMATCH;
             goto out;
         }
-    } else if (o->rconsumer[0]) {
+    } else if (R.offer_taker && R.offer_taker(o)) {
         snprintf(why, why_len,
                  "fetch: the offer of request %llu is already taken by %s "
                  "through a peer daemon",
-                 (unsigned long long)cp->request_id, o->rconsumer);
+                 (unsigned long long)cp->request_id, R.offer_taker(o));
         rc = KVX_ERR_EXISTS;
         goto out;
     } else if (o->consumer) {
@@ -1431,13 +1429,15 @@ void xfer_tick(uint64_t now)
             continue;
         }
         char m[192];
-        if (o->streams_expect) /* taken through a peer: the backstop */
+        uint32_t done = 0,
+                 expect = R.offer_streams ? R.offer_streams(o, &done) : 0;
+        if (expect) /* taken through a peer: the backstop */
             snprintf(m, sizeof(m),
                      "taken by a peer daemon that did not finish within "
                      "offer_lease_ms + fetch_timeout_ms (%u ms; %u of %u "
                      "streams done)",
                      kvxd.conf.offer_lease_ms + kvxd.conf.fetch_timeout_ms,
-                     o->streams_done, o->streams_expect);
+                     done, expect);
         else
             snprintf(m, sizeof(m),
                      "offer lease of %u ms expired (%u of %u ranks "
@@ -1468,7 +1468,8 @@ static const char *offer_state(const offer_t *o)
         return "consumed";
     if (o->ending)
         return "ending";
-    if (o->consumer || o->streams)
+    uint32_t done;
+    if (o->consumer || (R.offer_streams && R.offer_streams(o, &done) > done))
         return "transferring";
     return o->npublished < o->inst->nlocal ? "publishing" : "offered";
 }

@@ -76,17 +76,11 @@ typedef struct offer {
                               without memory, to answer late publishes */
     char end_msg[256];
     waiter_t *waiters;
-    /* remote consumers: streams from peer daemons reading this offer */
-    struct sstream *streams;
-    uint32_t streams_expect;   /* streams that will come in all */
-    uint32_t streams_opened;   /* accepted: at most streams_expect */
-    uint32_t streams_done;     /* completed */
     int consume_fenced;        /* complete, consumed once gathers are 0 */
     uint32_t gathers;          /* gathers in flight: the fence */
-    char rconsumer[256];       /* who: "address instance/request" */
-    uint8_t *rread;            /* context ranks the consumer reads */
-    char **consumer_addrs;     /* daemons whose streams it waits for */
-    uint32_t nconsumer_addrs;
+    /* peer daemons reading this offer: remote.c's (struct roffer), never
+     * read by xfer, freed through xfer_remote_ops_t.offer_free */
+    struct roffer *remote;
 } offer_t;
 
 typedef struct genpart {
@@ -185,6 +179,13 @@ typedef struct xfer_remote_ops {
     void (*offer_stop)(offer_t *o, int code, const char *msg);
     /* a rank published to o: serve the pulls that waited for it */
     void (*offer_published)(offer_t *o);
+    /* o is freed: what remote keeps for it goes */
+    void (*offer_free)(offer_t *o);
+    /* who took o through a peer daemon ("request N of instance 'x'"),
+     * or NULL */
+    const char *(*offer_taker)(const offer_t *o);
+    /* streams of peer daemons o waits for in all (0: none) and done */
+    uint32_t (*offer_streams)(const offer_t *o, uint32_t *done);
 } xfer_remote_ops_t;
 void xfer_set_remote_ops(const xfer_remote_ops_t *ops);
 
