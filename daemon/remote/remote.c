@@ -58,6 +58,7 @@
 #include "copy.h"
 #include "daemon.h"
 #include "fault.h"
+#include "list.h"
 #include "log.h"
 #include "map.h"
 #include "peer.h"
@@ -207,9 +208,9 @@ typedef struct offer_fail {
     char instance[INSTANCE_ID_MAX + 1];
     uint64_t request_id;
     int code;
-    struct offer_fail *next;
+    list_t node;
 } offer_fail_t;
-static offer_fail_t *ofails;
+static list_t ofails = {&ofails, &ofails};
 
 /* An offer-done that came before the offer (its ranks had not published
  * yet): applied at the publish, or dropped after offer_lease_ms. */
@@ -217,9 +218,10 @@ typedef struct done_note {
     char instance[INSTANCE_ID_MAX + 1];
     uint64_t request_id;
     uint64_t until_ms;
-    struct done_note *next;
+    list_t node;
 } done_note_t;
-static done_note_t *done_notes;
+static list_t done_notes = {&done_notes, &done_notes};
+#define DONE_NOTE(n) LIST_OWNER(n, done_note_t, node)
 static uint32_t ndone_notes;
 #define DONE_NOTES_MAX 4096
 static int done_notes_apply(offer_t *o);
@@ -506,15 +508,15 @@ int remote_init(char *why, size_t why_len)
 
 void remote_cleanup(void)
 {
-    while (done_notes) {
-        done_note_t *n = done_notes;
-        done_notes = n->next;
+    while (!list_empty(&done_notes)) {
+        done_note_t *n = DONE_NOTE(done_notes.next);
+        list_remove(&n->node);
         free(n);
     }
     ndone_notes = 0;
-    while (ofails) {
-        offer_fail_t *f = ofails;
-        ofails = f->next;
+    while (!list_empty(&ofails)) {
+        offer_fail_t *f = LIST_OWNER(ofails.next, offer_fail_t, node);
+        list_remove(&f->node);
         free(f);
     }
     slots_cleanup(&rslots);
@@ -1511,8 +1513,7 @@ static void serve_pulls(void)
                          o->inst->id);
                 f->request_id = o->request_id;
                 f->code = rc;
-                f->next = ofails;
-                ofails = f;
+                list_push(&ofails, &f->node);
             } else { /* out of memory: now, and nothing more this turn */
                 xfer_offer_end(o, KVX_EVENT_ERROR, rc,
                                "binding the source for a peer failed");
@@ -1588,7 +1589,7 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
 
 void remote_offer_published(offer_t *o)
 {
-    if (done_notes && done_notes_apply(o))
+    if (!list_empty(&done_notes) && done_notes_apply(o))
         return; /* o may have ended: not used below */
     if (RO(o)->streams)
         serve_pulls();
@@ -1678,8 +1679,9 @@ static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
     }
     if (ndone_notes >= DONE_NOTES_MAX)
         return;
-    for (done_note_t *x = done_notes; x; x = x->next)
-        if (x->request_id == d->request_id && !strcmp(x->instance, inst->id))
+    for (list_t *x = done_notes.next; x != &done_notes; x = x->next)
+        if (DONE_NOTE(x)->request_id == d->request_id &&
+            !strcmp(DONE_NOTE(x)->instance, inst->id))
             return; /* every daemon read tells us: one note */
     done_note_t *n = calloc(1, sizeof(*n));
     if (!n)
@@ -1687,19 +1689,20 @@ static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
     snprintf(n->instance, sizeof(n->instance), "%s", inst->id);
     n->request_id = d->request_id;
     n->until_ms = kvxd_now_ms() + kvxd.conf.offer_lease_ms;
-    n->next = done_notes;
-    done_notes = n;
+    list_push(&done_notes, &n->node);
     ndone_notes++;
 }
 
 /* A publish: an offer-done that came first applies now (1). */
 static int done_notes_apply(offer_t *o)
 {
-    for (done_note_t **pp = &done_notes; *pp; pp = &(*pp)->next) {
-        done_note_t *n = *pp;
+    list_t *x, *t;
+    LIST_FOREACH_SAFE(x, t, &done_notes)
+    {
+        done_note_t *n = DONE_NOTE(x);
         if (n->request_id == o->request_id &&
             !strcmp(n->instance, o->inst->id)) {
-            *pp = n->next;
+            list_remove(x);
             free(n);
             ndone_notes--;
             offer_done_apply(o);
@@ -1711,14 +1714,13 @@ static int done_notes_apply(offer_t *o)
 
 static void done_notes_tick(uint64_t now)
 {
-    for (done_note_t **pp = &done_notes; *pp;) {
-        done_note_t *n = *pp;
-        if (now < n->until_ms) {
-            pp = &n->next;
+    list_t *x, *t;
+    LIST_FOREACH_SAFE(x, t, &done_notes)
+    {
+        if (now < DONE_NOTE(x)->until_ms)
             continue;
-        }
-        *pp = n->next;
-        free(n);
+        list_remove(x);
+        free(DONE_NOTE(x));
         ndone_notes--;
     }
 }
@@ -1913,9 +1915,9 @@ void remote_tick(uint64_t now)
     if (!peer_enabled())
         return;
     done_notes_tick(now);
-    while (ofails) { /* sources serve_pulls() could not bind */
-        offer_fail_t *f = ofails;
-        ofails = f->next;
+    while (!list_empty(&ofails)) { /* sources serve_pulls() could not bind */
+        offer_fail_t *f = LIST_OWNER(ofails.next, offer_fail_t, node);
+        list_remove(&f->node);
         instance_t *inst = instance_find(f->instance);
         offer_t *o = inst ? map_get(&inst->offers, f->request_id) : NULL;
         if (o)
