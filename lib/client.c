@@ -9,14 +9,15 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -98,6 +99,9 @@ static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
 {
     size_t off = 0;
     int nb = (nfds + FDS_PER_SEND - 1) / FDS_PER_SEND, next = 0;
+    if ((size_t)nb > len) /* an empty piece would drop its fds */
+        return fail(c, KVX_ERR_LIMIT,
+                    "%d fds for a frame of %zu bytes: too many", nfds, len);
     while (off < len) {
         /* piece b is [b * len / nb, (b + 1) * len / nb); its fds go with
          * its first byte (len >= nb: a frame holds more bytes than
@@ -698,11 +702,15 @@ static int vmm_export(kvx_client_t *c, cu_ptr base, size_t asize, uint64_t need,
         r = cu.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
         cu.release(h);
         if (r || fd < 0) {
+            struct rlimit rl = {0};
+            getrlimit(RLIMIT_NOFILE, &rl);
             rc = fail(c, KVX_ERR_UNSUPPORTED,
-                      "GPU pool: VMM allocation not exportable as a POSIX "
-                      "fd (create it with requestedHandleTypes "
-                      "POSIX_FILE_DESCRIPTOR; CUresult %d)",
-                      r);
+                      "GPU pool: exporting VMM allocation %d as a POSIX fd "
+                      "failed (CUresult %d): it must be created with "
+                      "requestedHandleTypes POSIX_FILE_DESCRIPTOR, and this "
+                      "process needs one open fd per allocation (%d so far, "
+                      "ulimit -n %llu)",
+                      k, r, k, (unsigned long long)rl.rlim_cur);
             goto err_close;
         }
         fcntl(fd, F_SETFD, FD_CLOEXEC); /* not into a child another thread

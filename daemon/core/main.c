@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "agree.h"
@@ -254,6 +255,14 @@ int main(int argc, char **argv)
     }
     kvx__log_level = kvxd.conf.log_level;
     signal(SIGPIPE, SIG_IGN);
+    /* the soft open-file limit up to the hard one: pools over many VMM
+     * allocations arrive as one fd each (sessions queue at most half) */
+    struct rlimit nofile;
+    if (!getrlimit(RLIMIT_NOFILE, &nofile) &&
+        nofile.rlim_cur < nofile.rlim_max) {
+        nofile.rlim_cur = nofile.rlim_max;
+        (void)setrlimit(RLIMIT_NOFILE, &nofile);
+    }
     char fwhy[256];
     if (fault_init(fwhy, sizeof(fwhy))) {
         fprintf(stderr, "kvxferd: %s\n", fwhy);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -41,8 +42,14 @@ struct session {
     frame_reader_t rd;
     uint8_t *out;
     size_t out_len, out_off, out_cap;
-    int *fds; /* received with SCM_RIGHTS, not yet used */
+    int *fds;        /* received with SCM_RIGHTS, not yet used */
+    uint64_t *fd_at; /* each one's place in the byte stream: the
+                        last byte of the receive it came with,
+                        which lies in the frame it came with */
     uint32_t nfds, fds_cap;
+    uint64_t rx_bytes;          /* received so far */
+    uint64_t frame_end;         /* stream offset just past the frame being
+                                   handled: its fds are those before it */
     int hello;                  /* Hello accepted */
     instance_t *inst;
     uint32_t rank;
@@ -54,6 +61,36 @@ struct session {
 };
 
 static map_t sessions;
+static uint32_t fds_queued; /* over every session */
+
+/* fds all sessions together may queue: half the open-file limit, so a
+ * client sending many cannot starve the daemon of fds. */
+static uint32_t fds_cap_total(void)
+{
+    static uint32_t cap;
+    if (!cap) {
+        struct rlimit rl;
+        cap = getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur == RLIM_INFINITY
+                  ? 65536
+                  : (uint32_t)(rl.rlim_cur / 2);
+        if (cap < 64)
+            cap = 64;
+    }
+    return cap;
+}
+
+/* Drop the first n queued fds of s (closing them unless taken). */
+static void fds_drop(session_t *s, uint32_t n, int close_them)
+{
+    if (!n)
+        return;
+    for (uint32_t i = 0; close_them && i < n; i++)
+        close(s->fds[i]);
+    memmove(s->fds, s->fds + n, (s->nfds - n) * sizeof(int));
+    memmove(s->fd_at, s->fd_at + n, (s->nfds - n) * sizeof(uint64_t));
+    s->nfds -= n;
+    fds_queued -= n;
+}
 static uint64_t next_sid = 1;
 
 /* Sessions to close at a safe point. A write can fail deep inside the end
@@ -439,13 +476,15 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
                   : vmm ? (m->n_chunk_sizes ? m->n_chunk_sizes : 1)
                         : 0;
     if (need > KVX_MAX_POOL_CHUNKS)
-        need = 0; /* refused below; what came is closed with the session */
+        need = 0; /* refused below; what came is closed after the frame */
     /* the fds travel with this frame: take them first so every path
      * below closes them */
     int *fds = NULL;
-    uint32_t nfds = 0;
+    uint32_t nfds = 0, mine = 0;
     int rc = 0;
-    if (need && s->nfds >= need) {
+    while (mine < s->nfds && s->fd_at[mine] < s->frame_end)
+        mine++; /* came with this frame (earlier ones are closed) */
+    if (need && mine == need) {
         fds = malloc(need * sizeof(int));
         if (!fds) {
             snprintf(why, sizeof(why), "register_pool: out of memory");
@@ -453,13 +492,12 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         } else {
             nfds = (uint32_t)need;
             memcpy(fds, s->fds, need * sizeof(int));
-            memmove(s->fds, s->fds + need, (s->nfds - need) * sizeof(int));
-            s->nfds -= (uint32_t)need;
+            fds_drop(s, (uint32_t)need, 0);
         }
     }
     int fd = nfds ? fds[0] : -1;
     if (!rc)
-        rc = pool_msg_check(m, need, nfds, s->nfds, why, sizeof(why));
+        rc = pool_msg_check(m, need, nfds, mine, why, sizeof(why));
     if (!rc && s->pools.n >= kvxd.conf.max_pools) {
         snprintf(why, sizeof(why),
                  "register_pool: %u pools (limits.max_pools)", s->pools.n);
@@ -749,7 +787,11 @@ out:
 
 /* ---- input ------------------------------------------------------------ */
 
-static void take_fds(session_t *s, struct msghdr *mh)
+/* The fds of a receive of nbytes: queued with their place in the stream
+ * (the receive's last byte). A session queues at most MAX_FDS, the daemon
+ * at most fds_cap_total() (a share of RLIMIT_NOFILE); more are closed, and
+ * the RegisterPool they came with is refused for missing fds. */
+static void take_fds(session_t *s, struct msghdr *mh, size_t nbytes)
 {
     for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
@@ -762,15 +804,23 @@ static void take_fds(session_t *s, struct msghdr *mh)
                 if (cap > MAX_FDS)
                     cap = MAX_FDS;
                 int *nf = realloc(s->fds, cap * sizeof(int));
-                if (nf) {
+                if (nf)
                     s->fds = nf;
+                uint64_t *na =
+                    nf ? realloc(s->fd_at, cap * sizeof(uint64_t)) : NULL;
+                if (na) {
+                    s->fd_at = na;
                     s->fds_cap = cap;
                 }
             }
-            if (s->nfds < s->fds_cap && s->hello)
-                s->fds[s->nfds++] = fds[i];
-            else
-                close(fds[i]); /* too many, or before hello */
+            if (nbytes && s->nfds < s->fds_cap && s->hello &&
+                fds_queued < fds_cap_total()) {
+                s->fds[s->nfds] = fds[i];
+                s->fd_at[s->nfds++] = s->rx_bytes + nbytes - 1;
+                fds_queued++;
+            } else {
+                close(fds[i]); /* too many, before hello, or at EOF */
+            }
         }
     }
 }
@@ -801,7 +851,20 @@ static void on_readable(session_t *s)
             session_close(s, "receive failed");
             return;
         }
-        take_fds(s, &mh);
+        take_fds(s, &mh, (size_t)n);
+        if (mh.msg_flags & MSG_CTRUNC) {
+            /* fds were dropped on the way (the daemon's RLIMIT_NOFILE):
+             * the frame they belong to cannot be trusted */
+            log_error("session %llu: fds sent with a frame were truncated "
+                      "(open-file limit?); closing",
+                      (unsigned long long)s->id);
+            reply(s, 0, KVX_ERR_PROTOCOL,
+                  "fds sent with a frame did not all arrive (the daemon's "
+                  "open-file limit?); closing");
+            session_close(s, "fds truncated");
+            return;
+        }
+        s->rx_bytes += (uint64_t)n;
         if (n == 0) {
             session_close(s, "client disconnected");
             return;
@@ -828,7 +891,15 @@ static void on_readable(session_t *s)
                 session_close(s, "oversized frame");
                 return;
             }
+            s->frame_end += FRAME_HDR + (uint64_t)len;
             handle_frame(s, msg, len);
+            /* fds that came with this frame (or before it) and were not
+             * taken: never another frame's */
+            uint32_t k = 0;
+            while (k < s->nfds && s->fd_at[k] < s->frame_end)
+                k++;
+            if (k && !s->closing)
+                fds_drop(s, k, 1);
         }
         if (s->closing || s->close_why)
             return;
@@ -977,9 +1048,9 @@ static void session_close(session_t *s, const char *why)
                  s->rank, s->inst->id);
         xfer_end_instance(s->inst, KVX_ERR_PEER_GONE, msg);
     }
-    for (uint32_t i = 0; i < s->nfds; i++)
-        close(s->fds[i]);
+    fds_drop(s, s->nfds, 1);
     free(s->fds);
+    free(s->fd_at);
     frame_reader_cleanup(&s->rd);
     free(s->out);
     s->out = NULL;

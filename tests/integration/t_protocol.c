@@ -748,3 +748,169 @@ TEST(hello_timeout)
     rank_close(&r);
     daemon_stop_ok(d);
 }
+
+/* Send rq on fd with nfds fds as SCM_RIGHTS on its first byte. */
+static void raw_send_request_fds(int fd, Kvxfer__Request *rq, const int *fds,
+                                 int nfds)
+{
+    size_t n = kvxfer__request__get_packed_size(rq);
+    uint8_t *buf = malloc(n + 4);
+    CHECK(buf != NULL);
+    buf[0] = (uint8_t)n;
+    buf[1] = (uint8_t)(n >> 8);
+    buf[2] = (uint8_t)(n >> 16);
+    buf[3] = (uint8_t)(n >> 24);
+    kvxfer__request__pack(rq, buf + 4);
+    struct iovec iov = {buf, n + 4};
+    union {
+        char b[CMSG_SPACE(8 * sizeof(int))];
+        struct cmsghdr align;
+    } cm;
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (nfds) {
+        mh.msg_control = cm.b;
+        mh.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
+        struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+        h->cmsg_level = SOL_SOCKET;
+        h->cmsg_type = SCM_RIGHTS;
+        h->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+        memcpy(CMSG_DATA(h), fds, nfds * sizeof(int));
+    }
+    CHECK(sendmsg(fd, &mh, MSG_NOSIGNAL) == (ssize_t)(n + 4));
+    free(buf);
+}
+
+/* A sealed memfd of size bytes named name. */
+static int named_memfd(const char *name, uint64_t size)
+{
+    int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0);
+    CHECK(ftruncate(fd, (off_t)size) == 0);
+    CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+    return fd;
+}
+
+/* fds belong to the frame they came with. A RegisterPool refused for a
+ * missing fd, and a Status sent with an fd, leave nothing behind: the
+ * next RegisterPool maps its own memfd, not one of theirs (before, it
+ * took the oldest fd queued and mapped the wrong memory, silently). */
+TEST(fds_belong_to_the_frame_they_came_with)
+{
+    daemon_t *d = daemon_start(NULL);
+    int fd = raw_connect(d);
+    Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
+    pc.tp = pc.pp = pc.cp = 1;
+    pc.total_layers = 4;
+    pc.total_kv_heads = 4;
+    Kvxfer__Hello hm = KVXFER__HELLO__INIT;
+    hm.version_major = KVX_VERSION_MAJOR;
+    hm.instance_id = "fd-frames";
+    hm.role = KVXFER__ROLE__ROLE_CONTEXT;
+    hm.parallel = &pc;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.id = 1;
+    rq.body_case = KVXFER__REQUEST__BODY_HELLO;
+    rq.hello = &hm;
+    raw_send_request(fd, &rq);
+    Kvxfer__Reply *r = raw_reply(fd, 2000);
+    CHECK(r && r->status == 0);
+    kvxfer__reply__free_unpacked(r, NULL);
+
+    kvx_layout_t l;
+    CHECK_EQ(
+        kvx_layout_preset("vllm-nhd", 4, 2, 4, 32, KVX_DTYPE_BF16, 4, 8, &l),
+        0);
+    uint64_t size = kvx_layout_span(&l);
+    Kvxfer__Layout lay = KVXFER__LAYOUT__INIT;
+    lay.preset = l.preset;
+    lay.num_layers = l.num_layers;
+    lay.kv_factor = l.kv_factor;
+    lay.num_heads = l.num_heads;
+    lay.head_dim = l.head_dim;
+    lay.elem_size = l.elem_size;
+    lay.dtype = l.dtype;
+    lay.tokens_per_block = l.tokens_per_block;
+    lay.num_blocks = l.num_blocks;
+    lay.n_layer_offset = l.num_layers;
+    lay.layer_offset = l.layer_offset;
+    lay.kv_stride = l.kv_stride;
+    lay.block_stride = l.block_stride;
+    lay.token_stride = l.token_stride;
+    lay.head_stride = l.head_stride;
+
+    /* a VMM pool of two allocations with one fd: refused */
+    int stale = named_memfd("kvx-stale-a", size);
+    Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
+    m.kind = KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
+    m.size = size;
+    m.layout = &lay;
+    uint8_t uuid[16] = {0};
+    m.gpu_uuid.data = uuid;
+    m.gpu_uuid.len = 16;
+    uint64_t chunks[2] = {size, size};
+    m.n_chunk_sizes = 2;
+    m.chunk_sizes = chunks;
+    m.alloc_size = 2 * size;
+    rq.id = 2;
+    rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
+    rq.register_pool = &m;
+    raw_send_request_fds(fd, &rq, &stale, 1);
+    r = raw_reply(fd, 2000);
+    CHECK(r && r->status == KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(r->message, "2 fd(s) expected with the request, 1 "
+                                   "arrived");
+    kvxfer__reply__free_unpacked(r, NULL);
+    close(stale);
+
+    /* a Status with an fd it has no use for */
+    int stray = named_memfd("kvx-stale-b", size);
+    Kvxfer__StatusRequest st = KVXFER__STATUS_REQUEST__INIT;
+    rq.id = 3;
+    rq.body_case = KVXFER__REQUEST__BODY_STATUS;
+    rq.status = &st;
+    raw_send_request_fds(fd, &rq, &stray, 1);
+    r = raw_reply(fd, 2000);
+    CHECK(r && r->status == 0);
+    kvxfer__reply__free_unpacked(r, NULL);
+    close(stray);
+
+    /* a host pool with its own memfd: that one is mapped */
+    int fresh = named_memfd("kvx-fresh", size);
+    Kvxfer__RegisterPool h = KVXFER__REGISTER_POOL__INIT;
+    h.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
+    h.size = size;
+    h.layout = &lay;
+    rq.id = 4;
+    rq.register_pool = &h;
+    rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
+    raw_send_request_fds(fd, &rq, &fresh, 1);
+    r = raw_reply(fd, 2000);
+    CHECK(r && r->status == 0);
+    kvxfer__reply__free_unpacked(r, NULL);
+    close(fresh);
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/maps", (int)d->pid);
+    char *maps = read_file(path);
+    CHECK_STR_CONTAINS(maps, "kvx-fresh");
+    CHECK(!strstr(maps, "kvx-stale"));
+    free(maps);
+    /* and the stray fds are closed, not kept */
+    snprintf(path, sizeof(path), "/proc/%d/fd", (int)d->pid);
+    int stale_open = 0;
+    DIR *dir = opendir(path);
+    CHECK(dir != NULL);
+    for (struct dirent *e; (e = readdir(dir));) {
+        char lp[400], tgt[256];
+        snprintf(lp, sizeof(lp), "%s/%s", path, e->d_name);
+        ssize_t k = readlink(lp, tgt, sizeof(tgt) - 1);
+        if (k > 0) {
+            tgt[k] = 0;
+            stale_open += strstr(tgt, "kvx-stale") != NULL;
+        }
+    }
+    closedir(dir);
+    CHECK_EQ(stale_open, 0);
+    close(fd);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
