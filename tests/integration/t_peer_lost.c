@@ -328,12 +328,36 @@ static void pl_wait_ahead(pl_t *x)
 }
 
 /* Cancel mid-transfer from both sides: the generation side cancels the
- * first half, the context side the second half. Once every cancel has
- * returned, no byte lands in the generation pool (checked 300 ms later),
- * and every request ends on both sides. */
+ * first half, the context side the second half. Once the generation
+ * side's cancels have returned, no byte of those requests lands in its
+ * pool; every request ends once on both sides; once the generation side
+ * has every terminal event, no byte lands in its pool at all (each
+ * checked 300 ms later). */
+/* The rows of the generation pool that the requests cancelled there
+ * (mask) own, copied into buf (NULL: just the byte count). */
+static size_t pl_gen_rows(const pl_t *x, const uint8_t *mask, uint8_t *buf)
+{
+    const kvx_layout_t *l = &x->g.lay;
+    size_t row = (size_t)l->head_dim * l->elem_size, n = 0;
+    for (uint32_t q = 0; q < PL_REQ; q++)
+        for (uint32_t b = 0; mask[q] && b < PL_NB; b++)
+            for (uint32_t ly = 0; ly < l->num_layers; ly++)
+                for (uint32_t kv = 0; kv < l->kv_factor; kv++)
+                    for (uint32_t t = 0; t < l->tokens_per_block; t++)
+                        for (uint32_t h = 0; h < l->num_heads; h++, n += row)
+                            if (buf)
+                                memcpy(buf + n,
+                                       x->g.base +
+                                           kvx_layout_offset(l, ly, kv,
+                                                             x->gb[q][b], t, h),
+                                       row);
+    return n;
+}
+
 static void pl_cancel_half_each(pl_t *x)
 {
     int cancelled = 0;
+    uint8_t here[PL_REQ] = {0}; /* cancelled by the generation rank */
     for (uint32_t q = 0; q < PL_REQ; q++) {
         kvx_client_t *c = q < PL_REQ / 2 ? x->g.c : x->c.c;
         int rc = kvx_cancel(c, 100 + q, T_MS);
@@ -344,14 +368,22 @@ static void pl_cancel_half_each(pl_t *x)
             CHECK(!"cancel returns");
         }
         cancelled += rc == 0;
+        here[q] = rc == 0 && q < PL_REQ / 2;
     }
     CHECK(cancelled > 0);
-    uint8_t *snap = malloc(x->g.size);
-    CHECK(snap != NULL);
-    memcpy(snap, x->g.base, x->g.size);
+    /* the generation side's cancels returned: no byte of those requests
+     * lands any more (the context side's cancels promise that of the
+     * context's blocks; the generation side learns of them by message,
+     * and its promise is the terminal event, checked below) */
+    size_t n = pl_gen_rows(x, here, NULL);
+    uint8_t *snap = malloc(n ? n : 1), *now = malloc(n ? n : 1);
+    CHECK(snap && now);
+    pl_gen_rows(x, here, snap);
     sleep_ms(300);
-    CHECK(memcmp(snap, x->g.base, x->g.size) == 0);
+    pl_gen_rows(x, here, now);
+    CHECK(memcmp(snap, now, n) == 0);
     free(snap);
+    free(now);
     /* every request ends once on each side; a completed one is intact */
     for (int side = 0; side < 2; side++) {
         rank_t *r = side ? &x->c : &x->g;
@@ -377,6 +409,14 @@ static void pl_cancel_half_each(pl_t *x)
             }
         }
     }
+    /* every request has its terminal event on the generation side: no
+     * byte lands in its pool any more */
+    uint8_t *whole = malloc(x->g.size);
+    CHECK(whole != NULL);
+    memcpy(whole, x->g.base, x->g.size);
+    sleep_ms(300);
+    CHECK(memcmp(whole, x->g.base, x->g.size) == 0);
+    free(whole);
     /* nothing is left in flight on either daemon */
     for (int side = 0; side < 2; side++) {
         char *json;
