@@ -1096,11 +1096,9 @@ static void on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 
 /* ---- a lost daemon ----------------------------------------------------- */
 
-static int on_conn_lost(peer_conn_t *c, int code, const char *why)
+static int on_conn_lost(peer_conn_t *c, int code, const char *msg)
 {
     (void)code;
-    char msg[400]; /* as remote.c words it for the transfers */
-    snprintf(msg, sizeof(msg), "daemon %s: %s", peer_conn_address(c), why);
     const char *addr = peer_conn_address(c);
     for (instance_t *inst = instance_first(); inst; inst = inst->next) {
         if (!instance_spread(inst))

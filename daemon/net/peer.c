@@ -824,8 +824,11 @@ static void peer_flush_lost(void)
         for (peer_conn_t *c = P.conns; c; c = c->next)
             if (c->lost_pending) {
                 c->lost_pending = 0;
+                char m[512]; /* worded once, for every callback */
+                snprintf(m, sizeof(m), "daemon %s: %s", c->address,
+                         c->lost_msg);
                 for (; c->lost_next < H.nlost; c->lost_next++)
-                    if (H.lost[c->lost_next](c, c->lost_code, c->lost_msg)) {
+                    if (H.lost[c->lost_next](c, c->lost_code, m)) {
                         c->lost_pending = 1;
                         return;
                     }

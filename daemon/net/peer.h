@@ -93,7 +93,8 @@ void peer_ucx_info(Kvxfer__UcxInfo *info); /* strings are static */
 typedef void (*peer_msg_cb)(peer_conn_t *c, const Kvxfer__PeerMsg *m);
 void peer_on_msg(int m_case, peer_msg_cb cb);
 
-/* c failed: every transfer on it ends with code. Each loss callback runs
+/* c failed: every transfer on it ends with code; msg says why and names
+ * the daemon ("daemon kvx://...: ..."). Each loss callback runs
  * once per loss, in registration order; one that returns KVX_ERR_NOMEM
  * (nothing done yet) is called again at the next tick, and those after it
  * wait (c stays until then). */

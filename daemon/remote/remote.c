@@ -1839,8 +1839,6 @@ typedef struct req_ref {
 
 int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
 {
-    char m[400];
-    snprintf(m, sizeof(m), "daemon %s: %s", peer_conn_address(c), msg);
     uint32_t n = rstreams.n + sstreams.n, k = 0;
     void **v = calloc(n ? n : 1, sizeof(*v));
     req_ref_t *fetches = calloc(n ? n : 1, sizeof(*fetches));
@@ -1882,15 +1880,14 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
     for (uint32_t i = 0; i < nf; i++) {
         genreq_t *g = map_get(&fetches[i].inst->fetches, fetches[i].id);
         if (g && !g->ending)
-            xfer_genreq_end(g, KVX_EVENT_ERROR,
-                            code == KVX_ERR_AUTH ? KVX_ERR_AUTH
-                                                 : KVX_ERR_PEER_GONE,
-                            m);
+            xfer_genreq_end(
+                g, KVX_EVENT_ERROR,
+                code == KVX_ERR_AUTH ? KVX_ERR_AUTH : KVX_ERR_PEER_GONE, msg);
     }
     for (uint32_t i = 0; i < no; i++) {
         offer_t *o = map_get(&offers[i].inst->offers, offers[i].id);
         if (o)
-            xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, m);
+            xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, msg);
     }
     free(v);
     free(fetches);
@@ -1903,7 +1900,7 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
         for (uint32_t j = 0; j < nids; j++) {
             offer_t *o = map_get(&i->offers, ids[j]);
             if (o && offer_waits_for(o, peer_conn_address(c)))
-                xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, m);
+                xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, msg);
         }
         free(ids);
     }

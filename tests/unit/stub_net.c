@@ -272,8 +272,10 @@ __attribute__((unused)) static void net_lose(const char *address,
     wire_tail = &wire_head;
     while (*wire_tail)
         wire_tail = &(*wire_tail)->next;
+    char m[512]; /* worded as peer.c words it */
+    snprintf(m, sizeof(m), "daemon %s: %s", c->address, msg);
     for (unsigned k = 0; k < reg.nlost; k++)
-        reg.lost[k](c, KVX_ERR_PEER_GONE, msg);
+        reg.lost[k](c, KVX_ERR_PEER_GONE, m);
 }
 
 /* The n-th message sent of kind m_case (0: the first), or NULL. */

@@ -174,7 +174,8 @@ TEST(lost_member_ranks_go_away_and_its_merges_fail)
     CHECK_EQ(bs->pending[0].request_id, 11);
     CHECK_EQ(bs->pending[0].kind, KVX_EVENT_ERROR);
     CHECK_EQ(bs->pending[0].code, KVX_ERR_PEER_GONE);
-    CHECK_STR_CONTAINS(bs->pending[0].message, "link down");
+    CHECK_STR_CONTAINS(bs->pending[0].message,
+                       "member daemon " OTHER ": link down");
     /* a new request that needs every rank ends at once: one is gone */
     agree_event(inst, 12, 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
     CHECK_EQ(bs->npending, 2);
@@ -199,7 +200,7 @@ TEST(lost_root_fails_the_members_waiting_poll)
     CHECK_EQ(replies[0].req, 42);
     CHECK_EQ(replies[0].status, KVX_ERR_PEER_GONE);
     CHECK_STR_CONTAINS(replies[0].msg, "root daemon of instance p1 lost");
-    CHECK_STR_CONTAINS(replies[0].msg, "root went away");
+    CHECK_STR_CONTAINS(replies[0].msg, "daemon " OTHER ": root went away");
 }
 
 TEST(member_poll_refused_when_the_root_is_unreachable)
