@@ -284,10 +284,10 @@ int main(int argc, char **argv)
         goto out;
     if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us))
         goto err_defer;
-    if (session_init(kvxd.loop))
+    if (session_init())
         goto err_copy;
     if (server_init())
-        goto err_session;
+        goto err_copy;
     char why[512];
     /* net first; the layers above register with what is below them */
     if (peer_init(why, sizeof(why)) || remote_init(why, sizeof(why)) ||
@@ -317,8 +317,6 @@ int main(int argc, char **argv)
 err_server:
     server_cleanup();
     peer_cleanup();
-err_session:
-    session_cleanup();
 err_copy:
     gpu_stop();       /* GPU completions are all handed to the copy engine */
     copy_cleanup();

@@ -99,6 +99,7 @@ static uint64_t next_sid = 1;
  * only mark the session, and close_marked() runs from the deferred-work
  * queue (kvxd_defer). */
 static void close_marked(void *arg);
+static int sweep_marked; /* a close could not be deferred: the tick */
 
 static void session_close(session_t *s, const char *why);
 static void session_close_later(session_t *s, const char *why);
@@ -928,16 +929,10 @@ static void on_io(uv_poll_t *h, int status, int events)
  * memory). */
 static void close_marked(void *arg)
 {
-    (void)arg;
-    uint32_t n = sessions.n;
-    session_t **all = calloc(n ? n : 1, sizeof(*all));
-    if (!all)
-        return;
-    n = map_values(&sessions, (void **)all, n);
-    for (uint32_t i = 0; i < n; i++)
-        if (all[i]->close_why && !all[i]->closing)
-            session_close(all[i], all[i]->close_why);
-    free(all);
+    /* by id: the session may be gone by now */
+    session_t *s = map_get(&sessions, (uint64_t)(uintptr_t)arg);
+    if (s && s->close_why && !s->closing)
+        session_close(s, s->close_why);
 }
 
 static void session_close_later(session_t *s, const char *why)
@@ -946,18 +941,16 @@ static void session_close_later(session_t *s, const char *why)
         return;
     s->close_why = why;
     uv_poll_stop(&s->poll); /* nothing more in or out until closed */
-    kvxd_defer(close_marked, NULL); /* else the tick sweeps */
+    if (kvxd_defer(close_marked, (void *)(uintptr_t)s->id))
+        sweep_marked = 1; /* no memory: the tick closes it */
 }
 
-int session_init(uv_loop_t *loop)
+int session_init(void)
 {
     static const kvxd_reply_sink_t sink = {session_reply, session_reply_msg};
-    (void)loop;
     kvxd_set_reply_sink(&sink);
     return 0;
 }
-
-void session_cleanup(void) {}
 
 static void on_closed(uv_handle_t *h);
 
@@ -1096,7 +1089,14 @@ void session_tick(uint64_t now)
                 session_close_later(s, "no Hello within "
                                        "deadlines.hello_timeout_ms");
         }
-    close_marked(NULL); /* what a defer without memory left marked */
+    if (sweep_marked) { /* what a defer without memory left marked */
+        sweep_marked = 0;
+        for (uint32_t i = 0; i < sessions.nb; i++)
+            for (map_entry_t *e = sessions.b[i]; e; e = e->next)
+                if (((session_t *)e->val)->close_why &&
+                    kvxd_defer(close_marked, (void *)(uintptr_t)e->key))
+                    sweep_marked = 1;
+    }
 }
 
 size_t session_infos(Kvxfer__SessionInfo ***out)

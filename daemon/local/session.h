@@ -22,9 +22,9 @@ struct instance;
 
 typedef struct session session_t;
 
-/* Set up / take down what sessions share (the deferred closer). */
-int session_init(uv_loop_t *loop);
-void session_cleanup(void);
+/* Register the reply sink (kvxd_set_reply_sink): lower layers answer
+ * clients through it, by session id. */
+int session_init(void);
 
 /* Take a connected socket (nonblocking). Returns 0 or a negative status. */
 int session_start(int fd, pid_t pid, uid_t uid, gid_t gid);
