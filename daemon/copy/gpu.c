@@ -348,14 +348,6 @@ static int device_of(const uint8_t uuid[16])
     return -1;
 }
 
-void gpu_import_req_close(gpu_import_req_t *req)
-{
-    for (uint32_t i = 0; i < req->nfds; i++)
-        if (req->fds[i] >= 0)
-            close(req->fds[i]);
-    req->nfds = 0;
-}
-
 /* Unmap and release the first n chunks of a VMM import, and its range. */
 static void vmm_unmap(gpu_import_t *imp, uint32_t n, CUdeviceptr va)
 {
@@ -381,6 +373,10 @@ static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d, char *why,
         return KVX_ERR_UNSUPPORTED;
     }
     uint32_t n = r->nfds;
+    if (!n || (n > 1 && !r->chunk_sizes)) { /* session.c sends neither */
+        snprintf(why, why_len, "register_pool: a VMM pool without its fds");
+        return KVX_ERR_INVALID;
+    }
     imp->handles = calloc(n, sizeof(*imp->handles));
     imp->chunk = calloc(n, sizeof(*imp->chunk));
     if (!imp->handles || !imp->chunk) {

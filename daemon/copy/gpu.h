@@ -22,6 +22,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #include "plan.h"
 
@@ -59,8 +60,15 @@ typedef struct gpu_import_req {
 int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
                int *device, char *why, size_t why_len);
 void gpu_import_unref(gpu_import_t *imp);
-/* Close what is left of req's fds (an error path before gpu_import). */
-void gpu_import_req_close(gpu_import_req_t *req);
+/* Close what is left of req's fds (an error path before gpu_import);
+ * the one closer of a request's fds, in CUDA builds and host-only ones. */
+static inline void gpu_import_req_close(gpu_import_req_t *req)
+{
+    for (uint32_t i = 0; i < req->nfds; i++)
+        if (req->fds[i] >= 0)
+            close(req->fds[i]);
+    req->nfds = 0;
+}
 /* The pool's base as seen from kernels launched on device. */
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
                    size_t why_len);

@@ -1,6 +1,5 @@
 /* gpu_none — the GPU module of a host-only build; see gpu.h. */
 #include <stdio.h>
-#include <unistd.h>
 
 #include "gpu.h"
 #include "kvxfer.h"
@@ -24,14 +23,6 @@ int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
 }
 
 void gpu_import_unref(gpu_import_t *imp) { (void)imp; }
-
-void gpu_import_req_close(gpu_import_req_t *req)
-{
-    for (uint32_t i = 0; i < req->nfds; i++)
-        if (req->fds[i] >= 0)
-            close(req->fds[i]);
-    req->nfds = 0;
-}
 
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
                    size_t why_len)
