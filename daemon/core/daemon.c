@@ -105,6 +105,8 @@ int kvxd_defer_init(uv_loop_t *loop)
     uv_unref((uv_handle_t *)&D.check);
     uv_unref((uv_handle_t *)&D.idle);
     D.started = 1;
+    if (!list_empty(&D.queue)) /* queued before: run at the first turn */
+        uv_idle_start(&D.idle, on_idle);
     return 0;
 }
 
