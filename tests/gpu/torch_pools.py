@@ -113,17 +113,34 @@ def main() -> int:
 
     # tensors the caching allocator placed inside its segments, after
     # other tensors
+    def segment_offset(t):
+        """Where t starts inside the allocator's segment that holds it."""
+        p = t.data_ptr()
+        for seg in torch.cuda.memory_snapshot():
+            if seg["address"] <= p < seg["address"] + seg["total_size"]:
+                return p - seg["address"]
+        return None
+
     def allocator_placed():
-        span = shim.span("vllm-nhd")
-        pads = [torch.empty(1000 + 4099 * k, dtype=torch.uint8,
-                            device="cuda") for k in range(5)]
+        # tensors under 10 MB share the allocator's 20 MiB segments: a
+        # first one takes the start, the pools come after it, inside the
+        # segment (checked: the test is about that)
+        blocks = 16
+        span = shim.span("vllm-nhd", blocks=blocks)
+        pads = [torch.empty(1_500_000, dtype=torch.uint8, device="cuda")]
         src = rand_bytes(span)
-        pads.append(torch.empty(777, dtype=torch.uint8, device="cuda"))
         dst = torch.zeros(span, dtype=torch.uint8, device="cuda")
-        shim.transfer("alloc", "vllm-nhd", src, dst)
+        offs = (segment_offset(src), segment_offset(dst))
+        if None in offs or offs == (0, 0):
+            return f"neither pool inside its segment (offsets {offs})"
+        shim.transfer("alloc", "vllm-nhd", src, dst, blocks=blocks)
         torch.cuda.synchronize()
         del pads
-        return "" if torch.equal(src, dst) else "destination differs"
+        if not torch.equal(src, dst):
+            return "destination differs"
+        print(f"  allocator placed the pools at segment offsets {offs}",
+              flush=True)
+        return ""
     case("caching-allocator-placed", allocator_placed)
 
     # a per-layer view: layers 1.. of a [layers, 2, blocks, tpb, heads,
