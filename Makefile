@@ -58,7 +58,7 @@ CLIENT   := $(COMMON) lib/client.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
             daemon/core/daemon.c daemon/core/fault.c \
-            daemon/net/ucx.c daemon/net/lane.c daemon/net/peer.c \
+            daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c daemon/net/peer.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
             daemon/xfer/instance.c daemon/xfer/xfer.c \
             daemon/xfer/batch.c daemon/agree/agree.c \

@@ -14,6 +14,7 @@
  */
 #include "conf.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -79,192 +80,369 @@ static int check_hello(const kvx_conf_t *conf, char *why, size_t n);
 static int check_listen(const kvx_conf_t *conf, char *why, size_t n);
 static int check_keepalive(const kvx_conf_t *conf, char *why, size_t n);
 static int check_slots(const kvx_conf_t *conf, char *why, size_t n);
+static int check_ucx_ports(const kvx_conf_t *conf, char *why, size_t n);
+static int check_allowed(const kvx_conf_t *conf, char *why, size_t n);
 
 #define FIELD(f) .off = offsetof(kvx_conf_t, f), .size = sizeof(((kvx_conf_t *)0)->f)
 #define IDS(f, nf) FIELD(f), .count_off = offsetof(kvx_conf_t, nf)
 
 static const struct conf_key keys[] = {
-    {.name = "socket.path", .type = CONF_PATH, FIELD(socket_path),
+    {.name = "socket.path",
+     .type = CONF_PATH,
+     FIELD(socket_path),
      .def_str = "/run/kvxfer/kvxferd.sock",
      .help = "Unix socket the daemon listens on; a missing directory is "
              "created (mode 0755) when its parent exists."},
-    {.name = "socket.mode", .type = CONF_MODE, FIELD(socket_mode),
-     .def = 0660, .min = 0, .max = 0777,
+    {.name = "socket.mode",
+     .type = CONF_MODE,
+     FIELD(socket_mode),
+     .def = 0660,
+     .min = 0,
+     .max = 0777,
      .help = "Permission bits of the socket file; only peers that can "
              "write to it can connect."},
-    {.name = "socket.group", .type = CONF_STRING, FIELD(socket_group),
-     .def_str = "", .check = check_group,
+    {.name = "socket.group",
+     .type = CONF_STRING,
+     FIELD(socket_group),
+     .def_str = "",
+     .check = check_group,
      .help = "Group (name or number) that owns the socket file; empty "
              "means the daemon's own group."},
 
-    {.name = "auth.allowed_uids", .type = CONF_IDS,
-     IDS(allowed_uids, num_allowed_uids), .min = 0, .max = UINT32_MAX - 1,
+    {.name = "auth.allowed_uids",
+     .type = CONF_IDS,
+     IDS(allowed_uids, num_allowed_uids),
+     .min = 0,
+     .max = UINT32_MAX - 1,
      .help = "Peer uids allowed to connect, besides the daemon's own uid "
              "and root, which always are."},
-    {.name = "auth.allowed_gids", .type = CONF_IDS,
-     IDS(allowed_gids, num_allowed_gids), .min = 0, .max = UINT32_MAX - 1,
+    {.name = "auth.allowed_gids",
+     .type = CONF_IDS,
+     IDS(allowed_gids, num_allowed_gids),
+     .min = 0,
+     .max = UINT32_MAX - 1,
      .help = "Peer gids allowed to connect: a peer whose gid is listed is "
              "let in."},
 
-    {.name = "limits.max_frame_bytes", .type = CONF_SIZE,
-     FIELD(max_frame_bytes), .def = 16 * MiB, .min = 4 * KiB, .max = 1 * GiB,
+    {.name = "limits.max_frame_bytes",
+     .type = CONF_SIZE,
+     FIELD(max_frame_bytes),
+     .def = 16 * MiB,
+     .min = 4 * KiB,
+     .max = 1 * GiB,
      .help = "Largest frame accepted from a client after Hello; a larger "
              "length prefix closes the connection."},
-    {.name = "limits.hello_frame_bytes", .type = CONF_SIZE,
-     FIELD(hello_frame_bytes), .def = 4096, .min = 256, .max = 64 * KiB,
+    {.name = "limits.hello_frame_bytes",
+     .type = CONF_SIZE,
+     FIELD(hello_frame_bytes),
+     .def = 4096,
+     .min = 256,
+     .max = 64 * KiB,
      .check = check_hello,
      .help = "Largest frame accepted before Hello, the smaller cap for "
              "unauthenticated peers; at most limits.max_frame_bytes."},
-    {.name = "limits.max_sessions", .type = CONF_U32, FIELD(max_sessions),
-     .def = 1024, .min = 1, .max = 65536,
+    {.name = "limits.max_sessions",
+     .type = CONF_U32,
+     FIELD(max_sessions),
+     .def = 1024,
+     .min = 1,
+     .max = 65536,
      .help = "Client connections open at once; more are refused."},
-    {.name = "limits.max_requests", .type = CONF_U32, FIELD(max_requests),
-     .def = 65536, .min = 1, .max = 1048576,
+    {.name = "limits.max_requests",
+     .type = CONF_U32,
+     FIELD(max_requests),
+     .def = 65536,
+     .min = 1,
+     .max = 1048576,
      .help = "Requests in flight in the whole daemon; more are refused "
              "with KVX_ERR_LIMIT."},
-    {.name = "limits.max_pools", .type = CONF_U32, FIELD(max_pools),
-     .def = 256, .min = 1, .max = 4096,
+    {.name = "limits.max_pools",
+     .type = CONF_U32,
+     FIELD(max_pools),
+     .def = 256,
+     .min = 1,
+     .max = 4096,
      .help = "Memory pools one session may register."},
-    {.name = "limits.max_blocks_per_request", .type = CONF_U32,
-     FIELD(max_blocks_per_request), .def = 1048576, .min = 1,
+    {.name = "limits.max_blocks_per_request",
+     .type = CONF_U32,
+     FIELD(max_blocks_per_request),
+     .def = 1048576,
+     .min = 1,
      .max = 16777216,
      .help = "KV blocks one request may name."},
 
-    {.name = "copy.worker_threads", .type = CONF_U32, FIELD(worker_threads),
-     .def = 0, .min = 0, .max = 256,
+    {.name = "copy.worker_threads",
+     .type = CONF_U32,
+     FIELD(worker_threads),
+     .def = 0,
+     .min = 0,
+     .max = 256,
      .help = "Copy worker threads; 0 means one per online CPU."},
-    {.name = "copy.chunk_bytes", .type = CONF_SIZE, FIELD(copy_chunk_bytes),
-     .def = 4 * MiB, .min = 4 * KiB, .max = 1 * GiB, .reloadable = 1,
+    {.name = "copy.chunk_bytes",
+     .type = CONF_SIZE,
+     FIELD(copy_chunk_bytes),
+     .def = 4 * MiB,
+     .min = 4 * KiB,
+     .max = 1 * GiB,
+     .reloadable = 1,
      .help = "A large transfer is cut into chunks of about this many bytes "
              "so that many requests progress together."},
-    {.name = "copy.max_inflight_chunks", .type = CONF_U32,
-     FIELD(max_inflight_chunks), .def = 0, .min = 0, .max = 4096,
+    {.name = "copy.max_inflight_chunks",
+     .type = CONF_U32,
+     FIELD(max_inflight_chunks),
+     .def = 0,
+     .min = 0,
+     .max = 4096,
      .reloadable = 1,
      .help = "Chunks queued to or running on the workers at once; 0 means "
              "twice the number of worker threads."},
-    {.name = "copy.spin_us", .type = CONF_U32, FIELD(spin_us), .def = 20,
-     .min = 0, .max = 1000,
+    {.name = "copy.spin_us",
+     .type = CONF_U32,
+     FIELD(spin_us),
+     .def = 20,
+     .min = 0,
+     .max = 1000,
      .help = "An idle copy worker (one at most) spins this long before "
              "sleeping; saves a wake-up per small request; 0 turns it "
              "off."},
 
-    {.name = "gpu.max_ctas", .type = CONF_U32, FIELD(gpu_max_ctas),
-     .def = 64, .min = 1, .max = 1024, .reloadable = 1,
+    {.name = "gpu.max_ctas",
+     .type = CONF_U32,
+     FIELD(gpu_max_ctas),
+     .def = 64,
+     .min = 1,
+     .max = 1024,
+     .reloadable = 1,
      .help = "Thread blocks one GPU copy kernel may use; the GPUs are busy "
              "running the model."},
-    {.name = "gpu.chunk_bytes", .type = CONF_SIZE, FIELD(gpu_chunk_bytes),
-     .def = 256 * MiB, .min = 64 * KiB, .max = 4 * GiB, .reloadable = 1,
+    {.name = "gpu.chunk_bytes",
+     .type = CONF_SIZE,
+     FIELD(gpu_chunk_bytes),
+     .def = 256 * MiB,
+     .min = 64 * KiB,
+     .max = 4 * GiB,
+     .reloadable = 1,
      .help = "Bytes one GPU kernel launch moves at most; bounds how long a "
              "cancel waits for its fence."},
-    {.name = "gpu.staging_bytes", .type = CONF_SIZE, FIELD(gpu_staging_bytes),
-     .def = 64 * MiB, .min = 0, .max = 64 * GiB,
+    {.name = "gpu.staging_bytes",
+     .type = CONF_SIZE,
+     FIELD(gpu_staging_bytes),
+     .def = 64 * MiB,
+     .min = 0,
+     .max = 64 * GiB,
      .help = "GPU staging buffer per device with pools, kept for GPU-memory "
              "slots between daemons (with a CUDA-aware UCX; not used yet); "
              "allocated once, on the first pool; 0: none. The host staging "
              "is the peer slots."},
 
-    {.name = "peer.listen", .type = CONF_STRING, FIELD(peer_listen),
-     .def_str = "", .check = check_listen,
-     .help = "IP:PORT this daemon accepts peer daemons on (UCX) and "
-             "advertises in its address; port 0 picks a free port; empty "
-             "turns transfers between daemons off."},
-    {.name = "peer.secret_file", .type = CONF_STRING,
-     FIELD(peer_secret_file), .def_str = "",
+    {.name = "peer.listen",
+     .type = CONF_STRING,
+     FIELD(peer_listen),
+     .def_str = "",
+     .check = check_listen,
+     .help = "IP:PORT this daemon accepts peer daemons on and advertises "
+             "in its address: a TCP socket of the daemon's own, where "
+             "daemons authenticate before UCX is used; port 0 picks a free "
+             "port; empty turns transfers between daemons off."},
+    {.name = "peer.secret_file",
+     .type = CONF_STRING,
+     FIELD(peer_secret_file),
+     .def_str = "",
      .help = "File holding the cluster secret (16 to 4096 bytes, readable "
              "by the owner only) that daemons prove to each other; "
              "required with peer.listen."},
-    {.name = "peer.keepalive_interval_ms", .type = CONF_MS,
-     FIELD(keepalive_interval_ms), .def = 1000, .min = 10, .max = 600000,
-     .reloadable = 1, .check = check_keepalive,
+    {.name = "peer.net_devices",
+     .type = CONF_STRING,
+     FIELD(peer_net_devices),
+     .def_str = "",
+     .help = "The network devices UCX may use and listen on (its "
+             "UCX_NET_DEVICES, e.g. \"eth1,mlx5_0:1\"); empty: the "
+             "interface that holds peer.listen's IP and every RDMA "
+             "device, so that UCX's TCP transport listens on no other "
+             "interface; \"all\": every device. The environment's "
+             "UCX_NET_DEVICES, when set, wins."},
+    {.name = "peer.ucx_ports",
+     .type = CONF_STRING,
+     FIELD(peer_ucx_ports),
+     .def_str = "",
+     .check = check_ucx_ports,
+     .help = "Port range LO-HI that UCX's TCP transport listens on for "
+             "the connections of its endpoints (the loop's worker and "
+             "each lane; open it in firewalls between daemons); empty: "
+             "any free port."},
+    {.name = "peer.allowed",
+     .type = CONF_STRING,
+     FIELD(peer_allowed),
+     .def_str = "",
+     .check = check_allowed,
+     .help = "The networks other daemons are in, as IPs or CIDRs "
+             "separated by commas (\"10.0.0.0/16,10.1.0.7\"): this daemon "
+             "dials only daemons there, whatever a request's params name, "
+             "and answers handshakes only from there; empty: the network "
+             "of the interface that holds peer.listen's IP (its address "
+             "and netmask)."},
+    {.name = "peer.keepalive_interval_ms",
+     .type = CONF_MS,
+     FIELD(keepalive_interval_ms),
+     .def = 1000,
+     .min = 10,
+     .max = 600000,
+     .reloadable = 1,
+     .check = check_keepalive,
      .help = "How often each peer daemon is pinged."},
-    {.name = "peer.keepalive_timeout_ms", .type = CONF_MS,
-     FIELD(keepalive_timeout_ms), .def = 5000, .min = 50, .max = 3600000,
+    {.name = "peer.keepalive_timeout_ms",
+     .type = CONF_MS,
+     FIELD(keepalive_timeout_ms),
+     .def = 5000,
+     .min = 50,
+     .max = 3600000,
      .reloadable = 1,
      .help = "A peer silent this long is lost: every transfer with it ends "
              "with KVX_ERR_PEER_GONE; the next use reconnects."},
-    {.name = "peer.connect_timeout_ms", .type = CONF_MS,
-     FIELD(peer_connect_timeout_ms), .def = 5000, .min = 10, .max = 600000,
+    {.name = "peer.connect_timeout_ms",
+     .type = CONF_MS,
+     FIELD(peer_connect_timeout_ms),
+     .def = 5000,
+     .min = 10,
+     .max = 600000,
      .reloadable = 1,
      .help = "Connecting to a peer and authenticating must finish within "
              "this."},
-    {.name = "peer.slot_bytes", .type = CONF_SIZE, FIELD(slot_bytes),
-     .def = 4 * MiB, .min = 64 * KiB, .max = 1 * GiB,
+    {.name = "peer.slot_bytes",
+     .type = CONF_SIZE,
+     FIELD(slot_bytes),
+     .def = 4 * MiB,
+     .min = 64 * KiB,
+     .max = 1 * GiB,
      .help = "Staging slot size: the most one pull asks for; its pieces "
              "(peer.message_bytes) are gathered, sent and scattered "
              "each on its own, pipelined."},
-    {.name = "peer.slots", .type = CONF_U32, FIELD(slots), .def = 0,
-     .min = 0, .max = 1024, .check = check_slots,
+    {.name = "peer.slots",
+     .type = CONF_U32,
+     FIELD(slots),
+     .def = 0,
+     .min = 0,
+     .max = 1024,
+     .check = check_slots,
      .help = "Staging slots for each direction (sending and receiving); "
              "allocated and registered once, at start. 0: as many as "
              "fit in 32 MiB, at least 2 (8 of 4 MiB, 2 of 16 MiB)."},
-    {.name = "peer.message_bytes", .type = CONF_SIZE, FIELD(message_bytes),
-     .def = 4 * MiB, .min = 64 * KiB, .max = 1 * GiB,
+    {.name = "peer.message_bytes",
+     .type = CONF_SIZE,
+     FIELD(message_bytes),
+     .def = 4 * MiB,
+     .min = 64 * KiB,
+     .max = 1 * GiB,
      .help = "Largest message UCX is given: a larger slot is sent as "
              "pieces of this size (at most 64), received straight into "
              "their place in the slot."},
-    {.name = "peer.send_window", .type = CONF_U32, FIELD(send_window),
-     .def = 4, .min = 1, .max = 1024,
+    {.name = "peer.send_window",
+     .type = CONF_U32,
+     FIELD(send_window),
+     .def = 4,
+     .min = 1,
+     .max = 1024,
      .help = "Messages in flight to one peer at once; more wait, "
              "gathered, in order, so that one slot finishes while the "
              "next is gathered and the one before is scattered."},
-    {.name = "peer.lanes", .type = CONF_U32, FIELD(lanes), .def = 2,
-     .min = 0, .max = 16,
-     .help = "UCX workers, each on a thread of its own with a listener "
-             "of its own, that carry slot data to and from other daemons "
-             "(a slot's pieces spread over them), so that the wire's "
-             "copies run on that many cores; 0 carries data on the "
-             "loop's worker. Lane i listens on peer.listen's port + 1 + i "
-             "(any free port when that port is 0). Both daemons need lanes "
-             "for a connection to use them."},
-    {.name = "peer.busy_poll", .type = CONF_U32, FIELD(busy_poll), .def = 2,
-     .min = 0, .max = 2,
+    {.name = "peer.lanes",
+     .type = CONF_U32,
+     FIELD(lanes),
+     .def = 2,
+     .min = 0,
+     .max = 16,
+     .help = "UCX workers, each on a thread of its own, that carry slot "
+             "data to and from other daemons (a slot's pieces spread over "
+             "them), so that the wire's copies run on that many cores; 0 "
+             "carries data on the loop's worker. Their addresses are told "
+             "only to authenticated daemons. Both daemons need lanes for a "
+             "connection to use them."},
+    {.name = "peer.busy_poll",
+     .type = CONF_U32,
+     FIELD(busy_poll),
+     .def = 2,
+     .min = 0,
+     .max = 2,
      .help = "While transfers between daemons are in flight the loop "
              "polls UCX every turn instead of sleeping on its event fd: "
              "0 never, 1 always, 2 with 4 or more CPUs (with fewer, the "
              "spinning loop takes the copy threads' CPU). Idle, it always "
              "sleeps."},
 
-    {.name = "peer.gather_ahead", .type = CONF_U32, FIELD(gather_ahead),
-     .def = 0, .min = 0, .max = 8,
+    {.name = "peer.gather_ahead",
+     .type = CONF_U32,
+     FIELD(gather_ahead),
+     .def = 0,
+     .min = 0,
+     .max = 8,
      .help = "Send slots a stream may gather before the generation daemon "
              "pulls them (the next units it will ask for), so that a PULL "
              "finds its data ready; only while no PULL waits for a slot "
              "and more than one slot is free; 0 turns it off."},
 
-    {.name = "deadlines.offer_lease_ms", .type = CONF_MS,
-     FIELD(offer_lease_ms), .def = 30000, .min = 1, .max = 86400000,
+    {.name = "deadlines.offer_lease_ms",
+     .type = CONF_MS,
+     FIELD(offer_lease_ms),
+     .def = 30000,
+     .min = 1,
+     .max = 86400000,
      .reloadable = 1,
      .help = "How long published KV stays held for a fetch before it is "
              "released and the request fails with KVX_ERR_TIMED_OUT."},
-    {.name = "deadlines.fetch_timeout_ms", .type = CONF_MS,
-     FIELD(fetch_timeout_ms), .def = 30000, .min = 1, .max = 86400000,
+    {.name = "deadlines.fetch_timeout_ms",
+     .type = CONF_MS,
+     FIELD(fetch_timeout_ms),
+     .def = 30000,
+     .min = 1,
+     .max = 86400000,
      .reloadable = 1,
      .help = "How long a fetch may wait for its data before it fails with "
              "KVX_ERR_TIMED_OUT."},
-    {.name = "deadlines.poll_timeout_max_ms", .type = CONF_MS,
-     FIELD(poll_timeout_max_ms), .def = 60000, .min = 0, .max = 3600000,
+    {.name = "deadlines.poll_timeout_max_ms",
+     .type = CONF_MS,
+     FIELD(poll_timeout_max_ms),
+     .def = 60000,
+     .min = 0,
+     .max = 3600000,
      .reloadable = 1,
      .help = "Longest a poll may be held waiting for events; a longer "
              "client timeout is cut to this."},
-    {.name = "deadlines.drain_timeout_ms", .type = CONF_MS,
-     FIELD(drain_timeout_ms), .def = 5000, .min = 0, .max = 600000,
+    {.name = "deadlines.drain_timeout_ms",
+     .type = CONF_MS,
+     FIELD(drain_timeout_ms),
+     .def = 5000,
+     .min = 0,
+     .max = 600000,
      .reloadable = 1,
      .help = "On shutdown every request ends at once with SHUTDOWN; this "
              "bounds the wait for in-flight copies to be fenced and the "
              "last replies to be sent."},
-    {.name = "deadlines.deadline_tick_ms", .type = CONF_MS,
-     FIELD(deadline_tick_ms), .def = 10, .min = 1, .max = 1000,
+    {.name = "deadlines.deadline_tick_ms",
+     .type = CONF_MS,
+     FIELD(deadline_tick_ms),
+     .def = 10,
+     .min = 1,
+     .max = 1000,
      .reloadable = 1,
      .help = "Granularity of deadline checks: a deadline fires up to this "
              "late."},
-    {.name = "deadlines.hello_timeout_ms", .type = CONF_MS,
-     FIELD(hello_timeout_ms), .def = 10000, .min = 1, .max = 3600000,
+    {.name = "deadlines.hello_timeout_ms",
+     .type = CONF_MS,
+     FIELD(hello_timeout_ms),
+     .def = 10000,
+     .min = 1,
+     .max = 3600000,
      .reloadable = 1,
      .help = "A connection that has not said Hello this long after connecting "
              "is closed (status requests need no Hello)."},
 
-    {.name = "log.level", .type = CONF_LEVEL, FIELD(log_level),
-     .def = LOG_INFO, .min = LOG_ERR, .max = LOG_DEBUG, .reloadable = 1,
+    {.name = "log.level",
+     .type = CONF_LEVEL,
+     FIELD(log_level),
+     .def = LOG_INFO,
+     .min = LOG_ERR,
+     .max = LOG_DEBUG,
+     .reloadable = 1,
      .help = "Least severe message logged."},
 };
 
@@ -636,15 +814,52 @@ static int check_listen(const kvx_conf_t *conf, char *why, size_t n)
                  l);
         return 1;
     }
-    if (port && port + conf->lanes > 65535) {
-        snprintf(why, n, "'%s': its %u lanes (peer.lanes) would listen on "
-                 "ports %lu to %lu (this port + 1 + lane), past 65535",
-                 l, conf->lanes, port + 1, port + conf->lanes);
-        return 1;
-    }
     if (!conf->peer_secret_file[0]) {
         snprintf(why, n, "needs peer.secret_file (the cluster secret)");
         return 1;
+    }
+    return 0;
+}
+
+static int check_ucx_ports(const kvx_conf_t *conf, char *why, size_t n)
+{
+    const char *p = conf->peer_ucx_ports;
+    unsigned lo, hi;
+    int used = 0;
+    if (!p[0])
+        return 0;
+    if (sscanf(p, "%u-%u%n", &lo, &hi, &used) != 2 || p[used] || !lo ||
+        lo > hi || hi > 65535) {
+        snprintf(why, n, "'%s' is not LO-HI with 1 <= LO <= HI <= 65535", p);
+        return 1;
+    }
+    return 0;
+}
+
+static int check_allowed(const kvx_conf_t *conf, char *why, size_t n)
+{
+    char buf[sizeof(conf->peer_allowed)], *save = NULL;
+    snprintf(buf, sizeof(buf), "%s", conf->peer_allowed);
+    for (char *t = strtok_r(buf, ",", &save); t;
+         t = strtok_r(NULL, ",", &save)) {
+        while (*t == ' ')
+            t++;
+        char *slash = strchr(t, '/'), *end = NULL;
+        unsigned char a[16];
+        long bits = -1;
+        if (slash) {
+            *slash = 0;
+            bits = strtol(slash + 1, &end, 10);
+        }
+        int v4 = inet_pton(AF_INET, t, a) == 1,
+            v6 = !v4 && inet_pton(AF_INET6, t, a) == 1;
+        if ((!v4 && !v6) || (slash && (!slash[1] || *end || bits < 0 ||
+                                       bits > (v4 ? 32 : 128)))) {
+            if (slash)
+                *slash = '/';
+            snprintf(why, n, "'%.64s' is not an IP or IP/BITS", t);
+            return 1;
+        }
     }
     return 0;
 }

@@ -44,6 +44,9 @@ typedef struct kvx_conf {
     /* peer daemons (UCX) */
     char peer_listen[64];          /* "IP:PORT"; "" = no peers */
     char peer_secret_file[108];
+    char peer_net_devices[256]; /* UCX_NET_DEVICES; "" = derived */
+    char peer_ucx_ports[32];    /* "LO-HI": UCX_TCP_PORT_RANGE; "" */
+    char peer_allowed[256];     /* "CIDR,..." other daemons may be in */
     uint32_t keepalive_interval_ms;
     uint32_t keepalive_timeout_ms;
     uint32_t peer_connect_timeout_ms;

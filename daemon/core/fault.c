@@ -55,3 +55,8 @@ int fault_hit(fault_site_t site)
     return __atomic_add_fetch(&seen[site], 1, __ATOMIC_RELAXED) ==
            when[site];
 }
+
+int fault_armed(fault_site_t site)
+{
+    return when[site] != 0;
+}

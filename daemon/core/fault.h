@@ -6,8 +6,9 @@
  * slot); a host job fails as a GPU kernel error would, with KVX_ERR_IO.
  * batch: a sealed batch the root daemon sends to a rank of another
  * daemon is lost on its way (it counts as sent, and never arrives).
- * lanes: the Nth PeerLanes this daemon sends names port 1 for every
- * lane, where nothing listens (a firewall that refuses the lanes).
+ * lanes: in the Nth handshake this daemon tells its lanes' addresses,
+ * they are those of a worker that is gone, where nothing answers (a
+ * firewall that refuses the lanes).
  * lane_hold: the Nth DATA that comes to one of this daemon's lanes is
  * kept there and never answered (a lane whose TCP stalls).
  * Read once at start; the daemon warns in its log when any is set.
@@ -31,5 +32,7 @@ typedef enum {
 int fault_init(char *why, size_t why_len);
 /* Does this event at site fail? Thread-safe; 0 when nothing is set. */
 int fault_hit(fault_site_t site);
+/* Is a fault set at site at all? */
+int fault_armed(fault_site_t site);
 
 #endif /* KVX_FAULT_H */

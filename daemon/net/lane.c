@@ -2,7 +2,7 @@
  * lane — UCX workers on their own threads for slot data; see lane.h.
  *
  * Reading order:
- *   lanes_start()    per lane: worker, listener, eventfds, the thread
+ *   lanes_start()    per lane: worker, its address, eventfds, the thread
  *   lane_main()      the thread: commands in, progress, sleep on the
  *                    worker's fd and the command eventfd when idle
  *   run_cmd()        connect, send, receive, drop, close, stop
@@ -15,6 +15,7 @@
  * been joined). The loop and a lane share only the two queues, each
  * under its mutex; a cookie or buffer crosses with its command or event.
  */
+#include <assert.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -48,7 +49,8 @@ enum lcmd_op {
 typedef struct lcmd {
     enum lcmd_op op;
     uint64_t lep;
-    struct sockaddr_storage to;
+    uint8_t *addr; /* LC_CONNECT: the worker address, ours to free */
+    size_t addr_len;
     const uint8_t *hdr;
     size_t hlen;
     const void *data;
@@ -60,7 +62,8 @@ typedef struct lcmd {
 
 struct lane;
 
-/* An endpoint of a lane: outgoing (lane_connect) or accepted. */
+/* An endpoint of a lane: outgoing (lane_connect), or the one UCX made
+ * for a worker that sent to us (its messages' reply endpoint). */
 typedef struct lep {
     uint64_t id;
     ucp_ep_h ep;
@@ -83,8 +86,8 @@ typedef struct lane {
     pthread_t th;
     int started;
     ucp_worker_h w;
-    ucp_listener_h lis;
-    uint16_t port;
+    ucp_address_t *addr; /* the worker's, told to peers */
+    size_t addr_len;
     int efd, cfd, epfd;
     pthread_mutex_t mu;        /* the command queue */
     lcmd_t *ch, *ct;
@@ -281,19 +284,17 @@ static lep_t *lep_new(lane_t *ln, uint64_t id)
     return p;
 }
 
-static void on_conn_request(ucp_conn_request_h req, void *arg)
+/* A worker we have not heard from: its reply endpoint becomes an
+ * endpoint of ours, unbound until its data checks (the loop binds or
+ * closes it). */
+static lep_t *lep_accept(lane_t *ln, ucp_ep_h ep)
 {
-    lane_t *ln = arg;
-    lep_t *p = ln->stopping ? NULL : lep_new(ln, atomic_fetch_add(&L.next_lep, 1));
-    if (!p) {
-        ucp_listener_reject(ln->lis, req);
-        return;
-    }
-    p->until_ms = mono_ms() + L.bind_ms; /* unbound until its data checks */
-    if (ucx_accept(ln->w, req, ep_err, p, &p->ep) != UCS_OK) {
-        p->closing = 1;
-        lep_gone(p);
-    }
+    lep_t *p = lep_new(ln, atomic_fetch_add(&L.next_lep, 1));
+    if (!p)
+        return NULL;
+    p->ep = ep;
+    p->until_ms = mono_ms() + L.bind_ms;
+    return p;
 }
 
 static void send_cb(void *request, ucs_status_t status, void *user_data)
@@ -322,11 +323,14 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
 {
     lane_t *ln = arg;
     lep_t *p = NULL;
-    if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
-        for (lep_t *x = ln->eps; x; x = x->next)
-            if (x->ep == param->reply_ep)
-                p = x;
-    if (!p || p->failed || p->closing || ln->stopping)
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+        return UCS_OK; /* lanes always send with a reply endpoint */
+    for (lep_t *x = ln->eps; x; x = x->next)
+        if (x->ep == param->reply_ep)
+            p = x;
+    if (!p && !ln->stopping && !(p = lep_accept(ln, param->reply_ep)))
+        return UCS_OK; /* out of memory: dropped */
+    if (p->failed || p->closing || ln->stopping)
         return UCS_OK; /* dropped (a rendezvous: released) */
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) &&
         fault_hit(FAULT_LANE_HOLD))
@@ -410,7 +414,7 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             break;
         }
         p->bound = 1; /* ours: it only sends */
-        ucs_status_t st = ucx_connect(ln->w, &c->to, ep_err, p, &p->ep);
+        ucs_status_t st = ucx_connect_addr(ln->w, c->addr, ep_err, p, &p->ep);
         if (st != UCS_OK)
             ep_err(p, NULL, st);
         break;
@@ -483,8 +487,10 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
         }
         break;
     }
-    if (c != &ln->stop_cmd)
+    if (c != &ln->stop_cmd) {
+        free(c->addr);
         free(c);
+    }
 }
 
 static int run_cmds(lane_t *ln)
@@ -578,11 +584,15 @@ static lcmd_t *cmd(enum lcmd_op op)
     return c;
 }
 
-void lane_connect(unsigned lane, const struct sockaddr_storage *to,
-                  uint64_t *lep)
+void lane_connect(unsigned lane, const uint8_t *addr, size_t len, uint64_t *lep)
 {
     lcmd_t *c = cmd(LC_CONNECT);
-    c->to = *to;
+    if (!(c->addr = malloc(len ? len : 1))) { /* as in cmd() */
+        log_error("lanes: out of memory for a command");
+        abort();
+    }
+    memcpy(c->addr, addr, len);
+    c->addr_len = len;
     c->lep = *lep = atomic_fetch_add(&L.next_lep, 1);
     post(lane, c);
 }
@@ -636,12 +646,17 @@ void lane_close(unsigned lane, uint64_t lep)
 
 unsigned lanes_count(void) { return L.n; }
 
-uint16_t lane_port(unsigned lane) { return lane < L.n ? L.v[lane].port : 0; }
+const uint8_t *lane_address(unsigned lane, size_t *len)
+{
+    assert(lane < L.n);
+    *len = L.v[lane].addr_len;
+    return (const uint8_t *)L.v[lane].addr;
+}
 
 static void lane_destroy(lane_t *ln)
 {
-    if (ln->lis)
-        ucp_listener_destroy(ln->lis);
+    if (ln->addr)
+        ucp_worker_release_address(ln->w, ln->addr);
     if (ln->w)
         ucp_worker_destroy(ln->w); /* may call back on what is left */
     for (lep_t *x = ln->eps, *n; x; x = n) { /* not closed in time */
@@ -655,16 +670,17 @@ static void lane_destroy(lane_t *ln)
         close(ln->cfd);
     for (lcmd_t *c = ln->ch, *n; c; c = n) {
         n = c->next;
-        if (c != &ln->stop_cmd)
+        if (c != &ln->stop_cmd) {
+            free(c->addr);
             free(c);
+        }
     }
     pthread_mutex_destroy(&ln->mu);
     memset(ln, 0, sizeof(*ln));
 }
 
-static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
-                     const struct sockaddr_storage *ip, uint16_t port,
-                     char *why, size_t why_len)
+static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx, char *why,
+                     size_t why_len)
 {
     ln->idx = idx;
     ln->epfd = ln->cfd = -1;
@@ -692,22 +708,13 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
         snprintf(why, why_len, "lane %u: %s", idx, ucs_status_string(st));
         return KVX_ERR_IO;
     }
-    struct sockaddr_storage ss = *ip;
-    if (ss.ss_family == AF_INET6)
-        ((struct sockaddr_in6 *)&ss)->sin6_port = htons(port);
-    else
-        ((struct sockaddr_in *)&ss)->sin_port = htons(port);
-    struct sockaddr_storage bound;
-    char lwhy[160];
-    int rc = ucx_listen(ln->w, &ss, on_conn_request, ln, &ln->lis, &bound, lwhy,
-                        sizeof(lwhy));
-    if (rc) {
-        snprintf(why, why_len, "lane %u: cannot listen on port %u%s: %s",
-                 idx, port, port ? " (peer.listen's port + 1 + lane)" : "",
-                 lwhy);
-        return rc;
+    if ((st = ucp_worker_get_address(ln->w, &ln->addr, &ln->addr_len)) !=
+        UCS_OK) {
+        ln->addr = NULL;
+        snprintf(why, why_len, "lane %u: ucp_worker_get_address: %s", idx,
+                 ucs_status_string(st));
+        return KVX_ERR_IO;
     }
-    ln->port = ucx_port(&bound);
     ln->cfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     ln->epfd = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event e1 = {.events = EPOLLIN, .data.fd = ln->efd},
@@ -722,21 +729,14 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
     return 0;
 }
 
-int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
-                const struct sockaddr_storage *ip, uint16_t base_port,
-                unsigned n, int spin, uint32_t bind_ms,
-                void (*ev)(const lane_ev_t *e), char *why, size_t why_len)
+int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
+                uint32_t bind_ms, void (*ev)(const lane_ev_t *e), char *why,
+                size_t why_len)
 {
     if (!n)
         return 0;
     if (n > LANES_MAX)
         n = LANES_MAX;
-    if (base_port && (unsigned)base_port + n > 65535) {
-        snprintf(why, why_len, "peer.lanes: %u lanes listen on ports %u to "
-                 "%u (peer.listen's port + 1 + lane), past 65535", n,
-                 base_port + 1u, base_port + n);
-        return KVX_ERR_INVALID;
-    }
     pthread_mutex_init(&L.mu, NULL);
     atomic_store(&L.next_lep, 1);
     L.ev = ev;
@@ -750,8 +750,7 @@ int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
     int rc;
     for (L.n = 0; L.n < n; L.n++) {
         lane_t *ln = &L.v[L.n];
-        uint16_t port = base_port ? (uint16_t)(base_port + 1 + L.n) : 0;
-        if ((rc = lane_init(ln, L.n, ctx, ip, port, why, why_len))) {
+        if ((rc = lane_init(ln, L.n, ctx, why, why_len))) {
             lane_destroy(ln);
             goto err;
         }

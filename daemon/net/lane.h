@@ -5,15 +5,16 @@
  * progresses the worker) run on more cores than the loop's one.
  *
  * peer.c owns the connections, their authentication and every decision;
- * a lane only runs UCX for it. Each lane has a worker, a listener on the
- * peer.listen IP (a port of its own, told to peers after
- * authentication) and its endpoints. The loop talks to a lane by
- * commands (a queue and an eventfd), and a lane answers by events (a
- * queue and a uv_async), handled on the loop by the callback given to
- * lanes_start(). Endpoints are named by ids; cookies are the loop's, a
- * lane only hands them back.
+ * a lane only runs UCX for it. Each lane has a worker (its address told
+ * to peers after authentication; nothing listens for UCX connection
+ * requests) and its endpoints: the ones it made to other daemons' lanes,
+ * and the reply endpoints of workers that sent to it. The loop talks to a lane
+ * by commands (a queue and an eventfd), and a lane answers by events (a queue
+ * and a uv_async), handled on the loop by the callback given to lanes_start().
+ * Endpoints are named by ids; cookies are the loop's, a lane only hands them
+ * back.
  *
- * Owns: the lanes' threads, workers, listeners and endpoints, the UCX
+ * Owns: the lanes' threads, workers, their addresses and endpoints, the UCX
  * data descriptors of messages that arrived until the loop answers
  * (lane_recv() or lane_drop()).
  */
@@ -56,17 +57,15 @@ typedef struct lane_ev {
     struct lane_ev *next;
 } lane_ev_t;
 
-/* Starts n lanes (0: none) on ctx, lane i listening on ip, port
- * base_port + 1 + i (base_port 0: any free port). ev is called on the
- * loop for every event; the event is freed after. spin: a lane polls
- * instead of sleeping while it has requests in flight. 0, or with why
- * KVX_ERR_INVALID (ports past 65535) or KVX_ERR_IO. */
-int lanes_start(ucp_context_h ctx, uv_loop_t *loop,
-                const struct sockaddr_storage *ip, uint16_t base_port,
-                unsigned n, int spin, uint32_t bind_ms,
-                void (*ev)(const lane_ev_t *e), char *why, size_t why_len);
+/* Starts n lanes (0: none) on ctx. ev is called on the loop for every
+ * event; the event is freed after. spin: a lane polls instead of
+ * sleeping while it has requests in flight. 0, or KVX_ERR_IO with why. */
+int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
+                uint32_t bind_ms, void (*ev)(const lane_ev_t *e), char *why,
+                size_t why_len);
 unsigned lanes_count(void);
-uint16_t lane_port(unsigned lane);
+/* Lane lane's worker address (*len bytes), valid until lanes_stop(). */
+const uint8_t *lane_address(unsigned lane, size_t *len);
 /* Runs the events that have come (a stopped loop's shutdown). */
 void lanes_drain(void);
 /* Every endpoint force-closed, the threads joined, the workers gone.
@@ -76,7 +75,8 @@ void lanes_stop(void);
 /* Commands, run by the lane in the order given. Out of memory for one
  * stops the daemon (abort()): a lost command would hang what waits on
  * it. */
-void lane_connect(unsigned lane, const struct sockaddr_storage *to,
+/* An endpoint to the worker at addr (copied). */
+void lane_connect(unsigned lane, const uint8_t *addr, size_t len,
                   uint64_t *lep);
 /* Sent by rendezvous always (the receiver's lane gets it straight into
  * place). hdr and data stay the caller's until LEV_SENT. */

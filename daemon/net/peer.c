@@ -3,27 +3,34 @@
  * peer.h.
  *
  * Reading order:
- *   peer_init()      context, worker, event fd on the loop, listener,
- *                    the secret, this daemon's address
+ *   peer_init()      context, worker, event fd on the loop, the
+ *                    handshake listener (hs.c), the secret, this
+ *                    daemon's address
  *   pump()           the one place the worker is progressed, one call at
  *                    a time: on an idle handle while there is more,
  *                    before the loop sleeps (uv_prepare), and when its
  *                    fd wakes it
- *   peer_connect()   outgoing connection: endpoint, then HELLO
- *   on_conn_request  incoming connection: endpoint from the request
- *   auth_*           HELLO -> CHALLENGE -> RESPONSE -> AUTH_RESULT; the
- *                    secret never goes on the wire, only HMACs of both
- *                    nonces under it, and each side proves it knows it
- *   am_ctrl/am_data  messages in: authenticated ones go to remote.c
- *   lanes_*          slot data over the lanes (lane.c, peer.lanes): once
- *                    authenticated each side sends PeerLanes (its lanes'
- *                    ports and this connection's key); data_start() sends
- *                    over the other side's lanes, on_lane_event() runs
- *                    what the lanes report
+ *   peer_connect()   outgoing connection: a handshake socket, HELLO
+ *   on_hs_accept     incoming connection: a handshake socket
+ *   auth_*           HELLO -> CHALLENGE -> RESPONSE -> AUTH_RESULT on
+ *                    the handshake socket, never on UCX; the secret
+ *                    never goes on the wire, only HMACs of both nonces
+ *                    under it, and each side proves it knows it. Only
+ *                    then do the daemons tell each other their UCX
+ *                    workers' addresses (PeerUcx, with the lanes')
+ *   conn_ready()     an endpoint to the other's worker, whose first
+ *                    message (BIND) ties it to the connection: the
+ *                    client's first, the server's once that arrived
+ *   am_ctrl/am_data  messages in: from a bound endpoint, to the layers
+ *                    above
+ *   lanes_*          slot data over the lanes (lane.c, peer.lanes):
+ *                    data_start() sends over the other side's lanes,
+ *                    on_lane_event() runs what the lanes report
  *   conn_fail()      the one way a connection ends
  */
 #include <arpa/inet.h>
 #include <assert.h>
+#include <dirent.h>
 #include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -45,6 +52,7 @@
 
 #include "daemon.h"
 #include "fault.h"
+#include "hs.h"
 #include "lane.h"
 #include "log.h"
 #include "peer.h"
@@ -52,8 +60,9 @@
 
 /* 2: the MACs bind both daemons' addresses; 3: polls say what arrived
  * (resume), batches and announcements carry sessions and the instance's
- * epoch; 4: lanes (PeerLanes, PeerData.lane_key) */
-#define PEER_VERSION 4
+ * epoch; 4: lanes (PeerLanes, PeerData.lane_key); 5: the handshake on a
+ * socket of our own, UCX worker addresses after it (PeerUcx, BIND) */
+#define PEER_VERSION 5
 #define LANE_MAC_LEN 16
 #define NONCE_LEN 32
 #define MAC_LEN 32
@@ -61,9 +70,14 @@
 #define AM_CTRL 1
 #define AM_DATA 2
 #define MAX_LOST_KEPT 64
+/* incoming handshakes at once; more are closed unanswered */
+#define HS_PENDING_MAX 64
 
-enum conn_state { CONN_AUTH, CONN_READY, CONN_LOST };
-static const char *const state_names[] = {"connecting", "connected", "lost"};
+/* AUTH: the handshake socket; BIND: authenticated (the server), waiting
+ * for the client's endpoint to bind; READY: its endpoint made, bound. */
+enum conn_state { CONN_AUTH, CONN_BIND, CONN_READY, CONN_LOST };
+static const char *const state_names[] = {"connecting", "connecting",
+                                          "connected", "lost"};
 
 typedef struct qmsg {
     uint8_t *buf;
@@ -73,7 +87,11 @@ typedef struct qmsg {
 
 struct peer_conn {
     uint64_t id; /* never reused (peer_conn_id) */
-    ucp_ep_h ep;
+    hs_t *hs;    /* the handshake socket, until authenticated */
+    ucp_ep_h ep; /* ours, to its worker: what we send on */
+    ucp_ep_h rx_ep;    /* UCX's reply endpoint of what it sends, once bound */
+    uint8_t *ucx_addr; /* its worker's address (PeerUcx.worker) */
+    size_t ucx_addr_len;
     int outgoing;
     enum conn_state state;
     char address[192];          /* the peer's; for incoming: after HELLO */
@@ -84,7 +102,6 @@ struct peer_conn {
     uint64_t bytes_sent, bytes_received, errors;
     uint32_t outstanding;       /* UCX requests not yet back */
     int closed;                 /* ucp_ep_close started (or no ep) */
-    int refused;                /* we refused it: let the refusal out */
     int close_done;
     /* lost, and remote.c not told yet (peer_flush_lost()) */
     int lost_pending, lost_code;
@@ -97,13 +114,14 @@ struct peer_conn {
     uint32_t data_inflight;
     /* lanes: the keys of its DATA to us (rx) and ours to it (tx),
      * derived at authentication; our id of the connection (told in
-     * PeerLanes) and its; its lanes' ports; our endpoints to its lanes
+     * PeerUcx) and its; its lanes' worker addresses; our endpoints to its lanes
      * (out) and the ones its data comes in on (in), by lane, 0 for none;
      * whether a send over our lane i has worked yet (until then a failing
      * lane turns lanes off for the connection: lanes_off) */
     uint8_t rx_key[MAC_LEN], tx_key[MAC_LEN];
     uint64_t lane_conn, peer_conn;
-    uint16_t lane_ports[LANES_MAX];
+    uint8_t *lane_addr[LANES_MAX];
+    size_t lane_addr_len[LANES_MAX];
     unsigned peer_lanes, lane_next;
     int lanes_off;
     uint64_t out_lep[LANES_MAX], in_lep[LANES_MAX];
@@ -150,7 +168,10 @@ static struct {
     int on;
     ucp_context_h ctx;
     ucp_worker_h worker;
-    ucp_listener_h listener;
+    ucp_address_t *addr; /* the worker's, told after the handshake */
+    size_t addr_len;
+    uint8_t *dead_addr; /* FAULT_LANES: a worker that is gone */
+    size_t dead_len;
     uv_poll_t poll;
     uv_prepare_t prepare;
     uv_idle_t idle;             /* keeps the loop turning: pump() */
@@ -414,6 +435,130 @@ static void ep_transports(ucp_ep_h ep, char *out, size_t n)
     free(buf);
 }
 
+/* ---- the cluster's networks (peer.allowed) ----------------------------- */
+
+#define NETS_MAX 32
+
+static struct {
+    int family;
+    uint8_t addr[16];
+    unsigned bits;
+} nets[NETS_MAX];
+static unsigned nnets;
+static char nets_text[256];
+
+static int net_add(int family, const void *addr, unsigned bits)
+{
+    if (nnets == NETS_MAX)
+        return KVX_ERR_INVALID;
+    nets[nnets].family = family;
+    memcpy(nets[nnets].addr, addr, family == AF_INET ? 4 : 16);
+    nets[nnets].bits = bits;
+    nnets++;
+    return 0;
+}
+
+/* peer.allowed (checked by the config), or the network of the interface
+ * that holds peer.listen's IP. 0, or KVX_ERR_INVALID with why. */
+static int nets_init(const struct sockaddr_storage *listen, char *why,
+                     size_t why_len)
+{
+    nnets = 0;
+    if (kvxd.conf.peer_allowed[0]) {
+        char buf[sizeof(kvxd.conf.peer_allowed)], *save = NULL;
+        snprintf(buf, sizeof(buf), "%s", kvxd.conf.peer_allowed);
+        for (char *t = strtok_r(buf, ",", &save); t;
+             t = strtok_r(NULL, ",", &save)) {
+            while (*t == ' ')
+                t++;
+            char *slash = strchr(t, '/');
+            if (slash)
+                *slash = 0;
+            uint8_t a[16];
+            int fam = inet_pton(AF_INET, t, a) == 1 ? AF_INET : AF_INET6;
+            if (fam == AF_INET6 && inet_pton(AF_INET6, t, a) != 1)
+                continue; /* the config checked it */
+            unsigned bits =
+                slash ? (unsigned)atoi(slash + 1) : (fam == AF_INET ? 32 : 128);
+            if (net_add(fam, a, bits)) {
+                snprintf(why, why_len, "peer.allowed: more than %d networks",
+                         NETS_MAX);
+                return KVX_ERR_INVALID;
+            }
+        }
+        snprintf(nets_text, sizeof(nets_text), "%s", kvxd.conf.peer_allowed);
+        return 0;
+    }
+    struct ifaddrs *all, *i;
+    if (getifaddrs(&all)) {
+        snprintf(why, why_len, "getifaddrs: %s", strerror(errno));
+        return KVX_ERR_IO;
+    }
+    for (i = all; i; i = i->ifa_next) {
+        const struct sockaddr *a = i->ifa_addr, *m = i->ifa_netmask;
+        if (!a || !m || a->sa_family != listen->ss_family)
+            continue;
+        const uint8_t *ab, *mb, *lb;
+        size_t n = a->sa_family == AF_INET ? 4 : 16;
+        if (a->sa_family == AF_INET) {
+            ab = (const uint8_t *)&((const struct sockaddr_in *)a)->sin_addr;
+            mb = (const uint8_t *)&((const struct sockaddr_in *)m)->sin_addr;
+            lb = (const uint8_t *)&((const struct sockaddr_in *)listen)
+                     ->sin_addr;
+        } else if (a->sa_family == AF_INET6) {
+            ab = (const uint8_t *)&((const struct sockaddr_in6 *)a)->sin6_addr;
+            mb = (const uint8_t *)&((const struct sockaddr_in6 *)m)->sin6_addr;
+            lb = (const uint8_t *)&((const struct sockaddr_in6 *)listen)
+                     ->sin6_addr;
+        } else {
+            continue;
+        }
+        if (memcmp(ab, lb, n))
+            continue;
+        unsigned bits = 0;
+        for (size_t k = 0; k < n; k++)
+            bits += (unsigned)__builtin_popcount(mb[k]);
+        net_add(a->sa_family, ab, bits);
+        char ip[INET6_ADDRSTRLEN];
+        inet_ntop(a->sa_family, ab, ip, sizeof(ip));
+        snprintf(nets_text, sizeof(nets_text), "%s/%u (%s's network)", ip, bits,
+                 i->ifa_name);
+        break;
+    }
+    freeifaddrs(all);
+    if (!nnets) {
+        snprintf(why, why_len,
+                 "peer.allowed is empty and no interface "
+                 "holds peer.listen's IP (%s): name the "
+                 "cluster's networks in peer.allowed",
+                 kvxd.conf.peer_listen);
+        return KVX_ERR_INVALID;
+    }
+    return 0;
+}
+
+static int net_allows(const struct sockaddr_storage *ss)
+{
+    const uint8_t *b =
+        ss->ss_family == AF_INET
+            ? (const uint8_t *)&((const struct sockaddr_in *)ss)->sin_addr
+            : (const uint8_t *)&((const struct sockaddr_in6 *)ss)->sin6_addr;
+    for (unsigned i = 0; i < nnets; i++) {
+        if (nets[i].family != ss->ss_family)
+            continue;
+        unsigned bits = nets[i].bits, k = 0;
+        for (; bits >= 8; bits -= 8, k++)
+            if (b[k] != nets[i].addr[k])
+                break;
+        if (bits >= 8)
+            continue;
+        uint8_t mask = (uint8_t)(0xff00u >> bits);
+        if (!bits || ((b[k] ^ nets[i].addr[k]) & mask) == 0)
+            return 1;
+    }
+    return 0;
+}
+
 /* ---- connections ------------------------------------------------------- */
 
 static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
@@ -447,6 +592,15 @@ static peer_conn_t *conn_new(int outgoing, const char *address)
     c->next = P.conns;
     P.conns = c;
     return c;
+}
+
+static void conn_free(peer_conn_t *c)
+{
+    assert(!c->hs && !c->outstanding);
+    free(c->ucx_addr);
+    for (unsigned i = 0; i < LANES_MAX; i++)
+        free(c->lane_addr[i]);
+    free(c);
 }
 
 static void conn_unlink(peer_conn_t *c)
@@ -594,16 +748,7 @@ static int lane_pick(peer_conn_t *c)
         return -1;
     unsigned i = c->lane_next++ % n;
     if (!c->out_lep[i]) {
-        struct sockaddr_storage ss;
-        socklen_t sl;
-        char why[128];
-        if (parse_address(c->address, &ss, &sl, why, sizeof(why)))
-            return -1;
-        if (ss.ss_family == AF_INET6)
-            ((struct sockaddr_in6 *)&ss)->sin6_port = htons(c->lane_ports[i]);
-        else
-            ((struct sockaddr_in *)&ss)->sin_port = htons(c->lane_ports[i]);
-        lane_connect(i, &ss, &c->out_lep[i]);
+        lane_connect(i, c->lane_addr[i], c->lane_addr_len[i], &c->out_lep[i]);
         c->lane_since[i] = now_ms();
     }
     return (int)i;
@@ -636,10 +781,10 @@ static void lane_mac(const uint8_t key[MAC_LEN], const Kvxfer__PeerData *d,
 static void lanes_off(peer_conn_t *c, unsigned lane, const char *why)
 {
     if (!c->lanes_off)
-        log_warn("peer %s: lane %u (port %u) %s before any data went over "
-                 "it; slot data to it goes over the connection itself "
-                 "(are the lane ports open?)",
-                 c->address, lane, c->lane_ports[lane], why);
+        log_warn("peer %s: lane %u %s before any data went over it; slot "
+                 "data to it goes over the connection itself (are UCX's "
+                 "ports open between the daemons?)",
+                 c->address, lane, why);
     c->lanes_off = 1;
     if (c->out_lep[lane]) {
         lane_close(lane, c->out_lep[lane]);
@@ -799,7 +944,7 @@ static void conn_try_free(peer_conn_t *c)
             replaced = 1;
     if (replaced || lost > MAX_LOST_KEPT || !c->address[0] || c->ep == NULL) {
         conn_unlink(c);
-        free(c);
+        conn_free(c);
     }
 }
 
@@ -856,6 +1001,10 @@ static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
     int was_ready = c->state == CONN_READY;
     c->state = CONN_LOST;
     c->errors++;
+    if (c->hs) { /* what was sent (a refusal) still goes out */
+        hs_close(c->hs);
+        c->hs = NULL;
+    }
     if (was_ready || c->outgoing)
         log_warn("peer %s: %s", c->address[0] ? c->address : "(incoming)",
                  msg);
@@ -894,38 +1043,101 @@ static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
      * callback (UCX may still be failing it there) */
 }
 
-static void conn_ready(peer_conn_t *c)
+/* The directions' keys, as the handshake's MACs are made (S the listening
+ * daemon's address, D the connecting one's): both daemons derive them,
+ * neither sends them. They prove BIND and every DATA over a lane. */
+static void keys_derive(peer_conn_t *c)
 {
-    c->state = CONN_READY;
-    c->last_seen_ms = now_ms();
-    ep_transports(c->ep, c->transports, sizeof(c->transports));
-    log_info("peer %s: authenticated (%s, %s)", c->address,
-             c->outgoing ? "outgoing" : "incoming",
-             c->transports[0] ? c->transports : "transports unknown");
-    /* the lanes' keys, one per direction, as the handshake's MACs are
-     * made (S the listening daemon's address, D the connecting one's):
-     * both daemons derive them, neither sends them */
     const char *sa = c->outgoing ? c->server_addr : kvxd.address;
     const char *da = c->outgoing ? kvxd.address : c->address;
     hmac("kvx-lane-s", c->nonce_c, c->nonce_s, sa, da,
          c->outgoing ? c->tx_key : c->rx_key);
     hmac("kvx-lane-c", c->nonce_c, c->nonce_s, sa, da,
          c->outgoing ? c->rx_key : c->tx_key);
-    if (lanes_count()) { /* before anything queued: data may follow */
-        uint32_t ports[LANES_MAX];
-        Kvxfer__PeerLanes l = KVXFER__PEER_LANES__INIT;
-        int refuse = fault_hit(FAULT_LANES);
-        for (unsigned i = 0; i < lanes_count(); i++)
-            ports[i] = refuse ? 1 : lane_port(i);
-        l.n_ports = lanes_count();
-        l.ports = ports;
-        l.conn = c->lane_conn;
-        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-        m.m_case = KVXFER__PEER_MSG__M_LANES;
-        m.lanes = &l;
-        if (send_now(c, &m))
-            return;
+}
+
+static void bind_mac(const uint8_t key[MAC_LEN], uint64_t conn,
+                     uint8_t out[MAC_LEN])
+{
+    uint8_t msg[8 + 8] = "kvx-bind";
+    uint64_t le = htole64(conn);
+    memcpy(msg + 8, &le, 8);
+    unsigned n = MAC_LEN;
+    HMAC(EVP_sha256(), key, MAC_LEN, msg, sizeof(msg), out, &n);
+}
+
+/* What we tell the other daemon once it has proved the secret. */
+static void ucx_info_fill(Kvxfer__PeerUcx *u, ProtobufCBinaryData *lanes)
+{
+    int dead = lanes_count() && fault_hit(FAULT_LANES);
+    u->worker.data = (uint8_t *)P.addr;
+    u->worker.len = P.addr_len;
+    for (unsigned i = 0; i < lanes_count(); i++) {
+        /* the fault: lanes nobody answers on (a firewall) */
+        lanes[i].data =
+            dead ? P.dead_addr : (uint8_t *)lane_address(i, &lanes[i].len);
+        if (dead)
+            lanes[i].len = P.dead_len;
     }
+    u->n_lanes = lanes_count();
+    u->lanes = lanes;
+}
+
+/* What the other daemon told: kept for conn_ready() and the lanes. 0, or
+ * KVX_ERR_PROTOCOL. */
+static int ucx_info_take(peer_conn_t *c, const Kvxfer__PeerUcx *u)
+{
+    if (!u || !u->worker.len || !u->conn || u->n_lanes > LANES_MAX)
+        return KVX_ERR_PROTOCOL;
+    for (size_t i = 0; i < u->n_lanes; i++)
+        if (!u->lanes[i].len)
+            return KVX_ERR_PROTOCOL;
+    if (!(c->ucx_addr = malloc(u->worker.len)))
+        return KVX_ERR_NOMEM;
+    memcpy(c->ucx_addr, u->worker.data, u->worker.len);
+    c->ucx_addr_len = u->worker.len;
+    for (size_t i = 0; i < u->n_lanes; i++) {
+        if (!(c->lane_addr[i] = malloc(u->lanes[i].len)))
+            return KVX_ERR_NOMEM;
+        memcpy(c->lane_addr[i], u->lanes[i].data, u->lanes[i].len);
+        c->lane_addr_len[i] = u->lanes[i].len;
+    }
+    c->peer_lanes = (unsigned)u->n_lanes;
+    c->peer_conn = u->conn;
+    return 0;
+}
+
+/* Authenticated: our endpoint to its worker, BIND first on it, then what
+ * waited. The client comes here on AUTH_RESULT, the server once the
+ * client's BIND has come (so that nothing of ours reaches the client
+ * before it knows the handshake is over). */
+static void conn_ready(peer_conn_t *c)
+{
+    assert(c->state == CONN_AUTH || c->state == CONN_BIND);
+    ucs_status_t st =
+        ucx_connect_addr(P.worker, c->ucx_addr, ep_err_cb, c, &c->ep);
+    if (st != UCS_OK) {
+        conn_fail(c, KVX_ERR_PEER_GONE, "cannot make an endpoint to %s: %s",
+                  c->address, ucs_status_string(st));
+        return;
+    }
+    c->state = CONN_READY;
+    c->last_seen_ms = now_ms();
+    ep_transports(c->ep, c->transports, sizeof(c->transports));
+    log_info("peer %s: authenticated (%s, %s)", c->address,
+             c->outgoing ? "outgoing" : "incoming",
+             c->transports[0] ? c->transports : "transports unknown");
+    uint8_t mac[MAC_LEN];
+    bind_mac(c->tx_key, c->peer_conn, mac);
+    Kvxfer__PeerBind bd = KVXFER__PEER_BIND__INIT;
+    bd.conn = c->peer_conn;
+    bd.mac.data = mac;
+    bd.mac.len = MAC_LEN;
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_BIND;
+    m.bind = &bd;
+    if (send_now(c, &m))
+        return;
     while (c->q_head && c->state == CONN_READY) {
         qmsg_t *q = c->q_head;
         c->q_head = q->next;
@@ -937,6 +1149,63 @@ static void conn_ready(peer_conn_t *c)
         send_packed(c, b, len);
     }
 }
+
+/* A BIND from an endpoint no connection has: ties it to the one it
+ * names, if its MAC proves the daemon at the other end of that
+ * connection sent it. Anything else from such an endpoint is dropped. */
+static void bind_msg(ucp_ep_h from, const uint8_t *buf, size_t len)
+{
+    Kvxfer__PeerMsg *m =
+        len <= 256 ? kvxfer__peer_msg__unpack(NULL, len, buf) : NULL;
+    peer_conn_t *c = NULL;
+    if (m && m->m_case == KVXFER__PEER_MSG__M_BIND &&
+        m->bind->mac.len == MAC_LEN) {
+        for (c = P.conns; c; c = c->next)
+            if (c->lane_conn == m->bind->conn && !c->rx_ep &&
+                (c->state == CONN_BIND || c->state == CONN_READY))
+                break;
+        uint8_t mac[MAC_LEN];
+        if (c) {
+            bind_mac(c->rx_key, c->lane_conn, mac);
+            if (!ct_equal(mac, m->bind->mac.data, MAC_LEN))
+                c = NULL;
+        }
+    }
+    if (m)
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+    if (!c) {
+        static uint64_t last;
+        uint64_t now = now_ms();
+        if (now >= last + 1000) { /* at most once a second */
+            last = now;
+            log_warn("peers: a %zu-byte message from a UCX endpoint that no "
+                     "authenticated connection bound; dropped",
+                     len);
+        }
+        return;
+    }
+    c->rx_ep = from;
+    c->last_seen_ms = now_ms();
+    if (c->state == CONN_BIND)
+        conn_ready(c);
+}
+
+/* A handshake message out, on the socket. */
+static void hs_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
+{
+    size_t len;
+    uint8_t *b = pack(m, &len);
+    int rc = b && c->hs ? hs_send(c->hs, b, len) : KVX_ERR_NOMEM;
+    free(b);
+    if (rc)
+        conn_fail(c, rc, "cannot send the handshake to %s",
+                  c->address[0] ? c->address : "(incoming)");
+}
+
+static void hs_frame(void *arg, const uint8_t *buf, size_t len);
+static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m);
+static void hs_ended(void *arg, const char *why);
+static const hs_cbs_t hs_cbs = {hs_frame, hs_ended};
 
 peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
 {
@@ -953,24 +1222,22 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
             return c;
     struct sockaddr_storage ss;
     socklen_t sl;
-    if (parse_address(address, &ss, &sl, why, why_len))
+    if (peer_address_check(address, why, why_len) ||
+        parse_address(address, &ss, &sl, why, why_len))
         return NULL;
     peer_conn_t *c = conn_new(1, address);
     if (!c) {
         snprintf(why, why_len, "out of memory");
         return NULL;
     }
-    ucs_status_t st = ucx_connect(P.worker, &ss, ep_err_cb, c, &c->ep);
-    if (st != UCS_OK) {
-        conn_fail(c, KVX_ERR_PEER_GONE, "cannot connect: %s",
-                  ucs_status_string(st));
-        snprintf(why, why_len, "cannot connect to daemon %s: %s", address,
-                 ucs_status_string(st));
-        return NULL;
-    }
     if (getrandom(c->nonce_c, NONCE_LEN, 0) != NONCE_LEN) {
         conn_fail(c, KVX_ERR_IO, "getrandom failed");
         snprintf(why, why_len, "getrandom failed");
+        return NULL;
+    }
+    if (!(c->hs = hs_dial(&ss, &hs_cbs, c))) {
+        conn_fail(c, KVX_ERR_PEER_GONE, "cannot connect");
+        snprintf(why, why_len, "cannot connect to daemon %s", address);
         return NULL;
     }
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
@@ -981,7 +1248,8 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
     h.nonce.len = NONCE_LEN;
     m.m_case = KVXFER__PEER_MSG__M_HELLO;
     m.hello = &h;
-    if (send_now(c, &m)) {
+    hs_msg(c, &m);
+    if (c->state == CONN_LOST) {
         snprintf(why, why_len, "cannot send to daemon %s", address);
         return NULL;
     }
@@ -1004,6 +1272,13 @@ int peer_address_check(const char *address, char *why, size_t why_len)
         return 0;
     if (parse_address(address, &ss, &sl, why, why_len))
         return KVX_ERR_INVALID;
+    if (P.on && !net_allows(&ss)) {
+        snprintf(why, why_len,
+                 "daemon '%s' is outside the cluster's "
+                 "networks (peer.allowed: %s): not dialled",
+                 address, nets_text);
+        return KVX_ERR_INVALID;
+    }
     return 0;
 }
 
@@ -1020,16 +1295,76 @@ void peer_token(const char *instance, const char *addr0, uint64_t request,
 }
 int peer_conn_alive(const peer_conn_t *c) { return c->state != CONN_LOST; }
 
-static void on_conn_request(ucp_conn_request_h req, void *arg)
+/* A new handshake socket. At HS_PENDING_MAX open, the oldest goes: a
+ * stranger holding sockets open cannot keep daemons out, whose
+ * handshakes take milliseconds. */
+static void on_hs_accept(hs_t *h)
 {
-    (void)arg;
-    peer_conn_t *c = conn_new(0, NULL);
-    if (!c) {
-        ucp_listener_reject(P.listener, req);
+    struct sockaddr_storage from;
+    if (hs_peer_addr(h, &from) || !net_allows(&from)) {
+        static uint64_t last;
+        uint64_t now = now_ms();
+        if (now >= last + 1000) { /* at most once a second */
+            last = now;
+            log_warn("peers: %s is outside the cluster's networks "
+                     "(peer.allowed: %s); closed",
+                     hs_peer_name(h), nets_text);
+        }
+        hs_close(h);
         return;
     }
-    if (ucx_accept(P.worker, req, ep_err_cb, c, &c->ep) != UCS_OK)
-        conn_fail(c, KVX_ERR_PEER_GONE, "cannot accept a connection");
+    unsigned pending = 0;
+    peer_conn_t *oldest = NULL;
+    for (peer_conn_t *c = P.conns; c; c = c->next)
+        if (!c->outgoing && c->state == CONN_AUTH) {
+            pending++;
+            if (!oldest || c->created_ms <= oldest->created_ms)
+                oldest = c;
+        }
+    if (pending >= HS_PENDING_MAX) {
+        static uint64_t last;
+        uint64_t now = now_ms();
+        if (now >= last + 1000) { /* at most once a second */
+            last = now;
+            log_warn("peers: %u handshakes open; the oldest (%s) is "
+                     "closed",
+                     pending, oldest->hs ? hs_peer_name(oldest->hs) : "?");
+        }
+        conn_fail(oldest, KVX_ERR_LIMIT, "too many handshakes open");
+    }
+    peer_conn_t *c = conn_new(0, NULL);
+    if (!c) {
+        hs_close(h);
+        return;
+    }
+    c->hs = h;
+    hs_attach(h, &hs_cbs, c);
+}
+
+static void hs_frame(void *arg, const uint8_t *buf, size_t len)
+{
+    peer_conn_t *c = arg;
+    Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, len, buf);
+    if (!m) {
+        conn_fail(c, KVX_ERR_PROTOCOL, "malformed handshake message from %s",
+                  c->hs ? hs_peer_name(c->hs) : "?");
+        return;
+    }
+    c->last_seen_ms = now_ms();
+    auth_msg(c, m);
+    kvxfer__peer_msg__free_unpacked(m, NULL);
+}
+
+static void hs_ended(void *arg, const char *why)
+{
+    peer_conn_t *c = arg;
+    /* a daemon closes, unanswered, handshakes from outside its
+     * peer.allowed (and its oldest when too many are open) */
+    int early = c->outgoing && !c->nonce_s[0];
+    conn_fail(c, KVX_ERR_PEER_GONE, "handshake: %s%s", why,
+              early ? " before its challenge (is this daemon outside its "
+                      "peer.allowed?)"
+                    : "");
 }
 
 /* ---- authentication ---------------------------------------------------- */
@@ -1055,12 +1390,9 @@ static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
     r.message = m2;
     m.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
     m.auth_result = &r;
-    send_now(c, &m);
-    /* close after the refusal is out: the tick closes it */
-    c->state = CONN_LOST;
-    c->refused = 1;
-    c->errors++;
-    c->last_seen_ms = now_ms();
+    hs_msg(c, &m);
+    /* the socket closes once the refusal is out */
+    conn_fail(c, KVX_ERR_AUTH, "%s", msg);
 }
 
 static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
@@ -1098,7 +1430,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         ch.mac.len = MAC_LEN;
         out.m_case = KVXFER__PEER_MSG__M_CHALLENGE;
         out.challenge = &ch;
-        send_now(c, &out);
+        hs_msg(c, &out);
         return;
     }
     case KVXFER__PEER_MSG__M_CHALLENGE: { /* we are the client */
@@ -1118,14 +1450,22 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
          * valid MAC only to a server that proved itself, or it could be
          * relayed */
         Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
+        Kvxfer__PeerUcx u = KVXFER__PEER_UCX__INIT;
+        ProtobufCBinaryData lanes[LANES_MAX];
         uint8_t mac_c[MAC_LEN] = {0};
-        if (!bad)
+        if (!bad) { /* and our UCX addresses only to one that proved */
             hmac("kvx-c", c->nonce_c, c->nonce_s, sa, kvxd.address, mac_c);
+            ucx_info_fill(&u, lanes);
+            u.conn = c->lane_conn;
+            r.ucx = &u;
+        }
         r.mac.data = mac_c;
         r.mac.len = MAC_LEN;
         out.m_case = KVXFER__PEER_MSG__M_RESPONSE;
         out.response = &r;
-        send_now(c, &out);
+        hs_msg(c, &out);
+        if (c->state == CONN_LOST)
+            return;
         if (elsewhere) {
             conn_fail(c, KVX_ERR_AUTH,
                       "authentication failed: %s answered as '%.191s', "
@@ -1141,6 +1481,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             return;
         }
         c->server_ok = 1;
+        keys_derive(c);
         if (strcmp(sa, c->address))
             log_warn("peer %s: answers as %s (restarted?)", c->address, sa);
         return;
@@ -1154,13 +1495,30 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             auth_refuse(c, "wrong cluster secret");
             return;
         }
+        int rc = ucx_info_take(c, m->response->ucx);
+        if (rc) {
+            auth_refuse(c, rc == KVX_ERR_NOMEM ? "out of memory"
+                                               : "malformed UCX addresses");
+            return;
+        }
         Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
+        Kvxfer__PeerUcx u = KVXFER__PEER_UCX__INIT;
+        ProtobufCBinaryData lanes[LANES_MAX];
+        ucx_info_fill(&u, lanes);
+        u.conn = c->lane_conn;
         r.message = "";
+        r.ucx = &u;
         out.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
         out.auth_result = &r;
-        send_now(c, &out);
-        if (c->state != CONN_LOST) /* the send may have failed it */
-            conn_ready(c);
+        hs_msg(c, &out);
+        if (c->state == CONN_LOST) /* the send may have failed it */
+            return;
+        /* the socket's work is done (it closes once the answer is out);
+         * the client's BIND comes over UCX next */
+        keys_derive(c);
+        hs_close(c->hs);
+        c->hs = NULL;
+        c->state = CONN_BIND;
         return;
     }
     case KVXFER__PEER_MSG__M_AUTH_RESULT: /* client: the verdict */
@@ -1173,6 +1531,17 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
                       "proving the cluster secret",
                       c->address);
         } else if (m->auth_result->code == 0) {
+            int rc = ucx_info_take(c, m->auth_result->ucx);
+            if (rc) {
+                conn_fail(c, rc, "%s from %s",
+                          rc == KVX_ERR_NOMEM ? "out of memory for "
+                                                "the UCX addresses"
+                                              : "malformed UCX addresses",
+                          c->address);
+                return;
+            }
+            hs_close(c->hs);
+            c->hs = NULL;
             conn_ready(c);
         } else {
             conn_fail(c, KVX_ERR_AUTH, "authentication failed: %s",
@@ -1195,27 +1564,9 @@ static peer_conn_t *conn_of(const ucp_am_recv_param_t *p)
     if (!(p->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
         return NULL;
     for (peer_conn_t *c = P.conns; c; c = c->next)
-        if (c->ep == p->reply_ep && !c->closed)
+        if (c->rx_ep == p->reply_ep && !c->closed)
             return c;
     return NULL;
-}
-
-/* The other side's lanes: its DATA to us may come over ours, ours to it
- * goes over its. Told once; a bad one fails the connection. */
-static void lanes_told(peer_conn_t *c, const Kvxfer__PeerLanes *l)
-{
-    int ok = !c->peer_lanes && l->n_ports <= LANES_MAX && l->conn;
-    for (size_t i = 0; ok && i < l->n_ports; i++)
-        ok = l->ports[i] > 0 && l->ports[i] <= 65535;
-    if (!ok) {
-        conn_fail(c, KVX_ERR_PROTOCOL, "bad lanes message from %s",
-                  c->address);
-        return;
-    }
-    for (size_t i = 0; i < l->n_ports; i++)
-        c->lane_ports[i] = (uint16_t)l->ports[i];
-    c->peer_conn = l->conn;
-    c->peer_lanes = (unsigned)l->n_ports;
 }
 
 static void dispatch(peer_conn_t *c, const uint8_t *buf, size_t len)
@@ -1227,16 +1578,12 @@ static void dispatch(peer_conn_t *c, const uint8_t *buf, size_t len)
         return;
     }
     c->last_seen_ms = now_ms();
-    if (c->state == CONN_AUTH) {
-        auth_msg(c, m);
-    } else if (c->state == CONN_READY) {
+    if (c->state == CONN_READY) {
         if (m->m_case == KVXFER__PEER_MSG__M_PING) {
             Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
             r.m_case = KVXFER__PEER_MSG__M_PONG;
             r.pong = m->ping;
             send_now(c, &r);
-        } else if (m->m_case == KVXFER__PEER_MSG__M_LANES) {
-            lanes_told(c, m->lanes);
         } else if (m->m_case != KVXFER__PEER_MSG__M_PONG &&
                    (unsigned)m->m_case < MSG_KINDS && H.msg[m->m_case]) {
             H.msg[m->m_case](c, m);
@@ -1295,11 +1642,15 @@ static ucs_status_t am_ctrl(void *arg, const void *header, size_t hlen,
     (void)header;
     (void)hlen;
     peer_conn_t *c = conn_of(param);
-    if (!c || c->state == CONN_LOST)
+    if (!c && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) &&
+        !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        bind_msg(param->reply_ep, data, len); /* the first from it */
+        return UCS_OK;
+    }
+    if (!c || c->state != CONN_READY)
         return UCS_OK;
     c->bytes_received += len;
-    if (len > (c->state == CONN_READY ? kvxd.conf.max_frame_bytes
-                                      : kvxd.conf.hello_frame_bytes)) {
+    if (len > kvxd.conf.max_frame_bytes) {
         conn_fail(c, KVX_ERR_PROTOCOL, "%zu-byte message from %s exceeds "
                                        "limits.max_frame_bytes",
                   len, c->address);
@@ -1621,6 +1972,109 @@ static void listen_if_wait(void)
     }
 }
 
+/* The devices UCX may use (UCX_NET_DEVICES): peer.net_devices, or the
+ * interface that holds peer.listen's IP and every RDMA device. Without
+ * it UCX's TCP transport listens on every interface (the loop's worker's
+ * and each lane's port), whatever peer.listen says. And the ports it
+ * listens on (peer.ucx_ports). 0, or KVX_ERR_INVALID with why. */
+static int ucx_devices(ucp_config_t *cfg, char *why, size_t why_len)
+{
+    char list[512] = "", name[IFNAMSIZ] = "";
+    if (getenv("UCX_NET_DEVICES")) {
+        log_info("peers: UCX devices from the environment: "
+                 "UCX_NET_DEVICES=%s",
+                 getenv("UCX_NET_DEVICES"));
+    } else if (kvxd.conf.peer_net_devices[0]) {
+        snprintf(list, sizeof(list), "%s", kvxd.conf.peer_net_devices);
+    } else {
+        char addr[sizeof(kvxd.conf.peer_listen) + 16];
+        struct sockaddr_storage ss;
+        socklen_t sl;
+        snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
+        if (!parse_address(addr, &ss, &sl, why, why_len))
+            listen_if_state(&ss, name, sizeof(name));
+        if (name[0])
+            snprintf(list, sizeof(list), "%s", name);
+        /* RDMA devices carry no TCP listener: all of them, by port */
+        DIR *d = opendir("/sys/class/infiniband");
+        struct dirent *e;
+        while (name[0] && d && (e = readdir(d))) {
+            if (e->d_name[0] == '.')
+                continue;
+            char pdir[300];
+            snprintf(pdir, sizeof(pdir), "/sys/class/infiniband/%s/ports",
+                     e->d_name);
+            DIR *pd = opendir(pdir);
+            struct dirent *pe;
+            while (pd && (pe = readdir(pd))) {
+                size_t l = strlen(list);
+                if (pe->d_name[0] != '.' &&
+                    l + strlen(e->d_name) + strlen(pe->d_name) + 3 <
+                        sizeof(list)) {
+                    list[l++] = ',';
+                    l += (size_t)sprintf(list + l, "%s", e->d_name);
+                    list[l++] = ':';
+                    strcpy(list + l, pe->d_name);
+                }
+            }
+            if (pd)
+                closedir(pd);
+        }
+        if (d)
+            closedir(d);
+        if (!name[0])
+            log_warn("peers: no interface holds peer.listen's IP %s; UCX "
+                     "may use every device",
+                     kvxd.conf.peer_listen);
+    }
+    ucs_status_t st;
+    if (list[0] && strcmp(list, "all") &&
+        (st = ucp_config_modify(cfg, "NET_DEVICES", list)) != UCS_OK) {
+        snprintf(why, why_len, "peer.net_devices '%s': %s", list,
+                 ucs_status_string(st));
+        return KVX_ERR_INVALID;
+    }
+    if (list[0])
+        log_info("peers: UCX devices %s", list);
+    /* a transport's setting: UCX reads it from the environment when the
+     * workers open their interfaces (ucp_config_modify keeps it from
+     * them in 1.13) */
+    if (kvxd.conf.peer_ucx_ports[0] && !getenv("UCX_TCP_PORT_RANGE") &&
+        setenv("UCX_TCP_PORT_RANGE", kvxd.conf.peer_ucx_ports, 1)) {
+        snprintf(why, why_len, "peer.ucx_ports '%s': %s",
+                 kvxd.conf.peer_ucx_ports, strerror(errno));
+        return KVX_ERR_IO;
+    }
+    return 0;
+}
+
+/* FAULT_LANES: the address of a worker made and destroyed at once, so
+ * that an endpoint to it gets no answer (a firewall that refuses). */
+static int dead_address(char *why, size_t why_len)
+{
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    ucp_worker_h w;
+    ucp_address_t *a;
+    size_t len;
+    if (ucp_worker_create(P.ctx, &wp, &w) != UCS_OK) {
+        snprintf(why, why_len, "fault lanes: ucp_worker_create failed");
+        return KVX_ERR_IO;
+    }
+    int rc = 0;
+    if (ucp_worker_get_address(w, &a, &len) != UCS_OK ||
+        !(P.dead_addr = malloc(len))) {
+        snprintf(why, why_len, "fault lanes: no worker address");
+        rc = KVX_ERR_IO;
+    } else {
+        memcpy(P.dead_addr, a, len);
+        P.dead_len = len;
+        ucp_worker_release_address(w, a);
+    }
+    ucp_worker_destroy(w);
+    return rc;
+}
+
 int peer_init(char *why, size_t why_len)
 {
     if (!kvxd.conf.peer_listen[0])
@@ -1638,6 +2092,10 @@ int peer_init(char *why, size_t why_len)
         snprintf(why, why_len, "UCX configuration: %s",
                  ucs_status_string(st));
         return KVX_ERR_IO;
+    }
+    if ((rc = ucx_devices(cfg, why, why_len))) {
+        ucp_config_release(cfg);
+        return rc;
     }
     /* lanes: workers of this context on other threads */
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES |
@@ -1676,7 +2134,19 @@ int peer_init(char *why, size_t why_len)
         goto err_worker;
     }
 
-    /* the listener, on the configured IP:PORT */
+    if ((st = ucp_worker_get_address(P.worker, &P.addr, &P.addr_len)) !=
+        UCS_OK) {
+        P.addr = NULL;
+        snprintf(why, why_len, "ucp_worker_get_address: %s",
+                 ucs_status_string(st));
+        rc = KVX_ERR_IO;
+        goto err_worker;
+    }
+    if (fault_armed(FAULT_LANES) && (rc = dead_address(why, why_len)))
+        goto err_worker;
+
+    /* the handshake listener, on the configured IP:PORT: a socket of our
+     * own, so that nothing reaches UCX before authentication */
     char addr[sizeof(kvxd.conf.peer_listen) + 16];
     snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
     struct sockaddr_storage ss;
@@ -1686,16 +2156,19 @@ int peer_init(char *why, size_t why_len)
                  kvxd.conf.peer_listen);
         goto err_worker;
     }
+    if ((rc = nets_init(&ss, why, why_len)))
+        goto err_worker;
     struct sockaddr_storage bound;
     char lwhy[160];
-    if ((rc = ucx_listen(P.worker, &ss, on_conn_request, NULL, &P.listener,
-                         &bound, lwhy, sizeof(lwhy)))) {
+    if ((rc = hs_listen(&ss, on_hs_accept, &bound, lwhy, sizeof(lwhy)))) {
         snprintf(why, why_len, "peer.listen: cannot listen on %s: %s",
                  kvxd.conf.peer_listen, lwhy);
         goto err_worker;
     }
     char ip[INET6_ADDRSTRLEN];
-    unsigned port = ucx_port(&bound);
+    unsigned port = bound.ss_family == AF_INET6
+                        ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
+                        : ntohs(((struct sockaddr_in *)&bound)->sin_port);
     if (bound.ss_family == AF_INET6) {
         inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&bound)->sin6_addr, ip,
                   sizeof(ip));
@@ -1719,10 +2192,7 @@ int peer_init(char *why, size_t why_len)
     uv_idle_init(kvxd.loop, &P.idle);
     P.busy_poll = kvxd.conf.busy_poll == 2 ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                                            : (int)kvxd.conf.busy_poll;
-    /* lanes on the next ports when peer.listen names one (firewalls) */
-    uint16_t base = ucx_port(&ss);
-    if ((rc = lanes_start(P.ctx, kvxd.loop, &bound, base ? (uint16_t)port : 0,
-                          kvxd.conf.lanes, P.busy_poll,
+    if ((rc = lanes_start(P.ctx, kvxd.loop, kvxd.conf.lanes, P.busy_poll,
                           kvxd.conf.peer_connect_timeout_ms, on_lane_event, why,
                           why_len))) {
         uv_close((uv_handle_t *)&P.poll, NULL);
@@ -1738,9 +2208,13 @@ int peer_init(char *why, size_t why_len)
     return 0;
 
 err_listener:
-    ucp_listener_destroy(P.listener);
-    P.listener = NULL;
+    hs_stop();
 err_worker:
+    free(P.dead_addr);
+    P.dead_addr = NULL;
+    if (P.addr)
+        ucp_worker_release_address(P.worker, P.addr);
+    P.addr = NULL;
     ucp_worker_destroy(P.worker);
     P.worker = NULL;
 err_ctx:
@@ -1786,16 +2260,14 @@ void peer_tick(uint64_t now)
         if (c->state == CONN_LOST) {
             if (c->lost_pending)
                 continue; /* remote.c hears of it first */
-            /* close outside UCX callbacks; a refusal (auth_refuse) gets
-             * its moment to go out first */
-            if (!c->closed && (!c->refused || now >= c->last_seen_ms + 200 ||
-                               !c->outstanding)) {
+            /* close outside UCX callbacks */
+            if (!c->closed) {
                 conn_close_ep(c);
                 conn_try_free(c);
             }
             continue;
         }
-        if (c->state == CONN_AUTH &&
+        if ((c->state == CONN_AUTH || c->state == CONN_BIND) &&
             now >= c->created_ms + kvxd.conf.peer_connect_timeout_ms) {
             conn_fail(c, KVX_ERR_PEER_GONE,
                       "connect and authentication took over %u ms "
@@ -1876,7 +2348,7 @@ void peer_cleanup(void)
             n = c->next;
             if (!c->outstanding && c->close_done) {
                 conn_unlink(c);
-                free(c);
+                conn_free(c);
             }
         }
         if (P.conns)
@@ -1898,8 +2370,12 @@ void peer_shutdown(void)
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);
     }
-    if (P.listener)
-        ucp_listener_destroy(P.listener);
+    hs_stop();
+    free(P.dead_addr);
+    P.dead_addr = NULL;
+    if (P.addr)
+        ucp_worker_release_address(P.worker, P.addr);
+    P.addr = NULL;
     ucp_worker_destroy(P.worker);
     ucp_cleanup(P.ctx);
     P.worker = NULL;
@@ -1963,11 +2439,7 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
     info->slot_bytes = P.on ? kvxd.conf.slot_bytes : 0;
     info->send_window = P.on ? kvxd.conf.send_window : 0;
     info->lanes = lanes_count();
-    static uint32_t ports[LANES_MAX];
-    for (unsigned i = 0; i < lanes_count(); i++)
-        ports[i] = lane_port(i);
-    info->n_lane_ports = lanes_count();
-    info->lane_ports = ports;
+    info->n_lane_ports = 0; /* lanes listen on no port of their own */
 }
 
 void peer_on_msg(int m_case, peer_msg_cb cb)

@@ -1,12 +1,15 @@
 /*
- * fake_peer — a daemon that does not know the cluster secret, for the
- * peer tests: it speaks the daemons' UCX control channel (active message
- * 1, one packed PeerMsg each) and tries the handshake's shortcuts.
+ * fake_peer — a daemon that misbehaves, for the peer tests. It speaks
+ * the daemons' protocol (version 5): the handshake on a TCP socket (each
+ * frame a 4-byte big-endian length and one packed PeerMsg), then UCX
+ * (active message 1: one packed PeerMsg; 2: slot data) to the worker
+ * addresses told in PeerUcx, the first message on an endpoint a BIND.
  *
  *   fake_peer skip IP SECONDS
  *       listens on IP (a free port), prints its address, and answers a
- *       daemon's HELLO with AUTH_RESULT{0} without any CHALLENGE; prints
- *       "got N" for every later message (N: the PeerMsg case; 7 is OPEN).
+ *       daemon's HELLO with AUTH_RESULT{0} (and a worker address) without
+ *       any CHALLENGE; prints "got N" for every later message (N: the
+ *       PeerMsg case; 7 is OPEN), on the socket or over UCX.
  *   fake_peer relay IP TARGET_IP:PORT SECONDS
  *       listens the same way; a daemon that dials it has its HELLO sent
  *       on to TARGET, TARGET's CHALLENGE sent back, and the dialling
@@ -15,45 +18,55 @@
  *       in).
  *   fake_peer claim TARGET_IP:PORT CLAIMED_ADDRESS SECONDS
  *       connects to TARGET, says HELLO as CLAIMED_ADDRESS, then sends a
- *       PING instead of a RESPONSE (which fails the connection there).
+ *       PING instead of a RESPONSE (which fails the handshake there).
  *   fake_peer replay SECRET_FILE IP TARGET_IP:PORT SECONDS
  *       a daemon that knows the secret but misbehaves: listens on IP,
  *       authenticates the daemon that dials it, takes its first OPEN,
  *       then authenticates to TARGET and sends it that OPEN twice;
  *       prints "opened" for each OPENED and "end CODE MESSAGE" for each
  *       END that TARGET answers.
- *   fake_peer lane TARGET_IP:PORT BYTES SECONDS
- *       connects to a daemon's lane (no handshake: lanes have none) and
- *       sends it slot data of BYTES with a connection id and MAC no
- *       connection has;
- *       prints "sent" when UCX is done with it and "closed" when the
- *       daemon closes the endpoint.
+ *   fake_peer lane SECRET_FILE TARGET_IP:PORT BYTES SECONDS
+ *       authenticates to TARGET (so it learns its lanes' addresses), then
+ *       sends lane 0 slot data of BYTES with a connection id and MAC no
+ *       connection has; prints "sent" when UCX is done with it and
+ *       "closed" when the daemon closes the endpoint.
+ *   fake_peer garbage TARGET_IP:PORT SECONDS
+ *       what a stranger sends to a port: 17 zero bytes (UCX 1.13's
+ *       connection manager asserts on them), a frame header claiming
+ *       2 GiB, 64 KiB of random bytes, a HELLO followed by garbage, and
+ *       100 connections held open and silent for SECONDS; prints "sent N"
+ *       with the connections made.
  *
  * Exits after SECONDS; prints "done".
  */
 #include <arpa/inet.h>
+#include <endian.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <sys/random.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include "kvxfer.pb-c.h"
 
 #define AM_CTRL 1
+#define AM_DATA 2
+#define VERSION 5 /* peer.c PEER_VERSION */
 
 static ucp_context_h ctx;
 static ucp_worker_h worker;
-static ucp_listener_h listener;
-static ucp_ep_h from_ep;   /* the daemon that dialled us */
-static ucp_ep_h to_ep;     /* the daemon we dialled */
-static const char *mode, *target;
+static ucp_address_t *my_ucx;
+static size_t my_ucx_len;
 static char my_addr[128];
+static const char *mode;
 
 static double now_s(void)
 {
@@ -68,24 +81,18 @@ static void die(const char *what)
     exit(2);
 }
 
-static int ep_failed;
-
-static void err_cb(void *arg, ucp_ep_h ep, ucs_status_t st)
+static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+#include <stdarg.h>
+static void say(const char *fmt, ...)
 {
-    (void)arg;
-    (void)ep;
-    (void)st;
-    ep_failed = 1;
+    va_list ap;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    fflush(stdout);
 }
 
-static int lane_sent;
-
-static void lane_send_cb(void *req, ucs_status_t st, void *user)
-{
-    (void)user;
-    lane_sent = st == UCS_OK ? 1 : -1;
-    ucp_request_free(req);
-}
+/* ---- the handshake socket -------------------------------------------- */
 
 static void sockaddr_of(const char *ipport, struct sockaddr_in *sa)
 {
@@ -102,104 +109,100 @@ static void sockaddr_of(const char *ipport, struct sockaddr_in *sa)
         die("bad IP");
 }
 
-static ucp_ep_h dial(const char *ipport)
+static int tcp_dial(const char *ipport)
 {
     struct sockaddr_in sa;
     sockaddr_of(ipport, &sa);
-    ucp_ep_params_t p = {
-        .field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
-        .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
-        .sockaddr = {(struct sockaddr *)&sa, sizeof(sa)},
-        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-        .err_handler = {err_cb, NULL}};
-    ucp_ep_h ep;
-    if (ucp_ep_create(worker, &p, &ep) != UCS_OK)
-        die("ucp_ep_create");
-    return ep;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)))
+        die("connect");
+    return fd;
 }
 
-/* Sends wait here: they go from the main loop, never from inside a UCX
- * callback (which must not progress the worker). */
-typedef struct out {
-    int to_target; /* 0: the daemon that dialled us; 1: the one we dialled */
-    ucp_ep_h ep;   /* or this one, when set */
-    uint8_t *buf;
-    size_t len;
-} out_t;
-static out_t outq[64];
-static int nout, need_dial;
+static int lfd = -1;
 
-static void queue_raw(int to_target, const void *buf, size_t len)
+static void tcp_listen(const char *ip)
 {
-    if (nout == 64)
-        return;
-    outq[nout].ep = NULL;
-    outq[nout].to_target = to_target;
-    outq[nout].buf = malloc(len ? len : 1);
-    memcpy(outq[nout].buf, buf, len);
-    outq[nout].len = len;
-    nout++;
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    if (inet_pton(AF_INET, ip, &sa.sin_addr) != 1)
+        die("bad IP");
+    socklen_t sl = sizeof(sa);
+    lfd = socket(AF_INET, SOCK_STREAM, 0);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) ||
+        listen(lfd, 4) || getsockname(lfd, (struct sockaddr *)&sa, &sl))
+        die("listen");
+    snprintf(my_addr, sizeof(my_addr), "kvx://%s:%d/00000000000000ff", ip,
+             ntohs(sa.sin_port));
+    say("%s\n", my_addr);
 }
 
-static void queue_msg(int to_target, const Kvxfer__PeerMsg *m)
+static void progress_for(double s);
+
+/* A frame from fd within s seconds, or NULL (closed, timeout). */
+static Kvxfer__PeerMsg *frame_recv(int fd, double s)
+{
+    uint8_t hdr[4], *buf;
+    size_t have = 0;
+    double end = now_s() + s;
+    while (have < 4) {
+        struct pollfd p = {fd, POLLIN, 0};
+        progress_for(0);
+        if (now_s() > end)
+            return NULL;
+        if (poll(&p, 1, 10) <= 0)
+            continue;
+        ssize_t n = read(fd, hdr + have, 4 - have);
+        if (n <= 0)
+            return NULL;
+        have += (size_t)n;
+    }
+    uint32_t len = ntohl(*(uint32_t *)hdr);
+    if (len > 65536 || !(buf = malloc(len ? len : 1)))
+        return NULL;
+    for (have = 0; have < len;) {
+        ssize_t n = read(fd, buf + have, len - have);
+        if (n <= 0) {
+            free(buf);
+            return NULL;
+        }
+        have += (size_t)n;
+    }
+    Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, len, buf);
+    free(buf);
+    return m;
+}
+
+static void frame_send(int fd, const Kvxfer__PeerMsg *m)
 {
     size_t n = kvxfer__peer_msg__get_packed_size(m);
-    uint8_t *b = malloc(n ? n : 1);
-    kvxfer__peer_msg__pack(m, b);
-    queue_raw(to_target, b, n);
+    uint8_t *b = malloc(4 + n);
+    uint32_t be = htonl((uint32_t)n);
+    memcpy(b, &be, 4);
+    kvxfer__peer_msg__pack(m, b + 4);
+    if (write(fd, b, 4 + n) != (ssize_t)(4 + n))
+        die("write");
     free(b);
 }
 
-static void send_now(ucp_ep_h ep, const void *buf, size_t len)
-{
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                               .flags = UCP_AM_SEND_FLAG_REPLY};
-    ucs_status_ptr_t r = ucp_am_send_nbx(ep, AM_CTRL, NULL, 0, buf, len, &prm);
-    if (UCS_PTR_IS_ERR(r))
-        return;
-    double end = now_s() + 2;
-    while (r && ucp_request_check_status(r) == UCS_INPROGRESS &&
-           now_s() < end)
-        ucp_worker_progress(worker);
-    if (r)
-        ucp_request_free(r);
-}
+/* ---- the secret and its MACs ------------------------------------------ */
 
-/* Main loop only: dial if asked, then send what waits for an endpoint. */
-static void flush(void)
-{
-    if (need_dial && !to_ep)
-        to_ep = dial(target);
-    int kept = 0;
-    for (int i = 0; i < nout; i++) {
-        ucp_ep_h ep = outq[i].ep         ? outq[i].ep
-                      : outq[i].to_target ? to_ep
-                                          : from_ep;
-        if (!ep) {
-            outq[kept++] = outq[i];
-            continue;
-        }
-        send_now(ep, outq[i].buf, outq[i].len);
-        free(outq[i].buf);
-    }
-    nout = kept;
-}
-
-/* replay mode: the secret, both handshakes' nonces, the OPEN taken */
 static uint8_t secret[4096];
 static size_t secret_len;
-static uint8_t nc_in[32], ns_in[32], nc_out[32];
-static char from_addr[192];
-static uint8_t *open_buf;
-static size_t open_len;
 
-/* The daemons' handshake MAC (daemon/net/peer.c, protocol 2). */
+static void read_secret(const char *f)
+{
+    FILE *s = fopen(f, "r");
+    if (!s)
+        die("secret file");
+    secret_len = fread(secret, 1, sizeof(secret), s);
+    fclose(s);
+}
+
+/* peer.c's hmac(): label | nc | ns | server | "\n" | client */
 static void mac(const char *label, const uint8_t *nc, const uint8_t *ns,
                 const char *server, const char *client, uint8_t out[32])
 {
-    uint8_t msg[8 + 64 + 2 * 192 + 1];
+    uint8_t msg[16 + 64 + 2 * 192 + 1];
     size_t n = 0, l = strlen(label), ls = strnlen(server, 191),
            lc = strnlen(client, 191);
     memcpy(msg, label, l);
@@ -217,95 +220,96 @@ static void mac(const char *label, const uint8_t *nc, const uint8_t *ns,
     HMAC(EVP_sha256(), secret, (int)secret_len, msg, n, out, &len);
 }
 
-static void replay_msg(const Kvxfer__PeerMsg *m, const void *data, size_t len,
-                       ucp_ep_h reply)
+static void bind_mac(const uint8_t key[32], uint64_t conn, uint8_t out[32])
 {
-    Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
-    uint8_t tag[32];
-    switch (m->m_case) {
-    case KVXFER__PEER_MSG__M_HELLO: { /* the daemon that dials us */
-        Kvxfer__PeerChallenge ch = KVXFER__PEER_CHALLENGE__INIT;
-        memcpy(nc_in, m->hello->nonce.data,
-               m->hello->nonce.len == 32 ? 32 : 0);
-        snprintf(from_addr, sizeof(from_addr), "%s",
-                 m->hello->address ? m->hello->address : "");
-        if (getrandom(ns_in, 32, 0) != 32)
-            die("getrandom");
-        mac("kvx-s", nc_in, ns_in, my_addr, from_addr, tag);
-        ch.address = my_addr;
-        ch.nonce.data = ns_in;
-        ch.nonce.len = 32;
-        ch.mac.data = tag;
-        ch.mac.len = 32;
-        out.m_case = KVXFER__PEER_MSG__M_CHALLENGE;
-        out.challenge = &ch;
-        queue_msg(0, &out);
-        break;
-    }
-    case KVXFER__PEER_MSG__M_RESPONSE: { /* ... proves the secret */
-        Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
-        r.message = "";
-        out.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
-        out.auth_result = &r;
-        queue_msg(0, &out);
-        break;
-    }
-    case KVXFER__PEER_MSG__M_OPEN: /* its stream: played to the target */
-        if (!open_buf) {
-            open_buf = malloc(len);
-            memcpy(open_buf, data, len);
-            open_len = len;
-            need_dial = 1;
-            Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
-            if (getrandom(nc_out, 32, 0) != 32)
-                die("getrandom");
-            h.version = 4; /* peer.c PEER_VERSION */
-            h.address = my_addr;
-            h.nonce.data = nc_out;
-            h.nonce.len = 32;
-            out.m_case = KVXFER__PEER_MSG__M_HELLO;
-            out.hello = &h;
-            queue_msg(1, &out);
-        }
-        break;
-    case KVXFER__PEER_MSG__M_CHALLENGE: { /* the target's */
-        Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
-        mac("kvx-c", nc_out, m->challenge->nonce.data,
-            m->challenge->address ? m->challenge->address : "", my_addr,
-            tag);
-        r.mac.data = tag;
-        r.mac.len = 32;
-        out.m_case = KVXFER__PEER_MSG__M_RESPONSE;
-        out.response = &r;
-        queue_msg(1, &out);
-        break;
-    }
-    case KVXFER__PEER_MSG__M_AUTH_RESULT: /* the target let us in */
-        printf("auth_result %d\n", m->auth_result->code);
-        if (m->auth_result->code == 0) {
-            queue_raw(1, open_buf, open_len);
-            queue_raw(1, open_buf, open_len);
-        }
-        break;
-    case KVXFER__PEER_MSG__M_OPENED:
-        printf("opened\n");
-        break;
-    case KVXFER__PEER_MSG__M_END:
-        printf("end %d %s\n", m->end->code,
-               m->end->message ? m->end->message : "");
-        break;
-    case KVXFER__PEER_MSG__M_PING: /* keep both daemons' keep-alive */
-        out.m_case = KVXFER__PEER_MSG__M_PONG;
-        out.pong = m->ping;
-        queue_msg(0, &out);
-        if (nout)
-            outq[nout - 1].ep = reply;
-        break;
-    default:
-        break;
-    }
-    fflush(stdout);
+    uint8_t msg[16] = "kvx-bind";
+    uint64_t le = htole64(conn);
+    memcpy(msg + 8, &le, 8);
+    unsigned n = 32;
+    HMAC(EVP_sha256(), key, 32, msg, sizeof(msg), out, &n);
 }
+
+/* ---- UCX ---------------------------------------------------------------- */
+
+static int ep_failed;
+
+static void err_cb(void *arg, ucp_ep_h ep, ucs_status_t st)
+{
+    (void)arg;
+    (void)ep;
+    (void)st;
+    ep_failed = 1;
+}
+
+static ucp_ep_h ep_to(const ProtobufCBinaryData *addr)
+{
+    ucp_ep_params_t p = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                                       UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                       UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                         .address = (const ucp_address_t *)addr->data,
+                         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                         .err_handler = {err_cb, NULL}};
+    ucp_ep_h ep;
+    if (ucp_ep_create(worker, &p, &ep) != UCS_OK)
+        die("ucp_ep_create");
+    return ep;
+}
+
+static int sent_state;
+
+static void send_cb(void *req, ucs_status_t st, void *user)
+{
+    (void)user;
+    sent_state = st == UCS_OK ? 1 : -1;
+    ucp_request_free(req);
+}
+
+static void am(ucp_ep_h ep, unsigned id, const void *hdr, size_t hlen,
+               const void *buf, size_t len)
+{
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = send_cb,
+        .flags = UCP_AM_SEND_FLAG_REPLY |
+                 (id == AM_DATA ? UCP_AM_SEND_FLAG_RNDV : 0)};
+    sent_state = 0;
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, hdr, hlen, buf, len, &prm);
+    if (UCS_PTR_IS_ERR(r))
+        sent_state = -1;
+    else if (!r)
+        sent_state = 1;
+}
+
+static void am_msg(ucp_ep_h ep, const Kvxfer__PeerMsg *m)
+{
+    size_t n = kvxfer__peer_msg__get_packed_size(m);
+    uint8_t *b = malloc(n ? n : 1);
+    kvxfer__peer_msg__pack(m, b);
+    am(ep, AM_CTRL, NULL, 0, b, n);
+    double end = now_s() + 2;
+    while (!sent_state && now_s() < end)
+        ucp_worker_progress(worker);
+    free(b);
+}
+
+static void send_bind(ucp_ep_h ep, const uint8_t key[32], uint64_t conn)
+{
+    uint8_t t[32];
+    bind_mac(key, conn, t);
+    Kvxfer__PeerBind b = KVXFER__PEER_BIND__INIT;
+    b.conn = conn;
+    b.mac.data = t;
+    b.mac.len = 32;
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_BIND;
+    m.bind = &b;
+    am_msg(ep, &m);
+}
+
+/* What came over UCX: kept for the main flow, which never sends from
+ * inside a UCX callback. */
+static uint8_t *open_buf; /* replay: the first OPEN */
+static size_t open_len;
 
 static ucs_status_t on_ctrl(void *arg, const void *hdr, size_t hlen,
                             void *data, size_t len,
@@ -319,89 +323,366 @@ static ucs_status_t on_ctrl(void *arg, const void *hdr, size_t hlen,
     Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, len, data);
     if (!m)
         return UCS_OK;
-    int kind = (int)m->m_case;
-    if (!strcmp(mode, "replay")) {
-        replay_msg(m, data, len,
-                   (prm->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
-                       ? prm->reply_ep
-                       : NULL);
-    } else if (!strcmp(mode, "skip")) {
-        if (kind == KVXFER__PEER_MSG__M_HELLO) {
-            Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
-            Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
-            r.message = "";
-            out.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
-            out.auth_result = &r;
-            queue_msg(0, &out);
-        } else {
-            printf("got %d\n", kind);
-            fflush(stdout);
-        }
-    } else if (!strcmp(mode, "relay")) {
-        switch (kind) {
-        case KVXFER__PEER_MSG__M_HELLO: /* from the daemon that dialled */
-            need_dial = 1;
-            queue_raw(1, data, len);
-            break;
-        case KVXFER__PEER_MSG__M_CHALLENGE: /* from the target */
-            queue_raw(0, data, len);
-            break;
-        case KVXFER__PEER_MSG__M_RESPONSE: /* from the daemon that dialled */
-            queue_raw(1, data, len);
-            break;
-        case KVXFER__PEER_MSG__M_AUTH_RESULT: /* the target's verdict */
-            printf("auth_result %d\n", m->auth_result->code);
-            fflush(stdout);
-            break;
-        default:
-            break;
+    if (!strcmp(mode, "skip")) {
+        say("got %d\n", (int)m->m_case);
+    } else if (!strcmp(mode, "replay")) {
+        if (m->m_case == KVXFER__PEER_MSG__M_OPEN && !open_buf) {
+            open_buf = malloc(len);
+            memcpy(open_buf, data, len);
+            open_len = len;
+        } else if (m->m_case == KVXFER__PEER_MSG__M_OPENED) {
+            say("opened\n");
+        } else if (m->m_case == KVXFER__PEER_MSG__M_END) {
+            say("end %d %s\n", m->end->code,
+                m->end->message ? m->end->message : "");
         }
     }
     kvxfer__peer_msg__free_unpacked(m, NULL);
     return UCS_OK;
 }
 
-static void on_conn(ucp_conn_request_h req, void *arg)
+static void progress_for(double s)
 {
-    (void)arg;
-    ucp_ep_params_t p = {
-        .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
-        .conn_request = req,
-        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-        .err_handler = {err_cb, NULL}};
-    if (ucp_ep_create(worker, &p, &from_ep) != UCS_OK)
-        die("ucp_ep_create (incoming)");
+    double end = now_s() + s;
+    do
+        ucp_worker_progress(worker);
+    while (now_s() < end);
 }
 
-static void listen_on(const char *ip)
+/* ---- handshakes ---------------------------------------------------------- */
+
+/* One side of an authenticated connection, as peer.c keeps it. */
+typedef struct conn {
+    int fd;
+    uint8_t nc[32], ns[32], tx[32], rx[32];
+    char other[192];
+    uint64_t my_conn, its_conn;
+    Kvxfer__PeerUcx *its; /* from the handshake (freed with its message) */
+    Kvxfer__PeerMsg *keep;
+    ucp_ep_h ep;
+} conn_t;
+
+static void fill_ucx(Kvxfer__PeerUcx *u, uint64_t conn)
 {
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    if (inet_pton(AF_INET, ip, &sa.sin_addr) != 1)
-        die("bad IP");
-    ucp_listener_params_t lp = {
-        .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
-                      UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
-        .sockaddr = {(struct sockaddr *)&sa, sizeof(sa)},
-        .conn_handler = {on_conn, NULL}};
-    if (ucp_listener_create(worker, &lp, &listener) != UCS_OK)
-        die("ucp_listener_create");
-    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
-    if (ucp_listener_query(listener, &la) != UCS_OK)
-        die("ucp_listener_query");
-    int port = ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
-    snprintf(my_addr, sizeof(my_addr), "kvx://%s:%d/00000000000000ff", ip,
-             port);
-    printf("%s\n", my_addr);
-    fflush(stdout);
+    u->worker.data = (uint8_t *)my_ucx;
+    u->worker.len = my_ucx_len;
+    u->conn = conn;
+}
+
+/* Client: HELLO, check nothing, RESPONSE with our worker. Returns the
+ * AUTH_RESULT code (-1: none came). */
+static int auth_to(conn_t *c, const char *ipport)
+{
+    c->fd = tcp_dial(ipport);
+    if (getrandom(c->nc, 32, 0) != 32)
+        die("getrandom");
+    Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT, *m;
+    Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
+    h.version = VERSION;
+    h.address = my_addr;
+    h.nonce.data = c->nc;
+    h.nonce.len = 32;
+    out.m_case = KVXFER__PEER_MSG__M_HELLO;
+    out.hello = &h;
+    frame_send(c->fd, &out);
+    if (!(m = frame_recv(c->fd, 3)) ||
+        m->m_case != KVXFER__PEER_MSG__M_CHALLENGE)
+        die("no challenge");
+    memcpy(c->ns, m->challenge->nonce.data, 32);
+    snprintf(c->other, sizeof(c->other), "%s", m->challenge->address);
+    kvxfer__peer_msg__free_unpacked(m, NULL);
+    uint8_t t[32];
+    mac("kvx-c", c->nc, c->ns, c->other, my_addr, t);
+    Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
+    Kvxfer__PeerUcx u = KVXFER__PEER_UCX__INIT;
+    c->my_conn = 0x77;
+    fill_ucx(&u, c->my_conn);
+    r.mac.data = t;
+    r.mac.len = 32;
+    r.ucx = &u;
+    out.m_case = KVXFER__PEER_MSG__M_RESPONSE;
+    out.response = &r;
+    frame_send(c->fd, &out);
+    if (!(m = frame_recv(c->fd, 3)) ||
+        m->m_case != KVXFER__PEER_MSG__M_AUTH_RESULT)
+        return -1;
+    int code = m->auth_result->code;
+    c->keep = m;
+    c->its = m->auth_result->ucx;
+    if (c->its)
+        c->its_conn = c->its->conn;
+    /* the client's keys (peer.c keys_derive) */
+    mac("kvx-lane-s", c->nc, c->ns, c->other, my_addr, c->tx);
+    mac("kvx-lane-c", c->nc, c->ns, c->other, my_addr, c->rx);
+    return code;
+}
+
+/* Server: the daemon that dials us, authenticated properly. */
+static void auth_from(conn_t *c)
+{
+    Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT, *m;
+    if (!(m = frame_recv(c->fd, 5)) || m->m_case != KVXFER__PEER_MSG__M_HELLO)
+        die("no hello");
+    memcpy(c->nc, m->hello->nonce.data, 32);
+    snprintf(c->other, sizeof(c->other), "%s", m->hello->address);
+    kvxfer__peer_msg__free_unpacked(m, NULL);
+    if (getrandom(c->ns, 32, 0) != 32)
+        die("getrandom");
+    uint8_t t[32];
+    mac("kvx-s", c->nc, c->ns, my_addr, c->other, t);
+    Kvxfer__PeerChallenge ch = KVXFER__PEER_CHALLENGE__INIT;
+    ch.address = my_addr;
+    ch.nonce.data = c->ns;
+    ch.nonce.len = 32;
+    ch.mac.data = t;
+    ch.mac.len = 32;
+    out.m_case = KVXFER__PEER_MSG__M_CHALLENGE;
+    out.challenge = &ch;
+    frame_send(c->fd, &out);
+    if (!(m = frame_recv(c->fd, 5)) ||
+        m->m_case != KVXFER__PEER_MSG__M_RESPONSE || !m->response->ucx)
+        die("no response");
+    c->keep = m;
+    c->its = m->response->ucx;
+    c->its_conn = c->its->conn;
+    Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
+    Kvxfer__PeerUcx u = KVXFER__PEER_UCX__INIT;
+    c->my_conn = 0x55;
+    fill_ucx(&u, c->my_conn);
+    r.message = "";
+    r.ucx = &u;
+    out.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
+    out.auth_result = &r;
+    frame_send(c->fd, &out);
+    mac("kvx-lane-s", c->nc, c->ns, my_addr, c->other, c->rx);
+    mac("kvx-lane-c", c->nc, c->ns, my_addr, c->other, c->tx);
+}
+
+static int tcp_accept(void)
+{
+    struct pollfd p = {lfd, POLLIN, 0};
+    if (poll(&p, 1, 5000) <= 0)
+        die("nobody dialled");
+    int fd = accept(lfd, NULL, NULL);
+    if (fd < 0)
+        die("accept");
+    return fd;
+}
+
+/* ---- modes --------------------------------------------------------------- */
+
+static void run_skip(double seconds)
+{
+    int fd = tcp_accept();
+    Kvxfer__PeerMsg *m = frame_recv(fd, 5), out = KVXFER__PEER_MSG__INIT;
+    if (!m || m->m_case != KVXFER__PEER_MSG__M_HELLO)
+        die("no hello");
+    kvxfer__peer_msg__free_unpacked(m, NULL);
+    Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
+    Kvxfer__PeerUcx u = KVXFER__PEER_UCX__INIT;
+    fill_ucx(&u, 0x33);
+    r.message = "";
+    r.ucx = &u;
+    out.m_case = KVXFER__PEER_MSG__M_AUTH_RESULT;
+    out.auth_result = &r;
+    frame_send(fd, &out);
+    double end = now_s() + seconds;
+    while (now_s() < end)
+        if ((m = frame_recv(fd, end - now_s()))) {
+            say("got %d\n", (int)m->m_case);
+            kvxfer__peer_msg__free_unpacked(m, NULL);
+        } else {
+            progress_for(0.01);
+        }
+}
+
+static void run_relay(const char *target, double seconds)
+{
+    int from = tcp_accept(), to = tcp_dial(target);
+    double end = now_s() + seconds;
+    Kvxfer__PeerMsg *m;
+    /* HELLO on, CHALLENGE back, RESPONSE on, the verdict printed */
+    if ((m = frame_recv(from, 3))) {
+        frame_send(to, m);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+    }
+    if ((m = frame_recv(to, 3))) {
+        frame_send(from, m);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+    }
+    if ((m = frame_recv(from, 3))) {
+        frame_send(to, m);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+    }
+    if ((m = frame_recv(to, 3))) {
+        if (m->m_case == KVXFER__PEER_MSG__M_AUTH_RESULT)
+            say("auth_result %d\n", m->auth_result->code);
+        kvxfer__peer_msg__free_unpacked(m, NULL);
+    }
+    while (now_s() < end)
+        progress_for(0.01);
+}
+
+static void run_claim(const char *target, const char *claimed, double seconds)
+{
+    int fd = tcp_dial(target);
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerHello hm = KVXFER__PEER_HELLO__INIT;
+    uint8_t nonce[32] = {1, 2, 3};
+    hm.version = VERSION;
+    hm.address = (char *)claimed;
+    hm.nonce.data = nonce;
+    hm.nonce.len = sizeof(nonce);
+    m.m_case = KVXFER__PEER_MSG__M_HELLO;
+    m.hello = &hm;
+    frame_send(fd, &m);
+    Kvxfer__PeerMsg *ch = frame_recv(fd, 2);
+    if (ch)
+        kvxfer__peer_msg__free_unpacked(ch, NULL);
+    Kvxfer__PeerMsg pm = KVXFER__PEER_MSG__INIT;
+    pm.m_case = KVXFER__PEER_MSG__M_PING;
+    pm.ping = 1;
+    frame_send(fd, &pm);
+    progress_for(seconds);
+}
+
+static void run_replay(const char *target, double seconds)
+{
+    double end = now_s() + seconds;
+    conn_t in = {.fd = tcp_accept()}, out = {0};
+    auth_from(&in);
+    /* its BIND and OPEN come over UCX; we answer nothing */
+    while (!open_buf && now_s() < end)
+        progress_for(0.01);
+    if (!open_buf)
+        die("no OPEN came");
+    int code = auth_to(&out, target);
+    say("auth_result %d\n", code);
+    if (code == 0 && out.its) {
+        out.ep = ep_to(&out.its->worker);
+        send_bind(out.ep, out.tx, out.its_conn);
+        am(out.ep, AM_CTRL, NULL, 0, open_buf, open_len);
+        progress_for(0.05);
+        am(out.ep, AM_CTRL, NULL, 0, open_buf, open_len);
+    }
+    while (now_s() < end)
+        progress_for(0.01);
+}
+
+static void run_lane(const char *target, size_t bytes, double seconds)
+{
+    snprintf(my_addr, sizeof(my_addr), "kvx://127.0.0.1:1/00000000000000ee");
+    conn_t c = {0};
+    int code = auth_to(&c, target);
+    if (code || !c.its || !c.its->n_lanes)
+        die("no lanes told");
+    ucp_ep_h ep = ep_to(&c.its->lanes[0]);
+    uint8_t key[16], *data = malloc(bytes ? bytes : 1);
+    memset(key, 0xab, sizeof(key));
+    memset(data, 0x5a, bytes);
+    Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
+    d.stream = 1;
+    d.unit_end = 1;
+    d.bytes = bytes;
+    d.piece_bytes = bytes;
+    d.lane_conn = 0x1234567890abcdefull; /* no connection's */
+    d.lane_mac.data = key;
+    d.lane_mac.len = sizeof(key);
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_DATA;
+    m.data = &d;
+    size_t hl = kvxfer__peer_msg__get_packed_size(&m);
+    uint8_t *h = malloc(hl);
+    kvxfer__peer_msg__pack(&m, h);
+    am(ep, AM_DATA, h, hl, data, bytes);
+    double end = now_s() + seconds, next = 0;
+    int said = 0, failed = 0;
+    while (now_s() < end && !ep_failed && !failed) {
+        ucp_worker_progress(worker);
+        if (sent_state && !said) {
+            say(sent_state > 0 ? "sent\n" : "send failed\n");
+            said = 1;
+            next = now_s() + 0.2;
+        }
+        /* again, until the daemon's closing of its end shows here */
+        if (said && sent_state && now_s() >= next) {
+            failed = sent_state < 0;
+            am(ep, AM_DATA, h, hl, data, bytes);
+            next = now_s() + 0.2;
+        }
+    }
+    if (ep_failed || failed)
+        say("closed\n");
+    free(h);
+    free(data);
+}
+
+static void run_garbage(const char *target, double seconds)
+{
+    struct sockaddr_in sa;
+    sockaddr_of(target, &sa);
+    static uint8_t junk[65536];
+    if (getrandom(junk, sizeof(junk), 0) != (ssize_t)sizeof(junk))
+        die("getrandom");
+    uint8_t zeros[17] = {0}, huge[8] = {0x80, 0, 0, 0, 1, 2, 3, 4};
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
+    uint8_t nonce[32] = {9};
+    h.version = VERSION;
+    h.address = "kvx://10.0.0.9:1/00000000000000aa";
+    h.nonce.data = nonce;
+    h.nonce.len = 32;
+    m.m_case = KVXFER__PEER_MSG__M_HELLO;
+    m.hello = &h;
+    const struct {
+        const void *b;
+        size_t n;
+    } shots[] = {{zeros, sizeof(zeros)},
+                 {huge, sizeof(huge)},
+                 {junk, sizeof(junk)},
+                 {junk, 1}};
+    int made = 0;
+    for (size_t i = 0; i < sizeof(shots) / sizeof(shots[0]); i++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
+            if (fd >= 0)
+                close(fd);
+            continue;
+        }
+        made++;
+        ssize_t w = send(fd, shots[i].b, shots[i].n, MSG_NOSIGNAL);
+        (void)w;
+        close(fd);
+    }
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd >= 0 && !connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
+        made++;
+        frame_send(fd, &m);
+        ssize_t w = send(fd, junk, 4096, MSG_NOSIGNAL);
+        (void)w;
+        close(fd);
+    }
+    int idle[100], nidle = 0;
+    for (int i = 0; i < 100; i++) {
+        int f = socket(AF_INET, SOCK_STREAM, 0);
+        if (f >= 0 && !connect(f, (struct sockaddr *)&sa, sizeof(sa)))
+            idle[nidle++] = f;
+        else if (f >= 0)
+            close(f);
+    }
+    made += nidle;
+    say("sent %d\n", made);
+    double end = now_s() + seconds;
+    while (now_s() < end)
+        usleep(10000);
+    for (int i = 0; i < nidle; i++)
+        close(idle[i]);
 }
 
 int main(int argc, char **argv)
 {
     if (argc < 4)
-        die("usage: fake_peer skip IP S | relay IP TARGET S | claim TARGET "
-            "ADDRESS S");
+        die("usage: fake_peer skip|relay|claim|replay|lane ...");
     mode = argv[1];
     ucp_params_t up = {.field_mask = UCP_PARAM_FIELD_FEATURES,
                        .features = UCP_FEATURE_AM};
@@ -409,7 +690,8 @@ int main(int argc, char **argv)
         die("ucp_init");
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                               .thread_mode = UCS_THREAD_MODE_SINGLE};
-    if (ucp_worker_create(ctx, &wp, &worker) != UCS_OK)
+    if (ucp_worker_create(ctx, &wp, &worker) != UCS_OK ||
+        ucp_worker_get_address(worker, &my_ucx, &my_ucx_len) != UCS_OK)
         die("ucp_worker_create");
     ucp_am_handler_param_t h = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
@@ -418,104 +700,26 @@ int main(int argc, char **argv)
         .cb = on_ctrl};
     if (ucp_worker_set_am_recv_handler(worker, &h) != UCS_OK)
         die("set_am_recv_handler");
-    double seconds;
     if (!strcmp(mode, "skip")) {
-        listen_on(argv[2]);
-        seconds = atof(argv[3]);
+        tcp_listen(argv[2]);
+        run_skip(atof(argv[3]));
     } else if (!strcmp(mode, "relay") && argc >= 5) {
-        listen_on(argv[2]);
-        target = argv[3];
-        seconds = atof(argv[4]);
-    } else if (!strcmp(mode, "replay") && argc >= 6) {
-        FILE *f = fopen(argv[2], "r");
-        if (!f)
-            die("secret file");
-        secret_len = fread(secret, 1, sizeof(secret), f);
-        fclose(f);
-        listen_on(argv[3]);
-        target = argv[4];
-        seconds = atof(argv[5]);
+        tcp_listen(argv[2]);
+        run_relay(argv[3], atof(argv[4]));
     } else if (!strcmp(mode, "claim") && argc >= 5) {
-        to_ep = dial(argv[2]);
-        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-        Kvxfer__PeerHello hm = KVXFER__PEER_HELLO__INIT;
-        uint8_t nonce[32] = {1, 2, 3};
-        hm.version = 4; /* peer.c PEER_VERSION */
-        hm.address = argv[3];
-        hm.nonce.data = nonce;
-        hm.nonce.len = sizeof(nonce);
-        m.m_case = KVXFER__PEER_MSG__M_HELLO;
-        m.hello = &hm;
-        queue_msg(1, &m);
-        flush();
-        double t = now_s() + 0.3;
-        while (now_s() < t)
-            ucp_worker_progress(worker);
-        Kvxfer__PeerMsg pm = KVXFER__PEER_MSG__INIT;
-        pm.m_case = KVXFER__PEER_MSG__M_PING;
-        pm.ping = 1;
-        queue_msg(1, &pm);
-        flush();
-        seconds = atof(argv[4]);
-    } else if (!strcmp(mode, "lane") && argc >= 5) {
-        to_ep = dial(argv[2]);
-        size_t bytes = (size_t)atol(argv[3]);
-        uint8_t key[16], *data = malloc(bytes ? bytes : 1);
-        memset(key, 0xab, sizeof(key));
-        memset(data, 0x5a, bytes);
-        Kvxfer__PeerData d = KVXFER__PEER_DATA__INIT;
-        d.stream = 1;
-        d.slot = 0;
-        d.unit_end = 1;
-        d.bytes = bytes;
-        d.piece_bytes = bytes;
-        d.lane_conn = 0x1234567890abcdefull; /* no connection's */
-        d.lane_mac.data = key;
-        d.lane_mac.len = sizeof(key);
-        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-        m.m_case = KVXFER__PEER_MSG__M_DATA;
-        m.data = &d;
-        size_t hl = kvxfer__peer_msg__get_packed_size(&m);
-        uint8_t *h = malloc(hl);
-        kvxfer__peer_msg__pack(&m, h);
-        ucp_request_param_t prm = {
-            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                            UCP_OP_ATTR_FIELD_FLAGS,
-            .cb.send = lane_send_cb,
-            .flags = UCP_AM_SEND_FLAG_REPLY};
-        ucs_status_ptr_t r = ucp_am_send_nbx(to_ep, 2, h, hl, data, bytes,
-                                             &prm);
-        if (UCS_PTR_IS_ERR(r))
-            lane_sent = -1;
-        else if (r == NULL)
-            lane_sent = 1;
-        seconds = atof(argv[4]);
-        double end = now_s() + seconds;
-        int said_sent = 0;
-        while (now_s() < end && !ep_failed) {
-            ucp_worker_progress(worker);
-            if (lane_sent && !said_sent) {
-                printf(lane_sent > 0 ? "sent\n" : "send failed\n");
-                fflush(stdout);
-                said_sent = 1;
-            }
-        }
-        if (ep_failed)
-            printf("closed\n");
-        printf("done\n");
-        fflush(stdout);
-        free(h); /* the exit closes the rest */
-        free(data);
-        return 0;
+        run_claim(argv[2], argv[3], atof(argv[4]));
+    } else if (!strcmp(mode, "replay") && argc >= 6) {
+        read_secret(argv[2]);
+        tcp_listen(argv[3]);
+        run_replay(argv[4], atof(argv[5]));
+    } else if (!strcmp(mode, "garbage")) {
+        run_garbage(argv[2], atof(argv[3]));
+    } else if (!strcmp(mode, "lane") && argc >= 6) {
+        read_secret(argv[2]);
+        run_lane(argv[3], (size_t)atol(argv[4]), atof(argv[5]));
     } else {
         die("unknown mode");
     }
-    double end = now_s() + seconds;
-    while (now_s() < end) {
-        ucp_worker_progress(worker);
-        flush();
-    }
-    printf("done\n");
-    fflush(stdout);
+    say("done\n");
     return 0; /* the process exit closes everything */
 }

@@ -43,6 +43,7 @@
  *   t_peer_lost.c      a peer lost, drained or cancelled mid-transfer
  *   t_peer_spread.c    an instance spread over both daemons
  *   t_peer_ops.c       peer configuration, status, idle CPU, the bench
+ *   t_peer_hostile.c   garbage to every port a daemon opens
  *
  * A test goes in the file of its area; a helper used by one file stays
  * in it, one used by several goes to fixtures.c (peer_harness.c for the
@@ -67,4 +68,5 @@
 #include "t_peer_lost.c"
 #include "t_peer_spread.c"
 #include "t_peer_ops.c"
+#include "t_peer_hostile.c"
 /* clang-format on */

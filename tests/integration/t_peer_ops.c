@@ -27,8 +27,11 @@ TEST(peer_config_errors)
         {"  keepalive_interval_ms: 5000\n  keepalive_timeout_ms: 1000\n",
          "is not below peer.keepalive_timeout_ms"},
         {"  slots: 1\n", "peer.slots"},
-        {"  listen: \"127.0.0.1:65534\"\n  secret_file: /x\n",
-         "lanes (peer.lanes) would listen on ports 65535 to 65536"},
+        {"  ucx_ports: \"9000-8000\"\n", "is not LO-HI"},
+        {"  ucx_ports: \"1-70000\"\n", "is not LO-HI"},
+        {"  allowed: \"10.0.0.0/33\"\n", "'10.0.0.0/33' is not an IP"},
+        {"  allowed: \"10.0.0.0/8,example.com\"\n",
+         "'example.com' is not an IP"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char text[512];
