@@ -246,21 +246,54 @@ static uint64_t used_bytes(const pool_t *p)
     return u < p->map_len ? u : p->map_len;
 }
 
-/* Worker thread: fault the used part of the mapping in now, so the first
- * transfer does not take a page fault per 4 KiB. Blocking work, never on
- * the loop. */
+/* Map the pages of [a, a + len) in, so the first transfer does not take
+ * a page fault per 4 KiB; they exist already (resident in the memfd). */
+static void populate_range(uint8_t *a, uint64_t len)
+{
+#ifdef MADV_POPULATE_WRITE
+    if (madvise(a, len, MADV_POPULATE_WRITE) == 0)
+        return;
+#endif
+    /* older kernels: touch one byte per page (reading keeps data) */
+    long pg = sysconf(_SC_PAGESIZE);
+    for (uint64_t off = 0; off < len; off += (uint64_t)pg)
+        (void)*(volatile uint8_t *)(a + off);
+}
+
+/* Worker thread: map in the pages of the used part that the client's
+ * memfd already holds (mincore), never its holes: a page the daemon
+ * faults in first is charged to the daemon's memory cgroup, so a sparse
+ * pool (a client may declare far more than it touches) would make the
+ * daemon pay for memory nobody uses. Holes are faulted in by the
+ * transfers that write them, and only those. Blocking work, never on the
+ * loop. */
 static void populate_run(copy_job_t *j)
 {
     pool_t *p = j->owner; /* base, size and pin_on_populate: set before */
     uint64_t used = used_bytes(p);
-#ifdef MADV_POPULATE_WRITE
-    if (madvise(p->map, used, MADV_POPULATE_WRITE) != 0)
-#endif
-    {
-        /* older kernels: touch one byte per page (reading keeps data) */
-        long pg = sysconf(_SC_PAGESIZE);
-        for (uint64_t off = 0; off < used; off += (uint64_t)pg)
-            (void)*(volatile uint8_t *)(p->map + off);
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    enum { STEP = 4096 }; /* pages looked at per mincore() */
+    unsigned char vec[STEP];
+    for (uint64_t off = 0; off < used;) {
+        uint64_t n = (used - off + pg - 1) / pg;
+        if (n > STEP)
+            n = STEP;
+        uint64_t len = n * pg < used - off ? n * pg : used - off;
+        if (mincore(p->map + off, len, vec)) {
+            off += len; /* only an optimization */
+            continue;
+        }
+        for (uint64_t i = 0; i < n;) {
+            uint64_t k = i;
+            while (k < n && (vec[k] & 1))
+                k++;
+            if (k > i) {
+                uint64_t b = off + i * pg, e = off + k * pg;
+                populate_range(p->map + b, (e < used ? e : used) - b);
+            }
+            i = k + 1;
+        }
+        off += len;
     }
     /* the result travels in the job; the loop sets p->pinned */
     if (p->pin_on_populate >= 0)

@@ -429,3 +429,53 @@ TEST(ctl_plan)
     CHECK_STR_CONTAINS(out, "total 8388608 bytes");
     unlink(file);
 }
+
+/* kB of daemon d's /proc status field (e.g. "RssShmem:"). */
+static long proc_kb(daemon_t *d, const char *field)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)d->pid);
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    long kb = -1;
+    while (fgets(line, sizeof(line), f))
+        if (!strncmp(line, field, strlen(field)))
+            kb = atol(line + strlen(field));
+    fclose(f);
+    return kb;
+}
+
+/* Sparse pools: a client declares two 256 MiB host pools and touches a
+ * few blocks. The daemon maps in only the pages the memfd holds and the
+ * ones a transfer writes, never the holes: a page the daemon faults in
+ * first is charged to its memory cgroup (before, it faulted in the whole
+ * span, +512 MiB charged to the daemon here). */
+TEST_T(sparse_pools_not_faulted_in, 60)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    long before = proc_kb(d, "RssShmem:");
+    pair_open(d, &M_BIG, "sp-ctx", "sp-gen", 65536, &c, &g, &cs, &gs);
+    CHECK(c.size >= 256u << 20);
+    uint32_t cb[2] = {5, 60000}, gb[2] = {17, 40000};
+    fill_req(&c, 1, cb, 8);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 8, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    sleep_ms(300); /* the pools' populate jobs are done */
+    long after = proc_kb(d, "RssShmem:");
+    fprintf(stderr,
+            "daemon RssShmem: %ld kB before, %ld kB after, pools "
+            "of %llu MiB each\n",
+            before, after, (unsigned long long)(c.size >> 20));
+    CHECK(after - before < 16 * 1024);
+    expect_t e = {1, gb, 8, 0};
+    CHECK_EQ(check_pool(&g, &e, 1, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop(d);
+}
