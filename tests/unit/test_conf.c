@@ -248,7 +248,9 @@ TEST(table_sane)
         "auth.allowed_gids", "limits.max_frame_bytes",
         "limits.hello_frame_bytes", "limits.max_sessions",
         "limits.max_requests", "limits.max_pools",
-        "limits.max_blocks_per_request", "copy.worker_threads",
+        "limits.max_blocks_per_request", "limits.session_queue_bytes",
+        "limits.session_requests", "limits.list_page_entries",
+        "copy.worker_threads",
         "copy.chunk_bytes", "copy.max_inflight_chunks", "copy.spin_us",
         "gpu.max_ctas", "gpu.chunk_bytes", "gpu.staging_bytes",
         "peer.listen", "peer.secret_file", "peer.keepalive_interval_ms",
@@ -259,14 +261,18 @@ TEST(table_sane)
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
         "deadlines.deadline_tick_ms", "deadlines.hello_timeout_ms",
+        "deadlines.session_idle_ms", "deadlines.reply_stall_ms",
         "log.level"};
     static const char *const reloadable[] = {
+        "limits.session_queue_bytes", "limits.session_requests",
+        "limits.list_page_entries",
         "copy.chunk_bytes", "copy.max_inflight_chunks", "gpu.max_ctas",
         "gpu.chunk_bytes", "peer.keepalive_interval_ms",
         "peer.keepalive_timeout_ms", "peer.connect_timeout_ms",
         "deadlines.offer_lease_ms", "deadlines.fetch_timeout_ms",
         "deadlines.poll_timeout_max_ms", "deadlines.drain_timeout_ms",
         "deadlines.deadline_tick_ms", "deadlines.hello_timeout_ms",
+        "deadlines.session_idle_ms", "deadlines.reply_stall_ms",
         "log.level"};
     /* Every member of kvx_conf_t; each must belong to some key. */
     static const struct {
@@ -277,6 +283,7 @@ TEST(table_sane)
         M(num_allowed_uids), M(allowed_gids), M(num_allowed_gids),
         M(max_frame_bytes), M(hello_frame_bytes), M(max_sessions),
         M(max_requests), M(max_pools), M(max_blocks_per_request),
+        M(session_queue_bytes), M(session_requests), M(list_page_entries),
         M(worker_threads), M(copy_chunk_bytes), M(max_inflight_chunks),
         M(spin_us),
         M(gpu_max_ctas), M(gpu_chunk_bytes), M(gpu_staging_bytes),
@@ -286,6 +293,7 @@ TEST(table_sane)
         M(gather_ahead),
         M(offer_lease_ms), M(fetch_timeout_ms), M(poll_timeout_max_ms),
         M(drain_timeout_ms), M(deadline_tick_ms), M(hello_timeout_ms),
+        M(session_idle_ms), M(reply_stall_ms),
         M(log_level),
 #undef M
     };
