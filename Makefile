@@ -60,7 +60,7 @@ DAEMON   := $(COMMON) \
             daemon/core/daemon.c daemon/core/fault.c \
             daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c daemon/net/peer.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
-            daemon/xfer/instance.c daemon/xfer/xfer.c \
+            daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/xfer_list.c \
             daemon/xfer/batch.c daemon/agree/agree.c \
             daemon/remote/remote.c \
             daemon/local/session.c daemon/local/server.c daemon/local/stats.c \

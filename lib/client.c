@@ -60,6 +60,20 @@ static int64_t now_ms(void)
 static int fail(kvx_client_t *c, int rc, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* The message of the last connect that failed on this thread, for
+ * kvx_last_error(NULL): the client it happened on is gone. */
+static __thread char connect_err[512];
+
+/* "ENOENT (No such file or directory)": the errno's name with its text,
+ * so a message says exactly what the kernel said. */
+static const char *errno_str(int e)
+{
+    static __thread char buf[128];
+    const char *name = strerrorname_np(e);
+    snprintf(buf, sizeof(buf), "%s (%s)", name ? name : "E?", strerror(e));
+    return buf;
+}
+
 static int fail(kvx_client_t *c, int rc, const char *fmt, ...)
 {
     va_list ap;
@@ -141,11 +155,13 @@ static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
                 if (rc)
                     return fail(c, rc, "send: %s",
                                 rc == KVX_ERR_TIMEOUT ? "timed out"
-                                                      : strerror(errno));
+                                                      : errno_str(errno));
                 continue;
             }
-            return fail(c, errno == EPIPE ? KVX_ERR_CLOSED : KVX_ERR_IO,
-                        "send: %s", strerror(errno));
+            return fail(c,
+                        errno == EPIPE || errno == ECONNRESET ? KVX_ERR_CLOSED
+                                                              : KVX_ERR_IO,
+                        "send: %s", errno_str(errno));
         }
         if (with) /* sent with the first byte, whatever else went */
             next++;
@@ -195,8 +211,29 @@ static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
         if (errno == EINTR)
             continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return fail(c, KVX_ERR_IO, "recv: %s", strerror(errno));
+            return fail(c, errno == ECONNRESET ? KVX_ERR_CLOSED : KVX_ERR_IO,
+                        "recv: %s", errno_str(errno));
     }
+}
+
+/* A send failed (the daemon closed): if it said why first (a refused
+ * connection: one Reply with id 0, limits.max_sessions or the uid
+ * lists), that is the error, not the broken pipe. */
+static int refusal_after(kvx_client_t *c, int rc)
+{
+    char save[sizeof(c->err)];
+    memcpy(save, c->err, sizeof(save));
+    Kvxfer__Reply *r = NULL;
+    if (recv_reply(c, 0, now_ms(), &r) == 0 && r->id == 0 && r->status < 0 &&
+        r->status >= KVX_ERR_LAST) {
+        rc = r->status;
+        snprintf(c->err, sizeof(c->err), "%s", r->message);
+    } else {
+        memcpy(c->err, save, sizeof(save));
+    }
+    if (r)
+        kvxfer__reply__free_unpacked(r, NULL);
+    return rc;
 }
 
 /* Send rq (its id is set here) with nfds fds and wait for its reply.
@@ -228,6 +265,8 @@ static int call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
     kvxfer__request__pack(rq, buf + FRAME_HDR);
     int rc = send_all(c, buf, n + FRAME_HDR, fds, nfds, deadline);
     free(buf);
+    if (rc == KVX_ERR_CLOSED || rc == KVX_ERR_IO)
+        rc = refusal_after(c, rc);
     Kvxfer__Reply *r = NULL;
     if (!rc)
         rc = recv_reply(c, rq->id, deadline, &r);
@@ -271,7 +310,7 @@ static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
     strcpy(sa.sun_path, path);
     c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (c->fd < 0)
-        return fail(c, KVX_ERR_IO, "socket: %s", strerror(errno));
+        return fail(c, KVX_ERR_IO, "socket: %s", errno_str(errno));
     /* A Unix socket connects at once or not at all: EAGAIN means the
      * daemon's listen backlog is full (its loop is busy or stopped), and
      * the socket is left unconnected. Ask again until the deadline. */
@@ -279,9 +318,22 @@ static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
     while (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
         if (errno == EINTR)
             continue;
-        if (errno != EAGAIN)
-            return fail(c, KVX_ERR_IO, "connect %s: %s", path,
-                        strerror(errno));
+        if (errno != EAGAIN) {
+            int e = errno;
+            const char *hint =
+                e == ENOENT         ? ": no such socket; is kvxferd running, "
+                                      "and is this its socket.path?"
+                : e == ECONNREFUSED ? ": nothing listens there (kvxferd "
+                                      "stopped and left its socket file)"
+                : e == EACCES || e == EPERM
+                    ? ": this user may not write to the socket (its "
+                      "socket.mode and socket.group) or search its "
+                      "directory"
+                    : "";
+            return fail(c,
+                        e == EACCES || e == EPERM ? KVX_ERR_PERM : KVX_ERR_IO,
+                        "connect %s: %s%s", path, errno_str(e), hint);
+        }
         if (deadline >= 0 && now_ms() >= deadline)
             return fail(c, KVX_ERR_TIMEOUT,
                         "connect %s: timed out (the daemon accepts no more "
@@ -360,6 +412,7 @@ int kvx_connect(const char *socket_path, const kvx_hello_t *h, int timeout_ms,
                         timeout_ms < 0 ? timeout_ms
                         : left < 1     ? 1
                                        : (int)left))) {
+        snprintf(connect_err, sizeof(connect_err), "%s", c->err);
         kvx_close(c);
         return rc;
     }
@@ -377,6 +430,7 @@ int kvx_connect_observer(const char *socket_path, int timeout_ms,
         return KVX_ERR_NOMEM;
     int rc = open_socket(c, socket_path, timeout_ms);
     if (rc) {
+        snprintf(connect_err, sizeof(connect_err), "%s", c->err);
         kvx_close(c);
         return rc;
     }
@@ -400,7 +454,10 @@ void kvx_close(kvx_client_t *c)
     free(c);
 }
 
-const char *kvx_last_error(const kvx_client_t *c) { return c ? c->err : ""; }
+const char *kvx_last_error(const kvx_client_t *c)
+{
+    return c ? c->err : connect_err;
+}
 
 int kvx_daemon_address(const kvx_client_t *c, char *buf, size_t len)
 {
@@ -513,24 +570,24 @@ int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
     int rc;
     int fd = memfd_create("kvxfer-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) {
-        rc = fail(c, KVX_ERR_IO, "memfd_create: %s", strerror(errno));
+        rc = fail(c, KVX_ERR_IO, "memfd_create: %s", errno_str(errno));
         goto err_free;
     }
     if (ftruncate(fd, (off_t)size) < 0) {
         rc = fail(c, KVX_ERR_NOMEM, "ftruncate %llu: %s",
-                  (unsigned long long)size, strerror(errno));
+                  (unsigned long long)size, errno_str(errno));
         goto err_close_fd;
     }
     /* sealed size: the daemon refuses a pool that could shrink under it */
     if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) <
         0) {
-        rc = fail(c, KVX_ERR_IO, "F_ADD_SEALS: %s", strerror(errno));
+        rc = fail(c, KVX_ERR_IO, "F_ADD_SEALS: %s", errno_str(errno));
         goto err_close_fd;
     }
     hp->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (hp->base == MAP_FAILED) {
         rc = fail(c, KVX_ERR_NOMEM, "mmap %llu: %s", (unsigned long long)size,
-                  strerror(errno));
+                  errno_str(errno));
         goto err_close_fd;
     }
     hp->size = size;
@@ -1229,27 +1286,81 @@ int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
     return 0;
 }
 
+/* One page of ListRequests after the cursor (the last entry of the page
+ * before, or NULL: the first page). */
+static int requests_page(kvx_client_t *c, const Kvxfer__RequestInfo *after,
+                         int64_t deadline, Kvxfer__Reply **out)
+{
+    Kvxfer__ListRequests m = KVXFER__LIST_REQUESTS__INIT;
+    if (after) {
+        m.after_instance = after->instance_id;
+        m.after_side = after->side;
+        m.after_request_id = after->request_id;
+    }
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
+    rq.list_requests = &m;
+    int64_t left = deadline < 0 ? -1 : deadline - now_ms();
+    Kvxfer__Reply *r;
+    int rc = call(c, &rq, -1, deadline < 0 ? -1 : left < 1 ? 1 : (int)left, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_REQUESTS) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        c->broken = 1;
+        return fail(c, KVX_ERR_PROTOCOL, "requests: unexpected reply");
+    }
+    *out = r;
+    return 0;
+}
+
+/* Every page, gathered into the first reply (the daemon lists at most
+ * limits.list_page_entries a reply). Unpacked messages come from malloc
+ * (no allocator is given), so entries move between replies. */
 int kvx__requests_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
 {
     if (!c)
         return KVX_ERR_INVALID;
     if (!out)
-        return fail(c, KVX_ERR_INVALID,
-                    "%s: a required argument is NULL or 0",
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
                     __func__);
-    Kvxfer__ListRequests m = KVXFER__LIST_REQUESTS__INIT;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
-    rq.list_requests = &m;
-    Kvxfer__Reply *r;
-    int rc = call(c, &rq, -1, timeout_ms, &r);
+    if (timeout_ms == 0)
+        return fail(c, KVX_ERR_INVALID,
+                    "timeout_ms 0: a call waits for the daemon's reply; "
+                    "give it time (a negative value waits without limit)");
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    Kvxfer__Reply *all;
+    int rc = requests_page(c, NULL, deadline, &all);
     if (rc)
         return rc;
-    if (r->body_case != KVXFER__REPLY__BODY_REQUESTS) {
+    Kvxfer__RequestsReply *a = all->requests;
+    while (a->more && a->n_requests) {
+        Kvxfer__Reply *r;
+        rc = requests_page(c, a->requests[a->n_requests - 1], deadline, &r);
+        if (rc) {
+            kvxfer__reply__free_unpacked(all, NULL);
+            return rc;
+        }
+        Kvxfer__RequestsReply *p = r->requests;
+        Kvxfer__RequestInfo **v =
+            p->n_requests
+                ? realloc(a->requests,
+                          (a->n_requests + p->n_requests) * sizeof(*v))
+                : a->requests;
+        if (!v) {
+            kvxfer__reply__free_unpacked(r, NULL);
+            kvxfer__reply__free_unpacked(all, NULL);
+            return fail(c, KVX_ERR_NOMEM, "out of memory");
+        }
+        memcpy(v + a->n_requests, p->requests, p->n_requests * sizeof(*v));
+        a->requests = v;
+        a->n_requests += p->n_requests;
+        a->more = p->more;
+        p->n_requests = 0; /* moved */
         kvxfer__reply__free_unpacked(r, NULL);
-        return fail(c, KVX_ERR_PROTOCOL, "requests: unexpected reply");
     }
-    *out = r;
+    a->more = 0;
+    *out = all;
     return 0;
 }
 

@@ -74,8 +74,10 @@ static kvx_client_t *open_daemon(const char *sock)
     kvx_client_t *c;
     int rc = kvx_connect_observer(sock, TIMEOUT_MS, &c);
     if (rc) {
-        fprintf(stderr, "kvxferctl: cannot connect to %s: %s\n",
-                sock ? sock : KVX_DEFAULT_SOCKET, kvx_status_str(rc));
+        /* the library's message names the errno and what to check */
+        fprintf(stderr, "kvxferctl: cannot connect to %s: %s: %s\n",
+                sock ? sock : KVX_DEFAULT_SOCKET, kvx_status_name(rc),
+                kvx_last_error(NULL));
         exit(1);
     }
     return c;

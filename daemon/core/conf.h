@@ -32,6 +32,9 @@ typedef struct kvx_conf {
     uint32_t max_requests;
     uint32_t max_pools;
     uint32_t max_blocks_per_request;
+    uint64_t session_queue_bytes; /* reply bytes queued to one session */
+    uint32_t session_requests;    /* one session's requests awaiting replies */
+    uint32_t list_page_entries;   /* requests in one ListRequests reply */
     /* copy */
     uint32_t worker_threads;
     uint64_t copy_chunk_bytes;
@@ -64,6 +67,8 @@ typedef struct kvx_conf {
     uint32_t drain_timeout_ms;
     uint32_t deadline_tick_ms;
     uint32_t hello_timeout_ms;
+    uint32_t session_idle_ms; /* 0: never */
+    uint32_t reply_stall_ms;
     /* log */
     int log_level;                 /* syslog priority, LOG_ERR..LOG_DEBUG */
 } kvx_conf_t;

@@ -86,17 +86,7 @@ static void refuse(int fd, uid_t uid)
              "connection refused: uid %u is not in auth.allowed_uids and "
              "none of its groups is in auth.allowed_gids",
              (unsigned)uid);
-    Kvxfer__Reply r = KVXFER__REPLY__INIT;
-    r.status = KVX_ERR_PERM;
-    r.message = msg;
-    uint8_t buf[256];
-    size_t n = kvxfer__reply__get_packed_size(&r);
-    if (n + FRAME_HDR <= sizeof(buf)) {
-        frame_put_len(buf, (uint32_t)n);
-        kvxfer__reply__pack(&r, buf + FRAME_HDR);
-        (void)!send(fd, buf, n + FRAME_HDR, MSG_NOSIGNAL | MSG_DONTWAIT);
-    }
-    close(fd);
+    session_refuse(fd, KVX_ERR_PERM, msg);
 }
 
 static void on_accept(uv_poll_t *h, int status, int events)
@@ -133,7 +123,6 @@ static void on_accept(uv_poll_t *h, int status, int events)
             log_warn("server: refused pid %d uid %u gid %u: not in "
                      "auth.allowed_uids or auth.allowed_gids",
                      (int)cr.pid, (unsigned)cr.uid, (unsigned)cr.gid);
-            kvxd_count_error(KVX_ERR_PERM);
             refuse(fd, cr.uid);
             continue;
         }

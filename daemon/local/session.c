@@ -30,6 +30,14 @@
  * allocations brings one each; more are closed as they come */
 #define MAX_FDS (KVX_MAX_POOL_CHUNKS + 8)
 #define OUT_MAX (256u << 20) /* a client this far behind is dropped */
+/* Fair use of the loop. One session gets at most this many frames, or
+ * replies of this many bytes, handled in one turn of the loop; the rest
+ * wait for the next turn, after every other session's. */
+#define TURN_FRAMES 32
+#define TURN_BYTES (256u << 10)
+/* A session without Hello (an observer) gets these caps at most. */
+#define HELLO_QUEUE_MAX (256u << 10)
+#define HELLO_REQUESTS_MAX 8u
 
 struct session {
     uint64_t id;
@@ -58,6 +66,16 @@ struct session {
     int closing;
     const char *close_why;      /* set: close at the next safe point */
     uint64_t connected_ms;
+    uint64_t last_rx_ms;  /* bytes last arrived (idle deadline) */
+    uint64_t last_tx_ms;  /* the client last took replies, or the
+                             queue last started from empty */
+    uint64_t out_total;   /* reply bytes queued since connect */
+    uint32_t awaiting;    /* requests read and not answered yet */
+    int in_paused;        /* over the queue budget: not reading */
+    int resume_queued;    /* a deferred pump() is queued */
+    int fds_lost;         /* fds of a receive were dropped: */
+    uint64_t fds_lost_at; /* ... its last byte in the stream */
+    const char *fds_lost_why;
 };
 
 static map_t sessions;
@@ -105,12 +123,34 @@ static void session_close(session_t *s, const char *why);
 static void session_close_later(session_t *s, const char *why);
 static void flush(session_t *s);
 static void on_io(uv_poll_t *h, int status, int events);
+static void resume_later(session_t *s);
+
+static size_t queued(const session_t *s)
+{
+    return s->out_len - s->out_off;
+}
+
+/* Reply bytes a session may have queued before its input is paused. */
+static size_t queue_cap(const session_t *s)
+{
+    uint64_t c = kvxd.conf.session_queue_bytes;
+    return (size_t)(!s->hello && c > HELLO_QUEUE_MAX ? HELLO_QUEUE_MAX : c);
+}
+
+static uint32_t requests_cap(const session_t *s)
+{
+    uint32_t c = kvxd.conf.session_requests;
+    return !s->hello && c > HELLO_REQUESTS_MAX ? HELLO_REQUESTS_MAX : c;
+}
 
 /* ---- output ----------------------------------------------------------- */
 
 static void want_events(session_t *s)
 {
-    int ev = UV_READABLE | UV_DISCONNECT | (s->out_len > s->out_off ? UV_WRITABLE : 0);
+    /* paused: only writable; a hang-up shows as writable and fails the
+     * send */
+    int ev = (s->in_paused ? 0 : UV_READABLE | UV_DISCONNECT) |
+             (s->out_len > s->out_off ? UV_WRITABLE : 0);
     if (s->closing || s->close_why || ev == s->poll_events)
         return;
     s->poll_events = ev;
@@ -123,6 +163,10 @@ static void reply_packed(session_t *s, const Kvxfer__Reply *r)
         return;
     size_t n = kvxfer__reply__get_packed_size(r);
     if (s->out_len - s->out_off + n + FRAME_HDR > OUT_MAX) {
+        log_warn("session %llu (pid %d uid %u): client not reading its "
+                 "replies: %zu bytes queued; dropping it",
+                 (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
+                 queued(s));
         session_close_later(s, "client not reading its replies");
         return;
     }
@@ -143,9 +187,14 @@ static void reply_packed(session_t *s, const Kvxfer__Reply *r)
         s->out = nb;
         s->out_cap = ncap;
     }
+    if (s->out_len == s->out_off)
+        s->last_tx_ms = kvxd_now_ms(); /* the stall clock starts now */
     frame_put_len(s->out + s->out_len, (uint32_t)n);
     kvxfer__reply__pack(r, s->out + s->out_len + FRAME_HDR);
     s->out_len += n + FRAME_HDR;
+    s->out_total += n + FRAME_HDR;
+    if (s->awaiting)
+        s->awaiting--;
     flush(s);
 }
 
@@ -193,9 +242,17 @@ static void flush(session_t *s)
             return;
         }
         s->out_off += (size_t)n;
+        s->last_tx_ms = kvxd_now_ms();
     }
     if (s->out_off == s->out_len)
         s->out_off = s->out_len = 0;
+    if (s->in_paused && queued(s) <= queue_cap(s) / 2) {
+        /* the client caught up: read its requests again (those already
+         * buffered first, from the deferred queue, not from inside a
+         * reply) */
+        s->in_paused = 0;
+        resume_later(s);
+    }
     want_events(s);
 }
 
@@ -497,6 +554,16 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         }
     }
     int fd = nfds ? fds[0] : -1;
+    if (!rc && need && nfds < need && s->fds_lost &&
+        s->fds_lost_at < s->frame_end) {
+        /* the client sent them: the daemon could not take them */
+        snprintf(why, sizeof(why),
+                 "register_pool: the fd(s) sent with the request were "
+                 "dropped on arrival: %s; the request itself is fine, try "
+                 "again later",
+                 s->fds_lost_why);
+        rc = KVX_ERR_LIMIT;
+    }
     if (!rc)
         rc = pool_msg_check(m, need, nfds, mine, why, sizeof(why));
     if (!rc && s->pools.n >= kvxd.conf.max_pools) {
@@ -708,9 +775,27 @@ static void on_status(session_t *s, const Kvxfer__Request *rq)
 
 static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
 {
+    char why[512];
+    const Kvxfer__ListRequests *m = rq->list_requests;
+    uint32_t max = kvxd.conf.list_page_entries;
+    if (m->max_entries && m->max_entries < max)
+        max = m->max_entries;
+    int side = 0;
+    if (m->after_instance[0]) {
+        if (!strcmp(m->after_side, "generation"))
+            side = 1;
+        else if (strcmp(m->after_side, "context"))
+            FAIL(KVX_ERR_INVALID,
+                 "list_requests.after_side: '%.32s' (expected context or "
+                 "generation)",
+                 m->after_side);
+    }
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
     Kvxfer__RequestsReply rr = KVXFER__REQUESTS_REPLY__INIT;
-    rr.n_requests = xfer_infos(&rr.requests);
+    int more = 0;
+    rr.n_requests = xfer_infos_page(
+        m->after_instance, side, m->after_request_id, max, &rr.requests, &more);
+    rr.more = more;
     r.id = rq->id;
     r.message = "";
     r.body_case = KVXFER__REPLY__BODY_REQUESTS;
@@ -729,6 +814,16 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         return;
     }
     char why[512];
+    /* every request gets one reply, which counts it down */
+    if (++s->awaiting > requests_cap(s)) {
+        snprintf(why, sizeof(why),
+                 "request: %u requests of this session await their replies "
+                 "(limits.session_requests %u%s)",
+                 s->awaiting - 1, requests_cap(s),
+                 s->hello ? "" : "; before Hello at most 8");
+        reply(s, rq->id, KVX_ERR_LIMIT, why);
+        goto out;
+    }
     if (kvxd.draining && rq->body_case != KVXFER__REQUEST__BODY_STATUS &&
         rq->body_case != KVXFER__REQUEST__BODY_POLL &&
         rq->body_case != KVXFER__REQUEST__BODY_LIST_REQUESTS) {
@@ -821,19 +916,83 @@ static void take_fds(session_t *s, struct msghdr *mh, size_t nbytes)
                 fds_queued++;
             } else {
                 close(fds[i]); /* too many, before hello, or at EOF */
+                if (nbytes && s->hello) {
+                    s->fds_lost = 1;
+                    s->fds_lost_at = s->rx_bytes + nbytes - 1;
+                    s->fds_lost_why =
+                        fds_queued >= fds_cap_total()
+                            ? "the daemon holds as many received fds as it "
+                              "allows (half its RLIMIT_NOFILE)"
+                            : "this session holds as many received fds as "
+                              "it may, or the daemon is out of memory";
+                }
             }
         }
     }
 }
 
-static void on_readable(session_t *s)
+/* Handle the whole frames buffered, within the session's budgets: its
+ * queued replies (over it: input paused until the client reads them) and
+ * this turn's share of the loop (over it: the rest next turn). Returns 0
+ * when more bytes are needed, 1 when it stopped (budget, or closing). */
+static int handle_frames(session_t *s, uint64_t out0, unsigned *frames)
+{
+    const uint8_t *msg;
+    uint32_t len;
+    while (!s->closing && !s->close_why) {
+        if (queued(s) > queue_cap(s)) {
+            s->in_paused = 1; /* flush() resumes it */
+            want_events(s);
+            return 1;
+        }
+        if (*frames >= TURN_FRAMES || s->out_total - out0 >= TURN_BYTES) {
+            resume_later(s);
+            return 1;
+        }
+        uint32_t cap =
+            s->hello ? kvxd.conf.max_frame_bytes : kvxd.conf.hello_frame_bytes;
+        int rc = frame_reader_next(&s->rd, cap, &msg, &len);
+        if (rc == 0)
+            return 0;
+        if (rc < 0) {
+            char why[160];
+            snprintf(why, sizeof(why),
+                     "frame: length %u exceeds the %s cap of %u bytes; "
+                     "closing",
+                     len,
+                     s->hello ? "limits.max_frame_bytes"
+                              : "limits.hello_frame_bytes",
+                     cap);
+            reply(s, 0, KVX_ERR_PROTOCOL, why);
+            session_close(s, "oversized frame");
+            return 1;
+        }
+        s->frame_end += FRAME_HDR + (uint64_t)len;
+        (*frames)++;
+        handle_frame(s, msg, len);
+        /* fds that came with this frame (or before it) and were not
+         * taken: never another frame's */
+        uint32_t k = 0;
+        while (k < s->nfds && s->fd_at[k] < s->frame_end)
+            k++;
+        if (k && !s->closing)
+            fds_drop(s, k, 1);
+        if (s->fds_lost && s->fds_lost_at < s->frame_end)
+            s->fds_lost = 0; /* told to the frame they came with */
+    }
+    return 1;
+}
+
+/* One receive. Returns -1 (closed), 0 (nothing there), 1 (the socket is
+ * drained) or 2 (the buffer filled: maybe more). */
+static int read_once(session_t *s)
 {
     for (;;) {
         size_t room;
         uint8_t *buf = frame_reader_space(&s->rd, 65536, &room);
         if (!buf) {
             session_close(s, "out of memory for input");
-            return;
+            return -1;
         }
         union {
             char buf[CMSG_SPACE(FRAME_FDS_PER_SEND * sizeof(int))];
@@ -848,65 +1007,80 @@ static void on_readable(session_t *s)
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK)
-                return;
+                return 0;
             session_close(s, "receive failed");
-            return;
+            return -1;
         }
         take_fds(s, &mh, (size_t)n);
-        if (mh.msg_flags & MSG_CTRUNC) {
-            /* fds were dropped on the way (the daemon's RLIMIT_NOFILE):
-             * the frame they belong to cannot be trusted */
-            log_error("session %llu: fds sent with a frame were truncated "
-                      "(open-file limit?); closing",
-                      (unsigned long long)s->id);
-            reply(s, 0, KVX_ERR_PROTOCOL,
-                  "fds sent with a frame did not all arrive (the daemon's "
-                  "open-file limit?); closing");
-            session_close(s, "fds truncated");
-            return;
+        if ((mh.msg_flags & MSG_CTRUNC) && n > 0) {
+            /* fds were dropped on the way: the daemon is out of fds
+             * (RLIMIT_NOFILE, or the system's). The bytes are whole; the
+             * RegisterPool they came with is refused with LIMIT. */
+            struct rlimit rl;
+            getrlimit(RLIMIT_NOFILE, &rl);
+            log_error("session %llu (pid %d): fds sent with a frame were "
+                      "dropped by the kernel: the daemon is out of file "
+                      "descriptors (RLIMIT_NOFILE %llu, or the system's "
+                      "limit)",
+                      (unsigned long long)s->id, (int)s->pid,
+                      (unsigned long long)rl.rlim_cur);
+            kvxd_count_error(KVX_ERR_LIMIT);
+            s->fds_lost = 1;
+            s->fds_lost_at = s->rx_bytes + (uint64_t)n - 1;
+            s->fds_lost_why = "the daemon is out of file descriptors "
+                              "(EMFILE/ENFILE: its RLIMIT_NOFILE or the "
+                              "system's limit)";
         }
         s->rx_bytes += (uint64_t)n;
         if (n == 0) {
             session_close(s, "client disconnected");
-            return;
+            return -1;
         }
+        s->last_rx_ms = kvxd_now_ms();
         frame_reader_commit(&s->rd, (size_t)n);
-        const uint8_t *msg;
-        uint32_t len;
-        int rc;
-        while (!s->closing && !s->close_why) {
-            uint32_t cap = s->hello ? kvxd.conf.max_frame_bytes
-                                    : kvxd.conf.hello_frame_bytes;
-            rc = frame_reader_next(&s->rd, cap, &msg, &len);
-            if (rc == 0)
-                break;
-            if (rc < 0) {
-                char why[160];
-                snprintf(why, sizeof(why),
-                         "frame: length %u exceeds the %s cap of %u bytes; "
-                         "closing",
-                         len, s->hello ? "limits.max_frame_bytes"
-                                       : "limits.hello_frame_bytes",
-                         cap);
-                reply(s, 0, KVX_ERR_PROTOCOL, why);
-                session_close(s, "oversized frame");
-                return;
-            }
-            s->frame_end += FRAME_HDR + (uint64_t)len;
-            handle_frame(s, msg, len);
-            /* fds that came with this frame (or before it) and were not
-             * taken: never another frame's */
-            uint32_t k = 0;
-            while (k < s->nfds && s->fd_at[k] < s->frame_end)
-                k++;
-            if (k && !s->closing)
-                fds_drop(s, k, 1);
-        }
-        if (s->closing || s->close_why)
-            return;
-        if ((size_t)n < room)
-            return; /* drained; level-triggered polling calls us again */
+        return (size_t)n < room ? 1 : 2;
     }
+}
+
+/* Read and handle what the session sent, within its budgets. */
+static void pump(session_t *s)
+{
+    uint64_t out0 = s->out_total;
+    unsigned frames = 0;
+    for (int reads = 0;; reads++) {
+        /* buffered frames first: nothing more is read while they wait */
+        if (handle_frames(s, out0, &frames))
+            return;
+        if (reads == 4) /* level-triggered polling calls us again */
+            return;
+        int r = read_once(s);
+        if (r <= 0)
+            return;
+        if (r == 1) {
+            handle_frames(s, out0, &frames);
+            return;
+        }
+    }
+}
+
+static void resume_cb(void *arg)
+{
+    session_t *s = map_get(&sessions, (uint64_t)(uintptr_t)arg);
+    if (!s)
+        return;
+    s->resume_queued = 0;
+    if (!s->closing && !s->close_why && !s->in_paused)
+        pump(s);
+}
+
+/* Handle the rest of a session's buffered frames at the next turn. */
+static void resume_later(session_t *s)
+{
+    if (s->resume_queued || s->closing || s->close_why)
+        return;
+    if (kvxd_defer(resume_cb, (void *)(uintptr_t)s->id) == 0)
+        s->resume_queued = 1;
+    /* no memory: the next readable event or flush tries again */
 }
 
 static void on_io(uv_poll_t *h, int status, int events)
@@ -918,8 +1092,9 @@ static void on_io(uv_poll_t *h, int status, int events)
     }
     if (events & UV_WRITABLE)
         flush(s);
-    if (!s->closing && (events & (UV_READABLE | UV_DISCONNECT)))
-        on_readable(s);
+    if (!s->closing && !s->close_why && !s->in_paused &&
+        (events & (UV_READABLE | UV_DISCONNECT)))
+        pump(s);
 }
 
 /* ---- life ------------------------------------------------------------- */
@@ -954,13 +1129,42 @@ int session_init(void)
 
 static void on_closed(uv_handle_t *h);
 
+void session_refuse(int fd, int code, const char *message)
+{
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.status = code;
+    r.message = (char *)message;
+    uint8_t buf[512];
+    size_t n = kvxfer__reply__get_packed_size(&r);
+    kvxd_count_error(code);
+    if (n + FRAME_HDR <= sizeof(buf)) {
+        frame_put_len(buf, (uint32_t)n);
+        kvxfer__reply__pack(&r, buf + FRAME_HDR);
+        /* a fresh socket's buffer takes it whole */
+        (void)!send(fd, buf, n + FRAME_HDR, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    close(fd);
+}
+
 int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
 {
     if (sessions.n >= kvxd.conf.max_sessions) {
-        log_warn("session: refusing pid %d: %u sessions (limits."
-                 "max_sessions)",
-                 (int)pid, sessions.n);
-        close(fd);
+        static uint64_t warned_ms, refused;
+        uint64_t now = kvxd_now_ms();
+        refused++;
+        if (!warned_ms || now >= warned_ms + 10000) { /* a flood: 1 line */
+            warned_ms = now;
+            log_warn("session: refusing pid %d uid %u: %u sessions open "
+                     "(limits.max_sessions); %llu refused so far",
+                     (int)pid, (unsigned)uid, sessions.n,
+                     (unsigned long long)refused);
+        }
+        char msg[200];
+        snprintf(msg, sizeof(msg),
+                 "connection refused: the daemon has %u sessions open, "
+                 "its limits.max_sessions; closing",
+                 sessions.n);
+        session_refuse(fd, KVX_ERR_LIMIT, msg);
         return KVX_ERR_LIMIT;
     }
     session_t *s = calloc(1, sizeof(*s));
@@ -973,7 +1177,7 @@ int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
     s->pid = pid;
     s->uid = uid;
     s->gid = gid;
-    s->connected_ms = kvxd_now_ms();
+    s->connected_ms = s->last_rx_ms = s->last_tx_ms = kvxd_now_ms();
     frame_reader_init(&s->rd);
     int rc = uv_poll_init(kvxd.loop, &s->poll, fd);
     if (rc) {
@@ -1084,10 +1288,44 @@ void session_tick(uint64_t now)
     for (uint32_t i = 0; i < sessions.nb; i++)
         for (map_entry_t *e = sessions.b[i]; e; e = e->next) {
             session_t *s = e->val;
-            if (!s->hello && !s->close_why &&
-                now - s->connected_ms >= kvxd.conf.hello_timeout_ms)
+            if (s->close_why || s->closing)
+                continue;
+            if (!s->hello &&
+                now - s->connected_ms >= kvxd.conf.hello_timeout_ms) {
                 session_close_later(s, "no Hello within "
                                        "deadlines.hello_timeout_ms");
+                continue;
+            }
+            /* a client holding a slot and nothing else (limits.
+             * max_sessions): told why, then closed */
+            uint32_t idle = kvxd.conf.session_idle_ms;
+            if (s->hello && idle && !s->pools.n && !s->awaiting && !queued(s) &&
+                now - s->last_rx_ms >= idle) {
+                char why[200];
+                snprintf(why, sizeof(why),
+                         "session: idle for %u ms with no pool and no "
+                         "request (deadlines.session_idle_ms); closing",
+                         idle);
+                reply(s, 0, KVX_ERR_TIMED_OUT, why);
+                session_close_later(s, "idle: no pool, no request, nothing "
+                                       "sent within deadlines.session_idle_ms");
+                continue;
+            }
+            /* over its queue budget and reading none of it: its memory
+             * goes back */
+            if (queued(s) > queue_cap(s) &&
+                now - s->last_tx_ms >= kvxd.conf.reply_stall_ms) {
+                log_warn("session %llu (pid %d uid %u%s%s): client not "
+                         "reading its replies: %zu bytes queued, over "
+                         "limits.session_queue_bytes (%zu), none read for "
+                         "%llu ms (deadlines.reply_stall_ms); dropping it",
+                         (unsigned long long)s->id, (int)s->pid,
+                         (unsigned)s->uid, s->inst ? ", instance " : "",
+                         s->inst ? s->inst->id : "", queued(s), queue_cap(s),
+                         (unsigned long long)(now - s->last_tx_ms));
+                kvxd_count_error(KVX_ERR_LIMIT);
+                session_close_later(s, "client not reading its replies");
+            }
         }
     if (sweep_marked) { /* what a defer without memory left marked */
         sweep_marked = 0;

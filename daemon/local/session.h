@@ -26,7 +26,13 @@ typedef struct session session_t;
  * clients through it, by session id. */
 int session_init(void);
 
-/* Take a connected socket (nonblocking). Returns 0 or a negative status. */
+/* Refuse a connection: one Reply with id 0, code and message, then close
+ * fd. */
+void session_refuse(int fd, int code, const char *message);
+
+/* Take a connected socket (nonblocking). At limits.max_sessions it is
+ * refused with KVX_ERR_LIMIT, naming the key. Returns 0 or a negative
+ * status. */
 int session_start(int fd, pid_t pid, uid_t uid, gid_t gid);
 
 /* Reply to request req_id of session sid, if it is still connected. */

@@ -1547,62 +1547,11 @@ void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n)
     free(c);
 }
 
-size_t xfer_infos(Kvxfer__RequestInfo ***out)
+const char *xfer_offer_state(const offer_t *o)
 {
-    size_t total = 0, k = 0;
-    for (instance_t *i = instance_first(); i; i = i->next)
-        total += i->offers.n + i->fetches.n;
-    Kvxfer__RequestInfo **v = calloc(total ? total : 1, sizeof(*v));
-    void **all = calloc(total ? total : 1, sizeof(void *));
-    if (!v || !all) {
-        free(v);
-        free(all);
-        *out = NULL;
-        return 0;
-    }
-    uint64_t now = kvxd_now_ms();
-    for (instance_t *i = instance_first(); i; i = i->next) {
-        uint32_t no = map_values(&i->offers, all, total);
-        uint32_t ng = map_values(&i->fetches, all + no, total - no);
-        for (uint32_t j = 0; j < no + ng && k < total; j++) {
-            Kvxfer__RequestInfo *r = malloc(sizeof(*r));
-            if (!r)
-                break;
-            kvxfer__request_info__init(r);
-            char detail[160];
-            r->instance_id = strdup(i->id);
-            if (j < no) {
-                offer_t *o = all[j];
-                r->request_id = o->request_id;
-                r->side = "context";
-                r->state = (char *)offer_state(o);
-                r->age_ms = now - o->created_ms;
-                snprintf(detail, sizeof(detail),
-                         "%u/%u ranks published, %u tokens, lease left %lld "
-                         "ms",
-                         o->npublished, i->nlocal, o->num_tokens,
-                         o->lease.linked ? (long long)o->lease.deadline_ms -
-                                               (long long)now
-                                         : 0);
-            } else {
-                genreq_t *g = all[j];
-                r->request_id = g->request_id;
-                r->side = "generation";
-                r->state = (char *)genreq_state(g);
-                r->age_ms = now - g->created_ms;
-                r->bytes_done = g->bytes_done;
-                r->bytes_total = g->bytes_total;
-                snprintf(detail, sizeof(detail),
-                         "%u/%u ranks fetched, %u done, %u chunks in flight, "
-                         "timeout in %lld ms",
-                         g->nfetched, g->need, g->ndone, g->inflight,
-                         (long long)g->timeout.deadline_ms - (long long)now);
-            }
-            r->detail = strdup(detail);
-            v[k++] = r;
-        }
-    }
-    free(all);
-    *out = v;
-    return k;
+    return offer_state(o);
+}
+const char *xfer_genreq_state(const genreq_t *g)
+{
+    return genreq_state(g);
 }

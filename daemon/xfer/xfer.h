@@ -70,7 +70,13 @@ uint32_t xfer_count(void);
 
 /* For status/list: counts by state, and per-request infos. */
 size_t xfer_states(Kvxfer__Count ***out);
-size_t xfer_infos(Kvxfer__RequestInfo ***out);
+/* One ListRequests page (xfer_list.c): at most max requests after the
+ * cursor (after_inst NULL or "": from the first), in (instance id, side,
+ * request id) order, side 0 context, 1 generation; *more set when
+ * requests follow. Returns how many are in *out (NULL on no memory). */
+size_t xfer_infos_page(const char *after_inst, int after_side,
+                       uint64_t after_id, uint32_t max,
+                       Kvxfer__RequestInfo ***out, int *more);
 void xfer_free_counts(Kvxfer__Count **c, size_t n);
 void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n);
 

@@ -161,6 +161,9 @@ int xfer_offer_fence_done(const offer_t *o);
 void xfer_part_fence_hold(genpart_t *p);
 /* Streams from a peer took o (it leaves the lease list). */
 void xfer_offer_taken(offer_t *o);
+/* The state names of status and ListRequests (xfer_list.c). */
+const char *xfer_offer_state(const offer_t *o);
+const char *xfer_genreq_state(const genreq_t *g);
 
 /* ---- registered by remote.c ------------------------------------------- */
 

@@ -185,7 +185,12 @@ KVX_EXPORT int kvx_hello(kvx_client_t *client, const kvx_hello_t *hello,
                          int timeout_ms);
 
 /* The daemon's message for the last failed call ("" if none). Valid until
- * the next call on this client. */
+ * the next call on this client. Errors of system calls name the errno
+ * ("connect /run/kvxfer/kvxferd.sock: ENOENT (No such file or directory):
+ * ..."). With client NULL: the message of the last kvx_connect() or
+ * kvx_connect_observer() that failed on this thread (its client is gone),
+ * e.g. a refused connection ("connection refused: the daemon has 1024
+ * sessions open, its limits.max_sessions; closing"). */
 KVX_EXPORT const char *kvx_last_error(const kvx_client_t *client);
 
 /* This daemon's address, to share with the instance's other ranks (engines

@@ -38,6 +38,8 @@
  *   t_protocol.c       bad frames and requests, refused input, limits
  *   t_ops.c            status, configuration, credentials, the socket
  *                      file, kvxferctl
+ *   t_hostile.c        clients that attack: floods, readers that never
+ *                      read, idle slot holders, a daemon out of fds
  *   peer_harness.c     two daemons in two network namespaces
  *   t_peer_transfer.c  transfers between daemons, lanes, forged input
  *   t_peer_lost.c      a peer lost, drained or cancelled mid-transfer
@@ -61,6 +63,7 @@
 #include "t_lifecycle.c"
 #include "t_protocol.c"
 #include "t_ops.c"
+#include "t_hostile.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */
 #include "peer_harness.c"

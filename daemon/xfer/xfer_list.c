@@ -1,0 +1,207 @@
+/*
+ * xfer_list — the pages of ListRequests; see xfer_infos_page() in xfer.h.
+ *
+ * A page costs the loop one pass over the request maps (to pick the
+ * requests after the cursor) and the infos of at most max requests: a
+ * listing of tens of thousands of requests is many short turns, never one
+ * long one. The order is (instance id, side, request id), so a cursor
+ * that names a request which ended meanwhile still says where to go on.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon.h"
+#include "xfer.h"
+#include "xfer_int.h"
+
+typedef struct {
+    uint64_t key; /* side << 63 | request id: the order within an instance */
+    void *req;    /* offer_t (side 0) or genreq_t (side 1) */
+} entry_t;
+
+static int cmp_entry(const void *a, const void *b)
+{
+    uint64_t x = ((const entry_t *)a)->key, y = ((const entry_t *)b)->key;
+    return x < y ? -1 : x > y;
+}
+
+static int cmp_inst(const void *a, const void *b)
+{
+    return strcmp((*(instance_t *const *)a)->id, (*(instance_t *const *)b)->id);
+}
+
+static void swap_entry(entry_t *a, entry_t *b)
+{
+    entry_t t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Move the k smallest of v[0..n) to v[0..k) (in any order): quickselect,
+ * the pivot from the middle (map order is a hash's, not sorted). */
+static void select_smallest(entry_t *v, size_t n, size_t k)
+{
+    size_t lo = 0, hi = n; /* [0,lo) <= [lo,hi) <= [hi,n) */
+    while (hi - lo > 1) {
+        swap_entry(&v[lo + (hi - lo) / 2], &v[hi - 1]);
+        uint64_t p = v[hi - 1].key;
+        size_t s = lo;
+        for (size_t j = lo; j < hi - 1; j++)
+            if (v[j].key < p)
+                swap_entry(&v[j], &v[s++]);
+        swap_entry(&v[s], &v[hi - 1]);
+        if (k == s || k == s + 1)
+            return;
+        if (k < s)
+            hi = s;
+        else
+            lo = s + 1;
+    }
+}
+
+static Kvxfer__RequestInfo *info_new(const instance_t *i, const entry_t *e,
+                                     uint64_t now)
+{
+    Kvxfer__RequestInfo *r = malloc(sizeof(*r));
+    if (!r)
+        return NULL;
+    kvxfer__request_info__init(r);
+    char detail[160];
+    if (!(e->key >> 63)) {
+        offer_t *o = e->req;
+        r->request_id = o->request_id;
+        r->side = "context";
+        r->state = (char *)xfer_offer_state(o);
+        r->age_ms = now - o->created_ms;
+        snprintf(detail, sizeof(detail),
+                 "%u/%u ranks published, %u tokens, lease left %lld ms",
+                 o->npublished, i->nlocal, o->num_tokens,
+                 o->lease.linked
+                     ? (long long)o->lease.deadline_ms - (long long)now
+                     : 0);
+    } else {
+        genreq_t *g = e->req;
+        r->request_id = g->request_id;
+        r->side = "generation";
+        r->state = (char *)xfer_genreq_state(g);
+        r->age_ms = now - g->created_ms;
+        r->bytes_done = g->bytes_done;
+        r->bytes_total = g->bytes_total;
+        snprintf(detail, sizeof(detail),
+                 "%u/%u ranks fetched, %u done, %u chunks in flight, "
+                 "timeout in %lld ms",
+                 g->nfetched, g->need, g->ndone, g->inflight,
+                 (long long)g->timeout.deadline_ms - (long long)now);
+    }
+    r->instance_id = strdup(i->id);
+    r->detail = strdup(detail);
+    if (!r->instance_id || !r->detail) {
+        free(r->instance_id);
+        free(r->detail);
+        free(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* The requests of instance i after the cursor key (all with after 0 and
+ * !strict), as entries in *out. Returns how many, or -1 (no memory). */
+static long inst_entries(instance_t *i, uint64_t after, int strict,
+                         entry_t **out)
+{
+    uint32_t cnt = i->offers.n + i->fetches.n;
+    void **all = malloc((cnt ? cnt : 1) * sizeof(void *));
+    entry_t *v = malloc((cnt ? cnt : 1) * sizeof(*v));
+    if (!all || !v) {
+        free(all);
+        free(v);
+        return -1;
+    }
+    uint32_t no = map_values(&i->offers, all, cnt);
+    uint32_t ng = map_values(&i->fetches, all + no, cnt - no);
+    long n = 0;
+    for (uint32_t k = 0; k < no + ng; k++) {
+        uint64_t id = k < no ? ((offer_t *)all[k])->request_id
+                             : ((genreq_t *)all[k])->request_id;
+        /* request ids of the protocol are 64-bit; the side takes the top
+         * bit, so ids of 2^63 and over sort with the low bit cleared
+         * (listed, perhaps twice or once less at a page edge) */
+        uint64_t key = (k < no ? 0 : 1ull << 63) | (id & ~(1ull << 63));
+        if (strict && key <= after)
+            continue;
+        v[n].key = key;
+        v[n].req = all[k];
+        n++;
+    }
+    free(all);
+    *out = v;
+    return n;
+}
+
+size_t xfer_infos_page(const char *after_inst, int after_side,
+                       uint64_t after_id, uint32_t max,
+                       Kvxfer__RequestInfo ***out, int *more)
+{
+    *out = NULL;
+    *more = 0;
+    if (!after_inst)
+        after_inst = "";
+    uint64_t after = (after_side ? 1ull << 63 : 0) | (after_id & ~(1ull << 63));
+    size_t ninst = 0, k = 0;
+    for (instance_t *i = instance_first(); i; i = i->next)
+        ninst++;
+    instance_t **insts = malloc((ninst ? ninst : 1) * sizeof(*insts));
+    Kvxfer__RequestInfo **v = calloc(max ? max : 1, sizeof(*v));
+    if (!insts || !v) {
+        free(insts);
+        free(v);
+        return 0;
+    }
+    ninst = 0;
+    for (instance_t *i = instance_first(); i; i = i->next)
+        insts[ninst++] = i;
+    qsort(insts, ninst, sizeof(*insts), cmp_inst);
+    uint64_t now = kvxd_now_ms();
+    for (size_t x = 0; x < ninst; x++) {
+        instance_t *i = insts[x];
+        int c = after_inst[0] ? strcmp(i->id, after_inst) : 1;
+        if (c < 0)
+            continue;
+        if (!i->offers.n && !i->fetches.n)
+            continue;
+        if (k == max) { /* the page is full: anything left is more */
+            entry_t *e;
+            long n = inst_entries(i, after, c == 0, &e);
+            free(e);
+            if (n != 0) { /* -1: say more, to be safe */
+                *more = 1;
+                break;
+            }
+            continue;
+        }
+        entry_t *e;
+        long n = inst_entries(i, after, c == 0, &e);
+        if (n < 0)
+            break;
+        size_t want = max - k;
+        if ((size_t)n > want) {
+            select_smallest(e, (size_t)n, want);
+            *more = 1;
+        } else {
+            want = (size_t)n;
+        }
+        qsort(e, want, sizeof(*e), cmp_entry);
+        for (size_t j = 0; j < want; j++) {
+            Kvxfer__RequestInfo *r = info_new(i, &e[j], now);
+            if (!r)
+                break;
+            v[k++] = r;
+        }
+        free(e);
+        if (*more)
+            break;
+    }
+    free(insts);
+    *out = v;
+    return k;
+}

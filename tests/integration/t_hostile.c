@@ -1,0 +1,478 @@
+/*
+ * t_hostile.c — clients that attack the daemon: floods of each message
+ * kind, clients that never read their replies, idle clients holding
+ * every session slot, a daemon out of file descriptors. Each case asserts
+ * that the daemon stays up, answers status within 100 ms while under
+ * attack, and that another tenant's transfer completes, verified byte by
+ * byte (fresh_pair_ok()); and that the attacker is told what limit it hit,
+ * by its config key.
+ */
+
+#define HOSTILE_STATUS_MS 100
+
+/* The slowest status answer (connect + StatusRequest + reply) on fresh
+ * observer connections over dur_ms, in ms. */
+static int64_t worst_status_ms(daemon_t *d, int dur_ms)
+{
+    int64_t worst = 0, end = now_ms() + dur_ms;
+    while (now_ms() < end) {
+        int64_t t0 = now_ms();
+        kvx_client_t *c;
+        char *json = NULL;
+        int rc = kvx_connect_observer(d->sock, 5000, &c);
+        if (rc == 0) {
+            rc = kvx_status_json(c, &json, 5000);
+            if (rc)
+                fprintf(stderr, "status: %s: %s\n", kvx_status_name(rc),
+                        kvx_last_error(c));
+            kvx_close(c);
+        } else {
+            fprintf(stderr, "status: %s: %s\n", kvx_status_name(rc),
+                    kvx_last_error(NULL));
+        }
+        free(json);
+        int64_t t = now_ms() - t0;
+        if (t > worst)
+            worst = t;
+        if (rc == KVX_ERR_TIMEOUT)
+            break; /* the loop is stuck: that is the figure */
+        CHECK_EQ(rc, 0);
+        sleep_ms(20);
+    }
+    return worst;
+}
+
+static void check_status_fast(daemon_t *d, int dur_ms, const char *what)
+{
+    int64_t w = worst_status_ms(d, dur_ms);
+    if (getenv("KVX_HOSTILE_REPORT")) /* docs/benchmarks.md */
+        fprintf(stderr, "%s: worst status answer %lld ms over %d ms\n", what,
+                (long long)w, dur_ms);
+    if (w > HOSTILE_STATUS_MS)
+        fprintf(stderr, "%s: status took %lld ms (at most %d)\n", what,
+                (long long)w, HOSTILE_STATUS_MS);
+    CHECK(w <= HOSTILE_STATUS_MS);
+}
+
+/* A Hello for a context instance of one rank, for raw connections. */
+static void raw_hello(int fd, const char *inst)
+{
+    Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
+    pc.tp = 1;
+    pc.pp = 1;
+    pc.cp = 1;
+    pc.total_layers = M_SMALL.layers;
+    pc.total_kv_heads = M_SMALL.heads;
+    Kvxfer__Hello h = KVXFER__HELLO__INIT;
+    h.version_major = KVX_VERSION_MAJOR;
+    h.version_minor = KVX_VERSION_MINOR;
+    h.instance_id = (char *)inst;
+    h.role = KVXFER__ROLE__ROLE_CONTEXT;
+    h.parallel = &pc;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.id = 1;
+    rq.body_case = KVXFER__REQUEST__BODY_HELLO;
+    rq.hello = &h;
+    raw_send_request(fd, &rq);
+    Kvxfer__Reply *r = raw_reply(fd, T_MS);
+    CHECK(r != NULL);
+    CHECK_EQ(r->status, 0);
+    kvxfer__reply__free_unpacked(r, NULL);
+}
+
+typedef struct {
+    daemon_t *d;
+    const char *hello_as; /* NULL: no Hello */
+    Kvxfer__Request *rq;
+    int count;
+} flood_t;
+
+/* The flooding process: count copies of rq back to back, never a read;
+ * then it holds the connection until killed. */
+static void flood_main(void *arg)
+{
+    flood_t *f = arg;
+    int fd = raw_connect(f->d);
+    if (f->hello_as)
+        raw_hello(fd, f->hello_as);
+    size_t n = kvxfer__request__get_packed_size(f->rq);
+    uint8_t *one = malloc(n + 4);
+    CHECK(one != NULL);
+    one[0] = n & 0xff;
+    one[1] = (n >> 8) & 0xff;
+    one[2] = (n >> 16) & 0xff;
+    one[3] = (n >> 24) & 0xff;
+    kvxfer__request__pack(f->rq, one + 4);
+    size_t per = 65536 / (n + 4) + 1, len = per * (n + 4);
+    uint8_t *buf = malloc(len);
+    CHECK(buf != NULL);
+    for (size_t i = 0; i < per; i++)
+        memcpy(buf + i * (n + 4), one, n + 4);
+    for (int sent = 0; sent < f->count; sent += (int)per) {
+        const uint8_t *p = buf;
+        size_t left = len;
+        while (left) { /* blocks while the daemon reads no more of it */
+            ssize_t k = send(fd, p, left, MSG_NOSIGNAL);
+            if (k < 0 && errno == EINTR)
+                continue;
+            if (k <= 0)
+                goto hold; /* dropped by the daemon: fine */
+            p += k;
+            left -= (size_t)k;
+        }
+    }
+hold:
+    for (;;)
+        pause();
+}
+
+static pid_t flood_start(flood_t *f)
+{
+    return spawn(flood_main, f);
+}
+
+static void flood_stop(pid_t p)
+{
+    kill(p, SIGKILL);
+    waitpid(p, NULL, 0);
+}
+
+/* n offers of one block each (blocks reused), published by a context
+ * rank of instance inst; the rank stays open (the offers live). */
+static void offers_make(daemon_t *d, const char *inst, uint32_t n, rank_t *c,
+                        side_t *cs)
+{
+    *cs = (side_t){.inst = inst,
+                   .role = KVX_ROLE_CONTEXT,
+                   .tp = 1,
+                   .pp = 1,
+                   .preset = "vllm-nhd",
+                   .tpb = 4};
+    rank_open(d, &M_SMALL, cs, 0, 16, c);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t b = i % 16;
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c->c, 1 + i, c->pool, &b, 1, 4, &p, T_MS), c->c);
+        kvx_context_params_free(&p);
+    }
+}
+
+/* The issue's attack: 20,000 offers in flight, and a connection that never
+ * says Hello sends list-requests frames back to back, reading nothing.
+ * Each was a 1.7 MB reply built on the loop; now a page of at most
+ * limits.list_page_entries, a bounded share of each turn, and no more
+ * input once 256 KiB of replies wait for the client. */
+TEST_T(hostile_list_requests_flood, 120)
+{
+    daemon_t *d = daemon_start("deadlines:\n  offer_lease_ms: 600000\n");
+    rank_t c;
+    side_t cs;
+    offers_make(d, "hl-ctx", 20000, &c, &cs);
+    Kvxfer__ListRequests lr = KVXFER__LIST_REQUESTS__INIT;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.id = 7;
+    rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
+    rq.list_requests = &lr;
+    const char *env = getenv("KVX_FLOOD_FRAMES");
+    flood_t f = {d, NULL, &rq, env ? atoi(env) : 2000};
+    pid_t p = flood_start(&f);
+    sleep_ms(100);
+    check_status_fast(d, 1500, "list-requests flood");
+    fresh_pair_ok(d, "hl-c2", "hl-g2");
+    check_status_fast(d, 300, "list-requests flood, after the transfer");
+    flood_stop(p);
+    rank_close(&c);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* ListRequests comes in pages: the library and kvxferctl gather every
+ * page, each request once; a bare request gets one page and `more`. */
+TEST_T(hostile_list_requests_pages, 60)
+{
+    daemon_t *d = daemon_start("limits:\n  list_page_entries: 700\n"
+                               "deadlines:\n  offer_lease_ms: 600000\n");
+    rank_t c;
+    side_t cs;
+    offers_make(d, "hp-ctx", 2500, &c, &cs);
+    kvx_client_t *o;
+    CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &o), NULL);
+    char *json;
+    CHECK_KVX(kvx_requests_json(o, &json, T_MS), o);
+    CHECK_EQ(count_str(json, "\"request_id\":"), 2500);
+    /* each once: ids 1..2500 */
+    for (uint32_t i = 1; i <= 2500; i += 499) {
+        char k[48];
+        snprintf(k, sizeof(k), "\"request_id\":%u,", i);
+        CHECK_EQ(count_str(json, k), 1);
+    }
+    free(json);
+    kvx_close(o);
+    char out[8192];
+    char args[256];
+    snprintf(args, sizeof(args), "--socket %s requests | grep -c hp-ctx",
+             d->sock);
+    ctl_run(args, out, sizeof(out));
+    CHECK_EQ(atoi(out), 2500);
+    int fd = raw_connect(d);
+    Kvxfer__ListRequests lr = KVXFER__LIST_REQUESTS__INIT;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.id = 3;
+    rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
+    rq.list_requests = &lr;
+    raw_send_request(fd, &rq);
+    Kvxfer__Reply *r = raw_reply(fd, T_MS);
+    CHECK(r != NULL && r->body_case == KVXFER__REPLY__BODY_REQUESTS);
+    CHECK_EQ(r->requests->n_requests, 700);
+    CHECK(r->requests->more);
+    kvxfer__reply__free_unpacked(r, NULL);
+    close(fd);
+    rank_close(&c);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Floods of each message kind, with and without Hello, from a client
+ * that reads nothing: the loop keeps answering status and moving another
+ * tenant's bytes. */
+TEST_T(hostile_floods_of_each_kind, 180)
+{
+    daemon_t *d = daemon_start(NULL);
+    Kvxfer__StatusRequest st = KVXFER__STATUS_REQUEST__INIT;
+    Kvxfer__Poll po = KVXFER__POLL__INIT;
+    po.timeout_ms = 60000;
+    Kvxfer__Cancel ca = KVXFER__CANCEL__INIT;
+    ca.request_id = 5;
+    Kvxfer__Publish pu = KVXFER__PUBLISH__INIT;
+    pu.request_id = 9;
+    pu.pool_id = 77;
+    Kvxfer__Fetch fe = KVXFER__FETCH__INIT;
+    fe.request_id = 9;
+    Kvxfer__DeregisterPool dp = KVXFER__DEREGISTER_POOL__INIT;
+    dp.pool_id = 3;
+    Kvxfer__Join jo = KVXFER__JOIN__INIT;
+    Kvxfer__Hello he = KVXFER__HELLO__INIT; /* refused: no instance id */
+    struct {
+        const char *name;
+        int hello;
+        int body;
+        void *msg;
+    } kinds[] = {
+        {"status", 0, KVXFER__REQUEST__BODY_STATUS, &st},
+        {"status after hello", 1, KVXFER__REQUEST__BODY_STATUS, &st},
+        {"hello", 0, KVXFER__REQUEST__BODY_HELLO, &he},
+        {"poll before hello", 0, KVXFER__REQUEST__BODY_POLL, &po},
+        {"poll", 1, KVXFER__REQUEST__BODY_POLL, &po},
+        {"cancel", 1, KVXFER__REQUEST__BODY_CANCEL, &ca},
+        {"publish", 1, KVXFER__REQUEST__BODY_PUBLISH, &pu},
+        {"fetch", 1, KVXFER__REQUEST__BODY_FETCH, &fe},
+        {"deregister_pool", 1, KVXFER__REQUEST__BODY_DEREGISTER_POOL, &dp},
+        {"join", 1, KVXFER__REQUEST__BODY_JOIN, &jo},
+        {"empty body", 1, KVXFER__REQUEST__BODY__NOT_SET, NULL},
+    };
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
+        Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+        rq.id = 11;
+        rq.body_case = kinds[i].body;
+        rq.status = kinds[i].msg; /* one pointer of the oneof */
+        char inst[32];
+        snprintf(inst, sizeof(inst), "hf-%zu", i);
+        flood_t f = {d, kinds[i].hello ? inst : NULL, &rq, 200000};
+        pid_t p = flood_start(&f);
+        sleep_ms(50);
+        check_status_fast(d, 400, kinds[i].name);
+        if (i % 4 == 0) {
+            char ci[32], gi[32];
+            snprintf(ci, sizeof(ci), "hf-c%zu", i);
+            snprintf(gi, sizeof(gi), "hf-g%zu", i);
+            fresh_pair_ok(d, ci, gi);
+        }
+        flood_stop(p);
+    }
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* A client that asks and never reads: its input stops at its queue
+ * budget, and once it has read nothing for deadlines.reply_stall_ms it is
+ * dropped, with a log line naming it and the keys. */
+TEST_T(hostile_slow_reader_dropped, 60)
+{
+    daemon_t *d = daemon_start("deadlines:\n  offer_lease_ms: 600000\n"
+                               "  reply_stall_ms: 300\n");
+    rank_t c;
+    side_t cs;
+    offers_make(d, "hs-ctx", 1000, &c, &cs);
+    int fd = raw_connect(d);
+    int small = 4096; /* the client's buffer fills at once */
+    CHECK(setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small)) == 0);
+    Kvxfer__ListRequests lr = KVXFER__LIST_REQUESTS__INIT;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.id = 5;
+    rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
+    rq.list_requests = &lr;
+    for (int i = 0; i < 40; i++) /* ~4 MB of replies */
+        raw_send_request(fd, &rq);
+    check_status_fast(d, 300, "slow reader");
+    CHECK(log_wait(d, "client not reading its replies", 3000));
+    CHECK(log_contains(d, "deadlines.reply_stall_ms"));
+    CHECK(log_contains(d, "limits.session_queue_bytes"));
+    CHECK(raw_closed(fd, 3000));
+    close(fd);
+    fresh_pair_ok(d, "hs-c2", "hs-g2");
+    rank_close(&c);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Idle clients take every session slot: the next client is told
+ * LIMIT, naming limits.max_sessions, not reset; idle ones (Hello, no
+ * pool, no request) end after deadlines.session_idle_ms and are told so;
+ * a session with a pool stays. */
+TEST_T(hostile_idle_slot_holders, 60)
+{
+    daemon_t *d = daemon_start("limits:\n  max_sessions: 10\n"
+                               "deadlines:\n  session_idle_ms: 700\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "hi-ctx", "hi-gen", 8, &c, &g, &cs, &gs);
+    kvx_client_t *idle[8];
+    for (int i = 0; i < 8; i++) {
+        char inst[32];
+        snprintf(inst, sizeof(inst), "hi-idle-%d", i);
+        kvx_hello_t h = {.instance_id = inst,
+                         .role = KVX_ROLE_CONTEXT,
+                         .parallel = {.tp = 1,
+                                      .pp = 1,
+                                      .cp = 1,
+                                      .total_layers = 4,
+                                      .total_kv_heads = 4}};
+        CHECK_KVX(kvx_connect(d->sock, &h, T_MS, &idle[i]), NULL);
+    }
+    /* every slot taken: refused with the key, for the library and the CLI */
+    kvx_client_t *o;
+    CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &o), NULL);
+    char *json;
+    CHECK_FAILS(kvx_status_json(o, &json, T_MS), o, KVX_ERR_LIMIT,
+                "limits.max_sessions");
+    kvx_close(o);
+    kvx_hello_t h = {
+        .instance_id = "hi-late",
+        .role = KVX_ROLE_CONTEXT,
+        .parallel = {
+            .tp = 1, .pp = 1, .cp = 1, .total_layers = 4, .total_kv_heads = 4}};
+    CHECK_EQ(kvx_connect(d->sock, &h, T_MS, &o), KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(NULL), "limits.max_sessions");
+    char out[4096], args[256];
+    snprintf(args, sizeof(args), "--socket %s status 2>&1", d->sock);
+    ctl_run(args, out, sizeof(out));
+    CHECK_STR_CONTAINS(out, "limits.max_sessions");
+    /* idle ones end and are told why; the pair with pools stays */
+    sleep_ms(1200);
+    for (int i = 0; i < 8; i++) {
+        CHECK_FAILS(kvx_status_json(idle[i], &json, T_MS), idle[i],
+                    KVX_ERR_TIMED_OUT, "deadlines.session_idle_ms");
+        kvx_close(idle[i]);
+    }
+    CHECK(log_contains(d, "deadlines.session_idle_ms"));
+    CHECK_KVX(kvx_connect(d->sock, &h, T_MS, &o), NULL);
+    kvx_close(o);
+    /* the pair still moves bytes: it was never idle-closed */
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[2] = {1, 2}, gb[2] = {5, 6};
+    fill_req(&c, 3, cb, 8);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 3, c.pool, cb, 2, 8, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 3, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 3, KVX_EVENT_COMPLETE, 0, 3000);
+    expect_t e = {3, gb, 8, 0};
+    CHECK_EQ(check_pool(&g, &e, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Client errors name the errno, and a denied socket is PERM. */
+TEST(hostile_errors_name_the_cause)
+{
+    kvx_client_t *c;
+    int rc = kvx_connect_observer("/tmp/kvx-it-no-such-dir/x.sock", 500, &c);
+    CHECK_EQ(rc, KVX_ERR_IO);
+    CHECK_STR_CONTAINS(kvx_last_error(NULL), "ENOENT");
+    CHECK_STR_CONTAINS(kvx_last_error(NULL), "is kvxferd running");
+    char out[4096];
+    ctl_run("--socket /tmp/kvx-it-no-such-dir/x.sock status 2>&1", out,
+            sizeof(out));
+    CHECK_STR_CONTAINS(out, "ENOENT (No such file or directory)");
+    if (getuid() != 0)
+        return; /* the denied case needs another uid */
+    daemon_t *d = daemon_start2("  mode: 0600\n", NULL);
+    pid_t p = fork();
+    CHECK(p >= 0);
+    if (p == 0) {
+        if (setuid(65534) != 0)
+            _exit(2);
+        kvx_client_t *o;
+        int r = kvx_connect_observer(d->sock, 500, &o);
+        if (r != KVX_ERR_PERM || !strstr(kvx_last_error(NULL), "EACCES")) {
+            fprintf(stderr, "denied: %s: %s\n", kvx_status_name(r),
+                    kvx_last_error(NULL));
+            _exit(1);
+        }
+        _exit(0);
+    }
+    int st;
+    CHECK(waitpid(p, &st, 0) == p);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    daemon_stop_ok(d);
+}
+
+/* Out of file descriptors: the pool registration whose fd the kernel
+ * dropped on arrival is refused with LIMIT naming the daemon's fds, not
+ * blamed on the client, and the session stays usable. */
+TEST_T(hostile_out_of_fds, 60)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c;
+    side_t cs = {.inst = "hx-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_hello_only(d, &M_SMALL, &cs, 0, &c);
+    rank_join(&c);
+    /* a low open-file limit for the daemon (prlimit), then its last fds
+     * taken by connections */
+    int lim = count_fds(d->pid) + 6;
+    struct rlimit low = {(rlim_t)lim, (rlim_t)lim};
+    CHECK(prlimit(d->pid, RLIMIT_NOFILE, &low, NULL) == 0);
+    int fds[64], n = 0, before;
+    do { /* until the daemon accepts no more (EMFILE) */
+        before = count_fds(d->pid);
+        fds[n++] = raw_connect(d);
+        sleep_ms(30);
+    } while (n < 64 && count_fds(d->pid) > before);
+    CHECK(n < 64);
+    CHECK(log_wait(d, "accept: Too many open files", 2000));
+    kvx_layout_t l;
+    rank_layout(&c, 8, &l);
+    void *base;
+    uint32_t pool;
+    CHECK_FAILS(
+        kvx_pool_create_host(c.c, &l, kvx_layout_span(&l), &base, &pool, T_MS),
+        c.c, KVX_ERR_LIMIT, "out of file descriptors");
+    CHECK(log_contains(d, "out of file descriptors"));
+    for (int i = 0; i < n; i++)
+        close(fds[i]);
+    sleep_ms(200);
+    /* fds back: the same session registers fine */
+    CHECK_KVX(
+        kvx_pool_create_host(c.c, &l, kvx_layout_span(&l), &base, &pool, T_MS),
+        c.c);
+    rank_close(&c);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
