@@ -1201,6 +1201,8 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
               (unsigned long long)s->bytes_moved,
               (unsigned long long)s->transfers_done);
     counts_json(b, s->errors_by_code, s->n_errors_by_code);
+    sb_printf(b, ",\"memory\":");
+    counts_json(b, s->memory, s->n_memory);
     sb_printf(b, ",\"batches_sealed\":%llu,\"batches_resent\":%llu,"
                  "\"peers\":[",
               (unsigned long long)s->batches_sealed,

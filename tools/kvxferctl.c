@@ -165,6 +165,20 @@ static int cmd_status(const char *sock, int json)
     printf("transfers done %llu\n", (unsigned long long)s->transfers_done);
     printf("batches sealed %llu\n", (unsigned long long)s->batches_sealed);
     printf("batches resent %llu\n", (unsigned long long)s->batches_resent);
+    if (s->n_memory) { /* "budget", then the kinds charged */
+        uint64_t used = 0;
+        for (size_t i = 1; i < s->n_memory; i++)
+            used += s->memory[i]->value;
+        char b2[32];
+        human_bytes(b1, sizeof(b1), used);
+        human_bytes(b2, sizeof(b2), s->memory[0]->value);
+        printf("memory         %s of %s (limits.memory_bytes):", b1, b2);
+        for (size_t i = 1; i < s->n_memory; i++) {
+            human_bytes(b1, sizeof(b1), s->memory[i]->value);
+            printf(" %s %s", s->memory[i]->name, b1);
+        }
+        printf("\n");
+    }
     printf("\nrequests by state:");
     for (size_t i = 0; i < s->n_requests_by_state; i++)
         printf(" %s=%llu", s->requests_by_state[i]->name,

@@ -163,6 +163,19 @@ static const struct conf_key keys[] = {
      .min = 1,
      .max = 4096,
      .help = "Memory pools one session may register."},
+    {.name = "limits.memory_bytes",
+     .type = CONF_SIZE,
+     FIELD(memory_bytes),
+     .def = 2 * GiB,
+     .min = 64 * MiB,
+     .max = 1024 * GiB,
+     .reloadable = 1,
+     .help = "The daemon's memory budget for what it holds for others: "
+             "client frames being read, replies queued, transfer plans "
+             "and the staging slots between daemons (charged at start). "
+             "Work that would pass it is refused with KVX_ERR_LIMIT, "
+             "never an out-of-memory; a lower value on reload refuses new "
+             "work until use falls under it."},
     {.name = "limits.max_blocks_per_request",
      .type = CONF_U32,
      FIELD(max_blocks_per_request),
@@ -170,21 +183,33 @@ static const struct conf_key keys[] = {
      .min = 1,
      .max = 16777216,
      .help = "KV blocks one request may name."},
-    {.name = "limits.session_queue_bytes", .type = CONF_SIZE,
-     FIELD(session_queue_bytes), .def = 4 * MiB, .min = 64 * KiB,
-     .max = 1 * GiB, .reloadable = 1,
+    {.name = "limits.session_queue_bytes",
+     .type = CONF_SIZE,
+     FIELD(session_queue_bytes),
+     .def = 4 * MiB,
+     .min = 64 * KiB,
+     .max = 1 * GiB,
+     .reloadable = 1,
      .help = "Reply bytes one session may have queued (its client not "
              "reading them yet); past it the daemon reads no more of its "
              "requests until the client has read them. A session without "
              "Hello gets at most 256KiB."},
-    {.name = "limits.session_requests", .type = CONF_U32,
-     FIELD(session_requests), .def = 1024, .min = 1, .max = 1048576,
+    {.name = "limits.session_requests",
+     .type = CONF_U32,
+     FIELD(session_requests),
+     .def = 1024,
+     .min = 1,
+     .max = 1048576,
      .reloadable = 1,
      .help = "Requests of one session awaiting their replies (held polls "
              "and cancels); more are refused with KVX_ERR_LIMIT. A session "
              "without Hello gets at most 8."},
-    {.name = "limits.list_page_entries", .type = CONF_U32,
-     FIELD(list_page_entries), .def = 1000, .min = 1, .max = 65536,
+    {.name = "limits.list_page_entries",
+     .type = CONF_U32,
+     FIELD(list_page_entries),
+     .def = 1000,
+     .min = 1,
+     .max = 65536,
      .reloadable = 1,
      .help = "Requests one ListRequests reply lists at most; clients ask "
              "for the next page (libkvxfer and kvxferctl do)."},
@@ -453,14 +478,22 @@ static const struct conf_key keys[] = {
      .reloadable = 1,
      .help = "A connection that has not said Hello this long after connecting "
              "is closed (status requests need no Hello)."},
-    {.name = "deadlines.session_idle_ms", .type = CONF_MS,
-     FIELD(session_idle_ms), .def = 60000, .min = 0, .max = 86400000,
+    {.name = "deadlines.session_idle_ms",
+     .type = CONF_MS,
+     FIELD(session_idle_ms),
+     .def = 60000,
+     .min = 0,
+     .max = 86400000,
      .reloadable = 1,
      .help = "A session that said Hello and holds no pool, waits for no "
              "reply and has sent nothing this long is closed, so idle "
              "clients cannot hold limits.max_sessions; 0 never."},
-    {.name = "deadlines.reply_stall_ms", .type = CONF_MS,
-     FIELD(reply_stall_ms), .def = 10000, .min = 1, .max = 3600000,
+    {.name = "deadlines.reply_stall_ms",
+     .type = CONF_MS,
+     FIELD(reply_stall_ms),
+     .def = 10000,
+     .min = 1,
+     .max = 3600000,
      .reloadable = 1,
      .help = "A session with more than limits.session_queue_bytes of "
              "replies queued whose client reads none of them this long is "

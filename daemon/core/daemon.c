@@ -1,4 +1,5 @@
 /* daemon — the shared state and its small helpers; see daemon.h. */
+#include <assert.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -18,6 +19,47 @@ void kvxd_count_error(int code)
 {
     if (code < 0 && -code < 32)
         kvxd.stats.errors_by_code[-code]++;
+}
+
+/* ---- the memory budget ------------------------------------------------ */
+
+static uint64_t mem_used[MEM_KINDS], mem_all;
+static const char *const mem_names[MEM_KINDS] = {"frames", "replies", "plans",
+                                                 "staging"};
+
+int kvxd_mem_charge(kvxd_mem_t kind, uint64_t bytes)
+{
+    assert(kind < MEM_KINDS);
+    if (bytes > kvxd.conf.memory_bytes ||
+        mem_all > kvxd.conf.memory_bytes - bytes)
+        return KVX_ERR_LIMIT;
+    mem_used[kind] += bytes;
+    mem_all += bytes;
+    return 0;
+}
+
+void kvxd_mem_force(kvxd_mem_t kind, uint64_t bytes)
+{
+    assert(kind < MEM_KINDS);
+    mem_used[kind] += bytes;
+    mem_all += bytes;
+}
+
+void kvxd_mem_release(kvxd_mem_t kind, uint64_t bytes)
+{
+    assert(kind < MEM_KINDS && mem_used[kind] >= bytes);
+    mem_used[kind] -= bytes;
+    mem_all -= bytes;
+}
+
+uint64_t kvxd_mem_used(kvxd_mem_t kind)
+{
+    return kind < MEM_KINDS ? mem_used[kind] : mem_all;
+}
+
+const char *kvxd_mem_name(kvxd_mem_t kind)
+{
+    return kind < MEM_KINDS ? mem_names[kind] : "all";
 }
 
 /* ---- replies ---------------------------------------------------------- */

@@ -63,4 +63,24 @@ int kvxd_defer(void (*fn)(void *arg), void *arg);
 int kvxd_defer_init(uv_loop_t *loop);
 void kvxd_defer_cleanup(void);
 
+/* The daemon's one memory budget (limits.memory_bytes): what it holds
+ * for others - frames being read, replies queued, transfer plans,
+ * staging - is charged here before it is allocated, and released when
+ * freed. A charge that would pass the budget is refused: the work that
+ * wanted it fails with KVX_ERR_LIMIT, never the daemon with an OOM. */
+typedef enum {
+    MEM_FRAMES,  /* client frames being read */
+    MEM_REPLIES, /* replies queued to clients */
+    MEM_PLANS,   /* transfer plans and their uploads */
+    MEM_STAGING, /* staging slots between daemons (at start) */
+    MEM_KINDS
+} kvxd_mem_t;
+/* 0, or KVX_ERR_LIMIT (nothing charged). */
+int kvxd_mem_charge(kvxd_mem_t kind, uint64_t bytes);
+/* Charged whatever the budget: for what must go (a small error reply). */
+void kvxd_mem_force(kvxd_mem_t kind, uint64_t bytes);
+void kvxd_mem_release(kvxd_mem_t kind, uint64_t bytes);
+uint64_t kvxd_mem_used(kvxd_mem_t kind); /* MEM_KINDS: all of it */
+const char *kvxd_mem_name(kvxd_mem_t kind);
+
 #endif /* KVX_DAEMON_H */

@@ -70,6 +70,8 @@ struct session {
     uint64_t last_tx_ms;  /* the client last took replies, or the
                              queue last started from empty */
     uint64_t out_total;   /* reply bytes queued since connect */
+    /* bytes of rd's and out's buffers charged to the memory budget */
+    uint64_t mem_in, mem_out;
     uint32_t awaiting;    /* requests read and not answered yet */
     int in_paused;        /* over the queue budget: not reading */
     int resume_queued;    /* a deferred pump() is queued */
@@ -157,6 +159,9 @@ static void want_events(session_t *s)
     uv_poll_start(&s->poll, ev, on_io);
 }
 
+static void reply(session_t *s, uint64_t req_id, int status,
+                  const char *message);
+
 static void reply_packed(session_t *s, const Kvxfer__Reply *r)
 {
     if (s->closing || s->close_why)
@@ -179,6 +184,24 @@ static void reply_packed(session_t *s, const Kvxfer__Reply *r)
         size_t ncap = s->out_cap ? s->out_cap : 4096;
         while (ncap - s->out_len < n + FRAME_HDR)
             ncap *= 2;
+        if (ncap > s->mem_out &&
+            kvxd_mem_charge(MEM_REPLIES, ncap - s->mem_out)) {
+            if (r->status == 0 && n > 4096) {
+                /* this reply is refused, not the session */
+                char m[256];
+                snprintf(m, sizeof(m),
+                         "a %zu-byte reply would pass the daemon's memory "
+                         "budget (limits.memory_bytes %llu, %llu in use)",
+                         n, (unsigned long long)kvxd.conf.memory_bytes,
+                         (unsigned long long)kvxd_mem_used(MEM_KINDS));
+                reply(s, r->id, KVX_ERR_LIMIT, m);
+                return;
+            }
+            /* a small reply always goes: the budget's headroom */
+            kvxd_mem_force(MEM_REPLIES, ncap - s->mem_out);
+        }
+        if (ncap > s->mem_out)
+            s->mem_out = ncap;
         uint8_t *nb = realloc(s->out, ncap);
         if (!nb) {
             session_close_later(s, "out of memory for replies");
@@ -994,6 +1017,23 @@ static int read_once(session_t *s)
             session_close(s, "out of memory for input");
             return -1;
         }
+        if (s->rd.cap > s->mem_in) {
+            if (kvxd_mem_charge(MEM_FRAMES, s->rd.cap - s->mem_in)) {
+                char m[256];
+                snprintf(m, sizeof(m),
+                         "a frame being read would pass the daemon's memory "
+                         "budget (limits.memory_bytes %llu, %llu in use); "
+                         "closing",
+                         (unsigned long long)kvxd.conf.memory_bytes,
+                         (unsigned long long)kvxd_mem_used(MEM_KINDS));
+                reply(s, 0, KVX_ERR_LIMIT, m);
+                kvxd_mem_force(MEM_FRAMES, s->rd.cap - s->mem_in);
+                s->mem_in = s->rd.cap;
+                session_close(s, "memory budget");
+                return -1;
+            }
+            s->mem_in = s->rd.cap;
+        }
         union {
             char buf[CMSG_SPACE(FRAME_FDS_PER_SEND * sizeof(int))];
             struct cmsghdr align;
@@ -1249,6 +1289,8 @@ static void session_close(session_t *s, const char *why)
     free(s->fds);
     free(s->fd_at);
     frame_reader_cleanup(&s->rd);
+    kvxd_mem_release(MEM_FRAMES, s->mem_in);
+    kvxd_mem_release(MEM_REPLIES, s->mem_out);
     free(s->out);
     s->out = NULL;
     uv_close((uv_handle_t *)&s->poll, on_closed);

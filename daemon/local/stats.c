@@ -98,6 +98,17 @@ void stats_fill(Kvxfer__StatusReply *st)
         c->value = kvxd.stats.errors_by_code[i];
         st->errors_by_code[st->n_errors_by_code++] = c;
     }
+    st->memory = calloc(MEM_KINDS + 1, sizeof(*st->memory));
+    for (int k = -1; st->memory && k < MEM_KINDS; k++) {
+        Kvxfer__Count *c = malloc(sizeof(*c));
+        if (!c)
+            break;
+        kvxfer__count__init(c);
+        c->name = strdup(k < 0 ? "budget" : kvxd_mem_name((kvxd_mem_t)k));
+        c->value =
+            k < 0 ? kvxd.conf.memory_bytes : kvxd_mem_used((kvxd_mem_t)k);
+        st->memory[st->n_memory++] = c;
+    }
     uint64_t sealed = kvxd.stats.batches_sealed;
     for (instance_t *i = instance_first(); i; i = i->next)
         sealed += i->batches.sealed_total;
@@ -149,6 +160,7 @@ void stats_free(Kvxfer__StatusReply *st)
     free(st->pools);
     xfer_free_counts(st->requests_by_state, st->n_requests_by_state);
     xfer_free_counts(st->errors_by_code, st->n_errors_by_code);
+    xfer_free_counts(st->memory, st->n_memory);
     peer_free_infos(st->peers, st->n_peers);
     for (size_t i = 0; i < st->n_instances; i++)
         free(st->instances[i]);

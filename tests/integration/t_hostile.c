@@ -476,3 +476,49 @@ TEST_T(hostile_out_of_fds, 60)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* The daemon's memory budget (limits.memory_bytes, here 64 MiB): clients
+ * that each send most of a 16 MiB frame make the daemon hold their
+ * buffers; once they would pass the budget, the next one gets LIMIT
+ * naming the key and is closed, never an OOM. The daemon answers status
+ * within 100 ms throughout, and another tenant's transfer completes
+ * verified. */
+TEST_T(hostile_memory_budget, 90)
+{
+    daemon_t *d = daemon_start("limits:\n  memory_bytes: 64MiB\n"
+                               "  max_frame_bytes: 16MiB\n");
+    enum { N = 6 };
+    int fds[N], refused = -1;
+    static uint8_t chunk[1 << 20];
+    memset(chunk, 0x42, sizeof(chunk));
+    for (int i = 0; i < N && refused < 0; i++) {
+        char inst[32];
+        snprintf(inst, sizeof(inst), "mb-%d", i);
+        fds[i] = raw_connect(d);
+        raw_hello(fds[i], inst);
+        raw_send_len(fds[i], 16u << 20); /* a 16 MiB frame, never ended */
+        for (int k = 0; k < 15; k++)
+            if (send(fds[i], chunk, sizeof(chunk), MSG_NOSIGNAL) < 0)
+                break;
+        sleep_ms(100);
+        /* refused: a LIMIT frame naming the key, then the close */
+        Kvxfer__Reply *r = raw_reply(fds[i], 300);
+        if (r) {
+            fprintf(stderr, "session %d: %s %s\n", i,
+                    kvx_status_name(r->status), r->message);
+            CHECK_EQ(r->status, KVX_ERR_LIMIT);
+            CHECK_STR_CONTAINS(r->message, "limits.memory_bytes");
+            kvxfer__reply__free_unpacked(r, NULL);
+            CHECK(raw_closed(fds[i], 2000));
+            refused = i;
+        }
+        check_status_fast(d, 50, "memory budget");
+    }
+    fprintf(stderr, "refused at session %d\n", refused);
+    CHECK(refused >= 1 && refused < N); /* some were held, then refusal */
+    fresh_pair_ok(d, "mb-ctx", "mb-gen");
+    for (int i = 0; i < refused; i++)
+        close(fds[i]);
+    CHECK(log_wait(d, "memory budget", 2000));
+    daemon_stop(d);
+}
