@@ -18,6 +18,7 @@
 typedef struct pool {
     uint32_t id;
     uint64_t session_id;
+    uint32_t uid;        /* its session's user (status shows it to them) */
     int gpu;             /* GPU pool (imported), else host memfd */
     int device;          /* daemon's CUDA ordinal, GPU pools */
     gpu_import_t *import;

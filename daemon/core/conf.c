@@ -123,6 +123,15 @@ static const struct conf_key keys[] = {
      .max = UINT32_MAX - 1,
      .help = "Peer gids allowed to connect: a peer whose gid is listed is "
              "let in."},
+    {.name = "auth.admin_gids",
+     .type = CONF_IDS,
+     IDS(admin_gids, num_admin_gids),
+     .min = 0,
+     .max = UINT32_MAX - 1,
+     .help = "Groups whose members see every user's sessions, pools, "
+             "instances and requests in status and request lists, as root "
+             "and the daemon's own uid do; other clients see their own "
+             "uid's only."},
 
     {.name = "limits.max_frame_bytes",
      .type = CONF_SIZE,

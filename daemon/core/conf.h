@@ -25,6 +25,8 @@ typedef struct kvx_conf {
     unsigned num_allowed_uids;
     uint32_t allowed_gids[CONF_MAX_IDS];
     unsigned num_allowed_gids;
+    uint32_t admin_gids[CONF_MAX_IDS];
+    unsigned num_admin_gids;
     /* limits */
     uint32_t max_frame_bytes;
     uint32_t hello_frame_bytes;

@@ -26,11 +26,10 @@ static struct {
     char path[108];
 } srv = {.fd = -1};
 
-static int gid_allowed(gid_t gid)
+static int gid_in(gid_t gid, const uint32_t *v, unsigned n)
 {
-    const kvx_conf_t *c = &kvxd.conf;
-    for (unsigned i = 0; i < c->num_allowed_gids; i++)
-        if (c->allowed_gids[i] == gid)
+    for (unsigned i = 0; i < n; i++)
+        if (v[i] == gid)
             return 1;
     return 0;
 }
@@ -39,7 +38,7 @@ static int gid_allowed(gid_t gid)
  * the primary group). The peer could exit and its pid be reused between
  * accept and here; that race only ever refuses, never admits, since the
  * new process must itself be in an allowed group. */
-static int groups_allowed(pid_t pid)
+static int groups_in(pid_t pid, const uint32_t *v, unsigned n)
 {
     char path[64];
     snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
@@ -57,7 +56,7 @@ static int groups_allowed(pid_t pid)
             unsigned long g = strtoul(p, &end, 10);
             if (end == p)
                 break;
-            ok |= gid_allowed((gid_t)g);
+            ok |= gid_in((gid_t)g, v, n);
             p = end;
         }
     }
@@ -74,8 +73,20 @@ static int peer_allowed(uid_t uid, gid_t gid, pid_t pid)
     for (unsigned i = 0; i < c->num_allowed_uids; i++)
         if (c->allowed_uids[i] == uid)
             return 1;
-    return gid_allowed(gid) ||
-           (c->num_allowed_gids && groups_allowed(pid));
+    return gid_in(gid, c->allowed_gids, c->num_allowed_gids) ||
+           (c->num_allowed_gids &&
+            groups_in(pid, c->allowed_gids, c->num_allowed_gids));
+}
+
+/* Sees every user's sessions, pools, instances and requests in status:
+ * root, the daemon's own uid, and members of auth.admin_gids. */
+static int peer_admin(uid_t uid, gid_t gid, pid_t pid)
+{
+    const kvx_conf_t *c = &kvxd.conf;
+    return uid == 0 || uid == getuid() ||
+           gid_in(gid, c->admin_gids, c->num_admin_gids) ||
+           (c->num_admin_gids &&
+            groups_in(pid, c->admin_gids, c->num_admin_gids));
 }
 
 /* Tell a refused peer why, in a Reply frame with id 0, then close. */
@@ -126,7 +137,8 @@ static void on_accept(uv_poll_t *h, int status, int events)
             refuse(fd, cr.uid);
             continue;
         }
-        session_start(fd, cr.pid, cr.uid, cr.gid);
+        session_start(fd, cr.pid, cr.uid, cr.gid,
+                      peer_admin(cr.uid, cr.gid, cr.pid));
     }
 }
 

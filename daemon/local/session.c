@@ -46,6 +46,7 @@ struct session {
     int poll_events;
     pid_t pid;
     uid_t uid;
+    int admin; /* sees every user's sessions and requests (status) */
     gid_t gid;
     frame_reader_t rd;
     uint8_t *out;
@@ -464,8 +465,9 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     side.num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
     for (size_t i = 0; i < pc->n_layers_per_pp; i++)
         side.layers_per_pp[i] = pc->layers_per_pp[i];
-    int rc = instance_attach(h->instance_id, (kvx_role_t)h->role, h->rank,
-                             &side, s->id, &s->inst, why, sizeof(why));
+    int rc =
+        instance_attach(h->instance_id, (uint32_t)s->uid, (kvx_role_t)h->role,
+                        h->rank, &side, s->id, &s->inst, why, sizeof(why));
     if (rc) {
         reply(s, rq->id, rc, why);
         return;
@@ -640,6 +642,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         reply(s, rq->id, rc, why);
         return;
     }
+    p->uid = (uint32_t)s->uid;
     if (map_put(&s->pools, p->id, p)) {
         pool_release(p);
         FAIL(KVX_ERR_NOMEM, "register_pool: out of memory");
@@ -785,8 +788,9 @@ static void on_status(session_t *s, const Kvxfer__Request *rq)
 {
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
     Kvxfer__StatusReply st = KVXFER__STATUS_REPLY__INIT;
-    stats_fill(&st);
-    st.n_sessions = session_infos(&st.sessions);
+    int64_t only = s->admin ? -1 : (int64_t)s->uid;
+    stats_fill(&st, only);
+    st.n_sessions = session_infos(&st.sessions, only);
     r.id = rq->id;
     r.message = "";
     r.body_case = KVXFER__REPLY__BODY_STATUS_REPLY;
@@ -816,8 +820,9 @@ static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
     Kvxfer__RequestsReply rr = KVXFER__REQUESTS_REPLY__INIT;
     int more = 0;
-    rr.n_requests = xfer_infos_page(
-        m->after_instance, side, m->after_request_id, max, &rr.requests, &more);
+    rr.n_requests =
+        xfer_infos_page(m->after_instance, side, m->after_request_id, max,
+                        s->admin ? -1 : (int64_t)s->uid, &rr.requests, &more);
     rr.more = more;
     r.id = rq->id;
     r.message = "";
@@ -1186,7 +1191,7 @@ void session_refuse(int fd, int code, const char *message)
     close(fd);
 }
 
-int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
+int session_start(int fd, pid_t pid, uid_t uid, gid_t gid, int admin)
 {
     if (sessions.n >= kvxd.conf.max_sessions) {
         static uint64_t warned_ms, refused;
@@ -1216,6 +1221,7 @@ int session_start(int fd, pid_t pid, uid_t uid, gid_t gid)
     s->fd = fd;
     s->pid = pid;
     s->uid = uid;
+    s->admin = admin;
     s->gid = gid;
     s->connected_ms = s->last_rx_ms = s->last_tx_ms = kvxd_now_ms();
     frame_reader_init(&s->rd);
@@ -1379,7 +1385,7 @@ void session_tick(uint64_t now)
     }
 }
 
-size_t session_infos(Kvxfer__SessionInfo ***out)
+size_t session_infos(Kvxfer__SessionInfo ***out, int64_t only_uid)
 {
     uint32_t n = sessions.n;
     session_t **all = calloc(n ? n : 1, sizeof(*all));
@@ -1393,6 +1399,8 @@ size_t session_infos(Kvxfer__SessionInfo ***out)
     n = map_values(&sessions, (void **)all, n);
     size_t k = 0;
     for (uint32_t i = 0; i < n; i++) {
+        if (only_uid >= 0 && all[i]->uid != (uid_t)only_uid)
+            continue; /* another user's */
         Kvxfer__SessionInfo *si = malloc(sizeof(*si));
         if (!si)
             break;

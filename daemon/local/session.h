@@ -33,7 +33,9 @@ void session_refuse(int fd, int code, const char *message);
 /* Take a connected socket (nonblocking). At limits.max_sessions it is
  * refused with KVX_ERR_LIMIT, naming the key. Returns 0 or a negative
  * status. */
-int session_start(int fd, pid_t pid, uid_t uid, gid_t gid);
+/* admin: the client sees every user's sessions and requests in status
+ * (else only its uid's). */
+int session_start(int fd, pid_t pid, uid_t uid, gid_t gid, int admin);
 
 /* Reply to request req_id of session sid, if it is still connected. */
 void session_reply(uint64_t sid, uint64_t req_id, int status,
@@ -50,7 +52,8 @@ unsigned session_count(void);
 
 /* For status: fill infos (malloc'd, caller frees with
  * session_infos_free). */
-size_t session_infos(Kvxfer__SessionInfo ***out);
+/* only_uid: that uid's sessions, or -1 for all. */
+size_t session_infos(Kvxfer__SessionInfo ***out, int64_t only_uid);
 void session_infos_free(Kvxfer__SessionInfo **infos, size_t n);
 
 #endif /* KVX_SESSION_H */

@@ -40,7 +40,7 @@ static void add_conf(const char *key, const char *value, void *arg)
     a->v[a->n++] = c;
 }
 
-void stats_fill(Kvxfer__StatusReply *st)
+void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid)
 {
     st->version = KVX_VERSION_STRING;
     static char gpu[512];
@@ -63,6 +63,8 @@ void stats_fill(Kvxfer__StatusReply *st)
     if (pools && st->pools) {
         np = pool_list(pools, np);
         for (uint32_t i = 0; i < np; i++) {
+            if (only_uid >= 0 && pools[i]->uid != (uint64_t)only_uid)
+                continue; /* another user's */
             Kvxfer__PoolInfo *pi = malloc(sizeof(*pi));
             if (!pi)
                 break;
@@ -119,6 +121,8 @@ void stats_fill(Kvxfer__StatusReply *st)
         ni++;
     st->instances = calloc(ni ? ni : 1, sizeof(*st->instances));
     for (instance_t *i = instance_first(); st->instances && i; i = i->next) {
+        if (only_uid >= 0 && i->owner_uid != (uint64_t)only_uid)
+            continue; /* another user's */
         Kvxfer__InstanceInfo *x = malloc(sizeof(*x));
         if (!x)
             break;

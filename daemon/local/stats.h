@@ -8,7 +8,9 @@
 #include "kvxfer.pb-c.h"
 
 /* Everything but the sessions (session.c adds its own). */
-void stats_fill(Kvxfer__StatusReply *st);
+/* only_uid: the pools and instances of that uid's sessions alone (-1:
+ * all); the daemon's counters are everyone's. */
+void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid);
 void stats_free(Kvxfer__StatusReply *st);
 
 #endif

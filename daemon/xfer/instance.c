@@ -90,9 +90,9 @@ static void instance_free(instance_t *inst)
     free(inst);
 }
 
-int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
-                    const plan_side_t *side, uint64_t sid, instance_t **out,
-                    char *why, size_t why_len)
+int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
+                    uint32_t rank, const plan_side_t *side, uint64_t sid,
+                    instance_t **out, char *why, size_t why_len)
 {
     int rc;
     if ((rc = plan_side_check(side, why, why_len)))
@@ -103,6 +103,15 @@ int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
             rank, nranks);
     instance_t *inst = instance_find(id);
     if (inst) {
+        /* an instance is its first rank's user's: another uid cannot
+         * become one of its ranks (and so cancel its requests or read
+         * its batches), root included */
+        if (inst->owner_uid != uid)
+            WHY(KVX_ERR_PERM,
+                "hello.instance_id: instance %s belongs to uid %u; uid %u "
+                "cannot join it (instance names are first come, first "
+                "served: give each user's engines their own)",
+                id, inst->owner_uid, uid);
         if (inst->role != role)
             WHY(KVX_ERR_MISMATCH, "hello.role: instance %s has another role",
                 id);
@@ -140,6 +149,7 @@ int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
         if (!inst)
             WHY(KVX_ERR_NOMEM, "hello: out of memory");
         snprintf(inst->id, sizeof(inst->id), "%s", id);
+        inst->owner_uid = uid;
         inst->role = role;
         inst->side = *side;
         inst->nranks = nranks;
@@ -156,8 +166,8 @@ int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
         }
         inst->next = instances;
         instances = inst;
-        log_info("instance %s created: tp %u pp %u, %u ranks", id, side->tp,
-                 side->pp, nranks);
+        log_info("instance %s created by uid %u: tp %u pp %u, %u ranks", id,
+                 uid, side->tp, side->pp, nranks);
     }
     inst->rank_sid[rank] = sid;
     inst->nconnected++;

@@ -22,6 +22,7 @@
 
 typedef struct instance {
     char id[INSTANCE_ID_MAX + 1];
+    uint32_t owner_uid; /* its first rank's: no other uid joins it */
     kvx_role_t role;
     plan_side_t side;        /* parallel part; layout part per request */
     uint32_t nranks;
@@ -55,11 +56,12 @@ void instance_set_hooks(const instance_hooks_t *h);
 /* Is inst spread over daemons (joined, some ranks elsewhere, peers on)? */
 int instance_spread(const instance_t *inst);
 
-/* Hello: attach session sid as rank h->rank of instance h->instance_id,
- * creating it, or checking that the config matches. */
-int instance_attach(const char *id, kvx_role_t role, uint32_t rank,
-                    const plan_side_t *side, uint64_t sid, instance_t **out,
-                    char *why, size_t why_len);
+/* Hello: attach session sid (of uid) as rank h->rank of instance
+ * h->instance_id, creating it (owned by uid), or checking that uid owns
+ * it (else KVX_ERR_PERM) and that the config matches. */
+int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
+                    uint32_t rank, const plan_side_t *side, uint64_t sid,
+                    instance_t **out, char *why, size_t why_len);
 /* The session of rank went away: the rank leaves the batches (1; 0 when
  * it was not attached); the
  * caller ends the instance's requests (xfer_end_instance). The instance

@@ -72,10 +72,11 @@ uint32_t xfer_count(void);
 size_t xfer_states(Kvxfer__Count ***out);
 /* One ListRequests page (xfer_list.c): at most max requests after the
  * cursor (after_inst NULL or "": from the first), in (instance id, side,
- * request id) order, side 0 context, 1 generation; *more set when
- * requests follow. Returns how many are in *out (NULL on no memory). */
+ * request id) order, side 0 context, 1 generation, of the instances
+ * only_uid owns (-1: every instance); *more set when requests follow.
+ * Returns how many are in *out (NULL on no memory). */
 size_t xfer_infos_page(const char *after_inst, int after_side,
-                       uint64_t after_id, uint32_t max,
+                       uint64_t after_id, uint32_t max, int64_t only_uid,
                        Kvxfer__RequestInfo ***out, int *more);
 void xfer_free_counts(Kvxfer__Count **c, size_t n);
 void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n);

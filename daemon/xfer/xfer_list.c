@@ -139,7 +139,7 @@ static long inst_entries(instance_t *i, uint64_t after, int strict,
 }
 
 size_t xfer_infos_page(const char *after_inst, int after_side,
-                       uint64_t after_id, uint32_t max,
+                       uint64_t after_id, uint32_t max, int64_t only_uid,
                        Kvxfer__RequestInfo ***out, int *more)
 {
     *out = NULL;
@@ -159,7 +159,8 @@ size_t xfer_infos_page(const char *after_inst, int after_side,
     }
     ninst = 0;
     for (instance_t *i = instance_first(); i; i = i->next)
-        insts[ninst++] = i;
+        if (only_uid < 0 || i->owner_uid == (uint64_t)only_uid)
+            insts[ninst++] = i; /* another user's: not shown */
     qsort(insts, ninst, sizeof(*insts), cmp_inst);
     uint64_t now = kvxd_now_ms();
     for (size_t x = 0; x < ninst; x++) {

@@ -279,10 +279,10 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
                         .total_heads = 2};
     char *a0 = kvxd.address;
-    if (instance_attach("ctx", KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
+    if (instance_attach("ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
                         sizeof(why)) ||
         instance_join(ctx, 0, &a0, 1, why, sizeof(why)) ||
-        instance_attach("gen", KVX_ROLE_GENERATION, 0, &side, 2, &gen, why,
+        instance_attach("gen", 0, KVX_ROLE_GENERATION, 0, &side, 2, &gen, why,
                         sizeof(why)) ||
         instance_join(gen, 0, &a0, 1, why, sizeof(why)))
         abort();

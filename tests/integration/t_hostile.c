@@ -522,3 +522,125 @@ TEST_T(hostile_memory_budget, 90)
     CHECK(log_wait(d, "memory budget", 2000));
     daemon_stop(d);
 }
+
+/* ---- instances belong to a uid ----------------------------------------- */
+
+#define UID_A 64011
+#define UID_B 64012
+
+typedef struct {
+    daemon_t *d;
+    int go[2], done[2]; /* pipes: the parent says go, the child done */
+} xuid_t;
+
+static void become(uid_t uid)
+{
+    gid_t none[1] = {0};
+    if (setgroups(0, none) || setgid(uid) || setuid(uid)) {
+        perror("become");
+        _exit(2);
+    }
+}
+
+/* uid A: a context instance with an offer, and rank 0 of a tp-2 instance
+ * whose rank 1 is missing; held until the parent is done. */
+static void xuid_a(void *arg)
+{
+    xuid_t *x = arg;
+    become(UID_A);
+    static side_t s1 = {.inst = "xu-ctx",
+                        .role = KVX_ROLE_CONTEXT,
+                        .tp = 1,
+                        .pp = 1,
+                        .preset = "vllm-nhd",
+                        .tpb = 4};
+    static side_t s2 = {.inst = "xu-two",
+                        .role = KVX_ROLE_CONTEXT,
+                        .tp = 2,
+                        .pp = 1,
+                        .preset = "vllm-nhd",
+                        .tpb = 4};
+    rank_t c, t;
+    rank_open(x->d, &M_SMALL, &s1, 0, 8, &c);
+    rank_hello_only(x->d, &M_SMALL, &s2, 0, &t);
+    uint32_t cb[2] = {1, 2};
+    fill_req(&c, 7, cb, 8);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 7, c.pool, cb, 2, 8, &p, T_MS), c.c);
+    kvx_context_params_free(&p);
+    char b = 1;
+    CHECK(write(x->done[1], &b, 1) == 1);
+    CHECK(read(x->go[0], &b, 1) == 1); /* until the parent is done */
+    rank_close(&t);
+    rank_close(&c);
+}
+
+/* uid B: cannot join A's instance as its missing rank, and sees none of
+ * A's sessions, pools, instances or requests. */
+static void xuid_b(void *arg)
+{
+    xuid_t *x = arg;
+    become(UID_B);
+    static side_t s2 = {.inst = "xu-two",
+                        .role = KVX_ROLE_CONTEXT,
+                        .tp = 2,
+                        .pp = 1,
+                        .preset = "vllm-nhd",
+                        .tpb = 4};
+    rank_t r;
+    memset(&r, 0, sizeof(r));
+    r.m = &M_SMALL;
+    r.s = &s2;
+    r.rank = 1;
+    kvx_hello_t h = rank_hello(&r);
+    h.rank = 1;
+    kvx_client_t *c = NULL;
+    int rc = kvx_connect(x->d->sock, &h, T_MS, &c);
+    fprintf(stderr, "uid %d joins A's instance: %s: %s\n", UID_B,
+            kvx_status_name(rc), kvx_last_error(c));
+    CHECK_EQ(rc, KVX_ERR_PERM);
+    CHECK_STR_CONTAINS(kvx_last_error(c), "belongs to uid 64011");
+    kvx_close(c);
+    char *js = status_json(x->d), *rq = NULL;
+    CHECK(strstr(js, "\"uid\":64011") == NULL);
+    CHECK(strstr(js, "xu-ctx") == NULL && strstr(js, "xu-two") == NULL);
+    CHECK_EQ(json_pool_count(js), 0);
+    free(js);
+    CHECK_EQ(kvx_connect_observer(x->d->sock, T_MS, &c), 0);
+    CHECK_EQ(kvx_requests_json(c, &rq, T_MS), 0);
+    CHECK(strstr(rq, "xu-ctx") == NULL);
+    free(rq);
+    kvx_close(c);
+}
+
+/* Where several uids may connect: the first rank's uid owns an instance.
+ * Another uid cannot join it as its missing rank (before: uid 1001
+ * joined root's instance and cancelled its request), nor see its
+ * sessions, pools, instances or requests; root sees everything. */
+TEST_T(hostile_cross_uid, 60)
+{
+    if (getuid() != 0) {
+        fprintf(stderr, "hostile_cross_uid: needs root to act as two other "
+                        "uids; not run\n");
+        CHECK(0 && "run the integration tests as root");
+    }
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                "auth:\n  allowed_uids: [64011, 64012]\n");
+    xuid_t x = {.d = d};
+    CHECK(pipe(x.go) == 0 && pipe(x.done) == 0);
+    pid_t a = spawn(xuid_a, &x);
+    char b;
+    CHECK(read(x.done[0], &b, 1) == 1);
+    pid_t bp = spawn(xuid_b, &x);
+    CHECK(wait_children(&bp, 1, 20000));
+    /* root sees A's */
+    char *js = status_json(d);
+    CHECK_STR_CONTAINS(js, "\"uid\":64011");
+    CHECK_STR_CONTAINS(js, "xu-ctx");
+    free(js);
+    b = 1;
+    CHECK(write(x.go[1], &b, 1) == 1);
+    CHECK(wait_children(&a, 1, 20000));
+    CHECK(log_wait(d, "instance xu-ctx created by uid 64011", 100));
+    daemon_stop(d);
+}

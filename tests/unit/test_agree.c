@@ -58,7 +58,7 @@ static instance_t *spread_instance(const char *id, int root)
     uint32_t rank = root ? 0 : 1;
     instance_t *inst;
     char why[256];
-    CHECK_EQ(instance_attach(id, KVX_ROLE_CONTEXT, rank, &side, 100 + rank,
+    CHECK_EQ(instance_attach(id, 0, KVX_ROLE_CONTEXT, rank, &side, 100 + rank,
                              &inst, why, sizeof(why)),
              0);
     char *addrs[2] = {root ? ME : OTHER, root ? OTHER : ME};

@@ -432,7 +432,7 @@ static instance_t *ctx_instance(void)
     s.total_heads = 2;
     instance_t *inst = NULL;
     char why[256];
-    CHECK_EQ(instance_attach("ctx", KVX_ROLE_CONTEXT, 0, &s, 1, &inst, why,
+    CHECK_EQ(instance_attach("ctx", 0, KVX_ROLE_CONTEXT, 0, &s, 1, &inst, why,
                              sizeof(why)),
              0);
     CHECK(inst != NULL);

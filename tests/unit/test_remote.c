@@ -80,12 +80,12 @@ static void setup(void)
     plan_side_t side = {
         .tp = 1, .pp = 1, .cp = 1, .total_layers = 2, .total_heads = 2};
     char *a0 = kvxd.address;
-    CHECK_EQ(instance_attach("ctx", KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
+    CHECK_EQ(instance_attach("ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
                              sizeof(why)),
              0);
     CHECK_EQ(instance_join(ctx, 0, &a0, 1, why, sizeof(why)), 0);
-    CHECK_EQ(instance_attach("gen", KVX_ROLE_GENERATION, 0, &side, 2, &gen, why,
-                             sizeof(why)),
+    CHECK_EQ(instance_attach("gen", 0, KVX_ROLE_GENERATION, 0, &side, 2, &gen,
+                             why, sizeof(why)),
              0);
     CHECK_EQ(instance_join(gen, 0, &a0, 1, why, sizeof(why)), 0);
     CHECK_EQ(kvx_layout_preset("vllm-nhd", 2, 2, 2, 1024, KVX_DTYPE_BF16, 4, 16,
