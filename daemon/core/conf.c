@@ -490,7 +490,7 @@ static const struct conf_key keys[] = {
     {.name = "deadlines.session_idle_ms",
      .type = CONF_MS,
      FIELD(session_idle_ms),
-     .def = 60000,
+     .def = 600000,
      .min = 0,
      .max = 86400000,
      .reloadable = 1,

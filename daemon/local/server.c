@@ -1,10 +1,12 @@
 /* server — listening socket and peer authorization; see server.h. */
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -23,8 +25,42 @@ static struct {
     int open;
     uint64_t paused_until; /* accept failed for want of fds: 0, or when */
     uint64_t warned_ms;    /* the last time that was logged */
+    uint64_t refused_ms;   /* ... and the last refusal for want of fds */
+    int spare;             /* an fd held for telling a client, when the
+                              daemon is out of fds, why it is refused */
     char path[108];
-} srv = {.fd = -1};
+} srv = {.fd = -1, .spare = -1};
+
+/* Out of fds at accept: the spare is given up for a moment, so that the
+ * waiting client is accepted, told LIMIT and closed, instead of waiting
+ * in the backlog (the way Redis and others keep an fd in reserve). 1: one
+ * was turned away; 0: none was waiting (accept fails with EMFILE before
+ * it looks at the queue); -1: no spare, or accept failed. */
+static int refuse_for_fds(void)
+{
+    if (srv.spare < 0 &&
+        (srv.spare = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0)
+        return -1;
+    close(srv.spare);
+    srv.spare = -1;
+    int fd = accept4(srv.fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int e = errno;
+    if (fd >= 0) {
+        struct rlimit rl;
+        getrlimit(RLIMIT_NOFILE, &rl);
+        char msg[200];
+        snprintf(msg, sizeof(msg),
+                 "connection refused: the daemon is out of file descriptors "
+                 "(EMFILE/ENFILE: RLIMIT_NOFILE %llu, or the system's "
+                 "limit); try again later",
+                 (unsigned long long)rl.rlim_cur);
+        session_refuse(fd, KVX_ERR_LIMIT, msg);
+    }
+    srv.spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0)
+        return 1;
+    return e == EAGAIN || e == EWOULDBLOCK ? 0 : -1;
+}
 
 static int gid_in(gid_t gid, const uint32_t *v, unsigned n)
 {
@@ -111,10 +147,25 @@ static void on_accept(uv_poll_t *h, int status, int events)
         if (fd < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
                 return;
-            /* out of fds or memory: the connection stays queued and the
-             * socket readable, so stop listening for a moment rather than
-             * spin on it (server_tick() listens again) */
+            /* out of fds: the client waiting is told so with the spare
+             * fd; out of memory, or no spare: the connection stays
+             * queued and the socket readable, so stop listening for a
+             * moment rather than spin on it (server_tick() listens
+             * again) */
+            int e = errno;
             uint64_t now = kvxd_now_ms();
+            int r = e == EMFILE || e == ENFILE ? refuse_for_fds() : -1;
+            if (r == 0)
+                return; /* nobody was waiting */
+            if (r == 1) {
+                if (now >= srv.refused_ms + 10000) {
+                    srv.refused_ms = now;
+                    log_warn("server: out of file descriptors: clients are "
+                             "refused with LIMIT");
+                }
+                continue;
+            }
+            errno = e;
             if (now >= srv.warned_ms + 10000) { /* once in 10 s at most */
                 srv.warned_ms = now;
                 log_warn("server: accept: %m; not accepting for 100 ms");
@@ -237,6 +288,7 @@ int server_init(void)
         goto err_unlink;
     }
     srv.open = 1;
+    srv.spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
     uv_poll_start(&srv.poll, UV_READABLE, on_accept);
     log_info("listening on %s (mode %04o)", srv.path, c->socket_mode);
     return 0;
@@ -268,5 +320,9 @@ void server_cleanup(void)
         close(srv.fd);
         srv.fd = -1;
         unlink(srv.path);
+    }
+    if (srv.spare >= 0) {
+        close(srv.spare);
+        srv.spare = -1;
     }
 }

@@ -429,9 +429,10 @@ TEST(hostile_errors_name_the_cause)
     daemon_stop_ok(d);
 }
 
-/* Out of file descriptors: the pool registration whose fd the kernel
- * dropped on arrival is refused with LIMIT naming the daemon's fds, not
- * blamed on the client, and the session stays usable. */
+/* Out of file descriptors: a new client gets LIMIT naming the daemon's
+ * fds at once (before, it waited in the backlog); the pool registration
+ * whose fd the kernel dropped on arrival is refused with LIMIT naming the
+ * daemon's fds, not blamed on the client, and the session stays usable. */
 TEST_T(hostile_out_of_fds, 60)
 {
     daemon_t *d = daemon_start(NULL);
@@ -456,7 +457,16 @@ TEST_T(hostile_out_of_fds, 60)
         sleep_ms(30);
     } while (n < 64 && count_fds(d->pid) > before);
     CHECK(n < 64);
-    CHECK(log_wait(d, "accept: Too many open files", 2000));
+    /* the client the daemon had no fd for is told so (its spare fd),
+     * not left waiting in the backlog */
+    Kvxfer__Reply *r = raw_reply(fds[n - 1], 2000);
+    CHECK(r != NULL);
+    fprintf(stderr, "refused client: %s %s\n", kvx_status_name(r->status),
+            r->message);
+    CHECK_EQ(r->status, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(r->message, "out of file descriptors");
+    kvxfer__reply__free_unpacked(r, NULL);
+    CHECK(log_wait(d, "out of file descriptors: clients are refused", 2000));
     kvx_layout_t l;
     rank_layout(&c, 8, &l);
     void *base;
