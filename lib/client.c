@@ -1153,7 +1153,11 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_printf(b, ":");
         sb_str(b, eq + 1);
     }
-    sb_printf(b, "},\"sessions\":[");
+    sb_printf(b,
+              "},\"sessions_total\":%u,\"pools_total\":%u,"
+              "\"instances_total\":%u",
+              s->sessions_total, s->pools_total, s->instances_total);
+    sb_printf(b, ",\"sessions\":[");
     for (size_t i = 0; i < s->n_sessions; i++) {
         const Kvxfer__SessionInfo *x = s->sessions[i];
         sb_printf(b, "%s{\"session_id\":%llu,\"pid\":%d,\"uid\":%u,"

@@ -189,7 +189,11 @@ static int cmd_status(const char *sock, int json)
     for (size_t i = 0; i < s->n_errors_by_code; i++)
         printf(" %s=%llu", s->errors_by_code[i]->name,
                (unsigned long long)s->errors_by_code[i]->value);
-    printf("\n\nsessions (%zu):\n", s->n_sessions);
+    if (s->sessions_total > s->n_sessions)
+        printf("\n\nsessions (%u, the first %zu shown):\n", s->sessions_total,
+               s->n_sessions);
+    else
+        printf("\n\nsessions (%zu):\n", s->n_sessions);
     if (s->n_sessions)
         printf("  %-8s %-8s %-6s %-24s %-5s %-11s %s\n", "SESSION", "PID",
                "UID", "INSTANCE", "RANK", "ROLE", "POOLS");
@@ -200,7 +204,11 @@ static int cmd_status(const char *sock, int json)
                x->instance_id[0] ? x->instance_id : "-", x->rank,
                role_name(x->role), x->pools);
     }
-    printf("\ninstances (%zu):\n", s->n_instances);
+    if (s->instances_total > s->n_instances)
+        printf("\ninstances (%u, the first %zu shown):\n", s->instances_total,
+               s->n_instances);
+    else
+        printf("\ninstances (%zu):\n", s->n_instances);
     if (s->n_instances)
         printf("  %-24s %-11s %-5s %-5s %-5s %-6s %-5s %-5s %-5s %s\n",
                "INSTANCE", "ROLE", "RANKS", "LOCAL", "CONN", "NEXT", "KEPT",
@@ -220,7 +228,11 @@ static int cmd_status(const char *sock, int json)
                : member      ? x->root
                              : "this daemon");
     }
-    printf("\npools (%zu):\n", s->n_pools);
+    if (s->pools_total > s->n_pools)
+        printf("\npools (%u, the first %zu shown):\n", s->pools_total,
+               s->n_pools);
+    else
+        printf("\npools (%zu):\n", s->n_pools);
     if (s->n_pools)
         printf("  %-6s %-8s %-16s %-10s %-12s %s\n", "POOL", "SESSION",
                "KIND", "PRESET", "SIZE", "BLOCKS/USERS");

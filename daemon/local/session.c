@@ -791,11 +791,26 @@ static void on_status(session_t *s, const Kvxfer__Request *rq)
     int64_t only = s->admin ? -1 : (int64_t)s->uid;
     stats_fill(&st, only);
     st.n_sessions = session_infos(&st.sessions, only);
+    /* one reply's cap: the first list_page_entries of each list */
+    uint32_t cap = kvxd.conf.list_page_entries;
+    st.sessions_total = (uint32_t)st.n_sessions;
+    st.pools_total = (uint32_t)st.n_pools;
+    st.instances_total = (uint32_t)st.n_instances;
+    size_t ns = st.n_sessions, np = st.n_pools, ni = st.n_instances;
+    if (st.n_sessions > cap)
+        st.n_sessions = cap;
+    if (st.n_pools > cap)
+        st.n_pools = cap;
+    if (st.n_instances > cap)
+        st.n_instances = cap;
     r.id = rq->id;
     r.message = "";
     r.body_case = KVXFER__REPLY__BODY_STATUS_REPLY;
     r.status_reply = &st;
     reply_packed(s, &r);
+    st.n_sessions = ns; /* all of them are freed */
+    st.n_pools = np;
+    st.n_instances = ni;
     session_infos_free(st.sessions, st.n_sessions);
     stats_free(&st);
 }

@@ -654,3 +654,35 @@ TEST_T(hostile_cross_uid, 60)
     CHECK(log_wait(d, "instance xu-ctx created by uid 64011", 100));
     daemon_stop(d);
 }
+
+/* A status reply is capped too: sessions, pools and instances each list
+ * at most limits.list_page_entries, and say how many there are in all
+ * (kvxferctl says "the first N shown"). */
+TEST(hostile_status_capped)
+{
+    daemon_t *d = daemon_start("limits:\n  list_page_entries: 3\n");
+    int fds[6];
+    for (int i = 0; i < 6; i++) {
+        char inst[32];
+        snprintf(inst, sizeof(inst), "cap-%d", i);
+        fds[i] = raw_connect(d);
+        raw_hello(fds[i], inst);
+    }
+    char *js = status_json(d);
+    CHECK_EQ(json_num(js, "sessions_total"), 7); /* and this one */
+    CHECK_EQ(json_num(js, "instances_total"), 6);
+    const char *ss = strstr(js, "\"sessions\":[");
+    CHECK(ss != NULL);
+    int listed = 0;
+    for (const char *p = ss; (p = strstr(p, "\"session_id\":")); p++)
+        listed++;
+    CHECK_EQ(listed, 3);
+    free(js);
+    char out[8192], args[200];
+    snprintf(args, sizeof(args), "--socket %s status", d->sock);
+    ctl_run(args, out, sizeof(out));
+    CHECK_STR_CONTAINS(out, "sessions (7, the first 3 shown)");
+    for (int i = 0; i < 6; i++)
+        close(fds[i]);
+    daemon_stop(d);
+}
