@@ -122,9 +122,7 @@ void stats_fill(Kvxfer__StatusReply *st)
         x->spread = spread;
         x->root = spread ? i->addresses[0] : "";
         x->next_batch = member ? 0 : i->batches.next_seq;
-        uint32_t kept = 0, away = 0;
-        for (const batch_t *b = i->batches.head; b; b = b->next)
-            kept++;
+        uint32_t kept = batch_kept(&i->batches), away = 0;
         for (uint32_t r = 0; r < i->nranks; r++)
             away += i->batches.present[r] && i->batches.away[r];
         x->batches_kept = member ? agree_kept(i) : kept;
