@@ -99,15 +99,16 @@ void stats_fill(Kvxfer__StatusReply *st)
         st->errors_by_code[st->n_errors_by_code++] = c;
     }
     uint64_t sealed = kvxd.stats.batches_sealed;
-    for (instance_t *i = instance_first(); i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         sealed += i->batches.sealed_total;
     st->batches_sealed = sealed;
     st->batches_resent = kvxd.stats.batches_resent;
     size_t ni = 0;
-    for (instance_t *i = instance_first(); i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         ni++;
     st->instances = calloc(ni ? ni : 1, sizeof(*st->instances));
-    for (instance_t *i = instance_first(); st->instances && i; i = i->next) {
+    for (instance_t *i = instance_first(); st->instances && i;
+         i = instance_next(i)) {
         Kvxfer__InstanceInfo *x = malloc(sizeof(*x));
         if (!x)
             break;
