@@ -4,7 +4,8 @@
  * an entry is a list_t inside its owner's struct, LIST_OWNER() gets the
  * owner back. Insert, remove and emptiness are O(1); the list owns
  * nothing. An entry not on a list points at itself (list_init), so
- * list_linked() tells whether it is queued.
+ * list_linked() tells whether it is queued. list_push() and list_pop()
+ * make a FIFO; list_unshift() and list_pop() a stack.
  */
 #ifndef KVX_LIST_H
 #define KVX_LIST_H
@@ -49,12 +50,30 @@ static inline void list_push(list_t *head, list_t *n)
     head->prev = n;
 }
 
+/* n at the head of head: a stack (with list_pop), or newest first. */
+static inline void list_unshift(list_t *head, list_t *n)
+{
+    n->next = head->next;
+    n->prev = head;
+    head->next->prev = n;
+    head->next = n;
+}
+
 /* n off whatever list holds it (a no-op for an unlinked entry). */
 static inline void list_remove(list_t *n)
 {
     n->prev->next = n->next;
     n->next->prev = n->prev;
     list_init(n);
+}
+
+/* The first node of head, taken off (unlinked); NULL when empty. */
+static inline list_t *list_pop(list_t *head)
+{
+    list_t *n = list_first(head);
+    if (n)
+        list_remove(n);
+    return n;
 }
 
 /* Every node of from at the tail of to; from ends empty. */

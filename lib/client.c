@@ -24,9 +24,10 @@
 #include <unistd.h>
 
 #include "frame.h"
+#include "internal.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
-#include "internal.h"
+#include "list.h"
 
 #define REPLY_MAX (1u << 30)
 /* the most limits.max_frame_bytes can be: a larger request could never
@@ -37,7 +38,7 @@ struct host_pool {
     uint32_t id;
     void *base;
     uint64_t size;
-    struct host_pool *next;
+    list_t node; /* on kvx_client.pools */
 };
 
 struct kvx_client {
@@ -47,8 +48,10 @@ struct kvx_client {
     frame_reader_t rd;
     char address[192];
     char err[512];
-    struct host_pool *pools;
+    list_t pools; /* host_pool.node, the newest first */
 };
+
+#define HOST_POOL(n) LIST_OWNER(n, struct host_pool, node)
 
 static int64_t now_ms(void)
 {
@@ -349,6 +352,7 @@ static kvx_client_t *client_new(void)
     kvx_client_t *c = calloc(1, sizeof(*c));
     if (c) {
         c->fd = -1;
+        list_init(&c->pools);
         frame_reader_init(&c->rd);
     }
     return c;
@@ -444,11 +448,10 @@ void kvx_close(kvx_client_t *c)
         return;
     if (c->fd >= 0)
         close(c->fd);
-    while (c->pools) {
-        struct host_pool *p = c->pools;
-        c->pools = p->next;
-        munmap(p->base, p->size);
-        free(p);
+    list_t *n;
+    while ((n = list_pop(&c->pools))) {
+        munmap(HOST_POOL(n)->base, HOST_POOL(n)->size);
+        free(HOST_POOL(n));
     }
     frame_reader_cleanup(&c->rd);
     free(c);
@@ -600,8 +603,7 @@ int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
     if ((rc = register_pool(c, &m, &fd, 1, timeout_ms, &hp->id)))
         goto err_unmap;
     close(fd);
-    hp->next = c->pools;
-    c->pools = hp;
+    list_unshift(&c->pools, &hp->node);
     *base = hp->base;
     *pool_id = hp->id;
     return 0;
@@ -627,14 +629,17 @@ int kvx_pool_deregister(kvx_client_t *c, uint32_t pool_id, int timeout_ms)
     int rc = call(c, &rq, -1, timeout_ms, NULL);
     if (rc)
         return rc;
-    for (struct host_pool **p = &c->pools; *p; p = &(*p)->next)
-        if ((*p)->id == pool_id) {
-            struct host_pool *hp = *p;
-            *p = hp->next;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &c->pools)
+    {
+        struct host_pool *hp = HOST_POOL(n);
+        if (hp->id == pool_id) {
+            list_remove(&hp->node);
             munmap(hp->base, hp->size);
             free(hp);
             break;
         }
+    }
     return 0;
 }
 

@@ -1100,7 +1100,8 @@ static int on_conn_lost(peer_conn_t *c, int code, const char *msg)
 {
     (void)code;
     const char *addr = peer_conn_address(c);
-    for (instance_t *inst = instance_first(); inst; inst = inst->next) {
+    for (instance_t *inst = instance_first(); inst;
+         inst = instance_next(inst)) {
         if (!instance_spread(inst))
             continue;
         spread_t *s = spread_of(inst, 0);

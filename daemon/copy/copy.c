@@ -16,8 +16,9 @@ static void job_finished(copy_job_t *j);
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    copy_job_t *head, *tail;  /* to run */
-    copy_job_t *done;         /* finished, for the loop */
+    list_t todo; /* copy_job_t.node: to run, oldest first */
+    int ready;   /* todo is not empty (todo_changed()) */
+    list_t done; /* finished, for the loop, in that order */
     pthread_t *threads;
     unsigned nthreads;
     unsigned inflight;        /* loop thread only */
@@ -27,8 +28,7 @@ static struct {
     long spin_ns;             /* copy.spin_us */
     uv_async_t async;
     int async_open;
-} c;
-
+} c = {.todo = {&c.todo, &c.todo}, .done = {&c.done, &c.done}};
 
 static inline void cpu_relax(void)
 {
@@ -37,11 +37,12 @@ static inline void cpu_relax(void)
 #endif
 }
 
-/* c.head is written under c.mu, but the spinning worker reads it without
- * the lock; the stores are atomic so that read is not a data race. */
-static void head_set(copy_job_t *j)
+/* c.todo is written under c.mu, but the spinning worker looks for work
+ * without the lock: it reads c.ready, stored atomically after every
+ * change of c.todo, so that read is not a data race. */
+static void todo_changed(void)
 {
-    __atomic_store_n(&c.head, j, __ATOMIC_RELAXED);
+    __atomic_store_n(&c.ready, !list_empty(&c.todo), __ATOMIC_RELAXED);
 }
 
 static void *worker_main(void *arg)
@@ -51,7 +52,7 @@ static void *worker_main(void *arg)
     pthread_setname_np(pthread_self(), name); /* top -H, ps -L */
     pthread_mutex_lock(&c.mu);
     for (;;) {
-        if (!c.head && !c.stop && !c.spinning && c.spin_ns) {
+        if (list_empty(&c.todo) && !c.stop && !c.spinning && c.spin_ns) {
             /* One idle worker spins briefly before sleeping: a futex
              * wake-up costs tens of microseconds on virtual machines,
              * which dominates small requests. Bounded (copy.spin_us) and
@@ -60,7 +61,7 @@ static void *worker_main(void *arg)
             pthread_mutex_unlock(&c.mu);
             struct timespec t0, t;
             clock_gettime(CLOCK_MONOTONIC, &t0);
-            for (int i = 1; !__atomic_load_n(&c.head, __ATOMIC_RELAXED); i++) {
+            for (int i = 1; !__atomic_load_n(&c.ready, __ATOMIC_RELAXED); i++) {
                 cpu_relax();
                 if (i % 64 == 0) {
                     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -72,17 +73,15 @@ static void *worker_main(void *arg)
             pthread_mutex_lock(&c.mu);
             c.spinning = 0;
         }
-        while (!c.head && !c.stop) {
+        while (list_empty(&c.todo) && !c.stop) {
             c.sleeping++;
             pthread_cond_wait(&c.cv, &c.mu);
             c.sleeping--;
         }
-        if (!c.head)
+        if (list_empty(&c.todo))
             break;
-        copy_job_t *j = c.head;
-        head_set(j->next);
-        if (!c.head)
-            c.tail = NULL;
+        copy_job_t *j = LIST_OWNER(list_pop(&c.todo), copy_job_t, node);
+        todo_changed();
         pthread_mutex_unlock(&c.mu);
 
         if (j->run)
@@ -114,8 +113,8 @@ static void job_finished(copy_job_t *j)
     clock_gettime(CLOCK_MONOTONIC, &t);
     j->t_done = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
     pthread_mutex_lock(&c.mu);
-    j->next = c.done;
-    c.done = j;
+    assert(!list_linked(&j->node)); /* off c.todo, or never on it */
+    list_push(&c.done, &j->node);
     pthread_mutex_unlock(&c.mu);
     uv_async_send(&c.async);
 }
@@ -123,24 +122,18 @@ static void job_finished(copy_job_t *j)
 static void on_async(uv_async_t *a)
 {
     (void)a;
+    list_t done, *n;
+    list_init(&done);
     pthread_mutex_lock(&c.mu);
-    copy_job_t *list = c.done;
-    c.done = NULL;
+    list_move_all(&c.done, &done);
     pthread_mutex_unlock(&c.mu);
-    /* the list is newest first: complete in the order the jobs finished */
-    copy_job_t *rev = NULL;
-    while (list) {
-        copy_job_t *n = list->next;
-        list->next = rev;
-        rev = list;
-        list = n;
-    }
-    while (rev) {
-        copy_job_t *n = rev->next;
+    /* in the order the jobs finished; each off the list before its done
+     * callback, which may submit it again */
+    while ((n = list_pop(&done))) {
+        copy_job_t *j = LIST_OWNER(n, copy_job_t, node);
         assert(c.inflight > 0);
         c.inflight--;
-        rev->done(rev);
-        rev = n;
+        j->done(j);
     }
 }
 
@@ -180,7 +173,9 @@ err_close_async:
 
 void copy_submit(copy_job_t *j)
 {
-    j->next = NULL;
+    /* on no queue: zeroed, or popped before its done callback ran */
+    assert(!j->node.next || !list_linked(&j->node));
+    list_init(&j->node);
     c.inflight++;
     if (j->gpu) { /* the GPU executor; it completes through gpu_done() */
         gpu_work_t w = {j->unit_begin, j->unit_end, j->bytes, j->packed,
@@ -190,11 +185,8 @@ void copy_submit(copy_job_t *j)
         return;
     }
     pthread_mutex_lock(&c.mu);
-    if (c.tail)
-        c.tail->next = j;
-    else
-        head_set(j);
-    c.tail = j;
+    list_push(&c.todo, &j->node);
+    todo_changed();
     if (c.sleeping)
         pthread_cond_signal(&c.cv);
     pthread_mutex_unlock(&c.mu);

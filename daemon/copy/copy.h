@@ -18,6 +18,7 @@
 #include <uv.h>
 
 #include "gpu.h"
+#include "list.h"
 #include "plan.h"
 
 typedef struct copy_job copy_job_t;
@@ -39,13 +40,14 @@ struct copy_job {
     uint64_t t_done;     /* CLOCK_MONOTONIC ns it finished */
     copy_done_cb done;   /* runs on the loop thread */
     void *owner;
-    copy_job_t *next;    /* queue link, owned by copy */
+    list_t node; /* queue link, owned by copy */
 };
 
 /* Start n worker threads; finished jobs come back on loop. An idle
  * worker spins up to spin_us before sleeping (0: never). */
 int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us);
-/* Queue a job (loop thread only). */
+/* Queue a job (loop thread only): a zeroed one, or one handed back to
+ * its done callback (even from inside it), never one still queued. */
 void copy_submit(copy_job_t *job);
 /* Jobs submitted and not yet done. */
 unsigned copy_inflight(void);

@@ -1,8 +1,9 @@
 /* gpu — CUDA pools, plans and launches; see gpu.h. Built only with CUDA. */
+#include <assert.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <stdint.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +12,7 @@
 #include "daemon.h"
 #include "gpu.h"
 #include "gpu_desc.h"
+#include "list.h"
 #include "log.h"
 
 #define MAX_DEV 64
@@ -54,17 +56,17 @@ struct done_item {
     gpu_done_cb done; /* a kernel's completion, with arg */
     void *arg;
     struct pin_buf *pin;       /* or a plan upload's buffer, to reuse */
-    struct done_item *next;
+    list_t node;               /* on its waiter's queue or free list */
 };
 
 static struct waiter_thread {
     pthread_t th;
     int running, stop;
-    int inited;                    /* mu and cv */
+    int inited; /* mu, cv and the lists */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    struct done_item *head, *tail;
-    struct done_item *free_items;  /* with their events, for reuse */
+    list_t queue;      /* done_item.node, in stream order */
+    list_t free_items; /* with their events, reused last freed first */
 } wt[MAX_DEV];
 
 /* Pinned host memory for plan uploads, so cudaMemcpyAsync is truly
@@ -75,11 +77,11 @@ static struct waiter_thread {
 struct pin_buf {
     void *p;
     int cls;
-    struct pin_buf *next;
+    list_t node; /* on pin.free[cls] while free */
 };
 static struct {
     pthread_mutex_t mu;
-    struct pin_buf *free[PIN_CLASSES];
+    list_t free[PIN_CLASSES]; /* the last put first; set up at first use */
 } pin = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static struct pin_buf *pin_all[4096];
 static int pin_nall;
@@ -92,17 +94,18 @@ static struct pin_buf *pin_get(size_t n)
     if (((size_t)4096 << k) < n)
         return NULL;
     pthread_mutex_lock(&pin.mu);
-    struct pin_buf *b = pin.free[k];
-    if (b)
-        pin.free[k] = b->next;
+    if (!pin.free[k].next)
+        list_init(&pin.free[k]);
+    list_t *f = list_pop(&pin.free[k]);
     pthread_mutex_unlock(&pin.mu);
-    if (b)
-        return b;
+    if (f)
+        return LIST_OWNER(f, struct pin_buf, node);
     if (pin_nall >= (int)(sizeof(pin_all) / sizeof(pin_all[0])))
         return NULL;
-    b = calloc(1, sizeof(*b));
+    struct pin_buf *b = calloc(1, sizeof(*b));
     if (!b)
         return NULL;
+    list_init(&b->node);
     if (!CU_OK(cudaHostAlloc(&b->p, (size_t)4096 << k,
                              cudaHostAllocPortable))) {
         (void)cudaGetLastError();
@@ -119,8 +122,8 @@ static struct pin_buf *pin_get(size_t n)
 static void pin_put(struct pin_buf *b)
 {
     pthread_mutex_lock(&pin.mu);
-    b->next = pin.free[b->cls];
-    pin.free[b->cls] = b;
+    assert(!list_linked(&b->node)); /* put once */
+    list_unshift(&pin.free[b->cls], &b->node);
     pthread_mutex_unlock(&pin.mu);
 }
 
@@ -131,11 +134,11 @@ static cudaError_t waiter_enqueue(int d, gpu_done_cb done, void *arg,
                                   struct pin_buf *pin)
 {
     struct waiter_thread *w = &wt[d];
+    assert(w->inited);
     pthread_mutex_lock(&w->mu);
-    struct done_item *it = w->free_items;
-    if (it)
-        w->free_items = it->next;
+    list_t *n = list_pop(&w->free_items);
     pthread_mutex_unlock(&w->mu);
+    struct done_item *it = n ? LIST_OWNER(n, struct done_item, node) : NULL;
     if (!it && (it = calloc(1, sizeof(*it))) &&
         !CU_OK(cudaEventCreateWithFlags(&it->ev, cudaEventBlockingSync |
                                                      cudaEventDisableTiming))) {
@@ -144,22 +147,18 @@ static cudaError_t waiter_enqueue(int d, gpu_done_cb done, void *arg,
     }
     if (!it)
         return cudaErrorMemoryAllocation;
+    if (!n)
+        list_init(&it->node);
     cudaError_t e = cudaEventRecord(it->ev, g.stream[d]);
     pthread_mutex_lock(&w->mu);
     if (e == cudaSuccess) {
         it->done = done;
         it->arg = arg;
         it->pin = pin;
-        it->next = NULL;
-        if (w->tail)
-            w->tail->next = it;
-        else
-            w->head = it;
-        w->tail = it;
+        list_push(&w->queue, &it->node);
         pthread_cond_signal(&w->cv);
     } else {
-        it->next = w->free_items;
-        w->free_items = it;
+        list_unshift(&w->free_items, &it->node);
     }
     pthread_mutex_unlock(&w->mu);
     return e;
@@ -175,14 +174,12 @@ static void *waiter_main(void *arg)
     cudaSetDevice(d);
     pthread_mutex_lock(&w->mu);
     for (;;) {
-        while (!w->head && !w->stop)
+        while (list_empty(&w->queue) && !w->stop)
             pthread_cond_wait(&w->cv, &w->mu);
-        if (!w->head)
+        if (list_empty(&w->queue))
             break;
-        struct done_item *it = w->head;
-        w->head = it->next;
-        if (!w->head)
-            w->tail = NULL;
+        struct done_item *it =
+            LIST_OWNER(list_pop(&w->queue), struct done_item, node);
         pthread_mutex_unlock(&w->mu);
         cudaError_t e = cudaEventSynchronize(it->ev);
         if (it->pin) { /* an upload has read its pinned buffer */
@@ -191,8 +188,7 @@ static void *waiter_main(void *arg)
             it->done(it->arg, e == cudaSuccess ? 0 : KVX_ERR_IO);
         }
         pthread_mutex_lock(&w->mu);
-        it->next = w->free_items;
-        w->free_items = it;
+        list_unshift(&w->free_items, &it->node);
     }
     pthread_mutex_unlock(&w->mu);
     return NULL;
@@ -213,10 +209,11 @@ struct gpu_import {
     uint32_t nchunks;
     uint8_t access[MAX_DEV];   /* VMM: devices granted access to it */
     unsigned refs;
-    struct gpu_import *next;
+    list_t node; /* on imports */
 };
 
-static gpu_import_t *imports;
+/* gpu_import_t.node, the newest first */
+static list_t imports = {&imports, &imports};
 
 struct gpu_part {
     int device;
@@ -303,6 +300,8 @@ static int use_device(int d, char *why, size_t why_len)
     if (!wt[d].inited) {
         pthread_mutex_init(&wt[d].mu, NULL);
         pthread_cond_init(&wt[d].cv, NULL);
+        list_init(&wt[d].queue);
+        list_init(&wt[d].free_items);
         wt[d].inited = 1;
     }
     if (pthread_create(&wt[d].th, NULL, waiter_main, (void *)(intptr_t)d)) {
@@ -472,7 +471,10 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
         rc = KVX_ERR_INVALID;
         goto err_close_fd;
     }
-    for (gpu_import_t *i = imports; i; i = i->next)
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &imports)
+    {
+        gpu_import_t *i = LIST_OWNER(n, gpu_import_t, node);
         if (i->owner == r->owner && i->alloc_id == r->alloc_id &&
             !memcmp(i->uuid, r->uuid, 16) &&
             /* a legacy handle names the allocation: one freed and made
@@ -505,6 +507,7 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
             *device = i->device;
             return 0;
         }
+    }
     if ((rc = use_device(d, why, why_len)))
         goto err_close_fd;
     gpu_import_t *imp = calloc(1, sizeof(*imp));
@@ -559,8 +562,7 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
         g.imports_vmm++;
     }
     imp->refs = 1;
-    imp->next = imports;
-    imports = imp;
+    list_unshift(&imports, &imp->node);
     *out = imp;
     *ptr = imp->base + r->offset;
     *device = d;
@@ -582,11 +584,8 @@ void gpu_import_unref(gpu_import_t *imp)
 {
     if (!imp || --imp->refs)
         return;
-    for (gpu_import_t **p = &imports; *p; p = &(*p)->next)
-        if (*p == imp) {
-            *p = imp->next;
-            break;
-        }
+    assert(list_linked(&imp->node));
+    list_remove(&imp->node);
     cudaSetDevice(imp->device);
     if (imp->vmm) {
         vmm_unmap(imp, imp->nchunks, (CUdeviceptr)(uintptr_t)imp->base);
@@ -910,9 +909,10 @@ void gpu_stop(void)
             pthread_mutex_unlock(&wt[d].mu);
             pthread_join(wt[d].th, NULL); /* after its queue is empty */
             wt[d].running = 0;
-            while (wt[d].free_items) {
-                struct done_item *it = wt[d].free_items;
-                wt[d].free_items = it->next;
+            assert(list_empty(&wt[d].queue));
+            list_t *n;
+            while ((n = list_pop(&wt[d].free_items))) {
+                struct done_item *it = LIST_OWNER(n, struct done_item, node);
                 cudaEventDestroy(it->ev);
                 free(it);
             }
@@ -937,8 +937,12 @@ void gpu_cleanup(void)
         free(pin_all[i]);
     }
     pin_nall = 0;
-    while (imports) {
-        imports->refs = 1;
-        gpu_import_unref(imports);
+    for (int k = 0; k < PIN_CLASSES; k++) /* their buffers are gone */
+        list_init(&pin.free[k]);
+    while (!list_empty(&imports)) {
+        gpu_import_t *imp =
+            LIST_OWNER(list_first(&imports), gpu_import_t, node);
+        imp->refs = 1;
+        gpu_import_unref(imp);
     }
 }

@@ -112,15 +112,16 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid)
         st->memory[st->n_memory++] = c;
     }
     uint64_t sealed = kvxd.stats.batches_sealed;
-    for (instance_t *i = instance_first(); i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         sealed += i->batches.sealed_total;
     st->batches_sealed = sealed;
     st->batches_resent = kvxd.stats.batches_resent;
     size_t ni = 0;
-    for (instance_t *i = instance_first(); i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         ni++;
     st->instances = calloc(ni ? ni : 1, sizeof(*st->instances));
-    for (instance_t *i = instance_first(); st->instances && i; i = i->next) {
+    for (instance_t *i = instance_first(); st->instances && i;
+         i = instance_next(i)) {
         if (only_uid >= 0 && i->owner_uid != (uint64_t)only_uid)
             continue; /* another user's */
         Kvxfer__InstanceInfo *x = malloc(sizeof(*x));
@@ -137,9 +138,7 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid)
         x->spread = spread;
         x->root = spread ? i->addresses[0] : "";
         x->next_batch = member ? 0 : i->batches.next_seq;
-        uint32_t kept = 0, away = 0;
-        for (const batch_t *b = i->batches.head; b; b = b->next)
-            kept++;
+        uint32_t kept = batch_kept(&i->batches), away = 0;
         for (uint32_t r = 0; r < i->nranks; r++)
             away += i->batches.present[r] && i->batches.away[r];
         x->batches_kept = member ? agree_kept(i) : kept;

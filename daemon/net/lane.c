@@ -57,7 +57,7 @@ typedef struct lcmd {
     void *dst, *desc;
     size_t len;
     void *cookie;
-    struct lcmd *next;
+    list_t node; /* on its lane's cmds */
 } lcmd_t;
 
 struct lane;
@@ -76,9 +76,9 @@ typedef struct lep {
     uint64_t until_ms; /* not bound: closed then */
     /* not bound and waiting: what came since, held until the bind
      * (then to the loop) or the close (released); at most HELD_MAX */
-    lane_ev_t *held, *held_tail;
+    list_t held; /* lane_ev_t.node, in arrival order */
     unsigned nheld;
-    struct lep *next;
+    list_t node; /* on its lane's eps */
 } lep_t;
 
 typedef struct lane {
@@ -90,9 +90,9 @@ typedef struct lane {
     size_t addr_len;
     int efd, cfd, epfd;
     pthread_mutex_t mu;        /* the command queue */
-    lcmd_t *ch, *ct;
+    list_t cmds;               /* lcmd_t.node, in the order posted */
     /* the lane thread's own */
-    lep_t *eps;
+    list_t eps; /* lep_t.node, the newest first */
     uint32_t outstanding;
     int stopping;
     lcmd_t stop_cmd;           /* posted by lanes_stop(), never freed */
@@ -112,12 +112,34 @@ static struct {
     uv_async_t async;
     int async_on;
     pthread_mutex_t mu;        /* the event queue */
-    lane_ev_t *eh, *et;
+    list_t evq;                /* lane_ev_t.node, in the order queued */
     void (*ev)(const lane_ev_t *e);
     _Atomic uint64_t next_lep;
-} L;
+} L = {.evq = {&L.evq, &L.evq}};
+
+#define CMD(n) LIST_OWNER(n, lcmd_t, node)
+#define LEP(n) LIST_OWNER(n, lep_t, node)
+#define EV(n) LIST_OWNER(n, lane_ev_t, node)
 
 /* ---- events to the loop ----------------------------------------------- */
+
+static void ev_push(lane_ev_t *e)
+{
+    pthread_mutex_lock(&L.mu);
+    assert(!list_linked(&e->node));
+    list_push(&L.evq, &e->node);
+    pthread_mutex_unlock(&L.mu);
+    uv_async_send(&L.async);
+}
+
+/* Every event queued so far, in order, moved to evs. */
+static void ev_take(list_t *evs)
+{
+    list_init(evs);
+    pthread_mutex_lock(&L.mu);
+    list_move_all(&L.evq, evs);
+    pthread_mutex_unlock(&L.mu);
+}
 
 static void emit(lane_t *ln, enum lane_ev_kind kind, uint64_t lep,
                  ucs_status_t st, void *cookie)
@@ -135,14 +157,8 @@ static void emit(lane_t *ln, enum lane_ev_kind kind, uint64_t lep,
     e->status = st == UCS_OK ? 0 : KVX_ERR_IO;
     e->msg = ucs_status_string(st);
     e->cookie = cookie;
-    pthread_mutex_lock(&L.mu);
-    if (L.et)
-        L.et->next = e;
-    else
-        L.eh = e;
-    L.et = e;
-    pthread_mutex_unlock(&L.mu);
-    uv_async_send(&L.async);
+    list_init(&e->node);
+    ev_push(e);
 }
 
 static uint64_t mono_ms(void)
@@ -161,18 +177,14 @@ static void ev_free(lane_ev_t *e)
 void lanes_drain(void)
 {
     for (;;) {
-        pthread_mutex_lock(&L.mu);
-        lane_ev_t *e = L.eh;
-        L.eh = L.et = NULL;
-        pthread_mutex_unlock(&L.mu);
-        if (!e)
+        list_t evs, *n;
+        ev_take(&evs);
+        if (list_empty(&evs))
             return;
-        while (e) {
-            lane_ev_t *n = e->next;
+        while ((n = list_pop(&evs))) {
             if (L.ev)
-                L.ev(e);
-            ev_free(e);
-            e = n;
+                L.ev(EV(n));
+            ev_free(EV(n));
         }
     }
 }
@@ -187,30 +199,21 @@ static void on_async(uv_async_t *a)
 
 static lep_t *lep_find(lane_t *ln, uint64_t id)
 {
-    for (lep_t *p = ln->eps; p; p = p->next)
-        if (p->id == id)
-            return p;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &ln->eps)
+    {
+        if (LEP(n)->id == id)
+            return LEP(n);
+    }
     return NULL;
-}
-
-static void ev_push(lane_ev_t *e)
-{
-    pthread_mutex_lock(&L.mu);
-    if (L.et)
-        L.et->next = e;
-    else
-        L.eh = e;
-    L.et = e;
-    pthread_mutex_unlock(&L.mu);
-    uv_async_send(&L.async);
 }
 
 /* p's held messages: to the loop (bound), or released (closing) */
 static void held_flush(lep_t *p, int deliver)
 {
-    for (lane_ev_t *e = p->held, *n; e; e = n) {
-        n = e->next;
-        e->next = NULL;
+    list_t *n;
+    while ((n = list_pop(&p->held))) {
+        lane_ev_t *e = EV(n);
         if (deliver) {
             ev_push(e);
             continue;
@@ -219,7 +222,6 @@ static void held_flush(lep_t *p, int deliver)
             ucp_am_data_release(p->ln->w, e->desc);
         ev_free(e);
     }
-    p->held = p->held_tail = NULL;
     p->nheld = 0;
 }
 
@@ -229,11 +231,8 @@ static void lep_gone(lep_t *p)
     held_flush(p, 0);
     if (p->want_closed)
         emit(ln, LEV_CLOSED, p->id, UCS_OK, NULL);
-    for (lep_t **pp = &ln->eps; *pp; pp = &(*pp)->next)
-        if (*pp == p) {
-            *pp = p->next;
-            break;
-        }
+    assert(list_linked(&p->node));
+    list_remove(&p->node);
     free(p);
 }
 
@@ -279,8 +278,8 @@ static lep_t *lep_new(lane_t *ln, uint64_t id)
         return NULL;
     p->id = id;
     p->ln = ln;
-    p->next = ln->eps;
-    ln->eps = p;
+    list_init(&p->held);
+    list_unshift(&ln->eps, &p->node);
     return p;
 }
 
@@ -325,9 +324,12 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
     lep_t *p = NULL;
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
         return UCS_OK; /* lanes always send with a reply endpoint */
-    for (lep_t *x = ln->eps; x; x = x->next)
-        if (x->ep == param->reply_ep)
-            p = x;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &ln->eps)
+    {
+        if (LEP(n)->ep == param->reply_ep)
+            p = LEP(n);
+    }
     if (!p && !ln->stopping && !(p = lep_accept(ln, param->reply_ep)))
         return UCS_OK; /* out of memory: dropped */
     if (p->failed || p->closing || ln->stopping)
@@ -366,12 +368,9 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
     e->hlen = hlen;
     e->desc = rndv ? data : NULL;
     e->len = len;
+    list_init(&e->node);
     if (hold) {
-        if (p->held_tail)
-            p->held_tail->next = e;
-        else
-            p->held = e;
-        p->held_tail = e;
+        list_push(&p->held, &e->node);
         p->nheld++;
     } else {
         ev_push(e);
@@ -479,13 +478,15 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
         p->want_closed = 1;
         lep_close(p);
         break;
-    case LC_STOP:
+    case LC_STOP: {
         ln->stopping = 1;
-        for (lep_t *x = ln->eps, *n; x; x = n) {
-            n = x->next;
-            lep_close(x);
+        list_t *n, *t;
+        LIST_FOREACH_SAFE(n, t, &ln->eps)
+        {
+            lep_close(LEP(n));
         }
         break;
+    }
     }
     if (c != &ln->stop_cmd) {
         free(c->addr);
@@ -495,15 +496,14 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
 
 static int run_cmds(lane_t *ln)
 {
+    list_t cmds, *c;
+    list_init(&cmds);
     pthread_mutex_lock(&ln->mu);
-    lcmd_t *c = ln->ch;
-    ln->ch = ln->ct = NULL;
+    list_move_all(&ln->cmds, &cmds);
     pthread_mutex_unlock(&ln->mu);
     int n = 0;
-    while (c) {
-        lcmd_t *next = c->next;
-        run_cmd(ln, c);
-        c = next;
+    while ((c = list_pop(&cmds))) {
+        run_cmd(ln, CMD(c));
         n++;
     }
     return n;
@@ -523,8 +523,10 @@ static void *lane_main(void *arg)
         /* endpoints whose error came in a callback, and accepted ones
          * that no connection claimed in time: closed here */
         uint64_t now = mono_ms();
-        for (lep_t *x = ln->eps, *n; x; x = n) {
-            n = x->next;
+        list_t *n, *t;
+        LIST_FOREACH_SAFE(n, t, &ln->eps)
+        {
+            lep_t *x = LEP(n);
             /* (not while its first message is with the loop, which
              * answers it, then binds or closes) */
             if ((x->failed ||
@@ -535,7 +537,8 @@ static void *lane_main(void *arg)
         if (ln->stopping) {
             if (!stop_at)
                 stop_at = mono_ms() + STOP_WAIT_MS;
-            if ((!ln->eps && !ln->outstanding) || mono_ms() > stop_at)
+            if ((list_empty(&ln->eps) && !ln->outstanding) ||
+                mono_ms() > stop_at)
                 break;
             continue;
         }
@@ -562,11 +565,8 @@ static void post(unsigned lane, lcmd_t *c)
 {
     lane_t *ln = &L.v[lane];
     pthread_mutex_lock(&ln->mu);
-    if (ln->ct)
-        ln->ct->next = c;
-    else
-        ln->ch = c;
-    ln->ct = c;
+    assert(!list_linked(&c->node)); /* posted once */
+    list_push(&ln->cmds, &c->node);
     pthread_mutex_unlock(&ln->mu);
     uint64_t one = 1;
     ssize_t w = write(ln->cfd, &one, sizeof(one));
@@ -581,6 +581,7 @@ static lcmd_t *cmd(enum lcmd_op op)
         abort();
     }
     c->op = op;
+    list_init(&c->node);
     return c;
 }
 
@@ -659,22 +660,18 @@ static void lane_destroy(lane_t *ln)
         ucp_worker_release_address(ln->w, ln->addr);
     if (ln->w)
         ucp_worker_destroy(ln->w); /* may call back on what is left */
-    for (lep_t *x = ln->eps, *n; x; x = n) { /* not closed in time */
-        n = x->next;
-        free(x);
-    }
-    ln->eps = NULL;
+    list_t *n;
+    while ((n = list_pop(&ln->eps))) /* not closed in time */
+        free(LEP(n));
     if (ln->epfd >= 0)
         close(ln->epfd);
     if (ln->cfd >= 0)
         close(ln->cfd);
-    for (lcmd_t *c = ln->ch, *n; c; c = n) {
-        n = c->next;
-        if (c != &ln->stop_cmd) {
-            free(c->addr);
-            free(c);
+    while ((n = list_pop(&ln->cmds)))
+        if (CMD(n) != &ln->stop_cmd) {
+            free(CMD(n)->addr);
+            free(CMD(n));
         }
-    }
     pthread_mutex_destroy(&ln->mu);
     memset(ln, 0, sizeof(*ln));
 }
@@ -684,6 +681,9 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx, char *why,
 {
     ln->idx = idx;
     ln->epfd = ln->cfd = -1;
+    list_init(&ln->cmds);
+    list_init(&ln->eps);
+    list_init(&ln->stop_cmd.node);
     pthread_mutex_init(&ln->mu, NULL);
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                               .thread_mode = UCS_THREAD_MODE_SINGLE};
@@ -772,17 +772,14 @@ void lanes_stop(void)
 {
     /* rendezvous the loop never answered: released by their lanes while
      * their endpoints are still there (commands run in order) */
-    pthread_mutex_lock(&L.mu);
-    lane_ev_t *pending = L.eh;
-    L.eh = L.et = NULL;
-    pthread_mutex_unlock(&L.mu);
-    while (pending) {
-        lane_ev_t *n = pending->next;
+    list_t evs, *n;
+    ev_take(&evs);
+    while ((n = list_pop(&evs))) {
+        lane_ev_t *pending = EV(n);
         if (pending->kind == LEV_ARRIVED && pending->desc &&
             pending->lane < L.n)
             lane_drop(pending->lane, pending->desc);
         ev_free(pending);
-        pending = n;
     }
     for (unsigned i = 0; i < L.n; i++) {
         L.v[i].stop_cmd.op = LC_STOP;
@@ -795,16 +792,12 @@ void lanes_stop(void)
      * still comes is dropped; a rendezvous the loop never answered is
      * released while its worker lives */
     L.ev = NULL;
-    pthread_mutex_lock(&L.mu);
-    lane_ev_t *e = L.eh;
-    L.eh = L.et = NULL;
-    pthread_mutex_unlock(&L.mu);
-    while (e) {
-        lane_ev_t *n = e->next;
+    ev_take(&evs);
+    while ((n = list_pop(&evs))) {
+        lane_ev_t *e = EV(n);
         if (e->kind == LEV_ARRIVED && e->desc && e->lane < L.n)
             ucp_am_data_release(L.v[e->lane].w, e->desc);
         ev_free(e);
-        e = n;
     }
     for (unsigned i = 0; i < L.n; i++)
         lane_destroy(&L.v[i]);

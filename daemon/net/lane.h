@@ -27,6 +27,8 @@
 #include <ucp/api/ucp.h>
 #include <uv.h>
 
+#include "list.h"
+
 #define LANES_MAX 16
 
 enum lane_ev_kind {
@@ -54,7 +56,7 @@ typedef struct lane_ev {
     size_t hlen;
     void *desc;          /* LEV_ARRIVED, rendezvous */
     size_t len;
-    struct lane_ev *next;
+    list_t node; /* on the event queue, or an endpoint's held */
 } lane_ev_t;
 
 /* Starts n lanes (0: none) on ctx. ev is called on the loop for every

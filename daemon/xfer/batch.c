@@ -6,10 +6,13 @@
 #include "batch.h"
 #include "kvxfer.h"
 
+#define BATCH(n) LIST_OWNER(n, batch_t, node)
+
 int batch_init(batch_state_t *bs, uint32_t nranks, batch_deliver_cb cb,
                void *arg)
 {
     memset(bs, 0, sizeof(*bs));
+    list_init(&bs->sealed);
     bs->nranks = nranks;
     bs->present = calloc(nranks, 1);
     bs->away = calloc(nranks, 1);
@@ -36,11 +39,11 @@ static void events_free(batch_event_t *ev, uint32_t n)
 
 void batch_cleanup(batch_state_t *bs)
 {
-    while (bs->head) {
-        batch_t *b = bs->head;
-        bs->head = b->next;
-        events_free(b->events, b->nevents);
-        free(b);
+    list_t *n;
+    /* (a state zeroed, by an earlier cleanup, holds none) */
+    while (bs->sealed.next && (n = list_pop(&bs->sealed))) {
+        events_free(BATCH(n)->events, BATCH(n)->nevents);
+        free(BATCH(n));
     }
     events_free(bs->pending, bs->npending);
     free(bs->present);
@@ -54,9 +57,12 @@ void batch_cleanup(batch_state_t *bs)
 
 static const batch_t *find(const batch_state_t *bs, uint64_t seq)
 {
-    for (const batch_t *b = bs->head; b; b = b->next)
-        if (b->seq == seq)
-            return b;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &bs->sealed)
+    {
+        if (BATCH(n)->seq == seq)
+            return BATCH(n);
+    }
     return NULL;
 }
 
@@ -70,13 +76,11 @@ static void trim(batch_state_t *bs)
         if (bs->present[r] && c < low)
             low = c;
     }
-    while (bs->head && bs->head->seq < low) {
-        batch_t *b = bs->head;
-        bs->head = b->next;
-        if (!bs->head)
-            bs->tail = NULL;
-        events_free(b->events, b->nevents);
-        free(b);
+    list_t *n;
+    while ((n = list_first(&bs->sealed)) && BATCH(n)->seq < low) {
+        list_remove(n);
+        events_free(BATCH(n)->events, BATCH(n)->nevents);
+        free(BATCH(n));
     }
 }
 
@@ -95,17 +99,14 @@ static int seal(batch_state_t *bs)
         return KVX_ERR_NOMEM;
     /* batches are numbered 0, 1, 2, ... with no gap: every rank reads
      * batch k as the same batch */
-    assert(!bs->tail || bs->tail->seq + 1 == bs->next_seq);
+    assert(list_empty(&bs->sealed) ||
+           BATCH(bs->sealed.prev)->seq + 1 == bs->next_seq);
     b->seq = bs->next_seq++;
     b->events = bs->pending;
     b->nevents = bs->npending;
     bs->pending = NULL;
     bs->npending = bs->cap_pending = 0;
-    if (bs->tail)
-        bs->tail->next = b;
-    else
-        bs->head = b;
-    bs->tail = b;
+    list_push(&bs->sealed, &b->node);
     bs->sealed_total++;
     for (uint32_t r = 0; r < bs->nranks; r++) {
         struct batch_waiter *w = &bs->wait[r];
@@ -255,4 +256,15 @@ uint64_t batch_next_deadline(const batch_state_t *bs)
         if (bs->wait[r].active && bs->wait[r].deadline_ms < d)
             d = bs->wait[r].deadline_ms;
     return d;
+}
+
+uint32_t batch_kept(const batch_state_t *bs)
+{
+    uint32_t n = 0;
+    list_t *x, *t;
+    LIST_FOREACH_SAFE(x, t, &bs->sealed)
+    {
+        n++;
+    }
+    return n;
 }

@@ -18,6 +18,8 @@
 
 #include <stdint.h>
 
+#include "list.h"
+
 typedef struct batch_event {
     uint64_t request_id;
     int kind;        /* KVX_EVENT_* */
@@ -29,7 +31,7 @@ typedef struct batch {
     uint64_t seq;
     uint32_t nevents;
     batch_event_t *events;
-    struct batch *next;
+    list_t node; /* on batch_state_t.sealed */
 } batch_t;
 
 struct batch_waiter {
@@ -59,7 +61,7 @@ typedef struct batch_state {
     struct batch_waiter *wait;
     batch_event_t *pending;
     uint32_t npending, cap_pending;
-    batch_t *head, *tail;      /* sealed and not yet read by all */
+    list_t sealed; /* batch_t.node, by seq: not yet read by all */
     uint64_t next_seq;
     uint64_t sealed_total;
     batch_deliver_cb deliver;
@@ -109,5 +111,7 @@ void batch_tick(batch_state_t *bs, uint64_t now_ms);
 void batch_flush(batch_state_t *bs);
 /* Earliest waiting deadline, or UINT64_MAX. */
 uint64_t batch_next_deadline(const batch_state_t *bs);
+/* Sealed batches kept: not yet read by every rank. */
+uint32_t batch_kept(const batch_state_t *bs);
 
 #endif /* KVX_BATCH_H */

@@ -27,6 +27,11 @@ instance_t *instance_find(const char *id)
 
 instance_t *instance_first(void) { return instances; }
 
+instance_t *instance_next(const instance_t *inst)
+{
+    return inst->next;
+}
+
 int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
                           Kvxfer__Event ***evp)
 {

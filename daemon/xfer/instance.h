@@ -37,7 +37,7 @@ typedef struct instance {
                                 instance (PeerBatch.epoch) */
     map_t offers;            /* request_id -> offer (context side) */
     map_t fetches;           /* request_id -> genreq (generation side) */
-    struct instance *next;
+    struct instance *next;   /* instance.c's; others walk instance_next() */
 } instance_t;
 
 /* What the agreement layer does for instances, registered at its init
@@ -78,7 +78,10 @@ instance_t *instance_find(const char *id);
  * malloc'd, the caller frees both. 0 or KVX_ERR_NOMEM. */
 int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
                           Kvxfer__Event ***evp);
+/* The instances, newest first: instance_first(), then instance_next()
+ * until NULL. */
 instance_t *instance_first(void);
+instance_t *instance_next(const instance_t *inst);
 /* Deadlines of waiting polls; frees instances with no rank and no
  * request left (only here, so no caller holds a freed instance). */
 void instance_tick(uint64_t now_ms);

@@ -148,7 +148,7 @@ size_t xfer_infos_page(const char *after_inst, int after_side,
         after_inst = "";
     uint64_t after = (after_side ? 1ull << 63 : 0) | (after_id & ~(1ull << 63));
     size_t ninst = 0, k = 0;
-    for (instance_t *i = instance_first(); i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         ninst++;
     instance_t **insts = malloc((ninst ? ninst : 1) * sizeof(*insts));
     Kvxfer__RequestInfo **v = calloc(max ? max : 1, sizeof(*v));
@@ -158,7 +158,7 @@ size_t xfer_infos_page(const char *after_inst, int after_side,
         return 0;
     }
     ninst = 0;
-    for (instance_t *i = instance_first(); i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         if (only_uid < 0 || i->owner_uid == (uint64_t)only_uid)
             insts[ninst++] = i; /* another user's: not shown */
     qsort(insts, ninst, sizeof(*insts), cmp_inst);

@@ -92,9 +92,26 @@ static void push(batch_state_t *bs, uint64_t id, uint64_t now)
 static uint32_t nbatches_held(const batch_state_t *bs)
 {
     uint32_t n = 0;
-    for (const batch_t *b = bs->head; b; b = b->next)
+    list_t *x, *t;
+    LIST_FOREACH_SAFE(x, t, &bs->sealed)
+    {
         n++;
+    }
+    CHECK_EQ(batch_kept(bs), n);
     return n;
+}
+
+/* The oldest batch held, or NULL. */
+static const batch_t *first_held(const batch_state_t *bs)
+{
+    list_t *n = list_first(&bs->sealed);
+    return n ? BATCH(n) : NULL;
+}
+
+/* No batch held, the list's both ends saying so. */
+static int none_held(const batch_state_t *bs)
+{
+    return list_empty(&bs->sealed) && bs->sealed.prev == &bs->sealed;
 }
 
 /* ---- the rules, one at a time ---- */
@@ -169,7 +186,7 @@ TEST(any_waiting_rank_at_least_seals_for_all)
     }
     CHECK(recs[0].rank != recs[1].rank && recs[1].rank != recs[2].rank &&
           recs[0].rank != recs[2].rank);
-    CHECK(bs.head == NULL); /* read by all three: freed */
+    CHECK(none_held(&bs)); /* read by all three: freed */
     batch_cleanup(&bs);
 }
 
@@ -253,14 +270,14 @@ TEST(late_rank_gets_the_sealed_batch_at_once)
         /* each read by the last reader frees exactly that batch */
         CHECK_EQ(nbatches_held(&bs), 3 - k);
         if (k < 3)
-            CHECK_EQ(bs.head->seq, (uint64_t)k + 1);
+            CHECK_EQ(first_held(&bs)->seq, (uint64_t)k + 1);
     }
-    CHECK(bs.head == NULL && bs.tail == NULL);
+    CHECK(none_held(&bs));
     /* and the list works again after being emptied */
     CHECK_EQ(batch_poll(&bs, 0, 1, 0, 1000, 0), 0);
     CHECK_EQ(nbatches_held(&bs), 1);
-    CHECK_EQ(bs.head->seq, 4);
-    CHECK(bs.head == bs.tail);
+    CHECK_EQ(first_held(&bs)->seq, 4);
+    CHECK(bs.sealed.next == bs.sealed.prev); /* the only one */
     batch_cleanup(&bs);
 }
 
@@ -276,7 +293,7 @@ TEST(leave_drops_waiter_and_unblocks_trimming)
     CHECK_EQ(nbatches_held(&bs), 5);
     batch_rank_leave(&bs, 2);
     CHECK_EQ(nbatches_held(&bs), 0);
-    CHECK(bs.tail == NULL);
+    CHECK(none_held(&bs));
 
     /* a waiting rank that leaves is not answered */
     CHECK_EQ(batch_poll(&bs, 1, 50, 1, 1000, 0), 0);
@@ -560,15 +577,15 @@ static void check_invariants(const batch_state_t *bs, uint64_t now,
         if (bs->present[r] && bs->cursor[r] < low)
             low = bs->cursor[r];
     uint64_t want = low;
-    for (const batch_t *b = bs->head; b; b = b->next) {
-        CHECK_EQ(b->seq, want);
-        if (!b->next)
-            CHECK(bs->tail == b);
+    const list_t *n = &bs->sealed;
+    while (n->next != &bs->sealed) { /* by seq, and linked both ways */
+        CHECK(n->next->prev == n);
+        n = n->next;
+        CHECK_EQ(BATCH(n)->seq, want);
         want++;
     }
+    CHECK(bs->sealed.prev == n);
     CHECK_EQ(want, bs->next_seq);
-    if (!bs->head)
-        CHECK(bs->tail == NULL);
     /* nobody is left waiting whose wait is already satisfied */
     for (uint32_t r = 0; r < bs->nranks; r++) {
         const struct batch_waiter *w = &bs->wait[r];
