@@ -5,12 +5,12 @@ Which libraries go into kvxfer/_libs/:
     and the shared libraries it needs that a fresh machine may lack);
   * else ../build/libkvxfer.so.1 if make built it (pip install ./python);
   * else none: the installed package uses the system's libkvxfer.
-A package with a library in it is a platform wheel (py3-none-linux_*):
-still pure Python, so any Python 3 version installs it.
+A package with a library in it is a platform wheel (py3-none-linux_*).
 """
 
 import os
 import shutil
+import sysconfig
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -47,14 +47,14 @@ class BuildPy(build_py):
 
 
 class PlatformWheel(bdist_wheel):
-    def finalize_options(self):
-        super().finalize_options()
-        if bundled():
-            self.root_is_pure = False
+    """py3-none-<platform> when a library is bundled: any Python 3 may
+    install it, on this platform only. The modules stay at the wheel's
+    root (purelib): ctypes loads the library, nothing is compiled."""
 
     def get_tag(self):
         python, abi, plat = super().get_tag()
-        if not self.root_is_pure:
+        if bundled():
+            plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
             python, abi = "py3", "none"
         return python, abi, plat
 

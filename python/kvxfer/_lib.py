@@ -161,13 +161,22 @@ def candidates() -> List[str]:
 
 def _preload_bundled() -> None:
     """Load the libraries a wheel bundles beside libkvxfer (libprotobuf-c),
-    so that its DT_NEEDED entries resolve to them by soname."""
+    so that its DT_NEEDED entries resolve to them by soname. One may need
+    another: load what loads, again, until nothing more does."""
     if not os.path.isdir(_BUNDLE_DIR):
         return
-    for name in sorted(os.listdir(_BUNDLE_DIR)):
-        if name.startswith("libkvxfer") or ".so" not in name:
-            continue
-        ctypes.CDLL(os.path.join(_BUNDLE_DIR, name), mode=ctypes.RTLD_GLOBAL)
+    left = [os.path.join(_BUNDLE_DIR, n) for n in sorted(os.listdir(_BUNDLE_DIR))
+            if ".so" in n and not n.startswith("libkvxfer")]
+    while left:
+        failed = []
+        for p in left:
+            try:
+                ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                failed.append(p)
+        if len(failed) == len(left):
+            return  # loading libkvxfer will name what is missing
+        left = failed
 
 
 def _declare(dll: ctypes.CDLL) -> None:
