@@ -67,7 +67,7 @@ class Event:
     reason. ``error`` gives the matching exception (None when complete).
     """
 
-    kind: EventKind
+    kind: Union[EventKind, int]  # an int: a kind newer than this package
     request_id: int
     code: int = 0
     message: str = ""
@@ -183,11 +183,11 @@ def _u32(blocks: Blocks, what: str = "blocks") -> Tuple[Any, int, Any]:
     if hasattr(blocks, "tolist"):  # torch tensors, array.array, ...
         blocks = blocks.tolist()
     try:
-        a = array.array("I", blocks)
+        arr = array.array("I", blocks)
     except (OverflowError, TypeError) as e:
         raise InvalidArgument(-1, f"{what}: {e}") from None
-    ptr, n = a.buffer_info()
-    return ctypes.c_void_p(ptr), n, a
+    ptr, n = arr.buffer_info()
+    return ctypes.c_void_p(ptr), n, arr
 
 
 class Client:
@@ -524,6 +524,7 @@ class Client:
     def _json(self, fn: str, timeout: Timeout) -> Any:
         p = ctypes.c_void_p()
         self._call(fn, ctypes.byref(p), self._ms(timeout))
+        assert p.value is not None  # the library sets it on success
         try:
             return json.loads(ctypes.string_at(p.value).decode())
         finally:

@@ -32,7 +32,7 @@ class HostBuffer(mmap.mmap):
     """Host memory the daemon can map: an anonymous memfd of ``size`` bytes,
     sealed against shrinking and growing, mapped shared into this process.
 
-    It is an :class:`mmap.mmap` (buffer protocol, slicing), and::
+    It is an :class:`mmap.mmap` (buffer protocol, slicing, ``len()``), and::
 
         buf.numpy(np.float16, (2, 1024))   # a numpy view of its bytes
         buf.torch(torch.bfloat16)           # a CPU tensor on its bytes
@@ -68,11 +68,6 @@ class HostBuffer(mmap.mmap):
         _buffers.add(self)
         return self
 
-    @property
-    def size(self) -> int:
-        """Bytes in the buffer."""
-        return len(self)
-
     def numpy(self, dtype: Any = "uint8", shape: Any = None,
               offset: int = 0) -> Any:
         """A numpy array on the buffer's bytes (needs numpy)."""
@@ -85,7 +80,7 @@ class HostBuffer(mmap.mmap):
     def torch(self, dtype: Any = None, shape: Any = None,
               offset: int = 0) -> Any:
         """A CPU tensor on the buffer's bytes (needs torch)."""
-        import torch
+        import torch  # type: ignore[import-not-found]
         import warnings
         dt = torch.uint8 if dtype is None else dtype
         count = -1 if shape is None else int(torch.Size(shape).numel())

@@ -65,7 +65,6 @@ def test_layout_struct_size():
 def test_binds_every_exported_function():
     declared = set(re.findall(r"KVX_EXPORT[^;(]*?\b(kvx_\w+)\s*\(",
                               header()))
-    assert len(declared) == 28
     assert set(_lib._PROTOS) == declared, (
         "kvxfer.h and python/kvxfer/_lib.py disagree: bind the new calls")
     lib = _lib.lib()
