@@ -78,7 +78,7 @@ UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/t
 ITEST      := $(BUILD)/tests/integration
 
 .PHONY: all deps test asan tsan demo install uninstall clean bundle help test-gpu lint fuzz
-.PHONY: check-lib
+.PHONY: check-lib test-python wheel
 all: $(BINS)
 
 help:
@@ -88,6 +88,8 @@ help:
 	@echo "make tsan       the tests under ThreadSanitizer (host-only build)"
 	@echo "make demo       install missing packages, build, run the end-to-end demo"
 	@echo "make test-gpu   GPU tests (skips without a GPU)"
+	@echo "make test-python  the Python package's tests (pytest, a venv under build/)"
+	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
 	@echo "make lint       cppcheck, no warnings allowed"
@@ -168,9 +170,21 @@ $(BUILD)/tests/fake_peer: tests/integration/fake_peer.c $(PB_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(PB_OBJ) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS)
 
+# the C tests, then the Python package's (scripts/test-python.sh)
 test: deps
 	@$(MAKE) --no-print-directory all $(UNIT_TESTS) $(ITEST)
-	@BUILD=$(BUILD) tests/run.sh
+	@BUILD=$(BUILD) KVX_PYTHON_TESTS=1 tests/run.sh
+
+# python/tests with pytest against this build's kvxferd and libkvxfer;
+# pytest and numpy go into a virtual environment, $(BUILD)/venv
+test-python: deps
+	@$(MAKE) --no-print-directory all
+	@scripts/test-python.sh $(BUILD)
+
+# A wheel of the Python package with libkvxfer.so.1 and the shared
+# libraries it needs that a machine without our Debian packages lacks
+wheel: all
+	@scripts/wheel.sh $(BUILD) dist
 
 asan:
 	@scripts/deps.sh

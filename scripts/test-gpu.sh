@@ -3,7 +3,8 @@
 # (scripts/test-gpu.sh build) and from a bundle (bin/test-gpu.sh).
 # The C tests (tests/gpu), then PyTorch tensors as pools
 # (tests/gpu/torch_pools.py, with and without expandable segments) where
-# python3 has torch; the last line adds them up.
+# python3 has torch, then the kvxfer package's GPU tests (python/tests/
+# test_gpu.py, from a build tree); the last line adds them up.
 BUILD=${1:-build}
 [ $# -gt 0 ] && shift
 # a build tree has tests/gpu, a bundle bin/tests/gpu
@@ -51,6 +52,18 @@ else
     done
     kill "$dpid"; wait "$dpid" || { echo "FAIL kvxferd of the torch tests exited $?"; tail -20 "$dir/d.log"; failed=$((failed + 1)); }
     rm -rf "$dir"
+fi
+# the Python package's GPU tests: a build tree only (a bundle has no
+# python/); they skip, saying why, without CUDA torch or CuPy
+py=$(dirname "$0")/test-python.sh
+if [ $# -gt 0 ] || [ ! -x "$py" ] || [ ! -x "$BUILD/tests/gpu" ]; then
+    : # named C tests only, or a bundle
+elif ! python3 -c 'import torch' 2>/dev/null && ! python3 -c 'import cupy' 2>/dev/null; then
+    echo "test-gpu: kvxfer package tests skipped: python3 has neither torch nor cupy"
+else
+    "$py" "$BUILD" --gpu python/tests/test_gpu.py >"$out" 2>&1
+    cat "$out"
+    add "$out"
 fi
 rm -f "$out"
 echo "$passed passed, $failed failed"

@@ -1,0 +1,232 @@
+"""Loading libkvxfer and its C declarations (ctypes mirrors of kvxfer.h).
+
+Nothing here is public: the rest of the package calls ``lib()`` and the
+structures below. The structures must match kvxfer.h field for field;
+tests/test_abi.py compiles a small C program and compares every size and
+offset with these.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from ctypes import (POINTER, Structure, c_char, c_char_p, c_int, c_size_t,
+                    c_uint, c_uint8, c_uint32, c_uint64, c_void_p)
+from typing import List, Optional
+
+MAX_LAYERS = 1024  # KVX_MAX_LAYERS
+MAX_RANKS = 1024  # KVX_MAX_RANKS
+SONAME = "libkvxfer.so.1"
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+# where a wheel (or `pip install ./python` after make) puts the library
+# and, for a wheel, the shared libraries it needs that a machine may lack
+_BUNDLE_DIR = os.path.join(_PKG_DIR, "_libs")
+
+
+class Parallel(Structure):
+    _fields_ = [
+        ("tp", c_uint32), ("pp", c_uint32), ("cp", c_uint32),
+        ("total_layers", c_uint32),
+        ("total_kv_heads", c_uint32),
+        ("layers_per_pp", POINTER(c_uint32)),
+        ("num_layers_per_pp", c_uint32),
+        ("attention_dp", c_uint32),
+    ]
+
+
+class Layout(Structure):
+    _fields_ = [
+        ("preset", c_char * 16),
+        ("num_layers", c_uint32), ("kv_factor", c_uint32),
+        ("num_heads", c_uint32), ("head_dim", c_uint32),
+        ("elem_size", c_uint32),
+        ("dtype", c_int),
+        ("tokens_per_block", c_uint32), ("num_blocks", c_uint32),
+        ("layer_offset", c_uint64 * MAX_LAYERS),
+        ("kv_stride", c_uint64), ("block_stride", c_uint64),
+        ("token_stride", c_uint64), ("head_stride", c_uint64),
+    ]
+
+
+class Hello(Structure):
+    _fields_ = [
+        ("instance_id", c_char_p),
+        ("role", c_int),
+        ("rank", c_uint32),
+        ("parallel", Parallel),
+        ("version_major", c_uint32), ("version_minor", c_uint32),
+    ]
+
+
+class ContextParams(Structure):
+    _fields_ = [("data", POINTER(c_uint8)), ("len", c_size_t)]
+
+
+class Event(Structure):
+    _fields_ = [
+        ("request_id", c_uint64),
+        ("kind", c_int),
+        ("code", c_int),
+        ("message", c_char_p),
+    ]
+
+
+class Batch(Structure):
+    _fields_ = [
+        ("seq", c_uint64),
+        ("num_events", c_uint32),
+        ("events", POINTER(Event)),
+    ]
+
+
+# name -> (restype, argtypes), exactly kvxfer.h's 28 functions
+_client_p = c_void_p
+_PROTOS = {
+    "kvx_status_str": (c_char_p, [c_int]),
+    "kvx_status_name": (c_char_p, [c_int]),
+    "kvx_dtype_parse": (c_int, [c_char_p, POINTER(c_int)]),
+    "kvx_dtype_name": (c_char_p, [c_int]),
+    "kvx_dtype_size": (c_uint, [c_int]),
+    "kvx_layout_preset": (c_int, [c_char_p, c_uint32, c_uint32, c_uint32,
+                                  c_uint32, c_int, c_uint32, c_uint32,
+                                  POINTER(Layout)]),
+    "kvx_layout_span": (c_uint64, [POINTER(Layout)]),
+    "kvx_layout_offset": (c_uint64, [POINTER(Layout), c_uint32, c_uint32,
+                                     c_uint32, c_uint32, c_uint32]),
+    "kvx_connect": (c_int, [c_char_p, POINTER(Hello), c_int,
+                            POINTER(_client_p)]),
+    "kvx_close": (None, [_client_p]),
+    "kvx_connect_observer": (c_int, [c_char_p, c_int, POINTER(_client_p)]),
+    "kvx_hello": (c_int, [_client_p, POINTER(Hello), c_int]),
+    "kvx_last_error": (c_char_p, [_client_p]),
+    "kvx_daemon_address": (c_int, [_client_p, c_char_p, c_size_t]),
+    "kvx_join": (c_int, [_client_p, POINTER(c_char_p), c_uint32, c_int]),
+    "kvx_pool_create_host": (c_int, [_client_p, POINTER(Layout), c_uint64,
+                                     POINTER(c_void_p), POINTER(c_uint32),
+                                     c_int]),
+    "kvx_pool_register_host": (c_int, [_client_p, POINTER(Layout), c_int,
+                                       c_uint64, c_uint64, POINTER(c_uint32),
+                                       c_int]),
+    "kvx_pool_register_gpu": (c_int, [_client_p, POINTER(Layout), c_void_p,
+                                      c_uint64, POINTER(c_uint32), c_int]),
+    "kvx_pool_deregister": (c_int, [_client_p, c_uint32, c_int]),
+    "kvx_context_params_free": (None, [POINTER(ContextParams)]),
+    "kvx_publish": (c_int, [_client_p, c_uint64, c_uint32, c_void_p,
+                            c_uint32, c_uint32, POINTER(ContextParams),
+                            c_int]),
+    "kvx_fetch": (c_int, [_client_p, c_uint64, c_char_p, c_size_t, c_uint32,
+                          c_void_p, c_uint32, c_uint32, c_int]),
+    "kvx_fetch_dp": (c_int, [_client_p, c_uint64, c_char_p, c_size_t,
+                             c_uint32, c_void_p, c_uint32, c_uint32,
+                             c_uint32, c_int]),
+    "kvx_poll": (c_int, [_client_p, c_uint32, c_uint32,
+                         POINTER(POINTER(Batch))]),
+    "kvx_batch_free": (None, [POINTER(Batch)]),
+    "kvx_cancel": (c_int, [_client_p, c_uint64, c_int]),
+    # the JSON is malloc'd: kept as a void pointer so that it can be freed
+    "kvx_status_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),
+    "kvx_requests_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),
+}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_path: Optional[str] = None
+_libc: Optional[ctypes.CDLL] = None
+
+
+class LibraryNotFound(ImportError):
+    """libkvxfer.so.1 could not be found or loaded (see ``candidates()``)."""
+
+
+def candidates() -> List[str]:
+    """Where the library is looked for, in order (see docs/python.md)."""
+    out = []
+    env = os.environ.get("KVXFER_LIB")
+    if env:
+        out.append(env)
+    out.append(os.path.join(_BUNDLE_DIR, SONAME))
+    # running from the source tree: python/kvxfer -> ../../build
+    repo = os.path.dirname(os.path.dirname(_PKG_DIR))
+    build = os.environ.get("KVX_BUILD", "build")
+    out.append(os.path.join(repo, build, SONAME))
+    found = ctypes.util.find_library("kvxfer")
+    if found:
+        out.append(found)
+    out.append(SONAME)  # the dynamic loader's own search (ld.so.cache, ...)
+    return out
+
+
+def _preload_bundled() -> None:
+    """Load the libraries a wheel bundles beside libkvxfer (libprotobuf-c),
+    so that its DT_NEEDED entries resolve to them by soname. One may need
+    another: load what loads, again, until nothing more does."""
+    if not os.path.isdir(_BUNDLE_DIR):
+        return
+    left = [os.path.join(_BUNDLE_DIR, n) for n in sorted(os.listdir(_BUNDLE_DIR))
+            if ".so" in n and not n.startswith("libkvxfer")]
+    while left:
+        failed = []
+        for p in left:
+            try:
+                ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                failed.append(p)
+        if len(failed) == len(left):
+            return  # loading libkvxfer will name what is missing
+        left = failed
+
+
+def _declare(dll: ctypes.CDLL) -> None:
+    for name, (res, args) in _PROTOS.items():
+        fn = getattr(dll, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded libkvxfer (loaded on first use)."""
+    global _lib, _path
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        errors = []
+        for cand in candidates():
+            if os.sep in cand and not os.path.exists(cand):
+                continue
+            try:
+                if cand.startswith(_BUNDLE_DIR):
+                    _preload_bundled()
+                dll = ctypes.CDLL(cand)
+                _declare(dll)
+            except (OSError, AttributeError) as e:
+                errors.append(f"{cand}: {e}")
+                continue
+            _lib, _path = dll, cand
+            return dll
+        raise LibraryNotFound(
+            "libkvxfer.so.1 not found; looked at: "
+            + "; ".join(errors or candidates())
+            + " (set KVXFER_LIB to its path, build it with make, or install "
+            "the kvxfer wheel that bundles it)")
+
+
+def path() -> str:
+    """File name the library was loaded from."""
+    lib()
+    assert _path is not None
+    return _path
+
+
+def free(ptr: int) -> None:
+    """free() for memory the library malloc'd and hands over (JSON)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None)
+        _libc.free.argtypes = [c_void_p]
+        _libc.free.restype = None
+    _libc.free(ptr)

@@ -1,0 +1,550 @@
+"""Client: one engine rank's connection to kvxferd (kvx_client_t)."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import enum
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import (Any, Iterator, List, Optional, Sequence, Tuple, Union)
+
+from . import _lib
+from .errors import Closed, Error, InvalidArgument, make_error
+from .layout import Layout
+from .memory import HostBuffer, Span, host_buffer_of, span_of
+
+__all__ = ["Client", "Role", "Parallel", "Pool", "HostPool", "EventKind",
+           "Event", "Batch", "DEFAULT_SOCKET"]
+
+DEFAULT_SOCKET = "/run/kvxfer/kvxferd.sock"
+
+Timeout = Optional[float]
+_DEFAULT: Any = object()  # "the client's default timeout"
+
+
+class Role(enum.IntEnum):
+    """kvx_role_t."""
+
+    CONTEXT = 1
+    GENERATION = 2
+    BOTH = 3
+
+
+@dataclass
+class Parallel:
+    """kvx_parallel_t: the instance's parallel configuration.
+
+    ``layers_per_pp``: layers held by each PP rank (None = even split,
+    remainder to the first ranks). ``attention_dp``: generation side only,
+    the tp ranks form that many groups (0/1 = off).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    total_layers: int = 0
+    total_kv_heads: int = 0
+    layers_per_pp: Optional[Sequence[int]] = None
+    attention_dp: int = 0
+
+
+class EventKind(enum.IntEnum):
+    """kvx_event_kind_t."""
+
+    COMPLETE = 1
+    ERROR = 2
+    CANCELLED = 3
+    TIMED_OUT = 4
+
+
+@dataclass(frozen=True)
+class Event:
+    """A terminal event of one request (kvx_event_t).
+
+    ``code`` is the kvx_status_t (0 for COMPLETE); ``message`` the daemon's
+    reason. ``error`` gives the matching exception (None when complete).
+    """
+
+    kind: Union[EventKind, int]  # an int: a kind newer than this package
+    request_id: int
+    code: int = 0
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True for COMPLETE."""
+        return self.kind == EventKind.COMPLETE
+
+    @property
+    def error(self) -> Optional[Error]:
+        """The event as an exception instance (None for COMPLETE)."""
+        if self.ok:
+            return None
+        return make_error(self.code, self.message)
+
+    def raise_for_status(self) -> "Event":
+        """Raise :attr:`error` unless the request completed; returns self."""
+        err = self.error
+        if err is not None:
+            raise err
+        return self
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Batch ``seq`` of this rank's terminal events (kvx_batch_t); batch k
+    has the same events on every rank of the instance. Iterable."""
+
+    seq: int
+    events: Tuple[Event, ...] = field(default_factory=tuple)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+class Pool:
+    """A registered pool. Pass it (or its ``id``) to publish / fetch.
+
+    Holds a reference to the memory it was made of, so that the memory
+    outlives the registration. ``deregister()`` (or leaving a ``with``
+    block) ends it; closing the client ends all of them.
+    """
+
+    def __init__(self, client: "Client", pool_id: int, layout: Layout,
+                 size: int, kind: str, memory: Any) -> None:
+        self.id = pool_id
+        self.layout = layout
+        self.size = size
+        self.kind = kind  # "host" or "gpu"
+        self.memory = memory
+        self._client: Optional[Client] = client
+
+    @property
+    def registered(self) -> bool:
+        """False after deregister() or the client's close()."""
+        return self._client is not None and not self._client.closed
+
+    def deregister(self, timeout: Timeout = _DEFAULT) -> None:
+        """kvx_pool_deregister. Idempotent."""
+        c, self._client = self._client, None
+        if c is not None and not c.closed:
+            c._call("kvx_pool_deregister", self.id, c._ms(timeout))
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.deregister()
+
+    def __repr__(self) -> str:
+        return (f"<kvxfer.{type(self).__name__} id={self.id} {self.kind} "
+                f"size={self.size} {self.layout.preset_name}>")
+
+
+class HostPool(Pool):
+    """A pool in a :class:`HostBuffer` made for it (create_host_pool)."""
+
+    buffer: HostBuffer
+
+    @property
+    def array(self) -> Any:
+        """The pool's bytes as a numpy uint8 array (needs numpy)."""
+        return self.buffer.numpy()
+
+    def memoryview(self) -> memoryview:
+        """The pool's bytes as a writable memoryview."""
+        return memoryview(self.buffer)
+
+
+PoolRef = Union[Pool, int]
+Blocks = Any  # a sequence of ints, a numpy integer array, a CPU tensor
+
+
+def _pool_id(pool: PoolRef) -> int:
+    return pool.id if isinstance(pool, Pool) else int(pool)
+
+
+def _u32(blocks: Blocks, what: str = "blocks") -> Tuple[Any, int, Any]:
+    """(pointer, count, keep-alive) of blocks as a uint32 array."""
+    if hasattr(blocks, "__array_interface__"):
+        import numpy as np
+        a = np.asarray(blocks)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise InvalidArgument(-1, f"{what}: expected a 1-d integer array")
+        if a.size and (int(a.min()) < 0 or int(a.max()) > 0xFFFFFFFF):
+            raise InvalidArgument(-1, f"{what}: ids must be in 0..2^32-1")
+        a = np.ascontiguousarray(a, dtype=np.uint32)
+        return ctypes.c_void_p(a.ctypes.data), a.size, a
+    if hasattr(blocks, "tolist"):  # torch tensors, array.array, ...
+        blocks = blocks.tolist()
+    try:
+        arr = array.array("I", blocks)
+    except (OverflowError, TypeError) as e:
+        raise InvalidArgument(-1, f"{what}: {e}") from None
+    ptr, n = arr.buffer_info()
+    return ctypes.c_void_p(ptr), n, arr
+
+
+class Client:
+    """A connection to kvxferd for one engine rank (kvx_client_t).
+
+    ::
+
+        with kvxfer.Client(instance_id="prefill-0", role="context",
+                           parallel=kvxfer.Parallel(total_layers=32,
+                                                    total_kv_heads=8)) as c:
+            c.join([c.daemon_address])
+            ...
+
+    With ``instance_id`` None the client connects without Hello (an
+    *observer*: status, requests) and may say :meth:`hello` later.
+
+    Every call blocks until the daemon answers or ``timeout`` seconds pass
+    (per call, default the client's; None = wait forever) and raises a
+    subclass of :class:`kvxfer.Error` on failure, carrying the daemon's
+    message. A client may be shared by threads: calls are serialized (the
+    library is one thread at a time per connection).
+    """
+
+    def __init__(self, socket_path: Optional[str] = None, *,
+                 instance_id: Optional[str] = None,
+                 role: Union[Role, str, int, None] = None,
+                 rank: int = 0, parallel: Optional[Parallel] = None,
+                 timeout: Timeout = 5.0,
+                 protocol_version: Optional[Tuple[int, int]] = None) -> None:
+        self._h = ctypes.c_void_p()
+        self._lock = threading.RLock()
+        self.timeout = timeout
+        self.socket_path = socket_path or DEFAULT_SOCKET
+        self._address: Optional[str] = None
+        lib = _lib.lib()
+        path = self.socket_path.encode()
+        if instance_id is None:
+            rc = lib.kvx_connect_observer(path, self._ms(_DEFAULT),
+                                          ctypes.byref(self._h))
+        else:
+            hello, keep = self._hello_struct(instance_id, role, rank,
+                                             parallel, protocol_version)
+            rc = lib.kvx_connect(path, ctypes.byref(hello),
+                                 self._ms(_DEFAULT), ctypes.byref(self._h))
+            del keep
+        if rc:
+            msg = lib.kvx_last_error(None)
+            self._h = ctypes.c_void_p()
+            raise make_error(rc, msg.decode(errors="replace") if msg else "")
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _ms(self, timeout: Timeout) -> int:
+        t = self.timeout if timeout is _DEFAULT else timeout
+        if t is None:
+            return -1
+        if t <= 0:
+            raise InvalidArgument(-1, f"timeout: {t} (expected > 0 seconds "
+                                  "or None)")
+        return max(1, min(int(round(t * 1000)), 2**31 - 1))
+
+    def _call(self, fn: str, *args: Any) -> None:
+        with self._lock:
+            if not self._h:
+                raise Closed(-20, "the client is closed")
+            lib = _lib.lib()
+            rc = getattr(lib, fn)(self._h, *args)
+            if rc:
+                msg = lib.kvx_last_error(self._h)
+                raise make_error(rc, msg.decode(errors="replace")
+                                 if msg else "")
+
+    @staticmethod
+    def _hello_struct(instance_id: str, role: Any, rank: int,
+                      parallel: Optional[Parallel],
+                      version: Optional[Tuple[int, int]]) -> Tuple[Any, Any]:
+        if role is None:
+            raise InvalidArgument(-1, "role: needed with instance_id")
+        if isinstance(role, str):
+            try:
+                role = Role[role.upper()]
+            except KeyError:
+                raise InvalidArgument(-1, f"role: {role!r} (expected context, "
+                                      "generation or both)") from None
+        p = parallel or Parallel()
+        h = _lib.Hello()
+        iid = instance_id.encode()
+        h.instance_id = iid
+        h.role = int(Role(role))
+        h.rank = rank
+        h.parallel.tp, h.parallel.pp, h.parallel.cp = p.tp, p.pp, p.cp
+        h.parallel.total_layers = p.total_layers
+        h.parallel.total_kv_heads = p.total_kv_heads
+        h.parallel.attention_dp = p.attention_dp
+        lpp = None
+        if p.layers_per_pp is not None:
+            lpp = (ctypes.c_uint32 * len(p.layers_per_pp))(*p.layers_per_pp)
+            h.parallel.layers_per_pp = ctypes.cast(
+                lpp, ctypes.POINTER(ctypes.c_uint32))
+            h.parallel.num_layers_per_pp = len(p.layers_per_pp)
+        if version is not None:
+            h.version_major, h.version_minor = version
+        return h, (iid, lpp)
+
+    # -- connection -------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+        return not self._h
+
+    def close(self) -> None:
+        """Close the connection (kvx_close). The daemon ends this rank's
+        offers and fetches and drops its pools. Idempotent."""
+        with self._lock:
+            h, self._h = self._h, ctypes.c_void_p()
+            if h:
+                _lib.lib().kvx_close(h)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def hello(self, instance_id: str, role: Union[Role, str, int],
+              rank: int = 0, parallel: Optional[Parallel] = None,
+              timeout: Timeout = _DEFAULT,
+              protocol_version: Optional[Tuple[int, int]] = None) -> None:
+        """Say Hello on an observer connection (kvx_hello)."""
+        h, keep = self._hello_struct(instance_id, role, rank, parallel,
+                                     protocol_version)
+        self._call("kvx_hello", ctypes.byref(h), self._ms(timeout))
+        del keep
+        self._address = None
+
+    @property
+    def daemon_address(self) -> str:
+        """This daemon's address, to allgather among the instance's ranks
+        and pass to :meth:`join` (kvx_daemon_address)."""
+        if self._address is None:
+            buf = ctypes.create_string_buffer(1024)
+            self._call("kvx_daemon_address", buf, len(buf))
+            self._address = buf.value.decode()
+        return self._address
+
+    def join(self, rank_addresses: Sequence[str],
+             timeout: Timeout = _DEFAULT) -> None:
+        """Tell the daemon where every rank of this instance is served
+        (kvx_join); every local rank joins with the same list."""
+        enc = [a.encode() for a in rank_addresses]
+        arr = (ctypes.c_char_p * max(1, len(enc)))(*enc)
+        self._call("kvx_join", arr, len(enc), self._ms(timeout))
+
+    # -- pools ------------------------------------------------------------
+
+    def create_host_pool(self, layout: Layout, size: Optional[int] = None,
+                         timeout: Timeout = _DEFAULT) -> HostPool:
+        """A new host-memory pool (a sealed memfd shared with the daemon,
+        as kvx_pool_create_host makes) of ``size`` bytes (default
+        ``layout.span``). Its bytes: ``pool.array`` (numpy),
+        ``pool.memoryview()``, ``pool.buffer.torch()``. The memory lives as
+        long as any of those do, even after deregister()."""
+        buf = HostBuffer(size or layout.span)
+        pool = self.register_host_fd(buf.fd, 0, len(buf), layout,
+                                     timeout=timeout)
+        hp = HostPool(self, pool.id, layout, len(buf), "host", buf)
+        hp.buffer = buf
+        pool._client = None  # hp owns the registration now
+        return hp
+
+    def register_host_fd(self, fd: int, offset: int, size: int,
+                         layout: Layout,
+                         timeout: Timeout = _DEFAULT) -> Pool:
+        """Bytes [offset, offset + size) of a memfd of yours as a pool
+        (kvx_pool_register_host). The memfd must be sealed against
+        shrinking (F_SEAL_SHRINK); you keep the fd and your mapping."""
+        pid = ctypes.c_uint32()
+        self._call("kvx_pool_register_host", ctypes.byref(layout._c), fd,
+                   offset, size, ctypes.byref(pid), self._ms(timeout))
+        return Pool(self, pid.value, layout, size, "host", fd)
+
+    def register_pool(self, memory: Any, layout: Layout, *,
+                      size: Optional[int] = None,
+                      device: Optional[str] = None,
+                      timeout: Timeout = _DEFAULT) -> Pool:
+        """Register memory you have as a pool described by ``layout``.
+
+        ``memory`` is one of:
+
+        * a CUDA tensor (PyTorch), CuPy array or any object with
+          ``__cuda_array_interface__`` (contiguous): kvx_pool_register_gpu
+          (a slice of a larger allocation works, and PyTorch's expandable
+          segments);
+        * a numpy array, CPU tensor, memoryview or :class:`HostBuffer`
+          whose bytes lie in a HostBuffer: kvx_pool_register_host;
+        * a list or tuple of per-layer tensors/arrays (one per layer of the
+          layout, as vLLM keeps them): one pool from the lowest address to
+          the end of the highest, with the layout's layer offsets set to
+          where each one starts. They must lie in one allocation (one
+          HostBuffer; one cudaMalloc segment or VMM range), until the C
+          API takes several regions per pool;
+        * an int: a raw pointer, with ``size`` (bytes) and ``device``
+          (``"cuda"``, or ``"host"`` inside a HostBuffer).
+
+        The pool is the object's bytes (``size`` overrides); the layout
+        must fit in them. The pool keeps a reference to ``memory``.
+        """
+        if isinstance(memory, (list, tuple)):
+            span, layout = self._layers_span(memory, layout, device)
+        else:
+            span = span_of(memory, size, device)
+            if size is not None and not isinstance(memory, int):
+                if size > span.nbytes:
+                    raise InvalidArgument(-1, f"size: {size} is more than the "
+                                          f"{span.nbytes} bytes of memory")
+                span.nbytes = size
+        pid = ctypes.c_uint32()
+        if span.kind == "host":
+            buf = host_buffer_of(span)
+            self._call("kvx_pool_register_host", ctypes.byref(layout._c),
+                       buf.fd, span.ptr - buf.address, span.nbytes,
+                       ctypes.byref(pid), self._ms(timeout))
+        else:
+            self._call("kvx_pool_register_gpu", ctypes.byref(layout._c),
+                       ctypes.c_void_p(span.ptr), span.nbytes,
+                       ctypes.byref(pid), self._ms(timeout))
+        return Pool(self, pid.value, layout, span.nbytes, span.kind, memory)
+
+    @staticmethod
+    def _layers_span(items: Sequence[Any], layout: Layout,
+                     device: Optional[str]) -> Tuple[Span, Layout]:
+        if len(items) != layout.num_layers:
+            raise InvalidArgument(-1, f"memory: {len(items)} per-layer "
+                                  f"tensors for a layout of "
+                                  f"{layout.num_layers} layers")
+        spans = [span_of(m, None, device) for m in items]
+        kinds = {s.kind for s in spans}
+        devices = {s.device for s in spans}
+        if len(kinds) != 1 or len(devices) != 1:
+            raise InvalidArgument(-1, "memory: per-layer tensors must all "
+                                  "be on one device")
+        need = layout.layer_span
+        for i, s in enumerate(spans):
+            if s.nbytes < need:
+                raise InvalidArgument(-1, f"memory[{i}]: {s.nbytes} bytes, "
+                                      f"one layer of the layout spans {need}")
+        base = min(s.ptr for s in spans)
+        end = max(s.ptr + s.nbytes for s in spans)
+        out = Span(spans[0].kind, base, end - base, spans[0].device)
+        return out, layout.with_layer_offsets(s.ptr - base for s in spans)
+
+    def deregister(self, pool: PoolRef, timeout: Timeout = _DEFAULT) -> None:
+        """kvx_pool_deregister (same as ``pool.deregister()``)."""
+        if isinstance(pool, Pool):
+            pool.deregister(timeout)
+        else:
+            self._call("kvx_pool_deregister", int(pool), self._ms(timeout))
+
+    # -- requests ---------------------------------------------------------
+
+    def publish(self, request_id: int, pool: PoolRef, blocks: Blocks,
+                num_tokens: int, timeout: Timeout = _DEFAULT) -> bytes:
+        """Offer request_id's KV in ``blocks`` of ``pool`` (kvx_publish).
+
+        Returns the context params: opaque bytes, identical on every rank,
+        for the router to hand to the generation side.
+        """
+        ptr, n, keep = _u32(blocks)
+        params = _lib.ContextParams()
+        self._call("kvx_publish", request_id, _pool_id(pool), ptr, n,
+                   num_tokens, ctypes.byref(params), self._ms(timeout))
+        del keep
+        try:
+            return ctypes.string_at(params.data, params.len)
+        finally:
+            _lib.lib().kvx_context_params_free(ctypes.byref(params))
+
+    def fetch(self, request_id: int, params: bytes, pool: PoolRef,
+              blocks: Blocks, *, skip_tokens: int = 0,
+              dp_rank: Optional[int] = None,
+              timeout: Timeout = _DEFAULT) -> None:
+        """Fill ``blocks`` of ``pool`` with the KV the context ``params``
+        name, writing tokens >= ``skip_tokens`` (kvx_fetch; with
+        ``dp_rank``, kvx_fetch_dp). Returns once the daemon accepted the
+        fetch; its end arrives as an :class:`Event` from :meth:`poll`."""
+        ptr, n, keep = _u32(blocks)
+        params = bytes(params)
+        if dp_rank is None:
+            self._call("kvx_fetch", request_id, params, len(params),
+                       _pool_id(pool), ptr, n, skip_tokens,
+                       self._ms(timeout))
+        else:
+            self._call("kvx_fetch_dp", request_id, params, len(params),
+                       _pool_id(pool), ptr, n, skip_tokens, dp_rank,
+                       self._ms(timeout))
+        del keep
+
+    def poll(self, at_least: int = 1, timeout: float = 0.1) -> Batch:
+        """This rank's next batch of terminal events (kvx_poll): sealed once
+        ``at_least`` events are pending or ``timeout`` seconds pass
+        (possibly empty). Every rank of an instance gets the same batch k,
+        so SPMD ranks call poll in lockstep."""
+        if timeout < 0:
+            raise InvalidArgument(-1, f"timeout: {timeout} (expected >= 0)")
+        ms = min(int(round(timeout * 1000)), 0xFFFFFFFF)
+        out = ctypes.POINTER(_lib.Batch)()
+        self._call("kvx_poll", at_least, ms, ctypes.byref(out))
+        try:
+            b = out.contents
+            events = tuple(
+                Event(kind=_kind(e.kind), request_id=int(e.request_id),
+                      code=int(e.code),
+                      message=(e.message or b"").decode(errors="replace"))
+                for e in b.events[: b.num_events])
+            return Batch(seq=int(b.seq), events=events)
+        finally:
+            _lib.lib().kvx_batch_free(out)
+
+    def cancel(self, request_id: int, timeout: Timeout = _DEFAULT) -> None:
+        """Cancel request_id (published or fetched by this instance)
+        (kvx_cancel). On return the daemon will never again read or write
+        its blocks."""
+        self._call("kvx_cancel", request_id, self._ms(timeout))
+
+    # -- observing --------------------------------------------------------
+
+    def _json(self, fn: str, timeout: Timeout) -> Any:
+        p = ctypes.c_void_p()
+        self._call(fn, ctypes.byref(p), self._ms(timeout))
+        assert p.value is not None  # the library sets it on success
+        try:
+            return json.loads(ctypes.string_at(p.value).decode())
+        finally:
+            _lib.free(p.value)
+
+    def status(self, timeout: Timeout = _DEFAULT) -> dict:
+        """The daemon's status (kvx_status_json) as a dict."""
+        return self._json("kvx_status_json", timeout)
+
+    def requests(self, timeout: Timeout = _DEFAULT) -> List[dict]:
+        """In-flight requests (kvx_requests_json) as a list of dicts."""
+        return self._json("kvx_requests_json", timeout)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<kvxfer.Client {self.socket_path} {state}>"
+
+
+def _kind(k: int) -> Union[EventKind, int]:
+    try:
+        return EventKind(k)
+    except ValueError:  # a kind newer than this package
+        return k

@@ -1,0 +1,259 @@
+"""A real kvxferd: host-pool transfers, errors, status, events, cancel."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvxfer
+from kvxfer import EventKind, HostBuffer, Layout
+
+from conftest import open_rank, wait_event
+
+LAYERS, HEADS, HEAD_DIM, TPB, BLOCKS = 4, 2, 64, 16, 8
+
+
+def layout(preset="vllm-nhd", blocks=BLOCKS):
+    return Layout.preset(preset, num_layers=LAYERS, num_heads=HEADS,
+                         head_dim=HEAD_DIM, dtype="bf16",
+                         tokens_per_block=TPB, num_blocks=blocks)
+
+
+def fill(a, seed):
+    a[:] = np.random.default_rng(seed).integers(0, 256, a.size,
+                                                dtype=np.uint8)
+
+
+def block_bytes(lo, arr, block):
+    """Every byte of one block, layer by layer, K then V."""
+    per = lo.token_stride * TPB
+    return np.concatenate([
+        arr[lo.offset(layer, kv, block):lo.offset(layer, kv, block) + per]
+        for layer in range(LAYERS) for kv in range(2)])
+
+
+def test_observer_status_is_a_dict(daemon):
+    with kvxfer.Client(daemon.sock) as obs:
+        st = obs.status()
+        assert isinstance(st, dict)
+        assert st["version"] == kvxfer.version()
+        assert st["sessions_total"] >= 1
+        assert isinstance(obs.requests(), list)
+
+
+def test_host_transfer_bytes_arrive(pair, names):
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    assert src.kind == "host" and src.size == lo.span
+    fill(src.array, 1)
+    before = dst.array.copy()
+    req = names["req"]
+    src_blocks, dst_blocks = [5, 2, 7], np.array([0, 3, 6], dtype=np.int64)
+    params = ctx.publish(req, src, src_blocks, num_tokens=3 * TPB)
+    assert isinstance(params, bytes) and params
+    gen.fetch(req, params, dst, dst_blocks)
+    for c in (gen, ctx):
+        ev = wait_event(c, req)
+        assert ev.kind is EventKind.COMPLETE and ev.ok and ev.code == 0
+        assert ev.error is None and ev.raise_for_status() is ev
+    for s, d in zip(src_blocks, dst_blocks):
+        assert np.array_equal(block_bytes(lo, dst.array, d),
+                              block_bytes(lo, src.array, s))
+    for b in set(range(BLOCKS)) - set(dst_blocks.tolist()):
+        assert np.array_equal(block_bytes(lo, dst.array, b),
+                              block_bytes(lo, before, b))
+
+
+def test_skip_tokens_moves_only_the_suffix(pair, names):
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    fill(src.array, 2)
+    req = names["req"]
+    params = ctx.publish(req, src, [0, 1], num_tokens=2 * TPB)
+    gen.fetch(req, params, dst, [0, 1], skip_tokens=TPB)
+    assert wait_event(gen, req).ok
+    a, b = dst.array, src.array
+    first = lo.offset(0, 0, 0)
+    assert not a[first:first + lo.token_stride * TPB].any()  # block 0 kept
+    second = lo.offset(0, 0, 1)
+    assert np.array_equal(a[second:second + lo.token_stride * TPB],
+                          b[second:second + lo.token_stride * TPB])
+
+
+def test_numpy_views_and_per_layer_arrays_as_pools(pair, names):
+    """Pools from numpy arrays on HostBuffers: a slice of one, and a list
+    of per-layer arrays (as vLLM keeps one tensor per layer)."""
+    ctx, gen = pair
+    lo = layout()
+    buf = HostBuffer(lo.span + 4096)
+    view = buf.numpy()[4096:]  # a pool need not start at the memfd's start
+    fill(view, 3)
+    src = ctx.register_pool(view, lo)
+    assert src.kind == "host" and src.size == lo.span
+    # per-layer arrays in reverse order, with gaps between them
+    per = lo.layer_span
+    dbuf = HostBuffer(LAYERS * (per + 512))
+    layers = [dbuf.numpy()[i * (per + 512):i * (per + 512) + per]
+              for i in reversed(range(LAYERS))]
+    dst = gen.register_pool(layers, lo)
+    assert dst.layout.layer_offsets[0] == (LAYERS - 1) * (per + 512)
+    req = names["req"]
+    params = ctx.publish(req, src, list(range(BLOCKS)), BLOCKS * TPB)
+    gen.fetch(req, params, dst, list(range(BLOCKS)))
+    assert wait_event(gen, req).ok
+    for i in range(LAYERS):
+        lay = lo.layer_offsets[i]
+        assert np.array_equal(layers[i], view[lay:lay + per])
+    src.deregister()
+    dst.deregister()
+    assert not src.registered
+
+
+def test_plain_numpy_memory_is_refused_with_advice(pair):
+    ctx, _ = pair
+    with pytest.raises(kvxfer.InvalidArgument, match="HostBuffer"):
+        ctx.register_pool(np.zeros(layout().span, np.uint8), layout())
+
+
+def test_garbage_params_raise_invalid_with_the_daemons_message(pair, names):
+    _, gen = pair
+    dst = gen.create_host_pool(layout())
+    with pytest.raises(kvxfer.InvalidArgument) as ei:
+        gen.fetch(names["req"], b"garbage", dst, [0])
+    assert ei.value.code == -1 and ei.value.name == "INVALID"
+    assert "fetch.context_params" in ei.value.message
+    assert "fetch.context_params" in str(ei.value)
+
+
+def _flip_token(params):
+    """params with one byte of ContextParams.token (field 4) changed."""
+    b, i = bytearray(params), 0
+
+    def varint():
+        nonlocal i
+        v = s = 0
+        while True:
+            v |= (b[i] & 0x7F) << s
+            s += 7
+            i += 1
+            if not b[i - 1] & 0x80:
+                return v
+    while i < len(b):
+        key = varint()
+        if key & 7 == 0:
+            varint()
+        elif key & 7 == 2:
+            n = varint()
+            if key >> 3 == 4:
+                b[i] ^= 0xFF
+                return bytes(b)
+            i += n
+        else:
+            raise AssertionError(f"wire type {key & 7}")
+    raise AssertionError("no token in the params")
+
+
+def test_wrong_token_raises_auth_error(pair, names):
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    req = names["req"]
+    params = ctx.publish(req, src, [0], num_tokens=TPB)
+    with pytest.raises(kvxfer.AuthError, match="capability token"):
+        gen.fetch(req, _flip_token(params), dst, [0])
+    gen.fetch(req, params, dst, [0])  # the right one still works
+    assert wait_event(gen, req).ok
+
+
+def test_more_refusals_map_to_their_classes(daemon, pair, names):
+    ctx, gen = pair
+    with pytest.raises(kvxfer.NotFound, match="cancel.request_id"):
+        ctx.cancel(names["req"] + 999)
+    with pytest.raises(kvxfer.IOFailure, match="ENOENT"):
+        kvxfer.Client(daemon.sock + ".missing", timeout=0.5)
+    with pytest.raises(kvxfer.VersionMismatch):
+        kvxfer.Client(daemon.sock, instance_id="old", role="context",
+                      parallel=kvxfer.Parallel(total_layers=4,
+                                               total_kv_heads=2),
+                      protocol_version=(99, 0))
+    with pytest.raises(kvxfer.LayoutError):  # the pool is too small
+        buf = HostBuffer(4096)
+        ctx.register_pool(buf, layout())
+    with pytest.raises(kvxfer.InvalidArgument, match="timeout"):
+        ctx.status(timeout=0)
+    with pytest.raises(kvxfer.InvalidArgument, match="blocks"):
+        ctx.publish(1, 1, [-1], 1)
+    lo = layout()
+    dst = gen.create_host_pool(lo)
+    src = ctx.create_host_pool(lo)
+    params = ctx.publish(names["req"], src, [0], TPB)
+    with pytest.raises(kvxfer.Error) as ei:  # 1 block of 16 for 16 tokens
+        gen.fetch(names["req"], params, dst, [0, 0])
+    assert ei.value.message
+
+
+def test_poll_batches_are_numbered_and_may_be_empty(pair):
+    ctx, _ = pair
+    b0 = ctx.poll(1, 0.05)
+    b1 = ctx.poll(1, 0.05)
+    assert isinstance(b0, kvxfer.Batch) and len(b0) == 0
+    assert b1.seq == b0.seq + 1
+    with pytest.raises(kvxfer.InvalidArgument):
+        ctx.poll(1, -1)
+
+
+def test_cancel_ends_both_sides(pair, names):
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    req = names["req"]
+    params = ctx.publish(req, src, [0, 1], 2 * TPB)
+    ctx.cancel(req)
+    ev = wait_event(ctx, req)
+    assert ev.kind is EventKind.CANCELLED and ev.code == -12
+    assert isinstance(ev.error, kvxfer.Cancelled)
+    with pytest.raises(kvxfer.Cancelled):
+        ev.raise_for_status()
+    # the offer is gone: a fetch of it is refused, naming why
+    with pytest.raises(kvxfer.NotFound, match="no offer"):
+        gen.fetch(req, params, dst, [0, 1])
+
+
+def test_pool_in_use_is_busy_then_free(pair, names):
+    ctx, _ = pair
+    src = ctx.create_host_pool(layout())
+    ctx.publish(names["req"], src, [0], TPB)
+    with pytest.raises(kvxfer.Busy, match="pool"):
+        src.deregister()
+    ctx.cancel(names["req"])
+    ctx.deregister(src.id)
+
+
+def test_closed_client_raises_closed(daemon, names):
+    c = open_rank(daemon.sock, names["ctx"], "context")
+    with c:
+        assert not c.closed
+    assert c.closed
+    with pytest.raises(kvxfer.Closed):
+        c.status()
+    c.close()  # idempotent
+
+
+def test_threads_share_a_client(daemon):
+    with kvxfer.Client(daemon.sock) as obs:
+        errors = []
+
+        def work():
+            try:
+                for _ in range(20):
+                    obs.status()
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+        ts = [threading.Thread(target=work) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors

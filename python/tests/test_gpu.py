@@ -1,0 +1,145 @@
+"""GPU pools from CUDA tensors (PyTorch) and CuPy arrays.
+
+Run by `make test-gpu` on a GPU machine; elsewhere every test skips,
+saying what is missing.
+"""
+
+import pytest
+
+import kvxfer
+from kvxfer import Layout
+
+from conftest import wait_event
+
+LAYERS, HEADS, HEAD_DIM, TPB, BLOCKS = 4, 8, 128, 16, 32
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    if not torch.cuda.is_available():
+        return None, f"torch {torch.__version__} sees no CUDA device"
+    return torch, ""
+
+
+def _cupy():
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # ImportError, or no driver / device
+        return None, f"cupy unusable: {e}"
+    return cupy, ""
+
+
+torch, torch_why = _torch_cuda()
+cupy, cupy_why = _cupy()
+needs_torch = pytest.mark.skipif(torch is None,
+                                 reason=f"no CUDA torch: {torch_why}")
+needs_cupy = pytest.mark.skipif(cupy is None, reason=cupy_why)
+
+
+def layout(preset="vllm-nhd"):
+    return Layout.preset(preset, num_layers=LAYERS, num_heads=HEADS,
+                         head_dim=HEAD_DIM, dtype="bf16",
+                         tokens_per_block=TPB, num_blocks=BLOCKS)
+
+
+def register(client, memory, lo):
+    try:
+        return client.register_pool(memory, lo)
+    except kvxfer.Unsupported as e:
+        pytest.skip(f"GPU pools unsupported here: {e}")
+
+
+def move(pair, names, src_mem, dst_mem, lo):
+    ctx, gen = pair
+    src, dst = register(ctx, src_mem, lo), register(gen, dst_mem, lo)
+    assert src.kind == dst.kind == "gpu"
+    req = names["req"]
+    params = ctx.publish(req, src, list(range(BLOCKS)), BLOCKS * TPB)
+    gen.fetch(req, params, dst, list(range(BLOCKS)))
+    gen_ev, ctx_ev = wait_event(gen, req), wait_event(ctx, req)
+    gen_ev.raise_for_status()
+    ctx_ev.raise_for_status()
+
+
+@needs_torch
+@pytest.mark.parametrize("preset", ["vllm-nhd", "trtllm", "flashinfer"])
+def test_torch_cuda_tensor_pools(pair, names, preset):
+    lo = layout(preset)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    src = torch.randint(0, 256, (lo.span,), dtype=torch.uint8,
+                        device="cuda", generator=g)
+    dst = torch.zeros(lo.span, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    move(pair, names, src, dst, lo)
+    torch.cuda.synchronize()
+    assert torch.equal(src, dst)
+
+
+@needs_torch
+def test_torch_per_layer_tensors(pair, names):
+    """One [2, blocks, tokens, heads, dim] bf16 tensor per layer, as vLLM
+    keeps them; carved from one allocation (one region per pool until the
+    C API takes several)."""
+    lo = layout("vllm-nhd")
+    shape = (2, BLOCKS, TPB, HEADS, HEAD_DIM)
+    big_src = torch.randn((LAYERS,) + shape, dtype=torch.bfloat16,
+                          device="cuda")
+    big_dst = torch.zeros_like(big_src)
+    src = [big_src[i] for i in range(LAYERS)]
+    dst = [big_dst[i] for i in reversed(range(LAYERS))]  # any order
+    torch.cuda.synchronize()
+    move(pair, names, src, dst, lo)
+    torch.cuda.synchronize()
+    assert torch.equal(big_dst.flip(0), big_src)
+
+
+@needs_torch
+def test_torch_slice_of_a_larger_tensor(pair, names):
+    lo = layout()
+    big = torch.randint(0, 256, (3 * lo.span,), dtype=torch.uint8,
+                        device="cuda")
+    before = big.clone()
+    src = torch.randint(0, 256, (lo.span,), dtype=torch.uint8,
+                        device="cuda")
+    dst = big[lo.span:2 * lo.span]
+    torch.cuda.synchronize()
+    move(pair, names, src, dst, lo)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)
+    assert torch.equal(big[:lo.span], before[:lo.span])
+    assert torch.equal(big[2 * lo.span:], before[2 * lo.span:])
+
+
+@needs_cupy
+def test_cupy_array_pools(pair, names):
+    lo = layout()
+    src = cupy.random.randint(0, 256, lo.span, dtype=cupy.uint8)
+    dst = cupy.zeros(lo.span, dtype=cupy.uint8)
+    cupy.cuda.runtime.deviceSynchronize()
+    move(pair, names, src, dst, lo)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert bool((src == dst).all())
+
+
+@needs_torch
+def test_raw_device_pointer(pair, names):
+    lo = layout()
+    src = torch.randint(0, 256, (lo.span,), dtype=torch.uint8,
+                        device="cuda")
+    dst = torch.zeros(lo.span, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    ctx, gen = pair
+    with pytest.raises(kvxfer.InvalidArgument, match="device"):
+        ctx.register_pool(src.data_ptr(), lo, size=lo.span)
+    s = ctx.register_pool(src.data_ptr(), lo, size=lo.span, device="cuda")
+    d = gen.register_pool(dst.data_ptr(), lo, size=lo.span, device="cuda")
+    req = names["req"]
+    gen.fetch(req, ctx.publish(req, s, [0, 1], 2 * TPB), d, [0, 1])
+    wait_event(gen, req).raise_for_status()
+    torch.cuda.synchronize()
+    n = lo.offset(0, 0, 2)
+    assert torch.equal(dst[:n], src[:n])

@@ -1,0 +1,63 @@
+#!/bin/sh
+# make test-python: the Python package's tests (python/tests, pytest)
+# against BUILD's kvxferd and libkvxfer.so.1. The last line is
+# "N passed, N failed", as tests/run.sh's, which adds it into make test;
+# skipped tests are named above it and count as neither.
+#   scripts/test-python.sh [BUILD] [--gpu] [pytest arguments...]
+# pytest and numpy come from a virtual environment, BUILD/venv, made here
+# (pip from PyPI). --gpu (make test-gpu): python3 itself when it has
+# pytest and numpy, else BUILD/venv-gpu, which sees the system's packages
+# (torch, cupy).
+cd "$(dirname "$0")/.." || exit 1
+BUILD=${1:-build}
+[ $# -gt 0 ] && shift
+venv=$BUILD/venv; venv_flags=""; py=""
+if [ "${1:-}" = --gpu ]; then
+    shift
+    venv=$BUILD/venv-gpu; venv_flags=--system-site-packages
+    python3 -c 'import pytest, numpy' 2>/dev/null && py=python3
+fi
+fail() { echo "test-python: $*"; echo "0 passed, 1 failed"; exit 1; }
+if [ -z "$py" ]; then
+    py=$venv/bin/python
+    if [ ! -x "$py" ]; then
+        ${PYTHON:-python3} -m venv $venv_flags "$venv" ||
+            fail "cannot make a virtual environment in $venv (Debian: apt-get install python3-venv)"
+    fi
+    if ! "$py" -c 'import pytest, numpy' 2>/dev/null; then
+        "$py" -m pip install -q --disable-pip-version-check pytest numpy ||
+            fail "pip could not install pytest and numpy into $venv"
+    fi
+fi
+[ -f "$BUILD/libkvxfer.so.1" ] || fail "$BUILD/libkvxfer.so.1 not built (run make)"
+[ $# -gt 0 ] || set -- python/tests
+xml=$BUILD/pytest.xml
+rm -f "$xml"
+KVX_BUILD=$BUILD KVXFER_LIB=$PWD/$BUILD/libkvxfer.so.1 PYTHONDONTWRITEBYTECODE=1 \
+    "$py" -m pytest -p no:cacheprovider -rs -q --junitxml="$xml" "$@"
+rc=$?
+# the counts from the JUnit XML; pytest's own exit status decides as well
+counts=$("$py" - "$xml" <<'PY'
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print("0 0 0"); sys.exit()
+suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+t = f = s = 0
+for x in suites:
+    t += int(x.get("tests", 0)); s += int(x.get("skipped", 0))
+    f += int(x.get("failures", 0)) + int(x.get("errors", 0))
+print(t - f - s, f, s)
+PY
+)
+set -- $counts
+passed=$1; failed=$2; skipped=$3
+case $rc in
+0) ;;
+5) echo "test-python: FAIL: pytest collected no tests (exit 5)"; failed=$((failed + 1)) ;;
+*) [ "$failed" -gt 0 ] || { echo "test-python: FAIL: pytest exited $rc"; failed=1; } ;;
+esac
+[ "$skipped" = 0 ] || echo "test-python: $skipped skipped (reasons above)"
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
