@@ -129,7 +129,7 @@ typedef struct slots {
 typedef struct rstream {
     uint64_t id, source;         /* ours; the source daemon's */
     genpart_t *part;
-    peer_conn_t *conn;
+    uint64_t conn; /* peer_conn_id(): looked up to send */
     uint32_t slice;
     uint64_t u_begin, u_end, next_unit;
     int opened, ended, refused;
@@ -153,7 +153,7 @@ typedef struct pull {
 
 typedef struct sstream {
     uint64_t id, dst_id;
-    peer_conn_t *conn;
+    uint64_t conn;               /* peer_conn_id(): looked up to send */
     offer_t *offer;              /* NULL once the stream ended */
     offer_t *fence;              /* whose o->gathers count ours: set for
                                     life (the offer outlives our gathers) */
@@ -545,6 +545,23 @@ static void send_end(peer_conn_t *c, uint64_t stream, int code,
     send_end_ex(c, stream, code, msg, 0);
 }
 
+/* The connection a stream runs on (its peer_conn_id()), or NULL when it
+ * is lost or gone: then the loss path ends the stream (remote_on_conn_lost
+ * runs, or has run), and nothing is sent. */
+static peer_conn_t *conn_live(uint64_t id)
+{
+    peer_conn_t *c = peer_conn_find(id);
+    return c && peer_conn_alive(c) ? c : NULL;
+}
+
+/* A control message on the connection named id: as peer_send(), and
+ * KVX_ERR_PEER_GONE when it is lost or gone. */
+static int send_on(uint64_t id, const Kvxfer__PeerMsg *m)
+{
+    peer_conn_t *c = conn_live(id);
+    return c ? peer_send(c, m) : KVX_ERR_PEER_GONE;
+}
+
 /* ---- D: the generation side -------------------------------------------- */
 
 static void rq_push(rstream_t *r) { rrq_push(&pullq, &r->turn); }
@@ -606,7 +623,7 @@ static int send_open(rstream_t *r)
     o.consumer_request = g->request_id;
     m.m_case = KVXFER__PEER_MSG__M_OPEN;
     m.open = &o;
-    int rc = peer_send(r->conn, &m);
+    int rc = send_on(r->conn, &m);
     free(addrs);
     return rc;
 }
@@ -661,7 +678,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         }
         r->id = next_id++;
         r->part = p;
-        r->conn = c;
+        r->conn = peer_conn_id(c);
         r->slice = i;
         r->u_begin = r->next_unit = plan->slices[i].unit_begin;
         r->u_end = i + 1 < plan->nslices ? plan->slices[i + 1].unit_begin
@@ -685,8 +702,9 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
         return;
     r->ended = 1;
     rq_drop(r);
-    if (r->opened && peer_conn_alive(r->conn))
-        send_end(r->conn, r->source, code, msg);
+    peer_conn_t *c = r->opened ? conn_live(r->conn) : NULL;
+    if (c)
+        send_end(c, r->source, code, msg);
     for (uint32_t i = 0; i < remote_slots() && rslots.v; i++) {
         slot_t *x = &rslots.v[i];
         /* pulled, or some pieces in and none landing: nothing more will
@@ -718,7 +736,7 @@ void remote_part_free(genpart_t *p)
             retrying--;
             r->refused = 1;
         }
-        if (!r->opened && !r->refused && peer_conn_alive(r->conn)) {
+        if (!r->opened && !r->refused && conn_live(r->conn)) {
             /* its OPENED is on the way: kept as an orphan, so the source
              * hears END when it comes (on_opened) */
             r->part = NULL;
@@ -769,13 +787,13 @@ static void pull_schedule(void)
         m.pull = &pl;
         r->next_unit = u1;
         r->held++;
-        if (peer_send(r->conn, &m)) {
+        if (send_on(r->conn, &m)) {
             slot_put(&rslots, x);
             assert(r->held > 0);
             r->held--;
             /* a lost connection ends the request from the loop's next
              * turn; a live one could not take the message (memory) */
-            if (peer_conn_alive(r->conn))
+            if (conn_live(r->conn))
                 xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
                                 KVX_ERR_NOMEM, "out of memory sending a pull");
             continue;
@@ -788,7 +806,7 @@ static void pull_schedule(void)
 static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
 {
     rstream_t *r = map_get(&rstreams, o->stream);
-    if (!r || r->conn != c || r->opened)
+    if (!r || r->conn != peer_conn_id(c) || r->opened)
         return;
     r->opened = 1;
     r->source = o->source;
@@ -833,7 +851,8 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
                          size_t len)
 {
     rstream_t *r = map_get(&rstreams, d->stream);
-    if (!r || r->conn != c || r->ended || d->slot >= remote_slots())
+    if (!r || r->conn != peer_conn_id(c) || r->ended ||
+        d->slot >= remote_slots())
         return NULL;
     slot_t *x = &rslots.v[d->slot];
     /* piece_bytes 0: the whole slot in one message (a sender that does
@@ -1201,7 +1220,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     }
     s->id = next_id++;
     s->dst_id = m->stream;
-    s->conn = c;
+    s->conn = peer_conn_id(c);
     s->offer = o;
     s->fence = o;
     s->plan = plan;
@@ -1286,8 +1305,9 @@ static void piece_send(slot_t *x, uint32_t k)
     /* counted before: a failure may call back at once; the caller keeps x
      * (x->pending still counts this piece, or sends_left another) */
     x->sends_left++;
-    if (peer_send_data(s->conn, &m, x->mem + d.offset, x->pc[k].len,
-                       on_sent, x))
+    peer_conn_t *c = conn_live(s->conn);
+    if (!c ||
+        peer_send_data(c, &m, x->mem + d.offset, x->pc[k].len, on_sent, x))
         x->sends_left--; /* the connection is gone: never called back */
 }
 
@@ -1324,14 +1344,16 @@ static void gather_done(slot_t *x, uint32_t k)
             ahead_drop(s, x); /* not put back by sstream_end(): below */
         char e[128];
         snprintf(e, sizeof(e), "gather failed: %s", kvx_status_str(x->status));
-        send_end(s->conn, s->dst_id, x->status, e);
+        peer_conn_t *c = peer_conn_find(s->conn); /* lost: still named */
+        if (c && peer_conn_alive(c))
+            send_end(c, s->dst_id, x->status, e);
         sstream_end(s); /* s stays: x still counts in s->sends */
         if (!o->ending) {
             /* the offer ends with the error (not at its backstop lease):
              * the generation side's END back finds the stream ended */
             char m[128];
             snprintf(m, sizeof(m), "gathering for peer daemon %s failed",
-                     peer_conn_address(s->conn));
+                     c ? peer_conn_address(c) : "(gone)");
             xfer_offer_end(o, KVX_EVENT_ERROR, x->status, m); /* may free o */
             sslot_release(x);
             return;
@@ -1501,12 +1523,13 @@ static void serve_pulls(void)
         if (rc) {
             slot_put(&sslots, x);
             free(q);
-            peer_conn_t *sc = s->conn;
+            peer_conn_t *sc = conn_live(s->conn);
             uint64_t dst = s->dst_id;
             sstream_end(s); /* may free s */
-            send_end(sc, dst, rc,
-                     "the context daemon cannot bind its "
-                     "source (its log says why)");
+            if (sc)
+                send_end(sc, dst, rc,
+                         "the context daemon cannot bind its "
+                         "source (its log says why)");
             offer_fail_t *f = calloc(1, sizeof(*f));
             if (f) { /* ended from remote_tick() */
                 snprintf(f->instance, sizeof(f->instance), "%s",
@@ -1538,7 +1561,7 @@ static void serve_pulls(void)
 static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
 {
     sstream_t *s = map_get(&sstreams, m->stream);
-    if (!s || s->conn != c || s->ended)
+    if (!s || s->conn != peer_conn_id(c) || s->ended)
         return; /* ended: the END crossed this pull */
     if (m->unit_begin < s->u_begin || m->unit_end > s->u_end ||
         m->unit_begin >= m->unit_end ||
@@ -1599,11 +1622,11 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
 {
     while (RO(o)->streams) {
         sstream_t *s = o->remote->streams;
-        peer_conn_t *c = s->conn;
+        peer_conn_t *c = conn_live(s->conn);
         uint64_t dst = s->dst_id;
         /* its gathers still count in o->gathers: the offer's fence */
         sstream_end(s); /* may free s */
-        if (peer_conn_alive(c))
+        if (c)
             send_end(c, dst, code, msg);
     }
 }
@@ -1731,7 +1754,7 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
 {
     /* to S: the generation side is done with stream e->stream */
     sstream_t *s = map_get(&sstreams, e->stream);
-    if (s && s->conn == c && !s->ended) {
+    if (s && s->conn == peer_conn_id(c) && !s->ended) {
         offer_t *o = s->offer;
         /* every unit is gathered before it is sent, so a receiver that
          * has them all finds no gather of the stream left: one that says
@@ -1770,7 +1793,7 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
 static void on_end_to_d(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
 {
     rstream_t *r = map_get(&rstreams, e->stream);
-    if (!r || r->conn != c)
+    if (!r || r->conn != peer_conn_id(c))
         return;
     if (!r->part) { /* an orphan refused: nothing left of it */
         map_del(&rstreams, r->id);
@@ -1820,7 +1843,8 @@ void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         /* the direction tells which side it is for: streams a daemon
          * opened are rstreams; END from their source names our id */
         if (m->end->stream && map_get(&rstreams, m->end->stream) &&
-            ((rstream_t *)map_get(&rstreams, m->end->stream))->conn == c)
+            ((rstream_t *)map_get(&rstreams, m->end->stream))->conn ==
+                peer_conn_id(c))
             on_end_to_d(c, m->end);
         else
             on_end(c, m->end);
@@ -1856,7 +1880,7 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
     k = map_values(&rstreams, v, rstreams.n);
     for (uint32_t i = 0; i < k; i++) {
         rstream_t *r = v[i];
-        if (r->conn != c)
+        if (r->conn != peer_conn_id(c))
             continue;
         r->opened = 0;
         r->refused = 1;
@@ -1872,7 +1896,7 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
     k = map_values(&sstreams, v, sstreams.n);
     for (uint32_t i = 0; i < k; i++) {
         sstream_t *s = v[i];
-        if (s->conn != c || s->ended || !s->offer)
+        if (s->conn != peer_conn_id(c) || s->ended || !s->offer)
             continue;
         offers[no++] = (req_ref_t){s->offer->inst, s->offer->request_id};
         sstream_end(s); /* may free s */
@@ -1947,7 +1971,7 @@ void remote_tick(uint64_t now)
             retrying--;
             if (r->ended || !r->part || send_open(r)) {
                 r->refused = 1; /* no OPEN out: no OPENED to wait for */
-                if (!r->ended && r->part && peer_conn_alive(r->conn))
+                if (!r->ended && r->part && conn_live(r->conn))
                     xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
                                     KVX_ERR_NOMEM,
                                     "out of memory sending an OPEN");
@@ -1965,10 +1989,12 @@ uint32_t remote_conn_streams(const peer_conn_t *c)
         return 0;
     k = map_values(&rstreams, v, rstreams.n);
     for (uint32_t i = 0; i < k; i++)
-        n += ((rstream_t *)v[i])->conn == c && !((rstream_t *)v[i])->ended;
+        n += ((rstream_t *)v[i])->conn == peer_conn_id(c) &&
+             !((rstream_t *)v[i])->ended;
     k = map_values(&sstreams, v, sstreams.n);
     for (uint32_t i = 0; i < k; i++)
-        n += ((sstream_t *)v[i])->conn == c && !((sstream_t *)v[i])->ended;
+        n += ((sstream_t *)v[i])->conn == peer_conn_id(c) &&
+             !((sstream_t *)v[i])->ended;
     free(v);
     return n;
 }
