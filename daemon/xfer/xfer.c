@@ -28,6 +28,7 @@
 
 #include "copy.h"
 #include "daemon.h"
+#include "list.h"
 #include "log.h"
 #include "peer.h"
 #include "xfer.h"
@@ -42,41 +43,24 @@
         return (code);                                                      \
     } while (0)
 
+#define DL_NODE(n) LIST_OWNER(n, dl_node_t, node)
+
 /* Insert in deadline order, searching from the tail: deadlines are
  * mostly increasing, so this is O(1) unless a reload shortened one. */
-static void dl_insert(dl_list_t *l, dl_node_t *n, uint64_t deadline)
+static void dl_insert(list_t *l, dl_node_t *n, uint64_t deadline)
 {
+    assert(!list_linked(&n->node)); /* one deadline at a time */
     n->deadline_ms = deadline;
-    dl_node_t *after = l->tail;
-    while (after && after->deadline_ms > deadline)
+    list_t *after = l->prev;
+    while (after != l && DL_NODE(after)->deadline_ms > deadline)
         after = after->prev;
-    n->prev = after;
-    n->next = after ? after->next : l->head;
-    if (n->next)
-        n->next->prev = n;
-    else
-        l->tail = n;
-    if (after)
-        after->next = n;
-    else
-        l->head = n;
-    n->linked = 1;
+    list_push(after->next, &n->node); /* just before after's successor */
 }
 
-static void dl_remove(dl_list_t *l, dl_node_t *n)
+/* Off its list (a no-op when it is on none). */
+static void dl_remove(dl_node_t *n)
 {
-    if (!n->linked)
-        return;
-    if (n->prev)
-        n->prev->next = n->next;
-    else
-        l->head = n->next;
-    if (n->next)
-        n->next->prev = n->prev;
-    else
-        l->tail = n->prev;
-    n->prev = n->next = NULL;
-    n->linked = 0;
+    list_remove(&n->node);
 }
 
 /* Round-robin queue of parts with units left to hand out. */
@@ -87,8 +71,10 @@ static xfer_spread_event_cb spread_event;
 static uint32_t nrequests;
 static uint32_t chunks_inflight; /* ours only: pool populate jobs share the
                                     copy engine but not this limit */
-static dl_list_t leases;    /* offers nobody fetches yet */
-static dl_list_t timeouts;  /* genreqs not yet ending */
+/* in deadline order (dl_node_t): offers nobody fetches yet, and genreqs
+ * not yet ending */
+static list_t leases = {&leases, &leases};
+static list_t timeouts = {&timeouts, &timeouts};
 
 static void schedule(void);
 static void genreq_end(genreq_t *g, int kind, int code, const char *msg);
@@ -162,27 +148,33 @@ static uint32_t group_ranks(const instance_t *inst, uint32_t dp)
     return n;
 }
 
-static void waiters_reply(waiter_t *w)
+/* Answer every waiter of ws (taken off the request first: the request
+ * may be freed), in order; ws ends empty. */
+static void waiters_reply(list_t *ws)
 {
-    while (w) {
-        waiter_t *n = w->next;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, ws)
+    {
+        waiter_t *w = LIST_OWNER(n, waiter_t, node);
+        list_remove(n);
+        assert(w->cw->pending > 0);
         if (--w->cw->pending == 0) {
             kvxd_reply(w->cw->sid, w->cw->req_id, 0, "");
             free(w->cw);
         }
         free(w);
-        w = n;
     }
 }
 
-static int waiter_add(waiter_t **list, cancel_wait_t *cw)
+/* cw waits for the request whose waiters ws are: first in ws, so the
+ * newest cancel is answered first. */
+static int waiter_add(list_t *ws, cancel_wait_t *cw)
 {
     waiter_t *w = malloc(sizeof(*w));
     if (!w)
         return KVX_ERR_NOMEM;
     w->cw = cw;
-    w->next = *list;
-    *list = w;
+    list_push(ws->next, &w->node); /* before the first */
     cw->pending++;
     return 0;
 }
@@ -332,6 +324,7 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
 
 static void offer_free(offer_t *o)
 {
+    assert(!list_linked(&o->lease.node) && list_empty(&o->waiters));
     for (uint32_t r = 0; r < o->inst->nranks; r++) {
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
@@ -355,6 +348,8 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     offer_t *o = calloc(1, sizeof(*o));
     if (!o)
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    list_init(&o->lease.node);
+    list_init(&o->waiters);
     o->inst = inst;
     o->request_id = request_id;
     o->num_tokens = num_tokens;
@@ -482,6 +477,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
 
 static void genreq_free(genreq_t *g)
 {
+    assert(!list_linked(&g->timeout.node) && list_empty(&g->waiters));
     for (uint32_t r = 0; r < g->inst->nranks; r++) {
         genpart_t *p = &g->parts[r];
         if (p->pool)
@@ -587,6 +583,8 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
         free(g);
         return NULL;
     }
+    list_init(&g->timeout.node);
+    list_init(&g->waiters);
     g->inst = inst;
     g->request_id = request_id;
     g->skip_tokens = skip;
@@ -935,7 +933,7 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
         }
         g->offer = o;
         o->consumer = g;
-        dl_remove(&leases, &o->lease); /* the fetch timeout bounds it now */
+        dl_remove(&o->lease); /* the fetch timeout bounds it now */
     }
     genpart_t *p = part_fetched(g, rank, pool, bt, plan);
     log_debug("fetch %s/%llu rank %u from %s/%llu: %u slices, %llu bytes",
@@ -1042,7 +1040,7 @@ static void schedule(void)
 /* Forget a consumed offer (all ranks published, lease over, cancel). */
 static void offer_drop(offer_t *o)
 {
-    dl_remove(&leases, &o->lease);
+    dl_remove(&o->lease);
     map_del(&o->inst->offers, o->request_id);
     offer_free(o);
 }
@@ -1065,12 +1063,13 @@ static void offer_consume(offer_t *o)
     }
     o->consumed = 1;
     nrequests--;
-    if (!o->lease.linked)
+    if (!list_linked(&o->lease.node))
         dl_insert(&leases, &o->lease,
                   kvxd_now_ms() + kvxd.conf.offer_lease_ms);
-    waiter_t *w = o->waiters;
-    o->waiters = NULL;
-    waiters_reply(w);
+    list_t w;
+    list_init(&w);
+    list_move_all(&o->waiters, &w);
+    waiters_reply(&w);
 }
 
 static void offer_try_finalize(offer_t *o)
@@ -1085,9 +1084,11 @@ static void offer_try_finalize(offer_t *o)
     log_debug("offer %s/%llu ended: %s", inst->id,
               (unsigned long long)o->request_id,
               o->end_kind == KVX_EVENT_COMPLETE ? "complete" : o->end_msg);
-    waiter_t *w = o->waiters;
+    list_t w;
+    list_init(&w);
+    list_move_all(&o->waiters, &w);
     offer_free(o);
-    waiters_reply(w);
+    waiters_reply(&w);
 }
 
 static void offer_end(offer_t *o, int kind, int code, const char *msg)
@@ -1095,7 +1096,7 @@ static void offer_end(offer_t *o, int kind, int code, const char *msg)
     if (o->ending)
         return;
     o->ending = 1;
-    dl_remove(&leases, &o->lease);
+    dl_remove(&o->lease);
     o->end_kind = kind;
     o->end_code = code;
     snprintf(o->end_msg, sizeof(o->end_msg), "%s", msg);
@@ -1117,7 +1118,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
 {
     if (!g->ending) {
         g->ending = 1;
-        dl_remove(&timeouts, &g->timeout);
+        dl_remove(&g->timeout);
         g->end_kind = kind;
         g->end_code = code;
         snprintf(g->end_msg, sizeof(g->end_msg), "%s", msg);
@@ -1150,7 +1151,9 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     log_debug("fetch %s/%llu ended: %s", inst->id,
               (unsigned long long)g->request_id,
               g->end_kind == KVX_EVENT_COMPLETE ? "complete" : g->end_msg);
-    waiter_t *w = g->waiters;
+    list_t w;
+    list_init(&w);
+    list_move_all(&g->waiters, &w);
     g->offer = NULL;
     int kind_done = g->end_kind, code_done = g->end_code;
     char m[300];
@@ -1169,7 +1172,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
             offer_end(o, KVX_EVENT_ERROR,
                       code_done == 0 ? KVX_ERR_STATE : code_done, m);
     }
-    waiters_reply(w);
+    waiters_reply(&w);
 }
 
 void xfer_genreq_end(genreq_t *g, int kind, int code, const char *msg)
@@ -1225,7 +1228,7 @@ void xfer_offer_taken(offer_t *o)
 {
     /* a backstop only: a daemon that never opens its streams (alive, but
      * its ranks never fetch) must not hold the offer forever */
-    dl_remove(&leases, &o->lease);
+    dl_remove(&o->lease);
     dl_insert(&leases, &o->lease,
               kvxd_now_ms() + kvxd.conf.offer_lease_ms +
                   kvxd.conf.fetch_timeout_ms);
@@ -1279,9 +1282,10 @@ int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
     if (g && (!o || g->offer != o) && waiter_add(&g->waiters, cw)) {
         /* o's waiter (if any) holds cw; nothing has ended yet, so the
          * request stays as it was and the cancel fails cleanly */
-        if (o) {
-            waiter_t *w = o->waiters;
-            o->waiters = w->next;
+        if (o) { /* its waiter, added first in o->waiters */
+            waiter_t *w = LIST_OWNER(list_first(&o->waiters), waiter_t, node);
+            assert(w->cw == cw);
+            list_remove(&w->node);
             free(w);
         }
         free(cw);
@@ -1422,8 +1426,9 @@ void xfer_tick(uint64_t now)
 {
     /* the lease bounds an offer nobody fetches; once fetched, the fetch
      * timeout bounds it */
-    while (leases.head && leases.head->deadline_ms <= now) {
-        offer_t *o = (offer_t *)leases.head;
+    list_t *n;
+    while ((n = list_first(&leases)) && DL_NODE(n)->deadline_ms <= now) {
+        offer_t *o = LIST_OWNER(n, offer_t, lease.node);
         if (o->consumed) { /* late ranks never came: forget it quietly */
             offer_drop(o);
             continue;
@@ -1446,8 +1451,8 @@ void xfer_tick(uint64_t now)
                      o->inst->nlocal);
         offer_end(o, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
     }
-    while (timeouts.head && timeouts.head->deadline_ms <= now) {
-        genreq_t *g = (genreq_t *)timeouts.head;
+    while ((n = list_first(&timeouts)) && DL_NODE(n)->deadline_ms <= now) {
+        genreq_t *g = LIST_OWNER(n, genreq_t, timeout.node);
         char m[160];
         snprintf(m, sizeof(m),
                  "fetch timeout of %u ms expired (%u of %u ranks fetched, "
@@ -1581,9 +1586,9 @@ size_t xfer_infos(Kvxfer__RequestInfo ***out)
                          "%u/%u ranks published, %u tokens, lease left %lld "
                          "ms",
                          o->npublished, i->nlocal, o->num_tokens,
-                         o->lease.linked ? (long long)o->lease.deadline_ms -
-                                               (long long)now
-                                         : 0);
+                         list_linked(&o->lease.node)
+                             ? (long long)o->lease.deadline_ms - (long long)now
+                             : 0);
             } else {
                 genreq_t *g = all[j];
                 r->request_id = g->request_id;

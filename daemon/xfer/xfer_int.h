@@ -14,8 +14,9 @@
 
 #include "gpu.h"
 #include "instance.h"
-#include "plan.h"
+#include "list.h"
 #include "peer.h"
+#include "plan.h"
 #include "pool.h"
 #include "rrq.h"
 
@@ -24,14 +25,9 @@
 /* A request waiting for its deadline: lists kept in deadline order, so
  * the tick only looks at the heads. */
 typedef struct dl_node {
-    struct dl_node *prev, *next;
+    list_t node; /* on its list while the deadline holds */
     uint64_t deadline_ms;
-    int linked;
 } dl_node_t;
-
-typedef struct dl_list {
-    dl_node_t *head, *tail;
-} dl_list_t;
 
 /* A cancel waiting for the fence. One cancel may wait on two requests
  * (an instance with role both that offers and fetches the same id): the
@@ -43,7 +39,7 @@ typedef struct cancel_wait {
 
 typedef struct waiter {
     cancel_wait_t *cw;
-    struct waiter *next;
+    list_t node; /* on its request's waiters, newest first */
 } waiter_t;
 
 struct genreq;
@@ -58,7 +54,7 @@ typedef struct offer_part {
 } offer_part_t;
 
 typedef struct offer {
-    dl_node_t lease;       /* first: on the lease list while unfetched */
+    dl_node_t lease; /* on the lease list while unfetched */
     instance_t *inst;
     uint64_t request_id;
     uint8_t token[TOKEN_LEN];
@@ -75,7 +71,7 @@ typedef struct offer {
     int consumed;          /* complete before every rank published: kept,
                               without memory, to answer late publishes */
     char end_msg[256];
-    waiter_t *waiters;
+    list_t waiters;            /* waiter_t: cancels answered at the end */
     int consume_fenced;        /* complete, consumed once gathers are 0 */
     uint32_t gathers;          /* gathers in flight: the fence */
     /* peer daemons reading this offer: remote.c's (struct roffer), never
@@ -101,7 +97,7 @@ typedef struct genpart {
 } genpart_t;
 
 typedef struct genreq {
-    dl_node_t timeout;     /* first: on the fetch-timeout list */
+    dl_node_t timeout; /* on the fetch-timeout list */
     instance_t *inst;
     uint64_t request_id;
     offer_t *offer;        /* NULL once detached */
@@ -115,7 +111,7 @@ typedef struct genreq {
     uint64_t bytes_total, bytes_done;
     int ending, end_kind, end_code;
     char end_msg[256];
-    waiter_t *waiters;
+    list_t waiters;        /* waiter_t: cancels answered at the end */
     int remote;            /* sources reached through peer daemons */
     plan_side_t src_side;  /* remote: the offer's side, from the params */
     char src_instance[INSTANCE_ID_MAX + 1];
