@@ -148,8 +148,9 @@ typedef struct pull {
     uint64_t u0, u1;
     uint64_t t_arrived;
     struct sstream *s;
-    struct pull *next;
+    list_t node; /* on pulls, in the order they came */
 } pull_t;
+#define PULL(n) LIST_OWNER(n, pull_t, node)
 
 typedef struct sstream {
     uint64_t id, dst_id;
@@ -172,14 +173,14 @@ typedef struct sstream {
     uint32_t nahead;
     int ahead_off;               /* a PULL asked for something else */
     uint32_t queued;             /* its PULLs waiting for a send slot */
-    struct sstream *next;        /* offer's list */
+    list_t node;                 /* on its offer's streams until it ends */
 } sstream_t;
 
 /* S: what this module keeps of an offer peer daemons read (offer_t's
  * remote): made at the first OPEN, freed with the offer
  * (remote_offer_free(), through xfer). xfer never reads it. */
 typedef struct roffer {
-    sstream_t *streams;      /* reading it now */
+    list_t streams;          /* sstream_t reading it now, newest first */
     uint32_t streams_expect; /* streams that will come in all */
     uint32_t streams_opened; /* accepted: at most streams_expect */
     uint32_t streams_done;   /* completed */
@@ -190,11 +191,21 @@ typedef struct roffer {
 } roffer_t;
 
 /* An offer no peer opened reads as this. */
-static const roffer_t roffer_none;
+static const roffer_t roffer_none = {
+    .streams = {(list_t *)&roffer_none.streams,
+                (list_t *)&roffer_none.streams}};
 
 static const roffer_t *RO(const offer_t *o)
 {
     return o->remote ? o->remote : &roffer_none;
+}
+
+static roffer_t *roffer_new(void)
+{
+    roffer_t *ro = calloc(1, sizeof(*ro));
+    if (ro)
+        list_init(&ro->streams);
+    return ro;
 }
 
 /* A generation daemon never has more PULLs of one stream out than its
@@ -236,7 +247,7 @@ static map_t rstreams, sstreams;
 static uint64_t next_id = 1;
 static rrq_t pullq;
 static uint32_t retrying;          /* rstreams waiting to OPEN again */
-static pull_t *pq_head, *pq_tail;  /* pulls waiting for a send slot */
+static list_t pulls = {&pulls, &pulls}; /* waiting for a send slot */
 
 static void pull_schedule(void);
 static void serve_pulls(void);
@@ -450,6 +461,7 @@ void remote_offer_free(offer_t *o)
     roffer_t *ro = o->remote;
     if (!ro)
         return;
+    assert(list_empty(&ro->streams)); /* the offer ended them */
     for (uint32_t i = 0; i < ro->nconsumer_addrs; i++)
         free(ro->consumer_addrs[i]);
     free(ro->consumer_addrs);
@@ -1004,31 +1016,23 @@ static void sstream_end(sstream_t *s)
     if (s->ended)
         return;
     s->ended = 1;
-    offer_t *o = s->offer;
-    if (o && o->remote)
-        for (sstream_t **pp = &o->remote->streams; *pp; pp = &(*pp)->next)
-            if (*pp == s) {
-                *pp = s->next;
-                break;
-            }
+    /* a stream not ended is on its offer's list */
+    assert(s->offer && list_linked(&s->node));
+    list_remove(&s->node);
     s->offer = NULL;
     /* pulls of s still queued go */
-    pull_t *prev = NULL;
-    for (pull_t *q = pq_head, *n; q; q = n) {
-        n = q->next;
-        if (q->s == s) {
-            if (prev)
-                prev->next = n;
-            else
-                pq_head = n;
-            if (pq_tail == q)
-                pq_tail = prev;
-            s->queued--;
-            free(q);
-        } else {
-            prev = q;
-        }
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &pulls)
+    {
+        pull_t *q = PULL(n);
+        if (q->s != s)
+            continue;
+        list_remove(n);
+        assert(s->queued > 0);
+        s->queued--;
+        free(q);
     }
+    assert(s->queued == 0);
     ahead_release(s);
     if (!s->gathers && !s->sends)
         sstream_free(s);
@@ -1191,7 +1195,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     snprintf(who, sizeof(who), "request %llu of instance '%s'",
              (unsigned long long)m->consumer_request,
              m->consumer_instance ? m->consumer_instance : "");
-    if (!o->remote && !(o->remote = calloc(1, sizeof(*o->remote)))) {
+    if (!o->remote && !(o->remote = roffer_new())) {
         plan_free(plan);
         open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
         return;
@@ -1218,6 +1222,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
         return;
     }
+    list_init(&s->node);
     s->id = next_id++;
     s->dst_id = m->stream;
     s->conn = peer_conn_id(c);
@@ -1246,8 +1251,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         xfer_offer_taken(o);
     }
     ro->streams_opened++;
-    s->next = ro->streams;
-    ro->streams = s;
+    assert(ro->streams_opened <= ro->streams_expect);
+    list_push(ro->streams.next, &s->node); /* first: newest first */
     Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerOpened op = KVXFER__PEER_OPENED__INIT;
     op.stream = s->dst_id;
@@ -1432,8 +1437,8 @@ static void ahead_fill(sstream_t *s)
 {
     offer_t *o = s->offer;
     while (s->nahead < kvxd.conf.gather_ahead && s->pull_bytes &&
-           !s->ahead_off && !s->ended && o && !o->ending && !pq_head &&
-           sslots.nfree > 1 && s->ahead_at < s->u_end) {
+           !s->ahead_off && !s->ended && o && !o->ending &&
+           list_empty(&pulls) && sslots.nfree > 1 && s->ahead_at < s->u_end) {
         uint64_t u0 = s->ahead_at, bytes;
         uint64_t u1 = plan_units_fit(s->plan, u0, s->u_end, s->pull_bytes,
                                      &bytes);
@@ -1494,22 +1499,19 @@ static void serve_pulls(void)
 {
     sstream_t *served[16];
     uint32_t nserved = 0;
-    pull_t *prev = NULL;
-    for (pull_t *q = pq_head, *n; q && sslots.nfree; q = n) {
-        n = q->next;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &pulls)
+    {
+        if (!sslots.nfree)
+            break;
+        pull_t *q = PULL(n);
         sstream_t *s = q->s;
         offer_t *o = s->offer;
-        if (o && !o->parts[s->src_rank].pool && !o->ending) {
-            prev = q; /* its rank has not published yet */
-            continue;
-        }
+        if (o && !o->parts[s->src_rank].pool && !o->ending)
+            continue; /* its rank has not published yet */
+        assert(s->queued > 0);
         s->queued--;
-        if (prev)
-            prev->next = n;
-        else
-            pq_head = n;
-        if (pq_tail == q)
-            pq_tail = prev;
+        list_remove(n);
         if (!o || o->ending) {
             free(q);
             continue;
@@ -1602,11 +1604,7 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
     q->u1 = m->unit_end;
     q->t_arrived = now_ns();
     q->s = s;
-    if (pq_tail)
-        pq_tail->next = q;
-    else
-        pq_head = q;
-    pq_tail = q;
+    list_push(&pulls, &q->node);
     serve_pulls();
 }
 
@@ -1614,14 +1612,15 @@ void remote_offer_published(offer_t *o)
 {
     if (!list_empty(&done_notes) && done_notes_apply(o))
         return; /* o may have ended: not used below */
-    if (RO(o)->streams)
+    if (!list_empty(&RO(o)->streams))
         serve_pulls();
 }
 
 void remote_offer_stop(offer_t *o, int code, const char *msg)
 {
-    while (RO(o)->streams) {
-        sstream_t *s = o->remote->streams;
+    while (!list_empty(&RO(o)->streams)) {
+        sstream_t *s =
+            LIST_OWNER(list_first(&o->remote->streams), sstream_t, node);
         peer_conn_t *c = conn_live(s->conn);
         uint64_t dst = s->dst_id;
         /* its gathers still count in o->gathers: the offer's fence */
@@ -1946,7 +1945,7 @@ void remote_tick(uint64_t now)
                            "binding the source for a peer failed");
         free(f);
     }
-    if (pq_head && sslots.nfree)
+    if (!list_empty(&pulls) && sslots.nfree)
         serve_pulls(); /* slots put back where no PULL was served */
     uint32_t n = rstreams.n;
     if (!n || !retrying)

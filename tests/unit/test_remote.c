@@ -217,7 +217,8 @@ TEST_T(loss_in_every_state_ends_both_sides_and_frees_every_slot, 120)
                 ;
             const batch_event_t *g = ended(gen), *c = ended(ctx);
             offer_t *o = map_get(&ctx->offers, 1);
-            if (!c && o && !RO(o)->streams && !o->gathers && !o->consumer) {
+            if (!c && o && list_empty(&RO(o)->streams) && !o->gathers &&
+                !o->consumer) {
                 /* the OPEN never reached the context side: its offer
                  * waits for another consumer until its lease ends */
                 xfer_tick(kvxd_now_ms() + kvxd.conf.offer_lease_ms + 1);
