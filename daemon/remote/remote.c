@@ -140,6 +140,15 @@ typedef struct rstream {
     rrq_entry_t turn;            /* waiting for a receive slot */
 } rstream_t;
 
+/* D: what this module keeps of a part pulled from peer daemons
+ * (genpart_t's remote): its receiving streams, one per slice, made by
+ * remote_part_start(), freed with the part (remote_part_free(), through
+ * xfer). xfer never reads it. */
+typedef struct rpart {
+    uint32_t nstreams, nslices; /* made so far, of one per slice */
+    rstream_t *streams[];
+} rpart_t;
+
 /* S: a stream some generation daemon reads from one of our offers. */
 #define AHEAD_MAX 8              /* peer.gather_ahead's bound */
 
@@ -456,18 +465,14 @@ static int piece_at(const slot_t *x, uint64_t off)
     return -1;
 }
 
-void remote_offer_free(offer_t *o)
+void remote_offer_free(roffer_t *ro)
 {
-    roffer_t *ro = o->remote;
-    if (!ro)
-        return;
     assert(list_empty(&ro->streams)); /* the offer ended them */
     for (uint32_t i = 0; i < ro->nconsumer_addrs; i++)
         free(ro->consumer_addrs[i]);
     free(ro->consumer_addrs);
     free(ro->rread);
     free(ro);
-    o->remote = NULL;
 }
 
 static const char *offer_taker(const offer_t *o)
@@ -671,12 +676,14 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
             (rc = gpu_part_create(pl, dev, &p->gpu, why, why_len)))
             return rc;
     }
-    p->streams = calloc(plan->nslices ? plan->nslices : 1,
-                        sizeof(*p->streams));
-    if (!p->streams) {
+    assert(!p->remote); /* a part starts once */
+    rpart_t *rp = calloc(1, sizeof(*rp) + plan->nslices * sizeof(rstream_t *));
+    if (!rp) {
         snprintf(why, why_len, "fetch: out of memory");
         return KVX_ERR_NOMEM;
     }
+    rp->nslices = plan->nslices;
+    p->remote = rp; /* freed with p, whatever happens below */
     for (uint32_t i = 0; i < plan->nslices; i++) {
         const char *addr = cp->rank_addresses[plan->slices[i].src_rank];
         peer_conn_t *c = peer_connect(addr, why, why_len);
@@ -695,7 +702,8 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         r->u_begin = r->next_unit = plan->slices[i].unit_begin;
         r->u_end = i + 1 < plan->nslices ? plan->slices[i + 1].unit_begin
                                          : plan->nunits;
-        p->streams[p->nstreams++] = r;
+        assert(rp->nstreams < rp->nslices);
+        rp->streams[rp->nstreams++] = r;
         if (send_open(r)) {
             r->refused = 1; /* no OPEN out: no OPENED to wait for */
             snprintf(why, why_len, "fetch: cannot reach daemon %s", addr);
@@ -730,15 +738,18 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
 
 void remote_part_stop(genpart_t *p, int code, const char *msg)
 {
-    for (uint32_t i = 0; i < p->nstreams; i++)
-        rstream_stop(p->streams[i], code, msg);
+    const rpart_t *rp = p->remote;
+    for (uint32_t i = 0; rp && i < rp->nstreams; i++)
+        rstream_stop(rp->streams[i], code, msg);
     pull_schedule();
 }
 
-void remote_part_free(genpart_t *p)
+void remote_part_free(rpart_t *rp)
 {
-    for (uint32_t i = 0; i < p->nstreams; i++) {
-        rstream_t *r = p->streams[i];
+    assert(rp->nstreams <= rp->nslices);
+    for (uint32_t i = 0; i < rp->nstreams; i++) {
+        rstream_t *r = rp->streams[i];
+        assert(r->part); /* only a stream of a freed part is an orphan */
         rstream_stop(r, KVX_ERR_STATE, "request ended");
         for (uint32_t k = 0; k < remote_slots() && rslots.v; k++)
             if (rslots.v[k].owner == r) /* a receive still landing */
@@ -757,9 +768,7 @@ void remote_part_free(genpart_t *p)
         map_del(&rstreams, r->id);
         free(r);
     }
-    free(p->streams);
-    p->streams = NULL;
-    p->nstreams = 0;
+    free(rp);
 }
 
 static void pull_schedule(void)

@@ -48,9 +48,9 @@ uint32_t remote_conn_streams(const peer_conn_t *c);
 int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
                       size_t why_len);
 void remote_part_stop(genpart_t *p, int code, const char *msg);
-void remote_part_free(genpart_t *p);
+void remote_part_free(struct rpart *rp);
 void remote_offer_stop(offer_t *o, int code, const char *msg);
 void remote_offer_published(offer_t *o);
-void remote_offer_free(offer_t *o);
+void remote_offer_free(struct roffer *ro);
 
 #endif /* KVX_REMOTE_H */

@@ -330,8 +330,11 @@ static void offer_free(offer_t *o)
             pool_unref(o->parts[r].pool);
         free(o->parts[r].blocks);
     }
-    if (R.offer_free)
-        R.offer_free(o);
+    if (o->remote) { /* only remote sets it */
+        assert(R.offer_free);
+        R.offer_free(o->remote);
+        o->remote = NULL;
+    }
     free(o->parts);
     free(o->params);
     free(o);
@@ -484,8 +487,11 @@ static void genreq_free(genreq_t *g)
             pool_unref(p->pool);
         free(p->blocks);
         gpu_part_free(p->gpu);
-        if (R.part_free)
-            R.part_free(p);
+        if (p->remote) { /* only remote sets it */
+            assert(R.part_free);
+            R.part_free(p->remote);
+            p->remote = NULL;
+        }
         plan_free(p->plan);
     }
     if (g->src_addresses)

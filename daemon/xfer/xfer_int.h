@@ -43,8 +43,8 @@ typedef struct waiter {
 } waiter_t;
 
 struct genreq;
-struct rstream;
-struct sstream;
+struct roffer;
+struct rpart;
 
 typedef struct offer_part {
     int published;
@@ -91,9 +91,9 @@ typedef struct genpart {
     uint32_t inflight;
     gpu_part_t *gpu;       /* plan uploaded to a GPU, when it runs there */
     rrq_entry_t turn;      /* on the scheduler's queue (xfer.c) */
-    /* remote: one receiving stream per slice (remote.c) */
-    struct rstream **streams;
-    uint32_t nstreams;
+    /* pulled from peer daemons: remote.c's (struct rpart), never read by
+     * xfer, freed through xfer_remote_ops_t.part_free */
+    struct rpart *remote;
 } genpart_t;
 
 typedef struct genreq {
@@ -170,13 +170,14 @@ typedef struct xfer_remote_ops {
                       size_t why_len);
     /* the request of p is ending: tell the sources, release what waits */
     void (*part_stop)(genpart_t *p, int code, const char *msg);
-    void (*part_free)(genpart_t *p);
+    /* a part is freed: what remote keeps for it (not NULL) goes */
+    void (*part_free)(struct rpart *rp);
     /* offer o is ending: tell every stream reading it */
     void (*offer_stop)(offer_t *o, int code, const char *msg);
     /* a rank published to o: serve the pulls that waited for it */
     void (*offer_published)(offer_t *o);
-    /* o is freed: what remote keeps for it goes */
-    void (*offer_free)(offer_t *o);
+    /* an offer is freed: what remote keeps for it (not NULL) goes */
+    void (*offer_free)(struct roffer *ro);
     /* who took o through a peer daemon ("request N of instance 'x'"),
      * or NULL */
     const char *(*offer_taker)(const offer_t *o);
