@@ -206,7 +206,8 @@ static const roffer_t roffer_none = {
 
 static const roffer_t *RO(const offer_t *o)
 {
-    return o->remote ? o->remote : &roffer_none;
+    const roffer_t *ro = xfer_offer_remote(o);
+    return ro ? ro : &roffer_none;
 }
 
 static roffer_t *roffer_new(void)
@@ -586,58 +587,48 @@ static void rq_drop(rstream_t *r) { rrq_remove(&pullq, &r->turn); }
 
 static int send_open(rstream_t *r)
 {
-    genpart_t *p = r->part;
-    genreq_t *g = p->req;
-    const plan_t *plan = p->plan;
-    const kvx_layout_t *l = &p->pool->layout;
-    plan_side_t full, eff;
-    uint32_t eff_rank;
-    full = g->inst->side; /* with the pool's layout summary */
-    full.kv_factor = l->kv_factor;
-    full.head_dim = l->head_dim;
-    full.elem_size = l->elem_size;
-    full.dtype = l->dtype;
-    full.tokens_per_block = l->tokens_per_block;
-    plan_dp_view(&full, p->rank, &eff, &eff_rank);
+    const plan_t *plan = xfer_part_plan(r->part);
+    xfer_part_desc_t d;
+    xfer_part_describe(r->part, &d);
+    const instance_t *inst = d.inst;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerOpen o = KVXFER__PEER_OPEN__INIT;
     Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
     Kvxfer__Layout lay = KVXFER__LAYOUT__INIT;
     o.stream = r->id;
-    o.instance_id = g->src_instance;
-    o.request_id = g->src_request;
-    o.token.data = g->token;
+    o.instance_id = (char *)d.src_instance;
+    o.request_id = d.src_request;
+    o.token.data = (uint8_t *)d.token;
     o.token.len = TOKEN_LEN;
-    xfer_side_to_msg(&eff, &pc, &lay);
-    lay.preset = (char *)l->preset;
+    xfer_side_to_msg(&d.dst, &pc, &lay);
+    lay.preset = (char *)xfer_part_pool(r->part)->layout.preset;
     o.dst_parallel = &pc;
     o.dst_layout = &lay;
-    o.dst_rank = eff_rank;
-    o.skip_tokens = g->skip_tokens;
+    o.dst_rank = d.dst_rank;
+    o.skip_tokens = d.skip_tokens;
     o.slice = r->slice;
     o.nunits = plan->nunits;
     o.bytes = plan->bytes;
     o.pull_bytes = kvxd.conf.slot_bytes; /* pull_schedule()'s cut */
-    uint32_t nd = plan_side_ranks(&eff);
+    uint32_t nd = plan_side_ranks(&d.dst);
     /* the daemon of each rank of the receiving group, in the plan's rank
      * order: the source waits for their streams, and knows whom to miss */
     char **addrs = calloc(nd ? nd : 1, sizeof(char *));
     if (!addrs)
         return KVX_ERR_NOMEM;
-    for (uint32_t q = 0; q < g->inst->nranks; q++) {
+    for (uint32_t q = 0; q < inst->nranks; q++) {
         plan_side_t e;
         uint32_t er;
-        if (plan_dp_view(&g->inst->side, q, &e, &er) == g->dp_rank &&
-            er < nd)
-            addrs[er] = g->inst->addresses[q];
+        if (plan_dp_view(&inst->side, q, &e, &er) == d.dp_rank && er < nd)
+            addrs[er] = inst->addresses[q];
     }
     for (uint32_t q = 0; q < nd; q++)
         if (!addrs[q])
             addrs[q] = "";
     o.n_dst_addresses = nd;
     o.dst_addresses = addrs;
-    o.consumer_instance = g->inst->id;
-    o.consumer_request = g->request_id;
+    o.consumer_instance = (char *)inst->id;
+    o.consumer_request = d.request_id;
     m.m_case = KVXFER__PEER_MSG__M_OPEN;
     m.open = &o;
     int rc = send_on(r->conn, &m);
@@ -648,7 +639,8 @@ static int send_open(rstream_t *r)
 int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
                       char *why, size_t why_len)
 {
-    const plan_t *plan = p->plan;
+    plan_t *plan = xfer_part_plan(p);
+    const pool_t *pool = xfer_part_pool(p);
     if (!peer_enabled()) {
         snprintf(why, why_len,
                  "fetch.context_params: the context ranks are served by "
@@ -657,33 +649,29 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
                  cp->rank_addresses[0]);
         return KVX_ERR_UNSUPPORTED;
     }
-    if (!p->pool->gpu) { /* GPU pools: checked below, once unbound */
-        int rc = plan_check_bounds(p->plan, why, why_len);
+    if (!pool->gpu) { /* GPU pools: checked below, once unbound */
+        int rc = plan_check_bounds(plan, why, why_len);
         if (rc)
             return rc;
     }
-    if (p->pool->gpu) {
+    if (pool->gpu) {
         /* a GPU destination: the scatter is a kernel reading the slot */
-        int rc, dev = p->pool->device;
-        plan_t *pl = p->plan;
+        int rc, dev = pool->device;
         static const kvx_layout_t none; /* sources: packed in the slot */
-        for (uint32_t i = 0; i < pl->nslices; i++)
-            pl->src[i] = (plan_mem_t){.layout = &none};
-        if ((rc = plan_check_bounds(pl, why, why_len)) ||
+        for (uint32_t i = 0; i < plan->nslices; i++)
+            plan->src[i] = (plan_mem_t){.layout = &none};
+        if ((rc = plan_check_bounds(plan, why, why_len)) ||
             (rc = slots_pin(&rslots, dev, why, why_len)) ||
-            (rc =
-                 pool_device_base(p->pool, dev, &pl->dst.base, why, why_len)) ||
-            (rc = gpu_part_create(pl, dev, &p->gpu, why, why_len)))
+            (rc = xfer_part_upload(p, dev, why, why_len)))
             return rc;
     }
-    assert(!p->remote); /* a part starts once */
     rpart_t *rp = calloc(1, sizeof(*rp) + plan->nslices * sizeof(rstream_t *));
     if (!rp) {
         snprintf(why, why_len, "fetch: out of memory");
         return KVX_ERR_NOMEM;
     }
     rp->nslices = plan->nslices;
-    p->remote = rp; /* freed with p, whatever happens below */
+    xfer_part_set_remote(p, rp); /* freed with p, whatever happens below */
     for (uint32_t i = 0; i < plan->nslices; i++) {
         const char *addr = cp->rank_addresses[plan->slices[i].src_rank];
         peer_conn_t *c = peer_connect(addr, why, why_len);
@@ -738,7 +726,7 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
 
 void remote_part_stop(genpart_t *p, int code, const char *msg)
 {
-    const rpart_t *rp = p->remote;
+    const rpart_t *rp = xfer_part_remote(p);
     for (uint32_t i = 0; rp && i < rp->nstreams; i++)
         rstream_stop(rp->streams[i], code, msg);
     pull_schedule();
@@ -778,7 +766,7 @@ static void pull_schedule(void)
         rstream_t *r = RRQ_OWNER(rrq_pop(&pullq), rstream_t, turn);
         if (r->ended || r->next_unit >= r->u_end)
             continue;
-        const plan_t *plan = r->part->plan;
+        const plan_t *plan = xfer_part_plan(r->part);
         uint64_t u0 = r->next_unit, bytes;
         uint64_t u1 = plan_units_fit(plan, u0, r->u_end, slot_bytes, &bytes);
         if (u1 == u0) {
@@ -788,7 +776,7 @@ static void pull_schedule(void)
                      "(%llu)",
                      (unsigned long long)plan_units_bytes(plan, u0, u0 + 1),
                      (unsigned long long)slot_bytes);
-            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR, KVX_ERR_LIMIT, m);
+            xfer_part_fail(r->part, KVX_ERR_LIMIT, m);
             continue;
         }
         slot_t *x = slot_get(&rslots);
@@ -815,8 +803,8 @@ static void pull_schedule(void)
             /* a lost connection ends the request from the loop's next
              * turn; a live one could not take the message (memory) */
             if (conn_live(r->conn))
-                xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
-                                KVX_ERR_NOMEM, "out of memory sending a pull");
+                xfer_part_fail(r->part, KVX_ERR_NOMEM,
+                               "out of memory sending a pull");
             continue;
         }
         if (r->next_unit < r->u_end)
@@ -838,9 +826,8 @@ static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
         return;
     }
     if (r->ended) { /* ended while opening: tell it */
-        send_end(c, r->source, r->part->req->end_code
-                                   ? r->part->req->end_code
-                                   : KVX_ERR_CANCELLED,
+        int code = xfer_part_end_code(r->part);
+        send_end(c, r->source, code ? code : KVX_ERR_CANCELLED,
                  "request ended");
         return;
     }
@@ -888,7 +875,7 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
     else if (!pb || (x->state == SLOT_RECEIVING && pb != x->piece_bytes))
         bad = "is not a piece of its slot";
     if (!bad && x->state == SLOT_PULLED)
-        slot_cut(x, r->part->plan, pb);
+        slot_cut(x, xfer_part_plan(r->part), pb);
     if (!bad && ((k = piece_at(x, d->offset)) < 0 || len != x->pc[k].len))
         bad = "is not a piece of its slot";
     else if (!bad && (x->got & (1ull << k)))
@@ -969,11 +956,11 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
         int first = status && !x->status;
         if (first)
             x->status = status;
-        genreq_t *g = r && !r->ended && first ? r->part->req : NULL;
+        genpart_t *p = r && !r->ended && first ? r->part : NULL;
         rslot_release(x);
-        if (g)
-            xfer_genreq_end(g, KVX_EVENT_ERROR, status,
-                            "receiving from the context daemon failed");
+        if (p)
+            xfer_part_fail(p, status,
+                           "receiving from the context daemon failed");
         pull_schedule();
         return;
     }
@@ -989,7 +976,7 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
     xfer_part_fence_hold(p);
     x->piece_done = scatter_done;
     /* a GPU pool: a kernel reads the piece; else the copy threads */
-    piece_copy(x, (uint32_t)k, p->plan, p->gpu, 0);
+    piece_copy(x, (uint32_t)k, xfer_part_plan(p), xfer_part_gpu(p), 0);
 }
 
 /* ---- S: the context side ----------------------------------------------- */
@@ -1081,20 +1068,20 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
                                  uint32_t skip, const Kvxfer__PeerOpen *m)
 {
     uint32_t n = 0, ranks = plan_side_ranks(dst);
-    roffer_t *ro = o->remote; /* made by on_open() */
+    const instance_t *inst = xfer_offer_instance(o);
+    roffer_t *ro = xfer_offer_remote(o); /* made by on_open() */
     if (m->n_dst_addresses == ranks)
         ro->consumer_addrs = calloc(ranks, sizeof(char *));
     free(ro->rread);
-    ro->rread = calloc(o->inst->nranks, 1);
+    ro->rread = calloc(inst->nranks, 1);
     for (uint32_t r = 0; r < ranks; r++) {
         plan_t *p;
         char why[64];
-        if (plan_build(&o->side, dst, r, o->num_tokens, skip, &p, why,
-                       sizeof(why)))
+        if (xfer_offer_plan(o, dst, r, skip, &p, why, sizeof(why)))
             continue;
         uint32_t k = 0;
         for (uint32_t i = 0; i < p->nslices; i++) {
-            k += o->inst->local[p->slices[i].src_rank];
+            k += inst->local[p->slices[i].src_rank];
             if (ro->rread)
                 ro->rread[p->slices[i].src_rank] = 1;
         }
@@ -1116,7 +1103,7 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
 static int offer_waits_for(const offer_t *o, const char *addr)
 {
     const roffer_t *ro = RO(o);
-    if (o->ending || !ro->streams_expect ||
+    if (xfer_offer_ending(o) || !ro->streams_expect ||
         ro->streams_done >= ro->streams_expect)
         return 0;
     for (uint32_t j = 0; j < ro->nconsumer_addrs; j++)
@@ -1128,8 +1115,8 @@ static int offer_waits_for(const offer_t *o, const char *addr)
 static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 {
     instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
-    offer_t *o = inst ? map_get(&inst->offers, m->request_id) : NULL;
-    if (!o || o->ending || o->consumed) {
+    offer_t *o = inst ? xfer_offer_find(inst, m->request_id) : NULL;
+    if (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) {
         /* every rank of the instance is ours: its offers are all here,
          * so this one ended (or never was) and asking again cannot help;
          * else a rank may not have published yet: the peer asks again */
@@ -1143,14 +1130,14 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                  "(%s)",
                  (unsigned long long)m->request_id,
                  m->instance_id ? m->instance_id : "", kvxd.address,
-                 o ? (o->consumed ? "consumed" : "ending")
+                 o       ? (xfer_offer_consumed(o) ? "consumed" : "ending")
                  : final ? "expired, cancelled or completed"
                          : "not yet published, expired, cancelled or "
                            "completed");
         send_end_ex(c, m->stream, KVX_ERR_NOT_FOUND, msg, final || o);
         return;
     }
-    if (!token_equal(&m->token, o->token)) {
+    if (!token_equal(&m->token, xfer_offer_token(o))) {
         log_warn("peer %s: forged or stale capability token for offer "
                  "%s/%llu",
                  peer_conn_address(c), inst->id,
@@ -1161,7 +1148,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                     (unsigned long long)m->request_id);
         return;
     }
-    if (o->consumer) {
+    if (xfer_offer_taken_here(o)) {
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
                     "the offer of request %llu is already taken on daemon "
                     "%s",
@@ -1174,15 +1161,15 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     int rc = xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, why,
                                 sizeof(why));
     if (!rc)
-        rc = plan_compat(&o->side, &dst, why, sizeof(why));
+        rc = plan_compat(xfer_offer_side(o), &dst, why, sizeof(why));
     if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {
         snprintf(why, sizeof(why), "open: destination rank %u of %u",
                  m->dst_rank, plan_side_ranks(&dst));
         rc = KVX_ERR_INVALID;
     }
     if (!rc)
-        rc = plan_build(&o->side, &dst, m->dst_rank, o->num_tokens,
-                        m->skip_tokens, &plan, why, sizeof(why));
+        rc = xfer_offer_plan(o, &dst, m->dst_rank, m->skip_tokens, &plan, why,
+                             sizeof(why));
     if (rc) {
         open_refuse(c, m->stream, rc, "%s", why);
         return;
@@ -1204,12 +1191,15 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     snprintf(who, sizeof(who), "request %llu of instance '%s'",
              (unsigned long long)m->consumer_request,
              m->consumer_instance ? m->consumer_instance : "");
-    if (!o->remote && !(o->remote = roffer_new())) {
-        plan_free(plan);
-        open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
-        return;
+    roffer_t *ro = xfer_offer_remote(o);
+    if (!ro) { /* the first OPEN: freed with o (remote_offer_free()) */
+        if (!(ro = roffer_new())) {
+            plan_free(plan);
+            open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
+            return;
+        }
+        xfer_offer_set_remote(o, ro);
     }
-    roffer_t *ro = o->remote;
     if (ro->rconsumer[0] && strcmp(ro->rconsumer, who)) {
         plan_free(plan);
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
@@ -1362,7 +1352,7 @@ static void gather_done(slot_t *x, uint32_t k)
         if (c && peer_conn_alive(c))
             send_end(c, s->dst_id, x->status, e);
         sstream_end(s); /* s stays: x still counts in s->sends */
-        if (!o->ending) {
+        if (!xfer_offer_ending(o)) {
             /* the offer ends with the error (not at its backstop lease):
              * the generation side's END back finds the stream ended */
             char m[128];
@@ -1385,14 +1375,13 @@ static int sstream_bind(sstream_t *s, offer_t *o)
 {
     static const kvx_layout_t none;
     plan_t *pl = s->plan;
-    pool_t *src = o->parts[s->src_rank].pool;
+    plan_mem_t mem;
+    pool_t *src = xfer_offer_source(o, s->src_rank, &mem);
+    assert(src); /* serve_pulls() waits for its publish */
     if (s->gpu || (pl->src[s->slice].base && !src->gpu))
         return 0;
-    for (uint32_t i = 0; i < pl->nslices; i++) {
-        offer_part_t *sp = &o->parts[pl->slices[i].src_rank];
-        pl->src[i] = i == s->slice ? pool_mem(sp->pool, sp->blocks, sp->nblocks)
-                                   : (plan_mem_t){.layout = &none};
-    }
+    for (uint32_t i = 0; i < pl->nslices; i++)
+        pl->src[i] = i == s->slice ? mem : (plan_mem_t){.layout = &none};
     char why[256];
     int rc;
     if ((rc = plan_check_bounds(pl, why, sizeof(why)))) {
@@ -1446,7 +1435,7 @@ static void ahead_fill(sstream_t *s)
 {
     offer_t *o = s->offer;
     while (s->nahead < kvxd.conf.gather_ahead && s->pull_bytes &&
-           !s->ahead_off && !s->ended && o && !o->ending &&
+           !s->ahead_off && !s->ended && o && !xfer_offer_ending(o) &&
            list_empty(&pulls) && sslots.nfree > 1 && s->ahead_at < s->u_end) {
         uint64_t u0 = s->ahead_at, bytes;
         uint64_t u1 = plan_units_fit(s->plan, u0, s->u_end, s->pull_bytes,
@@ -1516,12 +1505,13 @@ static void serve_pulls(void)
         pull_t *q = PULL(n);
         sstream_t *s = q->s;
         offer_t *o = s->offer;
-        if (o && !o->parts[s->src_rank].pool && !o->ending)
+        if (o && !xfer_offer_source(o, s->src_rank, NULL) &&
+            !xfer_offer_ending(o))
             continue; /* its rank has not published yet */
         assert(s->queued > 0);
         s->queued--;
         list_remove(n);
-        if (!o || o->ending) {
+        if (!o || xfer_offer_ending(o)) {
             free(q);
             continue;
         }
@@ -1544,8 +1534,8 @@ static void serve_pulls(void)
             offer_fail_t *f = calloc(1, sizeof(*f));
             if (f) { /* ended from remote_tick() */
                 snprintf(f->instance, sizeof(f->instance), "%s",
-                         o->inst->id);
-                f->request_id = o->request_id;
+                         xfer_offer_instance(o)->id);
+                f->request_id = xfer_offer_request(o);
                 f->code = rc;
                 list_push(&ofails, &f->node);
             } else { /* out of memory: now, and nothing more this turn */
@@ -1628,8 +1618,7 @@ void remote_offer_published(offer_t *o)
 void remote_offer_stop(offer_t *o, int code, const char *msg)
 {
     while (!list_empty(&RO(o)->streams)) {
-        sstream_t *s =
-            LIST_OWNER(list_first(&o->remote->streams), sstream_t, node);
+        sstream_t *s = LIST_OWNER(list_first(&RO(o)->streams), sstream_t, node);
         peer_conn_t *c = conn_live(s->conn);
         uint64_t dst = s->dst_id;
         /* its gathers still count in o->gathers: the offer's fence */
@@ -1648,7 +1637,7 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
  * wait for a stream that never comes and end TIMED_OUT. */
 static void offer_done_notify(offer_t *o)
 {
-    instance_t *inst = o->inst;
+    instance_t *inst = xfer_offer_instance(o);
     const uint8_t *read = RO(o)->rread; /* from the first OPEN's plans */
     if (inst->nlocal == inst->nranks || !peer_enabled() || !read)
         return;
@@ -1670,8 +1659,8 @@ static void offer_done_notify(offer_t *o)
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
         Kvxfer__PeerOfferDone d = KVXFER__PEER_OFFER_DONE__INIT;
         d.instance_id = inst->id;
-        d.request_id = o->request_id;
-        d.token.data = o->token;
+        d.request_id = xfer_offer_request(o);
+        d.token.data = (uint8_t *)xfer_offer_token(o);
         d.token.len = TOKEN_LEN;
         m.m_case = KVXFER__PEER_MSG__M_OFFER_DONE;
         m.offer_done = &d;
@@ -1683,9 +1672,9 @@ static void offer_done_notify(offer_t *o)
  * read. Only an offer no stream took. */
 static void offer_done_apply(offer_t *o)
 {
-    if (RO(o)->streams_expect || o->ending || o->consumed || o->consume_fenced)
+    if (RO(o)->streams_expect)
         return;
-    xfer_offer_remote_done(o, 1, 0, "");
+    xfer_offer_remote_done(o, 1, 0, ""); /* a no-op if it is ending */
 }
 
 static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
@@ -1703,7 +1692,7 @@ static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
     peer_token(inst->id, inst->addresses[0], d->request_id, tok);
     if (!token_equal(&d->token, tok))
         return;
-    offer_t *o = map_get(&inst->offers, d->request_id);
+    offer_t *o = xfer_offer_find(inst, d->request_id);
     if (o) {
         offer_done_apply(o);
         return;
@@ -1731,8 +1720,8 @@ static int done_notes_apply(offer_t *o)
     LIST_FOREACH_SAFE(x, t, &done_notes)
     {
         done_note_t *n = DONE_NOTE(x);
-        if (n->request_id == o->request_id &&
-            !strcmp(n->instance, o->inst->id)) {
+        if (n->request_id == xfer_offer_request(o) &&
+            !strcmp(n->instance, xfer_offer_instance(o)->id)) {
             list_remove(x);
             free(n);
             ndone_notes--;
@@ -1782,7 +1771,8 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
             log_warn("%s", m);
             xfer_offer_remote_done(o, 0, KVX_ERR_PROTOCOL, m);
         } else if (e->code == 0) {
-            roffer_t *ro = o->remote; /* a stream of o: made */
+            roffer_t *ro = xfer_offer_remote(o); /* a stream of o: made */
+            assert(ro->streams_done < ro->streams_opened);
             if (++ro->streams_done == ro->streams_expect) {
                 offer_done_notify(o);
                 xfer_offer_remote_done(o, 1, 0, "");
@@ -1828,8 +1818,7 @@ static void on_end_to_d(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
     }
     char m[300];
     snprintf(m, sizeof(m), "context side: %s", e->message ? e->message : "");
-    xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
-                    e->code ? e->code : KVX_ERR_STATE, m);
+    xfer_part_fail(r->part, e->code ? e->code : KVX_ERR_STATE, m);
 }
 
 void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
@@ -1896,8 +1885,9 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
             map_del(&rstreams, r->id);
             free(r);
         } else if (!r->ended) {
-            fetches[nf++] = (req_ref_t){r->part->req->inst,
-                                        r->part->req->request_id};
+            xfer_part_desc_t d;
+            xfer_part_describe(r->part, &d);
+            fetches[nf++] = (req_ref_t){d.inst, d.request_id};
         }
     }
     /* S: the streams on c end here (no END can reach it) */
@@ -1906,18 +1896,16 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
         sstream_t *s = v[i];
         if (s->conn != peer_conn_id(c) || s->ended || !s->offer)
             continue;
-        offers[no++] = (req_ref_t){s->offer->inst, s->offer->request_id};
+        offers[no++] = (req_ref_t){xfer_offer_instance(s->offer),
+                                   xfer_offer_request(s->offer)};
         sstream_end(s); /* may free s */
     }
-    for (uint32_t i = 0; i < nf; i++) {
-        genreq_t *g = map_get(&fetches[i].inst->fetches, fetches[i].id);
-        if (g && !g->ending)
-            xfer_genreq_end(
-                g, KVX_EVENT_ERROR,
-                code == KVX_ERR_AUTH ? KVX_ERR_AUTH : KVX_ERR_PEER_GONE, msg);
-    }
+    for (uint32_t i = 0; i < nf; i++)
+        xfer_fetch_fail(fetches[i].inst, fetches[i].id,
+                        code == KVX_ERR_AUTH ? KVX_ERR_AUTH : KVX_ERR_PEER_GONE,
+                        msg);
     for (uint32_t i = 0; i < no; i++) {
-        offer_t *o = map_get(&offers[i].inst->offers, offers[i].id);
+        offer_t *o = xfer_offer_find(offers[i].inst, offers[i].id);
         if (o)
             xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, msg);
     }
@@ -1930,7 +1918,7 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
         uint64_t *ids = calloc(nids ? nids : 1, sizeof(*ids));
         nids = ids ? map_keys(&i->offers, ids, nids) : 0;
         for (uint32_t j = 0; j < nids; j++) {
-            offer_t *o = map_get(&i->offers, ids[j]);
+            offer_t *o = xfer_offer_find(i, ids[j]);
             if (o && offer_waits_for(o, peer_conn_address(c)))
                 xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, msg);
         }
@@ -1948,7 +1936,7 @@ void remote_tick(uint64_t now)
         offer_fail_t *f = LIST_OWNER(ofails.next, offer_fail_t, node);
         list_remove(&f->node);
         instance_t *inst = instance_find(f->instance);
-        offer_t *o = inst ? map_get(&inst->offers, f->request_id) : NULL;
+        offer_t *o = inst ? xfer_offer_find(inst, f->request_id) : NULL;
         if (o)
             xfer_offer_end(o, KVX_EVENT_ERROR, f->code,
                            "binding the source for a peer failed");
@@ -1980,9 +1968,8 @@ void remote_tick(uint64_t now)
             if (r->ended || !r->part || send_open(r)) {
                 r->refused = 1; /* no OPEN out: no OPENED to wait for */
                 if (!r->ended && r->part && conn_live(r->conn))
-                    xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
-                                    KVX_ERR_NOMEM,
-                                    "out of memory sending an OPEN");
+                    xfer_part_fail(r->part, KVX_ERR_NOMEM,
+                                   "out of memory sending an OPEN");
             }
         }
     }

@@ -1181,9 +1181,82 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     waiters_reply(&w);
 }
 
-void xfer_genreq_end(genreq_t *g, int kind, int code, const char *msg)
+/* ---- what remote.c calls (xfer_int.h) ---------------------------------- */
+
+offer_t *xfer_offer_find(instance_t *inst, uint64_t request_id)
 {
-    genreq_end(g, kind, code, msg);
+    return map_get(&inst->offers, request_id);
+}
+
+instance_t *xfer_offer_instance(const offer_t *o)
+{
+    return o->inst;
+}
+
+uint64_t xfer_offer_request(const offer_t *o)
+{
+    return o->request_id;
+}
+
+const uint8_t *xfer_offer_token(const offer_t *o)
+{
+    return o->token;
+}
+
+const plan_side_t *xfer_offer_side(const offer_t *o)
+{
+    return &o->side;
+}
+
+const uint8_t *xfer_offer_params(const offer_t *o, size_t *len)
+{
+    *len = o->params_len;
+    return o->params;
+}
+
+int xfer_offer_ending(const offer_t *o)
+{
+    return o->ending;
+}
+
+int xfer_offer_consumed(const offer_t *o)
+{
+    return o->consumed;
+}
+
+int xfer_offer_taken_here(const offer_t *o)
+{
+    return o->consumer != NULL;
+}
+
+int xfer_offer_plan(const offer_t *o, const plan_side_t *dst, uint32_t dst_rank,
+                    uint32_t skip_tokens, plan_t **out, char *why,
+                    size_t why_len)
+{
+    return plan_build(&o->side, dst, dst_rank, o->num_tokens, skip_tokens, out,
+                      why, why_len);
+}
+
+pool_t *xfer_offer_source(const offer_t *o, uint32_t rank, plan_mem_t *mem)
+{
+    assert(rank < o->inst->nranks);
+    const offer_part_t *sp = &o->parts[rank];
+    if (!sp->pool)
+        return NULL;
+    if (mem)
+        *mem = pool_mem(sp->pool, sp->blocks, sp->nblocks);
+    return sp->pool;
+}
+
+struct roffer *xfer_offer_remote(const offer_t *o)
+{
+    return o->remote;
+}
+
+void xfer_offer_set_remote(offer_t *o, struct roffer *ro)
+{
+    assert(ro && !o->remote); /* once; freed with o (offer_free()) */
+    o->remote = ro;
 }
 
 void xfer_offer_end(offer_t *o, int kind, int code, const char *msg)
@@ -1195,6 +1268,9 @@ void xfer_offer_end(offer_t *o, int kind, int code, const char *msg)
 
 void xfer_offer_fence_hold(offer_t *o)
 {
+    /* a gather reads the offer's memory: only while it runs, so never
+     * after consuming it dropped that memory */
+    assert(!o->ending && !o->consumed && !o->consume_fenced);
     o->gathers++;
 }
 
@@ -1209,14 +1285,9 @@ int xfer_offer_fence_done(const offer_t *o)
     return (o->ending || o->consume_fenced) && !o->gathers;
 }
 
-void xfer_part_fence_hold(genpart_t *p)
-{
-    p->inflight++;
-    p->req->inflight++;
-}
-
 void xfer_offer_fenced(offer_t *o)
 {
+    assert(!o->gathers); /* the fence is over */
     if (o->consume_fenced && !o->ending) {
         o->consume_fenced = 0;
         if (o->npublished < o->inst->nlocal)
@@ -1232,6 +1303,7 @@ void xfer_offer_fenced(offer_t *o)
  * the loss of its daemon bounds it now, not the lease. */
 void xfer_offer_taken(offer_t *o)
 {
+    assert(!o->ending && !o->consumed && !o->consumer);
     /* a backstop only: a daemon that never opens its streams (alive, but
      * its ranks never fetch) must not hold the offer forever */
     dl_remove(&o->lease);
@@ -1253,6 +1325,82 @@ void xfer_offer_remote_done(offer_t *o, int complete, int code,
         offer_consume(o);
     else
         offer_end(o, KVX_EVENT_COMPLETE, 0, "");
+}
+
+void xfer_part_describe(const genpart_t *p, xfer_part_desc_t *d)
+{
+    const genreq_t *g = p->req;
+    assert(g->remote && p->fetched);
+    plan_side_t full;
+    side_from_layout(&full, g->inst, &p->pool->layout);
+    d->inst = g->inst;
+    d->request_id = g->request_id;
+    d->dp_rank = g->dp_rank;
+    d->skip_tokens = g->skip_tokens;
+    plan_dp_view(&full, p->rank, &d->dst, &d->dst_rank);
+    d->src_instance = g->src_instance;
+    d->src_request = g->src_request;
+    d->token = g->token;
+}
+
+pool_t *xfer_part_pool(const genpart_t *p)
+{
+    return p->pool;
+}
+
+plan_t *xfer_part_plan(const genpart_t *p)
+{
+    return p->plan;
+}
+
+gpu_part_t *xfer_part_gpu(const genpart_t *p)
+{
+    return p->gpu;
+}
+
+int xfer_part_upload(genpart_t *p, int device, char *why, size_t why_len)
+{
+    assert(!p->gpu); /* once; freed with p (genreq_free()) */
+    int rc =
+        pool_device_base(p->pool, device, &p->plan->dst.base, why, why_len);
+    return rc ? rc : gpu_part_create(p->plan, device, &p->gpu, why, why_len);
+}
+
+struct rpart *xfer_part_remote(const genpart_t *p)
+{
+    return p->remote;
+}
+
+void xfer_part_set_remote(genpart_t *p, struct rpart *rp)
+{
+    assert(rp && !p->remote); /* once; freed with p (genreq_free()) */
+    p->remote = rp;
+}
+
+int xfer_part_end_code(const genpart_t *p)
+{
+    return p->req->end_code;
+}
+
+void xfer_part_fail(genpart_t *p, int code, const char *msg)
+{
+    genreq_end(p->req, KVX_EVENT_ERROR, code, msg);
+}
+
+void xfer_part_fence_hold(genpart_t *p)
+{
+    /* a scatter writes the part's blocks: only while its request runs */
+    assert(p->started && !p->done && !p->req->ending);
+    p->inflight++;
+    p->req->inflight++;
+}
+
+void xfer_fetch_fail(instance_t *inst, uint64_t request_id, int code,
+                     const char *msg)
+{
+    genreq_t *g = map_get(&inst->fetches, request_id);
+    if (g && !g->ending)
+        genreq_end(g, KVX_EVENT_ERROR, code, msg);
 }
 
 /* ---- cancel, cleanup, deadlines --------------------------------------- */
@@ -1396,8 +1544,14 @@ int xfer_request_runs(instance_t *inst, uint64_t request_id, int code,
         if (o && !o->consumed && !o->ending)
             offer_end(o, KVX_EVENT_ERROR, c, msg);
     }
+    return map_get(&inst->fetches, request_id) ||
+           xfer_offer_runs(inst, request_id);
+}
+
+int xfer_offer_runs(instance_t *inst, uint64_t request_id)
+{
     offer_t *o = map_get(&inst->offers, request_id);
-    return map_get(&inst->fetches, request_id) || (o && !o->consumed);
+    return o && !o->consumed;
 }
 
 void xfer_end_instance(instance_t *inst, int code, const char *msg)

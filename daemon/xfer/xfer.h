@@ -56,6 +56,9 @@ void xfer_end_instance(instance_t *inst, int code, const char *msg);
  * else 0. With msg NULL it only answers. */
 int xfer_request_runs(instance_t *inst, uint64_t request_id, int code,
                       const char *msg);
+/* Does the offer of request_id run here: made, and not yet complete
+ * (ending ones still run)? */
+int xfer_offer_runs(instance_t *inst, uint64_t request_id);
 /* End every request (drain). */
 void xfer_end_all(int code, const char *msg);
 /* Pools of a session are going: end the requests that use them. */
