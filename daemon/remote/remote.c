@@ -165,7 +165,7 @@ typedef struct sstream {
     uint64_t id, dst_id;
     uint64_t conn;               /* peer_conn_id(): looked up to send */
     offer_t *offer;              /* NULL once the stream ended */
-    offer_t *fence;              /* whose o->gathers count ours: set for
+    offer_t *fence;              /* whose fence our gathers hold: set for
                                     life (the offer outlives our gathers) */
     plan_t *plan;
     kvx_layout_t dst_layout;     /* the row shape of the packed units */
@@ -1621,7 +1621,7 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
         sstream_t *s = LIST_OWNER(list_first(&RO(o)->streams), sstream_t, node);
         peer_conn_t *c = conn_live(s->conn);
         uint64_t dst = s->dst_id;
-        /* its gathers still count in o->gathers: the offer's fence */
+        /* its gathers still hold the offer's fence */
         sstream_end(s); /* may free s */
         if (c)
             send_end(c, dst, code, msg);

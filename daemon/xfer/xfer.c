@@ -31,6 +31,7 @@
 #include "list.h"
 #include "log.h"
 #include "peer.h"
+#include "rrq.h"
 #include "xfer.h"
 #include "xfer_int.h"
 
@@ -42,6 +43,105 @@
         snprintf(why, why_len, __VA_ARGS__);                                \
         return (code);                                                      \
     } while (0)
+
+/* ---- the requests (opaque outside this file: xfer_int.h) ------------- */
+
+/* A request waiting for its deadline: lists kept in deadline order, so
+ * the tick only looks at the heads. */
+typedef struct dl_node {
+    list_t node; /* on its list while the deadline holds */
+    uint64_t deadline_ms;
+} dl_node_t;
+
+/* A cancel waiting for the fence. One cancel may wait on two requests
+ * (an instance with role both that offers and fetches the same id): the
+ * reply goes out when the last of them is finalized. */
+typedef struct cancel_wait {
+    uint64_t sid, req_id;
+    unsigned pending;
+} cancel_wait_t;
+
+typedef struct waiter {
+    cancel_wait_t *cw;
+    list_t node; /* on its request's waiters, newest first */
+} waiter_t;
+
+typedef struct genreq genreq_t;
+
+typedef struct offer_part {
+    int published;
+    pool_t *pool; /* referenced while published, until consumed */
+    uint32_t *blocks;
+    uint32_t nblocks;
+} offer_part_t;
+
+struct offer {
+    dl_node_t lease; /* on the lease list while unfetched */
+    instance_t *inst;
+    uint64_t request_id;
+    uint8_t token[TOKEN_LEN];
+    uint32_t num_tokens;
+    plan_side_t side; /* instance config + layout summary */
+    char preset[16];
+    uint8_t *params; /* packed ContextParams, same for every rank */
+    size_t params_len;
+    offer_part_t *parts; /* nranks */
+    uint32_t npublished;
+    uint64_t created_ms;
+    genreq_t *consumer;
+    int ending, end_kind, end_code;
+    int consumed; /* complete before every rank published: kept,
+                     without memory, to answer late publishes */
+    char end_msg[256];
+    list_t waiters;     /* waiter_t: cancels answered at the end */
+    int consume_fenced; /* complete, consumed once gathers are 0 */
+    uint32_t gathers;   /* gathers in flight: the fence */
+    /* peer daemons reading this offer: remote.c's (struct roffer), never
+     * read by xfer, freed through xfer_remote_ops_t.offer_free */
+    struct roffer *remote;
+};
+
+struct genpart {
+    genreq_t *req;
+    uint32_t rank;
+    int fetched, started, done;
+    pool_t *pool; /* referenced while fetched */
+    uint32_t *blocks;
+    uint32_t nblocks;
+    plan_t *plan;
+    uint64_t next_unit, units_done, units_per_chunk;
+    uint32_t inflight;
+    gpu_part_t *gpu;  /* plan uploaded to a GPU, when it runs there */
+    rrq_entry_t turn; /* on the scheduler's queue (runq) */
+    /* pulled from peer daemons: remote.c's (struct rpart), never read by
+     * xfer, freed through xfer_remote_ops_t.part_free */
+    struct rpart *remote;
+};
+
+struct genreq {
+    dl_node_t timeout; /* on the fetch-timeout list */
+    instance_t *inst;
+    uint64_t request_id;
+    offer_t *offer; /* NULL once detached */
+    uint32_t skip_tokens;
+    uint32_t dp_rank; /* attention-DP group receiving */
+    uint32_t need;    /* local ranks of that group */
+    genpart_t *parts; /* nranks */
+    uint32_t nfetched, ndone;
+    uint32_t inflight;
+    uint64_t created_ms;
+    uint64_t bytes_total, bytes_done;
+    int ending, end_kind, end_code;
+    char end_msg[256];
+    list_t waiters;       /* waiter_t: cancels answered at the end */
+    int remote;           /* sources reached through peer daemons */
+    plan_side_t src_side; /* remote: the offer's side, from the params */
+    char src_instance[INSTANCE_ID_MAX + 1];
+    uint64_t src_request;
+    uint8_t token[TOKEN_LEN];
+    char **src_addresses; /* remote: daemon of each context rank */
+    uint32_t src_nranks;
+};
 
 #define DL_NODE(n) LIST_OWNER(n, dl_node_t, node)
 

@@ -1,7 +1,9 @@
 /*
- * xfer_int — the request types xfer.c and remote.c share: offers,
- * fetches and their parts, and the calls between the two files. Nothing
- * else includes this.
+ * xfer_int — the calls between xfer.c and remote.c: what remote reads of
+ * offers and fetch parts and the operations it asks of them (xfer.c),
+ * and the hooks remote registers (xfer_remote_ops_t). The request types
+ * are opaque here: their fields are xfer.c's alone. Nothing else
+ * includes this.
  *
  * remote.c moves the parts whose source is another daemon (or whose
  * instance spans daemons); xfer.c owns the requests' life either way:
@@ -14,113 +16,18 @@
 
 #include "gpu.h"
 #include "instance.h"
-#include "list.h"
-#include "peer.h"
 #include "plan.h"
 #include "pool.h"
-#include "rrq.h"
 
 #define TOKEN_LEN 16
 
-/* A request waiting for its deadline: lists kept in deadline order, so
- * the tick only looks at the heads. */
-typedef struct dl_node {
-    list_t node; /* on its list while the deadline holds */
-    uint64_t deadline_ms;
-} dl_node_t;
-
-/* A cancel waiting for the fence. One cancel may wait on two requests
- * (an instance with role both that offers and fetches the same id): the
- * reply goes out when the last of them is finalized. */
-typedef struct cancel_wait {
-    uint64_t sid, req_id;
-    unsigned pending;
-} cancel_wait_t;
-
-typedef struct waiter {
-    cancel_wait_t *cw;
-    list_t node; /* on its request's waiters, newest first */
-} waiter_t;
-
-struct genreq;
+/* The requests, whose fields are xfer.c's alone: remote.c names them
+ * and goes through the calls below. */
+typedef struct offer offer_t;     /* an offer (context side) */
+typedef struct genpart genpart_t; /* one rank's part of a fetch */
+/* What remote keeps of each (opaque here; see xfer_remote_ops_t). */
 struct roffer;
 struct rpart;
-
-typedef struct offer_part {
-    int published;
-    pool_t *pool;          /* referenced while published, until consumed */
-    uint32_t *blocks;
-    uint32_t nblocks;
-} offer_part_t;
-
-typedef struct offer {
-    dl_node_t lease; /* on the lease list while unfetched */
-    instance_t *inst;
-    uint64_t request_id;
-    uint8_t token[TOKEN_LEN];
-    uint32_t num_tokens;
-    plan_side_t side;      /* instance config + layout summary */
-    char preset[16];
-    uint8_t *params;       /* packed ContextParams, same for every rank */
-    size_t params_len;
-    offer_part_t *parts;   /* nranks */
-    uint32_t npublished;
-    uint64_t created_ms;
-    struct genreq *consumer;
-    int ending, end_kind, end_code;
-    int consumed;          /* complete before every rank published: kept,
-                              without memory, to answer late publishes */
-    char end_msg[256];
-    list_t waiters;            /* waiter_t: cancels answered at the end */
-    int consume_fenced;        /* complete, consumed once gathers are 0 */
-    uint32_t gathers;          /* gathers in flight: the fence */
-    /* peer daemons reading this offer: remote.c's (struct roffer), never
-     * read by xfer, freed through xfer_remote_ops_t.offer_free */
-    struct roffer *remote;
-} offer_t;
-
-typedef struct genpart {
-    struct genreq *req;
-    uint32_t rank;
-    int fetched, started, done;
-    pool_t *pool;          /* referenced while fetched */
-    uint32_t *blocks;
-    uint32_t nblocks;
-    plan_t *plan;
-    uint64_t next_unit, units_done, units_per_chunk;
-    uint32_t inflight;
-    gpu_part_t *gpu;       /* plan uploaded to a GPU, when it runs there */
-    rrq_entry_t turn;      /* on the scheduler's queue (xfer.c) */
-    /* pulled from peer daemons: remote.c's (struct rpart), never read by
-     * xfer, freed through xfer_remote_ops_t.part_free */
-    struct rpart *remote;
-} genpart_t;
-
-typedef struct genreq {
-    dl_node_t timeout; /* on the fetch-timeout list */
-    instance_t *inst;
-    uint64_t request_id;
-    offer_t *offer;        /* NULL once detached */
-    uint32_t skip_tokens;
-    uint32_t dp_rank;      /* attention-DP group receiving */
-    uint32_t need;         /* local ranks of that group */
-    genpart_t *parts;      /* nranks */
-    uint32_t nfetched, ndone;
-    uint32_t inflight;
-    uint64_t created_ms;
-    uint64_t bytes_total, bytes_done;
-    int ending, end_kind, end_code;
-    char end_msg[256];
-    list_t waiters;        /* waiter_t: cancels answered at the end */
-    int remote;            /* sources reached through peer daemons */
-    plan_side_t src_side;  /* remote: the offer's side, from the params */
-    char src_instance[INSTANCE_ID_MAX + 1];
-    uint64_t src_request;
-    uint8_t token[TOKEN_LEN];
-    char **src_addresses;  /* remote: daemon of each context rank */
-    uint32_t src_nranks;
-} genreq_t;
-
 
 /* ---- xfer.c, for remote.c ---------------------------------------------- */
 
