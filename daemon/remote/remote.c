@@ -65,7 +65,7 @@
 #include "pool.h"
 #include "remote.h"
 #include "rrq.h"
-#include "xfer_int.h"
+#include "xfer_remote.h"
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
 

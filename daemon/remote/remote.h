@@ -19,7 +19,7 @@
 
 #include "kvxfer.pb-c.h"
 #include "peer.h"
-#include "xfer_int.h"
+#include "xfer_remote.h"
 
 /* Register with net and xfer; with peers on, allocate and register the
  * staging slots. 0, or KVX_ERR_NOMEM with why. */

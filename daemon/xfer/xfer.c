@@ -33,7 +33,7 @@
 #include "peer.h"
 #include "rrq.h"
 #include "xfer.h"
-#include "xfer_int.h"
+#include "xfer_remote.h"
 
 #define PARAMS_VERSION 1
 #define PARAMS_MAX 65536
@@ -44,7 +44,7 @@
         return (code);                                                      \
     } while (0)
 
-/* ---- the requests (opaque outside this file: xfer_int.h) ------------- */
+/* ---- the requests (opaque outside this file: xfer_remote.h) ----------- */
 
 /* A request waiting for its deadline: lists kept in deadline order, so
  * the tick only looks at the heads. */
@@ -165,7 +165,7 @@ static void dl_remove(dl_node_t *n)
 
 /* Round-robin queue of parts with units left to hand out. */
 static rrq_t runq;
-/* registered by the layers above (xfer_int.h, xfer.h) */
+/* registered by the layers above (xfer_remote.h, xfer.h) */
 static xfer_remote_ops_t R;
 static xfer_spread_event_cb spread_event;
 static uint32_t nrequests;
@@ -1281,7 +1281,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     waiters_reply(&w);
 }
 
-/* ---- what remote.c calls (xfer_int.h) ---------------------------------- */
+/* ---- what remote.c calls (xfer_remote.h) ------------------------------ */
 
 offer_t *xfer_offer_find(instance_t *inst, uint64_t request_id)
 {

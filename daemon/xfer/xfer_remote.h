@@ -1,16 +1,16 @@
 /*
- * xfer_int — the calls between xfer.c and remote.c: what remote reads of
- * offers and fetch parts and the operations it asks of them (xfer.c),
- * and the hooks remote registers (xfer_remote_ops_t). The request types
- * are opaque here: their fields are xfer.c's alone. Nothing else
- * includes this.
+ * xfer_remote — the calls between xfer.c and remote.c: what remote
+ * reads of offers and fetch parts and the operations it asks of them
+ * (xfer.c), and the hooks remote registers (xfer_remote_ops_t). The
+ * request types are opaque here: their fields are xfer.c's alone.
+ * Nothing else includes this.
  *
  * remote.c moves the parts whose source is another daemon (or whose
  * instance spans daemons); xfer.c owns the requests' life either way:
  * creation, the fence, the terminal event.
  */
-#ifndef KVX_XFER_INT_H
-#define KVX_XFER_INT_H
+#ifndef KVX_XFER_REMOTE_H
+#define KVX_XFER_REMOTE_H
 
 #include <stdint.h>
 
@@ -168,4 +168,4 @@ typedef struct xfer_remote_ops {
 } xfer_remote_ops_t;
 void xfer_set_remote_ops(const xfer_remote_ops_t *ops);
 
-#endif /* KVX_XFER_INT_H */
+#endif /* KVX_XFER_REMOTE_H */
