@@ -112,7 +112,7 @@ typedef struct slot {
     uint8_t piece_jobs[MAX_PIECES];
     copy_job_t jobs[SLOT_JOBS];
     void (*piece_done)(struct slot *x, uint32_t k);
-    struct slot *next_free;
+    list_t free_node; /* on its slots' free list while free */
 } slot_t;
 
 typedef struct slots {
@@ -120,7 +120,7 @@ typedef struct slots {
     size_t len;
     void *memh;
     slot_t *v;
-    slot_t *free;
+    list_t free; /* the last one put back first */
     uint32_t nfree;
     int pinned;                  /* registered with CUDA (GPU pools) */
 } slots_t;
@@ -301,6 +301,7 @@ static int slots_init(slots_t *s, const char *what, slot_times_t *st,
                       char *why, size_t why_len)
 {
     uint32_t n = remote_slots();
+    list_init(&s->free);
     s->len = (size_t)n * kvxd.conf.slot_bytes;
     s->mem = mmap(NULL, s->len, PROT_READ | PROT_WRITE,
                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
@@ -316,12 +317,11 @@ static int slots_init(slots_t *s, const char *what, slot_times_t *st,
         snprintf(why, why_len, "out of memory");
         return KVX_ERR_NOMEM;
     }
-    for (uint32_t i = n; i-- > 0;) {
+    for (uint32_t i = 0; i < n; i++) {
         s->v[i].mem = s->mem + (size_t)i * kvxd.conf.slot_bytes;
         s->v[i].idx = i;
         s->v[i].st = st;
-        s->v[i].next_free = s->free;
-        s->free = &s->v[i];
+        list_push(&s->free, &s->v[i].free_node);
     }
     s->nfree = n;
     /* registered once, so rendezvous never registers per message */
@@ -357,13 +357,14 @@ static void slots_cleanup(slots_t *s)
 
 static slot_t *slot_get(slots_t *s)
 {
-    slot_t *x = s->free;
-    if (x) {
-        assert(s->nfree > 0 && x->state == SLOT_FREE);
-        s->free = x->next_free;
-        s->nfree--;
-        x->state = SLOT_BUSY;
-    }
+    if (!s->nfree)
+        return NULL;
+    assert(!list_empty(&s->free)); /* nfree counts it */
+    slot_t *x = LIST_OWNER(list_first(&s->free), slot_t, free_node);
+    assert(x->state == SLOT_FREE);
+    list_remove(&x->free_node);
+    s->nfree--;
+    x->state = SLOT_BUSY;
     return x;
 }
 
@@ -379,8 +380,7 @@ static void slot_put(slots_t *s, slot_t *x)
     x->pulled = x->ahead = 0;
     x->ready = x->gather_ns = 0;
     x->status = 0;
-    x->next_free = s->free;
-    s->free = x;
+    list_push(s->free.next, &x->free_node); /* first */
     assert(s->nfree < remote_slots());
     s->nfree++;
 }
