@@ -37,7 +37,6 @@
 #include "log.h"
 #include "peer.h"
 #include "xfer.h"
-#include "xfer_int.h"
 
 typedef struct merge {
     uint64_t request_id;
@@ -351,8 +350,7 @@ static void merges_fail(instance_t *inst, const char *msg)
         n = v ? map_values(&s->merges[k], v, n) : 0;
         for (uint32_t i = 0; i < n; i++) {
             merge_t *e = v[i];
-            offer_t *o = k ? map_get(&inst->offers, e->request_id) : NULL;
-            if (e->emitted || (k && o && !o->consumed) ||
+            if (e->emitted || (k && xfer_offer_runs(inst, e->request_id)) ||
                 (!k && map_get(&inst->fetches, e->request_id)))
                 continue; /* it still runs here: its own report says */
             e->emitted = 1;

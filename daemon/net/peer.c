@@ -1262,6 +1262,14 @@ uint64_t peer_conn_id(const peer_conn_t *c)
     return c->id;
 }
 
+peer_conn_t *peer_conn_find(uint64_t id)
+{
+    for (peer_conn_t *c = P.conns; c; c = c->next)
+        if (c->id == id)
+            return c;
+    return NULL;
+}
+
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
 
 int peer_address_check(const char *address, char *why, size_t why_len)

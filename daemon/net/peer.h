@@ -52,6 +52,9 @@ const char *peer_conn_address(const peer_conn_t *c);
 /* A connection's name for the layers above, never reused: they keep it
  * instead of the pointer, which a loss frees. */
 uint64_t peer_conn_id(const peer_conn_t *c);
+/* The connection named id while peer lists it (lost ones too, until
+ * freed: peer_conn_alive() tells), or NULL: it is gone. */
+peer_conn_t *peer_conn_find(uint64_t id);
 /* Is address this daemon, or one a connection can be made to? 0, or
  * KVX_ERR_INVALID with why. */
 int peer_address_check(const char *address, char *why, size_t why_len);

@@ -65,7 +65,7 @@
 #include "pool.h"
 #include "remote.h"
 #include "rrq.h"
-#include "xfer_int.h"
+#include "xfer_remote.h"
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
 
@@ -112,7 +112,7 @@ typedef struct slot {
     uint8_t piece_jobs[MAX_PIECES];
     copy_job_t jobs[SLOT_JOBS];
     void (*piece_done)(struct slot *x, uint32_t k);
-    struct slot *next_free;
+    list_t free_node; /* on its slots' free list while free */
 } slot_t;
 
 typedef struct slots {
@@ -120,7 +120,7 @@ typedef struct slots {
     size_t len;
     void *memh;
     slot_t *v;
-    slot_t *free;
+    list_t free; /* the last one put back first */
     uint32_t nfree;
     int pinned;                  /* registered with CUDA (GPU pools) */
 } slots_t;
@@ -129,7 +129,7 @@ typedef struct slots {
 typedef struct rstream {
     uint64_t id, source;         /* ours; the source daemon's */
     genpart_t *part;
-    peer_conn_t *conn;
+    uint64_t conn; /* peer_conn_id(): looked up to send */
     uint32_t slice;
     uint64_t u_begin, u_end, next_unit;
     int opened, ended, refused;
@@ -140,6 +140,15 @@ typedef struct rstream {
     rrq_entry_t turn;            /* waiting for a receive slot */
 } rstream_t;
 
+/* D: what this module keeps of a part pulled from peer daemons
+ * (genpart_t's remote): its receiving streams, one per slice, made by
+ * remote_part_start(), freed with the part (remote_part_free(), through
+ * xfer). xfer never reads it. */
+typedef struct rpart {
+    uint32_t nstreams, nslices; /* made so far, of one per slice */
+    rstream_t *streams[];
+} rpart_t;
+
 /* S: a stream some generation daemon reads from one of our offers. */
 #define AHEAD_MAX 8              /* peer.gather_ahead's bound */
 
@@ -148,14 +157,15 @@ typedef struct pull {
     uint64_t u0, u1;
     uint64_t t_arrived;
     struct sstream *s;
-    struct pull *next;
+    list_t node; /* on pulls, in the order they came */
 } pull_t;
+#define PULL(n) LIST_OWNER(n, pull_t, node)
 
 typedef struct sstream {
     uint64_t id, dst_id;
-    peer_conn_t *conn;
+    uint64_t conn;               /* peer_conn_id(): looked up to send */
     offer_t *offer;              /* NULL once the stream ended */
-    offer_t *fence;              /* whose o->gathers count ours: set for
+    offer_t *fence;              /* whose fence our gathers hold: set for
                                     life (the offer outlives our gathers) */
     plan_t *plan;
     kvx_layout_t dst_layout;     /* the row shape of the packed units */
@@ -172,14 +182,14 @@ typedef struct sstream {
     uint32_t nahead;
     int ahead_off;               /* a PULL asked for something else */
     uint32_t queued;             /* its PULLs waiting for a send slot */
-    struct sstream *next;        /* offer's list */
+    list_t node;                 /* on its offer's streams until it ends */
 } sstream_t;
 
 /* S: what this module keeps of an offer peer daemons read (offer_t's
  * remote): made at the first OPEN, freed with the offer
  * (remote_offer_free(), through xfer). xfer never reads it. */
 typedef struct roffer {
-    sstream_t *streams;      /* reading it now */
+    list_t streams;          /* sstream_t reading it now, newest first */
     uint32_t streams_expect; /* streams that will come in all */
     uint32_t streams_opened; /* accepted: at most streams_expect */
     uint32_t streams_done;   /* completed */
@@ -190,11 +200,22 @@ typedef struct roffer {
 } roffer_t;
 
 /* An offer no peer opened reads as this. */
-static const roffer_t roffer_none;
+static const roffer_t roffer_none = {
+    .streams = {(list_t *)&roffer_none.streams,
+                (list_t *)&roffer_none.streams}};
 
 static const roffer_t *RO(const offer_t *o)
 {
-    return o->remote ? o->remote : &roffer_none;
+    const roffer_t *ro = xfer_offer_remote(o);
+    return ro ? ro : &roffer_none;
+}
+
+static roffer_t *roffer_new(void)
+{
+    roffer_t *ro = calloc(1, sizeof(*ro));
+    if (ro)
+        list_init(&ro->streams);
+    return ro;
 }
 
 /* A generation daemon never has more PULLs of one stream out than its
@@ -236,7 +257,7 @@ static map_t rstreams, sstreams;
 static uint64_t next_id = 1;
 static rrq_t pullq;
 static uint32_t retrying;          /* rstreams waiting to OPEN again */
-static pull_t *pq_head, *pq_tail;  /* pulls waiting for a send slot */
+static list_t pulls = {&pulls, &pulls}; /* waiting for a send slot */
 
 static void pull_schedule(void);
 static void serve_pulls(void);
@@ -280,6 +301,7 @@ static int slots_init(slots_t *s, const char *what, slot_times_t *st,
                       char *why, size_t why_len)
 {
     uint32_t n = remote_slots();
+    list_init(&s->free);
     s->len = (size_t)n * kvxd.conf.slot_bytes;
     s->mem = mmap(NULL, s->len, PROT_READ | PROT_WRITE,
                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
@@ -295,12 +317,11 @@ static int slots_init(slots_t *s, const char *what, slot_times_t *st,
         snprintf(why, why_len, "out of memory");
         return KVX_ERR_NOMEM;
     }
-    for (uint32_t i = n; i-- > 0;) {
+    for (uint32_t i = 0; i < n; i++) {
         s->v[i].mem = s->mem + (size_t)i * kvxd.conf.slot_bytes;
         s->v[i].idx = i;
         s->v[i].st = st;
-        s->v[i].next_free = s->free;
-        s->free = &s->v[i];
+        list_push(&s->free, &s->v[i].free_node);
     }
     s->nfree = n;
     /* registered once, so rendezvous never registers per message */
@@ -336,13 +357,14 @@ static void slots_cleanup(slots_t *s)
 
 static slot_t *slot_get(slots_t *s)
 {
-    slot_t *x = s->free;
-    if (x) {
-        assert(s->nfree > 0 && x->state == SLOT_FREE);
-        s->free = x->next_free;
-        s->nfree--;
-        x->state = SLOT_BUSY;
-    }
+    if (!s->nfree)
+        return NULL;
+    assert(!list_empty(&s->free)); /* nfree counts it */
+    slot_t *x = LIST_OWNER(list_first(&s->free), slot_t, free_node);
+    assert(x->state == SLOT_FREE);
+    list_remove(&x->free_node);
+    s->nfree--;
+    x->state = SLOT_BUSY;
     return x;
 }
 
@@ -358,8 +380,7 @@ static void slot_put(slots_t *s, slot_t *x)
     x->pulled = x->ahead = 0;
     x->ready = x->gather_ns = 0;
     x->status = 0;
-    x->next_free = s->free;
-    s->free = x;
+    list_push(s->free.next, &x->free_node); /* first */
     assert(s->nfree < remote_slots());
     s->nfree++;
 }
@@ -445,17 +466,14 @@ static int piece_at(const slot_t *x, uint64_t off)
     return -1;
 }
 
-void remote_offer_free(offer_t *o)
+void remote_offer_free(roffer_t *ro)
 {
-    roffer_t *ro = o->remote;
-    if (!ro)
-        return;
+    assert(list_empty(&ro->streams)); /* the offer ended them */
     for (uint32_t i = 0; i < ro->nconsumer_addrs; i++)
         free(ro->consumer_addrs[i]);
     free(ro->consumer_addrs);
     free(ro->rread);
     free(ro);
-    o->remote = NULL;
 }
 
 static const char *offer_taker(const offer_t *o)
@@ -545,6 +563,23 @@ static void send_end(peer_conn_t *c, uint64_t stream, int code,
     send_end_ex(c, stream, code, msg, 0);
 }
 
+/* The connection a stream runs on (its peer_conn_id()), or NULL when it
+ * is lost or gone: then the loss path ends the stream (remote_on_conn_lost
+ * runs, or has run), and nothing is sent. */
+static peer_conn_t *conn_live(uint64_t id)
+{
+    peer_conn_t *c = peer_conn_find(id);
+    return c && peer_conn_alive(c) ? c : NULL;
+}
+
+/* A control message on the connection named id: as peer_send(), and
+ * KVX_ERR_PEER_GONE when it is lost or gone. */
+static int send_on(uint64_t id, const Kvxfer__PeerMsg *m)
+{
+    peer_conn_t *c = conn_live(id);
+    return c ? peer_send(c, m) : KVX_ERR_PEER_GONE;
+}
+
 /* ---- D: the generation side -------------------------------------------- */
 
 static void rq_push(rstream_t *r) { rrq_push(&pullq, &r->turn); }
@@ -552,61 +587,51 @@ static void rq_drop(rstream_t *r) { rrq_remove(&pullq, &r->turn); }
 
 static int send_open(rstream_t *r)
 {
-    genpart_t *p = r->part;
-    genreq_t *g = p->req;
-    const plan_t *plan = p->plan;
-    const kvx_layout_t *l = &p->pool->layout;
-    plan_side_t full, eff;
-    uint32_t eff_rank;
-    full = g->inst->side; /* with the pool's layout summary */
-    full.kv_factor = l->kv_factor;
-    full.head_dim = l->head_dim;
-    full.elem_size = l->elem_size;
-    full.dtype = l->dtype;
-    full.tokens_per_block = l->tokens_per_block;
-    plan_dp_view(&full, p->rank, &eff, &eff_rank);
+    const plan_t *plan = xfer_part_plan(r->part);
+    xfer_part_desc_t d;
+    xfer_part_describe(r->part, &d);
+    const instance_t *inst = d.inst;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerOpen o = KVXFER__PEER_OPEN__INIT;
     Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
     Kvxfer__Layout lay = KVXFER__LAYOUT__INIT;
     o.stream = r->id;
-    o.instance_id = g->src_instance;
-    o.request_id = g->src_request;
-    o.token.data = g->token;
+    o.instance_id = (char *)d.src_instance;
+    o.request_id = d.src_request;
+    o.token.data = (uint8_t *)d.token;
     o.token.len = TOKEN_LEN;
-    xfer_side_to_msg(&eff, &pc, &lay);
-    lay.preset = (char *)l->preset;
+    xfer_side_to_msg(&d.dst, &pc, &lay);
+    lay.preset = (char *)xfer_part_pool(r->part)->layout.preset;
     o.dst_parallel = &pc;
     o.dst_layout = &lay;
-    o.dst_rank = eff_rank;
-    o.skip_tokens = g->skip_tokens;
+    o.dst_rank = d.dst_rank;
+    o.skip_tokens = d.skip_tokens;
     o.slice = r->slice;
     o.nunits = plan->nunits;
     o.bytes = plan->bytes;
     o.pull_bytes = kvxd.conf.slot_bytes; /* pull_schedule()'s cut */
-    uint32_t nd = plan_side_ranks(&eff);
+    uint32_t nd = plan_side_ranks(&d.dst);
     /* the daemon of each rank of the receiving group, in the plan's rank
      * order: the source waits for their streams, and knows whom to miss */
     char **addrs = calloc(nd ? nd : 1, sizeof(char *));
     if (!addrs)
         return KVX_ERR_NOMEM;
-    for (uint32_t q = 0; q < g->inst->nranks; q++) {
+    for (uint32_t q = 0; q < inst->nranks; q++) {
         plan_side_t e;
         uint32_t er;
-        if (plan_dp_view(&g->inst->side, q, &e, &er) == g->dp_rank &&
-            er < nd)
-            addrs[er] = g->inst->addresses[q];
+        if (plan_dp_view(&inst->side, q, &e, &er) == d.dp_rank && er < nd)
+            addrs[er] = inst->addresses[q];
     }
     for (uint32_t q = 0; q < nd; q++)
         if (!addrs[q])
             addrs[q] = "";
     o.n_dst_addresses = nd;
     o.dst_addresses = addrs;
-    o.consumer_instance = g->inst->id;
-    o.consumer_request = g->request_id;
+    o.consumer_instance = (char *)inst->id;
+    o.consumer_request = d.request_id;
     m.m_case = KVXFER__PEER_MSG__M_OPEN;
     m.open = &o;
-    int rc = peer_send(r->conn, &m);
+    int rc = send_on(r->conn, &m);
     free(addrs);
     return rc;
 }
@@ -614,7 +639,8 @@ static int send_open(rstream_t *r)
 int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
                       char *why, size_t why_len)
 {
-    const plan_t *plan = p->plan;
+    plan_t *plan = xfer_part_plan(p);
+    const pool_t *pool = xfer_part_pool(p);
     if (!peer_enabled()) {
         snprintf(why, why_len,
                  "fetch.context_params: the context ranks are served by "
@@ -623,31 +649,29 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
                  cp->rank_addresses[0]);
         return KVX_ERR_UNSUPPORTED;
     }
-    if (!p->pool->gpu) { /* GPU pools: checked below, once unbound */
-        int rc = plan_check_bounds(p->plan, why, why_len);
+    if (!pool->gpu) { /* GPU pools: checked below, once unbound */
+        int rc = plan_check_bounds(plan, why, why_len);
         if (rc)
             return rc;
     }
-    if (p->pool->gpu) {
+    if (pool->gpu) {
         /* a GPU destination: the scatter is a kernel reading the slot */
-        int rc, dev = p->pool->device;
-        plan_t *pl = p->plan;
+        int rc, dev = pool->device;
         static const kvx_layout_t none; /* sources: packed in the slot */
-        for (uint32_t i = 0; i < pl->nslices; i++)
-            pl->src[i] = (plan_mem_t){.layout = &none};
-        if ((rc = plan_check_bounds(pl, why, why_len)) ||
+        for (uint32_t i = 0; i < plan->nslices; i++)
+            plan->src[i] = (plan_mem_t){.layout = &none};
+        if ((rc = plan_check_bounds(plan, why, why_len)) ||
             (rc = slots_pin(&rslots, dev, why, why_len)) ||
-            (rc =
-                 pool_device_base(p->pool, dev, &pl->dst.base, why, why_len)) ||
-            (rc = gpu_part_create(pl, dev, &p->gpu, why, why_len)))
+            (rc = xfer_part_upload(p, dev, why, why_len)))
             return rc;
     }
-    p->streams = calloc(plan->nslices ? plan->nslices : 1,
-                        sizeof(*p->streams));
-    if (!p->streams) {
+    rpart_t *rp = calloc(1, sizeof(*rp) + plan->nslices * sizeof(rstream_t *));
+    if (!rp) {
         snprintf(why, why_len, "fetch: out of memory");
         return KVX_ERR_NOMEM;
     }
+    rp->nslices = plan->nslices;
+    xfer_part_set_remote(p, rp); /* freed with p, whatever happens below */
     for (uint32_t i = 0; i < plan->nslices; i++) {
         const char *addr = cp->rank_addresses[plan->slices[i].src_rank];
         peer_conn_t *c = peer_connect(addr, why, why_len);
@@ -661,12 +685,13 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         }
         r->id = next_id++;
         r->part = p;
-        r->conn = c;
+        r->conn = peer_conn_id(c);
         r->slice = i;
         r->u_begin = r->next_unit = plan->slices[i].unit_begin;
         r->u_end = i + 1 < plan->nslices ? plan->slices[i + 1].unit_begin
                                          : plan->nunits;
-        p->streams[p->nstreams++] = r;
+        assert(rp->nstreams < rp->nslices);
+        rp->streams[rp->nstreams++] = r;
         if (send_open(r)) {
             r->refused = 1; /* no OPEN out: no OPENED to wait for */
             snprintf(why, why_len, "fetch: cannot reach daemon %s", addr);
@@ -685,8 +710,9 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
         return;
     r->ended = 1;
     rq_drop(r);
-    if (r->opened && peer_conn_alive(r->conn))
-        send_end(r->conn, r->source, code, msg);
+    peer_conn_t *c = r->opened ? conn_live(r->conn) : NULL;
+    if (c)
+        send_end(c, r->source, code, msg);
     for (uint32_t i = 0; i < remote_slots() && rslots.v; i++) {
         slot_t *x = &rslots.v[i];
         /* pulled, or some pieces in and none landing: nothing more will
@@ -700,15 +726,18 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
 
 void remote_part_stop(genpart_t *p, int code, const char *msg)
 {
-    for (uint32_t i = 0; i < p->nstreams; i++)
-        rstream_stop(p->streams[i], code, msg);
+    const rpart_t *rp = xfer_part_remote(p);
+    for (uint32_t i = 0; rp && i < rp->nstreams; i++)
+        rstream_stop(rp->streams[i], code, msg);
     pull_schedule();
 }
 
-void remote_part_free(genpart_t *p)
+void remote_part_free(rpart_t *rp)
 {
-    for (uint32_t i = 0; i < p->nstreams; i++) {
-        rstream_t *r = p->streams[i];
+    assert(rp->nstreams <= rp->nslices);
+    for (uint32_t i = 0; i < rp->nstreams; i++) {
+        rstream_t *r = rp->streams[i];
+        assert(r->part); /* only a stream of a freed part is an orphan */
         rstream_stop(r, KVX_ERR_STATE, "request ended");
         for (uint32_t k = 0; k < remote_slots() && rslots.v; k++)
             if (rslots.v[k].owner == r) /* a receive still landing */
@@ -718,7 +747,7 @@ void remote_part_free(genpart_t *p)
             retrying--;
             r->refused = 1;
         }
-        if (!r->opened && !r->refused && peer_conn_alive(r->conn)) {
+        if (!r->opened && !r->refused && conn_live(r->conn)) {
             /* its OPENED is on the way: kept as an orphan, so the source
              * hears END when it comes (on_opened) */
             r->part = NULL;
@@ -727,9 +756,7 @@ void remote_part_free(genpart_t *p)
         map_del(&rstreams, r->id);
         free(r);
     }
-    free(p->streams);
-    p->streams = NULL;
-    p->nstreams = 0;
+    free(rp);
 }
 
 static void pull_schedule(void)
@@ -739,7 +766,7 @@ static void pull_schedule(void)
         rstream_t *r = RRQ_OWNER(rrq_pop(&pullq), rstream_t, turn);
         if (r->ended || r->next_unit >= r->u_end)
             continue;
-        const plan_t *plan = r->part->plan;
+        const plan_t *plan = xfer_part_plan(r->part);
         uint64_t u0 = r->next_unit, bytes;
         uint64_t u1 = plan_units_fit(plan, u0, r->u_end, slot_bytes, &bytes);
         if (u1 == u0) {
@@ -749,7 +776,7 @@ static void pull_schedule(void)
                      "(%llu)",
                      (unsigned long long)plan_units_bytes(plan, u0, u0 + 1),
                      (unsigned long long)slot_bytes);
-            xfer_genreq_end(r->part->req, KVX_EVENT_ERROR, KVX_ERR_LIMIT, m);
+            xfer_part_fail(r->part, KVX_ERR_LIMIT, m);
             continue;
         }
         slot_t *x = slot_get(&rslots);
@@ -769,15 +796,15 @@ static void pull_schedule(void)
         m.pull = &pl;
         r->next_unit = u1;
         r->held++;
-        if (peer_send(r->conn, &m)) {
+        if (send_on(r->conn, &m)) {
             slot_put(&rslots, x);
             assert(r->held > 0);
             r->held--;
             /* a lost connection ends the request from the loop's next
              * turn; a live one could not take the message (memory) */
-            if (peer_conn_alive(r->conn))
-                xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
-                                KVX_ERR_NOMEM, "out of memory sending a pull");
+            if (conn_live(r->conn))
+                xfer_part_fail(r->part, KVX_ERR_NOMEM,
+                               "out of memory sending a pull");
             continue;
         }
         if (r->next_unit < r->u_end)
@@ -788,7 +815,7 @@ static void pull_schedule(void)
 static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
 {
     rstream_t *r = map_get(&rstreams, o->stream);
-    if (!r || r->conn != c || r->opened)
+    if (!r || r->conn != peer_conn_id(c) || r->opened)
         return;
     r->opened = 1;
     r->source = o->source;
@@ -799,9 +826,8 @@ static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
         return;
     }
     if (r->ended) { /* ended while opening: tell it */
-        send_end(c, r->source, r->part->req->end_code
-                                   ? r->part->req->end_code
-                                   : KVX_ERR_CANCELLED,
+        int code = xfer_part_end_code(r->part);
+        send_end(c, r->source, code ? code : KVX_ERR_CANCELLED,
                  "request ended");
         return;
     }
@@ -833,7 +859,8 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
                          size_t len)
 {
     rstream_t *r = map_get(&rstreams, d->stream);
-    if (!r || r->conn != c || r->ended || d->slot >= remote_slots())
+    if (!r || r->conn != peer_conn_id(c) || r->ended ||
+        d->slot >= remote_slots())
         return NULL;
     slot_t *x = &rslots.v[d->slot];
     /* piece_bytes 0: the whole slot in one message (a sender that does
@@ -848,7 +875,7 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
     else if (!pb || (x->state == SLOT_RECEIVING && pb != x->piece_bytes))
         bad = "is not a piece of its slot";
     if (!bad && x->state == SLOT_PULLED)
-        slot_cut(x, r->part->plan, pb);
+        slot_cut(x, xfer_part_plan(r->part), pb);
     if (!bad && ((k = piece_at(x, d->offset)) < 0 || len != x->pc[k].len))
         bad = "is not a piece of its slot";
     else if (!bad && (x->got & (1ull << k)))
@@ -929,11 +956,11 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
         int first = status && !x->status;
         if (first)
             x->status = status;
-        genreq_t *g = r && !r->ended && first ? r->part->req : NULL;
+        genpart_t *p = r && !r->ended && first ? r->part : NULL;
         rslot_release(x);
-        if (g)
-            xfer_genreq_end(g, KVX_EVENT_ERROR, status,
-                            "receiving from the context daemon failed");
+        if (p)
+            xfer_part_fail(p, status,
+                           "receiving from the context daemon failed");
         pull_schedule();
         return;
     }
@@ -949,7 +976,7 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
     xfer_part_fence_hold(p);
     x->piece_done = scatter_done;
     /* a GPU pool: a kernel reads the piece; else the copy threads */
-    piece_copy(x, (uint32_t)k, p->plan, p->gpu, 0);
+    piece_copy(x, (uint32_t)k, xfer_part_plan(p), xfer_part_gpu(p), 0);
 }
 
 /* ---- S: the context side ----------------------------------------------- */
@@ -985,31 +1012,23 @@ static void sstream_end(sstream_t *s)
     if (s->ended)
         return;
     s->ended = 1;
-    offer_t *o = s->offer;
-    if (o && o->remote)
-        for (sstream_t **pp = &o->remote->streams; *pp; pp = &(*pp)->next)
-            if (*pp == s) {
-                *pp = s->next;
-                break;
-            }
+    /* a stream not ended is on its offer's list */
+    assert(s->offer && list_linked(&s->node));
+    list_remove(&s->node);
     s->offer = NULL;
     /* pulls of s still queued go */
-    pull_t *prev = NULL;
-    for (pull_t *q = pq_head, *n; q; q = n) {
-        n = q->next;
-        if (q->s == s) {
-            if (prev)
-                prev->next = n;
-            else
-                pq_head = n;
-            if (pq_tail == q)
-                pq_tail = prev;
-            s->queued--;
-            free(q);
-        } else {
-            prev = q;
-        }
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &pulls)
+    {
+        pull_t *q = PULL(n);
+        if (q->s != s)
+            continue;
+        list_remove(n);
+        assert(s->queued > 0);
+        s->queued--;
+        free(q);
     }
+    assert(s->queued == 0);
     ahead_release(s);
     if (!s->gathers && !s->sends)
         sstream_free(s);
@@ -1049,20 +1068,20 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
                                  uint32_t skip, const Kvxfer__PeerOpen *m)
 {
     uint32_t n = 0, ranks = plan_side_ranks(dst);
-    roffer_t *ro = o->remote; /* made by on_open() */
+    const instance_t *inst = xfer_offer_instance(o);
+    roffer_t *ro = xfer_offer_remote(o); /* made by on_open() */
     if (m->n_dst_addresses == ranks)
         ro->consumer_addrs = calloc(ranks, sizeof(char *));
     free(ro->rread);
-    ro->rread = calloc(o->inst->nranks, 1);
+    ro->rread = calloc(inst->nranks, 1);
     for (uint32_t r = 0; r < ranks; r++) {
         plan_t *p;
         char why[64];
-        if (plan_build(&o->side, dst, r, o->num_tokens, skip, &p, why,
-                       sizeof(why)))
+        if (xfer_offer_plan(o, dst, r, skip, &p, why, sizeof(why)))
             continue;
         uint32_t k = 0;
         for (uint32_t i = 0; i < p->nslices; i++) {
-            k += o->inst->local[p->slices[i].src_rank];
+            k += inst->local[p->slices[i].src_rank];
             if (ro->rread)
                 ro->rread[p->slices[i].src_rank] = 1;
         }
@@ -1084,7 +1103,7 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
 static int offer_waits_for(const offer_t *o, const char *addr)
 {
     const roffer_t *ro = RO(o);
-    if (o->ending || !ro->streams_expect ||
+    if (xfer_offer_ending(o) || !ro->streams_expect ||
         ro->streams_done >= ro->streams_expect)
         return 0;
     for (uint32_t j = 0; j < ro->nconsumer_addrs; j++)
@@ -1096,8 +1115,8 @@ static int offer_waits_for(const offer_t *o, const char *addr)
 static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 {
     instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
-    offer_t *o = inst ? map_get(&inst->offers, m->request_id) : NULL;
-    if (!o || o->ending || o->consumed) {
+    offer_t *o = inst ? xfer_offer_find(inst, m->request_id) : NULL;
+    if (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) {
         /* every rank of the instance is ours: its offers are all here,
          * so this one ended (or never was) and asking again cannot help;
          * else a rank may not have published yet: the peer asks again */
@@ -1111,14 +1130,14 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                  "(%s)",
                  (unsigned long long)m->request_id,
                  m->instance_id ? m->instance_id : "", kvxd.address,
-                 o ? (o->consumed ? "consumed" : "ending")
+                 o       ? (xfer_offer_consumed(o) ? "consumed" : "ending")
                  : final ? "expired, cancelled or completed"
                          : "not yet published, expired, cancelled or "
                            "completed");
         send_end_ex(c, m->stream, KVX_ERR_NOT_FOUND, msg, final || o);
         return;
     }
-    if (!token_equal(&m->token, o->token)) {
+    if (!token_equal(&m->token, xfer_offer_token(o))) {
         log_warn("peer %s: forged or stale capability token for offer "
                  "%s/%llu",
                  peer_conn_address(c), inst->id,
@@ -1129,7 +1148,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                     (unsigned long long)m->request_id);
         return;
     }
-    if (o->consumer) {
+    if (xfer_offer_taken_here(o)) {
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
                     "the offer of request %llu is already taken on daemon "
                     "%s",
@@ -1142,15 +1161,15 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     int rc = xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, why,
                                 sizeof(why));
     if (!rc)
-        rc = plan_compat(&o->side, &dst, why, sizeof(why));
+        rc = plan_compat(xfer_offer_side(o), &dst, why, sizeof(why));
     if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {
         snprintf(why, sizeof(why), "open: destination rank %u of %u",
                  m->dst_rank, plan_side_ranks(&dst));
         rc = KVX_ERR_INVALID;
     }
     if (!rc)
-        rc = plan_build(&o->side, &dst, m->dst_rank, o->num_tokens,
-                        m->skip_tokens, &plan, why, sizeof(why));
+        rc = xfer_offer_plan(o, &dst, m->dst_rank, m->skip_tokens, &plan, why,
+                             sizeof(why));
     if (rc) {
         open_refuse(c, m->stream, rc, "%s", why);
         return;
@@ -1172,12 +1191,15 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     snprintf(who, sizeof(who), "request %llu of instance '%s'",
              (unsigned long long)m->consumer_request,
              m->consumer_instance ? m->consumer_instance : "");
-    if (!o->remote && !(o->remote = calloc(1, sizeof(*o->remote)))) {
-        plan_free(plan);
-        open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
-        return;
+    roffer_t *ro = xfer_offer_remote(o);
+    if (!ro) { /* the first OPEN: freed with o (remote_offer_free()) */
+        if (!(ro = roffer_new())) {
+            plan_free(plan);
+            open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
+            return;
+        }
+        xfer_offer_set_remote(o, ro);
     }
-    roffer_t *ro = o->remote;
     if (ro->rconsumer[0] && strcmp(ro->rconsumer, who)) {
         plan_free(plan);
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
@@ -1199,9 +1221,10 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
         return;
     }
+    list_init(&s->node);
     s->id = next_id++;
     s->dst_id = m->stream;
-    s->conn = c;
+    s->conn = peer_conn_id(c);
     s->offer = o;
     s->fence = o;
     s->plan = plan;
@@ -1227,8 +1250,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         xfer_offer_taken(o);
     }
     ro->streams_opened++;
-    s->next = ro->streams;
-    ro->streams = s;
+    assert(ro->streams_opened <= ro->streams_expect);
+    list_push(ro->streams.next, &s->node); /* first: newest first */
     Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerOpened op = KVXFER__PEER_OPENED__INIT;
     op.stream = s->dst_id;
@@ -1286,8 +1309,9 @@ static void piece_send(slot_t *x, uint32_t k)
     /* counted before: a failure may call back at once; the caller keeps x
      * (x->pending still counts this piece, or sends_left another) */
     x->sends_left++;
-    if (peer_send_data(s->conn, &m, x->mem + d.offset, x->pc[k].len,
-                       on_sent, x))
+    peer_conn_t *c = conn_live(s->conn);
+    if (!c ||
+        peer_send_data(c, &m, x->mem + d.offset, x->pc[k].len, on_sent, x))
         x->sends_left--; /* the connection is gone: never called back */
 }
 
@@ -1324,14 +1348,16 @@ static void gather_done(slot_t *x, uint32_t k)
             ahead_drop(s, x); /* not put back by sstream_end(): below */
         char e[128];
         snprintf(e, sizeof(e), "gather failed: %s", kvx_status_str(x->status));
-        send_end(s->conn, s->dst_id, x->status, e);
+        peer_conn_t *c = peer_conn_find(s->conn); /* lost: still named */
+        if (c && peer_conn_alive(c))
+            send_end(c, s->dst_id, x->status, e);
         sstream_end(s); /* s stays: x still counts in s->sends */
-        if (!o->ending) {
+        if (!xfer_offer_ending(o)) {
             /* the offer ends with the error (not at its backstop lease):
              * the generation side's END back finds the stream ended */
             char m[128];
             snprintf(m, sizeof(m), "gathering for peer daemon %s failed",
-                     peer_conn_address(s->conn));
+                     c ? peer_conn_address(c) : "(gone)");
             xfer_offer_end(o, KVX_EVENT_ERROR, x->status, m); /* may free o */
             sslot_release(x);
             return;
@@ -1349,14 +1375,13 @@ static int sstream_bind(sstream_t *s, offer_t *o)
 {
     static const kvx_layout_t none;
     plan_t *pl = s->plan;
-    pool_t *src = o->parts[s->src_rank].pool;
+    plan_mem_t mem;
+    pool_t *src = xfer_offer_source(o, s->src_rank, &mem);
+    assert(src); /* serve_pulls() waits for its publish */
     if (s->gpu || (pl->src[s->slice].base && !src->gpu))
         return 0;
-    for (uint32_t i = 0; i < pl->nslices; i++) {
-        offer_part_t *sp = &o->parts[pl->slices[i].src_rank];
-        pl->src[i] = i == s->slice ? pool_mem(sp->pool, sp->blocks, sp->nblocks)
-                                   : (plan_mem_t){.layout = &none};
-    }
+    for (uint32_t i = 0; i < pl->nslices; i++)
+        pl->src[i] = i == s->slice ? mem : (plan_mem_t){.layout = &none};
     char why[256];
     int rc;
     if ((rc = plan_check_bounds(pl, why, sizeof(why)))) {
@@ -1410,8 +1435,8 @@ static void ahead_fill(sstream_t *s)
 {
     offer_t *o = s->offer;
     while (s->nahead < kvxd.conf.gather_ahead && s->pull_bytes &&
-           !s->ahead_off && !s->ended && o && !o->ending && !pq_head &&
-           sslots.nfree > 1 && s->ahead_at < s->u_end) {
+           !s->ahead_off && !s->ended && o && !xfer_offer_ending(o) &&
+           list_empty(&pulls) && sslots.nfree > 1 && s->ahead_at < s->u_end) {
         uint64_t u0 = s->ahead_at, bytes;
         uint64_t u1 = plan_units_fit(s->plan, u0, s->u_end, s->pull_bytes,
                                      &bytes);
@@ -1472,23 +1497,21 @@ static void serve_pulls(void)
 {
     sstream_t *served[16];
     uint32_t nserved = 0;
-    pull_t *prev = NULL;
-    for (pull_t *q = pq_head, *n; q && sslots.nfree; q = n) {
-        n = q->next;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &pulls)
+    {
+        if (!sslots.nfree)
+            break;
+        pull_t *q = PULL(n);
         sstream_t *s = q->s;
         offer_t *o = s->offer;
-        if (o && !o->parts[s->src_rank].pool && !o->ending) {
-            prev = q; /* its rank has not published yet */
-            continue;
-        }
+        if (o && !xfer_offer_source(o, s->src_rank, NULL) &&
+            !xfer_offer_ending(o))
+            continue; /* its rank has not published yet */
+        assert(s->queued > 0);
         s->queued--;
-        if (prev)
-            prev->next = n;
-        else
-            pq_head = n;
-        if (pq_tail == q)
-            pq_tail = prev;
-        if (!o || o->ending) {
+        list_remove(n);
+        if (!o || xfer_offer_ending(o)) {
             free(q);
             continue;
         }
@@ -1501,17 +1524,18 @@ static void serve_pulls(void)
         if (rc) {
             slot_put(&sslots, x);
             free(q);
-            peer_conn_t *sc = s->conn;
+            peer_conn_t *sc = conn_live(s->conn);
             uint64_t dst = s->dst_id;
             sstream_end(s); /* may free s */
-            send_end(sc, dst, rc,
-                     "the context daemon cannot bind its "
-                     "source (its log says why)");
+            if (sc)
+                send_end(sc, dst, rc,
+                         "the context daemon cannot bind its "
+                         "source (its log says why)");
             offer_fail_t *f = calloc(1, sizeof(*f));
             if (f) { /* ended from remote_tick() */
                 snprintf(f->instance, sizeof(f->instance), "%s",
-                         o->inst->id);
-                f->request_id = o->request_id;
+                         xfer_offer_instance(o)->id);
+                f->request_id = xfer_offer_request(o);
                 f->code = rc;
                 list_push(&ofails, &f->node);
             } else { /* out of memory: now, and nothing more this turn */
@@ -1538,7 +1562,7 @@ static void serve_pulls(void)
 static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
 {
     sstream_t *s = map_get(&sstreams, m->stream);
-    if (!s || s->conn != c || s->ended)
+    if (!s || s->conn != peer_conn_id(c) || s->ended)
         return; /* ended: the END crossed this pull */
     if (m->unit_begin < s->u_begin || m->unit_end > s->u_end ||
         m->unit_begin >= m->unit_end ||
@@ -1579,11 +1603,7 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
     q->u1 = m->unit_end;
     q->t_arrived = now_ns();
     q->s = s;
-    if (pq_tail)
-        pq_tail->next = q;
-    else
-        pq_head = q;
-    pq_tail = q;
+    list_push(&pulls, &q->node);
     serve_pulls();
 }
 
@@ -1591,19 +1611,19 @@ void remote_offer_published(offer_t *o)
 {
     if (!list_empty(&done_notes) && done_notes_apply(o))
         return; /* o may have ended: not used below */
-    if (RO(o)->streams)
+    if (!list_empty(&RO(o)->streams))
         serve_pulls();
 }
 
 void remote_offer_stop(offer_t *o, int code, const char *msg)
 {
-    while (RO(o)->streams) {
-        sstream_t *s = o->remote->streams;
-        peer_conn_t *c = s->conn;
+    while (!list_empty(&RO(o)->streams)) {
+        sstream_t *s = LIST_OWNER(list_first(&RO(o)->streams), sstream_t, node);
+        peer_conn_t *c = conn_live(s->conn);
         uint64_t dst = s->dst_id;
-        /* its gathers still count in o->gathers: the offer's fence */
+        /* its gathers still hold the offer's fence */
         sstream_end(s); /* may free s */
-        if (peer_conn_alive(c))
+        if (c)
             send_end(c, dst, code, msg);
     }
 }
@@ -1617,7 +1637,7 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
  * wait for a stream that never comes and end TIMED_OUT. */
 static void offer_done_notify(offer_t *o)
 {
-    instance_t *inst = o->inst;
+    instance_t *inst = xfer_offer_instance(o);
     const uint8_t *read = RO(o)->rread; /* from the first OPEN's plans */
     if (inst->nlocal == inst->nranks || !peer_enabled() || !read)
         return;
@@ -1639,8 +1659,8 @@ static void offer_done_notify(offer_t *o)
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
         Kvxfer__PeerOfferDone d = KVXFER__PEER_OFFER_DONE__INIT;
         d.instance_id = inst->id;
-        d.request_id = o->request_id;
-        d.token.data = o->token;
+        d.request_id = xfer_offer_request(o);
+        d.token.data = (uint8_t *)xfer_offer_token(o);
         d.token.len = TOKEN_LEN;
         m.m_case = KVXFER__PEER_MSG__M_OFFER_DONE;
         m.offer_done = &d;
@@ -1652,9 +1672,9 @@ static void offer_done_notify(offer_t *o)
  * read. Only an offer no stream took. */
 static void offer_done_apply(offer_t *o)
 {
-    if (RO(o)->streams_expect || o->ending || o->consumed || o->consume_fenced)
+    if (RO(o)->streams_expect)
         return;
-    xfer_offer_remote_done(o, 1, 0, "");
+    xfer_offer_remote_done(o, 1, 0, ""); /* a no-op if it is ending */
 }
 
 static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
@@ -1672,7 +1692,7 @@ static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
     peer_token(inst->id, inst->addresses[0], d->request_id, tok);
     if (!token_equal(&d->token, tok))
         return;
-    offer_t *o = map_get(&inst->offers, d->request_id);
+    offer_t *o = xfer_offer_find(inst, d->request_id);
     if (o) {
         offer_done_apply(o);
         return;
@@ -1700,8 +1720,8 @@ static int done_notes_apply(offer_t *o)
     LIST_FOREACH_SAFE(x, t, &done_notes)
     {
         done_note_t *n = DONE_NOTE(x);
-        if (n->request_id == o->request_id &&
-            !strcmp(n->instance, o->inst->id)) {
+        if (n->request_id == xfer_offer_request(o) &&
+            !strcmp(n->instance, xfer_offer_instance(o)->id)) {
             list_remove(x);
             free(n);
             ndone_notes--;
@@ -1731,7 +1751,7 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
 {
     /* to S: the generation side is done with stream e->stream */
     sstream_t *s = map_get(&sstreams, e->stream);
-    if (s && s->conn == c && !s->ended) {
+    if (s && s->conn == peer_conn_id(c) && !s->ended) {
         offer_t *o = s->offer;
         /* every unit is gathered before it is sent, so a receiver that
          * has them all finds no gather of the stream left: one that says
@@ -1751,7 +1771,8 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
             log_warn("%s", m);
             xfer_offer_remote_done(o, 0, KVX_ERR_PROTOCOL, m);
         } else if (e->code == 0) {
-            roffer_t *ro = o->remote; /* a stream of o: made */
+            roffer_t *ro = xfer_offer_remote(o); /* a stream of o: made */
+            assert(ro->streams_done < ro->streams_opened);
             if (++ro->streams_done == ro->streams_expect) {
                 offer_done_notify(o);
                 xfer_offer_remote_done(o, 1, 0, "");
@@ -1770,7 +1791,7 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
 static void on_end_to_d(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
 {
     rstream_t *r = map_get(&rstreams, e->stream);
-    if (!r || r->conn != c)
+    if (!r || r->conn != peer_conn_id(c))
         return;
     if (!r->part) { /* an orphan refused: nothing left of it */
         map_del(&rstreams, r->id);
@@ -1797,8 +1818,7 @@ static void on_end_to_d(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
     }
     char m[300];
     snprintf(m, sizeof(m), "context side: %s", e->message ? e->message : "");
-    xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
-                    e->code ? e->code : KVX_ERR_STATE, m);
+    xfer_part_fail(r->part, e->code ? e->code : KVX_ERR_STATE, m);
 }
 
 void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
@@ -1820,7 +1840,8 @@ void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         /* the direction tells which side it is for: streams a daemon
          * opened are rstreams; END from their source names our id */
         if (m->end->stream && map_get(&rstreams, m->end->stream) &&
-            ((rstream_t *)map_get(&rstreams, m->end->stream))->conn == c)
+            ((rstream_t *)map_get(&rstreams, m->end->stream))->conn ==
+                peer_conn_id(c))
             on_end_to_d(c, m->end);
         else
             on_end(c, m->end);
@@ -1856,7 +1877,7 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
     k = map_values(&rstreams, v, rstreams.n);
     for (uint32_t i = 0; i < k; i++) {
         rstream_t *r = v[i];
-        if (r->conn != c)
+        if (r->conn != peer_conn_id(c))
             continue;
         r->opened = 0;
         r->refused = 1;
@@ -1864,28 +1885,27 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
             map_del(&rstreams, r->id);
             free(r);
         } else if (!r->ended) {
-            fetches[nf++] = (req_ref_t){r->part->req->inst,
-                                        r->part->req->request_id};
+            xfer_part_desc_t d;
+            xfer_part_describe(r->part, &d);
+            fetches[nf++] = (req_ref_t){d.inst, d.request_id};
         }
     }
     /* S: the streams on c end here (no END can reach it) */
     k = map_values(&sstreams, v, sstreams.n);
     for (uint32_t i = 0; i < k; i++) {
         sstream_t *s = v[i];
-        if (s->conn != c || s->ended || !s->offer)
+        if (s->conn != peer_conn_id(c) || s->ended || !s->offer)
             continue;
-        offers[no++] = (req_ref_t){s->offer->inst, s->offer->request_id};
+        offers[no++] = (req_ref_t){xfer_offer_instance(s->offer),
+                                   xfer_offer_request(s->offer)};
         sstream_end(s); /* may free s */
     }
-    for (uint32_t i = 0; i < nf; i++) {
-        genreq_t *g = map_get(&fetches[i].inst->fetches, fetches[i].id);
-        if (g && !g->ending)
-            xfer_genreq_end(
-                g, KVX_EVENT_ERROR,
-                code == KVX_ERR_AUTH ? KVX_ERR_AUTH : KVX_ERR_PEER_GONE, msg);
-    }
+    for (uint32_t i = 0; i < nf; i++)
+        xfer_fetch_fail(fetches[i].inst, fetches[i].id,
+                        code == KVX_ERR_AUTH ? KVX_ERR_AUTH : KVX_ERR_PEER_GONE,
+                        msg);
     for (uint32_t i = 0; i < no; i++) {
-        offer_t *o = map_get(&offers[i].inst->offers, offers[i].id);
+        offer_t *o = xfer_offer_find(offers[i].inst, offers[i].id);
         if (o)
             xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, msg);
     }
@@ -1898,7 +1918,7 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
         uint64_t *ids = calloc(nids ? nids : 1, sizeof(*ids));
         nids = ids ? map_keys(&i->offers, ids, nids) : 0;
         for (uint32_t j = 0; j < nids; j++) {
-            offer_t *o = map_get(&i->offers, ids[j]);
+            offer_t *o = xfer_offer_find(i, ids[j]);
             if (o && offer_waits_for(o, peer_conn_address(c)))
                 xfer_offer_remote_done(o, 0, KVX_ERR_PEER_GONE, msg);
         }
@@ -1916,13 +1936,13 @@ void remote_tick(uint64_t now)
         offer_fail_t *f = LIST_OWNER(ofails.next, offer_fail_t, node);
         list_remove(&f->node);
         instance_t *inst = instance_find(f->instance);
-        offer_t *o = inst ? map_get(&inst->offers, f->request_id) : NULL;
+        offer_t *o = inst ? xfer_offer_find(inst, f->request_id) : NULL;
         if (o)
             xfer_offer_end(o, KVX_EVENT_ERROR, f->code,
                            "binding the source for a peer failed");
         free(f);
     }
-    if (pq_head && sslots.nfree)
+    if (!list_empty(&pulls) && sslots.nfree)
         serve_pulls(); /* slots put back where no PULL was served */
     uint32_t n = rstreams.n;
     if (!n || !retrying)
@@ -1947,10 +1967,9 @@ void remote_tick(uint64_t now)
             retrying--;
             if (r->ended || !r->part || send_open(r)) {
                 r->refused = 1; /* no OPEN out: no OPENED to wait for */
-                if (!r->ended && r->part && peer_conn_alive(r->conn))
-                    xfer_genreq_end(r->part->req, KVX_EVENT_ERROR,
-                                    KVX_ERR_NOMEM,
-                                    "out of memory sending an OPEN");
+                if (!r->ended && r->part && conn_live(r->conn))
+                    xfer_part_fail(r->part, KVX_ERR_NOMEM,
+                                   "out of memory sending an OPEN");
             }
         }
     }
@@ -1965,10 +1984,12 @@ uint32_t remote_conn_streams(const peer_conn_t *c)
         return 0;
     k = map_values(&rstreams, v, rstreams.n);
     for (uint32_t i = 0; i < k; i++)
-        n += ((rstream_t *)v[i])->conn == c && !((rstream_t *)v[i])->ended;
+        n += ((rstream_t *)v[i])->conn == peer_conn_id(c) &&
+             !((rstream_t *)v[i])->ended;
     k = map_values(&sstreams, v, sstreams.n);
     for (uint32_t i = 0; i < k; i++)
-        n += ((sstream_t *)v[i])->conn == c && !((sstream_t *)v[i])->ended;
+        n += ((sstream_t *)v[i])->conn == peer_conn_id(c) &&
+             !((sstream_t *)v[i])->ended;
     free(v);
     return n;
 }

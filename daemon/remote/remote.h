@@ -19,7 +19,7 @@
 
 #include "kvxfer.pb-c.h"
 #include "peer.h"
-#include "xfer_int.h"
+#include "xfer_remote.h"
 
 /* Register with net and xfer; with peers on, allocate and register the
  * staging slots. 0, or KVX_ERR_NOMEM with why. */
@@ -48,9 +48,9 @@ uint32_t remote_conn_streams(const peer_conn_t *c);
 int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
                       size_t why_len);
 void remote_part_stop(genpart_t *p, int code, const char *msg);
-void remote_part_free(genpart_t *p);
+void remote_part_free(struct rpart *rp);
 void remote_offer_stop(offer_t *o, int code, const char *msg);
 void remote_offer_published(offer_t *o);
-void remote_offer_free(offer_t *o);
+void remote_offer_free(struct roffer *ro);
 
 #endif /* KVX_REMOTE_H */

@@ -28,10 +28,12 @@
 
 #include "copy.h"
 #include "daemon.h"
+#include "list.h"
 #include "log.h"
 #include "peer.h"
+#include "rrq.h"
 #include "xfer.h"
-#include "xfer_int.h"
+#include "xfer_remote.h"
 
 #define PARAMS_VERSION 1
 #define PARAMS_MAX 65536
@@ -42,53 +44,137 @@
         return (code);                                                      \
     } while (0)
 
+/* ---- the requests (opaque outside this file: xfer_remote.h) ----------- */
+
+/* A request waiting for its deadline: lists kept in deadline order, so
+ * the tick only looks at the heads. */
+typedef struct dl_node {
+    list_t node; /* on its list while the deadline holds */
+    uint64_t deadline_ms;
+} dl_node_t;
+
+/* A cancel waiting for the fence. One cancel may wait on two requests
+ * (an instance with role both that offers and fetches the same id): the
+ * reply goes out when the last of them is finalized. */
+typedef struct cancel_wait {
+    uint64_t sid, req_id;
+    unsigned pending;
+} cancel_wait_t;
+
+typedef struct waiter {
+    cancel_wait_t *cw;
+    list_t node; /* on its request's waiters, newest first */
+} waiter_t;
+
+typedef struct genreq genreq_t;
+
+typedef struct offer_part {
+    int published;
+    pool_t *pool; /* referenced while published, until consumed */
+    uint32_t *blocks;
+    uint32_t nblocks;
+} offer_part_t;
+
+struct offer {
+    dl_node_t lease; /* on the lease list while unfetched */
+    instance_t *inst;
+    uint64_t request_id;
+    uint8_t token[TOKEN_LEN];
+    uint32_t num_tokens;
+    plan_side_t side; /* instance config + layout summary */
+    char preset[16];
+    uint8_t *params; /* packed ContextParams, same for every rank */
+    size_t params_len;
+    offer_part_t *parts; /* nranks */
+    uint32_t npublished;
+    uint64_t created_ms;
+    genreq_t *consumer;
+    int ending, end_kind, end_code;
+    int consumed; /* complete before every rank published: kept,
+                     without memory, to answer late publishes */
+    char end_msg[256];
+    list_t waiters;     /* waiter_t: cancels answered at the end */
+    int consume_fenced; /* complete, consumed once gathers are 0 */
+    uint32_t gathers;   /* gathers in flight: the fence */
+    /* peer daemons reading this offer: remote.c's (struct roffer), never
+     * read by xfer, freed through xfer_remote_ops_t.offer_free */
+    struct roffer *remote;
+};
+
+struct genpart {
+    genreq_t *req;
+    uint32_t rank;
+    int fetched, started, done;
+    pool_t *pool; /* referenced while fetched */
+    uint32_t *blocks;
+    uint32_t nblocks;
+    plan_t *plan;
+    uint64_t next_unit, units_done, units_per_chunk;
+    uint32_t inflight;
+    gpu_part_t *gpu;  /* plan uploaded to a GPU, when it runs there */
+    rrq_entry_t turn; /* on the scheduler's queue (runq) */
+    /* pulled from peer daemons: remote.c's (struct rpart), never read by
+     * xfer, freed through xfer_remote_ops_t.part_free */
+    struct rpart *remote;
+};
+
+struct genreq {
+    dl_node_t timeout; /* on the fetch-timeout list */
+    instance_t *inst;
+    uint64_t request_id;
+    offer_t *offer; /* NULL once detached */
+    uint32_t skip_tokens;
+    uint32_t dp_rank; /* attention-DP group receiving */
+    uint32_t need;    /* local ranks of that group */
+    genpart_t *parts; /* nranks */
+    uint32_t nfetched, ndone;
+    uint32_t inflight;
+    uint64_t created_ms;
+    uint64_t bytes_total, bytes_done;
+    int ending, end_kind, end_code;
+    char end_msg[256];
+    list_t waiters;       /* waiter_t: cancels answered at the end */
+    int remote;           /* sources reached through peer daemons */
+    plan_side_t src_side; /* remote: the offer's side, from the params */
+    char src_instance[INSTANCE_ID_MAX + 1];
+    uint64_t src_request;
+    uint8_t token[TOKEN_LEN];
+    char **src_addresses; /* remote: daemon of each context rank */
+    uint32_t src_nranks;
+};
+
+#define DL_NODE(n) LIST_OWNER(n, dl_node_t, node)
+
 /* Insert in deadline order, searching from the tail: deadlines are
  * mostly increasing, so this is O(1) unless a reload shortened one. */
-static void dl_insert(dl_list_t *l, dl_node_t *n, uint64_t deadline)
+static void dl_insert(list_t *l, dl_node_t *n, uint64_t deadline)
 {
+    assert(!list_linked(&n->node)); /* one deadline at a time */
     n->deadline_ms = deadline;
-    dl_node_t *after = l->tail;
-    while (after && after->deadline_ms > deadline)
+    list_t *after = l->prev;
+    while (after != l && DL_NODE(after)->deadline_ms > deadline)
         after = after->prev;
-    n->prev = after;
-    n->next = after ? after->next : l->head;
-    if (n->next)
-        n->next->prev = n;
-    else
-        l->tail = n;
-    if (after)
-        after->next = n;
-    else
-        l->head = n;
-    n->linked = 1;
+    list_push(after->next, &n->node); /* just before after's successor */
 }
 
-static void dl_remove(dl_list_t *l, dl_node_t *n)
+/* Off its list (a no-op when it is on none). */
+static void dl_remove(dl_node_t *n)
 {
-    if (!n->linked)
-        return;
-    if (n->prev)
-        n->prev->next = n->next;
-    else
-        l->head = n->next;
-    if (n->next)
-        n->next->prev = n->prev;
-    else
-        l->tail = n->prev;
-    n->prev = n->next = NULL;
-    n->linked = 0;
+    list_remove(&n->node);
 }
 
 /* Round-robin queue of parts with units left to hand out. */
 static rrq_t runq;
-/* registered by the layers above (xfer_int.h, xfer.h) */
+/* registered by the layers above (xfer_remote.h, xfer.h) */
 static xfer_remote_ops_t R;
 static xfer_spread_event_cb spread_event;
 static uint32_t nrequests;
 static uint32_t chunks_inflight; /* ours only: pool populate jobs share the
                                     copy engine but not this limit */
-static dl_list_t leases;    /* offers nobody fetches yet */
-static dl_list_t timeouts;  /* genreqs not yet ending */
+/* in deadline order (dl_node_t): offers nobody fetches yet, and genreqs
+ * not yet ending */
+static list_t leases = {&leases, &leases};
+static list_t timeouts = {&timeouts, &timeouts};
 
 static void schedule(void);
 static void genreq_end(genreq_t *g, int kind, int code, const char *msg);
@@ -162,27 +248,33 @@ static uint32_t group_ranks(const instance_t *inst, uint32_t dp)
     return n;
 }
 
-static void waiters_reply(waiter_t *w)
+/* Answer every waiter of ws (taken off the request first: the request
+ * may be freed), in order; ws ends empty. */
+static void waiters_reply(list_t *ws)
 {
-    while (w) {
-        waiter_t *n = w->next;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, ws)
+    {
+        waiter_t *w = LIST_OWNER(n, waiter_t, node);
+        list_remove(n);
+        assert(w->cw->pending > 0);
         if (--w->cw->pending == 0) {
             kvxd_reply(w->cw->sid, w->cw->req_id, 0, "");
             free(w->cw);
         }
         free(w);
-        w = n;
     }
 }
 
-static int waiter_add(waiter_t **list, cancel_wait_t *cw)
+/* cw waits for the request whose waiters ws are: first in ws, so the
+ * newest cancel is answered first. */
+static int waiter_add(list_t *ws, cancel_wait_t *cw)
 {
     waiter_t *w = malloc(sizeof(*w));
     if (!w)
         return KVX_ERR_NOMEM;
     w->cw = cw;
-    w->next = *list;
-    *list = w;
+    list_push(ws->next, &w->node); /* before the first */
     cw->pending++;
     return 0;
 }
@@ -332,13 +424,17 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
 
 static void offer_free(offer_t *o)
 {
+    assert(!list_linked(&o->lease.node) && list_empty(&o->waiters));
     for (uint32_t r = 0; r < o->inst->nranks; r++) {
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
         free(o->parts[r].blocks);
     }
-    if (R.offer_free)
-        R.offer_free(o);
+    if (o->remote) { /* only remote sets it */
+        assert(R.offer_free);
+        R.offer_free(o->remote);
+        o->remote = NULL;
+    }
     free(o->parts);
     free(o->params);
     free(o);
@@ -355,6 +451,8 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     offer_t *o = calloc(1, sizeof(*o));
     if (!o)
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    list_init(&o->lease.node);
+    list_init(&o->waiters);
     o->inst = inst;
     o->request_id = request_id;
     o->num_tokens = num_tokens;
@@ -482,14 +580,18 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
 
 static void genreq_free(genreq_t *g)
 {
+    assert(!list_linked(&g->timeout.node) && list_empty(&g->waiters));
     for (uint32_t r = 0; r < g->inst->nranks; r++) {
         genpart_t *p = &g->parts[r];
         if (p->pool)
             pool_unref(p->pool);
         free(p->blocks);
         gpu_part_free(p->gpu);
-        if (R.part_free)
-            R.part_free(p);
+        if (p->remote) { /* only remote sets it */
+            assert(R.part_free);
+            R.part_free(p->remote);
+            p->remote = NULL;
+        }
         plan_free(p->plan);
     }
     if (g->src_addresses)
@@ -587,6 +689,8 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
         free(g);
         return NULL;
     }
+    list_init(&g->timeout.node);
+    list_init(&g->waiters);
     g->inst = inst;
     g->request_id = request_id;
     g->skip_tokens = skip;
@@ -935,7 +1039,7 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
         }
         g->offer = o;
         o->consumer = g;
-        dl_remove(&leases, &o->lease); /* the fetch timeout bounds it now */
+        dl_remove(&o->lease); /* the fetch timeout bounds it now */
     }
     genpart_t *p = part_fetched(g, rank, pool, bt, plan);
     log_debug("fetch %s/%llu rank %u from %s/%llu: %u slices, %llu bytes",
@@ -1042,7 +1146,7 @@ static void schedule(void)
 /* Forget a consumed offer (all ranks published, lease over, cancel). */
 static void offer_drop(offer_t *o)
 {
-    dl_remove(&leases, &o->lease);
+    dl_remove(&o->lease);
     map_del(&o->inst->offers, o->request_id);
     offer_free(o);
 }
@@ -1065,12 +1169,13 @@ static void offer_consume(offer_t *o)
     }
     o->consumed = 1;
     nrequests--;
-    if (!o->lease.linked)
+    if (!list_linked(&o->lease.node))
         dl_insert(&leases, &o->lease,
                   kvxd_now_ms() + kvxd.conf.offer_lease_ms);
-    waiter_t *w = o->waiters;
-    o->waiters = NULL;
-    waiters_reply(w);
+    list_t w;
+    list_init(&w);
+    list_move_all(&o->waiters, &w);
+    waiters_reply(&w);
 }
 
 static void offer_try_finalize(offer_t *o)
@@ -1085,9 +1190,11 @@ static void offer_try_finalize(offer_t *o)
     log_debug("offer %s/%llu ended: %s", inst->id,
               (unsigned long long)o->request_id,
               o->end_kind == KVX_EVENT_COMPLETE ? "complete" : o->end_msg);
-    waiter_t *w = o->waiters;
+    list_t w;
+    list_init(&w);
+    list_move_all(&o->waiters, &w);
     offer_free(o);
-    waiters_reply(w);
+    waiters_reply(&w);
 }
 
 static void offer_end(offer_t *o, int kind, int code, const char *msg)
@@ -1095,7 +1202,7 @@ static void offer_end(offer_t *o, int kind, int code, const char *msg)
     if (o->ending)
         return;
     o->ending = 1;
-    dl_remove(&leases, &o->lease);
+    dl_remove(&o->lease);
     o->end_kind = kind;
     o->end_code = code;
     snprintf(o->end_msg, sizeof(o->end_msg), "%s", msg);
@@ -1117,7 +1224,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
 {
     if (!g->ending) {
         g->ending = 1;
-        dl_remove(&timeouts, &g->timeout);
+        dl_remove(&g->timeout);
         g->end_kind = kind;
         g->end_code = code;
         snprintf(g->end_msg, sizeof(g->end_msg), "%s", msg);
@@ -1150,7 +1257,9 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     log_debug("fetch %s/%llu ended: %s", inst->id,
               (unsigned long long)g->request_id,
               g->end_kind == KVX_EVENT_COMPLETE ? "complete" : g->end_msg);
-    waiter_t *w = g->waiters;
+    list_t w;
+    list_init(&w);
+    list_move_all(&g->waiters, &w);
     g->offer = NULL;
     int kind_done = g->end_kind, code_done = g->end_code;
     char m[300];
@@ -1169,12 +1278,85 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
             offer_end(o, KVX_EVENT_ERROR,
                       code_done == 0 ? KVX_ERR_STATE : code_done, m);
     }
-    waiters_reply(w);
+    waiters_reply(&w);
 }
 
-void xfer_genreq_end(genreq_t *g, int kind, int code, const char *msg)
+/* ---- what remote.c calls (xfer_remote.h) ------------------------------ */
+
+offer_t *xfer_offer_find(instance_t *inst, uint64_t request_id)
 {
-    genreq_end(g, kind, code, msg);
+    return map_get(&inst->offers, request_id);
+}
+
+instance_t *xfer_offer_instance(const offer_t *o)
+{
+    return o->inst;
+}
+
+uint64_t xfer_offer_request(const offer_t *o)
+{
+    return o->request_id;
+}
+
+const uint8_t *xfer_offer_token(const offer_t *o)
+{
+    return o->token;
+}
+
+const plan_side_t *xfer_offer_side(const offer_t *o)
+{
+    return &o->side;
+}
+
+const uint8_t *xfer_offer_params(const offer_t *o, size_t *len)
+{
+    *len = o->params_len;
+    return o->params;
+}
+
+int xfer_offer_ending(const offer_t *o)
+{
+    return o->ending;
+}
+
+int xfer_offer_consumed(const offer_t *o)
+{
+    return o->consumed;
+}
+
+int xfer_offer_taken_here(const offer_t *o)
+{
+    return o->consumer != NULL;
+}
+
+int xfer_offer_plan(const offer_t *o, const plan_side_t *dst, uint32_t dst_rank,
+                    uint32_t skip_tokens, plan_t **out, char *why,
+                    size_t why_len)
+{
+    return plan_build(&o->side, dst, dst_rank, o->num_tokens, skip_tokens, out,
+                      why, why_len);
+}
+
+pool_t *xfer_offer_source(const offer_t *o, uint32_t rank, plan_mem_t *mem)
+{
+    assert(rank < o->inst->nranks);
+    const offer_part_t *sp = &o->parts[rank];
+    if (!sp->pool)
+        return NULL;
+    if (mem)
+        *mem = pool_mem(sp->pool, sp->blocks, sp->nblocks);
+    return sp->pool;
+}
+
+struct roffer *xfer_offer_remote(const offer_t *o)
+{
+    return o->remote;
+}
+
+void xfer_offer_set_remote(offer_t *o, struct roffer *ro)
+{
+    assert(ro && !o->remote); /* once; freed with o (offer_free()) */
+    o->remote = ro;
 }
 
 void xfer_offer_end(offer_t *o, int kind, int code, const char *msg)
@@ -1186,6 +1368,9 @@ void xfer_offer_end(offer_t *o, int kind, int code, const char *msg)
 
 void xfer_offer_fence_hold(offer_t *o)
 {
+    /* a gather reads the offer's memory: only while it runs, so never
+     * after consuming it dropped that memory */
+    assert(!o->ending && !o->consumed && !o->consume_fenced);
     o->gathers++;
 }
 
@@ -1200,14 +1385,9 @@ int xfer_offer_fence_done(const offer_t *o)
     return (o->ending || o->consume_fenced) && !o->gathers;
 }
 
-void xfer_part_fence_hold(genpart_t *p)
-{
-    p->inflight++;
-    p->req->inflight++;
-}
-
 void xfer_offer_fenced(offer_t *o)
 {
+    assert(!o->gathers); /* the fence is over */
     if (o->consume_fenced && !o->ending) {
         o->consume_fenced = 0;
         if (o->npublished < o->inst->nlocal)
@@ -1223,9 +1403,10 @@ void xfer_offer_fenced(offer_t *o)
  * the loss of its daemon bounds it now, not the lease. */
 void xfer_offer_taken(offer_t *o)
 {
+    assert(!o->ending && !o->consumed && !o->consumer);
     /* a backstop only: a daemon that never opens its streams (alive, but
      * its ranks never fetch) must not hold the offer forever */
-    dl_remove(&leases, &o->lease);
+    dl_remove(&o->lease);
     dl_insert(&leases, &o->lease,
               kvxd_now_ms() + kvxd.conf.offer_lease_ms +
                   kvxd.conf.fetch_timeout_ms);
@@ -1244,6 +1425,82 @@ void xfer_offer_remote_done(offer_t *o, int complete, int code,
         offer_consume(o);
     else
         offer_end(o, KVX_EVENT_COMPLETE, 0, "");
+}
+
+void xfer_part_describe(const genpart_t *p, xfer_part_desc_t *d)
+{
+    const genreq_t *g = p->req;
+    assert(g->remote && p->fetched);
+    plan_side_t full;
+    side_from_layout(&full, g->inst, &p->pool->layout);
+    d->inst = g->inst;
+    d->request_id = g->request_id;
+    d->dp_rank = g->dp_rank;
+    d->skip_tokens = g->skip_tokens;
+    plan_dp_view(&full, p->rank, &d->dst, &d->dst_rank);
+    d->src_instance = g->src_instance;
+    d->src_request = g->src_request;
+    d->token = g->token;
+}
+
+pool_t *xfer_part_pool(const genpart_t *p)
+{
+    return p->pool;
+}
+
+plan_t *xfer_part_plan(const genpart_t *p)
+{
+    return p->plan;
+}
+
+gpu_part_t *xfer_part_gpu(const genpart_t *p)
+{
+    return p->gpu;
+}
+
+int xfer_part_upload(genpart_t *p, int device, char *why, size_t why_len)
+{
+    assert(!p->gpu); /* once; freed with p (genreq_free()) */
+    int rc =
+        pool_device_base(p->pool, device, &p->plan->dst.base, why, why_len);
+    return rc ? rc : gpu_part_create(p->plan, device, &p->gpu, why, why_len);
+}
+
+struct rpart *xfer_part_remote(const genpart_t *p)
+{
+    return p->remote;
+}
+
+void xfer_part_set_remote(genpart_t *p, struct rpart *rp)
+{
+    assert(rp && !p->remote); /* once; freed with p (genreq_free()) */
+    p->remote = rp;
+}
+
+int xfer_part_end_code(const genpart_t *p)
+{
+    return p->req->end_code;
+}
+
+void xfer_part_fail(genpart_t *p, int code, const char *msg)
+{
+    genreq_end(p->req, KVX_EVENT_ERROR, code, msg);
+}
+
+void xfer_part_fence_hold(genpart_t *p)
+{
+    /* a scatter writes the part's blocks: only while its request runs */
+    assert(p->started && !p->done && !p->req->ending);
+    p->inflight++;
+    p->req->inflight++;
+}
+
+void xfer_fetch_fail(instance_t *inst, uint64_t request_id, int code,
+                     const char *msg)
+{
+    genreq_t *g = map_get(&inst->fetches, request_id);
+    if (g && !g->ending)
+        genreq_end(g, KVX_EVENT_ERROR, code, msg);
 }
 
 /* ---- cancel, cleanup, deadlines --------------------------------------- */
@@ -1279,9 +1536,10 @@ int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
     if (g && (!o || g->offer != o) && waiter_add(&g->waiters, cw)) {
         /* o's waiter (if any) holds cw; nothing has ended yet, so the
          * request stays as it was and the cancel fails cleanly */
-        if (o) {
-            waiter_t *w = o->waiters;
-            o->waiters = w->next;
+        if (o) { /* its waiter, added first in o->waiters */
+            waiter_t *w = LIST_OWNER(list_first(&o->waiters), waiter_t, node);
+            assert(w->cw == cw);
+            list_remove(&w->node);
             free(w);
         }
         free(cw);
@@ -1386,8 +1644,14 @@ int xfer_request_runs(instance_t *inst, uint64_t request_id, int code,
         if (o && !o->consumed && !o->ending)
             offer_end(o, KVX_EVENT_ERROR, c, msg);
     }
+    return map_get(&inst->fetches, request_id) ||
+           xfer_offer_runs(inst, request_id);
+}
+
+int xfer_offer_runs(instance_t *inst, uint64_t request_id)
+{
     offer_t *o = map_get(&inst->offers, request_id);
-    return map_get(&inst->fetches, request_id) || (o && !o->consumed);
+    return o && !o->consumed;
 }
 
 void xfer_end_instance(instance_t *inst, int code, const char *msg)
@@ -1422,8 +1686,9 @@ void xfer_tick(uint64_t now)
 {
     /* the lease bounds an offer nobody fetches; once fetched, the fetch
      * timeout bounds it */
-    while (leases.head && leases.head->deadline_ms <= now) {
-        offer_t *o = (offer_t *)leases.head;
+    list_t *n;
+    while ((n = list_first(&leases)) && DL_NODE(n)->deadline_ms <= now) {
+        offer_t *o = LIST_OWNER(n, offer_t, lease.node);
         if (o->consumed) { /* late ranks never came: forget it quietly */
             offer_drop(o);
             continue;
@@ -1446,8 +1711,8 @@ void xfer_tick(uint64_t now)
                      o->inst->nlocal);
         offer_end(o, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
     }
-    while (timeouts.head && timeouts.head->deadline_ms <= now) {
-        genreq_t *g = (genreq_t *)timeouts.head;
+    while ((n = list_first(&timeouts)) && DL_NODE(n)->deadline_ms <= now) {
+        genreq_t *g = LIST_OWNER(n, genreq_t, timeout.node);
         char m[160];
         snprintf(m, sizeof(m),
                  "fetch timeout of %u ms expired (%u of %u ranks fetched, "
@@ -1547,11 +1812,54 @@ void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n)
     free(c);
 }
 
-const char *xfer_offer_state(const offer_t *o)
+uint64_t xfer_request_id(const void *req, int side)
 {
-    return offer_state(o);
+    return side ? ((const genreq_t *)req)->request_id
+                : ((const offer_t *)req)->request_id;
 }
-const char *xfer_genreq_state(const genreq_t *g)
+
+Kvxfer__RequestInfo *xfer_request_info(const instance_t *i, const void *req,
+                                       int side, uint64_t now)
 {
-    return genreq_state(g);
+    Kvxfer__RequestInfo *r = malloc(sizeof(*r));
+    if (!r)
+        return NULL;
+    kvxfer__request_info__init(r);
+    char detail[160];
+    if (!side) {
+        const offer_t *o = req;
+        r->request_id = o->request_id;
+        r->side = "context";
+        r->state = (char *)offer_state(o);
+        r->age_ms = now - o->created_ms;
+        snprintf(detail, sizeof(detail),
+                 "%u/%u ranks published, %u tokens, lease left %lld ms",
+                 o->npublished, i->nlocal, o->num_tokens,
+                 list_linked(&o->lease.node)
+                     ? (long long)o->lease.deadline_ms - (long long)now
+                     : 0);
+    } else {
+        const genreq_t *g = req;
+        r->request_id = g->request_id;
+        r->side = "generation";
+        r->state = (char *)genreq_state(g);
+        r->age_ms = now - g->created_ms;
+        r->bytes_done = g->bytes_done;
+        r->bytes_total = g->bytes_total;
+        snprintf(detail, sizeof(detail),
+                 "%u/%u ranks fetched, %u done, %u chunks in flight, "
+                 "timeout in %lld ms",
+                 g->nfetched, g->need, g->ndone, g->inflight,
+                 (long long)g->timeout.deadline_ms - (long long)now);
+    }
+    r->instance_id = strdup(i->id);
+    r->detail = strdup(detail);
+    if (!r->instance_id || !r->detail) {
+        free(r->instance_id);
+        free(r->detail);
+        free(r);
+        return NULL;
+    }
+    return r;
 }
+

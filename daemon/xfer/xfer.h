@@ -56,6 +56,9 @@ void xfer_end_instance(instance_t *inst, int code, const char *msg);
  * else 0. With msg NULL it only answers. */
 int xfer_request_runs(instance_t *inst, uint64_t request_id, int code,
                       const char *msg);
+/* Does the offer of request_id run here: made, and not yet complete
+ * (ending ones still run)? */
+int xfer_offer_runs(instance_t *inst, uint64_t request_id);
 /* End every request (drain). */
 void xfer_end_all(int code, const char *msg);
 /* Pools of a session are going: end the requests that use them. */
@@ -78,6 +81,12 @@ size_t xfer_states(Kvxfer__Count ***out);
 size_t xfer_infos_page(const char *after_inst, int after_side,
                        uint64_t after_id, uint32_t max, int64_t only_uid,
                        Kvxfer__RequestInfo ***out, int *more);
+/* For the pages (xfer_list.c): the id of an offer (side 0) or fetch
+ * (side 1) of an instance's maps, and its RequestInfo (malloc'd, freed
+ * by xfer_free_infos; NULL on no memory). */
+uint64_t xfer_request_id(const void *req, int side);
+Kvxfer__RequestInfo *xfer_request_info(const instance_t *i, const void *req,
+                                       int side, uint64_t now);
 void xfer_free_counts(Kvxfer__Count **c, size_t n);
 void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n);
 

@@ -12,11 +12,10 @@
 
 #include "daemon.h"
 #include "xfer.h"
-#include "xfer_int.h"
 
 typedef struct {
     uint64_t key; /* side << 63 | request id: the order within an instance */
-    void *req;    /* offer_t (side 0) or genreq_t (side 1) */
+    void *req;    /* an offer (side 0) or a fetch (side 1), opaque */
 } entry_t;
 
 static int cmp_entry(const void *a, const void *b)
@@ -59,51 +58,6 @@ static void select_smallest(entry_t *v, size_t n, size_t k)
     }
 }
 
-static Kvxfer__RequestInfo *info_new(const instance_t *i, const entry_t *e,
-                                     uint64_t now)
-{
-    Kvxfer__RequestInfo *r = malloc(sizeof(*r));
-    if (!r)
-        return NULL;
-    kvxfer__request_info__init(r);
-    char detail[160];
-    if (!(e->key >> 63)) {
-        offer_t *o = e->req;
-        r->request_id = o->request_id;
-        r->side = "context";
-        r->state = (char *)xfer_offer_state(o);
-        r->age_ms = now - o->created_ms;
-        snprintf(detail, sizeof(detail),
-                 "%u/%u ranks published, %u tokens, lease left %lld ms",
-                 o->npublished, i->nlocal, o->num_tokens,
-                 o->lease.linked
-                     ? (long long)o->lease.deadline_ms - (long long)now
-                     : 0);
-    } else {
-        genreq_t *g = e->req;
-        r->request_id = g->request_id;
-        r->side = "generation";
-        r->state = (char *)xfer_genreq_state(g);
-        r->age_ms = now - g->created_ms;
-        r->bytes_done = g->bytes_done;
-        r->bytes_total = g->bytes_total;
-        snprintf(detail, sizeof(detail),
-                 "%u/%u ranks fetched, %u done, %u chunks in flight, "
-                 "timeout in %lld ms",
-                 g->nfetched, g->need, g->ndone, g->inflight,
-                 (long long)g->timeout.deadline_ms - (long long)now);
-    }
-    r->instance_id = strdup(i->id);
-    r->detail = strdup(detail);
-    if (!r->instance_id || !r->detail) {
-        free(r->instance_id);
-        free(r->detail);
-        free(r);
-        return NULL;
-    }
-    return r;
-}
-
 /* The requests of instance i after the cursor key (all with after 0 and
  * !strict), as entries in *out. Returns how many, or -1 (no memory). */
 static long inst_entries(instance_t *i, uint64_t after, int strict,
@@ -121,8 +75,7 @@ static long inst_entries(instance_t *i, uint64_t after, int strict,
     uint32_t ng = map_values(&i->fetches, all + no, cnt - no);
     long n = 0;
     for (uint32_t k = 0; k < no + ng; k++) {
-        uint64_t id = k < no ? ((offer_t *)all[k])->request_id
-                             : ((genreq_t *)all[k])->request_id;
+        uint64_t id = xfer_request_id(all[k], k >= no);
         /* request ids of the protocol are 64-bit; the side takes the top
          * bit, so ids of 2^63 and over sort with the low bit cleared
          * (listed, perhaps twice or once less at a page edge) */
@@ -193,7 +146,8 @@ size_t xfer_infos_page(const char *after_inst, int after_side,
         }
         qsort(e, want, sizeof(*e), cmp_entry);
         for (size_t j = 0; j < want; j++) {
-            Kvxfer__RequestInfo *r = info_new(i, &e[j], now);
+            Kvxfer__RequestInfo *r =
+                xfer_request_info(i, e[j].req, (int)(e[j].key >> 63), now);
             if (!r)
                 break;
             v[k++] = r;

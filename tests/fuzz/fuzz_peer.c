@@ -67,6 +67,10 @@ uint64_t peer_conn_id(const peer_conn_t *c)
 {
     return c == &fake ? 1 : 2;
 }
+peer_conn_t *peer_conn_find(uint64_t id)
+{
+    return id == 1 ? &fake : NULL;
+}
 int peer_conn_alive(const peer_conn_t *c) { return c->alive; }
 int peer_address_check(const char *address, char *why, size_t why_len)
 {
@@ -227,9 +231,11 @@ static void ensure_requests(void)
         free(params);
     }
     if (!map_get(&gen->fetches, 1)) {
-        offer_t *o = map_get(&ctx->offers, 1);
+        size_t plen;
+        const uint8_t *params =
+            xfer_offer_params(xfer_offer_find(ctx, 1), &plen);
         Kvxfer__ContextParams *cp =
-            kvxfer__context_params__unpack(NULL, o->params_len, o->params);
+            kvxfer__context_params__unpack(NULL, plen, params);
         char *addr = fake.address;
         char *orig = cp->rank_addresses[0];
         cp->rank_addresses[0] = addr;
@@ -361,8 +367,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                  * in order or backwards; flags & 16 fails the second */
                 piece_t pc[MAX_PIECES];
                 d.piece_bytes = 1 + (uint64_t)flags * 613 % 40000;
-                uint32_t np = plan_cut_pieces(r->part->plan, x->u0, x->u1,
-                                              d.piece_bytes, pc, MAX_PIECES);
+                uint32_t np =
+                    plan_cut_pieces(xfer_part_plan(r->part), x->u0, x->u1,
+                                    d.piece_bytes, pc, MAX_PIECES);
                 for (uint32_t i = 0; i < np; i++) {
                     uint32_t k = flags & 128 ? np - 1 - i : i;
                     d.offset = pc[k].off + (flags & 32 ? 1 : 0);

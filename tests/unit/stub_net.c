@@ -91,6 +91,13 @@ uint64_t peer_conn_id(const peer_conn_t *c)
 {
     return c->id;
 }
+peer_conn_t *peer_conn_find(uint64_t id)
+{
+    for (int i = 0; i < net_nconns; i++)
+        if (net_conns[i].id == id)
+            return &net_conns[i];
+    return NULL;
+}
 int peer_conn_alive(const peer_conn_t *c)
 {
     return c->alive;

@@ -216,8 +216,10 @@ TEST_T(loss_in_every_state_ends_both_sides_and_frees_every_slot, 120)
             while (step()) /* what is left: dropped, nothing crashes */
                 ;
             const batch_event_t *g = ended(gen), *c = ended(ctx);
-            offer_t *o = map_get(&ctx->offers, 1);
-            if (!c && o && !RO(o)->streams && !o->gathers && !o->consumer) {
+            offer_t *o = xfer_offer_find(ctx, 1);
+            /* (settle() waited for every copy: no gather holds it) */
+            if (!c && o && list_empty(&RO(o)->streams) &&
+                !xfer_offer_taken_here(o)) {
                 /* the OPEN never reached the context side: its offer
                  * waits for another consumer until its lease ends */
                 xfer_tick(kvxd_now_ms() + kvxd.conf.offer_lease_ms + 1);

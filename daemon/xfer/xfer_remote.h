@@ -1,0 +1,171 @@
+/*
+ * xfer_remote — the calls between xfer.c and remote.c: what remote
+ * reads of offers and fetch parts and the operations it asks of them
+ * (xfer.c), and the hooks remote registers (xfer_remote_ops_t). The
+ * request types are opaque here: their fields are xfer.c's alone.
+ * Nothing else includes this.
+ *
+ * remote.c moves the parts whose source is another daemon (or whose
+ * instance spans daemons); xfer.c owns the requests' life either way:
+ * creation, the fence, the terminal event.
+ */
+#ifndef KVX_XFER_REMOTE_H
+#define KVX_XFER_REMOTE_H
+
+#include <stdint.h>
+
+#include "gpu.h"
+#include "instance.h"
+#include "plan.h"
+#include "pool.h"
+
+#define TOKEN_LEN 16
+
+/* The requests, whose fields are xfer.c's alone: remote.c names them
+ * and goes through the calls below. */
+typedef struct offer offer_t;     /* an offer (context side) */
+typedef struct genpart genpart_t; /* one rank's part of a fetch */
+/* What remote keeps of each (opaque here; see xfer_remote_ops_t). */
+struct roffer;
+struct rpart;
+
+/* ---- xfer.c, for remote.c ---------------------------------------------- */
+
+/* A side (parallel config and layout summary) to and from the wire; the
+ * message points into s. from_msg validates (plan_side_check). */
+void xfer_side_to_msg(const plan_side_t *s, Kvxfer__ParallelConfig *pc,
+                      Kvxfer__Layout *lay);
+int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
+                       const Kvxfer__Layout *l, plan_side_t *s, char *why,
+                       size_t why_len);
+
+/* -- offers peer daemons read (the context daemon, "S") --
+ * Read through these; changed only by the calls below them. */
+
+/* The offer of request_id in inst, or NULL. */
+offer_t *xfer_offer_find(instance_t *inst, uint64_t request_id);
+instance_t *xfer_offer_instance(const offer_t *o);
+uint64_t xfer_offer_request(const offer_t *o);
+/* Its capability token: TOKEN_LEN bytes. */
+const uint8_t *xfer_offer_token(const offer_t *o);
+/* Its side: the context instance's config and layout summary. */
+const plan_side_t *xfer_offer_side(const offer_t *o);
+/* Its packed ContextParams (*len bytes), as publish returned them. */
+const uint8_t *xfer_offer_params(const offer_t *o, size_t *len);
+/* Ending (its fence may still be pending); consumed (complete before
+ * every local rank published: kept without memory for the late ones);
+ * taken by a consumer on this daemon. */
+int xfer_offer_ending(const offer_t *o);
+int xfer_offer_consumed(const offer_t *o);
+int xfer_offer_taken_here(const offer_t *o);
+/* The plan of rank dst_rank of a consumer whose side is dst reading o,
+ * skipping skip_tokens (plan_build()). */
+int xfer_offer_plan(const offer_t *o, const plan_side_t *dst, uint32_t dst_rank,
+                    uint32_t skip_tokens, plan_t **out, char *why,
+                    size_t why_len);
+/* The pool rank published into o, with its blocks as a plan's memory in
+ * *mem (when mem is not NULL); NULL before that rank's publish. Read
+ * only under the offer's fence. */
+pool_t *xfer_offer_source(const offer_t *o, uint32_t rank, plan_mem_t *mem);
+/* What remote keeps of o (NULL until set), set once; xfer frees it with
+ * o through xfer_remote_ops_t.offer_free. */
+struct roffer *xfer_offer_remote(const offer_t *o);
+void xfer_offer_set_remote(offer_t *o, struct roffer *ro);
+
+/* The one way an offer ends (fence first; see xfer.c); a no-op for a
+ * consumed one. */
+void xfer_offer_end(offer_t *o, int kind, int code, const char *msg);
+/* Streams from a peer took o (it leaves the lease list). */
+void xfer_offer_taken(offer_t *o);
+/* Every remote consumer of o is done (complete or not). */
+void xfer_offer_remote_done(offer_t *o, int complete, int code,
+                            const char *msg);
+
+/* The offer's fence, counted here alone. Its memory is read by gathers
+ * for peer daemons: each holds the fence (only while the offer runs)
+ * until it is back. Once xfer_offer_fence_done() (ending or consumed, no
+ * gather out), the releaser calls xfer_offer_fenced(), which may free
+ * the offer. */
+void xfer_offer_fence_hold(offer_t *o);
+void xfer_offer_fence_release(offer_t *o);
+int xfer_offer_fence_done(const offer_t *o);
+void xfer_offer_fenced(offer_t *o);
+
+/* -- parts pulled from peer daemons (the generation daemon, "D") -- */
+
+/* A part whose sources are on other daemons, as it is named to them: its
+ * request, the offer it reads (from the context params), and the side
+ * that receives. Pointers valid while the part lives. */
+typedef struct xfer_part_desc {
+    instance_t *inst;         /* the generation instance */
+    uint64_t request_id;      /* its request */
+    uint32_t dp_rank;         /* the attention-DP group receiving */
+    uint32_t skip_tokens;     /* the prefix the fetch does not move */
+    plan_side_t dst;          /* that group's side (pool's layout) */
+    uint32_t dst_rank;        /* the part's rank in dst */
+    const char *src_instance; /* the context instance */
+    uint64_t src_request;     /* its request */
+    const uint8_t *token;     /* the offer's capability: TOKEN_LEN bytes */
+} xfer_part_desc_t;
+void xfer_part_describe(const genpart_t *p, xfer_part_desc_t *d);
+/* The part's destination pool, and its plan, built with the sources
+ * unbound (they are packed in the staging slots); remote may bind them
+ * as the slots need. */
+pool_t *xfer_part_pool(const genpart_t *p);
+plan_t *xfer_part_plan(const genpart_t *p);
+/* The plan uploaded to the pool's GPU by xfer_part_upload(), or NULL. */
+gpu_part_t *xfer_part_gpu(const genpart_t *p);
+/* Upload the plan to device, with the pool as that device sees it, once
+ * (a GPU pool: the scatter is a kernel). 0, or an error with why. */
+int xfer_part_upload(genpart_t *p, int device, char *why, size_t why_len);
+/* What remote keeps of p (NULL until set), set once; xfer frees it with
+ * p through xfer_remote_ops_t.part_free. */
+struct rpart *xfer_part_remote(const genpart_t *p);
+void xfer_part_set_remote(genpart_t *p, struct rpart *rp);
+/* The code p's request ends with (0 while it runs, or complete). */
+int xfer_part_end_code(const genpart_t *p);
+
+/* End p's request with an ERROR event (fence first; see xfer.c). */
+void xfer_part_fail(genpart_t *p, int code, const char *msg);
+/* The same by name: the fetch request_id of inst, if it runs and is not
+ * ending already. */
+void xfer_fetch_fail(instance_t *inst, uint64_t request_id, int code,
+                     const char *msg);
+
+/* The part's fence: its memory is written by scatters of pieces from
+ * peer daemons; each holds the part's and its request's fence (only
+ * while the request runs) until xfer_part_progress() reports it. */
+void xfer_part_fence_hold(genpart_t *p);
+/* Units of part p came back from a copy (status 0 or an error). */
+void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
+                        int status);
+
+/* ---- registered by remote.c ------------------------------------------- */
+
+/* What the layer above does for transfers between daemons (remote.c),
+ * registered once at its init: xfer calls it through these alone. Each
+ * may be NULL (no remote layer): then no part is remote. */
+typedef struct xfer_remote_ops {
+    /* start a part whose sources are on other daemons (or reached
+     * through them): one stream per slice. 0, or an error with why */
+    int (*part_start)(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
+                      size_t why_len);
+    /* the request of p is ending: tell the sources, release what waits */
+    void (*part_stop)(genpart_t *p, int code, const char *msg);
+    /* a part is freed: what remote keeps for it (not NULL) goes */
+    void (*part_free)(struct rpart *rp);
+    /* offer o is ending: tell every stream reading it */
+    void (*offer_stop)(offer_t *o, int code, const char *msg);
+    /* a rank published to o: serve the pulls that waited for it */
+    void (*offer_published)(offer_t *o);
+    /* an offer is freed: what remote keeps for it (not NULL) goes */
+    void (*offer_free)(struct roffer *ro);
+    /* who took o through a peer daemon ("request N of instance 'x'"),
+     * or NULL */
+    const char *(*offer_taker)(const offer_t *o);
+    /* streams of peer daemons o waits for in all (0: none) and done */
+    uint32_t (*offer_streams)(const offer_t *o, uint32_t *done);
+} xfer_remote_ops_t;
+void xfer_set_remote_ops(const xfer_remote_ops_t *ops);
+
+#endif /* KVX_XFER_REMOTE_H */
