@@ -1913,7 +1913,7 @@ int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg)
     free(fetches);
     free(offers);
     /* S: offers still waiting for streams from that daemon */
-    for (instance_t *i = instance_first(); i; i = i->next) {
+    for (instance_t *i = instance_first(); i; i = instance_next(i)) {
         uint32_t nids = i->offers.n;
         uint64_t *ids = calloc(nids ? nids : 1, sizeof(*ids));
         nids = ids ? map_keys(&i->offers, ids, nids) : 0;

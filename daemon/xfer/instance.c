@@ -1,15 +1,19 @@
 /* instance — replicas, ranks, join and batches; see instance.h. */
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sys/random.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "daemon.h"
 #include "instance.h"
 #include "log.h"
 #include "peer.h"
 
-static instance_t *instances;
+/* newest first */
+static list_t instances = {&instances, &instances};
+
+#define INST(n) LIST_OWNER(n, instance_t, node)
 
 #define WHY(code, ...)                                                      \
     do {                                                                    \
@@ -19,17 +23,21 @@ static instance_t *instances;
 
 instance_t *instance_find(const char *id)
 {
-    for (instance_t *i = instances; i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         if (!strcmp(i->id, id))
             return i;
     return NULL;
 }
 
-instance_t *instance_first(void) { return instances; }
+instance_t *instance_first(void)
+{
+    list_t *n = list_first(&instances);
+    return n ? INST(n) : NULL;
+}
 
 instance_t *instance_next(const instance_t *inst)
 {
-    return inst->next;
+    return inst->node.next == &instances ? NULL : INST(inst->node.next);
 }
 
 int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
@@ -75,11 +83,8 @@ int instance_spread(const instance_t *inst)
 
 static void instance_free(instance_t *inst)
 {
-    for (instance_t **p = &instances; *p; p = &(*p)->next)
-        if (*p == inst) {
-            *p = inst->next;
-            break;
-        }
+    assert(list_linked(&inst->node));
+    list_remove(&inst->node);
     if (H.forget)
         H.forget(inst);
     kvxd.stats.batches_sealed += inst->batches.sealed_total;
@@ -169,8 +174,7 @@ int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
             free(inst);
             WHY(KVX_ERR_NOMEM, "hello: out of memory");
         }
-        inst->next = instances;
-        instances = inst;
+        list_unshift(&instances, &inst->node);
         log_info("instance %s created by uid %u: tp %u pp %u, %u ranks", id,
                  uid, side->tp, side->pp, nranks);
     }
@@ -266,8 +270,8 @@ int instance_ready(const instance_t *inst, char *why, size_t why_len)
 
 void instance_tick(uint64_t now_ms)
 {
-    for (instance_t *i = instances, *n; i; i = n) {
-        n = i->next;
+    for (instance_t *i = instance_first(), *n; i; i = n) {
+        n = instance_next(i);
         if (i->nconnected == 0 && i->offers.n == 0 && i->fetches.n == 0) {
             log_info("instance %s: last rank left", i->id);
             if (H.ends)
@@ -281,12 +285,12 @@ void instance_tick(uint64_t now_ms)
 
 void instance_flush_all(void)
 {
-    for (instance_t *i = instances; i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         batch_flush(&i->batches);
 }
 
 void instance_cleanup(void)
 {
-    while (instances)
-        instance_free(instances);
+    while (!list_empty(&instances))
+        instance_free(INST(list_first(&instances)));
 }

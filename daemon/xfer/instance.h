@@ -13,8 +13,9 @@
 #include <stdint.h>
 
 #include "batch.h"
-#include "kvxfer.pb-c.h"
 #include "kvxfer.h"
+#include "kvxfer.pb-c.h"
+#include "list.h"
 #include "map.h"
 #include "plan.h"
 
@@ -37,7 +38,7 @@ typedef struct instance {
                                 instance (PeerBatch.epoch) */
     map_t offers;            /* request_id -> offer (context side) */
     map_t fetches;           /* request_id -> genreq (generation side) */
-    struct instance *next;   /* instance.c's; others walk instance_next() */
+    list_t node;             /* instance.c's; others walk instance_next() */
 } instance_t;
 
 /* What the agreement layer does for instances, registered at its init

@@ -1663,7 +1663,7 @@ void xfer_end_instance(instance_t *inst, int code, const char *msg)
 void xfer_end_all(int code, const char *msg)
 {
     for (instance_t *i = instance_first(), *n; i; i = n) {
-        n = i->next;
+        n = instance_next(i);
         xfer_end_instance(i, code, msg);
     }
 }
@@ -1671,7 +1671,7 @@ void xfer_end_all(int code, const char *msg)
 void xfer_end_pool_users(const pool_t *pool, int code, const char *msg)
 {
     struct end_why w = {code, msg, pool};
-    for (instance_t *i = instance_first(); i; i = i->next)
+    for (instance_t *i = instance_first(); i; i = instance_next(i))
         each_request(i, end_offer_cb, end_genreq_cb, &w);
 }
 
@@ -1776,7 +1776,7 @@ size_t xfer_states(Kvxfer__Count ***out)
                                         "transferring", "waiting-source",
                                         "fetching", "ending", "consumed"};
     uint64_t counts[7] = {0};
-    for (instance_t *i = instance_first(); i; i = i->next) {
+    for (instance_t *i = instance_first(); i; i = instance_next(i)) {
         uint32_t cnt = i->offers.n + i->fetches.n;
         void **all = calloc(cnt ? cnt : 1, sizeof(void *));
         if (!all)
