@@ -150,6 +150,13 @@ int plan_compat(const plan_side_t *a, const plan_side_t *b, char *why,
 
 static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
+static plan_budget_t B; /* none: kvxferctl's plans */
+
+void plan_set_budget(const plan_budget_t *b)
+{
+    B = *b;
+}
+
 int plan_build(const plan_side_t *src, const plan_side_t *dst,
                uint32_t dst_rank, uint32_t num_tokens, uint32_t skip,
                plan_t **out, char *why, size_t why_len)
@@ -178,21 +185,34 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
 
     /* Slices: every (source PP rank x source head group) overlapping the
      * destination's layer range x head range. */
-    uint32_t max_slices = src->pp * (src->tp < src->total_heads
-                                         ? src->tp
-                                         : src->total_heads);
-    plan_t *p = calloc(1, sizeof(*p));
-    if (!p)
-        WHY(KVX_ERR_NOMEM, "plan: out of memory");
-    p->dst_rank = dst_rank;
-    p->slices = calloc(max_slices ? max_slices : 1, sizeof(*p->slices));
+    uint32_t max_slices =
+        src->pp * (src->tp < src->total_heads ? src->tp : src->total_heads);
     /* segments cover [skip, num_tokens): each block boundary on either
      * side starts one, so at most both sides' block counts + 1 */
     uint64_t span = (uint64_t)num_tokens - skip;
     uint64_t nseg_max = ceil_div(span, src->tokens_per_block) +
                         ceil_div(span, dst->tokens_per_block) + 2;
-    p->segs = nseg_max <= UINT32_MAX ? calloc(nseg_max, sizeof(*p->segs))
-                                     : NULL;
+    if (nseg_max > UINT32_MAX)
+        WHY(KVX_ERR_INVALID, "plan: %llu segments",
+            (unsigned long long)nseg_max);
+    /* what the plan holds, charged to the daemon's budget before it is
+     * allocated */
+    uint64_t mem = sizeof(plan_t) +
+                   (uint64_t)(max_slices ? max_slices : 1) *
+                       (sizeof(plan_slice_t) + sizeof(plan_mem_t)) +
+                   nseg_max * sizeof(plan_seg_t);
+    if (B.charge && (rc = B.charge(mem, why, why_len)))
+        return rc;
+    plan_t *p = calloc(1, sizeof(*p));
+    if (!p) {
+        if (B.release)
+            B.release(mem);
+        WHY(KVX_ERR_NOMEM, "plan: out of memory");
+    }
+    p->mem = mem;
+    p->dst_rank = dst_rank;
+    p->slices = calloc(max_slices ? max_slices : 1, sizeof(*p->slices));
+    p->segs = calloc(nseg_max, sizeof(*p->segs));
     if (!p->slices || !p->segs) {
         plan_free(p);
         WHY(KVX_ERR_NOMEM, "plan: out of memory");
@@ -274,6 +294,8 @@ void plan_free(plan_t *p)
 {
     if (!p)
         return;
+    if (B.release && p->mem)
+        B.release(p->mem);
     free(p->slices);
     free(p->segs);
     free(p->src);

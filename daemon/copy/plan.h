@@ -71,7 +71,17 @@ typedef struct plan {
     /* Binding, set by the owner before plan_exec(): src[i] for slice i. */
     plan_mem_t *src;
     plan_mem_t dst;
+    uint64_t mem; /* bytes charged to the memory budget (plan_free) */
 } plan_t;
+
+/* The daemon's memory budget, for the plans plan_build() makes: charge
+ * returns 0 or an error (with why) that plan_build() returns. Set once
+ * at start by the daemon; without it nothing is charged. */
+typedef struct plan_budget {
+    int (*charge)(uint64_t bytes, char *why, size_t why_len);
+    void (*release)(uint64_t bytes);
+} plan_budget_t;
+void plan_set_budget(const plan_budget_t *b);
 
 /* Ranks of a side: tp*pp*cp. */
 uint32_t plan_side_ranks(const plan_side_t *s);

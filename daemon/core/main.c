@@ -27,6 +27,7 @@
 #include "log.h"
 #include "notify.h"
 #include "peer.h"
+#include "plan.h"
 #include "pool.h"
 #include "remote.h"
 #include "server.h"
@@ -182,6 +183,25 @@ static void close_walk(uv_handle_t *h, void *arg)
         uv_close(h, NULL);
 }
 
+/* Plans are charged to the daemon's memory budget (limits.memory_bytes). */
+static int plan_charge(uint64_t bytes, char *why, size_t why_len)
+{
+    if (!kvxd_mem_charge(MEM_PLANS, bytes))
+        return 0;
+    snprintf(why, why_len,
+             "plan: its %llu bytes would pass the daemon's memory budget "
+             "(limits.memory_bytes %llu, %llu in use)",
+             (unsigned long long)bytes,
+             (unsigned long long)kvxd.conf.memory_bytes,
+             (unsigned long long)kvxd_mem_used(MEM_KINDS));
+    return KVX_ERR_LIMIT;
+}
+
+static void plan_release(uint64_t bytes)
+{
+    kvxd_mem_release(MEM_PLANS, bytes);
+}
+
 int main(int argc, char **argv)
 {
     static const struct option opts[] = {
@@ -282,6 +302,7 @@ int main(int argc, char **argv)
     int rc = 1;
     if (kvxd_defer_init(kvxd.loop))
         goto out;
+    plan_set_budget(&(plan_budget_t){plan_charge, plan_release});
     if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us))
         goto err_defer;
     if (session_init())

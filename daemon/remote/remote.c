@@ -303,6 +303,16 @@ static int slots_init(slots_t *s, const char *what, slot_times_t *st,
     uint32_t n = remote_slots();
     list_init(&s->free);
     s->len = (size_t)n * kvxd.conf.slot_bytes;
+    if (kvxd_mem_charge(MEM_STAGING, s->len)) {
+        snprintf(why, why_len,
+                 "peer.slots: %u %s slots of %llu bytes pass the daemon's "
+                 "memory budget (limits.memory_bytes %llu, %llu in use)",
+                 n, what, (unsigned long long)kvxd.conf.slot_bytes,
+                 (unsigned long long)kvxd.conf.memory_bytes,
+                 (unsigned long long)kvxd_mem_used(MEM_KINDS));
+        s->len = 0;
+        return KVX_ERR_LIMIT;
+    }
     s->mem = mmap(NULL, s->len, PROT_READ | PROT_WRITE,
                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (s->mem == MAP_FAILED) {
@@ -351,6 +361,7 @@ static void slots_cleanup(slots_t *s)
     peer_mem_unmap(s->memh);
     if (s->mem)
         munmap(s->mem, s->len);
+    kvxd_mem_release(MEM_STAGING, s->len); /* charged by slots_init() */
     free(s->v);
     memset(s, 0, sizeof(*s));
 }

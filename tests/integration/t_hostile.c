@@ -686,3 +686,86 @@ TEST(hostile_status_capped)
         close(fds[i]);
     daemon_stop(d);
 }
+
+/* The memory budget covers the staging slots between daemons (charged
+ * at start: a budget smaller than them stops the daemon with a message
+ * naming both keys) and transfer plans (a fetch whose plan would pass it
+ * is refused with LIMIT, and nothing is allocated). */
+TEST_T(hostile_memory_budget_staging_and_plans, 90)
+{
+    h_init();
+    char dir[64], cfg[128], sec[128], cmd[512];
+    snprintf(dir, sizeof(dir), "/tmp/kvx-mbs-%d", (int)getpid());
+    snprintf(cfg, sizeof(cfg), "%s/k.yaml", dir);
+    snprintf(sec, sizeof(sec), "%s/secret", dir);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s; mkdir -p %s", dir, dir);
+    CHECK(system(cmd) == 0);
+    write_file(sec, "0123456789abcdef0123456789abcdef");
+    CHECK(chmod(sec, 0600) == 0);
+    char text[512];
+    snprintf(text, sizeof(text),
+             "socket:\n  path: %s/s.sock\nlimits:\n  memory_bytes: 64MiB\n"
+             "peer:\n  listen: \"127.0.0.1:0\"\n  secret_file: %s\n"
+             "  slot_bytes: 16MiB\n  slots: 4\n",
+             dir, sec);
+    write_file(cfg, text);
+    snprintf(cmd, sizeof(cmd), "timeout 10 %s/kvxferd --config %s 2>&1",
+             build_dir(), cfg);
+    char out[4096];
+    int st = cmd_run(cmd, out, sizeof(out));
+    fprintf(stderr, "%s", out);
+    CHECK(st != 0);
+    CHECK_STR_CONTAINS(out, "pass the daemon's memory budget");
+    CHECK_STR_CONTAINS(out, "limits.memory_bytes");
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    (void)!system(cmd);
+
+    /* a plan: 1M context blocks of 4 tokens into 1-token blocks makes
+     * some 5M segments, over 64 MiB */
+    daemon_t *d = daemon_start("limits:\n  memory_bytes: 64MiB\n"
+                               "  max_blocks_per_request: 8388608\n");
+    static const model_t tiny = {.layers = 1,
+                                 .heads = 1,
+                                 .head_dim = 8,
+                                 .kv = 2,
+                                 .dtype = KVX_DTYPE_BF16};
+    side_t cs = {.inst = "mbp-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    side_t gs = {.inst = "mbp-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 1};
+    rank_t c, g;
+    uint32_t nb = 1u << 20, ntok = nb * 4;
+    rank_open(d, &tiny, &cs, 0, nb, &c);
+    rank_open(d, &tiny, &gs, 0, ntok, &g);
+    uint32_t *cb = malloc(nb * sizeof(*cb)), *gb = malloc(ntok * sizeof(*gb));
+    CHECK(cb && gb);
+    for (uint32_t i = 0; i < nb; i++)
+        cb[i] = i;
+    for (uint32_t i = 0; i < ntok; i++)
+        gb[i] = i;
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, nb, ntok, &p, 30000), c.c);
+    int rc = kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, ntok, 0, 30000);
+    fprintf(stderr, "fetch: %s: %s\n", kvx_status_name(rc),
+            kvx_last_error(g.c));
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(g.c), "limits.memory_bytes");
+    char *js = status_json(d);
+    CHECK_STR_CONTAINS(js, "\"plans\":0");
+    free(js);
+    kvx_context_params_free(&p);
+    free(cb);
+    free(gb);
+    rank_close(&g);
+    rank_close(&c);
+    fresh_pair_ok(d, "mbp-ctx2", "mbp-gen2");
+    daemon_stop(d);
+}
