@@ -2044,6 +2044,17 @@ static int ucx_devices(ucp_config_t *cfg, char *why, size_t why_len)
     }
     if (list[0])
         log_info("peers: UCX devices %s", list);
+    /* TCP segments: endpoints made from worker addresses in peer
+     * error-handling mode get no RMA lanes over TCP in UCX 1.13 (those
+     * made through its connection manager did), so rendezvous data goes
+     * as active-message fragments; 8 KiB send and 64 KiB receive
+     * segments cost a fifth of the bandwidth of 4 MiB slots on the GPU
+     * host, 128 KiB and 512 KiB get it back (docs/benchmarks.md). The
+     * environment's values win. */
+    if (!getenv("UCX_TCP_TX_SEG_SIZE"))
+        setenv("UCX_TCP_TX_SEG_SIZE", "128k", 1);
+    if (!getenv("UCX_TCP_RX_SEG_SIZE"))
+        setenv("UCX_TCP_RX_SEG_SIZE", "512k", 1);
     /* a transport's setting: UCX reads it from the environment when the
      * workers open their interfaces (ucp_config_modify keeps it from
      * them in 1.13) */
