@@ -62,7 +62,7 @@ DAEMON   := $(COMMON) \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
             daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/xfer_list.c \
             daemon/xfer/batch.c daemon/agree/agree.c \
-            daemon/remote/remote.c \
+            daemon/remote/remote.c daemon/remote/release.c \
             daemon/local/session.c daemon/local/server.c daemon/local/stats.c \
             $(GPU_SRC)
 
@@ -78,7 +78,7 @@ UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/t
 ITEST      := $(BUILD)/tests/integration
 
 .PHONY: all deps test asan tsan demo install uninstall clean bundle help test-gpu lint fuzz
-.PHONY: check-lib test-python wheel
+.PHONY: check-lib test-python wheel print-daemon-src
 all: $(BINS)
 
 help:
@@ -259,6 +259,10 @@ uninstall:
 	    $(DESTDIR)$(PREFIX)/lib/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc \
 	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
 	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
+
+# The daemon's sources, for tests/fuzz/build.sh (one list).
+print-daemon-src:
+	@echo $(DAEMON)
 
 # libFuzzer targets (clang): every decoder, FUZZ_SECONDS each.
 FUZZ_SECONDS ?= 30

@@ -10,15 +10,8 @@ OUT=${OUT:-build/fuzz}
 PKGS="libuv libprotobuf-c yaml-0.1 ucx libcrypto"
 [ -f build/gen/kvxfer.pb-c.c ] || make build/gen/kvxfer.pb-c.c
 mkdir -p "$OUT"
-SRC="common/status.c common/frame.c common/layout.c
-     daemon/core/log.c daemon/core/conf.c daemon/core/notify.c
-     daemon/core/daemon.c daemon/core/fault.c
-     daemon/net/ucx.c daemon/net/lane.c daemon/net/peer.c
-     daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c
-     daemon/copy/gpu_none.c daemon/xfer/instance.c daemon/xfer/xfer.c
-     daemon/xfer/batch.c daemon/agree/agree.c daemon/remote/remote.c
-     daemon/local/session.c daemon/local/server.c daemon/local/stats.c
-     build/gen/kvxfer.pb-c.c"
+# the daemon's sources, from the Makefile (one list), host-only
+SRC="$(make -s --no-print-directory print-daemon-src CUDA=0) build/gen/kvxfer.pb-c.c"
 FLAGS="${FUZZ_CFLAGS:-} -g -O1 -std=gnu11 -D_GNU_SOURCE -fno-omit-frame-pointer -Itests/fuzz
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
        -Ibuild/gen -Ilib/include -Icommon -Ilib -Idaemon/core -Idaemon/net
