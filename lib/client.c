@@ -1032,6 +1032,20 @@ int kvx_cancel(kvx_client_t *c, uint64_t request_id, int timeout_ms)
     return call(c, &rq, -1, timeout_ms, NULL);
 }
 
+int kvx_release(kvx_client_t *c, const void *params, size_t params_len,
+                int timeout_ms)
+{
+    if (!c || (!params && params_len))
+        return KVX_ERR_INVALID;
+    Kvxfer__Release m = KVXFER__RELEASE__INIT;
+    m.context_params.data = (uint8_t *)params;
+    m.context_params.len = params_len;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_RELEASE;
+    rq.release = &m;
+    return call(c, &rq, -1, timeout_ms, NULL);
+}
+
 /* ---- status as JSON --------------------------------------------------- */
 
 struct sbuf {

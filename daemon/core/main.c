@@ -29,6 +29,7 @@
 #include "peer.h"
 #include "plan.h"
 #include "pool.h"
+#include "release.h"
 #include "remote.h"
 #include "server.h"
 #include "session.h"
@@ -95,6 +96,7 @@ static void on_tick(uv_timer_t *t)
     xfer_tick(now);
     peer_tick(now);
     remote_tick(now);
+    release_tick(now);
     agree_tick(now);
     instance_tick(now);
     session_tick(now);
@@ -316,6 +318,7 @@ int main(int argc, char **argv)
         log_error("%s", why);
         goto err_server;
     }
+    release_init(); /* after remote and agree: its loss callback last */
     uv_signal_init(kvxd.loop, &sig_term);
     uv_signal_init(kvxd.loop, &sig_int);
     uv_signal_init(kvxd.loop, &sig_hup);
@@ -345,6 +348,7 @@ err_copy:
     peer_shutdown();  /* after the slots' UCX registrations */
     instance_cleanup();
     agree_cleanup();
+    release_cleanup();
     pool_cleanup();   /* drops the pools' GPU imports */
     gpu_cleanup();    /* frees what is left of CUDA */
 err_defer:

@@ -22,6 +22,7 @@
 #include "log.h"
 #include "map.h"
 #include "pool.h"
+#include "release.h"
 #include "session.h"
 #include "stats.h"
 #include "xfer.h"
@@ -847,6 +848,19 @@ static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
     xfer_free_infos(rr.requests, rr.n_requests);
 }
 
+/* Release: no Hello needed (a router or scheduler process); the params'
+ * token is the right to it. */
+static void on_release(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    int later;
+    int rc = release_start(rq->release->context_params.data,
+                           rq->release->context_params.len, s->id, rq->id,
+                           &later, why, sizeof(why));
+    if (!later)
+        reply(s, rq->id, rc, rc ? why : "");
+}
+
 static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
 {
     Kvxfer__Request *rq = kvxfer__request__unpack(NULL, len, buf);
@@ -882,6 +896,9 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         goto out;
     case KVXFER__REQUEST__BODY_LIST_REQUESTS:
         on_list_requests(s, rq);
+        goto out;
+    case KVXFER__REQUEST__BODY_RELEASE:
+        on_release(s, rq);
         goto out;
     case KVXFER__REQUEST__BODY__NOT_SET:
         reply(s, rq->id, KVX_ERR_PROTOCOL, "request: empty body");

@@ -95,6 +95,7 @@ struct offer {
     char end_msg[256];
     list_t waiters;     /* waiter_t: cancels answered at the end */
     int consume_fenced; /* complete, consumed once gathers are 0 */
+    int taken;          /* streams from peer daemons read it */
     uint32_t gathers;   /* gathers in flight: the fence */
     /* peer daemons reading this offer: remote.c's (struct roffer), never
      * read by xfer, freed through xfer_remote_ops_t.offer_free */
@@ -1155,11 +1156,11 @@ static void offer_drop(offer_t *o)
  * published yet (replicated heads): complete now, release the memory,
  * keep the params for the late ranks until they publish or the lease
  * ends. */
-static void offer_consume(offer_t *o)
+static void offer_consume(offer_t *o, const char *msg)
 {
     instance_t *inst = o->inst;
-    push_event(inst, o->request_id, KVX_EVENT_COMPLETE, 0, "", 1,
-               inst->nlocal, inst->nranks);
+    push_event(inst, o->request_id, KVX_EVENT_COMPLETE, 0, msg, 1, inst->nlocal,
+               inst->nranks);
     for (uint32_t r = 0; r < inst->nranks; r++) {
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
@@ -1271,7 +1272,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
             offer_try_finalize(o);
         else if (kind_done == KVX_EVENT_COMPLETE &&
                  o->npublished < o->inst->nlocal)
-            offer_consume(o);
+            offer_consume(o, "");
         else if (kind_done == KVX_EVENT_COMPLETE)
             offer_end(o, KVX_EVENT_COMPLETE, 0, "");
         else
@@ -1391,7 +1392,7 @@ void xfer_offer_fenced(offer_t *o)
     if (o->consume_fenced && !o->ending) {
         o->consume_fenced = 0;
         if (o->npublished < o->inst->nlocal)
-            offer_consume(o); /* its last gather is back */
+            offer_consume(o, ""); /* its last gather is back */
         else /* the last rank published meanwhile: nothing to keep */
             offer_end(o, KVX_EVENT_COMPLETE, 0, "");
         return;
@@ -1406,10 +1407,47 @@ void xfer_offer_taken(offer_t *o)
     assert(!o->ending && !o->consumed && !o->consumer);
     /* a backstop only: a daemon that never opens its streams (alive, but
      * its ranks never fetch) must not hold the offer forever */
+    o->taken = 1;
     dl_remove(&o->lease);
     dl_insert(&leases, &o->lease,
               kvxd_now_ms() + kvxd.conf.offer_lease_ms +
                   kvxd.conf.fetch_timeout_ms);
+}
+
+int xfer_release(const char *instance_id, uint64_t request_id,
+                 const uint8_t *token, size_t token_len, char *why,
+                 size_t why_len)
+{
+    instance_t *inst = instance_find(instance_id);
+    offer_t *o = inst ? map_get(&inst->offers, request_id) : NULL;
+    if (!o)
+        WHY(KVX_ERR_NOT_FOUND,
+            "release: no offer of request %llu of instance %s on daemon %s",
+            (unsigned long long)request_id, instance_id, kvxd.address);
+    if (token_len != TOKEN_LEN || !ct_equal(token, o->token, TOKEN_LEN))
+        WHY(KVX_ERR_AUTH,
+            "release: the params' token is not that of request %llu of "
+            "instance %s",
+            (unsigned long long)request_id, instance_id);
+    if (o->consumed || o->consume_fenced)
+        WHY(KVX_ERR_STATE,
+            "release: request %llu of instance %s is already complete",
+            (unsigned long long)request_id, instance_id);
+    if (o->ending)
+        WHY(KVX_ERR_STATE, "release: request %llu of instance %s is ending",
+            (unsigned long long)request_id, instance_id);
+    if (o->consumer || o->taken)
+        WHY(KVX_ERR_STATE,
+            "release: request %llu of instance %s is being fetched; cancel "
+            "that fetch instead",
+            (unsigned long long)request_id, instance_id);
+    log_debug("offer %s/%llu released", instance_id,
+              (unsigned long long)request_id);
+    if (o->npublished < inst->nlocal)
+        offer_consume(o, "released"); /* late ranks get the params' end */
+    else
+        offer_end(o, KVX_EVENT_COMPLETE, 0, "released");
+    return 0;
 }
 
 void xfer_offer_remote_done(offer_t *o, int complete, int code,
@@ -1422,7 +1460,7 @@ void xfer_offer_remote_done(offer_t *o, int complete, int code,
     else if (o->npublished < o->inst->nlocal && o->gathers)
         o->consume_fenced = 1; /* consumed by the last gather's return */
     else if (o->npublished < o->inst->nlocal)
-        offer_consume(o);
+        offer_consume(o, "");
     else
         offer_end(o, KVX_EVENT_COMPLETE, 0, "");
 }

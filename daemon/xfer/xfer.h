@@ -37,6 +37,15 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
 int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
                 uint64_t req_id, char *why, size_t why_len);
 
+/* Release the offer of (instance_id, request_id) on this daemon, proved
+ * by the params' token: it ends COMPLETE ("released") at once and frees
+ * its blocks. 0, or KVX_ERR_NOT_FOUND (no such offer here), KVX_ERR_AUTH
+ * (another token), KVX_ERR_STATE (being fetched, ending or complete),
+ * with why. */
+int xfer_release(const char *instance_id, uint64_t request_id,
+                 const uint8_t *token, size_t token_len, char *why,
+                 size_t why_len);
+
 /* A request ended for ranks of an instance spread over daemons: its
  * root merges the reports (the agreement layer registers this; without
  * it every instance is treated as local). ranks: the ranks this request

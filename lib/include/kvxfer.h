@@ -301,6 +301,21 @@ KVX_EXPORT void kvx_batch_free(kvx_batch_t *batch);
 KVX_EXPORT int kvx_cancel(kvx_client_t *client, uint64_t request_id,
                           int timeout_ms);
 
+/* Release a published request without a transfer: the generation side
+ * (a rank, or a router or scheduler process connected with
+ * kvx_connect_observer) no longer wants it, so its offer ends at once on
+ * every daemon of its context ranks: their ranks get COMPLETE with the
+ * message "released" in their next batch, and the blocks are free (not
+ * held until deadlines.offer_lease_ms). params are the ones publish
+ * returned; their token is the right to it. Errors: KVX_ERR_NOT_FOUND (no
+ * such offer, or a daemon of a rank that has not published yet),
+ * KVX_ERR_STATE (it is being fetched: cancel that fetch instead; or it is
+ * complete or ending), KVX_ERR_AUTH (a token that is not the offer's),
+ * KVX_ERR_PEER_GONE / KVX_ERR_TIMED_OUT (a daemon of a rank did not
+ * answer). Symbol version KVXFER_1.1. */
+KVX_EXPORT int kvx_release(kvx_client_t *client, const void *params,
+                           size_t params_len, int timeout_ms);
+
 /* The daemon's status as one JSON object (malloc'd, caller frees). */
 KVX_EXPORT int kvx_status_json(kvx_client_t *client, char **json,
                                int timeout_ms);

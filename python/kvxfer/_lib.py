@@ -126,6 +126,7 @@ _PROTOS = {
                          POINTER(POINTER(Batch))]),
     "kvx_batch_free": (None, [POINTER(Batch)]),
     "kvx_cancel": (c_int, [_client_p, c_uint64, c_int]),
+    "kvx_release": (c_int, [_client_p, c_char_p, c_size_t, c_int]),
     # the JSON is malloc'd: kept as a void pointer so that it can be freed
     "kvx_status_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),
     "kvx_requests_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),

@@ -519,6 +519,18 @@ class Client:
         its blocks."""
         self._call("kvx_cancel", request_id, self._ms(timeout))
 
+    def release(self, params: bytes, timeout: Timeout = _DEFAULT) -> None:
+        """Release the published request ``params`` name without a
+        transfer (kvx_release): its offer ends at once on every daemon of
+        its context ranks, which get COMPLETE with the message
+        ``"released"``, and its blocks are free. Works on a client without
+        Hello (a router or scheduler). Raises :class:`StateError` while it
+        is being fetched (cancel that fetch instead), :class:`NotFound`
+        when there is no such offer, :class:`AuthError` for a token that
+        is not the offer's."""
+        params = bytes(params)
+        self._call("kvx_release", params, len(params), self._ms(timeout))
+
     # -- observing --------------------------------------------------------
 
     def _json(self, fn: str, timeout: Timeout) -> Any:

@@ -257,3 +257,25 @@ def test_threads_share_a_client(daemon):
         for t in ts:
             t.join()
         assert not errors
+
+
+def test_release_by_router(daemon, pair, names):
+    """A router (a client without Hello) releases a published request:
+    the context side gets COMPLETE "released", the pool is free at once,
+    and a second release or a fetch finds nothing."""
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    req = names["req"]
+    params = ctx.publish(req, src, [0, 1], 2 * TPB)
+    with kvxfer.Client(daemon.sock) as router:
+        with pytest.raises(kvxfer.InvalidArgument, match="context_params"):
+            router.release(b"junk")
+        router.release(params)
+        ev = wait_event(ctx, req)
+        assert ev.kind is EventKind.COMPLETE and ev.message == "released"
+        with pytest.raises(kvxfer.NotFound, match="no offer of request"):
+            router.release(params)
+    with pytest.raises(kvxfer.NotFound, match="no offer"):
+        gen.fetch(req, params, dst, [0, 1])
+    src.deregister()  # no one holds it any more

@@ -35,6 +35,7 @@
  *   t_agree.c          batches the ranks of one instance agree on
  *   t_lifecycle.c      deadlines, cancels, clients killed or gone, drain,
  *                      what sessions leave behind
+ *   t_release.c        requests released without a transfer
  *   t_protocol.c       bad frames and requests, refused input, limits
  *   t_ops.c            status, configuration, credentials, the socket
  *                      file, kvxferctl
@@ -61,6 +62,7 @@
 #include "t_transfer.c"
 #include "t_agree.c"
 #include "t_lifecycle.c"
+#include "t_release.c"
 #include "t_protocol.c"
 #include "t_ops.c"
 #include "t_hostile.c"

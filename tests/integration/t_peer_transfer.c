@@ -808,3 +808,35 @@ TEST_T(peer_lane_stalled, 90)
     rank_close(&g);
     p_stop_both(a, b);
 }
+
+/* Released across daemons: the context rank on A, the release sent to B
+ * by a router process there (an observer connection): B asks A
+ * (PeerRelease) and answers once A did; A's rank gets COMPLETE
+ * "released", and its pool is free at once. A second release is refused
+ * with A's answer, by name. */
+TEST_T(peer_release, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "prl-ctx", "prl-gen", &c, &g);
+    uint32_t cb[2] = {0, 1};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    kvx_client_t *router;
+    CHECK_EQ(kvx_connect_observer(b->sock, T_MS, &router), 0);
+    CHECK_KVX(kvx_release(router, p.data, p.len, T_MS), router);
+    ev_t e = wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 3000);
+    CHECK_STR_CONTAINS(e.msg, "released");
+    CHECK_FAILS(kvx_release(router, p.data, p.len, T_MS), router,
+                KVX_ERR_NOT_FOUND, "no offer of request 1");
+    CHECK_KVX(kvx_pool_deregister(c.c, c.pool, T_MS), c.c);
+    c.pool = 0;
+    kvx_close(router);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}

@@ -1,0 +1,250 @@
+/*
+ * release — releases across daemons; see release.h.
+ *
+ * Reading order:
+ *   release_start()   the params decoded, this daemon's offer released,
+ *                     one PeerRelease to each other daemon of the ranks
+ *   on_release()      a daemon asked: xfer_release(), PeerReleased back
+ *   on_released()     an answer; the reply once every daemon answered
+ *   on_lost/tick      a daemon lost, or silent past the deadline
+ */
+#include <assert.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon.h"
+#include "list.h"
+#include "log.h"
+#include "peer.h"
+#include "release.h"
+#include "xfer.h"
+
+#define TARGETS_MAX 64 /* daemons of one instance's ranks */
+
+typedef struct rel {
+    list_t node;
+    uint64_t id, sid, req_id, until_ms;
+    unsigned ntargets, pending;
+    uint64_t conn[TARGETS_MAX]; /* 0 once it answered */
+    char addr[TARGETS_MAX][192];
+    int code;      /* the first error, 0 */
+    char msg[512]; /* its message */
+} rel_t;
+
+#define REL(n) LIST_OWNER(n, rel_t, node)
+
+static list_t rels = {&rels, &rels};
+static uint64_t next_id = 1;
+
+static void rel_note(rel_t *r, int code, const char *msg)
+{
+    if (code && !r->code) {
+        r->code = code;
+        snprintf(r->msg, sizeof(r->msg), "%s", msg);
+    }
+}
+
+static void rel_finish(rel_t *r)
+{
+    list_remove(&r->node);
+    kvxd_reply(r->sid, r->req_id, r->code, r->code ? r->msg : "");
+    free(r);
+}
+
+/* Target i is done (answered, lost or late). */
+static void rel_target_done(rel_t *r, unsigned i, int code, const char *msg)
+{
+    assert(r->conn[i] && r->pending > 0);
+    r->conn[i] = 0;
+    rel_note(r, code, msg);
+    if (--r->pending == 0)
+        rel_finish(r);
+}
+
+int release_start(const uint8_t *params, size_t len, uint64_t sid,
+                  uint64_t req_id, int *later, char *why, size_t why_len)
+{
+    Kvxfer__ContextParams *cp;
+    *later = 0;
+    int rc = xfer_params_decode(params, len, &cp, why, why_len);
+    if (rc)
+        return rc;
+    /* the daemons of the ranks, each once */
+    const char *addrs[TARGETS_MAX];
+    unsigned n = 0;
+    int here = 0;
+    for (size_t i = 0; i < cp->n_rank_addresses; i++) {
+        const char *a = cp->rank_addresses[i];
+        if (!strcmp(a, kvxd.address)) {
+            here = 1;
+            continue;
+        }
+        unsigned k = 0;
+        while (k < n && strcmp(addrs[k], a))
+            k++;
+        if (k == n && n < TARGETS_MAX)
+            addrs[n++] = a;
+    }
+    if (n && !peer_enabled()) {
+        snprintf(why, why_len,
+                 "release: context ranks are served by daemon %s, and "
+                 "transfers between daemons are off here (peer.listen is "
+                 "empty)",
+                 addrs[0]);
+        rc = KVX_ERR_UNSUPPORTED;
+        goto out;
+    }
+    /* every address is checked before anything is released */
+    for (unsigned k = 0; k < n; k++)
+        if ((rc = peer_address_check(addrs[k], why, why_len)))
+            goto out;
+    if (here && (rc = xfer_release(cp->instance_id, cp->request_id,
+                                   cp->token.data, cp->token.len, why,
+                                   why_len)))
+        goto out;
+    if (!n)
+        goto out; /* rc 0: answered now */
+    rel_t *r = calloc(1, sizeof(*r));
+    if (!r) {
+        snprintf(why, why_len, "release: out of memory");
+        rc = KVX_ERR_NOMEM;
+        goto out;
+    }
+    r->id = next_id++;
+    r->sid = sid;
+    r->req_id = req_id;
+    r->until_ms = kvxd_now_ms() + kvxd.conf.peer_connect_timeout_ms +
+                  kvxd.conf.keepalive_timeout_ms;
+    list_push(&rels, &r->node);
+    Kvxfer__PeerRelease pr = KVXFER__PEER_RELEASE__INIT;
+    pr.instance_id = cp->instance_id;
+    pr.request_id = cp->request_id;
+    pr.token = cp->token;
+    pr.id = r->id;
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_RELEASE;
+    m.release = &pr;
+    for (unsigned k = 0; k < n; k++) {
+        char w[256];
+        snprintf(r->addr[k], sizeof(r->addr[k]), "%s", addrs[k]);
+        peer_conn_t *c = peer_connect(addrs[k], w, sizeof(w));
+        if (!c || peer_send(c, &m)) {
+            char e[512];
+            snprintf(e, sizeof(e), "release: daemon %s: %s", addrs[k],
+                     c ? "cannot send" : w);
+            rel_note(r, KVX_ERR_PEER_GONE, e);
+            continue;
+        }
+        r->conn[k] = peer_conn_id(c);
+        r->pending++;
+    }
+    r->ntargets = n;
+    if (!r->pending) { /* nothing went out: answer now */
+        rc = r->code;
+        snprintf(why, why_len, "%s", r->msg);
+        list_remove(&r->node);
+        free(r);
+        goto out;
+    }
+    *later = 1;
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    return 0;
+out:
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    return rc;
+}
+
+static void on_release(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
+{
+    const Kvxfer__PeerRelease *m = pm->release;
+    char why[512] = "";
+    int rc = xfer_release(m->instance_id ? m->instance_id : "",
+                          m->request_id, m->token.data, m->token.len, why,
+                          sizeof(why));
+    Kvxfer__PeerReleased a = KVXFER__PEER_RELEASED__INIT;
+    a.id = m->id;
+    a.code = rc;
+    a.message = why;
+    Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
+    out.m_case = KVXFER__PEER_MSG__M_RELEASED;
+    out.released = &a;
+    peer_send(c, &out);
+}
+
+static void on_released(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
+{
+    const Kvxfer__PeerReleased *m = pm->released;
+    uint64_t id = peer_conn_id(c);
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &rels)
+    {
+        rel_t *r = REL(n);
+        if (r->id != m->id)
+            continue;
+        for (unsigned i = 0; i < r->ntargets; i++)
+            if (r->conn[i] == id) { /* only the daemon asked answers */
+                rel_target_done(r, i, m->code,
+                                m->message ? m->message : "");
+                return;
+            }
+        return;
+    }
+}
+
+static int on_lost(peer_conn_t *c, int code, const char *msg)
+{
+    (void)code;
+    uint64_t id = peer_conn_id(c);
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &rels)
+    {
+        rel_t *r = REL(n);
+        for (unsigned i = 0; i < r->ntargets; i++)
+            if (r->conn[i] == id) {
+                char e[600];
+                snprintf(e, sizeof(e), "release: %s", msg);
+                rel_target_done(r, i, KVX_ERR_PEER_GONE, e);
+                break; /* r may be gone */
+            }
+    }
+    return 0;
+}
+
+void release_tick(uint64_t now)
+{
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &rels)
+    {
+        rel_t *r = REL(n);
+        if (now < r->until_ms)
+            continue;
+        for (unsigned i = 0; i < r->ntargets; i++)
+            if (r->conn[i]) {
+                char e[300];
+                snprintf(e, sizeof(e),
+                         "release: daemon %s did not answer in time",
+                         r->addr[i]);
+                rel_note(r, KVX_ERR_TIMED_OUT, e);
+                r->conn[i] = 0;
+                r->pending--;
+            }
+        rel_finish(r);
+    }
+}
+
+void release_init(void)
+{
+    peer_on_msg(KVXFER__PEER_MSG__M_RELEASE, on_release);
+    peer_on_msg(KVXFER__PEER_MSG__M_RELEASED, on_released);
+    peer_on_lost(on_lost);
+}
+
+void release_cleanup(void)
+{
+    while (!list_empty(&rels)) {
+        rel_t *r = REL(list_first(&rels));
+        list_remove(&r->node);
+        free(r);
+    }
+}

