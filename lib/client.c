@@ -883,6 +883,44 @@ int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
     return rc;
 }
 
+int kvx_params_info(const void *params, size_t len, kvx_params_info_t *info)
+{
+    if (!info)
+        return KVX_ERR_INVALID;
+    memset(info, 0, sizeof(*info));
+    Kvxfer__ContextParams *cp =
+        params && len ? kvxfer__context_params__unpack(NULL, len, params)
+                      : NULL;
+    const char *bad = !cp                ? "not a ContextParams message"
+                      : cp->version != 1 ? "params version is not 1"
+                      : !cp->parallel || !cp->layout
+                          ? "no parallel config or layout"
+                      : strlen(cp->instance_id) >= sizeof(info->instance_id)
+                          ? "instance id too long"
+                      : !cp->n_rank_addresses ? "no rank addresses"
+                                              : NULL;
+    if (bad) {
+        snprintf(connect_err, sizeof(connect_err),
+                 "kvx_params_info: %zu bytes of params: %s", len, bad);
+        if (cp)
+            kvxfer__context_params__free_unpacked(cp, NULL);
+        return KVX_ERR_INVALID;
+    }
+    snprintf(info->instance_id, sizeof(info->instance_id), "%s",
+             cp->instance_id);
+    info->request_id = cp->request_id;
+    info->num_tokens = cp->num_tokens;
+    info->tokens_per_block = cp->layout->tokens_per_block;
+    uint32_t cpn = cp->parallel->cp ? cp->parallel->cp : 1;
+    info->context_ranks = cp->parallel->tp * cp->parallel->pp * cpn;
+    info->num_layers = cp->parallel->total_layers;
+    info->num_kv_heads = cp->parallel->total_kv_heads;
+    snprintf(info->rank0_address, sizeof(info->rank0_address), "%s",
+             cp->rank_addresses[0]);
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    return KVX_OK;
+}
+
 void kvx_context_params_free(kvx_context_params_t *p)
 {
     if (!p)

@@ -107,6 +107,14 @@ KVX_EXPORT unsigned kvx_dtype_size(kvx_dtype_t dtype);
  * back, as PyTorch's expandable segments do). */
 #define KVX_MAX_POOL_CHUNKS 16384u
 
+/* Which KV heads a TP rank holds (its pool holds those heads only):
+ * with tp <= total_kv_heads (tp must divide it), TP rank t holds heads
+ * [t * H/tp, (t + 1) * H/tp); with tp > total_kv_heads (total_kv_heads
+ * must divide tp), heads are replicated and TP rank t holds the one head
+ * t / (tp / total_kv_heads), as vLLM, SGLang and TensorRT-LLM place
+ * them. A pool laid out under another convention moves the wrong heads:
+ * the layout's num_heads must be the count above. Layers: PP rank p holds
+ * layers_per_pp[p] consecutive layers, in order. */
 typedef struct {
     uint32_t tp, pp, cp;
     uint32_t total_layers;   /* layers of the whole model */
@@ -243,6 +251,27 @@ typedef struct {
 } kvx_context_params_t;
 
 KVX_EXPORT void kvx_context_params_free(kvx_context_params_t *params);
+
+/* What a context params blob says, for a router or a generation rank that
+ * must size its blocks before fetching. A generation rank with
+ * tokens_per_block T passes ceil(num_tokens / T) blocks to kvx_fetch
+ * (whatever skip_tokens). */
+typedef struct {
+    char instance_id[129]; /* the context instance */
+    uint64_t request_id;
+    uint32_t num_tokens;
+    uint32_t tokens_per_block; /* the context side's */
+    uint32_t context_ranks;    /* tp * pp * cp of the context instance */
+    uint32_t num_layers;       /* of the model */
+    uint32_t num_kv_heads;     /* of the model */
+    char rank0_address[192];   /* the daemon of context rank 0 */
+} kvx_params_info_t;
+
+/* Decode params into *info. KVX_OK, or KVX_ERR_INVALID (not params of
+ * this version: kvx_last_error(NULL) says why). Symbol version
+ * KVXFER_1.1. */
+KVX_EXPORT int kvx_params_info(const void *params, size_t params_len,
+                               kvx_params_info_t *info);
 
 /* Offer request_id's KV in blocks[0..num_blocks) of pool_id. On success
  * *params (free with kvx_context_params_free) is identical on every rank. */

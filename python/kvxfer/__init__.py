@@ -18,6 +18,8 @@ wheel bundles it there), the source tree's ``build/``, then the system's
         params = c.publish(7, pool, [0, 1, 2], num_tokens=40)
 """
 
+import dataclasses
+
 from ._version import __version__
 from .client import (DEFAULT_SOCKET, Batch, Client, Event, EventKind,
                      HostPool, Parallel, Pool, Role)
@@ -40,7 +42,7 @@ __all__ = [
     "StateError", "AuthError", "Cancelled", "TimedOut", "PeerGone",
     "Unsupported", "LimitReached", "ShuttingDown", "LayoutError",
     "ConfigMismatch", "Closed", "Busy", "error_class", "status_name",
-    "status_str", "LibraryNotFound",
+    "status_str", "LibraryNotFound", "ParamsInfo", "params_info",
 ]
 
 
@@ -50,6 +52,46 @@ def version() -> str:
     from . import _lib as lib
     lib.lib()
     return __version__
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsInfo:
+    """What a context params blob says (kvx_params_info). A generation rank
+    with ``tokens_per_block`` T fetches into ceil(num_tokens / T) blocks."""
+
+    instance_id: str
+    request_id: int
+    num_tokens: int
+    tokens_per_block: int
+    context_ranks: int
+    num_layers: int
+    num_kv_heads: int
+    rank0_address: str
+
+    def blocks_for(self, tokens_per_block: int) -> int:
+        """The blocks a rank with ``tokens_per_block`` fetches into."""
+        return -(-self.num_tokens // tokens_per_block)
+
+
+def params_info(params: bytes) -> ParamsInfo:
+    """Decode context params (kvx_params_info); raises
+    :class:`InvalidArgument` naming what is wrong with them."""
+    import ctypes
+    from . import _lib as lib
+    from .errors import make_error
+    params = bytes(params)
+    out = lib.ParamsInfo()
+    rc = lib.lib().kvx_params_info(params, len(params), ctypes.byref(out))
+    if rc:
+        msg = lib.lib().kvx_last_error(None)
+        raise make_error(rc, msg.decode(errors="replace") if msg else "")
+    return ParamsInfo(
+        instance_id=out.instance_id.decode(errors="replace"),
+        request_id=int(out.request_id), num_tokens=int(out.num_tokens),
+        tokens_per_block=int(out.tokens_per_block),
+        context_ranks=int(out.context_ranks),
+        num_layers=int(out.num_layers), num_kv_heads=int(out.num_kv_heads),
+        rank0_address=out.rank0_address.decode(errors="replace"))
 
 
 def library_path() -> str:

@@ -65,6 +65,19 @@ class ContextParams(Structure):
     _fields_ = [("data", POINTER(c_uint8)), ("len", c_size_t)]
 
 
+class ParamsInfo(Structure):
+    _fields_ = [
+        ("instance_id", ctypes.c_char * 129),
+        ("request_id", c_uint64),
+        ("num_tokens", c_uint32),
+        ("tokens_per_block", c_uint32),
+        ("context_ranks", c_uint32),
+        ("num_layers", c_uint32),
+        ("num_kv_heads", c_uint32),
+        ("rank0_address", ctypes.c_char * 192),
+    ]
+
+
 class Event(Structure):
     _fields_ = [
         ("request_id", c_uint64),
@@ -127,6 +140,7 @@ _PROTOS = {
     "kvx_batch_free": (None, [POINTER(Batch)]),
     "kvx_cancel": (c_int, [_client_p, c_uint64, c_int]),
     "kvx_release": (c_int, [_client_p, c_char_p, c_size_t, c_int]),
+    "kvx_params_info": (c_int, [c_char_p, c_size_t, POINTER(ParamsInfo)]),
     # the JSON is malloc'd: kept as a void pointer so that it can be freed
     "kvx_status_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),
     "kvx_requests_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),

@@ -22,6 +22,7 @@ STRUCTS = {
     "kvx_context_params_t": _lib.ContextParams,
     "kvx_event_t": _lib.Event,
     "kvx_batch_t": _lib.Batch,
+    "kvx_params_info_t": _lib.ParamsInfo,
 }
 
 

@@ -279,3 +279,22 @@ def test_release_by_router(daemon, pair, names):
     with pytest.raises(kvxfer.NotFound, match="no offer"):
         gen.fetch(req, params, dst, [0, 1])
     src.deregister()  # no one holds it any more
+
+
+def test_params_info(pair, names):
+    """kvxfer.params_info decodes what a router needs from params, and
+    names what is wrong with garbage."""
+    ctx, _ = pair
+    src = ctx.create_host_pool(layout())
+    params = ctx.publish(names["req"], src, [0, 1], 2 * TPB - 1)
+    info = kvxfer.params_info(params)
+    assert info.instance_id == names["ctx"]
+    assert info.request_id == names["req"]
+    assert info.num_tokens == 2 * TPB - 1
+    assert info.tokens_per_block == TPB
+    assert info.context_ranks == 1
+    assert info.blocks_for(TPB) == 2 and info.blocks_for(1) == 2 * TPB - 1
+    assert info.rank0_address.startswith("kvx://")
+    with pytest.raises(kvxfer.InvalidArgument, match="kvx_params_info"):
+        kvxfer.params_info(b"\xff\xff")
+    ctx.cancel(names["req"])

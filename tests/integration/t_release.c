@@ -104,3 +104,31 @@ TEST(release_racing_a_fetch)
     rank_close(&c);
     daemon_stop_ok(d);
 }
+
+/* kvx_params_info(): what a router or a generation rank needs from the
+ * params, without the daemon; garbage refused, naming why. */
+TEST(params_info)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    kvx_context_params_t p;
+    rl_setup(d, "pi", &c, &g, &cs, &gs, &p);
+    kvx_params_info_t info;
+    CHECK_EQ(kvx_params_info(p.data, p.len, &info), KVX_OK);
+    CHECK(!strcmp(info.instance_id, cs.inst));
+    CHECK_EQ(info.request_id, 1);
+    CHECK_EQ(info.num_tokens, 7);
+    CHECK_EQ(info.tokens_per_block, 4);
+    CHECK_EQ(info.context_ranks, 1);
+    CHECK_EQ(info.num_layers, M_SMALL.layers);
+    CHECK_EQ(info.num_kv_heads, M_SMALL.heads);
+    CHECK(!strncmp(info.rank0_address, "kvx://", 6));
+    CHECK_EQ(kvx_params_info("\xff\xff", 2, &info), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(kvx_last_error(NULL), "kvx_params_info: 2 bytes");
+    CHECK_KVX(kvx_cancel(c.c, 1, T_MS), c.c);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
