@@ -874,10 +874,37 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
     return 0;
 }
 
+static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
+                     const uint8_t *pbuf, size_t plen, pool_t *pool,
+                     const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
+                     uint32_t dp_rank, char *why, size_t why_len);
+
+/* A rank's fetch of a request that other ranks fetched already is
+ * refused: the request cannot complete without it, so it ends for every
+ * rank now (ERROR, the refusal's code) instead of at the fetch timeout.
+ * A rank fetching twice (EXISTS) leaves it as it is. */
 int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
                const uint8_t *pbuf, size_t plen, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
                uint32_t dp_rank, char *why, size_t why_len)
+{
+    int rc = fetch_one(inst, rank, request_id, pbuf, plen, pool, blocks,
+                       nblocks, skip, dp_rank, why, why_len);
+    genreq_t *g =
+        rc && rc != KVX_ERR_EXISTS ? map_get(&inst->fetches, request_id) : NULL;
+    if (g && !g->ending && g->nfetched > 0 && rank < inst->nranks &&
+        !g->parts[rank].fetched) {
+        char m[600];
+        snprintf(m, sizeof(m), "rank %u's fetch was refused: %s", rank, why);
+        genreq_end(g, KVX_EVENT_ERROR, rc, m);
+    }
+    return rc;
+}
+
+static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
+                     const uint8_t *pbuf, size_t plen, pool_t *pool,
+                     const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
+                     uint32_t dp_rank, char *why, size_t why_len)
 {
     int rc;
     Kvxfer__ContextParams *cp;

@@ -132,3 +132,49 @@ TEST(params_info)
     rank_close(&c);
     daemon_stop_ok(d);
 }
+
+/* A fetch refused on one generation rank while the other rank's was
+ * accepted: the request cannot complete, so it ends for both ranks at
+ * once (ERROR with the refusal's code, naming the rank) instead of at
+ * deadlines.fetch_timeout_ms (30 s); the offer is free for another
+ * fetch. */
+TEST(fetch_refused_on_one_rank_ends_all)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs = {.inst = "fr-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    side_t gs = {.inst = "fr-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_t c, g0, g1;
+    rank_open(d, &M_SMALL, &cs, 0, 8, &c);
+    rank_open(d, &M_SMALL, &gs, 0, 8, &g0);
+    rank_open(d, &M_SMALL, &gs, 1, 8, &g1);
+    uint32_t cb[2] = {1, 2}, gb[2] = {3, 4};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g0.c, 1, p.data, p.len, g0.pool, gb, 2, 0, T_MS), g0.c);
+    int64_t t0 = now_ms();
+    /* one block cannot hold 7 tokens of 4 a block */
+    CHECK_FAILS(kvx_fetch(g1.c, 1, p.data, p.len, g1.pool, gb, 1, 0, T_MS),
+                g1.c, KVX_ERR_INVALID, "cannot hold");
+    ev_t e = wait_event(g0.c, 1, KVX_EVENT_ERROR, KVX_ERR_INVALID, 3000);
+    fprintf(stderr, "rank 0: %s (%lld ms)\n", e.msg,
+            (long long)(now_ms() - t0));
+    CHECK_STR_CONTAINS(e.msg, "rank 1's fetch was refused");
+    wait_event(g1.c, 1, KVX_EVENT_ERROR, KVX_ERR_INVALID, 3000);
+    CHECK(now_ms() - t0 < 3000);
+    kvx_context_params_free(&p);
+    rank_close(&g1);
+    rank_close(&g0);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
