@@ -984,16 +984,28 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     uint32_t t = p->timeout_ms > kvxd.conf.poll_timeout_max_ms
                      ? kvxd.conf.poll_timeout_max_ms
                      : p->timeout_ms;
-    if (!bad && batch_poll(&inst->batches, p->rank, p->req_id, p->at_least,
-                           now + t, now))
+    int prc = bad ? 0
+                  : batch_poll(&inst->batches, p->rank, p->req_id, p->at_least,
+                               now + t, now);
+    char lost[200];
+    if (prc == KVX_ERR_LIMIT) {
+        snprintf(lost, sizeof(lost),
+                 "dropped batches %llu to %llu before rank %u read them "
+                 "(limits.batches_kept %u); the next poll reads on",
+                 (unsigned long long)inst->batches.missed_from,
+                 (unsigned long long)inst->batches.missed_to, p->rank,
+                 inst->batches.kept_max);
+        bad = lost;
+    } else if (prc) {
         bad = "already has a poll of that rank waiting";
+    }
     if (!bad)
         return;
     char msg[512];
     snprintf(msg, sizeof(msg), "poll: instance %s %s (root daemon %s)",
              p->instance_id ? p->instance_id : "", bad, kvxd.address);
     poll_fail_send(c, p->instance_id, p->rank, p->req_id, p->session,
-                   KVX_ERR_STATE, msg,
+                   prc == KVX_ERR_LIMIT ? KVX_ERR_LIMIT : KVX_ERR_STATE, msg,
                    retry);
 }
 

@@ -185,6 +185,18 @@ static const struct conf_key keys[] = {
              "Work that would pass it is refused with KVX_ERR_LIMIT, "
              "never an out-of-memory; a lower value on reload refuses new "
              "work until use falls under it."},
+    {.name = "limits.batches_kept",
+     .type = CONF_U32,
+     FIELD(batches_kept),
+     .def = 4096,
+     .min = 16,
+     .max = 1048576,
+     .help = "Sealed batches one instance keeps for ranks that have not "
+             "read them; past it the oldest is dropped, and a rank that had "
+             "not read it gets KVX_ERR_LIMIT at its next poll, then reads "
+             "on. Every rank must poll, also one that fetched nothing "
+             "(another attention-DP group), or its batches pile up to "
+             "this. For instances made after a change (restart)."},
     {.name = "limits.max_blocks_per_request",
      .type = CONF_U32,
      FIELD(max_blocks_per_request),

@@ -770,8 +770,17 @@ static void on_poll(session_t *s, const Kvxfer__Request *rq)
             reply(s, rq->id, rc, why);
         return;
     }
-    if (batch_poll(&s->inst->batches, s->rank, rq->id, rq->poll->at_least,
-                   now + t, now))
+    batch_state_t *bs = &s->inst->batches;
+    int rc = batch_poll(bs, s->rank, rq->id, rq->poll->at_least, now + t, now);
+    if (rc == KVX_ERR_LIMIT)
+        FAIL(KVX_ERR_LIMIT,
+             "poll: batches %llu to %llu of instance %s were dropped before "
+             "rank %u read them (limits.batches_kept %u: every rank must "
+             "poll, also one that fetched nothing); the next poll reads on",
+             (unsigned long long)bs->missed_from,
+             (unsigned long long)bs->missed_to, s->inst->id, s->rank,
+             bs->kept_max);
+    if (rc)
         FAIL(KVX_ERR_BUSY, "poll: this rank already has a poll waiting");
 }
 

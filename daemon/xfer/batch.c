@@ -42,6 +42,7 @@ void batch_cleanup(batch_state_t *bs)
     list_t *n;
     /* (a state zeroed, by an earlier cleanup, holds none) */
     while (bs->sealed.next && (n = list_pop(&bs->sealed))) {
+        bs->nsealed--;
         events_free(BATCH(n)->events, BATCH(n)->nevents);
         free(BATCH(n));
     }
@@ -77,8 +78,12 @@ static void trim(batch_state_t *bs)
             low = c;
     }
     list_t *n;
-    while ((n = list_first(&bs->sealed)) && BATCH(n)->seq < low) {
+    while (
+        (n = list_first(&bs->sealed)) &&
+        (BATCH(n)->seq < low || (bs->kept_max && bs->nsealed > bs->kept_max))) {
         list_remove(n);
+        assert(bs->nsealed > 0);
+        bs->nsealed--;
         events_free(BATCH(n)->events, BATCH(n)->nevents);
         free(BATCH(n));
     }
@@ -107,6 +112,7 @@ static int seal(batch_state_t *bs)
     bs->pending = NULL;
     bs->npending = bs->cap_pending = 0;
     list_push(&bs->sealed, &b->node);
+    bs->nsealed++;
     bs->sealed_total++;
     for (uint32_t r = 0; r < bs->nranks; r++) {
         struct batch_waiter *w = &bs->wait[r];
@@ -222,6 +228,18 @@ int batch_poll(batch_state_t *bs, uint32_t rank, uint64_t req_id,
 {
     if (bs->wait[rank].active)
         return KVX_ERR_BUSY;
+    /* batches it had not read were dropped (limits.batches_kept): it
+     * hears so, and reads on from the oldest kept */
+    list_t *first = list_first(&bs->sealed);
+    uint64_t oldest = first ? BATCH(first)->seq : bs->next_seq;
+    if (bs->cursor[rank] < oldest) {
+        bs->missed_from = bs->cursor[rank];
+        bs->missed_to = oldest - 1;
+        bs->cursor[rank] = oldest;
+        if (bs->resume[rank])
+            bs->resume[rank] = oldest + 1;
+        return KVX_ERR_LIMIT;
+    }
     const batch_t *b = find(bs, bs->cursor[rank]);
     if (b) {
         deliver(bs, rank, req_id, b);

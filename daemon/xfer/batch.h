@@ -9,7 +9,11 @@
  *  - otherwise the poll waits; batch k is sealed when the pending events
  *    reach the at_least of any rank waiting for k, or when any such wait
  *    reaches its deadline (then possibly empty);
- *  - a sealed batch is kept until every connected rank has read it.
+ *  - a sealed batch is kept until every connected rank has read it, but
+ *    at most kept_max of them (0: no bound): past that the oldest is
+ *    dropped, and a rank that had not read it gets KVX_ERR_LIMIT at its
+ *    next poll (then reads on from the oldest kept), so a rank that never
+ *    polls cannot make an instance hold batches without end.
  * Owns the events and batches; delivers through the callback given at
  * init and never touches sessions itself.
  */
@@ -62,6 +66,9 @@ typedef struct batch_state {
     batch_event_t *pending;
     uint32_t npending, cap_pending;
     list_t sealed; /* batch_t.node, by seq: not yet read by all */
+    uint32_t nsealed;                /* on sealed */
+    uint32_t kept_max;               /* limits.batches_kept; 0: no bound */
+    uint64_t missed_from, missed_to; /* the last KVX_ERR_LIMIT poll's */
     uint64_t next_seq;
     uint64_t sealed_total;
     batch_deliver_cb deliver;
@@ -97,6 +104,10 @@ int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,
 
 /* Rank asks for its next batch. Delivers now or waits; returns
  * KVX_ERR_BUSY if this rank already has a poll waiting. */
+/* Poll: 0 (answered, or waiting), KVX_ERR_BUSY (this rank has a poll
+ * waiting), or KVX_ERR_LIMIT (batches this rank had not read were
+ * dropped: bs->missed_from..bs->missed_to, inclusive; its cursor moves
+ * past them, and the next poll reads on). */
 int batch_poll(batch_state_t *bs, uint32_t rank, uint64_t req_id,
                uint32_t at_least, uint64_t deadline_ms, uint64_t now_ms);
 

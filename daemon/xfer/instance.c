@@ -174,6 +174,7 @@ int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
             free(inst);
             WHY(KVX_ERR_NOMEM, "hello: out of memory");
         }
+        inst->batches.kept_max = kvxd.conf.batches_kept;
         list_unshift(&instances, &inst->node);
         log_info("instance %s created by uid %u: tp %u pp %u, %u ranks", id,
                  uid, side->tp, side->pp, nranks);

@@ -320,7 +320,14 @@ typedef struct {
 
 /* Get this rank's next batch. It is sealed once at_least events are
  * pending or poll_timeout_ms passes (possibly empty); every rank of the
- * instance receives the same batch k. Free with kvx_batch_free(). */
+ * instance receives the same batch k. Free with kvx_batch_free().
+ * Every rank of the instance must poll, also one with nothing in flight
+ * (a generation rank of another attention-DP group, a context rank whose
+ * request was fetched elsewhere): the daemon keeps each batch until every
+ * rank has read it, at most limits.batches_kept (4096) of them; past
+ * that the oldest is dropped, and a rank that had not read it gets
+ * KVX_ERR_LIMIT, naming the batches it missed, at its next poll (the poll
+ * after reads on). */
 KVX_EXPORT int kvx_poll(kvx_client_t *client, uint32_t at_least,
                         uint32_t poll_timeout_ms, kvx_batch_t **out);
 KVX_EXPORT void kvx_batch_free(kvx_batch_t *batch);

@@ -178,3 +178,36 @@ TEST(fetch_refused_on_one_rank_ends_all)
     rank_close(&c);
     daemon_stop_ok(d);
 }
+
+/* A rank that never polls (limits.batches_kept 16): rank 0 of a tp-2
+ * context instance publishes and cancels 20 requests, reading each
+ * batch; rank 1 never polls. The daemon keeps 16 batches, and rank 1's
+ * first poll says LIMIT, naming the batches it missed and the key; its
+ * next poll reads on. */
+TEST(batches_kept_for_a_silent_rank)
+{
+    daemon_t *d = daemon_start("limits:\n  batches_kept: 16\n");
+    side_t cs;
+    rank_t c0, c1;
+    ctx2_open(d, &M_SMALL, "bk-ctx", 8, &cs, &c0, &c1);
+    uint32_t cb[1] = {1};
+    for (uint64_t k = 1; k <= 20; k++) {
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c0.c, k, c0.pool, cb, 1, 4, &p, T_MS), c0.c);
+        kvx_context_params_free(&p);
+        CHECK_KVX(kvx_cancel(c0.c, k, T_MS), c0.c);
+        wait_event(c0.c, k, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 3000);
+    }
+    kvx_batch_t *b = NULL;
+    int rc = kvx_poll(c1.c, 1, 100, &b);
+    fprintf(stderr, "rank 1: %s: %s\n", kvx_status_name(rc),
+            kvx_last_error(c1.c));
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(c1.c), "limits.batches_kept 16");
+    CHECK_EQ(kvx_poll(c1.c, 1, 100, &b), KVX_OK);
+    CHECK(b != NULL && b->num_events >= 1);
+    kvx_batch_free(b);
+    rank_close(&c1);
+    rank_close(&c0);
+    daemon_stop_ok(d);
+}

@@ -700,3 +700,30 @@ TEST_T(random_schedule_keeps_the_rules, 120)
         batch_cleanup(&bs);
     }
 }
+
+/* A rank that never polls (one that fetched nothing, say) cannot make
+ * the instance keep batches without end: past kept_max the oldest is
+ * dropped; its next poll says LIMIT with what it missed, and the poll
+ * after reads on from the oldest kept. */
+TEST(batches_kept_bounded)
+{
+    batch_state_t bs;
+    init(&bs, 2);
+    bs.kept_max = 4;
+    for (uint64_t k = 0; k < 7; k++) { /* rank 0 reads batches 0..6 */
+        CHECK_EQ(batch_poll(&bs, 0, 10 + k, 1, 1000, 0), 0);
+        push(&bs, k + 1, 1);
+    }
+    CHECK_EQ(nrec, 7);
+    CHECK_EQ(batch_kept(&bs), 4); /* 3..6, for rank 1 */
+    CHECK_EQ(first_held(&bs)->seq, 3);
+    CHECK_EQ(batch_poll(&bs, 1, 99, 1, 1000, 0), KVX_ERR_LIMIT);
+    CHECK_EQ(bs.missed_from, 0);
+    CHECK_EQ(bs.missed_to, 2);
+    CHECK_EQ(bs.cursor[1], 3);
+    CHECK_EQ(batch_poll(&bs, 1, 100, 1, 1000, 0), 0); /* batch 3 */
+    CHECK_EQ(nrec, 8);
+    CHECK_EQ(recs[7].rank, 1);
+    CHECK_EQ(recs[7].seq, 3);
+    batch_cleanup(&bs);
+}
