@@ -13,6 +13,21 @@ void frame_reader_cleanup(frame_reader_t *r)
     memset(r, 0, sizeof(*r));
 }
 
+/* The capacity that holds want more bytes after the consumed frames are
+ * dropped: the current one, or doubled from it until it does. */
+static size_t cap_for(const frame_reader_t *r, size_t want)
+{
+    size_t len = r->len - r->off, ncap = r->cap ? r->cap : 4096;
+    while (ncap - len < want)
+        ncap *= 2;
+    return ncap > r->cap ? ncap : r->cap;
+}
+
+size_t frame_reader_cap_for(const frame_reader_t *r, size_t want)
+{
+    return cap_for(r, want);
+}
+
 uint8_t *frame_reader_space(frame_reader_t *r, size_t want, size_t *room)
 {
     if (r->off > 0 && (r->off == r->len || r->cap - r->len < want)) {
@@ -22,9 +37,7 @@ uint8_t *frame_reader_space(frame_reader_t *r, size_t want, size_t *room)
         r->off = 0;
     }
     if (r->cap - r->len < want) {
-        size_t ncap = r->cap ? r->cap : 4096;
-        while (ncap - r->len < want)
-            ncap *= 2;
+        size_t ncap = cap_for(r, want);
         uint8_t *nb = realloc(r->buf, ncap);
         if (!nb)
             return NULL;

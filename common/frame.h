@@ -30,6 +30,9 @@ void frame_reader_cleanup(frame_reader_t *r);
 /* Space for at least want more bytes; returns pointer and writes *room. */
 uint8_t *frame_reader_space(frame_reader_t *r, size_t want, size_t *room);
 void frame_reader_commit(frame_reader_t *r, size_t n);
+/* The capacity frame_reader_space(r, want) would leave r with (its
+ * current one when no growth is needed): for charging memory first. */
+size_t frame_reader_cap_for(const frame_reader_t *r, size_t want);
 /*
  * Next whole frame: returns 1 and sets *msg and *len (valid until the next
  * call), 0 if more bytes are needed, KVX_ERR_PROTOCOL if the announced

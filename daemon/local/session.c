@@ -6,6 +6,7 @@
  * module that acts -> reply() packs the Reply into the output buffer ->
  * flush() writes what the socket takes, the rest when it is writable.
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1057,14 +1058,10 @@ static int handle_frames(session_t *s, uint64_t out0, unsigned *frames)
 static int read_once(session_t *s)
 {
     for (;;) {
-        size_t room;
-        uint8_t *buf = frame_reader_space(&s->rd, 65536, &room);
-        if (!buf) {
-            session_close(s, "out of memory for input");
-            return -1;
-        }
-        if (s->rd.cap > s->mem_in) {
-            if (kvxd_mem_charge(MEM_FRAMES, s->rd.cap - s->mem_in)) {
+        /* the input buffer's growth is charged before it is made */
+        size_t ncap = frame_reader_cap_for(&s->rd, 65536);
+        if (ncap > s->mem_in) {
+            if (kvxd_mem_charge(MEM_FRAMES, ncap - s->mem_in)) {
                 char m[256];
                 snprintf(m, sizeof(m),
                          "a frame being read would pass the daemon's memory "
@@ -1073,13 +1070,18 @@ static int read_once(session_t *s)
                          (unsigned long long)kvxd.conf.memory_bytes,
                          (unsigned long long)kvxd_mem_used(MEM_KINDS));
                 reply(s, 0, KVX_ERR_LIMIT, m);
-                kvxd_mem_force(MEM_FRAMES, s->rd.cap - s->mem_in);
-                s->mem_in = s->rd.cap;
                 session_close(s, "memory budget");
                 return -1;
             }
-            s->mem_in = s->rd.cap;
+            s->mem_in = ncap;
         }
+        size_t room;
+        uint8_t *buf = frame_reader_space(&s->rd, 65536, &room);
+        if (!buf) {
+            session_close(s, "out of memory for input");
+            return -1;
+        }
+        assert(s->rd.cap <= s->mem_in);
         union {
             char buf[CMSG_SPACE(FRAME_FDS_PER_SEND * sizeof(int))];
             struct cmsghdr align;
