@@ -800,28 +800,15 @@ static void on_status(session_t *s, const Kvxfer__Request *rq)
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
     Kvxfer__StatusReply st = KVXFER__STATUS_REPLY__INIT;
     int64_t only = s->admin ? -1 : (int64_t)s->uid;
-    stats_fill(&st, only);
-    st.n_sessions = session_infos(&st.sessions, only);
     /* one reply's cap: the first list_page_entries of each list */
     uint32_t cap = kvxd.conf.list_page_entries;
-    st.sessions_total = (uint32_t)st.n_sessions;
-    st.pools_total = (uint32_t)st.n_pools;
-    st.instances_total = (uint32_t)st.n_instances;
-    size_t ns = st.n_sessions, np = st.n_pools, ni = st.n_instances;
-    if (st.n_sessions > cap)
-        st.n_sessions = cap;
-    if (st.n_pools > cap)
-        st.n_pools = cap;
-    if (st.n_instances > cap)
-        st.n_instances = cap;
+    stats_fill(&st, only, cap);
+    st.n_sessions = session_infos(&st.sessions, only, cap, &st.sessions_total);
     r.id = rq->id;
     r.message = "";
     r.body_case = KVXFER__REPLY__BODY_STATUS_REPLY;
     r.status_reply = &st;
     reply_packed(s, &r);
-    st.n_sessions = ns; /* all of them are freed */
-    st.n_pools = np;
-    st.n_instances = ni;
     session_infos_free(st.sessions, st.n_sessions);
     stats_free(&st);
 }
@@ -1428,8 +1415,10 @@ void session_tick(uint64_t now)
     }
 }
 
-size_t session_infos(Kvxfer__SessionInfo ***out, int64_t only_uid)
+size_t session_infos(Kvxfer__SessionInfo ***out, int64_t only_uid, uint32_t cap,
+                     uint32_t *total)
 {
+    *total = 0;
     uint32_t n = sessions.n;
     session_t **all = calloc(n ? n : 1, sizeof(*all));
     Kvxfer__SessionInfo **v = calloc(n ? n : 1, sizeof(*v));
@@ -1444,6 +1433,8 @@ size_t session_infos(Kvxfer__SessionInfo ***out, int64_t only_uid)
     for (uint32_t i = 0; i < n; i++) {
         if (only_uid >= 0 && all[i]->uid != (uid_t)only_uid)
             continue; /* another user's */
+        if ((*total)++ >= cap)
+            continue; /* counted, not listed */
         Kvxfer__SessionInfo *si = malloc(sizeof(*si));
         if (!si)
             break;

@@ -52,8 +52,10 @@ unsigned session_count(void);
 
 /* For status: fill infos (malloc'd, caller frees with
  * session_infos_free). */
-/* only_uid: that uid's sessions, or -1 for all. */
-size_t session_infos(Kvxfer__SessionInfo ***out, int64_t only_uid);
+/* only_uid: that uid's sessions, or -1 for all; at most cap of them,
+ * *total counting them all. */
+size_t session_infos(Kvxfer__SessionInfo ***out, int64_t only_uid, uint32_t cap,
+                     uint32_t *total);
 void session_infos_free(Kvxfer__SessionInfo **infos, size_t n);
 
 #endif /* KVX_SESSION_H */

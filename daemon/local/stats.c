@@ -40,7 +40,7 @@ static void add_conf(const char *key, const char *value, void *arg)
     a->v[a->n++] = c;
 }
 
-void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid)
+void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid, uint32_t cap)
 {
     st->version = KVX_VERSION_STRING;
     static char gpu[512];
@@ -65,6 +65,8 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid)
         for (uint32_t i = 0; i < np; i++) {
             if (only_uid >= 0 && pools[i]->uid != (uint64_t)only_uid)
                 continue; /* another user's */
+            if (st->pools_total++ >= cap)
+                continue; /* counted, not listed */
             Kvxfer__PoolInfo *pi = malloc(sizeof(*pi));
             if (!pi)
                 break;
@@ -124,6 +126,8 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid)
          i = instance_next(i)) {
         if (only_uid >= 0 && i->owner_uid != (uint64_t)only_uid)
             continue; /* another user's */
+        if (st->instances_total++ >= cap)
+            continue; /* counted, not listed */
         Kvxfer__InstanceInfo *x = malloc(sizeof(*x));
         if (!x)
             break;

@@ -9,8 +9,9 @@
 
 /* Everything but the sessions (session.c adds its own). */
 /* only_uid: the pools and instances of that uid's sessions alone (-1:
- * all); the daemon's counters are everyone's. */
-void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid);
+ * all); the daemon's counters are everyone's. At most cap pools and cap
+ * instances are listed; pools_total and instances_total count them all. */
+void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid, uint32_t cap);
 void stats_free(Kvxfer__StatusReply *st);
 
 #endif
