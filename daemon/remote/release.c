@@ -83,8 +83,17 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
         unsigned k = 0;
         while (k < n && strcmp(addrs[k], a))
             k++;
-        if (k == n && n < TARGETS_MAX)
-            addrs[n++] = a;
+        if (k < n)
+            continue;
+        if (n == TARGETS_MAX) {
+            snprintf(why, why_len,
+                     "release: the params name over %d daemons; at most %d "
+                     "are released at once",
+                     TARGETS_MAX, TARGETS_MAX);
+            rc = KVX_ERR_LIMIT;
+            goto out;
+        }
+        addrs[n++] = a;
     }
     if (n && !peer_enabled()) {
         snprintf(why, why_len,
