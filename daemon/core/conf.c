@@ -920,27 +920,43 @@ static int check_ucx_ports(const kvx_conf_t *conf, char *why, size_t n)
     return 0;
 }
 
+int conf_net_parse(const char *tok, int *family, uint8_t addr[16],
+                   unsigned *bits)
+{
+    char t[64];
+    while (*tok == ' ')
+        tok++;
+    if (strlen(tok) >= sizeof(t))
+        return KVX_ERR_INVALID;
+    strcpy(t, tok);
+    char *slash = strchr(t, '/'), *end = NULL;
+    long b = -1;
+    if (slash) {
+        *slash = 0;
+        b = strtol(slash + 1, &end, 10);
+    }
+    int v4 = inet_pton(AF_INET, t, addr) == 1,
+        v6 = !v4 && inet_pton(AF_INET6, t, addr) == 1;
+    long max = v4 ? 32 : 128;
+    if ((!v4 && !v6) || (slash && (!slash[1] || *end || b < 0 || b > max)))
+        return KVX_ERR_INVALID;
+    *family = v4 ? AF_INET : AF_INET6;
+    *bits = slash ? (unsigned)b : (unsigned)max;
+    return 0;
+}
+
 static int check_allowed(const kvx_conf_t *conf, char *why, size_t n)
 {
     char buf[sizeof(conf->peer_allowed)], *save = NULL;
     snprintf(buf, sizeof(buf), "%s", conf->peer_allowed);
     for (char *t = strtok_r(buf, ",", &save); t;
          t = strtok_r(NULL, ",", &save)) {
-        while (*t == ' ')
-            t++;
-        char *slash = strchr(t, '/'), *end = NULL;
-        unsigned char a[16];
-        long bits = -1;
-        if (slash) {
-            *slash = 0;
-            bits = strtol(slash + 1, &end, 10);
-        }
-        int v4 = inet_pton(AF_INET, t, a) == 1,
-            v6 = !v4 && inet_pton(AF_INET6, t, a) == 1;
-        if ((!v4 && !v6) || (slash && (!slash[1] || *end || bits < 0 ||
-                                       bits > (v4 ? 32 : 128)))) {
-            if (slash)
-                *slash = '/';
+        int fam;
+        uint8_t a[16];
+        unsigned bits;
+        if (conf_net_parse(t, &fam, a, &bits)) {
+            while (*t == ' ')
+                t++;
             snprintf(why, n, "'%.64s' is not an IP or IP/BITS", t);
             return 1;
         }

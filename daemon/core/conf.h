@@ -113,4 +113,10 @@ int conf_foreach(const kvx_conf_t *conf,
 int conf_log_level_parse(const char *name);
 const char *conf_log_level_name(int level);
 
+/* One entry of peer.allowed, "IP" or "IP/BITS" (IPv4 or IPv6, leading
+ * spaces skipped): 0 with its family, address (network order) and prefix
+ * length (the whole address without /BITS), or KVX_ERR_INVALID. */
+int conf_net_parse(const char *tok, int *family, uint8_t addr[16],
+                   unsigned *bits);
+
 #endif /* KVX_CONF_H */

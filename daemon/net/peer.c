@@ -469,17 +469,11 @@ static int nets_init(const struct sockaddr_storage *listen, char *why,
         snprintf(buf, sizeof(buf), "%s", kvxd.conf.peer_allowed);
         for (char *t = strtok_r(buf, ",", &save); t;
              t = strtok_r(NULL, ",", &save)) {
-            while (*t == ' ')
-                t++;
-            char *slash = strchr(t, '/');
-            if (slash)
-                *slash = 0;
             uint8_t a[16];
-            int fam = inet_pton(AF_INET, t, a) == 1 ? AF_INET : AF_INET6;
-            if (fam == AF_INET6 && inet_pton(AF_INET6, t, a) != 1)
+            int fam;
+            unsigned bits;
+            if (conf_net_parse(t, &fam, a, &bits))
                 continue; /* the config checked it */
-            unsigned bits =
-                slash ? (unsigned)atoi(slash + 1) : (fam == AF_INET ? 32 : 128);
             if (net_add(fam, a, bits)) {
                 snprintf(why, why_len, "peer.allowed: more than %d networks",
                          NETS_MAX);
