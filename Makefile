@@ -53,7 +53,7 @@ CUDA_LIBS :=
 endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
-COMMON   := common/status.c common/frame.c common/layout.c
+COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c
 CLIENT   := $(COMMON) lib/client.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
@@ -128,7 +128,7 @@ $(BUILD)/libkvxfer.a: $(CLIENT_OBJ)
 # compiled with hidden visibility, kvxfer.h marks the API KVX_EXPORT and
 # the version script keeps everything else local (check: make check-lib).
 # The real file carries the version of kvxfer.h, its soname the major;
-# libkvxfer.so.1 (what the loader opens) and libkvxfer.so (what -lkvxfer
+# libkvxfer.so.2 (what the loader opens) and libkvxfer.so (what -lkvxfer
 # finds) are links to it, here as after make install.
 KVX_VERSION := $(shell sed -n 's/^.define KVX_VERSION_STRING "\(.*\)"/\1/p' lib/include/kvxfer.h)
 SO_REAL := libkvxfer.so.$(KVX_VERSION)
@@ -181,7 +181,7 @@ test-python: deps
 	@$(MAKE) --no-print-directory all
 	@scripts/test-python.sh $(BUILD)
 
-# A wheel of the Python package with libkvxfer.so.1 and the shared
+# A wheel of the Python package with libkvxfer.so.2 and the shared
 # libraries it needs that a machine without our Debian packages lacks
 wheel: all
 	@scripts/wheel.sh $(BUILD) dist

@@ -28,6 +28,7 @@
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
 #include "list.h"
+#include "reqkey.h"
 
 #define REPLY_MAX (1u << 30)
 /* the most limits.max_frame_bytes can be: a larger request could never
@@ -891,14 +892,15 @@ int kvx_params_info(const void *params, size_t len, kvx_params_info_t *info)
     Kvxfer__ContextParams *cp =
         params && len ? kvxfer__context_params__unpack(NULL, len, params)
                       : NULL;
-    const char *bad = !cp                ? "not a ContextParams message"
-                      : cp->version != 1 ? "params version is not 1"
-                      : !cp->parallel || !cp->layout
-                          ? "no parallel config or layout"
-                      : strlen(cp->instance_id) >= sizeof(info->instance_id)
-                          ? "instance id too long"
-                      : !cp->n_rank_addresses ? "no rank addresses"
-                                              : NULL;
+    const char *bad =
+        !cp                ? "not a ContextParams message"
+        : cp->version != 2 ? "params version is not 2"
+        : !cp->key.len || cp->key.len > KVX_MAX_KEY ? "key missing or too long"
+        : !cp->parallel || !cp->layout ? "no parallel config or layout"
+        : strlen(cp->instance_id) >= sizeof(info->instance_id)
+            ? "instance id too long"
+        : !cp->n_rank_addresses ? "no rank addresses"
+                                : NULL;
     if (bad) {
         snprintf(connect_err, sizeof(connect_err),
                  "kvx_params_info: %zu bytes of params: %s", len, bad);
@@ -908,7 +910,9 @@ int kvx_params_info(const void *params, size_t len, kvx_params_info_t *info)
     }
     snprintf(info->instance_id, sizeof(info->instance_id), "%s",
              cp->instance_id);
-    info->request_id = cp->request_id;
+    memcpy(info->key, cp->key.data, cp->key.len);
+    info->key_len = (uint32_t)cp->key.len;
+    info->request_id = reqkey_to_u64(cp->key.data, cp->key.len);
     info->num_tokens = cp->num_tokens;
     info->tokens_per_block = cp->layout->tokens_per_block;
     uint32_t cpn = cp->parallel->cp ? cp->parallel->cp : 1;
@@ -930,18 +934,47 @@ void kvx_context_params_free(kvx_context_params_t *p)
     p->len = 0;
 }
 
+/* A key argument: 0, or KVX_ERR_INVALID with the message set. */
+static int key_arg(kvx_client_t *c, const char *fn, const void *key,
+                   size_t key_len)
+{
+    if (!key || key_len == 0 || key_len > KVX_MAX_KEY)
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: key of %zu bytes%s (a key is 1 to %u bytes)", fn,
+                    key ? key_len : 0, key ? "" : " (NULL)", KVX_MAX_KEY);
+    return 0;
+}
+
 int kvx_publish(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
                 const uint32_t *blocks, uint32_t nblocks, uint32_t num_tokens,
                 kvx_context_params_t *params, int timeout_ms)
 {
+    reqkey_t k;
+    reqkey_from_u64(&k, request_id);
+    return kvx_publish_key(c, k.b, k.len, pool_id, blocks, nblocks, num_tokens,
+                           NULL, 0, params, timeout_ms);
+}
+
+int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
+                    uint32_t pool_id, const uint32_t *blocks, uint32_t nblocks,
+                    uint32_t num_tokens, const void *aux, size_t aux_len,
+                    kvx_context_params_t *params, int timeout_ms)
+{
     if (!c)
         return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_publish_key", key, key_len);
+    if (rc)
+        return rc;
     if ((!blocks && nblocks) || !params)
         return fail(c, KVX_ERR_INVALID,
                     "%s: a required argument is NULL or 0",
                     __func__);
+    if (aux || aux_len)
+        return fail(c, KVX_ERR_UNSUPPORTED,
+                    "kvx_publish_key: aux payloads are not built yet");
     Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
-    m.request_id = request_id;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
     m.pool_id = pool_id;
     m.n_blocks = nblocks;
     m.blocks = (uint32_t *)blocks;
@@ -950,7 +983,7 @@ int kvx_publish(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
     rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
     rq.publish = &m;
     Kvxfer__Reply *r;
-    int rc = call(c, &rq, -1, timeout_ms, &r);
+    rc = call(c, &rq, -1, timeout_ms, &r);
     if (rc)
         return rc;
     if (r->body_case != KVXFER__REPLY__BODY_PUBLISH) {
@@ -981,14 +1014,29 @@ int kvx_fetch_dp(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
                  uint32_t nblocks, uint32_t skip_tokens, uint32_t dp_rank,
                  int timeout_ms)
 {
+    reqkey_t k;
+    reqkey_from_u64(&k, request_id);
+    return kvx_fetch_key(c, k.b, k.len, params, params_len, pool_id, blocks,
+                         nblocks, skip_tokens, dp_rank, timeout_ms);
+}
+
+int kvx_fetch_key(kvx_client_t *c, const void *key, size_t key_len,
+                  const uint8_t *params, size_t params_len, uint32_t pool_id,
+                  const uint32_t *blocks, uint32_t nblocks,
+                  uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms)
+{
     if (!c)
         return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_fetch_key", key, key_len);
+    if (rc)
+        return rc;
     if ((!blocks && nblocks) || (!params && params_len))
         return fail(c, KVX_ERR_INVALID,
                     "%s: a required argument is NULL or 0",
                     __func__);
     Kvxfer__Fetch m = KVXFER__FETCH__INIT;
-    m.request_id = request_id;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
     m.context_params.data = (uint8_t *)params;
     m.context_params.len = params_len;
     m.pool_id = pool_id;
@@ -1031,7 +1079,8 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
     /* one allocation: batch, events, then the message strings */
     size_t n = r->poll->n_events, strbytes = 0;
     for (size_t i = 0; i < n; i++)
-        strbytes += strlen(r->poll->events[i]->message) + 1;
+        strbytes += strlen(r->poll->events[i]->message) + 1 +
+                    r->poll->events[i]->key.len;
     kvx_batch_t *b = malloc(sizeof(*b) + n * sizeof(kvx_event_t) + strbytes);
     if (!b) {
         kvxfer__reply__free_unpacked(r, NULL);
@@ -1043,13 +1092,18 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
     char *s = (char *)(b->events + n);
     for (size_t i = 0; i < n; i++) {
         const Kvxfer__Event *e = r->poll->events[i];
-        b->events[i].request_id = e->request_id;
+        b->events[i].request_id = reqkey_to_u64(e->key.data, e->key.len);
         b->events[i].kind = (kvx_event_kind_t)e->kind;
         b->events[i].code = e->code;
         b->events[i].message = s;
         size_t l = strlen(e->message) + 1;
         memcpy(s, e->message, l);
         s += l;
+        b->events[i].key = (const uint8_t *)s;
+        b->events[i].key_len = (uint32_t)e->key.len;
+        if (e->key.len)
+            memcpy(s, e->key.data, e->key.len);
+        s += e->key.len;
     }
     kvxfer__reply__free_unpacked(r, NULL);
     *out = b;
@@ -1060,10 +1114,22 @@ void kvx_batch_free(kvx_batch_t *b) { free(b); }
 
 int kvx_cancel(kvx_client_t *c, uint64_t request_id, int timeout_ms)
 {
+    reqkey_t k;
+    reqkey_from_u64(&k, request_id);
+    return kvx_cancel_key(c, k.b, k.len, timeout_ms);
+}
+
+int kvx_cancel_key(kvx_client_t *c, const void *key, size_t key_len,
+                   int timeout_ms)
+{
     if (!c)
         return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_cancel_key", key, key_len);
+    if (rc)
+        return rc;
     Kvxfer__Cancel m = KVXFER__CANCEL__INIT;
-    m.request_id = request_id;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_CANCEL;
     rq.cancel = &m;
@@ -1358,7 +1424,7 @@ static int requests_page(kvx_client_t *c, const Kvxfer__RequestInfo *after,
     if (after) {
         m.after_instance = after->instance_id;
         m.after_side = after->side;
-        m.after_request_id = after->request_id;
+        m.after_key = after->key;
     }
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
@@ -1464,8 +1530,10 @@ int kvx_requests_json(kvx_client_t *c, char **json, int timeout_ms)
         const Kvxfer__RequestInfo *x = r->requests->requests[i];
         sb_printf(&b, "%s{\"instance\":", i ? "," : "");
         sb_str(&b, x->instance_id);
-        sb_printf(&b, ",\"request_id\":%llu,\"side\":",
-                  (unsigned long long)x->request_id);
+        char kj[REQKEY_STR_MAX + KVX_MAX_KEY];
+        sb_printf(&b, ",\"key\":%s,\"request_id\":%llu,\"side\":",
+                  reqkey_json(x->key.data, x->key.len, kj),
+                  (unsigned long long)reqkey_to_u64(x->key.data, x->key.len));
         sb_str(&b, x->side);
         sb_printf(&b, ",\"state\":");
         sb_str(&b, x->state);

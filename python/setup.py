@@ -1,9 +1,9 @@
 """Bundles libkvxfer into the package (setuptools reads pyproject.toml).
 
 Which libraries go into kvxfer/_libs/:
-  * $KVXFER_BUNDLE_DIR set (make wheel): every file in it (libkvxfer.so.1
+  * $KVXFER_BUNDLE_DIR set (make wheel): every file in it (libkvxfer.so.2
     and the shared libraries it needs that a fresh machine may lack);
-  * else ../build/libkvxfer.so.1 if make built it (pip install ./python);
+  * else ../build/libkvxfer.so.2 if make built it (pip install ./python);
   * else none: the installed package uses the system's libkvxfer.
 A package with a library in it is a platform wheel (py3-none-linux_*).
 """
@@ -28,7 +28,7 @@ def bundled():
     if d:
         return [os.path.join(d, f) for f in sorted(os.listdir(d))]
     lib = os.path.join(HERE, "..", os.environ.get("KVX_BUILD", "build"),
-                       "libkvxfer.so.1")
+                       "libkvxfer.so.2")
     return [lib] if os.path.exists(lib) else []
 
 

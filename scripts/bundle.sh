@@ -8,8 +8,8 @@ OUT=${2:-dist/kvxfer}
 rm -rf "$OUT"
 mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/bin/tests"
 cp "$BUILD/kvxferd" "$BUILD/kvxferctl" "$BUILD/kvxfer-bench" "$OUT/bin/"
-# the real file (libkvxfer.so.1.0.0) under its soname, what the loader opens
-cp "$(readlink -f "$BUILD/libkvxfer.so")" "$OUT/lib/libkvxfer.so.1"
+# the real file (libkvxfer.so.2.0.0) under its soname, what the loader opens
+cp "$(readlink -f "$BUILD/libkvxfer.so")" "$OUT/lib/libkvxfer.so.2"
 for t in gpu integration; do [ -x "$BUILD/tests/$t" ] && cp "$BUILD/tests/$t" "$OUT/bin/tests/"; done
 [ -f "$BUILD/tests/libkvxtorch.so" ] && cp "$BUILD/tests/libkvxtorch.so" tests/gpu/torch_pools.py "$OUT/bin/tests/"
 cp scripts/test-gpu.sh "$OUT/bin/"

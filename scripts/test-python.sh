@@ -1,6 +1,6 @@
 #!/bin/sh
 # make test-python: the Python package's tests (python/tests, pytest)
-# against BUILD's kvxferd and libkvxfer.so.1. The last line is
+# against BUILD's kvxferd and libkvxfer.so.2. The last line is
 # "N passed, N failed", as tests/run.sh's, which adds it into make test;
 # skipped tests are named above it and count as neither.
 #   scripts/test-python.sh [BUILD] [--gpu] [pytest arguments...]
@@ -29,11 +29,11 @@ if [ -z "$py" ]; then
             fail "pip could not install pytest and numpy into $venv"
     fi
 fi
-[ -f "$BUILD/libkvxfer.so.1" ] || fail "$BUILD/libkvxfer.so.1 not built (run make)"
+[ -f "$BUILD/libkvxfer.so.2" ] || fail "$BUILD/libkvxfer.so.2 not built (run make)"
 [ $# -gt 0 ] || set -- python/tests
 xml=$BUILD/pytest.xml
 rm -f "$xml"
-KVX_BUILD=$BUILD KVXFER_LIB=$PWD/$BUILD/libkvxfer.so.1 PYTHONDONTWRITEBYTECODE=1 \
+KVX_BUILD=$BUILD KVXFER_LIB=$PWD/$BUILD/libkvxfer.so.2 PYTHONDONTWRITEBYTECODE=1 \
     "$py" -m pytest -p no:cacheprovider -rs -q --junitxml="$xml" "$@"
 rc=$?
 # the counts from the JUnit XML; pytest's own exit status decides as well

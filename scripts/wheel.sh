@@ -1,6 +1,6 @@
 #!/bin/sh
 # make wheel: dist/kvxfer-VERSION-py3-none-linux_ARCH.whl, the Python
-# package with libkvxfer.so.1 and the shared libraries it needs beyond
+# package with libkvxfer.so.2 and the shared libraries it needs beyond
 # glibc (libprotobuf-c from Debian's package), in kvxfer/_libs/, so that it
 # installs with pip on a machine without our Debian packages. Then it is
 # installed into a fresh virtual environment and imported there, and the
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 DIST=${2:-dist}
 PY=${PYTHON:-python3}
-lib=$BUILD/libkvxfer.so.1
+lib=$BUILD/libkvxfer.so.2
 [ -f "$lib" ] || { echo "wheel: $lib not built (run make)" >&2; exit 1; }
 stage=$BUILD/wheel-libs
 rm -rf "$stage" python/build python/kvxfer.egg-info

@@ -18,6 +18,7 @@
 
 #include "internal.h"
 #include "plan.h"
+#include "reqkey.h"
 
 #define TIMEOUT_MS 5000
 
@@ -279,8 +280,9 @@ static int cmd_requests(const char *sock, int json)
             snprintf(prog, sizeof(prog), "%llu%%",
                      (unsigned long long)(x->bytes_done * 100 /
                                           x->bytes_total));
-        printf("%-20s %-20llu %-10s %-15s %10llu %12s  %s\n", x->instance_id,
-               (unsigned long long)x->request_id, x->side, x->state,
+        char ks[REQKEY_STR_MAX];
+        printf("%-20s %-20s %-10s %-15s %10llu %12s  %s\n", x->instance_id,
+               reqkey_str(x->key.data, x->key.len, ks), x->side, x->state,
                (unsigned long long)x->age_ms, prog, x->detail);
     }
     kvxfer__reply__free_unpacked(r, NULL);

@@ -40,6 +40,7 @@
 
 typedef struct merge {
     uint64_t request_id;
+    reqkey_t key;
     int offer;
     uint32_t seen, expect;
     int emitted;           /* its event is queued: later reports are kept
@@ -116,6 +117,7 @@ typedef struct early {
     char instance[INSTANCE_ID_MAX + 1];
     char from[192];
     uint64_t request_id;
+    reqkey_t key;
     int offer, kind, code;
     char *msg;
     uint32_t ranks, expect;
@@ -152,9 +154,9 @@ static list_t helds = {&helds, &helds};
 #define EARLY(n) LIST_OWNER(n, early_t, node)
 #define HELD(n) LIST_OWNER(n, held_t, node)
 
-static void merge_report(instance_t *inst, uint64_t request_id, int offer,
-                         int kind, int code, const char *msg, uint32_t ranks,
-                         uint32_t expect);
+static void merge_report(instance_t *inst, uint64_t request_id,
+                         const reqkey_t *key, int offer, int kind, int code,
+                         const char *msg, uint32_t ranks, uint32_t expect);
 static int event_ok(const instance_t *inst, const char *from, int kind,
                     int code, uint32_t ranks, uint32_t expect);
 
@@ -316,21 +318,23 @@ void agree_joined(instance_t *inst)
         early_t *x = EARLY(n);
         if (root && event_ok(inst, x->from, x->kind, x->code, x->ranks,
                              x->expect))
-            merge_report(inst, x->request_id, x->offer, x->kind, x->code,
-                         x->msg, x->ranks, x->expect);
+            merge_report(inst, x->request_id, &x->key, x->offer, x->kind,
+                         x->code, x->msg, x->ranks, x->expect);
         free(x->msg);
         free(x);
     }
 }
 
-static void queue_event(instance_t *inst, uint64_t request_id, int kind,
-                        int code, const char *msg)
+static void queue_event(instance_t *inst, uint64_t request_id,
+                        const reqkey_t *key, int kind, int code,
+                        const char *msg)
 {
-    if (batch_push(&inst->batches, request_id, kind, code, msg,
+    char ks[REQKEY_STR_MAX];
+    if (batch_push(&inst->batches, request_id, key, kind, code, msg,
                    kvxd_now_ms()))
         log_error("instance %s: out of memory queueing the event of request "
-                  "%llu",
-                  inst->id, (unsigned long long)request_id);
+                  "%s",
+                  inst->id, reqkey_str(key->b, key->len, ks));
 }
 
 /* Root: the requests still waiting for reports end with PEER_GONE (a
@@ -355,7 +359,7 @@ static void merges_fail(instance_t *inst, const char *msg)
                 continue; /* it still runs here: its own report says */
             e->emitted = 1;
             kvxd_count_error(KVX_ERR_PEER_GONE);
-            queue_event(inst, e->request_id, KVX_EVENT_ERROR,
+            queue_event(inst, e->request_id, &e->key, KVX_EVENT_ERROR,
                         KVX_ERR_PEER_GONE, msg);
         }
         free(v);
@@ -542,9 +546,9 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
 
 
 /* Root: one daemon's report of a request. */
-static void merge_report(instance_t *inst, uint64_t request_id, int offer,
-                         int kind, int code, const char *msg, uint32_t ranks,
-                         uint32_t expect)
+static void merge_report(instance_t *inst, uint64_t request_id,
+                         const reqkey_t *key, int offer, int kind, int code,
+                         const char *msg, uint32_t ranks, uint32_t expect)
 {
     spread_t *s = spread_of(inst, 1);
     map_t *mm = s ? &s->merges[offer ? 1 : 0] : NULL;
@@ -552,6 +556,7 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
     int created = 0;
     if (mm && !m && (m = calloc(1, sizeof(*m)))) {
         m->request_id = request_id;
+        m->key = *key;
         m->offer = offer ? 1 : 0;
         m->expect = expect;
         m->deadline_ms = kvxd_now_ms() + (offer ? kvxd.conf.offer_lease_ms
@@ -563,7 +568,7 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
         }
     }
     if (!m) { /* out of memory: at least the event goes out */
-        queue_event(inst, request_id, kind, code, msg);
+        queue_event(inst, request_id, key, kind, code, msg);
         return;
     }
     /* it needs every rank, and one of another daemon is gone: its report
@@ -578,14 +583,14 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
                      r, inst->id, inst->addresses[r]);
             kvxd_count_error(KVX_ERR_PEER_GONE);
             m->emitted = 1;
-            queue_event(inst, request_id, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE,
-                        gone);
+            queue_event(inst, request_id, key, KVX_EVENT_ERROR,
+                        KVX_ERR_PEER_GONE, gone);
             break;
         }
     m->seen += ranks;
     if (!m->emitted && (kind != KVX_EVENT_COMPLETE || m->seen >= m->expect)) {
         m->emitted = 1;
-        queue_event(inst, request_id, kind, code, msg);
+        queue_event(inst, request_id, key, kind, code, msg);
     }
     if (m->seen >= m->expect) { /* every report came */
         map_del(mm, request_id);
@@ -593,17 +598,21 @@ static void merge_report(instance_t *inst, uint64_t request_id, int offer,
     }
 }
 
-void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
-                 int code, const char *msg, uint32_t ranks, uint32_t expect)
+void agree_event(instance_t *inst, uint64_t request_id, const reqkey_t *key,
+                 int offer, int kind, int code, const char *msg, uint32_t ranks,
+                 uint32_t expect)
 {
     if (is_root(inst)) {
-        merge_report(inst, request_id, offer, kind, code, msg, ranks, expect);
+        merge_report(inst, request_id, key, offer, kind, code, msg, ranks,
+                     expect);
         return;
     }
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerEvent e = KVXFER__PEER_EVENT__INIT;
     e.instance_id = inst->id;
     e.request_id = request_id;
+    e.key.data = (uint8_t *)key->b;
+    e.key.len = key->len;
     e.kind = kind;
     e.code = code;
     e.message = (char *)msg;
@@ -613,9 +622,10 @@ void agree_event(instance_t *inst, uint64_t request_id, int offer, int kind,
     m.m_case = KVXFER__PEER_MSG__M_EVENT;
     m.event = &e;
     if (to_root(inst, &m))
-        log_warn("instance %s: the event of request %llu cannot reach the "
+        log_warn("instance %s: the event of request %s cannot reach the "
                  "root daemon %s",
-                 inst->id, (unsigned long long)request_id,
+                 inst->id,
+                 reqkey_str(key->b, key->len, (char[REQKEY_STR_MAX]){0}),
                  inst->addresses[0]);
 }
 
@@ -637,7 +647,8 @@ static uint32_t batch_runs(instance_t *inst, const Kvxfer__PollReply *pr,
         char m[400];
         snprintf(m, sizeof(m), "ended on another daemon of instance %s: %s",
                  inst->id, e->message ? e->message : "");
-        n += xfer_request_runs(inst, e->request_id, e->code, end ? m : NULL);
+        n += xfer_request_runs(inst, xfer_key_id(e->key.data, e->key.len),
+                               e->code, end ? m : NULL);
         if (!(inst = instance_find(inst->id)))
             return 0; /* gone with its last request */
     }
@@ -1037,13 +1048,13 @@ static int event_ok(const instance_t *inst, const char *from, int kind,
 static void early_hold(const char *from, const Kvxfer__PeerEvent *e)
 {
     if (!e->instance_id || strlen(e->instance_id) > INSTANCE_ID_MAX ||
+        !e->key.len || e->key.len > KVX_MAX_KEY ||
         !event_ok(NULL, from, (int)e->kind, e->code, e->ranks, e->expect))
         return;
     if (nearly >= EARLY_MAX) {
         log_warn("instance %s: %u events wait for the instance to join "
-                 "here; the event of request %llu from %s is dropped",
-                 e->instance_id, nearly, (unsigned long long)e->request_id,
-                 from);
+                 "here; an event from %s is dropped",
+                 e->instance_id, nearly, from);
         return;
     }
     early_t *x = calloc(1, sizeof(*x));
@@ -1054,7 +1065,9 @@ static void early_hold(const char *from, const Kvxfer__PeerEvent *e)
     }
     snprintf(x->instance, sizeof(x->instance), "%s", e->instance_id);
     snprintf(x->from, sizeof(x->from), "%s", from);
-    x->request_id = e->request_id;
+    x->request_id = xfer_key_id(e->key.data, e->key.len);
+    x->key.len = (uint32_t)e->key.len;
+    memcpy(x->key.b, e->key.data, e->key.len);
     x->offer = e->offer;
     x->kind = (int)e->kind;
     x->code = e->code;
@@ -1072,16 +1085,18 @@ static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
         early_hold(peer_conn_address(c), e);
         return;
     }
-    if (!inst->local[0] ||
-        !event_ok(inst, peer_conn_address(c), (int)e->kind, e->code,
-                  e->ranks, e->expect))
+    if (!inst->local[0] || !e->key.len || e->key.len > KVX_MAX_KEY ||
+        !event_ok(inst, peer_conn_address(c), (int)e->kind, e->code, e->ranks,
+                  e->expect))
         return;
+    reqkey_t key = {.len = (uint32_t)e->key.len};
+    memcpy(key.b, e->key.data, e->key.len);
     if (e->code)
         kvxd_count_error(e->code);
     char msg[EVENT_MSG_MAX + 1]; /* a peer's message, cut to a sane size */
     snprintf(msg, sizeof(msg), "%s", e->message ? e->message : "");
-    merge_report(inst, e->request_id, e->offer, e->kind, e->code, msg,
-                 e->ranks, e->expect);
+    merge_report(inst, xfer_key_id(key.b, key.len), &key, e->offer, e->kind,
+                 e->code, msg, e->ranks, e->expect);
 }
 
 static void on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
@@ -1191,9 +1206,11 @@ void agree_tick(uint64_t now)
         early_t *x = EARLY(n);
         if (now < x->until_ms)
             continue;
-        log_warn("instance %s never joined here: the event of request %llu "
+        log_warn("instance %s never joined here: the event of request %s "
                  "from %s is dropped",
-                 x->instance, (unsigned long long)x->request_id, x->from);
+                 x->instance,
+                 reqkey_str(x->key.b, x->key.len, (char[REQKEY_STR_MAX]){0}),
+                 x->from);
         list_remove(n);
         nearly--;
         free(x->msg);
@@ -1237,7 +1254,7 @@ void agree_tick(uint64_t now)
                          "(other daemons)",
                          m->expect - m->seen, m->expect, inst->id);
                 kvxd_count_error(KVX_ERR_TIMED_OUT);
-                queue_event(inst, m->request_id, KVX_EVENT_TIMED_OUT,
+                queue_event(inst, m->request_id, &m->key, KVX_EVENT_TIMED_OUT,
                             KVX_ERR_TIMED_OUT, msg);
                 /* kept a while more, emitted: a report still to come
                  * (a part ending at its own, later deadline) adds no

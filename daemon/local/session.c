@@ -701,6 +701,10 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     const Kvxfer__Publish *m = rq->publish;
     int rc;
+    reqkey_t key;
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "publish.key", why,
+                         sizeof(why))))
+        goto fail;
     if ((rc = ready_for(s, KVX_ROLE_CONTEXT, "publish", why, sizeof(why))))
         goto fail;
     pool_t *p = own_pool(s, m->pool_id);
@@ -713,9 +717,9 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
         goto fail;
     uint8_t *params;
     size_t plen;
-    if ((rc = xfer_publish(s->inst, s->rank, m->request_id, p, m->blocks,
-                           (uint32_t)m->n_blocks, m->num_tokens, &params,
-                           &plen, why, sizeof(why))))
+    if ((rc = xfer_publish(s->inst, s->rank, &key, p, m->blocks,
+                           (uint32_t)m->n_blocks, m->num_tokens, &params, &plen,
+                           why, sizeof(why))))
         goto fail;
     Kvxfer__PublishReply pr = KVXFER__PUBLISH_REPLY__INIT;
     pr.context_params.data = params;
@@ -737,6 +741,10 @@ static void on_fetch(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     const Kvxfer__Fetch *m = rq->fetch;
     int rc;
+    reqkey_t key;
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch.key", why,
+                         sizeof(why))))
+        goto fail;
     if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch", why, sizeof(why))))
         goto fail;
     pool_t *p = own_pool(s, m->pool_id);
@@ -747,10 +755,9 @@ static void on_fetch(session_t *s, const Kvxfer__Request *rq)
     if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch", why,
                            sizeof(why))))
         goto fail;
-    rc = xfer_fetch(s->inst, s->rank, m->request_id, m->context_params.data,
-                    m->context_params.len, p, m->blocks,
-                    (uint32_t)m->n_blocks, m->skip_tokens, m->dp_rank, why,
-                    sizeof(why));
+    rc = xfer_fetch(s->inst, s->rank, &key, m->context_params.data,
+                    m->context_params.len, p, m->blocks, (uint32_t)m->n_blocks,
+                    m->skip_tokens, m->dp_rank, why, sizeof(why));
 fail:
     reply(s, rq->id, rc, rc ? why : "");
 }
@@ -788,8 +795,11 @@ static void on_poll(session_t *s, const Kvxfer__Request *rq)
 static void on_cancel(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
-    int rc = xfer_cancel(s->inst, rq->cancel->request_id, s->id, rq->id, why,
-                         sizeof(why));
+    reqkey_t key;
+    int rc = reqkey_set(&key, rq->cancel->key.data, rq->cancel->key.len,
+                        "cancel.key", why, sizeof(why));
+    if (!rc)
+        rc = xfer_cancel(s->inst, &key, s->id, rq->id, why, sizeof(why));
     if (rc <= 0)
         reply(s, rq->id, rc, rc ? why : "");
     /* rc 1: answered once the request's copies are fenced */
@@ -833,9 +843,10 @@ static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
     Kvxfer__RequestsReply rr = KVXFER__REQUESTS_REPLY__INIT;
     int more = 0;
-    rr.n_requests =
-        xfer_infos_page(m->after_instance, side, m->after_request_id, max,
-                        s->admin ? -1 : (int64_t)s->uid, &rr.requests, &more);
+    rr.n_requests = xfer_infos_page(
+        m->after_instance, side,
+        m->after_key.len ? xfer_key_id(m->after_key.data, m->after_key.len) : 0,
+        max, s->admin ? -1 : (int64_t)s->uid, &rr.requests, &more);
     rr.more = more;
     r.id = rq->id;
     r.message = "";

@@ -62,7 +62,7 @@
  * (resume), batches and announcements carry sessions and the instance's
  * epoch; 4: lanes (PeerLanes, PeerData.lane_key); 5: the handshake on a
  * socket of our own, UCX worker addresses after it (PeerUcx, BIND) */
-#define PEER_VERSION 5
+#define PEER_VERSION 6
 #define LANE_MAC_LEN 16
 #define NONCE_LEN 32
 #define MAC_LEN 32

@@ -108,9 +108,10 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
     for (unsigned k = 0; k < n; k++)
         if ((rc = peer_address_check(addrs[k], why, why_len)))
             goto out;
-    if (here && (rc = xfer_release(cp->instance_id, cp->request_id,
-                                   cp->token.data, cp->token.len, why,
-                                   why_len)))
+    reqkey_t key = {.len = (uint32_t)cp->key.len};
+    memcpy(key.b, cp->key.data, cp->key.len); /* checked by the decode */
+    if (here && (rc = xfer_release(cp->instance_id, &key, cp->token.data,
+                                   cp->token.len, why, why_len)))
         goto out;
     if (!n)
         goto out; /* rc 0: answered now */
@@ -128,7 +129,8 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
     list_push(&rels, &r->node);
     Kvxfer__PeerRelease pr = KVXFER__PEER_RELEASE__INIT;
     pr.instance_id = cp->instance_id;
-    pr.request_id = cp->request_id;
+    pr.request_id = xfer_key_id(cp->key.data, cp->key.len);
+    pr.key = cp->key;
     pr.token = cp->token;
     pr.id = r->id;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
@@ -168,9 +170,12 @@ static void on_release(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
 {
     const Kvxfer__PeerRelease *m = pm->release;
     char why[512] = "";
-    int rc = xfer_release(m->instance_id ? m->instance_id : "",
-                          m->request_id, m->token.data, m->token.len, why,
-                          sizeof(why));
+    reqkey_t key;
+    int rc = reqkey_set(&key, m->key.data, m->key.len, "release.key", why,
+                        sizeof(why));
+    if (!rc)
+        rc = xfer_release(m->instance_id ? m->instance_id : "", &key,
+                          m->token.data, m->token.len, why, sizeof(why));
     Kvxfer__PeerReleased a = KVXFER__PEER_RELEASED__INIT;
     a.id = m->id;
     a.code = rc;

@@ -609,6 +609,10 @@ static int send_open(rstream_t *r)
     o.stream = r->id;
     o.instance_id = (char *)d.src_instance;
     o.request_id = d.src_request;
+    o.key.data = (uint8_t *)d.src_key->b;
+    o.key.len = d.src_key->len;
+    o.consumer_key.data = (uint8_t *)d.key->b;
+    o.consumer_key.len = d.key->len;
     o.token.data = (uint8_t *)d.token;
     o.token.len = TOKEN_LEN;
     xfer_side_to_msg(&d.dst, &pc, &lay);
@@ -1125,8 +1129,20 @@ static int offer_waits_for(const offer_t *o, const char *addr)
 
 static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 {
+    if (!m->key.len || m->key.len > KVX_MAX_KEY ||
+        m->consumer_key.len > KVX_MAX_KEY) {
+        open_refuse(c, m->stream, KVX_ERR_INVALID,
+                    "open: a key of %zu bytes (1 to %u)", m->key.len,
+                    KVX_MAX_KEY);
+        return;
+    }
+    char ks[REQKEY_STR_MAX];
+    reqkey_str(m->key.data, m->key.len, ks);
     instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
     offer_t *o = inst ? xfer_offer_find(inst, m->request_id) : NULL;
+    const reqkey_t *ok = o ? xfer_offer_key(o) : NULL;
+    if (ok && (ok->len != m->key.len || memcmp(ok->b, m->key.data, ok->len)))
+        o = NULL; /* another key's, whose id collides: not this one */
     if (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) {
         /* every rank of the instance is ours: its offers are all here,
          * so this one ended (or never was) and asking again cannot help;
@@ -1135,12 +1151,11 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         for (uint32_t i = 0; final && i < inst->nranks; i++)
             final = inst->addresses[i] &&
                     !strcmp(inst->addresses[i], kvxd.address);
-        char msg[300];
+        char msg[800];
         snprintf(msg, sizeof(msg),
-                 "no offer for request %llu of instance '%s' on daemon %s "
+                 "no offer for request %s of instance '%s' on daemon %s "
                  "(%s)",
-                 (unsigned long long)m->request_id,
-                 m->instance_id ? m->instance_id : "", kvxd.address,
+                 ks, m->instance_id ? m->instance_id : "", kvxd.address,
                  o       ? (xfer_offer_consumed(o) ? "consumed" : "ending")
                  : final ? "expired, cancelled or completed"
                          : "not yet published, expired, cancelled or "
@@ -1150,9 +1165,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     }
     if (!token_equal(&m->token, xfer_offer_token(o))) {
         log_warn("peer %s: forged or stale capability token for offer "
-                 "%s/%llu",
-                 peer_conn_address(c), inst->id,
-                 (unsigned long long)m->request_id);
+                 "%s/%s",
+                 peer_conn_address(c), inst->id, ks);
         open_refuse(c, m->stream, KVX_ERR_AUTH,
                     "capability token does not match the offer of request "
                     "%llu",
@@ -1199,8 +1213,9 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     /* one consumer per offer: the generation request (instance and
      * id, the same from every daemon of a spread instance) */
     char who[256];
-    snprintf(who, sizeof(who), "request %llu of instance '%s'",
-             (unsigned long long)m->consumer_request,
+    char cks[REQKEY_STR_MAX];
+    snprintf(who, sizeof(who), "request %s of instance '%s'",
+             reqkey_str(m->consumer_key.data, m->consumer_key.len, cks),
              m->consumer_instance ? m->consumer_instance : "");
     roffer_t *ro = xfer_offer_remote(o);
     if (!ro) { /* the first OPEN: freed with o (remote_offer_free()) */

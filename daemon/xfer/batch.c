@@ -200,8 +200,8 @@ int batch_rank_here(const batch_state_t *bs, uint32_t rank)
     return bs->present[rank] && !bs->away[rank];
 }
 
-int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,
-               const char *message, uint64_t now_ms)
+int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
+               int kind, int code, const char *message, uint64_t now_ms)
 {
     if (bs->npending == bs->cap_pending) {
         uint32_t ncap = bs->cap_pending ? bs->cap_pending * 2 : 16;
@@ -216,6 +216,7 @@ int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,
     if (!e->message)
         return KVX_ERR_NOMEM;
     e->request_id = request_id;
+    e->key = *key;
     e->kind = kind;
     e->code = code;
     bs->npending++;

@@ -23,9 +23,11 @@
 #include <stdint.h>
 
 #include "list.h"
+#include "reqkey.h"
 
 typedef struct batch_event {
-    uint64_t request_id;
+    uint64_t request_id; /* its key's id */
+    reqkey_t key;
     int kind;        /* KVX_EVENT_* */
     int code;        /* kvx_status_t */
     char *message;
@@ -99,8 +101,8 @@ uint64_t batch_rank_resume(batch_state_t *bs, uint32_t rank, uint64_t resume);
 int batch_rank_here(const batch_state_t *bs, uint32_t rank);
 
 /* Queue a terminal event (message copied). */
-int batch_push(batch_state_t *bs, uint64_t request_id, int kind, int code,
-               const char *message, uint64_t now_ms);
+int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
+               int kind, int code, const char *message, uint64_t now_ms);
 
 /* Rank asks for its next batch. Delivers now or waits; returns
  * KVX_ERR_BUSY if this rank already has a poll waiting. */

@@ -52,7 +52,8 @@ int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
     }
     for (uint32_t i = 0; i < b->nevents; i++) {
         kvxfer__event__init(&(*ev)[i]);
-        (*ev)[i].request_id = b->events[i].request_id;
+        (*ev)[i].key.data = (uint8_t *)b->events[i].key.b;
+        (*ev)[i].key.len = b->events[i].key.len;
         (*ev)[i].kind = b->events[i].kind;
         (*ev)[i].code = b->events[i].code;
         (*ev)[i].message = b->events[i].message;

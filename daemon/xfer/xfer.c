@@ -26,6 +26,8 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include <openssl/sha.h>
+
 #include "copy.h"
 #include "daemon.h"
 #include "list.h"
@@ -35,7 +37,7 @@
 #include "xfer.h"
 #include "xfer_remote.h"
 
-#define PARAMS_VERSION 1
+#define PARAMS_VERSION 2 /* 2: named by keys */
 #define PARAMS_MAX 65536
 
 #define WHY(code, ...)                                                      \
@@ -45,6 +47,25 @@
     } while (0)
 
 /* ---- the requests (opaque outside this file: xfer_remote.h) ----------- */
+
+uint64_t xfer_key_id(const uint8_t *b, size_t len)
+{
+    uint8_t d[SHA256_DIGEST_LENGTH];
+    SHA256(b, len, d);
+    uint64_t id = 0;
+    for (int i = 0; i < 8; i++)
+        id = id << 8 | d[i];
+    return id;
+}
+
+/* A key for messages; up to four in one call's arguments. */
+static const char *ksb(const uint8_t *b, size_t len)
+{
+    static char buf[4][REQKEY_STR_MAX];
+    static unsigned n;
+    return reqkey_str(b, len, buf[n++ & 3]);
+}
+#define ks(k) ksb((k)->b, (k)->len)
 
 /* A request waiting for its deadline: lists kept in deadline order, so
  * the tick only looks at the heads. */
@@ -78,7 +99,8 @@ typedef struct offer_part {
 struct offer {
     dl_node_t lease; /* on the lease list while unfetched */
     instance_t *inst;
-    uint64_t request_id;
+    uint64_t request_id; /* its key's id: the instance's map key */
+    reqkey_t key;
     uint8_t token[TOKEN_LEN];
     uint32_t num_tokens;
     plan_side_t side; /* instance config + layout summary */
@@ -122,7 +144,8 @@ struct genpart {
 struct genreq {
     dl_node_t timeout; /* on the fetch-timeout list */
     instance_t *inst;
-    uint64_t request_id;
+    uint64_t request_id; /* its key's id: the instance's map key */
+    reqkey_t key;
     offer_t *offer; /* NULL once detached */
     uint32_t skip_tokens;
     uint32_t dp_rank; /* attention-DP group receiving */
@@ -138,7 +161,8 @@ struct genreq {
     int remote;           /* sources reached through peer daemons */
     plan_side_t src_side; /* remote: the offer's side, from the params */
     char src_instance[INSTANCE_ID_MAX + 1];
-    uint64_t src_request;
+    uint64_t src_request; /* the offer's key's id */
+    reqkey_t src_key;
     uint8_t token[TOKEN_LEN];
     char **src_addresses; /* remote: daemon of each context rank */
     uint32_t src_nranks;
@@ -283,21 +307,22 @@ static int waiter_add(list_t *ws, cancel_wait_t *cw)
 /* ranks: the ranks of inst this request covers here; expect: all it
  * needs (they differ for an instance spread over daemons, whose root
  * merges the reports: agree.c). */
-static void push_event(instance_t *inst, uint64_t request_id, int kind,
-                       int code, const char *msg, int offer, uint32_t ranks,
-                       uint32_t expect)
+static void push_event(instance_t *inst, uint64_t request_id,
+                       const reqkey_t *key, int kind, int code, const char *msg,
+                       int offer, uint32_t ranks, uint32_t expect)
 {
     if (code)
         kvxd_count_error(code);
     if (instance_spread(inst) && spread_event) {
-        spread_event(inst, request_id, offer, kind, code, msg, ranks, expect);
+        spread_event(inst, request_id, key, offer, kind, code, msg, ranks,
+                     expect);
         return;
     }
-    if (batch_push(&inst->batches, request_id, kind, code, msg,
+    if (batch_push(&inst->batches, request_id, key, kind, code, msg,
                    kvxd_now_ms()))
         log_error("instance %s: out of memory queueing the event of request "
-                  "%llu",
-                  inst->id, (unsigned long long)request_id);
+                  "%s",
+                  inst->id, ks(key));
 }
 
 /* Capability tokens: kernel randomness, fetched 4 KiB at a time so a busy
@@ -372,7 +397,8 @@ static int params_build(offer_t *o, const kvx_layout_t *l)
     Kvxfer__Layout lay = KVXFER__LAYOUT__INIT;
     cp.version = PARAMS_VERSION;
     cp.instance_id = inst->id;
-    cp.request_id = o->request_id;
+    cp.key.data = o->key.b;
+    cp.key.len = o->key.len;
     cp.token.data = o->token;
     cp.token.len = TOKEN_LEN;
     xfer_side_to_msg(&o->side, &pc, &lay);
@@ -405,6 +431,8 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
         bad = "version";
     else if (!p->instance_id[0] || strlen(p->instance_id) > INSTANCE_ID_MAX)
         bad = "instance_id";
+    else if (p->key.len == 0 || p->key.len > KVX_MAX_KEY)
+        bad = "key";
     else if (p->token.len != TOKEN_LEN)
         bad = "token";
     else if (!p->parallel || !p->layout)
@@ -442,8 +470,9 @@ static void offer_free(offer_t *o)
 }
 
 static int offer_create(instance_t *inst, uint64_t request_id,
-                        uint32_t num_tokens, const kvx_layout_t *l,
-                        offer_t **out, char *why, size_t why_len)
+                        const reqkey_t *key, uint32_t num_tokens,
+                        const kvx_layout_t *l, offer_t **out, char *why,
+                        size_t why_len)
 {
     if (nrequests >= kvxd.conf.max_requests)
         WHY(KVX_ERR_LIMIT, "publish: %u requests in flight (limits."
@@ -456,6 +485,7 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     list_init(&o->waiters);
     o->inst = inst;
     o->request_id = request_id;
+    o->key = *key;
     o->num_tokens = num_tokens;
     side_from_layout(&o->side, inst, l);
     snprintf(o->preset, sizeof(o->preset), "%s", l->preset);
@@ -483,12 +513,13 @@ static int offer_create(instance_t *inst, uint64_t request_id,
 
 static void part_try_start(genpart_t *p);
 
-int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
+int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, uint8_t **params,
-                 size_t *params_len, char *why, size_t why_len)
+                 uint32_t num_tokens, uint8_t **params, size_t *params_len,
+                 char *why, size_t why_len)
 {
     int rc;
+    uint64_t request_id = xfer_key_id(key->b, key->len);
     const kvx_layout_t *l = &pool->layout;
     if ((rc = check_rank_layout(inst, rank, l, "publish", why, why_len)))
         return rc;
@@ -503,18 +534,23 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
             (unsigned long long)need);
 
     offer_t *o = map_get(&inst->offers, request_id);
+    if (o && !reqkey_eq(&o->key, key))
+        WHY(KVX_ERR_EXISTS,
+            "publish.key: %s has the id of request %s in flight (a "
+            "64-bit collision; use another key)",
+            ks(key), ks(&o->key));
     if (!o) {
-        if ((rc = offer_create(inst, request_id, num_tokens, l, &o, why,
+        if ((rc = offer_create(inst, request_id, key, num_tokens, l, &o, why,
                                why_len)))
             return rc;
     } else {
         if (o->ending)
-            WHY(KVX_ERR_STATE, "publish: request %llu is ending (%s)",
-                (unsigned long long)request_id, o->end_msg);
+            WHY(KVX_ERR_STATE, "publish: request %s is ending (%s)", ks(key),
+                o->end_msg);
         if (o->parts[rank].published)
             WHY(KVX_ERR_EXISTS,
-                "publish: request %llu already published by rank %u",
-                (unsigned long long)request_id, rank);
+                "publish: request %s already published by rank %u", ks(key),
+                rank);
         if (o->num_tokens != num_tokens)
             WHY(KVX_ERR_MISMATCH,
                 "publish.num_tokens: %u differs from %u published by another "
@@ -550,8 +586,8 @@ int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
     part->published = 1;
     pool_ref(pool);
     o->npublished++;
-    log_debug("publish %s/%llu rank %u: %u blocks, %u tokens", inst->id,
-              (unsigned long long)request_id, rank, part->nblocks, num_tokens);
+    log_debug("publish %s/%s rank %u: %u blocks, %u tokens", inst->id, ks(key),
+              rank, part->nblocks, num_tokens);
 
     /* copy the params out first: starting a waiting consumer may end the
      * request (and free the offer) before the reply is sent */
@@ -622,8 +658,7 @@ static void part_try_start(genpart_t *p)
     char why[256];
     int rc = plan_check_bounds(plan, why, sizeof(why));
     if (rc) {
-        log_error("fetch of request %llu: %s",
-                  (unsigned long long)g->request_id, why);
+        log_error("fetch of request %s: %s", ks(&g->key), why);
         genreq_end(g, KVX_EVENT_ERROR, rc, why);
         return;
     }
@@ -679,7 +714,8 @@ static void part_try_start(genpart_t *p)
 /* A new fetch of request_id by inst, in its map and on the timeout list;
  * NULL when out of memory (nothing left behind). */
 static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
-                            uint32_t skip, uint32_t dp_rank)
+                            const reqkey_t *key, uint32_t skip,
+                            uint32_t dp_rank)
 {
     genreq_t *g = calloc(1, sizeof(*g));
     if (g)
@@ -694,6 +730,7 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
     list_init(&g->waiters);
     g->inst = inst;
     g->request_id = request_id;
+    g->key = *key;
     g->skip_tokens = skip;
     g->dp_rank = dp_rank;
     g->need = group_ranks(inst, dp_rank);
@@ -744,12 +781,13 @@ static int side_from_params(const Kvxfer__ContextParams *cp, plan_side_t *s,
 }
 
 static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
-                        const Kvxfer__ContextParams *cp, pool_t *pool,
-                        const uint32_t *blocks, uint32_t nblocks,
+                        const reqkey_t *key, const Kvxfer__ContextParams *cp,
+                        pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
                         uint32_t skip, uint32_t dp_rank, char *why,
                         size_t why_len)
 {
     int rc;
+    uint64_t src_id = xfer_key_id(cp->key.data, cp->key.len);
     if (!peer_enabled()) {
         for (size_t i = 0; i < cp->n_rank_addresses; i++)
             if (strcmp(cp->rank_addresses[i], kvxd.address))
@@ -776,21 +814,27 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         return rc;
 
     genreq_t *g = map_get(&inst->fetches, request_id);
+    if (g && !reqkey_eq(&g->key, key))
+        WHY(KVX_ERR_EXISTS,
+            "fetch.key: %s has the id of request %s in flight (a 64-bit "
+            "collision; use another key)",
+            ks(key), ks(&g->key));
     if (g) {
         if (g->ending)
-            WHY(KVX_ERR_STATE, "fetch: request %llu is ending (%s)",
-                (unsigned long long)request_id, g->end_msg);
+            WHY(KVX_ERR_STATE, "fetch: request %s is ending (%s)", ks(key),
+                g->end_msg);
         if (!g->remote || strcmp(g->src_instance, cp->instance_id) ||
-            g->src_request != cp->request_id ||
+            g->src_request != src_id ||
             memcmp(g->token, cp->token.data, TOKEN_LEN))
             WHY(KVX_ERR_MISMATCH,
-                "fetch.context_params: request %llu is being fetched from "
+                "fetch.context_params: request %s is being fetched from "
                 "another offer by another rank",
-                (unsigned long long)request_id);
+                ks(key));
         if (g->parts[rank].fetched)
-            WHY(KVX_ERR_EXISTS, "fetch: request %llu already fetched by "
-                                "rank %u",
-                (unsigned long long)request_id, rank);
+            WHY(KVX_ERR_EXISTS,
+                "fetch: request %s already fetched by "
+                "rank %u",
+                ks(key), rank);
         if (g->dp_rank != dp_rank)
             WHY(KVX_ERR_MISMATCH,
                 "fetch.dp_rank: %u differs from %u given by another rank",
@@ -835,7 +879,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         int bad = !addrs;
         for (size_t i = 0; !bad && i < cp->n_rank_addresses; i++)
             bad = !(addrs[i] = strdup(cp->rank_addresses[i]));
-        if (bad || !(g = genreq_new(inst, request_id, skip, dp_rank))) {
+        if (bad || !(g = genreq_new(inst, request_id, key, skip, dp_rank))) {
             for (size_t i = 0; addrs && i < cp->n_rank_addresses; i++)
                 free(addrs[i]);
             free(addrs);
@@ -849,16 +893,18 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         g->src_nranks = (uint32_t)cp->n_rank_addresses;
         snprintf(g->src_instance, sizeof(g->src_instance), "%s",
                  cp->instance_id);
-        g->src_request = cp->request_id;
+        g->src_request = src_id;
+        g->src_key.len = (uint32_t)cp->key.len;
+        memcpy(g->src_key.b, cp->key.data, cp->key.len);
         memcpy(g->token, cp->token.data, TOKEN_LEN);
     }
     genpart_t *p = part_fetched(g, rank, pool, bt, plan);
     p->started = 1; /* its sources are bound on the peers */
-    log_debug("fetch %s/%llu rank %u from %s/%llu through peers: %u "
+    log_debug("fetch %s/%s rank %u from %s/%s through peers: %u "
               "slices, %llu bytes",
-              inst->id, (unsigned long long)request_id, rank,
-              cp->instance_id, (unsigned long long)cp->request_id,
-              plan->nslices, (unsigned long long)plan->bytes);
+              inst->id, ks(key), rank, cp->instance_id,
+              ksb(cp->key.data, cp->key.len), plan->nslices,
+              (unsigned long long)plan->bytes);
     if (plan->nunits == 0) {
         p->done = 1;
         if (++g->ndone == g->need)
@@ -875,20 +921,22 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
 }
 
 static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
-                     const uint8_t *pbuf, size_t plen, pool_t *pool,
-                     const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
-                     uint32_t dp_rank, char *why, size_t why_len);
+                     const reqkey_t *key, const uint8_t *pbuf, size_t plen,
+                     pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
+                     uint32_t skip, uint32_t dp_rank, char *why,
+                     size_t why_len);
 
 /* A rank's fetch of a request that other ranks fetched already is
  * refused: the request cannot complete without it, so it ends for every
  * rank now (ERROR, the refusal's code) instead of at the fetch timeout.
  * A rank fetching twice (EXISTS) leaves it as it is. */
-int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
+int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                const uint8_t *pbuf, size_t plen, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
                uint32_t dp_rank, char *why, size_t why_len)
 {
-    int rc = fetch_one(inst, rank, request_id, pbuf, plen, pool, blocks,
+    uint64_t request_id = xfer_key_id(key->b, key->len);
+    int rc = fetch_one(inst, rank, request_id, key, pbuf, plen, pool, blocks,
                        nblocks, skip, dp_rank, why, why_len);
     genreq_t *g =
         rc && rc != KVX_ERR_EXISTS ? map_get(&inst->fetches, request_id) : NULL;
@@ -902,9 +950,9 @@ int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
 }
 
 static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
-                     const uint8_t *pbuf, size_t plen, pool_t *pool,
-                     const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
-                     uint32_t dp_rank, char *why, size_t why_len)
+                     const reqkey_t *key, const uint8_t *pbuf, size_t plen,
+                     pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
+                     uint32_t skip, uint32_t dp_rank, char *why, size_t why_len)
 {
     int rc;
     Kvxfer__ContextParams *cp;
@@ -937,8 +985,8 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     for (size_t i = 0; i < cp->n_rank_addresses; i++)
         remote |= strcmp(cp->rank_addresses[i], kvxd.address) != 0;
     if (remote) {
-        rc = fetch_remote(inst, rank, request_id, cp, pool, blocks, nblocks,
-                          skip, dp_rank, why, why_len);
+        rc = fetch_remote(inst, rank, request_id, key, cp, pool, blocks,
+                          nblocks, skip, dp_rank, why, why_len);
         goto out;
     }
     if (!(ci = instance_find(cp->instance_id))) {
@@ -949,49 +997,57 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         rc = KVX_ERR_NOT_FOUND;
         goto out;
     }
-    if (!(o = map_get(&ci->offers, cp->request_id)) || o->ending ||
-        o->consumed) {
+    if (!(o = map_get(&ci->offers, xfer_key_id(cp->key.data, cp->key.len))) ||
+        o->ending || o->consumed || o->key.len != cp->key.len ||
+        memcmp(o->key.b, cp->key.data, cp->key.len)) {
         snprintf(why, why_len,
-                 "fetch.context_params: no offer for request %llu of "
+                 "fetch.context_params: no offer for request %s of "
                  "instance '%s' (expired, cancelled, completed or never "
                  "published)",
-                 (unsigned long long)cp->request_id, cp->instance_id);
+                 ksb(cp->key.data, cp->key.len), cp->instance_id);
         rc = KVX_ERR_NOT_FOUND;
         goto out;
     }
     if (!ct_equal(cp->token.data, o->token, TOKEN_LEN)) {
         snprintf(why, why_len,
                  "fetch.context_params: capability token does not match the "
-                 "offer of request %llu",
-                 (unsigned long long)cp->request_id);
-        log_warn("fetch %s/%llu: forged or stale capability token for offer "
-                 "%s/%llu",
-                 inst->id, (unsigned long long)request_id, ci->id,
-                 (unsigned long long)cp->request_id);
+                 "offer of request %s",
+                 ksb(cp->key.data, cp->key.len));
+        log_warn("fetch %s/%s: forged or stale capability token for offer "
+                 "%s/%s",
+                 inst->id, ks(key), ci->id, ksb(cp->key.data, cp->key.len));
         rc = KVX_ERR_AUTH;
         goto out;
     }
 
     genreq_t *g = map_get(&inst->fetches, request_id);
+    if (g && !reqkey_eq(&g->key, key)) {
+        snprintf(why, why_len,
+                 "fetch.key: %s has the id of request %s in flight (a 64-bit "
+                 "collision; use another key)",
+                 ks(key), ks(&g->key));
+        rc = KVX_ERR_EXISTS;
+        goto out;
+    }
     if (g) {
         if (g->ending) {
-            snprintf(why, why_len, "fetch: request %llu is ending (%s)",
-                     (unsigned long long)request_id, g->end_msg);
+            snprintf(why, why_len, "fetch: request %s is ending (%s)", ks(key),
+                     g->end_msg);
             rc = KVX_ERR_STATE;
             goto out;
         }
         if (g->offer != o) {
             snprintf(why, why_len,
-                     "fetch.context_params: request %llu is being fetched "
+                     "fetch.context_params: request %s is being fetched "
                      "from another offer by another rank",
-                     (unsigned long long)request_id);
+                     ks(key));
             rc = KVX_ERR_MISMATCH;
             goto out;
         }
         if (g->parts[rank].fetched) {
             snprintf(why, why_len,
-                     "fetch: request %llu already fetched by rank %u",
-                     (unsigned long long)request_id, rank);
+                     "fetch: request %s already fetched by rank %u", ks(key),
+                     rank);
             rc = KVX_ERR_EXISTS;
             goto out;
         }
@@ -1012,17 +1068,16 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         }
     } else if (R.offer_taker && R.offer_taker(o)) {
         snprintf(why, why_len,
-                 "fetch: the offer of request %llu is already taken by %s "
+                 "fetch: the offer of request %s is already taken by %s "
                  "through a peer daemon",
-                 (unsigned long long)cp->request_id, R.offer_taker(o));
+                 ksb(cp->key.data, cp->key.len), R.offer_taker(o));
         rc = KVX_ERR_EXISTS;
         goto out;
     } else if (o->consumer) {
         snprintf(why, why_len,
-                 "fetch: the offer of request %llu is already taken by "
-                 "request %llu of instance '%s'",
-                 (unsigned long long)cp->request_id,
-                 (unsigned long long)o->consumer->request_id,
+                 "fetch: the offer of request %s is already taken by "
+                 "request %s of instance '%s'",
+                 ksb(cp->key.data, cp->key.len), ks(&o->consumer->key),
                  o->consumer->inst->id);
         rc = KVX_ERR_EXISTS;
         goto out;
@@ -1060,7 +1115,7 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     }
     memcpy(bt, blocks, plan->dst_blocks_needed * sizeof(uint32_t));
     if (!g) {
-        if (!(g = genreq_new(inst, request_id, skip, dp_rank))) {
+        if (!(g = genreq_new(inst, request_id, key, skip, dp_rank))) {
             snprintf(why, why_len, "fetch: out of memory");
             rc = KVX_ERR_NOMEM;
             goto err_free_bt;
@@ -1070,9 +1125,8 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         dl_remove(&o->lease); /* the fetch timeout bounds it now */
     }
     genpart_t *p = part_fetched(g, rank, pool, bt, plan);
-    log_debug("fetch %s/%llu rank %u from %s/%llu: %u slices, %llu bytes",
-              inst->id, (unsigned long long)request_id, rank, ci->id,
-              (unsigned long long)o->request_id, plan->nslices,
+    log_debug("fetch %s/%s rank %u from %s/%s: %u slices, %llu bytes", inst->id,
+              ks(key), rank, ci->id, ks(&o->key), plan->nslices,
               (unsigned long long)plan->bytes);
     part_try_start(p);
     schedule();
@@ -1186,8 +1240,8 @@ static void offer_drop(offer_t *o)
 static void offer_consume(offer_t *o, const char *msg)
 {
     instance_t *inst = o->inst;
-    push_event(inst, o->request_id, KVX_EVENT_COMPLETE, 0, msg, 1, inst->nlocal,
-               inst->nranks);
+    push_event(inst, o->request_id, &o->key, KVX_EVENT_COMPLETE, 0, msg, 1,
+               inst->nlocal, inst->nranks);
     for (uint32_t r = 0; r < inst->nranks; r++) {
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
@@ -1211,12 +1265,11 @@ static void offer_try_finalize(offer_t *o)
     if (!o->ending || o->consumer || o->gathers)
         return; /* the consumer's fence, or our gathers', comes first */
     instance_t *inst = o->inst;
-    push_event(inst, o->request_id, o->end_kind, o->end_code, o->end_msg, 1,
-               inst->nlocal, inst->nranks);
+    push_event(inst, o->request_id, &o->key, o->end_kind, o->end_code,
+               o->end_msg, 1, inst->nlocal, inst->nranks);
     map_del(&inst->offers, o->request_id);
     nrequests--;
-    log_debug("offer %s/%llu ended: %s", inst->id,
-              (unsigned long long)o->request_id,
+    log_debug("offer %s/%s ended: %s", inst->id, ks(&o->key),
               o->end_kind == KVX_EVENT_COMPLETE ? "complete" : o->end_msg);
     list_t w;
     list_init(&w);
@@ -1273,17 +1326,15 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
 
     instance_t *inst = g->inst;
     offer_t *o = g->offer;
-    push_event(inst, g->request_id, g->end_kind, g->end_code, g->end_msg, 0,
-               g->need,
-               inst->nranks / (inst->side.attention_dp > 1
-                                   ? inst->side.attention_dp
-                                   : 1));
+    push_event(inst, g->request_id, &g->key, g->end_kind, g->end_code,
+               g->end_msg, 0, g->need,
+               inst->nranks /
+                   (inst->side.attention_dp > 1 ? inst->side.attention_dp : 1));
     if (g->end_kind == KVX_EVENT_COMPLETE)
         kvxd.stats.transfers_done++;
     map_del(&inst->fetches, g->request_id);
     nrequests--;
-    log_debug("fetch %s/%llu ended: %s", inst->id,
-              (unsigned long long)g->request_id,
+    log_debug("fetch %s/%s ended: %s", inst->id, ks(&g->key),
               g->end_kind == KVX_EVENT_COMPLETE ? "complete" : g->end_msg);
     list_t w;
     list_init(&w);
@@ -1324,6 +1375,11 @@ instance_t *xfer_offer_instance(const offer_t *o)
 uint64_t xfer_offer_request(const offer_t *o)
 {
     return o->request_id;
+}
+
+const reqkey_t *xfer_offer_key(const offer_t *o)
+{
+    return &o->key;
 }
 
 const uint8_t *xfer_offer_token(const offer_t *o)
@@ -1441,35 +1497,37 @@ void xfer_offer_taken(offer_t *o)
                   kvxd.conf.fetch_timeout_ms);
 }
 
-int xfer_release(const char *instance_id, uint64_t request_id,
+int xfer_release(const char *instance_id, const reqkey_t *key,
                  const uint8_t *token, size_t token_len, char *why,
                  size_t why_len)
 {
     instance_t *inst = instance_find(instance_id);
-    offer_t *o = inst ? map_get(&inst->offers, request_id) : NULL;
+    offer_t *o =
+        inst ? map_get(&inst->offers, xfer_key_id(key->b, key->len)) : NULL;
+    if (o && !reqkey_eq(&o->key, key))
+        o = NULL; /* another key's, whose id collides */
     if (!o)
         WHY(KVX_ERR_NOT_FOUND,
-            "release: no offer of request %llu of instance %s on daemon %s",
-            (unsigned long long)request_id, instance_id, kvxd.address);
+            "release: no offer of request %s of instance %s on daemon %s",
+            ks(key), instance_id, kvxd.address);
     if (token_len != TOKEN_LEN || !ct_equal(token, o->token, TOKEN_LEN))
         WHY(KVX_ERR_AUTH,
-            "release: the params' token is not that of request %llu of "
+            "release: the params' token is not that of request %s of "
             "instance %s",
-            (unsigned long long)request_id, instance_id);
+            ks(&o->key), instance_id);
     if (o->consumed || o->consume_fenced)
         WHY(KVX_ERR_STATE,
-            "release: request %llu of instance %s is already complete",
-            (unsigned long long)request_id, instance_id);
+            "release: request %s of instance %s is already complete",
+            ks(&o->key), instance_id);
     if (o->ending)
-        WHY(KVX_ERR_STATE, "release: request %llu of instance %s is ending",
-            (unsigned long long)request_id, instance_id);
+        WHY(KVX_ERR_STATE, "release: request %s of instance %s is ending",
+            ks(&o->key), instance_id);
     if (o->consumer || o->taken)
         WHY(KVX_ERR_STATE,
-            "release: request %llu of instance %s is being fetched; cancel "
+            "release: request %s of instance %s is being fetched; cancel "
             "that fetch instead",
-            (unsigned long long)request_id, instance_id);
-    log_debug("offer %s/%llu released", instance_id,
-              (unsigned long long)request_id);
+            ks(&o->key), instance_id);
+    log_debug("offer %s/%s released", instance_id, ks(&o->key));
     if (o->npublished < inst->nlocal)
         offer_consume(o, "released"); /* late ranks get the params' end */
     else
@@ -1505,6 +1563,8 @@ void xfer_part_describe(const genpart_t *p, xfer_part_desc_t *d)
     plan_dp_view(&full, p->rank, &d->dst, &d->dst_rank);
     d->src_instance = g->src_instance;
     d->src_request = g->src_request;
+    d->src_key = &g->src_key;
+    d->key = &g->key;
     d->token = g->token;
 }
 
@@ -1570,15 +1630,20 @@ void xfer_fetch_fail(instance_t *inst, uint64_t request_id, int code,
 
 /* ---- cancel, cleanup, deadlines --------------------------------------- */
 
-int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
+int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
                 uint64_t req_id, char *why, size_t why_len)
 {
+    uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
     genreq_t *g = map_get(&inst->fetches, request_id);
+    if (o && !reqkey_eq(&o->key, key))
+        o = NULL; /* another key's (its id collides): not this one */
+    if (g && !reqkey_eq(&g->key, key))
+        g = NULL;
     if (!o && !g)
         WHY(KVX_ERR_NOT_FOUND,
-            "cancel.request_id: no request %llu in flight in instance %s",
-            (unsigned long long)request_id, inst->id);
+            "cancel.key: no request %s in flight in instance %s", ks(key),
+            inst->id);
     offer_t *oc = o && o->consumed ? o : NULL;
     if (oc) { /* already complete; a late rank's tombstone: drop it */
         offer_drop(oc);
@@ -1893,7 +1958,8 @@ Kvxfer__RequestInfo *xfer_request_info(const instance_t *i, const void *req,
     char detail[160];
     if (!side) {
         const offer_t *o = req;
-        r->request_id = o->request_id;
+        r->key.data = (uint8_t *)o->key.b; /* packed before o can go */
+        r->key.len = o->key.len;
         r->side = "context";
         r->state = (char *)offer_state(o);
         r->age_ms = now - o->created_ms;
@@ -1905,7 +1971,8 @@ Kvxfer__RequestInfo *xfer_request_info(const instance_t *i, const void *req,
                      : 0);
     } else {
         const genreq_t *g = req;
-        r->request_id = g->request_id;
+        r->key.data = (uint8_t *)g->key.b;
+        r->key.len = g->key.len;
         r->side = "generation";
         r->state = (char *)genreq_state(g);
         r->age_ms = now - g->created_ms;

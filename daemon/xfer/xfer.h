@@ -18,31 +18,38 @@
 #include "instance.h"
 #include "kvxfer.pb-c.h"
 #include "pool.h"
+#include "reqkey.h"
 
-/* Offer blocks of pool for request_id from rank. On success *params is
+/* The id of a request key: the first 8 bytes of its SHA-256, big-endian;
+ * every daemon derives the same, and messages between daemons name
+ * requests by it. */
+uint64_t xfer_key_id(const uint8_t *b, size_t len);
+
+/* Offer blocks of pool for request key from rank. On success *params is
  * a malloc'd copy of the packed ContextParams (the caller frees it). */
-int xfer_publish(instance_t *inst, uint32_t rank, uint64_t request_id,
+int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, uint8_t **params,
-                 size_t *params_len, char *why, size_t why_len);
+                 uint32_t num_tokens, uint8_t **params, size_t *params_len,
+                 char *why, size_t why_len);
 
-/* Fill blocks of pool for request_id at rank from the offer params name. */
-int xfer_fetch(instance_t *inst, uint32_t rank, uint64_t request_id,
+/* Fill blocks of pool for request key at rank from the offer params name. */
+int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                const uint8_t *params, size_t params_len, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip_tokens,
                uint32_t dp_rank, char *why, size_t why_len);
 
-/* Cancel request_id of inst. Returns 0 when done (reply now), 1 when the
+/* Cancel request key of inst. Returns 0 when done (reply now), 1 when the
  * reply to (sid, req_id) is sent after the fence, or an error. */
-int xfer_cancel(instance_t *inst, uint64_t request_id, uint64_t sid,
+int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
                 uint64_t req_id, char *why, size_t why_len);
 
-/* Release the offer of (instance_id, request_id) on this daemon, proved
+/* Release the offer of (instance_id, request_id: a key's id) on this
+ * daemon, proved
  * by the params' token: it ends COMPLETE ("released") at once and frees
  * its blocks. 0, or KVX_ERR_NOT_FOUND (no such offer here), KVX_ERR_AUTH
  * (another token), KVX_ERR_STATE (being fetched, ending or complete),
  * with why. */
-int xfer_release(const char *instance_id, uint64_t request_id,
+int xfer_release(const char *instance_id, const reqkey_t *key,
                  const uint8_t *token, size_t token_len, char *why,
                  size_t why_len);
 
@@ -51,8 +58,8 @@ int xfer_release(const char *instance_id, uint64_t request_id,
  * it every instance is treated as local). ranks: the ranks this request
  * covers here; expect: all it needs. */
 typedef void (*xfer_spread_event_cb)(instance_t *inst, uint64_t request_id,
-                                     int offer, int kind, int code,
-                                     const char *msg, uint32_t ranks,
+                                     const reqkey_t *key, int offer, int kind,
+                                     int code, const char *msg, uint32_t ranks,
                                      uint32_t expect);
 void xfer_set_spread_event(xfer_spread_event_cb cb);
 

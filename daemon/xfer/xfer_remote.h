@@ -46,6 +46,7 @@ int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
 offer_t *xfer_offer_find(instance_t *inst, uint64_t request_id);
 instance_t *xfer_offer_instance(const offer_t *o);
 uint64_t xfer_offer_request(const offer_t *o);
+const reqkey_t *xfer_offer_key(const offer_t *o);
 /* Its capability token: TOKEN_LEN bytes. */
 const uint8_t *xfer_offer_token(const offer_t *o);
 /* Its side: the context instance's config and layout summary. */
@@ -98,13 +99,15 @@ void xfer_offer_fenced(offer_t *o);
  * that receives. Pointers valid while the part lives. */
 typedef struct xfer_part_desc {
     instance_t *inst;         /* the generation instance */
-    uint64_t request_id;      /* its request */
+    uint64_t request_id;      /* its request: its key's id */
+    const reqkey_t *key;      /* and key */
     uint32_t dp_rank;         /* the attention-DP group receiving */
     uint32_t skip_tokens;     /* the prefix the fetch does not move */
     plan_side_t dst;          /* that group's side (pool's layout) */
     uint32_t dst_rank;        /* the part's rank in dst */
     const char *src_instance; /* the context instance */
-    uint64_t src_request;     /* its request */
+    uint64_t src_request;     /* its request: its key's id */
+    const reqkey_t *src_key;  /* and key */
     const uint8_t *token;     /* the offer's capability: TOKEN_LEN bytes */
 } xfer_part_desc_t;
 void xfer_part_describe(const genpart_t *p, xfer_part_desc_t *d);

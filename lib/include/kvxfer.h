@@ -13,11 +13,17 @@
  * (it uses MSG_NOSIGNAL).
  *
  * Life of a request:
- *   context rank:    kvx_publish() -> context params (opaque bytes)
+ *   context rank:    kvx_publish_key() -> context params (opaque bytes)
  *   router:          hands the params to the generation instance
- *   generation rank: kvx_fetch(params) -> the daemon fills its blocks
+ *   generation rank: kvx_fetch_key(params) -> the daemon fills its blocks
  *   every rank:      kvx_poll() returns sealed batches of terminal events;
  *                    batch k is identical on every rank of an instance.
+ *
+ * Requests are named by keys: opaque bytes, 1 to KVX_MAX_KEY, unique
+ * among an instance's requests in flight (vLLM's request id string,
+ * SGLang's bootstrap room). The calls taking a uint64_t request_id
+ * (kvx_publish, kvx_fetch, kvx_cancel, ...) are the same calls with the
+ * key of its decimal digits: request 42 is the key "42".
  */
 #ifndef KVXFER_H
 #define KVXFER_H
@@ -42,9 +48,12 @@ extern "C" {
 #define KVX_EXPORT
 #endif
 
-#define KVX_VERSION_MAJOR 1
+#define KVX_VERSION_MAJOR 2
 #define KVX_VERSION_MINOR 0
-#define KVX_VERSION_STRING "1.0.0"
+#define KVX_VERSION_STRING "2.0.0"
+
+/* Longest request key, in bytes. */
+#define KVX_MAX_KEY 128u
 
 #define KVX_DEFAULT_SOCKET "/run/kvxfer/kvxferd.sock"
 
@@ -258,7 +267,9 @@ KVX_EXPORT void kvx_context_params_free(kvx_context_params_t *params);
  * (whatever skip_tokens). */
 typedef struct {
     char instance_id[129]; /* the context instance */
-    uint64_t request_id;
+    uint8_t key[KVX_MAX_KEY]; /* the context side's request key */
+    uint32_t key_len;
+    uint64_t request_id; /* key's uint64_t form; 0 when it is none */
     uint32_t num_tokens;
     uint32_t tokens_per_block; /* the context side's */
     uint32_t context_ranks;    /* tp * pp * cp of the context instance */
@@ -268,30 +279,52 @@ typedef struct {
 } kvx_params_info_t;
 
 /* Decode params into *info. KVX_OK, or KVX_ERR_INVALID (not params of
- * this version: kvx_last_error(NULL) says why). Symbol version
- * KVXFER_1.1. */
+ * this version: kvx_last_error(NULL) says why). */
 KVX_EXPORT int kvx_params_info(const void *params, size_t params_len,
                                kvx_params_info_t *info);
 
-/* Offer request_id's KV in blocks[0..num_blocks) of pool_id. On success
- * *params (free with kvx_context_params_free) is identical on every rank. */
+/* Offer the KV of request key (key_len bytes) in blocks[0..num_blocks)
+ * of pool_id. Every context rank publishes its own blocks under the same
+ * key and num_tokens. On success *params (free with
+ * kvx_context_params_free) is identical on every rank. aux (at most
+ * limits.aux_bytes, 0: none) must be NULL/0 until aux payloads are
+ * built: KVX_ERR_UNSUPPORTED. Errors name the field: KVX_ERR_INVALID (an
+ * empty or over-long key, blocks that cannot hold num_tokens), KVX_ERR_EXISTS
+ * (this rank published key already), KVX_ERR_MISMATCH (num_tokens or the
+ * layout differ from another rank's). */
+KVX_EXPORT int kvx_publish_key(kvx_client_t *client, const void *key,
+                               size_t key_len, uint32_t pool_id,
+                               const uint32_t *blocks, uint32_t num_blocks,
+                               uint32_t num_tokens, const void *aux,
+                               size_t aux_len, kvx_context_params_t *params,
+                               int timeout_ms);
+/* kvx_publish_key with the key of request_id's digits, no aux. */
 KVX_EXPORT int kvx_publish(kvx_client_t *client, uint64_t request_id,
                            uint32_t pool_id, const uint32_t *blocks,
                            uint32_t num_blocks, uint32_t num_tokens,
                            kvx_context_params_t *params, int timeout_ms);
 
 /* Fill blocks (covering tokens [0, num_tokens) of the request) with the KV
- * named by params, writing only tokens >= skip_tokens. Returns once the
- * daemon accepted the fetch; its end arrives as an event in kvx_poll(). */
+ * named by params, writing only tokens >= skip_tokens. key is the
+ * generation side's own name of the request (its events and kvx_cancel
+ * use it; it may differ from the context side's). dp_rank: with
+ * attention DP, the group that receives; only that group's ranks fetch,
+ * and the request completes when they all have their blocks (0 without
+ * DP). Returns once the daemon accepted the fetch; its end arrives as an
+ * event in kvx_poll(). */
+KVX_EXPORT int kvx_fetch_key(kvx_client_t *client, const void *key,
+                             size_t key_len, const uint8_t *params,
+                             size_t params_len, uint32_t pool_id,
+                             const uint32_t *blocks, uint32_t num_blocks,
+                             uint32_t skip_tokens, uint32_t dp_rank,
+                             int timeout_ms);
+/* kvx_fetch_key with the key of request_id's digits, dp_rank 0. */
 KVX_EXPORT int kvx_fetch(kvx_client_t *client, uint64_t request_id,
                          const uint8_t *params, size_t params_len,
                          uint32_t pool_id, const uint32_t *blocks,
                          uint32_t num_blocks, uint32_t skip_tokens,
                          int timeout_ms);
-
-/* kvx_fetch for an instance with attention DP: dp_rank names the group
- * that receives; only that group's ranks fetch, and the request completes
- * when they all have their blocks. kvx_fetch is dp_rank 0. */
+/* kvx_fetch_key with the key of request_id's digits. */
 KVX_EXPORT int kvx_fetch_dp(kvx_client_t *client, uint64_t request_id,
                             const uint8_t *params, size_t params_len,
                             uint32_t pool_id, const uint32_t *blocks,
@@ -306,10 +339,13 @@ typedef enum {
 } kvx_event_kind_t;
 
 typedef struct {
-    uint64_t request_id;
+    uint64_t request_id; /* key's uint64_t form; 0 when it is none */
     kvx_event_kind_t kind;
     int code;             /* kvx_status_t, 0 for COMPLETE */
     const char *message;  /* owned by the batch */
+    const uint8_t *key;   /* the request's key (this side's), owned by
+                             the batch */
+    uint32_t key_len;
 } kvx_event_t;
 
 typedef struct {
@@ -332,8 +368,12 @@ KVX_EXPORT int kvx_poll(kvx_client_t *client, uint32_t at_least,
                         uint32_t poll_timeout_ms, kvx_batch_t **out);
 KVX_EXPORT void kvx_batch_free(kvx_batch_t *batch);
 
-/* Cancel request_id (published or fetched by this rank's instance). When it
- * returns 0, the daemon will never again read or write its blocks. */
+/* Cancel request key (published or fetched by this rank's instance).
+ * When it returns 0, the daemon will never again read or write its
+ * blocks. */
+KVX_EXPORT int kvx_cancel_key(kvx_client_t *client, const void *key,
+                              size_t key_len, int timeout_ms);
+/* kvx_cancel_key with the key of request_id's digits. */
 KVX_EXPORT int kvx_cancel(kvx_client_t *client, uint64_t request_id,
                           int timeout_ms);
 
@@ -348,7 +388,7 @@ KVX_EXPORT int kvx_cancel(kvx_client_t *client, uint64_t request_id,
  * KVX_ERR_STATE (it is being fetched: cancel that fetch instead; or it is
  * complete or ending), KVX_ERR_AUTH (a token that is not the offer's),
  * KVX_ERR_PEER_GONE / KVX_ERR_TIMED_OUT (a daemon of a rank did not
- * answer). Symbol version KVXFER_1.1. */
+ * answer). */
 KVX_EXPORT int kvx_release(kvx_client_t *client, const void *params,
                            size_t params_len, int timeout_ms);
 

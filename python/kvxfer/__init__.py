@@ -1,6 +1,6 @@
 """kvxfer: move LLM KV cache between inference instances through kvxferd.
 
-Pure Python over ``libkvxfer.so.1`` (ctypes; no compiler needed). The
+Pure Python over ``libkvxfer.so.2`` (ctypes; no compiler needed). The
 library is found in this order: ``$KVXFER_LIB``, ``kvxfer/_libs/`` (the
 wheel bundles it there), the source tree's ``build/``, then the system's
 (see docs/python.md).
@@ -21,8 +21,9 @@ wheel bundles it there), the source tree's ``build/``, then the system's
 import dataclasses
 
 from ._version import __version__
-from .client import (DEFAULT_SOCKET, Batch, Client, Event, EventKind,
-                     HostPool, Parallel, Pool, Role)
+from .client import (DEFAULT_SOCKET, MAX_KEY, Batch, Client, Event,
+                     EventKind, HostPool, Key, Parallel, Pool, Role,
+                     key_bytes)
 from .errors import (AlreadyExists, AuthError, Busy, CallTimeout, Cancelled,
                      Closed, ConfigMismatch, Error, InvalidArgument,
                      IOFailure, LayoutError, LimitReached, NoMemory,
@@ -42,7 +43,8 @@ __all__ = [
     "StateError", "AuthError", "Cancelled", "TimedOut", "PeerGone",
     "Unsupported", "LimitReached", "ShuttingDown", "LayoutError",
     "ConfigMismatch", "Closed", "Busy", "error_class", "status_name",
-    "status_str", "LibraryNotFound", "ParamsInfo", "params_info",
+    "status_str", "LibraryNotFound", "ParamsInfo", "params_info", "Key",
+    "MAX_KEY", "key_bytes",
 ]
 
 
@@ -60,13 +62,14 @@ class ParamsInfo:
     with ``tokens_per_block`` T fetches into ceil(num_tokens / T) blocks."""
 
     instance_id: str
-    request_id: int
+    request_id: int  # the key's int form (its decimal digits); 0 if none
     num_tokens: int
     tokens_per_block: int
     context_ranks: int
     num_layers: int
     num_kv_heads: int
     rank0_address: str
+    key: bytes = b""  # the context side's request key
 
     def blocks_for(self, tokens_per_block: int) -> int:
         """The blocks a rank with ``tokens_per_block`` fetches into."""
@@ -91,7 +94,8 @@ def params_info(params: bytes) -> ParamsInfo:
         tokens_per_block=int(out.tokens_per_block),
         context_ranks=int(out.context_ranks),
         num_layers=int(out.num_layers), num_kv_heads=int(out.num_kv_heads),
-        rank0_address=out.rank0_address.decode(errors="replace"))
+        rank0_address=out.rank0_address.decode(errors="replace"),
+        key=bytes(out.key[: out.key_len]))
 
 
 def library_path() -> str:

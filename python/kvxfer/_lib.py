@@ -18,7 +18,7 @@ from typing import List, Optional
 
 MAX_LAYERS = 1024  # KVX_MAX_LAYERS
 MAX_RANKS = 1024  # KVX_MAX_RANKS
-SONAME = "libkvxfer.so.1"
+SONAME = "libkvxfer.so.2"
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 # where a wheel (or `pip install ./python` after make) puts the library
@@ -68,6 +68,8 @@ class ContextParams(Structure):
 class ParamsInfo(Structure):
     _fields_ = [
         ("instance_id", ctypes.c_char * 129),
+        ("key", c_uint8 * 128),
+        ("key_len", c_uint32),
         ("request_id", c_uint64),
         ("num_tokens", c_uint32),
         ("tokens_per_block", c_uint32),
@@ -84,6 +86,8 @@ class Event(Structure):
         ("kind", c_int),
         ("code", c_int),
         ("message", c_char_p),
+        ("key", POINTER(c_uint8)),
+        ("key_len", c_uint32),
     ]
 
 
@@ -95,7 +99,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 28 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 31 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -130,6 +134,13 @@ _PROTOS = {
     "kvx_publish": (c_int, [_client_p, c_uint64, c_uint32, c_void_p,
                             c_uint32, c_uint32, POINTER(ContextParams),
                             c_int]),
+    "kvx_publish_key": (c_int, [_client_p, c_char_p, c_size_t, c_uint32,
+                                c_void_p, c_uint32, c_uint32, c_char_p,
+                                c_size_t, POINTER(ContextParams), c_int]),
+    "kvx_fetch_key": (c_int, [_client_p, c_char_p, c_size_t, c_char_p,
+                              c_size_t, c_uint32, c_void_p, c_uint32,
+                              c_uint32, c_uint32, c_int]),
+    "kvx_cancel_key": (c_int, [_client_p, c_char_p, c_size_t, c_int]),
     "kvx_fetch": (c_int, [_client_p, c_uint64, c_char_p, c_size_t, c_uint32,
                           c_void_p, c_uint32, c_uint32, c_int]),
     "kvx_fetch_dp": (c_int, [_client_p, c_uint64, c_char_p, c_size_t,
@@ -153,7 +164,7 @@ _libc: Optional[ctypes.CDLL] = None
 
 
 class LibraryNotFound(ImportError):
-    """libkvxfer.so.1 could not be found or loaded (see ``candidates()``)."""
+    """libkvxfer.so.2 could not be found or loaded (see ``candidates()``)."""
 
 
 def candidates() -> List[str]:
@@ -224,7 +235,7 @@ def lib() -> ctypes.CDLL:
             _lib, _path = dll, cand
             return dll
         raise LibraryNotFound(
-            "libkvxfer.so.1 not found; looked at: "
+            "libkvxfer.so.2 not found; looked at: "
             + "; ".join(errors or candidates())
             + " (set KVXFER_LIB to its path, build it with make, or install "
             "the kvxfer wheel that bundles it)")

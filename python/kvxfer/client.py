@@ -21,6 +21,31 @@ __all__ = ["Client", "Role", "Parallel", "Pool", "HostPool", "EventKind",
 DEFAULT_SOCKET = "/run/kvxfer/kvxferd.sock"
 
 Timeout = Optional[float]
+Key = Union[bytes, bytearray, memoryview, str, int]
+MAX_KEY = 128
+
+
+def key_bytes(key: Key) -> bytes:
+    """A request key as the daemon sees it: bytes as they are, a str as
+    its UTF-8, an int as its decimal digits (what kvx_publish(42) sends:
+    b"42"). Raises InvalidArgument for an empty or over-long key."""
+    if isinstance(key, bool):
+        raise InvalidArgument(-1, "key: a bool is not a request key")
+    if isinstance(key, int):
+        if key < 0 or key >= 1 << 64:
+            raise InvalidArgument(-1, f"key: {key} is not a uint64")
+        k = str(key).encode()
+    elif isinstance(key, str):
+        k = key.encode()
+    elif isinstance(key, (bytes, bytearray, memoryview)):
+        k = bytes(key)
+    else:
+        raise InvalidArgument(
+            -1, f"key: {type(key).__name__} (expected bytes, str or int)")
+    if not 1 <= len(k) <= MAX_KEY:
+        raise InvalidArgument(
+            -1, f"key: {len(k)} bytes (a key is 1 to {MAX_KEY} bytes)")
+    return k
 _DEFAULT: Any = object()  # "the client's default timeout"
 
 
@@ -68,9 +93,10 @@ class Event:
     """
 
     kind: Union[EventKind, int]  # an int: a kind newer than this package
-    request_id: int
+    request_id: int  # the key's int form (its decimal digits); 0 if none
     code: int = 0
     message: str = ""
+    key: bytes = b""  # the request's key (this side's)
 
     @property
     def ok(self) -> bool:
@@ -455,41 +481,43 @@ class Client:
 
     # -- requests ---------------------------------------------------------
 
-    def publish(self, request_id: int, pool: PoolRef, blocks: Blocks,
+    def publish(self, key: Key, pool: PoolRef, blocks: Blocks,
                 num_tokens: int, timeout: Timeout = _DEFAULT) -> bytes:
-        """Offer request_id's KV in ``blocks`` of ``pool`` (kvx_publish).
+        """Offer the KV of request ``key`` in ``blocks`` of ``pool``
+        (kvx_publish_key). ``key``: bytes, a str (its UTF-8) or an int
+        (its decimal digits, as kvx_publish makes it), 1 to 128 bytes.
 
         Returns the context params: opaque bytes, identical on every rank,
         for the router to hand to the generation side.
         """
+        k = key_bytes(key)
         ptr, n, keep = _u32(blocks)
         params = _lib.ContextParams()
-        self._call("kvx_publish", request_id, _pool_id(pool), ptr, n,
-                   num_tokens, ctypes.byref(params), self._ms(timeout))
+        self._call("kvx_publish_key", k, len(k), _pool_id(pool), ptr, n,
+                   num_tokens, None, 0, ctypes.byref(params),
+                   self._ms(timeout))
         del keep
         try:
             return ctypes.string_at(params.data, params.len)
         finally:
             _lib.lib().kvx_context_params_free(ctypes.byref(params))
 
-    def fetch(self, request_id: int, params: bytes, pool: PoolRef,
+    def fetch(self, key: Key, params: bytes, pool: PoolRef,
               blocks: Blocks, *, skip_tokens: int = 0,
               dp_rank: Optional[int] = None,
               timeout: Timeout = _DEFAULT) -> None:
         """Fill ``blocks`` of ``pool`` with the KV the context ``params``
-        name, writing tokens >= ``skip_tokens`` (kvx_fetch; with
-        ``dp_rank``, kvx_fetch_dp). Returns once the daemon accepted the
-        fetch; its end arrives as an :class:`Event` from :meth:`poll`."""
+        name, writing tokens >= ``skip_tokens`` (kvx_fetch_key). ``key``
+        is this side's name of the request (its events and :meth:`cancel`
+        use it). With attention DP, ``dp_rank`` names the receiving group.
+        Returns once the daemon accepted the fetch; its end arrives as an
+        :class:`Event` from :meth:`poll`."""
+        k = key_bytes(key)
         ptr, n, keep = _u32(blocks)
         params = bytes(params)
-        if dp_rank is None:
-            self._call("kvx_fetch", request_id, params, len(params),
-                       _pool_id(pool), ptr, n, skip_tokens,
-                       self._ms(timeout))
-        else:
-            self._call("kvx_fetch_dp", request_id, params, len(params),
-                       _pool_id(pool), ptr, n, skip_tokens, dp_rank,
-                       self._ms(timeout))
+        self._call("kvx_fetch_key", k, len(k), params, len(params),
+                   _pool_id(pool), ptr, n, skip_tokens, dp_rank or 0,
+                   self._ms(timeout))
         del keep
 
     def poll(self, at_least: int = 1, timeout: float = 0.1) -> Batch:
@@ -507,17 +535,20 @@ class Client:
             events = tuple(
                 Event(kind=_kind(e.kind), request_id=int(e.request_id),
                       code=int(e.code),
-                      message=(e.message or b"").decode(errors="replace"))
+                      message=(e.message or b"").decode(errors="replace"),
+                      key=ctypes.string_at(e.key, e.key_len)
+                      if e.key_len else b"")
                 for e in b.events[: b.num_events])
             return Batch(seq=int(b.seq), events=events)
         finally:
             _lib.lib().kvx_batch_free(out)
 
-    def cancel(self, request_id: int, timeout: Timeout = _DEFAULT) -> None:
-        """Cancel request_id (published or fetched by this instance)
-        (kvx_cancel). On return the daemon will never again read or write
-        its blocks."""
-        self._call("kvx_cancel", request_id, self._ms(timeout))
+    def cancel(self, key: Key, timeout: Timeout = _DEFAULT) -> None:
+        """Cancel request ``key`` (published or fetched by this instance)
+        (kvx_cancel_key). On return the daemon will never again read or
+        write its blocks."""
+        k = key_bytes(key)
+        self._call("kvx_cancel_key", k, len(k), self._ms(timeout))
 
     def release(self, params: bytes, timeout: Timeout = _DEFAULT) -> None:
         """Release the published request ``params`` name without a

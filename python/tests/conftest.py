@@ -115,11 +115,13 @@ def pair(daemon, names):
 
 
 def wait_event(client, request_id, timeout=20.0):
-    """The terminal event of request_id (single-rank tests only: it drops
-    the other events of the batches it reads)."""
+    """The terminal event of request_id, an int or a key (bytes or str)
+    (single-rank tests only: it drops the other events of the batches it
+    reads)."""
     end = time.monotonic() + timeout
+    key = kvxfer.key_bytes(request_id)
     while time.monotonic() < end:
         for e in client.poll(1, 0.2):
-            if e.request_id == request_id:
+            if e.key == key:
                 return e
     raise AssertionError(f"no event for request {request_id} in {timeout} s")

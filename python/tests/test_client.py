@@ -169,7 +169,7 @@ def test_wrong_token_raises_auth_error(pair, names):
 
 def test_more_refusals_map_to_their_classes(daemon, pair, names):
     ctx, gen = pair
-    with pytest.raises(kvxfer.NotFound, match="cancel.request_id"):
+    with pytest.raises(kvxfer.NotFound, match="cancel.key"):
         ctx.cancel(names["req"] + 999)
     with pytest.raises(kvxfer.IOFailure, match="ENOENT"):
         kvxfer.Client(daemon.sock + ".missing", timeout=0.5)
@@ -298,3 +298,33 @@ def test_params_info(pair, names):
     with pytest.raises(kvxfer.InvalidArgument, match="kvx_params_info"):
         kvxfer.params_info(b"\xff\xff")
     ctx.cancel(names["req"])
+
+
+def test_string_and_bytes_keys(pair, names):
+    """Keys as engines name requests: a vLLM-style str on the context
+    side, bytes with a zero on the generation side; the events carry each
+    side's key, the params the context key; an int key is its digits."""
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    fill(src.array, 3)
+    ck = f"cmpl-{names['req']}-0"
+    gk = b"\x00decode-" + ck.encode()
+    params = ctx.publish(ck, src, [1, 4], num_tokens=2 * TPB)
+    info = kvxfer.params_info(params)
+    assert info.key == ck.encode() and info.request_id == 0
+    gen.fetch(gk, params, dst, [6, 2])
+    ev = wait_event(gen, gk)
+    assert ev.ok and ev.key == gk and ev.request_id == 0
+    ev = wait_event(ctx, ck)
+    assert ev.ok and ev.key == ck.encode()
+    for s, d in zip([1, 4], [6, 2]):
+        assert np.array_equal(block_bytes(lo, dst.array, d),
+                              block_bytes(lo, src.array, s))
+    assert kvxfer.key_bytes(42) == b"42"
+    with pytest.raises(kvxfer.InvalidArgument, match="129 bytes"):
+        ctx.publish(b"k" * 129, src, [1], num_tokens=1)
+    with pytest.raises(kvxfer.InvalidArgument, match="0 bytes"):
+        ctx.cancel("")
+    with pytest.raises(kvxfer.NotFound, match="cancel.key: no request nope"):
+        ctx.cancel("nope")

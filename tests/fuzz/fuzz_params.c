@@ -61,7 +61,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             goto out;
         }
         accepted(q);
-        MUST(q->request_id == p->request_id);
+        MUST(q->key.len == p->key.len &&
+             !memcmp(q->key.data, p->key.data, q->key.len));
         MUST(q->num_tokens == p->num_tokens);
         MUST(!memcmp(q->token.data, p->token.data, 16));
         MUST(!strcmp(q->instance_id, p->instance_id));

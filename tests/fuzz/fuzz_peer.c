@@ -27,6 +27,16 @@
 
 #include <sys/mman.h>
 
+/* The key of request n (its digits), as the uint64_t API makes it. */
+static const reqkey_t *K(uint64_t n)
+{
+    static reqkey_t k[8];
+    static unsigned i;
+    reqkey_t *r = &k[i++ & 7];
+    reqkey_from_u64(r, n);
+    return r;
+}
+
 /* ---- peer.c, stubbed ---------------------------------------------------- */
 
 struct peer_conn {
@@ -221,8 +231,8 @@ static void ensure_requests(void)
         uint32_t blocks[4] = {3, 1, 2, 0};
         uint8_t *params;
         size_t plen;
-        if (xfer_publish(ctx, 0, 1, cpool, blocks, 4, 13, &params, &plen, why,
-                         sizeof(why)))
+        if (xfer_publish(ctx, 0, K(1), cpool, blocks, 4, 13, &params, &plen,
+                         why, sizeof(why)))
             abort();
         Kvxfer__ContextParams *cp =
             kvxfer__context_params__unpack(NULL, plen, params);
@@ -246,7 +256,7 @@ static void ensure_requests(void)
         kvxfer__context_params__free_unpacked(cp, NULL);
         uint32_t gblocks[4] = {0, 2, 1, 3};
         /* refused while the offer's old consumer is ending: next time */
-        xfer_fetch(gen, 0, 1, p, n, gpool, gblocks, 4, 0, 0, why,
+        xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, why,
                    sizeof(why));
         free(p);
     }
@@ -404,7 +414,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (m->open->instance_id != protobuf_c_empty_string)
                 free(m->open->instance_id); /* unpacked strings own memory */
             m->open->instance_id = strdup("ctx");
-            m->open->request_id = 1;
+            m->open->request_id = xfer_key_id((const uint8_t *)"1", 1);
+            if (m->open->key.len != 1 || m->open->key.data[0] != '1') {
+                free(m->open->key.data); /* unpacked bytes own memory */
+                m->open->key.data = (uint8_t *)strdup("1");
+                m->open->key.len = 1;
+            }
             if (flags & 32) /* a receiver that lets us gather ahead */
                 m->open->pull_bytes = kvxd.conf.slot_bytes;
         }

@@ -1,6 +1,6 @@
 /*
  * fake_peer — a daemon that misbehaves, for the peer tests. It speaks
- * the daemons' protocol (version 5): the handshake on a TCP socket (each
+ * the daemons' protocol (version 6): the handshake on a TCP socket (each
  * frame a 4-byte big-endian length and one packed PeerMsg), then UCX
  * (active message 1: one packed PeerMsg; 2: slot data) to the worker
  * addresses told in PeerUcx, the first message on an endpoint a BIND.
@@ -59,7 +59,7 @@
 
 #define AM_CTRL 1
 #define AM_DATA 2
-#define VERSION 5 /* peer.c PEER_VERSION */
+#define VERSION 6 /* peer.c PEER_VERSION */
 
 static ucp_context_h ctx;
 static ucp_worker_h worker;

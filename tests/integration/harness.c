@@ -821,6 +821,8 @@ typedef struct ev {
     uint64_t req;
     int kind, code;
     char msg[200];
+    uint8_t key[KVX_MAX_KEY];
+    uint32_t key_len;
 } ev_t;
 
 static const char *kind_name(int k)
@@ -865,6 +867,8 @@ static int collect(kvx_client_t *c, ev_t *out, int max, int want,
                 out[n].code = b->events[i].code;
                 snprintf(out[n].msg, sizeof(out[n].msg), "%s",
                          b->events[i].message);
+                out[n].key_len = b->events[i].key_len;
+                memcpy(out[n].key, b->events[i].key, b->events[i].key_len);
             }
         kvx_batch_free(b);
     }

@@ -66,6 +66,7 @@
 #include "t_protocol.c"
 #include "t_ops.c"
 #include "t_hostile.c"
+#include "t_keys.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */
 #include "peer_harness.c"

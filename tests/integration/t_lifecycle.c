@@ -86,7 +86,7 @@ TEST(cancel_unfetched_offer)
     CHECK_FAILS(kvx_fetch(g.c, 10, p.data, p.len, g.pool, bl, 2, 0, T_MS), g.c,
                 KVX_ERR_NOT_FOUND, "no offer");
     CHECK_FAILS(kvx_cancel(c.c, 10, T_MS), c.c, KVX_ERR_NOT_FOUND,
-                "cancel.request_id");
+                "cancel.key");
     /* the pool is free again: deregister works */
     CHECK_KVX(kvx_pool_deregister(c.c, c.pool, T_MS), c.c);
     kvx_context_params_free(&p);
@@ -233,7 +233,7 @@ TEST(cancel_unknown)
     CHECK_FAILS(kvx_cancel(c.c, 424242, T_MS), c.c, KVX_ERR_NOT_FOUND,
                 "424242");
     CHECK_FAILS(kvx_cancel(g.c, 424242, T_MS), g.c, KVX_ERR_NOT_FOUND,
-                "cancel.request_id");
+                "cancel.key");
     /* a completed request is unknown too */
     uint32_t bl[1] = {3};
     fill_req(&c, 5, bl, 3);

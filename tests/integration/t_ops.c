@@ -53,8 +53,9 @@ TEST(status_and_requests)
     CHECK_KVX(kvx_publish(c.c, 41, c.pool, bl, 3, 10, &p, T_MS), c.c);
     sleep_ms(120);
     CHECK_KVX(kvx_requests_json(g.c, &json, T_MS), g.c);
-    CHECK_STR_CONTAINS(json, "\"instance\":\"st-ctx\",\"request_id\":41,"
-                             "\"side\":\"context\",\"state\":\"offered\"");
+    CHECK_STR_CONTAINS(
+        json, "\"instance\":\"st-ctx\",\"key\":\"41\",\"request_id\":41,"
+              "\"side\":\"context\",\"state\":\"offered\"");
     long long age = json_num(json, "age_ms");
     CHECK(age >= 100 && age < 5000);
     free(json);

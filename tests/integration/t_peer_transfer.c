@@ -840,3 +840,59 @@ TEST_T(peer_release, 60)
     rank_close(&c);
     p_stop_both(a, b);
 }
+
+/* Keys across two daemons: string keys, different on each side, the
+ * bytes verified; each side's event names its own key; the context
+ * daemon's refusal names the context key (a key that is not the offer's,
+ * with the offer's own token: NOT_FOUND, nothing written). */
+TEST_T(peer_keyed_transfer, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pk-ctx", "pk-gen", &c, &g);
+    memset(g.base, 0xa5, g.size);
+    const char *ck = "bootstrap-room-8812", *gk = "sglang:8812";
+    uint32_t cb[2] = {4, 5}, gb[2] = {2, 7};
+    fill_req(&c, 8812, cb, 8);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish_key(c.c, ck, strlen(ck), c.pool, cb, 2, 8, NULL, 0,
+                              &p, T_MS),
+              c.c);
+    /* the params with another context key: the offer's token, no offer */
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p.len, p.data);
+    CHECK(cp != NULL);
+    uint8_t other[] = "bootstrap-room-8813";
+    cp->key.data = other;
+    cp->key.len = strlen((char *)other);
+    uint8_t forged[4096];
+    size_t fl = kvxfer__context_params__get_packed_size(cp);
+    CHECK(fl <= sizeof(forged));
+    kvxfer__context_params__pack(cp, forged);
+    cp->key.data = NULL; /* not the unpacked message's to free */
+    cp->key.len = 0;
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "x1", 2, forged, fl, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    ev_t e = wait_key(g.c, "x1", 2, 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(e.code, KVX_ERR_NOT_FOUND);
+    CHECK_STR_CONTAINS(e.msg, "bootstrap-room-8813");
+    CHECK_EQ(p_check_req(&g, 8812, gb, 8, 0) > 0, 1); /* nothing landed */
+    /* the real params */
+    CHECK_KVX(kvx_fetch_key(g.c, gk, strlen(gk), p.data, p.len, g.pool, gb, 2,
+                            0, 0, T_MS),
+              g.c);
+    e = wait_key(g.c, gk, strlen(gk), 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+    e = wait_key(c.c, ck, strlen(ck), 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(p_check_req(&g, 8812, gb, 8, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}

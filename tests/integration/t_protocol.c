@@ -261,7 +261,7 @@ TEST(bad_version)
                      .version_major = 99,
                      .version_minor = 3};
     CHECK_FAILS(kvx_hello(c, &h, T_MS), c, KVX_ERR_VERSION, "99.3");
-    CHECK_STR_CONTAINS(kvx_last_error(c), "1.0");
+    CHECK_STR_CONTAINS(kvx_last_error(c), "2.0");
     /* the connection still answers status */
     char *json;
     CHECK_KVX(kvx_status_json(c, &json, T_MS), c);
@@ -289,7 +289,7 @@ TEST(bad_requests)
     /* a NULL argument, refused by the library: its own message, not the
      * last call's */
     CHECK_FAILS(kvx_publish(c.c, 1, c.pool, ok2, 2, 8, NULL, T_MS), c.c,
-                KVX_ERR_INVALID, "kvx_publish: a required argument");
+                KVX_ERR_INVALID, "kvx_publish_key: a required argument");
     /* layers_per_pp NULL with a count: an even split (it crashed the
      * library) */
     kvx_hello_t hl = {.instance_id = "br-lpp",

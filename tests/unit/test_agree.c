@@ -15,6 +15,17 @@
 
 #include "stub_net.c"
 
+/* The key of request n (its digits), as the uint64_t API makes it. */
+static const reqkey_t *K(uint64_t n)
+{
+    static reqkey_t k[8];
+    static unsigned i;
+    reqkey_t *r = &k[i++ & 7];
+    reqkey_from_u64(r, n);
+    return r;
+}
+#define KID(n) xfer_key_id(K(n)->b, K(n)->len)
+
 #define ME "kvx://10.0.0.1:7000/00000000000000aa"
 #define OTHER "kvx://10.0.0.2:7000/00000000000000bb"
 
@@ -74,6 +85,8 @@ static void event_from(const char *addr, const char *inst, uint64_t req,
     Kvxfer__PeerEvent e = KVXFER__PEER_EVENT__INIT;
     e.instance_id = (char *)inst;
     e.request_id = req;
+    e.key.data = (uint8_t *)K(req)->b;
+    e.key.len = K(req)->len;
     e.offer = offer;
     e.kind = kind;
     e.code = code;
@@ -91,19 +104,19 @@ TEST(root_merges_reports_into_one_event)
     instance_t *inst = spread_instance("m1", 1);
     batch_state_t *bs = &inst->batches;
     /* the root's own rank's report: half of what the request needs */
-    agree_event(inst, 7, 1, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(7), K(7), 1, KVX_EVENT_COMPLETE, 0, "", 1, 2);
     CHECK_EQ(bs->npending, 0);
     event_from(OTHER, "m1", 7, 1, KVX_EVENT_COMPLETE, 0, "");
     CHECK_EQ(bs->npending, 1);
-    CHECK_EQ(bs->pending[0].request_id, 7);
+    CHECK_EQ(reqkey_to_u64(bs->pending[0].key.b, bs->pending[0].key.len), 7);
     CHECK_EQ(bs->pending[0].kind, KVX_EVENT_COMPLETE);
     /* the merge is over: the same report again starts a new one and
      * queues nothing by itself */
     event_from(OTHER, "m1", 7, 1, KVX_EVENT_COMPLETE, 0, "");
     CHECK_EQ(bs->npending, 1);
     /* offers and fetches of one id merge apart */
-    agree_event(inst, 8, 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
-    agree_event(inst, 8, 1, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(8), K(8), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(8), K(8), 1, KVX_EVENT_COMPLETE, 0, "", 1, 2);
     CHECK_EQ(bs->npending, 1);
 }
 
@@ -117,20 +130,20 @@ TEST(root_queues_the_first_error_at_once)
     CHECK_EQ(bs->pending[0].code, KVX_ERR_IO);
     CHECK_STR_CONTAINS(bs->pending[0].message, "copy failed");
     /* the root's own COMPLETE for it adds nothing */
-    agree_event(inst, 9, 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(9), K(9), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
     CHECK_EQ(bs->npending, 1);
 }
 
 TEST(member_forwards_its_reports_to_the_root)
 {
     instance_t *inst = spread_instance("f1", 0);
-    agree_event(inst, 21, 0, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
+    agree_event(inst, KID(21), K(21), 0, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
                 "cancelled", 1, 2);
     CHECK_EQ(inst->batches.npending, 0); /* the root seals, not we */
     const Kvxfer__PeerMsg *m = net_sent(KVXFER__PEER_MSG__M_EVENT, 0);
     CHECK(m);
     CHECK_STR_CONTAINS(m->event->instance_id, "f1");
-    CHECK_EQ(m->event->request_id, 21);
+    CHECK_EQ(m->event->request_id, KID(21));
     CHECK_EQ(m->event->kind, KVX_EVENT_CANCELLED);
     CHECK_EQ(m->event->ranks, 1);
     CHECK_EQ(m->event->expect, 2);
@@ -150,7 +163,8 @@ TEST(root_answers_a_member_poll_with_its_sealed_batch)
     m.poll = &p;
     net_deliver(OTHER, &m);
     CHECK(!net_sent(KVXFER__PEER_MSG__M_BATCH, 0)); /* nothing to seal */
-    agree_event(inst, 5, 0, KVX_EVENT_ERROR, KVX_ERR_TIMED_OUT, "late", 1, 2);
+    agree_event(inst, KID(5), K(5), 0, KVX_EVENT_ERROR, KVX_ERR_TIMED_OUT,
+                "late", 1, 2);
     const Kvxfer__PeerMsg *b = net_sent(KVXFER__PEER_MSG__M_BATCH, 0);
     CHECK(b);
     CHECK_EQ(b->batch->rank, 1);
@@ -158,7 +172,9 @@ TEST(root_answers_a_member_poll_with_its_sealed_batch)
     CHECK_EQ(b->batch->epoch, inst->epoch); /* this incarnation's */
     CHECK_EQ(b->batch->batch, 0);
     CHECK_EQ(b->batch->n_events, 1);
-    CHECK_EQ(b->batch->events[0]->request_id, 5);
+    CHECK_EQ(reqkey_to_u64(b->batch->events[0]->key.data,
+                           b->batch->events[0]->key.len),
+             5);
     CHECK_EQ(b->batch->events[0]->code, KVX_ERR_TIMED_OUT);
 }
 
@@ -166,18 +182,18 @@ TEST(lost_member_ranks_go_away_and_its_merges_fail)
 {
     instance_t *inst = spread_instance("l1", 1);
     batch_state_t *bs = &inst->batches;
-    agree_event(inst, 11, 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(11), K(11), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
     CHECK_EQ(bs->npending, 0); /* waits for the member's report */
     net_lose(OTHER, "link down");
     CHECK(bs->away[1]);
     CHECK_EQ(bs->npending, 1);
-    CHECK_EQ(bs->pending[0].request_id, 11);
+    CHECK_EQ(reqkey_to_u64(bs->pending[0].key.b, bs->pending[0].key.len), 11);
     CHECK_EQ(bs->pending[0].kind, KVX_EVENT_ERROR);
     CHECK_EQ(bs->pending[0].code, KVX_ERR_PEER_GONE);
     CHECK_STR_CONTAINS(bs->pending[0].message,
                        "member daemon " OTHER ": link down");
     /* a new request that needs every rank ends at once: one is gone */
-    agree_event(inst, 12, 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(12), K(12), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
     CHECK_EQ(bs->npending, 2);
     CHECK_EQ(bs->pending[1].code, KVX_ERR_PEER_GONE);
 }

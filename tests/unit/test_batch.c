@@ -11,6 +11,17 @@
 #include <stdint.h>
 
 #include "kvxfer.h"
+#include "reqkey.h"
+
+/* The key of request n (its digits), as the uint64_t API makes it. */
+static const reqkey_t *K(uint64_t n)
+{
+    static reqkey_t k[8];
+    static unsigned i;
+    reqkey_t *r = &k[i++ & 7];
+    reqkey_from_u64(r, n);
+    return r;
+}
 
 /* ---- a deliver callback that records everything ---- */
 
@@ -84,7 +95,7 @@ static void push(batch_state_t *bs, uint64_t id, uint64_t now)
 {
     char m[32];
     snprintf(m, sizeof(m), "ev%llu", (unsigned long long)id);
-    CHECK_EQ(batch_push(bs, id, KVX_EVENT_COMPLETE + (int)(id % 4),
+    CHECK_EQ(batch_push(bs, id, K(id), KVX_EVENT_COMPLETE + (int)(id % 4),
                         -(int)(id % 5), m, now),
              0);
 }
@@ -522,9 +533,9 @@ TEST(messages_are_copied)
     batch_state_t bs;
     init(&bs, 1);
     char m[16] = "original";
-    CHECK_EQ(batch_push(&bs, 1, KVX_EVENT_ERROR, KVX_ERR_IO, m, 0), 0);
+    CHECK_EQ(batch_push(&bs, 1, K(1), KVX_EVENT_ERROR, KVX_ERR_IO, m, 0), 0);
     strcpy(m, "changed");
-    CHECK_EQ(batch_push(&bs, 2, KVX_EVENT_COMPLETE, 0, NULL, 0), 0);
+    CHECK_EQ(batch_push(&bs, 2, K(2), KVX_EVENT_COMPLETE, 0, NULL, 0), 0);
     CHECK_EQ(batch_poll(&bs, 0, 1, 2, 10, 0), 0);
     CHECK_EQ(nrec, 1);
     CHECK(!strcmp(recs[0].ev[0].msg, "original"));

@@ -522,7 +522,8 @@ static size_t request_sample(uint8_t *out, size_t max)
     case 1:
         rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
         rq.publish = &pub;
-        pub.request_id = 7;
+        pub.key.data = (uint8_t *)"7";
+        pub.key.len = 1;
         pub.n_blocks = 5;
         pub.blocks = blocks;
         pub.num_tokens = 77;

@@ -10,6 +10,16 @@
 
 #include <stdint.h>
 
+/* The key of request n (its digits), as the uint64_t API makes it. */
+static const reqkey_t *K(uint64_t n)
+{
+    static reqkey_t k[8];
+    static unsigned i;
+    reqkey_t *r = &k[i++ & 7];
+    reqkey_from_u64(r, n);
+    return r;
+}
+
 /* ---- helpers ---- */
 
 static uint64_t rng_state = 0xbe5466cf34e90c6cull;
@@ -48,7 +58,8 @@ static void parts_init(parts_t *p)
         addr_list[i] = i % 2 ? a1 : a0;
     p->cp.version = PARAMS_VERSION;
     p->cp.instance_id = "ctx-0";
-    p->cp.request_id = 0x1122334455667788ull;
+    p->cp.key.data = (uint8_t *)"cmpl-1122334455667788-0";
+    p->cp.key.len = 23;
     p->cp.token.data = token16;
     p->cp.token.len = 16;
     p->pc.tp = 2;
@@ -121,9 +132,10 @@ TEST(valid_params_decode)
     char why[256];
     CHECK_EQ(decode(b, len, &out, why), 0);
     CHECK(out != NULL);
-    CHECK_EQ(out->version, 1);
+    CHECK_EQ(out->version, PARAMS_VERSION);
     CHECK(!strcmp(out->instance_id, "ctx-0"));
-    CHECK_EQ(out->request_id, 0x1122334455667788ull);
+    CHECK_EQ(out->key.len, 23);
+    CHECK(!memcmp(out->key.data, "cmpl-1122334455667788-0", 23));
     CHECK_EQ(out->token.len, 16);
     CHECK(!memcmp(out->token.data, token16, 16));
     CHECK(out->parallel && out->layout);
@@ -253,7 +265,7 @@ TEST(wrong_version_is_refused)
 {
     parts_t p;
     parts_init(&p);
-    p.cp.version = 2;
+    p.cp.version = 1; /* 1.x: named by uint64 ids */
     expect_parts_refused(&p, "invalid version");
     p.cp.version = 0;
     expect_parts_refused(&p, "invalid version");
@@ -467,18 +479,18 @@ TEST(publish_checks_the_block_count)
     size_t plen = 0;
     char why[256] = "";
     /* 33 tokens of 16 per block need 3 blocks */
-    CHECK_EQ(xfer_publish(inst, 0, 7, pool, blocks, 2, 33, &params, &plen,
+    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 2, 33, &params, &plen,
                           why, sizeof(why)),
              KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "need 3");
-    CHECK_EQ(xfer_publish(inst, 0, 7, pool, blocks, 3, 33, &params, &plen,
+    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 3, 33, &params, &plen,
                           why, sizeof(why)),
              0);
     /* the params it returns decode */
     Kvxfer__ContextParams *cp = NULL;
     CHECK_EQ(xfer_params_decode(params, plen, &cp, why, sizeof(why)), 0);
     CHECK_EQ(cp->num_tokens, 33);
-    CHECK_EQ(cp->request_id, 7);
+    CHECK_EQ(reqkey_to_u64(cp->key.data, cp->key.len), 7);
     CHECK(!strcmp(cp->instance_id, "ctx"));
     kvxfer__context_params__free_unpacked(cp, NULL);
     free(params);
@@ -496,7 +508,7 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
     uint8_t *params = NULL;
     size_t plen = 0;
     char why[256] = "";
-    int rc = xfer_publish(inst, 0, 9, pool, blocks, 1, UINT32_MAX, &params,
+    int rc = xfer_publish(inst, 0, K(9), pool, blocks, 1, UINT32_MAX, &params,
                           &plen, why, sizeof(why));
     if (rc == 0)
         free(params);

@@ -21,6 +21,16 @@
 
 #include "stub_net.c"
 
+/* The key of request n (its digits), as the uint64_t API makes it. */
+static const reqkey_t *K(uint64_t n)
+{
+    static reqkey_t k[8];
+    static unsigned i;
+    reqkey_t *r = &k[i++ & 7];
+    reqkey_from_u64(r, n);
+    return r;
+}
+
 #define ME "kvx://10.0.0.1:7000/00000000000000aa"
 #define OTHER "kvx://10.0.0.2:7000/00000000000000bb"
 
@@ -107,7 +117,7 @@ static void start_transfer(void)
     char why[256];
     uint8_t *params;
     size_t plen;
-    CHECK_EQ(xfer_publish(ctx, 0, 1, cpool, cblocks, 4, NTOK, &params, &plen,
+    CHECK_EQ(xfer_publish(ctx, 0, K(1), cpool, cblocks, 4, NTOK, &params, &plen,
                           why, sizeof(why)),
              0);
     Kvxfer__ContextParams *cp =
@@ -120,9 +130,9 @@ static void start_transfer(void)
     cp->rank_addresses[0] = orig;
     kvxfer__context_params__free_unpacked(cp, NULL);
     free(params);
-    CHECK_EQ(
-        xfer_fetch(gen, 0, 1, p, n, gpool, gblocks, 4, 0, 0, why, sizeof(why)),
-        0);
+    CHECK_EQ(xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, why,
+                        sizeof(why)),
+             0);
     free(p);
     settle();
 }
@@ -131,7 +141,7 @@ static void start_transfer(void)
 static const batch_event_t *ended(instance_t *inst)
 {
     for (uint32_t i = 0; i < inst->batches.npending; i++)
-        if (inst->batches.pending[i].request_id == 1)
+        if (reqkey_eq(&inst->batches.pending[i].key, K(1)))
             return &inst->batches.pending[i];
     return NULL;
 }
@@ -169,7 +179,8 @@ TEST(whole_transfer_through_the_loopback)
     const Kvxfer__PeerMsg *open = net_sent(KVXFER__PEER_MSG__M_OPEN, 0);
     CHECK(open);
     CHECK_STR_CONTAINS(open->open->instance_id, "ctx");
-    CHECK_EQ(open->open->request_id, 1);
+    CHECK_EQ(open->open->request_id, xfer_key_id((const uint8_t *)"1", 1));
+    CHECK_EQ(open->open->key.len, 1);
     int msgs = 0;
     while (step())
         msgs++;
@@ -216,7 +227,7 @@ TEST_T(loss_in_every_state_ends_both_sides_and_frees_every_slot, 120)
             while (step()) /* what is left: dropped, nothing crashes */
                 ;
             const batch_event_t *g = ended(gen), *c = ended(ctx);
-            offer_t *o = xfer_offer_find(ctx, 1);
+            offer_t *o = xfer_offer_find(ctx, xfer_key_id(K(1)->b, K(1)->len));
             /* (settle() waited for every copy: no gather holds it) */
             if (!c && o && list_empty(&RO(o)->streams) &&
                 !xfer_offer_taken_here(o)) {
