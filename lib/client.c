@@ -1001,6 +1001,44 @@ int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
     return 0;
 }
 
+int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,
+                size_t key_len, uint32_t num_tokens,
+                kvx_context_params_t *params, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_reserve", key, key_len);
+    if (rc)
+        return rc;
+    if (!instance_id || !params)
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    __func__);
+    Kvxfer__Reserve m = KVXFER__RESERVE__INIT;
+    m.instance_id = (char *)instance_id;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
+    m.num_tokens = num_tokens;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_RESERVE;
+    rq.reserve = &m;
+    Kvxfer__Reply *r;
+    if ((rc = call(c, &rq, -1, timeout_ms, &r)))
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_PUBLISH) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "reserve: reply without params");
+    }
+    params->len = r->publish->context_params.len;
+    params->data = malloc(params->len ? params->len : 1);
+    if (!params->data) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    memcpy(params->data, r->publish->context_params.data, params->len);
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
 int kvx_fetch(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
               size_t params_len, uint32_t pool_id, const uint32_t *blocks,
               uint32_t nblocks, uint32_t skip_tokens, int timeout_ms)

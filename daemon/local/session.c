@@ -856,6 +856,73 @@ static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
     xfer_free_infos(rr.requests, rr.n_requests);
 }
 
+/* A pool of a local rank of inst: its layout speaks for the instance's
+ * (every rank's must agree with the offer's at publish). */
+static const pool_t *instance_pool(const instance_t *inst)
+{
+    for (uint32_t r = 0; r < inst->nranks; r++) {
+        session_t *rs =
+            inst->rank_sid[r] ? map_get(&sessions, inst->rank_sid[r]) : NULL;
+        pool_t *p = NULL;
+        if (rs && map_values(&rs->pools, (void **)&p, 1) == 1)
+            return p;
+    }
+    return NULL;
+}
+
+/* Reserve: the instance's scheduler, no Hello needed, under the uid
+ * that owns the instance (or an admin). */
+static void on_reserve(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    const Kvxfer__Reserve *m = rq->reserve;
+    int rc;
+    reqkey_t key;
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "reserve.key", why,
+                         sizeof(why))))
+        goto fail;
+    instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
+    if (!inst || (!s->admin && inst->owner_uid != s->uid))
+        FAIL(KVX_ERR_NOT_FOUND,
+             "reserve.instance_id: no instance '%.128s' of uid %u on this "
+             "daemon",
+             m->instance_id ? m->instance_id : "", s->uid);
+    if (!(inst->role & KVX_ROLE_CONTEXT))
+        FAIL(KVX_ERR_STATE, "reserve: instance %s has role generation",
+             inst->id);
+    if ((rc = instance_ready(inst, why, sizeof(why))))
+        goto fail;
+    if (!inst->local[0])
+        FAIL(KVX_ERR_STATE,
+             "reserve: rank 0 of instance %s is served by daemon %s: "
+             "reserve there",
+             inst->id, inst->addresses[0]);
+    const pool_t *p = instance_pool(inst);
+    if (!p)
+        FAIL(KVX_ERR_STATE,
+             "reserve: no rank of instance %s has registered a pool here "
+             "yet (its layout goes into the params)",
+             inst->id);
+    uint8_t *params;
+    size_t plen;
+    if ((rc = xfer_reserve(inst, &key, m->num_tokens, &p->layout, &params,
+                           &plen, why, sizeof(why))))
+        goto fail;
+    Kvxfer__PublishReply pr = KVXFER__PUBLISH_REPLY__INIT;
+    pr.context_params.data = params;
+    pr.context_params.len = plen;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = rq->id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_PUBLISH;
+    r.publish = &pr;
+    reply_packed(s, &r);
+    free(params);
+    return;
+fail:
+    reply(s, rq->id, rc, why);
+}
+
 /* Release: no Hello needed (a router or scheduler process); the params'
  * token is the right to it. */
 static void on_release(session_t *s, const Kvxfer__Request *rq)
@@ -907,6 +974,9 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         goto out;
     case KVXFER__REQUEST__BODY_RELEASE:
         on_release(s, rq);
+        goto out;
+    case KVXFER__REQUEST__BODY_RESERVE:
+        on_reserve(s, rq);
         goto out;
     case KVXFER__REQUEST__BODY__NOT_SET:
         reply(s, rq->id, KVX_ERR_PROTOCOL, "request: empty body");

@@ -112,6 +112,7 @@ struct offer {
     uint64_t created_ms;
     genreq_t *consumer;
     int ending, end_kind, end_code;
+    int reserved; /* made by the scheduler (xfer_reserve) */
     int consumed; /* complete before every rank published: kept,
                      without memory, to answer late publishes */
     char end_msg[256];
@@ -512,6 +513,36 @@ static int offer_create(instance_t *inst, uint64_t request_id,
 }
 
 static void part_try_start(genpart_t *p);
+
+int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
+                 const kvx_layout_t *l, uint8_t **params, size_t *params_len,
+                 char *why, size_t why_len)
+{
+    if (num_tokens == 0)
+        WHY(KVX_ERR_INVALID, "reserve.num_tokens: 0");
+    uint64_t request_id = xfer_key_id(key->b, key->len);
+    offer_t *o = map_get(&inst->offers, request_id);
+    if (o)
+        WHY(KVX_ERR_EXISTS,
+            "reserve.key: request %s of instance %s is %s already", ks(key),
+            inst->id,
+            !reqkey_eq(&o->key, key) ? "taken by a key of the same id"
+            : o->npublished          ? "published"
+                                     : "reserved");
+    int rc =
+        offer_create(inst, request_id, key, num_tokens, l, &o, why, why_len);
+    if (rc)
+        return rc;
+    o->reserved = 1;
+    if (!(*params = malloc(o->params_len))) {
+        offer_end(o, KVX_EVENT_ERROR, KVX_ERR_NOMEM, "reserve: out of memory");
+        WHY(KVX_ERR_NOMEM, "reserve: out of memory");
+    }
+    memcpy(*params, o->params, o->params_len);
+    *params_len = o->params_len;
+    log_debug("reserve %s/%s: %u tokens", inst->id, ks(key), num_tokens);
+    return 0;
+}
 
 int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
@@ -1866,6 +1897,8 @@ static const char *offer_state(const offer_t *o)
     uint32_t done;
     if (o->consumer || (R.offer_streams && R.offer_streams(o, &done) > done))
         return "transferring";
+    if (o->reserved && !o->npublished)
+        return "reserved";
     return o->npublished < o->inst->nlocal ? "publishing" : "offered";
 }
 

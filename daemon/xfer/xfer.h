@@ -32,6 +32,14 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  uint32_t num_tokens, uint8_t **params, size_t *params_len,
                  char *why, size_t why_len);
 
+/* The instance's scheduler reserves the offer of key for num_tokens,
+ * with layout l (a local rank's pool's: the params' layout summary); the
+ * ranks publish later. *params as xfer_publish's. KVX_ERR_EXISTS when
+ * the key has an offer already. */
+int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
+                 const kvx_layout_t *l, uint8_t **params, size_t *params_len,
+                 char *why, size_t why_len);
+
 /* Fill blocks of pool for request key at rank from the offer params name. */
 int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                const uint8_t *params, size_t params_len, pool_t *pool,

@@ -298,6 +298,24 @@ KVX_EXPORT int kvx_publish_key(kvx_client_t *client, const void *key,
                                uint32_t num_tokens, const void *aux,
                                size_t aux_len, kvx_context_params_t *params,
                                int timeout_ms);
+/* For the instance's scheduler (vLLM's and SGLang's scheduler process,
+ * which is not a rank: connected with kvx_connect_observer, under the
+ * uid that owns the instance): reserve the offer of request key of
+ * instance_id for num_tokens tokens, and get its context params at once,
+ * identical to what the ranks' kvx_publish_key will return. The ranks
+ * publish their blocks later under the same key and num_tokens; a fetch
+ * that comes first waits for them (under its fetch timeout); an offer no
+ * rank publishes ends TIMED_OUT at deadlines.offer_lease_ms, an event for
+ * the instance's ranks. Call it on the daemon of the instance's rank 0,
+ * once a rank there has registered a pool (its layout goes into the
+ * params). Errors: KVX_ERR_NOT_FOUND (no such instance on this daemon),
+ * KVX_ERR_STATE (not joined or incomplete, no pool registered yet, rank
+ * 0 served elsewhere), KVX_ERR_EXISTS (key reserved or published
+ * already), KVX_ERR_PERM (an instance of another uid), KVX_ERR_INVALID
+ * (the key, num_tokens 0). */
+KVX_EXPORT int kvx_reserve(kvx_client_t *client, const char *instance_id,
+                           const void *key, size_t key_len, uint32_t num_tokens,
+                           kvx_context_params_t *params, int timeout_ms);
 /* kvx_publish_key with the key of request_id's digits, no aux. */
 KVX_EXPORT int kvx_publish(kvx_client_t *client, uint64_t request_id,
                            uint32_t pool_id, const uint32_t *blocks,
@@ -346,6 +364,10 @@ typedef struct {
     const uint8_t *key;   /* the request's key (this side's), owned by
                              the batch */
     uint32_t key_len;
+    const uint8_t *aux; /* generation side, COMPLETE: the aux payload
+                           published with the KV (NULL/0: none); owned
+                           by the batch */
+    uint32_t aux_len;
 } kvx_event_t;
 
 typedef struct {

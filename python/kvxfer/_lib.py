@@ -88,6 +88,8 @@ class Event(Structure):
         ("message", c_char_p),
         ("key", POINTER(c_uint8)),
         ("key_len", c_uint32),
+        ("aux", POINTER(c_uint8)),
+        ("aux_len", c_uint32),
     ]
 
 
@@ -99,7 +101,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 31 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 32 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -141,6 +143,8 @@ _PROTOS = {
                               c_size_t, c_uint32, c_void_p, c_uint32,
                               c_uint32, c_uint32, c_int]),
     "kvx_cancel_key": (c_int, [_client_p, c_char_p, c_size_t, c_int]),
+    "kvx_reserve": (c_int, [_client_p, c_char_p, c_char_p, c_size_t, c_uint32,
+                            POINTER(ContextParams), c_int]),
     "kvx_fetch": (c_int, [_client_p, c_uint64, c_char_p, c_size_t, c_uint32,
                           c_void_p, c_uint32, c_uint32, c_int]),
     "kvx_fetch_dp": (c_int, [_client_p, c_uint64, c_char_p, c_size_t,

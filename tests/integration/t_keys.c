@@ -147,3 +147,112 @@ TEST(keys_binary_longest_and_refused)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* The scheduler reserves (an observer connection, no Hello): the params
+ * come at once and are the bytes the rank's publish returns later; a
+ * fetch made before the publish waits for it, then the bytes land. The
+ * refusals name the field: the same key again, an unknown instance, a
+ * zero token count; a reserved key that is published is no longer
+ * reservable. The scheduler leaving changes nothing. */
+TEST(reserve_then_publish)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rs-ctx", "rs-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &sched), 0);
+    const char *k = "cmpl-rs-1";
+    kvx_context_params_t rp, pp;
+    CHECK_KVX(kvx_reserve(sched, "rs-ctx", k, strlen(k), 7, &rp, T_MS), sched);
+    kvx_params_info_t info;
+    CHECK_EQ(kvx_params_info(rp.data, rp.len, &info), KVX_OK);
+    CHECK_EQ(info.num_tokens, 7);
+    CHECK(!strcmp(info.instance_id, "rs-ctx"));
+    CHECK_FAILS(kvx_reserve(sched, "rs-ctx", k, strlen(k), 7, &pp, T_MS), sched,
+                KVX_ERR_EXISTS, "cmpl-rs-1 of instance rs-ctx is reserved");
+    CHECK_FAILS(kvx_reserve(sched, "nope", k, strlen(k), 7, &pp, T_MS), sched,
+                KVX_ERR_NOT_FOUND, "reserve.instance_id: no instance 'nope'");
+    CHECK_FAILS(kvx_reserve(sched, "rs-ctx", "z", 1, 0, &pp, T_MS), sched,
+                KVX_ERR_INVALID, "reserve.num_tokens: 0");
+    CHECK_FAILS(kvx_reserve(sched, "rs-gen", "z", 1, 7, &pp, T_MS), sched,
+                KVX_ERR_STATE, "role generation");
+    char *json;
+    CHECK_KVX(kvx_requests_json(sched, &json, T_MS), sched);
+    CHECK_STR_CONTAINS(json, "\"key\":\"cmpl-rs-1\"");
+    CHECK_STR_CONTAINS(json, "\"state\":\"reserved\"");
+    free(json);
+    kvx_close(sched); /* the reservation stays */
+    /* the fetch comes first and waits */
+    uint32_t cb[2] = {6, 2}, gb[2] = {3, 4};
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "g1", 2, rp.data, rp.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    ev_t e[4];
+    CHECK_EQ(collect(g.c, e, 4, 1, 300), 0); /* nothing yet */
+    fill_req(&c, 4242, cb, 7);
+    CHECK_KVX(kvx_publish_key(c.c, k, strlen(k), c.pool, cb, 2, 7, NULL, 0, &pp,
+                              T_MS),
+              c.c);
+    CHECK_EQ(pp.len, rp.len);
+    CHECK(!memcmp(pp.data, rp.data, rp.len)); /* the same params */
+    ev_t ge = wait_key(g.c, "g1", 2, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_COMPLETE);
+    ev_t ce = wait_key(c.c, k, strlen(k), 3000);
+    CHECK_EQ(ce.kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = 4242, .blocks = gb, .ntok = 7};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    kvx_context_params_free(&rp);
+    kvx_context_params_free(&pp);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* A reservation no rank publishes ends TIMED_OUT at the lease, an event
+ * for the context rank under its key; a fetch waiting on it ends too.
+ * A reservation whose rank leaves ends with the instance's requests. And
+ * before any rank registered a pool, reserve is refused (STATE). */
+TEST(reserve_faults)
+{
+    daemon_t *d = daemon_start("deadlines:\n  offer_lease_ms: 300\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rf-ctx", "rf-gen", 8, &c, &g, &cs, &gs);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &sched), 0);
+    kvx_context_params_t rp;
+    CHECK_KVX(kvx_reserve(sched, "rf-ctx", "lease", 5, 4, &rp, T_MS), sched);
+    ev_t ce = wait_key(c.c, "lease", 5, 3000);
+    CHECK_EQ(ce.kind, KVX_EVENT_TIMED_OUT);
+    kvx_context_params_free(&rp);
+    /* the rank leaves: the reservation and the fetch waiting on it end */
+    CHECK_KVX(kvx_reserve(sched, "rf-ctx", "gone", 4, 4, &rp, T_MS), sched);
+    uint32_t gb[1] = {0};
+    CHECK_KVX(kvx_fetch_key(g.c, "g-gone", 6, rp.data, rp.len, g.pool, gb, 1, 0,
+                            0, T_MS),
+              g.c);
+    rank_close(&c);
+    ev_t ge = wait_key(g.c, "g-gone", 6, 3000);
+    CHECK(ge.kind == KVX_EVENT_ERROR || ge.kind == KVX_EVENT_CANCELLED);
+    fprintf(stderr, "fetch after the rank left: %s %s\n",
+            kvx_status_name(ge.code), ge.msg);
+    CHECK_FAILS(kvx_reserve(sched, "rf-ctx", "after", 5, 4, &rp, T_MS), sched,
+                KVX_ERR_STATE, "local rank 0 has not said hello");
+    kvx_context_params_free(&rp);
+    /* no pool yet */
+    rank_t c2;
+    side_t s2 = cs;
+    s2.inst = "rf-nopool";
+    rank_hello_only(d, &M_SMALL, &s2, 0, &c2);
+    rank_join(&c2);
+    CHECK_FAILS(kvx_reserve(sched, "rf-nopool", "x", 1, 4, &rp, T_MS), sched,
+                KVX_ERR_STATE, "has registered a pool");
+    rank_close(&c2);
+    kvx_close(sched);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
