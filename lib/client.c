@@ -476,8 +476,21 @@ int kvx_daemon_address(const kvx_client_t *c, char *buf, size_t len)
 int kvx_join(kvx_client_t *c, const char *const *addr, uint32_t n,
              int timeout_ms)
 {
+    return kvx_join_consumers(c, addr, n, NULL, 0, timeout_ms);
+}
+
+int kvx_join_consumers(kvx_client_t *c, const char *const *addr, uint32_t n,
+                       const char *const *consumers, uint32_t ncons,
+                       int timeout_ms)
+{
     if (!c)
         return KVX_ERR_INVALID;
+    if (ncons && !consumers)
+        return fail(c, KVX_ERR_INVALID, "%s: consumers is NULL", __func__);
+    for (uint32_t i = 0; i < ncons; i++)
+        if (!consumers[i] || !consumers[i][0])
+            return fail(c, KVX_ERR_INVALID,
+                        "%s: consumers[%u] is NULL or empty", __func__, i);
     if (!addr)
         return fail(c, KVX_ERR_INVALID,
                     "%s: a required argument is NULL or 0",
@@ -489,6 +502,8 @@ int kvx_join(kvx_client_t *c, const char *const *addr, uint32_t n,
     Kvxfer__Join m = KVXFER__JOIN__INIT;
     m.n_rank_addresses = n;
     m.rank_addresses = (char **)addr;
+    m.n_consumers = ncons;
+    m.consumers = (char **)consumers;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_JOIN;
     rq.join = &m;
@@ -1037,6 +1052,40 @@ int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,
     memcpy(params->data, r->publish->context_params.data, params->len);
     kvxfer__reply__free_unpacked(r, NULL);
     return 0;
+}
+
+int kvx_fetch_by_key(kvx_client_t *c, const void *key, size_t key_len,
+                     const char *ctx_instance, const char *ctx_address,
+                     const void *ctx_key, size_t ctx_key_len, uint32_t pool_id,
+                     const uint32_t *blocks, uint32_t nblocks,
+                     uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_fetch_by_key", key, key_len);
+    if (!rc)
+        rc = key_arg(c, "kvx_fetch_by_key: context", ctx_key, ctx_key_len);
+    if (rc)
+        return rc;
+    if (!ctx_instance || !ctx_address || (!blocks && nblocks))
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    __func__);
+    Kvxfer__FetchByKey m = KVXFER__FETCH_BY_KEY__INIT;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
+    m.context_instance = (char *)ctx_instance;
+    m.context_address = (char *)ctx_address;
+    m.context_key.data = (uint8_t *)ctx_key;
+    m.context_key.len = ctx_key_len;
+    m.pool_id = pool_id;
+    m.n_blocks = nblocks;
+    m.blocks = (uint32_t *)blocks;
+    m.skip_tokens = skip_tokens;
+    m.dp_rank = dp_rank;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_FETCH_BY_KEY;
+    rq.fetch_by_key = &m;
+    return call(c, &rq, -1, timeout_ms, NULL);
 }
 
 int kvx_fetch(kvx_client_t *c, uint64_t request_id, const uint8_t *params,

@@ -24,6 +24,7 @@
 #include "fault.h"
 #include "gpu.h"
 #include "instance.h"
+#include "keyed.h"
 #include "log.h"
 #include "notify.h"
 #include "peer.h"
@@ -97,6 +98,7 @@ static void on_tick(uv_timer_t *t)
     peer_tick(now);
     remote_tick(now);
     release_tick(now);
+    keyed_tick(now);
     agree_tick(now);
     instance_tick(now);
     session_tick(now);
@@ -319,6 +321,7 @@ int main(int argc, char **argv)
         goto err_server;
     }
     release_init(); /* after remote and agree: its loss callback last */
+    keyed_init();
     uv_signal_init(kvxd.loop, &sig_term);
     uv_signal_init(kvxd.loop, &sig_int);
     uv_signal_init(kvxd.loop, &sig_hup);
@@ -349,6 +352,7 @@ err_copy:
     instance_cleanup();
     agree_cleanup();
     release_cleanup();
+    keyed_cleanup();  /* its waiting fetches hold pools */
     pool_cleanup();   /* drops the pools' GPU imports */
     gpu_cleanup();    /* frees what is left of CUDA */
 err_defer:

@@ -19,6 +19,7 @@
 #include "daemon.h"
 #include "frame.h"
 #include "instance.h"
+#include "keyed.h"
 #include "layout.h"
 #include "log.h"
 #include "map.h"
@@ -497,7 +498,10 @@ static void on_join(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
     int first = !s->inst->joined;
-    int rc = instance_join(s->inst, s->rank, rq->join->rank_addresses,
+    int rc = instance_consumers(s->inst, rq->join->consumers,
+                                rq->join->n_consumers, why, sizeof(why));
+    if (!rc)
+        rc = instance_join(s->inst, s->rank, rq->join->rank_addresses,
                            rq->join->n_rank_addresses, why, sizeof(why));
     if (!rc && first)
         agree_joined(s->inst); /* the root counts every remote rank */
@@ -674,11 +678,12 @@ static void on_deregister_pool(session_t *s, const Kvxfer__Request *rq)
         FAIL(KVX_ERR_NOT_FOUND,
              "deregister_pool.pool_id: no pool %u registered by this session",
              id);
-    if (xfer_pool_users(p))
+    uint32_t users = xfer_pool_users(p) + keyed_pool_users(p);
+    if (users)
         FAIL(KVX_ERR_BUSY,
              "deregister_pool.pool_id: pool %u is used by %u requests; "
              "cancel them first",
-             id, xfer_pool_users(p));
+             id, users);
     map_del(&s->pools, id);
     pool_release(p);
     reply(s, rq->id, 0, "");
@@ -798,7 +803,9 @@ static void on_cancel(session_t *s, const Kvxfer__Request *rq)
     reqkey_t key;
     int rc = reqkey_set(&key, rq->cancel->key.data, rq->cancel->key.len,
                         "cancel.key", why, sizeof(why));
-    if (!rc)
+    if (!rc && keyed_cancel(s->inst, &key))
+        rc = 0; /* a fetch by key that was still waiting: ended */
+    else if (!rc)
         rc = xfer_cancel(s->inst, &key, s->id, rq->id, why, sizeof(why));
     if (rc <= 0)
         reply(s, rq->id, rc, rc ? why : "");
@@ -854,6 +861,45 @@ static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
     r.requests = &rr;
     reply_packed(s, &r);
     xfer_free_infos(rr.requests, rr.n_requests);
+}
+
+static void on_fetch_by_key(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    const Kvxfer__FetchByKey *m = rq->fetch_by_key;
+    int rc;
+    reqkey_t key, ckey;
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch_by_key.key", why,
+                         sizeof(why))) ||
+        (rc = reqkey_set(&ckey, m->context_key.data, m->context_key.len,
+                         "fetch_by_key.context_key", why, sizeof(why))))
+        goto fail;
+    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_by_key", why,
+                        sizeof(why))))
+        goto fail;
+    pool_t *p = own_pool(s, m->pool_id);
+    if (!p)
+        FAIL(KVX_ERR_NOT_FOUND,
+             "fetch_by_key.pool_id: no pool %u registered by this session",
+             m->pool_id);
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch_by_key", why,
+                           sizeof(why))))
+        goto fail;
+    /* the checks xfer_fetch makes before the params: refused now, as a
+     * fetch with params is */
+    uint32_t groups =
+        s->inst->side.attention_dp > 1 ? s->inst->side.attention_dp : 1;
+    if (m->dp_rank >= groups)
+        FAIL(KVX_ERR_INVALID,
+             "fetch_by_key.dp_rank: %u, but instance %s has %u attention-DP "
+             "group%s",
+             m->dp_rank, s->inst->id, groups, groups == 1 ? "" : "s");
+    rc = keyed_fetch(
+        s->inst, s->rank, &key, m->context_instance ? m->context_instance : "",
+        m->context_address ? m->context_address : "", &ckey, p, m->blocks,
+        (uint32_t)m->n_blocks, m->skip_tokens, m->dp_rank, why, sizeof(why));
+fail:
+    reply(s, rq->id, rc, rc ? why : "");
 }
 
 /* A pool of a local rank of inst: its layout speaks for the instance's
@@ -1004,6 +1050,9 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         break;
     case KVXFER__REQUEST__BODY_FETCH:
         on_fetch(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_FETCH_BY_KEY:
+        on_fetch_by_key(s, rq);
         break;
     case KVXFER__REQUEST__BODY_POLL:
         on_poll(s, rq);
@@ -1389,6 +1438,7 @@ static void session_close(session_t *s, const char *why)
         snprintf(msg, sizeof(msg), "pool owner (pid %d) disconnected",
                  (int)s->pid);
         for (uint32_t i = 0; i < n; i++) {
+            keyed_end_pool_users(ps[i], KVX_ERR_PEER_GONE, msg);
             xfer_end_pool_users(ps[i], KVX_ERR_PEER_GONE, msg);
             pool_release(ps[i]);
         }

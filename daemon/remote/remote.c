@@ -19,7 +19,8 @@
  *                        scatter_done() counts its units in xfer, and the
  *                        last one frees the slot
  *   on_end_to_d()        the source refused or ended the stream; "not
- *                        yet published" is asked again for OPEN_RETRY_MS
+ *                        yet published" is asked again until the
+ *                        fetch's deadline
  * (context daemon, "S"):
  *   on_open()            finds the offer, checks the token, builds the
  *                        same plan, and counts the streams it will serve
@@ -135,6 +136,7 @@ typedef struct rstream {
     int opened, ended, refused;
     uint64_t retry_ms;           /* not published there yet: ask again */
     uint64_t retry_until_ms;
+    uint32_t retries; /* asked again so far: the next wait */
     uint64_t units_done;
     uint32_t held;               /* slots PULLED or RECEIVING for it */
     rrq_entry_t turn;            /* waiting for a receive slot */
@@ -249,8 +251,11 @@ static int done_notes_apply(offer_t *o);
 static void done_notes_tick(uint64_t now);
 static void offer_done_notify(offer_t *o);
 
-
-#define OPEN_RETRY_MS 2000
+/* "not yet published": asked again after 20 ms, doubling to 320 ms,
+ * until the fetch's own deadline (a reservation's ranks publish when
+ * they do) */
+#define OPEN_RETRY_FIRST_MS 20
+#define OPEN_RETRY_MAX_MS 320
 
 static slots_t rslots, sslots;
 static map_t rstreams, sstreams;
@@ -1831,14 +1836,19 @@ static void on_end_to_d(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
         r->refused = 1;
     if (e->code == KVX_ERR_NOT_FOUND && !r->opened && !e->final) {
         /* a context rank on that daemon may not have published yet (an
-         * instance spread over daemons): ask again, for a while */
+         * instance spread over daemons, a reservation): ask again, until
+         * the fetch's deadline */
         if (!r->retry_until_ms)
-            r->retry_until_ms = now + OPEN_RETRY_MS;
+            r->retry_until_ms = now + kvxd.conf.fetch_timeout_ms;
         if (now < r->retry_until_ms) {
             r->refused = 0;
             if (!r->retry_ms)
                 retrying++;
-            r->retry_ms = now + 20;
+            uint64_t wait = (uint64_t)OPEN_RETRY_FIRST_MS
+                            << (r->retries < 4 ? r->retries : 4);
+            r->retries++;
+            r->retry_ms =
+                now + (wait < OPEN_RETRY_MAX_MS ? wait : OPEN_RETRY_MAX_MS);
             return;
         }
     }

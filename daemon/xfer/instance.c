@@ -96,6 +96,7 @@ static void instance_free(instance_t *inst)
         for (uint32_t r = 0; r < inst->nranks; r++)
             free(inst->addresses[r]);
     free(inst->addresses);
+    free(inst->consumers);
     free(inst->local);
     free(inst->rank_sid);
     free(inst);
@@ -255,6 +256,56 @@ err_nomem:
     inst->addresses = NULL;
     inst->local = NULL;
     WHY(KVX_ERR_NOMEM, "join: out of memory");
+}
+
+int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
+                       size_t why_len)
+{
+    size_t len = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t l = strlen(list[i]);
+        if (!l || l > INSTANCE_ID_MAX || strchr(list[i], '\n'))
+            WHY(KVX_ERR_INVALID,
+                "join.consumers[%zu]: empty, a newline, or over %u bytes", i,
+                INSTANCE_ID_MAX);
+        len += l + 1;
+    }
+    char *c = NULL;
+    if (n && !(c = malloc(len)))
+        WHY(KVX_ERR_NOMEM, "join: out of memory");
+    for (size_t i = 0, o = 0; i < n; i++) {
+        size_t l = strlen(list[i]);
+        memcpy(c + o, list[i], l);
+        c[o + l] = i + 1 < n ? '\n' : 0;
+        o += l + 1;
+    }
+    if (inst->joined) {
+        int same = (!c && !inst->consumers) ||
+                   (c && inst->consumers && !strcmp(c, inst->consumers));
+        free(c);
+        if (!same)
+            WHY(KVX_ERR_MISMATCH,
+                "join.consumers: differ from those another rank gave");
+        return 0;
+    }
+    free(inst->consumers);
+    inst->consumers = c;
+    return 0;
+}
+
+int instance_allows(const instance_t *inst, const char *consumer,
+                    int64_t consumer_uid)
+{
+    if (!inst->consumers) /* the default: the cluster, or this uid here */
+        return consumer_uid < 0 || (uint32_t)consumer_uid == inst->owner_uid;
+    size_t l = strlen(consumer);
+    for (const char *p = inst->consumers; p; p = strchr(p, '\n')) {
+        if (*p == '\n')
+            p++;
+        if (!strncmp(p, consumer, l) && (p[l] == '\n' || !p[l]))
+            return 1;
+    }
+    return 0;
 }
 
 int instance_ready(const instance_t *inst, char *why, size_t why_len)

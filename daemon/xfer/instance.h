@@ -38,6 +38,8 @@ typedef struct instance {
                                 instance (PeerBatch.epoch) */
     map_t offers;            /* request_id -> offer (context side) */
     map_t fetches;           /* request_id -> genreq (generation side) */
+    char *consumers;         /* join: the instances that may fetch by
+                                key, one per line; NULL: the default */
     list_t node;             /* instance.c's; others walk instance_next() */
 } instance_t;
 
@@ -72,6 +74,14 @@ int instance_detach(instance_t *inst, uint32_t rank);
  * inst->joined. */
 int instance_join(instance_t *inst, uint32_t rank, char *const *addresses,
                   size_t n, char *why, size_t why_len);
+/* Join's consumers (n of them; 0: the default): the first join sets
+ * them, later joins must give the same (KVX_ERR_MISMATCH). */
+int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
+                       size_t why_len);
+/* May instance consumer (of uid consumer_uid; -1: on another daemon)
+ * fetch inst's requests by key? */
+int instance_allows(const instance_t *inst, const char *consumer,
+                    int64_t consumer_uid);
 /* 0 if publish/fetch may proceed (joined, every local rank connected). */
 int instance_ready(const instance_t *inst, char *why, size_t why_len);
 instance_t *instance_find(const char *id);

@@ -229,6 +229,13 @@ void xfer_set_spread_event(xfer_spread_event_cb cb)
     spread_event = cb;
 }
 
+static xfer_offer_made_cb offer_made;
+
+void xfer_set_offer_made(xfer_offer_made_cb cb)
+{
+    offer_made = cb;
+}
+
 static void side_from_layout(plan_side_t *s, const instance_t *inst,
                              const kvx_layout_t *l)
 {
@@ -509,7 +516,46 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     nrequests++;
     dl_insert(&leases, &o->lease, o->created_ms + kvxd.conf.offer_lease_ms);
     *out = o;
+    if (offer_made)
+        offer_made(inst, key);
     return 0;
+}
+
+int xfer_params_for(instance_t *inst, const reqkey_t *key, uint8_t **params,
+                    size_t *len, char *why, size_t why_len)
+{
+    offer_t *o = map_get(&inst->offers, xfer_key_id(key->b, key->len));
+    if (!o || !reqkey_eq(&o->key, key))
+        WHY(KVX_ERR_NOT_FOUND, "no offer of request %s of instance %s", ks(key),
+            inst->id);
+    if (o->ending || o->consumed || o->consume_fenced)
+        WHY(KVX_ERR_NOT_FOUND,
+            "the offer of request %s of instance %s has ended", ks(key),
+            inst->id);
+    if (o->consumer || o->taken)
+        WHY(KVX_ERR_EXISTS,
+            "the offer of request %s of instance %s is taken by another "
+            "fetch",
+            ks(key), inst->id);
+    if (!(*params = malloc(o->params_len)))
+        WHY(KVX_ERR_NOMEM, "out of memory");
+    memcpy(*params, o->params, o->params_len);
+    *len = o->params_len;
+    return 0;
+}
+
+int xfer_fetch_runs(instance_t *inst, const reqkey_t *key)
+{
+    genreq_t *g = map_get(&inst->fetches, xfer_key_id(key->b, key->len));
+    return g != NULL;
+}
+
+void xfer_fetch_end_early(instance_t *inst, const reqkey_t *key,
+                          uint32_t dp_rank, int kind, int code, const char *msg)
+{
+    uint32_t groups = inst->side.attention_dp > 1 ? inst->side.attention_dp : 1;
+    push_event(inst, xfer_key_id(key->b, key->len), key, kind, code, msg, 0,
+               group_ranks(inst, dp_rank), inst->nranks / groups);
 }
 
 static void part_try_start(genpart_t *p);

@@ -40,6 +40,24 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
                  const kvx_layout_t *l, uint8_t **params, size_t *params_len,
                  char *why, size_t why_len);
 
+/* An offer was made (published first, or reserved): cb(inst, key) is
+ * called from inside the call that made it, so it must only take note
+ * (kvxd_defer) and act later. */
+typedef void (*xfer_offer_made_cb)(instance_t *inst, const reqkey_t *key);
+void xfer_set_offer_made(xfer_offer_made_cb cb);
+/* A copy of the params of the offer of key (malloc'd): 0, NOT_FOUND (no
+ * such offer, or it ended), EXISTS (another fetch took it), with why. */
+int xfer_params_for(instance_t *inst, const reqkey_t *key, uint8_t **params,
+                    size_t *len, char *why, size_t why_len);
+/* Does a fetch of key run in inst? */
+int xfer_fetch_runs(instance_t *inst, const reqkey_t *key);
+/* A fetch of key that never became a request (fetch by key: no offer
+ * found, refused) ends: its terminal event for the local ranks of
+ * attention-DP group dp_rank. */
+void xfer_fetch_end_early(instance_t *inst, const reqkey_t *key,
+                          uint32_t dp_rank, int kind, int code,
+                          const char *msg);
+
 /* Fill blocks of pool for request key at rank from the offer params name. */
 int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                const uint8_t *params, size_t params_len, pool_t *pool,

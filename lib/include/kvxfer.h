@@ -220,6 +220,18 @@ KVX_EXPORT int kvx_daemon_address(const kvx_client_t *client, char *buf,
 KVX_EXPORT int kvx_join(kvx_client_t *client, const char *const *rank_addresses,
                         uint32_t num_ranks, int timeout_ms);
 
+/* kvx_join for a context instance that says which generation instances
+ * may fetch its requests by key (kvx_fetch_by_key): consumers[0..n), or
+ * NULL/0 for the default, any instance of a daemon of the cluster (and on
+ * this daemon, any of the same uid). Every local rank passes the same
+ * list (else KVX_ERR_MISMATCH). Fetches with params need no such leave:
+ * the params' token is the right. */
+KVX_EXPORT int kvx_join_consumers(kvx_client_t *client,
+                                  const char *const *rank_addresses,
+                                  uint32_t num_ranks,
+                                  const char *const *consumers,
+                                  uint32_t num_consumers, int timeout_ms);
+
 /* Create a host-memory pool of layout->... (memfd, shared with the daemon)
  * and register it. *base is this process's mapping; *pool_id names it. */
 KVX_EXPORT int kvx_pool_create_host(kvx_client_t *client,
@@ -336,6 +348,26 @@ KVX_EXPORT int kvx_fetch_key(kvx_client_t *client, const void *key,
                              const uint32_t *blocks, uint32_t num_blocks,
                              uint32_t skip_tokens, uint32_t dp_rank,
                              int timeout_ms);
+/* kvx_fetch_key without params: fetch request context_key of
+ * context_instance, whose rank 0 is served by the daemon at
+ * context_address (its kvx_daemon_address()), as SGLang's decode does
+ * with a bootstrap room and TensorRT-LLM's generation-first mode. The
+ * daemons find the offer and wait for it to be published or reserved,
+ * under deadlines.fetch_timeout_ms (then TIMED_OUT, naming the key); the
+ * context instance must let this instance fetch by key
+ * (kvx_join_consumers; by default any instance of the cluster, and on one
+ * daemon any of the same uid), else the request ends with KVX_ERR_PERM.
+ * blocks must hold the offer's tokens (known to the engine: its prompt),
+ * else the request ends with KVX_ERR_INVALID. As kvx_fetch_key, this
+ * returns once the daemon accepted the fetch; the rest arrives as an
+ * event; kvx_cancel_key(key) ends a fetch still waiting. */
+KVX_EXPORT int kvx_fetch_by_key(kvx_client_t *client, const void *key,
+                                size_t key_len, const char *context_instance,
+                                const char *context_address,
+                                const void *context_key, size_t context_key_len,
+                                uint32_t pool_id, const uint32_t *blocks,
+                                uint32_t num_blocks, uint32_t skip_tokens,
+                                uint32_t dp_rank, int timeout_ms);
 /* kvx_fetch_key with the key of request_id's digits, dp_rank 0. */
 KVX_EXPORT int kvx_fetch(kvx_client_t *client, uint64_t request_id,
                          const uint8_t *params, size_t params_len,

@@ -101,7 +101,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 32 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 34 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -145,6 +145,12 @@ _PROTOS = {
     "kvx_cancel_key": (c_int, [_client_p, c_char_p, c_size_t, c_int]),
     "kvx_reserve": (c_int, [_client_p, c_char_p, c_char_p, c_size_t, c_uint32,
                             POINTER(ContextParams), c_int]),
+    "kvx_fetch_by_key": (c_int, [_client_p, c_char_p, c_size_t, c_char_p,
+                                 c_char_p, c_char_p, c_size_t, c_uint32,
+                                 c_void_p, c_uint32, c_uint32, c_uint32,
+                                 c_int]),
+    "kvx_join_consumers": (c_int, [_client_p, POINTER(c_char_p), c_uint32,
+                                   POINTER(c_char_p), c_uint32, c_int]),
     "kvx_fetch": (c_int, [_client_p, c_uint64, c_char_p, c_size_t, c_uint32,
                           c_void_p, c_uint32, c_uint32, c_int]),
     "kvx_fetch_dp": (c_int, [_client_p, c_uint64, c_char_p, c_size_t,

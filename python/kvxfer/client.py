@@ -367,12 +367,19 @@ class Client:
         return self._address
 
     def join(self, rank_addresses: Sequence[str],
+             consumers: Optional[Sequence[str]] = None,
              timeout: Timeout = _DEFAULT) -> None:
         """Tell the daemon where every rank of this instance is served
-        (kvx_join); every local rank joins with the same list."""
+        (kvx_join); every local rank joins with the same list. A context
+        instance may name the generation instances that can fetch its
+        requests by key (``consumers``; kvx_join_consumers); None: any
+        instance of the cluster (on one daemon: of the same uid)."""
         enc = [a.encode() for a in rank_addresses]
         arr = (ctypes.c_char_p * max(1, len(enc)))(*enc)
-        self._call("kvx_join", arr, len(enc), self._ms(timeout))
+        cons = [c.encode() for c in (consumers or [])]
+        carr = (ctypes.c_char_p * max(1, len(cons)))(*cons)
+        self._call("kvx_join_consumers", arr, len(enc),
+                   carr if cons else None, len(cons), self._ms(timeout))
 
     # -- pools ------------------------------------------------------------
 
@@ -549,6 +556,38 @@ class Client:
         write its blocks."""
         k = key_bytes(key)
         self._call("kvx_cancel_key", k, len(k), self._ms(timeout))
+
+    def reserve(self, instance_id: str, key: Key, num_tokens: int,
+                timeout: Timeout = _DEFAULT) -> bytes:
+        """For the instance's scheduler (a client without Hello, of the
+        uid that owns the instance): reserve the offer of ``key`` for
+        ``num_tokens`` and get its context params now, the bytes the
+        ranks' :meth:`publish` will return (kvx_reserve). Call it on the
+        daemon of the instance's rank 0 once a rank registered a pool."""
+        k = key_bytes(key)
+        params = _lib.ContextParams()
+        self._call("kvx_reserve", instance_id.encode(), k, len(k),
+                   num_tokens, ctypes.byref(params), self._ms(timeout))
+        try:
+            return ctypes.string_at(params.data, params.len)
+        finally:
+            _lib.lib().kvx_context_params_free(ctypes.byref(params))
+
+    def fetch_by_key(self, key: Key, context_instance: str,
+                     context_address: str, context_key: Key, pool: PoolRef,
+                     blocks: Blocks, *, skip_tokens: int = 0,
+                     dp_rank: int = 0, timeout: Timeout = _DEFAULT) -> None:
+        """:meth:`fetch` without params (kvx_fetch_by_key): the daemons
+        find the offer of ``context_key`` of ``context_instance``, whose
+        rank 0 is served by the daemon at ``context_address``, waiting for
+        its publish or reservation under the fetch timeout. The outcome
+        comes as an :class:`Event` for ``key``."""
+        k, ck = key_bytes(key), key_bytes(context_key)
+        ptr, n, keep = _u32(blocks)
+        self._call("kvx_fetch_by_key", k, len(k), context_instance.encode(),
+                   context_address.encode(), ck, len(ck), _pool_id(pool),
+                   ptr, n, skip_tokens, dp_rank, self._ms(timeout))
+        del keep
 
     def release(self, params: bytes, timeout: Timeout = _DEFAULT) -> None:
         """Release the published request ``params`` name without a

@@ -328,3 +328,36 @@ def test_string_and_bytes_keys(pair, names):
         ctx.cancel("")
     with pytest.raises(kvxfer.NotFound, match="cancel.key: no request nope"):
         ctx.cancel("nope")
+
+
+def test_scheduler_reserves_then_decode_fetches_by_key(daemon, pair, names):
+    """vLLM's flow: the scheduler (no Hello) reserves and gets the params
+    before the worker publishes; SGLang's flow: decode fetches by key
+    before the prefill publishes. The bytes land; the publish returns the
+    reserved params."""
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    fill(src.array, 5)
+    key = f"cmpl-{names['req']}-0"
+    with kvxfer.Client(daemon.sock) as sched:
+        params = sched.reserve(names["ctx"], key, num_tokens=2 * TPB)
+    assert kvxfer.params_info(params).key == key.encode()
+    gen.fetch_by_key("d-" + key, names["ctx"], ctx.daemon_address, key, dst,
+                     [3, 0])
+    assert not gen.poll(1, 0.2).events  # waits for the publish
+    assert ctx.publish(key, src, [2, 6], num_tokens=2 * TPB) == params
+    assert wait_event(gen, "d-" + key).ok
+    assert wait_event(ctx, key).ok
+    for s, d in zip([2, 6], [3, 0]):
+        assert np.array_equal(block_bytes(lo, dst.array, d),
+                              block_bytes(lo, src.array, s))
+    with kvxfer.Client(daemon.sock) as sched:
+        with pytest.raises(kvxfer.NotFound, match="reserve.instance_id"):
+            sched.reserve("no-such-instance", key, 4)
+    # a waiting fetch by key is cancelled by its key
+    gen.fetch_by_key("d-2", names["ctx"], ctx.daemon_address, "never", dst,
+                     [1])
+    gen.cancel("d-2")
+    ev = wait_event(gen, "d-2")
+    assert ev.kind is EventKind.CANCELLED

@@ -256,3 +256,163 @@ TEST(reserve_faults)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* Fetch by key on one daemon: the generation rank names the context
+ * instance, its rank 0's daemon and the key, before anything is
+ * published; the publish then moves the bytes. After a reservation the
+ * same. A cancel ends a waiting one (CANCELLED, nothing written later);
+ * a key never published ends TIMED_OUT naming it; an offer taken by
+ * another fetch ends it EXISTS; bad arguments are refused at once. */
+TEST(fetch_by_key_one_daemon)
+{
+    daemon_t *d = daemon_start("deadlines:\n  fetch_timeout_ms: 800\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "fk-ctx", "fk-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[2] = {1, 5}, gb[2] = {7, 0};
+    /* before the publish */
+    CHECK_KVX(kvx_fetch_by_key(g.c, "d-1", 3, "fk-ctx", c.addr, "room-1", 6,
+                               g.pool, gb, 2, 0, 0, T_MS),
+              g.c);
+    ev_t e[4];
+    CHECK_EQ(collect(g.c, e, 4, 1, 200), 0); /* it waits */
+    fill_req(&c, 501, cb, 6);
+    kvx_context_params_t p;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room-1", 6, c.pool, cb, 2, 6, NULL, 0, &p, T_MS),
+        c.c);
+    kvx_context_params_free(&p);
+    ev_t ge = wait_key(g.c, "d-1", 3, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "room-1", 6, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = 501, .blocks = gb, .ntok = 6};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+
+    /* after the publish: found at once */
+    uint32_t gb2[2] = {2, 3};
+    fill_req(&c, 502, cb, 8);
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room-2", 6, c.pool, cb, 2, 8, NULL, 0, &p, T_MS),
+        c.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_fetch_by_key(g.c, "d-2", 3, "fk-ctx", c.addr, "room-2", 6,
+                               g.pool, gb2, 2, 0, 0, T_MS),
+              g.c);
+    CHECK_EQ(wait_key(g.c, "d-2", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "room-2", 6, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex2[2] = {{.req = 501, .blocks = gb, .ntok = 6},
+                       {.req = 502, .blocks = gb2, .ntok = 8}};
+    CHECK_EQ(check_pool(&g, ex2, 2, 0xa5), 0);
+
+    /* cancelled while it waits; the key is free again */
+    CHECK_KVX(kvx_fetch_by_key(g.c, "d-3", 3, "fk-ctx", c.addr, "room-3", 6,
+                               g.pool, gb, 2, 0, 0, T_MS),
+              g.c);
+    CHECK_KVX(kvx_cancel_key(g.c, "d-3", 3, T_MS), g.c);
+    ge = wait_key(g.c, "d-3", 3, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_CANCELLED);
+    CHECK_EQ(ge.code, KVX_ERR_CANCELLED);
+
+    /* never published: TIMED_OUT by the fetch timeout, naming the key */
+    int64_t t0 = now_ms();
+    CHECK_KVX(kvx_fetch_by_key(g.c, "d-4", 3, "fk-ctx", c.addr, "room-404", 8,
+                               g.pool, gb, 2, 0, 0, T_MS),
+              g.c);
+    ge = wait_key(g.c, "d-4", 3, 5000);
+    CHECK_EQ(ge.kind, KVX_EVENT_TIMED_OUT);
+    CHECK_EQ(ge.code, KVX_ERR_TIMED_OUT);
+    CHECK_STR_CONTAINS(ge.msg, "room-404");
+    CHECK(now_ms() - t0 >= 700);
+
+    /* taken by a fetch with params: EXISTS */
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room-5", 6, c.pool, cb, 2, 8, NULL, 0, &p, T_MS),
+        c.c);
+    CHECK_KVX(kvx_fetch_key(g.c, "d-5a", 4, p.data, p.len, g.pool, gb2, 2, 0, 0,
+                            T_MS),
+              g.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_fetch_by_key(g.c, "d-5b", 4, "fk-ctx", c.addr, "room-5", 6,
+                               g.pool, gb, 2, 0, 0, T_MS),
+              g.c);
+    ge = wait_key(g.c, "d-5b", 4, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_ERROR);
+    CHECK(ge.code == KVX_ERR_EXISTS || ge.code == KVX_ERR_NOT_FOUND);
+
+    /* refused at once */
+    CHECK_FAILS(kvx_fetch_by_key(g.c, "d-6", 3, "", c.addr, "room-6", 6, g.pool,
+                                 gb, 2, 0, 0, T_MS),
+                g.c, KVX_ERR_INVALID, "fetch_by_key.context_instance");
+    CHECK_FAILS(kvx_fetch_by_key(g.c, "d-6", 3, "fk-ctx", c.addr, "", 0, g.pool,
+                                 gb, 2, 0, 0, T_MS),
+                g.c, KVX_ERR_INVALID, "context: key of 0 bytes");
+    CHECK_FAILS(kvx_fetch_by_key(g.c, "d-6", 3, "fk-ctx", c.addr, "room-6", 6,
+                                 g.pool, gb, 2, 0, 3, T_MS),
+                g.c, KVX_ERR_INVALID, "fetch_by_key.dp_rank");
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* A context instance that names its consumers at join: another
+ * generation instance fetching by key ends PERM, nothing written; the
+ * named one gets the bytes. A reservation is found by key too. */
+TEST(fetch_by_key_consumers)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g, g2;
+    side_t cs, gs, gs2;
+    cs = (side_t){.inst = "fc-ctx",
+                  .role = KVX_ROLE_CONTEXT,
+                  .tp = 1,
+                  .pp = 1,
+                  .preset = "vllm-nhd",
+                  .tpb = 4};
+    gs = cs;
+    gs.inst = "fc-gen";
+    gs.role = KVX_ROLE_GENERATION;
+    gs2 = gs;
+    gs2.inst = "fc-other";
+    rank_hello_only(d, &M_SMALL, &cs, 0, &c);
+    const char *addrs[1] = {c.addr};
+    const char *cons[1] = {"fc-gen"};
+    CHECK_KVX(kvx_join_consumers(c.c, addrs, 1, cons, 1, T_MS), c.c);
+    rank_pool(&c, 8);
+    rank_open(d, &M_SMALL, &gs, 0, 8, &g);
+    rank_open(d, &M_SMALL, &gs2, 0, 8, &g2);
+    memset(g.base, 0xa5, g.size);
+    memset(g2.base, 0xa5, g2.size);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &sched), 0);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_reserve(sched, "fc-ctx", "r1", 2, 5, &p, T_MS), sched);
+    kvx_context_params_free(&p);
+    uint32_t cb[2] = {0, 1}, gb[2] = {3, 2};
+    CHECK_KVX(kvx_fetch_by_key(g2.c, "o-1", 3, "fc-ctx", c.addr, "r1", 2,
+                               g2.pool, gb, 2, 0, 0, T_MS),
+              g2.c);
+    ev_t ge = wait_key(g2.c, "o-1", 3, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(ge.code, KVX_ERR_PERM);
+    CHECK_STR_CONTAINS(ge.msg, "does not let instance fc-other");
+    CHECK_KVX(kvx_fetch_by_key(g.c, "g-1", 3, "fc-ctx", c.addr, "r1", 2, g.pool,
+                               gb, 2, 0, 0, T_MS),
+              g.c);
+    fill_req(&c, 71, cb, 5);
+    CHECK_KVX(
+        kvx_publish_key(c.c, "r1", 2, c.pool, cb, 2, 5, NULL, 0, &p, T_MS),
+        c.c);
+    kvx_context_params_free(&p);
+    CHECK_EQ(wait_key(g.c, "g-1", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = 71, .blocks = gb, .ntok = 5};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&g2, NULL, 0, 0xa5), 0); /* nothing written */
+    kvx_close(sched);
+    rank_close(&c);
+    rank_close(&g);
+    rank_close(&g2);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}

@@ -128,7 +128,8 @@ TEST_T(peer_open_for_ended_offer, 60)
     fprintf(stderr, "NOT_FOUND after %lld ms: %s\n", (long long)took, e.msg);
     CHECK_STR_CONTAINS(e.msg, "expired, cancelled or completed");
     CHECK(strstr(e.msg, "not yet published") == NULL);
-    /* the retry window is 2 s; a final answer is one round trip */
+    /* the retry window is the fetch timeout; a final answer is one round
+     * trip */
     CHECK(took < 1500);
     kvx_context_params_free(&p);
 
@@ -892,6 +893,78 @@ TEST_T(peer_keyed_transfer, 60)
     CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
     CHECK_EQ(p_check_req(&g, 8812, gb, 8, 0), 0);
     kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}
+
+/* Fetch by key across two daemons: the generation rank on B names A's
+ * context instance, A's address and the key before the publish; B asks A
+ * (PeerResolve), A answers once the offer is made, and the bytes land. A
+ * context instance that names other consumers refuses B's (PERM); a key
+ * already consumed is not found again (TIMED_OUT on B's fetch timeout);
+ * neither writes a byte. */
+TEST_T(peer_fetch_by_key, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b =
+        p_daemon(1, P_SECRET, NULL, "deadlines:\n  fetch_timeout_ms: 1500\n");
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pf-ctx", "pf-gen", &c, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[2] = {6, 3}, gb[2] = {0, 5};
+    CHECK_KVX(kvx_fetch_by_key(g.c, "dec-1", 5, "pf-ctx", c.addr, "room-9", 6,
+                               g.pool, gb, 2, 0, 0, T_MS),
+              g.c);
+    ev_t e[4];
+    CHECK_EQ(collect(g.c, e, 4, 1, 300), 0); /* it waits on A */
+    fill_req(&c, 909, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room-9", 6, c.pool, cb, 2, 7, NULL, 0, &p, T_MS),
+        c.c);
+    kvx_context_params_free(&p);
+    CHECK_EQ(wait_key(g.c, "dec-1", 5, 8000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "room-9", 6, 8000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(p_check_req(&g, 909, gb, 7, 0), 0);
+
+    /* replayed: consumed, not found again; nothing written */
+    uint8_t *before = malloc(g.size);
+    CHECK(before != NULL);
+    memcpy(before, g.base, g.size);
+    uint32_t gb2[2] = {1, 2};
+    CHECK_KVX(kvx_fetch_by_key(g.c, "dec-2", 5, "pf-ctx", c.addr, "room-9", 6,
+                               g.pool, gb2, 2, 0, 0, T_MS),
+              g.c);
+    ev_t ge = wait_key(g.c, "dec-2", 5, 8000);
+    CHECK_EQ(ge.kind, KVX_EVENT_TIMED_OUT);
+    CHECK_STR_CONTAINS(ge.msg, "room-9");
+
+    /* a context instance whose join names other consumers */
+    side_t cs2 = cs;
+    cs2.inst = "pf-ctx2";
+    rank_t c2;
+    rank_hello_only(a, &M_SMALL, &cs2, 0, &c2);
+    const char *addrs[1] = {c2.addr};
+    const char *cons[2] = {"somebody-else", "pf-gen-not"};
+    CHECK_KVX(kvx_join_consumers(c2.c, addrs, 1, cons, 2, T_MS), c2.c);
+    rank_pool(&c2, 8);
+    CHECK_KVX(kvx_publish_key(c2.c, "room-x", 6, c2.pool, cb, 2, 7, NULL, 0, &p,
+                              T_MS),
+              c2.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_fetch_by_key(g.c, "dec-3", 5, "pf-ctx2", c2.addr, "room-x", 6,
+                               g.pool, gb2, 2, 0, 0, T_MS),
+              g.c);
+    ge = wait_key(g.c, "dec-3", 5, 8000);
+    CHECK_EQ(ge.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(ge.code, KVX_ERR_PERM);
+    CHECK_STR_CONTAINS(ge.msg, "does not let instance pf-gen");
+    CHECK(!memcmp(before, g.base, g.size));
+    free(before);
+    rank_close(&c2);
     rank_close(&c);
     rank_close(&g);
     p_stop_both(a, b);

@@ -1,0 +1,641 @@
+/*
+ * keyed — fetch by key; see keyed.h.
+ *
+ * Reading order:
+ *   keyed_fetch()   a rank's fetch: joins or makes the waiting fetch
+ *                   (kf_t) and starts resolving it (kf_resolve_local(),
+ *                   or a PeerResolve to rank 0's daemon)
+ *   kf_resolved()   the params are known: each waiting rank goes to
+ *                   xfer_fetch(), as if it had sent them
+ *   on_resolve()    context side: answer now, or hold (res_t) until the
+ *                   offer is made (offer_made() -> retry_made()) or the
+ *                   asker's wait runs out (keyed_tick())
+ */
+#include <assert.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon.h"
+#include "keyed.h"
+#include "list.h"
+#include "log.h"
+#include "peer.h"
+#include "xfer.h"
+
+#define RES_MAX 65536         /* resolves held at once */
+#define RES_WAIT_MAX 3600000u /* ms: the longest a resolve is held */
+
+/* One rank's part of a waiting fetch. */
+typedef struct kf_rank {
+    int waiting, done;
+    pool_t *pool; /* referenced while waiting */
+    uint32_t *blocks;
+    uint32_t nblocks;
+} kf_rank_t;
+
+typedef struct kf {
+    list_t node;
+    char inst[INSTANCE_ID_MAX + 1];
+    reqkey_t key;
+    uint32_t dp_rank, skip;
+    char ctx_inst[INSTANCE_ID_MAX + 1];
+    char ctx_addr[192];
+    reqkey_t ctx_key;
+    uint32_t nranks, need, ndone;
+    kf_rank_t *rank;
+    uint8_t *params; /* once resolved */
+    size_t plen;
+    uint64_t until_ms;
+    uint64_t res_id; /* the PeerResolve's id; 0: resolved here */
+    uint64_t conn;   /* the connection asked */
+} kf_t;
+
+/* A resolve held on the context side until the offer is made. */
+typedef struct res {
+    list_t node;
+    uint64_t conn, id;
+    char inst[INSTANCE_ID_MAX + 1];
+    reqkey_t key;
+    char consumer[INSTANCE_ID_MAX + 1];
+    uint64_t until_ms;
+} res_t;
+
+/* An offer made, to look for waiters of on the next loop turn. */
+typedef struct made {
+    list_t node;
+    char inst[INSTANCE_ID_MAX + 1];
+    reqkey_t key;
+} made_t;
+
+#define KF(n) LIST_OWNER(n, kf_t, node)
+#define RES(n) LIST_OWNER(n, res_t, node)
+#define MADE(n) LIST_OWNER(n, made_t, node)
+
+static list_t kfs = {&kfs, &kfs};
+static list_t held = {&held, &held};
+static list_t mades = {&mades, &mades};
+static uint32_t nheld;
+static int retry_queued;
+static uint64_t next_id = 1;
+
+static const char *kstr(const reqkey_t *k, char *buf)
+{
+    return reqkey_str(k->b, k->len, buf);
+}
+
+/* ---- generation side: the waiting fetches ------------------------------ */
+
+static void kf_free(kf_t *kf)
+{
+    list_remove(&kf->node);
+    for (uint32_t r = 0; r < kf->nranks; r++) {
+        if (kf->rank[r].pool)
+            pool_unref(kf->rank[r].pool);
+        free(kf->rank[r].blocks);
+    }
+    free(kf->rank);
+    free(kf->params);
+    free(kf);
+}
+
+/* It ends before it became a request: its event, then it is gone. */
+static void kf_fail(kf_t *kf, int kind, int code, const char *msg)
+{
+    instance_t *inst = instance_find(kf->inst);
+    if (inst)
+        xfer_fetch_end_early(inst, &kf->key, kf->dp_rank, kind, code, msg);
+    kf_free(kf);
+}
+
+static kf_t *kf_find(const char *inst, const reqkey_t *key)
+{
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &kfs)
+    if (!strcmp(KF(n)->inst, inst) && reqkey_eq(&KF(n)->key, key))
+        return KF(n);
+    return NULL;
+}
+
+/* Rank r's fetch, with the params: 0, or xfer's refusal with why. */
+static int kf_run(kf_t *kf, instance_t *inst, uint32_t r, pool_t *pool,
+                  const uint32_t *blocks, uint32_t nblocks, char *why,
+                  size_t why_len)
+{
+    kf->rank[r].done = 1;
+    kf->ndone++;
+    return xfer_fetch(inst, r, &kf->key, kf->params, kf->plen, pool, blocks,
+                      nblocks, kf->skip, kf->dp_rank, why, why_len);
+}
+
+/* Every local rank of the group has fetched: nothing left to wait for. */
+static int kf_complete(kf_t *kf)
+{
+    if (kf->ndone < kf->need)
+        return 0;
+    kf_free(kf);
+    return 1;
+}
+
+/* The params are known (ours now): the waiting ranks fetch. */
+static void kf_resolved(kf_t *kf, uint8_t *params, size_t plen)
+{
+    kf->params = params;
+    kf->plen = plen;
+    instance_t *inst = instance_find(kf->inst);
+    if (!inst) {
+        kf_free(kf);
+        return;
+    }
+    for (uint32_t r = 0; r < kf->nranks; r++) {
+        kf_rank_t *a = &kf->rank[r];
+        if (!a->waiting)
+            continue;
+        a->waiting = 0;
+        char why[512];
+        int rc = kf_run(kf, inst, r, a->pool, a->blocks, a->nblocks, why,
+                        sizeof(why));
+        pool_unref(a->pool); /* xfer holds its own while it runs */
+        a->pool = NULL;
+        if (rc && !xfer_fetch_runs(inst, &kf->key)) {
+            /* refused before it became a request: it ends here */
+            char m[700];
+            snprintf(m, sizeof(m), "fetch_by_key: rank %u: %s", r, why);
+            kf_fail(kf, KVX_EVENT_ERROR, rc, m);
+            return;
+        }
+        if (rc) { /* xfer ended the request for every rank */
+            kf_free(kf);
+            return;
+        }
+    }
+    kf_complete(kf);
+}
+
+/* Resolved here (rank 0 of the context instance is ours): 1 when kf is
+ * done with (resolved or failed), 0 while it waits. */
+static int kf_resolve_local(kf_t *kf)
+{
+    instance_t *ci = instance_find(kf->ctx_inst);
+    instance_t *gi = instance_find(kf->inst);
+    if (!gi) {
+        kf_free(kf);
+        return 1;
+    }
+    if (!ci)
+        return 0; /* not here yet: it may start */
+    char why[512], ks[REQKEY_STR_MAX];
+    if (!instance_allows(ci, kf->inst, gi->owner_uid)) {
+        snprintf(why, sizeof(why),
+                 "fetch_by_key: instance %s does not let instance %s fetch "
+                 "its requests by key (kvx_join_consumers)",
+                 ci->id, kf->inst);
+        kf_fail(kf, KVX_EVENT_ERROR, KVX_ERR_PERM, why);
+        return 1;
+    }
+    uint8_t *p;
+    size_t len;
+    int rc = xfer_params_for(ci, &kf->ctx_key, &p, &len, why, sizeof(why));
+    if (rc == KVX_ERR_NOT_FOUND)
+        return 0;
+    if (rc) {
+        char m[700];
+        snprintf(m, sizeof(m), "fetch_by_key: request %s: %s",
+                 kstr(&kf->ctx_key, ks), why);
+        kf_fail(kf, KVX_EVENT_ERROR, rc, m);
+        return 1;
+    }
+    kf_resolved(kf, p, len);
+    return 1;
+}
+
+static int kf_ask_peer(kf_t *kf, char *why, size_t why_len)
+{
+    peer_conn_t *c = peer_connect(kf->ctx_addr, why, why_len);
+    if (!c)
+        return KVX_ERR_PEER_GONE;
+    Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;
+    kf->res_id = next_id++;
+    pr.id = kf->res_id;
+    pr.instance_id = kf->ctx_inst;
+    pr.key.data = kf->ctx_key.b;
+    pr.key.len = kf->ctx_key.len;
+    pr.consumer_instance = kf->inst;
+    pr.wait_ms = kvxd.conf.fetch_timeout_ms;
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_RESOLVE;
+    m.resolve = &pr;
+    if (peer_send(c, &m)) {
+        snprintf(why, why_len, "cannot send to daemon %s", kf->ctx_addr);
+        return KVX_ERR_PEER_GONE;
+    }
+    kf->conn = peer_conn_id(c);
+    return 0;
+}
+
+int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                const char *ctx_instance, const char *ctx_address,
+                const reqkey_t *ctx_key, pool_t *pool, const uint32_t *blocks,
+                uint32_t nblocks, uint32_t skip, uint32_t dp_rank, char *why,
+                size_t why_len)
+{
+    char ks[REQKEY_STR_MAX];
+    size_t il = strlen(ctx_instance), al = strlen(ctx_address);
+    if (!il || il > INSTANCE_ID_MAX) {
+        snprintf(why, why_len,
+                 "fetch_by_key.context_instance: %zu bytes (1 to %u)", il,
+                 INSTANCE_ID_MAX);
+        return KVX_ERR_INVALID;
+    }
+    if (!al || al >= sizeof(((kf_t *)0)->ctx_addr)) {
+        snprintf(why, why_len,
+                 "fetch_by_key.context_address: %zu bytes (1 to %zu)", al,
+                 sizeof(((kf_t *)0)->ctx_addr) - 1);
+        return KVX_ERR_INVALID;
+    }
+    int here = !strcmp(ctx_address, kvxd.address);
+    int rc;
+    if (!here && !peer_enabled()) {
+        snprintf(why, why_len,
+                 "fetch_by_key.context_address: '%s' is another daemon, and "
+                 "transfers between daemons are off here (peer.listen is "
+                 "empty)",
+                 ctx_address);
+        return KVX_ERR_UNSUPPORTED;
+    }
+    if (!here && (rc = peer_address_check(ctx_address, why, why_len)))
+        return rc;
+    kf_t *kf = kf_find(inst->id, key);
+    if (!kf && xfer_fetch_runs(inst, key)) {
+        snprintf(why, why_len,
+                 "fetch_by_key.key: request %s is being fetched already",
+                 kstr(key, ks));
+        return KVX_ERR_EXISTS;
+    }
+    if (kf) {
+        if (strcmp(kf->ctx_inst, ctx_instance) ||
+            strcmp(kf->ctx_addr, ctx_address) ||
+            !reqkey_eq(&kf->ctx_key, ctx_key)) {
+            snprintf(why, why_len,
+                     "fetch_by_key: request %s is fetched from another "
+                     "context request by another rank",
+                     kstr(key, ks));
+            return KVX_ERR_MISMATCH;
+        }
+        if (kf->dp_rank != dp_rank || kf->skip != skip) {
+            snprintf(why, why_len,
+                     "fetch_by_key: dp_rank %u, skip_tokens %u differ from "
+                     "%u, %u given by another rank",
+                     dp_rank, skip, kf->dp_rank, kf->skip);
+            return KVX_ERR_MISMATCH;
+        }
+        if (rank >= kf->nranks || kf->rank[rank].waiting ||
+            kf->rank[rank].done) {
+            snprintf(why, why_len,
+                     "fetch_by_key: request %s already fetched by rank %u",
+                     kstr(key, ks), rank);
+            return KVX_ERR_EXISTS;
+        }
+        if (kf->params) { /* resolved: straight to xfer */
+            rc = kf_run(kf, inst, rank, pool, blocks, nblocks, why, why_len);
+            if (rc && xfer_fetch_runs(inst, key))
+                kf_free(kf); /* xfer ended it for every rank */
+            else if (!rc)
+                kf_complete(kf);
+            return rc;
+        }
+    } else {
+        if (!(kf = calloc(1, sizeof(*kf))) ||
+            !(kf->rank = calloc(inst->nranks, sizeof(*kf->rank)))) {
+            free(kf);
+            snprintf(why, why_len, "fetch_by_key: out of memory");
+            return KVX_ERR_NOMEM;
+        }
+        snprintf(kf->inst, sizeof(kf->inst), "%s", inst->id);
+        kf->key = *key;
+        kf->dp_rank = dp_rank;
+        kf->skip = skip;
+        snprintf(kf->ctx_inst, sizeof(kf->ctx_inst), "%s", ctx_instance);
+        snprintf(kf->ctx_addr, sizeof(kf->ctx_addr), "%s", ctx_address);
+        kf->ctx_key = *ctx_key;
+        kf->nranks = inst->nranks;
+        /* the local ranks of the group: every one fetches */
+        uint32_t groups =
+            inst->side.attention_dp > 1 ? inst->side.attention_dp : 1;
+        for (uint32_t r = 0; r < inst->nranks; r++) {
+            plan_side_t e;
+            uint32_t er;
+            kf->need += inst->local[r] &&
+                        (groups == 1 ||
+                         plan_dp_view(&inst->side, r, &e, &er) == dp_rank);
+        }
+        kf->until_ms = kvxd_now_ms() + kvxd.conf.fetch_timeout_ms;
+        list_push(&kfs, &kf->node);
+    }
+    kf_rank_t *a = &kf->rank[rank];
+    if (!(a->blocks = malloc(nblocks * sizeof(uint32_t) + 1))) {
+        if (!kf->ndone && !kf->res_id && !kf->conn)
+            kf_free(kf); /* made just now, nothing else waits */
+        snprintf(why, why_len, "fetch_by_key: out of memory");
+        return KVX_ERR_NOMEM;
+    }
+    memcpy(a->blocks, blocks, nblocks * sizeof(uint32_t));
+    a->nblocks = nblocks;
+    a->pool = pool;
+    pool_ref(pool);
+    a->waiting = 1;
+    if (kf->res_id || kf->conn)
+        return 0; /* asked already */
+    if (here) {
+        kf_resolve_local(kf);
+        return 0;
+    }
+    char w[256];
+    if ((rc = kf_ask_peer(kf, w, sizeof(w)))) {
+        char m[400];
+        snprintf(m, sizeof(m), "fetch_by_key: daemon %s: %s", ctx_address, w);
+        kf_fail(kf, KVX_EVENT_ERROR, rc, m);
+    }
+    return 0; /* accepted: the outcome is an event, as across daemons */
+}
+
+int keyed_cancel(instance_t *inst, const reqkey_t *key)
+{
+    kf_t *kf = kf_find(inst->id, key);
+    if (!kf || kf->params)
+        return 0; /* resolved: xfer has the request */
+    kf_fail(kf, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
+            "cancelled by the generation side");
+    return 1;
+}
+
+uint32_t keyed_pool_users(const pool_t *pool)
+{
+    uint32_t n = 0;
+    list_t *l, *t;
+    LIST_FOREACH_SAFE(l, t, &kfs)
+    for (uint32_t r = 0; r < KF(l)->nranks; r++)
+        n += KF(l)->rank[r].pool == pool;
+    return n;
+}
+
+void keyed_end_pool_users(const pool_t *pool, int code, const char *msg)
+{
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &kfs)
+    {
+        kf_t *kf = KF(n);
+        for (uint32_t r = 0; r < kf->nranks; r++)
+            if (kf->rank[r].pool == pool) {
+                kf_fail(kf, KVX_EVENT_ERROR, code, msg);
+                break;
+            }
+    }
+}
+
+static void on_resolved(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
+{
+    const Kvxfer__PeerResolved *m = pm->resolved;
+    uint64_t id = peer_conn_id(c);
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &kfs)
+    {
+        kf_t *kf = KF(n);
+        if (kf->res_id != m->id || kf->conn != id || kf->params)
+            continue;
+        if (m->code || !m->context_params.len) {
+            char e[700];
+            snprintf(e, sizeof(e), "fetch_by_key: daemon %s: %s", kf->ctx_addr,
+                     m->message ? m->message : "");
+            kf_fail(kf,
+                    m->code == KVX_ERR_TIMED_OUT ? KVX_EVENT_TIMED_OUT
+                                                 : KVX_EVENT_ERROR,
+                    m->code < 0 && m->code >= KVX_ERR_LAST ? m->code
+                                                           : KVX_ERR_PROTOCOL,
+                    e);
+            return;
+        }
+        uint8_t *p = malloc(m->context_params.len);
+        if (!p) {
+            kf_fail(kf, KVX_EVENT_ERROR, KVX_ERR_NOMEM,
+                    "fetch_by_key: out of memory");
+            return;
+        }
+        memcpy(p, m->context_params.data, m->context_params.len);
+        kf_resolved(kf, p, m->context_params.len);
+        return;
+    }
+}
+
+/* ---- context side: the resolves --------------------------------------- */
+
+static void res_answer(uint64_t conn, uint64_t id, int code, const char *msg,
+                       const uint8_t *params, size_t plen)
+{
+    peer_conn_t *c = peer_conn_find(conn);
+    if (!c)
+        return;
+    Kvxfer__PeerResolved a = KVXFER__PEER_RESOLVED__INIT;
+    a.id = id;
+    a.code = code;
+    a.message = (char *)msg;
+    a.context_params.data = (uint8_t *)params;
+    a.context_params.len = plen;
+    Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
+    out.m_case = KVXFER__PEER_MSG__M_RESOLVED;
+    out.resolved = &a;
+    peer_send(c, &out);
+}
+
+/* Answer it if the offer is here: 1 (answered), 0 (keep holding). */
+static int res_try(uint64_t conn, uint64_t id, const char *inst,
+                   const reqkey_t *key, const char *consumer)
+{
+    instance_t *ci = instance_find(inst);
+    if (!ci)
+        return 0;
+    char why[512];
+    if (!instance_allows(ci, consumer, -1)) {
+        snprintf(why, sizeof(why),
+                 "instance %s does not let instance %s fetch its requests "
+                 "by key (kvx_join_consumers)",
+                 ci->id, consumer);
+        res_answer(conn, id, KVX_ERR_PERM, why, NULL, 0);
+        return 1;
+    }
+    uint8_t *p;
+    size_t len;
+    int rc = xfer_params_for(ci, key, &p, &len, why, sizeof(why));
+    if (rc == KVX_ERR_NOT_FOUND)
+        return 0;
+    res_answer(conn, id, rc, rc ? why : "", rc ? NULL : p, rc ? 0 : len);
+    if (!rc)
+        free(p);
+    return 1;
+}
+
+static void on_resolve(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
+{
+    const Kvxfer__PeerResolve *m = pm->resolve;
+    uint64_t conn = peer_conn_id(c);
+    reqkey_t key;
+    char why[256];
+    if (!m->instance_id || !m->instance_id[0] ||
+        strlen(m->instance_id) > INSTANCE_ID_MAX || !m->consumer_instance ||
+        strlen(m->consumer_instance) > INSTANCE_ID_MAX ||
+        reqkey_set(&key, m->key.data, m->key.len, "resolve.key", why,
+                   sizeof(why))) {
+        res_answer(conn, m->id, KVX_ERR_INVALID,
+                   "resolve: instance, consumer or key missing or too long",
+                   NULL, 0);
+        return;
+    }
+    if (res_try(conn, m->id, m->instance_id, &key, m->consumer_instance))
+        return;
+    res_t *r = nheld < RES_MAX ? calloc(1, sizeof(*r)) : NULL;
+    if (!r) {
+        res_answer(conn, m->id, KVX_ERR_LIMIT,
+                   "resolve: too many fetches by key wait on this daemon", NULL,
+                   0);
+        return;
+    }
+    r->conn = conn;
+    r->id = m->id;
+    snprintf(r->inst, sizeof(r->inst), "%s", m->instance_id);
+    r->key = key;
+    snprintf(r->consumer, sizeof(r->consumer), "%s", m->consumer_instance);
+    r->until_ms =
+        kvxd_now_ms() + (m->wait_ms < RES_WAIT_MAX ? m->wait_ms : RES_WAIT_MAX);
+    list_push(&held, &r->node);
+    nheld++;
+}
+
+static void res_free(res_t *r)
+{
+    list_remove(&r->node);
+    nheld--;
+    free(r);
+}
+
+/* Offers made since the last turn: their waiters are answered. */
+static void retry_made(void *arg)
+{
+    (void)arg;
+    retry_queued = 0;
+    while (!list_empty(&mades)) {
+        made_t *md = MADE(list_pop(&mades));
+        list_t *n, *t;
+        LIST_FOREACH_SAFE(n, t, &held)
+        {
+            res_t *r = RES(n);
+            if (!strcmp(r->inst, md->inst) && reqkey_eq(&r->key, &md->key) &&
+                res_try(r->conn, r->id, r->inst, &r->key, r->consumer))
+                res_free(r);
+        }
+        LIST_FOREACH_SAFE(n, t, &kfs)
+        {
+            kf_t *kf = KF(n);
+            if (!kf->params && !kf->conn && !kf->res_id &&
+                !strcmp(kf->ctx_inst, md->inst) &&
+                reqkey_eq(&kf->ctx_key, &md->key)) {
+                /* kf_resolve_local may free kf and others it ends: start
+                 * over from the head after it acted */
+                if (kf_resolve_local(kf))
+                    t = kfs.next;
+            }
+        }
+        free(md);
+    }
+}
+
+static void offer_made(instance_t *inst, const reqkey_t *key)
+{
+    if (list_empty(&held) && list_empty(&kfs))
+        return; /* nobody waits: the common case costs nothing */
+    made_t *md = calloc(1, sizeof(*md));
+    if (!md)
+        return; /* the waiters' deadlines still end them */
+    snprintf(md->inst, sizeof(md->inst), "%s", inst->id);
+    md->key = *key;
+    list_push(&mades, &md->node);
+    if (!retry_queued && !kvxd_defer(retry_made, NULL))
+        retry_queued = 1;
+}
+
+static int on_lost(peer_conn_t *c, int code, const char *msg)
+{
+    (void)code;
+    uint64_t id = peer_conn_id(c);
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &held)
+    if (RES(n)->conn == id)
+        res_free(RES(n));
+restart:
+    LIST_FOREACH_SAFE(n, t, &kfs)
+    {
+        kf_t *kf = KF(n);
+        if (kf->conn == id && !kf->params) {
+            char e[600];
+            snprintf(e, sizeof(e), "fetch_by_key: %s", msg);
+            kf_fail(kf, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, e);
+            goto restart; /* an event may have ended others */
+        }
+    }
+    return 0;
+}
+
+void keyed_tick(uint64_t now)
+{
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &held)
+    {
+        res_t *r = RES(n);
+        if (now < r->until_ms)
+            continue;
+        char e[600], ks[REQKEY_STR_MAX];
+        snprintf(e, sizeof(e),
+                 "no offer of request %s of instance %s was published or "
+                 "reserved on daemon %s in time",
+                 kstr(&r->key, ks), r->inst, kvxd.address);
+        res_answer(r->conn, r->id, KVX_ERR_TIMED_OUT, e, NULL, 0);
+        res_free(r);
+    }
+restart:
+    LIST_FOREACH_SAFE(n, t, &kfs)
+    {
+        kf_t *kf = KF(n);
+        if (now < kf->until_ms)
+            continue;
+        if (kf->params) { /* resolved; xfer's fetch timeout has the rest */
+            kf_free(kf);
+            continue;
+        }
+        char e[700], ks[REQKEY_STR_MAX];
+        snprintf(e, sizeof(e),
+                 "fetch_by_key: no offer of request %s of instance %s "
+                 "(daemon %s) was published or reserved within "
+                 "deadlines.fetch_timeout_ms (%u ms)",
+                 kstr(&kf->ctx_key, ks), kf->ctx_inst, kf->ctx_addr,
+                 kvxd.conf.fetch_timeout_ms);
+        kf_fail(kf, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, e);
+        goto restart;
+    }
+}
+
+void keyed_init(void)
+{
+    xfer_set_offer_made(offer_made);
+    peer_on_msg(KVXFER__PEER_MSG__M_RESOLVE, on_resolve);
+    peer_on_msg(KVXFER__PEER_MSG__M_RESOLVED, on_resolved);
+    peer_on_lost(on_lost);
+}
+
+void keyed_cleanup(void)
+{
+    while (!list_empty(&kfs))
+        kf_free(KF(kfs.next));
+    while (!list_empty(&held))
+        res_free(RES(held.next));
+    while (!list_empty(&mades))
+        free(MADE(list_pop(&mades)));
+}

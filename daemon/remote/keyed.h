@@ -1,0 +1,56 @@
+/*
+ * keyed — fetch by key: a generation rank names the context instance, the
+ * daemon of its rank 0 and the context key, with no params in hand (as
+ * SGLang's decode does with a bootstrap room). This module finds the
+ * offer's params and hands the fetch to xfer as if the rank had sent
+ * them.
+ *
+ * Generation side: the first rank's fetch makes a waiting fetch (its
+ * ranks' blocks, pools referenced) and asks for the params: of the local
+ * instance when rank 0 is served here, else of rank 0's daemon with
+ * PeerResolve. Every rank's fetch that comes later joins it; once the
+ * params are known each goes to xfer_fetch(). A fetch never resolved
+ * ends by deadlines.fetch_timeout_ms, TIMED_OUT, naming the key; a refused
+ * one (PERM, an offer taken by another fetch) at once, with that code; a
+ * cancel of its key ends it CANCELLED.
+ *
+ * Context side: a resolve (a peer's PeerResolve, or a local waiting fetch)
+ * is answered with the params once the offer exists (published or
+ * reserved: xfer's offer-made callback, deferred to the loop), or with
+ * NOT_FOUND when the asker's wait runs out. The instance's join says who
+ * may fetch by key (instance_allows()).
+ *
+ * Owns the waiting fetches and the held resolves; sits above xfer and
+ * net like release.c.
+ */
+#ifndef KVX_KEYED_H
+#define KVX_KEYED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "instance.h"
+#include "pool.h"
+#include "reqkey.h"
+
+void keyed_init(void);
+void keyed_cleanup(void);
+void keyed_tick(uint64_t now_ms);
+
+/* Rank rank of inst fetches key from (ctx_instance at ctx_address,
+ * ctx_key) into blocks of pool. 0: accepted (the rest comes as events),
+ * or the code with why (nothing kept). */
+int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                const char *ctx_instance, const char *ctx_address,
+                const reqkey_t *ctx_key, pool_t *pool, const uint32_t *blocks,
+                uint32_t nblocks, uint32_t skip, uint32_t dp_rank, char *why,
+                size_t why_len);
+/* A cancel of key in inst: 1 when a waiting fetch of it ended
+ * (CANCELLED), else 0. */
+int keyed_cancel(instance_t *inst, const reqkey_t *key);
+/* Waiting fetches that hold pool. */
+uint32_t keyed_pool_users(const pool_t *pool);
+/* pool is going: the waiting fetches that hold it end (ERROR code). */
+void keyed_end_pool_users(const pool_t *pool, int code, const char *msg);
+
+#endif
