@@ -113,7 +113,7 @@ $(BUILD)/obj/%.o: %.c $(GEN)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
-$(BUILD)/obj/tools/bench_gpu.o: tools/bench_gpu.cu tools/bench_gpu.h tools/bench_pattern.h
+$(BUILD)/obj/tools/bench_gpu.o: tools/bench_gpu.cu tools/bench_gpu.h tools/bench_pattern.h lib/include/kvxfer.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itools -Ilib/include -c $< -o $@
 

@@ -60,36 +60,35 @@ int kvx_layout_preset(const char *preset, uint32_t L, uint32_t K, uint32_t H,
     l.dtype = dtype;
     l.tokens_per_block = T;
     l.num_blocks = B;
-    uint64_t layer_size;
     uint64_t hd = (uint64_t)D * E;
     if (!strcmp(preset, "trtllm")) {
         /* one pool, [block][layer][kv][head][token][dim] */
         l.token_stride = hd;
         l.head_stride = T * hd;
         l.kv_stride = H * l.head_stride;
-        layer_size = K * l.kv_stride;
-        l.block_stride = L * layer_size;
+        l.layer_stride = K * l.kv_stride;
+        l.block_stride = L * l.layer_stride;
     } else if (!strcmp(preset, "vllm-nhd")) {
         /* per layer [kv][block][token][head][dim] */
         l.head_stride = hd;
         l.token_stride = H * hd;
         l.block_stride = T * l.token_stride;
         l.kv_stride = B * l.block_stride;
-        layer_size = K * l.kv_stride;
+        l.layer_stride = K * l.kv_stride;
     } else if (!strcmp(preset, "vllm-hnd")) {
         /* per layer [kv][block][head][token][dim] */
         l.token_stride = hd;
         l.head_stride = T * hd;
         l.block_stride = H * l.head_stride;
         l.kv_stride = B * l.block_stride;
-        layer_size = K * l.kv_stride;
+        l.layer_stride = K * l.kv_stride;
     } else if (!strcmp(preset, "flashinfer")) {
         /* per layer [block][kv][token][head][dim] */
         l.head_stride = hd;
         l.token_stride = H * hd;
         l.kv_stride = T * l.token_stride;
         l.block_stride = K * l.kv_stride;
-        layer_size = B * l.block_stride;
+        l.layer_stride = B * l.block_stride;
     } else if (!strcmp(preset, "sglang")) {
         /* per layer a K buffer then a V buffer, [token][head][dim] */
         if (T != 1)
@@ -98,7 +97,7 @@ int kvx_layout_preset(const char *preset, uint32_t L, uint32_t K, uint32_t H,
         l.token_stride = H * hd;
         l.block_stride = H * hd;
         l.kv_stride = B * l.block_stride;
-        layer_size = K * l.kv_stride;
+        l.layer_stride = K * l.kv_stride;
     } else if (!strcmp(preset, "mla")) {
         /* per layer [block][token][latent] */
         if (K != 1 || H != 1)
@@ -107,12 +106,10 @@ int kvx_layout_preset(const char *preset, uint32_t L, uint32_t K, uint32_t H,
         l.token_stride = hd;
         l.block_stride = T * hd;
         l.kv_stride = B * l.block_stride;
-        layer_size = l.kv_stride;
+        l.layer_stride = l.kv_stride;
     } else {
         return KVX_ERR_INVALID;
     }
-    for (uint32_t i = 0; i < L; i++)
-            l.layer_offset[i] = i * layer_size;
     *out = l;
     return 0;
 }
@@ -120,9 +117,17 @@ int kvx_layout_preset(const char *preset, uint32_t L, uint32_t K, uint32_t H,
 uint64_t kvx_layout_offset(const kvx_layout_t *l, uint32_t layer, uint32_t kv,
                            uint32_t block, uint32_t token, uint32_t head)
 {
-    return l->layer_offset[layer] + kv * l->kv_stride +
-           (uint64_t)block * l->block_stride + token * l->token_stride +
-           head * l->head_stride;
+    uint32_t r;
+    return kvx__layout_part(l, layer, kv, &r) +
+           (uint64_t)block * l->block_stride +
+           (uint64_t)token * l->token_stride + (uint64_t)head * l->head_stride;
+}
+
+uint32_t kvx_layout_region(const kvx_layout_t *l, uint32_t layer, uint32_t kv)
+{
+    uint32_t r;
+    kvx__layout_part(l, layer, kv, &r);
+    return r;
 }
 
 /* One dimension of the element grid, for the overlap check. */
@@ -136,16 +141,17 @@ static int dim_cmp(const void *a, const void *b)
     return x->stride < y->stride ? -1 : x->stride > y->stride;
 }
 
-/* Bytes spanned by one layer's elements (from its layer_offset), or 0 on
- * overflow. */
-static uint64_t layer_span(const kvx_layout_t *l)
+uint64_t kvx__layout_part_span(const kvx_layout_t *l)
 {
     uint64_t s = (uint64_t)l->head_dim * l->elem_size, t;
-    const struct dim d[] = {{l->kv_factor, l->kv_stride},
-                            {l->num_blocks, l->block_stride},
+    const struct dim d[] = {{l->num_blocks, l->block_stride},
                             {l->tokens_per_block, l->token_stride},
                             {l->num_heads, l->head_stride}};
-    for (int i = 0; i < 4; i++) {
+    if (!s)
+        return 0;
+    for (int i = 0; i < 3; i++) {
+        if (!d[i].count)
+            return 0;
         if (__builtin_mul_overflow(d[i].count - 1, d[i].stride, &t) ||
             __builtin_add_overflow(s, t, &s))
             return 0;
@@ -153,13 +159,48 @@ static uint64_t layer_span(const kvx_layout_t *l)
     return s;
 }
 
-uint64_t kvx_layout_span(const kvx_layout_t *l)
+/* Parts the layout has (num_layers * kv_factor), bounded for loops over
+ * an unchecked layout. */
+static uint64_t nparts(const kvx_layout_t *l)
 {
-    uint64_t ls = layer_span(l), end = 0, e;
-    if (!ls)
+    uint64_t n = (uint64_t)l->num_layers * l->kv_factor;
+    if (l->parts && n > l->num_parts)
+        n = l->num_parts;
+    return n;
+}
+
+uint32_t kvx_layout_num_regions(const kvx_layout_t *l)
+{
+    if (!l->parts)
+        return 1;
+    uint32_t n = 0;
+    for (uint64_t i = 0; i < nparts(l); i++)
+        if (l->parts[i].region >= n)
+            n = l->parts[i].region + 1;
+    return n;
+}
+
+uint64_t kvx_layout_region_span(const kvx_layout_t *l, uint32_t region)
+{
+    uint64_t ps = kvx__layout_part_span(l), end = 0, e;
+    if (!ps || !l->kv_factor)
         return 0;
-    for (uint32_t i = 0; i < l->num_layers && i < KVX_MAX_LAYERS; i++) {
-        if (__builtin_add_overflow(l->layer_offset[i], ls, &e))
+    for (uint64_t i = 0; i < nparts(l); i++) {
+        uint32_t r;
+        uint64_t o = kvx__layout_part(l, (uint32_t)(i / l->kv_factor),
+                                      (uint32_t)(i % l->kv_factor), &r);
+        if (r != region)
+            continue;
+        if (!l->parts) { /* o's products may have overflowed */
+            uint64_t a, b;
+            if (__builtin_mul_overflow((uint64_t)(i / l->kv_factor),
+                                       l->layer_stride, &a) ||
+                __builtin_mul_overflow((uint64_t)(i % l->kv_factor),
+                                       l->kv_stride, &b) ||
+                __builtin_add_overflow(a, b, &o))
+                return 0;
+        }
+        if (__builtin_add_overflow(o, ps, &e))
             return 0;
         if (e > end)
             end = e;
@@ -167,25 +208,93 @@ uint64_t kvx_layout_span(const kvx_layout_t *l)
     return end;
 }
 
-struct region {
-    uint64_t start, end;
-};
-
-static int region_cmp(const void *a, const void *b)
+uint64_t kvx_layout_span(const kvx_layout_t *l)
 {
-    const struct region *x = a, *y = b;
-    return x->start < y->start ? -1 : x->start > y->start;
+    if (kvx_layout_num_regions(l) != 1)
+        return 0;
+    return kvx_layout_region_span(l, 0);
 }
 
-#define WHY(...)                                                            \
-    do {                                                                    \
-        snprintf(why, why_len, __VA_ARGS__);                                \
-        return KVX_ERR_LAYOUT;                                              \
+int kvx_layout_split(kvx_layout_t *l, uint32_t per, kvx_layout_part_t *parts,
+                     uint32_t num_parts)
+{
+    if (!l || !parts || (per != 1 && per != 2) ||
+        (per == 2 && l->kv_factor != 2) || l->kv_factor < 1 ||
+        l->kv_factor > 2 || l->num_layers < 1 ||
+        l->num_layers > KVX_MAX_LAYERS ||
+        num_parts < l->num_layers * l->kv_factor ||
+        (l->parts && l->num_parts < l->num_layers * l->kv_factor))
+        return KVX_ERR_INVALID;
+    uint32_t K = l->kv_factor;
+    for (uint32_t i = 0; i < l->num_layers * K; i++)
+        if (kvx_layout_region(l, i / K, i % K) != 0)
+            return KVX_ERR_INVALID; /* split already */
+    for (uint32_t a = 0; a < l->num_layers; a++) {
+        uint32_t r;
+        uint64_t o[2] = {0, 0}, lo = UINT64_MAX;
+        for (uint32_t k = 0; k < K; k++) { /* read both: parts may be
+                                              l->parts */
+            o[k] = kvx__layout_part(l, a, k, &r);
+            lo = o[k] < lo ? o[k] : lo;
+        }
+        for (uint32_t k = 0; k < K; k++)
+            parts[a * K + k] = per == 1 ? (kvx_layout_part_t){a, 0, o[k] - lo}
+                                        : (kvx_layout_part_t){a * 2 + k, 0, 0};
+    }
+    l->parts = parts;
+    l->num_parts = l->num_layers * K;
+    return 0;
+}
+
+#define WHY(...)                                                               \
+    do {                                                                       \
+        snprintf(why, why_len, __VA_ARGS__);                                   \
+        rc = KVX_ERR_LAYOUT;                                                   \
+        goto out;                                                              \
     } while (0)
 
-int kvx__layout_check(const kvx_layout_t *l, uint64_t pool_size, char *why,
-                      size_t why_len)
+/* Can no two rows of the grid d[0, n) (a row: elem contiguous bytes)
+ * alias? With the dimensions sorted by stride, each stride
+ * must clear everything the smaller ones span. 0, or the offending
+ * stride and extent. */
+static int grid_disjoint(struct dim *d, int n, uint64_t elem,
+                         uint64_t *bad_stride, uint64_t *bad_extent)
 {
+    qsort(d, (size_t)n, sizeof(d[0]), dim_cmp);
+    uint64_t extent = elem; /* bytes one row covers */
+    for (int i = 0; i < n; i++) {
+        if (d[i].count <= 1)
+            continue;
+        if (d[i].stride < extent) {
+            *bad_stride = d[i].stride;
+            *bad_extent = extent;
+            return -1;
+        }
+        /* no overflow: the spans were checked against the regions */
+        extent += (d[i].count - 1) * d[i].stride;
+    }
+    return 0;
+}
+
+/* A part's place, for the per-region checks. */
+struct place {
+    uint32_t region, index; /* index = layer * kv_factor + kv */
+    uint64_t offset;
+};
+
+static int place_cmp(const void *a, const void *b)
+{
+    const struct place *x = a, *y = b;
+    if (x->region != y->region)
+        return x->region < y->region ? -1 : 1;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+int kvx__layout_check(const kvx_layout_t *l, const uint64_t *region_size,
+                      uint32_t nregions, char *why, size_t why_len)
+{
+    int rc = 0;
+    struct place *pl = NULL;
     if (l->num_layers < 1 || l->num_layers > KVX_MAX_LAYERS)
         WHY("layout.num_layers: %u out of range (expected 1..%u)",
             l->num_layers, KVX_MAX_LAYERS);
@@ -213,75 +322,119 @@ int kvx__layout_check(const kvx_layout_t *l, uint64_t pool_size, char *why,
             l->tokens_per_block);
     if (l->num_blocks < 1)
         WHY("layout.num_blocks: 0 (expected at least 1)");
+    if (nregions < 1 || nregions > KVX_MAX_REGIONS)
+        WHY("register_pool.regions: %u regions (expected 1..%u)", nregions,
+            KVX_MAX_REGIONS);
+    uint32_t K = l->kv_factor, P = l->num_layers * K;
+    if (l->parts && l->num_parts != P)
+        WHY("layout.parts: %u entries for num_layers %u x kv_factor %u "
+            "(expected %u)",
+            l->num_parts, l->num_layers, K, P);
+    if (!l->parts && nregions != 1)
+        WHY("layout.parts: none (the layout is one region), but the pool "
+            "has %u regions",
+            nregions);
 
-    uint64_t ls = layer_span(l);
-    if (!ls)
+    uint64_t ps = kvx__layout_part_span(l);
+    if (!ps)
         WHY("layout: size overflows 64 bits");
-    for (uint32_t i = 0; i < l->num_layers; i++) {
-        uint64_t e;
-        if (__builtin_add_overflow(l->layer_offset[i], ls, &e))
-            WHY("layout.layer_offset[%u]: %llu overflows", i,
-                (unsigned long long)l->layer_offset[i]);
-        if (e > pool_size)
-            WHY("layout: layer %u ends at byte %llu, past the pool size "
-                "%llu",
-                i, (unsigned long long)e, (unsigned long long)pool_size);
-    }
-
-    /* No two elements may alias. With the dimensions sorted by stride,
-     * each stride must clear everything the smaller ones span. Layers
-     * are a dimension too when their offsets are evenly spaced (the
-     * block-major trtllm preset interleaves them inside blocks);
-     * otherwise their regions must be disjoint. */
-    uint64_t lstride = l->num_layers > 1
-                           ? l->layer_offset[1] - l->layer_offset[0]
-                           : 0;
-    int even = l->num_layers > 1 && l->layer_offset[1] > l->layer_offset[0];
-    for (uint32_t i = 2; even && i < l->num_layers; i++)
-        even = l->layer_offset[i] - l->layer_offset[i - 1] == lstride &&
-               l->layer_offset[i] > l->layer_offset[i - 1];
-    struct dim d[6] = {{l->head_dim, l->elem_size},
-                       {l->num_heads, l->head_stride},
-                       {l->tokens_per_block, l->token_stride},
-                       {l->num_blocks, l->block_stride},
-                       {l->kv_factor, l->kv_stride},
-                       {even ? l->num_layers : 1, lstride}};
-    static const char *const dname[] = {"elem_size", "head_stride",
-                                        "token_stride", "block_stride",
-                                        "kv_stride"};
-    for (int i = 1; i < 5; i++)
-        if (d[i].count > 1 && d[i].stride == 0)
+    static const char *const dname[] = {"block_stride", "token_stride",
+                                        "head_stride", "kv_stride",
+                                        "layer_stride"};
+    const struct dim inner[5] = {
+        {l->num_blocks, l->block_stride},
+        {l->tokens_per_block, l->token_stride},
+        {l->num_heads, l->head_stride},
+        {l->parts ? 1 : K, l->kv_stride},
+        {l->parts ? 1 : l->num_layers, l->layer_stride}};
+    for (int i = 0; i < 5; i++)
+        if (inner[i].count > 1 && inner[i].stride == 0)
             WHY("layout.%s: 0 with %llu elements along it", dname[i],
-                (unsigned long long)d[i].count);
-    qsort(d, 6, sizeof(d[0]), dim_cmp);
-    uint64_t extent = l->elem_size; /* bytes one element covers */
-    for (int i = 0; i < 6; i++) {
-        if (d[i].count <= 1)
-            continue;
-        if (d[i].stride < extent)
-            WHY("layout: strides make elements overlap (a stride of %llu "
-                "is inside the %llu bytes the smaller dimensions span)",
-                (unsigned long long)d[i].stride,
-                (unsigned long long)extent);
-        extent += (d[i].count - 1) * d[i].stride; /* no overflow: span ok */
-    }
-    if (even || l->num_layers == 1)
-        return 0;
+                (unsigned long long)inner[i].count);
 
-    struct region *r = malloc(l->num_layers * sizeof(*r));
-    if (!r)
+    /* every part inside its region */
+    pl = malloc(P * sizeof(*pl));
+    if (!pl)
         WHY("layout: out of memory");
-    for (uint32_t i = 0; i < l->num_layers; i++) {
-        r[i].start = l->layer_offset[i];
-        r[i].end = r[i].start + ls;
-    }
-    qsort(r, l->num_layers, sizeof(*r), region_cmp);
-    for (uint32_t i = 1; i < l->num_layers; i++)
-        if (r[i].start < r[i - 1].end) {
-            unsigned long long at = r[i].start;
-            free(r);
-            WHY("layout.layer_offset: layers overlap at byte %llu", at);
+    for (uint32_t i = 0; i < P; i++) {
+        uint32_t a = i / K, k = i % K, r;
+        uint64_t o, e;
+        if (l->parts) {
+            o = l->parts[i].offset;
+            r = l->parts[i].region;
+            if (r >= nregions)
+                WHY("layout.parts[%u]: layer %u kv %u in region %u, but the "
+                    "pool has %u regions",
+                    i, a, k, r, nregions);
+        } else {
+            uint64_t x, y;
+            r = 0;
+            if (__builtin_mul_overflow((uint64_t)a, l->layer_stride, &x) ||
+                __builtin_mul_overflow((uint64_t)k, l->kv_stride, &y) ||
+                __builtin_add_overflow(x, y, &o))
+                WHY("layout: layer %u kv %u: its offset overflows 64 bits", a,
+                    k);
         }
-    free(r);
-    return 0;
+        if (__builtin_add_overflow(o, ps, &e)) {
+            if (l->parts)
+                WHY("layout.parts[%u]: layer %u kv %u: offset %llu "
+                    "overflows",
+                    i, a, k, (unsigned long long)o);
+            WHY("layout: layer %u kv %u: offset %llu overflows", a, k,
+                (unsigned long long)o);
+        }
+        if (e > region_size[r])
+            WHY("layout: layer %u kv %u ends at byte %llu of region %u, past "
+                "its %llu bytes",
+                a, k, (unsigned long long)e, r,
+                (unsigned long long)region_size[r]);
+        pl[i] = (struct place){r, i, o};
+    }
+
+    /* No two elements may alias. Inside one part: the block, token and
+     * head grid. Across parts of one region: when their offsets are
+     * evenly spaced they are one more dimension (the block-major trtllm
+     * preset interleaves layers and kv inside blocks); otherwise their
+     * byte ranges must be disjoint. */
+    uint64_t bs, be;
+    qsort(pl, P, sizeof(*pl), place_cmp);
+    for (uint32_t i = 0, expect = 0; i < P; i++) {
+        if (pl[i].region != expect) {
+            if (pl[i].region > expect)
+                WHY("register_pool.regions[%u]: holds no part of the "
+                    "layout",
+                    expect);
+            continue;
+        }
+        /* the group of region `expect`: [i, j) */
+        uint32_t j = i + 1;
+        while (j < P && pl[j].region == expect)
+            j++;
+        uint64_t step = j - i > 1 ? pl[i + 1].offset - pl[i].offset : 0;
+        int even = l->parts && step > 0; /* no parts: inner[3], [4] */
+        for (uint32_t q = i + 2; even && q < j; q++)
+            even = pl[q].offset - pl[q - 1].offset == step;
+        struct dim d[6] = {inner[0], inner[1], inner[2],
+                           inner[3], inner[4], {even ? j - i : 1, step}};
+        if (grid_disjoint(d, 6, (uint64_t)l->head_dim * l->elem_size, &bs, &be))
+            WHY("layout: strides make elements overlap in region %u (a "
+                "stride of %llu is inside the %llu bytes the smaller "
+                "dimensions span)",
+                expect, (unsigned long long)bs, (unsigned long long)be);
+        for (uint32_t q = i + 1; l->parts && !even && q < j; q++)
+            if (pl[q].offset < pl[q - 1].offset + ps)
+                WHY("layout.parts: layer %u kv %u overlaps layer %u kv %u in "
+                    "region %u at byte %llu",
+                    pl[q].index / K, pl[q].index % K, pl[q - 1].index / K,
+                    pl[q - 1].index % K, expect,
+                    (unsigned long long)pl[q].offset);
+        expect++;
+        i = j - 1;
+    }
+    if (pl[P - 1].region + 1 < nregions)
+        WHY("register_pool.regions[%u]: holds no part of the layout",
+            pl[P - 1].region + 1);
+out:
+    free(pl);
+    return rc;
 }

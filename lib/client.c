@@ -19,6 +19,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -510,7 +511,10 @@ int kvx_join_consumers(kvx_client_t *c, const char *const *addr, uint32_t n,
     return call(c, &rq, -1, timeout_ms, NULL);
 }
 
-static void layout_to_msg(const kvx_layout_t *l, Kvxfer__Layout *lay)
+/* The Layout message of l; its part lists (malloc'd) are freed with
+ * layout_msg_free(). 0, or KVX_ERR_NOMEM / KVX_ERR_INVALID. */
+static int layout_to_msg(kvx_client_t *c, const kvx_layout_t *l,
+                         Kvxfer__Layout *lay)
 {
     kvxfer__layout__init(lay);
     lay->preset = (char *)l->preset;
@@ -522,13 +526,38 @@ static void layout_to_msg(const kvx_layout_t *l, Kvxfer__Layout *lay)
     lay->dtype = l->dtype;
     lay->tokens_per_block = l->tokens_per_block;
     lay->num_blocks = l->num_blocks;
-    lay->n_layer_offset = l->num_layers <= KVX_MAX_LAYERS ? l->num_layers
-                                                        : KVX_MAX_LAYERS;
-    lay->layer_offset = (uint64_t *)l->layer_offset;
+    lay->layer_stride = l->layer_stride;
     lay->kv_stride = l->kv_stride;
     lay->block_stride = l->block_stride;
     lay->token_stride = l->token_stride;
     lay->head_stride = l->head_stride;
+    if (!l->parts)
+        return 0;
+    /* what the daemon checks too; here so that the copy is bounded */
+    if (l->num_parts == 0 || l->num_parts > 2 * KVX_MAX_LAYERS)
+        return fail(c, KVX_ERR_LAYOUT,
+                    "layout.num_parts: %u (expected num_layers x kv_factor, "
+                    "at most %u)",
+                    l->num_parts, 2 * KVX_MAX_LAYERS);
+    lay->part_region = malloc(l->num_parts * sizeof(uint32_t));
+    lay->part_offset = malloc(l->num_parts * sizeof(uint64_t));
+    if (!lay->part_region || !lay->part_offset) {
+        free(lay->part_region);
+        free(lay->part_offset);
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    for (uint32_t i = 0; i < l->num_parts; i++) {
+        lay->part_region[i] = l->parts[i].region;
+        lay->part_offset[i] = l->parts[i].offset;
+    }
+    lay->n_part_region = lay->n_part_offset = l->num_parts;
+    return 0;
+}
+
+static void layout_msg_free(Kvxfer__Layout *lay)
+{
+    free(lay->part_region);
+    free(lay->part_offset);
 }
 
 /* Send RegisterPool m with nfds fds and take the pool id. */
@@ -554,6 +583,126 @@ static int register_pool(kvx_client_t *c, Kvxfer__RegisterPool *m,
     return 0;
 }
 
+/* A RegisterPool being built: its allocations and regions (messages and
+ * the arrays of pointers protobuf-c wants), the fds to send. */
+struct pool_msg {
+    Kvxfer__RegisterPool m;
+    Kvxfer__Layout lay;
+    Kvxfer__Allocation *allocs, **allocs_p;
+    Kvxfer__Region *regions, **regions_p;
+    int *fds;
+    int nfds;
+    /* GPU: per allocation, the VMM chunk sizes (malloc'd) */
+    uint64_t **chunks;
+    uint8_t (*uuid)[16];
+    uint8_t (*ipc)[64];
+};
+
+static int pool_msg_init(kvx_client_t *c, struct pool_msg *pm,
+                         const kvx_layout_t *l, uint32_t nallocs,
+                         uint32_t nregions, int gpu)
+{
+    memset(pm, 0, sizeof(*pm));
+    kvxfer__register_pool__init(&pm->m);
+    int rc = layout_to_msg(c, l, &pm->lay);
+    if (rc)
+        return rc;
+    pm->m.layout = &pm->lay;
+    pm->allocs = calloc(nallocs, sizeof(*pm->allocs));
+    pm->allocs_p = calloc(nallocs, sizeof(*pm->allocs_p));
+    pm->regions = calloc(nregions, sizeof(*pm->regions));
+    pm->regions_p = calloc(nregions, sizeof(*pm->regions_p));
+    pm->fds = gpu ? NULL : calloc(nallocs, sizeof(*pm->fds));
+    pm->chunks = gpu ? calloc(nallocs, sizeof(*pm->chunks)) : NULL;
+    pm->uuid = gpu ? calloc(nallocs, sizeof(*pm->uuid)) : NULL;
+    pm->ipc = gpu ? calloc(nallocs, sizeof(*pm->ipc)) : NULL;
+    if (!pm->allocs || !pm->allocs_p || !pm->regions || !pm->regions_p ||
+        (gpu ? !pm->chunks || !pm->uuid || !pm->ipc : !pm->fds))
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    for (uint32_t i = 0; i < nallocs; i++) {
+        kvxfer__allocation__init(&pm->allocs[i]);
+        pm->allocs_p[i] = &pm->allocs[i];
+    }
+    for (uint32_t i = 0; i < nregions; i++) {
+        kvxfer__region__init(&pm->regions[i]);
+        pm->regions_p[i] = &pm->regions[i];
+    }
+    pm->m.allocations = pm->allocs_p;
+    pm->m.regions = pm->regions_p;
+    pm->m.n_regions = nregions;
+    return 0;
+}
+
+/* gpu: the fds are the library's own (exported), closed here. */
+static void pool_msg_free(struct pool_msg *pm, int gpu)
+{
+    layout_msg_free(&pm->lay);
+    if (gpu)
+        for (int i = 0; i < pm->nfds; i++)
+            close(pm->fds[i]);
+    for (size_t i = 0; pm->chunks && i < pm->m.n_allocations; i++)
+        free(pm->chunks[i]);
+    free(pm->allocs);
+    free(pm->allocs_p);
+    free(pm->regions);
+    free(pm->regions_p);
+    free(pm->fds);
+    free(pm->chunks);
+    free(pm->uuid);
+    free(pm->ipc);
+}
+
+int kvx_pool_register_host_regions(kvx_client_t *c, const kvx_layout_t *l,
+                                   const kvx_host_region_t *r, uint32_t n,
+                                   uint32_t *pool_id, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!l || !r || !pool_id || !n)
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    __func__);
+    if (n > KVX_MAX_REGIONS)
+        return fail(c, KVX_ERR_LIMIT,
+                    "%s: %u regions (at most %u, KVX_MAX_REGIONS)", __func__, n,
+                    KVX_MAX_REGIONS);
+    struct pool_msg pm;
+    uint64_t(*ino)[2] = calloc(n, sizeof(*ino));
+    int rc = ino ? pool_msg_init(c, &pm, l, n, n, 0)
+                 : fail(c, KVX_ERR_NOMEM, "out of memory");
+    /* one allocation per memfd, however many regions lie in it (and
+     * however many fds name it): the daemon refuses a file listed twice */
+    uint32_t na = 0;
+    for (uint32_t i = 0; !rc && i < n; i++) {
+        struct stat st;
+        if (r[i].fd < 0 || fstat(r[i].fd, &st) < 0) {
+            rc = fail(c, KVX_ERR_INVALID, "regions[%u].fd: %d: %s", i, r[i].fd,
+                      r[i].fd < 0 ? "negative" : errno_str(errno));
+            break;
+        }
+        uint32_t a = 0;
+        while (a < na && !(ino[a][0] == (uint64_t)st.st_dev &&
+                           ino[a][1] == (uint64_t)st.st_ino))
+            a++;
+        if (a == na) {
+            ino[na][0] = (uint64_t)st.st_dev;
+            ino[na][1] = (uint64_t)st.st_ino;
+            pm.allocs[na].kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
+            pm.fds[na++] = r[i].fd;
+        }
+        pm.regions[i].allocation = a;
+        pm.regions[i].offset = r[i].offset;
+        pm.regions[i].size = r[i].size;
+    }
+    if (!rc) {
+        pm.m.n_allocations = na;
+        rc = register_pool(c, &pm.m, pm.fds, (int)na, timeout_ms, pool_id);
+    }
+    if (ino)
+        pool_msg_free(&pm, 0);
+    free(ino);
+    return rc;
+}
+
 int kvx_pool_register_host(kvx_client_t *c, const kvx_layout_t *l, int fd,
                            uint64_t offset, uint64_t size, uint32_t *pool_id,
                            int timeout_ms)
@@ -563,14 +712,8 @@ int kvx_pool_register_host(kvx_client_t *c, const kvx_layout_t *l, int fd,
     if (!l || fd < 0 || !pool_id || !size)
         return fail(c, KVX_ERR_INVALID,
                     "%s: a required argument is NULL, negative or 0", __func__);
-    Kvxfer__Layout lay;
-    layout_to_msg(l, &lay);
-    Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
-    m.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
-    m.size = size;
-    m.alloc_offset = offset;
-    m.layout = &lay;
-    return register_pool(c, &m, &fd, 1, timeout_ms, pool_id);
+    kvx_host_region_t r = {fd, offset, size};
+    return kvx_pool_register_host_regions(c, l, &r, 1, pool_id, timeout_ms);
 }
 
 int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
@@ -610,13 +753,8 @@ int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
         goto err_close_fd;
     }
     hp->size = size;
-    Kvxfer__Layout lay;
-    layout_to_msg(l, &lay);
-    Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
-    m.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
-    m.size = size;
-    m.layout = &lay;
-    if ((rc = register_pool(c, &m, &fd, 1, timeout_ms, &hp->id)))
+    kvx_host_region_t r = {fd, 0, size};
+    if ((rc = kvx_pool_register_host_regions(c, l, &r, 1, &hp->id, timeout_ms)))
         goto err_unmap;
     close(fd);
     list_unshift(&c->pools, &hp->node);
@@ -812,91 +950,172 @@ err_close:
     return rc;
 }
 
-int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l,
-                          void *dev_ptr, uint64_t size, uint32_t *pool_id,
-                          int timeout_ms)
+int kvx_pool_register_gpu_regions(kvx_client_t *c, const kvx_layout_t *l,
+                                  const kvx_gpu_region_t *r, uint32_t n,
+                                  uint32_t *pool_id, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!l || !r || !pool_id || !n)
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    __func__);
+    if (n > KVX_MAX_REGIONS)
+        return fail(c, KVX_ERR_LIMIT,
+                    "%s: %u regions (at most %u, KVX_MAX_REGIONS)", __func__, n,
+                    KVX_MAX_REGIONS);
+    for (uint32_t i = 0; i < n; i++)
+        if (!r[i].dev_ptr || !r[i].size)
+            return fail(c, KVX_ERR_INVALID,
+                        "regions[%u]: dev_ptr NULL or size 0", i);
+    if (cu_load())
+        return fail(c, KVX_ERR_UNSUPPORTED,
+                    "GPU pool: cannot load libcuda.so.1 (no CUDA driver)");
+    struct pool_msg pm;
+    /* per allocation: its base, size and the end of the furthest region
+     * in it (what must be exported of VMM memory) */
+    struct {
+        cu_ptr base;
+        size_t asize;
+        uint64_t need;
+    } *al = calloc(n, sizeof(*al));
+    int rc = al ? pool_msg_init(c, &pm, l, n, n, 1)
+                : fail(c, KVX_ERR_NOMEM, "out of memory");
+    uint32_t na = 0;
+    for (uint32_t i = 0; !rc && i < n; i++) {
+        cu_ptr p = (cu_ptr)(uintptr_t)r[i].dev_ptr, base = 0;
+        size_t asize = 0;
+        int ordinal = -1, dev;
+        cu_uuid uuid;
+        cu_result e;
+        if ((e = cu.ptr_attr(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                             p)) ||
+            (e = cu.dev_get(&dev, ordinal)) || (e = cu.dev_uuid(&uuid, dev))) {
+            rc = fail(c, KVX_ERR_INVALID,
+                      "GPU pool: regions[%u]: %p is not device memory of this "
+                      "process (CUresult %d)",
+                      i, r[i].dev_ptr, e);
+            break;
+        }
+        if ((e = cu.addr_range(&base, &asize, p))) {
+            rc = fail(c, KVX_ERR_INVALID,
+                      "GPU pool: regions[%u]: cuMemGetAddressRange failed "
+                      "(CUresult %d)",
+                      i, e);
+            break;
+        }
+        if (p < base || p - base > asize) {
+            rc = fail(c, KVX_ERR_INVALID,
+                      "GPU pool: regions[%u]: %p lies outside the allocation "
+                      "the driver names for it",
+                      i, r[i].dev_ptr);
+            break;
+        }
+        if (i && memcmp(uuid.b, pm.uuid[0], 16)) {
+            rc = fail(c, KVX_ERR_UNSUPPORTED,
+                      "GPU pool: regions[%u] is on another GPU than "
+                      "regions[0] (a pool lies on one device)",
+                      i);
+            break;
+        }
+        /* one allocation however many regions lie in it: shared once */
+        uint32_t a = 0;
+        while (a < na && al[a].base != base)
+            a++;
+        if (a == na) {
+            al[na].base = base;
+            al[na].asize = asize;
+            memcpy(pm.uuid[na], uuid.b, 16);
+            na++;
+        }
+        uint64_t end = p - base + r[i].size;
+        if (end > al[a].need)
+            al[a].need = end;
+        pm.regions[i].allocation = a;
+        pm.regions[i].offset = p - base;
+        pm.regions[i].size = r[i].size;
+    }
+    for (uint32_t a = 0; !rc && a < na; a++) {
+        Kvxfer__Allocation *m = &pm.allocs[a];
+        m->gpu_uuid.data = pm.uuid[a];
+        m->gpu_uuid.len = 16;
+        m->alloc_id = al[a].base;
+        cu_handle h;
+        /* VMM memory (cuMemCreate: PyTorch expandable segments, newer
+         * TensorRT-LLM pools) has an allocation handle; cudaMalloc
+         * memory does not and goes by the legacy IPC handle */
+        if (cu.retain && cu.export_fd && cu.release &&
+            cu.retain(&h, (void *)(uintptr_t)al[a].base) == 0) {
+            cu.release(h);
+            int *f = NULL, k = 0;
+            uint64_t *sizes = NULL;
+            if ((rc = vmm_export(c, al[a].base, al[a].asize, al[a].need, &f,
+                                 &sizes, &k)))
+                break;
+            int *nf = realloc(pm.fds, (size_t)(pm.nfds + k) * sizeof(int));
+            if (!nf) {
+                for (int i = 0; i < k; i++)
+                    close(f[i]);
+                free(f);
+                free(sizes);
+                rc = fail(c, KVX_ERR_NOMEM, "out of memory");
+                break;
+            }
+            pm.fds = nf;
+            memcpy(pm.fds + pm.nfds, f, (size_t)k * sizeof(int));
+            pm.nfds += k;
+            free(f);
+            pm.chunks[a] = sizes;
+            m->kind = KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
+            for (int i = 0; i < k; i++)
+                m->alloc_size += sizes[i];
+            if (k > 1) { /* one allocation: the field stays empty */
+                m->n_chunk_sizes = (size_t)k;
+                m->chunk_sizes = sizes;
+            }
+        } else {
+            if (al[a].need > al[a].asize) {
+                rc = fail(c, KVX_ERR_INVALID,
+                          "GPU pool: a region ends %llu bytes into an "
+                          "allocation of %zu bytes (cudaMalloc memory: a "
+                          "region lies inside one allocation)",
+                          (unsigned long long)al[a].need, al[a].asize);
+                break;
+            }
+            cu_result e;
+            if ((e = cu.ipc_get((cu_ipc_handle *)pm.ipc[a], al[a].base))) {
+                rc =
+                    fail(c, KVX_ERR_UNSUPPORTED,
+                         "GPU pool: cuIpcGetMemHandle failed (CUresult %d)", e);
+                break;
+            }
+            m->kind = KVXFER__POOL_KIND__POOL_GPU_IPC;
+            m->alloc_size = al[a].asize;
+            m->ipc_handle.data = pm.ipc[a];
+            m->ipc_handle.len = 64;
+        }
+    }
+    if (!rc) {
+        pm.m.n_allocations = na;
+        rc = register_pool(c, &pm.m, pm.fds, pm.nfds, timeout_ms, pool_id);
+    }
+    if (al) {
+        pm.m.n_allocations = na;
+        pool_msg_free(&pm, 1);
+    }
+    free(al);
+    return rc;
+}
+
+int kvx_pool_register_gpu(kvx_client_t *c, const kvx_layout_t *l, void *dev_ptr,
+                          uint64_t size, uint32_t *pool_id, int timeout_ms)
 {
     if (!c)
         return KVX_ERR_INVALID;
     if (!l || !dev_ptr || !size || !pool_id)
-        return fail(c, KVX_ERR_INVALID,
-                    "%s: a required argument is NULL or 0",
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
                     __func__);
-    if (cu_load())
-        return fail(c, KVX_ERR_UNSUPPORTED,
-                    "GPU pool: cannot load libcuda.so.1 (no CUDA driver)");
-    cu_ptr p = (cu_ptr)(uintptr_t)dev_ptr, base = 0;
-    size_t asize = 0;
-    int ordinal = -1, dev;
-    cu_uuid uuid;
-    cu_result r;
-    if ((r = cu.ptr_attr(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)) ||
-        (r = cu.dev_get(&dev, ordinal)) || (r = cu.dev_uuid(&uuid, dev)))
-        return fail(c, KVX_ERR_INVALID,
-                    "GPU pool: %p is not device memory of this process "
-                    "(CUresult %d)",
-                    dev_ptr, r);
-    if ((r = cu.addr_range(&base, &asize, p)))
-        return fail(c, KVX_ERR_INVALID,
-                    "GPU pool: cuMemGetAddressRange failed (CUresult %d)", r);
-    if (p < base || p - base > asize)
-        return fail(c, KVX_ERR_INVALID,
-                    "GPU pool: %p lies outside the allocation the driver "
-                    "names for it",
-                    dev_ptr);
-    Kvxfer__Layout lay;
-    layout_to_msg(l, &lay);
-    Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
-    m.size = size;
-    m.layout = &lay;
-    m.gpu_uuid.data = uuid.b;
-    m.gpu_uuid.len = 16;
-    m.alloc_offset = p - base;
-    m.alloc_id = base;
-    int *fds = NULL, nfds = 0;
-    uint64_t *sizes = NULL;
-    cu_ipc_handle ipc;
-    cu_handle h;
-    /* VMM memory (cuMemCreate: PyTorch expandable segments, newer
-     * TensorRT-LLM pools) has an allocation handle; cudaMalloc memory
-     * does not and goes by the legacy IPC handle */
-    if (cu.retain && cu.export_fd && cu.release &&
-        cu.retain(&h, (void *)(uintptr_t)base) == 0) {
-        cu.release(h);
-        int rc =
-            vmm_export(c, base, asize, p - base + size, &fds, &sizes, &nfds);
-        if (rc)
-            return rc;
-        m.kind = KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
-        m.alloc_size = 0;
-        for (int i = 0; i < nfds; i++)
-            m.alloc_size += sizes[i];
-        if (nfds > 1) { /* one allocation: the field stays empty */
-            m.n_chunk_sizes = (size_t)nfds;
-            m.chunk_sizes = sizes;
-        }
-    } else {
-        if (size > asize || p - base > asize - size)
-            return fail(c, KVX_ERR_INVALID,
-                        "GPU pool: %llu bytes at offset %llu overrun the "
-                        "allocation of %zu bytes (cudaMalloc memory: a pool "
-                        "lies inside one allocation)",
-                        (unsigned long long)size,
-                        (unsigned long long)(p - base), asize);
-        if ((r = cu.ipc_get(&ipc, base)))
-            return fail(c, KVX_ERR_UNSUPPORTED,
-                        "GPU pool: cuIpcGetMemHandle failed (CUresult %d)", r);
-        m.kind = KVXFER__POOL_KIND__POOL_GPU_IPC;
-        m.alloc_size = asize;
-        m.ipc_handle.data = ipc.b;
-        m.ipc_handle.len = sizeof(ipc.b);
-    }
-    int rc = register_pool(c, &m, fds, nfds, timeout_ms, pool_id);
-    for (int i = 0; i < nfds; i++)
-        close(fds[i]);
-    free(fds);
-    free(sizes);
-    return rc;
+    kvx_gpu_region_t r = {dev_ptr, size};
+    return kvx_pool_register_gpu_regions(c, l, &r, 1, pool_id, timeout_ms);
 }
 
 int kvx_params_info(const void *params, size_t len, kvx_params_info_t *info)
@@ -1405,8 +1624,8 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_printf(b, ",\"size\":%llu,\"preset\":",
                   (unsigned long long)x->size);
         sb_str(b, x->preset);
-        sb_printf(b, ",\"num_blocks\":%u,\"users\":%u}", x->num_blocks,
-                  x->users);
+        sb_printf(b, ",\"num_blocks\":%u,\"users\":%u,\"regions\":%u}",
+                  x->num_blocks, x->users, x->regions);
     }
     sb_printf(b, "],\"requests_by_state\":");
     counts_json(b, s->requests_by_state, s->n_requests_by_state);

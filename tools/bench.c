@@ -86,6 +86,8 @@ static struct opts {
                              allocation, guard bands around */
     uint64_t vmm_chunk;   /* --vmm-chunk: VMM pools of several
                              physical allocations */
+    uint32_t regions;     /* --regions: each rank's pool as this many
+                             regions, each its own allocation (0: one) */
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
@@ -189,9 +191,16 @@ static inline int row_check(const uint8_t *src, uint32_t rowbytes, uint64_t r,
 }
 
 /* Visit every row of request r held by one rank's blocks. */
+#define MAX_REGIONS_BENCH (2 * KVX_MAX_LAYERS)
+
 typedef struct rank_view {
     uint8_t *base;        /* host pool mapping, or the GPU pool */
     kvx_layout_t layout;
+    /* the pool's regions: one (base), or --regions allocations */
+    uint32_t nregions;
+    uint8_t *rbase[MAX_REGIONS_BENCH];
+    uint64_t rsize[MAX_REGIONS_BENCH];
+    kvx_layout_part_t parts[2 * KVX_MAX_LAYERS];
     uint32_t head0;       /* first global head of the rank */
     uint32_t layer0;      /* first global layer of the rank (PP) */
     uint32_t bpr;         /* blocks per request on this side */
@@ -221,12 +230,22 @@ static uint32_t req_block(const rank_view_t *v, uint64_t r, uint32_t i)
     return (uint32_t)((r % reqs_in_pool) * v->bpr + i);
 }
 
+/* Where element (layer, kv, block, token, head) of v's pool lies. */
+static inline uint8_t *view_at(const rank_view_t *v, uint32_t layer,
+                               uint32_t kv, uint32_t block, uint32_t t,
+                               uint32_t h)
+{
+    const kvx_layout_t *l = &v->layout;
+    return v->rbase[kvx_layout_region(l, layer, kv)] +
+           kvx_layout_offset(l, layer, kv, block, t, h);
+}
+
 static void fill_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        if (bgpu_fill(v->device, &v->layout, v->base, r, req_block(v, r, 0),
-                      v->bpr, v->head0, v->layer0))
+        if (bgpu_fill(v->device, &v->layout, (void *const *)v->rbase, r,
+                      req_block(v, r, 0), v->bpr, v->head0, v->layer0))
             die("GPU pattern fill failed");
         return;
     }
@@ -241,11 +260,10 @@ static void fill_request(const rank_view_t *v, uint64_t r)
                     if (gt >= num_tokens)
                         break;
                     for (uint32_t h = 0; h < l->num_heads; h++)
-                        row_fill(v->base + kvx_layout_offset(
-                                               l, layer, kv,
-                                               req_block(v, r, b), t, h),
-                                 rowbytes, r, v->layer0 + layer, kv, gt,
-                                 v->head0 + h);
+                        row_fill(
+                            view_at(v, layer, kv, req_block(v, r, b), t, h),
+                            rowbytes, r, v->layer0 + layer, kv, gt,
+                            v->head0 + h);
                 }
 }
 
@@ -254,8 +272,8 @@ static uint64_t check_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        int64_t bad = bgpu_check(v->device, &v->layout, v->base, r,
-                                 req_block(v, r, 0), v->bpr, v->head0,
+        int64_t bad = bgpu_check(v->device, &v->layout, (void *const *)v->rbase,
+                                 r, req_block(v, r, 0), v->bpr, v->head0,
                                  v->layer0, o.skip, num_tokens);
         if (bad < 0)
             die("GPU pattern check failed");
@@ -276,9 +294,7 @@ static uint64_t check_request(const rank_view_t *v, uint64_t r)
                         break;
                     for (uint32_t h = 0; h < l->num_heads; h++)
                         bad += !row_check(
-                            v->base + kvx_layout_offset(l, layer, kv,
-                                                        req_block(v, r, b), t,
-                                                        h),
+                            view_at(v, layer, kv, req_block(v, r, b), t, h),
                             rowbytes, r, v->layer0 + layer, kv, gt,
                             v->head0 + h);
                 }
@@ -313,6 +329,72 @@ static uint64_t guard_changed(const rank_view_t *v)
 }
 
 /* ---- ranks ------------------------------------------------------------ */
+
+/* --regions: register the rank's pool as o.regions regions, each its own
+ * allocation as an engine's per-layer tensors are: a region per layer
+ * (o.regions = the rank's layers) or a K and a V region per layer (twice
+ * that), memfds mapped one by one, or GPU allocations one by one. */
+static kvx_client_t *rank_open_regions(kvx_client_t *c, rank_view_t *v,
+                                       uint32_t layers, int on_gpu, int ctx,
+                                       uint32_t *pool_id)
+{
+    uint32_t per = o.regions == layers ? 1 : 2;
+    if (o.regions != layers && (o.regions != 2 * layers || kvf != 2))
+        die("--regions %u: a rank holds %u layers; give %u (a region per "
+            "layer)%s",
+            o.regions, layers, layers,
+            kvf == 2 ? " or twice that (a K and a V region per layer)" : "");
+    if (kvx_layout_split(&v->layout, per, v->parts, 2 * KVX_MAX_LAYERS))
+        die("--regions: the layout cannot be split");
+    v->nregions = o.regions;
+    kvx_host_region_t *hr = calloc(o.regions, sizeof(*hr));
+    kvx_gpu_region_t *gr = calloc(o.regions, sizeof(*gr));
+    if (!hr || !gr)
+        die("out of memory");
+    for (uint32_t i = 0; i < o.regions; i++) {
+        uint64_t n = v->rsize[i] = kvx_layout_region_span(&v->layout, i);
+        if (on_gpu) {
+#ifdef KVX_CUDA
+            char err[256];
+            void *p;
+            v->device = ctx ? o.ctx_device : o.gen_device;
+            if (bgpu_alloc(v->device, n, o.vmm, o.vmm_chunk, &p, err,
+                           sizeof(err)))
+                die("GPU %d: %s", v->device, err);
+            if (bgpu_memset(v->device, p, 0, n))
+                die("GPU %d: memset failed", v->device);
+            v->rbase[i] = p;
+            gr[i] = (kvx_gpu_region_t){p, n};
+#endif
+            continue;
+        }
+        int fd = memfd_create("kvxfer-bench", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (fd < 0 || ftruncate(fd, (off_t)n) < 0 ||
+            fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0)
+            die("memfd of %llu bytes: %s", (unsigned long long)n,
+                strerror(errno));
+        v->rbase[i] = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (v->rbase[i] == MAP_FAILED)
+            die("mmap of %llu bytes: %s", (unsigned long long)n,
+                strerror(errno));
+        memset(v->rbase[i], 0, n); /* fault the pages in before timing */
+        hr[i] = (kvx_host_region_t){fd, 0, n};
+    }
+    v->base = v->rbase[0];
+    if (on_gpu)
+        CHECK_KVX(kvx_pool_register_gpu_regions(c, &v->layout, gr, o.regions,
+                                                pool_id, TIMEOUT_MS),
+                  c);
+    else
+        CHECK_KVX(kvx_pool_register_host_regions(c, &v->layout, hr, o.regions,
+                                                 pool_id, TIMEOUT_MS),
+                  c);
+    for (uint32_t i = 0; !on_gpu && i < o.regions; i++)
+        close(hr[i].fd);
+    free(hr);
+    free(gr);
+    return c;
+}
 
 /* Connect rank `rank` (pp_rank * tp + tp_rank) of one side, join, and
  * register its pool: its share of layers (PP) and heads (TP; replicated
@@ -363,6 +445,9 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
     void *ptr;
     v->device = -1;
     int on_gpu = o.gpu && !(ctx ? o.ctx_host : o.gen_host);
+    v->nregions = 1;
+    if (o.regions)
+        return rank_open_regions(c, v, layers, on_gpu, ctx, pool_id);
     uint64_t off = o.pool_offset, tail = o.guard ? GUARD_TAIL : 0;
     v->alloc = NULL;
     v->alloc_len = off + size + tail;
@@ -384,6 +469,8 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
                                         TIMEOUT_MS),
                   c);
         v->base = ptr;
+        v->rbase[0] = v->base;
+        v->rsize[0] = size;
         v->alloc = alloc;
         return c;
 #endif
@@ -401,6 +488,8 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
                 strerror(errno));
         memset(v->alloc, GUARD_BYTE, v->alloc_len);
         v->base = v->alloc + off;
+        v->rbase[0] = v->base;
+        v->rsize[0] = size;
         memset(v->base, 0, size);
         CHECK_KVX(kvx_pool_register_host(c, &v->layout, fd, off, size, pool_id,
                                          TIMEOUT_MS),
@@ -412,6 +501,8 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
                                    TIMEOUT_MS),
               c);
     v->base = ptr;
+    v->rbase[0] = v->base;
+    v->rsize[0] = size;
     memset(v->base, 0, size); /* fault the pages in before timing */
     return c;
 }
@@ -591,15 +682,16 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
 /* Zero a rank's pool (between passes, outside the timing). */
 static void pool_clear(const rank_view_t *v)
 {
-    uint64_t size = kvx_layout_span(&v->layout);
+    for (uint32_t i = 0; i < v->nregions; i++) {
 #ifdef KVX_CUDA
-    if (v->device >= 0) {
-        if (bgpu_memset(v->device, v->base, 0, size))
-            die("GPU %d: memset failed", v->device);
-        return;
-    }
+        if (v->device >= 0) {
+            if (bgpu_memset(v->device, v->rbase[i], 0, v->rsize[i]))
+                die("GPU %d: memset failed", v->device);
+            continue;
+        }
 #endif
-    memset(v->base, 0, size);
+        memset(v->rbase[i], 0, v->rsize[i]);
+    }
 }
 
 static void gen_main(uint32_t rank)
@@ -1385,6 +1477,12 @@ static void usage(FILE *f)
         "allocation;\n"
         "                         guard bands around it are checked "
         "unchanged\n"
+        "  --regions N            each rank's pool as N regions, each its "
+        "own allocation:\n"
+        "                         a region per layer (N = the rank's "
+        "layers) or a K\n"
+        "                         and a V region per layer (twice that), "
+        "host or --gpu\n"
         "  --ctas N               gpu.max_ctas of the spawned daemon\n"
         "  --ctx-host, --gen-host with --gpu: that side in host memory\n"
         "  --pairs P              P independent context/generation "
@@ -1457,6 +1555,7 @@ int main(int argc, char **argv)
         {"cpus-b", required_argument, NULL, 1013},
         {"pool-offset", required_argument, NULL, 1015},
         {"vmm-chunk", required_argument, NULL, 1016},
+        {"regions", required_argument, NULL, 1017},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -1515,6 +1614,9 @@ int main(int argc, char **argv)
             o.vmm_chunk = arg_u32("vmm-chunk", optarg, 1, 1u << 31);
             o.vmm = 1;
             break;
+        case 1017:
+            o.regions = arg_u32("regions", optarg, 1, MAX_REGIONS_BENCH);
+            break;
         case 1010:
             if (o.npeer_config == 16 || strchr(optarg, '\n') ||
                 !strchr(optarg, ':')) {
@@ -1552,6 +1654,11 @@ int main(int argc, char **argv)
         return 2;
     }
 #endif
+    if (o.regions && o.guard) {
+        fprintf(stderr, "kvxfer-bench: --regions and --pool-offset: one "
+                        "or the other\n");
+        return 2;
+    }
     if (o.ctas && !o.spawn) {
         fprintf(stderr, "kvxfer-bench: --ctas needs --spawn-daemon (it is "
                         "the daemon's gpu.max_ctas)\n");
@@ -1940,7 +2047,7 @@ int main(int argc, char **argv)
             "\"ctx_tpb\":%u,\"gen_tpb\":%u,\"skip_tokens\":%u,"
             "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f,"
             "\"pool_offset\":%llu,\"vmm_chunk\":%llu,"
-            "\"guard_bytes_changed\":%llu",
+            "\"guard_bytes_changed\":%llu,\"regions\":%u",
             gbps, base, ratio, verified ? "true" : "false", o.requests / secs,
             p50, p99, (unsigned long long)total, o.requests, o.blocks,
             o.ctx_layout, o.gen_layout, o.gpu ? "true" : "false", o.ctas,
@@ -1948,7 +2055,7 @@ int main(int argc, char **argv)
             o.ctx_tpb, o.gen_tpb, o.skip, o.mla ? "true" : "false",
             (unsigned long long)sh->mismatches, secs,
             (unsigned long long)o.pool_offset, (unsigned long long)o.vmm_chunk,
-            (unsigned long long)sh->guard_changed);
+            (unsigned long long)sh->guard_changed, o.regions);
         printf(",\"passes\":%u,\"pass_gbps\":[", o.passes);
         for (uint32_t ps = 0; ps < o.passes; ps++)
             printf("%s%.3f", ps ? "," : "", pass_gbps[ps]);
@@ -2069,6 +2176,10 @@ int main(int argc, char **argv)
         printf("  %-22s %12s  (%llu mismatched rows)\n", "verified",
                o.no_verify ? "skipped" : verified ? "yes" : "NO",
                (unsigned long long)sh->mismatches);
+        if (o.regions)
+            printf("  %-22s %12u  (each rank's pool, each region its own "
+                   "allocation)\n",
+                   "regions", o.regions);
         if (o.guard)
             printf("  %-22s %12llu  (pools at offset %llu, guard bands "
                    "around)\n",

@@ -17,8 +17,8 @@
 #include "bench_pattern.h"
 
 struct lay {
-    const uint64_t *layer_offset;
-    uint64_t kv_stride, block_stride, token_stride, head_stride;
+    const uint64_t *part; /* each (layer, kv) part's device address */
+    uint64_t block_stride, token_stride, head_stride;
     uint32_t layers, kv, heads, tpb, rowbytes;
 };
 
@@ -156,7 +156,7 @@ extern "C" int bgpu_copy_to_host(int dev, void *dst, const void *src,
 }
 
 /* One thread per row of (block, layer, kv, token, head). */
-__global__ void pat_kernel(struct lay L, uint8_t *base, uint64_t r,
+__global__ void pat_kernel(struct lay L, uint64_t r,
                            uint32_t block0, uint32_t nblocks, uint32_t head0,
                            uint32_t layer0, uint32_t tok_from,
                            uint32_t tok_to, int check,
@@ -177,7 +177,7 @@ __global__ void pat_kernel(struct lay L, uint8_t *base, uint64_t r,
         uint32_t gt = b * L.tpb + t;
         if (gt < tok_from || gt >= tok_to)
             continue;
-        uint8_t *row = base + L.layer_offset[l] + kv * L.kv_stride +
+        uint8_t *row = (uint8_t *)(uintptr_t)L.part[l * L.kv + kv] +
                        (uint64_t)(block0 + b) * L.block_stride +
                        t * L.token_stride + h * L.head_stride;
         uint64_t seed = pat_seed(r, layer0 + l, kv, gt, head0 + h);
@@ -204,7 +204,8 @@ __global__ void pat_kernel(struct lay L, uint8_t *base, uint64_t r,
         atomicAdd(bad, mine);
 }
 
-static int run_pattern(int dev, const kvx_layout_t *l, void *base, uint64_t r,
+static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
+                       uint64_t r,
                        uint32_t block0, uint32_t nblocks, uint32_t head0,
                        uint32_t layer0, uint32_t tok_from, uint32_t tok_to,
                        int check, uint64_t *bad)
@@ -213,14 +214,23 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *base, uint64_t r,
     struct lay L;
     uint64_t *lo;
     unsigned long long *dbad;
-    if (cudaMalloc(&lo, l->num_layers * 8) ||
-        cudaMalloc(&dbad, sizeof(*dbad)))
+    size_t np = (size_t)l->num_layers * l->kv_factor;
+    uint64_t *hp = (uint64_t *)malloc(np * 8);
+    if (!hp)
         return -1;
-    cudaMemcpy(lo, l->layer_offset, l->num_layers * 8,
-               cudaMemcpyHostToDevice);
+    for (uint32_t a = 0; a < l->num_layers; a++)
+        for (uint32_t k = 0; k < l->kv_factor; k++)
+            hp[a * l->kv_factor + k] =
+                (uintptr_t)regions[kvx_layout_region(l, a, k)] +
+                kvx_layout_offset(l, a, k, 0, 0, 0);
+    if (cudaMalloc(&lo, np * 8) || cudaMalloc(&dbad, sizeof(*dbad))) {
+        free(hp);
+        return -1;
+    }
+    cudaMemcpy(lo, hp, np * 8, cudaMemcpyHostToDevice);
+    free(hp);
     cudaMemset(dbad, 0, sizeof(*dbad));
-    L.layer_offset = lo;
-    L.kv_stride = l->kv_stride;
+    L.part = lo;
     L.block_stride = l->block_stride;
     L.token_stride = l->token_stride;
     L.head_stride = l->head_stride;
@@ -229,7 +239,7 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *base, uint64_t r,
     L.heads = l->num_heads;
     L.tpb = l->tokens_per_block;
     L.rowbytes = l->head_dim * l->elem_size;
-    pat_kernel<<<1024, 256>>>(L, (uint8_t *)base, r, block0, nblocks, head0,
+    pat_kernel<<<1024, 256>>>(L, r, block0, nblocks, head0,
                               layer0, tok_from, tok_to, check, dbad);
     unsigned long long hb = 0;
     cudaError_t e = cudaMemcpy(&hb, dbad, sizeof(hb), cudaMemcpyDeviceToHost);
@@ -240,21 +250,22 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *base, uint64_t r,
     return e == cudaSuccess ? 0 : -1;
 }
 
-extern "C" int bgpu_fill(int dev, const kvx_layout_t *l, void *base,
+extern "C" int bgpu_fill(int dev, const kvx_layout_t *l, void *const *regions,
                          uint64_t r, uint32_t block0, uint32_t nblocks,
                          uint32_t head0, uint32_t layer0)
 {
-    return run_pattern(dev, l, base, r, block0, nblocks, head0, layer0, 0,
+    return run_pattern(dev, l, regions, r, block0, nblocks, head0, layer0, 0,
                        UINT32_MAX, 0, NULL);
 }
 
-extern "C" int64_t bgpu_check(int dev, const kvx_layout_t *l, void *base,
+extern "C" int64_t bgpu_check(int dev, const kvx_layout_t *l,
+                              void *const *regions,
                               uint64_t r, uint32_t block0, uint32_t nblocks,
                               uint32_t head0, uint32_t layer0,
                               uint32_t tok_from, uint32_t tok_to)
 {
     uint64_t bad = 0;
-    if (run_pattern(dev, l, base, r, block0, nblocks, head0, layer0,
+    if (run_pattern(dev, l, regions, r, block0, nblocks, head0, layer0,
                     tok_from, tok_to, 1, &bad))
         return -1;
     return (int64_t)bad;

@@ -22,14 +22,16 @@ int bgpu_alloc(int dev, uint64_t size, int vmm, uint64_t chunk, void **ptr,
 int bgpu_memset(int dev, void *p, int v, uint64_t n);
 int bgpu_copy_to_host(int dev, void *dst, const void *src, uint64_t n);
 /* Write / check the reference rows of request r in blocks
- * [block0, block0 + nblocks) of a pool with layout l on device dev.
+ * [block0, block0 + nblocks) of a pool with layout l on device dev, its
+ * regions starting at regions[0, kvx_layout_num_regions(l)).
  * Check returns mismatched rows among tokens [tok_from, tok_to), or -1. */
-int bgpu_fill(int dev, const kvx_layout_t *l, void *base, uint64_t r,
+int bgpu_fill(int dev, const kvx_layout_t *l, void *const *regions, uint64_t r,
               uint32_t block0, uint32_t nblocks, uint32_t head0,
               uint32_t layer0);
-int64_t bgpu_check(int dev, const kvx_layout_t *l, void *base, uint64_t r,
-                   uint32_t block0, uint32_t nblocks, uint32_t head0,
-                   uint32_t layer0, uint32_t tok_from, uint32_t tok_to);
+int64_t bgpu_check(int dev, const kvx_layout_t *l, void *const *regions,
+                   uint64_t r, uint32_t block0, uint32_t nblocks,
+                   uint32_t head0, uint32_t layer0, uint32_t tok_from,
+                   uint32_t tok_to);
 /* cudaMemcpyPeer of bytes (one contiguous copy, repeated past 8 GiB). */
 double bgpu_peer_gbps(int src, int dst, uint64_t bytes);
 /* Copies of bytes between pinned host memory and a device (buffers of at

@@ -12,6 +12,7 @@
 #include "daemon.h"
 #include "gpu.h"
 #include "gpu_desc.h"
+#include "layout.h"
 #include "list.h"
 #include "log.h"
 
@@ -718,17 +719,53 @@ static size_t pack_add(struct pack *pk, const void *src, size_t n)
     return off;
 }
 
+/* The part table of a bound side m (gpu_side_t.part): each (layer, kv)
+ * part's address, its region's start (as the kernel's device sees it:
+ * m's regions are that view) + its offset, K entries per layer. Clears
+ * *kv_merge when a layer's K and V lie in two regions. NULL for an
+ * unbound side (*n 0), or on allocation failure. */
+static uint64_t *part_table(const plan_mem_t *m, uint32_t K, size_t *n,
+                            uint32_t *kv_merge, int *nomem)
+{
+    const kvx_layout_t *l = m->layout;
+    *n = 0;
+    if (!m->blocks || !m->regions)
+        return NULL;
+    uint64_t *t = malloc((size_t)l->num_layers * K * sizeof(*t) + 1);
+    if (!t) {
+        *nomem = 1;
+        return NULL;
+    }
+    for (uint32_t a = 0; a < l->num_layers; a++) {
+        uint32_t r0 = 0;
+        for (uint32_t k = 0; k < K; k++) {
+            uint32_t r;
+            uint64_t o = kvx__layout_part(l, a, k, &r);
+            t[(size_t)a * K + k] = (uintptr_t)m->regions[r].base + o;
+            if (k == 0)
+                r0 = r;
+            else if (r != r0)
+                *kv_merge = 0;
+        }
+    }
+    *n = (size_t)l->num_layers * K;
+    return t;
+}
+
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
                     size_t why_len)
 {
     const kvx_layout_t *dl = p->dst.layout;
-    size_t cap = 64 + p->nslices * sizeof(gpu_slice_t) + 16 +
-                 p->nsegs * sizeof(gpu_seg_t) + 16 +
-                 (p->nsegs + 1) * sizeof(uint64_t) + 16 +
-                 p->dst.num_blocks * 4 + 16 + dl->num_layers * 8 + 16;
+    const uint32_t K = dl->kv_factor;
+    uint32_t kv_merge = 1;
+    int nomem = 0;
+    size_t cap =
+        64 + p->nslices * sizeof(gpu_slice_t) + 16 +
+        p->nsegs * sizeof(gpu_seg_t) + 16 + (p->nsegs + 1) * sizeof(uint64_t) +
+        16 + p->dst.num_blocks * 4 + 16 + (size_t)dl->num_layers * K * 8 + 16;
     for (uint32_t i = 0; i < p->nslices; i++)
         cap += p->src[i].num_blocks * 4 + 16 +
-               p->src[i].layout->num_layers * 8 + 16;
+               (size_t)p->src[i].layout->num_layers * K * 8 + 16;
     int rc = KVX_ERR_NOMEM; /* or KVX_ERR_IO: a CUDA error */
     struct pack pk = {malloc(cap), 0, cap};
     gpu_part_t *gp = calloc(1, sizeof(*gp));
@@ -754,26 +791,36 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
                                  (p->nsegs + 1) * sizeof(uint64_t));
     free(seg_tok);
     size_t off_dblk = pack_add(&pk, p->dst.blocks, p->dst.num_blocks * 4);
-    size_t off_dlo = pack_add(&pk, dl->layer_offset, dl->num_layers * 8);
+    size_t nt;
+    uint64_t *tab = part_table(&p->dst, K, &nt, &kv_merge, &nomem);
+    size_t off_dpart = pack_add(&pk, tab, nt * 8);
+    free(tab);
     size_t *off_sblk = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
-    size_t *off_slo = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
-    if (!off_sblk || !off_slo) {
+    size_t *off_spart = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
+    if (!off_sblk || !off_spart || nomem) {
         free(off_sblk);
-        free(off_slo);
+        free(off_spart);
         snprintf(why, why_len, "fetch: out of memory for the GPU plan");
         goto err_free;
     }
     for (uint32_t i = 0; i < p->nslices; i++) {
         off_sblk[i] = pack_add(&pk, p->src[i].blocks, p->src[i].num_blocks * 4);
-        off_slo[i] = pack_add(&pk, p->src[i].layout->layer_offset,
-                              p->src[i].layout->num_layers * 8);
+        tab = part_table(&p->src[i], K, &nt, &kv_merge, &nomem);
+        off_spart[i] = pack_add(&pk, tab, nt * 8);
+        free(tab);
+    }
+    if (nomem) {
+        free(off_sblk);
+        free(off_spart);
+        snprintf(why, why_len, "fetch: out of memory for the GPU plan");
+        goto err_free;
     }
     cudaError_t e;
     cudaSetDevice(device);
     if (!CU_OK(e = cudaMallocAsync(&gp->dmem, pk.len ? pk.len : 16,
                                    g.stream[device]))) {
         free(off_sblk);
-        free(off_slo);
+        free(off_spart);
         snprintf(why, why_len, "fetch: GPU plan memory: %s",
                  cudaGetErrorString(e));
         if (e != cudaErrorMemoryAllocation)
@@ -791,30 +838,35 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
         uint64_t begin = packed;
         packed += (uint64_t)s->nlayers * seg_tokens * s->nheads *
                   dl->kv_factor * row;
-        sl[i] = (gpu_slice_t){s->layer0, s->nlayers, s->head0, s->nheads,
-                              s->src_layer_base, s->src_head_base,
-                              s->dst_layer_base, s->dst_head_base,
-                              s->unit_begin, begin,
-                              {p->src[i].base,
-                               (const uint32_t *)(dm + off_sblk[i]),
-                               (const uint64_t *)(dm + off_slo[i]),
-                               l->kv_stride, l->block_stride,
-                               l->token_stride, l->head_stride}};
+        sl[i] =
+            (gpu_slice_t){s->layer0,
+                          s->nlayers,
+                          s->head0,
+                          s->nheads,
+                          s->src_layer_base,
+                          s->src_head_base,
+                          s->dst_layer_base,
+                          s->dst_head_base,
+                          s->unit_begin,
+                          begin,
+                          {(const uint32_t *)(dm + off_sblk[i]),
+                           (const uint64_t *)(dm + off_spart[i]),
+                           l->block_stride, l->token_stride, l->head_stride}};
     }
     memcpy(pk.buf + off_slices, sl, p->nslices * sizeof(gpu_slice_t));
     free(off_sblk);
-    free(off_slo);
-    gp->plan = (gpu_plan_t){p->nslices,
-                            p->nsegs,
-                            dl->head_dim * dl->elem_size,
-                            dl->kv_factor,
-                            (const gpu_slice_t *)(dm + off_slices),
-                            (const gpu_seg_t *)(dm + off_segs),
-                            (const uint64_t *)(dm + off_segtok),
-                            {p->dst.base, (const uint32_t *)(dm + off_dblk),
-                             (const uint64_t *)(dm + off_dlo), dl->kv_stride,
-                             dl->block_stride, dl->token_stride,
-                             dl->head_stride}};
+    free(off_spart);
+    gp->plan = (gpu_plan_t){
+        p->nslices,
+        p->nsegs,
+        dl->head_dim * dl->elem_size,
+        K,
+        kv_merge,
+        (const gpu_slice_t *)(dm + off_slices),
+        (const gpu_seg_t *)(dm + off_segs),
+        (const uint64_t *)(dm + off_segtok),
+        {(const uint32_t *)(dm + off_dblk), (const uint64_t *)(dm + off_dpart),
+         dl->block_stride, dl->token_stride, dl->head_stride}};
     /* from pinned memory, so the upload does not synchronize the stream;
      * the kernels that read it are ordered after it on the same stream,
      * and the pinned buffer goes back once the upload has run */

@@ -11,10 +11,12 @@
 #define GPU_MAX_LAYERS 1024
 
 typedef struct gpu_side {
-    uint8_t *base;                 /* device-visible pointer to the pool */
     const uint32_t *blocks;        /* device copy of the block table */
-    const uint64_t *layer_offset;  /* device copy of layer offsets */
-    uint64_t kv_stride, block_stride, token_stride, head_stride;
+    /* device copy: the address of each (layer, kv) part as the kernel's
+     * device sees it (its region's start + the part's offset), at
+     * [layer * kv_factor + kv] */
+    const uint64_t *part;
+    uint64_t block_stride, token_stride, head_stride;
 } gpu_side_t;
 
 typedef struct gpu_slice {
@@ -33,6 +35,10 @@ typedef struct gpu_plan {
     uint32_t nslices, nsegs;
     uint32_t row_bytes;            /* head_dim * elem_size */
     uint32_t kv_factor;
+    uint32_t kv_merge; /* 1: the K and V parts of every layer
+                          lie in one region on both sides, so
+                          the kv dimension may merge into a
+                          run; else they stay two runs */
     const gpu_slice_t *slices;
     const gpu_seg_t *segs;
     const uint64_t *seg_tok;       /* tokens before each segment; [nsegs]:

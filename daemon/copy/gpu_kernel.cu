@@ -54,6 +54,7 @@ __device__ static inline uint32_t slice_of(const gpu_plan_t *p, uint64_t u)
  * runs with no per-vector index arithmetic. */
 struct dims {
     uint64_t n[3], ss[3], ds[3];
+    int keep[3]; /* never merged (steps from one region to another) */
     int nd;
     uint64_t run;
 };
@@ -63,12 +64,14 @@ __device__ static inline void merge(dims &d)
     for (int merged = 1; merged;) {
         merged = 0;
         for (int i = 0; i < d.nd; i++)
-            if (d.n[i] == 1 || (d.ss[i] == d.run && d.ds[i] == d.run)) {
+            if (d.n[i] == 1 ||
+                (!d.keep[i] && d.ss[i] == d.run && d.ds[i] == d.run)) {
                 d.run *= d.n[i];
                 d.nd--;
                 d.n[i] = d.n[d.nd];
                 d.ss[i] = d.ss[d.nd];
                 d.ds[i] = d.ds[d.nd];
+                d.keep[i] = d.keep[d.nd];
                 merged = 1;
                 break;
             }
@@ -123,19 +126,31 @@ unit_get(const gpu_plan_t &p, uint64_t u, unit &x, const packed_arg &pk)
     const uint64_t r = u - s->unit_begin;
     const uint32_t layer = s->layer0 + (uint32_t)(r / p.nsegs);
     const gpu_seg_t g = p.segs[r % p.nsegs];
-    /* a packed side is not bound: its tables are empty, never read */
-    if (pk.mode != GPU_PACKED_SCATTER)
-        x.src = s->src.base +
-                s->src.layer_offset[layer - s->src_layer_base] +
-                (uint64_t)s->src.blocks[g.src_blk] * s->src.block_stride +
-                (uint64_t)g.src_tok * s->src.token_stride +
-                (uint64_t)(s->head0 - s->src_head_base) * s->src.head_stride;
-    if (pk.mode != GPU_PACKED_GATHER)
-        x.dst = p.dst.base + p.dst.layer_offset[layer - s->dst_layer_base] +
-                (uint64_t)p.dst.blocks[g.dst_blk] * p.dst.block_stride +
-                (uint64_t)g.dst_tok * p.dst.token_stride +
-                (uint64_t)(s->head0 - s->dst_head_base) * p.dst.head_stride;
+    /* a packed side is not bound: its tables are empty, never read.
+     * Addresses are integers here: the K to V step of two regions may be
+     * "negative" */
     dims &d = x.d;
+    d.ss[2] = d.ds[2] = 0;
+    if (pk.mode != GPU_PACKED_SCATTER) {
+        const uint64_t *sp =
+            s->src.part + (uint64_t)(layer - s->src_layer_base) * p.kv_factor;
+        x.src = (const uint8_t *)(uintptr_t)(
+            sp[0] + (uint64_t)s->src.blocks[g.src_blk] * s->src.block_stride +
+            (uint64_t)g.src_tok * s->src.token_stride +
+            (uint64_t)(s->head0 - s->src_head_base) * s->src.head_stride);
+        if (p.kv_factor > 1)
+            d.ss[2] = sp[1] - sp[0];
+    }
+    if (pk.mode != GPU_PACKED_GATHER) {
+        const uint64_t *dp =
+            p.dst.part + (uint64_t)(layer - s->dst_layer_base) * p.kv_factor;
+        x.dst = (uint8_t *)(uintptr_t)(
+            dp[0] + (uint64_t)p.dst.blocks[g.dst_blk] * p.dst.block_stride +
+            (uint64_t)g.dst_tok * p.dst.token_stride +
+            (uint64_t)(s->head0 - s->dst_head_base) * p.dst.head_stride);
+        if (p.kv_factor > 1)
+            d.ds[2] = dp[1] - dp[0];
+    }
     d.nd = 3;
     d.run = p.row_bytes;
     d.n[0] = s->nheads;
@@ -145,8 +160,8 @@ unit_get(const gpu_plan_t &p, uint64_t u, unit &x, const packed_arg &pk)
     d.ss[1] = s->src.token_stride;
     d.ds[1] = p.dst.token_stride;
     d.n[2] = p.kv_factor;
-    d.ss[2] = s->src.kv_stride;
-    d.ds[2] = p.dst.kv_stride;
+    d.keep[0] = d.keep[1] = 0;
+    d.keep[2] = !p.kv_merge;
     if (pk.mode != GPU_PACKED_NONE) { /* one side is the slot */
         uint8_t *at = pk.base + (packed_off(p, u) - pk.off0);
         uint64_t *st = pk.mode == GPU_PACKED_GATHER ? d.ds : d.ss;

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "layout.h"
 #include "plan.h"
 
 #if defined(__x86_64__)
@@ -330,12 +331,31 @@ static int side_check(const plan_t *p, uint32_t si, const plan_mem_t *m,
                  (unsigned long long)row);
         return KVX_ERR_INVALID;
     }
-    uint64_t lmax = 0;
+    /* the (layer, kv) part of the slice with the least room left in its
+     * region after its offset: every segment is checked against it */
+    uint64_t room = UINT64_MAX, roff = 0;
+    uint32_t rl = 0, rk = 0, rr = 0;
     for (uint32_t k = 0; k < s->nlayers; k++)
-        if (l->layer_offset[s->layer0 - lb + k] > lmax)
-            lmax = l->layer_offset[s->layer0 - lb + k];
+        for (uint32_t kv = 0; kv < dl->kv_factor; kv++) {
+            uint32_t layer = s->layer0 - lb + k, r;
+            uint64_t o = kvx__layout_part(l, layer, kv, &r);
+            if (r >= m->nregions) {
+                snprintf(why, why_len,
+                         "pool %u: the plan %s layer %u kv %u, in region %u "
+                         "of %u",
+                         m->pool, verb, layer, kv, r, m->nregions);
+                return KVX_ERR_INVALID;
+            }
+            uint64_t sz = m->regions[r].size, left = o <= sz ? sz - o : 0;
+            if (left < room) {
+                room = left;
+                roff = o;
+                rl = layer;
+                rk = kv;
+                rr = r;
+            }
+        }
     uint64_t fixed =
-        lmax + (uint64_t)(dl->kv_factor - 1) * l->kv_stride +
         (uint64_t)(s->head0 - hb + s->nheads - 1) * l->head_stride + row;
     for (uint32_t i = 0; i < p->nsegs; i++) {
         const plan_seg_t *g = &p->segs[i];
@@ -359,12 +379,12 @@ static int side_check(const plan_t *p, uint32_t si, const plan_mem_t *m,
         }
         uint64_t end = fixed + (uint64_t)b * l->block_stride +
                        (uint64_t)(tok + g->n - 1) * l->token_stride;
-        if (end > m->size) {
+        if (end > room) {
             snprintf(why, why_len,
-                     "pool %u: the plan %s up to byte %llu, past the pool's "
-                     "%llu bytes",
-                     m->pool, verb, (unsigned long long)end,
-                     (unsigned long long)m->size);
+                     "pool %u: the plan %s layer %u kv %u up to byte %llu of "
+                     "region %u, past its %llu bytes",
+                     m->pool, verb, rl, rk, (unsigned long long)(roff + end),
+                     rr, (unsigned long long)m->regions[rr].size);
             return KVX_ERR_INVALID;
         }
     }
@@ -477,10 +497,26 @@ static void copy_run(uint8_t *dst, const uint8_t *src, uint64_t n)
     memcpy(dst, src, n);
 }
 
-/* One dimension of a strided copy: count, source and destination strides. */
+/* One dimension of a strided copy: count, source and destination
+ * strides, and whether it may merge into the run (not when its steps
+ * cross from one region to another: the two K and V tensors of a layer
+ * are not one run even where they happen to be mapped back to back).
+ * Strides are differences of addresses, so they may wrap: addresses are
+ * computed as integers. */
 struct xdim {
     uint64_t n, ss, ds;
+    int keep;
 };
+
+static inline const uint8_t *at_c(const uint8_t *p, uint64_t off)
+{
+    return (const uint8_t *)((uintptr_t)p + off);
+}
+
+static inline uint8_t *at(uint8_t *p, uint64_t off)
+{
+    return (uint8_t *)((uintptr_t)p + off);
+}
 
 /* Copy a region of up to 3 dimensions around a contiguous run, merging
  * dimensions that are contiguous on both sides so matching layouts become
@@ -491,7 +527,8 @@ static void copy_strided(uint8_t *dst, const uint8_t *src, uint64_t run,
     for (int merged = 1; merged;) {
         merged = 0;
         for (int i = 0; i < nd; i++) {
-            if (d[i].n == 1 || (d[i].ss == run && d[i].ds == run)) {
+            if (d[i].n == 1 ||
+                (!d[i].keep && d[i].ss == run && d[i].ds == run)) {
                 run *= d[i].n;
                 d[i] = d[--nd];
                 merged = 1;
@@ -500,22 +537,48 @@ static void copy_strided(uint8_t *dst, const uint8_t *src, uint64_t run,
         }
     }
     while (nd < 3)
-        d[nd++] = (struct xdim){1, 0, 0};
+        d[nd++] = (struct xdim){1, 0, 0, 0};
     for (uint64_t a = 0; a < d[2].n; a++)
         for (uint64_t b = 0; b < d[1].n; b++) {
-            const uint8_t *s = src + a * d[2].ss + b * d[1].ss;
-            uint8_t *t = dst + a * d[2].ds + b * d[1].ds;
+            const uint8_t *s = at_c(src, a * d[2].ss + b * d[1].ss);
+            uint8_t *t = at(dst, a * d[2].ds + b * d[1].ds);
             for (uint64_t c = 0; c < d[0].n; c++)
                 if (stream)
-                    copy_run(t + c * d[0].ds, s + c * d[0].ss, run);
+                    copy_run(at(t, c * d[0].ds), at_c(s, c * d[0].ss), run);
                 else
-                    memcpy(t + c * d[0].ds, s + c * d[0].ss, run);
+                    memcpy(at(t, c * d[0].ds), at_c(s, c * d[0].ss), run);
         }
+}
+
+/* Where element (layer, kv, block, token, head) of m lies, and in which
+ * region (*region): the one place the host engine resolves an address. */
+static inline uint8_t *mem_at(const plan_mem_t *m, uint32_t layer, uint32_t kv,
+                              uint32_t block, uint32_t token, uint32_t head,
+                              uint32_t *region)
+{
+    const kvx_layout_t *l = m->layout;
+    uint64_t o = kvx__layout_part(l, layer, kv, region);
+    return m->regions[*region].base + o + (uint64_t)block * l->block_stride +
+           (uint64_t)token * l->token_stride + (uint64_t)head * l->head_stride;
+}
+
+/* The kv dimension between the addresses of kv 0 and kv 1 (a K and a V
+ * part, maybe in two regions) of each side. */
+static struct xdim kv_dim(uint32_t K, const uint8_t *s0, const uint8_t *s1,
+                          uint32_t sr0, uint32_t sr1, const uint8_t *d0,
+                          const uint8_t *d1, uint32_t dr0, uint32_t dr1)
+{
+    if (K < 2)
+        return (struct xdim){1, 0, 0, 0};
+    return (struct xdim){2, (uintptr_t)s1 - (uintptr_t)s0,
+                         (uintptr_t)d1 - (uintptr_t)d0,
+                         sr0 != sr1 || dr0 != dr1};
 }
 
 void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1)
 {
     const kvx_layout_t *dl = p->dst.layout;
+    const uint32_t K = dl->kv_factor;
     for (uint64_t u = u0; u < u1; u++) {
         uint32_t si = slice_of(p, u);
         const plan_slice_t *s = &p->slices[si];
@@ -524,19 +587,21 @@ void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1)
         uint64_t r = u - s->unit_begin;
         uint32_t layer = s->layer0 + (uint32_t)(r / p->nsegs);
         const plan_seg_t *g = &p->segs[r % p->nsegs];
-        const uint8_t *src =
-            sm->base + kvx_layout_offset(sl, layer - s->src_layer_base, 0,
-                                         sm->blocks[g->src_blk], g->src_tok,
-                                         s->head0 - s->src_head_base);
-        uint8_t *dst =
-            p->dst.base + kvx_layout_offset(dl, layer - s->dst_layer_base, 0,
-                                            p->dst.blocks[g->dst_blk],
-                                            g->dst_tok,
-                                            s->head0 - s->dst_head_base);
+        uint32_t sa = layer - s->src_layer_base, da = layer - s->dst_layer_base;
+        uint32_t sb = sm->blocks[g->src_blk], db = p->dst.blocks[g->dst_blk];
+        uint32_t sh = s->head0 - s->src_head_base,
+                 dh = s->head0 - s->dst_head_base;
+        uint32_t sr0, sr1 = 0, dr0, dr1 = 0;
+        const uint8_t *src = mem_at(sm, sa, 0, sb, g->src_tok, sh, &sr0);
+        uint8_t *dst = mem_at(&p->dst, da, 0, db, g->dst_tok, dh, &dr0);
+        const uint8_t *src1 =
+            K > 1 ? mem_at(sm, sa, 1, sb, g->src_tok, sh, &sr1) : src;
+        uint8_t *dst1 =
+            K > 1 ? mem_at(&p->dst, da, 1, db, g->dst_tok, dh, &dr1) : dst;
         struct xdim d[3] = {
-            {s->nheads, sl->head_stride, dl->head_stride},
-            {g->n, sl->token_stride, dl->token_stride},
-            {dl->kv_factor, sl->kv_stride, dl->kv_stride},
+            {s->nheads, sl->head_stride, dl->head_stride, 0},
+            {g->n, sl->token_stride, dl->token_stride, 0},
+            kv_dim(K, src, src1, sr0, sr1, dst, dst1, dr0, dr1),
         };
         copy_strided(dst, src, (uint64_t)dl->head_dim * dl->elem_size, d, 3,
                      1);
@@ -550,6 +615,7 @@ void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
                       uint8_t *buf, int gather)
 {
     const kvx_layout_t *dl = p->dst.layout;
+    const uint32_t K = dl->kv_factor;
     const uint64_t row = (uint64_t)dl->head_dim * dl->elem_size;
     for (uint64_t u = u0; u < u1; u++) {
         uint32_t si = slice_of(p, u);
@@ -558,31 +624,35 @@ void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
         uint32_t layer = s->layer0 + (uint32_t)(r / p->nsegs);
         const plan_seg_t *g = &p->segs[r % p->nsegs];
         const uint64_t hs = row, ts = s->nheads * row, ks = g->n * ts;
+        uint32_t r0, r1 = 0;
         if (gather) {
             const plan_mem_t *sm = &p->src[si];
             const kvx_layout_t *sl = sm->layout;
-            const uint8_t *src =
-                sm->base + kvx_layout_offset(sl, layer - s->src_layer_base, 0,
-                                             sm->blocks[g->src_blk],
-                                             g->src_tok,
-                                             s->head0 - s->src_head_base);
-            struct xdim d[3] = {{s->nheads, sl->head_stride, hs},
-                                {g->n, sl->token_stride, ts},
-                                {dl->kv_factor, sl->kv_stride, ks}};
+            uint32_t a = layer - s->src_layer_base, b = sm->blocks[g->src_blk],
+                     h = s->head0 - s->src_head_base;
+            const uint8_t *src = mem_at(sm, a, 0, b, g->src_tok, h, &r0);
+            const uint8_t *src1 =
+                K > 1 ? mem_at(sm, a, 1, b, g->src_tok, h, &r1) : src;
+            struct xdim d[3] = {
+                {s->nheads, sl->head_stride, hs, 0},
+                {g->n, sl->token_stride, ts, 0},
+                kv_dim(K, src, src1, r0, r1, buf, buf + ks, 0, 0)};
             /* into a slot UCX reads next: keep it in cache */
             copy_strided(buf, src, row, d, 3, 0);
         } else {
-            uint8_t *dst =
-                p->dst.base + kvx_layout_offset(dl, layer - s->dst_layer_base,
-                                                0, p->dst.blocks[g->dst_blk],
-                                                g->dst_tok,
-                                                s->head0 - s->dst_head_base);
-            struct xdim d[3] = {{s->nheads, hs, dl->head_stride},
-                                {g->n, ts, dl->token_stride},
-                                {dl->kv_factor, ks, dl->kv_stride}};
+            uint32_t a = layer - s->dst_layer_base,
+                     b = p->dst.blocks[g->dst_blk],
+                     h = s->head0 - s->dst_head_base;
+            uint8_t *dst = mem_at(&p->dst, a, 0, b, g->dst_tok, h, &r0);
+            uint8_t *dst1 =
+                K > 1 ? mem_at(&p->dst, a, 1, b, g->dst_tok, h, &r1) : dst;
+            struct xdim d[3] = {
+                {s->nheads, hs, dl->head_stride, 0},
+                {g->n, ts, dl->token_stride, 0},
+                kv_dim(K, buf, buf + ks, 0, 0, dst, dst1, r0, r1)};
             copy_strided(dst, buf, row, d, 3, 1);
         }
-        buf += dl->kv_factor * ks;
+        buf += K * ks;
     }
 #if defined(__x86_64__)
     _mm_sfence();

@@ -44,17 +44,24 @@ typedef struct plan_seg {
     uint32_t n;
 } plan_seg_t;
 
-/* Memory a plan reads or writes: a mapped pool, its layout, a block table.
- * base is the pool's own start (not its allocation's) as the executing
- * engine sees it; size is the pool's bytes, so plan_check_bounds() can
- * prove every access lies in [base, base + size). pool names it in
- * errors. An unbound side (packed, between daemons) has blocks NULL. */
-typedef struct plan_mem {
+/* One region of a pool as the executing engine sees it: its own start
+ * (not its allocation's) and its bytes. */
+typedef struct plan_region {
     uint8_t *base;
+    uint64_t size;
+} plan_region_t;
+
+/* Memory a plan reads or writes: a mapped pool (its regions), its layout,
+ * a block table. The layout's parts name regions[]; sizes let
+ * plan_check_bounds() prove every access lies inside its region. pool
+ * names it in errors. An unbound side (packed, between daemons) has
+ * blocks NULL. */
+typedef struct plan_mem {
+    const plan_region_t *regions;
+    uint32_t nregions;
     const kvx_layout_t *layout;
     const uint32_t *blocks;
     uint32_t num_blocks;
-    uint64_t size;
     uint32_t pool;
 } plan_mem_t;
 
@@ -143,9 +150,10 @@ uint32_t plan_cut_pieces(const plan_t *p, uint64_t u0, uint64_t u1,
 /* Does every byte the bound sides' units touch lie inside their pools?
  * For each slice and segment: the block table index, the block, the
  * layer, head and token ranges against the layout, and the furthest byte
- * against plan_mem_t.size. 0, or KVX_ERR_INVALID naming the pool and the
- * range; run before any copy is launched (a wrong plan must fail, not
- * write over an engine's memory). */
+ * of every (layer, kv) part against its region's size. 0, or
+ * KVX_ERR_INVALID naming the pool, the region and the range; run before any
+ * copy is launched (a wrong plan must fail, not write over an engine's memory).
+ */
 int plan_check_bounds(const plan_t *p, char *why, size_t why_len);
 
 /* Execute units [u0, u1) with memcpy on the calling thread. */

@@ -1,7 +1,9 @@
-/* pool — host pool mappings; see pool.h. */
+/* pool — pools of regions: host mappings, GPU imports; see pool.h. */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -23,189 +25,361 @@ static uint32_t next_id = 1;
         rc = (code);                                                        \
     } while (0)
 
-int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
-                       uint64_t size, const kvx_layout_t *layout, pool_t **out,
-                       char *why, size_t why_len)
+void pool_alloc_req_close(pool_alloc_req_t *a, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        if (a[i].gpu) {
+            gpu_import_req_close(&a[i].req);
+        } else if (a[i].fd >= 0) {
+            close(a[i].fd);
+            a[i].fd = -1;
+        }
+    }
+}
+
+/* Regions sorted by (allocation, offset), for the overlap check. */
+static const pool_region_req_t *sort_regions;
+
+static int region_cmp(const void *a, const void *b)
+{
+    const pool_region_req_t *x = &sort_regions[*(const uint32_t *)a],
+                            *y = &sort_regions[*(const uint32_t *)b];
+    if (x->alloc != y->alloc)
+        return x->alloc < y->alloc ? -1 : 1;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* A host allocation: a memfd sealed against shrinking; *size its bytes,
+ * *ino its identity (two entries for one file are refused). */
+static int host_alloc_check(int fd, uint32_t i, uint64_t *size, uint64_t ino[2],
+                            char *why, size_t why_len)
 {
     int rc = 0;
     struct stat st;
-    if (size == 0) {
-        WHY(KVX_ERR_INVALID, "register_pool.size: 0");
-        goto err_close_fd;
-    }
     if (fstat(fd, &st) < 0) {
-        WHY(KVX_ERR_IO, "register_pool: fstat: %s", strerror(errno));
-        goto err_close_fd;
+        WHY(KVX_ERR_IO, "register_pool.allocations[%u]: fstat: %s", i,
+            strerror(errno));
+        return rc;
     }
     if (!S_ISREG(st.st_mode)) {
-        WHY(KVX_ERR_INVALID, "register_pool: the fd is not a memfd");
-        goto err_close_fd;
+        WHY(KVX_ERR_INVALID,
+            "register_pool.allocations[%u]: the fd is not a memfd", i);
+        return rc;
     }
     /* A client that could shrink the file would make the daemon fault on
      * its next access: insist the size is sealed. */
     int seals = fcntl(fd, F_GET_SEALS);
     if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
         WHY(KVX_ERR_INVALID,
-            "register_pool: memfd lacks F_SEAL_SHRINK (a client could "
-            "truncate it under the daemon)");
-        goto err_close_fd;
+            "register_pool.allocations[%u]: memfd lacks F_SEAL_SHRINK (a "
+            "client could truncate it under the daemon)",
+            i);
+        return rc;
     }
-    if (offset > (uint64_t)st.st_size || (uint64_t)st.st_size - offset < size) {
-        WHY(KVX_ERR_INVALID,
-            "register_pool.size: [%llu, +%llu) runs past the memfd's %llu "
-            "bytes",
-            (unsigned long long)offset, (unsigned long long)size,
-            (unsigned long long)st.st_size);
-        goto err_close_fd;
-    }
-    if ((rc = kvx__layout_check(layout, size, why, why_len)))
-        goto err_close_fd;
+    *size = (uint64_t)st.st_size;
+    ino[0] = (uint64_t)st.st_dev;
+    ino[1] = (uint64_t)st.st_ino;
+    return 0;
+}
 
-    pool_t *p = calloc(1, sizeof(*p));
-    if (!p) {
+/* Validate regions against their allocations (of asize bytes) and each
+ * other, then the layout against the regions. Nothing is mapped yet. */
+static int regions_check(const pool_region_req_t *r, uint32_t n,
+                         const uint64_t *asize, const kvx_layout_t *layout,
+                         char *why, size_t why_len)
+{
+    int rc = 0;
+    uint64_t *sizes = malloc(n * sizeof(*sizes));
+    uint32_t *order = malloc(n * sizeof(*order));
+    if (!sizes || !order) {
         WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
-        goto err_close_fd;
+        goto out;
     }
-    /* mmap maps whole pages: from the page that holds the pool's start */
-    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE), in_page = offset % pg;
-    p->map_len = in_page + size;
-    p->map = mmap(NULL, p->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-                  (off_t)(offset - in_page));
-    if (p->map == MAP_FAILED) {
-        log_error("pool: mmap of %llu bytes: %m",
-                  (unsigned long long)p->map_len);
-        WHY(KVX_ERR_NOMEM, "register_pool: mmap of %llu bytes failed: %s",
-            (unsigned long long)p->map_len, strerror(errno));
-        goto err_free_pool;
+    for (uint32_t i = 0; i < n; i++) {
+        if (r[i].size == 0) {
+            WHY(KVX_ERR_INVALID, "register_pool.regions[%u].size: 0", i);
+            goto out;
+        }
+        if (r[i].offset > asize[r[i].alloc] ||
+            asize[r[i].alloc] - r[i].offset < r[i].size) {
+            WHY(KVX_ERR_INVALID,
+                "register_pool.regions[%u]: [%llu, +%llu) runs past the "
+                "%llu bytes of allocations[%u]",
+                i, (unsigned long long)r[i].offset,
+                (unsigned long long)r[i].size,
+                (unsigned long long)asize[r[i].alloc], r[i].alloc);
+            goto out;
+        }
+        sizes[i] = r[i].size;
+        order[i] = i;
     }
-    p->base = p->map + in_page;
-    p->offset = offset;
+    /* two regions over the same bytes would let two parts alias: the
+     * layout check sees each region alone */
+    sort_regions = r; /* loop thread only */
+    qsort(order, n, sizeof(*order), region_cmp);
+    for (uint32_t k = 1; k < n; k++) {
+        const pool_region_req_t *a = &r[order[k - 1]], *b = &r[order[k]];
+        if (a->alloc == b->alloc && b->offset < a->offset + a->size) {
+            WHY(KVX_ERR_INVALID,
+                "register_pool.regions[%u]: bytes [%llu, +%llu) of "
+                "allocations[%u] overlap regions[%u]",
+                order[k], (unsigned long long)b->offset,
+                (unsigned long long)b->size, b->alloc, order[k - 1]);
+            goto out;
+        }
+    }
+    rc = kvx__layout_check(layout, sizes, n, why, why_len);
+out:
+    free(sizes);
+    free(order);
+    return rc;
+}
+
+static void pool_unmap(pool_t *p);
+
+int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
+                  uint32_t nallocs, const pool_region_req_t *regions,
+                  uint32_t nregions, const kvx_layout_t *layout, pool_t **out,
+                  char *why, size_t why_len)
+{
+    int rc = 0;
+    int gpu = nallocs ? allocs[0].gpu : 0;
+    uint64_t *asize = calloc(nallocs ? nallocs : 1, sizeof(*asize));
+    uint64_t(*ino)[2] = calloc(nallocs ? nallocs : 1, sizeof(*ino));
+    pool_t *p = calloc(1, sizeof(*p));
+    if (!asize || !ino || !p) {
+        WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
+        goto err_close;
+    }
+    assert(nallocs && nregions && nregions <= KVX_MAX_REGIONS);
+    for (uint32_t i = 0; i < nallocs; i++) {
+        assert(allocs[i].gpu == gpu);
+        if (gpu) {
+            asize[i] = allocs[i].req.alloc_size;
+            continue;
+        }
+        if ((rc = host_alloc_check(allocs[i].fd, i, &asize[i], ino[i], why,
+                                   why_len)))
+            goto err_close;
+        for (uint32_t k = 0; k < i; k++)
+            if (ino[k][0] == ino[i][0] && ino[k][1] == ino[i][1]) {
+                WHY(KVX_ERR_INVALID,
+                    "register_pool.allocations[%u]: the same memfd as "
+                    "allocations[%u] (list it once; its regions name it)",
+                    i, k);
+                goto err_close;
+            }
+    }
+    if ((rc = regions_check(regions, nregions, asize, layout, why, why_len)))
+        goto err_close;
+
+    uint32_t P = layout->parts ? layout->num_parts : 0;
+    p->regions = calloc(nregions, sizeof(*p->regions));
+    p->view = calloc(nregions, sizeof(*p->view));
+    p->parts = P ? malloc(P * sizeof(*p->parts)) : NULL;
+    p->imports = gpu ? calloc(nallocs, sizeof(*p->imports)) : NULL;
+    if (!p->regions || !p->view || (P && !p->parts) || (gpu && !p->imports)) {
+        WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
+        goto err_free;
+    }
+    p->gpu = gpu;
+    p->pin_on_populate = -1;
+    for (uint32_t i = 0; i < nregions; i++) {
+        p->regions[i].alloc = regions[i].alloc;
+        p->regions[i].offset = regions[i].offset;
+        p->regions[i].size = regions[i].size;
+        p->size += regions[i].size; /* no overflow: each inside a file */
+    }
+    /* GPU: import each allocation once (the cache shares it with other
+     * pools in it), on one device */
+    for (uint32_t i = 0; gpu && i < nallocs; i++) {
+        uint8_t *base;
+        int dev;
+        allocs[i].req.offset = 0;
+        allocs[i].req.size = allocs[i].req.alloc_size;
+        if ((rc = gpu_import(&allocs[i].req, &p->imports[i], &base, &dev, why,
+                             why_len)))
+            goto err_unmap;
+        p->nimports = i + 1;
+        if (i && dev != p->device) {
+            WHY(KVX_ERR_UNSUPPORTED,
+                "register_pool.allocations[%u]: on gpu %d, but "
+                "allocations[0] is on gpu %d (a pool lies on one device)",
+                i, dev, p->device);
+            goto err_unmap;
+        }
+        p->device = dev;
+    }
+    for (uint32_t i = 0; i < nregions; i++) {
+        pool_region_t *r = &p->regions[i];
+        if (gpu) {
+            uint8_t *base;
+            rc = gpu_import_ptr(p->imports[r->alloc], p->device, &base, why,
+                                why_len);
+            if (rc)
+                goto err_unmap;
+            p->view[i] = (plan_region_t){base + r->offset, r->size};
+            continue;
+        }
+        /* mmap maps whole pages: from the page that holds the start */
+        uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE), in_page = r->offset % pg;
+        r->map_len = in_page + r->size;
+        r->map = mmap(NULL, r->map_len, PROT_READ | PROT_WRITE, MAP_SHARED,
+                      allocs[r->alloc].fd, (off_t)(r->offset - in_page));
+        if (r->map == MAP_FAILED) {
+            r->map = NULL;
+            log_error("pool: mmap of %llu bytes: %m",
+                      (unsigned long long)r->map_len);
+            WHY(KVX_ERR_NOMEM,
+                "register_pool.regions[%u]: mmap of %llu bytes failed: %s", i,
+                (unsigned long long)r->map_len, strerror(errno));
+            goto err_unmap;
+        }
+        p->view[i] = (plan_region_t){r->map + in_page, r->size};
+    }
+    pool_alloc_req_close(allocs, nallocs); /* the mappings hold them */
+    p->nregions = nregions;
+    p->layout = *layout;
+    if (P) {
+        memcpy(p->parts, layout->parts, P * sizeof(*p->parts));
+        p->layout.parts = p->parts;
+    }
     p->id = next_id++;
     p->session_id = session_id;
-    p->size = size;
-    p->layout = *layout;
-    p->pin_on_populate = -1;
     p->users = 1; /* the registration itself */
     if (map_put(&pools, p->id, p)) {
         WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_unmap;
     }
-    close(fd);
+    free(asize);
+    free(ino);
     *out = p;
     return 0;
 
 err_unmap:
-    munmap(p->map, p->map_len);
-err_free_pool:
-    free(p);
-err_close_fd:
-    close(fd);
-    return rc;
-}
-
-int pool_register_gpu(uint64_t session_id, gpu_import_req_t *req,
-                      const kvx_layout_t *layout, pool_t **out, char *why,
-                      size_t why_len)
-{
-    int rc;
-    if (req->size == 0) {
-        gpu_import_req_close(req);
-        snprintf(why, why_len, "register_pool.size: 0");
-        return KVX_ERR_INVALID;
-    }
-    if ((rc = kvx__layout_check(layout, req->size, why, why_len))) {
-        gpu_import_req_close(req);
-        return rc;
-    }
-    pool_t *p = calloc(1, sizeof(*p));
-    if (!p) {
-        gpu_import_req_close(req);
-        snprintf(why, why_len, "register_pool: out of memory");
-        return KVX_ERR_NOMEM;
-    }
-    if ((rc = gpu_import(req, &p->import, &p->base, &p->device, why,
-                         why_len)))
-        goto err_free;
-    p->gpu = 1;
-    p->offset = req->offset;
-    p->id = next_id++;
-    p->session_id = session_id;
-    p->size = req->size;
-    p->layout = *layout;
-    p->users = 1;
-    if (map_put(&pools, p->id, p)) {
-        snprintf(why, why_len, "register_pool: out of memory");
-        rc = KVX_ERR_NOMEM;
-        goto err_unimport;
-    }
-    *out = p;
-    return 0;
-
-err_unimport:
-    gpu_import_unref(p->import);
+    p->nregions = nregions;
+    pool_unmap(p);
 err_free:
+    free(p->regions);
+    free(p->view);
+    free(p->parts);
+    free(p->imports);
+err_close:
+    pool_alloc_req_close(allocs, nallocs);
     free(p);
+    free(asize);
+    free(ino);
     return rc;
 }
 
-static uint64_t used_bytes(const pool_t *p);
+int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
+                       uint64_t size, const kvx_layout_t *layout, pool_t **out,
+                       char *why, size_t why_len)
+{
+    pool_alloc_req_t a = {.fd = fd};
+    pool_region_req_t r = {0, offset, size};
+    return pool_register(session_id, &a, 1, &r, 1, layout, out, why, why_len);
+}
+
+static uint64_t used_bytes(const pool_t *p, uint32_t i);
 
 int pool_pin(pool_t *p, char *why, size_t why_len)
 {
     if (p->gpu || p->pinned)
         return 0;
-    uint64_t t0 = kvxd_now_ms();
-    if (gpu_host_register(p->map, used_bytes(p), -1)) {
-        snprintf(why, why_len,
-                 "pool %u: cannot register host memory with CUDA for a "
-                 "GPU copy",
-                 p->id);
-        return KVX_ERR_IO;
+    uint64_t t0 = kvxd_now_ms(), bytes = 0;
+    for (uint32_t i = 0; i < p->nregions; i++) {
+        if (gpu_host_register(p->regions[i].map, used_bytes(p, i), -1)) {
+            while (i--)
+                gpu_host_unregister(p->regions[i].map);
+            snprintf(why, why_len,
+                     "pool %u: cannot register host memory with CUDA for a "
+                     "GPU copy",
+                     p->id);
+            return KVX_ERR_IO;
+        }
+        bytes += used_bytes(p, i);
     }
     p->pinned = 1;
-    log_info("pool %u: %llu host bytes pinned for GPU copies in %llu ms",
-             p->id, (unsigned long long)used_bytes(p),
+    log_info("pool %u: %llu host bytes in %u regions pinned for GPU copies "
+             "in %llu ms",
+             p->id, (unsigned long long)bytes, p->nregions,
              (unsigned long long)(kvxd_now_ms() - t0));
     return 0;
 }
 
-int pool_device_base(pool_t *p, int device, uint8_t **base, char *why,
-                     size_t why_len)
+int pool_device_view(pool_t *p, int device, const plan_region_t **regions,
+                     char *why, size_t why_len)
 {
-    if (!p->gpu) {
-        *base = p->base; /* pinned host memory: same address (UVA) */
+    if (!p->gpu || device == p->device) {
+        *regions = p->view; /* pinned host memory: same address (UVA) */
         return 0;
     }
-    /* the import maps the whole allocation; the pool starts inside it
-     * (a tensor slice, a tensor the caching allocator placed in a
-     * segment, several pools in one allocation) */
-    uint8_t *alloc;
-    int rc = gpu_import_ptr(p->import, device, &alloc, why, why_len);
-    if (rc)
-        return rc;
-    *base = alloc + p->offset;
+    if (device < 0 || device >= POOL_MAX_DEV) {
+        snprintf(why, why_len, "pool %u: no view for gpu %d", p->id, device);
+        return KVX_ERR_INVALID;
+    }
+    if (!p->view_on[device]) {
+        /* each import maps its whole allocation; a region starts inside
+         * it (a tensor slice, a tensor the caching allocator placed in a
+         * segment, several regions in one allocation) */
+        plan_region_t *v = calloc(p->nregions, sizeof(*v));
+        if (!v) {
+            snprintf(why, why_len, "pool %u: out of memory", p->id);
+            return KVX_ERR_NOMEM;
+        }
+        for (uint32_t i = 0; i < p->nregions; i++) {
+            uint8_t *alloc;
+            const pool_region_t *r = &p->regions[i];
+            int rc = gpu_import_ptr(p->imports[r->alloc], device, &alloc, why,
+                                    why_len);
+            if (rc) {
+                free(v);
+                return rc;
+            }
+            v[i] = (plan_region_t){alloc + r->offset, r->size};
+        }
+        p->view_on[device] = v;
+    }
+    *regions = p->view_on[device];
     return 0;
 }
 
 plan_mem_t pool_mem(const pool_t *p, const uint32_t *blocks, uint32_t n)
 {
-    return (plan_mem_t){.base = p->base,
+    return (plan_mem_t){.regions = p->view,
+                        .nregions = p->nregions,
                         .layout = &p->layout,
                         .blocks = blocks,
                         .num_blocks = n,
-                        .size = p->size,
                         .pool = p->id};
 }
 
+/* Undo the mappings and imports (what of them exists). */
 static void pool_unmap(pool_t *p)
 {
-    if (p->gpu) {
-        gpu_import_unref(p->import);
-        return;
+    for (uint32_t i = 0; i < p->nimports; i++)
+        gpu_import_unref(p->imports[i]);
+    for (uint32_t i = 0; !p->gpu && p->regions && i < p->nregions; i++) {
+        if (!p->regions[i].map)
+            continue;
+        if (p->pinned)
+            gpu_host_unregister(p->regions[i].map);
+        munmap(p->regions[i].map, p->regions[i].map_len);
     }
-    if (p->pinned)
-        gpu_host_unregister(p->map);
-    munmap(p->map, p->map_len);
+    p->nimports = 0;
+    p->nregions = 0;
+}
+
+static void pool_free(pool_t *p)
+{
+    for (int d = 0; d < POOL_MAX_DEV; d++)
+        free(p->view_on[d]);
+    free(p->regions);
+    free(p->view);
+    free(p->parts);
+    free(p->imports);
+    free(p);
 }
 
 pool_t *pool_find(uint32_t id)
@@ -223,7 +397,7 @@ void pool_unref(pool_t *p)
     map_del(&pools, p->id);
     pool_unmap(p);
     log_debug("pool %u unmapped", p->id);
-    free(p);
+    pool_free(p);
 }
 
 void pool_release(pool_t *p)
@@ -234,16 +408,18 @@ void pool_release(pool_t *p)
     pool_unref(p);
 }
 
-/* The bytes of a host pool's mapping, from p->map, that copies can
- * touch: up to its layout's span, whole pages (a client may declare a
- * sparse memfd far larger; faulting in or pinning all of it would charge
- * the daemon for the holes). */
-static uint64_t used_bytes(const pool_t *p)
+/* The bytes of host region i's mapping, from its map, that copies can
+ * touch: up to the layout's span in it, whole pages (a client may
+ * declare a sparse memfd far larger; faulting in or pinning all of it
+ * would charge the daemon for the holes). */
+static uint64_t used_bytes(const pool_t *p, uint32_t i)
 {
+    const pool_region_t *r = &p->regions[i];
     uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
-    uint64_t u = (uint64_t)(p->base - p->map) + kvx_layout_span(&p->layout);
+    uint64_t u = (uint64_t)(p->view[i].base - r->map) +
+                 kvx_layout_region_span(&p->layout, i);
     u = (u + pg - 1) / pg * pg;
-    return u < p->map_len ? u : p->map_len;
+    return u < r->map_len ? u : r->map_len;
 }
 
 /* Map the pages of [a, a + len) in, so the first transfer does not take
@@ -269,35 +445,47 @@ static void populate_range(uint8_t *a, uint64_t len)
  * loop. */
 static void populate_run(copy_job_t *j)
 {
-    pool_t *p = j->owner; /* base, size and pin_on_populate: set before */
-    uint64_t used = used_bytes(p);
+    pool_t *p = j->owner; /* regions, layout and pin_on_populate: set
+                             before, not changed while the job runs */
     uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
     enum { STEP = 4096 }; /* pages looked at per mincore() */
     unsigned char vec[STEP];
-    for (uint64_t off = 0; off < used;) {
-        uint64_t n = (used - off + pg - 1) / pg;
-        if (n > STEP)
-            n = STEP;
-        uint64_t len = n * pg < used - off ? n * pg : used - off;
-        if (mincore(p->map + off, len, vec)) {
-            off += len; /* only an optimization */
-            continue;
-        }
-        for (uint64_t i = 0; i < n;) {
-            uint64_t k = i;
-            while (k < n && (vec[k] & 1))
-                k++;
-            if (k > i) {
-                uint64_t b = off + i * pg, e = off + k * pg;
-                populate_range(p->map + b, (e < used ? e : used) - b);
+    for (uint32_t r = 0; r < p->nregions; r++) {
+        uint8_t *map = p->regions[r].map;
+        uint64_t used = used_bytes(p, r);
+        for (uint64_t off = 0; off < used;) {
+            uint64_t n = (used - off + pg - 1) / pg;
+            if (n > STEP)
+                n = STEP;
+            uint64_t len = n * pg < used - off ? n * pg : used - off;
+            if (mincore(map + off, len, vec)) {
+                off += len; /* only an optimization */
+                continue;
             }
-            i = k + 1;
+            for (uint64_t i = 0; i < n;) {
+                uint64_t k = i;
+                while (k < n && (vec[k] & 1))
+                    k++;
+                if (k > i) {
+                    uint64_t b = off + i * pg, e = off + k * pg;
+                    populate_range(map + b, (e < used ? e : used) - b);
+                }
+                i = k + 1;
+            }
+            off += len;
         }
-        off += len;
     }
     /* the result travels in the job; the loop sets p->pinned */
-    if (p->pin_on_populate >= 0)
-        j->status = gpu_host_register(p->map, used, p->pin_on_populate) ? 1 : 0;
+    if (p->pin_on_populate >= 0) {
+        j->status = 0;
+        for (uint32_t r = 0; r < p->nregions && !j->status; r++)
+            if (gpu_host_register(p->regions[r].map, used_bytes(p, r),
+                                  p->pin_on_populate)) {
+                while (r--)
+                    gpu_host_unregister(p->regions[r].map);
+                j->status = 1;
+            }
+    }
 }
 
 static void populate_done(copy_job_t *j)
@@ -343,7 +531,7 @@ void pool_cleanup(void)
         n = map_values(&pools, (void **)all, n);
         for (uint32_t i = 0; i < n; i++) {
             pool_unmap(all[i]);
-            free(all[i]);
+            pool_free(all[i]);
         }
         free(all);
     }

@@ -368,12 +368,24 @@ static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
                      (unsigned char)*p, (size_t)(p - m->preset));
             return KVX_ERR_INVALID;
         }
-    if (m->n_layer_offset != m->num_layers ||
-        m->n_layer_offset > KVX_MAX_LAYERS) {
+    if (m->n_part_region != m->n_part_offset) {
         snprintf(why, why_len,
-                 "layout.layer_offset: %zu offsets for num_layers %u (at most "
-                 "%u)",
-                 m->n_layer_offset, m->num_layers, KVX_MAX_LAYERS);
+                 "layout.part_region: %zu entries, but layout.part_offset "
+                 "has %zu",
+                 m->n_part_region, m->n_part_offset);
+        return KVX_ERR_LAYOUT;
+    }
+    if (m->n_part_region &&
+        m->n_part_region != (uint64_t)m->num_layers * m->kv_factor) {
+        snprintf(why, why_len,
+                 "layout.part_region: %zu parts for num_layers %u x "
+                 "kv_factor %u",
+                 m->n_part_region, m->num_layers, m->kv_factor);
+        return KVX_ERR_LAYOUT;
+    }
+    if (m->n_part_region > 2 * KVX_MAX_LAYERS) {
+        snprintf(why, why_len, "layout.part_region: %zu parts (at most %u)",
+                 m->n_part_region, 2 * KVX_MAX_LAYERS);
         return KVX_ERR_LAYOUT;
     }
     if (m->dtype > KVX_DTYPE_INT8) {
@@ -389,14 +401,32 @@ static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
     l->dtype = m->dtype;
     l->tokens_per_block = m->tokens_per_block;
     l->num_blocks = m->num_blocks;
-    if (m->n_layer_offset)
-        memcpy(l->layer_offset, m->layer_offset,
-               m->n_layer_offset * sizeof(uint64_t));
+    if (m->n_part_region) {
+        /* the caller frees it (layout_msg_free) */
+        kvx_layout_part_t *pt = malloc(m->n_part_region * sizeof(*pt));
+        if (!pt) {
+            snprintf(why, why_len, "layout.part_region: out of memory");
+            return KVX_ERR_NOMEM;
+        }
+        for (size_t i = 0; i < m->n_part_region; i++)
+            pt[i] =
+                (kvx_layout_part_t){m->part_region[i], 0, m->part_offset[i]};
+        l->parts = pt;
+        l->num_parts = (uint32_t)m->n_part_region;
+    }
+    l->layer_stride = m->layer_stride;
     l->kv_stride = m->kv_stride;
     l->block_stride = m->block_stride;
     l->token_stride = m->token_stride;
     l->head_stride = m->head_stride;
     return 0;
+}
+
+/* Free what layout_from_msg() allocated. */
+static void layout_msg_free(kvx_layout_t *l)
+{
+    free((void *)l->parts);
+    l->parts = NULL;
 }
 
 /* Pool of this session, by id. */
@@ -510,61 +540,144 @@ static void on_join(session_t *s, const Kvxfer__Request *rq)
     reply(s, rq->id, rc, rc ? why : "");
 }
 
-/* The fds and chunk sizes of a RegisterPool: need fds expected, got
- * taken (queued: what was left). 0, or the code with why. */
+/* fds allocation a of a RegisterPool comes with: a memfd, or one per
+ * physical allocation of VMM memory, none with a legacy IPC handle. */
+static size_t alloc_fds(const Kvxfer__Allocation *a)
+{
+    if (a->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD)
+        return 1;
+    if (a->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD)
+        return a->n_chunk_sizes ? a->n_chunk_sizes : 1;
+    return 0;
+}
+
+/* The allocations and regions of a RegisterPool, and the fds they need
+ * (need expected, got taken, queued: what was left). 0, or the code with
+ * why naming the field. */
 static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
                           uint32_t got, uint32_t queued, char *why,
                           size_t why_len)
 {
-    int vmm = m->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
-    uint64_t sum = 0;
-    int bad = 0;
-    if (m->kind > KVXFER__POOL_KIND__POOL_GPU_VMM_FD) {
-        snprintf(why, why_len, "register_pool.kind: unknown value %d", m->kind);
-        return KVX_ERR_INVALID;
+#define BAD(code, ...)                                                         \
+    do {                                                                       \
+        snprintf(why, why_len, __VA_ARGS__);                                   \
+        return (code);                                                         \
+    } while (0)
+    if (m->n_regions > KVX_MAX_REGIONS)
+        BAD(KVX_ERR_LIMIT,
+            "register_pool.regions: %zu regions (at most %u, "
+            "KVX_MAX_REGIONS)",
+            m->n_regions, KVX_MAX_REGIONS);
+    if (m->n_allocations > m->n_regions || m->n_allocations == 0 ||
+        m->n_regions == 0)
+        BAD(m->n_allocations > KVX_MAX_REGIONS ? KVX_ERR_LIMIT
+                                               : KVX_ERR_INVALID,
+            "register_pool: %zu allocations for %zu regions (expected "
+            "1..%u regions, each in one allocation, every allocation "
+            "holding one)",
+            m->n_allocations, m->n_regions, KVX_MAX_REGIONS);
+    size_t fds = 0;
+    for (size_t i = 0; i < m->n_allocations; i++) {
+        const Kvxfer__Allocation *a = m->allocations[i];
+        int vmm = a->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
+        uint64_t sum = 0;
+        int bad = 0;
+        if (a->kind > KVXFER__POOL_KIND__POOL_GPU_VMM_FD)
+            BAD(KVX_ERR_INVALID,
+                "register_pool.allocations[%zu].kind: unknown value %d", i,
+                a->kind);
+        if ((a->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD) !=
+            (m->allocations[0]->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD))
+            BAD(KVX_ERR_UNSUPPORTED,
+                "register_pool.allocations[%zu].kind: GPU and host memory "
+                "in one pool (unsupported: register them as two pools)",
+                i);
+        if (a->n_chunk_sizes > KVX_MAX_POOL_CHUNKS)
+            BAD(KVX_ERR_LIMIT,
+                "register_pool.allocations[%zu].chunk_sizes: %zu "
+                "allocations (at most %u)",
+                i, a->n_chunk_sizes, KVX_MAX_POOL_CHUNKS);
+        for (size_t k = 0; k < a->n_chunk_sizes; k++)
+            bad |= !a->chunk_sizes[k] ||
+                   __builtin_add_overflow(sum, a->chunk_sizes[k], &sum);
+        if (a->n_chunk_sizes && !vmm)
+            BAD(KVX_ERR_INVALID,
+                "register_pool.allocations[%zu].chunk_sizes: only VMM "
+                "memory spans several physical allocations",
+                i);
+        if (a->n_chunk_sizes && (bad || sum != a->alloc_size))
+            BAD(KVX_ERR_INVALID,
+                "register_pool.allocations[%zu].chunk_sizes: a size of 0, "
+                "or sizes that do not sum to alloc_size %llu",
+                i, (unsigned long long)a->alloc_size);
+        if (a->kind != KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
+            if (a->gpu_uuid.len != 16)
+                BAD(KVX_ERR_INVALID,
+                    "register_pool.allocations[%zu].gpu_uuid: %zu bytes "
+                    "(expected 16)",
+                    i, a->gpu_uuid.len);
+            if (!vmm && a->ipc_handle.len != 64)
+                BAD(KVX_ERR_INVALID,
+                    "register_pool.allocations[%zu].ipc_handle: %zu bytes "
+                    "(expected 64)",
+                    i, a->ipc_handle.len);
+            /* one import per allocation: listed twice, it would be
+             * imported as two and its regions could overlap unseen */
+            for (size_t k = 0; k < i; k++)
+                if (m->allocations[k]->alloc_id == a->alloc_id &&
+                    m->allocations[k]->gpu_uuid.len == 16 &&
+                    !memcmp(m->allocations[k]->gpu_uuid.data, a->gpu_uuid.data,
+                            16))
+                    BAD(KVX_ERR_INVALID,
+                        "register_pool.allocations[%zu]: the same "
+                        "allocation as allocations[%zu] (list it once; its "
+                        "regions name it)",
+                        i, k);
+        }
+        fds += alloc_fds(a);
     }
-    for (size_t i = 0; i < m->n_chunk_sizes; i++)
-        bad |= !m->chunk_sizes[i] ||
-               __builtin_add_overflow(sum, m->chunk_sizes[i], &sum);
-    if (m->n_chunk_sizes > KVX_MAX_POOL_CHUNKS) {
-        snprintf(why, why_len,
-                 "register_pool.chunk_sizes: %zu allocations (at most %u)",
-                 m->n_chunk_sizes, KVX_MAX_POOL_CHUNKS);
-        return KVX_ERR_LIMIT;
+    if (fds > KVX_MAX_POOL_CHUNKS)
+        BAD(KVX_ERR_LIMIT,
+            "register_pool.allocations: %zu fds in all (at most %u)", fds,
+            KVX_MAX_POOL_CHUNKS);
+    uint8_t *used = calloc(m->n_allocations, 1);
+    if (!used)
+        BAD(KVX_ERR_NOMEM, "register_pool: out of memory");
+    for (size_t i = 0; i < m->n_regions; i++) {
+        if (m->regions[i]->allocation >= m->n_allocations) {
+            free(used);
+            BAD(KVX_ERR_INVALID,
+                "register_pool.regions[%zu].allocation: %u, but there are "
+                "%zu allocations",
+                i, m->regions[i]->allocation, m->n_allocations);
+        }
+        used[m->regions[i]->allocation] = 1;
     }
-    if (m->n_chunk_sizes && !vmm) {
-        snprintf(why, why_len,
-                 "register_pool.chunk_sizes: only VMM pools span several "
-                 "allocations");
-        return KVX_ERR_INVALID;
-    }
-    if (m->n_chunk_sizes && (bad || sum != m->alloc_size)) {
-        snprintf(why, why_len,
-                 "register_pool.chunk_sizes: a size of 0, or sizes that do "
-                 "not sum to alloc_size %llu",
-                 (unsigned long long)m->alloc_size);
-        return KVX_ERR_INVALID;
-    }
-    if (got < need) {
-        snprintf(why, why_len,
-                 "register_pool: %zu fd(s) expected with the request, %u "
-                 "arrived (send them with SCM_RIGHTS)",
-                 need, queued);
-        return KVX_ERR_INVALID;
-    }
+    for (size_t i = 0; i < m->n_allocations; i++)
+        if (!used[i]) {
+            free(used);
+            BAD(KVX_ERR_INVALID,
+                "register_pool.allocations[%zu]: no region lies in it", i);
+        }
+    free(used);
+    if (got < need)
+        BAD(KVX_ERR_INVALID,
+            "register_pool: %zu fd(s) expected with the request, %u "
+            "arrived (send them with SCM_RIGHTS)",
+            need, queued);
     return 0;
+#undef BAD
 }
 
 static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
     const Kvxfer__RegisterPool *m = rq->register_pool;
-    int vmm = m->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
-    /* host memfd: one fd; VMM: one per physical allocation */
-    size_t need = m->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD ? 1
-                  : vmm ? (m->n_chunk_sizes ? m->n_chunk_sizes : 1)
-                        : 0;
-    if (need > KVX_MAX_POOL_CHUNKS)
+    /* host memfd: one fd per allocation; VMM: one per physical one */
+    size_t need = 0;
+    for (size_t i = 0; i < m->n_allocations && need <= KVX_MAX_POOL_CHUNKS; i++)
+        need += alloc_fds(m->allocations[i]);
+    if (need > KVX_MAX_POOL_CHUNKS || m->n_allocations > KVX_MAX_REGIONS)
         need = 0; /* refused below; what came is closed after the frame */
     /* the fds travel with this frame: take them first so every path
      * below closes them */
@@ -584,7 +697,6 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
             fds_drop(s, (uint32_t)need, 0);
         }
     }
-    int fd = nfds ? fds[0] : -1;
     if (!rc && need && nfds < need && s->fds_lost &&
         s->fds_lost_at < s->frame_end) {
         /* the client sent them: the daemon could not take them */
@@ -603,47 +715,62 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         rc = KVX_ERR_LIMIT;
     }
     kvx_layout_t l;
+    memset(&l, 0, sizeof(l));
     if (!rc)
         rc = layout_from_msg(m->layout, &l, why, sizeof(why));
+    uint32_t na = (uint32_t)m->n_allocations, nr = (uint32_t)m->n_regions;
+    pool_alloc_req_t *al = NULL;
+    pool_region_req_t *rg = NULL;
+    if (!rc) {
+        al = calloc(na, sizeof(*al));
+        rg = calloc(nr, sizeof(*rg));
+        if (!al || !rg) {
+            snprintf(why, sizeof(why), "register_pool: out of memory");
+            rc = KVX_ERR_NOMEM;
+        }
+    }
     if (rc) {
         for (uint32_t i = 0; i < nfds; i++)
             close(fds[i]);
         free(fds);
+        free(al);
+        free(rg);
+        layout_msg_free(&l);
         reply(s, rq->id, rc, why);
         return;
     }
-    pool_t *p;
-    if (m->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
-        free(fds); /* its one fd goes on, as fd */
-        rc = pool_register_host(s->id, fd, m->alloc_offset, m->size, &l, &p,
-                                why, sizeof(why));
-    } else {
-        gpu_import_req_t g = {.vmm = vmm,
-                              .fds = fds,
-                              .nfds = nfds,
-                              .chunk_sizes = m->chunk_sizes,
-                              .alloc_id = m->alloc_id,
-                              .alloc_size = m->alloc_size,
-                              .offset = m->alloc_offset,
-                              .size = m->size,
-                              .owner = s->id};
-        if (m->gpu_uuid.len != 16 ||
-            (!g.vmm && m->ipc_handle.len != sizeof(g.ipc_handle))) {
-            gpu_import_req_close(&g);
-            free(fds);
-            FAIL(KVX_ERR_INVALID,
-                 "register_pool.%s: %zu bytes (expected %d)",
-                 m->gpu_uuid.len != 16 ? "gpu_uuid" : "ipc_handle",
-                 m->gpu_uuid.len != 16 ? m->gpu_uuid.len
-                                       : m->ipc_handle.len,
-                 m->gpu_uuid.len != 16 ? 16 : 64);
+    /* hand the fds on, in allocation order: pool_register() closes them */
+    for (uint32_t i = 0, f = 0; i < na; i++) {
+        const Kvxfer__Allocation *a = m->allocations[i];
+        uint32_t k = (uint32_t)alloc_fds(a);
+        if (a->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
+            al[i].fd = fds[f];
+        } else {
+            al[i].gpu = 1;
+            al[i].req = (gpu_import_req_t){
+                .vmm = a->kind == KVXFER__POOL_KIND__POOL_GPU_VMM_FD,
+                .fds = fds + f,
+                .nfds = k,
+                .chunk_sizes = a->chunk_sizes,
+                .alloc_id = a->alloc_id,
+                .alloc_size = a->alloc_size,
+                .owner = s->id};
+            memcpy(al[i].req.uuid, a->gpu_uuid.data, 16);
+            if (!al[i].req.vmm)
+                memcpy(al[i].req.ipc_handle, a->ipc_handle.data,
+                       sizeof(al[i].req.ipc_handle));
         }
-        memcpy(g.uuid, m->gpu_uuid.data, 16);
-        if (!g.vmm)
-            memcpy(g.ipc_handle, m->ipc_handle.data, sizeof(g.ipc_handle));
-        rc = pool_register_gpu(s->id, &g, &l, &p, why, sizeof(why));
-        free(fds); /* closed by the import, on every path */
+        f += k;
     }
+    for (uint32_t i = 0; i < nr; i++)
+        rg[i] = (pool_region_req_t){m->regions[i]->allocation,
+                                    m->regions[i]->offset, m->regions[i]->size};
+    pool_t *p;
+    rc = pool_register(s->id, al, na, rg, nr, &l, &p, why, sizeof(why));
+    free(fds); /* closed by pool_register, on every path */
+    free(al);
+    free(rg);
+    layout_msg_free(&l);
     if (rc) {
         reply(s, rq->id, rc, why);
         return;
@@ -655,10 +782,10 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
     }
     pool_populate(p);
     log_info("session %llu: pool %u registered: %s %s, %u blocks, %llu "
-             "bytes",
-             (unsigned long long)s->id, p->id,
-             p->gpu ? "gpu" : "host", l.preset, l.num_blocks,
-             (unsigned long long)m->size);
+             "bytes in %u regions",
+             (unsigned long long)s->id, p->id, p->gpu ? "gpu" : "host",
+             p->layout.preset, p->layout.num_blocks,
+             (unsigned long long)p->size, p->nregions);
     Kvxfer__RegisterPoolReply pr = KVXFER__REGISTER_POOL_REPLY__INIT;
     pr.pool_id = p->id;
     Kvxfer__Reply r = KVXFER__REPLY__INIT;

@@ -79,6 +79,7 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid, uint32_t cap)
             pi->size = pools[i]->size;
             pi->preset = pools[i]->layout.preset;
             pi->num_blocks = pools[i]->layout.num_blocks;
+            pi->regions = pools[i]->nregions;
             pi->users = pools[i]->users - !pools[i]->released -
                         (pools[i]->populating ? 1 : 0);
             st->pools[st->n_pools++] = pi;

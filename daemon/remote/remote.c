@@ -1409,7 +1409,7 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     plan_mem_t mem;
     pool_t *src = xfer_offer_source(o, s->src_rank, &mem);
     assert(src); /* serve_pulls() waits for its publish */
-    if (s->gpu || (pl->src[s->slice].base && !src->gpu))
+    if (s->gpu || (pl->src[s->slice].regions && !src->gpu))
         return 0;
     for (uint32_t i = 0; i < pl->nslices; i++)
         pl->src[i] = i == s->slice ? mem : (plan_mem_t){.layout = &none};
@@ -1425,7 +1425,7 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     int dev = src->device;
     pl->dst = (plan_mem_t){.layout = &s->dst_layout};
     if ((rc = slots_pin(&sslots, dev, why, sizeof(why))) ||
-        (rc = pool_device_base(src, dev, &pl->src[s->slice].base, why,
+        (rc = pool_device_view(src, dev, &pl->src[s->slice].regions, why,
                                sizeof(why))) ||
         (rc = gpu_part_create(pl, dev, &s->gpu, why, sizeof(why))))
         log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);

@@ -758,13 +758,14 @@ static void part_try_start(genpart_t *p)
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
             rc = pool_pin(o->parts[plan->slices[i].src_rank].pool, why,
                           sizeof(why));
-        /* the kernel runs on `device`: every base as that device sees it */
+        /* the kernel runs on `device`: every region as that device sees
+         * it */
         if (!rc)
-            rc = pool_device_base(p->pool, device, &plan->dst.base, why,
+            rc = pool_device_view(p->pool, device, &plan->dst.regions, why,
                                   sizeof(why));
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
-            rc = pool_device_base(o->parts[plan->slices[i].src_rank].pool,
-                                  device, &plan->src[i].base, why,
+            rc = pool_device_view(o->parts[plan->slices[i].src_rank].pool,
+                                  device, &plan->src[i].regions, why,
                                   sizeof(why));
         if (!rc)
             rc = gpu_part_create(plan, device, &p->gpu, why, sizeof(why));
@@ -1664,7 +1665,7 @@ int xfer_part_upload(genpart_t *p, int device, char *why, size_t why_len)
 {
     assert(!p->gpu); /* once; freed with p (genreq_free()) */
     int rc =
-        pool_device_base(p->pool, device, &p->plan->dst.base, why, why_len);
+        pool_device_view(p->pool, device, &p->plan->dst.regions, why, why_len);
     return rc ? rc : gpu_part_create(p->plan, device, &p->gpu, why, why_len);
 }
 

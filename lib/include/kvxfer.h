@@ -138,11 +138,35 @@ typedef struct {
     uint32_t attention_dp;
 } kvx_parallel_t;
 
+/* Memory regions one pool may be made of (one per layer tensor, or per
+ * K and V tensor: 2 x KVX_MAX_LAYERS). */
+#define KVX_MAX_REGIONS 4096u
+
+/* Where one (layer, kv) part of a layout lies: the pool's region that
+ * holds it and the byte offset of its first element (block 0, token 0,
+ * head 0) in that region. */
+typedef struct {
+    uint32_t region;   /* index into the pool's regions */
+    uint32_t reserved; /* 0 */
+    uint64_t offset;
+} kvx_layout_part_t;
+
 /*
- * Layout descriptor of one pool:
- *   offset(layer, kv, block, token, head, d) = layer_offset[layer]
- *       + kv*kv_stride + block*block_stride + token*token_stride
- *       + head*head_stride + d*elem_size
+ * Layout descriptor of one pool. A pool is a list of memory regions
+ * (one allocation, or one tensor per layer, or separate K and V tensors
+ * per layer); the layout says in which region, and where in it, each
+ * element lies:
+ *   offset(layer, kv, block, token, head, d) = part(layer, kv).offset
+ *       + block*block_stride + token*token_stride + head*head_stride
+ *       + d*elem_size                       in region part(layer, kv).region
+ * where, with parts NULL (what the presets fill: one region),
+ *   part(layer, kv) = {region 0, layer*layer_stride + kv*kv_stride}
+ * and otherwise part(layer, kv) = parts[layer*kv_factor + kv], num_parts =
+ * num_layers*kv_factor entries (layer_stride and kv_stride are then not
+ * used). parts is the caller's: it must stay valid while the layout is
+ * used (a call that takes a layout copies what it needs). Every region
+ * of a pool must hold at least one part, and every byte a part can
+ * address must lie inside its region.
  * num_layers / num_heads are this rank's (after PP / TP split).
  */
 typedef struct {
@@ -150,29 +174,56 @@ typedef struct {
     uint32_t num_layers, kv_factor, num_heads, head_dim, elem_size;
     kvx_dtype_t dtype;
     uint32_t tokens_per_block, num_blocks;
-    uint64_t layer_offset[KVX_MAX_LAYERS];
-    uint64_t kv_stride, block_stride, token_stride, head_stride;
+    uint64_t layer_stride, kv_stride, block_stride, token_stride, head_stride;
+    const kvx_layout_part_t *parts; /* NULL: one region, strides above */
+    uint32_t num_parts;
 } kvx_layout_t;
 
 /*
  * Fill *out from a named preset: "trtllm", "vllm-nhd", "vllm-hnd",
- * "flashinfer", "sglang", "mla". Per-layer presets place the layers one
- * after another in the pool. Returns KVX_ERR_INVALID for an unknown preset
- * or zero dimensions; "sglang" needs tokens_per_block 1, "mla" needs
- * kv_factor 1 and num_heads 1.
+ * "flashinfer", "sglang", "mla". The pool is one region; per-layer
+ * presets place the layers one after another in it (layer_stride). Returns
+ * KVX_ERR_INVALID for an unknown preset or zero dimensions; "sglang" needs
+ * tokens_per_block 1, "mla" needs kv_factor 1 and num_heads 1.
  */
 KVX_EXPORT int kvx_layout_preset(const char *preset, uint32_t num_layers,
                                  uint32_t kv_factor, uint32_t num_heads,
                                  uint32_t head_dim, kvx_dtype_t dtype,
                                  uint32_t tokens_per_block, uint32_t num_blocks,
                                  kvx_layout_t *out);
-/* Bytes the layout spans: the smallest pool size that holds it. */
+/*
+ * Move the parts of a one-region layout into regions of their own, for
+ * engines that keep one tensor per layer (regions_per_layer 1: region
+ * `layer`, as vLLM) or a K and a V tensor per layer (2, kv_factor 2:
+ * region layer*2 + kv, as SGLang). Each part keeps its shape and lands at
+ * the same offset from its layer's (or its own) first byte; size each
+ * region with kvx_layout_region_span(). Writes num_layers*kv_factor
+ * entries to parts (num_parts of room) and points layout->parts at them.
+ * KVX_ERR_INVALID: a layout already split, regions_per_layer not 1 or 2
+ * (2 with kv_factor 1), or parts too small.
+ */
+KVX_EXPORT int kvx_layout_split(kvx_layout_t *layout,
+                                uint32_t regions_per_layer,
+                                kvx_layout_part_t *parts, uint32_t num_parts);
+/* Regions the layout addresses: the highest part's region + 1 (1 with
+ * parts NULL). */
+KVX_EXPORT uint32_t kvx_layout_num_regions(const kvx_layout_t *layout);
+/* Bytes the layout spans in region: the smallest region size that holds
+ * every part in it (0 if none is, or on overflow). */
+KVX_EXPORT uint64_t kvx_layout_region_span(const kvx_layout_t *layout,
+                                           uint32_t region);
+/* Bytes a one-region layout spans: the smallest pool size that holds it.
+ * 0 for a layout over several regions (see kvx_layout_region_span). */
 KVX_EXPORT uint64_t kvx_layout_span(const kvx_layout_t *layout);
-/* Byte offset of one element. */
+/* Byte offset of one element in its region (kvx_layout_region says
+ * which). */
 KVX_EXPORT uint64_t kvx_layout_offset(const kvx_layout_t *layout,
                                       uint32_t layer, uint32_t kv,
                                       uint32_t block, uint32_t token,
                                       uint32_t head);
+/* The region that holds part (layer, kv). */
+KVX_EXPORT uint32_t kvx_layout_region(const kvx_layout_t *layout,
+                                      uint32_t layer, uint32_t kv);
 
 typedef struct kvx_client kvx_client_t;
 
@@ -233,27 +284,29 @@ KVX_EXPORT int kvx_join_consumers(kvx_client_t *client,
                                   uint32_t num_consumers, int timeout_ms);
 
 /* Create a host-memory pool of layout->... (memfd, shared with the daemon)
- * and register it. *base is this process's mapping; *pool_id names it. */
+ * and register it as one region. *base is this process's mapping;
+ * *pool_id names it. */
 KVX_EXPORT int kvx_pool_create_host(kvx_client_t *client,
                                     const kvx_layout_t *layout, uint64_t size,
                                     void **base, uint32_t *pool_id,
                                     int timeout_ms);
 /* Register bytes [offset, offset + size) of a memfd the caller made as a
- * pool (host memory the engine already has: an offload buffer, one pool
- * of several in one file). The memfd must be sealed against shrinking
- * (F_SEAL_SHRINK); offset need not be page-aligned. The caller keeps fd
- * and its own mapping; the daemon maps only the pool's pages. */
+ * pool of one region (host memory the engine already has: an offload
+ * buffer, one pool of several in one file). The memfd must be sealed
+ * against shrinking (F_SEAL_SHRINK); offset need not be page-aligned. The
+ * caller keeps fd and its own mapping; the daemon maps only the pool's
+ * pages. */
 KVX_EXPORT int kvx_pool_register_host(kvx_client_t *client,
                                       const kvx_layout_t *layout, int fd,
                                       uint64_t offset, uint64_t size,
                                       uint32_t *pool_id, int timeout_ms);
 /* Register GPU memory [dev_ptr, dev_ptr + size) of the calling process as
- * a pool. dev_ptr may point inside a larger allocation (e.g. PyTorch's
- * caching allocator): the library finds the allocation and shares it with
- * the daemon, by a legacy cudaIpcMemHandle (cudaMalloc memory) or a POSIX
- * fd (cuMemCreate/VMM memory, which must be created exportable as
- * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). VMM memory may span several
- * physical allocations mapped back to back (PyTorch's
+ * a pool of one region. dev_ptr may point inside a larger allocation
+ * (e.g. PyTorch's caching allocator): the library finds the allocation
+ * and shares it with the daemon, by a legacy cudaIpcMemHandle (cudaMalloc
+ * memory) or a POSIX fd (cuMemCreate/VMM memory, which must be created
+ * exportable as CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). VMM memory may
+ * span several physical allocations mapped back to back (PyTorch's
  * expandable_segments), up to KVX_MAX_POOL_CHUNKS: each is exported and
  * the daemon maps them back to back again. Uses the process's CUDA
  * driver through dlopen; KVX_ERR_UNSUPPORTED when there is none or the
@@ -262,6 +315,44 @@ KVX_EXPORT int kvx_pool_register_gpu(kvx_client_t *client,
                                      const kvx_layout_t *layout, void *dev_ptr,
                                      uint64_t size, uint32_t *pool_id,
                                      int timeout_ms);
+
+/* One region of a host pool: bytes [offset, offset + size) of memfd fd
+ * (sealed against shrinking). Several regions may lie in one memfd (the
+ * library shares it once) but must not overlap. */
+typedef struct {
+    int fd;
+    uint64_t offset, size;
+} kvx_host_region_t;
+
+/* One region of a GPU pool: device memory [dev_ptr, dev_ptr + size) of
+ * the calling process, e.g. one layer's tensor. Regions inside one
+ * allocation (the caching allocator's segments) share it once, and must
+ * not overlap. */
+typedef struct {
+    void *dev_ptr;
+    uint64_t size;
+} kvx_gpu_region_t;
+
+/* Register a pool made of regions[0, num_regions) (1..KVX_MAX_REGIONS;
+ * layout's parts name them by index): host memfd ranges, or GPU memory
+ * on one device, as kvx_pool_register_host / kvx_pool_register_gpu
+ * describe for one. Refused: a region of 0 bytes or past its memfd or
+ * allocation (KVX_ERR_INVALID), regions that overlap (KVX_ERR_INVALID),
+ * more than KVX_MAX_REGIONS (KVX_ERR_LIMIT), GPU regions on two devices
+ * (KVX_ERR_UNSUPPORTED), a region that holds no part of the layout or a
+ * part that runs past its region (KVX_ERR_LAYOUT); the message names the
+ * region, or the layer and kv of the part. */
+KVX_EXPORT int kvx_pool_register_host_regions(kvx_client_t *client,
+                                              const kvx_layout_t *layout,
+                                              const kvx_host_region_t *regions,
+                                              uint32_t num_regions,
+                                              uint32_t *pool_id,
+                                              int timeout_ms);
+KVX_EXPORT int kvx_pool_register_gpu_regions(kvx_client_t *client,
+                                             const kvx_layout_t *layout,
+                                             const kvx_gpu_region_t *regions,
+                                             uint32_t num_regions,
+                                             uint32_t *pool_id, int timeout_ms);
 /* Deregister (and unmap, for pools created by kvx_pool_create_host). */
 KVX_EXPORT int kvx_pool_deregister(kvx_client_t *client, uint32_t pool_id,
                                    int timeout_ms);

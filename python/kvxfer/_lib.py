@@ -18,6 +18,7 @@ from typing import List, Optional
 
 MAX_LAYERS = 1024  # KVX_MAX_LAYERS
 MAX_RANKS = 1024  # KVX_MAX_RANKS
+MAX_REGIONS = 4096  # KVX_MAX_REGIONS
 SONAME = "libkvxfer.so.2"
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -37,6 +38,11 @@ class Parallel(Structure):
     ]
 
 
+class LayoutPart(Structure):
+    _fields_ = [("region", c_uint32), ("reserved", c_uint32),
+                ("offset", c_uint64)]
+
+
 class Layout(Structure):
     _fields_ = [
         ("preset", c_char * 16),
@@ -45,10 +51,20 @@ class Layout(Structure):
         ("elem_size", c_uint32),
         ("dtype", c_int),
         ("tokens_per_block", c_uint32), ("num_blocks", c_uint32),
-        ("layer_offset", c_uint64 * MAX_LAYERS),
+        ("layer_stride", c_uint64),
         ("kv_stride", c_uint64), ("block_stride", c_uint64),
         ("token_stride", c_uint64), ("head_stride", c_uint64),
+        ("parts", POINTER(LayoutPart)),
+        ("num_parts", c_uint32),
     ]
+
+
+class HostRegion(Structure):
+    _fields_ = [("fd", c_int), ("offset", c_uint64), ("size", c_uint64)]
+
+
+class GpuRegion(Structure):
+    _fields_ = [("dev_ptr", c_void_p), ("size", c_uint64)]
 
 
 class Hello(Structure):
@@ -101,7 +117,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 34 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 42 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -112,6 +128,11 @@ _PROTOS = {
     "kvx_layout_preset": (c_int, [c_char_p, c_uint32, c_uint32, c_uint32,
                                   c_uint32, c_int, c_uint32, c_uint32,
                                   POINTER(Layout)]),
+    "kvx_layout_split": (c_int, [POINTER(Layout), c_uint32,
+                                 POINTER(LayoutPart), c_uint32]),
+    "kvx_layout_num_regions": (c_uint32, [POINTER(Layout)]),
+    "kvx_layout_region_span": (c_uint64, [POINTER(Layout), c_uint32]),
+    "kvx_layout_region": (c_uint32, [POINTER(Layout), c_uint32, c_uint32]),
     "kvx_layout_span": (c_uint64, [POINTER(Layout)]),
     "kvx_layout_offset": (c_uint64, [POINTER(Layout), c_uint32, c_uint32,
                                      c_uint32, c_uint32, c_uint32]),
@@ -131,6 +152,12 @@ _PROTOS = {
                                        c_int]),
     "kvx_pool_register_gpu": (c_int, [_client_p, POINTER(Layout), c_void_p,
                                       c_uint64, POINTER(c_uint32), c_int]),
+    "kvx_pool_register_host_regions": (c_int, [_client_p, POINTER(Layout),
+                                               POINTER(HostRegion), c_uint32,
+                                               POINTER(c_uint32), c_int]),
+    "kvx_pool_register_gpu_regions": (c_int, [_client_p, POINTER(Layout),
+                                              POINTER(GpuRegion), c_uint32,
+                                              POINTER(c_uint32), c_int]),
     "kvx_pool_deregister": (c_int, [_client_p, c_uint32, c_int]),
     "kvx_context_params_free": (None, [POINTER(ContextParams)]),
     "kvx_publish": (c_int, [_client_p, c_uint64, c_uint32, c_void_p,

@@ -423,27 +423,30 @@ class Client:
           segments);
         * a numpy array, CPU tensor, memoryview or :class:`HostBuffer`
           whose bytes lie in a HostBuffer: kvx_pool_register_host;
-        * a list or tuple of per-layer tensors/arrays (one per layer of the
-          layout, as vLLM keeps them): one pool from the lowest address to
-          the end of the highest, with the layout's layer offsets set to
-          where each one starts. They must lie in one allocation (one
-          HostBuffer; one cudaMalloc segment or VMM range), until the C
-          API takes several regions per pool;
+        * a list of per-layer tensors/arrays (one per layer of the layout,
+          as vLLM keeps them): a pool of a region per tensor, the layout
+          split per layer (:meth:`Layout.split`) unless it has parts;
+        * a pair ``(k_tensors, v_tensors)`` of such lists (a K and a V
+          tensor per layer, as SGLang keeps them): a region per tensor,
+          the layout split per K and V;
         * an int: a raw pointer, with ``size`` (bytes) and ``device``
           (``"cuda"``, or ``"host"`` inside a HostBuffer).
 
-        The pool is the object's bytes (``size`` overrides); the layout
+        Host tensors of a list may lie in one HostBuffer or several; CUDA
+        tensors on one device, in one allocation or many (each allocation
+        is shared once). Each region is its tensor's bytes; the layout
         must fit in them. The pool keeps a reference to ``memory``.
         """
         if isinstance(memory, (list, tuple)):
-            span, layout = self._layers_span(memory, layout, device)
-        else:
-            span = span_of(memory, size, device)
-            if size is not None and not isinstance(memory, int):
-                if size > span.nbytes:
-                    raise InvalidArgument(-1, f"size: {size} is more than the "
-                                          f"{span.nbytes} bytes of memory")
-                span.nbytes = size
+            items, layout = self._regions_of(memory, layout)
+            return self.register_regions(layout, items, device=device,
+                                         timeout=timeout, keep=memory)
+        span = span_of(memory, size, device)
+        if size is not None and not isinstance(memory, int):
+            if size > span.nbytes:
+                raise InvalidArgument(-1, f"size: {size} is more than the "
+                                      f"{span.nbytes} bytes of memory")
+            span.nbytes = size
         pid = ctypes.c_uint32()
         if span.kind == "host":
             buf = host_buffer_of(span)
@@ -457,27 +460,70 @@ class Client:
         return Pool(self, pid.value, layout, span.nbytes, span.kind, memory)
 
     @staticmethod
-    def _layers_span(items: Sequence[Any], layout: Layout,
-                     device: Optional[str]) -> Tuple[Span, Layout]:
-        if len(items) != layout.num_layers:
-            raise InvalidArgument(-1, f"memory: {len(items)} per-layer "
-                                  f"tensors for a layout of "
-                                  f"{layout.num_layers} layers")
-        spans = [span_of(m, None, device) for m in items]
+    def _regions_of(memory: Sequence[Any],
+                    layout: Layout) -> Tuple[List[Any], Layout]:
+        """The regions of a list (per layer) or a (K list, V list) pair,
+        and the layout addressing them in that order."""
+        L = layout.num_layers
+        pair = (len(memory) == 2 and all(isinstance(m, (list, tuple))
+                                         for m in memory))
+        if pair:
+            k, v = memory
+            if layout.kv_factor != 2 or len(k) != L or len(v) != L:
+                raise InvalidArgument(-1, f"memory: {len(k)} K and {len(v)} "
+                                      f"V tensors for a layout of {L} "
+                                      f"layers x kv_factor "
+                                      f"{layout.kv_factor}")
+            items = [t for a in range(L) for t in (k[a], v[a])]
+            per = 2
+        else:
+            if len(memory) != L:
+                raise InvalidArgument(-1, f"memory: {len(memory)} per-layer "
+                                      f"tensors for a layout of {L} layers")
+            items = list(memory)
+            per = 1
+        if layout.num_regions == 1 and len(items) > 1:
+            layout = layout.split(per)
+        return items, layout
+
+    def register_regions(self, layout: Layout, regions: Sequence[Any], *,
+                         device: Optional[str] = None,
+                         timeout: Timeout = _DEFAULT,
+                         keep: Any = None) -> Pool:
+        """Register a pool of regions (kvx_pool_register_host_regions /
+        kvx_pool_register_gpu_regions): ``regions[i]`` is the memory of
+        the layout's region i (a tensor, array, HostBuffer slice), all host
+        or all CUDA on one device. The layout's parts name the regions
+        (:meth:`Layout.split`, :meth:`Layout.with_parts`)."""
+        if not regions or len(regions) > _lib.MAX_REGIONS:
+            raise InvalidArgument(-1, f"regions: {len(regions)} (expected "
+                                  f"1..{_lib.MAX_REGIONS})")
+        spans = [span_of(m, None, device) for m in regions]
         kinds = {s.kind for s in spans}
-        devices = {s.device for s in spans}
-        if len(kinds) != 1 or len(devices) != 1:
-            raise InvalidArgument(-1, "memory: per-layer tensors must all "
-                                  "be on one device")
-        need = layout.layer_span
-        for i, s in enumerate(spans):
-            if s.nbytes < need:
-                raise InvalidArgument(-1, f"memory[{i}]: {s.nbytes} bytes, "
-                                      f"one layer of the layout spans {need}")
-        base = min(s.ptr for s in spans)
-        end = max(s.ptr + s.nbytes for s in spans)
-        out = Span(spans[0].kind, base, end - base, spans[0].device)
-        return out, layout.with_layer_offsets(s.ptr - base for s in spans)
+        if len(kinds) != 1:
+            raise InvalidArgument(-1, "regions: host and GPU memory in one "
+                                  "pool (register two pools)")
+        kind = spans[0].kind
+        n = len(spans)
+        pid = ctypes.c_uint32()
+        if kind == "host":
+            arr = (_lib.HostRegion * n)()
+            for i, sp in enumerate(spans):
+                buf = host_buffer_of(sp)
+                arr[i].fd, arr[i].offset = buf.fd, sp.ptr - buf.address
+                arr[i].size = sp.nbytes
+            self._call("kvx_pool_register_host_regions",
+                       ctypes.byref(layout._c), arr, n, ctypes.byref(pid),
+                       self._ms(timeout))
+        else:
+            garr = (_lib.GpuRegion * n)()
+            for i, sp in enumerate(spans):
+                garr[i].dev_ptr, garr[i].size = sp.ptr, sp.nbytes
+            self._call("kvx_pool_register_gpu_regions",
+                       ctypes.byref(layout._c), garr, n, ctypes.byref(pid),
+                       self._ms(timeout))
+        return Pool(self, pid.value, layout, sum(sp.nbytes for sp in spans),
+                    kind, regions if keep is None else keep)
 
     def deregister(self, pool: PoolRef, timeout: Timeout = _DEFAULT) -> None:
         """kvx_pool_deregister (same as ``pool.deregister()``)."""

@@ -53,20 +53,36 @@ class DType(enum.IntEnum):
 
 
 class Layout:
-    """How (layer, kv, block, token, head, dim) map to bytes in a pool::
+    """How (layer, kv, block, token, head, dim) map to bytes in a pool.
 
-        offset = layer_offsets[layer] + kv*kv_stride + block*block_stride
-                 + token*token_stride + head*head_stride + dim*elem_size
+    A pool is a list of memory regions (one allocation, one tensor per
+    layer, or a K and a V tensor per layer); each (layer, kv) *part* of
+    the layout lies in one region, at an offset::
 
+        region, base = part(layer, kv)
+        offset = base + block*block_stride + token*token_stride
+                 + head*head_stride + dim*elem_size      (in that region)
+
+    With no explicit parts (the presets) the pool is one region and
+    ``part(layer, kv) = (0, layer*layer_stride + kv*kv_stride)``.
     num_layers / num_heads are this rank's (after the PP / TP split).
-    Build one with :meth:`preset` (the engines' layouts) or :meth:`custom`.
+    Build one with :meth:`preset` (the engines' layouts) or :meth:`custom`;
+    :meth:`split` moves the parts into a region per layer or per K and V.
     Layouts are immutable; the ``with_*`` methods return changed copies.
     """
 
-    __slots__ = ("_c",)
+    __slots__ = ("_c", "_parts")
 
-    def __init__(self, c: _lib.Layout) -> None:
+    def __init__(self, c: _lib.Layout,
+                 parts: Optional[ctypes.Array] = None) -> None:
         self._c = c
+        self._parts = parts  # owns what c.parts points at
+        if parts is not None:
+            c.parts = ctypes.cast(parts, ctypes.POINTER(_lib.LayoutPart))
+            c.num_parts = len(parts)
+        else:
+            c.parts = None
+            c.num_parts = 0
 
     @classmethod
     def preset(cls, preset: str, *, num_layers: int, num_heads: int,
@@ -75,7 +91,7 @@ class Layout:
         """A named preset (kvx_layout_preset): ``"trtllm"``,
         ``"vllm-nhd"``, ``"vllm-hnd"``, ``"flashinfer"``, ``"sglang"``
         (tokens_per_block 1), ``"mla"`` (kv_factor 1, num_heads 1).
-        Per-layer presets place the layers one after another.
+        One region; per-layer presets place the layers one after another.
 
         Raises InvalidArgument for an unknown preset or a shape it refuses.
         """
@@ -97,15 +113,19 @@ class Layout:
     @classmethod
     def custom(cls, *, num_layers: int, kv_factor: int, num_heads: int,
                head_dim: int, dtype: Any, tokens_per_block: int,
-               num_blocks: int, layer_offsets: Sequence[int],
-               kv_stride: int, block_stride: int, token_stride: int,
-               head_stride: int, elem_size: Optional[int] = None,
+               num_blocks: int, kv_stride: int, block_stride: int,
+               token_stride: int, head_stride: int,
+               layer_stride: int = 0,
+               layer_offsets: Optional[Sequence[int]] = None,
+               parts: Optional[Sequence[Tuple[int, int]]] = None,
+               elem_size: Optional[int] = None,
                name: str = "custom") -> "Layout":
-        """A layout given stride by stride (bytes). The daemon checks it
-        when a pool is registered (LayoutError names the problem)."""
-        if len(layer_offsets) != num_layers:
-            raise InvalidArgument(-1, f"layer_offsets: {len(layer_offsets)} "
-                                  f"entries for num_layers {num_layers}")
+        """A layout given stride by stride (bytes). The layers lie
+        ``layer_stride`` apart in one region, or at ``layer_offsets`` (one
+        per layer, in one region), or each (layer, kv) part where
+        ``parts`` says: ``(region, offset)`` pairs, num_layers*kv_factor
+        of them, layer-major. The daemon checks it when a pool is
+        registered (LayoutError names the problem)."""
         if num_layers > _lib.MAX_LAYERS:
             raise InvalidArgument(-1, f"num_layers: {num_layers} > "
                                   f"{_lib.MAX_LAYERS}")
@@ -117,27 +137,70 @@ class Layout:
         c.elem_size = dt.size if elem_size is None else elem_size
         c.dtype = int(dt)
         c.tokens_per_block, c.num_blocks = tokens_per_block, num_blocks
-        for i, off in enumerate(layer_offsets):
-            c.layer_offset[i] = off
-        c.kv_stride, c.block_stride = kv_stride, block_stride
+        c.layer_stride, c.kv_stride = layer_stride, kv_stride
+        c.block_stride = block_stride
         c.token_stride, c.head_stride = token_stride, head_stride
-        return cls(c)
+        out = cls(c)
+        if layer_offsets is not None and parts is not None:
+            raise InvalidArgument(-1, "layer_offsets and parts: give one")
+        if layer_offsets is not None:
+            return out.with_layer_offsets(layer_offsets)
+        if parts is not None:
+            return out.with_parts(parts)
+        return out
 
-    def _copy(self) -> _lib.Layout:
+    def _copy(self) -> "Layout":
         c = _lib.Layout()
         ctypes.pointer(c)[0] = self._c
-        return c
+        parts = None
+        if self._parts is not None:
+            parts = (_lib.LayoutPart * len(self._parts))()
+            ctypes.memmove(parts, self._parts, ctypes.sizeof(parts))
+        return Layout(c, parts)
+
+    def with_parts(self, parts: Iterable[Tuple[int, int]]) -> "Layout":
+        """This layout with every (layer, kv) part at ``(region, offset)``:
+        num_layers*kv_factor pairs, layer-major (layer 0's K, its V,
+        layer 1's K, ...)."""
+        ps = list(parts)
+        n = self.num_layers * self.kv_factor
+        if len(ps) != n:
+            raise InvalidArgument(-1, f"parts: {len(ps)} entries for "
+                                  f"num_layers {self.num_layers} x "
+                                  f"kv_factor {self.kv_factor}")
+        arr = (_lib.LayoutPart * n)()
+        for i, (region, off) in enumerate(ps):
+            arr[i].region, arr[i].offset = region, off
+        out = self._copy()
+        return Layout(out._c, arr)
 
     def with_layer_offsets(self, offsets: Iterable[int]) -> "Layout":
-        """This layout with other layer_offsets (one per layer)."""
+        """This layout with the layers at ``offsets`` (one per layer) in
+        one region; a layer's V lies kv_stride after its K."""
         offs = list(offsets)
         if len(offs) != self.num_layers:
             raise InvalidArgument(-1, f"layer_offsets: {len(offs)} entries "
                                   f"for num_layers {self.num_layers}")
-        c = self._copy()
-        for i, off in enumerate(offs):
-            c.layer_offset[i] = off
-        return Layout(c)
+        return self.with_parts((0, off + kv * self.kv_stride)
+                               for off in offs
+                               for kv in range(self.kv_factor))
+
+    def split(self, regions_per_layer: int = 1) -> "Layout":
+        """This layout over a region per layer (``1``, as vLLM's per-layer
+        tensors) or a K and a V region per layer (``2``, as SGLang's):
+        kvx_layout_split. Each region must then hold
+        :meth:`region_span` bytes."""
+        out = self._copy()
+        n = self.num_layers * self.kv_factor
+        arr = (_lib.LayoutPart * n)()
+        rc = _lib.lib().kvx_layout_split(ctypes.byref(out._c),
+                                         regions_per_layer, arr, n)
+        if rc:
+            raise InvalidArgument(rc, f"split: regions_per_layer "
+                                  f"{regions_per_layer} (expected 1, or 2 "
+                                  "with kv_factor 2) of a layout in one "
+                                  "region")
+        return Layout(out._c, arr)
 
     # the fields, read-only
     preset_name = property(lambda self: self._c.preset.decode(),
@@ -150,32 +213,69 @@ class Layout:
     dtype = property(lambda self: DType(self._c.dtype))
     tokens_per_block = property(lambda self: int(self._c.tokens_per_block))
     num_blocks = property(lambda self: int(self._c.num_blocks))
+    layer_stride = property(lambda self: int(self._c.layer_stride))
     kv_stride = property(lambda self: int(self._c.kv_stride))
     block_stride = property(lambda self: int(self._c.block_stride))
     token_stride = property(lambda self: int(self._c.token_stride))
     head_stride = property(lambda self: int(self._c.head_stride))
 
     @property
+    def parts(self) -> Tuple[Tuple[int, int], ...]:
+        """``(region, offset)`` of every (layer, kv) part, layer-major."""
+        return tuple((self.region(a, k), self.offset(a, k, 0))
+                     for a in range(self.num_layers)
+                     for k in range(self.kv_factor))
+
+    @property
     def layer_offsets(self) -> Tuple[int, ...]:
-        """Byte offset of each layer in the pool."""
-        return tuple(self._c.layer_offset[: self.num_layers])
+        """Byte offset of each layer's first part (K) in its region."""
+        return tuple(self.offset(a, 0, 0) for a in range(self.num_layers))
+
+    @property
+    def num_regions(self) -> int:
+        """Regions the layout addresses (kvx_layout_num_regions)."""
+        return int(_lib.lib().kvx_layout_num_regions(ctypes.byref(self._c)))
+
+    def region_span(self, region: int) -> int:
+        """Bytes the layout spans in ``region``: the smallest size of that
+        region (kvx_layout_region_span)."""
+        return int(_lib.lib().kvx_layout_region_span(ctypes.byref(self._c),
+                                                     region))
+
+    def region(self, layer: int, kv: int) -> int:
+        """The region part (layer, kv) lies in (kvx_layout_region)."""
+        self._in_range(layer, kv, 0, 0, 0)
+        return int(_lib.lib().kvx_layout_region(ctypes.byref(self._c),
+                                                layer, kv))
 
     @property
     def span(self) -> int:
-        """Bytes the layout spans: the smallest pool size that holds it."""
+        """Bytes a one-region layout spans: the smallest pool size that
+        holds it (0 for a layout over several regions)."""
         return int(_lib.lib().kvx_layout_span(ctypes.byref(self._c)))
 
     @property
     def layer_span(self) -> int:
-        """Bytes one layer spans from its layer offset."""
-        c = self._copy()
+        """Bytes one layer (its K and V, kv_stride apart) spans."""
+        c = _lib.Layout()
+        ctypes.pointer(c)[0] = self._c
         c.num_layers = 1
-        c.layer_offset[0] = 0
+        c.parts = None
+        c.num_parts = 0
         return int(_lib.lib().kvx_layout_span(ctypes.byref(c)))
 
-    def offset(self, layer: int, kv: int, block: int, token: int = 0,
-               head: int = 0) -> int:
-        """Byte offset of element (layer, kv, block, token, head, dim 0)."""
+    @property
+    def part_span(self) -> int:
+        """Bytes one (layer, kv) part spans from its offset."""
+        c = _lib.Layout()
+        ctypes.pointer(c)[0] = self._c
+        c.num_layers = c.kv_factor = 1
+        c.parts = None
+        c.num_parts = 0
+        return int(_lib.lib().kvx_layout_span(ctypes.byref(c)))
+
+    def _in_range(self, layer: int, kv: int, block: int, token: int,
+                  head: int) -> None:
         for name, v, n in (("layer", layer, self.num_layers),
                            ("kv", kv, self.kv_factor),
                            ("block", block, self.num_blocks),
@@ -184,21 +284,32 @@ class Layout:
             if not 0 <= v < n:
                 raise InvalidArgument(-1, f"{name}: {v} out of range "
                                       f"(expected 0..{n - 1})")
+
+    def offset(self, layer: int, kv: int, block: int, token: int = 0,
+               head: int = 0) -> int:
+        """Byte offset of element (layer, kv, block, token, head, dim 0) in
+        its region (:meth:`region` says which)."""
+        self._in_range(layer, kv, block, token, head)
         return int(_lib.lib().kvx_layout_offset(
             ctypes.byref(self._c), layer, kv, block, token, head))
 
+    def _key(self) -> bytes:
+        c = _lib.Layout()
+        ctypes.pointer(c)[0] = self._c
+        c.parts = None
+        parts = bytes(self._parts) if self._parts is not None else b""
+        return bytes(c) + parts
+
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, Layout)
-                and bytes(self._c) == bytes(other._c))
+        return isinstance(other, Layout) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(bytes(self._c))
+        return hash(self._key())
 
     def __repr__(self) -> str:
         return (f"Layout({self.preset_name!r}, num_layers={self.num_layers}, "
                 f"kv_factor={self.kv_factor}, num_heads={self.num_heads}, "
                 f"head_dim={self.head_dim}, dtype={self.dtype.name.lower()}, "
                 f"tokens_per_block={self.tokens_per_block}, "
-                f"num_blocks={self.num_blocks}, span={self.span})")
-
-
+                f"num_blocks={self.num_blocks}, "
+                f"regions={self.num_regions}, span={self.span})")

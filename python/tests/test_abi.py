@@ -17,7 +17,10 @@ HEADER = os.path.join(REPO, "lib", "include", "kvxfer.h")
 
 STRUCTS = {
     "kvx_parallel_t": _lib.Parallel,
+    "kvx_layout_part_t": _lib.LayoutPart,
     "kvx_layout_t": _lib.Layout,
+    "kvx_host_region_t": _lib.HostRegion,
+    "kvx_gpu_region_t": _lib.GpuRegion,
     "kvx_hello_t": _lib.Hello,
     "kvx_context_params_t": _lib.ContextParams,
     "kvx_event_t": _lib.Event,
@@ -59,8 +62,10 @@ def test_struct_layout_matches_c(tmp_path):
 
 
 def test_layout_struct_size():
-    # preset[16] + 8 four-byte fields, 1024 offsets, 4 strides
-    assert ctypes.sizeof(_lib.Layout) == 16 + 8 * 4 + 1024 * 8 + 4 * 8
+    # preset[16] + 8 four-byte fields, 5 strides, the parts pointer and
+    # count (padded): no large inline array
+    assert ctypes.sizeof(_lib.Layout) == 16 + 8 * 4 + 5 * 8 + 8 + 8
+    assert ctypes.sizeof(_lib.Layout) < 128
 
 
 def test_binds_every_exported_function():

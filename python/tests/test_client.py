@@ -98,7 +98,11 @@ def test_numpy_views_and_per_layer_arrays_as_pools(pair, names):
     layers = [dbuf.numpy()[i * (per + 512):i * (per + 512) + per]
               for i in reversed(range(LAYERS))]
     dst = gen.register_pool(layers, lo)
-    assert dst.layout.layer_offsets[0] == (LAYERS - 1) * (per + 512)
+    # a region per array: the layout split per layer
+    assert dst.layout.num_regions == LAYERS
+    assert dst.layout.parts[2] == (1, 0) and dst.layout.parts[3] == \
+        (1, lo.kv_stride)
+    assert dst.size == LAYERS * per
     req = names["req"]
     params = ctx.publish(req, src, list(range(BLOCKS)), BLOCKS * TPB)
     gen.fetch(req, params, dst, list(range(BLOCKS)))
@@ -109,6 +113,68 @@ def test_numpy_views_and_per_layer_arrays_as_pools(pair, names):
     src.deregister()
     dst.deregister()
     assert not src.registered
+
+
+def test_k_and_v_arrays_in_several_buffers_as_a_pool(pair, names):
+    """SGLang keeps a K and a V tensor per layer: a pool of 2 x LAYERS
+    regions, K in one HostBuffer and V in another, both ways."""
+    ctx, gen = pair
+    lo = Layout.preset("sglang", num_layers=LAYERS, num_heads=HEADS,
+                       head_dim=HEAD_DIM, dtype="bf16", tokens_per_block=1,
+                       num_blocks=BLOCKS * TPB)
+    one = lo.span // (2 * LAYERS)  # one K (or V) tensor
+    kbuf, vbuf = HostBuffer(LAYERS * one), HostBuffer(LAYERS * one + 64)
+    ks = [kbuf.numpy()[i * one:(i + 1) * one] for i in range(LAYERS)]
+    vs = [vbuf.numpy()[64 + i * one:64 + (i + 1) * one]
+          for i in reversed(range(LAYERS))]
+    for i, a in enumerate(ks + vs):
+        fill(a, 10 + i)
+    src = ctx.register_pool((ks, vs), lo)
+    assert src.layout.num_regions == 2 * LAYERS
+    assert src.layout.region(1, 1) == 3 and src.layout.part_span == one
+    # the destination in one allocation, vLLM's layout
+    dlo = layout()
+    dst = gen.create_host_pool(dlo)
+    req = names["req"]
+    ntok = 3 * TPB
+    params = ctx.publish(req, src, list(range(ntok)), num_tokens=ntok)
+    gen.fetch(req, params, dst, [4, 1, 6])
+    assert wait_event(gen, req).ok
+    row = HEADS * HEAD_DIM * 2  # one token of one layer's K (or V)
+    for a in range(LAYERS):
+        for kv, t in ((0, ks[a]), (1, vs[a])):
+            for tok in range(ntok):
+                want = t[tok * row:(tok + 1) * row]
+                o = dlo.offset(a, kv, [4, 1, 6][tok // TPB], tok % TPB)
+                assert np.array_equal(dst.array[o:o + row], want)
+    src.deregister()
+
+
+def test_regions_refused_with_the_daemons_message(pair):
+    ctx, _ = pair
+    lo = layout()
+    per = lo.layer_span
+    buf = HostBuffer(LAYERS * per)
+    arrs = [buf.numpy()[i * per:(i + 1) * per] for i in range(LAYERS)]
+    # a region one byte short of its layer: the part past it is named
+    short = arrs[:2] + [arrs[2][:-1]] + arrs[3:]
+    with pytest.raises(kvxfer.LayoutError) as ei:
+        ctx.register_pool(short, lo)
+    assert "layer 2 kv 1 ends at byte" in ei.value.message
+    assert "of region 2, past its" in ei.value.message
+    # two regions over the same bytes
+    with pytest.raises(kvxfer.InvalidArgument, match="overlap regions"):
+        ctx.register_pool([arrs[0], arrs[0], arrs[2], arrs[3]], lo)
+    # a list that is not one per layer
+    with pytest.raises(kvxfer.InvalidArgument, match="per-layer"):
+        ctx.register_pool(arrs[:3], lo)
+    # more regions than KVX_MAX_REGIONS
+    with pytest.raises(kvxfer.InvalidArgument, match="1..4096"):
+        ctx.register_regions(lo.split(), [arrs[0]] * 4097)
+    # a region no part lies in
+    with pytest.raises(kvxfer.LayoutError, match="holds no part"):
+        ctx.register_regions(lo.split(), arrs + [HostBuffer(64).numpy()])
+    assert ctx.status()["pools_total"] == 0
 
 
 def test_plain_numpy_memory_is_refused_with_advice(pair):

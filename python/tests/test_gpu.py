@@ -80,10 +80,29 @@ def test_torch_cuda_tensor_pools(pair, names, preset):
 
 
 @needs_torch
+def test_torch_separate_k_and_v_tensors(pair, names):
+    """SGLang's pools: a K and a V tensor per layer, each its own
+    allocation (torch.empty one by one), into per-layer tensors."""
+    lo = layout("vllm-nhd")
+    shape = (BLOCKS, TPB, HEADS, HEAD_DIM)
+    ks = [torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+          for _ in range(LAYERS)]
+    vs = [torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+          for _ in range(LAYERS)]
+    dst = [torch.zeros((2,) + shape, dtype=torch.bfloat16, device="cuda")
+           for _ in range(LAYERS)]
+    torch.cuda.synchronize()
+    move(pair, names, (ks, vs), dst, lo)
+    torch.cuda.synchronize()
+    for a in range(LAYERS):
+        assert torch.equal(dst[a][0], ks[a]) and torch.equal(dst[a][1], vs[a])
+
+
+@needs_torch
 def test_torch_per_layer_tensors(pair, names):
     """One [2, blocks, tokens, heads, dim] bf16 tensor per layer, as vLLM
-    keeps them; carved from one allocation (one region per pool until the
-    C API takes several)."""
+    keeps them, carved from one allocation: a region per layer, the
+    allocation shared once."""
     lo = layout("vllm-nhd")
     shape = (2, BLOCKS, TPB, HEADS, HEAD_DIM)
     big_src = torch.randn((LAYERS,) + shape, dtype=torch.bfloat16,

@@ -47,24 +47,36 @@ static void on_layout(const Kvxfer__RegisterPool *m)
         refused(rc, why, sizeof(why));
         return;
     }
-    rc = kvx__layout_check(&l, m->size, why, sizeof(why));
+    static uint64_t size[KVX_MAX_REGIONS];
+    uint32_t n = m->n_regions <= KVX_MAX_REGIONS ? (uint32_t)m->n_regions
+                                                 : KVX_MAX_REGIONS + 1;
+    for (uint32_t i = 0; i < n && i < KVX_MAX_REGIONS; i++)
+        size[i] = m->regions[i]->size;
+    rc = kvx__layout_check(&l, size, n, why, sizeof(why));
     if (rc) {
         MUST(rc == KVX_ERR_LAYOUT);
         refused(rc, why, sizeof(why));
+        layout_msg_free(&l);
         return;
     }
-    /* accepted: the span fits, and the corners are inside it */
-    uint64_t span = kvx_layout_span(&l);
-    MUST(span > 0 && span <= m->size);
-    uint64_t run = (uint64_t)l.head_dim * l.elem_size;
-    for (uint32_t a = 0; a < l.num_layers; a++) {
-        uint64_t lo = kvx_layout_offset(&l, a, 0, 0, 0, 0);
-        uint64_t hi = kvx_layout_offset(&l, a, l.kv_factor - 1,
-                                        l.num_blocks - 1,
-                                        l.tokens_per_block - 1,
-                                        l.num_heads - 1);
-        MUST(lo + run <= span && hi + run <= span);
+    /* accepted: each region's span fits it, and every part's corners
+     * are inside its region */
+    for (uint32_t r = 0; r < n; r++) {
+        uint64_t span = kvx_layout_region_span(&l, r);
+        MUST(span > 0 && span <= size[r]);
     }
+    uint64_t run = (uint64_t)l.head_dim * l.elem_size;
+    for (uint32_t a = 0; a < l.num_layers; a++)
+        for (uint32_t k = 0; k < l.kv_factor; k++) {
+            uint32_t r = kvx_layout_region(&l, a, k);
+            MUST(r < n);
+            uint64_t lo = kvx_layout_offset(&l, a, k, 0, 0, 0);
+            uint64_t hi =
+                kvx_layout_offset(&l, a, k, l.num_blocks - 1,
+                                  l.tokens_per_block - 1, l.num_heads - 1);
+            MUST(lo + run <= size[r] && hi + run <= size[r]);
+        }
+    layout_msg_free(&l);
 }
 
 static int cmp_u32(const void *a, const void *b)

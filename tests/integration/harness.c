@@ -590,6 +590,11 @@ typedef struct side {
     uint32_t tpb;
     const uint32_t *layers_per_pp; /* NULL: even split */
     uint32_t dp;                   /* attention DP groups (0/1: none) */
+    /* regions of each rank's pool: 0 one allocation, 1 a region per
+     * layer (vLLM), 2 a K and a V region per layer (SGLang); split pools
+     * lie in one memfd, in reverse order with gaps (left at the
+     * sentinel, checked) */
+    uint32_t split;
 } side_t;
 
 typedef struct rank {
@@ -599,10 +604,12 @@ typedef struct rank {
     uint32_t rank, tp_rank, pp_rank;
     uint32_t layer0, nlayers, head0, nheads; /* global ranges held */
     kvx_layout_t lay;
-    uint8_t *base;
+    uint8_t *base; /* split pools: the memfd holding every region */
     uint64_t size;
     uint32_t pool;
     char addr[192];
+    kvx_layout_part_t parts[2 * 64]; /* split pools: lay.parts */
+    uint64_t roff[2 * 64];           /* each region's offset from base */
 } rank_t;
 
 /* This rank's share of the model, computed here from the design's rules
@@ -692,9 +699,51 @@ static void rank_layout(rank_t *r, uint32_t nblocks, kvx_layout_t *out)
     CHECK_EQ(rc, 0);
 }
 
+/* A pool of regions (side split): one memfd, regions placed last first
+ * with a gap of 64 + region bytes after each. */
+static void rank_pool_split(rank_t *r)
+{
+    kvx_layout_t *l = &r->lay;
+    CHECK(l->num_layers * l->kv_factor <= 2 * 64);
+    CHECK_KVX(kvx_layout_split(l, r->s->split, r->parts, 2 * 64), r->c);
+    uint32_t n = kvx_layout_num_regions(l);
+    kvx_host_region_t reg[2 * 64];
+    uint64_t at = 0;
+    for (uint32_t i = n; i-- > 0;) {
+        r->roff[i] = at;
+        at += kvx_layout_region_span(l, i) + 64 + i;
+    }
+    r->size = at;
+    int fd = memfd_create("kvx-regions", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0 && ftruncate(fd, (off_t)r->size) == 0 &&
+          fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+    r->base = mmap(NULL, r->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(r->base != MAP_FAILED);
+    for (uint32_t i = 0; i < n; i++)
+        reg[i] =
+            (kvx_host_region_t){fd, r->roff[i], kvx_layout_region_span(l, i)};
+    CHECK_KVX(kvx_pool_register_host_regions(r->c, l, reg, n, &r->pool, T_MS),
+              r->c);
+    close(fd); /* the daemon and our mapping keep it */
+}
+
+/* Where element (local layer, kv, block, token, local head) of r's pool
+ * lies in this process. */
+static uint8_t *rank_at(const rank_t *r, uint8_t *base, uint32_t ly,
+                        uint32_t kv, uint32_t blk, uint32_t tok, uint32_t h)
+{
+    const kvx_layout_t *l = &r->lay;
+    uint64_t ro = l->parts ? r->roff[kvx_layout_region(l, ly, kv)] : 0;
+    return base + ro + kvx_layout_offset(l, ly, kv, blk, tok, h);
+}
+
 static void rank_pool(rank_t *r, uint32_t nblocks)
 {
     rank_layout(r, nblocks, &r->lay);
+    if (r->s->split) {
+        rank_pool_split(r);
+        return;
+    }
     r->size = kvx_layout_span(&r->lay);
     CHECK(r->size > 0);
     void *base;
@@ -759,10 +808,9 @@ static void fill_req(const rank_t *r, uint64_t req, const uint32_t *blocks,
         for (uint32_t ly = 0; ly < l->num_layers; ly++)
             for (uint32_t kv = 0; kv < l->kv_factor; kv++)
                 for (uint32_t h = 0; h < l->num_heads; h++)
-                    row_fill(r->base + kvx_layout_offset(
-                                           l, ly, kv,
-                                           blocks[t / l->tokens_per_block],
-                                           t % l->tokens_per_block, h),
+                    row_fill(rank_at(r, r->base, ly, kv,
+                                     blocks[t / l->tokens_per_block],
+                                     t % l->tokens_per_block, h),
                              rowbytes, req, r->layer0 + ly, kv, t,
                              r->head0 + h);
 }
@@ -789,10 +837,9 @@ static uint64_t check_pool(const rank_t *r, const expect_t *e, int n,
             for (uint32_t ly = 0; ly < l->num_layers; ly++)
                 for (uint32_t kv = 0; kv < l->kv_factor; kv++)
                     for (uint32_t h = 0; h < l->num_heads; h++)
-                        row_fill(img + kvx_layout_offset(
-                                           l, ly, kv,
-                                           e[k].blocks[t / l->tokens_per_block],
-                                           t % l->tokens_per_block, h),
+                        row_fill(rank_at(r, img, ly, kv,
+                                         e[k].blocks[t / l->tokens_per_block],
+                                         t % l->tokens_per_block, h),
                                  rowbytes, e[k].req, r->layer0 + ly, kv, t,
                                  r->head0 + h);
     uint64_t bad = 0;

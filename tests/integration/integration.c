@@ -37,6 +37,7 @@
  *                      what sessions leave behind
  *   t_release.c        requests released without a transfer
  *   t_protocol.c       bad frames and requests, refused input, limits
+ *   t_regions.c        pools of regions: transfers, refused registrations
  *   t_ops.c            status, configuration, credentials, the socket
  *                      file, kvxferctl
  *   t_hostile.c        clients that attack: floods, readers that never
@@ -64,6 +65,7 @@
 #include "t_lifecycle.c"
 #include "t_release.c"
 #include "t_protocol.c"
+#include "t_regions.c"
 #include "t_ops.c"
 #include "t_hostile.c"
 #include "t_keys.c"

@@ -44,6 +44,38 @@ TEST_T(peer_transfer_both_directions, 90)
     p_stop_both(a, b);
 }
 
+/* Pools of regions across two daemons: the context daemon gathers from
+ * a region per layer, the generation daemon scatters into a K and a V
+ * region per layer (and back), every byte checked. */
+TEST_T(peer_transfer_regions, 90)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    side_t c = {.inst = "pr-ctx",
+                .tp = 1,
+                .pp = 1,
+                .preset = "vllm-nhd",
+                .tpb = 8,
+                .split = 1};
+    side_t g = {.inst = "pr-gen",
+                .tp = 2,
+                .pp = 1,
+                .preset = "flashinfer",
+                .tpb = 4,
+                .split = 2};
+    xfer_case2(a, b, &M_SMALL, &c, &g, 6, 45, 0);
+    side_t c2 = {.inst = "pr-ctx2",
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "sglang",
+                 .tpb = 1,
+                 .split = 2};
+    side_t g2 = {
+        .inst = "pr-gen2", .tp = 1, .pp = 1, .preset = "trtllm", .tpb = 16};
+    xfer_case2(b, a, &M_SMALL, &c2, &g2, 4, 37, 7);
+    p_stop_both(a, b);
+}
+
 /* Pools inside one memfd between guard bands, across two daemons: the
  * context daemon gathers from an offset pool into its slots, the
  * generation daemon scatters into one; nothing outside moves. */

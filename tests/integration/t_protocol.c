@@ -360,7 +360,7 @@ TEST(bad_requests)
     int myfds = count_fds(getpid()), mymaps = count_pool_maps(getpid());
     CHECK_FAILS(kvx_pool_create_host(c.c, &l, kvx_layout_span(&l) - 1, &base,
                                      &pid, T_MS),
-                c.c, KVX_ERR_LAYOUT, "past the pool size");
+                c.c, KVX_ERR_LAYOUT, "of region 0, past its");
     CHECK_EQ(count_fds(getpid()), myfds);
     CHECK_EQ(count_pool_maps(getpid()), mymaps);
     /* a layout that is not this rank's share of the model */
@@ -836,8 +836,7 @@ TEST(fds_belong_to_the_frame_they_came_with)
     lay.dtype = l.dtype;
     lay.tokens_per_block = l.tokens_per_block;
     lay.num_blocks = l.num_blocks;
-    lay.n_layer_offset = l.num_layers;
-    lay.layer_offset = l.layer_offset;
+    lay.layer_stride = l.layer_stride;
     lay.kv_stride = l.kv_stride;
     lay.block_stride = l.block_stride;
     lay.token_stride = l.token_stride;
@@ -846,16 +845,22 @@ TEST(fds_belong_to_the_frame_they_came_with)
     /* a VMM pool of two allocations with one fd: refused */
     int stale = named_memfd("kvx-stale-a", size);
     Kvxfer__RegisterPool m = KVXFER__REGISTER_POOL__INIT;
-    m.kind = KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
-    m.size = size;
+    Kvxfer__Allocation va = KVXFER__ALLOCATION__INIT, *vap = &va;
+    Kvxfer__Region rg = KVXFER__REGION__INIT, *rgp = &rg;
+    rg.size = size;
+    va.kind = KVXFER__POOL_KIND__POOL_GPU_VMM_FD;
     m.layout = &lay;
+    m.n_allocations = 1;
+    m.allocations = &vap;
+    m.n_regions = 1;
+    m.regions = &rgp;
     uint8_t uuid[16] = {0};
-    m.gpu_uuid.data = uuid;
-    m.gpu_uuid.len = 16;
+    va.gpu_uuid.data = uuid;
+    va.gpu_uuid.len = 16;
     uint64_t chunks[2] = {size, size};
-    m.n_chunk_sizes = 2;
-    m.chunk_sizes = chunks;
-    m.alloc_size = 2 * size;
+    va.n_chunk_sizes = 2;
+    va.chunk_sizes = chunks;
+    va.alloc_size = 2 * size;
     rq.id = 2;
     rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
     rq.register_pool = &m;
@@ -882,9 +887,13 @@ TEST(fds_belong_to_the_frame_they_came_with)
     /* a host pool with its own memfd: that one is mapped */
     int fresh = named_memfd("kvx-fresh", size);
     Kvxfer__RegisterPool h = KVXFER__REGISTER_POOL__INIT;
-    h.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
-    h.size = size;
+    Kvxfer__Allocation ha = KVXFER__ALLOCATION__INIT, *hap = &ha;
+    ha.kind = KVXFER__POOL_KIND__POOL_HOST_MEMFD;
     h.layout = &lay;
+    h.n_allocations = 1;
+    h.allocations = &hap;
+    h.n_regions = 1;
+    h.regions = &rgp;
     rq.id = 4;
     rq.register_pool = &h;
     rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;

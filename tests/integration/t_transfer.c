@@ -65,10 +65,11 @@ TEST(host_pool_register_refusals)
     CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
     CHECK_FAILS(
         kvx_pool_register_host(r.c, &r.lay, fd, 101, size, &r.pool, T_MS), r.c,
-        KVX_ERR_INVALID, "runs past the memfd's");
+        KVX_ERR_INVALID, "runs past the 65636 bytes of allocations[0]");
     CHECK_FAILS(kvx_pool_register_host(r.c, &r.lay, fd, UINT64_MAX - 4, size,
                                        &r.pool, T_MS),
-                r.c, KVX_ERR_INVALID, "runs past the memfd's");
+                r.c, KVX_ERR_INVALID,
+                "runs past the 65636 bytes of allocations[0]");
     CHECK_KVX(kvx_pool_register_host(r.c, &r.lay, fd, 100, size, &r.pool, T_MS),
               r.c);
     close(fd);

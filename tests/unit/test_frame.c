@@ -501,6 +501,15 @@ static size_t request_sample(uint8_t *out, size_t max)
     Kvxfer__Poll po = KVXFER__POLL__INIT;
     uint32_t blocks[5] = {1, 2, 3, 400000, 5};
     uint64_t offs[3] = {0, 1u << 20, 1ull << 40};
+    uint32_t pr[3] = {0, 1, 2};
+    Kvxfer__Allocation al = KVXFER__ALLOCATION__INIT, *alp = &al;
+    Kvxfer__Region rg[3] = {KVXFER__REGION__INIT, KVXFER__REGION__INIT,
+                            KVXFER__REGION__INIT};
+    Kvxfer__Region *rgp[3] = {&rg[0], &rg[1], &rg[2]};
+    for (int i = 0; i < 3; i++) {
+        rg[i].offset = (uint64_t)i << 30;
+        rg[i].size = 1u << 30;
+    }
     uint32_t lpp[2] = {3, 5};
     uint8_t params[24];
     for (size_t i = 0; i < sizeof(params); i++)
@@ -539,12 +548,17 @@ static size_t request_sample(uint8_t *out, size_t max)
     case 3:
         rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
         rq.register_pool = &rp;
-        rp.size = 1u << 30;
         rp.layout = &lay;
         lay.preset = "vllm-nhd";
         lay.num_layers = 3;
-        lay.n_layer_offset = 3;
-        lay.layer_offset = offs;
+        lay.kv_factor = 1;
+        lay.n_part_offset = lay.n_part_region = 3;
+        lay.part_offset = offs;
+        lay.part_region = pr;
+        rp.n_allocations = 1;
+        rp.allocations = &alp;
+        rp.n_regions = 3;
+        rp.regions = rgp;
         break;
     default:
         rq.body_case = KVXFER__REQUEST__BODY_POLL;

@@ -91,10 +91,25 @@ static void make(const char *preset, const shape_t *s, kvx_layout_t *l)
     CHECK_EQ(rc, 0);
 }
 
+/* The check of a one-region pool of size bytes. */
 static int check(const kvx_layout_t *l, uint64_t size, char *why)
 {
     why[0] = 0;
-    return kvx__layout_check(l, size, why, 256);
+    return kvx__layout_check(l, &size, 1, why, 256);
+}
+
+static kvx_layout_part_t PT[2 * KVX_MAX_LAYERS];
+
+/* Give l explicit parts in region 0: layer a at offs[a], its V kv_stride
+ * after its K (what a per-layer offset list said before regions). */
+static void set_layer_offsets(kvx_layout_t *l, const uint64_t *offs)
+{
+    for (uint32_t a = 0; a < l->num_layers; a++)
+        for (uint32_t k = 0; k < l->kv_factor; k++)
+            PT[a * l->kv_factor + k] =
+                (kvx_layout_part_t){0, 0, offs[a] + k * l->kv_stride};
+    l->parts = PT;
+    l->num_parts = l->num_layers * l->kv_factor;
 }
 
 /* A small valid layout to break one field at a time. */
@@ -157,7 +172,7 @@ static void check_preset_offsets(const char *preset, const shape_t *s)
     CHECK_EQ(check(&l, last + 4096, why), 0);
     /* one byte short: refused, naming the layer that ends past the pool */
     char want[128];
-    snprintf(want, sizeof(want), "past the pool size %llu",
+    snprintf(want, sizeof(want), "past its %llu bytes",
              (unsigned long long)(last - 1));
     expect_refused(&l, last - 1, want);
     expect_refused(&l, last - 1, "layout: layer ");
@@ -218,7 +233,7 @@ TEST(preset_offsets_past_4gib)
                  ref_offset(presets[p], &t, 37, 0, 3001, 0, 0));
         char why[256];
         CHECK_EQ(check(&l, span, why), 0);
-        expect_refused(&l, span - 1, "past the pool size");
+        expect_refused(&l, span - 1, "past its");
     }
 }
 
@@ -333,15 +348,17 @@ TEST(span_is_last_byte_plus_one)
     shape_t s = {3, 2, 2, 4, 4, 3, KVX_DTYPE_FP16};
     make("vllm-hnd", &s, &l);
     uint64_t ls = ref_span(&s) / 3;
-    l.layer_offset[0] = 5 * ls + 100;
-    l.layer_offset[1] = 0;
-    l.layer_offset[2] = 2 * ls + 7;
+    uint64_t offs[3] = {5 * ls + 100, 0, 2 * ls + 7};
+    set_layer_offsets(&l, offs);
     CHECK_EQ(kvx_layout_span(&l), 6 * ls + 100);
+    CHECK_EQ(kvx_layout_region_span(&l, 0), 6 * ls + 100);
+    CHECK_EQ(kvx_layout_region_span(&l, 1), 0);
+    CHECK_EQ(kvx_layout_num_regions(&l), 1);
     char why[256];
     CHECK_EQ(check(&l, 6 * ls + 100, why), 0);
-    expect_refused(&l, 6 * ls + 99, "layer 0 ends at byte");
+    expect_refused(&l, 6 * ls + 99, "layer 0 kv 1 ends at byte");
     /* overflow: span reports 0 rather than a wrapped size */
-    l.layer_offset[2] = UINT64_MAX - 10;
+    PT[4].offset = UINT64_MAX - 10;
     CHECK_EQ(kvx_layout_span(&l), 0);
 }
 
@@ -405,8 +422,7 @@ TEST(check_elem_size_matches_dtype)
     l.token_stride *= 2;
     l.block_stride *= 2;
     l.kv_stride *= 2;
-    for (uint32_t i = 0; i < l.num_layers; i++)
-        l.layer_offset[i] *= 2;
+    l.layer_stride *= 2;
     expect_refused(&l, 1ull << 40, "does not match dtype fp16");
     l.dtype = KVX_DTYPE_FP32;
     char why[256];
@@ -429,8 +445,9 @@ TEST(check_zero_strides)
         {"token_stride", offsetof(kvx_layout_t, token_stride)},
         {"block_stride", offsetof(kvx_layout_t, block_stride)},
         {"kv_stride", offsetof(kvx_layout_t, kv_stride)},
+        {"layer_stride", offsetof(kvx_layout_t, layer_stride)},
     };
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         kvx_layout_t l;
         base_layout(&l);
         *(uint64_t *)((char *)&l + f[i].off) = 0;
@@ -471,16 +488,23 @@ TEST(check_overlapping_strides)
     expect_refused(&l, 1ull << 40, "overlap");
     /* layers evenly spaced, but closer than a layer */
     base_layout(&l);
-    for (uint32_t i = 0; i < l.num_layers; i++)
-        l.layer_offset[i] = i * l.kv_stride;
+    l.layer_stride = l.kv_stride;
     expect_refused(&l, 1ull << 40, "overlap");
     /* layers unevenly spaced and overlapping */
+    uint64_t offs[4];
     base_layout(&l);
-    l.layer_offset[2] = l.layer_offset[1] + 2;
-    expect_refused(&l, 1ull << 40, "layers overlap");
+    for (uint32_t i = 0; i < 4; i++)
+        offs[i] = i * l.layer_stride;
+    offs[2] = offs[1] + 2 * l.kv_stride + 2;
+    offs[3] = offs[2] + l.layer_stride;
+    set_layer_offsets(&l, offs);
+    CHECK_EQ(check(&l, 1ull << 40, why), 0);
+    offs[2] = offs[1] + 2;
+    set_layer_offsets(&l, offs);
+    expect_refused(&l, 1ull << 40, "layout.parts: layer 2 kv 0 overlaps");
     /* two layers at the same offset */
-    base_layout(&l);
-    l.layer_offset[3] = l.layer_offset[0];
+    offs[2] = offs[3] = 0;
+    set_layer_offsets(&l, offs);
     expect_refused(&l, 1ull << 40, "overlap");
     /* interleaved but disjoint (strides with gaps filled by another
      * dimension) is legal: heads spread apart with tokens in between */
@@ -490,7 +514,7 @@ TEST(check_overlapping_strides)
     l.token_stride = 4; /* [head][token][dim] */
     CHECK_EQ(check(&l, 16, why), 0);
     /* the same layout one byte short */
-    expect_refused(&l, 15, "past the pool size 15");
+    expect_refused(&l, 15, "past its 15 bytes");
 }
 
 TEST(check_overflowing_strides)
@@ -507,8 +531,13 @@ TEST(check_overflowing_strides)
     l.block_stride = 1ull << 61;
     expect_refused(&l, UINT64_MAX, "overflows");
     base_layout(&l);
-    l.layer_offset[3] = UINT64_MAX - 100;
-    expect_refused(&l, UINT64_MAX, "layout.layer_offset[3]");
+    uint64_t offs[4] = {0, l.layer_stride, 2 * l.layer_stride,
+                        UINT64_MAX - 100};
+    set_layer_offsets(&l, offs);
+    expect_refused(&l, UINT64_MAX, "layout.parts[6]: layer 3 kv 0");
+    base_layout(&l);
+    l.layer_stride = UINT64_MAX / 2;
+    expect_refused(&l, UINT64_MAX, "layout: layer 2 kv 0: offset");
     /* huge but representable: fits a huge pool, refused for a small one */
     base_layout(&l);
     shape_t s = {1, 1, 1, 1, 1, 2, KVX_DTYPE_INT8};
@@ -516,15 +545,18 @@ TEST(check_overflowing_strides)
     l.block_stride = 1ull << 62;
     char why[256];
     CHECK_EQ(check(&l, (1ull << 62) + 1, why), 0);
-    expect_refused(&l, 1ull << 62, "past the pool size");
+    expect_refused(&l, 1ull << 62, "past its");
 }
 
 /* ---- brute force: accepted layouts never alias ---- */
 
 TEST_T(accepted_layouts_never_alias, 120)
 {
-    static uint8_t mark[1 << 16];
-    uint32_t accepted = 0, refused = 0;
+    /* one region (strides, or parts evenly or unevenly placed), or parts
+     * spread over up to 3 regions: what the check accepts never aliases
+     * in any region and never leaves one */
+    static uint8_t mark[3][1 << 16];
+    uint32_t accepted = 0, refused = 0, multi = 0;
     for (int iter = 0; iter < 60000; iter++) {
         kvx_layout_t l;
         memset(&l, 0, sizeof(l));
@@ -539,19 +571,37 @@ TEST_T(accepted_layouts_never_alias, 120)
         /* strides near multiples of the element run, so some layouts
          * are legal and some just miss */
         uint64_t run = (uint64_t)l.head_dim * l.elem_size;
-        uint64_t *st[4] = {&l.head_stride, &l.token_stride, &l.block_stride,
-                           &l.kv_stride};
+        uint64_t *st[5] = {&l.head_stride, &l.token_stride, &l.block_stride,
+                           &l.kv_stride, &l.layer_stride};
         for (int i = 0; i < 4; i++)
             *st[i] = rnd() % 3 == 0 ? rnd_in(0, 80)
                                     : run * rnd_in(0, 40) + rnd_in(0, 2);
-        uint64_t lstride = run * rnd_in(0, 120) + rnd_in(0, 1);
-        int even = rnd() % 2;
-        for (uint32_t i = 0; i < l.num_layers; i++)
-            l.layer_offset[i] = even ? rnd_in(0, 3) + i * lstride
-                                     : rnd_in(0, 1500);
-        uint64_t pool = rnd_in(1, sizeof(mark));
+        *st[4] = run * rnd_in(0, 120) + rnd_in(0, 1);
+        uint32_t nreg = 1, form = rnd() % 4; /* strides, even, uneven, multi */
+        uint32_t P = l.num_layers * l.kv_factor;
+        if (form) {
+            uint64_t step = run * rnd_in(0, 60) + rnd_in(0, 1);
+            nreg = form == 3 ? rnd_in(1, 3) : 1;
+            for (uint32_t i = 0; i < P; i++)
+                PT[i] = (kvx_layout_part_t){nreg > 1 ? rnd() % nreg : 0, 0,
+                                            form == 1 ? rnd_in(0, 3) + i * step
+                                                      : rnd_in(0, 1500)};
+            if (form == 1 && rnd() % 2) /* the same progression, shuffled */
+                for (uint32_t i = P - 1; i > 0; i--) {
+                    uint32_t k = rnd() % (i + 1);
+                    uint64_t t = PT[i].offset;
+                    PT[i].offset = PT[k].offset;
+                    PT[k].offset = t;
+                }
+            l.parts = PT;
+            l.num_parts = P;
+        }
+        uint64_t size[3];
+        for (uint32_t r = 0; r < nreg; r++)
+            size[r] = rnd_in(1, sizeof(mark[0]));
         char why[256];
-        int rc = check(&l, pool, why);
+        why[0] = 0;
+        int rc = kvx__layout_check(&l, size, nreg, why, sizeof(why));
         if (rc) {
             CHECK_EQ(rc, KVX_ERR_LAYOUT);
             CHECK(why[0] != 0);
@@ -559,34 +609,165 @@ TEST_T(accepted_layouts_never_alias, 120)
             continue;
         }
         accepted++;
-        memset(mark, 0, pool);
-        uint64_t last = 0;
+        multi += nreg > 1;
+        uint64_t last[3] = {0, 0, 0};
+        for (uint32_t r = 0; r < nreg; r++)
+            memset(mark[r], 0, size[r]);
         for (uint32_t a = 0; a < l.num_layers; a++)
             for (uint32_t k = 0; k < l.kv_factor; k++)
                 for (uint32_t b = 0; b < l.num_blocks; b++)
                     for (uint32_t t = 0; t < l.tokens_per_block; t++)
                         for (uint32_t h = 0; h < l.num_heads; h++) {
+                            uint32_t r = kvx_layout_region(&l, a, k);
                             uint64_t o = kvx_layout_offset(&l, a, k, b, t, h);
-                            CHECK(o + run <= pool);
+                            CHECK(r < nreg);
+                            CHECK(o + run <= size[r]);
                             for (uint64_t x = o; x < o + run; x++) {
-                                if (mark[x]) {
+                                if (mark[r][x]) {
                                     fprintf(stderr,
-                                            "byte %llu twice (layer %u kv "
-                                            "%u block %u token %u head %u)\n",
-                                            (unsigned long long)x, a, k, b,
+                                            "byte %llu of region %u twice "
+                                            "(layer %u kv %u block %u "
+                                            "token %u head %u)\n",
+                                            (unsigned long long)x, r, a, k, b,
                                             t, h);
                                     CHECK(!"accepted layout aliases");
                                 }
-                                mark[x] = 1;
+                                mark[r][x] = 1;
                             }
-                            if (o + run > last)
-                                last = o + run;
+                            if (o + run > last[r])
+                                last[r] = o + run;
                         }
-        CHECK_EQ(kvx_layout_span(&l), last);
+        for (uint32_t r = 0; r < nreg; r++) {
+            CHECK(last[r] > 0); /* every region holds a part */
+            CHECK_EQ(kvx_layout_region_span(&l, r), last[r]);
+        }
+        CHECK_EQ(kvx_layout_num_regions(&l), nreg);
+        CHECK_EQ(kvx_layout_span(&l), nreg == 1 ? last[0] : 0);
     }
     /* both outcomes are common, so the property was really exercised */
     CHECK(accepted > 2000);
     CHECK(refused > 2000);
+    CHECK(multi > 200);
+}
+
+/* ---- regions ---- */
+
+TEST(split_per_layer_and_per_kv)
+{
+    /* a one-region preset split into one region per layer (vLLM) or per
+     * K and V (SGLang): every element keeps its place inside its layer
+     * (or part), each region is exactly what it holds */
+    for (int p = 0; p < NPRESETS; p++) {
+        shape_t s = {3, 2, 2, 4, 2, 3, KVX_DTYPE_FP16};
+        shape_fit(presets[p], &s);
+        kvx_layout_t one, l;
+        make(presets[p], &s, &one);
+        for (uint32_t per = 1; per <= s.K; per++) {
+            l = one;
+            kvx_layout_part_t parts[6];
+            CHECK_EQ(kvx_layout_split(&l, per, parts, 6), 0);
+            CHECK(l.parts == parts);
+            CHECK_EQ(l.num_parts, s.L * s.K);
+            CHECK_EQ(kvx_layout_num_regions(&l), s.L * per);
+            CHECK_EQ(kvx_layout_span(&l), 0); /* several regions */
+            uint64_t size[6];
+            for (uint32_t r = 0; r < s.L * per; r++)
+                size[r] = kvx_layout_region_span(&l, r);
+            char why[256];
+            CHECK_EQ(kvx__layout_check(&l, size, s.L * per, why, sizeof(why)),
+                     0);
+            for (uint32_t a = 0; a < s.L; a++)
+                for (uint32_t k = 0; k < s.K; k++) {
+                    uint32_t r = kvx_layout_region(&l, a, k);
+                    CHECK_EQ(r, per == 1 ? a : a * 2 + k);
+                    uint64_t base =
+                        per == 1 ? kvx_layout_offset(&one, a, 0, 0, 0, 0)
+                                 : kvx_layout_offset(&one, a, k, 0, 0, 0);
+                    if (per == 1 && s.K == 2 &&
+                        kvx_layout_offset(&one, a, 1, 0, 0, 0) < base)
+                        base = kvx_layout_offset(&one, a, 1, 0, 0, 0);
+                    CHECK_EQ(
+                        kvx_layout_offset(&l, a, k, s.B - 1, s.T - 1, s.H - 1),
+                        kvx_layout_offset(&one, a, k, s.B - 1, s.T - 1,
+                                          s.H - 1) -
+                            base);
+                }
+            /* one byte short in the last region: refused naming it */
+            uint32_t last = s.L * per - 1;
+            size[last]--;
+            char want[64];
+            snprintf(want, sizeof(want), "of region %u, past its", last);
+            CHECK_EQ(kvx__layout_check(&l, size, s.L * per, why, sizeof(why)),
+                     KVX_ERR_LAYOUT);
+            CHECK_STR_CONTAINS(why, want);
+            /* split again: refused, parts untouched */
+            kvx_layout_part_t again[6];
+            CHECK_EQ(kvx_layout_split(&l, 1, again, 6), KVX_ERR_INVALID);
+        }
+        /* room too small, a bad count */
+        l = one;
+        kvx_layout_part_t few[1];
+        CHECK_EQ(kvx_layout_split(&l, 1, few, 1),
+                 s.L * s.K > 1 ? KVX_ERR_INVALID : 0);
+        l = one;
+        kvx_layout_part_t parts[6];
+        CHECK_EQ(kvx_layout_split(&l, 3, parts, 6), KVX_ERR_INVALID);
+        if (s.K == 1)
+            CHECK_EQ(kvx_layout_split(&l, 2, parts, 6), KVX_ERR_INVALID);
+    }
+}
+
+TEST(check_regions_refusals)
+{
+    kvx_layout_t l;
+    base_layout(&l); /* 4 layers, 2 kv */
+    kvx_layout_part_t parts[8];
+    CHECK_EQ(kvx_layout_split(&l, 2, parts, 8), 0);
+    uint64_t size[9];
+    for (int r = 0; r < 9; r++)
+        size[r] = kvx_layout_region_span(&l, r < 8 ? r : 0);
+    char why[256];
+    CHECK_EQ(kvx__layout_check(&l, size, 8, why, sizeof(why)), 0);
+    /* a region nothing lies in */
+    CHECK_EQ(kvx__layout_check(&l, size, 9, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_STR_CONTAINS(why, "register_pool.regions[8]: holds no part");
+    parts[2].region = 0; /* layer 1 kv 0 moved into region 0, region 2 empty */
+    parts[2].offset = size[0];
+    uint64_t big[8];
+    memcpy(big, size, sizeof(big));
+    big[0] *= 2;
+    CHECK_EQ(kvx__layout_check(&l, big, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_STR_CONTAINS(why, "register_pool.regions[2]: holds no part");
+    /* a part in a region the pool does not have */
+    parts[2] = (kvx_layout_part_t){8, 0, 0};
+    CHECK_EQ(kvx__layout_check(&l, size, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_STR_CONTAINS(why,
+                       "layout.parts[2]: layer 1 kv 0 in region 8, but the "
+                       "pool has 8 regions");
+    /* a part past its region, by one byte */
+    parts[2] = (kvx_layout_part_t){2, 0, 1};
+    CHECK_EQ(kvx__layout_check(&l, size, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_STR_CONTAINS(why, "layer 1 kv 0 ends at byte");
+    CHECK_STR_CONTAINS(why, "of region 2, past its");
+    /* two parts on top of each other in one region */
+    parts[2] = (kvx_layout_part_t){3, 0, 0};
+    big[3] = 4 * size[3];
+    CHECK_EQ(kvx__layout_check(&l, big, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    /* (region 2 is empty now too: either refusal names a field) */
+    CHECK(strstr(why, "overlap") || strstr(why, "regions[2]"));
+    /* a count of parts that is not layers x kv */
+    parts[2] = (kvx_layout_part_t){2, 0, 0};
+    l.num_parts = 7;
+    CHECK_EQ(kvx__layout_check(&l, size, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_STR_CONTAINS(why, "layout.parts: 7 entries for num_layers 4 x "
+                            "kv_factor 2");
+    /* parts NULL is one region */
+    base_layout(&l);
+    CHECK_EQ(kvx__layout_check(&l, size, 2, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_STR_CONTAINS(why, "the pool has 2 regions");
+    CHECK_EQ(kvx__layout_check(&l, size, KVX_MAX_REGIONS + 1, why, sizeof(why)),
+             KVX_ERR_LAYOUT);
+    CHECK_STR_CONTAINS(why, "register_pool.regions: 4097 regions");
 }
 
 /* ---- dtypes ---- */

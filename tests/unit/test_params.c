@@ -463,8 +463,11 @@ static pool_t *host_pool(uint32_t tpb, uint32_t nblocks)
                                nblocks, &p->layout),
              0);
     p->size = kvx_layout_span(&p->layout);
-    p->base = calloc(1, p->size);
-    CHECK(p->base);
+    p->nregions = 1;
+    p->view = calloc(1, sizeof(*p->view));
+    CHECK(p->view);
+    p->view[0] = (plan_region_t){calloc(1, p->size), p->size};
+    CHECK(p->view[0].base);
     p->id = 1;
     p->users = 1;
     return p;
@@ -514,6 +517,7 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
         free(params);
     CHECK_EQ(rc, KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "publish.blocks");
-    free(pool->base); /* refused: nothing references the pool */
+    free(pool->view[0].base); /* refused: nothing references the pool */
+    free(pool->view);
     free(pool);
 }

@@ -662,10 +662,16 @@ static uint8_t pattern(uint32_t layer, uint32_t kv, uint32_t tok,
     return (uint8_t)(h >> (8 * (b & 3))) ^ (uint8_t)(b >> 2);
 }
 
+/* A rank's pool: its regions lie in one arena [base, base + size), in a
+ * shuffled order with gaps between them (a copy that leaves its region
+ * lands in a gap or another region, and the byte comparison sees it). */
 typedef struct rank_mem {
     uint8_t *alloc, *base;
     uint64_t size;
     kvx_layout_t layout;
+    kvx_layout_part_t *parts; /* split layouts */
+    plan_region_t *regions;
+    uint32_t nregions;
     uint32_t *blocks;
     uint32_t nblocks;
     uint32_t l0, h0; /* global first layer and head */
@@ -676,6 +682,10 @@ typedef struct rank_mem {
  * that reaches outside its pool fails here, not in an engine). */
 #define GUARD 4096
 #define SENTINEL 0xa5
+
+/* Split of the pools rank_mem_make() makes: -1 random, else 0 (one
+ * region), 1 (per layer) or 2 (per K and V). */
+static int force_split = -1;
 
 /* Allocate the pool of rank r of side s (misaligned on purpose) between
  * guard bands, with a random block table of need blocks out of a few
@@ -691,14 +701,51 @@ static void rank_mem_make(rank_mem_t *m, const plan_side_t *s, uint32_t r,
                                (kvx_dtype_t)s->dtype, s->tokens_per_block, nb,
                                &m->layout),
              0);
-    m->size = kvx_layout_span(&m->layout);
+    /* one region, one per layer, or one per K and V (sglang-style) */
+    uint32_t split = force_split >= 0 ? (uint32_t)force_split : rnd() % 3;
+    if (split == 2 && s->kv_factor < 2)
+        split = 1;
+    m->parts = malloc(nl * s->kv_factor * sizeof(*m->parts));
+    CHECK(m->parts);
+    if (split)
+        CHECK_EQ(
+            kvx_layout_split(&m->layout, split, m->parts, nl * s->kv_factor),
+            0);
+    m->nregions = kvx_layout_num_regions(&m->layout);
+    m->regions = calloc(m->nregions, sizeof(*m->regions));
+    uint32_t *order = malloc(m->nregions * sizeof(*order));
+    uint64_t *sizes = malloc(m->nregions * sizeof(*sizes));
+    CHECK(m->regions && order && sizes);
+    for (uint32_t i = 0; i < m->nregions; i++) {
+        order[i] = i;
+        sizes[i] = kvx_layout_region_span(&m->layout, i);
+    }
+    for (uint32_t i = m->nregions - 1; i > 0; i--) {
+        uint32_t j = rnd() % (i + 1), x = order[i];
+        order[i] = order[j];
+        order[j] = x;
+    }
     char why[256];
-    CHECK_EQ(kvx__layout_check(&m->layout, m->size, why, sizeof(why)), 0);
+    CHECK_EQ(
+        kvx__layout_check(&m->layout, sizes, m->nregions, why, sizeof(why)), 0);
+    /* placed in shuffled order, a gap (0..63 bytes: misaligned on
+     * purpose, sometimes none) between neighbours */
+    uint64_t at = 0;
+    for (uint32_t i = 0; i < m->nregions; i++) {
+        m->regions[order[i]].size = sizes[order[i]];
+        m->regions[order[i]].base = (uint8_t *)(uintptr_t)at; /* offset */
+        at += sizes[order[i]] + (i + 1 < m->nregions ? rnd() % 64 : 0);
+    }
+    m->size = at;
     uint32_t mis = rnd() % 16;
     m->alloc = malloc(GUARD + m->size + 16 + GUARD);
     CHECK(m->alloc);
     memset(m->alloc, SENTINEL, GUARD + m->size + 16 + GUARD);
     m->base = m->alloc + GUARD + mis;
+    for (uint32_t i = 0; i < m->nregions; i++)
+        m->regions[i].base = m->base + (uintptr_t)m->regions[i].base;
+    free(order);
+    free(sizes);
     /* a random table: distinct pool blocks in random order */
     uint32_t *perm = malloc(nb * sizeof(uint32_t));
     CHECK(perm);
@@ -729,6 +776,8 @@ static int guards_intact(const rank_mem_t *m)
 
 static void rank_mem_free(rank_mem_t *m)
 {
+    free(m->parts);
+    free(m->regions);
     free(m->alloc);
     free(m->blocks);
 }
@@ -739,8 +788,9 @@ static uint8_t *elem(const rank_mem_t *m, uint32_t layer, uint32_t kv,
 {
     const kvx_layout_t *l = &m->layout;
     uint32_t tpb = l->tokens_per_block;
-    return m->base + kvx_layout_offset(l, layer, kv, m->blocks[tok / tpb],
-                                       tok % tpb, head);
+    return m->regions[kvx_layout_region(l, layer, kv)].base +
+           kvx_layout_offset(l, layer, kv, m->blocks[tok / tpb], tok % tpb,
+                             head);
 }
 
 /* Write the pattern of every token < ntok of this rank's share. */
@@ -889,11 +939,11 @@ static void e2e_run(const e2e_t *c)
             const rank_mem_t *m = &src[s->src_rank];
             CHECK_EQ(s->src_layer_base, m->l0);
             CHECK_EQ(s->src_head_base, m->h0);
-            p->src[i] = (plan_mem_t){m->base,    &m->layout, m->blocks,
-                                     m->nblocks, m->size,    s->src_rank};
+            p->src[i] = (plan_mem_t){m->regions, m->nregions, &m->layout,
+                                     m->blocks,  m->nblocks,  s->src_rank};
         }
-        p->dst = (plan_mem_t){dst.base,    &dst.layout, dst.blocks,
-                              dst.nblocks, dst.size,    100 + r};
+        p->dst = (plan_mem_t){dst.regions, dst.nregions, &dst.layout,
+                              dst.blocks,  dst.nblocks,  100 + r};
         char bwhy[256];
         if (plan_check_bounds(p, bwhy, sizeof(bwhy))) {
             fprintf(stderr, "%s\n", bwhy);
@@ -1026,12 +1076,17 @@ TEST_T(end_to_end_fixed_cases, 120)
 TEST(bounds_check_refuses_outside_the_pool)
 {
     plan_side_t a = side(1, 1, 2, 4, 16), b = side(1, 1, 2, 4, 16);
-    plan_t *p = build(&a, &b, 0, 40, 0);
+    plan_t *p = build(&a, &b, 0, 48, 0); /* whole blocks */
     rank_mem_t s, d;
+    force_split = 2; /* the source in a K and a V region per layer */
     rank_mem_make(&s, &a, 0, "vllm-nhd", 3);
+    force_split = 0;
     rank_mem_make(&d, &b, 0, "trtllm", 3);
-    p->src[0] = (plan_mem_t){s.base, &s.layout, s.blocks, s.nblocks, s.size, 7};
-    p->dst = (plan_mem_t){d.base, &d.layout, d.blocks, d.nblocks, d.size, 9};
+    force_split = -1;
+    p->src[0] =
+        (plan_mem_t){s.regions, s.nregions, &s.layout, s.blocks, s.nblocks, 7};
+    p->dst =
+        (plan_mem_t){d.regions, d.nregions, &d.layout, d.blocks, d.nblocks, 9};
     char why[256];
     CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), 0);
 
@@ -1040,10 +1095,25 @@ TEST(bounds_check_refuses_outside_the_pool)
     for (uint32_t i = 0; i < d.nblocks; i++)
         if (d.blocks[i] > last)
             last = d.blocks[i];
-    p->dst.size = (uint64_t)(last + 1) * d.layout.block_stride - 1;
+    d.regions[0].size = (uint64_t)(last + 1) * d.layout.block_stride - 1;
     CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
-    CHECK_STR_CONTAINS(why, "pool 9: the plan writes up to byte");
-    p->dst.size = d.size;
+    CHECK_STR_CONTAINS(why, "pool 9: the plan writes layer 1 kv 1 up to byte");
+    CHECK_STR_CONTAINS(why, "of region 0, past its");
+    d.regions[0].size = kvx_layout_span(&d.layout);
+
+    /* a source region (layer 1's V) one byte short */
+    s.regions[3].size--;
+    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(why, "pool 7: the plan reads layer 1 kv 1 up to byte");
+    CHECK_STR_CONTAINS(why, "of region 3, past its");
+    s.regions[3].size++;
+    /* a part naming a region the bound side does not have */
+    p->src[0].nregions = 3;
+    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(why, "pool 7: the plan reads layer 1 kv 1, in region 3 "
+                            "of 3");
+    p->src[0].nregions = 4;
+    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), 0);
 
     /* a block id past the layout's blocks */
     uint32_t keep = s.blocks[1];

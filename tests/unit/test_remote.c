@@ -40,6 +40,12 @@ static kvx_layout_t lay;
 static const uint32_t cblocks[4] = {3, 1, 2, 0}, gblocks[4] = {0, 2, 1, 3};
 #define NTOK 13
 
+/* The generation side's pool is made of regions, a K and a V one per
+ * layer (sglang-style), in one memfd in reverse order with gaps: the
+ * packed scatter must resolve (region, offset) for every part. */
+static kvx_layout_t glay;
+static kvx_layout_part_t gparts[4];
+
 static pool_t *host_pool(uint64_t sid)
 {
     uint64_t size = kvx_layout_span(&lay);
@@ -50,6 +56,30 @@ static pool_t *host_pool(uint64_t sid)
     char why[256];
     CHECK_EQ(pool_register_host(sid, fd, 0, size, &lay, &p, why, sizeof(why)),
              0);
+    return p;
+}
+
+static pool_t *regions_pool(uint64_t sid)
+{
+    glay = lay;
+    CHECK_EQ(kvx_layout_split(&glay, 2, gparts, 4), 0);
+    uint32_t n = kvx_layout_num_regions(&glay);
+    CHECK_EQ(n, 4);
+    pool_region_req_t r[4];
+    uint64_t at = 0;
+    for (uint32_t i = n; i-- > 0;) {
+        r[i] = (pool_region_req_t){0, at, kvx_layout_region_span(&glay, i)};
+        at += r[i].size + 100;
+    }
+    int fd = memfd_create("test", MFD_ALLOW_SEALING);
+    CHECK(fd >= 0 && !ftruncate(fd, (off_t)at) &&
+          !fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK));
+    pool_alloc_req_t a = {.fd = fd};
+    pool_t *p;
+    char why[256];
+    CHECK_EQ(pool_register(sid, &a, 1, r, n, &glay, &p, why, sizeof(why)), 0);
+    CHECK_EQ(p->nregions, 4);
+    CHECK(p->layout.parts != gparts); /* the pool's own copy */
     return p;
 }
 
@@ -102,12 +132,13 @@ static void setup(void)
                                &lay),
              0);
     cpool = host_pool(1);
-    gpool = host_pool(2);
+    gpool = regions_pool(2);
     settle(); /* the pools' populate jobs */
     /* the source: a pattern in the context pool */
     for (uint64_t i = 0; i < kvx_layout_span(&lay); i++)
-        cpool->base[i] = (uint8_t)(i * 7 + 1);
-    memset(gpool->base, 0, kvx_layout_span(&lay));
+        cpool->view[0].base[i] = (uint8_t)(i * 7 + 1);
+    for (uint32_t r = 0; r < gpool->nregions; r++)
+        memset(gpool->view[r].base, 0, gpool->view[r].size);
 }
 
 /* Publish request 1 of ctx and fetch it into gen "from OTHER" (the
@@ -158,8 +189,10 @@ static void check_bytes(void)
                     uint64_t so = kvx_layout_offset(
                         &lay, l, kv, cblocks[t / tpb], t % tpb, h);
                     uint64_t go = kvx_layout_offset(
-                        &lay, l, kv, gblocks[t / tpb], t % tpb, h);
-                    CHECK(!memcmp(cpool->base + so, gpool->base + go, row));
+                        &glay, l, kv, gblocks[t / tpb], t % tpb, h);
+                    const uint8_t *g =
+                        gpool->view[kvx_layout_region(&glay, l, kv)].base;
+                    CHECK(!memcmp(cpool->view[0].base + so, g + go, row));
                 }
 }
 

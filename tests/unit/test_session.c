@@ -209,9 +209,10 @@ TEST(blocks_random_against_reference)
 
 /* ---- layout_from_msg ---- */
 
-static uint64_t offs[KVX_MAX_LAYERS + 1];
+static uint32_t pregion[2 * KVX_MAX_LAYERS + 2];
+static uint64_t poffset[2 * KVX_MAX_LAYERS + 2];
 
-/* A Layout message of the given layout (offsets in the static array). */
+/* A Layout message of the given layout (parts in the static arrays). */
 static Kvxfer__Layout msg_of(const kvx_layout_t *l)
 {
     Kvxfer__Layout m = KVXFER__LAYOUT__INIT;
@@ -224,9 +225,14 @@ static Kvxfer__Layout msg_of(const kvx_layout_t *l)
     m.dtype = l->dtype;
     m.tokens_per_block = l->tokens_per_block;
     m.num_blocks = l->num_blocks;
-    memcpy(offs, l->layer_offset, l->num_layers * sizeof(uint64_t));
-    m.n_layer_offset = l->num_layers;
-    m.layer_offset = offs;
+    for (uint32_t i = 0; l->parts && i < l->num_parts; i++) {
+        pregion[i] = l->parts[i].region;
+        poffset[i] = l->parts[i].offset;
+    }
+    m.n_part_region = m.n_part_offset = l->parts ? l->num_parts : 0;
+    m.part_region = pregion;
+    m.part_offset = poffset;
+    m.layer_stride = l->layer_stride;
     m.kv_stride = l->kv_stride;
     m.block_stride = l->block_stride;
     m.token_stride = l->token_stride;
@@ -240,6 +246,7 @@ static void expect_layout_error(const Kvxfer__Layout *m, int code,
     kvx_layout_t l;
     char why[256] = "";
     int rc = layout_from_msg(m, &l, why, sizeof(why));
+    layout_msg_free(&l);
     if (rc != code)
         fprintf(stderr, "rc %d why '%s'\n", rc, why);
     CHECK_EQ(rc, code);
@@ -263,9 +270,17 @@ TEST(layout_round_trips_every_preset)
         CHECK_EQ(layout_from_msg(&m, &got, why, sizeof(why)), 0);
         /* every field, and zeros past the preset name and the layers */
         CHECK(!memcmp(&got, &want, sizeof(got)));
-        CHECK_EQ(kvx__layout_check(&got, kvx_layout_span(&want), why,
-                                   sizeof(why)),
-                 0);
+        uint64_t size = kvx_layout_span(&want);
+        CHECK_EQ(kvx__layout_check(&got, &size, 1, why, sizeof(why)), 0);
+        /* and split per layer and kv: the parts travel */
+        kvx_layout_part_t parts[14];
+        CHECK_EQ(kvx_layout_split(&want, mla ? 1 : 2, parts, 14), 0);
+        m = msg_of(&want);
+        CHECK_EQ(layout_from_msg(&m, &got, why, sizeof(why)), 0);
+        CHECK_EQ(got.num_parts, want.num_parts);
+        CHECK(!memcmp(got.parts, parts, want.num_parts * sizeof(*parts)));
+        CHECK_EQ(got.layer_stride, want.layer_stride);
+        layout_msg_free(&got);
     }
 }
 
@@ -274,39 +289,51 @@ TEST(layout_missing)
     expect_layout_error(NULL, KVX_ERR_INVALID, "register_pool.layout: missing");
 }
 
-TEST(layout_offset_count_mismatch)
+TEST(layout_part_count_mismatch)
 {
     kvx_layout_t l;
     CHECK_EQ(kvx_layout_preset("vllm-nhd", 3, 2, 4, 8, KVX_DTYPE_FP16, 16, 8,
                                &l),
              0);
+    kvx_layout_part_t parts[6];
+    CHECK_EQ(kvx_layout_split(&l, 1, parts, 6), 0);
     Kvxfer__Layout m = msg_of(&l);
-    m.n_layer_offset = 2;
+    m.n_part_offset = 5;
     expect_layout_error(&m, KVX_ERR_LAYOUT,
-                        "layout.layer_offset: 2 offsets for num_layers 3");
-    m.n_layer_offset = 4;
-    expect_layout_error(&m, KVX_ERR_LAYOUT, "4 offsets for num_layers 3");
-    m.n_layer_offset = 0;
+                        "layout.part_region: 6 entries, but "
+                        "layout.part_offset has 5");
+    m.n_part_region = 5;
+    expect_layout_error(&m, KVX_ERR_LAYOUT,
+                        "layout.part_region: 5 parts for num_layers 3 x "
+                        "kv_factor 2");
+    m.n_part_region = m.n_part_offset = 0;
     m.num_layers = 0;
-    m.layer_offset = NULL; /* as protobuf-c decodes an empty list */
-    /* zero layers decode (without touching the absent list); the layout
+    m.part_region = NULL; /* as protobuf-c decodes an empty list */
+    m.part_offset = NULL;
+    /* zero layers decode (without touching the absent lists); the layout
      * check refuses them */
     kvx_layout_t out;
     char why[256];
+    uint64_t size = 1ull << 30;
     CHECK_EQ(layout_from_msg(&m, &out, why, sizeof(why)), 0);
-    CHECK_EQ(kvx__layout_check(&out, 1ull << 30, why, sizeof(why)),
+    CHECK(out.parts == NULL);
+    CHECK_EQ(kvx__layout_check(&out, &size, 1, why, sizeof(why)),
              KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why, "num_layers");
-    /* more offsets than the descriptor holds, even if they agree */
+    /* more parts than layers can have, even if they agree */
     m = msg_of(&l);
     m.num_layers = KVX_MAX_LAYERS + 1;
-    m.n_layer_offset = KVX_MAX_LAYERS + 1;
-    expect_layout_error(&m, KVX_ERR_LAYOUT, "at most 1024");
+    m.n_part_region = m.n_part_offset = 2 * (KVX_MAX_LAYERS + 1);
+    expect_layout_error(&m, KVX_ERR_LAYOUT, "(at most 2048)");
     m.num_layers = KVX_MAX_LAYERS;
-    m.n_layer_offset = KVX_MAX_LAYERS;
+    m.n_part_region = m.n_part_offset = 2 * KVX_MAX_LAYERS;
+    pregion[2 * KVX_MAX_LAYERS - 1] = 4095;
+    poffset[2 * KVX_MAX_LAYERS - 1] = 77;
     CHECK_EQ(layout_from_msg(&m, &out, why, sizeof(why)), 0);
-    CHECK_EQ(out.layer_offset[KVX_MAX_LAYERS - 1],
-             offs[KVX_MAX_LAYERS - 1]);
+    CHECK_EQ(out.num_parts, 2 * KVX_MAX_LAYERS);
+    CHECK_EQ(out.parts[2 * KVX_MAX_LAYERS - 1].region, 4095);
+    CHECK_EQ(out.parts[2 * KVX_MAX_LAYERS - 1].offset, 77);
+    layout_msg_free(&out);
 }
 
 TEST(layout_preset_too_long)
@@ -357,7 +384,6 @@ TEST(layout_decoded_from_the_wire)
              0);
     Kvxfer__Layout m = msg_of(&l);
     Kvxfer__RegisterPool rp = KVXFER__REGISTER_POOL__INIT;
-    rp.size = kvx_layout_span(&l);
     rp.layout = &m;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
