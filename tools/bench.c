@@ -88,6 +88,9 @@ static struct opts {
                              physical allocations */
     uint32_t regions;     /* --regions: each rank's pool as this many
                              regions, each its own allocation (0: one) */
+    int keyed;            /* --keyed: string keys, "cmpl-R-0" and "decode-R" */
+    int reserve; /* --reserve: a scheduler reserves each request first */
+    int by_key;  /* --by-key: generation fetches by key, no params */
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
@@ -518,6 +521,34 @@ static void barrier(_Atomic uint32_t *ready, _Atomic uint32_t *go)
 
 /* Context rank: publish requests [first, first + count), keeping at most
  * reqs_in_pool offers open, until all are consumed. */
+/* Request r's key on each side: its digits (the uint64_t calls), or
+ * with --keyed/--by-key/--reserve vLLM-like strings. */
+static size_t ctx_key(uint64_t r, char *k, size_t n)
+{
+    return (size_t)snprintf(k, n, "cmpl-%llu-0", (unsigned long long)r);
+}
+
+static size_t gen_key(uint64_t r, char *k, size_t n)
+{
+    return (size_t)snprintf(k, n, "decode-%llu", (unsigned long long)r);
+}
+
+/* The request an event names: the digits after its key's first '-'. */
+static uint64_t event_req(const kvx_event_t *e)
+{
+    if (!o.keyed)
+        return e->request_id;
+    uint64_t r = 0;
+    uint32_t i = 0;
+    while (i < e->key_len && e->key[i] != '-')
+        i++;
+    for (i++; i < e->key_len && e->key[i] >= '0' && e->key[i] <= '9'; i++)
+        r = r * 10 + (uint64_t)(e->key[i] - '0');
+    return r;
+}
+
+static kvx_client_t *sched; /* --reserve: context rank 0's scheduler */
+
 static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                     uint32_t pool, uint64_t first, uint64_t count, int fill)
 {
@@ -537,11 +568,40 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                 fill_request(v, r);
             for (uint32_t i = 0; i < v->bpr; i++)
                 bt[i] = req_block(v, r, i);
-            kvx_context_params_t p;
-            CHECK_KVX(kvx_publish(c, r, pool, bt, v->bpr, num_tokens, &p,
-                                  TIMEOUT_MS),
-                      c);
-            if (rank == 0) {
+            kvx_context_params_t p, rp = {0};
+            char k[64];
+            size_t kl = ctx_key(r, k, sizeof(k));
+            if (o.reserve && rank == 0) {
+                /* the scheduler's params, before the publish: the
+                 * generation side may fetch with them at once */
+                char inst[32];
+                snprintf(inst, sizeof(inst), "bench-ctx-%u", my_pair);
+                CHECK_KVX(kvx_reserve(sched, inst, k, kl, num_tokens, &rp,
+                                      TIMEOUT_MS),
+                          sched);
+                if (rp.len > PARAMS_SLOT - 8)
+                    die("context params of %zu bytes", rp.len);
+                uint8_t *s = slot_of(r);
+                memcpy(s + 8, rp.data, rp.len);
+                ((uint32_t *)s)[1] = (uint32_t)rp.len;
+                atomic_store_explicit((_Atomic uint32_t *)s, 1,
+                                      memory_order_release);
+            }
+            if (o.keyed)
+                CHECK_KVX(kvx_publish_key(c, k, kl, pool, bt, v->bpr,
+                                          num_tokens, NULL, 0, &p, TIMEOUT_MS),
+                          c);
+            else
+                CHECK_KVX(kvx_publish(c, r, pool, bt, v->bpr, num_tokens, &p,
+                                      TIMEOUT_MS),
+                          c);
+            if (rp.data) { /* the same bytes as the reservation's */
+                if (rp.len != p.len || memcmp(rp.data, p.data, p.len))
+                    die("request %llu: the publish's params differ from the "
+                        "reservation's",
+                        (unsigned long long)r);
+                kvx_context_params_free(&rp);
+            } else if (rank == 0) {
                 if (p.len > PARAMS_SLOT - 8)
                     die("context params of %zu bytes", p.len);
                 uint8_t *s = slot_of(r);
@@ -561,7 +621,7 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                 die("context request %llu: %s",
                     (unsigned long long)b->events[i].request_id,
                     b->events[i].message);
-            fin[b->events[i].request_id - first] = 1;
+            fin[event_req(&b->events[i]) - first] = 1;
             done++;
         }
         kvx_batch_free(b);
@@ -577,6 +637,10 @@ static void ctx_main(uint32_t rank)
     char name[32];
     snprintf(name, sizeof(name), "bench-ctx-%u", my_pair);
     kvx_client_t *c = rank_open(name, KVX_ROLE_CONTEXT, rank, &v, &pool);
+    if (o.reserve && rank == 0 &&
+        kvx_connect_observer(o.socket, TIMEOUT_MS, &sched))
+        die("--reserve: the scheduler cannot connect: %s",
+            kvx_last_error(NULL));
     uint64_t per = o.requests / o.pairs, first = my_pair * per;
     int reuse = reqs_in_pool < per;
     barrier(&sh->ready, &sh->go);
@@ -639,9 +703,24 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
             if (timed)
                 atomic_compare_exchange_strong(&sh->first_fetch_ns, &zero,
                                                t0[next]);
-            CHECK_KVX(kvx_fetch(c, r, s + 8, ((uint32_t *)s)[1], pool, bt,
-                                v->bpr, o.skip, TIMEOUT_MS),
-                      c);
+            char gk[64], ck[64], ci[32];
+            size_t gkl = gen_key(r, gk, sizeof(gk));
+            if (o.by_key) {
+                size_t ckl = ctx_key(r, ck, sizeof(ck));
+                snprintf(ci, sizeof(ci), "bench-ctx-%u", my_pair);
+                CHECK_KVX(kvx_fetch_by_key(c, gk, gkl, ci, sh->address, ck, ckl,
+                                           pool, bt, v->bpr, o.skip, 0,
+                                           TIMEOUT_MS),
+                          c);
+            } else if (o.keyed)
+                CHECK_KVX(kvx_fetch_key(c, gk, gkl, s + 8, ((uint32_t *)s)[1],
+                                        pool, bt, v->bpr, o.skip, 0,
+                                        TIMEOUT_MS),
+                          c);
+            else
+                CHECK_KVX(kvx_fetch(c, r, s + 8, ((uint32_t *)s)[1], pool, bt,
+                                    v->bpr, o.skip, TIMEOUT_MS),
+                          c);
             next++;
             continue;
         }
@@ -655,11 +734,11 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                 die("generation request %llu: %s (%s)",
                     (unsigned long long)e->request_id, e->message,
                     kvx_status_name(e->code));
-            uint64_t k = e->request_id - first;
+            uint64_t er = event_req(e), k = er - first;
             if (timed && rank == 0)
                 lat_ns[first + k] = t - t0[k];
             if (check) {
-                bad += check_request(v, e->request_id);
+                bad += check_request(v, er);
                 (*checked)++;
             }
             fin[k] = 1;
@@ -1477,6 +1556,16 @@ static void usage(FILE *f)
         "allocation;\n"
         "                         guard bands around it are checked "
         "unchanged\n"
+        "  --keyed                requests named by string keys "
+        "(\"cmpl-R-0\",\n"
+        "                         \"decode-R\"): kvx_publish_key, "
+        "kvx_fetch_key\n"
+        "  --reserve              --keyed, and context rank 0's scheduler\n"
+        "                         reserves each request (kvx_reserve) before\n"
+        "                         the publish; the generation side fetches\n"
+        "                         with the reserved params at once\n"
+        "  --by-key               --keyed, and the generation side fetches\n"
+        "                         by key (kvx_fetch_by_key), no params\n"
         "  --regions N            each rank's pool as N regions, each its "
         "own allocation:\n"
         "                         a region per layer (N = the rank's "
@@ -1556,6 +1645,9 @@ int main(int argc, char **argv)
         {"pool-offset", required_argument, NULL, 1015},
         {"vmm-chunk", required_argument, NULL, 1016},
         {"regions", required_argument, NULL, 1017},
+        {"keyed", no_argument, NULL, 1018},
+        {"reserve", no_argument, NULL, 1019},
+        {"by-key", no_argument, NULL, 1020},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -1616,6 +1708,15 @@ int main(int argc, char **argv)
             break;
         case 1017:
             o.regions = arg_u32("regions", optarg, 1, MAX_REGIONS_BENCH);
+            break;
+        case 1018:
+            o.keyed = 1;
+            break;
+        case 1019:
+            o.reserve = o.keyed = 1;
+            break;
+        case 1020:
+            o.by_key = o.keyed = 1;
             break;
         case 1010:
             if (o.npeer_config == 16 || strchr(optarg, '\n') ||
@@ -2047,7 +2148,8 @@ int main(int argc, char **argv)
             "\"ctx_tpb\":%u,\"gen_tpb\":%u,\"skip_tokens\":%u,"
             "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f,"
             "\"pool_offset\":%llu,\"vmm_chunk\":%llu,"
-            "\"guard_bytes_changed\":%llu,\"regions\":%u",
+            "\"guard_bytes_changed\":%llu,\"regions\":%u,"
+            "\"keyed\":%s,\"reserve\":%s,\"by_key\":%s",
             gbps, base, ratio, verified ? "true" : "false", o.requests / secs,
             p50, p99, (unsigned long long)total, o.requests, o.blocks,
             o.ctx_layout, o.gen_layout, o.gpu ? "true" : "false", o.ctas,
@@ -2055,7 +2157,9 @@ int main(int argc, char **argv)
             o.ctx_tpb, o.gen_tpb, o.skip, o.mla ? "true" : "false",
             (unsigned long long)sh->mismatches, secs,
             (unsigned long long)o.pool_offset, (unsigned long long)o.vmm_chunk,
-            (unsigned long long)sh->guard_changed, o.regions);
+            (unsigned long long)sh->guard_changed, o.regions,
+            o.keyed ? "true" : "false", o.reserve ? "true" : "false",
+            o.by_key ? "true" : "false");
         printf(",\"passes\":%u,\"pass_gbps\":[", o.passes);
         for (uint32_t ps = 0; ps < o.passes; ps++)
             printf("%s%.3f", ps ? "," : "", pass_gbps[ps]);
@@ -2176,6 +2280,10 @@ int main(int argc, char **argv)
         printf("  %-22s %12s  (%llu mismatched rows)\n", "verified",
                o.no_verify ? "skipped" : verified ? "yes" : "NO",
                (unsigned long long)sh->mismatches);
+        if (o.keyed)
+            printf("  %-22s %12s  (\"cmpl-R-0\" / \"decode-R\"%s%s)\n", "keys",
+                   "strings", o.reserve ? ", reserved first" : "",
+                   o.by_key ? ", fetched by key" : "");
         if (o.regions)
             printf("  %-22s %12u  (each rank's pool, each region its own "
                    "allocation)\n",

@@ -134,6 +134,22 @@ TEST_T(legacy_ipc_pools_odd_sizes, 120)
           "--dtype fp8 --tokens-per-block 5");
 }
 
+/* Pools of regions on the GPU: a cudaMalloc per layer (vLLM), a K and a
+ * V allocation per layer (SGLang), each imported once and addressed at
+ * its own offset; every byte verified by the bench. Across two daemons
+ * too (host-staged). */
+TEST_T(gpu_pools_of_regions, 300)
+{
+    NEED_GPUS(1);
+    bench("--regions 4 --layers 4 --ctx-layout vllm-nhd --gen-layout "
+          "flashinfer --requests 4 --blocks 8");
+    bench("--regions 8 --layers 4 --ctx-layout vllm-hnd --gen-layout "
+          "vllm-nhd --requests 4 --blocks 8");
+    bench("--regions 4 --layers 4 --ctx-ranks 2 --gen-ranks 1 --requests 4 "
+          "--blocks 8");
+    bench("--regions 4 --layers 4 --daemons 2 --requests 4 --blocks 8");
+}
+
 TEST_T(host_to_gpu_and_back, 120)
 {
     NEED_GPUS(1);
