@@ -1203,9 +1203,9 @@ int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
         return fail(c, KVX_ERR_INVALID,
                     "%s: a required argument is NULL or 0",
                     __func__);
-    if (aux || aux_len)
-        return fail(c, KVX_ERR_UNSUPPORTED,
-                    "kvx_publish_key: aux payloads are not built yet");
+    if (!aux && aux_len)
+        return fail(c, KVX_ERR_INVALID,
+                    "kvx_publish_key: aux is NULL with aux_len %zu", aux_len);
     Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
@@ -1213,6 +1213,8 @@ int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
     m.n_blocks = nblocks;
     m.blocks = (uint32_t *)blocks;
     m.num_tokens = num_tokens;
+    m.aux.data = (uint8_t *)aux;
+    m.aux.len = aux_len;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
     rq.publish = &m;
@@ -1382,11 +1384,12 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
         kvxfer__reply__free_unpacked(r, NULL);
         return fail(c, KVX_ERR_PROTOCOL, "poll: reply without a batch");
     }
-    /* one allocation: batch, events, then the message strings */
+    /* one allocation: batch, events, then each event's message, key and
+     * aux bytes */
     size_t n = r->poll->n_events, strbytes = 0;
     for (size_t i = 0; i < n; i++)
         strbytes += strlen(r->poll->events[i]->message) + 1 +
-                    r->poll->events[i]->key.len;
+                    r->poll->events[i]->key.len + r->poll->events[i]->aux.len;
     kvx_batch_t *b = malloc(sizeof(*b) + n * sizeof(kvx_event_t) + strbytes);
     if (!b) {
         kvxfer__reply__free_unpacked(r, NULL);
@@ -1410,6 +1413,11 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
         if (e->key.len)
             memcpy(s, e->key.data, e->key.len);
         s += e->key.len;
+        b->events[i].aux = e->aux.len ? (const uint8_t *)s : NULL;
+        b->events[i].aux_len = (uint32_t)e->aux.len;
+        if (e->aux.len)
+            memcpy(s, e->aux.data, e->aux.len);
+        s += e->aux.len;
     }
     kvxfer__reply__free_unpacked(r, NULL);
     *out = b;

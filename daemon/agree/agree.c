@@ -46,7 +46,16 @@ typedef struct merge {
     int emitted;           /* its event is queued: later reports are kept
                               out until every one came, or the deadline */
     uint64_t deadline_ms;  /* the missing reports never came: TIMED_OUT */
+    uint8_t *aux;          /* a fetch's COMPLETE: the first non-empty aux
+                              a report carried */
+    uint32_t aux_len;
 } merge_t;
+
+static void merge_free(merge_t *m)
+{
+    free(m->aux);
+    free(m);
+}
 
 /* A member's forwarded poll of one rank. */
 typedef struct fpoll {
@@ -120,6 +129,8 @@ typedef struct early {
     reqkey_t key;
     int offer, kind, code;
     char *msg;
+    uint8_t *aux;
+    uint32_t aux_len;
     uint32_t ranks, expect;
     uint64_t until_ms;
     list_t node; /* on earlies, in arrival order */
@@ -156,7 +167,8 @@ static list_t helds = {&helds, &helds};
 
 static void merge_report(instance_t *inst, uint64_t request_id,
                          const reqkey_t *key, int offer, int kind, int code,
-                         const char *msg, uint32_t ranks, uint32_t expect);
+                         const char *msg, uint32_t ranks, uint32_t expect,
+                         const uint8_t *aux, uint32_t aux_len);
 static int event_ok(const instance_t *inst, const char *from, int kind,
                     int code, uint32_t ranks, uint32_t expect);
 
@@ -280,7 +292,7 @@ void agree_forget(instance_t *inst)
         if (v) {
             n = map_values(&s->merges[k], v, n);
             for (uint32_t i = 0; i < n; i++)
-                free(v[i]);
+                merge_free(v[i]);
             free(v);
         }
         map_free(&s->merges[k]);
@@ -319,22 +331,32 @@ void agree_joined(instance_t *inst)
         if (root && event_ok(inst, x->from, x->kind, x->code, x->ranks,
                              x->expect))
             merge_report(inst, x->request_id, &x->key, x->offer, x->kind,
-                         x->code, x->msg, x->ranks, x->expect);
+                         x->code, x->msg, x->ranks, x->expect, x->aux,
+                         x->aux_len);
         free(x->msg);
+        free(x->aux);
         free(x);
     }
+}
+
+static void queue_event_aux(instance_t *inst, uint64_t request_id,
+                            const reqkey_t *key, int kind, int code,
+                            const char *msg, const uint8_t *aux,
+                            uint32_t aux_len)
+{
+    char ks[REQKEY_STR_MAX];
+    if (batch_push(&inst->batches, request_id, key, kind, code, msg, aux,
+                   aux_len, kvxd_now_ms()))
+        log_error("instance %s: out of memory queueing the event of request "
+                  "%s",
+                  inst->id, reqkey_str(key->b, key->len, ks));
 }
 
 static void queue_event(instance_t *inst, uint64_t request_id,
                         const reqkey_t *key, int kind, int code,
                         const char *msg)
 {
-    char ks[REQKEY_STR_MAX];
-    if (batch_push(&inst->batches, request_id, key, kind, code, msg,
-                   kvxd_now_ms()))
-        log_error("instance %s: out of memory queueing the event of request "
-                  "%s",
-                  inst->id, reqkey_str(key->b, key->len, ks));
+    queue_event_aux(inst, request_id, key, kind, code, msg, NULL, 0);
 }
 
 /* Root: the requests still waiting for reports end with PEER_GONE (a
@@ -544,12 +566,17 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
 
 /* ---- events ------------------------------------------------------------ */
 
-
-/* Root: one daemon's report of a request. */
+/* Root: one daemon's report of a request. A fetch's COMPLETE reports
+ * may carry its aux: the merged COMPLETE carries the first non-empty one
+ * (every daemon's comes from the same offer, or from offers of the same
+ * request on the context daemons). */
 static void merge_report(instance_t *inst, uint64_t request_id,
                          const reqkey_t *key, int offer, int kind, int code,
-                         const char *msg, uint32_t ranks, uint32_t expect)
+                         const char *msg, uint32_t ranks, uint32_t expect,
+                         const uint8_t *aux, uint32_t aux_len)
 {
+    if (offer || kind != KVX_EVENT_COMPLETE)
+        aux_len = 0; /* only a fetch's COMPLETE carries one */
     spread_t *s = spread_of(inst, 1);
     map_t *mm = s ? &s->merges[offer ? 1 : 0] : NULL;
     merge_t *m = mm ? map_get(mm, request_id) : NULL;
@@ -563,13 +590,17 @@ static void merge_report(instance_t *inst, uint64_t request_id,
                                                 : kvxd.conf.fetch_timeout_ms);
         created = 1;
         if (map_put(mm, request_id, m)) {
-            free(m);
+            merge_free(m);
             m = NULL;
         }
     }
     if (!m) { /* out of memory: at least the event goes out */
-        queue_event(inst, request_id, key, kind, code, msg);
+        queue_event_aux(inst, request_id, key, kind, code, msg, aux, aux_len);
         return;
+    }
+    if (aux_len && !m->aux_len && (m->aux = malloc(aux_len))) {
+        memcpy(m->aux, aux, aux_len);
+        m->aux_len = aux_len;
     }
     /* it needs every rank, and one of another daemon is gone: its report
      * never comes (a rank gone ends the instance's requests) */
@@ -590,21 +621,23 @@ static void merge_report(instance_t *inst, uint64_t request_id,
     m->seen += ranks;
     if (!m->emitted && (kind != KVX_EVENT_COMPLETE || m->seen >= m->expect)) {
         m->emitted = 1;
-        queue_event(inst, request_id, key, kind, code, msg);
+        queue_event_aux(inst, request_id, key, kind, code, msg,
+                        kind == KVX_EVENT_COMPLETE ? m->aux : NULL,
+                        kind == KVX_EVENT_COMPLETE ? m->aux_len : 0);
     }
     if (m->seen >= m->expect) { /* every report came */
         map_del(mm, request_id);
-        free(m);
+        merge_free(m);
     }
 }
 
 void agree_event(instance_t *inst, uint64_t request_id, const reqkey_t *key,
                  int offer, int kind, int code, const char *msg, uint32_t ranks,
-                 uint32_t expect)
+                 uint32_t expect, const uint8_t *aux, uint32_t aux_len)
 {
     if (is_root(inst)) {
         merge_report(inst, request_id, key, offer, kind, code, msg, ranks,
-                     expect);
+                     expect, aux, aux_len);
         return;
     }
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
@@ -619,6 +652,8 @@ void agree_event(instance_t *inst, uint64_t request_id, const reqkey_t *key,
     e.ranks = ranks;
     e.offer = offer;
     e.expect = expect;
+    e.aux.data = (uint8_t *)aux;
+    e.aux.len = aux ? aux_len : 0;
     m.m_case = KVXFER__PEER_MSG__M_EVENT;
     m.event = &e;
     if (to_root(inst, &m))
@@ -1058,11 +1093,17 @@ static void early_hold(const char *from, const Kvxfer__PeerEvent *e)
         return;
     }
     early_t *x = calloc(1, sizeof(*x));
-    if (!x || !(x->msg = strndup(e->message ? e->message : "",
-                                 EVENT_MSG_MAX))) {
+    if (!x ||
+        !(x->msg = strndup(e->message ? e->message : "", EVENT_MSG_MAX)) ||
+        (e->aux.len && !(x->aux = malloc(e->aux.len)))) {
+        if (x)
+            free(x->msg);
         free(x);
         return;
     }
+    if (e->aux.len)
+        memcpy(x->aux, e->aux.data, e->aux.len);
+    x->aux_len = (uint32_t)e->aux.len;
     snprintf(x->instance, sizeof(x->instance), "%s", e->instance_id);
     snprintf(x->from, sizeof(x->from), "%s", from);
     x->request_id = xfer_key_id(e->key.data, e->key.len);
@@ -1080,6 +1121,26 @@ static void early_hold(const char *from, const Kvxfer__PeerEvent *e)
 
 static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
 {
+    if (e->aux.len > kvxd.conf.aux_bytes) {
+        /* the member's limit is larger than ours: the request fails
+         * rather than the ranks getting a COMPLETE without its aux */
+        char msg[EVENT_MSG_MAX + 1];
+        snprintf(msg, sizeof(msg),
+                 "an aux payload of %zu bytes from daemon %s is more than "
+                 "limits.aux_bytes (%u) here",
+                 e->aux.len, peer_conn_address(c), kvxd.conf.aux_bytes);
+        log_warn("instance %s: %s", e->instance_id ? e->instance_id : "", msg);
+        Kvxfer__PeerEvent f = *e;
+        f.aux.data = NULL;
+        f.aux.len = 0;
+        if ((int)f.kind == KVX_EVENT_COMPLETE) {
+            f.kind = KVXFER__EVENT_KIND__EVENT_ERROR;
+            f.code = KVX_ERR_LIMIT;
+            f.message = msg;
+        }
+        on_event(c, &f);
+        return;
+    }
     instance_t *inst = e->instance_id ? instance_find(e->instance_id) : NULL;
     if (!inst || !inst->joined) {
         early_hold(peer_conn_address(c), e);
@@ -1096,7 +1157,8 @@ static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
     char msg[EVENT_MSG_MAX + 1]; /* a peer's message, cut to a sane size */
     snprintf(msg, sizeof(msg), "%s", e->message ? e->message : "");
     merge_report(inst, xfer_key_id(key.b, key.len), &key, e->offer, e->kind,
-                 e->code, msg, e->ranks, e->expect);
+                 e->code, msg, e->ranks, e->expect, e->aux.data,
+                 (uint32_t)e->aux.len);
 }
 
 static void on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
@@ -1214,6 +1276,7 @@ void agree_tick(uint64_t now)
         list_remove(n);
         nearly--;
         free(x->msg);
+        free(x->aux);
         free(x);
     }
     /* announcements the root has not acknowledged: again */
@@ -1265,7 +1328,7 @@ void agree_tick(uint64_t now)
                 continue;
             }
             map_del(&s->merges[k], keys[i]);
-            free(m);
+            merge_free(m);
         }
         free(keys);
         }

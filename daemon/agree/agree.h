@@ -28,10 +28,12 @@ void agree_instance_ends(instance_t *inst);
 /* inst is freed. */
 void agree_forget(instance_t *inst);
 /* A terminal event of a request covering `ranks` of the `expect` ranks
- * it needs: merged at the root, forwarded there from a member. */
+ * it needs: merged at the root, forwarded there from a member. aux
+ * (aux_len bytes, NULL/0: none): a fetch's COMPLETE, its aux payload;
+ * the merged event carries the first non-empty one. */
 void agree_event(instance_t *inst, uint64_t request_id, const reqkey_t *key,
                  int offer, int kind, int code, const char *msg, uint32_t ranks,
-                 uint32_t expect);
+                 uint32_t expect, const uint8_t *aux, uint32_t aux_len);
 /* Member: a local rank polls; the root answers. */
 int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
                uint32_t at_least, uint32_t timeout_ms, char *why,

@@ -234,6 +234,18 @@ static const struct conf_key keys[] = {
      .reloadable = 1,
      .help = "Requests one ListRequests reply lists at most; clients ask "
              "for the next page (libkvxfer and kvxferctl do)."},
+    {.name = "limits.aux_bytes",
+     .type = CONF_SIZE,
+     FIELD(aux_bytes),
+     .def = 64 * KiB,
+     .min = 0,
+     .max = 1 * MiB,
+     .reloadable = 1,
+     .help = "Largest aux payload (first token, logprobs) a publish may "
+             "carry to the generation side's COMPLETE event; a larger one "
+             "is refused with KVX_ERR_LIMIT, and one from a peer daemon "
+             "fails its request. 0: none. A publish's frame holds it "
+             "(limits.max_frame_bytes)."},
 
     {.name = "copy.worker_threads",
      .type = CONF_U32,

@@ -39,6 +39,7 @@ typedef struct kvx_conf {
     uint32_t list_page_entries;   /* requests in one ListRequests reply */
     uint64_t memory_bytes;        /* limits.memory_bytes: the budget */
     uint32_t batches_kept;        /* sealed batches one instance keeps */
+    uint32_t aux_bytes;           /* limits.aux_bytes: one aux payload */
     /* copy */
     uint32_t worker_threads;
     uint64_t copy_chunk_bytes;

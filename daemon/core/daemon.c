@@ -25,7 +25,7 @@ void kvxd_count_error(int code)
 
 static uint64_t mem_used[MEM_KINDS], mem_all;
 static const char *const mem_names[MEM_KINDS] = {"frames", "replies", "plans",
-                                                 "staging"};
+                                                 "staging", "aux"};
 
 int kvxd_mem_charge(kvxd_mem_t kind, uint64_t bytes)
 {

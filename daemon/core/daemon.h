@@ -65,14 +65,15 @@ void kvxd_defer_cleanup(void);
 
 /* The daemon's one memory budget (limits.memory_bytes): what it holds
  * for others - frames being read, replies queued, transfer plans,
- * staging - is charged here before it is allocated, and released when
- * freed. A charge that would pass the budget is refused: the work that
+ * staging, aux payloads - is charged here before it is allocated, and released
+ * when freed. A charge that would pass the budget is refused: the work that
  * wanted it fails with KVX_ERR_LIMIT, never the daemon with an OOM. */
 typedef enum {
     MEM_FRAMES,  /* client frames being read */
     MEM_REPLIES, /* replies queued to clients */
     MEM_PLANS,   /* transfer plans and their uploads */
     MEM_STAGING, /* staging slots between daemons (at start) */
+    MEM_AUX,     /* aux payloads kept with offers and fetches */
     MEM_KINDS
 } kvxd_mem_t;
 /* 0, or KVX_ERR_LIMIT (nothing charged). */

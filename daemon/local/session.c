@@ -839,6 +839,10 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
         goto fail;
     if ((rc = ready_for(s, KVX_ROLE_CONTEXT, "publish", why, sizeof(why))))
         goto fail;
+    if (m->aux.len > kvxd.conf.aux_bytes)
+        FAIL(KVX_ERR_LIMIT,
+             "publish.aux: %zu bytes, more than limits.aux_bytes (%u)",
+             m->aux.len, kvxd.conf.aux_bytes);
     pool_t *p = own_pool(s, m->pool_id);
     if (!p)
         FAIL(KVX_ERR_NOT_FOUND,
@@ -850,8 +854,9 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
     uint8_t *params;
     size_t plen;
     if ((rc = xfer_publish(s->inst, s->rank, &key, p, m->blocks,
-                           (uint32_t)m->n_blocks, m->num_tokens, &params, &plen,
-                           why, sizeof(why))))
+                           (uint32_t)m->n_blocks, m->num_tokens, m->aux.data,
+                           (uint32_t)m->aux.len, &params, &plen, why,
+                           sizeof(why))))
         goto fail;
     Kvxfer__PublishReply pr = KVXFER__PUBLISH_REPLY__INIT;
     pr.context_params.data = params;

@@ -184,6 +184,7 @@ typedef struct sstream {
     uint32_t nahead;
     int ahead_off;               /* a PULL asked for something else */
     uint32_t queued;             /* its PULLs waiting for a send slot */
+    int aux_sent;                /* the offer's aux went with an OPENED */
     list_t node;                 /* on its offer's streams until it ends */
 } sstream_t;
 
@@ -832,11 +833,38 @@ static void pull_schedule(void)
     }
 }
 
+/* D: the offer's aux came with an OPENED of r: kept for its request's
+ * COMPLETE. 0, or 1 when the request failed instead (r may be gone). */
+static int opened_aux(peer_conn_t *c, rstream_t *r, const Kvxfer__PeerOpened *o)
+{
+    char why[256];
+    int rc = 0;
+    if (o->aux.len > kvxd.conf.aux_bytes) {
+        snprintf(why, sizeof(why),
+                 "an aux payload of %zu bytes from daemon %s is more than "
+                 "limits.aux_bytes (%u) here",
+                 o->aux.len, peer_conn_address(c), kvxd.conf.aux_bytes);
+        log_warn("%s", why);
+        rc = KVX_ERR_LIMIT;
+    } else if (o->aux.len) {
+        rc = xfer_part_set_aux(r->part, o->aux.data, (uint32_t)o->aux.len, why,
+                               sizeof(why));
+    }
+    if (rc)
+        xfer_part_fail(r->part, rc, why);
+    return rc != 0;
+}
+
 static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
 {
     rstream_t *r = map_get(&rstreams, o->stream);
-    if (!r || r->conn != peer_conn_id(c) || r->opened)
+    if (!r || r->conn != peer_conn_id(c))
         return;
+    if (r->opened) { /* again, with the aux of a publish after the OPEN */
+        if (r->source == o->source && r->part && !r->ended)
+            opened_aux(c, r, o);
+        return;
+    }
     r->opened = 1;
     r->source = o->source;
     if (!r->part) { /* an orphan: its request is gone */
@@ -851,6 +879,8 @@ static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
                  "request ended");
         return;
     }
+    if (opened_aux(c, r, o))
+        return;
     rq_push(r);
     pull_schedule();
 }
@@ -1132,6 +1162,25 @@ static int offer_waits_for(const offer_t *o, const char *addr)
     return 0;
 }
 
+/* S: OPENED for stream s, with the offer's aux when it has one; sent
+ * again, with it, when a publish brings it later (before that publish's
+ * data is gathered: remote_offer_published()). */
+static void opened_send(peer_conn_t *c, sstream_t *s, const offer_t *o)
+{
+    uint32_t alen;
+    const uint8_t *aux = xfer_offer_aux(o, &alen);
+    Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerOpened op = KVXFER__PEER_OPENED__INIT;
+    op.stream = s->dst_id;
+    op.source = s->id;
+    op.aux.data = (uint8_t *)aux;
+    op.aux.len = alen;
+    s->aux_sent = alen > 0;
+    r.m_case = KVXFER__PEER_MSG__M_OPENED;
+    r.opened = &op;
+    peer_send(c, &r);
+}
+
 static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 {
     if (!m->key.len || m->key.len > KVX_MAX_KEY ||
@@ -1283,13 +1332,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     ro->streams_opened++;
     assert(ro->streams_opened <= ro->streams_expect);
     list_push(ro->streams.next, &s->node); /* first: newest first */
-    Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
-    Kvxfer__PeerOpened op = KVXFER__PEER_OPENED__INIT;
-    op.stream = s->dst_id;
-    op.source = s->id;
-    r.m_case = KVXFER__PEER_MSG__M_OPENED;
-    r.opened = &op;
-    peer_send(c, &r);
+    opened_send(c, s, o);
 }
 
 
@@ -1640,6 +1683,16 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
 
 void remote_offer_published(offer_t *o)
 {
+    uint32_t alen;
+    xfer_offer_aux(o, &alen);
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &RO(o)->streams)
+    {
+        sstream_t *s = LIST_OWNER(n, sstream_t, node);
+        peer_conn_t *c = alen && !s->aux_sent ? conn_live(s->conn) : NULL;
+        if (c) /* the aux came after the OPEN */
+            opened_send(c, s, o);
+    }
     if (!list_empty(&done_notes) && done_notes_apply(o))
         return; /* o may have ended: not used below */
     if (!list_empty(&RO(o)->streams))

@@ -32,8 +32,10 @@ int batch_init(batch_state_t *bs, uint32_t nranks, batch_deliver_cb cb,
 
 static void events_free(batch_event_t *ev, uint32_t n)
 {
-    for (uint32_t i = 0; i < n; i++)
+    for (uint32_t i = 0; i < n; i++) {
         free(ev[i].message);
+        free(ev[i].aux);
+    }
     free(ev);
 }
 
@@ -201,7 +203,8 @@ int batch_rank_here(const batch_state_t *bs, uint32_t rank)
 }
 
 int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
-               int kind, int code, const char *message, uint64_t now_ms)
+               int kind, int code, const char *message, const uint8_t *aux,
+               uint32_t aux_len, uint64_t now_ms)
 {
     if (bs->npending == bs->cap_pending) {
         uint32_t ncap = bs->cap_pending ? bs->cap_pending * 2 : 16;
@@ -215,6 +218,16 @@ int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
     e->message = strdup(message ? message : "");
     if (!e->message)
         return KVX_ERR_NOMEM;
+    e->aux = NULL;
+    e->aux_len = 0;
+    if (aux && aux_len) {
+        if (!(e->aux = malloc(aux_len))) {
+            free(e->message);
+            return KVX_ERR_NOMEM;
+        }
+        memcpy(e->aux, aux, aux_len);
+        e->aux_len = aux_len;
+    }
     e->request_id = request_id;
     e->key = *key;
     e->kind = kind;

@@ -31,6 +31,8 @@ typedef struct batch_event {
     int kind;        /* KVX_EVENT_* */
     int code;        /* kvx_status_t */
     char *message;
+    uint8_t *aux; /* COMPLETE of a fetch: its aux payload (NULL: none) */
+    uint32_t aux_len;
 } batch_event_t;
 
 typedef struct batch {
@@ -100,9 +102,10 @@ uint64_t batch_rank_resume(batch_state_t *bs, uint32_t rank, uint64_t resume);
 /* Present and not away. */
 int batch_rank_here(const batch_state_t *bs, uint32_t rank);
 
-/* Queue a terminal event (message copied). */
+/* Queue a terminal event (message and aux_len bytes of aux copied). */
 int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
-               int kind, int code, const char *message, uint64_t now_ms);
+               int kind, int code, const char *message, const uint8_t *aux,
+               uint32_t aux_len, uint64_t now_ms);
 
 /* Rank asks for its next batch. Delivers now or waits; returns
  * KVX_ERR_BUSY if this rank already has a poll waiting. */

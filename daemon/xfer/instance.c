@@ -57,6 +57,8 @@ int instance_batch_events(const batch_t *b, Kvxfer__Event **ev,
         (*ev)[i].kind = b->events[i].kind;
         (*ev)[i].code = b->events[i].code;
         (*ev)[i].message = b->events[i].message;
+        (*ev)[i].aux.data = b->events[i].aux;
+        (*ev)[i].aux.len = b->events[i].aux_len;
         (*evp)[i] = &(*ev)[i];
     }
     return 0;

@@ -118,6 +118,8 @@ struct offer {
     char end_msg[256];
     list_t waiters;     /* waiter_t: cancels answered at the end */
     int consume_fenced; /* complete, consumed once gathers are 0 */
+    uint8_t *aux;       /* the first non-empty aux published (MEM_AUX) */
+    uint32_t aux_len;
     int taken;          /* streams from peer daemons read it */
     uint32_t gathers;   /* gathers in flight: the fence */
     /* peer daemons reading this offer: remote.c's (struct roffer), never
@@ -167,6 +169,9 @@ struct genreq {
     uint8_t token[TOKEN_LEN];
     char **src_addresses; /* remote: daemon of each context rank */
     uint32_t src_nranks;
+    uint8_t *aux; /* remote: the first non-empty aux a source daemon sent
+                     (MEM_AUX); a local offer's is read at the end */
+    uint32_t aux_len;
 };
 
 #define DL_NODE(n) LIST_OWNER(n, dl_node_t, node)
@@ -314,23 +319,61 @@ static int waiter_add(list_t *ws, cancel_wait_t *cw)
 
 /* ranks: the ranks of inst this request covers here; expect: all it
  * needs (they differ for an instance spread over daemons, whose root
- * merges the reports: agree.c). */
-static void push_event(instance_t *inst, uint64_t request_id,
-                       const reqkey_t *key, int kind, int code, const char *msg,
-                       int offer, uint32_t ranks, uint32_t expect)
+ * merges the reports: agree.c). aux: a fetch's COMPLETE only. */
+static void push_event_aux(instance_t *inst, uint64_t request_id,
+                           const reqkey_t *key, int kind, int code,
+                           const char *msg, int offer, uint32_t ranks,
+                           uint32_t expect, const uint8_t *aux,
+                           uint32_t aux_len)
 {
     if (code)
         kvxd_count_error(code);
     if (instance_spread(inst) && spread_event) {
         spread_event(inst, request_id, key, offer, kind, code, msg, ranks,
-                     expect);
+                     expect, aux, aux_len);
         return;
     }
-    if (batch_push(&inst->batches, request_id, key, kind, code, msg,
-                   kvxd_now_ms()))
+    if (batch_push(&inst->batches, request_id, key, kind, code, msg, aux,
+                   aux_len, kvxd_now_ms()))
         log_error("instance %s: out of memory queueing the event of request "
                   "%s",
                   inst->id, ks(key));
+}
+
+static void push_event(instance_t *inst, uint64_t request_id,
+                       const reqkey_t *key, int kind, int code, const char *msg,
+                       int offer, uint32_t ranks, uint32_t expect)
+{
+    push_event_aux(inst, request_id, key, kind, code, msg, offer, ranks, expect,
+                   NULL, 0);
+}
+
+/* An aux payload's copy, charged to the memory budget (MEM_AUX): 0, or
+ * KVX_ERR_LIMIT / KVX_ERR_NOMEM with why (nothing kept). */
+static int aux_keep(const uint8_t *aux, uint32_t len, uint8_t **out,
+                    const char *what, char *why, size_t why_len)
+{
+    if (kvxd_mem_charge(MEM_AUX, len))
+        WHY(KVX_ERR_LIMIT,
+            "%s: an aux of %u bytes would pass the daemon's memory budget "
+            "(limits.memory_bytes %llu, %llu in use)",
+            what, len, (unsigned long long)kvxd.conf.memory_bytes,
+            (unsigned long long)kvxd_mem_used(MEM_KINDS));
+    if (!(*out = malloc(len))) {
+        kvxd_mem_release(MEM_AUX, len);
+        WHY(KVX_ERR_NOMEM, "%s: out of memory", what);
+    }
+    memcpy(*out, aux, len);
+    return 0;
+}
+
+static void aux_drop(uint8_t **aux, uint32_t *len)
+{
+    if (*aux)
+        kvxd_mem_release(MEM_AUX, *len);
+    free(*aux);
+    *aux = NULL;
+    *len = 0;
 }
 
 /* Capability tokens: kernel randomness, fetched 4 KiB at a time so a busy
@@ -472,6 +515,7 @@ static void offer_free(offer_t *o)
         R.offer_free(o->remote);
         o->remote = NULL;
     }
+    aux_drop(&o->aux, &o->aux_len);
     free(o->parts);
     free(o->params);
     free(o);
@@ -592,8 +636,9 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
 
 int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, uint8_t **params, size_t *params_len,
-                 char *why, size_t why_len)
+                 uint32_t num_tokens, const uint8_t *aux, uint32_t aux_len,
+                 uint8_t **params, size_t *params_len, char *why,
+                 size_t why_len)
 {
     int rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
@@ -616,6 +661,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "publish.key: %s has the id of request %s in flight (a "
             "64-bit collision; use another key)",
             ks(key), ks(&o->key));
+    int created = !o;
     if (!o) {
         if ((rc = offer_create(inst, request_id, key, num_tokens, l, &o, why,
                                why_len)))
@@ -642,6 +688,24 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                 "publish.pool_id: layout (preset, tokens_per_block, head_dim, "
                 "dtype, elem_size or kv_factor) differs from another rank's");
     }
+    /* the first non-empty aux is the request's; another rank's must be
+     * the same bytes (or none) */
+    if (aux_len && o->aux_len &&
+        (aux_len != o->aux_len || memcmp(aux, o->aux, aux_len)))
+        WHY(KVX_ERR_MISMATCH,
+            "publish.aux: %u bytes differ from the %u bytes of aux another "
+            "rank published for request %s",
+            aux_len, o->aux_len, ks(key));
+    if (aux_len && !o->aux_len &&
+        (rc = aux_keep(aux, aux_len, &o->aux, "publish.aux", why, why_len))) {
+        if (created) { /* nothing kept: the offer goes as it came */
+            nrequests--;
+            offer_drop(o);
+        }
+        return rc;
+    }
+    if (aux_len && !o->aux_len)
+        o->aux_len = aux_len;
     offer_part_t *part = &o->parts[rank];
     if (o->consumed) {
         /* the consumer needed other ranks only (replicated heads) and is
@@ -712,6 +776,7 @@ static void genreq_free(genreq_t *g)
         for (uint32_t i = 0; i < g->src_nranks; i++)
             free(g->src_addresses[i]);
     free(g->src_addresses);
+    aux_drop(&g->aux, &g->aux_len);
     free(g->parts);
     free(g);
 }
@@ -1404,10 +1469,21 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
 
     instance_t *inst = g->inst;
     offer_t *o = g->offer;
-    push_event(inst, g->request_id, &g->key, g->end_kind, g->end_code,
-               g->end_msg, 0, g->need,
-               inst->nranks /
-                   (inst->side.attention_dp > 1 ? inst->side.attention_dp : 1));
+    /* COMPLETE carries the aux the offer has now (a local one: what its
+     * ranks published so far) or a source daemon sent */
+    int done = g->end_kind == KVX_EVENT_COMPLETE;
+    const offer_t *ao = o && o->aux_len ? o : NULL;
+    push_event_aux(inst, g->request_id, &g->key, g->end_kind, g->end_code,
+                   g->end_msg, 0, g->need,
+                   inst->nranks / (inst->side.attention_dp > 1
+                                       ? inst->side.attention_dp
+                                       : 1),
+                   !done ? NULL
+                   : ao  ? ao->aux
+                         : g->aux,
+                   !done ? 0
+                   : ao  ? ao->aux_len
+                         : g->aux_len);
     if (g->end_kind == KVX_EVENT_COMPLETE)
         kvxd.stats.transfers_done++;
     map_del(&inst->fetches, g->request_id);
@@ -1468,6 +1544,12 @@ const uint8_t *xfer_offer_token(const offer_t *o)
 const plan_side_t *xfer_offer_side(const offer_t *o)
 {
     return &o->side;
+}
+
+const uint8_t *xfer_offer_aux(const offer_t *o, uint32_t *len)
+{
+    *len = o->aux_len;
+    return o->aux;
 }
 
 const uint8_t *xfer_offer_params(const offer_t *o, size_t *len)
@@ -1683,6 +1765,19 @@ void xfer_part_set_remote(genpart_t *p, struct rpart *rp)
 int xfer_part_end_code(const genpart_t *p)
 {
     return p->req->end_code;
+}
+
+int xfer_part_set_aux(genpart_t *p, const uint8_t *aux, uint32_t len, char *why,
+                      size_t why_len)
+{
+    genreq_t *g = p->req;
+    if (!len || g->aux_len)
+        return 0; /* the first non-empty one is the request's */
+    int rc =
+        aux_keep(aux, len, &g->aux, "aux from a source daemon", why, why_len);
+    if (!rc)
+        g->aux_len = len;
+    return rc;
 }
 
 void xfer_part_fail(genpart_t *p, int code, const char *msg)

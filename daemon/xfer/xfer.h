@@ -25,12 +25,16 @@
  * requests by it. */
 uint64_t xfer_key_id(const uint8_t *b, size_t len);
 
-/* Offer blocks of pool for request key from rank. On success *params is
- * a malloc'd copy of the packed ContextParams (the caller frees it). */
+/* Offer blocks of pool for request key from rank, with aux_len bytes of
+ * aux (0: none; the caller checked limits.aux_bytes): the request keeps
+ * the first non-empty aux, and refuses another rank's that differs
+ * (KVX_ERR_MISMATCH). On success *params is a malloc'd copy of the
+ * packed ContextParams (the caller frees it). */
 int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, uint8_t **params, size_t *params_len,
-                 char *why, size_t why_len);
+                 uint32_t num_tokens, const uint8_t *aux, uint32_t aux_len,
+                 uint8_t **params, size_t *params_len, char *why,
+                 size_t why_len);
 
 /* The instance's scheduler reserves the offer of key for num_tokens,
  * with layout l (a local rank's pool's: the params' layout summary); the
@@ -82,11 +86,13 @@ int xfer_release(const char *instance_id, const reqkey_t *key,
 /* A request ended for ranks of an instance spread over daemons: its
  * root merges the reports (the agreement layer registers this; without
  * it every instance is treated as local). ranks: the ranks this request
- * covers here; expect: all it needs. */
+ * covers here; expect: all it needs; aux (aux_len bytes, NULL/0: none):
+ * a fetch's COMPLETE, its aux payload. */
 typedef void (*xfer_spread_event_cb)(instance_t *inst, uint64_t request_id,
                                      const reqkey_t *key, int offer, int kind,
                                      int code, const char *msg, uint32_t ranks,
-                                     uint32_t expect);
+                                     uint32_t expect, const uint8_t *aux,
+                                     uint32_t aux_len);
 void xfer_set_spread_event(xfer_spread_event_cb cb);
 
 /* End every request of inst with ERROR code. */

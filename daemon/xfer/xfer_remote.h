@@ -51,6 +51,9 @@ const reqkey_t *xfer_offer_key(const offer_t *o);
 const uint8_t *xfer_offer_token(const offer_t *o);
 /* Its side: the context instance's config and layout summary. */
 const plan_side_t *xfer_offer_side(const offer_t *o);
+/* Its aux payload (*len bytes; NULL, 0: none yet): the first non-empty
+ * one a rank published. */
+const uint8_t *xfer_offer_aux(const offer_t *o, uint32_t *len);
 /* Its packed ContextParams (*len bytes), as publish returned them. */
 const uint8_t *xfer_offer_params(const offer_t *o, size_t *len);
 /* Ending (its fence may still be pending); consumed (complete before
@@ -127,6 +130,12 @@ struct rpart *xfer_part_remote(const genpart_t *p);
 void xfer_part_set_remote(genpart_t *p, struct rpart *rp);
 /* The code p's request ends with (0 while it runs, or complete). */
 int xfer_part_end_code(const genpart_t *p);
+/* A source daemon sent the offer's aux (len bytes, at most
+ * limits.aux_bytes: the caller checked): p's request keeps the first
+ * non-empty one for its COMPLETE event. 0, or KVX_ERR_LIMIT (the memory
+ * budget) / KVX_ERR_NOMEM with why. */
+int xfer_part_set_aux(genpart_t *p, const uint8_t *aux, uint32_t len, char *why,
+                      size_t why_len);
 
 /* End p's request with an ERROR event (fence first; see xfer.c). */
 void xfer_part_fail(genpart_t *p, int code, const char *msg);

@@ -389,12 +389,31 @@ KVX_EXPORT int kvx_params_info(const void *params, size_t params_len,
 /* Offer the KV of request key (key_len bytes) in blocks[0..num_blocks)
  * of pool_id. Every context rank publishes its own blocks under the same
  * key and num_tokens. On success *params (free with
- * kvx_context_params_free) is identical on every rank. aux (at most
- * limits.aux_bytes, 0: none) must be NULL/0 until aux payloads are
- * built: KVX_ERR_UNSUPPORTED. Errors name the field: KVX_ERR_INVALID (an
- * empty or over-long key, blocks that cannot hold num_tokens), KVX_ERR_EXISTS
- * (this rank published key already), KVX_ERR_MISMATCH (num_tokens or the
- * layout differ from another rank's). */
+ * kvx_context_params_free) is identical on every rank.
+ *
+ * aux (aux_len bytes, at most the daemon's limits.aux_bytes, 64 KiB by
+ * default; NULL/0: none) is an opaque payload (SGLang's first output
+ * token and logprobs) delivered with the KV: the generation side's
+ * COMPLETE event of the request carries it (kvx_event_t.aux), on every
+ * generation rank. Any context rank may pass it; the request keeps the
+ * first non-empty one, and another rank's must be the same bytes or
+ * empty (else KVX_ERR_MISMATCH). The event carries the aux that had
+ * reached the offer when the generation side's transfer completed: a
+ * fetch that needs only some context ranks (replicated KV heads, MLA)
+ * may complete before the others publish, so pass the same aux on every
+ * rank (or at least on each rank that publishes before its data is
+ * needed). With context ranks on several daemons, each daemon holds what
+ * its ranks published, and the event carries the first non-empty aux a
+ * source daemon sent. Error, cancel and timeout events, and the context
+ * side's events, carry none. aux_len over limits.aux_bytes:
+ * KVX_ERR_LIMIT naming it, and nothing is kept.
+ *
+ * Errors name the field: KVX_ERR_INVALID (an empty or over-long key,
+ * blocks that cannot hold num_tokens, aux NULL with aux_len > 0),
+ * KVX_ERR_EXISTS (this rank published key already), KVX_ERR_MISMATCH
+ * (num_tokens, the layout or the aux differ from another rank's),
+ * KVX_ERR_LIMIT (aux over limits.aux_bytes, or over the daemon's memory
+ * budget). */
 KVX_EXPORT int kvx_publish_key(kvx_client_t *client, const void *key,
                                size_t key_len, uint32_t pool_id,
                                const uint32_t *blocks, uint32_t num_blocks,
@@ -488,8 +507,8 @@ typedef struct {
                              the batch */
     uint32_t key_len;
     const uint8_t *aux; /* generation side, COMPLETE: the aux payload
-                           published with the KV (NULL/0: none); owned
-                           by the batch */
+                           published with the KV (NULL/0: none; see
+                           kvx_publish_key); owned by the batch */
     uint32_t aux_len;
 } kvx_event_t;
 

@@ -90,6 +90,9 @@ class Event:
 
     ``code`` is the kvx_status_t (0 for COMPLETE); ``message`` the daemon's
     reason. ``error`` gives the matching exception (None when complete).
+    ``aux``: on the generation side's COMPLETE, the aux payload the
+    context side published with the KV (``b""``: none; other events never
+    carry one).
     """
 
     kind: Union[EventKind, int]  # an int: a kind newer than this package
@@ -97,6 +100,7 @@ class Event:
     code: int = 0
     message: str = ""
     key: bytes = b""  # the request's key (this side's)
+    aux: bytes = b""  # generation side, COMPLETE: the published aux
 
     @property
     def ok(self) -> bool:
@@ -535,19 +539,30 @@ class Client:
     # -- requests ---------------------------------------------------------
 
     def publish(self, key: Key, pool: PoolRef, blocks: Blocks,
-                num_tokens: int, timeout: Timeout = _DEFAULT) -> bytes:
+                num_tokens: int, timeout: Timeout = _DEFAULT, *,
+                aux: Optional[bytes] = None) -> bytes:
         """Offer the KV of request ``key`` in ``blocks`` of ``pool``
         (kvx_publish_key). ``key``: bytes, a str (its UTF-8) or an int
         (its decimal digits, as kvx_publish makes it), 1 to 128 bytes.
+
+        ``aux``: opaque bytes (first output token, logprobs), at most the
+        daemon's ``limits.aux_bytes`` (64 KiB by default; more raises
+        :class:`LimitReached`), that the generation side's COMPLETE event
+        carries as :attr:`Event.aux`. Any rank may pass it; the first
+        non-empty one is kept and another rank's must be equal or empty
+        (else :class:`ConfigMismatch`). Pass the same aux on every rank:
+        a fetch that reads only some ranks may complete before the others
+        publish.
 
         Returns the context params: opaque bytes, identical on every rank,
         for the router to hand to the generation side.
         """
         k = key_bytes(key)
+        a = bytes(aux) if aux else None
         ptr, n, keep = _u32(blocks)
         params = _lib.ContextParams()
         self._call("kvx_publish_key", k, len(k), _pool_id(pool), ptr, n,
-                   num_tokens, None, 0, ctypes.byref(params),
+                   num_tokens, a, len(a) if a else 0, ctypes.byref(params),
                    self._ms(timeout))
         del keep
         try:
@@ -590,7 +605,9 @@ class Client:
                       code=int(e.code),
                       message=(e.message or b"").decode(errors="replace"),
                       key=ctypes.string_at(e.key, e.key_len)
-                      if e.key_len else b"")
+                      if e.key_len else b"",
+                      aux=ctypes.string_at(e.aux, e.aux_len)
+                      if e.aux_len else b"")
                 for e in b.events[: b.num_events])
             return Batch(seq=int(b.seq), events=events)
         finally:

@@ -427,3 +427,30 @@ def test_scheduler_reserves_then_decode_fetches_by_key(daemon, pair, names):
     gen.cancel("d-2")
     ev = wait_event(gen, "d-2")
     assert ev.kind is EventKind.CANCELLED
+
+
+def test_aux_payload_reaches_the_generation_complete(pair, names):
+    """publish(aux=) bytes (zeros included) come back as Event.aux on the
+    generation side's COMPLETE only; over limits.aux_bytes (64 KiB by
+    default) raises LimitReached naming it, and nothing is kept."""
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    fill(src.array, 5)
+    ck, gk = f"aux-{names['req']}", f"g-aux-{names['req']}"
+    aux = bytes(range(256)) * 256  # 64 KiB, exactly the limit
+    with pytest.raises(kvxfer.LimitReached, match="limits.aux_bytes"):
+        ctx.publish(ck, src, [1, 4], num_tokens=2 * TPB, aux=aux + b"!")
+    params = ctx.publish(ck, src, [1, 4], num_tokens=2 * TPB, aux=aux)
+    gen.fetch(gk, params, dst, [6, 2])
+    ev = wait_event(gen, gk)
+    assert ev.ok and ev.aux == aux
+    ev = wait_event(ctx, ck)
+    assert ev.ok and ev.aux == b""
+    # without aux, and a cancelled fetch: no aux either
+    params = ctx.publish(ck + "-2", src, [1], num_tokens=TPB)
+    gen.fetch(gk + "-2", params, dst, [3])
+    assert wait_event(gen, gk + "-2").aux == b""
+    params = ctx.publish(ck + "-3", src, [1], num_tokens=TPB, aux=b"x\0y")
+    ctx.cancel(ck + "-3")
+    assert wait_event(ctx, ck + "-3").aux == b""

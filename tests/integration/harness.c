@@ -870,7 +870,19 @@ typedef struct ev {
     char msg[200];
     uint8_t key[KVX_MAX_KEY];
     uint32_t key_len;
+    uint32_t aux_len; /* the event's aux payload: its length, */
+    uint64_t aux_sum; /* aux_sum() of its bytes (0 without), */
+    uint8_t aux[16];  /* and its first bytes */
 } ev_t;
+
+/* FNV-1a of n bytes: an event's aux compared without keeping it. */
+static uint64_t aux_sum(const void *p, size_t n)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ ((const uint8_t *)p)[i]) * 1099511628211ull;
+    return n ? h : 0;
+}
 
 static const char *kind_name(int k)
 {
@@ -916,6 +928,16 @@ static int collect(kvx_client_t *c, ev_t *out, int max, int want,
                          b->events[i].message);
                 out[n].key_len = b->events[i].key_len;
                 memcpy(out[n].key, b->events[i].key, b->events[i].key_len);
+                const kvx_event_t *e = &b->events[i];
+                CHECK((e->aux == NULL) == (e->aux_len == 0));
+                out[n].aux_len = e->aux_len;
+                out[n].aux_sum = aux_sum(e->aux, e->aux_len);
+                memset(out[n].aux, 0, sizeof(out[n].aux));
+                if (e->aux_len)
+                    memcpy(out[n].aux, e->aux,
+                           e->aux_len < sizeof(out[n].aux)
+                               ? e->aux_len
+                               : sizeof(out[n].aux));
             }
         kvx_batch_free(b);
     }

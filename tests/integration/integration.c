@@ -69,6 +69,7 @@
 #include "t_ops.c"
 #include "t_hostile.c"
 #include "t_keys.c"
+#include "t_aux.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */
 #include "peer_harness.c"

@@ -119,8 +119,8 @@ TEST(keys_binary_longest_and_refused)
     CHECK_FAILS(kvx_cancel_key(c.c, NULL, 3, T_MS), c.c, KVX_ERR_INVALID,
                 "(NULL)");
     CHECK_FAILS(
-        kvx_publish_key(c.c, "a", 1, c.pool, cb, 2, 8, "x", 1, &p, T_MS), c.c,
-        KVX_ERR_UNSUPPORTED, "aux");
+        kvx_publish_key(c.c, "a", 1, c.pool, cb, 2, 8, NULL, 1, &p, T_MS), c.c,
+        KVX_ERR_INVALID, "aux is NULL");
     /* refused by the daemon: a raw Publish with 129 bytes, and none */
     int fd = raw_connect(d);
     raw_hello(fd, "kb-raw");

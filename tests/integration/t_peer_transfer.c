@@ -1001,3 +1001,91 @@ TEST_T(peer_fetch_by_key, 60)
     rank_close(&g);
     p_stop_both(a, b);
 }
+
+/* The aux payload across daemons (PeerOpened.aux): published before the
+ * fetch, 64 KiB of it (daemon A's limit, exactly) reach the generation
+ * rank on daemon B with its COMPLETE; published after the fetch opened
+ * its stream (a reserved offer), it is sent after the OPENED and still
+ * arrives; daemon B's own limits.aux_bytes bounds what it takes from a
+ * peer: more fails the request with LIMIT, naming the key. */
+TEST_T(peer_aux_across_daemons, 60)
+{
+    daemon_t *a, *b;
+    p_setup();
+    a = p_daemon(0, P_SECRET, NULL, NULL);
+    b = p_daemon(1, P_SECRET, NULL, "limits:\n  aux_bytes: 32KiB\n");
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pa-ctx", "pa-gen", &c, &g);
+    uint32_t cb[2] = {4, 5}, gb[2] = {1, 2};
+    size_t n = 32 * 1024;
+    uint8_t *aux = malloc(64 * 1024);
+    CHECK(aux != NULL);
+    for (size_t i = 0; i < 64 * 1024; i++)
+        aux[i] = (uint8_t)(mix64(i) >> 11);
+    kvx_context_params_t p;
+
+    /* published first: the aux comes with the OPENED */
+    fill_req(&c, 71, cb, 8);
+    CHECK_KVX(kvx_publish_key(c.c, "a1", 2, c.pool, cb, 2, 8, aux, n, &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "a1", 2, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    ev_t e = wait_key(g.c, "a1", 2, 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(e.aux_len, n);
+    CHECK_EQ(e.aux_sum, aux_sum(aux, n));
+    CHECK_EQ(p_check_req(&g, 71, gb, 8, 0), 0);
+    e = wait_key(c.c, "a1", 2, 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(e.aux_len, 0);
+    kvx_context_params_free(&p);
+
+    /* reserved, fetched, then published with the aux */
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(a->sock, T_MS, &sched), 0);
+    CHECK_KVX(kvx_reserve(sched, "pa-ctx", "a2", 2, 8, &p, T_MS), sched);
+    kvx_close(sched);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "a2", 2, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    ev_t none[4];
+    CHECK_EQ(collect(g.c, none, 4, 1, 300), 0); /* opened, waiting */
+    kvx_context_params_t pp;
+    fill_req(&c, 72, cb, 8);
+    CHECK_KVX(kvx_publish_key(c.c, "a2", 2, c.pool, cb, 2, 8, "late aux", 8,
+                              &pp, T_MS),
+              c.c);
+    kvx_context_params_free(&pp);
+    e = wait_key(g.c, "a2", 2, 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(e.aux_len, 8);
+    CHECK(!memcmp(e.aux, "late aux", 8));
+    CHECK_EQ(p_check_req(&g, 72, gb, 8, 0), 0);
+    wait_key(c.c, "a2", 2, 8000);
+    kvx_context_params_free(&p);
+
+    /* more than B takes: the fetch fails, nothing kept */
+    CHECK_KVX(kvx_publish_key(c.c, "a3", 2, c.pool, cb, 2, 8, aux, 64 * 1024,
+                              &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "a3", 2, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    e = wait_key(g.c, "a3", 2, 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(e.code, KVX_ERR_LIMIT);
+    CHECK_EQ(e.aux_len, 0);
+    CHECK_STR_CONTAINS(e.msg, "limits.aux_bytes");
+    e = wait_key(c.c, "a3", 2, 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_ERROR);
+    kvx_context_params_free(&p);
+    char *json = status_json(b);
+    CHECK_STR_CONTAINS(json, "\"aux\":0}");
+    free(json);
+    free(aux);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}

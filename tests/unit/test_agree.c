@@ -104,7 +104,8 @@ TEST(root_merges_reports_into_one_event)
     instance_t *inst = spread_instance("m1", 1);
     batch_state_t *bs = &inst->batches;
     /* the root's own rank's report: half of what the request needs */
-    agree_event(inst, KID(7), K(7), 1, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(7), K(7), 1, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
+                0);
     CHECK_EQ(bs->npending, 0);
     event_from(OTHER, "m1", 7, 1, KVX_EVENT_COMPLETE, 0, "");
     CHECK_EQ(bs->npending, 1);
@@ -115,8 +116,10 @@ TEST(root_merges_reports_into_one_event)
     event_from(OTHER, "m1", 7, 1, KVX_EVENT_COMPLETE, 0, "");
     CHECK_EQ(bs->npending, 1);
     /* offers and fetches of one id merge apart */
-    agree_event(inst, KID(8), K(8), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
-    agree_event(inst, KID(8), K(8), 1, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(8), K(8), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
+                0);
+    agree_event(inst, KID(8), K(8), 1, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
+                0);
     CHECK_EQ(bs->npending, 1);
 }
 
@@ -130,7 +133,8 @@ TEST(root_queues_the_first_error_at_once)
     CHECK_EQ(bs->pending[0].code, KVX_ERR_IO);
     CHECK_STR_CONTAINS(bs->pending[0].message, "copy failed");
     /* the root's own COMPLETE for it adds nothing */
-    agree_event(inst, KID(9), K(9), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(9), K(9), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
+                0);
     CHECK_EQ(bs->npending, 1);
 }
 
@@ -138,7 +142,7 @@ TEST(member_forwards_its_reports_to_the_root)
 {
     instance_t *inst = spread_instance("f1", 0);
     agree_event(inst, KID(21), K(21), 0, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
-                "cancelled", 1, 2);
+                "cancelled", 1, 2, NULL, 0);
     CHECK_EQ(inst->batches.npending, 0); /* the root seals, not we */
     const Kvxfer__PeerMsg *m = net_sent(KVXFER__PEER_MSG__M_EVENT, 0);
     CHECK(m);
@@ -164,7 +168,7 @@ TEST(root_answers_a_member_poll_with_its_sealed_batch)
     net_deliver(OTHER, &m);
     CHECK(!net_sent(KVXFER__PEER_MSG__M_BATCH, 0)); /* nothing to seal */
     agree_event(inst, KID(5), K(5), 0, KVX_EVENT_ERROR, KVX_ERR_TIMED_OUT,
-                "late", 1, 2);
+                "late", 1, 2, NULL, 0);
     const Kvxfer__PeerMsg *b = net_sent(KVXFER__PEER_MSG__M_BATCH, 0);
     CHECK(b);
     CHECK_EQ(b->batch->rank, 1);
@@ -182,7 +186,8 @@ TEST(lost_member_ranks_go_away_and_its_merges_fail)
 {
     instance_t *inst = spread_instance("l1", 1);
     batch_state_t *bs = &inst->batches;
-    agree_event(inst, KID(11), K(11), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(11), K(11), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
+                0);
     CHECK_EQ(bs->npending, 0); /* waits for the member's report */
     net_lose(OTHER, "link down");
     CHECK(bs->away[1]);
@@ -193,7 +198,8 @@ TEST(lost_member_ranks_go_away_and_its_merges_fail)
     CHECK_STR_CONTAINS(bs->pending[0].message,
                        "member daemon " OTHER ": link down");
     /* a new request that needs every rank ends at once: one is gone */
-    agree_event(inst, KID(12), K(12), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2);
+    agree_event(inst, KID(12), K(12), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
+                0);
     CHECK_EQ(bs->npending, 2);
     CHECK_EQ(bs->pending[1].code, KVX_ERR_PEER_GONE);
 }
@@ -228,4 +234,78 @@ TEST(member_poll_refused_when_the_root_is_unreachable)
              KVX_ERR_PEER_GONE);
     CHECK_STR_CONTAINS(why, "root daemon " OTHER " of instance u1 is "
                             "unreachable");
+}
+
+/* A member's report of request req with aux (len bytes). */
+static void event_aux_from(const char *addr, const char *inst, uint64_t req,
+                           const void *aux, size_t len)
+{
+    Kvxfer__PeerEvent e = KVXFER__PEER_EVENT__INIT;
+    e.instance_id = (char *)inst;
+    e.request_id = req;
+    e.key.data = (uint8_t *)K(req)->b;
+    e.key.len = K(req)->len;
+    e.kind = KVXFER__EVENT_KIND__EVENT_COMPLETE;
+    e.message = "";
+    e.ranks = 1;
+    e.expect = 2;
+    e.aux.data = (uint8_t *)aux;
+    e.aux.len = len;
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_EVENT;
+    m.event = &e;
+    net_deliver(addr, &m);
+}
+
+TEST(root_merges_the_first_aux_into_the_complete)
+{
+    instance_t *inst = spread_instance("a1", 1);
+    batch_state_t *bs = &inst->batches;
+    /* the root's own report has none, the member's has one */
+    agree_event(inst, KID(7), K(7), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
+                0);
+    event_aux_from(OTHER, "a1", 7, "first", 5);
+    CHECK_EQ(bs->npending, 1);
+    CHECK_EQ(bs->pending[0].kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(bs->pending[0].aux_len, 5);
+    CHECK(!memcmp(bs->pending[0].aux, "first", 5));
+    /* the other way round: the first non-empty one wins */
+    agree_event(inst, KID(8), K(8), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2,
+                (const uint8_t *)"mine", 4);
+    event_aux_from(OTHER, "a1", 8, "theirs", 6);
+    CHECK_EQ(bs->npending, 2);
+    CHECK_EQ(bs->pending[1].aux_len, 4);
+    CHECK(!memcmp(bs->pending[1].aux, "mine", 4));
+    /* an offer's event never carries one */
+    agree_event(inst, KID(9), K(9), 1, KVX_EVENT_COMPLETE, 0, "", 2, 2,
+                (const uint8_t *)"x", 1);
+    CHECK_EQ(bs->npending, 3);
+    CHECK_EQ(bs->pending[2].aux_len, 0);
+    CHECK(bs->pending[2].aux == NULL);
+}
+
+TEST(root_fails_a_report_whose_aux_is_over_its_limit)
+{
+    instance_t *inst = spread_instance("a2", 1);
+    batch_state_t *bs = &inst->batches;
+    kvxd.conf.aux_bytes = 8;
+    agree_event(inst, KID(7), K(7), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
+                0);
+    event_aux_from(OTHER, "a2", 7, "123456789", 9);
+    CHECK_EQ(bs->npending, 1);
+    CHECK_EQ(bs->pending[0].kind, KVX_EVENT_ERROR);
+    CHECK_EQ(bs->pending[0].code, KVX_ERR_LIMIT);
+    CHECK_EQ(bs->pending[0].aux_len, 0);
+    CHECK_STR_CONTAINS(bs->pending[0].message, "limits.aux_bytes");
+}
+
+TEST(member_forwards_the_aux_of_its_complete)
+{
+    instance_t *inst = spread_instance("a3", 0);
+    agree_event(inst, KID(21), K(21), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2,
+                (const uint8_t *)"aux!", 4);
+    const Kvxfer__PeerMsg *m = net_sent(KVXFER__PEER_MSG__M_EVENT, 0);
+    CHECK(m);
+    CHECK_EQ(m->event->aux.len, 4);
+    CHECK(!memcmp(m->event->aux.data, "aux!", 4));
 }

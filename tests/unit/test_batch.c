@@ -29,6 +29,8 @@ typedef struct rec_event {
     uint64_t request_id;
     int kind, code;
     char msg[32];
+    uint8_t aux[8];
+    uint32_t aux_len;
 } rec_event_t;
 
 typedef struct rec {
@@ -66,6 +68,11 @@ static int on_deliver(void *arg, uint32_t rank, uint64_t req_id,
         CHECK(b->events[i].message != NULL);
         snprintf(r->ev[i].msg, sizeof(r->ev[i].msg), "%s",
                  b->events[i].message);
+        CHECK(b->events[i].aux_len <= sizeof(r->ev[i].aux));
+        CHECK((b->events[i].aux == NULL) == (b->events[i].aux_len == 0));
+        r->ev[i].aux_len = b->events[i].aux_len;
+        if (b->events[i].aux_len)
+            memcpy(r->ev[i].aux, b->events[i].aux, b->events[i].aux_len);
     }
     return 0;
 }
@@ -96,7 +103,7 @@ static void push(batch_state_t *bs, uint64_t id, uint64_t now)
     char m[32];
     snprintf(m, sizeof(m), "ev%llu", (unsigned long long)id);
     CHECK_EQ(batch_push(bs, id, K(id), KVX_EVENT_COMPLETE + (int)(id % 4),
-                        -(int)(id % 5), m, now),
+                        -(int)(id % 5), m, NULL, 0, now),
              0);
 }
 
@@ -528,18 +535,30 @@ TEST(flush_seals_for_waiters)
     batch_cleanup(&bs);
 }
 
-TEST(messages_are_copied)
+TEST(messages_and_aux_are_copied)
 {
     batch_state_t bs;
     init(&bs, 1);
     char m[16] = "original";
-    CHECK_EQ(batch_push(&bs, 1, K(1), KVX_EVENT_ERROR, KVX_ERR_IO, m, 0), 0);
+    uint8_t aux[4] = {1, 2, 0, 4};
+    CHECK_EQ(
+        batch_push(&bs, 1, K(1), KVX_EVENT_ERROR, KVX_ERR_IO, m, NULL, 0, 0),
+        0);
     strcpy(m, "changed");
-    CHECK_EQ(batch_push(&bs, 2, K(2), KVX_EVENT_COMPLETE, 0, NULL, 0), 0);
-    CHECK_EQ(batch_poll(&bs, 0, 1, 2, 10, 0), 0);
+    CHECK_EQ(batch_push(&bs, 2, K(2), KVX_EVENT_COMPLETE, 0, NULL, aux,
+                        sizeof(aux), 0),
+             0);
+    aux[0] = 9;
+    /* a length without bytes, or bytes without a length: none */
+    CHECK_EQ(batch_push(&bs, 3, K(3), KVX_EVENT_COMPLETE, 0, "", aux, 0, 0), 0);
+    CHECK_EQ(batch_poll(&bs, 0, 1, 3, 10, 0), 0);
     CHECK_EQ(nrec, 1);
     CHECK(!strcmp(recs[0].ev[0].msg, "original"));
     CHECK(!strcmp(recs[0].ev[1].msg, "")); /* NULL becomes "" */
+    CHECK_EQ(recs[0].ev[0].aux_len, 0);
+    CHECK_EQ(recs[0].ev[1].aux_len, 4);
+    CHECK(!memcmp(recs[0].ev[1].aux, "\x01\x02\x00\x04", 4)); /* copied */
+    CHECK_EQ(recs[0].ev[2].aux_len, 0);
     CHECK_EQ(recs[0].ev[0].code, KVX_ERR_IO);
     CHECK_EQ(recs[0].ev[0].kind, KVX_EVENT_ERROR);
     batch_cleanup(&bs);

@@ -482,12 +482,12 @@ TEST(publish_checks_the_block_count)
     size_t plen = 0;
     char why[256] = "";
     /* 33 tokens of 16 per block need 3 blocks */
-    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 2, 33, &params, &plen,
-                          why, sizeof(why)),
+    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 2, 33, NULL, 0, &params,
+                          &plen, why, sizeof(why)),
              KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "need 3");
-    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 3, 33, &params, &plen,
-                          why, sizeof(why)),
+    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 3, 33, NULL, 0, &params,
+                          &plen, why, sizeof(why)),
              0);
     /* the params it returns decode */
     Kvxfer__ContextParams *cp = NULL;
@@ -511,8 +511,8 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
     uint8_t *params = NULL;
     size_t plen = 0;
     char why[256] = "";
-    int rc = xfer_publish(inst, 0, K(9), pool, blocks, 1, UINT32_MAX, &params,
-                          &plen, why, sizeof(why));
+    int rc = xfer_publish(inst, 0, K(9), pool, blocks, 1, UINT32_MAX, NULL, 0,
+                          &params, &plen, why, sizeof(why));
     if (rc == 0)
         free(params);
     CHECK_EQ(rc, KVX_ERR_INVALID);
@@ -520,4 +520,111 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
     free(pool->view[0].base); /* refused: nothing references the pool */
     free(pool->view);
     free(pool);
+}
+
+/* ---- the aux payload: the first non-empty one is the request's ---- */
+
+/* Context instance "ctx2" of tp 2 (one head a rank), both ranks here. */
+static instance_t *ctx2_instance(void)
+{
+    conf_defaults(&kvxd.conf);
+    plan_side_t s;
+    memset(&s, 0, sizeof(s));
+    s.tp = 2;
+    s.pp = s.cp = 1;
+    s.total_layers = 2;
+    s.total_heads = 2;
+    instance_t *inst = NULL;
+    char why[256];
+    for (uint32_t r = 0; r < 2; r++)
+        CHECK_EQ(instance_attach("ctx2", 0, KVX_ROLE_CONTEXT, r, &s, 1 + r,
+                                 &inst, why, sizeof(why)),
+                 0);
+    snprintf(kvxd.address, sizeof(kvxd.address), "unix:/tmp/kvx-test#1");
+    char *addrs[2] = {kvxd.address, kvxd.address};
+    CHECK_EQ(instance_join(inst, 0, addrs, 2, why, sizeof(why)), 0);
+    CHECK_EQ(instance_ready(inst, why, sizeof(why)), 0);
+    return inst;
+}
+
+static pool_t *host_pool_1head(void)
+{
+    pool_t *p = calloc(1, sizeof(*p));
+    CHECK(p);
+    CHECK_EQ(kvx_layout_preset("vllm-nhd", 2, 2, 1, 4, KVX_DTYPE_FP16, 16, 8,
+                               &p->layout),
+             0);
+    p->size = kvx_layout_span(&p->layout);
+    p->base = calloc(1, p->size);
+    p->id = 1;
+    p->users = 1;
+    return p;
+}
+
+TEST(publish_keeps_the_first_aux_and_refuses_another)
+{
+    instance_t *inst = ctx2_instance();
+    pool_t *pool = host_pool_1head();
+    uint32_t blocks[2] = {0, 1};
+    uint8_t *params = NULL;
+    size_t plen = 0;
+    char why[256] = "";
+    /* rank 0 without aux, rank 1 with: the offer takes rank 1's */
+    CHECK_EQ(xfer_publish(inst, 0, K(3), pool, blocks, 2, 20, NULL, 0, &params,
+                          &plen, why, sizeof(why)),
+             0);
+    free(params);
+    offer_t *o = map_get(&inst->offers, xfer_key_id(K(3)->b, K(3)->len));
+    CHECK(o && o->aux_len == 0 && o->aux == NULL);
+    CHECK_EQ(kvxd_mem_used(MEM_AUX), 0);
+    CHECK_EQ(xfer_publish(inst, 1, K(3), pool, blocks, 2, 20,
+                          (const uint8_t *)"tok", 3, &params, &plen, why,
+                          sizeof(why)),
+             0);
+    free(params);
+    CHECK_EQ(o->aux_len, 3);
+    CHECK(!memcmp(o->aux, "tok", 3));
+    CHECK_EQ(kvxd_mem_used(MEM_AUX), 3); /* charged to the budget */
+
+    /* another key: rank 0's aux first; rank 1's differs: refused, and
+     * nothing of rank 1 is kept (it may publish again) */
+    CHECK_EQ(xfer_publish(inst, 0, K(4), pool, blocks, 2, 20,
+                          (const uint8_t *)"abc", 3, &params, &plen, why,
+                          sizeof(why)),
+             0);
+    free(params);
+    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20,
+                          (const uint8_t *)"abd", 3, &params, &plen, why,
+                          sizeof(why)),
+             KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(why, "publish.aux");
+    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20,
+                          (const uint8_t *)"abcd", 4, &params, &plen, why,
+                          sizeof(why)),
+             KVX_ERR_MISMATCH);
+    o = map_get(&inst->offers, xfer_key_id(K(4)->b, K(4)->len));
+    CHECK(o && !o->parts[1].published && o->npublished == 1);
+    CHECK(o->aux_len == 3 && !memcmp(o->aux, "abc", 3));
+    /* the same bytes: fine */
+    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20,
+                          (const uint8_t *)"abc", 3, &params, &plen, why,
+                          sizeof(why)),
+             0);
+    free(params);
+    CHECK_EQ(kvxd_mem_used(MEM_AUX), 6);
+
+    /* a new offer whose aux passes the memory budget: refused with
+     * LIMIT, and no offer is left behind */
+    kvxd.conf.memory_bytes = kvxd_mem_used(MEM_KINDS) + 10;
+    CHECK_EQ(xfer_publish(inst, 0, K(5), pool, blocks, 2, 20,
+                          (const uint8_t *)"0123456789ab", 12, &params, &plen,
+                          why, sizeof(why)),
+             KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(why, "limits.memory_bytes");
+    CHECK(!map_get(&inst->offers, xfer_key_id(K(5)->b, K(5)->len)));
+    CHECK_EQ(kvxd_mem_used(MEM_AUX), 6);
+
+    /* ending the offers gives their aux back */
+    xfer_end_instance(inst, KVX_ERR_CANCELLED, "test");
+    CHECK_EQ(kvxd_mem_used(MEM_AUX), 0);
 }

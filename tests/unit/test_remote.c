@@ -148,8 +148,8 @@ static void start_transfer(void)
     char why[256];
     uint8_t *params;
     size_t plen;
-    CHECK_EQ(xfer_publish(ctx, 0, K(1), cpool, cblocks, 4, NTOK, &params, &plen,
-                          why, sizeof(why)),
+    CHECK_EQ(xfer_publish(ctx, 0, K(1), cpool, cblocks, 4, NTOK, NULL, 0,
+                          &params, &plen, why, sizeof(why)),
              0);
     Kvxfer__ContextParams *cp =
         kvxfer__context_params__unpack(NULL, plen, params);
