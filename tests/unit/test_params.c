@@ -555,7 +555,11 @@ static pool_t *host_pool_1head(void)
                                &p->layout),
              0);
     p->size = kvx_layout_span(&p->layout);
-    p->base = calloc(1, p->size);
+    p->nregions = 1;
+    p->view = calloc(1, sizeof(*p->view));
+    CHECK(p->view);
+    p->view[0] = (plan_region_t){calloc(1, p->size), p->size};
+    CHECK(p->view[0].base);
     p->id = 1;
     p->users = 1;
     return p;
