@@ -531,6 +531,7 @@ static int layout_to_msg(kvx_client_t *c, const kvx_layout_t *l,
     lay->block_stride = l->block_stride;
     lay->token_stride = l->token_stride;
     lay->head_stride = l->head_stride;
+    lay->first_head = l->first_head;
     if (!l->parts)
         return 0;
     /* what the daemon checks too; here so that the copy is bounded */

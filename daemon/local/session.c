@@ -419,6 +419,7 @@ static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
     l->block_stride = m->block_stride;
     l->token_stride = m->token_stride;
     l->head_stride = m->head_stride;
+    l->first_head = m->first_head;
     return 0;
 }
 

@@ -270,6 +270,14 @@ static int check_rank_layout(const instance_t *inst, uint32_t rank,
         WHY(KVX_ERR_LAYOUT,
             "%s.pool_id: layout has %u heads, rank %u holds %u", what,
             l->num_heads, rank, nh);
+    uint32_t fh;
+    plan_tp_heads(&s, tp, &fh);
+    if (l->first_head && l->first_head - 1 != fh)
+        WHY(KVX_ERR_LAYOUT,
+            "%s.pool_id: the pool holds heads from %u, but TP rank %u of %u "
+            "holds heads [%u, %u) of %u (kvxfer.h: which KV heads a TP "
+            "rank holds)",
+            what, l->first_head - 1, tp, s.tp, fh, fh + nh, s.total_heads);
     return 0;
 }
 

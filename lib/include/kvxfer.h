@@ -177,6 +177,13 @@ typedef struct {
     uint64_t layer_stride, kv_stride, block_stride, token_stride, head_stride;
     const kvx_layout_part_t *parts; /* NULL: one region, strides above */
     uint32_t num_parts;
+    /* Which of the model's KV heads the pool holds, said so the daemon
+     * can check it: 0, not said (the rule above kvx_parallel_t is
+     * assumed); else 1 + the model's index of the pool's first head. A
+     * pool that says another first head than the rule gives its rank is
+     * refused at publish and fetch (KVX_ERR_LAYOUT, naming both) rather
+     * than moving the wrong heads. */
+    uint32_t first_head;
 } kvx_layout_t;
 
 /*

@@ -56,6 +56,7 @@ class Layout(Structure):
         ("token_stride", c_uint64), ("head_stride", c_uint64),
         ("parts", POINTER(LayoutPart)),
         ("num_parts", c_uint32),
+        ("first_head", c_uint32),
     ]
 
 

@@ -174,6 +174,17 @@ class Layout:
         out = self._copy()
         return Layout(out._c, arr)
 
+    def with_first_head(self, head: Optional[int]) -> "Layout":
+        """This layout saying that its pool holds the model's KV heads
+        from ``head`` on (None: not said). The daemon refuses a pool whose
+        first head is not the one the TP rule gives its rank
+        (LayoutError), instead of moving the wrong heads."""
+        if head is not None and not 0 <= head < 0xFFFFFFFF:
+            raise InvalidArgument(-1, f"first_head: {head}")
+        out = self._copy()
+        out._c.first_head = 0 if head is None else head + 1
+        return out
+
     def with_layer_offsets(self, offsets: Iterable[int]) -> "Layout":
         """This layout with the layers at ``offsets`` (one per layer) in
         one region; a layer's V lies kv_stride after its K."""
@@ -218,6 +229,10 @@ class Layout:
     block_stride = property(lambda self: int(self._c.block_stride))
     token_stride = property(lambda self: int(self._c.token_stride))
     head_stride = property(lambda self: int(self._c.head_stride))
+    first_head = property(
+        lambda self: int(self._c.first_head) - 1 if self._c.first_head
+        else None,
+        doc="The model's first KV head the pool holds, if said.")
 
     @property
     def parts(self) -> Tuple[Tuple[int, int], ...]:

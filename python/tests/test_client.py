@@ -454,3 +454,16 @@ def test_aux_payload_reaches_the_generation_complete(pair, names):
     params = ctx.publish(ck + "-3", src, [1], num_tokens=TPB, aux=b"x\0y")
     ctx.cancel(ck + "-3")
     assert wait_event(ctx, ck + "-3").aux == b""
+
+
+def test_pool_that_says_another_first_head_is_refused(pair, names):
+    """A pool may say which of the model's KV heads it holds; one that
+    does not match the TP rule for its rank is refused at publish."""
+    ctx, gen = pair
+    lo = layout()
+    assert lo.first_head is None and lo.with_first_head(0).first_head == 0
+    wrong = ctx.create_host_pool(lo.with_first_head(1))
+    with pytest.raises(kvxfer.LayoutError, match="holds heads from 1"):
+        ctx.publish(names["req"], wrong, [0], num_tokens=1)
+    right = ctx.create_host_pool(lo.with_first_head(0))
+    assert ctx.publish(names["req"], right, [0], num_tokens=1)

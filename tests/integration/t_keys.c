@@ -416,3 +416,84 @@ TEST(fetch_by_key_consumers)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* A pool may say which of the model's KV heads it holds: a TP rank whose
+ * pool says another first head than the rule gives it is refused at
+ * publish (LAYOUT, naming both), so a pool laid out under another
+ * convention never moves the wrong heads; the right one, or none said,
+ * is accepted. With tp 8 over 4 heads (replicated), rank 5 holds head 2. */
+TEST(pool_says_its_heads)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs = {.inst = "fh-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_t c0, c1;
+    rank_hello_only(d, &M_SMALL, &cs, 0, &c0);
+    rank_hello_only(d, &M_SMALL, &cs, 1, &c1);
+    rank_join(&c0);
+    rank_join(&c1);
+    rank_layout(&c0, 8, &c0.lay);
+    rank_layout(&c1, 8, &c1.lay);
+    c0.lay.first_head = 1;     /* heads [0, 2): right */
+    c1.lay.first_head = 0 + 1; /* says [0, 2), but rank 1 holds [2, 4) */
+    c0.size = c1.size = kvx_layout_span(&c0.lay);
+    void *b0, *b1;
+    CHECK_KVX(kvx_pool_create_host(c0.c, &c0.lay, c0.size, &b0, &c0.pool, T_MS),
+              c0.c);
+    CHECK_KVX(kvx_pool_create_host(c1.c, &c1.lay, c1.size, &b1, &c1.pool, T_MS),
+              c1.c);
+    uint32_t cb[1] = {0};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c0.c, 5, c0.pool, cb, 1, 4, &p, T_MS), c0.c);
+    kvx_context_params_free(&p);
+    CHECK_FAILS(kvx_publish(c1.c, 5, c1.pool, cb, 1, 4, &p, T_MS), c1.c,
+                KVX_ERR_LAYOUT,
+                "the pool holds heads from 0, but TP rank 1 of 2 holds "
+                "heads [2, 4) of 4");
+    /* the right first head, and none said, are accepted */
+    c1.lay.first_head = 2 + 1;
+    uint32_t p1b;
+    CHECK_KVX(kvx_pool_create_host(c1.c, &c1.lay, c1.size, &b1, &p1b, T_MS),
+              c1.c);
+    CHECK_KVX(kvx_publish(c1.c, 5, p1b, cb, 1, 4, &p, T_MS), c1.c);
+    kvx_context_params_free(&p);
+    rank_close(&c0);
+    rank_close(&c1);
+
+    side_t r8 = cs;
+    r8.inst = "fh-rep";
+    r8.tp = 8;
+    rank_t rr[8];
+    for (uint32_t r = 0; r < 8; r++)
+        rank_hello_only(d, &M_SMALL, &r8, r, &rr[r]);
+    for (uint32_t r = 0; r < 8; r++)
+        rank_join(&rr[r]);
+    for (uint32_t r = 0; r < 8; r++) {
+        rank_layout(&rr[r], 8, &rr[r].lay);
+        rr[r].lay.first_head = r / 2 + 1; /* tp 8 over 4 heads */
+        rr[r].size = kvx_layout_span(&rr[r].lay);
+        CHECK_KVX(kvx_pool_create_host(rr[r].c, &rr[r].lay, rr[r].size, &b0,
+                                       &rr[r].pool, T_MS),
+                  rr[r].c);
+    }
+    rr[5].lay.first_head = 0 + 1; /* wrong for rank 5 */
+    uint32_t bad;
+    CHECK_KVX(
+        kvx_pool_create_host(rr[5].c, &rr[5].lay, rr[5].size, &b0, &bad, T_MS),
+        rr[5].c);
+    CHECK_FAILS(kvx_publish(rr[5].c, 6, bad, cb, 1, 4, &p, T_MS), rr[5].c,
+                KVX_ERR_LAYOUT, "TP rank 5 of 8 holds heads [2, 3) of 4");
+    for (uint32_t r = 0; r < 8; r++) {
+        CHECK_KVX(kvx_publish(rr[r].c, 6, rr[r].pool, cb, 1, 4, &p, T_MS),
+                  rr[r].c);
+        kvx_context_params_free(&p);
+    }
+    for (uint32_t r = 0; r < 8; r++)
+        rank_close(&rr[r]);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
