@@ -1,6 +1,7 @@
 """A real kvxferd: host-pool transfers, errors, status, events, cancel."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -204,6 +205,20 @@ def test_poll_batches_are_numbered_and_may_be_empty(pair):
     assert b1.seq == b0.seq + 1
     with pytest.raises(kvxfer.InvalidArgument):
         ctx.poll(1, -1)
+
+
+def test_poll_timeout_zero_is_now_and_none_waits(pair, names):
+    ctx, _ = pair
+    t0 = time.monotonic()
+    b0 = ctx.poll(1, 0)  # sealed now: no wait for events
+    assert len(b0) == 0 and time.monotonic() - t0 < 0.15
+    src = ctx.create_host_pool(layout())
+    req = names["req"]
+    ctx.publish(req, src, [0], num_tokens=TPB)
+    ctx.cancel(req)
+    b = ctx.poll(1, None)  # no deadline: the event is there
+    assert [e.kind for e in b] == [EventKind.CANCELLED]
+    assert b.seq == b0.seq + 1
 
 
 def test_cancel_ends_both_sides(pair, names):
