@@ -222,11 +222,18 @@ TEST_T(peer_spread_instance_batches, 60)
  * B), the generation rank on A fetching as soon as rank 0 has published:
  * the slice from rank 1 is asked for again until B's rank publishes, and
  * both daemons give the same params (the token is derived from the
- * cluster secret). A request rank 1 never publishes fails NOT_FOUND. */
+ * cluster secret). A request rank 1 never publishes ends at the fetch
+ * timeout. */
 TEST_T(peer_spread_context_late_publish, 60)
 {
-    daemon_t *a, *b;
-    p_two_daemons(&a, &b);
+    /* a short fetch timeout: the slice of a rank that never publishes
+     * is asked for again until it (protocol.md, "Fetches between
+     * daemons") */
+    p_setup();
+    daemon_t *a =
+        p_daemon(0, P_SECRET, NULL, "deadlines:\n  fetch_timeout_ms: 2000\n");
+    daemon_t *b =
+        p_daemon(1, P_SECRET, NULL, "deadlines:\n  fetch_timeout_ms: 2000\n");
     static side_t cs;
     p_side2(&cs, "sc-ctx", KVX_ROLE_CONTEXT);
     static side_t gs;
@@ -253,15 +260,16 @@ TEST_T(peer_spread_context_late_publish, 60)
     wait_event(c0.c, 77, KVX_EVENT_COMPLETE, 0, 5000);
     wait_event(c1.c, 77, KVX_EVENT_COMPLETE, 0, 5000);
 
-    /* rank 1 never publishes request 78: NOT_FOUND after the retries */
+    /* rank 1 never publishes request 78: its slice is asked for again
+     * until the fetch timeout ends the request */
     fill_req(&c0, 78, cb, ntok);
     kvx_context_params_t p2;
     CHECK_KVX(kvx_publish(c0.c, 78, c0.pool, cb, 3, ntok, &p2, T_MS), c0.c);
     int64_t t0 = now_ms();
     CHECK_KVX(kvx_fetch(g.c, 78, p2.data, p2.len, g.pool, gb, 3, 0, T_MS), g.c);
-    ev_t e = wait_event(g.c, 78, KVX_EVENT_ERROR, KVX_ERR_NOT_FOUND, 6000);
-    CHECK(now_ms() - t0 >= 1500);
-    CHECK_STR_CONTAINS(e.msg, "no offer");
+    ev_t e = wait_event(g.c, 78, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 6000);
+    CHECK(now_ms() - t0 >= 1900);
+    CHECK_STR_CONTAINS(e.msg, "fetch timeout of 2000 ms expired");
     kvx_context_params_free(&p0);
     kvx_context_params_free(&p1);
     kvx_context_params_free(&p2);
