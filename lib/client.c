@@ -1359,7 +1359,7 @@ int kvx_fetch_key(kvx_client_t *c, const void *key, size_t key_len,
     return call(c, &rq, -1, timeout_ms, NULL);
 }
 
-int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
+int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
              kvx_batch_t **out)
 {
     if (!c)
@@ -1370,17 +1370,26 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, uint32_t poll_timeout_ms,
                     __func__);
     Kvxfer__Poll m = KVXFER__POLL__INIT;
     m.at_least = at_least;
-    m.timeout_ms = poll_timeout_ms;
+    /* negative: no deadline of ours; the daemon cuts it to its own
+     * (deadlines.poll_timeout_max_ms), and an empty batch sealed there
+     * is read past below */
+    m.timeout_ms = timeout_ms < 0 ? UINT32_MAX : (uint32_t)timeout_ms;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_POLL;
     rq.poll = &m;
     Kvxfer__Reply *r;
-    /* the daemon answers at the poll timeout; allow for a busy loop */
-    /* the daemon cuts timeouts to its maximum (an hour at most) */
-    uint32_t t = poll_timeout_ms < 3600000u ? poll_timeout_ms : 3600000u;
-    int rc = call(c, &rq, -1, (int)t + 10000, &r);
-    if (rc)
-        return rc;
+    int rc;
+    for (;;) {
+        /* the daemon answers at the poll timeout; allow for a busy loop
+         * (it cuts timeouts to its maximum, an hour at most) */
+        int t = timeout_ms < 3600000 ? timeout_ms : 3600000;
+        if ((rc = call(c, &rq, -1, t < 0 ? -1 : t + 10000, &r)))
+            return rc;
+        if (timeout_ms >= 0 || at_least == 0 ||
+            r->body_case != KVXFER__REPLY__BODY_POLL || r->poll->n_events)
+            break;
+        kvxfer__reply__free_unpacked(r, NULL);
+    }
     if (r->body_case != KVXFER__REPLY__BODY_POLL) {
         kvxfer__reply__free_unpacked(r, NULL);
         return fail(c, KVX_ERR_PROTOCOL, "poll: reply without a batch");

@@ -140,6 +140,10 @@ typedef struct rstream {
     uint64_t units_done;
     uint32_t held;               /* slots PULLED or RECEIVING for it */
     rrq_entry_t turn;            /* waiting for a receive slot */
+    /* why it ended, for an END sent only once its OPENED comes: the
+     * source hears the request's own code, as when it was open */
+    int end_code;
+    char end_msg[160];
 } rstream_t;
 
 /* D: what this module keeps of a part pulled from peer daemons
@@ -730,6 +734,8 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
     if (r->ended)
         return;
     r->ended = 1;
+    r->end_code = code;
+    snprintf(r->end_msg, sizeof(r->end_msg), "%s", msg);
     rq_drop(r);
     peer_conn_t *c = r->opened ? conn_live(r->conn) : NULL;
     if (c)
@@ -867,16 +873,17 @@ static void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
     }
     r->opened = 1;
     r->source = o->source;
-    if (!r->part) { /* an orphan: its request is gone */
-        send_end(c, r->source, KVX_ERR_CANCELLED, "request ended");
+    if (!r->part) { /* an orphan: its request is gone; say why */
+        send_end(c, r->source, r->end_code ? r->end_code : KVX_ERR_STATE,
+                 r->end_code ? r->end_msg : "request ended");
         map_del(&rstreams, r->id);
         free(r);
         return;
     }
-    if (r->ended) { /* ended while opening: tell it */
-        int code = xfer_part_end_code(r->part);
-        send_end(c, r->source, code ? code : KVX_ERR_CANCELLED,
-                 "request ended");
+    if (r->ended) { /* ended while opening: tell it why */
+        int code = r->end_code ? r->end_code : xfer_part_end_code(r->part);
+        send_end(c, r->source, code ? code : KVX_ERR_STATE,
+                 r->end_code ? r->end_msg : "request ended");
         return;
     }
     if (opened_aux(c, r, o))
@@ -1197,6 +1204,15 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     const reqkey_t *ok = o ? xfer_offer_key(o) : NULL;
     if (ok && (ok->len != m->key.len || memcmp(ok->b, m->key.data, ok->len)))
         o = NULL; /* another key's, whose id collides: not this one */
+    if ((!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) &&
+        m->instance_id &&
+        xfer_offer_cancelled(m->instance_id, m->request_id, m->key.data,
+                             m->key.len)) {
+        /* as a fetch that came before the cancel hears it */
+        send_end_ex(c, m->stream, KVX_ERR_CANCELLED,
+                    "cancelled by the context side", 1);
+        return;
+    }
     if (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) {
         /* every rank of the instance is ours: its offers are all here,
          * so this one ended (or never was) and asking again cannot help;
@@ -1223,15 +1239,14 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                  peer_conn_address(c), inst->id, ks);
         open_refuse(c, m->stream, KVX_ERR_AUTH,
                     "capability token does not match the offer of request "
-                    "%llu",
-                    (unsigned long long)m->request_id);
+                    "%s",
+                    ks);
         return;
     }
     if (xfer_offer_taken_here(o)) {
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
-                    "the offer of request %llu is already taken on daemon "
-                    "%s",
-                    (unsigned long long)m->request_id, kvxd.address);
+                    "the offer of request %s is already taken on daemon %s", ks,
+                    kvxd.address);
         return;
     }
     plan_side_t dst;
@@ -1283,8 +1298,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     if (ro->rconsumer[0] && strcmp(ro->rconsumer, who)) {
         plan_free(plan);
         open_refuse(c, m->stream, KVX_ERR_EXISTS,
-                    "the offer of request %llu is already taken by %s",
-                    (unsigned long long)m->request_id, ro->rconsumer);
+                    "the offer of request %s is already taken by %s", ks,
+                    ro->rconsumer);
         return;
     }
     if (ro->streams_expect && ro->streams_opened >= ro->streams_expect) {

@@ -137,6 +137,7 @@ struct genpart {
     plan_t *plan;
     uint64_t next_unit, units_done, units_per_chunk;
     uint32_t inflight;
+    int late;         /* fetched once the request was ending: joins its end */
     gpu_part_t *gpu;  /* plan uploaded to a GPU, when it runs there */
     rrq_entry_t turn; /* on the scheduler's queue (runq) */
     /* pulled from peer daemons: remote.c's (struct rpart), never read by
@@ -176,6 +177,24 @@ struct genreq {
 
 #define DL_NODE(n) LIST_OWNER(n, dl_node_t, node)
 
+/* A request that ended while it may still be asked for, kept until the
+ * fetch timeout (gone_add()): a cancelled offer, so that a fetch coming
+ * after the cancel (here, or its OPEN from a peer) hears CANCELLED and
+ * not "no offer"; and a fetch that ended before every local rank of it
+ * fetched, so that a later rank's fetch joins that end instead of making
+ * a second request and a second event. */
+typedef struct gone {
+    dl_node_t dl; /* on gones, in deadline order */
+    int offer;
+    char inst[INSTANCE_ID_MAX + 1];
+    uint64_t request_id;
+    reqkey_t key;
+    uint32_t nranks, need, seen;
+    uint8_t ranks[]; /* fetch: which ranks fetched */
+} gone_t;
+
+#define GONE_MAX 65536 /* kept at once; the oldest goes first */
+
 /* Insert in deadline order, searching from the tail: deadlines are
  * mostly increasing, so this is O(1) unless a reload shortened one. */
 static void dl_insert(list_t *l, dl_node_t *n, uint64_t deadline)
@@ -195,6 +214,59 @@ static void dl_remove(dl_node_t *n)
 }
 
 /* Round-robin queue of parts with units left to hand out. */
+static list_t gones = {&gones, &gones};
+static uint32_t ngones;
+
+static void gone_free(gone_t *x)
+{
+    dl_remove(&x->dl);
+    ngones--;
+    free(x);
+}
+
+static gone_t *gone_find(int offer, const char *inst, uint64_t request_id,
+                         const uint8_t *key, size_t key_len)
+{
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &gones)
+    {
+        gone_t *x = LIST_OWNER(n, gone_t, dl.node);
+        if (x->offer == offer && x->request_id == request_id &&
+            x->key.len == key_len && !memcmp(x->key.b, key, key_len) &&
+            !strcmp(x->inst, inst))
+            return x;
+    }
+    return NULL;
+}
+
+/* Out of memory: not kept, and a late fetch finds nothing (NOT_FOUND or
+ * a request of its own), as before this record existed. */
+static gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
+                        const reqkey_t *key)
+{
+    uint32_t nr = offer ? 0 : inst->nranks;
+    gone_t *x = calloc(1, sizeof(*x) + nr);
+    if (!x)
+        return NULL;
+    if (ngones >= GONE_MAX)
+        gone_free(LIST_OWNER(list_first(&gones), gone_t, dl.node));
+    list_init(&x->dl.node);
+    x->offer = offer;
+    snprintf(x->inst, sizeof(x->inst), "%s", inst->id);
+    x->request_id = request_id;
+    x->key = *key;
+    x->nranks = nr;
+    dl_insert(&gones, &x->dl, kvxd_now_ms() + kvxd.conf.fetch_timeout_ms);
+    ngones++;
+    return x;
+}
+
+int xfer_offer_cancelled(const char *inst, uint64_t request_id,
+                         const uint8_t *key, size_t key_len)
+{
+    return gone_find(1, inst, request_id, key, key_len) != NULL;
+}
+
 static rrq_t runq;
 /* registered by the layers above (xfer_remote.h, xfer.h) */
 static xfer_remote_ops_t R;
@@ -1074,36 +1146,95 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
 static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
                      const reqkey_t *key, const uint8_t *pbuf, size_t plen,
                      pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                     uint32_t skip, uint32_t dp_rank, char *why,
+                     uint32_t skip, uint32_t dp_rank, int *as_event, char *why,
                      size_t why_len);
+
+/* A rank's fetch of a request that ended already (another rank's fetch
+ * failed, it was cancelled, it timed out): its event is in the batches,
+ * so this fetch joins that end, with no second event. 1 when it did. */
+static int fetch_join_end(instance_t *inst, uint32_t rank, uint64_t id,
+                          const reqkey_t *key, int *rc, char *why,
+                          size_t why_len)
+{
+    genreq_t *g = map_get(&inst->fetches, id);
+    gone_t *x = g ? NULL : gone_find(0, inst->id, id, key->b, key->len);
+    int *seen =
+        g && reqkey_eq(&g->key, key) && g->ending && !g->parts[rank].fetched
+            ? &g->parts[rank].late
+            : NULL;
+    uint8_t one = 0, *xs = x ? &x->ranks[rank] : &one;
+    if (!seen && !x)
+        return 0;
+    if (seen ? *seen : *xs) {
+        snprintf(why, why_len, "fetch: request %s already fetched by rank %u",
+                 ks(key), rank);
+        *rc = KVX_ERR_EXISTS;
+        return 1;
+    }
+    *rc = 0;
+    if (seen)
+        *seen = 1;
+    else if ((*xs = 1), ++x->seen >= x->need)
+        gone_free(x);
+    return 1;
+}
 
 /* A rank's fetch of a request that other ranks fetched already is
  * refused: the request cannot complete without it, so it ends for every
  * rank now (ERROR, the refusal's code) instead of at the fetch timeout.
- * A rank fetching twice (EXISTS) leaves it as it is. */
+ * A rank fetching twice (EXISTS) leaves it as it is. A check that needs
+ * the offer (it exists, the token, nobody took it) fails as an ERROR
+ * event, as it does at a peer daemon (remote.c, on_open()): on one daemon
+ * as across two, the fetch returns 0 and the event says why. */
 int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                const uint8_t *pbuf, size_t plen, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
                uint32_t dp_rank, char *why, size_t why_len)
 {
     uint64_t request_id = xfer_key_id(key->b, key->len);
-    int rc = fetch_one(inst, rank, request_id, key, pbuf, plen, pool, blocks,
-                       nblocks, skip, dp_rank, why, why_len);
+    int rc, as_event = 0;
+    if (rank < inst->nranks &&
+        fetch_join_end(inst, rank, request_id, key, &rc, why, why_len))
+        return rc;
+    rc = fetch_one(inst, rank, request_id, key, pbuf, plen, pool, blocks,
+                   nblocks, skip, dp_rank, &as_event, why, why_len);
     genreq_t *g =
         rc && rc != KVX_ERR_EXISTS ? map_get(&inst->fetches, request_id) : NULL;
-    if (g && !g->ending && g->nfetched > 0 && rank < inst->nranks &&
-        !g->parts[rank].fetched) {
+    if (g && !reqkey_eq(&g->key, key))
+        g = NULL; /* another key's, whose id collides */
+    if (as_event && !g) {
+        /* no request yet: this one's only event; the other ranks'
+         * fetches join it (gone_t) */
+        xfer_fetch_end_early(inst, key, dp_rank, KVX_EVENT_ERROR, rc, why);
+        gone_t *x = group_ranks(inst, dp_rank) > 1
+                        ? gone_add(0, inst, request_id, key)
+                        : NULL;
+        if (x) {
+            x->need = group_ranks(inst, dp_rank);
+            x->seen = 1;
+            x->ranks[rank] = 1;
+        }
+        return 0;
+    }
+    if (g && !g->ending && (as_event || g->nfetched > 0) &&
+        rank < inst->nranks && !g->parts[rank].fetched) {
         char m[600];
-        snprintf(m, sizeof(m), "rank %u's fetch was refused: %s", rank, why);
+        if (as_event)
+            snprintf(m, sizeof(m), "%s", why);
+        else
+            snprintf(m, sizeof(m), "rank %u's fetch was refused: %s", rank,
+                     why);
+        g->parts[rank].late = 1;
         genreq_end(g, KVX_EVENT_ERROR, rc, m);
     }
-    return rc;
+    return as_event ? 0 : rc;
 }
 
 static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
                      const reqkey_t *key, const uint8_t *pbuf, size_t plen,
                      pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                     uint32_t skip, uint32_t dp_rank, char *why, size_t why_len)
+                     uint32_t skip, uint32_t dp_rank, int *as_event, char *why,
+                     size_t why_len)
 {
     int rc;
     Kvxfer__ContextParams *cp;
@@ -1140,29 +1271,43 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
                           nblocks, skip, dp_rank, why, why_len);
         goto out;
     }
+    /* from here to the plan, the checks of the offer: as at a peer
+     * daemon, their failure is an ERROR event (xfer_fetch()), with the
+     * code and the message (after "context side: ") a peer sends */
+    *as_event = 1;
+    uint64_t src_id = xfer_key_id(cp->key.data, cp->key.len);
     if (!(ci = instance_find(cp->instance_id))) {
         snprintf(why, why_len,
-                 "fetch.context_params: context instance '%s' is not on this "
-                 "daemon",
-                 cp->instance_id);
+                 "context side: no offer for request %s of instance '%s' on "
+                 "daemon %s (no such instance there)",
+                 ksb(cp->key.data, cp->key.len), cp->instance_id, kvxd.address);
         rc = KVX_ERR_NOT_FOUND;
         goto out;
     }
-    if (!(o = map_get(&ci->offers, xfer_key_id(cp->key.data, cp->key.len))) ||
-        o->ending || o->consumed || o->key.len != cp->key.len ||
-        memcmp(o->key.b, cp->key.data, cp->key.len)) {
+    if ((!(o = map_get(&ci->offers, src_id)) || o->ending || o->consumed) &&
+        gone_find(1, ci->id, src_id, cp->key.data, cp->key.len)) {
+        snprintf(why, why_len, "context side: cancelled by the context side");
+        rc = KVX_ERR_CANCELLED;
+        goto out;
+    }
+    if (o && (o->key.len != cp->key.len ||
+              memcmp(o->key.b, cp->key.data, cp->key.len)))
+        o = NULL; /* another key's, whose id collides */
+    if (!o || o->ending || o->consumed) {
         snprintf(why, why_len,
-                 "fetch.context_params: no offer for request %s of "
-                 "instance '%s' (expired, cancelled, completed or never "
-                 "published)",
-                 ksb(cp->key.data, cp->key.len), cp->instance_id);
+                 "context side: no offer for request %s of instance '%s' on "
+                 "daemon %s (%s)",
+                 ksb(cp->key.data, cp->key.len), cp->instance_id, kvxd.address,
+                 !o            ? "expired, cancelled or completed"
+                 : o->consumed ? "consumed"
+                               : "ending");
         rc = KVX_ERR_NOT_FOUND;
         goto out;
     }
     if (!ct_equal(cp->token.data, o->token, TOKEN_LEN)) {
         snprintf(why, why_len,
-                 "fetch.context_params: capability token does not match the "
-                 "offer of request %s",
+                 "context side: capability token does not match the offer "
+                 "of request %s",
                  ksb(cp->key.data, cp->key.len));
         log_warn("fetch %s/%s: forged or stale capability token for offer "
                  "%s/%s",
@@ -1171,6 +1316,7 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         goto out;
     }
 
+    *as_event = 0;
     genreq_t *g = map_get(&inst->fetches, request_id);
     if (g && !reqkey_eq(&g->key, key)) {
         snprintf(why, why_len,
@@ -1219,18 +1365,20 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         }
     } else if (R.offer_taker && R.offer_taker(o)) {
         snprintf(why, why_len,
-                 "fetch: the offer of request %s is already taken by %s "
-                 "through a peer daemon",
+                 "context side: the offer of request %s is already taken by "
+                 "%s",
                  ksb(cp->key.data, cp->key.len), R.offer_taker(o));
         rc = KVX_ERR_EXISTS;
+        *as_event = 1;
         goto out;
     } else if (o->consumer) {
         snprintf(why, why_len,
-                 "fetch: the offer of request %s is already taken by "
+                 "context side: the offer of request %s is already taken by "
                  "request %s of instance '%s'",
                  ksb(cp->key.data, cp->key.len), ks(&o->consumer->key),
                  o->consumer->inst->id);
         rc = KVX_ERR_EXISTS;
+        *as_event = 1;
         goto out;
     } else if (nrequests >= kvxd.conf.max_requests) {
         snprintf(why, why_len,
@@ -1418,6 +1566,8 @@ static void offer_try_finalize(offer_t *o)
     instance_t *inst = o->inst;
     push_event(inst, o->request_id, &o->key, o->end_kind, o->end_code,
                o->end_msg, 1, inst->nlocal, inst->nranks);
+    if (o->end_kind == KVX_EVENT_CANCELLED)
+        gone_add(1, inst, o->request_id, &o->key);
     map_del(&inst->offers, o->request_id);
     nrequests--;
     log_debug("offer %s/%s ended: %s", inst->id, ks(&o->key),
@@ -1494,6 +1644,18 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
                          : g->aux_len);
     if (g->end_kind == KVX_EVENT_COMPLETE)
         kvxd.stats.transfers_done++;
+    uint32_t seen = 0;
+    for (uint32_t r = 0; r < inst->nranks; r++)
+        seen += g->parts[r].fetched || g->parts[r].late;
+    gone_t *x = g->end_kind != KVX_EVENT_COMPLETE && seen < g->need
+                    ? gone_add(0, inst, g->request_id, &g->key)
+                    : NULL;
+    for (uint32_t r = 0; x && r < inst->nranks; r++)
+        x->ranks[r] = g->parts[r].fetched || g->parts[r].late;
+    if (x) {
+        x->need = g->need;
+        x->seen = seen;
+    }
     map_del(&inst->fetches, g->request_id);
     nrequests--;
     log_debug("fetch %s/%s ended: %s", inst->id, ks(&g->key),
@@ -2032,6 +2194,8 @@ void xfer_tick(uint64_t now)
                  g->ndone);
         genreq_end(g, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
     }
+    while ((n = list_first(&gones)) && DL_NODE(n)->deadline_ms <= now)
+        gone_free(LIST_OWNER(n, gone_t, dl.node));
 }
 
 uint32_t xfer_count(void) { return nrequests; }

@@ -5,7 +5,8 @@
  * One engine rank opens one connection (kvx_connect) and uses it from one
  * thread at a time. Every call blocks until the daemon answers or its
  * timeout (milliseconds; negative = wait forever; 0 is refused with
- * KVX_ERR_INVALID, nothing sent) passes, and returns a
+ * KVX_ERR_INVALID, nothing sent; kvx_poll alone takes 0, as "do not wait
+ * for events") passes, and returns a
  * kvx_status_t: 0 on success, a negative KVX_ERR_* code otherwise. The codes
  * are the daemon's own: a refused request returns exactly the code the
  * daemon saw, and kvx_last_error() gives its message, which names the field
@@ -525,9 +526,25 @@ typedef struct {
     kvx_event_t *events;
 } kvx_batch_t;
 
-/* Get this rank's next batch. It is sealed once at_least events are
- * pending or poll_timeout_ms passes (possibly empty); every rank of the
- * instance receives the same batch k. Free with kvx_batch_free().
+/* Get this rank's next batch; every rank of the instance receives the
+ * same batch k. Free with kvx_batch_free(). timeout_ms is how long to
+ * wait for events, by the rule of every call, where 0 has the meaning
+ * only a wait for events can have:
+ *   > 0: the batch is sealed once at_least events are pending or
+ *        timeout_ms passes (then it holds what is pending, possibly
+ *        nothing);
+ *   0:   sealed now, with what is pending now (possibly nothing): the
+ *        call waits for the daemon's reply, never for events. Engines
+ *        poll so every scheduler step;
+ *   < 0: sealed once at_least events are pending, however long that
+ *        takes. The daemon still seals a waiting batch at its own bound,
+ *        deadlines.poll_timeout_max_ms (60 s): an empty one is read past
+ *        and polled again, a non-empty one is returned even with fewer
+ *        than at_least events.
+ * at_least 0 seals now whatever timeout_ms. A batch sealed by another
+ * rank's poll is returned as it is. The deadline is checked every
+ * deadlines.deadline_tick_ms, so a positive timeout may come back that
+ * much later.
  * Every rank of the instance must poll, also one with nothing in flight
  * (a generation rank of another attention-DP group, a context rank whose
  * request was fetched elsewhere): the daemon keeps each batch until every
@@ -535,8 +552,8 @@ typedef struct {
  * that the oldest is dropped, and a rank that had not read it gets
  * KVX_ERR_LIMIT, naming the batches it missed, at its next poll (the poll
  * after reads on). */
-KVX_EXPORT int kvx_poll(kvx_client_t *client, uint32_t at_least,
-                        uint32_t poll_timeout_ms, kvx_batch_t **out);
+KVX_EXPORT int kvx_poll(kvx_client_t *client, uint32_t at_least, int timeout_ms,
+                        kvx_batch_t **out);
 KVX_EXPORT void kvx_batch_free(kvx_batch_t *batch);
 
 /* Cancel request key (published or fetched by this rank's instance).

@@ -184,7 +184,7 @@ _PROTOS = {
     "kvx_fetch_dp": (c_int, [_client_p, c_uint64, c_char_p, c_size_t,
                              c_uint32, c_void_p, c_uint32, c_uint32,
                              c_uint32, c_int]),
-    "kvx_poll": (c_int, [_client_p, c_uint32, c_uint32,
+    "kvx_poll": (c_int, [_client_p, c_uint32, c_int,
                          POINTER(POINTER(Batch))]),
     "kvx_batch_free": (None, [POINTER(Batch)]),
     "kvx_cancel": (c_int, [_client_p, c_uint64, c_int]),

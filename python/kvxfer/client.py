@@ -588,14 +588,24 @@ class Client:
                    self._ms(timeout))
         del keep
 
-    def poll(self, at_least: int = 1, timeout: float = 0.1) -> Batch:
+    def poll(self, at_least: int = 1,
+             timeout: Optional[float] = 0.1) -> Batch:
         """This rank's next batch of terminal events (kvx_poll): sealed once
         ``at_least`` events are pending or ``timeout`` seconds pass
-        (possibly empty). Every rank of an instance gets the same batch k,
-        so SPMD ranks call poll in lockstep."""
-        if timeout < 0:
-            raise InvalidArgument(-1, f"timeout: {timeout} (expected >= 0)")
-        ms = min(int(round(timeout * 1000)), 0xFFFFFFFF)
+        (possibly empty). ``timeout`` 0: sealed now with what is pending
+        (the non-blocking poll of a scheduler step); None: no deadline,
+        sealed once ``at_least`` events are pending (as every call's
+        None). Every rank of an instance gets the same batch k, so SPMD
+        ranks call poll in lockstep."""
+        if timeout is None:
+            ms = -1
+        elif timeout < 0:
+            raise InvalidArgument(-1, f"timeout: {timeout} (expected >= 0 "
+                                  "seconds or None)")
+        elif timeout == 0:
+            ms = 0
+        else:
+            ms = max(1, min(int(round(timeout * 1000)), 2**31 - 1))
         out = ctypes.POINTER(_lib.Batch)()
         self._call("kvx_poll", at_least, ms, ctypes.byref(out))
         try:

@@ -79,6 +79,19 @@ static void ctx2_open(daemon_t *d, const model_t *m, const char *inst,
     rank_pool(c1, nblocks);
 }
 
+/* A fetch that a check of the offer refuses (no offer, its token, taken
+ * already): accepted, then one ERROR event with code, its message
+ * holding text, on one daemon as across two (protocol.md, "Fetch"). */
+static ev_t fetch_fails_later(const rank_t *g, uint64_t req, const uint8_t *p,
+                              size_t len, const uint32_t *blocks, uint32_t n,
+                              int code, const char *text)
+{
+    CHECK_KVX(kvx_fetch(g->c, req, p, len, g->pool, blocks, n, 0, T_MS), g->c);
+    ev_t e = wait_event(g->c, req, KVX_EVENT_ERROR, code, 3000);
+    CHECK_STR_CONTAINS(e.msg, text);
+    return e;
+}
+
 /* After the damage: a fresh pair moves bytes fine. */
 static void fresh_pair_ok(daemon_t *d, const char *ci, const char *gi)
 {

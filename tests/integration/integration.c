@@ -48,6 +48,7 @@
  *   t_peer_spread.c    an instance spread over both daemons
  *   t_peer_ops.c       peer configuration, status, idle CPU, the bench
  *   t_peer_hostile.c   garbage to every port a daemon opens
+ *   t_faults.c         the same fault, one daemon and two: the same outcome
  *
  * A test goes in the file of its area; a helper used by one file stays
  * in it, one used by several goes to fixtures.c (peer_harness.c for the
@@ -78,4 +79,5 @@
 #include "t_peer_spread.c"
 #include "t_peer_ops.c"
 #include "t_peer_hostile.c"
+#include "t_faults.c"
 /* clang-format on */

@@ -242,3 +242,64 @@ TEST(disconnect_error_batch)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* kvx_poll's timeout, by the rule of every call: 0 seals now with what
+ * is pending (no wait for events), negative waits for at_least events
+ * however long it takes: the empty batches the daemon seals at its own
+ * bound (deadlines.poll_timeout_max_ms, 200 ms here) are read past, and
+ * the batch with the event comes back; positive waits at most that. */
+TEST(poll_timeout_rule)
+{
+    daemon_t *d = daemon_start("deadlines:\n  poll_timeout_max_ms: 200\n"
+                               "  offer_lease_ms: 700\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "pr-ctx", "pr-gen", 8, &c, &g, &cs, &gs);
+    kvx_batch_t *b;
+    /* 0: at once, empty */
+    int64_t t0 = now_ms();
+    CHECK_KVX(kvx_poll(c.c, 1, 0, &b), c.c);
+    CHECK(now_ms() - t0 < 150);
+    CHECK_EQ(b->num_events, 0);
+    uint64_t seq0 = b->seq;
+    kvx_batch_free(b);
+    /* 0 with an event pending: sealed now, holding it */
+    uint32_t cb[1] = {0};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 1, 4, &p, T_MS), c.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_cancel(c.c, 1, T_MS), c.c);
+    t0 = now_ms();
+    CHECK_KVX(kvx_poll(c.c, 5, 0, &b), c.c);
+    CHECK(now_ms() - t0 < 150);
+    CHECK_EQ(b->num_events, 1);
+    CHECK_EQ(b->events[0].kind, KVX_EVENT_CANCELLED);
+    CHECK_EQ(b->seq, seq0 + 1);
+    kvx_batch_free(b);
+    /* positive: at most that long, then empty */
+    t0 = now_ms();
+    CHECK_KVX(kvx_poll(c.c, 1, 100, &b), c.c);
+    CHECK(now_ms() - t0 >= 90);
+    CHECK_EQ(b->num_events, 0);
+    kvx_batch_free(b);
+    /* negative: past the daemon's 200 ms bound (empty batches read
+     * past), until the offer's lease (700 ms) ends it */
+    CHECK_KVX(kvx_poll(c.c, 1, 0, &b), c.c); /* the cursor, read now */
+    uint64_t seq1 = b->seq;
+    kvx_batch_free(b);
+    CHECK_KVX(kvx_publish(c.c, 2, c.pool, cb, 1, 4, &p, T_MS), c.c);
+    kvx_context_params_free(&p);
+    t0 = now_ms();
+    CHECK_KVX(kvx_poll(c.c, 1, -1, &b), c.c);
+    int64_t took = now_ms() - t0;
+    CHECK(took >= 600);
+    CHECK_EQ(b->num_events, 1);
+    CHECK_EQ(b->events[0].request_id, 2);
+    CHECK_EQ(b->events[0].kind, KVX_EVENT_TIMED_OUT);
+    CHECK(b->seq >= seq1 + 3); /* two or more empty batches went by */
+    kvx_batch_free(b);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}

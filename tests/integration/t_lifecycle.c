@@ -24,8 +24,8 @@ TEST(lease_expiry)
     CHECK(dt >= 150);
     CHECK(dt < 1000);
     CHECK_STR_CONTAINS(e.msg, "lease");
-    CHECK_FAILS(kvx_fetch(g.c, 77, p.data, p.len, g.pool, bl, 2, 0, T_MS), g.c,
-                KVX_ERR_NOT_FOUND, "no offer for request 77");
+    fetch_fails_later(&g, 77, p.data, p.len, bl, 2, KVX_ERR_NOT_FOUND,
+                      "context side: no offer for request 77");
     char *json;
     CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
     CHECK(strcmp(json, "[]") == 0);
@@ -82,9 +82,10 @@ TEST(cancel_unfetched_offer)
     CHECK_KVX(kvx_publish(c.c, 10, c.pool, bl, 2, 8, &p, T_MS), c.c);
     CHECK_KVX(kvx_cancel(c.c, 10, T_MS), c.c);
     wait_event(c.c, 10, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 2000);
-    /* gone: a fetch does not find it, a second cancel neither */
-    CHECK_FAILS(kvx_fetch(g.c, 10, p.data, p.len, g.pool, bl, 2, 0, T_MS), g.c,
-                KVX_ERR_NOT_FOUND, "no offer");
+    /* gone: a fetch hears it was cancelled, a second cancel finds
+     * nothing */
+    fetch_fails_later(&g, 10, p.data, p.len, bl, 2, KVX_ERR_CANCELLED,
+                      "context side: cancelled by the context side");
     CHECK_FAILS(kvx_cancel(c.c, 10, T_MS), c.c, KVX_ERR_NOT_FOUND,
                 "cancel.key");
     /* the pool is free again: deregister works */

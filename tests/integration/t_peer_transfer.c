@@ -137,10 +137,11 @@ TEST_T(peer_slot_in_pieces, 90)
     p_stop_both(a, b);
 }
 
-/* A fetch on B for an offer A's engine already cancelled: A serves every
- * rank of that instance, so its NOT_FOUND is final and the request ends
- * at once (not after the retry window for ranks that have not published
- * yet); an offer that completed likewise. */
+/* A fetch on B for an offer A's engine already cancelled: A remembers the
+ * cancel, so the request ends at once with CANCELLED, as on one daemon
+ * (not NOT_FOUND, nor after the retry window for ranks that have not
+ * published yet); an offer that completed: A serves every rank of that
+ * instance, so its NOT_FOUND is final and the request ends at once. */
 TEST_T(peer_open_for_ended_offer, 60)
 {
     daemon_t *a, *b;
@@ -155,11 +156,10 @@ TEST_T(peer_open_for_ended_offer, 60)
     wait_event(c.c, 61, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 2000);
     int64_t t0 = now_ms();
     CHECK_KVX(kvx_fetch(g.c, 61, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
-    ev_t e = wait_event(g.c, 61, KVX_EVENT_ERROR, KVX_ERR_NOT_FOUND, 5000);
+    ev_t e = wait_event(g.c, 61, KVX_EVENT_ERROR, KVX_ERR_CANCELLED, 5000);
     int64_t took = now_ms() - t0;
-    fprintf(stderr, "NOT_FOUND after %lld ms: %s\n", (long long)took, e.msg);
-    CHECK_STR_CONTAINS(e.msg, "expired, cancelled or completed");
-    CHECK(strstr(e.msg, "not yet published") == NULL);
+    fprintf(stderr, "CANCELLED after %lld ms: %s\n", (long long)took, e.msg);
+    CHECK_STR_CONTAINS(e.msg, "context side: cancelled by the context side");
     /* the retry window is the fetch timeout; a final answer is one round
      * trip */
     CHECK(took < 1500);
@@ -178,6 +178,8 @@ TEST_T(peer_open_for_ended_offer, 60)
     took = now_ms() - t0;
     fprintf(stderr, "again: NOT_FOUND after %lld ms: %s\n", (long long)took,
             e.msg);
+    CHECK_STR_CONTAINS(e.msg, "expired, cancelled or completed");
+    CHECK(strstr(e.msg, "not yet published") == NULL);
     CHECK(took < 1500);
     kvx_context_params_free(&p);
     rank_close(&c);

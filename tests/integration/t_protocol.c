@@ -419,8 +419,8 @@ TEST(bad_requests)
     tp->instance_id = "nobody";
     tlen = kvxfer__context_params__get_packed_size(tp);
     kvxfer__context_params__pack(tp, tb);
-    CHECK_FAILS(kvx_fetch(g.c, 1, tb, tlen, g.pool, gbt, 2, 0, T_MS), g.c,
-                KVX_ERR_NOT_FOUND, "nobody");
+    fetch_fails_later(&g, 1, tb, tlen, gbt, 2, KVX_ERR_NOT_FOUND,
+                      "instance 'nobody'");
     tp->instance_id = inst0;
     kvxfer__context_params__free_unpacked(tp, NULL);
     free(tb);
@@ -438,8 +438,8 @@ TEST(bad_requests)
     kvxfer__context_params__pack(cp, forged);
     kvxfer__context_params__free_unpacked(cp, NULL);
     uint32_t gb[2] = {6, 2};
-    CHECK_FAILS(kvx_fetch(g.c, 1, forged, flen, g.pool, gb, 2, 0, T_MS), g.c,
-                KVX_ERR_AUTH, "capability token");
+    fetch_fails_later(&g, 1, forged, flen, gb, 2, KVX_ERR_AUTH,
+                      "context side: capability token");
     free(forged);
     sleep_ms(50);
     CHECK_EQ(check_pool(&g, NULL, 0, 0xa5), 0);
@@ -497,8 +497,8 @@ TEST(bad_requests)
                 KVX_ERR_EXISTS, "already fetched");
     /* and the same offer under another request id */
     uint32_t gb3[2] = {0, 1};
-    CHECK_FAILS(kvx_fetch(g.c, 3, p.data, p.len, g.pool, gb3, 2, 0, T_MS), g.c,
-                KVX_ERR_EXISTS, "already taken");
+    fetch_fails_later(&g, 3, p.data, p.len, gb3, 2, KVX_ERR_EXISTS,
+                      "already taken");
     /* a role's wrong verb */
     CHECK_FAILS(kvx_fetch(c.c, 4, p.data, p.len, c.pool, gb3, 2, 0, T_MS), c.c,
                 KVX_ERR_STATE, "role");

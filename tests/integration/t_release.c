@@ -60,8 +60,8 @@ TEST(release_by_router)
     CHECK_FAILS(kvx_release(router, p.data, p.len, T_MS), router,
                 KVX_ERR_NOT_FOUND, "no offer of request 1");
     uint32_t gb[2] = {3, 4};
-    CHECK_FAILS(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS),
-                g.c, KVX_ERR_NOT_FOUND, "");
+    fetch_fails_later(&g, 1, p.data, p.len, gb, 2, KVX_ERR_NOT_FOUND,
+                      "context side: no offer for request 1");
     /* the context pool is no one's any more: it deregisters */
     CHECK_KVX(kvx_pool_deregister(c.c, c.pool, T_MS), c.c);
     c.pool = 0;
