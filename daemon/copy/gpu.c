@@ -721,11 +721,10 @@ static size_t pack_add(struct pack *pk, const void *src, size_t n)
 
 /* The part table of a bound side m (gpu_side_t.part): each (layer, kv)
  * part's address, its region's start (as the kernel's device sees it:
- * m's regions are that view) + its offset, K entries per layer. Clears
- * *kv_merge when a layer's K and V lie in two regions. NULL for an
- * unbound side (*n 0), or on allocation failure. */
+ * m's regions are that view) + its offset, K entries per layer. NULL
+ * for an unbound side (*n 0), or on allocation failure. */
 static uint64_t *part_table(const plan_mem_t *m, uint32_t K, size_t *n,
-                            uint32_t *kv_merge, int *nomem)
+                            int *nomem)
 {
     const kvx_layout_t *l = m->layout;
     *n = 0;
@@ -736,18 +735,12 @@ static uint64_t *part_table(const plan_mem_t *m, uint32_t K, size_t *n,
         *nomem = 1;
         return NULL;
     }
-    for (uint32_t a = 0; a < l->num_layers; a++) {
-        uint32_t r0 = 0;
+    for (uint32_t a = 0; a < l->num_layers; a++)
         for (uint32_t k = 0; k < K; k++) {
             uint32_t r;
             uint64_t o = kvx__layout_part(l, a, k, &r);
             t[(size_t)a * K + k] = (uintptr_t)m->regions[r].base + o;
-            if (k == 0)
-                r0 = r;
-            else if (r != r0)
-                *kv_merge = 0;
         }
-    }
     *n = (size_t)l->num_layers * K;
     return t;
 }
@@ -757,7 +750,6 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
 {
     const kvx_layout_t *dl = p->dst.layout;
     const uint32_t K = dl->kv_factor;
-    uint32_t kv_merge = 1;
     int nomem = 0;
     size_t cap =
         64 + p->nslices * sizeof(gpu_slice_t) + 16 +
@@ -792,7 +784,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     free(seg_tok);
     size_t off_dblk = pack_add(&pk, p->dst.blocks, p->dst.num_blocks * 4);
     size_t nt;
-    uint64_t *tab = part_table(&p->dst, K, &nt, &kv_merge, &nomem);
+    uint64_t *tab = part_table(&p->dst, K, &nt, &nomem);
     size_t off_dpart = pack_add(&pk, tab, nt * 8);
     free(tab);
     size_t *off_sblk = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
@@ -805,7 +797,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     }
     for (uint32_t i = 0; i < p->nslices; i++) {
         off_sblk[i] = pack_add(&pk, p->src[i].blocks, p->src[i].num_blocks * 4);
-        tab = part_table(&p->src[i], K, &nt, &kv_merge, &nomem);
+        tab = part_table(&p->src[i], K, &nt, &nomem);
         off_spart[i] = pack_add(&pk, tab, nt * 8);
         free(tab);
     }
@@ -861,7 +853,6 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
         p->nsegs,
         dl->head_dim * dl->elem_size,
         K,
-        kv_merge,
         (const gpu_slice_t *)(dm + off_slices),
         (const gpu_seg_t *)(dm + off_segs),
         (const uint64_t *)(dm + off_segtok),

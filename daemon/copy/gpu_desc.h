@@ -35,10 +35,6 @@ typedef struct gpu_plan {
     uint32_t nslices, nsegs;
     uint32_t row_bytes;            /* head_dim * elem_size */
     uint32_t kv_factor;
-    uint32_t kv_merge; /* 1: the K and V parts of every layer
-                          lie in one region on both sides, so
-                          the kv dimension may merge into a
-                          run; else they stay two runs */
     const gpu_slice_t *slices;
     const gpu_seg_t *segs;
     const uint64_t *seg_tok;       /* tokens before each segment; [nsegs]:

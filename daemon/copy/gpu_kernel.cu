@@ -54,24 +54,26 @@ __device__ static inline uint32_t slice_of(const gpu_plan_t *p, uint64_t u)
  * runs with no per-vector index arithmetic. */
 struct dims {
     uint64_t n[3], ss[3], ds[3];
-    int keep[3]; /* never merged (steps from one region to another) */
     int nd;
     uint64_t run;
 };
 
+/* A K to V step that equals the run (two regions that happen to lie back
+ * to back in the device's address space) merges too: the bytes are
+ * contiguous there, whatever allocations back them. Keeping the kv
+ * dimension apart for that case cost 8% of the within-GPU bandwidth
+ * (docs/benchmarks.md, "Engine API"). */
 __device__ static inline void merge(dims &d)
 {
     for (int merged = 1; merged;) {
         merged = 0;
         for (int i = 0; i < d.nd; i++)
-            if (d.n[i] == 1 ||
-                (!d.keep[i] && d.ss[i] == d.run && d.ds[i] == d.run)) {
+            if (d.n[i] == 1 || (d.ss[i] == d.run && d.ds[i] == d.run)) {
                 d.run *= d.n[i];
                 d.nd--;
                 d.n[i] = d.n[d.nd];
                 d.ss[i] = d.ss[d.nd];
                 d.ds[i] = d.ds[d.nd];
-                d.keep[i] = d.keep[d.nd];
                 merged = 1;
                 break;
             }
@@ -160,8 +162,6 @@ unit_get(const gpu_plan_t &p, uint64_t u, unit &x, const packed_arg &pk)
     d.ss[1] = s->src.token_stride;
     d.ds[1] = p.dst.token_stride;
     d.n[2] = p.kv_factor;
-    d.keep[0] = d.keep[1] = 0;
-    d.keep[2] = !p.kv_merge;
     if (pk.mode != GPU_PACKED_NONE) { /* one side is the slot */
         uint8_t *at = pk.base + (packed_off(p, u) - pk.off0);
         uint64_t *st = pk.mode == GPU_PACKED_GATHER ? d.ds : d.ss;
