@@ -1474,6 +1474,31 @@ int kvx_release(kvx_client_t *c, const void *params, size_t params_len,
     return call(c, &rq, -1, timeout_ms, NULL);
 }
 
+int kvx_release_by_key(kvx_client_t *c, const char *ctx_instance,
+                       const char *ctx_address, const void *ctx_key,
+                       size_t ctx_key_len, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_release_by_key: context", ctx_key, ctx_key_len);
+    if (rc)
+        return rc;
+    if (!ctx_instance || !ctx_instance[0] || !ctx_address || !ctx_address[0])
+        return fail(c, KVX_ERR_INVALID,
+                    "%s: context_instance or context_address is NULL or "
+                    "empty",
+                    __func__);
+    Kvxfer__Release m = KVXFER__RELEASE__INIT;
+    m.context_instance = (char *)ctx_instance;
+    m.context_address = (char *)ctx_address;
+    m.context_key.data = (uint8_t *)ctx_key;
+    m.context_key.len = ctx_key_len;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_RELEASE;
+    rq.release = &m;
+    return call(c, &rq, -1, timeout_ms, NULL);
+}
+
 /* ---- status as JSON --------------------------------------------------- */
 
 struct sbuf {

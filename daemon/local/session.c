@@ -1107,10 +1107,24 @@ fail:
 static void on_release(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
-    int later;
-    int rc = release_start(rq->release->context_params.data,
-                           rq->release->context_params.len, s->id, rq->id,
-                           &later, why, sizeof(why));
+    int later = 0, rc;
+    const Kvxfer__Release *m = rq->release;
+    if (m->context_key.len || (m->context_instance && m->context_instance[0])) {
+        reqkey_t key;
+        rc = reqkey_set(&key, m->context_key.data, m->context_key.len,
+                        "release.context_key", why, sizeof(why));
+        if (!rc && m->context_params.len) {
+            snprintf(why, sizeof(why), "release: params or a key, not both");
+            rc = KVX_ERR_INVALID;
+        }
+        if (!rc)
+            rc = keyed_release(s->id, rq->id, s->uid, s->admin,
+                               m->context_instance ? m->context_instance : "",
+                               m->context_address ? m->context_address : "",
+                               &key, &later, why, sizeof(why));
+    } else
+        rc = release_start(m->context_params.data, m->context_params.len, s->id,
+                           rq->id, &later, why, sizeof(why));
     if (!later)
         reply(s, rq->id, rc, rc ? why : "");
 }

@@ -21,6 +21,7 @@
 #include "list.h"
 #include "log.h"
 #include "peer.h"
+#include "release.h"
 #include "xfer.h"
 
 #define RES_MAX 65536         /* resolves held at once */
@@ -61,6 +62,15 @@ typedef struct res {
     uint64_t until_ms;
 } res_t;
 
+/* A release by key waiting for the params from rank 0's daemon. */
+typedef struct krel {
+    list_t node;
+    uint64_t sid, req_id; /* the client's request, answered once */
+    uint64_t res_id, conn;
+    char ctx_addr[192];
+    uint64_t until_ms;
+} krel_t;
+
 /* An offer made, to look for waiters of on the next loop turn. */
 typedef struct made {
     list_t node;
@@ -71,10 +81,12 @@ typedef struct made {
 #define KF(n) LIST_OWNER(n, kf_t, node)
 #define RES(n) LIST_OWNER(n, res_t, node)
 #define MADE(n) LIST_OWNER(n, made_t, node)
+#define KREL(n) LIST_OWNER(n, krel_t, node)
 
 static list_t kfs = {&kfs, &kfs};
 static list_t held = {&held, &held};
 static list_t mades = {&mades, &mades};
+static list_t krels = {&krels, &krels};
 static uint32_t nheld;
 static int retry_queued;
 static uint64_t next_id = 1;
@@ -393,11 +405,128 @@ void keyed_end_pool_users(const pool_t *pool, int code, const char *msg)
     }
 }
 
+/* ---- release by key ------------------------------------------------------ */
+
+/* The params are known (or the code why not): release, and answer. */
+static void krel_finish(krel_t *r, int code, const char *msg,
+                        const uint8_t *params, size_t plen)
+{
+    list_remove(&r->node);
+    char why[600];
+    int later = 0;
+    if (!code)
+        code = release_start(params, plen, r->sid, r->req_id, &later, why,
+                             sizeof(why));
+    else
+        snprintf(why, sizeof(why), "release: daemon %s: %s", r->ctx_addr, msg);
+    if (!later)
+        kvxd_reply(r->sid, r->req_id, code, code ? why : "");
+    free(r);
+}
+
+int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
+                  const char *ctx_instance, const char *ctx_address,
+                  const reqkey_t *ctx_key, int *later, char *why,
+                  size_t why_len)
+{
+    *later = 0;
+    size_t il = strlen(ctx_instance), al = strlen(ctx_address);
+    if (!il || il > INSTANCE_ID_MAX || !al ||
+        al >= sizeof(((krel_t *)0)->ctx_addr)) {
+        snprintf(why, why_len,
+                 "release.context_instance or context_address: empty or "
+                 "too long");
+        return KVX_ERR_INVALID;
+    }
+    char ks[REQKEY_STR_MAX];
+    if (!strcmp(ctx_address, kvxd.address)) {
+        instance_t *ci = instance_find(ctx_instance);
+        if (!ci || (!admin && ci->owner_uid != uid)) {
+            snprintf(why, why_len,
+                     "release.context_instance: no instance '%s' of uid %u "
+                     "on this daemon",
+                     ctx_instance, uid);
+            return KVX_ERR_NOT_FOUND;
+        }
+        uint8_t *p;
+        size_t len;
+        char w[512];
+        int rc = xfer_params_for(ci, ctx_key, &p, &len, w, sizeof(w));
+        if (rc) {
+            snprintf(why, why_len, "release: request %s: %s", kstr(ctx_key, ks),
+                     w);
+            return rc == KVX_ERR_EXISTS ? KVX_ERR_STATE : rc;
+        }
+        rc = release_start(p, len, sid, req_id, later, why, why_len);
+        free(p);
+        return rc;
+    }
+    int rc;
+    if (!peer_enabled()) {
+        snprintf(why, why_len,
+                 "release.context_address: '%s' is another daemon, and "
+                 "transfers between daemons are off here (peer.listen is "
+                 "empty)",
+                 ctx_address);
+        return KVX_ERR_UNSUPPORTED;
+    }
+    if ((rc = peer_address_check(ctx_address, why, why_len)))
+        return rc;
+    peer_conn_t *c = peer_connect(ctx_address, why, why_len);
+    if (!c)
+        return KVX_ERR_PEER_GONE;
+    krel_t *r = calloc(1, sizeof(*r));
+    if (!r) {
+        snprintf(why, why_len, "release: out of memory");
+        return KVX_ERR_NOMEM;
+    }
+    r->sid = sid;
+    r->req_id = req_id;
+    r->res_id = next_id++;
+    r->conn = peer_conn_id(c);
+    snprintf(r->ctx_addr, sizeof(r->ctx_addr), "%s", ctx_address);
+    r->until_ms = kvxd_now_ms() + kvxd.conf.peer_connect_timeout_ms +
+                  kvxd.conf.keepalive_timeout_ms;
+    Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;
+    pr.id = r->res_id;
+    pr.instance_id = (char *)ctx_instance;
+    pr.key.data = (uint8_t *)ctx_key->b;
+    pr.key.len = ctx_key->len;
+    pr.consumer_instance = ""; /* a router: no instance of its own */
+    pr.wait_ms = 0;            /* now, or not found */
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_RESOLVE;
+    m.resolve = &pr;
+    if (peer_send(c, &m)) {
+        free(r);
+        snprintf(why, why_len, "release: cannot send to daemon %s",
+                 ctx_address);
+        return KVX_ERR_PEER_GONE;
+    }
+    list_push(&krels, &r->node);
+    *later = 1;
+    return 0;
+}
+
 static void on_resolved(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
 {
     const Kvxfer__PeerResolved *m = pm->resolved;
     uint64_t id = peer_conn_id(c);
     list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &krels)
+    {
+        krel_t *r = KREL(n);
+        if (r->res_id != m->id || r->conn != id)
+            continue;
+        int code = m->code < 0 && m->code >= KVX_ERR_LAST ? m->code
+                   : m->code                              ? KVX_ERR_PROTOCOL
+                   : !m->context_params.len               ? KVX_ERR_PROTOCOL
+                                                          : 0;
+        krel_finish(r, code == KVX_ERR_EXISTS ? KVX_ERR_STATE : code,
+                    m->message ? m->message : "", m->context_params.data,
+                    m->context_params.len);
+        return;
+    }
     LIST_FOREACH_SAFE(n, t, &kfs)
     {
         kf_t *kf = KF(n);
@@ -492,6 +621,14 @@ static void on_resolve(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
     }
     if (res_try(conn, m->id, m->instance_id, &key, m->consumer_instance))
         return;
+    if (!m->wait_ms) { /* a release: now or not at all */
+        char e[600], ks[REQKEY_STR_MAX];
+        snprintf(e, sizeof(e),
+                 "no offer of request %s of instance %s on daemon %s",
+                 kstr(&key, ks), m->instance_id, kvxd.address);
+        res_answer(conn, m->id, KVX_ERR_NOT_FOUND, e, NULL, 0);
+        return;
+    }
     res_t *r = nheld < RES_MAX ? calloc(1, sizeof(*r)) : NULL;
     if (!r) {
         res_answer(conn, m->id, KVX_ERR_LIMIT,
@@ -570,6 +707,9 @@ static int on_lost(peer_conn_t *c, int code, const char *msg)
     LIST_FOREACH_SAFE(n, t, &held)
     if (RES(n)->conn == id)
         res_free(RES(n));
+    LIST_FOREACH_SAFE(n, t, &krels)
+    if (KREL(n)->conn == id)
+        krel_finish(KREL(n), KVX_ERR_PEER_GONE, msg, NULL, 0);
 restart:
     LIST_FOREACH_SAFE(n, t, &kfs)
     {
@@ -587,6 +727,10 @@ restart:
 void keyed_tick(uint64_t now)
 {
     list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &krels)
+    if (now >= KREL(n)->until_ms)
+        krel_finish(KREL(n), KVX_ERR_TIMED_OUT, "did not answer in time", NULL,
+                    0);
     LIST_FOREACH_SAFE(n, t, &held)
     {
         res_t *r = RES(n);
@@ -638,4 +782,6 @@ void keyed_cleanup(void)
         res_free(RES(held.next));
     while (!list_empty(&mades))
         free(MADE(list_pop(&mades)));
+    while (!list_empty(&krels))
+        free(KREL(list_pop(&krels)));
 }

@@ -45,6 +45,15 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                 const reqkey_t *ctx_key, pool_t *pool, const uint32_t *blocks,
                 uint32_t nblocks, uint32_t skip, uint32_t dp_rank, char *why,
                 size_t why_len);
+/* Release by key (Release with no params) for client request req_id of
+ * session sid (of uid; admin: any uid's instance): the params are found
+ * as for a fetch by key, without waiting, and handed to release_start().
+ * 0 with *later set: answered later (kvxd_reply); else the code to
+ * answer now, with why (0: done). */
+int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
+                  const char *ctx_instance, const char *ctx_address,
+                  const reqkey_t *ctx_key, int *later, char *why,
+                  size_t why_len);
 /* A cancel of key in inst: 1 when a waiting fetch of it ended
  * (CANCELLED), else 0. */
 int keyed_cancel(instance_t *inst, const reqkey_t *key);

@@ -580,6 +580,20 @@ KVX_EXPORT int kvx_cancel(kvx_client_t *client, uint64_t request_id,
 KVX_EXPORT int kvx_release(kvx_client_t *client, const void *params,
                            size_t params_len, int timeout_ms);
 
+/* kvx_release by key, with no params in hand: the request context_key of
+ * context_instance, whose rank 0 is served by the daemon at
+ * context_address. The daemons find its params as kvx_fetch_by_key does
+ * (a process of the instance's uid on its daemon; from another daemon,
+ * when the instance's join names no consumers), then release as
+ * kvx_release does. KVX_ERR_NOT_FOUND when it is not published or
+ * reserved (now: a release does not wait), KVX_ERR_PERM when the
+ * instance does not let it, else kvx_release's errors. */
+KVX_EXPORT int kvx_release_by_key(kvx_client_t *client,
+                                  const char *context_instance,
+                                  const char *context_address,
+                                  const void *context_key,
+                                  size_t context_key_len, int timeout_ms);
+
 /* The daemon's status as one JSON object (malloc'd, caller frees). */
 KVX_EXPORT int kvx_status_json(kvx_client_t *client, char **json,
                                int timeout_ms);

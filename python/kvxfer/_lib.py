@@ -118,7 +118,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 42 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 43 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -179,6 +179,8 @@ _PROTOS = {
                                  c_int]),
     "kvx_join_consumers": (c_int, [_client_p, POINTER(c_char_p), c_uint32,
                                    POINTER(c_char_p), c_uint32, c_int]),
+    "kvx_release_by_key": (c_int, [_client_p, c_char_p, c_char_p, c_char_p,
+                                   c_size_t, c_int]),
     "kvx_fetch": (c_int, [_client_p, c_uint64, c_char_p, c_size_t, c_uint32,
                           c_void_p, c_uint32, c_uint32, c_int]),
     "kvx_fetch_dp": (c_int, [_client_p, c_uint64, c_char_p, c_size_t,

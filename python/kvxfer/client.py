@@ -662,17 +662,36 @@ class Client:
                    ptr, n, skip_tokens, dp_rank, self._ms(timeout))
         del keep
 
-    def release(self, params: bytes, timeout: Timeout = _DEFAULT) -> None:
-        """Release the published request ``params`` name without a
-        transfer (kvx_release): its offer ends at once on every daemon of
-        its context ranks, which get COMPLETE with the message
-        ``"released"``, and its blocks are free. Works on a client without
-        Hello (a router or scheduler). Raises :class:`StateError` while it
-        is being fetched (cancel that fetch instead), :class:`NotFound`
-        when there is no such offer, :class:`AuthError` for a token that
-        is not the offer's."""
-        params = bytes(params)
-        self._call("kvx_release", params, len(params), self._ms(timeout))
+    def release(self, params: Optional[bytes] = None, *,
+                context_instance: Optional[str] = None,
+                context_address: Optional[str] = None,
+                context_key: Optional[Key] = None,
+                timeout: Timeout = _DEFAULT) -> None:
+        """Release a published (or reserved) request without a transfer:
+        its offer ends at once on every daemon of its context ranks, which
+        get COMPLETE with the message ``"released"``, and its blocks are
+        free. Name it by its ``params`` (kvx_release), or by
+        ``context_instance``, ``context_address`` (its rank 0's daemon)
+        and ``context_key`` (kvx_release_by_key). Works on a client
+        without Hello (a router or scheduler). Raises :class:`StateError`
+        while it is being fetched (cancel that fetch instead),
+        :class:`NotFound` when there is no such offer, :class:`AuthError`
+        for a token that is not the offer's, :class:`PermissionDenied`
+        when the instance lets no router release by key."""
+        if params is not None:
+            if context_instance or context_address or context_key:
+                raise InvalidArgument(-1, "release: params or a key, not "
+                                      "both")
+            params = bytes(params)
+            self._call("kvx_release", params, len(params), self._ms(timeout))
+            return
+        if not (context_instance and context_address and
+                context_key is not None):
+            raise InvalidArgument(-1, "release: params, or context_instance,"
+                                  " context_address and context_key")
+        k = key_bytes(context_key)
+        self._call("kvx_release_by_key", context_instance.encode(),
+                   context_address.encode(), k, len(k), self._ms(timeout))
 
     # -- observing --------------------------------------------------------
 

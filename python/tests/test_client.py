@@ -490,3 +490,23 @@ def test_pool_that_says_another_first_head_is_refused(pair, names):
         ctx.publish(names["req"], wrong, [0], num_tokens=1)
     right = ctx.create_host_pool(lo.with_first_head(0))
     assert ctx.publish(names["req"], right, [0], num_tokens=1)
+
+
+def test_release_by_key_from_a_router(daemon, pair, names):
+    """A router without params releases by the context key; the context
+    rank gets COMPLETE "released"; again it is NotFound."""
+    ctx, gen = pair
+    src = ctx.create_host_pool(layout())
+    key = f"rk-{names['req']}"
+    ctx.publish(key, src, [0], num_tokens=1)
+    with kvxfer.Client(daemon.sock) as router:
+        router.release(context_instance=names["ctx"],
+                       context_address=ctx.daemon_address, context_key=key)
+        ev = wait_event(ctx, key)
+        assert ev.ok and ev.message == "released"
+        with pytest.raises(kvxfer.NotFound, match=key):
+            router.release(context_instance=names["ctx"],
+                           context_address=ctx.daemon_address,
+                           context_key=key)
+        with pytest.raises(kvxfer.InvalidArgument, match="not both"):
+            router.release(b"x", context_key=key)

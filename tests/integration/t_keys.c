@@ -497,3 +497,52 @@ TEST(pool_says_its_heads)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* Release by key (no params): a router of the instance's uid releases
+ * the offer of a key; the context rank gets COMPLETE "released", the
+ * blocks are free; again, or a key never published, is NOT_FOUND; one
+ * being fetched is STATE; another instance name is NOT_FOUND. */
+TEST(release_by_key_one_daemon)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rk-ctx", "rk-gen", 8, &c, &g, &cs, &gs);
+    uint32_t cb[2] = {1, 2};
+    kvx_context_params_t p;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "rk-1", 4, c.pool, cb, 2, 7, NULL, 0, &p, T_MS),
+        c.c);
+    kvx_context_params_free(&p);
+    kvx_client_t *router;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &router), 0);
+    CHECK_KVX(kvx_release_by_key(router, "rk-ctx", c.addr, "rk-1", 4, T_MS),
+              router);
+    ev_t e = wait_key(c.c, "rk-1", 4, 3000);
+    CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+    CHECK_STR_CONTAINS(e.msg, "released");
+    CHECK_FAILS(kvx_release_by_key(router, "rk-ctx", c.addr, "rk-1", 4, T_MS),
+                router, KVX_ERR_NOT_FOUND, "rk-1");
+    CHECK_FAILS(kvx_release_by_key(router, "rk-nope", c.addr, "rk-1", 4, T_MS),
+                router, KVX_ERR_NOT_FOUND, "no instance 'rk-nope'");
+    CHECK_FAILS(kvx_release_by_key(router, "", c.addr, "rk-1", 4, T_MS), router,
+                KVX_ERR_INVALID, "context_instance");
+    /* being fetched: STATE, and the transfer completes */
+    fill_req(&c, 12, cb, 7);
+    CHECK_KVX(
+        kvx_publish_key(c.c, "rk-2", 4, c.pool, cb, 2, 7, NULL, 0, &p, T_MS),
+        c.c);
+    uint32_t gb[2] = {5, 6};
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "g-2", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    int rc = kvx_release_by_key(router, "rk-ctx", c.addr, "rk-2", 4, T_MS);
+    CHECK(rc == KVX_ERR_STATE || rc == KVX_ERR_NOT_FOUND); /* or done */
+    CHECK_EQ(wait_key(g.c, "g-2", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    kvx_context_params_free(&p);
+    kvx_close(router);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}

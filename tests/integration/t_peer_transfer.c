@@ -1091,3 +1091,52 @@ TEST_T(peer_aux_across_daemons, 60)
     rank_close(&g);
     p_stop_both(a, b);
 }
+
+/* Release by key from another daemon: a router on B releases A's offer
+ * by key (PeerResolve, then PeerRelease); A's rank gets COMPLETE
+ * "released"; again: NOT_FOUND naming the key; a context instance that
+ * names its consumers refuses a router (PERM). */
+TEST_T(peer_release_by_key, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pr-ctx", "pr-gen", &c, &g);
+    uint32_t cb[2] = {1, 2};
+    kvx_context_params_t p;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room-7", 6, c.pool, cb, 2, 7, NULL, 0, &p, T_MS),
+        c.c);
+    kvx_context_params_free(&p);
+    kvx_client_t *router;
+    CHECK_EQ(kvx_connect_observer(b->sock, T_MS, &router), 0);
+    CHECK_KVX(kvx_release_by_key(router, "pr-ctx", c.addr, "room-7", 6, T_MS),
+              router);
+    ev_t e = wait_key(c.c, "room-7", 6, 5000);
+    CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+    CHECK_STR_CONTAINS(e.msg, "released");
+    CHECK_FAILS(kvx_release_by_key(router, "pr-ctx", c.addr, "room-7", 6, T_MS),
+                router, KVX_ERR_NOT_FOUND, "room-7");
+    /* an instance that names its consumers: no router by key */
+    side_t cs2 = cs;
+    cs2.inst = "pr-ctx2";
+    rank_t c2;
+    rank_hello_only(a, &M_SMALL, &cs2, 0, &c2);
+    const char *addrs[1] = {c2.addr};
+    const char *cons[1] = {"pr-gen"};
+    CHECK_KVX(kvx_join_consumers(c2.c, addrs, 1, cons, 1, T_MS), c2.c);
+    rank_pool(&c2, 8);
+    CHECK_KVX(kvx_publish_key(c2.c, "room-8", 6, c2.pool, cb, 2, 7, NULL, 0, &p,
+                              T_MS),
+              c2.c);
+    kvx_context_params_free(&p);
+    CHECK_FAILS(
+        kvx_release_by_key(router, "pr-ctx2", c2.addr, "room-8", 6, T_MS),
+        router, KVX_ERR_PERM, "does not let");
+    kvx_close(router);
+    rank_close(&c2);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}
