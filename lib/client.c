@@ -1169,6 +1169,30 @@ void kvx_context_params_free(kvx_context_params_t *p)
     p->len = 0;
 }
 
+/* A request answered with context params (Publish, Reserve): *params
+ * gets a copy. */
+static int params_call(kvx_client_t *c, Kvxfer__Request *rq, const char *what,
+                       kvx_context_params_t *params, int timeout_ms)
+{
+    Kvxfer__Reply *r;
+    int rc = call(c, rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_PUBLISH) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_PROTOCOL, "%s: reply without params", what);
+    }
+    params->len = r->publish->context_params.len;
+    params->data = malloc(params->len ? params->len : 1);
+    if (!params->data) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    memcpy(params->data, r->publish->context_params.data, params->len);
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
 /* A key argument: 0, or KVX_ERR_INVALID with the message set. */
 static int key_arg(kvx_client_t *c, const char *fn, const void *key,
                    size_t key_len)
@@ -1219,23 +1243,7 @@ int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
     rq.publish = &m;
-    Kvxfer__Reply *r;
-    rc = call(c, &rq, -1, timeout_ms, &r);
-    if (rc)
-        return rc;
-    if (r->body_case != KVXFER__REPLY__BODY_PUBLISH) {
-        kvxfer__reply__free_unpacked(r, NULL);
-        return fail(c, KVX_ERR_PROTOCOL, "publish: reply without params");
-    }
-    params->len = r->publish->context_params.len;
-    params->data = malloc(params->len ? params->len : 1);
-    if (!params->data) {
-        kvxfer__reply__free_unpacked(r, NULL);
-        return fail(c, KVX_ERR_NOMEM, "out of memory");
-    }
-    memcpy(params->data, r->publish->context_params.data, params->len);
-    kvxfer__reply__free_unpacked(r, NULL);
-    return 0;
+    return params_call(c, &rq, "publish", params, timeout_ms);
 }
 
 int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,
@@ -1258,22 +1266,7 @@ int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_RESERVE;
     rq.reserve = &m;
-    Kvxfer__Reply *r;
-    if ((rc = call(c, &rq, -1, timeout_ms, &r)))
-        return rc;
-    if (r->body_case != KVXFER__REPLY__BODY_PUBLISH) {
-        kvxfer__reply__free_unpacked(r, NULL);
-        return fail(c, KVX_ERR_PROTOCOL, "reserve: reply without params");
-    }
-    params->len = r->publish->context_params.len;
-    params->data = malloc(params->len ? params->len : 1);
-    if (!params->data) {
-        kvxfer__reply__free_unpacked(r, NULL);
-        return fail(c, KVX_ERR_NOMEM, "out of memory");
-    }
-    memcpy(params->data, r->publish->context_params.data, params->len);
-    kvxfer__reply__free_unpacked(r, NULL);
-    return 0;
+    return params_call(c, &rq, "reserve", params, timeout_ms);
 }
 
 int kvx_fetch_by_key(kvx_client_t *c, const void *key, size_t key_len,

@@ -829,6 +829,22 @@ static int ready_for(session_t *s, kvx_role_t need, const char *what,
     return instance_ready(s->inst, why, why_len);
 }
 
+/* A PublishReply with params (malloc'd: freed here). */
+static void reply_params(session_t *s, uint64_t id, uint8_t *params,
+                         size_t plen)
+{
+    Kvxfer__PublishReply pr = KVXFER__PUBLISH_REPLY__INIT;
+    pr.context_params.data = params;
+    pr.context_params.len = plen;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_PUBLISH;
+    r.publish = &pr;
+    reply_packed(s, &r);
+    free(params);
+}
+
 static void on_publish(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
@@ -859,16 +875,7 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
                            (uint32_t)m->aux.len, &params, &plen, why,
                            sizeof(why))))
         goto fail;
-    Kvxfer__PublishReply pr = KVXFER__PUBLISH_REPLY__INIT;
-    pr.context_params.data = params;
-    pr.context_params.len = plen;
-    Kvxfer__Reply r = KVXFER__REPLY__INIT;
-    r.id = rq->id;
-    r.message = "";
-    r.body_case = KVXFER__REPLY__BODY_PUBLISH;
-    r.publish = &pr;
-    reply_packed(s, &r);
-    free(params);
+    reply_params(s, rq->id, params, plen);
     return;
 fail:
     reply(s, rq->id, rc, why);
@@ -1087,16 +1094,7 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
     if ((rc = xfer_reserve(inst, &key, m->num_tokens, &p->layout, &params,
                            &plen, why, sizeof(why))))
         goto fail;
-    Kvxfer__PublishReply pr = KVXFER__PUBLISH_REPLY__INIT;
-    pr.context_params.data = params;
-    pr.context_params.len = plen;
-    Kvxfer__Reply r = KVXFER__REPLY__INIT;
-    r.id = rq->id;
-    r.message = "";
-    r.body_case = KVXFER__REPLY__BODY_PUBLISH;
-    r.publish = &pr;
-    reply_packed(s, &r);
-    free(params);
+    reply_params(s, rq->id, params, plen);
     return;
 fail:
     reply(s, rq->id, rc, why);

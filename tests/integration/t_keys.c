@@ -546,3 +546,29 @@ TEST(release_by_key_one_daemon)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* Protocol 2.0 named requests by keys: a 1.x client is refused at Hello,
+ * naming both versions, and its connection still answers status. */
+TEST(protocol_1_clients_are_refused)
+{
+    daemon_t *d = daemon_start(NULL);
+    kvx_client_t *c;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &c), 0);
+    kvx_hello_t h = {.instance_id = "v1",
+                     .role = KVX_ROLE_CONTEXT,
+                     .parallel = {.tp = 1,
+                                  .pp = 1,
+                                  .cp = 1,
+                                  .total_layers = 4,
+                                  .total_kv_heads = 4},
+                     .version_major = 1,
+                     .version_minor = 1};
+    CHECK_FAILS(kvx_hello(c, &h, T_MS), c, KVX_ERR_VERSION,
+                "client speaks protocol 1.1, daemon speaks 2.0");
+    char *json;
+    CHECK_KVX(kvx_status_json(c, &json, T_MS), c);
+    free(json);
+    kvx_close(c);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
