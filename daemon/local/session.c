@@ -1044,16 +1044,35 @@ fail:
 
 /* A pool of a local rank of inst: its layout speaks for the instance's
  * (every rank's must agree with the offer's at publish). */
-static const pool_t *instance_pool(const instance_t *inst)
+static int same_summary(const kvx_layout_t *a, const kvx_layout_t *b)
 {
+    return !strcmp(a->preset, b->preset) &&
+           a->tokens_per_block == b->tokens_per_block &&
+           a->head_dim == b->head_dim && a->dtype == b->dtype &&
+           a->elem_size == b->elem_size && a->kv_factor == b->kv_factor;
+}
+
+/* NULL with *mixed set when the local ranks' pools differ in what the
+ * params carry: reserve cannot tell which the ranks will publish. */
+static const pool_t *instance_pool(const instance_t *inst, int *mixed)
+{
+    const pool_t *first = NULL;
+    *mixed = 0;
     for (uint32_t r = 0; r < inst->nranks; r++) {
         session_t *rs =
             inst->rank_sid[r] ? map_get(&sessions, inst->rank_sid[r]) : NULL;
-        pool_t *p = NULL;
-        if (rs && map_values(&rs->pools, (void **)&p, 1) == 1)
-            return p;
+        uint32_t n = rs ? rs->pools.n : 0;
+        pool_t **ps = n ? calloc(n, sizeof(*ps)) : NULL;
+        n = ps ? map_values(&rs->pools, (void **)ps, n) : 0;
+        for (uint32_t i = 0; i < n; i++) {
+            if (!first)
+                first = ps[i];
+            else if (!same_summary(&first->layout, &ps[i]->layout))
+                *mixed = 1;
+        }
+        free(ps);
     }
-    return NULL;
+    return *mixed ? NULL : first;
 }
 
 /* Reserve: the instance's scheduler, no Hello needed, under the uid
@@ -1083,7 +1102,14 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
              "reserve: rank 0 of instance %s is served by daemon %s: "
              "reserve there",
              inst->id, inst->addresses[0]);
-    const pool_t *p = instance_pool(inst);
+    int mixed;
+    const pool_t *p = instance_pool(inst, &mixed);
+    if (mixed)
+        FAIL(KVX_ERR_STATE,
+             "reserve: the ranks of instance %s registered pools of "
+             "different layouts (preset, tokens_per_block, head_dim, dtype): "
+             "the params cannot say which they will publish",
+             inst->id);
     if (!p)
         FAIL(KVX_ERR_STATE,
              "reserve: no rank of instance %s has registered a pool here "
@@ -1116,10 +1142,12 @@ static void on_release(session_t *s, const Kvxfer__Request *rq)
             rc = KVX_ERR_INVALID;
         }
         if (!rc)
-            rc = keyed_release(s->id, rq->id, s->uid, s->admin,
-                               m->context_instance ? m->context_instance : "",
-                               m->context_address ? m->context_address : "",
-                               &key, &later, why, sizeof(why));
+            rc = keyed_release(
+                s->id, rq->id, s->uid, s->admin,
+                s->inst && (s->role & KVX_ROLE_GENERATION) ? s->inst->id : NULL,
+                m->context_instance ? m->context_instance : "",
+                m->context_address ? m->context_address : "", &key, &later, why,
+                sizeof(why));
     } else
         rc = release_start(m->context_params.data, m->context_params.len, s->id,
                            rq->id, &later, why, sizeof(why));
@@ -1595,6 +1623,7 @@ static void session_close(session_t *s, const char *why)
         char msg[256];
         snprintf(msg, sizeof(msg), "rank %u of instance %s disconnected",
                  s->rank, s->inst->id);
+        keyed_end_instance(s->inst, KVX_ERR_PEER_GONE, msg);
         xfer_end_instance(s->inst, KVX_ERR_PEER_GONE, msg);
     }
     fds_drop(s, s->nfds, 1);

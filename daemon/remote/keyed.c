@@ -44,6 +44,7 @@ typedef struct kf {
     char ctx_addr[192];
     reqkey_t ctx_key;
     uint32_t nranks, need, ndone;
+    uint32_t handed; /* ranks xfer took: it sends the request's event */
     kf_rank_t *rank;
     uint8_t *params; /* once resolved */
     size_t plen;
@@ -111,12 +112,20 @@ static void kf_free(kf_t *kf)
     free(kf);
 }
 
-/* It ends before it became a request: its event, then it is gone. */
+/* It ends before it became a request: its event (the ranks that have
+ * not fetched yet join that end: xfer_fetch_ended()), then it is gone.
+ * Once xfer took a rank, xfer sends the request's one event instead. */
 static void kf_fail(kf_t *kf, int kind, int code, const char *msg)
 {
     instance_t *inst = instance_find(kf->inst);
-    if (inst)
-        xfer_fetch_end_early(inst, &kf->key, kf->dp_rank, kind, code, msg);
+    uint8_t *seen = inst ? calloc(inst->nranks, 1) : NULL;
+    for (uint32_t r = 0; seen && r < kf->nranks && r < inst->nranks; r++)
+        seen[r] = kf->rank[r].waiting || kf->rank[r].done;
+    if (inst && !kf->handed)
+        xfer_fetch_end_early(
+            inst, &kf->key, kf->dp_rank, kind, code, msg, seen,
+            xfer_source_id(kf->ctx_inst, kf->ctx_key.b, kf->ctx_key.len));
+    free(seen);
     kf_free(kf);
 }
 
@@ -136,8 +145,11 @@ static int kf_run(kf_t *kf, instance_t *inst, uint32_t r, pool_t *pool,
 {
     kf->rank[r].done = 1;
     kf->ndone++;
-    return xfer_fetch(inst, r, &kf->key, kf->params, kf->plen, pool, blocks,
-                      nblocks, kf->skip, kf->dp_rank, why, why_len);
+    int rc = xfer_fetch(inst, r, &kf->key, kf->params, kf->plen, pool, blocks,
+                        nblocks, kf->skip, kf->dp_rank, why, why_len);
+    if (!rc && !kf->handed++) /* the deadline runs from the first call */
+        xfer_fetch_deadline(inst, &kf->key, kf->until_ms);
+    return rc;
 }
 
 /* Every local rank of the group has fetched: nothing left to wait for. */
@@ -169,15 +181,12 @@ static void kf_resolved(kf_t *kf, uint8_t *params, size_t plen)
                         sizeof(why));
         pool_unref(a->pool); /* xfer holds its own while it runs */
         a->pool = NULL;
-        if (rc && !xfer_fetch_runs(inst, &kf->key)) {
-            /* refused before it became a request: it ends here */
+        if (rc) {
+            /* refused before any rank became a request: it ends here;
+             * else xfer ended the request (one event) for every rank */
             char m[700];
             snprintf(m, sizeof(m), "fetch_by_key: rank %u: %s", r, why);
             kf_fail(kf, KVX_EVENT_ERROR, rc, m);
-            return;
-        }
-        if (rc) { /* xfer ended the request for every rank */
-            kf_free(kf);
             return;
         }
     }
@@ -266,7 +275,7 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         return KVX_ERR_INVALID;
     }
     int here = !strcmp(ctx_address, kvxd.address);
-    int rc;
+    int rc, created = 1;
     if (!here && !peer_enabled()) {
         snprintf(why, why_len,
                  "fetch_by_key.context_address: '%s' is another daemon, and "
@@ -278,6 +287,11 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
     if (!here && (rc = peer_address_check(ctx_address, why, why_len)))
         return rc;
     kf_t *kf = kf_find(inst->id, key);
+    if (!kf &&
+        xfer_fetch_ended(inst, rank, key,
+                         xfer_source_id(ctx_instance, ctx_key->b, ctx_key->len),
+                         &rc, why, why_len))
+        return rc; /* it ended already: this rank joins that end */
     if (!kf && xfer_fetch_runs(inst, key)) {
         snprintf(why, why_len,
                  "fetch_by_key.key: request %s is being fetched already",
@@ -310,12 +324,18 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         }
         if (kf->params) { /* resolved: straight to xfer */
             rc = kf_run(kf, inst, rank, pool, blocks, nblocks, why, why_len);
-            if (rc && xfer_fetch_runs(inst, key))
+            if (rc && kf->handed)
                 kf_free(kf); /* xfer ended it for every rank */
-            else if (!rc)
+            else if (rc) {   /* the first rank xfer saw refused: one event */
+                char m[700];
+                snprintf(m, sizeof(m), "fetch_by_key: rank %u: %s", rank, why);
+                kf_fail(kf, KVX_EVENT_ERROR, rc, m);
+                return 0; /* as across daemons: the event says why */
+            } else
                 kf_complete(kf);
             return rc;
         }
+        created = 0;
     } else {
         if (!(kf = calloc(1, sizeof(*kf))) ||
             !(kf->rank = calloc(inst->nranks, sizeof(*kf->rank)))) {
@@ -346,7 +366,7 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
     }
     kf_rank_t *a = &kf->rank[rank];
     if (!(a->blocks = malloc(nblocks * sizeof(uint32_t) + 1))) {
-        if (!kf->ndone && !kf->res_id && !kf->conn)
+        if (created)
             kf_free(kf); /* made just now, nothing else waits */
         snprintf(why, why_len, "fetch_by_key: out of memory");
         return KVX_ERR_NOMEM;
@@ -379,6 +399,17 @@ int keyed_cancel(instance_t *inst, const reqkey_t *key)
     kf_fail(kf, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
             "cancelled by the generation side");
     return 1;
+}
+
+void keyed_end_instance(const instance_t *inst, int code, const char *msg)
+{
+    list_t *n, *t;
+restart:
+    LIST_FOREACH_SAFE(n, t, &kfs)
+    if (!strcmp(KF(n)->inst, inst->id)) {
+        kf_fail(KF(n), KVX_EVENT_ERROR, code, msg);
+        goto restart; /* an event may have ended others */
+    }
 }
 
 uint32_t keyed_pool_users(const pool_t *pool)
@@ -425,9 +456,9 @@ static void krel_finish(krel_t *r, int code, const char *msg,
 }
 
 int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
-                  const char *ctx_instance, const char *ctx_address,
-                  const reqkey_t *ctx_key, int *later, char *why,
-                  size_t why_len)
+                  const char *consumer, const char *ctx_instance,
+                  const char *ctx_address, const reqkey_t *ctx_key, int *later,
+                  char *why, size_t why_len)
 {
     *later = 0;
     size_t il = strlen(ctx_instance), al = strlen(ctx_address);
@@ -470,6 +501,15 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
                  ctx_address);
         return KVX_ERR_UNSUPPORTED;
     }
+    if (!consumer) {
+        snprintf(why, why_len,
+                 "release: rank 0 of instance %s is served by daemon %s; "
+                 "from another daemon only a generation rank may release "
+                 "by key (its instance let in by the context instance's "
+                 "join), else use the params",
+                 ctx_instance, ctx_address);
+        return KVX_ERR_PERM;
+    }
     if ((rc = peer_address_check(ctx_address, why, why_len)))
         return rc;
     peer_conn_t *c = peer_connect(ctx_address, why, why_len);
@@ -492,7 +532,7 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
     pr.instance_id = (char *)ctx_instance;
     pr.key.data = (uint8_t *)ctx_key->b;
     pr.key.len = ctx_key->len;
-    pr.consumer_instance = ""; /* a router: no instance of its own */
+    pr.consumer_instance = (char *)consumer;
     pr.wait_ms = 0;            /* now, or not found */
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     m.m_case = KVXFER__PEER_MSG__M_RESOLVE;

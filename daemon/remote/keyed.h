@@ -48,15 +48,20 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
 /* Release by key (Release with no params) for client request req_id of
  * session sid (of uid; admin: any uid's instance): the params are found
  * as for a fetch by key, without waiting, and handed to release_start().
+ * Rank 0 on another daemon: only a generation rank's session may ask
+ * (consumer: its instance, which the context instance must let fetch by
+ * key); NULL: PERM. uids mean nothing across nodes.
  * 0 with *later set: answered later (kvxd_reply); else the code to
  * answer now, with why (0: done). */
 int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
-                  const char *ctx_instance, const char *ctx_address,
-                  const reqkey_t *ctx_key, int *later, char *why,
-                  size_t why_len);
+                  const char *consumer, const char *ctx_instance,
+                  const char *ctx_address, const reqkey_t *ctx_key, int *later,
+                  char *why, size_t why_len);
 /* A cancel of key in inst: 1 when a waiting fetch of it ended
  * (CANCELLED), else 0. */
 int keyed_cancel(instance_t *inst, const reqkey_t *key);
+/* inst's requests end (a rank left): its waiting fetches end too. */
+void keyed_end_instance(const instance_t *inst, int code, const char *msg);
 /* Waiting fetches that hold pool. */
 uint32_t keyed_pool_users(const pool_t *pool);
 /* pool is going: the waiting fetches that hold it end (ERROR code). */

@@ -166,6 +166,7 @@ struct genreq {
     plan_side_t src_side; /* remote: the offer's side, from the params */
     char src_instance[INSTANCE_ID_MAX + 1];
     uint64_t src_request; /* the offer's key's id */
+    uint64_t src_id;      /* xfer_source_id() of the offer */
     reqkey_t src_key;
     uint8_t token[TOKEN_LEN];
     char **src_addresses; /* remote: daemon of each context rank */
@@ -189,6 +190,8 @@ typedef struct gone {
     char inst[INSTANCE_ID_MAX + 1];
     uint64_t request_id;
     reqkey_t key;
+    uint64_t src; /* fetch: what it fetched (xfer_source_id()); a fetch
+                     of the key from another offer is a new request */
     uint32_t nranks, need, seen;
     uint8_t ranks[]; /* fetch: which ranks fetched */
 } gone_t;
@@ -242,7 +245,7 @@ static gone_t *gone_find(int offer, const char *inst, uint64_t request_id,
 /* Out of memory: not kept, and a late fetch finds nothing (NOT_FOUND or
  * a request of its own), as before this record existed. */
 static gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
-                        const reqkey_t *key)
+                        const reqkey_t *key, uint64_t src)
 {
     uint32_t nr = offer ? 0 : inst->nranks;
     gone_t *x = calloc(1, sizeof(*x) + nr);
@@ -255,6 +258,7 @@ static gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
     snprintf(x->inst, sizeof(x->inst), "%s", inst->id);
     x->request_id = request_id;
     x->key = *key;
+    x->src = src;
     x->nranks = nr;
     dl_insert(&gones, &x->dl, kvxd_now_ms() + kvxd.conf.fetch_timeout_ms);
     ngones++;
@@ -648,7 +652,13 @@ static int offer_create(instance_t *inst, uint64_t request_id,
 int xfer_params_for(instance_t *inst, const reqkey_t *key, uint8_t **params,
                     size_t *len, char *why, size_t why_len)
 {
-    offer_t *o = map_get(&inst->offers, xfer_key_id(key->b, key->len));
+    uint64_t id = xfer_key_id(key->b, key->len);
+    offer_t *o = map_get(&inst->offers, id);
+    if ((!o || !reqkey_eq(&o->key, key)) &&
+        gone_find(1, inst->id, id, key->b, key->len))
+        WHY(KVX_ERR_CANCELLED,
+            "request %s of instance %s: cancelled by the context side", ks(key),
+            inst->id);
     if (!o || !reqkey_eq(&o->key, key))
         WHY(KVX_ERR_NOT_FOUND, "no offer of request %s of instance %s", ks(key),
             inst->id);
@@ -675,11 +685,34 @@ int xfer_fetch_runs(instance_t *inst, const reqkey_t *key)
 }
 
 void xfer_fetch_end_early(instance_t *inst, const reqkey_t *key,
-                          uint32_t dp_rank, int kind, int code, const char *msg)
+                          uint32_t dp_rank, int kind, int code, const char *msg,
+                          const uint8_t *seen, uint64_t src)
 {
     uint32_t groups = inst->side.attention_dp > 1 ? inst->side.attention_dp : 1;
-    push_event(inst, xfer_key_id(key->b, key->len), key, kind, code, msg, 0,
-               group_ranks(inst, dp_rank), inst->nranks / groups);
+    uint64_t id = xfer_key_id(key->b, key->len);
+    uint32_t need = group_ranks(inst, dp_rank), n = 0;
+    push_event(inst, id, key, kind, code, msg, 0, need, inst->nranks / groups);
+    for (uint32_t r = 0; seen && r < inst->nranks; r++)
+        n += seen[r] != 0;
+    /* the other ranks' fetches join this end (gone_t), no second event */
+    gone_t *x = n < need ? gone_add(0, inst, id, key, src) : NULL;
+    for (uint32_t r = 0; x && seen && r < inst->nranks; r++)
+        x->ranks[r] = seen[r] != 0;
+    if (x) {
+        x->need = need;
+        x->seen = n;
+    }
+}
+
+void xfer_fetch_deadline(instance_t *inst, const reqkey_t *key,
+                         uint64_t until_ms)
+{
+    genreq_t *g = map_get(&inst->fetches, xfer_key_id(key->b, key->len));
+    if (!g || !reqkey_eq(&g->key, key) || g->ending ||
+        !list_linked(&g->timeout.node) || g->timeout.deadline_ms <= until_ms)
+        return;
+    dl_remove(&g->timeout);
+    dl_insert(&timeouts, &g->timeout, until_ms);
 }
 
 static void part_try_start(genpart_t *p);
@@ -1117,6 +1150,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         snprintf(g->src_instance, sizeof(g->src_instance), "%s",
                  cp->instance_id);
         g->src_request = src_id;
+        g->src_id = xfer_source_id(cp->instance_id, cp->key.data, cp->key.len);
         g->src_key.len = (uint32_t)cp->key.len;
         memcpy(g->src_key.b, cp->key.data, cp->key.len);
         memcpy(g->token, cp->token.data, TOKEN_LEN);
@@ -1153,11 +1187,15 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
  * failed, it was cancelled, it timed out): its event is in the batches,
  * so this fetch joins that end, with no second event. 1 when it did. */
 static int fetch_join_end(instance_t *inst, uint32_t rank, uint64_t id,
-                          const reqkey_t *key, int *rc, char *why,
+                          const reqkey_t *key, uint64_t src, int *rc, char *why,
                           size_t why_len)
 {
     genreq_t *g = map_get(&inst->fetches, id);
     gone_t *x = g ? NULL : gone_find(0, inst->id, id, key->b, key->len);
+    if (x && x->src != src) { /* the key again, for another offer: new */
+        gone_free(x);
+        x = NULL;
+    }
     int *seen =
         g && reqkey_eq(&g->key, key) && g->ending && !g->parts[rank].fetched
             ? &g->parts[rank].late
@@ -1179,6 +1217,38 @@ static int fetch_join_end(instance_t *inst, uint32_t rank, uint64_t id,
     return 1;
 }
 
+int xfer_fetch_ended(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                     uint64_t src, int *rc, char *why, size_t why_len)
+{
+    return rank < inst->nranks &&
+           fetch_join_end(inst, rank, xfer_key_id(key->b, key->len), key, src,
+                          rc, why, why_len);
+}
+
+uint64_t xfer_source_id(const char *inst, const uint8_t *key, size_t len)
+{
+    uint8_t buf[INSTANCE_ID_MAX + 1 + KVX_MAX_KEY];
+    size_t il = strnlen(inst, INSTANCE_ID_MAX);
+    if (len > KVX_MAX_KEY)
+        len = KVX_MAX_KEY;
+    memcpy(buf, inst, il);
+    buf[il] = 0;
+    memcpy(buf + il + 1, key, len);
+    return xfer_key_id(buf, il + 1 + len);
+}
+
+/* The source of params (0 when they do not decode: the fetch fails). */
+static uint64_t params_source(const uint8_t *pbuf, size_t plen)
+{
+    Kvxfer__ContextParams *cp;
+    char w[256];
+    if (xfer_params_decode(pbuf, plen, &cp, w, sizeof(w)))
+        return 0;
+    uint64_t s = xfer_source_id(cp->instance_id, cp->key.data, cp->key.len);
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    return s;
+}
+
 /* A rank's fetch of a request that other ranks fetched already is
  * refused: the request cannot complete without it, so it ends for every
  * rank now (ERROR, the refusal's code) instead of at the fetch timeout.
@@ -1193,8 +1263,11 @@ int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
 {
     uint64_t request_id = xfer_key_id(key->b, key->len);
     int rc, as_event = 0;
+    uint64_t src = gone_find(0, inst->id, request_id, key->b, key->len)
+                       ? params_source(pbuf, plen)
+                       : 0; /* decoded again only for a request that ended */
     if (rank < inst->nranks &&
-        fetch_join_end(inst, rank, request_id, key, &rc, why, why_len))
+        fetch_join_end(inst, rank, request_id, key, src, &rc, why, why_len))
         return rc;
     rc = fetch_one(inst, rank, request_id, key, pbuf, plen, pool, blocks,
                    nblocks, skip, dp_rank, &as_event, why, why_len);
@@ -1205,15 +1278,12 @@ int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
     if (as_event && !g) {
         /* no request yet: this one's only event; the other ranks'
          * fetches join it (gone_t) */
-        xfer_fetch_end_early(inst, key, dp_rank, KVX_EVENT_ERROR, rc, why);
-        gone_t *x = group_ranks(inst, dp_rank) > 1
-                        ? gone_add(0, inst, request_id, key)
-                        : NULL;
-        if (x) {
-            x->need = group_ranks(inst, dp_rank);
-            x->seen = 1;
-            x->ranks[rank] = 1;
-        }
+        uint8_t *seen = calloc(inst->nranks, 1);
+        if (seen && rank < inst->nranks)
+            seen[rank] = 1;
+        xfer_fetch_end_early(inst, key, dp_rank, KVX_EVENT_ERROR, rc, why, seen,
+                             params_source(pbuf, plen));
+        free(seen);
         return 0;
     }
     if (g && !g->ending && (as_event || g->nfetched > 0) &&
@@ -1420,6 +1490,7 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
             goto err_free_bt;
         }
         g->offer = o;
+        g->src_id = xfer_source_id(ci->id, o->key.b, o->key.len);
         o->consumer = g;
         dl_remove(&o->lease); /* the fetch timeout bounds it now */
     }
@@ -1567,7 +1638,7 @@ static void offer_try_finalize(offer_t *o)
     push_event(inst, o->request_id, &o->key, o->end_kind, o->end_code,
                o->end_msg, 1, inst->nlocal, inst->nranks);
     if (o->end_kind == KVX_EVENT_CANCELLED)
-        gone_add(1, inst, o->request_id, &o->key);
+        gone_add(1, inst, o->request_id, &o->key, 0);
     map_del(&inst->offers, o->request_id);
     nrequests--;
     log_debug("offer %s/%s ended: %s", inst->id, ks(&o->key),
@@ -1648,7 +1719,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     for (uint32_t r = 0; r < inst->nranks; r++)
         seen += g->parts[r].fetched || g->parts[r].late;
     gone_t *x = g->end_kind != KVX_EVENT_COMPLETE && seen < g->need
-                    ? gone_add(0, inst, g->request_id, &g->key)
+                    ? gone_add(0, inst, g->request_id, &g->key, g->src_id)
                     : NULL;
     for (uint32_t r = 0; x && r < inst->nranks; r++)
         x->ranks[r] = g->parts[r].fetched || g->parts[r].late;

@@ -57,10 +57,24 @@ int xfer_params_for(instance_t *inst, const reqkey_t *key, uint8_t **params,
 int xfer_fetch_runs(instance_t *inst, const reqkey_t *key);
 /* A fetch of key that never became a request (fetch by key: no offer
  * found, refused) ends: its terminal event for the local ranks of
- * attention-DP group dp_rank. */
+ * attention-DP group dp_rank. seen (nranks flags, or NULL): the ranks
+ * that fetched it; the others' fetches join this end until the fetch
+ * timeout (xfer_fetch_ended()), with no second event. */
 void xfer_fetch_end_early(instance_t *inst, const reqkey_t *key,
-                          uint32_t dp_rank, int kind, int code,
-                          const char *msg);
+                          uint32_t dp_rank, int kind, int code, const char *msg,
+                          const uint8_t *seen, uint64_t src);
+/* What a fetch reads, as a number: context instance and key. */
+uint64_t xfer_source_id(const char *inst, const uint8_t *key, size_t len);
+/* Rank's fetch of key (of source src) joins a request that ended
+ * already: 1 with *rc
+ * (0, or EXISTS when this rank fetched it before) and why; 0 when there
+ * is no such end. */
+int xfer_fetch_ended(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                     uint64_t src, int *rc, char *why, size_t why_len);
+/* The fetch of key ends by until_ms at the latest (a fetch by key's
+ * deadline runs from its first rank's call, not from its resolve). */
+void xfer_fetch_deadline(instance_t *inst, const reqkey_t *key,
+                         uint64_t until_ms);
 
 /* Fill blocks of pool for request key at rank from the offer params name. */
 int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,

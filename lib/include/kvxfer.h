@@ -440,9 +440,10 @@ KVX_EXPORT int kvx_publish_key(kvx_client_t *client, const void *key,
  * once a rank there has registered a pool (its layout goes into the
  * params). Errors: KVX_ERR_NOT_FOUND (no such instance on this daemon),
  * KVX_ERR_STATE (not joined or incomplete, no pool registered yet, rank
- * 0 served elsewhere), KVX_ERR_EXISTS (key reserved or published
- * already), KVX_ERR_PERM (an instance of another uid), KVX_ERR_INVALID
- * (the key, num_tokens 0). */
+ * 0 served elsewhere, local pools of different layouts), KVX_ERR_EXISTS
+ * (key reserved or published already), KVX_ERR_INVALID (the key,
+ * num_tokens 0). An instance of another uid is NOT_FOUND, as one that
+ * does not exist. */
 KVX_EXPORT int kvx_reserve(kvx_client_t *client, const char *instance_id,
                            const void *key, size_t key_len, uint32_t num_tokens,
                            kvx_context_params_t *params, int timeout_ms);
@@ -583,11 +584,12 @@ KVX_EXPORT int kvx_release(kvx_client_t *client, const void *params,
 /* kvx_release by key, with no params in hand: the request context_key of
  * context_instance, whose rank 0 is served by the daemon at
  * context_address. The daemons find its params as kvx_fetch_by_key does
- * (a process of the instance's uid on its daemon; from another daemon,
- * when the instance's join names no consumers), then release as
- * kvx_release does. KVX_ERR_NOT_FOUND when it is not published or
- * reserved (now: a release does not wait), KVX_ERR_PERM when the
- * instance does not let it, else kvx_release's errors. */
+ * (on rank 0's daemon: a process of the instance's uid; from another
+ * daemon: a generation rank whose instance the context instance lets
+ * fetch by key, kvx_join_consumers; uids mean nothing across nodes),
+ * then release as kvx_release does. KVX_ERR_NOT_FOUND when it is not published
+ * or reserved (now: a release does not wait), KVX_ERR_PERM when the instance
+ * does not let it, else kvx_release's errors. */
 KVX_EXPORT int kvx_release_by_key(kvx_client_t *client,
                                   const char *context_instance,
                                   const char *context_address,

@@ -572,3 +572,254 @@ TEST(protocol_1_clients_are_refused)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* ---- regressions found by review: one event each, deadlines ---------- */
+
+static int count_key(kvx_client_t *c, const char *key, int ms, ev_t *last)
+{
+    ev_t e[32];
+    int n = collect(c, e, 32, 32, ms), k = 0;
+    for (int i = 0; i < n && i < 32; i++)
+        if (e[i].key_len == strlen(key) &&
+            !memcmp(e[i].key, key, strlen(key))) {
+            k++;
+            fprintf(stderr, "  event %s: kind %s code %d \"%s\"\n", key,
+                    kind_name(e[i].kind), e[i].code, e[i].msg);
+            if (last)
+                *last = e[i];
+        }
+    return k;
+}
+
+/* Generation tp 2: both ranks fetch by key, the context instance refuses
+ * (PERM): each rank gets that one event, not one per rank's fetch. */
+TEST(fetch_by_key_refused_once_per_rank)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs = {.inst = "rv-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    side_t gs = {.inst = "rv-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_t c, g0, g1;
+    rank_hello_only(d, &M_SMALL, &cs, 0, &c);
+    const char *addrs[1] = {c.addr};
+    const char *cons[1] = {"someone-else"};
+    CHECK_KVX(kvx_join_consumers(c.c, addrs, 1, cons, 1, T_MS), c.c);
+    rank_pool(&c, 8);
+    rank_hello_only(d, &M_SMALL, &gs, 0, &g0);
+    rank_hello_only(d, &M_SMALL, &gs, 1, &g1);
+    rank_join(&g0);
+    rank_join(&g1);
+    rank_pool(&g0, 8);
+    rank_pool(&g1, 8);
+    uint32_t gb[2] = {3, 2};
+    CHECK_KVX(kvx_fetch_by_key(g0.c, "k1", 2, "rv-ctx", c.addr, "room", 4,
+                               g0.pool, gb, 2, 0, 0, T_MS),
+              g0.c);
+    CHECK_KVX(kvx_fetch_by_key(g1.c, "k1", 2, "rv-ctx", c.addr, "room", 4,
+                               g1.pool, gb, 2, 0, 0, T_MS),
+              g1.c);
+    int n0 = count_key(g0.c, "k1", 1500, NULL);
+    int n1 = count_key(g1.c, "k1", 1500, NULL);
+    fprintf(stderr, "PERM tp2: rank0 saw %d events, rank1 saw %d\n", n0, n1);
+    CHECK_EQ(n0, 1);
+    CHECK_EQ(n1, 1);
+    rank_close(&c);
+    rank_close(&g0);
+    rank_close(&g1);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Generation tp 2 waiting by key; a reservation resolves; rank 1 gave
+ * too few blocks: its refusal ends the request, one event for each. */
+TEST(fetch_by_key_rank_refused_after_resolve)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs = {.inst = "rw-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    side_t gs = {.inst = "rw-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_t c, g0, g1;
+    rank_open(d, &M_SMALL, &cs, 0, 8, &c);
+    rank_hello_only(d, &M_SMALL, &gs, 0, &g0);
+    rank_hello_only(d, &M_SMALL, &gs, 1, &g1);
+    rank_join(&g0);
+    rank_join(&g1);
+    rank_pool(&g0, 8);
+    rank_pool(&g1, 8);
+    uint32_t gb[2] = {3, 2};
+    CHECK_KVX(kvx_fetch_by_key(g0.c, "k2", 2, "rw-ctx", c.addr, "room2", 5,
+                               g0.pool, gb, 2, 0, 0, T_MS),
+              g0.c);
+    CHECK_KVX(kvx_fetch_by_key(g1.c, "k2", 2, "rw-ctx", c.addr, "room2", 5,
+                               g1.pool, gb, 1, 0, 0, T_MS),
+              g1.c);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &sched), 0);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_reserve(sched, "rw-ctx", "room2", 5, 8, &p, T_MS), sched);
+    kvx_context_params_free(&p);
+    int n0 = count_key(g0.c, "k2", 1500, NULL);
+    int n1 = count_key(g1.c, "k2", 1500, NULL);
+    fprintf(stderr, "refused rank tp2: rank0 saw %d events, rank1 saw %d\n", n0,
+            n1);
+    CHECK_EQ(n0, 1);
+    CHECK_EQ(n1, 1);
+    kvx_close(sched);
+    rank_close(&c);
+    rank_close(&g0);
+    rank_close(&g1);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* A fetch by key that resolves late (a reservation at 900 ms of a 1000
+ * ms fetch timeout, never published) ends by the timeout counted from
+ * its call, not again from the resolve. */
+TEST(fetch_by_key_deadline_from_the_first_call)
+{
+    daemon_t *d = daemon_start("deadlines:\n  fetch_timeout_ms: 1000\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rt-ctx", "rt-gen", 8, &c, &g, &cs, &gs);
+    uint32_t gb[2] = {7, 0};
+    int64_t t0 = now_ms();
+    CHECK_KVX(kvx_fetch_by_key(g.c, "t-1", 3, "rt-ctx", c.addr, "room-t", 6,
+                               g.pool, gb, 2, 0, 0, T_MS),
+              g.c);
+    sleep_ms(900);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &sched), 0);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_reserve(sched, "rt-ctx", "room-t", 6, 8, &p, T_MS), sched);
+    kvx_context_params_free(&p);
+    ev_t e;
+    int n = collect(g.c, &e, 1, 1, 5000);
+    int64_t el = now_ms() - t0;
+    fprintf(stderr, "  event: %s \"%s\"\n", kind_name(e.kind), e.msg);
+    fprintf(
+        stderr,
+        "timeout twice: %d events, last after %lld ms (fetch_timeout 1000)\n",
+        n, (long long)el);
+    CHECK_EQ(n, 1);
+    CHECK_EQ(e.kind, KVX_EVENT_TIMED_OUT);
+    CHECK(el < 1600);
+    kvx_close(sched);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Generation tp 2: rank 0 fetches with params of a released offer
+ * (ERROR, rank 1 never fetched: the end is kept for rank 1); then both
+ * fetch the same key from a new offer: a new request, which completes,
+ * not rank 1's late join of the old end. */
+TEST(fetch_ended_early_then_the_key_again)
+{
+    daemon_t *d = daemon_start("deadlines:\n  fetch_timeout_ms: 5000\n");
+    side_t cs = {.inst = "rg-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    side_t gs = {.inst = "rg-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_t c, g0, g1;
+    rank_open(d, &M_SMALL, &cs, 0, 8, &c);
+    rank_hello_only(d, &M_SMALL, &gs, 0, &g0);
+    rank_hello_only(d, &M_SMALL, &gs, 1, &g1);
+    rank_join(&g0);
+    rank_join(&g1);
+    rank_pool(&g0, 8);
+    rank_pool(&g1, 8);
+    uint32_t cb[2] = {1, 5}, gb[2] = {3, 2};
+    kvx_context_params_t p1, p2;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "c1", 2, c.pool, cb, 2, 8, NULL, 0, &p1, T_MS),
+        c.c);
+    CHECK_KVX(kvx_release(c.c, p1.data, p1.len, T_MS), c.c);
+    CHECK_KVX(kvx_fetch_key(g0.c, "g1", 2, p1.data, p1.len, g0.pool, gb, 2, 0,
+                            0, T_MS),
+              g0.c);
+    int n0 = count_key(g0.c, "g1", 800, NULL);
+    int n1 = count_key(g1.c, "g1", 800, NULL);
+    fprintf(stderr, "first try: rank0 %d rank1 %d events\n", n0, n1);
+    fill_req(&c, 77, cb, 8);
+    CHECK_KVX(
+        kvx_publish_key(c.c, "c2", 2, c.pool, cb, 2, 8, NULL, 0, &p2, T_MS),
+        c.c);
+    int rc0 = kvx_fetch_key(g0.c, "g1", 2, p2.data, p2.len, g0.pool, gb, 2, 0,
+                            0, T_MS);
+    fprintf(stderr, "retry rank0: %s %s\n", kvx_status_name(rc0),
+            rc0 ? kvx_last_error(g0.c) : "");
+    int rc1 = kvx_fetch_key(g1.c, "g1", 2, p2.data, p2.len, g1.pool, gb, 2, 0,
+                            0, T_MS);
+    fprintf(stderr, "retry rank1: %s\n", kvx_status_name(rc1));
+    n0 = count_key(g0.c, "g1", 1500, NULL);
+    n1 = count_key(g1.c, "g1", 1500, NULL);
+    fprintf(stderr, "retry: rank0 %d rank1 %d events\n", n0, n1);
+    CHECK_EQ(rc0, 0);
+    CHECK_EQ(rc1, 0);
+    CHECK_EQ(n0, 1);
+    CHECK_EQ(n1, 1);
+    kvx_context_params_free(&p1);
+    kvx_context_params_free(&p2);
+    rank_close(&c);
+    rank_close(&g0);
+    rank_close(&g1);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* A fetch by key of an offer its context side cancelled hears CANCELLED
+ * at once, as a fetch with the params does, not a wait until TIMED_OUT. */
+TEST(fetch_by_key_of_a_cancelled_offer)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "fx-ctx", "fx-gen", 8, &c, &g, &cs, &gs);
+    uint32_t cb[1] = {0}, gb[1] = {1};
+    kvx_context_params_t p;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room-c", 6, c.pool, cb, 1, 4, NULL, 0, &p, T_MS),
+        c.c);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_cancel_key(c.c, "room-c", 6, T_MS), c.c);
+    int64_t t0 = now_ms();
+    CHECK_KVX(kvx_fetch_by_key(g.c, "g-c", 3, "fx-ctx", c.addr, "room-c", 6,
+                               g.pool, gb, 1, 0, 0, T_MS),
+              g.c);
+    ev_t e = wait_key(g.c, "g-c", 3, 3000);
+    CHECK_EQ(e.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(e.code, KVX_ERR_CANCELLED);
+    CHECK_STR_CONTAINS(e.msg, "cancelled by the context side");
+    CHECK(now_ms() - t0 < 1000);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}

@@ -900,14 +900,14 @@ TEST_T(peer_keyed_transfer, 60)
         kvxfer__context_params__unpack(NULL, p.len, p.data);
     CHECK(cp != NULL);
     uint8_t other[] = "bootstrap-room-8813";
+    ProtobufCBinaryData own = cp->key; /* the unpacked message's */
     cp->key.data = other;
     cp->key.len = strlen((char *)other);
     uint8_t forged[4096];
     size_t fl = kvxfer__context_params__get_packed_size(cp);
     CHECK(fl <= sizeof(forged));
     kvxfer__context_params__pack(cp, forged);
-    cp->key.data = NULL; /* not the unpacked message's to free */
-    cp->key.len = 0;
+    cp->key = own; /* freed with it */
     kvxfer__context_params__free_unpacked(cp, NULL);
     CHECK_KVX(
         kvx_fetch_key(g.c, "x1", 2, forged, fl, g.pool, gb, 2, 0, 0, T_MS),
@@ -1092,10 +1092,11 @@ TEST_T(peer_aux_across_daemons, 60)
     p_stop_both(a, b);
 }
 
-/* Release by key from another daemon: a router on B releases A's offer
- * by key (PeerResolve, then PeerRelease); A's rank gets COMPLETE
- * "released"; again: NOT_FOUND naming the key; a context instance that
- * names its consumers refuses a router (PERM). */
+/* Release by key from another daemon: a router on B is refused (PERM:
+ * no instance to be let in); B's generation rank releases A's offer by
+ * key (PeerResolve, then PeerRelease); A's rank gets COMPLETE
+ * "released"; again: NOT_FOUND naming the key; a context instance whose
+ * join names other consumers refuses it (PERM). */
 TEST_T(peer_release_by_key, 60)
 {
     daemon_t *a, *b;
@@ -1111,29 +1112,32 @@ TEST_T(peer_release_by_key, 60)
     kvx_context_params_free(&p);
     kvx_client_t *router;
     CHECK_EQ(kvx_connect_observer(b->sock, T_MS, &router), 0);
-    CHECK_KVX(kvx_release_by_key(router, "pr-ctx", c.addr, "room-7", 6, T_MS),
-              router);
+    /* a router on another daemon is no instance: refused, use params */
+    CHECK_FAILS(kvx_release_by_key(router, "pr-ctx", c.addr, "room-7", 6, T_MS),
+                router, KVX_ERR_PERM, "only a generation rank");
+    /* the generation rank on B may: its instance may fetch by key */
+    CHECK_KVX(kvx_release_by_key(g.c, "pr-ctx", c.addr, "room-7", 6, T_MS),
+              g.c);
     ev_t e = wait_key(c.c, "room-7", 6, 5000);
     CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
     CHECK_STR_CONTAINS(e.msg, "released");
-    CHECK_FAILS(kvx_release_by_key(router, "pr-ctx", c.addr, "room-7", 6, T_MS),
-                router, KVX_ERR_NOT_FOUND, "room-7");
-    /* an instance that names its consumers: no router by key */
+    CHECK_FAILS(kvx_release_by_key(g.c, "pr-ctx", c.addr, "room-7", 6, T_MS),
+                g.c, KVX_ERR_NOT_FOUND, "room-7");
+    /* an instance whose join names other consumers */
     side_t cs2 = cs;
     cs2.inst = "pr-ctx2";
     rank_t c2;
     rank_hello_only(a, &M_SMALL, &cs2, 0, &c2);
     const char *addrs[1] = {c2.addr};
-    const char *cons[1] = {"pr-gen"};
+    const char *cons[1] = {"somebody-else"};
     CHECK_KVX(kvx_join_consumers(c2.c, addrs, 1, cons, 1, T_MS), c2.c);
     rank_pool(&c2, 8);
     CHECK_KVX(kvx_publish_key(c2.c, "room-8", 6, c2.pool, cb, 2, 7, NULL, 0, &p,
                               T_MS),
               c2.c);
     kvx_context_params_free(&p);
-    CHECK_FAILS(
-        kvx_release_by_key(router, "pr-ctx2", c2.addr, "room-8", 6, T_MS),
-        router, KVX_ERR_PERM, "does not let");
+    CHECK_FAILS(kvx_release_by_key(g.c, "pr-ctx2", c2.addr, "room-8", 6, T_MS),
+                g.c, KVX_ERR_PERM, "does not let");
     kvx_close(router);
     rank_close(&c2);
     rank_close(&c);

@@ -631,4 +631,7 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     /* ending the offers gives their aux back */
     xfer_end_instance(inst, KVX_ERR_CANCELLED, "test");
     CHECK_EQ(kvxd_mem_used(MEM_AUX), 0);
+    free(pool->view[0].base); /* ended: nothing references the pool */
+    free(pool->view);
+    free(pool);
 }
