@@ -77,7 +77,7 @@ BINS := $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench \
 UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/test_*.c))
 ITEST      := $(BUILD)/tests/integration
 
-.PHONY: all deps test asan tsan demo install uninstall clean bundle help test-gpu lint fuzz
+.PHONY: all deps test asan tsan demo demo-gpu install uninstall clean bundle help test-gpu lint fuzz
 .PHONY: check-lib test-python wheel print-daemon-src
 all: $(BINS)
 
@@ -88,6 +88,7 @@ help:
 	@echo "make tsan       the tests under ThreadSanitizer (host-only build)"
 	@echo "make demo       install missing packages, build, run the end-to-end demo"
 	@echo "make test-gpu   GPU tests (skips without a GPU)"
+	@echo "make demo-gpu   a real transformer disaggregated through kvxfer (GPU)"
 	@echo "make test-python  the Python package's tests (pytest, a venv under build/)"
 	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
@@ -209,6 +210,13 @@ tsan:
 demo: deps
 	@$(MAKE) --no-print-directory all
 	@scripts/demo.sh $(BUILD)
+
+# A real transformer disaggregated through kvxfer: prefill, transfer and
+# decode times for a 4096-token prompt (needs CUDA torch, transformers).
+demo-gpu: deps
+	@$(MAKE) --no-print-directory all
+	@KVXFER_LIB=$(BUILD)/libkvxfer.so.2 python3 tests/gpu/real_model.py demo \
+		--kvxferd $(BUILD)/kvxferd
 
 # GPU tests: need a CUDA build and a GPU; anything less skips, saying why.
 GPU_TESTS := $(if $(filter 1,$(CUDA)),$(BUILD)/tests/gpu $(BUILD)/tests/libkvxtorch.so)

@@ -12,6 +12,14 @@ cp "$BUILD/kvxferd" "$BUILD/kvxferctl" "$BUILD/kvxfer-bench" "$OUT/bin/"
 cp "$(readlink -f "$BUILD/libkvxfer.so")" "$OUT/lib/libkvxfer.so.2"
 for t in gpu integration; do [ -x "$BUILD/tests/$t" ] && cp "$BUILD/tests/$t" "$OUT/bin/tests/"; done
 [ -f "$BUILD/tests/libkvxtorch.so" ] && cp "$BUILD/tests/libkvxtorch.so" tests/gpu/torch_pools.py "$OUT/bin/tests/"
+# the real-model test and demo, with the Python package they import
+# (from bin/tests, ../../python)
+if [ -d "$OUT/bin/tests" ]; then
+    cp tests/gpu/real_model.py "$OUT/bin/tests/"
+    mkdir -p "$OUT/python"
+    cp -r python/kvxfer "$OUT/python/"
+    rm -rf "$OUT/python/kvxfer/__pycache__" "$OUT/python/kvxfer/_libs"
+fi
 cp scripts/test-gpu.sh "$OUT/bin/"
 # the baseline of kvxfer-bench --daemons 2 (Debian's ucx-utils)
 [ -x /usr/bin/ucx_perftest ] && cp /usr/bin/ucx_perftest "$OUT/bin/"

@@ -53,6 +53,22 @@ else
     kill "$dpid"; wait "$dpid" || { echo "FAIL kvxferd of the torch tests exited $?"; tail -20 "$dir/d.log"; failed=$((failed + 1)); }
     rm -rf "$dir"
 fi
+# a real transformer disaggregated through the daemon (tests/gpu/
+# real_model.py): the same tokens as a colocated run, three cases
+rm_src=$(dirname "$0")/../tests/gpu/real_model.py
+[ -f "$T/real_model.py" ] && rm_src="$T/real_model.py"
+lib="$BUILD/libkvxfer.so.2"
+[ -f "$lib" ] || lib="$BUILD/lib/libkvxfer.so.2"
+if [ $# -gt 0 ]; then
+    : # named C tests only
+elif ! python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+    echo "test-gpu: real-model test skipped: python3 has no CUDA torch or no transformers"
+else
+    KVXFER_LIB=$lib PYTHONUNBUFFERED=1 python3 "$rm_src" test \
+        --kvxferd "$KB/kvxferd" >"$out" 2>&1
+    grep -v -i warn "$out"
+    add "$out"
+fi
 # the Python package's GPU tests: a build tree only (a bundle has no
 # python/); they skip, saying why, without CUDA torch or CuPy
 py=$(dirname "$0")/test-python.sh

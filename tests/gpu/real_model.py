@@ -101,7 +101,7 @@ def prefill_main(sock, rank, tp, prompt, key, q, times):
                       parallel=kvxfer.Parallel(tp=tp, total_layers=L,
                                                total_kv_heads=KV_HEADS),
                       timeout=30)
-    c.join([c.daemon_address] * tp)
+    c.join([c.daemon_address] * tp)  # every rank on this one daemon
     lay = kvxfer.Layout.preset("vllm-nhd", num_layers=L, num_heads=kvh,
                                head_dim=HD, dtype="bf16",
                                tokens_per_block=tpb, num_blocks=nb)
@@ -127,8 +127,16 @@ def prefill_main(sock, rank, tp, prompt, key, q, times):
             tensors[layer][1, b, :e - s] = v[s:e]
     torch.cuda.synchronize()
     times["prefill_s"] = time.perf_counter() - t0
-    params = c.publish(key, pool, blocks, num_tokens=T,
-                       aux=first.to_bytes(4, "little"))
+    end = time.time() + 60
+    while True:  # until every rank of the instance said hello
+        try:
+            params = c.publish(key, pool, blocks, num_tokens=T,
+                               aux=first.to_bytes(4, "little"))
+            break
+        except kvxfer.StateError:
+            if time.time() > end:
+                raise
+            time.sleep(0.05)
     times["published_at"] = time.time()
     if rank == 0:
         q.put(params)
@@ -159,8 +167,8 @@ def decode_main(sock, q, res, T, skip, prompt, key, times):
                            device="cuda") for _ in range(L)]
     pool = c.register_pool(tensors, lay)
     need = math.ceil(T / tpb)
-    blocks = [(3 * i + 1) % nb for i in range(need)]  # scattered
-    assert len(set(blocks)) == need
+    import random
+    blocks = random.Random(3).sample(range(nb), need)  # scattered
     if skip:  # the decode side holds a prefix already: its own prefill
         with torch.no_grad():
             out = m(prompt[:skip][None].cuda(), use_cache=True)
@@ -194,7 +202,7 @@ def decode_main(sock, q, res, T, skip, prompt, key, times):
     toks, logits = decode_from(m, cache, first, NEW)
     torch.cuda.synchronize()
     times["decode_s_per_token"] = (time.perf_counter() - t1) / (NEW - 1)
-    res.put((toks, logits))
+    res.put((toks, logits.tolist()))  # plain data: this process ends
     c.close()
 
 
@@ -232,7 +240,21 @@ def run_case(kvxferd, T, tp, skip, key):
                                            times)))
             for p in procs:
                 p.start()
-            toks, logits = res.get(timeout=600)
+            import queue
+            end = time.time() + 600
+            while True:  # a process that dies ends the case at once
+                try:
+                    toks, logits = res.get(timeout=1)
+                    logits = torch.tensor(logits)
+                    break
+                except queue.Empty:
+                    bad = [p for p in procs if p.exitcode not in (None, 0)]
+                    if bad or time.time() > end:
+                        for p in procs:
+                            p.kill()
+                        raise RuntimeError(
+                            "a process failed" if bad else "no result in "
+                            "600 s")
             for p in procs:
                 p.join(60)
                 if p.exitcode:
@@ -243,12 +265,14 @@ def run_case(kvxferd, T, tp, skip, key):
     return toks, logits, dict(times)
 
 
-def test(kvxferd):
+def test(kvxferd, only=None):
     T = 300
     ref_toks, ref_logits = colocated(prompt_of(T))
     passed = failed = 0
     for name, tp, skip in (("tp1-to-tp1", 1, 0), ("tp2-to-tp1", 2, 0),
                            ("prefix-held", 1, 100)):
+        if only and name != only:
+            continue
         try:
             toks, logits, _ = run_case(kvxferd, T, tp, skip, "req-" + name)
             diff = float((logits - ref_logits).abs().max())
@@ -260,8 +284,10 @@ def test(kvxferd):
             if toks != ref_toks:
                 print(f"  colocated {ref_toks}\n  disagg    {toks}")
         except Exception as e:  # one failing case does not hide the others
+            import traceback
             ok = False
             print(f"FAIL real_model {name}: {e!r}", flush=True)
+            traceback.print_exc()
         passed += ok
         failed += not ok
     print(f"{passed} passed, {failed} failed")
@@ -294,12 +320,14 @@ def main():
     ap.add_argument("--kvxferd", default=os.environ.get(
         "KVXFERD", os.path.join(HERE, "..", "..", "build", "kvxferd")))
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--only", help="test: this case only")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("real_model: skipped: no CUDA torch")
         print("0 passed, 0 failed")
         return 0
-    ok = test(a.kvxferd) if a.what == "test" else demo(a.kvxferd, a.tokens)
+    ok = (test(a.kvxferd, a.only) if a.what == "test"
+          else demo(a.kvxferd, a.tokens))
     return 0 if ok else 1
 
 
