@@ -14,6 +14,7 @@ mkdir -p "$OUT"
 SRC="$(make -s --no-print-directory print-daemon-src CUDA=0) build/gen/kvxfer.pb-c.c"
 FLAGS="${FUZZ_CFLAGS:-} -g -O1 -std=gnu11 -D_GNU_SOURCE -fno-omit-frame-pointer -Itests/fuzz
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+       -Werror=implicit-function-declaration
        -Ibuild/gen -Ilib/include -Icommon -Ilib -Idaemon/core -Idaemon/net
        -Idaemon/copy -Idaemon/xfer -Idaemon/agree -Idaemon/remote
        -Idaemon/local

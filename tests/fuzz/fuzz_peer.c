@@ -24,6 +24,7 @@
 #include "../../daemon/remote/remote.c"
 
 #include "agree.h"
+#include "xfer.h"
 
 #include <sys/mman.h>
 
@@ -227,7 +228,8 @@ static kvx_layout_t lay;
 static void ensure_requests(void)
 {
     char why[256];
-    if (!map_get(&ctx->offers, 1)) {
+    const uint64_t id1 = xfer_key_id(K(1)->b, K(1)->len); /* key "1" */
+    if (!map_get(&ctx->offers, id1)) {
         uint32_t blocks[4] = {3, 1, 2, 0};
         uint8_t *params;
         size_t plen;
@@ -240,10 +242,10 @@ static void ensure_requests(void)
         kvxfer__context_params__free_unpacked(cp, NULL);
         free(params);
     }
-    if (!map_get(&gen->fetches, 1)) {
+    if (!map_get(&gen->fetches, id1)) {
         size_t plen;
         const uint8_t *params =
-            xfer_offer_params(xfer_offer_find(ctx, 1), &plen);
+            xfer_offer_params(xfer_offer_find(ctx, id1), &plen);
         Kvxfer__ContextParams *cp =
             kvxfer__context_params__unpack(NULL, plen, params);
         char *addr = fake.address;
