@@ -230,27 +230,59 @@ static int kf_resolve_local(kf_t *kf)
     return 1;
 }
 
-static int kf_ask_peer(kf_t *kf, char *why, size_t why_len)
+/* The context instance a fetch or release by key names (what: the
+ * request's name in messages): 0 with *here set when rank 0 is served by
+ * this daemon, else a checked peer address; or the code with why. */
+static int target_check(const char *what, const char *inst, const char *addr,
+                        int *here, char *why, size_t why_len)
 {
-    peer_conn_t *c = peer_connect(kf->ctx_addr, why, why_len);
+    size_t il = strlen(inst), al = strlen(addr);
+    if (!il || il > INSTANCE_ID_MAX) {
+        snprintf(why, why_len, "%s.context_instance: %zu bytes (1 to %u)", what,
+                 il, INSTANCE_ID_MAX);
+        return KVX_ERR_INVALID;
+    }
+    if (!al || al >= sizeof(((kf_t *)0)->ctx_addr)) {
+        snprintf(why, why_len, "%s.context_address: %zu bytes (1 to %zu)", what,
+                 al, sizeof(((kf_t *)0)->ctx_addr) - 1);
+        return KVX_ERR_INVALID;
+    }
+    if ((*here = !strcmp(addr, kvxd.address)))
+        return 0;
+    if (!peer_enabled()) {
+        snprintf(why, why_len,
+                 "%s.context_address: '%s' is another daemon, and transfers "
+                 "between daemons are off here (peer.listen is empty)",
+                 what, addr);
+        return KVX_ERR_UNSUPPORTED;
+    }
+    return peer_address_check(addr, why, why_len);
+}
+
+/* Ask the daemon at addr for the params of (inst, key) for consumer,
+ * held there up to wait_ms (0: answer now); *id names the answer. */
+static int ask_resolve(const char *addr, const char *inst, const reqkey_t *key,
+                       const char *consumer, uint32_t wait_ms, uint64_t *id,
+                       uint64_t *conn, char *why, size_t why_len)
+{
+    peer_conn_t *c = peer_connect(addr, why, why_len);
     if (!c)
         return KVX_ERR_PEER_GONE;
     Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;
-    kf->res_id = next_id++;
-    pr.id = kf->res_id;
-    pr.instance_id = kf->ctx_inst;
-    pr.key.data = kf->ctx_key.b;
-    pr.key.len = kf->ctx_key.len;
-    pr.consumer_instance = kf->inst;
-    pr.wait_ms = kvxd.conf.fetch_timeout_ms;
+    pr.id = *id = next_id++;
+    pr.instance_id = (char *)inst;
+    pr.key.data = (uint8_t *)key->b;
+    pr.key.len = key->len;
+    pr.consumer_instance = (char *)consumer;
+    pr.wait_ms = wait_ms;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     m.m_case = KVXFER__PEER_MSG__M_RESOLVE;
     m.resolve = &pr;
     if (peer_send(c, &m)) {
-        snprintf(why, why_len, "cannot send to daemon %s", kf->ctx_addr);
+        snprintf(why, why_len, "cannot send to daemon %s", addr);
         return KVX_ERR_PEER_GONE;
     }
-    kf->conn = peer_conn_id(c);
+    *conn = peer_conn_id(c);
     return 0;
 }
 
@@ -261,30 +293,9 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                 size_t why_len)
 {
     char ks[REQKEY_STR_MAX];
-    size_t il = strlen(ctx_instance), al = strlen(ctx_address);
-    if (!il || il > INSTANCE_ID_MAX) {
-        snprintf(why, why_len,
-                 "fetch_by_key.context_instance: %zu bytes (1 to %u)", il,
-                 INSTANCE_ID_MAX);
-        return KVX_ERR_INVALID;
-    }
-    if (!al || al >= sizeof(((kf_t *)0)->ctx_addr)) {
-        snprintf(why, why_len,
-                 "fetch_by_key.context_address: %zu bytes (1 to %zu)", al,
-                 sizeof(((kf_t *)0)->ctx_addr) - 1);
-        return KVX_ERR_INVALID;
-    }
-    int here = !strcmp(ctx_address, kvxd.address);
-    int rc, created = 1;
-    if (!here && !peer_enabled()) {
-        snprintf(why, why_len,
-                 "fetch_by_key.context_address: '%s' is another daemon, and "
-                 "transfers between daemons are off here (peer.listen is "
-                 "empty)",
-                 ctx_address);
-        return KVX_ERR_UNSUPPORTED;
-    }
-    if (!here && (rc = peer_address_check(ctx_address, why, why_len)))
+    int here, rc, created = 1;
+    if ((rc = target_check("fetch_by_key", ctx_instance, ctx_address, &here,
+                           why, why_len)))
         return rc;
     kf_t *kf = kf_find(inst->id, key);
     if (!kf &&
@@ -383,7 +394,9 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         return 0;
     }
     char w[256];
-    if ((rc = kf_ask_peer(kf, w, sizeof(w)))) {
+    if ((rc = ask_resolve(kf->ctx_addr, kf->ctx_inst, &kf->ctx_key, kf->inst,
+                          kvxd.conf.fetch_timeout_ms, &kf->res_id, &kf->conn, w,
+                          sizeof(w)))) {
         char m[400];
         snprintf(m, sizeof(m), "fetch_by_key: daemon %s: %s", ctx_address, w);
         kf_fail(kf, KVX_EVENT_ERROR, rc, m);
@@ -461,16 +474,12 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
                   char *why, size_t why_len)
 {
     *later = 0;
-    size_t il = strlen(ctx_instance), al = strlen(ctx_address);
-    if (!il || il > INSTANCE_ID_MAX || !al ||
-        al >= sizeof(((krel_t *)0)->ctx_addr)) {
-        snprintf(why, why_len,
-                 "release.context_instance or context_address: empty or "
-                 "too long");
-        return KVX_ERR_INVALID;
-    }
     char ks[REQKEY_STR_MAX];
-    if (!strcmp(ctx_address, kvxd.address)) {
+    int here, rc;
+    if ((rc = target_check("release", ctx_instance, ctx_address, &here, why,
+                           why_len)))
+        return rc;
+    if (here) {
         instance_t *ci = instance_find(ctx_instance);
         if (!ci || (!admin && ci->owner_uid != uid)) {
             snprintf(why, why_len,
@@ -482,7 +491,7 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
         uint8_t *p;
         size_t len;
         char w[512];
-        int rc = xfer_params_for(ci, ctx_key, &p, &len, w, sizeof(w));
+        rc = xfer_params_for(ci, ctx_key, &p, &len, w, sizeof(w));
         if (rc) {
             snprintf(why, why_len, "release: request %s: %s", kstr(ctx_key, ks),
                      w);
@@ -491,15 +500,6 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
         rc = release_start(p, len, sid, req_id, later, why, why_len);
         free(p);
         return rc;
-    }
-    int rc;
-    if (!peer_enabled()) {
-        snprintf(why, why_len,
-                 "release.context_address: '%s' is another daemon, and "
-                 "transfers between daemons are off here (peer.listen is "
-                 "empty)",
-                 ctx_address);
-        return KVX_ERR_UNSUPPORTED;
     }
     if (!consumer) {
         snprintf(why, why_len,
@@ -510,39 +510,24 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
                  ctx_instance, ctx_address);
         return KVX_ERR_PERM;
     }
-    if ((rc = peer_address_check(ctx_address, why, why_len)))
-        return rc;
-    peer_conn_t *c = peer_connect(ctx_address, why, why_len);
-    if (!c)
-        return KVX_ERR_PEER_GONE;
     krel_t *r = calloc(1, sizeof(*r));
     if (!r) {
         snprintf(why, why_len, "release: out of memory");
         return KVX_ERR_NOMEM;
     }
+    char w[256];
+    if ((rc = ask_resolve(ctx_address, ctx_instance, ctx_key, consumer,
+                          0 /* now, or not found */, &r->res_id, &r->conn, w,
+                          sizeof(w)))) {
+        free(r);
+        snprintf(why, why_len, "release: daemon %s: %s", ctx_address, w);
+        return rc;
+    }
     r->sid = sid;
     r->req_id = req_id;
-    r->res_id = next_id++;
-    r->conn = peer_conn_id(c);
     snprintf(r->ctx_addr, sizeof(r->ctx_addr), "%s", ctx_address);
     r->until_ms = kvxd_now_ms() + kvxd.conf.peer_connect_timeout_ms +
                   kvxd.conf.keepalive_timeout_ms;
-    Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;
-    pr.id = r->res_id;
-    pr.instance_id = (char *)ctx_instance;
-    pr.key.data = (uint8_t *)ctx_key->b;
-    pr.key.len = ctx_key->len;
-    pr.consumer_instance = (char *)consumer;
-    pr.wait_ms = 0;            /* now, or not found */
-    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-    m.m_case = KVXFER__PEER_MSG__M_RESOLVE;
-    m.resolve = &pr;
-    if (peer_send(c, &m)) {
-        free(r);
-        snprintf(why, why_len, "release: cannot send to daemon %s",
-                 ctx_address);
-        return KVX_ERR_PEER_GONE;
-    }
     list_push(&krels, &r->node);
     *later = 1;
     return 0;

@@ -216,12 +216,25 @@ static void dl_remove(dl_node_t *n)
     list_remove(&n->node);
 }
 
-/* Round-robin queue of parts with units left to hand out. */
+/* The records in deadline order, and indexed by gone_index() (fetches
+ * look one up at every call: no walk of the list) */
 static list_t gones = {&gones, &gones};
+static map_t gone_map;
 static uint32_t ngones;
+
+/* Which record (instance, key, side) as one number; two that collide
+ * (2^-64) share a slot and the newer replaces the older. */
+static uint64_t gone_index(int offer, const char *inst, const uint8_t *key,
+                           size_t key_len)
+{
+    return xfer_source_id(inst, key, key_len) ^ (uint64_t)(offer != 0);
+}
 
 static void gone_free(gone_t *x)
 {
+    uint64_t k = gone_index(x->offer, x->inst, x->key.b, x->key.len);
+    if (map_get(&gone_map, k) == x)
+        map_del(&gone_map, k);
     dl_remove(&x->dl);
     ngones--;
     free(x);
@@ -230,15 +243,11 @@ static void gone_free(gone_t *x)
 static gone_t *gone_find(int offer, const char *inst, uint64_t request_id,
                          const uint8_t *key, size_t key_len)
 {
-    list_t *n, *t;
-    LIST_FOREACH_SAFE(n, t, &gones)
-    {
-        gone_t *x = LIST_OWNER(n, gone_t, dl.node);
-        if (x->offer == offer && x->request_id == request_id &&
-            x->key.len == key_len && !memcmp(x->key.b, key, key_len) &&
-            !strcmp(x->inst, inst))
-            return x;
-    }
+    gone_t *x = map_get(&gone_map, gone_index(offer, inst, key, key_len));
+    if (x && x->offer == offer && x->request_id == request_id &&
+        x->key.len == key_len && !memcmp(x->key.b, key, key_len) &&
+        !strcmp(x->inst, inst))
+        return x;
     return NULL;
 }
 
@@ -248,9 +257,15 @@ static gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
                         const reqkey_t *key, uint64_t src)
 {
     uint32_t nr = offer ? 0 : inst->nranks;
+    uint64_t k = gone_index(offer, inst->id, key->b, key->len);
+    gone_t *old = map_get(&gone_map, k);
+    if (old) /* the same request ended again (or a collision): newest */
+        gone_free(old);
     gone_t *x = calloc(1, sizeof(*x) + nr);
-    if (!x)
+    if (!x || map_put(&gone_map, k, x)) {
+        free(x);
         return NULL;
+    }
     if (ngones >= GONE_MAX)
         gone_free(LIST_OWNER(list_first(&gones), gone_t, dl.node));
     list_init(&x->dl.node);
@@ -271,6 +286,7 @@ int xfer_offer_cancelled(const char *inst, uint64_t request_id,
     return gone_find(1, inst, request_id, key, key_len) != NULL;
 }
 
+/* Round-robin queue of parts with units left to hand out. */
 static rrq_t runq;
 /* registered by the layers above (xfer_remote.h, xfer.h) */
 static xfer_remote_ops_t R;

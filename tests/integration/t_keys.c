@@ -577,6 +577,18 @@ TEST(protocol_1_clients_are_refused)
 
 /* ---- regressions found by review: one event each, deadlines ---------- */
 
+/* The two ranks of generation instance gs (tp 2) on d, joined, a pool of
+ * 8 blocks each. */
+static void gen2_open(daemon_t *d, const side_t *gs, rank_t *g0, rank_t *g1)
+{
+    rank_hello_only(d, &M_SMALL, gs, 0, g0);
+    rank_hello_only(d, &M_SMALL, gs, 1, g1);
+    rank_join(g0);
+    rank_join(g1);
+    rank_pool(g0, 8);
+    rank_pool(g1, 8);
+}
+
 static int count_key(kvx_client_t *c, const char *key, int ms, ev_t *last)
 {
     ev_t e[32];
@@ -616,12 +628,7 @@ TEST(fetch_by_key_refused_once_per_rank)
     const char *cons[1] = {"someone-else"};
     CHECK_KVX(kvx_join_consumers(c.c, addrs, 1, cons, 1, T_MS), c.c);
     rank_pool(&c, 8);
-    rank_hello_only(d, &M_SMALL, &gs, 0, &g0);
-    rank_hello_only(d, &M_SMALL, &gs, 1, &g1);
-    rank_join(&g0);
-    rank_join(&g1);
-    rank_pool(&g0, 8);
-    rank_pool(&g1, 8);
+    gen2_open(d, &gs, &g0, &g1);
     uint32_t gb[2] = {3, 2};
     CHECK_KVX(kvx_fetch_by_key(g0.c, "k1", 2, "rv-ctx", c.addr, "room", 4,
                                g0.pool, gb, 2, 0, 0, T_MS),
@@ -660,12 +667,7 @@ TEST(fetch_by_key_rank_refused_after_resolve)
                  .tpb = 4};
     rank_t c, g0, g1;
     rank_open(d, &M_SMALL, &cs, 0, 8, &c);
-    rank_hello_only(d, &M_SMALL, &gs, 0, &g0);
-    rank_hello_only(d, &M_SMALL, &gs, 1, &g1);
-    rank_join(&g0);
-    rank_join(&g1);
-    rank_pool(&g0, 8);
-    rank_pool(&g1, 8);
+    gen2_open(d, &gs, &g0, &g1);
     uint32_t gb[2] = {3, 2};
     CHECK_KVX(kvx_fetch_by_key(g0.c, "k2", 2, "rw-ctx", c.addr, "room2", 5,
                                g0.pool, gb, 2, 0, 0, T_MS),
@@ -751,12 +753,7 @@ TEST(fetch_ended_early_then_the_key_again)
                  .tpb = 4};
     rank_t c, g0, g1;
     rank_open(d, &M_SMALL, &cs, 0, 8, &c);
-    rank_hello_only(d, &M_SMALL, &gs, 0, &g0);
-    rank_hello_only(d, &M_SMALL, &gs, 1, &g1);
-    rank_join(&g0);
-    rank_join(&g1);
-    rank_pool(&g0, 8);
-    rank_pool(&g1, 8);
+    gen2_open(d, &gs, &g0, &g1);
     uint32_t cb[2] = {1, 5}, gb[2] = {3, 2};
     kvx_context_params_t p1, p2;
     CHECK_KVX(
