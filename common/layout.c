@@ -290,6 +290,45 @@ static int place_cmp(const void *a, const void *b)
     return x->offset < y->offset ? -1 : x->offset > y->offset;
 }
 
+/* Are the parts pl[0, n) of one region (sorted by offset) a grid of
+ * two dimensions: each layer's V at the same distance after its K (kv),
+ * the layers' K evenly spaced (layer)? vLLM 0.33 keeps a token's K and V
+ * side by side in every (block, head, token) cell, so the parts
+ * interleave and only as such a grid can they be shown disjoint. */
+static int two_level(const struct place *pl, uint32_t n, struct dim *kv,
+                     struct dim *layer)
+{
+    uint32_t layers = 0;
+    uint64_t prev = 0, kstep = 0, lstep = 0;
+    if (n < 2 || n % 2)
+        return 0;
+    for (uint32_t q = 0; q < n; q++) {
+        if (pl[q].index % 2)
+            continue; /* a V: found from its K */
+        uint32_t v = 0;
+        while (v < n && pl[v].index != pl[q].index + 1)
+            v++;
+        if (v == n || pl[v].offset <= pl[q].offset)
+            return 0;
+        uint64_t d = pl[v].offset - pl[q].offset;
+        if (layers == 0)
+            kstep = d;
+        else if (d != kstep)
+            return 0;
+        if (layers == 1)
+            lstep = pl[q].offset - prev;
+        else if (layers > 1 && pl[q].offset - prev != lstep)
+            return 0;
+        prev = pl[q].offset;
+        layers++;
+    }
+    if (layers * 2 != n)
+        return 0;
+    *kv = (struct dim){2, kstep};
+    *layer = (struct dim){layers, lstep};
+    return 1;
+}
+
 int kvx__layout_check(const kvx_layout_t *l, const uint64_t *region_size,
                       uint32_t nregions, char *why, size_t why_len)
 {
@@ -416,12 +455,14 @@ int kvx__layout_check(const kvx_layout_t *l, const uint64_t *region_size,
             even = pl[q].offset - pl[q - 1].offset == step;
         struct dim d[6] = {inner[0], inner[1], inner[2],
                            inner[3], inner[4], {even ? j - i : 1, step}};
+        int grid = l->parts && !even && K == 2 &&
+                   two_level(pl + i, j - i, &d[3], &d[4]);
         if (grid_disjoint(d, 6, (uint64_t)l->head_dim * l->elem_size, &bs, &be))
             WHY("layout: strides make elements overlap in region %u (a "
                 "stride of %llu is inside the %llu bytes the smaller "
                 "dimensions span)",
                 expect, (unsigned long long)bs, (unsigned long long)be);
-        for (uint32_t q = i + 1; l->parts && !even && q < j; q++)
+        for (uint32_t q = i + 1; l->parts && !even && !grid && q < j; q++)
             if (pl[q].offset < pl[q - 1].offset + ps)
                 WHY("layout.parts: layer %u kv %u overlaps layer %u kv %u in "
                     "region %u at byte %llu",

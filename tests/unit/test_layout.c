@@ -506,6 +506,24 @@ TEST(check_overlapping_strides)
     offs[2] = offs[3] = 0;
     set_layer_offsets(&l, offs);
     expect_refused(&l, 1ull << 40, "overlap");
+    /* vLLM 0.33: each (block, head, token) cell holds a token's K then
+     * its V, so K and V parts interleave; disjoint as a layers x kv grid,
+     * and refused when V starts inside K */
+    base_layout(&l);
+    l.head_stride = 2 * l.head_dim * l.elem_size;
+    l.token_stride = l.num_heads * l.head_stride;
+    l.block_stride = l.tokens_per_block * l.token_stride;
+    uint64_t lsz = l.num_blocks * l.block_stride;
+    kvx_layout_part_t grid[8];
+    for (uint32_t i = 0; i < 8; i++)
+        grid[i] = (kvx_layout_part_t){
+            0, 0, i / 2 * lsz + i % 2 * l.head_dim * l.elem_size};
+    l.parts = grid;
+    l.num_parts = 8;
+    CHECK_EQ(check(&l, 4 * lsz, why), 0);
+    for (uint32_t i = 1; i < 8; i += 2)
+        grid[i].offset -= 2;
+    expect_refused(&l, 4 * lsz, "overlap");
     /* interleaved but disjoint (strides with gaps filled by another
      * dimension) is legal: heads spread apart with tokens in between */
     shape_t s = {1, 1, 2, 4, 2, 1, KVX_DTYPE_INT8};
@@ -577,15 +595,22 @@ TEST_T(accepted_layouts_never_alias, 120)
             *st[i] = rnd() % 3 == 0 ? rnd_in(0, 80)
                                     : run * rnd_in(0, 40) + rnd_in(0, 2);
         *st[4] = run * rnd_in(0, 120) + rnd_in(0, 1);
-        uint32_t nreg = 1, form = rnd() % 4; /* strides, even, uneven, multi */
+        /* strides, even, uneven, multi, a grid of layers x kv (vLLM
+         * 0.33: K and V side by side in every cell) */
+        uint32_t nreg = 1, form = rnd() % 5;
         uint32_t P = l.num_layers * l.kv_factor;
         if (form) {
             uint64_t step = run * rnd_in(0, 60) + rnd_in(0, 1);
+            uint64_t kstep = run * rnd_in(0, 4) + rnd_in(0, 1);
+            uint64_t base = rnd_in(0, 3);
             nreg = form == 3 ? rnd_in(1, 3) : 1;
             for (uint32_t i = 0; i < P; i++)
-                PT[i] = (kvx_layout_part_t){nreg > 1 ? rnd() % nreg : 0, 0,
-                                            form == 1 ? rnd_in(0, 3) + i * step
-                                                      : rnd_in(0, 1500)};
+                PT[i] = (kvx_layout_part_t){
+                    nreg > 1 ? rnd() % nreg : 0, 0,
+                    form == 1   ? base + i * step
+                    : form == 4 ? base + i / l.kv_factor * step +
+                                      i % l.kv_factor * kstep
+                                : rnd_in(0, 1500)};
             if (form == 1 && rnd() % 2) /* the same progression, shuffled */
                 for (uint32_t i = P - 1; i > 0; i--) {
                     uint32_t k = rnd() % (i + 1);
