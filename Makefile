@@ -78,7 +78,7 @@ UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/t
 ITEST      := $(BUILD)/tests/integration
 
 .PHONY: all deps test asan tsan demo demo-gpu install uninstall clean bundle help test-gpu lint fuzz
-.PHONY: check-lib test-python wheel print-daemon-src
+.PHONY: check-lib test-python test-vllm wheel print-daemon-src
 all: $(BINS)
 
 help:
@@ -90,6 +90,7 @@ help:
 	@echo "make test-gpu   GPU tests (skips without a GPU)"
 	@echo "make demo-gpu   a real transformer disaggregated through kvxfer (GPU)"
 	@echo "make test-python  the Python package's tests (pytest, a venv under build/)"
+	@echo "make test-vllm  kvxfer.vllm against vLLM's own scheduler (pinned vLLM, a venv)"
 	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
@@ -181,6 +182,13 @@ test: deps
 test-python: deps
 	@$(MAKE) --no-print-directory all
 	@scripts/test-python.sh $(BUILD)
+
+# kvxfer.vllm driven by vLLM's Scheduler, factory and model-runner mixin
+# (tests/vllm), vLLM installed from PyPI at the version kvxfer.vllm pins
+# into $(BUILD)/venv-vllm (the first run: about 9 minutes, 9.4 GB)
+test-vllm: deps
+	@$(MAKE) --no-print-directory all
+	@scripts/test-python.sh $(BUILD) --vllm
 
 # A wheel of the Python package with libkvxfer.so.2 and the shared
 # libraries it needs that a machine without our Debian packages lacks

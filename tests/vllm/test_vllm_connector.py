@@ -1,0 +1,503 @@
+"""kvxfer.vllm against vLLM's own code (make test-vllm).
+
+Two vLLM "engines" in this process, a prefill and a decode instance: each
+is vLLM's real Scheduler (with its KV cache manager, prefix cache and
+request classes) plus one worker-side KvxferConnector per TP rank, both
+made by vLLM's KVConnectorFactory from the one config line. Each rank's
+KV cache is vLLM 0.33's per-layer [blocks, heads, tokens, K|V] views
+(create_kv_cache_views) over host memory the daemon can map. A step runs
+as vLLM's model runner does without a model: the connector's worker
+lifecycle through vLLM's KVConnectorModelRunnerMixin, the ranks' outputs
+through vLLM's KVOutputAggregator, then Scheduler.update_from_output. The
+"forward" writes a pattern into the KV of the tokens it computes (a
+function of token, position, layer, head and element), so the decode's
+blocks can be checked byte for byte against what its prefill wrote.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+
+from vllm import SamplingParams
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig,
+                         ModelConfig, ParallelConfig, SchedulerConfig,
+                         VllmConfig)
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.factory import \
+    KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import \
+    KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+    KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
+                                         init_none_hash)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                        KVCacheGroupSpec, KVCacheTensor,
+                                        compute_layout_strides,
+                                        create_kv_cache_views)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.kv_connector_model_runner_mixin import \
+    KVConnectorModelRunnerMixin
+
+import kvxfer
+import kvxfer.vllm as kv_vllm
+
+LAYERS, KV_HEADS, HEAD = 2, 4, 32
+BLOCK = 16
+NUM_BLOCKS = 64
+TOKEN = 7  # what the "model" samples
+
+init_none_hash(sha256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+    d = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(vocab_size=1000, hidden_size=HEAD * 8,
+                intermediate_size=256, num_hidden_layers=LAYERS,
+                num_attention_heads=8, num_key_value_heads=KV_HEADS,
+                max_position_embeddings=1024).save_pretrained(d)
+    return str(d)
+
+
+def pattern(tokens: List[int], start: int, end: int, layer: int,
+            heads: range) -> torch.Tensor:
+    """[end - start, len(heads), 2 * HEAD] K|V values of the positions
+    [start, end): exact float32 integers, distinct per token, position,
+    layer, head and element."""
+    pos = torch.arange(start, end)
+    tok = torch.tensor(tokens[start:end])
+    base = ((tok * 31 + pos * 7) % 997).to(torch.float32)  # < 997
+    h = torch.tensor(list(heads), dtype=torch.float32)
+    c = torch.arange(2 * HEAD, dtype=torch.float32)
+    return (base[:, None, None] + 1000 * c[None, None, :]
+            + 100000 * h[None, :, None] + 1000000 * layer)
+
+
+def kv_tensor(spec: Any, num_blocks: int, names: List[str],
+              layout: KVCacheLayout) -> KVCacheTensor:
+    """The placement of the layers in one allocation, as vLLM's
+    compute_layout_strides gives it for the layout."""
+    strides = compute_layout_strides(spec, num_blocks, len(names), layout)
+    return KVCacheTensor(size=len(names) * num_blocks
+                         * spec.page_size_bytes, layers=names,
+                         layer_stride=strides[0], block_stride=strides[1])
+
+
+class Engine:
+    """One vLLM instance: its real Scheduler and a worker connector per
+    TP rank, each with KV caches in a kvxfer.HostBuffer."""
+
+    def __init__(self, model: str, sock: str, name: str, tp: int = 1,
+                 layout: str = "LBNHC", extra: Optional[dict] = None,
+                 policy: str = "recompute") -> None:
+        self.name, self.tp = name, tp
+        mc = ModelConfig(model=model, skip_tokenizer_init=True,
+                         dtype="float32", max_model_len=512, seed=0)
+        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
+                             max_model_len=512, is_encoder_decoder=False)
+        cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+        cc.num_gpu_blocks = NUM_BLOCKS
+        cc.kv_cache_layout = layout
+        kv = KVTransferConfig(
+            kv_connector="KvxferConnector",
+            kv_connector_module_path="kvxfer.vllm", kv_role="kv_both",
+            engine_id=name, kv_load_failure_policy=policy,
+            kv_connector_extra_config={"socket": sock, "timeout_s": 5,
+                                       **(extra or {})})
+        self.vc = VllmConfig(model_config=mc, scheduler_config=sc,
+                             cache_config=cc, kv_transfer_config=kv,
+                             device_config=DeviceConfig("cpu"),
+                             parallel_config=ParallelConfig(
+                                 tensor_parallel_size=tp))
+        self.heads = KV_HEADS // tp
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads,
+                                 head_size=HEAD, dtype=torch.float32)
+        self.layer_names = [f"model.layers.{i}.self_attn.attn"
+                            for i in range(LAYERS)]
+        kt = kv_tensor(spec, NUM_BLOCKS, self.layer_names,
+                       KVCacheLayout[layout])
+        kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[kt],
+                            kv_cache_groups=[KVCacheGroupSpec(
+                                self.layer_names, spec)])
+        self.sched = Scheduler(
+            vllm_config=self.vc, kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(self.vc),
+            block_size=BLOCK, log_stats=False)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.ranks: List[Dict[str, Any]] = []
+        for r in range(tp):
+            vcr = copy.copy(self.vc)
+            vcr.parallel_config = copy.copy(self.vc.parallel_config)
+            vcr.parallel_config.rank = r
+            buf = kvxfer.HostBuffer(kt.size)
+            raw = buf.torch(torch.int8)
+            views = create_kv_cache_views(raw, spec, NUM_BLOCKS,
+                                          KVCacheLayout[layout], kt)
+            caches = dict(zip(self.layer_names, views))
+            conn = KVConnectorFactory.create_connector(
+                vcr, KVConnectorRole.WORKER, kcc)
+            assert isinstance(conn, kv_vllm.KvxferConnector)
+            conn.register_kv_caches(caches)
+            self.ranks.append({"conn": conn, "caches": caches, "buf": buf,
+                               "vc": vcr})
+        self.agg = KVOutputAggregator(expected_finished_count=tp)
+        self.outputs: Dict[str, Any] = {}  # request id -> EngineCoreOutput
+        self.tokens: Dict[str, List[int]] = {}
+        self.computed: Dict[str, List[int]] = {}  # tokens computed per step
+
+    def free_blocks(self) -> int:
+        return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add(self, rid: str, prompt: List[int], max_tokens: int,
+            params: Optional[dict] = None) -> Request:
+        req = Request(request_id=rid, prompt_token_ids=list(prompt),
+                      sampling_params=SamplingParams(
+                          max_tokens=max_tokens, ignore_eos=True),
+                      pooling_params=None, block_hasher=self.hasher)
+        req.kv_transfer_params = params
+        self.sched.add_request(req)
+        self.tokens[rid] = []
+        self.computed[rid] = []
+        return req
+
+    def blocks_of(self, rid: str) -> List[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+
+    def step(self) -> None:
+        so = self.sched.schedule()
+        outs = []
+        for r, rank in enumerate(self.ranks):
+            self._forward(so, r, rank["caches"])
+            kv_transfer_state._KV_CONNECTOR_AGENT = rank["conn"]
+            try:
+                outs.append(KVConnectorModelRunnerMixin
+                            .kv_connector_no_forward(so, rank["vc"]))
+            finally:
+                kv_transfer_state._KV_CONNECTOR_AGENT = None
+        kvo = self.agg.aggregate(outs).kv_connector_output
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.sched.requests[rid]
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([TOKEN] if done else [])
+            self.computed[rid].append(so.num_scheduled_tokens[rid])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, kv_connector_output=kvo)
+        for eco in self.sched.update_from_output(so, mro).values():
+            for o in eco.outputs:
+                self.tokens[o.request_id] += list(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.outputs[o.request_id] = o
+
+    def _forward(self, so: Any, r: int, caches: Dict[str, torch.Tensor]
+                 ) -> None:
+        """What the model's forward writes: the KV of every scheduled
+        token, into the request's blocks (this rank's heads)."""
+        heads = range(r * self.heads, (r + 1) * self.heads)
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            end = req.num_computed_tokens  # advanced at schedule time
+            start = end - n
+            toks = list(req.all_token_ids)
+            blocks = self.blocks_of(rid)
+            for layer, name in enumerate(self.layer_names):
+                vals = pattern(toks, start, end, layer, heads)
+                for p in range(start, end):
+                    caches[name][blocks[p // BLOCK], :, p % BLOCK] = \
+                        vals[p - start]
+
+    def kv_of(self, rid: str, n: int, r: int = 0) -> List[torch.Tensor]:
+        """Per layer: [n, heads, 2 * HEAD] of rank r's blocks of rid."""
+        blocks = self.blocks_of(rid)
+        caches = self.ranks[r]["caches"]
+        out = []
+        for name in self.layer_names:
+            c = caches[name]
+            out.append(torch.stack([c[blocks[p // BLOCK], :, p % BLOCK]
+                                    for p in range(n)]))
+        return out
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank["conn"].shutdown()
+        if self.sched.connector is not None:
+            self.sched.connector.shutdown()
+
+
+def run(engines: List[Engine], until, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not until():
+        if time.monotonic() > end:
+            raise AssertionError(f"not done in {timeout} s")
+        for e in engines:
+            e.step()
+        time.sleep(0.002)
+
+
+def landed(d: Engine, rid: str) -> bool:
+    """The decode's workers reported rid's KV in; vLLM has not run it."""
+    return rid in d.sched.finished_recving_kv_req_ids
+
+
+def prompt_of(n: int, seed: int) -> List[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1000, (n,), generator=g).tolist()
+
+
+_n = iter(range(1, 1000))
+
+
+@pytest.fixture
+def engines(daemon, model_dir):
+    made: List[Engine] = []
+
+    def make(tp: int = 1, layout: str = "LBNHC", **kw) -> Engine:
+        role = "prefill" if not made else "decode"
+        e = Engine(model_dir, daemon.sock, f"{role}-{next(_n)}", tp=tp,
+                   layout=layout, **kw)
+        made.append(e)
+        return e
+    yield make
+    for e in made:
+        e.close()
+
+
+def prefill(p: Engine, rid: str, prompt: List[int]) -> dict:
+    """The prefill's part: max_tokens 1 and do_remote_decode, as vLLM's
+    proxy sends it; returns the kv_transfer_params it hands the decode."""
+    p.add(rid, prompt, 1, {"do_remote_decode": True})
+    run([p], lambda: rid in p.outputs)
+    out = p.outputs[rid]
+    assert p.tokens[rid] == [TOKEN]
+    params = out.kv_transfer_params
+    assert params and params["do_remote_prefill"] is True, params
+    assert params["remote_num_tokens"] == len(prompt)
+    return dict(params)
+
+
+def check_kv(p: Engine, d: Engine, rid_p: str, rid_d: str, n: int) -> None:
+    """The decode's KV of tokens [0, n) equals the prefill's, every rank's
+    heads included."""
+    got = d.kv_of(rid_d, n)
+    for r in range(p.tp):
+        want = p.kv_of(rid_p, n, r)
+        sl = slice(r * p.heads, (r + 1) * p.heads)
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer][:, sl], want[layer]), \
+                f"layer {layer} rank {r}: KV differs"
+
+
+def test_remote_prefill(engines):
+    p, d = engines(), engines(layout="LBHNC")  # another layout, HND
+    prompt = prompt_of(40, 1)
+    p_free = p.free_blocks()
+    params = prefill(p, "req-a", prompt)
+    assert p.free_blocks() < p_free  # held for the transfer
+    d.add("req-a", prompt, 4, params)
+    seen = {}
+
+    def loaded():
+        if landed(d, "req-a") and "kv" not in seen:
+            # before the decode writes anything: all 40 from the transfer
+            seen["kv"] = d.kv_of("req-a", 40)
+        return "req-a" in d.outputs and p.free_blocks() == p_free
+    run([p, d], loaded)
+    assert d.tokens["req-a"] == [TOKEN] * 4
+    # the decode computed only the last prompt token, then 3 decodes
+    assert d.computed["req-a"][0] == 1, d.computed["req-a"]
+    want = p.ranks[0]["caches"]  # the prefill's blocks are free now, but
+    del want                     # unchanged: compare against the pattern
+    for layer in range(LAYERS):
+        assert torch.equal(seen["kv"][layer][:39],
+                           pattern(prompt, 0, 39, layer, range(KV_HEADS)))
+
+
+def test_prefill_tp2_to_decode_tp1(engines):
+    p, d = engines(tp=2), engines(tp=1, layout="BLHNC")
+    prompt = prompt_of(70, 2)
+    p_free = p.free_blocks()
+    params = prefill(p, "req-tp", prompt)
+    d.add("req-tp", prompt, 2, params)
+    got = {}
+
+    def loaded():
+        if landed(d, "req-tp") and not got:
+            check_kv(p, d, "req-tp", "req-tp", 69)
+            got["ok"] = True
+        return "req-tp" in d.outputs and p.free_blocks() == p_free
+    run([p, d], loaded)
+    assert got and d.computed["req-tp"][0] == 1
+    assert d.tokens["req-tp"] == [TOKEN] * 2
+
+
+def test_prefix_held_fetches_the_rest(engines):
+    """The decode's prefix cache holds 32 of 40 tokens: only tokens 32..39
+    move (skip_tokens), into the blocks after the cached ones."""
+    p, d = engines(), engines()
+    prompt = prompt_of(40, 3)
+    d.add("warm", prompt[:33], 1)  # caches two full blocks (32 tokens)
+    run([d], lambda: "warm" in d.outputs)
+    params = prefill(p, "req-p", prompt)
+    d.add("req-p", prompt, 2, params)
+    seen = {}
+
+    def loaded():
+        if landed(d, "req-p") and not seen:
+            seen["kv"] = d.kv_of("req-p", 40)
+            seen["blocks"] = d.blocks_of("req-p")
+        return "req-p" in d.outputs
+    run([p, d], loaded)
+    for layer in range(LAYERS):
+        assert torch.equal(seen["kv"][layer][:39],
+                           pattern(prompt, 0, 39, layer, range(KV_HEADS)))
+    assert d.computed["req-p"][0] == 1
+
+
+def test_full_prefix_hit_releases(engines):
+    """Nothing worth moving (under recompute_below_tokens): the decode
+    computes the last token itself and the prefill's blocks are freed at
+    once by a release, not at the offer's lease."""
+    p, d = engines(), engines(extra={"recompute_below_tokens": BLOCK})
+    prompt = prompt_of(33, 4)
+    d.add("warm", prompt, 1)  # caches 2 full blocks: 32 of 33 tokens
+    run([d], lambda: "warm" in d.outputs)
+    p_free = p.free_blocks()
+    params = prefill(p, "req-h", prompt)
+    t0 = time.monotonic()
+    d.add("req-h", prompt, 2, params)
+    run([p, d], lambda: "req-h" in d.outputs and p.free_blocks() == p_free)
+    assert time.monotonic() - t0 < 5  # the lease is 30 s
+    assert d.computed["req-h"][0] == 1  # token 32 computed, nothing moved
+    assert d.tokens["req-h"] == [TOKEN] * 2
+
+
+def test_abort_while_transferring(engines, daemon):
+    """A decode request aborted while its fetch waits (the prefill has not
+    published yet) is cancelled; vLLM frees its blocks only after the
+    fenced cancel, and the prefill's offer ends too."""
+    p, d = engines(), engines()
+    prompt = prompt_of(40, 5)
+    p_free, d_free = p.free_blocks(), d.free_blocks()
+    p.add("req-x", prompt, 1, {"do_remote_decode": True})
+    run([p], lambda: "req-x" in p.outputs)
+    params = dict(p.outputs["req-x"].kv_transfer_params)
+    # the decode starts fetching before the prefill's workers publish
+    d.add("req-x", prompt, 4, params)
+    d.step()
+    req = d.sched.requests["req-x"]
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    blocks = d.blocks_of("req-x")
+    d.sched.finish_requests("req-x", RequestStatus.FINISHED_ABORTED)
+    assert d.free_blocks() < d_free  # held until the cancel is fenced
+    run([d], lambda: d.free_blocks() == d_free)
+    assert "req-x" not in d.sched.requests
+    # no byte landed in the decode's blocks, even after the prefill
+    # publishes and its offer ends
+    run([p], lambda: p.free_blocks() == p_free, timeout=40)
+    caches = d.ranks[0]["caches"]
+    for name in d.layer_names:
+        assert not caches[name][blocks].any()
+
+
+def test_prefill_death_recomputes(engines):
+    """The prefill instance dies after handing out params: the decode's
+    fetch fails, vLLM gets the request's blocks as load errors and, under
+    kv_load_failure_policy recompute, computes the whole prompt itself."""
+    p, d = engines(), engines()
+    prompt = prompt_of(40, 6)
+    p.add("req-d", prompt, 1, {"do_remote_decode": True})
+    run([p], lambda: "req-d" in p.outputs)
+    params = dict(p.outputs["req-d"].kv_transfer_params)
+    p.close()  # its ranks leave before publishing: the offer ends
+    d.add("req-d", prompt, 3, params)
+    seen = {}
+
+    def done():
+        req = d.sched.requests.get("req-d")
+        if req is not None and req.num_computed_tokens >= 40 and not seen:
+            seen["kv"] = d.kv_of("req-d", 40)
+        return "req-d" in d.outputs
+    run([d], done)
+    assert d.tokens["req-d"] == [TOKEN] * 3
+    # the load failed: the decode computed all 40 prompt tokens itself
+    assert d.computed["req-d"][0] == 40, d.computed["req-d"]
+    for layer, kv in enumerate(seen["kv"]):
+        assert torch.equal(kv, pattern(prompt, 0, 40, layer,
+                                       range(KV_HEADS)))
+
+
+def test_bad_params_are_computed_locally(engines):
+    """Params that are not kvxfer's: a clear log line, no transfer, the
+    decode computes the prompt."""
+    d = engines()
+    d.add("req-b", prompt_of(20, 7), 1,
+          {"do_remote_prefill": True, "kvxfer_params": "not base64!",
+           "remote_num_tokens": 20})
+    run([d], lambda: "req-b" in d.outputs)
+    assert d.tokens["req-b"] == [TOKEN]
+
+
+def test_layouts_follow_the_tensors():
+    """The layout read from the views addresses the same bytes as the
+    views themselves, in every vLLM 0.33 KVCacheLayout."""
+    heads = 2
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads,
+                             head_size=HEAD, dtype=torch.float32)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    for lay in KVCacheLayout:
+        kt = kv_tensor(spec, 8, names, lay)
+        raw = torch.zeros(kt.size, dtype=torch.int8)
+        views = create_kv_cache_views(raw, spec, 8, lay, kt)
+        caches = dict(zip(reversed(names), reversed(views)))  # any order
+        layout, regions, order = kv_vllm.layout_of_kv_caches(
+            caches, head_size=HEAD, block_size=BLOCK)
+        assert order == names and len(regions) == 1
+        base = raw.data_ptr()
+        for layer in range(LAYERS):
+            for kv in range(2):
+                for (b, t, h, e) in ((0, 0, 0, 0), (3, 5, 1, 7),
+                                     (7, BLOCK - 1, heads - 1, HEAD - 1)):
+                    el = views[layer][b, h, t, kv * HEAD + e]
+                    want = el.data_ptr() - base
+                    assert layout.offset(layer, kv, b, t, h) + 4 * e == want, \
+                        (lay, layer, kv, b, t, h, e)
+
+
+def test_abort_before_scheduled_releases(engines):
+    """A decode request aborted before vLLM gave it blocks never fetches:
+    its prefill's blocks are released at once, not at the lease."""
+    p, d = engines(), engines()
+    prompt = prompt_of(40, 8)
+    p_free = p.free_blocks()
+    params = prefill(p, "req-r", prompt)
+    p.step()  # the prefill's workers publish
+    assert p.free_blocks() < p_free
+    d.add("req-r", prompt, 4, params)
+    d.sched.finish_requests("req-r", RequestStatus.FINISHED_ABORTED)
+    t0 = time.monotonic()
+    run([p], lambda: p.free_blocks() == p_free)
+    assert time.monotonic() - t0 < 5  # the lease is 30 s
+
+
+def test_no_daemon_is_a_clear_error(model_dir, tmp_path):
+    """A worker whose daemon is not there fails at register_kv_caches,
+    naming the socket."""
+    with pytest.raises(kvxfer.Error) as e:
+        Engine(model_dir, str(tmp_path / "none.sock"), "lonely")
+    assert "none.sock" in str(e.value)
