@@ -612,9 +612,10 @@ class _Worker:
                     -1, "kvxfer connector: transfers before "
                     "register_kv_caches")
             return
-        if meta.sends and self.gpu:
-            # the forward that wrote these blocks is done before they move
-            torch.cuda.current_stream().synchronize()
+        # No stream sync before a publish: vLLM finishes a request in
+        # update_from_output, after it read the token its last forward
+        # sampled, so every kernel that wrote the request's KV (earlier
+        # on the same stream) has completed.
         for rid, s in meta.sends.items():
             try:
                 self.client.publish(s.key, self.pool, s.block_ids,
@@ -649,7 +650,9 @@ class _Worker:
         self._done_recv.add(rid)
 
     def get_finished(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        if self.client is not None and (self._sending or self._recving):
+        if self.client is not None:
+            # every step on every rank, pending work or not: the ranks of
+            # an instance read the same batches in lockstep
             for ev in self.client.poll(0, 0):
                 self._on_event(ev)
         sending, self._done_send = self._done_send, set()
