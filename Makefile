@@ -77,7 +77,7 @@ BINS := $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench \
 UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/test_*.c))
 ITEST      := $(BUILD)/tests/integration
 
-.PHONY: all deps test asan tsan demo demo-gpu install uninstall clean bundle help test-gpu lint fuzz
+.PHONY: all deps test asan tsan demo demo-gpu demo-router install uninstall clean bundle help test-gpu lint fuzz
 .PHONY: check-lib test-python test-vllm wheel print-daemon-src
 all: $(BINS)
 
@@ -88,7 +88,8 @@ help:
 	@echo "make tsan       the tests under ThreadSanitizer (host-only build)"
 	@echo "make demo       install missing packages, build, run the end-to-end demo"
 	@echo "make test-gpu   GPU tests (skips without a GPU)"
-	@echo "make demo-gpu   a real transformer disaggregated through kvxfer (GPU)"
+	@echo "make demo-gpu   a real transformer disaggregated through kvxfer (GPU), and the router"
+	@echo "make demo-router  examples/router.py on the CPU: prefill and decode servers, checked (installs CPU torch)"
 	@echo "make test-python  the Python package's tests (pytest, a venv under build/)"
 	@echo "make test-vllm  kvxfer.vllm against vLLM's own scheduler (pinned vLLM, a venv)"
 	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
@@ -220,11 +221,23 @@ demo: deps
 	@scripts/demo.sh $(BUILD)
 
 # A real transformer disaggregated through kvxfer: prefill, transfer and
-# decode times for a 4096-token prompt (needs CUDA torch, transformers).
+# decode times for a 4096-token prompt, then the router example once,
+# checked against a colocated run (needs CUDA torch, transformers).
 demo-gpu: deps
 	@$(MAKE) --no-print-directory all
 	@KVXFER_LIB=$(BUILD)/libkvxfer.so.2 python3 tests/gpu/real_model.py demo \
 		--kvxferd $(BUILD)/kvxferd
+	@if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then \
+		KVXFER_LIB=$(BUILD)/libkvxfer.so.2 PYTHONUNBUFFERED=1 python3 examples/router.py \
+			--device cuda --check --kvxferd $(BUILD)/kvxferd; \
+	else echo "router: skipped: no CUDA torch or no transformers"; fi
+
+# The router example on the CPU (examples/router.py, docs/engines/
+# router.md): by key and by params against a colocated run, and two
+# failing decodes. Installs Debian's CPU torch where python3 has none.
+demo-router: deps
+	@$(MAKE) --no-print-directory all
+	@scripts/demo-router.sh $(BUILD)
 
 # GPU tests: need a CUDA build and a GPU; anything less skips, saying why.
 GPU_TESTS := $(if $(filter 1,$(CUDA)),$(BUILD)/tests/gpu $(BUILD)/tests/libkvxtorch.so)

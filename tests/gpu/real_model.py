@@ -22,13 +22,14 @@ holds a prefix of the prompt already (skip_tokens).
                                           times for one long prompt
 
 Needs torch with CUDA and transformers; the kvxfer package and library
-from this tree (KVXFER_LIB, PYTHONPATH) and a CUDA-built kvxferd.
+from this tree (KVXFER_LIB, PYTHONPATH) and a CUDA-built kvxferd. The
+model and the paged pools are examples/paged_llama.py's (shared with the
+router example, examples/router.py).
 """
 import argparse
 import math
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,58 +37,21 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the model and the paged pools (examples/paged_llama.py; a bundle keeps
+# it beside this file)
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "examples")]
+from paged_llama import (HD, KV_HEADS, L, decode_from,  # noqa: E402
+                         flashinfer_tensors, kvx, model, prompt_of,
+                         read_flashinfer, start_daemon, vllm_nhd_tensors,
+                         write_flashinfer, write_vllm_nhd)
+from paged_llama import colocated as _colocated  # noqa: E402
 
-L, HEADS, KV_HEADS, HIDDEN = 4, 8, 4, 512
-HD = HIDDEN // HEADS
 NEW = 32  # tokens decoded
 LOGIT_TOL = 0.1  # bf16 rounding of a rebuilt cache (notes: <= 0.02 seen)
 
 
-def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=HIDDEN,
-                      intermediate_size=2 * HIDDEN, num_hidden_layers=L,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      max_position_embeddings=16384)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16).cuda().eval()
-
-
-def prompt_of(n):
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 1000, (n,), generator=g)
-
-
-@torch.no_grad()
-def decode_from(m, cache, first, n):
-    """Greedy tokens after first (first included), and the last logits."""
-    toks, tok = [first], torch.tensor([[first]], device="cuda")
-    out = None
-    for _ in range(n - 1):
-        out = m(tok, past_key_values=cache, use_cache=True)
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        toks.append(int(tok))
-    return toks, out.logits[0, -1].float().cpu()
-
-
-@torch.no_grad()
 def colocated(prompt):
-    m = model()
-    out = m(prompt[None].cuda(), use_cache=True)
-    first = int(out.logits[0, -1].argmax())
-    return decode_from(m, out.past_key_values, first, NEW)
-
-
-def layer_kv(cache, layer):
-    """[kv_heads, tokens, head_dim] keys and values of one layer."""
-    lay = cache.layers[layer]
-    return lay.keys[0], lay.values[0]
-
-
-def kvx():
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
-    import kvxfer
-    return kvxfer
+    return _colocated(prompt, NEW, device="cuda", dtype=torch.bfloat16)
 
 
 def prefill_main(sock, rank, tp, prompt, key, q, times):
@@ -107,8 +71,7 @@ def prefill_main(sock, rank, tp, prompt, key, q, times):
                                tokens_per_block=tpb, num_blocks=nb)
     lay = lay.with_first_head(rank * kvh)
     # vLLM keeps a tensor per layer: [2 (K, V), blocks, tokens, heads, dim]
-    tensors = [torch.zeros(2, nb, tpb, kvh, HD, dtype=torch.bfloat16,
-                           device="cuda") for _ in range(L)]
+    tensors = vllm_nhd_tensors(nb, tpb, kvh, "cuda", torch.bfloat16)
     pool = c.register_pool(tensors, lay)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -117,14 +80,8 @@ def prefill_main(sock, rank, tp, prompt, key, q, times):
     first = int(out.logits[0, -1].argmax())
     need = math.ceil(T / tpb)
     blocks = list(range(nb - 1, nb - 1 - need, -1))  # any order works
-    for layer in range(L):
-        k, v = layer_kv(out.past_key_values, layer)
-        k = k[rank * kvh:(rank + 1) * kvh].transpose(0, 1)  # [T, kvh, HD]
-        v = v[rank * kvh:(rank + 1) * kvh].transpose(0, 1)
-        for i, b in enumerate(blocks):
-            s, e = i * tpb, min(T, (i + 1) * tpb)
-            tensors[layer][0, b, :e - s] = k[s:e]
-            tensors[layer][1, b, :e - s] = v[s:e]
+    write_vllm_nhd(tensors, out.past_key_values, blocks, tpb, T,
+                   first_head=rank * kvh, heads=kvh)
     torch.cuda.synchronize()
     times["prefill_s"] = time.perf_counter() - t0
     end = time.time() + 60
@@ -163,8 +120,7 @@ def decode_main(sock, q, res, T, skip, prompt, key, times):
                                num_heads=KV_HEADS, head_dim=HD, dtype="bf16",
                                tokens_per_block=tpb, num_blocks=nb)
     # FlashInfer's paged cache per layer: [blocks, 2, tokens, heads, dim]
-    tensors = [torch.zeros(nb, 2, tpb, KV_HEADS, HD, dtype=torch.bfloat16,
-                           device="cuda") for _ in range(L)]
+    tensors = flashinfer_tensors(nb, tpb, "cuda", torch.bfloat16)
     pool = c.register_pool(tensors, lay)
     need = math.ceil(T / tpb)
     import random
@@ -172,13 +128,7 @@ def decode_main(sock, q, res, T, skip, prompt, key, times):
     if skip:  # the decode side holds a prefix already: its own prefill
         with torch.no_grad():
             out = m(prompt[:skip][None].cuda(), use_cache=True)
-        for layer in range(L):
-            k, v = layer_kv(out.past_key_values, layer)
-            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [skip, H, HD]
-            for t0 in range(0, skip, tpb):
-                b, e = blocks[t0 // tpb], min(skip, t0 + tpb)
-                tensors[layer][b, 0, :e - t0] = k[t0:e]
-                tensors[layer][b, 1, :e - t0] = v[t0:e]
+        write_flashinfer(tensors, out.past_key_values, blocks, tpb, skip)
         torch.cuda.synchronize()
     params = q.get()
     t0 = time.time()
@@ -190,13 +140,7 @@ def decode_main(sock, q, res, T, skip, prompt, key, times):
             break
     times["transfer_s"] = time.time() - max(t0, times.get("published_at", 0))
     first = int.from_bytes(ev.aux, "little")
-    from transformers import DynamicCache
-    cache = DynamicCache()
-    for layer in range(L):
-        kv = tensors[layer][blocks]  # [need, 2, tpb, H, HD]
-        k = kv[:, 0].reshape(-1, KV_HEADS, HD)[:T].transpose(0, 1)
-        v = kv[:, 1].reshape(-1, KV_HEADS, HD)[:T].transpose(0, 1)
-        cache.update(k[None].contiguous(), v[None].contiguous(), layer)
+    cache = read_flashinfer(tensors, blocks, T, "cuda")
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     toks, logits = decode_from(m, cache, first, NEW)
@@ -204,22 +148,6 @@ def decode_main(sock, q, res, T, skip, prompt, key, times):
     times["decode_s_per_token"] = (time.perf_counter() - t1) / (NEW - 1)
     res.put((toks, logits.tolist()))  # plain data: this process ends
     c.close()
-
-
-def start_daemon(kvxferd, d):
-    sock = os.path.join(d, "kvxferd.sock")
-    cfg = os.path.join(d, "kvxferd.yaml")
-    with open(cfg, "w") as f:
-        f.write(f"socket:\n  path: {sock}\n")
-    log = open(os.path.join(d, "kvxferd.log"), "wb")
-    p = subprocess.Popen([kvxferd, "--config", cfg], stdout=log,
-                         stderr=subprocess.STDOUT)
-    for _ in range(200):
-        if os.path.exists(sock):
-            return p, sock
-        time.sleep(0.05)
-    p.kill()
-    raise SystemExit("kvxferd did not start: " + open(log.name).read())
 
 
 def run_case(kvxferd, T, tp, skip, key):
