@@ -51,6 +51,7 @@ struct kvx_client {
     char address[192];
     char err[512];
     list_t pools; /* host_pool.node, the newest first */
+    uint32_t daemon_minor; /* the daemon's protocol minor, from Hello */
 };
 
 #define HOST_POOL(n) LIST_OWNER(n, struct host_pool, node)
@@ -398,6 +399,7 @@ int kvx_hello(kvx_client_t *c, const kvx_hello_t *h, int timeout_ms)
         return fail(c, KVX_ERR_PROTOCOL, "hello: reply without HelloReply");
     }
     snprintf(c->address, sizeof(c->address), "%s", r->hello->daemon_address);
+    c->daemon_minor = r->hello->version_minor;
     kvxfer__reply__free_unpacked(r, NULL);
     return 0;
 }
@@ -1244,6 +1246,107 @@ int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
     rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
     rq.publish = &m;
     return params_call(c, &rq, "publish", params, timeout_ms);
+}
+
+int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
+                          uint32_t pool_id, const uint32_t *blocks,
+                          uint32_t nblocks, uint32_t num_tokens,
+                          const void *aux, size_t aux_len,
+                          kvx_context_params_t *params, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_publish_layerwise", key, key_len);
+    if (rc)
+        return rc;
+    if ((!blocks && nblocks) || !params)
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    __func__);
+    if (!aux && aux_len)
+        return fail(c, KVX_ERR_INVALID,
+                    "kvx_publish_layerwise: aux is NULL with aux_len %zu",
+                    aux_len);
+    /* a 2.0 daemon would ignore the flag and read the blocks at once */
+    if (c->daemon_minor < 1)
+        return fail(c, KVX_ERR_VERSION,
+                    "kvx_publish_layerwise: the daemon speaks protocol 2.%u; "
+                    "layer-wise offers need 2.1",
+                    c->daemon_minor);
+    Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
+    m.pool_id = pool_id;
+    m.n_blocks = nblocks;
+    m.blocks = (uint32_t *)blocks;
+    m.num_tokens = num_tokens;
+    m.aux.data = (uint8_t *)aux;
+    m.aux.len = aux_len;
+    m.layerwise = 1;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
+    rq.publish = &m;
+    return params_call(c, &rq, "publish", params, timeout_ms);
+}
+
+int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,
+                     uint32_t first, uint32_t count, const void *cuda_event,
+                     int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_layers_ready", key, key_len);
+    if (rc)
+        return rc;
+    if (count == 0)
+        return fail(c, KVX_ERR_INVALID, "kvx_layers_ready: count 0");
+    Kvxfer__LayersReady m = KVXFER__LAYERS_READY__INIT;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
+    m.first = first;
+    m.count = count;
+    if (cuda_event) {
+        m.cuda_event.data = (uint8_t *)cuda_event;
+        m.cuda_event.len = 64;
+    }
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_LAYERS_READY;
+    rq.layers_ready = &m;
+    return call(c, &rq, -1, timeout_ms, NULL);
+}
+
+int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
+                       uint32_t *layers_done, uint32_t *num_layers, int *ended,
+                       int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_fetch_progress", key, key_len);
+    if (rc)
+        return rc;
+    if (!layers_done || !num_layers)
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    __func__);
+    Kvxfer__FetchProgress m = KVXFER__FETCH_PROGRESS__INIT;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_FETCH_PROGRESS;
+    rq.fetch_progress = &m;
+    Kvxfer__Reply *r = NULL;
+    if ((rc = call(c, &rq, -1, timeout_ms, &r)))
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_FETCH_PROGRESS) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        c->broken = 1;
+        return fail(c, KVX_ERR_PROTOCOL,
+                    "fetch_progress: the daemon's reply has no progress");
+    }
+    *layers_done = r->fetch_progress->layers_done;
+    *num_layers = r->fetch_progress->num_layers;
+    if (ended)
+        *ended = r->fetch_progress->ended;
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
 }
 
 int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,

@@ -21,18 +21,19 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
-#include <stdarg.h>
 #include <limits.h>
 #include <math.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -91,6 +92,8 @@ static struct opts {
     int keyed;            /* --keyed: string keys, "cmpl-R-0" and "decode-R" */
     int reserve; /* --reserve: a scheduler reserves each request first */
     int by_key;  /* --by-key: generation fetches by key, no params */
+    double layerwise_ms; /* --layerwise MS: a layer ready every MS ms */
+    int layerwise;
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
@@ -210,6 +213,7 @@ typedef struct rank_view {
     int device;           /* >= 0: GPU pool on this device */
     uint8_t *alloc;       /* --pool-offset: the allocation around base */
     uint64_t alloc_len;
+    uint32_t pool; /* --layerwise: the pool's id */
 } rank_view_t;
 
 /* --pool-offset: every pool starts o.pool_offset bytes into an
@@ -1480,6 +1484,268 @@ static int cmp_u64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* ---- --layerwise ------------------------------------------------------- */
+
+/* The generation rank's poll, on a thread of its own while the context
+ * rank "prefills": the moment key's event arrived. */
+typedef struct lw_wait {
+    kvx_client_t *c;
+    char key[32];
+    uint64_t done_ns;
+    int kind, code;
+    pthread_t th;
+} lw_wait_t;
+
+static void *lw_poll(void *arg)
+{
+    lw_wait_t *w = arg;
+    size_t kl = strlen(w->key);
+    for (;;) {
+        kvx_batch_t *b;
+        if (kvx_poll(w->c, 1, 1000, &b))
+            die("--layerwise: poll: %s", kvx_last_error(w->c));
+        for (uint32_t i = 0; i < b->num_events; i++) {
+            const kvx_event_t *e = &b->events[i];
+            if (e->key_len == kl && !memcmp(e->key, w->key, kl)) {
+                w->done_ns = now_ns();
+                w->kind = e->kind;
+                w->code = e->code;
+                kvx_batch_free(b);
+                return NULL;
+            }
+        }
+        kvx_batch_free(b);
+    }
+}
+
+/* Fetch gkey into gv's blocks with params p, and wait on a thread. */
+static void lw_fetch(kvx_client_t *g, const rank_view_t *gv, const char *gkey,
+                     const kvx_context_params_t *p, lw_wait_t *w)
+{
+    uint32_t *blocks = malloc(gv->bpr * sizeof(uint32_t));
+    for (uint32_t i = 0; i < gv->bpr; i++)
+        blocks[i] = req_block(gv, 0, i);
+    CHECK_KVX(kvx_fetch_key(g, gkey, strlen(gkey), p->data, p->len, gv->pool,
+                            blocks, gv->bpr, 0, 0, TIMEOUT_MS),
+              g);
+    free(blocks);
+    memset(w, 0, sizeof(*w));
+    w->c = g;
+    snprintf(w->key, sizeof(w->key), "%s", gkey);
+    if (pthread_create(&w->th, NULL, lw_poll, w))
+        die("pthread_create failed");
+}
+
+static void lw_join(lw_wait_t *w, const char *what)
+{
+    pthread_join(w->th, NULL);
+    if (w->kind != KVX_EVENT_COMPLETE)
+        die("--layerwise %s: request %s ended %d (%s)", what, w->key, w->kind,
+            kvx_status_str(w->code));
+}
+
+static void spin_until(uint64_t t)
+{
+    while (now_ns() < t)
+        ;
+}
+
+static double med_us(uint64_t *v, uint32_t n)
+{
+    qsort(v, n, sizeof(*v), cmp_u64);
+    return n % 2 ? v[n / 2] / 1e3 : (v[n / 2 - 1] + v[n / 2]) / 2e3;
+}
+
+/* One context rank and one generation rank of this process, one request
+ * at a time, four ways: ready (published whole with its KV there: one
+ * layer's transfer is its time over the layers), layer-wise (a layer
+ * ready every MS ms: exposed = COMPLETE - the last layer ready), whole
+ * (the same prefill, then published: its exposed time), and streamed at
+ * once (layer-wise with every layer ready back to back: its bandwidth
+ * against ready's). */
+static int layerwise_main(void)
+{
+    rank_view_t cv, gv;
+    memset(&cv, 0, sizeof(cv));
+    memset(&gv, 0, sizeof(gv));
+    kvx_client_t *c = rank_open("lw-ctx", KVX_ROLE_CONTEXT, 0, &cv, &cv.pool);
+    kvx_client_t *g =
+        rank_open("lw-gen", KVX_ROLE_GENERATION, 0, &gv, &gv.pool);
+    kvx_client_t *s;
+    CHECK_KVX(kvx_connect_observer(o.socket, TIMEOUT_MS, &s), NULL);
+    uint32_t L = cv.layout.num_layers, n = o.requests;
+    uint64_t per_layer_ns = (uint64_t)(o.layerwise_ms * 1e6);
+    uint64_t bytes = (uint64_t)num_tokens * L * kvf * o.heads * o.head_dim *
+                     kvx_dtype_size(o.dtype);
+    uint32_t *cb = malloc(cv.bpr * sizeof(uint32_t));
+    for (uint32_t i = 0; i < cv.bpr; i++)
+        cb[i] = req_block(&cv, 0, i);
+    void *stream = NULL, **evs = NULL;
+    uint8_t *handles = NULL;
+#ifdef KVX_CUDA
+    if (cv.device >= 0) {
+        evs = calloc(L, sizeof(void *));
+        handles = malloc(64 * (size_t)L);
+        if (bgpu_stream(cv.device, &stream) ||
+            bgpu_ipc_events(cv.device, L, evs, handles))
+            die("--layerwise: CUDA stream or IPC events failed");
+    }
+#endif
+    uint64_t *ready = calloc(n, 8), *lw = calloc(n, 8), *whole = calloc(n, 8),
+             *fast = calloc(n, 8);
+    fill_request(&cv, 0);
+    for (uint32_t r = 0; r < n; r++) {
+        char ck[32], gk[32];
+        kvx_context_params_t p;
+        lw_wait_t w;
+        /* 1. ready: the KV is there, published whole */
+        snprintf(ck, sizeof(ck), "rd-%u", r);
+        snprintf(gk, sizeof(gk), "rdg-%u", r);
+        CHECK_KVX(kvx_publish_key(c, ck, strlen(ck), cv.pool, cb, cv.bpr,
+                                  num_tokens, NULL, 0, &p, TIMEOUT_MS),
+                  c);
+        pool_clear(&gv);
+        uint64_t t0 = now_ns();
+        lw_fetch(g, &gv, gk, &p, &w);
+        lw_join(&w, "ready");
+        ready[r] = w.done_ns - t0;
+        if (r == 0 && !o.no_verify && check_request(&gv, 0))
+            die("--layerwise: the ready request's bytes differ");
+        kvx_context_params_free(&p);
+
+        /* 2. layer-wise: a layer every MS ms */
+        snprintf(ck, sizeof(ck), "lw-%u", r);
+        snprintf(gk, sizeof(gk), "lwg-%u", r);
+        pool_clear(&gv);
+        CHECK_KVX(kvx_publish_layerwise(c, ck, strlen(ck), cv.pool, cb, cv.bpr,
+                                        num_tokens, NULL, 0, &p, TIMEOUT_MS),
+                  c);
+        lw_fetch(g, &gv, gk, &p, &w);
+        uint64_t start = now_ns(), last = 0;
+        for (uint32_t l = 0; l < L; l++) {
+            if (stream) {
+#ifdef KVX_CUDA
+                if (bgpu_spin(cv.device, stream, per_layer_ns) ||
+                    bgpu_record(evs[l], stream))
+                    die("--layerwise: spin kernel failed");
+                CHECK_KVX(kvx_layers_ready(c, ck, strlen(ck), l, 1,
+                                           handles + 64 * (size_t)l,
+                                           TIMEOUT_MS),
+                          c);
+#endif
+            } else {
+                spin_until(start + (l + 1) * per_layer_ns);
+                last = now_ns();
+                CHECK_KVX(
+                    kvx_layers_ready(c, ck, strlen(ck), l, 1, NULL, TIMEOUT_MS),
+                    c);
+            }
+        }
+#ifdef KVX_CUDA
+        if (stream) {
+            if (bgpu_event_wait(evs[L - 1]))
+                die("--layerwise: event wait failed");
+            last = now_ns();
+        }
+#endif
+        lw_join(&w, "layer-wise");
+        lw[r] = w.done_ns > last ? w.done_ns - last : 0;
+        if (r == 0 && !o.no_verify && check_request(&gv, 0))
+            die("--layerwise: the layer-wise request's bytes differ");
+        kvx_context_params_free(&p);
+
+        /* 3. whole: the same prefill, then a publish (the fetch waits on
+         * the scheduler's reservation, as it would in an engine) */
+        snprintf(ck, sizeof(ck), "wh-%u", r);
+        snprintf(gk, sizeof(gk), "whg-%u", r);
+        pool_clear(&gv);
+        CHECK_KVX(kvx_reserve(s, "lw-ctx", ck, strlen(ck), num_tokens, &p,
+                              TIMEOUT_MS),
+                  s);
+        lw_fetch(g, &gv, gk, &p, &w);
+        kvx_context_params_free(&p);
+        start = now_ns();
+        if (stream) {
+#ifdef KVX_CUDA
+            for (uint32_t l = 0; l < L; l++)
+                if (bgpu_spin(cv.device, stream, per_layer_ns) ||
+                    bgpu_record(evs[l], stream))
+                    die("--layerwise: spin kernel failed");
+            if (bgpu_event_wait(evs[L - 1]))
+                die("--layerwise: event wait failed");
+#endif
+        } else {
+            spin_until(start + L * per_layer_ns);
+        }
+        last = now_ns();
+        CHECK_KVX(kvx_publish_key(c, ck, strlen(ck), cv.pool, cb, cv.bpr,
+                                  num_tokens, NULL, 0, &p, TIMEOUT_MS),
+                  c);
+        lw_join(&w, "whole");
+        whole[r] = w.done_ns - last;
+        kvx_context_params_free(&p);
+
+        /* 4. streamed, every layer ready at once */
+        snprintf(ck, sizeof(ck), "st-%u", r);
+        snprintf(gk, sizeof(gk), "stg-%u", r);
+        CHECK_KVX(kvx_publish_layerwise(c, ck, strlen(ck), cv.pool, cb, cv.bpr,
+                                        num_tokens, NULL, 0, &p, TIMEOUT_MS),
+                  c);
+        t0 = now_ns();
+        lw_fetch(g, &gv, gk, &p, &w);
+        for (uint32_t l = 0; l < L; l++)
+            CHECK_KVX(
+                kvx_layers_ready(c, ck, strlen(ck), l, 1, NULL, TIMEOUT_MS), c);
+        lw_join(&w, "streamed");
+        fast[r] = w.done_ns - t0;
+        kvx_context_params_free(&p);
+        /* each context event, so the batches do not pile up */
+        for (int k = 0; k < 4;) {
+            kvx_batch_t *b;
+            CHECK_KVX(kvx_poll(c, 1, TIMEOUT_MS, &b), c);
+            k += (int)b->num_events;
+            kvx_batch_free(b);
+        }
+    }
+    double ready_us = med_us(ready, n), layer_us = ready_us / L;
+    double lw_us = med_us(lw, n), whole_us = med_us(whole, n);
+    double fast_us = med_us(fast, n);
+    double gbps_ready = bytes / (ready_us * 1e3),
+           gbps_fast = bytes / (fast_us * 1e3);
+    if (o.json) {
+        printf("{\"layerwise_ms\":%g,\"layers\":%u,\"requests\":%u,"
+               "\"bytes_per_request\":%llu,\"gpu\":%s,"
+               "\"exposed_us\":%.1f,\"layer_us\":%.1f,"
+               "\"whole_exposed_us\":%.1f,\"exposed_per_layer\":%.3f,"
+               "\"ready_us\":%.1f,\"stream_gbps\":%.3f,"
+               "\"whole_gbps\":%.3f,\"stream_ratio\":%.3f,"
+               "\"verified\":%s}\n",
+               o.layerwise_ms, L, n, (unsigned long long)bytes,
+               stream ? "true" : "false", lw_us, layer_us, whole_us,
+               lw_us / layer_us, ready_us, gbps_fast, gbps_ready,
+               gbps_fast / gbps_ready, o.no_verify ? "false" : "true");
+    } else {
+        printf("layer-wise: %u layers, a layer ready every %g ms, %.1f MiB "
+               "a request (%s pools), median of %u\n",
+               L, o.layerwise_ms, bytes / 1048576.0, stream ? "GPU" : "host",
+               n);
+        printf("  exposed after the last layer, layer-wise %10.1f us  = "
+               "%.2f x one layer's transfer\n",
+               lw_us, lw_us / layer_us);
+        printf("  exposed after the last layer, whole      %10.1f us\n",
+               whole_us);
+        printf("  one layer's transfer (ready request / %u) %9.1f us\n", L,
+               layer_us);
+        printf("  streamed, all layers ready at once  %6.2f GB/s vs whole "
+               "%.2f GB/s (%.3f)\n",
+               gbps_fast, gbps_ready, gbps_fast / gbps_ready);
+    }
+    kvx_close(s);
+    kvx_close(g);
+    kvx_close(c);
+    return 0;
+}
+
 static void usage(FILE *f)
 {
     fprintf(
@@ -1578,6 +1844,15 @@ static void usage(FILE *f)
         "instance pairs\n"
         "                         sharing the requests (daemon-wide "
         "throughput)\n"
+        "  --layerwise MS         one context and one generation rank, one\n"
+        "                         request at a time: a prefill makes a\n"
+        "                         layer ready every MS ms (a spinning\n"
+        "                         kernel and an IPC event per layer with\n"
+        "                         --gpu); reports the exposed transfer\n"
+        "                         time (last layer ready to COMPLETE)\n"
+        "                         layer-wise and published whole, one\n"
+        "                         layer's transfer time, and streamed vs\n"
+        "                         whole bandwidth\n"
         "  --json                 one JSON object on stdout\n");
 }
 
@@ -1648,6 +1923,7 @@ int main(int argc, char **argv)
         {"keyed", no_argument, NULL, 1018},
         {"reserve", no_argument, NULL, 1019},
         {"by-key", no_argument, NULL, 1020},
+        {"layerwise", required_argument, NULL, 1021},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -1718,6 +1994,19 @@ int main(int argc, char **argv)
         case 1020:
             o.by_key = o.keyed = 1;
             break;
+        case 1021: {
+            char *end;
+            o.layerwise_ms = strtod(optarg, &end);
+            if (*end || !(o.layerwise_ms >= 0) || o.layerwise_ms > 60000) {
+                fprintf(stderr,
+                        "kvxfer-bench: --layerwise '%s': "
+                        "milliseconds a layer, 0 to 60000\n",
+                        optarg);
+                return 2;
+            }
+            o.layerwise = 1;
+            break;
+        }
         case 1010:
             if (o.npeer_config == 16 || strchr(optarg, '\n') ||
                 !strchr(optarg, ':')) {
@@ -1916,6 +2205,19 @@ int main(int argc, char **argv)
     }
     if (!o.gen_socket)
         o.gen_socket = o.socket;
+
+    if (o.layerwise) {
+        if (o.daemons != 1 || o.ctx_ranks * o.ctx_pp != 1 ||
+            o.gen_ranks * o.gen_pp != 1 || o.pairs != 1 || o.skip)
+            die("--layerwise: one daemon, one context and one generation "
+                "rank (no --daemons 2, tp, pp, --pairs or --skip-tokens)");
+        int rc = layerwise_main();
+        if (dpid > 0) {
+            kill(dpid, SIGTERM);
+            waitpid(dpid, NULL, 0);
+        }
+        return rc;
+    }
 
     /* CUDA must not be initialized before fork: the GPU baseline runs
      * after the ranks are done; ucx_perftest too, with the daemons gone */

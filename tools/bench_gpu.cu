@@ -361,3 +361,68 @@ extern "C" int bgpu_host_gbps(int d2h_dev, int h2d_dev, uint64_t bytes,
     cudaFreeHost(host);
     return rc;
 }
+
+/* ---- kvxfer-bench --layerwise --------------------------------------- */
+
+extern "C" int bgpu_stream(int dev, void **stream)
+{
+    cudaSetDevice(dev);
+    return cudaStreamCreateWithFlags((cudaStream_t *)stream,
+                                     cudaStreamNonBlocking) == cudaSuccess
+               ? 0
+               : -1;
+}
+
+extern "C" int bgpu_ipc_events(int dev, uint32_t n, void **events,
+                               uint8_t *handles)
+{
+    cudaSetDevice(dev);
+    for (uint32_t i = 0; i < n; i++) {
+        cudaEvent_t e;
+        cudaIpcEventHandle_t h;
+        if (cudaEventCreateWithFlags(&e, cudaEventInterprocess |
+                                             cudaEventDisableTiming) !=
+                cudaSuccess ||
+            cudaIpcGetEventHandle(&h, e) != cudaSuccess)
+            return -1;
+        events[i] = e;
+        memcpy(handles + 64 * (size_t)i, &h, 64);
+    }
+    return 0;
+}
+
+/* One CTA that reads the global timer until ns have passed: a layer of
+ * a prefill, as far as the copy engine can tell. */
+__global__ void spin_kernel(uint64_t ns)
+{
+    uint64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
+extern "C" int bgpu_spin(int dev, void *stream, uint64_t ns)
+{
+    cudaSetDevice(dev);
+    spin_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(ns);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+extern "C" int bgpu_record(void *event, void *stream)
+{
+    return cudaEventRecord((cudaEvent_t)event, (cudaStream_t)stream) ==
+                   cudaSuccess
+               ? 0
+               : -1;
+}
+
+extern "C" int bgpu_event_wait(void *event)
+{
+    /* spin on the host: a blocking wait would add its wake-up to the
+     * moment the last layer is known to be done */
+    cudaError_t e;
+    while ((e = cudaEventQuery((cudaEvent_t)event)) == cudaErrorNotReady)
+        ;
+    return e == cudaSuccess ? 0 : -1;
+}

@@ -40,6 +40,15 @@ double bgpu_peer_gbps(int src, int dst, uint64_t bytes);
  * (its figure is 0). Returns 0, or -1 when an allocation or copy fails. */
 int bgpu_host_gbps(int d2h_dev, int h2d_dev, uint64_t bytes, double *d2h,
                    double *h2d);
+/* kvxfer-bench --layerwise on a GPU: a stream on dev, interprocess
+ * events (their cudaIpcEventHandle_t in handles[i], 64 bytes each), a
+ * kernel that spins ns nanoseconds on the stream (one layer of a
+ * "prefill"), an event recorded on it, and waiting for one. */
+int bgpu_stream(int dev, void **stream);
+int bgpu_ipc_events(int dev, uint32_t n, void **events, uint8_t *handles);
+int bgpu_spin(int dev, void *stream, uint64_t ns);
+int bgpu_record(void *event, void *stream);
+int bgpu_event_wait(void *event);
 #ifdef __cplusplus
 }
 #endif

@@ -900,6 +900,81 @@ void gpu_part_free(gpu_part_t *gp)
     free(gp);
 }
 
+/* ---- clients' events (layer-wise offers) ------------------------------ */
+
+struct gpu_event {
+    uint8_t handle[64];
+    int device;
+    cudaEvent_t ev;
+    uint32_t refs;
+    struct gpu_event *next;
+};
+
+static struct gpu_event *events; /* loop thread only */
+
+int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
+                     char *why, size_t why_len)
+{
+    *out = NULL;
+    if (g.state <= 0 || device < 0 || device >= g.ndev || !g.used[device]) {
+        snprintf(why, why_len,
+                 "layers_ready.cuda_event: device %d has no GPU pool here",
+                 device);
+        return KVX_ERR_STATE;
+    }
+    for (gpu_event_t *e = events; e; e = e->next)
+        if (e->device == device && !memcmp(e->handle, handle, 64)) {
+            e->refs++;
+            *out = e;
+            return 0;
+        }
+    gpu_event_t *e = calloc(1, sizeof(*e));
+    if (!e) {
+        snprintf(why, why_len, "layers_ready: out of memory");
+        return KVX_ERR_NOMEM;
+    }
+    cudaIpcEventHandle_t h;
+    memcpy(&h, handle, sizeof(h));
+    cudaSetDevice(device);
+    cudaError_t ce = cudaIpcOpenEventHandle(&e->ev, h);
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        free(e);
+        snprintf(why, why_len,
+                 "layers_ready.cuda_event: cudaIpcOpenEventHandle: %s (make "
+                 "the event with cudaEventInterprocess | "
+                 "cudaEventDisableTiming on the pool's GPU and send "
+                 "cudaIpcGetEventHandle's 64 bytes)",
+                 cudaGetErrorString(ce));
+        return KVX_ERR_INVALID;
+    }
+    memcpy(e->handle, handle, 64);
+    e->device = device;
+    e->refs = 1;
+    e->next = events;
+    events = e;
+    *out = e;
+    return 0;
+}
+
+void gpu_event_ref(gpu_event_t *e)
+{
+    e->refs++;
+}
+
+void gpu_event_unref(gpu_event_t *e)
+{
+    if (!e || --e->refs)
+        return;
+    gpu_event_t **pp = &events;
+    while (*pp != e)
+        pp = &(*pp)->next;
+    *pp = e->next;
+    cudaSetDevice(e->device);
+    cudaEventDestroy(e->ev);
+    free(e);
+}
+
 int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
 {
     int d = gp->device;
@@ -907,7 +982,11 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
     cudaSetDevice(d);
     uint8_t *packed = NULL;
     int e = cudaSuccess;
-    if (w->packed && /* a pinned staging slot, as the GPU sees it */
+    /* the engine's record of the layers this reads comes first */
+    if (w->wait)
+        e = cudaStreamWaitEvent(g.stream[d], w->wait->ev, 0);
+    if (e == cudaSuccess &&
+        w->packed && /* a pinned staging slot, as the GPU sees it */
         (e = cudaHostGetDevicePointer((void **)&packed, w->packed, 0)) !=
             cudaSuccess)
         packed = NULL;

@@ -28,6 +28,7 @@
 
 typedef struct gpu_import gpu_import_t;
 typedef struct gpu_part gpu_part_t;
+typedef struct gpu_event gpu_event_t;
 
 /* "cuda 13.0, kernels sm_80 sm_90 sm_100 + PTX" or "host-only". */
 const char *gpu_build_info(void);
@@ -95,6 +96,7 @@ typedef struct gpu_work {
     uint64_t unit_begin, unit_end, bytes;
     uint8_t *packed;
     int gather;
+    gpu_event_t *wait; /* a client's event the stream waits for first */
 } gpu_work_t;
 /* Called once the launch has run (status 0 or KVX_ERR_IO), on the
  * device's completion thread: it may only hand the result on. */
@@ -104,6 +106,16 @@ typedef void (*gpu_done_cb)(void *arg, int status);
  * KVX_ERR_IO: then nothing is in flight and done is not called. */
 int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
                void *arg);
+
+/* A client's CUDA event (a cudaIpcEventHandle_t of 64 bytes) opened on
+ * device, whose context a pool there started: a layer-wise offer's
+ * engine records it after the work that writes some layers, and the
+ * launches that read them wait for that record on the stream (the engine
+ * never synchronises). Imports of one handle are shared (counted). */
+int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
+                     char *why, size_t why_len);
+void gpu_event_ref(gpu_event_t *e);
+void gpu_event_unref(gpu_event_t *e);
 
 /* At exit, before copy_cleanup(): every launched job's completion has
  * been handed to the copy engine and the completion threads are gone. */

@@ -67,5 +67,25 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
     return KVX_ERR_UNSUPPORTED;
 }
 
+int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
+                     char *why, size_t why_len)
+{
+    (void)handle;
+    (void)device;
+    *out = NULL;
+    snprintf(why, why_len,
+             "layers_ready.cuda_event: this kvxferd is built without CUDA");
+    return KVX_ERR_UNSUPPORTED;
+}
+
+void gpu_event_ref(gpu_event_t *e)
+{
+    (void)e;
+}
+void gpu_event_unref(gpu_event_t *e)
+{
+    (void)e;
+}
+
 void gpu_stop(void) {}
 void gpu_cleanup(void) {}

@@ -872,13 +872,59 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
     size_t plen;
     if ((rc = xfer_publish(s->inst, s->rank, &key, p, m->blocks,
                            (uint32_t)m->n_blocks, m->num_tokens, m->aux.data,
-                           (uint32_t)m->aux.len, &params, &plen, why,
-                           sizeof(why))))
+                           (uint32_t)m->aux.len, m->layerwise, &params, &plen,
+                           why, sizeof(why))))
         goto fail;
     reply_params(s, rq->id, params, plen);
     return;
 fail:
     reply(s, rq->id, rc, why);
+}
+
+static void on_layers_ready(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    const Kvxfer__LayersReady *m = rq->layers_ready;
+    reqkey_t key;
+    int rc = reqkey_set(&key, m->key.data, m->key.len, "layers_ready.key", why,
+                        sizeof(why));
+    if (!rc)
+        rc = ready_for(s, KVX_ROLE_CONTEXT, "layers_ready", why, sizeof(why));
+    if (!rc)
+        rc = xfer_layers_ready(s->inst, s->rank, &key, m->first, m->count,
+                               m->cuda_event.data, m->cuda_event.len, why,
+                               sizeof(why));
+    reply(s, rq->id, rc, rc ? why : "");
+}
+
+static void on_fetch_progress(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    reqkey_t key;
+    uint32_t done = 0, n = 0;
+    int rc = reqkey_set(&key, rq->fetch_progress->key.data,
+                        rq->fetch_progress->key.len, "fetch_progress.key", why,
+                        sizeof(why));
+    if (!rc)
+        rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_progress", why,
+                       sizeof(why));
+    if (!rc)
+        rc = xfer_fetch_progress(s->inst, s->rank, &key, &done, &n, why,
+                                 sizeof(why));
+    if (rc < 0) {
+        reply(s, rq->id, rc, why);
+        return;
+    }
+    Kvxfer__FetchProgressReply fp = KVXFER__FETCH_PROGRESS_REPLY__INIT;
+    fp.layers_done = done;
+    fp.num_layers = n;
+    fp.ended = rc == 1;
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    r.id = rq->id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_FETCH_PROGRESS;
+    r.fetch_progress = &fp;
+    reply_packed(s, &r);
 }
 
 static void on_fetch(session_t *s, const Kvxfer__Request *rq)
@@ -1229,6 +1275,12 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         break;
     case KVXFER__REQUEST__BODY_POLL:
         on_poll(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_LAYERS_READY:
+        on_layers_ready(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_FETCH_PROGRESS:
+        on_fetch_progress(s, rq);
         break;
     case KVXFER__REQUEST__BODY_CANCEL:
         on_cancel(s, rq);

@@ -94,6 +94,16 @@ typedef struct offer_part {
     pool_t *pool; /* referenced while published, until consumed */
     uint32_t *blocks;
     uint32_t nblocks;
+    /* Which of the rank's layers hold their KV: all of them after a plain
+     * publish; after a layer-wise one (Publish.layerwise) those that
+     * LayersReady named, a bit each in readymap. ready: the leading
+     * layers that are all there (what copies may read). events (GPU
+     * pools): per layer, the engine's event recorded after it, which the
+     * launch that reads it waits for (a reference each). */
+    int layerwise;
+    uint32_t nlayers, ready;
+    uint64_t *readymap;
+    gpu_event_t **events;
 } offer_part_t;
 
 struct offer {
@@ -121,6 +131,7 @@ struct offer {
     uint8_t *aux;       /* the first non-empty aux published (MEM_AUX) */
     uint32_t aux_len;
     int taken;          /* streams from peer daemons read it */
+    int layerwise;      /* a rank published before its KV existed */
     uint32_t gathers;   /* gathers in flight: the fence */
     /* peer daemons reading this offer: remote.c's (struct roffer), never
      * read by xfer, freed through xfer_remote_ops_t.offer_free */
@@ -136,6 +147,14 @@ struct genpart {
     uint32_t nblocks;
     plan_t *plan;
     uint64_t next_unit, units_done, units_per_chunk;
+    /* a layer-wise source: each slice has its own cursor (snext), and
+     * the part waits off the queue (parked) while no ready layer is
+     * left to copy */
+    uint64_t *snext;
+    int parked;
+    /* per layer of this rank's pool: units landed, units it gets (what
+     * FetchProgress reports) */
+    uint32_t *ldone, *lneed;
     uint32_t inflight;
     int late;         /* fetched once the request was ending: joins its end */
     gpu_part_t *gpu;  /* plan uploaded to a GPU, when it runs there */
@@ -602,6 +621,18 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
 
 /* ---- publish ---------------------------------------------------------- */
 
+/* What a part keeps of its layers' readiness. */
+static void part_layers_free(offer_part_t *sp)
+{
+    if (sp->events)
+        for (uint32_t l = 0; l < sp->nlayers; l++)
+            gpu_event_unref(sp->events[l]);
+    free(sp->events);
+    sp->events = NULL;
+    free(sp->readymap);
+    sp->readymap = NULL;
+}
+
 static void offer_free(offer_t *o)
 {
     assert(!list_linked(&o->lease.node) && list_empty(&o->waiters));
@@ -609,6 +640,7 @@ static void offer_free(offer_t *o)
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
         free(o->parts[r].blocks);
+        part_layers_free(&o->parts[r]);
     }
     if (o->remote) { /* only remote sets it */
         assert(R.offer_free);
@@ -732,6 +764,7 @@ void xfer_fetch_deadline(instance_t *inst, const reqkey_t *key,
 }
 
 static void part_try_start(genpart_t *p);
+static int part_has_ready(const genpart_t *p);
 
 int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
                  const kvx_layout_t *l, uint8_t **params, size_t *params_len,
@@ -766,7 +799,7 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
 int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
                  uint32_t num_tokens, const uint8_t *aux, uint32_t aux_len,
-                 uint8_t **params, size_t *params_len, char *why,
+                 int layerwise, uint8_t **params, size_t *params_len, char *why,
                  size_t why_len)
 {
     int rc;
@@ -848,12 +881,25 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             offer_drop(o);
         return 0;
     }
-    if (!(part->blocks = malloc(need * sizeof(uint32_t))))
+    part->nlayers = l->num_layers;
+    part->ready = layerwise ? 0 : l->num_layers;
+    if (layerwise &&
+        (!(part->readymap = calloc((l->num_layers + 63) / 64, 8)) ||
+         (pool->gpu &&
+          !(part->events = calloc(l->num_layers, sizeof(gpu_event_t *)))))) {
+        part_layers_free(part);
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    }
+    if (!(part->blocks = malloc(need * sizeof(uint32_t)))) {
+        part_layers_free(part);
+        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    }
     memcpy(part->blocks, blocks, need * sizeof(uint32_t));
     part->nblocks = (uint32_t)need;
     part->pool = pool;
     part->published = 1;
+    part->layerwise = layerwise;
+    o->layerwise |= layerwise;
     pool_ref(pool);
     o->npublished++;
     log_debug("publish %s/%s rank %u: %u blocks, %u tokens", inst->id, ks(key),
@@ -883,6 +929,125 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     return 0;
 }
 
+/* Parked parts of o's consumer that have ready units again go back on
+ * the queue. */
+static void consumer_wake(offer_t *o)
+{
+    genreq_t *g = o->consumer;
+    if (!g || g->ending)
+        return;
+    for (uint32_t r = 0; r < g->inst->nranks; r++) {
+        genpart_t *p = &g->parts[r];
+        if (p->parked && p->snext && part_has_ready(p)) {
+            p->parked = 0;
+            rrq_push(&runq, &p->turn);
+        }
+    }
+    schedule();
+}
+
+int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                      uint32_t first, uint32_t count, const uint8_t *ev,
+                      size_t ev_len, char *why, size_t why_len)
+{
+    int rc;
+    uint64_t request_id = xfer_key_id(key->b, key->len);
+    offer_t *o = map_get(&inst->offers, request_id);
+    if (!o || !reqkey_eq(&o->key, key)) {
+        if (gone_find(1, inst->id, request_id, key->b, key->len))
+            WHY(KVX_ERR_CANCELLED, "layers_ready: request %s was cancelled",
+                ks(key));
+        WHY(KVX_ERR_NOT_FOUND,
+            "layers_ready: no offer of request %s in instance %s (never "
+            "published, or ended: its event says how)",
+            ks(key), inst->id);
+    }
+    if (o->ending)
+        WHY(KVX_ERR_STATE, "layers_ready: request %s is ending (%s)", ks(key),
+            o->end_msg);
+    offer_part_t *sp = &o->parts[rank];
+    if (!sp->published)
+        WHY(KVX_ERR_STATE, "layers_ready: rank %u has not published request %s",
+            rank, ks(key));
+    if (o->consumed)
+        return 0; /* its consumer needed other ranks only, and is done */
+    if (!sp->layerwise)
+        WHY(KVX_ERR_STATE,
+            "layers_ready: request %s was published whole (publish with "
+            "layerwise to offer layers before their KV exists)",
+            ks(key));
+    if (count == 0 || first >= sp->nlayers || count > sp->nlayers - first)
+        WHY(KVX_ERR_INVALID,
+            "layers_ready: layers [%u, %llu) are not inside this rank's %u "
+            "layers",
+            first, (unsigned long long)first + count, sp->nlayers);
+    gpu_event_t *e = NULL;
+    if (ev_len) {
+        if (ev_len != 64)
+            WHY(KVX_ERR_INVALID,
+                "layers_ready.cuda_event: %zu bytes (a cudaIpcEventHandle_t "
+                "has 64)",
+                ev_len);
+        if (!sp->pool->gpu)
+            WHY(KVX_ERR_INVALID,
+                "layers_ready.cuda_event: pool %u is host memory (host "
+                "pools say layers_ready once the KV is written, without "
+                "an event)",
+                sp->pool->id);
+        if ((rc = gpu_event_import(ev, sp->pool->device, &e, why, why_len)))
+            return rc;
+    }
+    for (uint32_t l = first; l < first + count; l++) {
+        sp->readymap[l / 64] |= 1ull << (l % 64);
+        if (sp->events) { /* a later event covers the layer from now on */
+            gpu_event_t *old = sp->events[l];
+            sp->events[l] = e;
+            if (e)
+                gpu_event_ref(e);
+            gpu_event_unref(old);
+        }
+    }
+    gpu_event_unref(e); /* the layers hold their own references */
+    while (sp->ready < sp->nlayers &&
+           sp->readymap[sp->ready / 64] >> (sp->ready % 64) & 1)
+        sp->ready++;
+    log_debug("layers_ready %s/%s rank %u: [%u, %u), %u ready%s", inst->id,
+              ks(key), rank, first, first + count, sp->ready,
+              e ? " (after an event)" : "");
+    consumer_wake(o);
+    /* peer daemons read a rank's part once all of it is there */
+    if (sp->ready == sp->nlayers && (o = map_get(&inst->offers, request_id)) &&
+        R.offer_published)
+        R.offer_published(o);
+    return 0;
+}
+
+int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                        uint32_t *done, uint32_t *nlayers, char *why,
+                        size_t why_len)
+{
+    uint64_t request_id = xfer_key_id(key->b, key->len);
+    genreq_t *g = map_get(&inst->fetches, request_id);
+    if (!g || !reqkey_eq(&g->key, key))
+        WHY(KVX_ERR_NOT_FOUND,
+            "fetch_progress: no fetch of request %s in instance %s (never "
+            "fetched, or ended: its event says how)",
+            ks(key), inst->id);
+    genpart_t *p = &g->parts[rank];
+    if (!p->fetched)
+        WHY(KVX_ERR_STATE, "fetch_progress: rank %u has not fetched request %s",
+            rank, ks(key));
+    *nlayers = p->pool->layout.num_layers;
+    *done = 0;
+    if (p->done) {
+        *done = *nlayers;
+    } else if (p->ldone && p->lneed) {
+        while (*done < *nlayers && p->ldone[*done] >= p->lneed[*done])
+            (*done)++;
+    }
+    return g->ending ? 1 : 0;
+}
+
 /* ---- fetch ------------------------------------------------------------ */
 
 static void genreq_free(genreq_t *g)
@@ -894,6 +1059,9 @@ static void genreq_free(genreq_t *g)
             pool_unref(p->pool);
         free(p->blocks);
         gpu_part_free(p->gpu);
+        free(p->snext);
+        free(p->ldone);
+        free(p->lneed);
         if (p->remote) { /* only remote sets it */
             assert(R.part_free);
             R.part_free(p->remote);
@@ -908,6 +1076,110 @@ static void genreq_free(genreq_t *g)
     aux_drop(&g->aux, &g->aux_len);
     free(g->parts);
     free(g);
+}
+
+/* ---- layer-wise sources ------------------------------------------------ */
+
+/* The end of the units of slice i of p's plan that may be copied: those
+ * of the layers its source rank has ready (a slice's units go layer by
+ * layer, nsegs a layer). */
+static uint64_t slice_ready_end(const genpart_t *p, uint32_t i)
+{
+    const plan_t *pl = p->plan;
+    const plan_slice_t *s = &pl->slices[i];
+    const offer_part_t *sp = &p->req->offer->parts[s->src_rank];
+    uint32_t first = s->layer0 - s->src_layer_base; /* in the rank's pool */
+    uint32_t n = sp->ready > first ? sp->ready - first : 0;
+    if (n > s->nlayers)
+        n = s->nlayers;
+    return s->unit_begin + (uint64_t)n * pl->nsegs;
+}
+
+/* Has a streaming part units it may copy now? */
+static int part_has_ready(const genpart_t *p)
+{
+    for (uint32_t i = 0; i < p->plan->nslices; i++)
+        if (p->snext[i] < slice_ready_end(p, i))
+            return 1;
+    return 0;
+}
+
+/* Has a streaming part units not handed out yet (ready or not)? */
+static int part_has_left(const genpart_t *p)
+{
+    const plan_t *pl = p->plan;
+    for (uint32_t i = 0; i < pl->nslices; i++)
+        if (p->snext[i] < pl->slices[i].unit_begin +
+                              (uint64_t)pl->slices[i].nlayers * pl->nsegs)
+            return 1;
+    return 0;
+}
+
+/* The next job of a streaming part: the ready units of the slice whose
+ * next layer is the lowest (the decode needs layer 0 first), up to
+ * units_per_chunk and never past the slice's ready layers; and the event
+ * of the highest layer it reads that has one (a GPU source: the launch
+ * waits for it). 0 when nothing is ready. */
+static int part_next_job(genpart_t *p, uint64_t *u0, uint64_t *u1,
+                         gpu_event_t **wait)
+{
+    const plan_t *pl = p->plan;
+    uint32_t best = UINT32_MAX;
+    uint64_t best_layer = UINT64_MAX, best_end = 0;
+    for (uint32_t i = 0; i < pl->nslices; i++) {
+        uint64_t end = slice_ready_end(p, i);
+        if (p->snext[i] >= end)
+            continue;
+        const plan_slice_t *s = &pl->slices[i];
+        uint64_t layer = s->layer0 + (p->snext[i] - s->unit_begin) / pl->nsegs;
+        if (layer < best_layer) {
+            best = i;
+            best_layer = layer;
+            best_end = end;
+        }
+    }
+    if (best == UINT32_MAX)
+        return 0;
+    const plan_slice_t *s = &pl->slices[best];
+    *u0 = p->snext[best];
+    *u1 = *u0 + p->units_per_chunk < best_end ? *u0 + p->units_per_chunk
+                                              : best_end;
+    p->snext[best] = *u1;
+    *wait = NULL;
+    const offer_part_t *sp = &p->req->offer->parts[s->src_rank];
+    if (sp->events) {
+        uint32_t base = s->layer0 - s->src_layer_base;
+        uint64_t la = (*u0 - s->unit_begin) / pl->nsegs;
+        uint64_t lb = (*u1 - 1 - s->unit_begin) / pl->nsegs;
+        for (uint64_t a = lb + 1; a-- > la && !*wait;)
+            *wait = sp->events[base + a];
+    }
+    return 1;
+}
+
+/* Units [u0, u1) of p's plan have landed: count them per layer of the
+ * destination. */
+static void part_landed(genpart_t *p, uint64_t u0, uint64_t u1)
+{
+    const plan_t *pl = p->plan;
+    if (!p->ldone || !pl->nsegs)
+        return;
+    for (uint32_t i = 0; i < pl->nslices && u0 < u1; i++) {
+        const plan_slice_t *s = &pl->slices[i];
+        uint64_t se = s->unit_begin + (uint64_t)s->nlayers * pl->nsegs;
+        if (u0 >= se)
+            continue;
+        uint64_t a = u0 > s->unit_begin ? u0 : s->unit_begin;
+        uint64_t b = u1 < se ? u1 : se;
+        while (a < b) {
+            uint64_t la = (a - s->unit_begin) / pl->nsegs;
+            uint64_t lend = s->unit_begin + (la + 1) * pl->nsegs;
+            uint64_t e = b < lend ? b : lend;
+            p->ldone[s->layer0 + la - s->dst_layer_base] += (uint32_t)(e - a);
+            a = e;
+        }
+        u0 = b;
+    }
 }
 
 /* Bind a fetched part to its sources once they have all published. */
@@ -980,6 +1252,32 @@ static void part_try_start(genpart_t *p)
     p->units_per_chunk = unit ? chunk / unit : 1;
     if (!p->units_per_chunk)
         p->units_per_chunk = 1;
+    /* per layer of the destination: what it gets (FetchProgress) */
+    uint32_t nl = p->pool->layout.num_layers;
+    p->ldone = calloc(nl, sizeof(uint32_t));
+    p->lneed = calloc(nl, sizeof(uint32_t));
+    int streaming = 0;
+    for (uint32_t i = 0; i < plan->nslices; i++) {
+        const plan_slice_t *s = &plan->slices[i];
+        streaming |= o->parts[s->src_rank].layerwise;
+        for (uint32_t a = 0; p->lneed && a < s->nlayers; a++)
+            p->lneed[s->layer0 + a - s->dst_layer_base] += plan->nsegs;
+    }
+    if (streaming) {
+        /* layer by layer, as the source ranks say they are ready */
+        p->snext = malloc(plan->nslices * sizeof(uint64_t));
+        if (!p->snext || !p->ldone || !p->lneed) {
+            genreq_end(g, KVX_EVENT_ERROR, KVX_ERR_NOMEM,
+                       "daemon out of memory");
+            return;
+        }
+        for (uint32_t i = 0; i < plan->nslices; i++)
+            p->snext[i] = plan->slices[i].unit_begin;
+        if (!part_has_ready(p)) {
+            p->parked = 1;
+            return;
+        }
+    }
     rrq_push(&runq, &p->turn);
 }
 
@@ -1569,6 +1867,8 @@ static void on_chunk_done(copy_job_t *job)
     int status = job->status;
     assert(chunks_inflight > 0);
     chunks_inflight--;
+    if (!status)
+        part_landed(p, job->unit_begin, job->unit_end);
     free(job);
     xfer_part_progress(p, units, bytes, status);
     schedule();
@@ -1588,22 +1888,37 @@ static void schedule(void)
                        "daemon out of memory");
             continue;
         }
-        uint64_t end = p->next_unit + p->units_per_chunk;
-        if (end > p->plan->nunits)
-            end = p->plan->nunits;
+        uint64_t begin = p->next_unit, end;
+        int more;
+        if (p->snext) { /* layer-wise: only what its sources have ready */
+            if (!part_next_job(p, &begin, &end, &job->wait)) {
+                free(job);
+                p->parked = 1; /* layers_ready() puts it back */
+                continue;
+            }
+            more = part_has_left(p);
+        } else {
+            end = begin + p->units_per_chunk;
+            if (end > p->plan->nunits)
+                end = p->plan->nunits;
+            p->next_unit = end;
+            more = end < p->plan->nunits;
+        }
         job->plan = p->plan;
         job->gpu = p->gpu;
-        job->unit_begin = p->next_unit;
+        job->unit_begin = begin;
         job->unit_end = end;
-        job->bytes = plan_units_bytes(p->plan, p->next_unit, end);
+        job->bytes = plan_units_bytes(p->plan, begin, end);
         job->done = on_chunk_done;
         job->owner = p;
-        p->next_unit = end;
         p->inflight++;
         p->req->inflight++;
         chunks_inflight++;
-        if (end < p->plan->nunits) { /* back of the line: fairness */
-            rrq_push(&runq, &p->turn);
+        if (more) { /* back of the line: fairness */
+            if (!p->snext || part_has_ready(p))
+                rrq_push(&runq, &p->turn);
+            else
+                p->parked = 1;
         }
         copy_submit(job);
     }
@@ -1634,6 +1949,7 @@ static void offer_consume(offer_t *o, const char *msg)
         o->parts[r].pool = NULL;
         free(o->parts[r].blocks);
         o->parts[r].blocks = NULL;
+        part_layers_free(&o->parts[r]);
     }
     o->consumed = 1;
     nrequests--;
@@ -1842,11 +2158,20 @@ pool_t *xfer_offer_source(const offer_t *o, uint32_t rank, plan_mem_t *mem)
 {
     assert(rank < o->inst->nranks);
     const offer_part_t *sp = &o->parts[rank];
-    if (!sp->pool)
-        return NULL;
+    if (!sp->pool || sp->ready < sp->nlayers)
+        return NULL; /* peer daemons read a layer-wise part once whole */
     if (mem)
         *mem = pool_mem(sp->pool, sp->blocks, sp->nblocks);
     return sp->pool;
+}
+
+gpu_event_t *xfer_offer_source_wait(const offer_t *o, uint32_t rank)
+{
+    const offer_part_t *sp = &o->parts[rank];
+    for (uint32_t l = sp->events ? sp->nlayers : 0; l-- > 0;)
+        if (sp->events[l])
+            return sp->events[l];
+    return NULL;
 }
 
 struct roffer *xfer_offer_remote(const offer_t *o)

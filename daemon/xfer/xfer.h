@@ -33,8 +33,24 @@ uint64_t xfer_key_id(const uint8_t *b, size_t len);
 int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
                  uint32_t num_tokens, const uint8_t *aux, uint32_t aux_len,
-                 uint8_t **params, size_t *params_len, char *why,
+                 int layerwise, uint8_t **params, size_t *params_len, char *why,
                  size_t why_len);
+
+/* Layer-wise offers (publish with layerwise: no layer ready yet): layers
+ * [first, first + count) of rank's part of key's offer hold their KV;
+ * with ev (a 64-byte cudaIpcEventHandle_t, GPU pools only) once the
+ * event's record is reached, which the copies that read them wait for
+ * on the GPU. Copies of ready layers start at once. */
+int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                      uint32_t first, uint32_t count, const uint8_t *ev,
+                      size_t ev_len, char *why, size_t why_len);
+
+/* The leading layers of rank's pool that rank's fetch of key has
+ * landed (*done of *nlayers): 0, or 1 when the fetch is ending (its
+ * event is coming); NOT_FOUND / STATE with why. */
+int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                        uint32_t *done, uint32_t *nlayers, char *why,
+                        size_t why_len);
 
 /* The instance's scheduler reserves the offer of key for num_tokens,
  * with layout l (a local rank's pool's: the params' layout summary); the

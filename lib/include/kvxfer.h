@@ -50,8 +50,8 @@ extern "C" {
 #endif
 
 #define KVX_VERSION_MAJOR 2
-#define KVX_VERSION_MINOR 0
-#define KVX_VERSION_STRING "2.0.0"
+#define KVX_VERSION_MINOR 1
+#define KVX_VERSION_STRING "2.1.0"
 
 /* Longest request key, in bytes. */
 #define KVX_MAX_KEY 128u
@@ -428,6 +428,53 @@ KVX_EXPORT int kvx_publish_key(kvx_client_t *client, const void *key,
                                uint32_t num_tokens, const void *aux,
                                size_t aux_len, kvx_context_params_t *params,
                                int timeout_ms);
+/* 2.1, layer-wise offers: kvx_publish_key, but before the KV exists.
+ * The offer (and its params) is made at once, so a fetch may start and
+ * wait; no layer of this rank's part is read until kvx_layers_ready names
+ * it. A generation rank's copies of a layer start as soon as the context
+ * ranks it reads from have it ready, lowest layer first, so the transfer
+ * runs behind the prefill's forward pass and what is left after its last
+ * layer is about one layer's copy. Every rank of the instance may publish
+ * layer-wise or whole; the offer's lease and the fetch's timeout bound
+ * the wait for layers. Between daemons a rank's part moves once all its
+ * layers are ready. Errors as kvx_publish_key's. */
+KVX_EXPORT int kvx_publish_layerwise(kvx_client_t *client, const void *key,
+                                     size_t key_len, uint32_t pool_id,
+                                     const uint32_t *blocks,
+                                     uint32_t num_blocks, uint32_t num_tokens,
+                                     const void *aux, size_t aux_len,
+                                     kvx_context_params_t *params,
+                                     int timeout_ms);
+
+/* Layers [first, first + count) of this rank's pool hold request key's
+ * KV (layer numbers of the pool's layout: this rank's layers). Host
+ * pools: call it once the KV is written. GPU pools, without blocking
+ * the engine: record an event (cudaEventCreateWithFlags with
+ * cudaEventInterprocess | cudaEventDisableTiming, on the pool's device)
+ * on the stream after the work that writes those layers, and pass its
+ * cudaIpcGetEventHandle bytes (64) as cuda_event: the daemon's copies of
+ * those layers wait for that record on the GPU. One event may be
+ * recorded again for later layers (a copy then waits for the later
+ * record). NULL: ready now. A layer named twice stays ready (a new event
+ * replaces the old). Errors: KVX_ERR_NOT_FOUND (no such offer),
+ * KVX_ERR_CANCELLED (cancelled), KVX_ERR_STATE (not published
+ * layer-wise by this rank, or ending), KVX_ERR_INVALID (layers outside
+ * the pool's, an event for a host pool or one CUDA cannot open). */
+KVX_EXPORT int kvx_layers_ready(kvx_client_t *client, const void *key,
+                                size_t key_len, uint32_t first, uint32_t count,
+                                const void *cuda_event, int timeout_ms);
+
+/* How far this generation rank's fetch of key has come: layers
+ * [0, *layers_done) of its pool (*num_layers in all) have landed, so
+ * attention on them may start while later layers arrive (vLLM's
+ * wait_for_layer_load). *ended (may be NULL): the fetch has ended and
+ * its event is coming. Between daemons layers_done stays 0 until the
+ * fetch completes. KVX_ERR_NOT_FOUND: no such fetch in flight. */
+KVX_EXPORT int kvx_fetch_progress(kvx_client_t *client, const void *key,
+                                  size_t key_len, uint32_t *layers_done,
+                                  uint32_t *num_layers, int *ended,
+                                  int timeout_ms);
+
 /* For the instance's scheduler (vLLM's and SGLang's scheduler process,
  * which is not a rank: connected with kvx_connect_observer, under the
  * uid that owns the instance): reserve the offer of request key of

@@ -540,7 +540,8 @@ class Client:
 
     def publish(self, key: Key, pool: PoolRef, blocks: Blocks,
                 num_tokens: int, timeout: Timeout = _DEFAULT, *,
-                aux: Optional[bytes] = None) -> bytes:
+                aux: Optional[bytes] = None,
+                layerwise: bool = False) -> bytes:
         """Offer the KV of request ``key`` in ``blocks`` of ``pool``
         (kvx_publish_key). ``key``: bytes, a str (its UTF-8) or an int
         (its decimal digits, as kvx_publish makes it), 1 to 128 bytes.
@@ -554,6 +555,11 @@ class Client:
         a fetch that reads only some ranks may complete before the others
         publish.
 
+        ``layerwise``: offer the blocks before their KV exists
+        (kvx_publish_layerwise); no layer is read until
+        :meth:`layers_ready` names it, so the transfer runs behind the
+        prefill's forward pass.
+
         Returns the context params: opaque bytes, identical on every rank,
         for the router to hand to the generation side.
         """
@@ -561,7 +567,8 @@ class Client:
         a = bytes(aux) if aux else None
         ptr, n, keep = _u32(blocks)
         params = _lib.ContextParams()
-        self._call("kvx_publish_key", k, len(k), _pool_id(pool), ptr, n,
+        self._call("kvx_publish_layerwise" if layerwise else
+                   "kvx_publish_key", k, len(k), _pool_id(pool), ptr, n,
                    num_tokens, a, len(a) if a else 0, ctypes.byref(params),
                    self._ms(timeout))
         del keep
@@ -622,6 +629,44 @@ class Client:
             return Batch(seq=int(b.seq), events=events)
         finally:
             _lib.lib().kvx_batch_free(out)
+
+    def layers_ready(self, key: Key, first: int, count: int = 1, *,
+                     event: Any = None,
+                     timeout: Timeout = _DEFAULT) -> None:
+        """Layers ``[first, first + count)`` of this rank's pool hold the
+        KV of ``key``, published with ``layerwise=True``
+        (kvx_layers_ready). Host pools: call it once they are written.
+        GPU pools: pass ``event``, an interprocess CUDA event recorded on
+        the stream after the work that writes them (a
+        ``torch.cuda.Event(interprocess=True)``, or the 64 bytes of its
+        ``ipc_handle()``), and the daemon's copies wait for it on the GPU;
+        the engine never synchronises."""
+        k = key_bytes(key)
+        ev = None
+        if event is not None:
+            ev = event if isinstance(event, (bytes, bytearray)) else \
+                event.ipc_handle()
+            ev = bytes(ev)
+            if len(ev) != 64:
+                raise InvalidArgument(-1, f"event: {len(ev)} bytes (a "
+                                      "cudaIpcEventHandle_t has 64)")
+        self._call("kvx_layers_ready", k, len(k), first, count, ev,
+                   self._ms(timeout))
+
+    def fetch_progress(self, key: Key,
+                       timeout: Timeout = _DEFAULT) -> Tuple[int, int, bool]:
+        """``(layers_done, num_layers, ended)`` of this rank's fetch of
+        ``key`` (kvx_fetch_progress): layers ``[0, layers_done)`` of its
+        pool have landed, so attention may start on them while later
+        layers arrive; ``ended``: its event is coming. Raises
+        :class:`NotFound` once the fetch is over."""
+        k = key_bytes(key)
+        done, total, ended = ctypes.c_uint32(), ctypes.c_uint32(), \
+            ctypes.c_int()
+        self._call("kvx_fetch_progress", k, len(k), ctypes.byref(done),
+                   ctypes.byref(total), ctypes.byref(ended),
+                   self._ms(timeout))
+        return int(done.value), int(total.value), bool(ended.value)
 
     def cancel(self, key: Key, timeout: Timeout = _DEFAULT) -> None:
         """Cancel request ``key`` (published or fetched by this instance)

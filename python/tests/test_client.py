@@ -510,3 +510,55 @@ def test_release_by_key_from_a_router(daemon, pair, names):
                            context_key=key)
         with pytest.raises(kvxfer.InvalidArgument, match="not both"):
             router.release(b"x", context_key=key)
+
+
+def test_layerwise_offer_moves_layers_as_they_are_ready(pair, names):
+    """publish(layerwise=True) offers blocks before their KV exists; a
+    fetch waits, layers_ready lets layers move, fetch_progress counts the
+    leading layers landed; a layer's bytes written before its
+    layers_ready are the ones that arrive."""
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    src.array[:] = 0x11  # no KV yet
+    dst.array[:] = 0xA5
+    ck, gk = f"lw-{names['req']}", f"g-lw-{names['req']}"
+    sb, db = [5, 2], [0, 6]
+    params = ctx.publish(ck, src, sb, num_tokens=2 * TPB, layerwise=True)
+    gen.fetch(gk, params, dst, db)
+    assert gen.fetch_progress(gk) == (0, LAYERS, False)
+    want = np.random.default_rng(9).integers(0, 256, src.array.size,
+                                             dtype=np.uint8)
+
+    def layer_bytes(arr, layer, blocks):
+        per = lo.token_stride * TPB
+        return np.concatenate([arr[lo.offset(layer, kv, b):
+                                   lo.offset(layer, kv, b) + per]
+                               for b in blocks for kv in range(2)])
+    for layer in range(LAYERS):
+        for b in sb:  # "the forward pass" writes this layer
+            for kv in range(2):
+                o = lo.offset(layer, kv, b)
+                src.array[o:o + lo.token_stride * TPB] = \
+                    want[o:o + lo.token_stride * TPB]
+        ctx.layers_ready(ck, layer)
+        if layer + 1 == LAYERS:
+            break  # the fetch completes: its event says so
+        end = time.monotonic() + 5
+        while gen.fetch_progress(gk)[0] <= layer and \
+                time.monotonic() < end:
+            time.sleep(0.005)
+        assert gen.fetch_progress(gk)[0] == layer + 1
+        # the next layer has not moved
+        assert (layer_bytes(dst.array, layer + 1, db) == 0xA5).all()
+    assert wait_event(gen, gk).ok and wait_event(ctx, ck).ok
+    for layer in range(LAYERS):
+        assert np.array_equal(layer_bytes(dst.array, layer, db),
+                              layer_bytes(src.array, layer, sb))
+    with pytest.raises(kvxfer.NotFound, match="no fetch of request"):
+        gen.fetch_progress(gk)
+    with pytest.raises(kvxfer.StateError, match="published whole"):
+        ctx.publish(ck + "w", src, sb, num_tokens=TPB)
+        ctx.layers_ready(ck + "w", 0)
+    with pytest.raises(kvxfer.InvalidArgument, match="64"):
+        ctx.layers_ready(ck + "w", 0, event=b"short")

@@ -711,3 +711,98 @@ TEST_T(pools_at_offsets_every_path, 600)
     bench("--daemons 2 --pool-offset 4096 --ctx-host --requests 4 --blocks 8 "
           "--layers 4");
 }
+
+/* ---- layer-wise offers with the engine's CUDA events ------------------ */
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* A prefill that makes each layer ready with an IPC event and never
+ * synchronises: the bytes of a layer-wise request and of a whole one
+ * verified (kvxfer-bench --layerwise, GPU pools). */
+TEST_T(layerwise_gpu_events, 120)
+{
+    NEED_GPUS(1);
+    bench("--layerwise 0.2 --requests 2 --blocks 64 --layers 8");
+}
+
+/* The engine dies while the daemon's copies wait on its event (a layer
+ * whose kernel still runs): the fetch ends PEER_GONE, the daemon stays
+ * healthy (a new transfer works) and drains at SIGTERM. */
+TEST_T(layerwise_engine_dies_while_daemon_waits, 120)
+{
+    NEED_GPUS(1);
+    struct daemon d;
+    daemon_start_cfg(&d, "");
+    struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
+                             MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    pid_t ctx = fork();
+    if (ctx == 0) {
+        kvx_layout_t l;
+        void *p, *stream, *ev;
+        uint8_t h[64];
+        uint32_t pool;
+        kvx_client_t *c =
+            rank(&d, "gpu-ctx", KVX_ROLE_CONTEXT, 0, &l, &p, &pool);
+        CHECK_EQ(bgpu_fill(0, &l, &p, 7, 0, BLOCKS, 0, 0), 0);
+        uint32_t *b = all_blocks();
+        kvx_context_params_t prm;
+        CHECK_EQ(kvx_publish_layerwise(c, "dies", 4, pool, b, BLOCKS,
+                                       BLOCKS * TPB, NULL, 0, &prm, 5000),
+                 0);
+        memcpy(sh->params, prm.data, prm.len);
+        sh->params_len = (uint32_t)prm.len;
+        __sync_synchronize();
+        sh->ready = 1;
+        while (sh->stage < 1) /* the fetch waits */
+            usleep(1000);
+        CHECK_EQ(bgpu_stream(0, &stream), 0);
+        CHECK_EQ(bgpu_ipc_events(0, 1, &ev, h), 0);
+        /* layer 0 "computes" for 20 s: the copies wait on its event */
+        CHECK_EQ(bgpu_spin(0, stream, 20000000000ull), 0);
+        CHECK_EQ(bgpu_record(ev, stream), 0);
+        CHECK_EQ(kvx_layers_ready(c, "dies", 4, 0, LAYERS, h, 5000), 0);
+        sh->stage = 2;
+        pause(); /* killed by the test */
+        exit(0);
+    }
+    while (!sh->ready)
+        usleep(1000);
+    pid_t gen = fork();
+    if (gen == 0) {
+        kvx_layout_t l;
+        void *p;
+        uint32_t pool;
+        kvx_client_t *c =
+            rank(&d, "gpu-gen", KVX_ROLE_GENERATION, gen_dev(), &l, &p, &pool);
+        uint32_t *b = all_blocks();
+        CHECK_EQ(kvx_fetch_key(c, "dies-g", 6, sh->params, sh->params_len, pool,
+                               b, BLOCKS, 0, 0, 5000),
+                 0);
+        sh->stage = 1;
+        kvx_batch_t *bt;
+        CHECK_EQ(kvx_poll(c, 1, 15000, &bt), 0);
+        CHECK_EQ(bt->num_events, 1);
+        CHECK_EQ(bt->events[0].kind, KVX_EVENT_ERROR);
+        CHECK_EQ(bt->events[0].code, KVX_ERR_PEER_GONE);
+        kvx_batch_free(bt);
+        exit(0);
+    }
+    while (sh->stage < 2)
+        usleep(1000);
+    usleep(200000); /* the daemon has launched behind the event */
+    int64_t t0 = now_ms();
+    kill(ctx, SIGKILL);
+    int st;
+    waitpid(ctx, &st, 0);
+    waitpid(gen, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    printf("engine killed: the fetch ended after %lld ms\n",
+           (long long)(now_ms() - t0));
+    daemon_stop(&d);
+    bench("--requests 2 --blocks 8 --layers 4");
+}

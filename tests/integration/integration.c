@@ -42,6 +42,9 @@
  *                      file, kvxferctl
  *   t_hostile.c        clients that attack: floods, readers that never
  *                      read, idle slot holders, a daemon out of fds
+ *   t_keys.c           requests named by keys, reserve, fetch by key
+ *   t_aux.c            the aux payload
+ *   t_layers.c         layer-wise offers: layers ready, progress, faults
  *   peer_harness.c     two daemons in two network namespaces
  *   t_peer_transfer.c  transfers between daemons, lanes, forged input
  *   t_peer_lost.c      a peer lost, drained or cancelled mid-transfer
@@ -71,6 +74,7 @@
 #include "t_hostile.c"
 #include "t_keys.c"
 #include "t_aux.c"
+#include "t_layers.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */
 #include "peer_harness.c"

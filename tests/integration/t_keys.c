@@ -565,8 +565,11 @@ TEST(protocol_1_clients_are_refused)
                                   .total_kv_heads = 4},
                      .version_major = 1,
                      .version_minor = 1};
-    CHECK_FAILS(kvx_hello(c, &h, T_MS), c, KVX_ERR_VERSION,
-                "client speaks protocol 1.1, daemon speaks 2.0");
+    char want[64];
+    snprintf(want, sizeof(want),
+             "client speaks protocol 1.1, daemon speaks %d.%d",
+             KVX_VERSION_MAJOR, KVX_VERSION_MINOR);
+    CHECK_FAILS(kvx_hello(c, &h, T_MS), c, KVX_ERR_VERSION, want);
     char *json;
     CHECK_KVX(kvx_status_json(c, &json, T_MS), c);
     free(json);

@@ -148,7 +148,7 @@ static void start_transfer(void)
     char why[256];
     uint8_t *params;
     size_t plen;
-    CHECK_EQ(xfer_publish(ctx, 0, K(1), cpool, cblocks, 4, NTOK, NULL, 0,
+    CHECK_EQ(xfer_publish(ctx, 0, K(1), cpool, cblocks, 4, NTOK, NULL, 0, 0,
                           &params, &plen, why, sizeof(why)),
              0);
     Kvxfer__ContextParams *cp =

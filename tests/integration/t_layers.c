@@ -1,0 +1,359 @@
+/*
+ * t_layers.c — layer-wise offers (kvx_publish_layerwise, kvx_layers_ready,
+ * kvx_fetch_progress): only ready layers move, lowest first; progress;
+ * refusals; cancel, lease, fetch timeout and rank death between layers
+ * end the request once, with no write after its event.
+ */
+
+/* Write the pattern of layers [l0, l1) of tokens [0, ntok) of req. */
+static void fill_layers(const rank_t *r, uint64_t req, const uint32_t *blocks,
+                        uint32_t ntok, uint32_t l0, uint32_t l1)
+{
+    const kvx_layout_t *l = &r->lay;
+    uint32_t rowbytes = l->head_dim * l->elem_size;
+    for (uint32_t t = 0; t < ntok; t++)
+        for (uint32_t ly = l0; ly < l1; ly++)
+            for (uint32_t kv = 0; kv < l->kv_factor; kv++)
+                for (uint32_t h = 0; h < l->num_heads; h++)
+                    row_fill(rank_at(r, r->base, ly, kv,
+                                     blocks[t / l->tokens_per_block],
+                                     t % l->tokens_per_block, h),
+                             rowbytes, req, r->layer0 + ly, kv, t,
+                             r->head0 + h);
+}
+
+/* Rows of layers [l0, l1) of the destination that hold the pattern of
+ * req (want 1) or the sentinel byte (want 0): the number that do not. */
+static uint32_t layers_hold(const rank_t *g, uint64_t req,
+                            const uint32_t *blocks, uint32_t ntok, uint32_t l0,
+                            uint32_t l1, int want, uint8_t sentinel)
+{
+    const kvx_layout_t *l = &g->lay;
+    uint32_t rowbytes = l->head_dim * l->elem_size, bad = 0;
+    uint8_t row[1024], sent[1024];
+    memset(sent, sentinel, sizeof(sent));
+    for (uint32_t t = 0; t < ntok; t++)
+        for (uint32_t ly = l0; ly < l1; ly++)
+            for (uint32_t kv = 0; kv < l->kv_factor; kv++)
+                for (uint32_t h = 0; h < l->num_heads; h++) {
+                    const uint8_t *at = rank_at(g, g->base, ly, kv,
+                                                blocks[t / l->tokens_per_block],
+                                                t % l->tokens_per_block, h);
+                    row_fill(row, rowbytes, req, g->layer0 + ly, kv, t,
+                             g->head0 + h);
+                    bad += memcmp(at, want ? row : sent, rowbytes) != 0;
+                }
+    return bad;
+}
+
+/* kvx_fetch_progress until layers_done >= n (or 3 s): the last seen. */
+static uint32_t progress_reaches(const rank_t *g, const char *key, uint32_t n)
+{
+    uint32_t done = 0, total = 0;
+    int ended = 0;
+    int64_t end = now_ms() + 3000;
+    do {
+        CHECK_KVX(kvx_fetch_progress(g->c, key, strlen(key), &done, &total,
+                                     &ended, T_MS),
+                  g->c);
+        if (done >= n)
+            break;
+        sleep_ms(5);
+    } while (now_ms() < end);
+    return done;
+}
+
+/* Layers move as the context rank says they are ready, and only then:
+ * each layer's source bytes are written just before its layers_ready, so
+ * a copy made early would carry the old bytes. Out of order, a layer
+ * waits for the ones before it; progress counts the leading layers. */
+TEST(layerwise_moves_ready_layers_only)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "lw-ctx", "lw-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    memset(c.base, 0x11, c.size); /* no layer's KV yet */
+    const char *k = "lw-1", *gk = "lw-1g";
+    uint32_t cb[3] = {5, 0, 7}, gb[3] = {2, 6, 4};
+    const uint32_t ntok = 10, req = 71;
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish_layerwise(c.c, k, strlen(k), c.pool, cb, 3, ntok,
+                                    NULL, 0, &p, T_MS),
+              c.c);
+    char *json;
+    CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
+    CHECK_STR_CONTAINS(json, "\"key\":\"lw-1\"");
+    free(json);
+    CHECK_KVX(kvx_fetch_key(g.c, gk, strlen(gk), p.data, p.len, g.pool, gb, 3,
+                            0, 0, T_MS),
+              g.c);
+    uint32_t done = 9, total = 0;
+    int ended = 1;
+    CHECK_KVX(
+        kvx_fetch_progress(g.c, gk, strlen(gk), &done, &total, &ended, T_MS),
+        g.c);
+    CHECK_EQ(done, 0);
+    CHECK_EQ(total, 4);
+    CHECK_EQ(ended, 0);
+    ev_t e[4];
+    CHECK_EQ(collect(g.c, e, 4, 1, 200), 0); /* waits for layers */
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 0, 4, 0, 0xa5), 0);
+
+    fill_layers(&c, req, cb, ntok, 0, 1);
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 0, 1, NULL, T_MS), c.c);
+    CHECK_EQ(progress_reaches(&g, gk, 1), 1);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 0, 1, 1, 0xa5), 0);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 4, 0, 0xa5), 0);
+
+    /* layer 2 before layer 1: it waits for layer 1 */
+    fill_layers(&c, req, cb, ntok, 2, 3);
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 2, 1, NULL, T_MS), c.c);
+    sleep_ms(150);
+    CHECK_EQ(progress_reaches(&g, gk, 1), 1);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 4, 0, 0xa5), 0);
+    fill_layers(&c, req, cb, ntok, 1, 2);
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 1, 1, NULL, T_MS), c.c);
+    CHECK_EQ(progress_reaches(&g, gk, 3), 3);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 3, 4, 0, 0xa5), 0);
+    /* a layer said twice stays ready */
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 1, 2, NULL, T_MS), c.c);
+
+    fill_layers(&c, req, cb, ntok, 3, 4);
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 3, 1, NULL, T_MS), c.c);
+    ev_t ge = wait_key(g.c, gk, strlen(gk), 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_COMPLETE);
+    ev_t ce = wait_key(c.c, k, strlen(k), 3000);
+    CHECK_EQ(ce.kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = req, .blocks = gb, .ntok = ntok};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    /* ended: nothing left to ask about */
+    CHECK_FAILS(
+        kvx_fetch_progress(g.c, gk, strlen(gk), &done, &total, NULL, T_MS), g.c,
+        KVX_ERR_NOT_FOUND, "fetch_progress: no fetch of request");
+    CHECK_FAILS(kvx_layers_ready(c.c, k, strlen(k), 0, 1, NULL, T_MS), c.c,
+                KVX_ERR_NOT_FOUND, "layers_ready: no offer of request lw-1");
+    kvx_context_params_free(&p);
+
+    /* all layers ready before the fetch comes: it moves at once */
+    fill_layers(&c, req + 1, cb, ntok, 0, 4);
+    CHECK_KVX(kvx_publish_layerwise(c.c, "lw-2", 4, c.pool, cb, 3, ntok, NULL,
+                                    0, &p, T_MS),
+              c.c);
+    CHECK_KVX(kvx_layers_ready(c.c, "lw-2", 4, 0, 4, NULL, T_MS), c.c);
+    memset(g.base, 0xa5, g.size);
+    CHECK_KVX(kvx_fetch_key(g.c, "lw-2g", 5, p.data, p.len, g.pool, gb, 3, 0, 0,
+                            T_MS),
+              g.c);
+    CHECK_EQ(wait_key(g.c, "lw-2g", 5, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "lw-2", 4, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex2 = {.req = req + 1, .blocks = gb, .ntok = ntok};
+    CHECK_EQ(check_pool(&g, &ex2, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Each context rank says its own layers: with the heads split over two
+ * ranks (tp 2), a destination layer lands once both ranks have it. */
+TEST(layerwise_two_context_ranks)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs, gs = {.inst = "lw2-gen",
+                     .role = KVX_ROLE_GENERATION,
+                     .tp = 1,
+                     .pp = 1,
+                     .preset = "flashinfer",
+                     .tpb = 8};
+    rank_t c0, c1, g;
+    ctx2_open(d, &M_SMALL, "lw2-ctx", 8, &cs, &c0, &c1);
+    rank_open(d, &M_SMALL, &gs, 0, 8, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[3] = {1, 4, 2}, gb[2] = {5, 3};
+    const uint32_t ntok = 12, req = 72;
+    kvx_context_params_t p0, p1;
+    CHECK_KVX(kvx_publish_layerwise(c0.c, "lw2", 3, c0.pool, cb, 3, ntok, NULL,
+                                    0, &p0, T_MS),
+              c0.c);
+    CHECK_KVX(kvx_publish_layerwise(c1.c, "lw2", 3, c1.pool, cb, 3, ntok, NULL,
+                                    0, &p1, T_MS),
+              c1.c);
+    CHECK_KVX(kvx_fetch_key(g.c, "lw2g", 4, p0.data, p0.len, g.pool, gb, 2, 0,
+                            0, T_MS),
+              g.c);
+    fill_layers(&c0, req, cb, ntok, 0, 4);
+    CHECK_KVX(kvx_layers_ready(c0.c, "lw2", 3, 0, 4, NULL, T_MS), c0.c);
+    sleep_ms(150);
+    CHECK_EQ(progress_reaches(&g, "lw2g", 0), 0); /* rank 1 has none */
+    fill_layers(&c1, req, cb, ntok, 0, 2);
+    CHECK_KVX(kvx_layers_ready(c1.c, "lw2", 3, 0, 2, NULL, T_MS), c1.c);
+    CHECK_EQ(progress_reaches(&g, "lw2g", 2), 2);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 0, 2, 1, 0xa5), 0);
+    fill_layers(&c1, req, cb, ntok, 2, 4);
+    CHECK_KVX(kvx_layers_ready(c1.c, "lw2", 3, 2, 2, NULL, T_MS), c1.c);
+    CHECK_EQ(wait_key(g.c, "lw2g", 4, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c0.c, "lw2", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c1.c, "lw2", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = req, .blocks = gb, .ntok = ntok};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    kvx_context_params_free(&p0);
+    kvx_context_params_free(&p1);
+    rank_close(&c0);
+    rank_close(&c1);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* What layers_ready and fetch_progress refuse, each naming the problem. */
+TEST(layerwise_refusals)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "lwr-ctx", "lwr-gen", 8, &c, &g, &cs, &gs);
+    uint32_t cb[2] = {1, 2};
+    kvx_context_params_t p, q;
+    uint32_t done, total;
+    CHECK_FAILS(kvx_layers_ready(c.c, "nope", 4, 0, 1, NULL, T_MS), c.c,
+                KVX_ERR_NOT_FOUND, "layers_ready: no offer of request nope");
+    CHECK_KVX(
+        kvx_publish_key(c.c, "whole", 5, c.pool, cb, 2, 6, NULL, 0, &p, T_MS),
+        c.c);
+    CHECK_FAILS(kvx_layers_ready(c.c, "whole", 5, 0, 1, NULL, T_MS), c.c,
+                KVX_ERR_STATE, "was published whole");
+    CHECK_KVX(kvx_publish_layerwise(c.c, "lwr", 3, c.pool, cb, 2, 6, NULL, 0,
+                                    &q, T_MS),
+              c.c);
+    CHECK_FAILS(kvx_layers_ready(c.c, "lwr", 3, 4, 1, NULL, T_MS), c.c,
+                KVX_ERR_INVALID, "layers [4, 5) are not inside this rank's 4");
+    CHECK_FAILS(kvx_layers_ready(c.c, "lwr", 3, 2, 3, NULL, T_MS), c.c,
+                KVX_ERR_INVALID, "layers [2, 5) are not inside");
+    CHECK_FAILS(kvx_layers_ready(c.c, "lwr", 3, 0, 0, NULL, T_MS), c.c,
+                KVX_ERR_INVALID, "count 0");
+    uint8_t ev[64] = {0};
+    CHECK_FAILS(kvx_layers_ready(c.c, "lwr", 3, 0, 1, ev, T_MS), c.c,
+                KVX_ERR_INVALID, "is host memory");
+    CHECK_FAILS(kvx_layers_ready(g.c, "lwr", 3, 0, 1, NULL, T_MS), g.c,
+                KVX_ERR_STATE, "role generation");
+    CHECK_FAILS(kvx_fetch_progress(g.c, "x", 1, &done, &total, NULL, T_MS), g.c,
+                KVX_ERR_NOT_FOUND, "fetch_progress: no fetch of request x");
+    CHECK_FAILS(kvx_fetch_progress(c.c, "x", 1, &done, &total, NULL, T_MS), c.c,
+                KVX_ERR_STATE, "role context");
+    CHECK_FAILS(kvx_fetch_progress(g.c, "x", 1, NULL, &total, NULL, T_MS), g.c,
+                KVX_ERR_INVALID, "NULL");
+    /* a rank of the instance that did not publish the key */
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&q);
+    CHECK_KVX(kvx_cancel_key(c.c, "whole", 5, T_MS), c.c);
+    CHECK_KVX(kvx_cancel_key(c.c, "lwr", 3, T_MS), c.c);
+    CHECK_FAILS(kvx_layers_ready(c.c, "lwr", 3, 0, 1, NULL, T_MS), c.c,
+                KVX_ERR_CANCELLED, "layers_ready: request lwr was cancelled");
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Faults between layers end the request once, with its one event on each
+ * side, and nothing lands after it: the fetch cancelled, the context
+ * rank cancelling, the context rank gone, the fetch's timeout, the
+ * offer's lease. */
+TEST(layerwise_faults_between_layers)
+{
+    daemon_t *d = daemon_start("deadlines:\n  offer_lease_ms: 400\n"
+                               "  fetch_timeout_ms: 600\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "lwf-ctx", "lwf-gen", 8, &c, &g, &cs, &gs);
+    uint32_t cb[2] = {3, 1}, gb[2] = {0, 5};
+    const uint32_t ntok = 7, req = 73;
+    kvx_context_params_t p;
+
+    /* 1. the generation side cancels after layer 0 */
+    memset(g.base, 0xa5, g.size);
+    CHECK_KVX(kvx_publish_layerwise(c.c, "f1", 2, c.pool, cb, 2, ntok, NULL, 0,
+                                    &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "f1g", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    fill_layers(&c, req, cb, ntok, 0, 4);
+    CHECK_KVX(kvx_layers_ready(c.c, "f1", 2, 0, 1, NULL, T_MS), c.c);
+    CHECK_EQ(progress_reaches(&g, "f1g", 1), 1);
+    CHECK_KVX(kvx_cancel_key(g.c, "f1g", 3, T_MS), g.c);
+    CHECK_EQ(wait_key(g.c, "f1g", 3, 3000).kind, KVX_EVENT_CANCELLED);
+    ev_t ce = wait_key(c.c, "f1", 2, 3000);
+    CHECK_EQ(ce.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(ce.code, KVX_ERR_CANCELLED);
+    kvx_layers_ready(c.c, "f1", 2, 1, 3, NULL, T_MS); /* too late */
+    sleep_ms(100);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 0, 1, 1, 0xa5), 0);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 4, 0, 0xa5), 0);
+    kvx_context_params_free(&p);
+
+    /* 2. the context rank cancels after layer 1 */
+    memset(g.base, 0xa5, g.size);
+    CHECK_KVX(kvx_publish_layerwise(c.c, "f2", 2, c.pool, cb, 2, ntok, NULL, 0,
+                                    &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "f2g", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    CHECK_KVX(kvx_layers_ready(c.c, "f2", 2, 0, 2, NULL, T_MS), c.c);
+    CHECK_EQ(progress_reaches(&g, "f2g", 2), 2);
+    CHECK_KVX(kvx_cancel_key(c.c, "f2", 2, T_MS), c.c);
+    CHECK_EQ(wait_key(c.c, "f2", 2, 3000).kind, KVX_EVENT_CANCELLED);
+    ev_t ge = wait_key(g.c, "f2g", 3, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 2, 4, 0, 0xa5), 0);
+    kvx_context_params_free(&p);
+
+    /* 3. the fetch's timeout while it waits for layer 2 */
+    memset(g.base, 0xa5, g.size);
+    CHECK_KVX(kvx_publish_layerwise(c.c, "f3", 2, c.pool, cb, 2, ntok, NULL, 0,
+                                    &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "f3g", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    CHECK_KVX(kvx_layers_ready(c.c, "f3", 2, 0, 2, NULL, T_MS), c.c);
+    ge = wait_key(g.c, "f3g", 3, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_TIMED_OUT);
+    ce = wait_key(c.c, "f3", 2, 3000);
+    CHECK_EQ(ce.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(ce.code, KVX_ERR_TIMED_OUT);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 0, 2, 1, 0xa5), 0);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 2, 4, 0, 0xa5), 0);
+    kvx_context_params_free(&p);
+
+    /* 4. no fetch, no layers: the offer's lease */
+    CHECK_KVX(kvx_publish_layerwise(c.c, "f4", 2, c.pool, cb, 2, ntok, NULL, 0,
+                                    &p, T_MS),
+              c.c);
+    CHECK_EQ(wait_key(c.c, "f4", 2, 3000).kind, KVX_EVENT_TIMED_OUT);
+    kvx_context_params_free(&p);
+
+    /* 5. the context rank goes after layer 0 */
+    memset(g.base, 0xa5, g.size);
+    CHECK_KVX(kvx_publish_layerwise(c.c, "f5", 2, c.pool, cb, 2, ntok, NULL, 0,
+                                    &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "f5g", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    CHECK_KVX(kvx_layers_ready(c.c, "f5", 2, 0, 1, NULL, T_MS), c.c);
+    CHECK_EQ(progress_reaches(&g, "f5g", 1), 1);
+    rank_close(&c);
+    ge = wait_key(g.c, "f5g", 3, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(ge.code, KVX_ERR_PEER_GONE);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 4, 0, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
