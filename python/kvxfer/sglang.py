@@ -228,7 +228,7 @@ def _geometry(args: KVArgs, is_mla: bool) -> _Geometry:
     num_blocks = min(lens) // item
     row = item // page  # bytes of one token of one layer
     if is_mla:
-        heads, total_heads, kv_factor = 1, 1, 1
+        heads, total_heads = 1, 1
         num_layers = len(ptrs)
         order = list(range(num_layers))
     else:
@@ -243,7 +243,6 @@ def _geometry(args: KVArgs, is_mla: bool) -> _Geometry:
             raise InvalidArgument(
                 -1, "kvxfer.sglang: kv_head_num and total_kv_head_num must "
                 f"be set for an MHA pool (got {heads}, {total_heads})")
-        kv_factor = 2
         num_layers = len(ptrs) // 2
         # SGLang lists K of every layer, then V; the layout wants them
         # layer by layer
@@ -576,9 +575,12 @@ class KvxferKVManager(BaseKVManager):
             if not force and now - self._last_pump < _PUMP_INTERVAL:
                 return
             self._last_pump = now
-            if self.client.closed:
+            try:
+                batch = self.client.poll(at_least=0, timeout=0)
+            except Error as e:  # the daemon is gone: so are the requests
+                for who in list(self._waiters.values()):
+                    who._fail(f"polling kvxferd failed: {e}", e.code)
                 return
-            batch = self.client.poll(at_least=0, timeout=0)
             for ev in batch:
                 who = self._waiters.get(ev.key)
                 if who is not None:
@@ -685,18 +687,19 @@ class KvxferKVSender(BaseKVSender):
             return
         if ev.ok:
             self._state = KVPoll.Success
+            self.kv_mgr._unwatch(self.key, self)
             if self._start is not None:
                 self._metric.transfer_latency_s = (time.perf_counter()
                                                    - self._start)
         else:
-            err = ev.error
-            self._fail(str(err), ev.code)
+            self._fail(str(ev.error), ev.code)
 
     def _fail(self, reason: str, code: int = 0) -> None:
         if self._state not in (KVPoll.Success, KVPoll.Failed):
             self._state = KVPoll.Failed
             self._reason = reason
             self._code = code
+            self.kv_mgr._unwatch(self.key, self)
 
     def poll(self) -> KVPoll:
         if self._state == KVPoll.Transferring:
@@ -838,10 +841,9 @@ class KvxferKVReceiver(BaseKVReceiver):
         if self._state != KVPoll.Transferring:
             return
         if not ev.ok:
-            err = ev.error
             if ev.code in (NotFound.code, PeerGone.code):
                 self.kv_mgr.forget_prefill(self.bootstrap_addr)
-            self._fail(str(err), ev.code)
+            self._fail(str(ev.error), ev.code)
             return
         m = self.kv_mgr
         if m.aux_ptrs and self.aux_index is not None:
@@ -852,6 +854,7 @@ class KvxferKVReceiver(BaseKVReceiver):
                 self._fail(f"kvxfer.sglang: {e}")
                 return
         self._state = KVPoll.Success
+        m._unwatch(self.key, self)
 
     def _fail(self, reason: str, code: int = 0) -> None:
         if self._state not in (KVPoll.Success, KVPoll.Failed):
@@ -859,6 +862,7 @@ class KvxferKVReceiver(BaseKVReceiver):
             self._reason = reason
             self._code = code
             self.conclude_state = KVPoll.Failed
+            self.kv_mgr._unwatch(self.key, self)
 
     def poll(self) -> KVPoll:
         if self._state == KVPoll.Bootstrapping and \

@@ -9,7 +9,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import AUX_ROWS, FETCH_TIMEOUT_MS, Rank, server_args, wait_poll
+from conftest import (AUX_ROWS, FETCH_TIMEOUT_MS, Daemon, Rank, server_args,
+                      wait_poll)
 
 import kvxfer
 from kvxfer.sglang import (KvxferKVBootstrapServer, KvxferKVManager,
@@ -223,6 +224,7 @@ def test_abort_a_receiver_waiting_for_input(env, bootstrap):
         r = receiver(dm, bootstrap.address, room())
         r.abort()
         assert r.poll() == KVPoll.Failed
+        assert r.key not in dm._waiters  # SGLang may never clear() it
         with pytest.raises(KvxferTransferError, match="aborted"):
             r.failure_exception()
         assert dm.client.requests() == []  # no fetch was ever made
@@ -441,6 +443,29 @@ def test_bootstrap_server_serves_the_instance_and_refuses_garbage(
                        "address": pm.client.daemon_address, "tp_size": 1}
     finally:
         pm.close()
+
+
+def test_daemon_gone_fails_the_requests_not_the_scheduler(env, bootstrap,
+                                                          tmp_path):
+    """kvxferd dies under a waiting fetch: the receiver polls Failed with
+    the reason; nothing raises into SGLang's loop."""
+    own = Daemon(tmp_path)
+    env.setenv("KVXFER_SGLANG_SOCKET", own.sock)
+    src, dst = Rank(seed=37), Rank(seed=38)
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    try:
+        r = receiver(dm, bootstrap.address, room())
+        r.send_metadata(np.asarray([1], np.int32), 0, [])
+        assert r.poll() == KVPoll.Transferring
+        own.stop()
+        assert wait_poll(r, KVPoll.Success) == KVPoll.Failed
+        with pytest.raises(KvxferTransferError, match="polling kvxferd "
+                           "failed"):
+            r.failure_exception()
+    finally:
+        pm.close()
+        dm.close()
+        own.stop()
 
 
 # -- bad input --------------------------------------------------------------
