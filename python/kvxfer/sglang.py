@@ -412,6 +412,11 @@ class KvxferKVManager(BaseKVManager):
         if int(getattr(sa, "dp_size", 1) or 1) != 1 or \
                 getattr(sa, "enable_dp_attention", False):
             no("data parallelism (dp_size > 1, DP attention)")
+        if int(getattr(sa, "attn_cp_size", 1) or 1) != 1 or \
+                int(getattr(sa, "dcp_size", 1) or 1) != 1:
+            no("context parallelism (attn_cp_size, dcp_size > 1)")
+        if getattr(sa, "enable_kv_cache_sharding", False):
+            no("KV cache sharding (pages spread over the ranks)")
         if getattr(sa, "disaggregation_enable_kv_checksum", False):
             no("--disaggregation-enable-kv-checksum (each rank's digest "
                "would make the ranks' aux payloads differ)")

@@ -521,6 +521,9 @@ def test_unsupported_sglang_features_are_named(env, bootstrap):
     sa = server_args(bootstrap.port, pp_size=2)
     with pytest.raises(kvxfer.Unsupported, match="pipeline parallelism"):
         KvxferKVManager(src.args, "prefill", sa, False)
+    sa = server_args(bootstrap.port, attn_cp_size=2)
+    with pytest.raises(kvxfer.Unsupported, match="context parallelism"):
+        KvxferKVManager(src.args, "prefill", sa, False)
     src.args.num_draft_entries = 2
     with pytest.raises(kvxfer.Unsupported, match="draft model"):
         KvxferKVManager(src.args, "prefill", server_args(bootstrap.port),
