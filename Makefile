@@ -78,7 +78,7 @@ UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/t
 ITEST      := $(BUILD)/tests/integration
 
 .PHONY: all deps test asan tsan demo demo-gpu demo-router install uninstall clean bundle help test-gpu lint fuzz
-.PHONY: check-lib test-python test-vllm wheel print-daemon-src
+.PHONY: check-lib test-python test-vllm test-sglang wheel print-daemon-src
 all: $(BINS)
 
 help:
@@ -92,6 +92,7 @@ help:
 	@echo "make demo-router  examples/router.py on the CPU: prefill and decode servers, checked (installs CPU torch)"
 	@echo "make test-python  the Python package's tests (pytest, a venv under build/)"
 	@echo "make test-vllm  kvxfer.vllm against vLLM's own scheduler (pinned vLLM, a venv)"
+	@echo "make test-sglang  kvxfer.sglang against SGLang 0.5.23's base classes (a venv under build/)"
 	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
@@ -190,6 +191,12 @@ test-python: deps
 test-vllm: deps
 	@$(MAKE) --no-print-directory all
 	@scripts/test-python.sh $(BUILD) --vllm
+
+# tests/sglang: kvxfer.sglang driven as SGLang's scheduler drives it,
+# against the pinned SGLang's base classes in $(BUILD)/venv-sglang
+test-sglang: deps
+	@$(MAKE) --no-print-directory all
+	@scripts/test-sglang.sh $(BUILD)
 
 # A wheel of the Python package with libkvxfer.so.2 and the shared
 # libraries it needs that a machine without our Debian packages lacks

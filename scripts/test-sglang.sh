@@ -1,0 +1,83 @@
+#!/bin/sh
+# make test-sglang: kvxfer.sglang's tests (tests/sglang, pytest) against
+# SGLang's own disaggregation base classes, pinned, and BUILD's kvxferd
+# and libkvxfer.so.2. The last line is "N passed, N failed", as
+# scripts/test-python.sh's; skipped tests are named above it.
+#   scripts/test-sglang.sh [BUILD] [pytest arguments...]
+# The tests run in BUILD/venv-sglang, made here from PyPI. Importing
+# sglang.srt.disaggregation.base.conn imports most of sglang.srt, and that
+# imports torch and triton; a full "pip install sglang" would bring CUDA
+# kernels for a GPU. The smallest set that imports, found by trying: the
+# wheels of sglang, torch and triton without their dependencies, the pure
+# Python packages sglang.srt imports, and the four CUDA libraries torch's
+# libraries link that the CUDA toolkit on this kind of machine lacks (it
+# has the others). Where torch then does not import (no CUDA 13 toolkit),
+# torch is installed again with all its CUDA packages (several GB more).
+# About 2 minutes and 3.2 GB the first time; nothing after.
+cd "$(dirname "$0")/.." || exit 1
+BUILD=${1:-build}
+[ $# -gt 0 ] && shift
+SGLANG=0.5.23   # kvxfer.sglang.SGLANG_VERSION
+TORCH=2.14.1    # what sglang 0.5.23 pins
+venv=$BUILD/venv-sglang
+py=$venv/bin/python
+fail() { echo "test-sglang: $*"; echo "0 passed, 1 failed"; exit 1; }
+pip() { "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 |
+        grep -v "requires\|dependency conflicts\|dependency resolver"; }
+ready() { "$py" -c 'import pytest, numpy, torch
+from sglang.srt.disaggregation.base.conn import BaseKVManager' 2>/dev/null; }
+if [ ! -x "$py" ]; then
+    ${PYTHON:-python3} -m venv "$venv" ||
+        fail "cannot make a virtual environment in $venv (Debian: apt-get install python3-venv)"
+fi
+if ! ready; then
+    echo "test-sglang: installing sglang $SGLANG's base classes into $venv (about 2 minutes)"
+    start=$(date +%s)
+    pip --no-deps sglang==$SGLANG torch==$TORCH triton==3.8.0 \
+        nvidia-cufile==1.15.1.6 nvidia-cusparselt-cu13==0.8.1 \
+        nvidia-nvshmem-cu13==3.4.5 nvidia-nccl-cu13==2.30.7
+    pip pytest numpy filelock fsspec jinja2 networkx sympy typing_extensions \
+        orjson psutil pybase64 requests pillow starlette msgspec pydantic \
+        pyzmq tqdm ipython aiohttp
+    if ! "$py" -c 'import torch' 2>/dev/null; then
+        echo "test-sglang: torch needs its CUDA packages here; installing them"
+        pip torch==$TORCH
+    fi
+    ready || { "$py" -c 'from sglang.srt.disaggregation.base.conn import BaseKVManager' 2>&1 | tail -3
+               fail "sglang $SGLANG's base classes do not import in $venv"; }
+    echo "test-sglang: installed in $(($(date +%s) - start)) s"
+fi
+[ -f "$BUILD/libkvxfer.so.2" ] || fail "$BUILD/libkvxfer.so.2 not built (run make)"
+[ -x "$BUILD/kvxferd" ] || fail "$BUILD/kvxferd not built (run make)"
+command -v patch >/dev/null || fail "patch(1) is missing (Debian: apt-get install patch)"
+[ $# -gt 0 ] || set -- tests/sglang
+xml=$BUILD/pytest-sglang.xml
+rm -f "$xml"
+KVX_BUILD=$BUILD KVXFER_LIB=$PWD/$BUILD/libkvxfer.so.2 PYTHONDONTWRITEBYTECODE=1 \
+    "$py" -m pytest -p no:cacheprovider -rs -q --junitxml="$xml" "$@"
+rc=$?
+# the counts from the JUnit XML; pytest's own exit status decides as well
+counts=$("$py" - "$xml" <<'PY'
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print("0 0 0"); sys.exit()
+suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+t = f = s = 0
+for x in suites:
+    t += int(x.get("tests", 0)); s += int(x.get("skipped", 0))
+    f += int(x.get("failures", 0)) + int(x.get("errors", 0))
+print(t - f - s, f, s)
+PY
+)
+set -- $counts
+passed=$1; failed=$2; skipped=$3
+case $rc in
+0) ;;
+5) echo "test-sglang: FAIL: pytest collected no tests (exit 5)"; failed=$((failed + 1)) ;;
+*) [ "$failed" -gt 0 ] || { echo "test-sglang: FAIL: pytest exited $rc"; failed=1; } ;;
+esac
+[ "$skipped" = 0 ] || echo "test-sglang: $skipped skipped (reasons above)"
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]

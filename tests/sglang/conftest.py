@@ -1,0 +1,156 @@
+"""Fixtures for kvxfer.sglang: a real kvxferd, SGLang's own KVArgs and
+ServerArgs (SGLang 0.5.23 from PyPI, scripts/test-sglang.sh), and KV
+buffers laid out as SGLang's memory pools lay them, in host memory.
+
+The daemon fixture is python/tests/conftest.py's Daemon (loaded from
+there, not copied): $KVX_BUILD/kvxferd on a private socket.
+"""
+
+import importlib.util
+import itertools
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "python"))  # the package in the tree
+
+_spec = importlib.util.spec_from_file_location(
+    "kvxfer_python_conftest", os.path.join(REPO, "python", "tests",
+                                           "conftest.py"))
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+Daemon = _base.Daemon
+pytest_runtest_makereport = _base.pytest_runtest_makereport
+
+import kvxfer  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+# fetches that wait for a publish give up after this (the timeout test)
+FETCH_TIMEOUT_MS = 1500
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("kvxferd"),
+               f"deadlines:\n  fetch_timeout_ms: {FETCH_TIMEOUT_MS}\n")
+    yield d
+    rc = d.stop()
+    assert rc == 0, f"kvxferd exited {rc}:\n{d.tail()}"
+
+
+@pytest.fixture
+def env(daemon, monkeypatch):
+    """The backend's settings: this daemon's socket, short bootstrap
+    retries, nothing left from the caller's environment."""
+    for k in list(os.environ):
+        if k.startswith("KVXFER_SGLANG_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("KVXFER_SGLANG_SOCKET", daemon.sock)
+    monkeypatch.setenv("KVXFER_SGLANG_BOOTSTRAP_TIMEOUT", "2")
+    return monkeypatch
+
+
+@pytest.fixture
+def bootstrap():
+    from kvxfer.sglang import KvxferKVBootstrapServer
+    srv = KvxferKVBootstrapServer("127.0.0.1", 0)
+    yield srv
+    srv.close()
+
+
+_ports = itertools.count(31000)
+
+
+def server_args(bootstrap_port, tp_size=1, mode="prefill", **kw):
+    """SGLang's ServerArgs as a scheduler rank holds them (a port of its
+    own per instance: the decode instance's name derives from it)."""
+    return ServerArgs(model_path="unused", tp_size=tp_size,
+                      port=next(_ports),
+                      disaggregation_bootstrap_port=bootstrap_port,
+                      disaggregation_mode=mode, **kw)
+
+
+AUX_ROWS = 8
+
+
+class Rank:
+    """One scheduler rank's KV pool and metadata buffers as SGLang lays
+    them out: MHA, a K and a V buffer per layer of [token][head][dim]
+    (one padding page more than the pool's pages), or MLA, one buffer per
+    layer of [token][1][latent]; the KV in kvxfer.HostBuffers, the aux
+    rows in plain numpy arrays, as MetadataBuffers keeps them on the CPU.
+    ``args`` is SGLang's own KVArgs, filled as its prefill/decode queues
+    fill it."""
+
+    def __init__(self, *, engine_rank=0, layers=3, heads=2, total_heads=2,
+                 head_dim=8, page=4, num_pages=16, mla=False, seed=0):
+        self.layers, self.heads, self.page = layers, heads, page
+        self.mla = mla
+        tokens = (num_pages + 1) * page
+        shape = (tokens, 1 if mla else heads, head_dim)
+        nbuf = layers if mla else 2 * layers
+        one = int(np.prod(shape)) * 2  # float16
+        self.buf = kvxfer.HostBuffer(nbuf * one)
+        bufs = [self.buf.numpy(np.float16, shape, offset=i * one)
+                for i in range(nbuf)]
+        rng = np.random.default_rng(seed)
+        for b in bufs:
+            b[:] = rng.standard_normal(shape).astype(np.float16)
+        self.k = bufs[:layers]
+        self.v = [] if mla else bufs[layers:]
+        self.aux = [np.zeros((AUX_ROWS, 16), np.int32),     # output ids
+                    np.zeros((AUX_ROWS, 16), np.float32),   # logprobs
+                    np.zeros((AUX_ROWS, 8), np.uint64)]     # bootstrap room
+        a = KVArgs()
+        a.engine_rank = engine_rank
+        a.kv_data_ptrs = [b.ctypes.data for b in bufs]
+        a.kv_data_lens = [b.nbytes for b in bufs]
+        a.kv_item_lens = [b[0].nbytes * page for b in bufs]
+        a.kv_cache_dtype_str = "float16"
+        a.aux_data_ptrs = [x.ctypes.data for x in self.aux]
+        a.aux_data_lens = [x.nbytes for x in self.aux]
+        a.aux_item_lens = [x[0].nbytes for x in self.aux]
+        a.page_size = page
+        if not mla:
+            a.kv_head_num = heads
+            a.total_kv_head_num = total_heads
+        a.state_types = []
+        a.num_draft_entries = 0
+        a.pp_rank = 0
+        a.prefill_start_layer = 0
+        a.gpu_id = 0
+        self.args = a
+
+    def buffers(self):
+        """(layer, kind, array) of every KV buffer."""
+        out = [(i, "k", b) for i, b in enumerate(self.k)]
+        return out + [(i, "v", b) for i, b in enumerate(self.v)]
+
+    def page_tokens(self, buf, page):
+        return buf[page * self.page:(page + 1) * self.page]
+
+    def set_aux(self, row, room, first_token):
+        """What MetadataBuffers.set_buf writes on the prefill's last
+        chunk: the first output token, its logprob, the room."""
+        self.aux[0][row, 0] = first_token
+        self.aux[1][row, 0] = -0.25
+        self.aux[2][row, 0] = room
+
+
+def wait_poll(obj, want, timeout=10.0):
+    """Poll a sender or receiver as the scheduler does, every step, until
+    it reaches ``want`` (or a terminal state); returns the state."""
+    end = time.monotonic() + timeout
+    while True:
+        st = obj.poll()
+        if st == want or st in (KVPoll.Success, KVPoll.Failed):
+            return st
+        if time.monotonic() > end:
+            return st
+        time.sleep(0.005)
