@@ -178,8 +178,8 @@ void copy_submit(copy_job_t *j)
     list_init(&j->node);
     c.inflight++;
     if (j->gpu) { /* the GPU executor; it completes through gpu_done() */
-        gpu_work_t w = {j->unit_begin, j->unit_end,      j->bytes,
-                        j->packed,     j->packed_gather, j->wait};
+        gpu_work_t w = {j->unit_begin, j->unit_end, j->bytes, j->packed,
+                        j->packed_gather};
         if ((j->status = gpu_launch(j->gpu, &w, gpu_done, j)))
             job_finished(j);
         return;

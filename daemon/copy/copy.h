@@ -36,7 +36,6 @@ struct copy_job {
     uint8_t *packed;
     int packed_gather;
     uint64_t bytes;
-    gpu_event_t *wait;   /* GPU: a client's event the launch waits for */
     int status;          /* 0, or why the job did not run */
     uint64_t t_done;     /* CLOCK_MONOTONIC ns it finished */
     copy_done_cb done;   /* runs on the loop thread */

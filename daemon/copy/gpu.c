@@ -957,11 +957,6 @@ int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
     return 0;
 }
 
-void gpu_event_ref(gpu_event_t *e)
-{
-    e->refs++;
-}
-
 void gpu_event_unref(gpu_event_t *e)
 {
     if (!e || --e->refs)
@@ -975,6 +970,127 @@ void gpu_event_unref(gpu_event_t *e)
     free(e);
 }
 
+/* The watcher: one thread that polls every watched event. The loop adds
+ * and removes watches and runs their callbacks; the thread only moves a
+ * reached watch from pending to done and wakes the loop. */
+struct gpu_watch {
+    gpu_event_t *e;
+    gpu_watch_cb cb;
+    void *arg;
+    int status, done, cancelled;
+    list_t node; /* on ew.pending or ew.done */
+};
+
+static struct {
+    int started, stop;
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    list_t pending, done;
+    uv_async_t async;
+} ew = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+#define WATCH(n) LIST_OWNER(n, gpu_watch_t, node)
+
+static void ew_on_async(uv_async_t *h)
+{
+    (void)h;
+    list_t done;
+    list_init(&done);
+    pthread_mutex_lock(&ew.mu);
+    list_move_all(&ew.done, &done);
+    pthread_mutex_unlock(&ew.mu);
+    while (!list_empty(&done)) {
+        gpu_watch_t *w = WATCH(list_pop(&done));
+        if (!w->cancelled)
+            w->cb(w->arg, w->status);
+        gpu_event_unref(w->e);
+        free(w);
+    }
+}
+
+static void *ew_main(void *arg)
+{
+    (void)arg;
+    pthread_setname_np(pthread_self(), "kvx-events");
+    pthread_mutex_lock(&ew.mu);
+    while (!ew.stop) {
+        if (list_empty(&ew.pending)) {
+            pthread_cond_wait(&ew.cv, &ew.mu);
+            continue;
+        }
+        int moved = 0;
+        list_t *n, *t;
+        LIST_FOREACH_SAFE(n, t, &ew.pending)
+        {
+            gpu_watch_t *w = WATCH(n);
+            cudaSetDevice(w->e->device);
+            cudaError_t q = cudaEventQuery(w->e->ev);
+            if (q == cudaErrorNotReady)
+                continue;
+            if (q != cudaSuccess)
+                (void)cudaGetLastError();
+            w->status = q == cudaSuccess ? 0 : KVX_ERR_IO;
+            w->done = 1;
+            list_remove(&w->node);
+            list_push(&ew.done, &w->node);
+            moved = 1;
+        }
+        pthread_mutex_unlock(&ew.mu);
+        if (moved)
+            uv_async_send(&ew.async);
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&ew.mu);
+    }
+    pthread_mutex_unlock(&ew.mu);
+    return NULL;
+}
+
+gpu_watch_t *gpu_event_watch(gpu_event_t *e, gpu_watch_cb cb, void *arg)
+{
+    if (!ew.started) {
+        list_init(&ew.pending);
+        list_init(&ew.done);
+        if (uv_async_init(kvxd.loop, &ew.async, ew_on_async))
+            return NULL;
+        if (pthread_create(&ew.th, NULL, ew_main, NULL)) {
+            uv_close((uv_handle_t *)&ew.async, NULL);
+            return NULL;
+        }
+        ew.started = 1;
+    }
+    gpu_watch_t *w = calloc(1, sizeof(*w));
+    if (!w)
+        return NULL;
+    w->e = e;
+    e->refs++;
+    w->cb = cb;
+    w->arg = arg;
+    list_init(&w->node);
+    pthread_mutex_lock(&ew.mu);
+    list_push(&ew.pending, &w->node);
+    pthread_cond_signal(&ew.cv);
+    pthread_mutex_unlock(&ew.mu);
+    return w;
+}
+
+void gpu_event_unwatch(gpu_watch_t *w)
+{
+    if (!w)
+        return;
+    pthread_mutex_lock(&ew.mu);
+    if (w->done) { /* its callback is queued: ew_on_async frees it */
+        w->cancelled = 1;
+        pthread_mutex_unlock(&ew.mu);
+        return;
+    }
+    list_remove(&w->node);
+    pthread_mutex_unlock(&ew.mu);
+    gpu_event_unref(w->e);
+    free(w);
+}
+
 int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
 {
     int d = gp->device;
@@ -982,11 +1098,7 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
     cudaSetDevice(d);
     uint8_t *packed = NULL;
     int e = cudaSuccess;
-    /* the engine's record of the layers this reads comes first */
-    if (w->wait)
-        e = cudaStreamWaitEvent(g.stream[d], w->wait->ev, 0);
-    if (e == cudaSuccess &&
-        w->packed && /* a pinned staging slot, as the GPU sees it */
+    if (w->packed && /* a pinned staging slot, as the GPU sees it */
         (e = cudaHostGetDevicePointer((void **)&packed, w->packed, 0)) !=
             cudaSuccess)
         packed = NULL;
@@ -1023,6 +1135,15 @@ void gpu_stop(void)
 {
     if (g.state <= 0)
         return;
+    if (ew.started) { /* the offers, and their watches, are gone */
+        pthread_mutex_lock(&ew.mu);
+        ew.stop = 1;
+        pthread_cond_signal(&ew.cv);
+        pthread_mutex_unlock(&ew.mu);
+        pthread_join(ew.th, NULL);
+        uv_close((uv_handle_t *)&ew.async, NULL);
+        ew.started = 0;
+    }
     for (int d = 0; d < g.ndev; d++)
         if (wt[d].running) {
             pthread_mutex_lock(&wt[d].mu);

@@ -96,7 +96,6 @@ typedef struct gpu_work {
     uint64_t unit_begin, unit_end, bytes;
     uint8_t *packed;
     int gather;
-    gpu_event_t *wait; /* a client's event the stream waits for first */
 } gpu_work_t;
 /* Called once the launch has run (status 0 or KVX_ERR_IO), on the
  * device's completion thread: it may only hand the result on. */
@@ -109,13 +108,23 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
 
 /* A client's CUDA event (a cudaIpcEventHandle_t of 64 bytes) opened on
  * device, whose context a pool there started: a layer-wise offer's
- * engine records it after the work that writes some layers, and the
- * launches that read them wait for that record on the stream (the engine
- * never synchronises). Imports of one handle are shared (counted). */
+ * engine records it after the work that writes some layers. Imports of
+ * one handle are shared (counted). */
 int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
                      char *why, size_t why_len);
-void gpu_event_ref(gpu_event_t *e);
 void gpu_event_unref(gpu_event_t *e);
+
+/* Watch e until its last record is reached: then cb(arg, 0) on the loop
+ * (cb(arg, KVX_ERR_IO) if CUDA reports an error for it). A thread polls
+ * the watched events (cudaEventQuery every ~20 us while any is
+ * watched): nothing of the daemon's ever waits on a client's event on
+ * the GPU, so an engine that dies with its event never reached leaves
+ * no copy stuck behind it. NULL: out of memory. A watch ends with its
+ * callback or with gpu_event_unwatch() (then cb is never called). */
+typedef struct gpu_watch gpu_watch_t;
+typedef void (*gpu_watch_cb)(void *arg, int status);
+gpu_watch_t *gpu_event_watch(gpu_event_t *e, gpu_watch_cb cb, void *arg);
+void gpu_event_unwatch(gpu_watch_t *w);
 
 /* At exit, before copy_cleanup(): every launched job's completion has
  * been handed to the copy engine and the completion threads are gone. */

@@ -78,13 +78,22 @@ int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
     return KVX_ERR_UNSUPPORTED;
 }
 
-void gpu_event_ref(gpu_event_t *e)
-{
-    (void)e;
-}
 void gpu_event_unref(gpu_event_t *e)
 {
     (void)e;
+}
+
+gpu_watch_t *gpu_event_watch(gpu_event_t *e, gpu_watch_cb cb, void *arg)
+{
+    (void)e;
+    (void)cb;
+    (void)arg;
+    return NULL;
+}
+
+void gpu_event_unwatch(gpu_watch_t *w)
+{
+    (void)w;
 }
 
 void gpu_stop(void) {}

@@ -438,7 +438,7 @@ static void job_done(copy_job_t *job)
  * on gpu, else up to x->jpp jobs on the copy threads; x->piece_done(x, k)
  * runs on the loop when all of it is back (x->status: the first error). */
 static void piece_copy(slot_t *x, uint32_t k, const plan_t *plan,
-                       gpu_part_t *gpu, int gather, gpu_event_t *wait)
+                       gpu_part_t *gpu, int gather)
 {
     const piece_t *pc = &x->pc[k];
     copy_job_t *jobs = &x->jobs[k * x->jpp];
@@ -461,7 +461,6 @@ static void piece_copy(slot_t *x, uint32_t k, const plan_t *plan,
         j->bytes = b;
         j->packed = x->mem + off;
         j->packed_gather = gather;
-        j->wait = gpu ? wait : NULL;
         j->done = job_done;
         j->owner = x;
         off += b;
@@ -1034,7 +1033,7 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
     xfer_part_fence_hold(p);
     x->piece_done = scatter_done;
     /* a GPU pool: a kernel reads the piece; else the copy threads */
-    piece_copy(x, (uint32_t)k, xfer_part_plan(p), xfer_part_gpu(p), 0, NULL);
+    piece_copy(x, (uint32_t)k, xfer_part_plan(p), xfer_part_gpu(p), 0);
 }
 
 /* ---- S: the context side ----------------------------------------------- */
@@ -1514,9 +1513,7 @@ static void slot_gather(sstream_t *s, slot_t *x)
     slot_cut(x, s->plan, remote_message_bytes());
     x->piece_done = gather_done;
     for (uint32_t k = 0; k < x->npieces; k++)
-        piece_copy(x, k, s->plan, s->gpu, 1,
-                   s->offer ? xfer_offer_source_wait(s->offer, s->src_rank)
-                            : NULL);
+        piece_copy(x, k, s->plan, s->gpu, 1);
 }
 
 /* While no PULL waits for a slot and more than one is free, gather the

@@ -96,15 +96,23 @@ typedef struct offer_part {
     uint32_t nblocks;
     /* Which of the rank's layers hold their KV: all of them after a plain
      * publish; after a layer-wise one (Publish.layerwise) those that
-     * LayersReady named, a bit each in readymap. ready: the leading
-     * layers that are all there (what copies may read). events (GPU
-     * pools): per layer, the engine's event recorded after it, which the
-     * launch that reads it waits for (a reference each). */
+     * LayersReady named, a bit each in readymap, once the engine's event
+     * given with them (GPU pools) is reached: watches holds those still
+     * watched (lw_watch_t). ready: the leading layers that are all there
+     * (what copies may read). */
     int layerwise;
     uint32_t nlayers, ready;
     uint64_t *readymap;
-    gpu_event_t **events;
+    list_t watches;
 } offer_part_t;
+
+/* Layers of a rank's part that are ready once an engine's event is. */
+typedef struct lw_watch {
+    offer_t *offer;
+    uint32_t rank, first, count;
+    gpu_watch_t *w;
+    list_t node; /* on its part's watches */
+} lw_watch_t;
 
 struct offer {
     dl_node_t lease; /* on the lease list while unfetched */
@@ -624,11 +632,11 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
 /* What a part keeps of its layers' readiness. */
 static void part_layers_free(offer_part_t *sp)
 {
-    if (sp->events)
-        for (uint32_t l = 0; l < sp->nlayers; l++)
-            gpu_event_unref(sp->events[l]);
-    free(sp->events);
-    sp->events = NULL;
+    while (sp->watches.next && !list_empty(&sp->watches)) {
+        lw_watch_t *x = LIST_OWNER(list_pop(&sp->watches), lw_watch_t, node);
+        gpu_event_unwatch(x->w);
+        free(x);
+    }
     free(sp->readymap);
     sp->readymap = NULL;
 }
@@ -883,13 +891,9 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     }
     part->nlayers = l->num_layers;
     part->ready = layerwise ? 0 : l->num_layers;
-    if (layerwise &&
-        (!(part->readymap = calloc((l->num_layers + 63) / 64, 8)) ||
-         (pool->gpu &&
-          !(part->events = calloc(l->num_layers, sizeof(gpu_event_t *)))))) {
-        part_layers_free(part);
+    list_init(&part->watches);
+    if (layerwise && !(part->readymap = calloc((l->num_layers + 63) / 64, 8)))
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
-    }
     if (!(part->blocks = malloc(need * sizeof(uint32_t)))) {
         part_layers_free(part);
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
@@ -946,6 +950,51 @@ static void consumer_wake(offer_t *o)
     schedule();
 }
 
+/* Layers [first, first + count) of rank's part of o hold their KV. */
+static void layers_mark(offer_t *o, uint32_t rank, uint32_t first,
+                        uint32_t count)
+{
+    offer_part_t *sp = &o->parts[rank];
+    for (uint32_t l = first; l < first + count; l++)
+        sp->readymap[l / 64] |= 1ull << (l % 64);
+    while (sp->ready < sp->nlayers &&
+           sp->readymap[sp->ready / 64] >> (sp->ready % 64) & 1)
+        sp->ready++;
+    log_debug("layers_ready %s/%s rank %u: [%u, %u), %u ready", o->inst->id,
+              ks(&o->key), rank, first, first + count, sp->ready);
+    instance_t *inst = o->inst;
+    uint64_t id = o->request_id;
+    int whole = sp->ready == sp->nlayers;
+    consumer_wake(o);
+    /* peer daemons read a rank's part once all of it is there */
+    if (whole && (o = map_get(&inst->offers, id)) && R.offer_published)
+        R.offer_published(o);
+}
+
+/* The engine's event for some layers is reached (the watcher, on the
+ * loop): they are ready; an event CUDA reports an error for ends the
+ * offer, since those layers may never be written. */
+static void layers_reached(void *arg, int status)
+{
+    lw_watch_t *x = arg;
+    offer_t *o = x->offer;
+    list_remove(&x->node);
+    if (status) {
+        char m[160];
+        snprintf(m, sizeof(m),
+                 "the engine's CUDA event for layers [%u, %u) of rank %u "
+                 "failed",
+                 x->first, x->first + x->count, x->rank);
+        free(x);
+        offer_end(o, KVX_EVENT_ERROR, KVX_ERR_IO, m);
+        return;
+    }
+    uint32_t rank = x->rank, first = x->first, count = x->count;
+    free(x);
+    if (!o->ending)
+        layers_mark(o, rank, first, count);
+}
+
 int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
                       uint32_t first, uint32_t count, const uint8_t *ev,
                       size_t ev_len, char *why, size_t why_len)
@@ -981,44 +1030,36 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "layers_ready: layers [%u, %llu) are not inside this rank's %u "
             "layers",
             first, (unsigned long long)first + count, sp->nlayers);
-    gpu_event_t *e = NULL;
-    if (ev_len) {
-        if (ev_len != 64)
-            WHY(KVX_ERR_INVALID,
-                "layers_ready.cuda_event: %zu bytes (a cudaIpcEventHandle_t "
-                "has 64)",
-                ev_len);
-        if (!sp->pool->gpu)
-            WHY(KVX_ERR_INVALID,
-                "layers_ready.cuda_event: pool %u is host memory (host "
-                "pools say layers_ready once the KV is written, without "
-                "an event)",
-                sp->pool->id);
-        if ((rc = gpu_event_import(ev, sp->pool->device, &e, why, why_len)))
-            return rc;
+    if (!ev_len) {
+        layers_mark(o, rank, first, count);
+        return 0;
     }
-    for (uint32_t l = first; l < first + count; l++) {
-        sp->readymap[l / 64] |= 1ull << (l % 64);
-        if (sp->events) { /* a later event covers the layer from now on */
-            gpu_event_t *old = sp->events[l];
-            sp->events[l] = e;
-            if (e)
-                gpu_event_ref(e);
-            gpu_event_unref(old);
-        }
+    if (ev_len != 64)
+        WHY(KVX_ERR_INVALID,
+            "layers_ready.cuda_event: %zu bytes (a cudaIpcEventHandle_t "
+            "has 64)",
+            ev_len);
+    if (!sp->pool->gpu)
+        WHY(KVX_ERR_INVALID,
+            "layers_ready.cuda_event: pool %u is host memory (host pools "
+            "say layers_ready once the KV is written, without an event)",
+            sp->pool->id);
+    gpu_event_t *e;
+    if ((rc = gpu_event_import(ev, sp->pool->device, &e, why, why_len)))
+        return rc;
+    lw_watch_t *x = calloc(1, sizeof(*x));
+    if (x && !(x->w = gpu_event_watch(e, layers_reached, x))) {
+        free(x);
+        x = NULL;
     }
-    gpu_event_unref(e); /* the layers hold their own references */
-    while (sp->ready < sp->nlayers &&
-           sp->readymap[sp->ready / 64] >> (sp->ready % 64) & 1)
-        sp->ready++;
-    log_debug("layers_ready %s/%s rank %u: [%u, %u), %u ready%s", inst->id,
-              ks(key), rank, first, first + count, sp->ready,
-              e ? " (after an event)" : "");
-    consumer_wake(o);
-    /* peer daemons read a rank's part once all of it is there */
-    if (sp->ready == sp->nlayers && (o = map_get(&inst->offers, request_id)) &&
-        R.offer_published)
-        R.offer_published(o);
+    gpu_event_unref(e); /* the watch holds its own reference */
+    if (!x)
+        WHY(KVX_ERR_NOMEM, "layers_ready: out of memory");
+    *x = (lw_watch_t){o, rank, first, count, x->w, {NULL, NULL}};
+    list_push(&sp->watches, &x->node);
+    log_debug("layers_ready %s/%s rank %u: [%u, %u) once its event is "
+              "reached",
+              inst->id, ks(key), rank, first, first + count);
     return 0;
 }
 
@@ -1117,11 +1158,9 @@ static int part_has_left(const genpart_t *p)
 
 /* The next job of a streaming part: the ready units of the slice whose
  * next layer is the lowest (the decode needs layer 0 first), up to
- * units_per_chunk and never past the slice's ready layers; and the event
- * of the highest layer it reads that has one (a GPU source: the launch
- * waits for it). 0 when nothing is ready. */
-static int part_next_job(genpart_t *p, uint64_t *u0, uint64_t *u1,
-                         gpu_event_t **wait)
+ * units_per_chunk and never past the slice's ready layers. 0 when
+ * nothing is ready. */
+static int part_next_job(genpart_t *p, uint64_t *u0, uint64_t *u1)
 {
     const plan_t *pl = p->plan;
     uint32_t best = UINT32_MAX;
@@ -1140,20 +1179,10 @@ static int part_next_job(genpart_t *p, uint64_t *u0, uint64_t *u1,
     }
     if (best == UINT32_MAX)
         return 0;
-    const plan_slice_t *s = &pl->slices[best];
     *u0 = p->snext[best];
     *u1 = *u0 + p->units_per_chunk < best_end ? *u0 + p->units_per_chunk
                                               : best_end;
     p->snext[best] = *u1;
-    *wait = NULL;
-    const offer_part_t *sp = &p->req->offer->parts[s->src_rank];
-    if (sp->events) {
-        uint32_t base = s->layer0 - s->src_layer_base;
-        uint64_t la = (*u0 - s->unit_begin) / pl->nsegs;
-        uint64_t lb = (*u1 - 1 - s->unit_begin) / pl->nsegs;
-        for (uint64_t a = lb + 1; a-- > la && !*wait;)
-            *wait = sp->events[base + a];
-    }
     return 1;
 }
 
@@ -1273,6 +1302,12 @@ static void part_try_start(genpart_t *p)
         }
         for (uint32_t i = 0; i < plan->nslices; i++)
             p->snext[i] = plan->slices[i].unit_begin;
+        /* what is left after the prefill's last layer is that layer's
+         * copy: on the copy threads, cut it so that all of them share
+         * it (a GPU launch has its CTAs) */
+        uint64_t per = plan->nsegs / (copy_threads() ? copy_threads() : 1);
+        if (!p->gpu && p->units_per_chunk > (per ? per : 1))
+            p->units_per_chunk = per ? per : 1;
         if (!part_has_ready(p)) {
             p->parked = 1;
             return;
@@ -1891,7 +1926,7 @@ static void schedule(void)
         uint64_t begin = p->next_unit, end;
         int more;
         if (p->snext) { /* layer-wise: only what its sources have ready */
-            if (!part_next_job(p, &begin, &end, &job->wait)) {
+            if (!part_next_job(p, &begin, &end)) {
                 free(job);
                 p->parked = 1; /* layers_ready() puts it back */
                 continue;
@@ -2163,15 +2198,6 @@ pool_t *xfer_offer_source(const offer_t *o, uint32_t rank, plan_mem_t *mem)
     if (mem)
         *mem = pool_mem(sp->pool, sp->blocks, sp->nblocks);
     return sp->pool;
-}
-
-gpu_event_t *xfer_offer_source_wait(const offer_t *o, uint32_t rank)
-{
-    const offer_part_t *sp = &o->parts[rank];
-    for (uint32_t l = sp->events ? sp->nlayers : 0; l-- > 0;)
-        if (sp->events[l])
-            return sp->events[l];
-    return NULL;
 }
 
 struct roffer *xfer_offer_remote(const offer_t *o)

@@ -39,8 +39,8 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
 /* Layer-wise offers (publish with layerwise: no layer ready yet): layers
  * [first, first + count) of rank's part of key's offer hold their KV;
  * with ev (a 64-byte cudaIpcEventHandle_t, GPU pools only) once the
- * event's record is reached, which the copies that read them wait for
- * on the GPU. Copies of ready layers start at once. */
+ * event's record is reached (gpu_event_watch). Copies of ready layers
+ * start at once. */
 int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
                       uint32_t first, uint32_t count, const uint8_t *ev,
                       size_t ev_len, char *why, size_t why_len);

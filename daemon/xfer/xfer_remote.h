@@ -76,9 +76,6 @@ int xfer_offer_plan(const offer_t *o, const plan_side_t *dst, uint32_t dst_rank,
  * *mem (when mem is not NULL); NULL before that rank's publish. Read
  * only under the offer's fence. */
 pool_t *xfer_offer_source(const offer_t *o, uint32_t rank, plan_mem_t *mem);
-/* A layer-wise GPU source: the event the gathers of rank's part wait for
- * (its last layer's), or NULL. */
-gpu_event_t *xfer_offer_source_wait(const offer_t *o, uint32_t rank);
 /* What remote keeps of o (NULL until set), set once; xfer frees it with
  * o through xfer_remote_ops_t.offer_free. */
 struct roffer *xfer_offer_remote(const offer_t *o);

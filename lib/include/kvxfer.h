@@ -452,11 +452,13 @@ KVX_EXPORT int kvx_publish_layerwise(kvx_client_t *client, const void *key,
  * the engine: record an event (cudaEventCreateWithFlags with
  * cudaEventInterprocess | cudaEventDisableTiming, on the pool's device)
  * on the stream after the work that writes those layers, and pass its
- * cudaIpcGetEventHandle bytes (64) as cuda_event: the daemon's copies of
- * those layers wait for that record on the GPU. One event may be
- * recorded again for later layers (a copy then waits for the later
- * record). NULL: ready now. A layer named twice stays ready (a new event
- * replaces the old). Errors: KVX_ERR_NOT_FOUND (no such offer),
+ * cudaIpcGetEventHandle bytes (64) as cuda_event: the daemon watches it
+ * (polling it on a thread of its own, never waiting on it on the GPU)
+ * and copies those layers once the record is reached. Use an event per
+ * layer (or a ring deeper than the layers in flight): one recorded again
+ * before the daemon saw the earlier record makes the earlier layers wait
+ * for the later one. NULL: ready now. A layer named twice stays ready (a new
+ * event replaces the old). Errors: KVX_ERR_NOT_FOUND (no such offer),
  * KVX_ERR_CANCELLED (cancelled), KVX_ERR_STATE (not published
  * layer-wise by this rank, or ending), KVX_ERR_INVALID (layers outside
  * the pool's, an event for a host pool or one CUDA cannot open). */

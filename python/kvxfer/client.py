@@ -639,8 +639,9 @@ class Client:
         GPU pools: pass ``event``, an interprocess CUDA event recorded on
         the stream after the work that writes them (a
         ``torch.cuda.Event(interprocess=True)``, or the 64 bytes of its
-        ``ipc_handle()``), and the daemon's copies wait for it on the GPU;
-        the engine never synchronises."""
+        ``ipc_handle()``): the daemon copies those layers once that record
+        is reached, and the engine never synchronises. Use an event per
+        layer (or a ring deeper than the layers in flight)."""
         k = key_bytes(key)
         ev = None
         if event is not None:
