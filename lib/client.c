@@ -1292,6 +1292,38 @@ int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,
                      uint32_t first, uint32_t count, const void *cuda_event,
                      int timeout_ms)
 {
+    return kvx_tokens_ready(c, key, key_len, first, count, 0, cuda_event,
+                            timeout_ms);
+}
+
+int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
+                      uint32_t pool_id, const uint32_t *blocks,
+                      uint32_t nblocks, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    int rc = key_arg(c, "kvx_append_blocks", key, key_len);
+    if (rc)
+        return rc;
+    if (!blocks && nblocks)
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    __func__);
+    Kvxfer__AppendBlocks m = KVXFER__APPEND_BLOCKS__INIT;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
+    m.pool_id = pool_id;
+    m.n_blocks = nblocks;
+    m.blocks = (uint32_t *)blocks;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_APPEND_BLOCKS;
+    rq.append_blocks = &m;
+    return call(c, &rq, -1, timeout_ms, NULL);
+}
+
+int kvx_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
+                     uint32_t first, uint32_t count, uint32_t tokens,
+                     const void *cuda_event, int timeout_ms)
+{
     if (!c)
         return KVX_ERR_INVALID;
     int rc = key_arg(c, "kvx_layers_ready", key, key_len);
@@ -1304,6 +1336,7 @@ int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,
     m.key.len = key_len;
     m.first = first;
     m.count = count;
+    m.tokens = tokens;
     if (cuda_event) {
         m.cuda_event.data = (uint8_t *)cuda_event;
         m.cuda_event.len = 64;

@@ -892,8 +892,34 @@ static void on_layers_ready(session_t *s, const Kvxfer__Request *rq)
         rc = ready_for(s, KVX_ROLE_CONTEXT, "layers_ready", why, sizeof(why));
     if (!rc)
         rc = xfer_layers_ready(s->inst, s->rank, &key, m->first, m->count,
-                               m->cuda_event.data, m->cuda_event.len, why,
-                               sizeof(why));
+                               m->tokens, m->cuda_event.data, m->cuda_event.len,
+                               why, sizeof(why));
+    reply(s, rq->id, rc, rc ? why : "");
+}
+
+static void on_append_blocks(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    const Kvxfer__AppendBlocks *m = rq->append_blocks;
+    reqkey_t key;
+    int rc = reqkey_set(&key, m->key.data, m->key.len, "append_blocks.key", why,
+                        sizeof(why));
+    if (!rc)
+        rc = ready_for(s, KVX_ROLE_CONTEXT, "append_blocks", why, sizeof(why));
+    pool_t *p = rc ? NULL : own_pool(s, m->pool_id);
+    if (!rc && !p) {
+        rc = KVX_ERR_NOT_FOUND;
+        snprintf(why, sizeof(why),
+                 "append_blocks.pool_id: no pool %u registered by this "
+                 "session",
+                 m->pool_id);
+    }
+    if (!rc)
+        rc = check_blocks(p, m->blocks, m->n_blocks, "append_blocks", why,
+                          sizeof(why));
+    if (!rc)
+        rc = xfer_append_blocks(s->inst, s->rank, &key, p, m->blocks,
+                                (uint32_t)m->n_blocks, why, sizeof(why));
     reply(s, rq->id, rc, rc ? why : "");
 }
 
@@ -1281,6 +1307,9 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         break;
     case KVXFER__REQUEST__BODY_FETCH_PROGRESS:
         on_fetch_progress(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_APPEND_BLOCKS:
+        on_append_blocks(s, rq);
         break;
     case KVXFER__REQUEST__BODY_CANCEL:
         on_cancel(s, rq);

@@ -94,22 +94,24 @@ typedef struct offer_part {
     pool_t *pool; /* referenced while published, until consumed */
     uint32_t *blocks;
     uint32_t nblocks;
-    /* Which of the rank's layers hold their KV: all of them after a plain
-     * publish; after a layer-wise one (Publish.layerwise) those that
-     * LayersReady named, a bit each in readymap, once the engine's event
-     * given with them (GPU pools) is reached: watches holds those still
-     * watched (lw_watch_t). ready: the leading layers that are all there
-     * (what copies may read). */
+    /* What of the rank's KV is there: everything after a plain publish;
+     * after a layer-wise one (Publish.layerwise) what LayersReady named:
+     * per layer, the tokens [0, tok_ready[l]) (a chunked prefill makes
+     * them ready chunk by chunk, AppendBlocks adding the blocks; blocks
+     * holds room for every block of num_tokens, nappended of them
+     * given), once the engine's event given with them (GPU pools) is
+     * reached: watches holds those still watched (lw_watch_t). ready:
+     * the leading layers whose every token is there. */
     int layerwise;
-    uint32_t nlayers, ready;
-    uint64_t *readymap;
+    uint32_t nlayers, ready, nappended;
+    uint32_t *tok_ready;
     list_t watches;
 } offer_part_t;
 
 /* Layers of a rank's part that are ready once an engine's event is. */
 typedef struct lw_watch {
     offer_t *offer;
-    uint32_t rank, first, count;
+    uint32_t rank, first, count, tokens;
     gpu_watch_t *w;
     list_t node; /* on its part's watches */
 } lw_watch_t;
@@ -155,10 +157,10 @@ struct genpart {
     uint32_t nblocks;
     plan_t *plan;
     uint64_t next_unit, units_done, units_per_chunk;
-    /* a layer-wise source: each slice has its own cursor (snext), and
-     * the part waits off the queue (parked) while no ready layer is
-     * left to copy */
-    uint64_t *snext;
+    /* a layer-wise source: the work goes cell by cell (cnext, sfirst,
+     * tok_end: see cell_ready()), and the part waits off the queue
+     * (parked) while nothing ready is left to copy */
+    uint32_t *cnext, *sfirst, *tok_end, maxl;
     int parked;
     /* per layer of this rank's pool: units landed, units it gets (what
      * FetchProgress reports) */
@@ -637,8 +639,8 @@ static void part_layers_free(offer_part_t *sp)
         gpu_event_unwatch(x->w);
         free(x);
     }
-    free(sp->readymap);
-    sp->readymap = NULL;
+    free(sp->tok_ready);
+    sp->tok_ready = NULL;
 }
 
 static void offer_free(offer_t *o)
@@ -818,7 +820,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     if (num_tokens == 0)
         WHY(KVX_ERR_INVALID, "publish.num_tokens: 0");
     uint64_t need = ceil_div(num_tokens, l->tokens_per_block);
-    if (nblocks < need)
+    if (nblocks < need && !layerwise)
         WHY(KVX_ERR_INVALID,
             "publish.blocks: %u blocks of %u tokens cannot hold num_tokens "
             "%u (need %llu)",
@@ -892,13 +894,17 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     part->nlayers = l->num_layers;
     part->ready = layerwise ? 0 : l->num_layers;
     list_init(&part->watches);
-    if (layerwise && !(part->readymap = calloc((l->num_layers + 63) / 64, 8)))
+    if (layerwise &&
+        !(part->tok_ready = calloc(l->num_layers, sizeof(uint32_t))))
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
-    if (!(part->blocks = malloc(need * sizeof(uint32_t)))) {
+    /* room for every block (a chunked prefill appends the rest; those
+     * not given yet are never read: no token of theirs is ready) */
+    if (!(part->blocks = calloc(need, sizeof(uint32_t)))) {
         part_layers_free(part);
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
     }
-    memcpy(part->blocks, blocks, need * sizeof(uint32_t));
+    part->nappended = (uint32_t)(nblocks < need ? nblocks : need);
+    memcpy(part->blocks, blocks, part->nappended * sizeof(uint32_t));
     part->nblocks = (uint32_t)need;
     part->pool = pool;
     part->published = 1;
@@ -942,7 +948,7 @@ static void consumer_wake(offer_t *o)
         return;
     for (uint32_t r = 0; r < g->inst->nranks; r++) {
         genpart_t *p = &g->parts[r];
-        if (p->parked && p->snext && part_has_ready(p)) {
+        if (p->parked && p->cnext && part_has_ready(p)) {
             p->parked = 0;
             rrq_push(&runq, &p->turn);
         }
@@ -950,18 +956,20 @@ static void consumer_wake(offer_t *o)
     schedule();
 }
 
-/* Layers [first, first + count) of rank's part of o hold their KV. */
+/* Layers [first, first + count) of rank's part of o hold the KV of
+ * tokens [0, tokens). */
 static void layers_mark(offer_t *o, uint32_t rank, uint32_t first,
-                        uint32_t count)
+                        uint32_t count, uint32_t tokens)
 {
     offer_part_t *sp = &o->parts[rank];
     for (uint32_t l = first; l < first + count; l++)
-        sp->readymap[l / 64] |= 1ull << (l % 64);
-    while (sp->ready < sp->nlayers &&
-           sp->readymap[sp->ready / 64] >> (sp->ready % 64) & 1)
+        if (sp->tok_ready[l] < tokens)
+            sp->tok_ready[l] = tokens;
+    while (sp->ready < sp->nlayers && sp->tok_ready[sp->ready] >= o->num_tokens)
         sp->ready++;
-    log_debug("layers_ready %s/%s rank %u: [%u, %u), %u ready", o->inst->id,
-              ks(&o->key), rank, first, first + count, sp->ready);
+    log_debug("layers_ready %s/%s rank %u: [%u, %u) to token %u, %u whole",
+              o->inst->id, ks(&o->key), rank, first, first + count, tokens,
+              sp->ready);
     instance_t *inst = o->inst;
     uint64_t id = o->request_id;
     int whole = sp->ready == sp->nlayers;
@@ -990,14 +998,16 @@ static void layers_reached(void *arg, int status)
         return;
     }
     uint32_t rank = x->rank, first = x->first, count = x->count;
+    uint32_t tokens = x->tokens;
     free(x);
     if (!o->ending)
-        layers_mark(o, rank, first, count);
+        layers_mark(o, rank, first, count, tokens);
 }
 
 int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                      uint32_t first, uint32_t count, const uint8_t *ev,
-                      size_t ev_len, char *why, size_t why_len)
+                      uint32_t first, uint32_t count, uint32_t tokens,
+                      const uint8_t *ev, size_t ev_len, char *why,
+                      size_t why_len)
 {
     int rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
@@ -1030,8 +1040,20 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "layers_ready: layers [%u, %llu) are not inside this rank's %u "
             "layers",
             first, (unsigned long long)first + count, sp->nlayers);
+    if (tokens == 0)
+        tokens = o->num_tokens;
+    if (tokens > o->num_tokens)
+        WHY(KVX_ERR_INVALID,
+            "layers_ready.tokens: %u, more than the request's %u", tokens,
+            o->num_tokens);
+    uint32_t tpb = o->side.tokens_per_block;
+    if (ceil_div(tokens, tpb) > sp->nappended)
+        WHY(KVX_ERR_INVALID,
+            "layers_ready.tokens: %u tokens lie in %llu blocks; %u appended "
+            "(append_blocks first)",
+            tokens, (unsigned long long)ceil_div(tokens, tpb), sp->nappended);
     if (!ev_len) {
-        layers_mark(o, rank, first, count);
+        layers_mark(o, rank, first, count, tokens);
         return 0;
     }
     if (ev_len != 64)
@@ -1055,11 +1077,63 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
     gpu_event_unref(e); /* the watch holds its own reference */
     if (!x)
         WHY(KVX_ERR_NOMEM, "layers_ready: out of memory");
-    *x = (lw_watch_t){o, rank, first, count, x->w, {NULL, NULL}};
+    *x = (lw_watch_t){o, rank, first, count, tokens, x->w, {NULL, NULL}};
     list_push(&sp->watches, &x->node);
     log_debug("layers_ready %s/%s rank %u: [%u, %u) once its event is "
               "reached",
               inst->id, ks(key), rank, first, first + count);
+    return 0;
+}
+
+int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                       const pool_t *pool, const uint32_t *blocks,
+                       uint32_t nblocks, char *why, size_t why_len)
+{
+    uint64_t request_id = xfer_key_id(key->b, key->len);
+    offer_t *o = map_get(&inst->offers, request_id);
+    if (!o || !reqkey_eq(&o->key, key)) {
+        if (gone_find(1, inst->id, request_id, key->b, key->len))
+            WHY(KVX_ERR_CANCELLED, "append_blocks: request %s was cancelled",
+                ks(key));
+        WHY(KVX_ERR_NOT_FOUND,
+            "append_blocks: no offer of request %s in instance %s (never "
+            "published, or ended: its event says how)",
+            ks(key), inst->id);
+    }
+    if (o->ending)
+        WHY(KVX_ERR_STATE, "append_blocks: request %s is ending (%s)", ks(key),
+            o->end_msg);
+    offer_part_t *sp = &o->parts[rank];
+    if (!sp->published)
+        WHY(KVX_ERR_STATE,
+            "append_blocks: rank %u has not published request %s", rank,
+            ks(key));
+    if (o->consumed)
+        return 0;
+    if (!sp->layerwise)
+        WHY(KVX_ERR_STATE,
+            "append_blocks: request %s was published whole (publish with "
+            "layerwise to add blocks as chunks finish)",
+            ks(key));
+    if (pool != sp->pool)
+        WHY(KVX_ERR_INVALID,
+            "append_blocks.pool_id: pool %u, but request %s was published "
+            "from pool %u",
+            pool->id, ks(key), sp->pool->id);
+    if (nblocks > sp->nblocks - sp->nappended)
+        WHY(KVX_ERR_INVALID,
+            "append_blocks.blocks: %u more, but request %s holds %u blocks "
+            "(num_tokens %u) and %u are given",
+            nblocks, ks(key), sp->nblocks, o->num_tokens, sp->nappended);
+    for (uint32_t i = 0; i < nblocks; i++)
+        for (uint32_t j = 0; j < sp->nappended; j++)
+            if (sp->blocks[j] == blocks[i])
+                WHY(KVX_ERR_INVALID,
+                    "append_blocks.blocks[%u]: block %u is the request's "
+                    "block %u already",
+                    i, blocks[i], j);
+    memcpy(sp->blocks + sp->nappended, blocks, nblocks * sizeof(uint32_t));
+    sp->nappended += nblocks;
     return 0;
 }
 
@@ -1100,7 +1174,9 @@ static void genreq_free(genreq_t *g)
             pool_unref(p->pool);
         free(p->blocks);
         gpu_part_free(p->gpu);
-        free(p->snext);
+        free(p->cnext);
+        free(p->sfirst);
+        free(p->tok_end);
         free(p->ldone);
         free(p->lneed);
         if (p->remote) { /* only remote sets it */
@@ -1121,68 +1197,88 @@ static void genreq_free(genreq_t *g)
 
 /* ---- layer-wise sources ------------------------------------------------ */
 
-/* The end of the units of slice i of p's plan that may be copied: those
- * of the layers its source rank has ready (a slice's units go layer by
- * layer, nsegs a layer). */
-static uint64_t slice_ready_end(const genpart_t *p, uint32_t i)
+/* A streaming part's work is cut in cells: (slice i, layer a of the
+ * slice), nsegs units each, in token order; cell (i, a) is units
+ * slices[i].unit_begin + a * nsegs + [0, nsegs). cnext[i * maxl + a] is
+ * its next segment, sfirst[i] the slice's first cell not handed out.
+ * The segments of a cell that may be copied are those whose tokens its
+ * source rank has ready for that layer (tok_end: each segment's end). */
+static uint32_t cell_ready(const genpart_t *p, uint32_t i, uint32_t a)
 {
     const plan_t *pl = p->plan;
     const plan_slice_t *s = &pl->slices[i];
     const offer_part_t *sp = &p->req->offer->parts[s->src_rank];
-    uint32_t first = s->layer0 - s->src_layer_base; /* in the rank's pool */
-    uint32_t n = sp->ready > first ? sp->ready - first : 0;
-    if (n > s->nlayers)
-        n = s->nlayers;
-    return s->unit_begin + (uint64_t)n * pl->nsegs;
+    uint32_t t = sp->tok_ready
+                     ? sp->tok_ready[s->layer0 + a - s->src_layer_base]
+                     : UINT32_MAX;
+    uint32_t lo = 0, hi = pl->nsegs; /* segments with tok_end <= t */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (p->tok_end[mid] <= t)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
 }
 
-/* Has a streaming part units it may copy now? */
+/* Has a streaming part segments it may copy now? */
 static int part_has_ready(const genpart_t *p)
 {
-    for (uint32_t i = 0; i < p->plan->nslices; i++)
-        if (p->snext[i] < slice_ready_end(p, i))
-            return 1;
+    const plan_t *pl = p->plan;
+    for (uint32_t i = 0; i < pl->nslices; i++)
+        for (uint32_t a = p->sfirst[i]; a < pl->slices[i].nlayers; a++)
+            if (p->cnext[i * p->maxl + a] < cell_ready(p, i, a))
+                return 1;
     return 0;
 }
 
 /* Has a streaming part units not handed out yet (ready or not)? */
 static int part_has_left(const genpart_t *p)
 {
-    const plan_t *pl = p->plan;
-    for (uint32_t i = 0; i < pl->nslices; i++)
-        if (p->snext[i] < pl->slices[i].unit_begin +
-                              (uint64_t)pl->slices[i].nlayers * pl->nsegs)
+    for (uint32_t i = 0; i < p->plan->nslices; i++)
+        if (p->sfirst[i] < p->plan->slices[i].nlayers)
             return 1;
     return 0;
 }
 
-/* The next job of a streaming part: the ready units of the slice whose
- * next layer is the lowest (the decode needs layer 0 first), up to
- * units_per_chunk and never past the slice's ready layers. 0 when
- * nothing is ready. */
+/* The next job of a streaming part: the ready segments of the cell of
+ * the lowest layer that has some (the decode needs layer 0 first), up to
+ * units_per_chunk. 0 when nothing is ready. */
 static int part_next_job(genpart_t *p, uint64_t *u0, uint64_t *u1)
 {
     const plan_t *pl = p->plan;
-    uint32_t best = UINT32_MAX;
-    uint64_t best_layer = UINT64_MAX, best_end = 0;
+    uint32_t bi = UINT32_MAX, ba = 0, bready = 0;
+    uint64_t blayer = UINT64_MAX;
     for (uint32_t i = 0; i < pl->nslices; i++) {
-        uint64_t end = slice_ready_end(p, i);
-        if (p->snext[i] >= end)
-            continue;
         const plan_slice_t *s = &pl->slices[i];
-        uint64_t layer = s->layer0 + (p->snext[i] - s->unit_begin) / pl->nsegs;
-        if (layer < best_layer) {
-            best = i;
-            best_layer = layer;
-            best_end = end;
+        for (uint32_t a = p->sfirst[i]; a < s->nlayers; a++) {
+            if (s->layer0 + a >= blayer)
+                break;
+            uint32_t r = cell_ready(p, i, a);
+            if (p->cnext[i * p->maxl + a] < r) {
+                bi = i;
+                ba = a;
+                bready = r;
+                blayer = s->layer0 + a;
+                break;
+            }
         }
     }
-    if (best == UINT32_MAX)
+    if (bi == UINT32_MAX)
         return 0;
-    *u0 = p->snext[best];
-    *u1 = *u0 + p->units_per_chunk < best_end ? *u0 + p->units_per_chunk
-                                              : best_end;
-    p->snext[best] = *u1;
+    uint32_t *next = &p->cnext[bi * p->maxl + ba];
+    uint64_t base = pl->slices[bi].unit_begin + (uint64_t)ba * pl->nsegs;
+    uint32_t end = *next + p->units_per_chunk < bready
+                       ? (uint32_t)(*next + p->units_per_chunk)
+                       : bready;
+    *u0 = base + *next;
+    *u1 = base + end;
+    *next = end;
+    /* the slice's first cell not handed out */
+    while (p->sfirst[bi] < pl->slices[bi].nlayers &&
+           p->cnext[bi * p->maxl + p->sfirst[bi]] == pl->nsegs)
+        p->sfirst[bi]++;
     return 1;
 }
 
@@ -1293,15 +1389,24 @@ static void part_try_start(genpart_t *p)
             p->lneed[s->layer0 + a - s->dst_layer_base] += plan->nsegs;
     }
     if (streaming) {
-        /* layer by layer, as the source ranks say they are ready */
-        p->snext = malloc(plan->nslices * sizeof(uint64_t));
-        if (!p->snext || !p->ldone || !p->lneed) {
+        /* cell by cell, as the source ranks say their layers' tokens
+         * are ready */
+        uint32_t maxl = 1;
+        for (uint32_t i = 0; i < plan->nslices; i++)
+            if (plan->slices[i].nlayers > maxl)
+                maxl = plan->slices[i].nlayers;
+        p->maxl = maxl;
+        p->cnext = calloc((size_t)plan->nslices * maxl, sizeof(uint32_t));
+        p->sfirst = calloc(plan->nslices, sizeof(uint32_t));
+        p->tok_end = malloc((plan->nsegs ? plan->nsegs : 1) * sizeof(uint32_t));
+        if (!p->cnext || !p->sfirst || !p->tok_end || !p->ldone || !p->lneed) {
             genreq_end(g, KVX_EVENT_ERROR, KVX_ERR_NOMEM,
                        "daemon out of memory");
             return;
         }
-        for (uint32_t i = 0; i < plan->nslices; i++)
-            p->snext[i] = plan->slices[i].unit_begin;
+        uint32_t t = g->skip_tokens;
+        for (uint32_t k = 0; k < plan->nsegs; k++)
+            p->tok_end[k] = t += plan->segs[k].n;
         /* what is left after the prefill's last layer is that layer's
          * copy: on the copy threads, cut it so that all of them share
          * it (a GPU launch has its CTAs) */
@@ -1925,7 +2030,7 @@ static void schedule(void)
         }
         uint64_t begin = p->next_unit, end;
         int more;
-        if (p->snext) { /* layer-wise: only what its sources have ready */
+        if (p->cnext) { /* layer-wise: only what its sources have ready */
             if (!part_next_job(p, &begin, &end)) {
                 free(job);
                 p->parked = 1; /* layers_ready() puts it back */
@@ -1950,7 +2055,7 @@ static void schedule(void)
         p->req->inflight++;
         chunks_inflight++;
         if (more) { /* back of the line: fairness */
-            if (!p->snext || part_has_ready(p))
+            if (!p->cnext || part_has_ready(p))
                 rrq_push(&runq, &p->turn);
             else
                 p->parked = 1;

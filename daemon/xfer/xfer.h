@@ -37,13 +37,22 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  size_t why_len);
 
 /* Layer-wise offers (publish with layerwise: no layer ready yet): layers
- * [first, first + count) of rank's part of key's offer hold their KV;
+ * [first, first + count) of rank's part of key's offer hold the KV of
+ * tokens [0, tokens) (0: all of them);
  * with ev (a 64-byte cudaIpcEventHandle_t, GPU pools only) once the
  * event's record is reached (gpu_event_watch). Copies of ready layers
  * start at once. */
 int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                      uint32_t first, uint32_t count, const uint8_t *ev,
-                      size_t ev_len, char *why, size_t why_len);
+                      uint32_t first, uint32_t count, uint32_t tokens,
+                      const uint8_t *ev, size_t ev_len, char *why,
+                      size_t why_len);
+
+/* A chunked prefill: the next blocks of rank's part of key's layer-wise
+ * offer (published from pool), after those given before; the tokens in
+ * them become ready with xfer_layers_ready(tokens). */
+int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
+                       const pool_t *pool, const uint32_t *blocks,
+                       uint32_t nblocks, char *why, size_t why_len);
 
 /* The leading layers of rank's pool that rank's fetch of key has
  * landed (*done of *nlayers): 0, or 1 when the fetch is ending (its

@@ -466,6 +466,25 @@ KVX_EXPORT int kvx_layers_ready(kvx_client_t *client, const void *key,
                                 size_t key_len, uint32_t first, uint32_t count,
                                 const void *cuda_event, int timeout_ms);
 
+/* A chunked prefill on a layer-wise offer: kvx_layers_ready for the
+ * tokens [0, tokens) of those layers only (tokens 0: all of them). A
+ * layer-wise publish may give only the blocks of the first chunk;
+ * kvx_append_blocks adds the next ones, in token order (pool_id: the
+ * pool it was published from), before their tokens are said ready. A
+ * fetch copies a layer's tokens as they become ready and waits for the
+ * rest under its deadline; num_tokens (the whole prompt) is fixed at the
+ * publish. Errors: KVX_ERR_INVALID (tokens beyond num_tokens or beyond
+ * the blocks given; more blocks than num_tokens needs; a block given
+ * twice), else kvx_layers_ready's. */
+KVX_EXPORT int kvx_tokens_ready(kvx_client_t *client, const void *key,
+                                size_t key_len, uint32_t first, uint32_t count,
+                                uint32_t tokens, const void *cuda_event,
+                                int timeout_ms);
+KVX_EXPORT int kvx_append_blocks(kvx_client_t *client, const void *key,
+                                 size_t key_len, uint32_t pool_id,
+                                 const uint32_t *blocks, uint32_t num_blocks,
+                                 int timeout_ms);
+
 /* How far this generation rank's fetch of key has come: layers
  * [0, *layers_done) of its pool (*num_layers in all) have landed, so
  * attention on them may start while later layers arrive (vLLM's

@@ -118,7 +118,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 46 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 48 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -177,6 +177,10 @@ _PROTOS = {
                                       POINTER(ContextParams), c_int]),
     "kvx_layers_ready": (c_int, [_client_p, c_char_p, c_size_t, c_uint32,
                                  c_uint32, c_char_p, c_int]),
+    "kvx_tokens_ready": (c_int, [_client_p, c_char_p, c_size_t, c_uint32,
+                                 c_uint32, c_uint32, c_char_p, c_int]),
+    "kvx_append_blocks": (c_int, [_client_p, c_char_p, c_size_t, c_uint32,
+                                  c_void_p, c_uint32, c_int]),
     "kvx_fetch_progress": (c_int, [_client_p, c_char_p, c_size_t,
                                    POINTER(c_uint32), POINTER(c_uint32),
                                    POINTER(c_int), c_int]),

@@ -631,7 +631,7 @@ class Client:
             _lib.lib().kvx_batch_free(out)
 
     def layers_ready(self, key: Key, first: int, count: int = 1, *,
-                     event: Any = None,
+                     tokens: Optional[int] = None, event: Any = None,
                      timeout: Timeout = _DEFAULT) -> None:
         """Layers ``[first, first + count)`` of this rank's pool hold the
         KV of ``key``, published with ``layerwise=True``
@@ -641,7 +641,10 @@ class Client:
         ``torch.cuda.Event(interprocess=True)``, or the 64 bytes of its
         ``ipc_handle()``): the daemon copies those layers once that record
         is reached, and the engine never synchronises. Use an event per
-        layer (or a ring deeper than the layers in flight)."""
+        layer (or a ring deeper than the layers in flight).
+
+        ``tokens`` (a chunked prefill): the layers hold tokens
+        ``[0, tokens)`` only (kvx_tokens_ready); None: all of them."""
         k = key_bytes(key)
         ev = None
         if event is not None:
@@ -651,8 +654,20 @@ class Client:
             if len(ev) != 64:
                 raise InvalidArgument(-1, f"event: {len(ev)} bytes (a "
                                       "cudaIpcEventHandle_t has 64)")
-        self._call("kvx_layers_ready", k, len(k), first, count, ev,
+        self._call("kvx_tokens_ready", k, len(k), first, count,
+                   tokens or 0, ev, self._ms(timeout))
+
+    def append_blocks(self, key: Key, pool: PoolRef, blocks: Blocks,
+                      timeout: Timeout = _DEFAULT) -> None:
+        """A chunked prefill: the next blocks of a layer-wise offer of
+        ``key``, in token order after those given before, from the pool
+        it was published from (kvx_append_blocks); a layer-wise publish
+        may give only the first chunk's blocks."""
+        k = key_bytes(key)
+        ptr, n, keep = _u32(blocks)
+        self._call("kvx_append_blocks", k, len(k), _pool_id(pool), ptr, n,
                    self._ms(timeout))
+        del keep
 
     def fetch_progress(self, key: Key,
                        timeout: Timeout = _DEFAULT) -> Tuple[int, int, bool]:

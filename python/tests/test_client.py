@@ -562,3 +562,25 @@ def test_layerwise_offer_moves_layers_as_they_are_ready(pair, names):
         ctx.layers_ready(ck + "w", 0)
     with pytest.raises(kvxfer.InvalidArgument, match="64"):
         ctx.layers_ready(ck + "w", 0, event=b"short")
+
+
+def test_chunked_prefill_appends_blocks_and_tokens(pair, names):
+    """A layer-wise publish with the first chunk's blocks; append_blocks
+    and layers_ready(tokens=) for the next chunk; the bytes arrive."""
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    fill(src.array, 11)
+    ck, gk = f"ch-{names['req']}", f"g-ch-{names['req']}"
+    sb, db = [3, 1], [4, 7]
+    params = ctx.publish(ck, src, sb[:1], num_tokens=2 * TPB, layerwise=True)
+    gen.fetch(gk, params, dst, db)
+    with pytest.raises(kvxfer.InvalidArgument, match="1 appended"):
+        ctx.layers_ready(ck, 0, LAYERS, tokens=TPB + 1)
+    ctx.layers_ready(ck, 0, LAYERS, tokens=TPB)
+    ctx.append_blocks(ck, src, sb[1:])
+    ctx.layers_ready(ck, 0, LAYERS)  # every token
+    assert wait_event(gen, gk).ok and wait_event(ctx, ck).ok
+    for s, d in zip(sb, db):
+        assert np.array_equal(block_bytes(lo, dst.array, d),
+                              block_bytes(lo, src.array, s))

@@ -22,17 +22,19 @@ static void fill_layers(const rank_t *r, uint64_t req, const uint32_t *blocks,
                              r->head0 + h);
 }
 
-/* Rows of layers [l0, l1) of the destination that hold the pattern of
- * req (want 1) or the sentinel byte (want 0): the number that do not. */
-static uint32_t layers_hold(const rank_t *g, uint64_t req,
-                            const uint32_t *blocks, uint32_t ntok, uint32_t l0,
-                            uint32_t l1, int want, uint8_t sentinel)
+/* Rows of tokens [t0, t1) of layers [l0, l1) of the destination that
+ * hold the pattern of req (want 1) or the sentinel byte (want 0): the
+ * number that do not. */
+static uint32_t tokens_hold(const rank_t *g, uint64_t req,
+                            const uint32_t *blocks, uint32_t t0, uint32_t t1,
+                            uint32_t l0, uint32_t l1, int want,
+                            uint8_t sentinel)
 {
     const kvx_layout_t *l = &g->lay;
     uint32_t rowbytes = l->head_dim * l->elem_size, bad = 0;
     uint8_t row[1024], sent[1024];
     memset(sent, sentinel, sizeof(sent));
-    for (uint32_t t = 0; t < ntok; t++)
+    for (uint32_t t = t0; t < t1; t++)
         for (uint32_t ly = l0; ly < l1; ly++)
             for (uint32_t kv = 0; kv < l->kv_factor; kv++)
                 for (uint32_t h = 0; h < l->num_heads; h++) {
@@ -44,6 +46,44 @@ static uint32_t layers_hold(const rank_t *g, uint64_t req,
                     bad += memcmp(at, want ? row : sent, rowbytes) != 0;
                 }
     return bad;
+}
+
+static uint32_t layers_hold(const rank_t *g, uint64_t req,
+                            const uint32_t *blocks, uint32_t ntok, uint32_t l0,
+                            uint32_t l1, int want, uint8_t sentinel)
+{
+    return tokens_hold(g, req, blocks, 0, ntok, l0, l1, want, sentinel);
+}
+
+/* Until tokens [t0, t1) of layers [l0, l1) hold req's pattern (3 s):
+ * the rows that still do not. */
+static uint32_t tokens_arrive(const rank_t *g, uint64_t req,
+                              const uint32_t *blocks, uint32_t t0, uint32_t t1,
+                              uint32_t l0, uint32_t l1)
+{
+    uint32_t bad;
+    int64_t end = now_ms() + 3000;
+    while ((bad = tokens_hold(g, req, blocks, t0, t1, l0, l1, 1, 0)) &&
+           now_ms() < end)
+        sleep_ms(5);
+    return bad;
+}
+
+/* Write the pattern of tokens [t0, t1) of layers [l0, l1) of req. */
+static void fill_tokens(const rank_t *r, uint64_t req, const uint32_t *blocks,
+                        uint32_t t0, uint32_t t1, uint32_t l0, uint32_t l1)
+{
+    const kvx_layout_t *l = &r->lay;
+    uint32_t rowbytes = l->head_dim * l->elem_size;
+    for (uint32_t t = t0; t < t1; t++)
+        for (uint32_t ly = l0; ly < l1; ly++)
+            for (uint32_t kv = 0; kv < l->kv_factor; kv++)
+                for (uint32_t h = 0; h < l->num_heads; h++)
+                    row_fill(rank_at(r, r->base, ly, kv,
+                                     blocks[t / l->tokens_per_block],
+                                     t % l->tokens_per_block, h),
+                             rowbytes, req, r->layer0 + ly, kv, t,
+                             r->head0 + h);
 }
 
 /* kvx_fetch_progress until layers_done >= n (or 3 s): the last seen. */
@@ -65,8 +105,8 @@ static uint32_t progress_reaches(const rank_t *g, const char *key, uint32_t n)
 
 /* Layers move as the context rank says they are ready, and only then:
  * each layer's source bytes are written just before its layers_ready, so
- * a copy made early would carry the old bytes. Out of order, a layer
- * waits for the ones before it; progress counts the leading layers. */
+ * a copy made early would carry the old bytes. A layer ready out of
+ * order moves at once; progress counts the leading layers. */
 TEST(layerwise_moves_ready_layers_only)
 {
     daemon_t *d = daemon_start(NULL);
@@ -107,12 +147,14 @@ TEST(layerwise_moves_ready_layers_only)
     CHECK_EQ(layers_hold(&g, req, gb, ntok, 0, 1, 1, 0xa5), 0);
     CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 4, 0, 0xa5), 0);
 
-    /* layer 2 before layer 1: it waits for layer 1 */
+    /* layer 2 before layer 1: it moves, layer 1 and 3 do not, and the
+     * progress counts the leading layers only */
     fill_layers(&c, req, cb, ntok, 2, 3);
     CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 2, 1, NULL, T_MS), c.c);
-    sleep_ms(150);
+    CHECK_EQ(tokens_arrive(&g, req, gb, 0, ntok, 2, 3), 0);
     CHECK_EQ(progress_reaches(&g, gk, 1), 1);
-    CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 4, 0, 0xa5), 0);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 2, 0, 0xa5), 0);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 3, 4, 0, 0xa5), 0);
     fill_layers(&c, req, cb, ntok, 1, 2);
     CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 1, 1, NULL, T_MS), c.c);
     CHECK_EQ(progress_reaches(&g, gk, 3), 3);
@@ -353,6 +395,91 @@ TEST(layerwise_faults_between_layers)
     CHECK_EQ(ge.code, KVX_ERR_PEER_GONE);
     CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 4, 0, 0xa5), 0);
     kvx_context_params_free(&p);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* A chunked prefill: the publish gives the first chunk's blocks, each
+ * chunk's tokens become ready layer by layer, the next chunk's blocks
+ * are appended; a fetch copies each layer's tokens as they are ready,
+ * never ahead of them. */
+TEST(layerwise_chunked_prefill)
+{
+    daemon_t *d = daemon_start("deadlines:\n  fetch_timeout_ms: 1500\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "ch-ctx", "ch-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    memset(c.base, 0x11, c.size);
+    /* 16 tokens of 4 a block: chunks of 8 tokens (2 blocks) */
+    uint32_t cb[4] = {6, 1, 4, 3}, gb[4] = {2, 7, 0, 5};
+    const uint32_t ntok = 16, req = 74;
+    kvx_context_params_t p;
+    CHECK_FAILS(
+        kvx_publish_key(c.c, "chx", 3, c.pool, cb, 2, ntok, NULL, 0, &p, T_MS),
+        c.c, KVX_ERR_INVALID, "cannot hold num_tokens 16");
+    CHECK_KVX(kvx_publish_layerwise(c.c, "ch", 2, c.pool, cb, 2, ntok, NULL, 0,
+                                    &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "chg", 3, p.data, p.len, g.pool, gb, 4, 0, 0, T_MS),
+        g.c);
+    CHECK_FAILS(kvx_tokens_ready(c.c, "ch", 2, 0, 4, 9, NULL, T_MS), c.c,
+                KVX_ERR_INVALID, "9 tokens lie in 3 blocks; 2 appended");
+    CHECK_FAILS(kvx_tokens_ready(c.c, "ch", 2, 0, 4, 17, NULL, T_MS), c.c,
+                KVX_ERR_INVALID, "17, more than the request's 16");
+    /* chunk 1, layers 0 and 1 */
+    fill_tokens(&c, req, cb, 0, 8, 0, 2);
+    CHECK_KVX(kvx_tokens_ready(c.c, "ch", 2, 0, 2, 8, NULL, T_MS), c.c);
+    CHECK_EQ(tokens_arrive(&g, req, gb, 0, 8, 0, 2), 0);
+    CHECK_EQ(tokens_hold(&g, req, gb, 0, 8, 2, 4, 0, 0xa5), 0);
+    CHECK_EQ(tokens_hold(&g, req, gb, 8, 16, 0, 4, 0, 0xa5), 0);
+    /* chunk 1, layers 2 and 3 */
+    fill_tokens(&c, req, cb, 0, 8, 2, 4);
+    CHECK_KVX(kvx_tokens_ready(c.c, "ch", 2, 2, 2, 8, NULL, T_MS), c.c);
+    CHECK_EQ(tokens_arrive(&g, req, gb, 0, 8, 2, 4), 0);
+    uint32_t done, total;
+    CHECK_KVX(kvx_fetch_progress(g.c, "chg", 3, &done, &total, NULL, T_MS),
+              g.c);
+    CHECK_EQ(done, 0); /* no layer is whole */
+    /* chunk 2: its blocks, refused ones first */
+    uint32_t dup[1] = {1}, more[3] = {4, 3, 5};
+    CHECK_FAILS(kvx_append_blocks(c.c, "ch", 2, c.pool, dup, 1, T_MS), c.c,
+                KVX_ERR_INVALID, "block 1 is the request's block 1 already");
+    CHECK_FAILS(kvx_append_blocks(c.c, "ch", 2, c.pool, more, 3, T_MS), c.c,
+                KVX_ERR_INVALID, "3 more, but request ch holds 4 blocks");
+    CHECK_KVX(kvx_append_blocks(c.c, "ch", 2, c.pool, cb + 2, 2, T_MS), c.c);
+    fill_tokens(&c, req, cb, 8, 16, 0, 4);
+    CHECK_KVX(kvx_tokens_ready(c.c, "ch", 2, 0, 4, 16, NULL, T_MS), c.c);
+    CHECK_EQ(wait_key(g.c, "chg", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "ch", 2, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = req, .blocks = gb, .ntok = ntok};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+
+    /* a chunk that never comes: the fetch's deadline; nothing of it
+     * lands */
+    memset(g.base, 0xa5, g.size);
+    CHECK_KVX(kvx_publish_layerwise(c.c, "ch2", 3, c.pool, cb, 2, ntok, NULL, 0,
+                                    &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "ch2g", 4, p.data, p.len, g.pool, gb, 4, 0, 0, T_MS),
+        g.c);
+    CHECK_KVX(kvx_tokens_ready(c.c, "ch2", 3, 0, 4, 8, NULL, T_MS), c.c);
+    CHECK_EQ(wait_key(g.c, "ch2g", 4, 5000).kind, KVX_EVENT_TIMED_OUT);
+    CHECK_EQ(wait_key(c.c, "ch2", 3, 3000).kind, KVX_EVENT_ERROR);
+    CHECK_EQ(tokens_hold(&g, req, gb, 8, 16, 0, 4, 0, 0xa5), 0);
+    kvx_context_params_free(&p);
+    /* whole offers take no blocks later */
+    CHECK_KVX(kvx_publish_key(c.c, "whole", 5, c.pool, cb, 4, ntok, NULL, 0, &p,
+                              T_MS),
+              c.c);
+    CHECK_FAILS(kvx_append_blocks(c.c, "whole", 5, c.pool, more, 1, T_MS), c.c,
+                KVX_ERR_STATE, "was published whole");
+    kvx_context_params_free(&p);
+    rank_close(&c);
     rank_close(&g);
     daemon_healthy(d);
     daemon_stop_ok(d);
