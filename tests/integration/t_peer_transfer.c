@@ -1144,3 +1144,54 @@ TEST_T(peer_release_by_key, 60)
     rank_close(&g);
     p_stop_both(a, b);
 }
+
+/* A layer-wise offer fetched from another daemon: a rank's part moves
+ * once all its layers are ready (nothing lands before), then every
+ * byte; a context rank that leaves between layers ends the fetch on the
+ * other daemon with nothing written. */
+TEST_T(peer_layerwise, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "pl-ctx", "pl-gen", &c, &g);
+    memset(g.base, 0xa5, g.size);
+    memset(c.base, 0x11, c.size);
+    uint32_t cb[2] = {3, 6}, gb[2] = {1, 4};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish_layerwise(c.c, "pl", 2, c.pool, cb, 2, 8, NULL, 0, &p,
+                                    T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "plg", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    fill_layers(&c, 8813, cb, 8, 0, 2);
+    CHECK_KVX(kvx_layers_ready(c.c, "pl", 2, 0, 2, NULL, T_MS), c.c);
+    sleep_ms(300);
+    CHECK_EQ(p_check_req(&g, 8813, gb, 8, 0) > 0, 1);
+    CHECK_EQ(layers_hold(&g, 8813, gb, 8, 0, 4, 0, 0xa5), 0);
+    fill_layers(&c, 8813, cb, 8, 2, 4);
+    CHECK_KVX(kvx_layers_ready(c.c, "pl", 2, 2, 2, NULL, T_MS), c.c);
+    CHECK_EQ(wait_key(g.c, "plg", 3, 8000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "pl", 2, 8000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(p_check_req(&g, 8813, gb, 8, 0), 0);
+    kvx_context_params_free(&p);
+
+    memset(g.base, 0xa5, g.size);
+    CHECK_KVX(kvx_publish_layerwise(c.c, "pl2", 3, c.pool, cb, 2, 8, NULL, 0,
+                                    &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "pl2g", 4, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    CHECK_KVX(kvx_layers_ready(c.c, "pl2", 3, 0, 1, NULL, T_MS), c.c);
+    sleep_ms(100);
+    rank_close(&c);
+    ev_t e = wait_key(g.c, "pl2g", 4, 8000);
+    CHECK_EQ(e.kind, KVX_EVENT_ERROR);
+    CHECK_EQ(layers_hold(&g, 8813, gb, 8, 0, 4, 0, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    p_stop_both(a, b);
+}
