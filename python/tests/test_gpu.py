@@ -11,7 +11,8 @@ from kvxfer import Layout
 
 from conftest import wait_event
 
-LAYERS, HEADS, HEAD_DIM, TPB, BLOCKS = 4, 8, 128, 16, 32
+# the pair fixture's instances: 4 layers, 2 KV heads (conftest.open_rank)
+LAYERS, HEADS, HEAD_DIM, TPB, BLOCKS = 4, 2, 128, 16, 32
 
 
 def _torch_cuda():
@@ -162,3 +163,35 @@ def test_raw_device_pointer(pair, names):
     torch.cuda.synchronize()
     n = lo.offset(0, 0, 2)
     assert torch.equal(dst[:n], src[:n])
+
+
+@needs_torch
+def test_layerwise_with_a_torch_event(pair, names):
+    """A layer-wise offer made ready by interprocess CUDA events recorded
+    after each layer's writes (torch.cuda.Event(interprocess=True)); the
+    engine never synchronises; every byte lands."""
+    ctx, gen = pair
+    lo = layout()
+    src = torch.zeros(lo.span, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(lo.span, dtype=torch.uint8, device="cuda")
+    sp, dp = register(ctx, src, lo), register(gen, dst, lo)
+    req = names["req"]
+    params = ctx.publish(req, sp, list(range(BLOCKS)), BLOCKS * TPB,
+                         layerwise=True)
+    gen.fetch(req, params, dp, list(range(BLOCKS)))
+    want = torch.randint(0, 256, (lo.span,), dtype=torch.uint8,
+                         device="cuda")
+    per = lo.layer_stride  # vllm-nhd: the layers one after another
+    events = []
+    for layer in range(LAYERS):
+        torch.cuda._sleep(2_000_000)  # a layer of a forward pass
+        src[layer * per:(layer + 1) * per] = want[layer * per:
+                                                 (layer + 1) * per]
+        ev = torch.cuda.Event(interprocess=True)
+        ev.record()
+        events.append(ev)  # an event per layer, kept alive
+        ctx.layers_ready(req, layer, event=ev)
+    gen_ev, ctx_ev = wait_event(gen, req), wait_event(ctx, req)
+    gen_ev.raise_for_status()
+    ctx_ev.raise_for_status()
+    assert torch.equal(dst, want)
