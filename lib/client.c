@@ -1216,23 +1216,30 @@ int kvx_publish(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
                            NULL, 0, params, timeout_ms);
 }
 
-int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
-                    uint32_t pool_id, const uint32_t *blocks, uint32_t nblocks,
-                    uint32_t num_tokens, const void *aux, size_t aux_len,
-                    kvx_context_params_t *params, int timeout_ms)
+/* kvx_publish_key and kvx_publish_layerwise (fn names the call). */
+static int publish(kvx_client_t *c, const char *fn, const void *key,
+                   size_t key_len, uint32_t pool_id, const uint32_t *blocks,
+                   uint32_t nblocks, uint32_t num_tokens, const void *aux,
+                   size_t aux_len, int layerwise, kvx_context_params_t *params,
+                   int timeout_ms)
 {
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_publish_key", key, key_len);
+    int rc = key_arg(c, fn, key, key_len);
     if (rc)
         return rc;
     if ((!blocks && nblocks) || !params)
-        return fail(c, KVX_ERR_INVALID,
-                    "%s: a required argument is NULL or 0",
-                    __func__);
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    fn);
     if (!aux && aux_len)
-        return fail(c, KVX_ERR_INVALID,
-                    "kvx_publish_key: aux is NULL with aux_len %zu", aux_len);
+        return fail(c, KVX_ERR_INVALID, "%s: aux is NULL with aux_len %zu", fn,
+                    aux_len);
+    /* a 2.0 daemon would ignore the flag and read the blocks at once */
+    if (layerwise && c->daemon_minor < 1)
+        return fail(c, KVX_ERR_VERSION,
+                    "%s: the daemon speaks protocol 2.%u; layer-wise offers "
+                    "need 2.1",
+                    fn, c->daemon_minor);
     Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
@@ -1242,10 +1249,20 @@ int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
     m.num_tokens = num_tokens;
     m.aux.data = (uint8_t *)aux;
     m.aux.len = aux_len;
+    m.layerwise = layerwise;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
     rq.publish = &m;
     return params_call(c, &rq, "publish", params, timeout_ms);
+}
+
+int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
+                    uint32_t pool_id, const uint32_t *blocks, uint32_t nblocks,
+                    uint32_t num_tokens, const void *aux, size_t aux_len,
+                    kvx_context_params_t *params, int timeout_ms)
+{
+    return publish(c, "kvx_publish_key", key, key_len, pool_id, blocks, nblocks,
+                   num_tokens, aux, aux_len, 0, params, timeout_ms);
 }
 
 int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
@@ -1254,38 +1271,8 @@ int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
                           const void *aux, size_t aux_len,
                           kvx_context_params_t *params, int timeout_ms)
 {
-    if (!c)
-        return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_publish_layerwise", key, key_len);
-    if (rc)
-        return rc;
-    if ((!blocks && nblocks) || !params)
-        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
-                    __func__);
-    if (!aux && aux_len)
-        return fail(c, KVX_ERR_INVALID,
-                    "kvx_publish_layerwise: aux is NULL with aux_len %zu",
-                    aux_len);
-    /* a 2.0 daemon would ignore the flag and read the blocks at once */
-    if (c->daemon_minor < 1)
-        return fail(c, KVX_ERR_VERSION,
-                    "kvx_publish_layerwise: the daemon speaks protocol 2.%u; "
-                    "layer-wise offers need 2.1",
-                    c->daemon_minor);
-    Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
-    m.key.data = (uint8_t *)key;
-    m.key.len = key_len;
-    m.pool_id = pool_id;
-    m.n_blocks = nblocks;
-    m.blocks = (uint32_t *)blocks;
-    m.num_tokens = num_tokens;
-    m.aux.data = (uint8_t *)aux;
-    m.aux.len = aux_len;
-    m.layerwise = 1;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
-    rq.publish = &m;
-    return params_call(c, &rq, "publish", params, timeout_ms);
+    return publish(c, "kvx_publish_layerwise", key, key_len, pool_id, blocks,
+                   nblocks, num_tokens, aux, aux_len, 1, params, timeout_ms);
 }
 
 int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,

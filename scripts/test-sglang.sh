@@ -51,33 +51,4 @@ fi
 [ -x "$BUILD/kvxferd" ] || fail "$BUILD/kvxferd not built (run make)"
 command -v patch >/dev/null || fail "patch(1) is missing (Debian: apt-get install patch)"
 [ $# -gt 0 ] || set -- tests/sglang
-xml=$BUILD/pytest-sglang.xml
-rm -f "$xml"
-KVX_BUILD=$BUILD KVXFER_LIB=$PWD/$BUILD/libkvxfer.so.2 PYTHONDONTWRITEBYTECODE=1 \
-    "$py" -m pytest -p no:cacheprovider -rs -q --junitxml="$xml" "$@"
-rc=$?
-# the counts from the JUnit XML; pytest's own exit status decides as well
-counts=$("$py" - "$xml" <<'PY'
-import sys, xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except (OSError, ET.ParseError):
-    print("0 0 0"); sys.exit()
-suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
-t = f = s = 0
-for x in suites:
-    t += int(x.get("tests", 0)); s += int(x.get("skipped", 0))
-    f += int(x.get("failures", 0)) + int(x.get("errors", 0))
-print(t - f - s, f, s)
-PY
-)
-set -- $counts
-passed=$1; failed=$2; skipped=$3
-case $rc in
-0) ;;
-5) echo "test-sglang: FAIL: pytest collected no tests (exit 5)"; failed=$((failed + 1)) ;;
-*) [ "$failed" -gt 0 ] || { echo "test-sglang: FAIL: pytest exited $rc"; failed=1; } ;;
-esac
-[ "$skipped" = 0 ] || echo "test-sglang: $skipped skipped (reasons above)"
-echo "$passed passed, $failed failed"
-[ "$failed" = 0 ]
+exec scripts/run-pytest.sh "$BUILD" "$py" test-sglang "$@"
