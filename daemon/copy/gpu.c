@@ -221,6 +221,8 @@ struct gpu_part {
     struct pin_buf *pin;  /* the descriptor's pinned copy (upload source) */
     void *dmem;        /* device copy of slices, segs, tables, offsets */
     gpu_plan_t plan;   /* with device pointers; passed by value */
+    uint32_t nslices;
+    size_t *off_sblk; /* each slice's source block table in dmem */
 };
 
 const char *gpu_build_info(void)
@@ -846,7 +848,8 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
                            l->block_stride, l->token_stride, l->head_stride}};
     }
     memcpy(pk.buf + off_slices, sl, p->nslices * sizeof(gpu_slice_t));
-    free(off_sblk);
+    gp->nslices = p->nslices;
+    gp->off_sblk = off_sblk; /* gpu_part_set_blocks() writes there */
     free(off_spart);
     gp->plan = (gpu_plan_t){
         p->nslices,
@@ -864,6 +867,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     gp->pin = pin_get(pk.len ? pk.len : 16);
     if (!gp->pin) {
         cudaFreeAsync(gp->dmem, g.stream[device]);
+        free(gp->off_sblk);
         snprintf(why, why_len, "fetch: no pinned memory for a %zu-byte GPU "
                  "plan", pk.len);
         goto err_free;
@@ -874,6 +878,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
         !CU_OK(e = waiter_enqueue(device, NULL, NULL, gp->pin))) {
         /* the upload may still read the buffer: leak it, do not reuse */
         cudaFreeAsync(gp->dmem, g.stream[device]);
+        free(gp->off_sblk);
         snprintf(why, why_len, "fetch: GPU plan upload: %s",
                  cudaGetErrorString(e));
         rc = KVX_ERR_IO;
@@ -891,12 +896,36 @@ err_free:
     return rc;
 }
 
+int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
+                        const uint32_t *blocks, uint32_t n)
+{
+    if (!n)
+        return 0;
+    assert(slice < gp->nslices);
+    struct pin_buf *b = pin_get((size_t)n * 4);
+    if (!b)
+        return KVX_ERR_NOMEM;
+    memcpy(b->p, blocks, (size_t)n * 4);
+    cudaSetDevice(gp->device);
+    uint8_t *at = (uint8_t *)gp->dmem + gp->off_sblk[slice] + (size_t)first * 4;
+    cudaError_t e = cudaMemcpyAsync(
+        at, b->p, (size_t)n * 4, cudaMemcpyHostToDevice, g.stream[gp->device]);
+    if (e == cudaSuccess)
+        e = waiter_enqueue(gp->device, NULL, NULL, b);
+    if (e != cudaSuccess) { /* the copy may still read it: not reused */
+        (void)cudaGetLastError();
+        return KVX_ERR_IO;
+    }
+    return 0;
+}
+
 void gpu_part_free(gpu_part_t *gp)
 {
     if (!gp)
         return;
     cudaSetDevice(gp->device);
     cudaFreeAsync(gp->dmem, g.stream[gp->device]);
+    free(gp->off_sblk);
     free(gp);
 }
 

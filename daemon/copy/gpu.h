@@ -88,6 +88,11 @@ void gpu_host_unregister(void *base);
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
                     char *why, size_t why_len);
 void gpu_part_free(gpu_part_t *gp);
+/* Entries [first, first + n) of slice's source block table in gp's
+ * uploaded plan (a chunked prefill appended them): written on the
+ * stream, so launches after this call see them. */
+int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
+                        const uint32_t *blocks, uint32_t n);
 
 /* One launch: units [unit_begin, unit_end) of a part, bytes in all;
  * between daemons one side is a pinned staging slot holding the units

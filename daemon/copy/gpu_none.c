@@ -98,3 +98,14 @@ void gpu_event_unwatch(gpu_watch_t *w)
 
 void gpu_stop(void) {}
 void gpu_cleanup(void) {}
+
+int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
+                        const uint32_t *blocks, uint32_t n)
+{
+    (void)gp;
+    (void)slice;
+    (void)first;
+    (void)blocks;
+    (void)n;
+    return KVX_ERR_UNSUPPORTED;
+}

@@ -1132,8 +1132,26 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
                     "append_blocks.blocks[%u]: block %u is the request's "
                     "block %u already",
                     i, blocks[i], j);
-    memcpy(sp->blocks + sp->nappended, blocks, nblocks * sizeof(uint32_t));
+    uint32_t first = sp->nappended;
+    memcpy(sp->blocks + first, blocks, nblocks * sizeof(uint32_t));
     sp->nappended += nblocks;
+    /* a consumer part running on a GPU has the table uploaded: its new
+     * entries go there too (before any launch that reads them: those
+     * wait for their tokens, which wait for these blocks) */
+    genreq_t *g = o->consumer;
+    for (uint32_t r = 0; g && !g->ending && r < g->inst->nranks; r++) {
+        genpart_t *p = &g->parts[r];
+        for (uint32_t i = 0; p->gpu && i < p->plan->nslices; i++) {
+            if (p->plan->slices[i].src_rank != rank)
+                continue;
+            int rc = gpu_part_set_blocks(p->gpu, i, first, blocks, nblocks);
+            if (rc) { /* the fetch ends (g may be freed): no more */
+                genreq_end(g, KVX_EVENT_ERROR, rc,
+                           "appending blocks to the GPU plan failed");
+                return 0;
+            }
+        }
+    }
     return 0;
 }
 

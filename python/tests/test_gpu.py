@@ -195,3 +195,41 @@ def test_layerwise_with_a_torch_event(pair, names):
     gen_ev.raise_for_status()
     ctx_ev.raise_for_status()
     assert torch.equal(dst, want)
+
+
+@needs_torch
+def test_chunked_prefill_with_torch_events(pair, names):
+    """A chunked prefill on GPU pools: the first chunk's blocks at the
+    publish, each chunk's tokens made ready per layer by an interprocess
+    event, the second chunk's blocks appended; every byte lands."""
+    ctx, gen = pair
+    lo = layout()
+    src = torch.zeros(lo.span, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(lo.span, dtype=torch.uint8, device="cuda")
+    sp, dp = register(ctx, src, lo), register(gen, dst, lo)
+    req = names["req"]
+    half = BLOCKS // 2
+    params = ctx.publish(req, sp, list(range(half)), BLOCKS * TPB,
+                         layerwise=True)
+    gen.fetch(req, params, dp, list(range(BLOCKS)))
+    want = torch.randint(0, 256, (lo.span,), dtype=torch.uint8,
+                         device="cuda")
+    events = []
+    for chunk in range(2):
+        if chunk:
+            ctx.append_blocks(req, sp, list(range(half, BLOCKS)))
+        for layer in range(LAYERS):
+            torch.cuda._sleep(1_000_000)
+            for kv in range(2):
+                o = lo.offset(layer, kv, chunk * half)
+                n = lo.offset(layer, kv, half) - lo.offset(layer, kv, 0)
+                src[o:o + n] = want[o:o + n]
+            ev = torch.cuda.Event(interprocess=True)
+            ev.record()
+            events.append(ev)
+            ctx.layers_ready(req, layer, tokens=(chunk + 1) * half * TPB,
+                             event=ev)
+    gen_ev, ctx_ev = wait_event(gen, req), wait_event(ctx, req)
+    gen_ev.raise_for_status()
+    ctx_ev.raise_for_status()
+    assert torch.equal(dst, want)
