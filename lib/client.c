@@ -1275,14 +1275,6 @@ int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
                    nblocks, num_tokens, aux, aux_len, 1, params, timeout_ms);
 }
 
-int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,
-                     uint32_t first, uint32_t count, const void *cuda_event,
-                     int timeout_ms)
-{
-    return kvx_tokens_ready(c, key, key_len, first, count, 0, cuda_event,
-                            timeout_ms);
-}
-
 int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
                       uint32_t pool_id, const uint32_t *blocks,
                       uint32_t nblocks, int timeout_ms)
@@ -1307,17 +1299,18 @@ int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
     return call(c, &rq, -1, timeout_ms, NULL);
 }
 
-int kvx_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
-                     uint32_t first, uint32_t count, uint32_t tokens,
-                     const void *cuda_event, int timeout_ms)
+/* kvx_layers_ready and kvx_tokens_ready (fn names the call). */
+static int ready(kvx_client_t *c, const char *fn, const void *key,
+                 size_t key_len, uint32_t first, uint32_t count,
+                 uint32_t tokens, const void *cuda_event, int timeout_ms)
 {
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_layers_ready", key, key_len);
+    int rc = key_arg(c, fn, key, key_len);
     if (rc)
         return rc;
     if (count == 0)
-        return fail(c, KVX_ERR_INVALID, "kvx_layers_ready: count 0");
+        return fail(c, KVX_ERR_INVALID, "%s: count 0", fn);
     Kvxfer__LayersReady m = KVXFER__LAYERS_READY__INIT;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
@@ -1332,6 +1325,22 @@ int kvx_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
     rq.body_case = KVXFER__REQUEST__BODY_LAYERS_READY;
     rq.layers_ready = &m;
     return call(c, &rq, -1, timeout_ms, NULL);
+}
+
+int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,
+                     uint32_t first, uint32_t count, const void *cuda_event,
+                     int timeout_ms)
+{
+    return ready(c, "kvx_layers_ready", key, key_len, first, count, 0,
+                 cuda_event, timeout_ms);
+}
+
+int kvx_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
+                     uint32_t first, uint32_t count, uint32_t tokens,
+                     const void *cuda_event, int timeout_ms)
+{
+    return ready(c, "kvx_tokens_ready", key, key_len, first, count, tokens,
+                 cuda_event, timeout_ms);
 }
 
 int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,

@@ -934,15 +934,27 @@ void gpu_part_free(gpu_part_t *gp)
 struct gpu_event {
     uint8_t handle[64];
     int device;
+    uint64_t owner; /* the client session that sent the handle; 0: gone */
     cudaEvent_t ev;
     uint32_t refs;
+    uint64_t idle_since; /* refs 0: kept open, see gpu_event_unref() */
     struct gpu_event *next;
 };
 
 static struct gpu_event *events; /* loop thread only */
 
-int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
-                     char *why, size_t why_len)
+/* An import nobody references stays open while its client is connected
+ * (an engine records its few events again for every layer of every
+ * request: opening the handle each time would cost a
+ * cudaIpcOpenEventHandle on the loop per layer); past EVENTS_IDLE_MAX
+ * idle ones the one idle longest is closed, and a client's are closed
+ * when it goes (gpu_events_forget). */
+#define EVENTS_IDLE_MAX 256
+static uint32_t events_idle;
+static uint64_t events_tick;
+
+int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
+                     gpu_event_t **out, char *why, size_t why_len)
 {
     *out = NULL;
     if (g.state <= 0 || device < 0 || device >= g.ndev || !g.used[device]) {
@@ -952,8 +964,10 @@ int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
         return KVX_ERR_STATE;
     }
     for (gpu_event_t *e = events; e; e = e->next)
-        if (e->device == device && !memcmp(e->handle, handle, 64)) {
-            e->refs++;
+        if (e->owner == owner && e->device == device &&
+            !memcmp(e->handle, handle, 64)) {
+            if (!e->refs++)
+                events_idle--;
             *out = e;
             return 0;
         }
@@ -979,6 +993,7 @@ int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
     }
     memcpy(e->handle, handle, 64);
     e->device = device;
+    e->owner = owner;
     e->refs = 1;
     e->next = events;
     events = e;
@@ -986,10 +1001,8 @@ int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
     return 0;
 }
 
-void gpu_event_unref(gpu_event_t *e)
+static void event_close(gpu_event_t *e)
 {
-    if (!e || --e->refs)
-        return;
     gpu_event_t **pp = &events;
     while (*pp != e)
         pp = &(*pp)->next;
@@ -997,6 +1010,40 @@ void gpu_event_unref(gpu_event_t *e)
     cudaSetDevice(e->device);
     cudaEventDestroy(e->ev);
     free(e);
+}
+
+void gpu_event_unref(gpu_event_t *e)
+{
+    if (!e || --e->refs)
+        return;
+    if (!e->owner) { /* its client is gone */
+        event_close(e);
+        return;
+    }
+    e->idle_since = ++events_tick;
+    if (++events_idle <= EVENTS_IDLE_MAX)
+        return;
+    gpu_event_t *old = NULL;
+    for (gpu_event_t *x = events; x; x = x->next)
+        if (!x->refs && (!old || x->idle_since < old->idle_since))
+            old = x;
+    events_idle--;
+    event_close(old);
+}
+
+void gpu_events_forget(uint64_t owner)
+{
+    gpu_event_t *e = events, *next;
+    for (; e; e = next) {
+        next = e->next;
+        if (e->owner != owner)
+            continue;
+        e->owner = 0; /* never matched again; closed at its last unref */
+        if (!e->refs) {
+            events_idle--;
+            event_close(e);
+        }
+    }
 }
 
 /* The watcher: one thread that polls every watched event. The loop adds
@@ -1196,6 +1243,8 @@ void gpu_cleanup(void)
     if (g.state <= 0)
         return;
     gpu_stop();
+    while (events) /* the idle ones: the offers holding any are gone */
+        event_close(events);
     for (int d = 0; d < g.ndev; d++)
         if (g.used[d]) {
             cudaSetDevice(d);

@@ -114,10 +114,14 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
 /* A client's CUDA event (a cudaIpcEventHandle_t of 64 bytes) opened on
  * device, whose context a pool there started: a layer-wise offer's
  * engine records it after the work that writes some layers. Imports of
- * one handle are shared (counted). */
-int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
-                     char *why, size_t why_len);
+ * one handle from one client (owner: its session) are shared (counted)
+ * and kept open while the client is connected. */
+int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
+                     gpu_event_t **out, char *why, size_t why_len);
 void gpu_event_unref(gpu_event_t *e);
+/* Client session owner is gone: its imports are closed (those still
+ * watched at their last unref) and never matched again. */
+void gpu_events_forget(uint64_t owner);
 
 /* Watch e until its last record is reached: then cb(arg, 0) on the loop
  * (cb(arg, KVX_ERR_IO) if CUDA reports an error for it). A thread polls

@@ -67,11 +67,12 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
     return KVX_ERR_UNSUPPORTED;
 }
 
-int gpu_event_import(const uint8_t handle[64], int device, gpu_event_t **out,
-                     char *why, size_t why_len)
+int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
+                     gpu_event_t **out, char *why, size_t why_len)
 {
     (void)handle;
     (void)device;
+    (void)owner;
     *out = NULL;
     snprintf(why, why_len,
              "layers_ready.cuda_event: this kvxferd is built without CUDA");
@@ -108,4 +109,9 @@ int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
     (void)blocks;
     (void)n;
     return KVX_ERR_UNSUPPORTED;
+}
+
+void gpu_events_forget(uint64_t owner)
+{
+    (void)owner;
 }

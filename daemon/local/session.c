@@ -285,12 +285,6 @@ static void flush(session_t *s)
 
 /* ---- validation helpers ----------------------------------------------- */
 
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Block ids inside the pool and not repeated. */
 static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
                         const char *what, char *why, size_t why_len)
@@ -313,26 +307,9 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
     for (size_t i = 0; i < n && bad == n; i++)
         if (b[i] >= nb)
             bad = i;
-    if (n <= 32) {
-        for (size_t i = 1; i < bad && dup == n; i++)
-            for (size_t k = 0; k < i; k++)
-                if (b[k] == b[i]) {
-                    dup = i;
-                    break;
-                }
-    } else {
-        uint64_t *v = malloc(n * sizeof(*v)); /* block << 32 | index */
-        if (!v) {
-            snprintf(why, why_len, "%s: out of memory", what);
-            return KVX_ERR_NOMEM;
-        }
-        for (size_t i = 0; i < n; i++)
-            v[i] = (uint64_t)b[i] << 32 | i;
-        qsort(v, n, sizeof(*v), cmp_u64);
-        for (size_t i = 1; i < n; i++)
-            if (v[i] >> 32 == v[i - 1] >> 32 && (uint32_t)v[i] < dup)
-                dup = (uint32_t)v[i];
-        free(v);
+    if (xfer_blocks_repeat(b, n, &dup)) {
+        snprintf(why, why_len, "%s: out of memory", what);
+        return KVX_ERR_NOMEM;
     }
     if (bad < n && bad <= dup) {
         snprintf(why, why_len,
@@ -893,7 +870,7 @@ static void on_layers_ready(session_t *s, const Kvxfer__Request *rq)
     if (!rc)
         rc = xfer_layers_ready(s->inst, s->rank, &key, m->first, m->count,
                                m->tokens, m->cuda_event.data, m->cuda_event.len,
-                               why, sizeof(why));
+                               s->id, why, sizeof(why));
     reply(s, rq->id, rc, rc ? why : "");
 }
 
@@ -1699,6 +1676,7 @@ static void session_close(session_t *s, const char *why)
         free(ps);
     }
     map_free(&s->pools);
+    gpu_events_forget(s->id); /* after its requests ended */
     if (s->inst && instance_detach(s->inst, s->rank)) {
         agree_rank(s->inst, s->rank, 0);
         char msg[256];

@@ -141,7 +141,6 @@ struct offer {
     uint8_t *aux;       /* the first non-empty aux published (MEM_AUX) */
     uint32_t aux_len;
     int taken;          /* streams from peer daemons read it */
-    int layerwise;      /* a rank published before its KV existed */
     uint32_t gathers;   /* gathers in flight: the fence */
     /* peer daemons reading this offer: remote.c's (struct roffer), never
      * read by xfer, freed through xfer_remote_ops_t.offer_free */
@@ -909,7 +908,6 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     part->pool = pool;
     part->published = 1;
     part->layerwise = layerwise;
-    o->layerwise |= layerwise;
     pool_ref(pool);
     o->npublished++;
     log_debug("publish %s/%s rank %u: %u blocks, %u tokens", inst->id, ks(key),
@@ -1006,8 +1004,8 @@ static void layers_reached(void *arg, int status)
 
 int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
                       uint32_t first, uint32_t count, uint32_t tokens,
-                      const uint8_t *ev, size_t ev_len, char *why,
-                      size_t why_len)
+                      const uint8_t *ev, size_t ev_len, uint64_t owner,
+                      char *why, size_t why_len)
 {
     int rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
@@ -1067,7 +1065,7 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "say layers_ready once the KV is written, without an event)",
             sp->pool->id);
     gpu_event_t *e;
-    if ((rc = gpu_event_import(ev, sp->pool->device, &e, why, why_len)))
+    if ((rc = gpu_event_import(ev, sp->pool->device, owner, &e, why, why_len)))
         return rc;
     lw_watch_t *x = calloc(1, sizeof(*x));
     if (x && !(x->w = gpu_event_watch(e, layers_reached, x))) {
@@ -1082,6 +1080,37 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
     log_debug("layers_ready %s/%s rank %u: [%u, %u) once its event is "
               "reached",
               inst->id, ks(key), rank, first, first + count);
+    return 0;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int xfer_blocks_repeat(const uint32_t *b, size_t n, size_t *at)
+{
+    *at = n;
+    if (n <= 32) {
+        for (size_t i = 1; i < n && *at == n; i++)
+            for (size_t k = 0; k < i; k++)
+                if (b[k] == b[i]) {
+                    *at = i;
+                    break;
+                }
+        return 0;
+    }
+    uint64_t *v = malloc(n * sizeof(*v)); /* block << 32 | index */
+    if (!v)
+        return KVX_ERR_NOMEM;
+    for (size_t i = 0; i < n; i++)
+        v[i] = (uint64_t)b[i] << 32 | i;
+    qsort(v, n, sizeof(*v), cmp_u64);
+    for (size_t i = 1; i < n; i++)
+        if (v[i] >> 32 == v[i - 1] >> 32 && (uint32_t)v[i] < *at)
+            *at = (uint32_t)v[i];
+    free(v);
     return 0;
 }
 
@@ -1125,15 +1154,18 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "append_blocks.blocks: %u more, but request %s holds %u blocks "
             "(num_tokens %u) and %u are given",
             nblocks, ks(key), sp->nblocks, o->num_tokens, sp->nappended);
-    for (uint32_t i = 0; i < nblocks; i++)
-        for (uint32_t j = 0; j < sp->nappended; j++)
-            if (sp->blocks[j] == blocks[i])
-                WHY(KVX_ERR_INVALID,
-                    "append_blocks.blocks[%u]: block %u is the request's "
-                    "block %u already",
-                    i, blocks[i], j);
+    /* written past the blocks given (never read until nappended covers
+     * them), then checked as one table: O(n log n), not given x new */
     uint32_t first = sp->nappended;
     memcpy(sp->blocks + first, blocks, nblocks * sizeof(uint32_t));
+    size_t dup;
+    if (xfer_blocks_repeat(sp->blocks, first + nblocks, &dup))
+        WHY(KVX_ERR_NOMEM, "append_blocks: out of memory");
+    if (dup < first + nblocks)
+        WHY(KVX_ERR_INVALID,
+            "append_blocks.blocks[%zu]: block %u is already one of request "
+            "%s's blocks",
+            dup - first, sp->blocks[dup], ks(key));
     sp->nappended += nblocks;
     /* a consumer part running on a GPU has the table uploaded: its new
      * entries go there too (before any launch that reads them: those
