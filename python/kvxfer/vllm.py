@@ -54,7 +54,6 @@ import logging
 import math
 import os
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
@@ -547,7 +546,6 @@ class _Worker:
         self.client: Optional[kvxfer.Client] = None
         self.pool: Optional[kvxfer.Pool] = None
         self.gpu = False
-        self._lock = threading.Lock()
         self._sending: Dict[bytes, str] = {}  # key -> request id
         self._recving: Dict[bytes, Tuple[str, List[int], int]] = {}
         self._done_send: Set[str] = set()

@@ -730,9 +730,10 @@ TEST_T(layerwise_gpu_events, 120)
     bench("--layerwise 0.2 --requests 2 --blocks 64 --layers 8");
 }
 
-/* The engine dies while the daemon's copies wait on its event (a layer
- * whose kernel still runs): the fetch ends PEER_GONE, the daemon stays
- * healthy (a new transfer works) and drains at SIGTERM. */
+/* The engine dies while the daemon watches its event (a layer whose
+ * kernel still runs, so the layers are not ready): the fetch ends
+ * PEER_GONE, the daemon stays healthy (a new transfer works) and drains
+ * at SIGTERM. */
 TEST_T(layerwise_engine_dies_while_daemon_waits, 120)
 {
     NEED_GPUS(1);
@@ -762,7 +763,7 @@ TEST_T(layerwise_engine_dies_while_daemon_waits, 120)
             usleep(1000);
         CHECK_EQ(bgpu_stream(0, &stream), 0);
         CHECK_EQ(bgpu_ipc_events(0, 1, &ev, h), 0);
-        /* layer 0 "computes" for 20 s: the copies wait on its event */
+        /* layer 0 "computes" for 20 s: the daemon watches its event */
         CHECK_EQ(bgpu_spin(0, stream, 20000000000ull), 0);
         CHECK_EQ(bgpu_record(ev, stream), 0);
         CHECK_EQ(kvx_layers_ready(c, "dies", 4, 0, LAYERS, h, 5000), 0);

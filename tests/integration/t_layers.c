@@ -86,6 +86,23 @@ static void fill_tokens(const rank_t *r, uint64_t req, const uint32_t *blocks,
                              r->head0 + h);
 }
 
+/* The generation rank's pool to the sentinel, a layer-wise publish of
+ * ck (blocks cb) and the fetch of it as ck + "g" (blocks gb). */
+static void lw_open(const rank_t *c, const rank_t *g, const char *ck,
+                    const uint32_t *cb, const uint32_t *gb, uint32_t nb,
+                    uint32_t ntok, kvx_context_params_t *p)
+{
+    char gk[64];
+    snprintf(gk, sizeof(gk), "%sg", ck);
+    memset(g->base, 0xa5, g->size);
+    CHECK_KVX(kvx_publish_layerwise(c->c, ck, strlen(ck), c->pool, cb, nb, ntok,
+                                    NULL, 0, p, T_MS),
+              c->c);
+    CHECK_KVX(kvx_fetch_key(g->c, gk, strlen(gk), p->data, p->len, g->pool, gb,
+                            nb, 0, 0, T_MS),
+              g->c);
+}
+
 /* kvx_fetch_progress until layers_done >= n (or 3 s): the last seen. */
 static uint32_t progress_reaches(const rank_t *g, const char *key, uint32_t n)
 {
@@ -316,13 +333,7 @@ TEST(layerwise_faults_between_layers)
     kvx_context_params_t p;
 
     /* 1. the generation side cancels after layer 0 */
-    memset(g.base, 0xa5, g.size);
-    CHECK_KVX(kvx_publish_layerwise(c.c, "f1", 2, c.pool, cb, 2, ntok, NULL, 0,
-                                    &p, T_MS),
-              c.c);
-    CHECK_KVX(
-        kvx_fetch_key(g.c, "f1g", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
-        g.c);
+    lw_open(&c, &g, "f1", cb, gb, 2, ntok, &p);
     fill_layers(&c, req, cb, ntok, 0, 4);
     CHECK_KVX(kvx_layers_ready(c.c, "f1", 2, 0, 1, NULL, T_MS), c.c);
     CHECK_EQ(progress_reaches(&g, "f1g", 1), 1);
@@ -338,13 +349,7 @@ TEST(layerwise_faults_between_layers)
     kvx_context_params_free(&p);
 
     /* 2. the context rank cancels after layer 1 */
-    memset(g.base, 0xa5, g.size);
-    CHECK_KVX(kvx_publish_layerwise(c.c, "f2", 2, c.pool, cb, 2, ntok, NULL, 0,
-                                    &p, T_MS),
-              c.c);
-    CHECK_KVX(
-        kvx_fetch_key(g.c, "f2g", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
-        g.c);
+    lw_open(&c, &g, "f2", cb, gb, 2, ntok, &p);
     CHECK_KVX(kvx_layers_ready(c.c, "f2", 2, 0, 2, NULL, T_MS), c.c);
     CHECK_EQ(progress_reaches(&g, "f2g", 2), 2);
     CHECK_KVX(kvx_cancel_key(c.c, "f2", 2, T_MS), c.c);
@@ -355,13 +360,7 @@ TEST(layerwise_faults_between_layers)
     kvx_context_params_free(&p);
 
     /* 3. the fetch's timeout while it waits for layer 2 */
-    memset(g.base, 0xa5, g.size);
-    CHECK_KVX(kvx_publish_layerwise(c.c, "f3", 2, c.pool, cb, 2, ntok, NULL, 0,
-                                    &p, T_MS),
-              c.c);
-    CHECK_KVX(
-        kvx_fetch_key(g.c, "f3g", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
-        g.c);
+    lw_open(&c, &g, "f3", cb, gb, 2, ntok, &p);
     CHECK_KVX(kvx_layers_ready(c.c, "f3", 2, 0, 2, NULL, T_MS), c.c);
     ge = wait_key(g.c, "f3g", 3, 3000);
     CHECK_EQ(ge.kind, KVX_EVENT_TIMED_OUT);
@@ -380,13 +379,7 @@ TEST(layerwise_faults_between_layers)
     kvx_context_params_free(&p);
 
     /* 5. the context rank goes after layer 0 */
-    memset(g.base, 0xa5, g.size);
-    CHECK_KVX(kvx_publish_layerwise(c.c, "f5", 2, c.pool, cb, 2, ntok, NULL, 0,
-                                    &p, T_MS),
-              c.c);
-    CHECK_KVX(
-        kvx_fetch_key(g.c, "f5g", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
-        g.c);
+    lw_open(&c, &g, "f5", cb, gb, 2, ntok, &p);
     CHECK_KVX(kvx_layers_ready(c.c, "f5", 2, 0, 1, NULL, T_MS), c.c);
     CHECK_EQ(progress_reaches(&g, "f5g", 1), 1);
     rank_close(&c);
@@ -446,7 +439,7 @@ TEST(layerwise_chunked_prefill)
     /* chunk 2: its blocks, refused ones first */
     uint32_t dup[1] = {1}, more[3] = {4, 3, 5};
     CHECK_FAILS(kvx_append_blocks(c.c, "ch", 2, c.pool, dup, 1, T_MS), c.c,
-                KVX_ERR_INVALID, "block 1 is the request's block 1 already");
+                KVX_ERR_INVALID, "block 1 is already one of request ch's");
     CHECK_FAILS(kvx_append_blocks(c.c, "ch", 2, c.pool, more, 3, T_MS), c.c,
                 KVX_ERR_INVALID, "3 more, but request ch holds 4 blocks");
     CHECK_KVX(kvx_append_blocks(c.c, "ch", 2, c.pool, cb + 2, 2, T_MS), c.c);
