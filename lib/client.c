@@ -1216,10 +1216,49 @@ int kvx_publish(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
                            NULL, 0, params, timeout_ms);
 }
 
-/* kvx_publish_key and kvx_publish_layerwise (fn names the call). */
+/* groups as GroupBlocks messages into m and mp (KVX_MAX_GROUPS - 1
+ * each), fetch: with skip_tokens, else with num_tokens. 0, or an error
+ * of fn (c's last error says which). */
+static int groups_msg(kvx_client_t *c, const char *fn,
+                      const kvx_group_t *groups, uint32_t ngroups, int fetch,
+                      Kvxfer__GroupBlocks *m, Kvxfer__GroupBlocks **mp)
+{
+    if (ngroups && !groups)
+        return fail(c, KVX_ERR_INVALID, "%s: groups is NULL with ngroups %u",
+                    fn, ngroups);
+    if (ngroups >= KVX_MAX_GROUPS)
+        return fail(c, KVX_ERR_LIMIT, "%s: %u groups, at most %u", fn, ngroups,
+                    KVX_MAX_GROUPS - 1);
+    if (ngroups && c->daemon_minor < 2)
+        return fail(c, KVX_ERR_VERSION,
+                    "%s: the daemon speaks protocol 2.%u; several block "
+                    "tables need 2.2",
+                    fn, c->daemon_minor);
+    for (uint32_t k = 0; k < ngroups; k++) {
+        if (!groups[k].blocks && groups[k].num_blocks)
+            return fail(c, KVX_ERR_INVALID,
+                        "%s: groups[%u].blocks is NULL with num_blocks %u", fn,
+                        k, groups[k].num_blocks);
+        kvxfer__group_blocks__init(&m[k]);
+        m[k].pool_id = groups[k].pool_id;
+        m[k].n_blocks = groups[k].num_blocks;
+        m[k].blocks = (uint32_t *)groups[k].blocks;
+        m[k].first_block = groups[k].first_block;
+        if (fetch)
+            m[k].skip_tokens = groups[k].skip_tokens;
+        else
+            m[k].num_tokens = groups[k].num_tokens;
+        mp[k] = &m[k];
+    }
+    return 0;
+}
+
+/* kvx_publish_key, kvx_publish_layerwise and kvx_publish_groups (fn
+ * names the call). */
 static int publish(kvx_client_t *c, const char *fn, const void *key,
                    size_t key_len, uint32_t pool_id, const uint32_t *blocks,
-                   uint32_t nblocks, uint32_t num_tokens, const void *aux,
+                   uint32_t nblocks, uint32_t num_tokens,
+                   const kvx_group_t *groups, uint32_t ngroups, const void *aux,
                    size_t aux_len, int layerwise, kvx_context_params_t *params,
                    int timeout_ms)
 {
@@ -1241,6 +1280,11 @@ static int publish(kvx_client_t *c, const char *fn, const void *key,
                     "need 2.1",
                     fn, c->daemon_minor);
     Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
+    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
+    if ((rc = groups_msg(c, fn, groups, ngroups, 0, gm, gmp)))
+        return rc;
+    m.n_groups = ngroups;
+    m.groups = gmp;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
     m.pool_id = pool_id;
@@ -1262,7 +1306,19 @@ int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
                     kvx_context_params_t *params, int timeout_ms)
 {
     return publish(c, "kvx_publish_key", key, key_len, pool_id, blocks, nblocks,
-                   num_tokens, aux, aux_len, 0, params, timeout_ms);
+                   num_tokens, NULL, 0, aux, aux_len, 0, params, timeout_ms);
+}
+
+int kvx_publish_groups(kvx_client_t *c, const void *key, size_t key_len,
+                       uint32_t pool_id, const uint32_t *blocks,
+                       uint32_t nblocks, uint32_t num_tokens,
+                       const kvx_group_t *groups, uint32_t ngroups,
+                       const void *aux, size_t aux_len,
+                       kvx_context_params_t *params, int timeout_ms)
+{
+    return publish(c, "kvx_publish_groups", key, key_len, pool_id, blocks,
+                   nblocks, num_tokens, groups, ngroups, aux, aux_len, 0,
+                   params, timeout_ms);
 }
 
 int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
@@ -1272,7 +1328,8 @@ int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
                           kvx_context_params_t *params, int timeout_ms)
 {
     return publish(c, "kvx_publish_layerwise", key, key_len, pool_id, blocks,
-                   nblocks, num_tokens, aux, aux_len, 1, params, timeout_ms);
+                   nblocks, num_tokens, NULL, 0, aux, aux_len, 1, params,
+                   timeout_ms);
 }
 
 int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
@@ -1459,16 +1516,33 @@ int kvx_fetch_key(kvx_client_t *c, const void *key, size_t key_len,
                   const uint32_t *blocks, uint32_t nblocks,
                   uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms)
 {
+    return kvx_fetch_groups(c, key, key_len, params, params_len, pool_id,
+                            blocks, nblocks, skip_tokens, dp_rank, NULL, 0,
+                            timeout_ms);
+}
+
+int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
+                     const uint8_t *params, size_t params_len, uint32_t pool_id,
+                     const uint32_t *blocks, uint32_t nblocks,
+                     uint32_t skip_tokens, uint32_t dp_rank,
+                     const kvx_group_t *groups, uint32_t ngroups,
+                     int timeout_ms)
+{
+    const char *fn = ngroups ? "kvx_fetch_groups" : "kvx_fetch_key";
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_fetch_key", key, key_len);
+    int rc = key_arg(c, fn, key, key_len);
     if (rc)
         return rc;
     if ((!blocks && nblocks) || (!params && params_len))
-        return fail(c, KVX_ERR_INVALID,
-                    "%s: a required argument is NULL or 0",
-                    __func__);
+        return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
+                    fn);
     Kvxfer__Fetch m = KVXFER__FETCH__INIT;
+    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
+    if ((rc = groups_msg(c, fn, groups, ngroups, 1, gm, gmp)))
+        return rc;
+    m.n_groups = ngroups;
+    m.groups = gmp;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
     m.context_params.data = (uint8_t *)params;

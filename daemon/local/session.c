@@ -325,6 +325,42 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
     return 0;
 }
 
+/* The other block tables of a Publish or Fetch (what: its name), each
+ * in a pool of this session with its blocks checked, into out
+ * (XFER_MAX_GROUPS - 1 entries). */
+static pool_t *own_pool(session_t *s, uint32_t id);
+static int groups_from_msg(session_t *s, Kvxfer__GroupBlocks *const *m,
+                           size_t n, const char *what, xfer_group_t *out,
+                           char *why, size_t why_len)
+{
+    if (n >= XFER_MAX_GROUPS) {
+        snprintf(why, why_len, "%s.groups: %zu, at most %u", what, n,
+                 XFER_MAX_GROUPS - 1);
+        return KVX_ERR_LIMIT;
+    }
+    for (size_t k = 0; k < n; k++) {
+        char w[48];
+        snprintf(w, sizeof(w), "%s.groups[%zu]", what, k);
+        pool_t *p = own_pool(s, m[k]->pool_id);
+        if (!p) {
+            snprintf(why, why_len,
+                     "%s.pool_id: no pool %u registered by this session", w,
+                     m[k]->pool_id);
+            return KVX_ERR_NOT_FOUND;
+        }
+        int rc = check_blocks(p, m[k]->blocks, m[k]->n_blocks, w, why, why_len);
+        if (rc)
+            return rc;
+        out[k] = (xfer_group_t){p,
+                                m[k]->blocks,
+                                (uint32_t)m[k]->n_blocks,
+                                m[k]->num_tokens,
+                                m[k]->first_block,
+                                m[k]->skip_tokens};
+    }
+    return 0;
+}
+
 static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
                            char *why, size_t why_len)
 {
@@ -845,10 +881,15 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
     if ((rc = check_blocks(p, m->blocks, m->n_blocks, "publish", why,
                            sizeof(why))))
         goto fail;
+    xfer_group_t gs[XFER_MAX_GROUPS];
+    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "publish", gs, why,
+                              sizeof(why))))
+        goto fail;
     uint8_t *params;
     size_t plen;
     if ((rc = xfer_publish(s->inst, s->rank, &key, p, m->blocks,
-                           (uint32_t)m->n_blocks, m->num_tokens, m->aux.data,
+                           (uint32_t)m->n_blocks, m->num_tokens, gs,
+                           (uint32_t)m->n_groups, m->aux.data,
                            (uint32_t)m->aux.len, m->layerwise, &params, &plen,
                            why, sizeof(why))))
         goto fail;
@@ -949,9 +990,14 @@ static void on_fetch(session_t *s, const Kvxfer__Request *rq)
     if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch", why,
                            sizeof(why))))
         goto fail;
+    xfer_group_t gs[XFER_MAX_GROUPS];
+    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch", gs, why,
+                              sizeof(why))))
+        goto fail;
     rc = xfer_fetch(s->inst, s->rank, &key, m->context_params.data,
                     m->context_params.len, p, m->blocks, (uint32_t)m->n_blocks,
-                    m->skip_tokens, m->dp_rank, why, sizeof(why));
+                    m->skip_tokens, m->dp_rank, gs, (uint32_t)m->n_groups, why,
+                    sizeof(why));
 fail:
     reply(s, rq->id, rc, rc ? why : "");
 }

@@ -146,7 +146,7 @@ static int kf_run(kf_t *kf, instance_t *inst, uint32_t r, pool_t *pool,
     kf->rank[r].done = 1;
     kf->ndone++;
     int rc = xfer_fetch(inst, r, &kf->key, kf->params, kf->plen, pool, blocks,
-                        nblocks, kf->skip, kf->dp_rank, why, why_len);
+                        nblocks, kf->skip, kf->dp_rank, NULL, 0, why, why_len);
     if (!rc && !kf->handed++) /* the deadline runs from the first call */
         xfer_fetch_deadline(inst, &kf->key, kf->until_ms);
     return rc;

@@ -127,7 +127,13 @@ struct offer {
     char preset[16];
     uint8_t *params; /* packed ContextParams, same for every rank */
     size_t params_len;
-    offer_part_t *parts; /* nranks */
+    /* groups: the request's block tables (Publish.groups), the first the
+     * plain one (side, num_tokens); per group its side, tokens and first
+     * block; parts: one per (group, rank), OPART() */
+    uint32_t ngroups;
+    plan_side_t gside[XFER_MAX_GROUPS];
+    uint32_t gtokens[XFER_MAX_GROUPS], gfirst[XFER_MAX_GROUPS];
+    offer_part_t *parts; /* nranks * ngroups */
     uint32_t npublished;
     uint64_t created_ms;
     genreq_t *consumer;
@@ -149,7 +155,7 @@ struct offer {
 
 struct genpart {
     genreq_t *req;
-    uint32_t rank;
+    uint32_t rank, group;
     int fetched, started, done;
     pool_t *pool; /* referenced while fetched */
     uint32_t *blocks;
@@ -182,7 +188,9 @@ struct genreq {
     uint32_t skip_tokens;
     uint32_t dp_rank; /* attention-DP group receiving */
     uint32_t need;    /* local ranks of that group */
-    genpart_t *parts; /* nranks */
+    uint32_t ngroups; /* block tables (the offer's groups) */
+    uint32_t gskip[XFER_MAX_GROUPS]; /* each group's skip_tokens */
+    genpart_t *parts;                /* nranks * ngroups: GPART() */
     uint32_t nfetched, ndone;
     uint32_t inflight;
     uint64_t created_ms;
@@ -205,6 +213,13 @@ struct genreq {
 };
 
 #define DL_NODE(n) LIST_OWNER(n, dl_node_t, node)
+
+/* The part of rank r in group k of an offer or a fetch; a rank's first
+ * group's part (k 0) stands for the rank (published, fetched). */
+#define OPART(o, k, r) (&(o)->parts[(size_t)(k) * (o)->inst->nranks + (r)])
+#define GPART(g, k, r) (&(g)->parts[(size_t)(k) * (g)->inst->nranks + (r)])
+#define OPARTS(o) ((size_t)(o)->ngroups * (o)->inst->nranks)
+#define GPARTS(g) ((size_t)(g)->ngroups * (g)->inst->nranks)
 
 /* A request that ended while it may still be asked for, kept until the
  * fetch timeout (gone_add()): a cancelled offer, so that a fetch coming
@@ -372,14 +387,28 @@ static void side_from_layout(plan_side_t *s, const instance_t *inst,
     s->tokens_per_block = l->tokens_per_block;
 }
 
-/* The pool's layout must hold exactly this rank's share of the model. */
-static int check_rank_layout(const instance_t *inst, uint32_t rank,
-                             const kvx_layout_t *l, const char *what,
-                             char *why, size_t why_len)
+/* The side of another group of a request (xfer_group_t), from a rank's
+ * pool: the instance's parallelism, the pool's layers and heads over
+ * every PP and TP rank (split evenly), its layout summary. */
+static void group_side(plan_side_t *s, const instance_t *inst,
+                       const kvx_layout_t *l)
+{
+    side_from_layout(s, inst, l);
+    uint32_t tp = s->attention_dp > 1 ? s->tp / s->attention_dp : s->tp;
+    s->total_layers = l->num_layers * s->pp;
+    s->num_layers_per_pp = 0;
+    s->total_heads = l->num_heads * tp;
+}
+
+/* The pool's layout must hold exactly this rank's share of the model
+ * (of side: a group's, or the instance's). */
+static int check_side_layout(const plan_side_t *side, uint32_t rank,
+                             const kvx_layout_t *l, const char *what, char *why,
+                             size_t why_len)
 {
     plan_side_t s;
     uint32_t r, f;
-    plan_dp_view(&inst->side, rank, &s, &r); /* attention DP: per group */
+    plan_dp_view(side, rank, &s, &r); /* attention DP: per group */
     uint32_t tp = (r / s.cp) % s.tp, pp = r / (s.tp * s.cp);
     uint32_t nl = plan_pp_layers(&s, pp, &f), nh = plan_tp_heads(&s, tp, &f);
     if (l->num_layers != nl)
@@ -399,6 +428,13 @@ static int check_rank_layout(const instance_t *inst, uint32_t rank,
             "rank holds)",
             what, l->first_head - 1, tp, s.tp, fh, fh + nh, s.total_heads);
     return 0;
+}
+
+static int check_rank_layout(const instance_t *inst, uint32_t rank,
+                             const kvx_layout_t *l, const char *what, char *why,
+                             size_t why_len)
+{
+    return check_side_layout(&inst->side, rank, l, what, why, why_len);
 }
 
 /* Local ranks of inst in attention-DP group dp (all local ranks without
@@ -587,6 +623,25 @@ static int params_build(offer_t *o, const kvx_layout_t *l)
     cp.n_rank_addresses = inst->nranks;
     cp.rank_addresses = inst->addresses;
     cp.num_tokens = o->num_tokens;
+    /* the other groups: their layout summaries and sizes */
+    Kvxfer__ParamsGroup pg[XFER_MAX_GROUPS], *pgp[XFER_MAX_GROUPS];
+    Kvxfer__ParallelConfig gpc[XFER_MAX_GROUPS];
+    Kvxfer__Layout glay[XFER_MAX_GROUPS];
+    for (uint32_t k = 1; k < o->ngroups; k++) {
+        kvxfer__params_group__init(&pg[k]);
+        kvxfer__parallel_config__init(&gpc[k]);
+        kvxfer__layout__init(&glay[k]);
+        xfer_side_to_msg(&o->gside[k], &gpc[k], &glay[k]);
+        glay[k].preset = "";
+        pg[k].layout = &glay[k];
+        pg[k].total_layers = o->gside[k].total_layers;
+        pg[k].total_kv_heads = o->gside[k].total_heads;
+        pg[k].num_tokens = o->gtokens[k];
+        pg[k].first_block = o->gfirst[k];
+        pgp[k - 1] = &pg[k];
+    }
+    cp.n_groups = o->ngroups - 1;
+    cp.groups = pgp;
     o->params_len = kvxfer__context_params__get_packed_size(&cp);
     if (!(o->params = malloc(o->params_len)))
         return KVX_ERR_NOMEM;
@@ -620,6 +675,11 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
         bad = "rank_addresses";
     else if (p->num_tokens == 0)
         bad = "num_tokens";
+    else if (p->n_groups >= XFER_MAX_GROUPS)
+        bad = "groups";
+    for (size_t k = 0; !bad && k < p->n_groups; k++)
+        if (!p->groups[k]->layout || !p->groups[k]->num_tokens)
+            bad = "groups";
     if (bad) {
         kvxfer__context_params__free_unpacked(p, NULL);
         WHY(KVX_ERR_INVALID, "fetch.context_params: invalid %s", bad);
@@ -645,7 +705,7 @@ static void part_layers_free(offer_part_t *sp)
 static void offer_free(offer_t *o)
 {
     assert(!list_linked(&o->lease.node) && list_empty(&o->waiters));
-    for (uint32_t r = 0; r < o->inst->nranks; r++) {
+    for (size_t r = 0; o->parts && r < OPARTS(o); r++) {
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
         free(o->parts[r].blocks);
@@ -664,7 +724,8 @@ static void offer_free(offer_t *o)
 
 static int offer_create(instance_t *inst, uint64_t request_id,
                         const reqkey_t *key, uint32_t num_tokens,
-                        const kvx_layout_t *l, offer_t **out, char *why,
+                        const kvx_layout_t *l, const xfer_group_t *groups,
+                        uint32_t ngroups, offer_t **out, char *why,
                         size_t why_len)
 {
     if (nrequests >= kvxd.conf.max_requests)
@@ -682,6 +743,14 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     o->num_tokens = num_tokens;
     side_from_layout(&o->side, inst, l);
     snprintf(o->preset, sizeof(o->preset), "%s", l->preset);
+    o->ngroups = 1 + ngroups;
+    o->gside[0] = o->side;
+    o->gtokens[0] = num_tokens;
+    for (uint32_t k = 0; k < ngroups; k++) {
+        group_side(&o->gside[k + 1], inst, &groups[k].pool->layout);
+        o->gtokens[k + 1] = groups[k].num_tokens;
+        o->gfirst[k + 1] = groups[k].first_block;
+    }
     o->created_ms = kvxd_now_ms();
     /* an instance spread over daemons: every daemon of it must give the
      * same params, so the token is derived from the cluster secret */
@@ -691,7 +760,7 @@ static int offer_create(instance_t *inst, uint64_t request_id,
         free(o);
         WHY(KVX_ERR_IO, "publish: getrandom failed");
     }
-    if (!(o->parts = calloc(inst->nranks, sizeof(*o->parts))) ||
+    if (!(o->parts = calloc(OPARTS(o), sizeof(*o->parts))) ||
         params_build(o, l) || map_put(&inst->offers, request_id, o)) {
         free(o->parts);
         free(o->params);
@@ -790,8 +859,8 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
             !reqkey_eq(&o->key, key) ? "taken by a key of the same id"
             : o->npublished          ? "published"
                                      : "reserved");
-    int rc =
-        offer_create(inst, request_id, key, num_tokens, l, &o, why, why_len);
+    int rc = offer_create(inst, request_id, key, num_tokens, l, NULL, 0, &o,
+                          why, why_len);
     if (rc)
         return rc;
     o->reserved = 1;
@@ -805,9 +874,99 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
     return 0;
 }
 
+/* The other groups of a rank's publish, each against itself and, when
+ * the offer exists (o), against the groups another rank published. */
+static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
+                        const xfer_group_t *gs, uint32_t n, int layerwise,
+                        char *why, size_t why_len)
+{
+    int rc;
+    if (n && layerwise)
+        WHY(KVX_ERR_UNSUPPORTED,
+            "publish.groups: a layer-wise offer has one block table; publish "
+            "a request with groups whole");
+    if (n >= XFER_MAX_GROUPS)
+        WHY(KVX_ERR_LIMIT, "publish.groups: %u, at most %u", n,
+            XFER_MAX_GROUPS - 1);
+    if (o && o->ngroups != 1 + n)
+        WHY(KVX_ERR_MISMATCH,
+            "publish.groups: %u other block tables, but %s %u", n,
+            o->reserved && !o->npublished ? "the reservation made"
+                                          : "another rank published",
+            o->ngroups - 1);
+    for (uint32_t k = 0; k < n; k++) {
+        const xfer_group_t *x = &gs[k];
+        const kvx_layout_t *l = &x->pool->layout;
+        char what[48];
+        snprintf(what, sizeof(what), "publish.groups[%u]", k);
+        if (x->num_tokens == 0)
+            WHY(KVX_ERR_INVALID, "%s.num_tokens: 0", what);
+        uint64_t need = ceil_div(x->num_tokens, l->tokens_per_block);
+        if (x->first_block >= need)
+            WHY(KVX_ERR_INVALID,
+                "%s.first_block: %u, but its %u tokens lie in %llu blocks",
+                what, x->first_block, x->num_tokens, (unsigned long long)need);
+        if (x->nblocks < need - x->first_block)
+            WHY(KVX_ERR_INVALID,
+                "%s.blocks: %u blocks of %u tokens from block %u cannot hold "
+                "num_tokens %u (need %llu)",
+                what, x->nblocks, l->tokens_per_block, x->first_block,
+                x->num_tokens, (unsigned long long)(need - x->first_block));
+        plan_side_t gs1;
+        if (o)
+            gs1 = o->gside[k + 1];
+        else
+            group_side(&gs1, inst, l);
+        if ((rc = plan_side_check(&gs1, why, why_len)) ||
+            (rc = check_side_layout(&gs1, rank, l, what, why, why_len)))
+            return rc;
+        if (o && (o->gtokens[k + 1] != x->num_tokens ||
+                  o->gfirst[k + 1] != x->first_block))
+            WHY(KVX_ERR_MISMATCH,
+                "%s: num_tokens %u, first_block %u differ from %u, %u "
+                "published by another rank",
+                what, x->num_tokens, x->first_block, o->gtokens[k + 1],
+                o->gfirst[k + 1]);
+        if (o &&
+            (l->tokens_per_block != gs1.tokens_per_block ||
+             l->head_dim != gs1.head_dim || l->dtype != gs1.dtype ||
+             l->kv_factor != gs1.kv_factor || l->elem_size != gs1.elem_size))
+            WHY(KVX_ERR_MISMATCH,
+                "%s.pool_id: layout (tokens_per_block, head_dim, dtype, "
+                "elem_size or kv_factor) differs from another rank's",
+                what);
+    }
+    return 0;
+}
+
+/* Rank's part of group k (k > 0) of o takes x's blocks (a table of every
+ * block of the group's tokens: those before first_block are never read,
+ * UINT32_MAX) and a reference to its pool. */
+static int group_part_publish(offer_t *o, uint32_t k, uint32_t rank,
+                              const xfer_group_t *x)
+{
+    offer_part_t *part = OPART(o, k, rank);
+    const kvx_layout_t *l = &x->pool->layout;
+    uint32_t need = (uint32_t)ceil_div(x->num_tokens, l->tokens_per_block);
+    if (!(part->blocks = malloc(need * sizeof(uint32_t))))
+        return KVX_ERR_NOMEM;
+    for (uint32_t i = 0; i < x->first_block; i++)
+        part->blocks[i] = UINT32_MAX;
+    memcpy(part->blocks + x->first_block, x->blocks,
+           (need - x->first_block) * sizeof(uint32_t));
+    part->nblocks = part->nappended = need;
+    part->nlayers = part->ready = l->num_layers;
+    list_init(&part->watches);
+    part->pool = x->pool;
+    part->published = 1;
+    pool_ref(x->pool);
+    return 0;
+}
+
 int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, const uint8_t *aux, uint32_t aux_len,
+                 uint32_t num_tokens, const xfer_group_t *groups,
+                 uint32_t ngroups, const uint8_t *aux, uint32_t aux_len,
                  int layerwise, uint8_t **params, size_t *params_len, char *why,
                  size_t why_len)
 {
@@ -832,10 +991,13 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "publish.key: %s has the id of request %s in flight (a "
             "64-bit collision; use another key)",
             ks(key), ks(&o->key));
+    if ((rc = groups_check(inst, rank, o, groups, ngroups, layerwise, why,
+                           why_len)))
+        return rc;
     int created = !o;
     if (!o) {
-        if ((rc = offer_create(inst, request_id, key, num_tokens, l, &o, why,
-                               why_len)))
+        if ((rc = offer_create(inst, request_id, key, num_tokens, l, groups,
+                               ngroups, &o, why, why_len)))
             return rc;
     } else {
         if (o->ending)
@@ -902,6 +1064,24 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
         part_layers_free(part);
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
     }
+    for (uint32_t k = 0; k < ngroups; k++)
+        if (group_part_publish(o, k + 1, rank, &groups[k])) {
+            for (uint32_t j = 1; j <= k + 1; j++) {
+                offer_part_t *gp = OPART(o, j, rank);
+                if (gp->pool)
+                    pool_unref(gp->pool);
+                free(gp->blocks);
+                memset(gp, 0, sizeof(*gp));
+            }
+            free(part->blocks);
+            part->blocks = NULL;
+            part_layers_free(part);
+            if (created) {
+                nrequests--;
+                offer_drop(o);
+            }
+            WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        }
     part->nappended = (uint32_t)(nblocks < need ? nblocks : need);
     memcpy(part->blocks, blocks, part->nappended * sizeof(uint32_t));
     part->nblocks = (uint32_t)need;
@@ -926,9 +1106,9 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     if ((o = map_get(&inst->offers, request_id)) && o->consumer) {
         instance_t *gi = o->consumer->inst;
         uint64_t gid = o->consumer->request_id;
-        for (uint32_t r = 0; r < gi->nranks; r++) {
+        for (size_t r = 0; r < (size_t)gi->nranks * XFER_MAX_GROUPS; r++) {
             genreq_t *g = map_get(&gi->fetches, gid);
-            if (!g || g->ending)
+            if (!g || g->ending || r >= GPARTS(g))
                 break;
             part_try_start(&g->parts[r]);
         }
@@ -944,7 +1124,7 @@ static void consumer_wake(offer_t *o)
     genreq_t *g = o->consumer;
     if (!g || g->ending)
         return;
-    for (uint32_t r = 0; r < g->inst->nranks; r++) {
+    for (size_t r = 0; r < GPARTS(g); r++) {
         genpart_t *p = &g->parts[r];
         if (p->parked && p->cnext && part_has_ready(p)) {
             p->parked = 0;
@@ -1218,7 +1398,7 @@ int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
 static void genreq_free(genreq_t *g)
 {
     assert(!list_linked(&g->timeout.node) && list_empty(&g->waiters));
-    for (uint32_t r = 0; r < g->inst->nranks; r++) {
+    for (size_t r = 0; r < GPARTS(g); r++) {
         genpart_t *p = &g->parts[r];
         if (p->pool)
             pool_unref(p->pool);
@@ -1257,7 +1437,7 @@ static uint32_t cell_ready(const genpart_t *p, uint32_t i, uint32_t a)
 {
     const plan_t *pl = p->plan;
     const plan_slice_t *s = &pl->slices[i];
-    const offer_part_t *sp = &p->req->offer->parts[s->src_rank];
+    const offer_part_t *sp = OPART(p->req->offer, p->group, s->src_rank);
     uint32_t t = sp->tok_ready
                      ? sp->tok_ready[s->layer0 + a - s->src_layer_base]
                      : UINT32_MAX;
@@ -1366,10 +1546,10 @@ static void part_try_start(genpart_t *p)
     offer_t *o = g->offer;
     plan_t *plan = p->plan;
     for (uint32_t i = 0; i < plan->nslices; i++)
-        if (!o->parts[plan->slices[i].src_rank].pool)
+        if (!OPART(o, p->group, plan->slices[i].src_rank)->pool)
             return; /* wait for that rank's publish */
     for (uint32_t i = 0; i < plan->nslices; i++) {
-        offer_part_t *sp = &o->parts[plan->slices[i].src_rank];
+        offer_part_t *sp = OPART(o, p->group, plan->slices[i].src_rank);
         plan->src[i] = pool_mem(sp->pool, sp->blocks, sp->nblocks);
     }
     p->started = 1;
@@ -1388,7 +1568,7 @@ static void part_try_start(genpart_t *p)
      * read by the destination GPU. */
     int device = -1;
     for (uint32_t i = 0; i < plan->nslices && device < 0; i++) {
-        pool_t *sp = o->parts[plan->slices[i].src_rank].pool;
+        pool_t *sp = OPART(o, p->group, plan->slices[i].src_rank)->pool;
         if (sp->gpu)
             device = sp->device;
     }
@@ -1397,17 +1577,17 @@ static void part_try_start(genpart_t *p)
     if (device >= 0 && plan->nunits) {
         rc = pool_pin(p->pool, why, sizeof(why));
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
-            rc = pool_pin(o->parts[plan->slices[i].src_rank].pool, why,
-                          sizeof(why));
+            rc = pool_pin(OPART(o, p->group, plan->slices[i].src_rank)->pool,
+                          why, sizeof(why));
         /* the kernel runs on `device`: every region as that device sees
          * it */
         if (!rc)
             rc = pool_device_view(p->pool, device, &plan->dst.regions, why,
                                   sizeof(why));
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
-            rc = pool_device_view(o->parts[plan->slices[i].src_rank].pool,
-                                  device, &plan->src[i].regions, why,
-                                  sizeof(why));
+            rc = pool_device_view(
+                OPART(o, p->group, plan->slices[i].src_rank)->pool, device,
+                &plan->src[i].regions, why, sizeof(why));
         if (!rc)
             rc = gpu_part_create(plan, device, &p->gpu, why, sizeof(why));
         if (rc) {
@@ -1417,7 +1597,7 @@ static void part_try_start(genpart_t *p)
     }
     if (plan->nunits == 0) {
         p->done = 1;
-        if (++g->ndone == g->need)
+        if (++g->ndone == g->need * g->ngroups)
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
         return;
     }
@@ -1434,7 +1614,7 @@ static void part_try_start(genpart_t *p)
     int streaming = 0;
     for (uint32_t i = 0; i < plan->nslices; i++) {
         const plan_slice_t *s = &plan->slices[i];
-        streaming |= o->parts[s->src_rank].layerwise;
+        streaming |= OPART(o, p->group, s->src_rank)->layerwise;
         for (uint32_t a = 0; p->lneed && a < s->nlayers; a++)
             p->lneed[s->layer0 + a - s->dst_layer_base] += plan->nsegs;
     }
@@ -1475,11 +1655,13 @@ static void part_try_start(genpart_t *p)
  * NULL when out of memory (nothing left behind). */
 static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
                             const reqkey_t *key, uint32_t skip,
-                            uint32_t dp_rank)
+                            uint32_t dp_rank, const xfer_group_t *groups,
+                            uint32_t ngroups)
 {
     genreq_t *g = calloc(1, sizeof(*g));
     if (g)
-        g->parts = calloc(inst->nranks, sizeof(*g->parts));
+        g->parts =
+            calloc((size_t)inst->nranks * (1 + ngroups), sizeof(*g->parts));
     if (!g || !g->parts || map_put(&inst->fetches, request_id, g)) {
         if (g)
             free(g->parts);
@@ -1494,12 +1676,17 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
     g->skip_tokens = skip;
     g->dp_rank = dp_rank;
     g->need = group_ranks(inst, dp_rank);
+    g->ngroups = 1 + ngroups;
+    g->gskip[0] = skip;
+    for (uint32_t k = 0; k < ngroups; k++)
+        g->gskip[k + 1] = groups[k].skip_tokens;
     g->created_ms = kvxd_now_ms();
     dl_insert(&timeouts, &g->timeout,
               g->created_ms + kvxd.conf.fetch_timeout_ms);
-    for (uint32_t r = 0; r < inst->nranks; r++) {
+    for (size_t r = 0; r < GPARTS(g); r++) {
         g->parts[r].req = g;
-        g->parts[r].rank = r;
+        g->parts[r].rank = (uint32_t)(r % inst->nranks);
+        g->parts[r].group = (uint32_t)(r / inst->nranks);
     }
     nrequests++;
     return g;
@@ -1507,10 +1694,10 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
 
 /* Rank's part of g takes the pool (a reference), its block table bt and
  * its plan, bound to the pool as the destination. */
-static genpart_t *part_fetched(genreq_t *g, uint32_t rank, pool_t *pool,
-                               uint32_t *bt, plan_t *plan)
+static genpart_t *part_fetched(genreq_t *g, uint32_t k, uint32_t rank,
+                               pool_t *pool, uint32_t *bt, plan_t *plan)
 {
-    genpart_t *p = &g->parts[rank];
+    genpart_t *p = GPART(g, k, rank);
     p->fetched = 1;
     p->pool = pool;
     pool_ref(pool);
@@ -1518,7 +1705,7 @@ static genpart_t *part_fetched(genreq_t *g, uint32_t rank, pool_t *pool,
     p->nblocks = plan->dst_blocks_needed;
     p->plan = plan;
     plan->dst = pool_mem(pool, bt, p->nblocks);
-    g->nfetched++;
+    g->nfetched += k == 0; /* ranks */
     g->bytes_total += plan->bytes;
     return p;
 }
@@ -1639,7 +1826,8 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         int bad = !addrs;
         for (size_t i = 0; !bad && i < cp->n_rank_addresses; i++)
             bad = !(addrs[i] = strdup(cp->rank_addresses[i]));
-        if (bad || !(g = genreq_new(inst, request_id, key, skip, dp_rank))) {
+        if (bad ||
+            !(g = genreq_new(inst, request_id, key, skip, dp_rank, NULL, 0))) {
             for (size_t i = 0; addrs && i < cp->n_rank_addresses; i++)
                 free(addrs[i]);
             free(addrs);
@@ -1659,7 +1847,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         memcpy(g->src_key.b, cp->key.data, cp->key.len);
         memcpy(g->token, cp->token.data, TOKEN_LEN);
     }
-    genpart_t *p = part_fetched(g, rank, pool, bt, plan);
+    genpart_t *p = part_fetched(g, 0, rank, pool, bt, plan);
     p->started = 1; /* its sources are bound on the peers */
     log_debug("fetch %s/%s rank %u from %s/%s through peers: %u "
               "slices, %llu bytes",
@@ -1668,7 +1856,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
               (unsigned long long)plan->bytes);
     if (plan->nunits == 0) {
         p->done = 1;
-        if (++g->ndone == g->need)
+        if (++g->ndone == g->need * g->ngroups)
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
         return 0;
     }
@@ -1684,8 +1872,11 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
 static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
                      const reqkey_t *key, const uint8_t *pbuf, size_t plen,
                      pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                     uint32_t skip, uint32_t dp_rank, int *as_event, char *why,
-                     size_t why_len);
+                     uint32_t skip, uint32_t dp_rank, const xfer_group_t *gs,
+                     uint32_t ngs, int *as_event, char *why, size_t why_len);
+static int group_plan(const offer_t *o, const instance_t *inst, uint32_t rank,
+                      uint32_t k, const xfer_group_t *x, plan_t **out,
+                      uint32_t **bt_out, char *why, size_t why_len);
 
 /* A rank's fetch of a request that ended already (another rank's fetch
  * failed, it was cancelled, it timed out): its event is in the batches,
@@ -1763,7 +1954,8 @@ static uint64_t params_source(const uint8_t *pbuf, size_t plen)
 int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                const uint8_t *pbuf, size_t plen, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
-               uint32_t dp_rank, char *why, size_t why_len)
+               uint32_t dp_rank, const xfer_group_t *gs, uint32_t ngs,
+               char *why, size_t why_len)
 {
     uint64_t request_id = xfer_key_id(key->b, key->len);
     int rc, as_event = 0;
@@ -1774,7 +1966,7 @@ int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         fetch_join_end(inst, rank, request_id, key, src, &rc, why, why_len))
         return rc;
     rc = fetch_one(inst, rank, request_id, key, pbuf, plen, pool, blocks,
-                   nblocks, skip, dp_rank, &as_event, why, why_len);
+                   nblocks, skip, dp_rank, gs, ngs, &as_event, why, why_len);
     genreq_t *g =
         rc && rc != KVX_ERR_EXISTS ? map_get(&inst->fetches, request_id) : NULL;
     if (g && !reqkey_eq(&g->key, key))
@@ -1807,8 +1999,8 @@ int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
 static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
                      const reqkey_t *key, const uint8_t *pbuf, size_t plen,
                      pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                     uint32_t skip, uint32_t dp_rank, int *as_event, char *why,
-                     size_t why_len)
+                     uint32_t skip, uint32_t dp_rank, const xfer_group_t *gs,
+                     uint32_t ngs, int *as_event, char *why, size_t why_len)
 {
     int rc;
     Kvxfer__ContextParams *cp;
@@ -1840,6 +2032,28 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     int remote = inst->nlocal < inst->nranks;
     for (size_t i = 0; i < cp->n_rank_addresses; i++)
         remote |= strcmp(cp->rank_addresses[i], kvxd.address) != 0;
+    if (ngs >= XFER_MAX_GROUPS) {
+        snprintf(why, why_len, "fetch.groups: %u, at most %u", ngs,
+                 XFER_MAX_GROUPS - 1);
+        rc = KVX_ERR_LIMIT;
+        goto out;
+    }
+    if (cp->n_groups != ngs) {
+        snprintf(why, why_len,
+                 "fetch.groups: %u other block tables, but the offer of "
+                 "request %s has %zu",
+                 ngs, ksb(cp->key.data, cp->key.len), cp->n_groups);
+        rc = KVX_ERR_MISMATCH;
+        goto out;
+    }
+    if (remote && ngs) {
+        snprintf(why, why_len,
+                 "fetch.groups: a request with several block tables moves "
+                 "only between ranks of one daemon (not yet between "
+                 "daemons)");
+        rc = KVX_ERR_UNSUPPORTED;
+        goto out;
+    }
     if (remote) {
         rc = fetch_remote(inst, rank, request_id, key, cp, pool, blocks,
                           nblocks, skip, dp_rank, why, why_len);
@@ -1937,6 +2151,15 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
             rc = KVX_ERR_MISMATCH;
             goto out;
         }
+        for (uint32_t k = 0; k < ngs; k++)
+            if (g->gskip[k + 1] != gs[k].skip_tokens) {
+                snprintf(why, why_len,
+                         "fetch.groups[%u].skip_tokens: %u differs from %u "
+                         "given by another rank",
+                         k, gs[k].skip_tokens, g->gskip[k + 1]);
+                rc = KVX_ERR_MISMATCH;
+                goto out;
+            }
     } else if (R.offer_taker && R.offer_taker(o)) {
         snprintf(why, why_len,
                  "context side: the offer of request %s is already taken by "
@@ -1987,33 +2210,113 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         goto err_free_plan;
     }
     memcpy(bt, blocks, plan->dst_blocks_needed * sizeof(uint32_t));
+    /* the other groups' plans, each from the offer's group to this
+     * rank's pool of that group */
+    plan_t *gplan[XFER_MAX_GROUPS] = {NULL};
+    uint32_t *gbt[XFER_MAX_GROUPS] = {NULL};
+    for (uint32_t k = 0; k < ngs; k++)
+        if ((rc = group_plan(o, inst, rank, k + 1, &gs[k], &gplan[k], &gbt[k],
+                             why, why_len)))
+            goto err_free_groups;
     if (!g) {
-        if (!(g = genreq_new(inst, request_id, key, skip, dp_rank))) {
+        if (!(g = genreq_new(inst, request_id, key, skip, dp_rank, gs, ngs))) {
             snprintf(why, why_len, "fetch: out of memory");
             rc = KVX_ERR_NOMEM;
-            goto err_free_bt;
+            goto err_free_groups;
         }
         g->offer = o;
         g->src_id = xfer_source_id(ci->id, o->key.b, o->key.len);
         o->consumer = g;
         dl_remove(&o->lease); /* the fetch timeout bounds it now */
     }
-    genpart_t *p = part_fetched(g, rank, pool, bt, plan);
-    log_debug("fetch %s/%s rank %u from %s/%s: %u slices, %llu bytes", inst->id,
-              ks(key), rank, ci->id, ks(&o->key), plan->nslices,
-              (unsigned long long)plan->bytes);
-    part_try_start(p);
+    part_fetched(g, 0, rank, pool, bt, plan);
+    for (uint32_t k = 0; k < ngs; k++)
+        part_fetched(g, k + 1, rank, gs[k].pool, gbt[k], gplan[k]);
+    log_debug("fetch %s/%s rank %u from %s/%s: %u slices, %llu bytes, %u "
+              "groups",
+              inst->id, ks(key), rank, ci->id, ks(&o->key), plan->nslices,
+              (unsigned long long)plan->bytes, 1 + ngs);
+    /* starting a part may end the request (and free it): look it up
+     * again before each */
+    for (uint32_t k = 0; k <= ngs; k++) {
+        if (!(g = map_get(&inst->fetches, request_id)) || g->ending)
+            break;
+        part_try_start(GPART(g, k, rank));
+    }
     schedule();
     rc = 0;
     goto out;
 
-err_free_bt:
+err_free_groups:
+    for (uint32_t k = 0; k < ngs; k++) {
+        free(gbt[k]);
+        plan_free(gplan[k]);
+    }
     free(bt);
 err_free_plan:
     plan_free(plan);
 out:
     kvxfer__context_params__free_unpacked(cp, NULL);
     return rc;
+}
+
+/* The plan and destination table of rank's part of group k (k > 0) of
+ * o's fetch into x: x's blocks hold its block x->first_block on (the
+ * table's entries before it are never written: UINT32_MAX). */
+static int group_plan(const offer_t *o, const instance_t *inst, uint32_t rank,
+                      uint32_t k, const xfer_group_t *x, plan_t **out,
+                      uint32_t **bt_out, char *why, size_t why_len)
+{
+    int rc;
+    char what[48];
+    snprintf(what, sizeof(what), "fetch.groups[%u]", k - 1);
+    const kvx_layout_t *l = &x->pool->layout;
+    const plan_side_t *src = &o->gside[k];
+    plan_side_t full, dst;
+    uint32_t eff_rank;
+    group_side(&full, inst, l);
+    if ((rc = plan_side_check(&full, why, why_len)) ||
+        (rc = check_side_layout(&full, rank, l, what, why, why_len)))
+        return rc;
+    plan_dp_view(&full, rank, &dst, &eff_rank);
+    uint64_t skip_min = (uint64_t)o->gfirst[k] * src->tokens_per_block;
+    if (x->skip_tokens < skip_min)
+        WHY(KVX_ERR_INVALID,
+            "%s.skip_tokens: %u, but the offer's group keeps no tokens "
+            "below %llu (its first_block %u)",
+            what, x->skip_tokens, (unsigned long long)skip_min, o->gfirst[k]);
+    if (x->skip_tokens < (uint64_t)x->first_block * l->tokens_per_block)
+        WHY(KVX_ERR_INVALID,
+            "%s.skip_tokens: %u, but its blocks start at block %u (token "
+            "%llu)",
+            what, x->skip_tokens, x->first_block,
+            (unsigned long long)x->first_block * l->tokens_per_block);
+    if (x->skip_tokens > o->gtokens[k])
+        WHY(KVX_ERR_INVALID, "%s.skip_tokens: %u, more than its %u tokens",
+            what, x->skip_tokens, o->gtokens[k]);
+    plan_t *plan;
+    if ((rc = plan_build(src, &dst, eff_rank, o->gtokens[k], x->skip_tokens,
+                         &plan, why, why_len)))
+        return rc;
+    uint32_t need = plan->dst_blocks_needed;
+    if ((uint64_t)x->first_block + x->nblocks < need) {
+        plan_free(plan);
+        WHY(KVX_ERR_INVALID,
+            "%s.blocks: %u blocks of %u tokens from block %u cannot hold "
+            "the group's %u tokens (need %u)",
+            what, x->nblocks, l->tokens_per_block, x->first_block,
+            o->gtokens[k], need);
+    }
+    uint32_t *bt = malloc((need ? need : 1) * sizeof(uint32_t));
+    if (!bt) {
+        plan_free(plan);
+        WHY(KVX_ERR_NOMEM, "fetch: out of memory");
+    }
+    for (uint32_t i = 0; i < need; i++)
+        bt[i] = i < x->first_block ? UINT32_MAX : x->blocks[i - x->first_block];
+    *out = plan;
+    *bt_out = bt;
+    return 0;
 }
 
 /* ---- scheduler -------------------------------------------------------- */
@@ -2045,7 +2348,7 @@ void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
             genreq_end(g, g->end_kind, g->end_code, g->end_msg);
     } else if (p->units_done == p->plan->nunits) {
         p->done = 1;
-        if (++g->ndone == g->need)
+        if (++g->ndone == g->need * g->ngroups)
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
     }
 }
@@ -2133,7 +2436,7 @@ static void offer_consume(offer_t *o, const char *msg)
     instance_t *inst = o->inst;
     push_event(inst, o->request_id, &o->key, KVX_EVENT_COMPLETE, 0, msg, 1,
                inst->nlocal, inst->nranks);
-    for (uint32_t r = 0; r < inst->nranks; r++) {
+    for (size_t r = 0; r < OPARTS(o); r++) {
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
         o->parts[r].pool = NULL;
@@ -2207,7 +2510,7 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
          * inside (remote's scheduler, freed slots), which must not
          * finalize it under this loop */
         g->inflight++;
-        for (uint32_t r = 0; r < g->inst->nranks; r++) {
+        for (size_t r = 0; r < GPARTS(g); r++) {
             rrq_remove(&runq, &g->parts[r].turn);
             if (R.part_stop)
                 R.part_stop(&g->parts[r], code ? code : KVX_ERR_STATE, msg);
@@ -2340,6 +2643,11 @@ int xfer_offer_plan(const offer_t *o, const plan_side_t *dst, uint32_t dst_rank,
                     uint32_t skip_tokens, plan_t **out, char *why,
                     size_t why_len)
 {
+    if (o->ngroups > 1)
+        WHY(KVX_ERR_UNSUPPORTED,
+            "request %s has %u block tables, which move only between ranks "
+            "of one daemon (not yet between daemons)",
+            ks(&o->key), o->ngroups);
     return plan_build(&o->side, dst, dst_rank, o->num_tokens, skip_tokens, out,
                       why, why_len);
 }
@@ -2666,7 +2974,7 @@ struct end_why {
 
 static int offer_uses(const offer_t *o, const pool_t *p)
 {
-    for (uint32_t r = 0; r < o->inst->nranks; r++)
+    for (size_t r = 0; r < OPARTS(o); r++)
         if (o->parts[r].pool == p)
             return 1;
     return 0;
@@ -2674,7 +2982,7 @@ static int offer_uses(const offer_t *o, const pool_t *p)
 
 static int genreq_uses(const genreq_t *g, const pool_t *p)
 {
-    for (uint32_t r = 0; r < g->inst->nranks; r++)
+    for (size_t r = 0; r < GPARTS(g); r++)
         if (g->parts[r].pool == p)
             return 1;
     return 0;
@@ -2813,7 +3121,7 @@ static const char *genreq_state(const genreq_t *g)
 {
     if (g->ending)
         return "ending";
-    for (uint32_t r = 0; r < g->inst->nranks; r++)
+    for (size_t r = 0; r < GPARTS(g); r++)
         if (g->parts[r].fetched && !g->parts[r].started)
             return "waiting-source";
     return g->nfetched < g->need ? "fetching" : "transferring";

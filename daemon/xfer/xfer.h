@@ -25,14 +25,34 @@
  * requests by it. */
 uint64_t xfer_key_id(const uint8_t *b, size_t len);
 
+/* One more block table of a request (hybrid models: Publish.groups,
+ * Fetch.groups): a KV group in a pool of its own layout (sliding-window
+ * layers), or a state slot (a pool of one-token blocks, num_tokens 1,
+ * the slot as its one block). blocks[i] holds the group's block
+ * first_block + i (the caller checked them against the pool). Its layers
+ * and heads are the pool's, split over TP and PP as the KV's are. */
+typedef struct xfer_group {
+    pool_t *pool;
+    const uint32_t *blocks;
+    uint32_t nblocks;
+    uint32_t num_tokens; /* publish */
+    uint32_t first_block;
+    uint32_t skip_tokens; /* fetch */
+} xfer_group_t;
+
+/* Groups of a request in all (the first is the plain block table). */
+#define XFER_MAX_GROUPS 8
+
 /* Offer blocks of pool for request key from rank, with aux_len bytes of
  * aux (0: none; the caller checked limits.aux_bytes): the request keeps
  * the first non-empty aux, and refuses another rank's that differs
- * (KVX_ERR_MISMATCH). On success *params is a malloc'd copy of the
+ * (KVX_ERR_MISMATCH); and the ngroups other block tables of groups (every
+ * rank gives the same). On success *params is a malloc'd copy of the
  * packed ContextParams (the caller frees it). */
 int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, const uint8_t *aux, uint32_t aux_len,
+                 uint32_t num_tokens, const xfer_group_t *groups,
+                 uint32_t ngroups, const uint8_t *aux, uint32_t aux_len,
                  int layerwise, uint8_t **params, size_t *params_len, char *why,
                  size_t why_len);
 
@@ -106,11 +126,14 @@ int xfer_fetch_ended(instance_t *inst, uint32_t rank, const reqkey_t *key,
 void xfer_fetch_deadline(instance_t *inst, const reqkey_t *key,
                          uint64_t until_ms);
 
-/* Fill blocks of pool for request key at rank from the offer params name. */
+/* Fill blocks of pool for request key at rank from the offer params
+ * name, and the destination of each of its other groups (ngroups, in the
+ * offer's order). */
 int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                const uint8_t *params, size_t params_len, pool_t *pool,
                const uint32_t *blocks, uint32_t nblocks, uint32_t skip_tokens,
-               uint32_t dp_rank, char *why, size_t why_len);
+               uint32_t dp_rank, const xfer_group_t *groups, uint32_t ngroups,
+               char *why, size_t why_len);
 
 /* Cancel request key of inst. Returns 0 when done (reply now), 1 when the
  * reply to (sid, req_id) is sent after the fence, or an error. */

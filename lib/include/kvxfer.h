@@ -50,8 +50,8 @@ extern "C" {
 #endif
 
 #define KVX_VERSION_MAJOR 2
-#define KVX_VERSION_MINOR 1
-#define KVX_VERSION_STRING "2.1.0"
+#define KVX_VERSION_MINOR 2
+#define KVX_VERSION_STRING "2.2.0"
 
 /* Longest request key, in bytes. */
 #define KVX_MAX_KEY 128u
@@ -515,6 +515,46 @@ KVX_EXPORT int kvx_fetch_progress(kvx_client_t *client, const void *key,
 KVX_EXPORT int kvx_reserve(kvx_client_t *client, const char *instance_id,
                            const void *key, size_t key_len, uint32_t num_tokens,
                            kvx_context_params_t *params, int timeout_ms);
+/* 2.2, several block tables (hybrid models): one more block table of
+ * a request, in a pool of its own layout (registered as any pool):
+ *   - a KV group: layers of another shape or kept otherwise, such as
+ *     sliding-window layers, whose table may start at first_block (the
+ *     blocks before the window are not offered, and a fetch must skip
+ *     their tokens);
+ *   - a state slot (Mamba's convolution or SSM state, any fixed-size
+ *     per-request buffer): a pool of one-token blocks (tokens_per_block
+ *     1), num_tokens 1, and the slot as the one block; its "heads" are
+ *     the units TP splits it by, head_dim * elem_size bytes each.
+ * The pool's layers and heads are this rank's share; they split over TP
+ * and PP evenly, as the KV's do, and the plan moves each group between
+ * any TP/PP layout as it moves the KV. The request still has one lease,
+ * one fence and one terminal event. */
+typedef struct kvx_group {
+    uint32_t pool_id;
+    const uint32_t *blocks;
+    uint32_t num_blocks;
+    uint32_t num_tokens;  /* publish: the group's tokens (a state slot: 1) */
+    uint32_t first_block; /* blocks[0] holds the group's block first_block */
+    uint32_t skip_tokens; /* fetch: the group's tokens not moved */
+} kvx_group_t;
+#define KVX_MAX_GROUPS 8 /* block tables of a request, the first included */
+
+/* kvx_publish_key with ngroups more block tables (every context rank
+ * gives the same groups, in the same order; not with layer-wise offers).
+ * The params carry each group's layout summary. Errors as
+ * kvx_publish_key's, naming "groups[k]": KVX_ERR_INVALID (num_tokens 0,
+ * blocks that cannot hold them), KVX_ERR_MISMATCH (another rank's groups
+ * differ), KVX_ERR_LAYOUT (a pool that does not hold this rank's share),
+ * KVX_ERR_LIMIT (more than KVX_MAX_GROUPS - 1), KVX_ERR_VERSION (a 2.1
+ * daemon). */
+KVX_EXPORT int kvx_publish_groups(kvx_client_t *client, const void *key,
+                                  size_t key_len, uint32_t pool_id,
+                                  const uint32_t *blocks, uint32_t num_blocks,
+                                  uint32_t num_tokens,
+                                  const kvx_group_t *groups, uint32_t ngroups,
+                                  const void *aux, size_t aux_len,
+                                  kvx_context_params_t *params, int timeout_ms);
+
 /* kvx_publish_key with the key of request_id's digits, no aux. */
 KVX_EXPORT int kvx_publish(kvx_client_t *client, uint64_t request_id,
                            uint32_t pool_id, const uint32_t *blocks,
@@ -535,6 +575,20 @@ KVX_EXPORT int kvx_fetch_key(kvx_client_t *client, const void *key,
                              const uint32_t *blocks, uint32_t num_blocks,
                              uint32_t skip_tokens, uint32_t dp_rank,
                              int timeout_ms);
+/* kvx_fetch_key for an offer with groups (kvx_publish_groups): the
+ * destination of each of its other groups, in the offer's order
+ * (pool_id, blocks, first_block, skip_tokens; a state slot: its one
+ * block, skip 0). The request completes once every group of every rank
+ * has landed. Between daemons a request with groups is refused
+ * (KVX_ERR_UNSUPPORTED) for now. KVX_ERR_MISMATCH: not as many groups as
+ * the offer has. */
+KVX_EXPORT int kvx_fetch_groups(kvx_client_t *client, const void *key,
+                                size_t key_len, const uint8_t *params,
+                                size_t params_len, uint32_t pool_id,
+                                const uint32_t *blocks, uint32_t num_blocks,
+                                uint32_t skip_tokens, uint32_t dp_rank,
+                                const kvx_group_t *groups, uint32_t ngroups,
+                                int timeout_ms);
 /* kvx_fetch_key without params: fetch request context_key of
  * context_instance, whose rank 0 is served by the daemon at
  * context_address (its kvx_daemon_address()), as SGLang's decode does

@@ -233,8 +233,8 @@ static void ensure_requests(void)
         uint32_t blocks[4] = {3, 1, 2, 0};
         uint8_t *params;
         size_t plen;
-        if (xfer_publish(ctx, 0, K(1), cpool, blocks, 4, 13, NULL, 0, 0,
-                         &params, &plen, why, sizeof(why)))
+        if (xfer_publish(ctx, 0, K(1), cpool, blocks, 4, 13, NULL, 0, NULL, 0,
+                         0, &params, &plen, why, sizeof(why)))
             abort();
         Kvxfer__ContextParams *cp =
             kvxfer__context_params__unpack(NULL, plen, params);
@@ -258,7 +258,7 @@ static void ensure_requests(void)
         kvxfer__context_params__free_unpacked(cp, NULL);
         uint32_t gblocks[4] = {0, 2, 1, 3};
         /* refused while the offer's old consumer is ending: next time */
-        xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, why,
+        xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, NULL, 0, why,
                    sizeof(why));
         free(p);
     }

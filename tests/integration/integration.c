@@ -45,6 +45,7 @@
  *   t_keys.c           requests named by keys, reserve, fetch by key
  *   t_aux.c            the aux payload
  *   t_layers.c         layer-wise offers: layers ready, progress, faults
+ *   t_groups.c         several block tables: a window and state slots
  *   peer_harness.c     two daemons in two network namespaces
  *   t_peer_transfer.c  transfers between daemons, lanes, forged input
  *   t_peer_lost.c      a peer lost, drained or cancelled mid-transfer
@@ -75,6 +76,7 @@
 #include "t_keys.c"
 #include "t_aux.c"
 #include "t_layers.c"
+#include "t_groups.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */
 #include "peer_harness.c"

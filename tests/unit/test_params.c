@@ -482,12 +482,12 @@ TEST(publish_checks_the_block_count)
     size_t plen = 0;
     char why[256] = "";
     /* 33 tokens of 16 per block need 3 blocks */
-    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 2, 33, NULL, 0, 0,
-                          &params, &plen, why, sizeof(why)),
+    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 2, 33, NULL, 0, NULL, 0,
+                          0, &params, &plen, why, sizeof(why)),
              KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "need 3");
-    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 3, 33, NULL, 0, 0,
-                          &params, &plen, why, sizeof(why)),
+    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 3, 33, NULL, 0, NULL, 0,
+                          0, &params, &plen, why, sizeof(why)),
              0);
     /* the params it returns decode */
     Kvxfer__ContextParams *cp = NULL;
@@ -512,7 +512,7 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
     size_t plen = 0;
     char why[256] = "";
     int rc = xfer_publish(inst, 0, K(9), pool, blocks, 1, UINT32_MAX, NULL, 0,
-                          0, &params, &plen, why, sizeof(why));
+                          NULL, 0, 0, &params, &plen, why, sizeof(why));
     if (rc == 0)
         free(params);
     CHECK_EQ(rc, KVX_ERR_INVALID);
@@ -574,14 +574,14 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     size_t plen = 0;
     char why[256] = "";
     /* rank 0 without aux, rank 1 with: the offer takes rank 1's */
-    CHECK_EQ(xfer_publish(inst, 0, K(3), pool, blocks, 2, 20, NULL, 0, 0,
-                          &params, &plen, why, sizeof(why)),
+    CHECK_EQ(xfer_publish(inst, 0, K(3), pool, blocks, 2, 20, NULL, 0, NULL, 0,
+                          0, &params, &plen, why, sizeof(why)),
              0);
     free(params);
     offer_t *o = map_get(&inst->offers, xfer_key_id(K(3)->b, K(3)->len));
     CHECK(o && o->aux_len == 0 && o->aux == NULL);
     CHECK_EQ(kvxd_mem_used(MEM_AUX), 0);
-    CHECK_EQ(xfer_publish(inst, 1, K(3), pool, blocks, 2, 20,
+    CHECK_EQ(xfer_publish(inst, 1, K(3), pool, blocks, 2, 20, NULL, 0,
                           (const uint8_t *)"tok", 3, 0, &params, &plen, why,
                           sizeof(why)),
              0);
@@ -592,17 +592,17 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
 
     /* another key: rank 0's aux first; rank 1's differs: refused, and
      * nothing of rank 1 is kept (it may publish again) */
-    CHECK_EQ(xfer_publish(inst, 0, K(4), pool, blocks, 2, 20,
+    CHECK_EQ(xfer_publish(inst, 0, K(4), pool, blocks, 2, 20, NULL, 0,
                           (const uint8_t *)"abc", 3, 0, &params, &plen, why,
                           sizeof(why)),
              0);
     free(params);
-    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20,
+    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20, NULL, 0,
                           (const uint8_t *)"abd", 3, 0, &params, &plen, why,
                           sizeof(why)),
              KVX_ERR_MISMATCH);
     CHECK_STR_CONTAINS(why, "publish.aux");
-    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20,
+    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20, NULL, 0,
                           (const uint8_t *)"abcd", 4, 0, &params, &plen, why,
                           sizeof(why)),
              KVX_ERR_MISMATCH);
@@ -610,7 +610,7 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     CHECK(o && !o->parts[1].published && o->npublished == 1);
     CHECK(o->aux_len == 3 && !memcmp(o->aux, "abc", 3));
     /* the same bytes: fine */
-    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20,
+    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20, NULL, 0,
                           (const uint8_t *)"abc", 3, 0, &params, &plen, why,
                           sizeof(why)),
              0);
@@ -620,7 +620,7 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     /* a new offer whose aux passes the memory budget: refused with
      * LIMIT, and no offer is left behind */
     kvxd.conf.memory_bytes = kvxd_mem_used(MEM_KINDS) + 10;
-    CHECK_EQ(xfer_publish(inst, 0, K(5), pool, blocks, 2, 20,
+    CHECK_EQ(xfer_publish(inst, 0, K(5), pool, blocks, 2, 20, NULL, 0,
                           (const uint8_t *)"0123456789ab", 12, 0, &params,
                           &plen, why, sizeof(why)),
              KVX_ERR_LIMIT);

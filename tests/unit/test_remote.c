@@ -148,8 +148,8 @@ static void start_transfer(void)
     char why[256];
     uint8_t *params;
     size_t plen;
-    CHECK_EQ(xfer_publish(ctx, 0, K(1), cpool, cblocks, 4, NTOK, NULL, 0, 0,
-                          &params, &plen, why, sizeof(why)),
+    CHECK_EQ(xfer_publish(ctx, 0, K(1), cpool, cblocks, 4, NTOK, NULL, 0, NULL,
+                          0, 0, &params, &plen, why, sizeof(why)),
              0);
     Kvxfer__ContextParams *cp =
         kvxfer__context_params__unpack(NULL, plen, params);
@@ -161,8 +161,8 @@ static void start_transfer(void)
     cp->rank_addresses[0] = orig;
     kvxfer__context_params__free_unpacked(cp, NULL);
     free(params);
-    CHECK_EQ(xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, why,
-                        sizeof(why)),
+    CHECK_EQ(xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, NULL, 0,
+                        why, sizeof(why)),
              0);
     free(p);
     settle();

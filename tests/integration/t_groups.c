@@ -1,0 +1,278 @@
+/*
+ * t_groups.c — requests with several block tables (kvx_publish_groups,
+ * kvx_fetch_groups): a sliding-window KV group and a state slot move
+ * with the KV from TP 2 to TP 1, every byte of every pool checked;
+ * refusals name the group; a cancel before the sources are there writes
+ * nothing in any group.
+ */
+
+/* The other groups of the hybrid model: two sliding-window layers of
+ * their own shape, and two layers of per-request state (tokens_per_block
+ * 1, one K/V-less "head" per TP unit of the state). */
+static const model_t M_SWA = {
+    .layers = 2, .heads = 4, .head_dim = 16, .kv = 2, .dtype = KVX_DTYPE_BF16};
+static const model_t M_STATE = {
+    .layers = 2, .heads = 4, .head_dim = 64, .kv = 1, .dtype = KVX_DTYPE_FP32};
+
+/* A pool of another group for rank r, on r's connection: *out is r with
+ * the group's model and side (sd: r's side with the group's
+ * tokens_per_block). */
+static void group_pool(const rank_t *r, const model_t *m, side_t *sd,
+                       uint32_t tpb, uint32_t nblocks, rank_t *out)
+{
+    *sd = *r->s;
+    sd->tpb = tpb;
+    *out = *r;
+    out->m = m;
+    out->s = sd;
+    rank_share(out);
+    rank_pool(out, nblocks);
+}
+
+typedef struct hybrid {
+    side_t cs, gs, csd[2][2], gsd[2];
+    rank_t c[2], g;      /* the KV */
+    rank_t cw[2], gw;    /* the sliding-window group */
+    rank_t cst[2], gst;  /* the state slots */
+} hybrid_t;
+
+/* Context TP 2 and generation TP 1, each rank with its three pools. */
+static void hybrid_open(daemon_t *d, hybrid_t *h, const char *ci,
+                        const char *gi)
+{
+    ctx2_open(d, &M_SMALL, ci, 8, &h->cs, &h->c[0], &h->c[1]);
+    h->gs = (side_t){.inst = gi,
+                     .role = KVX_ROLE_GENERATION,
+                     .tp = 1,
+                     .pp = 1,
+                     .preset = "vllm-nhd",
+                     .tpb = 4};
+    rank_open(d, &M_SMALL, &h->gs, 0, 8, &h->g);
+    for (int r = 0; r < 2; r++) {
+        group_pool(&h->c[r], &M_SWA, &h->csd[r][0], 4, 8, &h->cw[r]);
+        group_pool(&h->c[r], &M_STATE, &h->csd[r][1], 1, 4, &h->cst[r]);
+    }
+    group_pool(&h->g, &M_SWA, &h->gsd[0], 4, 8, &h->gw);
+    group_pool(&h->g, &M_STATE, &h->gsd[1], 1, 4, &h->gst);
+    memset(h->g.base, 0xa5, h->g.size);
+    memset(h->gw.base, 0xa5, h->gw.size);
+    memset(h->gst.base, 0xa5, h->gst.size);
+}
+
+static void hybrid_close(hybrid_t *h)
+{
+    rank_close(&h->c[0]);
+    rank_close(&h->c[1]);
+    rank_close(&h->g);
+}
+
+#define HY_TOK 11u /* 3 blocks of 4 */
+
+/* Context rank r's tables: the KV (3 blocks), the window's last two
+ * blocks (first_block 1: tokens [4, 11)), its state slot. */
+static const uint32_t hy_cb[2][3] = {{5, 0, 7}, {1, 6, 2}};
+static const uint32_t hy_cw[2][3] = {{4, 3, 6}, {7, 0, 5}}; /* [0] unused */
+static const uint32_t hy_cs[2] = {3, 1};
+static const uint32_t hy_gb[3] = {2, 6, 4}, hy_gw[3] = {0, 5, 1}, hy_gs = 2;
+
+/* Rank r publishes req's KV, window and state (the patterns written
+ * first: the window's tokens [0, 4) too, in a block it does not offer). */
+static int hybrid_publish(hybrid_t *h, int r, uint64_t req,
+                          kvx_context_params_t *p)
+{
+    fill_req(&h->c[r], req, hy_cb[r], HY_TOK);
+    fill_req(&h->cw[r], req + 1, hy_cw[r], HY_TOK);
+    fill_req(&h->cst[r], req + 2, &hy_cs[r], 1);
+    kvx_group_t gs[2] = {
+        {.pool_id = h->cw[r].pool,
+         .blocks = hy_cw[r] + 1,
+         .num_blocks = 2,
+         .num_tokens = HY_TOK,
+         .first_block = 1},
+        {.pool_id = h->cst[r].pool,
+         .blocks = &hy_cs[r],
+         .num_blocks = 1,
+         .num_tokens = 1},
+    };
+    char k[24];
+    snprintf(k, sizeof(k), "%llu", (unsigned long long)req);
+    return kvx_publish_groups(h->c[r].c, k, strlen(k), h->c[r].pool, hy_cb[r],
+                              3, HY_TOK, gs, 2, NULL, 0, p, T_MS);
+}
+
+static int hybrid_fetch(hybrid_t *h, uint64_t req,
+                        const kvx_context_params_t *p, uint32_t wskip)
+{
+    kvx_group_t gs[2] = {
+        {.pool_id = h->gw.pool,
+         .blocks = hy_gw + 1,
+         .num_blocks = 2,
+         .first_block = 1,
+         .skip_tokens = wskip},
+        {.pool_id = h->gst.pool, .blocks = &hy_gs, .num_blocks = 1},
+    };
+    char k[24];
+    snprintf(k, sizeof(k), "%llu", (unsigned long long)req);
+    return kvx_fetch_groups(h->g.c, k, strlen(k), p->data, p->len, h->g.pool,
+                            hy_gb, 3, 0, 0, gs, 2, T_MS);
+}
+
+/* The KV, the window's tokens [4, 11) and the state slot land from both
+ * context ranks (TP 2 -> 1: heads concatenated in every group), and
+ * nothing else of the three pools is written; one COMPLETE each side. */
+TEST(groups_move_window_and_state_with_kv)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "hy-ctx", "hy-gen");
+    kvx_context_params_t p, p1;
+    CHECK_KVX(hybrid_publish(&h, 0, 300, &p), h.c[0].c);
+    CHECK_KVX(hybrid_publish(&h, 1, 300, &p1), h.c[1].c);
+    CHECK_EQ(p.len, p1.len);
+    CHECK(memcmp(p.data, p1.data, p.len) == 0);
+    CHECK_KVX(hybrid_fetch(&h, 300, &p, 4), h.g.c);
+    wait_event(h.g.c, 300, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(h.c[0].c, 300, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(h.c[1].c, 300, KVX_EVENT_COMPLETE, 0, 3000);
+    expect_t kv = {300, hy_gb, HY_TOK, 0};
+    expect_t win = {301, hy_gw, HY_TOK, 4};
+    expect_t st = {302, &hy_gs, 1, 0};
+    CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gw, &win, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&p1);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
+
+/* Refusals name the group and change nothing: a fetch without the
+ * offer's groups, a window fetch that reads below the offer's window,
+ * another rank's groups that differ, a state pool of the wrong share;
+ * then the right fetch completes. */
+TEST(groups_refusals_name_the_group)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "hy-ctx", "hy-gen");
+    kvx_context_params_t p, p1;
+    CHECK_KVX(hybrid_publish(&h, 0, 310, &p), h.c[0].c);
+
+    /* rank 1 with one group less */
+    kvx_group_t one = {.pool_id = h.cw[1].pool,
+                       .blocks = hy_cw[1] + 1,
+                       .num_blocks = 2,
+                       .num_tokens = HY_TOK,
+                       .first_block = 1};
+    CHECK_EQ(kvx_publish_groups(h.c[1].c, "310", 3, h.c[1].pool, hy_cb[1], 3,
+                                HY_TOK, &one, 1, NULL, 0, &p1, T_MS),
+             KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c), "publish.groups");
+    /* a window that starts after its tokens */
+    kvx_group_t bad[2] = {one,
+                          {.pool_id = h.cst[1].pool,
+                           .blocks = &hy_cs[1],
+                           .num_blocks = 1,
+                           .num_tokens = 1}};
+    bad[0].first_block = 3;
+    CHECK_EQ(kvx_publish_groups(h.c[1].c, "310", 3, h.c[1].pool, hy_cb[1], 3,
+                                HY_TOK, bad, 2, NULL, 0, &p1, T_MS),
+             KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c), "groups[0].first_block");
+    /* a group's block outside its pool */
+    uint32_t far[2] = {1, 99};
+    bad[0] = one;
+    bad[0].blocks = far;
+    CHECK_EQ(kvx_publish_groups(h.c[1].c, "310", 3, h.c[1].pool, hy_cb[1], 3,
+                                HY_TOK, bad, 2, NULL, 0, &p1, T_MS),
+             KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c), "groups[0].blocks[1]");
+    /* the state slot with another token count than rank 0's */
+    bad[0] = one;
+    bad[1].num_tokens = 2;
+    uint32_t two_slots[2] = {1, 2};
+    bad[1].blocks = two_slots;
+    bad[1].num_blocks = 2;
+    CHECK_EQ(kvx_publish_groups(h.c[1].c, "310", 3, h.c[1].pool, hy_cb[1], 3,
+                                HY_TOK, bad, 2, NULL, 0, &p1, T_MS),
+             KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c), "publish.groups[1]");
+    CHECK_KVX(hybrid_publish(&h, 1, 310, &p1), h.c[1].c);
+
+    /* the fetch without groups, or with the window read below 4 */
+    CHECK_EQ(kvx_fetch_key(h.g.c, "310", 3, p.data, p.len, h.g.pool, hy_gb, 3,
+                           0, 0, T_MS),
+             KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(kvx_last_error(h.g.c), "but the offer of request 310 has 2");
+    CHECK_EQ(kvx_fetch_groups(h.g.c, "310", 3, p.data, p.len, h.g.pool, hy_gb,
+                              3, 0, 0, NULL, 0, T_MS),
+             KVX_ERR_MISMATCH);
+    CHECK_EQ(hybrid_fetch(&h, 310, &p, 0), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(kvx_last_error(h.g.c), "groups[0].skip_tokens");
+    /* a state pool holding half the heads: not this rank's share */
+    rank_t half;
+    side_t hsd;
+    static const model_t M_HALF = {.layers = 2,
+                                   .heads = 2,
+                                   .head_dim = 64,
+                                   .kv = 1,
+                                   .dtype = KVX_DTYPE_FP32};
+    group_pool(&h.g, &M_HALF, &hsd, 1, 4, &half);
+    kvx_group_t gs[2] = {{.pool_id = h.gw.pool,
+                          .blocks = hy_gw + 1,
+                          .num_blocks = 2,
+                          .first_block = 1,
+                          .skip_tokens = 4},
+                         {.pool_id = half.pool, .blocks = &hy_gs,
+                          .num_blocks = 1}};
+    CHECK_EQ(kvx_fetch_groups(h.g.c, "310", 3, p.data, p.len, h.g.pool, hy_gb,
+                              3, 0, 0, gs, 2, T_MS),
+             KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(kvx_last_error(h.g.c), "heads");
+    /* more groups than a request may have */
+    kvx_group_t many[KVX_MAX_GROUPS];
+    for (int i = 0; i < KVX_MAX_GROUPS; i++)
+        many[i] = gs[1];
+    CHECK_EQ(kvx_fetch_groups(h.g.c, "310", 3, p.data, p.len, h.g.pool, hy_gb,
+                              3, 0, 0, many, KVX_MAX_GROUPS, T_MS),
+             KVX_ERR_LIMIT);
+    /* nothing was written; the right fetch still completes */
+    expect_t none = {0, hy_gb, 0, 0};
+    CHECK_EQ(check_pool(&h.g, &none, 0, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gst, &none, 0, 0xa5), 0);
+    CHECK_KVX(hybrid_fetch(&h, 310, &p, 4), h.g.c);
+    wait_event(h.g.c, 310, KVX_EVENT_COMPLETE, 0, 3000);
+    expect_t st = {312, &hy_gs, 1, 0};
+    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&p1);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
+
+/* A fetch waiting for context rank 1 is cancelled: one CANCELLED, and no
+ * byte of any group is written, even once rank 1 publishes. */
+TEST(groups_cancel_before_sources_writes_nothing)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "hy-ctx", "hy-gen");
+    kvx_context_params_t p, p1;
+    CHECK_KVX(hybrid_publish(&h, 0, 320, &p), h.c[0].c);
+    CHECK_KVX(hybrid_fetch(&h, 320, &p, 4), h.g.c);
+    CHECK_KVX(kvx_cancel(h.g.c, 320, T_MS), h.g.c);
+    wait_event(h.g.c, 320, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 3000);
+    int rc = hybrid_publish(&h, 1, 320, &p1);
+    if (!rc)
+        kvx_context_params_free(&p1);
+    sleep_ms(100);
+    expect_t none = {0, hy_gb, 0, 0};
+    CHECK_EQ(check_pool(&h.g, &none, 0, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gw, &none, 0, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gst, &none, 0, 0xa5), 0);
+    ev_t e[4];
+    CHECK_EQ(collect(h.g.c, e, 4, 1, 200), 0); /* no second event */
+    kvx_context_params_free(&p);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
