@@ -22,7 +22,7 @@ import dataclasses
 
 from ._version import __version__
 from .client import (DEFAULT_SOCKET, MAX_KEY, Batch, Client, Event,
-                     EventKind, HostPool, Key, Parallel, Pool, Role,
+                     EventKind, Group, HostPool, Key, Parallel, Pool, Role,
                      key_bytes)
 from .errors import (AlreadyExists, AuthError, Busy, CallTimeout, Cancelled,
                      Closed, ConfigMismatch, Error, InvalidArgument,
@@ -44,7 +44,7 @@ __all__ = [
     "Unsupported", "LimitReached", "ShuttingDown", "LayoutError",
     "ConfigMismatch", "Closed", "Busy", "error_class", "status_name",
     "status_str", "LibraryNotFound", "ParamsInfo", "params_info", "Key",
-    "MAX_KEY", "key_bytes",
+    "MAX_KEY", "key_bytes", "Group",
 ]
 
 

@@ -82,6 +82,17 @@ class ContextParams(Structure):
     _fields_ = [("data", POINTER(c_uint8)), ("len", c_size_t)]
 
 
+class Group(Structure):
+    _fields_ = [
+        ("pool_id", c_uint32),
+        ("blocks", POINTER(c_uint32)),
+        ("num_blocks", c_uint32),
+        ("num_tokens", c_uint32),
+        ("first_block", c_uint32),
+        ("skip_tokens", c_uint32),
+    ]
+
+
 class ParamsInfo(Structure):
     _fields_ = [
         ("instance_id", ctypes.c_char * 129),
@@ -118,7 +129,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 48 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 50 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -171,6 +182,14 @@ _PROTOS = {
                               c_size_t, c_uint32, c_void_p, c_uint32,
                               c_uint32, c_uint32, c_int]),
     "kvx_cancel_key": (c_int, [_client_p, c_char_p, c_size_t, c_int]),
+    "kvx_publish_groups": (c_int, [_client_p, c_char_p, c_size_t, c_uint32,
+                                   c_void_p, c_uint32, c_uint32,
+                                   POINTER(Group), c_uint32, c_char_p,
+                                   c_size_t, POINTER(ContextParams), c_int]),
+    "kvx_fetch_groups": (c_int, [_client_p, c_char_p, c_size_t, c_char_p,
+                                 c_size_t, c_uint32, c_void_p, c_uint32,
+                                 c_uint32, c_uint32, POINTER(Group), c_uint32,
+                                 c_int]),
     "kvx_publish_layerwise": (c_int, [_client_p, c_char_p, c_size_t,
                                       c_uint32, c_void_p, c_uint32, c_uint32,
                                       c_char_p, c_size_t,

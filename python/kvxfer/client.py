@@ -199,6 +199,45 @@ def _pool_id(pool: PoolRef) -> int:
     return pool.id if isinstance(pool, Pool) else int(pool)
 
 
+@dataclass
+class Group:
+    """One more block table of a request (hybrid models; kvx_group_t):
+    a KV group in a pool of its own layout (sliding-window layers: its
+    ``blocks`` may start at ``first_block``), or a state slot (Mamba's
+    convolution or SSM state: a pool of one-token blocks, ``num_tokens``
+    1 and the slot as the one block; see :meth:`Group.state`). On
+    :meth:`Client.publish` give ``num_tokens``; on :meth:`Client.fetch`
+    ``skip_tokens`` (the group's tokens not moved)."""
+    pool: "PoolRef"
+    blocks: "Blocks"
+    num_tokens: int = 0
+    first_block: int = 0
+    skip_tokens: int = 0
+
+    @classmethod
+    def state(cls, pool: "PoolRef", slot: int) -> "Group":
+        """A state slot: block ``slot`` of a pool of one-token blocks."""
+        return cls(pool, [slot], num_tokens=1)
+
+
+def _groups(groups: Sequence[Group]) -> Tuple[Any, int, Any]:
+    """(array, count, keep-alive) of groups as kvx_group_t."""
+    arr = (_lib.Group * len(groups))()
+    keep = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, Group):
+            raise InvalidArgument(-1, f"groups[{i}]: expected a kvxfer.Group")
+        ptr, n, k = _u32(g.blocks, f"groups[{i}].blocks")
+        keep.append(k)
+        arr[i].pool_id = _pool_id(g.pool)
+        arr[i].blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
+        arr[i].num_blocks = n
+        arr[i].num_tokens = g.num_tokens
+        arr[i].first_block = g.first_block
+        arr[i].skip_tokens = g.skip_tokens
+    return arr, len(groups), keep
+
+
 def _u32(blocks: Blocks, what: str = "blocks") -> Tuple[Any, int, Any]:
     """(pointer, count, keep-alive) of blocks as a uint32 array."""
     if hasattr(blocks, "__array_interface__"):
@@ -541,7 +580,8 @@ class Client:
     def publish(self, key: Key, pool: PoolRef, blocks: Blocks,
                 num_tokens: int, timeout: Timeout = _DEFAULT, *,
                 aux: Optional[bytes] = None,
-                layerwise: bool = False) -> bytes:
+                layerwise: bool = False,
+                groups: Optional[Sequence[Group]] = None) -> bytes:
         """Offer the KV of request ``key`` in ``blocks`` of ``pool``
         (kvx_publish_key). ``key``: bytes, a str (its UTF-8) or an int
         (its decimal digits, as kvx_publish makes it), 1 to 128 bytes.
@@ -560,6 +600,10 @@ class Client:
         :meth:`layers_ready` names it, so the transfer runs behind the
         prefill's forward pass.
 
+        ``groups``: the request's other block tables (:class:`Group`:
+        sliding-window layers, state slots), every rank the same, in the
+        same order (kvx_publish_groups; not with ``layerwise``).
+
         Returns the context params: opaque bytes, identical on every rank,
         for the router to hand to the generation side.
         """
@@ -567,10 +611,21 @@ class Client:
         a = bytes(aux) if aux else None
         ptr, n, keep = _u32(blocks)
         params = _lib.ContextParams()
-        self._call("kvx_publish_layerwise" if layerwise else
-                   "kvx_publish_key", k, len(k), _pool_id(pool), ptr, n,
-                   num_tokens, a, len(a) if a else 0, ctypes.byref(params),
-                   self._ms(timeout))
+        if groups:
+            if layerwise:
+                raise InvalidArgument(-1, "publish: groups with layerwise: "
+                                      "a layer-wise offer has one block "
+                                      "table")
+            garr, gn, gkeep = _groups(groups)
+            self._call("kvx_publish_groups", k, len(k), _pool_id(pool), ptr,
+                       n, num_tokens, garr, gn, a, len(a) if a else 0,
+                       ctypes.byref(params), self._ms(timeout))
+            del gkeep
+        else:
+            self._call("kvx_publish_layerwise" if layerwise else
+                       "kvx_publish_key", k, len(k), _pool_id(pool), ptr, n,
+                       num_tokens, a, len(a) if a else 0,
+                       ctypes.byref(params), self._ms(timeout))
         del keep
         try:
             return ctypes.string_at(params.data, params.len)
@@ -580,19 +635,29 @@ class Client:
     def fetch(self, key: Key, params: bytes, pool: PoolRef,
               blocks: Blocks, *, skip_tokens: int = 0,
               dp_rank: Optional[int] = None,
+              groups: Optional[Sequence[Group]] = None,
               timeout: Timeout = _DEFAULT) -> None:
         """Fill ``blocks`` of ``pool`` with the KV the context ``params``
         name, writing tokens >= ``skip_tokens`` (kvx_fetch_key). ``key``
         is this side's name of the request (its events and :meth:`cancel`
         use it). With attention DP, ``dp_rank`` names the receiving group.
-        Returns once the daemon accepted the fetch; its end arrives as an
-        :class:`Event` from :meth:`poll`."""
+        ``groups``: the destination of each of the offer's other block
+        tables, in its order (:class:`Group` with ``skip_tokens``;
+        kvx_fetch_groups). Returns once the daemon accepted the fetch; its
+        end arrives as an :class:`Event` from :meth:`poll`."""
         k = key_bytes(key)
         ptr, n, keep = _u32(blocks)
         params = bytes(params)
-        self._call("kvx_fetch_key", k, len(k), params, len(params),
-                   _pool_id(pool), ptr, n, skip_tokens, dp_rank or 0,
-                   self._ms(timeout))
+        if groups:
+            garr, gn, gkeep = _groups(groups)
+            self._call("kvx_fetch_groups", k, len(k), params, len(params),
+                       _pool_id(pool), ptr, n, skip_tokens, dp_rank or 0,
+                       garr, gn, self._ms(timeout))
+            del gkeep
+        else:
+            self._call("kvx_fetch_key", k, len(k), params, len(params),
+                       _pool_id(pool), ptr, n, skip_tokens, dp_rank or 0,
+                       self._ms(timeout))
         del keep
 
     def poll(self, at_least: int = 1,

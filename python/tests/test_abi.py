@@ -26,6 +26,7 @@ STRUCTS = {
     "kvx_event_t": _lib.Event,
     "kvx_batch_t": _lib.Batch,
     "kvx_params_info_t": _lib.ParamsInfo,
+    "kvx_group_t": _lib.Group,
 }
 
 

@@ -584,3 +584,61 @@ def test_chunked_prefill_appends_blocks_and_tokens(pair, names):
     for s, d in zip(sb, db):
         assert np.array_equal(block_bytes(lo, dst.array, d),
                               block_bytes(lo, src.array, s))
+
+
+def test_groups_move_a_window_and_a_state_slot(pair, names):
+    """A hybrid request: KV, a sliding-window group whose table starts at
+    block 1, and a state slot (one-token blocks); every group's bytes
+    arrive, nothing else of the three pools changes; a fetch without the
+    groups is refused naming them."""
+    ctx, gen = pair
+    lo = layout()
+    win = Layout.preset("vllm-nhd", num_layers=2, num_heads=HEADS,
+                        head_dim=32, dtype="bf16", tokens_per_block=TPB,
+                        num_blocks=BLOCKS)
+    st = Layout.preset("vllm-nhd", num_layers=2, num_heads=HEADS,
+                       head_dim=256, dtype="fp32", tokens_per_block=1,
+                       num_blocks=4, kv_factor=1)
+    src = [ctx.create_host_pool(x) for x in (lo, win, st)]
+    dst = [gen.create_host_pool(x) for x in (lo, win, st)]
+    for i, p in enumerate(src):
+        fill(p.array, 10 + i)
+    before = [p.array.copy() for p in dst]
+    req = names["req"]
+    ntok = 2 * TPB + 5
+    params = ctx.publish(req, src[0], [5, 2, 7], num_tokens=ntok, groups=[
+        kvxfer.Group(src[1], [4, 6], num_tokens=ntok, first_block=1),
+        kvxfer.Group.state(src[2], 3)])
+    with pytest.raises(kvxfer.ConfigMismatch, match="block tables"):
+        gen.fetch(req, params, dst[0], [0, 3, 6])
+    gen.fetch(req, params, dst[0], [0, 3, 6], groups=[
+        kvxfer.Group(dst[1], [1, 2], first_block=1, skip_tokens=TPB),
+        kvxfer.Group.state(dst[2], 0)])
+    for c in (gen, ctx):
+        assert wait_event(c, req).kind is EventKind.COMPLETE
+
+    def tokens(lo, arr, block, t0, t1, layers):
+        per = lo.token_stride
+        return np.concatenate([
+            arr[lo.offset(ly, kv, block) + t0 * per:
+                lo.offset(ly, kv, block) + t1 * per]
+            for ly in range(layers) for kv in range(lo.kv_factor)])
+
+    for s, d, n in zip([5, 2, 7], [0, 3, 6], [TPB, TPB, 5]):
+        assert np.array_equal(tokens(lo, dst[0].array, d, 0, n, LAYERS),
+                              tokens(lo, src[0].array, s, 0, n, LAYERS))
+    # the window: tokens [16, 32) of block 4 -> 1, [32, 37) of block 6 -> 2
+    assert np.array_equal(tokens(win, dst[1].array, 1, 0, TPB, 2),
+                          tokens(win, src[1].array, 4, 0, TPB, 2))
+    assert np.array_equal(tokens(win, dst[1].array, 2, 0, 5, 2),
+                          tokens(win, src[1].array, 6, 0, 5, 2))
+    assert np.array_equal(tokens(win, dst[1].array, 2, 5, TPB, 2),
+                          tokens(win, before[1], 2, 5, TPB, 2))
+    for b in (0, 3, 4, 5, 6, 7):
+        assert np.array_equal(tokens(win, dst[1].array, b, 0, TPB, 2),
+                              tokens(win, before[1], b, 0, TPB, 2))
+    assert np.array_equal(tokens(st, dst[2].array, 0, 0, 1, 2),
+                          tokens(st, src[2].array, 3, 0, 1, 2))
+    for b in (1, 2, 3):
+        assert np.array_equal(tokens(st, dst[2].array, b, 0, 1, 2),
+                              tokens(st, before[2], b, 0, 1, 2))

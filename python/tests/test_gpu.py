@@ -233,3 +233,54 @@ def test_chunked_prefill_with_torch_events(pair, names):
     gen_ev.raise_for_status()
     ctx_ev.raise_for_status()
     assert torch.equal(dst, want)
+
+
+@needs_torch
+def test_groups_window_and_state_on_the_gpu(pair, names):
+    """A hybrid request between GPU pools: the KV, a sliding-window group
+    from its block 1, and a state slot (one-token blocks) land, each in
+    its own tensor, and nothing else of the three changes."""
+    ctx, gen = pair
+    lo = layout()
+    win = Layout.preset("vllm-nhd", num_layers=2, num_heads=HEADS,
+                        head_dim=64, dtype="bf16", tokens_per_block=TPB,
+                        num_blocks=BLOCKS)
+    st = Layout.preset("vllm-nhd", num_layers=2, num_heads=HEADS,
+                       head_dim=512, dtype="fp32", tokens_per_block=1,
+                       num_blocks=4, kv_factor=1)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    srcs = [torch.randint(0, 256, (x.span,), dtype=torch.uint8,
+                          device="cuda", generator=g) for x in (lo, win, st)]
+    dsts = [torch.zeros(x.span, dtype=torch.uint8, device="cuda")
+            for x in (lo, win, st)]
+    torch.cuda.synchronize()
+    sp = [register(ctx, m, x) for m, x in zip(srcs, (lo, win, st))]
+    dp = [register(gen, m, x) for m, x in zip(dsts, (lo, win, st))]
+    req = names["req"]
+    ntok = BLOCKS * TPB
+    params = ctx.publish(req, sp[0], list(range(BLOCKS)), ntok, groups=[
+        kvxfer.Group(sp[1], list(range(1, BLOCKS)), num_tokens=ntok,
+                     first_block=1),
+        kvxfer.Group.state(sp[2], 3)])
+    gen.fetch(req, params, dp[0], list(range(BLOCKS)), groups=[
+        kvxfer.Group(dp[1], list(range(1, BLOCKS)), first_block=1,
+                     skip_tokens=TPB),
+        kvxfer.Group.state(dp[2], 1)])
+    for c in (gen, ctx):
+        wait_event(c, req).raise_for_status()
+    torch.cuda.synchronize()
+    assert torch.equal(srcs[0], dsts[0])
+    # window: every layer's blocks 1.. equal, block 0 untouched (zero)
+    for ly in range(2):
+        for kv in range(2):
+            a, b = win.offset(ly, kv, 0), win.offset(ly, kv, 1)
+            end = win.offset(ly, kv, BLOCKS - 1) + (b - a)
+            assert torch.equal(dsts[1][b:end], srcs[1][b:end])
+            assert int(dsts[1][a:b].count_nonzero()) == 0
+    per = st.offset(0, 0, 1) - st.offset(0, 0, 0)
+    for ly in range(2):
+        s0, d0 = st.offset(ly, 0, 3), st.offset(ly, 0, 1)
+        assert torch.equal(dsts[2][d0:d0 + per], srcs[2][s0:s0 + per])
+        for b in (0, 2, 3):
+            o = st.offset(ly, 0, b)
+            assert int(dsts[2][o:o + per].count_nonzero()) == 0
