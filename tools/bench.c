@@ -240,6 +240,17 @@ static uint32_t req_block(const rank_view_t *v, uint64_t r, uint32_t i)
     return v->perm ? v->perm[b] : b;
 }
 
+/* --shuffle: request r's pool blocks, v->bpr of them; NULL without it
+ * (they are then req_block(v, r, 0) on). */
+static const uint32_t *req_ids(const rank_view_t *v, uint64_t r)
+{
+    if (!v->perm)
+        return NULL;
+    if (r >= WARM_BASE)
+        r -= WARM_BASE;
+    return v->perm + (r % reqs_in_pool) * v->bpr;
+}
+
 /* --shuffle: a permutation of the pool's n blocks, one per side (seed), the
  * same in every rank of the side. An engine's block tables look like this
  * once blocks have been freed and reused: no two neighbours of a request
@@ -278,8 +289,11 @@ static void fill_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        if (bgpu_fill(v->device, &v->layout, (void *const *)v->rbase, r,
-                      req_block(v, r, 0), v->bpr, v->head0, v->layer0))
+        const uint32_t *ids = req_ids(v, r);
+        if (ids ? bgpu_fill_ids(v->device, &v->layout, (void *const *)v->rbase,
+                                r, ids, v->bpr, v->head0, v->layer0)
+                : bgpu_fill(v->device, &v->layout, (void *const *)v->rbase, r,
+                            req_block(v, r, 0), v->bpr, v->head0, v->layer0))
             die("GPU pattern fill failed");
         return;
     }
@@ -306,9 +320,14 @@ static uint64_t check_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        int64_t bad = bgpu_check(v->device, &v->layout, (void *const *)v->rbase,
-                                 r, req_block(v, r, 0), v->bpr, v->head0,
-                                 v->layer0, o.skip, num_tokens);
+        const uint32_t *ids = req_ids(v, r);
+        int64_t bad =
+            ids ? bgpu_check_ids(v->device, &v->layout, (void *const *)v->rbase,
+                                 r, ids, v->bpr, v->head0, v->layer0, o.skip,
+                                 num_tokens)
+                : bgpu_check(v->device, &v->layout, (void *const *)v->rbase, r,
+                             req_block(v, r, 0), v->bpr, v->head0, v->layer0,
+                             o.skip, num_tokens);
         if (bad < 0)
             die("GPU pattern check failed");
         return (uint64_t)bad;
