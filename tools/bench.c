@@ -94,6 +94,7 @@ static struct opts {
     int by_key;  /* --by-key: generation fetches by key, no params */
     double layerwise_ms; /* --layerwise MS: a layer ready every MS ms */
     int layerwise;
+    int shuffle; /* --shuffle: each side's block ids a permutation */
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
     .window = 16, .layout = "vllm-nhd", .layers = 32, .heads = 8,
@@ -214,6 +215,7 @@ typedef struct rank_view {
     uint8_t *alloc;       /* --pool-offset: the allocation around base */
     uint64_t alloc_len;
     uint32_t pool; /* --layerwise: the pool's id */
+    uint32_t *perm; /* --shuffle: pool block of each request slot block */
 } rank_view_t;
 
 /* --pool-offset: every pool starts o.pool_offset bytes into an
@@ -234,7 +236,43 @@ static uint32_t req_block(const rank_view_t *v, uint64_t r, uint32_t i)
 {
     if (r >= WARM_BASE)
         r -= WARM_BASE;
-    return (uint32_t)((r % reqs_in_pool) * v->bpr + i);
+    uint32_t b = (uint32_t)((r % reqs_in_pool) * v->bpr + i);
+    return v->perm ? v->perm[b] : b;
+}
+
+/* --shuffle: request r's pool blocks, v->bpr of them; NULL without it
+ * (they are then req_block(v, r, 0) on). */
+static const uint32_t *req_ids(const rank_view_t *v, uint64_t r)
+{
+    if (!v->perm)
+        return NULL;
+    if (r >= WARM_BASE)
+        r -= WARM_BASE;
+    return v->perm + (r % reqs_in_pool) * v->bpr;
+}
+
+/* --shuffle: a permutation of the pool's n blocks, one per side (seed), the
+ * same in every rank of the side. An engine's block tables look like this
+ * once blocks have been freed and reused: no two neighbours of a request
+ * are neighbours in the pool, and the two sides' ids differ. */
+static uint32_t *shuffled_blocks(uint32_t n, uint64_t seed)
+{
+    uint32_t *p = malloc((size_t)n * sizeof(uint32_t));
+    if (!p)
+        die("--shuffle: %u block ids: out of memory", n);
+    for (uint32_t i = 0; i < n; i++)
+        p[i] = i;
+    uint64_t x = 0x9e3779b97f4a7c15ull * (seed + 1);
+    for (uint32_t i = n - 1; i > 0; i--) {
+        x ^= x << 13; /* xorshift64: repeatable, no libc state */
+        x ^= x >> 7;
+        x ^= x << 17;
+        uint32_t j = (uint32_t)(x % ((uint64_t)i + 1));
+        uint32_t t = p[i];
+        p[i] = p[j];
+        p[j] = t;
+    }
+    return p;
 }
 
 /* Where element (layer, kv, block, token, head) of v's pool lies. */
@@ -251,8 +289,11 @@ static void fill_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        if (bgpu_fill(v->device, &v->layout, (void *const *)v->rbase, r,
-                      req_block(v, r, 0), v->bpr, v->head0, v->layer0))
+        const uint32_t *ids = req_ids(v, r);
+        if (ids ? bgpu_fill_ids(v->device, &v->layout, (void *const *)v->rbase,
+                                r, ids, v->bpr, v->head0, v->layer0)
+                : bgpu_fill(v->device, &v->layout, (void *const *)v->rbase, r,
+                            req_block(v, r, 0), v->bpr, v->head0, v->layer0))
             die("GPU pattern fill failed");
         return;
     }
@@ -279,9 +320,14 @@ static uint64_t check_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        int64_t bad = bgpu_check(v->device, &v->layout, (void *const *)v->rbase,
-                                 r, req_block(v, r, 0), v->bpr, v->head0,
-                                 v->layer0, o.skip, num_tokens);
+        const uint32_t *ids = req_ids(v, r);
+        int64_t bad =
+            ids ? bgpu_check_ids(v->device, &v->layout, (void *const *)v->rbase,
+                                 r, ids, v->bpr, v->head0, v->layer0, o.skip,
+                                 num_tokens)
+                : bgpu_check(v->device, &v->layout, (void *const *)v->rbase, r,
+                             req_block(v, r, 0), v->bpr, v->head0, v->layer0,
+                             o.skip, num_tokens);
         if (bad < 0)
             die("GPU pattern check failed");
         return (uint64_t)bad;
@@ -444,6 +490,7 @@ static kvx_client_t *rank_open(const char *inst, kvx_role_t role,
     v->layer0 = ppr * base + (ppr < rem ? ppr : rem);
     v->bpr = (num_tokens + tpb - 1) / tpb;
     uint32_t nblocks = reqs_in_pool * v->bpr;
+    v->perm = o.shuffle ? shuffled_blocks(nblocks, ctx ? 1 : 2) : NULL;
     const char *preset = ctx ? o.ctx_layout : o.gen_layout;
     if (kvx_layout_preset(preset, layers, kvf, heads, o.head_dim, o.dtype,
                           tpb, nblocks, &v->layout))
@@ -1839,6 +1886,12 @@ static void usage(FILE *f)
         "                         and a V region per layer (twice that), "
         "host or --gpu\n"
         "  --ctas N               gpu.max_ctas of the spawned daemon\n"
+        "  --shuffle              each side's block ids a random "
+        "permutation of its\n"
+        "                         pool (its own per side), as an engine's "
+        "block tables\n"
+        "                         look after reuse (a request's blocks "
+        "seldom adjacent)\n"
         "  --ctx-host, --gen-host with --gpu: that side in host memory\n"
         "  --pairs P              P independent context/generation "
         "instance pairs\n"
@@ -1924,6 +1977,7 @@ int main(int argc, char **argv)
         {"reserve", no_argument, NULL, 1019},
         {"by-key", no_argument, NULL, 1020},
         {"layerwise", required_argument, NULL, 1021},
+        {"shuffle", no_argument, NULL, 1022},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
@@ -1993,6 +2047,9 @@ int main(int argc, char **argv)
             break;
         case 1020:
             o.by_key = o.keyed = 1;
+            break;
+        case 1022:
+            o.shuffle = 1;
             break;
         case 1021: {
             char *end;
@@ -2451,7 +2508,7 @@ int main(int argc, char **argv)
             "\"mla\":%s,\"mismatched_rows\":%llu,\"seconds\":%.4f,"
             "\"pool_offset\":%llu,\"vmm_chunk\":%llu,"
             "\"guard_bytes_changed\":%llu,\"regions\":%u,"
-            "\"keyed\":%s,\"reserve\":%s,\"by_key\":%s",
+            "\"keyed\":%s,\"reserve\":%s,\"by_key\":%s,\"shuffle\":%s",
             gbps, base, ratio, verified ? "true" : "false", o.requests / secs,
             p50, p99, (unsigned long long)total, o.requests, o.blocks,
             o.ctx_layout, o.gen_layout, o.gpu ? "true" : "false", o.ctas,
@@ -2461,7 +2518,7 @@ int main(int argc, char **argv)
             (unsigned long long)o.pool_offset, (unsigned long long)o.vmm_chunk,
             (unsigned long long)sh->guard_changed, o.regions,
             o.keyed ? "true" : "false", o.reserve ? "true" : "false",
-            o.by_key ? "true" : "false");
+            o.by_key ? "true" : "false", o.shuffle ? "true" : "false");
         printf(",\"passes\":%u,\"pass_gbps\":[", o.passes);
         for (uint32_t ps = 0; ps < o.passes; ps++)
             printf("%s%.3f", ps ? "," : "", pass_gbps[ps]);

@@ -18,6 +18,7 @@
 
 struct lay {
     const uint64_t *part; /* each (layer, kv) part's device address */
+    const uint32_t *ids;  /* the request's pool blocks; NULL: block0 on */
     uint64_t block_stride, token_stride, head_stride;
     uint32_t layers, kv, heads, tpb, rowbytes;
 };
@@ -177,9 +178,10 @@ __global__ void pat_kernel(struct lay L, uint64_t r,
         uint32_t gt = b * L.tpb + t;
         if (gt < tok_from || gt >= tok_to)
             continue;
+        uint32_t blk = L.ids ? L.ids[b] : block0 + b;
         uint8_t *row = (uint8_t *)(uintptr_t)L.part[l * L.kv + kv] +
-                       (uint64_t)(block0 + b) * L.block_stride +
-                       t * L.token_stride + h * L.head_stride;
+                       (uint64_t)blk * L.block_stride + t * L.token_stride +
+                       h * L.head_stride;
         uint64_t seed = pat_seed(r, layer0 + l, kv, gt, head0 + h);
         if (!check) {
             if ((L.rowbytes & 7) == 0 && ((uintptr_t)row & 7) == 0)
@@ -205,14 +207,15 @@ __global__ void pat_kernel(struct lay L, uint64_t r,
 }
 
 static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
-                       uint64_t r,
-                       uint32_t block0, uint32_t nblocks, uint32_t head0,
-                       uint32_t layer0, uint32_t tok_from, uint32_t tok_to,
-                       int check, uint64_t *bad)
+                       uint64_t r, const uint32_t *ids, uint32_t block0,
+                       uint32_t nblocks, uint32_t head0, uint32_t layer0,
+                       uint32_t tok_from, uint32_t tok_to, int check,
+                       uint64_t *bad)
 {
     cudaSetDevice(dev);
     struct lay L;
     uint64_t *lo;
+    uint32_t *dids = NULL;
     unsigned long long *dbad;
     size_t np = (size_t)l->num_layers * l->kv_factor;
     uint64_t *hp = (uint64_t *)malloc(np * 8);
@@ -229,8 +232,16 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
     }
     cudaMemcpy(lo, hp, np * 8, cudaMemcpyHostToDevice);
     free(hp);
+    if (ids && (cudaMalloc(&dids, (size_t)nblocks * sizeof(uint32_t)) ||
+                cudaMemcpy(dids, ids, (size_t)nblocks * sizeof(uint32_t),
+                           cudaMemcpyHostToDevice))) {
+        cudaFree(lo);
+        cudaFree(dbad);
+        return -1;
+    }
     cudaMemset(dbad, 0, sizeof(*dbad));
     L.part = lo;
+    L.ids = dids;
     L.block_stride = l->block_stride;
     L.token_stride = l->token_stride;
     L.head_stride = l->head_stride;
@@ -244,6 +255,7 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
     unsigned long long hb = 0;
     cudaError_t e = cudaMemcpy(&hb, dbad, sizeof(hb), cudaMemcpyDeviceToHost);
     cudaFree(lo);
+    cudaFree(dids);
     cudaFree(dbad);
     if (bad)
         *bad = hb;
@@ -254,8 +266,8 @@ extern "C" int bgpu_fill(int dev, const kvx_layout_t *l, void *const *regions,
                          uint64_t r, uint32_t block0, uint32_t nblocks,
                          uint32_t head0, uint32_t layer0)
 {
-    return run_pattern(dev, l, regions, r, block0, nblocks, head0, layer0, 0,
-                       UINT32_MAX, 0, NULL);
+    return run_pattern(dev, l, regions, r, NULL, block0, nblocks, head0, layer0,
+                       0, UINT32_MAX, 0, NULL);
 }
 
 extern "C" int64_t bgpu_check(int dev, const kvx_layout_t *l,
@@ -265,7 +277,29 @@ extern "C" int64_t bgpu_check(int dev, const kvx_layout_t *l,
                               uint32_t tok_from, uint32_t tok_to)
 {
     uint64_t bad = 0;
-    if (run_pattern(dev, l, regions, r, block0, nblocks, head0, layer0,
+    if (run_pattern(dev, l, regions, r, NULL, block0, nblocks, head0, layer0,
+                    tok_from, tok_to, 1, &bad))
+        return -1;
+    return (int64_t)bad;
+}
+
+extern "C" int bgpu_fill_ids(int dev, const kvx_layout_t *l,
+                             void *const *regions, uint64_t r,
+                             const uint32_t *ids, uint32_t nblocks,
+                             uint32_t head0, uint32_t layer0)
+{
+    return run_pattern(dev, l, regions, r, ids, 0, nblocks, head0, layer0, 0,
+                       UINT32_MAX, 0, NULL);
+}
+
+extern "C" int64_t bgpu_check_ids(int dev, const kvx_layout_t *l,
+                                  void *const *regions, uint64_t r,
+                                  const uint32_t *ids, uint32_t nblocks,
+                                  uint32_t head0, uint32_t layer0,
+                                  uint32_t tok_from, uint32_t tok_to)
+{
+    uint64_t bad = 0;
+    if (run_pattern(dev, l, regions, r, ids, 0, nblocks, head0, layer0,
                     tok_from, tok_to, 1, &bad))
         return -1;
     return (int64_t)bad;

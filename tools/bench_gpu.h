@@ -32,6 +32,15 @@ int64_t bgpu_check(int dev, const kvx_layout_t *l, void *const *regions,
                    uint64_t r, uint32_t block0, uint32_t nblocks,
                    uint32_t head0, uint32_t layer0, uint32_t tok_from,
                    uint32_t tok_to);
+/* The same over the pool blocks ids[0, nblocks), in any order
+ * (kvxfer-bench --shuffle). */
+int bgpu_fill_ids(int dev, const kvx_layout_t *l, void *const *regions,
+                  uint64_t r, const uint32_t *ids, uint32_t nblocks,
+                  uint32_t head0, uint32_t layer0);
+int64_t bgpu_check_ids(int dev, const kvx_layout_t *l, void *const *regions,
+                       uint64_t r, const uint32_t *ids, uint32_t nblocks,
+                       uint32_t head0, uint32_t layer0, uint32_t tok_from,
+                       uint32_t tok_to);
 /* cudaMemcpyPeer of bytes (one contiguous copy, repeated past 8 GiB). */
 double bgpu_peer_gbps(int src, int dst, uint64_t bytes);
 /* Copies of bytes between pinned host memory and a device (buffers of at
