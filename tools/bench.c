@@ -64,7 +64,7 @@ static struct opts {
     kvx_dtype_t dtype;
     int json;
     uint64_t pool_cap_mib;
-    int no_verify, no_warmup;
+    int no_verify, no_warmup, verify_each, trace;
     const char *daemon_config;
     const char *ctx_layout, *gen_layout;
     int gpu, vmm, ctx_device, gen_device, ctx_host, gen_host;
@@ -121,7 +121,7 @@ struct shared {
     char address[192];               /* daemon of the context ranks */
     char gen_address[192];           /* daemon of the generation ranks */
     _Atomic uint64_t first_fetch_ns, last_done_ns;
-    _Atomic uint64_t mismatches, verified_bytes, errors;
+    _Atomic uint64_t mismatches, verified_bytes, errors, sampled_reqs;
     _Atomic uint64_t guard_changed; /* guard-band bytes found changed */
     char error_text[512];
     /* then: params slots, then latencies of gen rank 0 */
@@ -134,6 +134,8 @@ static uint32_t num_tokens, kvf;
 static struct shared *sh;
 static uint8_t *slots;        /* requests x PARAMS_SLOT: u32 ready, u32 len, data */
 static uint64_t *lat_ns;      /* requests */
+static uint64_t *call_ns, *ev_ns; /* --trace: each timed request's fetch
+                                     call and event, monotonic ns */
 static uint32_t reqs_in_pool; /* requests that fit the pool at once */
 
 static uint64_t now_ns(void)
@@ -313,6 +315,56 @@ static void fill_request(const rank_view_t *v, uint64_t r)
                             rowbytes, r, v->layer0 + layer, kv, gt,
                             v->head0 + h);
                 }
+}
+
+/* Host pools too small for every request (blocks reused): the rank
+ * processes would spend the two cores of a small machine writing and
+ * checking every request's bytes while the daemon copies, and the bench
+ * would time them. Instead each slot of the pool gets its pattern once,
+ * before the timed pass (request r carries the pattern of the request of
+ * its slot, pat_of()); each request is checked on one row of every
+ * (block, layer, K/V) run, which is then poisoned so that the slot's
+ * next request must write it again; and after the pass every byte of
+ * every slot is checked. --verify-each checks (and writes) every byte of
+ * every request, inside the timed pass, as before. */
+static int sampled(void)
+{
+    return !o.no_verify && !o.verify_each && !o.gpu &&
+           reqs_in_pool < o.requests / o.pairs;
+}
+
+/* The request whose pattern request r moves (sampled()): the first
+ * request of the pass (from first) in r's slot; r itself otherwise. */
+static uint64_t pat_of(uint64_t r, uint64_t first)
+{
+    if (!sampled() || r >= WARM_BASE)
+        return r;
+    return r - ((r - first) / reqs_in_pool) * reqs_in_pool;
+}
+
+/* Mismatched sampled rows of request r (sampled()): one row of every
+ * (block, layer, kv) run, the same rows for every request of a slot;
+ * poison: zero them after the check. */
+static uint64_t sample_check(const rank_view_t *v, uint64_t r, uint64_t pat,
+                             int poison)
+{
+    const kvx_layout_t *l = &v->layout;
+    uint32_t rowbytes = l->head_dim * l->elem_size, bad = 0;
+    for (uint32_t b = 0; b < v->bpr; b++)
+        for (uint32_t layer = 0; layer < l->num_layers; layer++)
+            for (uint32_t kv = 0; kv < l->kv_factor; kv++) {
+                uint32_t t = (b + layer) % l->tokens_per_block;
+                uint32_t gt = b * l->tokens_per_block + t;
+                if (gt < o.skip || gt >= num_tokens)
+                    continue;
+                uint32_t h = (b + layer + kv) % l->num_heads;
+                uint8_t *at = view_at(v, layer, kv, req_block(v, r, b), t, h);
+                bad += !row_check(at, rowbytes, pat, v->layer0 + layer, kv, gt,
+                                  v->head0 + h);
+                if (poison)
+                    memset(at, 0, rowbytes);
+            }
+    return bad;
 }
 
 /* Mismatched rows of request r among tokens [skip, num_tokens). */
@@ -698,8 +750,8 @@ static void ctx_main(uint32_t rank)
     if (!o.no_warmup)
         ctx_run(c, &v, rank, pool, WARM_BASE + my_pair * reqs_in_pool,
                 reqs_in_pool, 0);
-    if (!reuse && !o.no_verify)
-        for (uint64_t r = first; r < first + per; r++)
+    if ((!reuse || sampled()) && !o.no_verify)
+        for (uint64_t r = first; r < first + (reuse ? reqs_in_pool : per); r++)
             fill_request(&v, r);
     barrier(&sh->ready2, &sh->go2);
     for (uint32_t ps = 0; ps < o.passes; ps++) {
@@ -708,7 +760,8 @@ static void ctx_main(uint32_t rank)
                     reqs_in_pool, 0);
         if (ps) /* every pair's warm-up is over before any timed fetch */
             barrier(&sh->warm_ready[ps], &sh->warm_go[ps]);
-        ctx_run(c, &v, rank, pool, first, per, reuse && !o.no_verify);
+        ctx_run(c, &v, rank, pool, first, per,
+                reuse && !o.no_verify && !sampled());
         barrier(&sh->pass_ready[ps], &sh->pass_go[ps]);
     }
     atomic_fetch_add(&sh->guard_changed, guard_changed(&v));
@@ -726,6 +779,7 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                         int timed, uint64_t *checked)
 {
     int check = timed && !o.no_verify && reqs_in_pool < count;
+    int sample = check && sampled();
     uint64_t *t0 = calloc(count, sizeof(uint64_t));
     uint32_t *bt = malloc(v->bpr * sizeof(uint32_t));
     uint64_t next = 0, done = 0, bad = 0;
@@ -786,9 +840,16 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                     (unsigned long long)e->request_id, e->message,
                     kvx_status_name(e->code));
             uint64_t er = event_req(e), k = er - first;
-            if (timed && rank == 0)
+            if (timed && rank == 0) {
                 lat_ns[first + k] = t - t0[k];
-            if (check) {
+                call_ns[first + k] = t0[k];
+                ev_ns[first + k] = t;
+            }
+            if (sample) { /* the slot's last request stays whole */
+                bad += sample_check(v, er, pat_of(er, first),
+                                    k + reqs_in_pool < count);
+                atomic_fetch_add(&sh->sampled_reqs, 1);
+            } else if (check) {
                 bad += check_request(v, er);
                 (*checked)++;
             }
@@ -852,6 +913,9 @@ static void gen_main(uint32_t rank)
         if (reqs_in_pool >= per && !o.no_verify)
             for (uint64_t r = first; r < first + per; r++, checked++)
                 bad += check_request(&v, r);
+        else if (sampled()) /* every byte of every slot, after the pass */
+            for (uint64_t r = first; r < first + reqs_in_pool; r++)
+                bad += check_request(&v, r);
         barrier(&sh->pass_ready[ps], &sh->pass_go[ps]);
     }
     uint64_t per_req = (uint64_t)(num_tokens - o.skip) *
@@ -913,11 +977,90 @@ static void daemon_await(pid_t pid, const char *daemon, const char *sock,
     die("daemon %s did not start listening on %s", daemon, sock);
 }
 
+/* --trace: the spawned daemon's log.trace_file. */
+static const char *trace_path(void)
+{
+    static char p[128];
+    if (!p[0])
+        snprintf(p, sizeof(p), "/tmp/kvxfer-bench-%d.trace",
+                 o.spawn ? (int)getpid() : 0);
+    return p;
+}
+
+static int cmp_u64(const void *a, const void *b);
+
+/* --trace: the hops of the timed requests, from the daemon's trace
+ * lines and the generation rank's own clock (one monotonic clock), as
+ * p50 and p99 per hop; in JSON as "trace_us". */
+#define NHOPS 8
+static const char *const hop_name[NHOPS] = {
+    "fetch call -> fetch made (daemon)", "made -> first part queued",
+    "queued -> first copy submitted",    "submitted -> last copy done (thread)",
+    "done -> back on the daemon's loop", "loop -> terminal event queued",
+    "event queued -> client has it",     "fetch call -> event (total)"};
+
+static void trace_report(FILE *out, int json)
+{
+    FILE *f = fopen(trace_path(), "r");
+    if (!f)
+        die("--trace: %s: %s", trace_path(), strerror(errno));
+    uint64_t *d[NHOPS];
+    for (int i = 0; i < NHOPS; i++)
+        if (!(d[i] = calloc(o.requests, sizeof(uint64_t))))
+            die("out of memory");
+    uint32_t n = 0;
+    char line[512], inst[160], key[300];
+    while (fgets(line, sizeof(line), f)) {
+        int kind;
+        unsigned long long bytes, t[6];
+        if (sscanf(line,
+                   "fetch %159s %299s %d %llu %llu %llu %llu %llu %llu "
+                   "%llu",
+                   inst, key, &kind, &bytes, &t[0], &t[1], &t[2], &t[3], &t[4],
+                   &t[5]) != 10)
+            continue;
+        const char *dg = strrchr(key, '-'); /* keyed: "decode-R" */
+        dg = dg ? dg + 1 : key;
+        char *end;
+        unsigned long long r = strtoull(dg, &end, 10);
+        if (*end || r >= o.requests || !call_ns[r] || n >= o.requests)
+            continue; /* the warm-up's, or not rank 0's */
+        uint64_t h[NHOPS] = {t[0] - call_ns[r], t[1] - t[0],
+                             t[2] - t[1],       t[3] - t[2],
+                             t[4] - t[3],       t[5] - t[4],
+                             ev_ns[r] - t[5],   ev_ns[r] - call_ns[r]};
+        for (int i = 0; i < NHOPS; i++)
+            d[i][n] = (int64_t)h[i] < 0 ? 0 : h[i];
+        n++;
+    }
+    fclose(f);
+    unlink(trace_path());
+    if (!n)
+        die("--trace: no trace line matched a timed request");
+    if (json)
+        fprintf(out, ",\"trace_requests\":%u,\"trace_us\":{", n);
+    else
+        fprintf(out, "  trace of %u requests (p50 / p99 us per hop):\n", n);
+    for (int i = 0; i < NHOPS; i++) {
+        qsort(d[i], n, sizeof(uint64_t), cmp_u64);
+        double p50 = d[i][n / 2] / 1e3, p99 = d[i][n * 99 / 100] / 1e3;
+        if (json)
+            fprintf(out, "%s\"%s\":[%.1f,%.1f]", i ? "," : "", hop_name[i], p50,
+                    p99);
+        else
+            fprintf(out, "    %-38s %9.1f %9.1f\n", hop_name[i], p50, p99);
+        free(d[i]);
+    }
+    if (json)
+        fprintf(out, "}");
+}
+
 static pid_t spawn_daemon(char *sock, size_t len)
 {
     char daemon[PATH_MAX + 16];
     daemon_binary(daemon, sizeof(daemon));
     snprintf(sock, len, "/tmp/kvxfer-bench-%d.sock", (int)getpid());
+    (void)trace_path(); /* named here, the same in the child */
     pid_t pid = fork();
     if (pid == 0) {
         if (!getenv("KVX_BENCH_DAEMON_LOG")) {
@@ -926,12 +1069,23 @@ static pid_t spawn_daemon(char *sock, size_t len)
                 dup2(fd, 2);
         }
         char cfg[128];
-        if (o.ctas && !o.daemon_config) {
+        if ((o.ctas && !o.daemon_config) || o.trace) {
             snprintf(cfg, sizeof(cfg), "/tmp/kvxfer-bench-%d.yaml",
                      (int)getppid());
             FILE *f = fopen(cfg, "w");
             if (f) {
-                fprintf(f, "gpu:\n  max_ctas: %u\n", o.ctas);
+                if (o.ctas && !o.daemon_config)
+                    fprintf(f, "gpu:\n  max_ctas: %u\n", o.ctas);
+                if (o.trace)
+                    fprintf(f, "log:\n  trace_file: \"%s\"\n", trace_path());
+                if (o.daemon_config) { /* its own lines after ours */
+                    FILE *in = fopen(o.daemon_config, "r");
+                    char line[1024];
+                    while (in && fgets(line, sizeof(line), in))
+                        fputs(line, f);
+                    if (in)
+                        fclose(in);
+                }
                 fclose(f);
                 o.daemon_config = cfg;
             }
@@ -946,7 +1100,7 @@ static pid_t spawn_daemon(char *sock, size_t len)
         _exit(127);
     }
     daemon_await(pid, daemon, sock, NULL, 500); /* up to 5 s */
-    if (o.ctas && !o.daemon_config) { /* read at start: not needed now */
+    if ((o.ctas && !o.daemon_config) || o.trace) { /* read at start */
         char cfg[128];
         snprintf(cfg, sizeof(cfg), "/tmp/kvxfer-bench-%d.yaml", (int)getpid());
         unlink(cfg);
@@ -1815,6 +1969,15 @@ static void usage(FILE *f)
         "  --pool-mib N           cap per rank pool (blocks are reused), "
         "default 2048\n"
         "  --no-verify            skip the byte check\n"
+        "  --trace                with --spawn-daemon: each timed request's\n"
+        "                         hops (the daemon's log.trace_file and\n"
+        "                         the generation rank 0's clock), p50/p99\n"
+        "  --verify-each          host pools smaller than the requests:\n"
+        "                         write and check every byte of every\n"
+        "                         request inside the timed pass (default:\n"
+        "                         each slot written once, a row of every\n"
+        "                         block-layer run checked per request,\n"
+        "                         every byte of every slot after the pass)\n"
         "  --no-warmup            time the first pass over the pools too\n"
         "  --passes N             timed passes (1 to 16): the medians are "
         "reported;\n"
@@ -1942,6 +2105,8 @@ int main(int argc, char **argv)
         {"dtype", required_argument, NULL, 'd'},
         {"pool-mib", required_argument, NULL, 'P'},
         {"no-verify", no_argument, NULL, 'n'},
+        {"verify-each", no_argument, NULL, 'E'},
+        {"trace", no_argument, NULL, 1100},
         {"no-warmup", no_argument, NULL, 'w'},
         {"daemon-config", required_argument, NULL, 'C'},
         {"ctx-layout", required_argument, NULL, 'x'},
@@ -1998,6 +2163,12 @@ int main(int argc, char **argv)
         case 'T': o.tpb = arg_u32("tokens-per-block", optarg, 1, 65536); break;
         case 'P': o.pool_cap_mib = arg_u32("pool-mib", optarg, 1, 1 << 20); break;
         case 'n': o.no_verify = 1; break;
+        case 'E':
+            o.verify_each = 1;
+            break;
+        case 1100:
+            o.trace = 1;
+            break;
         case 'w': o.no_warmup = 1; break;
         case 'C': o.daemon_config = optarg; break;
         case 'x': o.ctx_layout = optarg; break;
@@ -2109,6 +2280,12 @@ int main(int argc, char **argv)
     if (o.ctas && !o.spawn) {
         fprintf(stderr, "kvxfer-bench: --ctas needs --spawn-daemon (it is "
                         "the daemon's gpu.max_ctas)\n");
+        return 2;
+    }
+    if (o.trace && (!o.spawn || o.daemons != 1 || o.layerwise_ms)) {
+        fprintf(stderr, "kvxfer-bench: --trace needs --spawn-daemon with one "
+                        "daemon (it reads that daemon's log.trace_file), and "
+                        "no --layerwise\n");
         return 2;
     }
 #ifdef KVX_CUDA
@@ -2233,10 +2410,10 @@ int main(int argc, char **argv)
     uint64_t total = (uint64_t)o.requests * (num_tokens - o.skip) *
                      o.layers * kvf * gen_heads * o.gen_ranks * row;
 
-    size_t shlen = sizeof(struct shared) +
-                   ((size_t)o.requests + (size_t)o.pairs * reqs_in_pool) *
-                       PARAMS_SLOT +
-                   (size_t)o.requests * sizeof(uint64_t);
+    size_t shlen =
+        sizeof(struct shared) +
+        ((size_t)o.requests + (size_t)o.pairs * reqs_in_pool) * PARAMS_SLOT +
+        3 * (size_t)o.requests * sizeof(uint64_t);
     void *m = mmap(NULL, shlen, PROT_READ | PROT_WRITE,
                    MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED)
@@ -2247,6 +2424,8 @@ int main(int argc, char **argv)
                           ((size_t)o.requests +
                            (size_t)o.pairs * reqs_in_pool) *
                               PARAMS_SLOT);
+    call_ns = lat_ns + o.requests;
+    ev_ns = call_ns + o.requests;
 
     char sock[128];
     pid_t dpid = -1, gen_dpid = -1;
@@ -2491,15 +2670,18 @@ int main(int argc, char **argv)
     double p99 = lat_ns[(o.requests * 99) / 100 < o.requests
                             ? (o.requests * 99) / 100
                             : o.requests - 1] / 1e3;
-    int verified = !o.no_verify && sh->mismatches == 0 &&
-                   sh->verified_bytes == total * o.passes &&
-                   sh->guard_changed == 0;
+    int verified =
+        !o.no_verify && sh->mismatches == 0 && sh->guard_changed == 0 &&
+        (sampled()
+             ? sh->sampled_reqs == (uint64_t)o.requests * o.gen_ranks * o.passes
+             : sh->verified_bytes == total * o.passes);
     if (!(base > 0)) /* a ratio against nothing is no figure (nor JSON) */
         die("the baseline measured %.3f GB/s; no ratio can be given", base);
     if (o.json) {
         printf(
             "{\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,"
-            "\"verified\":%s,\"requests_per_s\":%.0f,\"p50_us\":%.1f,"
+            "\"verified\":%s,\"verify\":\"%s\",\"requests_per_s\":%.0f,"
+            "\"p50_us\":%.1f,"
             "\"p99_us\":%.1f,\"bytes\":%llu,\"requests\":%u,\"blocks\":%u,"
             "\"ctx_layout\":\"%s\",\"gen_layout\":\"%s\",\"gpu\":%s,"
             "\"ctas\":%u,\"ctx_ranks\":%u,\"gen_ranks\":%u,"
@@ -2509,11 +2691,14 @@ int main(int argc, char **argv)
             "\"pool_offset\":%llu,\"vmm_chunk\":%llu,"
             "\"guard_bytes_changed\":%llu,\"regions\":%u,"
             "\"keyed\":%s,\"reserve\":%s,\"by_key\":%s,\"shuffle\":%s",
-            gbps, base, ratio, verified ? "true" : "false", o.requests / secs,
-            p50, p99, (unsigned long long)total, o.requests, o.blocks,
-            o.ctx_layout, o.gen_layout, o.gpu ? "true" : "false", o.ctas,
-            o.ctx_ranks, o.gen_ranks, o.window, o.pairs, o.ctx_pp, o.gen_pp,
-            o.ctx_tpb, o.gen_tpb, o.skip, o.mla ? "true" : "false",
+            gbps, base, ratio, verified ? "true" : "false",
+            o.no_verify ? "none"
+            : sampled() ? "sampled"
+                        : "every byte",
+            o.requests / secs, p50, p99, (unsigned long long)total, o.requests,
+            o.blocks, o.ctx_layout, o.gen_layout, o.gpu ? "true" : "false",
+            o.ctas, o.ctx_ranks, o.gen_ranks, o.window, o.pairs, o.ctx_pp,
+            o.gen_pp, o.ctx_tpb, o.gen_tpb, o.skip, o.mla ? "true" : "false",
             (unsigned long long)sh->mismatches, secs,
             (unsigned long long)o.pool_offset, (unsigned long long)o.vmm_chunk,
             (unsigned long long)sh->guard_changed, o.regions,
@@ -2569,6 +2754,8 @@ int main(int argc, char **argv)
             printf(",\"gen_daemon\":");
             json_str(sh->gen_address);
         }
+        if (o.trace)
+            trace_report(stdout, 1);
         printf("}\n");
     } else {
         printf("kvxfer-bench: context tp %u pp %u (%s, %u tokens/block) -> "
@@ -2636,9 +2823,14 @@ int main(int argc, char **argv)
         printf("  %-22s %12.0f\n", "requests/s", o.requests / secs);
         printf("  %-22s %12.1f us\n", "latency p50", p50);
         printf("  %-22s %12.1f us\n", "latency p99", p99);
-        printf("  %-22s %12s  (%llu mismatched rows)\n", "verified",
-               o.no_verify ? "skipped" : verified ? "yes" : "NO",
-               (unsigned long long)sh->mismatches);
+        printf("  %-22s %12s  (%llu mismatched rows%s)\n", "verified",
+               o.no_verify ? "skipped"
+               : verified  ? "yes"
+                           : "NO",
+               (unsigned long long)sh->mismatches,
+               sampled() ? "; pools reused: a row of every block-layer run "
+                           "per request, every byte of every slot after"
+                         : "");
         if (o.keyed)
             printf("  %-22s %12s  (\"cmpl-R-0\" / \"decode-R\"%s%s)\n", "keys",
                    "strings", o.reserve ? ", reserved first" : "",
@@ -2652,6 +2844,8 @@ int main(int argc, char **argv)
                    "around)\n",
                    "guard bytes changed", (unsigned long long)sh->guard_changed,
                    (unsigned long long)o.pool_offset);
+        if (o.trace)
+            trace_report(stdout, 0);
     }
     return o.no_verify || verified ? 0 : 1;
 }

@@ -636,3 +636,32 @@ TEST(attention_dp)
     }
     daemon_stop_ok(d);
 }
+
+/* kvxfer-bench with pools smaller than its requests (blocks reused):
+ * each slot written once, every request sampled, every slot checked
+ * whole after the pass ("verify":"sampled"); --trace reads the spawned
+ * daemon's log.trace_file and reports the hops of every timed request. */
+TEST_T(bench_reused_pools_sampled_and_traced, 120)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "ASAN_OPTIONS=detect_leaks=0 "
+             "%s/kvxfer-bench --spawn-daemon --json --trace --requests 40 "
+             "--window 4 --blocks 8 --layers 2 --heads 2 --head-dim 64 "
+             "--pool-mib 1 2>&1",
+             build_dir());
+    FILE *f = popen(cmd, "r");
+    CHECK(f);
+    char out[8192] = "";
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    if (st)
+        fprintf(stderr, "%s\n%s\n", cmd, out);
+    CHECK_EQ(st, 0);
+    CHECK_STR_CONTAINS(out, "\"verified\":true");
+    CHECK_STR_CONTAINS(out, "\"verify\":\"sampled\"");
+    CHECK_STR_CONTAINS(out, "\"trace_requests\":40");
+    CHECK_STR_CONTAINS(out, "\"fetch call -> event (total)\":[");
+    CHECK_STR_CONTAINS(out, "\"submitted -> last copy done (thread)\":[");
+}
