@@ -26,9 +26,16 @@ static struct {
     unsigned sleeping;        /* workers in pthread_cond_wait */
     int spinning;             /* a worker is spinning for the next job */
     long spin_ns;             /* copy.spin_us */
+    uint64_t inline_bytes;    /* copy.inline_bytes */
+    list_t inline_done;       /* run on the loop, done callback pending */
+    uv_check_t check;         /* hands inline_done back, this iteration */
+    uv_idle_t idle;           /* and keeps the loop from blocking first */
+    int inline_open;
     uv_async_t async;
     int async_open;
-} c = {.todo = {&c.todo, &c.todo}, .done = {&c.done, &c.done}};
+} c = {.todo = {&c.todo, &c.todo},
+       .done = {&c.done, &c.done},
+       .inline_done = {&c.inline_done, &c.inline_done}};
 
 static inline void cpu_relax(void)
 {
@@ -137,17 +144,64 @@ static void on_async(uv_async_t *a)
     }
 }
 
-int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us)
+/* Jobs run on the loop go back to their owners in the check phase of
+ * the same loop iteration (or at the next one's idle phase when they
+ * were submitted from a check callback): no syscall, no other thread.
+ * Those their done callbacks submit wait for the next iteration, so
+ * clients' frames are read in between. */
+static void on_idle(uv_idle_t *h);
+
+static void inline_flush(void)
+{
+    list_t now, *n;
+    list_init(&now);
+    list_move_all(&c.inline_done, &now);
+    if (list_empty(&c.inline_done))
+        uv_idle_stop(&c.idle);
+    while ((n = list_pop(&now))) {
+        copy_job_t *j = LIST_OWNER(n, copy_job_t, node);
+        assert(c.inflight > 0);
+        c.inflight--;
+        j->done(j);
+    }
+    if (!list_empty(&c.inline_done)) /* submitted by those: next turn */
+        uv_idle_start(&c.idle, on_idle);
+}
+
+static void on_check(uv_check_t *h)
+{
+    (void)h;
+    if (!list_empty(&c.inline_done))
+        inline_flush();
+}
+
+static void on_idle(uv_idle_t *h)
+{
+    (void)h;
+    inline_flush();
+}
+
+int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us,
+              uint64_t inline_bytes)
 {
     int rc;
+    if (uv_check_init(loop, &c.check) || uv_idle_init(loop, &c.idle) ||
+        uv_check_start(&c.check, on_check)) {
+        log_error("copy: cannot start the loop's check handle");
+        return KVX_ERR_IO;
+    }
+    uv_unref((uv_handle_t *)&c.check); /* keep nothing alive */
+    uv_unref((uv_handle_t *)&c.idle);
+    c.inline_open = 1;
     pthread_mutex_init(&c.mu, NULL);
     pthread_cond_init(&c.cv, NULL);
     if ((rc = uv_async_init(loop, &c.async, on_async))) {
         log_error("copy: uv_async_init: %s", uv_strerror(rc));
-        return KVX_ERR_IO;
+        goto err_close_inline;
     }
     c.async_open = 1;
     c.spin_ns = (long)spin_us * 1000;
+    c.inline_bytes = inline_bytes;
     c.threads = calloc(nthreads, sizeof(*c.threads));
     if (!c.threads) {
         log_error("copy: out of memory for %u threads", nthreads);
@@ -168,7 +222,13 @@ err_stop_threads:
 err_close_async:
     uv_close((uv_handle_t *)&c.async, NULL);
     c.async_open = 0;
-    return KVX_ERR_NOMEM;
+    rc = KVX_ERR_NOMEM;
+err_close_inline:
+    uv_check_stop(&c.check);
+    uv_close((uv_handle_t *)&c.check, NULL);
+    uv_close((uv_handle_t *)&c.idle, NULL);
+    c.inline_open = 0;
+    return rc == KVX_ERR_NOMEM ? rc : KVX_ERR_IO;
 }
 
 void copy_submit(copy_job_t *j)
@@ -182,6 +242,16 @@ void copy_submit(copy_job_t *j)
                         j->packed_gather};
         if ((j->status = gpu_launch(j->gpu, &w, gpu_done, j)))
             job_finished(j);
+        return;
+    }
+    if (!j->run && j->plan->bytes <= c.inline_bytes) {
+        /* small: here, now; its done callback at this iteration's check */
+        plan_exec(j->plan, j->unit_begin, j->unit_end);
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        j->t_done = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+        list_push(&c.inline_done, &j->node);
+        uv_idle_start(&c.idle, on_idle);
         return;
     }
     pthread_mutex_lock(&c.mu);
@@ -210,5 +280,12 @@ void copy_cleanup(void)
         on_async(&c.async); /* finish what the workers handed back */
         uv_close((uv_handle_t *)&c.async, NULL);
         c.async_open = 0;
+    }
+    if (c.inline_open) {
+        inline_flush();
+        uv_check_stop(&c.check);
+        uv_close((uv_handle_t *)&c.check, NULL);
+        uv_close((uv_handle_t *)&c.idle, NULL);
+        c.inline_open = 0;
     }
 }

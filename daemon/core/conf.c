@@ -282,6 +282,17 @@ static const struct conf_key keys[] = {
              "sleeping; saves a wake-up per small request; 0 turns it "
              "off."},
 
+    {.name = "copy.inline_bytes",
+     .type = CONF_SIZE,
+     FIELD(copy_inline_bytes),
+     .def = 64 * KiB,
+     .min = 0,
+     .max = 16 * MiB,
+     .help = "A host copy job whose whole plan moves this many bytes or "
+             "fewer runs on the daemon's loop thread instead of waking a "
+             "copy worker (two thread hand-offs cost more than copying a "
+             "few blocks); 0: every job goes to the workers."},
+
     {.name = "gpu.max_ctas",
      .type = CONF_U32,
      FIELD(gpu_max_ctas),
@@ -540,6 +551,13 @@ static const struct conf_key keys[] = {
      .max = LOG_DEBUG,
      .reloadable = 1,
      .help = "Least severe message logged."},
+    {.name = "log.trace_file",
+     .type = CONF_STRING,
+     FIELD(log_trace_file),
+     .def_str = "",
+     .help = "File (appended to) that gets one line per fetch as it ends, "
+             "with the monotonic time of each hop (kvxfer-bench --trace "
+             "reads it); empty: none."},
 };
 
 #define NKEYS (sizeof(keys) / sizeof(keys[0]))

@@ -76,6 +76,8 @@ typedef struct kvx_conf {
     uint32_t reply_stall_ms;
     /* log */
     int log_level;                 /* syslog priority, LOG_ERR..LOG_DEBUG */
+    char log_trace_file[108];      /* "" = no request trace */
+    uint64_t copy_inline_bytes;    /* host jobs this small: on the loop */
 } kvx_conf_t;
 
 /* Fill every key with its default. */

@@ -7,6 +7,7 @@
 #define KVX_DAEMON_H
 
 #include <stdint.h>
+#include <stdio.h>
 #include <uv.h>
 
 #include "conf.h"
@@ -30,6 +31,7 @@ typedef struct kvxd {
     uint64_t start_ms;
     int draining;
     kvxd_stats_t stats;
+    FILE *trace; /* log.trace_file, line-buffered; NULL: off */
 } kvxd_t;
 
 extern kvxd_t kvxd;

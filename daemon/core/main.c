@@ -9,6 +9,7 @@
  * deadline: requests (xfer), peers' keep-alive (peer), opens asked again
  * (remote), polls (instance), hellos (session).
  */
+#include <errno.h>
 #include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
@@ -307,7 +308,16 @@ int main(int argc, char **argv)
     if (kvxd_defer_init(kvxd.loop))
         goto out;
     plan_set_budget(&(plan_budget_t){plan_charge, plan_release});
-    if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us))
+    if (kvxd.conf.log_trace_file[0] &&
+        !(kvxd.trace = fopen(kvxd.conf.log_trace_file, "ae"))) {
+        log_error("log.trace_file: cannot open %s: %s",
+                  kvxd.conf.log_trace_file, strerror(errno));
+        goto err_defer;
+    }
+    if (kvxd.trace)
+        setvbuf(kvxd.trace, NULL, _IOLBF, 0);
+    if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us,
+                  kvxd.conf.copy_inline_bytes))
         goto err_defer;
     if (session_init())
         goto err_copy;
@@ -357,6 +367,9 @@ err_copy:
     gpu_cleanup();    /* frees what is left of CUDA */
 err_defer:
     kvxd_defer_cleanup(); /* last: drops what the cleanups above queued */
+    if (kvxd.trace)
+        fclose(kvxd.trace);
+    kvxd.trace = NULL;
     uv_walk(kvxd.loop, close_walk, NULL);
     uv_run(kvxd.loop, UV_RUN_DEFAULT);
     uv_loop_close(kvxd.loop);

@@ -82,6 +82,7 @@ struct session {
     int fds_lost;         /* fds of a receive were dropped: */
     uint64_t fds_lost_at; /* ... its last byte in the stream */
     const char *fds_lost_why;
+    list_t flush_node; /* on flushq: replies queued, not yet sent */
 };
 
 static map_t sessions;
@@ -166,6 +167,46 @@ static void want_events(session_t *s)
 static void reply(session_t *s, uint64_t req_id, int status,
                   const char *message);
 
+/* Replies go out once per loop iteration and session, not once each: a
+ * client that sends many requests in one write (a window of fetches, a
+ * rank's poll and publish) gets their replies in one send, one wake-up.
+ * Sessions with replies queued wait on flushq until the check phase of
+ * the iteration that queued them (or the idle phase of the next, for
+ * replies queued after it: the idle handle also keeps the loop from
+ * blocking first). */
+static list_t flushq = {&flushq, &flushq};
+static uv_check_t flush_check;
+static uv_idle_t flush_idle;
+
+static void flush_all(void)
+{
+    list_t *n;
+    uv_idle_stop(&flush_idle);
+    while ((n = list_pop(&flushq)))
+        flush(LIST_OWNER(n, session_t, flush_node));
+}
+
+static void on_flush_check(uv_check_t *h)
+{
+    (void)h;
+    if (!list_empty(&flushq))
+        flush_all();
+}
+
+static void on_flush_idle(uv_idle_t *h)
+{
+    (void)h;
+    flush_all();
+}
+
+static void flush_later(session_t *s)
+{
+    if (list_linked(&s->flush_node))
+        return;
+    list_push(&flushq, &s->flush_node);
+    uv_idle_start(&flush_idle, on_flush_idle);
+}
+
 static void reply_packed(session_t *s, const Kvxfer__Reply *r)
 {
     if (s->closing || s->close_why)
@@ -222,7 +263,7 @@ static void reply_packed(session_t *s, const Kvxfer__Reply *r)
     s->out_total += n + FRAME_HDR;
     if (s->awaiting)
         s->awaiting--;
-    flush(s);
+    flush_later(s);
 }
 
 static void reply(session_t *s, uint64_t req_id, int status,
@@ -1606,6 +1647,14 @@ int session_init(void)
 {
     static const kvxd_reply_sink_t sink = {session_reply, session_reply_msg};
     kvxd_set_reply_sink(&sink);
+    if (uv_check_init(kvxd.loop, &flush_check) ||
+        uv_idle_init(kvxd.loop, &flush_idle) ||
+        uv_check_start(&flush_check, on_flush_check)) {
+        log_error("session: cannot start the reply flush handles");
+        return KVX_ERR_IO;
+    }
+    uv_unref((uv_handle_t *)&flush_check); /* keep nothing alive */
+    uv_unref((uv_handle_t *)&flush_idle);
     return 0;
 }
 
@@ -1656,6 +1705,7 @@ int session_start(int fd, pid_t pid, uid_t uid, gid_t gid, int admin)
     }
     s->id = next_sid++;
     s->fd = fd;
+    list_init(&s->flush_node);
     s->pid = pid;
     s->uid = uid;
     s->admin = admin;
@@ -1696,6 +1746,7 @@ static void session_close(session_t *s, const char *why)
     if (s->closing)
         return;
     s->closing = 1;
+    list_remove(&s->flush_node); /* what is queued is sent below */
     log_info("session %llu (pid %d%s%s): closed: %s",
              (unsigned long long)s->id, (int)s->pid,
              s->inst ? ", instance " : "", s->inst ? s->inst->id : "", why);

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 
 #include <openssl/sha.h>
 
@@ -88,6 +89,25 @@ typedef struct waiter {
 } waiter_t;
 
 typedef struct genreq genreq_t;
+
+/* The hops of a fetch that log.trace_file records (trace_write()): made
+ * (the first rank's fetch), first part queued, first copy submitted, the
+ * last copy finished (on its thread), the last copy back on the loop,
+ * the terminal event queued for the batches. */
+enum { TR_FETCH, TR_QUEUED, TR_SUBMIT, TR_COPIED, TR_LANDED, TR_EVENT, TR_N };
+
+static inline uint64_t mono_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+#define TRACE_HOP(g, h)                                                        \
+    do {                                                                       \
+        if (kvxd.trace && !(g)->tr[h])                                         \
+            (g)->tr[h] = mono_ns();                                            \
+    } while (0)
 
 typedef struct offer_part {
     int published;
@@ -210,6 +230,7 @@ struct genreq {
     uint8_t *aux; /* remote: the first non-empty aux a source daemon sent
                      (MEM_AUX); a local offer's is read at the end */
     uint32_t aux_len;
+    uint64_t tr[TR_N]; /* log.trace_file: each hop's monotonic ns */
 };
 
 #define DL_NODE(n) LIST_OWNER(n, dl_node_t, node)
@@ -1648,6 +1669,7 @@ static void part_try_start(genpart_t *p)
             return;
         }
     }
+    TRACE_HOP(g, TR_QUEUED);
     rrq_push(&runq, &p->turn);
 }
 
@@ -1681,6 +1703,7 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
     for (uint32_t k = 0; k < ngroups; k++)
         g->gskip[k + 1] = groups[k].skip_tokens;
     g->created_ms = kvxd_now_ms();
+    TRACE_HOP(g, TR_FETCH);
     dl_insert(&timeouts, &g->timeout,
               g->created_ms + kvxd.conf.fetch_timeout_ms);
     for (size_t r = 0; r < GPARTS(g); r++) {
@@ -2321,6 +2344,20 @@ static int group_plan(const offer_t *o, const instance_t *inst, uint32_t rank,
 
 /* ---- scheduler -------------------------------------------------------- */
 
+/* One line of log.trace_file for a fetch that ends: "fetch INSTANCE KEY
+ * KIND BYTES" and the hops' monotonic ns (0: not reached). */
+static void trace_write(genreq_t *g)
+{
+    fprintf(kvxd.trace, "fetch %s %s %d %llu %llu %llu %llu %llu %llu %llu\n",
+            g->inst->id, ks(&g->key), g->end_kind,
+            (unsigned long long)g->bytes_done,
+            (unsigned long long)g->tr[TR_FETCH],
+            (unsigned long long)g->tr[TR_QUEUED],
+            (unsigned long long)g->tr[TR_SUBMIT],
+            (unsigned long long)g->tr[TR_COPIED],
+            (unsigned long long)g->tr[TR_LANDED],
+            (unsigned long long)g->tr[TR_EVENT]);
+}
 
 /* A copy of part p came back (a chunk here, a scattered slot in
  * remote.c): count it, and end the request on error, on its fence, or
@@ -2362,6 +2399,12 @@ static void on_chunk_done(copy_job_t *job)
     chunks_inflight--;
     if (!status)
         part_landed(p, job->unit_begin, job->unit_end);
+    if (kvxd.trace) {
+        genreq_t *g = p->req;
+        if (job->t_done > g->tr[TR_COPIED])
+            g->tr[TR_COPIED] = job->t_done;
+        g->tr[TR_LANDED] = mono_ns();
+    }
     free(job);
     xfer_part_progress(p, units, bytes, status);
     schedule();
@@ -2404,6 +2447,7 @@ static void schedule(void)
         job->bytes = plan_units_bytes(p->plan, begin, end);
         job->done = on_chunk_done;
         job->owner = p;
+        TRACE_HOP(p->req, TR_SUBMIT);
         p->inflight++;
         p->req->inflight++;
         chunks_inflight++;
@@ -2527,6 +2571,8 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
      * ranks published so far) or a source daemon sent */
     int done = g->end_kind == KVX_EVENT_COMPLETE;
     const offer_t *ao = o && o->aux_len ? o : NULL;
+    if (kvxd.trace)
+        g->tr[TR_EVENT] = mono_ns(); /* the event goes out from here */
     push_event_aux(inst, g->request_id, &g->key, g->end_kind, g->end_code,
                    g->end_msg, 0, g->need,
                    inst->nranks / (inst->side.attention_dp > 1
@@ -2540,6 +2586,8 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
                          : g->aux_len);
     if (g->end_kind == KVX_EVENT_COMPLETE)
         kvxd.stats.transfers_done++;
+    if (kvxd.trace)
+        trace_write(g);
     uint32_t seen = 0;
     for (uint32_t r = 0; r < inst->nranks; r++)
         seen += g->parts[r].fetched || g->parts[r].late;

@@ -265,6 +265,7 @@ TEST(table_sane)
                                         "copy.chunk_bytes",
                                         "copy.max_inflight_chunks",
                                         "copy.spin_us",
+                                        "copy.inline_bytes",
                                         "gpu.max_ctas",
                                         "gpu.chunk_bytes",
                                         "gpu.staging_bytes",
@@ -291,7 +292,8 @@ TEST(table_sane)
                                         "deadlines.hello_timeout_ms",
                                         "deadlines.session_idle_ms",
                                         "deadlines.reply_stall_ms",
-                                        "log.level"};
+                                        "log.level",
+                                        "log.trace_file"};
     static const char *const reloadable[] = {"limits.memory_bytes",
                                              "limits.session_queue_bytes",
                                              "limits.session_requests",
@@ -343,6 +345,7 @@ TEST(table_sane)
         M(copy_chunk_bytes),
         M(max_inflight_chunks),
         M(spin_us),
+        M(copy_inline_bytes),
         M(gpu_max_ctas),
         M(gpu_chunk_bytes),
         M(gpu_staging_bytes),
@@ -370,6 +373,7 @@ TEST(table_sane)
         M(session_idle_ms),
         M(reply_stall_ms),
         M(log_level),
+        M(log_trace_file),
 #undef M
     };
 
@@ -719,7 +723,7 @@ TEST(err_unknown_key)
     /* A key of another section. */
     expect_errors("log:\n  max_sessions: 5\n", 1,
                   "F:2:3: log.max_sessions: unknown key (expected one of "
-                  "level)\n"
+                  "level, trace_file)\n"
                   "  max_sessions: 5\n"
                   "  ^\n");
 }
