@@ -68,7 +68,22 @@ static struct waiter_thread {
     pthread_cond_t cv;
     list_t queue;      /* done_item.node, in stream order */
     list_t free_items; /* with their events, reused last freed first */
+    int queued;        /* queue is not empty: read while spinning */
 } wt[MAX_DEV];
+
+static inline uint64_t wt_now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+static inline void wt_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 
 /* Pinned host memory for plan uploads, so cudaMemcpyAsync is truly
  * asynchronous (from pageable memory it synchronizes the stream). Size
@@ -157,6 +172,7 @@ static cudaError_t waiter_enqueue(int d, gpu_done_cb done, void *arg,
         it->arg = arg;
         it->pin = pin;
         list_push(&w->queue, &it->node);
+        __atomic_store_n(&w->queued, 1, __ATOMIC_RELEASE);
         pthread_cond_signal(&w->cv);
     } else {
         list_unshift(&w->free_items, &it->node);
@@ -173,16 +189,43 @@ static void *waiter_main(void *arg)
     snprintf(name, sizeof(name), "kvx-gpu-%d", d);
     pthread_setname_np(pthread_self(), name);
     cudaSetDevice(d);
+    /* gpu.spin_us: a small copy is done within microseconds, and waking
+     * this thread (a condition variable) and then blocking on the event
+     * (an interrupt) each cost tens of them; so it spins that long for
+     * the next item and for each event before it sleeps */
+    uint64_t spin_ns = (uint64_t)kvxd.conf.gpu_spin_us * 1000;
     pthread_mutex_lock(&w->mu);
     for (;;) {
+        if (list_empty(&w->queue) && !w->stop && spin_ns) {
+            pthread_mutex_unlock(&w->mu);
+            uint64_t t0 = wt_now_ns();
+            for (int i = 1; !__atomic_load_n(&w->queued, __ATOMIC_ACQUIRE);
+                 i++) {
+                wt_relax();
+                if (i % 64 == 0 && wt_now_ns() - t0 > spin_ns)
+                    break;
+            }
+            pthread_mutex_lock(&w->mu);
+        }
         while (list_empty(&w->queue) && !w->stop)
             pthread_cond_wait(&w->cv, &w->mu);
         if (list_empty(&w->queue))
             break;
         struct done_item *it =
             LIST_OWNER(list_pop(&w->queue), struct done_item, node);
+        __atomic_store_n(&w->queued, !list_empty(&w->queue), __ATOMIC_RELAXED);
         pthread_mutex_unlock(&w->mu);
-        cudaError_t e = cudaEventSynchronize(it->ev);
+        cudaError_t e = cudaErrorNotReady;
+        uint64_t t0 = spin_ns ? wt_now_ns() : 0;
+        for (int i = 1; spin_ns && e == cudaErrorNotReady; i++) {
+            if ((e = cudaEventQuery(it->ev)) != cudaErrorNotReady)
+                break;
+            wt_relax();
+            if (i % 16 == 0 && wt_now_ns() - t0 > spin_ns)
+                break;
+        }
+        if (e == cudaErrorNotReady)
+            e = cudaEventSynchronize(it->ev);
         if (it->pin) { /* an upload has read its pinned buffer */
             pin_put(it->pin);
         } else {

@@ -45,6 +45,7 @@ typedef struct kvx_conf {
     uint64_t copy_chunk_bytes;
     uint32_t max_inflight_chunks;
     uint32_t spin_us;
+    uint32_t gpu_spin_us;
     /* gpu */
     uint32_t gpu_max_ctas;
     uint64_t gpu_chunk_bytes;
