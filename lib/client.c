@@ -1464,17 +1464,39 @@ int kvx_fetch_by_key(kvx_client_t *c, const void *key, size_t key_len,
                      const uint32_t *blocks, uint32_t nblocks,
                      uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms)
 {
+    return kvx_fetch_by_key_groups(
+        c, key, key_len, ctx_instance, ctx_address, ctx_key, ctx_key_len,
+        pool_id, blocks, nblocks, skip_tokens, dp_rank, NULL, 0, timeout_ms);
+}
+
+int kvx_fetch_by_key_groups(kvx_client_t *c, const void *key, size_t key_len,
+                            const char *ctx_instance, const char *ctx_address,
+                            const void *ctx_key, size_t ctx_key_len,
+                            uint32_t pool_id, const uint32_t *blocks,
+                            uint32_t nblocks, uint32_t skip_tokens,
+                            uint32_t dp_rank, const kvx_group_t *groups,
+                            uint32_t ngroups, int timeout_ms)
+{
+    const char *fn = ngroups ? "kvx_fetch_by_key_groups" : "kvx_fetch_by_key";
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_fetch_by_key", key, key_len);
+    int rc = key_arg(c, fn, key, key_len);
     if (!rc)
-        rc = key_arg(c, "kvx_fetch_by_key: context", ctx_key, ctx_key_len);
+        rc = key_arg(c,
+                     ngroups ? "kvx_fetch_by_key_groups: context"
+                             : "kvx_fetch_by_key: context",
+                     ctx_key, ctx_key_len);
     if (rc)
         return rc;
     if (!ctx_instance || !ctx_address || (!blocks && nblocks))
         return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
-                    __func__);
+                    fn);
     Kvxfer__FetchByKey m = KVXFER__FETCH_BY_KEY__INIT;
+    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
+    if ((rc = groups_msg(c, fn, groups, ngroups, 1, gm, gmp)))
+        return rc;
+    m.n_groups = ngroups;
+    m.groups = gmp;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
     m.context_instance = (char *)ctx_instance;

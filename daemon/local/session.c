@@ -1170,10 +1170,15 @@ static void on_fetch_by_key(session_t *s, const Kvxfer__Request *rq)
              "fetch_by_key.dp_rank: %u, but instance %s has %u attention-DP "
              "group%s",
              m->dp_rank, s->inst->id, groups, groups == 1 ? "" : "s");
-    rc = keyed_fetch(
-        s->inst, s->rank, &key, m->context_instance ? m->context_instance : "",
-        m->context_address ? m->context_address : "", &ckey, p, m->blocks,
-        (uint32_t)m->n_blocks, m->skip_tokens, m->dp_rank, why, sizeof(why));
+    xfer_group_t gs[XFER_MAX_GROUPS];
+    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch_by_key", gs,
+                              why, sizeof(why))))
+        goto fail;
+    rc = keyed_fetch(s->inst, s->rank, &key,
+                     m->context_instance ? m->context_instance : "",
+                     m->context_address ? m->context_address : "", &ckey, p,
+                     m->blocks, (uint32_t)m->n_blocks, m->skip_tokens,
+                     m->dp_rank, gs, (uint32_t)m->n_groups, why, sizeof(why));
 fail:
     reply(s, rq->id, rc, rc ? why : "");
 }

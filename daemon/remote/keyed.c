@@ -33,7 +33,35 @@ typedef struct kf_rank {
     pool_t *pool; /* referenced while waiting */
     uint32_t *blocks;
     uint32_t nblocks;
+    /* the other block tables (FetchByKey.groups): their pools referenced
+     * and blocks copied while waiting, as the first one's */
+    xfer_group_t g[XFER_MAX_GROUPS - 1];
+    uint32_t ng;
 } kf_rank_t;
+
+/* Rank a's tables go: its pools' references and its copies of blocks. */
+static void kf_rank_drop(kf_rank_t *a)
+{
+    if (a->pool)
+        pool_unref(a->pool);
+    a->pool = NULL;
+    free(a->blocks);
+    a->blocks = NULL;
+    for (uint32_t k = 0; k < a->ng; k++) {
+        pool_unref(a->g[k].pool);
+        free((uint32_t *)a->g[k].blocks);
+    }
+    a->ng = 0;
+}
+
+/* Does rank a hold pool? */
+static int kf_rank_uses(const kf_rank_t *a, const pool_t *pool)
+{
+    int n = a->pool == pool;
+    for (uint32_t k = 0; k < a->ng; k++)
+        n |= a->g[k].pool == pool;
+    return n;
+}
 
 typedef struct kf {
     list_t node;
@@ -102,11 +130,8 @@ static const char *kstr(const reqkey_t *k, char *buf)
 static void kf_free(kf_t *kf)
 {
     list_remove(&kf->node);
-    for (uint32_t r = 0; r < kf->nranks; r++) {
-        if (kf->rank[r].pool)
-            pool_unref(kf->rank[r].pool);
-        free(kf->rank[r].blocks);
-    }
+    for (uint32_t r = 0; r < kf->nranks; r++)
+        kf_rank_drop(&kf->rank[r]);
     free(kf->rank);
     free(kf->params);
     free(kf);
@@ -140,13 +165,14 @@ static kf_t *kf_find(const char *inst, const reqkey_t *key)
 
 /* Rank r's fetch, with the params: 0, or xfer's refusal with why. */
 static int kf_run(kf_t *kf, instance_t *inst, uint32_t r, pool_t *pool,
-                  const uint32_t *blocks, uint32_t nblocks, char *why,
+                  const uint32_t *blocks, uint32_t nblocks,
+                  const xfer_group_t *gs, uint32_t ngs, char *why,
                   size_t why_len)
 {
     kf->rank[r].done = 1;
     kf->ndone++;
     int rc = xfer_fetch(inst, r, &kf->key, kf->params, kf->plen, pool, blocks,
-                        nblocks, kf->skip, kf->dp_rank, NULL, 0, why, why_len);
+                        nblocks, kf->skip, kf->dp_rank, gs, ngs, why, why_len);
     if (!rc && !kf->handed++) /* the deadline runs from the first call */
         xfer_fetch_deadline(inst, &kf->key, kf->until_ms);
     return rc;
@@ -177,10 +203,9 @@ static void kf_resolved(kf_t *kf, uint8_t *params, size_t plen)
             continue;
         a->waiting = 0;
         char why[512];
-        int rc = kf_run(kf, inst, r, a->pool, a->blocks, a->nblocks, why,
-                        sizeof(why));
-        pool_unref(a->pool); /* xfer holds its own while it runs */
-        a->pool = NULL;
+        int rc = kf_run(kf, inst, r, a->pool, a->blocks, a->nblocks, a->g,
+                        a->ng, why, sizeof(why));
+        kf_rank_drop(a); /* xfer holds its own while it runs */
         if (rc) {
             /* refused before any rank became a request: it ends here;
              * else xfer ended the request (one event) for every rank */
@@ -289,8 +314,8 @@ static int ask_resolve(const char *addr, const char *inst, const reqkey_t *key,
 int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                 const char *ctx_instance, const char *ctx_address,
                 const reqkey_t *ctx_key, pool_t *pool, const uint32_t *blocks,
-                uint32_t nblocks, uint32_t skip, uint32_t dp_rank, char *why,
-                size_t why_len)
+                uint32_t nblocks, uint32_t skip, uint32_t dp_rank,
+                const xfer_group_t *gs, uint32_t ngs, char *why, size_t why_len)
 {
     char ks[REQKEY_STR_MAX];
     int here, rc, created = 1;
@@ -334,7 +359,8 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
             return KVX_ERR_EXISTS;
         }
         if (kf->params) { /* resolved: straight to xfer */
-            rc = kf_run(kf, inst, rank, pool, blocks, nblocks, why, why_len);
+            rc = kf_run(kf, inst, rank, pool, blocks, nblocks, gs, ngs, why,
+                        why_len);
             if (rc && kf->handed)
                 kf_free(kf); /* xfer ended it for every rank */
             else if (rc) {   /* the first rank xfer saw refused: one event */
@@ -376,7 +402,19 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         list_push(&kfs, &kf->node);
     }
     kf_rank_t *a = &kf->rank[rank];
-    if (!(a->blocks = malloc(nblocks * sizeof(uint32_t) + 1))) {
+    int nomem = !(a->blocks = malloc(nblocks * sizeof(uint32_t) + 1));
+    for (uint32_t k = 0; !nomem && k < ngs && k < XFER_MAX_GROUPS - 1; k++) {
+        uint32_t *b = malloc(gs[k].nblocks * sizeof(uint32_t) + 1);
+        if (!(nomem = !b)) {
+            memcpy(b, gs[k].blocks, gs[k].nblocks * sizeof(uint32_t));
+            a->g[k] = gs[k];
+            a->g[k].blocks = b;
+            pool_ref(gs[k].pool);
+            a->ng++;
+        }
+    }
+    if (nomem) {
+        kf_rank_drop(a);
         if (created)
             kf_free(kf); /* made just now, nothing else waits */
         snprintf(why, why_len, "fetch_by_key: out of memory");
@@ -431,7 +469,7 @@ uint32_t keyed_pool_users(const pool_t *pool)
     list_t *l, *t;
     LIST_FOREACH_SAFE(l, t, &kfs)
     for (uint32_t r = 0; r < KF(l)->nranks; r++)
-        n += KF(l)->rank[r].pool == pool;
+        n += kf_rank_uses(&KF(l)->rank[r], pool);
     return n;
 }
 
@@ -442,7 +480,7 @@ void keyed_end_pool_users(const pool_t *pool, int code, const char *msg)
     {
         kf_t *kf = KF(n);
         for (uint32_t r = 0; r < kf->nranks; r++)
-            if (kf->rank[r].pool == pool) {
+            if (kf_rank_uses(&kf->rank[r], pool)) {
                 kf_fail(kf, KVX_EVENT_ERROR, code, msg);
                 break;
             }

@@ -32,18 +32,21 @@
 #include "instance.h"
 #include "pool.h"
 #include "reqkey.h"
+#include "xfer.h"
 
 void keyed_init(void);
 void keyed_cleanup(void);
 void keyed_tick(uint64_t now_ms);
 
 /* Rank rank of inst fetches key from (ctx_instance at ctx_address,
- * ctx_key) into blocks of pool. 0: accepted (the rest comes as events),
- * or the code with why (nothing kept). */
+ * ctx_key) into blocks of pool, and the offer's other groups into gs
+ * (ngs; xfer_fetch()'s). 0: accepted (the rest comes as events), or the
+ * code with why (nothing kept). */
 int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                 const char *ctx_instance, const char *ctx_address,
                 const reqkey_t *ctx_key, pool_t *pool, const uint32_t *blocks,
-                uint32_t nblocks, uint32_t skip, uint32_t dp_rank, char *why,
+                uint32_t nblocks, uint32_t skip, uint32_t dp_rank,
+                const xfer_group_t *gs, uint32_t ngs, char *why,
                 size_t why_len);
 /* Release by key (Release with no params) for client request req_id of
  * session sid (of uid; admin: any uid's instance): the params are found

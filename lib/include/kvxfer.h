@@ -609,6 +609,15 @@ KVX_EXPORT int kvx_fetch_by_key(kvx_client_t *client, const void *key,
                                 uint32_t pool_id, const uint32_t *blocks,
                                 uint32_t num_blocks, uint32_t skip_tokens,
                                 uint32_t dp_rank, int timeout_ms);
+/* kvx_fetch_by_key for an offer with groups: the destination of each of
+ * its other groups, as kvx_fetch_groups. */
+KVX_EXPORT int kvx_fetch_by_key_groups(
+    kvx_client_t *client, const void *key, size_t key_len,
+    const char *context_instance, const char *context_address,
+    const void *context_key, size_t context_key_len, uint32_t pool_id,
+    const uint32_t *blocks, uint32_t num_blocks, uint32_t skip_tokens,
+    uint32_t dp_rank, const kvx_group_t *groups, uint32_t ngroups,
+    int timeout_ms);
 /* kvx_fetch_key with the key of request_id's digits, dp_rank 0. */
 KVX_EXPORT int kvx_fetch(kvx_client_t *client, uint64_t request_id,
                          const uint8_t *params, size_t params_len,

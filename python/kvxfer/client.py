@@ -775,17 +775,29 @@ class Client:
     def fetch_by_key(self, key: Key, context_instance: str,
                      context_address: str, context_key: Key, pool: PoolRef,
                      blocks: Blocks, *, skip_tokens: int = 0,
-                     dp_rank: int = 0, timeout: Timeout = _DEFAULT) -> None:
+                     dp_rank: int = 0,
+                     groups: Optional[Sequence[Group]] = None,
+                     timeout: Timeout = _DEFAULT) -> None:
         """:meth:`fetch` without params (kvx_fetch_by_key): the daemons
         find the offer of ``context_key`` of ``context_instance``, whose
         rank 0 is served by the daemon at ``context_address``, waiting for
-        its publish or reservation under the fetch timeout. The outcome
-        comes as an :class:`Event` for ``key``."""
+        its publish or reservation under the fetch timeout. ``groups``:
+        as :meth:`fetch`'s (kvx_fetch_by_key_groups). The outcome comes
+        as an :class:`Event` for ``key``."""
         k, ck = key_bytes(key), key_bytes(context_key)
         ptr, n, keep = _u32(blocks)
-        self._call("kvx_fetch_by_key", k, len(k), context_instance.encode(),
-                   context_address.encode(), ck, len(ck), _pool_id(pool),
-                   ptr, n, skip_tokens, dp_rank, self._ms(timeout))
+        if groups:
+            garr, gn, gkeep = _groups(groups)
+            self._call("kvx_fetch_by_key_groups", k, len(k),
+                       context_instance.encode(), context_address.encode(),
+                       ck, len(ck), _pool_id(pool), ptr, n, skip_tokens,
+                       dp_rank, garr, gn, self._ms(timeout))
+            del gkeep
+        else:
+            self._call("kvx_fetch_by_key", k, len(k),
+                       context_instance.encode(), context_address.encode(),
+                       ck, len(ck), _pool_id(pool), ptr, n, skip_tokens,
+                       dp_rank, self._ms(timeout))
         del keep
 
     def release(self, params: Optional[bytes] = None, *,

@@ -276,3 +276,41 @@ TEST(groups_cancel_before_sources_writes_nothing)
     hybrid_close(&h);
     daemon_healthy(d);
 }
+
+/* Fetch by key with groups, before the context ranks publish: the
+ * waiting fetch holds its groups' pools and tables, and every group
+ * lands once both ranks publish; a pool of a waiting group is held. */
+TEST(groups_fetch_by_key_waits_then_moves_every_group)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "hy-ctx", "hy-gen");
+    kvx_group_t gs[2] = {
+        {.pool_id = h.gw.pool,
+         .blocks = hy_gw + 1,
+         .num_blocks = 2,
+         .first_block = 1,
+         .skip_tokens = 4},
+        {.pool_id = h.gst.pool, .blocks = &hy_gs, .num_blocks = 1},
+    };
+    CHECK_KVX(kvx_fetch_by_key_groups(h.g.c, "330", 3, "hy-ctx", h.c[0].addr,
+                                      "330", 3, h.g.pool, hy_gb, 3, 0, 0, gs,
+                                      2, T_MS),
+              h.g.c);
+    /* the state pool is held by the waiting fetch */
+    CHECK_EQ(kvx_pool_deregister(h.g.c, h.gst.pool, T_MS), KVX_ERR_BUSY);
+    kvx_context_params_t p, p1;
+    CHECK_KVX(hybrid_publish(&h, 0, 330, &p), h.c[0].c);
+    CHECK_KVX(hybrid_publish(&h, 1, 330, &p1), h.c[1].c);
+    wait_event(h.g.c, 330, KVX_EVENT_COMPLETE, 0, 3000);
+    expect_t kv = {330, hy_gb, HY_TOK, 0};
+    expect_t win = {331, hy_gw, HY_TOK, 4};
+    expect_t st = {332, &hy_gs, 1, 0};
+    CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gw, &win, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&p1);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
