@@ -60,6 +60,7 @@ DAEMON   := $(COMMON) \
             daemon/core/daemon.c daemon/core/fault.c \
             daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c daemon/net/peer.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
+            daemon/copy/gpu_desc.c \
             daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/xfer_list.c \
             daemon/xfer/batch.c daemon/agree/agree.c \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
@@ -121,7 +122,8 @@ $(BUILD)/obj/tools/bench_gpu.o: tools/bench_gpu.cu tools/bench_gpu.h tools/bench
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itools -Ilib/include -c $< -o $@
 
-$(BUILD)/obj/daemon/copy/gpu_kernel.o: daemon/copy/gpu_kernel.cu daemon/copy/gpu_desc.h
+$(BUILD)/obj/daemon/copy/gpu_kernel.o: daemon/copy/gpu_kernel.cu daemon/copy/gpu_desc.h \
+                                     daemon/copy/gpu_walk.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Idaemon/copy -c $< -o $@
 

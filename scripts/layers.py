@@ -4,10 +4,10 @@ its files has no cycle, and no file reaches a layer above its own.
 
     scripts/layers.py [-v]      (-v: print every file's edges)
 
-A file's module is its name without extension (xfer_remote.h and gpu_desc.h
-belong to xfer and gpu). An edge a -> b is an #include of b's header or a
-call of a function b defines. main.c (the table of contents) may reach
-every layer. Exits 1 naming the offending edges.
+A file's module is its name without extension (xfer_remote.h belongs to
+xfer, gpu_desc.h and gpu_walk.h to gpu). An edge a -> b is an #include of
+b's header or a call of a function b defines. main.c (the table of
+contents) may reach every layer. Exits 1 naming the offending edges.
 """
 import collections
 import glob
@@ -18,7 +18,7 @@ import sys
 ORDER = ["core", "net", "copy", "xfer", "agree", "remote", "local"]
 RANK = {"core": 0, "net": 1, "copy": 2, "xfer": 3, "agree": 4, "remote": 4,
         "local": 5}
-ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu"}
+ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu"}
 
 
 def module(path):

@@ -12,6 +12,7 @@
 #include "daemon.h"
 #include "gpu.h"
 #include "gpu_desc.h"
+#include "gpu_walk.h"
 #include "layout.h"
 #include "list.h"
 #include "log.h"
@@ -746,195 +747,64 @@ void gpu_host_unregister(void *base)
     (void)cudaGetLastError();
 }
 
-/* Bump allocator over one host buffer that is then copied to the device
- * in one go; offsets become device pointers. */
-struct pack {
-    uint8_t *buf;
-    size_t len, cap;
-};
-
-static size_t pack_add(struct pack *pk, const void *src, size_t n)
-{
-    size_t off = (pk->len + 15) & ~(size_t)15;
-    if (off + n > pk->cap)
-        return (size_t)-1;
-    if (n) /* an unbound side (packed, between daemons) adds nothing */
-        memcpy(pk->buf + off, src, n);
-    pk->len = off + n;
-    return off;
-}
-
-/* The part table of a bound side m (gpu_side_t.part): each (layer, kv)
- * part's address, its region's start (as the kernel's device sees it:
- * m's regions are that view) + its offset, K entries per layer. NULL
- * for an unbound side (*n 0), or on allocation failure. */
-static uint64_t *part_table(const plan_mem_t *m, uint32_t K, size_t *n,
-                            int *nomem)
-{
-    const kvx_layout_t *l = m->layout;
-    *n = 0;
-    if (!m->blocks || !m->regions)
-        return NULL;
-    uint64_t *t = malloc((size_t)l->num_layers * K * sizeof(*t) + 1);
-    if (!t) {
-        *nomem = 1;
-        return NULL;
-    }
-    for (uint32_t a = 0; a < l->num_layers; a++)
-        for (uint32_t k = 0; k < K; k++) {
-            uint32_t r;
-            uint64_t o = kvx__layout_part(l, a, k, &r);
-            t[(size_t)a * K + k] = (uintptr_t)m->regions[r].base + o;
-        }
-    *n = (size_t)l->num_layers * K;
-    return t;
-}
-
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
                     size_t why_len)
 {
-    const kvx_layout_t *dl = p->dst.layout;
-    const uint32_t K = dl->kv_factor;
-    int nomem = 0;
-    size_t cap =
-        64 + p->nslices * sizeof(gpu_slice_t) + 16 +
-        p->nsegs * sizeof(gpu_seg_t) + 16 + (p->nsegs + 1) * sizeof(uint64_t) +
-        16 + p->dst.num_blocks * 4 + 16 + (size_t)dl->num_layers * K * 8 + 16;
-    for (uint32_t i = 0; i < p->nslices; i++)
-        cap += p->src[i].num_blocks * 4 + 16 +
-               (size_t)p->src[i].layout->num_layers * K * 8 + 16;
     int rc = KVX_ERR_NOMEM; /* or KVX_ERR_IO: a CUDA error */
-    struct pack pk = {malloc(cap), 0, cap};
+    size_t cap = gpu_desc_size(p), len = 0;
+    uint8_t *buf = malloc(cap);
     gpu_part_t *gp = calloc(1, sizeof(*gp));
-    gpu_slice_t *sl = calloc(p->nslices ? p->nslices : 1, sizeof(*sl));
-    if (!pk.buf || !gp || !sl) {
+    size_t *off_sblk = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
+    if (!buf || !gp || !off_sblk) {
         snprintf(why, why_len, "fetch: out of memory for the GPU plan");
         goto err_free;
     }
     gp->device = device;
-    /* the slices array goes first, so its offset is 0 */
-    size_t off_slices = pack_add(&pk, sl, p->nslices * sizeof(gpu_slice_t));
-    size_t off_segs = pack_add(&pk, p->segs, p->nsegs * sizeof(gpu_seg_t));
-    /* packed offsets (between daemons): tokens before each segment */
-    uint64_t *seg_tok = malloc((p->nsegs + 1) * sizeof(uint64_t));
-    if (!seg_tok) {
-        snprintf(why, why_len, "fetch: out of memory for the GPU plan");
-        goto err_free;
-    }
-    seg_tok[0] = 0;
-    for (uint32_t i = 0; i < p->nsegs; i++)
-        seg_tok[i + 1] = seg_tok[i] + p->segs[i].n;
-    size_t off_segtok = pack_add(&pk, seg_tok,
-                                 (p->nsegs + 1) * sizeof(uint64_t));
-    free(seg_tok);
-    size_t off_dblk = pack_add(&pk, p->dst.blocks, p->dst.num_blocks * 4);
-    size_t nt;
-    uint64_t *tab = part_table(&p->dst, K, &nt, &nomem);
-    size_t off_dpart = pack_add(&pk, tab, nt * 8);
-    free(tab);
-    size_t *off_sblk = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
-    size_t *off_spart = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
-    if (!off_sblk || !off_spart || nomem) {
-        free(off_sblk);
-        free(off_spart);
-        snprintf(why, why_len, "fetch: out of memory for the GPU plan");
-        goto err_free;
-    }
-    for (uint32_t i = 0; i < p->nslices; i++) {
-        off_sblk[i] = pack_add(&pk, p->src[i].blocks, p->src[i].num_blocks * 4);
-        tab = part_table(&p->src[i], K, &nt, &nomem);
-        off_spart[i] = pack_add(&pk, tab, nt * 8);
-        free(tab);
-    }
-    if (nomem) {
-        free(off_sblk);
-        free(off_spart);
-        snprintf(why, why_len, "fetch: out of memory for the GPU plan");
-        goto err_free;
-    }
     cudaError_t e;
     cudaSetDevice(device);
-    if (!CU_OK(e = cudaMallocAsync(&gp->dmem, pk.len ? pk.len : 16,
-                                   g.stream[device]))) {
-        free(off_sblk);
-        free(off_spart);
+    if (!CU_OK(e = cudaMallocAsync(&gp->dmem, cap, g.stream[device]))) {
         snprintf(why, why_len, "fetch: GPU plan memory: %s",
                  cudaGetErrorString(e));
         if (e != cudaErrorMemoryAllocation)
             rc = KVX_ERR_IO;
         goto err_free;
     }
-    uint8_t *dm = gp->dmem;
-    uint64_t packed = 0, row = (uint64_t)dl->head_dim * dl->elem_size;
-    uint64_t seg_tokens = 0;
-    for (uint32_t i = 0; i < p->nsegs; i++)
-        seg_tokens += p->segs[i].n;
-    for (uint32_t i = 0; i < p->nslices; i++) {
-        const plan_slice_t *s = &p->slices[i];
-        const kvx_layout_t *l = p->src[i].layout;
-        uint64_t begin = packed;
-        packed += (uint64_t)s->nlayers * seg_tokens * s->nheads *
-                  dl->kv_factor * row;
-        sl[i] =
-            (gpu_slice_t){s->layer0,
-                          s->nlayers,
-                          s->head0,
-                          s->nheads,
-                          s->src_layer_base,
-                          s->src_head_base,
-                          s->dst_layer_base,
-                          s->dst_head_base,
-                          s->unit_begin,
-                          begin,
-                          {(const uint32_t *)(dm + off_sblk[i]),
-                           (const uint64_t *)(dm + off_spart[i]),
-                           l->block_stride, l->token_stride, l->head_stride}};
-    }
-    memcpy(pk.buf + off_slices, sl, p->nslices * sizeof(gpu_slice_t));
+    if ((rc = gpu_desc_pack(p, buf, cap, (uintptr_t)gp->dmem, &gp->plan,
+                            off_sblk, &len, why, why_len)))
+        goto err_free_dmem;
     gp->nslices = p->nslices;
-    gp->off_sblk = off_sblk; /* gpu_part_set_blocks() writes there */
-    free(off_spart);
-    gp->plan = (gpu_plan_t){
-        p->nslices,
-        p->nsegs,
-        dl->head_dim * dl->elem_size,
-        K,
-        (const gpu_slice_t *)(dm + off_slices),
-        (const gpu_seg_t *)(dm + off_segs),
-        (const uint64_t *)(dm + off_segtok),
-        {(const uint32_t *)(dm + off_dblk), (const uint64_t *)(dm + off_dpart),
-         dl->block_stride, dl->token_stride, dl->head_stride}};
     /* from pinned memory, so the upload does not synchronize the stream;
      * the kernels that read it are ordered after it on the same stream,
      * and the pinned buffer goes back once the upload has run */
-    gp->pin = pin_get(pk.len ? pk.len : 16);
+    gp->pin = pin_get(len ? len : 16);
     if (!gp->pin) {
-        cudaFreeAsync(gp->dmem, g.stream[device]);
-        free(gp->off_sblk);
-        snprintf(why, why_len, "fetch: no pinned memory for a %zu-byte GPU "
-                 "plan", pk.len);
-        goto err_free;
+        snprintf(why, why_len,
+                 "fetch: no pinned memory for a %zu-byte GPU "
+                 "plan",
+                 len);
+        rc = KVX_ERR_NOMEM;
+        goto err_free_dmem;
     }
-    memcpy(gp->pin->p, pk.buf, pk.len);
-    if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, gp->pin->p, pk.len,
+    memcpy(gp->pin->p, buf, len);
+    if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, gp->pin->p, len,
                                    cudaMemcpyHostToDevice, g.stream[device])) ||
         !CU_OK(e = waiter_enqueue(device, NULL, NULL, gp->pin))) {
         /* the upload may still read the buffer: leak it, do not reuse */
-        cudaFreeAsync(gp->dmem, g.stream[device]);
-        free(gp->off_sblk);
         snprintf(why, why_len, "fetch: GPU plan upload: %s",
                  cudaGetErrorString(e));
         rc = KVX_ERR_IO;
-        goto err_free;
+        goto err_free_dmem;
     }
-    free(pk.buf);
-    free(sl);
+    gp->off_sblk = off_sblk; /* gpu_part_set_blocks() writes there */
+    free(buf);
     *out = gp;
     return 0;
 
+err_free_dmem:
+    cudaFreeAsync(gp->dmem, g.stream[device]);
 err_free:
-    free(pk.buf);
-    free(sl);
+    free(off_sblk);
+    free(buf);
     free(gp);
     return rc;
 }
@@ -1221,12 +1091,15 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
         (e = cudaHostGetDevicePointer((void **)&packed, w->packed, 0)) !=
             cudaSuccess)
         packed = NULL;
-    if (e == cudaSuccess)
-        e = gpu_kernel_launch(&gp->plan, w->unit_begin, w->unit_end, w->bytes,
-                              ctas, g.stream[d], packed,
-                              !w->packed  ? GPU_PACKED_NONE
-                              : w->gather ? GPU_PACKED_GATHER
-                                          : GPU_PACKED_SCATTER);
+    if (e == cudaSuccess) {
+        gpu_launch_t l = {.u0 = w->unit_begin,
+                          .u1 = w->unit_end,
+                          .packed = packed,
+                          .packed_mode = !w->packed  ? GPU_PACKED_NONE
+                                         : w->gather ? GPU_PACKED_GATHER
+                                                     : GPU_PACKED_SCATTER};
+        e = gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas, g.stream[d]);
+    }
     if (e == cudaSuccess && waiter_enqueue(d, done, arg, NULL) != cudaSuccess) {
         /* the kernel runs, but its completion cannot be queued: wait for
          * it here (rare: out of memory), so it is not in flight when the

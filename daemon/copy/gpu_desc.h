@@ -6,9 +6,15 @@
 #ifndef KVX_GPU_DESC_H
 #define KVX_GPU_DESC_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define GPU_MAX_LAYERS 1024
+
+/* Division by a divisor fixed before the launch (gpu_walk.h). */
+typedef struct gpu_fdiv {
+    uint32_t d, m;
+} gpu_fdiv_t;
 
 typedef struct gpu_side {
     const uint32_t *blocks;        /* device copy of the block table */
@@ -35,6 +41,7 @@ typedef struct gpu_plan {
     uint32_t nslices, nsegs;
     uint32_t row_bytes;            /* head_dim * elem_size */
     uint32_t kv_factor;
+    gpu_fdiv_t segs_div; /* by nsegs: a unit's layer and segment */
     const gpu_slice_t *slices;
     const gpu_seg_t *segs;
     const uint64_t *seg_tok;       /* tokens before each segment; [nsegs]:
@@ -46,15 +53,39 @@ typedef struct gpu_plan {
  * one after another, each [kv][token][head][row] (plan_exec_packed). */
 enum { GPU_PACKED_NONE = 0, GPU_PACKED_GATHER = 1, GPU_PACKED_SCATTER = 2 };
 
+/* One launch: units [u0, u1), cut into npieces pieces on the host
+ * (gpu_launch_cut): parts of a unit (1 << pshift of them, part_bytes
+ * each but the last) or per whole units a piece. */
+typedef struct gpu_launch {
+    uint64_t u0, u1;
+    uint64_t npieces;
+    uint64_t part_bytes;
+    uint8_t *packed; /* the slot as the GPU sees it, at u0 */
+    uint32_t pshift, per;
+    int32_t packed_mode; /* GPU_PACKED_* */
+} gpu_launch_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-/* Launch the copy of units [u0, u1) of the device-resident plan d, bytes
- * in all, on stream with at most ctas blocks. Launches on one device must
- * be serialized (one stream). Returns a cudaError_t. */
-int gpu_kernel_launch(const gpu_plan_t *d, uint64_t u0, uint64_t u1,
-                      uint64_t bytes, unsigned ctas, void *stream,
-                      uint8_t *packed, int packed_mode);
+struct plan;
+/* Bytes gpu_desc_pack() needs for plan p, at most. */
+size_t gpu_desc_size(const struct plan *p);
+/* Lay bound plan p out in buf (cap bytes, gpu_desc_size()) with its
+ * pointers as if buf lay at base (the device copy's address; buf itself
+ * for a walk in host memory): *out is the plan to pass to the kernel,
+ * off_sblk[i] where slice i's source block table lies, *len the bytes
+ * to copy. 0, or KVX_ERR_NOMEM, or KVX_ERR_UNSUPPORTED for units or
+ * slices past the kernel's 32-bit indices; why says which. */
+int gpu_desc_pack(const struct plan *p, uint8_t *buf, size_t cap, uint64_t base,
+                  gpu_plan_t *out, size_t *off_sblk, size_t *len, char *why,
+                  size_t why_len);
+/* Launch the copy of l's units (u0, u1, packed and packed_mode set; the
+ * cut is made here) of the device-resident plan d, bytes in all, on
+ * stream with at most ctas blocks. Launches on one device must be
+ * serialized (one stream). Returns a cudaError_t. */
+int gpu_kernel_launch(const gpu_plan_t *d, gpu_launch_t *l, uint64_t bytes,
+                      unsigned ctas, void *stream);
 #ifdef __cplusplus
 }
 #endif

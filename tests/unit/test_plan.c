@@ -2,7 +2,9 @@
  * test_plan — side checks, compatibility, slices for TP/PP changes and
  * replicated heads, token segments, and an end-to-end property: for many
  * random pairs of parallel configs and presets, plan_exec() moves every
- * element to where direct indexing says it belongs, and nothing else.
+ * element to where direct indexing says it belongs, and nothing else; so
+ * does the GPU kernel's walk (gpu_desc.c's descriptor, gpu_walk.h's
+ * indices) run on the CPU over host memory.
  */
 #include "../../daemon/copy/plan.c"
 
@@ -10,6 +12,8 @@
 
 #include <stdint.h>
 
+#include "gpu_desc.h"
+#include "gpu_walk.h"
 #include "layout.h"
 
 /* ---- helpers ---- */
@@ -686,6 +690,9 @@ typedef struct rank_mem {
 /* Split of the pools rank_mem_make() makes: -1 random, else 0 (one
  * region), 1 (per layer) or 2 (per K and V). */
 static int force_split = -1;
+/* Pools and regions at 16-byte boundaries (the GPU walk's vector path)
+ * rather than anywhere. */
+static int aligned;
 
 /* Allocate the pool of rank r of side s (misaligned on purpose) between
  * guard bands, with a random block table of need blocks out of a few
@@ -735,9 +742,11 @@ static void rank_mem_make(rank_mem_t *m, const plan_side_t *s, uint32_t r,
         m->regions[order[i]].size = sizes[order[i]];
         m->regions[order[i]].base = (uint8_t *)(uintptr_t)at; /* offset */
         at += sizes[order[i]] + (i + 1 < m->nregions ? rnd() % 64 : 0);
+        if (aligned)
+            at = (at + 15) & ~(uint64_t)15;
     }
     m->size = at;
-    uint32_t mis = rnd() % 16;
+    uint32_t mis = aligned ? 0 : rnd() % 16;
     m->alloc = malloc(GUARD + m->size + 16 + GUARD);
     CHECK(m->alloc);
     memset(m->alloc, SENTINEL, GUARD + m->size + 16 + GUARD);
@@ -808,6 +817,118 @@ static void fill_source(rank_mem_t *m, uint32_t ntok)
                             e[d * l->elem_size + b] =
                                 pattern(m->l0 + a, k, t, m->h0 + h, d, b);
                 }
+}
+
+/* ---- the GPU kernel's walk on the CPU ---- */
+
+/* Elements [lo, hi) of unit x, as gpu_kernel.cu's item_copy() moves them:
+ * 32 lanes, batches of unroll elements a lane, a batch inside one run for
+ * every lane by base and step, else by the cursor. */
+static void walk_item(const gpu_unit_t *x, uint32_t lo, uint32_t hi,
+                      uint32_t unroll)
+{
+    const uint32_t n = hi - lo, steps = (n + 31) / 32;
+    const uint32_t es = 1u << x->eshift, step = 32 * es;
+    gpu_cur_t c[32];
+    uint32_t mine[32];
+    uint8_t *src = (uint8_t *)(uintptr_t)x->src;
+    uint8_t *dst = (uint8_t *)(uintptr_t)x->dst;
+    if (!steps)
+        return;
+    CHECK(hi <= x->nelem);
+    for (uint32_t lane = 0; lane < 32; lane++) {
+        mine[lane] = n > lane ? (n - lane + 31) / 32 : 0;
+        gpu_cur_init(x, lo + lane, &c[lane]);
+    }
+    for (uint32_t s0 = 0;; s0 += unroll) {
+        int last = s0 + unroll >= steps, fast = 1;
+        for (uint32_t lane = 0; lane < 32; lane++)
+            fast &= c[lane].col + 32 * (unroll - 1) < x->er;
+        for (uint32_t lane = 0; lane < 32; lane++) {
+            gpu_cur_t *k = &c[lane];
+            if (fast) {
+                for (uint32_t i = 0; i < unroll; i++)
+                    if (s0 + i < mine[lane])
+                        memcpy(dst + k->dof + i * step, src + k->so + i * step,
+                               es);
+                k->col += 32 * (unroll - 1);
+                k->so += (unroll - 1) * step;
+                k->dof += (unroll - 1) * step;
+                gpu_cur_step(x, k);
+                continue;
+            }
+            for (uint32_t i = 0; i < unroll; i++)
+                if (s0 + i < mine[lane]) {
+                    memcpy(dst + k->dof, src + k->so, es);
+                    gpu_cur_step(x, k);
+                }
+        }
+        if (last)
+            return;
+    }
+}
+
+/* Units [u0, u1) of bound plan p as the kernel copies them with warps
+ * warps: its descriptor (host pointers), the host's cut, each warp's
+ * first piece its own and the rest from a counter, the warps' items in
+ * a random interleaving. packed/mode as plan_exec_packed() (mode
+ * GPU_PACKED_NONE: pool to pool). */
+static void gpu_walk_exec(const plan_t *p, uint64_t u0, uint64_t u1,
+                          uint8_t *packed, int mode, uint32_t warps,
+                          uint32_t unroll)
+{
+    if (u0 >= u1)
+        return;
+    size_t cap = gpu_desc_size(p), len = 0;
+    uint8_t *buf = malloc(cap);
+    size_t *off = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
+    CHECK(buf && off);
+    gpu_plan_t g;
+    char why[256];
+    CHECK_EQ(gpu_desc_pack(p, buf, cap, (uintptr_t)buf, &g, off, &len, why,
+                           sizeof(why)),
+             0);
+    CHECK(len <= cap);
+    gpu_launch_t l = {
+        .u0 = u0, .u1 = u1, .packed = packed, .packed_mode = mode};
+    gpu_launch_cut(&l, plan_units_bytes(p, u0, u1), warps);
+    CHECK(l.npieces >= 1);
+    CHECK(l.per == 1 || l.pshift == 0);
+    uint32_t hint0 = gpu_slice_find(&g, u0);
+    CHECK(g.slices[hint0].unit_begin <= u0);
+    CHECK(hint0 + 1 == g.nslices || g.slices[hint0 + 1].unit_begin > u0);
+    uint64_t poff0 =
+        mode != GPU_PACKED_NONE ? gpu_packed_off(&g, &g.slices[hint0], u0) : 0;
+    uint64_t *t = malloc(warps * sizeof(uint64_t)), ticket = 0;
+    uint32_t *j = calloc(warps, sizeof(uint32_t));
+    uint32_t *hint = malloc(warps * sizeof(uint32_t)), live = 0;
+    CHECK(t && j && hint);
+    for (uint32_t w = 0; w < warps; w++) {
+        t[w] = w;
+        hint[w] = hint0;
+        live += w < l.npieces;
+    }
+    while (live) {
+        uint32_t w = rnd() % warps;
+        if (t[w] >= l.npieces)
+            continue;
+        gpu_unit_t x;
+        uint32_t lo, hi;
+        gpu_item_get(&g, &l, &hint[w], poff0, t[w], j[w], &x, &lo, &hi);
+        walk_item(&x, lo, hi, unroll);
+        if (j[w] + 1 < gpu_piece_units(&l, t[w])) {
+            j[w]++;
+        } else {
+            t[w] = warps + ticket++;
+            j[w] = 0;
+            live -= t[w] >= l.npieces;
+        }
+    }
+    free(t);
+    free(j);
+    free(hint);
+    free(off);
+    free(buf);
 }
 
 typedef struct e2e {
@@ -998,6 +1119,50 @@ static void e2e_run(const e2e_t *c)
             plan_exec_packed(p, cuts[k], cuts[k + 1], buf, 1);
             plan_exec_packed(p, cuts[k], cuts[k + 1], buf, 0);
         }
+        CHECK(!memcmp(dst.base, want, dst.size));
+        CHECK(guards_intact(&dst));
+        /* the GPU kernel's walk, with few warps and many (pieces cut
+         * finer), short and long batches; and its packed layout is the
+         * host's: gathered by one, scattered by the other */
+        static const uint32_t nwarps[] = {1, 3, 16, 1024};
+        memset(dst.base, 0xee, dst.size);
+        for (int i = 0; i < nc - 1; i++) {
+            int k = (start + i) % (nc - 1);
+            gpu_walk_exec(p, cuts[k], cuts[k + 1], NULL, GPU_PACKED_NONE,
+                          nwarps[rnd() % 4], rnd() % 2 ? 8 : 16);
+        }
+        if (memcmp(dst.base, want, dst.size)) {
+            uint64_t o = 0;
+            while (dst.base[o] == want[o])
+                o++;
+            fprintf(stderr,
+                    "GPU walk: %s -> %s rank %u: heads %u layers %u K%u D%u "
+                    "E%u tokens %u skip %u aligned %d: byte %llu of %llu "
+                    "is %#x, want %#x\n",
+                    c->sp, c->dp, r, c->s.total_heads, c->s.total_layers,
+                    c->s.kv_factor, c->s.head_dim, c->s.elem_size, c->ntok,
+                    c->skip, aligned, (unsigned long long)o,
+                    (unsigned long long)dst.size, dst.base[o], want[o]);
+            CHECK(!"GPU walk: destination differs from direct indexing");
+        }
+        CHECK(guards_intact(&dst));
+        memset(dst.base, 0xee, dst.size);
+        for (int i = 0; i < nc - 1; i++) {
+            int k = (start + i) % (nc - 1);
+            uint64_t len = plan_units_bytes(p, cuts[k], cuts[k + 1]);
+            int walk_gathers = rnd() % 2;
+            memset(buf, 0x5a, len);
+            if (walk_gathers)
+                gpu_walk_exec(p, cuts[k], cuts[k + 1], buf, GPU_PACKED_GATHER,
+                              nwarps[rnd() % 4], 8);
+            else
+                plan_exec_packed(p, cuts[k], cuts[k + 1], buf, 1);
+            if (walk_gathers && rnd() % 2)
+                plan_exec_packed(p, cuts[k], cuts[k + 1], buf, 0);
+            else
+                gpu_walk_exec(p, cuts[k], cuts[k + 1], buf, GPU_PACKED_SCATTER,
+                              nwarps[rnd() % 4], 8);
+        }
         free(buf);
         CHECK(!memcmp(dst.base, want, dst.size));
         CHECK(guards_intact(&dst));
@@ -1024,10 +1189,97 @@ TEST_T(end_to_end_every_preset_pair, 300)
             for (int k = 0; k < 40; k++) {
                 e2e_t c;
                 e2e_pick(&c, presets[i], presets[j]);
+                aligned = k % 2;
                 e2e_run(&c);
                 runs++;
             }
     CHECK_EQ(runs, 6 * 6 * 40);
+}
+
+/* The benchmark's shape (16 tokens x 8 heads x 128 bf16: 32 KiB runs,
+ * 64 KiB units cut in parts), small: matching layouts take the GPU
+ * walk's long-run path, a conversion its short-run path. */
+TEST_T(end_to_end_bench_shape, 120)
+{
+    static const char *const pairs[][2] = {{"vllm-nhd", "vllm-nhd"},
+                                           {"trtllm", "trtllm"},
+                                           {"trtllm", "vllm-nhd"},
+                                           {"vllm-hnd", "flashinfer"}};
+    for (int i = 0; i < 4; i++)
+        for (int a = 0; a < 2; a++) {
+            e2e_t c;
+            c.s = side(1, 1, 4, 8, 16);
+            c.d = side(a ? 2 : 1, 1, 4, 8, 16);
+            c.s.head_dim = c.d.head_dim = 128;
+            c.s.dtype = c.d.dtype = KVX_DTYPE_BF16;
+            c.sp = pairs[i][0];
+            c.dp = pairs[i][1];
+            c.ntok = 16 * 12 - 3 * a;
+            c.skip = 5 * a;
+            aligned = 1;
+            e2e_run(&c);
+        }
+    aligned = 0;
+}
+
+/* gpu_fdiv() is exact for every n < 2^32; the launch cut covers the
+ * units with pieces near GPU_PIECE_BYTES, finer for small launches. */
+TEST(gpu_fdiv_and_cut)
+{
+    static const uint32_t ds[] = {
+        1,    2,     3,     5,           7,           16,          31,
+        1000, 65535, 65536, 0x7fffffffu, 0x80000001u, 0xfffffffeu, 0xffffffffu};
+    for (size_t i = 0; i < sizeof(ds) / sizeof(ds[0]) + 2000; i++) {
+        uint32_t d = i < sizeof(ds) / sizeof(ds[0]) ? ds[i] : 1 + rnd() % 5000;
+        gpu_fdiv_t f = gpu_fdiv_make(d);
+        for (int k = 0; k < 3000; k++) {
+            uint32_t n = k < 8    ? (uint32_t)k
+                         : k < 16 ? 0xffffffffu - (uint32_t)(k - 8)
+                         : k < 24 ? d * (uint32_t)(k - 16) - 1
+                         : k < 32 ? d * (uint32_t)(k - 24)
+                                  : rnd() ^ (rnd() << 16);
+            if (gpu_fdiv(n, f) != n / d) {
+                fprintf(stderr, "%u / %u: %u\n", n, d, gpu_fdiv(n, f));
+                CHECK(!"gpu_fdiv wrong");
+            }
+        }
+    }
+    /* the bench's launch: 4096 units of 64 KiB over 64 CTAs of 16 warps */
+    gpu_launch_t l = {.u0 = 10, .u1 = 10 + 4096};
+    gpu_launch_cut(&l, 4096ull << 16, 1024);
+    CHECK_EQ(l.part_bytes, GPU_PIECE_BYTES);
+    CHECK_EQ(l.npieces, 4096ull << 16 >> __builtin_ctz(GPU_PIECE_BYTES));
+    /* one such unit: cut finer for the warps, not below GPU_PIECE_MIN */
+    l = (gpu_launch_t){.u0 = 0, .u1 = 1};
+    gpu_launch_cut(&l, 1 << 16, 1024);
+    CHECK_EQ(l.part_bytes, GPU_PIECE_MIN);
+    CHECK_EQ(l.npieces, 32);
+    /* small units grouped, but spread over the warps first */
+    l = (gpu_launch_t){.u0 = 0, .u1 = 100000};
+    gpu_launch_cut(&l, 100000ull * 512, 1024);
+    CHECK_EQ(l.per, GPU_PIECE_BYTES / 512);
+    CHECK_EQ(l.npieces, (100000 + l.per - 1) / l.per);
+    l = (gpu_launch_t){.u0 = 0, .u1 = 2000};
+    gpu_launch_cut(&l, 2000ull * 512, 1024);
+    CHECK_EQ(l.per, 1);
+    CHECK_EQ(l.npieces, 2000);
+    /* odd sizes: parts of a multiple of GPU_PART_ALIGN that cover it */
+    for (int k = 0; k < 1000; k++) {
+        uint64_t n = 1 + rnd() % 5000, unit = 1 + rnd() % (1u << 22);
+        l = (gpu_launch_t){.u0 = 7, .u1 = 7 + n};
+        gpu_launch_cut(&l, n * unit, 1 + rnd() % 4096);
+        if (l.per > 1) {
+            CHECK(unit * l.per <= GPU_PIECE_BYTES);
+            CHECK_EQ(l.pshift, 0);
+        } else if (l.pshift) {
+            CHECK_EQ(l.part_bytes % GPU_PART_ALIGN, 0);
+            CHECK(l.part_bytes << l.pshift >= unit);
+            CHECK(l.part_bytes >= GPU_PIECE_MIN);
+            CHECK(l.part_bytes <= 2 * GPU_PIECE_BYTES);
+        }
+        CHECK_EQ(l.npieces,
+                 l.per > 1 ? (n + l.per - 1) / l.per : n << l.pshift);
+    }
 }
 
 TEST_T(end_to_end_fixed_cases, 120)
@@ -1066,8 +1318,10 @@ TEST_T(end_to_end_fixed_cases, 120)
                 c.dp = presets[q];
                 c.ntok = cases[i].n;
                 c.skip = cases[i].skip;
+                aligned = (p + q) % 2;
                 e2e_run(&c);
             }
+    aligned = 0;
 }
 
 /* plan_check_bounds() refuses, naming the pool, every way a bound side

@@ -1,0 +1,177 @@
+/* gpu_desc — a plan as the GPU copy kernel reads it; see gpu_desc.h.
+ * No CUDA here: gpu.c uploads what this builds, and the CPU tests run
+ * the kernel's walk (gpu_walk.h) over it in host memory. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_desc.h"
+#include "gpu_walk.h"
+#include "layout.h"
+#include "plan.h"
+
+/* Bump allocator over one host buffer that is then copied to the device
+ * in one go; offsets become pointers at base. */
+struct pack {
+    uint8_t *buf;
+    size_t len, cap;
+};
+
+static size_t pack_add(struct pack *pk, const void *src, size_t n)
+{
+    size_t off = (pk->len + 15) & ~(size_t)15;
+    if (off + n > pk->cap)
+        return (size_t)-1;
+    if (n) /* an unbound side (packed, between daemons) adds nothing */
+        memcpy(pk->buf + off, src, n);
+    pk->len = off + n;
+    return off;
+}
+
+/* The part table of a bound side m (gpu_side_t.part): each (layer, kv)
+ * part's address, its region's start (as the kernel's device sees it:
+ * m's regions are that view) + its offset, K entries per layer. NULL
+ * for an unbound side (*n 0), or on allocation failure. */
+static uint64_t *part_table(const plan_mem_t *m, uint32_t K, size_t *n,
+                            int *nomem)
+{
+    const kvx_layout_t *l = m->layout;
+    *n = 0;
+    if (!m->blocks || !m->regions)
+        return NULL;
+    uint64_t *t = malloc((size_t)l->num_layers * K * sizeof(*t) + 1);
+    if (!t) {
+        *nomem = 1;
+        return NULL;
+    }
+    for (uint32_t a = 0; a < l->num_layers; a++)
+        for (uint32_t k = 0; k < K; k++) {
+            uint32_t r;
+            uint64_t o = kvx__layout_part(l, a, k, &r);
+            t[(size_t)a * K + k] = (uintptr_t)m->regions[r].base + o;
+        }
+    *n = (size_t)l->num_layers * K;
+    return t;
+}
+
+size_t gpu_desc_size(const plan_t *p)
+{
+    const kvx_layout_t *dl = p->dst.layout;
+    const uint32_t K = dl->kv_factor;
+    size_t cap =
+        64 + p->nslices * sizeof(gpu_slice_t) + 16 +
+        p->nsegs * sizeof(gpu_seg_t) + 16 + (p->nsegs + 1) * sizeof(uint64_t) +
+        16 + p->dst.num_blocks * 4 + 16 + (size_t)dl->num_layers * K * 8 + 16;
+    for (uint32_t i = 0; i < p->nslices; i++)
+        cap += p->src[i].num_blocks * 4 + 16 +
+               (size_t)p->src[i].layout->num_layers * K * 8 + 16;
+    return cap;
+}
+
+int gpu_desc_pack(const plan_t *p, uint8_t *buf, size_t cap, uint64_t base,
+                  gpu_plan_t *out, size_t *off_sblk, size_t *len, char *why,
+                  size_t why_len)
+{
+    const kvx_layout_t *dl = p->dst.layout;
+    const uint32_t K = dl->kv_factor;
+    const uint64_t row = (uint64_t)dl->head_dim * dl->elem_size;
+    /* the kernel's indices inside a unit and a slice are 32-bit */
+    uint32_t maxn = 0, maxh = 0;
+    for (uint32_t i = 0; i < p->nsegs; i++)
+        maxn = p->segs[i].n > maxn ? p->segs[i].n : maxn;
+    for (uint32_t i = 0; i < p->nslices; i++) {
+        const plan_slice_t *s = &p->slices[i];
+        maxh = s->nheads > maxh ? s->nheads : maxh;
+        if ((uint64_t)s->nlayers * p->nsegs >> 32) {
+            snprintf(why, why_len,
+                     "fetch: %u layers x %u segments in one slice: more "
+                     "units than the GPU kernel takes (2^32)",
+                     s->nlayers, p->nsegs);
+            return KVX_ERR_UNSUPPORTED;
+        }
+    }
+    if ((uint64_t)K * maxn * maxh * row >= GPU_UNIT_MAX) {
+        snprintf(why, why_len,
+                 "fetch: units of %llu bytes: more than the GPU kernel "
+                 "takes (%llu)",
+                 (unsigned long long)((uint64_t)K * maxn * maxh * row),
+                 (unsigned long long)GPU_UNIT_MAX - 1);
+        return KVX_ERR_UNSUPPORTED;
+    }
+    int nomem = 0;
+    struct pack pk = {buf, 0, cap};
+    gpu_slice_t *sl = calloc(p->nslices ? p->nslices : 1, sizeof(*sl));
+    uint64_t *seg_tok = malloc((p->nsegs + 1) * sizeof(uint64_t));
+    size_t *off_spart = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
+    if (!sl || !seg_tok || !off_spart)
+        goto err_nomem;
+    /* the slices array goes first, so its offset is 0 */
+    size_t off_slices = pack_add(&pk, sl, p->nslices * sizeof(gpu_slice_t));
+    size_t off_segs = pack_add(&pk, p->segs, p->nsegs * sizeof(gpu_seg_t));
+    /* packed offsets (between daemons): tokens before each segment */
+    seg_tok[0] = 0;
+    for (uint32_t i = 0; i < p->nsegs; i++)
+        seg_tok[i + 1] = seg_tok[i] + p->segs[i].n;
+    size_t off_segtok =
+        pack_add(&pk, seg_tok, (p->nsegs + 1) * sizeof(uint64_t));
+    size_t off_dblk = pack_add(&pk, p->dst.blocks, p->dst.num_blocks * 4);
+    size_t nt;
+    uint64_t *tab = part_table(&p->dst, K, &nt, &nomem);
+    size_t off_dpart = pack_add(&pk, tab, nt * 8);
+    free(tab);
+    for (uint32_t i = 0; i < p->nslices; i++) {
+        off_sblk[i] = pack_add(&pk, p->src[i].blocks, p->src[i].num_blocks * 4);
+        tab = part_table(&p->src[i], K, &nt, &nomem);
+        off_spart[i] = pack_add(&pk, tab, nt * 8);
+        free(tab);
+    }
+    if (nomem)
+        goto err_nomem;
+    uint64_t packed = 0;
+    for (uint32_t i = 0; i < p->nslices; i++) {
+        const plan_slice_t *s = &p->slices[i];
+        const kvx_layout_t *l = p->src[i].layout;
+        uint64_t begin = packed;
+        packed +=
+            (uint64_t)s->nlayers * seg_tok[p->nsegs] * s->nheads * K * row;
+        sl[i] =
+            (gpu_slice_t){s->layer0,
+                          s->nlayers,
+                          s->head0,
+                          s->nheads,
+                          s->src_layer_base,
+                          s->src_head_base,
+                          s->dst_layer_base,
+                          s->dst_head_base,
+                          s->unit_begin,
+                          begin,
+                          {(const uint32_t *)(uintptr_t)(base + off_sblk[i]),
+                           (const uint64_t *)(uintptr_t)(base + off_spart[i]),
+                           l->block_stride, l->token_stride, l->head_stride}};
+    }
+    memcpy(pk.buf + off_slices, sl, p->nslices * sizeof(gpu_slice_t));
+    *out = (gpu_plan_t){p->nslices,
+                        p->nsegs,
+                        (uint32_t)row,
+                        K,
+                        gpu_fdiv_make(p->nsegs ? p->nsegs : 1),
+                        (const gpu_slice_t *)(uintptr_t)(base + off_slices),
+                        (const gpu_seg_t *)(uintptr_t)(base + off_segs),
+                        (const uint64_t *)(uintptr_t)(base + off_segtok),
+                        {(const uint32_t *)(uintptr_t)(base + off_dblk),
+                         (const uint64_t *)(uintptr_t)(base + off_dpart),
+                         dl->block_stride, dl->token_stride, dl->head_stride}};
+    *len = pk.len;
+    free(off_spart);
+    free(seg_tok);
+    free(sl);
+    return 0;
+
+err_nomem:
+    free(off_spart);
+    free(seg_tok);
+    free(sl);
+    snprintf(why, why_len, "fetch: out of memory for the GPU plan");
+    return KVX_ERR_NOMEM;
+}
