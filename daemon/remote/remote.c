@@ -176,6 +176,7 @@ typedef struct sstream {
     plan_t *plan;
     kvx_layout_t dst_layout;     /* the row shape of the packed units */
     uint32_t slice, src_rank;
+    uint32_t group; /* the offer's block table it reads */
     uint64_t u_begin, u_end;
     int ended;
     uint32_t gathers, sends;
@@ -654,6 +655,26 @@ static int send_open(rstream_t *r)
     o.dst_addresses = addrs;
     o.consumer_instance = (char *)inst->id;
     o.consumer_request = d.request_id;
+    /* several block tables: which one, and every table's side */
+    Kvxfer__PeerOpenGroup og[XFER_MAX_GROUPS], *ogp[XFER_MAX_GROUPS];
+    Kvxfer__ParallelConfig gpc[XFER_MAX_GROUPS];
+    Kvxfer__Layout glay[XFER_MAX_GROUPS];
+    o.group = d.group;
+    for (uint32_t k = 0; d.ngroups > 1 && k < d.ngroups; k++) {
+        kvxfer__peer_open_group__init(&og[k]);
+        kvxfer__parallel_config__init(&gpc[k]);
+        kvxfer__layout__init(&glay[k]);
+        xfer_side_to_msg(&d.gdst[k], &gpc[k], &glay[k]);
+        glay[k].preset = "";
+        og[k].parallel = &gpc[k];
+        og[k].layout = &glay[k];
+        og[k].skip_tokens = d.gskip[k];
+        ogp[k] = &og[k];
+    }
+    if (d.ngroups > 1) {
+        o.n_groups = d.ngroups;
+        o.groups = ogp;
+    }
     m.m_case = KVXFER__PEER_MSG__M_OPEN;
     m.open = &o;
     int rc = send_on(r->conn, &m);
@@ -1118,23 +1139,28 @@ static int token_equal(const ProtobufCBinaryData *t, const uint8_t *ours)
 }
 
 /* Streams that will read o: the slices, over every rank of the receiving
- * group, whose source rank is served here; the daemons they come from
- * (losing one of them ends o); and which context ranks the consumer reads
- * at all (roffer_t.rread, for offer_done_notify()). */
-static uint32_t streams_expected(offer_t *o, const plan_side_t *dst,
-                                 uint32_t skip, const Kvxfer__PeerOpen *m)
+ * group and every block table of the request (gdst, gskip: each table's
+ * receiving side and skip, ng of them), whose source rank is served here;
+ * the daemons they come from (losing one of them ends o); and which
+ * context ranks the consumer reads at all (roffer_t.rread, for
+ * offer_done_notify()). */
+static uint32_t streams_expected(offer_t *o, const plan_side_t *gdst,
+                                 const uint32_t *gskip, uint32_t ng,
+                                 const Kvxfer__PeerOpen *m)
 {
-    uint32_t n = 0, ranks = plan_side_ranks(dst);
+    uint32_t n = 0, ranks = plan_side_ranks(&gdst[0]);
     const instance_t *inst = xfer_offer_instance(o);
     roffer_t *ro = xfer_offer_remote(o); /* made by on_open() */
     if (m->n_dst_addresses == ranks)
         ro->consumer_addrs = calloc(ranks, sizeof(char *));
     free(ro->rread);
     ro->rread = calloc(inst->nranks, 1);
-    for (uint32_t r = 0; r < ranks; r++) {
+    for (uint32_t t = 0; t < ranks * ng; t++) {
+        uint32_t r = t % ranks, tb = t / ranks; /* rank, table */
         plan_t *p;
         char why[64];
-        if (xfer_offer_plan(o, dst, r, skip, &p, why, sizeof(why)))
+        if (xfer_offer_plan(o, tb, &gdst[tb], r, gskip[tb], &p, why,
+                            sizeof(why)))
             continue;
         uint32_t k = 0;
         for (uint32_t i = 0; i < p->nslices; i++) {
@@ -1252,18 +1278,44 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     plan_side_t dst;
     char why[256];
     plan_t *plan;
+    /* the request's block tables: the fetch gives a side for each */
+    uint32_t ng = m->n_groups ? (uint32_t)m->n_groups : 1;
+    plan_side_t gdst[XFER_MAX_GROUPS];
+    uint32_t gskip[XFER_MAX_GROUPS];
     int rc = xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, why,
                                 sizeof(why));
+    if (!rc && (ng != xfer_offer_ngroups(o) || m->group >= ng)) {
+        snprintf(why, sizeof(why),
+                 "open: the fetch reads block table %u of %u, the offer of "
+                 "request %.64s has %u",
+                 m->group, ng, ks, xfer_offer_ngroups(o));
+        rc = KVX_ERR_MISMATCH;
+    }
+    for (uint32_t k = 0; !rc && k < ng; k++) {
+        if (m->n_groups && (!m->groups[k]->parallel || !m->groups[k]->layout)) {
+            snprintf(why, sizeof(why), "open: groups[%u] has no side", k);
+            rc = KVX_ERR_INVALID;
+        } else if (m->n_groups) {
+            rc =
+                xfer_side_from_msg(m->groups[k]->parallel, m->groups[k]->layout,
+                                   &gdst[k], why, sizeof(why));
+            gskip[k] = m->groups[k]->skip_tokens;
+        } else {
+            gdst[0] = dst;
+            gskip[0] = m->skip_tokens;
+        }
+    }
     if (!rc)
-        rc = plan_compat(xfer_offer_side(o), &dst, why, sizeof(why));
+        rc = plan_compat(xfer_offer_group_side(o, m->group), &dst, why,
+                         sizeof(why));
     if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {
         snprintf(why, sizeof(why), "open: destination rank %u of %u",
                  m->dst_rank, plan_side_ranks(&dst));
         rc = KVX_ERR_INVALID;
     }
     if (!rc)
-        rc = xfer_offer_plan(o, &dst, m->dst_rank, m->skip_tokens, &plan, why,
-                             sizeof(why));
+        rc = xfer_offer_plan(o, m->group, &dst, m->dst_rank, m->skip_tokens,
+                             &plan, why, sizeof(why));
     if (rc) {
         open_refuse(c, m->stream, rc, "%s", why);
         return;
@@ -1324,6 +1376,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->fence = o;
     s->plan = plan;
     s->slice = m->slice;
+    s->group = m->group;
     s->src_rank = plan->slices[s->slice].src_rank;
     s->u_begin = plan->slices[s->slice].unit_begin;
     s->u_end = s->slice + 1 < plan->nslices
@@ -1340,7 +1393,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->dst_layout.elem_size = dst.elem_size;
     plan->dst.layout = &s->dst_layout;
     if (!ro->streams_expect) {
-        ro->streams_expect = streams_expected(o, &dst, m->skip_tokens, m);
+        ro->streams_expect = streams_expected(o, gdst, gskip, ng, m);
         snprintf(ro->rconsumer, sizeof(ro->rconsumer), "%s", who);
         xfer_offer_taken(o);
     }
@@ -1465,7 +1518,7 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     static const kvx_layout_t none;
     plan_t *pl = s->plan;
     plan_mem_t mem;
-    pool_t *src = xfer_offer_source(o, s->src_rank, &mem);
+    pool_t *src = xfer_offer_source(o, s->group, s->src_rank, &mem);
     assert(src); /* serve_pulls() waits for its publish */
     if (s->gpu || (pl->src[s->slice].regions && !src->gpu))
         return 0;
@@ -1594,7 +1647,7 @@ static void serve_pulls(void)
         pull_t *q = PULL(n);
         sstream_t *s = q->s;
         offer_t *o = s->offer;
-        if (o && !xfer_offer_source(o, s->src_rank, NULL) &&
+        if (o && !xfer_offer_source(o, s->group, s->src_rank, NULL) &&
             !xfer_offer_ending(o))
             continue; /* its rank has not published yet */
         assert(s->queued > 0);

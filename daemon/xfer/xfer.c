@@ -1750,11 +1750,33 @@ static int side_from_params(const Kvxfer__ContextParams *cp, plan_side_t *s,
     return rc;
 }
 
+static int group_plan(const plan_side_t *src, uint32_t src_tokens,
+                      uint32_t src_first, const instance_t *inst, uint32_t rank,
+                      uint32_t k, const xfer_group_t *x, plan_t **out,
+                      uint32_t **bt_out, char *why, size_t why_len);
+
+/* The side of the offer's table k (k > 0) from the params: the
+ * instance's parallelism with that table's layout summary and sizes. */
+static int side_from_params_group(const Kvxfer__ContextParams *cp, uint32_t k,
+                                  plan_side_t *s, char *why, size_t why_len)
+{
+    const Kvxfer__ParamsGroup *pg = cp->groups[k - 1];
+    char w[200];
+    Kvxfer__ParallelConfig pc = *cp->parallel;
+    pc.total_layers = pg->total_layers;
+    pc.total_kv_heads = pg->total_kv_heads;
+    pc.n_layers_per_pp = 0; /* a group's layers split evenly */
+    int rc = xfer_side_from_msg(&pc, pg->layout, s, w, sizeof(w));
+    if (rc)
+        WHY(rc, "fetch.context_params: groups[%u]: %s", k - 1, w);
+    return 0;
+}
+
 static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
                         const reqkey_t *key, const Kvxfer__ContextParams *cp,
                         pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                        uint32_t skip, uint32_t dp_rank, char *why,
-                        size_t why_len)
+                        uint32_t skip, uint32_t dp_rank, const xfer_group_t *gs,
+                        uint32_t ngs, char *why, size_t why_len)
 {
     int rc;
     uint64_t src_id = xfer_key_id(cp->key.data, cp->key.len);
@@ -1814,6 +1836,12 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
                 "fetch.skip_tokens: %u differs from %u given by another "
                 "rank",
                 skip, g->skip_tokens);
+        for (uint32_t k = 0; k < ngs; k++)
+            if (g->gskip[k + 1] != gs[k].skip_tokens)
+                WHY(KVX_ERR_MISMATCH,
+                    "fetch.groups[%u].skip_tokens: %u differs from %u given "
+                    "by another rank",
+                    k, gs[k].skip_tokens, g->gskip[k + 1]);
     } else if (nrequests >= kvxd.conf.max_requests) {
         WHY(KVX_ERR_LIMIT, "fetch: %u requests in flight (limits."
                            "max_requests)",
@@ -1844,18 +1872,41 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         WHY(KVX_ERR_NOMEM, "fetch: out of memory");
     }
     memcpy(bt, blocks, plan->dst_blocks_needed * sizeof(uint32_t));
+    /* the other tables' plans, from the params' sides */
+    plan_t *gplan[XFER_MAX_GROUPS] = {NULL};
+    uint32_t *gbt[XFER_MAX_GROUPS] = {NULL};
+    for (uint32_t k = 0; k < ngs && !rc; k++) {
+        plan_side_t gsrc;
+        const Kvxfer__ParamsGroup *pg = cp->groups[k];
+        if (!(rc = side_from_params_group(cp, k + 1, &gsrc, why, why_len)))
+            rc = group_plan(&gsrc, pg->num_tokens, pg->first_block, inst, rank,
+                            k + 1, &gs[k], &gplan[k], &gbt[k], why, why_len);
+    }
+    if (rc) {
+        for (uint32_t k = 0; k < ngs; k++) {
+            free(gbt[k]);
+            plan_free(gplan[k]);
+        }
+        free(bt);
+        plan_free(plan);
+        return rc;
+    }
     if (!g) {
         char **addrs = calloc(cp->n_rank_addresses, sizeof(char *));
         int bad = !addrs;
         for (size_t i = 0; !bad && i < cp->n_rank_addresses; i++)
             bad = !(addrs[i] = strdup(cp->rank_addresses[i]));
         if (bad ||
-            !(g = genreq_new(inst, request_id, key, skip, dp_rank, NULL, 0))) {
+            !(g = genreq_new(inst, request_id, key, skip, dp_rank, gs, ngs))) {
             for (size_t i = 0; addrs && i < cp->n_rank_addresses; i++)
                 free(addrs[i]);
             free(addrs);
             free(bt);
             plan_free(plan);
+            for (uint32_t k = 0; k < ngs; k++) {
+                free(gbt[k]);
+                plan_free(gplan[k]);
+            }
             WHY(KVX_ERR_NOMEM, "fetch: out of memory");
         }
         g->remote = 1;
@@ -1870,25 +1921,33 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         memcpy(g->src_key.b, cp->key.data, cp->key.len);
         memcpy(g->token, cp->token.data, TOKEN_LEN);
     }
-    genpart_t *p = part_fetched(g, 0, rank, pool, bt, plan);
-    p->started = 1; /* its sources are bound on the peers */
+    part_fetched(g, 0, rank, pool, bt, plan);
+    for (uint32_t k = 0; k < ngs; k++)
+        part_fetched(g, k + 1, rank, gs[k].pool, gbt[k], gplan[k]);
     log_debug("fetch %s/%s rank %u from %s/%s through peers: %u "
-              "slices, %llu bytes",
+              "slices, %llu bytes, %u tables",
               inst->id, ks(key), rank, cp->instance_id,
               ksb(cp->key.data, cp->key.len), plan->nslices,
-              (unsigned long long)plan->bytes);
-    if (plan->nunits == 0) {
-        p->done = 1;
-        if (++g->ndone == g->need * g->ngroups)
-            genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
-        return 0;
+              (unsigned long long)plan->bytes, 1 + ngs);
+    /* every table's part starts; g is looked up again before each:
+     * starting one may have ended it already */
+    for (uint32_t k = 0; k <= ngs; k++) {
+        if (!(g = map_get(&inst->fetches, request_id)) || g->ending)
+            break;
+        genpart_t *p = GPART(g, k, rank);
+        p->started = 1; /* its sources are bound on the peers */
+        if (p->plan->nunits == 0) {
+            p->done = 1;
+            if (++g->ndone == g->need * g->ngroups)
+                genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
+            continue;
+        }
+        char w[256] = "fetch: this kvxferd moves no data between daemons";
+        if ((rc = R.part_start ? R.part_start(p, cp, w, sizeof(w))
+                               : KVX_ERR_UNSUPPORTED) &&
+            (g = map_get(&inst->fetches, request_id)))
+            genreq_end(g, KVX_EVENT_ERROR, rc, w); /* reported as an event */
     }
-    char w[256] = "fetch: this kvxferd moves no data between daemons";
-    /* g is looked up again: starting may have ended it already */
-    if ((rc = R.part_start ? R.part_start(p, cp, w, sizeof(w))
-                           : KVX_ERR_UNSUPPORTED) &&
-        (g = map_get(&inst->fetches, request_id)))
-        genreq_end(g, KVX_EVENT_ERROR, rc, w); /* reported as an event */
     return 0;
 }
 
@@ -1897,9 +1956,6 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
                      pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
                      uint32_t skip, uint32_t dp_rank, const xfer_group_t *gs,
                      uint32_t ngs, int *as_event, char *why, size_t why_len);
-static int group_plan(const offer_t *o, const instance_t *inst, uint32_t rank,
-                      uint32_t k, const xfer_group_t *x, plan_t **out,
-                      uint32_t **bt_out, char *why, size_t why_len);
 
 /* A rank's fetch of a request that ended already (another rank's fetch
  * failed, it was cancelled, it timed out): its event is in the batches,
@@ -2069,17 +2125,9 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         rc = KVX_ERR_MISMATCH;
         goto out;
     }
-    if (remote && ngs) {
-        snprintf(why, why_len,
-                 "fetch.groups: a request with several block tables moves "
-                 "only between ranks of one daemon (not yet between "
-                 "daemons)");
-        rc = KVX_ERR_UNSUPPORTED;
-        goto out;
-    }
     if (remote) {
         rc = fetch_remote(inst, rank, request_id, key, cp, pool, blocks,
-                          nblocks, skip, dp_rank, why, why_len);
+                          nblocks, skip, dp_rank, gs, ngs, why, why_len);
         goto out;
     }
     /* from here to the plan, the checks of the offer: as at a peer
@@ -2238,8 +2286,9 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     plan_t *gplan[XFER_MAX_GROUPS] = {NULL};
     uint32_t *gbt[XFER_MAX_GROUPS] = {NULL};
     for (uint32_t k = 0; k < ngs; k++)
-        if ((rc = group_plan(o, inst, rank, k + 1, &gs[k], &gplan[k], &gbt[k],
-                             why, why_len)))
+        if ((rc = group_plan(&o->gside[k + 1], o->gtokens[k + 1],
+                             o->gfirst[k + 1], inst, rank, k + 1, &gs[k],
+                             &gplan[k], &gbt[k], why, why_len)))
             goto err_free_groups;
     if (!g) {
         if (!(g = genreq_new(inst, request_id, key, skip, dp_rank, gs, ngs))) {
@@ -2283,10 +2332,12 @@ out:
     return rc;
 }
 
-/* The plan and destination table of rank's part of group k (k > 0) of
- * o's fetch into x: x's blocks hold its block x->first_block on (the
- * table's entries before it are never written: UINT32_MAX). */
-static int group_plan(const offer_t *o, const instance_t *inst, uint32_t rank,
+/* The plan and destination table of rank's part of group k (k > 0) of a
+ * fetch into x, from the offer's table k (side src, src_tokens tokens
+ * from block src_first): x's blocks hold its block x->first_block on
+ * (the table's entries before it are never written: UINT32_MAX). */
+static int group_plan(const plan_side_t *src, uint32_t src_tokens,
+                      uint32_t src_first, const instance_t *inst, uint32_t rank,
                       uint32_t k, const xfer_group_t *x, plan_t **out,
                       uint32_t **bt_out, char *why, size_t why_len)
 {
@@ -2294,7 +2345,6 @@ static int group_plan(const offer_t *o, const instance_t *inst, uint32_t rank,
     char what[48];
     snprintf(what, sizeof(what), "fetch.groups[%u]", k - 1);
     const kvx_layout_t *l = &x->pool->layout;
-    const plan_side_t *src = &o->gside[k];
     plan_side_t full, dst;
     uint32_t eff_rank;
     group_side(&full, inst, l);
@@ -2302,24 +2352,24 @@ static int group_plan(const offer_t *o, const instance_t *inst, uint32_t rank,
         (rc = check_side_layout(&full, rank, l, what, why, why_len)))
         return rc;
     plan_dp_view(&full, rank, &dst, &eff_rank);
-    uint64_t skip_min = (uint64_t)o->gfirst[k] * src->tokens_per_block;
+    uint64_t skip_min = (uint64_t)src_first * src->tokens_per_block;
     if (x->skip_tokens < skip_min)
         WHY(KVX_ERR_INVALID,
             "%s.skip_tokens: %u, but the offer's group keeps no tokens "
             "below %llu (its first_block %u)",
-            what, x->skip_tokens, (unsigned long long)skip_min, o->gfirst[k]);
+            what, x->skip_tokens, (unsigned long long)skip_min, src_first);
     if (x->skip_tokens < (uint64_t)x->first_block * l->tokens_per_block)
         WHY(KVX_ERR_INVALID,
             "%s.skip_tokens: %u, but its blocks start at block %u (token "
             "%llu)",
             what, x->skip_tokens, x->first_block,
             (unsigned long long)x->first_block * l->tokens_per_block);
-    if (x->skip_tokens > o->gtokens[k])
+    if (x->skip_tokens > src_tokens)
         WHY(KVX_ERR_INVALID, "%s.skip_tokens: %u, more than its %u tokens",
-            what, x->skip_tokens, o->gtokens[k]);
+            what, x->skip_tokens, src_tokens);
     plan_t *plan;
-    if ((rc = plan_build(src, &dst, eff_rank, o->gtokens[k], x->skip_tokens,
-                         &plan, why, why_len)))
+    if ((rc = plan_build(src, &dst, eff_rank, src_tokens, x->skip_tokens, &plan,
+                         why, why_len)))
         return rc;
     uint32_t need = plan->dst_blocks_needed;
     if ((uint64_t)x->first_block + x->nblocks < need) {
@@ -2327,8 +2377,8 @@ static int group_plan(const offer_t *o, const instance_t *inst, uint32_t rank,
         WHY(KVX_ERR_INVALID,
             "%s.blocks: %u blocks of %u tokens from block %u cannot hold "
             "the group's %u tokens (need %u)",
-            what, x->nblocks, l->tokens_per_block, x->first_block,
-            o->gtokens[k], need);
+            what, x->nblocks, l->tokens_per_block, x->first_block, src_tokens,
+            need);
     }
     uint32_t *bt = malloc((need ? need : 1) * sizeof(uint32_t));
     if (!bt) {
@@ -2687,23 +2737,40 @@ int xfer_offer_taken_here(const offer_t *o)
     return o->consumer != NULL;
 }
 
-int xfer_offer_plan(const offer_t *o, const plan_side_t *dst, uint32_t dst_rank,
-                    uint32_t skip_tokens, plan_t **out, char *why,
-                    size_t why_len)
+int xfer_offer_plan(const offer_t *o, uint32_t group, const plan_side_t *dst,
+                    uint32_t dst_rank, uint32_t skip_tokens, plan_t **out,
+                    char *why, size_t why_len)
 {
-    if (o->ngroups > 1)
-        WHY(KVX_ERR_UNSUPPORTED,
-            "request %s has %u block tables, which move only between ranks "
-            "of one daemon (not yet between daemons)",
-            ks(&o->key), o->ngroups);
-    return plan_build(&o->side, dst, dst_rank, o->num_tokens, skip_tokens, out,
-                      why, why_len);
+    if (group >= o->ngroups)
+        WHY(KVX_ERR_MISMATCH, "request %s has %u block tables, not %u",
+            ks(&o->key), o->ngroups, group + 1);
+    uint64_t below =
+        (uint64_t)o->gfirst[group] * o->gside[group].tokens_per_block;
+    if (skip_tokens < below)
+        WHY(KVX_ERR_INVALID,
+            "block table %u of request %s keeps no tokens below %llu, and "
+            "skip_tokens is %u",
+            group, ks(&o->key), (unsigned long long)below, skip_tokens);
+    return plan_build(&o->gside[group], dst, dst_rank, o->gtokens[group],
+                      skip_tokens, out, why, why_len);
 }
 
-pool_t *xfer_offer_source(const offer_t *o, uint32_t rank, plan_mem_t *mem)
+uint32_t xfer_offer_ngroups(const offer_t *o)
 {
-    assert(rank < o->inst->nranks);
-    const offer_part_t *sp = &o->parts[rank];
+    return o->ngroups;
+}
+
+const plan_side_t *xfer_offer_group_side(const offer_t *o, uint32_t group)
+{
+    assert(group < o->ngroups);
+    return &o->gside[group];
+}
+
+pool_t *xfer_offer_source(const offer_t *o, uint32_t group, uint32_t rank,
+                          plan_mem_t *mem)
+{
+    assert(rank < o->inst->nranks && group < o->ngroups);
+    const offer_part_t *sp = OPART(o, group, rank);
     if (!sp->pool || sp->ready < sp->nlayers)
         return NULL; /* peer daemons read a layer-wise part once whole */
     if (mem)
@@ -2833,13 +2900,30 @@ void xfer_part_describe(const genpart_t *p, xfer_part_desc_t *d)
 {
     const genreq_t *g = p->req;
     assert(g->remote && p->fetched);
-    plan_side_t full;
-    side_from_layout(&full, g->inst, &p->pool->layout);
     d->inst = g->inst;
     d->request_id = g->request_id;
     d->dp_rank = g->dp_rank;
-    d->skip_tokens = g->skip_tokens;
-    plan_dp_view(&full, p->rank, &d->dst, &d->dst_rank);
+    d->group = p->group;
+    d->ngroups = g->ngroups;
+    /* every table of this rank: the source counts the streams of all */
+    for (uint32_t k = 0; k < g->ngroups; k++) {
+        const genpart_t *q = GPART(g, k, p->rank);
+        plan_side_t full;
+        uint32_t er;
+        assert(q->fetched);
+        if (k == 0)
+            side_from_layout(&full, g->inst, &q->pool->layout);
+        else
+            group_side(&full, g->inst, &q->pool->layout);
+        plan_dp_view(&full, p->rank, &d->gdst[k], &er);
+        d->gskip[k] = g->gskip[k];
+    }
+    d->dst = d->gdst[p->group];
+    d->skip_tokens = g->gskip[p->group];
+    {
+        plan_side_t e;
+        plan_dp_view(&g->inst->side, p->rank, &e, &d->dst_rank);
+    }
     d->src_instance = g->src_instance;
     d->src_request = g->src_request;
     d->src_key = &g->src_key;

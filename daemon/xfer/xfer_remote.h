@@ -18,6 +18,7 @@
 #include "instance.h"
 #include "plan.h"
 #include "pool.h"
+#include "xfer.h"
 
 #define TOKEN_LEN 16
 
@@ -51,6 +52,10 @@ const reqkey_t *xfer_offer_key(const offer_t *o);
 const uint8_t *xfer_offer_token(const offer_t *o);
 /* Its side: the context instance's config and layout summary. */
 const plan_side_t *xfer_offer_side(const offer_t *o);
+/* Its block tables (Publish.groups: 1 for a plain request), and the side
+ * of table group (the first is xfer_offer_side()). */
+uint32_t xfer_offer_ngroups(const offer_t *o);
+const plan_side_t *xfer_offer_group_side(const offer_t *o, uint32_t group);
 /* Its aux payload (*len bytes; NULL, 0: none yet): the first non-empty
  * one a rank published. */
 const uint8_t *xfer_offer_aux(const offer_t *o, uint32_t *len);
@@ -67,15 +72,16 @@ int xfer_offer_taken_here(const offer_t *o);
  * then ends CANCELLED, as one that came before it does. */
 int xfer_offer_cancelled(const char *inst, uint64_t request_id,
                          const uint8_t *key, size_t key_len);
-/* The plan of rank dst_rank of a consumer whose side is dst reading o,
- * skipping skip_tokens (plan_build()). */
-int xfer_offer_plan(const offer_t *o, const plan_side_t *dst, uint32_t dst_rank,
-                    uint32_t skip_tokens, plan_t **out, char *why,
-                    size_t why_len);
-/* The pool rank published into o, with its blocks as a plan's memory in
- * *mem (when mem is not NULL); NULL before that rank's publish. Read
- * only under the offer's fence. */
-pool_t *xfer_offer_source(const offer_t *o, uint32_t rank, plan_mem_t *mem);
+/* The plan of rank dst_rank of a consumer whose side is dst reading
+ * table group of o, skipping skip_tokens (plan_build()). */
+int xfer_offer_plan(const offer_t *o, uint32_t group, const plan_side_t *dst,
+                    uint32_t dst_rank, uint32_t skip_tokens, plan_t **out,
+                    char *why, size_t why_len);
+/* The pool rank published table group of o into, with its blocks as a
+ * plan's memory in *mem (when mem is not NULL); NULL before that rank's
+ * publish. Read only under the offer's fence. */
+pool_t *xfer_offer_source(const offer_t *o, uint32_t group, uint32_t rank,
+                          plan_mem_t *mem);
 /* What remote keeps of o (NULL until set), set once; xfer frees it with
  * o through xfer_remote_ops_t.offer_free. */
 struct roffer *xfer_offer_remote(const offer_t *o);
@@ -113,6 +119,12 @@ typedef struct xfer_part_desc {
     uint32_t skip_tokens;     /* the prefix the fetch does not move */
     plan_side_t dst;          /* that group's side (pool's layout) */
     uint32_t dst_rank;        /* the part's rank in dst */
+    /* the block table the part fills (Publish.groups), of ngroups; each
+     * table's side and skip (gdst[group], gskip[group] are dst and
+     * skip_tokens above) */
+    uint32_t group, ngroups;
+    plan_side_t gdst[XFER_MAX_GROUPS];
+    uint32_t gskip[XFER_MAX_GROUPS];
     const char *src_instance; /* the context instance */
     uint64_t src_request;     /* its request: its key's id */
     const reqkey_t *src_key;  /* and key */

@@ -579,9 +579,8 @@ KVX_EXPORT int kvx_fetch_key(kvx_client_t *client, const void *key,
  * destination of each of its other groups, in the offer's order
  * (pool_id, blocks, first_block, skip_tokens; a state slot: its one
  * block, skip 0). The request completes once every group of every rank
- * has landed. Between daemons a request with groups is refused
- * (KVX_ERR_UNSUPPORTED) for now. KVX_ERR_MISMATCH: not as many groups as
- * the offer has. */
+ * has landed, on one daemon as between daemons. KVX_ERR_MISMATCH: not as
+ * many groups as the offer has. */
 KVX_EXPORT int kvx_fetch_groups(kvx_client_t *client, const void *key,
                                 size_t key_len, const uint8_t *params,
                                 size_t params_len, uint32_t pool_id,

@@ -1195,3 +1195,64 @@ TEST_T(peer_layerwise, 60)
     rank_close(&g);
     p_stop_both(a, b);
 }
+
+/* A request with several block tables between daemons: context TP 2 on
+ * daemon A, generation TP 1 on daemon B; the KV, a window group from
+ * block 1 and a state slot all land (every byte of B's three pools
+ * checked), fetched with params and then by key. */
+TEST_T(peer_groups_window_and_state, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    hybrid_t h;
+    memset(&h, 0, sizeof(h));
+    ctx2_open(a, &M_SMALL, "pg-ctx", 8, &h.cs, &h.c[0], &h.c[1]);
+    p_side(&h.gs, "pg-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_open(b, &M_SMALL, &h.gs, 0, 8, &h.g);
+    for (int r = 0; r < 2; r++) {
+        group_pool(&h.c[r], &M_SWA, &h.csd[r][0], 4, 8, &h.cw[r]);
+        group_pool(&h.c[r], &M_STATE, &h.csd[r][1], 1, 4, &h.cst[r]);
+    }
+    group_pool(&h.g, &M_SWA, &h.gsd[0], 4, 8, &h.gw);
+    group_pool(&h.g, &M_STATE, &h.gsd[1], 1, 4, &h.gst);
+    for (int round = 0; round < 2; round++) {
+        uint64_t req = 340 + 10 * (uint64_t)round;
+        memset(h.g.base, 0xa5, h.g.size);
+        memset(h.gw.base, 0xa5, h.gw.size);
+        memset(h.gst.base, 0xa5, h.gst.size);
+        kvx_context_params_t p, p1;
+        CHECK_KVX(hybrid_publish(&h, 0, req, &p), h.c[0].c);
+        CHECK_KVX(hybrid_publish(&h, 1, req, &p1), h.c[1].c);
+        char k[24];
+        snprintf(k, sizeof(k), "%llu", (unsigned long long)req);
+        if (round == 0) {
+            CHECK_KVX(hybrid_fetch(&h, req, &p, 4), h.g.c);
+        } else {
+            kvx_group_t gs[2] = {
+                {.pool_id = h.gw.pool,
+                 .blocks = hy_gw + 1,
+                 .num_blocks = 2,
+                 .first_block = 1,
+                 .skip_tokens = 4},
+                {.pool_id = h.gst.pool, .blocks = &hy_gs, .num_blocks = 1},
+            };
+            CHECK_KVX(kvx_fetch_by_key_groups(
+                          h.g.c, k, strlen(k), "pg-ctx", h.c[0].addr, k,
+                          strlen(k), h.g.pool, hy_gb, 3, 0, 0, gs, 2, T_MS),
+                      h.g.c);
+        }
+        wait_event(h.g.c, req, KVX_EVENT_COMPLETE, 0, 8000);
+        wait_event(h.c[0].c, req, KVX_EVENT_COMPLETE, 0, 8000);
+        wait_event(h.c[1].c, req, KVX_EVENT_COMPLETE, 0, 8000);
+        expect_t kv = {req, hy_gb, HY_TOK, 0};
+        expect_t win = {req + 1, hy_gw, HY_TOK, 4};
+        expect_t st = {req + 2, &hy_gs, 1, 0};
+        CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
+        CHECK_EQ(check_pool(&h.gw, &win, 1, 0xa5), 0);
+        CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+        kvx_context_params_free(&p);
+        kvx_context_params_free(&p1);
+    }
+    hybrid_close(&h);
+    p_stop_both(a, b);
+}
