@@ -3,9 +3,10 @@
  *
  * Reading order:
  *   xfer_publish()   context rank offers its blocks (offer_t, one per
- *                    request, one part per rank)
+ *                    request, one part per rank and block table: most
+ *                    requests have one table, a hybrid model's more)
  *   xfer_fetch()     generation rank asks for them (genreq_t, one part per
- *                    rank, each with its plan)
+ *                    rank and table, each with its plan)
  *   part_try_start() a part whose source ranks have all published is bound
  *                    to their memory (uploaded to a GPU when a pool is
  *                    GPU memory) and queued
