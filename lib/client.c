@@ -1313,12 +1313,12 @@ int kvx_publish_groups(kvx_client_t *c, const void *key, size_t key_len,
                        uint32_t pool_id, const uint32_t *blocks,
                        uint32_t nblocks, uint32_t num_tokens,
                        const kvx_group_t *groups, uint32_t ngroups,
-                       const void *aux, size_t aux_len,
+                       const void *aux, size_t aux_len, int layerwise,
                        kvx_context_params_t *params, int timeout_ms)
 {
     return publish(c, "kvx_publish_groups", key, key_len, pool_id, blocks,
-                   nblocks, num_tokens, groups, ngroups, aux, aux_len, 0,
-                   params, timeout_ms);
+                   nblocks, num_tokens, groups, ngroups, aux, aux_len,
+                   layerwise != 0, params, timeout_ms);
 }
 
 int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
@@ -1358,7 +1358,7 @@ int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
 
 /* kvx_layers_ready and kvx_tokens_ready (fn names the call). */
 static int ready(kvx_client_t *c, const char *fn, const void *key,
-                 size_t key_len, uint32_t first, uint32_t count,
+                 size_t key_len, uint32_t group, uint32_t first, uint32_t count,
                  uint32_t tokens, const void *cuda_event, int timeout_ms)
 {
     if (!c)
@@ -1368,7 +1368,13 @@ static int ready(kvx_client_t *c, const char *fn, const void *key,
         return rc;
     if (count == 0)
         return fail(c, KVX_ERR_INVALID, "%s: count 0", fn);
+    if (group && c->daemon_minor < 2)
+        return fail(c, KVX_ERR_VERSION,
+                    "%s: the daemon speaks protocol 2.%u; block tables "
+                    "need 2.2",
+                    fn, c->daemon_minor);
     Kvxfer__LayersReady m = KVXFER__LAYERS_READY__INIT;
+    m.group = group;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
     m.first = first;
@@ -1388,7 +1394,7 @@ int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,
                      uint32_t first, uint32_t count, const void *cuda_event,
                      int timeout_ms)
 {
-    return ready(c, "kvx_layers_ready", key, key_len, first, count, 0,
+    return ready(c, "kvx_layers_ready", key, key_len, 0, first, count, 0,
                  cuda_event, timeout_ms);
 }
 
@@ -1396,8 +1402,17 @@ int kvx_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
                      uint32_t first, uint32_t count, uint32_t tokens,
                      const void *cuda_event, int timeout_ms)
 {
-    return ready(c, "kvx_tokens_ready", key, key_len, first, count, tokens,
+    return ready(c, "kvx_tokens_ready", key, key_len, 0, first, count, tokens,
                  cuda_event, timeout_ms);
+}
+
+int kvx_group_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
+                           uint32_t group, uint32_t first, uint32_t count,
+                           uint32_t tokens, const void *cuda_event,
+                           int timeout_ms)
+{
+    return ready(c, "kvx_group_tokens_ready", key, key_len, group, first, count,
+                 tokens, cuda_event, timeout_ms);
 }
 
 int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,

@@ -950,9 +950,9 @@ static void on_layers_ready(session_t *s, const Kvxfer__Request *rq)
     if (!rc)
         rc = ready_for(s, KVX_ROLE_CONTEXT, "layers_ready", why, sizeof(why));
     if (!rc)
-        rc = xfer_layers_ready(s->inst, s->rank, &key, m->first, m->count,
-                               m->tokens, m->cuda_event.data, m->cuda_event.len,
-                               s->id, why, sizeof(why));
+        rc = xfer_layers_ready(s->inst, s->rank, &key, m->group, m->first,
+                               m->count, m->tokens, m->cuda_event.data,
+                               m->cuda_event.len, s->id, why, sizeof(why));
     reply(s, rq->id, rc, rc ? why : "");
 }
 

@@ -132,7 +132,7 @@ typedef struct offer_part {
 /* Layers of a rank's part that are ready once an engine's event is. */
 typedef struct lw_watch {
     offer_t *offer;
-    uint32_t rank, first, count, tokens;
+    uint32_t group, rank, first, count, tokens;
     gpu_watch_t *w;
     list_t node; /* on its part's watches */
 } lw_watch_t;
@@ -903,10 +903,7 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
                         char *why, size_t why_len)
 {
     int rc;
-    if (n && layerwise)
-        WHY(KVX_ERR_UNSUPPORTED,
-            "publish.groups: a layer-wise offer has one block table; publish "
-            "a request with groups whole");
+    (void)layerwise; /* each table's layers are made ready on their own */
     if (n >= XFER_MAX_GROUPS)
         WHY(KVX_ERR_LIMIT, "publish.groups: %u, at most %u", n,
             XFER_MAX_GROUPS - 1);
@@ -965,7 +962,7 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
  * block of the group's tokens: those before first_block are never read,
  * UINT32_MAX) and a reference to its pool. */
 static int group_part_publish(offer_t *o, uint32_t k, uint32_t rank,
-                              const xfer_group_t *x)
+                              const xfer_group_t *x, int layerwise)
 {
     offer_part_t *part = OPART(o, k, rank);
     const kvx_layout_t *l = &x->pool->layout;
@@ -977,8 +974,16 @@ static int group_part_publish(offer_t *o, uint32_t k, uint32_t rank,
     memcpy(part->blocks + x->first_block, x->blocks,
            (need - x->first_block) * sizeof(uint32_t));
     part->nblocks = part->nappended = need;
-    part->nlayers = part->ready = l->num_layers;
+    part->nlayers = l->num_layers;
+    part->ready = layerwise ? 0 : l->num_layers;
     list_init(&part->watches);
+    part->layerwise = layerwise;
+    if (layerwise &&
+        !(part->tok_ready = calloc(l->num_layers, sizeof(uint32_t)))) {
+        free(part->blocks);
+        part->blocks = NULL;
+        return KVX_ERR_NOMEM;
+    }
     part->pool = x->pool;
     part->published = 1;
     pool_ref(x->pool);
@@ -1087,12 +1092,13 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
     }
     for (uint32_t k = 0; k < ngroups; k++)
-        if (group_part_publish(o, k + 1, rank, &groups[k])) {
+        if (group_part_publish(o, k + 1, rank, &groups[k], layerwise)) {
             for (uint32_t j = 1; j <= k + 1; j++) {
                 offer_part_t *gp = OPART(o, j, rank);
                 if (gp->pool)
                     pool_unref(gp->pool);
                 free(gp->blocks);
+                free(gp->tok_ready);
                 memset(gp, 0, sizeof(*gp));
             }
             free(part->blocks);
@@ -1158,14 +1164,15 @@ static void consumer_wake(offer_t *o)
 
 /* Layers [first, first + count) of rank's part of o hold the KV of
  * tokens [0, tokens). */
-static void layers_mark(offer_t *o, uint32_t rank, uint32_t first,
-                        uint32_t count, uint32_t tokens)
+static void layers_mark(offer_t *o, uint32_t group, uint32_t rank,
+                        uint32_t first, uint32_t count, uint32_t tokens)
 {
-    offer_part_t *sp = &o->parts[rank];
+    offer_part_t *sp = OPART(o, group, rank);
     for (uint32_t l = first; l < first + count; l++)
         if (sp->tok_ready[l] < tokens)
             sp->tok_ready[l] = tokens;
-    while (sp->ready < sp->nlayers && sp->tok_ready[sp->ready] >= o->num_tokens)
+    while (sp->ready < sp->nlayers &&
+           sp->tok_ready[sp->ready] >= o->gtokens[group])
         sp->ready++;
     log_debug("layers_ready %s/%s rank %u: [%u, %u) to token %u, %u whole",
               o->inst->id, ks(&o->key), rank, first, first + count, tokens,
@@ -1198,16 +1205,16 @@ static void layers_reached(void *arg, int status)
         return;
     }
     uint32_t rank = x->rank, first = x->first, count = x->count;
-    uint32_t tokens = x->tokens;
+    uint32_t tokens = x->tokens, group = x->group;
     free(x);
     if (!o->ending)
-        layers_mark(o, rank, first, count, tokens);
+        layers_mark(o, group, rank, first, count, tokens);
 }
 
 int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                      uint32_t first, uint32_t count, uint32_t tokens,
-                      const uint8_t *ev, size_t ev_len, uint64_t owner,
-                      char *why, size_t why_len)
+                      uint32_t group, uint32_t first, uint32_t count,
+                      uint32_t tokens, const uint8_t *ev, size_t ev_len,
+                      uint64_t owner, char *why, size_t why_len)
 {
     int rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
@@ -1224,8 +1231,12 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
     if (o->ending)
         WHY(KVX_ERR_STATE, "layers_ready: request %s is ending (%s)", ks(key),
             o->end_msg);
-    offer_part_t *sp = &o->parts[rank];
-    if (!sp->published)
+    if (group >= o->ngroups)
+        WHY(KVX_ERR_INVALID,
+            "layers_ready.group: %u, but request %s has %u block table%s",
+            group, ks(key), o->ngroups, o->ngroups == 1 ? "" : "s");
+    offer_part_t *sp = OPART(o, group, rank);
+    if (!OPART(o, 0, rank)->published)
         WHY(KVX_ERR_STATE, "layers_ready: rank %u has not published request %s",
             rank, ks(key));
     if (o->consumed)
@@ -1240,20 +1251,21 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "layers_ready: layers [%u, %llu) are not inside this rank's %u "
             "layers",
             first, (unsigned long long)first + count, sp->nlayers);
+    uint32_t ntok = o->gtokens[group];
     if (tokens == 0)
-        tokens = o->num_tokens;
-    if (tokens > o->num_tokens)
+        tokens = ntok;
+    if (tokens > ntok)
         WHY(KVX_ERR_INVALID,
             "layers_ready.tokens: %u, more than the request's %u", tokens,
-            o->num_tokens);
-    uint32_t tpb = o->side.tokens_per_block;
+            ntok);
+    uint32_t tpb = o->gside[group].tokens_per_block;
     if (ceil_div(tokens, tpb) > sp->nappended)
         WHY(KVX_ERR_INVALID,
             "layers_ready.tokens: %u tokens lie in %llu blocks; %u appended "
             "(append_blocks first)",
             tokens, (unsigned long long)ceil_div(tokens, tpb), sp->nappended);
     if (!ev_len) {
-        layers_mark(o, rank, first, count, tokens);
+        layers_mark(o, group, rank, first, count, tokens);
         return 0;
     }
     if (ev_len != 64)
@@ -1277,7 +1289,7 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
     gpu_event_unref(e); /* the watch holds its own reference */
     if (!x)
         WHY(KVX_ERR_NOMEM, "layers_ready: out of memory");
-    *x = (lw_watch_t){o, rank, first, count, tokens, x->w, {NULL, NULL}};
+    *x = (lw_watch_t){o, group, rank, first, count, tokens, x->w, {NULL, NULL}};
     list_push(&sp->watches, &x->node);
     log_debug("layers_ready %s/%s rank %u: [%u, %u) once its event is "
               "reached",
@@ -1656,7 +1668,7 @@ static void part_try_start(genpart_t *p)
                        "daemon out of memory");
             return;
         }
-        uint32_t t = g->skip_tokens;
+        uint32_t t = g->gskip[p->group];
         for (uint32_t k = 0; k < plan->nsegs; k++)
             p->tok_end[k] = t += plan->segs[k].n;
         /* what is left after the prefill's last layer is that layer's

@@ -57,16 +57,17 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  size_t why_len);
 
 /* Layer-wise offers (publish with layerwise: no layer ready yet): layers
- * [first, first + count) of rank's part of key's offer hold the KV of
+ * [first, first + count) of rank's part of block table group (0: the
+ * plain one; Publish.groups: the others) of key's offer hold the KV of
  * tokens [0, tokens) (0: all of them); owner: the session that sent ev
  * (its imports are kept for it, gpu_event_import);
  * with ev (a 64-byte cudaIpcEventHandle_t, GPU pools only) once the
  * event's record is reached (gpu_event_watch). Copies of ready layers
  * start at once. */
 int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                      uint32_t first, uint32_t count, uint32_t tokens,
-                      const uint8_t *ev, size_t ev_len, uint64_t owner,
-                      char *why, size_t why_len);
+                      uint32_t group, uint32_t first, uint32_t count,
+                      uint32_t tokens, const uint8_t *ev, size_t ev_len,
+                      uint64_t owner, char *why, size_t why_len);
 
 /* The first entry of b[0, n) that repeats an earlier one in *at (n:
  * none); 0, or KVX_ERR_NOMEM. O(n log n). */

@@ -540,7 +540,9 @@ typedef struct kvx_group {
 #define KVX_MAX_GROUPS 8 /* block tables of a request, the first included */
 
 /* kvx_publish_key with ngroups more block tables (every context rank
- * gives the same groups, in the same order; not with layer-wise offers).
+ * gives the same groups, in the same order); layerwise: as
+ * kvx_publish_layerwise, every table's layers made ready on their own
+ * (kvx_group_tokens_ready).
  * The params carry each group's layout summary. Errors as
  * kvx_publish_key's, naming "groups[k]": KVX_ERR_INVALID (num_tokens 0,
  * blocks that cannot hold them), KVX_ERR_MISMATCH (another rank's groups
@@ -553,7 +555,20 @@ KVX_EXPORT int kvx_publish_groups(kvx_client_t *client, const void *key,
                                   uint32_t num_tokens,
                                   const kvx_group_t *groups, uint32_t ngroups,
                                   const void *aux, size_t aux_len,
-                                  kvx_context_params_t *params, int timeout_ms);
+                                  int layerwise, kvx_context_params_t *params,
+                                  int timeout_ms);
+/* A layer-wise offer with groups (kvx_publish_groups with layerwise): the
+ * layers [first, first + count) of this rank's pool of table group (0:
+ * the plain table, k + 1: groups[k]) hold tokens [0, tokens) of it (0:
+ * all), as kvx_tokens_ready says of the plain table; each table's layers
+ * are made ready on their own. A chunked prefill appends blocks to the
+ * plain table only: the other tables give all their blocks at the
+ * publish. KVX_ERR_INVALID: no such table. */
+KVX_EXPORT int kvx_group_tokens_ready(kvx_client_t *client, const void *key,
+                                      size_t key_len, uint32_t group,
+                                      uint32_t first, uint32_t count,
+                                      uint32_t tokens, const void *cuda_event,
+                                      int timeout_ms);
 
 /* kvx_publish_key with the key of request_id's digits, no aux. */
 KVX_EXPORT int kvx_publish(kvx_client_t *client, uint64_t request_id,

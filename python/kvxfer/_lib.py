@@ -129,7 +129,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 51 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 52 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -185,7 +185,11 @@ _PROTOS = {
     "kvx_publish_groups": (c_int, [_client_p, c_char_p, c_size_t, c_uint32,
                                    c_void_p, c_uint32, c_uint32,
                                    POINTER(Group), c_uint32, c_char_p,
-                                   c_size_t, POINTER(ContextParams), c_int]),
+                                   c_size_t, c_int, POINTER(ContextParams),
+                                   c_int]),
+    "kvx_group_tokens_ready": (c_int, [_client_p, c_char_p, c_size_t,
+                                       c_uint32, c_uint32, c_uint32,
+                                       c_uint32, c_char_p, c_int]),
     "kvx_fetch_by_key_groups": (c_int, [_client_p, c_char_p, c_size_t,
                                         c_char_p, c_char_p, c_char_p,
                                         c_size_t, c_uint32, c_void_p,

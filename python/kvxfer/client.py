@@ -602,7 +602,9 @@ class Client:
 
         ``groups``: the request's other block tables (:class:`Group`:
         sliding-window layers, state slots), every rank the same, in the
-        same order (kvx_publish_groups; not with ``layerwise``).
+        same order (kvx_publish_groups); with ``layerwise`` each table's
+        layers are made ready on their own (:meth:`layers_ready`'s
+        ``group``).
 
         Returns the context params: opaque bytes, identical on every rank,
         for the router to hand to the generation side.
@@ -612,14 +614,11 @@ class Client:
         ptr, n, keep = _u32(blocks)
         params = _lib.ContextParams()
         if groups:
-            if layerwise:
-                raise InvalidArgument(-1, "publish: groups with layerwise: "
-                                      "a layer-wise offer has one block "
-                                      "table")
             garr, gn, gkeep = _groups(groups)
             self._call("kvx_publish_groups", k, len(k), _pool_id(pool), ptr,
                        n, num_tokens, garr, gn, a, len(a) if a else 0,
-                       ctypes.byref(params), self._ms(timeout))
+                       1 if layerwise else 0, ctypes.byref(params),
+                       self._ms(timeout))
             del gkeep
         else:
             self._call("kvx_publish_layerwise" if layerwise else
@@ -697,6 +696,7 @@ class Client:
 
     def layers_ready(self, key: Key, first: int, count: int = 1, *,
                      tokens: Optional[int] = None, event: Any = None,
+                     group: int = 0,
                      timeout: Timeout = _DEFAULT) -> None:
         """Layers ``[first, first + count)`` of this rank's pool hold the
         KV of ``key``, published with ``layerwise=True``
@@ -709,7 +709,9 @@ class Client:
         layer (or a ring deeper than the layers in flight).
 
         ``tokens`` (a chunked prefill): the layers hold tokens
-        ``[0, tokens)`` only (kvx_tokens_ready); None: all of them."""
+        ``[0, tokens)`` only (kvx_tokens_ready); None: all of them.
+        ``group``: the block table whose layers these are (0: the plain
+        one, k + 1: the publish's ``groups[k]``; kvx_group_tokens_ready)."""
         k = key_bytes(key)
         ev = None
         if event is not None:
@@ -719,8 +721,12 @@ class Client:
             if len(ev) != 64:
                 raise InvalidArgument(-1, f"event: {len(ev)} bytes (a "
                                       "cudaIpcEventHandle_t has 64)")
-        self._call("kvx_tokens_ready", k, len(k), first, count,
-                   tokens or 0, ev, self._ms(timeout))
+        if group:
+            self._call("kvx_group_tokens_ready", k, len(k), group, first,
+                       count, tokens or 0, ev, self._ms(timeout))
+        else:
+            self._call("kvx_tokens_ready", k, len(k), first, count,
+                       tokens or 0, ev, self._ms(timeout))
 
     def append_blocks(self, key: Key, pool: PoolRef, blocks: Blocks,
                       timeout: Timeout = _DEFAULT) -> None:

@@ -642,3 +642,34 @@ def test_groups_move_a_window_and_a_state_slot(pair, names):
     for b in (1, 2, 3):
         assert np.array_equal(tokens(st, dst[2].array, b, 0, 1, 2),
                               tokens(st, before[2], b, 0, 1, 2))
+
+
+def test_groups_layerwise_tables_move_when_ready(pair, names):
+    """A layer-wise offer with a state slot beside the KV: the state
+    moves only once layers_ready(group=1) names its layers."""
+    ctx, gen = pair
+    lo = layout()
+    st = Layout.preset("vllm-nhd", num_layers=2, num_heads=HEADS,
+                       head_dim=256, dtype="fp32", tokens_per_block=1,
+                       num_blocks=4, kv_factor=1)
+    src = [ctx.create_host_pool(x) for x in (lo, st)]
+    dst = [gen.create_host_pool(x) for x in (lo, st)]
+    for i, p in enumerate(src):
+        fill(p.array, 20 + i)
+    req = names["req"]
+    params = ctx.publish(req, src[0], [1, 2], num_tokens=2 * TPB,
+                         layerwise=True, groups=[kvxfer.Group.state(src[1], 3)])
+    gen.fetch(req, params, dst[0], [4, 5],
+              groups=[kvxfer.Group.state(dst[1], 0)])
+    ctx.layers_ready(req, 0, LAYERS)
+    with pytest.raises(kvxfer.InvalidArgument, match="group"):
+        ctx.layers_ready(req, 0, 1, group=2)
+    time.sleep(0.2)
+    per = st.offset(0, 0, 1) - st.offset(0, 0, 0)
+    assert not dst[1].array[st.offset(0, 0, 0):st.offset(0, 0, 0) + per].any()
+    ctx.layers_ready(req, 0, 2, group=1)
+    for c in (gen, ctx):
+        assert wait_event(c, req).kind is EventKind.COMPLETE
+    for ly in range(2):
+        s0, d0 = st.offset(ly, 0, 3), st.offset(ly, 0, 0)
+        assert (dst[1].array[d0:d0 + per] == src[1].array[s0:s0 + per]).all()

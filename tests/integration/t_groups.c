@@ -97,7 +97,7 @@ static int hybrid_publish(hybrid_t *h, int r, uint64_t req,
     char k[24];
     snprintf(k, sizeof(k), "%llu", (unsigned long long)req);
     return kvx_publish_groups(h->c[r].c, k, strlen(k), h->c[r].pool, hy_cb[r],
-                              3, HY_TOK, gs, 2, NULL, 0, p, T_MS);
+                              3, HY_TOK, gs, 2, NULL, 0, 0, p, T_MS);
 }
 
 static int hybrid_fetch(hybrid_t *h, uint64_t req,
@@ -165,7 +165,7 @@ TEST(groups_refusals_name_the_group)
                        .num_tokens = HY_TOK,
                        .first_block = 1};
     CHECK_EQ(kvx_publish_groups(h.c[1].c, "310", 3, h.c[1].pool, hy_cb[1], 3,
-                                HY_TOK, &one, 1, NULL, 0, &p1, T_MS),
+                                HY_TOK, &one, 1, NULL, 0, 0, &p1, T_MS),
              KVX_ERR_MISMATCH);
     CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c), "publish.groups");
     /* a window that starts after its tokens */
@@ -176,7 +176,7 @@ TEST(groups_refusals_name_the_group)
                            .num_tokens = 1}};
     bad[0].first_block = 3;
     CHECK_EQ(kvx_publish_groups(h.c[1].c, "310", 3, h.c[1].pool, hy_cb[1], 3,
-                                HY_TOK, bad, 2, NULL, 0, &p1, T_MS),
+                                HY_TOK, bad, 2, NULL, 0, 0, &p1, T_MS),
              KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c), "groups[0].first_block");
     /* a group's block outside its pool */
@@ -184,7 +184,7 @@ TEST(groups_refusals_name_the_group)
     bad[0] = one;
     bad[0].blocks = far;
     CHECK_EQ(kvx_publish_groups(h.c[1].c, "310", 3, h.c[1].pool, hy_cb[1], 3,
-                                HY_TOK, bad, 2, NULL, 0, &p1, T_MS),
+                                HY_TOK, bad, 2, NULL, 0, 0, &p1, T_MS),
              KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c), "groups[0].blocks[1]");
     /* the state slot with another token count than rank 0's */
@@ -194,7 +194,7 @@ TEST(groups_refusals_name_the_group)
     bad[1].blocks = two_slots;
     bad[1].num_blocks = 2;
     CHECK_EQ(kvx_publish_groups(h.c[1].c, "310", 3, h.c[1].pool, hy_cb[1], 3,
-                                HY_TOK, bad, 2, NULL, 0, &p1, T_MS),
+                                HY_TOK, bad, 2, NULL, 0, 0, &p1, T_MS),
              KVX_ERR_MISMATCH);
     CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c), "publish.groups[1]");
     CHECK_KVX(hybrid_publish(&h, 1, 310, &p1), h.c[1].c);
@@ -311,6 +311,91 @@ TEST(groups_fetch_by_key_waits_then_moves_every_group)
     CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
     kvx_context_params_free(&p);
     kvx_context_params_free(&p1);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
+
+/* A layer-wise offer with groups: each table's layers are made ready on
+ * their own (kvx_group_tokens_ready), and each table moves only once its
+ * layers are ready: the KV first, then the state, then the window, with
+ * the tables not yet ready left untouched; a table the request does not
+ * have is refused. */
+TEST(groups_layerwise_each_table_when_ready)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "hy-ctx", "hy-gen");
+    const uint64_t req = 360;
+    kvx_context_params_t p[2];
+    for (int r = 0; r < 2; r++) {
+        memset(h.c[r].base, 0x11, h.c[r].size); /* no KV yet */
+        memset(h.cw[r].base, 0x11, h.cw[r].size);
+        memset(h.cst[r].base, 0x11, h.cst[r].size);
+        kvx_group_t gs[2] = {
+            {.pool_id = h.cw[r].pool,
+             .blocks = hy_cw[r] + 1,
+             .num_blocks = 2,
+             .num_tokens = HY_TOK,
+             .first_block = 1},
+            {.pool_id = h.cst[r].pool,
+             .blocks = &hy_cs[r],
+             .num_blocks = 1,
+             .num_tokens = 1},
+        };
+        CHECK_KVX(kvx_publish_groups(h.c[r].c, "360", 3, h.c[r].pool, hy_cb[r],
+                                     3, HY_TOK, gs, 2, NULL, 0, 1, &p[r], T_MS),
+                  h.c[r].c);
+    }
+    CHECK_KVX(hybrid_fetch(&h, req, &p[0], 4), h.g.c);
+    CHECK_FAILS(
+        kvx_group_tokens_ready(h.c[0].c, "360", 3, 3, 0, 1, 0, NULL, T_MS),
+        h.c[0].c, KVX_ERR_INVALID, "layers_ready.group: 3");
+    expect_t none = {0, hy_gb, 0, 0};
+    expect_t kv = {req, hy_gb, HY_TOK, 0};
+    expect_t win = {req + 1, hy_gw, HY_TOK, 4};
+    expect_t st = {req + 2, &hy_gs, 1, 0};
+    /* the KV's layers on both ranks */
+    for (int r = 0; r < 2; r++) {
+        fill_req(&h.c[r], req, hy_cb[r], HY_TOK);
+        CHECK_KVX(
+            kvx_layers_ready(h.c[r].c, "360", 3, 0, h.c[r].nlayers, NULL, T_MS),
+            h.c[r].c);
+    }
+    int64_t end = now_ms() + 3000;
+    while (check_pool(&h.g, &kv, 1, 0xa5) && now_ms() < end)
+        sleep_ms(5);
+    CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
+    sleep_ms(50);
+    CHECK_EQ(check_pool(&h.gw, &none, 0, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gst, &none, 0, 0xa5), 0);
+    /* the state slot (table 2), layer by layer */
+    for (int r = 0; r < 2; r++) {
+        fill_req(&h.cst[r], req + 2, &hy_cs[r], 1);
+        for (uint32_t ly = 0; ly < h.cst[r].nlayers; ly++)
+            CHECK_KVX(kvx_group_tokens_ready(h.c[r].c, "360", 3, 2, ly, 1, 0,
+                                             NULL, T_MS),
+                      h.c[r].c);
+    }
+    end = now_ms() + 3000;
+    while (check_pool(&h.gst, &st, 1, 0xa5) && now_ms() < end)
+        sleep_ms(5);
+    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gw, &none, 0, 0xa5), 0);
+    ev_t e[4];
+    CHECK_EQ(collect(h.g.c, e, 4, 1, 100), 0); /* the window is missing */
+    /* the window (table 1) */
+    for (int r = 0; r < 2; r++) {
+        fill_req(&h.cw[r], req + 1, hy_cw[r], HY_TOK);
+        CHECK_KVX(kvx_group_tokens_ready(h.c[r].c, "360", 3, 1, 0,
+                                         h.cw[r].nlayers, 0, NULL, T_MS),
+                  h.c[r].c);
+    }
+    wait_event(h.g.c, req, KVX_EVENT_COMPLETE, 0, 3000);
+    CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gw, &win, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+    kvx_context_params_free(&p[0]);
+    kvx_context_params_free(&p[1]);
     hybrid_close(&h);
     daemon_healthy(d);
 }
