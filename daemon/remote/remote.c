@@ -1214,6 +1214,17 @@ static void opened_send(peer_conn_t *c, sstream_t *s, const offer_t *o)
     peer_send(c, &r);
 }
 
+/* Do a and b describe the same receiving side? */
+static int same_side(const plan_side_t *a, const plan_side_t *b)
+{
+    return a->tp == b->tp && a->pp == b->pp && a->cp == b->cp &&
+           a->total_layers == b->total_layers &&
+           a->total_heads == b->total_heads && a->kv_factor == b->kv_factor &&
+           a->head_dim == b->head_dim && a->elem_size == b->elem_size &&
+           a->dtype == b->dtype && a->tokens_per_block == b->tokens_per_block &&
+           a->attention_dp == b->attention_dp;
+}
+
 static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 {
     if (!m->key.len || m->key.len > KVX_MAX_KEY ||
@@ -1305,6 +1316,19 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
             gskip[0] = m->skip_tokens;
         }
     }
+    /* the stream's own table must be the one the tables' list names, and
+     * every table received by as many ranks: the count of streams below
+     * is made from the list */
+    for (uint32_t k = 0; !rc && k < ng; k++)
+        if (plan_side_ranks(&gdst[k]) != plan_side_ranks(&dst) ||
+            (k == m->group &&
+             (gskip[k] != m->skip_tokens || !same_side(&gdst[k], &dst)))) {
+            snprintf(why, sizeof(why),
+                     "open: block table %u's side in groups differs from "
+                     "the stream's",
+                     k);
+            rc = KVX_ERR_MISMATCH;
+        }
     if (!rc)
         rc = plan_compat(xfer_offer_group_side(o, m->group), &dst, why,
                          sizeof(why));
@@ -1361,6 +1385,22 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                     (unsigned long long)m->request_id, ro->streams_expect);
         return;
     }
+    if (!ro->streams_expect) {
+        /* the streams of every table of every receiving rank; this one is
+         * among them (its side and skip are its table's, checked above) */
+        uint32_t n = streams_expected(o, gdst, gskip, ng, m);
+        if (!n) {
+            plan_free(plan);
+            open_refuse(c, m->stream, KVX_ERR_MISMATCH,
+                        "open: no stream of request %s is served by daemon "
+                        "%s",
+                        ks, kvxd.address);
+            return;
+        }
+        ro->streams_expect = n;
+        snprintf(ro->rconsumer, sizeof(ro->rconsumer), "%s", who);
+        xfer_offer_taken(o);
+    }
     sstream_t *s = calloc(1, sizeof(*s));
     if (!s || map_put(&sstreams, next_id, s)) {
         free(s);
@@ -1392,11 +1432,6 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->dst_layout.head_dim = dst.head_dim;
     s->dst_layout.elem_size = dst.elem_size;
     plan->dst.layout = &s->dst_layout;
-    if (!ro->streams_expect) {
-        ro->streams_expect = streams_expected(o, gdst, gskip, ng, m);
-        snprintf(ro->rconsumer, sizeof(ro->rconsumer), "%s", who);
-        xfer_offer_taken(o);
-    }
     ro->streams_opened++;
     assert(ro->streams_opened <= ro->streams_expect);
     list_push(ro->streams.next, &s->node); /* first: newest first */

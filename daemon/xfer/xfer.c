@@ -921,6 +921,12 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
         if (x->num_tokens == 0)
             WHY(KVX_ERR_INVALID, "%s.num_tokens: 0", what);
         uint64_t need = ceil_div(x->num_tokens, l->tokens_per_block);
+        if (need > kvxd.conf.max_blocks_per_request)
+            WHY(KVX_ERR_LIMIT,
+                "%s.num_tokens: %u tokens need %llu blocks, more than "
+                "limits.max_blocks_per_request %u",
+                what, x->num_tokens, (unsigned long long)need,
+                kvxd.conf.max_blocks_per_request);
         if (x->first_block >= need)
             WHY(KVX_ERR_INVALID,
                 "%s.first_block: %u, but its %u tokens lie in %llu blocks",
@@ -1011,6 +1017,13 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "%u (need %llu)",
             nblocks, l->tokens_per_block, num_tokens,
             (unsigned long long)need);
+    /* a layer-wise table has room for every block of num_tokens */
+    if (need > kvxd.conf.max_blocks_per_request)
+        WHY(KVX_ERR_LIMIT,
+            "publish.num_tokens: %u tokens need %llu blocks, more than "
+            "limits.max_blocks_per_request %u",
+            num_tokens, (unsigned long long)need,
+            kvxd.conf.max_blocks_per_request);
 
     offer_t *o = map_get(&inst->offers, request_id);
     if (o && !reqkey_eq(&o->key, key))
@@ -1844,6 +1857,11 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
             WHY(KVX_ERR_MISMATCH,
                 "fetch.dp_rank: %u differs from %u given by another rank",
                 dp_rank, g->dp_rank);
+        if (g->ngroups != 1 + ngs)
+            WHY(KVX_ERR_MISMATCH,
+                "fetch.groups: %u other block tables, but another rank's "
+                "fetch of request %s gave %u",
+                ngs, ks(key), g->ngroups - 1);
         if (g->skip_tokens != skip)
             WHY(KVX_ERR_MISMATCH,
                 "fetch.skip_tokens: %u differs from %u given by another "
@@ -2187,6 +2205,14 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         rc = KVX_ERR_AUTH;
         goto out;
     }
+    if (o->ngroups != 1 + ngs) { /* the params said so, but may lie */
+        snprintf(why, why_len,
+                 "fetch.groups: %u other block tables, but the offer of "
+                 "request %s has %u",
+                 ngs, ksb(cp->key.data, cp->key.len), o->ngroups - 1);
+        rc = KVX_ERR_MISMATCH;
+        goto out;
+    }
 
     *as_event = 0;
     genreq_t *g = map_get(&inst->fetches, request_id);
@@ -2380,6 +2406,14 @@ static int group_plan(const plan_side_t *src, uint32_t src_tokens,
     if (x->skip_tokens > src_tokens)
         WHY(KVX_ERR_INVALID, "%s.skip_tokens: %u, more than its %u tokens",
             what, x->skip_tokens, src_tokens);
+    /* before planning: params could ask for billions of tokens; the
+     * blocks given bound what can land */
+    if (((uint64_t)x->first_block + x->nblocks) * l->tokens_per_block <
+        src_tokens)
+        WHY(KVX_ERR_INVALID,
+            "%s.blocks: %u blocks of %u tokens from block %u cannot hold "
+            "the group's %u tokens",
+            what, x->nblocks, l->tokens_per_block, x->first_block, src_tokens);
     plan_t *plan;
     if ((rc = plan_build(src, &dst, eff_rank, src_tokens, x->skip_tokens, &plan,
                          why, why_len)))

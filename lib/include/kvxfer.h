@@ -488,9 +488,11 @@ KVX_EXPORT int kvx_append_blocks(kvx_client_t *client, const void *key,
 /* How far this generation rank's fetch of key has come: layers
  * [0, *layers_done) of its pool (*num_layers in all) have landed, so
  * attention on them may start while later layers arrive (vLLM's
- * wait_for_layer_load). *ended (may be NULL): the fetch has ended and
- * its event is coming. Between daemons layers_done stays 0 until the
- * fetch completes. KVX_ERR_NOT_FOUND: no such fetch in flight. */
+ * wait_for_layer_load); with several block tables, the plain table's
+ * layers (the others are covered by the event). *ended (may be NULL):
+ * the fetch has ended and its event is coming. Between daemons layers_done
+ * stays 0 until the fetch completes. KVX_ERR_NOT_FOUND: no such fetch in
+ * flight. */
 KVX_EXPORT int kvx_fetch_progress(kvx_client_t *client, const void *key,
                                   size_t key_len, uint32_t *layers_done,
                                   uint32_t *num_layers, int *ended,

@@ -399,3 +399,54 @@ TEST(groups_layerwise_each_table_when_ready)
     hybrid_close(&h);
     daemon_healthy(d);
 }
+
+/* Params that lie about the tables (groups removed, the token kept): the
+ * offer decides, so the fetch ends with one MISMATCH event and writes
+ * nothing; publishing a table that would need more blocks than
+ * limits.max_blocks_per_request allows is refused before any memory is
+ * taken for it. */
+TEST(groups_forged_params_and_huge_tables_refused)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "hy-ctx", "hy-gen");
+    kvx_context_params_t p, p1;
+    CHECK_KVX(hybrid_publish(&h, 0, 370, &p), h.c[0].c);
+    CHECK_KVX(hybrid_publish(&h, 1, 370, &p1), h.c[1].c);
+    kvx_context_params_free(&p1);
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, p.len, p.data);
+    CHECK(cp != NULL);
+    cp->n_groups = 0;
+    uint8_t forged[4096];
+    size_t n = kvxfer__context_params__get_packed_size(cp);
+    CHECK(n <= sizeof(forged));
+    kvxfer__context_params__pack(cp, forged);
+    cp->n_groups = 2; /* freed as unpacked */
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    CHECK_KVX(kvx_fetch_key(h.g.c, "370", 3, forged, n, h.g.pool, hy_gb, 3, 0,
+                            0, T_MS),
+              h.g.c);
+    ev_t e = wait_event(h.g.c, 370, KVX_EVENT_ERROR, KVX_ERR_MISMATCH, 3000);
+    CHECK_STR_CONTAINS(e.msg, "other block tables");
+    expect_t none = {0, hy_gb, 0, 0};
+    CHECK_EQ(check_pool(&h.g, &none, 0, 0xa5), 0);
+    /* a window of four billion one-token blocks */
+    kvx_group_t huge[2] = {{.pool_id = h.cst[0].pool,
+                            .blocks = &hy_cs[0],
+                            .num_blocks = 1,
+                            .num_tokens = 4000000000u,
+                            .first_block = 3999999999u},
+                           {.pool_id = h.cst[0].pool,
+                            .blocks = &hy_cs[0],
+                            .num_blocks = 1,
+                            .num_tokens = 1}};
+    CHECK_EQ(kvx_publish_groups(h.c[0].c, "371", 3, h.c[0].pool, hy_cb[0], 3,
+                                HY_TOK, huge, 2, NULL, 0, 0, &p1, T_MS),
+             KVX_ERR_LIMIT); /* p1 is not filled on an error */
+    CHECK_STR_CONTAINS(kvx_last_error(h.c[0].c),
+                       "limits.max_blocks_per_request");
+    kvx_context_params_free(&p);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
