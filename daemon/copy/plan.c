@@ -542,6 +542,17 @@ static void copy_strided(uint8_t *dst, const uint8_t *src, uint64_t run,
         for (uint64_t b = 0; b < d[1].n; b++) {
             const uint8_t *s = at_c(src, a * d[2].ss + b * d[1].ss);
             uint8_t *t = at(dst, a * d[2].ds + b * d[1].ds);
+            /* short runs far apart (a TP rank's heads of each token): the
+             * hardware prefetcher does not run ahead of them, so each run
+             * would wait on memory alone; ask for the next step's runs
+             * while these copy */
+            if (run <= 4096 && b + 1 < d[1].n)
+                for (uint64_t c = 0; c < d[0].n; c++) {
+                    const uint8_t *n = at_c(
+                        src, a * d[2].ss + (b + 1) * d[1].ss + c * d[0].ss);
+                    for (uint64_t o = 0; o < run; o += 64)
+                        __builtin_prefetch(n + o, 0, 0);
+                }
             for (uint64_t c = 0; c < d[0].n; c++)
                 if (stream)
                     copy_run(at(t, c * d[0].ds), at_c(s, c * d[0].ss), run);
