@@ -1781,6 +1781,16 @@ static int group_plan(const plan_side_t *src, uint32_t src_tokens,
                       uint32_t k, const xfer_group_t *x, plan_t **out,
                       uint32_t **bt_out, char *why, size_t why_len);
 
+/* The other tables' plans and destination tables of a fetch that did
+ * not take them (group_plan() made them). */
+static void group_plans_free(plan_t **plans, uint32_t **bts, uint32_t n)
+{
+    for (uint32_t k = 0; k < n; k++) {
+        free(bts[k]);
+        plan_free(plans[k]);
+    }
+}
+
 /* The side of the offer's table k (k > 0) from the params: the
  * instance's parallelism with that table's layout summary and sizes. */
 static int side_from_params_group(const Kvxfer__ContextParams *cp, uint32_t k,
@@ -1914,10 +1924,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
                             k + 1, &gs[k], &gplan[k], &gbt[k], why, why_len);
     }
     if (rc) {
-        for (uint32_t k = 0; k < ngs; k++) {
-            free(gbt[k]);
-            plan_free(gplan[k]);
-        }
+        group_plans_free(gplan, gbt, ngs);
         free(bt);
         plan_free(plan);
         return rc;
@@ -1934,10 +1941,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
             free(addrs);
             free(bt);
             plan_free(plan);
-            for (uint32_t k = 0; k < ngs; k++) {
-                free(gbt[k]);
-                plan_free(gplan[k]);
-            }
+            group_plans_free(gplan, gbt, ngs);
             WHY(KVX_ERR_NOMEM, "fetch: out of memory");
         }
         g->remote = 1;
@@ -2359,10 +2363,7 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     goto out;
 
 err_free_groups:
-    for (uint32_t k = 0; k < ngs; k++) {
-        free(gbt[k]);
-        plan_free(gplan[k]);
-    }
+    group_plans_free(gplan, gbt, ngs);
     free(bt);
 err_free_plan:
     plan_free(plan);

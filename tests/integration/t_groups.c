@@ -75,6 +75,34 @@ static const uint32_t hy_cw[2][3] = {{4, 3, 6}, {7, 0, 5}}; /* [0] unused */
 static const uint32_t hy_cs[2] = {3, 1};
 static const uint32_t hy_gb[3] = {2, 6, 4}, hy_gw[3] = {0, 5, 1}, hy_gs = 2;
 
+/* Context rank r's other tables: the window's last two blocks and its
+ * state slot. */
+static void hy_ctx_groups(const hybrid_t *h, int r, kvx_group_t gs[2])
+{
+    gs[0] = (kvx_group_t){.pool_id = h->cw[r].pool,
+                          .blocks = hy_cw[r] + 1,
+                          .num_blocks = 2,
+                          .num_tokens = HY_TOK,
+                          .first_block = 1};
+    gs[1] = (kvx_group_t){.pool_id = h->cst[r].pool,
+                          .blocks = &hy_cs[r],
+                          .num_blocks = 1,
+                          .num_tokens = 1};
+}
+
+/* The generation rank's other tables: the window from block 1, skipping
+ * wskip tokens, and its state slot. */
+static void hy_gen_groups(const hybrid_t *h, uint32_t wskip, kvx_group_t gs[2])
+{
+    gs[0] = (kvx_group_t){.pool_id = h->gw.pool,
+                          .blocks = hy_gw + 1,
+                          .num_blocks = 2,
+                          .first_block = 1,
+                          .skip_tokens = wskip};
+    gs[1] = (kvx_group_t){
+        .pool_id = h->gst.pool, .blocks = &hy_gs, .num_blocks = 1};
+}
+
 /* Rank r publishes req's KV, window and state (the patterns written
  * first: the window's tokens [0, 4) too, in a block it does not offer). */
 static int hybrid_publish(hybrid_t *h, int r, uint64_t req,
@@ -83,17 +111,8 @@ static int hybrid_publish(hybrid_t *h, int r, uint64_t req,
     fill_req(&h->c[r], req, hy_cb[r], HY_TOK);
     fill_req(&h->cw[r], req + 1, hy_cw[r], HY_TOK);
     fill_req(&h->cst[r], req + 2, &hy_cs[r], 1);
-    kvx_group_t gs[2] = {
-        {.pool_id = h->cw[r].pool,
-         .blocks = hy_cw[r] + 1,
-         .num_blocks = 2,
-         .num_tokens = HY_TOK,
-         .first_block = 1},
-        {.pool_id = h->cst[r].pool,
-         .blocks = &hy_cs[r],
-         .num_blocks = 1,
-         .num_tokens = 1},
-    };
+    kvx_group_t gs[2];
+    hy_ctx_groups(h, r, gs);
     char k[24];
     snprintf(k, sizeof(k), "%llu", (unsigned long long)req);
     return kvx_publish_groups(h->c[r].c, k, strlen(k), h->c[r].pool, hy_cb[r],
@@ -103,14 +122,8 @@ static int hybrid_publish(hybrid_t *h, int r, uint64_t req,
 static int hybrid_fetch(hybrid_t *h, uint64_t req,
                         const kvx_context_params_t *p, uint32_t wskip)
 {
-    kvx_group_t gs[2] = {
-        {.pool_id = h->gw.pool,
-         .blocks = hy_gw + 1,
-         .num_blocks = 2,
-         .first_block = 1,
-         .skip_tokens = wskip},
-        {.pool_id = h->gst.pool, .blocks = &hy_gs, .num_blocks = 1},
-    };
+    kvx_group_t gs[2];
+    hy_gen_groups(h, wskip, gs);
     char k[24];
     snprintf(k, sizeof(k), "%llu", (unsigned long long)req);
     return kvx_fetch_groups(h->g.c, k, strlen(k), p->data, p->len, h->g.pool,
@@ -285,14 +298,8 @@ TEST(groups_fetch_by_key_waits_then_moves_every_group)
     daemon_t *d = daemon_start(NULL);
     hybrid_t h;
     hybrid_open(d, &h, "hy-ctx", "hy-gen");
-    kvx_group_t gs[2] = {
-        {.pool_id = h.gw.pool,
-         .blocks = hy_gw + 1,
-         .num_blocks = 2,
-         .first_block = 1,
-         .skip_tokens = 4},
-        {.pool_id = h.gst.pool, .blocks = &hy_gs, .num_blocks = 1},
-    };
+    kvx_group_t gs[2];
+    hy_gen_groups(&h, 4, gs);
     CHECK_KVX(kvx_fetch_by_key_groups(h.g.c, "330", 3, "hy-ctx", h.c[0].addr,
                                       "330", 3, h.g.pool, hy_gb, 3, 0, 0, gs,
                                       2, T_MS),
@@ -331,17 +338,8 @@ TEST(groups_layerwise_each_table_when_ready)
         memset(h.c[r].base, 0x11, h.c[r].size); /* no KV yet */
         memset(h.cw[r].base, 0x11, h.cw[r].size);
         memset(h.cst[r].base, 0x11, h.cst[r].size);
-        kvx_group_t gs[2] = {
-            {.pool_id = h.cw[r].pool,
-             .blocks = hy_cw[r] + 1,
-             .num_blocks = 2,
-             .num_tokens = HY_TOK,
-             .first_block = 1},
-            {.pool_id = h.cst[r].pool,
-             .blocks = &hy_cs[r],
-             .num_blocks = 1,
-             .num_tokens = 1},
-        };
+        kvx_group_t gs[2];
+        hy_ctx_groups(&h, r, gs);
         CHECK_KVX(kvx_publish_groups(h.c[r].c, "360", 3, h.c[r].pool, hy_cb[r],
                                      3, HY_TOK, gs, 2, NULL, 0, 1, &p[r], T_MS),
                   h.c[r].c);

@@ -1228,14 +1228,8 @@ TEST_T(peer_groups_window_and_state, 60)
         if (round == 0) {
             CHECK_KVX(hybrid_fetch(&h, req, &p, 4), h.g.c);
         } else {
-            kvx_group_t gs[2] = {
-                {.pool_id = h.gw.pool,
-                 .blocks = hy_gw + 1,
-                 .num_blocks = 2,
-                 .first_block = 1,
-                 .skip_tokens = 4},
-                {.pool_id = h.gst.pool, .blocks = &hy_gs, .num_blocks = 1},
-            };
+            kvx_group_t gs[2];
+            hy_gen_groups(&h, 4, gs);
             CHECK_KVX(kvx_fetch_by_key_groups(
                           h.g.c, k, strlen(k), "pg-ctx", h.c[0].addr, k,
                           strlen(k), h.g.pool, hy_gb, 3, 0, 0, gs, 2, T_MS),
