@@ -94,6 +94,7 @@ static struct opts {
     int by_key;  /* --by-key: generation fetches by key, no params */
     double layerwise_ms; /* --layerwise MS: a layer ready every MS ms */
     int layerwise;
+    int poll_spin; /* --poll-spin: the generation rank polls, never waits */
     int shuffle; /* --shuffle: each side's block ids a permutation */
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
@@ -1703,7 +1704,7 @@ static void *lw_poll(void *arg)
     size_t kl = strlen(w->key);
     for (;;) {
         kvx_batch_t *b;
-        if (kvx_poll(w->c, 1, 1000, &b))
+        if (kvx_poll(w->c, o.poll_spin ? 0 : 1, o.poll_spin ? 0 : 1000, &b))
             die("--layerwise: poll: %s", kvx_last_error(w->c));
         for (uint32_t i = 0; i < b->num_events; i++) {
             const kvx_event_t *e = &b->events[i];
@@ -1920,16 +1921,18 @@ static int layerwise_main(void)
                "\"whole_exposed_us\":%.1f,\"exposed_per_layer\":%.3f,"
                "\"ready_us\":%.1f,\"stream_gbps\":%.3f,"
                "\"whole_gbps\":%.3f,\"stream_ratio\":%.3f,"
-               "\"verified\":%s}\n",
+               "\"poll\":\"%s\",\"verified\":%s}\n",
                o.layerwise_ms, L, n, (unsigned long long)bytes,
                stream ? "true" : "false", lw_us, layer_us, whole_us,
                lw_us / layer_us, ready_us, gbps_fast, gbps_ready,
-               gbps_fast / gbps_ready, o.no_verify ? "false" : "true");
+               gbps_fast / gbps_ready, o.poll_spin ? "spin" : "wait",
+               o.no_verify ? "false" : "true");
     } else {
         printf("layer-wise: %u layers, a layer ready every %g ms, %.1f MiB "
-               "a request (%s pools), median of %u\n",
-               L, o.layerwise_ms, bytes / 1048576.0, stream ? "GPU" : "host",
-               n);
+               "a request (%s pools), median of %u, %s\n",
+               L, o.layerwise_ms, bytes / 1048576.0, stream ? "GPU" : "host", n,
+               o.poll_spin ? "the generation rank polling without waiting"
+                           : "the generation rank waiting in its poll");
         printf("  exposed after the last layer, layer-wise %10.1f us  = "
                "%.2f x one layer's transfer\n",
                lw_us, lw_us / layer_us);
@@ -2069,6 +2072,11 @@ static void usage(FILE *f)
         "                         layer-wise and published whole, one\n"
         "                         layer's transfer time, and streamed vs\n"
         "                         whole bandwidth\n"
+        "  --poll-spin            with --layerwise: the generation rank\n"
+        "                         polls without waiting, over and over, as\n"
+        "                         an engine's step loop does, instead of one\n"
+        "                         poll that blocks (then the exposed time\n"
+        "                         holds its thread's wake-up)\n"
         "  --json                 one JSON object on stdout\n");
 }
 
@@ -2142,6 +2150,7 @@ int main(int argc, char **argv)
         {"reserve", no_argument, NULL, 1019},
         {"by-key", no_argument, NULL, 1020},
         {"layerwise", required_argument, NULL, 1021},
+        {"poll-spin", no_argument, NULL, 1029},
         {"shuffle", no_argument, NULL, 1022},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
@@ -2222,6 +2231,9 @@ int main(int argc, char **argv)
         case 1022:
             o.shuffle = 1;
             break;
+        case 1029:
+            o.poll_spin = 1;
+            break;
         case 1021: {
             char *end;
             o.layerwise_ms = strtod(optarg, &end);
@@ -2280,6 +2292,10 @@ int main(int argc, char **argv)
     if (o.ctas && !o.spawn) {
         fprintf(stderr, "kvxfer-bench: --ctas needs --spawn-daemon (it is "
                         "the daemon's gpu.max_ctas)\n");
+        return 2;
+    }
+    if (o.poll_spin && !o.layerwise) {
+        fprintf(stderr, "kvxfer-bench: --poll-spin goes with --layerwise\n");
         return 2;
     }
     if (o.trace && (!o.spawn || o.daemons != 1 || o.layerwise_ms)) {

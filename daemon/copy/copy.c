@@ -231,7 +231,9 @@ err_close_inline:
     return rc == KVX_ERR_NOMEM ? rc : KVX_ERR_IO;
 }
 
-void copy_submit(copy_job_t *j)
+/* Start j at once when it is a GPU launch or small enough for the loop;
+ * 1: it is for the workers, to be queued. */
+static int submit_now(copy_job_t *j)
 {
     /* on no queue: zeroed, or popped before its done callback ran */
     assert(!j->node.next || !list_linked(&j->node));
@@ -242,7 +244,7 @@ void copy_submit(copy_job_t *j)
                         j->packed_gather};
         if ((j->status = gpu_launch(j->gpu, &w, gpu_done, j)))
             job_finished(j);
-        return;
+        return 0;
     }
     if (!j->run && j->plan->bytes <= c.inline_bytes) {
         /* small: here, now; its done callback at this iteration's check */
@@ -252,14 +254,38 @@ void copy_submit(copy_job_t *j)
         j->t_done = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
         list_push(&c.inline_done, &j->node);
         uv_idle_start(&c.idle, on_idle);
-        return;
+        return 0;
     }
+    return 1;
+}
+
+void copy_submit_many(copy_job_t **jobs, size_t n)
+{
+    size_t q = 0;
+    for (size_t i = 0; i < n; i++)
+        if (submit_now(jobs[i]))
+            jobs[q++] = jobs[i];
+    if (!q)
+        return;
+    /* every job queued before any worker is woken: a woken worker can
+     * take the loop's CPU (wake-up preemption), and jobs not queued yet
+     * would wait for the loop to get it back */
     pthread_mutex_lock(&c.mu);
-    list_push(&c.todo, &j->node);
+    for (size_t i = 0; i < q; i++)
+        list_push(&c.todo, &jobs[i]->node);
     todo_changed();
-    if (c.sleeping)
-        pthread_cond_signal(&c.cv);
+    unsigned sleeping = c.sleeping;
     pthread_mutex_unlock(&c.mu);
+    if (q >= sleeping)
+        pthread_cond_broadcast(&c.cv);
+    else
+        for (size_t i = 0; i < q; i++)
+            pthread_cond_signal(&c.cv);
+}
+
+void copy_submit(copy_job_t *j)
+{
+    copy_submit_many(&j, 1);
 }
 
 unsigned copy_inflight(void) { return c.inflight; }

@@ -55,6 +55,9 @@ int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us,
 /* Queue a job (loop thread only): a zeroed one, or one handed back to
  * its done callback (even from inside it), never one still queued. */
 void copy_submit(copy_job_t *job);
+/* The same for n jobs (the array is reused as scratch): the workers are
+ * woken once all of them are queued. */
+void copy_submit_many(copy_job_t **jobs, size_t n);
 /* Jobs submitted and not yet done. */
 unsigned copy_inflight(void);
 unsigned copy_threads(void);

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "daemon.h"
@@ -195,6 +196,10 @@ static void *waiter_main(void *arg)
      * (an interrupt) each cost tens of them; so it spins that long for
      * the next item and for each event before it sleeps */
     uint64_t spin_ns = (uint64_t)kvxd.conf.gpu_spin_us * 1000;
+    long poll_ns = (long)kvxd.conf.gpu_event_poll_us * 1000;
+    if (poll_ns > 999999999L)
+        poll_ns = 999999999L;
+    prctl(PR_SET_TIMERSLACK, 1000UL); /* its sleeps as asked */
     pthread_mutex_lock(&w->mu);
     for (;;) {
         if (list_empty(&w->queue) && !w->stop && spin_ns) {
@@ -224,6 +229,15 @@ static void *waiter_main(void *arg)
             wt_relax();
             if (i % 16 == 0 && wt_now_ns() - t0 > spin_ns)
                 break;
+        }
+        /* a longer copy: look every gpu.event_poll_us for up to 2 ms
+         * (a layer of a layer-wise request, a chunk of a large one),
+         * then block: an interrupt's wake-up costs 50-100 us more */
+        for (uint64_t t = 0; e == cudaErrorNotReady && t < 2000000;) {
+            struct timespec ts = {0, poll_ns};
+            nanosleep(&ts, NULL);
+            t += (uint64_t)poll_ns;
+            e = cudaEventQuery(it->ev);
         }
         if (e == cudaErrorNotReady)
             e = cudaEventSynchronize(it->ev);
@@ -959,7 +973,8 @@ void gpu_events_forget(uint64_t owner)
     }
 }
 
-/* The watcher: one thread that polls every watched event. The loop adds
+/* The watcher: one thread that polls every watched event (every
+ * gpu.event_poll_us while any is watched). The loop adds
  * and removes watches and runs their callbacks; the thread only moves a
  * reached watch from pending to done and wakes the loop. */
 struct gpu_watch {
@@ -1002,6 +1017,9 @@ static void *ew_main(void *arg)
 {
     (void)arg;
     pthread_setname_np(pthread_self(), "kvx-events");
+    /* sleeps of gpu.event_poll_us, not the default slack's 50 us more */
+    prctl(PR_SET_TIMERSLACK, 1000UL);
+    long poll_ns = (long)kvxd.conf.gpu_event_poll_us * 1000;
     pthread_mutex_lock(&ew.mu);
     while (!ew.stop) {
         if (list_empty(&ew.pending)) {
@@ -1028,7 +1046,7 @@ static void *ew_main(void *arg)
         pthread_mutex_unlock(&ew.mu);
         if (moved)
             uv_async_send(&ew.async);
-        struct timespec ts = {0, 20000};
+        struct timespec ts = {poll_ns / 1000000000L, poll_ns % 1000000000L};
         nanosleep(&ts, NULL);
         pthread_mutex_lock(&ew.mu);
     }

@@ -125,8 +125,8 @@ void gpu_events_forget(uint64_t owner);
 
 /* Watch e until its last record is reached: then cb(arg, 0) on the loop
  * (cb(arg, KVX_ERR_IO) if CUDA reports an error for it). A thread polls
- * the watched events (cudaEventQuery every ~20 us while any is
- * watched): nothing of the daemon's ever waits on a client's event on
+ * the watched events (cudaEventQuery every gpu.event_poll_us while
+ * any is watched): nothing of the daemon's ever waits on a client's event on
  * the GPU, so an engine that dies with its event never reached leaves
  * no copy stuck behind it. NULL: out of memory. A watch ends with its
  * callback or with gpu_event_unwatch() (then cb is never called). */

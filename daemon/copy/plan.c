@@ -415,13 +415,27 @@ static uint32_t slice_of(const plan_t *p, uint64_t u)
 
 uint64_t plan_units_bytes(const plan_t *p, uint64_t u0, uint64_t u1)
 {
+    /* slice by slice, the segment index stepped, not divided: a GPU job
+     * is a whole layer (thousands of units), counted on the loop */
+    const kvx_layout_t *dl = p->dst.layout;
     uint64_t bytes = 0;
-    for (uint64_t u = u0; u < u1; u++) {
-        const plan_slice_t *s = &p->slices[slice_of(p, u)];
-        const plan_seg_t *g = &p->segs[(u - s->unit_begin) % p->nsegs];
-        const kvx_layout_t *dl = p->dst.layout;
-        bytes += (uint64_t)dl->kv_factor * g->n * s->nheads * dl->head_dim *
-                 dl->elem_size;
+    if (u0 >= u1 || !p->nsegs)
+        return 0;
+    for (uint32_t i = slice_of(p, u0); i < p->nslices && u0 < u1; i++) {
+        const plan_slice_t *s = &p->slices[i];
+        uint64_t end = i + 1 < p->nslices ? p->slices[i + 1].unit_begin : u1;
+        if (end > u1)
+            end = u1;
+        uint32_t k = (uint32_t)((u0 - s->unit_begin) % p->nsegs);
+        uint64_t tokens = 0;
+        for (uint64_t u = u0; u < end; u++) {
+            tokens += p->segs[k].n;
+            if (++k == p->nsegs)
+                k = 0;
+        }
+        bytes +=
+            tokens * dl->kv_factor * s->nheads * dl->head_dim * dl->elem_size;
+        u0 = end;
     }
     return bytes;
 }

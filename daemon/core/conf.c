@@ -293,6 +293,19 @@ static const struct conf_key keys[] = {
              "copy worker (two thread hand-offs cost more than copying a "
              "few blocks); 0: every job goes to the workers."},
 
+    {.name = "copy.busy_poll",
+     .type = CONF_U32,
+     FIELD(copy_busy_poll),
+     .def = 2,
+     .min = 0,
+     .max = 2,
+     .help = "While a layer-wise offer is open, the loop polls every turn "
+             "instead of sleeping, so that a layer made ready (the "
+             "engine's call or CUDA event) starts moving, and its copies "
+             "come back, within microseconds: 0 never, 1 always, 2 with 4 "
+             "or more CPUs (with fewer, the spinning loop takes the copy "
+             "threads' CPU). With no such offer it sleeps."},
+
     {.name = "gpu.max_ctas",
      .type = CONF_U32,
      FIELD(gpu_max_ctas),
@@ -311,6 +324,17 @@ static const struct conf_key keys[] = {
      .help = "The thread that sees a GPU copy finish spins this long for "
              "the next one, and on each one, before it sleeps; saves two "
              "wake-ups per small request; 0 turns it off."},
+    {.name = "gpu.event_poll_us",
+     .type = CONF_U32,
+     FIELD(gpu_event_poll_us),
+     .def = 10,
+     .min = 1,
+     .max = 1000,
+     .help = "How often a thread waiting for a GPU event looks at it: the "
+             "engine's events of a layer-wise offer while any is watched, "
+             "and a copy kernel still running after gpu.spin_us (up to 2 "
+             "ms, then it blocks). Shorter finds a layer or a copy done "
+             "sooner and costs more CPU while the GPU works."},
     {.name = "gpu.chunk_bytes",
      .type = CONF_SIZE,
      FIELD(gpu_chunk_bytes),
@@ -529,8 +553,10 @@ static const struct conf_key keys[] = {
      .min = 1,
      .max = 3600000,
      .reloadable = 1,
-     .help = "A connection that has not said Hello this long after connecting "
-             "is closed (status requests need no Hello)."},
+     .help = "A connection that has sent no request this long after "
+             "connecting is closed. One that sends requests without Hello "
+             "(an observer: status, lists, reserve) stays, under "
+             "deadlines.session_idle_ms."},
     {.name = "deadlines.session_idle_ms",
      .type = CONF_MS,
      FIELD(session_idle_ms),
@@ -538,9 +564,10 @@ static const struct conf_key keys[] = {
      .min = 0,
      .max = 86400000,
      .reloadable = 1,
-     .help = "A session that said Hello and holds no pool, waits for no "
-             "reply and has sent nothing this long is closed, so idle "
-             "clients cannot hold limits.max_sessions; 0 never."},
+     .help = "A session (a rank, or an observer once it has sent a "
+             "request) that holds no pool, waits for no reply and has sent "
+             "nothing this long is closed, so idle clients cannot hold "
+             "limits.max_sessions; 0 never."},
     {.name = "deadlines.reply_stall_ms",
      .type = CONF_MS,
      FIELD(reply_stall_ms),

@@ -46,6 +46,8 @@ typedef struct kvx_conf {
     uint32_t max_inflight_chunks;
     uint32_t spin_us;
     uint32_t gpu_spin_us;
+    uint32_t copy_busy_poll;    /* 0 never, 1 layer-wise waits, 2 auto */
+    uint32_t gpu_event_poll_us; /* GPU event polling interval */
     /* gpu */
     uint32_t gpu_max_ctas;
     uint64_t gpu_chunk_bytes;

@@ -71,6 +71,8 @@ struct session {
     const char *close_why;      /* set: close at the next safe point */
     uint64_t connected_ms;
     uint64_t last_rx_ms;  /* bytes last arrived (idle deadline) */
+    int spoke;            /* a whole request has arrived: no longer under
+                             the Hello deadline (an observer) */
     uint64_t last_tx_ms;  /* the client last took replies, or the
                              queue last started from empty */
     uint64_t out_total;   /* reply bytes queued since connect */
@@ -1305,6 +1307,7 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         session_close(s, "undecodable frame");
         return;
     }
+    s->spoke = 1;
     char why[512];
     /* every request gets one reply, which counts it down */
     if (++s->awaiting > requests_cap(s)) {
@@ -1834,17 +1837,20 @@ void session_tick(uint64_t now)
             session_t *s = e->val;
             if (s->close_why || s->closing)
                 continue;
-            if (!s->hello &&
+            /* a connection that says nothing; one that asks without
+             * Hello (an observer: a scheduler's reserves, status) is
+             * served as long as it keeps asking */
+            if (!s->hello && !s->spoke &&
                 now - s->connected_ms >= kvxd.conf.hello_timeout_ms) {
-                session_close_later(s, "no Hello within "
+                session_close_later(s, "no Hello or other request within "
                                        "deadlines.hello_timeout_ms");
                 continue;
             }
             /* a client holding a slot and nothing else (limits.
              * max_sessions): told why, then closed */
             uint32_t idle = kvxd.conf.session_idle_ms;
-            if (s->hello && idle && !s->pools.n && !s->awaiting && !queued(s) &&
-                now - s->last_rx_ms >= idle) {
+            if ((s->hello || s->spoke) && idle && !s->pools.n && !s->awaiting &&
+                !queued(s) && now - s->last_rx_ms >= idle) {
                 char why[200];
                 snprintf(why, sizeof(why),
                          "session: idle for %u ms with no pool and no "

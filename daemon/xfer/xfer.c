@@ -27,6 +27,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <openssl/sha.h>
 
@@ -127,6 +128,7 @@ typedef struct offer_part {
     uint32_t nlayers, ready, nappended;
     uint32_t *tok_ready;
     list_t watches;
+    int awaited; /* counted in busy.awaited: a layer-wise part, open */
 } offer_part_t;
 
 /* Layers of a rank's part that are ready once an engine's event is. */
@@ -712,9 +714,54 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
 
 /* ---- publish ---------------------------------------------------------- */
 
+/* copy.busy_poll: while a layer-wise offer is open, an idle handle
+ * keeps the loop from sleeping, so that the engine's call or the
+ * watcher's hand-off for the layer made ready last, and then that
+ * layer's copies coming back, are read at once instead of after a
+ * wake-up each (tens of microseconds on an idle host). A part enters at
+ * its publish and leaves when its memory goes (part_layers_free: the
+ * offer consumed or ended). */
+static struct {
+    uv_idle_t idle;
+    int inited, on, enabled; /* enabled: -1 until resolved */
+    uint32_t awaited;
+} busy = {.enabled = -1};
+
+static void busy_turn(uv_idle_t *h)
+{
+    (void)h;
+}
+
+static void part_awaited(offer_part_t *sp, int awaited)
+{
+    if (sp->awaited == awaited)
+        return;
+    sp->awaited = awaited;
+    busy.awaited += awaited ? 1u : (uint32_t)-1;
+    if (busy.enabled < 0)
+        busy.enabled = kvxd.conf.copy_busy_poll == 2
+                           ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
+                           : (int)kvxd.conf.copy_busy_poll;
+    int want = busy.enabled && busy.awaited > 0;
+    if (want == busy.on)
+        return;
+    if (!busy.inited) {
+        if (uv_idle_init(kvxd.loop, &busy.idle))
+            return; /* no busy polling: the loop sleeps, as before */
+        uv_unref((uv_handle_t *)&busy.idle); /* keeps nothing alive */
+        busy.inited = 1;
+    }
+    busy.on = want;
+    if (want)
+        uv_idle_start(&busy.idle, busy_turn);
+    else
+        uv_idle_stop(&busy.idle);
+}
+
 /* What a part keeps of its layers' readiness. */
 static void part_layers_free(offer_part_t *sp)
 {
+    part_awaited(sp, 0);
     while (sp->watches.next && !list_empty(&sp->watches)) {
         lw_watch_t *x = LIST_OWNER(list_pop(&sp->watches), lw_watch_t, node);
         gpu_event_unwatch(x->w);
@@ -992,6 +1039,7 @@ static int group_part_publish(offer_t *o, uint32_t k, uint32_t rank,
     }
     part->pool = x->pool;
     part->published = 1;
+    part_awaited(part, layerwise);
     pool_ref(x->pool);
     return 0;
 }
@@ -1111,7 +1159,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                 if (gp->pool)
                     pool_unref(gp->pool);
                 free(gp->blocks);
-                free(gp->tok_ready);
+                part_layers_free(gp);
                 memset(gp, 0, sizeof(*gp));
             }
             free(part->blocks);
@@ -1129,6 +1177,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     part->pool = pool;
     part->published = 1;
     part->layerwise = layerwise;
+    part_awaited(part, layerwise);
     pool_ref(pool);
     o->npublished++;
     log_debug("publish %s/%s rank %u: %u blocks, %u tokens", inst->id, ks(key),
@@ -1685,9 +1734,11 @@ static void part_try_start(genpart_t *p)
         for (uint32_t k = 0; k < plan->nsegs; k++)
             p->tok_end[k] = t += plan->segs[k].n;
         /* what is left after the prefill's last layer is that layer's
-         * copy: on the copy threads, cut it so that all of them share
-         * it (a GPU launch has its CTAs) */
-        uint64_t per = plan->nsegs / (copy_threads() ? copy_threads() : 1);
+         * copy: on the copy threads, cut it in two jobs per thread, so
+         * that all of them share it and a thread that lost its CPU for
+         * a while holds back only a small piece (a GPU launch has its
+         * CTAs) */
+        uint64_t per = plan->nsegs / (copy_threads() ? 2 * copy_threads() : 1);
         if (!p->gpu && p->units_per_chunk > (per ? per : 1))
             p->units_per_chunk = per ? per : 1;
         if (!part_has_ready(p)) {
@@ -2513,6 +2564,10 @@ static void schedule(void)
     uint32_t max = kvxd.conf.max_inflight_chunks
                        ? kvxd.conf.max_inflight_chunks
                        : 2 * copy_threads();
+    /* handed to the copy engine together, so that the workers start
+     * once every job of this turn is queued */
+    copy_job_t *batch[64];
+    size_t nbatch = 0;
     while (runq.head && chunks_inflight < max) {
         genpart_t *p = RRQ_OWNER(rrq_pop(&runq), genpart_t, turn);
         copy_job_t *job = calloc(1, sizeof(*job));
@@ -2555,8 +2610,13 @@ static void schedule(void)
             else
                 p->parked = 1;
         }
-        copy_submit(job);
+        batch[nbatch++] = job;
+        if (nbatch == sizeof(batch) / sizeof(batch[0])) {
+            copy_submit_many(batch, nbatch);
+            nbatch = 0;
+        }
     }
+    copy_submit_many(batch, nbatch);
 }
 
 /* ---- the end of a request --------------------------------------------- */

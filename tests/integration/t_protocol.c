@@ -746,12 +746,28 @@ TEST(hello_timeout)
                 .preset = "vllm-nhd",
                 .tpb = 4};
     rank_open(d, &M_SMALL, &s, 0, 4, &r);
+    /* an observer that asks (a scheduler's reserves, status) is not
+     * under the Hello deadline */
+    kvx_client_t *obs;
+    CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &obs), NULL);
+    char *json;
+    CHECK_KVX(kvx_status_json(obs, &json, T_MS), obs);
+    free(json);
     CHECK(raw_closed(idle, 2000)); /* cut within the deadline + a tick */
     usleep(300000);
-    char *json; /* the session that said Hello is still served */
+    /* the session that said Hello is still served */
     CHECK_KVX(kvx_status_json(r.c, &json, T_MS), r.c);
     CHECK_STR_CONTAINS(json, "\"instance\":\"ht\"");
     free(json);
+    /* and so is the observer, past the deadline: a reserve and status */
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_reserve(obs, "ht", "obs-1", 5, 8, &p, T_MS), obs);
+    CHECK(p.len > 0);
+    kvx_context_params_free(&p);
+    CHECK_KVX(kvx_status_json(obs, &json, T_MS), obs);
+    CHECK_STR_CONTAINS(json, "\"instance\":\"ht\"");
+    free(json);
+    kvx_close(obs);
     close(idle);
     rank_close(&r);
     daemon_stop_ok(d);
