@@ -1758,6 +1758,41 @@ static double med_us(uint64_t *v, uint32_t n)
     return n % 2 ? v[n / 2] / 1e3 : (v[n / 2 - 1] + v[n / 2]) / 2e3;
 }
 
+/* --layerwise --trace: the median of the daemon's part of each
+ * layer-wise request, from the moment its last layer was ready (last[r])
+ * to its terminal event queued (the trace line of fetch "lwg-R"). */
+static double lw_daemon_us(const uint64_t *last, uint32_t n)
+{
+    FILE *f = fopen(trace_path(), "r");
+    if (!f)
+        die("--trace: %s: %s", trace_path(), strerror(errno));
+    uint64_t *d = calloc(n ? n : 1, sizeof(uint64_t));
+    uint32_t m = 0;
+    char line[512], inst[160], key[300];
+    while (d && fgets(line, sizeof(line), f)) {
+        int kind;
+        unsigned r;
+        unsigned long long bytes, t[6];
+        char end;
+        if (sscanf(line,
+                   "fetch %159s %299s %d %llu %llu %llu %llu %llu %llu "
+                   "%llu",
+                   inst, key, &kind, &bytes, &t[0], &t[1], &t[2], &t[3], &t[4],
+                   &t[5]) != 10 ||
+            sscanf(key, "lwg-%u%c", &r, &end) != 1 || r >= n || !last[r] ||
+            m >= n)
+            continue;
+        d[m++] = t[5] > last[r] ? t[5] - last[r] : 0;
+    }
+    fclose(f);
+    unlink(trace_path());
+    if (!m)
+        die("--trace: no trace line of a layer-wise request");
+    double v = med_us(d, m);
+    free(d);
+    return v;
+}
+
 /* One context rank and one generation rank of this process, one request
  * at a time, four ways: ready (published whole with its KV there: one
  * layer's transfer is its time over the layers), layer-wise (a layer
@@ -1794,7 +1829,7 @@ static int layerwise_main(void)
     }
 #endif
     uint64_t *ready = calloc(n, 8), *lw = calloc(n, 8), *whole = calloc(n, 8),
-             *fast = calloc(n, 8);
+             *fast = calloc(n, 8), *lw_last = calloc(n, 8);
     fill_request(&cv, 0);
     for (uint32_t r = 0; r < n; r++) {
         char ck[32], gk[32];
@@ -1852,6 +1887,7 @@ static int layerwise_main(void)
 #endif
         lw_join(&w, "layer-wise");
         lw[r] = w.done_ns > last ? w.done_ns - last : 0;
+        lw_last[r] = last;
         if (r == 0 && !o.no_verify && check_request(&gv, 0))
             die("--layerwise: the layer-wise request's bytes differ");
         kvx_context_params_free(&p);
@@ -1912,6 +1948,10 @@ static int layerwise_main(void)
     double ready_us = med_us(ready, n), layer_us = ready_us / L;
     double lw_us = med_us(lw, n), whole_us = med_us(whole, n);
     double fast_us = med_us(fast, n);
+    /* --trace: the daemon's part, the last layer ready -> the terminal
+     * event queued (one monotonic clock): what is left is the
+     * generation rank learning of it */
+    double daemon_us = o.trace ? lw_daemon_us(lw_last, n) : -1;
     double gbps_ready = bytes / (ready_us * 1e3),
            gbps_fast = bytes / (fast_us * 1e3);
     if (o.json) {
@@ -1921,12 +1961,17 @@ static int layerwise_main(void)
                "\"whole_exposed_us\":%.1f,\"exposed_per_layer\":%.3f,"
                "\"ready_us\":%.1f,\"stream_gbps\":%.3f,"
                "\"whole_gbps\":%.3f,\"stream_ratio\":%.3f,"
-               "\"poll\":\"%s\",\"verified\":%s}\n",
+               "\"poll\":\"%s\",\"verified\":%s",
                o.layerwise_ms, L, n, (unsigned long long)bytes,
                stream ? "true" : "false", lw_us, layer_us, whole_us,
                lw_us / layer_us, ready_us, gbps_fast, gbps_ready,
                gbps_fast / gbps_ready, o.poll_spin ? "spin" : "wait",
                o.no_verify ? "false" : "true");
+        if (daemon_us >= 0)
+            printf(",\"exposed_daemon_us\":%.1f,"
+                   "\"exposed_daemon_per_layer\":%.3f",
+                   daemon_us, daemon_us / layer_us);
+        printf("}\n");
     } else {
         printf("layer-wise: %u layers, a layer ready every %g ms, %.1f MiB "
                "a request (%s pools), median of %u, %s\n",
@@ -1936,6 +1981,10 @@ static int layerwise_main(void)
         printf("  exposed after the last layer, layer-wise %10.1f us  = "
                "%.2f x one layer's transfer\n",
                lw_us, lw_us / layer_us);
+        if (daemon_us >= 0)
+            printf("    of which in the daemon (to its event)  %10.1f us  = "
+                   "%.2f x\n",
+                   daemon_us, daemon_us / layer_us);
         printf("  exposed after the last layer, whole      %10.1f us\n",
                whole_us);
         printf("  one layer's transfer (ready request / %u) %9.1f us\n", L,
@@ -1974,7 +2023,9 @@ static void usage(FILE *f)
         "  --no-verify            skip the byte check\n"
         "  --trace                with --spawn-daemon: each timed request's\n"
         "                         hops (the daemon's log.trace_file and\n"
-        "                         the generation rank 0's clock), p50/p99\n"
+        "                         the generation rank 0's clock), p50/p99;\n"
+        "                         with --layerwise, the daemon's part of\n"
+        "                         the exposed time (to its event queued)\n"
         "  --verify-each          host pools smaller than the requests:\n"
         "                         write and check every byte of every\n"
         "                         request inside the timed pass (default:\n"
@@ -2298,10 +2349,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvxfer-bench: --poll-spin goes with --layerwise\n");
         return 2;
     }
-    if (o.trace && (!o.spawn || o.daemons != 1 || o.layerwise_ms)) {
+    if (o.trace && (!o.spawn || o.daemons != 1)) {
         fprintf(stderr, "kvxfer-bench: --trace needs --spawn-daemon with one "
-                        "daemon (it reads that daemon's log.trace_file), and "
-                        "no --layerwise\n");
+                        "daemon (it reads that daemon's log.trace_file)\n");
         return 2;
     }
 #ifdef KVX_CUDA

@@ -665,3 +665,44 @@ TEST_T(bench_reused_pools_sampled_and_traced, 120)
     CHECK_STR_CONTAINS(out, "\"fetch call -> event (total)\":[");
     CHECK_STR_CONTAINS(out, "\"submitted -> last copy done (thread)\":[");
 }
+
+/* kvxfer-bench --layerwise, small: every way it measures runs and the
+ * request's bytes are checked; --poll-spin polls without waiting,
+ * --trace adds the daemon's part of the exposed time, which cannot
+ * exceed the whole of it (one monotonic clock). */
+TEST_T(bench_layerwise_spin_and_traced, 120)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "ASAN_OPTIONS=detect_leaks=0 "
+             "%s/kvxfer-bench --spawn-daemon --json --layerwise 1 "
+             "--requests 3 --blocks 8 --layers 4 --heads 2 --head-dim 64 "
+             "--poll-spin --trace 2>&1",
+             build_dir());
+    FILE *f = popen(cmd, "r");
+    CHECK(f);
+    char out[8192] = "";
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    if (st)
+        fprintf(stderr, "%s\n%s\n", cmd, out);
+    CHECK_EQ(st, 0);
+    CHECK_STR_CONTAINS(out, "\"verified\":true");
+    CHECK_STR_CONTAINS(out, "\"poll\":\"spin\"");
+    const char *a = strstr(out, "\"exposed_us\":");
+    const char *b = strstr(out, "\"exposed_daemon_us\":");
+    CHECK(a && b);
+    double whole = strtod(a + strlen("\"exposed_us\":"), NULL);
+    double daemon = strtod(b + strlen("\"exposed_daemon_us\":"), NULL);
+    CHECK(daemon > 0 && daemon <= whole);
+    /* --poll-spin alone is refused, saying with what it goes */
+    snprintf(cmd, sizeof(cmd), "%s/kvxfer-bench --poll-spin 2>&1",
+             build_dir());
+    f = popen(cmd, "r");
+    CHECK(f);
+    n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    CHECK_EQ(WEXITSTATUS(pclose(f)), 2);
+    CHECK_STR_CONTAINS(out, "--poll-spin goes with --layerwise");
+}
