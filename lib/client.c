@@ -177,8 +177,8 @@ static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
 }
 
 /* Read frames until the reply to id; *out is unpacked (caller frees). */
-static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
-                      Kvxfer__Reply **out)
+/* The next reply frame, whichever request it answers. */
+static int recv_any(kvx_client_t *c, int64_t deadline, Kvxfer__Reply **out)
 {
     for (;;) {
         const uint8_t *msg;
@@ -188,16 +188,9 @@ static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
             return fail(c, KVX_ERR_PROTOCOL, "reply of %u bytes is too large",
                         len);
         if (rc == 1) {
-            Kvxfer__Reply *r = kvxfer__reply__unpack(NULL, len, msg);
-            if (!r)
+            if (!(*out = kvxfer__reply__unpack(NULL, len, msg)))
                 return fail(c, KVX_ERR_PROTOCOL, "undecodable reply");
-            if (r->id == id || r->id == 0) {
-                /* id 0: the daemon could not tell which request */
-                *out = r;
-                return 0;
-            }
-            kvxfer__reply__free_unpacked(r, NULL); /* stale: skip */
-            continue;
+            return 0;
         }
         /* the reply is rarely there yet: wait first, then read */
         if ((rc = wait_fd(c->fd, POLLIN, deadline)))
@@ -219,6 +212,23 @@ static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
         if (errno != EAGAIN && errno != EWOULDBLOCK)
             return fail(c, errno == ECONNRESET ? KVX_ERR_CLOSED : KVX_ERR_IO,
                         "recv: %s", errno_str(errno));
+    }
+}
+
+static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
+                      Kvxfer__Reply **out)
+{
+    for (;;) {
+        Kvxfer__Reply *r;
+        int rc = recv_any(c, deadline, &r);
+        if (rc)
+            return rc;
+        if (r->id == id || r->id == 0) {
+            /* id 0: the daemon could not tell which request */
+            *out = r;
+            return 0;
+        }
+        kvxfer__reply__free_unpacked(r, NULL); /* stale: skip */
     }
 }
 
@@ -303,6 +313,105 @@ static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
                 int timeout_ms, Kvxfer__Reply **out)
 {
     return call_fds(c, rq, &fd_to_pass, fd_to_pass >= 0, timeout_ms, out);
+}
+
+/* n requests in one write, then their n replies, in whatever order
+ * they come: replies[i] answers rqs[i] (its status may be a refusal).
+ * 0 when the exchange worked; else the connection is broken and no
+ * reply is kept. */
+static int call_many(kvx_client_t *c, Kvxfer__Request **rqs, size_t n,
+                     int timeout_ms, Kvxfer__Reply **replies)
+{
+    c->err[0] = 0;
+    if (c->broken)
+        return fail(c, KVX_ERR_CLOSED,
+                    "connection unusable after an earlier failure");
+    if (timeout_ms == 0)
+        return fail(c, KVX_ERR_INVALID,
+                    "timeout_ms 0: a call waits for the daemon's reply; "
+                    "give it time (a negative value waits without limit)");
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    uint64_t base = c->next_id;
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        rqs[i]->id = base + 1 + i;
+        size_t len = kvxfer__request__get_packed_size(rqs[i]);
+        if (len > REQUEST_MAX)
+            return fail(c, KVX_ERR_LIMIT,
+                        "item %zu: a request of %zu bytes, larger than the "
+                        "%u bytes a frame may hold",
+                        i, len, REQUEST_MAX);
+        total += len + FRAME_HDR;
+    }
+    c->next_id = base + n;
+    uint8_t *buf = malloc(total ? total : 1), *at = buf;
+    if (!buf)
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        size_t len = kvxfer__request__get_packed_size(rqs[i]);
+        frame_put_len(at, (uint32_t)len);
+        kvxfer__request__pack(rqs[i], at + FRAME_HDR);
+        at += len + FRAME_HDR;
+    }
+    int rc = send_all(c, buf, total, NULL, 0, deadline);
+    free(buf);
+    if (rc == KVX_ERR_CLOSED || rc == KVX_ERR_IO)
+        rc = refusal_after(c, rc);
+    for (size_t i = 0; i < n; i++)
+        replies[i] = NULL;
+    for (size_t got = 0; !rc && got < n;) {
+        Kvxfer__Reply *r;
+        if ((rc = recv_any(c, deadline, &r)))
+            break;
+        if (r->id == 0) { /* the daemon could not tell which: it closes */
+            rc = r->status < 0 && r->status > KVX_ERR_LAST ? r->status
+                                                           : KVX_ERR_PROTOCOL;
+            snprintf(c->err, sizeof(c->err), "%s", r->message);
+            kvxfer__reply__free_unpacked(r, NULL);
+            break;
+        }
+        if (r->id <= base || r->id > base + n || replies[r->id - base - 1]) {
+            kvxfer__reply__free_unpacked(r, NULL); /* stale: skip */
+            continue;
+        }
+        replies[r->id - base - 1] = r;
+        got++;
+    }
+    if (rc) {
+        for (size_t i = 0; i < n; i++)
+            if (replies[i])
+                kvxfer__reply__free_unpacked(replies[i], NULL);
+        c->broken = 1;
+    }
+    return rc;
+}
+
+/* An item's reply: its status (a code this library does not know is
+ * the daemon breaking the protocol); the first failing item's message
+ * becomes the call's error. */
+static int item_status(kvx_client_t *c, const char *fn, size_t i,
+                       const void *key, size_t key_len, const Kvxfer__Reply *r,
+                       int *first_rc)
+{
+    int rc = 0;
+    if (r->status)
+        rc = r->status < KVX_ERR_LAST || r->status > 0 ? KVX_ERR_PROTOCOL
+                                                       : r->status;
+    if (rc && !*first_rc) {
+        /* the key as text: its first 32 bytes, '?' for what is not
+         * printable (keys are bytes) */
+        char k[33];
+        size_t kl = key_len > 32 ? 32 : key_len;
+        for (size_t j = 0; j < kl; j++) {
+            char ch = ((const char *)key)[j];
+            k[j] = ch >= 0x20 && ch < 0x7f ? ch : '?';
+        }
+        k[kl] = 0;
+        *first_rc = rc;
+        snprintf(c->err, sizeof(c->err), "%s: item %zu (key %s%s): %s", fn, i,
+                 k, key_len > 32 ? "..." : "", r->message);
+    }
+    return rc;
 }
 
 static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
@@ -1593,6 +1702,174 @@ int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
     rq.body_case = KVXFER__REQUEST__BODY_FETCH;
     rq.fetch = &m;
     return call(c, &rq, -1, timeout_ms, NULL);
+}
+
+/* rq[0..n) in one round trip (call_many): *out gets their n replies,
+ * freed with replies_free(). */
+static int many_call(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
+                     int timeout_ms, Kvxfer__Reply ***out)
+{
+    Kvxfer__Request **rqp = calloc(n, sizeof(*rqp));
+    Kvxfer__Reply **rp = calloc(n, sizeof(*rp));
+    int rc = rqp && rp ? 0 : fail(c, KVX_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; !rc && i < n; i++)
+        rqp[i] = &rq[i];
+    if (!rc)
+        rc = call_many(c, rqp, n, timeout_ms, rp);
+    free(rqp);
+    if (rc) {
+        free(rp);
+        return rc;
+    }
+    *out = rp;
+    return 0;
+}
+
+static void replies_free(Kvxfer__Reply **rp, size_t n)
+{
+    for (size_t i = 0; rp && i < n; i++)
+        if (rp[i])
+            kvxfer__reply__free_unpacked(rp[i], NULL);
+    free(rp);
+}
+
+int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
+                     int timeout_ms)
+{
+    static const char fn[] = "kvx_publish_many";
+    if (!c)
+        return KVX_ERR_INVALID;
+    if ((!items && n) || n > KVX_MANY_MAX)
+        return fail(c, KVX_ERR_INVALID, "%s: %zu items%s (1 to %u)", fn, n,
+                    items ? "" : " at NULL", KVX_MANY_MAX);
+    for (size_t i = 0; i < n; i++) {
+        kvx_publish_item_t *it = &items[i];
+        it->status = 0;
+        it->params.data = NULL;
+        it->params.len = 0;
+        int rc = key_arg(c, fn, it->key, it->key_len);
+        if (!rc && !it->blocks && it->num_blocks)
+            rc = fail(c, KVX_ERR_INVALID, "%s: blocks is NULL with %u blocks",
+                      fn, it->num_blocks);
+        if (rc) {
+            char m[sizeof(c->err)];
+            snprintf(m, sizeof(m), "%s", c->err);
+            return fail(c, rc, "item %zu: %s; nothing sent", i, m);
+        }
+    }
+    if (!n)
+        return 0;
+    Kvxfer__Publish *m = calloc(n, sizeof(*m));
+    Kvxfer__Request *rq = calloc(n, sizeof(*rq));
+    Kvxfer__Reply **rp = NULL;
+    int rc = 0, first = 0;
+    if (!m || !rq) {
+        rc = fail(c, KVX_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvxfer__publish__init(&m[i]);
+        m[i].key.data = (uint8_t *)items[i].key;
+        m[i].key.len = items[i].key_len;
+        m[i].pool_id = items[i].pool_id;
+        m[i].n_blocks = items[i].num_blocks;
+        m[i].blocks = (uint32_t *)items[i].blocks;
+        m[i].num_tokens = items[i].num_tokens;
+        kvxfer__request__init(&rq[i]);
+        rq[i].body_case = KVXFER__REQUEST__BODY_PUBLISH;
+        rq[i].publish = &m[i];
+    }
+    if ((rc = many_call(c, rq, n, timeout_ms, &rp)))
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        kvx_publish_item_t *it = &items[i];
+        it->status = item_status(c, fn, i, it->key, it->key_len, rp[i], &first);
+        if (it->status)
+            continue;
+        if (rp[i]->body_case != KVXFER__REPLY__BODY_PUBLISH) {
+            it->status = KVX_ERR_PROTOCOL;
+            if (!first)
+                first = fail(c, KVX_ERR_PROTOCOL,
+                             "%s: item %zu: reply without params", fn, i);
+            continue;
+        }
+        size_t len = rp[i]->publish->context_params.len;
+        if (!(it->params.data = malloc(len ? len : 1))) {
+            it->status = KVX_ERR_NOMEM;
+            if (!first)
+                first = fail(c, KVX_ERR_NOMEM, "out of memory");
+            continue;
+        }
+        memcpy(it->params.data, rp[i]->publish->context_params.data, len);
+        it->params.len = len;
+    }
+    rc = first;
+out:
+    replies_free(rp, n);
+    free(m);
+    free(rq);
+    return rc;
+}
+
+int kvx_fetch_many(kvx_client_t *c, kvx_fetch_item_t *items, size_t n,
+                   int timeout_ms)
+{
+    static const char fn[] = "kvx_fetch_many";
+    if (!c)
+        return KVX_ERR_INVALID;
+    if ((!items && n) || n > KVX_MANY_MAX)
+        return fail(c, KVX_ERR_INVALID, "%s: %zu items%s (1 to %u)", fn, n,
+                    items ? "" : " at NULL", KVX_MANY_MAX);
+    for (size_t i = 0; i < n; i++) {
+        kvx_fetch_item_t *it = &items[i];
+        it->status = 0;
+        int rc = key_arg(c, fn, it->key, it->key_len);
+        if (!rc && ((!it->blocks && it->num_blocks) ||
+                    (!it->params && it->params_len)))
+            rc = fail(c, KVX_ERR_INVALID,
+                      "%s: blocks or params is NULL with a length", fn);
+        if (rc) {
+            char m[sizeof(c->err)];
+            snprintf(m, sizeof(m), "%s", c->err);
+            return fail(c, rc, "item %zu: %s; nothing sent", i, m);
+        }
+    }
+    if (!n)
+        return 0;
+    Kvxfer__Fetch *m = calloc(n, sizeof(*m));
+    Kvxfer__Request *rq = calloc(n, sizeof(*rq));
+    Kvxfer__Reply **rp = NULL;
+    int rc = 0, first = 0;
+    if (!m || !rq) {
+        rc = fail(c, KVX_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvxfer__fetch__init(&m[i]);
+        m[i].key.data = (uint8_t *)items[i].key;
+        m[i].key.len = items[i].key_len;
+        m[i].context_params.data = (uint8_t *)items[i].params;
+        m[i].context_params.len = items[i].params_len;
+        m[i].pool_id = items[i].pool_id;
+        m[i].n_blocks = items[i].num_blocks;
+        m[i].blocks = (uint32_t *)items[i].blocks;
+        m[i].skip_tokens = items[i].skip_tokens;
+        m[i].dp_rank = items[i].dp_rank;
+        kvxfer__request__init(&rq[i]);
+        rq[i].body_case = KVXFER__REQUEST__BODY_FETCH;
+        rq[i].fetch = &m[i];
+    }
+    if ((rc = many_call(c, rq, n, timeout_ms, &rp)))
+        goto out;
+    for (size_t i = 0; i < n; i++)
+        items[i].status = item_status(c, fn, i, items[i].key, items[i].key_len,
+                                      rp[i], &first);
+    rc = first;
+out:
+    replies_free(rp, n);
+    free(m);
+    free(rq);
+    return rc;
 }
 
 int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,

@@ -95,6 +95,7 @@ static struct opts {
     double layerwise_ms; /* --layerwise MS: a layer ready every MS ms */
     int layerwise;
     int poll_spin; /* --poll-spin: the generation rank polls, never waits */
+    int batch;     /* --batch: publishes and fetches many to a call */
     int shuffle; /* --shuffle: each side's block ids a permutation */
 } o = {
     .ctx_ranks = 1, .gen_ranks = 1, .requests = 64, .blocks = 256,
@@ -637,6 +638,61 @@ static size_t gen_key(uint64_t r, char *k, size_t n)
     return (size_t)snprintf(k, n, "decode-%llu", (unsigned long long)r);
 }
 
+/* Slot of request r: its params, for the generation ranks (rank 0). */
+static void params_to_slot(uint64_t r, const kvx_context_params_t *p)
+{
+    if (p->len > PARAMS_SLOT - 8)
+        die("context params of %zu bytes", p->len);
+    uint8_t *s = slot_of(r);
+    memcpy(s + 8, p->data, p->len);
+    ((uint32_t *)s)[1] = (uint32_t)p->len;
+    atomic_store_explicit((_Atomic uint32_t *)s, 1, memory_order_release);
+}
+
+/* --batch: publish the requests from r0 on that may go now (their blocks
+ * free: fin[k - reqs_in_pool]), up to left and KVX_MANY_MAX, in one
+ * kvx_publish_many; returns how many. */
+static uint64_t ctx_publish_many(kvx_client_t *c, rank_view_t *v, uint32_t rank,
+                                 uint32_t pool, uint64_t r0, uint64_t left,
+                                 const uint8_t *fin, uint64_t first, int fill)
+{
+    static kvx_publish_item_t it[KVX_MANY_MAX];
+    static char keys[KVX_MANY_MAX][24];
+    static uint32_t *bt;
+    if (!bt && !(bt = malloc((size_t)KVX_MANY_MAX * v->bpr * 4)))
+        die("out of memory");
+    size_t n = 0;
+    while (n < KVX_MANY_MAX && n < left) {
+        uint64_t r = r0 + n, k = r - first;
+        if (k >= reqs_in_pool && !fin[k - reqs_in_pool])
+            break;
+        if (fill)
+            fill_request(v, r);
+        uint32_t *b = bt + n * v->bpr;
+        for (uint32_t i = 0; i < v->bpr; i++)
+            b[i] = req_block(v, r, i);
+        memset(&it[n], 0, sizeof(it[n]));
+        if (o.keyed)
+            it[n].key_len = ctx_key(r, keys[n], sizeof(keys[n]));
+        else
+            it[n].key_len = (size_t)snprintf(keys[n], sizeof(keys[n]), "%llu",
+                                             (unsigned long long)r);
+        it[n].key = keys[n];
+        it[n].pool_id = pool;
+        it[n].blocks = b;
+        it[n].num_blocks = v->bpr;
+        it[n].num_tokens = num_tokens;
+        n++;
+    }
+    CHECK_KVX(kvx_publish_many(c, it, n, TIMEOUT_MS), c);
+    for (size_t i = 0; i < n; i++) {
+        if (rank == 0)
+            params_to_slot(r0 + i, &it[i].params);
+        kvx_context_params_free(&it[i].params);
+    }
+    return n;
+}
+
 /* The request an event names: the digits after its key's first '-'. */
 static uint64_t event_req(const kvx_event_t *e)
 {
@@ -663,6 +719,12 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
      * replicated heads a consumer may take an offer before this rank
      * publishes its part, which then only closes the offer */
     while (done < count || published < count) {
+        if (o.batch && published < count &&
+            (published < reqs_in_pool || fin[published - reqs_in_pool])) {
+            published += ctx_publish_many(c, v, rank, pool, first + published,
+                                          count - published, fin, first, fill);
+            continue;
+        }
         /* blocks are reused every reqs_in_pool requests: publish k only
          * once k - reqs_in_pool is complete (they complete in any order) */
         if (published < count &&
@@ -773,6 +835,53 @@ static void ctx_main(uint32_t rank)
     exit(0);
 }
 
+/* --batch: fetch the requests from next on whose params are there and
+ * whose blocks are free, within the window, up to KVX_MANY_MAX, in one
+ * kvx_fetch_many (request next is ready); returns how many. */
+static uint64_t gen_fetch_many(kvx_client_t *c, rank_view_t *v, uint32_t pool,
+                               uint64_t first, uint64_t next, uint64_t count,
+                               uint64_t done, uint32_t window,
+                               const uint8_t *fin, uint64_t *t0, int timed)
+{
+    static kvx_fetch_item_t it[KVX_MANY_MAX];
+    static char keys[KVX_MANY_MAX][24];
+    static uint32_t *bt;
+    if (!bt && !(bt = malloc((size_t)KVX_MANY_MAX * v->bpr * 4)))
+        die("out of memory");
+    size_t n = 0;
+    uint64_t now = now_ns();
+    while (n < KVX_MANY_MAX && next + n < count && next + n - done < window &&
+           (next + n < reqs_in_pool || fin[next + n - reqs_in_pool])) {
+        uint64_t r = first + next + n;
+        uint8_t *s = slot_of(r);
+        if (!atomic_load_explicit((_Atomic uint32_t *)s, memory_order_acquire))
+            break;
+        uint32_t *b = bt + n * v->bpr;
+        for (uint32_t i = 0; i < v->bpr; i++)
+            b[i] = req_block(v, r, i);
+        memset(&it[n], 0, sizeof(it[n]));
+        if (o.keyed)
+            it[n].key_len = gen_key(r, keys[n], sizeof(keys[n]));
+        else
+            it[n].key_len = (size_t)snprintf(keys[n], sizeof(keys[n]), "%llu",
+                                             (unsigned long long)r);
+        it[n].key = keys[n];
+        it[n].params = s + 8;
+        it[n].params_len = ((uint32_t *)s)[1];
+        it[n].pool_id = pool;
+        it[n].blocks = b;
+        it[n].num_blocks = v->bpr;
+        it[n].skip_tokens = o.skip;
+        t0[next + n] = now;
+        n++;
+    }
+    uint64_t zero = 0;
+    if (timed && n)
+        atomic_compare_exchange_strong(&sh->first_fetch_ns, &zero, now);
+    CHECK_KVX(kvx_fetch_many(c, it, n, TIMEOUT_MS), c);
+    return n;
+}
+
 /* Generation rank: fetch requests [first, first + count) with up to
  * window outstanding; record latency (rank 0) and verify. */
 static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
@@ -801,6 +910,11 @@ static uint64_t gen_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                     continue;
                 }
                 goto poll;
+            }
+            if (o.batch) {
+                next += gen_fetch_many(c, v, pool, first, next, count, done,
+                                       window, fin, t0, timed);
+                continue;
             }
             for (uint32_t i = 0; i < v->bpr; i++)
                 bt[i] = req_block(v, r, i);
@@ -2123,6 +2237,11 @@ static void usage(FILE *f)
         "                         layer-wise and published whole, one\n"
         "                         layer's transfer time, and streamed vs\n"
         "                         whole bandwidth\n"
+        "  --batch                each rank hands the daemon every request\n"
+        "                         it may start in one call\n"
+        "                         (kvx_publish_many, kvx_fetch_many: one\n"
+        "                         round trip for up to 256), as an engine\n"
+        "                         does a step's batch\n"
         "  --poll-spin            with --layerwise: the generation rank\n"
         "                         polls without waiting, over and over, as\n"
         "                         an engine's step loop does, instead of one\n"
@@ -2202,6 +2321,7 @@ int main(int argc, char **argv)
         {"by-key", no_argument, NULL, 1020},
         {"layerwise", required_argument, NULL, 1021},
         {"poll-spin", no_argument, NULL, 1029},
+        {"batch", no_argument, NULL, 1030},
         {"shuffle", no_argument, NULL, 1022},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
@@ -2285,6 +2405,9 @@ int main(int argc, char **argv)
         case 1029:
             o.poll_spin = 1;
             break;
+        case 1030:
+            o.batch = 1;
+            break;
         case 1021: {
             char *end;
             o.layerwise_ms = strtod(optarg, &end);
@@ -2343,6 +2466,11 @@ int main(int argc, char **argv)
     if (o.ctas && !o.spawn) {
         fprintf(stderr, "kvxfer-bench: --ctas needs --spawn-daemon (it is "
                         "the daemon's gpu.max_ctas)\n");
+        return 2;
+    }
+    if (o.batch && (o.reserve || o.by_key || o.layerwise)) {
+        fprintf(stderr, "kvxfer-bench: --batch goes without --reserve, "
+                        "--by-key and --layerwise\n");
         return 2;
     }
     if (o.poll_spin && !o.layerwise) {

@@ -50,8 +50,8 @@ extern "C" {
 #endif
 
 #define KVX_VERSION_MAJOR 2
-#define KVX_VERSION_MINOR 2
-#define KVX_VERSION_STRING "2.2.0"
+#define KVX_VERSION_MINOR 3
+#define KVX_VERSION_STRING "2.3.0"
 
 /* Longest request key, in bytes. */
 #define KVX_MAX_KEY 128u
@@ -646,6 +646,45 @@ KVX_EXPORT int kvx_fetch_dp(kvx_client_t *client, uint64_t request_id,
                             uint32_t pool_id, const uint32_t *blocks,
                             uint32_t num_blocks, uint32_t skip_tokens,
                             uint32_t dp_rank, int timeout_ms);
+
+/* Many requests in one round trip (an engine's step schedules a batch of
+ * them): one write carries every item's request, then every reply is
+ * read; the daemon takes them in order and answers them in one write, so
+ * n items cost one wake-up of each side instead of n. Each item is what
+ * its single call takes (key, pool, blocks, ...) and gets its own status
+ * (0 or a kvx_status_t) and, for a publish, its own params (free each
+ * with kvx_context_params_free). At most KVX_MANY_MAX items a call.
+ * Returns 0 when every item succeeded; else the status of the first that
+ * failed, and kvx_last_error() names it ("kvx_fetch_many: item 3 (key
+ * ...): ..."); items after a refused one are still taken. An invalid
+ * item (NULL key, ...) sends nothing. */
+#define KVX_MANY_MAX 256
+typedef struct {
+    const void *key;
+    size_t key_len;
+    uint32_t pool_id;
+    const uint32_t *blocks;
+    uint32_t num_blocks;
+    uint32_t num_tokens;
+    kvx_context_params_t params; /* out, when status is 0 */
+    int status;                  /* out */
+} kvx_publish_item_t;
+KVX_EXPORT int kvx_publish_many(kvx_client_t *client, kvx_publish_item_t *items,
+                                size_t n, int timeout_ms);
+typedef struct {
+    const void *key; /* the generation side's name of the request */
+    size_t key_len;
+    const uint8_t *params; /* the context params */
+    size_t params_len;
+    uint32_t pool_id;
+    const uint32_t *blocks;
+    uint32_t num_blocks;
+    uint32_t skip_tokens;
+    uint32_t dp_rank;
+    int status; /* out */
+} kvx_fetch_item_t;
+KVX_EXPORT int kvx_fetch_many(kvx_client_t *client, kvx_fetch_item_t *items,
+                              size_t n, int timeout_ms);
 
 typedef enum {
     KVX_EVENT_COMPLETE = 1,

@@ -93,6 +93,34 @@ class Group(Structure):
     ]
 
 
+class PublishItem(Structure):
+    _fields_ = [
+        ("key", c_void_p),
+        ("key_len", c_size_t),
+        ("pool_id", c_uint32),
+        ("blocks", POINTER(c_uint32)),
+        ("num_blocks", c_uint32),
+        ("num_tokens", c_uint32),
+        ("params", ContextParams),
+        ("status", ctypes.c_int),
+    ]
+
+
+class FetchItem(Structure):
+    _fields_ = [
+        ("key", c_void_p),
+        ("key_len", c_size_t),
+        ("params", c_void_p),
+        ("params_len", c_size_t),
+        ("pool_id", c_uint32),
+        ("blocks", POINTER(c_uint32)),
+        ("num_blocks", c_uint32),
+        ("skip_tokens", c_uint32),
+        ("dp_rank", c_uint32),
+        ("status", ctypes.c_int),
+    ]
+
+
 class ParamsInfo(Structure):
     _fields_ = [
         ("instance_id", ctypes.c_char * 129),
@@ -195,6 +223,10 @@ _PROTOS = {
                                         c_size_t, c_uint32, c_void_p,
                                         c_uint32, c_uint32, c_uint32,
                                         POINTER(Group), c_uint32, c_int]),
+    "kvx_publish_many": (c_int, [_client_p, POINTER(PublishItem), c_size_t,
+                                 c_int]),
+    "kvx_fetch_many": (c_int, [_client_p, POINTER(FetchItem), c_size_t,
+                               c_int]),
     "kvx_fetch_groups": (c_int, [_client_p, c_char_p, c_size_t, c_char_p,
                                  c_size_t, c_uint32, c_void_p, c_uint32,
                                  c_uint32, c_uint32, POINTER(Group), c_uint32,

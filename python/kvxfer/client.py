@@ -659,6 +659,92 @@ class Client:
                        self._ms(timeout))
         del keep
 
+    def publish_many(self, items: Sequence[Tuple[Key, PoolRef, Blocks, int]],
+                     timeout: Timeout = _DEFAULT) -> List[Any]:
+        """Publish many requests in one round trip (kvx_publish_many), as
+        a scheduler step's batch: ``items`` are ``(key, pool, blocks,
+        num_tokens)``, at most 256. Returns one entry per item, in order:
+        its context params (bytes), or the error it got (an exception
+        instance, not raised: the other items are published). An invalid
+        item raises before anything is sent."""
+        n = len(items)
+        arr = (_lib.PublishItem * max(n, 1))()
+        keep = []
+        for i, (key, pool, blocks, num_tokens) in enumerate(items):
+            k = key_bytes(key)
+            kb = ctypes.create_string_buffer(k, len(k))
+            ptr, nb, kp = _u32(blocks)
+            keep += [kb, kp]
+            arr[i].key = ctypes.cast(kb, ctypes.c_void_p)
+            arr[i].key_len = len(k)
+            arr[i].pool_id = _pool_id(pool)
+            arr[i].blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
+            arr[i].num_blocks = nb
+            arr[i].num_tokens = num_tokens
+        out = self._many("kvx_publish_many", arr, n, timeout)
+        lib = _lib.lib()
+        res: List[Any] = []
+        for i in range(n):
+            if out[i] is not None:
+                res.append(out[i])
+                continue
+            p = arr[i].params
+            res.append(ctypes.string_at(p.data, p.len))
+            lib.kvx_context_params_free(ctypes.byref(arr[i].params))
+        del keep
+        return res
+
+    def fetch_many(self, items: Sequence[Tuple[Key, bytes, PoolRef, Blocks]],
+                   *, skip_tokens: int = 0,
+                   timeout: Timeout = _DEFAULT) -> List[Any]:
+        """Fetch many requests in one round trip (kvx_fetch_many):
+        ``items`` are ``(key, params, pool, blocks)``, at most 256.
+        Returns one entry per item: None when the daemon took the fetch
+        (its end arrives as an :class:`Event`), or the error it got (an
+        exception instance, not raised)."""
+        n = len(items)
+        arr = (_lib.FetchItem * max(n, 1))()
+        keep = []
+        for i, (key, params, pool, blocks) in enumerate(items):
+            k = key_bytes(key)
+            pb = bytes(params)
+            kb = ctypes.create_string_buffer(k, len(k))
+            pp = ctypes.create_string_buffer(pb, max(len(pb), 1))
+            ptr, nb, kp = _u32(blocks)
+            keep += [kb, pp, kp]
+            arr[i].key = ctypes.cast(kb, ctypes.c_void_p)
+            arr[i].key_len = len(k)
+            arr[i].params = ctypes.cast(pp, ctypes.c_void_p)
+            arr[i].params_len = len(pb)
+            arr[i].pool_id = _pool_id(pool)
+            arr[i].blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
+            arr[i].num_blocks = nb
+            arr[i].skip_tokens = skip_tokens
+        out = self._many("kvx_fetch_many", arr, n, timeout)
+        del keep
+        return out
+
+    def _many(self, fn: str, arr: Any, n: int, timeout: Timeout) -> List[Any]:
+        """Run a kvx_*_many call: per item None (done) or its error. A
+        failure of the call itself (nothing sent, connection lost) is
+        raised."""
+        with self._lock:
+            if not self._h:
+                raise Closed(-20, "the client is closed")
+            lib = _lib.lib()
+            rc = getattr(lib, fn)(self._h, arr, n, self._ms(timeout))
+            msg = lib.kvx_last_error(self._h) if rc else None
+        text = msg.decode(errors="replace") if msg else ""
+        if rc and not any(arr[i].status for i in range(n)):
+            raise make_error(rc, text)
+        res: List[Any] = []
+        for i in range(n):
+            st = arr[i].status
+            res.append(None if not st else
+                       make_error(st, text if st == rc else
+                                  f"{fn}: item {i} failed; the daemon's message is kept for the first failing item only"))
+        return res
+
     def poll(self, at_least: int = 1,
              timeout: Optional[float] = 0.1) -> Batch:
         """This rank's next batch of terminal events (kvx_poll): sealed once

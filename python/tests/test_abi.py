@@ -27,6 +27,8 @@ STRUCTS = {
     "kvx_batch_t": _lib.Batch,
     "kvx_params_info_t": _lib.ParamsInfo,
     "kvx_group_t": _lib.Group,
+    "kvx_publish_item_t": _lib.PublishItem,
+    "kvx_fetch_item_t": _lib.FetchItem,
 }
 
 

@@ -673,3 +673,38 @@ def test_groups_layerwise_tables_move_when_ready(pair, names):
     for ly in range(2):
         s0, d0 = st.offset(ly, 0, 3), st.offset(ly, 0, 0)
         assert (dst[1].array[d0:d0 + per] == src[1].array[s0:s0 + per]).all()
+
+
+def test_publish_many_and_fetch_many(pair, names):
+    """Three requests published in one call and fetched in one call: each
+    item's params are its own, every byte lands; an item naming no pool
+    fails alone (an error instance in its place, the others taken)."""
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    fill(src.array, 77)
+    base = names["req"]
+    sb, db = [[0, 1], [2, 3], [4, 5]], [[7, 6], [5, 4], [3, 2]]
+    params = ctx.publish_many([(base + i, src, sb[i], 2 * TPB)
+                               for i in range(3)])
+    assert all(isinstance(p, bytes) and p for p in params)
+    assert len(set(params)) == 3
+    out = gen.fetch_many([(base + i, params[i], dst, db[i])
+                          for i in range(3)])
+    assert out == [None, None, None]
+    seen, end = {}, time.monotonic() + 20
+    while len(seen) < 3 and time.monotonic() < end:
+        for e in gen.poll(1, 0.2):
+            seen[e.key] = e.kind
+    assert seen == {kvxfer.key_bytes(base + i): EventKind.COMPLETE
+                    for i in range(3)}
+    for i in range(3):
+        for s, d in zip(sb[i], db[i]):
+            assert np.array_equal(block_bytes(lo, dst.array, d),
+                                  block_bytes(lo, src.array, s))
+    res = ctx.publish_many([(base + 10, src, [6, 7], TPB),
+                            (base + 11, 999, [6, 7], TPB)])
+    assert isinstance(res[0], bytes)
+    assert isinstance(res[1], kvxfer.Error)
+    assert "item 1" in str(res[1])
+    ctx.cancel(base + 10)

@@ -825,3 +825,108 @@ TEST(fetch_by_key_of_a_cancelled_offer)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* kvx_publish_many and kvx_fetch_many: three requests published and
+ * fetched in one round trip each, every byte checked; an item the
+ * daemon refuses fails alone, named in the error, the others taken;
+ * an invalid item sends nothing. */
+TEST(many_in_one_round_trip)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "mn-ctx", "mn-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[3][2] = {{0, 1}, {2, 3}, {4, 5}};
+    uint32_t gb[3][2] = {{7, 6}, {5, 4}, {3, 2}};
+    char ck[3][8], gk[3][8];
+    kvx_publish_item_t pi[3];
+    kvx_fetch_item_t fi[3];
+    memset(pi, 0, sizeof(pi));
+    memset(fi, 0, sizeof(fi));
+    for (int i = 0; i < 3; i++) {
+        fill_req(&c, 9101 + i, cb[i], 7);
+        snprintf(ck[i], sizeof(ck[i]), "m-%d", i);
+        snprintf(gk[i], sizeof(gk[i]), "g-%d", i);
+        pi[i] = (kvx_publish_item_t){.key = ck[i],
+                                     .key_len = strlen(ck[i]),
+                                     .pool_id = c.pool,
+                                     .blocks = cb[i],
+                                     .num_blocks = 2,
+                                     .num_tokens = 7};
+    }
+    CHECK_KVX(kvx_publish_many(c.c, pi, 3, T_MS), c.c);
+    for (int i = 0; i < 3; i++) {
+        CHECK_EQ(pi[i].status, 0);
+        CHECK(pi[i].params.len > 0);
+        kvx_params_info_t info;
+        CHECK_EQ(kvx_params_info(pi[i].params.data, pi[i].params.len, &info),
+                 KVX_OK);
+        CHECK_EQ(info.key_len, strlen(ck[i])); /* each its own params */
+        CHECK(!memcmp(info.key, ck[i], info.key_len));
+        fi[i] = (kvx_fetch_item_t){.key = gk[i],
+                                   .key_len = strlen(gk[i]),
+                                   .params = pi[i].params.data,
+                                   .params_len = pi[i].params.len,
+                                   .pool_id = g.pool,
+                                   .blocks = gb[i],
+                                   .num_blocks = 2};
+    }
+    CHECK_KVX(kvx_fetch_many(g.c, fi, 3, T_MS), g.c);
+    ev_t ev[8];
+    int n = collect(g.c, ev, 8, 3, 3000);
+    CHECK_EQ(n, 3);
+    for (int i = 0; i < 3; i++) {
+        CHECK_EQ(fi[i].status, 0);
+        int found = 0;
+        for (int k = 0; k < n; k++)
+            found |= ev[k].key_len == strlen(gk[i]) &&
+                     !memcmp(ev[k].key, gk[i], ev[k].key_len) &&
+                     ev[k].kind == KVX_EVENT_COMPLETE;
+        CHECK(found);
+    }
+    expect_t ex[3] = {{.req = 9101, .blocks = gb[0], .ntok = 7},
+                      {.req = 9102, .blocks = gb[1], .ntok = 7},
+                      {.req = 9103, .blocks = gb[2], .ntok = 7}};
+    CHECK_EQ(check_pool(&g, ex, 3, 0xa5), 0);
+    for (int i = 0; i < 3; i++)
+        kvx_context_params_free(&pi[i].params);
+
+    /* the second of two names no pool: it alone fails, named */
+    uint32_t b67[2] = {6, 7};
+    kvx_publish_item_t two[2] = {{.key = "m-3",
+                                  .key_len = 3,
+                                  .pool_id = c.pool,
+                                  .blocks = b67,
+                                  .num_blocks = 2,
+                                  .num_tokens = 7},
+                                 {.key = "m-bad",
+                                  .key_len = 5,
+                                  .pool_id = 999,
+                                  .blocks = b67,
+                                  .num_blocks = 2,
+                                  .num_tokens = 7}};
+    int rc = kvx_publish_many(c.c, two, 2, T_MS);
+    CHECK(rc != 0);
+    CHECK_EQ(two[0].status, 0);
+    CHECK_EQ(two[1].status, rc);
+    CHECK(two[0].params.len > 0 && two[1].params.data == NULL);
+    CHECK_STR_CONTAINS(kvx_last_error(c.c),
+                       "kvx_publish_many: item 1 (key m-bad)");
+    kvx_context_params_free(&two[0].params);
+    CHECK_KVX(kvx_cancel_key(c.c, "m-3", 3, T_MS), c.c);
+
+    /* invalid items: nothing is sent, the connection stays usable */
+    fi[1].key = NULL;
+    CHECK_FAILS(kvx_fetch_many(g.c, fi, 3, T_MS), g.c, KVX_ERR_INVALID,
+                "item 1: kvx_fetch_many: key of 0 bytes (NULL)");
+    CHECK_FAILS(kvx_fetch_many(g.c, fi, KVX_MANY_MAX + 1, T_MS), g.c,
+                KVX_ERR_INVALID, "257 items (1 to 256)");
+    char *json;
+    CHECK_KVX(kvx_status_json(g.c, &json, T_MS), g.c);
+    free(json);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}

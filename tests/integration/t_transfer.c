@@ -697,8 +697,7 @@ TEST_T(bench_layerwise_spin_and_traced, 120)
     double daemon = strtod(b + strlen("\"exposed_daemon_us\":"), NULL);
     CHECK(daemon > 0 && daemon <= whole);
     /* --poll-spin alone is refused, saying with what it goes */
-    snprintf(cmd, sizeof(cmd), "%s/kvxfer-bench --poll-spin 2>&1",
-             build_dir());
+    snprintf(cmd, sizeof(cmd), "%s/kvxfer-bench --poll-spin 2>&1", build_dir());
     f = popen(cmd, "r");
     CHECK(f);
     n = fread(out, 1, sizeof(out) - 1, f);
