@@ -694,18 +694,24 @@ class Client:
         del keep
         return res
 
-    def fetch_many(self, items: Sequence[Tuple[Key, bytes, PoolRef, Blocks]],
+    def fetch_many(self, items: Sequence[Tuple[Any, ...]],
                    *, skip_tokens: int = 0,
                    timeout: Timeout = _DEFAULT) -> List[Any]:
         """Fetch many requests in one round trip (kvx_fetch_many):
-        ``items`` are ``(key, params, pool, blocks)``, at most 256.
+        ``items`` are ``(key, params, pool, blocks)`` or ``(key, params,
+        pool, blocks, skip_tokens)`` (else ``skip_tokens``), at most 256.
         Returns one entry per item: None when the daemon took the fetch
         (its end arrives as an :class:`Event`), or the error it got (an
         exception instance, not raised)."""
         n = len(items)
         arr = (_lib.FetchItem * max(n, 1))()
         keep = []
-        for i, (key, params, pool, blocks) in enumerate(items):
+        for i, item in enumerate(items):
+            if len(item) not in (4, 5):
+                raise InvalidArgument(-1, f"items[{i}]: (key, params, pool, "
+                                      "blocks[, skip_tokens])")
+            key, params, pool, blocks = item[:4]
+            skip = item[4] if len(item) == 5 else skip_tokens
             k = key_bytes(key)
             pb = bytes(params)
             kb = ctypes.create_string_buffer(k, len(k))
@@ -719,7 +725,7 @@ class Client:
             arr[i].pool_id = _pool_id(pool)
             arr[i].blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
             arr[i].num_blocks = nb
-            arr[i].skip_tokens = skip_tokens
+            arr[i].skip_tokens = skip
         out = self._many("kvx_fetch_many", arr, n, timeout)
         del keep
         return out

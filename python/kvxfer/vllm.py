@@ -77,6 +77,7 @@ __all__ = ["KvxferConnector", "KvxferConnectorMetadata", "VLLM_VERSION",
            "layout_of_kv_caches"]
 
 VLLM_VERSION = "0.33.0"  # the version the tests run against
+MANY_MAX = 256  # kvx_publish_many / kvx_fetch_many: items a call
 
 log = logging.getLogger("kvxfer.vllm")
 
@@ -614,23 +615,38 @@ class _Worker:
         # update_from_output, after it read the token its last forward
         # sampled, so every kernel that wrote the request's KV (earlier
         # on the same stream) has completed.
-        for rid, s in meta.sends.items():
-            try:
-                self.client.publish(s.key, self.pool, s.block_ids,
-                                    s.num_tokens)
-                self._sending[s.key] = rid
-            except kvxfer.Error as e:
-                # the decode's fetch fails (and recomputes); free now
-                log.error("request %s: kvxfer publish failed: %s", rid, e)
-                self._done_send.add(rid)
-        for rid, r in meta.recvs.items():
-            try:
-                self.client.fetch(r.key, r.params, self.pool, r.block_ids,
-                                  skip_tokens=r.skip_tokens)
-                self._recving[r.key] = (rid, r.block_ids, r.skip_tokens)
-            except kvxfer.Error as e:
-                log.error("request %s: kvxfer fetch refused: %s", rid, e)
-                self._fail_recv(rid, r.block_ids, r.skip_tokens)
+        # a step's publishes, then its fetches, each in one round trip
+        # (kvx_publish_many, kvx_fetch_many); an item refused fails alone
+        sends = list(meta.sends.items())
+        for at in range(0, len(sends), MANY_MAX):
+            part = sends[at:at + MANY_MAX]
+            res = self._many(
+                self.client.publish_many,
+                [(s.key, self.pool, s.block_ids, s.num_tokens)
+                 for _, s in part],
+                lambda s: self.client.publish(s[0], s[1], s[2], s[3]))
+            for (rid, s), r in zip(part, res):
+                if isinstance(r, kvxfer.Error):
+                    # the decode's fetch fails (and recomputes); free now
+                    log.error("request %s: kvxfer publish failed: %s", rid, r)
+                    self._done_send.add(rid)
+                else:
+                    self._sending[s.key] = rid
+        recvs = list(meta.recvs.items())
+        for at in range(0, len(recvs), MANY_MAX):
+            part = recvs[at:at + MANY_MAX]
+            res = self._many(
+                self.client.fetch_many,
+                [(r.key, r.params, self.pool, r.block_ids, r.skip_tokens)
+                 for _, r in part],
+                lambda f: self.client.fetch(f[0], f[1], f[2], f[3],
+                                            skip_tokens=f[4]))
+            for (rid, r), e in zip(part, res):
+                if isinstance(e, kvxfer.Error):
+                    log.error("request %s: kvxfer fetch refused: %s", rid, e)
+                    self._fail_recv(rid, r.block_ids, r.skip_tokens)
+                else:
+                    self._recving[r.key] = (rid, r.block_ids, r.skip_tokens)
         for rid in meta.cancels:
             key = request_key(rid)
             if key not in self._recving:
@@ -641,6 +657,22 @@ class _Worker:
                 pass  # ended already: its event is on the way
             except kvxfer.Error as e:
                 log.error("request %s: kvxfer cancel failed: %s", rid, e)
+
+    @staticmethod
+    def _many(many: Any, items: List[Any], one: Any) -> List[Any]:
+        """many(items): one entry per item (a result or its error). An
+        item the library refuses before sending (a bad block id) fails
+        the whole call: then each goes alone, so it fails alone."""
+        try:
+            return many(items)
+        except kvxfer.Error:
+            res: List[Any] = []
+            for it in items:
+                try:
+                    res.append(one(it))
+                except kvxfer.Error as e:
+                    res.append(e)
+            return res
 
     def _fail_recv(self, rid: str, block_ids: List[int], skip: int) -> None:
         bs = self.cfg.cache_config.block_size
