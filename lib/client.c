@@ -1524,21 +1524,28 @@ int kvx_group_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
                  tokens, cuda_event, timeout_ms);
 }
 
-int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
-                       uint32_t *layers_done, uint32_t *num_layers, int *ended,
-                       int timeout_ms)
+static int fetch_progress(kvx_client_t *c, const char *fn, const void *key,
+                          size_t key_len, uint32_t group, uint32_t *layers_done,
+                          uint32_t *num_layers, int *ended, int timeout_ms)
 {
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_fetch_progress", key, key_len);
+    int rc = key_arg(c, fn, key, key_len);
     if (rc)
         return rc;
     if (!layers_done || !num_layers)
         return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
-                    __func__);
+                    fn);
+    /* an older daemon would ignore the group and answer for table 0 */
+    if (group && c->daemon_minor < 3)
+        return fail(c, KVX_ERR_VERSION,
+                    "%s: the daemon speaks protocol 2.%u; a block table's "
+                    "progress needs 2.3",
+                    fn, c->daemon_minor);
     Kvxfer__FetchProgress m = KVXFER__FETCH_PROGRESS__INIT;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
+    m.group = group;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_FETCH_PROGRESS;
     rq.fetch_progress = &m;
@@ -1557,6 +1564,22 @@ int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
         *ended = r->fetch_progress->ended;
     kvxfer__reply__free_unpacked(r, NULL);
     return 0;
+}
+
+int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
+                       uint32_t *layers_done, uint32_t *num_layers, int *ended,
+                       int timeout_ms)
+{
+    return fetch_progress(c, "kvx_fetch_progress", key, key_len, 0, layers_done,
+                          num_layers, ended, timeout_ms);
+}
+
+int kvx_group_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
+                             uint32_t group, uint32_t *layers_done,
+                             uint32_t *num_layers, int *ended, int timeout_ms)
+{
+    return fetch_progress(c, "kvx_group_fetch_progress", key, key_len, group,
+                          layers_done, num_layers, ended, timeout_ms);
 }
 
 int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,

@@ -996,7 +996,8 @@ static void on_fetch_progress(session_t *s, const Kvxfer__Request *rq)
         rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_progress", why,
                        sizeof(why));
     if (!rc)
-        rc = xfer_fetch_progress(s->inst, s->rank, &key, &done, &n, why,
+        rc = xfer_fetch_progress(s->inst, s->rank, &key,
+                                 rq->fetch_progress->group, &done, &n, why,
                                  sizeof(why));
     if (rc < 0) {
         reply(s, rq->id, rc, why);

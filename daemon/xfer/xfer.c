@@ -1464,8 +1464,8 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
 }
 
 int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                        uint32_t *done, uint32_t *nlayers, char *why,
-                        size_t why_len)
+                        uint32_t group, uint32_t *done, uint32_t *nlayers,
+                        char *why, size_t why_len)
 {
     uint64_t request_id = xfer_key_id(key->b, key->len);
     genreq_t *g = map_get(&inst->fetches, request_id);
@@ -1474,10 +1474,14 @@ int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "fetch_progress: no fetch of request %s in instance %s (never "
             "fetched, or ended: its event says how)",
             ks(key), inst->id);
-    genpart_t *p = &g->parts[rank];
-    if (!p->fetched)
+    if (!GPART(g, 0, rank)->fetched)
         WHY(KVX_ERR_STATE, "fetch_progress: rank %u has not fetched request %s",
             rank, ks(key));
+    if (group >= g->ngroups)
+        WHY(KVX_ERR_INVALID,
+            "fetch_progress.group: %u, but request %s has %u block table%s",
+            group, ks(key), g->ngroups, g->ngroups == 1 ? "" : "s");
+    genpart_t *p = GPART(g, group, rank);
     *nlayers = p->pool->layout.num_layers;
     *done = 0;
     if (p->done) {

@@ -80,12 +80,13 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
                        const pool_t *pool, const uint32_t *blocks,
                        uint32_t nblocks, char *why, size_t why_len);
 
-/* The leading layers of rank's pool that rank's fetch of key has
- * landed (*done of *nlayers): 0, or 1 when the fetch is ending (its
- * event is coming); NOT_FOUND / STATE with why. */
+/* The leading layers of rank's pool of block table group (0: the plain
+ * one) that rank's fetch of key has landed (*done of *nlayers): 0, or 1
+ * when the fetch is ending (its event is coming); NOT_FOUND / STATE /
+ * INVALID (no such table) with why. */
 int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                        uint32_t *done, uint32_t *nlayers, char *why,
-                        size_t why_len);
+                        uint32_t group, uint32_t *done, uint32_t *nlayers,
+                        char *why, size_t why_len);
 
 /* The instance's scheduler reserves the offer of key for num_tokens,
  * with layout l (a local rank's pool's: the params' layout summary); the

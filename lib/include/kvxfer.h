@@ -497,6 +497,15 @@ KVX_EXPORT int kvx_fetch_progress(kvx_client_t *client, const void *key,
                                   size_t key_len, uint32_t *layers_done,
                                   uint32_t *num_layers, int *ended,
                                   int timeout_ms);
+/* kvx_fetch_progress of one block table of a fetch with groups
+ * (kvx_fetch_groups): group 0 the plain table, k + 1 groups[k]; its
+ * layers, in its own pool's numbering. KVX_ERR_INVALID: no such table;
+ * KVX_ERR_VERSION: the daemon is older than 2.3. */
+KVX_EXPORT int kvx_group_fetch_progress(kvx_client_t *client, const void *key,
+                                        size_t key_len, uint32_t group,
+                                        uint32_t *layers_done,
+                                        uint32_t *num_layers, int *ended,
+                                        int timeout_ms);
 
 /* For the instance's scheduler (vLLM's and SGLang's scheduler process,
  * which is not a rank: connected with kvx_connect_observer, under the

@@ -832,19 +832,26 @@ class Client:
                    self._ms(timeout))
         del keep
 
-    def fetch_progress(self, key: Key,
-                       timeout: Timeout = _DEFAULT) -> Tuple[int, int, bool]:
+    def fetch_progress(self, key: Key, timeout: Timeout = _DEFAULT, *,
+                       group: int = 0) -> Tuple[int, int, bool]:
         """``(layers_done, num_layers, ended)`` of this rank's fetch of
         ``key`` (kvx_fetch_progress): layers ``[0, layers_done)`` of its
         pool have landed, so attention may start on them while later
-        layers arrive; ``ended``: its event is coming. Raises
+        layers arrive; ``ended``: its event is coming. ``group``: that
+        block table of a fetch with groups (k + 1: ``groups[k]``, its own
+        pool's layers; kvx_group_fetch_progress). Raises
         :class:`NotFound` once the fetch is over."""
         k = key_bytes(key)
         done, total, ended = ctypes.c_uint32(), ctypes.c_uint32(), \
             ctypes.c_int()
-        self._call("kvx_fetch_progress", k, len(k), ctypes.byref(done),
-                   ctypes.byref(total), ctypes.byref(ended),
-                   self._ms(timeout))
+        if group:
+            self._call("kvx_group_fetch_progress", k, len(k), group,
+                       ctypes.byref(done), ctypes.byref(total),
+                       ctypes.byref(ended), self._ms(timeout))
+        else:
+            self._call("kvx_fetch_progress", k, len(k), ctypes.byref(done),
+                       ctypes.byref(total), ctypes.byref(ended),
+                       self._ms(timeout))
         return int(done.value), int(total.value), bool(ended.value)
 
     def cancel(self, key: Key, timeout: Timeout = _DEFAULT) -> None:

@@ -667,6 +667,11 @@ def test_groups_layerwise_tables_move_when_ready(pair, names):
     time.sleep(0.2)
     per = st.offset(0, 0, 1) - st.offset(0, 0, 0)
     assert not dst[1].array[st.offset(0, 0, 0):st.offset(0, 0, 0) + per].any()
+    # each table's own progress: the KV's every layer, the state's none
+    assert gen.fetch_progress(req) == (LAYERS, LAYERS, False)
+    assert gen.fetch_progress(req, group=1) == (0, 2, False)
+    with pytest.raises(kvxfer.InvalidArgument, match="fetch_progress.group"):
+        gen.fetch_progress(req, group=2)
     ctx.layers_ready(req, 0, 2, group=1)
     for c in (gen, ctx):
         assert wait_event(c, req).kind is EventKind.COMPLETE

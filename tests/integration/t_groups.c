@@ -366,6 +366,26 @@ TEST(groups_layerwise_each_table_when_ready)
     sleep_ms(50);
     CHECK_EQ(check_pool(&h.gw, &none, 0, 0xa5), 0);
     CHECK_EQ(check_pool(&h.gst, &none, 0, 0xa5), 0);
+    /* each table's progress: the KV all landed, the others none */
+    uint32_t done, nl;
+    int ended;
+    CHECK_KVX(
+        kvx_group_fetch_progress(h.g.c, "360", 3, 0, &done, &nl, &ended, T_MS),
+        h.g.c);
+    CHECK_EQ(done, nl);
+    CHECK_EQ(nl, h.g.nlayers);
+    CHECK_EQ(ended, 0);
+    for (uint32_t t = 1; t <= 2; t++) {
+        CHECK_KVX(kvx_group_fetch_progress(h.g.c, "360", 3, t, &done, &nl,
+                                           &ended, T_MS),
+                  h.g.c);
+        CHECK_EQ(done, 0);
+        CHECK(nl > 0);
+    }
+    CHECK_FAILS(
+        kvx_group_fetch_progress(h.g.c, "360", 3, 3, &done, &nl, &ended, T_MS),
+        h.g.c, KVX_ERR_INVALID,
+        "fetch_progress.group: 3, but request 360 has 3 block tables");
     /* the state slot (table 2), layer by layer */
     for (int r = 0; r < 2; r++) {
         fill_req(&h.cst[r], req + 2, &hy_cs[r], 1);
@@ -379,6 +399,15 @@ TEST(groups_layerwise_each_table_when_ready)
         sleep_ms(5);
     CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
     CHECK_EQ(check_pool(&h.gw, &none, 0, 0xa5), 0);
+    CHECK_KVX(
+        kvx_group_fetch_progress(h.g.c, "360", 3, 2, &done, &nl, &ended, T_MS),
+        h.g.c);
+    CHECK_EQ(done, nl); /* the state's every layer */
+    CHECK_EQ(nl, h.gst.nlayers);
+    CHECK_KVX(
+        kvx_group_fetch_progress(h.g.c, "360", 3, 1, &done, &nl, &ended, T_MS),
+        h.g.c);
+    CHECK_EQ(done, 0); /* the window's none */
     ev_t e[4];
     CHECK_EQ(collect(h.g.c, e, 4, 1, 100), 0); /* the window is missing */
     /* the window (table 1) */
