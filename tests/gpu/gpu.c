@@ -396,7 +396,11 @@ TEST_T(client_killed_while_pool_read, 120)
 {
     NEED_GPUS(1);
     struct daemon d;
-    daemon_start(&d);
+    /* the smallest chunks: with one CTA the kernel moves the 2 GiB in
+     * about 36 ms, which a killed process's CUDA teardown (before its
+     * socket closes) can outlast; 32768 launches keep the copy running
+     * well past the kill */
+    daemon_start_cfg(&d, "gpu:\n  chunk_bytes: 64KiB\n  max_ctas: 1\n");
     struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
                              MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     pid_t ctx = fork();

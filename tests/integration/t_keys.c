@@ -839,7 +839,7 @@ TEST(many_in_one_round_trip)
     memset(g.base, 0xa5, g.size);
     uint32_t cb[3][2] = {{0, 1}, {2, 3}, {4, 5}};
     uint32_t gb[3][2] = {{7, 6}, {5, 4}, {3, 2}};
-    char ck[3][8], gk[3][8];
+    char ck[3][16], gk[3][16];
     kvx_publish_item_t pi[3];
     kvx_fetch_item_t fi[3];
     memset(pi, 0, sizeof(pi));
