@@ -252,34 +252,71 @@ static int refusal_after(kvx_client_t *c, int rc)
     return rc;
 }
 
+/* Before a call: 0, or why none can be made (nothing is sent, and the
+ * connection stays usable unless it was broken already). */
+static int call_ready(kvx_client_t *c, int timeout_ms)
+{
+    c->err[0] = 0;
+    if (c->broken)
+        return fail(c, KVX_ERR_CLOSED,
+                    "connection unusable after an earlier failure");
+    if (timeout_ms == 0)
+        return fail(c, KVX_ERR_INVALID,
+                    "timeout_ms 0: a call waits for the daemon's reply; "
+                    "give it time (a negative value waits without limit)");
+    return 0;
+}
+
+/* The frames of rq[0, n) in one buffer (*buf, *len; caller frees), their
+ * ids set here, consecutive from c->next_id + 1. */
+static int pack_frames(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
+                       uint8_t **buf, size_t *len)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        rq[i].id = ++c->next_id; /* before the size: the id is a varint */
+        size_t m = kvxfer__request__get_packed_size(&rq[i]);
+        if (m > REQUEST_MAX)
+            return fail(c, KVX_ERR_LIMIT,
+                        "request of %zu bytes: larger than the %u bytes a "
+                        "frame may hold",
+                        m, REQUEST_MAX);
+        total += m + FRAME_HDR;
+    }
+    uint8_t *at = *buf = malloc(total ? total : 1);
+    if (!at)
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        size_t m = kvxfer__request__pack(&rq[i], at + FRAME_HDR);
+        frame_put_len(at, (uint32_t)m);
+        at += m + FRAME_HDR;
+    }
+    *len = total;
+    return 0;
+}
+
+/* A reply's status as the library returns it: a code it does not know
+ * (or a positive one) is the daemon breaking the protocol. */
+static int reply_code(int32_t status)
+{
+    return status > 0 || status < KVX_ERR_LAST ? KVX_ERR_PROTOCOL : status;
+}
+
 /* Send rq (its id is set here) with nfds fds and wait for its reply.
  * Returns the daemon's status; *out (if not NULL) receives the reply on
  * success. */
 static int call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
                     int nfds, int timeout_ms, Kvxfer__Reply **out)
 {
-    c->err[0] = 0;
-    if (c->broken)
-        return fail(c, KVX_ERR_CLOSED,
-                    "connection unusable after an earlier failure");
-    if (timeout_ms == 0) /* nothing sent: the connection stays usable */
-        return fail(c, KVX_ERR_INVALID,
-                    "timeout_ms 0: a call waits for the daemon's reply; "
-                    "give it time (a negative value waits without limit)");
+    int rc = call_ready(c, timeout_ms);
+    if (rc)
+        return rc;
     int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
-    rq->id = ++c->next_id;
-    size_t n = kvxfer__request__get_packed_size(rq);
-    if (n > REQUEST_MAX)
-        return fail(c, KVX_ERR_LIMIT,
-                    "request of %zu bytes: larger than the %u bytes a "
-                    "frame may hold",
-                    n, REQUEST_MAX);
-    uint8_t *buf = malloc(n + FRAME_HDR);
-    if (!buf)
-        return fail(c, KVX_ERR_NOMEM, "out of memory");
-    frame_put_len(buf, (uint32_t)n);
-    kvxfer__request__pack(rq, buf + FRAME_HDR);
-    int rc = send_all(c, buf, n + FRAME_HDR, fds, nfds, deadline);
+    uint8_t *buf;
+    size_t len;
+    if ((rc = pack_frames(c, rq, 1, &buf, &len)))
+        return rc;
+    rc = send_all(c, buf, len, fds, nfds, deadline);
     free(buf);
     if (rc == KVX_ERR_CLOSED || rc == KVX_ERR_IO)
         rc = refusal_after(c, rc);
@@ -291,10 +328,7 @@ static int call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
         return rc;
     }
     if (r->status) {
-        /* a code this library does not know (or positive) is the
-         * daemon breaking the protocol */
-        rc = r->status < KVX_ERR_LAST || r->status > 0 ? KVX_ERR_PROTOCOL
-                                                        : r->status;
+        rc = reply_code(r->status);
         snprintf(c->err, sizeof(c->err), "%s", r->message);
         kvxfer__reply__free_unpacked(r, NULL);
         if (rc == KVX_ERR_PROTOCOL)
@@ -315,102 +349,99 @@ static int call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
     return call_fds(c, rq, &fd_to_pass, fd_to_pass >= 0, timeout_ms, out);
 }
 
-/* n requests in one write, then their n replies, in whatever order
- * they come: replies[i] answers rqs[i] (its status may be a refusal).
- * 0 when the exchange worked; else the connection is broken and no
- * reply is kept. */
-static int call_many(kvx_client_t *c, Kvxfer__Request **rqs, size_t n,
-                     int timeout_ms, Kvxfer__Reply **replies)
+static void replies_free(Kvxfer__Reply **rp, size_t n)
 {
-    c->err[0] = 0;
-    if (c->broken)
-        return fail(c, KVX_ERR_CLOSED,
-                    "connection unusable after an earlier failure");
-    if (timeout_ms == 0)
-        return fail(c, KVX_ERR_INVALID,
-                    "timeout_ms 0: a call waits for the daemon's reply; "
-                    "give it time (a negative value waits without limit)");
+    for (size_t i = 0; rp && i < n; i++)
+        if (rp[i])
+            kvxfer__reply__free_unpacked(rp[i], NULL);
+    free(rp);
+}
+
+/* rq[0, n) in one write, then their n replies, in whatever order they
+ * come: (*out)[i] answers rq[i] (its status may be a refusal; free them
+ * with replies_free()). 0 when the exchange worked; else no reply is
+ * kept and, once anything was sent, the connection is broken. */
+static int call_many(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
+                     int timeout_ms, Kvxfer__Reply ***out)
+{
+    int rc = call_ready(c, timeout_ms);
+    if (rc)
+        return rc;
     int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
-    uint64_t base = c->next_id;
-    size_t total = 0;
-    for (size_t i = 0; i < n; i++) {
-        rqs[i]->id = base + 1 + i;
-        size_t len = kvxfer__request__get_packed_size(rqs[i]);
-        if (len > REQUEST_MAX)
-            return fail(c, KVX_ERR_LIMIT,
-                        "item %zu: a request of %zu bytes, larger than the "
-                        "%u bytes a frame may hold",
-                        i, len, REQUEST_MAX);
-        total += len + FRAME_HDR;
-    }
-    c->next_id = base + n;
-    uint8_t *buf = malloc(total ? total : 1), *at = buf;
-    if (!buf)
+    Kvxfer__Reply **rp = calloc(n ? n : 1, sizeof(*rp));
+    uint8_t *buf = NULL;
+    size_t len;
+    if (!rp)
         return fail(c, KVX_ERR_NOMEM, "out of memory");
-    for (size_t i = 0; i < n; i++) {
-        size_t len = kvxfer__request__get_packed_size(rqs[i]);
-        frame_put_len(at, (uint32_t)len);
-        kvxfer__request__pack(rqs[i], at + FRAME_HDR);
-        at += len + FRAME_HDR;
+    if ((rc = pack_frames(c, rq, n, &buf, &len))) {
+        free(rp);
+        return rc;
     }
-    int rc = send_all(c, buf, total, NULL, 0, deadline);
+    uint64_t base = rq[0].id;
+    rc = send_all(c, buf, len, NULL, 0, deadline);
     free(buf);
     if (rc == KVX_ERR_CLOSED || rc == KVX_ERR_IO)
         rc = refusal_after(c, rc);
-    for (size_t i = 0; i < n; i++)
-        replies[i] = NULL;
     for (size_t got = 0; !rc && got < n;) {
         Kvxfer__Reply *r;
         if ((rc = recv_any(c, deadline, &r)))
             break;
         if (r->id == 0) { /* the daemon could not tell which: it closes */
-            rc = r->status < 0 && r->status > KVX_ERR_LAST ? r->status
-                                                           : KVX_ERR_PROTOCOL;
+            rc = r->status ? reply_code(r->status) : KVX_ERR_PROTOCOL;
             snprintf(c->err, sizeof(c->err), "%s", r->message);
             kvxfer__reply__free_unpacked(r, NULL);
             break;
         }
-        if (r->id <= base || r->id > base + n || replies[r->id - base - 1]) {
+        if (r->id < base || r->id - base >= n || rp[r->id - base]) {
             kvxfer__reply__free_unpacked(r, NULL); /* stale: skip */
             continue;
         }
-        replies[r->id - base - 1] = r;
+        rp[r->id - base] = r;
         got++;
     }
     if (rc) {
-        for (size_t i = 0; i < n; i++)
-            if (replies[i])
-                kvxfer__reply__free_unpacked(replies[i], NULL);
+        replies_free(rp, n);
         c->broken = 1;
+        return rc;
     }
-    return rc;
+    *out = rp;
+    return 0;
 }
 
-/* An item's reply: its status (a code this library does not know is
- * the daemon breaking the protocol); the first failing item's message
- * becomes the call's error. */
+/* Item i's reply: its status; the first failing item's message, naming
+ * it, becomes the call's error. */
 static int item_status(kvx_client_t *c, const char *fn, size_t i,
                        const void *key, size_t key_len, const Kvxfer__Reply *r,
                        int *first_rc)
 {
-    int rc = 0;
-    if (r->status)
-        rc = r->status < KVX_ERR_LAST || r->status > 0 ? KVX_ERR_PROTOCOL
-                                                       : r->status;
+    int rc = r->status ? reply_code(r->status) : 0;
     if (rc && !*first_rc) {
-        /* the key as text: its first 32 bytes, '?' for what is not
-         * printable (keys are bytes) */
-        char k[33];
-        size_t kl = key_len > 32 ? 32 : key_len;
-        for (size_t j = 0; j < kl; j++) {
-            char ch = ((const char *)key)[j];
-            k[j] = ch >= 0x20 && ch < 0x7f ? ch : '?';
-        }
-        k[kl] = 0;
+        char k[REQKEY_STR_MAX];
         *first_rc = rc;
-        snprintf(c->err, sizeof(c->err), "%s: item %zu (key %s%s): %s", fn, i,
-                 k, key_len > 32 ? "..." : "", r->message);
+        snprintf(c->err, sizeof(c->err), "%s: item %zu (key %s): %s", fn, i,
+                 reqkey_str(key, key_len, k), r->message);
     }
+    return rc;
+}
+
+static int key_arg(kvx_client_t *c, const char *fn, const void *key,
+                   size_t key_len);
+
+/* An item's arguments, before anything is sent: 0, or KVX_ERR_INVALID
+ * naming the item. */
+static int item_arg(kvx_client_t *c, const char *fn, size_t i, const void *key,
+                    size_t key_len, const uint32_t *blocks, uint32_t nblocks,
+                    const void *params, size_t params_len)
+{
+    char what[48];
+    snprintf(what, sizeof(what), "%s: item %zu", fn, i);
+    int rc = key_arg(c, what, key, key_len);
+    if (!rc && !blocks && nblocks)
+        rc = fail(c, KVX_ERR_INVALID, "%s: blocks is NULL with %u blocks", what,
+                  nblocks);
+    if (!rc && !params && params_len)
+        rc = fail(c, KVX_ERR_INVALID, "%s: params is NULL with %zu bytes", what,
+                  params_len);
     return rc;
 }
 
@@ -1282,6 +1313,21 @@ void kvx_context_params_free(kvx_context_params_t *p)
 
 /* A request answered with context params (Publish, Reserve): *params
  * gets a copy. */
+/* The params a publish or reserve reply carries, copied into *params:
+ * 0, or KVX_ERR_PROTOCOL / KVX_ERR_NOMEM with the message set. */
+static int params_take(kvx_client_t *c, const char *what,
+                       const Kvxfer__Reply *r, kvx_context_params_t *params)
+{
+    if (r->body_case != KVXFER__REPLY__BODY_PUBLISH)
+        return fail(c, KVX_ERR_PROTOCOL, "%s: reply without params", what);
+    size_t len = r->publish->context_params.len;
+    if (!(params->data = malloc(len ? len : 1)))
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    memcpy(params->data, r->publish->context_params.data, len);
+    params->len = len;
+    return 0;
+}
+
 static int params_call(kvx_client_t *c, Kvxfer__Request *rq, const char *what,
                        kvx_context_params_t *params, int timeout_ms)
 {
@@ -1289,19 +1335,9 @@ static int params_call(kvx_client_t *c, Kvxfer__Request *rq, const char *what,
     int rc = call(c, rq, -1, timeout_ms, &r);
     if (rc)
         return rc;
-    if (r->body_case != KVXFER__REPLY__BODY_PUBLISH) {
-        kvxfer__reply__free_unpacked(r, NULL);
-        return fail(c, KVX_ERR_PROTOCOL, "%s: reply without params", what);
-    }
-    params->len = r->publish->context_params.len;
-    params->data = malloc(params->len ? params->len : 1);
-    if (!params->data) {
-        kvxfer__reply__free_unpacked(r, NULL);
-        return fail(c, KVX_ERR_NOMEM, "out of memory");
-    }
-    memcpy(params->data, r->publish->context_params.data, params->len);
+    rc = params_take(c, what, r, params);
     kvxfer__reply__free_unpacked(r, NULL);
-    return 0;
+    return rc;
 }
 
 /* A key argument: 0, or KVX_ERR_INVALID with the message set. */
@@ -1727,35 +1763,6 @@ int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
     return call(c, &rq, -1, timeout_ms, NULL);
 }
 
-/* rq[0..n) in one round trip (call_many): *out gets their n replies,
- * freed with replies_free(). */
-static int many_call(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
-                     int timeout_ms, Kvxfer__Reply ***out)
-{
-    Kvxfer__Request **rqp = calloc(n, sizeof(*rqp));
-    Kvxfer__Reply **rp = calloc(n, sizeof(*rp));
-    int rc = rqp && rp ? 0 : fail(c, KVX_ERR_NOMEM, "out of memory");
-    for (size_t i = 0; !rc && i < n; i++)
-        rqp[i] = &rq[i];
-    if (!rc)
-        rc = call_many(c, rqp, n, timeout_ms, rp);
-    free(rqp);
-    if (rc) {
-        free(rp);
-        return rc;
-    }
-    *out = rp;
-    return 0;
-}
-
-static void replies_free(Kvxfer__Reply **rp, size_t n)
-{
-    for (size_t i = 0; rp && i < n; i++)
-        if (rp[i])
-            kvxfer__reply__free_unpacked(rp[i], NULL);
-    free(rp);
-}
-
 int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
                      int timeout_ms)
 {
@@ -1763,22 +1770,17 @@ int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
     if (!c)
         return KVX_ERR_INVALID;
     if ((!items && n) || n > KVX_MANY_MAX)
-        return fail(c, KVX_ERR_INVALID, "%s: %zu items%s (1 to %u)", fn, n,
+        return fail(c, KVX_ERR_INVALID, "%s: %zu items%s (at most %u)", fn, n,
                     items ? "" : " at NULL", KVX_MANY_MAX);
     for (size_t i = 0; i < n; i++) {
         kvx_publish_item_t *it = &items[i];
         it->status = 0;
         it->params.data = NULL;
         it->params.len = 0;
-        int rc = key_arg(c, fn, it->key, it->key_len);
-        if (!rc && !it->blocks && it->num_blocks)
-            rc = fail(c, KVX_ERR_INVALID, "%s: blocks is NULL with %u blocks",
-                      fn, it->num_blocks);
-        if (rc) {
-            char m[sizeof(c->err)];
-            snprintf(m, sizeof(m), "%s", c->err);
-            return fail(c, rc, "item %zu: %s; nothing sent", i, m);
-        }
+        int rc = item_arg(c, fn, i, it->key, it->key_len, it->blocks,
+                          it->num_blocks, NULL, 0);
+        if (rc)
+            return rc;
     }
     if (!n)
         return 0;
@@ -1802,29 +1804,23 @@ int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
         rq[i].body_case = KVXFER__REQUEST__BODY_PUBLISH;
         rq[i].publish = &m[i];
     }
-    if ((rc = many_call(c, rq, n, timeout_ms, &rp)))
+    if ((rc = call_many(c, rq, n, timeout_ms, &rp)))
         goto out;
     for (size_t i = 0; i < n; i++) {
         kvx_publish_item_t *it = &items[i];
         it->status = item_status(c, fn, i, it->key, it->key_len, rp[i], &first);
         if (it->status)
             continue;
-        if (rp[i]->body_case != KVXFER__REPLY__BODY_PUBLISH) {
-            it->status = KVX_ERR_PROTOCOL;
-            if (!first)
-                first = fail(c, KVX_ERR_PROTOCOL,
-                             "%s: item %zu: reply without params", fn, i);
-            continue;
+        char what[48];
+        snprintf(what, sizeof(what), "%s: item %zu", fn, i);
+        if (first) { /* the first failure's message stays the error */
+            char keep[sizeof(c->err)];
+            memcpy(keep, c->err, sizeof(keep));
+            it->status = params_take(c, what, rp[i], &it->params);
+            memcpy(c->err, keep, sizeof(keep));
+        } else {
+            first = it->status = params_take(c, what, rp[i], &it->params);
         }
-        size_t len = rp[i]->publish->context_params.len;
-        if (!(it->params.data = malloc(len ? len : 1))) {
-            it->status = KVX_ERR_NOMEM;
-            if (!first)
-                first = fail(c, KVX_ERR_NOMEM, "out of memory");
-            continue;
-        }
-        memcpy(it->params.data, rp[i]->publish->context_params.data, len);
-        it->params.len = len;
     }
     rc = first;
 out:
@@ -1841,21 +1837,15 @@ int kvx_fetch_many(kvx_client_t *c, kvx_fetch_item_t *items, size_t n,
     if (!c)
         return KVX_ERR_INVALID;
     if ((!items && n) || n > KVX_MANY_MAX)
-        return fail(c, KVX_ERR_INVALID, "%s: %zu items%s (1 to %u)", fn, n,
+        return fail(c, KVX_ERR_INVALID, "%s: %zu items%s (at most %u)", fn, n,
                     items ? "" : " at NULL", KVX_MANY_MAX);
     for (size_t i = 0; i < n; i++) {
         kvx_fetch_item_t *it = &items[i];
         it->status = 0;
-        int rc = key_arg(c, fn, it->key, it->key_len);
-        if (!rc && ((!it->blocks && it->num_blocks) ||
-                    (!it->params && it->params_len)))
-            rc = fail(c, KVX_ERR_INVALID,
-                      "%s: blocks or params is NULL with a length", fn);
-        if (rc) {
-            char m[sizeof(c->err)];
-            snprintf(m, sizeof(m), "%s", c->err);
-            return fail(c, rc, "item %zu: %s; nothing sent", i, m);
-        }
+        int rc = item_arg(c, fn, i, it->key, it->key_len, it->blocks,
+                          it->num_blocks, it->params, it->params_len);
+        if (rc)
+            return rc;
     }
     if (!n)
         return 0;
@@ -1882,7 +1872,7 @@ int kvx_fetch_many(kvx_client_t *c, kvx_fetch_item_t *items, size_t n,
         rq[i].body_case = KVXFER__REQUEST__BODY_FETCH;
         rq[i].fetch = &m[i];
     }
-    if ((rc = many_call(c, rq, n, timeout_ms, &rp)))
+    if ((rc = call_many(c, rq, n, timeout_ms, &rp)))
         goto out;
     for (size_t i = 0; i < n; i++)
         items[i].status = item_status(c, fn, i, items[i].key, items[i].key_len,

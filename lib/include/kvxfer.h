@@ -666,7 +666,10 @@ KVX_EXPORT int kvx_fetch_dp(kvx_client_t *client, uint64_t request_id,
  * Returns 0 when every item succeeded; else the status of the first that
  * failed, and kvx_last_error() names it ("kvx_fetch_many: item 3 (key
  * ...): ..."); items after a refused one are still taken. An invalid
- * item (NULL key, ...) sends nothing. */
+ * item (NULL key, ...) sends nothing. When the exchange itself fails
+ * (connection lost, timeout) its code is returned and every status is
+ * left 0: which items the daemon took is unknown, as after a single
+ * call that times out. */
 #define KVX_MANY_MAX 256
 typedef struct {
     const void *key;

@@ -919,9 +919,9 @@ TEST(many_in_one_round_trip)
     /* invalid items: nothing is sent, the connection stays usable */
     fi[1].key = NULL;
     CHECK_FAILS(kvx_fetch_many(g.c, fi, 3, T_MS), g.c, KVX_ERR_INVALID,
-                "item 1: kvx_fetch_many: key of 0 bytes (NULL)");
+                "kvx_fetch_many: item 1: key of 0 bytes (NULL)");
     CHECK_FAILS(kvx_fetch_many(g.c, fi, KVX_MANY_MAX + 1, T_MS), g.c,
-                KVX_ERR_INVALID, "257 items (1 to 256)");
+                KVX_ERR_INVALID, "257 items (at most 256)");
     char *json;
     CHECK_KVX(kvx_status_json(g.c, &json, T_MS), g.c);
     free(json);
