@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import (Any, Iterator, List, Optional, Sequence, Tuple, Union)
 
 from . import _lib
-from .errors import Closed, Error, InvalidArgument, make_error
+from .errors import Closed, Error, InvalidArgument, make_error, status_str
 from .layout import Layout
 from .memory import HostBuffer, Span, host_buffer_of, span_of
 
@@ -257,6 +257,21 @@ def _u32(blocks: Blocks, what: str = "blocks") -> Tuple[Any, int, Any]:
         raise InvalidArgument(-1, f"{what}: {e}") from None
     ptr, n = arr.buffer_info()
     return ctypes.c_void_p(ptr), n, arr
+
+
+def _item(it: Any, key: Key, pool: PoolRef, blocks: Blocks,
+          keep: List[Any]) -> None:
+    """The fields a kvx_publish_item_t and a kvx_fetch_item_t share: key,
+    pool and blocks (their buffers kept alive in keep)."""
+    k = key_bytes(key)
+    kb = ctypes.create_string_buffer(k, len(k))
+    ptr, n, kp = _u32(blocks)
+    keep += [kb, kp]
+    it.key = ctypes.cast(kb, ctypes.c_void_p)
+    it.key_len = len(k)
+    it.pool_id = _pool_id(pool)
+    it.blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
+    it.num_blocks = n
 
 
 class Client:
@@ -667,31 +682,18 @@ class Client:
         its context params (bytes), or the error it got (an exception
         instance, not raised: the other items are published). An invalid
         item raises before anything is sent."""
-        n = len(items)
-        arr = (_lib.PublishItem * max(n, 1))()
-        keep = []
+        arr = (_lib.PublishItem * max(len(items), 1))()
+        keep: List[Any] = []
         for i, (key, pool, blocks, num_tokens) in enumerate(items):
-            k = key_bytes(key)
-            kb = ctypes.create_string_buffer(k, len(k))
-            ptr, nb, kp = _u32(blocks)
-            keep += [kb, kp]
-            arr[i].key = ctypes.cast(kb, ctypes.c_void_p)
-            arr[i].key_len = len(k)
-            arr[i].pool_id = _pool_id(pool)
-            arr[i].blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
-            arr[i].num_blocks = nb
+            _item(arr[i], key, pool, blocks, keep)
             arr[i].num_tokens = num_tokens
-        out = self._many("kvx_publish_many", arr, n, timeout)
+        res = self._many("kvx_publish_many", arr, len(items), timeout)
         lib = _lib.lib()
-        res: List[Any] = []
-        for i in range(n):
-            if out[i] is not None:
-                res.append(out[i])
-                continue
-            p = arr[i].params
-            res.append(ctypes.string_at(p.data, p.len))
-            lib.kvx_context_params_free(ctypes.byref(arr[i].params))
-        del keep
+        for i, r in enumerate(res):
+            if r is None:
+                p = arr[i].params
+                res[i] = ctypes.string_at(p.data, p.len)
+                lib.kvx_context_params_free(ctypes.byref(arr[i].params))
         return res
 
     def fetch_many(self, items: Sequence[Tuple[Any, ...]],
@@ -703,37 +705,27 @@ class Client:
         Returns one entry per item: None when the daemon took the fetch
         (its end arrives as an :class:`Event`), or the error it got (an
         exception instance, not raised)."""
-        n = len(items)
-        arr = (_lib.FetchItem * max(n, 1))()
-        keep = []
+        arr = (_lib.FetchItem * max(len(items), 1))()
+        keep: List[Any] = []
         for i, item in enumerate(items):
             if len(item) not in (4, 5):
                 raise InvalidArgument(-1, f"items[{i}]: (key, params, pool, "
                                       "blocks[, skip_tokens])")
             key, params, pool, blocks = item[:4]
-            skip = item[4] if len(item) == 5 else skip_tokens
-            k = key_bytes(key)
+            _item(arr[i], key, pool, blocks, keep)
             pb = bytes(params)
-            kb = ctypes.create_string_buffer(k, len(k))
             pp = ctypes.create_string_buffer(pb, max(len(pb), 1))
-            ptr, nb, kp = _u32(blocks)
-            keep += [kb, pp, kp]
-            arr[i].key = ctypes.cast(kb, ctypes.c_void_p)
-            arr[i].key_len = len(k)
+            keep.append(pp)
             arr[i].params = ctypes.cast(pp, ctypes.c_void_p)
             arr[i].params_len = len(pb)
-            arr[i].pool_id = _pool_id(pool)
-            arr[i].blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
-            arr[i].num_blocks = nb
-            arr[i].skip_tokens = skip
-        out = self._many("kvx_fetch_many", arr, n, timeout)
-        del keep
-        return out
+            arr[i].skip_tokens = item[4] if len(item) == 5 else skip_tokens
+        return self._many("kvx_fetch_many", arr, len(items), timeout)
 
     def _many(self, fn: str, arr: Any, n: int, timeout: Timeout) -> List[Any]:
-        """Run a kvx_*_many call: per item None (done) or its error. A
+        """Run a kvx_*_many call: per item None (taken) or its error. A
         failure of the call itself (nothing sent, connection lost) is
-        raised."""
+        raised. The daemon's message is kept for the first failing item;
+        the others get their code's."""
         with self._lock:
             if not self._h:
                 raise Closed(-20, "the client is closed")
@@ -741,14 +733,14 @@ class Client:
             rc = getattr(lib, fn)(self._h, arr, n, self._ms(timeout))
             msg = lib.kvx_last_error(self._h) if rc else None
         text = msg.decode(errors="replace") if msg else ""
-        if rc and not any(arr[i].status for i in range(n)):
+        failed = [i for i in range(n) if arr[i].status]
+        if rc and not failed:
             raise make_error(rc, text)
-        res: List[Any] = []
-        for i in range(n):
+        res: List[Any] = [None] * n
+        for i in failed:
             st = arr[i].status
-            res.append(None if not st else
-                       make_error(st, text if st == rc else
-                                  f"{fn}: item {i} failed; the daemon's message is kept for the first failing item only"))
+            res[i] = make_error(st, text if i == failed[0] else
+                                f"{fn}: item {i}: {status_str(st)}")
         return res
 
     def poll(self, at_least: int = 1,

@@ -658,7 +658,8 @@ def test_groups_layerwise_tables_move_when_ready(pair, names):
         fill(p.array, 20 + i)
     req = names["req"]
     params = ctx.publish(req, src[0], [1, 2], num_tokens=2 * TPB,
-                         layerwise=True, groups=[kvxfer.Group.state(src[1], 3)])
+                         layerwise=True,
+                         groups=[kvxfer.Group.state(src[1], 3)])
     gen.fetch(req, params, dst[0], [4, 5],
               groups=[kvxfer.Group.state(dst[1], 0)])
     ctx.layers_ready(req, 0, LAYERS)
@@ -708,8 +709,13 @@ def test_publish_many_and_fetch_many(pair, names):
             assert np.array_equal(block_bytes(lo, dst.array, d),
                                   block_bytes(lo, src.array, s))
     res = ctx.publish_many([(base + 10, src, [6, 7], TPB),
-                            (base + 11, 999, [6, 7], TPB)])
+                            (base + 11, 999, [6, 7], TPB),
+                            (base + 12, 998, [6, 7], TPB)])
     assert isinstance(res[0], bytes)
     assert isinstance(res[1], kvxfer.Error)
-    assert "item 1" in str(res[1])
+    assert "item 1" in str(res[1]) and "999" in str(res[1])
+    # the daemon's message is the first failure's: the next is named
+    # alone, not given item 1's words
+    assert type(res[2]) is type(res[1])
+    assert "item 2" in str(res[2]) and "item 1" not in str(res[2])
     ctx.cancel(base + 10)
