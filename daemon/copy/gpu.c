@@ -196,9 +196,8 @@ static void *waiter_main(void *arg)
      * (an interrupt) each cost tens of them; so it spins that long for
      * the next item and for each event before it sleeps */
     uint64_t spin_ns = (uint64_t)kvxd.conf.gpu_spin_us * 1000;
+    /* gpu.event_poll_us is at most 1000: one tv_nsec */
     long poll_ns = (long)kvxd.conf.gpu_event_poll_us * 1000;
-    if (poll_ns > 999999999L)
-        poll_ns = 999999999L;
     prctl(PR_SET_TIMERSLACK, 1000UL); /* its sleeps as asked */
     pthread_mutex_lock(&w->mu);
     for (;;) {
@@ -1046,7 +1045,7 @@ static void *ew_main(void *arg)
         pthread_mutex_unlock(&ew.mu);
         if (moved)
             uv_async_send(&ew.async);
-        struct timespec ts = {poll_ns / 1000000000L, poll_ns % 1000000000L};
+        struct timespec ts = {0, poll_ns}; /* at most 1 ms */
         nanosleep(&ts, NULL);
         pthread_mutex_lock(&ew.mu);
     }

@@ -125,6 +125,20 @@ uint32_t plan_dp_view(const plan_side_t *s, uint32_t rank, plan_side_t *eff,
     return tp / group_tp;
 }
 
+int plan_side_equal(const plan_side_t *a, const plan_side_t *b)
+{
+    return a->tp == b->tp && a->pp == b->pp && a->cp == b->cp &&
+           a->total_layers == b->total_layers &&
+           a->total_heads == b->total_heads &&
+           a->num_layers_per_pp == b->num_layers_per_pp &&
+           !memcmp(a->layers_per_pp, b->layers_per_pp,
+                   sizeof(a->layers_per_pp)) &&
+           a->kv_factor == b->kv_factor && a->head_dim == b->head_dim &&
+           a->elem_size == b->elem_size && a->dtype == b->dtype &&
+           a->tokens_per_block == b->tokens_per_block &&
+           a->attention_dp == b->attention_dp;
+}
+
 int plan_compat(const plan_side_t *a, const plan_side_t *b, char *why,
                 size_t why_len)
 {

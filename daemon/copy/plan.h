@@ -112,6 +112,9 @@ int plan_side_layout_check(const plan_side_t *s, char *why, size_t why_len);
 uint32_t plan_dp_view(const plan_side_t *s, uint32_t rank, plan_side_t *eff,
                       uint32_t *eff_rank);
 
+/* Do a and b describe the same side, field for field? */
+int plan_side_equal(const plan_side_t *a, const plan_side_t *b);
+
 /* Can src feed dst? 0, or KVX_ERR_MISMATCH naming the mismatch. */
 int plan_compat(const plan_side_t *src, const plan_side_t *dst, char *why,
                 size_t why_len);

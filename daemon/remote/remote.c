@@ -1214,17 +1214,6 @@ static void opened_send(peer_conn_t *c, sstream_t *s, const offer_t *o)
     peer_send(c, &r);
 }
 
-/* Do a and b describe the same receiving side? */
-static int same_side(const plan_side_t *a, const plan_side_t *b)
-{
-    return a->tp == b->tp && a->pp == b->pp && a->cp == b->cp &&
-           a->total_layers == b->total_layers &&
-           a->total_heads == b->total_heads && a->kv_factor == b->kv_factor &&
-           a->head_dim == b->head_dim && a->elem_size == b->elem_size &&
-           a->dtype == b->dtype && a->tokens_per_block == b->tokens_per_block &&
-           a->attention_dp == b->attention_dp;
-}
-
 static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 {
     if (!m->key.len || m->key.len > KVX_MAX_KEY ||
@@ -1321,8 +1310,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
      * is made from the list */
     for (uint32_t k = 0; !rc && k < ng; k++)
         if (plan_side_ranks(&gdst[k]) != plan_side_ranks(&dst) ||
-            (k == m->group &&
-             (gskip[k] != m->skip_tokens || !same_side(&gdst[k], &dst)))) {
+            (k == m->group && (gskip[k] != m->skip_tokens ||
+                               !plan_side_equal(&gdst[k], &dst)))) {
             snprintf(why, sizeof(why),
                      "open: block table %u's side in groups differs from "
                      "the stream's",

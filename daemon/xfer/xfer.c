@@ -943,14 +943,28 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
     return 0;
 }
 
+/* A table of ntok tokens needs `need` blocks: within
+ * limits.max_blocks_per_request, before anything is allocated for it?
+ * what names the table ("publish", "publish.groups[0]"). */
+static int blocks_bound(const char *what, uint32_t ntok, uint64_t need,
+                        char *why, size_t why_len)
+{
+    if (need > kvxd.conf.max_blocks_per_request)
+        WHY(KVX_ERR_LIMIT,
+            "%s.num_tokens: %u tokens need %llu blocks, more than "
+            "limits.max_blocks_per_request %u",
+            what, ntok, (unsigned long long)need,
+            kvxd.conf.max_blocks_per_request);
+    return 0;
+}
+
 /* The other groups of a rank's publish, each against itself and, when
  * the offer exists (o), against the groups another rank published. */
 static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
-                        const xfer_group_t *gs, uint32_t n, int layerwise,
-                        char *why, size_t why_len)
+                        const xfer_group_t *gs, uint32_t n, char *why,
+                        size_t why_len)
 {
     int rc;
-    (void)layerwise; /* each table's layers are made ready on their own */
     if (n >= XFER_MAX_GROUPS)
         WHY(KVX_ERR_LIMIT, "publish.groups: %u, at most %u", n,
             XFER_MAX_GROUPS - 1);
@@ -968,12 +982,8 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
         if (x->num_tokens == 0)
             WHY(KVX_ERR_INVALID, "%s.num_tokens: 0", what);
         uint64_t need = ceil_div(x->num_tokens, l->tokens_per_block);
-        if (need > kvxd.conf.max_blocks_per_request)
-            WHY(KVX_ERR_LIMIT,
-                "%s.num_tokens: %u tokens need %llu blocks, more than "
-                "limits.max_blocks_per_request %u",
-                what, x->num_tokens, (unsigned long long)need,
-                kvxd.conf.max_blocks_per_request);
+        if ((rc = blocks_bound(what, x->num_tokens, need, why, why_len)))
+            return rc;
         if (x->first_block >= need)
             WHY(KVX_ERR_INVALID,
                 "%s.first_block: %u, but its %u tokens lie in %llu blocks",
@@ -1066,12 +1076,8 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             nblocks, l->tokens_per_block, num_tokens,
             (unsigned long long)need);
     /* a layer-wise table has room for every block of num_tokens */
-    if (need > kvxd.conf.max_blocks_per_request)
-        WHY(KVX_ERR_LIMIT,
-            "publish.num_tokens: %u tokens need %llu blocks, more than "
-            "limits.max_blocks_per_request %u",
-            num_tokens, (unsigned long long)need,
-            kvxd.conf.max_blocks_per_request);
+    if ((rc = blocks_bound("publish", num_tokens, need, why, why_len)))
+        return rc;
 
     offer_t *o = map_get(&inst->offers, request_id);
     if (o && !reqkey_eq(&o->key, key))
@@ -1079,8 +1085,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "publish.key: %s has the id of request %s in flight (a "
             "64-bit collision; use another key)",
             ks(key), ks(&o->key));
-    if ((rc = groups_check(inst, rank, o, groups, ngroups, layerwise, why,
-                           why_len)))
+    if ((rc = groups_check(inst, rank, o, groups, ngroups, why, why_len)))
         return rc;
     int created = !o;
     if (!o) {
