@@ -638,6 +638,15 @@ static size_t gen_key(uint64_t r, char *k, size_t n)
     return (size_t)snprintf(k, n, "decode-%llu", (unsigned long long)r);
 }
 
+/* The key a side names request r by: with --keyed its own (ctx_key,
+ * gen_key), else r's digits, as kvx_publish and kvx_fetch make it. */
+static size_t req_key(int ctx_side, uint64_t r, char *k, size_t n)
+{
+    if (o.keyed)
+        return ctx_side ? ctx_key(r, k, n) : gen_key(r, k, n);
+    return (size_t)snprintf(k, n, "%llu", (unsigned long long)r);
+}
+
 /* Slot of request r: its params, for the generation ranks (rank 0). */
 static void params_to_slot(uint64_t r, const kvx_context_params_t *p)
 {
@@ -672,11 +681,7 @@ static uint64_t ctx_publish_many(kvx_client_t *c, rank_view_t *v, uint32_t rank,
         for (uint32_t i = 0; i < v->bpr; i++)
             b[i] = req_block(v, r, i);
         memset(&it[n], 0, sizeof(it[n]));
-        if (o.keyed)
-            it[n].key_len = ctx_key(r, keys[n], sizeof(keys[n]));
-        else
-            it[n].key_len = (size_t)snprintf(keys[n], sizeof(keys[n]), "%llu",
-                                             (unsigned long long)r);
+        it[n].key_len = req_key(1, r, keys[n], sizeof(keys[n]));
         it[n].key = keys[n];
         it[n].pool_id = pool;
         it[n].blocks = b;
@@ -719,16 +724,16 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
      * replicated heads a consumer may take an offer before this rank
      * publishes its part, which then only closes the offer */
     while (done < count || published < count) {
-        if (o.batch && published < count &&
-            (published < reqs_in_pool || fin[published - reqs_in_pool])) {
-            published += ctx_publish_many(c, v, rank, pool, first + published,
-                                          count - published, fin, first, fill);
-            continue;
-        }
         /* blocks are reused every reqs_in_pool requests: publish k only
          * once k - reqs_in_pool is complete (they complete in any order) */
         if (published < count &&
             (published < reqs_in_pool || fin[published - reqs_in_pool])) {
+            if (o.batch) {
+                published +=
+                    ctx_publish_many(c, v, rank, pool, first + published,
+                                     count - published, fin, first, fill);
+                continue;
+            }
             uint64_t r = first + published;
             if (fill)
                 fill_request(v, r);
@@ -745,13 +750,7 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                 CHECK_KVX(kvx_reserve(sched, inst, k, kl, num_tokens, &rp,
                                       TIMEOUT_MS),
                           sched);
-                if (rp.len > PARAMS_SLOT - 8)
-                    die("context params of %zu bytes", rp.len);
-                uint8_t *s = slot_of(r);
-                memcpy(s + 8, rp.data, rp.len);
-                ((uint32_t *)s)[1] = (uint32_t)rp.len;
-                atomic_store_explicit((_Atomic uint32_t *)s, 1,
-                                      memory_order_release);
+                params_to_slot(r, &rp);
             }
             if (o.keyed)
                 CHECK_KVX(kvx_publish_key(c, k, kl, pool, bt, v->bpr,
@@ -768,13 +767,7 @@ static void ctx_run(kvx_client_t *c, rank_view_t *v, uint32_t rank,
                         (unsigned long long)r);
                 kvx_context_params_free(&rp);
             } else if (rank == 0) {
-                if (p.len > PARAMS_SLOT - 8)
-                    die("context params of %zu bytes", p.len);
-                uint8_t *s = slot_of(r);
-                memcpy(s + 8, p.data, p.len);
-                ((uint32_t *)s)[1] = (uint32_t)p.len;
-                atomic_store_explicit((_Atomic uint32_t *)s, 1,
-                                      memory_order_release);
+                params_to_slot(r, &p);
             }
             kvx_context_params_free(&p);
             published++;
@@ -860,11 +853,7 @@ static uint64_t gen_fetch_many(kvx_client_t *c, rank_view_t *v, uint32_t pool,
         for (uint32_t i = 0; i < v->bpr; i++)
             b[i] = req_block(v, r, i);
         memset(&it[n], 0, sizeof(it[n]));
-        if (o.keyed)
-            it[n].key_len = gen_key(r, keys[n], sizeof(keys[n]));
-        else
-            it[n].key_len = (size_t)snprintf(keys[n], sizeof(keys[n]), "%llu",
-                                             (unsigned long long)r);
+        it[n].key_len = req_key(0, r, keys[n], sizeof(keys[n]));
         it[n].key = keys[n];
         it[n].params = s + 8;
         it[n].params_len = ((uint32_t *)s)[1];
@@ -1114,6 +1103,25 @@ static const char *const hop_name[NHOPS] = {
     "done -> back on the daemon's loop", "loop -> terminal event queued",
     "event queued -> client has it",     "fetch call -> event (total)"};
 
+/* The next "fetch" line of the trace file: its key and its hops' ns
+ * (made, queued, submitted, copied, landed, event queued); 0 at the
+ * end. Other lines are skipped. */
+static int trace_next(FILE *f, char key[300], unsigned long long t[6])
+{
+    char line[512], inst[160];
+    while (fgets(line, sizeof(line), f)) {
+        int kind;
+        unsigned long long bytes;
+        if (sscanf(line,
+                   "fetch %159s %299s %d %llu %llu %llu %llu %llu %llu "
+                   "%llu",
+                   inst, key, &kind, &bytes, &t[0], &t[1], &t[2], &t[3], &t[4],
+                   &t[5]) == 10)
+            return 1;
+    }
+    return 0;
+}
+
 static void trace_report(FILE *out, int json)
 {
     FILE *f = fopen(trace_path(), "r");
@@ -1124,16 +1132,9 @@ static void trace_report(FILE *out, int json)
         if (!(d[i] = calloc(o.requests, sizeof(uint64_t))))
             die("out of memory");
     uint32_t n = 0;
-    char line[512], inst[160], key[300];
-    while (fgets(line, sizeof(line), f)) {
-        int kind;
-        unsigned long long bytes, t[6];
-        if (sscanf(line,
-                   "fetch %159s %299s %d %llu %llu %llu %llu %llu %llu "
-                   "%llu",
-                   inst, key, &kind, &bytes, &t[0], &t[1], &t[2], &t[3], &t[4],
-                   &t[5]) != 10)
-            continue;
+    char key[300];
+    unsigned long long t[6];
+    while (trace_next(f, key, t)) {
         const char *dg = strrchr(key, '-'); /* keyed: "decode-R" */
         dg = dg ? dg + 1 : key;
         char *end;
@@ -1882,18 +1883,12 @@ static double lw_daemon_us(const uint64_t *last, uint32_t n)
         die("--trace: %s: %s", trace_path(), strerror(errno));
     uint64_t *d = calloc(n ? n : 1, sizeof(uint64_t));
     uint32_t m = 0;
-    char line[512], inst[160], key[300];
-    while (d && fgets(line, sizeof(line), f)) {
-        int kind;
+    char key[300];
+    unsigned long long t[6];
+    while (d && trace_next(f, key, t)) {
         unsigned r;
-        unsigned long long bytes, t[6];
         char end;
-        if (sscanf(line,
-                   "fetch %159s %299s %d %llu %llu %llu %llu %llu %llu "
-                   "%llu",
-                   inst, key, &kind, &bytes, &t[0], &t[1], &t[2], &t[3], &t[4],
-                   &t[5]) != 10 ||
-            sscanf(key, "lwg-%u%c", &r, &end) != 1 || r >= n || !last[r] ||
+        if (sscanf(key, "lwg-%u%c", &r, &end) != 1 || r >= n || !last[r] ||
             m >= n)
             continue;
         d[m++] = t[5] > last[r] ? t[5] - last[r] : 0;

@@ -637,28 +637,36 @@ TEST(attention_dp)
     daemon_stop_ok(d);
 }
 
+/* Run kvxfer-bench of this build with args (stderr with stdout); its
+ * output in out (cap bytes), its exit status returned. */
+static int bench_run(const char *args, char *out, size_t cap)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "ASAN_OPTIONS=detect_leaks=0 %s/kvxfer-bench %s 2>&1", build_dir(),
+             args);
+    FILE *f = popen(cmd, "r");
+    CHECK(f);
+    size_t n = fread(out, 1, cap - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    if (st)
+        fprintf(stderr, "%s\n%s\n", cmd, out);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
 /* kvxfer-bench with pools smaller than its requests (blocks reused):
  * each slot written once, every request sampled, every slot checked
  * whole after the pass ("verify":"sampled"); --trace reads the spawned
  * daemon's log.trace_file and reports the hops of every timed request. */
 TEST_T(bench_reused_pools_sampled_and_traced, 120)
 {
-    char cmd[1024];
-    snprintf(cmd, sizeof(cmd),
-             "ASAN_OPTIONS=detect_leaks=0 "
-             "%s/kvxfer-bench --spawn-daemon --json --trace --requests 40 "
-             "--window 4 --blocks 8 --layers 2 --heads 2 --head-dim 64 "
-             "--pool-mib 1 2>&1",
-             build_dir());
-    FILE *f = popen(cmd, "r");
-    CHECK(f);
-    char out[8192] = "";
-    size_t n = fread(out, 1, sizeof(out) - 1, f);
-    out[n] = 0;
-    int st = pclose(f);
-    if (st)
-        fprintf(stderr, "%s\n%s\n", cmd, out);
-    CHECK_EQ(st, 0);
+    char out[8192];
+    CHECK_EQ(bench_run("--spawn-daemon --json --trace --requests 40 "
+                       "--window 4 --blocks 8 --layers 2 --heads 2 "
+                       "--head-dim 64 --pool-mib 1",
+                       out, sizeof(out)),
+             0);
     CHECK_STR_CONTAINS(out, "\"verified\":true");
     CHECK_STR_CONTAINS(out, "\"verify\":\"sampled\"");
     CHECK_STR_CONTAINS(out, "\"trace_requests\":40");
@@ -672,22 +680,12 @@ TEST_T(bench_reused_pools_sampled_and_traced, 120)
  * exceed the whole of it (one monotonic clock). */
 TEST_T(bench_layerwise_spin_and_traced, 120)
 {
-    char cmd[1024];
-    snprintf(cmd, sizeof(cmd),
-             "ASAN_OPTIONS=detect_leaks=0 "
-             "%s/kvxfer-bench --spawn-daemon --json --layerwise 1 "
-             "--requests 3 --blocks 8 --layers 4 --heads 2 --head-dim 64 "
-             "--poll-spin --trace 2>&1",
-             build_dir());
-    FILE *f = popen(cmd, "r");
-    CHECK(f);
-    char out[8192] = "";
-    size_t n = fread(out, 1, sizeof(out) - 1, f);
-    out[n] = 0;
-    int st = pclose(f);
-    if (st)
-        fprintf(stderr, "%s\n%s\n", cmd, out);
-    CHECK_EQ(st, 0);
+    char out[8192];
+    CHECK_EQ(bench_run("--spawn-daemon --json --layerwise 1 --requests 3 "
+                       "--blocks 8 --layers 4 --heads 2 --head-dim 64 "
+                       "--poll-spin --trace",
+                       out, sizeof(out)),
+             0);
     CHECK_STR_CONTAINS(out, "\"verified\":true");
     CHECK_STR_CONTAINS(out, "\"poll\":\"spin\"");
     const char *a = strstr(out, "\"exposed_us\":");
@@ -697,11 +695,29 @@ TEST_T(bench_layerwise_spin_and_traced, 120)
     double daemon = strtod(b + strlen("\"exposed_daemon_us\":"), NULL);
     CHECK(daemon > 0 && daemon <= whole);
     /* --poll-spin alone is refused, saying with what it goes */
-    snprintf(cmd, sizeof(cmd), "%s/kvxfer-bench --poll-spin 2>&1", build_dir());
-    f = popen(cmd, "r");
-    CHECK(f);
-    n = fread(out, 1, sizeof(out) - 1, f);
-    out[n] = 0;
-    CHECK_EQ(WEXITSTATUS(pclose(f)), 2);
+    CHECK_EQ(bench_run("--poll-spin", out, sizeof(out)), 2);
     CHECK_STR_CONTAINS(out, "--poll-spin goes with --layerwise");
+}
+
+/* kvxfer-bench --batch: the ranks publish and fetch through
+ * kvx_publish_many / kvx_fetch_many, blocks reused, every byte checked;
+ * with the keyed names too; refused beside --by-key. */
+TEST_T(bench_batch_many_a_call, 120)
+{
+    char out[8192];
+    CHECK_EQ(bench_run("--spawn-daemon --json --batch --requests 300 "
+                       "--window 64 --blocks 1 --layers 1 --heads 1 "
+                       "--head-dim 64 --pool-mib 1 --verify-each",
+                       out, sizeof(out)),
+             0);
+    CHECK_STR_CONTAINS(out, "\"verified\":true");
+    CHECK_STR_CONTAINS(out, "\"requests\":300");
+    CHECK_EQ(bench_run("--spawn-daemon --json --batch --keyed --requests 64 "
+                       "--window 16 --blocks 2 --layers 2 --heads 2 "
+                       "--head-dim 64",
+                       out, sizeof(out)),
+             0);
+    CHECK_STR_CONTAINS(out, "\"verified\":true");
+    CHECK_EQ(bench_run("--batch --by-key", out, sizeof(out)), 2);
+    CHECK_STR_CONTAINS(out, "--batch goes without --reserve, --by-key");
 }
