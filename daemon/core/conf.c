@@ -299,12 +299,14 @@ static const struct conf_key keys[] = {
      .def = 2,
      .min = 0,
      .max = 2,
-     .help = "While a layer-wise offer is open, the loop polls every turn "
-             "instead of sleeping, so that a layer made ready (the "
-             "engine's call or CUDA event) starts moving, and its copies "
-             "come back, within microseconds: 0 never, 1 always, 2 with 4 "
-             "or more CPUs (with fewer, the spinning loop takes the copy "
-             "threads' CPU). With no such offer it sleeps."},
+     .help = "While a request is in flight here (published and not yet "
+             "fetched or ended, or fetched and not yet ended), the loop "
+             "polls every turn instead of sleeping, so that the engine's "
+             "next call (a fetch, a layer made ready), a CUDA event and "
+             "the copies coming back are read within microseconds: 0 "
+             "never, 1 always, 2 with 4 or more CPUs (with fewer, the "
+             "spinning loop takes the copy threads' CPU). Idle, it "
+             "sleeps."},
 
     {.name = "gpu.max_ctas",
      .type = CONF_U32,

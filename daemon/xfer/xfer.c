@@ -128,7 +128,7 @@ typedef struct offer_part {
     uint32_t nlayers, ready, nappended;
     uint32_t *tok_ready;
     list_t watches;
-    int awaited; /* counted in busy.awaited: a layer-wise part, open */
+    int awaited; /* held in busy (busy_hold): published, not yet gone */
 } offer_part_t;
 
 /* Layers of a rank's part that are ready once an engine's event is. */
@@ -714,17 +714,17 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
 
 /* ---- publish ---------------------------------------------------------- */
 
-/* copy.busy_poll: while a layer-wise offer is open, an idle handle
- * keeps the loop from sleeping, so that the engine's call or the
- * watcher's hand-off for the layer made ready last, and then that
- * layer's copies coming back, are read at once instead of after a
- * wake-up each (tens of microseconds on an idle host). A part enters at
- * its publish and leaves when its memory goes (part_layers_free: the
- * offer consumed or ended). */
+/* copy.busy_poll: while work is in flight here (a published part not
+ * yet consumed or ended, a fetch not yet ended), an idle handle keeps the
+ * loop from sleeping, so that the engine's next call (a fetch, a layer
+ * made ready), the watcher's hand-off and the copies coming back are read
+ * at once instead of after a wake-up each (tens of microseconds on an
+ * idle host). A part holds from its publish until its memory goes
+ * (part_layers_free), a fetch from genreq_new() until genreq_free(). */
 static struct {
     uv_idle_t idle;
     int inited, on, enabled; /* enabled: -1 until resolved */
-    uint32_t awaited;
+    uint32_t held;
 } busy = {.enabled = -1};
 
 static void busy_turn(uv_idle_t *h)
@@ -732,17 +732,14 @@ static void busy_turn(uv_idle_t *h)
     (void)h;
 }
 
-static void part_awaited(offer_part_t *sp, int awaited)
+static void busy_hold(int delta)
 {
-    if (sp->awaited == awaited)
-        return;
-    sp->awaited = awaited;
-    busy.awaited += awaited ? 1u : (uint32_t)-1;
+    busy.held += (uint32_t)delta;
     if (busy.enabled < 0)
         busy.enabled = kvxd.conf.copy_busy_poll == 2
                            ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                            : (int)kvxd.conf.copy_busy_poll;
-    int want = busy.enabled && busy.awaited > 0;
+    int want = busy.enabled && busy.held > 0;
     if (want == busy.on)
         return;
     if (!busy.inited) {
@@ -756,6 +753,14 @@ static void part_awaited(offer_part_t *sp, int awaited)
         uv_idle_start(&busy.idle, busy_turn);
     else
         uv_idle_stop(&busy.idle);
+}
+
+static void part_awaited(offer_part_t *sp, int awaited)
+{
+    if (sp->awaited == awaited)
+        return;
+    sp->awaited = awaited;
+    busy_hold(awaited ? 1 : -1);
 }
 
 /* What a part keeps of its layers' readiness. */
@@ -1049,7 +1054,7 @@ static int group_part_publish(offer_t *o, uint32_t k, uint32_t rank,
     }
     part->pool = x->pool;
     part->published = 1;
-    part_awaited(part, layerwise);
+    part_awaited(part, 1);
     pool_ref(x->pool);
     return 0;
 }
@@ -1182,7 +1187,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     part->pool = pool;
     part->published = 1;
     part->layerwise = layerwise;
-    part_awaited(part, layerwise);
+    part_awaited(part, 1);
     pool_ref(pool);
     o->npublished++;
     log_debug("publish %s/%s rank %u: %u blocks, %u tokens", inst->id, ks(key),
@@ -1503,6 +1508,7 @@ int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
 static void genreq_free(genreq_t *g)
 {
     assert(!list_linked(&g->timeout.node) && list_empty(&g->waiters));
+    busy_hold(-1);
     for (size_t r = 0; r < GPARTS(g); r++) {
         genpart_t *p = &g->parts[r];
         if (p->pool)
@@ -1789,6 +1795,7 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
     for (uint32_t k = 0; k < ngroups; k++)
         g->gskip[k + 1] = groups[k].skip_tokens;
     g->created_ms = kvxd_now_ms();
+    busy_hold(1);
     TRACE_HOP(g, TR_FETCH);
     dl_insert(&timeouts, &g->timeout,
               g->created_ms + kvxd.conf.fetch_timeout_ms);
