@@ -50,8 +50,8 @@ extern "C" {
 #endif
 
 #define KVX_VERSION_MAJOR 2
-#define KVX_VERSION_MINOR 3
-#define KVX_VERSION_STRING "2.3.0"
+#define KVX_VERSION_MINOR 4
+#define KVX_VERSION_STRING "2.4.0"
 
 /* Longest request key, in bytes. */
 #define KVX_MAX_KEY 128u
@@ -268,6 +268,16 @@ KVX_EXPORT int kvx_hello(kvx_client_t *client, const kvx_hello_t *hello,
  * e.g. a refused connection ("connection refused: the daemon has 1024
  * sessions open, its limits.max_sessions; closing"). */
 KVX_EXPORT const char *kvx_last_error(const kvx_client_t *client);
+
+/* How long each call looks for the daemon's reply before its thread
+ * sleeps on the socket (2.4). Waking a sleeping thread costs tens of
+ * microseconds (more on a VM), often more than the daemon takes to answer
+ * a fetch or to deliver a small request's event; looking costs that
+ * thread's CPU for at most spin_us per reply. Default: the environment's
+ * KVXFER_SPIN_US, else 50 with 4 or more CPUs, else 0 (never spin). At
+ * most KVX_SPIN_US_MAX; more is KVX_ERR_INVALID. */
+#define KVX_SPIN_US_MAX 100000
+KVX_EXPORT int kvx_set_spin_us(kvx_client_t *client, uint32_t spin_us);
 
 /* This daemon's address, to share with the instance's other ranks (engines
  * allgather it at start-up) and pass to kvx_join(). */

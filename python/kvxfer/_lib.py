@@ -182,6 +182,7 @@ _PROTOS = {
     "kvx_connect_observer": (c_int, [c_char_p, c_int, POINTER(_client_p)]),
     "kvx_hello": (c_int, [_client_p, POINTER(Hello), c_int]),
     "kvx_last_error": (c_char_p, [_client_p]),
+    "kvx_set_spin_us": (c_int, [_client_p, c_uint32]),
     "kvx_daemon_address": (c_int, [_client_p, c_char_p, c_size_t]),
     "kvx_join": (c_int, [_client_p, POINTER(c_char_p), c_uint32, c_int]),
     "kvx_pool_create_host": (c_int, [_client_p, POINTER(Layout), c_uint64,

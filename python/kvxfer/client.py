@@ -300,7 +300,8 @@ class Client:
                  role: Union[Role, str, int, None] = None,
                  rank: int = 0, parallel: Optional[Parallel] = None,
                  timeout: Timeout = 5.0,
-                 protocol_version: Optional[Tuple[int, int]] = None) -> None:
+                 protocol_version: Optional[Tuple[int, int]] = None,
+                 spin_us: Optional[int] = None) -> None:
         self._h = ctypes.c_void_p()
         self._lock = threading.RLock()
         self.timeout = timeout
@@ -321,6 +322,12 @@ class Client:
             msg = lib.kvx_last_error(None)
             self._h = ctypes.c_void_p()
             raise make_error(rc, msg.decode(errors="replace") if msg else "")
+        if spin_us is not None:
+            try:
+                self.set_spin_us(spin_us)
+            except Exception:
+                self.close()
+                raise
 
     # -- plumbing ---------------------------------------------------------
 
@@ -413,6 +420,17 @@ class Client:
         self._call("kvx_hello", ctypes.byref(h), self._ms(timeout))
         del keep
         self._address = None
+
+    def set_spin_us(self, spin_us: int) -> None:
+        """How long each call looks for the daemon's reply before its
+        thread sleeps on the socket (kvx_set_spin_us), in microseconds;
+        0: never spin. Default: ``KVXFER_SPIN_US``, else 50 with 4 or more
+        CPUs, else 0. At most 100000."""
+        if not isinstance(spin_us, int) or isinstance(spin_us, bool) or \
+                spin_us < 0:
+            raise InvalidArgument(-1, f"spin_us: {spin_us!r} (expected an "
+                                  "int >= 0)")
+        self._call("kvx_set_spin_us", min(spin_us, 2**32 - 1))
 
     @property
     def daemon_address(self) -> str:

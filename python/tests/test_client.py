@@ -719,3 +719,34 @@ def test_publish_many_and_fetch_many(pair, names):
     assert type(res[2]) is type(res[1])
     assert "item 2" in str(res[2]) and "item 1" not in str(res[2])
     ctx.cancel(base + 10)
+
+
+def test_spin_us_reads_the_same_bytes(daemon, names):
+    """Clients that look for their replies before sleeping (spin_us, the
+    constructor's or set_spin_us) move the same bytes; a bad spin is
+    refused, named."""
+    ctx = open_rank(daemon.sock, names["ctx"], "context", spin_us=300)
+    gen = open_rank(daemon.sock, names["gen"], "generation")
+    try:
+        gen.set_spin_us(100000)
+        with pytest.raises(kvxfer.InvalidArgument, match="at most 100000"):
+            gen.set_spin_us(100001)
+        with pytest.raises(kvxfer.InvalidArgument, match="spin_us"):
+            gen.set_spin_us(-1)
+        lo = layout()
+        src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+        fill(src.array, 5)
+        req = names["req"]
+        params = ctx.publish(req, src, [3, 1], num_tokens=2 * TPB)
+        gen.fetch(req, params, dst, [4, 6])
+        assert wait_event(gen, req).ok
+        for s, d in zip([3, 1], [4, 6]):
+            assert np.array_equal(block_bytes(lo, dst.array, d),
+                                  block_bytes(lo, src.array, s))
+        gen.set_spin_us(0)
+        assert list(gen.poll(1, 0.02)) == []
+    finally:
+        gen.close()
+        ctx.close()
+    with pytest.raises(kvxfer.InvalidArgument, match="at most"):
+        kvxfer.Client(daemon.sock, spin_us=10**6)

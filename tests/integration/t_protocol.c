@@ -732,6 +732,68 @@ TEST(poll_timeout_cut)
     daemon_stop_ok(d);
 }
 
+/* A client that looks for its replies before sleeping (kvx_set_spin_us)
+ * reads the same bytes, through a daemon that polls while requests are in
+ * flight (copy.busy_poll 1); its spin ends when the reply comes, and a
+ * spin out of range is refused, named. */
+TEST(client_spin_and_busy_daemon)
+{
+    daemon_t *d = daemon_start("copy:\n  busy_poll: 1\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "sp-ctx", "sp-gen", 8, &c, &g, &cs, &gs);
+    CHECK_EQ(kvx_set_spin_us(NULL, 10), KVX_ERR_INVALID);
+    CHECK_EQ(kvx_set_spin_us(g.c, KVX_SPIN_US_MAX + 1), KVX_ERR_INVALID);
+    CHECK(strstr(kvx_last_error(g.c), "at most 100000"));
+    CHECK_KVX(kvx_set_spin_us(c.c, 200), c.c);
+    CHECK_KVX(kvx_set_spin_us(g.c, KVX_SPIN_US_MAX), g.c);
+    for (uint64_t req = 1; req <= 20; req++) {
+        memset(g.base, 0xa5, g.size); /* only this request's blocks */
+        uint32_t cb[2] = {(uint32_t)(req % 4) * 2, (uint32_t)(req % 4) * 2 + 1};
+        uint32_t gb[2] = {7 - (uint32_t)(req % 4), (uint32_t)(req % 4)};
+        fill_req(&c, req, cb, 8);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, req, c.pool, cb, 2, 8, &p, T_MS), c.c);
+        CHECK_KVX(kvx_fetch(g.c, req, p.data, p.len, g.pool, gb, 2, 0, T_MS),
+                  g.c);
+        wait_event(g.c, req, KVX_EVENT_COMPLETE, 0, 3000);
+        wait_event(c.c, req, KVX_EVENT_COMPLETE, 0, 3000);
+        expect_t e = {req, gb, 8, 0};
+        CHECK_EQ(check_pool(&g, &e, 1, 0xa5), 0);
+        kvx_context_params_free(&p);
+    }
+    /* a 100 ms spin on a poll the daemon answers empty at 20 ms: back
+     * with that answer, not after the spin */
+    int64_t t0 = now_ms();
+    kvx_batch_t *b;
+    CHECK_KVX(kvx_poll(g.c, 1, 20, &b), g.c);
+    CHECK_EQ(b->num_events, 0);
+    kvx_batch_free(b);
+    CHECK(now_ms() - t0 < 90);
+    CHECK_KVX(kvx_set_spin_us(g.c, 0), g.c); /* sleeps again */
+    CHECK_KVX(kvx_poll(g.c, 1, 20, &b), g.c);
+    CHECK_EQ(b->num_events, 0);
+    kvx_batch_free(b);
+    /* nothing in flight: the daemon's loop sleeps (a spinning one uses
+     * a second of CPU a second) */
+    double c0 = cpu_seconds(d->pid);
+    usleep(1000 * 1000);
+    CHECK(cpu_seconds(d->pid) - c0 < 0.3);
+    /* a request published and not yet fetched holds it polling */
+    uint32_t hb[2] = {0, 1};
+    fill_req(&c, 99, hb, 8);
+    kvx_context_params_t hp;
+    CHECK_KVX(kvx_publish(c.c, 99, c.pool, hb, 2, 8, &hp, T_MS), c.c);
+    c0 = cpu_seconds(d->pid);
+    usleep(500 * 1000);
+    CHECK(cpu_seconds(d->pid) - c0 > 0.1);
+    kvx_context_params_free(&hp);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
 /* A connection that never says Hello is closed at
  * deadlines.hello_timeout_ms; one that says it in time stays. */
 TEST(hello_timeout)
