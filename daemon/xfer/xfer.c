@@ -720,16 +720,24 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
  * made ready), the watcher's hand-off and the copies coming back are read
  * at once instead of after a wake-up each (tens of microseconds on an
  * idle host). A part holds from its publish until its memory goes
- * (part_layers_free), a fetch from genreq_new() until genreq_free(). */
+ * (part_layers_free), a fetch from genreq_new() until genreq_free().
+ * The loop keeps polling BUSY_LINGER_NS after the last hold goes: the
+ * engine's next call is usually a poll for the event just queued. */
+#define BUSY_LINGER_NS 1000000ull
+
 static struct {
     uv_idle_t idle;
     int inited, on, enabled; /* enabled: -1 until resolved */
     uint32_t held;
+    uint64_t idle_since; /* ns the last hold went (0: held) */
 } busy = {.enabled = -1};
 
 static void busy_turn(uv_idle_t *h)
 {
-    (void)h;
+    if (!busy.held && mono_ns() - busy.idle_since > BUSY_LINGER_NS) {
+        uv_idle_stop(h);
+        busy.on = 0;
+    }
 }
 
 static void busy_hold(int delta)
@@ -739,8 +747,13 @@ static void busy_hold(int delta)
         busy.enabled = kvxd.conf.copy_busy_poll == 2
                            ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                            : (int)kvxd.conf.copy_busy_poll;
-    int want = busy.enabled && busy.held > 0;
-    if (want == busy.on)
+    if (!busy.enabled)
+        return;
+    if (!busy.held) { /* busy_turn() stops it after the linger */
+        busy.idle_since = mono_ns();
+        return;
+    }
+    if (busy.on)
         return;
     if (!busy.inited) {
         if (uv_idle_init(kvxd.loop, &busy.idle))
@@ -748,11 +761,8 @@ static void busy_hold(int delta)
         uv_unref((uv_handle_t *)&busy.idle); /* keeps nothing alive */
         busy.inited = 1;
     }
-    busy.on = want;
-    if (want)
-        uv_idle_start(&busy.idle, busy_turn);
-    else
-        uv_idle_stop(&busy.idle);
+    busy.on = 1;
+    uv_idle_start(&busy.idle, busy_turn);
 }
 
 static void part_awaited(offer_part_t *sp, int awaited)
