@@ -1681,23 +1681,76 @@ int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,
                 size_t key_len, uint32_t num_tokens,
                 kvx_context_params_t *params, int timeout_ms)
 {
+    return kvx_reserve_groups(c, instance_id, key, key_len, num_tokens, 0, NULL,
+                              0, params, timeout_ms);
+}
+
+int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
+                       const void *key, size_t key_len, uint32_t num_tokens,
+                       uint32_t pool_id, const kvx_group_t *groups,
+                       uint32_t ngroups, kvx_context_params_t *params,
+                       int timeout_ms)
+{
+    const char *fn = pool_id || ngroups ? "kvx_reserve_groups" : "kvx_reserve";
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_reserve", key, key_len);
+    int rc = key_arg(c, fn, key, key_len);
     if (rc)
         return rc;
     if (!instance_id || !params)
         return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
-                    __func__);
+                    fn);
+    if (ngroups && !groups)
+        return fail(c, KVX_ERR_INVALID, "%s: groups is NULL with ngroups %u",
+                    fn, ngroups);
+    if (ngroups >= KVX_MAX_GROUPS)
+        return fail(c, KVX_ERR_LIMIT, "%s: %u groups, at most %u", fn, ngroups,
+                    KVX_MAX_GROUPS - 1);
+    /* an observer has no Hello reply, so no daemon version: the
+     * params returned say whether the daemon took the groups */
+    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
+    for (uint32_t k = 0; k < ngroups; k++) {
+        if (groups[k].blocks || groups[k].num_blocks || groups[k].skip_tokens)
+            return fail(c, KVX_ERR_INVALID,
+                        "%s: groups[%u] names blocks or skip_tokens; a "
+                        "reservation names none (the ranks' publishes "
+                        "give the blocks)",
+                        fn, k);
+        kvxfer__group_blocks__init(&gm[k]);
+        gm[k].pool_id = groups[k].pool_id;
+        gm[k].num_tokens = groups[k].num_tokens;
+        gm[k].first_block = groups[k].first_block;
+        gmp[k] = &gm[k];
+    }
     Kvxfer__Reserve m = KVXFER__RESERVE__INIT;
     m.instance_id = (char *)instance_id;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
     m.num_tokens = num_tokens;
+    m.pool_id = pool_id;
+    m.n_groups = ngroups;
+    m.groups = ngroups ? gmp : NULL;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_RESERVE;
     rq.reserve = &m;
-    return params_call(c, &rq, "reserve", params, timeout_ms);
+    if ((rc = params_call(c, &rq, "reserve", params, timeout_ms)))
+        return rc;
+    if (!ngroups)
+        return 0;
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, params->len, params->data);
+    size_t got = cp ? cp->n_groups : 0;
+    if (cp)
+        kvxfer__context_params__free_unpacked(cp, NULL);
+    if (got != ngroups) {
+        kvx_context_params_free(params);
+        return fail(c, KVX_ERR_VERSION,
+                    "%s: the daemon's params carry %zu of the %u groups: it "
+                    "speaks a protocol before 2.4 (its reservation ends at "
+                    "its lease)",
+                    fn, got, ngroups);
+    }
+    return 0;
 }
 
 int kvx_fetch_by_key(kvx_client_t *c, const void *key, size_t key_len,

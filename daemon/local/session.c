@@ -1219,6 +1219,19 @@ static const pool_t *instance_pool(const instance_t *inst, int *mixed)
     return *mixed ? NULL : first;
 }
 
+/* Pool id as one of inst's local ranks registered it, or NULL. */
+static pool_t *instance_pool_by_id(const instance_t *inst, uint32_t id)
+{
+    for (uint32_t r = 0; id && r < inst->nranks; r++) {
+        session_t *rs =
+            inst->rank_sid[r] ? map_get(&sessions, inst->rank_sid[r]) : NULL;
+        pool_t *p = rs ? map_get(&rs->pools, id) : NULL;
+        if (p)
+            return p;
+    }
+    return NULL;
+}
+
 /* Reserve: the instance's scheduler, no Hello needed, under the uid
  * that owns the instance (or an admin). */
 static void on_reserve(session_t *s, const Kvxfer__Request *rq)
@@ -1246,23 +1259,51 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
              "reserve: rank 0 of instance %s is served by daemon %s: "
              "reserve there",
              inst->id, inst->addresses[0]);
-    int mixed;
-    const pool_t *p = instance_pool(inst, &mixed);
+    int mixed = 0;
+    const pool_t *p = m->pool_id ? instance_pool_by_id(inst, m->pool_id)
+                                 : instance_pool(inst, &mixed);
+    if (m->pool_id && !p)
+        FAIL(KVX_ERR_NOT_FOUND,
+             "reserve.pool_id: %u is no pool of a rank of instance %s on "
+             "this daemon",
+             m->pool_id, inst->id);
     if (mixed)
         FAIL(KVX_ERR_STATE,
              "reserve: the ranks of instance %s registered pools of "
              "different layouts (preset, tokens_per_block, head_dim, dtype): "
-             "the params cannot say which they will publish",
+             "name the plain table's pool (reserve.pool_id)",
              inst->id);
     if (!p)
         FAIL(KVX_ERR_STATE,
              "reserve: no rank of instance %s has registered a pool here "
              "yet (its layout goes into the params)",
              inst->id);
+    xfer_group_t gs[XFER_MAX_GROUPS];
+    if (m->n_groups >= XFER_MAX_GROUPS)
+        FAIL(KVX_ERR_LIMIT, "reserve.groups: %zu, at most %u", m->n_groups,
+             XFER_MAX_GROUPS - 1);
+    for (size_t k = 0; k < m->n_groups; k++) {
+        const Kvxfer__GroupBlocks *x = m->groups[k];
+        pool_t *gp = instance_pool_by_id(inst, x->pool_id);
+        if (!gp)
+            FAIL(KVX_ERR_NOT_FOUND,
+                 "reserve.groups[%zu].pool_id: %u is no pool of a rank of "
+                 "instance %s on this daemon",
+                 k, x->pool_id, inst->id);
+        if (x->n_blocks || x->skip_tokens)
+            FAIL(KVX_ERR_INVALID,
+                 "reserve.groups[%zu]: a reservation names no blocks and "
+                 "skips no tokens (the ranks' publishes give the blocks)",
+                 k);
+        gs[k] = (xfer_group_t){.pool = gp,
+                               .num_tokens = x->num_tokens,
+                               .first_block = x->first_block};
+    }
     uint8_t *params;
     size_t plen;
-    if ((rc = xfer_reserve(inst, &key, m->num_tokens, &p->layout, &params,
-                           &plen, why, sizeof(why))))
+    if ((rc = xfer_reserve(inst, &key, m->num_tokens, &p->layout, gs,
+                           (uint32_t)m->n_groups, &params, &plen, why,
+                           sizeof(why))))
         goto fail;
     reply_params(s, rq->id, params, plen);
     return;

@@ -928,12 +928,21 @@ void xfer_fetch_deadline(instance_t *inst, const reqkey_t *key,
 static void part_try_start(genpart_t *p);
 static int part_has_ready(const genpart_t *p);
 
+static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
+                        const xfer_group_t *gs, uint32_t n, const char *op,
+                        char *why, size_t why_len);
+
 int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
-                 const kvx_layout_t *l, uint8_t **params, size_t *params_len,
+                 const kvx_layout_t *l, const xfer_group_t *groups,
+                 uint32_t ngroups, uint8_t **params, size_t *params_len,
                  char *why, size_t why_len)
 {
+    int rc;
     if (num_tokens == 0)
         WHY(KVX_ERR_INVALID, "reserve.num_tokens: 0");
+    if ((rc = groups_check(inst, 0, NULL, groups, ngroups, "reserve", why,
+                           why_len)))
+        return rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
     if (o)
@@ -943,9 +952,8 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
             !reqkey_eq(&o->key, key) ? "taken by a key of the same id"
             : o->npublished          ? "published"
                                      : "reserved");
-    int rc = offer_create(inst, request_id, key, num_tokens, l, NULL, 0, &o,
-                          why, why_len);
-    if (rc)
+    if ((rc = offer_create(inst, request_id, key, num_tokens, l, groups,
+                           ngroups, &o, why, why_len)))
         return rc;
     o->reserved = 1;
     if (!(*params = malloc(o->params_len))) {
@@ -954,7 +962,8 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
     }
     memcpy(*params, o->params, o->params_len);
     *params_len = o->params_len;
-    log_debug("reserve %s/%s: %u tokens", inst->id, ks(key), num_tokens);
+    log_debug("reserve %s/%s: %u tokens, %u more tables", inst->id, ks(key),
+              num_tokens, ngroups);
     return 0;
 }
 
@@ -973,27 +982,29 @@ static int blocks_bound(const char *what, uint32_t ntok, uint64_t need,
     return 0;
 }
 
-/* The other groups of a rank's publish, each against itself and, when
- * the offer exists (o), against the groups another rank published. */
+/* The other groups of a rank's publish (op "publish") or of a
+ * reservation (op "reserve": no blocks, no rank), each against itself
+ * and, when the offer exists (o), against the groups another rank
+ * published or the reservation made. */
 static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
-                        const xfer_group_t *gs, uint32_t n, char *why,
-                        size_t why_len)
+                        const xfer_group_t *gs, uint32_t n, const char *op,
+                        char *why, size_t why_len)
 {
-    int rc;
+    int rc, reserve = !strcmp(op, "reserve");
+    const char *other = o && o->reserved && !o->npublished
+                            ? "the reservation made"
+                            : "another rank published";
     if (n >= XFER_MAX_GROUPS)
-        WHY(KVX_ERR_LIMIT, "publish.groups: %u, at most %u", n,
+        WHY(KVX_ERR_LIMIT, "%s.groups: %u, at most %u", op, n,
             XFER_MAX_GROUPS - 1);
     if (o && o->ngroups != 1 + n)
-        WHY(KVX_ERR_MISMATCH,
-            "publish.groups: %u other block tables, but %s %u", n,
-            o->reserved && !o->npublished ? "the reservation made"
-                                          : "another rank published",
-            o->ngroups - 1);
+        WHY(KVX_ERR_MISMATCH, "%s.groups: %u other block tables, but %s %u", op,
+            n, other, o->ngroups - 1);
     for (uint32_t k = 0; k < n; k++) {
         const xfer_group_t *x = &gs[k];
         const kvx_layout_t *l = &x->pool->layout;
         char what[48];
-        snprintf(what, sizeof(what), "publish.groups[%u]", k);
+        snprintf(what, sizeof(what), "%s.groups[%u]", op, k);
         if (x->num_tokens == 0)
             WHY(KVX_ERR_INVALID, "%s.num_tokens: 0", what);
         uint64_t need = ceil_div(x->num_tokens, l->tokens_per_block);
@@ -1003,7 +1014,7 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
             WHY(KVX_ERR_INVALID,
                 "%s.first_block: %u, but its %u tokens lie in %llu blocks",
                 what, x->first_block, x->num_tokens, (unsigned long long)need);
-        if (x->nblocks < need - x->first_block)
+        if (!reserve && x->nblocks < need - x->first_block)
             WHY(KVX_ERR_INVALID,
                 "%s.blocks: %u blocks of %u tokens from block %u cannot hold "
                 "num_tokens %u (need %llu)",
@@ -1014,24 +1025,27 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
             gs1 = o->gside[k + 1];
         else
             group_side(&gs1, inst, l);
+        /* a reservation has the layout summary alone: the rank's
+         * share is checked at its publish */
         if ((rc = plan_side_check(&gs1, why, why_len)) ||
-            (rc = check_side_layout(&gs1, rank, l, what, why, why_len)))
+            (!reserve &&
+             (rc = check_side_layout(&gs1, rank, l, what, why, why_len))))
             return rc;
         if (o && (o->gtokens[k + 1] != x->num_tokens ||
                   o->gfirst[k + 1] != x->first_block))
             WHY(KVX_ERR_MISMATCH,
-                "%s: num_tokens %u, first_block %u differ from %u, %u "
-                "published by another rank",
+                "%s: num_tokens %u, first_block %u differ from %u, %u that "
+                "%s",
                 what, x->num_tokens, x->first_block, o->gtokens[k + 1],
-                o->gfirst[k + 1]);
+                o->gfirst[k + 1], other);
         if (o &&
             (l->tokens_per_block != gs1.tokens_per_block ||
              l->head_dim != gs1.head_dim || l->dtype != gs1.dtype ||
              l->kv_factor != gs1.kv_factor || l->elem_size != gs1.elem_size))
             WHY(KVX_ERR_MISMATCH,
                 "%s.pool_id: layout (tokens_per_block, head_dim, dtype, "
-                "elem_size or kv_factor) differs from another rank's",
-                what);
+                "elem_size or kv_factor) differs from the one %s",
+                what, other);
     }
     return 0;
 }
@@ -1100,7 +1114,8 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "publish.key: %s has the id of request %s in flight (a "
             "64-bit collision; use another key)",
             ks(key), ks(&o->key));
-    if ((rc = groups_check(inst, rank, o, groups, ngroups, why, why_len)))
+    if ((rc = groups_check(inst, rank, o, groups, ngroups, "publish", why,
+                           why_len)))
         return rc;
     int created = !o;
     if (!o) {

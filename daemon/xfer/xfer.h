@@ -89,11 +89,14 @@ int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
                         char *why, size_t why_len);
 
 /* The instance's scheduler reserves the offer of key for num_tokens,
- * with layout l (a local rank's pool's: the params' layout summary); the
- * ranks publish later. *params as xfer_publish's. KVX_ERR_EXISTS when
- * the key has an offer already. */
+ * with layout l (a local rank's pool's: the params' layout summary) and
+ * ngroups other tables (each's pool gives its layout summary; no
+ * blocks); the ranks publish later, with the same groups.
+ * *params as xfer_publish's. KVX_ERR_EXISTS when the key has an offer
+ * already. */
 int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
-                 const kvx_layout_t *l, uint8_t **params, size_t *params_len,
+                 const kvx_layout_t *l, const xfer_group_t *groups,
+                 uint32_t ngroups, uint8_t **params, size_t *params_len,
                  char *why, size_t why_len);
 
 /* An offer was made (published first, or reserved): cb(inst, key) is

@@ -560,6 +560,20 @@ typedef struct kvx_group {
 } kvx_group_t;
 #define KVX_MAX_GROUPS 8 /* block tables of a request, the first included */
 
+/* kvx_reserve for a request with ngroups more block tables (2.4; see
+ * kvx_publish_groups): each group names a pool of its layout that a rank
+ * of the instance registered on this daemon (pool_id), its num_tokens
+ * and first_block, and no blocks; the ranks then publish the same groups
+ * (else MISMATCH, "... that the reservation made"). pool_id: the plain
+ * table's pool, needed when the instance's pools differ in layout (a
+ * hybrid model's always do); 0: the one layout they share. A daemon
+ * before 2.4 ignores the groups: VERSION. */
+KVX_EXPORT int kvx_reserve_groups(kvx_client_t *client, const char *instance_id,
+                                  const void *key, size_t key_len,
+                                  uint32_t num_tokens, uint32_t pool_id,
+                                  const kvx_group_t *groups, uint32_t ngroups,
+                                  kvx_context_params_t *params, int timeout_ms);
+
 /* kvx_publish_key with ngroups more block tables (every context rank
  * gives the same groups, in the same order); layerwise: as
  * kvx_publish_layerwise, every table's layers made ready on their own

@@ -872,16 +872,39 @@ class Client:
         self._call("kvx_cancel_key", k, len(k), self._ms(timeout))
 
     def reserve(self, instance_id: str, key: Key, num_tokens: int,
-                timeout: Timeout = _DEFAULT) -> bytes:
+                timeout: Timeout = _DEFAULT, *,
+                pool: Optional[PoolRef] = None,
+                groups: Optional[Sequence[Group]] = None) -> bytes:
         """For the instance's scheduler (a client without Hello, of the
         uid that owns the instance): reserve the offer of ``key`` for
         ``num_tokens`` and get its context params now, the bytes the
         ranks' :meth:`publish` will return (kvx_reserve). Call it on the
-        daemon of the instance's rank 0 once a rank registered a pool."""
+        daemon of the instance's rank 0 once a rank registered a pool.
+
+        A hybrid model (kvx_reserve_groups, 2.4): ``groups`` as the ranks
+        will publish them, each :class:`Group` naming a pool of its layout
+        that a rank registered, ``num_tokens`` and ``first_block``, and no
+        blocks (``Group(pool, [], num_tokens=...)``); ``pool``: the plain
+        table's pool (needed when the instance's pools differ in layout,
+        as a hybrid model's do)."""
         k = key_bytes(key)
         params = _lib.ContextParams()
-        self._call("kvx_reserve", instance_id.encode(), k, len(k),
-                   num_tokens, ctypes.byref(params), self._ms(timeout))
+        groups = list(groups or ())
+        arr = (_lib.Group * max(1, len(groups)))()
+        for i, g in enumerate(groups):
+            if not isinstance(g, Group):
+                raise InvalidArgument(-1, f"groups[{i}]: expected a "
+                                      "kvxfer.Group")
+            if len(g.blocks) or g.skip_tokens:
+                raise InvalidArgument(
+                    -1, f"groups[{i}]: a reservation names no blocks and "
+                    "skips no tokens (the ranks' publishes give the blocks)")
+            arr[i].pool_id = _pool_id(g.pool)
+            arr[i].num_tokens = g.num_tokens
+            arr[i].first_block = g.first_block
+        self._call("kvx_reserve_groups", instance_id.encode(), k, len(k),
+                   num_tokens, 0 if pool is None else _pool_id(pool), arr,
+                   len(groups), ctypes.byref(params), self._ms(timeout))
         try:
             return ctypes.string_at(params.data, params.len)
         finally:

@@ -644,6 +644,51 @@ def test_groups_move_a_window_and_a_state_slot(pair, names):
                               tokens(st, before[2], b, 0, 1, 2))
 
 
+def test_groups_reserved_by_the_scheduler(daemon, pair, names):
+    """A scheduler (no Hello) reserves a hybrid request with its other
+    tables (reserve(pool=, groups=)): the rank's publish with the same
+    groups returns the reservation's params and the window's bytes land;
+    a reservation naming blocks, or without the plain pool among pools of
+    several layouts, is refused naming it."""
+    ctx, gen = pair
+    lo = layout()
+    win = Layout.preset("vllm-nhd", num_layers=2, num_heads=HEADS,
+                        head_dim=32, dtype="bf16", tokens_per_block=TPB,
+                        num_blocks=BLOCKS)
+    src = [ctx.create_host_pool(x) for x in (lo, win)]
+    dst = [gen.create_host_pool(x) for x in (lo, win)]
+    fill(src[0].array, 3)
+    fill(src[1].array, 4)
+    req, ntok = names["req"], 2 * TPB
+    with kvxfer.Client(daemon.sock) as sched:
+        with pytest.raises(kvxfer.InvalidArgument, match="names no blocks"):
+            sched.reserve(names["ctx"], req, ntok, pool=src[0], groups=[
+                kvxfer.Group(src[1], [4], num_tokens=ntok)])
+        with pytest.raises(kvxfer.StateError, match="plain table's pool"):
+            sched.reserve(names["ctx"], req, ntok)
+        rp = sched.reserve(names["ctx"], req, ntok, pool=src[0], groups=[
+            kvxfer.Group(src[1], [], num_tokens=ntok)])
+    params = ctx.publish(req, src[0], [5, 2], num_tokens=ntok, groups=[
+        kvxfer.Group(src[1], [4, 6], num_tokens=ntok)])
+    assert params == rp
+    gen.fetch(req, rp, dst[0], [0, 3], groups=[
+        kvxfer.Group(dst[1], [1, 7])])
+    for c in (gen, ctx):
+        assert wait_event(c, req).kind is EventKind.COMPLETE
+    def wbytes(arr, b):
+        per = win.token_stride * TPB
+        return np.concatenate([arr[win.offset(ly, kv, b):
+                                   win.offset(ly, kv, b) + per]
+                               for ly in range(2) for kv in range(2)])
+
+    for s, d in zip([4, 6], [1, 7]):
+        assert np.array_equal(wbytes(dst[1].array, d),
+                              wbytes(src[1].array, s))
+    for s, d in zip([5, 2], [0, 3]):
+        assert np.array_equal(block_bytes(lo, dst[0].array, d),
+                              block_bytes(lo, src[0].array, s))
+
+
 def test_groups_layerwise_tables_move_when_ready(pair, names):
     """A layer-wise offer with a state slot beside the KV: the state
     moves only once layers_ready(group=1) names its layers."""

@@ -477,3 +477,85 @@ TEST(groups_forged_params_and_huge_tables_refused)
     hybrid_close(&h);
     daemon_healthy(d);
 }
+
+/* The scheduler reserves a hybrid request with its other tables
+ * (kvx_reserve_groups): the ranks' publishes with the same groups get
+ * the reservation's params, and every group lands. Refusals name what
+ * is wrong: no plain pool named among pools of several layouts, a pool
+ * of no rank, blocks in a reservation, a publish whose groups differ
+ * from the reservation's. */
+TEST(groups_reserved_by_the_scheduler)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "rg-ctx", "rg-gen");
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &sched), 0);
+    kvx_group_t rg[2] = {
+        {.pool_id = h.cw[1].pool, .num_tokens = HY_TOK, .first_block = 1},
+        {.pool_id = h.cst[0].pool, .num_tokens = 1}};
+    kvx_context_params_t rp, pp, p0, p1;
+    CHECK_FAILS(kvx_reserve(sched, "rg-ctx", "500", 3, HY_TOK, &pp, T_MS),
+                sched, KVX_ERR_STATE, "name the plain table's pool");
+    CHECK_FAILS(kvx_reserve_groups(sched, "rg-ctx", "500", 3, HY_TOK, 9999, rg,
+                                   2, &pp, T_MS),
+                sched, KVX_ERR_NOT_FOUND,
+                "reserve.pool_id: 9999 is no pool of a rank of instance "
+                "rg-ctx");
+    kvx_group_t bad = rg[0];
+    bad.pool_id = h.gw.pool; /* the generation instance's */
+    CHECK_FAILS(kvx_reserve_groups(sched, "rg-ctx", "500", 3, HY_TOK,
+                                   h.c[0].pool, &bad, 1, &pp, T_MS),
+                sched, KVX_ERR_NOT_FOUND, "reserve.groups[0].pool_id");
+    bad = rg[0];
+    bad.num_blocks = 1;
+    bad.blocks = hy_cw[0];
+    CHECK_FAILS(kvx_reserve_groups(sched, "rg-ctx", "500", 3, HY_TOK,
+                                   h.c[0].pool, &bad, 1, &pp, T_MS),
+                sched, KVX_ERR_INVALID, "a reservation names none");
+    bad = rg[0];
+    bad.first_block = 3; /* past the window's 3 blocks */
+    CHECK_FAILS(kvx_reserve_groups(sched, "rg-ctx", "500", 3, HY_TOK,
+                                   h.c[0].pool, &bad, 1, &pp, T_MS),
+                sched, KVX_ERR_INVALID, "reserve.groups[0].first_block: 3");
+
+    CHECK_KVX(kvx_reserve_groups(sched, "rg-ctx", "500", 3, HY_TOK, h.c[1].pool,
+                                 rg, 2, &rp, T_MS),
+              sched);
+    CHECK_KVX(hybrid_publish(&h, 0, 500, &p0), h.c[0].c);
+    CHECK_KVX(hybrid_publish(&h, 1, 500, &p1), h.c[1].c);
+    CHECK_EQ(rp.len, p0.len);
+    CHECK(!memcmp(rp.data, p0.data, rp.len));
+    CHECK(p1.len == p0.len && !memcmp(p1.data, p0.data, p0.len));
+    CHECK_KVX(hybrid_fetch(&h, 500, &rp, 4), h.g.c);
+    wait_event(h.g.c, 500, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(h.c[0].c, 500, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(h.c[1].c, 500, KVX_EVENT_COMPLETE, 0, 3000);
+    expect_t kv = {500, hy_gb, HY_TOK, 0};
+    expect_t win = {501, hy_gw, HY_TOK, 4};
+    expect_t st = {502, &hy_gs, 1, 0};
+    CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gw, &win, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+
+    /* reserved with the window from block 0: the publish's window from
+     * block 1 differs, and one table fewer is refused too */
+    rg[0].first_block = 0;
+    kvx_context_params_t rp2;
+    CHECK_KVX(kvx_reserve_groups(sched, "rg-ctx", "510", 3, HY_TOK, h.c[0].pool,
+                                 rg, 2, &rp2, T_MS),
+              sched);
+    CHECK_FAILS(hybrid_publish(&h, 0, 510, &pp), h.c[0].c, KVX_ERR_MISMATCH,
+                "that the reservation made");
+    CHECK_FAILS(kvx_publish_groups(h.c[0].c, "510", 3, h.c[0].pool, hy_cb[0], 3,
+                                   HY_TOK, NULL, 0, NULL, 0, 0, &pp, T_MS),
+                h.c[0].c, KVX_ERR_MISMATCH,
+                "0 other block tables, but the reservation made 2");
+    kvx_context_params_free(&rp2);
+    kvx_context_params_free(&rp);
+    kvx_context_params_free(&p0);
+    kvx_context_params_free(&p1);
+    kvx_close(sched);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
