@@ -520,6 +520,11 @@ static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
     return 0;
 }
 
+/* After an early answer (Poll.early) the poll is spun for this long
+ * before it sleeps: the event is one copy away (a layer: up to a few
+ * hundred microseconds; a whole request's last chunk: milliseconds). */
+#define KVX_EARLY_SPIN_US 20000
+
 /* KVXFER_SPIN_US, else 50 us with 4 or more CPUs (as the daemon's
  * busy polling: with fewer, a spinning engine thread takes the CPU the
  * daemon answers on), else 0. */
@@ -2012,17 +2017,37 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
      * (deadlines.poll_timeout_max_ms), and an empty batch sealed there
      * is read past below */
     m.timeout_ms = timeout_ms < 0 ? UINT32_MAX : (uint32_t)timeout_ms;
+    /* a client that spins asks to be woken early (2.4): once a fetch of
+     * its instance has its last copies out, the daemon answers without
+     * a batch, and the poll is sent again and spun for, so the event is
+     * not held up by this thread's wake-up */
+    m.early = c->spin_us && at_least && timeout_ms != 0;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_POLL;
     rq.poll = &m;
     Kvxfer__Reply *r;
     int rc;
+    uint32_t spin = c->spin_us;
+    int64_t t0 = now_ms();
     for (;;) {
         /* the daemon answers at the poll timeout; allow for a busy loop
          * (it cuts timeouts to its maximum, an hour at most) */
         int t = timeout_ms < 3600000 ? timeout_ms : 3600000;
-        if ((rc = call(c, &rq, -1, t < 0 ? -1 : t + 10000, &r)))
+        rc = call(c, &rq, -1, t < 0 ? -1 : t + 10000, &r);
+        c->spin_us = spin;
+        if (rc)
             return rc;
+        if (r->body_case == KVXFER__REPLY__BODY_POLL && r->poll->early &&
+            !r->poll->n_events) {
+            kvxfer__reply__free_unpacked(r, NULL);
+            m.early = 0; /* once a poll: the event is a copy away */
+            if (timeout_ms >= 0) {
+                int64_t left = timeout_ms - (now_ms() - t0);
+                m.timeout_ms = left > 0 ? (uint32_t)left : 0;
+            }
+            c->spin_us = KVX_EARLY_SPIN_US;
+            continue;
+        }
         if (timeout_ms >= 0 || at_least == 0 ||
             r->body_case != KVXFER__REPLY__BODY_POLL || r->poll->n_events)
             break;
@@ -2317,10 +2342,12 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
     counts_json(b, s->errors_by_code, s->n_errors_by_code);
     sb_printf(b, ",\"memory\":");
     counts_json(b, s->memory, s->n_memory);
-    sb_printf(b, ",\"batches_sealed\":%llu,\"batches_resent\":%llu,"
-                 "\"peers\":[",
+    sb_printf(b,
+              ",\"batches_sealed\":%llu,\"batches_resent\":%llu,"
+              "\"polls_woken_early\":%llu,\"peers\":[",
               (unsigned long long)s->batches_sealed,
-              (unsigned long long)s->batches_resent);
+              (unsigned long long)s->batches_resent,
+              (unsigned long long)s->polls_woken_early);
     for (size_t i = 0; i < s->n_peers; i++) {
         const Kvxfer__PeerInfo *x = s->peers[i];
         sb_printf(b, "%s{\"address\":", i ? "," : "");

@@ -1419,6 +1419,7 @@ static int deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
     pr.batch = b->seq;
     pr.n_events = b->nevents;
     pr.events = evp;
+    pr.early = b->early != 0;
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
     r.id = req_id;
     r.message = "";

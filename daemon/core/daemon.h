@@ -20,6 +20,7 @@ typedef struct kvxd_stats {
     uint64_t batches_sealed;
     uint64_t batches_resent;     /* root: to ranks of other daemons, after
                                     a poll said they never arrived */
+    uint64_t polls_woken_early;  /* Poll.early answered (xfer) */
     uint64_t errors_by_code[32]; /* index -code */
 } kvxd_stats_t;
 

@@ -1064,6 +1064,11 @@ static void on_poll(session_t *s, const Kvxfer__Request *rq)
     }
     batch_state_t *bs = &s->inst->batches;
     int rc = batch_poll(bs, s->rank, rq->id, rq->poll->at_least, now + t, now);
+    /* answered early only when a fetch's last copies go out after this
+     * (not at once for one already out: a small request's event comes
+     * sooner than the extra round trip) */
+    if (!rc && rq->poll->early && !instance_spread(s->inst))
+        batch_waiter_early(bs, s->rank);
     if (rc == KVX_ERR_LIMIT)
         FAIL(KVX_ERR_LIMIT,
              "poll: batches %llu to %llu of instance %s were dropped before "

@@ -90,6 +90,7 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid, uint32_t cap)
     st->n_requests_by_state = xfer_states(&st->requests_by_state);
     st->bytes_moved = kvxd.stats.bytes_moved;
     st->transfers_done = kvxd.stats.transfers_done;
+    st->polls_woken_early = kvxd.stats.polls_woken_early;
 
     st->errors_by_code = calloc(32, sizeof(*st->errors_by_code));
     for (int i = 1; st->errors_by_code && i < 32; i++) {

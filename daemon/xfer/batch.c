@@ -260,9 +260,30 @@ int batch_poll(batch_state_t *bs, uint32_t rank, uint64_t req_id,
         trim(bs);
         return 0;
     }
-    bs->wait[rank] = (struct batch_waiter){1, req_id, at_least, deadline_ms};
+    bs->wait[rank] = (struct batch_waiter){1, req_id, at_least, deadline_ms, 0};
     maybe_seal(bs, now_ms, 0);
     return 0;
+}
+
+void batch_waiter_early(batch_state_t *bs, uint32_t rank)
+{
+    if (rank < bs->nranks && bs->wait[rank].active)
+        bs->wait[rank].early = 1;
+}
+
+uint32_t batch_wake_early(batch_state_t *bs)
+{
+    uint32_t n = 0;
+    for (uint32_t r = 0; r < bs->nranks; r++) {
+        struct batch_waiter *w = &bs->wait[r];
+        if (!w->active || !w->early)
+            continue;
+        batch_t b = {.seq = bs->cursor[r], .early = 1};
+        w->active = 0;
+        (void)bs->deliver(bs->arg, r, w->req_id, &b);
+        n++;
+    }
+    return n;
 }
 
 int batch_take_waiter(batch_state_t *bs, uint32_t rank, uint64_t *req_id)

@@ -37,6 +37,7 @@ typedef struct batch_event {
 
 typedef struct batch {
     uint64_t seq;
+    int early; /* not a batch: batch_wake_early()'s answer (no events) */
     uint32_t nevents;
     batch_event_t *events;
     list_t node; /* on batch_state_t.sealed */
@@ -47,6 +48,7 @@ struct batch_waiter {
     uint64_t req_id;
     uint32_t at_least;
     uint64_t deadline_ms;
+    int early; /* Poll.early: batch_wake_early() may answer it */
 };
 
 /* Called for every waiting poll a sealed batch answers: 0, or an error
@@ -115,6 +117,15 @@ int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
  * past them, and the next poll reads on). */
 int batch_poll(batch_state_t *bs, uint32_t rank, uint64_t req_id,
                uint32_t at_least, uint64_t deadline_ms, uint64_t now_ms);
+
+/* Rank's waiting poll (if any) asked Poll.early. */
+void batch_waiter_early(batch_state_t *bs, uint32_t rank);
+
+/* A terminal event is near (a request's last copies are out): answer
+ * each waiting poll that asked Poll.early with an empty batch_t whose
+ * early is set and whose seq is the rank's next, sealing nothing and
+ * moving no cursor; the rank polls again. Returns how many. */
+uint32_t batch_wake_early(batch_state_t *bs);
 
 /* Take rank's waiting poll away unanswered: 1 and its request id in
  * *req_id, or 0 when none waits (the instance ends before any batch

@@ -180,6 +180,7 @@ struct genpart {
     genreq_t *req;
     uint32_t rank, group;
     int fetched, started, done;
+    int settled;  /* done, or its last job out: counted in nsettled */
     pool_t *pool; /* referenced while fetched */
     uint32_t *blocks;
     uint32_t nblocks;
@@ -215,6 +216,8 @@ struct genreq {
     uint32_t gskip[XFER_MAX_GROUPS]; /* each group's skip_tokens */
     genpart_t *parts;                /* nranks * ngroups: GPART() */
     uint32_t nfetched, ndone;
+    uint32_t nsettled; /* parts settled (part_settle()) */
+    int soon;          /* every part settled: Poll.early answered */
     uint32_t inflight;
     uint64_t created_ms;
     uint64_t bytes_total, bytes_done;
@@ -367,6 +370,7 @@ static list_t leases = {&leases, &leases};
 static list_t timeouts = {&timeouts, &timeouts};
 
 static void schedule(void);
+static void part_settle(genpart_t *p, int last_out);
 static void genreq_end(genreq_t *g, int kind, int code, const char *msg);
 static void offer_end(offer_t *o, int kind, int code, const char *msg);
 static void offer_drop(offer_t *o);
@@ -1733,6 +1737,7 @@ static void part_try_start(genpart_t *p)
     }
     if (plan->nunits == 0) {
         p->done = 1;
+        part_settle(p, 0);
         if (++g->ndone == g->need * g->ngroups)
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
         return;
@@ -2065,6 +2070,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         p->started = 1; /* its sources are bound on the peers */
         if (p->plan->nunits == 0) {
             p->done = 1;
+            part_settle(p, 0);
             if (++g->ndone == g->need * g->ngroups)
                 genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
             continue;
@@ -2575,6 +2581,7 @@ void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
             genreq_end(g, g->end_kind, g->end_code, g->end_msg);
     } else if (p->units_done == p->plan->nunits) {
         p->done = 1;
+        part_settle(p, 0);
         if (++g->ndone == g->need * g->ngroups)
             genreq_end(g, KVX_EVENT_COMPLETE, 0, "");
     }
@@ -2598,6 +2605,28 @@ static void on_chunk_done(copy_job_t *job)
     free(job);
     xfer_part_progress(p, units, bytes, status);
     schedule();
+}
+
+/* Part p of g is done, or has its last job out (last_out): once every
+ * part is, g's terminal event is at most one copy away, and the
+ * instance's polls that asked Poll.early are answered now, so that a
+ * caller asleep in its poll wakes while that copy runs (a thread's
+ * wake-up costs tens of microseconds) and looks for the event without
+ * sleeping. Not for an instance spread over daemons (its batches are
+ * agreed on rank 0's daemon), nor when the last part settles by ending
+ * (the event goes out now). */
+static void part_settle(genpart_t *p, int last_out)
+{
+    genreq_t *g = p->req;
+    if (p->settled)
+        return;
+    p->settled = 1;
+    if (++g->nsettled < g->need * g->ngroups || g->soon || g->ending ||
+        !last_out)
+        return;
+    g->soon = 1;
+    if (!instance_spread(g->inst))
+        kvxd.stats.polls_woken_early += batch_wake_early(&g->inst->batches);
 }
 
 static void schedule(void)
@@ -2652,6 +2681,8 @@ static void schedule(void)
                 p->parked = 1;
         }
         batch[nbatch++] = job;
+        if (!more)
+            part_settle(p, 1);
         if (nbatch == sizeof(batch) / sizeof(batch[0])) {
             copy_submit_many(batch, nbatch);
             nbatch = 0;

@@ -477,3 +477,89 @@ TEST(layerwise_chunked_prefill)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* A generation rank asleep in its poll (kvx_poll, at_least 1) with a
+ * spin set is woken early (Poll.early) when the last layer's copies go
+ * out: its poll comes back with the COMPLETE event itself, never an
+ * empty batch, and the daemon counts the early answer
+ * (polls_woken_early); every byte lands. */
+typedef struct lw_poller {
+    kvx_client_t *c;
+    kvx_batch_t *b;
+    int rc;
+} lw_poller_t;
+
+static void *lw_poll_main(void *arg)
+{
+    lw_poller_t *p = arg;
+    p->rc = kvx_poll(p->c, 1, 5000, &p->b);
+    return NULL;
+}
+
+TEST(layerwise_sleeping_poll_woken_early)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "le-ctx", "le-gen", 8, &c, &g, &cs, &gs);
+    CHECK_KVX(kvx_set_spin_us(g.c, 100), g.c);
+    memset(g.base, 0xa5, g.size);
+    const char *k = "le-1", *gk = "le-1g";
+    uint32_t cb[3] = {1, 3, 5}, gb[3] = {6, 2, 0};
+    const uint32_t ntok = 11, req = 81;
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish_layerwise(c.c, k, strlen(k), c.pool, cb, 3, ntok,
+                                    NULL, 0, &p, T_MS),
+              c.c);
+    CHECK_KVX(kvx_fetch_key(g.c, gk, strlen(gk), p.data, p.len, g.pool, gb, 3,
+                            0, 0, T_MS),
+              g.c);
+    fill_layers(&c, req, cb, ntok, 0, 3);
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 0, 3, NULL, T_MS), c.c);
+    CHECK_EQ(progress_reaches(&g, gk, 3), 3);
+    lw_poller_t pl = {.c = g.c};
+    pthread_t th;
+    CHECK_EQ(pthread_create(&th, NULL, lw_poll_main, &pl), 0);
+    usleep(200 * 1000); /* its poll waits in the daemon, asleep */
+    fill_layers(&c, req, cb, ntok, 3, 4);
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 3, 1, NULL, T_MS), c.c);
+    CHECK_EQ(pthread_join(th, NULL), 0);
+    CHECK_KVX(pl.rc, g.c);
+    CHECK_EQ(pl.b->num_events, 1);
+    CHECK_EQ(pl.b->events[0].kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(pl.b->events[0].key_len, strlen(gk));
+    CHECK(!memcmp(pl.b->events[0].key, gk, strlen(gk)));
+    kvx_batch_free(pl.b);
+    CHECK_EQ(wait_key(c.c, k, strlen(k), 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = req, .blocks = gb, .ntok = ntok};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    char *json = status_json(d);
+    CHECK_STR_CONTAINS(json, "\"polls_woken_early\":1,");
+    free(json);
+    kvx_context_params_free(&p);
+    /* without a spin the poll asks for nothing early: the count stays */
+    CHECK_KVX(kvx_set_spin_us(g.c, 0), g.c);
+    fill_layers(&c, req + 1, cb, ntok, 0, 4);
+    CHECK_KVX(kvx_publish_layerwise(c.c, "le-2", 4, c.pool, cb, 3, ntok, NULL,
+                                    0, &p, T_MS),
+              c.c);
+    CHECK_KVX(kvx_fetch_key(g.c, "le-2g", 5, p.data, p.len, g.pool, gb, 3, 0, 0,
+                            T_MS),
+              g.c);
+    pl = (lw_poller_t){.c = g.c};
+    CHECK_EQ(pthread_create(&th, NULL, lw_poll_main, &pl), 0);
+    usleep(100 * 1000);
+    CHECK_KVX(kvx_layers_ready(c.c, "le-2", 4, 0, 4, NULL, T_MS), c.c);
+    CHECK_EQ(pthread_join(th, NULL), 0);
+    CHECK_KVX(pl.rc, g.c);
+    CHECK_EQ(pl.b->num_events, 1);
+    kvx_batch_free(pl.b);
+    json = status_json(d);
+    CHECK_STR_CONTAINS(json, "\"polls_woken_early\":1,");
+    free(json);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}

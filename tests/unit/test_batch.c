@@ -36,6 +36,7 @@ typedef struct rec_event {
 typedef struct rec {
     uint32_t rank;
     uint64_t req_id, seq;
+    int early;
     uint32_t nevents;
     rec_event_t ev[64];
 } rec_t;
@@ -59,6 +60,7 @@ static int on_deliver(void *arg, uint32_t rank, uint64_t req_id,
     r->rank = rank;
     r->req_id = req_id;
     r->seq = b->seq;
+    r->early = b->early;
     r->nevents = b->nevents;
     CHECK(b->nevents <= 64);
     for (uint32_t i = 0; i < b->nevents; i++) {
@@ -182,6 +184,42 @@ TEST(pending_already_enough_seals_at_poll)
     CHECK_EQ(nrec, 2);
     CHECK_EQ(recs[1].seq, 1);
     CHECK_EQ(recs[1].nevents, 0);
+    batch_cleanup(&bs);
+}
+
+/* Poll.early: a waiting rank that asked for it is answered, without a
+ * batch, when batch_wake_early() says an event is near; its cursor stays,
+ * a rank that did not ask keeps waiting, and the next poll reads batch 0
+ * as before. */
+TEST(early_wake_answers_without_a_batch)
+{
+    batch_state_t bs;
+    init(&bs, 2);
+    CHECK_EQ(batch_wake_early(&bs), 0); /* nobody waits */
+    CHECK_EQ(batch_poll(&bs, 0, 20, 1, 1000, 0), 0);
+    CHECK_EQ(batch_poll(&bs, 1, 21, 1, 1000, 0), 0);
+    batch_waiter_early(&bs, 0);
+    CHECK_EQ(batch_wake_early(&bs), 1);
+    CHECK_EQ(nrec, 1);
+    CHECK_EQ(recs[0].rank, 0);
+    CHECK_EQ(recs[0].req_id, 20);
+    CHECK_EQ(recs[0].early, 1);
+    CHECK_EQ(recs[0].nevents, 0);
+    CHECK_EQ(recs[0].seq, 0);
+    CHECK_EQ(bs.cursor[0], 0);
+    CHECK_EQ(bs.next_seq, 0);           /* nothing sealed */
+    CHECK_EQ(batch_wake_early(&bs), 0); /* answered once */
+    /* rank 0 polls again (no early); the event seals batch 0 for both */
+    CHECK_EQ(batch_poll(&bs, 0, 22, 1, 1000, 0), 0);
+    push(&bs, 5, 0);
+    CHECK_EQ(nrec, 3);
+    for (int i = 1; i < 3; i++) {
+        CHECK_EQ(recs[i].early, 0);
+        CHECK_EQ(recs[i].seq, 0);
+        CHECK_EQ(recs[i].nevents, 1);
+    }
+    batch_waiter_early(&bs, 1); /* not waiting: nothing */
+    CHECK_EQ(batch_wake_early(&bs), 0);
     batch_cleanup(&bs);
 }
 
