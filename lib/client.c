@@ -2017,11 +2017,11 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
      * (deadlines.poll_timeout_max_ms), and an empty batch sealed there
      * is read past below */
     m.timeout_ms = timeout_ms < 0 ? UINT32_MAX : (uint32_t)timeout_ms;
-    /* a client that spins asks to be woken early (2.4): once a fetch of
-     * its instance has its last copies out, the daemon answers without
-     * a batch, and the poll is sent again and spun for, so the event is
-     * not held up by this thread's wake-up */
-    m.early = c->spin_us && at_least && timeout_ms != 0;
+    /* a client that spins, waiting for one event, asks to be woken
+     * early (2.4): once a fetch of its instance has its last copies out,
+     * the daemon answers without a batch, and the poll is sent again and
+     * spun for, so the event is not held up by this thread's wake-up */
+    m.early = c->spin_us && at_least == 1 && timeout_ms != 0;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_POLL;
     rq.poll = &m;

@@ -233,6 +233,11 @@ err_close_inline:
 
 /* Start j at once when it is a GPU launch or small enough for the loop;
  * 1: it is for the workers, to be queued. */
+int copy_job_inline(const copy_job_t *j)
+{
+    return !j->gpu && !j->run && j->plan->bytes <= c.inline_bytes;
+}
+
 static int submit_now(copy_job_t *j)
 {
     /* on no queue: zeroed, or popped before its done callback ran */
@@ -246,7 +251,7 @@ static int submit_now(copy_job_t *j)
             job_finished(j);
         return 0;
     }
-    if (!j->run && j->plan->bytes <= c.inline_bytes) {
+    if (copy_job_inline(j)) {
         /* small: here, now; its done callback at this iteration's check */
         plan_exec(j->plan, j->unit_begin, j->unit_end);
         struct timespec t;

@@ -300,7 +300,7 @@ static const struct conf_key keys[] = {
      .min = 0,
      .max = 2,
      .help = "While a request is in flight here (published and not yet "
-             "fetched or ended, or fetched and not yet ended), the loop "
+             "consumed or ended, or fetched and not yet ended), the loop "
              "polls every turn instead of sleeping, so that the engine's "
              "next call (a fetch, a layer made ready), a CUDA event and "
              "the copies coming back are read within microseconds: 0 "

@@ -733,7 +733,7 @@ static struct {
     uv_idle_t idle;
     int inited, on, enabled; /* enabled: -1 until resolved */
     uint32_t held;
-    uint64_t idle_since; /* ns the last hold went (0: held) */
+    uint64_t idle_since; /* ns the last hold went (read when held is 0) */
 } busy = {.enabled = -1};
 
 static void busy_turn(uv_idle_t *h)
@@ -2607,14 +2607,15 @@ static void on_chunk_done(copy_job_t *job)
     schedule();
 }
 
-/* Part p of g is done, or has its last job out (last_out): once every
- * part is, g's terminal event is at most one copy away, and the
- * instance's polls that asked Poll.early are answered now, so that a
- * caller asleep in its poll wakes while that copy runs (a thread's
- * wake-up costs tens of microseconds) and looks for the event without
- * sleeping. Not for an instance spread over daemons (its batches are
- * agreed on rank 0's daemon), nor when the last part settles by ending
- * (the event goes out now). */
+/* Part p of g is done, or has its last job out to a copy thread or a
+ * GPU (last_out): once every part is, g's terminal event is at most one
+ * copy away, and the instance's polls that asked Poll.early are answered
+ * now, so that a caller asleep in its poll wakes while that copy runs (a
+ * thread's wake-up costs tens of microseconds) and looks for the event
+ * without sleeping. Not for an instance spread over daemons (its batches
+ * are agreed on rank 0's daemon), nor when the last part settles by
+ * ending or by a job run on the loop (the event goes out this turn), nor
+ * for parts pulled from peer daemons (they settle by ending). */
 static void part_settle(genpart_t *p, int last_out)
 {
     genreq_t *g = p->req;
@@ -2681,8 +2682,10 @@ static void schedule(void)
                 p->parked = 1;
         }
         batch[nbatch++] = job;
+        /* a job run on the loop ends this turn: its event needs no
+         * early answer */
         if (!more)
-            part_settle(p, 1);
+            part_settle(p, !copy_job_inline(job));
         if (nbatch == sizeof(batch) / sizeof(batch[0])) {
             copy_submit_many(batch, nbatch);
             nbatch = 0;

@@ -276,10 +276,11 @@ KVX_EXPORT const char *kvx_last_error(const kvx_client_t *client);
  * thread's CPU for at most spin_us per reply. Default: the environment's
  * KVXFER_SPIN_US, else 50 with 4 or more CPUs, else 0 (never spin). At
  * most KVX_SPIN_US_MAX; more is KVX_ERR_INVALID. */
-/* With a spin, a kvx_poll that waits also asks the daemon to wake it
- * early (Poll.early) once a fetch of its instance has its last copies
- * out, and then spins (up to 20 ms) for the event instead of sleeping
- * through the end of the transfer. */
+/* With a spin, a kvx_poll that waits for one event also asks the daemon
+ * to wake it early (Poll.early) once a fetch of its instance has its
+ * last copies out (on that daemon, to a copy thread or a GPU), and then
+ * spins (up to 20 ms) for the event instead of sleeping through the end
+ * of the transfer. */
 #define KVX_SPIN_US_MAX 100000
 KVX_EXPORT int kvx_set_spin_us(kvx_client_t *client, uint32_t spin_us);
 

@@ -480,9 +480,10 @@ TEST(layerwise_chunked_prefill)
 
 /* A generation rank asleep in its poll (kvx_poll, at_least 1) with a
  * spin set is woken early (Poll.early) when the last layer's copies go
- * out: its poll comes back with the COMPLETE event itself, never an
- * empty batch, and the daemon counts the early answer
- * (polls_woken_early); every byte lands. */
+ * out to a copy thread: its poll comes back with the COMPLETE event
+ * itself, never an empty batch, and the daemon counts the early answer
+ * (polls_woken_early); every byte lands. Without a spin the poll asks
+ * for no early answer. */
 typedef struct lw_poller {
     kvx_client_t *c;
     kvx_batch_t *b;
@@ -498,7 +499,9 @@ static void *lw_poll_main(void *arg)
 
 TEST(layerwise_sleeping_poll_woken_early)
 {
-    daemon_t *d = daemon_start(NULL);
+    /* the copies on a copy thread: a job run on the loop ends in the
+     * same turn, and its event needs no early answer */
+    daemon_t *d = daemon_start("copy:\n  inline_bytes: 0\n");
     rank_t c, g;
     side_t cs, gs;
     pair_open(d, &M_SMALL, "le-ctx", "le-gen", 8, &c, &g, &cs, &gs);
