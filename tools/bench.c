@@ -2063,6 +2063,16 @@ static int layerwise_main(void)
     double daemon_us = o.trace ? lw_daemon_us(lw_last, n) : -1;
     double gbps_ready = bytes / (ready_us * 1e3),
            gbps_fast = bytes / (fast_us * 1e3);
+    /* how often the generation rank's waiting poll was answered early
+     * (Poll.early: it spins, and a fetch's last copies went out) */
+    unsigned long long early = 0;
+    char *sj = NULL;
+    if (kvx_status_json(s, &sj, TIMEOUT_MS) == 0) {
+        const char *e = strstr(sj, "\"polls_woken_early\":");
+        if (e)
+            early = strtoull(e + 20, NULL, 10);
+    }
+    free(sj);
     if (o.json) {
         printf("{\"layerwise_ms\":%g,\"layers\":%u,\"requests\":%u,"
                "\"bytes_per_request\":%llu,\"gpu\":%s,"
@@ -2070,11 +2080,12 @@ static int layerwise_main(void)
                "\"whole_exposed_us\":%.1f,\"exposed_per_layer\":%.3f,"
                "\"ready_us\":%.1f,\"stream_gbps\":%.3f,"
                "\"whole_gbps\":%.3f,\"stream_ratio\":%.3f,"
-               "\"poll\":\"%s\",\"verified\":%s",
+               "\"poll\":\"%s\",\"polls_woken_early\":%llu,"
+               "\"verified\":%s",
                o.layerwise_ms, L, n, (unsigned long long)bytes,
                stream ? "true" : "false", lw_us, layer_us, whole_us,
                lw_us / layer_us, ready_us, gbps_fast, gbps_ready,
-               gbps_fast / gbps_ready, o.poll_spin ? "spin" : "wait",
+               gbps_fast / gbps_ready, o.poll_spin ? "spin" : "wait", early,
                o.no_verify ? "false" : "true");
         if (daemon_us >= 0)
             printf(",\"exposed_daemon_us\":%.1f,"
@@ -2096,6 +2107,7 @@ static int layerwise_main(void)
                    daemon_us, daemon_us / layer_us);
         printf("  exposed after the last layer, whole      %10.1f us\n",
                whole_us);
+        printf("  polls answered early (the rank spins)    %10llu\n", early);
         printf("  one layer's transfer (ready request / %u) %9.1f us\n", L,
                layer_us);
         printf("  streamed, all layers ready at once  %6.2f GB/s vs whole "

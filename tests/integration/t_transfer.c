@@ -677,7 +677,8 @@ TEST_T(bench_reused_pools_sampled_and_traced, 120)
 /* kvxfer-bench --layerwise, small: every way it measures runs and the
  * request's bytes are checked; --poll-spin polls without waiting,
  * --trace adds the daemon's part of the exposed time, which cannot
- * exceed the whole of it (one monotonic clock). */
+ * exceed the whole of it (one monotonic clock); a waiting rank with a
+ * spin (KVXFER_SPIN_US) is woken early (polls_woken_early). */
 TEST_T(bench_layerwise_spin_and_traced, 120)
 {
     char out[8192];
@@ -694,6 +695,28 @@ TEST_T(bench_layerwise_spin_and_traced, 120)
     double whole = strtod(a + strlen("\"exposed_us\":"), NULL);
     double daemon = strtod(b + strlen("\"exposed_daemon_us\":"), NULL);
     CHECK(daemon > 0 && daemon <= whole);
+    CHECK_STR_CONTAINS(out, "\"polls_woken_early\":0,"); /* it never waits */
+    /* a waiting generation rank with a spin is answered early once each
+     * fetch's last copies go out to a copy thread (inline_bytes 0) */
+    char cfg[64], args[512];
+    snprintf(cfg, sizeof(cfg), "/tmp/kvx-it-bench-%d.yaml", (int)getpid());
+    FILE *f = fopen(cfg, "w");
+    CHECK(f);
+    fputs("copy:\n  inline_bytes: 0\n", f);
+    fclose(f);
+    snprintf(args, sizeof(args),
+             "--spawn-daemon --json --layerwise 1 --requests 2 --blocks 8 "
+             "--layers 4 --heads 2 --head-dim 64 --daemon-config %s",
+             cfg);
+    setenv("KVXFER_SPIN_US", "200", 1);
+    int rc = bench_run(args, out, sizeof(out));
+    unsetenv("KVXFER_SPIN_US");
+    unlink(cfg);
+    CHECK_EQ(rc, 0);
+    CHECK_STR_CONTAINS(out, "\"verified\":true");
+    CHECK_STR_CONTAINS(out, "\"poll\":\"wait\"");
+    const char *e = strstr(out, "\"polls_woken_early\":");
+    CHECK(e && strtoull(e + strlen("\"polls_woken_early\":"), NULL, 10) > 0);
     /* --poll-spin alone is refused, saying with what it goes */
     CHECK_EQ(bench_run("--poll-spin", out, sizeof(out)), 2);
     CHECK_STR_CONTAINS(out, "--poll-spin goes with --layerwise");
