@@ -58,18 +58,16 @@ struct kvx_client {
 
 #define HOST_POOL(n) LIST_OWNER(n, struct host_pool, node)
 
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static int64_t now_us(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+static int64_t now_ms(void)
+{
+    return now_us() / 1000;
 }
 
 static int fail(kvx_client_t *c, int rc, const char *fmt, ...)
@@ -204,9 +202,10 @@ static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
     return 0;
 }
 
-/* Read frames until the reply to id; *out is unpacked (caller frees). */
-/* The next reply frame, whichever request it answers. */
-static int recv_any(kvx_client_t *c, int64_t deadline, Kvxfer__Reply **out)
+/* The next reply frame, whichever request it answers; the socket is
+ * looked at without sleeping for spin_us first (kvx_set_spin_us). */
+static int recv_any(kvx_client_t *c, int64_t deadline, uint32_t spin_us,
+                    Kvxfer__Reply **out)
 {
     for (;;) {
         const uint8_t *msg;
@@ -220,9 +219,9 @@ static int recv_any(kvx_client_t *c, int64_t deadline, Kvxfer__Reply **out)
                 return fail(c, KVX_ERR_PROTOCOL, "undecodable reply");
             return 0;
         }
-        /* the reply is rarely there yet: look for it for the client's
-         * spin, else sleep until it comes; then read */
-        if (!(c->spin_us && spin_readable(c->fd, c->spin_us, deadline)) &&
+        /* the reply is rarely there yet: look for it for the spin, else
+         * sleep until it comes; then read */
+        if (!(spin_us && spin_readable(c->fd, spin_us, deadline)) &&
             (rc = wait_fd(c->fd, POLLIN, deadline)))
             return fail(c, rc, "no reply from the daemon: %s",
                         rc == KVX_ERR_TIMEOUT ? "timed out" : "poll failed");
@@ -245,12 +244,13 @@ static int recv_any(kvx_client_t *c, int64_t deadline, Kvxfer__Reply **out)
     }
 }
 
+/* Read frames until the reply to id; *out is unpacked (caller frees). */
 static int recv_reply(kvx_client_t *c, uint64_t id, int64_t deadline,
-                      Kvxfer__Reply **out)
+                      uint32_t spin_us, Kvxfer__Reply **out)
 {
     for (;;) {
         Kvxfer__Reply *r;
-        int rc = recv_any(c, deadline, &r);
+        int rc = recv_any(c, deadline, spin_us, &r);
         if (rc)
             return rc;
         if (r->id == id || r->id == 0) {
@@ -270,7 +270,7 @@ static int refusal_after(kvx_client_t *c, int rc)
     char save[sizeof(c->err)];
     memcpy(save, c->err, sizeof(save));
     Kvxfer__Reply *r = NULL;
-    if (recv_reply(c, 0, now_ms(), &r) == 0 && r->id == 0 && r->status < 0 &&
+    if (recv_reply(c, 0, now_ms(), 0, &r) == 0 && r->id == 0 && r->status < 0 &&
         r->status >= KVX_ERR_LAST) {
         rc = r->status;
         snprintf(c->err, sizeof(c->err), "%s", r->message);
@@ -335,8 +335,11 @@ static int reply_code(int32_t status)
 /* Send rq (its id is set here) with nfds fds and wait for its reply.
  * Returns the daemon's status; *out (if not NULL) receives the reply on
  * success. */
-static int call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
-                    int nfds, int timeout_ms, Kvxfer__Reply **out)
+/* One request and its reply, the reply looked for spin_us before the
+ * thread sleeps. */
+static int call_spin(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
+                     int nfds, int timeout_ms, uint32_t spin_us,
+                     Kvxfer__Reply **out)
 {
     int rc = call_ready(c, timeout_ms);
     if (rc)
@@ -352,7 +355,7 @@ static int call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
         rc = refusal_after(c, rc);
     Kvxfer__Reply *r = NULL;
     if (!rc)
-        rc = recv_reply(c, rq->id, deadline, &r);
+        rc = recv_reply(c, rq->id, deadline, spin_us, &r);
     if (rc) {
         c->broken = 1;
         return rc;
@@ -370,6 +373,13 @@ static int call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
     else
         kvxfer__reply__free_unpacked(r, NULL);
     return 0;
+}
+
+/* call_spin() with the client's spin. */
+static int call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
+                    int nfds, int timeout_ms, Kvxfer__Reply **out)
+{
+    return call_spin(c, rq, fds, nfds, timeout_ms, c->spin_us, out);
 }
 
 /* call_fds() with one fd (fd_to_pass >= 0) or none. */
@@ -414,7 +424,7 @@ static int call_many(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
         rc = refusal_after(c, rc);
     for (size_t got = 0; !rc && got < n;) {
         Kvxfer__Reply *r;
-        if ((rc = recv_any(c, deadline, &r)))
+        if ((rc = recv_any(c, deadline, c->spin_us, &r)))
             break;
         if (r->id == 0) { /* the daemon could not tell which: it closes */
             rc = r->status ? reply_code(r->status) : KVX_ERR_PROTOCOL;
@@ -1425,11 +1435,15 @@ int kvx_publish(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
                            NULL, 0, params, timeout_ms);
 }
 
+/* What groups_msg() builds the GroupBlocks for. */
+enum { GROUPS_PUBLISH, GROUPS_FETCH, GROUPS_RESERVE };
+
 /* groups as GroupBlocks messages into m and mp (KVX_MAX_GROUPS - 1
- * each), fetch: with skip_tokens, else with num_tokens. 0, or an error
- * of fn (c's last error says which). */
+ * each): a publish's with num_tokens, a fetch's with skip_tokens, a
+ * reservation's with num_tokens and no blocks. 0, or an error of fn (c's
+ * last error says which). */
 static int groups_msg(kvx_client_t *c, const char *fn,
-                      const kvx_group_t *groups, uint32_t ngroups, int fetch,
+                      const kvx_group_t *groups, uint32_t ngroups, int use,
                       Kvxfer__GroupBlocks *m, Kvxfer__GroupBlocks **mp)
 {
     if (ngroups && !groups)
@@ -1438,12 +1452,21 @@ static int groups_msg(kvx_client_t *c, const char *fn,
     if (ngroups >= KVX_MAX_GROUPS)
         return fail(c, KVX_ERR_LIMIT, "%s: %u groups, at most %u", fn, ngroups,
                     KVX_MAX_GROUPS - 1);
-    if (ngroups && c->daemon_minor < 2)
+    /* a reservation comes from an observer, which has no Hello reply to
+     * tell the daemon's version: kvx_reserve_groups checks the params */
+    if (ngroups && use != GROUPS_RESERVE && c->daemon_minor < 2)
         return fail(c, KVX_ERR_VERSION,
                     "%s: the daemon speaks protocol 2.%u; several block "
                     "tables need 2.2",
                     fn, c->daemon_minor);
     for (uint32_t k = 0; k < ngroups; k++) {
+        if (use == GROUPS_RESERVE &&
+            (groups[k].blocks || groups[k].num_blocks || groups[k].skip_tokens))
+            return fail(c, KVX_ERR_INVALID,
+                        "%s: groups[%u] names blocks or skip_tokens; a "
+                        "reservation names none (the ranks' publishes "
+                        "give the blocks)",
+                        fn, k);
         if (!groups[k].blocks && groups[k].num_blocks)
             return fail(c, KVX_ERR_INVALID,
                         "%s: groups[%u].blocks is NULL with num_blocks %u", fn,
@@ -1453,7 +1476,7 @@ static int groups_msg(kvx_client_t *c, const char *fn,
         m[k].n_blocks = groups[k].num_blocks;
         m[k].blocks = (uint32_t *)groups[k].blocks;
         m[k].first_block = groups[k].first_block;
-        if (fetch)
+        if (use == GROUPS_FETCH)
             m[k].skip_tokens = groups[k].skip_tokens;
         else
             m[k].num_tokens = groups[k].num_tokens;
@@ -1490,7 +1513,7 @@ static int publish(kvx_client_t *c, const char *fn, const void *key,
                     fn, c->daemon_minor);
     Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
     Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = groups_msg(c, fn, groups, ngroups, 0, gm, gmp)))
+    if ((rc = groups_msg(c, fn, groups, ngroups, GROUPS_PUBLISH, gm, gmp)))
         return rc;
     m.n_groups = ngroups;
     m.groups = gmp;
@@ -1705,28 +1728,11 @@ int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
     if (!instance_id || !params)
         return fail(c, KVX_ERR_INVALID, "%s: a required argument is NULL or 0",
                     fn);
-    if (ngroups && !groups)
-        return fail(c, KVX_ERR_INVALID, "%s: groups is NULL with ngroups %u",
-                    fn, ngroups);
-    if (ngroups >= KVX_MAX_GROUPS)
-        return fail(c, KVX_ERR_LIMIT, "%s: %u groups, at most %u", fn, ngroups,
-                    KVX_MAX_GROUPS - 1);
     /* an observer has no Hello reply, so no daemon version: the
      * params returned say whether the daemon took the groups */
     Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    for (uint32_t k = 0; k < ngroups; k++) {
-        if (groups[k].blocks || groups[k].num_blocks || groups[k].skip_tokens)
-            return fail(c, KVX_ERR_INVALID,
-                        "%s: groups[%u] names blocks or skip_tokens; a "
-                        "reservation names none (the ranks' publishes "
-                        "give the blocks)",
-                        fn, k);
-        kvxfer__group_blocks__init(&gm[k]);
-        gm[k].pool_id = groups[k].pool_id;
-        gm[k].num_tokens = groups[k].num_tokens;
-        gm[k].first_block = groups[k].first_block;
-        gmp[k] = &gm[k];
-    }
+    if ((rc = groups_msg(c, fn, groups, ngroups, GROUPS_RESERVE, gm, gmp)))
+        return rc;
     Kvxfer__Reserve m = KVXFER__RESERVE__INIT;
     m.instance_id = (char *)instance_id;
     m.key.data = (uint8_t *)key;
@@ -1793,7 +1799,7 @@ int kvx_fetch_by_key_groups(kvx_client_t *c, const void *key, size_t key_len,
                     fn);
     Kvxfer__FetchByKey m = KVXFER__FETCH_BY_KEY__INIT;
     Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = groups_msg(c, fn, groups, ngroups, 1, gm, gmp)))
+    if ((rc = groups_msg(c, fn, groups, ngroups, GROUPS_FETCH, gm, gmp)))
         return rc;
     m.n_groups = ngroups;
     m.groups = gmp;
@@ -1861,7 +1867,7 @@ int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
                     fn);
     Kvxfer__Fetch m = KVXFER__FETCH__INIT;
     Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = groups_msg(c, fn, groups, ngroups, 1, gm, gmp)))
+    if ((rc = groups_msg(c, fn, groups, ngroups, GROUPS_FETCH, gm, gmp)))
         return rc;
     m.n_groups = ngroups;
     m.groups = gmp;
@@ -2033,9 +2039,7 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
         /* the daemon answers at the poll timeout; allow for a busy loop
          * (it cuts timeouts to its maximum, an hour at most) */
         int t = timeout_ms < 3600000 ? timeout_ms : 3600000;
-        rc = call(c, &rq, -1, t < 0 ? -1 : t + 10000, &r);
-        c->spin_us = spin;
-        if (rc)
+        if ((rc = call_spin(c, &rq, NULL, 0, t < 0 ? -1 : t + 10000, spin, &r)))
             return rc;
         if (r->body_case == KVXFER__REPLY__BODY_POLL && r->poll->early &&
             !r->poll->n_events) {
@@ -2045,7 +2049,7 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
                 int64_t left = timeout_ms - (now_ms() - t0);
                 m.timeout_ms = left > 0 ? (uint32_t)left : 0;
             }
-            c->spin_us = KVX_EARLY_SPIN_US;
+            spin = KVX_EARLY_SPIN_US;
             continue;
         }
         if (timeout_ms >= 0 || at_least == 0 ||
