@@ -231,13 +231,13 @@ err_close_inline:
     return rc == KVX_ERR_NOMEM ? rc : KVX_ERR_IO;
 }
 
-/* Start j at once when it is a GPU launch or small enough for the loop;
- * 1: it is for the workers, to be queued. */
 int copy_job_inline(const copy_job_t *j)
 {
     return !j->gpu && !j->run && j->plan->bytes <= c.inline_bytes;
 }
 
+/* Start j at once when it is a GPU launch or small enough for the loop;
+ * 1: it is for the workers, to be queued. */
 static int submit_now(copy_job_t *j)
 {
     /* on no queue: zeroed, or popped before its done callback ran */

@@ -58,11 +58,10 @@ void copy_submit(copy_job_t *job);
 /* The same for n jobs (the array is reused as scratch): the workers are
  * woken once all of them are queued. */
 void copy_submit_many(copy_job_t **jobs, size_t n);
-/* Jobs submitted and not yet done. */
 /* 1 when job, submitted now, would run on the loop thread (a small host
  * plan, copy.inline_bytes) and be done within this loop turn. */
 int copy_job_inline(const copy_job_t *job);
-
+/* Jobs submitted and not yet done. */
 unsigned copy_inflight(void);
 unsigned copy_threads(void);
 /* Stop the workers after the queue drains and close the async handle. */

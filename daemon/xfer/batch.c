@@ -280,7 +280,11 @@ uint32_t batch_wake_early(batch_state_t *bs)
             continue;
         batch_t b = {.seq = bs->cursor[r], .early = 1};
         w->active = 0;
-        (void)bs->deliver(bs->arg, r, w->req_id, &b);
+        if (bs->deliver(bs->arg, r, w->req_id, &b)) {
+            w->active = 1; /* not out: the poll waits on for the batch */
+            w->early = 0;
+            continue;
+        }
         n++;
     }
     return n;

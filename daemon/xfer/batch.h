@@ -124,7 +124,8 @@ void batch_waiter_early(batch_state_t *bs, uint32_t rank);
 /* A terminal event is near (a request's last copies are out): answer
  * each waiting poll that asked Poll.early with an empty batch_t whose
  * early is set and whose seq is the rank's next, sealing nothing and
- * moving no cursor; the rank polls again. Returns how many. */
+ * moving no cursor; the rank polls again. A poll whose answer could not
+ * go out keeps waiting for its batch. Returns how many were answered. */
 uint32_t batch_wake_early(batch_state_t *bs);
 
 /* Take rank's waiting poll away unanswered: 1 and its request id in

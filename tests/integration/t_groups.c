@@ -130,6 +130,19 @@ static int hybrid_fetch(hybrid_t *h, uint64_t req,
                             hy_gb, 3, 0, 0, gs, 2, T_MS);
 }
 
+/* Request req's three tables landed in the generation rank's pools (the
+ * KV, the window's tokens [4, 11), the state slot), and nothing else of
+ * them was written. */
+static void hybrid_landed(hybrid_t *h, uint64_t req)
+{
+    expect_t kv = {req, hy_gb, HY_TOK, 0};
+    expect_t win = {req + 1, hy_gw, HY_TOK, 4};
+    expect_t st = {req + 2, &hy_gs, 1, 0};
+    CHECK_EQ(check_pool(&h->g, &kv, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h->gw, &win, 1, 0xa5), 0);
+    CHECK_EQ(check_pool(&h->gst, &st, 1, 0xa5), 0);
+}
+
 /* The KV, the window's tokens [4, 11) and the state slot land from both
  * context ranks (TP 2 -> 1: heads concatenated in every group), and
  * nothing else of the three pools is written; one COMPLETE each side. */
@@ -147,12 +160,7 @@ TEST(groups_move_window_and_state_with_kv)
     wait_event(h.g.c, 300, KVX_EVENT_COMPLETE, 0, 3000);
     wait_event(h.c[0].c, 300, KVX_EVENT_COMPLETE, 0, 3000);
     wait_event(h.c[1].c, 300, KVX_EVENT_COMPLETE, 0, 3000);
-    expect_t kv = {300, hy_gb, HY_TOK, 0};
-    expect_t win = {301, hy_gw, HY_TOK, 4};
-    expect_t st = {302, &hy_gs, 1, 0};
-    CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
-    CHECK_EQ(check_pool(&h.gw, &win, 1, 0xa5), 0);
-    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+    hybrid_landed(&h, 300);
     kvx_context_params_free(&p);
     kvx_context_params_free(&p1);
     hybrid_close(&h);
@@ -310,12 +318,7 @@ TEST(groups_fetch_by_key_waits_then_moves_every_group)
     CHECK_KVX(hybrid_publish(&h, 0, 330, &p), h.c[0].c);
     CHECK_KVX(hybrid_publish(&h, 1, 330, &p1), h.c[1].c);
     wait_event(h.g.c, 330, KVX_EVENT_COMPLETE, 0, 3000);
-    expect_t kv = {330, hy_gb, HY_TOK, 0};
-    expect_t win = {331, hy_gw, HY_TOK, 4};
-    expect_t st = {332, &hy_gs, 1, 0};
-    CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
-    CHECK_EQ(check_pool(&h.gw, &win, 1, 0xa5), 0);
-    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+    hybrid_landed(&h, 330);
     kvx_context_params_free(&p);
     kvx_context_params_free(&p1);
     hybrid_close(&h);
@@ -531,12 +534,7 @@ TEST(groups_reserved_by_the_scheduler)
     wait_event(h.g.c, 500, KVX_EVENT_COMPLETE, 0, 3000);
     wait_event(h.c[0].c, 500, KVX_EVENT_COMPLETE, 0, 3000);
     wait_event(h.c[1].c, 500, KVX_EVENT_COMPLETE, 0, 3000);
-    expect_t kv = {500, hy_gb, HY_TOK, 0};
-    expect_t win = {501, hy_gw, HY_TOK, 4};
-    expect_t st = {502, &hy_gs, 1, 0};
-    CHECK_EQ(check_pool(&h.g, &kv, 1, 0xa5), 0);
-    CHECK_EQ(check_pool(&h.gw, &win, 1, 0xa5), 0);
-    CHECK_EQ(check_pool(&h.gst, &st, 1, 0xa5), 0);
+    hybrid_landed(&h, 500);
 
     /* reserved with the window from block 0: the publish's window from
      * block 1 differs, and one table fewer is refused too */

@@ -220,6 +220,20 @@ TEST(early_wake_answers_without_a_batch)
     }
     batch_waiter_early(&bs, 1); /* not waiting: nothing */
     CHECK_EQ(batch_wake_early(&bs), 0);
+    /* an early answer that cannot go out: the poll waits on, and the
+     * next event reaches it in its batch */
+    CHECK_EQ(batch_poll(&bs, 0, 23, 1, 1000, 0), 0);
+    batch_waiter_early(&bs, 0);
+    fail_delivery = 1;
+    CHECK_EQ(batch_wake_early(&bs), 0);
+    CHECK_EQ(nrec, 3);
+    CHECK_EQ(batch_wake_early(&bs), 0); /* not asked again */
+    push(&bs, 6, 0);
+    CHECK_EQ(nrec, 4);
+    CHECK_EQ(recs[3].req_id, 23);
+    CHECK_EQ(recs[3].early, 0);
+    CHECK_EQ(recs[3].seq, 1);
+    CHECK_EQ(recs[3].nevents, 1);
     batch_cleanup(&bs);
 }
 
