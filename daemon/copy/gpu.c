@@ -990,6 +990,7 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     list_t pending, done;
+    int any; /* pending is not empty: read without ew.mu by the loop */
     uv_async_t async;
 } ew = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
@@ -1012,6 +1013,50 @@ static void ew_on_async(uv_async_t *h)
     }
 }
 
+/* Moves the reached watches of ew.pending to ew.done (ew.mu held),
+ * oldest first, until `unreached` of them are found not reached (0: no
+ * limit); 1 if any moved. */
+static int ew_scan(unsigned unreached)
+{
+    int moved = 0;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &ew.pending)
+    {
+        gpu_watch_t *w = WATCH(n);
+        cudaSetDevice(w->e->device);
+        cudaError_t q = cudaEventQuery(w->e->ev);
+        if (q == cudaErrorNotReady) {
+            if (unreached && !--unreached)
+                break;
+            continue;
+        }
+        if (q != cudaSuccess)
+            (void)cudaGetLastError();
+        w->status = q == cudaSuccess ? 0 : KVX_ERR_IO;
+        w->done = 1;
+        list_remove(&w->node);
+        list_push(&ew.done, &w->node);
+        moved = 1;
+    }
+    __atomic_store_n(&ew.any, !list_empty(&ew.pending), __ATOMIC_RELAXED);
+    return moved;
+}
+
+int gpu_events_poll(void)
+{
+    if (!ew.started || !__atomic_load_n(&ew.any, __ATOMIC_RELAXED))
+        return 0;
+    if (pthread_mutex_trylock(&ew.mu)) /* the watcher is looking */
+        return 0;
+    /* the oldest few: an engine's layers are reached in the order it
+     * said them ready, and a query costs about a microsecond */
+    int moved = ew_scan(2);
+    pthread_mutex_unlock(&ew.mu);
+    if (moved)
+        ew_on_async(&ew.async);
+    return moved;
+}
+
 static void *ew_main(void *arg)
 {
     (void)arg;
@@ -1025,23 +1070,7 @@ static void *ew_main(void *arg)
             pthread_cond_wait(&ew.cv, &ew.mu);
             continue;
         }
-        int moved = 0;
-        list_t *n, *t;
-        LIST_FOREACH_SAFE(n, t, &ew.pending)
-        {
-            gpu_watch_t *w = WATCH(n);
-            cudaSetDevice(w->e->device);
-            cudaError_t q = cudaEventQuery(w->e->ev);
-            if (q == cudaErrorNotReady)
-                continue;
-            if (q != cudaSuccess)
-                (void)cudaGetLastError();
-            w->status = q == cudaSuccess ? 0 : KVX_ERR_IO;
-            w->done = 1;
-            list_remove(&w->node);
-            list_push(&ew.done, &w->node);
-            moved = 1;
-        }
+        int moved = ew_scan(0);
         pthread_mutex_unlock(&ew.mu);
         if (moved)
             uv_async_send(&ew.async);
@@ -1076,6 +1105,7 @@ gpu_watch_t *gpu_event_watch(gpu_event_t *e, gpu_watch_cb cb, void *arg)
     list_init(&w->node);
     pthread_mutex_lock(&ew.mu);
     list_push(&ew.pending, &w->node);
+    __atomic_store_n(&ew.any, 1, __ATOMIC_RELAXED);
     pthread_cond_signal(&ew.cv);
     pthread_mutex_unlock(&ew.mu);
     return w;
@@ -1092,6 +1122,7 @@ void gpu_event_unwatch(gpu_watch_t *w)
         return;
     }
     list_remove(&w->node);
+    __atomic_store_n(&ew.any, !list_empty(&ew.pending), __ATOMIC_RELAXED);
     pthread_mutex_unlock(&ew.mu);
     gpu_event_unref(w->e);
     free(w);

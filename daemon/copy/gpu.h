@@ -134,6 +134,12 @@ typedef struct gpu_watch gpu_watch_t;
 typedef void (*gpu_watch_cb)(void *arg, int status);
 gpu_watch_t *gpu_event_watch(gpu_event_t *e, gpu_watch_cb cb, void *arg);
 void gpu_event_unwatch(gpu_watch_t *w);
+/* On the loop, when it polls instead of sleeping (copy.busy_poll): look
+ * at the watched events now, and run the callbacks of those reached, so
+ * that a layer made ready is copied without waiting for the watcher's
+ * next look and its hand-off to the loop (tens of microseconds). The
+ * watcher keeps looking too. Returns 1 if any callback ran. */
+int gpu_events_poll(void);
 
 /* At exit, before copy_cleanup(): every launched job's completion has
  * been handed to the copy engine and the completion threads are gone. */

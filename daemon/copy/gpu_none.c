@@ -97,6 +97,11 @@ void gpu_event_unwatch(gpu_watch_t *w)
     (void)w;
 }
 
+int gpu_events_poll(void)
+{
+    return 0;
+}
+
 void gpu_stop(void) {}
 void gpu_cleanup(void) {}
 

@@ -723,7 +723,8 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
  * loop from sleeping, so that the engine's next call (a fetch, a layer
  * made ready), the watcher's hand-off and the copies coming back are read
  * at once instead of after a wake-up each (tens of microseconds on an
- * idle host). A part holds from its publish until its memory goes
+ * idle host); the engines' CUDA events are looked at each turn too
+ * (gpu_events_poll()). A part holds from its publish until its memory goes
  * (part_layers_free), a fetch from genreq_new() until genreq_free().
  * The loop keeps polling BUSY_LINGER_NS after the last hold goes: the
  * engine's next call is usually a poll for the event just queued. */
@@ -738,6 +739,8 @@ static struct {
 
 static void busy_turn(uv_idle_t *h)
 {
+    /* the engines' events of layer-wise offers, looked at each turn */
+    gpu_events_poll();
     if (!busy.held && mono_ns() - busy.idle_since > BUSY_LINGER_NS) {
         uv_idle_stop(h);
         busy.on = 0;
