@@ -1,6 +1,8 @@
 /* copy — worker threads for host copies; see copy.h. */
 #include <assert.h>
+#include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -181,7 +183,40 @@ static void on_idle(uv_idle_t *h)
     inline_flush();
 }
 
-int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us,
+/* copy.pin_threads: worker k on the k-th CPU the process may use (in
+ * turn). Woken together, unbound workers can land on one CPU and stay
+ * there, cache-hot, while another idles: a 16 MiB layer's copy on the
+ * 2-CPU VM took 1.0-2.4 ms unbound, 1.0-1.2 bound. */
+static void pin_workers(void)
+{
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed)) {
+        log_warn("copy: sched_getaffinity: %s; workers not pinned",
+                 strerror(errno));
+        return;
+    }
+    int n = CPU_COUNT(&allowed), k = 0;
+    if (n < 2)
+        return;
+    for (int cpu = 0; cpu < CPU_SETSIZE && n; cpu++) {
+        if (!CPU_ISSET(cpu, &allowed))
+            continue;
+        for (unsigned t = (unsigned)k; t < c.nthreads; t += (unsigned)n) {
+            cpu_set_t one;
+            CPU_ZERO(&one);
+            CPU_SET(cpu, &one);
+            int rc = pthread_setaffinity_np(c.threads[t], sizeof(one), &one);
+            if (rc)
+                log_warn("copy: worker %u on CPU %d: %s", t, cpu, strerror(rc));
+        }
+        k++;
+        if (k == n)
+            break;
+    }
+    log_info("copy: %u workers pinned over %d CPUs", c.nthreads, n);
+}
+
+int copy_init(uv_loop_t *loop, unsigned nthreads, int pin, unsigned spin_us,
               uint64_t inline_bytes)
 {
     int rc;
@@ -214,6 +249,8 @@ int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us,
             goto err_stop_threads;
         }
     }
+    if (pin)
+        pin_workers();
     return 0;
 
 err_stop_threads:

@@ -43,14 +43,15 @@ struct copy_job {
     list_t node; /* queue link, owned by copy */
 };
 
-/* Start n worker threads; finished jobs come back on loop. An idle
+/* Start n worker threads; finished jobs come back on loop. pin: each
+ * bound to its own CPU of the process's affinity mask, in turn. An idle
  * worker spins up to spin_us before sleeping (0: never). A host plan job
  * whose whole plan moves at most inline_bytes runs on the loop thread at
  * submit (0: none does): handing it to a worker and back costs two
  * wake-ups, more than copying a few blocks, and a plan that small cannot
  * keep the loop from its clients for long; its done callback still
  * comes later, from the loop, as every job's does. */
-int copy_init(uv_loop_t *loop, unsigned nthreads, unsigned spin_us,
+int copy_init(uv_loop_t *loop, unsigned nthreads, int pin, unsigned spin_us,
               uint64_t inline_bytes);
 /* Queue a job (loop thread only): a zeroed one, or one handed back to
  * its done callback (even from inside it), never one still queued. */

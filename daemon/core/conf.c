@@ -254,6 +254,19 @@ static const struct conf_key keys[] = {
      .min = 0,
      .max = 256,
      .help = "Copy worker threads; 0 means one per online CPU."},
+    {.name = "copy.pin_threads",
+     .type = CONF_U32,
+     FIELD(copy_pin_threads),
+     .def = 1,
+     .min = 0,
+     .max = 1,
+     .help = "1: each copy worker is bound to a CPU of its own among "
+             "those the daemon may use (in turn, when there are more "
+             "workers than CPUs); two workers woken onto one CPU would "
+             "otherwise share it for milliseconds (the scheduler keeps a "
+             "thread that just ran where its cache is) and a request's "
+             "last copy can take twice as long. 0: the scheduler places "
+             "them."},
     {.name = "copy.chunk_bytes",
      .type = CONF_SIZE,
      FIELD(copy_chunk_bytes),

@@ -42,6 +42,7 @@ typedef struct kvx_conf {
     uint32_t aux_bytes;           /* limits.aux_bytes: one aux payload */
     /* copy */
     uint32_t worker_threads;
+    uint32_t copy_pin_threads; /* each worker on a CPU of its own */
     uint64_t copy_chunk_bytes;
     uint32_t max_inflight_chunks;
     uint32_t spin_us;

@@ -316,8 +316,8 @@ int main(int argc, char **argv)
     }
     if (kvxd.trace)
         setvbuf(kvxd.trace, NULL, _IOLBF, 0);
-    if (copy_init(kvxd.loop, nthreads, kvxd.conf.spin_us,
-                  kvxd.conf.copy_inline_bytes))
+    if (copy_init(kvxd.loop, nthreads, (int)kvxd.conf.copy_pin_threads,
+                  kvxd.conf.spin_us, kvxd.conf.copy_inline_bytes))
         goto err_defer;
     if (session_init())
         goto err_copy;

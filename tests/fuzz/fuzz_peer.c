@@ -289,7 +289,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     kvxd.loop = uv_default_loop();
     snprintf(kvxd.address, sizeof(kvxd.address),
              "kvx://10.0.0.1:7000/00000000000000aa");
-    if (copy_init(kvxd.loop, 1, 0, 0))
+    if (copy_init(kvxd.loop, 1, 0, 0, 0))
         abort();
     char why[256];
     if (remote_init(why, sizeof(why)) || agree_init())

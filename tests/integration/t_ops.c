@@ -1,8 +1,8 @@
 /*
  * t_ops.c — the daemon as an operator sees it: the status JSON and its
  * request list, configuration errors and reload, peer credentials and
- * socket.group, the socket file taken over only from a dead daemon, and
- * kvxferctl plan.
+ * socket.group, the socket file taken over only from a dead daemon,
+ * kvxferctl plan, and the copy workers' CPUs.
  */
 
 /* ---- 15. status --------------------------------------------------------- */
@@ -479,4 +479,80 @@ TEST_T(sparse_pools_not_faulted_in, 60)
     rank_close(&c);
     rank_close(&g);
     daemon_stop(d);
+}
+
+/* The Cpus_allowed_list of each of pid's copy workers (kvx-copy-N),
+ * by N; returns how many were found. */
+static int copy_worker_cpus(pid_t pid, char out[][64], int max)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+    DIR *dir = opendir(path);
+    CHECK(dir != NULL);
+    int found = 0;
+    struct dirent *e;
+    while ((e = readdir(dir))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char p[300];
+        snprintf(p, sizeof(p), "/proc/%d/task/%s/status", (int)pid, e->d_name);
+        char *t = read_file(p);
+        unsigned n;
+        const char *name = strstr(t, "Name:\tkvx-copy-");
+        const char *cpus = strstr(t, "Cpus_allowed_list:\t");
+        if (name && cpus && sscanf(name, "Name:\tkvx-copy-%u", &n) == 1 &&
+            (int)n < max) {
+            cpus += strlen("Cpus_allowed_list:\t");
+            size_t len = strcspn(cpus, "\n");
+            snprintf(out[n], 64, "%.*s", (int)len, cpus);
+            found++;
+        }
+        free(t);
+    }
+    closedir(dir);
+    return found;
+}
+
+/* copy.pin_threads (the default): each worker on a CPU of its own, in
+ * turn over the CPUs the daemon may use; 0: left to the scheduler. */
+TEST(copy_workers_pinned_one_cpu_each)
+{
+    cpu_set_t allowed;
+    CHECK_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+    int ncpu = CPU_COUNT(&allowed);
+    char mine[64];
+    {
+        char *t = read_file("/proc/self/status");
+        const char *c = strstr(t, "Cpus_allowed_list:\t");
+        CHECK(c != NULL);
+        c += strlen("Cpus_allowed_list:\t");
+        snprintf(mine, sizeof(mine), "%.*s", (int)strcspn(c, "\n"), c);
+        free(t);
+    }
+    daemon_t *d = daemon_start("copy:\n  worker_threads: 3\n");
+    char cpus[3][64];
+    CHECK_EQ(copy_worker_cpus(d->pid, cpus, 3), 3);
+    if (ncpu < 2) {
+        for (int k = 0; k < 3; k++) /* nothing to spread over */
+            CHECK(strcmp(cpus[k], mine) == 0);
+    } else {
+        for (int k = 0; k < 3; k++) {
+            int cpu = -1;
+            char end = 0;
+            CHECK_EQ(sscanf(cpus[k], "%d%c", &cpu, &end), 1); /* one CPU */
+            CHECK(CPU_ISSET(cpu, &allowed));
+        }
+        CHECK(strcmp(cpus[0], cpus[1]) != 0); /* two CPUs: two workers */
+        if (ncpu == 2) /* in turn: the third shares the first's */
+            CHECK(strcmp(cpus[2], cpus[0]) == 0);
+        else
+            CHECK(strcmp(cpus[2], cpus[0]) && strcmp(cpus[2], cpus[1]));
+    }
+    daemon_stop_ok(d);
+
+    d = daemon_start("copy:\n  worker_threads: 2\n  pin_threads: 0\n");
+    CHECK_EQ(copy_worker_cpus(d->pid, cpus, 2), 2);
+    CHECK(strcmp(cpus[0], mine) == 0);
+    CHECK(strcmp(cpus[1], mine) == 0);
+    daemon_stop_ok(d);
 }
