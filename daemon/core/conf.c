@@ -309,17 +309,17 @@ static const struct conf_key keys[] = {
     {.name = "copy.busy_poll",
      .type = CONF_U32,
      FIELD(copy_busy_poll),
-     .def = 2,
+     .def = 1,
      .min = 0,
      .max = 2,
      .help = "While a request is in flight here (published and not yet "
              "consumed or ended, or fetched and not yet ended), the loop "
              "polls every turn instead of sleeping, so that the engine's "
              "next call (a fetch, a layer made ready), a CUDA event and "
-             "the copies coming back are read within microseconds: 0 "
-             "never, 1 always, 2 with 4 or more CPUs (with fewer, the "
-             "spinning loop takes the copy threads' CPU). Idle, it "
-             "sleeps."},
+             "the copies coming back are read within microseconds; it "
+             "yields its CPU each turn, so that a copy worker or an "
+             "engine's thread waiting there runs at once: 0 never, 1 "
+             "always, 2 only with 4 or more CPUs. Idle, it sleeps."},
 
     {.name = "gpu.max_ctas",
      .type = CONF_U32,

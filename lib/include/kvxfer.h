@@ -273,9 +273,10 @@ KVX_EXPORT const char *kvx_last_error(const kvx_client_t *client);
  * sleeps on the socket (2.4). Waking a sleeping thread costs tens of
  * microseconds (more on a VM), often more than the daemon takes to answer
  * a fetch or to deliver a small request's event; looking costs that
- * thread's CPU for at most spin_us per reply. Default: the environment's
- * KVXFER_SPIN_US, else 50 with 4 or more CPUs, else 0 (never spin). At
- * most KVX_SPIN_US_MAX; more is KVX_ERR_INVALID. */
+ * thread's CPU for at most spin_us per reply (yielding it at each look,
+ * so that a daemon thread on the same CPU runs). Default: the
+ * environment's KVXFER_SPIN_US, else 50; 0: never spin. At most
+ * KVX_SPIN_US_MAX; more is KVX_ERR_INVALID. */
 /* With a spin, a kvx_poll that waits for one event also asks the daemon
  * to wake it early (Poll.early) once a fetch of its instance has its
  * last copies out (on that daemon, to a copy thread or a GPU), and then

@@ -424,8 +424,8 @@ class Client:
     def set_spin_us(self, spin_us: int) -> None:
         """How long each call looks for the daemon's reply before its
         thread sleeps on the socket (kvx_set_spin_us), in microseconds;
-        0: never spin. Default: ``KVXFER_SPIN_US``, else 50 with 4 or more
-        CPUs, else 0. At most 100000."""
+        0: never spin. Default: ``KVXFER_SPIN_US``, else 50. At most
+        100000."""
         if not isinstance(spin_us, int) or isinstance(spin_us, bool) or \
                 spin_us < 0:
             raise InvalidArgument(-1, f"spin_us: {spin_us!r} (expected an "
