@@ -183,11 +183,13 @@ static void on_idle(uv_idle_t *h)
     inline_flush();
 }
 
-/* copy.pin_threads: worker k on the k-th CPU the process may use (in
- * turn). Woken together, unbound workers can land on one CPU and stay
- * there, cache-hot, while another idles: a 16 MiB layer's copy on the
- * 2-CPU VM took 1.0-2.4 ms unbound, 1.0-1.2 bound. */
-static void pin_workers(void)
+/* copy.pin_threads (1 always, 2 with fewer than 4 CPUs): worker k on
+ * the k-th CPU the process may use (in turn). Woken together, unbound
+ * workers can land on one CPU and stay there, cache-hot, while another
+ * idles: a 16 MiB layer's copy on the 2-CPU VM took 1.0-2.4 ms unbound,
+ * 1.0-1.2 bound. On the 16-CPU H200 host bound workers lost 8-15 % of
+ * the bandwidth (they cannot leave a CPU another busy thread wants). */
+static void pin_workers(int pin)
 {
     cpu_set_t allowed;
     if (sched_getaffinity(0, sizeof(allowed), &allowed)) {
@@ -196,7 +198,7 @@ static void pin_workers(void)
         return;
     }
     int n = CPU_COUNT(&allowed), k = 0;
-    if (n < 2)
+    if (n < 2 || (pin == 2 && n >= 4))
         return;
     for (int cpu = 0; cpu < CPU_SETSIZE && n; cpu++) {
         if (!CPU_ISSET(cpu, &allowed))
@@ -250,7 +252,7 @@ int copy_init(uv_loop_t *loop, unsigned nthreads, int pin, unsigned spin_us,
         }
     }
     if (pin)
-        pin_workers();
+        pin_workers(pin);
     return 0;
 
 err_stop_threads:

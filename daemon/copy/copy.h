@@ -44,7 +44,8 @@ struct copy_job {
 };
 
 /* Start n worker threads; finished jobs come back on loop. pin: each
- * bound to its own CPU of the process's affinity mask, in turn. An idle
+ * bound to its own CPU of the process's affinity mask, in turn (1
+ * always, 2 when that mask has fewer than 4 CPUs). An idle
  * worker spins up to spin_us before sleeping (0: never). A host plan job
  * whose whole plan moves at most inline_bytes runs on the loop thread at
  * submit (0: none does): handing it to a worker and back costs two

@@ -513,8 +513,9 @@ static int copy_worker_cpus(pid_t pid, char out[][64], int max)
     return found;
 }
 
-/* copy.pin_threads (the default): each worker on a CPU of its own, in
- * turn over the CPUs the daemon may use; 0: left to the scheduler. */
+/* copy.pin_threads 1: each worker on a CPU of its own, in turn over the
+ * CPUs the daemon may use; 0: left to the scheduler; 2 (the default):
+ * as 1 with fewer than 4 of them, else as 0. */
 TEST(copy_workers_pinned_one_cpu_each)
 {
     cpu_set_t allowed;
@@ -529,7 +530,8 @@ TEST(copy_workers_pinned_one_cpu_each)
         snprintf(mine, sizeof(mine), "%.*s", (int)strcspn(c, "\n"), c);
         free(t);
     }
-    daemon_t *d = daemon_start("copy:\n  worker_threads: 3\n");
+    daemon_t *d =
+        daemon_start("copy:\n  worker_threads: 3\n  pin_threads: 1\n");
     char cpus[3][64];
     CHECK_EQ(copy_worker_cpus(d->pid, cpus, 3), 3);
     if (ncpu < 2) {
@@ -554,5 +556,13 @@ TEST(copy_workers_pinned_one_cpu_each)
     CHECK_EQ(copy_worker_cpus(d->pid, cpus, 2), 2);
     CHECK(strcmp(cpus[0], mine) == 0);
     CHECK(strcmp(cpus[1], mine) == 0);
+    daemon_stop_ok(d);
+
+    d = daemon_start("copy:\n  worker_threads: 2\n"); /* the default, 2 */
+    CHECK_EQ(copy_worker_cpus(d->pid, cpus, 2), 2);
+    if (ncpu >= 2 && ncpu < 4)
+        CHECK(strcmp(cpus[0], cpus[1]) != 0 && strcmp(cpus[0], mine) != 0);
+    else
+        CHECK(strcmp(cpus[0], mine) == 0 && strcmp(cpus[1], mine) == 0);
     daemon_stop_ok(d);
 }
