@@ -197,23 +197,20 @@ static void pin_workers(int pin)
                  strerror(errno));
         return;
     }
-    int n = CPU_COUNT(&allowed), k = 0;
+    int cpus[CPU_SETSIZE], n = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+        if (CPU_ISSET(cpu, &allowed))
+            cpus[n++] = cpu;
     if (n < 2 || (pin == 2 && n >= 4))
         return;
-    for (int cpu = 0; cpu < CPU_SETSIZE && n; cpu++) {
-        if (!CPU_ISSET(cpu, &allowed))
-            continue;
-        for (unsigned t = (unsigned)k; t < c.nthreads; t += (unsigned)n) {
-            cpu_set_t one;
-            CPU_ZERO(&one);
-            CPU_SET(cpu, &one);
-            int rc = pthread_setaffinity_np(c.threads[t], sizeof(one), &one);
-            if (rc)
-                log_warn("copy: worker %u on CPU %d: %s", t, cpu, strerror(rc));
-        }
-        k++;
-        if (k == n)
-            break;
+    for (unsigned t = 0; t < c.nthreads; t++) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus[t % (unsigned)n], &one);
+        int rc = pthread_setaffinity_np(c.threads[t], sizeof(one), &one);
+        if (rc)
+            log_warn("copy: worker %u on CPU %d: %s", t, cpus[t % (unsigned)n],
+                     strerror(rc));
     }
     log_info("copy: %u workers pinned over %d CPUs", c.nthreads, n);
 }

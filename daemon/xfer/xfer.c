@@ -744,8 +744,9 @@ static void busy_turn(uv_idle_t *h)
     gpu_events_poll();
     /* a thread that waits on this CPU (a copy worker, or an engine's
      * thread a socket's wake-up placed here) runs now, not when a time
-     * slice ends: with it, polling pays on 2 CPUs too (the VM's
-     * one-block p99 137-160 us without, 54-75 with) */
+     * slice ends: with it and the library's own yield (spin_readable()),
+     * polling pays on 2 CPUs too (the VM's one-block p99 137-160 us
+     * with both spinning unyielding, 54-84 yielding) */
     sched_yield();
     if (!busy.held && mono_ns() - busy.idle_since > BUSY_LINGER_NS) {
         uv_idle_stop(h);
@@ -760,7 +761,7 @@ static void busy_hold(int delta)
         busy.enabled = kvxd.conf.copy_busy_poll == 2
                            ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
                            : (int)kvxd.conf.copy_busy_poll;
-    if (!busy.enabled || !kvxd.loop) /* no loop (unit tests): no polling */
+    if (!busy.enabled)
         return;
     if (!busy.held) { /* busy_turn() stops it after the linger */
         busy.idle_since = mono_ns();

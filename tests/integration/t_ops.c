@@ -481,6 +481,22 @@ TEST_T(sparse_pools_not_faulted_in, 60)
     daemon_stop(d);
 }
 
+/* The Cpus_allowed_list of the thread whose /proc status file is path
+ * ("0-3,8"), into out; 0 if the file has none. Its Name too, if asked. */
+static int status_cpus(const char *path, char out[64], char name[32])
+{
+    char *t = read_file(path);
+    const char *c = strstr(t, "Cpus_allowed_list:\t");
+    const char *nm = strstr(t, "Name:\t");
+    if (c)
+        snprintf(out, 64, "%.*s", (int)strcspn(c + 19, "\n"), c + 19);
+    if (name)
+        snprintf(name, 32, "%.*s", nm ? (int)strcspn(nm + 6, "\n") : 0,
+                 nm ? nm + 6 : "");
+    free(t);
+    return c != NULL;
+}
+
 /* The Cpus_allowed_list of each of pid's copy workers (kvx-copy-N),
  * by N; returns how many were found. */
 static int copy_worker_cpus(pid_t pid, char out[][64], int max)
@@ -492,22 +508,14 @@ static int copy_worker_cpus(pid_t pid, char out[][64], int max)
     int found = 0;
     struct dirent *e;
     while ((e = readdir(dir))) {
-        if (e->d_name[0] == '.')
-            continue;
-        char p[300];
-        snprintf(p, sizeof(p), "/proc/%d/task/%s/status", (int)pid, e->d_name);
-        char *t = read_file(p);
+        char p[400], cpus[64], name[32];
         unsigned n;
-        const char *name = strstr(t, "Name:\tkvx-copy-");
-        const char *cpus = strstr(t, "Cpus_allowed_list:\t");
-        if (name && cpus && sscanf(name, "Name:\tkvx-copy-%u", &n) == 1 &&
-            (int)n < max) {
-            cpus += strlen("Cpus_allowed_list:\t");
-            size_t len = strcspn(cpus, "\n");
-            snprintf(out[n], 64, "%.*s", (int)len, cpus);
+        snprintf(p, sizeof(p), "%s/%s/status", path, e->d_name);
+        if (e->d_name[0] != '.' && status_cpus(p, cpus, name) &&
+            sscanf(name, "kvx-copy-%u", &n) == 1 && (int)n < max) {
+            memcpy(out[n], cpus, sizeof(cpus));
             found++;
         }
-        free(t);
     }
     closedir(dir);
     return found;
@@ -522,14 +530,7 @@ TEST(copy_workers_pinned_one_cpu_each)
     CHECK_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
     int ncpu = CPU_COUNT(&allowed);
     char mine[64];
-    {
-        char *t = read_file("/proc/self/status");
-        const char *c = strstr(t, "Cpus_allowed_list:\t");
-        CHECK(c != NULL);
-        c += strlen("Cpus_allowed_list:\t");
-        snprintf(mine, sizeof(mine), "%.*s", (int)strcspn(c, "\n"), c);
-        free(t);
-    }
+    CHECK(status_cpus("/proc/self/status", mine, NULL));
     daemon_t *d =
         daemon_start("copy:\n  worker_threads: 3\n  pin_threads: 1\n");
     char cpus[3][64];

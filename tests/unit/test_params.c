@@ -437,6 +437,7 @@ TEST_T(random_and_mutated_inputs, 120)
 static instance_t *ctx_instance(void)
 {
     conf_defaults(&kvxd.conf);
+    kvxd.conf.copy_busy_poll = 0; /* no loop here to poll on */
     plan_side_t s;
     memset(&s, 0, sizeof(s));
     s.tp = s.pp = s.cp = 1;
@@ -528,6 +529,7 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
 static instance_t *ctx2_instance(void)
 {
     conf_defaults(&kvxd.conf);
+    kvxd.conf.copy_busy_poll = 0; /* no loop here to poll on */
     plan_side_t s;
     memset(&s, 0, sizeof(s));
     s.tp = 2;
