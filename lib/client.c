@@ -2398,18 +2398,18 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         for (int i = 0; i < 2; i++) {
             static const Kvxfer__SlotTimes none = KVXFER__SLOT_TIMES__INIT;
             const Kvxfer__SlotTimes *x = t[i] ? t[i] : &none;
-            sb_printf(b,
-                      ",\"%s\":{\"slots\":%llu,\"bytes\":%llu,"
-                      "\"wait_ns\":%llu,\"wire_ns\":%llu,\"copy_ns\":%llu,"
-                      "\"loop_lag_ns\":%llu,\"ahead\":%llu,"
-                      "\"free_slots\":%u}",
-                      i ? "sent" : "received", (unsigned long long)x->slots,
-                      (unsigned long long)x->bytes,
-                      (unsigned long long)x->wait_ns,
-                      (unsigned long long)x->wire_ns,
-                      (unsigned long long)x->copy_ns,
-                      (unsigned long long)x->loop_lag_ns,
-                      (unsigned long long)x->ahead, x->free_slots);
+            sb_printf(
+                b,
+                ",\"%s\":{\"slots\":%llu,\"bytes\":%llu,"
+                "\"wait_ns\":%llu,\"wire_ns\":%llu,\"copy_ns\":%llu,"
+                "\"loop_lag_ns\":%llu,\"ahead\":%llu,"
+                "\"direct\":%llu,\"free_slots\":%u}",
+                i ? "sent" : "received", (unsigned long long)x->slots,
+                (unsigned long long)x->bytes, (unsigned long long)x->wait_ns,
+                (unsigned long long)x->wire_ns, (unsigned long long)x->copy_ns,
+                (unsigned long long)x->loop_lag_ns,
+                (unsigned long long)x->ahead, (unsigned long long)x->direct,
+                x->free_slots);
         }
         sb_printf(b, "}");
     }

@@ -1675,26 +1675,29 @@ static double median(const double *v, uint32_t n)
  * ("ucx.received" of B, "ucx.sent" of A): slots, then per slot the
  * average wait, wire, copy and the copy's loop lag in microseconds, then
  * the slots gathered ahead (a count). */
-static double slot_rx[6], slot_tx[6];
+static double slot_rx[7], slot_tx[7];
 
-static void slot_times_of(const char *json, const char *key, double out[6])
+static void slot_times_of(const char *json, const char *key, double out[7])
 {
     const char *p = json ? strstr(json, key) : NULL;
-    memset(out, 0, 6 * sizeof(double));
+    memset(out, 0, 7 * sizeof(double));
     if (!p)
         return;
-    static const char *const f[6] = {"\"slots\":",   "\"wait_ns\":",
-                                     "\"wire_ns\":", "\"copy_ns\":",
-                                     "\"loop_lag_ns\":", "\"ahead\":"};
-    double v[6];
-    for (int i = 0; i < 6; i++) {
+    static const char *const f[7] = {
+        "\"slots\":",       "\"wait_ns\":", "\"wire_ns\":", "\"copy_ns\":",
+        "\"loop_lag_ns\":", "\"ahead\":",   "\"direct\":"};
+    /* this direction's object only: "direct" may be absent from it */
+    const char *end = strchr(p, '}');
+    double v[7];
+    for (int i = 0; i < 7; i++) {
         const char *q = strstr(p, f[i]);
-        v[i] = q ? strtod(q + strlen(f[i]), NULL) : 0;
+        v[i] = q && (!end || q < end) ? strtod(q + strlen(f[i]), NULL) : 0;
     }
     out[0] = v[0];
     for (int i = 1; i < 5; i++)
         out[i] = v[0] > 0 ? v[i] / v[0] / 1e3 : 0;
     out[5] = v[5];
+    out[6] = v[6];
 }
 
 /* --daemons 2: what the daemons' status says: the slot times (globals
@@ -2942,12 +2945,13 @@ int main(int argc, char **argv)
                 printf(",\"d2h_gbps\":%.3f,\"h2d_gbps\":%.3f", d2h, h2d);
             /* warm-up included */
             printf(",\"slot_us\":{\"received\":{\"slots\":%.0f,\"wait\":%.1f,"
-                   "\"wire\":%.1f,\"scatter\":%.1f,\"scatter_lag\":%.1f},"
+                   "\"wire\":%.1f,\"scatter\":%.1f,\"scatter_lag\":%.1f,"
+                   "\"direct_pieces\":%.0f},"
                    "\"sent\":{\"slots\":%.0f,\"wait\":%.1f,\"gather\":%.1f,"
                    "\"gather_lag\":%.1f,\"wire\":%.1f,\"ahead\":%.0f}}",
                    slot_rx[0], slot_rx[1], slot_rx[2], slot_rx[3], slot_rx[4],
-                   slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4], slot_tx[2],
-                   slot_tx[5]);
+                   slot_rx[6], slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4],
+                   slot_tx[2], slot_tx[5]);
             printf(",\"baseline\":");
             json_str(base_name);
             printf(",\"ctx_daemon\":");
@@ -2987,13 +2991,14 @@ int main(int argc, char **argv)
             printf("  %-22s %12.3f GB/s  (100 messages)\n",
                    "ucx_perftest put_bw", ucx_put_gbps);
             printf("  slots received by B  %.0f, per slot: wait %.0f us, "
-                   "wire %.0f us, scatter %.0f us (loop lag %.0f)\n"
+                   "wire %.0f us, scatter %.0f us (loop lag %.0f); %.0f "
+                   "pieces received straight into the blocks\n"
                    "  slots sent by A      %.0f, per slot: wait %.0f us, "
                    "gather %.0f us (loop lag %.0f), wire %.0f us; %.0f "
                    "gathered ahead\n",
                    slot_rx[0], slot_rx[1], slot_rx[2], slot_rx[3], slot_rx[4],
-                   slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4], slot_tx[2],
-                   slot_tx[5]);
+                   slot_rx[6], slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4],
+                   slot_tx[2], slot_tx[5]);
             if (o.gpu && !o.ctx_host)
                 printf("  %-22s %12.3f GB/s  (GPU %d to pinned host)\n",
                        "D2H", d2h, o.ctx_device);

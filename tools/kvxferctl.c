@@ -138,10 +138,14 @@ static int cmd_status(const char *sock, int json)
             if (!x || !x->slots)
                 continue;
             double n = (double)x->slots;
-            char ahead[48] = "";
+            char ahead[64] = "";
             if (x->ahead)
                 snprintf(ahead, sizeof(ahead), ", %llu gathered ahead",
                          (unsigned long long)x->ahead);
+            else if (x->direct)
+                snprintf(ahead, sizeof(ahead),
+                         ", %llu pieces received into the pool",
+                         (unsigned long long)x->direct);
             printf("slots %-8s %llu (%.1f MiB), per slot: wait %.0f us, "
                    "wire %.0f us, %s %.0f us (loop lag %.0f us)%s; %u of "
                    "%u free\n",

@@ -697,3 +697,73 @@ void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
     _mm_sfence();
 #endif
 }
+
+/* plan_runs_packed()'s run being built: merged until the next one is
+ * not right after it in the same region. */
+struct runs {
+    uint8_t *at;
+    uint64_t len;
+    uint32_t region;
+    plan_run_fn emit;
+    void *arg;
+};
+
+static int run_add(struct runs *w, uint8_t *a, uint64_t len, uint32_t region)
+{
+    if (w->len && region == w->region &&
+        (uintptr_t)w->at + w->len == (uintptr_t)a) {
+        w->len += len;
+        return 0;
+    }
+    int rc = w->len ? w->emit(w->arg, w->at, w->len, w->region) : 0;
+    w->at = a;
+    w->len = len;
+    w->region = region;
+    return rc;
+}
+
+int plan_runs_packed(const plan_t *p, uint64_t u0, uint64_t u1, int gather,
+                     plan_run_fn emit, void *arg)
+{
+    const uint32_t K = p->dst.layout->kv_factor;
+    const uint64_t row =
+        (uint64_t)p->dst.layout->head_dim * p->dst.layout->elem_size;
+    struct runs w = {.emit = emit, .arg = arg};
+    int rc = 0;
+    for (uint64_t u = u0; u < u1 && !rc; u++) {
+        uint32_t si = slice_of(p, u);
+        const plan_slice_t *s = &p->slices[si];
+        const plan_mem_t *m = gather ? &p->src[si] : &p->dst;
+        const kvx_layout_t *l = m->layout;
+        uint64_t r = u - s->unit_begin;
+        uint32_t layer = s->layer0 + (uint32_t)(r / p->nsegs);
+        const plan_seg_t *g = &p->segs[r % p->nsegs];
+        uint32_t a = layer - (gather ? s->src_layer_base : s->dst_layer_base);
+        uint32_t b = gather ? m->blocks[g->src_blk] : m->blocks[g->dst_blk];
+        uint32_t tok = gather ? g->src_tok : g->dst_tok;
+        uint32_t h = s->head0 - (gather ? s->src_head_base : s->dst_head_base);
+        /* [kv][token][head][row]: whole tokens or whole segments at once
+         * where the layout keeps them contiguous */
+        uint64_t run = row, nh = s->nheads, nt = g->n;
+        if (l->head_stride == row) {
+            run *= nh;
+            nh = 1;
+            if (l->token_stride == run) {
+                run *= nt;
+                nt = 1;
+            }
+        }
+        for (uint32_t kv = 0; kv < K && !rc; kv++) {
+            uint32_t reg;
+            uint8_t *base = mem_at(m, a, kv, b, tok, h, &reg);
+            for (uint64_t t = 0; t < nt && !rc; t++)
+                for (uint64_t x = 0; x < nh && !rc; x++)
+                    rc = run_add(
+                        &w, at(base, t * l->token_stride + x * l->head_stride),
+                        run, reg);
+        }
+    }
+    if (!rc && w.len)
+        rc = emit(arg, w.at, w.len, w.region);
+    return rc;
+}

@@ -494,6 +494,18 @@ static const struct conf_key keys[] = {
              "carries data on the loop's worker. Their addresses are told "
              "only to authenticated daemons. Both daemons need lanes for a "
              "connection to use them."},
+    {.name = "peer.direct",
+     .type = CONF_U32,
+     FIELD(direct),
+     .def = 1,
+     .min = 0,
+     .max = 1,
+     .help = "Slot data from another daemon is received by UCX straight "
+             "into the destination blocks of a host pool (an iov of its "
+             "runs) instead of into the receive slot and scattered from "
+             "there by the copy threads: one copy fewer. Only for pieces "
+             "whose runs average 2 KiB or more; GPU pools always "
+             "scatter. 0 turns it off."},
     {.name = "peer.busy_poll",
      .type = CONF_U32,
      FIELD(busy_poll),

@@ -56,6 +56,8 @@ typedef struct lcmd {
     const void *data;
     void *dst, *desc;
     size_t len;
+    const ucp_dt_iov_t *iov; /* LC_RECV into places, not dst */
+    size_t niov;
     void *cookie;
     list_t node; /* on its lane's cmds */
 } lcmd_t;
@@ -455,7 +457,15 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
                             UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
             .cb.recv_am = recv_cb,
             .user_data = q};
-        r = ucp_am_recv_data_nbx(ln->w, c->desc, c->dst, c->len, &prm);
+        void *dst = c->dst;
+        size_t n = c->len;
+        if (c->niov) { /* straight into its places: no copy after */
+            prm.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+            prm.datatype = ucp_dt_make_iov();
+            dst = (void *)c->iov;
+            n = c->niov;
+        }
+        r = ucp_am_recv_data_nbx(ln->w, c->desc, dst, n, &prm);
         lreq_started(ln, q, r, LEV_RECEIVED);
         break;
     }
@@ -612,12 +622,14 @@ void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
 }
 
 void lane_recv(unsigned lane, void *desc, void *dst, size_t len,
-               void *cookie)
+               const ucp_dt_iov_t *iov, size_t niov, void *cookie)
 {
     lcmd_t *c = cmd(LC_RECV);
     c->desc = desc;
     c->dst = dst;
     c->len = len;
+    c->iov = iov;
+    c->niov = niov;
     c->cookie = cookie;
     post(lane, c);
 }

@@ -84,8 +84,11 @@ void lane_connect(unsigned lane, const uint8_t *addr, size_t len,
  * place). hdr and data stay the caller's until LEV_SENT. */
 void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
                const void *data, size_t len, void *cookie);
+/* Receive the rendezvous data of desc (len bytes) into dst, or, when
+ * niov > 0, into the niov places of iov (ucp_dt_iov_t, adding up to
+ * len; the caller's until LEV_RECEIVED). */
 void lane_recv(unsigned lane, void *desc, void *dst, size_t len,
-               void *cookie);
+               const ucp_dt_iov_t *iov, size_t niov, void *cookie);
 void lane_drop(unsigned lane, void *desc);
 /* lep's messages are a connection's: no longer one at a time, no bind
  * time */

@@ -1614,9 +1614,18 @@ static void recv_cb(void *request, ucs_status_t status, size_t length,
     ucp_request_free(request);
 }
 
-/* Receive rendezvous data into dst; recv_cb finishes. */
+/* peer_iov_t is UCX's own iov entry, under a name the layers above
+ * read without UCX's headers */
+_Static_assert(sizeof(peer_iov_t) == sizeof(ucp_dt_iov_t) &&
+                   offsetof(peer_iov_t, buf) ==
+                       offsetof(ucp_dt_iov_t, buffer) &&
+                   offsetof(peer_iov_t, len) == offsetof(ucp_dt_iov_t, length),
+               "peer_iov_t is ucp_dt_iov_t");
+
+/* Receive rendezvous data into dst (niov 0), or into the niov places of
+ * iov; recv_cb finishes. */
 static int recv_into(peer_conn_t *c, void *desc, void *dst, size_t len,
-                     ureq_t *u)
+                     const peer_iov_t *iov, size_t niov, ureq_t *u)
 {
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
@@ -1624,6 +1633,12 @@ static int recv_into(peer_conn_t *c, void *desc, void *dst, size_t len,
                         UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
         .cb.recv_am = recv_cb,
         .user_data = u};
+    if (niov) {
+        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+        prm.datatype = ucp_dt_make_iov();
+        dst = (void *)iov;
+        len = niov;
+    }
     u->c = c;
     c->outstanding++;
     inflight_add(1);
@@ -1671,7 +1686,7 @@ static ucs_status_t am_ctrl(void *arg, const void *header, size_t hlen,
     }
     u->recv_kind = 1;
     u->len = len;
-    if (recv_into(c, data, u->buf, len, u)) {
+    if (recv_into(c, data, u->buf, len, NULL, 0, u)) {
         free(u->buf);
         free(u);
         conn_fail(c, KVX_ERR_PEER_GONE, "receive from %s failed", c->address);
@@ -1697,13 +1712,21 @@ static ucs_status_t am_data(void *arg, const void *header, size_t hlen,
                   c->address);
         return UCS_OK;
     }
-    void *dst = H.data.target(c, m->data, len);
+    const peer_iov_t *iov = NULL;
+    size_t niov = 0;
+    void *dst = H.data.target(c, m->data, len, &iov, &niov);
     if (!dst) { /* the stream is gone: drop */
         kvxfer__peer_msg__free_unpacked(m, NULL);
         return UCS_OK;
     }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        memcpy(dst, data, len);
+        const uint8_t *from = data;
+        for (size_t i = 0; i < niov; i++) {
+            memcpy(iov[i].buf, from, iov[i].len);
+            from += iov[i].len;
+        }
+        if (!niov)
+            memcpy(dst, data, len);
         H.data.arrived(c, m->data, 0);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         return UCS_OK;
@@ -1716,7 +1739,7 @@ static ucs_status_t am_data(void *arg, const void *header, size_t hlen,
     }
     u->recv_kind = 2;
     u->hdr = m;
-    if (recv_into(c, data, dst, len, u)) {
+    if (recv_into(c, data, dst, len, iov, niov, u)) {
         H.data.arrived(c, m->data, KVX_ERR_PEER_GONE);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         free(u);
@@ -1789,7 +1812,9 @@ static void lane_arrived(const lane_ev_t *e)
     }
     c->bytes_received += e->hlen + e->len;
     c->last_seen_ms = now_ms();
-    void *dst = H.data.target(c, m->data, e->len);
+    const peer_iov_t *iov = NULL;
+    size_t niov = 0;
+    void *dst = H.data.target(c, m->data, e->len, &iov, &niov);
     if (!dst) {
         if (e->desc)
             lane_drop(e->lane, e->desc);
@@ -1812,7 +1837,8 @@ static void lane_arrived(const lane_ev_t *e)
     c->outstanding++;
     if (!c->lane_rx_inflight++)
         c->lane_rx_moved_ms = now_ms();
-    lane_recv(e->lane, e->desc, dst, e->len, u);
+    lane_recv(e->lane, e->desc, dst, e->len, (const ucp_dt_iov_t *)iov, niov,
+              u);
 }
 
 static void on_lane_event(const lane_ev_t *e)

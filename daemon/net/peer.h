@@ -104,11 +104,19 @@ void peer_on_msg(int m_case, peer_msg_cb cb);
 typedef int (*peer_lost_cb)(peer_conn_t *c, int code, const char *msg);
 void peer_on_lost(peer_lost_cb cb);
 
+/* A place data is received into (UCX's ucp_dt_iov_t, by this name). */
+typedef struct peer_iov {
+    void *buf;
+    size_t len;
+} peer_iov_t;
 /* The slot data path (remote). */
 typedef struct peer_data_ops {
     /* where the data of d goes (len bytes): its place in a slot, or NULL
-     * to drop it */
-    void *(*target)(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len);
+     * to drop it; or, with *niov set, the *niov places of *iov (adding
+     * up to len, kept by the caller until arrived()) and any non-NULL
+     * return */
+    void *(*target)(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
+                    const peer_iov_t **iov, size_t *niov);
     /* the data of d is in its slot (status 0) or will never be (error) */
     void (*arrived)(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
     /* streams (either way) on c, for status */

@@ -17,7 +17,11 @@
  *                        (piece_copy: copy threads, or a kernel for a GPU
  *                        pool) while the next ones are on the wire;
  *                        scatter_done() counts its units in xfer, and the
- *                        last one frees the slot
+ *                        last one frees the slot. peer.direct: a piece
+ *                        whose destination runs are long (piece_places)
+ *                        is received by UCX into the host pool itself,
+ *                        an iov of those runs, and counted as scattered
+ *                        when it is in
  *   on_end_to_d()        the source refused or ended the stream; "not
  *                        yet published" is asked again until the
  *                        fetch's deadline
@@ -42,11 +46,14 @@
  *                        last one completes the offer
  * Either side: a lost connection ends every stream on it.
  *
- * Owns the slots (registered with UCX once), the streams and their copy
- * jobs. The fences: a request's scatters (D) and an offer's gathers (S)
+ * Owns the slots (registered with UCX once), the streams, their copy
+ * jobs and the iovs of pieces received into pools. The fences: a
+ * request's scatters and direct receives (D) and an offer's gathers (S)
  * are counted in the request, which xfer does not finalize before they
- * are back. Slots hold only daemon memory, so a receive or a send still
- * in flight never touches a request's blocks.
+ * are back. A direct receive holds its request's fence from the moment
+ * its places are handed to UCX (remote_data_target) until UCX gives it
+ * back, done or failed (remote_on_data); every other receive and every
+ * send touch only slots, daemon memory.
  */
 #include <assert.h>
 #include <stdarg.h>
@@ -111,6 +118,10 @@ typedef struct slot {
      * runs on the loop once all of piece k is back */
     uint32_t jpp;
     uint8_t piece_jobs[MAX_PIECES];
+    /* receive: pieces UCX writes straight into the destination blocks
+     * (peer.direct), each with its places, freed when it is in */
+    uint64_t direct;
+    peer_iov_t *iov[MAX_PIECES];
     copy_job_t jobs[SLOT_JOBS];
     void (*piece_done)(struct slot *x, uint32_t k);
     list_t free_node; /* on its slots' free list while free */
@@ -276,6 +287,7 @@ static void serve_pulls(void);
 /* Status: where the slots' time went (Kvxfer__SlotTimes, summed). */
 typedef struct slot_times {
     uint64_t slots, bytes, wait_ns, wire_ns, copy_ns;
+    uint64_t direct; /* received: pieces not scattered (peer.direct) */
     uint64_t lag_ns; /* of copy: a piece's copy finished until the loop
                       * took it up (busy with UCX, clients, ...) */
     uint64_t ahead;  /* sent: slots a PULL found gathered ahead */
@@ -301,6 +313,7 @@ void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent)
         to[i]->copy_ns = from[i]->copy_ns;
         to[i]->loop_lag_ns = from[i]->lag_ns;
         to[i]->ahead = from[i]->ahead;
+        to[i]->direct = from[i]->direct;
     }
     received->free_slots = rslots.nfree;
     sent->free_slots = sslots.nfree;
@@ -402,6 +415,7 @@ static void slot_put(slots_t *s, slot_t *x)
     x->pulled = x->ahead = 0;
     x->ready = x->gather_ns = 0;
     x->status = 0;
+    assert(!x->direct); /* every piece's places went when it came in */
     list_push(s->free.next, &x->free_node); /* first */
     assert(s->nfree < remote_slots());
     s->nfree++;
@@ -933,8 +947,45 @@ uint64_t remote_message_bytes(void)
     return m;
 }
 
-void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
-                         size_t len)
+/* The places of a piece in the destination blocks, as
+ * plan_runs_packed() gives them. */
+typedef struct places {
+    peer_iov_t *v;
+    uint32_t n, cap;
+} places_t;
+
+static int place_add(void *arg, uint8_t *a, uint64_t len, uint32_t region)
+{
+    (void)region;
+    places_t *w = arg;
+    if (w->n == w->cap)
+        return 1; /* runs too short: the slot and a scatter instead */
+    w->v[w->n++] = (peer_iov_t){a, len};
+    return 0;
+}
+
+/* Piece k of x (to the pool of part p) received straight into its
+ * places, or 0: a GPU pool, peer.direct off, runs shorter than
+ * DIRECT_MIN_RUN on average, or no memory. Its places go in x->iov[k]. */
+#define DIRECT_MIN_RUN 2048u
+static uint32_t piece_places(slot_t *x, uint32_t k, genpart_t *p)
+{
+    if (!kvxd.conf.direct || xfer_part_pool(p)->gpu)
+        return 0;
+    places_t w = {.cap = (uint32_t)(x->pc[k].len / DIRECT_MIN_RUN + 1)};
+    if (!(w.v = malloc(w.cap * sizeof(*w.v))))
+        return 0;
+    if (plan_runs_packed(xfer_part_plan(p), x->pc[k].u0, x->pc[k].u1, 0,
+                         place_add, &w)) {
+        free(w.v);
+        return 0;
+    }
+    x->iov[k] = w.v;
+    return w.n;
+}
+
+void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
+                         const peer_iov_t **iov, size_t *niov)
 {
     rstream_t *r = map_get(&rstreams, d->stream);
     if (!r || r->conn != peer_conn_id(c) || r->ended ||
@@ -972,7 +1023,29 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d,
     }
     x->got |= 1ull << k;
     x->landing++;
+    uint32_t n = piece_places(x, (uint32_t)k, r->part);
+    if (n) {
+        /* the fence: the request does not end while UCX writes its
+         * blocks (released through scatter_done(), or below) */
+        x->part = r->part;
+        xfer_part_fence_hold(r->part);
+        x->direct |= 1ull << k;
+        *iov = x->iov[k];
+        *niov = n;
+    }
     return x->mem + x->pc[k].off;
+}
+
+/* Piece k, received straight into the blocks, is in (or failed): its
+ * places go. 1 if it was such a piece. */
+static int direct_in(slot_t *x, uint32_t k)
+{
+    if (!(x->direct & (1ull << k)))
+        return 0;
+    x->direct &= ~(1ull << k);
+    free(x->iov[k]);
+    x->iov[k] = NULL;
+    return 1;
 }
 
 /* Receive slot x goes back once nothing lands in it and nothing reads it.
@@ -1030,15 +1103,19 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
         return;
     x->landing--;
     rstream_t *r = x->owner;
+    int direct = direct_in(x, (uint32_t)k);
     if (status || x->status || !r || r->ended) {
         int first = status && !x->status;
         if (first)
             x->status = status;
         genpart_t *p = r && !r->ended && first ? r->part : NULL;
+        genpart_t *held = direct ? x->part : NULL;
         rslot_release(x);
         if (p)
             xfer_part_fail(p, status,
                            "receiving from the context daemon failed");
+        if (held) /* its fence, held since remote_data_target() */
+            xfer_part_progress(held, 0, 0, status);
         pull_schedule();
         return;
     }
@@ -1047,10 +1124,16 @@ void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
         st_rx.wire_ns += t - x->t_stage;
         x->t_stage = t;
     }
-    /* the fence: xfer does not finalize the request before the scatter
-     * of every piece is back */
     genpart_t *p = r->part;
     x->part = p;
+    if (direct) { /* in its place already: counted as scattered */
+        st_rx.direct++;
+        x->pending++;
+        scatter_done(x, (uint32_t)k);
+        return;
+    }
+    /* the fence: xfer does not finalize the request before the scatter
+     * of every piece is back */
     xfer_part_fence_hold(p);
     x->piece_done = scatter_done;
     /* a GPU pool: a kernel reads the piece; else the copy threads */

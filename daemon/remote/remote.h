@@ -41,7 +41,8 @@ void remote_ucx_info(Kvxfer__UcxInfo *info);
 /* What remote registers (declared for the fuzzer, which drives them
  * without net). */
 void remote_on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m);
-void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len);
+void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
+                         const peer_iov_t **iov, size_t *niov);
 void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
 int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg);
 uint32_t remote_conn_streams(const peer_conn_t *c);

@@ -406,16 +406,32 @@ static char *p_json_section(const char *json, const char *key)
     return strndup(p, (size_t)(q - p + 1));
 }
 
+/* A count of d's status for one direction's slots ("sent" or
+ * "received"). */
+static long long p_slot_count(daemon_t *d, const char *dir, const char *key)
+{
+    char sec[32];
+    snprintf(sec, sizeof(sec), "\"%s\":", dir);
+    char *js = status_json(d);
+    char *x = p_json_section(js, sec);
+    CHECK(x != NULL);
+    long long n = json_num(x, key);
+    free(x);
+    free(js);
+    return n;
+}
+
 /* Slots A sent whose PULL found them gathered ahead (status). */
 static long long p_ahead(daemon_t *a)
 {
-    char *js = status_json(a);
-    char *tx = p_json_section(js, "\"sent\":");
-    CHECK(tx != NULL);
-    long long n = json_num(tx, "ahead");
-    free(tx);
-    free(js);
-    return n;
+    return p_slot_count(a, "sent", "ahead");
+}
+
+/* Pieces d received straight into the destination blocks (status:
+ * peer.direct), not scattered from a slot. */
+static long long p_direct(daemon_t *d)
+{
+    return p_slot_count(d, "received", "direct");
 }
 
 /* Every slot of d, both directions, comes back free (within 2 s of the

@@ -137,6 +137,43 @@ TEST_T(peer_slot_in_pieces, 90)
     p_stop_both(a, b);
 }
 
+/* peer.direct: a piece whose destination runs average 2 KiB or more is
+ * received by UCX straight into the generation pool (an iov of its
+ * runs), with no scatter after; one of shorter runs (trtllm: a row a
+ * run) goes through the slot; a daemon with peer.direct 0 always
+ * scatters. Every byte checked each way, every slot back. */
+TEST_T(peer_direct_receive, 90)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL); /* default: on */
+    daemon_t *b = p_daemon(1, P_SECRET, "  direct: 0\n", NULL);
+    /* vllm-nhd, 16 tokens of 4 heads x 256 B: 16 KiB runs */
+    side_t c = {
+        .inst = "pd-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g = {
+        .inst = "pd-gen", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    xfer_case2(a, b, &M_8K, &c, &g, 4, 300, 0); /* B: off */
+    CHECK_EQ(p_direct(b), 0);
+    side_t c2 = c, g2 = g;
+    c2.inst = "pd-ctx2";
+    g2.inst = "pd-gen2";
+    xfer_case2(b, a, &M_8K, &c2, &g2, 4, 300, 3); /* A: on */
+    long long n = p_direct(a);
+    fprintf(stderr, "pieces A received straight into its blocks: %lld\n", n);
+    CHECK(n > 0);
+    /* trtllm rows (256 B a run): through the slot */
+    side_t g3 = {
+        .inst = "pd-gen3", .tp = 1, .pp = 1, .preset = "trtllm", .tpb = 16};
+    c2.inst = "pd-ctx3";
+    xfer_case2(b, a, &M_8K, &c2, &g3, 3, 300, 0);
+    CHECK_EQ(p_direct(a), n);
+    p_sent_is_received(a, b);
+    p_sent_is_received(b, a);
+    p_slots_all_free(a);
+    p_slots_all_free(b);
+    p_stop_both(a, b);
+}
+
 /* A fetch on B for an offer A's engine already cancelled: A remembers the
  * cancel, so the request ends at once with CANCELLED, as on one daemon
  * (not NOT_FOUND, nor after the retry window for ranks that have not

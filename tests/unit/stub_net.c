@@ -177,8 +177,15 @@ __attribute__((unused)) static int net_pump(void)
     if (w->done) /* the sender may reuse its buffer */
         w->done(w->arg, 0);
     if (w->m->m_case == KVXFER__PEER_MSG__M_DATA) {
-        void *dst = reg.data.target(w->c, w->m->data, w->len);
-        if (dst)
+        const peer_iov_t *iov = NULL;
+        size_t niov = 0;
+        void *dst = reg.data.target(w->c, w->m->data, w->len, &iov, &niov);
+        const uint8_t *from = w->data;
+        for (size_t i = 0; dst && i < niov; i++) { /* into the pool */
+            memcpy(iov[i].buf, from, iov[i].len);
+            from += iov[i].len;
+        }
+        if (dst && !niov)
             memcpy(dst, w->data, w->len);
         reg.data.arrived(w->c, w->m->data, 0);
     } else if ((unsigned)w->m->m_case < 32 && reg.msg[w->m->m_case]) {

@@ -868,6 +868,27 @@ static void walk_item(const gpu_unit_t *x, uint32_t lo, uint32_t hi,
     }
 }
 
+/* plan_runs_packed()'s runs copied in order to (gather) or from a
+ * packed buffer: what UCX does with an iov of them. */
+struct run_cursor {
+    uint8_t *buf;
+    uint64_t off;
+    int gather;
+};
+
+static int run_copy(void *arg, uint8_t *a, uint64_t len, uint32_t region)
+{
+    (void)region;
+    struct run_cursor *c = arg;
+    CHECK(len > 0);
+    if (c->gather)
+        memcpy(c->buf + c->off, a, len);
+    else
+        memcpy(a, c->buf + c->off, len);
+    c->off += len;
+    return 0;
+}
+
 /* Units [u0, u1) of bound plan p as the kernel copies them with warps
  * warps: its descriptor (host pointers), the host's cut, each warp's
  * first piece its own and the rest from a counter, the warps' items in
@@ -1121,6 +1142,34 @@ static void e2e_run(const e2e_t *c)
         }
         CHECK(!memcmp(dst.base, want, dst.size));
         CHECK(guards_intact(&dst));
+        /* the same packed bytes as runs of pool memory (peer.direct: UCX
+         * unpacks a piece into the destination's runs): gathered by
+         * copies, scattered into the runs; then gathered from the
+         * source's runs and scattered by copies */
+        for (int way = 0; way < 2; way++) {
+            memset(dst.base, 0xee, dst.size);
+            for (int i = 0; i < nc - 1; i++) {
+                int k = (start + i) % (nc - 1);
+                uint64_t len = plan_units_bytes(p, cuts[k], cuts[k + 1]);
+                memset(buf, 0x5a, len);
+                struct run_cursor rc = {buf, 0, way ? 1 : 0};
+                if (way)
+                    CHECK(!plan_runs_packed(p, cuts[k], cuts[k + 1], 1,
+                                            run_copy, &rc));
+                else
+                    plan_exec_packed(p, cuts[k], cuts[k + 1], buf, 1);
+                if (way) {
+                    CHECK_EQ(rc.off, len);
+                    plan_exec_packed(p, cuts[k], cuts[k + 1], buf, 0);
+                } else {
+                    CHECK(!plan_runs_packed(p, cuts[k], cuts[k + 1], 0,
+                                            run_copy, &rc));
+                    CHECK_EQ(rc.off, len);
+                }
+            }
+            CHECK(!memcmp(dst.base, want, dst.size));
+            CHECK(guards_intact(&dst));
+        }
         /* the GPU kernel's walk, with few warps and many (pieces cut
          * finer), short and long batches; and its packed layout is the
          * host's: gathered by one, scattered by the other */

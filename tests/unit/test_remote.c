@@ -225,7 +225,29 @@ TEST(whole_transfer_through_the_loopback)
     CHECK_EQ(c->kind, KVX_EVENT_COMPLETE);
     check_bytes();
     check_quiet();
-    printf("a transfer takes %d messages here\n", msgs);
+    /* the regions pool's runs are long: every piece went straight in */
+    CHECK(st_rx.direct > 0);
+    printf("a transfer takes %d messages here, %llu pieces received "
+           "into the pool\n",
+           msgs, (unsigned long long)st_rx.direct);
+}
+
+/* peer.direct 0: every piece lands in the slot and is scattered, to the
+ * same bytes. */
+TEST(whole_transfer_scattered_from_slots)
+{
+    setup();
+    kvxd.conf.direct = 0;
+    start_transfer();
+    while (step())
+        ;
+    const batch_event_t *g = ended(gen), *c = ended(ctx);
+    CHECK(g && c);
+    CHECK_EQ(g->kind, KVX_EVENT_COMPLETE);
+    check_bytes();
+    check_quiet();
+    CHECK_EQ(st_rx.direct, 0);
+    CHECK(st_rx.slots > 0);
 }
 
 /* Lose the link after k messages, for every k the transfer has. */
