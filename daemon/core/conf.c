@@ -497,15 +497,17 @@ static const struct conf_key keys[] = {
     {.name = "peer.direct",
      .type = CONF_U32,
      FIELD(direct),
-     .def = 1,
+     .def = 2,
      .min = 0,
-     .max = 1,
+     .max = 2,
      .help = "Slot data from another daemon is received by UCX straight "
              "into the destination blocks of a host pool (an iov of its "
-             "runs) instead of into the receive slot and scattered from "
-             "there by the copy threads: one copy fewer. Only for pieces "
+             "runs, unpacked on the lanes' threads) instead of into the "
+             "receive slot and scattered from there by the copy threads: "
+             "one copy fewer, fewer threads copying. Only for pieces "
              "whose runs average 2 KiB or more; GPU pools always "
-             "scatter. 0 turns it off."},
+             "scatter. 0 never, 1 always, 2 with fewer than 4 CPUs "
+             "(where copies, not threads, are what is short)."},
     {.name = "peer.busy_poll",
      .type = CONF_U32,
      FIELD(busy_poll),

@@ -67,7 +67,7 @@ typedef struct kvx_conf {
     uint64_t message_bytes;        /* largest UCX message */
     uint32_t send_window;          /* messages in flight to one peer */
     uint32_t lanes;                /* peer.lanes: data worker threads */
-    uint32_t direct;               /* peer.direct: receive into blocks */
+    uint32_t direct; /* peer.direct: receive into blocks, 2 auto */
     uint32_t busy_poll;            /* 0 never, 1 in flight, 2 auto */
     uint32_t gather_ahead;         /* send slots gathered before a PULL */
     /* deadlines, milliseconds */

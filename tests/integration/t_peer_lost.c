@@ -19,7 +19,7 @@
  * pieces waiting in the send window and slots half received */
 #define PL_PEER                                                                \
     "  slot_bytes: 1MiB\n  slots: 2\n  message_bytes: 256KiB\n"                \
-    "  send_window: 1\n"
+    "  send_window: 1\n  direct: 1\n"
 /* A with 8 slots and gather-ahead, B pulling into 2: A holds slots
  * gathered for PULLs to come when the transfer ends under it */
 #define PL_AHEAD                                                               \

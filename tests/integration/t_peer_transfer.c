@@ -137,15 +137,16 @@ TEST_T(peer_slot_in_pieces, 90)
     p_stop_both(a, b);
 }
 
-/* peer.direct: a piece whose destination runs average 2 KiB or more is
- * received by UCX straight into the generation pool (an iov of its
+/* peer.direct 1: a piece whose destination runs average 2 KiB or more
+ * is received by UCX straight into the generation pool (an iov of its
  * runs), with no scatter after; one of shorter runs (trtllm: a row a
  * run) goes through the slot; a daemon with peer.direct 0 always
- * scatters. Every byte checked each way, every slot back. */
+ * scatters. (The default, 2, is 1 with fewer than 4 CPUs.) Every byte checked
+ * each way, every slot back. */
 TEST_T(peer_direct_receive, 90)
 {
     p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL); /* default: on */
+    daemon_t *a = p_daemon(0, P_SECRET, "  direct: 1\n", NULL);
     daemon_t *b = p_daemon(1, P_SECRET, "  direct: 0\n", NULL);
     /* vllm-nhd, 16 tokens of 4 heads x 256 B: 16 KiB runs */
     side_t c = {

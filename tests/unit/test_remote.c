@@ -110,6 +110,7 @@ static void setup(void)
     kvxd.conf.slot_bytes = 64 << 10;    /* a request takes several slots */
     kvxd.conf.message_bytes = 16 << 10; /* and a slot several pieces */
     kvxd.conf.slots = 4;
+    kvxd.conf.direct = 1; /* whatever the CPUs: pieces into the pool */
     kvxd.loop = uv_default_loop();
     snprintf(kvxd.address, sizeof(kvxd.address), "%s", ME);
     net_loopback = 1;
@@ -237,7 +238,7 @@ TEST(whole_transfer_through_the_loopback)
 TEST(whole_transfer_scattered_from_slots)
 {
     setup();
-    kvxd.conf.direct = 0;
+    direct_on = 0; /* peer.direct 0, as remote_init() resolves it */
     start_transfer();
     while (step())
         ;
