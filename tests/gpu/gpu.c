@@ -396,13 +396,16 @@ TEST_T(client_killed_while_pool_read, 120)
 {
     NEED_GPUS(1);
     struct daemon d;
-    /* the smallest chunks, one at a time: with one CTA the kernel moves
-     * the 2 GiB in tens of ms, which a killed process's CUDA teardown
-     * (before its socket closes) can outlast (a build that queued 32
-     * launches ahead completed the request first); 32768 launches, each
-     * waited for by the loop before the next, keep the copy running
-     * well past the kill */
+    /* the smallest chunks, one at a time, each waited for by a sleeping
+     * completion thread: with one CTA the kernel moves the 2 GiB in
+     * tens of ms, which a killed process's CUDA teardown (before its
+     * socket closes) can outlast (with 32 launches queued ahead, or one
+     * at a time with the completion thread spinning, the request
+     * completed first in 1 run of 3); 32768 launches, each a wake-up of
+     * the completion thread and the loop, keep the copy running well
+     * past the kill */
     daemon_start_cfg(&d, "gpu:\n  chunk_bytes: 64KiB\n  max_ctas: 1\n"
+                         "  spin_us: 0\n"
                          "copy:\n  max_inflight_chunks: 1\n");
     struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
                              MAP_SHARED | MAP_ANONYMOUS, -1, 0);
