@@ -179,6 +179,26 @@ void peer_set_data_ops(const peer_data_ops_t *ops)
     (void)ops;
 }
 
+/* DATA of len bytes for d, as peer.c lands it: into its place in the
+ * slot, or into the pool's places (peer.direct), which must add up to
+ * len. NULL: dropped. */
+static void *land(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
+                  int byte)
+{
+    const peer_iov_t *iov = NULL;
+    size_t niov = 0, sum = 0;
+    void *dst = remote_data_target(c, d, len, &iov, &niov);
+    for (size_t i = 0; dst && i < niov; i++) {
+        memset(iov[i].buf, byte, iov[i].len);
+        sum += iov[i].len;
+    }
+    if (dst && niov && sum != len)
+        abort(); /* places that do not hold the piece */
+    if (dst && !niov)
+        memset(dst, byte, len);
+    return dst;
+}
+
 static void dispatch(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 {
     if ((unsigned)m->m_case < 32 && handlers[m->m_case])
@@ -285,6 +305,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     kvxd.conf.gather_ahead = 2; /* OPENs carry pull_bytes: ahead_take()
                                  * and ahead_fill() meet random PULLs */
     kvxd.conf.log_level = 0;
+    kvxd.conf.direct = 1; /* pieces into the pool too, whatever the CPUs */
     kvx__log_level = 0;
     kvxd.loop = uv_default_loop();
     snprintf(kvxd.address, sizeof(kvxd.address),
@@ -385,9 +406,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 for (uint32_t i = 0; i < np; i++) {
                     uint32_t k = flags & 128 ? np - 1 - i : i;
                     d.offset = pc[k].off + (flags & 32 ? 1 : 0);
-                    void *dst = remote_data_target(&fake, &d, pc[k].len);
+                    void *dst = land(&fake, &d, pc[k].len, flags);
                     if (dst) {
-                        memset(dst, flags, pc[k].len);
                         remote_on_data(&fake, &d,
                                        (flags & 16) && i == 1 ? KVX_ERR_IO
                                                               : 0);
@@ -395,9 +415,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 }
             } else {
                 size_t dlen = flags & 32 ? (size_t)flags : (size_t)x->bytes;
-                void *dst = remote_data_target(&fake, &d, dlen);
+                void *dst = land(&fake, &d, dlen, flags);
                 if (dst) {
-                    memset(dst, flags, dlen);
                     remote_on_data(&fake, &d, flags & 16 ? KVX_ERR_IO : 0);
                 }
             }
@@ -438,9 +457,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (flags & 8)
                 m->data->slot = (uint32_t)last_pull_slot;
             size_t dlen = kind & 1 ? (size_t)m->data->bytes : kind;
-            void *dst = remote_data_target(&fake, m->data, dlen);
+            void *dst = land(&fake, m->data, dlen, kind);
             if (dst) {
-                memset(dst, kind, dlen);
                 remote_on_data(&fake, m->data, flags & 16 ? KVX_ERR_IO : 0);
             }
         } else {
