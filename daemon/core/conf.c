@@ -509,8 +509,11 @@ static const struct conf_key keys[] = {
              "receive slot and scattered from there by the copy threads: "
              "one copy fewer, fewer threads copying. Only for pieces "
              "whose runs average 2 KiB or more; GPU pools always "
-             "scatter. 0 never, 1 always, 2 with fewer than 4 CPUs "
-             "(where copies, not threads, are what is short)."},
+             "scatter, and so do pieces that come over the connection "
+             "itself (no lanes). 0 never, 1 always, 2 with fewer than 4 "
+             "CPUs (where copies, not threads, are what is short). On "
+             "RDMA transports keep it 0: an iov gives up UCX's zero-copy "
+             "rendezvous there."},
     {.name = "peer.busy_poll",
      .type = CONF_U32,
      FIELD(busy_poll),

@@ -460,8 +460,10 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
         void *dst = c->dst;
         size_t n = c->len;
         if (c->niov) { /* straight into its places: no copy after */
-            prm.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+            prm.op_attr_mask |=
+                UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
             prm.datatype = ucp_dt_make_iov();
+            prm.memory_type = UCS_MEMORY_TYPE_HOST; /* host pools only */
             dst = (void *)c->iov;
             n = c->niov;
         }

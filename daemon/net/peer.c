@@ -1622,23 +1622,15 @@ _Static_assert(sizeof(peer_iov_t) == sizeof(ucp_dt_iov_t) &&
                    offsetof(peer_iov_t, len) == offsetof(ucp_dt_iov_t, length),
                "peer_iov_t is ucp_dt_iov_t");
 
-/* Receive rendezvous data into dst (niov 0), or into the niov places of
- * iov; recv_cb finishes. */
+/* Receive rendezvous data into dst; recv_cb finishes. */
 static int recv_into(peer_conn_t *c, void *desc, void *dst, size_t len,
-                     const peer_iov_t *iov, size_t niov, ureq_t *u)
+                     ureq_t *u)
 {
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                        UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
-        .cb.recv_am = recv_cb,
-        .user_data = u};
-    if (niov) {
-        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
-        prm.datatype = ucp_dt_make_iov();
-        dst = (void *)iov;
-        len = niov;
-    }
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                               UCP_OP_ATTR_FIELD_USER_DATA |
+                                               UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+                               .cb.recv_am = recv_cb,
+                               .user_data = u};
     u->c = c;
     c->outstanding++;
     inflight_add(1);
@@ -1686,7 +1678,7 @@ static ucs_status_t am_ctrl(void *arg, const void *header, size_t hlen,
     }
     u->recv_kind = 1;
     u->len = len;
-    if (recv_into(c, data, u->buf, len, NULL, 0, u)) {
+    if (recv_into(c, data, u->buf, len, u)) {
         free(u->buf);
         free(u);
         conn_fail(c, KVX_ERR_PEER_GONE, "receive from %s failed", c->address);
@@ -1712,21 +1704,15 @@ static ucs_status_t am_data(void *arg, const void *header, size_t hlen,
                   c->address);
         return UCS_OK;
     }
-    const peer_iov_t *iov = NULL;
-    size_t niov = 0;
-    void *dst = H.data.target(c, m->data, len, &iov, &niov);
+    /* into the slot: a piece received straight into a pool would be
+     * unpacked here, on the loop, and only lanes have a stall check */
+    void *dst = H.data.target(c, m->data, len, NULL, NULL);
     if (!dst) { /* the stream is gone: drop */
         kvxfer__peer_msg__free_unpacked(m, NULL);
         return UCS_OK;
     }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        const uint8_t *from = data;
-        for (size_t i = 0; i < niov; i++) {
-            memcpy(iov[i].buf, from, iov[i].len);
-            from += iov[i].len;
-        }
-        if (!niov)
-            memcpy(dst, data, len);
+        memcpy(dst, data, len);
         H.data.arrived(c, m->data, 0);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         return UCS_OK;
@@ -1739,7 +1725,7 @@ static ucs_status_t am_data(void *arg, const void *header, size_t hlen,
     }
     u->recv_kind = 2;
     u->hdr = m;
-    if (recv_into(c, data, dst, len, iov, niov, u)) {
+    if (recv_into(c, data, dst, len, u)) {
         H.data.arrived(c, m->data, KVX_ERR_PEER_GONE);
         kvxfer__peer_msg__free_unpacked(m, NULL);
         free(u);

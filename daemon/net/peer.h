@@ -114,7 +114,8 @@ typedef struct peer_data_ops {
     /* where the data of d goes (len bytes): its place in a slot, or NULL
      * to drop it; or, with *niov set, the *niov places of *iov (adding
      * up to len, kept by the caller until arrived()) and any non-NULL
-     * return */
+     * return. iov and niov are NULL where places cannot be taken (data
+     * on the connection itself, not a lane) */
     void *(*target)(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
                     const peer_iov_t **iov, size_t *niov);
     /* the data of d is in its slot (status 0) or will never be (error) */

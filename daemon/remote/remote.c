@@ -984,7 +984,8 @@ static uint32_t piece_places(slot_t *x, uint32_t k, genpart_t *p)
     if (!(w.v = malloc(w.cap * sizeof(*w.v))))
         return 0;
     if (plan_runs_packed(xfer_part_plan(p), x->pc[k].u0, x->pc[k].u1, 0,
-                         place_add, &w)) {
+                         place_add, &w) ||
+        !w.n) {
         free(w.v);
         return 0;
     }
@@ -1031,7 +1032,9 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
     }
     x->got |= 1ull << k;
     x->landing++;
-    uint32_t n = piece_places(x, (uint32_t)k, r->part);
+    /* only where the caller can take places (a lane: the unpack runs on
+     * its thread, and its stall check bounds the fence) */
+    uint32_t n = iov && niov ? piece_places(x, (uint32_t)k, r->part) : 0;
     if (n) {
         /* the fence: the request does not end while UCX writes its
          * blocks (released through scatter_done(), or below) */
