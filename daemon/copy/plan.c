@@ -650,6 +650,31 @@ void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1)
 #endif
 }
 
+/* Unit u on one side of a bound plan (src: its source, else its
+ * destination): its slice and segment, that side's memory, and the
+ * element its rows start at, as mem_at() takes it. */
+typedef struct unit_at {
+    const plan_slice_t *s;
+    const plan_seg_t *g;
+    const plan_mem_t *m;
+    uint32_t layer, block, tok, head;
+} unit_at_t;
+
+static void unit_locate(const plan_t *p, uint64_t u, int src, unit_at_t *o)
+{
+    uint32_t si = slice_of(p, u);
+    const plan_slice_t *s = &p->slices[si];
+    uint64_t r = u - s->unit_begin;
+    o->s = s;
+    o->g = &p->segs[r % p->nsegs];
+    o->m = src ? &p->src[si] : &p->dst;
+    o->layer = s->layer0 + (uint32_t)(r / p->nsegs) -
+               (src ? s->src_layer_base : s->dst_layer_base);
+    o->block = o->m->blocks[src ? o->g->src_blk : o->g->dst_blk];
+    o->tok = src ? o->g->src_tok : o->g->dst_tok;
+    o->head = s->head0 - (src ? s->src_head_base : s->dst_head_base);
+}
+
 void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
                       uint8_t *buf, int gather)
 {
@@ -657,39 +682,29 @@ void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
     const uint32_t K = dl->kv_factor;
     const uint64_t row = (uint64_t)dl->head_dim * dl->elem_size;
     for (uint64_t u = u0; u < u1; u++) {
-        uint32_t si = slice_of(p, u);
-        const plan_slice_t *s = &p->slices[si];
-        uint64_t r = u - s->unit_begin;
-        uint32_t layer = s->layer0 + (uint32_t)(r / p->nsegs);
-        const plan_seg_t *g = &p->segs[r % p->nsegs];
+        unit_at_t o;
+        unit_locate(p, u, gather, &o);
+        const plan_slice_t *s = o.s;
+        const plan_seg_t *g = o.g;
+        const kvx_layout_t *l = o.m->layout; /* the pool's side */
         const uint64_t hs = row, ts = s->nheads * row, ks = g->n * ts;
         uint32_t r0, r1 = 0;
+        uint8_t *pool = mem_at(o.m, o.layer, 0, o.block, o.tok, o.head, &r0);
+        uint8_t *pool1 =
+            K > 1 ? mem_at(o.m, o.layer, 1, o.block, o.tok, o.head, &r1) : pool;
         if (gather) {
-            const plan_mem_t *sm = &p->src[si];
-            const kvx_layout_t *sl = sm->layout;
-            uint32_t a = layer - s->src_layer_base, b = sm->blocks[g->src_blk],
-                     h = s->head0 - s->src_head_base;
-            const uint8_t *src = mem_at(sm, a, 0, b, g->src_tok, h, &r0);
-            const uint8_t *src1 =
-                K > 1 ? mem_at(sm, a, 1, b, g->src_tok, h, &r1) : src;
             struct xdim d[3] = {
-                {s->nheads, sl->head_stride, hs, 0},
-                {g->n, sl->token_stride, ts, 0},
-                kv_dim(K, src, src1, r0, r1, buf, buf + ks, 0, 0)};
+                {s->nheads, l->head_stride, hs, 0},
+                {g->n, l->token_stride, ts, 0},
+                kv_dim(K, pool, pool1, r0, r1, buf, buf + ks, 0, 0)};
             /* into a slot UCX reads next: keep it in cache */
-            copy_strided(buf, src, row, d, 3, 0);
+            copy_strided(buf, pool, row, d, 3, 0);
         } else {
-            uint32_t a = layer - s->dst_layer_base,
-                     b = p->dst.blocks[g->dst_blk],
-                     h = s->head0 - s->dst_head_base;
-            uint8_t *dst = mem_at(&p->dst, a, 0, b, g->dst_tok, h, &r0);
-            uint8_t *dst1 =
-                K > 1 ? mem_at(&p->dst, a, 1, b, g->dst_tok, h, &r1) : dst;
             struct xdim d[3] = {
-                {s->nheads, hs, dl->head_stride, 0},
-                {g->n, ts, dl->token_stride, 0},
-                kv_dim(K, buf, buf + ks, 0, 0, dst, dst1, r0, r1)};
-            copy_strided(dst, buf, row, d, 3, 1);
+                {s->nheads, hs, l->head_stride, 0},
+                {g->n, ts, l->token_stride, 0},
+                kv_dim(K, buf, buf + ks, 0, 0, pool, pool1, r0, r1)};
+            copy_strided(pool, buf, row, d, 3, 1);
         }
         buf += K * ks;
     }
@@ -731,20 +746,12 @@ int plan_runs_packed(const plan_t *p, uint64_t u0, uint64_t u1, int gather,
     struct runs w = {.emit = emit, .arg = arg};
     int rc = 0;
     for (uint64_t u = u0; u < u1 && !rc; u++) {
-        uint32_t si = slice_of(p, u);
-        const plan_slice_t *s = &p->slices[si];
-        const plan_mem_t *m = gather ? &p->src[si] : &p->dst;
-        const kvx_layout_t *l = m->layout;
-        uint64_t r = u - s->unit_begin;
-        uint32_t layer = s->layer0 + (uint32_t)(r / p->nsegs);
-        const plan_seg_t *g = &p->segs[r % p->nsegs];
-        uint32_t a = layer - (gather ? s->src_layer_base : s->dst_layer_base);
-        uint32_t b = gather ? m->blocks[g->src_blk] : m->blocks[g->dst_blk];
-        uint32_t tok = gather ? g->src_tok : g->dst_tok;
-        uint32_t h = s->head0 - (gather ? s->src_head_base : s->dst_head_base);
+        unit_at_t o;
+        unit_locate(p, u, gather, &o);
+        const kvx_layout_t *l = o.m->layout;
         /* [kv][token][head][row]: whole tokens or whole segments at once
          * where the layout keeps them contiguous */
-        uint64_t run = row, nh = s->nheads, nt = g->n;
+        uint64_t run = row, nh = o.s->nheads, nt = o.g->n;
         if (l->head_stride == row) {
             run *= nh;
             nh = 1;
@@ -755,7 +762,8 @@ int plan_runs_packed(const plan_t *p, uint64_t u0, uint64_t u1, int gather,
         }
         for (uint32_t kv = 0; kv < K && !rc; kv++) {
             uint32_t reg;
-            uint8_t *base = mem_at(m, a, kv, b, tok, h, &reg);
+            uint8_t *base =
+                mem_at(o.m, o.layer, kv, o.block, o.tok, o.head, &reg);
             for (uint64_t t = 0; t < nt && !rc; t++)
                 for (uint64_t x = 0; x < nh && !rc; x++)
                     rc = run_add(

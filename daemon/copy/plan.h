@@ -174,9 +174,8 @@ void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
  * is called with each run of units [u0, u1), in packed order, on the
  * bound source (gather != 0) or destination: its address, its length and
  * its region; runs next to each other in one region are merged. A
- * non-zero return of emit stops the walk and is returned. What a daemon
- * reading another's memory itself (UCX GET) pairs, run by run, with the
- * other side's runs. */
+ * non-zero return of emit stops the walk and is returned. The iov UCX
+ * unpacks a piece into, straight into the pool (peer.direct). */
 typedef int (*plan_run_fn)(void *arg, uint8_t *addr, uint64_t len,
                            uint32_t region);
 int plan_runs_packed(const plan_t *p, uint64_t u0, uint64_t u1, int gather,

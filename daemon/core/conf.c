@@ -321,7 +321,8 @@ static const struct conf_key keys[] = {
              "the copies coming back are read within microseconds; it "
              "yields its CPU each turn, so that a copy worker or an "
              "engine's thread waiting there runs at once: 0 never, 1 "
-             "always, 2 only with 4 or more CPUs. Idle, it sleeps."},
+             "always, 2 when the daemon may use 4 or more CPUs. Idle, it "
+             "sleeps."},
 
     {.name = "gpu.max_ctas",
      .type = CONF_U32,
@@ -510,8 +511,9 @@ static const struct conf_key keys[] = {
              "one copy fewer, fewer threads copying. Only for pieces "
              "whose runs average 2 KiB or more; GPU pools always "
              "scatter, and so do pieces that come over the connection "
-             "itself (no lanes). 0 never, 1 always, 2 with fewer than 4 "
-             "CPUs (where copies, not threads, are what is short). On "
+             "itself (no lanes). 0 never, 1 always, 2 when the daemon may "
+             "use fewer than 4 CPUs (where copies, not threads, are what "
+             "is short). On "
              "RDMA transports keep it 0: an iov gives up UCX's zero-copy "
              "rendezvous there."},
     {.name = "peer.busy_poll",
@@ -522,7 +524,8 @@ static const struct conf_key keys[] = {
      .max = 2,
      .help = "While transfers between daemons are in flight the loop "
              "polls UCX every turn instead of sleeping on its event fd: "
-             "0 never, 1 always, 2 with 4 or more CPUs (with fewer, the "
+             "0 never, 1 always, 2 when the daemon may use 4 or more CPUs "
+             "(with fewer, the "
              "spinning loop takes the copy threads' CPU). Idle, it always "
              "sleeps."},
 

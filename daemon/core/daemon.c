@@ -1,12 +1,28 @@
 /* daemon — the shared state and its small helpers; see daemon.h. */
 #include <assert.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "daemon.h"
 #include "list.h"
 
 kvxd_t kvxd;
+
+int kvxd_cpus(void)
+{
+    static int n;
+    if (!n) {
+        cpu_set_t allowed;
+        n = sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                ? CPU_COUNT(&allowed)
+                : (int)sysconf(_SC_NPROCESSORS_ONLN);
+        if (n < 1)
+            n = 1;
+    }
+    return n;
+}
 
 uint64_t kvxd_now_ms(void)
 {

@@ -39,6 +39,11 @@ extern kvxd_t kvxd;
 
 /* Monotonic milliseconds. */
 uint64_t kvxd_now_ms(void);
+/* The CPUs the daemon may run on (its affinity mask: taskset, a cgroup's
+ * cpuset; else the online CPUs), counted once. The settings whose 2 means
+ * "by the CPUs" (copy.pin_threads, copy.busy_poll, peer.busy_poll,
+ * peer.direct) all read this. */
+int kvxd_cpus(void);
 /* Count an error code in the status counters. */
 void kvxd_count_error(int code);
 

@@ -2215,8 +2215,8 @@ int peer_init(char *why, size_t why_len)
     uv_prepare_init(kvxd.loop, &P.prepare);
     uv_prepare_start(&P.prepare, on_prepare);
     uv_idle_init(kvxd.loop, &P.idle);
-    P.busy_poll = kvxd.conf.busy_poll == 2 ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
-                                           : (int)kvxd.conf.busy_poll;
+    P.busy_poll =
+        kvxd.conf.busy_poll == 2 ? kvxd_cpus() >= 4 : (int)kvxd.conf.busy_poll;
     if ((rc = lanes_start(P.ctx, kvxd.loop, kvxd.conf.lanes, P.busy_poll,
                           kvxd.conf.peer_connect_timeout_ms, on_lane_event, why,
                           why_len))) {

@@ -62,7 +62,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "copy.h"
 #include "daemon.h"
@@ -553,8 +552,8 @@ int remote_init(char *why, size_t why_len)
                                          .arrived = remote_on_data,
                                          .streams = remote_conn_streams};
     peer_set_data_ops(&data);
-    direct_on = kvxd.conf.direct == 1 ||
-                (kvxd.conf.direct == 2 && sysconf(_SC_NPROCESSORS_ONLN) < 4);
+    direct_on =
+        kvxd.conf.direct == 1 || (kvxd.conf.direct == 2 && kvxd_cpus() < 4);
     if (!peer_enabled())
         return 0;
     int rc;

@@ -759,7 +759,7 @@ static void busy_hold(int delta)
     busy.held += (uint32_t)delta;
     if (busy.enabled < 0)
         busy.enabled = kvxd.conf.copy_busy_poll == 2
-                           ? sysconf(_SC_NPROCESSORS_ONLN) >= 4
+                           ? kvxd_cpus() >= 4
                            : (int)kvxd.conf.copy_busy_poll;
     if (!busy.enabled)
         return;
