@@ -50,7 +50,7 @@ else
         # Debian's python3, whose dist-packages hold python3-torch
         /usr/bin/python3 -m venv --system-site-packages "$venv" ||
             fail "cannot make a virtual environment in $venv"
-        "$py" -m pip install -q --disable-pip-version-check "$TRANSFORMERS" ||
+        "$py" -m pip install -q --disable-pip-version-check --no-cache-dir "$TRANSFORMERS" ||
             fail "pip could not install $TRANSFORMERS into $venv"
     fi
 fi

@@ -9,12 +9,15 @@
 # pytest and numpy, else BUILD/venv-gpu, which sees the system's packages
 # (torch, cupy). --vllm (make test-vllm): tests/vllm, the vLLM connector
 # against vLLM's own scheduler, in BUILD/venv-vllm with the vLLM release
-# kvxfer.vllm pins (installed once: about 9 minutes and 9.4 GB).
+# kvxfer.vllm pins: vLLM and what pip resolves for it, less the GPU kernel
+# packages and torch's CUDA libraries (scripts/vllm-lean.py; installed once,
+# about 4 minutes and 3.8 GB, where a full install takes 9.4 GB and
+# as much again in pip's cache; no pip cache is kept).
 cd "$(dirname "$0")/.." || exit 1
 BUILD=${1:-build}
 [ $# -gt 0 ] && shift
 venv=$BUILD/venv; venv_flags=""; py=""
-pkgs="pytest numpy"; need="import pytest, numpy"; tests=python/tests
+pkgs="pytest numpy"; need="import pytest, numpy"; tests=python/tests; lean=0
 case "${1:-}" in
 --gpu)
     shift
@@ -23,10 +26,28 @@ case "${1:-}" in
 --vllm)
     shift
     vllm=$(sed -n 's/^VLLM_VERSION = "\(.*\)".*/\1/p' python/kvxfer/vllm.py)
-    venv=$BUILD/venv-vllm; pkgs="vllm==$vllm pytest"; tests=tests/vllm
+    venv=$BUILD/venv-vllm; pkgs="vllm==$vllm pytest"; tests=tests/vllm; lean=1
     need="import pytest, vllm; assert vllm.__version__ == '$vllm', vllm.__version__" ;;
 esac
 fail() { echo "test-python: $*"; echo "0 passed, 1 failed"; exit 1; }
+# no pip cache: it would hold a second copy of every wheel (CI's disk is small)
+pip_install() { "$py" -m pip install -q --disable-pip-version-check --no-cache-dir "$@"; }
+# vLLM without its GPU packages: resolve, drop them, install the rest
+# without dependencies
+install_lean() {
+    report=$venv/resolved.json
+    pip_install --dry-run --ignore-installed --report "$report" $pkgs ||
+        fail "pip could not resolve $pkgs"
+    "$py" scripts/vllm-lean.py "$report" > "$venv/lean.txt" ||
+        fail "cannot read pip's report $report"
+    pip_install --no-deps -r "$venv/lean.txt" ||
+        fail "pip could not install $pkgs into $venv"
+    if ! "$py" -c 'import torch' 2>/dev/null; then
+        echo "test-python: torch needs its CUDA packages here; installing them"
+        torch=$(grep '^torch==' "$venv/lean.txt")
+        pip_install "$torch" || fail "pip could not install $torch"
+    fi
+}
 if [ -z "$py" ]; then
     py=$venv/bin/python
     if [ ! -x "$py" ]; then
@@ -35,8 +56,11 @@ if [ -z "$py" ]; then
     fi
     if ! "$py" -c "$need" 2>/dev/null; then
         echo "test-python: installing $pkgs into $venv"
-        "$py" -m pip install -q --disable-pip-version-check $pkgs ||
-            fail "pip could not install $pkgs into $venv"
+        if [ $lean = 1 ]; then
+            install_lean
+        else
+            pip_install $pkgs || fail "pip could not install $pkgs into $venv"
+        fi
     fi
 fi
 [ -f "$BUILD/libkvxfer.so.2" ] || fail "$BUILD/libkvxfer.so.2 not built (run make)"

@@ -22,7 +22,7 @@ TORCH=2.14.1    # what sglang 0.5.23 pins
 venv=$BUILD/venv-sglang
 py=$venv/bin/python
 fail() { echo "test-sglang: $*"; echo "0 passed, 1 failed"; exit 1; }
-pip() { "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 |
+pip() { "$py" -m pip install -q --disable-pip-version-check --no-cache-dir "$@" 2>&1 |
         grep -v "requires\|dependency conflicts\|dependency resolver"; }
 ready() { "$py" -c 'import pytest, numpy, torch
 from sglang.srt.disaggregation.base.conn import BaseKVManager' 2>/dev/null; }
