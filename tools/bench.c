@@ -2948,10 +2948,11 @@ int main(int argc, char **argv)
                    "\"wire\":%.1f,\"scatter\":%.1f,\"scatter_lag\":%.1f,"
                    "\"direct_pieces\":%.0f},"
                    "\"sent\":{\"slots\":%.0f,\"wait\":%.1f,\"gather\":%.1f,"
-                   "\"gather_lag\":%.1f,\"wire\":%.1f,\"ahead\":%.0f}}",
+                   "\"gather_lag\":%.1f,\"wire\":%.1f,\"ahead\":%.0f,"
+                   "\"direct_pieces\":%.0f}}",
                    slot_rx[0], slot_rx[1], slot_rx[2], slot_rx[3], slot_rx[4],
                    slot_rx[6], slot_tx[0], slot_tx[1], slot_tx[3], slot_tx[4],
-                   slot_tx[2], slot_tx[5]);
+                   slot_tx[2], slot_tx[5], slot_tx[6]);
             printf(",\"baseline\":");
             json_str(base_name);
             printf(",\"ctx_daemon\":");

@@ -143,9 +143,9 @@ static int cmd_status(const char *sock, int json)
                 snprintf(ahead, sizeof(ahead), ", %llu gathered ahead",
                          (unsigned long long)x->ahead);
             else if (x->direct)
-                snprintf(ahead, sizeof(ahead),
-                         ", %llu pieces received into the pool",
-                         (unsigned long long)x->direct);
+                snprintf(ahead, sizeof(ahead), ", %llu pieces %s the pool",
+                         (unsigned long long)x->direct,
+                         i ? "sent from" : "received into");
             printf("slots %-8s %llu (%.1f MiB), per slot: wait %.0f us, "
                    "wire %.0f us, %s %.0f us (loop lag %.0f us)%s; %u of "
                    "%u free\n",

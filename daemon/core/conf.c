@@ -504,18 +504,20 @@ static const struct conf_key keys[] = {
      .def = 2,
      .min = 0,
      .max = 2,
-     .help = "Slot data from another daemon is received by UCX straight "
-             "into the destination blocks of a host pool (an iov of its "
-             "runs, unpacked on the lanes' threads) instead of into the "
-             "receive slot and scattered from there by the copy threads: "
-             "one copy fewer, fewer threads copying. Only for pieces "
-             "whose runs average 2 KiB or more; GPU pools always "
-             "scatter, and so do pieces that come over the connection "
-             "itself (no lanes). 0 never, 1 always, 2 when the daemon may "
+     .help = "Slot data between daemons skips the staging slots where a "
+             "host pool's runs allow: a piece is received by UCX straight "
+             "into the destination blocks (an iov of their runs, unpacked "
+             "on the lanes' threads) instead of into the receive slot and "
+             "scattered from there, and sent by UCX straight from the "
+             "source blocks instead of gathered into the send slot "
+             "first: a copy fewer on each daemon, fewer threads copying. "
+             "Only for pieces whose runs average 2 KiB or more, and only "
+             "over lanes (where their stall check bounds how long a "
+             "request's fence waits for UCX); GPU pools always go "
+             "through the slots. 0 never, 1 always, 2 when the daemon may "
              "use fewer than 4 CPUs (where copies, not threads, are what "
-             "is short). On "
-             "RDMA transports keep it 0: an iov gives up UCX's zero-copy "
-             "rendezvous there."},
+             "is short). On RDMA transports keep it 0: an iov gives up "
+             "UCX's zero-copy rendezvous there."},
     {.name = "peer.busy_poll",
      .type = CONF_U32,
      FIELD(busy_poll),

@@ -56,7 +56,8 @@ typedef struct lcmd {
     const void *data;
     void *dst, *desc;
     size_t len;
-    const ucp_dt_iov_t *iov; /* LC_RECV into places, not dst */
+    /* LC_RECV into places, not dst; LC_SEND from places, not data */
+    const ucp_dt_iov_t *iov;
     size_t niov;
     void *cookie;
     list_t node; /* on its lane's cmds */
@@ -385,7 +386,7 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
 static void lreq_started(lane_t *ln, lreq_t *q, ucs_status_ptr_t r,
                          enum lane_ev_kind kind)
 {
-    if (UCS_PTR_IS_ERR(r)) {
+    if (UCS_PTR_IS_ERR(r) || !r) { /* failed, or done at once */
         emit(ln, kind, 0, UCS_PTR_STATUS(r), q->cookie);
         free(q);
     } else {
@@ -439,8 +440,22 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             .cb.send = send_cb,
             .user_data = q,
             .flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_RNDV};
-        r = ucp_am_send_nbx(p->ep, AM_LANE_DATA, c->hdr, c->hlen, c->data,
-                            c->len, &prm);
+        const void *src = c->data;
+        size_t n = c->len;
+        if (c->niov) {
+            /* from its places: no gather before. UCX 1.13's
+             * ucp_am_send_nbx ignores the datatype when NO_IMM_CMPL is
+             * set too (it sent the iov array itself): not set; a
+             * rendezvous never completes at once (lreq_started) */
+            prm.op_attr_mask &= ~(uint32_t)UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+            prm.op_attr_mask |=
+                UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            prm.datatype = ucp_dt_make_iov();
+            prm.memory_type = UCS_MEMORY_TYPE_HOST; /* host pools only */
+            src = c->iov;
+            n = c->niov;
+        }
+        r = ucp_am_send_nbx(p->ep, AM_LANE_DATA, c->hdr, c->hlen, src, n, &prm);
         lreq_started(ln, q, r, LEV_SENT);
         break;
     }
@@ -611,7 +626,8 @@ void lane_connect(unsigned lane, const uint8_t *addr, size_t len, uint64_t *lep)
 }
 
 void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
-               const void *data, size_t len, void *cookie)
+               const void *data, size_t len, const ucp_dt_iov_t *iov,
+               size_t niov, void *cookie)
 {
     lcmd_t *c = cmd(LC_SEND);
     c->lep = lep;
@@ -619,6 +635,8 @@ void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
     c->hlen = hlen;
     c->data = data;
     c->len = len;
+    c->iov = iov;
+    c->niov = niov;
     c->cookie = cookie;
     post(lane, c);
 }

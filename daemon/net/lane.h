@@ -81,9 +81,12 @@ void lanes_stop(void);
 void lane_connect(unsigned lane, const uint8_t *addr, size_t len,
                   uint64_t *lep);
 /* Sent by rendezvous always (the receiver's lane gets it straight into
- * place). hdr and data stay the caller's until LEV_SENT. */
+ * place): data[0..len), or, when niov > 0, the niov places of iov
+ * (ucp_dt_iov_t, adding up to len). hdr, data and iov stay the caller's
+ * until LEV_SENT. */
 void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
-               const void *data, size_t len, void *cookie);
+               const void *data, size_t len, const ucp_dt_iov_t *iov,
+               size_t niov, void *cookie);
 /* Receive the rendezvous data of desc (len bytes) into dst, or, when
  * niov > 0, into the niov places of iov (ucp_dt_iov_t, adding up to
  * len; the caller's until LEV_RECEIVED). */

@@ -161,6 +161,8 @@ typedef struct ureq {
     uint8_t mac[LANE_MAC_LEN];
     size_t hdr_len;
     const void *data;
+    const peer_iov_t *iov; /* niov > 0: the data is there, not data */
+    size_t niov;
     struct ureq *next;
 } ureq_t;
 
@@ -622,9 +624,8 @@ static void ureq_done(ureq_t *u, int status)
 
 static void data_start(peer_conn_t *c);
 
-static void send_cb(void *request, ucs_status_t status, void *user_data)
+static void send_done(ureq_t *u, ucs_status_t status)
 {
-    ureq_t *u = user_data;
     if (status != UCS_OK && u->c->state != CONN_LOST)
         conn_fail(u->c, KVX_ERR_PEER_GONE, "send to %s failed: %s",
                   u->c->address, ucs_status_string(status));
@@ -634,7 +635,19 @@ static void send_cb(void *request, ucs_status_t status, void *user_data)
         data_start(u->c); /* before ureq_done, which may free c */
     }
     ureq_done(u, status == UCS_OK ? 0 : KVX_ERR_PEER_GONE);
+}
+
+static void send_cb(void *request, ucs_status_t status, void *user_data)
+{
+    send_done(user_data, status);
     ucp_request_free(request);
+}
+
+/* A send UCX finished at once (see am_send), from the loop's next turn:
+ * never inside the caller's data_start(). */
+static void send_done_later(void *arg)
+{
+    send_done(arg, UCS_OK);
 }
 
 /* Start one AM send of ours. */
@@ -653,6 +666,20 @@ static int am_send(peer_conn_t *c, unsigned id, const void *hdr,
          * ones sent later, and the protocol relies on their order */
         .flags = UCP_AM_SEND_FLAG_REPLY |
                  (id == AM_CTRL ? UCP_AM_SEND_FLAG_EAGER : 0)};
+    if (u->niov) {
+        /* a slot piece sent from its places in a host pool. UCX 1.13's
+         * ucp_am_send_nbx ignores the datatype when NO_IMM_CMPL is set
+         * too (it sent the iov array itself, count bytes of it): not
+         * set; rendezvous, so that it never completes at once */
+        prm.op_attr_mask &= ~(uint32_t)UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+        prm.op_attr_mask |=
+            UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        prm.datatype = ucp_dt_make_iov();
+        prm.memory_type = UCS_MEMORY_TYPE_HOST;
+        prm.flags |= UCP_AM_SEND_FLAG_RNDV;
+        buf = u->iov;
+        len = u->niov;
+    }
     u->c = c;
     c->outstanding++;
     inflight_add(1);
@@ -663,7 +690,12 @@ static int am_send(peer_conn_t *c, unsigned id, const void *hdr,
         inflight_add(-1);
         return KVX_ERR_PEER_GONE;
     }
-    c->bytes_sent += hdr_len + len;
+    if (!r && kvxd_defer(send_done_later, u)) { /* done at once */
+        c->outstanding--;
+        inflight_add(-1);
+        return KVX_ERR_NOMEM;
+    }
+    c->bytes_sent += hdr_len + (u->niov ? u->len : len);
     return 0;
 }
 
@@ -820,7 +852,8 @@ static void data_start(peer_conn_t *c)
             if (!c->lane_inflight[lane]++)
                 c->lane_moved_ms[lane] = now_ms();
             lane_send((unsigned)lane, c->out_lep[lane], u->buf, u->hdr_len,
-                      u->data, u->len, u);
+                      u->data, u->len, (const ucp_dt_iov_t *)u->iov, u->niov,
+                      u);
             c->bytes_sent += u->hdr_len + u->len;
             continue;
         }
@@ -842,8 +875,8 @@ static void data_start(peer_conn_t *c)
     }
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
-                   const void *buf, size_t len,
+int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
+                   size_t len, const peer_iov_t *iov, size_t niov,
                    void (*done)(void *arg, int status), void *arg)
 {
     if (!c || c->state != CONN_READY)
@@ -877,6 +910,8 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
     u->hdr_len = hl;
     u->data = buf;
     u->len = len;
+    u->iov = niov ? iov : NULL;
+    u->niov = niov;
     u->is_data = 1;
     u->keyed = c->peer_lanes != 0;
     u->done = done;
@@ -1296,6 +1331,12 @@ void peer_token(const char *instance, const char *addr0, uint64_t request,
     memcpy(out, mac, 16);
 }
 int peer_conn_alive(const peer_conn_t *c) { return c->state != CONN_LOST; }
+
+int peer_conn_lanes(const peer_conn_t *c)
+{
+    return c->state == CONN_READY && c->peer_lanes && lanes_count() &&
+           !c->lanes_off;
+}
 
 /* A new handshake socket. At HS_PENDING_MAX open, the oldest goes: a
  * stranger holding sockets open cannot keep daemons out, whose

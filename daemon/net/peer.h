@@ -67,15 +67,26 @@ int peer_conn_alive(const peer_conn_t *c);
 /* Send a control message; queued until the connection is authenticated.
  * 0, or an error (the connection is lost). */
 int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m);
+/* A place data is sent from or received into (UCX's ucp_dt_iov_t, by
+ * this name); host memory. */
+typedef struct peer_iov {
+    void *buf;
+    size_t len;
+} peer_iov_t;
+
 /* Send a piece of a slot: hdr (a PeerData) as the header, buf[0..len) as
- * the data; queued while peer.send_window sends are in flight. 0: then
- * done(arg, status) runs on the loop once buf may be reused (status 0 or
- * a kvx_status_t), always, also when the connection fails (it may run
- * before this returns). hdr is a DATA message (else KVX_ERR_INVALID).
- * An error: not sent, done never runs. */
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
-                   const void *buf, size_t len,
+ * the data, or, when niov > 0, the niov places of iov in host memory
+ * (adding up to len, in order; UCX reads them, no copy before); queued
+ * while peer.send_window sends are in flight. 0: then done(arg, status)
+ * runs on the loop once buf (or iov and its places) may be reused
+ * (status 0 or a kvx_status_t), always, also when the connection fails
+ * (it may run before this returns). hdr is a DATA message (else
+ * KVX_ERR_INVALID). An error: not sent, done never runs. */
+int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
+                   size_t len, const peer_iov_t *iov, size_t niov,
                    void (*done)(void *arg, int status), void *arg);
+/* Whether slot data to c goes over lanes now (peer.lanes, both sides). */
+int peer_conn_lanes(const peer_conn_t *c);
 
 /* Register and unregister memory UCX moves often (staging slots). */
 void *peer_mem_map(void *addr, size_t len);
@@ -104,11 +115,6 @@ void peer_on_msg(int m_case, peer_msg_cb cb);
 typedef int (*peer_lost_cb)(peer_conn_t *c, int code, const char *msg);
 void peer_on_lost(peer_lost_cb cb);
 
-/* A place data is received into (UCX's ucp_dt_iov_t, by this name). */
-typedef struct peer_iov {
-    void *buf;
-    size_t len;
-} peer_iov_t;
 /* The slot data path (remote). */
 typedef struct peer_data_ops {
     /* where the data of d goes (len bytes): its place in a slot, or NULL

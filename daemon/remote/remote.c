@@ -118,10 +118,16 @@ typedef struct slot {
      * runs on the loop once all of piece k is back */
     uint32_t jpp;
     uint8_t piece_jobs[MAX_PIECES];
-    /* receive: pieces UCX writes straight into the destination blocks
-     * (peer.direct), each with its places, freed when it is in */
+    /* pieces UCX writes straight into the destination blocks (receive)
+     * or reads straight from the source blocks (send) (peer.direct),
+     * each with its places, freed when UCX gives the piece back */
     uint64_t direct;
     peer_iov_t *iov[MAX_PIECES];
+    /* send: what a piece sent from its places is called back with */
+    struct piece_ref {
+        struct slot *x;
+        uint32_t k;
+    } ref[MAX_PIECES];
     copy_job_t jobs[SLOT_JOBS];
     void (*piece_done)(struct slot *x, uint32_t k);
     list_t free_node; /* on its slots' free list while free */
@@ -292,7 +298,8 @@ static void serve_pulls(void);
 /* Status: where the slots' time went (Kvxfer__SlotTimes, summed). */
 typedef struct slot_times {
     uint64_t slots, bytes, wait_ns, wire_ns, copy_ns;
-    uint64_t direct; /* received: pieces not scattered (peer.direct) */
+    uint64_t direct; /* pieces not scattered (received) or not gathered
+                      * (sent): UCX had their places (peer.direct) */
     uint64_t lag_ns; /* of copy: a piece's copy finished until the loop
                       * took it up (busy with UCX, clients, ...) */
     uint64_t ahead;  /* sent: slots a PULL found gathered ahead */
@@ -360,6 +367,8 @@ static int slots_init(slots_t *s, const char *what, slot_times_t *st,
         s->v[i].mem = s->mem + (size_t)i * kvxd.conf.slot_bytes;
         s->v[i].idx = i;
         s->v[i].st = st;
+        for (uint32_t k = 0; k < MAX_PIECES; k++)
+            s->v[i].ref[k] = (struct piece_ref){&s->v[i], k};
         list_push(&s->free, &s->v[i].free_node);
     }
     s->nfree = n;
@@ -385,6 +394,11 @@ static int slots_pin(slots_t *s, int device, char *why, size_t why_len)
 
 static void slots_cleanup(slots_t *s)
 {
+    /* places of pieces UCX never gave back (a shutdown drops the lanes'
+     * events) */
+    for (uint32_t i = 0; s->v && i < remote_slots(); i++)
+        for (uint32_t k = 0; k < MAX_PIECES; k++)
+            free(s->v[i].iov[k]);
     if (s->pinned)
         gpu_host_unregister(s->mem);
     peer_mem_unmap(s->memh);
@@ -420,7 +434,7 @@ static void slot_put(slots_t *s, slot_t *x)
     x->pulled = x->ahead = 0;
     x->ready = x->gather_ns = 0;
     x->status = 0;
-    assert(!x->direct); /* every piece's places went when it came in */
+    assert(!x->direct); /* every piece's places went when UCX was done */
     list_push(s->free.next, &x->free_node); /* first */
     assert(s->nfree < remote_slots());
     s->nfree++;
@@ -971,19 +985,20 @@ static int place_add(void *arg, uint8_t *a, uint64_t len, uint32_t region)
     return 0;
 }
 
-/* Piece k of x (to the pool of part p) received straight into its
- * places, or 0: a GPU pool, peer.direct off, runs shorter than
- * DIRECT_MIN_RUN on average, or no memory. Its places go in x->iov[k]. */
+/* The places of piece k of x in a host pool, in the order the piece
+ * packs them: plan's destination runs (gather 0: received straight into
+ * them) or its source runs (gather 1: sent straight from them). Their
+ * count, or 0: runs shorter than DIRECT_MIN_RUN on average, or no
+ * memory (the slot and a copy instead). They go in x->iov[k]. */
 #define DIRECT_MIN_RUN 2048u
-static uint32_t piece_places(slot_t *x, uint32_t k, genpart_t *p)
+static uint32_t piece_places(slot_t *x, uint32_t k, const plan_t *plan,
+                             int gather)
 {
-    if (!direct_on || xfer_part_pool(p)->gpu)
-        return 0;
     places_t w = {.cap = (uint32_t)(x->pc[k].len / DIRECT_MIN_RUN + 1)};
     if (!(w.v = malloc(w.cap * sizeof(*w.v))))
         return 0;
-    if (plan_runs_packed(xfer_part_plan(p), x->pc[k].u0, x->pc[k].u1, 0,
-                         place_add, &w) ||
+    if (plan_runs_packed(plan, x->pc[k].u0, x->pc[k].u1, gather, place_add,
+                         &w) ||
         !w.n) {
         free(w.v);
         return 0;
@@ -1032,8 +1047,10 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
     x->got |= 1ull << k;
     x->landing++;
     /* only where the caller can take places (a lane: the unpack runs on
-     * its thread, and its stall check bounds the fence) */
-    uint32_t n = iov && niov ? piece_places(x, (uint32_t)k, r->part) : 0;
+     * its thread, and its stall check bounds the fence), and a host pool */
+    uint32_t n = iov && niov && direct_on && !xfer_part_pool(r->part)->gpu
+                     ? piece_places(x, (uint32_t)k, xfer_part_plan(r->part), 0)
+                     : 0;
     if (n) {
         /* the fence: the request does not end while UCX writes its
          * blocks (released through scatter_done(), or below) */
@@ -1046,8 +1063,9 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
     return x->mem + x->pc[k].off;
 }
 
-/* Piece k, received straight into the blocks, is in (or failed): its
- * places go. 1 if it was such a piece. */
+/* Piece k, received straight into the blocks or sent straight from them,
+ * is back from UCX (done or failed): its places go. 1 if it was such a
+ * piece. */
 static int direct_in(slot_t *x, uint32_t k)
 {
     if (!(x->direct & (1ull << k)))
@@ -1550,8 +1568,25 @@ static void on_sent(void *arg, int status)
     sslot_release(x);
 }
 
-/* Send piece k of x to the receiver's slot. */
-static void piece_send(slot_t *x, uint32_t k)
+static void piece_gathered(slot_t *x);
+
+/* A piece sent from its places in the pool is back from UCX (status: a
+ * failed send fails the connection, which ends s): only now is it
+ * gathered, and the offer's fence may let go of its memory. */
+static void on_sent_direct(void *arg, int status)
+{
+    (void)status;
+    struct piece_ref *ref = arg;
+    slot_t *x = ref->x;
+    direct_in(x, ref->k);
+    x->sends_left--;
+    piece_gathered(x); /* x->pending counted it: x stays till here */
+}
+
+/* Send piece k of x to the receiver's slot: from the slot, or, niov > 0,
+ * from its places x->iov[k] in the pool (peer.direct; x->pending counts
+ * the piece until UCX gives it back). */
+static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
 {
     sstream_t *s = x->owner;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
@@ -1569,8 +1604,16 @@ static void piece_send(slot_t *x, uint32_t k)
      * (x->pending still counts this piece, or sends_left another) */
     x->sends_left++;
     peer_conn_t *c = conn_live(s->conn);
-    if (!c ||
-        peer_send_data(c, &m, x->mem + d.offset, x->pc[k].len, on_sent, x))
+    if (niov) {
+        if (c && !peer_send_data(c, &m, NULL, x->pc[k].len, x->iov[k], niov,
+                                 on_sent_direct, &x->ref[k]))
+            return;
+        /* the connection is gone: never called back */
+        on_sent_direct(&x->ref[k], KVX_ERR_PEER_GONE);
+        return;
+    }
+    if (!c || peer_send_data(c, &m, x->mem + d.offset, x->pc[k].len, NULL, 0,
+                             on_sent, x))
         x->sends_left--; /* the connection is gone: never called back */
 }
 
@@ -1585,10 +1628,19 @@ static void gather_done(slot_t *x, uint32_t k)
     sstream_t *s = x->owner;
     if (!x->status && !s->ended) {
         if (x->pulled)
-            piece_send(x, k);
+            piece_send(x, k, 0);
         else
             x->ready |= 1ull << k;
     }
+    piece_gathered(x);
+}
+
+/* One piece of send slot x less to gather (or to send from its places):
+ * after the last, the offer's memory is no longer read. */
+static void piece_gathered(slot_t *x)
+{
+    sstream_t *s = x->owner;
+    assert(x->pending > 0);
     if (--x->pending)
         return;
     /* every piece is gathered: the offer's memory is no longer read */
@@ -1673,7 +1725,10 @@ static void ahead_drop(sstream_t *s, slot_t *x)
         }
 }
 
-/* Start the gather of x's pieces (x: owner, units and bytes set). */
+/* Start the gather of x's pieces (x: owner, units and bytes set). A
+ * pulled slot of a host pool sends pieces whose runs are long straight
+ * from the pool (peer.direct, over lanes only, whose stall check bounds
+ * how long the fence waits for UCX): "gathered" when UCX is done. */
 static void slot_gather(sstream_t *s, slot_t *x)
 {
     s->gathers++;
@@ -1682,8 +1737,21 @@ static void slot_gather(sstream_t *s, slot_t *x)
     x->t_stage = now_ns();
     slot_cut(x, s->plan, remote_message_bytes());
     x->piece_done = gather_done;
-    for (uint32_t k = 0; k < x->npieces; k++)
-        piece_copy(x, k, s->plan, s->gpu, 1);
+    peer_conn_t *c = conn_live(s->conn);
+    int direct = direct_on && !s->gpu && x->pulled && c && peer_conn_lanes(c);
+    x->pending++; /* x stays while sends fail at once */
+    for (uint32_t k = 0; k < x->npieces; k++) {
+        uint32_t n = direct ? piece_places(x, k, s->plan, 1) : 0;
+        if (!n) {
+            piece_copy(x, k, s->plan, s->gpu, 1);
+            continue;
+        }
+        x->pending++;
+        x->direct |= 1ull << k;
+        st_tx.direct++;
+        piece_send(x, k, n);
+    }
+    piece_gathered(x);
 }
 
 /* While no PULL waits for a slot and more than one is free, gather the
@@ -1735,7 +1803,7 @@ static int ahead_take(sstream_t *s, uint32_t slot, uint64_t u0, uint64_t u1)
         x->pending++; /* a send failing at once must not release x */
         for (uint32_t k = 0; k < x->npieces; k++)
             if (x->ready & (1ull << k))
-                piece_send(x, k);
+                piece_send(x, k, 0);
         x->ready = 0;
         assert(x->pending > 0);
         x->pending--;
@@ -1751,8 +1819,26 @@ static int ahead_take(sstream_t *s, uint32_t slot, uint64_t u0, uint64_t u1)
 }
 
 /* Start queued pulls whose source is published, while send slots last;
- * then let the streams served gather ahead. */
+ * then let the streams served gather ahead. A slot that goes back while
+ * it runs (a send failing at once) calls it again: that call is made
+ * after this one, not inside it, which walks the pulls. */
+static void serve_pulls_once(void);
 static void serve_pulls(void)
+{
+    static int serving, again;
+    if (serving) {
+        again = 1;
+        return;
+    }
+    serving = 1;
+    do {
+        again = 0;
+        serve_pulls_once();
+    } while (again);
+    serving = 0;
+}
+
+static void serve_pulls_once(void)
 {
     sstream_t *served[16];
     uint32_t nserved = 0;
@@ -2016,6 +2102,23 @@ static void done_notes_tick(uint64_t now)
 
 /* ---- either side ------------------------------------------------------- */
 
+/* Whether a piece of s is still being copied into a send slot. Pieces
+ * sent from their places count as gathered only once UCX gives them
+ * back, and that may come after the receiver's END (the rendezvous is
+ * done on its side first): those do not count here. */
+static int stream_copying(const sstream_t *s)
+{
+    if (!s->gathers)
+        return 0;
+    for (uint32_t i = 0; i < remote_slots(); i++) {
+        const slot_t *x = &sslots.v[i];
+        if (x->owner == s && x->state != SLOT_FREE &&
+            x->pending > (uint32_t)__builtin_popcountll(x->direct))
+            return 1;
+    }
+    return 0;
+}
+
 static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
 {
     /* to S: the generation side is done with stream e->stream */
@@ -2023,10 +2126,11 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
     if (s && s->conn == peer_conn_id(c) && !s->ended) {
         offer_t *o = s->offer;
         /* every unit is gathered before it is sent, so a receiver that
-         * has them all finds no gather of the stream left: one that says
+         * has them all finds no copy of the stream left: one that says
          * done earlier is wrong, and the offer ends with an error (its
-         * fence still waits for those gathers) */
-        int early = e->code == 0 && s->gathers;
+         * fence still waits for those gathers, and for UCX's sends from
+         * the pool) */
+        int early = e->code == 0 && stream_copying(s);
         sstream_end(s);
         if (!o) {
             serve_pulls(); /* its slots gathered ahead are free */

@@ -83,6 +83,10 @@ peer_conn_t *peer_conn_find(uint64_t id)
     return id == 1 ? &fake : NULL;
 }
 int peer_conn_alive(const peer_conn_t *c) { return c->alive; }
+int peer_conn_lanes(const peer_conn_t *c)
+{
+    return c->alive;
+}
 int peer_address_check(const char *address, char *why, size_t why_len)
 {
     (void)why;
@@ -131,12 +135,14 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     return 0;
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr,
-                   const void *buf, size_t len,
+int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
+                   size_t len, const peer_iov_t *iov, size_t niov,
                    void (*done)(void *arg, int status), void *arg)
 {
     (void)buf;
     (void)len;
+    (void)iov;
+    (void)niov;
     if (!c->alive || nsent == sizeof(sent) / sizeof(sent[0]))
         return KVX_ERR_PEER_GONE;
     must_pack(hdr);

@@ -434,6 +434,12 @@ static long long p_direct(daemon_t *d)
     return p_slot_count(d, "received", "direct");
 }
 
+/* Pieces d sent straight from its pools (peer.direct), not gathered. */
+static __attribute__((unused)) long long p_direct_sent(daemon_t *d)
+{
+    return p_slot_count(d, "sent", "direct");
+}
+
 /* Every slot of d, both directions, comes back free (within 2 s of the
  * last transfer's end): none is leaked. */
 static void p_slots_all_free(daemon_t *d)

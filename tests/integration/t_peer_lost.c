@@ -443,9 +443,13 @@ TEST_T(peer_cancel_mid_transfer, 90)
     pl_t *x = pl_start();
     pl_cancel_half_each(x);
     /* the fence held for pieces UCX wrote into the blocks themselves */
-    fprintf(stderr, "pieces B received straight into its blocks: %lld\n",
-            p_direct(x->b));
+    fprintf(stderr,
+            "pieces B received straight into its blocks: %lld, A "
+            "sent straight from its blocks: %lld\n",
+            p_direct(x->b), p_direct_sent(x->a));
     CHECK(p_direct(x->b) > 0);
+    /* and A's fence held for pieces UCX read from its blocks */
+    CHECK(p_direct_sent(x->a) > 0);
     p_slots_all_free(x->a);
     p_slots_all_free(x->b);
     pl_finish(x);

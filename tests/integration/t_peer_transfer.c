@@ -139,10 +139,11 @@ TEST_T(peer_slot_in_pieces, 90)
 
 /* peer.direct 1: a piece whose destination runs average 2 KiB or more
  * is received by UCX straight into the generation pool (an iov of its
- * runs), with no scatter after; one of shorter runs (trtllm: a row a
- * run) goes through the slot; a daemon with peer.direct 0 always
- * scatters. (The default, 2, is 1 with fewer than 4 CPUs.) Every byte checked
- * each way, every slot back. */
+ * runs), with no scatter after, and one whose source runs do is sent
+ * straight from the context pool, with no gather before; one of shorter
+ * runs (trtllm: a row a run) goes through the slot; a daemon with
+ * peer.direct 0 always gathers and scatters. (The default, 2, is 1 with
+ * fewer than 4 CPUs.) Every byte checked each way, every slot back. */
 TEST_T(peer_direct_receive, 90)
 {
     p_setup();
@@ -155,6 +156,9 @@ TEST_T(peer_direct_receive, 90)
         .inst = "pd-gen", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
     xfer_case2(a, b, &M_8K, &c, &g, 4, 300, 0); /* B: off */
     CHECK_EQ(p_direct(b), 0);
+    long long sent = p_direct_sent(a); /* A: on */
+    fprintf(stderr, "pieces A sent straight from its blocks: %lld\n", sent);
+    CHECK(sent > 0);
     side_t c2 = c, g2 = g;
     c2.inst = "pd-ctx2";
     g2.inst = "pd-gen2";
@@ -168,6 +172,13 @@ TEST_T(peer_direct_receive, 90)
     c2.inst = "pd-ctx3";
     xfer_case2(b, a, &M_8K, &c2, &g3, 3, 300, 0);
     CHECK_EQ(p_direct(a), n);
+    CHECK_EQ(p_direct_sent(b), 0); /* B: off */
+    /* trtllm rows on A's side as the source: gathered */
+    side_t c4 = {
+        .inst = "pd-ctx4", .tp = 1, .pp = 1, .preset = "trtllm", .tpb = 16};
+    g2.inst = "pd-gen4";
+    xfer_case2(a, b, &M_8K, &c4, &g2, 3, 300, 0);
+    CHECK_EQ(p_direct_sent(a), sent);
     p_sent_is_received(a, b);
     p_sent_is_received(b, a);
     p_slots_all_free(a);
@@ -798,16 +809,23 @@ TEST_T(peer_lanes_refused, 90)
     setenv("KVXFERD_FAULT", "lanes:1", 1);
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
     unsetenv("KVXFERD_FAULT");
-    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    daemon_t *b = p_daemon(1, P_SECRET, "  direct: 1\n", NULL);
+    /* first vllm-nhd (16 KiB runs) both sides: B sends its pieces from
+     * its pool (peer.direct 1), over the lanes it thinks up */
+    side_t c0 = {
+        .inst = "plr-ctx0", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    side_t g0 = {
+        .inst = "plr-gen0", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
+    xfer_case2(b, a, &M_8K, &c0, &g0, 2, 300, 0);
+    CHECK(log_wait(b,
+                   "before any data went over it; slot data to it goes "
+                   "over the connection itself",
+                   2000));
     side_t c = {
         .inst = "plr-ctx", .tp = 1, .pp = 1, .preset = "vllm-nhd", .tpb = 16};
     side_t g = {
         .inst = "plr-gen", .tp = 2, .pp = 1, .preset = "trtllm", .tpb = 8};
     xfer_case2(b, a, &M_8K, &c, &g, 4, 300, 0);
-    CHECK(log_wait(b,
-                   "before any data went over it; slot data to it goes "
-                   "over the connection itself",
-                   2000));
     side_t c2 = {
         .inst = "plr-ctx2", .tp = 1, .pp = 1, .preset = "vllm-hnd", .tpb = 16};
     side_t g2 = {
@@ -819,6 +837,12 @@ TEST_T(peer_lanes_refused, 90)
     CHECK_EQ(json_num(pb, "errors"), 0);
     CHECK_STR_CONTAINS(pb, "\"state\":\"connected\"");
     free(pb);
+    /* B sent its first pieces from its pool, as the lanes were thought
+     * up: those failed sends went again over the connection, from the
+     * same places (verified above, byte for byte) */
+    long long sent = p_direct_sent(b);
+    fprintf(stderr, "pieces B sent straight from its blocks: %lld\n", sent);
+    CHECK(sent > 0);
     p_stop_both(a, b);
 }
 
