@@ -112,6 +112,11 @@ struct peer_conn {
      * order (each counted in outstanding) */
     struct ureq *dq_head, *dq_tail;
     uint32_t data_inflight;
+    /* of those, sent on the connection's own endpoint (not a lane), and
+     * since when none has come back: the same keep-alive as the lanes',
+     * which bounds how long a piece sent from a pool holds its fence */
+    uint32_t conn_data_inflight;
+    uint64_t conn_data_moved_ms;
     /* lanes: the keys of its DATA to us (rx) and ours to it (tx),
      * derived at authentication; our id of the connection (told in
      * PeerUcx) and its; its lanes' worker addresses; our endpoints to its lanes
@@ -179,6 +184,7 @@ static struct {
     uv_idle_t idle;             /* keeps the loop turning: pump() */
     int idle_on;
     int busy_poll;              /* peer.busy_poll, resolved */
+    int stopping;               /* peer_cleanup(): the loop has stopped */
     uint32_t inflight;          /* our UCX requests, every connection */
     int poll_on;
     uint8_t secret[SECRET_MAX];
@@ -630,8 +636,10 @@ static void send_done(ureq_t *u, ucs_status_t status)
         conn_fail(u->c, KVX_ERR_PEER_GONE, "send to %s failed: %s",
                   u->c->address, ucs_status_string(status));
     if (u->is_data) {
-        assert(u->c->data_inflight > 0);
+        assert(u->c->data_inflight > 0 && u->c->conn_data_inflight > 0);
         u->c->data_inflight--;
+        u->c->conn_data_inflight--;
+        u->c->conn_data_moved_ms = now_ms();
         data_start(u->c); /* before ureq_done, which may free c */
     }
     ureq_done(u, status == UCS_OK ? 0 : KVX_ERR_PEER_GONE);
@@ -680,6 +688,9 @@ static int am_send(peer_conn_t *c, unsigned id, const void *hdr,
         buf = u->iov;
         len = u->niov;
     }
+    /* u may be freed inside the call (NO_IMM_CMPL: UCX calls back
+     * before returning a send done at once) */
+    size_t bytes = hdr_len + (u->niov ? u->len : len);
     u->c = c;
     c->outstanding++;
     inflight_add(1);
@@ -695,7 +706,7 @@ static int am_send(peer_conn_t *c, unsigned id, const void *hdr,
         inflight_add(-1);
         return KVX_ERR_NOMEM;
     }
-    c->bytes_sent += hdr_len + (u->niov ? u->len : len);
+    c->bytes_sent += bytes;
     return 0;
 }
 
@@ -860,9 +871,13 @@ static void data_start(peer_conn_t *c)
         u->on_lane = 0;
         data_pack(u);
         c->outstanding--; /* am_send counts it again */
+        /* counted first: UCX may call back inside am_send */
+        if (!c->conn_data_inflight++)
+            c->conn_data_moved_ms = now_ms();
         if (am_send(c, AM_DATA, u->buf, u->hdr_len, u->data, u->len, u)) {
             assert(c->data_inflight > 0);
             c->data_inflight--;
+            c->conn_data_inflight--;
             c->outstanding++;
             u->next = c->dq_head; /* conn_fail gives it back with the rest */
             c->dq_head = u;
@@ -1018,6 +1033,27 @@ static void flush_lost(void *arg)
     peer_flush_lost();
 }
 
+/* c's queued slot sends, never started, back to their owners. */
+static void dq_give_back(peer_conn_t *c)
+{
+    while (c->dq_head) {
+        ureq_t *u = c->dq_head;
+        c->dq_head = u->next;
+        if (u->done)
+            u->done(u->arg, KVX_ERR_PEER_GONE);
+        free(u->buf);
+        free(u);
+        c->outstanding--;
+    }
+    c->dq_tail = NULL;
+}
+
+static void dq_give_back_later(void *arg)
+{
+    dq_give_back(arg);
+    conn_try_free(arg);
+}
+
 static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
 {
     if (c->state == CONN_LOST)
@@ -1044,18 +1080,15 @@ static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
         free(q);
     }
     c->q_tail = NULL;
-    /* queued slot sends never started: their owners get them back (c
-     * stays: its endpoint is not closed yet, so it cannot be freed) */
-    while (c->dq_head) {
-        ureq_t *u = c->dq_head;
-        c->dq_head = u->next;
-        if (u->done)
-            u->done(u->arg, KVX_ERR_PEER_GONE);
-        free(u->buf);
-        free(u);
-        c->outstanding--;
-    }
-    c->dq_tail = NULL;
+    /* queued slot sends never started: their owners get them back from
+     * the loop's next turn, never inside this call, whose caller (a send)
+     * may still use what a give-back ends (a piece sent from a pool
+     * releases its offer's fence); c stays meanwhile (each still counts
+     * in outstanding). The loop stopped (peer_cleanup()), or out of
+     * memory: now. */
+    if (c->dq_head &&
+        (P.stopping || !P.poll_on || kvxd_defer(dq_give_back_later, c)))
+        dq_give_back(c);
     /* an incoming connection that never authenticated carries nothing,
      * and the address it claimed is unproven: it ends no transfer.
      * remote.c hears of the loss from the loop's next turn, never from
@@ -2291,13 +2324,16 @@ err_ctx:
 
 int peer_enabled(void) { return P.on; }
 
-/* The lanes' keep-alive: a lane of c that carried data and has had
+/* The data's keep-alive: a lane of c that carried data and has had
  * sends out with none back for peer.keepalive_timeout_ms, or c's data
- * coming in over our lanes with no receive back as long: lost, like a
- * peer silent on the connection (a lane's TCP may stall where the
- * connection's does not). 1 with why, or 0. */
-static int lanes_stalled(const peer_conn_t *c, uint64_t now, char *why,
-                         size_t len)
+ * coming in over our lanes with no receive back as long, or slot data
+ * sent on c's own endpoint with none back as long: lost, like a peer
+ * silent on the connection (a lane's TCP may stall where the
+ * connection's does not, and a PONG gets through where a rendezvous
+ * does not). It bounds how long a fence waits for UCX. 1 with why, or
+ * 0. */
+static int data_stalled(const peer_conn_t *c, uint64_t now, char *why,
+                        size_t len)
 {
     uint64_t t = kvxd.conf.keepalive_timeout_ms;
     for (unsigned i = 0; i < LANES_MAX; i++)
@@ -2311,6 +2347,11 @@ static int lanes_stalled(const peer_conn_t *c, uint64_t now, char *why,
     if (c->lane_rx_inflight && now >= c->lane_rx_moved_ms + t) {
         snprintf(why, len, "lane data from %s: nothing arrived for %llu ms",
                  c->address, (unsigned long long)(now - c->lane_rx_moved_ms));
+        return 1;
+    }
+    if (c->conn_data_inflight && now >= c->conn_data_moved_ms + t) {
+        snprintf(why, len, "slot data to %s: nothing sent for %llu ms",
+                 c->address, (unsigned long long)(now - c->conn_data_moved_ms));
         return 1;
     }
     return 0;
@@ -2360,7 +2401,7 @@ void peer_tick(uint64_t now)
                 lanes_off(c, i, "gave no answer within "
                                 "peer.connect_timeout_ms");
         char stall[300];
-        if (lanes_stalled(c, now, stall, sizeof(stall))) {
+        if (data_stalled(c, now, stall, sizeof(stall))) {
             conn_fail(c, KVX_ERR_PEER_GONE, "%s (peer.keepalive_timeout_ms "
                                             "%u)",
                       stall, kvxd.conf.keepalive_timeout_ms);
@@ -2398,9 +2439,12 @@ void peer_cleanup(void)
 {
     if (!P.on)
         return;
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    P.stopping = 1;
+    for (peer_conn_t *c = P.conns; c; c = c->next) {
         if (c->state != CONN_LOST)
             conn_fail(c, KVX_ERR_SHUTDOWN, "daemon exiting");
+        dq_give_back(c); /* a give-back queued for the loop's next turn */
+    }
     peer_flush_lost(); /* the loop has stopped: now */
     for (peer_conn_t *c = P.conns; c; c = c->next)
         conn_close_ep(c);

@@ -36,7 +36,11 @@
  *                        or a kernel writing the pinned slot) and sent the
  *                        moment it is (gather_done; peer.c keeps
  *                        peer.send_window messages in flight); the last
- *                        one back frees the slot (on_sent, sslot_release)
+ *                        one back frees the slot (on_sent, sslot_release).
+ *                        peer.direct: a piece whose source runs are long
+ *                        is not gathered but sent by UCX from an iov of
+ *                        them (slot_gather, piece_places), and counts as
+ *                        gathered when UCX gives it back (on_sent_direct)
  *   ahead_fill()/ahead_take()
  *                        peer.gather_ahead: free send slots gather the
  *                        units of a stream's next PULLs (cut as the
@@ -52,8 +56,9 @@
  * are counted in the request, which xfer does not finalize before they
  * are back. A direct receive holds its request's fence from the moment
  * its places are handed to UCX (remote_data_target) until UCX gives it
- * back, done or failed (remote_on_data); every other receive and every
- * send touch only slots, daemon memory.
+ * back, done or failed (remote_on_data); a direct send counts as a
+ * gather until UCX gives it back (on_sent_direct). Every other receive
+ * and send touches only slots, daemon memory.
  */
 #include <assert.h>
 #include <stdarg.h>
@@ -1605,11 +1610,16 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
     x->sends_left++;
     peer_conn_t *c = conn_live(s->conn);
     if (niov) {
-        if (c && !peer_send_data(c, &m, NULL, x->pc[k].len, x->iov[k], niov,
-                                 on_sent_direct, &x->ref[k]))
+        int rc = c ? peer_send_data(c, &m, NULL, x->pc[k].len, x->iov[k], niov,
+                                    on_sent_direct, &x->ref[k])
+                   : KVX_ERR_PEER_GONE;
+        if (!rc)
             return;
-        /* the connection is gone: never called back */
-        on_sent_direct(&x->ref[k], KVX_ERR_PEER_GONE);
+        /* never called back: not sent. With the connection still up (no
+         * memory) the stream ends with the error, as a failed gather */
+        if (c && peer_conn_alive(c) && !x->status)
+            x->status = rc;
+        on_sent_direct(&x->ref[k], rc);
         return;
     }
     if (!c || peer_send_data(c, &m, x->mem + d.offset, x->pc[k].len, NULL, 0,

@@ -838,8 +838,9 @@ TEST_T(peer_lanes_refused, 90)
     CHECK_STR_CONTAINS(pb, "\"state\":\"connected\"");
     free(pb);
     /* B sent its first pieces from its pool, as the lanes were thought
-     * up: those failed sends went again over the connection, from the
-     * same places (verified above, byte for byte) */
+     * up; no lane ever carried data (lanes 0, the log line above), so
+     * those sends went again over the connection, from the same places
+     * (verified above, byte for byte) */
     long long sent = p_direct_sent(b);
     fprintf(stderr, "pieces B sent straight from its blocks: %lld\n", sent);
     CHECK(sent > 0);
@@ -857,13 +858,17 @@ TEST_T(peer_lanes_refused, 90)
 TEST_T(peer_lane_stalled, 90)
 {
     p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *a = p_daemon(0, P_SECRET, "  direct: 1\n", NULL);
     setenv("KVXFERD_FAULT", "lane_hold:3", 1);
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
     unsetenv("KVXFERD_FAULT");
     side_t cs, gs;
     rank_t c, g;
-    p_pair(a, b, &cs, &gs, "pls-ctx", "pls-gen", &c, &g);
+    /* M_8K: runs of 3-4 KiB, so A sends each piece from its pool */
+    p_side(&cs, "pls-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(&gs, "pls-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_open(a, &M_8K, &cs, 0, 8, &c);
+    rank_open(b, &M_8K, &gs, 0, 8, &g);
     /* each request is one piece: the third request's is held */
     uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
     int64_t t0 = now_ms();
@@ -886,8 +891,12 @@ TEST_T(peer_lane_stalled, 90)
         for (n = 0; n == 0 && now_ms() - t0 < 10000;)
             n = collect(c.c, &ce, 1, 1, 10000);
         if (e.kind == KVX_EVENT_ERROR) {
-            fprintf(stderr, "request %llu: %s (%lld ms)\n",
-                    (unsigned long long)q, e.msg, (long long)(now_ms() - t0));
+            fprintf(stderr, "request %llu: %s (%lld ms); context side: %s\n",
+                    (unsigned long long)q, e.msg, (long long)(now_ms() - t0),
+                    n ? ce.msg : "(no event)");
+            /* the offer ended: its fence let go of the piece UCX held */
+            CHECK_EQ(n, 1);
+            CHECK_EQ(ce.req, q);
             CHECK_EQ(e.code, KVX_ERR_PEER_GONE);
             CHECK(now_ms() - t0 <= P_BOUND_MS + 500);
             ended_error = 1;
@@ -898,6 +907,12 @@ TEST_T(peer_lane_stalled, 90)
     }
     CHECK(ended_error);
     CHECK(log_wait(a, "nothing sent for", 2000));
+    /* A sent from its pool (peer.direct 1): the held piece's fence was
+     * let go when the stalled lane failed (the context side's event came,
+     * above) */
+    long long sent = p_direct_sent(a);
+    fprintf(stderr, "pieces A sent straight from its blocks: %lld\n", sent);
+    CHECK(sent >= 3);
     /* a new connection carries the next one */
     uint32_t cb2[2] = {4, 5}, gb2[2] = {6, 7};
     p_one(&c, &g, 50, cb2, gb2, 2, 7, 8000);
