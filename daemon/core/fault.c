@@ -7,9 +7,8 @@
 #include "kvxfer.h"
 #include "log.h"
 
-static const char *const names[FAULT_NSITES] = {"gather", "scatter",
-                                                "batch", "lanes",
-                                                "lane_hold"};
+static const char *const names[FAULT_NSITES] = {
+    "gather", "scatter", "batch", "lanes", "lane_hold", "conn_hold"};
 static unsigned long when[FAULT_NSITES]; /* 0: never */
 static unsigned long seen[FAULT_NSITES];
 
@@ -36,9 +35,12 @@ int fault_init(char *why, size_t why_len)
                 site = i;
         unsigned long n = colon ? strtoul(colon + 1, &end, 10) : 0;
         if (site < 0 || !n || !end || *end) {
-            snprintf(why, why_len, "KVXFERD_FAULT: '%.64s' is not SITE:N "
-                                   "(N >= 1; sites: gather, scatter, batch, lanes, lane_hold)",
-                     t);
+            snprintf(
+                why, why_len,
+                "KVXFERD_FAULT: '%.64s' is not SITE:N "
+                "(N >= 1; sites: gather, scatter, batch, lanes, lane_hold, "
+                "conn_hold)",
+                t);
             return KVX_ERR_INVALID;
         }
         when[site] = n;

@@ -11,6 +11,8 @@
  * firewall that refuses the lanes).
  * lane_hold: the Nth DATA that comes to one of this daemon's lanes is
  * kept there and never answered (a lane whose TCP stalls).
+ * conn_hold: the same for the Nth DATA sent by rendezvous on a
+ * connection's own endpoint (no lanes), while its messages still flow.
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -24,6 +26,7 @@ typedef enum {
     FAULT_BATCH,
     FAULT_LANES,
     FAULT_LANE_HOLD,
+    FAULT_CONN_HOLD,
     FAULT_NSITES
 } fault_site_t;
 

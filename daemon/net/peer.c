@@ -1768,6 +1768,9 @@ static ucs_status_t am_data(void *arg, const void *header, size_t hlen,
     peer_conn_t *c = conn_of(param);
     if (!c || c->state != CONN_READY)
         return UCS_OK;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) &&
+        fault_hit(FAULT_CONN_HOLD))
+        return UCS_INPROGRESS; /* kept, never answered: a stalled send */
     c->bytes_received += hlen + len;
     c->last_seen_ms = now_ms();
     Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, hlen, header);

@@ -921,6 +921,71 @@ TEST_T(peer_lane_stalled, 90)
     p_stop_both(a, b);
 }
 
+/* Slot data on the connection itself stalls (no lanes; KVXFERD_FAULT
+ * conn_hold:2 at B: B keeps the second DATA that comes by rendezvous on
+ * the connection and never answers, while PINGs still flow both ways):
+ * A's data keep-alive (`slot data to ... nothing sent for`) loses the
+ * connection, so the request ends PEER_GONE on both sides within the
+ * keep-alive bound instead of at its fetch timeout (a piece sent from a
+ * pool would hold its offer's fence that long); the next request
+ * completes over a new connection. */
+TEST_T(peer_conn_data_stalled, 90)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, "  lanes: 0\n", NULL);
+    setenv("KVXFERD_FAULT", "conn_hold:2", 1);
+    daemon_t *b = p_daemon(1, P_SECRET, "  lanes: 0\n", NULL);
+    unsetenv("KVXFERD_FAULT");
+    side_t cs, gs;
+    rank_t c, g;
+    p_side(&cs, "pcs-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 16);
+    p_side(&gs, "pcs-gen", KVX_ROLE_GENERATION, "vllm-nhd", 16);
+    rank_open(a, &M_8K, &cs, 0, 40, &c);
+    rank_open(b, &M_8K, &gs, 0, 40, &g);
+    /* 256 tokens of 8 KiB: one 2 MiB piece, sent by rendezvous */
+    uint32_t cb[16], gb[16];
+    for (uint32_t i = 0; i < 16; i++) {
+        cb[i] = i;
+        gb[i] = 20 + i;
+    }
+    int ended_error = 0;
+    for (uint64_t q = 1; q <= 3 && !ended_error; q++) {
+        fill_req(&c, q, cb, 256);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, q, c.pool, cb, 16, 256, &p, T_MS), c.c);
+        CHECK_KVX(kvx_fetch(g.c, q, p.data, p.len, g.pool, gb, 16, 0, T_MS),
+                  g.c);
+        kvx_context_params_free(&p);
+        int64_t t0 = now_ms();
+        ev_t e = {0}, ce = {0};
+        int n = 0;
+        while (n == 0 && now_ms() - t0 < 10000)
+            n = collect(g.c, &e, 1, 1, 10000);
+        CHECK_EQ(n, 1);
+        CHECK_EQ(e.req, q);
+        for (n = 0; n == 0 && now_ms() - t0 < 10000;)
+            n = collect(c.c, &ce, 1, 1, 10000);
+        CHECK_EQ(n, 1);
+        if (e.kind == KVX_EVENT_ERROR) {
+            fprintf(stderr, "request %llu: %s (%lld ms); context side: %s\n",
+                    (unsigned long long)q, e.msg, (long long)(now_ms() - t0),
+                    ce.msg);
+            CHECK_EQ(e.code, KVX_ERR_PEER_GONE);
+            CHECK(now_ms() - t0 <= P_BOUND_MS + 500);
+            ended_error = 1;
+        } else {
+            CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+            CHECK_EQ(p_check_req(&g, q, gb, 256, 0), 0);
+        }
+    }
+    CHECK(ended_error);
+    CHECK(log_wait(a, "slot data to", 2000));
+    p_one(&c, &g, 50, cb, gb, 16, 256, 8000);
+    rank_close(&c);
+    rank_close(&g);
+    p_stop_both(a, b);
+}
+
 /* Released across daemons: the context rank on A, the release sent to B
  * by a router process there (an observer connection): B asks A
  * (PeerRelease) and answers once A did; A's rank gets COMPLETE
