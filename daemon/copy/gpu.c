@@ -44,7 +44,9 @@ static struct {
     int ndev;
     cudaUUID_t uuid[MAX_DEV];
     int used[MAX_DEV];         /* context created: a pool lives here */
-    cudaStream_t stream[MAX_DEV];
+    cudaStream_t stream[MAX_DEV];  /* the copy kernels, in launch order */
+    cudaStream_t ustream[MAX_DEV]; /* plan uploads: not between kernels */
+    int inflight[MAX_DEV];         /* launches not yet seen done (atomic) */
     void *staging[MAX_DEV];    /* device staging, for the cross-node path */
     uint8_t peer[MAX_DEV][MAX_DEV];
     uint64_t launches, imports_legacy, imports_vmm;
@@ -145,11 +147,12 @@ static void pin_put(struct pin_buf *b)
     pthread_mutex_unlock(&pin.mu);
 }
 
-/* After the work queued on d's stream so far: done(arg, status) on the
- * waiter thread, or pin back to the pool. An event and the waiter
- * thread, never a stream callback (it would stall the stream). */
-static cudaError_t waiter_enqueue(int d, gpu_done_cb done, void *arg,
-                                  struct pin_buf *pin)
+/* After the work queued on stream s of device d so far: done(arg,
+ * status) on the waiter thread, or pin back to the pool. An event and the
+ * waiter thread, never a stream callback (it would stall the stream).
+ * The thread takes the items in the order queued, whatever their stream. */
+static cudaError_t waiter_enqueue(int d, cudaStream_t s, gpu_done_cb done,
+                                  void *arg, struct pin_buf *pin)
 {
     struct waiter_thread *w = &wt[d];
     assert(w->inited);
@@ -167,7 +170,7 @@ static cudaError_t waiter_enqueue(int d, gpu_done_cb done, void *arg,
         return cudaErrorMemoryAllocation;
     if (!n)
         list_init(&it->node);
-    cudaError_t e = cudaEventRecord(it->ev, g.stream[d]);
+    cudaError_t e = cudaEventRecord(it->ev, s);
     pthread_mutex_lock(&w->mu);
     if (e == cudaSuccess) {
         it->done = done;
@@ -243,6 +246,7 @@ static void *waiter_main(void *arg)
         if (it->pin) { /* an upload has read its pinned buffer */
             pin_put(it->pin);
         } else {
+            __atomic_sub_fetch(&g.inflight[d], 1, __ATOMIC_RELAXED);
             it->done(it->arg, e == cudaSuccess ? 0 : KVX_ERR_IO);
         }
         pthread_mutex_lock(&w->mu);
@@ -277,6 +281,9 @@ struct gpu_part {
     int device;
     struct pin_buf *pin;  /* the descriptor's pinned copy (upload source) */
     void *dmem;        /* device copy of slices, segs, tables, offsets */
+    cudaEvent_t uploaded; /* after its last upload on the upload stream */
+    int has_event;        /* uploaded was created (on first use) */
+    int unwaited;         /* the kernel stream has not waited for it yet */
     gpu_plan_t plan;   /* with device pointers; passed by value */
     uint32_t nslices;
     size_t *off_sblk; /* each slice's source block table in dmem */
@@ -336,12 +343,28 @@ static int use_device(int d, char *why, size_t why_len)
     if (g.used[d])
         return 0;
     cudaError_t e;
+    cudaMemPool_t mp;
+    /* the plans' device memory (cudaMallocAsync, a few KiB a request)
+     * stays in the pool between requests: by default the pool gives
+     * unused memory back to the driver at each synchronization, and the
+     * next request's allocation maps it again */
+    uint64_t keep = 64ull << 20;
     if (!CU_OK(e = cudaSetDevice(d)) ||
         !CU_OK(e = cudaStreamCreateWithFlags(&g.stream[d],
                                              cudaStreamNonBlocking))) {
         snprintf(why, why_len, "gpu %d: %s", d, cudaGetErrorString(e));
         return KVX_ERR_IO;
     }
+    if (!CU_OK(e = cudaStreamCreateWithFlags(&g.ustream[d],
+                                             cudaStreamNonBlocking))) {
+        snprintf(why, why_len, "gpu %d: %s", d, cudaGetErrorString(e));
+        cudaStreamDestroy(g.stream[d]);
+        return KVX_ERR_IO;
+    }
+    if (!CU_OK(cudaDeviceGetDefaultMemPool(&mp, d)) ||
+        !CU_OK(cudaMemPoolSetAttribute(mp, cudaMemPoolAttrReleaseThreshold,
+                                       &keep)))
+        (void)cudaGetLastError(); /* only slower */
     /* staging for the cross-node path: allocated once, here */
     if (kvxd.conf.gpu_staging_bytes &&
         !CU_OK(cudaMalloc(&g.staging[d], kvxd.conf.gpu_staging_bytes)))
@@ -369,6 +392,7 @@ static int use_device(int d, char *why, size_t why_len)
                  d);
         /* undone, so the next use starts it all again */
         cudaStreamDestroy(g.stream[d]);
+        cudaStreamDestroy(g.ustream[d]);
         if (g.staging[d])
             cudaFree(g.staging[d]);
         g.staging[d] = NULL;
@@ -760,6 +784,37 @@ void gpu_host_unregister(void *base)
     (void)cudaGetLastError();
 }
 
+/* Where a plan's upload goes. While kernels run on device d, on the
+ * upload stream: on the kernel stream it would sit between two launches
+ * (an upload there left the memory system idle 8-17 us between requests,
+ * H200, docs/benchmarks.md), and the part's launch makes the kernel
+ * stream wait for it (part_uploaded, gpu_launch). On an idle device,
+ * on the kernel stream, ahead of the launch: a small request's copy then
+ * waits for no event between streams. */
+static cudaStream_t upload_stream(int d)
+{
+    return __atomic_load_n(&g.inflight[d], __ATOMIC_RELAXED) ? g.ustream[d]
+                                                             : g.stream[d];
+}
+
+/* After an upload queued on stream s: a launch of the part orders itself
+ * after it (gpu_launch). */
+static cudaError_t part_uploaded(gpu_part_t *gp, cudaStream_t s)
+{
+    if (s == g.stream[gp->device]) /* the launches come after it */
+        return cudaSuccess;
+    cudaError_t e = cudaSuccess;
+    if (!gp->has_event &&
+        (e = cudaEventCreateWithFlags(&gp->uploaded, cudaEventDisableTiming)) !=
+            cudaSuccess)
+        return e;
+    gp->has_event = 1;
+    e = cudaEventRecord(gp->uploaded, s);
+    if (e == cudaSuccess)
+        gp->unwaited = 1;
+    return e;
+}
+
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
                     size_t why_len)
 {
@@ -775,7 +830,8 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     gp->device = device;
     cudaError_t e;
     cudaSetDevice(device);
-    if (!CU_OK(e = cudaMallocAsync(&gp->dmem, cap, g.stream[device]))) {
+    cudaStream_t us = upload_stream(device);
+    if (!CU_OK(e = cudaMallocAsync(&gp->dmem, cap, us))) {
         snprintf(why, why_len, "fetch: GPU plan memory: %s",
                  cudaGetErrorString(e));
         if (e != cudaErrorMemoryAllocation)
@@ -787,8 +843,9 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
         goto err_free_dmem;
     gp->nslices = p->nslices;
     /* from pinned memory, so the upload does not synchronize the stream;
-     * the kernels that read it are ordered after it on the same stream,
-     * and the pinned buffer goes back once the upload has run */
+     * the kernels that read it come after it on their stream or wait for
+     * it (upload_stream), and the pinned buffer goes back once the upload
+     * has run */
     gp->pin = pin_get(len ? len : 16);
     if (!gp->pin) {
         snprintf(why, why_len,
@@ -800,8 +857,9 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     }
     memcpy(gp->pin->p, buf, len);
     if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, gp->pin->p, len,
-                                   cudaMemcpyHostToDevice, g.stream[device])) ||
-        !CU_OK(e = waiter_enqueue(device, NULL, NULL, gp->pin))) {
+                                   cudaMemcpyHostToDevice, us)) ||
+        !CU_OK(e = part_uploaded(gp, us)) ||
+        !CU_OK(e = waiter_enqueue(device, us, NULL, NULL, gp->pin))) {
         /* the upload may still read the buffer: leak it, do not reuse */
         snprintf(why, why_len, "fetch: GPU plan upload: %s",
                  cudaGetErrorString(e));
@@ -814,7 +872,9 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     return 0;
 
 err_free_dmem:
-    cudaFreeAsync(gp->dmem, g.stream[device]);
+    cudaFreeAsync(gp->dmem, us);
+    if (gp->has_event)
+        cudaEventDestroy(gp->uploaded);
 err_free:
     free(off_sblk);
     free(buf);
@@ -834,10 +894,13 @@ int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
     memcpy(b->p, blocks, (size_t)n * 4);
     cudaSetDevice(gp->device);
     uint8_t *at = (uint8_t *)gp->dmem + gp->off_sblk[slice] + (size_t)first * 4;
-    cudaError_t e = cudaMemcpyAsync(
-        at, b->p, (size_t)n * 4, cudaMemcpyHostToDevice, g.stream[gp->device]);
+    cudaStream_t us = upload_stream(gp->device);
+    cudaError_t e =
+        cudaMemcpyAsync(at, b->p, (size_t)n * 4, cudaMemcpyHostToDevice, us);
     if (e == cudaSuccess)
-        e = waiter_enqueue(gp->device, NULL, NULL, b);
+        e = part_uploaded(gp, us);
+    if (e == cudaSuccess)
+        e = waiter_enqueue(gp->device, us, NULL, NULL, b);
     if (e != cudaSuccess) { /* the copy may still read it: not reused */
         (void)cudaGetLastError();
         return KVX_ERR_IO;
@@ -849,8 +912,15 @@ void gpu_part_free(gpu_part_t *gp)
 {
     if (!gp)
         return;
-    cudaSetDevice(gp->device);
-    cudaFreeAsync(gp->dmem, g.stream[gp->device]);
+    int d = gp->device;
+    cudaSetDevice(d);
+    /* on the upload stream: the kernels that read it are done, since the
+     * waiter thread has seen each launch's completion before the request
+     * (whose fence counts them) lets its parts go; nothing is recorded on
+     * the kernel stream, which would come between two launches */
+    cudaFreeAsync(gp->dmem, g.ustream[d]);
+    if (gp->has_event)
+        cudaEventDestroy(gp->uploaded);
     free(gp->off_sblk);
     free(gp);
 }
@@ -1146,9 +1216,20 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
                           .packed_mode = !w->packed  ? GPU_PACKED_NONE
                                          : w->gather ? GPU_PACKED_GATHER
                                                      : GPU_PACKED_SCATTER};
-        e = gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas, g.stream[d]);
+        /* the part's plan, uploaded on the other stream: a wait, unless
+         * the upload has already run */
+        if (gp->unwaited &&
+            (e = cudaEventQuery(gp->uploaded)) == cudaErrorNotReady)
+            e = cudaStreamWaitEvent(g.stream[d], gp->uploaded, 0);
+        if (e == cudaSuccess) {
+            gp->unwaited = 0;
+            e = gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas, g.stream[d]);
+        }
+        if (e == cudaSuccess) /* the waiter thread counts it done */
+            __atomic_add_fetch(&g.inflight[d], 1, __ATOMIC_RELAXED);
     }
-    if (e == cudaSuccess && waiter_enqueue(d, done, arg, NULL) != cudaSuccess) {
+    if (e == cudaSuccess &&
+        waiter_enqueue(d, g.stream[d], done, arg, NULL) != cudaSuccess) {
         /* the kernel runs, but its completion cannot be queued: wait for
          * it here (rare: out of memory), so it is not in flight when the
          * job comes back */
@@ -1157,6 +1238,7 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
                   d);
         cudaError_t ws = cudaStreamSynchronize(g.stream[d]);
         (void)cudaGetLastError();
+        __atomic_sub_fetch(&g.inflight[d], 1, __ATOMIC_RELAXED);
         g.launches++;
         done(arg, ws == cudaSuccess ? 0 : KVX_ERR_IO);
         return 0;
@@ -1213,7 +1295,9 @@ void gpu_cleanup(void)
         if (g.used[d]) {
             cudaSetDevice(d);
             cudaStreamSynchronize(g.stream[d]);
+            cudaStreamSynchronize(g.ustream[d]);
             cudaStreamDestroy(g.stream[d]);
+            cudaStreamDestroy(g.ustream[d]);
             if (g.staging[d])
                 cudaFree(g.staging[d]);
         }
