@@ -1096,12 +1096,17 @@ static int cmp_u64(const void *a, const void *b);
 /* --trace: the hops of the timed requests, from the daemon's trace
  * lines and the generation rank's own clock (one monotonic clock), as
  * p50 and p99 per hop; in JSON as "trace_us". */
-#define NHOPS 8
+#define NHOPS 9
 static const char *const hop_name[NHOPS] = {
-    "fetch call -> fetch made (daemon)", "made -> first part queued",
-    "queued -> first copy submitted",    "submitted -> last copy done (thread)",
-    "done -> back on the daemon's loop", "loop -> terminal event queued",
-    "event queued -> client has it",     "fetch call -> event (total)"};
+    "fetch call -> fetch made (daemon)",
+    "made -> first part queued",
+    "queued -> first copy submitted",
+    "submitted -> last copy done (thread)",
+    "done -> back on the daemon's loop",
+    "loop -> terminal event queued",
+    "event queued -> client has it",
+    "fetch call -> event (total)",
+    "made -> event queued (the daemon's part)"};
 
 /* The next "fetch" line of the trace file: its key and its hops' ns
  * (made, queued, submitted, copied, landed, event queued); 0 at the
@@ -1141,10 +1146,10 @@ static void trace_report(FILE *out, int json)
         unsigned long long r = strtoull(dg, &end, 10);
         if (*end || r >= o.requests || !call_ns[r] || n >= o.requests)
             continue; /* the warm-up's, or not rank 0's */
-        uint64_t h[NHOPS] = {t[0] - call_ns[r], t[1] - t[0],
-                             t[2] - t[1],       t[3] - t[2],
-                             t[4] - t[3],       t[5] - t[4],
-                             ev_ns[r] - t[5],   ev_ns[r] - call_ns[r]};
+        uint64_t h[NHOPS] = {
+            t[0] - call_ns[r], t[1] - t[0],           t[2] - t[1],
+            t[3] - t[2],       t[4] - t[3],           t[5] - t[4],
+            ev_ns[r] - t[5],   ev_ns[r] - call_ns[r], t[5] - t[0]};
         for (int i = 0; i < NHOPS; i++)
             d[i][n] = (int64_t)h[i] < 0 ? 0 : h[i];
         n++;

@@ -672,6 +672,7 @@ TEST_T(bench_reused_pools_sampled_and_traced, 120)
     CHECK_STR_CONTAINS(out, "\"trace_requests\":40");
     CHECK_STR_CONTAINS(out, "\"fetch call -> event (total)\":[");
     CHECK_STR_CONTAINS(out, "\"submitted -> last copy done (thread)\":[");
+    CHECK_STR_CONTAINS(out, "\"made -> event queued (the daemon's part)\":[");
 }
 
 /* kvxfer-bench --layerwise, small: every way it measures runs and the
