@@ -46,6 +46,8 @@ static struct {
     int used[MAX_DEV];         /* context created: a pool lives here */
     cudaStream_t stream[MAX_DEV];  /* the copy kernels, in launch order */
     cudaStream_t ustream[MAX_DEV]; /* plan uploads: not between kernels */
+    cudaEvent_t uploaded[MAX_DEV]; /* after the last upload on ustream */
+    int unwaited[MAX_DEV];         /* the kernel stream has not waited for it */
     int inflight[MAX_DEV];         /* launches not yet seen done (atomic) */
     void *staging[MAX_DEV];    /* device staging, for the cross-node path */
     uint8_t peer[MAX_DEV][MAX_DEV];
@@ -280,10 +282,7 @@ static list_t imports = {&imports, &imports};
 struct gpu_part {
     int device;
     struct pin_buf *pin;  /* the descriptor's pinned copy (upload source) */
-    void *dmem;        /* device copy of slices, segs, tables, offsets */
-    cudaEvent_t uploaded; /* after its last upload on the upload stream */
-    int has_event;        /* uploaded was created (on first use) */
-    int unwaited;         /* the kernel stream has not waited for it yet */
+    void *dmem;           /* device copy of slices, segs, tables, offsets */
     gpu_plan_t plan;   /* with device pointers; passed by value */
     uint32_t nslices;
     size_t *off_sblk; /* each slice's source block table in dmem */
@@ -361,6 +360,13 @@ static int use_device(int d, char *why, size_t why_len)
         cudaStreamDestroy(g.stream[d]);
         return KVX_ERR_IO;
     }
+    if (!CU_OK(e = cudaEventCreateWithFlags(&g.uploaded[d],
+                                            cudaEventDisableTiming))) {
+        snprintf(why, why_len, "gpu %d: %s", d, cudaGetErrorString(e));
+        cudaStreamDestroy(g.stream[d]);
+        cudaStreamDestroy(g.ustream[d]);
+        return KVX_ERR_IO;
+    }
     if (!CU_OK(cudaDeviceGetDefaultMemPool(&mp, d)) ||
         !CU_OK(cudaMemPoolSetAttribute(mp, cudaMemPoolAttrReleaseThreshold,
                                        &keep)))
@@ -393,6 +399,7 @@ static int use_device(int d, char *why, size_t why_len)
         /* undone, so the next use starts it all again */
         cudaStreamDestroy(g.stream[d]);
         cudaStreamDestroy(g.ustream[d]);
+        cudaEventDestroy(g.uploaded[d]);
         if (g.staging[d])
             cudaFree(g.staging[d]);
         g.staging[d] = NULL;
@@ -787,31 +794,28 @@ void gpu_host_unregister(void *base)
 /* Where a plan's upload goes. While kernels run on device d, on the
  * upload stream: on the kernel stream it would sit between two launches
  * (an upload there left the memory system idle 8-17 us between requests,
- * H200, docs/benchmarks.md), and the part's launch makes the kernel
- * stream wait for it (part_uploaded, gpu_launch). On an idle device,
- * on the kernel stream, ahead of the launch: a small request's copy then
- * waits for no event between streams. */
+ * H200, docs/benchmarks.md), and the next launch makes the kernel stream
+ * wait for it (uploaded(), gpu_launch()). On an idle device, on the
+ * kernel stream, ahead of the launch: a small request's copy then waits
+ * for no event between streams. Uploads and launches come from the loop
+ * thread alone. */
 static cudaStream_t upload_stream(int d)
 {
     return __atomic_load_n(&g.inflight[d], __ATOMIC_RELAXED) ? g.ustream[d]
                                                              : g.stream[d];
 }
 
-/* After an upload queued on stream s: a launch of the part orders itself
- * after it (gpu_launch). */
-static cudaError_t part_uploaded(gpu_part_t *gp, cudaStream_t s)
+/* After an upload queued on stream s of device d: the next launch on d
+ * orders itself after it (gpu_launch()). One event serves every upload:
+ * the upload stream runs them in order, so waiting for the last one
+ * waits for all. */
+static cudaError_t uploaded(int d, cudaStream_t s)
 {
-    if (s == g.stream[gp->device]) /* the launches come after it */
+    if (s == g.stream[d]) /* the launches come after it */
         return cudaSuccess;
-    cudaError_t e = cudaSuccess;
-    if (!gp->has_event &&
-        (e = cudaEventCreateWithFlags(&gp->uploaded, cudaEventDisableTiming)) !=
-            cudaSuccess)
-        return e;
-    gp->has_event = 1;
-    e = cudaEventRecord(gp->uploaded, s);
+    cudaError_t e = cudaEventRecord(g.uploaded[d], s);
     if (e == cudaSuccess)
-        gp->unwaited = 1;
+        g.unwaited[d] = 1;
     return e;
 }
 
@@ -844,8 +848,8 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     gp->nslices = p->nslices;
     /* from pinned memory, so the upload does not synchronize the stream;
      * the kernels that read it come after it on their stream or wait for
-     * it (upload_stream), and the pinned buffer goes back once the upload
-     * has run */
+     * it (upload_stream()), and the pinned buffer goes back once the
+     * upload has run */
     gp->pin = pin_get(len ? len : 16);
     if (!gp->pin) {
         snprintf(why, why_len,
@@ -858,7 +862,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     memcpy(gp->pin->p, buf, len);
     if (!CU_OK(e = cudaMemcpyAsync(gp->dmem, gp->pin->p, len,
                                    cudaMemcpyHostToDevice, us)) ||
-        !CU_OK(e = part_uploaded(gp, us)) ||
+        !CU_OK(e = uploaded(device, us)) ||
         !CU_OK(e = waiter_enqueue(device, us, NULL, NULL, gp->pin))) {
         /* the upload may still read the buffer: leak it, do not reuse */
         snprintf(why, why_len, "fetch: GPU plan upload: %s",
@@ -873,8 +877,6 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
 
 err_free_dmem:
     cudaFreeAsync(gp->dmem, us);
-    if (gp->has_event)
-        cudaEventDestroy(gp->uploaded);
 err_free:
     free(off_sblk);
     free(buf);
@@ -898,7 +900,7 @@ int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
     cudaError_t e =
         cudaMemcpyAsync(at, b->p, (size_t)n * 4, cudaMemcpyHostToDevice, us);
     if (e == cudaSuccess)
-        e = part_uploaded(gp, us);
+        e = uploaded(gp->device, us);
     if (e == cudaSuccess)
         e = waiter_enqueue(gp->device, us, NULL, NULL, b);
     if (e != cudaSuccess) { /* the copy may still read it: not reused */
@@ -919,8 +921,6 @@ void gpu_part_free(gpu_part_t *gp)
      * (whose fence counts them) lets its parts go; nothing is recorded on
      * the kernel stream, which would come between two launches */
     cudaFreeAsync(gp->dmem, g.ustream[d]);
-    if (gp->has_event)
-        cudaEventDestroy(gp->uploaded);
     free(gp->off_sblk);
     free(gp);
 }
@@ -1216,13 +1216,13 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
                           .packed_mode = !w->packed  ? GPU_PACKED_NONE
                                          : w->gather ? GPU_PACKED_GATHER
                                                      : GPU_PACKED_SCATTER};
-        /* the part's plan, uploaded on the other stream: a wait, unless
-         * the upload has already run */
-        if (gp->unwaited &&
-            (e = cudaEventQuery(gp->uploaded)) == cudaErrorNotReady)
-            e = cudaStreamWaitEvent(g.stream[d], gp->uploaded, 0);
+        /* plans uploaded on the other stream since the last launch (this
+         * part's among them): a wait, unless they have already run */
+        if (g.unwaited[d] &&
+            (e = cudaEventQuery(g.uploaded[d])) == cudaErrorNotReady)
+            e = cudaStreamWaitEvent(g.stream[d], g.uploaded[d], 0);
         if (e == cudaSuccess) {
-            gp->unwaited = 0;
+            g.unwaited[d] = 0;
             e = gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas, g.stream[d]);
         }
         if (e == cudaSuccess) /* the waiter thread counts it done */
@@ -1298,6 +1298,7 @@ void gpu_cleanup(void)
             cudaStreamSynchronize(g.ustream[d]);
             cudaStreamDestroy(g.stream[d]);
             cudaStreamDestroy(g.ustream[d]);
+            cudaEventDestroy(g.uploaded[d]);
             if (g.staging[d])
                 cudaFree(g.staging[d]);
         }
