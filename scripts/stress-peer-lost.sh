@@ -10,6 +10,7 @@
 # Usage:
 #   scripts/stress-peer-lost.sh [build]       # N=100 L=$(nproc)
 #   N=300 L=0 scripts/stress-peer-lost.sh     # unloaded
+# A failed run's whole output is kept in $KEEP (a new directory in /tmp).
 B=${1:-build}
 N=${N:-100}
 L=${L:-$(nproc)}
@@ -24,7 +25,9 @@ while [ "$i" -lt "$L" ]; do
 done
 trap 'kill $hogs 2>/dev/null' EXIT INT TERM
 failed=0 crashed=0
-log=$(mktemp)
+KEEP=${KEEP:-$(mktemp -d /tmp/stress-peer-lost.XXXXXX)}
+mkdir -p "$KEEP" || exit 2
+log=$KEEP/run.log
 for i in $(seq "$N"); do
     if ! KVX_BUILD=$B "$B/tests/integration" "$TEST" >"$log" 2>&1 ||
         ! grep -q '1 passed, 0 failed' "$log"; then
@@ -35,9 +38,10 @@ for i in $(seq "$N"); do
         else
             echo "run $i: failed:"
         fi
-        grep -a 'Caught signal\|check failed\|FAIL' "$log" | head -5
+        grep -a 'Caught signal\|failed\|FAIL' "$log" | head -5
+        cp "$log" "$KEEP/run-$i.log"
     fi
 done
 rm -f "$log"
-echo "$TEST: $N runs with $L busy loops: $failed failed, $crashed with a daemon killed by a signal"
+echo "$TEST: $N runs with $L busy loops: $failed failed, $crashed with a daemon killed by a signal (failed runs' output: $KEEP)"
 [ "$failed" -eq 0 ]
