@@ -58,7 +58,8 @@ int ucx_close(ucp_ep_h ep, ucp_send_nbx_callback_t done, void *arg)
  * are all level-triggered, an event with both read and write is handed on
  * as read alone. The write readiness comes back at the next wait, by when
  * a destroyed endpoint's descriptor has left the set. Every other caller
- * (UCS's async thread, edge-triggered) passes through unchanged. */
+ * (UCS's async thread, whose descriptors may be edge-triggered, where a
+ * dropped edge would be lost) passes through unchanged. */
 typedef ucs_status_t (*wait_fn)(ucs_sys_event_set_t *, unsigned *, int,
                                 ucs_event_set_handler_t, void *);
 
