@@ -2304,6 +2304,10 @@ int peer_init(char *why, size_t why_len)
     }
     P.poll_on = 1;
     P.on = 1;
+    if (!ucx_tcp_guard_bound())
+        log_warn("peers: the guard against UCX TCP's freed-endpoint bug is "
+                 "not in effect (ucs_event_set_wait is bound elsewhere): a "
+                 "link back after a peer was lost may crash the daemon");
     log_notice("peers: UCX %s listening on %s (CUDA memory %s by UCX), "
                "%u lanes", P.version, P.listen,
                P.ucx_cuda ? "supported" : "not supported", lanes_count());

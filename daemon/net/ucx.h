@@ -20,5 +20,9 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
 /* Force-closes ep: 1 when the close goes on and done(arg) comes later
  * (from the worker's progress), 0 when it is over now. */
 int ucx_close(ucp_ep_h ep, ucp_send_nbx_callback_t done, void *arg);
+/* 1 when libuct binds to the daemon's ucs_event_set_wait() (ucx.c: the
+ * guard against UCX TCP's freed-endpoint bug); 0 when something else
+ * (a preloaded library, a static link) came first and the guard is off */
+int ucx_tcp_guard_bound(void);
 
 #endif

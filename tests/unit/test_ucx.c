@@ -34,6 +34,7 @@ TEST(daemon_definition_is_the_one_bound)
     CHECK(bound == (void *)ucs_event_set_wait);
     void *next = dlsym(RTLD_NEXT, "ucs_event_set_wait");
     CHECK(next != NULL && next != bound); /* libucs's, called on */
+    CHECK_EQ(ucx_tcp_guard_bound(), 1);   /* what peer_start() logs on */
 }
 
 TEST(only_libuct_handlers_are_filtered)
