@@ -1426,6 +1426,32 @@ int xfer_blocks_repeat(const uint32_t *b, size_t n, size_t *at)
                 }
         return 0;
     }
+    /* tables are mostly a few runs of nearby ids: a bitmap over their
+     * span, when it is no larger than the sort's array (8 bytes an
+     * entry), finds the first repeat in one pass; the sort took a fifth
+     * of the daemon's time for 1000-block requests */
+    uint32_t lo = b[0], hi = b[0];
+    for (size_t i = 1; i < n; i++) {
+        lo = b[i] < lo ? b[i] : lo;
+        hi = b[i] > hi ? b[i] : hi;
+    }
+    uint64_t span = (uint64_t)hi - lo + 1;
+    if (span <= (uint64_t)n * 64) {
+        uint64_t *bits = calloc((size_t)(span + 63) / 64, sizeof(*bits));
+        if (!bits)
+            return KVX_ERR_NOMEM;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t k = b[i] - lo;
+            uint64_t m = 1ull << (k & 63);
+            if (bits[k >> 6] & m) {
+                *at = i;
+                break;
+            }
+            bits[k >> 6] |= m;
+        }
+        free(bits);
+        return 0;
+    }
     uint64_t *v = malloc(n * sizeof(*v)); /* block << 32 | index */
     if (!v)
         return KVX_ERR_NOMEM;

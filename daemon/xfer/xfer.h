@@ -70,7 +70,8 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
                       uint64_t owner, char *why, size_t why_len);
 
 /* The first entry of b[0, n) that repeats an earlier one in *at (n:
- * none); 0, or KVX_ERR_NOMEM. O(n log n). */
+ * none); 0, or KVX_ERR_NOMEM. O(n) where the ids span at most 64 n,
+ * else O(n log n); memory at most 8 n bytes either way. */
 int xfer_blocks_repeat(const uint32_t *b, size_t n, size_t *at);
 
 /* A chunked prefill: the next blocks of rank's part of key's layer-wise
