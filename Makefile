@@ -167,9 +167,15 @@ $(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h tests/unit/stub_net.c $(
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p; s|^ \* unit-exclude: \(.*\)$$|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
-$(ITEST): tests/integration/integration.c $(filter-out %/fake_peer.c,$(wildcard tests/integration/*.c)) tests/test.h $(BUILD)/libkvxfer.a $(BUILD)/tests/fake_peer
+$(ITEST): tests/integration/integration.c $(filter-out %/fake_peer.c %/ucx_closes.c,$(wildcard tests/integration/*.c)) tests/test.h $(BUILD)/libkvxfer.a $(BUILD)/tests/fake_peer $(BUILD)/tests/libucx_closes.so
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
+
+# preloaded into the daemons of peer tests that check each UCX endpoint
+# is closed once
+$(BUILD)/tests/libucx_closes.so: tests/integration/ucx_closes.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -shared -o $@ $< $(LDFLAGS) $(DAEMON_LIBS)
 
 # a daemon without the cluster secret, for the peer tests (UCX)
 $(BUILD)/tests/fake_peer: tests/integration/fake_peer.c $(PB_OBJ)

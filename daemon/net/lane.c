@@ -248,13 +248,33 @@ static void close_cb(void *request, ucs_status_t status, void *user_data)
     lep_gone(p);
 }
 
+/* Another endpoint of the lane on p's UCX endpoint, or NULL. Two can
+ * share one: when a lane connects to a worker that connected to it
+ * first, UCX 1.13's ucp_ep_create() hands back the endpoint it made for
+ * that worker's wire-up (matched by the pair's connection number), the
+ * one already accepted from its first message (lep_accept()). It is
+ * the same connection both ways, so both keep using it. */
+static lep_t *lep_sharing(const lep_t *p)
+{
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &p->ln->eps)
+    {
+        if (LEP(n) != p && LEP(n)->ep == p->ep)
+            return LEP(n);
+    }
+    return NULL;
+}
+
 static void lep_close(lep_t *p)
 {
     if (p->closing)
         return;
     p->closing = 1;
     held_flush(p, 0); /* released while the endpoint is still there */
-    if (!p->ep) {
+    /* the UCX endpoint is closed once, by the last that holds it: a
+     * second ucp_ep_close_nbx() would destroy it again (freed memory,
+     * or by then another connection's endpoint) */
+    if (!p->ep || lep_sharing(p)) {
         lep_gone(p);
         return;
     }
@@ -264,14 +284,27 @@ static void lep_close(lep_t *p)
         lep_gone(p);
 }
 
-static void ep_err(void *arg, ucp_ep_h ep, ucs_status_t status)
+static void lep_fail(lep_t *p, ucs_status_t status)
 {
-    (void)ep;
-    lep_t *p = arg;
     if (p->failed)
         return;
     p->failed = 1; /* closed from lane_main, outside UCX's callback */
     emit(p->ln, LEV_EP_ERROR, p->id, status, NULL);
+}
+
+/* UCX's error handler of a lane's endpoints: its argument is the lane,
+ * not an endpoint of ours, since UCX keeps one handler an endpoint (the
+ * last set) and two of ours may share it (lep_sharing()); each that
+ * holds it fails. */
+static void ep_err(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    lane_t *ln = arg;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &ln->eps)
+    {
+        if (LEP(n)->ep == ep)
+            lep_fail(LEP(n), status);
+    }
 }
 
 static lep_t *lep_new(lane_t *ln, uint64_t id)
@@ -328,9 +361,13 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
         return UCS_OK; /* lanes always send with a reply endpoint */
     list_t *n, *t;
+    /* the oldest of ours on it (the one accepted from its first message,
+     * when we also connected over it: lep_sharing()), unless it is
+     * failed or closing and another is not */
     LIST_FOREACH_SAFE(n, t, &ln->eps)
     {
-        if (LEP(n)->ep == param->reply_ep)
+        if (LEP(n)->ep == param->reply_ep &&
+            (!p || !(LEP(n)->failed || LEP(n)->closing)))
             p = LEP(n);
     }
     if (!p && !ln->stopping && !(p = lep_accept(ln, param->reply_ep)))
@@ -345,7 +382,7 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
      * (HELD_MAX at most: more closes the endpoint) */
     int hold = !p->bound && p->waiting;
     if (hold && p->nheld >= HELD_MAX) {
-        ep_err(p, p->ep, UCS_ERR_EXCEEDS_LIMIT);
+        lep_fail(p, UCS_ERR_EXCEEDS_LIMIT);
         return UCS_OK;
     }
     p->waiting = !p->bound;
@@ -359,7 +396,7 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
         free(h);
         log_error("lane %u: out of memory for a message; its endpoint "
                   "closes", ln->idx);
-        ep_err(p, p->ep, UCS_ERR_NO_MEMORY);
+        lep_fail(p, UCS_ERR_NO_MEMORY);
         return UCS_OK;
     }
     memcpy(h, header, hlen);
@@ -416,9 +453,9 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             break;
         }
         p->bound = 1; /* ours: it only sends */
-        ucs_status_t st = ucx_connect_addr(ln->w, c->addr, ep_err, p, &p->ep);
+        ucs_status_t st = ucx_connect_addr(ln->w, c->addr, ep_err, ln, &p->ep);
         if (st != UCS_OK)
-            ep_err(p, NULL, st);
+            lep_fail(p, st);
         break;
     }
     case LC_SEND: {

@@ -130,6 +130,7 @@ static int h_dir_seq;
 /* Peer tests (peer_harness.c): the network namespace the next daemon_start2
  * runs in (NULL: ours), and what h_cleanup undoes after the daemons. */
 static const char *h_netns;
+static const char *h_preload; /* LD_PRELOAD of the next daemon_start() */
 static void (*h_cleanup_hook)(void);
 
 static const char *build_dir(void)
@@ -252,6 +253,8 @@ static daemon_t *daemon_start2(const char *socket_extra, const char *extra)
         }
         signal(SIGALRM, SIG_DFL);
         alarm(0);
+        if (h_preload)
+            setenv("LD_PRELOAD", h_preload, 1);
         if (h_netns) /* ip execs in place: the pid stays the daemon's */
             execlp("ip", "ip", "netns", "exec", h_netns, exe, "--config",
                    d->cfg, (char *)NULL);

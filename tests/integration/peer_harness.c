@@ -186,6 +186,11 @@ static void p_setup(void)
  * own) */
 static int p_ka_timeout_ms = P_KA_TIMEOUT_MS;
 
+/* The next daemons preload tests/libucx_closes.so, and p_stop_both()
+ * checks that neither closed a UCX endpoint twice: for tests whose
+ * endpoints close once, at the stop (see ucx_closes.c). */
+static int p_closes_once;
+
 static daemon_t *p_daemon(int side, const char *secret, const char *peer_extra,
                           const char *extra)
 {
@@ -208,8 +213,13 @@ static daemon_t *p_daemon(int side, const char *secret, const char *peer_extra,
              p_net.ip[side], path, p_ka_timeout_ms,
              peer_extra ? peer_extra : "", extra ? extra : "");
     h_netns = p_net.netns ? p_net.ns[side] : NULL;
+    char preload[256];
+    snprintf(preload, sizeof(preload), "%s/tests/libucx_closes.so",
+             build_dir());
+    h_preload = p_closes_once ? preload : NULL;
     daemon_t *d = daemon_start(cfg);
     h_netns = NULL;
+    h_preload = NULL;
     return d;
 }
 
@@ -313,6 +323,14 @@ static void p_stop_both(daemon_t *a, daemon_t *b)
     daemon_healthy(b);
     daemon_stop_ok(a);
     daemon_stop_ok(b);
+    /* every UCX endpoint closed once (with p_closes_once): a second
+     * close of one destroys it twice */
+    for (int i = 0; i < 2 && p_closes_once; i++)
+        if (log_contains(i ? b : a, "closed twice")) {
+            fprintf(stderr, "daemon %c closed a UCX endpoint twice\n", "AB"[i]);
+            CHECK(!"each UCX endpoint closed once");
+        }
+    p_closes_once = 0;
 }
 
 /* A context rank on daemon a and a generation rank on daemon b, each an

@@ -14,6 +14,7 @@
 TEST_T(peer_transfer_both_directions, 90)
 {
     daemon_t *a, *b;
+    p_closes_once = 1; /* lanes connected both ways share endpoints */
     p_two_daemons(&a, &b);
     /* the addresses are the peer.listen IPs with the bound ports */
     rank_t r;
