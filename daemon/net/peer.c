@@ -890,6 +890,14 @@ static void data_start(peer_conn_t *c)
     }
 }
 
+int peer_send_queued(const peer_conn_t *c, const void *arg)
+{
+    for (const ureq_t *u = c->dq_head; u; u = u->next)
+        if (u->arg == arg)
+            return 1;
+    return 0;
+}
+
 int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
                    size_t len, const peer_iov_t *iov, size_t niov,
                    void (*done)(void *arg, int status), void *arg)

@@ -85,6 +85,10 @@ typedef struct peer_iov {
 int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
                    size_t len, const peer_iov_t *iov, size_t niov,
                    void (*done)(void *arg, int status), void *arg);
+/* Whether a peer_send_data() to c whose done argument is arg still waits
+ * in c's queue (peer.send_window full): not handed to UCX, so no byte of
+ * it can have reached the other daemon. */
+int peer_send_queued(const peer_conn_t *c, const void *arg);
 /* Whether slot data to c goes over lanes now (peer.lanes, both sides). */
 int peer_conn_lanes(const peer_conn_t *c);
 

@@ -2112,19 +2112,25 @@ static void done_notes_tick(uint64_t now)
 
 /* ---- either side ------------------------------------------------------- */
 
-/* Whether a piece of s is still being copied into a send slot. Pieces
- * sent from their places count as gathered only once UCX gives them
- * back, and that may come after the receiver's END (the rendezvous is
- * done on its side first): those do not count here. */
-static int stream_copying(const sstream_t *s)
+/* Whether a piece of s cannot have reached the receiver yet: still being
+ * copied into a send slot, or sent from its places but still queued in
+ * peer.c (its send window full). Pieces sent from their places count as
+ * gathered only once UCX gives them back, and that may come after the
+ * receiver's END (the rendezvous is done on its side first): those UCX
+ * has do not count here. */
+static int stream_unsent(const sstream_t *s, const peer_conn_t *c)
 {
     if (!s->gathers)
         return 0;
     for (uint32_t i = 0; i < remote_slots(); i++) {
-        const slot_t *x = &sslots.v[i];
-        if (x->owner == s && x->state != SLOT_FREE &&
-            x->pending > (uint32_t)__builtin_popcountll(x->direct))
+        slot_t *x = &sslots.v[i];
+        if (x->owner != s || x->state == SLOT_FREE)
+            continue;
+        if (x->pending > (uint32_t)__builtin_popcountll(x->direct))
             return 1;
+        for (uint32_t k = 0; k < x->npieces; k++)
+            if ((x->direct >> k & 1) && peer_send_queued(c, &x->ref[k]))
+                return 1;
     }
     return 0;
 }
@@ -2140,7 +2146,7 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
          * done earlier is wrong, and the offer ends with an error (its
          * fence still waits for those gathers, and for UCX's sends from
          * the pool) */
-        int early = e->code == 0 && stream_copying(s);
+        int early = e->code == 0 && stream_unsent(s, c);
         sstream_end(s);
         if (!o) {
             serve_pulls(); /* its slots gathered ahead are free */
@@ -2148,8 +2154,9 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
         }
         if (early) {
             char m[300];
-            snprintf(m, sizeof(m), "peer daemon %s ended stream %llu as "
-                                   "done while it was still being gathered",
+            snprintf(m, sizeof(m),
+                     "peer daemon %s ended stream %llu as "
+                     "done before all of it was sent",
                      peer_conn_address(c), (unsigned long long)e->stream);
             log_warn("%s", m);
             xfer_offer_remote_done(o, 0, KVX_ERR_PROTOCOL, m);

@@ -237,6 +237,53 @@ TEST(whole_transfer_through_the_loopback)
            msgs, (unsigned long long)st_rx.direct);
 }
 
+/* A generation daemon that says END{0} while pieces sent from the
+ * context pool are still queued to go (not handed to UCX: they cannot
+ * have arrived) is wrong: the offer ends with ERROR, PROTOCOL, not
+ * COMPLETE, once those sends are back. Before, only pieces being copied
+ * counted, and this offer completed. */
+TEST(early_end_while_sends_from_places_queued)
+{
+    setup();
+    start_transfer();
+    /* play the transfer until a piece from places waits on the wire
+     * with no copy left (settle() after each step) */
+    sstream_t *s = NULL;
+    int queued = 0;
+    for (int i = 0; i < 1000 && !queued && step(); i++) {
+        for (const wire_t *w = wire_head; w && !queued; w = w->next)
+            queued = w->done == on_sent_direct;
+    }
+    CHECK(queued);
+    CHECK_EQ(sstreams.n, 1);
+    for (uint32_t i = 0; i < sstreams.nb && !s; i++)
+        if (sstreams.b[i])
+            s = sstreams.b[i]->val;
+    CHECK(s != NULL);
+    peer_conn_t *c = peer_conn_find(s->conn);
+    CHECK(c != NULL);
+    for (uint32_t i = 0; i < remote_slots(); i++) /* no piece in a copy */
+        CHECK(sslots.v[i].owner != s || sslots.v[i].state == SLOT_FREE ||
+              sslots.v[i].pending <=
+                  (uint32_t)__builtin_popcountll(sslots.v[i].direct));
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerStreamEnd e = KVXFER__PEER_STREAM_END__INIT;
+    e.stream = s->id;
+    e.code = 0;
+    m.m_case = KVXFER__PEER_MSG__M_END;
+    m.end = &e;
+    net_deliver(peer_conn_address(c), &m);
+    while (step())
+        ;
+    net_release_held();
+    const batch_event_t *o = ended(ctx);
+    CHECK(o != NULL);
+    CHECK_EQ(o->kind, KVX_EVENT_ERROR);
+    CHECK_EQ(o->code, KVX_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(o->message, "before all of it was sent");
+    CHECK_EQ(sslots.nfree, remote_slots());
+}
+
 /* The fence of pieces sent from the context pool: the generation side
  * has every byte and ENDs the stream while UCX has not yet given the
  * sends back (held here). The END is not early (no piece is being
