@@ -516,8 +516,8 @@ static const struct conf_key keys[] = {
              "request's fence waits for UCX); GPU pools always go "
              "through the slots. 0 never, 1 always, 2 when the daemon may "
              "use fewer than 4 CPUs (where copies, not threads, are what "
-             "is short). On RDMA transports keep it 0: an iov gives up "
-             "UCX's zero-copy rendezvous there."},
+             "is short) and UCX may use no RDMA device (an iov gives up "
+             "UCX's zero-copy rendezvous there)."},
     {.name = "peer.busy_poll",
      .type = CONF_U32,
      FIELD(busy_poll),

@@ -194,6 +194,7 @@ static struct {
     char transports[256];       /* every transport a connection used */
     char listen[64];
     char version[32];
+    int rdma; /* UCX may use an RDMA device: peer_rdma() */
 } P;
 
 static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
@@ -888,6 +889,11 @@ static void data_start(peer_conn_t *c)
             return;
         }
     }
+}
+
+int peer_rdma(void)
+{
+    return P.rdma;
 }
 
 int peer_send_queued(const peer_conn_t *c, const void *arg)
@@ -2071,6 +2077,31 @@ static void listen_if_wait(void)
     }
 }
 
+/* Whether a UCX device list (UCX_NET_DEVICES's form: "dev" or
+ * "dev:port", comma-separated; empty or "all": every device) names an
+ * RDMA device of root (/sys/class/infiniband). */
+static int list_has_rdma(const char *list, const char *root)
+{
+    DIR *d = opendir(root);
+    if (!d)
+        return 0;
+    int any = !list[0] || !strcmp(list, "all"), found = 0;
+    struct dirent *e;
+    while (!found && (e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        size_t n = strlen(e->d_name);
+        for (const char *p = list; !found && (any || *p);) {
+            size_t l = strcspn(p, ",");
+            found = any || ((l == n || (l > n && p[n] == ':')) &&
+                            !strncmp(p, e->d_name, n));
+            p += l + (p[l] == ',');
+        }
+    }
+    closedir(d);
+    return found;
+}
+
 /* The devices UCX may use (UCX_NET_DEVICES): peer.net_devices, or the
  * interface that holds peer.listen's IP and every RDMA device. Without
  * it UCX's TCP transport listens on every interface (the loop's worker's
@@ -2135,6 +2166,8 @@ static int ucx_devices(ucp_config_t *cfg, char *why, size_t why_len)
     }
     if (list[0])
         log_info("peers: UCX devices %s", list);
+    const char *env = getenv("UCX_NET_DEVICES");
+    P.rdma = list_has_rdma(env ? env : list, "/sys/class/infiniband");
     /* TCP segments: endpoints made from worker addresses in peer
      * error-handling mode get no RMA lanes over TCP in UCX 1.13 (those
      * made through its connection manager did), so rendezvous data goes

@@ -89,6 +89,9 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
  * in c's queue (peer.send_window full): not handed to UCX, so no byte of
  * it can have reached the other daemon. */
 int peer_send_queued(const peer_conn_t *c, const void *arg);
+/* Whether UCX may use an RDMA device here (its device list names one,
+ * or is every device and there is one): known after peer_init(). */
+int peer_rdma(void);
 /* Whether slot data to c goes over lanes now (peer.lanes, both sides). */
 int peer_conn_lanes(const peer_conn_t *c);
 

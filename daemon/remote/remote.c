@@ -571,10 +571,17 @@ int remote_init(char *why, size_t why_len)
                                          .arrived = remote_on_data,
                                          .streams = remote_conn_streams};
     peer_set_data_ops(&data);
-    direct_on =
-        kvxd.conf.direct == 1 || (kvxd.conf.direct == 2 && kvxd_cpus() < 4);
+    /* auto: where copies, not threads, are short, and not where UCX may
+     * use RDMA (an iov gives up its zero-copy rendezvous there) */
+    direct_on = kvxd.conf.direct == 1 ||
+                (kvxd.conf.direct == 2 && kvxd_cpus() < 4 && !peer_rdma());
     if (!peer_enabled())
         return 0;
+    if (kvxd.conf.direct == 2)
+        log_info("peers: sending from and receiving into host pools "
+                 "(peer.direct auto): %s (%d CPUs, %s)",
+                 direct_on ? "on" : "off", kvxd_cpus(),
+                 peer_rdma() ? "an RDMA device" : "no RDMA device");
     int rc;
     if ((rc = slots_init(&rslots, "receive", &st_rx, why, why_len)) ||
         (rc = slots_init(&sslots, "send", &st_tx, why, why_len)))

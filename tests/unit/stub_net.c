@@ -102,6 +102,11 @@ int peer_conn_alive(const peer_conn_t *c)
 {
     return c->alive;
 }
+static int net_rdma; /* peer_rdma() */
+int peer_rdma(void)
+{
+    return net_rdma;
+}
 /* loopback: a piece on the wire (not played back yet) counts as queued
  * in peer.c, not yet handed to UCX */
 int peer_send_queued(const peer_conn_t *c, const void *arg)
