@@ -301,6 +301,9 @@ static void pl_drain_a(pl_t *x)
             CHECK_EQ(p_check_req(&x->g, 100 + q, x->gb[q], PL_TOK, 0), 0);
         } else {
             CHECK_EQ(e->kind, KVX_EVENT_ERROR);
+            if (e->code != KVX_ERR_SHUTDOWN && e->code != KVX_ERR_PEER_GONE)
+                fprintf(stderr, "request %u: %s \"%s\"\n", 100 + q,
+                        kvx_status_name(e->code), e->msg);
             CHECK(e->code == KVX_ERR_SHUTDOWN || e->code == KVX_ERR_PEER_GONE);
             errors++;
         }
