@@ -814,8 +814,9 @@ static void lane_mac(const uint8_t key[MAC_LEN], const Kvxfer__PeerData *d,
 /* Lanes stop for c: lane `lane` failed before any data went over it
  * (most likely a firewall that lets only peer.listen through). Its slot
  * data goes over the connection itself from now on; the sends on that
- * lane come back failed (its endpoint closes) and are sent again there
- * (on_lane_event()); sends on other lanes finish where they are. */
+ * lane come back failed (its endpoint failed, and closes) and are sent
+ * again there (on_lane_event()); sends on other lanes finish where they
+ * are. */
 static void lanes_off(peer_conn_t *c, unsigned lane, const char *why)
 {
     if (!c->lanes_off)
@@ -2085,7 +2086,12 @@ static int list_has_rdma(const char *list, const char *root)
     DIR *d = opendir(root);
     if (!d)
         return 0;
-    int any = !list[0] || !strcmp(list, "all"), found = 0;
+    int any = !list[0], found = 0; /* or an entry "all", below */
+    for (const char *p = list; !any && *p;) {
+        size_t l = strcspn(p, ",");
+        any = l == 3 && !strncmp(p, "all", 3);
+        p += l + (p[l] == ',');
+    }
     struct dirent *e;
     while (!found && (e = readdir(d))) {
         if (e->d_name[0] == '.')

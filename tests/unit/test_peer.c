@@ -46,6 +46,8 @@ TEST(rdma_devices_named_in_the_list)
     CHECK(!list_has_rdma("mlx5", root));      /* a prefix is not a device */
     CHECK(!list_has_rdma("mlx5_0x:1", root)); /* nor a longer name */
     CHECK(!list_has_rdma("eth0,", root));
+    CHECK(list_has_rdma("eth0,all", root)); /* UCX: "all" anywhere */
+    CHECK(!list_has_rdma("eth0,allx", root));
     fake_root_gone();
 }
 
