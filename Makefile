@@ -173,9 +173,11 @@ $(ITEST): tests/integration/integration.c $(filter-out %/fake_peer.c %/ucx_close
 
 # preloaded into the daemons of peer tests that check each UCX endpoint
 # is closed once
+# (no sanitizer: preloaded ahead of an ASan daemon's runtime, which the
+# daemon is then told to accept, it must not need that runtime itself)
 $(BUILD)/tests/libucx_closes.so: tests/integration/ucx_closes.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -shared -o $@ $< $(LDFLAGS) $(DAEMON_LIBS)
+	$(CC) $(filter-out $(SAN),$(CFLAGS)) -shared -o $@ $< $(DAEMON_LIBS)
 
 # a daemon without the cluster secret, for the peer tests (UCX)
 $(BUILD)/tests/fake_peer: tests/integration/fake_peer.c $(PB_OBJ)

@@ -73,10 +73,13 @@ static int p_sh(char *why, size_t whylen, const char *fmt, ...)
 /* What a peer test leaves on the machine: the namespaces (the veth pair
  * goes with them) and the secrets. Called by h_cleanup after the daemons
  * are dead. */
+static int p_closes_once;
+
 static void p_teardown(void)
 {
     if (getpid() != h_owner)
         return;
+    p_closes_once = 0;
     if (p_net.netns)
         for (int i = 0; i < 2; i++)
             p_sh(NULL, 0, "ip netns del %s", p_net.ns[i]);
@@ -186,10 +189,9 @@ static void p_setup(void)
  * own) */
 static int p_ka_timeout_ms = P_KA_TIMEOUT_MS;
 
-/* The next daemons preload tests/libucx_closes.so, and p_stop_both()
- * checks that neither closed a UCX endpoint twice: for tests whose
- * endpoints close once, at the stop (see ucx_closes.c). */
-static int p_closes_once;
+/* p_closes_once: the next daemons preload tests/libucx_closes.so, and
+ * p_stop_both() checks that neither closed a UCX endpoint twice: for
+ * tests whose endpoints close once, at the stop (see ucx_closes.c). */
 
 static daemon_t *p_daemon(int side, const char *secret, const char *peer_extra,
                           const char *extra)
