@@ -379,7 +379,8 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
         return UCS_INPROGRESS; /* kept, never answered: a stalled lane */
     /* an endpoint no connection has claimed: its first message goes to
      * the loop, which binds or closes it; what comes meanwhile is held
-     * (HELD_MAX at most: more closes the endpoint) */
+     * (HELD_MAX at most: more closes the endpoint, unless it is also
+     * ours to that worker: lep_close()) */
     int hold = !p->bound && p->waiting;
     if (hold && p->nheld >= HELD_MAX) {
         lep_fail(p, UCS_ERR_EXCEEDS_LIMIT);
