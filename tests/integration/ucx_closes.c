@@ -33,8 +33,7 @@ static void *real(const char *name)
 ucs_status_t ucp_ep_create(ucp_worker_h w, const ucp_ep_params_t *p,
                            ucp_ep_h *ep)
 {
-    static ucs_status_t (*f)(ucp_worker_h, const ucp_ep_params_t *,
-                             ucp_ep_h *);
+    static ucs_status_t (*f)(ucp_worker_h, const ucp_ep_params_t *, ucp_ep_h *);
     if (!f)
         f = real("ucp_ep_create");
     ucs_status_t st = f(w, p, ep);
