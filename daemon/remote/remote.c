@@ -2130,7 +2130,7 @@ static int stream_unsent(const sstream_t *s, const peer_conn_t *c)
     if (!s->gathers)
         return 0;
     for (uint32_t i = 0; i < remote_slots(); i++) {
-        slot_t *x = &sslots.v[i];
+        const slot_t *x = &sslots.v[i];
         if (x->owner != s || x->state == SLOT_FREE)
             continue;
         if (x->pending > (uint32_t)__builtin_popcountll(x->direct))
