@@ -62,7 +62,7 @@
  * (resume), batches and announcements carry sessions and the instance's
  * epoch; 4: lanes (PeerLanes, PeerData.lane_key); 5: the handshake on a
  * socket of our own, UCX worker addresses after it (PeerUcx, BIND) */
-#define PEER_VERSION 6
+#define PEER_VERSION 7
 #define LANE_MAC_LEN 16
 #define NONCE_LEN 32
 #define MAC_LEN 32
@@ -193,6 +193,7 @@ static struct {
     int ucx_cuda;
     char transports[256];       /* every transport a connection used */
     char listen[64];
+    struct sockaddr_storage bound; /* the handshake listener's IP:PORT */
     char version[32];
     int rdma; /* UCX may use an RDMA device: peer_rdma() */
 } P;
@@ -313,6 +314,28 @@ static int same_listener(const char *a, const char *b)
     if (!ea || !eb || ea - a != eb - b)
         return 0;
     return !strncmp(a, b, (size_t)(ea - a));
+}
+
+/* a as IPv6 (an IPv4 address as its IPv4-mapped one) */
+static struct sockaddr_in6 as_v6(const struct sockaddr_storage *a)
+{
+    struct sockaddr_in6 o = {.sin6_family = AF_INET6};
+    if (a->ss_family == AF_INET6)
+        return *(const struct sockaddr_in6 *)a;
+    const struct sockaddr_in *v4 = (const struct sockaddr_in *)a;
+    o.sin6_port = v4->sin_port;
+    o.sin6_addr.s6_addr[10] = o.sin6_addr.s6_addr[11] = 0xff;
+    memcpy(&o.sin6_addr.s6_addr[12], &v4->sin_addr, 4);
+    return o;
+}
+
+/* Do a and b name one IP:PORT, however spelt? */
+static int same_sockaddr(const struct sockaddr_storage *a,
+                         const struct sockaddr_storage *b)
+{
+    struct sockaddr_in6 x = as_v6(a), y = as_v6(b);
+    return x.sin6_port == y.sin6_port &&
+           !memcmp(&x.sin6_addr, &y.sin6_addr, sizeof(x.sin6_addr));
 }
 
 static int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
@@ -1349,12 +1372,38 @@ peer_conn_t *peer_conn_find(uint64_t id)
 
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
 
+int peer_address_alias(const char *address, char *why, size_t why_len)
+{
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    char w[8];
+    if (!P.on || !strcmp(address, kvxd.address) ||
+        parse_address(address, &ss, &sl, w, sizeof(w)) ||
+        !same_sockaddr(&ss, &P.bound))
+        return 0;
+    /* our listener, spelt otherwise or under another id: never a peer
+     * (it would dial itself); by the id, an earlier run's */
+    const char *id = strrchr(address, '/'), *ours = strrchr(kvxd.address, '/');
+    int earlier = !id || strcmp(id, ours);
+    snprintf(why, why_len,
+             earlier ? "daemon '%s' is this daemon's listener under another "
+                       "id (this daemon is '%s'): an earlier run's address, "
+                       "not dialled"
+                     : "daemon '%s' is this daemon, spelt otherwise (its "
+                       "address is '%s')",
+             address, kvxd.address);
+    return earlier ? KVX_ERR_PEER_GONE : KVX_ERR_INVALID;
+}
+
 int peer_address_check(const char *address, char *why, size_t why_len)
 {
     struct sockaddr_storage ss;
     socklen_t sl;
+    int rc;
     if (!strcmp(address, kvxd.address))
         return 0;
+    if ((rc = peer_address_alias(address, why, why_len)))
+        return rc;
     if (parse_address(address, &ss, &sl, why, why_len))
         return KVX_ERR_INVALID;
     if (P.on && !net_allows(&ss)) {
@@ -1506,6 +1555,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             auth_refuse(c, "malformed hello");
             return;
         }
+
         memcpy(c->nonce_c, h->nonce.data, NONCE_LEN);
         if (getrandom(c->nonce_s, NONCE_LEN, 0) != NONCE_LEN) {
             conn_fail(c, KVX_ERR_IO, "getrandom failed");
@@ -1535,6 +1585,15 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         const char *sa = ch->address ? ch->address : "";
         snprintf(c->server_addr, sizeof(c->server_addr), "%s", sa);
         int elsewhere = !same_listener(sa, c->address);
+        if (!strcmp(sa, kvxd.address)) {
+            /* an alias of our own listener (another IP of a wildcard
+             * listener, another id): never a peer, whatever it names */
+            conn_fail(c, KVX_ERR_PEER_GONE,
+                      "%s is this daemon (%s) under another address: a "
+                      "daemon never dials itself",
+                      c->address, kvxd.address);
+            return;
+        }
         hmac("kvx-s", c->nonce_c, c->nonce_s, sa, kvxd.address, mac);
         int bad = elsewhere || !ct_equal(mac, ch->mac.data, MAC_LEN);
         /* answer either way, so the peer learns (and logs) it too; but a
@@ -2314,6 +2373,7 @@ int peer_init(char *why, size_t why_len)
                  kvxd.conf.peer_listen, lwhy);
         goto err_worker;
     }
+    P.bound = bound;
     char ip[INET6_ADDRSTRLEN];
     unsigned port = bound.ss_family == AF_INET6
                         ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)

@@ -55,9 +55,15 @@ uint64_t peer_conn_id(const peer_conn_t *c);
 /* The connection named id while peer lists it (lost ones too, until
  * freed: peer_conn_alive() tells), or NULL: it is gone. */
 peer_conn_t *peer_conn_find(uint64_t id);
-/* Is address this daemon, or one a connection can be made to? 0, or
- * KVX_ERR_INVALID with why. */
+/* Is address this daemon, or one a connection can be made to? 0; or
+ * KVX_ERR_INVALID with why, or peer_address_alias()'s refusal. */
 int peer_address_check(const char *address, char *why, size_t why_len);
+/* Does address name this daemon's listener (its IP and port, however
+ * spelt) without being this daemon's address? 0 when not; else
+ * KVX_ERR_PEER_GONE (another id: an earlier run's address) or
+ * KVX_ERR_INVALID (this id, spelt otherwise), with why. A daemon never
+ * dials itself; a handshake that reaches itself anyway fails too. */
+int peer_address_alias(const char *address, char *why, size_t why_len);
 /* The capability token of a request of an instance spread over daemons:
  * every daemon of it derives the same one from the cluster secret. */
 void peer_token(const char *instance, const char *addr0, uint64_t request,

@@ -93,6 +93,13 @@ int peer_address_check(const char *address, char *why, size_t why_len)
     (void)why_len;
     return strncmp(address, "kvx://", 6) ? KVX_ERR_INVALID : 0;
 }
+int peer_address_alias(const char *address, char *why, size_t why_len)
+{
+    (void)address;
+    (void)why;
+    (void)why_len;
+    return 0;
+}
 void peer_token(const char *instance, const char *addr0, uint64_t request,
                 uint8_t out[16])
 {
