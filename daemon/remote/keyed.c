@@ -88,8 +88,19 @@ typedef struct res {
     char inst[INSTANCE_ID_MAX + 1];
     reqkey_t key;
     char consumer[INSTANCE_ID_MAX + 1];
+    uint32_t consumer_uid; /* as the asking daemon says */
     uint64_t until_ms;
 } res_t;
+
+/* What a PeerResolve asks: the offer of (inst, key) at daemon addr, for
+ * instance consumer of uid consumer_uid, held there up to wait_ms (0:
+ * answer now). */
+typedef struct ask {
+    const char *addr, *inst;
+    const reqkey_t *key;
+    const char *consumer;
+    uint32_t consumer_uid, wait_ms;
+} ask_t;
 
 /* A release by key waiting for the params from rank 0's daemon. */
 typedef struct krel {
@@ -233,9 +244,9 @@ static int kf_resolve_local(kf_t *kf)
     char why[512], ks[REQKEY_STR_MAX];
     if (!instance_allows(ci, kf->inst, gi->owner_uid)) {
         snprintf(why, sizeof(why),
-                 "fetch_by_key: instance %s does not let instance %s fetch "
-                 "its requests by key (kvx_join_consumers)",
-                 ci->id, kf->inst);
+                 "fetch_by_key: instance %s does not let instance %s of uid "
+                 "%u fetch its requests by key (kvx_join_consumers)",
+                 ci->id, kf->inst, gi->owner_uid);
         kf_fail(kf, KVX_EVENT_ERROR, KVX_ERR_PERM, why);
         return 1;
     }
@@ -284,27 +295,26 @@ static int target_check(const char *what, const char *inst, const char *addr,
     return peer_address_check(addr, why, why_len);
 }
 
-/* Ask the daemon at addr for the params of (inst, key) for consumer,
- * held there up to wait_ms (0: answer now); *id names the answer. */
-static int ask_resolve(const char *addr, const char *inst, const reqkey_t *key,
-                       const char *consumer, uint32_t wait_ms, uint64_t *id,
-                       uint64_t *conn, char *why, size_t why_len)
+/* Ask a->addr for the params a names; *id and *conn name the answer. */
+static int ask_resolve(const ask_t *a, uint64_t *id, uint64_t *conn, char *why,
+                       size_t why_len)
 {
-    peer_conn_t *c = peer_connect(addr, why, why_len);
+    peer_conn_t *c = peer_connect(a->addr, why, why_len);
     if (!c)
         return KVX_ERR_PEER_GONE;
     Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;
     pr.id = *id = next_id++;
-    pr.instance_id = (char *)inst;
-    pr.key.data = (uint8_t *)key->b;
-    pr.key.len = key->len;
-    pr.consumer_instance = (char *)consumer;
-    pr.wait_ms = wait_ms;
+    pr.instance_id = (char *)a->inst;
+    pr.key.data = (uint8_t *)a->key->b;
+    pr.key.len = a->key->len;
+    pr.consumer_instance = (char *)a->consumer;
+    pr.consumer_uid = a->consumer_uid;
+    pr.wait_ms = a->wait_ms;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     m.m_case = KVXFER__PEER_MSG__M_RESOLVE;
     m.resolve = &pr;
     if (peer_send(c, &m)) {
-        snprintf(why, why_len, "cannot send to daemon %s", addr);
+        snprintf(why, why_len, "cannot send to daemon %s", a->addr);
         return KVX_ERR_PEER_GONE;
     }
     *conn = peer_conn_id(c);
@@ -432,9 +442,13 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         return 0;
     }
     char w[256];
-    if ((rc = ask_resolve(kf->ctx_addr, kf->ctx_inst, &kf->ctx_key, kf->inst,
-                          kvxd.conf.fetch_timeout_ms, &kf->res_id, &kf->conn, w,
-                          sizeof(w)))) {
+    ask_t ask = {.addr = kf->ctx_addr,
+                 .inst = kf->ctx_inst,
+                 .key = &kf->ctx_key,
+                 .consumer = kf->inst,
+                 .consumer_uid = inst->owner_uid,
+                 .wait_ms = kvxd.conf.fetch_timeout_ms};
+    if ((rc = ask_resolve(&ask, &kf->res_id, &kf->conn, w, sizeof(w)))) {
         char m[400];
         snprintf(m, sizeof(m), "fetch_by_key: daemon %s: %s", ctx_address, w);
         kf_fail(kf, KVX_EVENT_ERROR, rc, m);
@@ -518,8 +532,10 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
                            why_len)))
         return rc;
     if (here) {
+        /* the owner's uid, or a generation rank the instance lets in */
         instance_t *ci = instance_find(ctx_instance);
-        if (!ci || (!admin && ci->owner_uid != uid)) {
+        if (!ci || (!admin && ci->owner_uid != uid &&
+                    !(consumer && instance_allows(ci, consumer, uid)))) {
             snprintf(why, why_len,
                      "release.context_instance: no instance '%s' of uid %u "
                      "on this daemon",
@@ -554,9 +570,13 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
         return KVX_ERR_NOMEM;
     }
     char w[256];
-    if ((rc = ask_resolve(ctx_address, ctx_instance, ctx_key, consumer,
-                          0 /* now, or not found */, &r->res_id, &r->conn, w,
-                          sizeof(w)))) {
+    ask_t ask = {.addr = ctx_address,
+                 .inst = ctx_instance,
+                 .key = ctx_key,
+                 .consumer = consumer,
+                 .consumer_uid = uid, /* the consumer's session is its */
+                 .wait_ms = 0 /* now, or not found */};
+    if ((rc = ask_resolve(&ask, &r->res_id, &r->conn, w, sizeof(w)))) {
         free(r);
         snprintf(why, why_len, "release: daemon %s: %s", ctx_address, w);
         return rc;
@@ -641,17 +661,18 @@ static void res_answer(uint64_t conn, uint64_t id, int code, const char *msg,
 
 /* Answer it if the offer is here: 1 (answered), 0 (keep holding). */
 static int res_try(uint64_t conn, uint64_t id, const char *inst,
-                   const reqkey_t *key, const char *consumer)
+                   const reqkey_t *key, const char *consumer,
+                   uint32_t consumer_uid)
 {
     instance_t *ci = instance_find(inst);
     if (!ci)
         return 0;
     char why[512];
-    if (!instance_allows(ci, consumer, -1)) {
+    if (!instance_allows(ci, consumer, consumer_uid)) {
         snprintf(why, sizeof(why),
-                 "instance %s does not let instance %s fetch its requests "
-                 "by key (kvx_join_consumers)",
-                 ci->id, consumer);
+                 "instance %s does not let instance %s of uid %u fetch its "
+                 "requests by key (kvx_join_consumers)",
+                 ci->id, consumer, consumer_uid);
         res_answer(conn, id, KVX_ERR_PERM, why, NULL, 0);
         return 1;
     }
@@ -682,7 +703,8 @@ static void on_resolve(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
                    NULL, 0);
         return;
     }
-    if (res_try(conn, m->id, m->instance_id, &key, m->consumer_instance))
+    if (res_try(conn, m->id, m->instance_id, &key, m->consumer_instance,
+                m->consumer_uid))
         return;
     if (!m->wait_ms) { /* a release: now or not at all */
         char e[600], ks[REQKEY_STR_MAX];
@@ -704,6 +726,7 @@ static void on_resolve(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
     snprintf(r->inst, sizeof(r->inst), "%s", m->instance_id);
     r->key = key;
     snprintf(r->consumer, sizeof(r->consumer), "%s", m->consumer_instance);
+    r->consumer_uid = m->consumer_uid;
     r->until_ms =
         kvxd_now_ms() + (m->wait_ms < RES_WAIT_MAX ? m->wait_ms : RES_WAIT_MAX);
     list_push(&held, &r->node);
@@ -729,7 +752,8 @@ static void retry_made(void *arg)
         {
             res_t *r = RES(n);
             if (!strcmp(r->inst, md->inst) && reqkey_eq(&r->key, &md->key) &&
-                res_try(r->conn, r->id, r->inst, &r->key, r->consumer))
+                res_try(r->conn, r->id, r->inst, &r->key, r->consumer,
+                        r->consumer_uid))
                 res_free(r);
         }
         LIST_FOREACH_SAFE(n, t, &kfs)

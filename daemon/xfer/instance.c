@@ -265,16 +265,46 @@ err_nomem:
     WHY(KVX_ERR_NOMEM, "join: out of memory");
 }
 
+/* A consumers entry e (len bytes): "INSTANCE", the owner's uid, or
+ * "UID:INSTANCE". 0 with *uid, *name and *nlen set; -1: malformed. */
+static int consumer_parse(const char *e, size_t len, uint32_t owner,
+                          uint32_t *uid, const char **name, size_t *nlen)
+{
+    size_t d = 0;
+    uint64_t v = 0;
+    for (; d < len && e[d] >= '0' && e[d] <= '9'; d++)
+        if (v <= UINT32_MAX)
+            v = v * 10 + (uint64_t)(e[d] - '0');
+    if (d && d < len && e[d] == ':') {
+        if (v > UINT32_MAX || d + 1 == len)
+            return -1;
+        *uid = (uint32_t)v;
+        *name = e + d + 1;
+        *nlen = len - d - 1;
+        return 0;
+    }
+    *uid = owner;
+    *name = e;
+    *nlen = len;
+    return 0;
+}
+
 int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
                        size_t why_len)
 {
     size_t len = 0;
     for (size_t i = 0; i < n; i++) {
-        size_t l = strlen(list[i]);
-        if (!l || l > INSTANCE_ID_MAX || strchr(list[i], '\n'))
+        size_t l = strlen(list[i]), nl;
+        uint32_t u;
+        const char *nm;
+        if (!l || strchr(list[i], '\n') ||
+            consumer_parse(list[i], l, inst->owner_uid, &u, &nm, &nl) ||
+            nl > INSTANCE_ID_MAX)
             WHY(KVX_ERR_INVALID,
-                "join.consumers[%zu]: empty, a newline, or over %u bytes", i,
-                INSTANCE_ID_MAX);
+                "join.consumers[%zu]: '%.160s' is not INSTANCE or "
+                "UID:INSTANCE (an instance of 1 to %u bytes, no newline; a "
+                "uid up to %u)",
+                i, list[i], INSTANCE_ID_MAX, UINT32_MAX);
         len += l + 1;
     }
     char *c = NULL;
@@ -301,16 +331,20 @@ int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
 }
 
 int instance_allows(const instance_t *inst, const char *consumer,
-                    int64_t consumer_uid)
+                    uint32_t consumer_uid)
 {
-    if (!inst->consumers) /* the default: the cluster, or this uid here */
-        return consumer_uid < 0 || (uint32_t)consumer_uid == inst->owner_uid;
+    if (!inst->consumers) /* the default: the owner's uid, any daemon */
+        return consumer_uid == inst->owner_uid;
     size_t l = strlen(consumer);
-    for (const char *p = inst->consumers; p; p = strchr(p, '\n')) {
-        if (*p == '\n')
-            p++;
-        if (!strncmp(p, consumer, l) && (p[l] == '\n' || !p[l]))
+    for (const char *p = inst->consumers; p;) {
+        const char *end = strchr(p, '\n');
+        size_t el = end ? (size_t)(end - p) : strlen(p), nl;
+        uint32_t u;
+        const char *nm;
+        if (!consumer_parse(p, el, inst->owner_uid, &u, &nm, &nl) &&
+            u == consumer_uid && nl == l && !memcmp(nm, consumer, l))
             return 1;
+        p = end ? end + 1 : NULL;
     }
     return 0;
 }

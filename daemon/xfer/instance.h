@@ -75,13 +75,16 @@ int instance_detach(instance_t *inst, uint32_t rank);
 int instance_join(instance_t *inst, uint32_t rank, char *const *addresses,
                   size_t n, char *why, size_t why_len);
 /* Join's consumers (n of them; 0: the default): the first join sets
- * them, later joins must give the same (KVX_ERR_MISMATCH). */
+ * them, later joins must give the same (KVX_ERR_MISMATCH). An entry is
+ * "INSTANCE" (that instance of the owner's uid) or "UID:INSTANCE". */
 int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
                        size_t why_len);
-/* May instance consumer (of uid consumer_uid; -1: on another daemon)
- * fetch inst's requests by key? */
+/* May instance consumer, owned by consumer_uid (on this daemon or, as
+ * its daemon says, on another), fetch or release inst's requests by key?
+ * By default only instances of inst's owner uid may; a list names
+ * (uid, instance) pairs, never a name alone. */
 int instance_allows(const instance_t *inst, const char *consumer,
-                    int64_t consumer_uid);
+                    uint32_t consumer_uid);
 /* 0 if publish/fetch may proceed (joined, every local rank connected). */
 int instance_ready(const instance_t *inst, char *why, size_t why_len);
 instance_t *instance_find(const char *id);

@@ -296,11 +296,13 @@ KVX_EXPORT int kvx_join(kvx_client_t *client, const char *const *rank_addresses,
                         uint32_t num_ranks, int timeout_ms);
 
 /* kvx_join for a context instance that says which generation instances
- * may fetch its requests by key (kvx_fetch_by_key): consumers[0..n), or
- * NULL/0 for the default, any instance of a daemon of the cluster (and on
- * this daemon, any of the same uid). Every local rank passes the same
- * list (else KVX_ERR_MISMATCH). Fetches with params need no such leave:
- * the params' token is the right. */
+ * may fetch or release its requests by key (kvx_fetch_by_key):
+ * consumers[0..n), each "INSTANCE" (that instance of this instance's
+ * uid) or "UID:INSTANCE" (that instance of uid UID), on any daemon of the
+ * cluster; or NULL/0 for the default, every instance of this instance's
+ * uid. A name alone never lets another uid in. Every local rank passes
+ * the same list (else KVX_ERR_MISMATCH). Fetches with params need no such
+ * leave: the params' token is the right. */
 KVX_EXPORT int kvx_join_consumers(kvx_client_t *client,
                                   const char *const *rank_addresses,
                                   uint32_t num_ranks,
@@ -651,8 +653,8 @@ KVX_EXPORT int kvx_fetch_groups(kvx_client_t *client, const void *key,
  * daemons find the offer and wait for it to be published or reserved,
  * under deadlines.fetch_timeout_ms (then TIMED_OUT, naming the key); the
  * context instance must let this instance fetch by key
- * (kvx_join_consumers; by default any instance of the cluster, and on one
- * daemon any of the same uid), else the request ends with KVX_ERR_PERM.
+ * (kvx_join_consumers; by default any instance of its own uid, on any
+ * daemon), else the request ends with KVX_ERR_PERM.
  * blocks must hold the offer's tokens (known to the engine: its prompt),
  * else the request ends with KVX_ERR_INVALID. As kvx_fetch_key, this
  * returns once the daemon accepted the fetch; the rest arrives as an
@@ -813,8 +815,8 @@ KVX_EXPORT int kvx_release(kvx_client_t *client, const void *params,
  * context_instance, whose rank 0 is served by the daemon at
  * context_address. The daemons find its params as kvx_fetch_by_key does
  * (on rank 0's daemon: a process of the instance's uid; from another
- * daemon: a generation rank whose instance the context instance lets
- * fetch by key, kvx_join_consumers; uids mean nothing across nodes),
+ * daemon: a generation rank whose instance and uid the context instance
+ * lets fetch by key, kvx_join_consumers),
  * then release as kvx_release does. KVX_ERR_NOT_FOUND when it is not published
  * or reserved (now: a release does not wait), KVX_ERR_PERM when the instance
  * does not let it, else kvx_release's errors. */

@@ -448,8 +448,9 @@ class Client:
         """Tell the daemon where every rank of this instance is served
         (kvx_join); every local rank joins with the same list. A context
         instance may name the generation instances that can fetch its
-        requests by key (``consumers``; kvx_join_consumers); None: any
-        instance of the cluster (on one daemon: of the same uid)."""
+        requests by key (``consumers``, each ``"INSTANCE"``, of this
+        instance's uid, or ``"UID:INSTANCE"``; kvx_join_consumers); None:
+        any instance of this instance's uid, on any daemon."""
         enc = [a.encode() for a in rank_addresses]
         arr = (ctypes.c_char_p * max(1, len(enc)))(*enc)
         cons = [c.encode() for c in (consumers or [])]

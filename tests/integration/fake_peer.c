@@ -59,7 +59,7 @@
 
 #define AM_CTRL 1
 #define AM_DATA 2
-#define VERSION 6 /* peer.c PEER_VERSION */
+#define VERSION 7 /* peer.c PEER_VERSION */
 
 static ucp_context_h ctx;
 static ucp_worker_h worker;
