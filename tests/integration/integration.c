@@ -52,6 +52,8 @@
  *   t_peer_spread.c    an instance spread over both daemons
  *   t_peer_ops.c       peer configuration, status, idle CPU, the bench
  *   t_peer_hostile.c   garbage to every port a daemon opens
+ *   t_access.c         who may reach a request's KV: the access table of
+ *                      docs/protocol.md, cell by cell, and old attacks
  *   t_faults.c         the same fault, one daemon and two: the same outcome
  *
  * A test goes in the file of its area; a helper used by one file stays
@@ -85,5 +87,6 @@
 #include "t_peer_spread.c"
 #include "t_peer_ops.c"
 #include "t_peer_hostile.c"
+#include "t_access.c"
 #include "t_faults.c"
 /* clang-format on */

@@ -193,6 +193,9 @@ static int p_ka_timeout_ms = P_KA_TIMEOUT_MS;
  * p_stop_both() checks that neither closed a UCX endpoint twice: for
  * tests whose endpoints close once, at the stop (see ucx_closes.c). */
 
+/* More lines of the next p_daemon()s' socket sections (NULL: none). */
+static const char *p_socket_extra;
+
 static daemon_t *p_daemon(int side, const char *secret, const char *peer_extra,
                           const char *extra)
 {
@@ -219,7 +222,7 @@ static daemon_t *p_daemon(int side, const char *secret, const char *peer_extra,
     snprintf(preload, sizeof(preload), "%s/tests/libucx_closes.so",
              build_dir());
     h_preload = p_closes_once ? preload : NULL;
-    daemon_t *d = daemon_start(cfg);
+    daemon_t *d = daemon_start2(p_socket_extra, cfg);
     h_netns = NULL;
     h_preload = NULL;
     return d;
