@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import ctypes
 import enum
 import json
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import (Any, Iterator, List, Optional, Sequence, Tuple, Union)
 
 from . import _lib
+from ._check import INT_MAX, U64_MAX, integer, timeout_ms, u32_array
 from .errors import Closed, Error, InvalidArgument, make_error, status_str
 from .layout import Layout
 from .memory import HostBuffer, Span, host_buffer_of, span_of
@@ -29,12 +29,8 @@ def key_bytes(key: Key) -> bytes:
     """A request key as the daemon sees it: bytes as they are, a str as
     its UTF-8, an int as its decimal digits (what kvx_publish(42) sends:
     b"42"). Raises InvalidArgument for an empty or over-long key."""
-    if isinstance(key, bool):
-        raise InvalidArgument(-1, "key: a bool is not a request key")
-    if isinstance(key, int):
-        if key < 0 or key >= 1 << 64:
-            raise InvalidArgument(-1, f"key: {key} is not a uint64")
-        k = str(key).encode()
+    if isinstance(key, int):  # a bool too: refused as one
+        k = str(integer("key", key, U64_MAX)).encode()
     elif isinstance(key, str):
         k = key.encode()
     elif isinstance(key, (bytes, bytearray, memoryview)):
@@ -195,8 +191,8 @@ PoolRef = Union[Pool, int]
 Blocks = Any  # a sequence of ints, a numpy integer array, a CPU tensor
 
 
-def _pool_id(pool: PoolRef) -> int:
-    return pool.id if isinstance(pool, Pool) else int(pool)
+def _pool_id(pool: PoolRef, name: str = "pool") -> int:
+    return pool.id if isinstance(pool, Pool) else integer(name, pool)
 
 
 @dataclass
@@ -227,49 +223,30 @@ def _groups(groups: Sequence[Group]) -> Tuple[Any, int, Any]:
     for i, g in enumerate(groups):
         if not isinstance(g, Group):
             raise InvalidArgument(-1, f"groups[{i}]: expected a kvxfer.Group")
-        ptr, n, k = _u32(g.blocks, f"groups[{i}].blocks")
+        at = f"groups[{i}]"
+        ptr, n, k = u32_array(f"{at}.blocks", g.blocks)
         keep.append(k)
-        arr[i].pool_id = _pool_id(g.pool)
+        arr[i].pool_id = _pool_id(g.pool, f"{at}.pool")
         arr[i].blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
         arr[i].num_blocks = n
-        arr[i].num_tokens = g.num_tokens
-        arr[i].first_block = g.first_block
-        arr[i].skip_tokens = g.skip_tokens
+        arr[i].num_tokens = integer(f"{at}.num_tokens", g.num_tokens)
+        arr[i].first_block = integer(f"{at}.first_block", g.first_block)
+        arr[i].skip_tokens = integer(f"{at}.skip_tokens", g.skip_tokens)
     return arr, len(groups), keep
 
 
-def _u32(blocks: Blocks, what: str = "blocks") -> Tuple[Any, int, Any]:
-    """(pointer, count, keep-alive) of blocks as a uint32 array."""
-    if hasattr(blocks, "__array_interface__"):
-        import numpy as np
-        a = np.asarray(blocks)
-        if a.ndim != 1 or a.dtype.kind not in "iu":
-            raise InvalidArgument(-1, f"{what}: expected a 1-d integer array")
-        if a.size and (int(a.min()) < 0 or int(a.max()) > 0xFFFFFFFF):
-            raise InvalidArgument(-1, f"{what}: ids must be in 0..2^32-1")
-        a = np.ascontiguousarray(a, dtype=np.uint32)
-        return ctypes.c_void_p(a.ctypes.data), a.size, a
-    if hasattr(blocks, "tolist"):  # torch tensors, array.array, ...
-        blocks = blocks.tolist()
-    try:
-        arr = array.array("I", blocks)
-    except (OverflowError, TypeError) as e:
-        raise InvalidArgument(-1, f"{what}: {e}") from None
-    ptr, n = arr.buffer_info()
-    return ctypes.c_void_p(ptr), n, arr
-
-
-def _item(it: Any, key: Key, pool: PoolRef, blocks: Blocks,
+def _item(it: Any, at: str, key: Key, pool: PoolRef, blocks: Blocks,
           keep: List[Any]) -> None:
     """The fields a kvx_publish_item_t and a kvx_fetch_item_t share: key,
-    pool and blocks (their buffers kept alive in keep)."""
+    pool and blocks (their buffers kept alive in keep); ``at`` names the
+    item in errors."""
     k = key_bytes(key)
     kb = ctypes.create_string_buffer(k, len(k))
-    ptr, n, kp = _u32(blocks)
+    ptr, n, kp = u32_array(f"{at}.blocks", blocks)
     keep += [kb, kp]
     it.key = ctypes.cast(kb, ctypes.c_void_p)
     it.key_len = len(k)
-    it.pool_id = _pool_id(pool)
+    it.pool_id = _pool_id(pool, f"{at}.pool")
     it.blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
     it.num_blocks = n
 
@@ -333,12 +310,7 @@ class Client:
 
     def _ms(self, timeout: Timeout) -> int:
         t = self.timeout if timeout is _DEFAULT else timeout
-        if t is None:
-            return -1
-        if t <= 0:
-            raise InvalidArgument(-1, f"timeout: {t} (expected > 0 seconds "
-                                  "or None)")
-        return max(1, min(int(round(t * 1000)), 2**31 - 1))
+        return timeout_ms("timeout", t)
 
     def _call(self, fn: str, *args: Any) -> None:
         with self._lock:
@@ -357,30 +329,35 @@ class Client:
                       version: Optional[Tuple[int, int]]) -> Tuple[Any, Any]:
         if role is None:
             raise InvalidArgument(-1, "role: needed with instance_id")
+        expect = "expected context, generation or both"
         if isinstance(role, str):
             try:
                 role = Role[role.upper()]
             except KeyError:
-                raise InvalidArgument(-1, f"role: {role!r} (expected context, "
-                                      "generation or both)") from None
+                raise InvalidArgument(-1, f"role: {role!r} ({expect})") \
+                    from None
+        role = Role(integer("role", role, max(Role), min(Role)))
         p = parallel or Parallel()
         h = _lib.Hello()
         iid = instance_id.encode()
         h.instance_id = iid
-        h.role = int(Role(role))
-        h.rank = rank
-        h.parallel.tp, h.parallel.pp, h.parallel.cp = p.tp, p.pp, p.cp
-        h.parallel.total_layers = p.total_layers
-        h.parallel.total_kv_heads = p.total_kv_heads
-        h.parallel.attention_dp = p.attention_dp
+        h.role = int(role)
+        h.rank = integer("rank", rank)
+        hp = h.parallel
+        for f in ("tp", "pp", "cp", "total_layers", "total_kv_heads",
+                  "attention_dp"):
+            setattr(hp, f, integer(f"parallel.{f}", getattr(p, f)))
         lpp = None
         if p.layers_per_pp is not None:
-            lpp = (ctypes.c_uint32 * len(p.layers_per_pp))(*p.layers_per_pp)
-            h.parallel.layers_per_pp = ctypes.cast(
-                lpp, ctypes.POINTER(ctypes.c_uint32))
-            h.parallel.num_layers_per_pp = len(p.layers_per_pp)
+            ptr, n, lpp = u32_array("parallel.layers_per_pp",
+                                    p.layers_per_pp)
+            hp.layers_per_pp = ctypes.cast(ptr,
+                                           ctypes.POINTER(ctypes.c_uint32))
+            hp.num_layers_per_pp = n
         if version is not None:
-            h.version_major, h.version_minor = version
+            major, minor = version
+            h.version_major = integer("protocol_version[0]", major)
+            h.version_minor = integer("protocol_version[1]", minor)
         return h, (iid, lpp)
 
     # -- connection -------------------------------------------------------
@@ -426,11 +403,7 @@ class Client:
         thread sleeps on the socket (kvx_set_spin_us), in microseconds;
         0: never spin. Default: ``KVXFER_SPIN_US``, else 50. At most
         100000."""
-        if not isinstance(spin_us, int) or isinstance(spin_us, bool) or \
-                spin_us < 0:
-            raise InvalidArgument(-1, f"spin_us: {spin_us!r} (expected an "
-                                  "int >= 0)")
-        self._call("kvx_set_spin_us", min(spin_us, 2**32 - 1))
+        self._call("kvx_set_spin_us", integer("spin_us", spin_us))
 
     @property
     def daemon_address(self) -> str:
@@ -467,7 +440,7 @@ class Client:
         ``layout.span``). Its bytes: ``pool.array`` (numpy),
         ``pool.memoryview()``, ``pool.buffer.torch()``. The memory lives as
         long as any of those do, even after deregister()."""
-        buf = HostBuffer(size or layout.span)
+        buf = HostBuffer(layout.span if size is None else size)
         pool = self.register_host_fd(buf.fd, 0, len(buf), layout,
                                      timeout=timeout)
         hp = HostPool(self, pool.id, layout, len(buf), "host", buf)
@@ -482,8 +455,11 @@ class Client:
         (kvx_pool_register_host). The memfd must be sealed against
         shrinking (F_SEAL_SHRINK); you keep the fd and your mapping."""
         pid = ctypes.c_uint32()
-        self._call("kvx_pool_register_host", ctypes.byref(layout._c), fd,
-                   offset, size, ctypes.byref(pid), self._ms(timeout))
+        self._call("kvx_pool_register_host", ctypes.byref(layout._c),
+                   integer("fd", fd, INT_MAX),
+                   integer("offset", offset, U64_MAX),
+                   integer("size", size, U64_MAX), ctypes.byref(pid),
+                   self._ms(timeout))
         return Pool(self, pid.value, layout, size, "host", fd)
 
     def register_pool(self, memory: Any, layout: Layout, *,
@@ -518,6 +494,8 @@ class Client:
             items, layout = self._regions_of(memory, layout)
             return self.register_regions(layout, items, device=device,
                                          timeout=timeout, keep=memory)
+        if size is not None:
+            size = integer("size", size, U64_MAX, 1)
         span = span_of(memory, size, device)
         if size is not None and not isinstance(memory, int):
             if size > span.nbytes:
@@ -607,7 +585,8 @@ class Client:
         if isinstance(pool, Pool):
             pool.deregister(timeout)
         else:
-            self._call("kvx_pool_deregister", int(pool), self._ms(timeout))
+            self._call("kvx_pool_deregister", _pool_id(pool),
+                       self._ms(timeout))
 
     # -- requests ---------------------------------------------------------
 
@@ -645,20 +624,22 @@ class Client:
         """
         k = key_bytes(key)
         a = bytes(aux) if aux else None
-        ptr, n, keep = _u32(blocks)
+        num_tokens = integer("num_tokens", num_tokens)
+        pid = _pool_id(pool)
+        ptr, n, keep = u32_array("blocks", blocks)
         params = _lib.ContextParams()
         if groups:
             garr, gn, gkeep = _groups(groups)
-            self._call("kvx_publish_groups", k, len(k), _pool_id(pool), ptr,
-                       n, num_tokens, garr, gn, a, len(a) if a else 0,
+            self._call("kvx_publish_groups", k, len(k), pid, ptr, n,
+                       num_tokens, garr, gn, a, len(a) if a else 0,
                        1 if layerwise else 0, ctypes.byref(params),
                        self._ms(timeout))
             del gkeep
         else:
             self._call("kvx_publish_layerwise" if layerwise else
-                       "kvx_publish_key", k, len(k), _pool_id(pool), ptr, n,
-                       num_tokens, a, len(a) if a else 0,
-                       ctypes.byref(params), self._ms(timeout))
+                       "kvx_publish_key", k, len(k), pid, ptr, n, num_tokens,
+                       a, len(a) if a else 0, ctypes.byref(params),
+                       self._ms(timeout))
         del keep
         try:
             return ctypes.string_at(params.data, params.len)
@@ -679,18 +660,19 @@ class Client:
         kvx_fetch_groups). Returns once the daemon accepted the fetch; its
         end arrives as an :class:`Event` from :meth:`poll`."""
         k = key_bytes(key)
-        ptr, n, keep = _u32(blocks)
+        skip = integer("skip_tokens", skip_tokens)
+        dp = 0 if dp_rank is None else integer("dp_rank", dp_rank)
+        pid = _pool_id(pool)
+        ptr, n, keep = u32_array("blocks", blocks)
         params = bytes(params)
         if groups:
             garr, gn, gkeep = _groups(groups)
             self._call("kvx_fetch_groups", k, len(k), params, len(params),
-                       _pool_id(pool), ptr, n, skip_tokens, dp_rank or 0,
-                       garr, gn, self._ms(timeout))
+                       pid, ptr, n, skip, dp, garr, gn, self._ms(timeout))
             del gkeep
         else:
             self._call("kvx_fetch_key", k, len(k), params, len(params),
-                       _pool_id(pool), ptr, n, skip_tokens, dp_rank or 0,
-                       self._ms(timeout))
+                       pid, ptr, n, skip, dp, self._ms(timeout))
         del keep
 
     def publish_many(self, items: Sequence[Tuple[Key, PoolRef, Blocks, int]],
@@ -704,8 +686,8 @@ class Client:
         arr = (_lib.PublishItem * max(len(items), 1))()
         keep: List[Any] = []
         for i, (key, pool, blocks, num_tokens) in enumerate(items):
-            _item(arr[i], key, pool, blocks, keep)
-            arr[i].num_tokens = num_tokens
+            _item(arr[i], f"items[{i}]", key, pool, blocks, keep)
+            arr[i].num_tokens = integer(f"items[{i}].num_tokens", num_tokens)
         res = self._many("kvx_publish_many", arr, len(items), timeout)
         lib = _lib.lib()
         for i, r in enumerate(res):
@@ -724,6 +706,7 @@ class Client:
         Returns one entry per item: None when the daemon took the fetch
         (its end arrives as an :class:`Event`), or the error it got (an
         exception instance, not raised)."""
+        skip = integer("skip_tokens", skip_tokens)
         arr = (_lib.FetchItem * max(len(items), 1))()
         keep: List[Any] = []
         for i, item in enumerate(items):
@@ -731,13 +714,14 @@ class Client:
                 raise InvalidArgument(-1, f"items[{i}]: (key, params, pool, "
                                       "blocks[, skip_tokens])")
             key, params, pool, blocks = item[:4]
-            _item(arr[i], key, pool, blocks, keep)
+            _item(arr[i], f"items[{i}]", key, pool, blocks, keep)
             pb = bytes(params)
             pp = ctypes.create_string_buffer(pb, max(len(pb), 1))
             keep.append(pp)
             arr[i].params = ctypes.cast(pp, ctypes.c_void_p)
             arr[i].params_len = len(pb)
-            arr[i].skip_tokens = item[4] if len(item) == 5 else skip_tokens
+            arr[i].skip_tokens = integer(f"items[{i}].skip_tokens",
+                                         item[4]) if len(item) == 5 else skip
         return self._many("kvx_fetch_many", arr, len(items), timeout)
 
     def _many(self, fn: str, arr: Any, n: int, timeout: Timeout) -> List[Any]:
@@ -771,17 +755,10 @@ class Client:
         sealed once ``at_least`` events are pending (as every call's
         None). Every rank of an instance gets the same batch k, so SPMD
         ranks call poll in lockstep."""
-        if timeout is None:
-            ms = -1
-        elif timeout < 0:
-            raise InvalidArgument(-1, f"timeout: {timeout} (expected >= 0 "
-                                  "seconds or None)")
-        elif timeout == 0:
-            ms = 0
-        else:
-            ms = max(1, min(int(round(timeout * 1000)), 2**31 - 1))
+        n = integer("at_least", at_least)
+        ms = timeout_ms("timeout", timeout, zero=True)
         out = ctypes.POINTER(_lib.Batch)()
-        self._call("kvx_poll", at_least, ms, ctypes.byref(out))
+        self._call("kvx_poll", n, ms, ctypes.byref(out))
         try:
             b = out.contents
             events = tuple(
@@ -816,6 +793,9 @@ class Client:
         ``group``: the block table whose layers these are (0: the plain
         one, k + 1: the publish's ``groups[k]``; kvx_group_tokens_ready)."""
         k = key_bytes(key)
+        first, count = integer("first", first), integer("count", count)
+        toks = 0 if tokens is None else integer("tokens", tokens)
+        group = integer("group", group)
         ev = None
         if event is not None:
             ev = event if isinstance(event, (bytes, bytearray)) else \
@@ -826,10 +806,10 @@ class Client:
                                       "cudaIpcEventHandle_t has 64)")
         if group:
             self._call("kvx_group_tokens_ready", k, len(k), group, first,
-                       count, tokens or 0, ev, self._ms(timeout))
+                       count, toks, ev, self._ms(timeout))
         else:
-            self._call("kvx_tokens_ready", k, len(k), first, count,
-                       tokens or 0, ev, self._ms(timeout))
+            self._call("kvx_tokens_ready", k, len(k), first, count, toks, ev,
+                       self._ms(timeout))
 
     def append_blocks(self, key: Key, pool: PoolRef, blocks: Blocks,
                       timeout: Timeout = _DEFAULT) -> None:
@@ -838,8 +818,9 @@ class Client:
         it was published from (kvx_append_blocks); a layer-wise publish
         may give only the first chunk's blocks."""
         k = key_bytes(key)
-        ptr, n, keep = _u32(blocks)
-        self._call("kvx_append_blocks", k, len(k), _pool_id(pool), ptr, n,
+        pid = _pool_id(pool)
+        ptr, n, keep = u32_array("blocks", blocks)
+        self._call("kvx_append_blocks", k, len(k), pid, ptr, n,
                    self._ms(timeout))
         del keep
 
@@ -853,6 +834,7 @@ class Client:
         pool's layers; kvx_group_fetch_progress). Raises
         :class:`NotFound` once the fetch is over."""
         k = key_bytes(key)
+        group = integer("group", group)
         done, total, ended = ctypes.c_uint32(), ctypes.c_uint32(), \
             ctypes.c_int()
         if group:
@@ -889,6 +871,8 @@ class Client:
         table's pool (needed when the instance's pools differ in layout,
         as a hybrid model's do)."""
         k = key_bytes(key)
+        num_tokens = integer("num_tokens", num_tokens)
+        pid = 0 if pool is None else _pool_id(pool)
         params = _lib.ContextParams()
         groups = list(groups or ())
         arr = (_lib.Group * max(1, len(groups)))()
@@ -900,12 +884,13 @@ class Client:
                 raise InvalidArgument(
                     -1, f"groups[{i}]: a reservation names no blocks and "
                     "skips no tokens (the ranks' publishes give the blocks)")
-            arr[i].pool_id = _pool_id(g.pool)
-            arr[i].num_tokens = g.num_tokens
-            arr[i].first_block = g.first_block
+            at = f"groups[{i}]"
+            arr[i].pool_id = _pool_id(g.pool, f"{at}.pool")
+            arr[i].num_tokens = integer(f"{at}.num_tokens", g.num_tokens)
+            arr[i].first_block = integer(f"{at}.first_block", g.first_block)
         self._call("kvx_reserve_groups", instance_id.encode(), k, len(k),
-                   num_tokens, 0 if pool is None else _pool_id(pool), arr,
-                   len(groups), ctypes.byref(params), self._ms(timeout))
+                   num_tokens, pid, arr, len(groups), ctypes.byref(params),
+                   self._ms(timeout))
         try:
             return ctypes.string_at(params.data, params.len)
         finally:
@@ -924,19 +909,21 @@ class Client:
         as :meth:`fetch`'s (kvx_fetch_by_key_groups). The outcome comes
         as an :class:`Event` for ``key``."""
         k, ck = key_bytes(key), key_bytes(context_key)
-        ptr, n, keep = _u32(blocks)
+        skip = integer("skip_tokens", skip_tokens)
+        dp = integer("dp_rank", dp_rank)
+        pid = _pool_id(pool)
+        ptr, n, keep = u32_array("blocks", blocks)
         if groups:
             garr, gn, gkeep = _groups(groups)
             self._call("kvx_fetch_by_key_groups", k, len(k),
                        context_instance.encode(), context_address.encode(),
-                       ck, len(ck), _pool_id(pool), ptr, n, skip_tokens,
-                       dp_rank, garr, gn, self._ms(timeout))
+                       ck, len(ck), pid, ptr, n, skip, dp, garr, gn,
+                       self._ms(timeout))
             del gkeep
         else:
             self._call("kvx_fetch_by_key", k, len(k),
                        context_instance.encode(), context_address.encode(),
-                       ck, len(ck), _pool_id(pool), ptr, n, skip_tokens,
-                       dp_rank, self._ms(timeout))
+                       ck, len(ck), pid, ptr, n, skip, dp, self._ms(timeout))
         del keep
 
     def release(self, params: Optional[bytes] = None, *,

@@ -7,6 +7,7 @@ import enum
 from typing import Any, Iterable, Optional, Sequence, Tuple
 
 from . import _lib
+from ._check import U32_MAX, U64_MAX, integer
 from .errors import InvalidArgument
 
 __all__ = ["DType", "Layout", "PRESETS"]
@@ -36,7 +37,8 @@ class DType(enum.IntEnum):
         if isinstance(dtype, DType):
             return dtype
         if isinstance(dtype, int):
-            return cls(dtype)
+            v = integer("dtype", dtype, max(cls), min(cls))
+            return cls(v)
         name = str(dtype).lower().replace("torch.", "")
         aliases = {
             "float32": "fp32", "float": "fp32", "float16": "fp16",
@@ -95,6 +97,11 @@ class Layout:
 
         Raises InvalidArgument for an unknown preset or a shape it refuses.
         """
+        num_layers, kv_factor, num_heads, head_dim, tokens_per_block, \
+            num_blocks = _u32s(num_layers=num_layers, kv_factor=kv_factor,
+                               num_heads=num_heads, head_dim=head_dim,
+                               tokens_per_block=tokens_per_block,
+                               num_blocks=num_blocks)
         c = _lib.Layout()
         rc = _lib.lib().kvx_layout_preset(
             preset.encode(), num_layers, kv_factor, num_heads, head_dim,
@@ -126,20 +133,24 @@ class Layout:
         ``parts`` says: ``(region, offset)`` pairs, num_layers*kv_factor
         of them, layer-major. The daemon checks it when a pool is
         registered (LayoutError names the problem)."""
-        if num_layers > _lib.MAX_LAYERS:
-            raise InvalidArgument(-1, f"num_layers: {num_layers} > "
-                                  f"{_lib.MAX_LAYERS}")
+        num_layers = integer("num_layers", num_layers, _lib.MAX_LAYERS)
         dt = DType.of(dtype)
         c = _lib.Layout()
         c.preset = name.encode()[:15]
-        c.num_layers, c.kv_factor = num_layers, kv_factor
-        c.num_heads, c.head_dim = num_heads, head_dim
-        c.elem_size = dt.size if elem_size is None else elem_size
+        c.num_layers = num_layers
+        c.kv_factor, c.num_heads, c.head_dim, c.tokens_per_block, \
+            c.num_blocks = _u32s(kv_factor=kv_factor, num_heads=num_heads,
+                                 head_dim=head_dim,
+                                 tokens_per_block=tokens_per_block,
+                                 num_blocks=num_blocks)
+        c.elem_size = dt.size if elem_size is None else \
+            integer("elem_size", elem_size)
         c.dtype = int(dt)
-        c.tokens_per_block, c.num_blocks = tokens_per_block, num_blocks
-        c.layer_stride, c.kv_stride = layer_stride, kv_stride
-        c.block_stride = block_stride
-        c.token_stride, c.head_stride = token_stride, head_stride
+        for f, v in (("layer_stride", layer_stride), ("kv_stride", kv_stride),
+                     ("block_stride", block_stride),
+                     ("token_stride", token_stride),
+                     ("head_stride", head_stride)):
+            setattr(c, f, integer(f, v, U64_MAX))
         out = cls(c)
         if layer_offsets is not None and parts is not None:
             raise InvalidArgument(-1, "layer_offsets and parts: give one")
@@ -170,7 +181,8 @@ class Layout:
                                   f"kv_factor {self.kv_factor}")
         arr = (_lib.LayoutPart * n)()
         for i, (region, off) in enumerate(ps):
-            arr[i].region, arr[i].offset = region, off
+            arr[i].region = integer(f"parts[{i}].region", region)
+            arr[i].offset = integer(f"parts[{i}].offset", off, U64_MAX)
         out = self._copy()
         return Layout(out._c, arr)
 
@@ -179,16 +191,18 @@ class Layout:
         from ``head`` on (None: not said). The daemon refuses a pool whose
         first head is not the one the TP rule gives its rank
         (LayoutError), instead of moving the wrong heads."""
-        if head is not None and not 0 <= head < 0xFFFFFFFF:
-            raise InvalidArgument(-1, f"first_head: {head}")
+        # stored plus one: 0 says "not said"
+        first = 0 if head is None else \
+            integer("first_head", head, U32_MAX - 1) + 1
         out = self._copy()
-        out._c.first_head = 0 if head is None else head + 1
+        out._c.first_head = first
         return out
 
     def with_layer_offsets(self, offsets: Iterable[int]) -> "Layout":
         """This layout with the layers at ``offsets`` (one per layer) in
         one region; a layer's V lies kv_stride after its K."""
-        offs = list(offsets)
+        offs = [integer(f"layer_offsets[{i}]", off, U64_MAX)
+                for i, off in enumerate(offsets)]
         if len(offs) != self.num_layers:
             raise InvalidArgument(-1, f"layer_offsets: {len(offs)} entries "
                                   f"for num_layers {self.num_layers}")
@@ -201,6 +215,7 @@ class Layout:
         tensors) or a K and a V region per layer (``2``, as SGLang's):
         kvx_layout_split. Each region must then hold
         :meth:`region_span` bytes."""
+        regions_per_layer = integer("regions_per_layer", regions_per_layer)
         out = self._copy()
         n = self.num_layers * self.kv_factor
         arr = (_lib.LayoutPart * n)()
@@ -254,12 +269,12 @@ class Layout:
     def region_span(self, region: int) -> int:
         """Bytes the layout spans in ``region``: the smallest size of that
         region (kvx_layout_region_span)."""
-        return int(_lib.lib().kvx_layout_region_span(ctypes.byref(self._c),
-                                                     region))
+        return int(_lib.lib().kvx_layout_region_span(
+            ctypes.byref(self._c), integer("region", region)))
 
     def region(self, layer: int, kv: int) -> int:
         """The region part (layer, kv) lies in (kvx_layout_region)."""
-        self._in_range(layer, kv, 0, 0, 0)
+        layer, kv = self._in_range(layer, kv, 0, 0, 0)[:2]
         return int(_lib.lib().kvx_layout_region(ctypes.byref(self._c),
                                                 layer, kv))
 
@@ -290,23 +305,19 @@ class Layout:
         return int(_lib.lib().kvx_layout_span(ctypes.byref(c)))
 
     def _in_range(self, layer: int, kv: int, block: int, token: int,
-                  head: int) -> None:
-        for name, v, n in (("layer", layer, self.num_layers),
-                           ("kv", kv, self.kv_factor),
-                           ("block", block, self.num_blocks),
-                           ("token", token, self.tokens_per_block),
-                           ("head", head, self.num_heads)):
-            if not 0 <= v < n:
-                raise InvalidArgument(-1, f"{name}: {v} out of range "
-                                      f"(expected 0..{n - 1})")
+                  head: int) -> Tuple[int, ...]:
+        return tuple(integer(name, v, n - 1) for name, v, n in (
+            ("layer", layer, self.num_layers), ("kv", kv, self.kv_factor),
+            ("block", block, self.num_blocks),
+            ("token", token, self.tokens_per_block),
+            ("head", head, self.num_heads)))
 
     def offset(self, layer: int, kv: int, block: int, token: int = 0,
                head: int = 0) -> int:
         """Byte offset of element (layer, kv, block, token, head, dim 0) in
         its region (:meth:`region` says which)."""
-        self._in_range(layer, kv, block, token, head)
-        return int(_lib.lib().kvx_layout_offset(
-            ctypes.byref(self._c), layer, kv, block, token, head))
+        at = self._in_range(layer, kv, block, token, head)
+        return int(_lib.lib().kvx_layout_offset(ctypes.byref(self._c), *at))
 
     def _key(self) -> bytes:
         c = _lib.Layout()
@@ -328,3 +339,8 @@ class Layout:
                 f"tokens_per_block={self.tokens_per_block}, "
                 f"num_blocks={self.num_blocks}, "
                 f"regions={self.num_regions}, span={self.span})")
+
+
+def _u32s(**values: Any) -> Tuple[int, ...]:
+    """The uint32_t fields of a layout, checked, in the order given."""
+    return tuple(integer(k, v) for k, v in values.items())

@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ._check import U64_MAX, integer
 from .errors import InvalidArgument
 
 __all__ = ["HostBuffer"]
@@ -47,8 +48,7 @@ class HostBuffer(mmap.mmap):
     address: int
 
     def __new__(cls, size: int, name: str = "kvxfer-pool") -> "HostBuffer":
-        if size <= 0:
-            raise InvalidArgument(-1, f"size: {size} (expected > 0)")
+        size = integer("size", size, U64_MAX, 1)
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
@@ -115,12 +115,15 @@ def span_of(obj: Any, size: Optional[int] = None,
     if isinstance(obj, bool):
         raise InvalidArgument(-1, "memory: a bool is not memory")
     if isinstance(obj, int):
-        if size is None or size <= 0:
-            raise InvalidArgument(-1, "size: a raw pointer needs size= (bytes)")
+        if size is None:
+            raise InvalidArgument(-1, "size: a raw pointer needs size= "
+                                  "(bytes)")
         if device not in ("cuda", "host"):
             raise InvalidArgument(-1, "device: a raw pointer needs "
                                   "device='cuda' or device='host'")
-        return Span("gpu" if device == "cuda" else "host", obj, size)
+        return Span("gpu" if device == "cuda" else "host",
+                    integer("memory", obj, U64_MAX, 1),
+                    integer("size", size, U64_MAX, 1))
     mod = type(obj).__module__.split(".")[0]
     if mod == "torch" and hasattr(obj, "data_ptr"):
         if not obj.is_contiguous():
