@@ -1585,9 +1585,11 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         const char *sa = ch->address ? ch->address : "";
         snprintf(c->server_addr, sizeof(c->server_addr), "%s", sa);
         int elsewhere = !same_listener(sa, c->address);
-        if (!strcmp(sa, kvxd.address)) {
-            /* an alias of our own listener (another IP of a wildcard
-             * listener, another id): never a peer, whatever it names */
+        if (!strcmp(sa, kvxd.address) && strcmp(c->address, kvxd.address)) {
+            /* we reached ourselves through another address (a NAT, a
+             * forwarded port): never a peer, whatever it names. Our own
+             * address is dialled on purpose: a fetch of a spread
+             * instance moves its local slices over the same streams. */
             conn_fail(c, KVX_ERR_PEER_GONE,
                       "%s is this daemon (%s) under another address: a "
                       "daemon never dials itself",
