@@ -89,6 +89,7 @@ typedef struct res {
     reqkey_t key;
     char consumer[INSTANCE_ID_MAX + 1];
     uint32_t consumer_uid; /* as the asking daemon says */
+    reqkey_t consumer_key; /* its request; empty: a release */
     uint64_t until_ms;
 } res_t;
 
@@ -99,6 +100,7 @@ typedef struct ask {
     const char *addr, *inst;
     const reqkey_t *key;
     const char *consumer;
+    const reqkey_t *consumer_key; /* NULL: a release */
     uint32_t consumer_uid, wait_ms;
 } ask_t;
 
@@ -252,8 +254,10 @@ static int kf_resolve_local(kf_t *kf)
     }
     uint8_t *p;
     size_t len;
-    int rc = xfer_params_for(ci, &kf->ctx_key, &p, &len, why, sizeof(why));
-    if (rc == KVX_ERR_NOT_FOUND)
+    xfer_consumer_t who = {kf->inst, kf->key.b, kf->key.len};
+    int rc =
+        xfer_params_for(ci, &kf->ctx_key, &who, &p, &len, why, sizeof(why));
+    if (rc == XFER_NOT_YET)
         return 0;
     if (rc) {
         char m[700];
@@ -309,6 +313,10 @@ static int ask_resolve(const ask_t *a, uint64_t *id, uint64_t *conn, char *why,
     pr.key.len = a->key->len;
     pr.consumer_instance = (char *)a->consumer;
     pr.consumer_uid = a->consumer_uid;
+    if (a->consumer_key) {
+        pr.consumer_key.data = (uint8_t *)a->consumer_key->b;
+        pr.consumer_key.len = a->consumer_key->len;
+    }
     pr.wait_ms = a->wait_ms;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     m.m_case = KVXFER__PEER_MSG__M_RESOLVE;
@@ -446,6 +454,7 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  .inst = kf->ctx_inst,
                  .key = &kf->ctx_key,
                  .consumer = kf->inst,
+                 .consumer_key = &kf->key,
                  .consumer_uid = inst->owner_uid,
                  .wait_ms = kvxd.conf.fetch_timeout_ms};
     if ((rc = ask_resolve(&ask, &kf->res_id, &kf->conn, w, sizeof(w)))) {
@@ -545,7 +554,9 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
         uint8_t *p;
         size_t len;
         char w[512];
-        rc = xfer_params_for(ci, ctx_key, &p, &len, w, sizeof(w));
+        rc = xfer_params_for(ci, ctx_key, NULL, &p, &len, w, sizeof(w));
+        if (rc == XFER_NOT_YET)
+            rc = KVX_ERR_NOT_FOUND;
         if (rc) {
             snprintf(why, why_len, "release: request %s: %s", kstr(ctx_key, ks),
                      w);
@@ -659,29 +670,31 @@ static void res_answer(uint64_t conn, uint64_t id, int code, const char *msg,
     peer_send(c, &out);
 }
 
-/* Answer it if the offer is here: 1 (answered), 0 (keep holding). */
-static int res_try(uint64_t conn, uint64_t id, const char *inst,
-                   const reqkey_t *key, const char *consumer,
-                   uint32_t consumer_uid)
+/* Answer r if the offer is here: 1 (answered), 0 (keep holding). */
+static int res_try(const res_t *r)
 {
-    instance_t *ci = instance_find(inst);
+    instance_t *ci = instance_find(r->inst);
     if (!ci)
         return 0;
     char why[512];
-    if (!instance_allows(ci, consumer, consumer_uid)) {
+    if (!instance_allows(ci, r->consumer, r->consumer_uid)) {
         snprintf(why, sizeof(why),
                  "instance %s does not let instance %s of uid %u fetch its "
                  "requests by key (kvx_join_consumers)",
-                 ci->id, consumer, consumer_uid);
-        res_answer(conn, id, KVX_ERR_PERM, why, NULL, 0);
+                 ci->id, r->consumer, r->consumer_uid);
+        res_answer(r->conn, r->id, KVX_ERR_PERM, why, NULL, 0);
         return 1;
     }
     uint8_t *p;
     size_t len;
-    int rc = xfer_params_for(ci, key, &p, &len, why, sizeof(why));
-    if (rc == KVX_ERR_NOT_FOUND)
+    /* the generation request may have taken it already from another of
+     * its daemons: the same consumer gets the params again */
+    xfer_consumer_t who = {r->consumer, r->consumer_key.b, r->consumer_key.len};
+    int rc = xfer_params_for(ci, &r->key, r->consumer_key.len ? &who : NULL, &p,
+                             &len, why, sizeof(why));
+    if (rc == XFER_NOT_YET)
         return 0;
-    res_answer(conn, id, rc, rc ? why : "", rc ? NULL : p, rc ? 0 : len);
+    res_answer(r->conn, r->id, rc, rc ? why : "", rc ? NULL : p, rc ? 0 : len);
     if (!rc)
         free(p);
     return 1;
@@ -691,26 +704,30 @@ static void on_resolve(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
 {
     const Kvxfer__PeerResolve *m = pm->resolve;
     uint64_t conn = peer_conn_id(c);
-    reqkey_t key;
+    res_t q = {.conn = conn, .id = m->id, .consumer_uid = m->consumer_uid};
     char why[256];
     if (!m->instance_id || !m->instance_id[0] ||
         strlen(m->instance_id) > INSTANCE_ID_MAX || !m->consumer_instance ||
         strlen(m->consumer_instance) > INSTANCE_ID_MAX ||
-        reqkey_set(&key, m->key.data, m->key.len, "resolve.key", why,
-                   sizeof(why))) {
+        reqkey_set(&q.key, m->key.data, m->key.len, "resolve.key", why,
+                   sizeof(why)) ||
+        (m->consumer_key.len &&
+         reqkey_set(&q.consumer_key, m->consumer_key.data, m->consumer_key.len,
+                    "resolve.consumer_key", why, sizeof(why)))) {
         res_answer(conn, m->id, KVX_ERR_INVALID,
                    "resolve: instance, consumer or key missing or too long",
                    NULL, 0);
         return;
     }
-    if (res_try(conn, m->id, m->instance_id, &key, m->consumer_instance,
-                m->consumer_uid))
+    snprintf(q.inst, sizeof(q.inst), "%s", m->instance_id);
+    snprintf(q.consumer, sizeof(q.consumer), "%s", m->consumer_instance);
+    if (res_try(&q))
         return;
     if (!m->wait_ms) { /* a release: now or not at all */
         char e[600], ks[REQKEY_STR_MAX];
         snprintf(e, sizeof(e),
                  "no offer of request %s of instance %s on daemon %s",
-                 kstr(&key, ks), m->instance_id, kvxd.address);
+                 kstr(&q.key, ks), m->instance_id, kvxd.address);
         res_answer(conn, m->id, KVX_ERR_NOT_FOUND, e, NULL, 0);
         return;
     }
@@ -721,12 +738,7 @@ static void on_resolve(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
                    0);
         return;
     }
-    r->conn = conn;
-    r->id = m->id;
-    snprintf(r->inst, sizeof(r->inst), "%s", m->instance_id);
-    r->key = key;
-    snprintf(r->consumer, sizeof(r->consumer), "%s", m->consumer_instance);
-    r->consumer_uid = m->consumer_uid;
+    *r = q;
     r->until_ms =
         kvxd_now_ms() + (m->wait_ms < RES_WAIT_MAX ? m->wait_ms : RES_WAIT_MAX);
     list_push(&held, &r->node);
@@ -752,8 +764,7 @@ static void retry_made(void *arg)
         {
             res_t *r = RES(n);
             if (!strcmp(r->inst, md->inst) && reqkey_eq(&r->key, &md->key) &&
-                res_try(r->conn, r->id, r->inst, &r->key, r->consumer,
-                        r->consumer_uid))
+                res_try(r))
                 res_free(r);
         }
         LIST_FOREACH_SAFE(n, t, &kfs)

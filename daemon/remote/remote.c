@@ -1353,13 +1353,16 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     const reqkey_t *ok = o ? xfer_offer_key(o) : NULL;
     if (ok && (ok->len != m->key.len || memcmp(ok->b, m->key.data, ok->len)))
         o = NULL; /* another key's, whose id collides: not this one */
-    if ((!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) &&
-        m->instance_id &&
-        xfer_offer_cancelled(m->instance_id, m->request_id, m->key.data,
-                             m->key.len)) {
-        /* as a fetch that came before the cancel hears it */
-        send_end_ex(c, m->stream, KVX_ERR_CANCELLED,
-                    "cancelled by the context side", 1);
+    int gone =
+        (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) && m->instance_id
+            ? xfer_offer_gone(m->instance_id, m->request_id, m->key.data,
+                              m->key.len)
+            : 0;
+    if (gone) { /* as a fetch that came before the cancel hears it */
+        send_end_ex(c, m->stream, gone,
+                    gone == KVX_ERR_CANCELLED ? "cancelled by the context side"
+                                              : "released (kvx_release)",
+                    1);
         return;
     }
     if (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) {
@@ -1470,10 +1473,11 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     /* one consumer per offer: the generation request (instance and
      * id, the same from every daemon of a spread instance) */
     char who[256];
-    char cks[REQKEY_STR_MAX];
-    snprintf(who, sizeof(who), "request %s of instance '%s'",
-             reqkey_str(m->consumer_key.data, m->consumer_key.len, cks),
-             m->consumer_instance ? m->consumer_instance : "");
+    xfer_consumer_t cw = {.inst =
+                              m->consumer_instance ? m->consumer_instance : "",
+                          .key = m->consumer_key.data,
+                          .key_len = m->consumer_key.len};
+    xfer_consumer_name(&cw, who, sizeof(who));
     roffer_t *ro = xfer_offer_remote(o);
     if (!ro) { /* the first OPEN: freed with o (remote_offer_free()) */
         if (!(ro = roffer_new())) {

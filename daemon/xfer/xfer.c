@@ -250,14 +250,16 @@ struct genreq {
 #define GPARTS(g) ((size_t)(g)->ngroups * (g)->inst->nranks)
 
 /* A request that ended while it may still be asked for, kept until the
- * fetch timeout (gone_add()): a cancelled offer, so that a fetch coming
- * after the cancel (here, or its OPEN from a peer) hears CANCELLED and
- * not "no offer"; and a fetch that ended before every local rank of it
- * fetched, so that a later rank's fetch joins that end instead of making
- * a second request and a second event. */
+ * fetch timeout (gone_add()): a cancelled or released offer, so that a
+ * fetch coming after the cancel or release (here, by key, or its OPEN
+ * from a peer) hears CANCELLED or NOT_FOUND at once and does not wait
+ * for an offer that will not come; and a fetch that ended before every local
+ * rank of it fetched, so that a later rank's fetch joins that end instead of
+ * making a second request and a second event. */
 typedef struct gone {
     dl_node_t dl; /* on gones, in deadline order */
     int offer;
+    int released; /* offer: released, not cancelled */
     char inst[INSTANCE_ID_MAX + 1];
     uint64_t request_id;
     reqkey_t key;
@@ -351,10 +353,11 @@ static gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
     return x;
 }
 
-int xfer_offer_cancelled(const char *inst, uint64_t request_id,
-                         const uint8_t *key, size_t key_len)
+int xfer_offer_gone(const char *inst, uint64_t request_id, const uint8_t *key,
+                    size_t key_len)
 {
-    return gone_find(1, inst, request_id, key, key_len) != NULL;
+    const gone_t *x = gone_find(1, inst, request_id, key, key_len);
+    return !x ? 0 : x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED;
 }
 
 /* Round-robin queue of parts with units left to hand out. */
@@ -873,24 +876,55 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     return 0;
 }
 
-int xfer_params_for(instance_t *inst, const reqkey_t *key, uint8_t **params,
-                    size_t *len, char *why, size_t why_len)
+void xfer_consumer_name(const xfer_consumer_t *who, char *buf, size_t n)
+{
+    char k[REQKEY_STR_MAX];
+    snprintf(buf, n, "request %s of instance '%s'",
+             reqkey_str(who->key, who->key_len, k), who->inst);
+}
+
+/* Is o taken by a consumer other than who (NULL: any consumer)? */
+static int taken_by_other(const offer_t *o, const xfer_consumer_t *who)
+{
+    if (!o->consumer && !o->taken)
+        return 0;
+    if (!who)
+        return 1;
+    if (o->consumer) /* a fetch on this daemon */
+        return strcmp(o->consumer->inst->id, who->inst) ||
+               o->consumer->key.len != who->key_len ||
+               memcmp(o->consumer->key.b, who->key, who->key_len);
+    char name[512];
+    const char *t = R.offer_taker ? R.offer_taker(o) : NULL;
+    xfer_consumer_name(who, name, sizeof(name));
+    return !t || strcmp(t, name);
+}
+
+int xfer_params_for(instance_t *inst, const reqkey_t *key,
+                    const xfer_consumer_t *who, uint8_t **params, size_t *len,
+                    char *why, size_t why_len)
 {
     uint64_t id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, id);
-    if ((!o || !reqkey_eq(&o->key, key)) &&
-        gone_find(1, inst->id, id, key->b, key->len))
+    const gone_t *x = gone_find(1, inst->id, id, key->b, key->len);
+    if (o && !reqkey_eq(&o->key, key))
+        o = NULL; /* another key's, whose id collides */
+    if ((!o || o->ending || o->consumed || o->consume_fenced) && x &&
+        x->released)
+        WHY(KVX_ERR_NOT_FOUND,
+            "request %s of instance %s was released (kvx_release)", ks(key),
+            inst->id);
+    if (!o && x)
         WHY(KVX_ERR_CANCELLED,
             "request %s of instance %s: cancelled by the context side", ks(key),
             inst->id);
-    if (!o || !reqkey_eq(&o->key, key))
-        WHY(KVX_ERR_NOT_FOUND, "no offer of request %s of instance %s", ks(key),
+    if (!o)
+        WHY(XFER_NOT_YET, "no offer of request %s of instance %s", ks(key),
             inst->id);
     if (o->ending || o->consumed || o->consume_fenced)
-        WHY(KVX_ERR_NOT_FOUND,
-            "the offer of request %s of instance %s has ended", ks(key),
-            inst->id);
-    if (o->consumer || o->taken)
+        WHY(XFER_NOT_YET, "the offer of request %s of instance %s has ended",
+            ks(key), inst->id);
+    if (taken_by_other(o, who))
         WHY(KVX_ERR_EXISTS,
             "the offer of request %s of instance %s is taken by another "
             "fetch",
@@ -1331,9 +1365,11 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
     if (!o || !reqkey_eq(&o->key, key)) {
-        if (gone_find(1, inst->id, request_id, key->b, key->len))
-            WHY(KVX_ERR_CANCELLED, "layers_ready: request %s was cancelled",
-                ks(key));
+        const gone_t *x = gone_find(1, inst->id, request_id, key->b, key->len);
+        if (x)
+            WHY(x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED,
+                "layers_ready: request %s was %s", ks(key),
+                x->released ? "released" : "cancelled");
         WHY(KVX_ERR_NOT_FOUND,
             "layers_ready: no offer of request %s in instance %s (never "
             "published, or ended: its event says how)",
@@ -1472,9 +1508,11 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
     if (!o || !reqkey_eq(&o->key, key)) {
-        if (gone_find(1, inst->id, request_id, key->b, key->len))
-            WHY(KVX_ERR_CANCELLED, "append_blocks: request %s was cancelled",
-                ks(key));
+        const gone_t *x = gone_find(1, inst->id, request_id, key->b, key->len);
+        if (x)
+            WHY(x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED,
+                "append_blocks: request %s was %s", ks(key),
+                x->released ? "released" : "cancelled");
         WHY(KVX_ERR_NOT_FOUND,
             "append_blocks: no offer of request %s in instance %s (never "
             "published, or ended: its event says how)",
@@ -2312,10 +2350,13 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         rc = KVX_ERR_NOT_FOUND;
         goto out;
     }
+    const gone_t *gx;
     if ((!(o = map_get(&ci->offers, src_id)) || o->ending || o->consumed) &&
-        gone_find(1, ci->id, src_id, cp->key.data, cp->key.len)) {
-        snprintf(why, why_len, "context side: cancelled by the context side");
-        rc = KVX_ERR_CANCELLED;
+        (gx = gone_find(1, ci->id, src_id, cp->key.data, cp->key.len))) {
+        snprintf(why, why_len, "context side: %s",
+                 gx->released ? "released (kvx_release)"
+                              : "cancelled by the context side");
+        rc = gx->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED;
         goto out;
     }
     if (o && (o->key.len != cp->key.len ||
@@ -3093,6 +3134,9 @@ int xfer_release(const char *instance_id, const reqkey_t *key,
             "that fetch instead",
             ks(&o->key), instance_id);
     log_debug("offer %s/%s released", instance_id, ks(&o->key));
+    gone_t *x = gone_add(1, inst, o->request_id, &o->key, 0);
+    if (x) /* a fetch by key after this hears so at once */
+        x->released = 1;
     if (o->npublished < inst->nlocal)
         offer_consume(o, "released"); /* late ranks get the params' end */
     else

@@ -105,10 +105,25 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
  * (kvxd_defer) and act later. */
 typedef void (*xfer_offer_made_cb)(instance_t *inst, const reqkey_t *key);
 void xfer_set_offer_made(xfer_offer_made_cb cb);
-/* A copy of the params of the offer of key (malloc'd): 0, NOT_FOUND (no
- * such offer, or it ended), EXISTS (another fetch took it), with why. */
-int xfer_params_for(instance_t *inst, const reqkey_t *key, uint8_t **params,
-                    size_t *len, char *why, size_t why_len);
+/* The generation request that reads (or asks to read) an offer: one
+ * consumer per offer, the same from every daemon it spans. */
+typedef struct xfer_consumer {
+    const char *inst;
+    const uint8_t *key;
+    size_t key_len;
+} xfer_consumer_t;
+/* who's name in messages and between daemons: "request K of instance
+ * 'I'" (buf of at least 256 bytes; truncated past n). */
+void xfer_consumer_name(const xfer_consumer_t *who, char *buf, size_t n);
+/* xfer_params_for(): no offer of the key now; one may still come. */
+#define XFER_NOT_YET 1
+/* A copy of the params of the offer of key (malloc'd) for consumer who
+ * (NULL: a release, which no consumer may have taken): 0; XFER_NOT_YET
+ * (no such offer, or it ended: one may come); NOT_FOUND (released: none
+ * will), CANCELLED, EXISTS (another consumer took it), with why. */
+int xfer_params_for(instance_t *inst, const reqkey_t *key,
+                    const xfer_consumer_t *who, uint8_t **params, size_t *len,
+                    char *why, size_t why_len);
 /* Does a fetch of key run in inst? */
 int xfer_fetch_runs(instance_t *inst, const reqkey_t *key);
 /* A fetch of key that never became a request (fetch by key: no offer

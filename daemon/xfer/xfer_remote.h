@@ -67,11 +67,12 @@ const uint8_t *xfer_offer_params(const offer_t *o, size_t *len);
 int xfer_offer_ending(const offer_t *o);
 int xfer_offer_consumed(const offer_t *o);
 int xfer_offer_taken_here(const offer_t *o);
-/* Was request_id (key) of instance inst an offer cancelled lately (kept
- * for deadlines.fetch_timeout_ms)? A fetch that comes after the cancel
- * then ends CANCELLED, as one that came before it does. */
-int xfer_offer_cancelled(const char *inst, uint64_t request_id,
-                         const uint8_t *key, size_t key_len);
+/* Was request_id (key) of instance inst an offer cancelled or released
+ * lately (kept for deadlines.fetch_timeout_ms)? KVX_ERR_CANCELLED or
+ * KVX_ERR_NOT_FOUND (released), else 0: a fetch that comes after the
+ * cancel or release then ends so at once, as one that came before. */
+int xfer_offer_gone(const char *inst, uint64_t request_id, const uint8_t *key,
+                    size_t key_len);
 /* The plan of rank dst_rank of a consumer whose side is dst reading
  * table group of o, skipping skip_tokens (plan_build()). */
 int xfer_offer_plan(const offer_t *o, uint32_t group, const plan_side_t *dst,

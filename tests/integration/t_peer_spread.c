@@ -227,8 +227,8 @@ TEST_T(peer_spread_instance_batches, 60)
 TEST_T(peer_spread_context_late_publish, 60)
 {
     p_setup();
-    daemon_t *a = p_daemon(0, P_SECRET, NULL,
-                           "deadlines:\n  fetch_timeout_ms: 2000\n");
+    daemon_t *a =
+        p_daemon(0, P_SECRET, NULL, "deadlines:\n  fetch_timeout_ms: 2000\n");
     daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
     static side_t cs;
     p_side2(&cs, "sc-ctx", KVX_ROLE_CONTEXT);
@@ -1186,5 +1186,176 @@ TEST_T(peer_spread_rank_replaced_while_away, 60)
     CHECK(log_contains(a, "is a new client"));
     rank_close(&n1);
     rank_close(&c0);
+    p_stop_both(a, b);
+}
+
+/* One request of the 2+2 case: how the calls of the four ranks (two
+ * context ranks c[], two generation ranks g[], rank 0 of each on daemon
+ * A, rank 1 on B) and a scheduler's reserve interleave. */
+enum { KX_FETCH_FIRST, KX_PUBLISH_FIRST, KX_RESERVED, KX_INTERLEAVED, KX_N };
+
+static void kx_publish(rank_t *c, const char *key, uint64_t req,
+                       kvx_context_params_t *p)
+{
+    static const uint32_t cb[2] = {0, 1};
+    fill_req(c, req, cb, 7);
+    CHECK_KVX(kvx_publish_key(c->c, key, strlen(key), c->pool, cb, 2, 7, NULL,
+                              0, p, T_MS),
+              c->c);
+}
+
+static void kx_fetch(rank_t *g, const char *key, const char *ctx_addr)
+{
+    static const uint32_t gb[2] = {3, 2};
+    CHECK_KVX(kvx_fetch_by_key(g->c, key, strlen(key), "kx-ctx", ctx_addr, key,
+                               strlen(key), g->pool, gb, 2, 0, 0, T_MS),
+              g->c);
+}
+
+static void kx_one(rank_t c[2], rank_t g[2], kvx_client_t *sched, int how,
+                   uint64_t req)
+{
+    static const uint32_t gb[2] = {3, 2};
+    char key[32];
+    snprintf(key, sizeof(key), "kx-%llu", (unsigned long long)req);
+    kvx_context_params_t p[2], rp;
+    for (int i = 0; i < 2; i++)
+        memset(g[i].base, 0xa5, g[i].size);
+    switch (how) {
+    case KX_FETCH_FIRST:
+        kx_fetch(&g[0], key, c[0].addr);
+        kx_fetch(&g[1], key, c[0].addr);
+        kx_publish(&c[1], key, req, &p[1]);
+        kx_publish(&c[0], key, req, &p[0]);
+        break;
+    case KX_PUBLISH_FIRST:
+        kx_publish(&c[0], key, req, &p[0]);
+        kx_publish(&c[1], key, req, &p[1]);
+        kx_fetch(&g[1], key, c[0].addr);
+        kx_fetch(&g[0], key, c[0].addr);
+        break;
+    case KX_RESERVED:
+        CHECK_KVX(kvx_reserve(sched, "kx-ctx", key, strlen(key), 7, &rp, T_MS),
+                  sched);
+        kx_fetch(&g[0], key, c[0].addr);
+        kx_fetch(&g[1], key, c[0].addr);
+        kx_publish(&c[0], key, req, &p[0]);
+        kx_publish(&c[1], key, req, &p[1]);
+        /* the ranks' publishes give the reserved params back */
+        for (int i = 0; i < 2; i++)
+            CHECK(p[i].len == rp.len && !memcmp(p[i].data, rp.data, rp.len));
+        kvx_context_params_free(&rp);
+        break;
+    default:
+        kx_fetch(&g[1], key, c[0].addr);
+        kx_publish(&c[0], key, req, &p[0]);
+        kx_fetch(&g[0], key, c[0].addr);
+        kx_publish(&c[1], key, req, &p[1]);
+        break;
+    }
+    for (int i = 0; i < 2; i++) {
+        ev_t e = wait_key(g[i].c, key, strlen(key), 8000);
+        if (e.kind != KVX_EVENT_COMPLETE)
+            fprintf(stderr,
+                    "request %s (case %d): generation rank %d: %s %s: "
+                    "%s\n",
+                    key, how, i, kind_name(e.kind), kvx_status_name(e.code),
+                    e.msg);
+        CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+        e = wait_key(c[i].c, key, strlen(key), 8000);
+        if (e.kind != KVX_EVENT_COMPLETE)
+            fprintf(stderr,
+                    "request %s (case %d): context rank %d: %s %s: "
+                    "%s\n",
+                    key, how, i, kind_name(e.kind), kvx_status_name(e.code),
+                    e.msg);
+        CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+        CHECK_EQ(p_check_req(&g[i], req, gb, 7, 0), 0);
+        kvx_context_params_free(&p[i]);
+    }
+}
+
+/* Fetch by key in the 2+2 placement: a context instance and a generation
+ * instance each spread over daemons A and B. One generation request is
+ * one consumer, whichever daemons it spans: every request completes on
+ * every rank with the bytes, however the fetches, publishes and a
+ * scheduler's reserve interleave (before: EXISTS on both generation
+ * ranks, "taken by another fetch", in 2 runs of 10; with a reserve, the
+ * context side ended EXISTS and the publishes gave new params). */
+TEST_T(peer_spread_fetch_by_key_2x2, 120)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    side_t cs, gs;
+    p_side2(&cs, "kx-ctx", KVX_ROLE_CONTEXT);
+    p_side2(&gs, "kx-gen", KVX_ROLE_GENERATION);
+    rank_t c[2], g[2];
+    p_spread_open(a, b, &cs, 8, &c[0], &c[1]);
+    p_spread_open(a, b, &gs, 8, &g[0], &g[1]);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(a->sock, T_MS, &sched), 0);
+    const char *n = getenv("KVX_KX_RUNS");
+    int runs = n ? atoi(n) : 24;
+    for (int i = 0; i < runs; i++)
+        kx_one(c, g, sched, i % KX_N, 1000 + (uint64_t)i);
+    kvx_close(sched);
+    for (int i = 0; i < 2; i++) {
+        rank_close(&g[i]);
+        rank_close(&c[i]);
+    }
+    p_stop_both(a, b);
+}
+
+/* A released key is remembered, as a cancelled one is: with the context
+ * instance spread over A and B, a fetch by key after the release ends
+ * NOT_FOUND at once, on every generation rank, and holds no block
+ * (before: TIMED_OUT after the whole fetch timeout). */
+TEST_T(peer_spread_fetch_by_key_after_release, 60)
+{
+    p_setup();
+    const char *dl = "deadlines:\n  fetch_timeout_ms: 20000\n";
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, dl);
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, dl);
+    side_t cs, gs;
+    p_side2(&cs, "kx-ctx", KVX_ROLE_CONTEXT);
+    p_side2(&gs, "kx-gen", KVX_ROLE_GENERATION);
+    rank_t c[2], g[2];
+    p_spread_open(a, b, &cs, 8, &c[0], &c[1]);
+    p_spread_open(a, b, &gs, 8, &g[0], &g[1]);
+    kvx_client_t *router;
+    CHECK_EQ(kvx_connect_observer(a->sock, T_MS, &router), 0);
+    for (int i = 0; i < 2; i++)
+        memset(g[i].base, 0xa5, g[i].size);
+    kvx_context_params_t p[2];
+    kx_publish(&c[0], "rel", 77, &p[0]);
+    kx_publish(&c[1], "rel", 77, &p[1]);
+    CHECK_KVX(kvx_release_by_key(router, "kx-ctx", c[0].addr, "rel", 3, T_MS),
+              router);
+    for (int i = 0; i < 2; i++) {
+        ev_t e = wait_key(c[i].c, "rel", 3, 5000);
+        CHECK_EQ(e.kind, KVX_EVENT_COMPLETE);
+        CHECK_STR_CONTAINS(e.msg, "released");
+        kvx_context_params_free(&p[i]);
+    }
+    int64_t t0 = now_ms();
+    kx_fetch(&g[0], "rel", c[0].addr);
+    kx_fetch(&g[1], "rel", c[0].addr);
+    for (int i = 0; i < 2; i++) {
+        ev_t e = wait_key(g[i].c, "rel", 3, 25000);
+        fprintf(stderr, "rank %d after %lld ms: %s %s: %s\n", i,
+                (long long)(now_ms() - t0), kind_name(e.kind),
+                kvx_status_name(e.code), e.msg);
+        CHECK_EQ(e.kind, KVX_EVENT_ERROR);
+        CHECK_EQ(e.code, KVX_ERR_NOT_FOUND);
+        CHECK_STR_CONTAINS(e.msg, "released");
+    }
+    CHECK(now_ms() - t0 < 5000); /* not the fetch timeout */
+    for (int i = 0; i < 2; i++)
+        CHECK_EQ(check_pool(&g[i], NULL, 0, 0xa5), 0);
+    kvx_close(router);
+    for (int i = 0; i < 2; i++) {
+        rank_close(&g[i]);
+        rank_close(&c[i]);
+    }
     p_stop_both(a, b);
 }

@@ -61,7 +61,7 @@ TEST(release_by_router)
                 KVX_ERR_NOT_FOUND, "no offer of request 1");
     uint32_t gb[2] = {3, 4};
     fetch_fails_later(&g, 1, p.data, p.len, gb, 2, KVX_ERR_NOT_FOUND,
-                      "context side: no offer for request 1");
+                      "context side: released (kvx_release)");
     /* the context pool is no one's any more: it deregisters */
     CHECK_KVX(kvx_pool_deregister(c.c, c.pool, T_MS), c.c);
     c.pool = 0;
