@@ -48,6 +48,27 @@ uint8_t *frame_reader_space(frame_reader_t *r, size_t want, size_t *room)
     return r->buf + r->len;
 }
 
+size_t frame_reader_shrink(frame_reader_t *r, size_t min_cap)
+{
+    size_t held = r->len - r->off;
+    if (!held) {
+        frame_reader_cleanup(r);
+        return 0;
+    }
+    if (held > r->cap / 4 || r->cap <= min_cap)
+        return r->cap;
+    memmove(r->buf, r->buf + r->off, held);
+    r->len = held;
+    r->off = 0;
+    size_t ncap = held * 2 > min_cap ? held * 2 : min_cap;
+    uint8_t *nb = realloc(r->buf, ncap);
+    if (nb) { /* else the larger buffer stays */
+        r->buf = nb;
+        r->cap = ncap;
+    }
+    return r->cap;
+}
+
 void frame_reader_commit(frame_reader_t *r, size_t n) { r->len += n; }
 
 int frame_reader_next(frame_reader_t *r, uint32_t max_len,

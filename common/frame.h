@@ -33,6 +33,11 @@ void frame_reader_commit(frame_reader_t *r, size_t n);
 /* The capacity frame_reader_space(r, want) would leave r with (its
  * current one when no growth is needed): for charging memory first. */
 size_t frame_reader_cap_for(const frame_reader_t *r, size_t want);
+/* Give back memory the reader no longer needs: none when it holds no
+ * bytes (capacity 0), else drop the consumed frames and, when what is
+ * left fits a quarter of the buffer, shrink it to min_cap or to twice
+ * what is left, whichever is larger. Returns the new capacity. */
+size_t frame_reader_shrink(frame_reader_t *r, size_t min_cap);
 /*
  * Next whole frame: returns 1 and sets *msg and *len (valid until the next
  * call), 0 if more bytes are needed, KVX_ERR_PROTOCOL if the announced

@@ -964,6 +964,14 @@ int kvx_pool_create_host(kvx_client_t *c, const kvx_layout_t *l,
                   (unsigned long long)size, errno_str(errno));
         goto err_close_fd;
     }
+    /* its pages allocated here, charged to this process: the daemon
+     * charges a pool's holes to its budget (its copies would fault them
+     * in, charged to the daemon) */
+    if (fallocate(fd, 0, 0, (off_t)size) < 0) {
+        rc = fail(c, KVX_ERR_NOMEM, "fallocate %llu: %s",
+                  (unsigned long long)size, errno_str(errno));
+        goto err_close_fd;
+    }
     /* sealed size: the daemon refuses a pool that could shrink under it */
     if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) <
         0) {

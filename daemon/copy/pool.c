@@ -51,8 +51,9 @@ static int region_cmp(const void *a, const void *b)
 
 /* A host allocation: a memfd sealed against shrinking; *size its bytes,
  * *ino its identity (two entries for one file are refused). */
-static int host_alloc_check(int fd, uint32_t i, uint64_t *size, uint64_t ino[2],
-                            char *why, size_t why_len)
+static int host_alloc_check(int fd, uint32_t i, uint64_t *size,
+                            uint64_t *alloced, uint64_t ino[2], char *why,
+                            size_t why_len)
 {
     int rc = 0;
     struct stat st;
@@ -77,6 +78,7 @@ static int host_alloc_check(int fd, uint32_t i, uint64_t *size, uint64_t ino[2],
         return rc;
     }
     *size = (uint64_t)st.st_size;
+    *alloced = (uint64_t)st.st_blocks * 512; /* tmpfs: pages it holds */
     ino[0] = (uint64_t)st.st_dev;
     ino[1] = (uint64_t)st.st_ino;
     return 0;
@@ -136,6 +138,7 @@ out:
 }
 
 static void pool_unmap(pool_t *p);
+static uint64_t used_bytes(const pool_t *p, uint32_t i);
 
 int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
                   uint32_t nallocs, const pool_region_req_t *regions,
@@ -145,9 +148,10 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
     int rc = 0;
     int gpu = nallocs ? allocs[0].gpu : 0;
     uint64_t *asize = calloc(nallocs ? nallocs : 1, sizeof(*asize));
+    uint64_t *abytes = calloc(nallocs ? nallocs : 1, sizeof(*abytes));
     uint64_t(*ino)[2] = calloc(nallocs ? nallocs : 1, sizeof(*ino));
     pool_t *p = calloc(1, sizeof(*p));
-    if (!asize || !ino || !p) {
+    if (!asize || !abytes || !ino || !p) {
         WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_close;
     }
@@ -158,8 +162,8 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
             asize[i] = allocs[i].req.alloc_size;
             continue;
         }
-        if ((rc = host_alloc_check(allocs[i].fd, i, &asize[i], ino[i], why,
-                                   why_len)))
+        if ((rc = host_alloc_check(allocs[i].fd, i, &asize[i], &abytes[i],
+                                   ino[i], why, why_len)))
             goto err_close;
         for (uint32_t k = 0; k < i; k++)
             if (ino[k][0] == ino[i][0] && ino[k][1] == ino[i][1]) {
@@ -251,7 +255,19 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
         WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_unmap;
     }
+    /* holes: per memfd, what copies can touch of it, but no more than
+     * the pages the file lacks (st_blocks counts those it holds, written,
+     * allocated or swapped out) */
+    for (uint32_t a = 0; !gpu && a < nallocs; a++) {
+        uint64_t span = 0;
+        for (uint32_t i = 0; i < nregions; i++)
+            if (p->regions[i].alloc == a)
+                span += used_bytes(p, i);
+        uint64_t lack = asize[a] > abytes[a] ? asize[a] - abytes[a] : 0;
+        p->holes += span < lack ? span : lack;
+    }
     free(asize);
+    free(abytes);
     free(ino);
     *out = p;
     return 0;
@@ -268,6 +284,7 @@ err_close:
     pool_alloc_req_close(allocs, nallocs);
     free(p);
     free(asize);
+    free(abytes);
     free(ino);
     return rc;
 }
@@ -373,6 +390,8 @@ static void pool_unmap(pool_t *p)
 
 static void pool_free(pool_t *p)
 {
+    kvxd_mem_release_uid(MEM_HOST, p->uid, p->mem_host);
+    p->mem_host = 0;
     for (int d = 0; d < POOL_MAX_DEV; d++)
         free(p->view_on[d]);
     free(p->regions);
@@ -420,6 +439,11 @@ static uint64_t used_bytes(const pool_t *p, uint32_t i)
                  kvx_layout_region_span(&p->layout, i);
     u = (u + pg - 1) / pg * pg;
     return u < r->map_len ? u : r->map_len;
+}
+
+uint64_t pool_holes(const pool_t *p)
+{
+    return p->holes;
 }
 
 /* Map the pages of [a, a + len) in, so the first transfer does not take

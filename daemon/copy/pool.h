@@ -55,6 +55,9 @@ typedef struct pool {
     uint64_t size;       /* of all regions */
     kvx_layout_t layout; /* its parts, if any, are the pool's copy */
     kvx_layout_part_t *parts;
+    uint64_t holes;      /* host: bytes of its span its memfds lack */
+    uint64_t mem_host;   /* bytes charged to uid for its holes (MEM_HOST),
+                            released when it is unmapped */
     uint32_t users;      /* requests holding it */
     int released;        /* deregistered or owner gone */
 } pool_t;
@@ -102,6 +105,11 @@ int pool_device_view(pool_t *p, int device, const plan_region_t **regions,
 /* The pool as a plan binds it, read or written through blocks[0, n):
  * its regions in the daemon's mapping, its layout and id. */
 plan_mem_t pool_mem(const pool_t *p, const uint32_t *blocks, uint32_t n);
+/* Bytes of a host pool's used span (what copies can touch) that its
+ * memfds did not hold at registration (holes of a sparse file): what the
+ * daemon would fault in, charged to its own memory, if copies touched
+ * them. An upper bound, from each file's allocated size. GPU pools: 0. */
+uint64_t pool_holes(const pool_t *p);
 /* Fault the mapping in on a copy worker (not on the loop). */
 void pool_populate(pool_t *p);
 /* A live (not released) pool, or NULL. */

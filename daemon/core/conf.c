@@ -156,7 +156,32 @@ static const struct conf_key keys[] = {
      .def = 1024,
      .min = 1,
      .max = 65536,
-     .help = "Client connections open at once; more are refused."},
+     .help = "Sessions that said Hello (ranks) open at once; a Hello "
+             "past it is refused with KVX_ERR_LIMIT naming the key. "
+             "Connections that have not said Hello count in "
+             "limits.hello_sessions instead."},
+    {.name = "limits.uid_sessions",
+     .type = CONF_U32,
+     FIELD(uid_sessions),
+     .def = 0,
+     .min = 0,
+     .max = 65536,
+     .help = "One uid's share of limits.max_sessions: a Hello past it is "
+             "refused with KVX_ERR_LIMIT naming the key, so one tenant "
+             "cannot take every slot; 0 is half of limits.max_sessions."},
+    {.name = "limits.hello_sessions",
+     .type = CONF_U32,
+     FIELD(hello_sessions),
+     .def = 64,
+     .min = 1,
+     .max = 65536,
+     .help = "Connections that have not said Hello (observers: status, "
+             "reserve, release; ranks before their Hello), beside "
+             "limits.max_sessions. When they are all taken, a new "
+             "connection takes the place of the one that has said nothing "
+             "for longest (else of the one idle longest, of the uid "
+             "holding most), so a flood of silent connections never locks "
+             "out status."},
     {.name = "limits.max_requests",
      .type = CONF_U32,
      FIELD(max_requests),
@@ -184,7 +209,21 @@ static const struct conf_key keys[] = {
              "and the staging slots between daemons (charged at start). "
              "Work that would pass it is refused with KVX_ERR_LIMIT, "
              "never an out-of-memory; a lower value on reload refuses new "
-             "work until use falls under it."},
+             "work until use falls under it. Also charged: requests "
+             "(offers, reservations, fetches) with their block lists, aux "
+             "payloads, and the pages of host pools not resident when "
+             "they are registered (the daemon would fault them in)."},
+    {.name = "limits.uid_memory_bytes",
+     .type = CONF_SIZE,
+     FIELD(uid_memory_bytes),
+     .def = 0,
+     .min = 0,
+     .max = 1024 * GiB,
+     .reloadable = 1,
+     .help = "One uid's share of limits.memory_bytes: what that uid's "
+             "clients make the daemon hold; work past it is refused with "
+             "KVX_ERR_LIMIT naming the key, so one tenant cannot take the "
+             "whole budget. 0 is half of limits.memory_bytes."},
     {.name = "limits.batches_kept",
      .type = CONF_U32,
      FIELD(batches_kept),

@@ -31,6 +31,8 @@ typedef struct kvx_conf {
     uint32_t max_frame_bytes;
     uint32_t hello_frame_bytes;
     uint32_t max_sessions;
+    uint32_t uid_sessions;   /* one uid's share of them; 0: half */
+    uint32_t hello_sessions; /* connections before Hello, beside them */
     uint32_t max_requests;
     uint32_t max_pools;
     uint32_t max_blocks_per_request;
@@ -38,6 +40,7 @@ typedef struct kvx_conf {
     uint32_t session_requests;    /* one session's requests awaiting replies */
     uint32_t list_page_entries;   /* requests in one ListRequests reply */
     uint64_t memory_bytes;        /* limits.memory_bytes: the budget */
+    uint64_t uid_memory_bytes;    /* one uid's share of it; 0: half */
     uint32_t batches_kept;        /* sealed batches one instance keeps */
     uint32_t aux_bytes;           /* limits.aux_bytes: one aux payload */
     /* copy */

@@ -1,12 +1,14 @@
 /* daemon — the shared state and its small helpers; see daemon.h. */
 #include <assert.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "daemon.h"
 #include "list.h"
+#include "map.h"
 
 kvxd_t kvxd;
 
@@ -40,33 +42,130 @@ void kvxd_count_error(int code)
 /* ---- the memory budget ------------------------------------------------ */
 
 static uint64_t mem_used[MEM_KINDS], mem_all;
-static const char *const mem_names[MEM_KINDS] = {"frames", "replies", "plans",
-                                                 "staging", "aux"};
+static const char *const mem_names[MEM_KINDS] = {
+    "frames", "replies", "plans", "staging", "aux", "requests", "host"};
+/* bytes charged per uid, in a map (uid -> uint64_t *), an entry freed
+ * when it falls to 0: as many as uids hold something */
+static map_t mem_uids;
 
-int kvxd_mem_charge(kvxd_mem_t kind, uint64_t bytes)
+uint64_t kvxd_uid_memory_cap(void)
+{
+    const kvx_conf_t *c = &kvxd.conf;
+    uint64_t cap =
+        c->uid_memory_bytes ? c->uid_memory_bytes : c->memory_bytes / 2;
+    return cap < c->memory_bytes ? cap : c->memory_bytes;
+}
+
+uint32_t kvxd_uid_sessions_cap(void)
+{
+    const kvx_conf_t *c = &kvxd.conf;
+    uint32_t cap =
+        c->uid_sessions ? c->uid_sessions : (c->max_sessions + 1) / 2;
+    return cap < c->max_sessions ? cap : c->max_sessions;
+}
+
+static uint64_t *uid_slot(uint32_t uid, int make)
+{
+    uint64_t *u = map_get(&mem_uids, uid);
+    if (!u && make && (u = calloc(1, sizeof(*u))) &&
+        map_put(&mem_uids, uid, u)) {
+        free(u);
+        u = NULL;
+    }
+    return u;
+}
+
+uint64_t kvxd_mem_used_uid(uint32_t uid)
+{
+    uint64_t *u = uid_slot(uid, 0);
+    return u ? *u : 0;
+}
+
+/* Which limit a charge of bytes to uid would pass: 0 none, 1 the
+ * budget, 2 uid's share. 0: no configuration loaded (unit tests,
+ * fuzzers): no budget. */
+static int mem_over(uint32_t uid, uint64_t bytes)
+{
+    uint64_t cap = kvxd.conf.memory_bytes;
+    if (!cap)
+        return 0;
+    if (bytes > cap || mem_all > cap - bytes)
+        return 1;
+    if (uid == KVXD_UID_NONE)
+        return 0;
+    uint64_t ucap = kvxd_uid_memory_cap(), used = kvxd_mem_used_uid(uid);
+    return bytes > ucap || used > ucap - bytes ? 2 : 0;
+}
+
+static void mem_add(kvxd_mem_t kind, uint32_t uid, uint64_t bytes)
 {
     assert(kind < MEM_KINDS);
-    /* 0: no configuration loaded (unit tests, fuzzers): no budget */
-    if (kvxd.conf.memory_bytes && (bytes > kvxd.conf.memory_bytes ||
-                                   mem_all > kvxd.conf.memory_bytes - bytes))
-        return KVX_ERR_LIMIT;
     mem_used[kind] += bytes;
     mem_all += bytes;
+    uint64_t *u = uid == KVXD_UID_NONE || !bytes ? NULL : uid_slot(uid, 1);
+    if (u)
+        *u += bytes;
+    /* no memory for the entry: charged to the total only, and the release
+     * finds none to take from */
+}
+
+int kvxd_mem_charge_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes)
+{
+    if (mem_over(uid, bytes))
+        return KVX_ERR_LIMIT;
+    mem_add(kind, uid, bytes);
     return 0;
 }
 
-void kvxd_mem_force(kvxd_mem_t kind, uint64_t bytes)
+void kvxd_mem_force_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes)
 {
-    assert(kind < MEM_KINDS);
-    mem_used[kind] += bytes;
-    mem_all += bytes;
+    mem_add(kind, uid, bytes);
 }
 
-void kvxd_mem_release(kvxd_mem_t kind, uint64_t bytes)
+void kvxd_mem_release_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes)
 {
     assert(kind < MEM_KINDS && mem_used[kind] >= bytes);
     mem_used[kind] -= bytes;
     mem_all -= bytes;
+    uint64_t *u = uid == KVXD_UID_NONE || !bytes ? NULL : uid_slot(uid, 0);
+    if (u) {
+        *u = *u > bytes ? *u - bytes : 0;
+        if (!*u) {
+            map_del(&mem_uids, uid);
+            free(u);
+        }
+    }
+}
+
+int kvxd_mem_charge(kvxd_mem_t kind, uint64_t bytes)
+{
+    return kvxd_mem_charge_uid(kind, KVXD_UID_NONE, bytes);
+}
+
+void kvxd_mem_force(kvxd_mem_t kind, uint64_t bytes)
+{
+    mem_add(kind, KVXD_UID_NONE, bytes);
+}
+
+void kvxd_mem_release(kvxd_mem_t kind, uint64_t bytes)
+{
+    kvxd_mem_release_uid(kind, KVXD_UID_NONE, bytes);
+}
+
+void kvxd_mem_why(uint32_t uid, uint64_t bytes, char *buf, size_t len)
+{
+    if (mem_over(uid, bytes) == 2)
+        snprintf(buf, len,
+                 "would pass uid %u's share of the daemon's memory budget "
+                 "(limits.uid_memory_bytes %llu, %llu in use by it)",
+                 (unsigned)uid, (unsigned long long)kvxd_uid_memory_cap(),
+                 (unsigned long long)kvxd_mem_used_uid(uid));
+    else
+        snprintf(buf, len,
+                 "would pass the daemon's memory budget (limits.memory_bytes "
+                 "%llu, %llu in use)",
+                 (unsigned long long)kvxd.conf.memory_bytes,
+                 (unsigned long long)mem_all);
 }
 
 uint64_t kvxd_mem_used(kvxd_mem_t kind)

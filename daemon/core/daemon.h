@@ -72,24 +72,46 @@ int kvxd_defer_init(uv_loop_t *loop);
 void kvxd_defer_cleanup(void);
 
 /* The daemon's one memory budget (limits.memory_bytes): what it holds
- * for others - frames being read, replies queued, transfer plans,
- * staging, aux payloads - is charged here before it is allocated, and released
- * when freed. A charge that would pass the budget is refused: the work that
- * wanted it fails with KVX_ERR_LIMIT, never the daemon with an OOM. */
+ * for others - frames being read, replies queued, requests and their
+ * block lists, transfer plans, staging, aux payloads, the holes of host
+ * pools it may fault in - is charged here before it is allocated, and
+ * released when freed. A charge that would pass the budget is refused:
+ * the work that wanted it fails with KVX_ERR_LIMIT, never the daemon
+ * with an OOM. What a client makes the daemon hold is charged to its
+ * uid too, within that uid's share (limits.uid_memory_bytes), so one
+ * tenant cannot take the whole budget. */
 typedef enum {
-    MEM_FRAMES,  /* client frames being read */
-    MEM_REPLIES, /* replies queued to clients */
-    MEM_PLANS,   /* transfer plans and their uploads */
-    MEM_STAGING, /* staging slots between daemons (at start) */
-    MEM_AUX,     /* aux payloads kept with offers and fetches */
+    MEM_FRAMES,   /* client frames being read */
+    MEM_REPLIES,  /* replies queued to clients */
+    MEM_PLANS,    /* transfer plans and their uploads */
+    MEM_STAGING,  /* staging slots between daemons (at start) */
+    MEM_AUX,      /* aux payloads kept with offers and fetches */
+    MEM_REQUESTS, /* offers, reservations, fetches: state, block lists */
+    MEM_HOST,     /* host pools' pages not resident at registration */
     MEM_KINDS
 } kvxd_mem_t;
+/* No uid: the daemon's own (staging), charged to the total only. */
+#define KVXD_UID_NONE UINT32_MAX
 /* 0, or KVX_ERR_LIMIT (nothing charged). */
 int kvxd_mem_charge(kvxd_mem_t kind, uint64_t bytes);
 /* Charged whatever the budget: for what must go (a small error reply). */
 void kvxd_mem_force(kvxd_mem_t kind, uint64_t bytes);
 void kvxd_mem_release(kvxd_mem_t kind, uint64_t bytes);
+/* The same, charged to uid's share as well (KVXD_UID_NONE: none). */
+int kvxd_mem_charge_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes);
+void kvxd_mem_force_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes);
+void kvxd_mem_release_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes);
+/* Why a charge of bytes to uid is refused, naming the key it would pass
+ * and what is in use: "would pass the daemon's memory budget
+ * (limits.memory_bytes N, M in use)" or "would pass uid U's share of the
+ * daemon's memory budget (limits.uid_memory_bytes N, M in use)". */
+void kvxd_mem_why(uint32_t uid, uint64_t bytes, char *buf, size_t len);
 uint64_t kvxd_mem_used(kvxd_mem_t kind); /* MEM_KINDS: all of it */
+uint64_t kvxd_mem_used_uid(uint32_t uid);
 const char *kvxd_mem_name(kvxd_mem_t kind);
+/* limits.uid_memory_bytes, 0 (half the budget) resolved. */
+uint64_t kvxd_uid_memory_cap(void);
+/* limits.uid_sessions, 0 (half of limits.max_sessions) resolved. */
+uint32_t kvxd_uid_sessions_cap(void);
 
 #endif /* KVX_DAEMON_H */

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -41,6 +42,12 @@
 /* A session without Hello (an observer) gets these caps at most. */
 #define HELLO_QUEUE_MAX (256u << 10)
 #define HELLO_REQUESTS_MAX 8u
+/* An input buffer no larger than this is kept while it holds part of a
+ * frame; an empty one is given back (charged only while it holds bytes).
+ * Over the budget a read still gets IN_MIN bytes (the headroom, as a
+ * small reply's), enough to learn which request a frame is. */
+#define IN_KEEP (128u << 10)
+#define IN_MIN 4096u
 
 struct session {
     uint64_t id;
@@ -79,6 +86,11 @@ struct session {
     /* bytes of rd's and out's buffers charged to the memory budget */
     uint64_t mem_in, mem_out;
     uint32_t awaiting;    /* requests read and not answered yet */
+    uint64_t skip_left;   /* bytes of a frame over the memory budget
+                             still to be read and dropped (it was
+                             answered LIMIT) */
+    int ranked;           /* said Hello: holds one of limits.max_sessions
+                             (else one of limits.hello_sessions) */
     int in_paused;        /* over the queue budget: not reading */
     int resume_queued;    /* a deferred pump() is queued */
     int fds_lost;         /* fds of a receive were dropped: */
@@ -89,6 +101,35 @@ struct session {
 
 static map_t sessions;
 static uint32_t fds_queued; /* over every session */
+
+/* Session slots: those that said Hello (limits.max_sessions, per uid
+ * limits.uid_sessions) and those that have not (limits.hello_sessions),
+ * counted in all and per uid (an entry while the uid holds any). */
+typedef struct uid_slots {
+    uint32_t ranks, pre;
+} uid_slots_t;
+static map_t uid_slots;
+static uint32_t nranked, npre;
+
+static uid_slots_t *slots_of(uid_t uid, int make)
+{
+    uid_slots_t *u = map_get(&uid_slots, uid);
+    if (!u && make && (u = calloc(1, sizeof(*u))) &&
+        map_put(&uid_slots, uid, u)) {
+        free(u);
+        u = NULL;
+    }
+    return u;
+}
+
+static void slots_put(uid_t uid)
+{
+    uid_slots_t *u = slots_of(uid, 0);
+    if (u && !u->ranks && !u->pre) {
+        map_del(&uid_slots, uid);
+        free(u);
+    }
+}
 
 /* fds all sessions together may queue: half the open-file limit, so a
  * client sending many cannot starve the daemon of fds. */
@@ -232,20 +273,17 @@ static void reply_packed(session_t *s, const Kvxfer__Reply *r)
         while (ncap - s->out_len < n + FRAME_HDR)
             ncap *= 2;
         if (ncap > s->mem_out &&
-            kvxd_mem_charge(MEM_REPLIES, ncap - s->mem_out)) {
+            kvxd_mem_charge_uid(MEM_REPLIES, s->uid, ncap - s->mem_out)) {
             if (r->status == 0 && n > 4096) {
                 /* this reply is refused, not the session */
-                char m[256];
-                snprintf(m, sizeof(m),
-                         "a %zu-byte reply would pass the daemon's memory "
-                         "budget (limits.memory_bytes %llu, %llu in use)",
-                         n, (unsigned long long)kvxd.conf.memory_bytes,
-                         (unsigned long long)kvxd_mem_used(MEM_KINDS));
+                char m[256], w[200];
+                kvxd_mem_why(s->uid, ncap - s->mem_out, w, sizeof(w));
+                snprintf(m, sizeof(m), "a %zu-byte reply %s", n, w);
                 reply(s, r->id, KVX_ERR_LIMIT, m);
                 return;
             }
             /* a small reply always goes: the budget's headroom */
-            kvxd_mem_force(MEM_REPLIES, ncap - s->mem_out);
+            kvxd_mem_force_uid(MEM_REPLIES, s->uid, ncap - s->mem_out);
         }
         if (ncap > s->mem_out)
             s->mem_out = ncap;
@@ -314,8 +352,15 @@ static void flush(session_t *s)
         s->out_off += (size_t)n;
         s->last_tx_ms = kvxd_now_ms();
     }
-    if (s->out_off == s->out_len)
+    if (s->out_off == s->out_len) {
+        /* all sent: the buffer goes back, and its charge */
         s->out_off = s->out_len = 0;
+        free(s->out);
+        s->out = NULL;
+        s->out_cap = 0;
+        kvxd_mem_release_uid(MEM_REPLIES, s->uid, s->mem_out);
+        s->mem_out = 0;
+    }
     if (s->in_paused && queued(s) <= queue_cap(s) / 2) {
         /* the client caught up: read its requests again (those already
          * buffered first, from the deferred queue, not from inside a
@@ -555,6 +600,20 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     side.num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
     for (size_t i = 0; i < pc->n_layers_per_pp; i++)
         side.layers_per_pp[i] = pc->layers_per_pp[i];
+    /* a slot of limits.max_sessions, within the uid's share */
+    uid_slots_t *us = slots_of(s->uid, 0);
+    uint32_t ucap = kvxd_uid_sessions_cap();
+    assert(us && us->pre);
+    if (nranked >= kvxd.conf.max_sessions)
+        FAIL(KVX_ERR_LIMIT,
+             "hello: the daemon has %u sessions that said Hello open, its "
+             "limits.max_sessions",
+             nranked);
+    if (us->ranks >= ucap)
+        FAIL(KVX_ERR_LIMIT,
+             "hello: uid %u has %u sessions that said Hello open, its share "
+             "of the daemon's (limits.uid_sessions %u)",
+             (unsigned)s->uid, us->ranks, ucap);
     int rc =
         instance_attach(h->instance_id, (uint32_t)s->uid, (kvx_role_t)h->role,
                         h->rank, &side, s->id, &s->inst, why, sizeof(why));
@@ -562,6 +621,11 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
         reply(s, rq->id, rc, why);
         return;
     }
+    us->pre--;
+    npre--;
+    us->ranks++;
+    nranked++;
+    s->ranked = 1;
     s->hello = 1;
     s->rank = h->rank;
     s->role = (kvx_role_t)h->role;
@@ -833,6 +897,22 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         return;
     }
     p->uid = (uint32_t)s->uid;
+    /* the pages its memfds do not hold yet would be faulted in by the
+     * daemon's copies and charged to the daemon's memory (a sparse
+     * memfd costs its client nothing): charged to the uid now */
+    uint64_t holes = pool_holes(p);
+    if (holes && kvxd_mem_charge_uid(MEM_HOST, s->uid, holes)) {
+        char w[200];
+        kvxd_mem_why(s->uid, holes, w, sizeof(w));
+        pool_release(p);
+        FAIL(KVX_ERR_LIMIT,
+             "register_pool: %llu bytes of the pool are not in its memory "
+             "yet (holes of a sparse memfd, or pages swapped out), which "
+             "the daemon would fault in; they %s (write the memory before "
+             "registering it)",
+             (unsigned long long)holes, w);
+    }
+    p->mem_host = holes;
     if (map_put(&s->pools, p->id, p)) {
         pool_release(p);
         FAIL(KVX_ERR_NOMEM, "register_pool: out of memory");
@@ -1543,30 +1623,117 @@ static int handle_frames(session_t *s, uint64_t out0, unsigned *frames)
     return 1;
 }
 
+/* The id of the Request whose first bytes are b[0, n): its field 1, a
+ * varint, which protobuf-c packs first. 0 when the bytes do not start
+ * with it (an id of 0 is not sent either). */
+static uint64_t request_id_peek(const uint8_t *b, size_t n)
+{
+    if (n < 2 || b[0] != 0x08) /* field 1, varint */
+        return 0;
+    uint64_t id = 0;
+    for (size_t i = 1; i < n && i < 11; i++) {
+        id |= (uint64_t)(b[i] & 0x7f) << (7 * (i - 1));
+        if (!(b[i] & 0x80))
+            return id;
+    }
+    return 0;
+}
+
+/* The buffer is full of the start of one frame, and growing it would
+ * pass the memory budget (over_by: the growth refused). The request is
+ * answered LIMIT naming the key, and the rest of its frame is read and
+ * dropped as it comes; the session goes on. A frame that does not say
+ * which request it is gets the reply with id 0 and the session ends
+ * (the client could not match it). Returns -1 when closed, else 1. */
+static int frame_over_budget(session_t *s, uint64_t over_by)
+{
+    const uint8_t *b = s->rd.buf + s->rd.off;
+    size_t held = s->rd.len - s->rd.off;
+    assert(held >= FRAME_HDR);
+    uint32_t len = frame_get_len(b);
+    uint64_t id = request_id_peek(b + FRAME_HDR, held - FRAME_HDR);
+    char w[200], m[320];
+    kvxd_mem_why(s->uid, over_by, w, sizeof(w));
+    snprintf(m, sizeof(m), "request: its %u-byte frame %s; %s", len, w,
+             id ? "refused (its bytes are read and dropped)" : "closing");
+    log_warn("session %llu (pid %d uid %u): a %u-byte frame %s",
+             (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid, len, w);
+    s->spoke = 1;
+    s->awaiting++; /* the reply counts it down */
+    reply(s, id, KVX_ERR_LIMIT, m);
+    if (!id) {
+        session_close(s, "memory budget");
+        return -1;
+    }
+    s->skip_left = FRAME_HDR + (uint64_t)len - held;
+    s->frame_end += FRAME_HDR + (uint64_t)len;
+    s->rd.off = s->rd.len = 0;
+    return 1;
+}
+
+/* Bytes of a refused frame that arrived: dropped from the buffer (which
+ * held nothing else); once it is all read, the fds that came with it
+ * are closed. */
+static void skip_bytes(session_t *s)
+{
+    size_t n = s->rd.len - s->rd.off;
+    size_t d = n < s->skip_left ? n : (size_t)s->skip_left;
+    memmove(s->rd.buf + s->rd.off, s->rd.buf + s->rd.off + d, n - d);
+    s->rd.len -= d;
+    s->skip_left -= d;
+    if (s->skip_left)
+        return;
+    uint32_t k = 0;
+    while (k < s->nfds && s->fd_at[k] < s->frame_end)
+        k++;
+    fds_drop(s, k, 1);
+    if (s->fds_lost && s->fds_lost_at < s->frame_end)
+        s->fds_lost = 0;
+}
+
+/* Give back the input buffer's memory the session no longer needs:
+ * all of it when it holds no bytes. */
+static void in_shrink(session_t *s)
+{
+    if (s->closing || s->skip_left)
+        return;
+    size_t cap = frame_reader_shrink(&s->rd, IN_KEEP);
+    if (cap < s->mem_in) {
+        kvxd_mem_release_uid(MEM_FRAMES, s->uid, s->mem_in - cap);
+        s->mem_in = cap;
+    }
+}
+
 /* One receive. Returns -1 (closed), 0 (nothing there), 1 (the socket is
  * drained) or 2 (the buffer filled: maybe more). */
 static int read_once(session_t *s)
 {
     for (;;) {
-        /* the input buffer's growth is charged before it is made */
-        size_t ncap = frame_reader_cap_for(&s->rd, 65536);
-        if (ncap > s->mem_in) {
-            if (kvxd_mem_charge(MEM_FRAMES, ncap - s->mem_in)) {
-                char m[256];
-                snprintf(m, sizeof(m),
-                         "a frame being read would pass the daemon's memory "
-                         "budget (limits.memory_bytes %llu, %llu in use); "
-                         "closing",
-                         (unsigned long long)kvxd.conf.memory_bytes,
-                         (unsigned long long)kvxd_mem_used(MEM_KINDS));
-                reply(s, 0, KVX_ERR_LIMIT, m);
-                session_close(s, "memory budget");
-                return -1;
+        /* the input buffer's growth is charged before it is made; over
+         * the budget, the room there is is read into (a session without
+         * a buffer gets IN_MIN bytes, the headroom), and a frame that
+         * needs more is refused */
+        size_t want = 65536;
+        size_t ncap = frame_reader_cap_for(&s->rd, want);
+        if (ncap > s->mem_in &&
+            kvxd_mem_charge_uid(MEM_FRAMES, s->uid, ncap - s->mem_in)) {
+            size_t held = s->rd.len - s->rd.off;
+            if (s->rd.cap > held) {
+                want = s->rd.cap - held;
+            } else if (!s->rd.cap) {
+                want = IN_MIN;
+                if (s->mem_in < IN_MIN) {
+                    kvxd_mem_force_uid(MEM_FRAMES, s->uid, IN_MIN - s->mem_in);
+                    s->mem_in = IN_MIN;
+                }
+            } else {
+                return frame_over_budget(s, ncap - s->mem_in) < 0 ? -1 : 2;
             }
+        } else if (ncap > s->mem_in) {
             s->mem_in = ncap;
         }
         size_t room;
-        uint8_t *buf = frame_reader_space(&s->rd, 65536, &room);
+        uint8_t *buf = frame_reader_space(&s->rd, want, &room);
         if (!buf) {
             session_close(s, "out of memory for input");
             return -1;
@@ -1616,12 +1783,14 @@ static int read_once(session_t *s)
         }
         s->last_rx_ms = kvxd_now_ms();
         frame_reader_commit(&s->rd, (size_t)n);
+        if (s->skip_left)
+            skip_bytes(s);
         return (size_t)n < room ? 1 : 2;
     }
 }
 
 /* Read and handle what the session sent, within its budgets. */
-static void pump(session_t *s)
+static void pump_once(session_t *s)
 {
     uint64_t out0 = s->out_total;
     unsigned frames = 0;
@@ -1639,6 +1808,12 @@ static void pump(session_t *s)
             return;
         }
     }
+}
+
+static void pump(session_t *s)
+{
+    pump_once(s);
+    in_shrink(s);
 }
 
 static void resume_cb(void *arg)
@@ -1732,24 +1907,77 @@ void session_refuse(int fd, int code, const char *message)
     close(fd);
 }
 
+/* Unread bytes waiting in s's socket: it is speaking. */
+static int has_unread(const session_t *s)
+{
+    int n = 0;
+    return ioctl(s->fd, FIONREAD, &n) == 0 && n > 0;
+}
+
+/* limits.hello_sessions are all taken: the connection without Hello
+ * that gives its place to a new one, or NULL. First one that has said
+ * nothing (no whole request), else one that is idle (nothing awaited,
+ * queued or half read); of those, the uid holding most such slots, then
+ * the longest silent or idle. One with bytes waiting is speaking: kept. */
+static session_t *pre_victim(void)
+{
+    session_t *best = NULL;
+    int best_cls = 0;
+    uint32_t best_n = 0;
+    for (uint32_t i = 0; i < sessions.nb; i++)
+        for (map_entry_t *e = sessions.b[i]; e; e = e->next) {
+            session_t *v = e->val;
+            if (v->ranked || v->closing || v->close_why)
+                continue;
+            int cls = !v->spoke ? 2
+                      : !v->awaiting && !queued(v) && v->rd.len == v->rd.off
+                          ? 1
+                          : 0;
+            if (!cls || has_unread(v))
+                continue;
+            uid_slots_t *u = slots_of(v->uid, 0);
+            uint32_t n = u ? u->pre : 0;
+            uint64_t at = v->last_rx_ms;
+            if (!best || cls > best_cls ||
+                (cls == best_cls &&
+                 (n > best_n || (n == best_n && at < best->last_rx_ms)))) {
+                best = v;
+                best_cls = cls;
+                best_n = n;
+            }
+        }
+    return best;
+}
+
 int session_start(int fd, pid_t pid, uid_t uid, gid_t gid, int admin)
 {
-    if (sessions.n >= kvxd.conf.max_sessions) {
+    session_t *v = npre >= kvxd.conf.hello_sessions ? pre_victim() : NULL;
+    if (v) {
+        reply(v, 0, KVX_ERR_LIMIT,
+              "connection closed: limits.hello_sessions connections without "
+              "Hello are open, and this one gave its place to a new one "
+              "(it had said nothing, or been idle, the longest); say Hello, "
+              "or connect again");
+        session_close(v, "gave its place to a new connection "
+                         "(limits.hello_sessions)");
+    }
+    if (npre >= kvxd.conf.hello_sessions) {
         static uint64_t warned_ms, refused;
         uint64_t now = kvxd_now_ms();
         refused++;
         if (!warned_ms || now >= warned_ms + 10000) { /* a flood: 1 line */
             warned_ms = now;
-            log_warn("session: refusing pid %d uid %u: %u sessions open "
-                     "(limits.max_sessions); %llu refused so far",
-                     (int)pid, (unsigned)uid, sessions.n,
+            log_warn("session: refusing pid %d uid %u: %u connections "
+                     "without Hello open, all busy "
+                     "(limits.hello_sessions); %llu refused so far",
+                     (int)pid, (unsigned)uid, npre,
                      (unsigned long long)refused);
         }
         char msg[200];
         snprintf(msg, sizeof(msg),
-                 "connection refused: the daemon has %u sessions open, "
-                 "its limits.max_sessions; closing",
-                 sessions.n);
+                 "connection refused: the daemon has %u connections without "
+                 "Hello open, each busy, its limits.hello_sessions; closing",
+                 npre);
         session_refuse(fd, KVX_ERR_LIMIT, msg);
         return KVX_ERR_LIMIT;
     }
@@ -1773,10 +2001,14 @@ int session_start(int fd, pid_t pid, uid_t uid, gid_t gid, int admin)
         goto err_free;
     }
     s->poll.data = s;
-    if (map_put(&sessions, s->id, s)) {
+    uid_slots_t *us = slots_of(uid, 1);
+    if (!us || map_put(&sessions, s->id, s)) {
+        slots_put(uid);
         uv_close((uv_handle_t *)&s->poll, on_closed); /* closes fd, frees s */
         return KVX_ERR_NOMEM;
     }
+    us->pre++;
+    npre++;
     s->poll_events = UV_READABLE | UV_DISCONNECT;
     uv_poll_start(&s->poll, s->poll_events, on_io);
     log_debug("session %llu: connected, pid %d uid %u",
@@ -1806,6 +2038,17 @@ static void session_close(session_t *s, const char *why)
              (unsigned long long)s->id, (int)s->pid,
              s->inst ? ", instance " : "", s->inst ? s->inst->id : "", why);
     map_del(&sessions, s->id);
+    uid_slots_t *us = slots_of(s->uid, 0);
+    if (s->ranked) {
+        nranked--;
+        if (us)
+            us->ranks--;
+    } else {
+        npre--;
+        if (us)
+            us->pre--;
+    }
+    slots_put(s->uid);
     /* last try to deliver what is queued (e.g. a protocol error reply) */
     if (s->out_len > s->out_off)
         (void)!send(s->fd, s->out + s->out_off, s->out_len - s->out_off,
@@ -1841,8 +2084,9 @@ static void session_close(session_t *s, const char *why)
     free(s->fds);
     free(s->fd_at);
     frame_reader_cleanup(&s->rd);
-    kvxd_mem_release(MEM_FRAMES, s->mem_in);
-    kvxd_mem_release(MEM_REPLIES, s->mem_out);
+    kvxd_mem_release_uid(MEM_FRAMES, s->uid, s->mem_in);
+    kvxd_mem_release_uid(MEM_REPLIES, s->uid, s->mem_out);
+    s->mem_in = s->mem_out = 0;
     free(s->out);
     s->out = NULL;
     uv_close((uv_handle_t *)&s->poll, on_closed);

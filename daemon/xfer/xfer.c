@@ -129,7 +129,8 @@ typedef struct offer_part {
     uint32_t nlayers, ready, nappended;
     uint32_t *tok_ready;
     list_t watches;
-    int awaited; /* held in busy (busy_hold): published, not yet gone */
+    int awaited;  /* held in busy (busy_hold): published, not yet gone */
+    uint64_t mem; /* its tables' bytes charged (MEM_REQUESTS) */
 } offer_part_t;
 
 /* Layers of a rank's part that are ready once an engine's event is. */
@@ -175,6 +176,7 @@ struct offer {
     /* peer daemons reading this offer: remote.c's (struct roffer), never
      * read by xfer, freed through xfer_remote_ops_t.offer_free */
     struct roffer *remote;
+    uint64_t mem; /* the offer's own bytes charged (MEM_REQUESTS) */
 };
 
 struct genpart {
@@ -546,27 +548,26 @@ static void push_event(instance_t *inst, uint64_t request_id,
 
 /* An aux payload's copy, charged to the memory budget (MEM_AUX): 0, or
  * KVX_ERR_LIMIT / KVX_ERR_NOMEM with why (nothing kept). */
-static int aux_keep(const uint8_t *aux, uint32_t len, uint8_t **out,
-                    const char *what, char *why, size_t why_len)
+static int aux_keep(uint32_t uid, const uint8_t *aux, uint32_t len,
+                    uint8_t **out, const char *what, char *why, size_t why_len)
 {
-    if (kvxd_mem_charge(MEM_AUX, len))
-        WHY(KVX_ERR_LIMIT,
-            "%s: an aux of %u bytes would pass the daemon's memory budget "
-            "(limits.memory_bytes %llu, %llu in use)",
-            what, len, (unsigned long long)kvxd.conf.memory_bytes,
-            (unsigned long long)kvxd_mem_used(MEM_KINDS));
+    if (kvxd_mem_charge_uid(MEM_AUX, uid, len)) {
+        char w[200];
+        kvxd_mem_why(uid, len, w, sizeof(w));
+        WHY(KVX_ERR_LIMIT, "%s: an aux of %u bytes %s", what, len, w);
+    }
     if (!(*out = malloc(len))) {
-        kvxd_mem_release(MEM_AUX, len);
+        kvxd_mem_release_uid(MEM_AUX, uid, len);
         WHY(KVX_ERR_NOMEM, "%s: out of memory", what);
     }
     memcpy(*out, aux, len);
     return 0;
 }
 
-static void aux_drop(uint8_t **aux, uint32_t *len)
+static void aux_drop(uint32_t uid, uint8_t **aux, uint32_t *len)
 {
     if (*aux)
-        kvxd_mem_release(MEM_AUX, *len);
+        kvxd_mem_release_uid(MEM_AUX, uid, *len);
     free(*aux);
     *aux = NULL;
     *len = 0;
@@ -803,6 +804,25 @@ static void part_layers_free(offer_part_t *sp)
     sp->tok_ready = NULL;
 }
 
+/* Bytes held for inst's uid (MEM_REQUESTS): 0, or KVX_ERR_LIMIT with
+ * why naming the key (limits.memory_bytes, limits.uid_memory_bytes). */
+static int req_charge(const instance_t *inst, uint64_t bytes, const char *what,
+                      char *why, size_t why_len)
+{
+    if (!kvxd_mem_charge_uid(MEM_REQUESTS, inst->owner_uid, bytes))
+        return 0;
+    char w[200];
+    kvxd_mem_why(inst->owner_uid, bytes, w, sizeof(w));
+    WHY(KVX_ERR_LIMIT, "%s: its %llu bytes %s", what, (unsigned long long)bytes,
+        w);
+}
+
+static void part_uncharge(const offer_t *o, offer_part_t *sp)
+{
+    kvxd_mem_release_uid(MEM_REQUESTS, o->inst->owner_uid, sp->mem);
+    sp->mem = 0;
+}
+
 static void offer_free(offer_t *o)
 {
     assert(!list_linked(&o->lease.node) && list_empty(&o->waiters));
@@ -811,13 +831,15 @@ static void offer_free(offer_t *o)
             pool_unref(o->parts[r].pool);
         free(o->parts[r].blocks);
         part_layers_free(&o->parts[r]);
+        part_uncharge(o, &o->parts[r]);
     }
+    kvxd_mem_release_uid(MEM_REQUESTS, o->inst->owner_uid, o->mem);
     if (o->remote) { /* only remote sets it */
         assert(R.offer_free);
         R.offer_free(o->remote);
         o->remote = NULL;
     }
-    aux_drop(&o->aux, &o->aux_len);
+    aux_drop(o->inst->owner_uid, &o->aux, &o->aux_len);
     free(o->parts);
     free(o->params);
     free(o);
@@ -862,12 +884,26 @@ static int offer_create(instance_t *inst, uint64_t request_id,
         WHY(KVX_ERR_IO, "publish: getrandom failed");
     }
     if (!(o->parts = calloc(OPARTS(o), sizeof(*o->parts))) ||
-        params_build(o, l) || map_put(&inst->offers, request_id, o)) {
+        params_build(o, l)) {
         free(o->parts);
         free(o->params);
         free(o);
         WHY(KVX_ERR_NOMEM, "publish: out of memory");
     }
+    /* what a reservation or an offer holds, charged to its uid */
+    uint64_t mem = sizeof(*o) + OPARTS(o) * sizeof(*o->parts) + o->params_len;
+    int rc = req_charge(inst, mem, "publish: the request", why, why_len);
+    if (rc || map_put(&inst->offers, request_id, o)) {
+        if (!rc)
+            kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, mem);
+        free(o->parts);
+        free(o->params);
+        free(o);
+        if (rc)
+            return rc;
+        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+    }
+    o->mem = mem;
     nrequests++;
     dl_insert(&leases, &o->lease, o->created_ms + kvxd.conf.offer_lease_ms);
     *out = o;
@@ -1201,7 +1237,8 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "rank published for request %s",
             aux_len, o->aux_len, ks(key));
     if (aux_len && !o->aux_len &&
-        (rc = aux_keep(aux, aux_len, &o->aux, "publish.aux", why, why_len))) {
+        (rc = aux_keep(inst->owner_uid, aux, aux_len, &o->aux, "publish.aux",
+                       why, why_len))) {
         if (created) { /* nothing kept: the offer goes as it came */
             nrequests--;
             offer_drop(o);
@@ -1223,6 +1260,25 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             offer_drop(o);
         return 0;
     }
+    /* the rank's tables (and layer-wise counters), charged first */
+    uint64_t tmem = need * sizeof(uint32_t) +
+                    (layerwise ? l->num_layers * sizeof(uint32_t) : 0);
+    for (uint32_t k = 0; k < ngroups; k++)
+        tmem +=
+            ceil_div(groups[k].num_tokens,
+                     groups[k].pool->layout.tokens_per_block) *
+                sizeof(uint32_t) +
+            (layerwise ? groups[k].pool->layout.num_layers * sizeof(uint32_t)
+                       : 0);
+    if ((rc = req_charge(inst, tmem, "publish.blocks: the block tables", why,
+                         why_len))) {
+        if (created) { /* nothing kept: the offer goes as it came */
+            nrequests--;
+            offer_drop(o);
+        }
+        return rc;
+    }
+    part->mem = tmem;
     part->nlayers = l->num_layers;
     part->ready = layerwise ? 0 : l->num_layers;
     list_init(&part->watches);
@@ -1248,6 +1304,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             free(part->blocks);
             part->blocks = NULL;
             part_layers_free(part);
+            part_uncharge(o, part);
             if (created) {
                 nrequests--;
                 offer_drop(o);
@@ -1634,7 +1691,7 @@ static void genreq_free(genreq_t *g)
         for (uint32_t i = 0; i < g->src_nranks; i++)
             free(g->src_addresses[i]);
     free(g->src_addresses);
-    aux_drop(&g->aux, &g->aux_len);
+    aux_drop(g->inst->owner_uid, &g->aux, &g->aux_len);
     free(g->parts);
     free(g);
 }
@@ -2797,6 +2854,7 @@ static void offer_consume(offer_t *o, const char *msg)
         free(o->parts[r].blocks);
         o->parts[r].blocks = NULL;
         part_layers_free(&o->parts[r]);
+        part_uncharge(o, &o->parts[r]);
     }
     o->consumed = 1;
     nrequests--;
@@ -3239,8 +3297,8 @@ int xfer_part_set_aux(genpart_t *p, const uint8_t *aux, uint32_t len, char *why,
     genreq_t *g = p->req;
     if (!len || g->aux_len)
         return 0; /* the first non-empty one is the request's */
-    int rc =
-        aux_keep(aux, len, &g->aux, "aux from a source daemon", why, why_len);
+    int rc = aux_keep(g->inst->owner_uid, aux, len, &g->aux,
+                      "aux from a source daemon", why, why_len);
     if (!rc)
         g->aux_len = len;
     return rc;

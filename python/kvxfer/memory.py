@@ -52,6 +52,9 @@ class HostBuffer(mmap.mmap):
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            # allocated here, charged to this process: the daemon charges
+            # a pool's unallocated pages to its memory budget
+            os.posix_fallocate(fd, 0, size)
             # sealed size: the daemon refuses a pool that could shrink
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK
                         | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)

@@ -728,6 +728,7 @@ static void rank_pool_split(rank_t *r)
     r->size = at;
     int fd = memfd_create("kvx-regions", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     CHECK(fd >= 0 && ftruncate(fd, (off_t)r->size) == 0 &&
+          fallocate(fd, 0, 0, (off_t)r->size) == 0 &&
           fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
     r->base = mmap(NULL, r->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     CHECK(r->base != MAP_FAILED);

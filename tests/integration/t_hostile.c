@@ -328,13 +328,15 @@ TEST_T(hostile_slow_reader_dropped, 60)
     daemon_stop_ok(d);
 }
 
-/* Idle clients take every session slot: the next client is told
- * LIMIT, naming limits.max_sessions, not reset; idle ones (Hello, no
- * pool, no request) end after deadlines.session_idle_ms and are told so;
- * a session with a pool stays. */
+/* Idle clients take every session slot: the next Hello is told LIMIT,
+ * naming limits.max_sessions, not reset, while status (no Hello: a slot
+ * of limits.hello_sessions) still works; idle ones (Hello, no pool, no
+ * request) end after deadlines.session_idle_ms and are told so; a
+ * session with a pool stays. */
 TEST_T(hostile_idle_slot_holders, 60)
 {
     daemon_t *d = daemon_start("limits:\n  max_sessions: 10\n"
+                               "  uid_sessions: 10\n"
                                "deadlines:\n  session_idle_ms: 700\n");
     rank_t c, g;
     side_t cs, gs;
@@ -352,12 +354,13 @@ TEST_T(hostile_idle_slot_holders, 60)
                                       .total_kv_heads = 4}};
         CHECK_KVX(kvx_connect(d->sock, &h, T_MS, &idle[i]), NULL);
     }
-    /* every slot taken: refused with the key, for the library and the CLI */
+    /* every slot taken: status still answers, a Hello is refused with
+     * the key */
     kvx_client_t *o;
     CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &o), NULL);
     char *json;
-    CHECK_FAILS(kvx_status_json(o, &json, T_MS), o, KVX_ERR_LIMIT,
-                "limits.max_sessions");
+    CHECK_KVX(kvx_status_json(o, &json, T_MS), o);
+    free(json);
     kvx_close(o);
     kvx_hello_t h = {
         .instance_id = "hi-late",
@@ -369,7 +372,7 @@ TEST_T(hostile_idle_slot_holders, 60)
     char out[4096], args[256];
     snprintf(args, sizeof(args), "--socket %s status 2>&1", d->sock);
     ctl_run(args, out, sizeof(out));
-    CHECK_STR_CONTAINS(out, "limits.max_sessions");
+    CHECK_STR_CONTAINS(out, "hi-idle-7"); /* answered, not refused */
     /* idle ones end and are told why; the pair with pools stays */
     sleep_ms(1200);
     for (int i = 0; i < 8; i++) {
@@ -492,10 +495,10 @@ TEST_T(hostile_out_of_fds, 60)
 
 /* The daemon's memory budget (limits.memory_bytes, here 64 MiB): clients
  * that each send most of a 16 MiB frame make the daemon hold their
- * buffers; once they would pass the budget, the next one gets LIMIT
- * naming the key and is closed, never an OOM. The daemon answers status
- * within 100 ms throughout, and another tenant's transfer completes
- * verified. */
+ * buffers; once they would pass their uid's share of it, the next one
+ * gets LIMIT naming the key (a frame that does not say which request it
+ * is: then closed), never an OOM. The daemon answers status within
+ * 100 ms throughout, and a transfer completes verified once they go. */
 TEST_T(hostile_memory_budget, 90)
 {
     daemon_t *d = daemon_start("limits:\n  memory_bytes: 64MiB\n"
@@ -520,7 +523,8 @@ TEST_T(hostile_memory_budget, 90)
             fprintf(stderr, "session %d: %s %s\n", i,
                     kvx_status_name(r->status), r->message);
             CHECK_EQ(r->status, KVX_ERR_LIMIT);
-            CHECK_STR_CONTAINS(r->message, "limits.memory_bytes");
+            /* the uid's share (limits.uid_memory_bytes) comes first */
+            CHECK_STR_CONTAINS(r->message, "limits.uid_memory_bytes");
             kvxfer__reply__free_unpacked(r, NULL);
             CHECK(raw_closed(fds[i], 2000));
             refused = i;
@@ -529,9 +533,12 @@ TEST_T(hostile_memory_budget, 90)
     }
     fprintf(stderr, "refused at session %d\n", refused);
     CHECK(refused >= 1 && refused < N); /* some were held, then refusal */
-    fresh_pair_ok(d, "mb-ctx", "mb-gen");
+    /* this uid's share is taken (hostile_uid_memory_share: another uid's
+     * is not); once they go, it works again */
     for (int i = 0; i < refused; i++)
         close(fds[i]);
+    sleep_ms(200);
+    fresh_pair_ok(d, "mb-ctx", "mb-gen");
     CHECK(log_wait(d, "memory budget", 2000));
     daemon_stop(d);
 }
@@ -770,5 +777,219 @@ TEST_T(hostile_memory_budget_staging_and_plans, 90)
     rank_close(&g);
     rank_close(&c);
     fresh_pair_ok(d, "mbp-ctx2", "mbp-gen2");
+    daemon_stop(d);
+}
+
+/* ---- one budget for everything a client makes the daemon hold ---------- */
+
+static const side_t BUDGET_CTX = {.inst = "bu-ctx",
+                                  .role = KVX_ROLE_CONTEXT,
+                                  .tp = 1,
+                                  .pp = 1,
+                                  .preset = "vllm-nhd",
+                                  .tpb = 4};
+
+/* Reservations were not charged (65,536 grew the daemon by 243 MB under
+ * a 64 MiB budget): now one past the uid's share is refused LIMIT,
+ * naming the key, before limits.max_requests. */
+TEST_T(hostile_budget_reservations, 120)
+{
+    daemon_t *d = daemon_start("limits:\n  memory_bytes: 64MiB\n");
+    rank_t c;
+    rank_open(d, &M_SMALL, &BUDGET_CTX, 0, 8, &c);
+    kvx_client_t *o;
+    CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &o), NULL);
+    int rc = 0;
+    uint32_t i;
+    for (i = 0; i < 65536 && !rc; i++) {
+        kvx_context_params_t p;
+        char key[16];
+        snprintf(key, sizeof(key), "r%u", i);
+        rc = kvx_reserve(o, BUDGET_CTX.inst, key, strlen(key), 16, &p, T_MS);
+        if (!rc)
+            kvx_context_params_free(&p);
+    }
+    fprintf(stderr, "reservation %u: %s: %s\n", i, kvx_status_name(rc),
+            kvx_last_error(o));
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(o), "limits.uid_memory_bytes");
+    char *js = status_json(d);
+    CHECK(json_num(js, "requests") > 0 || strstr(js, "\"requests\""));
+    free(js);
+    kvx_close(o);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
+
+/* A request frame of some 3 MiB (a Publish of 1M blocks, refused for its
+ * pool): each of 15 sessions sends one and gets its reply. Their buffers
+ * went on being charged (60 MiB), and the 16th frame had its connection
+ * closed with no reply; now they are given back, and it is answered. */
+TEST_T(hostile_budget_idle_frames, 120)
+{
+    daemon_t *d = daemon_start("limits:\n  memory_bytes: 64MiB\n"
+                               "  uid_memory_bytes: 64MiB\n"
+                               "  max_frame_bytes: 8MiB\n");
+    enum { N = 16, NB = 1 << 20 };
+    static uint32_t blocks[NB];
+    for (uint32_t i = 0; i < NB; i++)
+        blocks[i] = i;
+    int fds[N];
+    for (int i = 0; i < N; i++) {
+        char inst[32];
+        snprintf(inst, sizeof(inst), "bf-%d", i);
+        fds[i] = raw_connect(d);
+        raw_hello(fds[i], inst);
+        Kvxfer__Publish pb = KVXFER__PUBLISH__INIT;
+        pb.key.data = (uint8_t *)"k";
+        pb.key.len = 1;
+        pb.pool_id = 99;
+        pb.blocks = blocks;
+        pb.n_blocks = NB;
+        pb.num_tokens = 4;
+        Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+        rq.id = 7;
+        rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
+        rq.publish = &pb;
+        raw_send_request(fds[i], &rq);
+        Kvxfer__Reply *r = raw_reply(fds[i], 5000);
+        CHECK(r != NULL);
+        fprintf(stderr, "session %d: %s %s\n", i, kvx_status_name(r->status),
+                r->message);
+        CHECK_EQ(r->id, 7);
+        CHECK(r->status != KVX_ERR_LIMIT);
+        kvxfer__reply__free_unpacked(r, NULL);
+    }
+    char *js = status_json(d);
+    fprintf(stderr, "%s\n",
+            strstr(js, "\"memory\"") ? strstr(js, "\"memory\"") : js);
+    free(js);
+    for (int i = 0; i < N; i++)
+        close(fds[i]);
+    daemon_stop_ok(d);
+}
+
+/* A sparse memfd's holes are what the daemon's copies would fault in
+ * (a 1 GiB one read by a transfer added 256 MB of RssShmem, uncharged):
+ * registering it is refused LIMIT naming the key; the same size written
+ * first registers. */
+TEST_T(hostile_budget_sparse_pool, 60)
+{
+    daemon_t *d = daemon_start("limits:\n  memory_bytes: 64MiB\n");
+    rank_t c;
+    rank_open(d, &M_SMALL, &BUDGET_CTX, 0, 8, &c); /* its pool: written */
+    kvx_layout_t l;
+    rank_layout(&c, 8, &l);
+    uint64_t span = kvx_layout_span(&l), size = 1ull << 30;
+    rank_layout(&c, (uint32_t)(size / (span / 8)), &l);
+    span = kvx_layout_span(&l);
+    int fd = memfd_create("kvx-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0 && ftruncate(fd, (off_t)span) == 0 &&
+          fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+    uint32_t pool;
+    int rc = kvx_pool_register_host(c.c, &l, fd, 0, span, &pool, T_MS);
+    fprintf(stderr, "sparse %llu bytes: %s: %s\n", (unsigned long long)span,
+            kvx_status_name(rc), kvx_last_error(c.c));
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(c.c), "memory_bytes");
+    close(fd);
+    /* a small pool with its pages written registers */
+    rank_layout(&c, 8, &l);
+    fd = memfd_create("kvx-dense", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    span = kvx_layout_span(&l);
+    CHECK(fd >= 0 && ftruncate(fd, (off_t)span) == 0 &&
+          fallocate(fd, 0, 0, (off_t)span) == 0 &&
+          fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+    CHECK_KVX(kvx_pool_register_host(c.c, &l, fd, 0, span, &pool, T_MS), c.c);
+    close(fd);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
+
+/* 2,000 connections that never said Hello locked out status until the
+ * Hello timeout: now they hold limits.hello_sessions, and a new
+ * connection takes the place of the longest silent one. */
+TEST_T(hostile_prehello_flood_status, 60)
+{
+    daemon_t *d = daemon_start("limits:\n  max_sessions: 100\n");
+    enum { N = 300 };
+    int fds[N];
+    for (int i = 0; i < N; i++)
+        fds[i] = raw_connect(d);
+    sleep_ms(200);
+    kvx_client_t *o;
+    CHECK_KVX(kvx_connect_observer(d->sock, T_MS, &o), NULL);
+    char *js;
+    CHECK_KVX(kvx_status_json(o, &js, T_MS), o);
+    free(js);
+    kvx_close(o);
+    for (int i = 0; i < N; i++)
+        close(fds[i]);
+    CHECK(log_wait(d, "limits.hello_sessions", 2000));
+    daemon_stop_ok(d);
+}
+
+/* uid A: as many idle Hello'd sessions as it may (limits.uid_sessions),
+ * the next refused naming the key. */
+static void xs_a(void *arg)
+{
+    xuid_t *x = arg;
+    become(UID_A);
+    int fds[4];
+    for (int i = 0; i < 4; i++) {
+        char inst[32];
+        snprintf(inst, sizeof(inst), "xs-a-%d", i);
+        fds[i] = raw_connect(x->d);
+        raw_hello(fds[i], inst);
+    }
+    kvx_hello_t h = {
+        .instance_id = "xs-a-late",
+        .role = KVX_ROLE_CONTEXT,
+        .parallel = {
+            .tp = 1, .pp = 1, .cp = 1, .total_layers = 4, .total_kv_heads = 4}};
+    kvx_client_t *c = NULL;
+    CHECK_EQ(kvx_connect(x->d->sock, &h, T_MS, &c), KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(NULL), "limits.uid_sessions");
+    char b = 1;
+    CHECK(write(x->done[1], &b, 1) == 1);
+    CHECK(read(x->go[0], &b, 1) == 1);
+    for (int i = 0; i < 4; i++)
+        close(fds[i]);
+}
+
+static void xs_b(void *arg)
+{
+    xuid_t *x = arg;
+    become(UID_B);
+    kvx_hello_t h = {
+        .instance_id = "xs-b",
+        .role = KVX_ROLE_CONTEXT,
+        .parallel = {
+            .tp = 1, .pp = 1, .cp = 1, .total_layers = 4, .total_kv_heads = 4}};
+    kvx_client_t *c = NULL;
+    CHECK_KVX(kvx_connect(x->d->sock, &h, T_MS, &c), NULL);
+    kvx_close(c);
+}
+
+/* One uid's idle Hello'd sessions took every slot: now it holds its
+ * share (limits.uid_sessions, half of limits.max_sessions), and another
+ * uid still says Hello. */
+TEST_T(hostile_uid_sessions_share, 60)
+{
+    if (getuid() != 0)
+        CHECK(0 && "run the integration tests as root");
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                "auth:\n  allowed_uids: [64011, 64012]\n"
+                                "limits:\n  max_sessions: 8\n");
+    xuid_t x = {.d = d};
+    CHECK(pipe(x.go) == 0 && pipe(x.done) == 0);
+    pid_t a = spawn(xs_a, &x);
+    char b;
+    CHECK(read(x.done[0], &b, 1) == 1);
+    pid_t bp = spawn(xs_b, &x);
+    CHECK(wait_children(&bp, 1, 20000));
+    b = 1;
+    CHECK(write(x.go[1], &b, 1) == 1);
+    CHECK(wait_children(&a, 1, 20000));
     daemon_stop(d);
 }
