@@ -366,7 +366,7 @@ def test_release_by_router(daemon, pair, names):
     gen.fetch(req, params, dst, [0, 1])
     ev = wait_event(gen, req)
     assert ev.kind is EventKind.ERROR and isinstance(ev.error, kvxfer.NotFound)
-    assert "no offer" in ev.message
+    assert "released" in ev.message  # remembered: not "no offer"
     src.deregister()  # no one holds it any more
 
 

@@ -379,4 +379,6 @@ def test_numpy_and_exact_values_pass(env):
     with pytest.raises(kvxfer.InvalidArgument, match="at most 100000"):
         env.ctx.set_spin_us(U32)  # the library's own limit and message
     with kvxfer.Client(env.sock, timeout=None) as c:
-        assert isinstance(c.status(timeout=1e-3), dict)
+        # a timeout well under a second passes the check (not 1 ms here:
+        # a loaded CI machine may not answer that fast)
+        assert isinstance(c.status(timeout=0.25), dict)
