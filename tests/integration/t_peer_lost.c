@@ -554,10 +554,7 @@ static void gl_round(daemon_t *a, rank_t *c, const uint32_t *cb, uint64_t req0,
     if (waitpid(a->pid, &st, WNOHANG) == a->pid) {
         a->reaped = 1;
         a->status = st;
-        fprintf(stderr,
-                "daemon A died (status %d) when B got %s %ld us "
-                "after its fetches\n",
-                st, sig == SIGTERM ? "SIGTERM" : "SIGKILL", delay_us);
+        fprintf(stderr, "daemon A died (status %d)\n", st);
         CHECK(!"the context daemon stays up");
     }
     daemon_healthy(a);
@@ -626,8 +623,10 @@ TEST_T(peer_gen_lost_while_connecting, 600)
          * 20-80 ms on (bytes moving); four rounds SIGTERM, four SIGKILL */
         long delay =
             r % 4 == 3 ? 20000 + rand_r(&seed) % 60000 : rand_r(&seed) % 2500;
-        gl_round(a, &c, cb, 1000 + (uint64_t)r * GL_REQ,
-                 r / 4 % 2 ? SIGKILL : SIGTERM, delay);
+        int sig = r / 4 % 2 ? SIGKILL : SIGTERM;
+        fprintf(stderr, "round %d: %s %ld us after the fetches\n", r,
+                sig == SIGTERM ? "SIGTERM" : "SIGKILL", delay);
+        gl_round(a, &c, cb, 1000 + (uint64_t)r * GL_REQ, sig, delay);
     }
     /* how often UCX 1.13 would have aborted A (ucx.c's guard logs it) */
     fprintf(stderr, "A's wire-up guard %s\n",
