@@ -241,9 +241,9 @@ static void wireup_relabelled(void)
     if ((!last || ms >= last + 1000) &&
         atomic_compare_exchange_strong(&W.logged_ms, &last, ms))
         log_warn("peers: a peer was lost while UCX wired up an endpoint "
-                 "with it; UCX's unsent wire-up message is freed (UCX %s "
-                 "would abort here; %llu so far)",
-                 "1.13", n);
+                 "with it; UCX's unsent wire-up message is freed (UCX "
+                 "before 1.14 would abort here; %llu so far)",
+                 n);
 }
 
 void ucp_request_send_state_ff(void *req, ucs_status_t status)
