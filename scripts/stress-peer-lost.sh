@@ -4,13 +4,18 @@
 # and back after both gave each other up) run N times (100) while L busy
 # loops (the CPU count) load the CPUs. Counts the runs that failed and
 # those whose daemon died of a signal in UCX ("Caught signal" in the log
-# the harness prints). This is how the UCX TCP freed-endpoint crash
-# (docs/architecture.md, "A link that comes back ...") was found, in
-# about 1% of runs before the guard in daemon/net/ucx.c (5 in about 480;
-# none in 300 of them run through this script). Not part of CI.
+# the harness prints) or on a UCX assertion ("Assertion"). This is how
+# the UCX TCP freed-endpoint crash (docs/architecture.md, "A link that
+# comes back ...") was found, in about 1% of runs before the guard in
+# daemon/net/ucx.c (5 in about 480; none in 300 of them run through this
+# script). Not part of CI.
 # Usage:
 #   scripts/stress-peer-lost.sh [build]       # N=100 L=$(nproc)
 #   N=300 L=0 scripts/stress-peer-lost.sh     # unloaded
+#   TEST=peer_gen_lost_while_connecting N=10 scripts/stress-peer-lost.sh
+#       # 10 x 50 generation daemons stopped or killed while they
+#       # connect (KVX_PEER_LOST_ROUNDS=N rounds a run); UCX 1.13's
+#       # "got REP message" abort (docs/operations.md)
 # A failed run's whole output is kept in $KEEP (a new directory in /tmp).
 B=${1:-build}
 N=${N:-100}
@@ -33,16 +38,16 @@ for i in $(seq "$N"); do
     if ! KVX_BUILD=$B "$B/tests/integration" "$TEST" >"$log" 2>&1 ||
         ! grep -q '1 passed, 0 failed' "$log"; then
         failed=$((failed + 1))
-        if grep -q 'Caught signal' "$log"; then
+        if grep -q 'Caught signal\|Assertion' "$log"; then
             crashed=$((crashed + 1))
-            echo "run $i: a daemon died of a signal:"
+            echo "run $i: a daemon died of a signal or a UCX assertion:"
         else
             echo "run $i: failed:"
         fi
-        grep -a 'Caught signal\|failed\|FAIL' "$log" | head -5
+        grep -a 'Caught signal\|Assertion\|failed\|FAIL' "$log" | head -5
         cp "$log" "$KEEP/run-$i.log"
     fi
 done
 rm -f "$log"
-echo "$TEST: $N runs with $L busy loops: $failed failed, $crashed with a daemon killed by a signal (failed runs' output: $KEEP)"
+echo "$TEST: $N runs with $L busy loops: $failed failed, $crashed with a daemon killed by a signal or a UCX assertion (failed runs' output: $KEEP)"
 [ "$failed" -eq 0 ]

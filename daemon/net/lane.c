@@ -370,8 +370,10 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
             (!p || !(LEP(n)->failed || LEP(n)->closing)))
             p = LEP(n);
     }
-    if (!p && !ln->stopping && !(p = lep_accept(ln, param->reply_ep)))
-        return UCS_OK; /* out of memory: dropped */
+    /* an endpoint we do not know while stopping (ours are closing or
+     * gone, the other daemon still sends): dropped, never accepted */
+    if (!p && (ln->stopping || !(p = lep_accept(ln, param->reply_ep))))
+        return UCS_OK; /* stopping, or out of memory: dropped */
     if (p->failed || p->closing || ln->stopping)
         return UCS_OK; /* dropped (a rendezvous: released) */
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) &&

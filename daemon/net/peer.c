@@ -2417,6 +2417,12 @@ int peer_init(char *why, size_t why_len)
         log_warn("peers: the guard against UCX TCP's freed-endpoint bug is "
                  "not in effect (ucs_event_set_wait is bound elsewhere): a "
                  "link back after a peer was lost may crash the daemon");
+    if (ucx_wireup_guard() < 0)
+        log_warn("peers: the guard against UCX %s's abort on a peer lost "
+                 "while connecting is not in effect (another build of "
+                 "ucp_request_send_state_ff, or bound elsewhere): a peer "
+                 "that exits then may crash the daemon; UCX 1.14 fixes it",
+                 P.version);
     log_notice("peers: UCX %s listening on %s (CUDA memory %s by UCX), "
                "%u lanes", P.version, P.listen,
                P.ucx_cuda ? "supported" : "not supported", lanes_count());

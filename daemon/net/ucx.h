@@ -24,5 +24,14 @@ int ucx_close(ucp_ep_h ep, ucp_send_nbx_callback_t done, void *arg);
  * guard against UCX TCP's freed-endpoint bug); 0 when something else
  * (a preloaded library, a static link) came first and the guard is off */
 int ucx_tcp_guard_bound(void);
+/* The guard against UCX 1.12/1.13 aborting on a peer lost while an
+ * endpoint wires up (ucx.c): 1 in effect (libucp binds to the daemon's
+ * ucp_request_send_state_ff() and has the layout it knows), 0 not needed
+ * (a UCX without the assertion), -1 needed but off (another build's
+ * layout, or a preloaded library or a static link came first) */
+int ucx_wireup_guard(void);
+/* Wire-up messages the guard has let UCX free (peers lost while an
+ * endpoint with them wired up) */
+unsigned long long ucx_wireup_relabelled(void);
 
 #endif

@@ -316,6 +316,17 @@ static int daemon_wait(daemon_t *d, int timeout_ms)
     return d->status;
 }
 
+/* The last daemon started, reaped, is forgotten (its directory removed),
+ * so that a test can start another in its place, again and again. */
+static void daemon_forget(daemon_t *d)
+{
+    CHECK(h_ndaemons > 0 && d == &h_daemons[h_ndaemons - 1] && d->reaped);
+    char cmd[160];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", d->dir);
+    (void)!system(cmd);
+    h_ndaemons--;
+}
+
 /* SIGTERM, wait; returns the wait status (-1: did not exit in 10 s). */
 static int daemon_stop(daemon_t *d)
 {
