@@ -54,7 +54,7 @@ endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c
-CLIENT   := $(COMMON) lib/client.c
+CLIENT   := $(COMMON) lib/client.c lib/reconnect.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
             daemon/core/daemon.c daemon/core/fault.c \
