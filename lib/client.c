@@ -289,6 +289,9 @@ static int refusal_after(kvx_client_t *c, int rc)
         r->status >= KVX_ERR_LAST) {
         rc = r->status;
         snprintf(c->err, sizeof(c->err), "%s", r->message);
+        /* closed on purpose, and said why: a refusal, not a daemon that
+         * went away (nothing to reconnect to) */
+        c->eof = 0;
     } else {
         memcpy(c->err, save, sizeof(save));
     }

@@ -12,6 +12,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -561,6 +562,14 @@ int kvx__told(kvx_client_t *c, kvx__ev_t *ev, char *buf, size_t len)
 
 /* ---- state -------------------------------------------------------------- */
 
+/* The daemon hung up the connection: looked at, nothing read. */
+static int hung_up(const kvx_client_t *c)
+{
+    struct pollfd p = {c->fd, POLLRDHUP, 0};
+    return c->fd >= 0 && poll(&p, 1, 0) > 0 &&
+           (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
 int kvx_client_state(const kvx_client_t *c, kvx_client_state_t *out)
 {
     if (!c || !out || out->size < sizeof(kvx_client_state_t))
@@ -587,6 +596,12 @@ int kvx_client_state(const kvx_client_t *c, kvx_client_state_t *out)
     } else if (c->broken) {
         snprintf(s.message, sizeof(s.message),
                  "connection unusable after an earlier failure");
+    } else if (hung_up(c)) { /* what the next call will find */
+        s.status = rv->enabled ? KVX_CLIENT_RECONNECTING : KVX_CLIENT_CLOSED;
+        snprintf(s.message, sizeof(s.message),
+                 "kvxferd went away: the daemon closed the connection (the "
+                 "next call ends the requests in flight%s)",
+                 rv->enabled ? " and reconnects" : "; reconnection is off");
     }
     *out = s;
     return 0;

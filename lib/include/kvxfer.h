@@ -345,7 +345,10 @@ KVX_EXPORT int kvx_daemon_address(const kvx_client_t *client, char *buf,
  * A call that timed out, or a reply the library cannot decode, still
  * leaves the connection unusable (KVX_CLIENT_CLOSED): the daemon may
  * still run and hold this client's requests; close the client and
- * connect again.
+ * connect again. So does a daemon that closes the connection saying why
+ * (an idle session, limits.max_sessions): the call returns its code and
+ * message. kvx_client_state() looks at the socket without reading: a
+ * daemon that hung up shows at once, before a call finds it.
  */
 typedef enum {
     KVX_CLIENT_CONNECTED = 1,    /* connected to a daemon */
