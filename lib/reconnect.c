@@ -24,6 +24,10 @@
 #define BACKOFF_MIN_MS 50
 #define BACKOFF_MAX_MS 1000
 #define ATTEMPT_MS 2000
+/* The wait after an attempt that found no daemon at all (no socket file,
+ * nobody listening): such an attempt costs one connect(), so it goes
+ * again soon, and a daemon that comes back is found within this. */
+#define NOBODY_MS 5
 
 /* What registered a pool, to register it again. */
 typedef struct kvx__pool {
@@ -400,14 +404,16 @@ static int left_ms(int64_t deadline, uint32_t cap)
     return l < 1 ? 1 : l > cap ? (int)cap : (int)l;
 }
 
-/* One attempt: connect, Hello, Join, every pool. */
-static int attempt(kvx_client_t *c, int64_t deadline)
+/* One attempt: connect, Hello, Join, every pool. *reached: a daemon
+ * took the connection. */
+static int attempt(kvx_client_t *c, int64_t deadline, int *reached)
 {
     kvx__revive_t *rv = &c->rv;
     int64_t end = kvx__now_ms() + left_ms(deadline, rv->attempt_timeout_ms);
     char old[sizeof(c->address)];
     memcpy(old, c->address, sizeof(old));
     int rc = kvx__open(c, left_ms(end, rv->attempt_timeout_ms));
+    *reached = !rc;
     if (!rc && rv->has_hello)
         rc = kvx__hello_send(c, &rv->hello,
                              left_ms(end, rv->attempt_timeout_ms));
@@ -460,17 +466,26 @@ int kvx__revive(kvx_client_t *c, int64_t deadline)
                          rv->cause, (long long)(rv->next_try_ms - now),
                          rv->last[0] ? "; the last failed: " : "", rv->last);
     rv->reviving = 1;
-    int rc = attempt(c, deadline);
+    int reached = 0;
+    int rc = attempt(c, deadline, &reached);
     rv->reviving = 0;
     now = kvx__now_ms();
     if (rc) {
         rv->attempts++;
         snprintf(rv->last, sizeof(rv->last), "%.*s", (int)sizeof(rv->last) - 1,
                  c->err);
-        rv->next_try_ms = now + rv->backoff_ms;
-        rv->backoff_ms = rv->backoff_ms * 2 > rv->backoff_max_ms
-                             ? rv->backoff_max_ms
-                             : rv->backoff_ms * 2;
+        /* a daemon that refused backs off; none at all is looked for
+         * again soon */
+        if (!reached) {
+            rv->next_try_ms =
+                now + (rv->backoff_min_ms < NOBODY_MS ? rv->backoff_min_ms
+                                                      : NOBODY_MS);
+        } else {
+            rv->next_try_ms = now + rv->backoff_ms;
+            rv->backoff_ms = rv->backoff_ms * 2 > rv->backoff_max_ms
+                                 ? rv->backoff_max_ms
+                                 : rv->backoff_ms * 2;
+        }
         return kvx__fail(c, KVX_ERR_CLOSED,
                          "kvxferd went away: %s; reconnecting: attempt %u "
                          "failed: %s; next in %u ms",

@@ -313,13 +313,15 @@ KVX_EXPORT int kvx_daemon_address(const kvx_client_t *client, char *buf,
  * Reconnection is on by default (off: kvx_set_reconnect, or the
  * environment's KVXFER_RECONNECT=0 at connect). The library has no
  * thread: it tries again inside the calls that find the daemon gone,
- * the first call at once, then after backoff_min_ms, doubling up to
- * backoff_max_ms. An attempt connects to the same socket path, says the
- * same Hello, joins with the same rank addresses and consumers (each
- * occurrence of this rank's old daemon address replaced by the new
- * daemon's: ranks on one daemon all move to its new address; ranks on
- * other daemons keep theirs, so when one of those restarts too the
- * engine must kvx_join again with the new list), and registers every
+ * the first call at once; after an attempt that found no daemon (no
+ * socket file, nobody listening: one connect()) the next may go 5 ms
+ * later; after one a daemon refused (its Hello, a pool), backoff_min_ms
+ * later, doubling up to backoff_max_ms. An attempt connects to the
+ * same socket path, says the same Hello, joins with the same rank
+ * addresses and consumers (each occurrence of this rank's old daemon address
+ * replaced by the new daemon's: ranks on one daemon all move to its new
+ * address; ranks on other daemons keep theirs, so when one of those restarts
+ * too the engine must kvx_join again with the new list), and registers every
  * pool again from what it kept at registration: its layout and regions,
  * a dup of each memfd (kvx_pool_register_host*: the caller may close
  * its own), the library's own memfd (kvx_pool_create_host), the GPU
