@@ -54,7 +54,7 @@ endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c
-CLIENT   := $(COMMON) lib/client.c
+CLIENT   := $(COMMON) lib/client.c lib/reconnect.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
             daemon/core/daemon.c daemon/core/fault.c \
@@ -159,6 +159,15 @@ $(BUILD)/kvxferctl: $(BUILD)/obj/tools/kvxferctl.o $(BUILD)/obj/daemon/copy/plan
 
 $(BUILD)/kvxfer-bench: $(BUILD)/obj/tools/bench.o $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) -lm $(CUDA_LIBS)
+
+# kill -9 of the daemon under two ranks, 20 times: socket ready to a
+# verified transfer (scripts/restart_bench.sh, docs/benchmarks.md)
+$(BUILD)/restart_bench: $(BUILD)/obj/tools/restart_bench.o $(BUILD)/libkvxfer.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+.PHONY: restart-bench
+restart-bench: all $(BUILD)/restart_bench
+	@scripts/restart_bench.sh $(BUILD)
 
 # Unit tests include the module's .c (to reach statics) and link the rest
 # of the daemon except main.o and what a "unit-exclude:" line replaces

@@ -6,6 +6,8 @@
  * frames until the Reply with the same id arrives or the timeout passes.
  * A timed-out call leaves the connection unusable (a late reply would be
  * taken for the next call's), so the client is closed for further use.
+ * A connection the daemon closed is reconnect.c's: it ends the requests
+ * in flight and connects again at the next calls.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -25,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "client.h"
 #include "frame.h"
 #include "internal.h"
 #include "kvxfer.h"
@@ -44,19 +47,6 @@ struct host_pool {
     list_t node; /* on kvx_client.pools */
 };
 
-struct kvx_client {
-    int fd;
-    int broken;               /* a call failed mid-way: no more calls */
-    uint64_t next_id;
-    frame_reader_t rd;
-    char address[192];
-    char err[512];
-    list_t pools; /* host_pool.node, the newest first */
-    uint32_t daemon_minor; /* the daemon's protocol minor, from Hello */
-    uint32_t spin_us;      /* kvx_set_spin_us: look for a reply this long
-                              before sleeping on the socket */
-};
-
 #define HOST_POOL(n) LIST_OWNER(n, struct host_pool, node)
 
 static int64_t now_us(void)
@@ -69,6 +59,11 @@ static int64_t now_us(void)
 static int64_t now_ms(void)
 {
     return now_us() / 1000;
+}
+
+int64_t kvx__now_ms(void)
+{
+    return now_ms();
 }
 
 static int fail(kvx_client_t *c, int rc, const char *fmt, ...)
@@ -89,6 +84,15 @@ static const char *errno_str(int e)
 }
 
 static int fail(kvx_client_t *c, int rc, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof(c->err), fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
+int kvx__fail(kvx_client_t *c, int rc, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -197,10 +201,10 @@ static int send_all(kvx_client_t *c, const uint8_t *buf, size_t len,
                                                       : errno_str(errno));
                 continue;
             }
-            return fail(c,
-                        errno == EPIPE || errno == ECONNRESET ? KVX_ERR_CLOSED
-                                                              : KVX_ERR_IO,
-                        "send: %s", errno_str(errno));
+            if (errno == EPIPE || errno == ECONNRESET)
+                c->eof = 1;
+            return fail(c, c->eof ? KVX_ERR_CLOSED : KVX_ERR_IO, "send: %s",
+                        errno_str(errno));
         }
         if (with) /* sent with the first byte, whatever else went */
             next++;
@@ -241,13 +245,17 @@ static int recv_any(kvx_client_t *c, int64_t deadline, uint32_t spin_us,
             frame_reader_commit(&c->rd, (size_t)n);
             continue;
         }
-        if (n == 0)
+        if (n == 0) {
+            c->eof = 1;
             return fail(c, KVX_ERR_CLOSED, "the daemon closed the connection");
+        }
         if (errno == EINTR)
             continue;
+        if (errno == ECONNRESET)
+            c->eof = 1;
         if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return fail(c, errno == ECONNRESET ? KVX_ERR_CLOSED : KVX_ERR_IO,
-                        "recv: %s", errno_str(errno));
+            return fail(c, c->eof ? KVX_ERR_CLOSED : KVX_ERR_IO, "recv: %s",
+                        errno_str(errno));
     }
 }
 
@@ -281,6 +289,9 @@ static int refusal_after(kvx_client_t *c, int rc)
         r->status >= KVX_ERR_LAST) {
         rc = r->status;
         snprintf(c->err, sizeof(c->err), "%s", r->message);
+        /* closed on purpose, and said why: a refusal, not a daemon that
+         * went away (nothing to reconnect to) */
+        c->eof = 0;
     } else {
         memcpy(c->err, save, sizeof(save));
     }
@@ -290,18 +301,42 @@ static int refusal_after(kvx_client_t *c, int rc)
 }
 
 /* Before a call: 0, or why none can be made (nothing is sent, and the
- * connection stays usable unless it was broken already). */
-static int call_ready(kvx_client_t *c, int timeout_ms)
+ * connection stays usable unless it was broken already). A connection
+ * the daemon closed is made again here first (deadline: the call's). */
+static int call_ready(kvx_client_t *c, int timeout_ms, int64_t deadline)
 {
     c->err[0] = 0;
     if (c->broken)
-        return fail(c, KVX_ERR_CLOSED,
-                    "connection unusable after an earlier failure");
+        return kvx__closed(c);
     if (timeout_ms == 0)
         return fail(c, KVX_ERR_INVALID,
                     "timeout_ms 0: a call waits for the daemon's reply; "
                     "give it time (a negative value waits without limit)");
+    if (c->rv.gone && !c->rv.reviving) {
+        int rc = kvx__revive(c, deadline);
+        if (rc)
+            return rc;
+        if (deadline >= 0 && now_ms() >= deadline)
+            return fail(c, KVX_ERR_TIMEOUT,
+                        "connected to kvxferd again, but the call's timeout "
+                        "passed doing it; nothing was sent");
+    }
     return 0;
+}
+
+/* A call failed mid-way: the daemon closed the connection (reconnect.c
+ * takes it from here: the call returns KVX_ERR_CLOSED), or the connection
+ * is unusable. Inside a reconnection attempt the attempt decides. */
+static int conn_failed(kvx_client_t *c, int rc)
+{
+    if (c->rv.reviving)
+        return rc;
+    if (c->eof) {
+        kvx__lost(c);
+        return KVX_ERR_CLOSED;
+    }
+    c->broken = 1;
+    return rc;
 }
 
 /* The frames of rq[0, n) in one buffer (*buf, *len; caller frees), their
@@ -348,10 +383,10 @@ static int call_spin(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
                      int nfds, int timeout_ms, uint32_t spin_us,
                      Kvxfer__Reply **out)
 {
-    int rc = call_ready(c, timeout_ms);
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    int rc = call_ready(c, timeout_ms, deadline);
     if (rc)
         return rc;
-    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
     uint8_t *buf;
     size_t len;
     if ((rc = pack_frames(c, rq, 1, &buf, &len)))
@@ -363,15 +398,13 @@ static int call_spin(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
     Kvxfer__Reply *r = NULL;
     if (!rc)
         rc = recv_reply(c, rq->id, deadline, spin_us, &r);
-    if (rc) {
-        c->broken = 1;
-        return rc;
-    }
+    if (rc)
+        return conn_failed(c, rc);
     if (r->status) {
         rc = reply_code(r->status);
         snprintf(c->err, sizeof(c->err), "%s", r->message);
         kvxfer__reply__free_unpacked(r, NULL);
-        if (rc == KVX_ERR_PROTOCOL)
+        if (rc == KVX_ERR_PROTOCOL && !c->rv.reviving)
             c->broken = 1; /* the daemon closes after protocol errors */
         return rc;
     }
@@ -411,10 +444,10 @@ static void replies_free(Kvxfer__Reply **rp, size_t n)
 static int call_many(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
                      int timeout_ms, Kvxfer__Reply ***out)
 {
-    int rc = call_ready(c, timeout_ms);
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    int rc = call_ready(c, timeout_ms, deadline);
     if (rc)
         return rc;
-    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
     Kvxfer__Reply **rp = calloc(n ? n : 1, sizeof(*rp));
     uint8_t *buf = NULL;
     size_t len;
@@ -448,8 +481,7 @@ static int call_many(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
     }
     if (rc) {
         replies_free(rp, n);
-        c->broken = 1;
-        return rc;
+        return conn_failed(c, rc);
     }
     *out = rp;
     return 0;
@@ -501,6 +533,8 @@ static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
         return fail(c, KVX_ERR_INVALID, "socket path longer than %zu bytes",
                     sizeof(sa.sun_path) - 1);
     strcpy(sa.sun_path, path);
+    if (path != c->path)
+        snprintf(c->path, sizeof(c->path), "%s", path);
     c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (c->fd < 0)
         return fail(c, KVX_ERR_IO, "socket: %s", errno_str(errno));
@@ -537,6 +571,20 @@ static int open_socket(kvx_client_t *c, const char *path, int timeout_ms)
     return 0;
 }
 
+int kvx__open(kvx_client_t *c, int timeout_ms)
+{
+    return open_socket(c, c->path, timeout_ms);
+}
+
+void kvx__shut(kvx_client_t *c)
+{
+    if (c->fd >= 0)
+        close(c->fd);
+    c->fd = -1;
+    frame_reader_cleanup(&c->rd);
+    frame_reader_init(&c->rd);
+}
+
 /* After an early answer (Poll.early) the poll is spun for this long
  * before it sleeps: the event is one copy away (a layer: up to a few
  * hundred microseconds; a whole request's last chunk: milliseconds). */
@@ -565,6 +613,7 @@ static kvx_client_t *client_new(void)
         c->spin_us = spin_default();
         list_init(&c->pools);
         frame_reader_init(&c->rd);
+        kvx__rv_init(c);
     }
     return c;
 }
@@ -577,6 +626,13 @@ int kvx_hello(kvx_client_t *c, const kvx_hello_t *h, int timeout_ms)
         return fail(c, KVX_ERR_INVALID,
                     "%s: a required argument is NULL or 0",
                     __func__);
+    int rc = kvx__hello_send(c, h, timeout_ms);
+    /* a daemon that restarts hears it again (reconnect.c) */
+    return rc ? rc : kvx__hello_keep(c, h);
+}
+
+int kvx__hello_send(kvx_client_t *c, const kvx_hello_t *h, int timeout_ms)
+{
     Kvxfer__ParallelConfig pc = KVXFER__PARALLEL_CONFIG__INIT;
     pc.tp = h->parallel.tp;
     pc.pp = h->parallel.pp;
@@ -666,6 +722,7 @@ void kvx_close(kvx_client_t *c)
         free(HOST_POOL(n));
     }
     frame_reader_cleanup(&c->rd);
+    kvx__rv_cleanup(c);
     free(c);
 }
 
@@ -723,11 +780,19 @@ int kvx_join_consumers(kvx_client_t *c, const char *const *addr, uint32_t n,
         if (!addr[i])
             return fail(c, KVX_ERR_INVALID,
                         "%s: rank_addresses[%u] is NULL", __func__, i);
+    int rc = kvx__join_send(c, (char **)addr, n, (char **)consumers, ncons,
+                            timeout_ms);
+    return rc ? rc : kvx__join_keep(c, addr, n, consumers, ncons);
+}
+
+int kvx__join_send(kvx_client_t *c, char **addr, uint32_t n, char **consumers,
+                   uint32_t ncons, int timeout_ms)
+{
     Kvxfer__Join m = KVXFER__JOIN__INIT;
     m.n_rank_addresses = n;
-    m.rank_addresses = (char **)addr;
+    m.rank_addresses = addr;
     m.n_consumers = ncons;
-    m.consumers = (char **)consumers;
+    m.consumers = consumers;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_JOIN;
     rq.join = &m;
@@ -784,10 +849,34 @@ static void layout_msg_free(Kvxfer__Layout *lay)
     free(lay->part_offset);
 }
 
-/* Send RegisterPool m with nfds fds and take the pool id. */
+/* Send RegisterPool m with nfds fds and take the pool id: the engine's,
+ * which outlives a daemon restart (reconnect.c keeps what registers the
+ * pool again and maps the id). */
 static int register_pool(kvx_client_t *c, Kvxfer__RegisterPool *m,
                          const int *fds, int nfds, int timeout_ms,
                          uint32_t *pool_id)
+{
+    uint32_t id;
+    int rc = kvx__register_send(c, m, fds, nfds, timeout_ms, &id);
+    if (rc)
+        return rc;
+    if ((rc = kvx__pool_keep(c, m, fds, nfds, id, pool_id))) {
+        /* a pool that could not be registered again is not registered */
+        char why[sizeof(c->err)];
+        memcpy(why, c->err, sizeof(why));
+        Kvxfer__DeregisterPool d = KVXFER__DEREGISTER_POOL__INIT;
+        d.pool_id = id;
+        Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+        rq.body_case = KVXFER__REQUEST__BODY_DEREGISTER_POOL;
+        rq.deregister_pool = &d;
+        call(c, &rq, -1, timeout_ms, NULL);
+        memcpy(c->err, why, sizeof(why));
+    }
+    return rc;
+}
+
+int kvx__register_send(kvx_client_t *c, Kvxfer__RegisterPool *m, const int *fds,
+                       int nfds, int timeout_ms, uint32_t *pool_id)
 {
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_REGISTER_POOL;
@@ -1008,13 +1097,16 @@ int kvx_pool_deregister(kvx_client_t *c, uint32_t pool_id, int timeout_ms)
     if (!c)
         return KVX_ERR_INVALID;
     Kvxfer__DeregisterPool m = KVXFER__DEREGISTER_POOL__INIT;
-    m.pool_id = pool_id;
+    m.pool_id = kvx__pool_daemon(c, pool_id);
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_DEREGISTER_POOL;
     rq.deregister_pool = &m;
     int rc = call(c, &rq, -1, timeout_ms, NULL);
-    if (rc)
+    /* with the daemon gone no daemon holds it: forgotten, done */
+    if (rc && !(rc == KVX_ERR_CLOSED && c->rv.gone))
         return rc;
+    kvx__pool_forget(c, pool_id);
+    c->err[0] = 0;
     list_t *n, *t;
     LIST_FOREACH_SAFE(n, t, &c->pools)
     {
@@ -1487,7 +1579,7 @@ static int groups_msg(kvx_client_t *c, const char *fn,
                         "%s: groups[%u].blocks is NULL with num_blocks %u", fn,
                         k, groups[k].num_blocks);
         kvxfer__group_blocks__init(&m[k]);
-        m[k].pool_id = groups[k].pool_id;
+        m[k].pool_id = kvx__pool_daemon(c, groups[k].pool_id);
         m[k].n_blocks = groups[k].num_blocks;
         m[k].blocks = (uint32_t *)groups[k].blocks;
         m[k].first_block = groups[k].first_block;
@@ -1498,6 +1590,25 @@ static int groups_msg(kvx_client_t *c, const char *fn,
         mp[k] = &m[k];
     }
     return 0;
+}
+
+/* Call rq, a request that ends with an event for key: tracked once the
+ * daemon took it, so that it ends even if the daemon goes (reconnect.c).
+ * params: where a publish's go (NULL: a fetch). */
+static int tracked_call(kvx_client_t *c, Kvxfer__Request *rq, const void *key,
+                        size_t key_len, kvx_context_params_t *params,
+                        int timeout_ms)
+{
+    kvx__key_t *k = kvx__key_new(c, key, key_len);
+    if (!k)
+        return KVX_ERR_NOMEM;
+    int rc = params ? params_call(c, rq, "publish", params, timeout_ms)
+                    : call(c, rq, -1, timeout_ms, NULL);
+    if (rc)
+        free(k);
+    else
+        kvx__track(c, k);
+    return rc;
 }
 
 /* kvx_publish_key, kvx_publish_layerwise and kvx_publish_groups (fn
@@ -1534,7 +1645,7 @@ static int publish(kvx_client_t *c, const char *fn, const void *key,
     m.groups = gmp;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
-    m.pool_id = pool_id;
+    m.pool_id = kvx__pool_daemon(c, pool_id);
     m.n_blocks = nblocks;
     m.blocks = (uint32_t *)blocks;
     m.num_tokens = num_tokens;
@@ -1544,7 +1655,7 @@ static int publish(kvx_client_t *c, const char *fn, const void *key,
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
     rq.publish = &m;
-    return params_call(c, &rq, "publish", params, timeout_ms);
+    return tracked_call(c, &rq, key, key_len, params, timeout_ms);
 }
 
 int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
@@ -1594,7 +1705,7 @@ int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
     Kvxfer__AppendBlocks m = KVXFER__APPEND_BLOCKS__INIT;
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
-    m.pool_id = pool_id;
+    m.pool_id = kvx__pool_daemon(c, pool_id);
     m.n_blocks = nblocks;
     m.blocks = (uint32_t *)blocks;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
@@ -1753,7 +1864,7 @@ int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
     m.key.data = (uint8_t *)key;
     m.key.len = key_len;
     m.num_tokens = num_tokens;
-    m.pool_id = pool_id;
+    m.pool_id = pool_id ? kvx__pool_daemon(c, pool_id) : 0;
     m.n_groups = ngroups;
     m.groups = ngroups ? gmp : NULL;
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
@@ -1824,7 +1935,7 @@ int kvx_fetch_by_key_groups(kvx_client_t *c, const void *key, size_t key_len,
     m.context_address = (char *)ctx_address;
     m.context_key.data = (uint8_t *)ctx_key;
     m.context_key.len = ctx_key_len;
-    m.pool_id = pool_id;
+    m.pool_id = kvx__pool_daemon(c, pool_id);
     m.n_blocks = nblocks;
     m.blocks = (uint32_t *)blocks;
     m.skip_tokens = skip_tokens;
@@ -1832,7 +1943,7 @@ int kvx_fetch_by_key_groups(kvx_client_t *c, const void *key, size_t key_len,
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_FETCH_BY_KEY;
     rq.fetch_by_key = &m;
-    return call(c, &rq, -1, timeout_ms, NULL);
+    return tracked_call(c, &rq, key, key_len, NULL, timeout_ms);
 }
 
 int kvx_fetch(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
@@ -1890,7 +2001,7 @@ int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
     m.key.len = key_len;
     m.context_params.data = (uint8_t *)params;
     m.context_params.len = params_len;
-    m.pool_id = pool_id;
+    m.pool_id = kvx__pool_daemon(c, pool_id);
     m.n_blocks = nblocks;
     m.blocks = (uint32_t *)blocks;
     m.skip_tokens = skip_tokens;
@@ -1898,7 +2009,16 @@ int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
     Kvxfer__Request rq = KVXFER__REQUEST__INIT;
     rq.body_case = KVXFER__REQUEST__BODY_FETCH;
     rq.fetch = &m;
-    return call(c, &rq, -1, timeout_ms, NULL);
+    return tracked_call(c, &rq, key, key_len, NULL, timeout_ms);
+}
+
+/* Tracked keys of the items of a kvx_*_many call, made before it is sent
+ * (those the daemon takes are tracked, the rest freed). */
+static void many_keys_free(kvx__key_t **k, size_t n)
+{
+    for (size_t i = 0; k && i < n; i++)
+        free(k[i]);
+    free(k);
 }
 
 int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
@@ -1925,16 +2045,22 @@ int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
     Kvxfer__Publish *m = calloc(n, sizeof(*m));
     Kvxfer__Request *rq = calloc(n, sizeof(*rq));
     Kvxfer__Reply **rp = NULL;
+    kvx__key_t **keys = NULL;
     int rc = 0, first = 0;
-    if (!m || !rq) {
+    if (!m || !rq || !(keys = calloc(n, sizeof(*keys)))) {
         rc = fail(c, KVX_ERR_NOMEM, "out of memory");
         goto out;
     }
+    for (size_t i = 0; i < n; i++)
+        if (!(keys[i] = kvx__key_new(c, items[i].key, items[i].key_len))) {
+            rc = KVX_ERR_NOMEM;
+            goto out;
+        }
     for (size_t i = 0; i < n; i++) {
         kvxfer__publish__init(&m[i]);
         m[i].key.data = (uint8_t *)items[i].key;
         m[i].key.len = items[i].key_len;
-        m[i].pool_id = items[i].pool_id;
+        m[i].pool_id = kvx__pool_daemon(c, items[i].pool_id);
         m[i].n_blocks = items[i].num_blocks;
         m[i].blocks = (uint32_t *)items[i].blocks;
         m[i].num_tokens = items[i].num_tokens;
@@ -1949,6 +2075,8 @@ int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
         it->status = item_status(c, fn, i, it->key, it->key_len, rp[i], &first);
         if (it->status)
             continue;
+        kvx__track(c, keys[i]); /* taken: its event will come */
+        keys[i] = NULL;
         char what[48];
         snprintf(what, sizeof(what), "%s: item %zu", fn, i);
         if (first) { /* the first failure's message stays the error */
@@ -1962,6 +2090,7 @@ int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
     }
     rc = first;
 out:
+    many_keys_free(keys, n);
     replies_free(rp, n);
     free(m);
     free(rq);
@@ -1990,18 +2119,24 @@ int kvx_fetch_many(kvx_client_t *c, kvx_fetch_item_t *items, size_t n,
     Kvxfer__Fetch *m = calloc(n, sizeof(*m));
     Kvxfer__Request *rq = calloc(n, sizeof(*rq));
     Kvxfer__Reply **rp = NULL;
+    kvx__key_t **keys = NULL;
     int rc = 0, first = 0;
-    if (!m || !rq) {
+    if (!m || !rq || !(keys = calloc(n, sizeof(*keys)))) {
         rc = fail(c, KVX_ERR_NOMEM, "out of memory");
         goto out;
     }
+    for (size_t i = 0; i < n; i++)
+        if (!(keys[i] = kvx__key_new(c, items[i].key, items[i].key_len))) {
+            rc = KVX_ERR_NOMEM;
+            goto out;
+        }
     for (size_t i = 0; i < n; i++) {
         kvxfer__fetch__init(&m[i]);
         m[i].key.data = (uint8_t *)items[i].key;
         m[i].key.len = items[i].key_len;
         m[i].context_params.data = (uint8_t *)items[i].params;
         m[i].context_params.len = items[i].params_len;
-        m[i].pool_id = items[i].pool_id;
+        m[i].pool_id = kvx__pool_daemon(c, items[i].pool_id);
         m[i].n_blocks = items[i].num_blocks;
         m[i].blocks = (uint32_t *)items[i].blocks;
         m[i].skip_tokens = items[i].skip_tokens;
@@ -2012,11 +2147,17 @@ int kvx_fetch_many(kvx_client_t *c, kvx_fetch_item_t *items, size_t n,
     }
     if ((rc = call_many(c, rq, n, timeout_ms, &rp)))
         goto out;
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n; i++) {
         items[i].status = item_status(c, fn, i, items[i].key, items[i].key_len,
                                       rp[i], &first);
+        if (!items[i].status) { /* taken: its event will come */
+            kvx__track(c, keys[i]);
+            keys[i] = NULL;
+        }
+    }
     rc = first;
 out:
+    many_keys_free(keys, n);
     replies_free(rp, n);
     free(m);
     free(rq);
@@ -2032,6 +2173,10 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
         return fail(c, KVX_ERR_INVALID,
                     "%s: a required argument is NULL or 0",
                     __func__);
+    /* the ends of the requests a lost daemon took with it come first */
+    int rc = kvx__gone_batch(c, out);
+    if (rc)
+        return rc < 0 ? rc : 0;
     Kvxfer__Poll m = KVXFER__POLL__INIT;
     m.at_least = at_least;
     /* negative: no deadline of ours; the daemon cuts it to its own
@@ -2047,15 +2192,27 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
     rq.body_case = KVXFER__REQUEST__BODY_POLL;
     rq.poll = &m;
     Kvxfer__Reply *r;
-    int rc;
     uint32_t spin = c->spin_us;
     int64_t t0 = now_ms();
     for (;;) {
         /* the daemon answers at the poll timeout; allow for a busy loop
          * (it cuts timeouts to its maximum, an hour at most) */
         int t = timeout_ms < 3600000 ? timeout_ms : 3600000;
-        if ((rc = call_spin(c, &rq, NULL, 0, t < 0 ? -1 : t + 10000, spin, &r)))
+        if ((rc = call_spin(c, &rq, NULL, 0, t < 0 ? -1 : t + 10000, spin,
+                            &r))) {
+            /* lost during this poll: its requests' ends now */
+            if (rc == KVX_ERR_CLOSED && c->rv.ngone) {
+                char why[sizeof(c->err)];
+                memcpy(why, c->err, sizeof(why));
+                int g = kvx__gone_batch(c, out);
+                if (g > 0) {
+                    memcpy(c->err, why, sizeof(why));
+                    return 0;
+                }
+                return g < 0 ? g : rc;
+            }
             return rc;
+        }
         if (r->body_case == KVXFER__REPLY__BODY_POLL && r->poll->early &&
             !r->poll->n_events) {
             kvxfer__reply__free_unpacked(r, NULL);
@@ -2076,24 +2233,53 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
         kvxfer__reply__free_unpacked(r, NULL);
         return fail(c, KVX_ERR_PROTOCOL, "poll: reply without a batch");
     }
-    /* one allocation: batch, events, then each event's message, key and
-     * aux bytes */
-    size_t n = r->poll->n_events, strbytes = 0;
-    for (size_t i = 0; i < n; i++)
-        strbytes += strlen(r->poll->events[i]->message) + 1 +
-                    r->poll->events[i]->key.len + r->poll->events[i]->aux.len;
-    kvx_batch_t *b = malloc(sizeof(*b) + n * sizeof(kvx_event_t) + strbytes);
-    if (!b) {
+    size_t n = r->poll->n_events;
+    kvx__ev_t *ev = malloc((n + 1) * sizeof(*ev));
+    if (!ev) {
         kvxfer__reply__free_unpacked(r, NULL);
         return fail(c, KVX_ERR_NOMEM, "out of memory");
     }
-    b->seq = r->poll->batch;
+    for (size_t i = 0; i < n; i++) {
+        const Kvxfer__Event *e = r->poll->events[i];
+        ev[i] = (kvx__ev_t){.kind = e->kind,
+                            .code = e->code,
+                            .message = e->message,
+                            .key = e->key.data,
+                            .key_len = e->key.len,
+                            .aux = e->aux.data,
+                            .aux_len = e->aux.len};
+    }
+    /* once after a reconnection: the engine hears it, last in the new
+     * daemon's first batch */
+    char told[256];
+    int nt = kvx__told(c, &ev[n], told, sizeof(told));
+    rc = kvx__batch_make(c, kvx__batch_seq(c, r->poll->batch), ev, n + nt, out);
+    if (!rc) /* each event ends its request: no longer in flight */
+        for (size_t i = 0; i < n; i++)
+            kvx__untrack(c, ev[i].key, ev[i].key_len);
+    free(ev);
+    kvxfer__reply__free_unpacked(r, NULL);
+    return rc;
+}
+
+int kvx__batch_make(kvx_client_t *c, uint64_t seq, const kvx__ev_t *ev,
+                    size_t n, kvx_batch_t **out)
+{
+    /* one allocation: batch, events, then each event's message, key and
+     * aux bytes */
+    size_t strbytes = 0;
+    for (size_t i = 0; i < n; i++)
+        strbytes += strlen(ev[i].message) + 1 + ev[i].key_len + ev[i].aux_len;
+    kvx_batch_t *b = malloc(sizeof(*b) + n * sizeof(kvx_event_t) + strbytes);
+    if (!b)
+        return fail(c, KVX_ERR_NOMEM, "out of memory");
+    b->seq = seq;
     b->num_events = (uint32_t)n;
     b->events = (kvx_event_t *)(b + 1);
     char *s = (char *)(b->events + n);
     for (size_t i = 0; i < n; i++) {
-        const Kvxfer__Event *e = r->poll->events[i];
-        b->events[i].request_id = reqkey_to_u64(e->key.data, e->key.len);
+        const kvx__ev_t *e = &ev[i];
+        b->events[i].request_id = reqkey_to_u64(e->key, e->key_len);
         b->events[i].kind = (kvx_event_kind_t)e->kind;
         b->events[i].code = e->code;
         b->events[i].message = s;
@@ -2101,17 +2287,16 @@ int kvx_poll(kvx_client_t *c, uint32_t at_least, int timeout_ms,
         memcpy(s, e->message, l);
         s += l;
         b->events[i].key = (const uint8_t *)s;
-        b->events[i].key_len = (uint32_t)e->key.len;
-        if (e->key.len)
-            memcpy(s, e->key.data, e->key.len);
-        s += e->key.len;
-        b->events[i].aux = e->aux.len ? (const uint8_t *)s : NULL;
-        b->events[i].aux_len = (uint32_t)e->aux.len;
-        if (e->aux.len)
-            memcpy(s, e->aux.data, e->aux.len);
-        s += e->aux.len;
+        b->events[i].key_len = (uint32_t)e->key_len;
+        if (e->key_len)
+            memcpy(s, e->key, e->key_len);
+        s += e->key_len;
+        b->events[i].aux = e->aux_len ? (const uint8_t *)s : NULL;
+        b->events[i].aux_len = (uint32_t)e->aux_len;
+        if (e->aux_len)
+            memcpy(s, e->aux, e->aux_len);
+        s += e->aux_len;
     }
-    kvxfer__reply__free_unpacked(r, NULL);
     *out = b;
     return 0;
 }

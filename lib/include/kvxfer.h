@@ -50,8 +50,8 @@ extern "C" {
 #endif
 
 #define KVX_VERSION_MAJOR 2
-#define KVX_VERSION_MINOR 4
-#define KVX_VERSION_STRING "2.4.0"
+#define KVX_VERSION_MINOR 5
+#define KVX_VERSION_STRING "2.5.0"
 
 /* Longest request key, in bytes. */
 #define KVX_MAX_KEY 128u
@@ -289,6 +289,106 @@ KVX_EXPORT int kvx_set_spin_us(kvx_client_t *client, uint32_t spin_us);
  * allgather it at start-up) and pass to kvx_join(). */
 KVX_EXPORT int kvx_daemon_address(const kvx_client_t *client, char *buf,
                                   size_t len);
+
+/*
+ * 2.5, a daemon that goes away (a restart, an upgrade, a crash): the
+ * client outlives it.
+ *
+ * When the daemon closes the connection (EOF, EPIPE, ECONNRESET: its
+ * process died or exited), every request of this client still in flight
+ * (published, or fetched, by key or with params, and not yet ended by an
+ * event this client's kvx_poll returned) ends with one terminal event:
+ * kind KVX_EVENT_ERROR, code KVX_ERR_PEER_GONE, message "kvxferd went
+ * away: ...". The library makes these events itself and returns them in
+ * the next kvx_poll, as one batch (seq: the next number of this rank),
+ * ordered by key (shorter keys first, then bytewise), so every rank of
+ * an instance that had the same requests in flight gets the same batch.
+ * A rank that had none in flight gets no such batch. A daemon killed
+ * (kill -9, a crash) never writes a block after that: its copies died
+ * with it, and the next daemon knows nothing of the requests.
+ * What the library cannot know it cannot end: requests a rank never
+ * named (another attention-DP group's fetches) end only on the ranks
+ * that fetched them.
+ *
+ * Reconnection is on by default (off: kvx_set_reconnect, or the
+ * environment's KVXFER_RECONNECT=0 at connect). The library has no
+ * thread: it tries again inside the calls that find the daemon gone,
+ * the first call at once; after an attempt that found no daemon (no
+ * socket file, nobody listening: one connect()) the next may go 5 ms
+ * later; after one a daemon refused (its Hello, a pool), backoff_min_ms
+ * later, doubling up to backoff_max_ms. An attempt connects to the
+ * same socket path, says the same Hello, joins with the same rank
+ * addresses and consumers (each occurrence of this rank's old daemon address
+ * replaced by the new daemon's: ranks on one daemon all move to its new
+ * address; ranks on other daemons keep theirs, so when one of those restarts
+ * too the engine must kvx_join again with the new list), and registers every
+ * pool again from what it kept at registration: its layout and regions,
+ * a dup of each memfd (kvx_pool_register_host*: the caller may close
+ * its own), the library's own memfd (kvx_pool_create_host), the GPU
+ * pool's CUDA IPC handle or its exported VMM fds (kept open, one per
+ * allocation). Pool ids stay what the engine was given: the library maps
+ * them to the new daemon's ids in every call that takes one (the
+ * daemon's messages name its own ids). A pool kvx_pool_deregister()ed
+ * while the daemon is gone is forgotten, and the call returns 0.
+ *
+ * While the daemon is gone every call but kvx_poll's delivery of the
+ * events above fails at once with KVX_ERR_CLOSED, and kvx_last_error()
+ * says "kvxferd went away: <cause>; reconnecting: ..." (the attempt that
+ * failed and why, or when the next one goes) or, with reconnection off,
+ * "... reconnection is off: the client is closed". An attempt takes at
+ * most attempt_timeout_ms and never more than the call's own timeout; a
+ * call that reconnects then goes on under what is left of its timeout.
+ * Once reconnected, the next batch kvx_poll returns (the first the new
+ * daemon sealed) carries one more event, last: kind
+ * KVX_EVENT_RECONNECTED, no key, message "kvxferd is back: ...".
+ * Batch numbers (seq) go on from the last one: the new daemon's first
+ * batch is this rank's next.
+ *
+ * A call that timed out, or a reply the library cannot decode, still
+ * leaves the connection unusable (KVX_CLIENT_CLOSED): the daemon may
+ * still run and hold this client's requests; close the client and
+ * connect again. So does a daemon that closes the connection saying why
+ * (an idle session, limits.max_sessions): the call returns its code and
+ * message. kvx_client_state() looks at the socket without reading: a
+ * daemon that hung up shows at once, before a call finds it.
+ */
+typedef enum {
+    KVX_CLIENT_CONNECTED = 1,    /* connected to a daemon */
+    KVX_CLIENT_RECONNECTING = 2, /* the daemon went away; calls reconnect */
+    KVX_CLIENT_CLOSED = 3,       /* unusable for good: kvx_close() it */
+} kvx_client_status_t;
+
+typedef struct {
+    uint32_t size; /* in: sizeof(kvx_client_state_t) */
+    kvx_client_status_t status;
+    uint32_t incarnation;     /* reconnections so far (0: the first
+                                 daemon) */
+    uint32_t attempts;        /* failed attempts since the loss */
+    uint32_t in_flight;       /* requests the library tracks */
+    uint32_t next_attempt_ms; /* RECONNECTING: the next attempt may go
+                                 this many ms from now (0: at once) */
+    char message[512];        /* not CONNECTED: why ("kvxferd went
+                                 away: ..."); else "" */
+} kvx_client_state_t;
+
+/* The client's state into *out (out->size: at least
+ * sizeof(kvx_client_state_t) of 2.5). Sends nothing, changes nothing. */
+KVX_EXPORT int kvx_client_state(const kvx_client_t *client,
+                                kvx_client_state_t *out);
+
+typedef struct {
+    uint32_t size;               /* sizeof(kvx_reconnect_t) */
+    int enabled;                 /* 0: a lost connection leaves the
+                                    client KVX_CLIENT_CLOSED */
+    uint32_t backoff_min_ms;     /* 0: 50 */
+    uint32_t backoff_max_ms;     /* 0: 1000 */
+    uint32_t attempt_timeout_ms; /* 0: 2000 */
+} kvx_reconnect_t;
+
+/* How this client reconnects (see above). KVX_ERR_INVALID: size smaller
+ * than the 2.5 struct, or backoff_min_ms over backoff_max_ms. */
+KVX_EXPORT int kvx_set_reconnect(kvx_client_t *client,
+                                 const kvx_reconnect_t *opts);
 
 /* Tell the daemon where every rank of this instance is served. Every local
  * rank must join with the same list before publish/fetch are accepted. */
@@ -735,6 +835,9 @@ typedef enum {
     KVX_EVENT_ERROR = 2,
     KVX_EVENT_CANCELLED = 3,
     KVX_EVENT_TIMED_OUT = 4,
+    /* 2.5: made by the library, not a request's end: the client is
+     * connected to a new daemon (kvx_client_state) */
+    KVX_EVENT_RECONNECTED = 5,
 } kvx_event_kind_t;
 
 typedef struct {

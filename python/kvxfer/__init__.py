@@ -21,9 +21,9 @@ wheel bundles it there), the source tree's ``build/``, then the system's
 import dataclasses
 
 from ._version import __version__
-from .client import (DEFAULT_SOCKET, MAX_KEY, Batch, Client, Event,
-                     EventKind, Group, HostPool, Key, Parallel, Pool, Role,
-                     key_bytes)
+from .client import (DEFAULT_SOCKET, MAX_KEY, Batch, Client, ClientState,
+                     ClientStatus, Event, EventKind, Group, HostPool, Key,
+                     Parallel, Pool, Role, key_bytes)
 from .errors import (AlreadyExists, AuthError, Busy, CallTimeout, Cancelled,
                      Closed, ConfigMismatch, Error, InvalidArgument,
                      IOFailure, LayoutError, LimitReached, NoMemory,
@@ -44,7 +44,7 @@ __all__ = [
     "Unsupported", "LimitReached", "ShuttingDown", "LayoutError",
     "ConfigMismatch", "Closed", "Busy", "error_class", "status_name",
     "status_str", "LibraryNotFound", "ParamsInfo", "params_info", "Key",
-    "MAX_KEY", "key_bytes", "Group",
+    "MAX_KEY", "key_bytes", "Group", "ClientStatus", "ClientState",
 ]
 
 

@@ -149,6 +149,28 @@ class Event(Structure):
     ]
 
 
+class ClientState(Structure):
+    _fields_ = [
+        ("size", c_uint32),
+        ("status", c_int),
+        ("incarnation", c_uint32),
+        ("attempts", c_uint32),
+        ("in_flight", c_uint32),
+        ("next_attempt_ms", c_uint32),
+        ("message", c_char * 512),
+    ]
+
+
+class Reconnect(Structure):
+    _fields_ = [
+        ("size", c_uint32),
+        ("enabled", c_int),
+        ("backoff_min_ms", c_uint32),
+        ("backoff_max_ms", c_uint32),
+        ("attempt_timeout_ms", c_uint32),
+    ]
+
+
 class Batch(Structure):
     _fields_ = [
         ("seq", c_uint64),
@@ -157,7 +179,7 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 52 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 54 functions
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -184,6 +206,8 @@ _PROTOS = {
     "kvx_last_error": (c_char_p, [_client_p]),
     "kvx_set_spin_us": (c_int, [_client_p, c_uint32]),
     "kvx_daemon_address": (c_int, [_client_p, c_char_p, c_size_t]),
+    "kvx_client_state": (c_int, [_client_p, POINTER(ClientState)]),
+    "kvx_set_reconnect": (c_int, [_client_p, POINTER(Reconnect)]),
     "kvx_join": (c_int, [_client_p, POINTER(c_char_p), c_uint32, c_int]),
     "kvx_pool_create_host": (c_int, [_client_p, POINTER(Layout), c_uint64,
                                      POINTER(c_void_p), POINTER(c_uint32),

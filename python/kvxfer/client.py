@@ -16,7 +16,7 @@ from .layout import Layout
 from .memory import HostBuffer, Span, host_buffer_of, span_of
 
 __all__ = ["Client", "Role", "Parallel", "Pool", "HostPool", "EventKind",
-           "Event", "Batch", "DEFAULT_SOCKET"]
+           "Event", "Batch", "ClientStatus", "ClientState", "DEFAULT_SOCKET"]
 
 DEFAULT_SOCKET = "/run/kvxfer/kvxferd.sock"
 
@@ -78,6 +78,35 @@ class EventKind(enum.IntEnum):
     ERROR = 2
     CANCELLED = 3
     TIMED_OUT = 4
+    #: made by the library, not a request's end: the client is connected
+    #: to a new daemon (no key; last in the new daemon's first batch)
+    RECONNECTED = 5
+
+
+class ClientStatus(enum.IntEnum):
+    """kvx_client_status_t."""
+
+    CONNECTED = 1
+    RECONNECTING = 2  # the daemon went away; calls try to reconnect
+    CLOSED = 3  # unusable for good (or close() was called)
+
+
+@dataclass(frozen=True)
+class ClientState:
+    """What :attr:`Client.state` says (kvx_client_state).
+
+    ``incarnation``: reconnections so far (0: the first daemon);
+    ``attempts``: failed attempts since the connection was lost;
+    ``in_flight``: requests the library would end with ``PEER_GONE``;
+    ``next_attempt``: seconds until the next attempt may go;
+    ``message``: why it is not connected ("" when it is)."""
+
+    status: ClientStatus
+    incarnation: int = 0
+    attempts: int = 0
+    in_flight: int = 0
+    next_attempt: float = 0.0
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -278,7 +307,8 @@ class Client:
                  rank: int = 0, parallel: Optional[Parallel] = None,
                  timeout: Timeout = 5.0,
                  protocol_version: Optional[Tuple[int, int]] = None,
-                 spin_us: Optional[int] = None) -> None:
+                 spin_us: Optional[int] = None,
+                 reconnect: Optional[bool] = None) -> None:
         self._h = ctypes.c_void_p()
         self._lock = threading.RLock()
         self.timeout = timeout
@@ -299,12 +329,14 @@ class Client:
             msg = lib.kvx_last_error(None)
             self._h = ctypes.c_void_p()
             raise make_error(rc, msg.decode(errors="replace") if msg else "")
-        if spin_us is not None:
-            try:
+        try:
+            if spin_us is not None:
                 self.set_spin_us(spin_us)
-            except Exception:
-                self.close()
-                raise
+            if reconnect is not None:
+                self.set_reconnect(reconnect)
+        except Exception:
+            self.close()
+            raise
 
     # -- plumbing ---------------------------------------------------------
 
@@ -363,9 +395,70 @@ class Client:
     # -- connection -------------------------------------------------------
 
     @property
+    def state(self) -> ClientState:
+        """The connection's state (kvx_client_state): connected, or the
+        daemon went away and calls reconnect, or closed for good. Sends
+        nothing; a daemon that closed the connection shows at once."""
+        with self._lock:
+            if not self._h:
+                return ClientState(ClientStatus.CLOSED,
+                                   message="the client is closed")
+            st = _lib.ClientState()
+            st.size = ctypes.sizeof(st)
+            rc = _lib.lib().kvx_client_state(self._h, ctypes.byref(st))
+            if rc:
+                raise make_error(rc, "kvx_client_state refused the struct")
+            return ClientState(
+                ClientStatus(st.status), int(st.incarnation),
+                int(st.attempts), int(st.in_flight),
+                st.next_attempt_ms / 1000.0,
+                st.message.decode(errors="replace"))
+
+    @property
     def closed(self) -> bool:
-        """True after close()."""
-        return not self._h
+        """True after close(), or once the client is unusable for good: the
+        daemon went away with reconnection off, or a call timed out (the
+        daemon may still hold its requests: close it and connect anew).
+        False while it reconnects (:attr:`alive` says whether it is
+        connected now)."""
+        return self.state.status == ClientStatus.CLOSED
+
+    @property
+    def alive(self) -> bool:
+        """True while connected to a daemon (False while the daemon is
+        gone and the client reconnects, and once it is closed)."""
+        return self.state.status == ClientStatus.CONNECTED
+
+    @property
+    def incarnation(self) -> int:
+        """Reconnections so far: 0 on the first daemon, then one more each
+        time the library connected to a new one (an :class:`Event` of kind
+        ``RECONNECTED`` says so once, in a batch)."""
+        return self.state.incarnation
+
+    def set_reconnect(self, enabled: bool = True, *,
+                      backoff: Tuple[float, float] = (0.05, 1.0),
+                      attempt_timeout: float = 2.0) -> None:
+        """How the client reconnects once the daemon goes away
+        (kvx_set_reconnect): on by default (``KVXFER_RECONNECT=0`` turns
+        it off for every client). Attempts go inside calls (the library
+        has no thread), the first at once, then after ``backoff[0]``
+        seconds doubling up to ``backoff[1]``; one takes at most
+        ``attempt_timeout`` seconds and never more than its call's
+        timeout. Off: a lost daemon closes the client."""
+        def ms(name: str, t: float) -> int:
+            if t is None:
+                raise InvalidArgument(-1, f"{name}: None (expected seconds "
+                                      "> 0)")
+            return timeout_ms(name, t)
+
+        o = _lib.Reconnect()
+        o.size = ctypes.sizeof(o)
+        o.enabled = 1 if enabled else 0
+        o.backoff_min_ms = ms("backoff[0]", backoff[0])
+        o.backoff_max_ms = ms("backoff[1]", backoff[1])
+        o.attempt_timeout_ms = ms("attempt_timeout", attempt_timeout)
+        self._call("kvx_set_reconnect", ctypes.byref(o))
 
     def close(self) -> None:
         """Close the connection (kvx_close). The daemon ends this rank's
@@ -977,7 +1070,7 @@ class Client:
         return self._json("kvx_requests_json", timeout)
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
+        state = self.state.status.name.lower()
         return f"<kvxfer.Client {self.socket_path} {state}>"
 
 

@@ -34,12 +34,18 @@ class Daemon:
         cfg = os.path.join(self.dir, "kvxferd.yaml")
         with open(cfg, "w") as f:
             f.write(f"socket:\n  path: {self.sock}\n{extra}")
+        self.cfg = cfg
+        self.start()
+
+    def start(self):
+        """Run kvxferd on this config and wait for its socket (again after
+        kill9(): a restart on the same path)."""
         exe = os.path.join(build_dir(), "kvxferd")
         if not os.access(exe, os.X_OK):
             pytest.fail(f"{exe} not built (run make)")
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([exe, "--config", cfg], stdout=log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([exe, "--config", self.cfg],
+                                         stdout=log, stderr=subprocess.STDOUT)
         end = time.monotonic() + 10
         while True:
             try:
@@ -51,6 +57,11 @@ class Daemon:
                 self.stop()
                 pytest.fail("kvxferd did not start:\n" + self.tail())
             time.sleep(0.02)
+
+    def kill9(self):
+        """SIGKILL, and wait for the process: a crash."""
+        self.proc.kill()
+        self.proc.wait()
 
     def tail(self, n=40):
         with open(self.log, errors="replace") as f:

@@ -29,6 +29,8 @@ STRUCTS = {
     "kvx_group_t": _lib.Group,
     "kvx_publish_item_t": _lib.PublishItem,
     "kvx_fetch_item_t": _lib.FetchItem,
+    "kvx_client_state_t": _lib.ClientState,
+    "kvx_reconnect_t": _lib.Reconnect,
 }
 
 

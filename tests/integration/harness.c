@@ -212,6 +212,8 @@ static void h_init(void)
     signal(SIGALRM, h_on_alarm);
 }
 
+static void daemon_exec(daemon_t *d);
+
 /* Start kvxferd with socket.path in a fresh temp dir. socket_extra: more
  * lines of the socket section ("  mode: 0666\n"); extra: whole sections. */
 static daemon_t *daemon_start2(const char *socket_extra, const char *extra)
@@ -237,7 +239,13 @@ static daemon_t *daemon_start2(const char *socket_extra, const char *extra)
              socket_extra ? socket_extra : "", extra ? extra : "");
     write_file(d->cfg, cfg);
     h_ndaemons++;
+    daemon_exec(d);
+    return d;
+}
 
+/* Run kvxferd on d's config and wait for its socket. */
+static void daemon_exec(daemon_t *d)
+{
     char exe[256];
     snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
     fflush(stdout);
@@ -288,7 +296,16 @@ static daemon_t *daemon_start2(const char *socket_extra, const char *extra)
         CHECK(now_ms() < end);
         sleep_ms(10);
     }
-    return d;
+}
+
+/* A new kvxferd on the config, socket path and log of d, whose process
+ * has ended (killed, stopped): a restart. */
+static void daemon_restart(daemon_t *d)
+{
+    CHECK(d->reaped);
+    d->reaped = 0;
+    d->status = 0;
+    daemon_exec(d);
 }
 
 static daemon_t *daemon_start(const char *extra)

@@ -46,6 +46,8 @@
  *   t_aux.c            the aux payload
  *   t_layers.c         layer-wise offers: layers ready, progress, faults
  *   t_groups.c         several block tables: a window and state slots
+ *   t_restart.c        the daemon killed under its engines: the requests
+ *                      end once, the library reconnects, KV moves again
  *   peer_harness.c     two daemons in two network namespaces
  *   t_peer_transfer.c  transfers between daemons, lanes, forged input
  *   t_peer_lost.c      a peer lost, drained or cancelled mid-transfer
@@ -79,6 +81,7 @@
 #include "t_aux.c"
 #include "t_layers.c"
 #include "t_groups.c"
+#include "t_restart.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */
 #include "peer_harness.c"

@@ -1,0 +1,146 @@
+/*
+ * client.h — what client.c and reconnect.c share inside libkvxfer: the
+ * client struct and the calls each gives the other (kvx__, local to the
+ * library by its version script). Not installed.
+ *
+ * client.c owns the socket and the calls; reconnect.c owns what a
+ * client needs to outlive its daemon: the requests in flight, what each
+ * pool was registered with, the Hello and the Join, and the attempts.
+ */
+#ifndef KVX_CLIENT_H
+#define KVX_CLIENT_H
+
+#include <stdint.h>
+
+#include "frame.h"
+#include "kvxfer.h"
+#include "kvxfer.pb-c.h"
+#include "list.h"
+
+/* A request key the library tracks: in flight (on a bucket of
+ * kvx__revive.keys), or lost with the daemon (on gone). */
+typedef struct kvx__key {
+    struct kvx__key *next;
+    uint32_t len;
+    uint8_t b[KVX_MAX_KEY];
+} kvx__key_t;
+
+typedef struct kvx__revive {
+    /* kvx_set_reconnect */
+    int enabled;
+    uint32_t backoff_min_ms, backoff_max_ms, attempt_timeout_ms;
+    /* the connection was lost and is being made again */
+    int gone;
+    int reviving; /* inside an attempt: its calls may go, and a failure
+                     of theirs is the attempt's */
+    int off;      /* lost with reconnection off: the client is closed */
+    uint32_t incarnation, attempts, backoff_ms;
+    int64_t next_try_ms;
+    char cause[200]; /* why it was lost */
+    char last[200];  /* why the last attempt failed */
+    /* a RECONNECTED event is owed to the next batch; that batch sets
+     * seq_off so that this rank's numbers go on */
+    int told, rebase;
+    uint64_t next_seq, seq_off;
+    /* what an attempt says again */
+    int has_hello;
+    kvx_hello_t hello; /* its pointers into the two below */
+    char *instance_id;
+    uint32_t *layers_per_pp;
+    int has_join;
+    char **addrs, **cons;
+    uint32_t naddrs, ncons;
+    /* requests in flight: a hash of keys (a key published and fetched by
+     * one instance is there twice) */
+    kvx__key_t **keys;
+    uint32_t nbuckets, nkeys;
+    /* lost requests, owed a PEER_GONE event each */
+    kvx__key_t *gone_keys;
+    uint32_t ngone;
+    list_t pools; /* kvx__pool_t.node */
+} kvx__revive_t;
+
+struct kvx_client {
+    int fd;
+    int broken; /* a call failed mid-way: no more calls */
+    int eof;    /* the daemon closed the connection (send/recv saw it) */
+    uint64_t next_id;
+    frame_reader_t rd;
+    char address[192];
+    char path[108]; /* the socket's, for reconnecting */
+    char err[512];
+    list_t pools;          /* host_pool.node, the newest first */
+    uint32_t daemon_minor; /* the daemon's protocol minor, from Hello */
+    uint32_t spin_us;      /* kvx_set_spin_us: look for a reply this long
+                              before sleeping on the socket */
+    kvx__revive_t rv;
+};
+
+/* One event of a batch being made: pointers into the daemon's reply or
+ * the library's own strings. */
+typedef struct kvx__ev {
+    int kind, code;
+    const char *message;
+    const uint8_t *key, *aux;
+    size_t key_len, aux_len;
+} kvx__ev_t;
+
+/* ---- client.c, for reconnect.c ---- */
+int kvx__fail(kvx_client_t *c, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+int64_t kvx__now_ms(void);
+/* Connect c->fd to c->path. */
+int kvx__open(kvx_client_t *c, int timeout_ms);
+/* Close the socket and forget any partial frame. */
+void kvx__shut(kvx_client_t *c);
+int kvx__hello_send(kvx_client_t *c, const kvx_hello_t *h, int timeout_ms);
+int kvx__join_send(kvx_client_t *c, char **addrs, uint32_t n, char **cons,
+                   uint32_t ncons, int timeout_ms);
+int kvx__register_send(kvx_client_t *c, Kvxfer__RegisterPool *m, const int *fds,
+                       int nfds, int timeout_ms, uint32_t *daemon_id);
+/* One allocation holding the batch, its events and their bytes. */
+int kvx__batch_make(kvx_client_t *c, uint64_t seq, const kvx__ev_t *ev,
+                    size_t n, kvx_batch_t **out);
+
+/* ---- reconnect.c, for client.c ---- */
+void kvx__rv_init(kvx_client_t *c);
+void kvx__rv_cleanup(kvx_client_t *c);
+/* The daemon closed the connection: end what was in flight, and reconnect
+ * at the next call (or close the client, with reconnection off). */
+void kvx__lost(kvx_client_t *c);
+/* Before a call on a lost connection: 0 once connected again (deadline:
+ * the call's, -1 none), else KVX_ERR_CLOSED saying why. */
+int kvx__revive(kvx_client_t *c, int64_t deadline);
+/* KVX_ERR_CLOSED with the message for a client lost for good. */
+int kvx__closed(kvx_client_t *c);
+
+/* A key to track once its request is taken (NULL: out of memory, the
+ * client's error says so). */
+kvx__key_t *kvx__key_new(kvx_client_t *c, const void *key, size_t len);
+/* Track k (taken) as in flight. */
+void kvx__track(kvx_client_t *c, kvx__key_t *k);
+/* A terminal event for key: one of its entries ends. */
+void kvx__untrack(kvx_client_t *c, const uint8_t *key, size_t len);
+
+/* Keep what registered a pool (its message, dups of its fds), answered
+ * with daemon_id; *id is the engine's id for it. */
+int kvx__pool_keep(kvx_client_t *c, const Kvxfer__RegisterPool *m,
+                   const int *fds, int nfds, uint32_t daemon_id, uint32_t *id);
+/* The current daemon's id of the engine's pool id (id itself if none). */
+uint32_t kvx__pool_daemon(const kvx_client_t *c, uint32_t id);
+void kvx__pool_forget(kvx_client_t *c, uint32_t id);
+
+/* Keep the Hello and the Join an attempt says again. */
+int kvx__hello_keep(kvx_client_t *c, const kvx_hello_t *h);
+int kvx__join_keep(kvx_client_t *c, const char *const *addrs, uint32_t n,
+                   const char *const *cons, uint32_t ncons);
+
+/* kvx_poll's part: the batch of PEER_GONE events owed (1, *out set), or
+ * 0 when none is; < 0 on failure. */
+int kvx__gone_batch(kvx_client_t *c, kvx_batch_t **out);
+/* The seq of a batch the daemon numbered daemon_seq, and whether it owes
+ * a RECONNECTED event (*ev filled, 1). */
+uint64_t kvx__batch_seq(kvx_client_t *c, uint64_t daemon_seq);
+int kvx__told(kvx_client_t *c, kvx__ev_t *ev, char *buf, size_t len);
+
+#endif /* KVX_CLIENT_H */

@@ -1,0 +1,347 @@
+/*
+ * t_restart.c — engines outlive their daemon (kvxfer.h, 2.5): kvxferd
+ * killed with SIGKILL mid-transfer under ranks of this process; each
+ * request in flight ends with one PEER_GONE event the library makes, the
+ * same batch on every rank of an instance; calls during the outage fail
+ * at once with CLOSED saying why; no byte lands after the event, even
+ * once a new daemon runs on the same socket path; then the library
+ * reconnects, says it once (a RECONNECTED event), and the next transfer,
+ * with the pool ids the engine already had, is verified byte for byte.
+ */
+
+/* kill -9, and the process reaped: nothing of it writes any more. */
+static void daemon_kill9(daemon_t *d)
+{
+    CHECK(!d->reaped);
+    kill(d->pid, SIGKILL);
+    CHECK(daemon_wait(d, 10000) != -1);
+}
+
+/* Wait until the slow copies wrote part of r's pool (a sample of its
+ * bytes differs from fill): a transfer under way. */
+static void wait_landing(const rank_t *r, uint8_t fill)
+{
+    int64_t end = now_ms() + 10000;
+    for (;;) {
+        int changed = 0;
+        for (uint64_t i = 0; i < r->size; i += 4096)
+            changed += r->base[i] != fill;
+        if (changed >= 16)
+            return;
+        CHECK(now_ms() < end);
+        sleep_ms(2);
+    }
+}
+
+/* The one batch the library owes after the loss: n events, all ERROR
+ * PEER_GONE "kvxferd went away", keys in the order given. */
+static void expect_gone_batch(kvx_client_t *c, const char *const *keys, int n)
+{
+    kvx_batch_t *b = NULL;
+    CHECK_KVX(kvx_poll(c, 1, 5000, &b), c);
+    if ((int)b->num_events != n)
+        fprintf(stderr, "gone batch: %u events, expected %d\n", b->num_events,
+                n);
+    CHECK_EQ(b->num_events, n);
+    for (int i = 0; i < n; i++) {
+        const kvx_event_t *e = &b->events[i];
+        CHECK_EQ(e->kind, KVX_EVENT_ERROR);
+        CHECK_EQ(e->code, KVX_ERR_PEER_GONE);
+        CHECK_STR_CONTAINS(e->message, "kvxferd went away");
+        CHECK_EQ(e->key_len, strlen(keys[i]));
+        CHECK(!memcmp(e->key, keys[i], e->key_len));
+    }
+    kvx_batch_free(b);
+}
+
+static kvx_client_state_t state_of(const kvx_client_t *c)
+{
+    kvx_client_state_t s = {.size = sizeof(s)};
+    CHECK_EQ(kvx_client_state(c, &s), 0);
+    return s;
+}
+
+/* Poll until the library is connected again (its attempts go inside
+ * calls, after a backoff): the first batch it returns then ends with
+ * the RECONNECTED event, once. Returns that batch's seq. */
+static uint64_t poll_until_back(kvx_client_t *c, uint32_t incarnation)
+{
+    int64_t end = now_ms() + 10000;
+    for (;;) {
+        kvx_batch_t *b = NULL;
+        int rc = kvx_poll(c, 0, 0, &b);
+        if (rc == 0) {
+            CHECK(b->num_events >= 1);
+            const kvx_event_t *e = &b->events[b->num_events - 1];
+            CHECK_EQ(e->kind, KVX_EVENT_RECONNECTED);
+            CHECK_EQ(e->key_len, 0);
+            CHECK_STR_CONTAINS(e->message, "kvxferd is back");
+            uint64_t seq = b->seq;
+            kvx_batch_free(b);
+            kvx_client_state_t s = state_of(c);
+            CHECK_EQ(s.status, KVX_CLIENT_CONNECTED);
+            CHECK_EQ(s.incarnation, incarnation);
+            return seq;
+        }
+        CHECK_EQ(rc, KVX_ERR_CLOSED);
+        CHECK_STR_CONTAINS(kvx_last_error(c), "kvxferd went away");
+        CHECK(now_ms() < end);
+        sleep_ms(10);
+    }
+}
+
+/* The whole pool against before with req's tokens [0, ntok) written at
+ * blocks: every other byte as it was. */
+static uint64_t check_pool_over(const rank_t *r, const uint8_t *before,
+                                uint64_t req, const uint32_t *blocks,
+                                uint32_t ntok)
+{
+    const kvx_layout_t *l = &r->lay;
+    uint32_t rowbytes = l->head_dim * l->elem_size;
+    uint8_t *img = malloc(r->size);
+    CHECK(img != NULL);
+    memcpy(img, before, r->size);
+    for (uint32_t t = 0; t < ntok; t++)
+        for (uint32_t ly = 0; ly < l->num_layers; ly++)
+            for (uint32_t kv = 0; kv < l->kv_factor; kv++)
+                for (uint32_t h = 0; h < l->num_heads; h++)
+                    row_fill(
+                        rank_at(r, img, ly, kv, blocks[t / l->tokens_per_block],
+                                t % l->tokens_per_block, h),
+                        rowbytes, req, r->layer0 + ly, kv, t, r->head0 + h);
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < r->size; i++)
+        if (img[i] != r->base[i] && bad++ < 3)
+            fprintf(stderr, "%s pool byte %llu: 0x%02x, expected 0x%02x\n",
+                    r->s->inst, (unsigned long long)i, r->base[i], img[i]);
+    free(img);
+    return bad;
+}
+
+/* One small request from c to g, verified byte for byte over g's whole
+ * pool (before: what it held). */
+static void transfer_over(rank_t *c, rank_t *g, const uint8_t *before,
+                          uint64_t req, const uint32_t *cb, const uint32_t *gb,
+                          uint32_t nb, uint32_t ntok)
+{
+    fill_req(c, req, cb, ntok);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c->c, req, c->pool, cb, nb, ntok, &p, T_MS), c->c);
+    CHECK_KVX(kvx_fetch(g->c, req, p.data, p.len, g->pool, gb, nb, 0, T_MS),
+              g->c);
+    wait_event(g->c, req, KVX_EVENT_COMPLETE, 0, 10000);
+    wait_event(c->c, req, KVX_EVENT_COMPLETE, 0, 10000);
+    CHECK_EQ(check_pool_over(g, before, req, gb, ntok), 0);
+    kvx_context_params_free(&p);
+}
+
+TEST_T(restart_mid_transfer, 60)
+{
+    daemon_t *d = daemon_start(SLOW_CFG);
+    rank_t c, g;
+    side_t cs, gs;
+    /* the big request's blocks, and 8 more for the one after the restart */
+    pair_open(d, &M_BIG, "rs-ctx", "rs-gen", BIG_BLOCKS + 8, &c, &g, &cs, &gs);
+    uint32_t cpool = c.pool, gpool = g.pool;
+    char addr0[192];
+    snprintf(addr0, sizeof(addr0), "%s", c.addr);
+    memset(c.base, 0x11, c.size);
+    memset(g.base, 0xa5, g.size);
+    uint32_t *bl = big_blocks();
+    fill_req(&c, 21, bl, BIG_TOK);
+    kvx_context_params_t p, p5, p22;
+    uint32_t small[2] = {BIG_BLOCKS, BIG_BLOCKS + 1};
+    /* in flight on the context rank: 5 and 22 (offers nobody fetched),
+     * 21 (being fetched); on the generation rank: 21 */
+    CHECK_KVX(kvx_publish(c.c, 22, c.pool, small, 2, 8, &p22, T_MS), c.c);
+    CHECK_KVX(kvx_publish(c.c, 21, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+              c.c);
+    CHECK_KVX(kvx_publish(c.c, 5, c.pool, small, 2, 8, &p5, T_MS), c.c);
+    CHECK_KVX(
+        kvx_fetch(g.c, 21, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
+        g.c);
+    CHECK_EQ(state_of(c.c).in_flight, 3);
+    CHECK_EQ(state_of(g.c).in_flight, 1);
+    wait_landing(&g, 0xa5); /* killed with the copies running */
+    daemon_kill9(d);
+
+    /* one event each, in one batch, ordered by key */
+    const char *ck[3] = {"5", "21", "22"}, *gk[1] = {"21"};
+    expect_gone_batch(g.c, gk, 1);
+    expect_gone_batch(c.c, ck, 3);
+    /* what the destination holds at its event: nothing may change it */
+    uint8_t *at_event = malloc(g.size);
+    CHECK(at_event != NULL);
+    memcpy(at_event, g.base, g.size);
+
+    /* the outage: calls fail at once, saying so; the state says it */
+    kvx_client_state_t s = state_of(c.c);
+    CHECK_EQ(s.status, KVX_CLIENT_RECONNECTING);
+    CHECK_EQ(s.in_flight, 0);
+    CHECK_STR_CONTAINS(s.message, "kvxferd went away");
+    kvx_context_params_t px;
+    CHECK_FAILS(kvx_publish(c.c, 30, c.pool, small, 2, 8, &px, T_MS), c.c,
+                KVX_ERR_CLOSED, "kvxferd went away");
+    CHECK_STR_CONTAINS(kvx_last_error(c.c), "reconnecting");
+    kvx_batch_t *b;
+    CHECK_FAILS(kvx_poll(g.c, 1, 1000, &b), g.c, KVX_ERR_CLOSED,
+                "kvxferd went away");
+    CHECK_STR_CONTAINS(kvx_last_error(g.c), "reconnecting");
+    /* the attempt that finds nobody says why, and so does the state */
+    sleep_ms(60);
+    CHECK_FAILS(kvx_poll(g.c, 1, 1000, &b), g.c, KVX_ERR_CLOSED,
+                "failed: connect");
+    CHECK(state_of(g.c).attempts >= 1);
+
+    daemon_restart(d);
+    /* the generation rank first: its pool gets the new daemon's first id,
+     * which the engine's other pool id was */
+    uint64_t gseq = poll_until_back(g.c, 1);
+    uint64_t cseq = poll_until_back(c.c, 1);
+    CHECK(gseq >= 1 && cseq >= 1); /* after the gone batch's number */
+    char addr1[192];
+    CHECK_KVX(kvx_daemon_address(c.c, addr1, sizeof(addr1)), c.c);
+    CHECK(strcmp(addr0, addr1) != 0); /* a new daemon, a new address */
+
+    /* the killed fetch's blocks are as they were at its event */
+    sleep_ms(200);
+    CHECK(!memcmp(at_event, g.base, g.size));
+    /* the same pool ids move the next request, every byte checked */
+    CHECK_EQ(c.pool, cpool);
+    CHECK_EQ(g.pool, gpool);
+    uint32_t cb[3] = {BIG_BLOCKS + 7, BIG_BLOCKS + 2, BIG_BLOCKS + 5};
+    uint32_t gb[3] = {BIG_BLOCKS + 3, BIG_BLOCKS + 6, BIG_BLOCKS};
+    transfer_over(&c, &g, at_event, 23, cb, gb, 3, 11);
+    CHECK_EQ(state_of(c.c).in_flight, 0);
+
+    free(at_event);
+    free(bl);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&p5);
+    kvx_context_params_free(&p22);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
+/* A context instance of two ranks (pools of regions, whose memfd the
+ * engine closed after registering) on one daemon: both get the same
+ * batch, both join the new daemon under its new address, and the
+ * instance moves KV again. */
+TEST_T(restart_two_ranks_same_batches, 60)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs = {.inst = "rs2-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4,
+                 .split = 1};
+    side_t gs = {.inst = "rs2-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_t c0, c1, g;
+    rank_hello_only(d, &M_SMALL, &cs, 0, &c0);
+    rank_hello_only(d, &M_SMALL, &cs, 1, &c1);
+    rank_join(&c0);
+    rank_join(&c1);
+    rank_pool(&c0, 16);
+    rank_pool(&c1, 16);
+    rank_open(d, &M_SMALL, &gs, 0, 16, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t b1[2] = {1, 2}, b2[2] = {3, 4};
+    kvx_context_params_t p[4];
+    const char *keys[2] = {"req-b", "req-a"};
+    for (int k = 0; k < 2; k++) {
+        rank_t *r = k ? &c1 : &c0;
+        CHECK_KVX(kvx_publish_key(r->c, keys[0], 5, r->pool, b1, 2, 8, NULL, 0,
+                                  &p[k * 2], T_MS),
+                  r->c);
+        CHECK_KVX(kvx_publish_key(r->c, keys[1], 5, r->pool, b2, 2, 8, NULL, 0,
+                                  &p[k * 2 + 1], T_MS),
+                  r->c);
+    }
+    daemon_kill9(d);
+    const char *sorted[2] = {"req-a", "req-b"};
+    expect_gone_batch(c0.c, sorted, 2);
+    expect_gone_batch(c1.c, sorted, 2);
+    kvx_batch_t *b;
+    /* the generation rank had nothing in flight: no batch, just CLOSED */
+    CHECK_FAILS(kvx_poll(g.c, 0, 0, &b), g.c, KVX_ERR_CLOSED,
+                "kvxferd went away");
+
+    daemon_restart(d);
+    uint64_t s0 = poll_until_back(c0.c, 1), s1 = poll_until_back(c1.c, 1);
+    CHECK_EQ(s0, s1); /* the same batch numbers on both ranks */
+    poll_until_back(g.c, 1);
+    uint8_t *before = malloc(g.size);
+    CHECK(before != NULL);
+    memcpy(before, g.base, g.size);
+    /* both context ranks publish, the generation rank takes both heads */
+    uint32_t cb[2] = {9, 5}, gb[2] = {7, 0};
+    fill_req(&c0, 31, cb, 7);
+    fill_req(&c1, 31, cb, 7);
+    kvx_context_params_t q0, q1;
+    CHECK_KVX(kvx_publish(c0.c, 31, c0.pool, cb, 2, 7, &q0, T_MS), c0.c);
+    CHECK_KVX(kvx_publish(c1.c, 31, c1.pool, cb, 2, 7, &q1, T_MS), c1.c);
+    CHECK_EQ(q0.len, q1.len);
+    CHECK(!memcmp(q0.data, q1.data, q0.len));
+    CHECK_KVX(kvx_fetch(g.c, 31, q0.data, q0.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 31, KVX_EVENT_COMPLETE, 0, 10000);
+    ev_t e0 = wait_event(c0.c, 31, KVX_EVENT_COMPLETE, 0, 10000);
+    ev_t e1 = wait_event(c1.c, 31, KVX_EVENT_COMPLETE, 0, 10000);
+    CHECK_EQ(e0.kind, e1.kind);
+    CHECK_EQ(check_pool_over(&g, before, 31, gb, 7), 0);
+
+    free(before);
+    for (int i = 0; i < 4; i++)
+        kvx_context_params_free(&p[i]);
+    kvx_context_params_free(&q0);
+    kvx_context_params_free(&q1);
+    rank_close(&c0);
+    rank_close(&c1);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
+/* Reconnection off: the requests still end, once; then the client is
+ * closed for good, and says so, even with a daemon back. */
+TEST(restart_reconnect_off)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "ro-ctx", "ro-gen", 8, &c, &g, &cs, &gs);
+    kvx_reconnect_t o = {.size = sizeof(o), .enabled = 0};
+    CHECK_KVX(kvx_set_reconnect(c.c, &o), c.c);
+    kvx_reconnect_t bad = {.size = sizeof(bad),
+                           .enabled = 1,
+                           .backoff_min_ms = 500,
+                           .backoff_max_ms = 100};
+    CHECK_FAILS(kvx_set_reconnect(g.c, &bad), g.c, KVX_ERR_INVALID,
+                "backoff_min_ms 500 is more than backoff_max_ms 100");
+    uint32_t bl[2] = {1, 2};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 7, c.pool, bl, 2, 8, &p, T_MS), c.c);
+    daemon_kill9(d);
+    const char *k[1] = {"7"};
+    expect_gone_batch(c.c, k, 1);
+    kvx_client_state_t s = state_of(c.c);
+    CHECK_EQ(s.status, KVX_CLIENT_CLOSED);
+    CHECK_STR_CONTAINS(s.message, "reconnection is off");
+    daemon_restart(d);
+    kvx_batch_t *b;
+    CHECK_FAILS(kvx_poll(c.c, 0, 0, &b), c.c, KVX_ERR_CLOSED,
+                "reconnection is off: the client is closed");
+    CHECK_EQ(state_of(c.c).status, KVX_CLIENT_CLOSED);
+    /* the other client, reconnection on, is back */
+    poll_until_back(g.c, 1);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
