@@ -1160,15 +1160,58 @@ static void ucx_info_fill(Kvxfer__PeerUcx *u, ProtobufCBinaryData *lanes)
     u->lanes = lanes;
 }
 
-/* What the other daemon told: kept for conn_ready() and the lanes. 0, or
- * KVX_ERR_PROTOCOL. */
-static int ucx_info_take(peer_conn_t *c, const Kvxfer__PeerUcx *u)
+/* Whether one of the worker addresses the other daemon told (what, "its
+ * worker" or "lane N") can go to UCX: its structure (ucx_addr_check()),
+ * and not a worker of this daemon. 0, or KVX_ERR_PROTOCOL with why. */
+static int ucx_addr_ok(const ProtobufCBinaryData *b, const char *what,
+                       char *why, size_t why_len)
 {
-    if (!u || !u->worker.len || !u->conn || u->n_lanes > LANES_MAX)
+    char d[160];
+    uint64_t id, mine;
+    if (ucx_addr_check(b->data, b->len, &id, d, sizeof(d))) {
+        snprintf(why, why_len, "%s UCX address: %s", what, d);
         return KVX_ERR_PROTOCOL;
-    for (size_t i = 0; i < u->n_lanes; i++)
-        if (!u->lanes[i].len)
-            return KVX_ERR_PROTOCOL;
+    }
+    int own = id &&
+              !ucx_addr_check((const uint8_t *)P.addr, P.addr_len, &mine, d,
+                              sizeof(d)) &&
+              id == mine;
+    for (unsigned i = 0; !own && id && i < lanes_count(); i++) {
+        size_t l;
+        const uint8_t *a = lane_address(i, &l);
+        own = a && !ucx_addr_check(a, l, &mine, d, sizeof(d)) && id == mine;
+    }
+    if (own) {
+        snprintf(why, why_len, "%s UCX address is one of this daemon's", what);
+        return KVX_ERR_PROTOCOL;
+    }
+    return 0;
+}
+
+/* What the other daemon told: kept for conn_ready() and the lanes, once
+ * every address in it passed ucx_addr_ok() (nothing a peer sends reaches
+ * UCX unchecked). 0, or KVX_ERR_PROTOCOL or KVX_ERR_NOMEM with why. */
+static int ucx_info_take(peer_conn_t *c, const Kvxfer__PeerUcx *u, char *why,
+                         size_t why_len)
+{
+    if (!u || !u->worker.len || !u->conn || u->n_lanes > LANES_MAX) {
+        snprintf(why, why_len,
+                 !u               ? "no UCX addresses"
+                 : !u->worker.len ? "no UCX worker address"
+                 : !u->conn       ? "connection id 0"
+                                  : "more lanes than %d",
+                 LANES_MAX);
+        return KVX_ERR_PROTOCOL;
+    }
+    int rc = ucx_addr_ok(&u->worker, "its worker's", why, why_len);
+    for (size_t i = 0; !rc && i < u->n_lanes; i++) {
+        char what[32];
+        snprintf(what, sizeof(what), "its lane %zu's", i);
+        rc = ucx_addr_ok(&u->lanes[i], what, why, why_len);
+    }
+    if (rc)
+        return rc;
+    snprintf(why, why_len, "out of memory for its UCX addresses");
     if (!(c->ucx_addr = malloc(u->worker.len)))
         return KVX_ERR_NOMEM;
     memcpy(c->ucx_addr, u->worker.data, u->worker.len);
@@ -1586,10 +1629,9 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             auth_refuse(c, "wrong cluster secret");
             return;
         }
-        int rc = ucx_info_take(c, m->response->ucx);
-        if (rc) {
-            auth_refuse(c, rc == KVX_ERR_NOMEM ? "out of memory"
-                                               : "malformed UCX addresses");
+        char why[200];
+        if (ucx_info_take(c, m->response->ucx, why, sizeof(why))) {
+            auth_refuse(c, "%s", why);
             return;
         }
         Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
@@ -1622,13 +1664,10 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
                       "proving the cluster secret",
                       c->address);
         } else if (m->auth_result->code == 0) {
-            int rc = ucx_info_take(c, m->auth_result->ucx);
+            char why[200];
+            int rc = ucx_info_take(c, m->auth_result->ucx, why, sizeof(why));
             if (rc) {
-                conn_fail(c, rc, "%s from %s",
-                          rc == KVX_ERR_NOMEM ? "out of memory for "
-                                                "the UCX addresses"
-                                              : "malformed UCX addresses",
-                          c->address);
+                conn_fail(c, rc, "refused: %s", why);
                 return;
             }
             hs_close(c->hs);
@@ -2245,6 +2284,17 @@ int peer_init(char *why, size_t why_len)
     if ((rc = ucx_devices(cfg, why, why_len))) {
         ucp_config_release(cfg);
         return rc;
+    }
+    /* a unified-mode address leaves out the lengths ucx_addr_check()
+     * walks a peer's address by: off, whatever the environment says */
+    if (getenv("UCX_UNIFIED_MODE"))
+        log_notice("peers: UCX_UNIFIED_MODE is ignored (peers' addresses "
+                   "are checked, which needs UCX's non-unified format)");
+    if ((st = ucp_config_modify(cfg, "UNIFIED_MODE", "n")) != UCS_OK) {
+        snprintf(why, why_len, "UCX configuration: UNIFIED_MODE: %s",
+                 ucs_status_string(st));
+        ucp_config_release(cfg);
+        return KVX_ERR_IO;
     }
     /* lanes: workers of this context on other threads */
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES |

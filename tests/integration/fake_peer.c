@@ -30,6 +30,15 @@
  *       sends lane 0 slot data of BYTES with a connection id and MAC no
  *       connection has; prints "sent" when UCX is done with it and
  *       "closed" when the daemon closes the endpoint.
+ *   fake_peer badaddr SECRET_FILE IP KIND SECONDS
+ *       a daemon that knows the secret but tells a broken UCX address:
+ *       listens on IP, authenticates the daemon that dials it and
+ *       answers with KIND as its address: "ff" (64 bytes of 0xff as the
+ *       worker's), "random" (64 random bytes), "lane" (a good worker
+ *       address, 64 bytes of 0xff as lane 0's). Prints "answered".
+ *   fake_peer badaddr-to SECRET_FILE TARGET_IP:PORT KIND SECONDS
+ *       the same, dialling TARGET: KIND in its RESPONSE; prints
+ *       "auth_result CODE MESSAGE" with TARGET's answer.
  *   fake_peer garbage TARGET_IP:PORT SECONDS
  *       what a stranger sends to a port: 17 zero bytes (UCX 1.13's
  *       connection manager asserts on them), a frame header claiming
@@ -362,11 +371,33 @@ typedef struct conn {
     ucp_ep_h ep;
 } conn_t;
 
+/* badaddr: the broken address told instead ("ff", "random", "lane") */
+static const char *bad_kind;
+static uint8_t bad_bytes[64];
+static ProtobufCBinaryData bad_lane;
+
 static void fill_ucx(Kvxfer__PeerUcx *u, uint64_t conn)
 {
     u->worker.data = (uint8_t *)my_ucx;
     u->worker.len = my_ucx_len;
     u->conn = conn;
+    if (!bad_kind)
+        return;
+    if (!strcmp(bad_kind, "random")) {
+        if (getrandom(bad_bytes, sizeof(bad_bytes), 0) != sizeof(bad_bytes))
+            die("getrandom");
+    } else {
+        memset(bad_bytes, 0xff, sizeof(bad_bytes));
+    }
+    if (!strcmp(bad_kind, "lane")) {
+        bad_lane.data = bad_bytes;
+        bad_lane.len = sizeof(bad_bytes);
+        u->lanes = &bad_lane;
+        u->n_lanes = 1;
+    } else {
+        u->worker.data = bad_bytes;
+        u->worker.len = sizeof(bad_bytes);
+    }
 }
 
 /* Client: HELLO, check nothing, RESPONSE with our worker. Returns the
@@ -617,6 +648,24 @@ static void run_lane(const char *target, size_t bytes, double seconds)
     free(data);
 }
 
+static void run_badaddr(double seconds)
+{
+    conn_t in = {.fd = tcp_accept()};
+    auth_from(&in);
+    say("answered\n");
+    progress_for(seconds);
+}
+
+static void run_badaddr_to(const char *target, double seconds)
+{
+    conn_t c = {0};
+    int code = auth_to(&c, target);
+    say("auth_result %d %s\n", code,
+        c.keep && c.keep->auth_result->message ? c.keep->auth_result->message
+                                               : "");
+    progress_for(seconds);
+}
+
 static void run_garbage(const char *target, double seconds)
 {
     struct sockaddr_in sa;
@@ -712,6 +761,17 @@ int main(int argc, char **argv)
         read_secret(argv[2]);
         tcp_listen(argv[3]);
         run_replay(argv[4], atof(argv[5]));
+    } else if (!strcmp(mode, "badaddr") && argc >= 6) {
+        read_secret(argv[2]);
+        bad_kind = argv[4];
+        tcp_listen(argv[3]);
+        run_badaddr(atof(argv[5]));
+    } else if (!strcmp(mode, "badaddr-to") && argc >= 6) {
+        read_secret(argv[2]);
+        bad_kind = argv[4];
+        snprintf(my_addr, sizeof(my_addr),
+                 "kvx://127.0.0.1:1/00000000000000dd");
+        run_badaddr_to(argv[3], atof(argv[5]));
     } else if (!strcmp(mode, "garbage")) {
         run_garbage(argv[2], atof(argv[3]));
     } else if (!strcmp(mode, "lane") && argc >= 6) {

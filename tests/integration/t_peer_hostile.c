@@ -195,3 +195,83 @@ TEST_T(peer_allowed_list, 90)
     rank_close(&c2);
     p_stop_both(a, b);
 }
+
+/* "IP:PORT" of the daemon rank r said Hello to. */
+static void p_ipport_of(const rank_t *r, char *out, size_t len)
+{
+    const char *h = strstr(r->addr, "://");
+    CHECK(h != NULL);
+    snprintf(out, len, "%.*s", (int)(strrchr(r->addr, '/') - (h + 3)), h + 3);
+}
+
+/* A daemon that knows the secret but tells a broken UCX worker address
+ * (fake_peer badaddr): 64 bytes of 0xff (UCX 1.13's ucp_ep_create()
+ * asserted "addr version 15" on them, SIGABRT), 64 random bytes (the
+ * same crash, or a read past the end, about half the time), and a good
+ * worker address with a broken lane address. The daemon that dials it
+ * (B) and the daemon it dials (A) refuse the address, say why in their
+ * log, stay up, and move verified bytes between them after. */
+TEST_T(peer_bad_worker_address, 150)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "ba-ctx", "ba-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    static const char *const kinds[] = {"ff",     "random", "random",
+                                        "random", "random", "lane"};
+    char faddr[192], out[4096], args[600], a_ipport[64];
+    uint8_t f[4096];
+    size_t fl;
+    for (unsigned i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
+        /* B dials it, as the context rank of a fetch */
+        snprintf(args, sizeof(args), "badaddr %s/secret-A %s %s 1", p_net.dir,
+                 p_net.ip[0], kinds[i]);
+        FILE *fk = p_fake(0, args, faddr, sizeof(faddr));
+        p_params_at(&p, faddr, f, &fl);
+        CHECK_KVX(kvx_fetch(g.c, 10 + i, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+        ev_t e =
+            wait_event(g.c, 10 + i, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 8000);
+        fprintf(stderr, "%s: %s\n", kinds[i], e.msg);
+        CHECK_STR_CONTAINS(e.msg, "UCX address");
+        p_fake_rest(fk, out, sizeof(out));
+        CHECK_STR_CONTAINS(out, "answered");
+        CHECK(kill(b->pid, 0) == 0);
+        p_status_ms(b);
+    }
+    CHECK(log_wait(b,
+                   "refused: its worker's UCX address: header byte 0xff: "
+                   "address version 15",
+                   2000));
+    CHECK(log_wait(b, "refused: its lane 0's UCX address", 2000));
+    /* it dials A, its RESPONSE telling the broken addresses */
+    p_ipport_of(&c, a_ipport, sizeof(a_ipport));
+    for (unsigned i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
+        snprintf(args, sizeof(args), "badaddr-to %s/secret-A %s %s 0.2",
+                 p_net.dir, a_ipport, kinds[i]);
+        FILE *fk = p_fake(1, args, NULL, 0);
+        p_fake_rest(fk, out, sizeof(out));
+        fprintf(stderr, "A answered %s: %s", kinds[i], out);
+        CHECK_STR_CONTAINS(out, "auth_result -");
+        CHECK_STR_CONTAINS(out, "UCX address");
+        CHECK(kill(a->pid, 0) == 0);
+        p_status_ms(a);
+    }
+    CHECK(log_wait(a,
+                   "authentication failed: its worker's UCX address: "
+                   "header byte 0xff",
+                   2000));
+    /* the genuine params still complete */
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
