@@ -86,13 +86,11 @@ static hs_t *h_new(void)
     return h;
 }
 
-static void set_name(hs_t *h)
+/* h->name: IP:PORT of ss */
+static void name_of(hs_t *h, const struct sockaddr_storage *ss0)
 {
-    struct sockaddr_storage ss;
-    int len = sizeof(ss);
+    const struct sockaddr_storage ss = *ss0;
     char ip[INET6_ADDRSTRLEN] = "?";
-    if (uv_tcp_getpeername(&h->tcp, (struct sockaddr *)&ss, &len))
-        return;
     if (ss.ss_family == AF_INET6) {
         const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&ss;
         inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof(ip));
@@ -102,6 +100,14 @@ static void set_name(hs_t *h)
         inet_ntop(AF_INET, &a->sin_addr, ip, sizeof(ip));
         snprintf(h->name, sizeof(h->name), "%s:%u", ip, ntohs(a->sin_port));
     }
+}
+
+static void set_name(hs_t *h)
+{
+    struct sockaddr_storage ss;
+    int len = sizeof(ss);
+    if (!uv_tcp_getpeername(&h->tcp, (struct sockaddr *)&ss, &len))
+        name_of(h, &ss);
 }
 
 const char *hs_peer_name(const hs_t *h)
@@ -244,9 +250,11 @@ static void on_connect(uv_connect_t *c, int status)
     hs_t *h = c->data;
     if (h->closing)
         return;
-    if (status < 0) {
-        char d[128];
-        snprintf(d, sizeof(d), "%s", uv_strerror(status));
+    if (status < 0) { /* what happened, and who said so */
+        char d[160];
+        snprintf(d, sizeof(d),
+                 status == UV_ECONNREFUSED ? "%s by %s" : "%s dialling %s",
+                 uv_strerror(status), h->name);
         h->cbs->ended(h->arg, d);
         return;
     }
@@ -263,6 +271,7 @@ hs_t *hs_dial(const struct sockaddr_storage *ss, const hs_cbs_t *cbs, void *arg)
         return NULL;
     h->cbs = cbs;
     h->arg = arg;
+    name_of(h, ss);
     int e = uv_tcp_connect(&h->conn, &h->tcp, (const struct sockaddr *)ss,
                            on_connect);
     if (e) {

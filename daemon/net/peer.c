@@ -1489,16 +1489,12 @@ static void hs_frame(void *arg, const uint8_t *buf, size_t len)
     kvxfer__peer_msg__free_unpacked(m, NULL);
 }
 
+/* The handshake socket ended: said as it happened ("connection refused
+ * by IP:PORT", "IP:PORT closed the connection"), no guess at why. */
 static void hs_ended(void *arg, const char *why)
 {
     peer_conn_t *c = arg;
-    /* a daemon closes, unanswered, handshakes from outside its
-     * peer.allowed (and its oldest when too many are open) */
-    int early = c->outgoing && !c->nonce_s[0];
-    conn_fail(c, KVX_ERR_PEER_GONE, "handshake: %s%s", why,
-              early ? " before its challenge (is this daemon outside its "
-                      "peer.allowed?)"
-                    : "");
+    conn_fail(c, KVX_ERR_PEER_GONE, "handshake: %s", why);
 }
 
 /* ---- authentication ---------------------------------------------------- */

@@ -275,3 +275,40 @@ TEST_T(peer_bad_worker_address, 150)
     rank_close(&c);
     p_stop_both(a, b);
 }
+
+/* A dial to a closed port inside the cluster's networks says what
+ * happened, "connection refused by IP:PORT", and no guess (before: "...
+ * before its challenge (is this daemon outside its peer.allowed?)"). */
+TEST_T(peer_closed_port_message, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "cp-ctx", "cp-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    char addr[96], want[96];
+    snprintf(addr, sizeof(addr), "kvx://%s:1/00000000000000aa", p_net.ip[0]);
+    snprintf(want, sizeof(want), "connection refused by %s:1", p_net.ip[0]);
+    uint8_t f[4096];
+    size_t fl;
+    p_params_at(&p, addr, f, &fl);
+    CHECK_KVX(kvx_fetch(g.c, 5, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+    ev_t e = wait_event(g.c, 5, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 8000);
+    fprintf(stderr, "closed port: %s\n", e.msg);
+    CHECK_STR_CONTAINS(e.msg, want);
+    CHECK(strstr(e.msg, "peer.allowed") == NULL);
+    CHECK(log_wait(b, want, 2000));
+    /* the genuine params still complete */
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
