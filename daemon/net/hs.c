@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <uv.h>
 
 #include "daemon.h"
@@ -30,6 +31,8 @@ struct hs {
     size_t have, cap;
     unsigned writes; /* uv_writes not back */
     int closing, handles;
+    int connected;   /* a dial that connected, or an accepted socket */
+    size_t received; /* bytes read so far */
     char name[64];
 };
 
@@ -115,6 +118,20 @@ const char *hs_peer_name(const hs_t *h)
     return h->name;
 }
 
+int hs_connected(const hs_t *h)
+{
+    return h->connected;
+}
+
+size_t hs_received(const hs_t *h)
+{
+    int pending = 0;
+    uv_os_fd_t fd;
+    if (!uv_fileno((const uv_handle_t *)&h->tcp, &fd))
+        ioctl(fd, FIONREAD, &pending);
+    return h->received + (pending > 0 ? (size_t)pending : 0);
+}
+
 int hs_peer_addr(const hs_t *h, struct sockaddr_storage *ss)
 {
     int len = sizeof(*ss);
@@ -161,6 +178,7 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
         return;
     }
     h->have += (size_t)n;
+    h->received += (size_t)n;
     if (h->have < 4)
         return;
     uint32_t len = ntohl(*(uint32_t *)h->buf);
@@ -205,6 +223,7 @@ static void on_accept(uv_stream_t *lis, int status)
     }
     uv_tcp_nodelay(&h->tcp, 1);
     set_name(h);
+    h->connected = 1;
     S.accept(h);
 }
 
@@ -260,6 +279,7 @@ static void on_connect(uv_connect_t *c, int status)
     }
     uv_tcp_nodelay(&h->tcp, 1);
     set_name(h);
+    h->connected = 1;
     if (uv_read_start((uv_stream_t *)&h->tcp, on_alloc, on_read))
         ended(h, "cannot read from %s", h->name);
 }

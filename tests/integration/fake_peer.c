@@ -39,6 +39,11 @@
  *   fake_peer badaddr-to SECRET_FILE TARGET_IP:PORT KIND SECONDS
  *       the same, dialling TARGET: KIND in its RESPONSE; prints
  *       "auth_result CODE MESSAGE" with TARGET's answer.
+ *   fake_peer flood TARGET_IP:PORT N SECONDS
+ *       holds N connections to TARGET open, saying nothing, and opens a
+ *       new one for each that TARGET closes, as fast as it can; prints
+ *       "flood N" once they are open, then a dot every 100 ms (it ends
+ *       when its reader closes the pipe), and "reopened M" at the end.
  *   fake_peer garbage TARGET_IP:PORT SECONDS
  *       what a stranger sends to a port: 17 zero bytes (UCX 1.13's
  *       connection manager asserts on them), a frame header claiming
@@ -50,6 +55,7 @@
  */
 #include <arpa/inet.h>
 #include <endian.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <openssl/evp.h>
@@ -666,6 +672,56 @@ static void run_badaddr_to(const char *target, double seconds)
     progress_for(seconds);
 }
 
+/* A socket connecting to sa, not waiting for it (a full backlog at the
+ * other end must not hold the flood up). */
+static int flood_dial(const struct sockaddr_in *sa)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        die("socket");
+    if (connect(fd, (const struct sockaddr *)sa, sizeof(*sa)) &&
+        errno != EINPROGRESS)
+        die("connect");
+    return fd;
+}
+
+static void run_flood(const char *target, int n, double seconds)
+{
+    struct sockaddr_in sa;
+    sockaddr_of(target, &sa);
+    struct pollfd *p = calloc((size_t)n, sizeof(*p));
+    if (!p)
+        die("calloc");
+    long reopened = 0;
+    for (int i = 0; i < n; i++) {
+        p[i].fd = flood_dial(&sa);
+        p[i].events = POLLIN;
+    }
+    say("flood %d\n", n);
+    /* a dot every 100 ms: once the reader has closed the pipe, the
+     * write fails and the flood ends */
+    double end = now_s() + seconds, dot = 0;
+    while (now_s() < end) {
+        if (now_s() >= dot) {
+            if (write(1, ".", 1) != 1)
+                break; /* the reader is gone (SIGPIPE may be ignored) */
+            dot = now_s() + 0.1;
+        }
+        if (poll(p, (nfds_t)n, 10) <= 0)
+            continue;
+        for (int i = 0; i < n; i++) {
+            if (!p[i].revents)
+                continue;
+            /* closed by TARGET, refused, reset: again */
+            close(p[i].fd);
+            p[i].fd = flood_dial(&sa);
+            reopened++;
+        }
+    }
+    if (now_s() >= end)
+        say("reopened %ld\n", reopened);
+}
+
 static void run_garbage(const char *target, double seconds)
 {
     struct sockaddr_in sa;
@@ -772,6 +828,8 @@ int main(int argc, char **argv)
         snprintf(my_addr, sizeof(my_addr),
                  "kvx://127.0.0.1:1/00000000000000dd");
         run_badaddr_to(argv[3], atof(argv[5]));
+    } else if (!strcmp(mode, "flood") && argc >= 5) {
+        run_flood(argv[2], atoi(argv[3]), atof(argv[4]));
     } else if (!strcmp(mode, "garbage")) {
         run_garbage(argv[2], atof(argv[3]));
     } else if (!strcmp(mode, "lane") && argc >= 6) {

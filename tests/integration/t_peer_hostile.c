@@ -276,6 +276,84 @@ TEST_T(peer_bad_worker_address, 150)
     p_stop_both(a, b);
 }
 
+/* A flood of connections to A's peer.listen from the generation side's
+ * IP (fake_peer flood in B's namespace: 200 held open, each one A
+ * closes opened again at once), while a fresh daemon B there dials A for
+ * each of 32 fetches. A closes only handshakes that sent nothing, and
+ * from one IP keeps at most 8 open: B's handshake, whose HELLO comes with
+ * its connect, is not the one closed, and a dial that is cut anyway is
+ * dialled again within peer.connect_timeout_ms. Every fetch completes,
+ * verified. Before: A closed the oldest of 64 open handshakes, B's among
+ * them, and the fetch ended PEER_GONE. */
+#define P_FLOOD_FETCHES 32 /* each by a daemon B of its own */
+TEST_T(peer_handshake_flood, 300)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    if (!p_net.netns) {
+        fprintf(stderr, "skipped: the flood needs B's namespace\n");
+        daemon_stop_ok(a);
+        return;
+    }
+    static side_t cs, gs;
+    rank_t c, g;
+    p_side(&cs, "hf-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(&gs, "hf-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    char a_ipport[64], cmd[600], out[512];
+    p_ipport_of(&c, a_ipport, sizeof(a_ipport));
+    FILE *fk[2];
+    for (int i = 0; i < 2; i++) { /* two of them: twice the churn */
+        snprintf(cmd, sizeof(cmd),
+                 "ip netns exec %s %s/tests/fake_peer flood %s 50 200",
+                 p_net.ns[1], build_dir(), a_ipport);
+        fflush(NULL);
+        fk[i] = popen(cmd, "r");
+        CHECK(fk[i] != NULL);
+        CHECK(fgets(out, sizeof(out), fk[i]) != NULL);
+        CHECK_STR_CONTAINS(out, "flood 50");
+    }
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    int failed = 0;
+    for (uint64_t q = 1; q <= P_FLOOD_FETCHES; q++) {
+        daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+        rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+        fill_req(&c, q, cb, 7);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, q, c.pool, cb, 2, 7, &p, T_MS), c.c);
+        CHECK_KVX(kvx_fetch(g.c, q, p.data, p.len, g.pool, gb, 2, 0, T_MS),
+                  g.c);
+        kvx_context_params_free(&p);
+        ev_t e[4];
+        CHECK(collect(g.c, e, 4, 1, 15000) == 1);
+        CHECK_EQ(e[0].req, q);
+        if (e[0].kind == KVX_EVENT_COMPLETE) {
+            wait_event(c.c, q, KVX_EVENT_COMPLETE, 0, 5000);
+            CHECK_EQ(p_check_req(&g, q, gb, 7, 0), 0);
+        } else {
+            fprintf(stderr, "fetch %llu: %s\n", (unsigned long long)q,
+                    e[0].msg);
+            failed++;
+            /* the offer, if it has not ended yet */
+            ev_t ce[4];
+            if (kvx_cancel(c.c, q, T_MS) == KVX_OK)
+                collect(c.c, ce, 4, 1, 5000);
+        }
+        rank_close(&g);
+        daemon_healthy(b);
+        daemon_stop_ok(b);
+    }
+    fprintf(stderr, "%d of %d fetches failed under the flood\n", failed,
+            P_FLOOD_FETCHES);
+    CHECK_EQ(failed, 0);
+    CHECK(log_contains(a, "handshakes open from"));
+    for (int i = 0; i < 2; i++)
+        pclose(fk[i]); /* its next dot ends the flood */
+    rank_close(&c);
+    daemon_healthy(a);
+    daemon_stop_ok(a);
+}
+
 /* A dial to a closed port inside the cluster's networks says what
  * happened, "connection refused by IP:PORT", and no guess (before: "...
  * before its challenge (is this daemon outside its peer.allowed?)"). */
