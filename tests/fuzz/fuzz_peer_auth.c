@@ -13,7 +13,8 @@
  * socket, the next step of an honest handshake on a socket (right MACs
  * under the secret, the fuzzer's bytes as addresses, address names and
  * nonces; or a real worker address with one byte changed), the socket
- * closed by the far side, a BIND over UCX (right MAC, or raw bytes),
+ * closed by the far side (a dial then dialled again, from the tick), a
+ * BIND over UCX (right MAC, or raw bytes),
  * a control message from a bound endpoint, and time passing
  * (peer_tick()).
  *
@@ -89,6 +90,8 @@ struct hs {
     const hs_cbs_t *cbs;
     void *arg;
     int open, outgoing, inside;
+    int connected;   /* a dial: a record of kind 4 may say it never was */
+    size_t received; /* bytes the fuzzer's side sent on it */
     uint64_t conn_id;
     char name[32];
     /* what the daemon sent, and what the fuzzer's side chose */
@@ -127,6 +130,7 @@ hs_t *hs_dial(const struct sockaddr_storage *ss, const hs_cbs_t *cbs, void *arg)
 {
     (void)ss;
     hs_t *h = sock_new(1);
+    h->connected = 1;
     h->cbs = cbs;
     h->arg = arg;
     h->conn_id = peer_conn_id(arg);
@@ -144,6 +148,14 @@ void hs_attach(hs_t *h, const hs_cbs_t *cbs, void *arg)
 const char *hs_peer_name(const hs_t *h)
 {
     return h->name;
+}
+int hs_connected(const hs_t *h)
+{
+    return h->connected;
+}
+size_t hs_received(const hs_t *h)
+{
+    return h->received;
 }
 
 int hs_peer_addr(const hs_t *h, struct sockaddr_storage *ss)
@@ -358,6 +370,7 @@ static void frame_to(hs_t *h, const Kvxfer__PeerMsg *m)
     if (!b)
         abort();
     kvxfer__peer_msg__pack(m, b);
+    h->received += n + 4;
     h->cbs->frame(h->arg, b, n);
     free(b);
 }
@@ -594,6 +607,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         case 0: { /* a socket accepted */
             hs_t *n = sock_new(0);
             n->inside = !(arg & 1);
+            n->received = arg & 2; /* its HELLO already in the kernel */
             snprintf(n->name, sizeof(n->name), "10.0.0.2:%u", 40000 + arg);
             accept_cb(n);
             break;
@@ -606,8 +620,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             break;
         }
         case 2: /* raw bytes as a frame */
-            if (h && h->open && h->cbs && peer_conn_find(h->conn_id))
+            if (h && h->open && h->cbs && peer_conn_find(h->conn_id)) {
+                h->received += len + 4;
                 h->cbs->frame(h->arg, b, len);
+            }
             break;
         case 3: /* the honest handshake's next step */
             if (h && h->open && h->cbs && peer_conn_find(h->conn_id))
@@ -616,6 +632,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         case 4: /* the far side closed the socket */
             if (h && h->open && h->cbs && peer_conn_find(h->conn_id)) {
                 h->open = 0;
+                h->connected = !(arg & 1); /* else: a connect that failed */
                 h->cbs->ended(h->arg, "fuzz closed the connection");
             }
             break;
