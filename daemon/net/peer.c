@@ -1175,28 +1175,15 @@ static void ucx_info_fill(Kvxfer__PeerUcx *u, ProtobufCBinaryData *lanes)
 }
 
 /* Whether one of the worker addresses the other daemon told (what, "its
- * worker" or "lane N") can go to UCX: its structure (ucx_addr_check()),
- * and not a worker of this daemon. 0, or KVX_ERR_PROTOCOL with why. */
+ * worker's" or "lane N's") can go to UCX: ucx_addr_check(). (Its own
+ * address is fine: a daemon may dial itself, and UCX connects a worker
+ * to itself.) 0, or KVX_ERR_PROTOCOL with why. */
 static int ucx_addr_ok(const ProtobufCBinaryData *b, const char *what,
                        char *why, size_t why_len)
 {
-    char d[160];
-    uint64_t id, mine;
-    if (ucx_addr_check(b->data, b->len, &id, d, sizeof(d))) {
+    char d[128];
+    if (ucx_addr_check(b->data, b->len, NULL, d, sizeof(d))) {
         snprintf(why, why_len, "%s UCX address: %s", what, d);
-        return KVX_ERR_PROTOCOL;
-    }
-    int own = id &&
-              !ucx_addr_check((const uint8_t *)P.addr, P.addr_len, &mine, d,
-                              sizeof(d)) &&
-              id == mine;
-    for (unsigned i = 0; !own && id && i < lanes_count(); i++) {
-        size_t l;
-        const uint8_t *a = lane_address(i, &l);
-        own = a && !ucx_addr_check(a, l, &mine, d, sizeof(d)) && id == mine;
-    }
-    if (own) {
-        snprintf(why, why_len, "%s UCX address is one of this daemon's", what);
         return KVX_ERR_PROTOCOL;
     }
     return 0;
