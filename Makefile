@@ -324,7 +324,7 @@ print-daemon-src:
 FUZZ_SECONDS ?= 30
 fuzz: $(GEN)
 	@tests/fuzz/build.sh
-	@for t in frame request params config peer; do \
+	@for t in frame request params config peer peer_auth; do \
 	    mkdir -p build/fuzz/corpus-$$t; \
 	    [ ! -d tests/fuzz/seeds-$$t ] || cp tests/fuzz/seeds-$$t/* build/fuzz/corpus-$$t/; \
 	    echo "== fuzz_$$t, $(FUZZ_SECONDS) s"; \

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <uv.h>
 
 #include "daemon.h"
@@ -30,6 +31,8 @@ struct hs {
     size_t have, cap;
     unsigned writes; /* uv_writes not back */
     int closing, handles;
+    int connected;   /* a dial that connected, or an accepted socket */
+    size_t received; /* bytes read so far */
     char name[64];
 };
 
@@ -86,13 +89,11 @@ static hs_t *h_new(void)
     return h;
 }
 
-static void set_name(hs_t *h)
+/* h->name: IP:PORT of ss */
+static void name_of(hs_t *h, const struct sockaddr_storage *ss0)
 {
-    struct sockaddr_storage ss;
-    int len = sizeof(ss);
+    const struct sockaddr_storage ss = *ss0;
     char ip[INET6_ADDRSTRLEN] = "?";
-    if (uv_tcp_getpeername(&h->tcp, (struct sockaddr *)&ss, &len))
-        return;
     if (ss.ss_family == AF_INET6) {
         const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&ss;
         inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof(ip));
@@ -104,9 +105,31 @@ static void set_name(hs_t *h)
     }
 }
 
+static void set_name(hs_t *h)
+{
+    struct sockaddr_storage ss;
+    int len = sizeof(ss);
+    if (!uv_tcp_getpeername(&h->tcp, (struct sockaddr *)&ss, &len))
+        name_of(h, &ss);
+}
+
 const char *hs_peer_name(const hs_t *h)
 {
     return h->name;
+}
+
+int hs_connected(const hs_t *h)
+{
+    return h->connected;
+}
+
+size_t hs_received(const hs_t *h)
+{
+    int pending = 0;
+    uv_os_fd_t fd;
+    if (!uv_fileno((const uv_handle_t *)&h->tcp, &fd))
+        ioctl(fd, FIONREAD, &pending);
+    return h->received + (pending > 0 ? (size_t)pending : 0);
 }
 
 int hs_peer_addr(const hs_t *h, struct sockaddr_storage *ss)
@@ -155,6 +178,7 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
         return;
     }
     h->have += (size_t)n;
+    h->received += (size_t)n;
     if (h->have < 4)
         return;
     uint32_t len = ntohl(*(uint32_t *)h->buf);
@@ -199,6 +223,7 @@ static void on_accept(uv_stream_t *lis, int status)
     }
     uv_tcp_nodelay(&h->tcp, 1);
     set_name(h);
+    h->connected = 1;
     S.accept(h);
 }
 
@@ -244,14 +269,17 @@ static void on_connect(uv_connect_t *c, int status)
     hs_t *h = c->data;
     if (h->closing)
         return;
-    if (status < 0) {
-        char d[128];
-        snprintf(d, sizeof(d), "%s", uv_strerror(status));
+    if (status < 0) { /* what happened, and who said so */
+        char d[160];
+        snprintf(d, sizeof(d),
+                 status == UV_ECONNREFUSED ? "%s by %s" : "%s dialling %s",
+                 uv_strerror(status), h->name);
         h->cbs->ended(h->arg, d);
         return;
     }
     uv_tcp_nodelay(&h->tcp, 1);
     set_name(h);
+    h->connected = 1;
     if (uv_read_start((uv_stream_t *)&h->tcp, on_alloc, on_read))
         ended(h, "cannot read from %s", h->name);
 }
@@ -263,6 +291,7 @@ hs_t *hs_dial(const struct sockaddr_storage *ss, const hs_cbs_t *cbs, void *arg)
         return NULL;
     h->cbs = cbs;
     h->arg = arg;
+    name_of(h, ss);
     int e = uv_tcp_connect(&h->conn, &h->tcp, (const struct sockaddr *)ss,
                            on_connect);
     if (e) {

@@ -47,7 +47,14 @@ void hs_stop(void);
 hs_t *hs_dial(const struct sockaddr_storage *ss, const hs_cbs_t *cbs,
               void *arg);
 void hs_attach(hs_t *h, const hs_cbs_t *cbs, void *arg);
-/* The other side's IP:PORT (for logs), and its address. */
+/* 1 once connected (an accepted socket is): a socket that ends before
+ * is a dial that failed. */
+int hs_connected(const hs_t *h);
+/* Bytes the other side has sent: read so far, and waiting in the
+ * kernel (0: it has sent nothing). */
+size_t hs_received(const hs_t *h);
+/* The other side's IP:PORT (for logs: of a dial, the one dialled), and
+ * its address. */
 const char *hs_peer_name(const hs_t *h);
 int hs_peer_addr(const hs_t *h, struct sockaddr_storage *ss);
 

@@ -70,8 +70,14 @@
 #define AM_CTRL 1
 #define AM_DATA 2
 #define MAX_LOST_KEPT 64
-/* incoming handshakes at once; more are closed unanswered */
+/* incoming handshakes at once, and from one IP (on_hs_accept()) */
 #define HS_PENDING_MAX 64
+#define HS_PER_SOURCE 8
+/* a dial whose handshake the other side cut is tried again, after
+ * HS_RETRY_MS doubled each time up to HS_RETRY_MAX_MS, within
+ * peer.connect_timeout_ms */
+#define HS_RETRY_MS 10
+#define HS_RETRY_MAX_MS 500
 
 /* AUTH: the handshake socket; BIND: authenticated (the server), waiting
  * for the client's endpoint to bind; READY: its endpoint made, bound. */
@@ -98,6 +104,14 @@ struct peer_conn {
     uint8_t nonce_c[NONCE_LEN], nonce_s[NONCE_LEN];
     char server_addr[192];      /* outgoing: the address that answered */
     int server_ok;              /* outgoing: its CHALLENGE MAC checked */
+    /* incoming: the IP it comes from (on_hs_accept()'s per-source cap) */
+    int src_family;
+    uint8_t src[16];
+    /* outgoing: the other side cut the handshake; dialled again at
+     * retry_ms (0: not waiting), tries so far, and the last cut */
+    uint64_t retry_ms;
+    unsigned tries;
+    char last_cut[160];
     uint64_t created_ms, last_seen_ms, last_ping_ms;
     uint64_t bytes_sent, bytes_received, errors;
     uint32_t outstanding;       /* UCX requests not yet back */
@@ -1183,15 +1197,45 @@ static void ucx_info_fill(Kvxfer__PeerUcx *u, ProtobufCBinaryData *lanes)
     u->lanes = lanes;
 }
 
-/* What the other daemon told: kept for conn_ready() and the lanes. 0, or
- * KVX_ERR_PROTOCOL. */
-static int ucx_info_take(peer_conn_t *c, const Kvxfer__PeerUcx *u)
+/* Whether one of the worker addresses the other daemon told (what, "its
+ * worker's" or "lane N's") can go to UCX: ucx_addr_check(). (Its own
+ * address is fine: a daemon may dial itself, and UCX connects a worker
+ * to itself.) 0, or KVX_ERR_PROTOCOL with why. */
+static int ucx_addr_ok(const ProtobufCBinaryData *b, const char *what,
+                       char *why, size_t why_len)
 {
-    if (!u || !u->worker.len || !u->conn || u->n_lanes > LANES_MAX)
+    char d[128];
+    if (ucx_addr_check(b->data, b->len, NULL, d, sizeof(d))) {
+        snprintf(why, why_len, "%s UCX address: %s", what, d);
         return KVX_ERR_PROTOCOL;
-    for (size_t i = 0; i < u->n_lanes; i++)
-        if (!u->lanes[i].len)
-            return KVX_ERR_PROTOCOL;
+    }
+    return 0;
+}
+
+/* What the other daemon told: kept for conn_ready() and the lanes, once
+ * every address in it passed ucx_addr_ok() (nothing a peer sends reaches
+ * UCX unchecked). 0, or KVX_ERR_PROTOCOL or KVX_ERR_NOMEM with why. */
+static int ucx_info_take(peer_conn_t *c, const Kvxfer__PeerUcx *u, char *why,
+                         size_t why_len)
+{
+    if (!u || !u->worker.len || !u->conn || u->n_lanes > LANES_MAX) {
+        snprintf(why, why_len,
+                 !u               ? "no UCX addresses"
+                 : !u->worker.len ? "no UCX worker address"
+                 : !u->conn       ? "connection id 0"
+                                  : "more lanes than %d",
+                 LANES_MAX);
+        return KVX_ERR_PROTOCOL;
+    }
+    int rc = ucx_addr_ok(&u->worker, "its worker's", why, why_len);
+    for (size_t i = 0; !rc && i < u->n_lanes; i++) {
+        char what[32];
+        snprintf(what, sizeof(what), "its lane %zu's", i);
+        rc = ucx_addr_ok(&u->lanes[i], what, why, why_len);
+    }
+    if (rc)
+        return rc;
+    snprintf(why, why_len, "out of memory for its UCX addresses");
     if (!(c->ucx_addr = malloc(u->worker.len)))
         return KVX_ERR_NOMEM;
     memcpy(c->ucx_addr, u->worker.data, u->worker.len);
@@ -1307,6 +1351,56 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m);
 static void hs_ended(void *arg, const char *why);
 static const hs_cbs_t hs_cbs = {hs_frame, hs_ended};
 
+/* c's handshake from its start: a fresh nonce, a socket to ss (its
+ * address's), HELLO. 0, or an error with why (c failed). */
+static int conn_dial(peer_conn_t *c, const struct sockaddr_storage *ss,
+                     char *why, size_t why_len)
+{
+    memset(c->nonce_s, 0, NONCE_LEN);
+    c->server_addr[0] = 0;
+    c->server_ok = 0;
+    c->retry_ms = 0;
+    if (getrandom(c->nonce_c, NONCE_LEN, 0) != NONCE_LEN) {
+        conn_fail(c, KVX_ERR_IO, "getrandom failed");
+        snprintf(why, why_len, "getrandom failed");
+        return KVX_ERR_IO;
+    }
+    if (!(c->hs = hs_dial(ss, &hs_cbs, c))) {
+        conn_fail(c, KVX_ERR_PEER_GONE, "cannot connect");
+        snprintf(why, why_len, "cannot connect to daemon %s", c->address);
+        return KVX_ERR_PEER_GONE;
+    }
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
+    h.version = PEER_VERSION;
+    h.address = kvxd.address;
+    h.nonce.data = c->nonce_c;
+    h.nonce.len = NONCE_LEN;
+    m.m_case = KVXFER__PEER_MSG__M_HELLO;
+    m.hello = &h;
+    hs_msg(c, &m);
+    if (c->state == CONN_LOST) {
+        snprintf(why, why_len, "cannot send to daemon %s", c->address);
+        return KVX_ERR_PEER_GONE;
+    }
+    return 0;
+}
+
+/* A dial whose handshake was cut, again (peer_tick()). */
+static void conn_redial(peer_conn_t *c)
+{
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    char why[256];
+    if (parse_address(c->address, &ss, &sl, why, sizeof(why))) {
+        conn_fail(c, KVX_ERR_INVALID, "%s", why);
+        return;
+    }
+    log_debug("peer %s: connecting again (try %u; %s)", c->address,
+              c->tries + 1, c->last_cut);
+    conn_dial(c, &ss, why, sizeof(why));
+}
+
 peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
 {
     if (!P.on) {
@@ -1330,29 +1424,8 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
         snprintf(why, why_len, "out of memory");
         return NULL;
     }
-    if (getrandom(c->nonce_c, NONCE_LEN, 0) != NONCE_LEN) {
-        conn_fail(c, KVX_ERR_IO, "getrandom failed");
-        snprintf(why, why_len, "getrandom failed");
+    if (conn_dial(c, &ss, why, why_len))
         return NULL;
-    }
-    if (!(c->hs = hs_dial(&ss, &hs_cbs, c))) {
-        conn_fail(c, KVX_ERR_PEER_GONE, "cannot connect");
-        snprintf(why, why_len, "cannot connect to daemon %s", address);
-        return NULL;
-    }
-    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
-    Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
-    h.version = PEER_VERSION;
-    h.address = kvxd.address;
-    h.nonce.data = c->nonce_c;
-    h.nonce.len = NONCE_LEN;
-    m.m_case = KVXFER__PEER_MSG__M_HELLO;
-    m.hello = &h;
-    hs_msg(c, &m);
-    if (c->state == CONN_LOST) {
-        snprintf(why, why_len, "cannot send to daemon %s", address);
-        return NULL;
-    }
     log_debug("peer %s: connecting", address);
     return c;
 }
@@ -1435,8 +1508,36 @@ int peer_conn_lanes(const peer_conn_t *c)
            !c->lanes_off;
 }
 
-/* A new handshake socket. At HS_PENDING_MAX open, the oldest goes: a
- * stranger holding sockets open cannot keep daemons out, whose
+/* The IP of ss, as a connection keeps it. */
+static void src_of(const struct sockaddr_storage *ss, int *family,
+                   uint8_t ip[16])
+{
+    *family = ss->ss_family;
+    memset(ip, 0, 16);
+    if (ss->ss_family == AF_INET6)
+        memcpy(ip, &((const struct sockaddr_in6 *)ss)->sin6_addr, 16);
+    else
+        memcpy(ip, &((const struct sockaddr_in *)ss)->sin_addr, 4);
+}
+
+/* Whether an incoming handshake may be closed to make room: it has not
+ * sent a valid HELLO, and (idle_only) nothing at all, not even bytes
+ * still in the kernel (a daemon's HELLO follows its connect at once). */
+static int hs_evictable(const peer_conn_t *c, int idle_only)
+{
+    return !c->nonce_s[0] && c->hs && (!idle_only || !hs_received(c->hs));
+}
+
+/* A new handshake socket. Open handshakes are capped, HS_PER_SOURCE
+ * from one IP and HS_PENDING_MAX in all. At a cap, a new socket that has
+ * sent something (a daemon's HELLO follows its connect at once) takes
+ * the room of the oldest one that has sent nothing (from that IP, at its
+ * cap); a handshake that sent a valid HELLO, or is sending one, is never
+ * closed for another. A new socket that has sent nothing yet, or finds
+ * none to replace, is closed: a daemon behind it dials again
+ * (hs_ended()), and each handshake open ends by
+ * peer.connect_timeout_ms. So a stranger holding sockets open, from one
+ * IP or many, keeps out only its own idle sockets, never daemons, whose
  * handshakes take milliseconds. */
 static void on_hs_accept(hs_t *h)
 {
@@ -1453,30 +1554,60 @@ static void on_hs_accept(hs_t *h)
         hs_close(h);
         return;
     }
-    unsigned pending = 0;
-    peer_conn_t *oldest = NULL;
-    for (peer_conn_t *c = P.conns; c; c = c->next)
-        if (!c->outgoing && c->state == CONN_AUTH) {
-            pending++;
-            if (!oldest || c->created_ms <= oldest->created_ms)
-                oldest = c;
-        }
-    if (pending >= HS_PENDING_MAX) {
+    int fam;
+    uint8_t ip[16];
+    src_of(&from, &fam, ip);
+    unsigned pending = 0, mine = 0;
+    peer_conn_t *idle = NULL, *idle_mine = NULL;
+    for (peer_conn_t *c = P.conns; c; c = c->next) {
+        if (c->outgoing || c->state != CONN_AUTH)
+            continue;
+        int same = c->src_family == fam && !memcmp(c->src, ip, 16);
+        pending++;
+        mine += same;
+        if (!hs_evictable(c, 1))
+            continue;
+        if (!idle || c->created_ms < idle->created_ms)
+            idle = c;
+        if (same && (!idle_mine || c->created_ms < idle_mine->created_ms))
+            idle_mine = c;
+    }
+    int at_source = mine >= HS_PER_SOURCE;
+    if (at_source || pending >= HS_PENDING_MAX) {
+        /* room only for one that has sent something: a daemon's HELLO
+         * is there by now, most often (else it dials again) */
+        peer_conn_t *out = !hs_received(h) ? NULL
+                           : at_source     ? idle_mine
+                                           : idle;
         static uint64_t last;
         uint64_t now = now_ms();
         if (now >= last + 1000) { /* at most once a second */
             last = now;
-            log_warn("peers: %u handshakes open; the oldest (%s) is "
-                     "closed",
-                     pending, oldest->hs ? hs_peer_name(oldest->hs) : "?");
+            if (at_source)
+                log_warn("peers: %u handshakes open from %s's IP (at most "
+                         "%d from one); %s",
+                         mine, hs_peer_name(h), HS_PER_SOURCE,
+                         out ? "the oldest that sent nothing is closed"
+                             : "the new one is closed");
+            else
+                log_warn("peers: %u handshakes open (at most %d); %s", pending,
+                         HS_PENDING_MAX,
+                         out ? "the oldest that sent nothing is closed"
+                             : "the new one is closed");
         }
-        conn_fail(oldest, KVX_ERR_LIMIT, "too many handshakes open");
+        if (!out) {
+            hs_close(h);
+            return;
+        }
+        conn_fail(out, KVX_ERR_LIMIT, "too many handshakes open");
     }
     peer_conn_t *c = conn_new(0, NULL);
     if (!c) {
         hs_close(h);
         return;
     }
+    c->src_family = fam;
+    memcpy(c->src, ip, 16);
     c->hs = h;
     hs_attach(h, &hs_cbs, c);
 }
@@ -1495,16 +1626,31 @@ static void hs_frame(void *arg, const uint8_t *buf, size_t len)
     kvxfer__peer_msg__free_unpacked(m, NULL);
 }
 
+/* The handshake socket ended. A dial that connected and was cut by the
+ * other side before authentication is dialled again, while
+ * peer.connect_timeout_ms lasts (a daemon closes the newest handshake
+ * when every open one has said hello, and, unanswered, those from
+ * outside its peer.allowed; it may be restarting); the layers above see
+ * nothing of it. Anything else ends the connection, saying what
+ * happened. */
 static void hs_ended(void *arg, const char *why)
 {
     peer_conn_t *c = arg;
-    /* a daemon closes, unanswered, handshakes from outside its
-     * peer.allowed (and its oldest when too many are open) */
-    int early = c->outgoing && !c->nonce_s[0];
-    conn_fail(c, KVX_ERR_PEER_GONE, "handshake: %s%s", why,
-              early ? " before its challenge (is this daemon outside its "
-                      "peer.allowed?)"
-                    : "");
+    uint64_t now = now_ms();
+    if (c->outgoing && c->state == CONN_AUTH && c->hs && hs_connected(c->hs) &&
+        !P.stopping &&
+        now < c->created_ms + kvxd.conf.peer_connect_timeout_ms) {
+        uint64_t wait = HS_RETRY_MS << (c->tries < 6 ? c->tries : 6);
+        hs_close(c->hs);
+        c->hs = NULL;
+        c->tries++;
+        c->retry_ms = now + (wait < HS_RETRY_MAX_MS ? wait : HS_RETRY_MAX_MS);
+        snprintf(c->last_cut, sizeof(c->last_cut), "%s%s", why,
+                 c->nonce_s[0] ? " after its challenge"
+                               : " before its challenge");
+        return;
+    }
+    conn_fail(c, KVX_ERR_PEER_GONE, "handshake: %s", why);
 }
 
 /* ---- authentication ---------------------------------------------------- */
@@ -1647,10 +1793,9 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             auth_refuse(c, "wrong cluster secret");
             return;
         }
-        int rc = ucx_info_take(c, m->response->ucx);
-        if (rc) {
-            auth_refuse(c, rc == KVX_ERR_NOMEM ? "out of memory"
-                                               : "malformed UCX addresses");
+        char why[200];
+        if (ucx_info_take(c, m->response->ucx, why, sizeof(why))) {
+            auth_refuse(c, "%s", why);
             return;
         }
         Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
@@ -1683,13 +1828,10 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
                       "proving the cluster secret",
                       c->address);
         } else if (m->auth_result->code == 0) {
-            int rc = ucx_info_take(c, m->auth_result->ucx);
+            char why[200];
+            int rc = ucx_info_take(c, m->auth_result->ucx, why, sizeof(why));
             if (rc) {
-                conn_fail(c, rc, "%s from %s",
-                          rc == KVX_ERR_NOMEM ? "out of memory for "
-                                                "the UCX addresses"
-                                              : "malformed UCX addresses",
-                          c->address);
+                conn_fail(c, rc, "refused: %s", why);
                 return;
             }
             hs_close(c->hs);
@@ -2307,6 +2449,17 @@ int peer_init(char *why, size_t why_len)
         ucp_config_release(cfg);
         return rc;
     }
+    /* a unified-mode address leaves out the lengths ucx_addr_check()
+     * walks a peer's address by: off, whatever the environment says */
+    if (getenv("UCX_UNIFIED_MODE"))
+        log_notice("peers: UCX_UNIFIED_MODE is ignored (peers' addresses "
+                   "are checked, which needs UCX's non-unified format)");
+    if ((st = ucp_config_modify(cfg, "UNIFIED_MODE", "n")) != UCS_OK) {
+        snprintf(why, why_len, "UCX configuration: UNIFIED_MODE: %s",
+                 ucs_status_string(st));
+        ucp_config_release(cfg);
+        return KVX_ERR_IO;
+    }
     /* lanes: workers of this context on other threads */
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES |
                                       UCP_PARAM_FIELD_NAME |
@@ -2498,10 +2651,22 @@ void peer_tick(uint64_t now)
         }
         if ((c->state == CONN_AUTH || c->state == CONN_BIND) &&
             now >= c->created_ms + kvxd.conf.peer_connect_timeout_ms) {
-            conn_fail(c, KVX_ERR_PEER_GONE,
-                      "connect and authentication took over %u ms "
-                      "(peer.connect_timeout_ms)",
-                      kvxd.conf.peer_connect_timeout_ms);
+            if (c->tries)
+                conn_fail(c, KVX_ERR_PEER_GONE,
+                          "connect and authentication took over %u ms "
+                          "(peer.connect_timeout_ms): dialled %u times, "
+                          "the last handshake: %s",
+                          kvxd.conf.peer_connect_timeout_ms, c->tries,
+                          c->last_cut);
+            else
+                conn_fail(c, KVX_ERR_PEER_GONE,
+                          "connect and authentication took over %u ms "
+                          "(peer.connect_timeout_ms)",
+                          kvxd.conf.peer_connect_timeout_ms);
+            continue;
+        }
+        if (c->state == CONN_AUTH && c->retry_ms && now >= c->retry_ms) {
+            conn_redial(c);
             continue;
         }
         if (c->state != CONN_READY)

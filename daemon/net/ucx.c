@@ -5,8 +5,10 @@
  * lost while it wires up an endpoint.
  */
 #include <dlfcn.h>
+#include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 #include <ucs/sys/event_set.h>
@@ -28,6 +30,228 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
     if (st != UCS_OK)
         *ep = NULL;
     return st;
+}
+
+/* ---- a worker address another daemon told ------------------------------
+ *
+ * ucp_ep_create() unpacks a worker address with no length and asserts on
+ * what it does not expect (a version other than 1 or 2: "addr version
+ * 15", SIGABRT); a length inside the address sends it past the end.
+ * ucp_worker_address_query() reads the header only. So the address is
+ * walked here first, field by field as UCX 1.13's ucp_address_unpack()
+ * reads it (src/ucp/wireup/address.c; non-unified mode, which peer.c
+ * sets, and the flags ucp_ep_create() unpacks with), each length checked
+ * against what is left, and it must end exactly where UCX would stop.
+ * Past UCX's own checks: indices UCX shifts into 64-bit maps (MD, device)
+ * stay under 64, a worker address carries no endpoint addresses, and a
+ * transport's overhead, bandwidth and latency are finite and its overhead
+ * not negative (UCX asserts on a negative score made of them; found by
+ * tests/fuzz/fuzz_peer_auth.c). What a transport reads inside its own
+ * device and interface addresses is not checked here. */
+
+#define A_V1 0
+#define A_V2 1
+#define A_FLAG_DEBUG 0x01u
+#define A_FLAG_UUID 0x02u
+#define A_FLAG_CLIENT 0x04u
+#define A_FLAG_AM_ONLY 0x08u
+#define A_LAST 0x80u
+#define A_HAS_EP 0x40u
+#define A_PATHS 0x40u
+#define A_SYSDEV 0x20u
+#define A_MD_EMPTY 0x80u
+#define A_NULL 0xffu
+#define A_MAX_RES 128 /* UCP_MAX_RESOURCES */
+#define A_MAX_BITS 64 /* UCP_MD_INDEX_BITS, and the device maps' */
+
+typedef struct walk {
+    const uint8_t *a;
+    size_t len, at;
+    char *why;
+    size_t why_len;
+} walk_t;
+
+static int w_bad(walk_t *w, const char *what)
+{
+    snprintf(w->why, w->why_len, "%s at byte %zu of %zu", what, w->at, w->len);
+    return -1;
+}
+
+/* n bytes at the cursor: 0 and *p, or -1 (past the end) */
+static int w_take(walk_t *w, size_t n, const uint8_t **p, const char *what)
+{
+    if (w->len - w->at < n) {
+        char m[96];
+        snprintf(m, sizeof(m), "%s runs past the end", what);
+        return w_bad(w, m);
+    }
+    if (p)
+        *p = w->a + w->at;
+    w->at += n;
+    return 0;
+}
+
+/* ucp_address_unpack_byte_extended(): the bits of mask in one byte, or
+ * (v2, all of them set) the next byte */
+static int w_value(walk_t *w, int ver, unsigned mask, unsigned *v,
+                   const char *what)
+{
+    const uint8_t *p;
+    if (w_take(w, 1, &p, what))
+        return -1;
+    *v = *p & mask;
+    if (ver == A_V2 && *v == mask) {
+        if (w_take(w, 1, &p, what))
+            return -1;
+        *v = *p;
+    }
+    return 0;
+}
+
+/* A float of the v1 attributes: finite, and (min0) not negative or
+ * (nonzero) not 0. UCX scores transports by 1e-3 / (latency + both
+ * overheads + ...) and asserts the score is not negative (select.c:294):
+ * a negative overhead, or a NaN, gets there. */
+static int w_float(walk_t *w, const uint8_t *p, int min0, int nonzero,
+                   const char *what)
+{
+    float f;
+    memcpy(&f, p, sizeof(f));
+    if (!isfinite(f) || (min0 && f < 0.0f) || (nonzero && f == 0.0f))
+        return w_bad(w, what);
+    return 0;
+}
+
+/* One interface (transport) of a device; *last when it is the device's
+ * last. */
+static int w_iface(walk_t *w, int ver, int *last)
+{
+    const uint8_t *p;
+    unsigned ilen;
+    if (w_take(w, 2, NULL, "a transport's name checksum"))
+        return -1;
+    if (ver == A_V1) { /* overhead, bandwidth, lat_ovh: float; prio|caps */
+        size_t at = w->at;
+        if (w_take(w, 16, &p, "a transport's attributes"))
+            return -1;
+        w->at = at;
+        if (w_float(w, p, 1, 0,
+                    "a transport's overhead is negative or "
+                    "not finite") ||
+            w_float(w, p + 4, 0, 1,
+                    "a transport's bandwidth is 0 or not "
+                    "finite") ||
+            w_float(w, p + 8, 0, 0, "a transport's latency is not finite"))
+            return -1;
+        w->at += 16;
+    } else { /* overhead, bandwidth, latency: 8-bit floats; prio, ... */
+        if (w_take(w, 8, &p, "a transport's attributes"))
+            return -1;
+        for (int i = 0; i < 3; i++)
+            if ((p[i] & 0x0f) == 0x0f) { /* the exponent of NaN, inf */
+                w->at -= 8;
+                return w_bad(w, "a transport's performance is not finite");
+            }
+    }
+    if (w->at >= w->len)
+        return w_bad(w, "a transport's address length runs past the end");
+    uint8_t b = w->a[w->at];
+    if (b & A_HAS_EP)
+        return w_bad(w, "an endpoint address, which no worker's address "
+                        "carries,");
+    *last = !!(b & A_LAST);
+    if (w_value(w, ver, 0x3f, &ilen, "a transport's address length") ||
+        w_take(w, ilen, NULL, "a transport's address"))
+        return -1;
+    return 0;
+}
+
+int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, char *why,
+                   size_t why_len)
+{
+    walk_t w = {a, len, 0, why, why_len};
+    const uint8_t *p;
+    if (len < 2 || len > UCX_ADDR_MAX) {
+        snprintf(why, why_len, "%zu bytes (a worker address has 2 to %u)", len,
+                 UCX_ADDR_MAX);
+        return -1;
+    }
+    int ver = a[0] & 0x0f;
+    unsigned flags;
+    if (ver == A_V1) {
+        flags = a[0] >> 4;
+        w.at = 1;
+    } else if (ver == A_V2 && !(a[0] >> 4)) {
+        flags = a[1];
+        w.at = 2;
+    } else {
+        snprintf(why, why_len,
+                 "header byte 0x%02x: address version %d (UCX knows 0 and "
+                 "1)",
+                 a[0], ver);
+        return -1;
+    }
+    if (flags &
+        ~(A_FLAG_DEBUG | A_FLAG_UUID | A_FLAG_CLIENT | A_FLAG_AM_ONLY)) {
+        snprintf(why, why_len, "header flags 0x%02x (UCX knows 0x0f)", flags);
+        return -1;
+    }
+    uint64_t id = 0;
+    if (ver == A_V1 || (flags & A_FLAG_UUID)) {
+        if (w_take(&w, 8, &p, "the worker's id"))
+            return -1;
+        memcpy(&id, p, 8);
+    }
+    if ((flags & A_FLAG_CLIENT) && w_take(&w, 8, NULL, "the client id"))
+        return -1;
+    if (flags & A_FLAG_DEBUG) {
+        if (w_take(&w, 1, &p, "the worker's name") ||
+            w_take(&w, *p, NULL, "the worker's name"))
+            return -1;
+    }
+    if (w.at < len && a[w.at] == A_NULL)
+        return w_bad(&w, "no transports");
+    unsigned devs = 0, ifaces = 0;
+    for (int last_dev = 0; !last_dev;) {
+        unsigned md, dlen;
+        if (w.at >= len)
+            return w_bad(&w, "a device runs past the end");
+        int empty = !!(a[w.at] & A_MD_EMPTY);
+        if (w_value(&w, ver, ver == A_V1 ? 0x1f : 0x7f, &md,
+                    "a device's memory domain"))
+            return -1;
+        if (md >= A_MAX_BITS)
+            return w_bad(&w, "a memory domain index over 63");
+        if (++devs > A_MAX_BITS)
+            return w_bad(&w, "over 64 devices");
+        if (w.at >= len)
+            return w_bad(&w, "a device address length runs past the end");
+        uint8_t df = a[w.at] & 0xe0;
+        last_dev = !!(df & A_LAST);
+        if (w_value(&w, ver, 0x1f, &dlen, "a device address length"))
+            return -1;
+        if (df & A_PATHS) {
+            if (w_take(&w, 1, &p, "a device's path count"))
+                return -1;
+            if (!*p)
+                return w_bad(&w, "a device with 0 paths");
+        }
+        if ((df & A_SYSDEV) && w_take(&w, 1, NULL, "a device's system id"))
+            return -1;
+        if (w_take(&w, dlen, NULL, "a device address"))
+            return -1;
+        for (int last_tl = empty; !last_tl;) {
+            if (++ifaces > A_MAX_RES)
+                return w_bad(&w, "over 128 transports");
+            if (w_iface(&w, ver, &last_tl))
+                return -1;
+        }
+    }
+    if (w.at != len)
+        return w_bad(&w, "bytes after the last device");
+    if (uuid)
+        *uuid = id;
+    return 0;
 }
 
 int ucx_close(ucp_ep_h ep, ucp_send_nbx_callback_t done, void *arg)

@@ -17,6 +17,14 @@
 ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
                               ucp_err_handler_cb_t err, void *arg,
                               ucp_ep_h *ep);
+/* The most bytes of a worker address taken from another daemon. */
+#define UCX_ADDR_MAX (16u * 1024)
+/* Whether a..a+len is a worker address ucp_ep_create() can unpack
+ * without reading past it or asserting (UCX 1.13's format, non-unified
+ * mode): 0 and *uuid (the worker's id; 0 if not told, when not NULL),
+ * or -1 with why (what is wrong, and at which byte). */
+int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, char *why,
+                   size_t why_len);
 /* Force-closes ep: 1 when the close goes on and done(arg) comes later
  * (from the worker's progress), 0 when it is over now. */
 int ucx_close(ucp_ep_h ep, ucp_send_nbx_callback_t done, void *arg);

@@ -19,7 +19,7 @@ FLAGS="${FUZZ_CFLAGS:-} -g -O1 -std=gnu11 -D_GNU_SOURCE -fno-omit-frame-pointer 
        -Idaemon/copy -Idaemon/xfer -Idaemon/agree -Idaemon/remote
        -Idaemon/local
        $(pkg-config --cflags $PKGS)"
-for t in ${*:-frame request params config peer}; do
+for t in ${*:-frame request params config peer peer_auth}; do
     # sources the target includes itself, or replaces ("fuzz-exclude:")
     inc="$(sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p' "tests/fuzz/fuzz_$t.c")
          $(sed -n 's|^ \* fuzz-exclude: \(.*\)$|\1|p' "tests/fuzz/fuzz_$t.c")"

@@ -30,6 +30,20 @@
  *       sends lane 0 slot data of BYTES with a connection id and MAC no
  *       connection has; prints "sent" when UCX is done with it and
  *       "closed" when the daemon closes the endpoint.
+ *   fake_peer badaddr SECRET_FILE IP KIND SECONDS
+ *       a daemon that knows the secret but tells a broken UCX address:
+ *       listens on IP, authenticates the daemon that dials it and
+ *       answers with KIND as its address: "ff" (64 bytes of 0xff as the
+ *       worker's), "random" (64 random bytes), "lane" (a good worker
+ *       address, 64 bytes of 0xff as lane 0's). Prints "answered".
+ *   fake_peer badaddr-to SECRET_FILE TARGET_IP:PORT KIND SECONDS
+ *       the same, dialling TARGET: KIND in its RESPONSE; prints
+ *       "auth_result CODE MESSAGE" with TARGET's answer.
+ *   fake_peer flood TARGET_IP:PORT N SECONDS
+ *       holds N connections to TARGET open, saying nothing, and opens a
+ *       new one for each that TARGET closes, as fast as it can; prints
+ *       "flood N" once they are open, then a dot every 100 ms (it ends
+ *       when its reader closes the pipe), and "reopened M" at the end.
  *   fake_peer garbage TARGET_IP:PORT SECONDS
  *       what a stranger sends to a port: 17 zero bytes (UCX 1.13's
  *       connection manager asserts on them), a frame header claiming
@@ -41,6 +55,7 @@
  */
 #include <arpa/inet.h>
 #include <endian.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <openssl/evp.h>
@@ -362,11 +377,33 @@ typedef struct conn {
     ucp_ep_h ep;
 } conn_t;
 
+/* badaddr: the broken address told instead ("ff", "random", "lane") */
+static const char *bad_kind;
+static uint8_t bad_bytes[64];
+static ProtobufCBinaryData bad_lane;
+
 static void fill_ucx(Kvxfer__PeerUcx *u, uint64_t conn)
 {
     u->worker.data = (uint8_t *)my_ucx;
     u->worker.len = my_ucx_len;
     u->conn = conn;
+    if (!bad_kind)
+        return;
+    if (!strcmp(bad_kind, "random")) {
+        if (getrandom(bad_bytes, sizeof(bad_bytes), 0) != sizeof(bad_bytes))
+            die("getrandom");
+    } else {
+        memset(bad_bytes, 0xff, sizeof(bad_bytes));
+    }
+    if (!strcmp(bad_kind, "lane")) {
+        bad_lane.data = bad_bytes;
+        bad_lane.len = sizeof(bad_bytes);
+        u->lanes = &bad_lane;
+        u->n_lanes = 1;
+    } else {
+        u->worker.data = bad_bytes;
+        u->worker.len = sizeof(bad_bytes);
+    }
 }
 
 /* Client: HELLO, check nothing, RESPONSE with our worker. Returns the
@@ -617,6 +654,74 @@ static void run_lane(const char *target, size_t bytes, double seconds)
     free(data);
 }
 
+static void run_badaddr(double seconds)
+{
+    conn_t in = {.fd = tcp_accept()};
+    auth_from(&in);
+    say("answered\n");
+    progress_for(seconds);
+}
+
+static void run_badaddr_to(const char *target, double seconds)
+{
+    conn_t c = {0};
+    int code = auth_to(&c, target);
+    say("auth_result %d %s\n", code,
+        c.keep && c.keep->auth_result->message ? c.keep->auth_result->message
+                                               : "");
+    progress_for(seconds);
+}
+
+/* A socket connecting to sa, not waiting for it (a full backlog at the
+ * other end must not hold the flood up). */
+static int flood_dial(const struct sockaddr_in *sa)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        die("socket");
+    if (connect(fd, (const struct sockaddr *)sa, sizeof(*sa)) &&
+        errno != EINPROGRESS)
+        die("connect");
+    return fd;
+}
+
+static void run_flood(const char *target, int n, double seconds)
+{
+    struct sockaddr_in sa;
+    sockaddr_of(target, &sa);
+    struct pollfd *p = calloc((size_t)n, sizeof(*p));
+    if (!p)
+        die("calloc");
+    long reopened = 0;
+    for (int i = 0; i < n; i++) {
+        p[i].fd = flood_dial(&sa);
+        p[i].events = POLLIN;
+    }
+    say("flood %d\n", n);
+    /* a dot every 100 ms: once the reader has closed the pipe, the
+     * write fails and the flood ends */
+    double end = now_s() + seconds, dot = 0;
+    while (now_s() < end) {
+        if (now_s() >= dot) {
+            if (write(1, ".", 1) != 1)
+                break; /* the reader is gone (SIGPIPE may be ignored) */
+            dot = now_s() + 0.1;
+        }
+        if (poll(p, (nfds_t)n, 10) <= 0)
+            continue;
+        for (int i = 0; i < n; i++) {
+            if (!p[i].revents)
+                continue;
+            /* closed by TARGET, refused, reset: again */
+            close(p[i].fd);
+            p[i].fd = flood_dial(&sa);
+            reopened++;
+        }
+    }
+    if (now_s() >= end)
+        say("reopened %ld\n", reopened);
+}
+
 static void run_garbage(const char *target, double seconds)
 {
     struct sockaddr_in sa;
@@ -712,6 +817,19 @@ int main(int argc, char **argv)
         read_secret(argv[2]);
         tcp_listen(argv[3]);
         run_replay(argv[4], atof(argv[5]));
+    } else if (!strcmp(mode, "badaddr") && argc >= 6) {
+        read_secret(argv[2]);
+        bad_kind = argv[4];
+        tcp_listen(argv[3]);
+        run_badaddr(atof(argv[5]));
+    } else if (!strcmp(mode, "badaddr-to") && argc >= 6) {
+        read_secret(argv[2]);
+        bad_kind = argv[4];
+        snprintf(my_addr, sizeof(my_addr),
+                 "kvx://127.0.0.1:1/00000000000000dd");
+        run_badaddr_to(argv[3], atof(argv[5]));
+    } else if (!strcmp(mode, "flood") && argc >= 5) {
+        run_flood(argv[2], atoi(argv[3]), atof(argv[4]));
     } else if (!strcmp(mode, "garbage")) {
         run_garbage(argv[2], atof(argv[3]));
     } else if (!strcmp(mode, "lane") && argc >= 6) {

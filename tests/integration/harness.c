@@ -121,7 +121,7 @@ typedef struct daemon {
     char dir[96], sock[128], log[128], cfg[128];
 } daemon_t;
 
-#define MAX_DAEMONS 4
+#define MAX_DAEMONS 40 /* peer_handshake_flood starts 33 */
 static daemon_t h_daemons[MAX_DAEMONS];
 static int h_ndaemons;
 static pid_t h_owner;            /* the test process */

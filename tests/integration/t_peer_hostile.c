@@ -195,3 +195,198 @@ TEST_T(peer_allowed_list, 90)
     rank_close(&c2);
     p_stop_both(a, b);
 }
+
+/* "IP:PORT" of the daemon rank r said Hello to. */
+static void p_ipport_of(const rank_t *r, char *out, size_t len)
+{
+    const char *h = strstr(r->addr, "://");
+    CHECK(h != NULL);
+    snprintf(out, len, "%.*s", (int)(strrchr(r->addr, '/') - (h + 3)), h + 3);
+}
+
+/* A daemon that knows the secret but tells a broken UCX worker address
+ * (fake_peer badaddr): 64 bytes of 0xff (UCX 1.13's ucp_ep_create()
+ * asserted "addr version 15" on them, SIGABRT), 64 random bytes (the
+ * same crash, or a read past the end, about half the time), and a good
+ * worker address with a broken lane address. The daemon that dials it
+ * (B) and the daemon it dials (A) refuse the address, say why in their
+ * log, stay up, and move verified bytes between them after. */
+TEST_T(peer_bad_worker_address, 150)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "ba-ctx", "ba-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    static const char *const kinds[] = {"ff",     "random", "random",
+                                        "random", "random", "lane"};
+    char faddr[192], out[4096], args[600], a_ipport[64];
+    uint8_t f[4096];
+    size_t fl;
+    for (unsigned i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
+        /* B dials it, as the context rank of a fetch */
+        snprintf(args, sizeof(args), "badaddr %s/secret-A %s %s 1", p_net.dir,
+                 p_net.ip[0], kinds[i]);
+        FILE *fk = p_fake(0, args, faddr, sizeof(faddr));
+        p_params_at(&p, faddr, f, &fl);
+        CHECK_KVX(kvx_fetch(g.c, 10 + i, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+        ev_t e =
+            wait_event(g.c, 10 + i, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 8000);
+        fprintf(stderr, "%s: %s\n", kinds[i], e.msg);
+        CHECK_STR_CONTAINS(e.msg, "UCX address");
+        p_fake_rest(fk, out, sizeof(out));
+        CHECK_STR_CONTAINS(out, "answered");
+        CHECK(kill(b->pid, 0) == 0);
+        p_status_ms(b);
+    }
+    CHECK(log_wait(b,
+                   "refused: its worker's UCX address: header byte 0xff: "
+                   "address version 15",
+                   2000));
+    CHECK(log_wait(b, "refused: its lane 0's UCX address", 2000));
+    /* it dials A, its RESPONSE telling the broken addresses */
+    p_ipport_of(&c, a_ipport, sizeof(a_ipport));
+    for (unsigned i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
+        snprintf(args, sizeof(args), "badaddr-to %s/secret-A %s %s 0.2",
+                 p_net.dir, a_ipport, kinds[i]);
+        FILE *fk = p_fake(1, args, NULL, 0);
+        p_fake_rest(fk, out, sizeof(out));
+        fprintf(stderr, "A answered %s: %s", kinds[i], out);
+        CHECK_STR_CONTAINS(out, "auth_result -");
+        CHECK_STR_CONTAINS(out, "UCX address");
+        CHECK(kill(a->pid, 0) == 0);
+        p_status_ms(a);
+    }
+    CHECK(log_wait(a,
+                   "authentication failed: its worker's UCX address: "
+                   "header byte 0xff",
+                   2000));
+    /* the genuine params still complete */
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
+/* A flood of connections to A's peer.listen from the generation side's
+ * IP (fake_peer flood in B's namespace: 200 held open, each one A
+ * closes opened again at once), while a fresh daemon B there dials A for
+ * each of 32 fetches. A closes only handshakes that sent nothing, and
+ * from one IP keeps at most 8 open: B's handshake, whose HELLO comes with
+ * its connect, is not the one closed, and a dial that is cut anyway is
+ * dialled again within peer.connect_timeout_ms. Every fetch completes,
+ * verified. Before: A closed the oldest of 64 open handshakes, B's among
+ * them, and the fetch ended PEER_GONE. */
+#define P_FLOOD_FETCHES 32 /* each by a daemon B of its own */
+TEST_T(peer_handshake_flood, 300)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    if (!p_net.netns) {
+        fprintf(stderr, "skipped: the flood needs B's namespace\n");
+        daemon_stop_ok(a);
+        return;
+    }
+    static side_t cs, gs;
+    rank_t c, g;
+    p_side(&cs, "hf-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(&gs, "hf-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    char a_ipport[64], cmd[600], out[512];
+    p_ipport_of(&c, a_ipport, sizeof(a_ipport));
+    FILE *fk[2];
+    for (int i = 0; i < 2; i++) { /* two of them: twice the churn */
+        snprintf(cmd, sizeof(cmd),
+                 "ip netns exec %s %s/tests/fake_peer flood %s 50 200",
+                 p_net.ns[1], build_dir(), a_ipport);
+        fflush(NULL);
+        fk[i] = popen(cmd, "r");
+        CHECK(fk[i] != NULL);
+        CHECK(fgets(out, sizeof(out), fk[i]) != NULL);
+        CHECK_STR_CONTAINS(out, "flood 50");
+    }
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    int failed = 0;
+    for (uint64_t q = 1; q <= P_FLOOD_FETCHES; q++) {
+        daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+        rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+        fill_req(&c, q, cb, 7);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, q, c.pool, cb, 2, 7, &p, T_MS), c.c);
+        CHECK_KVX(kvx_fetch(g.c, q, p.data, p.len, g.pool, gb, 2, 0, T_MS),
+                  g.c);
+        kvx_context_params_free(&p);
+        ev_t e[4];
+        CHECK(collect(g.c, e, 4, 1, 15000) == 1);
+        CHECK_EQ(e[0].req, q);
+        if (e[0].kind == KVX_EVENT_COMPLETE) {
+            wait_event(c.c, q, KVX_EVENT_COMPLETE, 0, 5000);
+            CHECK_EQ(p_check_req(&g, q, gb, 7, 0), 0);
+        } else {
+            fprintf(stderr, "fetch %llu: %s\n", (unsigned long long)q,
+                    e[0].msg);
+            failed++;
+            /* the offer, if it has not ended yet */
+            ev_t ce[4];
+            if (kvx_cancel(c.c, q, T_MS) == KVX_OK)
+                collect(c.c, ce, 4, 1, 5000);
+        }
+        rank_close(&g);
+        daemon_healthy(b);
+        daemon_stop_ok(b);
+    }
+    fprintf(stderr, "%d of %d fetches failed under the flood\n", failed,
+            P_FLOOD_FETCHES);
+    CHECK_EQ(failed, 0);
+    CHECK(log_contains(a, "handshakes open from"));
+    for (int i = 0; i < 2; i++)
+        pclose(fk[i]); /* its next dot ends the flood */
+    rank_close(&c);
+    daemon_healthy(a);
+    daemon_stop_ok(a);
+}
+
+/* A dial to a closed port inside the cluster's networks says what
+ * happened, "connection refused by IP:PORT", and no guess (before: "...
+ * before its challenge (is this daemon outside its peer.allowed?)"). */
+TEST_T(peer_closed_port_message, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "cp-ctx", "cp-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    char addr[96], want[96];
+    snprintf(addr, sizeof(addr), "kvx://%s:1/00000000000000aa", p_net.ip[0]);
+    snprintf(want, sizeof(want), "connection refused by %s:1", p_net.ip[0]);
+    uint8_t f[4096];
+    size_t fl;
+    p_params_at(&p, addr, f, &fl);
+    CHECK_KVX(kvx_fetch(g.c, 5, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+    ev_t e = wait_event(g.c, 5, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, 8000);
+    fprintf(stderr, "closed port: %s\n", e.msg);
+    CHECK_STR_CONTAINS(e.msg, want);
+    CHECK(strstr(e.msg, "peer.allowed") == NULL);
+    CHECK(log_wait(b, want, 2000));
+    /* the genuine params still complete */
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}

@@ -3,9 +3,12 @@
  * between its receive and send progress (daemon/net/ucx.c): the daemon's
  * ucs_event_set_wait() is the one the dynamic linker binds; a handler of
  * libuct never gets read and write in one call; every other handler gets
- * its events unchanged, through a real UCS event set. And the guard
+ * its events unchanged, through a real UCS event set. The guard
  * against UCX 1.13 aborting on a purged wire-up REPLY: bound, and the
- * request fields it relabels.
+ * request fields it relabels. And ucx_addr_check(), the walk of a
+ * peer's worker address: real addresses (both formats, with a worker
+ * name) pass; cut, padded and broken ones are refused, naming what and
+ * where.
  */
 #include "../../daemon/net/ucx.c"
 
@@ -165,4 +168,90 @@ TEST(wireup_offsets_checked_on_libucp)
     CHECK_EQ(wireup_layout_ok(other), 0);
     memcpy(other + 64, "\x0f\xb6\x83\xa8\0\0\0\x8d\x50\xfd\x80\xfa\x02", 13);
     CHECK_EQ(wireup_layout_ok(other), 1);
+}
+
+/* ---- ucx_addr_check() ---------------------------------------------------- */
+
+/* A real worker address (UCX_ADDRESS_VERSION v1 or v2; debug: with the
+ * worker's name) in buf; its length. */
+static size_t real_address(const char *version, int debug, uint8_t *buf,
+                           size_t cap)
+{
+    ucp_config_t *cfg;
+    CHECK(ucp_config_read(NULL, NULL, &cfg) == UCS_OK);
+    CHECK(ucp_config_modify(cfg, "UNIFIED_MODE", "n") == UCS_OK);
+    CHECK(ucp_config_modify(cfg, "ADDRESS_VERSION", version) == UCS_OK);
+    CHECK(ucp_config_modify(cfg, "ADDRESS_DEBUG_INFO", debug ? "y" : "n") ==
+          UCS_OK);
+    ucp_params_t up = {.field_mask = UCP_PARAM_FIELD_FEATURES,
+                       .features = UCP_FEATURE_AM};
+    ucp_context_h ctx;
+    CHECK(ucp_init(&up, cfg, &ctx) == UCS_OK);
+    ucp_config_release(cfg);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    ucp_worker_h w;
+    ucp_address_t *a;
+    size_t len;
+    CHECK(ucp_worker_create(ctx, &wp, &w) == UCS_OK);
+    CHECK(ucp_worker_get_address(w, &a, &len) == UCS_OK);
+    CHECK(len <= cap);
+    memcpy(buf, a, len);
+    ucp_worker_release_address(w, a);
+    ucp_worker_destroy(w);
+    ucp_cleanup(ctx);
+    return len;
+}
+
+TEST(real_addresses_pass_cut_ones_do_not)
+{
+    static const char *const versions[] = {"v1", "v2"};
+    uint8_t a[UCX_ADDR_MAX + 1];
+    char why[200];
+    for (int v = 0; v < 2; v++)
+        for (int debug = 0; debug < 2; debug++) {
+            size_t len = real_address(versions[v], debug, a, UCX_ADDR_MAX);
+            uint64_t id = 0;
+            if (ucx_addr_check(a, len, &id, why, sizeof(why)))
+                fprintf(stderr, "%s%s: %s\n", versions[v],
+                        debug ? " debug" : "", why);
+            CHECK_EQ(ucx_addr_check(a, len, &id, why, sizeof(why)), 0);
+            CHECK(id != 0);
+            /* every shorter prefix runs past its end; one byte more is
+             * left over */
+            for (size_t n = 0; n < len; n++)
+                CHECK_EQ(ucx_addr_check(a, n, NULL, why, sizeof(why)), -1);
+            a[len] = 0;
+            CHECK_EQ(ucx_addr_check(a, len + 1, NULL, why, sizeof(why)), -1);
+            CHECK(strstr(why, "bytes after the last device") != NULL);
+        }
+}
+
+TEST(broken_addresses_are_named)
+{
+    uint8_t a[UCX_ADDR_MAX + 1];
+    char why[200];
+    memset(a, 0xff, 64);
+    CHECK_EQ(ucx_addr_check(a, 64, NULL, why, sizeof(why)), -1);
+    CHECK_STR_CONTAINS(why, "header byte 0xff: address version 15");
+    CHECK_EQ(ucx_addr_check(a, 1, NULL, why, sizeof(why)), -1);
+    CHECK_STR_CONTAINS(why, "1 bytes");
+    CHECK_EQ(ucx_addr_check(a, UCX_ADDR_MAX + 1, NULL, why, sizeof(why)), -1);
+    /* v2 with a header flag UCX does not know */
+    a[0] = 0x01;
+    a[1] = 0x10;
+    CHECK_EQ(ucx_addr_check(a, 64, NULL, why, sizeof(why)), -1);
+    CHECK_STR_CONTAINS(why, "header flags");
+    /* a real v1 address, its first transport's overhead made negative
+     * (UCX asserts on the negative score it makes: select.c:294) */
+    size_t len = real_address("v1", 0, a, UCX_ADDR_MAX);
+    /* header 1, id 8; md 1, device length byte, device address; then
+     * the transport: checksum 2, overhead (float) */
+    size_t at = 1 + 8 + 1;
+    uint8_t df = a[at];
+    at += 1 + (df & 0x40 ? 1 : 0) + (df & 0x20 ? 1 : 0) + (df & 0x1f) + 2;
+    float f = -1.0f;
+    memcpy(a + at, &f, sizeof(f));
+    CHECK_EQ(ucx_addr_check(a, len, NULL, why, sizeof(why)), -1);
+    CHECK_STR_CONTAINS(why, "overhead is negative");
 }
