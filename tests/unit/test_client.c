@@ -8,6 +8,7 @@
  * bytes.
  */
 #include "../../lib/client.c"
+#include "../../lib/reconnect.c"
 
 #include <sys/wait.h>
 
