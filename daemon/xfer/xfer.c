@@ -845,19 +845,30 @@ static void offer_free(offer_t *o)
     free(o);
 }
 
-static int offer_create(instance_t *inst, uint64_t request_id,
-                        const reqkey_t *key, uint32_t num_tokens,
-                        const kvx_layout_t *l, const xfer_group_t *groups,
-                        uint32_t ngroups, offer_t **out, char *why,
+/* What a new offer is made of, and which call makes it: its errors
+ * start with op ("publish", "reserve"). */
+typedef struct offer_spec {
+    const char *op;
+    uint32_t num_tokens;
+    const kvx_layout_t *l;
+    const xfer_group_t *groups;
+    uint32_t ngroups;
+} offer_spec_t;
+
+static int offer_create(instance_t *inst, const reqkey_t *key,
+                        const offer_spec_t *sp, offer_t **out, char *why,
                         size_t why_len)
 {
+    const char *op = sp->op;
+    const kvx_layout_t *l = sp->l;
+    uint64_t request_id = xfer_key_id(key->b, key->len);
+    uint32_t num_tokens = sp->num_tokens, ngroups = sp->ngroups;
     if (nrequests >= kvxd.conf.max_requests)
-        WHY(KVX_ERR_LIMIT, "publish: %u requests in flight (limits."
-                           "max_requests)",
-            nrequests);
+        WHY(KVX_ERR_LIMIT, "%s: %u requests in flight (limits.max_requests)",
+            op, nrequests);
     offer_t *o = calloc(1, sizeof(*o));
     if (!o)
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
     list_init(&o->lease.node);
     list_init(&o->waiters);
     o->inst = inst;
@@ -870,9 +881,9 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     o->gside[0] = o->side;
     o->gtokens[0] = num_tokens;
     for (uint32_t k = 0; k < ngroups; k++) {
-        group_side(&o->gside[k + 1], inst, &groups[k].pool->layout);
-        o->gtokens[k + 1] = groups[k].num_tokens;
-        o->gfirst[k + 1] = groups[k].first_block;
+        group_side(&o->gside[k + 1], inst, &sp->groups[k].pool->layout);
+        o->gtokens[k + 1] = sp->groups[k].num_tokens;
+        o->gfirst[k + 1] = sp->groups[k].first_block;
     }
     o->created_ms = kvxd_now_ms();
     /* an instance spread over daemons: every daemon of it must give the
@@ -881,18 +892,20 @@ static int offer_create(instance_t *inst, uint64_t request_id,
         peer_token(inst->id, inst->addresses[0], request_id, o->token);
     else if (random_token(o->token)) {
         free(o);
-        WHY(KVX_ERR_IO, "publish: getrandom failed");
+        WHY(KVX_ERR_IO, "%s: getrandom failed", op);
     }
     if (!(o->parts = calloc(OPARTS(o), sizeof(*o->parts))) ||
         params_build(o, l)) {
         free(o->parts);
         free(o->params);
         free(o);
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
     }
     /* what a reservation or an offer holds, charged to its uid */
     uint64_t mem = sizeof(*o) + OPARTS(o) * sizeof(*o->parts) + o->params_len;
-    int rc = req_charge(inst, mem, "publish: the request", why, why_len);
+    char what[32];
+    snprintf(what, sizeof(what), "%s: the request", op);
+    int rc = req_charge(inst, mem, what, why, why_len);
     if (rc || map_put(&inst->offers, request_id, o)) {
         if (!rc)
             kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, mem);
@@ -901,7 +914,7 @@ static int offer_create(instance_t *inst, uint64_t request_id,
         free(o);
         if (rc)
             return rc;
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
     }
     o->mem = mem;
     nrequests++;
@@ -1036,8 +1049,12 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
             !reqkey_eq(&o->key, key) ? "taken by a key of the same id"
             : o->npublished          ? "published"
                                      : "reserved");
-    if ((rc = offer_create(inst, request_id, key, num_tokens, l, groups,
-                           ngroups, &o, why, why_len)))
+    offer_spec_t sp = {.op = "reserve",
+                       .num_tokens = num_tokens,
+                       .l = l,
+                       .groups = groups,
+                       .ngroups = ngroups};
+    if ((rc = offer_create(inst, key, &sp, &o, why, why_len)))
         return rc;
     o->reserved = 1;
     if (!(*params = malloc(o->params_len))) {
@@ -1203,8 +1220,12 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
         return rc;
     int created = !o;
     if (!o) {
-        if ((rc = offer_create(inst, request_id, key, num_tokens, l, groups,
-                               ngroups, &o, why, why_len)))
+        offer_spec_t sp = {.op = "publish",
+                           .num_tokens = num_tokens,
+                           .l = l,
+                           .groups = groups,
+                           .ngroups = ngroups};
+        if ((rc = offer_create(inst, key, &sp, &o, why, why_len)))
             return rc;
     } else {
         if (o->ending)
