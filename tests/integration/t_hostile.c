@@ -1026,14 +1026,16 @@ static void hb_need_root(const char *test)
     }
 }
 
-/* rank_open() as uid: its pool is filled with the sentinel 0xa5 */
-static void hb_rank(daemon_t *d, uid_t uid, const side_t *s, rank_t *r)
+/* rank_open() as uid: its pool of nblocks is filled with the sentinel
+ * 0xa5 */
+static void hb_rank(daemon_t *d, uid_t uid, const model_t *m, const side_t *s,
+                    uint32_t nblocks, rank_t *r)
 {
     hb_as(uid);
-    rank_hello_only(d, &M_SMALL, s, 0, r);
+    rank_hello_only(d, m, s, 0, r);
     hb_as(0);
     rank_join(r);
-    rank_pool(r, 8);
+    rank_pool(r, nblocks);
     memset(r->base, 0xa5, r->size);
 }
 
@@ -1177,9 +1179,9 @@ TEST_T(hostile_uid_memory_share, 120)
                                .preset = "vllm-nhd",
                                .tpb = 4};
     rank_t a, bc, bg;
-    hb_rank(d, UID_A, &as, &a);
-    hb_rank(d, UID_B, &bcs, &bc);
-    hb_rank(d, UID_B, &bgs, &bg);
+    hb_rank(d, UID_A, &M_SMALL, &as, 8, &a);
+    hb_rank(d, UID_B, &M_SMALL, &bcs, 8, &bc);
+    hb_rank(d, UID_B, &M_SMALL, &bgs, 8, &bg);
     kvx_client_t *ra = hb_router(d, UID_A), *rb = hb_router(d, UID_B);
     int rc = 0;
     uint32_t i;
@@ -1273,5 +1275,80 @@ TEST_T(hostile_uid_hello_flood, 60)
     kvx_close(b);
     for (int i = 0; i < na; i++)
         kvx_close(ac[i]);
+    daemon_stop_ok(d);
+}
+
+/* Fetches (their state, block tables and plans) were charged to the
+ * whole budget only: one uid's fetches waiting for their sources could
+ * take it all, and another uid's transfer was refused. Now uid B's
+ * fetches of 65,536 blocks each fill B's share (half of 64 MiB) and the
+ * next is refused LIMIT naming the key; uid A still transfers. */
+TEST_T(hostile_uid_fetch_share, 120)
+{
+    hb_need_root("hostile_uid_fetch_share");
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                "auth:\n  allowed_uids: [64011, 64012]\n"
+                                "limits:\n  memory_bytes: 64MiB\n");
+    enum { NB = 1 << 16, TRIES = 40 };
+    static const side_t cs = {.inst = "uf-ctx",
+                              .role = KVX_ROLE_CONTEXT,
+                              .tp = 1,
+                              .pp = 1,
+                              .preset = "vllm-nhd",
+                              .tpb = 1},
+                        ags = {.inst = "uf-agen",
+                               .role = KVX_ROLE_GENERATION,
+                               .tp = 1,
+                               .pp = 1,
+                               .preset = "vllm-nhd",
+                               .tpb = 1},
+                        bgs = {.inst = "uf-bgen",
+                               .role = KVX_ROLE_GENERATION,
+                               .tp = 1,
+                               .pp = 1,
+                               .preset = "vllm-nhd",
+                               .tpb = 1};
+    rank_t c, ag, bg;
+    hb_rank(d, UID_A, &M_TINY, &cs, 16, &c);
+    hb_rank(d, UID_A, &M_TINY, &ags, 16, &ag);
+    hb_rank(d, UID_B, &M_TINY, &bgs, NB, &bg);
+    kvx_client_t *ra = hb_router(d, UID_A);
+    static uint32_t blocks[NB];
+    for (uint32_t i = 0; i < NB; i++)
+        blocks[i] = i;
+    /* A reserves; B fetches each with its params: they wait for the
+     * publish, holding what they need */
+    int rc = 0, n = 0;
+    while (n < TRIES && !rc) {
+        char key[16];
+        snprintf(key, sizeof(key), "%d", 1000 + n);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_reserve(ra, cs.inst, key, strlen(key), NB, &p, T_MS), ra);
+        rc = kvx_fetch(bg.c, 1000 + (uint64_t)n, p.data, p.len, bg.pool, blocks,
+                       NB, 0, T_MS);
+        kvx_context_params_free(&p);
+        if (!rc)
+            n++;
+    }
+    fprintf(stderr, "uid %d: %d fetches of %u blocks, then %s: %s\n", UID_B, n,
+            NB, kvx_status_name(rc), rc ? kvx_last_error(bg.c) : "");
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(bg.c), "limits.uid_memory_bytes");
+    CHECK_STR_CONTAINS(kvx_last_error(bg.c), "uid 64012");
+    /* uid A publishes and fetches: the bytes land */
+    uint32_t cb[3] = {7, 2, 5}, gb[3] = {0, 6, 3};
+    fill_req(&c, 5, cb, 3);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 5, c.pool, cb, 3, 3, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(ag.c, 5, p.data, p.len, ag.pool, gb, 3, 0, T_MS), ag.c);
+    wait_event(ag.c, 5, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 5, KVX_EVENT_COMPLETE, 0, 5000);
+    expect_t e = {5, gb, 3, 0};
+    CHECK_EQ(check_pool(&ag, &e, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    kvx_close(ra);
+    rank_close(&c);
+    rank_close(&ag);
+    rank_close(&bg);
     daemon_stop_ok(d);
 }
