@@ -90,16 +90,20 @@ static int uid_over(uint32_t uid, uint64_t bytes)
     return bytes > ucap || used > ucap - bytes;
 }
 
+/* Would a charge of bytes pass the whole budget? */
+static int all_over(uint64_t bytes)
+{
+    uint64_t cap = kvxd.conf.memory_bytes;
+    return bytes > cap || mem_all > cap - bytes;
+}
+
 /* Would a charge of bytes to uid pass the budget or uid's share? 0: no
  * configuration loaded (unit tests, fuzzers): no budget. */
 static int mem_over(uint32_t uid, uint64_t bytes)
 {
-    uint64_t cap = kvxd.conf.memory_bytes;
-    if (!cap)
+    if (!kvxd.conf.memory_bytes)
         return 0;
-    if (bytes > cap || mem_all > cap - bytes)
-        return 1;
-    return uid_over(uid, bytes);
+    return all_over(bytes) || uid_over(uid, bytes);
 }
 
 static void mem_add(kvxd_mem_t kind, uint32_t uid, uint64_t bytes)
@@ -173,9 +177,11 @@ void kvxd_mem_release(kvxd_mem_t kind, uint64_t bytes)
 
 void kvxd_mem_why(uint32_t uid, uint64_t bytes, char *buf, size_t len)
 {
-    /* the uid's share first: a tenant over it is told so, whatever the
-     * others hold (and a claim, kvxd_mem_claim_uid(), passes only it) */
-    if (uid_over(uid, bytes))
+    /* the uid's share when it binds: a tenant over a share smaller than
+     * the budget is told so, whatever the others hold (and a claim,
+     * kvxd_mem_claim_uid(), passes only it); else the budget */
+    if (uid_over(uid, bytes) &&
+        (kvxd_uid_memory_cap() < kvxd.conf.memory_bytes || !all_over(bytes)))
         snprintf(buf, len,
                  "would pass uid %u's share of the daemon's memory budget "
                  "(limits.uid_memory_bytes %llu, %llu in use by it)",

@@ -108,8 +108,8 @@ int kvxd_mem_claim_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes);
 /* Why a charge of bytes to uid is refused, naming the key it would pass
  * and what is in use: "would pass uid U's share of the daemon's memory
  * budget (limits.uid_memory_bytes N, M in use by it)" when it would pass
- * the uid's share, else "would pass the daemon's memory budget
- * (limits.memory_bytes N, M in use)". */
+ * the uid's share and that share is smaller than the budget, else "would
+ * pass the daemon's memory budget (limits.memory_bytes N, M in use)". */
 void kvxd_mem_why(uint32_t uid, uint64_t bytes, char *buf, size_t len);
 uint64_t kvxd_mem_used(kvxd_mem_t kind); /* MEM_KINDS: all of it */
 uint64_t kvxd_mem_used_uid(uint32_t uid);
