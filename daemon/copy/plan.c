@@ -1,4 +1,5 @@
 /* plan — slices, segments and the host copy engine; see plan.h. */
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -172,6 +173,15 @@ void plan_set_budget(const plan_budget_t *b)
     B = *b;
 }
 
+int plan_own(plan_t *p, uint32_t owner, char *why, size_t why_len)
+{
+    assert(p->owner == PLAN_OWNER_NONE);
+    int rc = B.own && p->mem ? B.own(owner, p->mem, why, why_len) : 0;
+    if (!rc)
+        p->owner = owner;
+    return rc;
+}
+
 int plan_build(const plan_side_t *src, const plan_side_t *dst,
                uint32_t dst_rank, uint32_t num_tokens, uint32_t skip,
                plan_t **out, char *why, size_t why_len)
@@ -221,10 +231,11 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
     plan_t *p = calloc(1, sizeof(*p));
     if (!p) {
         if (B.release)
-            B.release(mem);
+            B.release(PLAN_OWNER_NONE, mem);
         WHY(KVX_ERR_NOMEM, "plan: out of memory");
     }
     p->mem = mem;
+    p->owner = PLAN_OWNER_NONE;
     p->dst_rank = dst_rank;
     p->slices = calloc(max_slices ? max_slices : 1, sizeof(*p->slices));
     p->segs = calloc(nseg_max, sizeof(*p->segs));
@@ -310,7 +321,7 @@ void plan_free(plan_t *p)
     if (!p)
         return;
     if (B.release && p->mem)
-        B.release(p->mem);
+        B.release(p->owner, p->mem);
     free(p->slices);
     free(p->segs);
     free(p->src);

@@ -78,17 +78,27 @@ typedef struct plan {
     /* Binding, set by the owner before plan_exec(): src[i] for slice i. */
     plan_mem_t *src;
     plan_mem_t dst;
-    uint64_t mem; /* bytes charged to the memory budget (plan_free) */
+    uint64_t mem;   /* bytes charged to the memory budget (plan_free) */
+    uint32_t owner; /* whose they are (plan_own()); PLAN_OWNER_NONE */
 } plan_t;
 
+#define PLAN_OWNER_NONE UINT32_MAX
+
 /* The daemon's memory budget, for the plans plan_build() makes: charge
- * returns 0 or an error (with why) that plan_build() returns. Set once
- * at start by the daemon; without it nothing is charged. */
+ * returns 0 or an error (with why) that plan_build() returns; own makes
+ * charged bytes an owner's too (a uid's share: plan_own()); release
+ * gives them back, the owner's with them. Set once at start by the
+ * daemon; without it nothing is charged. */
 typedef struct plan_budget {
     int (*charge)(uint64_t bytes, char *why, size_t why_len);
-    void (*release)(uint64_t bytes);
+    int (*own)(uint32_t owner, uint64_t bytes, char *why, size_t why_len);
+    void (*release)(uint32_t owner, uint64_t bytes);
 } plan_budget_t;
 void plan_set_budget(const plan_budget_t *b);
+/* p's bytes are owner's too (the uid of the fetch it serves), within
+ * what the budget's own allows: 0, or its error with why (p stays
+ * nobody's; the caller frees it). */
+int plan_own(plan_t *p, uint32_t owner, char *why, size_t why_len);
 
 /* Ranks of a side: tp*pp*cp. */
 uint32_t plan_side_ranks(const plan_side_t *s);

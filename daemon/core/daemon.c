@@ -81,20 +81,29 @@ uint64_t kvxd_mem_used_uid(uint32_t uid)
     return u ? *u : 0;
 }
 
-/* Which limit a charge of bytes to uid would pass: 0 none, 1 the
- * budget, 2 uid's share. 0: no configuration loaded (unit tests,
- * fuzzers): no budget. */
-static int mem_over(uint32_t uid, uint64_t bytes)
+/* Would a charge of bytes to uid pass its share? Not for no uid. */
+static int uid_over(uint32_t uid, uint64_t bytes)
 {
-    uint64_t cap = kvxd.conf.memory_bytes;
-    if (!cap)
-        return 0;
-    if (bytes > cap || mem_all > cap - bytes)
-        return 1;
     if (uid == KVXD_UID_NONE)
         return 0;
     uint64_t ucap = kvxd_uid_memory_cap(), used = kvxd_mem_used_uid(uid);
-    return bytes > ucap || used > ucap - bytes ? 2 : 0;
+    return bytes > ucap || used > ucap - bytes;
+}
+
+/* Would a charge of bytes pass the whole budget? */
+static int all_over(uint64_t bytes)
+{
+    uint64_t cap = kvxd.conf.memory_bytes;
+    return bytes > cap || mem_all > cap - bytes;
+}
+
+/* Would a charge of bytes to uid pass the budget or uid's share? 0: no
+ * configuration loaded (unit tests, fuzzers): no budget. */
+static int mem_over(uint32_t uid, uint64_t bytes)
+{
+    if (!kvxd.conf.memory_bytes)
+        return 0;
+    return all_over(bytes) || uid_over(uid, bytes);
 }
 
 static void mem_add(kvxd_mem_t kind, uint32_t uid, uint64_t bytes)
@@ -137,6 +146,20 @@ void kvxd_mem_release_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes)
     }
 }
 
+int kvxd_mem_claim_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes)
+{
+    assert(kind < MEM_KINDS && mem_used[kind] >= bytes);
+    (void)kind; /* counted in it already */
+    if (uid == KVXD_UID_NONE || !bytes)
+        return 0;
+    if (kvxd.conf.memory_bytes && uid_over(uid, bytes))
+        return KVX_ERR_LIMIT;
+    uint64_t *u = uid_slot(uid, 1);
+    if (u) /* else charged to the total only (see mem_add()) */
+        *u += bytes;
+    return 0;
+}
+
 int kvxd_mem_charge(kvxd_mem_t kind, uint64_t bytes)
 {
     return kvxd_mem_charge_uid(kind, KVXD_UID_NONE, bytes);
@@ -154,7 +177,11 @@ void kvxd_mem_release(kvxd_mem_t kind, uint64_t bytes)
 
 void kvxd_mem_why(uint32_t uid, uint64_t bytes, char *buf, size_t len)
 {
-    if (mem_over(uid, bytes) == 2)
+    /* the uid's share when it binds: a tenant over a share smaller than
+     * the budget is told so, whatever the others hold (and a claim,
+     * kvxd_mem_claim_uid(), passes only it); else the budget */
+    if (uid_over(uid, bytes) &&
+        (kvxd_uid_memory_cap() < kvxd.conf.memory_bytes || !all_over(bytes)))
         snprintf(buf, len,
                  "would pass uid %u's share of the daemon's memory budget "
                  "(limits.uid_memory_bytes %llu, %llu in use by it)",

@@ -101,10 +101,15 @@ void kvxd_mem_release(kvxd_mem_t kind, uint64_t bytes);
 int kvxd_mem_charge_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes);
 void kvxd_mem_force_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes);
 void kvxd_mem_release_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes);
+/* Bytes already charged to the total with no uid (a plan, charged as it
+ * is built) become uid's too, within its share: 0, or KVX_ERR_LIMIT
+ * (nothing changed). kvxd_mem_release_uid() then gives back both. */
+int kvxd_mem_claim_uid(kvxd_mem_t kind, uint32_t uid, uint64_t bytes);
 /* Why a charge of bytes to uid is refused, naming the key it would pass
- * and what is in use: "would pass the daemon's memory budget
- * (limits.memory_bytes N, M in use)" or "would pass uid U's share of the
- * daemon's memory budget (limits.uid_memory_bytes N, M in use)". */
+ * and what is in use: "would pass uid U's share of the daemon's memory
+ * budget (limits.uid_memory_bytes N, M in use by it)" when it would pass
+ * the uid's share and that share is smaller than the budget, else "would
+ * pass the daemon's memory budget (limits.memory_bytes N, M in use)". */
 void kvxd_mem_why(uint32_t uid, uint64_t bytes, char *buf, size_t len);
 uint64_t kvxd_mem_used(kvxd_mem_t kind); /* MEM_KINDS: all of it */
 uint64_t kvxd_mem_used_uid(uint32_t uid);

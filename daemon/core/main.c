@@ -188,23 +188,35 @@ static void close_walk(uv_handle_t *h, void *arg)
         uv_close(h, NULL);
 }
 
-/* Plans are charged to the daemon's memory budget (limits.memory_bytes). */
+/* Plans are charged to the daemon's memory budget (limits.memory_bytes)
+ * as they are built, and to the uid of the fetch they serve once it owns
+ * them (plan_own()). */
 static int plan_charge(uint64_t bytes, char *why, size_t why_len)
 {
     if (!kvxd_mem_charge(MEM_PLANS, bytes))
         return 0;
-    snprintf(why, why_len,
-             "plan: its %llu bytes would pass the daemon's memory budget "
-             "(limits.memory_bytes %llu, %llu in use)",
-             (unsigned long long)bytes,
-             (unsigned long long)kvxd.conf.memory_bytes,
-             (unsigned long long)kvxd_mem_used(MEM_KINDS));
+    char w[200];
+    kvxd_mem_why(KVXD_UID_NONE, bytes, w, sizeof(w));
+    snprintf(why, why_len, "plan: its %llu bytes %s", (unsigned long long)bytes,
+             w);
     return KVX_ERR_LIMIT;
 }
 
-static void plan_release(uint64_t bytes)
+static int plan_own_uid(uint32_t uid, uint64_t bytes, char *why, size_t why_len)
 {
-    kvxd_mem_release(MEM_PLANS, bytes);
+    if (!kvxd_mem_claim_uid(MEM_PLANS, uid, bytes))
+        return 0;
+    char w[200];
+    kvxd_mem_why(uid, bytes, w, sizeof(w));
+    snprintf(why, why_len, "plan: its %llu bytes %s", (unsigned long long)bytes,
+             w);
+    return KVX_ERR_LIMIT;
+}
+
+static void plan_release(uint32_t uid, uint64_t bytes)
+{
+    /* PLAN_OWNER_NONE is KVXD_UID_NONE: the total only */
+    kvxd_mem_release_uid(MEM_PLANS, uid, bytes);
 }
 
 int main(int argc, char **argv)
@@ -307,7 +319,7 @@ int main(int argc, char **argv)
     int rc = 1;
     if (kvxd_defer_init(kvxd.loop))
         goto out;
-    plan_set_budget(&(plan_budget_t){plan_charge, plan_release});
+    plan_set_budget(&(plan_budget_t){plan_charge, plan_own_uid, plan_release});
     if (kvxd.conf.log_trace_file[0] &&
         !(kvxd.trace = fopen(kvxd.conf.log_trace_file, "ae"))) {
         log_error("log.trace_file: cannot open %s: %s",

@@ -240,6 +240,8 @@ struct genreq {
                      (MEM_AUX); a local offer's is read at the end */
     uint32_t aux_len;
     uint64_t tr[TR_N]; /* log.trace_file: each hop's monotonic ns */
+    uint64_t mem;      /* its state's and parts' tables' bytes charged
+                          (MEM_REQUESTS; fetch_bytes()) */
 };
 
 #define DL_NODE(n) LIST_OWNER(n, dl_node_t, node)
@@ -845,19 +847,30 @@ static void offer_free(offer_t *o)
     free(o);
 }
 
-static int offer_create(instance_t *inst, uint64_t request_id,
-                        const reqkey_t *key, uint32_t num_tokens,
-                        const kvx_layout_t *l, const xfer_group_t *groups,
-                        uint32_t ngroups, offer_t **out, char *why,
+/* What a new offer is made of, and which call makes it: its errors
+ * start with op ("publish", "reserve"). */
+typedef struct offer_spec {
+    const char *op;
+    uint32_t num_tokens;
+    const kvx_layout_t *l;
+    const xfer_group_t *groups;
+    uint32_t ngroups;
+} offer_spec_t;
+
+static int offer_create(instance_t *inst, const reqkey_t *key,
+                        const offer_spec_t *sp, offer_t **out, char *why,
                         size_t why_len)
 {
+    const char *op = sp->op;
+    const kvx_layout_t *l = sp->l;
+    uint64_t request_id = xfer_key_id(key->b, key->len);
+    uint32_t num_tokens = sp->num_tokens, ngroups = sp->ngroups;
     if (nrequests >= kvxd.conf.max_requests)
-        WHY(KVX_ERR_LIMIT, "publish: %u requests in flight (limits."
-                           "max_requests)",
-            nrequests);
+        WHY(KVX_ERR_LIMIT, "%s: %u requests in flight (limits.max_requests)",
+            op, nrequests);
     offer_t *o = calloc(1, sizeof(*o));
     if (!o)
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
     list_init(&o->lease.node);
     list_init(&o->waiters);
     o->inst = inst;
@@ -870,9 +883,9 @@ static int offer_create(instance_t *inst, uint64_t request_id,
     o->gside[0] = o->side;
     o->gtokens[0] = num_tokens;
     for (uint32_t k = 0; k < ngroups; k++) {
-        group_side(&o->gside[k + 1], inst, &groups[k].pool->layout);
-        o->gtokens[k + 1] = groups[k].num_tokens;
-        o->gfirst[k + 1] = groups[k].first_block;
+        group_side(&o->gside[k + 1], inst, &sp->groups[k].pool->layout);
+        o->gtokens[k + 1] = sp->groups[k].num_tokens;
+        o->gfirst[k + 1] = sp->groups[k].first_block;
     }
     o->created_ms = kvxd_now_ms();
     /* an instance spread over daemons: every daemon of it must give the
@@ -881,18 +894,20 @@ static int offer_create(instance_t *inst, uint64_t request_id,
         peer_token(inst->id, inst->addresses[0], request_id, o->token);
     else if (random_token(o->token)) {
         free(o);
-        WHY(KVX_ERR_IO, "publish: getrandom failed");
+        WHY(KVX_ERR_IO, "%s: getrandom failed", op);
     }
     if (!(o->parts = calloc(OPARTS(o), sizeof(*o->parts))) ||
         params_build(o, l)) {
         free(o->parts);
         free(o->params);
         free(o);
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
     }
     /* what a reservation or an offer holds, charged to its uid */
     uint64_t mem = sizeof(*o) + OPARTS(o) * sizeof(*o->parts) + o->params_len;
-    int rc = req_charge(inst, mem, "publish: the request", why, why_len);
+    char what[32];
+    snprintf(what, sizeof(what), "%s: the request", op);
+    int rc = req_charge(inst, mem, what, why, why_len);
     if (rc || map_put(&inst->offers, request_id, o)) {
         if (!rc)
             kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, mem);
@@ -901,7 +916,7 @@ static int offer_create(instance_t *inst, uint64_t request_id,
         free(o);
         if (rc)
             return rc;
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
     }
     o->mem = mem;
     nrequests++;
@@ -1036,8 +1051,12 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
             !reqkey_eq(&o->key, key) ? "taken by a key of the same id"
             : o->npublished          ? "published"
                                      : "reserved");
-    if ((rc = offer_create(inst, request_id, key, num_tokens, l, groups,
-                           ngroups, &o, why, why_len)))
+    offer_spec_t sp = {.op = "reserve",
+                       .num_tokens = num_tokens,
+                       .l = l,
+                       .groups = groups,
+                       .ngroups = ngroups};
+    if ((rc = offer_create(inst, key, &sp, &o, why, why_len)))
         return rc;
     o->reserved = 1;
     if (!(*params = malloc(o->params_len))) {
@@ -1203,8 +1222,12 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
         return rc;
     int created = !o;
     if (!o) {
-        if ((rc = offer_create(inst, request_id, key, num_tokens, l, groups,
-                               ngroups, &o, why, why_len)))
+        offer_spec_t sp = {.op = "publish",
+                           .num_tokens = num_tokens,
+                           .l = l,
+                           .groups = groups,
+                           .ngroups = ngroups};
+        if ((rc = offer_create(inst, key, &sp, &o, why, why_len)))
             return rc;
     } else {
         if (o->ending)
@@ -1692,6 +1715,7 @@ static void genreq_free(genreq_t *g)
             free(g->src_addresses[i]);
     free(g->src_addresses);
     aux_drop(g->inst->owner_uid, &g->aux, &g->aux_len);
+    kvxd_mem_release_uid(MEM_REQUESTS, g->inst->owner_uid, g->mem);
     free(g->parts);
     free(g);
 }
@@ -1926,6 +1950,34 @@ static void part_try_start(genpart_t *p)
     rrq_push(&runq, &p->turn);
 }
 
+/* Words one table's part holds: the block table, the per-layer
+ * counters and, for a layer-wise source, the cell cursors (an upper
+ * bound: part_try_start() knows which it needs). */
+static uint64_t part_words(const plan_t *plan, const pool_t *pool)
+{
+    uint64_t nl = pool->layout.num_layers;
+    return plan->dst_blocks_needed + 2 * nl +
+           (uint64_t)plan->nslices * (nl + 1) + plan->nsegs;
+}
+
+/* What one rank's fetch makes the daemon hold besides its plans (which
+ * plan_own() gives its uid): its tables' parts, and the request's own
+ * state when it is new (g NULL). Charged to inst's uid (MEM_REQUESTS)
+ * before the request takes them, released with it (genreq_free()). */
+static uint64_t fetch_bytes(const instance_t *inst, const genreq_t *g,
+                            const plan_t *plan, const pool_t *pool,
+                            plan_t *const *gplans, const xfer_group_t *gs,
+                            uint32_t ngs)
+{
+    uint64_t words = part_words(plan, pool);
+    for (uint32_t k = 0; k < ngs; k++)
+        words += part_words(gplans[k], gs[k].pool);
+    uint64_t state = g ? 0
+                       : sizeof(genreq_t) + (uint64_t)inst->nranks * (1 + ngs) *
+                                                sizeof(genpart_t);
+    return words * sizeof(uint32_t) + state;
+}
+
 /* A new fetch of request_id by inst, in its map and on the timeout list;
  * NULL when out of memory (nothing left behind). */
 static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
@@ -2127,6 +2179,10 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
     if ((rc = plan_build(&src, &dst, eff_rank, cp->num_tokens, skip, &plan,
                          why, why_len)))
         return rc;
+    if ((rc = plan_own(plan, inst->owner_uid, why, why_len))) {
+        plan_free(plan);
+        return rc;
+    }
     if (nblocks < plan->dst_blocks_needed) {
         plan_free(plan);
         WHY(KVX_ERR_INVALID,
@@ -2151,6 +2207,10 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
             rc = group_plan(&gsrc, pg->num_tokens, pg->first_block, inst, rank,
                             k + 1, &gs[k], &gplan[k], &gbt[k], why, why_len);
     }
+    /* the tables (and a new request's state), charged to its uid */
+    uint64_t mem = rc ? 0 : fetch_bytes(inst, g, plan, pool, gplan, gs, ngs);
+    if (!rc)
+        rc = req_charge(inst, mem, "fetch: the request", why, why_len);
     if (rc) {
         group_plans_free(gplan, gbt, ngs);
         free(bt);
@@ -2170,6 +2230,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
             free(bt);
             plan_free(plan);
             group_plans_free(gplan, gbt, ngs);
+            kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, mem);
             WHY(KVX_ERR_NOMEM, "fetch: out of memory");
         }
         g->remote = 1;
@@ -2184,6 +2245,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         memcpy(g->src_key.b, cp->key.data, cp->key.len);
         memcpy(g->token, cp->token.data, TOKEN_LEN);
     }
+    g->mem += mem;
     part_fetched(g, 0, rank, pool, bt, plan);
     for (uint32_t k = 0; k < ngs; k++)
         part_fetched(g, k + 1, rank, gs[k].pool, gbt[k], gplan[k]);
@@ -2540,6 +2602,8 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     if ((rc = plan_build(&o->side, &dst, eff_rank, o->num_tokens, skip,
                          &plan, why, why_len)))
         goto out;
+    if ((rc = plan_own(plan, inst->owner_uid, why, why_len)))
+        goto err_free_plan;
     if (nblocks < plan->dst_blocks_needed) {
         snprintf(why, why_len,
                  "fetch.blocks: %u blocks of %u tokens cannot hold the "
@@ -2565,8 +2629,13 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
                              o->gfirst[k + 1], inst, rank, k + 1, &gs[k],
                              &gplan[k], &gbt[k], why, why_len)))
             goto err_free_groups;
+    /* the tables (and a new request's state), charged to its uid */
+    uint64_t mem = fetch_bytes(inst, g, plan, pool, gplan, gs, ngs);
+    if ((rc = req_charge(inst, mem, "fetch: the request", why, why_len)))
+        goto err_free_groups;
     if (!g) {
         if (!(g = genreq_new(inst, request_id, key, skip, dp_rank, gs, ngs))) {
+            kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, mem);
             snprintf(why, why_len, "fetch: out of memory");
             rc = KVX_ERR_NOMEM;
             goto err_free_groups;
@@ -2576,6 +2645,7 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         o->consumer = g;
         dl_remove(&o->lease); /* the fetch timeout bounds it now */
     }
+    g->mem += mem;
     part_fetched(g, 0, rank, pool, bt, plan);
     for (uint32_t k = 0; k < ngs; k++)
         part_fetched(g, k + 1, rank, gs[k].pool, gbt[k], gplan[k]);
@@ -2651,6 +2721,10 @@ static int group_plan(const plan_side_t *src, uint32_t src_tokens,
     if ((rc = plan_build(src, &dst, eff_rank, src_tokens, x->skip_tokens, &plan,
                          why, why_len)))
         return rc;
+    if ((rc = plan_own(plan, inst->owner_uid, why, why_len))) {
+        plan_free(plan);
+        return rc;
+    }
     uint32_t need = plan->dst_blocks_needed;
     if ((uint64_t)x->first_block + x->nblocks < need) {
         plan_free(plan);

@@ -907,11 +907,14 @@ TEST_T(hostile_budget_sparse_pool, 60)
 }
 
 /* 2,000 connections that never said Hello locked out status until the
- * Hello timeout: now they hold limits.hello_sessions, and a new
- * connection takes the place of the longest silent one. */
+ * Hello timeout (they took every slot of limits.max_sessions): now they
+ * hold limits.hello_sessions, and a new connection takes the place of
+ * the one silent longest, which is told why. */
 TEST_T(hostile_prehello_flood_status, 60)
 {
     daemon_t *d = daemon_start("limits:\n  max_sessions: 100\n");
+    /* daemon_start()'s probe has gone: only the flood holds slots */
+    CHECK(log_wait(d, "closed: client disconnected", 2000));
     enum { N = 300 };
     int fds[N];
     for (int i = 0; i < N; i++)
@@ -923,9 +926,17 @@ TEST_T(hostile_prehello_flood_status, 60)
     CHECK_KVX(kvx_status_json(o, &js, T_MS), o);
     free(js);
     kvx_close(o);
+    /* the first gave its place, and heard why before its close */
+    Kvxfer__Reply *r = raw_reply(fds[0], 2000);
+    CHECK(r != NULL);
+    fprintf(stderr, "the first: %s %s\n", kvx_status_name(r->status),
+            r->message);
+    CHECK_EQ(r->status, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(r->message, "limits.hello_sessions");
+    kvxfer__reply__free_unpacked(r, NULL);
+    CHECK(raw_closed(fds[0], 2000));
     for (int i = 0; i < N; i++)
         close(fds[i]);
-    CHECK(log_wait(d, "limits.hello_sessions", 2000));
     daemon_stop_ok(d);
 }
 
@@ -992,4 +1003,352 @@ TEST_T(hostile_uid_sessions_share, 60)
     CHECK(write(x.go[1], &b, 1) == 1);
     CHECK(wait_children(&a, 1, 20000));
     daemon_stop(d);
+}
+
+/* ---- budget and slots across uids -------------------------------------- */
+
+/* The next connections are made as uid (0: root again): the daemon takes
+ * a client's uid from SO_PEERCRED, the effective uid at connect(). */
+static void hb_as(uid_t uid)
+{
+    if (uid == 0) {
+        CHECK(seteuid(0) == 0 && setegid(0) == 0);
+        return;
+    }
+    CHECK(setegid(uid) == 0 && seteuid(uid) == 0);
+}
+
+static void hb_need_root(const char *test)
+{
+    if (getuid() != 0) {
+        fprintf(stderr, "%s: needs root to act as two other uids\n", test);
+        CHECK(!"run the integration tests as root");
+    }
+}
+
+/* rank_open() as uid: its pool of nblocks is filled with the sentinel
+ * 0xa5 */
+static void hb_rank(daemon_t *d, uid_t uid, const model_t *m, const side_t *s,
+                    uint32_t nblocks, rank_t *r)
+{
+    hb_as(uid);
+    rank_hello_only(d, m, s, 0, r);
+    hb_as(0);
+    rank_join(r);
+    rank_pool(r, nblocks);
+    memset(r->base, 0xa5, r->size);
+}
+
+static kvx_client_t *hb_router(daemon_t *d, uid_t uid)
+{
+    kvx_client_t *c = NULL;
+    hb_as(uid);
+    int rc = kvx_connect_observer(d->sock, T_MS, &c);
+    hb_as(0);
+    CHECK_EQ(rc, 0);
+    return c;
+}
+
+static const model_t M_TINY = {
+    .layers = 1, .heads = 1, .head_dim = 8, .kv = 2, .dtype = KVX_DTYPE_BF16};
+
+/* 1M-block offers' block tables were not charged (they grew the daemon
+ * by over 100 MB under a 64 MiB budget): now offers of 1,048,576 blocks
+ * fill the uid's share (half of 64 MiB), and the next is refused LIMIT
+ * naming the key, keeping nothing; the session goes on. */
+TEST_T(hostile_budget_offer_blocks, 120)
+{
+    daemon_t *d = daemon_start("limits:\n  memory_bytes: 64MiB\n"
+                               "  max_blocks_per_request: 1048576\n");
+    enum { NB = 1 << 20, TRIES = 20 };
+    static const side_t s = {.inst = "bo-ctx",
+                             .role = KVX_ROLE_CONTEXT,
+                             .tp = 1,
+                             .pp = 1,
+                             .preset = "vllm-nhd",
+                             .tpb = 1};
+    rank_t c;
+    rank_open(d, &M_TINY, &s, 0, NB, &c);
+    static uint32_t blocks[NB];
+    for (uint32_t i = 0; i < NB; i++)
+        blocks[i] = i;
+    kvx_context_params_t p;
+    int rc = 0, n = 0;
+    while (n < TRIES && !rc) {
+        rc =
+            kvx_publish(c.c, (uint64_t)n + 1, c.pool, blocks, NB, NB, &p, T_MS);
+        if (!rc) {
+            kvx_context_params_free(&p);
+            n++;
+        }
+    }
+    fprintf(stderr, "%d offers of 1M blocks, then %s: %s\n", n,
+            kvx_status_name(rc), rc ? kvx_last_error(c.c) : "");
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(c.c), "publish.blocks");
+    CHECK_STR_CONTAINS(kvx_last_error(c.c), "limits.uid_memory_bytes");
+    /* nothing kept of the refused one: the instance holds n requests */
+    char *js = status_json(d), want[64];
+    const char *inst = strstr(js, "\"id\":\"bo-ctx\"");
+    CHECK(inst != NULL);
+    snprintf(want, sizeof(want), "\"requests\":%d,", n);
+    CHECK_STR_CONTAINS(inst, want);
+    free(js);
+    /* and a small offer of the same session goes */
+    CHECK_KVX(kvx_publish(c.c, 99, c.pool, blocks, 4, 4, &p, T_MS), c.c);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
+
+/* Aux payloads were charged to the whole budget only: one uid's offers
+ * could take it all. Now offers with an aux of 900,000 bytes fill the
+ * uid's share (half of 64 MiB), and the next aux is refused LIMIT naming
+ * the key; a small one still fits. */
+TEST_T(hostile_budget_aux_share, 60)
+{
+    daemon_t *d = daemon_start("limits:\n  memory_bytes: 64MiB\n"
+                               "  aux_bytes: 1MiB\n");
+    static const side_t s = {.inst = "ba-ctx",
+                             .role = KVX_ROLE_CONTEXT,
+                             .tp = 1,
+                             .pp = 1,
+                             .preset = "vllm-nhd",
+                             .tpb = 4};
+    rank_t c;
+    rank_open(d, &M_SMALL, &s, 0, 8, &c);
+    enum { AUX = 900000, TRIES = 50 };
+    uint8_t *aux = malloc(AUX);
+    CHECK(aux != NULL);
+    memset(aux, 0x5a, AUX);
+    const uint32_t cb[2] = {0, 1};
+    kvx_context_params_t p;
+    int rc = 0, n = 0;
+    char key[16];
+    while (n < TRIES && !rc) {
+        snprintf(key, sizeof(key), "ba-%d", n);
+        rc = kvx_publish_key(c.c, key, strlen(key), c.pool, cb, 2, 5, aux, AUX,
+                             &p, T_MS);
+        if (!rc) {
+            kvx_context_params_free(&p);
+            n++;
+        }
+    }
+    fprintf(stderr, "%d offers with an aux of %u bytes, then %s: %s\n", n, AUX,
+            kvx_status_name(rc), rc ? kvx_last_error(c.c) : "");
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(c.c), "publish.aux");
+    CHECK_STR_CONTAINS(kvx_last_error(c.c), "limits.uid_memory_bytes");
+    /* a small aux fits */
+    CHECK_KVX(kvx_publish_key(c.c, "ba-small", 8, c.pool, cb, 2, 5, aux, 1000,
+                              &p, T_MS),
+              c.c);
+    kvx_context_params_free(&p);
+    free(aux);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
+
+/* One uid could take the whole budget: uid A fills its share (half of
+ * a 64 MiB budget) with reservations and is refused LIMIT naming the
+ * key; uid B still reserves, publishes and completes a transfer whose
+ * bytes land. */
+TEST_T(hostile_uid_memory_share, 120)
+{
+    hb_need_root("hostile_uid_memory_share");
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                "auth:\n  allowed_uids: [64011, 64012]\n"
+                                "limits:\n  memory_bytes: 64MiB\n"
+                                "  max_requests: 20000\n");
+    static const side_t as = {.inst = "um-a-ctx",
+                              .role = KVX_ROLE_CONTEXT,
+                              .tp = 1,
+                              .pp = 1,
+                              .preset = "vllm-nhd",
+                              .tpb = 4},
+                        bcs = {.inst = "um-b-ctx",
+                               .role = KVX_ROLE_CONTEXT,
+                               .tp = 1,
+                               .pp = 1,
+                               .preset = "vllm-nhd",
+                               .tpb = 4},
+                        bgs = {.inst = "um-b-gen",
+                               .role = KVX_ROLE_GENERATION,
+                               .tp = 1,
+                               .pp = 1,
+                               .preset = "vllm-nhd",
+                               .tpb = 4};
+    rank_t a, bc, bg;
+    hb_rank(d, UID_A, &M_SMALL, &as, 8, &a);
+    hb_rank(d, UID_B, &M_SMALL, &bcs, 8, &bc);
+    hb_rank(d, UID_B, &M_SMALL, &bgs, 8, &bg);
+    kvx_client_t *ra = hb_router(d, UID_A), *rb = hb_router(d, UID_B);
+    int rc = 0;
+    uint32_t i;
+    for (i = 0; i < 20000 && !rc; i++) {
+        kvx_context_params_t p;
+        char key[16];
+        snprintf(key, sizeof(key), "a%u", i);
+        rc = kvx_reserve(ra, as.inst, key, strlen(key), 16, &p, T_MS);
+        if (!rc)
+            kvx_context_params_free(&p);
+    }
+    fprintf(stderr, "uid %d, reservation %u: %s: %s\n", UID_A, i,
+            kvx_status_name(rc), kvx_last_error(ra));
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK(strncmp(kvx_last_error(ra), "reserve", 7) == 0);
+    CHECK_STR_CONTAINS(kvx_last_error(ra), "limits.uid_memory_bytes");
+    /* uid B: reserve, publish the key, fetch with the params */
+    kvx_context_params_t rp, pp;
+    CHECK_KVX(kvx_reserve(rb, bcs.inst, "5", 1, 11, &rp, T_MS), rb);
+    uint32_t cb[3] = {7, 2, 5}, gb[3] = {0, 6, 3};
+    fill_req(&bc, 5, cb, 11);
+    CHECK_KVX(kvx_publish(bc.c, 5, bc.pool, cb, 3, 11, &pp, T_MS), bc.c);
+    CHECK(pp.len == rp.len && memcmp(pp.data, rp.data, rp.len) == 0);
+    CHECK_KVX(kvx_fetch(bg.c, 5, rp.data, rp.len, bg.pool, gb, 3, 0, T_MS),
+              bg.c);
+    wait_event(bg.c, 5, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(bc.c, 5, KVX_EVENT_COMPLETE, 0, 5000);
+    expect_t e = {5, gb, 11, 0};
+    CHECK_EQ(check_pool(&bg, &e, 1, 0xa5), 0);
+    kvx_context_params_free(&rp);
+    kvx_context_params_free(&pp);
+    kvx_close(ra);
+    kvx_close(rb);
+    rank_close(&a);
+    rank_close(&bc);
+    rank_close(&bg);
+    daemon_stop_ok(d);
+}
+
+/* One uid's idle Hello'd sessions took every slot of limits.max_sessions
+ * (1,100 took all 1,024): now uid A gets its share (half of 64) and is
+ * refused naming the key, and uid B still says Hello and asks status. */
+TEST_T(hostile_uid_hello_flood, 60)
+{
+    hb_need_root("hostile_uid_hello_flood");
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                "auth:\n  allowed_uids: [64011, 64012]\n"
+                                "limits:\n  max_sessions: 64\n");
+    enum { N = 64 };
+    kvx_client_t *ac[N];
+    int rc = 0, na = 0;
+    hb_as(UID_A);
+    while (na < N && !rc) {
+        char inst[32];
+        snprintf(inst, sizeof(inst), "hf-a-%d", na);
+        kvx_hello_t h = {.instance_id = inst,
+                         .role = KVX_ROLE_CONTEXT,
+                         .parallel = {.tp = 1,
+                                      .pp = 1,
+                                      .cp = 1,
+                                      .total_layers = 4,
+                                      .total_kv_heads = 4}};
+        if (!(rc = kvx_connect(d->sock, &h, T_MS, &ac[na])))
+            na++;
+    }
+    hb_as(0);
+    fprintf(stderr, "uid %d: %d sessions, then %s: %s\n", UID_A, na,
+            kvx_status_name(rc), rc ? kvx_last_error(NULL) : "");
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(NULL), "limits.uid_sessions");
+    CHECK_EQ(na, N / 2);
+    kvx_hello_t h = {
+        .instance_id = "hf-b",
+        .role = KVX_ROLE_GENERATION,
+        .parallel = {
+            .tp = 1, .pp = 1, .cp = 1, .total_layers = 4, .total_kv_heads = 4}};
+    kvx_client_t *b = NULL;
+    hb_as(UID_B);
+    rc = kvx_connect(d->sock, &h, T_MS, &b);
+    hb_as(0);
+    CHECK_KVX(rc, NULL);
+    kvx_client_t *o = hb_router(d, UID_B);
+    char *js;
+    CHECK_KVX(kvx_status_json(o, &js, T_MS), o);
+    CHECK_STR_CONTAINS(js, "hf-b");
+    free(js);
+    kvx_close(o);
+    js = status_json(d);
+    CHECK_EQ(json_num(js, "sessions_total"), N / 2 + 2); /* and this one */
+    free(js);
+    kvx_close(b);
+    for (int i = 0; i < na; i++)
+        kvx_close(ac[i]);
+    daemon_stop_ok(d);
+}
+
+/* Fetches (their state, block tables and plans) were charged to the
+ * whole budget only: one uid's fetches waiting for their sources could
+ * take it all, and another uid's transfer was refused. Now uid B's
+ * fetches of 65,536 blocks each fill B's share (half of 64 MiB) and the
+ * next is refused LIMIT naming the key; uid A still transfers. */
+TEST_T(hostile_uid_fetch_share, 120)
+{
+    hb_need_root("hostile_uid_fetch_share");
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                "auth:\n  allowed_uids: [64011, 64012]\n"
+                                "limits:\n  memory_bytes: 64MiB\n");
+    enum { NB = 1 << 16, TRIES = 40 };
+    static const side_t cs = {.inst = "uf-ctx",
+                              .role = KVX_ROLE_CONTEXT,
+                              .tp = 1,
+                              .pp = 1,
+                              .preset = "vllm-nhd",
+                              .tpb = 1},
+                        ags = {.inst = "uf-agen",
+                               .role = KVX_ROLE_GENERATION,
+                               .tp = 1,
+                               .pp = 1,
+                               .preset = "vllm-nhd",
+                               .tpb = 1},
+                        bgs = {.inst = "uf-bgen",
+                               .role = KVX_ROLE_GENERATION,
+                               .tp = 1,
+                               .pp = 1,
+                               .preset = "vllm-nhd",
+                               .tpb = 1};
+    rank_t c, ag, bg;
+    hb_rank(d, UID_A, &M_TINY, &cs, 16, &c);
+    hb_rank(d, UID_A, &M_TINY, &ags, 16, &ag);
+    hb_rank(d, UID_B, &M_TINY, &bgs, NB, &bg);
+    kvx_client_t *ra = hb_router(d, UID_A);
+    static uint32_t blocks[NB];
+    for (uint32_t i = 0; i < NB; i++)
+        blocks[i] = i;
+    /* A reserves; B fetches each with its params: they wait for the
+     * publish, holding what they need */
+    int rc = 0, n = 0;
+    while (n < TRIES && !rc) {
+        char key[16];
+        snprintf(key, sizeof(key), "%d", 1000 + n);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_reserve(ra, cs.inst, key, strlen(key), NB, &p, T_MS), ra);
+        rc = kvx_fetch(bg.c, 1000 + (uint64_t)n, p.data, p.len, bg.pool, blocks,
+                       NB, 0, T_MS);
+        kvx_context_params_free(&p);
+        if (!rc)
+            n++;
+    }
+    fprintf(stderr, "uid %d: %d fetches of %u blocks, then %s: %s\n", UID_B, n,
+            NB, kvx_status_name(rc), rc ? kvx_last_error(bg.c) : "");
+    CHECK_EQ(rc, KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(kvx_last_error(bg.c), "limits.uid_memory_bytes");
+    CHECK_STR_CONTAINS(kvx_last_error(bg.c), "uid 64012");
+    /* uid A publishes and fetches: the bytes land */
+    uint32_t cb[3] = {7, 2, 5}, gb[3] = {0, 6, 3};
+    fill_req(&c, 5, cb, 3);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 5, c.pool, cb, 3, 3, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(ag.c, 5, p.data, p.len, ag.pool, gb, 3, 0, T_MS), ag.c);
+    wait_event(ag.c, 5, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 5, KVX_EVENT_COMPLETE, 0, 5000);
+    expect_t e = {5, gb, 3, 0};
+    CHECK_EQ(check_pool(&ag, &e, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    kvx_close(ra);
+    rank_close(&c);
+    rank_close(&ag);
+    rank_close(&bg);
+    daemon_stop_ok(d);
 }

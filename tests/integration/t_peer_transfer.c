@@ -1227,7 +1227,7 @@ TEST_T(peer_aux_across_daemons, 60)
     CHECK_EQ(e.kind, KVX_EVENT_ERROR);
     kvx_context_params_free(&p);
     char *json = status_json(b);
-    CHECK_STR_CONTAINS(json, "\"aux\":0}");
+    CHECK_STR_CONTAINS(json, "\"aux\":0,");
     free(json);
     free(aux);
     rank_close(&c);

@@ -594,11 +594,15 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
 
     /* another key: rank 0's aux first; rank 1's differs: refused, and
      * nothing of rank 1 is kept (it may publish again) */
+    uint64_t req0 = kvxd_mem_used(MEM_REQUESTS);
     CHECK_EQ(xfer_publish(inst, 0, K(4), pool, blocks, 2, 20, NULL, 0,
                           (const uint8_t *)"abc", 3, 0, &params, &plen, why,
                           sizeof(why)),
              0);
     free(params);
+    /* what a new offer and one rank's tables are charged (MEM_REQUESTS) */
+    uint64_t one = kvxd_mem_used(MEM_REQUESTS) - req0;
+    CHECK(one > 0);
     CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20, NULL, 0,
                           (const uint8_t *)"abd", 3, 0, &params, &plen, why,
                           sizeof(why)),
@@ -619,15 +623,20 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     free(params);
     CHECK_EQ(kvxd_mem_used(MEM_AUX), 6);
 
-    /* a new offer whose aux passes the memory budget: refused with
-     * LIMIT, and no offer is left behind */
-    kvxd.conf.memory_bytes = kvxd_mem_used(MEM_KINDS) + 10;
-    CHECK_EQ(xfer_publish(inst, 0, K(5), pool, blocks, 2, 20, NULL, 0,
-                          (const uint8_t *)"0123456789ab", 12, 0, &params,
-                          &plen, why, sizeof(why)),
+    /* a new offer whose aux passes the memory budget (the offer itself
+     * fits; the uid's share is the whole budget): refused with LIMIT,
+     * and no offer is left behind */
+    kvxd.conf.memory_bytes = kvxd_mem_used(MEM_KINDS) + one + 10;
+    kvxd.conf.uid_memory_bytes = kvxd.conf.memory_bytes;
+    uint64_t held = kvxd_mem_used(MEM_REQUESTS);
+    static const uint8_t big[64] = {1}; /* more than the offer leaves */
+    CHECK_EQ(xfer_publish(inst, 0, K(5), pool, blocks, 2, 20, NULL, 0, big,
+                          sizeof(big), 0, &params, &plen, why, sizeof(why)),
              KVX_ERR_LIMIT);
+    CHECK_STR_CONTAINS(why, "publish.aux");
     CHECK_STR_CONTAINS(why, "limits.memory_bytes");
     CHECK(!map_get(&inst->offers, xfer_key_id(K(5)->b, K(5)->len)));
+    CHECK_EQ(kvxd_mem_used(MEM_REQUESTS), held);
     CHECK_EQ(kvxd_mem_used(MEM_AUX), 6);
 
     /* ending the offers gives their aux back */
