@@ -1365,6 +1365,14 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
                     1);
         return;
     }
+    if ((!o || xfer_offer_ending(o)) && kvxd.draining) {
+        /* the drain ended it (or ends it): say so, not "no offer" */
+        send_end_ex(c, m->stream, KVX_ERR_SHUTDOWN,
+                    "the context daemon is shutting down (drain): its offers "
+                    "end",
+                    1);
+        return;
+    }
     if (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) {
         /* every rank of the instance is ours: its offers are all here,
          * so this one ended (or never was) and asking again cannot help;
