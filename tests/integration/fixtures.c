@@ -440,3 +440,47 @@ static int ctl_run(const char *args, char *out, size_t cap)
     snprintf(cmd, sizeof(cmd), "%s/kvxferctl %s 2>&1", build_dir(), args);
     return cmd_run(cmd, out, cap);
 }
+
+/* ---- two uids in one process ------------------------------------------ */
+
+/* The next connections are made as uid (0: root again): the daemon takes
+ * a client's uid from SO_PEERCRED, the effective uid at connect(). */
+static void as_uid(uid_t uid)
+{
+    if (uid == 0) {
+        CHECK(seteuid(0) == 0 && setegid(0) == 0);
+        return;
+    }
+    CHECK(setegid(uid) == 0 && seteuid(uid) == 0);
+}
+
+static void need_root(const char *test)
+{
+    if (getuid() != 0) {
+        fprintf(stderr, "%s: needs root to act as two other uids\n", test);
+        CHECK(!"run the integration tests as root");
+    }
+}
+
+/* rank_open() as uid: its pool of nblocks is filled with the sentinel
+ * 0xa5 */
+static void rank_open_as(daemon_t *d, uid_t uid, const model_t *m,
+                         const side_t *s, uint32_t nblocks, rank_t *r)
+{
+    as_uid(uid);
+    rank_hello_only(d, m, s, 0, r);
+    as_uid(0);
+    rank_join(r);
+    rank_pool(r, nblocks);
+    memset(r->base, 0xa5, r->size);
+}
+
+static kvx_client_t *router_as(daemon_t *d, uid_t uid)
+{
+    kvx_client_t *c = NULL;
+    as_uid(uid);
+    int rc = kvx_connect_observer(d->sock, T_MS, &c);
+    as_uid(0);
+    CHECK_EQ(rc, 0);
+    return c;
+}

@@ -5,50 +5,17 @@
  *
  * Two uids without forking: the daemon takes a client's uid from
  * SO_PEERCRED, which is the effective uid at connect(), so this (root)
- * process connects as uid A or B with ax_as() and is root again after.
+ * process connects as uid A or B with as_uid() and is root again after.
  */
 
 #define AX_UID_A 64021
 #define AX_UID_B 64022
 #define AX_AUTH "auth:\n  allowed_uids: [64021, 64022]\n"
 
-/* The next connections are made as uid (0: root again). */
-static void ax_as(uid_t uid)
-{
-    if (uid == 0) {
-        CHECK(seteuid(0) == 0 && setegid(0) == 0);
-        return;
-    }
-    CHECK(setegid(uid) == 0 && seteuid(uid) == 0);
-}
-
-static void ax_need_root(const char *test)
-{
-    if (getuid() != 0) {
-        fprintf(stderr, "%s: needs root to act as two other uids\n", test);
-        CHECK(!"run the integration tests as root");
-    }
-}
-
-/* rank_open() as uid */
+/* rank_open() of 8 blocks as uid */
 static void ax_rank(daemon_t *d, uid_t uid, const side_t *s, rank_t *r)
 {
-    ax_as(uid);
-    rank_hello_only(d, &M_SMALL, s, 0, r);
-    ax_as(0);
-    rank_join(r);
-    rank_pool(r, 8);
-    memset(r->base, 0xa5, r->size);
-}
-
-static kvx_client_t *ax_router(daemon_t *d, uid_t uid)
-{
-    kvx_client_t *c = NULL;
-    ax_as(uid);
-    int rc = kvx_connect_observer(d->sock, T_MS, &c);
-    ax_as(0);
-    CHECK_EQ(rc, 0);
-    return c;
+    rank_open_as(d, uid, &M_SMALL, s, 8, r);
 }
 
 static side_t ax_side(const char *inst, kvx_role_t role)
@@ -119,7 +86,7 @@ static void ax_still_offered(rank_t *c, rank_t *g, const char *key,
  * code the table gives and moves no byte. */
 TEST_T(access_rules_one_daemon, 60)
 {
-    ax_need_root("access_rules_one_daemon");
+    need_root("access_rules_one_daemon");
     daemon_t *d = daemon_start2("  mode: 0666\n", AX_AUTH);
     side_t cs = ax_side("ax-ctx", KVX_ROLE_CONTEXT),
            gs = ax_side("ax-gen", KVX_ROLE_GENERATION),
@@ -128,7 +95,7 @@ TEST_T(access_rules_one_daemon, 60)
     ax_rank(d, AX_UID_A, &cs, &c);
     ax_rank(d, AX_UID_A, &gs, &g);
     ax_rank(d, AX_UID_B, &bs, &bg);
-    kvx_client_t *ra = ax_router(d, AX_UID_A), *rb = ax_router(d, AX_UID_B);
+    kvx_client_t *ra = router_as(d, AX_UID_A), *rb = router_as(d, AX_UID_B);
     kvx_context_params_t p;
     int rc;
 
@@ -249,17 +216,17 @@ TEST_T(access_rules_one_daemon, 60)
  * that of uid UID; a name alone never lets another uid in. */
 TEST_T(access_consumer_name_squatted, 60)
 {
-    ax_need_root("access_consumer_name_squatted");
+    need_root("access_consumer_name_squatted");
     daemon_t *d = daemon_start2("  mode: 0666\n", AX_AUTH);
     side_t cs = ax_side("sq-ctx", KVX_ROLE_CONTEXT),
            cs2 = ax_side("sq-ctx2", KVX_ROLE_CONTEXT),
            bs = ax_side("gen-a", KVX_ROLE_GENERATION);
     rank_t c, c2, bg;
     ax_rank(d, AX_UID_B, &bs, &bg); /* B takes the name first */
-    ax_as(AX_UID_A);
+    as_uid(AX_UID_A);
     rank_hello_only(d, &M_SMALL, &cs, 0, &c);
     rank_hello_only(d, &M_SMALL, &cs2, 0, &c2);
-    ax_as(0);
+    as_uid(0);
     const char *addrs[1] = {c.addr};
     const char *cons[1] = {"gen-a"};
     CHECK_KVX(kvx_join_consumers(c.c, addrs, 1, cons, 1, T_MS), c.c);
@@ -315,7 +282,7 @@ TEST_T(access_consumer_name_squatted, 60)
  * one. The offer stands; nothing lands in B's pool. */
 TEST_T(access_alias_of_own_address, 60)
 {
-    ax_need_root("access_alias_of_own_address");
+    need_root("access_alias_of_own_address");
     char dir[96], sec[128], peer[512];
     snprintf(dir, sizeof(dir), "/tmp/kvx-alias-%d", (int)getpid());
     snprintf(sec, sizeof(sec), "%s/secret", dir);
@@ -333,7 +300,7 @@ TEST_T(access_alias_of_own_address, 60)
     ax_rank(d, AX_UID_A, &cs, &c);
     ax_rank(d, AX_UID_A, &gs, &g);
     ax_rank(d, AX_UID_B, &bs, &bg);
-    kvx_client_t *rb = ax_router(d, AX_UID_B);
+    kvx_client_t *rb = router_as(d, AX_UID_B);
     /* kvx://127.0.0.1:PORT/ID: the port, and the id */
     const char *port = strrchr(c.addr, ':'), *id = strrchr(c.addr, '/');
     CHECK(port && id && id > port);
@@ -395,7 +362,7 @@ TEST_T(access_alias_of_own_address, 60)
  * the asking instance (PeerResolve.consumer_uid). */
 TEST_T(access_rules_other_daemon, 90)
 {
-    ax_need_root("access_rules_other_daemon");
+    need_root("access_rules_other_daemon");
     p_setup();
     p_socket_extra = "  mode: 0666\n";
     daemon_t *a = p_daemon(0, P_SECRET, NULL, AX_AUTH);
@@ -408,7 +375,7 @@ TEST_T(access_rules_other_daemon, 90)
     ax_rank(a, AX_UID_A, &cs, &c);
     ax_rank(b, AX_UID_A, &gs, &g);
     ax_rank(b, AX_UID_B, &bs, &bg);
-    kvx_client_t *ra = ax_router(b, AX_UID_A), *rb = ax_router(b, AX_UID_B);
+    kvx_client_t *ra = router_as(b, AX_UID_A), *rb = router_as(b, AX_UID_B);
     kvx_context_params_t p;
     ev_t e;
 

@@ -1007,48 +1007,6 @@ TEST_T(hostile_uid_sessions_share, 60)
 
 /* ---- budget and slots across uids -------------------------------------- */
 
-/* The next connections are made as uid (0: root again): the daemon takes
- * a client's uid from SO_PEERCRED, the effective uid at connect(). */
-static void hb_as(uid_t uid)
-{
-    if (uid == 0) {
-        CHECK(seteuid(0) == 0 && setegid(0) == 0);
-        return;
-    }
-    CHECK(setegid(uid) == 0 && seteuid(uid) == 0);
-}
-
-static void hb_need_root(const char *test)
-{
-    if (getuid() != 0) {
-        fprintf(stderr, "%s: needs root to act as two other uids\n", test);
-        CHECK(!"run the integration tests as root");
-    }
-}
-
-/* rank_open() as uid: its pool of nblocks is filled with the sentinel
- * 0xa5 */
-static void hb_rank(daemon_t *d, uid_t uid, const model_t *m, const side_t *s,
-                    uint32_t nblocks, rank_t *r)
-{
-    hb_as(uid);
-    rank_hello_only(d, m, s, 0, r);
-    hb_as(0);
-    rank_join(r);
-    rank_pool(r, nblocks);
-    memset(r->base, 0xa5, r->size);
-}
-
-static kvx_client_t *hb_router(daemon_t *d, uid_t uid)
-{
-    kvx_client_t *c = NULL;
-    hb_as(uid);
-    int rc = kvx_connect_observer(d->sock, T_MS, &c);
-    hb_as(0);
-    CHECK_EQ(rc, 0);
-    return c;
-}
-
 static const model_t M_TINY = {
     .layers = 1, .heads = 1, .head_dim = 8, .kv = 2, .dtype = KVX_DTYPE_BF16};
 
@@ -1155,7 +1113,7 @@ TEST_T(hostile_budget_aux_share, 60)
  * bytes land. */
 TEST_T(hostile_uid_memory_share, 120)
 {
-    hb_need_root("hostile_uid_memory_share");
+    need_root("hostile_uid_memory_share");
     daemon_t *d = daemon_start2("  mode: 0666\n",
                                 "auth:\n  allowed_uids: [64011, 64012]\n"
                                 "limits:\n  memory_bytes: 64MiB\n"
@@ -1179,10 +1137,10 @@ TEST_T(hostile_uid_memory_share, 120)
                                .preset = "vllm-nhd",
                                .tpb = 4};
     rank_t a, bc, bg;
-    hb_rank(d, UID_A, &M_SMALL, &as, 8, &a);
-    hb_rank(d, UID_B, &M_SMALL, &bcs, 8, &bc);
-    hb_rank(d, UID_B, &M_SMALL, &bgs, 8, &bg);
-    kvx_client_t *ra = hb_router(d, UID_A), *rb = hb_router(d, UID_B);
+    rank_open_as(d, UID_A, &M_SMALL, &as, 8, &a);
+    rank_open_as(d, UID_B, &M_SMALL, &bcs, 8, &bc);
+    rank_open_as(d, UID_B, &M_SMALL, &bgs, 8, &bg);
+    kvx_client_t *ra = router_as(d, UID_A), *rb = router_as(d, UID_B);
     int rc = 0;
     uint32_t i;
     for (i = 0; i < 20000 && !rc; i++) {
@@ -1226,14 +1184,14 @@ TEST_T(hostile_uid_memory_share, 120)
  * refused naming the key, and uid B still says Hello and asks status. */
 TEST_T(hostile_uid_hello_flood, 60)
 {
-    hb_need_root("hostile_uid_hello_flood");
+    need_root("hostile_uid_hello_flood");
     daemon_t *d = daemon_start2("  mode: 0666\n",
                                 "auth:\n  allowed_uids: [64011, 64012]\n"
                                 "limits:\n  max_sessions: 64\n");
     enum { N = 64 };
     kvx_client_t *ac[N];
     int rc = 0, na = 0;
-    hb_as(UID_A);
+    as_uid(UID_A);
     while (na < N && !rc) {
         char inst[32];
         snprintf(inst, sizeof(inst), "hf-a-%d", na);
@@ -1247,7 +1205,7 @@ TEST_T(hostile_uid_hello_flood, 60)
         if (!(rc = kvx_connect(d->sock, &h, T_MS, &ac[na])))
             na++;
     }
-    hb_as(0);
+    as_uid(0);
     fprintf(stderr, "uid %d: %d sessions, then %s: %s\n", UID_A, na,
             kvx_status_name(rc), rc ? kvx_last_error(NULL) : "");
     CHECK_EQ(rc, KVX_ERR_LIMIT);
@@ -1259,11 +1217,11 @@ TEST_T(hostile_uid_hello_flood, 60)
         .parallel = {
             .tp = 1, .pp = 1, .cp = 1, .total_layers = 4, .total_kv_heads = 4}};
     kvx_client_t *b = NULL;
-    hb_as(UID_B);
+    as_uid(UID_B);
     rc = kvx_connect(d->sock, &h, T_MS, &b);
-    hb_as(0);
+    as_uid(0);
     CHECK_KVX(rc, NULL);
-    kvx_client_t *o = hb_router(d, UID_B);
+    kvx_client_t *o = router_as(d, UID_B);
     char *js;
     CHECK_KVX(kvx_status_json(o, &js, T_MS), o);
     CHECK_STR_CONTAINS(js, "hf-b");
@@ -1285,7 +1243,7 @@ TEST_T(hostile_uid_hello_flood, 60)
  * next is refused LIMIT naming the key; uid A still transfers. */
 TEST_T(hostile_uid_fetch_share, 120)
 {
-    hb_need_root("hostile_uid_fetch_share");
+    need_root("hostile_uid_fetch_share");
     daemon_t *d = daemon_start2("  mode: 0666\n",
                                 "auth:\n  allowed_uids: [64011, 64012]\n"
                                 "limits:\n  memory_bytes: 64MiB\n");
@@ -1309,10 +1267,10 @@ TEST_T(hostile_uid_fetch_share, 120)
                                .preset = "vllm-nhd",
                                .tpb = 1};
     rank_t c, ag, bg;
-    hb_rank(d, UID_A, &M_TINY, &cs, 16, &c);
-    hb_rank(d, UID_A, &M_TINY, &ags, 16, &ag);
-    hb_rank(d, UID_B, &M_TINY, &bgs, NB, &bg);
-    kvx_client_t *ra = hb_router(d, UID_A);
+    rank_open_as(d, UID_A, &M_TINY, &cs, 16, &c);
+    rank_open_as(d, UID_A, &M_TINY, &ags, 16, &ag);
+    rank_open_as(d, UID_B, &M_TINY, &bgs, NB, &bg);
+    kvx_client_t *ra = router_as(d, UID_A);
     static uint32_t blocks[NB];
     for (uint32_t i = 0; i < NB; i++)
         blocks[i] = i;
