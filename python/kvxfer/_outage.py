@@ -12,13 +12,15 @@ own failures, and make a client again when the library gave one up.
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from typing import Any
 
 from .client import Client, ClientStatus, Event
 from .errors import (CallTimeout, Closed, IOFailure, PeerGone,
                      ShuttingDown)
 
-__all__ = ["DAEMON_GONE", "Outage", "retrying", "gone_event"]
+__all__ = ["DAEMON_GONE", "Outage", "retrying", "gone_event", "nudge"]
 
 # What a call raises when the daemon is not there to serve it: gone
 # (restarting, crashed), never there, draining, or not answering.
@@ -60,6 +62,28 @@ def retrying(client: Client, fn: Any, *args: Any, **kw: Any) -> Any:
         if st.status != ClientStatus.RECONNECTING or st.attempts:
             raise
         return fn(*args, **kw)
+
+
+def nudge(client: Client) -> None:
+    """Before a step's calls while the daemon is gone: when a daemon
+    listens again and the library's next attempt is a few milliseconds
+    away (it looks again 5 ms after finding nobody), wait for it, so that
+    this step's call reconnects instead of failing (a request that came
+    just after the daemon would be lost). One connect() of our own, made
+    only in an outage."""
+    st = client.state
+    if st.status != ClientStatus.RECONNECTING or \
+            not 0 < st.next_attempt <= 0.01:
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(client.socket_path)
+    except OSError:
+        return  # nobody listens yet
+    finally:
+        s.close()
+    time.sleep(st.next_attempt)
 
 
 def gone_event(ev: Event) -> bool:

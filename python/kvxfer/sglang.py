@@ -58,7 +58,7 @@ from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer,
                                                  BaseKVSender, KVArgs, KVPoll,
                                                  KVTransferMetric)
 
-from ._outage import DAEMON_GONE, Outage, gone_event, retrying
+from ._outage import DAEMON_GONE, Outage, gone_event, nudge, retrying
 from .client import (DEFAULT_SOCKET, Client, Event, EventKind, Parallel,
                      Pool, key_bytes)
 from .errors import (Error, InvalidArgument, NotFound, PeerGone,
@@ -613,6 +613,7 @@ class KvxferKVManager(BaseKVManager):
         with self._lock:
             self._revive()
             c = self.client
+            nudge(c)
             incarnation = c.incarnation
             try:
                 out = retrying(c, fn, c, *args, **kw)
@@ -680,6 +681,7 @@ class KvxferKVManager(BaseKVManager):
             self._last_pump = now
             self._revive()
             try:
+                nudge(self.client)
                 batch = self.client.poll(at_least=0, timeout=0)
             except Error as e:
                 # the daemon is gone: the library's batch ended the rooms

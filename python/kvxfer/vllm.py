@@ -74,7 +74,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
 import kvxfer
-from kvxfer._outage import DAEMON_GONE, Outage, gone_event, retrying
+from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
+                            retrying)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -430,6 +431,7 @@ class _Scheduler:
         Closed while the daemon is gone, logged once per outage)."""
         try:
             c = self.client()
+            nudge(c)
             out = retrying(c, fn, c, *args)
         except DAEMON_GONE as e:
             self._outage.lost(e, "prefills return no params (their decodes "
@@ -669,6 +671,8 @@ class _Worker:
                     "register_kv_caches")
             return
         self._reconnect()
+        if self.client is not None and (meta.sends or meta.recvs):
+            nudge(self.client)
         if self.client is None or self.pool is None:
             # no daemon to talk to: the step's work ends here
             for rid in meta.sends:
@@ -806,6 +810,7 @@ class _Worker:
             # daemon gone the library's batch ends the requests in flight
             # (PEER_GONE); then polls fail until it reconnects.
             try:
+                nudge(self.client)
                 batch: Any = self.client.poll(0, 0)
             except kvxfer.Error as e:
                 batch = ()
