@@ -313,7 +313,6 @@ class Client:
         self._lock = threading.RLock()
         self.timeout = timeout
         self.socket_path = socket_path or DEFAULT_SOCKET
-        self._address: Optional[str] = None
         lib = _lib.lib()
         path = self.socket_path.encode()
         if instance_id is None:
@@ -489,7 +488,6 @@ class Client:
                                      protocol_version)
         self._call("kvx_hello", ctypes.byref(h), self._ms(timeout))
         del keep
-        self._address = None
 
     def set_spin_us(self, spin_us: int) -> None:
         """How long each call looks for the daemon's reply before its
@@ -501,12 +499,11 @@ class Client:
     @property
     def daemon_address(self) -> str:
         """This daemon's address, to allgather among the instance's ranks
-        and pass to :meth:`join` (kvx_daemon_address)."""
-        if self._address is None:
-            buf = ctypes.create_string_buffer(1024)
-            self._call("kvx_daemon_address", buf, len(buf))
-            self._address = buf.value.decode()
-        return self._address
+        and pass to :meth:`join` (kvx_daemon_address): the new daemon's
+        once the client reconnected (read each time, not kept)."""
+        buf = ctypes.create_string_buffer(1024)
+        self._call("kvx_daemon_address", buf, len(buf))
+        return buf.value.decode()
 
     def join(self, rank_addresses: Sequence[str],
              consumers: Optional[Sequence[str]] = None,

@@ -58,7 +58,9 @@ from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer,
                                                  BaseKVSender, KVArgs, KVPoll,
                                                  KVTransferMetric)
 
-from .client import DEFAULT_SOCKET, Client, Event, Parallel, Pool, key_bytes
+from ._outage import DAEMON_GONE, Outage, gone_event, nudge, retrying
+from .client import (DEFAULT_SOCKET, Client, Event, EventKind, Parallel,
+                     Pool, key_bytes)
 from .errors import (Error, InvalidArgument, NotFound, PeerGone,
                      Unsupported)
 from .layout import DType, Layout
@@ -380,10 +382,29 @@ class KvxferKVManager(BaseKVManager):
         self._waiters: Dict[bytes, Any] = {}
         self._lock = threading.RLock()
         self._last_pump = 0.0
-        device = _choose_device([int(p) for p in args.kv_data_ptrs],
-                                [int(n) for n in args.kv_data_lens],
-                                _env("KVXFER_SGLANG_DEVICE", "auto"))
-        self.client = Client(
+        self._geo = geo
+        self._device = _choose_device([int(p) for p in args.kv_data_ptrs],
+                                      [int(n) for n in args.kv_data_lens],
+                                      _env("KVXFER_SGLANG_DEVICE", "auto"))
+        self._outage = Outage(log, f"kvxfer.sglang {self.mode} rank "
+                              f"{self.rank} of {self.instance_id}")
+        self._closed = False
+        self._next_connect = 0.0
+        self._registered_address = ""  # what the bootstrap server has
+        self._connect()
+        try:
+            if self.mode == "prefill":
+                self.register_to_bootstrap()
+        except BaseException:
+            self.client.close()
+            raise
+
+    def _connect(self) -> None:
+        """Connect as this rank, register the KV buffers, join (the
+        library does it again by itself when the daemon restarts; this
+        runs again only for a client it gave up on)."""
+        geo = self._geo
+        client = Client(
             _env("KVXFER_SGLANG_SOCKET", DEFAULT_SOCKET),
             instance_id=self.instance_id,
             role="context" if self.mode == "prefill" else "generation",
@@ -391,13 +412,12 @@ class KvxferKVManager(BaseKVManager):
             parallel=Parallel(tp=self.tp_size,
                               total_layers=geo.total_layers,
                               total_kv_heads=geo.total_kv_heads))
+        self.client = client
         try:
-            self.pool = self._register(geo, device)
-            self.client.join(self._rank_addresses())
-            if self.mode == "prefill":
-                self.register_to_bootstrap()
+            self.pool = self._register(geo, self._device)
+            client.join(self._rank_addresses())
         except BaseException:
-            self.client.close()
+            client.close()
             raise
 
     # -- set-up ------------------------------------------------------------
@@ -505,11 +525,15 @@ class KvxferKVManager(BaseKVManager):
         schedulers). Other ranks have nothing to say."""
         if self.mode != "prefill" or self.rank != 0:
             return
+        self._put_bootstrap(self.bootstrap_timeout)
+
+    def _put_bootstrap(self, timeout: float) -> None:
+        address = self.client.daemon_address
         body = json.dumps({"instance_id": self.instance_id,
-                           "address": self.client.daemon_address,
+                           "address": address,
                            "tp_size": self.tp_size}).encode()
         url = f"http://{self.bootstrap_address()}{_BOOTSTRAP_PATH}"
-        end = time.monotonic() + self.bootstrap_timeout
+        end = time.monotonic() + timeout
         while True:
             req = urllib.request.Request(
                 url, data=body, method="PUT",
@@ -517,12 +541,31 @@ class KvxferKVManager(BaseKVManager):
             try:
                 with urllib.request.urlopen(req, timeout=2) as r:
                     r.read()
+                self._registered_address = address
                 return
             except (urllib.error.URLError, OSError) as e:
                 if time.monotonic() > end:
                     raise IOError(f"kvxfer.sglang: cannot register with "
                                   f"the bootstrap server {url}: {e}") from e
                 time.sleep(0.2)
+
+    def _daemon_moved(self) -> None:
+        """After the client reconnected: the new daemon has an address of
+        its own. A prefill's rank 0 tells the bootstrap server (decode
+        ranks look it up again); a decode forgets the prefill instances
+        it knew, whose daemons may have restarted with it."""
+        if self.mode == "decode":
+            self.prefill_info_table.clear()
+            return
+        if self.rank != 0:
+            return
+        try:
+            if self.client.daemon_address == self._registered_address:
+                return
+            self._put_bootstrap(0)  # one try; the next reconnect retries
+        except (Error, OSError) as e:
+            log.warning("kvxfer.sglang: registering the new daemon "
+                        "address with the bootstrap server: %s", e)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Decode: look the prefill instance behind ``bootstrap_addr`` up
@@ -559,6 +602,62 @@ class KvxferKVManager(BaseKVManager):
         """Drop a cached prefill instance (it went away: look it up anew)."""
         self.prefill_info_table.pop(bootstrap_addr, None)
 
+    # -- the daemon going away -----------------------------------------------
+
+    def call(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        """fn(client, *args, **kw) for a sender or receiver: made with a
+        client again if the library gave this one up, once more when it
+        was the call that found the daemon gone (the library reconnects
+        inside the next). Raises kvxfer.Error; the daemon's absence is
+        logged once per outage."""
+        with self._lock:
+            self._revive()
+            c = self.client
+            nudge(c)
+            incarnation = c.incarnation
+            try:
+                out = retrying(c, fn, c, *args, **kw)
+            except DAEMON_GONE as e:
+                self._lost(e)
+                raise
+            if c.incarnation != incarnation:
+                self._outage.back("kvxferd is back")
+                self._daemon_moved()
+            return out
+
+    def _lost(self, e: Error) -> None:
+        """The daemon is gone. The library ended the requests in flight
+        (PEER_GONE events) and reconnects; a client it gave up on
+        (reconnection off, a call that timed out) is closed here, its
+        rooms in flight failed, and made again by the next call."""
+        self._outage.lost(e, "the rooms in flight fail and new ones are "
+                          "refused")
+        if not self.client.closed:
+            return
+        self.client.close()
+        for who in list(self._waiters.values()):
+            if who._state == KVPoll.Transferring:
+                who._fail(f"kvxferd went away: {e}", e.code)
+
+    def _revive(self) -> None:
+        """A client the library gave up on, made again (5 ms apart while
+        no daemon listens, a second after one refused us)."""
+        if self._closed or not self.client.closed:
+            return
+        now = time.monotonic()
+        if now < self._next_connect:
+            return
+        try:
+            self._connect()
+        except Error as e:
+            nobody = isinstance(e, DAEMON_GONE)
+            self._next_connect = now + (0.005 if nobody else 1.0)
+            self._outage.lost(e, "the rooms in flight fail and new ones "
+                              "are refused")
+            return
+        self._outage.back("connected to kvxferd again")
+        self._daemon_moved()
+
     # -- events ------------------------------------------------------------
 
     def _watch(self, key: bytes, who: Any) -> None:
@@ -580,13 +679,23 @@ class KvxferKVManager(BaseKVManager):
             if not force and now - self._last_pump < _PUMP_INTERVAL:
                 return
             self._last_pump = now
+            self._revive()
             try:
+                nudge(self.client)
                 batch = self.client.poll(at_least=0, timeout=0)
-            except Error as e:  # the daemon is gone: so are the requests
-                for who in list(self._waiters.values()):
-                    who._fail(f"polling kvxferd failed: {e}", e.code)
+            except Error as e:
+                # the daemon is gone: the library's batch ended the rooms
+                # in flight already (PEER_GONE), unless it gave up
+                self._lost(e)
                 return
             for ev in batch:
+                if ev.kind == EventKind.RECONNECTED:
+                    self._outage.back(ev.message)
+                    self._daemon_moved()
+                    continue
+                if gone_event(ev):
+                    self._outage.lost(ev.error, "the rooms in flight fail "
+                                      "and new ones are refused")
                 who = self._waiters.get(ev.key)
                 if who is not None:
                     who._on_event(ev)
@@ -594,6 +703,7 @@ class KvxferKVManager(BaseKVManager):
     def close(self) -> None:
         """Close the rank's connection: the daemon ends its requests (the
         other side sees PEER_GONE) and drops the pool. Idempotent."""
+        self._closed = True
         self.client.close()
 
     def teardown(self) -> None:
@@ -677,8 +787,9 @@ class KvxferKVSender(BaseKVSender):
             if m.aux_ptrs and self.aux_index is not None:
                 aux = _pack_aux(m.aux_ptrs, m.aux_lens, m.aux_items,
                                 int(self.aux_index))
-            m.client.publish(self.key, m.pool, self._pages,
-                             num_tokens=self._num_tokens, aux=aux)
+            m.call(lambda c: c.publish(self.key, m.pool, self._pages,
+                                       num_tokens=self._num_tokens,
+                                       aux=aux))
         except Error as e:
             self._fail(str(e), e.code)
             return
@@ -738,11 +849,14 @@ class KvxferKVSender(BaseKVSender):
 
 
 def _cancel(mgr: KvxferKVManager, key: bytes) -> None:
-    """kvx_cancel_key; NotFound means its end is queued already."""
+    """kvx_cancel_key; NotFound means its end is queued already, and a
+    daemon that went away took the request with it."""
     try:
         mgr.client.cancel(key)
     except NotFound:
         pass
+    except DAEMON_GONE as e:
+        mgr._lost(e)
     except Error as e:
         log.warning("kvxfer.sglang: cancel of %s: %s", key.decode(), e)
 
@@ -830,12 +944,17 @@ class KvxferKVReceiver(BaseKVReceiver):
         self.aux_index = aux_index
         if hasattr(kv_indices, "cpu"):
             kv_indices = kv_indices.cpu().numpy()
-        m, info = self.kv_mgr, self._info
+        m = self.kv_mgr
+        if self.bootstrap_addr not in m.prefill_info_table:
+            # forgotten since init (the daemons restarted): look it up anew
+            m.try_ensure_parallel_info(self.bootstrap_addr)
+        info = m.prefill_info_table.get(self.bootstrap_addr, self._info)
         assert info is not None
+        pages = [int(p) for p in kv_indices]
         try:
-            m.client.fetch_by_key(self.key, info.instance_id, info.address,
-                                  self.key, m.pool,
-                                  [int(p) for p in kv_indices])
+            m.call(lambda c: c.fetch_by_key(self.key, info.instance_id,
+                                            info.address, self.key, m.pool,
+                                            pages))
         except Error as e:
             self._fail(str(e), e.code)
             return

@@ -27,6 +27,17 @@ its blocks; a decode that needs no transfer (its prefix cache holds the
 whole prompt) or is aborted before it started releases the prefill's
 blocks at once.
 
+The daemon going away (a restart, an upgrade, a crash) costs the requests
+in flight, never the engine: no exception from kvxfer leaves a method
+vLLM's step calls. A decode's fetch in flight reports its blocks as load
+errors (``kv_load_failure_policy``), a prefill's send is reported finished
+so that its blocks are freed; while the daemon is gone, a prefill returns
+no params (its decode computes the prompt) and a decode fetches nothing
+(load errors). The library reconnects by itself (pools stay registered);
+a client it gave up on (reconnection off, a call that timed out) is made
+again here. The next requests go through kvxfer again, without an engine
+restart. Each outage is logged once, and the return.
+
 ``kv_connector_extra_config`` keys (all optional):
 
 ``socket``
@@ -54,6 +65,7 @@ import logging
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
@@ -62,6 +74,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
 import kvxfer
+from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
+                            retrying)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -396,17 +410,42 @@ class _Scheduler:
         self._client: Optional[kvxfer.Client] = None
         self._meta = KvxferConnectorMetadata()
         self._inflight: Set[str] = set()  # fetches the workers run
+        self._outage = Outage(log, f"kvxfer scheduler of {self.instance_id}")
 
     def client(self) -> kvxfer.Client:
         """A connection without Hello (the scheduler is no rank), made on
-        first use: the workers' daemon is up by then."""
-        if self._client is None or self._client.closed:
-            self._client = kvxfer.Client(self.socket, timeout=self.timeout)
-        return self._client
+        first use: the workers' daemon is up by then. The library
+        reconnects it when the daemon restarts; one it gave up on
+        (reconnection off, a call that timed out) is made anew here."""
+        c = self._client
+        if c is not None and c.closed:
+            c.close()
+            c = self._client = None
+        if c is None:
+            c = self._client = kvxfer.Client(self.socket,
+                                             timeout=self.timeout)
+        return c
+
+    def _daemon(self, fn: Any, *args: Any) -> Any:
+        """fn(client, *args) on the daemon (kvxfer.Error when it fails;
+        Closed while the daemon is gone, logged once per outage)."""
+        try:
+            c = self.client()
+            nudge(c)
+            out = retrying(c, fn, c, *args)
+        except DAEMON_GONE as e:
+            self._outage.lost(e, "prefills return no params (their decodes "
+                              "compute the prompt)")
+            raise kvxfer.Closed(kvxfer.Closed.code, e.message) from None
+        self._outage.back("kvxferd is back")
+        return out
 
     def close(self) -> None:
         if self._client is not None:
-            self._client.close()
+            try:
+                self._client.close()
+            except kvxfer.Error as e:  # pragma: no cover - close() ends it
+                log.debug("closing the scheduler's kvxfer client: %s", e)
             self._client = None
 
     @staticmethod
@@ -465,9 +504,11 @@ class _Scheduler:
 
     def _release(self, request_id: str, params: bytes) -> None:
         try:
-            self.client().release(params)
+            self._daemon(kvxfer.Client.release, params)
         except kvxfer.NotFound:
             pass  # ended already (its lease, or the prefill went away)
+        except kvxfer.Closed:
+            pass  # logged once; freed at the lease, or gone with a daemon
         except kvxfer.Error as e:
             log.warning("request %s: releasing the prefill's blocks: %s "
                         "(they are freed at the offer's lease)",
@@ -517,7 +558,10 @@ class _Scheduler:
             return False, None
         key = request_key(rid)
         try:
-            params = self.client().reserve(self.instance_id, key, n)
+            params = self._daemon(kvxfer.Client.reserve, self.instance_id,
+                                  key, n)
+        except kvxfer.Closed:
+            return False, None  # the daemon is gone (logged once)
         except kvxfer.Error as e:
             # no transfer: the decode gets no params and computes itself
             log.error("request %s: kvxfer reserve failed: %s", rid, e)
@@ -552,8 +596,18 @@ class _Worker:
         self._done_send: Set[str] = set()
         self._done_recv: Set[str] = set()
         self._load_errors: Set[int] = set()
+        self._kv_caches: Optional[Dict[str, torch.Tensor]] = None
+        self._next_connect = 0.0  # when a client given up is made again
+        self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
 
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+        self._connect()
+
+    def _connect(self) -> None:
+        """Connect as this worker's rank, join, register the KV caches."""
+        kv_caches = self._kv_caches
+        assert kv_caches is not None
         mc = self.cfg.model_config
         cc = self.cfg.cache_config
         use_mla = bool(getattr(mc, "use_mla", False))
@@ -565,7 +619,8 @@ class _Worker:
         if not use_mla and layout.num_heads * tp == total_heads:
             layout = layout.with_first_head(tp_rank * layout.num_heads)
         rank = pp_rank * tp + tp_rank
-        self.client = kvxfer.Client(
+        self.client = None
+        client = kvxfer.Client(
             self.socket, instance_id=self.instance_id,
             role=_role(self.cfg.kv_transfer_config.kv_role), rank=rank,
             parallel=kvxfer.Parallel(
@@ -574,24 +629,28 @@ class _Worker:
                 else mc.hf_config.num_hidden_layers,
                 total_kv_heads=total_heads),
             timeout=self.timeout)
-        self.client.join(self._addresses(tp * pp))
-        self.gpu = regions[0].is_cuda
-        self.pool = self.client.register_regions(
-            layout, regions, device="cuda" if self.gpu else "host",
-            keep=kv_caches)
+        try:
+            client.join(self._addresses(client, tp * pp))
+            self.gpu = regions[0].is_cuda
+            self.pool = client.register_regions(
+                layout, regions, device="cuda" if self.gpu else "host",
+                keep=kv_caches)
+        except BaseException:
+            client.close()
+            raise
+        self.client = client
         log.info("kvxfer rank %d/%d of %s: %d layers (%s), pool %d",
                  rank, tp * pp, self.instance_id, len(names),
                  "GPU" if self.gpu else "host", self.pool.id)
 
-    def _addresses(self, world: int) -> List[str]:
-        assert self.client is not None
+    def _addresses(self, client: kvxfer.Client, world: int) -> List[str]:
         if self.rank_addresses:
             addrs = [str(a) for a in self.rank_addresses]
             if len(addrs) != world:
                 raise kvxfer.InvalidArgument(
                     -1, f"rank_addresses: {len(addrs)} for {world} ranks")
             return addrs
-        mine = self.client.daemon_address
+        mine = client.daemon_address
         try:
             import torch.distributed as dist
             if dist.is_available() and dist.is_initialized() and \
@@ -605,11 +664,21 @@ class _Worker:
         return [mine] * world
 
     def start(self, meta: KvxferConnectorMetadata) -> None:
-        if self.client is None or self.pool is None:
+        if self._kv_caches is None:
             if meta.sends or meta.recvs:
                 raise kvxfer.StateError(
                     -1, "kvxfer connector: transfers before "
                     "register_kv_caches")
+            return
+        self._reconnect()
+        if self.client is not None and (meta.sends or meta.recvs):
+            nudge(self.client)
+        if self.client is None or self.pool is None:
+            # no daemon to talk to: the step's work ends here
+            for rid in meta.sends:
+                self._done_send.add(rid)
+            for rid, r in meta.recvs.items():
+                self._fail_recv(rid, r.block_ids, r.skip_tokens)
             return
         # No stream sync before a publish: vLLM finishes a request in
         # update_from_output, after it read the token its last forward
@@ -628,7 +697,9 @@ class _Worker:
             for (rid, s), r in zip(part, res):
                 if isinstance(r, kvxfer.Error):
                     # the decode's fetch fails (and recomputes); free now
-                    log.error("request %s: kvxfer publish failed: %s", rid, r)
+                    if not isinstance(r, DAEMON_GONE):
+                        log.error("request %s: kvxfer publish failed: %s",
+                                  rid, r)
                     self._done_send.add(rid)
                 else:
                     self._sending[s.key] = rid
@@ -643,7 +714,9 @@ class _Worker:
                                             skip_tokens=f[4]))
             for (rid, r), e in zip(part, res):
                 if isinstance(e, kvxfer.Error):
-                    log.error("request %s: kvxfer fetch refused: %s", rid, e)
+                    if not isinstance(e, DAEMON_GONE):
+                        log.error("request %s: kvxfer fetch refused: %s",
+                                  rid, e)
                     self._fail_recv(rid, r.block_ids, r.skip_tokens)
                 else:
                     self._recving[r.key] = (rid, r.block_ids, r.skip_tokens)
@@ -655,16 +728,22 @@ class _Worker:
                 self.client.cancel(key)
             except kvxfer.NotFound:
                 pass  # ended already: its event is on the way
+            except DAEMON_GONE as e:
+                self._lost(e)  # it ends with the daemon's other requests
             except kvxfer.Error as e:
                 log.error("request %s: kvxfer cancel failed: %s", rid, e)
 
-    @staticmethod
-    def _many(many: Any, items: List[Any], one: Any) -> List[Any]:
+    def _many(self, many: Any, items: List[Any], one: Any) -> List[Any]:
         """many(items): one entry per item (a result or its error). An
         item the library refuses before sending (a bad block id) fails
-        the whole call: then each goes alone, so it fails alone."""
+        the whole call: then each goes alone, so it fails alone. With the
+        daemon gone, every item fails with that error."""
+        assert self.client is not None
         try:
-            return many(items)
+            return retrying(self.client, many, items)
+        except DAEMON_GONE as e:
+            self._lost(e)
+            return [e] * len(items)
         except kvxfer.Error:
             res: List[Any] = []
             for it in items:
@@ -674,25 +753,87 @@ class _Worker:
                     res.append(e)
             return res
 
+    def _lost(self, e: kvxfer.Error) -> None:
+        """A call found the daemon gone. The library ends the requests in
+        flight with PEER_GONE events in the next poll and reconnects; a
+        client it gave up on is closed here, its requests ended by this
+        worker, and made anew by _reconnect."""
+        self._outage.lost(e, "fetches fail (load errors) and sends end")
+        c = self.client
+        if c is None or not c.closed:
+            return
+        try:
+            c.close()  # the daemon, if it still runs, ends our requests
+        except kvxfer.Error as why:  # pragma: no cover - close() ends it
+            log.debug("closing the kvxfer client: %s", why)
+        self.client = None
+        self.pool = None
+        self._end_all()
+
+    def _end_all(self) -> None:
+        """End every request in flight here (no event will come)."""
+        for rid in self._sending.values():
+            self._done_send.add(rid)
+        for rid, blocks, skip in self._recving.values():
+            self._fail_recv(rid, blocks, skip)
+        self._sending.clear()
+        self._recving.clear()
+
+    def _reconnect(self) -> None:
+        """Make the client again after the library gave it up: at each
+        step 5 ms apart while no daemon listens (an attempt costs a
+        connect()), a second apart after one refused us."""
+        if self.client is not None or self._kv_caches is None:
+            return
+        now = time.monotonic()
+        if now < self._next_connect:
+            return
+        try:
+            self._connect()
+        except kvxfer.Error as e:
+            nobody = isinstance(e, (kvxfer.IOFailure, kvxfer.Closed))
+            self._next_connect = now + (0.005 if nobody else 1.0)
+            self._outage.lost(e, "fetches fail (load errors) and sends end")
+            return
+        self._outage.back("connected to kvxferd again")
+
     def _fail_recv(self, rid: str, block_ids: List[int], skip: int) -> None:
         bs = self.cfg.cache_config.block_size
         self._load_errors.update(block_ids[skip // bs:])
         self._done_recv.add(rid)
 
     def get_finished(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        self._reconnect()
         if self.client is not None:
             # every step on every rank, pending work or not: the ranks of
-            # an instance read the same batches in lockstep
-            for ev in self.client.poll(0, 0):
+            # an instance read the same batches in lockstep. With the
+            # daemon gone the library's batch ends the requests in flight
+            # (PEER_GONE); then polls fail until it reconnects.
+            try:
+                nudge(self.client)
+                batch: Any = self.client.poll(0, 0)
+            except kvxfer.Error as e:
+                batch = ()
+                self._lost(e)
+            for ev in batch:
                 self._on_event(ev)
         sending, self._done_send = self._done_send, set()
         recving, self._done_recv = self._done_recv, set()
         return sending or None, recving or None
 
     def _on_event(self, ev: kvxfer.Event) -> None:
+        if ev.kind == kvxfer.EventKind.RECONNECTED:
+            self._outage.back(ev.message)
+            return
+        # the library's end of a request the daemon took with it: the
+        # outage is logged once, not each request
+        gone = gone_event(ev)
+        if gone:
+            self._outage.lost(ev.error, "fetches fail (load errors) and "
+                              "sends end")
         rid = self._sending.pop(ev.key, None)
         if rid is not None:
-            if not ev.ok:
+            if not ev.ok and not gone:
                 log.warning("request %s: offer ended %s: %s", rid,
                             kvxfer.status_name(ev.code), ev.message)
             self._done_send.add(rid)
@@ -704,8 +845,9 @@ class _Worker:
         if ev.ok or ev.kind == kvxfer.EventKind.CANCELLED:
             self._done_recv.add(rid)
             return
-        log.warning("request %s: KV fetch failed (%s: %s)", rid,
-                    kvxfer.status_name(ev.code), ev.message)
+        if not gone:
+            log.warning("request %s: KV fetch failed (%s: %s)", rid,
+                        kvxfer.status_name(ev.code), ev.message)
         self._fail_recv(rid, blocks, skip)
 
     def take_load_errors(self) -> Set[int]:
@@ -713,7 +855,11 @@ class _Worker:
         return out
 
     def close(self) -> None:
+        self._kv_caches = None  # not made again
         if self.client is not None:
-            self.client.close()  # the daemon ends this rank's requests
+            try:
+                self.client.close()  # the daemon ends this rank's requests
+            except kvxfer.Error as e:  # pragma: no cover - close() ends it
+                log.debug("closing the kvxfer client: %s", e)
             self.client = None
             self.pool = None

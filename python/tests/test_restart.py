@@ -3,6 +3,7 @@ flight end with one PEER_GONE event each, calls in the outage raise
 Closed saying why, no byte lands after the event, and the client comes
 back on its own with the pools it had."""
 
+import re
 import time
 
 import numpy as np
@@ -75,6 +76,7 @@ def test_kill9_mid_transfer_ends_requests_then_reconnects(slow_daemon):
     while (dst.array[::4096] != 0xa5).sum() < 16:
         assert time.monotonic() < end
         time.sleep(0.002)
+    old_address = gen.daemon_address
     d.kill9()
 
     # the client sees it at once, without a call
@@ -102,6 +104,10 @@ def test_kill9_mid_transfer_ends_requests_then_reconnects(slow_daemon):
     until_back(ctx)
     assert gen.alive and ctx.alive and not ctx.closed
     assert gen.incarnation == ctx.incarnation == 1
+    # the new daemon's address (engines hand it to others: a bootstrap)
+    new_address = re.findall(r"ready: .* address (\S+)", d.tail(400))[-1]
+    assert new_address != old_address
+    assert gen.daemon_address == ctx.daemon_address == new_address
     time.sleep(0.2)
     assert np.array_equal(dst.array, at_event)  # nothing landed after
 

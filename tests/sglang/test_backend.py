@@ -447,8 +447,8 @@ def test_bootstrap_server_serves_the_instance_and_refuses_garbage(
 
 def test_daemon_gone_fails_the_requests_not_the_scheduler(env, bootstrap,
                                                           tmp_path):
-    """kvxferd dies under a waiting fetch: the receiver polls Failed with
-    the reason; nothing raises into SGLang's loop."""
+    """kvxferd stops under a waiting fetch: the receiver polls Failed with
+    the library's reason; nothing raises into SGLang's loop."""
     own = Daemon(tmp_path)
     env.setenv("KVXFER_SGLANG_SOCKET", own.sock)
     src, dst = Rank(seed=37), Rank(seed=38)
@@ -459,9 +459,117 @@ def test_daemon_gone_fails_the_requests_not_the_scheduler(env, bootstrap,
         assert r.poll() == KVPoll.Transferring
         own.stop()
         assert wait_poll(r, KVPoll.Success) == KVPoll.Failed
-        with pytest.raises(KvxferTransferError, match="polling kvxferd "
-                           "failed"):
+        with pytest.raises(KvxferTransferError,
+                           match="PEER_GONE: kvxferd went away"):
             r.failure_exception()
+    finally:
+        pm.close()
+        dm.close()
+        own.stop()
+
+
+def kill9_mid_transfer(env, bootstrap, tmp_path):
+    """A daemon of the test's own; room 1 published by the prefill (no
+    fetch yet), room 2 fetched by the decode (no publish yet); then
+    kill -9 of the daemon. Returns what the test needs."""
+    own = Daemon(tmp_path)
+    env.setenv("KVXFER_SGLANG_SOCKET", own.sock)
+    src, dst = Rank(seed=41), Rank(seed=42)
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    s1 = KvxferKVSender(pm, bootstrap.address, room())
+    s1.init(2, 1)
+    send_chunks(s1, [[1, 2]], 8, src.page)
+    assert s1.poll() == KVPoll.Transferring
+    r2 = receiver(dm, bootstrap.address, room())
+    r2.send_metadata(np.asarray([3, 4, 5], np.int32), 2, [])
+    assert r2.poll() == KVPoll.Transferring
+    assert pm.client.state.in_flight == 1 and dm.client.state.in_flight == 1
+    own.kill9()
+    return own, src, dst, pm, dm, s1, r2
+
+
+def after_restart(own, bootstrap, src, dst, pm, dm, r2, before):
+    """A new daemon on the same socket: a later room moves byte for byte
+    (the prefill's new daemon address reaches the bootstrap server), and
+    nothing reaches room 2's pages."""
+    own.start()
+    rm, P = room(), src.page
+    s3 = KvxferKVSender(pm, bootstrap.address, rm)
+    s3.init(3, 4)
+    src.set_aux(4, rm, 4242)
+    send_chunks(s3, [[6, 7], [8]], 3, P)  # 2 pages, then 3 tokens
+    assert s3.poll() == KVPoll.Transferring, s3._reason
+    assert bootstrap.prefill["address"] == pm.client.daemon_address
+    r3 = receiver(dm, bootstrap.address, rm)
+    r3.send_metadata(np.asarray([9, 10, 11], np.int32), 6, [])
+    assert wait_poll(r3, KVPoll.Success) == KVPoll.Success, r3._reason
+    assert wait_poll(s3, KVPoll.Success) == KVPoll.Success, s3._reason
+    assert_landed(src, dst, [6, 7, 8], [9, 10, 11], 2 * P + 3)
+    assert dst.aux[0][6, 0] == 4242
+    for (_, _, d), b in zip(dst.buffers(), before):
+        for pg in (3, 4, 5):  # room 2's pages: as they were
+            assert np.array_equal(d[pg * P:(pg + 1) * P],
+                                  b[pg * P:(pg + 1) * P])
+    assert not dst.aux[2][2].any()  # room 2's aux row
+
+
+def test_daemon_killed_fails_rooms_in_flight_then_reconnects(env, bootstrap,
+                                                             tmp_path):
+    """kill -9 of kvxferd with a published room and a waiting fetch: each
+    polls Failed once (PEER_GONE, the library's), no exception reaches
+    SGLang's loop, a room started in the outage fails at once; after a
+    new daemon on the same socket, the library's reconnection carries the
+    managers on and a later room moves byte for byte."""
+    own, src, dst, pm, dm, s1, r2 = kill9_mid_transfer(env, bootstrap,
+                                                       tmp_path)
+    try:
+        before = [b.copy() for _, _, b in dst.buffers()]
+        assert wait_poll(s1, KVPoll.Success) == KVPoll.Failed
+        assert wait_poll(r2, KVPoll.Success) == KVPoll.Failed
+        for x in (s1, r2):
+            with pytest.raises(KvxferTransferError,
+                               match="PEER_GONE: kvxferd went away") as ei:
+                x.failure_exception()
+            assert ei.value.code == kvxfer.PeerGone.code
+        # in the outage: a room fails at its publish, nothing raises
+        s = KvxferKVSender(pm, bootstrap.address, room())
+        s.init(1, 0)
+        send_chunks(s, [[12]], 4, src.page)
+        assert s.poll() == KVPoll.Failed
+        with pytest.raises(KvxferTransferError, match="CLOSED: kvxferd "
+                           "went away"):
+            s.failure_exception()
+        for m in (pm, dm):
+            m.pump(force=True)
+            assert m.client.state.status == kvxfer.ClientStatus.RECONNECTING
+        after_restart(own, bootstrap, src, dst, pm, dm, r2, before)
+        for m in (pm, dm):
+            assert m.client.state.status == kvxfer.ClientStatus.CONNECTED
+            assert m.client.incarnation == 1
+    finally:
+        pm.close()
+        dm.close()
+        own.stop()
+
+
+def test_daemon_killed_reconnection_off_makes_clients_again(env, bootstrap,
+                                                            tmp_path):
+    """The same with the library's reconnection off (KVXFER_RECONNECT=0):
+    the managers close the clients it gave up and make new ones once the
+    daemon is back."""
+    env.setenv("KVXFER_RECONNECT", "0")
+    own, src, dst, pm, dm, s1, r2 = kill9_mid_transfer(env, bootstrap,
+                                                       tmp_path)
+    try:
+        before = [b.copy() for _, _, b in dst.buffers()]
+        assert wait_poll(s1, KVPoll.Success) == KVPoll.Failed
+        assert wait_poll(r2, KVPoll.Success) == KVPoll.Failed
+        for m in (pm, dm):
+            m.pump(force=True)
+            assert m.client.closed
+        after_restart(own, bootstrap, src, dst, pm, dm, r2, before)
+        for m in (pm, dm):
+            assert m.client.alive and m.client.incarnation == 0
     finally:
         pm.close()
         dm.close()

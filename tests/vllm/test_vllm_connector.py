@@ -17,6 +17,7 @@ blocks can be checked byte for byte against what its prefill wrote.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 from typing import Any, Dict, List, Optional
@@ -53,6 +54,8 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import \
 import kvxfer
 import kvxfer.vllm as kv_vllm
 
+from conftest import Daemon
+
 LAYERS, KV_HEADS, HEAD = 2, 4, 32
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -73,17 +76,18 @@ def model_dir(tmp_path_factory):
 
 
 def pattern(tokens: List[int], start: int, end: int, layer: int,
-            heads: range) -> torch.Tensor:
+            heads: range, salt: float = 0.0) -> torch.Tensor:
     """[end - start, len(heads), 2 * HEAD] K|V values of the positions
     [start, end): exact float32 integers, distinct per token, position,
-    layer, head and element."""
+    layer, head and element (plus salt: an engine's own, so that KV it
+    computed differs from KV it received)."""
     pos = torch.arange(start, end)
     tok = torch.tensor(tokens[start:end])
     base = ((tok * 31 + pos * 7) % 997).to(torch.float32)  # < 997
     h = torch.tensor(list(heads), dtype=torch.float32)
     c = torch.arange(2 * HEAD, dtype=torch.float32)
     return (base[:, None, None] + 1000 * c[None, None, :]
-            + 100000 * h[None, :, None] + 1000000 * layer)
+            + 100000 * h[None, :, None] + 1000000 * layer + salt)
 
 
 def kv_tensor(spec: Any, num_blocks: int, names: List[str],
@@ -102,8 +106,8 @@ class Engine:
 
     def __init__(self, model: str, sock: str, name: str, tp: int = 1,
                  layout: str = "LBNHC", extra: Optional[dict] = None,
-                 policy: str = "recompute") -> None:
-        self.name, self.tp = name, tp
+                 policy: str = "recompute", salt: float = 0.0) -> None:
+        self.name, self.tp, self.salt = name, tp, salt
         mc = ModelConfig(model=model, skip_tokenizer_init=True,
                          dtype="float32", max_model_len=512, seed=0)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
@@ -157,6 +161,7 @@ class Engine:
         self.outputs: Dict[str, Any] = {}  # request id -> EngineCoreOutput
         self.tokens: Dict[str, List[int]] = {}
         self.computed: Dict[str, List[int]] = {}  # tokens computed per step
+        self.kv_outputs: List[Any] = []  # each step's KVConnectorOutput
 
     def free_blocks(self) -> int:
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -188,6 +193,7 @@ class Engine:
             finally:
                 kv_transfer_state._KV_CONNECTOR_AGENT = None
         kvo = self.agg.aggregate(outs).kv_connector_output
+        self.kv_outputs.append(kvo)
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -217,14 +223,19 @@ class Engine:
             toks = list(req.all_token_ids)
             blocks = self.blocks_of(rid)
             for layer, name in enumerate(self.layer_names):
-                vals = pattern(toks, start, end, layer, heads)
+                vals = pattern(toks, start, end, layer, heads, self.salt)
                 for p in range(start, end):
                     caches[name][blocks[p // BLOCK], :, p % BLOCK] = \
                         vals[p - start]
 
     def kv_of(self, rid: str, n: int, r: int = 0) -> List[torch.Tensor]:
         """Per layer: [n, heads, 2 * HEAD] of rank r's blocks of rid."""
-        blocks = self.blocks_of(rid)
+        return self.kv_in(self.blocks_of(rid), n, r)
+
+    def kv_in(self, blocks: List[int], n: int, r: int = 0
+              ) -> List[torch.Tensor]:
+        """Per layer: [n, heads, 2 * HEAD] of the first n tokens of blocks
+        (a finished request's, freed but not reused)."""
         caches = self.ranks[r]["caches"]
         out = []
         for name in self.layer_names:
@@ -267,10 +278,11 @@ _n = iter(range(1, 1000))
 def engines(daemon, model_dir):
     made: List[Engine] = []
 
-    def make(tp: int = 1, layout: str = "LBNHC", **kw) -> Engine:
+    def make(tp: int = 1, layout: str = "LBNHC", sock: Optional[str] = None,
+             **kw) -> Engine:
         role = "prefill" if not made else "decode"
-        e = Engine(model_dir, daemon.sock, f"{role}-{next(_n)}", tp=tp,
-                   layout=layout, **kw)
+        e = Engine(model_dir, sock or daemon.sock, f"{role}-{next(_n)}",
+                   tp=tp, layout=layout, **kw)
         made.append(e)
         return e
     yield make
@@ -492,3 +504,172 @@ def test_no_daemon_is_a_clear_error(model_dir, tmp_path):
     with pytest.raises(kvxfer.Error) as e:
         Engine(model_dir, str(tmp_path / "none.sock"), "lonely")
     assert "none.sock" in str(e.value)
+
+
+# -- the daemon goes away (issue 35) ----------------------------------------
+
+
+def reported(e: Engine, field: str, rid: str) -> int:
+    """How many steps' outputs named rid in field (finished_sending,
+    finished_recving)."""
+    return sum(rid in (getattr(k, field) or ()) for k in e.kv_outputs)
+
+
+def load_errors(e: Engine) -> List[set]:
+    """The steps' invalid_block_ids that were not empty."""
+    return [set(k.invalid_block_ids) for k in e.kv_outputs
+            if k.invalid_block_ids]
+
+
+def worker(e: Engine, r: int = 0) -> Any:
+    return e.ranks[r]["conn"]._worker
+
+
+def kill_mid_transfer(p: Engine, d: Engine, daemon: Any) -> Dict[str, Any]:
+    """Two prefill requests and a decode fetch in flight, then kill -9 of
+    the daemon; the engines step until each request ended once. Returns
+    what the checks need."""
+    p_free = p.free_blocks()
+    pa, pb = prompt_of(40, 21), prompt_of(40, 22)
+    prefill(p, "req-ka", pa)  # its offer is published at the next step
+    params_b = prefill(p, "req-kb", pb)  # reserved, not published yet
+    d.add("req-kb", pb, 4, params_b)
+    d.step()  # the decode's fetch waits for the offer
+    assert d.sched.requests["req-kb"].status == \
+        RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert worker(p).client.state.in_flight == 1  # req-ka's offer
+    assert worker(d).client.state.in_flight == 1  # req-kb's fetch
+    blocks_b = d.blocks_of("req-kb")[:3]
+    daemon.kill9()
+    seen: Dict[str, Any] = {}
+
+    def ended():
+        if load_errors(d) and "outcome" not in seen:
+            # the step that reported the load error has run, the
+            # recompute has not: the fetch wrote nothing
+            seen["outcome"] = d.kv_in(blocks_b, 40)
+        req = d.sched.requests.get("req-kb")
+        if req is not None and req.status == RequestStatus.RUNNING:
+            # vLLM gave the recompute the blocks again (in another order)
+            seen["blocks"] = d.blocks_of("req-kb")[:3]
+        if "req-kb" in d.outputs and "recomputed" not in seen:
+            seen["recomputed"] = d.kv_in(seen["blocks"], 40)
+        return "recomputed" in seen and p.free_blocks() == p_free
+    run([p, d], ended)
+    # one outcome each: the sends finished (their blocks free), the fetch
+    # a load error of its blocks, which vLLM recomputed
+    assert reported(p, "finished_sending", "req-ka") == 1
+    assert reported(p, "finished_sending", "req-kb") == 1
+    assert reported(d, "finished_recving", "req-kb") == 1
+    assert load_errors(d) == [set(blocks_b)]
+    for kv in seen["outcome"]:
+        assert not kv.any()
+    assert d.tokens["req-kb"] == [TOKEN] * 4
+    assert d.computed["req-kb"][0] == 40, d.computed["req-kb"]
+    for layer, kv in enumerate(seen["recomputed"]):
+        assert torch.equal(kv, pattern(pb, 0, 40, layer, range(KV_HEADS)))
+    assert set(seen["blocks"]) == set(blocks_b)
+    # while it is gone: a prefill returns no params (its decode computes
+    # the prompt), nothing raises
+    p.add("req-kd", prompt_of(20, 24), 1, {"do_remote_decode": True})
+    run([p], lambda: "req-kd" in p.outputs)
+    assert p.outputs["req-kd"].kv_transfer_params is None
+    assert p.free_blocks() == p_free
+    return {"blocks_b": seen["blocks"], "pb": pb, "p_free": p_free}
+
+
+def after_restart(p: Engine, d: Engine, daemon: Any, was: Dict[str, Any]
+                  ) -> None:
+    """A new daemon on the same socket: the next request moves through
+    kvxfer byte for byte, and the lost fetch's blocks stay as the decode
+    computed them."""
+    daemon.start()
+    pc = prompt_of(40, 23)
+    params = prefill(p, "req-kc", pc)
+    d.add("req-kc", pc, 2, params)
+    seen = {}
+
+    def loaded():
+        if landed(d, "req-kc") and "kv" not in seen:
+            seen["kv"] = d.kv_of("req-kc", 40)
+            seen["blocks"] = d.blocks_of("req-kc")
+        return "req-kc" in d.outputs and p.free_blocks() == was["p_free"]
+    run([p, d], loaded)
+    assert d.computed["req-kc"][0] == 1, d.computed["req-kc"]  # moved
+    for layer in range(LAYERS):  # the prefill's KV (its salt), not ours
+        assert torch.equal(seen["kv"][layer][:39],
+                           pattern(pc, 0, 39, layer, range(KV_HEADS),
+                                   p.salt))
+    assert load_errors(d) == [set(was["blocks_b"])]  # none since
+    # nothing of req-kb's transfer landed once the new daemon was up: its
+    # full blocks that req-kc did not take hold what the decode computed
+    kept = [(i, b) for i, b in enumerate(was["blocks_b"][:2])
+            if b not in seen["blocks"]]
+    assert kept, (was["blocks_b"], seen["blocks"])
+    for i, b in kept:
+        for layer, kv in enumerate(d.kv_in([b], BLOCK)):
+            assert torch.equal(kv, pattern(was["pb"], i * BLOCK,
+                                           (i + 1) * BLOCK, layer,
+                                           range(KV_HEADS)))
+
+
+@pytest.fixture
+def own_daemon(tmp_path):
+    """A daemon of the test's own, to kill and start again."""
+    d = Daemon(tmp_path)
+    yield d
+    d.stop()
+
+
+def outage_lines(caplog) -> List[str]:
+    """The connector's log lines about the daemon's loss and return."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "kvxfer.vllm" and "kvxferd" in r.getMessage()
+            and r.levelno >= logging.WARNING]
+
+
+def test_daemon_killed_mid_transfer(engines, own_daemon, caplog):
+    """kill -9 of kvxferd with a prefill's offer published (not fetched
+    yet), another reserved but not published, and the decode's fetch of
+    it waiting: both engines carry on (no exception leaves a connector
+    method), each request ends once (the sends finished, their blocks
+    freed; the fetch's blocks load errors, recomputed under
+    kv_load_failure_policy recompute), nothing lands in the decode's
+    blocks; a new daemon on the same socket and the next request goes
+    through kvxfer again, with the library's reconnection, no restart."""
+    daemon = own_daemon
+    p = engines(salt=0.5, sock=daemon.sock)
+    d = engines(sock=daemon.sock)
+    was = kill_mid_transfer(p, d, daemon)
+    for e in (p, d):  # the library reconnects them, not closed
+        assert worker(e).client.state.status == \
+            kvxfer.ClientStatus.RECONNECTING
+    after_restart(p, d, daemon, was)
+    for e in (p, d):
+        st = worker(e).client.state
+        assert st.status == kvxfer.ClientStatus.CONNECTED
+        assert st.incarnation == 1
+    # logged once per outage and side, and the return
+    lines = outage_lines(caplog)
+    for who in (f"worker of {p.name}", f"worker of {d.name}",
+                f"scheduler of {p.name}"):
+        mine = [m for m in lines if who in m]
+        assert len(mine) == 2, lines
+        assert "kvxferd unavailable" in mine[0]
+        assert "transfers resume" in mine[1]
+
+
+def test_daemon_killed_reconnection_off(engines, own_daemon, monkeypatch):
+    """The same with the library's reconnection off (KVXFER_RECONNECT=0):
+    the clients close, the connector makes its worker's and scheduler's
+    clients again once the daemon is back."""
+    monkeypatch.setenv("KVXFER_RECONNECT", "0")
+    daemon = own_daemon
+    p = engines(salt=0.5, sock=daemon.sock)
+    d = engines(sock=daemon.sock)
+    was = kill_mid_transfer(p, d, daemon)
+    after_restart(p, d, daemon, was)
+    for e in (p, d):
+        st = worker(e).client.state
+        assert st.status == kvxfer.ClientStatus.CONNECTED
+        assert st.incarnation == 0  # a new client
