@@ -316,7 +316,7 @@ TEST_T(access_alias_of_own_address, 60)
     ax_publish(&c, "room", 21, &p);
     kvx_context_params_free(&p);
     for (int i = 0; i < 4; i++) {
-        char gk[16];
+        char gk[32];
         snprintf(gk, sizeof(gk), "steal-%d", i);
         int rc = ax_fetch_key(&bg, gk, "al-ctx", alias[i], "room");
         fprintf(stderr, "fetch by %s: %s: %s\n", alias[i], kvx_status_name(rc),
