@@ -499,7 +499,7 @@ static int status_cpus(const char *path, char out[64], char name[32])
 
 /* The Cpus_allowed_list of each of pid's copy workers (kvx-copy-N),
  * by N; returns how many were found. */
-static int copy_worker_cpus(pid_t pid, char out[][64], int max)
+static int copy_worker_cpus_now(pid_t pid, char out[][64], int max)
 {
     char path[128];
     snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
@@ -518,6 +518,17 @@ static int copy_worker_cpus(pid_t pid, char out[][64], int max)
         }
     }
     closedir(dir);
+    return found;
+}
+
+/* The same once all max workers have named themselves (each does so as
+ * it starts, which may come after the socket answers: up to 5 s). */
+static int copy_worker_cpus(pid_t pid, char out[][64], int max)
+{
+    int found = 0;
+    for (int64_t end = now_ms() + 5000;
+         (found = copy_worker_cpus_now(pid, out, max)) < max && now_ms() < end;)
+        sleep_ms(10);
     return found;
 }
 
