@@ -91,5 +91,6 @@
 #include "t_peer_ops.c"
 #include "t_peer_hostile.c"
 #include "t_access.c"
+#include "t_attack.c"
 #include "t_faults.c"
 /* clang-format on */
