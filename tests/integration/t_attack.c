@@ -139,3 +139,161 @@ TEST_T(attack_spread_token_replayed_across_uids, 90)
     }
     p_stop_both(a, b);
 }
+
+/* ---- the handshake cap, from a local user of the dialling host ------- */
+
+/* One handshake socket of at_flood(): connected to ip:port, and then
+ * (hello) a well-formed HELLO, which any stranger can send (no secret:
+ * the daemon answers it with its CHALLENGE), or (else) one byte of a
+ * frame header. Either way the daemon has "received something", and
+ * such a handshake is never evicted for another. -1 on failure. */
+static int at_hs_open(const char *ip, int port, int hello)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)port)};
+    if (fd < 0 || inet_pton(AF_INET, ip, &sa.sin_addr) != 1 ||
+        connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    uint8_t buf[256];
+    size_t n = 1;
+    buf[0] = 0;
+    if (hello) {
+        uint8_t nonce[32] = {1};
+        Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
+        h.version = 7; /* peer.c PEER_VERSION */
+        h.address = "kvx://10.0.0.9:9/0000000000000000";
+        h.nonce.data = nonce;
+        h.nonce.len = sizeof(nonce);
+        Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+        m.m_case = KVXFER__PEER_MSG__M_HELLO;
+        m.hello = &h;
+        size_t pl = kvxfer__peer_msg__get_packed_size(&m);
+        uint32_t be = htonl((uint32_t)pl);
+        memcpy(buf, &be, 4);
+        kvxfer__peer_msg__pack(&m, buf + 4);
+        n = 4 + pl;
+    }
+    if (write(fd, buf, n) != (ssize_t)n) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* A child in network namespace ns (NULL: this one) holding nsock
+ * handshakes to ip:port open (at_hs_open()), each reopened at once when
+ * the daemon closes it, for seconds; its pid. No secret, no privilege
+ * beyond a socket: what any local user of the host may do. */
+static pid_t at_flood(const char *ns, const char *ip, int port, int nsock,
+                      int hello, int seconds)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid)
+        return pid;
+    if (ns) {
+        char path[128];
+        snprintf(path, sizeof(path), "/var/run/netns/%s", ns);
+        int nfd = open(path, O_RDONLY | O_CLOEXEC);
+        if (nfd < 0 || setns(nfd, CLONE_NEWNET))
+            _exit(2);
+        close(nfd);
+    }
+    if (setresgid(65534, 65534, 65534) || setresuid(65534, 65534, 65534))
+        _exit(3); /* from here on: nobody */
+    struct pollfd p[64];
+    CHECK(nsock <= 64);
+    for (int i = 0; i < nsock; i++)
+        p[i] = (struct pollfd){at_hs_open(ip, port, hello), POLLIN, 0};
+    int64_t end = now_ms() + seconds * 1000;
+    while (now_ms() < end) {
+        (void)poll(p, (nfds_t)nsock, 50);
+        for (int i = 0; i < nsock; i++) {
+            if (p[i].fd >= 0 && !(p[i].revents & (POLLIN | POLLHUP | POLLERR)))
+                continue;
+            uint8_t b[512];
+            if (p[i].fd >= 0 && read(p[i].fd, b, sizeof(b)) > 0)
+                continue; /* its CHALLENGE: never answered */
+            if (p[i].fd >= 0)
+                close(p[i].fd);
+            p[i].fd = at_hs_open(ip, port, hello);
+        }
+    }
+    _exit(0);
+}
+
+/* Attack: a local user on daemon B's host (B's IP; no secret) keeps 8
+ * handshakes to daemon A open, each having sent a byte or a HELLO, so
+ * none is "idle" and none is ever evicted; each ends at A's
+ * peer.connect_timeout_ms and is opened again at once. A's cap of 8
+ * handshakes from one IP is B's cap too: every dial of daemon B to A is
+ * closed at accept, and B's fetches fail. An unprivileged user of one
+ * node cuts that node's daemon off from the others. */
+static void at_flood_case(int hello)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    if (!p_net.netns) {
+        fprintf(stderr, "skipped: the flood needs B's namespace\n");
+        daemon_stop_ok(a);
+        return;
+    }
+    static side_t cs, gs;
+    rank_t c, g;
+    p_side(&cs, "af-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 4);
+    p_side(&gs, "af-gen", KVX_ROLE_GENERATION, "vllm-nhd", 4);
+    rank_open(a, &M_SMALL, &cs, 0, 8, &c);
+    char a_ipport[64];
+    p_ipport_of(&c, a_ipport, sizeof(a_ipport));
+    char *colon = strrchr(a_ipport, ':');
+    *colon = 0;
+    pid_t fl = at_flood(p_net.ns[1], a_ipport, atoi(colon + 1), 8, hello, 60);
+    usleep(300 * 1000);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    int failed = 0, n = 4;
+    daemon_t *b = p_daemon(1, P_SECRET, NULL, NULL);
+    rank_open(b, &M_SMALL, &gs, 0, 8, &g);
+    for (uint64_t q = 1; q <= (uint64_t)n; q++) {
+        fill_req(&c, q, cb, 7);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, q, c.pool, cb, 2, 7, &p, T_MS), c.c);
+        CHECK_KVX(kvx_fetch(g.c, q, p.data, p.len, g.pool, gb, 2, 0, T_MS),
+                  g.c);
+        kvx_context_params_free(&p);
+        ev_t e[4];
+        CHECK(collect(g.c, e, 4, 1, 20000) == 1);
+        if (e[0].kind == KVX_EVENT_COMPLETE) {
+            wait_event(c.c, q, KVX_EVENT_COMPLETE, 0, 5000);
+            CHECK_EQ(p_check_req(&g, q, gb, 7, 0), 0);
+        } else {
+            fprintf(stderr, "fetch %llu: %s %s: %s\n", (unsigned long long)q,
+                    kind_name(e[0].kind), kvx_status_name(e[0].code), e[0].msg);
+            failed++;
+            ev_t ce[4];
+            if (kvx_cancel(c.c, q, T_MS) == KVX_OK)
+                collect(c.c, ce, 4, 1, 5000);
+        }
+    }
+    kill(fl, SIGKILL);
+    waitpid(fl, NULL, 0);
+    fprintf(stderr, "%d of %d fetches failed under the %s flood\n", failed, n,
+            hello ? "HELLO" : "one-byte");
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+    CHECK_EQ(failed, 0);
+}
+
+TEST_T(attack_handshake_flood_hello_same_host, 200)
+{
+    at_flood_case(1);
+}
+TEST_T(attack_handshake_flood_byte_same_host, 200)
+{
+    at_flood_case(0);
+}
