@@ -147,12 +147,15 @@ TEST_T(attack_spread_token_replayed_across_uids, 90)
  * the daemon answers it with its CHALLENGE), or (else) one byte of a
  * frame header. Either way the daemon has "received something", and
  * such a handshake is never evicted for another. -1 on failure. */
-static int at_hs_open(const char *ip, int port, int hello)
+static int at_hs_open(const char *src, const char *ip, int port, int hello)
 {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)port)};
+                             .sin_port = htons((uint16_t)port)},
+                       so = {.sin_family = AF_INET};
     if (fd < 0 || inet_pton(AF_INET, ip, &sa.sin_addr) != 1 ||
+        (src && (inet_pton(AF_INET, src, &so.sin_addr) != 1 ||
+                 bind(fd, (struct sockaddr *)&so, sizeof(so)))) ||
         connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
         if (fd >= 0)
             close(fd);
@@ -188,8 +191,8 @@ static int at_hs_open(const char *ip, int port, int hello)
  * handshakes to ip:port open (at_hs_open()), each reopened at once when
  * the daemon closes it, for seconds; its pid. No secret, no privilege
  * beyond a socket: what any local user of the host may do. */
-static pid_t at_flood(const char *ns, const char *ip, int port, int nsock,
-                      int hello, int seconds)
+static pid_t at_flood(const char *ns, char srcs[][32], const char *ip, int port,
+                      int nsock, int hello, int seconds)
 {
     fflush(NULL);
     pid_t pid = fork();
@@ -209,7 +212,8 @@ static pid_t at_flood(const char *ns, const char *ip, int port, int nsock,
     struct pollfd p[64];
     CHECK(nsock <= 64);
     for (int i = 0; i < nsock; i++)
-        p[i] = (struct pollfd){at_hs_open(ip, port, hello), POLLIN, 0};
+        p[i] = (struct pollfd){
+            at_hs_open(srcs ? srcs[i / 8] : NULL, ip, port, hello), POLLIN, 0};
     int64_t end = now_ms() + seconds * 1000;
     while (now_ms() < end) {
         (void)poll(p, (nfds_t)nsock, 50);
@@ -221,7 +225,7 @@ static pid_t at_flood(const char *ns, const char *ip, int port, int nsock,
                 continue; /* its CHALLENGE: never answered */
             if (p[i].fd >= 0)
                 close(p[i].fd);
-            p[i].fd = at_hs_open(ip, port, hello);
+            p[i].fd = at_hs_open(srcs ? srcs[i / 8] : NULL, ip, port, hello);
         }
     }
     _exit(0);
@@ -234,7 +238,7 @@ static pid_t at_flood(const char *ns, const char *ip, int port, int nsock,
  * handshakes from one IP is B's cap too: every dial of daemon B to A is
  * closed at accept, and B's fetches fail. An unprivileged user of one
  * node cuts that node's daemon off from the others. */
-static void at_flood_case(int hello)
+static void at_flood_case(int hello, int nsrc)
 {
     p_setup();
     daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
@@ -252,7 +256,18 @@ static void at_flood_case(int hello)
     p_ipport_of(&c, a_ipport, sizeof(a_ipport));
     char *colon = strrchr(a_ipport, ':');
     *colon = 0;
-    pid_t fl = at_flood(p_net.ns[1], a_ipport, atoi(colon + 1), 8, hello, 60);
+    /* nsrc > 1: a host of the cluster's network with nsrc IPs (B's
+     * namespace given 10.X.0.100...), 8 handshakes from each */
+    static char srcs[8][32];
+    for (int i = 0; i < nsrc && nsrc > 1; i++) {
+        snprintf(srcs[i], sizeof(srcs[i]), "%.*s.%d",
+                 (int)(strrchr(p_net.ip[1], '.') - p_net.ip[1]), p_net.ip[1],
+                 100 + i);
+        CHECK(p_sh(NULL, 0, "ip -n %s addr add %s/24 dev %s", p_net.ns[1],
+                   srcs[i], p_net.veth[1]) == 0);
+    }
+    pid_t fl = at_flood(p_net.ns[1], nsrc > 1 ? srcs : NULL, a_ipport,
+                        atoi(colon + 1), 8 * nsrc, hello, 60);
     usleep(300 * 1000);
     uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
     int failed = 0, n = 4;
@@ -291,9 +306,18 @@ static void at_flood_case(int hello)
 
 TEST_T(attack_handshake_flood_hello_same_host, 200)
 {
-    at_flood_case(1);
+    at_flood_case(1, 1);
 }
 TEST_T(attack_handshake_flood_byte_same_host, 200)
 {
-    at_flood_case(0);
+    at_flood_case(0, 1);
+}
+
+/* The same from another host of the cluster's network with 8 IPs (64
+ * handshakes, 8 from each: within the per-source cap): the total cap of
+ * 64 is full of handshakes that are never evicted, and daemon B, from
+ * an IP that has none open, is closed at accept all the same. */
+TEST_T(attack_handshake_flood_hello_8_ips, 200)
+{
+    at_flood_case(1, 8);
 }
