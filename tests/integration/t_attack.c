@@ -321,3 +321,81 @@ TEST_T(attack_handshake_flood_hello_8_ips, 200)
 {
     at_flood_case(1, 8);
 }
+
+/* ---- what the daemon remembers of ended requests, across uids -------- */
+
+/* Attack: a released key is remembered (gone_t) so that a late fetch
+ * ends NOT_FOUND at once; the records are one table for every uid,
+ * GONE_MAX (65536) at once, the oldest dropped first. Uid B publishes and
+ * cancels 66000 keys of its own instance: uid A's record of its release
+ * is dropped, and A's late fetch by key of the released request no
+ * longer ends NOT_FOUND but waits for an offer that will not come
+ * (holding its blocks until the fetch timeout). One tenant's churn must
+ * not take what the daemon keeps for another. */
+TEST_T(attack_gone_records_evicted_by_other_uid, 240)
+{
+    need_root("attack_gone_records_evicted_by_other_uid");
+    daemon_t *d = daemon_start2("  mode: 0666\n", AX_AUTH);
+    side_t cs = ax_side("ge-ctx", KVX_ROLE_CONTEXT),
+           gs = ax_side("ge-gen", KVX_ROLE_GENERATION),
+           bs = ax_side("ge-bctx", KVX_ROLE_CONTEXT);
+    rank_t c, g, bc;
+    ax_rank(d, AX_UID_A, &cs, &c);
+    ax_rank(d, AX_UID_A, &gs, &g);
+    ax_rank(d, AX_UID_B, &bs, &bc);
+    kvx_client_t *ra = router_as(d, AX_UID_A);
+    kvx_context_params_t p;
+
+    /* control: released, then a late fetch: NOT_FOUND at once */
+    ax_publish(&c, "v-1", 1, &p);
+    kvx_context_params_free(&p);
+    CHECK_KVX(ax_release_key(ra, "ge-ctx", c.addr, "v-1"), ra);
+    CHECK_EQ(wait_key(c.c, "v-1", 3, 5000).kind, KVX_EVENT_COMPLETE);
+    CHECK_KVX(ax_fetch_key(&g, "l-1", "ge-ctx", c.addr, "v-1"), g.c);
+    ev_t e = wait_key(g.c, "l-1", 3, 3000);
+    fprintf(stderr, "late fetch, before the churn: %s %s: %s\n",
+            kind_name(e.kind), kvx_status_name(e.code), e.msg);
+    CHECK_EQ(e.code, KVX_ERR_NOT_FOUND);
+
+    /* the victim's second release */
+    ax_publish(&c, "v-2", 2, &p);
+    kvx_context_params_free(&p);
+    CHECK_KVX(ax_release_key(ra, "ge-ctx", c.addr, "v-2"), ra);
+    CHECK_EQ(wait_key(c.c, "v-2", 3, 5000).kind, KVX_EVENT_COMPLETE);
+
+    /* uid B's churn: its own keys, published and cancelled */
+    int64_t t0 = now_ms();
+    static const uint32_t cb[1] = {0};
+    kvx_context_params_t bp;
+    for (int i = 0; i < 66000; i++) {
+        char k[16];
+        snprintf(k, sizeof(k), "b%d", i);
+        CHECK_KVX(kvx_publish_key(bc.c, k, strlen(k), bc.pool, cb, 1, 1, NULL,
+                                  0, &bp, T_MS),
+                  bc.c);
+        kvx_context_params_free(&bp);
+        CHECK_KVX(kvx_cancel_key(bc.c, k, strlen(k), T_MS), bc.c);
+        if (i % 256 == 255) {
+            kvx_batch_t *b;
+            while (kvx_poll(bc.c, 0, 0, &b) == 0 && b->num_events)
+                kvx_batch_free(b);
+        }
+    }
+    fprintf(stderr, "uid B: 66000 publishes and cancels in %lld ms\n",
+            (long long)(now_ms() - t0));
+
+    CHECK_KVX(ax_fetch_key(&g, "l-2", "ge-ctx", c.addr, "v-2"), g.c);
+    ev_t le[4];
+    int got = collect(g.c, le, 4, 1, 3000);
+    fprintf(stderr, "late fetch, after uid B's churn: %s\n",
+            got ? le[0].msg : "no event within 3 s (it waits for an offer)");
+    CHECK_EQ(got, 1);
+    CHECK_EQ(le[0].code, KVX_ERR_NOT_FOUND);
+    CHECK_KVX(kvx_cancel_key(g.c, "l-2", 3, T_MS), g.c);
+
+    kvx_close(ra);
+    rank_close(&bc);
+    rank_close(&g);
+    rank_close(&c);
+    daemon_stop_ok(d);
+}
