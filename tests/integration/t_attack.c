@@ -399,3 +399,82 @@ TEST_T(attack_gone_records_evicted_by_other_uid, 240)
     rank_close(&c);
     daemon_stop_ok(d);
 }
+
+/* ---- the memory budget --------------------------------------------- */
+
+static long at_rss_kb(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    long kb = -1;
+    while (fgets(line, sizeof(line), f))
+        if (!strncmp(line, "VmRSS:", 6))
+            kb = atol(line + 6);
+    fclose(f);
+    return kb;
+}
+
+/* Attack: a join's consumers list is kept with the instance, uncharged,
+ * and has no cap but the frame (limits.max_frame_bytes, 16 MiB). With
+ * limits.memory_bytes 64 MiB (uid B's share 32 MiB), uid B's 8 instances
+ * each join with 100000 consumers of 128 bytes: the daemon holds about
+ * 100 MB for uid B that no budget sees. Every join passes; nothing is
+ * refused LIMIT. */
+TEST_T(attack_join_consumers_uncharged, 120)
+{
+    need_root("attack_join_consumers_uncharged");
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                AX_AUTH "limits:\n  memory_bytes: 64MiB\n");
+    enum { N_INST = 8, N_CONS = 100000 };
+    char **cons = calloc(N_CONS, sizeof(*cons));
+    CHECK(cons != NULL);
+    for (int i = 0; i < N_CONS; i++) {
+        cons[i] = malloc(129);
+        memset(cons[i], 'c', 128);
+        snprintf(cons[i], 129, "%08d", i);
+        cons[i][8] = 'c';
+        cons[i][128] = 0;
+    }
+    long before = at_rss_kb(d->pid);
+    static side_t s[N_INST];
+    static char names[N_INST][32];
+    rank_t r[N_INST];
+    int refused = 0;
+    for (int i = 0; i < N_INST; i++) {
+        snprintf(names[i], sizeof(names[i]), "cj-%d", i);
+        s[i] = ax_side(names[i], KVX_ROLE_CONTEXT);
+        as_uid(AX_UID_B);
+        rank_hello_only(d, &M_SMALL, &s[i], 0, &r[i]);
+        as_uid(0);
+        const char *addrs[1] = {r[i].addr};
+        int rc = kvx_join_consumers(r[i].c, addrs, 1, (const char *const *)cons,
+                                    N_CONS, 20000);
+        if (rc) {
+            fprintf(stderr, "join %d: %s: %s\n", i, kvx_status_name(rc),
+                    kvx_last_error(r[i].c));
+            refused++;
+        }
+    }
+    long after = at_rss_kb(d->pid);
+    fprintf(stderr,
+            "daemon RSS %ld MB before, %ld MB after uid B's %d joins of %d "
+            "consumers (%d refused); limits.memory_bytes 64 MiB\n",
+            before / 1024, after / 1024, N_INST, N_CONS, refused);
+    char *js = NULL;
+    kvx_client_t *ra = router_as(d, 0);
+    CHECK_KVX(kvx_status_json(ra, &js, T_MS), ra);
+    char *m = strstr(js, "\"memory\"");
+    fprintf(stderr, "status memory: %.300s\n", m ? m : "(none)");
+    free(js);
+    kvx_close(ra);
+    CHECK(refused > 0 || (after - before) / 1024 < 64);
+    for (int i = 0; i < N_INST; i++)
+        rank_close(&r[i]);
+    for (int i = 0; i < N_CONS; i++)
+        free(cons[i]);
+    free(cons);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
