@@ -478,3 +478,72 @@ TEST_T(attack_join_consumers_uncharged, 120)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* ---- a peer's worker address that passes ucx_addr_check() ---------- */
+
+/* Attack (found by fuzz_peer_auth, crash input: a real worker address
+ * with byte 29 of 186 changed from 0x88 to 0x1c, UCX_NET_DEVICES=lo): a
+ * peer holding the secret that daemon B dials (as the context rank of a
+ * fetch) answers with its real UCX worker address but one byte changed
+ * (fake_peer badaddr ... set:OFF:HEX). ucx_addr_check() passes it, and
+ * UCX 1.13's ucp_ep_create() reads out of bounds (SIGSEGV in
+ * ucp_wireup_is_reachable) for some offsets and values. Daemon B must
+ * stay up through all of them. KVX_AT_VALS: the values (hex, comma
+ * separated); KVX_AT_OFFS: first,last offset; KVX_AT_KEEP_DEVICES: the
+ * daemons' own UCX devices, not lo. */
+TEST_T(attack_worker_address_one_byte_crashes, 600)
+{
+    /* the fuzzer's transports (its worker address's layout); the
+     * handshake to the fake goes over its own TCP socket all the same */
+    if (!getenv("KVX_AT_KEEP_DEVICES"))
+        CHECK(setenv("UCX_NET_DEVICES", "lo", 1) == 0);
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "wb-ctx", "wb-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    const char *vals = getenv("KVX_AT_VALS") ? getenv("KVX_AT_VALS") : "1c";
+    int o0 = 29, o1 = 29;
+    if (getenv("KVX_AT_OFFS"))
+        CHECK(sscanf(getenv("KVX_AT_OFFS"), "%d,%d", &o0, &o1) == 2);
+    char faddr[192], out[4096], args[600];
+    uint8_t f[4096];
+    size_t fl;
+    int tries = 0, dead = 0;
+    for (int off = o0; off <= o1 && !dead; off++) {
+        char vbuf[128];
+        snprintf(vbuf, sizeof(vbuf), "%s", vals);
+        for (char *v = strtok(vbuf, ","); v && !dead; v = strtok(NULL, ",")) {
+            snprintf(args, sizeof(args), "badaddr %s/secret-A %s set:%d:%s 1",
+                     p_net.dir, p_net.ip[0], off, v);
+            FILE *fk = p_fake(0, args, faddr, sizeof(faddr));
+            p_params_at(&p, faddr, f, &fl);
+            uint64_t q = 100 + (uint64_t)tries++;
+            CHECK_KVX(kvx_fetch(g.c, q, f, fl, g.pool, gb, 2, 0, T_MS), g.c);
+            ev_t e[4];
+            int n = collect(g.c, e, 4, 1, 8000);
+            p_fake_rest(fk, out, sizeof(out));
+            if (off == o0)
+                fprintf(stderr, "byte %d = 0x%s: %s\n", off, v,
+                        n ? e[0].msg : "(no event)");
+            if (kill(b->pid, 0) || waitpid(b->pid, NULL, WNOHANG) == b->pid) {
+                fprintf(stderr,
+                        "daemon B died after the peer it dialled told its "
+                        "worker address with byte %d set to 0x%s (try %d)\n",
+                        off, v, tries);
+                dead = 1;
+            }
+        }
+    }
+    if (!dead)
+        fprintf(stderr, "daemon B stayed up through %d addresses\n", tries);
+    CHECK(!dead);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
