@@ -389,6 +389,18 @@ static void fill_ucx(Kvxfer__PeerUcx *u, uint64_t conn)
     u->conn = conn;
     if (!bad_kind)
         return;
+    unsigned off, val;
+    if (sscanf(bad_kind, "set:%u:%x", &off, &val) == 2) {
+        /* our real worker address with byte OFF (mod its length) set
+         * to VAL: a well-formed address but for one byte */
+        static uint8_t *set;
+        if (!set && !(set = malloc(my_ucx_len)))
+            die("malloc");
+        memcpy(set, my_ucx, my_ucx_len);
+        set[off % my_ucx_len] = (uint8_t)val;
+        u->worker.data = set;
+        return;
+    }
     if (!strcmp(bad_kind, "random")) {
         if (getrandom(bad_bytes, sizeof(bad_bytes), 0) != sizeof(bad_bytes))
             die("getrandom");

@@ -56,6 +56,8 @@
  *   t_peer_hostile.c   garbage to every port a daemon opens
  *   t_access.c         who may reach a request's KV: the access table of
  *                      docs/protocol.md, cell by cell, and old attacks
+ *   t_attack.c         attacks that still get through (issue 34 review):
+ *                      each fails until the daemon closes it
  *   t_faults.c         the same fault, one daemon and two: the same outcome
  *
  * A test goes in the file of its area; a helper used by one file stays
@@ -91,5 +93,6 @@
 #include "t_peer_ops.c"
 #include "t_peer_hostile.c"
 #include "t_access.c"
+#include "t_attack.c"
 #include "t_faults.c"
 /* clang-format on */
