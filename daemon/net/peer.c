@@ -1489,12 +1489,12 @@ int peer_address_check(const char *address, char *why, size_t why_len)
     return 0;
 }
 
-void peer_token(const char *instance, const char *addr0, uint64_t request,
-                uint8_t out[16])
+void peer_token(const char *instance, uint32_t owner_uid, const char *addr0,
+                uint64_t request, uint8_t out[16])
 {
     uint8_t buf[512], mac[MAC_LEN];
-    int n = snprintf((char *)buf, sizeof(buf), "kvx-token\n%s\n%s\n%llu",
-                     instance, addr0, (unsigned long long)request);
+    int n = snprintf((char *)buf, sizeof(buf), "kvx-token\n%s\n%u\n%s\n%llu",
+                     instance, owner_uid, addr0, (unsigned long long)request);
     unsigned ml = MAC_LEN;
     HMAC(EVP_sha256(), P.secret, (int)P.secret_len, buf,
          (size_t)(n < (int)sizeof(buf) ? n : (int)sizeof(buf) - 1), mac, &ml);

@@ -65,9 +65,11 @@ int peer_address_check(const char *address, char *why, size_t why_len);
  * dials itself; a handshake that reaches itself anyway fails too. */
 int peer_address_alias(const char *address, char *why, size_t why_len);
 /* The capability token of a request of an instance spread over daemons:
- * every daemon of it derives the same one from the cluster secret. */
-void peer_token(const char *instance, const char *addr0, uint64_t request,
-                uint8_t out[16]);
+ * every daemon of it derives the same one from the cluster secret. The
+ * owner's uid goes in, so that an instance of the same name made later
+ * by another uid never honours params issued to the first. */
+void peer_token(const char *instance, uint32_t owner_uid, const char *addr0,
+                uint64_t request, uint8_t out[16]);
 int peer_conn_alive(const peer_conn_t *c);
 
 /* Send a control message; queued until the connection is authenticated.

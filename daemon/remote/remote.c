@@ -2073,7 +2073,8 @@ static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
     if (!member)
         return;
     uint8_t tok[TOKEN_LEN];
-    peer_token(inst->id, inst->addresses[0], d->request_id, tok);
+    peer_token(inst->id, inst->owner_uid, inst->addresses[0], d->request_id,
+               tok);
     if (!token_equal(&d->token, tok))
         return;
     offer_t *o = xfer_offer_find(inst, d->request_id);

@@ -891,7 +891,8 @@ static int offer_create(instance_t *inst, const reqkey_t *key,
     /* an instance spread over daemons: every daemon of it must give the
      * same params, so the token is derived from the cluster secret */
     if (inst->nlocal < inst->nranks && peer_enabled())
-        peer_token(inst->id, inst->addresses[0], request_id, o->token);
+        peer_token(inst->id, inst->owner_uid, inst->addresses[0], request_id,
+                   o->token);
     else if (random_token(o->token)) {
         free(o);
         WHY(KVX_ERR_IO, "%s: getrandom failed", op);

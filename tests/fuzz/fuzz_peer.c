@@ -100,9 +100,10 @@ int peer_address_alias(const char *address, char *why, size_t why_len)
     (void)why_len;
     return 0;
 }
-void peer_token(const char *instance, const char *addr0, uint64_t request,
-                uint8_t out[16])
+void peer_token(const char *instance, uint32_t owner_uid, const char *addr0,
+                uint64_t request, uint8_t out[16])
 {
+    (void)owner_uid;
     (void)instance;
     (void)addr0;
     memset(out, (int)request, 16);

@@ -157,9 +157,10 @@ int peer_address_alias(const char *address, char *why, size_t why_len)
     return 0;
 }
 
-void peer_token(const char *instance, const char *addr0, uint64_t request,
-                uint8_t out[16])
+void peer_token(const char *instance, uint32_t owner_uid, const char *addr0,
+                uint64_t request, uint8_t out[16])
 {
+    (void)owner_uid;
     (void)addr0;
     memset(out, 0, 16);
     memcpy(out, &request, sizeof(request));
