@@ -98,6 +98,9 @@ static void instance_free(instance_t *inst)
         for (uint32_t r = 0; r < inst->nranks; r++)
             free(inst->addresses[r]);
     free(inst->addresses);
+    if (inst->consumers)
+        kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid,
+                             strlen(inst->consumers) + 1);
     free(inst->consumers);
     free(inst->local);
     free(inst->rank_sid);
@@ -293,6 +296,9 @@ int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
                        size_t why_len)
 {
     size_t len = 0;
+    if (n > INSTANCE_CONSUMERS_MAX)
+        WHY(KVX_ERR_LIMIT, "join.consumers: %zu entries, at most %u", n,
+            INSTANCE_CONSUMERS_MAX);
     for (size_t i = 0; i < n; i++) {
         size_t l = strlen(list[i]), nl;
         uint32_t u;
@@ -325,6 +331,16 @@ int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
                 "join.consumers: differ from those another rank gave");
         return 0;
     }
+    /* kept as long as the instance: its owner's to pay for */
+    if (c && kvxd_mem_charge_uid(MEM_REQUESTS, inst->owner_uid, len)) {
+        char m[256];
+        kvxd_mem_why(inst->owner_uid, len, m, sizeof(m));
+        free(c);
+        WHY(KVX_ERR_LIMIT, "join.consumers: %zu bytes %s", len, m);
+    }
+    if (inst->consumers)
+        kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid,
+                             strlen(inst->consumers) + 1);
     free(inst->consumers);
     inst->consumers = c;
     return 0;

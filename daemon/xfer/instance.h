@@ -20,6 +20,7 @@
 #include "plan.h"
 
 #define INSTANCE_ID_MAX 128
+#define INSTANCE_CONSUMERS_MAX 4096 /* a join's consumers entries */
 
 typedef struct instance {
     char id[INSTANCE_ID_MAX + 1];

@@ -470,8 +470,38 @@ TEST_T(attack_join_consumers_uncharged, 120)
     free(js);
     kvx_close(ra);
     CHECK(refused > 0 || (after - before) / 1024 < 64);
+    CHECK_STR_CONTAINS(kvx_last_error(r[0].c), "at most 4096");
     for (int i = 0; i < N_INST; i++)
         rank_close(&r[i]);
+    /* lists within the cap are charged to the owner's share: 4096
+     * entries of 129 bytes (528 KiB) an instance, uid B's 32 MiB share
+     * holds some 60 of them, then LIMIT naming the key */
+    static rank_t held[100];
+    int kept = 0;
+    for (int i = 0; i < 100; i++) {
+        static side_t cs;
+        char nm[32];
+        snprintf(nm, sizeof(nm), "cc-%d", i);
+        cs = ax_side(nm, KVX_ROLE_CONTEXT);
+        rank_t q;
+        as_uid(AX_UID_B);
+        rank_hello_only(d, &M_SMALL, &cs, 0, &q);
+        as_uid(0);
+        const char *addrs[1] = {q.addr};
+        int rc = kvx_join_consumers(q.c, addrs, 1, (const char *const *)cons,
+                                    4096, 20000);
+        if (rc) {
+            CHECK_EQ(rc, KVX_ERR_LIMIT);
+            CHECK_STR_CONTAINS(kvx_last_error(q.c), "limits.uid_memory_bytes");
+            rank_close(&q);
+            break;
+        }
+        held[kept++] = q; /* held open: the instance keeps its list */
+    }
+    fprintf(stderr, "uid B kept %d lists of 4096 consumers\n", kept);
+    CHECK(kept > 0 && kept < 100);
+    for (int i = 0; i < kept; i++)
+        rank_close(&held[i]);
     for (int i = 0; i < N_CONS; i++)
         free(cons[i]);
     free(cons);
