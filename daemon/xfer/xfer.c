@@ -261,7 +261,10 @@ struct genreq {
  * rank of it fetched, so that a later rank's fetch joins that end instead of
  * making a second request and a second event. */
 typedef struct gone {
-    dl_node_t dl; /* on gones, in deadline order */
+    dl_node_t dl;   /* on gones, in deadline order */
+    list_t by_uid;  /* on its uid's gone_uid_t, oldest first */
+    uint32_t uid;   /* the instance's owner: charged to its share */
+    size_t charged; /* bytes charged (kvxd_mem_*_uid) */
     int offer;
     int released; /* offer: released, not cancelled */
     char inst[INSTANCE_ID_MAX + 1];
@@ -273,7 +276,15 @@ typedef struct gone {
     uint8_t ranks[]; /* fetch: which ranks fetched */
 } gone_t;
 
-#define GONE_MAX 65536 /* kept at once; the oldest goes first */
+/* Kept at once per uid, within its memory share; past either, that
+ * uid's oldest goes first, so that one tenant's churn never drops what
+ * is kept for another. */
+#define GONE_MAX 65536
+
+typedef struct gone_uid {
+    list_t list; /* its gone_t, oldest first */
+    uint32_t n;
+} gone_uid_t;
 
 /* Insert in deadline order, searching from the tail: deadlines are
  * mostly increasing, so this is O(1) unless a reload shortened one. */
@@ -297,7 +308,7 @@ static void dl_remove(dl_node_t *n)
  * look one up at every call: no walk of the list) */
 static list_t gones = {&gones, &gones};
 static map_t gone_map;
-static uint32_t ngones;
+static map_t gone_uids; /* uid -> gone_uid_t */
 
 /* Which record (instance, key, side) as one number; two that collide
  * (2^-64) share a slot and the newer replaces the older. */
@@ -313,8 +324,42 @@ static void gone_free(gone_t *x)
     if (map_get(&gone_map, k) == x)
         map_del(&gone_map, k);
     dl_remove(&x->dl);
-    ngones--;
+    list_remove(&x->by_uid);
+    gone_uid_t *u = map_get(&gone_uids, x->uid);
+    if (u && !--u->n) {
+        map_del(&gone_uids, x->uid);
+        free(u);
+    }
+    kvxd_mem_release_uid(MEM_REQUESTS, x->uid, x->charged);
     free(x);
+}
+
+/* Make room for one more record of uid (of bytes): its oldest go while
+ * it holds GONE_MAX or its share would not take the bytes. The uid's
+ * list, or NULL (out of memory, or nothing left to give up). */
+static gone_uid_t *gone_room(uint32_t uid, size_t bytes)
+{
+    gone_uid_t *u = map_get(&gone_uids, uid);
+    if (!u) {
+        if (!(u = calloc(1, sizeof(*u))) || map_put(&gone_uids, uid, u)) {
+            free(u);
+            return NULL;
+        }
+        list_init(&u->list);
+    }
+    while (u->n && (u->n >= GONE_MAX ||
+                    kvxd_mem_charge_uid(MEM_REQUESTS, uid, bytes))) {
+        int last = u->n == 1;
+        gone_free(LIST_OWNER(list_first(&u->list), gone_t, by_uid));
+        if (last)
+            return NULL; /* u went with it */
+    }
+    if (!u->n && kvxd_mem_charge_uid(MEM_REQUESTS, uid, bytes)) {
+        map_del(&gone_uids, uid);
+        free(u);
+        return NULL;
+    }
+    return u;
 }
 
 static gone_t *gone_find(int offer, const char *inst, uint64_t request_id,
@@ -338,13 +383,24 @@ static gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
     gone_t *old = map_get(&gone_map, k);
     if (old) /* the same request ended again (or a collision): newest */
         gone_free(old);
-    gone_t *x = calloc(1, sizeof(*x) + nr);
+    size_t bytes = sizeof(gone_t) + nr;
+    gone_uid_t *u = gone_room(inst->owner_uid, bytes); /* charged */
+    gone_t *x = u ? calloc(1, bytes) : NULL;
     if (!x || map_put(&gone_map, k, x)) {
         free(x);
+        if (u) { /* charged, but nothing kept */
+            kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, bytes);
+            if (!u->n) {
+                map_del(&gone_uids, inst->owner_uid);
+                free(u);
+            }
+        }
         return NULL;
     }
-    if (ngones >= GONE_MAX)
-        gone_free(LIST_OWNER(list_first(&gones), gone_t, dl.node));
+    x->uid = inst->owner_uid;
+    x->charged = bytes;
+    list_push(&u->list, &x->by_uid);
+    u->n++;
     list_init(&x->dl.node);
     x->offer = offer;
     snprintf(x->inst, sizeof(x->inst), "%s", inst->id);
@@ -353,7 +409,6 @@ static gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
     x->src = src;
     x->nranks = nr;
     dl_insert(&gones, &x->dl, kvxd_now_ms() + kvxd.conf.fetch_timeout_ms);
-    ngones++;
     return x;
 }
 
