@@ -73,13 +73,22 @@ static int load_config(const char *path, kvx_conf_t *out, FILE *errs)
     return n;
 }
 
+/* The address without a peer listener: kvx://HOST/ID. ID is the boot
+ * id: its first half names the daemon on this host (a hash of its
+ * socket path), the second half is random per start, so that params of
+ * an earlier run are told from another daemon's (peer_address_alias()).
+ * peer_init() keeps ID with the listener's IP:PORT. */
 static void make_address(void)
 {
     char host[64] = "localhost";
     uint8_t id[8] = {0};
     gethostname(host, sizeof(host) - 1);
-    if (getrandom(id, sizeof(id), 0) != sizeof(id))
-        memcpy(id, &kvxd.start_ms, sizeof(id));
+    uint32_t h = 2166136261u; /* FNV-1a */
+    for (const char *p = kvxd.conf.socket_path; *p; p++)
+        h = (h ^ (uint8_t)*p) * 16777619u;
+    memcpy(id, &h, 4);
+    if (getrandom(id + 4, 4, 0) != 4)
+        memcpy(id + 4, &kvxd.start_ms, 4);
     snprintf(kvxd.address, sizeof(kvxd.address),
              "kvx://%s/%02x%02x%02x%02x%02x%02x%02x%02x", host, id[0], id[1],
              id[2], id[3], id[4], id[5], id[6], id[7]);

@@ -1445,26 +1445,53 @@ peer_conn_t *peer_conn_find(uint64_t id)
 
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
 
+/* Without a peer listener an address is kvx://HOST/ID, and the first
+ * half of ID names the daemon by its socket path (make_address()): the
+ * same host and half with another second half is an earlier run. */
+static int earlier_local(const char *address)
+{
+    const char *id = strrchr(address, '/'), *ours = strrchr(kvxd.address, '/');
+    size_t half = ours ? strlen(ours + 1) / 2 : 0;
+    return id && ours && half && id - address == ours - kvxd.address &&
+           !strncmp(address, kvxd.address, (size_t)(ours - kvxd.address)) &&
+           strlen(id + 1) == 2 * half && !strncmp(id + 1, ours + 1, half) &&
+           strcmp(id, ours);
+}
+
 int peer_address_alias(const char *address, char *why, size_t why_len)
 {
     struct sockaddr_storage ss;
     socklen_t sl;
     char w[8];
-    if (!P.on || !strcmp(address, kvxd.address) ||
-        parse_address(address, &ss, &sl, w, sizeof(w)) ||
+    if (!strcmp(address, kvxd.address))
+        return 0;
+    const char *id = strrchr(address, '/'), *ours = strrchr(kvxd.address, '/');
+    if (!P.on) {
+        if (!earlier_local(address))
+            return 0;
+        snprintf(why, why_len,
+                 "daemon '%s' was issued by an earlier run of this daemon "
+                 "(its id was %s, this run is %s)",
+                 address, id + 1, ours + 1);
+        return KVX_ERR_PEER_GONE;
+    }
+    if (parse_address(address, &ss, &sl, w, sizeof(w)) ||
         !same_sockaddr(&ss, &P.bound))
         return 0;
     /* our listener, spelt otherwise or under another id: never a peer
      * (it would dial itself); by the id, an earlier run's */
-    const char *id = strrchr(address, '/'), *ours = strrchr(kvxd.address, '/');
     int earlier = !id || strcmp(id, ours);
-    snprintf(why, why_len,
-             earlier ? "daemon '%s' is this daemon's listener under another "
-                       "id (this daemon is '%s'): an earlier run's address, "
-                       "not dialled"
-                     : "daemon '%s' is this daemon, spelt otherwise (its "
-                       "address is '%s')",
-             address, kvxd.address);
+    if (earlier)
+        snprintf(why, why_len,
+                 "daemon '%s' is this daemon's listener under another id, "
+                 "not dialled: issued by an earlier run of this daemon (its "
+                 "id was %s, this run is %s)",
+                 address, id ? id + 1 : "", ours + 1);
+    else
+        snprintf(why, why_len,
+                 "daemon '%s' is this daemon, spelt otherwise (its address "
+                 "is '%s')",
+                 address, kvxd.address);
     return earlier ? KVX_ERR_PEER_GONE : KVX_ERR_INVALID;
 }
 

@@ -61,8 +61,12 @@ int peer_address_check(const char *address, char *why, size_t why_len);
 /* Does address name this daemon's listener (its IP and port, however
  * spelt) without being this daemon's address? 0 when not; else
  * KVX_ERR_PEER_GONE (another id: an earlier run's address) or
- * KVX_ERR_INVALID (this id, spelt otherwise), with why. A daemon never
- * dials itself; a handshake that reaches itself anyway fails too. */
+ * KVX_ERR_INVALID (this id, spelt otherwise), with why. Without a peer
+ * listener, an address of this host whose id's first half is this
+ * daemon's (its socket path) and second half another is an earlier
+ * run's too. Every earlier run's address is refused with "issued by an
+ * earlier run of this daemon (its id was X, this run is Y)". A daemon
+ * never dials itself; a handshake that reaches itself anyway fails too. */
 int peer_address_alias(const char *address, char *why, size_t why_len);
 /* The capability token of a request of an instance spread over daemons:
  * every daemon of it derives the same one from the cluster secret. */

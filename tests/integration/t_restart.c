@@ -345,3 +345,73 @@ TEST(restart_reconnect_off)
     rank_close(&g);
     daemon_stop_ok(d);
 }
+
+/* Params, and the address, of the daemon's run before a restart, given
+ * to the new run: every path that takes them (fetch and release with
+ * the params, fetch and release by key at the old address) refuses them
+ * naming the cause, both ids, and never looks up the new run's offers
+ * by them (the new run has one of the same instance and key). Without a
+ * peer listener, where the address is kvx://HOST/ID. */
+TEST_T(restart_old_params_refused, 60)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "op-ctx", "op-gen", 8, &c, &g, &cs, &gs);
+    char old[192], now[192];
+    CHECK_KVX(kvx_daemon_address(c.c, old, sizeof(old)), c.c);
+    uint32_t bl[2] = {1, 2};
+    kvx_context_params_t p;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room", 4, c.pool, bl, 2, 8, NULL, 0, &p, T_MS),
+        c.c);
+    daemon_kill9(d);
+    const char *k[1] = {"room"};
+    expect_gone_batch(c.c, k, 1);
+    daemon_restart(d);
+    poll_until_back(c.c, 1);
+    poll_until_back(g.c, 1);
+    CHECK_KVX(kvx_daemon_address(c.c, now, sizeof(now)), c.c);
+    CHECK(strcmp(old, now) != 0);
+    /* the new run offers the same key of the same instance */
+    memset(g.base, 0xa5, g.size);
+    uint8_t *before = malloc(g.size);
+    CHECK(before != NULL);
+    memcpy(before, g.base, g.size);
+    kvx_context_params_t q;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room", 4, c.pool, bl, 2, 8, NULL, 0, &q, T_MS),
+        c.c);
+    char want[256];
+    snprintf(want, sizeof(want),
+             "issued by an earlier run of this daemon (its id was %s, this "
+             "run is %s)",
+             strrchr(old, '/') + 1, strrchr(now, '/') + 1);
+    uint32_t gb[2] = {3, 4};
+    CHECK_FAILS(
+        kvx_fetch_key(g.c, "f1", 2, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c, KVX_ERR_PEER_GONE, want);
+    CHECK_STR_CONTAINS(kvx_last_error(g.c), "fetch.context_params");
+    CHECK_FAILS(kvx_release(g.c, p.data, p.len, T_MS), g.c, KVX_ERR_PEER_GONE,
+                want);
+    CHECK_FAILS(kvx_fetch_by_key(g.c, "f2", 2, "op-ctx", old, "room", 4, g.pool,
+                                 gb, 2, 0, 0, T_MS),
+                g.c, KVX_ERR_PEER_GONE, want);
+    CHECK_FAILS(kvx_release_by_key(g.c, "op-ctx", old, "room", 4, T_MS), g.c,
+                KVX_ERR_PEER_GONE, want);
+    /* nothing was taken: no byte landed, the new offer stands, moves */
+    sleep_ms(100);
+    CHECK(!memcmp(before, g.base, g.size));
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "f3", 2, q.data, q.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    CHECK_EQ(wait_key(g.c, "f3", 2, 5000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "room", 4, 5000).kind, KVX_EVENT_COMPLETE);
+    CHECK(memcmp(before, g.base, g.size) != 0);
+    free(before);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&q);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
