@@ -415,3 +415,137 @@ TEST_T(restart_old_params_refused, 60)
     rank_close(&g);
     daemon_stop_ok(d);
 }
+
+/* ---- socket activation ------------------------------------------------ */
+
+/* A process that connects while no daemon runs (its connect queues in
+ * the activated socket's backlog) and whose Hello the next daemon
+ * answers: exits 0 once it read the status. */
+static pid_t connect_waiting(daemon_t *d)
+{
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        kvx_client_t *c;
+        int rc = kvx_connect_observer(d->sock, 10000, &c);
+        if (rc) {
+            fprintf(stderr, "connect while no daemon runs: %s: %s\n",
+                    kvx_status_name(rc), kvx_last_error(c));
+            _exit(1);
+        }
+        char *json = NULL;
+        rc = kvx_status_json(c, &json, T_MS);
+        free(json);
+        kvx_close(c);
+        _exit(rc ? 1 : 0);
+    }
+    return pid;
+}
+
+/* The daemon started by socket activation (fd 3 passed with LISTEN_FDS=1
+ * and LISTEN_PID, as systemd's kvxferd.socket does): it serves on that
+ * socket; at exit (a drain, and kill -9) the socket file stays; a client
+ * that connects while no daemon runs waits instead of failing, and is
+ * answered by the next daemon on the same fd; the engines' ranks
+ * reconnect there and move KV, every byte checked. */
+TEST_T(restart_socket_activation, 60)
+{
+    h_activate = 1;
+    daemon_t *d = daemon_start(NULL);
+    h_activate = 0;
+    CHECK(log_contains(d, "socket activation: fd 3"));
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "sa-ctx", "sa-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    uint8_t *before = malloc(g.size);
+    CHECK(before != NULL);
+    uint32_t cb[2] = {1, 2}, gb[2] = {3, 4};
+    for (int round = 0; round < 2; round++) {
+        memcpy(before, g.base, g.size);
+        transfer_over(&c, &g, before, 40 + round, cb, gb, 2, 6);
+        /* a drain, then kill -9: the socket file is the unit's */
+        if (round == 0)
+            daemon_stop_ok(d);
+        else
+            daemon_kill9(d);
+        struct stat st;
+        CHECK(stat(d->sock, &st) == 0 && S_ISSOCK(st.st_mode));
+        pid_t waiting = connect_waiting(d);
+        sleep_ms(200); /* it connected, and waits for an answer */
+        CHECK(waitpid(waiting, NULL, WNOHANG) == 0);
+        daemon_restart(d);
+        int wst;
+        CHECK(waitpid(waiting, &wst, 0) == waiting);
+        CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0);
+        poll_until_back(c.c, (uint32_t)round + 1);
+        poll_until_back(g.c, (uint32_t)round + 1);
+    }
+    memcpy(before, g.base, g.size);
+    transfer_over(&c, &g, before, 42, cb, gb, 2, 6);
+    free(before);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+    close(d->lfd);
+}
+
+/* A socket passed as fd 3 that is not a listening AF_UNIX stream socket
+ * is refused, naming what it is; LISTEN_PID of another process is not
+ * this daemon's (it binds socket.path itself). */
+TEST(restart_socket_activation_refused)
+{
+    char dir[96], sock[128], log[128];
+    snprintf(dir, sizeof(dir), "/tmp/kvx-sa-%d", (int)getpid());
+    snprintf(sock, sizeof(sock), "%s/s.sock", dir);
+    snprintf(log, sizeof(log), "%s/log", dir);
+    CHECK(mkdir(dir, 0755) == 0 || errno == EEXIST);
+    int udp = socket(AF_INET, SOCK_DGRAM, 0), unbound;
+    unbound = socket(AF_UNIX, SOCK_STREAM, 0);
+    int nul = open("/dev/null", O_RDONLY);
+    CHECK(udp >= 0 && unbound >= 0 && nul >= 0);
+    const struct {
+        int fd;
+        const char *fds, *why;
+    } cases[] = {
+        {udp, "1", "not an AF_UNIX socket"},
+        {unbound, "1", "not listening"},
+        {nul, "1", "Socket operation on non-socket"},
+        {unbound, "2", "LISTEN_FDS=2; kvxferd takes exactly one socket"},
+    };
+    char exe[256];
+    snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        unlink(log);
+        fflush(stderr);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+            int lf = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            dup2(lf, 2);
+            dup2(cases[i].fd, 3);
+            char pb[24];
+            snprintf(pb, sizeof(pb), "%d", (int)getpid());
+            setenv("LISTEN_FDS", cases[i].fds, 1);
+            setenv("LISTEN_PID", pb, 1);
+            execl(exe, exe, "--socket", sock, (char *)NULL);
+            _exit(127);
+        }
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        char *text = read_file(log);
+        if (!WIFEXITED(st) || WEXITSTATUS(st) != 1 ||
+            !strstr(text, cases[i].why))
+            fprintf(stderr, "case %zu: status %d, log:\n%s\n", i, st, text);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+        CHECK_STR_CONTAINS(text, cases[i].why);
+        free(text);
+    }
+    close(udp);
+    close(unbound);
+    close(nul);
+    char cmd[160];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    (void)!system(cmd);
+}
