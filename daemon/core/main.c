@@ -39,7 +39,14 @@
 
 static uv_signal_t sig_term, sig_int, sig_hup;
 static uv_timer_t tick;
-static uint64_t drain_deadline;
+/* A drain: requests may finish until ending_at; then they end, and the
+ * fences and replies get until drain_deadline. */
+static struct {
+    uint64_t started, ending_at, drain_deadline;
+    int ended, told;
+    uint32_t at_start, ended_n;
+    char who[48];
+} dr;
 
 static void usage(FILE *f)
 {
@@ -115,30 +122,62 @@ static void on_tick(uv_timer_t *t)
     server_tick(now);
     if (!kvxd.draining)
         return;
+    if (!dr.ended && (now >= dr.ending_at || xfer_count() == 0)) {
+        /* the grace is over (or nothing is left): what is in flight ends */
+        char msg[96];
+        snprintf(msg, sizeof(msg), "daemon shutting down (%s)", dr.who);
+        dr.ended = 1;
+        dr.ended_n = xfer_count();
+        dr.drain_deadline = now + kvxd.conf.drain_timeout_ms;
+        xfer_end_all(KVX_ERR_SHUTDOWN, msg);
+    }
     instance_flush_all(); /* answer waiting polls with the final events */
-    if ((xfer_count() == 0 && copy_inflight() == 0 &&
-         session_unflushed() == 0) ||
-        now >= drain_deadline) {
-        if (xfer_count() || copy_inflight())
+    if (!dr.ended)
+        return;
+    int done = xfer_count() == 0 && copy_inflight() == 0;
+    if ((done || now >= dr.drain_deadline) && !dr.told) {
+        if (!done)
             log_warn("drain: %u requests still open after %u ms; exiting",
                      xfer_count(), kvxd.conf.drain_timeout_ms);
-        stop_loop();
+        char msg[256];
+        snprintf(msg, sizeof(msg),
+                 "drained in %llu ms: %u requests were in flight, %u "
+                 "finished, %u ended SHUTDOWN%s; kvxferd exits 0",
+                 (unsigned long long)(now - dr.started), dr.at_start,
+                 dr.at_start > dr.ended_n ? dr.at_start - dr.ended_n : 0,
+                 dr.ended_n, done ? "" : " (some copies were not fenced)");
+        log_notice("drain: %s", msg);
+        session_drained(msg);
+        dr.told = 1;
     }
+    if (dr.told && (session_unflushed() == 0 || now >= dr.drain_deadline))
+        stop_loop();
+}
+
+int kvxd_drain(const char *who, uint32_t grace_ms)
+{
+    if (kvxd.draining)
+        return 1;
+    uint64_t now = kvxd_now_ms();
+    dr.at_start = xfer_count();
+    log_notice("%s: draining: %u requests in flight%s", who, dr.at_start,
+               grace_ms ? "; they may finish for a while" : "");
+    if (grace_ms)
+        log_notice("%s: requests still in flight in %u ms end then", who,
+                   grace_ms);
+    notify_send("STOPPING=1");
+    kvxd.draining = 1;
+    snprintf(dr.who, sizeof(dr.who), "%s", who);
+    dr.started = now;
+    dr.ending_at = now + grace_ms;
+    server_cleanup();
+    on_tick(&tick);
+    return 0;
 }
 
 static void drain(const char *signame)
 {
-    if (kvxd.draining)
-        return;
-    log_notice("%s: draining: %u requests in flight", signame, xfer_count());
-    notify_send("STOPPING=1");
-    kvxd.draining = 1;
-    drain_deadline = kvxd_now_ms() + kvxd.conf.drain_timeout_ms;
-    server_cleanup();
-    char msg[96];
-    snprintf(msg, sizeof(msg), "daemon shutting down (%s)", signame);
-    xfer_end_all(KVX_ERR_SHUTDOWN, msg);
-    on_tick(&tick);
+    (void)kvxd_drain(signame, 0);
 }
 
 static int socket_overridden; /* --socket given */

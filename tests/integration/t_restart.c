@@ -549,3 +549,101 @@ TEST(restart_socket_activation_refused)
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
     (void)!system(cmd);
 }
+
+/* ---- drain: the upgrade step ------------------------------------------ */
+
+/* kvxferctl drain: a uid that is not an admin is refused (PERM, nothing
+ * drains); with --deadline, a fetch in flight finishes (COMPLETE, every
+ * byte) while new requests are refused SHUTDOWN, and the daemon exits 0
+ * once nothing is left; kvxferctl says what the drain did. A new daemon
+ * (the upgrade) takes the ranks back. Then an offer nobody fetches ends
+ * SHUTDOWN at a short deadline, the daemon exits 0, and the next one
+ * moves KV, every byte checked. */
+TEST_T(restart_drain_upgrade, 90)
+{
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                SLOW_CFG "auth:\n  allowed_uids: [64021]\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_BIG, "dr-ctx", "dr-gen", BIG_BLOCKS + 8, &c, &g, &cs, &gs);
+    char out[2048], args[512];
+    snprintf(args, sizeof(args), "--socket %s drain", d->sock);
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "setpriv --reuid=64021 --regid=64021 --clear-groups "
+             "%s/kvxferctl %s 2>&1",
+             build_dir(), args);
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "permission denied");
+    CHECK_STR_CONTAINS(out, "only root, the daemon's uid and members of "
+                            "auth.admin_gids may drain");
+    daemon_healthy(d);
+
+    memset(g.base, 0xa5, g.size);
+    uint8_t *before = malloc(g.size);
+    CHECK(before != NULL);
+    memcpy(before, g.base, g.size);
+    uint32_t *bl = big_blocks();
+    fill_req(&c, 51, bl, BIG_TOK);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 51, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch(g.c, 51, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
+        g.c);
+    wait_landing(&g, 0xa5); /* under way when the drain starts */
+    snprintf(args, sizeof(args), "--socket %s drain --deadline 60", d->sock);
+    fflush(stderr);
+    FILE *ctl = NULL;
+    snprintf(cmd, sizeof(cmd), "%s/kvxferctl %s 2>&1", build_dir(), args);
+    ctl = popen(cmd, "r");
+    CHECK(ctl != NULL);
+    CHECK(log_wait(d, "drain by uid 0: draining: 2 requests in flight", 5000));
+    /* new requests are refused while it drains */
+    uint32_t small[2] = {BIG_BLOCKS, BIG_BLOCKS + 1};
+    kvx_context_params_t px;
+    CHECK_FAILS(kvx_publish(c.c, 52, c.pool, small, 2, 8, &px, T_MS), c.c,
+                KVX_ERR_SHUTDOWN, "shutting down");
+    wait_event(g.c, 51, KVX_EVENT_COMPLETE, 0, 30000);
+    wait_event(c.c, 51, KVX_EVENT_COMPLETE, 0, 30000);
+    CHECK_EQ(check_pool_over(&g, before, 51, bl, BIG_TOK), 0);
+    size_t n = fread(out, 1, sizeof(out) - 1, ctl);
+    out[n] = 0;
+    int st = pclose(ctl);
+    fprintf(stderr, "%s", out);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK_STR_CONTAINS(out, "drained in ");
+    CHECK_STR_CONTAINS(out, "2 requests were in flight, 2 finished, 0 ended "
+                            "SHUTDOWN; kvxferd exits 0");
+    st = daemon_wait(d, 10000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+
+    /* the upgrade: a new daemon; the ranks come back */
+    daemon_restart(d);
+    poll_until_back(c.c, 1);
+    poll_until_back(g.c, 1);
+    CHECK_KVX(kvx_publish(c.c, 53, c.pool, small, 2, 8, &px, T_MS), c.c);
+    snprintf(args, sizeof(args), "--socket %s drain --deadline 0.2", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    fprintf(stderr, "%s", out);
+    CHECK_STR_CONTAINS(out, "1 requests were in flight, 0 finished, 1 ended "
+                            "SHUTDOWN");
+    ev_t e = wait_event(c.c, 53, KVX_EVENT_ERROR, KVX_ERR_SHUTDOWN, 5000);
+    CHECK_STR_CONTAINS(e.msg, "daemon shutting down (drain by uid 0)");
+    st = daemon_wait(d, 10000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    daemon_restart(d);
+    poll_until_back(c.c, 2);
+    poll_until_back(g.c, 2);
+    memcpy(before, g.base, g.size);
+    uint32_t cb[2] = {BIG_BLOCKS + 3, BIG_BLOCKS + 4},
+             gb[2] = {BIG_BLOCKS + 5, BIG_BLOCKS + 6};
+    transfer_over(&c, &g, before, 54, cb, gb, 2, 7);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&px);
+    free(bl);
+    free(before);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
