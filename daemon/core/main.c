@@ -154,7 +154,7 @@ static void on_tick(uv_timer_t *t)
         stop_loop();
 }
 
-int kvxd_drain(const char *who, uint32_t grace_ms)
+static int drain_start(const char *who, uint32_t grace_ms)
 {
     if (kvxd.draining)
         return 1;
@@ -177,7 +177,7 @@ int kvxd_drain(const char *who, uint32_t grace_ms)
 
 static void drain(const char *signame)
 {
-    (void)kvxd_drain(signame, 0);
+    (void)drain_start(signame, 0);
 }
 
 static int socket_overridden; /* --socket given */
@@ -380,6 +380,7 @@ int main(int argc, char **argv)
     }
     release_init(); /* after remote and agree: its loss callback last */
     keyed_init();
+    kvxd_set_drain(drain_start);
     uv_signal_init(kvxd.loop, &sig_term);
     uv_signal_init(kvxd.loop, &sig_int);
     uv_signal_init(kvxd.loop, &sig_hup);

@@ -1453,6 +1453,10 @@ static void on_drain(session_t *s, const Kvxfer__Request *rq)
     char who[48];
     snprintf(who, sizeof(who), "drain by uid %u", (unsigned)s->uid);
     int already = kvxd_drain(who, m->deadline_ms);
+    if (already < 0) {
+        reply(s, rq->id, already, "drain: not available in this process");
+        return;
+    }
     if (m->wait) {
         drain_waiters[ndrain_waiters].sid = s->id;
         drain_waiters[ndrain_waiters++].req = rq->id;
