@@ -211,6 +211,7 @@ static void reload(void)
             uv_timer_set_repeat(&tick, kvxd.conf.deadline_tick_ms);
             log_notice("SIGHUP: reloaded %s: %d keys changed",
                        kvxd.config_path, n);
+            (void)peer_reload_secret(); /* it logs what it did */
         } else {
             log_error("SIGHUP: %s has errors; keeping the running "
                       "configuration",

@@ -104,6 +104,8 @@ struct peer_conn {
     uint8_t nonce_c[NONCE_LEN], nonce_s[NONCE_LEN];
     char server_addr[192];      /* outgoing: the address that answered */
     int server_ok;              /* outgoing: its CHALLENGE MAC checked */
+    int sec_prev;               /* the handshake proved the previous
+                                   secret (a rotation's window) */
     /* incoming: the IP it comes from (on_hs_accept()'s per-source cap) */
     int src_family;
     uint8_t src[16];
@@ -203,6 +205,11 @@ static struct {
     int poll_on;
     uint8_t secret[SECRET_MAX];
     size_t secret_len;
+    /* the secret before the last reload, accepted in handshakes until
+     * prev_until (peer.secret_previous_ms after it) */
+    uint8_t prev[SECRET_MAX];
+    size_t prev_len;
+    uint64_t prev_until;
     peer_conn_t *conns;
     int ucx_cuda;
     char transports[256];       /* every transport a connection used */
@@ -298,9 +305,9 @@ static uint64_t now_ms(void) { return kvxd_now_ms(); }
  * addresses means a MAC made for one pair of daemons proves nothing for
  * another: a man in the middle cannot relay one daemon's handshake into
  * another connection. */
-static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
-                 const char *server, const char *client,
-                 uint8_t out[MAC_LEN])
+static void hmac_with(int prev, const char *label, const uint8_t *nc,
+                      const uint8_t *ns, const char *server, const char *client,
+                      uint8_t out[MAC_LEN])
 {
     uint8_t msg[32 + 2 * NONCE_LEN + 2 * 192 + 1]; /* labels < 32 */
     size_t l = strlen(label), ls = strnlen(server, 191),
@@ -317,7 +324,21 @@ static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
     memcpy(msg + n, client, lc);
     n += lc;
     unsigned len = MAC_LEN;
-    HMAC(EVP_sha256(), P.secret, (int)P.secret_len, msg, n, out, &len);
+    HMAC(EVP_sha256(), prev ? P.prev : P.secret,
+         (int)(prev ? P.prev_len : P.secret_len), msg, n, out, &len);
+}
+
+/* The current secret's MAC. */
+static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
+                 const char *server, const char *client, uint8_t out[MAC_LEN])
+{
+    hmac_with(0, label, nc, ns, server, client, out);
+}
+
+/* Is the previous secret accepted now (a rotation's window)? */
+static int prev_open(void)
+{
+    return P.prev_len && now_ms() < P.prev_until;
 }
 
 /* "kvx://IP:PORT/id": the IP:PORT part of a and b are the same (the id
@@ -438,6 +459,35 @@ static int read_secret(char *why, size_t why_len)
     memset(buf, 0, sizeof(buf));
     P.secret_len = (size_t)n;
     return 0;
+}
+
+int peer_reload_secret(void)
+{
+    if (!P.on)
+        return 0;
+    uint8_t old[SECRET_MAX];
+    size_t old_len = P.secret_len;
+    memcpy(old, P.secret, sizeof(old));
+    char why[300];
+    if (read_secret(why, sizeof(why))) {
+        memcpy(P.secret, old, sizeof(old)); /* the running one stays */
+        P.secret_len = old_len;
+        memset(old, 0, sizeof(old));
+        log_error("peer: reload: %s; keeping the running secret", why);
+        return KVX_ERR_INVALID;
+    }
+    if (old_len == P.secret_len && !memcmp(old, P.secret, old_len)) {
+        memset(old, 0, sizeof(old));
+        return 0;
+    }
+    memcpy(P.prev, old, sizeof(old));
+    P.prev_len = old_len;
+    P.prev_until = now_ms() + kvxd.conf.peer_secret_previous_ms;
+    memset(old, 0, sizeof(old));
+    log_notice("peer: reload: a new secret from %s; handshakes accept the "
+               "previous one too for %u ms (peer.secret_previous_ms)",
+               kvxd.conf.peer_secret_file, kvxd.conf.peer_secret_previous_ms);
+    return 1;
 }
 
 /* The transports an endpoint uses, from ucp_ep_print_info ("tl/dev"). */
@@ -1164,10 +1214,10 @@ static void keys_derive(peer_conn_t *c)
 {
     const char *sa = c->outgoing ? c->server_addr : kvxd.address;
     const char *da = c->outgoing ? kvxd.address : c->address;
-    hmac("kvx-lane-s", c->nonce_c, c->nonce_s, sa, da,
-         c->outgoing ? c->tx_key : c->rx_key);
-    hmac("kvx-lane-c", c->nonce_c, c->nonce_s, sa, da,
-         c->outgoing ? c->rx_key : c->tx_key);
+    hmac_with(c->sec_prev, "kvx-lane-s", c->nonce_c, c->nonce_s, sa, da,
+              c->outgoing ? c->tx_key : c->rx_key);
+    hmac_with(c->sec_prev, "kvx-lane-c", c->nonce_c, c->nonce_s, sa, da,
+              c->outgoing ? c->rx_key : c->tx_key);
 }
 
 static void bind_mac(const uint8_t key[MAC_LEN], uint64_t conn,
@@ -1742,6 +1792,15 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         ch.nonce.len = NONCE_LEN;
         ch.mac.data = mac;
         ch.mac.len = MAC_LEN;
+        /* a rotation's window: the previous secret's MAC too, for a
+         * client that has not rotated yet */
+        uint8_t mac_p[MAC_LEN];
+        if (prev_open()) {
+            hmac_with(1, "kvx-s", c->nonce_c, c->nonce_s, kvxd.address,
+                      c->address, mac_p);
+            ch.mac_previous.data = mac_p;
+            ch.mac_previous.len = MAC_LEN;
+        }
         out.m_case = KVXFER__PEER_MSG__M_CHALLENGE;
         out.challenge = &ch;
         hs_msg(c, &out);
@@ -1769,8 +1828,23 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
                       c->address, kvxd.address);
             return;
         }
-        hmac("kvx-s", c->nonce_c, c->nonce_s, sa, kvxd.address, mac);
-        int bad = elsewhere || !ct_equal(mac, ch->mac.data, MAC_LEN);
+        /* either of our secrets (the previous one in a rotation's
+         * window) against either of its MACs (its previous one, in its
+         * window): the secret both know MACs the rest */
+        int proved = 0;
+        for (int k = 0; k < 2 && !proved; k++) {
+            if (k && !prev_open())
+                break;
+            hmac_with(k, "kvx-s", c->nonce_c, c->nonce_s, sa, kvxd.address,
+                      mac);
+            if (ct_equal(mac, ch->mac.data, MAC_LEN) ||
+                (ch->mac_previous.len == MAC_LEN &&
+                 ct_equal(mac, ch->mac_previous.data, MAC_LEN))) {
+                proved = 1;
+                c->sec_prev = k;
+            }
+        }
+        int bad = elsewhere || !proved;
         /* answer either way, so the peer learns (and logs) it too; but a
          * valid MAC only to a server that proved itself, or it could be
          * relayed */
@@ -1779,7 +1853,8 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         ProtobufCBinaryData lanes[LANES_MAX];
         uint8_t mac_c[MAC_LEN] = {0};
         if (!bad) { /* and our UCX addresses only to one that proved */
-            hmac("kvx-c", c->nonce_c, c->nonce_s, sa, kvxd.address, mac_c);
+            hmac_with(c->sec_prev, "kvx-c", c->nonce_c, c->nonce_s, sa,
+                      kvxd.address, mac_c);
             ucx_info_fill(&u, lanes);
             u.conn = c->lane_conn;
             r.ucx = &u;
@@ -1816,7 +1891,13 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             break;
         hmac("kvx-c", c->nonce_c, c->nonce_s, kvxd.address, c->address,
              mac);
-        if (!ct_equal(mac, m->response->mac.data, MAC_LEN)) {
+        int ok = ct_equal(mac, m->response->mac.data, MAC_LEN);
+        if (!ok && prev_open()) { /* a client that has not rotated yet */
+            hmac_with(1, "kvx-c", c->nonce_c, c->nonce_s, kvxd.address,
+                      c->address, mac);
+            ok = c->sec_prev = ct_equal(mac, m->response->mac.data, MAC_LEN);
+        }
+        if (!ok) {
             auth_refuse(c, "wrong cluster secret");
             return;
         }
@@ -2663,6 +2744,13 @@ void peer_tick(uint64_t now)
 {
     if (!P.on)
         return;
+    if (P.prev_len && now >= P.prev_until) {
+        memset(P.prev, 0, sizeof(P.prev));
+        P.prev_len = 0;
+        log_notice("peer: the previous secret's window is over "
+                   "(peer.secret_previous_ms): handshakes take only the "
+                   "current one");
+    }
     peer_flush_lost();
     for (peer_conn_t *c = P.conns, *n; c; c = n) {
         n = c->next;

@@ -37,6 +37,13 @@ typedef struct peer_conn peer_conn_t;
  * a syscall). */
 int peer_init(char *why, size_t why_len);
 int peer_enabled(void);
+/* SIGHUP: read peer.secret_file again. A new secret MACs the handshakes
+ * from now on; the previous one is still accepted for
+ * peer.secret_previous_ms (and offered to peers that have not rotated
+ * yet), so that a cluster rotates without a restart. Connections made
+ * before stay. 1: a new secret; 0: the same (or peers are off); or
+ * KVX_ERR_INVALID, logged, the running secret kept. */
+int peer_reload_secret(void);
 /* Keep-alive and connect deadlines. */
 void peer_tick(uint64_t now_ms);
 /* At exit: close every connection; then, once nothing registered with
