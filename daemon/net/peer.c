@@ -1758,6 +1758,34 @@ static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
     conn_fail(c, KVX_ERR_AUTH, "%s", msg);
 }
 
+/* The daemon a connection reaches: the address it answered as (a
+ * dial), or the one it proved (a connection it made to us). */
+static const char *conn_peer(const peer_conn_t *c)
+{
+    return c->outgoing && c->server_addr[0] ? c->server_addr : c->address;
+}
+
+/* c has just proved that the daemon listening at its peer's IP:PORT is
+ * now the one named addr: every other connection with that listener
+ * under another id is with an earlier run of it, which restarted (a
+ * process ends, its boot id with it). Their transfers end now, PEER_GONE
+ * naming the restart, not at the keep-alive: its endpoints may never
+ * report the old process gone (the kill's resets lost, an RDMA
+ * transport). */
+static void peer_restarted(const peer_conn_t *c, const char *addr)
+{
+    for (peer_conn_t *o = P.conns; o; o = o->next) {
+        const char *was = conn_peer(o);
+        if (o == c || o->state == CONN_LOST || !same_listener(was, addr) ||
+            !strcmp(was, addr))
+            continue;
+        conn_fail(o, KVX_ERR_PEER_GONE,
+                  "daemon %s restarted: it answers as %s now (its boot id "
+                  "changed); what its earlier run held is gone",
+                  was, addr);
+    }
+}
+
 static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 {
     Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
@@ -1845,6 +1873,20 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             }
         }
         int bad = elsewhere || !proved;
+        if (!bad && strcmp(sa, c->address)) {
+            /* we dialled an earlier run's address (params or a key it
+             * issued), and the new run proved itself there: that run is
+             * gone, and so is what it issued. No answer: the new run
+             * never makes an endpoint for this connection */
+            const char *was = strrchr(c->address, '/'), *now = strrchr(sa, '/');
+            peer_restarted(c, sa);
+            conn_fail(c, KVX_ERR_PEER_GONE,
+                      "restarted: params and keys issued by an earlier run "
+                      "of that daemon (its id was %s, this run is %s) are "
+                      "refused",
+                      was + 1, now + 1);
+            return;
+        }
         /* answer either way, so the peer learns (and logs) it too; but a
          * valid MAC only to a server that proved itself, or it could be
          * relayed */
@@ -1882,8 +1924,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         }
         c->server_ok = 1;
         keys_derive(c);
-        if (strcmp(sa, c->address))
-            log_warn("peer %s: answers as %s (restarted?)", c->address, sa);
+        peer_restarted(c, sa);
         return;
     }
     case KVXFER__PEER_MSG__M_RESPONSE: { /* server: check the client */
@@ -1901,6 +1942,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             auth_refuse(c, "wrong cluster secret");
             return;
         }
+        peer_restarted(c, c->address); /* it proved its address now */
         char why[200];
         if (ucx_info_take(c, m->response->ucx, why, sizeof(why))) {
             auth_refuse(c, "%s", why);
