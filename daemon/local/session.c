@@ -1452,16 +1452,20 @@ static void on_drain(session_t *s, const Kvxfer__Request *rq)
     }
     char who[48];
     snprintf(who, sizeof(who), "drain by uid %u", (unsigned)s->uid);
-    int already = kvxd_drain(who, m->deadline_ms);
-    if (already < 0) {
-        reply(s, rq->id, already, "drain: not available in this process");
-        return;
-    }
+    /* waiting before the drain starts: with nothing in flight it is over
+     * inside kvxd_drain() */
     if (m->wait) {
         drain_waiters[ndrain_waiters].sid = s->id;
         drain_waiters[ndrain_waiters++].req = rq->id;
+    }
+    int already = kvxd_drain(who, m->deadline_ms);
+    if (already < 0) {
+        ndrain_waiters -= m->wait ? 1 : 0;
+        reply(s, rq->id, already, "drain: not available in this process");
         return;
     }
+    if (m->wait)
+        return;
     char msg[160];
     snprintf(msg, sizeof(msg),
              already ? "draining already; kvxferd exits 0 once it is over"
