@@ -652,3 +652,113 @@ TEST_T(restart_drain_upgrade, 90)
     st = daemon_wait(d, 10000);
     CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
 }
+
+/* ---- ranks that come back one by one ------------------------------------ */
+
+/* The next batch of c holding an event for req: its seq, and that event
+ * (kind, code, key) in *e. */
+static uint64_t batch_with(kvx_client_t *c, uint64_t req, kvx_event_t *e)
+{
+    int64_t end = now_ms() + 10000;
+    for (;;) {
+        kvx_batch_t *b = NULL;
+        CHECK_KVX(kvx_poll(c, 1, 2000, &b), c);
+        for (uint32_t i = 0; i < b->num_events; i++)
+            if (b->events[i].request_id == req) {
+                *e = b->events[i];
+                uint64_t seq = b->seq;
+                kvx_batch_free(b);
+                return seq;
+            }
+        kvx_batch_free(b);
+        CHECK(now_ms() < end);
+    }
+}
+
+/* A tp-2 context instance whose ranks reconnect at different times after
+ * a restart: rank 0 is back, joined again and polling while rank 1 is
+ * still away (the instance is not complete: publishes wait), then rank 1
+ * comes back; the instance works: both ranks publish the same params, a
+ * generation rank fetches both heads, every byte checked, and the two
+ * ranks poll the same batch sequence in lockstep: the same seq with the
+ * same event, twice. */
+TEST_T(restart_ranks_back_one_by_one, 60)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs = {.inst = "r1-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    side_t gs = {.inst = "r1-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_t c0, c1, g;
+    rank_hello_only(d, &M_SMALL, &cs, 0, &c0);
+    rank_hello_only(d, &M_SMALL, &cs, 1, &c1);
+    rank_join(&c0);
+    rank_join(&c1);
+    rank_pool(&c0, 16);
+    rank_pool(&c1, 16);
+    rank_open(d, &M_SMALL, &gs, 0, 16, &g);
+    /* a transfer before, so that the batch sequence has moved */
+    uint32_t cb[2] = {9, 5}, gb[2] = {7, 0};
+    kvx_context_params_t q0, q1;
+    for (int round = 0; round < 2; round++) {
+        uint64_t req = 60 + (uint64_t)round;
+        uint8_t *before = malloc(g.size);
+        CHECK(before != NULL);
+        memcpy(before, g.base, g.size);
+        fill_req(&c0, req, cb, 7);
+        fill_req(&c1, req, cb, 7);
+        CHECK_KVX(kvx_publish(c0.c, req, c0.pool, cb, 2, 7, &q0, T_MS), c0.c);
+        CHECK_KVX(kvx_publish(c1.c, req, c1.pool, cb, 2, 7, &q1, T_MS), c1.c);
+        CHECK_EQ(q0.len, q1.len);
+        CHECK(!memcmp(q0.data, q1.data, q0.len));
+        CHECK_KVX(kvx_fetch(g.c, req, q0.data, q0.len, g.pool, gb, 2, 0, T_MS),
+                  g.c);
+        wait_event(g.c, req, KVX_EVENT_COMPLETE, 0, 10000);
+        kvx_event_t e0, e1;
+        uint64_t s0 = batch_with(c0.c, req, &e0);
+        uint64_t s1 = batch_with(c1.c, req, &e1);
+        CHECK_EQ(s0, s1); /* lockstep: the same batch on both ranks */
+        CHECK_EQ(e0.kind, KVX_EVENT_COMPLETE);
+        CHECK_EQ(e1.kind, KVX_EVENT_COMPLETE);
+        CHECK_EQ(check_pool_over(&g, before, req, gb, 7), 0);
+        free(before);
+        kvx_context_params_free(&q0);
+        kvx_context_params_free(&q1);
+        if (round == 1)
+            break;
+        daemon_kill9(d);
+        kvx_batch_t *b;
+        CHECK_FAILS(kvx_poll(c1.c, 0, 0, &b), c1.c, KVX_ERR_CLOSED,
+                    "kvxferd went away");
+        daemon_restart(d);
+        /* rank 0 first; rank 1 stays away a while */
+        poll_until_back(c0.c, 1);
+        poll_until_back(g.c, 1);
+        kvx_context_params_t px;
+        CHECK_FAILS(kvx_publish(c0.c, 70, c0.pool, cb, 2, 7, &px, T_MS), c0.c,
+                    KVX_ERR_STATE, "");
+        fprintf(stderr, "publish with rank 1 away: %s\n", kvx_last_error(c0.c));
+        for (int i = 0; i < 5; i++) { /* rank 0 polls meanwhile */
+            kvx_batch_t *nb = NULL;
+            int rc = kvx_poll(c0.c, 0, 50, &nb);
+            CHECK(rc == 0 || rc == KVX_ERR_TIMEOUT);
+            if (!rc) {
+                CHECK_EQ(nb->num_events, 0);
+                kvx_batch_free(nb);
+            }
+        }
+        poll_until_back(c1.c, 1);
+    }
+    rank_close(&c0);
+    rank_close(&c1);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
