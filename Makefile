@@ -301,6 +301,7 @@ install: all
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KVX_VERSION)|g' \
 	    lib/kvxfer.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/kvxferd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
+	install -m 644 systemd/kvxferd.socket $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket
 	[ -e $(DESTDIR)/etc/kvxfer/kvxferd.yaml ] || install -m 644 config/kvxferd.yaml $(DESTDIR)/etc/kvxfer/kvxferd.yaml
 
 # libkvxfer exports only its API, and an install of it works through
@@ -314,7 +315,8 @@ uninstall:
 	    $(DESTDIR)$(PREFIX)/lib/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/$(SO_NAME) \
 	    $(DESTDIR)$(PREFIX)/lib/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc \
 	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
-	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
+	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service \
+	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket
 
 # The daemon's sources, for tests/fuzz/build.sh (one list).
 print-daemon-src:

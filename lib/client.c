@@ -2633,6 +2633,27 @@ int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
     return 0;
 }
 
+int kvx__drain(kvx_client_t *c, uint32_t deadline_ms, int wait, char *msg,
+               size_t msg_len, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    Kvxfer__Drain m = KVXFER__DRAIN__INIT;
+    m.deadline_ms = deadline_ms;
+    m.wait = wait != 0;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_DRAIN;
+    rq.drain = &m;
+    Kvxfer__Reply *r;
+    int rc = call(c, &rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (msg && msg_len)
+        snprintf(msg, msg_len, "%s", r->message ? r->message : "");
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
 /* One page of ListRequests after the cursor (the last entry of the page
  * before, or NULL: the first page). */
 static int requests_page(kvx_client_t *c, const Kvxfer__RequestInfo *after,

@@ -12,5 +12,10 @@
  * kvxfer__reply__free_unpacked(reply, NULL). */
 int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms);
 int kvx__requests_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms);
+/* Drain the daemon (admins only): requests in flight may finish for
+ * deadline_ms; with wait, the call returns once the drain is over (the
+ * daemon then exits). msg gets the daemon's account of it. */
+int kvx__drain(kvx_client_t *c, uint32_t deadline_ms, int wait, char *msg,
+               size_t msg_len, int timeout_ms);
 
 #endif

@@ -3,10 +3,12 @@
  *
  *   kvxferctl [--socket PATH] status [--json]
  *   kvxferctl [--socket PATH] requests [--json]
+ *   kvxferctl [--socket PATH] drain [--deadline S] [--no-wait]
  *   kvxferctl plan --ctx-tp N --gen-tp M --heads H --layers L [...]
  *
  * status and requests connect without Hello (any allowed uid may look);
- * plan is computed locally with the daemon's own planner.
+ * drain too, and the daemon lets admins only; plan is computed locally
+ * with the daemon's own planner.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -24,22 +26,31 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f,
+    fprintf(
+        f,
         "usage: kvxferctl [--socket PATH] status [--json]\n"
         "       kvxferctl [--socket PATH] requests [--json]\n"
+        "       kvxferctl [--socket PATH] drain [--deadline S] [--no-wait]\n"
         "       kvxferctl plan [options]\n"
         "\n"
         "  status     version, uptime, config, sessions, pools, requests by\n"
         "             state, bytes moved, transfers, errors, batches\n"
         "  requests   in-flight requests with age and state (what to run\n"
         "             when something looks stuck)\n"
+        "  drain      the upgrade step: the daemon stops taking connections\n"
+        "             and requests, lets those in flight finish for S\n"
+        "             seconds (default 0), ends the rest SHUTDOWN and exits\n"
+        "             0; waits for that and says what it did (--no-wait:\n"
+        "             returns once the drain started). Root, the daemon's\n"
+        "             uid and auth.admin_gids only\n"
         "  plan       the slices each generation rank would pull, for two\n"
         "             instance configurations:\n"
         "               --ctx-tp N --ctx-pp N --gen-tp N --gen-pp N\n"
         "               --heads H (total KV heads) --layers L (total)\n"
         "               --ctx-tokens-per-block T --gen-tokens-per-block T\n"
         "               --tokens N --skip-tokens N --head-dim D\n"
-        "               --ctx-dtype/--gen-dtype, --ctx-head-dim/--gen-head-dim\n"
+        "               --ctx-dtype/--gen-dtype, "
+        "--ctx-head-dim/--gen-head-dim\n"
         "               --gen-dp D (attention DP), --mla\n"
         "             or --from FILE: a YAML file with sections context:,\n"
         "             generation:, model:, request: (docs/operations.md)\n"
@@ -687,6 +698,45 @@ static int cmd_plan(int argc, char **argv)
     return 0;
 }
 
+static int cmd_drain(const char *sock, int argc, char **argv)
+{
+    double secs = 0;
+    int wait = 1;
+    for (int k = 1; k < argc; k++) {
+        char *end = NULL;
+        if (!strcmp(argv[k], "--no-wait")) {
+            wait = 0;
+        } else if (!strcmp(argv[k], "--deadline") && k + 1 < argc) {
+            secs = strtod(argv[++k], &end);
+            if (*end || end == argv[k] || !(secs >= 0 && secs <= 86400)) {
+                fprintf(stderr,
+                        "kvxferctl: drain: --deadline '%s': seconds "
+                        "from 0 to 86400 expected\n",
+                        argv[k]);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "kvxferctl: drain: unknown option '%s'\n", argv[k]);
+            return 2;
+        }
+    }
+    uint32_t ms = (uint32_t)(secs * 1000 + 0.5);
+    kvx_client_t *c = open_daemon(sock);
+    char msg[512];
+    /* the drain's grace, then at most deadlines.drain_timeout_ms */
+    int rc = kvx__drain(c, ms, wait, msg, sizeof(msg),
+                        wait ? (int)(ms + 600000) : TIMEOUT_MS);
+    if (rc) {
+        fprintf(stderr, "kvxferctl: drain: %s: %s\n", kvx_status_str(rc),
+                kvx_last_error(c));
+        kvx_close(c);
+        return 1;
+    }
+    printf("kvxferctl: %s: %s\n", sock ? sock : KVX_DEFAULT_SOCKET, msg);
+    kvx_close(c);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *sock = NULL;
@@ -710,6 +760,8 @@ int main(int argc, char **argv)
     int json = 0;
     if (!strcmp(cmd, "plan"))
         return cmd_plan(argc - i, argv + i);
+    if (!strcmp(cmd, "drain"))
+        return cmd_drain(sock, argc - i, argv + i);
     for (int k = i + 1; k < argc; k++) {
         if (!strcmp(argv[k], "--json"))
             json = 1;

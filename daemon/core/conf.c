@@ -431,6 +431,17 @@ static const struct conf_key keys[] = {
      .help = "File holding the cluster secret (16 to 4096 bytes, readable "
              "by the owner only) that daemons prove to each other; "
              "required with peer.listen."},
+    {.name = "peer.secret_previous_ms",
+     .type = CONF_MS,
+     FIELD(peer_secret_previous_ms),
+     .def = 600000,
+     .min = 0,
+     .max = 86400000,
+     .reloadable = 1,
+     .help = "After SIGHUP brings a new secret in peer.secret_file, how "
+             "long handshakes still accept the previous one (both MAC a "
+             "daemon that has not rotated yet), so that a cluster "
+             "rotates its secret without a restart."},
     {.name = "peer.net_devices",
      .type = CONF_STRING,
      FIELD(peer_net_devices),

@@ -64,6 +64,7 @@ typedef struct kvx_conf {
     char peer_allowed[256];     /* "CIDR,..." other daemons may be in */
     uint32_t keepalive_interval_ms;
     uint32_t keepalive_timeout_ms;
+    uint32_t peer_secret_previous_ms;
     uint32_t peer_connect_timeout_ms;
     uint64_t slot_bytes;
     uint32_t slots;

@@ -209,6 +209,18 @@ const char *kvxd_mem_name(kvxd_mem_t kind)
 
 static kvxd_reply_sink_t sink;
 
+static kvxd_drain_fn drain_fn;
+
+void kvxd_set_drain(kvxd_drain_fn fn)
+{
+    drain_fn = fn;
+}
+
+int kvxd_drain(const char *who, uint32_t grace_ms)
+{
+    return drain_fn ? drain_fn(who, grace_ms) : KVX_ERR_UNSUPPORTED;
+}
+
 void kvxd_set_reply_sink(const kvxd_reply_sink_t *s)
 {
     sink = *s;

@@ -37,6 +37,16 @@ typedef struct kvxd {
 
 extern kvxd_t kvxd;
 
+/* Start the drain, as SIGTERM does, who naming its cause in the log and
+ * in the requests' SHUTDOWN message: requests in flight may finish for
+ * grace_ms, then end. Once it is over, session_drained() is told what it
+ * did before the daemon exits. A second call does nothing (1 returned: a
+ * drain was under way). main.c, which owns the drain, sets the function
+ * at start (none: KVX_ERR_UNSUPPORTED). */
+typedef int (*kvxd_drain_fn)(const char *who, uint32_t grace_ms);
+void kvxd_set_drain(kvxd_drain_fn fn);
+int kvxd_drain(const char *who, uint32_t grace_ms);
+
 /* Monotonic milliseconds. */
 uint64_t kvxd_now_ms(void);
 /* The CPUs the daemon may run on (its affinity mask: taskset, a cgroup's

@@ -39,7 +39,14 @@
 
 static uv_signal_t sig_term, sig_int, sig_hup;
 static uv_timer_t tick;
-static uint64_t drain_deadline;
+/* A drain: requests may finish until ending_at; then they end, and the
+ * fences and replies get until drain_deadline. */
+static struct {
+    uint64_t started, ending_at, drain_deadline;
+    int ended, told;
+    uint32_t at_start, ended_n;
+    char who[48];
+} dr;
 
 static void usage(FILE *f)
 {
@@ -73,13 +80,22 @@ static int load_config(const char *path, kvx_conf_t *out, FILE *errs)
     return n;
 }
 
+/* The address without a peer listener: kvx://HOST/ID. ID is the boot
+ * id: its first half names the daemon on this host (a hash of its
+ * socket path), the second half is random per start, so that params of
+ * an earlier run are told from another daemon's (peer_address_alias()).
+ * peer_init() keeps ID with the listener's IP:PORT. */
 static void make_address(void)
 {
     char host[64] = "localhost";
     uint8_t id[8] = {0};
     gethostname(host, sizeof(host) - 1);
-    if (getrandom(id, sizeof(id), 0) != sizeof(id))
-        memcpy(id, &kvxd.start_ms, sizeof(id));
+    uint32_t h = 2166136261u; /* FNV-1a */
+    for (const char *p = kvxd.conf.socket_path; *p; p++)
+        h = (h ^ (uint8_t)*p) * 16777619u;
+    memcpy(id, &h, 4);
+    if (getrandom(id + 4, 4, 0) != 4)
+        memcpy(id + 4, &kvxd.start_ms, 4);
     snprintf(kvxd.address, sizeof(kvxd.address),
              "kvx://%s/%02x%02x%02x%02x%02x%02x%02x%02x", host, id[0], id[1],
              id[2], id[3], id[4], id[5], id[6], id[7]);
@@ -106,30 +122,62 @@ static void on_tick(uv_timer_t *t)
     server_tick(now);
     if (!kvxd.draining)
         return;
+    if (!dr.ended && (now >= dr.ending_at || xfer_count() == 0)) {
+        /* the grace is over (or nothing is left): what is in flight ends */
+        char msg[96];
+        snprintf(msg, sizeof(msg), "daemon shutting down (%s)", dr.who);
+        dr.ended = 1;
+        dr.ended_n = xfer_count();
+        dr.drain_deadline = now + kvxd.conf.drain_timeout_ms;
+        xfer_end_all(KVX_ERR_SHUTDOWN, msg);
+    }
     instance_flush_all(); /* answer waiting polls with the final events */
-    if ((xfer_count() == 0 && copy_inflight() == 0 &&
-         session_unflushed() == 0) ||
-        now >= drain_deadline) {
-        if (xfer_count() || copy_inflight())
+    if (!dr.ended)
+        return;
+    int done = xfer_count() == 0 && copy_inflight() == 0;
+    if ((done || now >= dr.drain_deadline) && !dr.told) {
+        if (!done)
             log_warn("drain: %u requests still open after %u ms; exiting",
                      xfer_count(), kvxd.conf.drain_timeout_ms);
-        stop_loop();
+        char msg[256];
+        snprintf(msg, sizeof(msg),
+                 "drained in %llu ms: %u requests were in flight, %u "
+                 "finished, %u ended SHUTDOWN%s; kvxferd exits 0",
+                 (unsigned long long)(now - dr.started), dr.at_start,
+                 dr.at_start > dr.ended_n ? dr.at_start - dr.ended_n : 0,
+                 dr.ended_n, done ? "" : " (some copies were not fenced)");
+        log_notice("drain: %s", msg);
+        session_drained(msg);
+        dr.told = 1;
     }
+    if (dr.told && (session_unflushed() == 0 || now >= dr.drain_deadline))
+        stop_loop();
+}
+
+static int drain_start(const char *who, uint32_t grace_ms)
+{
+    if (kvxd.draining)
+        return 1;
+    uint64_t now = kvxd_now_ms();
+    dr.at_start = xfer_count();
+    log_notice("%s: draining: %u requests in flight%s", who, dr.at_start,
+               grace_ms ? "; they may finish for a while" : "");
+    if (grace_ms)
+        log_notice("%s: requests still in flight in %u ms end then", who,
+                   grace_ms);
+    notify_send("STOPPING=1");
+    kvxd.draining = 1;
+    snprintf(dr.who, sizeof(dr.who), "%s", who);
+    dr.started = now;
+    dr.ending_at = now + grace_ms;
+    server_cleanup();
+    on_tick(&tick);
+    return 0;
 }
 
 static void drain(const char *signame)
 {
-    if (kvxd.draining)
-        return;
-    log_notice("%s: draining: %u requests in flight", signame, xfer_count());
-    notify_send("STOPPING=1");
-    kvxd.draining = 1;
-    drain_deadline = kvxd_now_ms() + kvxd.conf.drain_timeout_ms;
-    server_cleanup();
-    char msg[96];
-    snprintf(msg, sizeof(msg), "daemon shutting down (%s)", signame);
-    xfer_end_all(KVX_ERR_SHUTDOWN, msg);
-    on_tick(&tick);
+    (void)drain_start(signame, 0);
 }
 
 static int socket_overridden; /* --socket given */
@@ -163,6 +211,7 @@ static void reload(void)
             uv_timer_set_repeat(&tick, kvxd.conf.deadline_tick_ms);
             log_notice("SIGHUP: reloaded %s: %d keys changed",
                        kvxd.config_path, n);
+            (void)peer_reload_secret(); /* it logs what it did */
         } else {
             log_error("SIGHUP: %s has errors; keeping the running "
                       "configuration",
@@ -344,6 +393,7 @@ int main(int argc, char **argv)
     }
     release_init(); /* after remote and agree: its loss callback last */
     keyed_init();
+    kvxd_set_drain(drain_start);
     uv_signal_init(kvxd.loop, &sig_term);
     uv_signal_init(kvxd.loop, &sig_int);
     uv_signal_init(kvxd.loop, &sig_hup);

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <libgen.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,8 @@ static struct {
     uint64_t refused_ms;   /* ... and the last refusal for want of fds */
     int spare;             /* an fd held for telling a client, when the
                               daemon is out of fds, why it is refused */
+    int activated;         /* the fd came from systemd (LISTEN_FDS): the
+                              socket file is its, never unlinked here */
     char path[108];
 } srv = {.fd = -1, .spare = -1};
 
@@ -230,10 +233,104 @@ static int clear_stale(const char *path)
     return 0;
 }
 
+/* Socket activation (sd_listen_fds(3), read here without libsystemd):
+ * LISTEN_PID is this process and LISTEN_FDS is 1: fd 3
+ * (SD_LISTEN_FDS_START) is the listening socket, bound and kept by the
+ * socket unit, so that the path outlives this process and clients that
+ * connect while no daemon runs wait in its backlog. 1 with srv.fd set;
+ * 0: not activated; or an error, logged. */
+static int take_activated(void)
+{
+    const char *pid = getenv("LISTEN_PID"), *fds = getenv("LISTEN_FDS");
+    char *end;
+    if (!pid || !fds)
+        return 0;
+    unsigned long p = strtoul(pid, &end, 10);
+    /* for another process (an ancestor's): not ours */
+    if (*end || p != (unsigned long)getpid())
+        return 0;
+    /* never passed on to children */
+    unsetenv("LISTEN_PID");
+    unsetenv("LISTEN_FDS");
+    unsetenv("LISTEN_FDNAMES");
+    unsigned long n = strtoul(fds, &end, 10);
+    if (*end || n != 1) {
+        log_error("server: socket activation: LISTEN_FDS=%s; kvxferd takes "
+                  "exactly one socket (ListenStream= once in the .socket "
+                  "unit)",
+                  fds);
+        return KVX_ERR_INVALID;
+    }
+    const int fd = 3; /* SD_LISTEN_FDS_START */
+    int dom = 0, type = 0, acc = 0;
+    socklen_t l1 = sizeof(dom), l2 = sizeof(type), l3 = sizeof(acc);
+    struct sockaddr_un sa;
+    socklen_t sl = sizeof(sa);
+    const char *bad = NULL;
+    if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &dom, &l1) < 0 ||
+        getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &l2) < 0 ||
+        getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &acc, &l3) < 0)
+        bad = strerror(errno);
+    else if (dom != AF_UNIX)
+        bad = "not an AF_UNIX socket";
+    else if (type != SOCK_STREAM)
+        bad = "not a stream socket";
+    else if (!acc)
+        bad = "not listening";
+    else if (getsockname(fd, (struct sockaddr *)&sa, &sl) < 0 ||
+             sl <= offsetof(struct sockaddr_un, sun_path) || !sa.sun_path[0])
+        bad = "not bound to a path";
+    if (bad) {
+        log_error("server: socket activation: fd 3 (LISTEN_FDS=1) must be a "
+                  "listening AF_UNIX stream socket bound to a path: %s",
+                  bad);
+        return KVX_ERR_INVALID;
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
+        fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
+        log_error("server: socket activation: fcntl fd 3: %m");
+        return KVX_ERR_IO;
+    }
+    snprintf(srv.path, sizeof(srv.path), "%.*s",
+             (int)(sl - offsetof(struct sockaddr_un, sun_path)), sa.sun_path);
+    if (strcmp(srv.path, kvxd.conf.socket_path))
+        log_warn("server: socket activation: the socket unit listens on %s, "
+                 "not socket.path %s; clients must use %s",
+                 srv.path, kvxd.conf.socket_path, srv.path);
+    srv.fd = fd;
+    srv.activated = 1;
+    return 1;
+}
+
+/* Accepting, on the bound and listening srv.fd. */
+static int server_start(void)
+{
+    int rc = uv_poll_init(kvxd.loop, &srv.poll, srv.fd);
+    if (rc) {
+        log_error("server: uv_poll_init: %s", uv_strerror(rc));
+        return KVX_ERR_IO;
+    }
+    srv.open = 1;
+    srv.spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    uv_poll_start(&srv.poll, UV_READABLE, on_accept);
+    return 0;
+}
+
 int server_init(void)
 {
     const kvx_conf_t *c = &kvxd.conf;
-    int rc;
+    int rc = take_activated();
+    if (rc < 0)
+        return rc;
+    if (rc) {
+        if ((rc = server_start()))
+            return rc;
+        log_info("listening on %s (socket activation: fd 3; its mode and "
+                 "group are the socket unit's)",
+                 srv.path);
+        return 0;
+    }
     snprintf(srv.path, sizeof(srv.path), "%s", c->socket_path);
     char dir[108];
     snprintf(dir, sizeof(dir), "%s", c->socket_path);
@@ -283,13 +380,8 @@ int server_init(void)
         log_error("server: listen %s: %m", srv.path);
         goto err_unlink;
     }
-    if ((rc = uv_poll_init(kvxd.loop, &srv.poll, srv.fd))) {
-        log_error("server: uv_poll_init: %s", uv_strerror(rc));
+    if (server_start())
         goto err_unlink;
-    }
-    srv.open = 1;
-    srv.spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    uv_poll_start(&srv.poll, UV_READABLE, on_accept);
     log_info("listening on %s (mode %04o)", srv.path, c->socket_mode);
     return 0;
 
@@ -319,7 +411,10 @@ void server_cleanup(void)
     if (srv.fd >= 0) {
         close(srv.fd);
         srv.fd = -1;
-        unlink(srv.path);
+        /* an activated socket stays: its unit holds it, and clients
+         * that connect now wait for the next daemon */
+        if (!srv.activated)
+            unlink(srv.path);
     }
     if (srv.spare >= 0) {
         close(srv.spare);

@@ -1425,6 +1425,63 @@ static void on_release(session_t *s, const Kvxfer__Request *rq)
         reply(s, rq->id, rc, rc ? why : "");
 }
 
+/* Drain requests waiting for the drain to end (Drain.wait): answered by
+ * session_drained(), before the daemon exits. */
+#define DRAIN_WAITERS 16
+static struct {
+    uint64_t sid, req;
+} drain_waiters[DRAIN_WAITERS];
+static unsigned ndrain_waiters;
+
+/* Drain{deadline_ms, wait}: the upgrade step, as SIGTERM, for admins. */
+static void on_drain(session_t *s, const Kvxfer__Request *rq)
+{
+    const Kvxfer__Drain *m = rq->drain;
+    if (!s->admin) {
+        log_warn("session %llu: drain refused: uid %u is not an admin",
+                 (unsigned long long)s->id, (unsigned)s->uid);
+        reply(s, rq->id, KVX_ERR_PERM,
+              "drain: only root, the daemon's uid and members of "
+              "auth.admin_gids may drain the daemon");
+        return;
+    }
+    if (m->wait && ndrain_waiters == DRAIN_WAITERS) {
+        reply(s, rq->id, KVX_ERR_LIMIT,
+              "drain: 16 drain requests already wait for the end");
+        return;
+    }
+    char who[48];
+    snprintf(who, sizeof(who), "drain by uid %u", (unsigned)s->uid);
+    /* waiting before the drain starts: with nothing in flight it is over
+     * inside kvxd_drain() */
+    if (m->wait) {
+        drain_waiters[ndrain_waiters].sid = s->id;
+        drain_waiters[ndrain_waiters++].req = rq->id;
+    }
+    int already = kvxd_drain(who, m->deadline_ms);
+    if (already < 0) {
+        ndrain_waiters -= m->wait ? 1 : 0;
+        reply(s, rq->id, already, "drain: not available in this process");
+        return;
+    }
+    if (m->wait)
+        return;
+    char msg[160];
+    snprintf(msg, sizeof(msg),
+             already ? "draining already; kvxferd exits 0 once it is over"
+                     : "draining: requests in flight may finish for %u ms, "
+                       "then end SHUTDOWN; kvxferd exits 0 once it is over",
+             m->deadline_ms);
+    reply(s, rq->id, 0, msg);
+}
+
+void session_drained(const char *what)
+{
+    for (unsigned i = 0; i < ndrain_waiters; i++)
+        session_reply(drain_waiters[i].sid, drain_waiters[i].req, 0, what);
+    ndrain_waiters = 0;
+}
+
 static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
 {
     Kvxfer__Request *rq = kvxfer__request__unpack(NULL, len, buf);
@@ -1448,7 +1505,8 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
     }
     if (kvxd.draining && rq->body_case != KVXFER__REQUEST__BODY_STATUS &&
         rq->body_case != KVXFER__REQUEST__BODY_POLL &&
-        rq->body_case != KVXFER__REQUEST__BODY_LIST_REQUESTS) {
+        rq->body_case != KVXFER__REQUEST__BODY_LIST_REQUESTS &&
+        rq->body_case != KVXFER__REQUEST__BODY_DRAIN) {
         reply(s, rq->id, KVX_ERR_SHUTDOWN, "daemon is shutting down");
         goto out;
     }
@@ -1467,6 +1525,9 @@ static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         goto out;
     case KVXFER__REQUEST__BODY_RESERVE:
         on_reserve(s, rq);
+        goto out;
+    case KVXFER__REQUEST__BODY_DRAIN:
+        on_drain(s, rq);
         goto out;
     case KVXFER__REQUEST__BODY__NOT_SET:
         reply(s, rq->id, KVX_ERR_PROTOCOL, "request: empty body");

@@ -48,6 +48,9 @@ void session_tick(uint64_t now_ms);
 void session_close_all(const char *why);
 /* Sessions whose output is not yet flushed. */
 unsigned session_unflushed(void);
+/* The drain is over (what: what it did): the Drain requests that wait
+ * for it are answered with that (main.c, before the daemon exits). */
+void session_drained(const char *what);
 unsigned session_count(void);
 
 /* For status: fill infos (malloc'd, caller frees with

@@ -104,6 +104,8 @@ struct peer_conn {
     uint8_t nonce_c[NONCE_LEN], nonce_s[NONCE_LEN];
     char server_addr[192];      /* outgoing: the address that answered */
     int server_ok;              /* outgoing: its CHALLENGE MAC checked */
+    int sec_prev;               /* the handshake proved the previous
+                                   secret (a rotation's window) */
     /* incoming: the IP it comes from (on_hs_accept()'s per-source cap) */
     int src_family;
     uint8_t src[16];
@@ -203,6 +205,11 @@ static struct {
     int poll_on;
     uint8_t secret[SECRET_MAX];
     size_t secret_len;
+    /* the secret before the last reload, accepted in handshakes until
+     * prev_until (peer.secret_previous_ms after it) */
+    uint8_t prev[SECRET_MAX];
+    size_t prev_len;
+    uint64_t prev_until;
     peer_conn_t *conns;
     int ucx_cuda;
     char transports[256];       /* every transport a connection used */
@@ -298,9 +305,9 @@ static uint64_t now_ms(void) { return kvxd_now_ms(); }
  * addresses means a MAC made for one pair of daemons proves nothing for
  * another: a man in the middle cannot relay one daemon's handshake into
  * another connection. */
-static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
-                 const char *server, const char *client,
-                 uint8_t out[MAC_LEN])
+static void hmac_with(int prev, const char *label, const uint8_t *nc,
+                      const uint8_t *ns, const char *server, const char *client,
+                      uint8_t out[MAC_LEN])
 {
     uint8_t msg[32 + 2 * NONCE_LEN + 2 * 192 + 1]; /* labels < 32 */
     size_t l = strlen(label), ls = strnlen(server, 191),
@@ -317,7 +324,21 @@ static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
     memcpy(msg + n, client, lc);
     n += lc;
     unsigned len = MAC_LEN;
-    HMAC(EVP_sha256(), P.secret, (int)P.secret_len, msg, n, out, &len);
+    HMAC(EVP_sha256(), prev ? P.prev : P.secret,
+         (int)(prev ? P.prev_len : P.secret_len), msg, n, out, &len);
+}
+
+/* The current secret's MAC. */
+static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
+                 const char *server, const char *client, uint8_t out[MAC_LEN])
+{
+    hmac_with(0, label, nc, ns, server, client, out);
+}
+
+/* Is the previous secret accepted now (a rotation's window)? */
+static int prev_open(void)
+{
+    return P.prev_len && now_ms() < P.prev_until;
 }
 
 /* "kvx://IP:PORT/id": the IP:PORT part of a and b are the same (the id
@@ -438,6 +459,35 @@ static int read_secret(char *why, size_t why_len)
     memset(buf, 0, sizeof(buf));
     P.secret_len = (size_t)n;
     return 0;
+}
+
+int peer_reload_secret(void)
+{
+    if (!P.on)
+        return 0;
+    uint8_t old[SECRET_MAX];
+    size_t old_len = P.secret_len;
+    memcpy(old, P.secret, sizeof(old));
+    char why[300];
+    if (read_secret(why, sizeof(why))) {
+        memcpy(P.secret, old, sizeof(old)); /* the running one stays */
+        P.secret_len = old_len;
+        memset(old, 0, sizeof(old));
+        log_error("peer: reload: %s; keeping the running secret", why);
+        return KVX_ERR_INVALID;
+    }
+    if (old_len == P.secret_len && !memcmp(old, P.secret, old_len)) {
+        memset(old, 0, sizeof(old));
+        return 0;
+    }
+    memcpy(P.prev, old, sizeof(old));
+    P.prev_len = old_len;
+    P.prev_until = now_ms() + kvxd.conf.peer_secret_previous_ms;
+    memset(old, 0, sizeof(old));
+    log_notice("peer: reload: a new secret from %s; handshakes accept the "
+               "previous one too for %u ms (peer.secret_previous_ms)",
+               kvxd.conf.peer_secret_file, kvxd.conf.peer_secret_previous_ms);
+    return 1;
 }
 
 /* The transports an endpoint uses, from ucp_ep_print_info ("tl/dev"). */
@@ -1164,10 +1214,10 @@ static void keys_derive(peer_conn_t *c)
 {
     const char *sa = c->outgoing ? c->server_addr : kvxd.address;
     const char *da = c->outgoing ? kvxd.address : c->address;
-    hmac("kvx-lane-s", c->nonce_c, c->nonce_s, sa, da,
-         c->outgoing ? c->tx_key : c->rx_key);
-    hmac("kvx-lane-c", c->nonce_c, c->nonce_s, sa, da,
-         c->outgoing ? c->rx_key : c->tx_key);
+    hmac_with(c->sec_prev, "kvx-lane-s", c->nonce_c, c->nonce_s, sa, da,
+              c->outgoing ? c->tx_key : c->rx_key);
+    hmac_with(c->sec_prev, "kvx-lane-c", c->nonce_c, c->nonce_s, sa, da,
+              c->outgoing ? c->rx_key : c->tx_key);
 }
 
 static void bind_mac(const uint8_t key[MAC_LEN], uint64_t conn,
@@ -1445,26 +1495,53 @@ peer_conn_t *peer_conn_find(uint64_t id)
 
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
 
+/* Without a peer listener an address is kvx://HOST/ID, and the first
+ * half of ID names the daemon by its socket path (make_address()): the
+ * same host and half with another second half is an earlier run. */
+static int earlier_local(const char *address)
+{
+    const char *id = strrchr(address, '/'), *ours = strrchr(kvxd.address, '/');
+    size_t half = ours ? strlen(ours + 1) / 2 : 0;
+    return id && ours && half && id - address == ours - kvxd.address &&
+           !strncmp(address, kvxd.address, (size_t)(ours - kvxd.address)) &&
+           strlen(id + 1) == 2 * half && !strncmp(id + 1, ours + 1, half) &&
+           strcmp(id, ours);
+}
+
 int peer_address_alias(const char *address, char *why, size_t why_len)
 {
     struct sockaddr_storage ss;
     socklen_t sl;
     char w[8];
-    if (!P.on || !strcmp(address, kvxd.address) ||
-        parse_address(address, &ss, &sl, w, sizeof(w)) ||
+    if (!strcmp(address, kvxd.address))
+        return 0;
+    const char *id = strrchr(address, '/'), *ours = strrchr(kvxd.address, '/');
+    if (!P.on) {
+        if (!earlier_local(address))
+            return 0;
+        snprintf(why, why_len,
+                 "daemon '%s' was issued by an earlier run of this daemon "
+                 "(its id was %s, this run is %s)",
+                 address, id + 1, ours + 1);
+        return KVX_ERR_PEER_GONE;
+    }
+    if (parse_address(address, &ss, &sl, w, sizeof(w)) ||
         !same_sockaddr(&ss, &P.bound))
         return 0;
     /* our listener, spelt otherwise or under another id: never a peer
      * (it would dial itself); by the id, an earlier run's */
-    const char *id = strrchr(address, '/'), *ours = strrchr(kvxd.address, '/');
     int earlier = !id || strcmp(id, ours);
-    snprintf(why, why_len,
-             earlier ? "daemon '%s' is this daemon's listener under another "
-                       "id (this daemon is '%s'): an earlier run's address, "
-                       "not dialled"
-                     : "daemon '%s' is this daemon, spelt otherwise (its "
-                       "address is '%s')",
-             address, kvxd.address);
+    if (earlier)
+        snprintf(why, why_len,
+                 "daemon '%s' is this daemon's listener under another id, "
+                 "not dialled: issued by an earlier run of this daemon (its "
+                 "id was %s, this run is %s)",
+                 address, id ? id + 1 : "", ours + 1);
+    else
+        snprintf(why, why_len,
+                 "daemon '%s' is this daemon, spelt otherwise (its address "
+                 "is '%s')",
+                 address, kvxd.address);
     return earlier ? KVX_ERR_PEER_GONE : KVX_ERR_INVALID;
 }
 
@@ -1681,6 +1758,34 @@ static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
     conn_fail(c, KVX_ERR_AUTH, "%s", msg);
 }
 
+/* The daemon a connection reaches: the address it answered as (a
+ * dial), or the one it proved (a connection it made to us). */
+static const char *conn_peer(const peer_conn_t *c)
+{
+    return c->outgoing && c->server_addr[0] ? c->server_addr : c->address;
+}
+
+/* c has just proved that the daemon listening at its peer's IP:PORT is
+ * now the one named addr: every other connection with that listener
+ * under another id is with an earlier run of it, which restarted (a
+ * process ends, its boot id with it). Their transfers end now, PEER_GONE
+ * naming the restart, not at the keep-alive: its endpoints may never
+ * report the old process gone (the kill's resets lost, an RDMA
+ * transport). */
+static void peer_restarted(const peer_conn_t *c, const char *addr)
+{
+    for (peer_conn_t *o = P.conns; o; o = o->next) {
+        const char *was = conn_peer(o);
+        if (o == c || o->state == CONN_LOST || !same_listener(was, addr) ||
+            !strcmp(was, addr))
+            continue;
+        conn_fail(o, KVX_ERR_PEER_GONE,
+                  "daemon %s restarted: it answers as %s now (its boot id "
+                  "changed); what its earlier run held is gone",
+                  was, addr);
+    }
+}
+
 static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 {
     Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT;
@@ -1715,6 +1820,15 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         ch.nonce.len = NONCE_LEN;
         ch.mac.data = mac;
         ch.mac.len = MAC_LEN;
+        /* a rotation's window: the previous secret's MAC too, for a
+         * client that has not rotated yet */
+        uint8_t mac_p[MAC_LEN];
+        if (prev_open()) {
+            hmac_with(1, "kvx-s", c->nonce_c, c->nonce_s, kvxd.address,
+                      c->address, mac_p);
+            ch.mac_previous.data = mac_p;
+            ch.mac_previous.len = MAC_LEN;
+        }
         out.m_case = KVXFER__PEER_MSG__M_CHALLENGE;
         out.challenge = &ch;
         hs_msg(c, &out);
@@ -1742,8 +1856,37 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
                       c->address, kvxd.address);
             return;
         }
-        hmac("kvx-s", c->nonce_c, c->nonce_s, sa, kvxd.address, mac);
-        int bad = elsewhere || !ct_equal(mac, ch->mac.data, MAC_LEN);
+        /* either of our secrets (the previous one in a rotation's
+         * window) against either of its MACs (its previous one, in its
+         * window): the secret both know MACs the rest */
+        int proved = 0;
+        for (int k = 0; k < 2 && !proved; k++) {
+            if (k && !prev_open())
+                break;
+            hmac_with(k, "kvx-s", c->nonce_c, c->nonce_s, sa, kvxd.address,
+                      mac);
+            if (ct_equal(mac, ch->mac.data, MAC_LEN) ||
+                (ch->mac_previous.len == MAC_LEN &&
+                 ct_equal(mac, ch->mac_previous.data, MAC_LEN))) {
+                proved = 1;
+                c->sec_prev = k;
+            }
+        }
+        int bad = elsewhere || !proved;
+        if (!bad && strcmp(sa, c->address)) {
+            /* we dialled an earlier run's address (params or a key it
+             * issued), and the new run proved itself there: that run is
+             * gone, and so is what it issued. No answer: the new run
+             * never makes an endpoint for this connection */
+            const char *was = strrchr(c->address, '/'), *now = strrchr(sa, '/');
+            peer_restarted(c, sa);
+            conn_fail(c, KVX_ERR_PEER_GONE,
+                      "restarted: params and keys issued by an earlier run "
+                      "of that daemon (its id was %s, this run is %s) are "
+                      "refused",
+                      was + 1, now + 1);
+            return;
+        }
         /* answer either way, so the peer learns (and logs) it too; but a
          * valid MAC only to a server that proved itself, or it could be
          * relayed */
@@ -1752,7 +1895,8 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         ProtobufCBinaryData lanes[LANES_MAX];
         uint8_t mac_c[MAC_LEN] = {0};
         if (!bad) { /* and our UCX addresses only to one that proved */
-            hmac("kvx-c", c->nonce_c, c->nonce_s, sa, kvxd.address, mac_c);
+            hmac_with(c->sec_prev, "kvx-c", c->nonce_c, c->nonce_s, sa,
+                      kvxd.address, mac_c);
             ucx_info_fill(&u, lanes);
             u.conn = c->lane_conn;
             r.ucx = &u;
@@ -1780,8 +1924,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         }
         c->server_ok = 1;
         keys_derive(c);
-        if (strcmp(sa, c->address))
-            log_warn("peer %s: answers as %s (restarted?)", c->address, sa);
+        peer_restarted(c, sa);
         return;
     }
     case KVXFER__PEER_MSG__M_RESPONSE: { /* server: check the client */
@@ -1789,10 +1932,17 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             break;
         hmac("kvx-c", c->nonce_c, c->nonce_s, kvxd.address, c->address,
              mac);
-        if (!ct_equal(mac, m->response->mac.data, MAC_LEN)) {
+        int ok = ct_equal(mac, m->response->mac.data, MAC_LEN);
+        if (!ok && prev_open()) { /* a client that has not rotated yet */
+            hmac_with(1, "kvx-c", c->nonce_c, c->nonce_s, kvxd.address,
+                      c->address, mac);
+            ok = c->sec_prev = ct_equal(mac, m->response->mac.data, MAC_LEN);
+        }
+        if (!ok) {
             auth_refuse(c, "wrong cluster secret");
             return;
         }
+        peer_restarted(c, c->address); /* it proved its address now */
         char why[200];
         if (ucx_info_take(c, m->response->ucx, why, sizeof(why))) {
             auth_refuse(c, "%s", why);
@@ -2636,6 +2786,13 @@ void peer_tick(uint64_t now)
 {
     if (!P.on)
         return;
+    if (P.prev_len && now >= P.prev_until) {
+        memset(P.prev, 0, sizeof(P.prev));
+        P.prev_len = 0;
+        log_notice("peer: the previous secret's window is over "
+                   "(peer.secret_previous_ms): handshakes take only the "
+                   "current one");
+    }
     peer_flush_lost();
     for (peer_conn_t *c = P.conns, *n; c; c = n) {
         n = c->next;

@@ -37,6 +37,13 @@ typedef struct peer_conn peer_conn_t;
  * a syscall). */
 int peer_init(char *why, size_t why_len);
 int peer_enabled(void);
+/* SIGHUP: read peer.secret_file again. A new secret MACs the handshakes
+ * from now on; the previous one is still accepted for
+ * peer.secret_previous_ms (and offered to peers that have not rotated
+ * yet), so that a cluster rotates without a restart. Connections made
+ * before stay. 1: a new secret; 0: the same (or peers are off); or
+ * KVX_ERR_INVALID, logged, the running secret kept. */
+int peer_reload_secret(void);
 /* Keep-alive and connect deadlines. */
 void peer_tick(uint64_t now_ms);
 /* At exit: close every connection; then, once nothing registered with
@@ -61,8 +68,12 @@ int peer_address_check(const char *address, char *why, size_t why_len);
 /* Does address name this daemon's listener (its IP and port, however
  * spelt) without being this daemon's address? 0 when not; else
  * KVX_ERR_PEER_GONE (another id: an earlier run's address) or
- * KVX_ERR_INVALID (this id, spelt otherwise), with why. A daemon never
- * dials itself; a handshake that reaches itself anyway fails too. */
+ * KVX_ERR_INVALID (this id, spelt otherwise), with why. Without a peer
+ * listener, an address of this host whose id's first half is this
+ * daemon's (its socket path) and second half another is an earlier
+ * run's too. Every earlier run's address is refused with "issued by an
+ * earlier run of this daemon (its id was X, this run is Y)". A daemon
+ * never dials itself; a handshake that reaches itself anyway fails too. */
 int peer_address_alias(const char *address, char *why, size_t why_len);
 /* The capability token of a request of an instance spread over daemons:
  * every daemon of it derives the same one from the cluster secret. The

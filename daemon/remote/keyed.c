@@ -289,6 +289,11 @@ static int target_check(const char *what, const char *inst, const char *addr,
     }
     if ((*here = !strcmp(addr, kvxd.address)))
         return 0;
+    char w[400];
+    if (peer_address_alias(addr, w, sizeof(w)) == KVX_ERR_PEER_GONE) {
+        snprintf(why, why_len, "%s.context_address: %s", what, w);
+        return KVX_ERR_PEER_GONE;
+    }
     if (!peer_enabled()) {
         snprintf(why, why_len,
                  "%s.context_address: '%s' is another daemon, and transfers "

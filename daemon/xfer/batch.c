@@ -73,8 +73,8 @@ static const batch_t *find(const batch_state_t *bs, uint64_t seq)
  * that says what it has: has). */
 static void trim(batch_state_t *bs)
 {
-    uint64_t low = bs->next_seq;
-    for (uint32_t r = 0; r < bs->nranks; r++) {
+    uint64_t low = bs->assembled ? bs->next_seq : 0;
+    for (uint32_t r = 0; bs->assembled && r < bs->nranks; r++) {
         uint64_t c = bs->resume[r] ? bs->resume[r] - 1 : bs->cursor[r];
         if (bs->present[r] && c < low)
             low = c;
@@ -146,10 +146,20 @@ void batch_rank_join(batch_state_t *bs, uint32_t rank)
     bs->present[rank] = 1;
     bs->away[rank] = 0;
     assert(bs->cursor[rank] <= bs->next_seq); /* no rank reads ahead */
-    bs->cursor[rank] = bs->next_seq;
-    bs->joined_at[rank] = bs->next_seq;
+    /* not yet assembled: from the first batch (trim() kept them) */
+    list_t *first = list_first(&bs->sealed);
+    uint64_t from = bs->assembled || !first ? bs->next_seq : BATCH(first)->seq;
+    bs->cursor[rank] = from;
+    bs->joined_at[rank] = from;
     bs->resume[rank] = 0;
     bs->wait[rank].active = 0;
+    uint32_t here = 0;
+    for (uint32_t r = 0; r < bs->nranks; r++)
+        here += bs->present[r];
+    if (here == bs->nranks && !bs->assembled) {
+        bs->assembled = 1;
+        trim(bs);
+    }
 }
 
 void batch_rank_leave(batch_state_t *bs, uint32_t rank)

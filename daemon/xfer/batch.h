@@ -76,6 +76,11 @@ typedef struct batch_state {
     uint32_t kept_max;               /* limits.batches_kept; 0: no bound */
     uint64_t missed_from, missed_to; /* the last KVX_ERR_LIMIT poll's */
     uint64_t next_seq;
+    /* every rank has been here at once. Till then every batch is kept
+     * (limits.batches_kept aside) and a rank that joins reads from the
+     * first one, as those here did: ranks that come one by one (to a
+     * daemon that restarted, or at start) read batch k alike */
+    int assembled;
     uint64_t sealed_total;
     batch_deliver_cb deliver;
     void *arg;

@@ -217,15 +217,16 @@ int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
             WHY(KVX_ERR_INVALID,
                 "join.rank_addresses[%zu]: empty or longer than %zu bytes",
                 i, sizeof(kvxd.address) - 1);
-    if (strcmp(addr[rank], kvxd.address))
-        WHY(KVX_ERR_INVALID,
-            "join.rank_addresses[%u]: '%s' is not this daemon ('%s')", rank,
-            addr[rank], kvxd.address);
+    /* an earlier run's address first: that is why it is not this one */
     for (size_t i = 0; i < n; i++) {
         char w[400];
         if (peer_address_alias(addr[i], w, sizeof(w)))
             WHY(KVX_ERR_INVALID, "join.rank_addresses[%zu]: %s", i, w);
     }
+    if (strcmp(addr[rank], kvxd.address))
+        WHY(KVX_ERR_INVALID,
+            "join.rank_addresses[%u]: '%s' is not this daemon ('%s')", rank,
+            addr[rank], kvxd.address);
     if (inst->joined) {
         for (size_t i = 0; i < n; i++)
             if (strcmp(addr[i], inst->addresses[i]))

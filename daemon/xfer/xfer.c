@@ -774,6 +774,17 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
         kvxfer__context_params__free_unpacked(p, NULL);
         WHY(KVX_ERR_INVALID, "fetch.context_params: invalid %s", bad);
     }
+    /* params of an earlier run of this daemon name memory it no longer
+     * knows: refused by that cause, before anything looks them up */
+    for (size_t i = 0; i < p->n_rank_addresses; i++) {
+        char w[400];
+        if (peer_address_alias(p->rank_addresses[i], w, sizeof(w)) ==
+            KVX_ERR_PEER_GONE) {
+            kvxfer__context_params__free_unpacked(p, NULL);
+            WHY(KVX_ERR_PEER_GONE,
+                "fetch.context_params: rank_addresses[%zu]: %s", i, w);
+        }
+    }
     *out = p;
     return 0;
 }

@@ -118,6 +118,7 @@ static long long json_num(const char *json, const char *key)
 typedef struct daemon {
     pid_t pid;
     int reaped, status;
+    int lfd; /* socket activation: the listening socket (0: none) */
     char dir[96], sock[128], log[128], cfg[128];
 } daemon_t;
 
@@ -131,6 +132,10 @@ static int h_dir_seq;
  * runs in (NULL: ours), and what h_cleanup undoes after the daemons. */
 static const char *h_netns;
 static const char *h_preload; /* LD_PRELOAD of the next daemon_start() */
+/* The next daemon_start() is socket-activated: the test binds and
+ * listens on its socket path and passes it as fd 3 (LISTEN_FDS=1,
+ * LISTEN_PID), at every daemon_restart() too, as systemd does. */
+static int h_activate;
 static void (*h_cleanup_hook)(void);
 
 static const char *build_dir(void)
@@ -248,6 +253,22 @@ static void daemon_exec(daemon_t *d)
 {
     char exe[256];
     snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
+    if (h_activate && !d->lfd) {
+        int l = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_un sa = {.sun_family = AF_UNIX};
+        CHECK(strlen(d->sock) < sizeof(sa.sun_path));
+        memcpy(sa.sun_path, d->sock, strlen(d->sock) + 1);
+        CHECK(l >= 0);
+        if (l <= 3) { /* dup2(l, 3) below must make a copy */
+            int h = fcntl(l, F_DUPFD_CLOEXEC, 10);
+            CHECK(h > 3);
+            close(l);
+            l = h;
+        }
+        CHECK(bind(l, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+        CHECK(listen(l, 64) == 0);
+        d->lfd = l;
+    }
     fflush(stdout);
     fflush(stderr);
     pid_t pid = fork();
@@ -258,6 +279,13 @@ static void daemon_exec(daemon_t *d)
             dup2(fd, 1);
             dup2(fd, 2);
             close(fd);
+        }
+        if (d->lfd) { /* sd_listen_fds(): fd 3, for this pid */
+            char pidbuf[24];
+            dup2(d->lfd, 3); /* the copy has no FD_CLOEXEC */
+            snprintf(pidbuf, sizeof(pidbuf), "%d", (int)getpid());
+            setenv("LISTEN_FDS", "1", 1);
+            setenv("LISTEN_PID", pidbuf, 1);
         }
         signal(SIGALRM, SIG_DFL);
         alarm(0);
@@ -283,8 +311,14 @@ static void daemon_exec(daemon_t *d)
     for (;;) {
         kvx_client_t *c;
         if (kvx_connect_observer(d->sock, 200, &c) == 0) {
+            /* an activated socket connects before the daemon runs: its
+             * answer says it does */
+            char *json = NULL;
+            int rc = d->lfd ? kvx_status_json(c, &json, 200) : 0;
+            free(json);
             kvx_close(c);
-            break;
+            if (!rc)
+                break;
         }
         int st;
         if (waitpid(pid, &st, WNOHANG) == pid) {

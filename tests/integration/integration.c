@@ -51,6 +51,8 @@
  *   peer_harness.c     two daemons in two network namespaces
  *   t_peer_transfer.c  transfers between daemons, lanes, forged input
  *   t_peer_lost.c      a peer lost, drained or cancelled mid-transfer
+ *   t_upgrade.c        a peer restarted, its earlier run's params, the
+ *                      cluster secret rotated by reload
  *   t_peer_spread.c    an instance spread over both daemons
  *   t_peer_ops.c       peer configuration, status, idle CPU, the bench
  *   t_peer_hostile.c   garbage to every port a daemon opens
@@ -89,6 +91,7 @@
 #include "peer_harness.c"
 #include "t_peer_transfer.c"
 #include "t_peer_lost.c"
+#include "t_upgrade.c"
 #include "t_peer_spread.c"
 #include "t_peer_ops.c"
 #include "t_peer_hostile.c"

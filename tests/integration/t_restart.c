@@ -345,3 +345,420 @@ TEST(restart_reconnect_off)
     rank_close(&g);
     daemon_stop_ok(d);
 }
+
+/* Params, and the address, of the daemon's run before a restart, given
+ * to the new run: every path that takes them (fetch and release with
+ * the params, fetch and release by key at the old address) refuses them
+ * naming the cause, both ids, and never looks up the new run's offers
+ * by them (the new run has one of the same instance and key). Without a
+ * peer listener, where the address is kvx://HOST/ID. */
+TEST_T(restart_old_params_refused, 60)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "op-ctx", "op-gen", 8, &c, &g, &cs, &gs);
+    char old[192], now[192];
+    CHECK_KVX(kvx_daemon_address(c.c, old, sizeof(old)), c.c);
+    uint32_t bl[2] = {1, 2};
+    kvx_context_params_t p;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room", 4, c.pool, bl, 2, 8, NULL, 0, &p, T_MS),
+        c.c);
+    daemon_kill9(d);
+    const char *k[1] = {"room"};
+    expect_gone_batch(c.c, k, 1);
+    daemon_restart(d);
+    poll_until_back(c.c, 1);
+    poll_until_back(g.c, 1);
+    CHECK_KVX(kvx_daemon_address(c.c, now, sizeof(now)), c.c);
+    CHECK(strcmp(old, now) != 0);
+    /* the new run offers the same key of the same instance */
+    memset(g.base, 0xa5, g.size);
+    uint8_t *before = malloc(g.size);
+    CHECK(before != NULL);
+    memcpy(before, g.base, g.size);
+    kvx_context_params_t q;
+    CHECK_KVX(
+        kvx_publish_key(c.c, "room", 4, c.pool, bl, 2, 8, NULL, 0, &q, T_MS),
+        c.c);
+    char want[256];
+    snprintf(want, sizeof(want),
+             "issued by an earlier run of this daemon (its id was %s, this "
+             "run is %s)",
+             strrchr(old, '/') + 1, strrchr(now, '/') + 1);
+    uint32_t gb[2] = {3, 4};
+    CHECK_FAILS(
+        kvx_fetch_key(g.c, "f1", 2, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c, KVX_ERR_PEER_GONE, want);
+    CHECK_STR_CONTAINS(kvx_last_error(g.c), "fetch.context_params");
+    CHECK_FAILS(kvx_release(g.c, p.data, p.len, T_MS), g.c, KVX_ERR_PEER_GONE,
+                want);
+    CHECK_FAILS(kvx_fetch_by_key(g.c, "f2", 2, "op-ctx", old, "room", 4, g.pool,
+                                 gb, 2, 0, 0, T_MS),
+                g.c, KVX_ERR_PEER_GONE, want);
+    CHECK_FAILS(kvx_release_by_key(g.c, "op-ctx", old, "room", 4, T_MS), g.c,
+                KVX_ERR_PEER_GONE, want);
+    /* nothing was taken: no byte landed, the new offer stands, moves */
+    sleep_ms(100);
+    CHECK(!memcmp(before, g.base, g.size));
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "f3", 2, q.data, q.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    CHECK_EQ(wait_key(g.c, "f3", 2, 5000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "room", 4, 5000).kind, KVX_EVENT_COMPLETE);
+    CHECK(memcmp(before, g.base, g.size) != 0);
+    free(before);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&q);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
+/* ---- socket activation ------------------------------------------------ */
+
+/* A process that connects while no daemon runs (its connect queues in
+ * the activated socket's backlog) and whose Hello the next daemon
+ * answers: exits 0 once it read the status. */
+static pid_t connect_waiting(daemon_t *d)
+{
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        kvx_client_t *c;
+        int rc = kvx_connect_observer(d->sock, 10000, &c);
+        if (rc) {
+            fprintf(stderr, "connect while no daemon runs: %s: %s\n",
+                    kvx_status_name(rc), kvx_last_error(c));
+            _exit(1);
+        }
+        char *json = NULL;
+        rc = kvx_status_json(c, &json, T_MS);
+        free(json);
+        kvx_close(c);
+        _exit(rc ? 1 : 0);
+    }
+    return pid;
+}
+
+/* The daemon started by socket activation (fd 3 passed with LISTEN_FDS=1
+ * and LISTEN_PID, as systemd's kvxferd.socket does): it serves on that
+ * socket; at exit (a drain, and kill -9) the socket file stays; a client
+ * that connects while no daemon runs waits instead of failing, and is
+ * answered by the next daemon on the same fd; the engines' ranks
+ * reconnect there and move KV, every byte checked. */
+TEST_T(restart_socket_activation, 60)
+{
+    h_activate = 1;
+    daemon_t *d = daemon_start(NULL);
+    h_activate = 0;
+    CHECK(log_contains(d, "socket activation: fd 3"));
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "sa-ctx", "sa-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    uint8_t *before = malloc(g.size);
+    CHECK(before != NULL);
+    uint32_t cb[2] = {1, 2}, gb[2] = {3, 4};
+    for (int round = 0; round < 2; round++) {
+        memcpy(before, g.base, g.size);
+        transfer_over(&c, &g, before, 40 + round, cb, gb, 2, 6);
+        /* a drain, then kill -9: the socket file is the unit's */
+        if (round == 0)
+            daemon_stop_ok(d);
+        else
+            daemon_kill9(d);
+        struct stat st;
+        CHECK(stat(d->sock, &st) == 0 && S_ISSOCK(st.st_mode));
+        pid_t waiting = connect_waiting(d);
+        sleep_ms(200); /* it connected, and waits for an answer */
+        CHECK(waitpid(waiting, NULL, WNOHANG) == 0);
+        daemon_restart(d);
+        int wst;
+        CHECK(waitpid(waiting, &wst, 0) == waiting);
+        CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0);
+        poll_until_back(c.c, (uint32_t)round + 1);
+        poll_until_back(g.c, (uint32_t)round + 1);
+    }
+    memcpy(before, g.base, g.size);
+    transfer_over(&c, &g, before, 42, cb, gb, 2, 6);
+    free(before);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+    close(d->lfd);
+}
+
+/* A socket passed as fd 3 that is not a listening AF_UNIX stream socket
+ * is refused, naming what it is; LISTEN_PID of another process is not
+ * this daemon's (it binds socket.path itself). */
+TEST(restart_socket_activation_refused)
+{
+    char dir[96], sock[128], log[128];
+    snprintf(dir, sizeof(dir), "/tmp/kvx-sa-%d", (int)getpid());
+    snprintf(sock, sizeof(sock), "%s/s.sock", dir);
+    snprintf(log, sizeof(log), "%s/log", dir);
+    CHECK(mkdir(dir, 0755) == 0 || errno == EEXIST);
+    int udp = socket(AF_INET, SOCK_DGRAM, 0), unbound;
+    unbound = socket(AF_UNIX, SOCK_STREAM, 0);
+    int nul = open("/dev/null", O_RDONLY);
+    CHECK(udp >= 0 && unbound >= 0 && nul >= 0);
+    const struct {
+        int fd;
+        const char *fds, *why;
+    } cases[] = {
+        {udp, "1", "not an AF_UNIX socket"},
+        {unbound, "1", "not listening"},
+        {nul, "1", "Socket operation on non-socket"},
+        {unbound, "2", "LISTEN_FDS=2; kvxferd takes exactly one socket"},
+    };
+    char exe[256];
+    snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        unlink(log);
+        fflush(stderr);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+            int lf = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            dup2(lf, 2);
+            dup2(cases[i].fd, 3);
+            char pb[24];
+            snprintf(pb, sizeof(pb), "%d", (int)getpid());
+            setenv("LISTEN_FDS", cases[i].fds, 1);
+            setenv("LISTEN_PID", pb, 1);
+            execl(exe, exe, "--socket", sock, (char *)NULL);
+            _exit(127);
+        }
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        char *text = read_file(log);
+        if (!WIFEXITED(st) || WEXITSTATUS(st) != 1 ||
+            !strstr(text, cases[i].why))
+            fprintf(stderr, "case %zu: status %d, log:\n%s\n", i, st, text);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+        CHECK_STR_CONTAINS(text, cases[i].why);
+        free(text);
+    }
+    close(udp);
+    close(unbound);
+    close(nul);
+    char cmd[160];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    (void)!system(cmd);
+}
+
+/* ---- drain: the upgrade step ------------------------------------------ */
+
+/* kvxferctl drain: a uid that is not an admin is refused (PERM, nothing
+ * drains); with --deadline, a fetch in flight finishes (COMPLETE, every
+ * byte) while new requests are refused SHUTDOWN, and the daemon exits 0
+ * once nothing is left; kvxferctl says what the drain did. A new daemon
+ * (the upgrade) takes the ranks back. Then an offer nobody fetches ends
+ * SHUTDOWN at a short deadline, the daemon exits 0, and the next one
+ * moves KV, every byte checked. */
+TEST_T(restart_drain_upgrade, 90)
+{
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                SLOW_CFG "auth:\n  allowed_uids: [64021]\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_BIG, "dr-ctx", "dr-gen", BIG_BLOCKS + 8, &c, &g, &cs, &gs);
+    char out[2048], args[512];
+    snprintf(args, sizeof(args), "--socket %s drain", d->sock);
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "setpriv --reuid=64021 --regid=64021 --clear-groups "
+             "%s/kvxferctl %s 2>&1",
+             build_dir(), args);
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "permission denied");
+    CHECK_STR_CONTAINS(out, "only root, the daemon's uid and members of "
+                            "auth.admin_gids may drain");
+    daemon_healthy(d);
+
+    memset(g.base, 0xa5, g.size);
+    uint8_t *before = malloc(g.size);
+    CHECK(before != NULL);
+    memcpy(before, g.base, g.size);
+    uint32_t *bl = big_blocks();
+    fill_req(&c, 51, bl, BIG_TOK);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 51, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch(g.c, 51, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
+        g.c);
+    wait_landing(&g, 0xa5); /* under way when the drain starts */
+    snprintf(args, sizeof(args), "--socket %s drain --deadline 60", d->sock);
+    fflush(stderr);
+    FILE *ctl = NULL;
+    snprintf(cmd, sizeof(cmd), "%s/kvxferctl %s 2>&1", build_dir(), args);
+    ctl = popen(cmd, "r");
+    CHECK(ctl != NULL);
+    CHECK(log_wait(d, "drain by uid 0: draining: 2 requests in flight", 5000));
+    /* new requests are refused while it drains */
+    uint32_t small[2] = {BIG_BLOCKS, BIG_BLOCKS + 1};
+    kvx_context_params_t px;
+    CHECK_FAILS(kvx_publish(c.c, 52, c.pool, small, 2, 8, &px, T_MS), c.c,
+                KVX_ERR_SHUTDOWN, "shutting down");
+    wait_event(g.c, 51, KVX_EVENT_COMPLETE, 0, 30000);
+    wait_event(c.c, 51, KVX_EVENT_COMPLETE, 0, 30000);
+    CHECK_EQ(check_pool_over(&g, before, 51, bl, BIG_TOK), 0);
+    size_t n = fread(out, 1, sizeof(out) - 1, ctl);
+    out[n] = 0;
+    int st = pclose(ctl);
+    fprintf(stderr, "%s", out);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK_STR_CONTAINS(out, "drained in ");
+    CHECK_STR_CONTAINS(out, "2 requests were in flight, 2 finished, 0 ended "
+                            "SHUTDOWN; kvxferd exits 0");
+    st = daemon_wait(d, 10000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+
+    /* the upgrade: a new daemon; the ranks come back */
+    daemon_restart(d);
+    poll_until_back(c.c, 1);
+    poll_until_back(g.c, 1);
+    CHECK_KVX(kvx_publish(c.c, 53, c.pool, small, 2, 8, &px, T_MS), c.c);
+    snprintf(args, sizeof(args), "--socket %s drain --deadline 0.2", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    fprintf(stderr, "%s", out);
+    CHECK_STR_CONTAINS(out, "1 requests were in flight, 0 finished, 1 ended "
+                            "SHUTDOWN");
+    ev_t e = wait_event(c.c, 53, KVX_EVENT_ERROR, KVX_ERR_SHUTDOWN, 5000);
+    CHECK_STR_CONTAINS(e.msg, "daemon shutting down (drain by uid 0)");
+    st = daemon_wait(d, 10000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    daemon_restart(d);
+    poll_until_back(c.c, 2);
+    poll_until_back(g.c, 2);
+    memcpy(before, g.base, g.size);
+    uint32_t cb[2] = {BIG_BLOCKS + 3, BIG_BLOCKS + 4},
+             gb[2] = {BIG_BLOCKS + 5, BIG_BLOCKS + 6};
+    transfer_over(&c, &g, before, 54, cb, gb, 2, 7);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&px);
+    free(bl);
+    free(before);
+    rank_close(&c);
+    rank_close(&g);
+    /* with nothing in flight the drain is over at once: still answered */
+    snprintf(args, sizeof(args), "--socket %s drain", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "0 requests were in flight");
+    st = daemon_wait(d, 10000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+/* ---- ranks that come back one by one ------------------------------------ */
+
+/* The next batch of c holding an event for req: its seq, and that event
+ * (kind, code, key) in *e. */
+static uint64_t batch_with(kvx_client_t *c, uint64_t req, kvx_event_t *e)
+{
+    int64_t end = now_ms() + 10000;
+    for (;;) {
+        kvx_batch_t *b = NULL;
+        CHECK_KVX(kvx_poll(c, 1, 2000, &b), c);
+        for (uint32_t i = 0; i < b->num_events; i++)
+            if (b->events[i].request_id == req) {
+                *e = b->events[i];
+                uint64_t seq = b->seq;
+                kvx_batch_free(b);
+                return seq;
+            }
+        kvx_batch_free(b);
+        CHECK(now_ms() < end);
+    }
+}
+
+/* A tp-2 context instance whose ranks reconnect at different times after
+ * a restart: rank 0 is back, joined again and polling while rank 1 is
+ * still away (the instance is not complete: publishes wait), then rank 1
+ * comes back; the instance works: both ranks publish the same params, a
+ * generation rank fetches both heads, every byte checked, and the two
+ * ranks poll the same batch sequence in lockstep: the same seq with the
+ * same event, twice. */
+TEST_T(restart_ranks_back_one_by_one, 60)
+{
+    daemon_t *d = daemon_start(NULL);
+    side_t cs = {.inst = "r1-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    side_t gs = {.inst = "r1-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "vllm-nhd",
+                 .tpb = 4};
+    rank_t c0, c1, g;
+    rank_hello_only(d, &M_SMALL, &cs, 0, &c0);
+    rank_hello_only(d, &M_SMALL, &cs, 1, &c1);
+    rank_join(&c0);
+    rank_join(&c1);
+    rank_pool(&c0, 16);
+    rank_pool(&c1, 16);
+    rank_open(d, &M_SMALL, &gs, 0, 16, &g);
+    /* a transfer before, so that the batch sequence has moved */
+    uint32_t cb[2] = {9, 5}, gb[2] = {7, 0};
+    kvx_context_params_t q0, q1;
+    for (int round = 0; round < 2; round++) {
+        uint64_t req = 60 + (uint64_t)round;
+        uint8_t *before = malloc(g.size);
+        CHECK(before != NULL);
+        memcpy(before, g.base, g.size);
+        fill_req(&c0, req, cb, 7);
+        fill_req(&c1, req, cb, 7);
+        CHECK_KVX(kvx_publish(c0.c, req, c0.pool, cb, 2, 7, &q0, T_MS), c0.c);
+        CHECK_KVX(kvx_publish(c1.c, req, c1.pool, cb, 2, 7, &q1, T_MS), c1.c);
+        CHECK_EQ(q0.len, q1.len);
+        CHECK(!memcmp(q0.data, q1.data, q0.len));
+        CHECK_KVX(kvx_fetch(g.c, req, q0.data, q0.len, g.pool, gb, 2, 0, T_MS),
+                  g.c);
+        wait_event(g.c, req, KVX_EVENT_COMPLETE, 0, 10000);
+        kvx_event_t e0, e1;
+        uint64_t s0 = batch_with(c0.c, req, &e0);
+        uint64_t s1 = batch_with(c1.c, req, &e1);
+        CHECK_EQ(s0, s1); /* lockstep: the same batch on both ranks */
+        CHECK_EQ(e0.kind, KVX_EVENT_COMPLETE);
+        CHECK_EQ(e1.kind, KVX_EVENT_COMPLETE);
+        CHECK_EQ(check_pool_over(&g, before, req, gb, 7), 0);
+        free(before);
+        kvx_context_params_free(&q0);
+        kvx_context_params_free(&q1);
+        if (round == 1)
+            break;
+        daemon_kill9(d);
+        kvx_batch_t *b;
+        CHECK_FAILS(kvx_poll(c1.c, 0, 0, &b), c1.c, KVX_ERR_CLOSED,
+                    "kvxferd went away");
+        daemon_restart(d);
+        /* rank 0 first; rank 1 stays away a while */
+        poll_until_back(c0.c, 1);
+        poll_until_back(g.c, 1);
+        kvx_context_params_t px;
+        CHECK_FAILS(kvx_publish(c0.c, 70, c0.pool, cb, 2, 7, &px, T_MS), c0.c,
+                    KVX_ERR_STATE, "");
+        fprintf(stderr, "publish with rank 1 away: %s\n", kvx_last_error(c0.c));
+        for (int i = 0; i < 5; i++) { /* rank 0 polls meanwhile */
+            kvx_batch_t *nb = NULL;
+            int rc = kvx_poll(c0.c, 0, 50, &nb);
+            CHECK(rc == 0 || rc == KVX_ERR_TIMEOUT);
+            if (!rc) {
+                CHECK_EQ(nb->num_events, 0);
+                kvx_batch_free(nb);
+            }
+        }
+        poll_until_back(c1.c, 1);
+    }
+    rank_close(&c0);
+    rank_close(&c1);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}

@@ -396,25 +396,35 @@ TEST(join_starts_at_next_seq)
         CHECK_EQ(batch_poll(&bs, 0, k, 0, 1000, 0), 0);
     CHECK_EQ(bs.next_seq, 3);
     CHECK_EQ(nbatches_held(&bs), 3); /* rank 1 has not read them */
+    /* the instance was never all here (rank 2 comes last, as ranks do to
+     * a daemon that restarted): rank 2 reads from the first batch, as
+     * ranks 0 and 1 did, so batch k is the same on every rank */
+    CHECK(!bs.assembled);
     batch_rank_join(&bs, 2);
-    CHECK_EQ(bs.cursor[2], 3);
-    /* rank 2 is not handed the old batches: its poll waits for batch 3 */
+    CHECK(bs.assembled);
+    CHECK_EQ(bs.cursor[2], 0);
+    for (int k = 0; k < 3; k++)
+        CHECK_EQ(batch_poll(&bs, 2, 10 + k, 0, 1000, 0), 0);
+    CHECK_EQ(nrec, 6);
+    CHECK_EQ(recs[5].rank, 2);
+    CHECK_EQ(recs[5].seq, 2);
+    CHECK_EQ(bs.next_seq, 3); /* read, not sealed again */
+    /* rank 2's next poll waits for batch 3 */
     CHECK_EQ(batch_poll(&bs, 2, 77, 1, 1000, 0), 0);
-    CHECK_EQ(nrec, 3);
     CHECK(bs.wait[2].active);
     push(&bs, 42, 0);
-    CHECK_EQ(nrec, 4);
-    CHECK_EQ(recs[3].rank, 2);
-    CHECK_EQ(recs[3].seq, 3);
-    CHECK_EQ(recs[3].ev[0].request_id, 42);
-    /* the batches before its join are still held for rank 1 only */
+    CHECK_EQ(nrec, 7);
+    CHECK_EQ(recs[6].rank, 2);
+    CHECK_EQ(recs[6].seq, 3);
+    CHECK_EQ(recs[6].ev[0].request_id, 42);
+    /* the batches rank 1 has not read are still held for it */
     CHECK_EQ(nbatches_held(&bs), 4);
     for (int k = 0; k < 4; k++)
         CHECK_EQ(batch_poll(&bs, 1, k, 0, 1000, 0), 0);
     CHECK_EQ(recs[nrec - 1].seq, 3);
     /* rank 0 has not read batch 3 yet */
     CHECK_EQ(nbatches_held(&bs), 1);
-    /* rejoining after a leave also starts at next_seq */
+    /* once all were here, a rejoin after a leave starts at next_seq */
     batch_rank_leave(&bs, 0);
     CHECK_EQ(nbatches_held(&bs), 0);
     batch_rank_join(&bs, 0);
@@ -653,9 +663,10 @@ static rec_t canon[MAXSEQ];
 static void check_invariants(const batch_state_t *bs, uint64_t now,
                              int force_done)
 {
-    /* held batches are exactly [min cursor of present ranks, next_seq) */
-    uint64_t low = bs->next_seq;
-    for (uint32_t r = 0; r < bs->nranks; r++)
+    /* held batches are exactly [min cursor of present ranks, next_seq);
+     * until every rank has been here at once, every batch */
+    uint64_t low = bs->assembled ? bs->next_seq : 0;
+    for (uint32_t r = 0; bs->assembled && r < bs->nranks; r++)
         if (bs->present[r] && bs->cursor[r] < low)
             low = bs->cursor[r];
     uint64_t want = low;
@@ -696,7 +707,7 @@ TEST_T(random_schedule_keeps_the_rules, 120)
             if (r == 0 || rnd() % 2) {
                 batch_rank_join(&bs, r);
                 present[r] = 1;
-                expect_seq[r] = bs.next_seq;
+                expect_seq[r] = bs.cursor[r];
             }
         for (int step = 0; step < 1500; step++) {
             int before = nrec, force = 0;
@@ -737,7 +748,7 @@ TEST_T(random_schedule_keeps_the_rules, 120)
                 if (!present[r]) {
                     batch_rank_join(&bs, r);
                     present[r] = 1;
-                    expect_seq[r] = bs.next_seq;
+                    expect_seq[r] = bs.cursor[r];
                 }
             } else {
                 batch_flush(&bs);
