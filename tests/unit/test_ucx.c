@@ -435,7 +435,7 @@ TEST(fit_reads_transport_flags)
 
 /* ---- every byte of a real address, changed, through the real UCX ------- */
 
-static const uint8_t scan_vals[] = {0x00, 0x01, 0x1c, 0x7f, 0x80, 0xff};
+static const uint8_t scan_vals[] = {0x00, 0x01, 0x10, 0x1c, 0x7f, 0x80, 0xff};
 enum { SCAN_REFUSED = 10, SCAN_UNREACHABLE, SCAN_CONNECTED };
 
 static void closed(void *req, ucs_status_t st, void *arg)
