@@ -6,6 +6,7 @@
  */
 #include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -405,17 +406,20 @@ static const char *const tl_names[] = {
     "cuda_copy", "cuda_ipc", "gdr_copy", "rocm_copy", "rocm_ipc", "rocm_gdr"};
 static uint16_t tl_csums[sizeof(tl_names) / sizeof(tl_names[0])];
 
-static void csums_init(void)
+static void csums_once(void)
 {
-    static atomic_int done;
-    if (atomic_load(&done))
-        return;
     csum_of.tcp = ucs_crc16_string("tcp");
     csum_of.cma = ucs_crc16_string("cma");
     csum_of.posix = ucs_crc16_string("posix");
     for (size_t i = 0; i < sizeof(tl_names) / sizeof(tl_names[0]); i++)
         tl_csums[i] = ucs_crc16_string(tl_names[i]);
-    atomic_store(&done, 1);
+}
+
+/* once, whichever thread (the loop's, a lane's) connects first */
+static void csums_init(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, csums_once);
 }
 
 /* "transport tcp", or "transport 0x1234" for a name not known here */
