@@ -340,7 +340,7 @@ int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, char *why,
  * header, and TCP's entry lands on a device with no address. UCX passes
  * TCP a NULL device address and uct_tcp_iface_is_reachable() reads its
  * address family from it: SIGSEGV (tests/integration/t_attack.c,
- * attack_worker_address_one_byte_crashes).
+ * attack_worker_address_one_byte; tests/unit/test_ucx.c).
  *
  * So a transport this worker has is kept only where its device and
  * interface addresses are the lengths of one of this worker's own of that
