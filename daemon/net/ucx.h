@@ -13,7 +13,9 @@
 #include <stdint.h>
 #include <ucp/api/ucp.h>
 
-/* An endpoint to the worker whose address is addr. */
+/* An endpoint to the worker whose address is addr, one that passed
+ * ucx_addr_check(): made to what ucx_addr_fit() keeps of it; when it keeps
+ * none of w's transports, UCS_ERR_UNREACHABLE (logged, with why). */
 ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
                               ucp_err_handler_cb_t err, void *arg,
                               ucp_ep_h *ep);
@@ -25,6 +27,15 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
  * or -1 with why (what is wrong, and at which byte). */
 int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, char *why,
                    size_t why_len);
+/* What of the worker address a..a+len worker w can hand to ucp_ep_create()
+ * without UCX or a transport reading outside it (ucx.c says how): the
+ * address less the transports that fail, into out (len bytes of room), its
+ * length in *out_len, and how many of w's own transports it keeps (why
+ * names the first one left out, or is ""); 0 (none of w's kept) or -1 (a
+ * fails ucx_addr_check(), or w's own address cannot be read) with why. On
+ * w's thread. */
+int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
+                 size_t *out_len, char *why, size_t why_len);
 /* Force-closes ep: 1 when the close goes on and done(arg) comes later
  * (from the worker's progress), 0 when it is over now. */
 int ucx_close(ucp_ep_h ep, ucp_send_nbx_callback_t done, void *arg);

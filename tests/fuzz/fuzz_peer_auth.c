@@ -22,7 +22,7 @@
  * frame peer.c sends decodes; every worker address that reaches
  * ucp_ep_create() or a lane passed ucx_addr_check() (the check is
  * interposed in front of the real ucp_ep_create(), which then unpacks
- * it for real).
+ * it for real: ucx_connect_addr()'s copy, what ucx_addr_fit() kept).
  *
  * fuzz-exclude: daemon/net/hs.c daemon/net/lane.c
  */
@@ -44,11 +44,6 @@ const char *__lsan_default_suppressions(void)
 typedef ucs_status_t (*ep_create_fn)(ucp_worker_h, const ucp_ep_params_t *,
                                      ucp_ep_h *);
 
-/* the address bytes peer.c or a lane was given, as checked: an address
- * handed to UCX must be one of these */
-static const uint8_t *checked_addr;
-static size_t checked_len;
-
 static void must_be_checked(const uint8_t *a, size_t len)
 {
     char why[200];
@@ -65,18 +60,16 @@ ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params,
     if (!real && !(real = (ep_create_fn)dlsym(RTLD_NEXT, "ucp_ep_create")))
         abort();
     if (params->field_mask & UCP_EP_PARAM_FIELD_REMOTE_ADDRESS) {
-        /* peer.c keeps the address it took (c->ucx_addr, of the length
-         * it took): find it */
+        /* ucx_connect_addr() hands UCX its own copy of what peer.c
+         * took (ucx_addr_fit()'s, of its own length): one that is a
+         * whole worker address for some length, the shortest read
+         * first (a walk stops at the end of a well-formed one) */
         const uint8_t *a = (const uint8_t *)params->address;
-        size_t len = 0;
-        for (peer_conn_t *c = P.conns; c; c = c->next)
-            if (c->ucx_addr == a)
-                len = c->ucx_addr_len;
-        if (!len) {
-            fprintf(stderr, "ucp_ep_create: an address peer.c does not "
-                            "hold\n");
-            abort();
-        }
+        char why[200];
+        size_t len = 2;
+        while (len <= UCX_ADDR_MAX &&
+               ucx_addr_check(a, len, NULL, why, sizeof(why)))
+            len++;
         must_be_checked(a, len);
     }
     return real(worker, params, ep_p);
@@ -330,6 +323,11 @@ static void no_arrived(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
  * fuzzer's side tells as its own or changes one byte of */
 static uint8_t *real_addr;
 static size_t real_len;
+/* its worker: progressed only between inputs (reset()), when it closes
+ * the connections the daemon's endpoints made to it and then closed
+ * (else each stays in CLOSE-WAIT, and a long run ends on "Too many open
+ * files" after a few minutes) */
+static ucp_worker_h real_w;
 
 static void run_loop(void)
 {
@@ -340,15 +338,18 @@ static void run_loop(void)
 }
 
 /* The UCX addresses of the fuzzer's side, in u (lanes: n of them): the
- * record's bytes, or (arg & 1) the real address with byte b[0] set to
- * b[1] at b[2]. */
+ * record's bytes, or (arg & 1) the real address with the byte at
+ * b[0] << 8 | b[2] set to b[1] (arg & 128: and so on, for each 3 bytes
+ * of b). */
 static void ucx_of(Kvxfer__PeerUcx *u, ProtobufCBinaryData *lanes, uint8_t *buf,
                    const uint8_t *b, size_t n, uint8_t arg)
 {
     if (arg & 1) {
         memcpy(buf, real_addr, real_len);
-        if (n >= 3)
-            buf[((size_t)b[0] << 8 | b[2]) % real_len] = b[1];
+        /* each 3 bytes one change (arg & 128: all of them, else the
+         * first) */
+        for (size_t i = 0; i + 3 <= n && (i == 0 || (arg & 128)); i += 3)
+            buf[((size_t)b[i] << 8 | b[i + 2]) % real_len] = b[i + 1];
         u->worker.data = buf;
         u->worker.len = real_len;
     } else {
@@ -525,6 +526,8 @@ static void reset(void)
             }
         }
     }
+    for (int i = 0; i < 16 && ucp_worker_progress(real_w); i++)
+        ;
     memset(socks, 0, sizeof(socks));
     nsocks = 0;
     passed_ms = 0;
@@ -579,6 +582,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
         abort();
     memcpy(real_addr, a, real_len);
     ucp_worker_release_address(w, a);
+    real_w = w;
     for (int k = 1; k < MSG_KINDS; k++)
         if (k != KVXFER__PEER_MSG__M_PING && k != KVXFER__PEER_MSG__M_PONG)
             peer_on_msg(k, on_any);

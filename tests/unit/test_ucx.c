@@ -15,6 +15,7 @@
 #include "test.h"
 
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <uct/api/uct.h>
 #include <unistd.h>
 
@@ -254,4 +255,290 @@ TEST(broken_addresses_are_named)
     memcpy(a + at, &f, sizeof(f));
     CHECK_EQ(ucx_addr_check(a, len, NULL, why, sizeof(why)), -1);
     CHECK_STR_CONTAINS(why, "overhead is negative");
+}
+
+/* ---- ucx_addr_fit(): what a transport reads inside its own addresses ---- */
+
+/* A context as peer_init() makes one (non-unified, AM and wake-up, workers
+ * sharing it) on devs (UCX_NET_DEVICES, NULL: all), and two workers of it:
+ * *self, the daemon's, and *other, the peer's. */
+static ucp_context_h daemon_like(const char *devs, ucp_worker_h *self,
+                                 ucp_worker_h *other)
+{
+    ucp_config_t *cfg;
+    CHECK(ucp_config_read(NULL, NULL, &cfg) == UCS_OK);
+    CHECK(ucp_config_modify(cfg, "UNIFIED_MODE", "n") == UCS_OK);
+    if (devs)
+        CHECK(ucp_config_modify(cfg, "NET_DEVICES", devs) == UCS_OK);
+    ucp_params_t up = {.field_mask = UCP_PARAM_FIELD_FEATURES |
+                                     UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+                       .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                       .mt_workers_shared = 1};
+    ucp_context_h ctx;
+    CHECK(ucp_init(&up, cfg, &ctx) == UCS_OK);
+    ucp_config_release(cfg);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    CHECK(ucp_worker_create(ctx, &wp, self) == UCS_OK);
+    CHECK(ucp_worker_create(ctx, &wp, other) == UCS_OK);
+    return ctx;
+}
+
+static size_t address_of(ucp_worker_h w, uint8_t *buf, size_t cap)
+{
+    ucp_address_t *a;
+    size_t len;
+    CHECK(ucp_worker_get_address(w, &a, &len) == UCS_OK);
+    CHECK(len <= cap);
+    memcpy(buf, a, len);
+    ucp_worker_release_address(w, a);
+    return len;
+}
+
+static void no_err(void *arg, ucp_ep_h ep, ucs_status_t st)
+{
+    (void)arg;
+    (void)ep;
+    (void)st;
+}
+
+/* The first transport of address a of checksum csum, walked. */
+static const a_tl_t *tl_named(const uint8_t *a, size_t len, const char *name,
+                              a_map_t *m)
+{
+    size_t end;
+    char why[200];
+    CHECK_EQ(addr_walk(a, len, NULL, m, &end, why, sizeof(why)), 0);
+    uint16_t c = ucs_crc16_string(name);
+    for (unsigned i = 0; i < m->ntl; i++)
+        if (m->tl[i].csum == c)
+            return &m->tl[i];
+    return NULL;
+}
+
+/* A real address is kept whole, byte for byte; each of its transports
+ * alone is kept too (as a new address that walks right). */
+TEST(fit_keeps_a_real_address)
+{
+    ucp_worker_h w, o;
+    ucp_context_h ctx = daemon_like(NULL, &w, &o);
+    uint8_t a[UCX_ADDR_MAX], out[UCX_ADDR_MAX];
+    size_t len = address_of(o, a, sizeof(a)), n = 0;
+    char why[256];
+    int kept = ucx_addr_fit(w, a, len, out, &n, why, sizeof(why));
+    static a_map_t m;
+    size_t end;
+    CHECK_EQ(addr_walk(a, len, NULL, &m, &end, why, sizeof(why)), 0);
+    CHECK_EQ(kept, (int)m.ntl);
+    CHECK_EQ(why[0], 0);
+    CHECK_EQ(n, len);
+    CHECK(!memcmp(out, a, len));
+    ucp_worker_destroy(o);
+    ucp_worker_destroy(w);
+    ucp_cleanup(ctx);
+}
+
+/* The attack's address: byte 29 of the 186-byte loopback address (the
+ * self transport's interface length, 0x88) set to 0x1c. UCX 1.13 hands
+ * TCP a NULL device address (SIGSEGV in uct_tcp_iface_is_reachable()):
+ * TCP is left out, named, and what is left walks right. */
+TEST(fit_leaves_out_tcp_without_a_device_address)
+{
+    ucp_worker_h w, o;
+    ucp_context_h ctx = daemon_like("lo", &w, &o);
+    uint8_t a[UCX_ADDR_MAX], out[UCX_ADDR_MAX];
+    size_t len = address_of(o, a, sizeof(a)), n = 0;
+    static a_map_t m;
+    const a_tl_t *self = tl_named(a, len, "self", &m);
+    CHECK(self != NULL);
+    CHECK_EQ(self->len_at, 29u); /* v1: header 1, id 8, md 1, device 1, ... */
+    CHECK_EQ(a[29], 0x88);       /* LAST | 8 */
+    a[29] = 0x1c;
+    char why[256];
+    CHECK_EQ(ucx_addr_check(a, len, NULL, why, sizeof(why)), 0); /* walks */
+    const a_tl_t *tcp = tl_named(a, len, "tcp", &m);
+    CHECK(tcp != NULL);
+    CHECK_EQ(tcp->dev_len, 0u); /* on the self transport's device now */
+    CHECK_EQ(
+        tcp_fits(a + tcp->dev_at, tcp->dev_len, tcp->if_len, why, sizeof(why)),
+        0);
+    CHECK_STR_CONTAINS(why, "a TCP transport with a 0-byte device");
+    /* the self transport's interface address, 28 bytes now, goes too */
+    int kept = ucx_addr_fit(w, a, len, out, &n, why, sizeof(why));
+    CHECK(kept > 0);
+    CHECK_STR_CONTAINS(why, "left out transport self with a 0-byte device "
+                            "and 28-byte interface address");
+    CHECK_EQ(ucx_addr_check(out, n, NULL, why, sizeof(why)), 0);
+    CHECK(tl_named(out, n, "tcp", &m) == NULL);
+    CHECK(tl_named(out, n, "self", &m) == NULL);
+    CHECK(tl_named(out, n, "sysv", &m) != NULL); /* the rest is kept */
+    ucp_worker_destroy(o);
+    ucp_worker_destroy(w);
+    ucp_cleanup(ctx);
+}
+
+/* Flags inside a transport's own addresses that make UCX read more than
+ * the address holds: TCP's loopback flag on an IPv4-sized device address,
+ * CMA's and POSIX's process-namespace flags on base-sized interface
+ * addresses. */
+TEST(fit_reads_transport_flags)
+{
+    ucp_worker_h w, o;
+    ucp_context_h ctx = daemon_like("lo", &w, &o);
+    uint8_t a[UCX_ADDR_MAX], out[UCX_ADDR_MAX];
+    size_t n;
+    char why[256];
+    static a_map_t m;
+    /* TCP: a 6-byte (IPv4) device address said loopback, and each family
+     * and flag by itself */
+    static const struct {
+        uint8_t dev[18];
+        size_t dlen;
+        int ok;
+    } tcp[] = {
+        {{0, AF_INET, 127, 0, 0, 1}, 6, 1},
+        {{1, AF_INET, 127, 0, 0, 1}, 6, 0},
+        {{0, AF_INET6}, 18, 1},
+        {{0, AF_INET6}, 6, 0},
+        {{0, 77, 1, 2, 3, 4}, 6, 0},
+        {{2, AF_INET, 10, 0, 0, 1}, 6, 0},
+        {{1, AF_INET, 1, 2, 3, 4, 5, 6, 7, 0x7f}, 10, 1},
+        {{1, AF_INET, 1, 2, 3, 4, 5, 6, 7, 0x80}, 10, 0},
+    };
+    for (size_t i = 0; i < sizeof(tcp) / sizeof(tcp[0]); i++) {
+        CHECK_EQ(tcp_fits(tcp[i].dev, tcp[i].dlen, 2, why, sizeof(why)),
+                 tcp[i].ok);
+        if (!tcp[i].ok)
+            CHECK(why[0] != 0);
+    }
+    CHECK_EQ(tcp_fits(tcp[0].dev, 6, 0, why, sizeof(why)), 0);
+    /* CMA and POSIX, in a real address: the flag set, nothing longer */
+    static const struct {
+        const char *name;
+        unsigned byte, bit;
+    } ns[] = {{"cma", 3, 0x80}, {"posix", 7, 0x10}};
+    for (size_t i = 0; i < 2; i++) {
+        size_t len = address_of(o, a, sizeof(a));
+        const a_tl_t *t = tl_named(a, len, ns[i].name, &m);
+        if (!t)
+            continue; /* not on this machine */
+        CHECK(t->if_len < 16);
+        a[t->if_at + ns[i].byte] |= ns[i].bit;
+        CHECK(ucx_addr_fit(w, a, len, out, &n, why, sizeof(why)) > 0);
+        CHECK_STR_CONTAINS(why, "says a process namespace");
+        CHECK(tl_named(out, n, ns[i].name, &m) == NULL);
+    }
+    ucp_worker_destroy(o);
+    ucp_worker_destroy(w);
+    ucp_cleanup(ctx);
+}
+
+/* ---- every byte of a real address, changed, through the real UCX ------- */
+
+static const uint8_t scan_vals[] = {0x00, 0x01, 0x10, 0x1c, 0x7f, 0x80, 0xff};
+enum { SCAN_REFUSED = 10, SCAN_UNREACHABLE, SCAN_CONNECTED };
+
+static void closed(void *req, ucs_status_t st, void *arg)
+{
+    (void)req;
+    (void)st;
+    *(int *)arg = 1;
+}
+
+/* In a child: a daemon-like context on devs, the peer's worker address
+ * with byte off set to v, through ucx_addr_check() (as peer.c does) and
+ * ucx_connect_addr() (the real ucp_ep_create()), both workers progressed
+ * while it wires up, then closed. Exits with SCAN_*; a crash or a hang is
+ * a signal. */
+static void scan_one(const char *devs, size_t off, uint8_t v)
+{
+    alarm(20);
+    if (!getenv("KVX_SCAN_VERBOSE")) /* UCX logs (connect refused) */
+        CHECK(freopen("/dev/null", "w", stdout) &&
+              freopen("/dev/null", "w", stderr));
+    ucp_worker_h w, o;
+    daemon_like(devs, &w, &o);
+    static uint8_t a[UCX_ADDR_MAX];
+    size_t len = address_of(o, a, sizeof(a));
+    if (off >= len)
+        _exit(SCAN_REFUSED);
+    a[off] = v;
+    char why[256];
+    if (ucx_addr_check(a, len, NULL, why, sizeof(why)))
+        _exit(SCAN_REFUSED);
+    ucp_ep_h ep;
+    if (ucx_connect_addr(w, a, no_err, NULL, &ep) != UCS_OK)
+        _exit(SCAN_UNREACHABLE);
+    for (int i = 0; i < 200; i++) {
+        ucp_worker_progress(w);
+        ucp_worker_progress(o);
+    }
+    int done = 0;
+    if (!ucx_close(ep, closed, &done))
+        done = 1;
+    for (int i = 0; i < 200 && !done; i++) {
+        ucp_worker_progress(w);
+        ucp_worker_progress(o);
+    }
+    _exit(SCAN_CONNECTED);
+}
+
+/* Each case in its own process: counts by outcome; a crash or a hang is
+ * named and fails the test. KVX_SCAN_VERBOSE=1 prints each case. */
+static void scan(const char *devs)
+{
+    uint8_t a[UCX_ADDR_MAX];
+    size_t len;
+    {
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (!pid) { /* the address's length, from a child's context */
+            ucp_worker_h w, o;
+            daemon_like(devs, &w, &o);
+            _exit((int)address_of(o, a, sizeof(a)) & 0xff);
+        }
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st));
+        len = (size_t)WEXITSTATUS(st); /* under 256 here */
+    }
+    unsigned counts[3] = {0}, bad = 0, cases = 0;
+    for (size_t off = 0; off < len; off++)
+        for (size_t k = 0; k < sizeof(scan_vals); k++) {
+            pid_t pid = fork();
+            CHECK(pid >= 0);
+            if (!pid)
+                scan_one(devs, off, scan_vals[k]);
+            int st;
+            CHECK(waitpid(pid, &st, 0) == pid);
+            cases++;
+            if (WIFEXITED(st) && WEXITSTATUS(st) >= SCAN_REFUSED &&
+                WEXITSTATUS(st) <= SCAN_CONNECTED) {
+                counts[WEXITSTATUS(st) - SCAN_REFUSED]++;
+                if (getenv("KVX_SCAN_VERBOSE"))
+                    fprintf(stderr, "byte %zu = 0x%02x: %d\n", off,
+                            scan_vals[k], WEXITSTATUS(st));
+                continue;
+            }
+            bad++;
+            fprintf(stderr, "%s: byte %zu of %zu = 0x%02x: %s %d\n",
+                    devs ? devs : "all devices", off, len, scan_vals[k],
+                    WIFSIGNALED(st) ? "signal" : "exit",
+                    WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+        }
+    fprintf(stderr,
+            "%s: %u cases (%zu bytes x %zu values): %u refused by the "
+            "check, %u unreachable, %u connected, %u crashed or hung\n",
+            devs ? devs : "all devices", cases, len, sizeof(scan_vals),
+            counts[0], counts[1], counts[2], bad);
+    CHECK_EQ(bad, 0u);
+}
+
+TEST_T(every_byte_changed_loopback_address, 600)
+{
+    scan("lo");
+}
+
+TEST_T(every_byte_changed_address_all_devices, 600)
+{
+    scan(NULL);
 }
