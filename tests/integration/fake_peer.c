@@ -1,6 +1,6 @@
 /*
  * fake_peer — a daemon that misbehaves, for the peer tests. It speaks
- * the daemons' protocol (version 6): the handshake on a TCP socket (each
+ * the daemons' protocol (version 7): the handshake on a TCP socket (each
  * frame a 4-byte big-endian length and one packed PeerMsg), then UCX
  * (active message 1: one packed PeerMsg; 2: slot data) to the worker
  * addresses told in PeerUcx, the first message on an endpoint a BIND.
@@ -235,6 +235,40 @@ static void mac(const char *label, const uint8_t *nc, const uint8_t *ns,
     HMAC(EVP_sha256(), secret, (int)secret_len, msg, n, out, &len);
 }
 
+/* A HELLO from my_addr for the daemon at server (IP:PORT), with nonce
+ * nc: with peer.c hello_mac()'s MAC when a secret was read. mac: its
+ * room. */
+static void hello_fill(Kvxfer__PeerHello *h, const uint8_t nc[32],
+                       const char *server, uint8_t mac[32])
+{
+    h->version = VERSION;
+    h->address = my_addr;
+    h->nonce.data = (uint8_t *)nc;
+    h->nonce.len = 32;
+    h->server = (char *)server;
+    h->time = (uint64_t)time(NULL);
+    if (!secret_len)
+        return;
+    uint8_t msg[5 + 32 + 2 * 192 + 2 + 8];
+    size_t n = 5, ls = strnlen(server, 191), lc = strlen(my_addr);
+    memcpy(msg, "kvx-h", 5);
+    memcpy(msg + n, nc, 32);
+    n += 32;
+    memcpy(msg + n, server, ls);
+    n += ls;
+    msg[n++] = '\n';
+    memcpy(msg + n, my_addr, lc);
+    n += lc;
+    msg[n++] = '\n';
+    uint64_t be = htobe64(h->time);
+    memcpy(msg + n, &be, 8);
+    n += 8;
+    unsigned len = 32;
+    HMAC(EVP_sha256(), secret, (int)secret_len, msg, n, mac, &len);
+    h->mac.data = mac;
+    h->mac.len = 32;
+}
+
 static void bind_mac(const uint8_t key[32], uint64_t conn, uint8_t out[32])
 {
     uint8_t msg[16] = "kvx-bind";
@@ -427,10 +461,8 @@ static int auth_to(conn_t *c, const char *ipport)
         die("getrandom");
     Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT, *m;
     Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
-    h.version = VERSION;
-    h.address = my_addr;
-    h.nonce.data = c->nc;
-    h.nonce.len = 32;
+    uint8_t hm[32];
+    hello_fill(&h, c->nc, ipport, hm);
     out.m_case = KVXFER__PEER_MSG__M_HELLO;
     out.hello = &h;
     frame_send(c->fd, &out);
