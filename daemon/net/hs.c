@@ -4,16 +4,19 @@
  * Reading order:
  *   hs_listen()/on_accept   the listener: each socket to peer.c
  *   hs_dial()/on_connect    an outgoing socket
- *   on_read()               bytes in, frames out (frames_run)
+ *   on_read()/got()         bytes in, frames out
+ *   hs_read_now()           the same, at once, from what the kernel has
  *   hs_send()               a frame out
  *   hs_close()/h_free       the one way a socket ends
  */
 #include <arpa/inet.h>
 #include <assert.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ioctl.h>
 #include <uv.h>
 
 #include "daemon.h"
@@ -31,8 +34,7 @@ struct hs {
     size_t have, cap;
     unsigned writes; /* uv_writes not back */
     int closing, handles;
-    int connected;   /* a dial that connected, or an accepted socket */
-    size_t received; /* bytes read so far */
+    int connected; /* a dial that connected, or an accepted socket */
     char name[64];
 };
 
@@ -123,15 +125,6 @@ int hs_connected(const hs_t *h)
     return h->connected;
 }
 
-size_t hs_received(const hs_t *h)
-{
-    int pending = 0;
-    uv_os_fd_t fd;
-    if (!uv_fileno((const uv_handle_t *)&h->tcp, &fd))
-        ioctl(fd, FIONREAD, &pending);
-    return h->received + (pending > 0 ? (size_t)pending : 0);
-}
-
 int hs_peer_addr(const hs_t *h, struct sockaddr_storage *ss)
 {
     int len = sizeof(*ss);
@@ -162,25 +155,24 @@ static void on_alloc(uv_handle_t *u, size_t hint, uv_buf_t *b)
     b->len = want - h->have;
 }
 
-static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
+/* n bytes arrived at h->buf + h->have (on_alloc()'s buffer): a frame out
+ * once whole. 0 to go on reading, -1 once the socket has ended. */
+static int got(hs_t *h, ssize_t n)
 {
-    (void)b;
-    hs_t *h = s->data;
     if (n == UV_ENOBUFS) {
         ended(h, "out of memory reading from %s", h->name);
-        return;
+        return -1;
     }
     if (n < 0) {
         ended(h,
               n == UV_EOF ? "%s closed the connection"
                           : "reading from %s failed",
               h->name);
-        return;
+        return -1;
     }
     h->have += (size_t)n;
-    h->received += (size_t)n;
     if (h->have < 4)
-        return;
+        return 0;
     uint32_t len = ntohl(*(uint32_t *)h->buf);
     if (len > HS_FRAME_MAX) {
         char d[160];
@@ -189,12 +181,41 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
                  "takes at most %u)",
                  h->name, len, HS_FRAME_MAX);
         ended(h, "%s", d);
-        return;
+        return -1;
     }
     if (h->have < 4 + (size_t)len)
-        return;
+        return 0;
     h->have = 0;
     h->cbs->frame(h->arg, h->buf + 4, len);
+    return h->closing ? -1 : 0;
+}
+
+static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
+{
+    (void)b;
+    got(s->data, n);
+}
+
+void hs_read_now(hs_t *h)
+{
+    uv_os_fd_t fd;
+    if (h->closing || !h->connected ||
+        uv_fileno((const uv_handle_t *)&h->tcp, &fd))
+        return;
+    for (;;) {
+        uv_buf_t b;
+        on_alloc((uv_handle_t *)&h->tcp, 0, &b);
+        if (!b.base) {
+            got(h, UV_ENOBUFS);
+            return;
+        }
+        ssize_t n = recv(fd, b.base, b.len, MSG_DONTWAIT);
+        if (n < 0 &&
+            (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+            return; /* nothing more now: the loop reads the rest */
+        if (got(h, n > 0 ? n : n == 0 ? UV_EOF : UV_EIO) || n <= 0)
+            return;
+    }
 }
 
 /* ---- listening and dialling ------------------------------------------- */
@@ -234,6 +255,17 @@ int hs_listen(const struct sockaddr_storage *ss, void (*accept)(hs_t *h),
     S.accept = accept;
     uv_tcp_init(kvxd.loop, &S.lis);
     int e = uv_tcp_bind(&S.lis, (const struct sockaddr *)ss, 0);
+#ifdef TCP_DEFER_ACCEPT
+    /* a connection reaches accept() once it has sent something (or
+     * after about a second): a daemon's HELLO, sent as it connects, is
+     * there when it is accepted, and peer.c reads it then, before a
+     * stranger's socket can take its room */
+    uv_os_fd_t fd;
+    int secs = 1;
+    if (!e && !uv_fileno((const uv_handle_t *)&S.lis, &fd))
+        (void)setsockopt(fd, IPPROTO_TCP, TCP_DEFER_ACCEPT, &secs,
+                         sizeof(secs));
+#endif
     if (!e)
         e = uv_listen((uv_stream_t *)&S.lis, 128, on_accept);
     int len = sizeof(*bound);

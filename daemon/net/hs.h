@@ -50,9 +50,10 @@ void hs_attach(hs_t *h, const hs_cbs_t *cbs, void *arg);
 /* 1 once connected (an accepted socket is): a socket that ends before
  * is a dial that failed. */
 int hs_connected(const hs_t *h);
-/* Bytes the other side has sent: read so far, and waiting in the
- * kernel (0: it has sent nothing). */
-size_t hs_received(const hs_t *h);
+/* Read what the other side has sent and the kernel holds now, without
+ * waiting, and run each whole frame through frame() (an attached socket;
+ * the loop reads the rest as usual). The socket may end in it. */
+void hs_read_now(hs_t *h);
 /* The other side's IP:PORT (for logs: of a dial, the one dialled), and
  * its address. */
 const char *hs_peer_name(const hs_t *h);

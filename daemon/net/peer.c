@@ -61,7 +61,8 @@
 /* 2: the MACs bind both daemons' addresses; 3: polls say what arrived
  * (resume), batches and announcements carry sessions and the instance's
  * epoch; 4: lanes (PeerLanes, PeerData.lane_key); 5: the handshake on a
- * socket of our own, UCX worker addresses after it (PeerUcx, BIND) */
+ * socket of our own, UCX worker addresses after it (PeerUcx, BIND); 7:
+ * the HELLO proves the secret (its MAC, server, time) */
 #define PEER_VERSION 7
 #define LANE_MAC_LEN 16
 #define NONCE_LEN 32
@@ -70,9 +71,16 @@
 #define AM_CTRL 1
 #define AM_DATA 2
 #define MAX_LOST_KEPT 64
-/* incoming handshakes at once, and from one IP (on_hs_accept()) */
-#define HS_PENDING_MAX 64
+/* incoming handshakes open whose HELLO has not proved the secret: in
+ * all, and from one IP (hs_make_room()); and those whose HELLO has,
+ * beyond which another is not protected (hello_check()) */
+#define HS_PENDING_MAX 256
 #define HS_PER_SOURCE 8
+#define HS_PROVEN_MAX 1024
+/* a HELLO's clock against ours, and the nonces of HELLOs kept against
+ * replays (hello_check()) */
+#define HELLO_SKEW_S 60
+#define SEEN_MAX 4096
 /* a dial whose handshake the other side cut is tried again, after
  * HS_RETRY_MS doubled each time up to HS_RETRY_MAX_MS, within
  * peer.connect_timeout_ms */
@@ -106,6 +114,8 @@ struct peer_conn {
     int server_ok;              /* outgoing: its CHALLENGE MAC checked */
     int sec_prev;               /* the handshake proved the previous
                                    secret (a rotation's window) */
+    int hello_ok;               /* incoming: its HELLO proved the secret,
+                                   fresh: never closed for another */
     /* incoming: the IP it comes from (on_hs_accept()'s per-source cap) */
     int src_family;
     uint8_t src[16];
@@ -217,6 +227,16 @@ static struct {
     struct sockaddr_storage bound; /* the handshake listener's IP:PORT */
     char version[32];
     int rdma; /* UCX may use an RDMA device: peer_rdma() */
+    /* the nonces of the HELLOs taken within HELLO_SKEW_S, the oldest
+     * overwritten first; seen_floor: the latest time of one overwritten
+     * (a HELLO of that time or before can no longer be told from a
+     * replay: it goes on, unprotected) */
+    struct {
+        uint8_t nonce[NONCE_LEN];
+        uint64_t time;
+    } seen[SEEN_MAX];
+    unsigned seen_next, seen_n;
+    uint64_t seen_floor;
 } P;
 
 static void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
@@ -333,6 +353,33 @@ static void hmac(const char *label, const uint8_t *nc, const uint8_t *ns,
                  const char *server, const char *client, uint8_t out[MAC_LEN])
 {
     hmac_with(0, label, nc, ns, server, client, out);
+}
+
+/* The HELLO's MAC: HMAC-SHA256(secret, "kvx-h" | nonce_c | server |
+ * "\n" | client | "\n" | time as 8 bytes big-endian), server the
+ * IP:PORT the client dialled. It binds the listener it was made for and
+ * when, so that it proves nothing to another daemon or, past
+ * HELLO_SKEW_S, later; the server takes each nonce once. */
+static void hello_mac(int prev, const uint8_t *nc, const char *server,
+                      const char *client, uint64_t time_s, uint8_t out[MAC_LEN])
+{
+    uint8_t msg[8 + NONCE_LEN + 2 * 192 + 2 + 8];
+    size_t ls = strnlen(server, 191), lc = strnlen(client, 191), n = 5;
+    memcpy(msg, "kvx-h", 5);
+    memcpy(msg + n, nc, NONCE_LEN);
+    n += NONCE_LEN;
+    memcpy(msg + n, server, ls);
+    n += ls;
+    msg[n++] = '\n';
+    memcpy(msg + n, client, lc);
+    n += lc;
+    msg[n++] = '\n';
+    uint64_t be = htobe64(time_s);
+    memcpy(msg + n, &be, 8);
+    n += 8;
+    unsigned len = MAC_LEN;
+    HMAC(EVP_sha256(), prev ? P.prev : P.secret,
+         (int)(prev ? P.prev_len : P.secret_len), msg, n, out, &len);
 }
 
 /* Is the previous secret accepted now (a rotation's window)? */
@@ -1426,6 +1473,23 @@ static int conn_dial(peer_conn_t *c, const struct sockaddr_storage *ss,
     h.address = kvxd.address;
     h.nonce.data = c->nonce_c;
     h.nonce.len = NONCE_LEN;
+    /* proved at once: the server tells it from a stranger's (its caps)
+     * before it answers; under the previous secret too in our window,
+     * for a server that has not rotated yet */
+    char server[160];
+    const char *lp = c->address + 6, *slash = strchr(lp, '/');
+    snprintf(server, sizeof(server), "%.*s", (int)(slash - lp), lp);
+    uint8_t mac[MAC_LEN], mac_p[MAC_LEN];
+    h.server = server;
+    h.time = (uint64_t)time(NULL);
+    hello_mac(0, c->nonce_c, server, kvxd.address, h.time, mac);
+    h.mac.data = mac;
+    h.mac.len = MAC_LEN;
+    if (prev_open()) {
+        hello_mac(1, c->nonce_c, server, kvxd.address, h.time, mac_p);
+        h.mac_previous.data = mac_p;
+        h.mac_previous.len = MAC_LEN;
+    }
     m.m_case = KVXFER__PEER_MSG__M_HELLO;
     m.hello = &h;
     hs_msg(c, &m);
@@ -1597,25 +1661,70 @@ static void src_of(const struct sockaddr_storage *ss, int *family,
         memcpy(ip, &((const struct sockaddr_in *)ss)->sin_addr, 4);
 }
 
-/* Whether an incoming handshake may be closed to make room: it has not
- * sent a valid HELLO, and (idle_only) nothing at all, not even bytes
- * still in the kernel (a daemon's HELLO follows its connect at once). */
-static int hs_evictable(const peer_conn_t *c, int idle_only)
+/* An incoming handshake open whose HELLO has not proved the secret
+ * (none yet, a partial one, or one not fresh): the handshake caps close
+ * the oldest of these for a new socket. */
+static int hs_unproven(const peer_conn_t *c)
 {
-    return !c->nonce_s[0] && c->hs && (!idle_only || !hs_received(c->hs));
+    return !c->outgoing && c->state == CONN_AUTH && c->hs && !c->hello_ok;
 }
 
-/* A new handshake socket. Open handshakes are capped, HS_PER_SOURCE
- * from one IP and HS_PENDING_MAX in all. At a cap, a new socket that has
- * sent something (a daemon's HELLO follows its connect at once) takes
- * the room of the oldest one that has sent nothing (from that IP, at its
- * cap); a handshake that sent a valid HELLO, or is sending one, is never
- * closed for another. A new socket that has sent nothing yet, or finds
- * none to replace, is closed: a daemon behind it dials again
- * (hs_ended()), and each handshake open ends by
- * peer.connect_timeout_ms. So a stranger holding sockets open, from one
- * IP or many, keeps out only its own idle sockets, never daemons, whose
- * handshakes take milliseconds. */
+/* Unproven handshakes are capped, HS_PER_SOURCE from one IP and
+ * HS_PENDING_MAX in all: past a cap the oldest (from ip's, at its cap)
+ * is closed, after what it has sent is read (a daemon's HELLO that came
+ * unread proves itself there, and its socket stays). One whose HELLO
+ * proved the secret is never closed for another. name: the new
+ * socket's, for the log. */
+static void hs_make_room(int fam, const uint8_t ip[16], const char *name)
+{
+    for (;;) {
+        unsigned all = 0, mine = 0;
+        peer_conn_t *old = NULL, *old_mine = NULL;
+        for (peer_conn_t *c = P.conns; c; c = c->next) {
+            if (!hs_unproven(c))
+                continue;
+            int same = c->src_family == fam && !memcmp(c->src, ip, 16);
+            all++;
+            mine += same;
+            if (!old || c->id < old->id)
+                old = c;
+            if (same && (!old_mine || c->id < old_mine->id))
+                old_mine = c;
+        }
+        int at_source = mine > HS_PER_SOURCE;
+        peer_conn_t *v = at_source              ? old_mine
+                         : all > HS_PENDING_MAX ? old
+                                                : NULL;
+        if (!v)
+            return;
+        hs_read_now(v->hs);
+        if (!hs_unproven(v))
+            continue; /* it proved itself, or ended */
+        static uint64_t last;
+        uint64_t now = now_ms();
+        if (now >= last + 1000) { /* at most once a second */
+            last = now;
+            if (at_source)
+                log_warn("peers: %u handshakes open from %s's IP that have "
+                         "not proved the cluster secret (at most %d from one "
+                         "IP); the oldest is closed",
+                         mine, name, HS_PER_SOURCE);
+            else
+                log_warn("peers: %u handshakes open that have not proved the "
+                         "cluster secret (at most %d); the oldest is closed",
+                         all, HS_PENDING_MAX);
+        }
+        conn_fail(v, KVX_ERR_LIMIT, "too many handshakes open");
+    }
+}
+
+/* A new handshake socket. A daemon sends its HELLO as it connects, so
+ * most often it is here already: read at once, a HELLO that proves the
+ * secret keeps the socket from the caps before any stranger's can
+ * take its room (hs_make_room()). A stranger holding sockets open, from
+ * one IP or many, whatever it sends, keeps out only its own; a daemon
+ * whose socket was closed before its HELLO came dials again
+ * (hs_ended()), and each handshake ends by peer.connect_timeout_ms. */
 static void on_hs_accept(hs_t *h)
 {
     struct sockaddr_storage from;
@@ -1631,62 +1740,19 @@ static void on_hs_accept(hs_t *h)
         hs_close(h);
         return;
     }
-    int fam;
-    uint8_t ip[16];
-    src_of(&from, &fam, ip);
-    unsigned pending = 0, mine = 0;
-    peer_conn_t *idle = NULL, *idle_mine = NULL;
-    for (peer_conn_t *c = P.conns; c; c = c->next) {
-        if (c->outgoing || c->state != CONN_AUTH)
-            continue;
-        int same = c->src_family == fam && !memcmp(c->src, ip, 16);
-        pending++;
-        mine += same;
-        if (!hs_evictable(c, 1))
-            continue;
-        if (!idle || c->created_ms < idle->created_ms)
-            idle = c;
-        if (same && (!idle_mine || c->created_ms < idle_mine->created_ms))
-            idle_mine = c;
-    }
-    int at_source = mine >= HS_PER_SOURCE;
-    if (at_source || pending >= HS_PENDING_MAX) {
-        /* room only for one that has sent something: a daemon's HELLO
-         * is there by now, most often (else it dials again) */
-        peer_conn_t *out = !hs_received(h) ? NULL
-                           : at_source     ? idle_mine
-                                           : idle;
-        static uint64_t last;
-        uint64_t now = now_ms();
-        if (now >= last + 1000) { /* at most once a second */
-            last = now;
-            if (at_source)
-                log_warn("peers: %u handshakes open from %s's IP (at most "
-                         "%d from one); %s",
-                         mine, hs_peer_name(h), HS_PER_SOURCE,
-                         out ? "the oldest that sent nothing is closed"
-                             : "the new one is closed");
-            else
-                log_warn("peers: %u handshakes open (at most %d); %s", pending,
-                         HS_PENDING_MAX,
-                         out ? "the oldest that sent nothing is closed"
-                             : "the new one is closed");
-        }
-        if (!out) {
-            hs_close(h);
-            return;
-        }
-        conn_fail(out, KVX_ERR_LIMIT, "too many handshakes open");
-    }
     peer_conn_t *c = conn_new(0, NULL);
     if (!c) {
         hs_close(h);
         return;
     }
-    c->src_family = fam;
-    memcpy(c->src, ip, 16);
+    char name[64];
+    snprintf(name, sizeof(name), "%s", hs_peer_name(h));
+    src_of(&from, &c->src_family, c->src);
     c->hs = h;
     hs_attach(h, &hs_cbs, c);
+    if (c->hs)
+        hs_read_now(c->hs);
+    hs_make_room(c->src_family, c->src, name);
 }
 
 static void hs_frame(void *arg, const uint8_t *buf, size_t len)
@@ -1734,16 +1800,33 @@ static void hs_ended(void *arg, const char *why)
 
 static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+static void hello_refuse(peer_conn_t *c, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
-static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
+/* Refuse c's handshake: AUTH_RESULT saying why, then the socket closes.
+ * quiet: a HELLO that proved nothing, which anyone may send, as often
+ * as it likes: logged at most once a second, with how many since. */
+static void refuse_v(peer_conn_t *c, int quiet, const char *fmt, va_list ap)
 {
     char msg[256];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
-    log_warn("peer %s: authentication failed: %s",
-             c->address[0] ? c->address : "(unknown)", msg);
+    static uint64_t last;
+    static unsigned more;
+    uint64_t now = now_ms();
+    if (!quiet || now >= last + 1000) {
+        char also[64] = "";
+        if (quiet && more)
+            snprintf(also, sizeof(also), " (and %u more hellos since)", more);
+        if (quiet) {
+            last = now;
+            more = 0;
+        }
+        log_warn("peer %s (from %s): authentication failed: %s%s",
+                 c->address[0] ? c->address : "(unknown)",
+                 c->hs ? hs_peer_name(c->hs) : "?", msg, also);
+    } else {
+        more++;
+    }
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerAuthResult r = KVXFER__PEER_AUTH_RESULT__INIT;
     r.code = KVX_ERR_AUTH;
@@ -1756,6 +1839,109 @@ static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
     hs_msg(c, &m);
     /* the socket closes once the refusal is out */
     conn_fail(c, KVX_ERR_AUTH, "%s", msg);
+}
+
+static void auth_refuse(peer_conn_t *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    refuse_v(c, 0, fmt, ap);
+    va_end(ap);
+}
+
+static void hello_refuse(peer_conn_t *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    refuse_v(c, 1, fmt, ap);
+    va_end(ap);
+}
+
+/* Was this nonce in a HELLO taken before (within HELLO_SKEW_S, or
+ * since seen_floor)? */
+static int seen_has(const uint8_t nc[NONCE_LEN])
+{
+    for (unsigned i = 0; i < P.seen_n; i++)
+        if (!memcmp(P.seen[i].nonce, nc, NONCE_LEN))
+            return 1;
+    return 0;
+}
+
+static void seen_add(const uint8_t nc[NONCE_LEN], uint64_t time_s)
+{
+    unsigned i = P.seen_next;
+    if (P.seen_n == SEEN_MAX && P.seen[i].time > P.seen_floor)
+        P.seen_floor = P.seen[i].time;
+    memcpy(P.seen[i].nonce, nc, NONCE_LEN);
+    P.seen[i].time = time_s;
+    P.seen_next = (i + 1) % SEEN_MAX;
+    if (P.seen_n < SEEN_MAX)
+        P.seen_n++;
+}
+
+/* c's HELLO h (version and nonce checked): its MAC under either of our
+ * secrets (the previous one in a rotation's window) against either of
+ * its MACs, made for our listener, not seen before. 0 to go on, with
+ * c->hello_ok if it is fresh too (its time within HELLO_SKEW_S of ours
+ * and after seen_floor, and fewer than HS_PROVEN_MAX proved open): then
+ * the caps never close it. Else refused (-1). */
+static int hello_check(peer_conn_t *c, const Kvxfer__PeerHello *h)
+{
+    const char *server = h->server ? h->server : "";
+    size_t sl = strlen(server);
+    uint8_t mac[MAC_LEN];
+    int proved = 0;
+    for (int k = 0; k < 2 && !proved; k++) {
+        if (k && !prev_open())
+            break;
+        hello_mac(k, h->nonce.data, server, c->address, h->time, mac);
+        proved =
+            (h->mac.len == MAC_LEN && ct_equal(mac, h->mac.data, MAC_LEN)) ||
+            (h->mac_previous.len == MAC_LEN &&
+             ct_equal(mac, h->mac_previous.data, MAC_LEN));
+    }
+    if (!proved) {
+        hello_refuse(c, "wrong cluster secret (%s)",
+                     h->mac.len ? "its hello's MAC" : "its hello has no MAC");
+        return -1;
+    }
+    char a[200], w[8];
+    struct sockaddr_storage ss;
+    socklen_t al;
+    snprintf(a, sizeof(a), "kvx://%.160s/x", server);
+    if (sl > 159 || strchr(server, '/') ||
+        parse_address(a, &ss, &al, w, sizeof(w)) ||
+        !same_sockaddr(&ss, &P.bound)) {
+        hello_refuse(c,
+                     "this daemon does not listen there (hello made for "
+                     "%.160s)",
+                     server);
+        return -1;
+    }
+    if (seen_has(h->nonce.data)) {
+        hello_refuse(c, "a hello replayed (its nonce came before)");
+        return -1;
+    }
+    uint64_t now = (uint64_t)time(NULL);
+    uint64_t skew = h->time > now ? h->time - now : now - h->time;
+    if (skew > HELLO_SKEW_S) {
+        static uint64_t last;
+        if (now_ms() >= last + 1000) { /* at most once a second */
+            last = now_ms();
+            log_warn("peer %s: its clock is %llu s %s this daemon's (at most "
+                     "%d s apart): its handshake goes on, but the handshake "
+                     "caps may close it for another; synchronise the clocks",
+                     c->address, (unsigned long long)skew,
+                     h->time > now ? "ahead of" : "behind", HELLO_SKEW_S);
+        }
+        return 0;
+    }
+    seen_add(h->nonce.data, h->time);
+    unsigned proven = 0;
+    for (peer_conn_t *o = P.conns; o; o = o->next)
+        proven += !o->outgoing && o->state == CONN_AUTH && o->hello_ok;
+    c->hello_ok = h->time > P.seen_floor && proven < HS_PROVEN_MAX;
+    return 0;
 }
 
 /* The daemon a connection reaches: the address it answered as (a
@@ -1798,14 +1984,16 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         snprintf(c->address, sizeof(c->address), "%s",
                  h->address ? h->address : "");
         if (h->version != PEER_VERSION) {
-            auth_refuse(c, "peer protocol version %u, this daemon speaks %u",
-                        h->version, PEER_VERSION);
+            hello_refuse(c, "peer protocol version %u, this daemon speaks %u",
+                         h->version, PEER_VERSION);
             return;
         }
         if (h->nonce.len != NONCE_LEN || !c->address[0]) {
-            auth_refuse(c, "malformed hello");
+            hello_refuse(c, "malformed hello");
             return;
         }
+        if (hello_check(c, h))
+            return;
 
         memcpy(c->nonce_c, h->nonce.data, NONCE_LEN);
         if (getrandom(c->nonce_s, NONCE_LEN, 0) != NONCE_LEN) {

@@ -9,7 +9,8 @@
  * peer.c's callbacks and what it sends is captured.
  *
  * A record is [kind][arg][len][len bytes]. Kinds: a socket accepted
- * (from inside or outside peer.allowed), a dial, a raw frame on a
+ * (from inside or outside peer.allowed; with a HELLO already sent, read
+ * at once), a dial, a raw frame on a
  * socket, the next step of an honest handshake on a socket (right MACs
  * under the secret, the fuzzer's bytes as addresses, address names and
  * nonces; or a real worker address with one byte changed), the socket
@@ -93,6 +94,9 @@ struct hs {
     int sent_hello, sent_challenge, sent_response, sent_result;
     uint64_t its_conn; /* the daemon's lane_conn, from its PeerUcx */
     char my_addr[192], its_addr[192];
+    /* a HELLO that came with the connect, unread until hs_read_now() */
+    uint8_t pend[512];
+    size_t pend_len;
 };
 
 static hs_t socks[SOCKS];
@@ -146,9 +150,14 @@ int hs_connected(const hs_t *h)
 {
     return h->connected;
 }
-size_t hs_received(const hs_t *h)
+void hs_read_now(hs_t *h)
 {
-    return h->received;
+    if (h->open && h->cbs && h->pend_len) {
+        size_t n = h->pend_len;
+        h->pend_len = 0;
+        h->received += n + 4;
+        h->cbs->frame(h->arg, h->pend, n);
+    }
 }
 
 int hs_peer_addr(const hs_t *h, struct sockaddr_storage *ss)
@@ -376,6 +385,41 @@ static void frame_to(hs_t *h, const Kvxfer__PeerMsg *m)
     free(b);
 }
 
+/* The fuzzer's HELLO on h, packed into h->pend: its nonce the record's
+ * bytes, its address those after (arg & 1); a wrong version (arg & 2),
+ * MAC (32), server (64), or a time an hour old (128). */
+static void hello_pack(hs_t *h, uint8_t arg, const uint8_t *b, size_t n)
+{
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    Kvxfer__PeerHello hl = KVXFER__PEER_HELLO__INIT;
+    uint8_t mac[MAC_LEN];
+    for (size_t i = 0; i < NONCE_LEN; i++)
+        h->nc[i] = i < n ? b[i] : (uint8_t)i;
+    if ((arg & 1) && n > NONCE_LEN)
+        snprintf(h->my_addr, sizeof(h->my_addr), "%.*s", (int)(n - NONCE_LEN),
+                 b + NONCE_LEN);
+    else
+        snprintf(h->my_addr, sizeof(h->my_addr),
+                 "kvx://10.0.0.2:7000/00000000000000b%u", arg >> 4);
+    hl.version = arg & 2 ? arg : PEER_VERSION;
+    hl.address = h->my_addr;
+    hl.nonce.data = h->nc;
+    hl.nonce.len = NONCE_LEN;
+    hl.server = arg & 64 ? "10.0.0.9:7000" : "10.0.0.1:7000";
+    hl.time = (uint64_t)time(NULL) - (arg & 128 ? 3600 : 0);
+    hello_mac(0, h->nc, hl.server, h->my_addr, hl.time, mac);
+    if (arg & 32)
+        mac[0] ^= 1;
+    hl.mac.data = mac;
+    hl.mac.len = MAC_LEN;
+    m.m_case = KVXFER__PEER_MSG__M_HELLO;
+    m.hello = &hl;
+    h->pend_len = kvxfer__peer_msg__get_packed_size(&m);
+    if (h->pend_len > sizeof(h->pend))
+        abort();
+    kvxfer__peer_msg__pack(&m, h->pend);
+}
+
 /* The next step of the fuzzer's side of an honest handshake on h. */
 static void honest_step(hs_t *h, uint8_t arg, const uint8_t *b, size_t n)
 {
@@ -384,23 +428,9 @@ static void honest_step(hs_t *h, uint8_t arg, const uint8_t *b, size_t n)
     ProtobufCBinaryData lanes[LANES_MAX];
     Kvxfer__PeerUcx u = KVXFER__PEER_UCX__INIT;
     if (!h->outgoing && !h->sent_hello) { /* we dial the daemon */
-        Kvxfer__PeerHello hl = KVXFER__PEER_HELLO__INIT;
-        for (size_t i = 0; i < NONCE_LEN; i++)
-            h->nc[i] = i < n ? b[i] : (uint8_t)i;
-        if ((arg & 1) && n > NONCE_LEN)
-            snprintf(h->my_addr, sizeof(h->my_addr), "%.*s",
-                     (int)(n - NONCE_LEN), b + NONCE_LEN);
-        else
-            snprintf(h->my_addr, sizeof(h->my_addr),
-                     "kvx://10.0.0.2:7000/00000000000000b%u", arg >> 4);
-        hl.version = arg & 2 ? arg : PEER_VERSION;
-        hl.address = h->my_addr;
-        hl.nonce.data = h->nc;
-        hl.nonce.len = NONCE_LEN;
-        m.m_case = KVXFER__PEER_MSG__M_HELLO;
-        m.hello = &hl;
         h->sent_hello = 1;
-        frame_to(h, &m);
+        hello_pack(h, arg, b, n);
+        hs_read_now(h);
     } else if (!h->outgoing && h->got_challenge && !h->sent_response) {
         Kvxfer__PeerResponse r = KVXFER__PEER_RESPONSE__INIT;
         hmac("kvx-c", h->nc, h->ns, kvxd.address, h->my_addr, mac);
@@ -531,6 +561,10 @@ static void reset(void)
     memset(socks, 0, sizeof(socks));
     nsocks = 0;
     passed_ms = 0;
+    /* the HELLOs' nonces are the records' bytes: a new input starts with
+     * none seen */
+    P.seen_n = P.seen_next = 0;
+    P.seen_floor = 0;
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
@@ -611,8 +645,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         case 0: { /* a socket accepted */
             hs_t *n = sock_new(0);
             n->inside = !(arg & 1);
-            n->received = arg & 2; /* its HELLO already in the kernel */
             snprintf(n->name, sizeof(n->name), "10.0.0.2:%u", 40000 + arg);
+            if (arg & 2) { /* its HELLO already in the kernel */
+                n->sent_hello = 1;
+                hello_pack(n, (uint8_t)((arg & 0xe0) | (arg >> 2 & 3)), b, len);
+            }
             accept_cb(n);
             break;
         }

@@ -1,6 +1,6 @@
 /*
  * fake_peer — a daemon that misbehaves, for the peer tests. It speaks
- * the daemons' protocol (version 6): the handshake on a TCP socket (each
+ * the daemons' protocol (version 7): the handshake on a TCP socket (each
  * frame a 4-byte big-endian length and one packed PeerMsg), then UCX
  * (active message 1: one packed PeerMsg; 2: slot data) to the worker
  * addresses told in PeerUcx, the first message on an endpoint a BIND.
@@ -44,6 +44,13 @@
  *       new one for each that TARGET closes, as fast as it can; prints
  *       "flood N" once they are open, then a dot every 100 ms (it ends
  *       when its reader closes the pipe), and "reopened M" at the end.
+ *   fake_peer hello-flood SECRET_FILE TARGET_IP:PORT N SECONDS
+ *       a stranger that captured one daemon's HELLO to TARGET (made here
+ *       under the secret, as that daemon would): sends it again on N
+ *       sockets, each opened again with the same bytes when TARGET ends
+ *       it; a CHALLENGE is held unanswered. Prints "flood N", and at the
+ *       end "challenges C refused R closed K": the CHALLENGEs, the
+ *       AUTH_RESULT refusals and the closes without a word it met.
  *   fake_peer garbage TARGET_IP:PORT SECONDS
  *       what a stranger sends to a port: 17 zero bytes (UCX 1.13's
  *       connection manager asserts on them), a frame header claiming
@@ -233,6 +240,40 @@ static void mac(const char *label, const uint8_t *nc, const uint8_t *ns,
     n += lc;
     unsigned len = 32;
     HMAC(EVP_sha256(), secret, (int)secret_len, msg, n, out, &len);
+}
+
+/* A HELLO from my_addr for the daemon at server (IP:PORT), with nonce
+ * nc: with peer.c hello_mac()'s MAC when a secret was read. mac: its
+ * room. */
+static void hello_fill(Kvxfer__PeerHello *h, const uint8_t nc[32],
+                       const char *server, uint8_t mac[32])
+{
+    h->version = VERSION;
+    h->address = my_addr;
+    h->nonce.data = (uint8_t *)nc;
+    h->nonce.len = 32;
+    h->server = (char *)server;
+    h->time = (uint64_t)time(NULL);
+    if (!secret_len)
+        return;
+    uint8_t msg[5 + 32 + 2 * 192 + 2 + 8];
+    size_t n = 5, ls = strnlen(server, 191), lc = strlen(my_addr);
+    memcpy(msg, "kvx-h", 5);
+    memcpy(msg + n, nc, 32);
+    n += 32;
+    memcpy(msg + n, server, ls);
+    n += ls;
+    msg[n++] = '\n';
+    memcpy(msg + n, my_addr, lc);
+    n += lc;
+    msg[n++] = '\n';
+    uint64_t be = htobe64(h->time);
+    memcpy(msg + n, &be, 8);
+    n += 8;
+    unsigned len = 32;
+    HMAC(EVP_sha256(), secret, (int)secret_len, msg, n, mac, &len);
+    h->mac.data = mac;
+    h->mac.len = 32;
 }
 
 static void bind_mac(const uint8_t key[32], uint64_t conn, uint8_t out[32])
@@ -427,10 +468,8 @@ static int auth_to(conn_t *c, const char *ipport)
         die("getrandom");
     Kvxfer__PeerMsg out = KVXFER__PEER_MSG__INIT, *m;
     Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
-    h.version = VERSION;
-    h.address = my_addr;
-    h.nonce.data = c->nc;
-    h.nonce.len = 32;
+    uint8_t hm[32];
+    hello_fill(&h, c->nc, ipport, hm);
     out.m_case = KVXFER__PEER_MSG__M_HELLO;
     out.hello = &h;
     frame_send(c->fd, &out);
@@ -734,6 +773,76 @@ static void run_flood(const char *target, int n, double seconds)
         say("reopened %ld\n", reopened);
 }
 
+/* A daemon's HELLO to sa, captured and replayed (hello, n bytes) on a
+ * new socket; -1 if it cannot connect. */
+static int replay_dial(const struct sockaddr_in *sa, const uint8_t *hello,
+                       size_t n)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0)
+        die("socket");
+    if (connect(fd, (const struct sockaddr *)sa, sizeof(*sa)) ||
+        write(fd, hello, n) != (ssize_t)n) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static void run_hello_flood(const char *target, int n, double seconds)
+{
+    struct sockaddr_in sa;
+    sockaddr_of(target, &sa);
+    snprintf(my_addr, sizeof(my_addr), "kvx://127.0.0.1:1/00000000000000ee");
+    /* one HELLO, as a daemon that knows the secret makes it for TARGET:
+     * what a stranger on the path may capture, and send again */
+    uint8_t nc[32], hm[32], hello[512];
+    if (getrandom(nc, sizeof(nc), 0) != sizeof(nc))
+        die("getrandom");
+    Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
+    hello_fill(&h, nc, target, hm);
+    Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
+    m.m_case = KVXFER__PEER_MSG__M_HELLO;
+    m.hello = &h;
+    size_t len = kvxfer__peer_msg__get_packed_size(&m);
+    uint32_t be = htonl((uint32_t)len);
+    memcpy(hello, &be, 4);
+    kvxfer__peer_msg__pack(&m, hello + 4);
+    len += 4;
+    struct pollfd p[64];
+    if (n > 64)
+        die("at most 64");
+    for (int i = 0; i < n; i++)
+        p[i] = (struct pollfd){replay_dial(&sa, hello, len), POLLIN, 0};
+    say("flood %d\n", n);
+    long challenges = 0, refused = 0, closed = 0;
+    double end = now_s() + seconds;
+    while (now_s() < end) {
+        if (poll(p, (nfds_t)n, 10) < 0)
+            continue;
+        for (int i = 0; i < n; i++) {
+            if (p[i].fd >= 0 && !p[i].revents)
+                continue;
+            Kvxfer__PeerMsg *r = p[i].fd >= 0 ? frame_recv(p[i].fd, 0.5) : NULL;
+            if (r && r->m_case == KVXFER__PEER_MSG__M_CHALLENGE) {
+                challenges++; /* held, never answered */
+                kvxfer__peer_msg__free_unpacked(r, NULL);
+                continue;
+            }
+            if (r && r->m_case == KVXFER__PEER_MSG__M_AUTH_RESULT)
+                refused++;
+            else if (p[i].fd >= 0)
+                closed++;
+            if (r)
+                kvxfer__peer_msg__free_unpacked(r, NULL);
+            if (p[i].fd >= 0)
+                close(p[i].fd);
+            p[i].fd = replay_dial(&sa, hello, len);
+        }
+    }
+    say("challenges %ld refused %ld closed %ld\n", challenges, refused, closed);
+}
+
 static void run_garbage(const char *target, double seconds)
 {
     struct sockaddr_in sa;
@@ -840,6 +949,9 @@ int main(int argc, char **argv)
         snprintf(my_addr, sizeof(my_addr),
                  "kvx://127.0.0.1:1/00000000000000dd");
         run_badaddr_to(argv[3], atof(argv[5]));
+    } else if (!strcmp(mode, "hello-flood") && argc >= 6) {
+        read_secret(argv[2]);
+        run_hello_flood(argv[3], atoi(argv[4]), atof(argv[5]));
     } else if (!strcmp(mode, "flood") && argc >= 5) {
         run_flood(argv[2], atoi(argv[3]), atof(argv[4]));
     } else if (!strcmp(mode, "garbage")) {

@@ -143,10 +143,11 @@ TEST_T(attack_spread_token_replayed_across_uids, 90)
 /* ---- the handshake cap, from a local user of the dialling host ------- */
 
 /* One handshake socket of at_flood(): connected to ip:port, and then
- * (hello) a well-formed HELLO, which any stranger can send (no secret:
- * the daemon answers it with its CHALLENGE), or (else) one byte of a
- * frame header. Either way the daemon has "received something", and
- * such a handshake is never evicted for another. -1 on failure. */
+ * (hello) a well-formed HELLO without the secret's MAC, which any
+ * stranger can send, or (else) one byte of a frame header. Either way
+ * the daemon has "received something": before the HELLO proved the
+ * secret, the daemon answered such a HELLO with its CHALLENGE and never
+ * closed either for another handshake. -1 on failure. */
 static int at_hs_open(const char *src, const char *ip, int port, int hello)
 {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -232,12 +233,14 @@ static pid_t at_flood(const char *ns, char srcs[][32], const char *ip, int port,
 }
 
 /* Attack: a local user on daemon B's host (B's IP; no secret) keeps 8
- * handshakes to daemon A open, each having sent a byte or a HELLO, so
- * none is "idle" and none is ever evicted; each ends at A's
- * peer.connect_timeout_ms and is opened again at once. A's cap of 8
- * handshakes from one IP is B's cap too: every dial of daemon B to A is
- * closed at accept, and B's fetches fail. An unprivileged user of one
- * node cuts that node's daemon off from the others. */
+ * handshakes to daemon A open, each having sent a byte or a HELLO, each
+ * opened again at once when A ends it. Before: none was "idle", none was
+ * evicted, and A's cap of 8 handshakes from one IP was B's cap too:
+ * every dial of daemon B to A was closed at accept, and B's fetches
+ * failed (4 of 4). Now B's HELLO proves the secret, so A never closes
+ * B's handshake for a stranger's: the stranger's HELLO is refused at
+ * once (no MAC), its bytes are closed for newer sockets, and B's
+ * fetches complete, verified. (hello 2: at_replay_case().) */
 static void at_flood_case(int hello, int nsrc)
 {
     p_setup();
@@ -266,8 +269,20 @@ static void at_flood_case(int hello, int nsrc)
         CHECK(p_sh(NULL, 0, "ip -n %s addr add %s/24 dev %s", p_net.ns[1],
                    srcs[i], p_net.veth[1]) == 0);
     }
-    pid_t fl = at_flood(p_net.ns[1], nsrc > 1 ? srcs : NULL, a_ipport,
-                        atoi(colon + 1), 8 * nsrc, hello, 60);
+    pid_t fl = -1;
+    FILE *fk = NULL;
+    char out[512];
+    if (hello == 2) { /* one HELLO of a daemon's, captured, sent again */
+        char args[300];
+        snprintf(args, sizeof(args), "hello-flood %s/secret-A %s:%s 8 12",
+                 p_net.dir, a_ipport, colon + 1);
+        fk = p_fake(1, args, NULL, 0);
+        CHECK(fgets(out, sizeof(out), fk) != NULL);
+        CHECK_STR_CONTAINS(out, "flood 8");
+    } else {
+        fl = at_flood(p_net.ns[1], nsrc > 1 ? srcs : NULL, a_ipport,
+                      atoi(colon + 1), 8 * nsrc, hello, 60);
+    }
     usleep(300 * 1000);
     uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
     int failed = 0, n = 4;
@@ -294,14 +309,37 @@ static void at_flood_case(int hello, int nsrc)
                 collect(c.c, ce, 4, 1, 5000);
         }
     }
-    kill(fl, SIGKILL);
-    waitpid(fl, NULL, 0);
+    long challenges = -1, refused = -1, closed = -1;
+    if (fk) { /* it ends by itself, after a handshake timeout of A's */
+        p_fake_rest(fk, out, sizeof(out));
+        fprintf(stderr, "the replaying stranger: %s", out);
+        char *r = strstr(out, "challenges ");
+        CHECK(r && sscanf(r, "challenges %ld refused %ld closed %ld",
+                          &challenges, &refused, &closed) == 3);
+    } else {
+        kill(fl, SIGKILL);
+        waitpid(fl, NULL, 0);
+    }
     fprintf(stderr, "%d of %d fetches failed under the %s flood\n", failed, n,
-            hello ? "HELLO" : "one-byte");
+            hello == 2 ? "replayed-HELLO"
+            : hello    ? "HELLO"
+                       : "one-byte");
+    /* what A did with the stranger's sockets */
+    int no_mac = log_contains(a, "wrong cluster secret (its hello has no MAC)"),
+        replay = log_contains(a, "a hello replayed");
     rank_close(&g);
     rank_close(&c);
     p_stop_both(a, b);
     CHECK_EQ(failed, 0);
+    if (hello == 1)
+        CHECK(no_mac); /* refused at once, holding nothing */
+    if (hello == 2) {
+        /* the captured HELLO is answered once, by its first socket (as
+         * the daemon that made it would have been); every copy after
+         * it is refused */
+        CHECK_EQ(challenges, 1);
+        CHECK(refused > 0 && replay);
+    }
 }
 
 TEST_T(attack_handshake_flood_hello_same_host, 200)
@@ -314,12 +352,26 @@ TEST_T(attack_handshake_flood_byte_same_host, 200)
 }
 
 /* The same from another host of the cluster's network with 8 IPs (64
- * handshakes, 8 from each: within the per-source cap): the total cap of
- * 64 is full of handshakes that are never evicted, and daemon B, from
- * an IP that has none open, is closed at accept all the same. */
+ * handshakes, 8 from each: within the per-source cap). Before: the total
+ * cap of 64 was full of handshakes that were never evicted, and daemon
+ * B, from an IP that had none open, was closed at accept all the same
+ * (2 to 4 of 4 fetches failed). */
 TEST_T(attack_handshake_flood_hello_8_ips, 200)
 {
     at_flood_case(1, 8);
+}
+
+/* Attack: a stranger on the path captures one HELLO that daemon B made
+ * for A (it proves the secret) and sends it again from B's IP on 8
+ * sockets, each opened again as A ends it: HELLOs that prove the secret
+ * are never closed for another. A takes each HELLO's nonce once: the
+ * first copy is answered (its CHALLENGE goes unanswered, and the socket
+ * ends at peer.connect_timeout_ms), every later one is refused, and B's
+ * fetches complete. Before (the HELLO proved nothing): all 8 were
+ * answered and held, and B was closed at accept. */
+TEST_T(attack_handshake_flood_replayed_hello, 200)
+{
+    at_flood_case(2, 1);
 }
 
 /* ---- what the daemon remembers of ended requests, across uids -------- */

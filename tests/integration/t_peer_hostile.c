@@ -277,14 +277,16 @@ TEST_T(peer_bad_worker_address, 150)
 }
 
 /* A flood of connections to A's peer.listen from the generation side's
- * IP (fake_peer flood in B's namespace: 200 held open, each one A
+ * IP (fake_peer flood in B's namespace: 100 held open, each one A
  * closes opened again at once), while a fresh daemon B there dials A for
- * each of 32 fetches. A closes only handshakes that sent nothing, and
- * from one IP keeps at most 8 open: B's handshake, whose HELLO comes with
- * its connect, is not the one closed, and a dial that is cut anyway is
+ * each of 32 fetches. From one IP A keeps at most 8 handshakes open that
+ * have not proved the secret, closing the oldest: B's, whose HELLO
+ * proves the secret and is read as A accepts it, is never the one
+ * closed, and a dial that is cut anyway (its HELLO not there yet) is
  * dialled again within peer.connect_timeout_ms. Every fetch completes,
  * verified. Before: A closed the oldest of 64 open handshakes, B's among
- * them, and the fetch ended PEER_GONE. */
+ * them, and the fetch ended PEER_GONE; then (a HELLO read only by the
+ * loop) 1 or 2 of 32 sometimes. */
 #define P_FLOOD_FETCHES 32 /* each by a daemon B of its own */
 TEST_T(peer_handshake_flood, 300)
 {
