@@ -1,8 +1,11 @@
 /*
- * t_attack.c — attacks on the access rules of issue 34 that still get
- * through: each test here fails on the code it was written against and
- * shows what a hostile local user or peer reaches. Reuses t_access.c's
- * two uids (AX_UID_A, AX_UID_B) and helpers.
+ * t_attack.c — a second attack on the access rules, the budget and the
+ * handshake, after the first round of fixes: each test got through the
+ * code it was written against (a cross-uid read by a replayed spread
+ * token, a worker address that crashed UCX, handshake floods that kept
+ * daemons out, uncharged consumers lists, another uid's churn dropping
+ * the records of released keys) and now checks that it no longer does.
+ * Reuses t_access.c's two uids (AX_UID_A, AX_UID_B) and helpers.
  */
 
 /* Spread instance s (tp 2) of uid: rank 0 on daemon a, rank 1 on b,
