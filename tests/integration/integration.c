@@ -58,8 +58,8 @@
  *   t_peer_hostile.c   garbage to every port a daemon opens
  *   t_access.c         who may reach a request's KV: the access table of
  *                      docs/protocol.md, cell by cell, and old attacks
- *   t_attack.c         attacks that still get through (issue 34 review):
- *                      each fails until the daemon closes it
+ *   t_attack.c         the second round of attacks (issue 34 review),
+ *                      each held now
  *   t_faults.c         the same fault, one daemon and two: the same outcome
  *
  * A test goes in the file of its area; a helper used by one file stays
