@@ -12,10 +12,10 @@ DAEMON_PKGS := ucx libcrypto
 PKG_CFLAGS += $(shell pkg-config --cflags $(DAEMON_PKGS) 2>/dev/null)
 DAEMON_LIBS := $(shell pkg-config --libs $(DAEMON_PKGS) 2>/dev/null)
 
-# one folder per layer (docs/architecture.md); headers by bare name
-DAEMON_DIRS := daemon/core daemon/net daemon/copy daemon/xfer daemon/agree \
-               daemon/remote daemon/local
-INCLUDES := -Ilib/include -Icommon -Ilib -Itools $(addprefix -I,$(DAEMON_DIRS))
+# one folder per layer (docs/architecture.md): the public header is the
+# ground; an include across folders names its folder ("net/peer.h",
+# "common/list.h"), so only the roots are on the path
+INCLUDES := -Iclient/include -I. -Idaemon
 
 OPT      ?= -O2
 SAN      ?=
@@ -54,7 +54,7 @@ endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c
-CLIENT   := $(COMMON) lib/client.c lib/reconnect.c
+CLIENT   := $(COMMON) client/client.c client/reconnect.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
             daemon/core/daemon.c daemon/core/fault.c \
@@ -118,14 +118,14 @@ $(BUILD)/obj/%.o: %.c $(GEN)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
-$(BUILD)/obj/tools/bench_gpu.o: tools/bench_gpu.cu tools/bench_gpu.h tools/bench_pattern.h lib/include/kvxfer.h
+$(BUILD)/obj/tools/bench_gpu.o: tools/bench_gpu.cu tools/bench_gpu.h tools/bench_pattern.h client/include/kvxfer.h
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Itools -Ilib/include -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) -I. -Iclient/include -c $< -o $@
 
 $(BUILD)/obj/daemon/copy/gpu_kernel.o: daemon/copy/gpu_kernel.cu daemon/copy/gpu_desc.h \
                                      daemon/copy/gpu_walk.h
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Idaemon/copy -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) -Idaemon -c $< -o $@
 
 $(BUILD)/libkvxfer.a: $(CLIENT_OBJ)
 	rm -f $@; ar rcs $@ $^
@@ -136,14 +136,14 @@ $(BUILD)/libkvxfer.a: $(CLIENT_OBJ)
 # The real file carries the version of kvxfer.h, its soname the major;
 # libkvxfer.so.2 (what the loader opens) and libkvxfer.so (what -lkvxfer
 # finds) are links to it, here as after make install.
-KVX_VERSION := $(shell sed -n 's/^.define KVX_VERSION_STRING "\(.*\)"/\1/p' lib/include/kvxfer.h)
+KVX_VERSION := $(shell sed -n 's/^.define KVX_VERSION_STRING "\(.*\)"/\1/p' client/include/kvxfer.h)
 SO_REAL := libkvxfer.so.$(KVX_VERSION)
 SO_NAME := libkvxfer.so.$(firstword $(subst ., ,$(KVX_VERSION)))
 $(CLIENT_OBJ): CFLAGS += -fvisibility=hidden
 
-$(BUILD)/$(SO_REAL): $(CLIENT_OBJ) lib/libkvxfer.map
+$(BUILD)/$(SO_REAL): $(CLIENT_OBJ) client/libkvxfer.map
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,$(SO_NAME) \
-	    -Wl,--version-script=lib/libkvxfer.map -o $@ $(CLIENT_OBJ) $(LIBS)
+	    -Wl,--version-script=client/libkvxfer.map -o $@ $(CLIENT_OBJ) $(LIBS)
 
 $(BUILD)/$(SO_NAME): $(BUILD)/$(SO_REAL)
 	ln -sf $(SO_REAL) $@
@@ -151,7 +151,7 @@ $(BUILD)/$(SO_NAME): $(BUILD)/$(SO_REAL)
 $(BUILD)/libkvxfer.so: $(BUILD)/$(SO_NAME)
 	ln -sf $(SO_NAME) $@
 
-$(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/core/main.o
+$(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/main.o
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
 $(BUILD)/kvxferctl: $(BUILD)/obj/tools/kvxferctl.o $(BUILD)/obj/daemon/copy/plan.o $(BUILD)/libkvxfer.a
@@ -174,11 +174,11 @@ restart-bench: all $(BUILD)/restart_bench
 # (tests/unit/stub_net.c stands in for net).
 $(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h tests/unit/stub_net.c $(DAEMON_OBJ) $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p; s|^ \* unit-exclude: \(.*\)$$|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
+	$(CC) $(CFLAGS) -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p; s|^ \* unit-exclude: \(.*\)$$|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 
 $(ITEST): tests/integration/integration.c $(filter-out %/fake_peer.c %/ucx_closes.c,$(wildcard tests/integration/*.c)) tests/test.h $(BUILD)/libkvxfer.a $(BUILD)/tests/fake_peer $(BUILD)/tests/libucx_closes.so
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
+	$(CC) $(CFLAGS) -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
 
 # preloaded into the daemons of peer tests that check each UCX endpoint
 # is closed once
@@ -275,7 +275,7 @@ test-gpu: deps
 
 $(BUILD)/tests/gpu: tests/gpu/gpu.c tests/test.h $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS) $(CUDA_LIBS)
+	$(CC) $(CFLAGS) -o $@ $< $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS) $(CUDA_LIBS)
 
 # what tests/gpu/torch_pools.py calls through ctypes
 $(BUILD)/tests/libkvxtorch.so: tests/gpu/torch_shim.c $(BUILD)/libkvxfer.a
@@ -297,9 +297,9 @@ install: all
 	install -m 755 $(BUILD)/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/
 	ln -sf $(SO_REAL) $(DESTDIR)$(PREFIX)/lib/$(SO_NAME)
 	ln -sf $(SO_NAME) $(DESTDIR)$(PREFIX)/lib/libkvxfer.so
-	install -m 644 lib/include/kvxfer.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 client/include/kvxfer.h $(DESTDIR)$(PREFIX)/include/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KVX_VERSION)|g' \
-	    lib/kvxfer.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc
+	    client/kvxfer.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/kvxferd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
 	install -m 644 systemd/kvxferd.socket $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket
 	[ -e $(DESTDIR)/etc/kvxfer/kvxferd.yaml ] || install -m 644 config/kvxferd.yaml $(DESTDIR)/etc/kvxfer/kvxferd.yaml
@@ -338,7 +338,7 @@ fuzz: $(GEN)
 
 lint: $(GEN)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
-	    --std=c11 $(INCLUDES) -I$(BUILD)/gen daemon common lib tools
+	    --std=c11 $(INCLUDES) -I$(BUILD)/gen daemon common client tools
 	python3 scripts/layers.py
 
 # clang-format (.clang-format) on changed lines only: the existing code

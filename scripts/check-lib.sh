@@ -23,7 +23,7 @@ fatal() { echo "FAIL: $*"; echo "check-lib: FAIL"; exit 1; }
 # the first lines of a list, on one line
 some() { head -n 20 "$1" | tr '\n' ' '; [ "$(wc -l <"$1")" -le 20 ] || echo "..."; }
 
-version=$(sed -n 's/^#define KVX_VERSION_STRING "\(.*\)"/\1/p' lib/include/kvxfer.h)
+version=$(sed -n 's/^#define KVX_VERSION_STRING "\(.*\)"/\1/p' client/include/kvxfer.h)
 real=libkvxfer.so.$version
 soname=libkvxfer.so.${version%%.*}
 tmp=$(mktemp -d)
@@ -56,10 +56,10 @@ done
 nm -D --defined-only "$BUILD/$real" |
     awk '!($2 == "A" && $3 ~ /^KVXFER_/) { sub(/@.*/, "", $3); print $3 }' |
     sort -u >"$tmp/exported"
-sed -n 's/^KVX_EXPORT .*[ *]\(kvx_[a-z0-9_]*\)(.*/\1/p' lib/include/kvxfer.h |
+sed -n 's/^KVX_EXPORT .*[ *]\(kvx_[a-z0-9_]*\)(.*/\1/p' client/include/kvxfer.h |
     sort -u >"$tmp/declared"
 # a function kvxfer.h declares without KVX_EXPORT would be hidden
-grep -E '^[A-Za-z_].*[ *]kvx_[a-z0-9_]+\(' lib/include/kvxfer.h |
+grep -E '^[A-Za-z_].*[ *]kvx_[a-z0-9_]+\(' client/include/kvxfer.h |
     grep -v '^KVX_EXPORT ' >"$tmp/unmarked"
 grep -v '^kvx_[a-z0-9]' "$tmp/exported" >"$tmp/foreign"
 comm -23 "$tmp/declared" "$tmp/exported" >"$tmp/missing"
@@ -68,7 +68,7 @@ n=$(wc -l <"$tmp/exported")
 if [ -s "$tmp/foreign" ]; then
     fail "$real exports $(wc -l <"$tmp/foreign") symbols that are not kvx_*: $(some "$tmp/foreign")"
 elif [ ! -s "$tmp/declared" ]; then
-    fail "no KVX_EXPORT declarations found in lib/include/kvxfer.h"
+    fail "no KVX_EXPORT declarations found in client/include/kvxfer.h"
 else
     pass "nm -D --defined-only $real: $n symbols, all kvx_*"
 fi
@@ -81,9 +81,9 @@ fi
 [ -s "$tmp/missing" ] || [ -s "$tmp/extra" ] || [ -s "$tmp/unmarked" ] ||
     pass "exported = the $(wc -l <"$tmp/declared") KVX_EXPORT functions of kvxfer.h"
 if readelf -V "$BUILD/$real" | grep -q 'Name: KVXFER_'; then
-    pass "symbols versioned (lib/libkvxfer.map)"
+    pass "symbols versioned (client/libkvxfer.map)"
 else
-    fail "no KVXFER_ version definition: was lib/libkvxfer.map passed?"
+    fail "no KVXFER_ version definition: was client/libkvxfer.map passed?"
 fi
 
 # --- make install ---------------------------------------------------------

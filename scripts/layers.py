@@ -7,7 +7,11 @@ its files has no cycle, and no file reaches a layer above its own.
 A file's module is its name without extension (xfer_remote.h belongs to
 xfer, gpu_desc.h and gpu_walk.h to gpu). An edge a -> b is an #include of
 b's header or a call of a function b defines. main.c (the table of
-contents) may reach every layer. Exits 1 naming the offending edges.
+contents, daemon/main.c) stands above the layers and may reach every one.
+The includes tell the truth too: a header of another folder is named with
+its folder ("net/peer.h", "common/list.h"), a header of the file's own
+folder by its bare name, and common/ includes only common/ and the public
+header. Exits 1 naming the offending edges and includes.
 """
 import collections
 import glob
@@ -15,9 +19,10 @@ import os
 import re
 import sys
 
-ORDER = ["core", "net", "copy", "xfer", "agree", "remote", "local"]
+ORDER = ["core", "net", "copy", "xfer", "agree", "remote", "local", "main"]
 RANK = {"core": 0, "net": 1, "copy": 2, "xfer": 3, "agree": 4, "remote": 4,
-        "local": 5}
+        "local": 5, "main": 6}
+PUBLIC = ("kvxfer.h", "kvxfer.pb-c.h")
 ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu"}
 
 
@@ -35,8 +40,31 @@ def main():
     os.chdir(root)
     sources = [f for f in glob.glob("daemon/*/*.c")
                if not f.endswith("gpu_none.c")]  # gpu.c's stand-in
+    sources.append("daemon/main.c")
     headers = glob.glob("daemon/*/*.h")
-    layer = {module(f): f.split("/")[1] for f in sources + headers}
+    layer = {module(f): f.split("/")[1] if f.count("/") > 1 else "main"
+             for f in sources + headers}
+    bad = []
+    for f in glob.glob("daemon/**/*.[ch]", recursive=True) + \
+            glob.glob("common/*.[ch]"):
+        folder = os.path.dirname(f)
+        for inc in re.findall(r'#include "([^"]+)"', strip(open(f).read())):
+            if inc in PUBLIC:
+                continue
+            here = os.path.exists(os.path.join(folder, inc))
+            if f.startswith("common/"):
+                ok = here and "/" not in inc
+            elif "/" not in inc:
+                ok = here
+            else:
+                top = inc.split("/")[0]
+                ok = (os.path.exists(os.path.join("daemon", inc)) and
+                      "daemon/" + top != folder) or \
+                    (top == "common" and os.path.exists(inc))
+            if not ok:
+                bad.append(f"{f}: #include \"{inc}\": name a header of "
+                           "another folder with its folder, one of its own "
+                           "folder by its bare name")
     defs = {}
     for f in sources:
         for m in re.finditer(r"^(?!static)[a-zA-Z_][\w \*]*?\b(\w+)\s*\([^;{]*\)\s*\{",
@@ -46,7 +74,7 @@ def main():
     edges, why = collections.defaultdict(set), collections.defaultdict(set)
     for f in sources + headers:
         a, text = module(f), strip(open(f).read())
-        for inc in re.findall(r'#include "(\w+)\.h"', text):
+        for inc in re.findall(r'#include "(?:\w+/)?(\w+)\.h"', text):
             b = ALIAS.get(inc, inc)
             if b in layer and b != a:
                 edges[a].add(b)
@@ -56,7 +84,6 @@ def main():
                 if b != a and re.search(r"\b" + name + r"\s*\(", text):
                     edges[a].add(b)
                     why[a, b].add(name + "()")
-    bad = []
     for a in sorted(edges):
         for b in sorted(edges[a]):
             la, lb = layer[a], layer[b]

@@ -18,9 +18,9 @@
 
 #include <yaml.h>
 
-#include "internal.h"
-#include "plan.h"
-#include "reqkey.h"
+#include "client/internal.h"
+#include "copy/plan.h"
+#include "common/reqkey.h"
 
 #define TIMEOUT_MS 5000
 

@@ -31,12 +31,12 @@
 #include <string.h>
 
 #include "agree.h"
-#include "daemon.h"
-#include "fault.h"
-#include "list.h"
-#include "log.h"
-#include "peer.h"
-#include "xfer.h"
+#include "core/daemon.h"
+#include "core/fault.h"
+#include "common/list.h"
+#include "core/log.h"
+#include "net/peer.h"
+#include "xfer/xfer.h"
 
 typedef struct merge {
     uint64_t request_id;

@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "instance.h"
+#include "xfer/instance.h"
 
 /* Register with the layers below: instance hooks (batch delivery, an
  * instance's end), xfer's spread events, net's batch messages and

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "copy.h"
-#include "log.h"
+#include "core/log.h"
 
 static void job_finished(copy_job_t *j);
 

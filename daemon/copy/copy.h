@@ -18,7 +18,7 @@
 #include <uv.h>
 
 #include "gpu.h"
-#include "list.h"
+#include "common/list.h"
 #include "plan.h"
 
 typedef struct copy_job copy_job_t;

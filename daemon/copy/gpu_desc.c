@@ -8,7 +8,7 @@
 
 #include "gpu_desc.h"
 #include "gpu_walk.h"
-#include "layout.h"
+#include "common/layout.h"
 #include "plan.h"
 
 /* Bump allocator over one host buffer that is then copied to the device

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "layout.h"
+#include "common/layout.h"
 #include "plan.h"
 
 #if defined(__x86_64__)

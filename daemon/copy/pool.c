@@ -10,10 +10,10 @@
 #include <unistd.h>
 
 #include "copy.h"
-#include "daemon.h"
-#include "layout.h"
-#include "log.h"
-#include "map.h"
+#include "core/daemon.h"
+#include "common/layout.h"
+#include "core/log.h"
+#include "core/map.h"
 #include "pool.h"
 
 static map_t pools;

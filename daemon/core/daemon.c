@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include "daemon.h"
-#include "list.h"
+#include "common/list.h"
 #include "map.h"
 
 kvxd_t kvxd;

@@ -16,7 +16,7 @@
 
 #include <assert.h>
 
-#include "list.h"
+#include "common/list.h"
 
 typedef struct rrq_entry {
     list_t node; /* on rrq_t.list; zeroed: not queued */

@@ -13,10 +13,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "daemon.h"
-#include "frame.h"
+#include "core/daemon.h"
+#include "common/frame.h"
 #include "kvxfer.pb-c.h"
-#include "log.h"
+#include "core/log.h"
 #include "server.h"
 #include "session.h"
 

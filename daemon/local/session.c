@@ -16,19 +16,19 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "agree.h"
-#include "daemon.h"
-#include "frame.h"
-#include "instance.h"
-#include "keyed.h"
-#include "layout.h"
-#include "log.h"
-#include "map.h"
-#include "pool.h"
-#include "release.h"
+#include "agree/agree.h"
+#include "core/daemon.h"
+#include "common/frame.h"
+#include "xfer/instance.h"
+#include "remote/keyed.h"
+#include "common/layout.h"
+#include "core/log.h"
+#include "core/map.h"
+#include "copy/pool.h"
+#include "remote/release.h"
 #include "session.h"
 #include "stats.h"
-#include "xfer.h"
+#include "xfer/xfer.h"
 
 /* fds received and not yet taken by a request: a GPU pool over many VMM
  * allocations brings one each; more are closed as they come */

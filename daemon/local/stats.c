@@ -4,16 +4,16 @@
 #include <string.h>
 #include <time.h>
 
-#include "agree.h"
-#include "copy.h"
-#include "daemon.h"
-#include "gpu.h"
-#include "instance.h"
-#include "peer.h"
-#include "pool.h"
-#include "remote.h"
+#include "agree/agree.h"
+#include "copy/copy.h"
+#include "core/daemon.h"
+#include "copy/gpu.h"
+#include "xfer/instance.h"
+#include "net/peer.h"
+#include "copy/pool.h"
+#include "remote/remote.h"
 #include "stats.h"
-#include "xfer.h"
+#include "xfer/xfer.h"
 
 struct conf_acc {
     Kvxfer__Count **v;

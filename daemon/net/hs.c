@@ -19,7 +19,7 @@
 #include <string.h>
 #include <uv.h>
 
-#include "daemon.h"
+#include "core/daemon.h"
 #include "hs.h"
 
 #define LINGER_MS 1000

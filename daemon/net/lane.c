@@ -26,10 +26,10 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "daemon.h"
-#include "fault.h"
+#include "core/daemon.h"
+#include "core/fault.h"
 #include "lane.h"
-#include "log.h"
+#include "core/log.h"
 #include "ucx.h"
 
 #define AM_LANE_DATA 2 /* the same id as peer.c's AM_DATA */

@@ -27,7 +27,7 @@
 #include <ucp/api/ucp.h>
 #include <uv.h>
 
-#include "list.h"
+#include "common/list.h"
 
 #define LANES_MAX 16
 

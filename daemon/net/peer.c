@@ -50,11 +50,11 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "daemon.h"
-#include "fault.h"
+#include "core/daemon.h"
+#include "core/fault.h"
 #include "hs.h"
 #include "lane.h"
-#include "log.h"
+#include "core/log.h"
 #include "peer.h"
 #include "ucx.h"
 

@@ -18,7 +18,7 @@
 #include <ucs/sys/event_set.h>
 
 #include "kvxfer.h"
-#include "log.h"
+#include "core/log.h"
 #include "ucx.h"
 
 /* ---- a worker address another daemon told ------------------------------

@@ -16,13 +16,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon.h"
+#include "core/daemon.h"
 #include "keyed.h"
-#include "list.h"
-#include "log.h"
-#include "peer.h"
+#include "common/list.h"
+#include "core/log.h"
+#include "net/peer.h"
 #include "release.h"
-#include "xfer.h"
+#include "xfer/xfer.h"
 
 #define RES_MAX 65536         /* resolves held at once */
 #define RES_WAIT_MAX 3600000u /* ms: the longest a resolve is held */

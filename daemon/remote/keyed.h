@@ -29,10 +29,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "instance.h"
-#include "pool.h"
-#include "reqkey.h"
-#include "xfer.h"
+#include "xfer/instance.h"
+#include "copy/pool.h"
+#include "common/reqkey.h"
+#include "xfer/xfer.h"
 
 void keyed_init(void);
 void keyed_cleanup(void);

@@ -13,12 +13,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon.h"
-#include "list.h"
-#include "log.h"
-#include "peer.h"
+#include "core/daemon.h"
+#include "common/list.h"
+#include "core/log.h"
+#include "net/peer.h"
 #include "release.h"
-#include "xfer.h"
+#include "xfer/xfer.h"
 
 #define TARGETS_MAX 64 /* daemons of one instance's ranks */
 

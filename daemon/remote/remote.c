@@ -68,17 +68,17 @@
 #include <sys/mman.h>
 #include <time.h>
 
-#include "copy.h"
-#include "daemon.h"
-#include "fault.h"
-#include "list.h"
-#include "log.h"
-#include "map.h"
-#include "peer.h"
-#include "pool.h"
+#include "copy/copy.h"
+#include "core/daemon.h"
+#include "core/fault.h"
+#include "common/list.h"
+#include "core/log.h"
+#include "core/map.h"
+#include "net/peer.h"
+#include "copy/pool.h"
 #include "remote.h"
-#include "rrq.h"
-#include "xfer_remote.h"
+#include "core/rrq.h"
+#include "xfer/xfer_remote.h"
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
 

@@ -18,8 +18,8 @@
 #include <stdint.h>
 
 #include "kvxfer.pb-c.h"
-#include "peer.h"
-#include "xfer_remote.h"
+#include "net/peer.h"
+#include "xfer/xfer_remote.h"
 
 /* Register with net and xfer; with peers on, allocate and register the
  * staging slots. 0, or KVX_ERR_NOMEM with why. */

@@ -22,8 +22,8 @@
 
 #include <stdint.h>
 
-#include "list.h"
-#include "reqkey.h"
+#include "common/list.h"
+#include "common/reqkey.h"
 
 typedef struct batch_event {
     uint64_t request_id; /* its key's id */

@@ -5,10 +5,10 @@
 #include <string.h>
 #include <sys/random.h>
 
-#include "daemon.h"
+#include "core/daemon.h"
 #include "instance.h"
-#include "log.h"
-#include "peer.h"
+#include "core/log.h"
+#include "net/peer.h"
 
 /* newest first */
 static list_t instances = {&instances, &instances};

@@ -15,9 +15,9 @@
 #include "batch.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
-#include "list.h"
-#include "map.h"
-#include "plan.h"
+#include "common/list.h"
+#include "core/map.h"
+#include "copy/plan.h"
 
 #define INSTANCE_ID_MAX 128
 #define INSTANCE_CONSUMERS_MAX 4096 /* a join's consumers entries */

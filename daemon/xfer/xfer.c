@@ -32,12 +32,12 @@
 
 #include <openssl/sha.h>
 
-#include "copy.h"
-#include "daemon.h"
-#include "list.h"
-#include "log.h"
-#include "peer.h"
-#include "rrq.h"
+#include "copy/copy.h"
+#include "core/daemon.h"
+#include "common/list.h"
+#include "core/log.h"
+#include "net/peer.h"
+#include "core/rrq.h"
 #include "xfer.h"
 #include "xfer_remote.h"
 

@@ -17,8 +17,8 @@
 
 #include "instance.h"
 #include "kvxfer.pb-c.h"
-#include "pool.h"
-#include "reqkey.h"
+#include "copy/pool.h"
+#include "common/reqkey.h"
 
 /* The id of a request key: the first 8 bytes of its SHA-256, big-endian;
  * every daemon derives the same, and messages between daemons name

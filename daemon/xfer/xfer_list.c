@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon.h"
+#include "core/daemon.h"
 #include "xfer.h"
 
 typedef struct {

@@ -14,10 +14,10 @@
 
 #include <stdint.h>
 
-#include "gpu.h"
+#include "copy/gpu.h"
 #include "instance.h"
-#include "plan.h"
-#include "pool.h"
+#include "copy/plan.h"
+#include "copy/pool.h"
 #include "xfer.h"
 
 #define TOKEN_LEN 16

@@ -15,9 +15,7 @@ SRC="$(make -s --no-print-directory print-daemon-src CUDA=0) build/gen/kvxfer.pb
 FLAGS="${FUZZ_CFLAGS:-} -g -O1 -std=gnu11 -D_GNU_SOURCE -fno-omit-frame-pointer -Itests/fuzz
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
        -Werror=implicit-function-declaration
-       -Ibuild/gen -Ilib/include -Icommon -Ilib -Idaemon/core -Idaemon/net
-       -Idaemon/copy -Idaemon/xfer -Idaemon/agree -Idaemon/remote
-       -Idaemon/local
+       -Ibuild/gen -Iclient/include -I. -Idaemon
        $(pkg-config --cflags $PKGS)"
 for t in ${*:-frame request params config peer peer_auth}; do
     # sources the target includes itself, or replaces ("fuzz-exclude:")

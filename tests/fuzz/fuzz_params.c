@@ -8,9 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "instance.h"
+#include "xfer/instance.h"
 #include "pb_quirk.h"
-#include "xfer.h"
+#include "xfer/xfer.h"
 
 #define MUST(c)                                                             \
     do {                                                                    \

@@ -23,8 +23,8 @@
  */
 #include "../../daemon/remote/remote.c"
 
-#include "agree.h"
-#include "xfer.h"
+#include "agree/agree.h"
+#include "xfer/xfer.h"
 
 #include <sys/mman.h>
 

@@ -21,9 +21,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_gpu.h"
+#include "tools/bench_gpu.h"
 #include "kvxfer.h"
-#include "test.h"
+#include "tests/test.h"
 
 static const char *build_dir(void)
 {

@@ -32,7 +32,7 @@
 
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
-#include "test.h"
+#include "tests/test.h"
 
 #define T_MS 10000 /* timeout of one library call */
 

@@ -11,7 +11,7 @@
  * place the data path names, with the sender's completion first. A test
  * names the file in its "unit-exclude:" line.
  */
-#include "peer.h"
+#include "net/peer.h"
 
 struct peer_conn {
     uint64_t id;

@@ -11,7 +11,7 @@
  */
 #include "../../daemon/agree/agree.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include "stub_net.c"
 

@@ -6,12 +6,12 @@
  */
 #include "../../daemon/xfer/batch.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include <stdint.h>
 
 #include "kvxfer.h"
-#include "reqkey.h"
+#include "common/reqkey.h"
 
 /* The key of request n (its digits), as the uint64_t API makes it. */
 static const reqkey_t *K(uint64_t n)

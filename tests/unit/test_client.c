@@ -1,5 +1,5 @@
 /*
- * test_client — lib/client.c's send_all(): fds travel in batches of
+ * test_client — client/client.c's send_all(): fds travel in batches of
  * FRAME_FDS_PER_SEND, each with the first byte of its own piece of the
  * frame, so the daemon's receive buffer (that many fds) never truncates
  * them and each receive's fds lie in one frame. Checked against a reader
@@ -7,12 +7,12 @@
  * partial sends), and the refusal of more batches than the frame has
  * bytes.
  */
-#include "../../lib/client.c"
-#include "../../lib/reconnect.c"
+#include "../../client/client.c"
+#include "../../client/reconnect.c"
 
 #include <sys/wait.h>
 
-#include "test.h"
+#include "tests/test.h"
 
 /* The reader: receives as session.c does; writes to out the fds and
  * bytes it got, the receives that carried fds, the most in one, whether

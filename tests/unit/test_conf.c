@@ -5,7 +5,7 @@
  */
 #include "../../daemon/core/conf.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include <stdint.h>
 

@@ -6,7 +6,7 @@
  */
 #include "../../common/frame.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include <stdint.h>
 

@@ -7,7 +7,7 @@
  */
 #include "../../daemon/net/lane.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 static lane_t *stopping_lane(void)
 {

@@ -6,7 +6,7 @@
  */
 #include "../../daemon/xfer/xfer.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include <stdint.h>
 

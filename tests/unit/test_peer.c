@@ -6,7 +6,7 @@
  */
 #include "../../daemon/net/peer.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include <stdlib.h>
 #include <sys/stat.h>

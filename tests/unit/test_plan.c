@@ -8,13 +8,13 @@
  */
 #include "../../daemon/copy/plan.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include <stdint.h>
 
-#include "gpu_desc.h"
-#include "gpu_walk.h"
-#include "layout.h"
+#include "copy/gpu_desc.h"
+#include "copy/gpu_walk.h"
+#include "common/layout.h"
 
 /* ---- helpers ---- */
 

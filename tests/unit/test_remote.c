@@ -16,8 +16,8 @@
 
 #include <sys/mman.h>
 
-#include "test.h"
-#include "xfer.h"
+#include "tests/test.h"
+#include "xfer/xfer.h"
 
 #include "stub_net.c"
 

@@ -7,7 +7,7 @@
  */
 #include "../../daemon/local/session.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include <stdint.h>
 

@@ -12,7 +12,7 @@
  */
 #include "../../daemon/net/ucx.c"
 
-#include "test.h"
+#include "tests/test.h"
 
 #include <sys/socket.h>
 #include <sys/wait.h>

@@ -37,7 +37,7 @@ extern "C" {
 #endif
 
 /* Marks the API: libkvxfer.so is built with -fvisibility=hidden and a
- * version script (lib/libkvxfer.map), so a function is visible to engines
+ * version script (client/libkvxfer.map), so a function is visible to engines
  * only if declared here with KVX_EXPORT. Everything else the library
  * holds (the daemon's common code, the generated protobuf-c kvxfer__*
  * functions, the kvx__* calls of internal.h) stays inside, free to change

@@ -12,10 +12,10 @@
 
 #include <stdint.h>
 
-#include "frame.h"
+#include "common/frame.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
-#include "list.h"
+#include "common/list.h"
 
 /* A request key the library tracks: in flight (on a bucket of
  * kvx__revive.keys), or lost with the daemon (on gone). */

@@ -28,12 +28,12 @@
 #include <unistd.h>
 
 #include "client.h"
-#include "frame.h"
+#include "common/frame.h"
 #include "internal.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
-#include "list.h"
-#include "reqkey.h"
+#include "common/list.h"
+#include "common/reqkey.h"
 
 #define REPLY_MAX (1u << 30)
 /* the most limits.max_frame_bytes can be: a larger request could never
