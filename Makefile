@@ -53,7 +53,8 @@ CUDA_LIBS :=
 endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
-COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c
+COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c \
+            common/why.c
 CLIENT   := $(COMMON) client/client.c client/reconnect.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
