@@ -19,7 +19,9 @@
  * daemon must not crash, leak or hang; the copy jobs it starts must come
  * back.
  *
- * fuzz-exclude: daemon/net/peer.c
+ * fuzz-exclude: daemon/net/peer.c daemon/net/peer_auth.c
+ * fuzz-exclude: daemon/net/peer_addr.c daemon/net/peer_handshake.c
+ * fuzz-exclude: daemon/net/peer_init.c daemon/net/peer_status.c
  */
 #include "../../daemon/remote/remote.c"
 

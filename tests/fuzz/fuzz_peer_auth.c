@@ -28,6 +28,7 @@
  * fuzz-exclude: daemon/net/hs.c daemon/net/lane.c
  */
 #include "../../daemon/net/peer.c"
+#include "../../daemon/net/peer_auth.c"
 
 #include <dlfcn.h>
 
@@ -563,8 +564,8 @@ static void reset(void)
     passed_ms = 0;
     /* the HELLOs' nonces are the records' bytes: a new input starts with
      * none seen */
-    P.seen_n = P.seen_next = 0;
-    P.seen_floor = 0;
+    A.seen_n = A.seen_next = 0;
+    A.seen_floor = 0;
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
