@@ -34,7 +34,7 @@
 #include "peer_int.h"
 #include "ucx.h"
 
-struct peer_globals P;
+struct peer_globals P = {.conns = {&P.conns, &P.conns}};
 struct peer_handlers H;
 
 static void conn_try_free(peer_conn_t *c);
@@ -60,8 +60,9 @@ peer_conn_t *conn_new(int outgoing, const char *address)
             return NULL;
         }
     while (!c->lane_conn);
-    c->next = P.conns;
-    P.conns = c;
+    list_init(&c->q);
+    list_init(&c->dq);
+    list_unshift(&P.conns, &c->node);
     return c;
 }
 
@@ -76,11 +77,7 @@ static void conn_free(peer_conn_t *c)
 
 static void conn_unlink(peer_conn_t *c)
 {
-    for (peer_conn_t **pp = &P.conns; *pp; pp = &(*pp)->next)
-        if (*pp == c) {
-            *pp = c->next;
-            return;
-        }
+    list_remove(&c->node);
 }
 
 static void ureq_done(ureq_t *u, int status)
@@ -222,11 +219,7 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         free(q);
         return KVX_ERR_NOMEM;
     }
-    if (c->q_tail)
-        c->q_tail->next = q;
-    else
-        c->q_head = q;
-    c->q_tail = q;
+    list_push(&c->q, &q->node);
     return 0;
 }
 
@@ -283,13 +276,9 @@ static void data_pack(ureq_t *u)
  * connection, which ends the queue. */
 static void data_start(peer_conn_t *c)
 {
-    while (c->state == CONN_READY && c->dq_head &&
+    while (c->state == CONN_READY && !list_empty(&c->dq) &&
            c->data_inflight < kvxd.conf.send_window) {
-        ureq_t *u = c->dq_head;
-        c->dq_head = u->next;
-        if (!c->dq_head)
-            c->dq_tail = NULL;
-        u->next = NULL;
+        ureq_t *u = UREQ(list_pop(&c->dq));
         c->data_inflight++;
         int lane = u->keyed ? lane_pick(c) : -1;
         if (lane >= 0) {
@@ -318,10 +307,8 @@ static void data_start(peer_conn_t *c)
             c->data_inflight--;
             c->conn_data_inflight--;
             c->outstanding++;
-            u->next = c->dq_head; /* conn_fail gives it back with the rest */
-            c->dq_head = u;
-            if (!c->dq_tail)
-                c->dq_tail = u;
+            /* conn_fail gives it back with the rest */
+            list_unshift(&c->dq, &u->node);
             conn_fail(c, KVX_ERR_PEER_GONE, "cannot send to %s", c->address);
             return;
         }
@@ -330,8 +317,8 @@ static void data_start(peer_conn_t *c)
 
 int peer_send_queued(const peer_conn_t *c, const void *arg)
 {
-    for (const ureq_t *u = c->dq_head; u; u = u->next)
-        if (u->arg == arg)
+    for (const list_t *n = c->dq.next; n != &c->dq; n = n->next)
+        if (UREQ(n)->arg == arg)
             return 1;
     return 0;
 }
@@ -378,11 +365,7 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
     u->done = done;
     u->arg = arg;
     c->outstanding++; /* waiting: keeps c until it is given back */
-    if (c->dq_tail)
-        c->dq_tail->next = u;
-    else
-        c->dq_head = u;
-    c->dq_tail = u;
+    list_push(&c->dq, &u->node);
     data_start(c);
     return 0;
 }
@@ -425,10 +408,10 @@ static void conn_try_free(peer_conn_t *c)
     if (c->state != CONN_LOST || c->outstanding || !c->close_done)
         return;
     unsigned lost = 0;
-    for (peer_conn_t *x = P.conns; x; x = x->next)
+    for (peer_conn_t *x = conn_next(NULL); x; x = conn_next(x))
         lost += x->state == CONN_LOST;
     int replaced = 0;
-    for (peer_conn_t *x = P.conns; x; x = x->next)
+    for (peer_conn_t *x = conn_next(NULL); x; x = conn_next(x))
         if (x != c && x->state != CONN_LOST && x->outgoing == c->outgoing &&
             !strcmp(x->address, c->address))
             replaced = 1;
@@ -446,7 +429,7 @@ static void peer_flush_lost(void)
 {
     for (int again = 1; again;) {
         again = 0;
-        for (peer_conn_t *c = P.conns; c; c = c->next)
+        for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
             if (c->lost_pending) {
                 c->lost_pending = 0;
                 char m[512]; /* worded once, for every callback */
@@ -472,16 +455,15 @@ static void flush_lost(void *arg)
 /* c's queued slot sends, never started, back to their owners. */
 static void dq_give_back(peer_conn_t *c)
 {
-    while (c->dq_head) {
-        ureq_t *u = c->dq_head;
-        c->dq_head = u->next;
+    list_t *n;
+    while ((n = list_pop(&c->dq))) {
+        ureq_t *u = UREQ(n);
         if (u->done)
             u->done(u->arg, KVX_ERR_PEER_GONE);
         free(u->buf);
         free(u);
         c->outstanding--;
     }
-    c->dq_tail = NULL;
 }
 
 static void dq_give_back_later(void *arg)
@@ -508,20 +490,19 @@ void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
     }
     if (was_ready || c->outgoing)
         log_warn("peer %s: %s", c->address[0] ? c->address : "(incoming)", msg);
-    while (c->q_head) {
-        qmsg_t *q = c->q_head;
-        c->q_head = q->next;
+    list_t *n;
+    while ((n = list_pop(&c->q))) {
+        qmsg_t *q = QMSG(n);
         free(q->buf);
         free(q);
     }
-    c->q_tail = NULL;
     /* queued slot sends never started: their owners get them back from
      * the loop's next turn, never inside this call, whose caller (a send)
      * may still use what a give-back ends (a piece sent from a pool
      * releases its offer's fence); c stays meanwhile (each still counts
      * in outstanding). The loop stopped (peer_cleanup()), or out of
      * memory: now. */
-    if (c->dq_head &&
+    if (!list_empty(&c->dq) &&
         (P.stopping || !P.poll_on || kvxd_defer(dq_give_back_later, c)))
         dq_give_back(c);
     /* an incoming connection that never authenticated carries nothing,
@@ -547,7 +528,7 @@ uint64_t peer_conn_id(const peer_conn_t *c)
 
 peer_conn_t *peer_conn_find(uint64_t id)
 {
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         if (c->id == id)
             return c;
     return NULL;
@@ -575,7 +556,7 @@ static peer_conn_t *conn_of(const ucp_am_recv_param_t *p)
 {
     if (!(p->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
         return NULL;
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         if (c->rx_ep == p->reply_ep && !c->closed)
             return c;
     return NULL;
@@ -749,7 +730,7 @@ ucs_status_t am_data(void *arg, const void *header, size_t hlen, void *data,
 
 static peer_conn_t *conn_of_lep(unsigned lane, uint64_t lep, int *in)
 {
-    for (peer_conn_t *c = P.conns; c; c = c->next) {
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c)) {
         if (c->out_lep[lane] == lep) {
             *in = 0;
             return c;
@@ -772,7 +753,7 @@ static void lane_arrived(const lane_ev_t *e)
     const char *bad = "no connection's MAC";
     if (m && m->m_case == KVXFER__PEER_MSG__M_DATA &&
         m->data->lane_mac.len == LANE_MAC_LEN && m->data->lane_conn) {
-        for (c = P.conns; c; c = c->next)
+        for (c = conn_next(NULL); c; c = conn_next(c))
             if (c->state == CONN_READY && c->lane_conn == m->data->lane_conn)
                 break;
         uint8_t mac[LANE_MAC_LEN];
@@ -858,10 +839,7 @@ void on_lane_event(const lane_ev_t *e)
             /* lanes are off for c: sent again over the connection */
             u->on_lane = 0;
             c->bytes_sent -= u->hdr_len + u->len; /* counted again */
-            u->next = c->dq_head;
-            c->dq_head = u;
-            if (!c->dq_tail)
-                c->dq_tail = u;
+            list_unshift(&c->dq, &u->node);
             data_start(c);
             break;
         } else if (e->status && c->state != CONN_LOST) {
@@ -947,8 +925,8 @@ void peer_tick(uint64_t now)
         return;
     auth_tick(now);
     peer_flush_lost();
-    for (peer_conn_t *c = P.conns, *n; c; c = n) {
-        n = c->next;
+    for (peer_conn_t *c = conn_next(NULL), *n; c; c = n) {
+        n = conn_next(c);
         if (c->state == CONN_LOST) {
             if (c->lost_pending)
                 continue; /* remote.c hears of it first */
@@ -1020,28 +998,28 @@ void peer_cleanup(void)
     if (!P.on)
         return;
     P.stopping = 1;
-    for (peer_conn_t *c = P.conns; c; c = c->next) {
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c)) {
         if (c->state != CONN_LOST)
             conn_fail(c, KVX_ERR_SHUTDOWN, "daemon exiting");
         dq_give_back(c); /* a give-back queued for the loop's next turn */
     }
     peer_flush_lost(); /* the loop has stopped: now */
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         conn_close_ep(c);
     /* let the force-closes and cancelled requests come back (the
      * lanes' too: their events run here, the loop has stopped) */
-    for (int i = 0; i < 1000 && P.conns; i++) {
+    for (int i = 0; i < 1000 && !list_empty(&P.conns); i++) {
         while (ucp_worker_progress(P.worker))
             ;
         lanes_drain();
-        for (peer_conn_t *c = P.conns, *n; c; c = n) {
-            n = c->next;
+        for (peer_conn_t *c = conn_next(NULL), *n; c; c = n) {
+            n = conn_next(c);
             if (!c->outstanding && c->close_done) {
                 conn_unlink(c);
                 conn_free(c);
             }
         }
-        if (P.conns)
+        if (!list_empty(&P.conns))
             usleep(1000);
     }
     lanes_stop(); /* before the slots (remote_cleanup) and the context */

@@ -318,7 +318,7 @@ int hello_check(peer_conn_t *c, const Kvxfer__PeerHello *h)
     }
     seen_add(h->nonce.data, h->time);
     unsigned proven = 0;
-    for (peer_conn_t *o = P.conns; o; o = o->next)
+    for (peer_conn_t *o = conn_next(NULL); o; o = conn_next(o))
         proven += !o->outgoing && o->state == CONN_AUTH && o->hello_ok;
     c->hello_ok = h->time > A.seen_floor && proven < HS_PROVEN_MAX;
     return 0;

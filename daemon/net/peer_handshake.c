@@ -135,11 +135,9 @@ static void conn_ready(peer_conn_t *c)
     m.bind = &bd;
     if (send_now(c, &m))
         return;
-    while (c->q_head && c->state == CONN_READY) {
-        qmsg_t *q = c->q_head;
-        c->q_head = q->next;
-        if (!c->q_head)
-            c->q_tail = NULL;
+    list_t *n;
+    while (c->state == CONN_READY && (n = list_pop(&c->q))) {
+        qmsg_t *q = QMSG(n);
         uint8_t *b = q->buf;
         size_t len = q->len;
         free(q);
@@ -157,7 +155,7 @@ void bind_msg(ucp_ep_h from, const uint8_t *buf, size_t len)
     peer_conn_t *c = NULL;
     if (m && m->m_case == KVXFER__PEER_MSG__M_BIND &&
         m->bind->mac.len == MAC_LEN) {
-        for (c = P.conns; c; c = c->next)
+        for (c = conn_next(NULL); c; c = conn_next(c))
             if (c->lane_conn == m->bind->conn && !c->rx_ep &&
                 (c->state == CONN_BIND || c->state == CONN_READY))
                 break;
@@ -280,7 +278,7 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
                  address);
         return NULL;
     }
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         if (c->outgoing && c->state != CONN_LOST &&
             !strcmp(c->address, address))
             return c;
@@ -331,7 +329,7 @@ static void hs_make_room(int fam, const uint8_t ip[16], const char *name)
     for (;;) {
         unsigned all = 0, mine = 0;
         peer_conn_t *old = NULL, *old_mine = NULL;
-        for (peer_conn_t *c = P.conns; c; c = c->next) {
+        for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c)) {
             if (!hs_unproven(c))
                 continue;
             int same = c->src_family == fam && !memcmp(c->src, ip, 16);
@@ -522,7 +520,7 @@ static const char *conn_peer(const peer_conn_t *c)
  * transport). */
 static void peer_restarted(const peer_conn_t *c, const char *addr)
 {
-    for (peer_conn_t *o = P.conns; o; o = o->next) {
+    for (peer_conn_t *o = conn_next(NULL); o; o = conn_next(o)) {
         const char *was = conn_peer(o);
         if (o == c || o->state == CONN_LOST || !same_listener(was, addr) ||
             !strcmp(was, addr))

@@ -24,6 +24,7 @@
 #include <ucp/api/ucp.h>
 #include <uv.h>
 
+#include "common/list.h"
 #include "core/daemon.h"
 #include "hs.h"
 #include "lane.h"
@@ -65,7 +66,7 @@ enum conn_state { CONN_AUTH, CONN_BIND, CONN_READY, CONN_LOST };
 typedef struct qmsg {
     uint8_t *buf;
     size_t len;
-    struct qmsg *next;
+    list_t node; /* on its connection's q */
 } qmsg_t;
 
 struct peer_conn {
@@ -102,10 +103,10 @@ struct peer_conn {
     int lost_pending, lost_code;
     unsigned lost_next; /* the loss callback to call next */
     char lost_msg[300];
-    qmsg_t *q_head, *q_tail; /* sends waiting for authentication */
+    list_t q; /* qmsg_t.node: sends waiting for authentication */
     /* slot sends: peer.send_window in flight, the rest wait here in
      * order (each counted in outstanding) */
-    struct ureq *dq_head, *dq_tail;
+    list_t dq; /* ureq_t.node */
     uint32_t data_inflight;
     /* of those, sent on the connection's own endpoint (not a lane), and
      * since when none has come back: the same keep-alive as the lanes',
@@ -136,7 +137,7 @@ struct peer_conn {
     uint32_t lane_rx_inflight;
     uint64_t lane_rx_moved_ms;
     char transports[128];
-    struct peer_conn *next;
+    list_t node; /* on P.conns */
 };
 
 /* A UCX request of ours: what to do when it comes back. */
@@ -163,7 +164,7 @@ typedef struct ureq {
     const void *data;
     const peer_iov_t *iov; /* niov > 0: the data is there, not data */
     size_t niov;
-    struct ureq *next;
+    list_t node; /* queued: on its connection's dq */
 } ureq_t;
 
 struct peer_globals {
@@ -182,7 +183,7 @@ struct peer_globals {
     int stopping;      /* peer_cleanup(): the loop has stopped */
     uint32_t inflight; /* our UCX requests, every connection */
     int poll_on;
-    peer_conn_t *conns;
+    list_t conns; /* peer_conn_t.node, the newest first */
     int ucx_cuda;
     char transports[256]; /* every transport a connection used */
     char listen[64];
@@ -191,6 +192,17 @@ struct peer_globals {
     int rdma; /* UCX may use an RDMA device: peer_rdma() */
 };
 extern struct peer_globals P;
+
+#define CONN(n) LIST_OWNER(n, peer_conn_t, node)
+#define UREQ(n) LIST_OWNER(n, ureq_t, node)
+#define QMSG(n) LIST_OWNER(n, qmsg_t, node)
+
+/* The connection after c on P.conns (c NULL: the first), or NULL. */
+static inline peer_conn_t *conn_next(const peer_conn_t *c)
+{
+    const list_t *n = c ? c->node.next : P.conns.next;
+    return n == &P.conns ? NULL : CONN(n);
+}
 
 /* What the layers above registered (peer.h). */
 #define MSG_KINDS 32

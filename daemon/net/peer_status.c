@@ -60,7 +60,7 @@ size_t peer_infos(Kvxfer__PeerInfo ***out)
 {
     size_t n = 0, k = 0;
     *out = NULL;
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         n += c->address[0] != 0;
     if (!n)
         return 0;
@@ -68,7 +68,7 @@ size_t peer_infos(Kvxfer__PeerInfo ***out)
     if (!v)
         return 0;
     uint64_t now = now_ms();
-    for (peer_conn_t *c = P.conns; c && k < n; c = c->next) {
+    for (peer_conn_t *c = conn_next(NULL); c && k < n; c = conn_next(c)) {
         if (!c->address[0])
             continue;
         Kvxfer__PeerInfo *p = malloc(sizeof(*p));

@@ -524,13 +524,13 @@ static void bind_to(peer_conn_t *c, uint8_t arg, const uint8_t *b, size_t n)
 static peer_conn_t *nth_conn(uint8_t arg)
 {
     unsigned n = 0;
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         n++;
     if (!n)
         return NULL;
-    peer_conn_t *c = P.conns;
+    peer_conn_t *c = conn_next(NULL);
     for (unsigned i = arg % n; i; i--)
-        c = c->next;
+        c = conn_next(c);
     return c;
 }
 
@@ -542,14 +542,14 @@ static uint64_t passed_ms;
 
 static void reset(void)
 {
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         if (c->state != CONN_LOST)
             conn_fail(c, KVX_ERR_SHUTDOWN, "input over");
-    for (int i = 0; i < 100 && P.conns; i++) {
+    for (int i = 0; i < 100 && !list_empty(&P.conns); i++) {
         run_loop();
         peer_tick(clock_ms);
-        for (peer_conn_t *c = P.conns, *nx; c; c = nx) {
-            nx = c->next;
+        for (peer_conn_t *c = conn_next(NULL), *nx; c; c = nx) {
+            nx = conn_next(c);
             if (c->state == CONN_LOST && !c->lost_pending && c->closed &&
                 !c->outstanding && c->close_done) {
                 conn_unlink(c);
