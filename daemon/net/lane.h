@@ -27,6 +27,8 @@
 #include <ucp/api/ucp.h>
 #include <uv.h>
 
+#include "common/why.h"
+
 #include "common/list.h"
 
 #define LANES_MAX 16
@@ -63,8 +65,8 @@ typedef struct lane_ev {
  * event; the event is freed after. spin: a lane polls instead of
  * sleeping while it has requests in flight. 0, or KVX_ERR_IO with why. */
 int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
-                uint32_t bind_ms, void (*ev)(const lane_ev_t *e), char *why,
-                size_t why_len);
+                uint32_t bind_ms, void (*ev)(const lane_ev_t *e),
+                kvx_why_t *why);
 unsigned lanes_count(void);
 /* Lane lane's worker address (*len bytes), valid until lanes_stop(). */
 const uint8_t *lane_address(unsigned lane, size_t *len);

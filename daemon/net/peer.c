@@ -894,26 +894,25 @@ void on_lane_event(const lane_ev_t *e)
  * connection's does not, and a PONG gets through where a rendezvous
  * does not). It bounds how long a fence waits for UCX. 1 with why, or
  * 0. */
-static int data_stalled(const peer_conn_t *c, uint64_t now, char *why,
-                        size_t len)
+static int data_stalled(const peer_conn_t *c, uint64_t now, kvx_why_t *why)
 {
     uint64_t t = kvxd.conf.keepalive_timeout_ms;
     for (unsigned i = 0; i < LANES_MAX; i++)
         if (c->lane_ok[i] && c->lane_inflight[i] &&
             now >= c->lane_moved_ms[i] + t) {
-            snprintf(why, len, "lane %u to %s: nothing sent for %llu ms", i,
-                     c->address,
-                     (unsigned long long)(now - c->lane_moved_ms[i]));
+            why_set(why, "lane %u to %s: nothing sent for %llu ms", i,
+                    c->address,
+                    (unsigned long long)(now - c->lane_moved_ms[i]));
             return 1;
         }
     if (c->lane_rx_inflight && now >= c->lane_rx_moved_ms + t) {
-        snprintf(why, len, "lane data from %s: nothing arrived for %llu ms",
-                 c->address, (unsigned long long)(now - c->lane_rx_moved_ms));
+        why_set(why, "lane data from %s: nothing arrived for %llu ms",
+                c->address, (unsigned long long)(now - c->lane_rx_moved_ms));
         return 1;
     }
     if (c->conn_data_inflight && now >= c->conn_data_moved_ms + t) {
-        snprintf(why, len, "slot data to %s: nothing sent for %llu ms",
-                 c->address, (unsigned long long)(now - c->conn_data_moved_ms));
+        why_set(why, "slot data to %s: nothing sent for %llu ms", c->address,
+                (unsigned long long)(now - c->conn_data_moved_ms));
         return 1;
     }
     return 0;
@@ -976,7 +975,7 @@ void peer_tick(uint64_t now)
                           "gave no answer within "
                           "peer.connect_timeout_ms");
         char stall[300];
-        if (data_stalled(c, now, stall, sizeof(stall))) {
+        if (data_stalled(c, now, KVX_WHY(stall))) {
             conn_fail(c, KVX_ERR_PEER_GONE,
                       "%s (peer.keepalive_timeout_ms "
                       "%u)",

@@ -48,7 +48,7 @@ int same_sockaddr(const struct sockaddr_storage *a,
 
 /* "kvx://IP:PORT/id" -> sockaddr. 0, or KVX_ERR_INVALID with why. */
 int parse_address(const char *a, struct sockaddr_storage *ss, socklen_t *sl,
-                  char *why, size_t why_len)
+                  kvx_why_t *why)
 {
     char host[128], port[16];
     const char *p = !strncmp(a, "kvx://", 6) ? a + 6 : NULL;
@@ -59,10 +59,10 @@ int parse_address(const char *a, struct sockaddr_storage *ss, socklen_t *sl,
             colon = q;
     if (!p || !slash || !colon || colon - p >= (long)sizeof(host) ||
         slash - colon - 1 >= (long)sizeof(port) || slash == colon + 1) {
-        snprintf(why, why_len,
-                 "daemon '%s' has no peer listener (its peer.listen is "
-                 "empty, or the address is not kvx://IP:PORT/ID)",
-                 a);
+        why_set(why,
+                "daemon '%s' has no peer listener (its peer.listen is "
+                "empty, or the address is not kvx://IP:PORT/ID)",
+                a);
         return KVX_ERR_INVALID;
     }
     memcpy(host, p, colon - p);
@@ -80,7 +80,7 @@ int parse_address(const char *a, struct sockaddr_storage *ss, socklen_t *sl,
                     *res;
     int e = getaddrinfo(host, port, &hints, &res);
     if (e) {
-        snprintf(why, why_len, "daemon address '%s': %s", a, gai_strerror(e));
+        why_set(why, "daemon address '%s': %s", a, gai_strerror(e));
         return KVX_ERR_INVALID;
     }
     memcpy(ss, res->ai_addr, res->ai_addrlen);
@@ -114,7 +114,7 @@ static int net_add(int family, const void *addr, unsigned bits)
 
 /* peer.allowed (checked by the config), or the network of the interface
  * that holds peer.listen's IP. 0, or KVX_ERR_INVALID with why. */
-int nets_init(const struct sockaddr_storage *listen, char *why, size_t why_len)
+int nets_init(const struct sockaddr_storage *listen, kvx_why_t *why)
 {
     nnets = 0;
     if (kvxd.conf.peer_allowed[0]) {
@@ -128,8 +128,7 @@ int nets_init(const struct sockaddr_storage *listen, char *why, size_t why_len)
             if (conf_net_parse(t, &fam, a, &bits))
                 continue; /* the config checked it */
             if (net_add(fam, a, bits)) {
-                snprintf(why, why_len, "peer.allowed: more than %d networks",
-                         NETS_MAX);
+                why_set(why, "peer.allowed: more than %d networks", NETS_MAX);
                 return KVX_ERR_INVALID;
             }
         }
@@ -138,7 +137,7 @@ int nets_init(const struct sockaddr_storage *listen, char *why, size_t why_len)
     }
     struct ifaddrs *all, *i;
     if (getifaddrs(&all)) {
-        snprintf(why, why_len, "getifaddrs: %s", strerror(errno));
+        why_set(why, "getifaddrs: %s", strerror(errno));
         return KVX_ERR_IO;
     }
     for (i = all; i; i = i->ifa_next) {
@@ -174,11 +173,11 @@ int nets_init(const struct sockaddr_storage *listen, char *why, size_t why_len)
     }
     freeifaddrs(all);
     if (!nnets) {
-        snprintf(why, why_len,
-                 "peer.allowed is empty and no interface "
-                 "holds peer.listen's IP (%s): name the "
-                 "cluster's networks in peer.allowed",
-                 kvxd.conf.peer_listen);
+        why_set(why,
+                "peer.allowed is empty and no interface "
+                "holds peer.listen's IP (%s): name the "
+                "cluster's networks in peer.allowed",
+                kvxd.conf.peer_listen);
         return KVX_ERR_INVALID;
     }
     return 0;
@@ -219,7 +218,7 @@ static int earlier_local(const char *address)
            strcmp(id, ours);
 }
 
-int peer_address_alias(const char *address, char *why, size_t why_len)
+int peer_address_alias(const char *address, kvx_why_t *why)
 {
     struct sockaddr_storage ss;
     socklen_t sl;
@@ -230,48 +229,48 @@ int peer_address_alias(const char *address, char *why, size_t why_len)
     if (!P.on) {
         if (!earlier_local(address))
             return 0;
-        snprintf(why, why_len,
-                 "daemon '%s' was issued by an earlier run of this daemon "
-                 "(its id was %s, this run is %s)",
-                 address, id + 1, ours + 1);
+        why_set(why,
+                "daemon '%s' was issued by an earlier run of this daemon "
+                "(its id was %s, this run is %s)",
+                address, id + 1, ours + 1);
         return KVX_ERR_PEER_GONE;
     }
-    if (parse_address(address, &ss, &sl, w, sizeof(w)) ||
+    if (parse_address(address, &ss, &sl, KVX_WHY(w)) ||
         !same_sockaddr(&ss, &P.bound))
         return 0;
     /* our listener, spelt otherwise or under another id: never a peer
      * (it would dial itself); by the id, an earlier run's */
     int earlier = !id || strcmp(id, ours);
     if (earlier)
-        snprintf(why, why_len,
-                 "daemon '%s' is this daemon's listener under another id, "
-                 "not dialled: issued by an earlier run of this daemon (its "
-                 "id was %s, this run is %s)",
-                 address, id ? id + 1 : "", ours + 1);
+        why_set(why,
+                "daemon '%s' is this daemon's listener under another id, "
+                "not dialled: issued by an earlier run of this daemon (its "
+                "id was %s, this run is %s)",
+                address, id ? id + 1 : "", ours + 1);
     else
-        snprintf(why, why_len,
-                 "daemon '%s' is this daemon, spelt otherwise (its address "
-                 "is '%s')",
-                 address, kvxd.address);
+        why_set(why,
+                "daemon '%s' is this daemon, spelt otherwise (its address "
+                "is '%s')",
+                address, kvxd.address);
     return earlier ? KVX_ERR_PEER_GONE : KVX_ERR_INVALID;
 }
 
-int peer_address_check(const char *address, char *why, size_t why_len)
+int peer_address_check(const char *address, kvx_why_t *why)
 {
     struct sockaddr_storage ss;
     socklen_t sl;
     int rc;
     if (!strcmp(address, kvxd.address))
         return 0;
-    if ((rc = peer_address_alias(address, why, why_len)))
+    if ((rc = peer_address_alias(address, why)))
         return rc;
-    if (parse_address(address, &ss, &sl, why, why_len))
+    if (parse_address(address, &ss, &sl, why))
         return KVX_ERR_INVALID;
     if (P.on && !net_allows(&ss)) {
-        snprintf(why, why_len,
-                 "daemon '%s' is outside the cluster's "
-                 "networks (peer.allowed: %s): not dialled",
-                 address, nets_text);
+        why_set(why,
+                "daemon '%s' is outside the cluster's "
+                "networks (peer.allowed: %s): not dialled",
+                address, nets_text);
         return KVX_ERR_INVALID;
     }
     return 0;

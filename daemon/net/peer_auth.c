@@ -120,30 +120,30 @@ int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
     return d == 0;
 }
 
-int read_secret(char *why, size_t why_len)
+int read_secret(kvx_why_t *why)
 {
     uint8_t buf[SECRET_MAX + 1];
     const char *f = kvxd.conf.peer_secret_file;
     int fd = open(f, O_RDONLY | O_CLOEXEC);
     struct stat st;
     if (fd < 0 || fstat(fd, &st)) {
-        snprintf(why, why_len, "peer.secret_file: %s: %s", f, strerror(errno));
+        why_set(why, "peer.secret_file: %s: %s", f, strerror(errno));
         if (fd >= 0)
             close(fd);
         return KVX_ERR_IO;
     }
     ssize_t n = -1;
     if (st.st_mode & 077)
-        snprintf(why, why_len,
-                 "peer.secret_file: %s gives group or others access (mode "
-                 "%03o); chmod 600 it",
-                 f, (unsigned)(st.st_mode & 0777));
+        why_set(why,
+                "peer.secret_file: %s gives group or others access (mode "
+                "%03o); chmod 600 it",
+                f, (unsigned)(st.st_mode & 0777));
     else if ((n = read(fd, buf, sizeof(buf))) < 16 || n > SECRET_MAX)
-        snprintf(why, why_len,
-                 "peer.secret_file: %s holds %s%zd bytes; the secret needs "
-                 "16 to %d (head -c 32 /dev/urandom > FILE)",
-                 f, n > SECRET_MAX ? "over " : "",
-                 n > SECRET_MAX ? SECRET_MAX : n, SECRET_MAX);
+        why_set(why,
+                "peer.secret_file: %s holds %s%zd bytes; the secret needs "
+                "16 to %d (head -c 32 /dev/urandom > FILE)",
+                f, n > SECRET_MAX ? "over " : "",
+                n > SECRET_MAX ? SECRET_MAX : n, SECRET_MAX);
     close(fd);
     if ((st.st_mode & 077) || n < 16 || n > SECRET_MAX) {
         memset(buf, 0, sizeof(buf));
@@ -164,7 +164,7 @@ int peer_reload_secret(void)
     size_t old_len = A.secret_len;
     memcpy(old, A.secret, sizeof(old));
     char why[300];
-    if (read_secret(why, sizeof(why))) {
+    if (read_secret(KVX_WHY(why))) {
         memcpy(A.secret, old, sizeof(old)); /* the running one stays */
         A.secret_len = old_len;
         memset(old, 0, sizeof(old));
@@ -290,7 +290,7 @@ int hello_check(peer_conn_t *c, const Kvxfer__PeerHello *h)
     socklen_t al;
     snprintf(a, sizeof(a), "kvx://%.160s/x", server);
     if (sl > 159 || strchr(server, '/') ||
-        parse_address(a, &ss, &al, w, sizeof(w)) ||
+        parse_address(a, &ss, &al, KVX_WHY(w)) ||
         !same_sockaddr(&ss, &P.bound)) {
         hello_refuse(c,
                      "this daemon does not listen there (hello made for "

@@ -55,11 +55,11 @@ static void ucx_info_fill(Kvxfer__PeerUcx *u, ProtobufCBinaryData *lanes)
  * address is fine: a daemon may dial itself, and UCX connects a worker
  * to itself.) 0, or KVX_ERR_PROTOCOL with why. */
 static int ucx_addr_ok(const ProtobufCBinaryData *b, const char *what,
-                       char *why, size_t why_len)
+                       kvx_why_t *why)
 {
     char d[128];
-    if (ucx_addr_check(b->data, b->len, NULL, d, sizeof(d))) {
-        snprintf(why, why_len, "%s UCX address: %s", what, d);
+    if (ucx_addr_check(b->data, b->len, NULL, KVX_WHY(d))) {
+        why_set(why, "%s UCX address: %s", what, d);
         return KVX_ERR_PROTOCOL;
     }
     return 0;
@@ -68,27 +68,27 @@ static int ucx_addr_ok(const ProtobufCBinaryData *b, const char *what,
 /* What the other daemon told: kept for conn_ready() and the lanes, once
  * every address in it passed ucx_addr_ok() (nothing a peer sends reaches
  * UCX unchecked). 0, or KVX_ERR_PROTOCOL or KVX_ERR_NOMEM with why. */
-static int ucx_info_take(peer_conn_t *c, const Kvxfer__PeerUcx *u, char *why,
-                         size_t why_len)
+static int ucx_info_take(peer_conn_t *c, const Kvxfer__PeerUcx *u,
+                         kvx_why_t *why)
 {
     if (!u || !u->worker.len || !u->conn || u->n_lanes > LANES_MAX) {
-        snprintf(why, why_len,
-                 !u               ? "no UCX addresses"
-                 : !u->worker.len ? "no UCX worker address"
-                 : !u->conn       ? "connection id 0"
-                                  : "more lanes than %d",
-                 LANES_MAX);
+        why_set(why,
+                !u               ? "no UCX addresses"
+                : !u->worker.len ? "no UCX worker address"
+                : !u->conn       ? "connection id 0"
+                                 : "more lanes than %d",
+                LANES_MAX);
         return KVX_ERR_PROTOCOL;
     }
-    int rc = ucx_addr_ok(&u->worker, "its worker's", why, why_len);
+    int rc = ucx_addr_ok(&u->worker, "its worker's", why);
     for (size_t i = 0; !rc && i < u->n_lanes; i++) {
         char what[32];
         snprintf(what, sizeof(what), "its lane %zu's", i);
-        rc = ucx_addr_ok(&u->lanes[i], what, why, why_len);
+        rc = ucx_addr_ok(&u->lanes[i], what, why);
     }
     if (rc)
         return rc;
-    snprintf(why, why_len, "out of memory for its UCX addresses");
+    why_set(why, "out of memory for its UCX addresses");
     if (!(c->ucx_addr = malloc(u->worker.len)))
         return KVX_ERR_NOMEM;
     memcpy(c->ucx_addr, u->worker.data, u->worker.len);
@@ -205,7 +205,7 @@ static const hs_cbs_t hs_cbs = {hs_frame, hs_ended};
 /* c's handshake from its start: a fresh nonce, a socket to ss (its
  * address's), HELLO. 0, or an error with why (c failed). */
 static int conn_dial(peer_conn_t *c, const struct sockaddr_storage *ss,
-                     char *why, size_t why_len)
+                     kvx_why_t *why)
 {
     memset(c->nonce_s, 0, NONCE_LEN);
     c->server_addr[0] = 0;
@@ -213,12 +213,12 @@ static int conn_dial(peer_conn_t *c, const struct sockaddr_storage *ss,
     c->retry_ms = 0;
     if (getrandom(c->nonce_c, NONCE_LEN, 0) != NONCE_LEN) {
         conn_fail(c, KVX_ERR_IO, "getrandom failed");
-        snprintf(why, why_len, "getrandom failed");
+        why_set(why, "getrandom failed");
         return KVX_ERR_IO;
     }
     if (!(c->hs = hs_dial(ss, &hs_cbs, c))) {
         conn_fail(c, KVX_ERR_PEER_GONE, "cannot connect");
-        snprintf(why, why_len, "cannot connect to daemon %s", c->address);
+        why_set(why, "cannot connect to daemon %s", c->address);
         return KVX_ERR_PEER_GONE;
     }
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
@@ -248,7 +248,7 @@ static int conn_dial(peer_conn_t *c, const struct sockaddr_storage *ss,
     m.hello = &h;
     hs_msg(c, &m);
     if (c->state == CONN_LOST) {
-        snprintf(why, why_len, "cannot send to daemon %s", c->address);
+        why_set(why, "cannot send to daemon %s", c->address);
         return KVX_ERR_PEER_GONE;
     }
     return 0;
@@ -260,22 +260,22 @@ void conn_redial(peer_conn_t *c)
     struct sockaddr_storage ss;
     socklen_t sl;
     char why[256];
-    if (parse_address(c->address, &ss, &sl, why, sizeof(why))) {
+    if (parse_address(c->address, &ss, &sl, KVX_WHY(why))) {
         conn_fail(c, KVX_ERR_INVALID, "%s", why);
         return;
     }
     log_debug("peer %s: connecting again (try %u; %s)", c->address,
               c->tries + 1, c->last_cut);
-    conn_dial(c, &ss, why, sizeof(why));
+    conn_dial(c, &ss, KVX_WHY(why));
 }
 
-peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
+peer_conn_t *peer_connect(const char *address, kvx_why_t *why)
 {
     if (!P.on) {
-        snprintf(why, why_len,
-                 "daemon '%s' is another daemon, and transfers between "
-                 "daemons are off here (peer.listen is empty)",
-                 address);
+        why_set(why,
+                "daemon '%s' is another daemon, and transfers between "
+                "daemons are off here (peer.listen is empty)",
+                address);
         return NULL;
     }
     for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
@@ -284,15 +284,15 @@ peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
             return c;
     struct sockaddr_storage ss;
     socklen_t sl;
-    if (peer_address_check(address, why, why_len) ||
-        parse_address(address, &ss, &sl, why, why_len))
+    if (peer_address_check(address, why) ||
+        parse_address(address, &ss, &sl, why))
         return NULL;
     peer_conn_t *c = conn_new(1, address);
     if (!c) {
-        snprintf(why, why_len, "out of memory");
+        why_set(why, "out of memory");
         return NULL;
     }
-    if (conn_dial(c, &ss, why, why_len))
+    if (conn_dial(c, &ss, why))
         return NULL;
     log_debug("peer %s: connecting", address);
     return c;
@@ -691,7 +691,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         }
         peer_restarted(c, c->address); /* it proved its address now */
         char why[200];
-        if (ucx_info_take(c, m->response->ucx, why, sizeof(why))) {
+        if (ucx_info_take(c, m->response->ucx, KVX_WHY(why))) {
             auth_refuse(c, "%s", why);
             return;
         }
@@ -726,7 +726,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
                       c->address);
         } else if (m->auth_result->code == 0) {
             char why[200];
-            int rc = ucx_info_take(c, m->auth_result->ucx, why, sizeof(why));
+            int rc = ucx_info_take(c, m->auth_result->ucx, KVX_WHY(why));
             if (rc) {
                 conn_fail(c, rc, "refused: %s", why);
                 return;

@@ -159,7 +159,7 @@ static void listen_if_wait(void)
     struct sockaddr_storage ss;
     socklen_t sl;
     snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
-    if (parse_address(addr, &ss, &sl, why, sizeof(why)))
+    if (parse_address(addr, &ss, &sl, KVX_WHY(why)))
         return; /* peer_init reports it */
     struct timespec t0, t;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -216,7 +216,7 @@ static int list_has_rdma(const char *list, const char *root)
  * it UCX's TCP transport listens on every interface (the loop's worker's
  * and each lane's port), whatever peer.listen says. And the ports it
  * listens on (peer.ucx_ports). 0, or KVX_ERR_INVALID with why. */
-static int ucx_devices(ucp_config_t *cfg, char *why, size_t why_len)
+static int ucx_devices(ucp_config_t *cfg, kvx_why_t *why)
 {
     char list[512] = "", name[IFNAMSIZ] = "";
     if (getenv("UCX_NET_DEVICES")) {
@@ -230,7 +230,7 @@ static int ucx_devices(ucp_config_t *cfg, char *why, size_t why_len)
         struct sockaddr_storage ss;
         socklen_t sl;
         snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
-        if (!parse_address(addr, &ss, &sl, why, why_len))
+        if (!parse_address(addr, &ss, &sl, why))
             listen_if_state(&ss, name, sizeof(name));
         if (name[0])
             snprintf(list, sizeof(list), "%s", name);
@@ -269,8 +269,7 @@ static int ucx_devices(ucp_config_t *cfg, char *why, size_t why_len)
     ucs_status_t st;
     if (list[0] && strcmp(list, "all") &&
         (st = ucp_config_modify(cfg, "NET_DEVICES", list)) != UCS_OK) {
-        snprintf(why, why_len, "peer.net_devices '%s': %s", list,
-                 ucs_status_string(st));
+        why_set(why, "peer.net_devices '%s': %s", list, ucs_status_string(st));
         return KVX_ERR_INVALID;
     }
     if (list[0])
@@ -293,8 +292,8 @@ static int ucx_devices(ucp_config_t *cfg, char *why, size_t why_len)
      * them in 1.13) */
     if (kvxd.conf.peer_ucx_ports[0] && !getenv("UCX_TCP_PORT_RANGE") &&
         setenv("UCX_TCP_PORT_RANGE", kvxd.conf.peer_ucx_ports, 1)) {
-        snprintf(why, why_len, "peer.ucx_ports '%s': %s",
-                 kvxd.conf.peer_ucx_ports, strerror(errno));
+        why_set(why, "peer.ucx_ports '%s': %s", kvxd.conf.peer_ucx_ports,
+                strerror(errno));
         return KVX_ERR_IO;
     }
     return 0;
@@ -302,7 +301,7 @@ static int ucx_devices(ucp_config_t *cfg, char *why, size_t why_len)
 
 /* FAULT_LANES: the address of a worker made and destroyed at once, so
  * that an endpoint to it gets no answer (a firewall that refuses). */
-static int dead_address(char *why, size_t why_len)
+static int dead_address(kvx_why_t *why)
 {
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                               .thread_mode = UCS_THREAD_MODE_SINGLE};
@@ -310,13 +309,13 @@ static int dead_address(char *why, size_t why_len)
     ucp_address_t *a;
     size_t len;
     if (ucp_worker_create(P.ctx, &wp, &w) != UCS_OK) {
-        snprintf(why, why_len, "fault lanes: ucp_worker_create failed");
+        why_set(why, "fault lanes: ucp_worker_create failed");
         return KVX_ERR_IO;
     }
     int rc = 0;
     if (ucp_worker_get_address(w, &a, &len) != UCS_OK ||
         !(P.dead_addr = malloc(len))) {
-        snprintf(why, why_len, "fault lanes: no worker address");
+        why_set(why, "fault lanes: no worker address");
         rc = KVX_ERR_IO;
     } else {
         memcpy(P.dead_addr, a, len);
@@ -327,11 +326,11 @@ static int dead_address(char *why, size_t why_len)
     return rc;
 }
 
-int peer_init(char *why, size_t why_len)
+int peer_init(kvx_why_t *why)
 {
     if (!kvxd.conf.peer_listen[0])
         return 0;
-    int rc = read_secret(why, why_len);
+    int rc = read_secret(why);
     if (rc)
         return rc;
     unsigned maj, min, rel;
@@ -341,10 +340,10 @@ int peer_init(char *why, size_t why_len)
     ucp_config_t *cfg;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) {
-        snprintf(why, why_len, "UCX configuration: %s", ucs_status_string(st));
+        why_set(why, "UCX configuration: %s", ucs_status_string(st));
         return KVX_ERR_IO;
     }
-    if ((rc = ucx_devices(cfg, why, why_len))) {
+    if ((rc = ucx_devices(cfg, why))) {
         ucp_config_release(cfg);
         return rc;
     }
@@ -354,8 +353,8 @@ int peer_init(char *why, size_t why_len)
         log_notice("peers: UCX_UNIFIED_MODE is ignored (peers' addresses "
                    "are checked, which needs UCX's non-unified format)");
     if ((st = ucp_config_modify(cfg, "UNIFIED_MODE", "n")) != UCS_OK) {
-        snprintf(why, why_len, "UCX configuration: UNIFIED_MODE: %s",
-                 ucs_status_string(st));
+        why_set(why, "UCX configuration: UNIFIED_MODE: %s",
+                ucs_status_string(st));
         ucp_config_release(cfg);
         return KVX_ERR_IO;
     }
@@ -369,7 +368,7 @@ int peer_init(char *why, size_t why_len)
     st = ucp_init(&prm, cfg, &P.ctx);
     ucp_config_release(cfg);
     if (st != UCS_OK) {
-        snprintf(why, why_len, "ucp_init: %s", ucs_status_string(st));
+        why_set(why, "ucp_init: %s", ucs_status_string(st));
         return KVX_ERR_IO;
     }
     ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
@@ -378,31 +377,30 @@ int peer_init(char *why, size_t why_len)
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                               .thread_mode = UCS_THREAD_MODE_SINGLE};
     if ((st = ucp_worker_create(P.ctx, &wp, &P.worker)) != UCS_OK) {
-        snprintf(why, why_len, "ucp_worker_create: %s", ucs_status_string(st));
+        why_set(why, "ucp_worker_create: %s", ucs_status_string(st));
         rc = KVX_ERR_IO;
         goto err_ctx;
     }
     int efd;
     if ((st = ucp_worker_get_efd(P.worker, &efd)) != UCS_OK) {
-        snprintf(why, why_len, "ucp_worker_get_efd: %s", ucs_status_string(st));
+        why_set(why, "ucp_worker_get_efd: %s", ucs_status_string(st));
         rc = KVX_ERR_IO;
         goto err_worker;
     }
     if ((rc = set_handler(AM_CTRL, am_ctrl)) ||
         (rc = set_handler(AM_DATA, am_data))) {
-        snprintf(why, why_len, "cannot set the UCX message handlers");
+        why_set(why, "cannot set the UCX message handlers");
         goto err_worker;
     }
 
     if ((st = ucp_worker_get_address(P.worker, &P.addr, &P.addr_len)) !=
         UCS_OK) {
         P.addr = NULL;
-        snprintf(why, why_len, "ucp_worker_get_address: %s",
-                 ucs_status_string(st));
+        why_set(why, "ucp_worker_get_address: %s", ucs_status_string(st));
         rc = KVX_ERR_IO;
         goto err_worker;
     }
-    if (fault_armed(FAULT_LANES) && (rc = dead_address(why, why_len)))
+    if (fault_armed(FAULT_LANES) && (rc = dead_address(why)))
         goto err_worker;
 
     /* the handshake listener, on the configured IP:PORT: a socket of our
@@ -411,18 +409,17 @@ int peer_init(char *why, size_t why_len)
     snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
     struct sockaddr_storage ss;
     socklen_t sl;
-    if ((rc = parse_address(addr, &ss, &sl, why, why_len))) {
-        snprintf(why, why_len, "peer.listen: '%s' is not IP:PORT",
-                 kvxd.conf.peer_listen);
+    if ((rc = parse_address(addr, &ss, &sl, why))) {
+        why_set(why, "peer.listen: '%s' is not IP:PORT", kvxd.conf.peer_listen);
         goto err_worker;
     }
-    if ((rc = nets_init(&ss, why, why_len)))
+    if ((rc = nets_init(&ss, why)))
         goto err_worker;
     struct sockaddr_storage bound;
     char lwhy[160];
-    if ((rc = hs_listen(&ss, on_hs_accept, &bound, lwhy, sizeof(lwhy)))) {
-        snprintf(why, why_len, "peer.listen: cannot listen on %s: %s",
-                 kvxd.conf.peer_listen, lwhy);
+    if ((rc = hs_listen(&ss, on_hs_accept, &bound, KVX_WHY(lwhy)))) {
+        why_set(why, "peer.listen: cannot listen on %s: %s",
+                kvxd.conf.peer_listen, lwhy);
         goto err_worker;
     }
     P.bound = bound;
@@ -453,8 +450,8 @@ int peer_init(char *why, size_t why_len)
     P.busy_poll =
         kvxd.conf.busy_poll == 2 ? kvxd_cpus() >= 4 : (int)kvxd.conf.busy_poll;
     if ((rc = lanes_start(P.ctx, kvxd.loop, kvxd.conf.lanes, P.busy_poll,
-                          kvxd.conf.peer_connect_timeout_ms, on_lane_event, why,
-                          why_len))) {
+                          kvxd.conf.peer_connect_timeout_ms, on_lane_event,
+                          why))) {
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);

@@ -254,7 +254,7 @@ void hello_refuse(peer_conn_t *c, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
 /* peer_auth.c */
-int read_secret(char *why, size_t why_len);
+int read_secret(kvx_why_t *why);
 void auth_tick(uint64_t now);
 void hmac_with(int prev, const char *label, const uint8_t *nc,
                const uint8_t *ns, const char *server, const char *client,
@@ -277,8 +277,8 @@ int same_listener(const char *a, const char *b);
 int same_sockaddr(const struct sockaddr_storage *a,
                   const struct sockaddr_storage *b);
 int parse_address(const char *a, struct sockaddr_storage *ss, socklen_t *sl,
-                  char *why, size_t why_len);
-int nets_init(const struct sockaddr_storage *listen, char *why, size_t why_len);
+                  kvx_why_t *why);
+int nets_init(const struct sockaddr_storage *listen, kvx_why_t *why);
 int net_allows(const struct sockaddr_storage *ss);
 
 /* peer_status.c */

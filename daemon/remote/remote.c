@@ -767,7 +767,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
     xfer_part_set_remote(p, rp); /* freed with p, whatever happens below */
     for (uint32_t i = 0; i < plan->nslices; i++) {
         const char *addr = cp->rank_addresses[plan->slices[i].src_rank];
-        peer_conn_t *c = peer_connect(addr, why, why_len);
+        peer_conn_t *c = peer_connect(addr, &(kvx_why_t){why, why_len});
         if (!c)
             return KVX_ERR_PEER_GONE;
         rstream_t *r = calloc(1, sizeof(*r));
@@ -2037,7 +2037,7 @@ static void offer_done_notify(offer_t *o)
         if (any || !first || inst->local[r])
             continue;
         char why[256];
-        peer_conn_t *c = peer_connect(addr, why, sizeof(why));
+        peer_conn_t *c = peer_connect(addr, KVX_WHY(why));
         if (!c)
             continue;
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;

@@ -49,7 +49,7 @@ typedef ucs_status_t (*ep_create_fn)(ucp_worker_h, const ucp_ep_params_t *,
 static void must_be_checked(const uint8_t *a, size_t len)
 {
     char why[200];
-    if (ucx_addr_check(a, len, NULL, why, sizeof(why))) {
+    if (ucx_addr_check(a, len, NULL, KVX_WHY(why))) {
         fprintf(stderr, "an unchecked worker address reached UCX: %s\n", why);
         abort();
     }
@@ -70,7 +70,7 @@ ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params,
         char why[200];
         size_t len = 2;
         while (len <= UCX_ADDR_MAX &&
-               ucx_addr_check(a, len, NULL, why, sizeof(why)))
+               ucx_addr_check(a, len, NULL, KVX_WHY(why)))
             len++;
         must_be_checked(a, len);
     }
@@ -105,10 +105,9 @@ static unsigned nsocks;
 static void (*accept_cb)(hs_t *h);
 
 int hs_listen(const struct sockaddr_storage *ss, void (*accept)(hs_t *h),
-              struct sockaddr_storage *bound, char *why, size_t why_len)
+              struct sockaddr_storage *bound, kvx_why_t *why)
 {
     (void)why;
-    (void)why_len;
     *bound = *ss;
     accept_cb = accept;
     return 0;
@@ -216,8 +215,8 @@ void hs_close(hs_t *h)
 /* ---- lane.c, stubbed ---------------------------------------------------- */
 
 int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
-                uint32_t bind_ms, void (*ev)(const lane_ev_t *e), char *why,
-                size_t why_len)
+                uint32_t bind_ms, void (*ev)(const lane_ev_t *e),
+                kvx_why_t *why)
 {
     (void)ctx;
     (void)loop;
@@ -226,7 +225,6 @@ int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
     (void)bind_ms;
     (void)ev;
     (void)why;
-    (void)why_len;
     return 0;
 }
 unsigned lanes_count(void)
@@ -599,7 +597,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
      * fuzzer's interface addresses, the machine's interfaces nothing */
     setenv("UCX_NET_DEVICES", "lo", 0);
     char why[256];
-    if (peer_init(why, sizeof(why))) {
+    if (peer_init(KVX_WHY(why))) {
         fprintf(stderr, "peer_init: %s\n", why);
         abort();
     }
@@ -658,7 +656,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             char addr[64], why[256];
             snprintf(addr, sizeof(addr), "kvx://10.0.0.%u:7000/%016x",
                      (unsigned)(arg & 3) + 2, (unsigned)arg);
-            peer_connect(addr, why, sizeof(why));
+            peer_connect(addr, KVX_WHY(why));
             break;
         }
         case 2: /* raw bytes as a frame */
