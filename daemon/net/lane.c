@@ -665,19 +665,17 @@ void lane_connect(unsigned lane, const uint8_t *addr, size_t len, uint64_t *lep)
     post(lane, c);
 }
 
-void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
-               const void *data, size_t len, const ucp_dt_iov_t *iov,
-               size_t niov, void *cookie)
+void lane_send(unsigned lane, uint64_t lep, const lane_msg_t *m)
 {
     lcmd_t *c = cmd(LC_SEND);
     c->lep = lep;
-    c->hdr = hdr;
-    c->hlen = hlen;
-    c->data = data;
-    c->len = len;
-    c->iov = iov;
-    c->niov = niov;
-    c->cookie = cookie;
+    c->hdr = m->hdr;
+    c->hlen = m->hlen;
+    c->data = m->data;
+    c->len = m->len;
+    c->iov = m->iov;
+    c->niov = m->niov;
+    c->cookie = m->cookie;
     post(lane, c);
 }
 
@@ -800,20 +798,19 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
     return 0;
 }
 
-int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
-                uint32_t bind_ms, void (*ev)(const lane_ev_t *e),
-                kvx_why_t *why)
+int lanes_start(const lanes_conf_t *cf, kvx_why_t *why)
 {
+    unsigned n = cf->n;
     if (!n)
         return 0;
     if (n > LANES_MAX)
         n = LANES_MAX;
     pthread_mutex_init(&L.mu, NULL);
     atomic_store(&L.next_lep, 1);
-    L.ev = ev;
-    L.spin = spin;
-    L.bind_ms = bind_ms;
-    if (uv_async_init(loop, &L.async, on_async)) {
+    L.ev = cf->ev;
+    L.spin = cf->spin;
+    L.bind_ms = cf->bind_ms;
+    if (uv_async_init(cf->loop, &L.async, on_async)) {
         why_set(why, "lanes: uv_async_init failed");
         return KVX_ERR_IO;
     }
@@ -821,7 +818,7 @@ int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
     int rc;
     for (L.n = 0; L.n < n; L.n++) {
         lane_t *ln = &L.v[L.n];
-        if ((rc = lane_init(ln, L.n, ctx, why))) {
+        if ((rc = lane_init(ln, L.n, cf->ctx, why))) {
             lane_destroy(ln);
             goto err;
         }

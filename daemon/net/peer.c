@@ -290,9 +290,14 @@ static void data_start(peer_conn_t *c)
             data_pack(u);
             if (!c->lane_inflight[lane]++)
                 c->lane_moved_ms[lane] = now_ms();
-            lane_send((unsigned)lane, c->out_lep[lane], u->buf, u->hdr_len,
-                      u->data, u->len, (const ucp_dt_iov_t *)u->iov, u->niov,
-                      u);
+            lane_send((unsigned)lane, c->out_lep[lane],
+                      &(lane_msg_t){.hdr = u->buf,
+                                    .hlen = u->hdr_len,
+                                    .data = u->data,
+                                    .len = u->len,
+                                    .iov = (const ucp_dt_iov_t *)u->iov,
+                                    .niov = u->niov,
+                                    .cookie = u});
             c->bytes_sent += u->hdr_len + u->len;
             continue;
         }
@@ -323,13 +328,11 @@ int peer_send_queued(const peer_conn_t *c, const void *arg)
     return 0;
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
-                   size_t len, const peer_iov_t *iov, size_t niov,
-                   void (*done)(void *arg, int status), void *arg)
+int peer_send_data(peer_conn_t *c, const peer_piece_t *p)
 {
     if (!c || c->state != CONN_READY)
         return KVX_ERR_PEER_GONE;
-    if (hdr->m_case != KVXFER__PEER_MSG__M_DATA)
+    if (p->hdr->m_case != KVXFER__PEER_MSG__M_DATA)
         return KVX_ERR_INVALID;
     ureq_t *u = calloc(1, sizeof(*u));
     if (!u)
@@ -337,7 +340,7 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
     /* what the other side's lanes check (ignored on the connection): the
      * MAC is made, and the header packed, once the way is known
      * (data_start()) */
-    u->pd = *hdr->data;
+    u->pd = *p->hdr->data;
     if (c->peer_lanes) {
         u->pd.lane_conn = c->peer_conn;
         u->pd.lane_mac.len = LANE_MAC_LEN;
@@ -356,14 +359,14 @@ int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
     u->c = c;
     u->buf = hb;
     u->hdr_len = hl;
-    u->data = buf;
-    u->len = len;
-    u->iov = niov ? iov : NULL;
-    u->niov = niov;
+    u->data = p->buf;
+    u->len = p->len;
+    u->iov = p->niov ? p->iov : NULL;
+    u->niov = p->niov;
     u->is_data = 1;
     u->keyed = c->peer_lanes != 0;
-    u->done = done;
-    u->arg = arg;
+    u->done = p->done;
+    u->arg = p->arg;
     c->outstanding++; /* waiting: keeps c until it is given back */
     list_push(&c->dq, &u->node);
     data_start(c);

@@ -95,17 +95,26 @@ typedef struct peer_iov {
     size_t len;
 } peer_iov_t;
 
-/* Send a piece of a slot: hdr (a PeerData) as the header, buf[0..len) as
- * the data, or, when niov > 0, the niov places of iov in host memory
- * (adding up to len, in order; UCX reads them, no copy before); queued
- * while peer.send_window sends are in flight. 0: then done(arg, status)
+/* A piece of a slot to send (peer_send_data()). */
+typedef struct peer_piece {
+    const Kvxfer__PeerMsg *hdr; /* the header: a DATA message (PeerData) */
+    const void *buf;            /* the data, buf[0..len) */
+    size_t len;
+    /* or, when niov > 0, the niov places of iov in host memory (adding
+     * up to len, in order; UCX reads them, no copy before) */
+    const peer_iov_t *iov;
+    size_t niov;
+    void (*done)(void *arg, int status);
+    void *arg;
+} peer_piece_t;
+
+/* Send piece p of a slot (p is read before this returns); queued while
+ * peer.send_window sends are in flight. 0: then p->done(p->arg, status)
  * runs on the loop once buf (or iov and its places) may be reused
  * (status 0 or a kvx_status_t), always, also when the connection fails
- * (it may run before this returns). hdr is a DATA message (else
+ * (it may run before this returns). p->hdr is a DATA message (else
  * KVX_ERR_INVALID). An error: not sent, done never runs. */
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
-                   size_t len, const peer_iov_t *iov, size_t niov,
-                   void (*done)(void *arg, int status), void *arg);
+int peer_send_data(peer_conn_t *c, const peer_piece_t *p);
 /* Whether a peer_send_data() to c whose done argument is arg still waits
  * in c's queue (peer.send_window full): not handed to UCX, so no byte of
  * it can have reached the other daemon. */

@@ -449,9 +449,13 @@ int peer_init(kvx_why_t *why)
     uv_idle_init(kvxd.loop, &P.idle);
     P.busy_poll =
         kvxd.conf.busy_poll == 2 ? kvxd_cpus() >= 4 : (int)kvxd.conf.busy_poll;
-    if ((rc = lanes_start(P.ctx, kvxd.loop, kvxd.conf.lanes, P.busy_poll,
-                          kvxd.conf.peer_connect_timeout_ms, on_lane_event,
-                          why))) {
+    lanes_conf_t lc = {.ctx = P.ctx,
+                       .loop = kvxd.loop,
+                       .n = kvxd.conf.lanes,
+                       .spin = P.busy_poll,
+                       .bind_ms = kvxd.conf.peer_connect_timeout_ms,
+                       .ev = on_lane_event};
+    if ((rc = lanes_start(&lc, why))) {
         uv_close((uv_handle_t *)&P.poll, NULL);
         uv_close((uv_handle_t *)&P.prepare, NULL);
         uv_close((uv_handle_t *)&P.idle, NULL);

@@ -1629,8 +1629,9 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
     x->sends_left++;
     peer_conn_t *c = conn_live(s->conn);
     if (niov) {
-        int rc = c ? peer_send_data(c, &m, NULL, x->pc[k].len, x->iov[k], niov,
-                                    on_sent_direct, &x->ref[k])
+        int rc = c ? peer_send_data(
+                         c, &(peer_piece_t){&m, NULL, x->pc[k].len, x->iov[k],
+                                            niov, on_sent_direct, &x->ref[k]})
                    : KVX_ERR_PEER_GONE;
         if (!rc)
             return;
@@ -1641,8 +1642,9 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
         on_sent_direct(&x->ref[k], rc);
         return;
     }
-    if (!c || peer_send_data(c, &m, x->mem + d.offset, x->pc[k].len, NULL, 0,
-                             on_sent, x))
+    if (!c ||
+        peer_send_data(c, &(peer_piece_t){&m, x->mem + d.offset, x->pc[k].len,
+                                          NULL, 0, on_sent, x}))
         x->sends_left--; /* the connection is gone: never called back */
 }
 

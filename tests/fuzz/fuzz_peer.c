@@ -141,18 +141,12 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     return 0;
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
-                   size_t len, const peer_iov_t *iov, size_t niov,
-                   void (*done)(void *arg, int status), void *arg)
+int peer_send_data(peer_conn_t *c, const peer_piece_t *p)
 {
-    (void)buf;
-    (void)len;
-    (void)iov;
-    (void)niov;
     if (!c->alive || nsent == sizeof(sent) / sizeof(sent[0]))
         return KVX_ERR_PEER_GONE;
-    must_pack(hdr);
-    sent[nsent++] = (pending_t){done, arg};
+    must_pack(p->hdr);
+    sent[nsent++] = (pending_t){p->done, p->arg};
     return 0;
 }
 

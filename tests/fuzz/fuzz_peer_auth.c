@@ -214,16 +214,9 @@ void hs_close(hs_t *h)
 
 /* ---- lane.c, stubbed ---------------------------------------------------- */
 
-int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
-                uint32_t bind_ms, void (*ev)(const lane_ev_t *e),
-                kvx_why_t *why)
+int lanes_start(const lanes_conf_t *cf, kvx_why_t *why)
 {
-    (void)ctx;
-    (void)loop;
-    (void)n;
-    (void)spin;
-    (void)bind_ms;
-    (void)ev;
+    (void)cf;
     (void)why;
     return 0;
 }
@@ -248,19 +241,11 @@ void lane_connect(unsigned lane, const uint8_t *addr, size_t len, uint64_t *lep)
     must_be_checked(addr, len);
     *lep = next_lep++;
 }
-void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
-               const void *data, size_t len, const ucp_dt_iov_t *iov,
-               size_t niov, void *cookie)
+void lane_send(unsigned lane, uint64_t lep, const lane_msg_t *m)
 {
     (void)lane;
     (void)lep;
-    (void)hdr;
-    (void)hlen;
-    (void)data;
-    (void)len;
-    (void)iov;
-    (void)niov;
-    (void)cookie;
+    (void)m;
     abort(); /* no slot data is sent here */
 }
 void lane_recv(unsigned lane, void *desc, void *dst, size_t len,

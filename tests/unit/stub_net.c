@@ -241,10 +241,14 @@ __attribute__((unused)) static int net_pump(void)
     return 1;
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
-                   size_t len, const peer_iov_t *iov, size_t niov,
-                   void (*done)(void *arg, int status), void *arg)
+int peer_send_data(peer_conn_t *c, const peer_piece_t *p)
 {
+    const Kvxfer__PeerMsg *hdr = p->hdr;
+    const void *buf = p->buf;
+    size_t len = p->len, niov = p->niov;
+    const peer_iov_t *iov = p->iov;
+    void (*done)(void *arg, int status) = p->done;
+    void *arg = p->arg;
     int rc = peer_send(c, hdr);
     if (rc)
         return rc;
