@@ -556,7 +556,7 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
 {
     static __thread a_map_t m;
     size_t len;
-    char why[256];
+    char why[256] = "";
     *ep = NULL;
     if (addr_walk(addr, UCX_ADDR_MAX, NULL, &m, &len, KVX_WHY(why))) {
         log_warn("peers: a worker address that was not checked: %s", why);
