@@ -24,6 +24,9 @@ RANK = {"core": 0, "net": 1, "copy": 2, "xfer": 3, "agree": 4, "remote": 4,
         "local": 5, "main": 6}
 PUBLIC = ("kvxfer.h", "kvxfer.pb-c.h")
 ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu"}
+# peer is one module in several files (daemon/net/peer_int.h)
+ALIAS.update({"peer_" + s: "peer" for s in
+              ("int", "auth", "addr", "handshake", "init", "status")})
 
 
 def module(path):

@@ -290,7 +290,7 @@ static int target_check(const char *what, const char *inst, const char *addr,
     if ((*here = !strcmp(addr, kvxd.address)))
         return 0;
     char w[400];
-    if (peer_address_alias(addr, w, sizeof(w)) == KVX_ERR_PEER_GONE) {
+    if (peer_address_alias(addr, KVX_WHY(w)) == KVX_ERR_PEER_GONE) {
         snprintf(why, why_len, "%s.context_address: %s", what, w);
         return KVX_ERR_PEER_GONE;
     }
@@ -301,14 +301,14 @@ static int target_check(const char *what, const char *inst, const char *addr,
                  what, addr);
         return KVX_ERR_UNSUPPORTED;
     }
-    return peer_address_check(addr, why, why_len);
+    return peer_address_check(addr, &(kvx_why_t){why, why_len});
 }
 
 /* Ask a->addr for the params a names; *id and *conn name the answer. */
 static int ask_resolve(const ask_t *a, uint64_t *id, uint64_t *conn, char *why,
                        size_t why_len)
 {
-    peer_conn_t *c = peer_connect(a->addr, why, why_len);
+    peer_conn_t *c = peer_connect(a->addr, &(kvx_why_t){why, why_len});
     if (!c)
         return KVX_ERR_PEER_GONE;
     Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;

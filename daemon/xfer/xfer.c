@@ -778,7 +778,7 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
      * knows: refused by that cause, before anything looks them up */
     for (size_t i = 0; i < p->n_rank_addresses; i++) {
         char w[400];
-        if (peer_address_alias(p->rank_addresses[i], w, sizeof(w)) ==
+        if (peer_address_alias(p->rank_addresses[i], KVX_WHY(w)) ==
             KVX_ERR_PEER_GONE) {
             kvxfer__context_params__free_unpacked(p, NULL);
             WHY(KVX_ERR_PEER_GONE,
@@ -2177,7 +2177,8 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
             inst->id);
     }
     for (size_t i = 0; i < cp->n_rank_addresses; i++)
-        if ((rc = peer_address_check(cp->rank_addresses[i], why, why_len)))
+        if ((rc = peer_address_check(cp->rank_addresses[i],
+                                     &(kvx_why_t){why, why_len})))
             return rc;
     plan_side_t src, dst, full;
     uint32_t eff_rank;
