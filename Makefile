@@ -57,8 +57,8 @@ COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c \
             common/why.c
 CLIENT   := $(COMMON) client/client.c client/reconnect.c
 DAEMON   := $(COMMON) \
-            daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
-            daemon/core/daemon.c daemon/core/fault.c \
+            daemon/core/log.c daemon/core/conf.c daemon/core/conf_keys.c \
+            daemon/core/notify.c daemon/core/daemon.c daemon/core/fault.c \
             daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c daemon/net/peer.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
             daemon/copy/gpu_desc.c \
