@@ -310,7 +310,8 @@ static int key_find(int sec, const char *name)
 {
     size_t len = section_len(conf_keys[sec].name);
     for (size_t i = (size_t)sec;
-         i < conf_nkeys && section_is(&conf_keys[i], conf_keys[sec].name, len); i++)
+         i < conf_nkeys && section_is(&conf_keys[i], conf_keys[sec].name, len);
+         i++)
         if (!strcmp(conf_keys[i].name + len + 1, name))
             return (int)i;
     return -1;
@@ -441,7 +442,7 @@ struct loader {
     size_t section_line[CONF_MAX_KEYS]; /* by first key index; 0 = not seen */
     size_t key_line[CONF_MAX_KEYS];     /* 0 = not in the file */
     yaml_mark_t value_mark[CONF_MAX_KEYS];
-    int bad[CONF_MAX_KEYS];             /* the value was refused */
+    int bad[CONF_MAX_KEYS]; /* the value was refused */
 };
 
 enum { PARSE_OK, PARSE_BAD, PARSE_RANGE };
@@ -785,7 +786,7 @@ static void load_section(struct loader *ld, int sec, const yaml_node_t *sn)
         if (ki < 0) {
             snprintf(full, sizeof(full), "%s.%s", sname,
                      conf_shown(scalar(kn), kn->data.scalar.length, what,
-                           sizeof(what)));
+                                sizeof(what)));
             report(ld, &kn->start_mark, full,
                    "unknown key (expected one of %s)", names);
             continue;

@@ -375,19 +375,16 @@ static void flush(session_t *s)
 
 /* Block ids inside the pool and not repeated. */
 static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
-                        const char *what, char *why, size_t why_len)
+                        const char *what, kvx_why_t *why)
 {
-    if (n == 0) {
-        snprintf(why, why_len, "%s.blocks: empty", what);
-        return KVX_ERR_INVALID;
-    }
-    if (n > kvxd.conf.max_blocks_per_request) {
-        snprintf(why, why_len,
-                 "%s.blocks: %zu blocks exceed limits.max_blocks_per_request "
-                 "%u",
-                 what, n, kvxd.conf.max_blocks_per_request);
-        return KVX_ERR_LIMIT;
-    }
+    if (n == 0)
+        return why_fail(why, KVX_ERR_INVALID, "%s.blocks: empty", what);
+    if (n > kvxd.conf.max_blocks_per_request)
+        return why_fail(
+            why, KVX_ERR_LIMIT,
+            "%s.blocks: %zu blocks exceed limits.max_blocks_per_request "
+            "%u",
+            what, n, kvxd.conf.max_blocks_per_request);
     /* the first bad entry in table order: out of range, or a repeat of
      * an earlier one; memory bounded by the table, not by the pool */
     uint32_t nb = p->layout.num_blocks;
@@ -395,21 +392,16 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
     for (size_t i = 0; i < n && bad == n; i++)
         if (b[i] >= nb)
             bad = i;
-    if (xfer_blocks_repeat(b, n, &dup)) {
-        snprintf(why, why_len, "%s: out of memory", what);
-        return KVX_ERR_NOMEM;
-    }
-    if (bad < n && bad <= dup) {
-        snprintf(why, why_len,
-                 "%s.blocks[%zu]: block %u outside pool %u's %u blocks", what,
-                 bad, b[bad], p->id, nb);
-        return KVX_ERR_INVALID;
-    }
-    if (dup < n) {
-        snprintf(why, why_len, "%s.blocks[%zu]: block %u listed twice", what,
-                 dup, b[dup]);
-        return KVX_ERR_INVALID;
-    }
+    if (xfer_blocks_repeat(b, n, &dup))
+        return why_fail(why, KVX_ERR_NOMEM, "%s: out of memory", what);
+    if (bad < n && bad <= dup)
+        return why_fail(why, KVX_ERR_INVALID,
+                        "%s.blocks[%zu]: block %u outside pool %u's %u blocks",
+                        what, bad, b[bad], p->id, nb);
+    if (dup < n)
+        return why_fail(why, KVX_ERR_INVALID,
+                        "%s.blocks[%zu]: block %u listed twice", what, dup,
+                        b[dup]);
     return 0;
 }
 
@@ -419,24 +411,20 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
 static pool_t *own_pool(session_t *s, uint32_t id);
 static int groups_from_msg(session_t *s, Kvxfer__GroupBlocks *const *m,
                            size_t n, const char *what, xfer_group_t *out,
-                           char *why, size_t why_len)
+                           kvx_why_t *why)
 {
-    if (n >= XFER_MAX_GROUPS) {
-        snprintf(why, why_len, "%s.groups: %zu, at most %u", what, n,
-                 XFER_MAX_GROUPS - 1);
-        return KVX_ERR_LIMIT;
-    }
+    if (n >= XFER_MAX_GROUPS)
+        return why_fail(why, KVX_ERR_LIMIT, "%s.groups: %zu, at most %u", what,
+                        n, XFER_MAX_GROUPS - 1);
     for (size_t k = 0; k < n; k++) {
         char w[48];
         snprintf(w, sizeof(w), "%s.groups[%zu]", what, k);
         pool_t *p = own_pool(s, m[k]->pool_id);
-        if (!p) {
-            snprintf(why, why_len,
-                     "%s.pool_id: no pool %u registered by this session", w,
-                     m[k]->pool_id);
-            return KVX_ERR_NOT_FOUND;
-        }
-        int rc = check_blocks(p, m[k]->blocks, m[k]->n_blocks, w, why, why_len);
+        if (!p)
+            return why_fail(why, KVX_ERR_NOT_FOUND,
+                            "%s.pool_id: no pool %u registered by this session",
+                            w, m[k]->pool_id);
+        int rc = check_blocks(p, m[k]->blocks, m[k]->n_blocks, w, why);
         if (rc)
             return rc;
         out[k] = (xfer_group_t){p,
@@ -450,49 +438,41 @@ static int groups_from_msg(session_t *s, Kvxfer__GroupBlocks *const *m,
 }
 
 static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
-                           char *why, size_t why_len)
+                           kvx_why_t *why)
 {
     memset(l, 0, sizeof(*l));
-    if (!m) {
-        snprintf(why, why_len, "register_pool.layout: missing");
-        return KVX_ERR_INVALID;
-    }
-    if (strlen(m->preset) >= sizeof(l->preset)) {
-        snprintf(why, why_len, "layout.preset: longer than %zu bytes",
-                 sizeof(l->preset) - 1);
-        return KVX_ERR_INVALID;
-    }
+    if (!m)
+        return why_fail(why, KVX_ERR_INVALID, "register_pool.layout: missing");
+    if (strlen(m->preset) >= sizeof(l->preset))
+        return why_fail(why, KVX_ERR_INVALID,
+                        "layout.preset: longer than %zu bytes",
+                        sizeof(l->preset) - 1);
     for (const char *p = m->preset; *p; p++)
         if (*p < 0x21 || *p > 0x7e) { /* status shows it: no odd bytes */
-            snprintf(why, why_len, "layout.preset: byte 0x%02x at %zu is "
-                                   "not printable ASCII",
-                     (unsigned char)*p, (size_t)(p - m->preset));
-            return KVX_ERR_INVALID;
+            return why_fail(why, KVX_ERR_INVALID,
+                            "layout.preset: byte 0x%02x at %zu is "
+                            "not printable ASCII",
+                            (unsigned char)*p, (size_t)(p - m->preset));
         }
-    if (m->n_part_region != m->n_part_offset) {
-        snprintf(why, why_len,
-                 "layout.part_region: %zu entries, but layout.part_offset "
-                 "has %zu",
-                 m->n_part_region, m->n_part_offset);
-        return KVX_ERR_LAYOUT;
-    }
+    if (m->n_part_region != m->n_part_offset)
+        return why_fail(
+            why, KVX_ERR_LAYOUT,
+            "layout.part_region: %zu entries, but layout.part_offset "
+            "has %zu",
+            m->n_part_region, m->n_part_offset);
     if (m->n_part_region &&
-        m->n_part_region != (uint64_t)m->num_layers * m->kv_factor) {
-        snprintf(why, why_len,
-                 "layout.part_region: %zu parts for num_layers %u x "
-                 "kv_factor %u",
-                 m->n_part_region, m->num_layers, m->kv_factor);
-        return KVX_ERR_LAYOUT;
-    }
-    if (m->n_part_region > 2 * KVX_MAX_LAYERS) {
-        snprintf(why, why_len, "layout.part_region: %zu parts (at most %u)",
-                 m->n_part_region, 2 * KVX_MAX_LAYERS);
-        return KVX_ERR_LAYOUT;
-    }
-    if (m->dtype > KVX_DTYPE_INT8) {
-        snprintf(why, why_len, "layout.dtype: unknown value %u", m->dtype);
-        return KVX_ERR_LAYOUT;
-    }
+        m->n_part_region != (uint64_t)m->num_layers * m->kv_factor)
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.part_region: %zu parts for num_layers %u x "
+                        "kv_factor %u",
+                        m->n_part_region, m->num_layers, m->kv_factor);
+    if (m->n_part_region > 2 * KVX_MAX_LAYERS)
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.part_region: %zu parts (at most %u)",
+                        m->n_part_region, 2 * KVX_MAX_LAYERS);
+    if (m->dtype > KVX_DTYPE_INT8)
+        return why_fail(why, KVX_ERR_LAYOUT, "layout.dtype: unknown value %u",
+                        m->dtype);
     strcpy(l->preset, m->preset);
     l->num_layers = m->num_layers;
     l->kv_factor = m->kv_factor;
@@ -505,10 +485,9 @@ static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
     if (m->n_part_region) {
         /* the caller frees it (layout_msg_free) */
         kvx_layout_part_t *pt = malloc(m->n_part_region * sizeof(*pt));
-        if (!pt) {
-            snprintf(why, why_len, "layout.part_region: out of memory");
-            return KVX_ERR_NOMEM;
-        }
+        if (!pt)
+            return why_fail(why, KVX_ERR_NOMEM,
+                            "layout.part_region: out of memory");
         for (size_t i = 0; i < m->n_part_region; i++)
             pt[i] =
                 (kvx_layout_part_t){m->part_region[i], 0, m->part_offset[i]};
@@ -676,22 +655,18 @@ static size_t alloc_fds(const Kvxfer__Allocation *a)
  * (need expected, got taken, queued: what was left). 0, or the code with
  * why naming the field. */
 static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
-                          uint32_t got, uint32_t queued, char *why,
-                          size_t why_len)
+                          uint32_t got, uint32_t queued, kvx_why_t *why)
 {
-#define BAD(code, ...)                                                         \
-    do {                                                                       \
-        snprintf(why, why_len, __VA_ARGS__);                                   \
-        return (code);                                                         \
-    } while (0)
     if (m->n_regions > KVX_MAX_REGIONS)
-        BAD(KVX_ERR_LIMIT,
-            "register_pool.regions: %zu regions (at most %u, "
-            "KVX_MAX_REGIONS)",
-            m->n_regions, KVX_MAX_REGIONS);
+        return why_fail(why, KVX_ERR_LIMIT,
+                        "register_pool.regions: %zu regions (at most %u, "
+                        "KVX_MAX_REGIONS)",
+                        m->n_regions, KVX_MAX_REGIONS);
     if (m->n_allocations > m->n_regions || m->n_allocations == 0 ||
         m->n_regions == 0)
-        BAD(m->n_allocations > KVX_MAX_REGIONS ? KVX_ERR_LIMIT
+        return why_fail(
+            why,
+            m->n_allocations > KVX_MAX_REGIONS ? KVX_ERR_LIMIT
                                                : KVX_ERR_INVALID,
             "register_pool: %zu allocations for %zu regions (expected "
             "1..%u regions, each in one allocation, every allocation "
@@ -704,41 +679,47 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
         uint64_t sum = 0;
         int bad = 0;
         if (a->kind > KVXFER__POOL_KIND__POOL_GPU_VMM_FD)
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.allocations[%zu].kind: unknown value %d", i,
                 a->kind);
         if ((a->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD) !=
             (m->allocations[0]->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD))
-            BAD(KVX_ERR_UNSUPPORTED,
+            return why_fail(
+                why, KVX_ERR_UNSUPPORTED,
                 "register_pool.allocations[%zu].kind: GPU and host memory "
                 "in one pool (unsupported: register them as two pools)",
                 i);
         if (a->n_chunk_sizes > KVX_MAX_POOL_CHUNKS)
-            BAD(KVX_ERR_LIMIT,
-                "register_pool.allocations[%zu].chunk_sizes: %zu "
-                "allocations (at most %u)",
-                i, a->n_chunk_sizes, KVX_MAX_POOL_CHUNKS);
+            return why_fail(why, KVX_ERR_LIMIT,
+                            "register_pool.allocations[%zu].chunk_sizes: %zu "
+                            "allocations (at most %u)",
+                            i, a->n_chunk_sizes, KVX_MAX_POOL_CHUNKS);
         for (size_t k = 0; k < a->n_chunk_sizes; k++)
             bad |= !a->chunk_sizes[k] ||
                    __builtin_add_overflow(sum, a->chunk_sizes[k], &sum);
         if (a->n_chunk_sizes && !vmm)
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.allocations[%zu].chunk_sizes: only VMM "
                 "memory spans several physical allocations",
                 i);
         if (a->n_chunk_sizes && (bad || sum != a->alloc_size))
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.allocations[%zu].chunk_sizes: a size of 0, "
                 "or sizes that do not sum to alloc_size %llu",
                 i, (unsigned long long)a->alloc_size);
         if (a->kind != KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
             if (a->gpu_uuid.len != 16)
-                BAD(KVX_ERR_INVALID,
+                return why_fail(
+                    why, KVX_ERR_INVALID,
                     "register_pool.allocations[%zu].gpu_uuid: %zu bytes "
                     "(expected 16)",
                     i, a->gpu_uuid.len);
             if (!vmm && a->ipc_handle.len != 64)
-                BAD(KVX_ERR_INVALID,
+                return why_fail(
+                    why, KVX_ERR_INVALID,
                     "register_pool.allocations[%zu].ipc_handle: %zu bytes "
                     "(expected 64)",
                     i, a->ipc_handle.len);
@@ -749,7 +730,8 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
                     m->allocations[k]->gpu_uuid.len == 16 &&
                     !memcmp(m->allocations[k]->gpu_uuid.data, a->gpu_uuid.data,
                             16))
-                    BAD(KVX_ERR_INVALID,
+                    return why_fail(
+                        why, KVX_ERR_INVALID,
                         "register_pool.allocations[%zu]: the same "
                         "allocation as allocations[%zu] (list it once; its "
                         "regions name it)",
@@ -758,16 +740,18 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
         fds += alloc_fds(a);
     }
     if (fds > KVX_MAX_POOL_CHUNKS)
-        BAD(KVX_ERR_LIMIT,
+        return why_fail(
+            why, KVX_ERR_LIMIT,
             "register_pool.allocations: %zu fds in all (at most %u)", fds,
             KVX_MAX_POOL_CHUNKS);
     uint8_t *used = calloc(m->n_allocations, 1);
     if (!used)
-        BAD(KVX_ERR_NOMEM, "register_pool: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "register_pool: out of memory");
     for (size_t i = 0; i < m->n_regions; i++) {
         if (m->regions[i]->allocation >= m->n_allocations) {
             free(used);
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.regions[%zu].allocation: %u, but there are "
                 "%zu allocations",
                 i, m->regions[i]->allocation, m->n_allocations);
@@ -777,17 +761,18 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
     for (size_t i = 0; i < m->n_allocations; i++)
         if (!used[i]) {
             free(used);
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.allocations[%zu]: no region lies in it", i);
         }
     free(used);
     if (got < need)
-        BAD(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "register_pool: %zu fd(s) expected with the request, %u "
             "arrived (send them with SCM_RIGHTS)",
             need, queued);
     return 0;
-#undef BAD
 }
 
 static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
@@ -829,7 +814,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         rc = KVX_ERR_LIMIT;
     }
     if (!rc)
-        rc = pool_msg_check(m, need, nfds, mine, why, sizeof(why));
+        rc = pool_msg_check(m, need, nfds, mine, KVX_WHY(why));
     if (!rc && s->pools.n >= kvxd.conf.max_pools) {
         snprintf(why, sizeof(why),
                  "register_pool: %u pools (limits.max_pools)", s->pools.n);
@@ -838,7 +823,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
     kvx_layout_t l;
     memset(&l, 0, sizeof(l));
     if (!rc)
-        rc = layout_from_msg(m->layout, &l, why, sizeof(why));
+        rc = layout_from_msg(m->layout, &l, KVX_WHY(why));
     uint32_t na = (uint32_t)m->n_allocations, nr = (uint32_t)m->n_regions;
     pool_alloc_req_t *al = NULL;
     pool_region_req_t *rg = NULL;
@@ -887,7 +872,8 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         rg[i] = (pool_region_req_t){m->regions[i]->allocation,
                                     m->regions[i]->offset, m->regions[i]->size};
     pool_t *p;
-    rc = pool_register(s->id, al, na, rg, nr, &l, &p, why, sizeof(why));
+    rc = pool_register(&(pool_reg_t){s->id, al, na, rg, nr, &l}, &p,
+                       KVX_WHY(why));
     free(fds); /* closed by pool_register, on every path */
     free(al);
     free(rg);
@@ -954,15 +940,13 @@ static void on_deregister_pool(session_t *s, const Kvxfer__Request *rq)
 }
 
 static int ready_for(session_t *s, kvx_role_t need, const char *what,
-                     char *why, size_t why_len)
+                     kvx_why_t *why)
 {
-    if (!(s->role & need)) {
-        snprintf(why, why_len, "%s: instance %s has role %s", what,
-                 s->inst->id,
-                 s->role == KVX_ROLE_CONTEXT ? "context" : "generation");
-        return KVX_ERR_STATE;
-    }
-    return instance_ready(s->inst, why, why_len);
+    if (!(s->role & need))
+        return why_fail(why, KVX_ERR_STATE, "%s: instance %s has role %s", what,
+                        s->inst->id,
+                        s->role == KVX_ROLE_CONTEXT ? "context" : "generation");
+    return instance_ready(s->inst, why->msg, why->size);
 }
 
 /* A PublishReply with params (malloc'd: freed here). */
@@ -987,10 +971,10 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__Publish *m = rq->publish;
     int rc;
     reqkey_t key;
-    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "publish.key", why,
-                         sizeof(why))))
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "publish.key",
+                         KVX_WHY(why))))
         goto fail;
-    if ((rc = ready_for(s, KVX_ROLE_CONTEXT, "publish", why, sizeof(why))))
+    if ((rc = ready_for(s, KVX_ROLE_CONTEXT, "publish", KVX_WHY(why))))
         goto fail;
     if (m->aux.len > kvxd.conf.aux_bytes)
         FAIL(KVX_ERR_LIMIT,
@@ -1001,12 +985,11 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
         FAIL(KVX_ERR_NOT_FOUND,
              "publish.pool_id: no pool %u registered by this session",
              m->pool_id);
-    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "publish", why,
-                           sizeof(why))))
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "publish", KVX_WHY(why))))
         goto fail;
     xfer_group_t gs[XFER_MAX_GROUPS];
-    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "publish", gs, why,
-                              sizeof(why))))
+    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "publish", gs,
+                              KVX_WHY(why))))
         goto fail;
     uint8_t *params;
     size_t plen;
@@ -1027,10 +1010,10 @@ static void on_layers_ready(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     const Kvxfer__LayersReady *m = rq->layers_ready;
     reqkey_t key;
-    int rc = reqkey_set(&key, m->key.data, m->key.len, "layers_ready.key", why,
-                        sizeof(why));
+    int rc = reqkey_set(&key, m->key.data, m->key.len, "layers_ready.key",
+                        KVX_WHY(why));
     if (!rc)
-        rc = ready_for(s, KVX_ROLE_CONTEXT, "layers_ready", why, sizeof(why));
+        rc = ready_for(s, KVX_ROLE_CONTEXT, "layers_ready", KVX_WHY(why));
     if (!rc)
         rc = xfer_layers_ready(s->inst, s->rank, &key, m->group, m->first,
                                m->count, m->tokens, m->cuda_event.data,
@@ -1043,10 +1026,10 @@ static void on_append_blocks(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     const Kvxfer__AppendBlocks *m = rq->append_blocks;
     reqkey_t key;
-    int rc = reqkey_set(&key, m->key.data, m->key.len, "append_blocks.key", why,
-                        sizeof(why));
+    int rc = reqkey_set(&key, m->key.data, m->key.len, "append_blocks.key",
+                        KVX_WHY(why));
     if (!rc)
-        rc = ready_for(s, KVX_ROLE_CONTEXT, "append_blocks", why, sizeof(why));
+        rc = ready_for(s, KVX_ROLE_CONTEXT, "append_blocks", KVX_WHY(why));
     pool_t *p = rc ? NULL : own_pool(s, m->pool_id);
     if (!rc && !p) {
         rc = KVX_ERR_NOT_FOUND;
@@ -1056,8 +1039,8 @@ static void on_append_blocks(session_t *s, const Kvxfer__Request *rq)
                  m->pool_id);
     }
     if (!rc)
-        rc = check_blocks(p, m->blocks, m->n_blocks, "append_blocks", why,
-                          sizeof(why));
+        rc = check_blocks(p, m->blocks, m->n_blocks, "append_blocks",
+                          KVX_WHY(why));
     if (!rc)
         rc = xfer_append_blocks(s->inst, s->rank, &key, p, m->blocks,
                                 (uint32_t)m->n_blocks, why, sizeof(why));
@@ -1070,11 +1053,10 @@ static void on_fetch_progress(session_t *s, const Kvxfer__Request *rq)
     reqkey_t key;
     uint32_t done = 0, n = 0;
     int rc = reqkey_set(&key, rq->fetch_progress->key.data,
-                        rq->fetch_progress->key.len, "fetch_progress.key", why,
-                        sizeof(why));
+                        rq->fetch_progress->key.len, "fetch_progress.key",
+                        KVX_WHY(why));
     if (!rc)
-        rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_progress", why,
-                       sizeof(why));
+        rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_progress", KVX_WHY(why));
     if (!rc)
         rc = xfer_fetch_progress(s->inst, s->rank, &key,
                                  rq->fetch_progress->group, &done, &n, why,
@@ -1101,22 +1083,21 @@ static void on_fetch(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__Fetch *m = rq->fetch;
     int rc;
     reqkey_t key;
-    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch.key", why,
-                         sizeof(why))))
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch.key",
+                         KVX_WHY(why))))
         goto fail;
-    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch", why, sizeof(why))))
+    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch", KVX_WHY(why))))
         goto fail;
     pool_t *p = own_pool(s, m->pool_id);
     if (!p)
         FAIL(KVX_ERR_NOT_FOUND,
              "fetch.pool_id: no pool %u registered by this session",
              m->pool_id);
-    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch", why,
-                           sizeof(why))))
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch", KVX_WHY(why))))
         goto fail;
     xfer_group_t gs[XFER_MAX_GROUPS];
-    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch", gs, why,
-                              sizeof(why))))
+    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch", gs,
+                              KVX_WHY(why))))
         goto fail;
     rc = xfer_fetch(s->inst, s->rank, &key, m->context_params.data,
                     m->context_params.len, p, m->blocks, (uint32_t)m->n_blocks,
@@ -1166,7 +1147,7 @@ static void on_cancel(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     reqkey_t key;
     int rc = reqkey_set(&key, rq->cancel->key.data, rq->cancel->key.len,
-                        "cancel.key", why, sizeof(why));
+                        "cancel.key", KVX_WHY(why));
     if (!rc && keyed_cancel(s->inst, &key))
         rc = 0; /* a fetch by key that was still waiting: ended */
     else if (!rc)
@@ -1233,21 +1214,20 @@ static void on_fetch_by_key(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__FetchByKey *m = rq->fetch_by_key;
     int rc;
     reqkey_t key, ckey;
-    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch_by_key.key", why,
-                         sizeof(why))) ||
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch_by_key.key",
+                         KVX_WHY(why))) ||
         (rc = reqkey_set(&ckey, m->context_key.data, m->context_key.len,
-                         "fetch_by_key.context_key", why, sizeof(why))))
+                         "fetch_by_key.context_key", KVX_WHY(why))))
         goto fail;
-    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_by_key", why,
-                        sizeof(why))))
+    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_by_key", KVX_WHY(why))))
         goto fail;
     pool_t *p = own_pool(s, m->pool_id);
     if (!p)
         FAIL(KVX_ERR_NOT_FOUND,
              "fetch_by_key.pool_id: no pool %u registered by this session",
              m->pool_id);
-    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch_by_key", why,
-                           sizeof(why))))
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch_by_key",
+                           KVX_WHY(why))))
         goto fail;
     /* the checks xfer_fetch makes before the params: refused now, as a
      * fetch with params is */
@@ -1260,7 +1240,7 @@ static void on_fetch_by_key(session_t *s, const Kvxfer__Request *rq)
              m->dp_rank, s->inst->id, groups, groups == 1 ? "" : "s");
     xfer_group_t gs[XFER_MAX_GROUPS];
     if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch_by_key", gs,
-                              why, sizeof(why))))
+                              KVX_WHY(why))))
         goto fail;
     rc = keyed_fetch(s->inst, s->rank, &key,
                      m->context_instance ? m->context_instance : "",
@@ -1325,8 +1305,8 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__Reserve *m = rq->reserve;
     int rc;
     reqkey_t key;
-    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "reserve.key", why,
-                         sizeof(why))))
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "reserve.key",
+                         KVX_WHY(why))))
         goto fail;
     instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
     if (!inst || (!s->admin && inst->owner_uid != s->uid))
@@ -1406,7 +1386,7 @@ static void on_release(session_t *s, const Kvxfer__Request *rq)
     if (m->context_key.len || (m->context_instance && m->context_instance[0])) {
         reqkey_t key;
         rc = reqkey_set(&key, m->context_key.data, m->context_key.len,
-                        "release.context_key", why, sizeof(why));
+                        "release.context_key", KVX_WHY(why));
         if (!rc && m->context_params.len) {
             snprintf(why, sizeof(why), "release: params or a key, not both");
             rc = KVX_ERR_INVALID;

@@ -52,7 +52,7 @@ static void on_layout(const Kvxfer__RegisterPool *m)
                                                  : KVX_MAX_REGIONS + 1;
     for (uint32_t i = 0; i < n && i < KVX_MAX_REGIONS; i++)
         size[i] = m->regions[i]->size;
-    rc = kvx__layout_check(&l, size, n, why, sizeof(why));
+    rc = kvx__layout_check(&l, size, n, KVX_WHY(why));
     if (rc) {
         MUST(rc == KVX_ERR_LAYOUT);
         refused(rc, why, sizeof(why));

@@ -407,7 +407,8 @@ TEST(table_sane)
         /* A section's keys are together: the loader relies on it. */
         if (i && !section_is(&conf_keys[i - 1], k->name, section_len(k->name)))
             for (size_t j = 0; j < i; j++)
-                CHECK(!section_is(&conf_keys[j], k->name, section_len(k->name)));
+                CHECK(
+                    !section_is(&conf_keys[j], k->name, section_len(k->name)));
         CHECK(k->help && k->help[0]);
         CHECK(!strchr(k->help, '|') && !strchr(k->help, '\n'));
         CHECK(type_names[k->type] != NULL);
