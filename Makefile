@@ -65,7 +65,8 @@ DAEMON   := $(COMMON) \
             daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/xfer_list.c \
             daemon/xfer/batch.c daemon/agree/agree.c \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
-            daemon/local/session.c daemon/local/server.c daemon/local/stats.c \
+            daemon/local/session.c daemon/local/session_conn.c \
+            daemon/local/server.c daemon/local/stats.c \
             $(GPU_SRC)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
