@@ -113,6 +113,8 @@ uint32_t session_fds_cap(void);
 void session_fds_drop(session_t *s, uint32_t n, int close_them);
 /* Write what the socket takes of s's replies; pause or resume reading. */
 void session_flush(session_t *s);
+/* Close s now: its pools released, its requests ended, the fd closed
+ * in the poll handle's close callback. */
 void session_close(session_t *s, const char *why);
 /* Close s at a safe point (kvxd_defer): nothing more in or out. */
 void session_close_later(session_t *s, const char *why);
@@ -122,6 +124,9 @@ void session_close_later(session_t *s, const char *why);
 /* Decode one Request frame of s and hand it to its handler. */
 void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len);
 
+/* ---- a session's queue and its caps ---- */
+
+/* Reply bytes queued, not yet sent. */
 static inline size_t queued(const session_t *s)
 {
     return s->out_len - s->out_off;
@@ -134,6 +139,8 @@ static inline size_t queue_cap(const session_t *s)
     return (size_t)(!s->hello && c > HELLO_QUEUE_MAX ? HELLO_QUEUE_MAX : c);
 }
 
+/* Requests a session may have awaiting replies before its input is
+ * paused. */
 static inline uint32_t requests_cap(const session_t *s)
 {
     uint32_t c = kvxd.conf.session_requests;
