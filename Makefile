@@ -57,8 +57,8 @@ COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c \
             common/why.c
 CLIENT   := $(COMMON) client/client.c client/reconnect.c
 DAEMON   := $(COMMON) \
-            daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
-            daemon/core/daemon.c daemon/core/fault.c \
+            daemon/core/log.c daemon/core/conf.c daemon/core/conf_keys.c \
+            daemon/core/notify.c daemon/core/daemon.c daemon/core/fault.c \
             daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c \
             daemon/net/peer.c daemon/net/peer_auth.c daemon/net/peer_addr.c \
             daemon/net/peer_handshake.c daemon/net/peer_init.c \
@@ -68,7 +68,8 @@ DAEMON   := $(COMMON) \
             daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/xfer_list.c \
             daemon/xfer/batch.c daemon/agree/agree.c \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
-            daemon/local/session.c daemon/local/server.c daemon/local/stats.c \
+            daemon/local/session.c daemon/local/session_conn.c \
+            daemon/local/server.c daemon/local/stats.c \
             $(GPU_SRC)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))

@@ -648,11 +648,11 @@ static int cmd_plan(int argc, char **argv)
         tokens = src.tokens_per_block * 4;
     char why[256];
     int rc;
-    if ((rc = plan_side_check(&src, why, sizeof(why)))) {
+    if ((rc = plan_side_check(&src, KVX_WHY(why)))) {
         fprintf(stderr, "kvxferctl: plan: context: %s\n", why);
         return 1;
     }
-    if ((rc = plan_side_check(&dst, why, sizeof(why)))) {
+    if ((rc = plan_side_check(&dst, KVX_WHY(why)))) {
         fprintf(stderr, "kvxferctl: plan: generation: %s\n", why);
         return 1;
     }
@@ -675,8 +675,7 @@ static int cmd_plan(int argc, char **argv)
         uint32_t er;
         if (plan_dp_view(&dst, r, &eff, &er) != 0)
             continue; /* not in group 0 */
-        if ((rc = plan_build(&src, &eff, er, tokens, skip, &p, why,
-                             sizeof(why)))) {
+        if ((rc = plan_build(&src, &eff, er, tokens, skip, &p, KVX_WHY(why)))) {
             fprintf(stderr, "kvxferctl: plan: refused: %s (%s)\n", why,
                     kvx_status_name(rc));
             return 1;

@@ -714,11 +714,11 @@ static void on_resolve(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
     if (!m->instance_id || !m->instance_id[0] ||
         strlen(m->instance_id) > INSTANCE_ID_MAX || !m->consumer_instance ||
         strlen(m->consumer_instance) > INSTANCE_ID_MAX ||
-        reqkey_set(&q.key, m->key.data, m->key.len, "resolve.key", why,
-                   sizeof(why)) ||
+        reqkey_set(&q.key, m->key.data, m->key.len, "resolve.key",
+                   KVX_WHY(why)) ||
         (m->consumer_key.len &&
          reqkey_set(&q.consumer_key, m->consumer_key.data, m->consumer_key.len,
-                    "resolve.consumer_key", why, sizeof(why)))) {
+                    "resolve.consumer_key", KVX_WHY(why)))) {
         res_answer(conn, m->id, KVX_ERR_INVALID,
                    "resolve: instance, consumer or key missing or too long",
                    NULL, 0);

@@ -171,8 +171,8 @@ static void on_release(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
     const Kvxfer__PeerRelease *m = pm->release;
     char why[512] = "";
     reqkey_t key;
-    int rc = reqkey_set(&key, m->key.data, m->key.len, "release.key", why,
-                        sizeof(why));
+    int rc =
+        reqkey_set(&key, m->key.data, m->key.len, "release.key", KVX_WHY(why));
     if (!rc)
         rc = xfer_release(m->instance_id ? m->instance_id : "", &key,
                           m->token.data, m->token.len, why, sizeof(why));

@@ -743,7 +743,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         return KVX_ERR_UNSUPPORTED;
     }
     if (!pool->gpu) { /* GPU pools: checked below, once unbound */
-        int rc = plan_check_bounds(plan, why, why_len);
+        int rc = plan_check_bounds(plan, &(kvx_why_t){why, why_len});
         if (rc)
             return rc;
     }
@@ -753,7 +753,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         static const kvx_layout_t none; /* sources: packed in the slot */
         for (uint32_t i = 0; i < plan->nslices; i++)
             plan->src[i] = (plan_mem_t){.layout = &none};
-        if ((rc = plan_check_bounds(plan, why, why_len)) ||
+        if ((rc = plan_check_bounds(plan, &(kvx_why_t){why, why_len})) ||
             (rc = slots_pin(&rslots, dev, why, why_len)) ||
             (rc = xfer_part_upload(p, dev, why, why_len)))
             return rc;
@@ -1453,8 +1453,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
             rc = KVX_ERR_MISMATCH;
         }
     if (!rc)
-        rc = plan_compat(xfer_offer_group_side(o, m->group), &dst, why,
-                         sizeof(why));
+        rc =
+            plan_compat(xfer_offer_group_side(o, m->group), &dst, KVX_WHY(why));
     if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {
         snprintf(why, sizeof(why), "open: destination rank %u of %u",
                  m->dst_rank, plan_side_ranks(&dst));
@@ -1726,7 +1726,7 @@ static int sstream_bind(sstream_t *s, offer_t *o)
         pl->src[i] = i == s->slice ? mem : (plan_mem_t){.layout = &none};
     char why[256];
     int rc;
-    if ((rc = plan_check_bounds(pl, why, sizeof(why)))) {
+    if ((rc = plan_check_bounds(pl, KVX_WHY(why)))) {
         pl->src[s->slice] = (plan_mem_t){.layout = &none};
         log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);
         return rc;
@@ -1736,9 +1736,9 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     int dev = src->device;
     pl->dst = (plan_mem_t){.layout = &s->dst_layout};
     if ((rc = slots_pin(&sslots, dev, why, sizeof(why))) ||
-        (rc = pool_device_view(src, dev, &pl->src[s->slice].regions, why,
-                               sizeof(why))) ||
-        (rc = gpu_part_create(pl, dev, &s->gpu, why, sizeof(why))))
+        (rc = pool_device_view(src, dev, &pl->src[s->slice].regions,
+                               KVX_WHY(why))) ||
+        (rc = gpu_part_create(pl, dev, &s->gpu, KVX_WHY(why))))
         log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);
     return rc;
 }

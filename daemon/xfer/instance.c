@@ -112,7 +112,7 @@ int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
                     instance_t **out, char *why, size_t why_len)
 {
     int rc;
-    if ((rc = plan_side_check(side, why, why_len)))
+    if ((rc = plan_side_check(side, &(kvx_why_t){why, why_len})))
         return rc;
     uint32_t nranks = plan_side_ranks(side);
     if (rank >= nranks)

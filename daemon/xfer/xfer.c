@@ -689,8 +689,8 @@ int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
     s->elem_size = l->elem_size;
     s->dtype = l->dtype;
     s->tokens_per_block = l->tokens_per_block;
-    int rc = plan_side_check(s, why, why_len);
-    return rc ? rc : plan_side_layout_check(s, why, why_len);
+    int rc = plan_side_check(s, &(kvx_why_t){why, why_len});
+    return rc ? rc : plan_side_layout_check(s, &(kvx_why_t){why, why_len});
 }
 
 static int params_build(offer_t *o, const kvx_layout_t *l)
@@ -1197,7 +1197,7 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
             group_side(&gs1, inst, l);
         /* a reservation has the layout summary alone: the rank's
          * share is checked at its publish */
-        if ((rc = plan_side_check(&gs1, why, why_len)) ||
+        if ((rc = plan_side_check(&gs1, &(kvx_why_t){why, why_len})) ||
             (!reserve &&
              (rc = check_side_layout(&gs1, rank, l, what, why, why_len))))
             return rc;
@@ -1573,7 +1573,8 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
             "say layers_ready once the KV is written, without an event)",
             sp->pool->id);
     gpu_event_t *e;
-    if ((rc = gpu_event_import(ev, sp->pool->device, owner, &e, why, why_len)))
+    if ((rc = gpu_event_import(ev, sp->pool->device, owner, &e,
+                               &(kvx_why_t){why, why_len})))
         return rc;
     lw_watch_t *x = calloc(1, sizeof(*x));
     if (x && !(x->w = gpu_event_watch(e, layers_reached, x))) {
@@ -1916,7 +1917,7 @@ static void part_try_start(genpart_t *p)
     }
     p->started = 1;
     char why[256];
-    int rc = plan_check_bounds(plan, why, sizeof(why));
+    int rc = plan_check_bounds(plan, KVX_WHY(why));
     if (rc) {
         log_error("fetch of request %s: %s", ks(&g->key), why);
         genreq_end(g, KVX_EVENT_ERROR, rc, why);
@@ -1937,21 +1938,21 @@ static void part_try_start(genpart_t *p)
     if (device < 0 && p->pool->gpu)
         device = p->pool->device;
     if (device >= 0 && plan->nunits) {
-        rc = pool_pin(p->pool, why, sizeof(why));
+        rc = pool_pin(p->pool, KVX_WHY(why));
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
             rc = pool_pin(OPART(o, p->group, plan->slices[i].src_rank)->pool,
-                          why, sizeof(why));
+                          KVX_WHY(why));
         /* the kernel runs on `device`: every region as that device sees
          * it */
         if (!rc)
-            rc = pool_device_view(p->pool, device, &plan->dst.regions, why,
-                                  sizeof(why));
+            rc = pool_device_view(p->pool, device, &plan->dst.regions,
+                                  KVX_WHY(why));
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
             rc = pool_device_view(
                 OPART(o, p->group, plan->slices[i].src_rank)->pool, device,
-                &plan->src[i].regions, why, sizeof(why));
+                &plan->src[i].regions, KVX_WHY(why));
         if (!rc)
-            rc = gpu_part_create(plan, device, &p->gpu, why, sizeof(why));
+            rc = gpu_part_create(plan, device, &p->gpu, KVX_WHY(why));
         if (rc) {
             genreq_end(g, KVX_EVENT_ERROR, rc, why);
             return;
@@ -2186,7 +2187,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
         return rc;
     side_from_layout(&full, inst, &pool->layout);
     plan_dp_view(&full, rank, &dst, &eff_rank);
-    if ((rc = plan_compat(&src, &dst, why, why_len)))
+    if ((rc = plan_compat(&src, &dst, &(kvx_why_t){why, why_len})))
         return rc;
 
     genreq_t *g = map_get(&inst->fetches, request_id);
@@ -2245,9 +2246,9 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
             nblocks, dst.tokens_per_block, cp->num_tokens);
     plan_t *plan;
     if ((rc = plan_build(&src, &dst, eff_rank, cp->num_tokens, skip, &plan,
-                         why, why_len)))
+                         &(kvx_why_t){why, why_len})))
         return rc;
-    if ((rc = plan_own(plan, inst->owner_uid, why, why_len))) {
+    if ((rc = plan_own(plan, inst->owner_uid, &(kvx_why_t){why, why_len}))) {
         plan_free(plan);
         return rc;
     }
@@ -2667,10 +2668,10 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         side_from_layout(&full, inst, &pool->layout);
         plan_dp_view(&full, rank, &dst, &eff_rank);
     }
-    if ((rc = plan_build(&o->side, &dst, eff_rank, o->num_tokens, skip,
-                         &plan, why, why_len)))
+    if ((rc = plan_build(&o->side, &dst, eff_rank, o->num_tokens, skip, &plan,
+                         &(kvx_why_t){why, why_len})))
         goto out;
-    if ((rc = plan_own(plan, inst->owner_uid, why, why_len)))
+    if ((rc = plan_own(plan, inst->owner_uid, &(kvx_why_t){why, why_len})))
         goto err_free_plan;
     if (nblocks < plan->dst_blocks_needed) {
         snprintf(why, why_len,
@@ -2758,7 +2759,7 @@ static int group_plan(const plan_side_t *src, uint32_t src_tokens,
     plan_side_t full, dst;
     uint32_t eff_rank;
     group_side(&full, inst, l);
-    if ((rc = plan_side_check(&full, why, why_len)) ||
+    if ((rc = plan_side_check(&full, &(kvx_why_t){why, why_len})) ||
         (rc = check_side_layout(&full, rank, l, what, why, why_len)))
         return rc;
     plan_dp_view(&full, rank, &dst, &eff_rank);
@@ -2787,9 +2788,9 @@ static int group_plan(const plan_side_t *src, uint32_t src_tokens,
             what, x->nblocks, l->tokens_per_block, x->first_block, src_tokens);
     plan_t *plan;
     if ((rc = plan_build(src, &dst, eff_rank, src_tokens, x->skip_tokens, &plan,
-                         why, why_len)))
+                         &(kvx_why_t){why, why_len})))
         return rc;
-    if ((rc = plan_own(plan, inst->owner_uid, why, why_len))) {
+    if ((rc = plan_own(plan, inst->owner_uid, &(kvx_why_t){why, why_len}))) {
         plan_free(plan);
         return rc;
     }
@@ -3212,7 +3213,7 @@ int xfer_offer_plan(const offer_t *o, uint32_t group, const plan_side_t *dst,
             "skip_tokens is %u",
             group, ks(&o->key), (unsigned long long)below, skip_tokens);
     return plan_build(&o->gside[group], dst, dst_rank, o->gtokens[group],
-                      skip_tokens, out, why, why_len);
+                      skip_tokens, out, &(kvx_why_t){why, why_len});
 }
 
 uint32_t xfer_offer_ngroups(const offer_t *o)
@@ -3412,9 +3413,11 @@ gpu_part_t *xfer_part_gpu(const genpart_t *p)
 int xfer_part_upload(genpart_t *p, int device, char *why, size_t why_len)
 {
     assert(!p->gpu); /* once; freed with p (genreq_free()) */
-    int rc =
-        pool_device_view(p->pool, device, &p->plan->dst.regions, why, why_len);
-    return rc ? rc : gpu_part_create(p->plan, device, &p->gpu, why, why_len);
+    int rc = pool_device_view(p->pool, device, &p->plan->dst.regions,
+                              &(kvx_why_t){why, why_len});
+    return rc ? rc
+              : gpu_part_create(p->plan, device, &p->gpu,
+                                &(kvx_why_t){why, why_len});
 }
 
 struct rpart *xfer_part_remote(const genpart_t *p)

@@ -240,7 +240,7 @@ static pool_t *host_pool(uint64_t sid, const kvx_layout_t *l)
         abort();
     pool_t *p;
     char why[256];
-    if (pool_register_host(sid, fd, 0, size, l, &p, why, sizeof(why)))
+    if (pool_register_host(sid, fd, 0, size, l, &p, KVX_WHY(why)))
         abort();
     return p;
 }

@@ -56,8 +56,7 @@ static pool_t *host_pool(uint64_t sid)
           !fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK));
     pool_t *p;
     char why[256];
-    CHECK_EQ(pool_register_host(sid, fd, 0, size, &lay, &p, why, sizeof(why)),
-             0);
+    CHECK_EQ(pool_register_host(sid, fd, 0, size, &lay, &p, KVX_WHY(why)), 0);
     return p;
 }
 
@@ -79,7 +78,9 @@ static pool_t *regions_pool(uint64_t sid)
     pool_alloc_req_t a = {.fd = fd};
     pool_t *p;
     char why[256];
-    CHECK_EQ(pool_register(sid, &a, 1, r, n, &glay, &p, why, sizeof(why)), 0);
+    CHECK_EQ(
+        pool_register(&(pool_reg_t){sid, &a, 1, r, n, &glay}, &p, KVX_WHY(why)),
+        0);
     CHECK_EQ(p->nregions, 4);
     CHECK(p->layout.parts != gparts); /* the pool's own copy */
     return p;
