@@ -244,17 +244,6 @@ static uint32_t req_block(const rank_view_t *v, uint64_t r, uint32_t i)
     return v->perm ? v->perm[b] : b;
 }
 
-/* --shuffle: request r's pool blocks, v->bpr of them; NULL without it
- * (they are then req_block(v, r, 0) on). */
-static const uint32_t *req_ids(const rank_view_t *v, uint64_t r)
-{
-    if (!v->perm)
-        return NULL;
-    if (r >= WARM_BASE)
-        r -= WARM_BASE;
-    return v->perm + (r % reqs_in_pool) * v->bpr;
-}
-
 /* --shuffle: a permutation of the pool's n blocks, one per side (seed), the
  * same in every rank of the side. An engine's block tables look like this
  * once blocks have been freed and reused: no two neighbours of a request
@@ -289,15 +278,41 @@ static inline uint8_t *view_at(const rank_view_t *v, uint32_t layer,
            kvx_layout_offset(l, layer, kv, block, t, h);
 }
 
+#ifdef KVX_CUDA
+/* --shuffle: request r's pool blocks, v->bpr of them; NULL without it
+ * (they are then req_block(v, r, 0) on). */
+static const uint32_t *req_ids(const rank_view_t *v, uint64_t r)
+{
+    if (!v->perm)
+        return NULL;
+    if (r >= WARM_BASE)
+        r -= WARM_BASE;
+    return v->perm + (r % reqs_in_pool) * v->bpr;
+}
+
+/* Request r's rows in v's GPU pool, all its tokens. */
+static bgpu_rows_t gpu_rows(const rank_view_t *v, uint64_t r)
+{
+    const uint32_t *ids = req_ids(v, r);
+    return (bgpu_rows_t){.dev = v->device,
+                         .layout = &v->layout,
+                         .regions = (void *const *)v->rbase,
+                         .request = r,
+                         .ids = ids,
+                         .block0 = ids ? 0 : req_block(v, r, 0),
+                         .nblocks = v->bpr,
+                         .head0 = v->head0,
+                         .layer0 = v->layer0,
+                         .tok_to = UINT32_MAX};
+}
+#endif
+
 static void fill_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        const uint32_t *ids = req_ids(v, r);
-        if (ids ? bgpu_fill_ids(v->device, &v->layout, (void *const *)v->rbase,
-                                r, ids, v->bpr, v->head0, v->layer0)
-                : bgpu_fill(v->device, &v->layout, (void *const *)v->rbase, r,
-                            req_block(v, r, 0), v->bpr, v->head0, v->layer0))
+        bgpu_rows_t rows = gpu_rows(v, r);
+        if (bgpu_fill(&rows))
             die("GPU pattern fill failed");
         return;
     }
@@ -374,14 +389,10 @@ static uint64_t check_request(const rank_view_t *v, uint64_t r)
 {
 #ifdef KVX_CUDA
     if (v->device >= 0) {
-        const uint32_t *ids = req_ids(v, r);
-        int64_t bad =
-            ids ? bgpu_check_ids(v->device, &v->layout, (void *const *)v->rbase,
-                                 r, ids, v->bpr, v->head0, v->layer0, o.skip,
-                                 num_tokens)
-                : bgpu_check(v->device, &v->layout, (void *const *)v->rbase, r,
-                             req_block(v, r, 0), v->bpr, v->head0, v->layer0,
-                             o.skip, num_tokens);
+        bgpu_rows_t rows = gpu_rows(v, r);
+        rows.tok_from = o.skip;
+        rows.tok_to = num_tokens;
+        int64_t bad = bgpu_check(&rows);
         if (bad < 0)
             die("GPU pattern check failed");
         return (uint64_t)bad;
