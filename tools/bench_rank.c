@@ -30,6 +30,7 @@ static kvx_client_t *rank_open_regions(kvx_client_t *c, rank_view_t *v,
                                        uint32_t layers, int on_gpu, int ctx)
 {
     uint32_t per = o.regions == layers ? 1 : 2;
+    (void)ctx; /* which GPU: a CUDA build's */
     if (o.regions != layers && (o.regions != 2 * layers || kvf != 2))
         die("--regions %u: a rank holds %u layers; give %u (a region per "
             "layer)%s",
