@@ -25,6 +25,13 @@ CFLAGS   += $(OPT) -g -std=gnu11 -Wall -Wextra -Werror -fPIC $(SAN) \
 LDFLAGS  += $(SAN)
 LIBS     := $(PKG_LIBS) -lpthread
 
+# kvxfer-bench: main, its options table, ranks, daemons, baselines,
+# layer-wise and report (tools/bench.h)
+BENCH_SRC := tools/bench.c tools/bench_opts.c tools/bench_verify.c \
+             tools/bench_rank.c tools/bench_daemon.c tools/bench_baseline.c \
+             tools/bench_layerwise.c tools/bench_report.c
+BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(BENCH_SRC))
+
 # CUDA: with nvcc on PATH (or NVCC=...), the daemon gets the GPU data
 # plane (kernels for sm_80, sm_90, sm_100 + PTX, CUDA runtime linked
 # statically); CUDA=0 forces a host-only build.
@@ -43,7 +50,7 @@ NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC,-fno-threadsafe-statics \
              -gencode arch=compute_100,code=compute_100
 $(BUILD)/obj/daemon/copy/gpu.o: CFLAGS += -I$(CUDA_HOME)/include \
              -DKVX_CUDA_VERSION='"$(CUDA_VER)"'
-$(BUILD)/obj/tools/bench.o: CFLAGS += -DKVX_CUDA
+$(BENCH_OBJ): CFLAGS += -DKVX_CUDA
 BENCH_GPU_OBJ := $(BUILD)/obj/tools/bench_gpu.o
 else
 BENCH_GPU_OBJ :=
@@ -162,7 +169,7 @@ $(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/main.o
 $(BUILD)/kvxferctl: $(BUILD)/obj/tools/kvxferctl.o $(BUILD)/obj/daemon/copy/plan.o $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/kvxfer-bench: $(BUILD)/obj/tools/bench.o $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
+$(BUILD)/kvxfer-bench: $(BENCH_OBJ) $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) -lm $(CUDA_LIBS)
 
 # kill -9 of the daemon under two ranks, 20 times: socket ready to a
