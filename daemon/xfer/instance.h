@@ -60,6 +60,17 @@ void instance_set_hooks(const instance_hooks_t *h);
 /* Is inst spread over daemons (joined, some ranks elsewhere, peers on)? */
 int instance_spread(const instance_t *inst);
 
+/* A Hello as instance_attach() takes it: session sid of uid says it is
+ * rank `rank` (role) of instance id, whose parallel config is side's. */
+typedef struct instance_hello {
+    const char *id;
+    uint32_t uid;
+    kvx_role_t role;
+    uint32_t rank;
+    const plan_side_t *side;
+    uint64_t sid;
+} instance_hello_t;
+
 /* Hello: attach session sid (of uid) as rank h->rank of instance
  * h->instance_id, creating it (owned by uid), or checking that uid owns
  * it (else KVX_ERR_PERM) and that the config matches. */

@@ -43,6 +43,76 @@ typedef struct xfer_group {
 /* Groups of a request in all (the first is the plain block table). */
 #define XFER_MAX_GROUPS 8
 
+/* ---- requests as session builds them (one struct per call) ---------- */
+
+/* A rank's Publish: offer blocks of pool for request key from rank, with
+ * aux_len bytes of aux (0: none; the caller checked limits.aux_bytes),
+ * and the ngroups other block tables of groups (every rank gives the
+ * same); layerwise: no layer is ready yet (xfer_layers_ready()). */
+typedef struct xfer_publish_req {
+    instance_t *inst;
+    uint32_t rank;
+    const reqkey_t *key;
+    pool_t *pool;
+    const uint32_t *blocks;
+    uint32_t nblocks;
+    uint32_t num_tokens;
+    const xfer_group_t *groups;
+    uint32_t ngroups;
+    const uint8_t *aux;
+    uint32_t aux_len;
+    int layerwise;
+} xfer_publish_req_t;
+
+/* A rank's Fetch: fill blocks of pool for request key at rank from the
+ * offer params (params_len bytes), skipping skip_tokens, for
+ * attention-DP group dp_rank, and the destination of each of the
+ * ngroups other tables of groups (in the offer's order). */
+typedef struct xfer_fetch_req {
+    instance_t *inst;
+    uint32_t rank;
+    const reqkey_t *key;
+    const uint8_t *params;
+    size_t params_len;
+    pool_t *pool;
+    const uint32_t *blocks;
+    uint32_t nblocks;
+    uint32_t skip_tokens;
+    uint32_t dp_rank;
+    const xfer_group_t *groups;
+    uint32_t ngroups;
+} xfer_fetch_req_t;
+
+/* A Reserve: the instance's scheduler reserves the offer of key for
+ * num_tokens, with layout (a local rank's pool's) and ngroups other
+ * tables of groups (each's pool gives its layout; no blocks). */
+typedef struct xfer_reserve_req {
+    instance_t *inst;
+    const reqkey_t *key;
+    uint32_t num_tokens;
+    const kvx_layout_t *layout;
+    const xfer_group_t *groups;
+    uint32_t ngroups;
+} xfer_reserve_req_t;
+
+/* A LayersReady (or a TokensReady: first 0, count all): layers [first,
+ * first + count) of rank's part of table group of key's offer hold the
+ * KV of tokens [0, tokens) (0: all of them), once the engine's event ev
+ * (ev_len bytes; NULL: none) is reached; owner: the session that sent
+ * it. */
+typedef struct xfer_ready_req {
+    instance_t *inst;
+    uint32_t rank;
+    const reqkey_t *key;
+    uint32_t group;
+    uint32_t first;
+    uint32_t count;
+    uint32_t tokens;
+    const uint8_t *ev;
+    size_t ev_len;
+    uint64_t owner;
+} xfer_ready_req_t;
+
 /* Offer blocks of pool for request key from rank, with aux_len bytes of
  * aux (0: none; the caller checked limits.aux_bytes): the request keeps
  * the first non-empty aux, and refuses another rank's that differs
