@@ -32,23 +32,18 @@
 
 #include <openssl/sha.h>
 
+#include "common/list.h"
 #include "copy/copy.h"
 #include "core/daemon.h"
-#include "common/list.h"
 #include "core/log.h"
-#include "net/peer.h"
 #include "core/rrq.h"
+#include "net/peer.h"
 #include "xfer.h"
+#include "xfer_int.h"
 #include "xfer_remote.h"
 
 #define PARAMS_VERSION 2 /* 2: named by keys */
 #define PARAMS_MAX 65536
-
-#define WHY(code, ...)                                                      \
-    do {                                                                    \
-        snprintf(why, why_len, __VA_ARGS__);                                \
-        return (code);                                                      \
-    } while (0)
 
 /* ---- the requests (opaque outside this file: xfer_remote.h) ----------- */
 
@@ -494,8 +489,8 @@ static void group_side(plan_side_t *s, const instance_t *inst,
 /* The pool's layout must hold exactly this rank's share of the model
  * (of side: a group's, or the instance's). */
 static int check_side_layout(const plan_side_t *side, uint32_t rank,
-                             const kvx_layout_t *l, const char *what, char *why,
-                             size_t why_len)
+                             const kvx_layout_t *l, const char *what,
+                             kvx_why_t *why)
 {
     plan_side_t s;
     uint32_t r, f;
@@ -503,17 +498,18 @@ static int check_side_layout(const plan_side_t *side, uint32_t rank,
     uint32_t tp = (r / s.cp) % s.tp, pp = r / (s.tp * s.cp);
     uint32_t nl = plan_pp_layers(&s, pp, &f), nh = plan_tp_heads(&s, tp, &f);
     if (l->num_layers != nl)
-        WHY(KVX_ERR_LAYOUT,
-            "%s.pool_id: layout has %u layers, rank %u holds %u", what,
-            l->num_layers, rank, nl);
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "%s.pool_id: layout has %u layers, rank %u holds %u",
+                        what, l->num_layers, rank, nl);
     if (l->num_heads != nh)
-        WHY(KVX_ERR_LAYOUT,
-            "%s.pool_id: layout has %u heads, rank %u holds %u", what,
-            l->num_heads, rank, nh);
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "%s.pool_id: layout has %u heads, rank %u holds %u",
+                        what, l->num_heads, rank, nh);
     uint32_t fh;
     plan_tp_heads(&s, tp, &fh);
     if (l->first_head && l->first_head - 1 != fh)
-        WHY(KVX_ERR_LAYOUT,
+        return why_fail(
+            why, KVX_ERR_LAYOUT,
             "%s.pool_id: the pool holds heads from %u, but TP rank %u of %u "
             "holds heads [%u, %u) of %u (kvxfer.h: which KV heads a TP "
             "rank holds)",
@@ -522,10 +518,10 @@ static int check_side_layout(const plan_side_t *side, uint32_t rank,
 }
 
 static int check_rank_layout(const instance_t *inst, uint32_t rank,
-                             const kvx_layout_t *l, const char *what, char *why,
-                             size_t why_len)
+                             const kvx_layout_t *l, const char *what,
+                             kvx_why_t *why)
 {
-    return check_side_layout(&inst->side, rank, l, what, why, why_len);
+    return check_side_layout(&inst->side, rank, l, what, why);
 }
 
 /* Local ranks of inst in attention-DP group dp (all local ranks without
@@ -575,47 +571,37 @@ static int waiter_add(list_t *ws, cancel_wait_t *cw)
 /* ranks: the ranks of inst this request covers here; expect: all it
  * needs (they differ for an instance spread over daemons, whose root
  * merges the reports: agree.c). aux: a fetch's COMPLETE only. */
-static void push_event_aux(instance_t *inst, uint64_t request_id,
-                           const reqkey_t *key, int kind, int code,
-                           const char *msg, int offer, uint32_t ranks,
-                           uint32_t expect, const uint8_t *aux,
-                           uint32_t aux_len)
+static void push_event(instance_t *inst, uint64_t request_id,
+                       const reqkey_t *key, const batch_end_t *e, int offer,
+                       uint32_t ranks, uint32_t expect)
 {
-    if (code)
-        kvxd_count_error(code);
+    if (e->code)
+        kvxd_count_error(e->code);
     if (instance_spread(inst) && spread_event) {
-        spread_event(inst, request_id, key, offer, kind, code, msg, ranks,
-                     expect, aux, aux_len);
+        spread_event(inst, request_id, key, offer, e->kind, e->code, e->msg,
+                     ranks, expect, e->aux, e->aux_len);
         return;
     }
-    if (batch_push(&inst->batches, request_id, key, kind, code, msg, aux,
-                   aux_len, kvxd_now_ms()))
+    if (batch_push(&inst->batches, request_id, key, e, kvxd_now_ms()))
         log_error("instance %s: out of memory queueing the event of request "
                   "%s",
                   inst->id, ks(key));
 }
 
-static void push_event(instance_t *inst, uint64_t request_id,
-                       const reqkey_t *key, int kind, int code, const char *msg,
-                       int offer, uint32_t ranks, uint32_t expect)
-{
-    push_event_aux(inst, request_id, key, kind, code, msg, offer, ranks, expect,
-                   NULL, 0);
-}
-
 /* An aux payload's copy, charged to the memory budget (MEM_AUX): 0, or
  * KVX_ERR_LIMIT / KVX_ERR_NOMEM with why (nothing kept). */
 static int aux_keep(uint32_t uid, const uint8_t *aux, uint32_t len,
-                    uint8_t **out, const char *what, char *why, size_t why_len)
+                    uint8_t **out, const char *what, kvx_why_t *why)
 {
     if (kvxd_mem_charge_uid(MEM_AUX, uid, len)) {
         char w[200];
         kvxd_mem_why(uid, len, w, sizeof(w));
-        WHY(KVX_ERR_LIMIT, "%s: an aux of %u bytes %s", what, len, w);
+        return why_fail(why, KVX_ERR_LIMIT, "%s: an aux of %u bytes %s", what,
+                        len, w);
     }
     if (!(*out = malloc(len))) {
         kvxd_mem_release_uid(MEM_AUX, uid, len);
-        WHY(KVX_ERR_NOMEM, "%s: out of memory", what);
+        return why_fail(why, KVX_ERR_NOMEM, "%s: out of memory", what);
     }
     memcpy(*out, aux, len);
     return 0;
@@ -667,15 +653,16 @@ void xfer_side_to_msg(const plan_side_t *s, Kvxfer__ParallelConfig *pc,
 }
 
 int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
-                       const Kvxfer__Layout *l, plan_side_t *s, char *why,
-                       size_t why_len)
+                       const Kvxfer__Layout *l, plan_side_t *s, kvx_why_t *why)
 {
     memset(s, 0, sizeof(*s));
     if (!pc || !l)
-        WHY(KVX_ERR_INVALID, "parallel config or layout missing");
+        return why_fail(why, KVX_ERR_INVALID,
+                        "parallel config or layout missing");
     if (pc->n_layers_per_pp > 64)
-        WHY(KVX_ERR_INVALID, "layers_per_pp has %zu entries (at most 64)",
-            pc->n_layers_per_pp);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "layers_per_pp has %zu entries (at most 64)",
+                        pc->n_layers_per_pp);
     s->tp = pc->tp;
     s->pp = pc->pp;
     s->cp = pc->cp;
@@ -689,8 +676,8 @@ int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
     s->elem_size = l->elem_size;
     s->dtype = l->dtype;
     s->tokens_per_block = l->tokens_per_block;
-    int rc = plan_side_check(s, why, why_len);
-    return rc ? rc : plan_side_layout_check(s, why, why_len);
+    int rc = plan_side_check(s, WHY_PAIR(why));
+    return rc ? rc : plan_side_layout_check(s, WHY_PAIR(why));
 }
 
 static int params_build(offer_t *o, const kvx_layout_t *l)
@@ -740,16 +727,16 @@ static int params_build(offer_t *o, const kvx_layout_t *l)
 }
 
 int xfer_params_decode(const uint8_t *buf, size_t len,
-                       Kvxfer__ContextParams **out, char *why, size_t why_len)
+                       Kvxfer__ContextParams **out, kvx_why_t *why)
 {
     if (len == 0 || len > PARAMS_MAX)
-        WHY(KVX_ERR_INVALID,
-            "fetch.context_params: %zu bytes (expected 1..%u)", len,
-            PARAMS_MAX);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "fetch.context_params: %zu bytes (expected 1..%u)", len,
+                        PARAMS_MAX);
     Kvxfer__ContextParams *p = kvxfer__context_params__unpack(NULL, len, buf);
     if (!p)
-        WHY(KVX_ERR_INVALID,
-            "fetch.context_params: not a ContextParams message");
+        return why_fail(why, KVX_ERR_INVALID,
+                        "fetch.context_params: not a ContextParams message");
     const char *bad = NULL;
     if (p->version != PARAMS_VERSION)
         bad = "version";
@@ -772,7 +759,8 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
             bad = "groups";
     if (bad) {
         kvxfer__context_params__free_unpacked(p, NULL);
-        WHY(KVX_ERR_INVALID, "fetch.context_params: invalid %s", bad);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "fetch.context_params: invalid %s", bad);
     }
     /* params of an earlier run of this daemon name memory it no longer
      * knows: refused by that cause, before anything looks them up */
@@ -781,8 +769,9 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
         if (peer_address_alias(p->rank_addresses[i], w, sizeof(w)) ==
             KVX_ERR_PEER_GONE) {
             kvxfer__context_params__free_unpacked(p, NULL);
-            WHY(KVX_ERR_PEER_GONE,
-                "fetch.context_params: rank_addresses[%zu]: %s", i, w);
+            return why_fail(why, KVX_ERR_PEER_GONE,
+                            "fetch.context_params: rank_addresses[%zu]: %s", i,
+                            w);
         }
     }
     *out = p;
@@ -875,14 +864,14 @@ static void part_layers_free(offer_part_t *sp)
 /* Bytes held for inst's uid (MEM_REQUESTS): 0, or KVX_ERR_LIMIT with
  * why naming the key (limits.memory_bytes, limits.uid_memory_bytes). */
 static int req_charge(const instance_t *inst, uint64_t bytes, const char *what,
-                      char *why, size_t why_len)
+                      kvx_why_t *why)
 {
     if (!kvxd_mem_charge_uid(MEM_REQUESTS, inst->owner_uid, bytes))
         return 0;
     char w[200];
     kvxd_mem_why(inst->owner_uid, bytes, w, sizeof(w));
-    WHY(KVX_ERR_LIMIT, "%s: its %llu bytes %s", what, (unsigned long long)bytes,
-        w);
+    return why_fail(why, KVX_ERR_LIMIT, "%s: its %llu bytes %s", what,
+                    (unsigned long long)bytes, w);
 }
 
 static void part_uncharge(const offer_t *o, offer_part_t *sp)
@@ -924,19 +913,19 @@ typedef struct offer_spec {
 } offer_spec_t;
 
 static int offer_create(instance_t *inst, const reqkey_t *key,
-                        const offer_spec_t *sp, offer_t **out, char *why,
-                        size_t why_len)
+                        const offer_spec_t *sp, offer_t **out, kvx_why_t *why)
 {
     const char *op = sp->op;
     const kvx_layout_t *l = sp->l;
     uint64_t request_id = xfer_key_id(key->b, key->len);
     uint32_t num_tokens = sp->num_tokens, ngroups = sp->ngroups;
     if (nrequests >= kvxd.conf.max_requests)
-        WHY(KVX_ERR_LIMIT, "%s: %u requests in flight (limits.max_requests)",
-            op, nrequests);
+        return why_fail(why, KVX_ERR_LIMIT,
+                        "%s: %u requests in flight (limits.max_requests)", op,
+                        nrequests);
     offer_t *o = calloc(1, sizeof(*o));
     if (!o)
-        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
+        return why_fail(why, KVX_ERR_NOMEM, "%s: out of memory", op);
     list_init(&o->lease.node);
     list_init(&o->waiters);
     o->inst = inst;
@@ -961,20 +950,20 @@ static int offer_create(instance_t *inst, const reqkey_t *key,
                    o->token);
     else if (random_token(o->token)) {
         free(o);
-        WHY(KVX_ERR_IO, "%s: getrandom failed", op);
+        return why_fail(why, KVX_ERR_IO, "%s: getrandom failed", op);
     }
     if (!(o->parts = calloc(OPARTS(o), sizeof(*o->parts))) ||
         params_build(o, l)) {
         free(o->parts);
         free(o->params);
         free(o);
-        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
+        return why_fail(why, KVX_ERR_NOMEM, "%s: out of memory", op);
     }
     /* what a reservation or an offer holds, charged to its uid */
     uint64_t mem = sizeof(*o) + OPARTS(o) * sizeof(*o->parts) + o->params_len;
     char what[32];
     snprintf(what, sizeof(what), "%s: the request", op);
-    int rc = req_charge(inst, mem, what, why, why_len);
+    int rc = req_charge(inst, mem, what, why);
     if (rc || map_put(&inst->offers, request_id, o)) {
         if (!rc)
             kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, mem);
@@ -983,7 +972,7 @@ static int offer_create(instance_t *inst, const reqkey_t *key,
         free(o);
         if (rc)
             return rc;
-        WHY(KVX_ERR_NOMEM, "%s: out of memory", op);
+        return why_fail(why, KVX_ERR_NOMEM, "%s: out of memory", op);
     }
     o->mem = mem;
     nrequests++;
@@ -1020,7 +1009,7 @@ static int taken_by_other(const offer_t *o, const xfer_consumer_t *who)
 
 int xfer_params_for(instance_t *inst, const reqkey_t *key,
                     const xfer_consumer_t *who, uint8_t **params, size_t *len,
-                    char *why, size_t why_len)
+                    kvx_why_t *why)
 {
     uint64_t id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, id);
@@ -1029,26 +1018,30 @@ int xfer_params_for(instance_t *inst, const reqkey_t *key,
         o = NULL; /* another key's, whose id collides */
     if ((!o || o->ending || o->consumed || o->consume_fenced) && x &&
         x->released)
-        WHY(KVX_ERR_NOT_FOUND,
-            "request %s of instance %s was released (kvx_release)", ks(key),
-            inst->id);
+        return why_fail(why, KVX_ERR_NOT_FOUND,
+                        "request %s of instance %s was released (kvx_release)",
+                        ks(key), inst->id);
     if (!o && x)
-        WHY(KVX_ERR_CANCELLED,
+        return why_fail(
+            why, KVX_ERR_CANCELLED,
             "request %s of instance %s: cancelled by the context side", ks(key),
             inst->id);
     if (!o)
-        WHY(XFER_NOT_YET, "no offer of request %s of instance %s", ks(key),
-            inst->id);
+        return why_fail(why, XFER_NOT_YET,
+                        "no offer of request %s of instance %s", ks(key),
+                        inst->id);
     if (o->ending || o->consumed || o->consume_fenced)
-        WHY(XFER_NOT_YET, "the offer of request %s of instance %s has ended",
-            ks(key), inst->id);
+        return why_fail(why, XFER_NOT_YET,
+                        "the offer of request %s of instance %s has ended",
+                        ks(key), inst->id);
     if (taken_by_other(o, who))
-        WHY(KVX_ERR_EXISTS,
+        return why_fail(
+            why, KVX_ERR_EXISTS,
             "the offer of request %s of instance %s is taken by another "
             "fetch",
             ks(key), inst->id);
     if (!(*params = malloc(o->params_len)))
-        WHY(KVX_ERR_NOMEM, "out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "out of memory");
     memcpy(*params, o->params, o->params_len);
     *len = o->params_len;
     return 0;
@@ -1061,13 +1054,13 @@ int xfer_fetch_runs(instance_t *inst, const reqkey_t *key)
 }
 
 void xfer_fetch_end_early(instance_t *inst, const reqkey_t *key,
-                          uint32_t dp_rank, int kind, int code, const char *msg,
+                          uint32_t dp_rank, const batch_end_t *end,
                           const uint8_t *seen, uint64_t src)
 {
     uint32_t groups = inst->side.attention_dp > 1 ? inst->side.attention_dp : 1;
     uint64_t id = xfer_key_id(key->b, key->len);
     uint32_t need = group_ranks(inst, dp_rank), n = 0;
-    push_event(inst, id, key, kind, code, msg, 0, need, inst->nranks / groups);
+    push_event(inst, id, key, end, 0, need, inst->nranks / groups);
     for (uint32_t r = 0; seen && r < inst->nranks; r++)
         n += seen[r] != 0;
     /* the other ranks' fetches join this end (gone_t), no second event */
@@ -1096,39 +1089,42 @@ static int part_has_ready(const genpart_t *p);
 
 static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
                         const xfer_group_t *gs, uint32_t n, const char *op,
-                        char *why, size_t why_len);
+                        kvx_why_t *why);
 
-int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
-                 const kvx_layout_t *l, const xfer_group_t *groups,
-                 uint32_t ngroups, uint8_t **params, size_t *params_len,
-                 char *why, size_t why_len)
+int xfer_reserve(const xfer_reserve_req_t *rq, uint8_t **params,
+                 size_t *params_len, kvx_why_t *why)
 {
+    instance_t *inst = rq->inst;
+    const reqkey_t *key = rq->key;
+    uint32_t num_tokens = rq->num_tokens, ngroups = rq->ngroups;
+    const kvx_layout_t *l = rq->layout;
+    const xfer_group_t *groups = rq->groups;
     int rc;
     if (num_tokens == 0)
-        WHY(KVX_ERR_INVALID, "reserve.num_tokens: 0");
-    if ((rc = groups_check(inst, 0, NULL, groups, ngroups, "reserve", why,
-                           why_len)))
+        return why_fail(why, KVX_ERR_INVALID, "reserve.num_tokens: 0");
+    if ((rc = groups_check(inst, 0, NULL, groups, ngroups, "reserve", why)))
         return rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
     if (o)
-        WHY(KVX_ERR_EXISTS,
-            "reserve.key: request %s of instance %s is %s already", ks(key),
-            inst->id,
-            !reqkey_eq(&o->key, key) ? "taken by a key of the same id"
-            : o->npublished          ? "published"
-                                     : "reserved");
+        return why_fail(why, KVX_ERR_EXISTS,
+                        "reserve.key: request %s of instance %s is %s already",
+                        ks(key), inst->id,
+                        !reqkey_eq(&o->key, key)
+                            ? "taken by a key of the same id"
+                        : o->npublished ? "published"
+                                        : "reserved");
     offer_spec_t sp = {.op = "reserve",
                        .num_tokens = num_tokens,
                        .l = l,
                        .groups = groups,
                        .ngroups = ngroups};
-    if ((rc = offer_create(inst, key, &sp, &o, why, why_len)))
+    if ((rc = offer_create(inst, key, &sp, &o, why)))
         return rc;
     o->reserved = 1;
     if (!(*params = malloc(o->params_len))) {
         offer_end(o, KVX_EVENT_ERROR, KVX_ERR_NOMEM, "reserve: out of memory");
-        WHY(KVX_ERR_NOMEM, "reserve: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "reserve: out of memory");
     }
     memcpy(*params, o->params, o->params_len);
     *params_len = o->params_len;
@@ -1141,14 +1137,14 @@ int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
  * limits.max_blocks_per_request, before anything is allocated for it?
  * what names the table ("publish", "publish.groups[0]"). */
 static int blocks_bound(const char *what, uint32_t ntok, uint64_t need,
-                        char *why, size_t why_len)
+                        kvx_why_t *why)
 {
     if (need > kvxd.conf.max_blocks_per_request)
-        WHY(KVX_ERR_LIMIT,
-            "%s.num_tokens: %u tokens need %llu blocks, more than "
-            "limits.max_blocks_per_request %u",
-            what, ntok, (unsigned long long)need,
-            kvxd.conf.max_blocks_per_request);
+        return why_fail(why, KVX_ERR_LIMIT,
+                        "%s.num_tokens: %u tokens need %llu blocks, more than "
+                        "limits.max_blocks_per_request %u",
+                        what, ntok, (unsigned long long)need,
+                        kvxd.conf.max_blocks_per_request);
     return 0;
 }
 
@@ -1158,34 +1154,37 @@ static int blocks_bound(const char *what, uint32_t ntok, uint64_t need,
  * published or the reservation made. */
 static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
                         const xfer_group_t *gs, uint32_t n, const char *op,
-                        char *why, size_t why_len)
+                        kvx_why_t *why)
 {
     int rc, reserve = !strcmp(op, "reserve");
     const char *other = o && o->reserved && !o->npublished
                             ? "the reservation made"
                             : "another rank published";
     if (n >= XFER_MAX_GROUPS)
-        WHY(KVX_ERR_LIMIT, "%s.groups: %u, at most %u", op, n,
-            XFER_MAX_GROUPS - 1);
+        return why_fail(why, KVX_ERR_LIMIT, "%s.groups: %u, at most %u", op, n,
+                        XFER_MAX_GROUPS - 1);
     if (o && o->ngroups != 1 + n)
-        WHY(KVX_ERR_MISMATCH, "%s.groups: %u other block tables, but %s %u", op,
-            n, other, o->ngroups - 1);
+        return why_fail(why, KVX_ERR_MISMATCH,
+                        "%s.groups: %u other block tables, but %s %u", op, n,
+                        other, o->ngroups - 1);
     for (uint32_t k = 0; k < n; k++) {
         const xfer_group_t *x = &gs[k];
         const kvx_layout_t *l = &x->pool->layout;
         char what[48];
         snprintf(what, sizeof(what), "%s.groups[%u]", op, k);
         if (x->num_tokens == 0)
-            WHY(KVX_ERR_INVALID, "%s.num_tokens: 0", what);
+            return why_fail(why, KVX_ERR_INVALID, "%s.num_tokens: 0", what);
         uint64_t need = ceil_div(x->num_tokens, l->tokens_per_block);
-        if ((rc = blocks_bound(what, x->num_tokens, need, why, why_len)))
+        if ((rc = blocks_bound(what, x->num_tokens, need, why)))
             return rc;
         if (x->first_block >= need)
-            WHY(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "%s.first_block: %u, but its %u tokens lie in %llu blocks",
                 what, x->first_block, x->num_tokens, (unsigned long long)need);
         if (!reserve && x->nblocks < need - x->first_block)
-            WHY(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "%s.blocks: %u blocks of %u tokens from block %u cannot hold "
                 "num_tokens %u (need %llu)",
                 what, x->nblocks, l->tokens_per_block, x->first_block,
@@ -1197,13 +1196,13 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
             group_side(&gs1, inst, l);
         /* a reservation has the layout summary alone: the rank's
          * share is checked at its publish */
-        if ((rc = plan_side_check(&gs1, why, why_len)) ||
-            (!reserve &&
-             (rc = check_side_layout(&gs1, rank, l, what, why, why_len))))
+        if ((rc = plan_side_check(&gs1, WHY_PAIR(why))) ||
+            (!reserve && (rc = check_side_layout(&gs1, rank, l, what, why))))
             return rc;
         if (o && (o->gtokens[k + 1] != x->num_tokens ||
                   o->gfirst[k + 1] != x->first_block))
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "%s: num_tokens %u, first_block %u differ from %u, %u that "
                 "%s",
                 what, x->num_tokens, x->first_block, o->gtokens[k + 1],
@@ -1212,7 +1211,8 @@ static int groups_check(const instance_t *inst, uint32_t rank, const offer_t *o,
             (l->tokens_per_block != gs1.tokens_per_block ||
              l->head_dim != gs1.head_dim || l->dtype != gs1.dtype ||
              l->kv_factor != gs1.kv_factor || l->elem_size != gs1.elem_size))
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "%s.pool_id: layout (tokens_per_block, head_dim, dtype, "
                 "elem_size or kv_factor) differs from the one %s",
                 what, other);
@@ -1253,39 +1253,44 @@ static int group_part_publish(offer_t *o, uint32_t k, uint32_t rank,
     return 0;
 }
 
-int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                 pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, const xfer_group_t *groups,
-                 uint32_t ngroups, const uint8_t *aux, uint32_t aux_len,
-                 int layerwise, uint8_t **params, size_t *params_len, char *why,
-                 size_t why_len)
+int xfer_publish(const xfer_publish_req_t *rq, uint8_t **params,
+                 size_t *params_len, kvx_why_t *why)
 {
+    instance_t *inst = rq->inst;
+    uint32_t rank = rq->rank, nblocks = rq->nblocks;
+    uint32_t num_tokens = rq->num_tokens, ngroups = rq->ngroups;
+    const reqkey_t *key = rq->key;
+    pool_t *pool = rq->pool;
+    const uint32_t *blocks = rq->blocks;
+    const xfer_group_t *groups = rq->groups;
+    const uint8_t *aux = rq->aux;
+    uint32_t aux_len = rq->aux_len;
+    int layerwise = rq->layerwise;
     int rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
     const kvx_layout_t *l = &pool->layout;
-    if ((rc = check_rank_layout(inst, rank, l, "publish", why, why_len)))
+    if ((rc = check_rank_layout(inst, rank, l, "publish", why)))
         return rc;
     if (num_tokens == 0)
-        WHY(KVX_ERR_INVALID, "publish.num_tokens: 0");
+        return why_fail(why, KVX_ERR_INVALID, "publish.num_tokens: 0");
     uint64_t need = ceil_div(num_tokens, l->tokens_per_block);
     if (nblocks < need && !layerwise)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "publish.blocks: %u blocks of %u tokens cannot hold num_tokens "
             "%u (need %llu)",
-            nblocks, l->tokens_per_block, num_tokens,
-            (unsigned long long)need);
+            nblocks, l->tokens_per_block, num_tokens, (unsigned long long)need);
     /* a layer-wise table has room for every block of num_tokens */
-    if ((rc = blocks_bound("publish", num_tokens, need, why, why_len)))
+    if ((rc = blocks_bound("publish", num_tokens, need, why)))
         return rc;
 
     offer_t *o = map_get(&inst->offers, request_id);
     if (o && !reqkey_eq(&o->key, key))
-        WHY(KVX_ERR_EXISTS,
-            "publish.key: %s has the id of request %s in flight (a "
-            "64-bit collision; use another key)",
-            ks(key), ks(&o->key));
-    if ((rc = groups_check(inst, rank, o, groups, ngroups, "publish", why,
-                           why_len)))
+        return why_fail(why, KVX_ERR_EXISTS,
+                        "publish.key: %s has the id of request %s in flight (a "
+                        "64-bit collision; use another key)",
+                        ks(key), ks(&o->key));
+    if ((rc = groups_check(inst, rank, o, groups, ngroups, "publish", why)))
         return rc;
     int created = !o;
     if (!o) {
@@ -1294,18 +1299,20 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                            .l = l,
                            .groups = groups,
                            .ngroups = ngroups};
-        if ((rc = offer_create(inst, key, &sp, &o, why, why_len)))
+        if ((rc = offer_create(inst, key, &sp, &o, why)))
             return rc;
     } else {
         if (o->ending)
-            WHY(KVX_ERR_STATE, "publish: request %s is ending (%s)", ks(key),
-                o->end_msg);
+            return why_fail(why, KVX_ERR_STATE,
+                            "publish: request %s is ending (%s)", ks(key),
+                            o->end_msg);
         if (o->parts[rank].published)
-            WHY(KVX_ERR_EXISTS,
-                "publish: request %s already published by rank %u", ks(key),
-                rank);
+            return why_fail(why, KVX_ERR_EXISTS,
+                            "publish: request %s already published by rank %u",
+                            ks(key), rank);
         if (o->num_tokens != num_tokens)
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "publish.num_tokens: %u differs from %u published by another "
                 "rank",
                 num_tokens, o->num_tokens);
@@ -1314,7 +1321,8 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
             l->dtype != o->side.dtype || l->kv_factor != o->side.kv_factor ||
             l->elem_size != o->side.elem_size ||
             strcmp(l->preset, o->preset))
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "publish.pool_id: layout (preset, tokens_per_block, head_dim, "
                 "dtype, elem_size or kv_factor) differs from another rank's");
     }
@@ -1322,13 +1330,14 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
      * the same bytes (or none) */
     if (aux_len && o->aux_len &&
         (aux_len != o->aux_len || memcmp(aux, o->aux, aux_len)))
-        WHY(KVX_ERR_MISMATCH,
+        return why_fail(
+            why, KVX_ERR_MISMATCH,
             "publish.aux: %u bytes differ from the %u bytes of aux another "
             "rank published for request %s",
             aux_len, o->aux_len, ks(key));
     if (aux_len && !o->aux_len &&
         (rc = aux_keep(inst->owner_uid, aux, aux_len, &o->aux, "publish.aux",
-                       why, why_len))) {
+                       why))) {
         if (created) { /* nothing kept: the offer goes as it came */
             nrequests--;
             offer_drop(o);
@@ -1342,7 +1351,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
         /* the consumer needed other ranks only (replicated heads) and is
          * done: same params, nothing to hold, no second event */
         if (!(*params = malloc(o->params_len)))
-            WHY(KVX_ERR_NOMEM, "publish: out of memory");
+            return why_fail(why, KVX_ERR_NOMEM, "publish: out of memory");
         memcpy(*params, o->params, o->params_len);
         *params_len = o->params_len;
         part->published = 1;
@@ -1360,8 +1369,8 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                 sizeof(uint32_t) +
             (layerwise ? groups[k].pool->layout.num_layers * sizeof(uint32_t)
                        : 0);
-    if ((rc = req_charge(inst, tmem, "publish.blocks: the block tables", why,
-                         why_len))) {
+    if ((rc =
+             req_charge(inst, tmem, "publish.blocks: the block tables", why))) {
         if (created) { /* nothing kept: the offer goes as it came */
             nrequests--;
             offer_drop(o);
@@ -1374,12 +1383,12 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     list_init(&part->watches);
     if (layerwise &&
         !(part->tok_ready = calloc(l->num_layers, sizeof(uint32_t))))
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "publish: out of memory");
     /* room for every block (a chunked prefill appends the rest; those
      * not given yet are never read: no token of theirs is ready) */
     if (!(part->blocks = calloc(need, sizeof(uint32_t)))) {
         part_layers_free(part);
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "publish: out of memory");
     }
     for (uint32_t k = 0; k < ngroups; k++)
         if (group_part_publish(o, k + 1, rank, &groups[k], layerwise)) {
@@ -1399,7 +1408,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
                 nrequests--;
                 offer_drop(o);
             }
-            WHY(KVX_ERR_NOMEM, "publish: out of memory");
+            return why_fail(why, KVX_ERR_NOMEM, "publish: out of memory");
         }
     part->nappended = (uint32_t)(nblocks < need ? nblocks : need);
     memcpy(part->blocks, blocks, part->nappended * sizeof(uint32_t));
@@ -1416,7 +1425,7 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
     /* copy the params out first: starting a waiting consumer may end the
      * request (and free the offer) before the reply is sent */
     if (!(*params = malloc(o->params_len)))
-        WHY(KVX_ERR_NOMEM, "publish: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "publish: out of memory");
     memcpy(*params, o->params, o->params_len);
     *params_len = o->params_len;
     if (R.offer_published)
@@ -1503,45 +1512,56 @@ static void layers_reached(void *arg, int status)
         layers_mark(o, group, rank, first, count, tokens);
 }
 
-int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                      uint32_t group, uint32_t first, uint32_t count,
-                      uint32_t tokens, const uint8_t *ev, size_t ev_len,
-                      uint64_t owner, char *why, size_t why_len)
+int xfer_layers_ready(const xfer_ready_req_t *rq, kvx_why_t *why)
 {
+    instance_t *inst = rq->inst;
+    uint32_t rank = rq->rank, group = rq->group, first = rq->first;
+    uint32_t count = rq->count, tokens = rq->tokens;
+    const reqkey_t *key = rq->key;
+    const uint8_t *ev = rq->ev;
+    size_t ev_len = rq->ev_len;
+    uint64_t owner = rq->owner;
     int rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
     if (!o || !reqkey_eq(&o->key, key)) {
         const gone_t *x = gone_find(1, inst->id, request_id, key->b, key->len);
         if (x)
-            WHY(x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED,
-                "layers_ready: request %s was %s", ks(key),
-                x->released ? "released" : "cancelled");
-        WHY(KVX_ERR_NOT_FOUND,
+            return why_fail(why,
+                            x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED,
+                            "layers_ready: request %s was %s", ks(key),
+                            x->released ? "released" : "cancelled");
+        return why_fail(
+            why, KVX_ERR_NOT_FOUND,
             "layers_ready: no offer of request %s in instance %s (never "
             "published, or ended: its event says how)",
             ks(key), inst->id);
     }
     if (o->ending)
-        WHY(KVX_ERR_STATE, "layers_ready: request %s is ending (%s)", ks(key),
-            o->end_msg);
+        return why_fail(why, KVX_ERR_STATE,
+                        "layers_ready: request %s is ending (%s)", ks(key),
+                        o->end_msg);
     if (group >= o->ngroups)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "layers_ready.group: %u, but request %s has %u block table%s",
             group, ks(key), o->ngroups, o->ngroups == 1 ? "" : "s");
     offer_part_t *sp = OPART(o, group, rank);
     if (!OPART(o, 0, rank)->published)
-        WHY(KVX_ERR_STATE, "layers_ready: rank %u has not published request %s",
-            rank, ks(key));
+        return why_fail(why, KVX_ERR_STATE,
+                        "layers_ready: rank %u has not published request %s",
+                        rank, ks(key));
     if (o->consumed)
         return 0; /* its consumer needed other ranks only, and is done */
     if (!sp->layerwise)
-        WHY(KVX_ERR_STATE,
+        return why_fail(
+            why, KVX_ERR_STATE,
             "layers_ready: request %s was published whole (publish with "
             "layerwise to offer layers before their KV exists)",
             ks(key));
     if (count == 0 || first >= sp->nlayers || count > sp->nlayers - first)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "layers_ready: layers [%u, %llu) are not inside this rank's %u "
             "layers",
             first, (unsigned long long)first + count, sp->nlayers);
@@ -1549,12 +1569,13 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
     if (tokens == 0)
         tokens = ntok;
     if (tokens > ntok)
-        WHY(KVX_ERR_INVALID,
-            "layers_ready.tokens: %u, more than the request's %u", tokens,
-            ntok);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "layers_ready.tokens: %u, more than the request's %u",
+                        tokens, ntok);
     uint32_t tpb = o->gside[group].tokens_per_block;
     if (ceil_div(tokens, tpb) > sp->nappended)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "layers_ready.tokens: %u tokens lie in %llu blocks; %u appended "
             "(append_blocks first)",
             tokens, (unsigned long long)ceil_div(tokens, tpb), sp->nappended);
@@ -1563,17 +1584,19 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
         return 0;
     }
     if (ev_len != 64)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "layers_ready.cuda_event: %zu bytes (a cudaIpcEventHandle_t "
             "has 64)",
             ev_len);
     if (!sp->pool->gpu)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "layers_ready.cuda_event: pool %u is host memory (host pools "
             "say layers_ready once the KV is written, without an event)",
             sp->pool->id);
     gpu_event_t *e;
-    if ((rc = gpu_event_import(ev, sp->pool->device, owner, &e, why, why_len)))
+    if ((rc = gpu_event_import(ev, sp->pool->device, owner, &e, WHY_PAIR(why))))
         return rc;
     lw_watch_t *x = calloc(1, sizeof(*x));
     if (x && !(x->w = gpu_event_watch(e, layers_reached, x))) {
@@ -1582,7 +1605,7 @@ int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
     }
     gpu_event_unref(e); /* the watch holds its own reference */
     if (!x)
-        WHY(KVX_ERR_NOMEM, "layers_ready: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "layers_ready: out of memory");
     *x = (lw_watch_t){o, group, rank, first, count, tokens, x->w, {NULL, NULL}};
     list_push(&sp->watches, &x->node);
     log_debug("layers_ready %s/%s rank %u: [%u, %u) once its event is "
@@ -1650,43 +1673,49 @@ int xfer_blocks_repeat(const uint32_t *b, size_t n, size_t *at)
 
 int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
                        const pool_t *pool, const uint32_t *blocks,
-                       uint32_t nblocks, char *why, size_t why_len)
+                       uint32_t nblocks, kvx_why_t *why)
 {
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
     if (!o || !reqkey_eq(&o->key, key)) {
         const gone_t *x = gone_find(1, inst->id, request_id, key->b, key->len);
         if (x)
-            WHY(x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED,
-                "append_blocks: request %s was %s", ks(key),
-                x->released ? "released" : "cancelled");
-        WHY(KVX_ERR_NOT_FOUND,
+            return why_fail(why,
+                            x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED,
+                            "append_blocks: request %s was %s", ks(key),
+                            x->released ? "released" : "cancelled");
+        return why_fail(
+            why, KVX_ERR_NOT_FOUND,
             "append_blocks: no offer of request %s in instance %s (never "
             "published, or ended: its event says how)",
             ks(key), inst->id);
     }
     if (o->ending)
-        WHY(KVX_ERR_STATE, "append_blocks: request %s is ending (%s)", ks(key),
-            o->end_msg);
+        return why_fail(why, KVX_ERR_STATE,
+                        "append_blocks: request %s is ending (%s)", ks(key),
+                        o->end_msg);
     offer_part_t *sp = &o->parts[rank];
     if (!sp->published)
-        WHY(KVX_ERR_STATE,
-            "append_blocks: rank %u has not published request %s", rank,
-            ks(key));
+        return why_fail(why, KVX_ERR_STATE,
+                        "append_blocks: rank %u has not published request %s",
+                        rank, ks(key));
     if (o->consumed)
         return 0;
     if (!sp->layerwise)
-        WHY(KVX_ERR_STATE,
+        return why_fail(
+            why, KVX_ERR_STATE,
             "append_blocks: request %s was published whole (publish with "
             "layerwise to add blocks as chunks finish)",
             ks(key));
     if (pool != sp->pool)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "append_blocks.pool_id: pool %u, but request %s was published "
             "from pool %u",
             pool->id, ks(key), sp->pool->id);
     if (nblocks > sp->nblocks - sp->nappended)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "append_blocks.blocks: %u more, but request %s holds %u blocks "
             "(num_tokens %u) and %u are given",
             nblocks, ks(key), sp->nblocks, o->num_tokens, sp->nappended);
@@ -1696,9 +1725,10 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
     memcpy(sp->blocks + first, blocks, nblocks * sizeof(uint32_t));
     size_t dup;
     if (xfer_blocks_repeat(sp->blocks, first + nblocks, &dup))
-        WHY(KVX_ERR_NOMEM, "append_blocks: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "append_blocks: out of memory");
     if (dup < first + nblocks)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "append_blocks.blocks[%zu]: block %u is already one of request "
             "%s's blocks",
             dup - first, sp->blocks[dup], ks(key));
@@ -1725,20 +1755,23 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
 
 int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
                         uint32_t group, uint32_t *done, uint32_t *nlayers,
-                        char *why, size_t why_len)
+                        kvx_why_t *why)
 {
     uint64_t request_id = xfer_key_id(key->b, key->len);
     genreq_t *g = map_get(&inst->fetches, request_id);
     if (!g || !reqkey_eq(&g->key, key))
-        WHY(KVX_ERR_NOT_FOUND,
+        return why_fail(
+            why, KVX_ERR_NOT_FOUND,
             "fetch_progress: no fetch of request %s in instance %s (never "
             "fetched, or ended: its event says how)",
             ks(key), inst->id);
     if (!GPART(g, 0, rank)->fetched)
-        WHY(KVX_ERR_STATE, "fetch_progress: rank %u has not fetched request %s",
-            rank, ks(key));
+        return why_fail(why, KVX_ERR_STATE,
+                        "fetch_progress: rank %u has not fetched request %s",
+                        rank, ks(key));
     if (group >= g->ngroups)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "fetch_progress.group: %u, but request %s has %u block table%s",
             group, ks(key), g->ngroups, g->ngroups == 1 ? "" : "s");
     genpart_t *p = GPART(g, group, rank);
@@ -2110,23 +2143,31 @@ static genpart_t *part_fetched(genreq_t *g, uint32_t k, uint32_t rank,
  * the plan comes from the params, the token is proven to the daemon
  * serving each source rank, and each slice is pulled from it. */
 static int side_from_params(const Kvxfer__ContextParams *cp, plan_side_t *s,
-                            char *why, size_t why_len)
+                            kvx_why_t *why)
 {
     char w[200];
-    int rc = xfer_side_from_msg(cp->parallel, cp->layout, s, w, sizeof(w));
+    int rc = xfer_side_from_msg(cp->parallel, cp->layout, s, KVX_WHY(w));
     if (rc)
-        WHY(rc, "fetch.context_params: %s", w);
+        return why_fail(why, rc, "fetch.context_params: %s", w);
     if (plan_side_ranks(s) != cp->n_rank_addresses)
-        WHY(KVX_ERR_INVALID,
-            "fetch.context_params: %zu rank addresses for %u ranks",
-            cp->n_rank_addresses, plan_side_ranks(s));
+        return why_fail(why, KVX_ERR_INVALID,
+                        "fetch.context_params: %zu rank addresses for %u ranks",
+                        cp->n_rank_addresses, plan_side_ranks(s));
     return rc;
 }
 
-static int group_plan(const plan_side_t *src, uint32_t src_tokens,
-                      uint32_t src_first, const instance_t *inst, uint32_t rank,
-                      uint32_t k, const xfer_group_t *x, plan_t **out,
-                      uint32_t **bt_out, char *why, size_t why_len);
+/* Table k (k > 0) of an offer, as a fetch reads it: its side, its
+ * tokens and its first block. */
+typedef struct group_src {
+    const plan_side_t *side;
+    uint32_t tokens;
+    uint32_t first;
+    uint32_t k;
+} group_src_t;
+
+static int group_plan(const group_src_t *gsrc, const instance_t *inst,
+                      uint32_t rank, const xfer_group_t *x, plan_t **out,
+                      uint32_t **bt_out, kvx_why_t *why);
 
 /* The other tables' plans and destination tables of a fetch that did
  * not take them (group_plan() made them). */
@@ -2141,7 +2182,7 @@ static void group_plans_free(plan_t **plans, uint32_t **bts, uint32_t n)
 /* The side of the offer's table k (k > 0) from the params: the
  * instance's parallelism with that table's layout summary and sizes. */
 static int side_from_params_group(const Kvxfer__ContextParams *cp, uint32_t k,
-                                  plan_side_t *s, char *why, size_t why_len)
+                                  plan_side_t *s, kvx_why_t *why)
 {
     const Kvxfer__ParamsGroup *pg = cp->groups[k - 1];
     char w[200];
@@ -2149,110 +2190,127 @@ static int side_from_params_group(const Kvxfer__ContextParams *cp, uint32_t k,
     pc.total_layers = pg->total_layers;
     pc.total_kv_heads = pg->total_kv_heads;
     pc.n_layers_per_pp = 0; /* a group's layers split evenly */
-    int rc = xfer_side_from_msg(&pc, pg->layout, s, w, sizeof(w));
+    int rc = xfer_side_from_msg(&pc, pg->layout, s, KVX_WHY(w));
     if (rc)
-        WHY(rc, "fetch.context_params: groups[%u]: %s", k - 1, w);
+        return why_fail(why, rc, "fetch.context_params: groups[%u]: %s", k - 1,
+                        w);
     return 0;
 }
 
-static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
-                        const reqkey_t *key, const Kvxfer__ContextParams *cp,
-                        pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                        uint32_t skip, uint32_t dp_rank, const xfer_group_t *gs,
-                        uint32_t ngs, char *why, size_t why_len)
+static int fetch_remote(const xfer_fetch_req_t *rq, uint64_t request_id,
+                        const Kvxfer__ContextParams *cp, kvx_why_t *why)
 {
+    instance_t *inst = rq->inst;
+    uint32_t rank = rq->rank, nblocks = rq->nblocks, skip = rq->skip_tokens;
+    uint32_t dp_rank = rq->dp_rank, ngs = rq->ngroups;
+    const reqkey_t *key = rq->key;
+    pool_t *pool = rq->pool;
+    const uint32_t *blocks = rq->blocks;
+    const xfer_group_t *gs = rq->groups;
     int rc;
     uint64_t src_id = xfer_key_id(cp->key.data, cp->key.len);
     if (!peer_enabled()) {
         for (size_t i = 0; i < cp->n_rank_addresses; i++)
             if (strcmp(cp->rank_addresses[i], kvxd.address))
-                WHY(KVX_ERR_UNSUPPORTED,
+                return why_fail(
+                    why, KVX_ERR_UNSUPPORTED,
                     "fetch.context_params: context rank %zu is served by "
                     "daemon '%s', and transfers between daemons are off "
                     "here (peer.listen is empty)",
                     i, cp->rank_addresses[i]);
-        WHY(KVX_ERR_UNSUPPORTED,
+        return why_fail(
+            why, KVX_ERR_UNSUPPORTED,
             "fetch: instance %s spans daemons, and transfers between "
             "daemons are off here (peer.listen is empty)",
             inst->id);
     }
     for (size_t i = 0; i < cp->n_rank_addresses; i++)
-        if ((rc = peer_address_check(cp->rank_addresses[i], why, why_len)))
+        if ((rc = peer_address_check(cp->rank_addresses[i], WHY_PAIR(why))))
             return rc;
     plan_side_t src, dst, full;
     uint32_t eff_rank;
-    if ((rc = side_from_params(cp, &src, why, why_len)))
+    if ((rc = side_from_params(cp, &src, why)))
         return rc;
     side_from_layout(&full, inst, &pool->layout);
     plan_dp_view(&full, rank, &dst, &eff_rank);
-    if ((rc = plan_compat(&src, &dst, why, why_len)))
+    if ((rc = plan_compat(&src, &dst, WHY_PAIR(why))))
         return rc;
 
     genreq_t *g = map_get(&inst->fetches, request_id);
     if (g && !reqkey_eq(&g->key, key))
-        WHY(KVX_ERR_EXISTS,
+        return why_fail(
+            why, KVX_ERR_EXISTS,
             "fetch.key: %s has the id of request %s in flight (a 64-bit "
             "collision; use another key)",
             ks(key), ks(&g->key));
     if (g) {
         if (g->ending)
-            WHY(KVX_ERR_STATE, "fetch: request %s is ending (%s)", ks(key),
-                g->end_msg);
+            return why_fail(why, KVX_ERR_STATE,
+                            "fetch: request %s is ending (%s)", ks(key),
+                            g->end_msg);
         if (!g->remote || strcmp(g->src_instance, cp->instance_id) ||
             g->src_request != src_id ||
             memcmp(g->token, cp->token.data, TOKEN_LEN))
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "fetch.context_params: request %s is being fetched from "
                 "another offer by another rank",
                 ks(key));
         if (g->parts[rank].fetched)
-            WHY(KVX_ERR_EXISTS,
-                "fetch: request %s already fetched by "
-                "rank %u",
-                ks(key), rank);
+            return why_fail(why, KVX_ERR_EXISTS,
+                            "fetch: request %s already fetched by "
+                            "rank %u",
+                            ks(key), rank);
         if (g->dp_rank != dp_rank)
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "fetch.dp_rank: %u differs from %u given by another rank",
                 dp_rank, g->dp_rank);
         if (g->ngroups != 1 + ngs)
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "fetch.groups: %u other block tables, but another rank's "
                 "fetch of request %s gave %u",
                 ngs, ks(key), g->ngroups - 1);
         if (g->skip_tokens != skip)
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "fetch.skip_tokens: %u differs from %u given by another "
                 "rank",
                 skip, g->skip_tokens);
         for (uint32_t k = 0; k < ngs; k++)
             if (g->gskip[k + 1] != gs[k].skip_tokens)
-                WHY(KVX_ERR_MISMATCH,
+                return why_fail(
+                    why, KVX_ERR_MISMATCH,
                     "fetch.groups[%u].skip_tokens: %u differs from %u given "
                     "by another rank",
                     k, gs[k].skip_tokens, g->gskip[k + 1]);
     } else if (nrequests >= kvxd.conf.max_requests) {
-        WHY(KVX_ERR_LIMIT, "fetch: %u requests in flight (limits."
-                           "max_requests)",
-            nrequests);
+        return why_fail(why, KVX_ERR_LIMIT,
+                        "fetch: %u requests in flight (limits."
+                        "max_requests)",
+                        nrequests);
     }
     /* before planning: forged params could ask for billions of tokens
      * (the plan's segments); the blocks given bound what can land */
     if ((uint64_t)nblocks * dst.tokens_per_block < cp->num_tokens)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "fetch.blocks: %u blocks of %u tokens cannot hold the offer's "
             "%u tokens",
             nblocks, dst.tokens_per_block, cp->num_tokens);
     plan_t *plan;
     if ((rc = plan_build(&src, &dst, eff_rank, cp->num_tokens, skip, &plan,
-                         why, why_len)))
+                         WHY_PAIR(why))))
         return rc;
-    if ((rc = plan_own(plan, inst->owner_uid, why, why_len))) {
+    if ((rc = plan_own(plan, inst->owner_uid, WHY_PAIR(why)))) {
         plan_free(plan);
         return rc;
     }
     if (nblocks < plan->dst_blocks_needed) {
         plan_free(plan);
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "fetch.blocks: %u blocks of %u tokens cannot hold the offer's "
             "%u tokens (need %u)",
             nblocks, dst.tokens_per_block, cp->num_tokens,
@@ -2261,7 +2319,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
     uint32_t *bt = malloc(plan->dst_blocks_needed * sizeof(uint32_t) + 1);
     if (!bt) {
         plan_free(plan);
-        WHY(KVX_ERR_NOMEM, "fetch: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "fetch: out of memory");
     }
     memcpy(bt, blocks, plan->dst_blocks_needed * sizeof(uint32_t));
     /* the other tables' plans, from the params' sides */
@@ -2270,14 +2328,15 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
     for (uint32_t k = 0; k < ngs && !rc; k++) {
         plan_side_t gsrc;
         const Kvxfer__ParamsGroup *pg = cp->groups[k];
-        if (!(rc = side_from_params_group(cp, k + 1, &gsrc, why, why_len)))
-            rc = group_plan(&gsrc, pg->num_tokens, pg->first_block, inst, rank,
-                            k + 1, &gs[k], &gplan[k], &gbt[k], why, why_len);
+        if (!(rc = side_from_params_group(cp, k + 1, &gsrc, why)))
+            rc = group_plan(
+                &(group_src_t){&gsrc, pg->num_tokens, pg->first_block, k + 1},
+                inst, rank, &gs[k], &gplan[k], &gbt[k], why);
     }
     /* the tables (and a new request's state), charged to its uid */
     uint64_t mem = rc ? 0 : fetch_bytes(inst, g, plan, pool, gplan, gs, ngs);
     if (!rc)
-        rc = req_charge(inst, mem, "fetch: the request", why, why_len);
+        rc = req_charge(inst, mem, "fetch: the request", why);
     if (rc) {
         group_plans_free(gplan, gbt, ngs);
         free(bt);
@@ -2298,7 +2357,7 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
             plan_free(plan);
             group_plans_free(gplan, gbt, ngs);
             kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, mem);
-            WHY(KVX_ERR_NOMEM, "fetch: out of memory");
+            return why_fail(why, KVX_ERR_NOMEM, "fetch: out of memory");
         }
         g->remote = 1;
         g->src_side = src;
@@ -2344,18 +2403,15 @@ static int fetch_remote(instance_t *inst, uint32_t rank, uint64_t request_id,
     return 0;
 }
 
-static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
-                     const reqkey_t *key, const uint8_t *pbuf, size_t plen,
-                     pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                     uint32_t skip, uint32_t dp_rank, const xfer_group_t *gs,
-                     uint32_t ngs, int *as_event, char *why, size_t why_len);
+static int fetch_one(const xfer_fetch_req_t *rq, uint64_t request_id,
+                     int *as_event, kvx_why_t *why);
 
 /* A rank's fetch of a request that ended already (another rank's fetch
  * failed, it was cancelled, it timed out): its event is in the batches,
  * so this fetch joins that end, with no second event. 1 when it did. */
 static int fetch_join_end(instance_t *inst, uint32_t rank, uint64_t id,
-                          const reqkey_t *key, uint64_t src, int *rc, char *why,
-                          size_t why_len)
+                          const reqkey_t *key, uint64_t src, int *rc,
+                          kvx_why_t *why)
 {
     genreq_t *g = map_get(&inst->fetches, id);
     gone_t *x = g ? NULL : gone_find(0, inst->id, id, key->b, key->len);
@@ -2371,8 +2427,8 @@ static int fetch_join_end(instance_t *inst, uint32_t rank, uint64_t id,
     if (!seen && !x)
         return 0;
     if (seen ? *seen : *xs) {
-        snprintf(why, why_len, "fetch: request %s already fetched by rank %u",
-                 ks(key), rank);
+        why_set(why, "fetch: request %s already fetched by rank %u", ks(key),
+                rank);
         *rc = KVX_ERR_EXISTS;
         return 1;
     }
@@ -2385,11 +2441,11 @@ static int fetch_join_end(instance_t *inst, uint32_t rank, uint64_t id,
 }
 
 int xfer_fetch_ended(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                     uint64_t src, int *rc, char *why, size_t why_len)
+                     uint64_t src, int *rc, kvx_why_t *why)
 {
     return rank < inst->nranks &&
            fetch_join_end(inst, rank, xfer_key_id(key->b, key->len), key, src,
-                          rc, why, why_len);
+                          rc, why);
 }
 
 uint64_t xfer_source_id(const char *inst, const uint8_t *key, size_t len)
@@ -2409,7 +2465,7 @@ static uint64_t params_source(const uint8_t *pbuf, size_t plen)
 {
     Kvxfer__ContextParams *cp;
     char w[256];
-    if (xfer_params_decode(pbuf, plen, &cp, w, sizeof(w)))
+    if (xfer_params_decode(pbuf, plen, &cp, KVX_WHY(w)))
         return 0;
     uint64_t s = xfer_source_id(cp->instance_id, cp->key.data, cp->key.len);
     kvxfer__context_params__free_unpacked(cp, NULL);
@@ -2423,22 +2479,26 @@ static uint64_t params_source(const uint8_t *pbuf, size_t plen)
  * the offer (it exists, the token, nobody took it) fails as an ERROR
  * event, as it does at a peer daemon (remote.c, on_open()): on one daemon
  * as across two, the fetch returns 0 and the event says why. */
-int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
-               const uint8_t *pbuf, size_t plen, pool_t *pool,
-               const uint32_t *blocks, uint32_t nblocks, uint32_t skip,
-               uint32_t dp_rank, const xfer_group_t *gs, uint32_t ngs,
-               char *why, size_t why_len)
+int xfer_fetch(const xfer_fetch_req_t *rq, kvx_why_t *why)
 {
+    instance_t *inst = rq->inst;
+    uint32_t rank = rq->rank;
+    const reqkey_t *key = rq->key;
+    const uint8_t *pbuf = rq->params;
+    size_t plen = rq->params_len;
+    char buf[512]; /* the message is the event's when the caller wants none */
+    kvx_why_t own = {buf, sizeof(buf)};
+    if (!why || !why->size)
+        why = &own;
     uint64_t request_id = xfer_key_id(key->b, key->len);
     int rc, as_event = 0;
     uint64_t src = gone_find(0, inst->id, request_id, key->b, key->len)
                        ? params_source(pbuf, plen)
                        : 0; /* decoded again only for a request that ended */
     if (rank < inst->nranks &&
-        fetch_join_end(inst, rank, request_id, key, src, &rc, why, why_len))
+        fetch_join_end(inst, rank, request_id, key, src, &rc, why))
         return rc;
-    rc = fetch_one(inst, rank, request_id, key, pbuf, plen, pool, blocks,
-                   nblocks, skip, dp_rank, gs, ngs, &as_event, why, why_len);
+    rc = fetch_one(rq, request_id, &as_event, why);
     genreq_t *g =
         rc && rc != KVX_ERR_EXISTS ? map_get(&inst->fetches, request_id) : NULL;
     if (g && !reqkey_eq(&g->key, key))
@@ -2449,8 +2509,10 @@ int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         uint8_t *seen = calloc(inst->nranks, 1);
         if (seen && rank < inst->nranks)
             seen[rank] = 1;
-        xfer_fetch_end_early(inst, key, dp_rank, KVX_EVENT_ERROR, rc, why, seen,
-                             params_source(pbuf, plen));
+        xfer_fetch_end_early(
+            inst, key, rq->dp_rank,
+            &(batch_end_t){KVX_EVENT_ERROR, rc, why->msg, NULL, 0}, seen,
+            params_source(pbuf, plen));
         free(seen);
         return 0;
     }
@@ -2458,22 +2520,28 @@ int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         rank < inst->nranks && !g->parts[rank].fetched) {
         char m[600];
         if (as_event)
-            snprintf(m, sizeof(m), "%s", why);
+            snprintf(m, sizeof(m), "%s", why->msg);
         else
             snprintf(m, sizeof(m), "rank %u's fetch was refused: %s", rank,
-                     why);
+                     why->msg);
         g->parts[rank].late = 1;
         genreq_end(g, KVX_EVENT_ERROR, rc, m);
     }
     return as_event ? 0 : rc;
 }
 
-static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
-                     const reqkey_t *key, const uint8_t *pbuf, size_t plen,
-                     pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                     uint32_t skip, uint32_t dp_rank, const xfer_group_t *gs,
-                     uint32_t ngs, int *as_event, char *why, size_t why_len)
+static int fetch_one(const xfer_fetch_req_t *rq, uint64_t request_id,
+                     int *as_event, kvx_why_t *why)
 {
+    instance_t *inst = rq->inst;
+    uint32_t rank = rq->rank, nblocks = rq->nblocks, skip = rq->skip_tokens;
+    uint32_t dp_rank = rq->dp_rank, ngs = rq->ngroups;
+    const reqkey_t *key = rq->key;
+    const uint8_t *pbuf = rq->params;
+    size_t plen = rq->params_len;
+    pool_t *pool = rq->pool;
+    const uint32_t *blocks = rq->blocks;
+    const xfer_group_t *gs = rq->groups;
     int rc;
     Kvxfer__ContextParams *cp;
     /* attention DP: only the named group receives; the plan sees the
@@ -2484,18 +2552,19 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     uint32_t ngroups = inst->side.attention_dp > 1 ? inst->side.attention_dp
                                                    : 1;
     if (dp_rank >= ngroups)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "fetch.dp_rank: %u, but instance %s has %u attention-DP "
             "group%s",
             dp_rank, inst->id, ngroups, ngroups == 1 ? "" : "s");
     if (group != dp_rank)
-        WHY(KVX_ERR_INVALID,
-            "fetch.dp_rank: rank %u is in attention-DP group %u, not %u",
-            rank, group, dp_rank);
-    if ((rc = check_rank_layout(inst, rank, &pool->layout, "fetch", why,
-                                why_len)))
+        return why_fail(
+            why, KVX_ERR_INVALID,
+            "fetch.dp_rank: rank %u is in attention-DP group %u, not %u", rank,
+            group, dp_rank);
+    if ((rc = check_rank_layout(inst, rank, &pool->layout, "fetch", why)))
         return rc;
-    if ((rc = xfer_params_decode(pbuf, plen, &cp, why, why_len)))
+    if ((rc = xfer_params_decode(pbuf, plen, &cp, why)))
         return rc;
     /* Everything the plan needs comes from the offer, found by id and
      * proven by the token; the rest of the params is only a locator. */
@@ -2505,22 +2574,20 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     for (size_t i = 0; i < cp->n_rank_addresses; i++)
         remote |= strcmp(cp->rank_addresses[i], kvxd.address) != 0;
     if (ngs >= XFER_MAX_GROUPS) {
-        snprintf(why, why_len, "fetch.groups: %u, at most %u", ngs,
-                 XFER_MAX_GROUPS - 1);
+        why_set(why, "fetch.groups: %u, at most %u", ngs, XFER_MAX_GROUPS - 1);
         rc = KVX_ERR_LIMIT;
         goto out;
     }
     if (cp->n_groups != ngs) {
-        snprintf(why, why_len,
-                 "fetch.groups: %u other block tables, but the offer of "
-                 "request %s has %zu",
-                 ngs, ksb(cp->key.data, cp->key.len), cp->n_groups);
+        why_set(why,
+                "fetch.groups: %u other block tables, but the offer of "
+                "request %s has %zu",
+                ngs, ksb(cp->key.data, cp->key.len), cp->n_groups);
         rc = KVX_ERR_MISMATCH;
         goto out;
     }
     if (remote) {
-        rc = fetch_remote(inst, rank, request_id, key, cp, pool, blocks,
-                          nblocks, skip, dp_rank, gs, ngs, why, why_len);
+        rc = fetch_remote(rq, request_id, cp, why);
         goto out;
     }
     /* from here to the plan, the checks of the offer: as at a peer
@@ -2529,19 +2596,19 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     *as_event = 1;
     uint64_t src_id = xfer_key_id(cp->key.data, cp->key.len);
     if (!(ci = instance_find(cp->instance_id))) {
-        snprintf(why, why_len,
-                 "context side: no offer for request %s of instance '%s' on "
-                 "daemon %s (no such instance there)",
-                 ksb(cp->key.data, cp->key.len), cp->instance_id, kvxd.address);
+        why_set(why,
+                "context side: no offer for request %s of instance '%s' on "
+                "daemon %s (no such instance there)",
+                ksb(cp->key.data, cp->key.len), cp->instance_id, kvxd.address);
         rc = KVX_ERR_NOT_FOUND;
         goto out;
     }
     const gone_t *gx;
     if ((!(o = map_get(&ci->offers, src_id)) || o->ending || o->consumed) &&
         (gx = gone_find(1, ci->id, src_id, cp->key.data, cp->key.len))) {
-        snprintf(why, why_len, "context side: %s",
-                 gx->released ? "released (kvx_release)"
-                              : "cancelled by the context side");
+        why_set(why, "context side: %s",
+                gx->released ? "released (kvx_release)"
+                             : "cancelled by the context side");
         rc = gx->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED;
         goto out;
     }
@@ -2549,21 +2616,21 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
               memcmp(o->key.b, cp->key.data, cp->key.len)))
         o = NULL; /* another key's, whose id collides */
     if (!o || o->ending || o->consumed) {
-        snprintf(why, why_len,
-                 "context side: no offer for request %s of instance '%s' on "
-                 "daemon %s (%s)",
-                 ksb(cp->key.data, cp->key.len), cp->instance_id, kvxd.address,
-                 !o            ? "expired, cancelled or completed"
-                 : o->consumed ? "consumed"
-                               : "ending");
+        why_set(why,
+                "context side: no offer for request %s of instance '%s' on "
+                "daemon %s (%s)",
+                ksb(cp->key.data, cp->key.len), cp->instance_id, kvxd.address,
+                !o            ? "expired, cancelled or completed"
+                : o->consumed ? "consumed"
+                              : "ending");
         rc = KVX_ERR_NOT_FOUND;
         goto out;
     }
     if (!ct_equal(cp->token.data, o->token, TOKEN_LEN)) {
-        snprintf(why, why_len,
-                 "context side: capability token does not match the offer "
-                 "of request %s",
-                 ksb(cp->key.data, cp->key.len));
+        why_set(why,
+                "context side: capability token does not match the offer "
+                "of request %s",
+                ksb(cp->key.data, cp->key.len));
         log_warn("fetch %s/%s: forged or stale capability token for offer "
                  "%s/%s",
                  inst->id, ks(key), ci->id, ksb(cp->key.data, cp->key.len));
@@ -2571,10 +2638,10 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         goto out;
     }
     if (o->ngroups != 1 + ngs) { /* the params said so, but may lie */
-        snprintf(why, why_len,
-                 "fetch.groups: %u other block tables, but the offer of "
-                 "request %s has %u",
-                 ngs, ksb(cp->key.data, cp->key.len), o->ngroups - 1);
+        why_set(why,
+                "fetch.groups: %u other block tables, but the offer of "
+                "request %s has %u",
+                ngs, ksb(cp->key.data, cp->key.len), o->ngroups - 1);
         rc = KVX_ERR_MISMATCH;
         goto out;
     }
@@ -2582,80 +2649,78 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     *as_event = 0;
     genreq_t *g = map_get(&inst->fetches, request_id);
     if (g && !reqkey_eq(&g->key, key)) {
-        snprintf(why, why_len,
-                 "fetch.key: %s has the id of request %s in flight (a 64-bit "
-                 "collision; use another key)",
-                 ks(key), ks(&g->key));
+        why_set(why,
+                "fetch.key: %s has the id of request %s in flight (a 64-bit "
+                "collision; use another key)",
+                ks(key), ks(&g->key));
         rc = KVX_ERR_EXISTS;
         goto out;
     }
     if (g) {
         if (g->ending) {
-            snprintf(why, why_len, "fetch: request %s is ending (%s)", ks(key),
-                     g->end_msg);
+            why_set(why, "fetch: request %s is ending (%s)", ks(key),
+                    g->end_msg);
             rc = KVX_ERR_STATE;
             goto out;
         }
         if (g->offer != o) {
-            snprintf(why, why_len,
-                     "fetch.context_params: request %s is being fetched "
-                     "from another offer by another rank",
-                     ks(key));
+            why_set(why,
+                    "fetch.context_params: request %s is being fetched "
+                    "from another offer by another rank",
+                    ks(key));
             rc = KVX_ERR_MISMATCH;
             goto out;
         }
         if (g->parts[rank].fetched) {
-            snprintf(why, why_len,
-                     "fetch: request %s already fetched by rank %u", ks(key),
-                     rank);
+            why_set(why, "fetch: request %s already fetched by rank %u",
+                    ks(key), rank);
             rc = KVX_ERR_EXISTS;
             goto out;
         }
         if (g->dp_rank != dp_rank) {
-            snprintf(why, why_len,
-                     "fetch.dp_rank: %u differs from %u given by another rank",
-                     dp_rank, g->dp_rank);
+            why_set(why,
+                    "fetch.dp_rank: %u differs from %u given by another rank",
+                    dp_rank, g->dp_rank);
             rc = KVX_ERR_MISMATCH;
             goto out;
         }
         if (g->skip_tokens != skip) {
-            snprintf(why, why_len,
-                     "fetch.skip_tokens: %u differs from %u given by another "
-                     "rank",
-                     skip, g->skip_tokens);
+            why_set(why,
+                    "fetch.skip_tokens: %u differs from %u given by another "
+                    "rank",
+                    skip, g->skip_tokens);
             rc = KVX_ERR_MISMATCH;
             goto out;
         }
         for (uint32_t k = 0; k < ngs; k++)
             if (g->gskip[k + 1] != gs[k].skip_tokens) {
-                snprintf(why, why_len,
-                         "fetch.groups[%u].skip_tokens: %u differs from %u "
-                         "given by another rank",
-                         k, gs[k].skip_tokens, g->gskip[k + 1]);
+                why_set(why,
+                        "fetch.groups[%u].skip_tokens: %u differs from %u "
+                        "given by another rank",
+                        k, gs[k].skip_tokens, g->gskip[k + 1]);
                 rc = KVX_ERR_MISMATCH;
                 goto out;
             }
     } else if (R.offer_taker && R.offer_taker(o)) {
-        snprintf(why, why_len,
-                 "context side: the offer of request %s is already taken by "
-                 "%s",
-                 ksb(cp->key.data, cp->key.len), R.offer_taker(o));
+        why_set(why,
+                "context side: the offer of request %s is already taken by "
+                "%s",
+                ksb(cp->key.data, cp->key.len), R.offer_taker(o));
         rc = KVX_ERR_EXISTS;
         *as_event = 1;
         goto out;
     } else if (o->consumer) {
-        snprintf(why, why_len,
-                 "context side: the offer of request %s is already taken by "
-                 "request %s of instance '%s'",
-                 ksb(cp->key.data, cp->key.len), ks(&o->consumer->key),
-                 o->consumer->inst->id);
+        why_set(why,
+                "context side: the offer of request %s is already taken by "
+                "request %s of instance '%s'",
+                ksb(cp->key.data, cp->key.len), ks(&o->consumer->key),
+                o->consumer->inst->id);
         rc = KVX_ERR_EXISTS;
         *as_event = 1;
         goto out;
     } else if (nrequests >= kvxd.conf.max_requests) {
-        snprintf(why, why_len,
-                 "fetch: %u requests in flight (limits.max_requests)",
-                 nrequests);
+        why_set(why, "fetch: %u requests in flight (limits.max_requests)",
+                nrequests);
         rc = KVX_ERR_LIMIT;
         goto out;
     }
@@ -2666,23 +2731,23 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
         side_from_layout(&full, inst, &pool->layout);
         plan_dp_view(&full, rank, &dst, &eff_rank);
     }
-    if ((rc = plan_build(&o->side, &dst, eff_rank, o->num_tokens, skip,
-                         &plan, why, why_len)))
+    if ((rc = plan_build(&o->side, &dst, eff_rank, o->num_tokens, skip, &plan,
+                         WHY_PAIR(why))))
         goto out;
-    if ((rc = plan_own(plan, inst->owner_uid, why, why_len)))
+    if ((rc = plan_own(plan, inst->owner_uid, WHY_PAIR(why))))
         goto err_free_plan;
     if (nblocks < plan->dst_blocks_needed) {
-        snprintf(why, why_len,
-                 "fetch.blocks: %u blocks of %u tokens cannot hold the "
-                 "offer's %u tokens (need %u)",
-                 nblocks, dst.tokens_per_block, o->num_tokens,
-                 plan->dst_blocks_needed);
+        why_set(why,
+                "fetch.blocks: %u blocks of %u tokens cannot hold the "
+                "offer's %u tokens (need %u)",
+                nblocks, dst.tokens_per_block, o->num_tokens,
+                plan->dst_blocks_needed);
         rc = KVX_ERR_INVALID;
         goto err_free_plan;
     }
     uint32_t *bt = malloc(plan->dst_blocks_needed * sizeof(uint32_t));
     if (!bt) {
-        snprintf(why, why_len, "fetch: out of memory");
+        why_set(why, "fetch: out of memory");
         rc = KVX_ERR_NOMEM;
         goto err_free_plan;
     }
@@ -2692,18 +2757,18 @@ static int fetch_one(instance_t *inst, uint32_t rank, uint64_t request_id,
     plan_t *gplan[XFER_MAX_GROUPS] = {NULL};
     uint32_t *gbt[XFER_MAX_GROUPS] = {NULL};
     for (uint32_t k = 0; k < ngs; k++)
-        if ((rc = group_plan(&o->gside[k + 1], o->gtokens[k + 1],
-                             o->gfirst[k + 1], inst, rank, k + 1, &gs[k],
-                             &gplan[k], &gbt[k], why, why_len)))
+        if ((rc = group_plan(&(group_src_t){&o->gside[k + 1], o->gtokens[k + 1],
+                                            o->gfirst[k + 1], k + 1},
+                             inst, rank, &gs[k], &gplan[k], &gbt[k], why)))
             goto err_free_groups;
     /* the tables (and a new request's state), charged to its uid */
     uint64_t mem = fetch_bytes(inst, g, plan, pool, gplan, gs, ngs);
-    if ((rc = req_charge(inst, mem, "fetch: the request", why, why_len)))
+    if ((rc = req_charge(inst, mem, "fetch: the request", why)))
         goto err_free_groups;
     if (!g) {
         if (!(g = genreq_new(inst, request_id, key, skip, dp_rank, gs, ngs))) {
             kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid, mem);
-            snprintf(why, why_len, "fetch: out of memory");
+            why_set(why, "fetch: out of memory");
             rc = KVX_ERR_NOMEM;
             goto err_free_groups;
         }
@@ -2745,11 +2810,12 @@ out:
  * fetch into x, from the offer's table k (side src, src_tokens tokens
  * from block src_first): x's blocks hold its block x->first_block on
  * (the table's entries before it are never written: UINT32_MAX). */
-static int group_plan(const plan_side_t *src, uint32_t src_tokens,
-                      uint32_t src_first, const instance_t *inst, uint32_t rank,
-                      uint32_t k, const xfer_group_t *x, plan_t **out,
-                      uint32_t **bt_out, char *why, size_t why_len)
+static int group_plan(const group_src_t *gsrc, const instance_t *inst,
+                      uint32_t rank, const xfer_group_t *x, plan_t **out,
+                      uint32_t **bt_out, kvx_why_t *why)
 {
+    const plan_side_t *src = gsrc->side;
+    uint32_t src_tokens = gsrc->tokens, src_first = gsrc->first, k = gsrc->k;
     int rc;
     char what[48];
     snprintf(what, sizeof(what), "fetch.groups[%u]", k - 1);
@@ -2757,45 +2823,50 @@ static int group_plan(const plan_side_t *src, uint32_t src_tokens,
     plan_side_t full, dst;
     uint32_t eff_rank;
     group_side(&full, inst, l);
-    if ((rc = plan_side_check(&full, why, why_len)) ||
-        (rc = check_side_layout(&full, rank, l, what, why, why_len)))
+    if ((rc = plan_side_check(&full, WHY_PAIR(why))) ||
+        (rc = check_side_layout(&full, rank, l, what, why)))
         return rc;
     plan_dp_view(&full, rank, &dst, &eff_rank);
     uint64_t skip_min = (uint64_t)src_first * src->tokens_per_block;
     if (x->skip_tokens < skip_min)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "%s.skip_tokens: %u, but the offer's group keeps no tokens "
             "below %llu (its first_block %u)",
             what, x->skip_tokens, (unsigned long long)skip_min, src_first);
     if (x->skip_tokens < (uint64_t)x->first_block * l->tokens_per_block)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "%s.skip_tokens: %u, but its blocks start at block %u (token "
             "%llu)",
             what, x->skip_tokens, x->first_block,
             (unsigned long long)x->first_block * l->tokens_per_block);
     if (x->skip_tokens > src_tokens)
-        WHY(KVX_ERR_INVALID, "%s.skip_tokens: %u, more than its %u tokens",
-            what, x->skip_tokens, src_tokens);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "%s.skip_tokens: %u, more than its %u tokens", what,
+                        x->skip_tokens, src_tokens);
     /* before planning: params could ask for billions of tokens; the
      * blocks given bound what can land */
     if (((uint64_t)x->first_block + x->nblocks) * l->tokens_per_block <
         src_tokens)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "%s.blocks: %u blocks of %u tokens from block %u cannot hold "
             "the group's %u tokens",
             what, x->nblocks, l->tokens_per_block, x->first_block, src_tokens);
     plan_t *plan;
     if ((rc = plan_build(src, &dst, eff_rank, src_tokens, x->skip_tokens, &plan,
-                         why, why_len)))
+                         WHY_PAIR(why))))
         return rc;
-    if ((rc = plan_own(plan, inst->owner_uid, why, why_len))) {
+    if ((rc = plan_own(plan, inst->owner_uid, WHY_PAIR(why)))) {
         plan_free(plan);
         return rc;
     }
     uint32_t need = plan->dst_blocks_needed;
     if ((uint64_t)x->first_block + x->nblocks < need) {
         plan_free(plan);
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "%s.blocks: %u blocks of %u tokens from block %u cannot hold "
             "the group's %u tokens (need %u)",
             what, x->nblocks, l->tokens_per_block, x->first_block, src_tokens,
@@ -2804,7 +2875,7 @@ static int group_plan(const plan_side_t *src, uint32_t src_tokens,
     uint32_t *bt = malloc((need ? need : 1) * sizeof(uint32_t));
     if (!bt) {
         plan_free(plan);
-        WHY(KVX_ERR_NOMEM, "fetch: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "fetch: out of memory");
     }
     for (uint32_t i = 0; i < need; i++)
         bt[i] = i < x->first_block ? UINT32_MAX : x->blocks[i - x->first_block];
@@ -2986,7 +3057,8 @@ static void offer_drop(offer_t *o)
 static void offer_consume(offer_t *o, const char *msg)
 {
     instance_t *inst = o->inst;
-    push_event(inst, o->request_id, &o->key, KVX_EVENT_COMPLETE, 0, msg, 1,
+    push_event(inst, o->request_id, &o->key,
+               &(batch_end_t){KVX_EVENT_COMPLETE, 0, msg, NULL, 0}, 1,
                inst->nlocal, inst->nranks);
     for (size_t r = 0; r < OPARTS(o); r++) {
         if (o->parts[r].pool)
@@ -3013,8 +3085,9 @@ static void offer_try_finalize(offer_t *o)
     if (!o->ending || o->consumer || o->gathers)
         return; /* the consumer's fence, or our gathers', comes first */
     instance_t *inst = o->inst;
-    push_event(inst, o->request_id, &o->key, o->end_kind, o->end_code,
-               o->end_msg, 1, inst->nlocal, inst->nranks);
+    push_event(inst, o->request_id, &o->key,
+               &(batch_end_t){o->end_kind, o->end_code, o->end_msg, NULL, 0}, 1,
+               inst->nlocal, inst->nranks);
     if (o->end_kind == KVX_EVENT_CANCELLED)
         gone_add(1, inst, o->request_id, &o->key, 0);
     map_del(&inst->offers, o->request_id);
@@ -3082,17 +3155,16 @@ static void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     const offer_t *ao = o && o->aux_len ? o : NULL;
     if (kvxd.trace)
         g->tr[TR_EVENT] = mono_ns(); /* the event goes out from here */
-    push_event_aux(inst, g->request_id, &g->key, g->end_kind, g->end_code,
-                   g->end_msg, 0, g->need,
-                   inst->nranks / (inst->side.attention_dp > 1
-                                       ? inst->side.attention_dp
-                                       : 1),
-                   !done ? NULL
-                   : ao  ? ao->aux
-                         : g->aux,
-                   !done ? 0
-                   : ao  ? ao->aux_len
-                         : g->aux_len);
+    batch_end_t e = {g->end_kind, g->end_code, g->end_msg,
+                     !done ? NULL
+                     : ao  ? ao->aux
+                           : g->aux,
+                     !done ? 0
+                     : ao  ? ao->aux_len
+                           : g->aux_len};
+    push_event(inst, g->request_id, &g->key, &e, 0, g->need,
+               inst->nranks /
+                   (inst->side.attention_dp > 1 ? inst->side.attention_dp : 1));
     if (g->end_kind == KVX_EVENT_COMPLETE)
         kvxd.stats.transfers_done++;
     if (kvxd.trace)
@@ -3198,20 +3270,22 @@ int xfer_offer_taken_here(const offer_t *o)
 
 int xfer_offer_plan(const offer_t *o, uint32_t group, const plan_side_t *dst,
                     uint32_t dst_rank, uint32_t skip_tokens, plan_t **out,
-                    char *why, size_t why_len)
+                    kvx_why_t *why)
 {
     if (group >= o->ngroups)
-        WHY(KVX_ERR_MISMATCH, "request %s has %u block tables, not %u",
-            ks(&o->key), o->ngroups, group + 1);
+        return why_fail(why, KVX_ERR_MISMATCH,
+                        "request %s has %u block tables, not %u", ks(&o->key),
+                        o->ngroups, group + 1);
     uint64_t below =
         (uint64_t)o->gfirst[group] * o->gside[group].tokens_per_block;
     if (skip_tokens < below)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "block table %u of request %s keeps no tokens below %llu, and "
             "skip_tokens is %u",
             group, ks(&o->key), (unsigned long long)below, skip_tokens);
     return plan_build(&o->gside[group], dst, dst_rank, o->gtokens[group],
-                      skip_tokens, out, why, why_len);
+                      skip_tokens, out, WHY_PAIR(why));
 }
 
 uint32_t xfer_offer_ngroups(const offer_t *o)
@@ -3303,8 +3377,7 @@ void xfer_offer_taken(offer_t *o)
 }
 
 int xfer_release(const char *instance_id, const reqkey_t *key,
-                 const uint8_t *token, size_t token_len, char *why,
-                 size_t why_len)
+                 const uint8_t *token, size_t token_len, kvx_why_t *why)
 {
     instance_t *inst = instance_find(instance_id);
     offer_t *o =
@@ -3312,23 +3385,28 @@ int xfer_release(const char *instance_id, const reqkey_t *key,
     if (o && !reqkey_eq(&o->key, key))
         o = NULL; /* another key's, whose id collides */
     if (!o)
-        WHY(KVX_ERR_NOT_FOUND,
+        return why_fail(
+            why, KVX_ERR_NOT_FOUND,
             "release: no offer of request %s of instance %s on daemon %s",
             ks(key), instance_id, kvxd.address);
     if (token_len != TOKEN_LEN || !ct_equal(token, o->token, TOKEN_LEN))
-        WHY(KVX_ERR_AUTH,
+        return why_fail(
+            why, KVX_ERR_AUTH,
             "release: the params' token is not that of request %s of "
             "instance %s",
             ks(&o->key), instance_id);
     if (o->consumed || o->consume_fenced)
-        WHY(KVX_ERR_STATE,
+        return why_fail(
+            why, KVX_ERR_STATE,
             "release: request %s of instance %s is already complete",
             ks(&o->key), instance_id);
     if (o->ending)
-        WHY(KVX_ERR_STATE, "release: request %s of instance %s is ending",
-            ks(&o->key), instance_id);
+        return why_fail(why, KVX_ERR_STATE,
+                        "release: request %s of instance %s is ending",
+                        ks(&o->key), instance_id);
     if (o->consumer || o->taken)
-        WHY(KVX_ERR_STATE,
+        return why_fail(
+            why, KVX_ERR_STATE,
             "release: request %s of instance %s is being fetched; cancel "
             "that fetch instead",
             ks(&o->key), instance_id);
@@ -3408,12 +3486,12 @@ gpu_part_t *xfer_part_gpu(const genpart_t *p)
     return p->gpu;
 }
 
-int xfer_part_upload(genpart_t *p, int device, char *why, size_t why_len)
+int xfer_part_upload(genpart_t *p, int device, kvx_why_t *why)
 {
     assert(!p->gpu); /* once; freed with p (genreq_free()) */
     int rc =
-        pool_device_view(p->pool, device, &p->plan->dst.regions, why, why_len);
-    return rc ? rc : gpu_part_create(p->plan, device, &p->gpu, why, why_len);
+        pool_device_view(p->pool, device, &p->plan->dst.regions, WHY_PAIR(why));
+    return rc ? rc : gpu_part_create(p->plan, device, &p->gpu, WHY_PAIR(why));
 }
 
 struct rpart *xfer_part_remote(const genpart_t *p)
@@ -3432,14 +3510,14 @@ int xfer_part_end_code(const genpart_t *p)
     return p->req->end_code;
 }
 
-int xfer_part_set_aux(genpart_t *p, const uint8_t *aux, uint32_t len, char *why,
-                      size_t why_len)
+int xfer_part_set_aux(genpart_t *p, const uint8_t *aux, uint32_t len,
+                      kvx_why_t *why)
 {
     genreq_t *g = p->req;
     if (!len || g->aux_len)
         return 0; /* the first non-empty one is the request's */
     int rc = aux_keep(g->inst->owner_uid, aux, len, &g->aux,
-                      "aux from a source daemon", why, why_len);
+                      "aux from a source daemon", why);
     if (!rc)
         g->aux_len = len;
     return rc;
@@ -3469,7 +3547,7 @@ void xfer_fetch_fail(instance_t *inst, uint64_t request_id, int code,
 /* ---- cancel, cleanup, deadlines --------------------------------------- */
 
 int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
-                uint64_t req_id, char *why, size_t why_len)
+                uint64_t req_id, kvx_why_t *why)
 {
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
@@ -3479,9 +3557,9 @@ int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
     if (g && !reqkey_eq(&g->key, key))
         g = NULL;
     if (!o && !g)
-        WHY(KVX_ERR_NOT_FOUND,
-            "cancel.key: no request %s in flight in instance %s", ks(key),
-            inst->id);
+        return why_fail(why, KVX_ERR_NOT_FOUND,
+                        "cancel.key: no request %s in flight in instance %s",
+                        ks(key), inst->id);
     offer_t *oc = o && o->consumed ? o : NULL;
     if (oc) { /* already complete; a late rank's tombstone: drop it */
         offer_drop(oc);
@@ -3493,13 +3571,13 @@ int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
      * once and answers the waiters there. */
     cancel_wait_t *cw = calloc(1, sizeof(*cw));
     if (!cw)
-        WHY(KVX_ERR_NOMEM, "cancel: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "cancel: out of memory");
     cw->sid = sid;
     cw->req_id = req_id;
     cw->pending = 1; /* held by this function until both ends are called */
     if (o && waiter_add(&o->waiters, cw)) {
         free(cw);
-        WHY(KVX_ERR_NOMEM, "cancel: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "cancel: out of memory");
     }
     if (g && (!o || g->offer != o) && waiter_add(&g->waiters, cw)) {
         /* o's waiter (if any) holds cw; nothing has ended yet, so the
@@ -3511,7 +3589,7 @@ int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
             free(w);
         }
         free(cw);
-        WHY(KVX_ERR_NOMEM, "cancel: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "cancel: out of memory");
     }
     uint64_t oid = o ? o->request_id : 0;
     if (g)
