@@ -9,7 +9,6 @@
 #include "core/log.h"
 #include "instance.h"
 #include "net/peer.h"
-#include "xfer_int.h"
 
 /* newest first */
 static list_t instances = {&instances, &instances};
@@ -68,8 +67,7 @@ void instance_set_hooks(const instance_hooks_t *h)
     H = *h;
 }
 
-static int deliver(void *arg, uint32_t rank, uint64_t req_id,
-                   const batch_t *b)
+static int deliver(void *arg, uint32_t rank, uint64_t req_id, const batch_t *b)
 {
     return H.deliver ? H.deliver(arg, rank, req_id, b) : 0;
 }
@@ -110,7 +108,8 @@ int instance_attach(const instance_hello_t *h, instance_t **out, kvx_why_t *why)
     const plan_side_t *side = h->side;
     uint64_t sid = h->sid;
     int rc;
-    if ((rc = plan_side_check(side, WHY_PAIR(why))))
+    if ((rc =
+             plan_side_check(side, why ? why->msg : NULL, why ? why->size : 0)))
         return rc;
     uint32_t nranks = plan_side_ranks(side);
     if (rank >= nranks)

@@ -1,8 +1,9 @@
 /*
- * xfer_remote — the calls between xfer.c and remote.c: what remote
+ * xfer_remote — the calls between xfer and remote.c: what remote
  * reads of offers and fetch parts and the operations it asks of them
- * (xfer.c), and the hooks remote registers (xfer_remote_ops_t). The
- * request types are opaque here: their fields are xfer.c's alone.
+ * (daemon/xfer), and the hooks remote registers (xfer_remote_ops_t). The
+ * request types are opaque here: their fields are daemon/xfer's alone
+ * (xfer_int.h).
  * Nothing else includes this.
  *
  * remote.c moves the parts whose source is another daemon (or whose
@@ -22,7 +23,7 @@
 
 #define TOKEN_LEN 16
 
-/* The requests, whose fields are xfer.c's alone: remote.c names them
+/* The requests, whose fields are daemon/xfer's alone: remote.c names them
  * and goes through the calls below. */
 typedef struct offer offer_t;     /* an offer (context side) */
 typedef struct genpart genpart_t; /* one rank's part of a fetch */
