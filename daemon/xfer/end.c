@@ -30,6 +30,8 @@
 /* Forget a consumed offer (all ranks published, lease over, cancel). */
 void offer_drop(offer_t *o)
 {
+    if (o->consumed) /* complete, kept for late ranks until now */
+        done_add(o->inst, &o->key);
     dl_remove(&o->lease);
     map_del(&o->inst->offers, o->request_id);
     offer_free(o);
@@ -76,6 +78,8 @@ void offer_try_finalize(offer_t *o)
         inst->nlocal, inst->nranks);
     if (o->end_kind == KVX_EVENT_CANCELLED)
         gone_add(1, inst, o->request_id, &o->key, 0);
+    else if (o->end_kind == KVX_EVENT_COMPLETE)
+        done_add(inst, &o->key);
     map_del(&inst->offers, o->request_id);
     xfer_nrequests--;
     log_debug("offer %s/%s ended: %s", inst->id, ks(&o->key),

@@ -708,6 +708,26 @@ static void consumer_wake(offer_t *o)
     xfer_schedule();
 }
 
+/* A ready mark (what: "layers_ready", for tokens_ready too, or
+ * "append_blocks") for key, of which inst has no offer now: 0 when the
+ * offer completed (its transfer done, consumed, or released: nothing is
+ * left to mark), CANCELLED when it was cancelled, else NOT_FOUND (never
+ * published, ended otherwise, or forgotten). */
+static int mark_no_offer(const instance_t *inst, uint64_t request_id,
+                         const reqkey_t *key, const char *what, kvx_why_t *why)
+{
+    const gone_t *x = gone_find(1, inst->id, request_id, key->b, key->len);
+    if (x && !x->released)
+        return why_fail(why, KVX_ERR_CANCELLED, "%s: request %s was cancelled",
+                        what, ks(key));
+    if (x || done_find(inst, key))
+        return 0;
+    return why_fail(why, KVX_ERR_NOT_FOUND,
+                    "%s: no offer of request %s in instance %s (never "
+                    "published, or ended: its event says how)",
+                    what, ks(key), inst->id);
+}
+
 /* Layers [first, first + count) of rank's part of o hold the KV of
  * tokens [0, tokens). */
 static void layers_mark(offer_t *o, uint32_t group, uint32_t rank,
@@ -769,19 +789,10 @@ int xfer_layers_ready(const xfer_ready_req_t *rq, kvx_why_t *why)
     int rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
-    if (!o || !reqkey_eq(&o->key, key)) {
-        const gone_t *x = gone_find(1, inst->id, request_id, key->b, key->len);
-        if (x)
-            return why_fail(why,
-                            x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED,
-                            "layers_ready: request %s was %s", ks(key),
-                            x->released ? "released" : "cancelled");
-        return why_fail(
-            why, KVX_ERR_NOT_FOUND,
-            "layers_ready: no offer of request %s in instance %s (never "
-            "published, or ended: its event says how)",
-            ks(key), inst->id);
-    }
+    if (!o || !reqkey_eq(&o->key, key))
+        return mark_no_offer(inst, request_id, key, "layers_ready", why);
+    if (o->ending && o->end_kind == KVX_EVENT_COMPLETE)
+        return 0; /* complete: nothing is left to mark */
     if (o->ending)
         return why_fail(why, KVX_ERR_STATE,
                         "layers_ready: request %s is ending (%s)", ks(key),
@@ -922,19 +933,10 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
 {
     uint64_t request_id = xfer_key_id(key->b, key->len);
     offer_t *o = map_get(&inst->offers, request_id);
-    if (!o || !reqkey_eq(&o->key, key)) {
-        const gone_t *x = gone_find(1, inst->id, request_id, key->b, key->len);
-        if (x)
-            return why_fail(why,
-                            x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED,
-                            "append_blocks: request %s was %s", ks(key),
-                            x->released ? "released" : "cancelled");
-        return why_fail(
-            why, KVX_ERR_NOT_FOUND,
-            "append_blocks: no offer of request %s in instance %s (never "
-            "published, or ended: its event says how)",
-            ks(key), inst->id);
-    }
+    if (!o || !reqkey_eq(&o->key, key))
+        return mark_no_offer(inst, request_id, key, "append_blocks", why);
+    if (o->ending && o->end_kind == KVX_EVENT_COMPLETE)
+        return 0; /* complete: nothing is left to mark */
     if (o->ending)
         return why_fail(why, KVX_ERR_STATE,
                         "append_blocks: request %s is ending (%s)", ks(key),

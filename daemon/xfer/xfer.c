@@ -198,6 +198,51 @@ int xfer_offer_gone(const char *inst, uint64_t request_id, const uint8_t *key,
     return !x ? 0 : x->released ? KVX_ERR_NOT_FOUND : KVX_ERR_CANCELLED;
 }
 
+/* Offers that completed, by xfer_source_id() of (instance, key): a set
+ * of DONE_SETS sets of DONE_WAYS, each record kept until the fetch
+ * timeout or until its set needs room for a newer one (the oldest goes).
+ * Fixed memory (DONE_SETS * DONE_WAYS * 16 bytes), nothing charged to a
+ * uid: forgetting one only makes a late mark NOT_FOUND, as before. */
+#define DONE_SETS 4096
+#define DONE_WAYS 4
+
+static struct done_rec {
+    uint64_t id; /* 0: empty */
+    uint64_t until_ms;
+} done_recs[DONE_SETS][DONE_WAYS];
+
+static uint64_t done_id(const instance_t *inst, const reqkey_t *key)
+{
+    uint64_t id = xfer_source_id(inst->id, key->b, key->len);
+    return id ? id : 1;
+}
+
+void done_add(const instance_t *inst, const reqkey_t *key)
+{
+    uint64_t id = done_id(inst, key), now = kvxd_now_ms();
+    struct done_rec *set = done_recs[id % DONE_SETS], *r = &set[0];
+    for (int i = 0; i < DONE_WAYS; i++) {
+        if (set[i].id == id || set[i].until_ms <= now) {
+            r = &set[i];
+            break;
+        }
+        if (set[i].until_ms < r->until_ms)
+            r = &set[i];
+    }
+    r->id = id;
+    r->until_ms = now + kvxd.conf.fetch_timeout_ms;
+}
+
+int done_find(const instance_t *inst, const reqkey_t *key)
+{
+    uint64_t id = done_id(inst, key), now = kvxd_now_ms();
+    const struct done_rec *set = done_recs[id % DONE_SETS];
+    for (int i = 0; i < DONE_WAYS; i++)
+        if (set[i].id == id && set[i].until_ms > now)
+            return 1;
+    return 0;
+}
+
 /* Round-robin queue of parts with units left to hand out. */
 rrq_t xfer_runq;
 /* registered by the layers above (xfer_remote.h, xfer.h) */

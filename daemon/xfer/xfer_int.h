@@ -291,6 +291,12 @@ gone_t *gone_find(int offer, const char *inst, uint64_t request_id,
  * a request of its own), as before this record existed. */
 gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
                  const reqkey_t *key, uint64_t src);
+/* Offer key of inst completed (its transfer done, consumed, or
+ * released): remembered for deadlines.fetch_timeout_ms, in bounded
+ * memory (xfer.c), so that a ready mark or a release that comes after
+ * tells it from a key never published. done_find(): 1 while it is. */
+void done_add(const instance_t *inst, const reqkey_t *key);
+int done_find(const instance_t *inst, const reqkey_t *key);
 int xfer_ct_equal(const uint8_t *a, const uint8_t *b, size_t n);
 void xfer_side_from_layout(plan_side_t *s, const instance_t *inst,
                            const kvx_layout_t *l);
