@@ -626,6 +626,20 @@ int xfer_release(const char *instance_id, const reqkey_t *key,
         inst ? map_get(&inst->offers, xfer_key_id(key->b, key->len)) : NULL;
     if (o && !reqkey_eq(&o->key, key))
         o = NULL; /* another key's, whose id collides */
+    /* released or complete already (a second release): NOT_FOUND, as
+     * once the daemon forgot it; the message says which while it knows */
+    const gone_t *x =
+        inst ? gone_find(1, inst->id, xfer_key_id(key->b, key->len), key->b,
+                         key->len)
+             : NULL;
+    const char *was = x && x->released ? "was released (kvx_release)"
+                      : inst && done_find(inst, key) ? "is complete"
+                                                     : NULL;
+    if (!o && was)
+        return why_fail(why, KVX_ERR_NOT_FOUND,
+                        "release: no offer of request %s on daemon %s: "
+                        "request %s of instance %s %s already",
+                        ks(key), kvxd.address, ks(key), instance_id, was);
     if (!o)
         return why_fail(
             why, KVX_ERR_NOT_FOUND,
@@ -638,10 +652,12 @@ int xfer_release(const char *instance_id, const reqkey_t *key,
             "instance %s",
             ks(&o->key), instance_id);
     if (o->consumed || o->consume_fenced)
-        return why_fail(
-            why, KVX_ERR_STATE,
-            "release: request %s of instance %s is already complete",
-            ks(&o->key), instance_id);
+        return why_fail(why, KVX_ERR_NOT_FOUND,
+                        "release: no offer of request %s on daemon %s to "
+                        "release: request %s of instance %s %s already",
+                        ks(&o->key), kvxd.address, ks(&o->key), instance_id,
+                        x && x->released ? "was released (kvx_release)"
+                                         : "is complete");
     if (o->ending)
         return why_fail(why, KVX_ERR_STATE,
                         "release: request %s of instance %s is ending",
@@ -653,9 +669,9 @@ int xfer_release(const char *instance_id, const reqkey_t *key,
             "that fetch instead",
             ks(&o->key), instance_id);
     log_debug("offer %s/%s released", instance_id, ks(&o->key));
-    gone_t *x = gone_add(1, inst, o->request_id, &o->key, 0);
-    if (x) /* a fetch by key after this hears so at once */
-        x->released = 1;
+    gone_t *r = gone_add(1, inst, o->request_id, &o->key, 0);
+    if (r) /* a fetch by key after this hears so at once */
+        r->released = 1;
     if (o->npublished < inst->nlocal)
         offer_consume(o, "released"); /* late ranks get the params' end */
     else
