@@ -130,7 +130,10 @@ int xfer_publish(const xfer_publish_req_t *rq, uint8_t **params,
  * (its imports are kept for it, gpu_event_import);
  * with ev (a 64-byte cudaIpcEventHandle_t, GPU pools only) once the
  * event's record is reached (gpu_event_watch). Copies of ready layers
- * start at once. */
+ * start at once. 0 without a change for an offer that completed
+ * (consumed or released too): a mark after the end is no error; this and
+ * xfer_append_blocks() answer NOT_FOUND only for a key never published
+ * (or ended with an error, or forgotten), CANCELLED for a cancelled one. */
 int xfer_layers_ready(const xfer_ready_req_t *rq, kvx_why_t *why);
 
 /* The first entry of b[0, n) that repeats an earlier one in *at (n:
@@ -222,9 +225,9 @@ int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
 /* Release the offer of (instance_id, request_id: a key's id) on this
  * daemon, proved
  * by the params' token: it ends COMPLETE ("released") at once and frees
- * its blocks. 0, or KVX_ERR_NOT_FOUND (no such offer here), KVX_ERR_AUTH
- * (another token), KVX_ERR_STATE (being fetched, ending or complete),
- * with why. */
+ * its blocks. 0, or KVX_ERR_NOT_FOUND (no such offer here: also one
+ * released or complete already, a second release), KVX_ERR_AUTH
+ * (another token), KVX_ERR_STATE (being fetched, or ending), with why. */
 int xfer_release(const char *instance_id, const reqkey_t *key,
                  const uint8_t *token, size_t token_len, kvx_why_t *why);
 
