@@ -80,6 +80,8 @@ void offer_try_finalize(offer_t *o)
         gone_add(1, inst, o->request_id, &o->key, 0);
     else if (o->end_kind == KVX_EVENT_COMPLETE)
         done_add(inst, &o->key);
+    else /* an error: an earlier offer of the key's completion is past */
+        done_forget(inst, &o->key);
     map_del(&inst->offers, o->request_id);
     xfer_nrequests--;
     log_debug("offer %s/%s ended: %s", inst->id, ks(&o->key),

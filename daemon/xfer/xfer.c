@@ -233,14 +233,26 @@ void done_add(const instance_t *inst, const reqkey_t *key)
     r->until_ms = now + kvxd.conf.fetch_timeout_ms;
 }
 
-int done_find(const instance_t *inst, const reqkey_t *key)
+static struct done_rec *done_rec_of(const instance_t *inst, const reqkey_t *key)
 {
     uint64_t id = done_id(inst, key), now = kvxd_now_ms();
-    const struct done_rec *set = done_recs[id % DONE_SETS];
+    struct done_rec *set = done_recs[id % DONE_SETS];
     for (int i = 0; i < DONE_WAYS; i++)
         if (set[i].id == id && set[i].until_ms > now)
-            return 1;
-    return 0;
+            return &set[i];
+    return NULL;
+}
+
+int done_find(const instance_t *inst, const reqkey_t *key)
+{
+    return done_rec_of(inst, key) != NULL;
+}
+
+void done_forget(const instance_t *inst, const reqkey_t *key)
+{
+    struct done_rec *r = done_rec_of(inst, key);
+    if (r)
+        *r = (struct done_rec){0, 0};
 }
 
 /* Round-robin queue of parts with units left to hand out. */

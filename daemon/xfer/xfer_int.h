@@ -297,6 +297,8 @@ gone_t *gone_add(int offer, const instance_t *inst, uint64_t request_id,
  * tells it from a key never published. done_find(): 1 while it is. */
 void done_add(const instance_t *inst, const reqkey_t *key);
 int done_find(const instance_t *inst, const reqkey_t *key);
+/* A later offer of the key ended otherwise: its marks are NOT_FOUND. */
+void done_forget(const instance_t *inst, const reqkey_t *key);
 int xfer_ct_equal(const uint8_t *a, const uint8_t *b, size_t n);
 void xfer_side_from_layout(plan_side_t *s, const instance_t *inst,
                            const kvx_layout_t *l);

@@ -352,6 +352,42 @@ TEST(layerwise_marks_after_the_transfer)
     daemon_stop_ok(d);
 }
 
+/* A key whose offer completed, published again and ended by its lease:
+ * a mark after that end is NOT_FOUND again (the later end is the one its
+ * event told), not 0 from the earlier completion. */
+TEST(layerwise_mark_after_a_later_end)
+{
+    daemon_t *d = daemon_start("deadlines:\n  offer_lease_ms: 300\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "le-ctx", "le-gen", 8, &c, &g, &cs, &gs);
+    uint32_t cb[2] = {1, 2}, gb[2] = {3, 4};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish_layerwise(c.c, "le", 2, c.pool, cb, 2, 7, NULL, 0, &p,
+                                    T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "leg", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    CHECK_KVX(kvx_layers_ready(c.c, "le", 2, 0, 4, NULL, T_MS), c.c);
+    CHECK_EQ(wait_key(g.c, "leg", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "le", 2, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_KVX(kvx_layers_ready(c.c, "le", 2, 0, 4, NULL, T_MS), c.c);
+    kvx_context_params_free(&p);
+    /* again, fetched by nobody: the lease ends it */
+    CHECK_KVX(kvx_publish_layerwise(c.c, "le", 2, c.pool, cb, 2, 7, NULL, 0, &p,
+                                    T_MS),
+              c.c);
+    CHECK_EQ(wait_key(c.c, "le", 2, 3000).kind, KVX_EVENT_TIMED_OUT);
+    CHECK_FAILS(kvx_layers_ready(c.c, "le", 2, 0, 4, NULL, T_MS), c.c,
+                KVX_ERR_NOT_FOUND, "layers_ready: no offer of request le");
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
 /* What layers_ready and fetch_progress refuse, each naming the problem. */
 TEST(layerwise_refusals)
 {
