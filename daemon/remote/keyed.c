@@ -161,7 +161,8 @@ static void kf_fail(kf_t *kf, int kind, int code, const char *msg)
         seen[r] = kf->rank[r].waiting || kf->rank[r].done;
     if (inst && !kf->handed)
         xfer_fetch_end_early(
-            inst, &kf->key, kf->dp_rank, kind, code, msg, seen,
+            inst, &kf->key, kf->dp_rank,
+            &(batch_end_t){kind, code, msg, NULL, 0}, seen,
             xfer_source_id(kf->ctx_inst, kf->ctx_key.b, kf->ctx_key.len));
     free(seen);
     kf_free(kf);
@@ -184,8 +185,19 @@ static int kf_run(kf_t *kf, instance_t *inst, uint32_t r, pool_t *pool,
 {
     kf->rank[r].done = 1;
     kf->ndone++;
-    int rc = xfer_fetch(inst, r, &kf->key, kf->params, kf->plen, pool, blocks,
-                        nblocks, kf->skip, kf->dp_rank, gs, ngs, why, why_len);
+    xfer_fetch_req_t fr = {.inst = inst,
+                           .rank = r,
+                           .key = &kf->key,
+                           .params = kf->params,
+                           .params_len = kf->plen,
+                           .pool = pool,
+                           .blocks = blocks,
+                           .nblocks = nblocks,
+                           .skip_tokens = kf->skip,
+                           .dp_rank = kf->dp_rank,
+                           .groups = gs,
+                           .ngroups = ngs};
+    int rc = xfer_fetch(&fr, &(kvx_why_t){why, why_len});
     if (!rc && !kf->handed++) /* the deadline runs from the first call */
         xfer_fetch_deadline(inst, &kf->key, kf->until_ms);
     return rc;
@@ -255,8 +267,7 @@ static int kf_resolve_local(kf_t *kf)
     uint8_t *p;
     size_t len;
     xfer_consumer_t who = {kf->inst, kf->key.b, kf->key.len};
-    int rc =
-        xfer_params_for(ci, &kf->ctx_key, &who, &p, &len, why, sizeof(why));
+    int rc = xfer_params_for(ci, &kf->ctx_key, &who, &p, &len, KVX_WHY(why));
     if (rc == XFER_NOT_YET)
         return 0;
     if (rc) {
@@ -349,7 +360,7 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
     if (!kf &&
         xfer_fetch_ended(inst, rank, key,
                          xfer_source_id(ctx_instance, ctx_key->b, ctx_key->len),
-                         &rc, why, why_len))
+                         &rc, &(kvx_why_t){why, why_len}))
         return rc; /* it ended already: this rank joins that end */
     if (!kf && xfer_fetch_runs(inst, key)) {
         snprintf(why, why_len,
@@ -559,7 +570,7 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
         uint8_t *p;
         size_t len;
         char w[512];
-        rc = xfer_params_for(ci, ctx_key, NULL, &p, &len, w, sizeof(w));
+        rc = xfer_params_for(ci, ctx_key, NULL, &p, &len, KVX_WHY(w));
         if (rc == XFER_NOT_YET)
             rc = KVX_ERR_NOT_FOUND;
         if (rc) {
@@ -696,7 +707,7 @@ static int res_try(const res_t *r)
      * its daemons: the same consumer gets the params again */
     xfer_consumer_t who = {r->consumer, r->consumer_key.b, r->consumer_key.len};
     int rc = xfer_params_for(ci, &r->key, r->consumer_key.len ? &who : NULL, &p,
-                             &len, why, sizeof(why));
+                             &len, KVX_WHY(why));
     if (rc == XFER_NOT_YET)
         return 0;
     res_answer(r->conn, r->id, rc, rc ? why : "", rc ? NULL : p, rc ? 0 : len);

@@ -755,7 +755,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
             plan->src[i] = (plan_mem_t){.layout = &none};
         if ((rc = plan_check_bounds(plan, &(kvx_why_t){why, why_len})) ||
             (rc = slots_pin(&rslots, dev, why, why_len)) ||
-            (rc = xfer_part_upload(p, dev, why, why_len)))
+            (rc = xfer_part_upload(p, dev, &(kvx_why_t){why, why_len})))
             return rc;
     }
     rpart_t *rp = calloc(1, sizeof(*rp) + plan->nslices * sizeof(rstream_t *));
@@ -921,8 +921,8 @@ static int opened_aux(peer_conn_t *c, rstream_t *r, const Kvxfer__PeerOpened *o)
         log_warn("%s", why);
         rc = KVX_ERR_LIMIT;
     } else if (o->aux.len) {
-        rc = xfer_part_set_aux(r->part, o->aux.data, (uint32_t)o->aux.len, why,
-                               sizeof(why));
+        rc = xfer_part_set_aux(r->part, o->aux.data, (uint32_t)o->aux.len,
+                               KVX_WHY(why));
     }
     if (rc)
         xfer_part_fail(r->part, rc, why);
@@ -1282,8 +1282,7 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *gdst,
         uint32_t r = t % ranks, tb = t / ranks; /* rank, table */
         plan_t *p;
         char why[64];
-        if (xfer_offer_plan(o, tb, &gdst[tb], r, gskip[tb], &p, why,
-                            sizeof(why)))
+        if (xfer_offer_plan(o, tb, &gdst[tb], r, gskip[tb], &p, KVX_WHY(why)))
             continue;
         uint32_t k = 0;
         for (uint32_t i = 0; i < p->nslices; i++) {
@@ -1416,8 +1415,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     uint32_t ng = m->n_groups ? (uint32_t)m->n_groups : 1;
     plan_side_t gdst[XFER_MAX_GROUPS];
     uint32_t gskip[XFER_MAX_GROUPS];
-    int rc = xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, why,
-                                sizeof(why));
+    int rc =
+        xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, KVX_WHY(why));
     if (!rc && (ng != xfer_offer_ngroups(o) || m->group >= ng)) {
         snprintf(why, sizeof(why),
                  "open: the fetch reads block table %u of %u, the offer of "
@@ -1432,7 +1431,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         } else if (m->n_groups) {
             rc =
                 xfer_side_from_msg(m->groups[k]->parallel, m->groups[k]->layout,
-                                   &gdst[k], why, sizeof(why));
+                                   &gdst[k], KVX_WHY(why));
             gskip[k] = m->groups[k]->skip_tokens;
         } else {
             gdst[0] = dst;
@@ -1462,7 +1461,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     }
     if (!rc)
         rc = xfer_offer_plan(o, m->group, &dst, m->dst_rank, m->skip_tokens,
-                             &plan, why, sizeof(why));
+                             &plan, KVX_WHY(why));
     if (rc) {
         open_refuse(c, m->stream, rc, "%s", why);
         return;
