@@ -26,8 +26,9 @@
  *                        yet published" is asked again until the
  *                        fetch's deadline
  * (context daemon, "S"):
- *   on_open()            finds the offer, checks the token, builds the
- *                        same plan, and counts the streams it will serve
+ *   on_open()            asks xfer for its verdict (xfer_offer_serve():
+ *                        the offer, the token, the same plan, the streams
+ *                        it will serve) and makes the stream it allows
  *   on_pull()/serve_pulls()
  *                        a free send slot is cut into pieces of
  *                        remote_message_bytes() on unit boundaries
@@ -68,16 +69,17 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "common/list.h"
 #include "copy/copy.h"
+#include "copy/pool.h"
 #include "core/daemon.h"
 #include "core/fault.h"
-#include "common/list.h"
 #include "core/log.h"
 #include "core/map.h"
-#include "net/peer.h"
-#include "copy/pool.h"
-#include "remote.h"
 #include "core/rrq.h"
+#include "net/peer.h"
+#include "remote.h"
+#include "xfer/serve.h"
 #include "xfer/xfer_remote.h"
 
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
@@ -217,16 +219,11 @@ typedef struct sstream {
 
 /* S: what this module keeps of an offer peer daemons read (offer_t's
  * remote): made at the first OPEN, freed with the offer
- * (remote_offer_free(), through xfer). xfer never reads it. */
+ * (remote_offer_free(), through xfer). xfer reads only its first
+ * member (xfer/serve.c). */
 typedef struct roffer {
-    list_t streams;          /* sstream_t reading it now, newest first */
-    uint32_t streams_expect; /* streams that will come in all */
-    uint32_t streams_opened; /* accepted: at most streams_expect */
-    uint32_t streams_done;   /* completed */
-    char rconsumer[256];     /* who: "request N of instance 'x'" */
-    uint8_t *rread;          /* context ranks the consumer reads */
-    char **consumer_addrs;   /* daemons whose streams it waits for */
-    uint32_t nconsumer_addrs;
+    xfer_served_t sv; /* first: who serves it (xfer/serve.h) */
+    list_t streams;   /* sstream_t reading it now, newest first */
 } roffer_t;
 
 /* An offer no peer opened reads as this. */
@@ -529,22 +526,22 @@ static int piece_at(const slot_t *x, uint64_t off)
 void remote_offer_free(roffer_t *ro)
 {
     assert(list_empty(&ro->streams)); /* the offer ended them */
-    for (uint32_t i = 0; i < ro->nconsumer_addrs; i++)
-        free(ro->consumer_addrs[i]);
-    free(ro->consumer_addrs);
-    free(ro->rread);
+    for (uint32_t i = 0; i < ro->sv.nconsumer_addrs; i++)
+        free(ro->sv.consumer_addrs[i]);
+    free(ro->sv.consumer_addrs);
+    free(ro->sv.rread);
     free(ro);
 }
 
 static const char *offer_taker(const offer_t *o)
 {
-    return RO(o)->rconsumer[0] ? RO(o)->rconsumer : NULL;
+    return RO(o)->sv.rconsumer[0] ? RO(o)->sv.rconsumer : NULL;
 }
 
 static uint32_t offer_streams(const offer_t *o, uint32_t *done)
 {
-    *done = RO(o)->streams_done;
-    return RO(o)->streams_expect;
+    *done = RO(o)->sv.streams_done;
+    return RO(o)->sv.streams_expect;
 }
 
 int remote_init(char *why, size_t why_len)
@@ -1250,70 +1247,15 @@ static void open_refuse(peer_conn_t *c, uint64_t dst_id, int code,
     send_end(c, dst_id, code, msg);
 }
 
-/* Does a token from a peer equal ours? In constant time. */
-static int token_equal(const ProtobufCBinaryData *t, const uint8_t *ours)
-{
-    if (t->len != TOKEN_LEN)
-        return 0;
-    uint8_t d = 0; /* every byte, whatever differs first */
-    for (size_t i = 0; i < TOKEN_LEN; i++)
-        d |= t->data[i] ^ ours[i];
-    return !d;
-}
-
-/* Streams that will read o: the slices, over every rank of the receiving
- * group and every block table of the request (gdst, gskip: each table's
- * receiving side and skip, ng of them), whose source rank is served here;
- * the daemons they come from (losing one of them ends o); and which
- * context ranks the consumer reads at all (roffer_t.rread, for
- * offer_done_notify()). */
-static uint32_t streams_expected(offer_t *o, const plan_side_t *gdst,
-                                 const uint32_t *gskip, uint32_t ng,
-                                 const Kvxfer__PeerOpen *m)
-{
-    uint32_t n = 0, ranks = plan_side_ranks(&gdst[0]);
-    const instance_t *inst = xfer_offer_instance(o);
-    roffer_t *ro = xfer_offer_remote(o); /* made by on_open() */
-    if (m->n_dst_addresses == ranks)
-        ro->consumer_addrs = calloc(ranks, sizeof(char *));
-    free(ro->rread);
-    ro->rread = calloc(inst->nranks, 1);
-    for (uint32_t t = 0; t < ranks * ng; t++) {
-        uint32_t r = t % ranks, tb = t / ranks; /* rank, table */
-        plan_t *p;
-        char why[64];
-        if (xfer_offer_plan(o, tb, &gdst[tb], r, gskip[tb], &p, why,
-                            sizeof(why)))
-            continue;
-        uint32_t k = 0;
-        for (uint32_t i = 0; i < p->nslices; i++) {
-            k += inst->local[p->slices[i].src_rank];
-            if (ro->rread)
-                ro->rread[p->slices[i].src_rank] = 1;
-        }
-        plan_free(p);
-        n += k;
-        if (!k || !ro->consumer_addrs)
-            continue;
-        int seen = 0;
-        for (uint32_t j = 0; j < ro->nconsumer_addrs && !seen; j++)
-            seen = !strcmp(ro->consumer_addrs[j], m->dst_addresses[r]);
-        if (!seen && (ro->consumer_addrs[ro->nconsumer_addrs] =
-                          strdup(m->dst_addresses[r])))
-            ro->nconsumer_addrs++;
-    }
-    return n;
-}
-
 /* S: did o wait for streams from the daemon at addr? */
 static int offer_waits_for(const offer_t *o, const char *addr)
 {
     const roffer_t *ro = RO(o);
-    if (xfer_offer_ending(o) || !ro->streams_expect ||
-        ro->streams_done >= ro->streams_expect)
+    if (xfer_offer_ending(o) || !ro->sv.streams_expect ||
+        ro->sv.streams_done >= ro->sv.streams_expect)
         return 0;
-    for (uint32_t j = 0; j < ro->nconsumer_addrs; j++)
-        if (!strcmp(ro->consumer_addrs[j], addr))
+    for (uint32_t j = 0; j < ro->sv.nconsumer_addrs; j++)
+        if (!strcmp(ro->sv.consumer_addrs[j], addr))
             return 1;
     return 0;
 }
@@ -1321,10 +1263,9 @@ static int offer_waits_for(const offer_t *o, const char *addr)
 /* S: OPENED for stream s, with the offer's aux when it has one; sent
  * again, with it, when a publish brings it later (before that publish's
  * data is gathered: remote_offer_published()). */
-static void opened_send(peer_conn_t *c, sstream_t *s, const offer_t *o)
+static void opened_send(peer_conn_t *c, sstream_t *s, const uint8_t *aux,
+                        uint32_t alen)
 {
-    uint32_t alen;
-    const uint8_t *aux = xfer_offer_aux(o, &alen);
     Kvxfer__PeerMsg r = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerOpened op = KVXFER__PEER_OPENED__INIT;
     op.stream = s->dst_id;
@@ -1337,231 +1278,57 @@ static void opened_send(peer_conn_t *c, sstream_t *s, const offer_t *o)
     peer_send(c, &r);
 }
 
-static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
+/* S: a peer daemon OPENs a stream of one of our offers: xfer's verdict
+ * (xfer_offer_serve()), carried to the wire, and on serve the stream. */
+void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
 {
-    if (!m->key.len || m->key.len > KVX_MAX_KEY ||
-        m->consumer_key.len > KVX_MAX_KEY) {
-        open_refuse(c, m->stream, KVX_ERR_INVALID,
-                    "open: a key of %zu bytes (1 to %u)", m->key.len,
-                    KVX_MAX_KEY);
+    roffer_t *spare = roffer_new(); /* the offer's, if its first OPEN */
+    xfer_serve_req_t req = {.open = m,
+                            .peer = peer_conn_address(c),
+                            .spare = spare ? &spare->sv : NULL};
+    xfer_serve_t v;
+    xfer_offer_serve(&req, &v);
+    if (!v.spare_used)
+        free(spare);
+    if (v.code) {
+        send_end_ex(c, m->stream, v.code, v.msg, v.final);
         return;
-    }
-    char ks[REQKEY_STR_MAX];
-    reqkey_str(m->key.data, m->key.len, ks);
-    instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
-    offer_t *o = inst ? xfer_offer_find(inst, m->request_id) : NULL;
-    const reqkey_t *ok = o ? xfer_offer_key(o) : NULL;
-    if (ok && (ok->len != m->key.len || memcmp(ok->b, m->key.data, ok->len)))
-        o = NULL; /* another key's, whose id collides: not this one */
-    int gone =
-        (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) && m->instance_id
-            ? xfer_offer_gone(m->instance_id, m->request_id, m->key.data,
-                              m->key.len)
-            : 0;
-    if (gone) { /* as a fetch that came before the cancel hears it */
-        send_end_ex(c, m->stream, gone,
-                    gone == KVX_ERR_CANCELLED ? "cancelled by the context side"
-                                              : "released (kvx_release)",
-                    1);
-        return;
-    }
-    if ((!o || xfer_offer_ending(o)) && kvxd.draining) {
-        /* the drain ended it (or ends it): say so, not "no offer" */
-        send_end_ex(c, m->stream, KVX_ERR_SHUTDOWN,
-                    "the context daemon is shutting down (drain): its offers "
-                    "end",
-                    1);
-        return;
-    }
-    if (!o || xfer_offer_ending(o) || xfer_offer_consumed(o)) {
-        /* every rank of the instance is ours: its offers are all here,
-         * so this one ended (or never was) and asking again cannot help;
-         * else a rank may not have published yet: the peer asks again */
-        int final = inst && inst->joined && inst->addresses;
-        for (uint32_t i = 0; final && i < inst->nranks; i++)
-            final = inst->addresses[i] &&
-                    !strcmp(inst->addresses[i], kvxd.address);
-        char msg[800];
-        snprintf(msg, sizeof(msg),
-                 "no offer for request %s of instance '%s' on daemon %s "
-                 "(%s)",
-                 ks, m->instance_id ? m->instance_id : "", kvxd.address,
-                 o       ? (xfer_offer_consumed(o) ? "consumed" : "ending")
-                 : final ? "expired, cancelled or completed"
-                         : "not yet published, expired, cancelled or "
-                           "completed");
-        send_end_ex(c, m->stream, KVX_ERR_NOT_FOUND, msg, final || o);
-        return;
-    }
-    if (!token_equal(&m->token, xfer_offer_token(o))) {
-        log_warn("peer %s: forged or stale capability token for offer "
-                 "%s/%s",
-                 peer_conn_address(c), inst->id, ks);
-        open_refuse(c, m->stream, KVX_ERR_AUTH,
-                    "capability token does not match the offer of request "
-                    "%s",
-                    ks);
-        return;
-    }
-    if (xfer_offer_taken_here(o)) {
-        open_refuse(c, m->stream, KVX_ERR_EXISTS,
-                    "the offer of request %s is already taken on daemon %s", ks,
-                    kvxd.address);
-        return;
-    }
-    plan_side_t dst;
-    char why[256];
-    plan_t *plan;
-    /* the request's block tables: the fetch gives a side for each */
-    uint32_t ng = m->n_groups ? (uint32_t)m->n_groups : 1;
-    plan_side_t gdst[XFER_MAX_GROUPS];
-    uint32_t gskip[XFER_MAX_GROUPS];
-    int rc = xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, why,
-                                sizeof(why));
-    if (!rc && (ng != xfer_offer_ngroups(o) || m->group >= ng)) {
-        snprintf(why, sizeof(why),
-                 "open: the fetch reads block table %u of %u, the offer of "
-                 "request %.64s has %u",
-                 m->group, ng, ks, xfer_offer_ngroups(o));
-        rc = KVX_ERR_MISMATCH;
-    }
-    for (uint32_t k = 0; !rc && k < ng; k++) {
-        if (m->n_groups && (!m->groups[k]->parallel || !m->groups[k]->layout)) {
-            snprintf(why, sizeof(why), "open: groups[%u] has no side", k);
-            rc = KVX_ERR_INVALID;
-        } else if (m->n_groups) {
-            rc =
-                xfer_side_from_msg(m->groups[k]->parallel, m->groups[k]->layout,
-                                   &gdst[k], why, sizeof(why));
-            gskip[k] = m->groups[k]->skip_tokens;
-        } else {
-            gdst[0] = dst;
-            gskip[0] = m->skip_tokens;
-        }
-    }
-    /* the stream's own table must be the one the tables' list names, and
-     * every table received by as many ranks: the count of streams below
-     * is made from the list */
-    for (uint32_t k = 0; !rc && k < ng; k++)
-        if (plan_side_ranks(&gdst[k]) != plan_side_ranks(&dst) ||
-            (k == m->group && (gskip[k] != m->skip_tokens ||
-                               !plan_side_equal(&gdst[k], &dst)))) {
-            snprintf(why, sizeof(why),
-                     "open: block table %u's side in groups differs from "
-                     "the stream's",
-                     k);
-            rc = KVX_ERR_MISMATCH;
-        }
-    if (!rc)
-        rc = plan_compat(xfer_offer_group_side(o, m->group), &dst, why,
-                         sizeof(why));
-    if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {
-        snprintf(why, sizeof(why), "open: destination rank %u of %u",
-                 m->dst_rank, plan_side_ranks(&dst));
-        rc = KVX_ERR_INVALID;
-    }
-    if (!rc)
-        rc = xfer_offer_plan(o, m->group, &dst, m->dst_rank, m->skip_tokens,
-                             &plan, why, sizeof(why));
-    if (rc) {
-        open_refuse(c, m->stream, rc, "%s", why);
-        return;
-    }
-    if (plan->nunits != m->nunits || plan->bytes != m->bytes ||
-        m->slice >= plan->nslices ||
-        !inst->local[plan->slices[m->slice].src_rank]) {
-        plan_free(plan);
-        open_refuse(c, m->stream, KVX_ERR_MISMATCH,
-                    "the plan on daemon %s differs (%llu units, %llu bytes) "
-                    "or slice %u is not served there",
-                    kvxd.address, (unsigned long long)m->nunits,
-                    (unsigned long long)m->bytes, m->slice);
-        return;
-    }
-    /* one consumer per offer: the generation request (instance and
-     * id, the same from every daemon of a spread instance) */
-    char who[256];
-    xfer_consumer_t cw = {.inst =
-                              m->consumer_instance ? m->consumer_instance : "",
-                          .key = m->consumer_key.data,
-                          .key_len = m->consumer_key.len};
-    xfer_consumer_name(&cw, who, sizeof(who));
-    roffer_t *ro = xfer_offer_remote(o);
-    if (!ro) { /* the first OPEN: freed with o (remote_offer_free()) */
-        if (!(ro = roffer_new())) {
-            plan_free(plan);
-            open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
-            return;
-        }
-        xfer_offer_set_remote(o, ro);
-    }
-    if (ro->rconsumer[0] && strcmp(ro->rconsumer, who)) {
-        plan_free(plan);
-        open_refuse(c, m->stream, KVX_ERR_EXISTS,
-                    "the offer of request %s is already taken by %s", ks,
-                    ro->rconsumer);
-        return;
-    }
-    if (ro->streams_expect && ro->streams_opened >= ro->streams_expect) {
-        plan_free(plan);
-        open_refuse(c, m->stream, KVX_ERR_EXISTS,
-                    "the offer of request %llu has all its %u streams",
-                    (unsigned long long)m->request_id, ro->streams_expect);
-        return;
-    }
-    if (!ro->streams_expect) {
-        /* the streams of every table of every receiving rank; this one is
-         * among them (its side and skip are its table's, checked above) */
-        uint32_t n = streams_expected(o, gdst, gskip, ng, m);
-        if (!n) {
-            plan_free(plan);
-            open_refuse(c, m->stream, KVX_ERR_MISMATCH,
-                        "open: no stream of request %s is served by daemon "
-                        "%s",
-                        ks, kvxd.address);
-            return;
-        }
-        ro->streams_expect = n;
-        snprintf(ro->rconsumer, sizeof(ro->rconsumer), "%s", who);
-        xfer_offer_taken(o);
     }
     sstream_t *s = calloc(1, sizeof(*s));
     if (!s || map_put(&sstreams, next_id, s)) {
         free(s);
-        plan_free(plan);
+        plan_free(v.plan);
         open_refuse(c, m->stream, KVX_ERR_NOMEM, "out of memory");
         return;
     }
+    plan_t *plan = v.plan;
     list_init(&s->node);
     s->id = next_id++;
     s->dst_id = m->stream;
     s->conn = peer_conn_id(c);
-    s->offer = o;
-    s->fence = o;
+    s->offer = v.offer;
+    s->fence = v.offer;
     s->plan = plan;
     s->slice = m->slice;
     s->group = m->group;
-    s->src_rank = plan->slices[s->slice].src_rank;
-    s->u_begin = plan->slices[s->slice].unit_begin;
-    s->u_end = s->slice + 1 < plan->nslices
-                   ? plan->slices[s->slice + 1].unit_begin
-                   : plan->nunits;
+    s->src_rank = v.src_rank;
+    s->u_begin = v.u_begin;
+    s->u_end = v.u_end;
     /* a PULL larger than our slots is refused anyway: no gather-ahead */
-    s->pull_bytes = m->pull_bytes <= kvxd.conf.slot_bytes ? m->pull_bytes
-                                                          : 0;
+    s->pull_bytes = m->pull_bytes <= kvxd.conf.slot_bytes ? m->pull_bytes : 0;
     s->ahead_at = s->u_begin;
     /* the row shape of the packed units; only these fields are read */
     memset(&s->dst_layout, 0, sizeof(s->dst_layout));
-    s->dst_layout.kv_factor = dst.kv_factor;
-    s->dst_layout.head_dim = dst.head_dim;
-    s->dst_layout.elem_size = dst.elem_size;
+    s->dst_layout.kv_factor = v.dst.kv_factor;
+    s->dst_layout.head_dim = v.dst.head_dim;
+    s->dst_layout.elem_size = v.dst.elem_size;
     plan->dst.layout = &s->dst_layout;
-    ro->streams_opened++;
-    assert(ro->streams_opened <= ro->streams_expect);
+    roffer_t *ro = (roffer_t *)v.served; /* its first member */
+    ro->sv.streams_opened++;
+    assert(ro->sv.streams_opened <= ro->sv.streams_expect);
     list_push(ro->streams.next, &s->node); /* first: newest first */
-    opened_send(c, s, o);
+    opened_send(c, s, v.aux, v.aux_len);
 }
-
 
 /* Send slot x goes back once every piece is gathered and every piece
  * sent is back from UCX; gathered ahead, once its PULL has come and it
@@ -1984,14 +1751,14 @@ static void on_pull(peer_conn_t *c, const Kvxfer__PeerPull *m)
 void remote_offer_published(offer_t *o)
 {
     uint32_t alen;
-    xfer_offer_aux(o, &alen);
+    const uint8_t *aux = xfer_offer_aux(o, &alen);
     list_t *n, *t;
     LIST_FOREACH_SAFE(n, t, &RO(o)->streams)
     {
         sstream_t *s = LIST_OWNER(n, sstream_t, node);
         peer_conn_t *c = alen && !s->aux_sent ? conn_live(s->conn) : NULL;
         if (c) /* the aux came after the OPEN */
-            opened_send(c, s, o);
+            opened_send(c, s, aux, alen);
     }
     if (!list_empty(&done_notes) && done_notes_apply(o))
         return; /* o may have ended: not used below */
@@ -2022,7 +1789,7 @@ void remote_offer_stop(offer_t *o, int code, const char *msg)
 static void offer_done_notify(offer_t *o)
 {
     instance_t *inst = xfer_offer_instance(o);
-    const uint8_t *read = RO(o)->rread; /* from the first OPEN's plans */
+    const uint8_t *read = RO(o)->sv.rread; /* from the first OPEN's plans */
     if (inst->nlocal == inst->nranks || !peer_enabled() || !read)
         return;
     for (uint32_t r = 0; r < inst->nranks; r++) {
@@ -2056,7 +1823,7 @@ static void offer_done_notify(offer_t *o)
  * read. Only an offer no stream took. */
 static void offer_done_apply(offer_t *o)
 {
-    if (RO(o)->streams_expect)
+    if (RO(o)->sv.streams_expect)
         return;
     xfer_offer_remote_done(o, 1, 0, ""); /* a no-op if it is ending */
 }
@@ -2075,7 +1842,7 @@ static void on_offer_done(peer_conn_t *c, const Kvxfer__PeerOfferDone *d)
     uint8_t tok[TOKEN_LEN];
     peer_token(inst->id, inst->owner_uid, inst->addresses[0], d->request_id,
                tok);
-    if (!token_equal(&d->token, tok))
+    if (!xfer_token_equal(&d->token, tok))
         return;
     offer_t *o = xfer_offer_find(inst, d->request_id);
     if (o) {
@@ -2182,8 +1949,8 @@ static void on_end(peer_conn_t *c, const Kvxfer__PeerStreamEnd *e)
             xfer_offer_remote_done(o, 0, KVX_ERR_PROTOCOL, m);
         } else if (e->code == 0) {
             roffer_t *ro = xfer_offer_remote(o); /* a stream of o: made */
-            assert(ro->streams_done < ro->streams_opened);
-            if (++ro->streams_done == ro->streams_expect) {
+            assert(ro->sv.streams_done < ro->sv.streams_opened);
+            if (++ro->sv.streams_done == ro->sv.streams_expect) {
                 offer_done_notify(o);
                 xfer_offer_remote_done(o, 1, 0, "");
             }
