@@ -64,6 +64,7 @@ DAEMON   := $(COMMON) \
             daemon/copy/gpu_desc.c \
             daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/xfer_list.c \
             daemon/xfer/batch.c daemon/xfer/serve.c daemon/agree/agree.c \
+            daemon/remote/slots.c daemon/remote/pull.c daemon/remote/source.c \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
             daemon/local/session.c daemon/local/server.c daemon/local/stats.c \
             $(GPU_SRC)

@@ -13,6 +13,7 @@
  * unit-exclude: daemon/net/peer.c
  */
 #include "../../daemon/remote/remote.c"
+#include "../../daemon/remote/source.c"
 
 #include <sys/mman.h>
 
