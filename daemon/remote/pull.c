@@ -238,7 +238,9 @@ static void pull_schedule(void)
             continue;
         const plan_t *plan = xfer_part_plan(r->part);
         uint64_t u0 = r->next_unit, bytes;
-        uint64_t u1 = plan_units_fit(plan, u0, r->u_end, slot_bytes, &bytes);
+        uint64_t end =
+            stream_cut_end(plan, r->u_begin, u0, r->u_end, r->layerwise);
+        uint64_t u1 = plan_units_fit(plan, u0, end, slot_bytes, &bytes);
         if (u1 == u0) {
             char m[160];
             snprintf(m, sizeof(m),
@@ -316,6 +318,7 @@ void on_opened(peer_conn_t *c, const Kvxfer__PeerOpened *o)
     }
     r->opened = 1;
     r->source = o->source;
+    r->layerwise = o->layerwise;
     if (!r->part) { /* an orphan: its request is gone; say why */
         send_end(c, r->source, r->end_code ? r->end_code : KVX_ERR_STATE,
                  r->end_code ? r->end_msg : "request ended");
@@ -424,6 +427,8 @@ static void scatter_done(slot_t *x, uint32_t k)
     }
     if (r)
         r->units_done += units;
+    if (!status) /* in the pool: FetchProgress counts its layers */
+        xfer_part_landed(part, x->pc[k].u0, x->pc[k].u1);
     if (whole || status || !r || r->ended) {
         /* the stream is complete: the source may let go (before the
          * progress below, which may free the request and r) */

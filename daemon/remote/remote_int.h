@@ -108,6 +108,7 @@ typedef struct rstream {
     uint64_t u_begin, u_end, next_unit;
     int opened, ended, refused;
     uint64_t retry_ms; /* not published there yet: ask again */
+    int layerwise;     /* OPENED.layerwise: pull a layer of the slice */
     uint64_t retry_until_ms;
     uint32_t retries; /* asked again so far: the next wait */
     uint64_t units_done;
@@ -163,6 +164,7 @@ typedef struct sstream {
     int ahead_off;   /* a PULL asked for something else */
     uint32_t queued; /* its PULLs waiting for a send slot */
     int aux_sent;    /* the offer's aux went with an OPENED */
+    int layerwise;   /* its source's layers come one by one (OPENED) */
     list_t node;     /* on its offer's streams until it ends */
 } sstream_t;
 
@@ -265,6 +267,8 @@ void remote_offer_stop(offer_t *o, int code, const char *msg);
 void remote_offer_published(offer_t *o);
 
 /* slots.c */
+uint64_t stream_cut_end(const plan_t *pl, uint64_t slice_begin, uint64_t u0,
+                        uint64_t end, int layerwise);
 void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent);
 int slots_init(slots_t *s, const char *what, slot_times_t *st, char *why,
                size_t why_len);

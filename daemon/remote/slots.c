@@ -333,3 +333,18 @@ int direct_in(slot_t *x, uint32_t k)
     x->iov[k] = NULL;
     return 1;
 }
+
+/* The end of the units from u0 that one pull of a stream asks for (its
+ * slice's units begin at slice_begin): at most end, and, while the
+ * source's layers come one by one (OPENED.layerwise), the end of u0's
+ * layer. The generation daemon cuts its pulls so (pull_schedule()), and
+ * the context daemon its slots gathered ahead (ahead_fill()). */
+uint64_t stream_cut_end(const plan_t *pl, uint64_t slice_begin, uint64_t u0,
+                        uint64_t end, int layerwise)
+{
+    if (!layerwise || !pl->nsegs)
+        return end;
+    uint64_t lend = slice_begin +
+                    ((u0 - slice_begin) / pl->nsegs + 1) * (uint64_t)pl->nsegs;
+    return lend < end ? lend : end;
+}

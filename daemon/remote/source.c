@@ -128,6 +128,7 @@ static void opened_send(peer_conn_t *c, sstream_t *s, const uint8_t *aux,
     op.source = s->id;
     op.aux.data = (uint8_t *)aux;
     op.aux.len = alen;
+    op.layerwise = s->layerwise;
     s->aux_sent = alen > 0;
     r.m_case = KVXFER__PEER_MSG__M_OPENED;
     r.opened = &op;
@@ -170,6 +171,7 @@ void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     s->src_rank = v.src_rank;
     s->u_begin = v.u_begin;
     s->u_end = v.u_end;
+    s->layerwise = v.layerwise;
     /* a PULL larger than our slots is refused anyway: no gather-ahead */
     s->pull_bytes = m->pull_bytes <= kvxd.conf.slot_bytes ? m->pull_bytes : 0;
     s->ahead_at = s->u_begin;
@@ -364,6 +366,20 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     return rc;
 }
 
+/* Are units [u0, u1) of s's slice there to gather: its rank published,
+ * and every layer they touch ready (a layer-wise part's come one by
+ * one; the units of a slice run layer by layer, nsegs a layer)? */
+static int units_ready(const sstream_t *s, const offer_t *o, uint64_t u1)
+{
+    uint32_t nl, ready = xfer_offer_ready(o, s->group, s->src_rank, &nl);
+    const plan_t *pl = s->plan;
+    const plan_slice_t *sl = &pl->slices[s->slice];
+    if (!nl || !pl->nsegs || u1 <= sl->unit_begin)
+        return nl > 0;
+    uint64_t last = sl->layer0 + (u1 - 1 - sl->unit_begin) / pl->nsegs;
+    return last - sl->src_layer_base < ready;
+}
+
 /* ---- S: gather-ahead (peer.gather_ahead) ------------------------------- */
 
 /* Take x off s's slots gathered ahead. */
@@ -417,10 +433,13 @@ static void ahead_fill(sstream_t *s)
            !s->ahead_off && !s->ended && o && !xfer_offer_ending(o) &&
            list_empty(&pulls) && sslots.nfree > 1 && s->ahead_at < s->u_end) {
         uint64_t u0 = s->ahead_at, bytes;
-        uint64_t u1 =
-            plan_units_fit(s->plan, u0, s->u_end, s->pull_bytes, &bytes);
+        uint64_t end =
+            stream_cut_end(s->plan, s->u_begin, u0, s->u_end, s->layerwise);
+        uint64_t u1 = plan_units_fit(s->plan, u0, end, s->pull_bytes, &bytes);
         if (u1 == u0)
             return; /* a unit larger than its slot: the PULL fails it */
+        if (!units_ready(s, o, u1))
+            return; /* its layers are not all there yet */
         slot_t *x = slot_get(&sslots);
         x->owner = s;
         x->u0 = u0;
@@ -502,9 +521,8 @@ static void serve_pulls_once(void)
         pull_t *q = PULL(n);
         sstream_t *s = q->s;
         offer_t *o = s->offer;
-        if (o && !xfer_offer_source(o, s->group, s->src_rank, NULL) &&
-            !xfer_offer_ending(o))
-            continue; /* its rank has not published yet */
+        if (o && !xfer_offer_ending(o) && !units_ready(s, o, q->u1))
+            continue; /* its rank has not published them yet */
         assert(s->queued > 0);
         s->queued--;
         list_remove(n);

@@ -319,5 +319,7 @@ void xfer_offer_serve(const xfer_serve_req_t *req, xfer_serve_t *v)
     v->u_end = m->slice + 1 < plan->nslices
                    ? plan->slices[m->slice + 1].unit_begin
                    : plan->nunits;
+    uint32_t nl, ready = xfer_offer_ready(o, m->group, v->src_rank, &nl);
+    v->layerwise = ready < nl;
     v->aux = xfer_offer_aux(o, &v->aux_len);
 }

@@ -53,6 +53,7 @@ typedef struct xfer_serve {
     plan_side_t dst;         /* the receiving side */
     uint32_t src_rank;       /* the rank whose slice the stream reads */
     uint64_t u_begin, u_end; /* its units */
+    int layerwise;           /* its source is a layer-wise part not yet whole */
     /* the offer's aux (aux_len bytes; NULL, 0: none yet), for OPENED */
     const uint8_t *aux;
     uint32_t aux_len;

@@ -1460,6 +1460,7 @@ static void layers_mark(offer_t *o, uint32_t group, uint32_t rank,
                         uint32_t first, uint32_t count, uint32_t tokens)
 {
     offer_part_t *sp = OPART(o, group, rank);
+    uint32_t ready0 = sp->ready;
     for (uint32_t l = first; l < first + count; l++)
         if (sp->tok_ready[l] < tokens)
             sp->tok_ready[l] = tokens;
@@ -1471,10 +1472,10 @@ static void layers_mark(offer_t *o, uint32_t group, uint32_t rank,
               sp->ready);
     instance_t *inst = o->inst;
     uint64_t id = o->request_id;
-    int whole = sp->ready == sp->nlayers;
+    int more = sp->ready > ready0;
     consumer_wake(o);
-    /* peer daemons read a rank's part once all of it is there */
-    if (whole && (o = map_get(&inst->offers, id)) && R.offer_published)
+    /* peer daemons read a rank's part layer by layer, each once whole */
+    if (more && (o = map_get(&inst->offers, id)) && R.offer_published)
         R.offer_published(o);
 }
 
@@ -1897,6 +1898,32 @@ static void part_landed(genpart_t *p, uint64_t u0, uint64_t u1)
         }
         u0 = b;
     }
+}
+
+/* Units [u0, u1) of remote part p have landed (remote.c: a piece
+ * scattered, or received in place): counted per layer of the destination
+ * as a local part's chunks are (part_try_start() makes the counts of a
+ * local part; a remote part's are made here, at its first piece). */
+void xfer_part_landed(genpart_t *p, uint64_t u0, uint64_t u1)
+{
+    const plan_t *plan = p->plan;
+    if (!p->ldone) {
+        uint32_t nl = p->pool->layout.num_layers;
+        p->ldone = calloc(nl, sizeof(uint32_t));
+        p->lneed = calloc(nl, sizeof(uint32_t));
+        if (!p->ldone || !p->lneed) { /* progress counts at the end only */
+            free(p->ldone);
+            free(p->lneed);
+            p->ldone = p->lneed = NULL;
+            return;
+        }
+        for (uint32_t i = 0; i < plan->nslices; i++) {
+            const plan_slice_t *s = &plan->slices[i];
+            for (uint32_t a = 0; a < s->nlayers; a++)
+                p->lneed[s->layer0 + a - s->dst_layer_base] += plan->nsegs;
+        }
+    }
+    part_landed(p, u0, u1);
 }
 
 /* Bind a fetched part to its sources once they have all published. */
@@ -3230,11 +3257,20 @@ pool_t *xfer_offer_source(const offer_t *o, uint32_t group, uint32_t rank,
 {
     assert(rank < o->inst->nranks && group < o->ngroups);
     const offer_part_t *sp = OPART(o, group, rank);
-    if (!sp->pool || sp->ready < sp->nlayers)
-        return NULL; /* peer daemons read a layer-wise part once whole */
+    if (!sp->pool)
+        return NULL;
     if (mem)
         *mem = pool_mem(sp->pool, sp->blocks, sp->nblocks);
     return sp->pool;
+}
+
+uint32_t xfer_offer_ready(const offer_t *o, uint32_t group, uint32_t rank,
+                          uint32_t *nlayers)
+{
+    assert(rank < o->inst->nranks && group < o->ngroups);
+    const offer_part_t *sp = OPART(o, group, rank);
+    *nlayers = sp->pool ? sp->nlayers : 0;
+    return sp->pool ? sp->ready : 0;
 }
 
 struct roffer *xfer_offer_remote(const offer_t *o)
