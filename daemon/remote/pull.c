@@ -129,7 +129,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
         for (uint32_t i = 0; i < plan->nslices; i++)
             plan->src[i] = (plan_mem_t){.layout = &none};
         if ((rc = plan_check_bounds(plan, why, why_len)) ||
-            (rc = slots_pin(&rslots, dev, why, why_len)) ||
+            (rc = slots_pin(&rslots, dev, &(kvx_why_t){why, why_len})) ||
             (rc = xfer_part_upload(p, dev, why, why_len)))
             return rc;
     }

@@ -88,7 +88,7 @@ static uint32_t offer_streams(const offer_t *o, uint32_t *done)
     *done = RO(o)->sv.streams_done;
     return RO(o)->sv.streams_expect;
 }
-int remote_init(char *why, size_t why_len)
+int remote_init(kvx_why_t *why)
 {
     /* what xfer and net call, whether peers are on or not */
     static const xfer_remote_ops_t ops = {.part_start = remote_part_start,
@@ -124,8 +124,8 @@ int remote_init(char *why, size_t why_len)
                  direct_on ? "on" : "off", kvxd_cpus(),
                  peer_rdma() ? "an RDMA device" : "no RDMA device");
     int rc;
-    if ((rc = slots_init(&rslots, "receive", &st_rx, why, why_len)) ||
-        (rc = slots_init(&sslots, "send", &st_tx, why, why_len)))
+    if ((rc = slots_init(&rslots, "receive", &st_rx, why)) ||
+        (rc = slots_init(&sslots, "send", &st_tx, why)))
         return rc;
     log_info("peers: %u + %u host staging slots of %llu bytes, registered "
              "with UCX (pinned for CUDA on first GPU use)",

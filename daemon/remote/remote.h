@@ -17,13 +17,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/why.h"
 #include "kvxfer.pb-c.h"
 #include "net/peer.h"
 #include "xfer/xfer_remote.h"
 
 /* Register with net and xfer; with peers on, allocate and register the
  * staging slots. 0, or KVX_ERR_NOMEM with why. */
-int remote_init(char *why, size_t why_len);
+int remote_init(kvx_why_t *why);
 void remote_cleanup(void);
 void remote_tick(uint64_t now_ms);
 

@@ -270,9 +270,8 @@ void remote_offer_published(offer_t *o);
 uint64_t stream_cut_end(const plan_t *pl, uint64_t slice_begin, uint64_t u0,
                         uint64_t end, int layerwise);
 void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent);
-int slots_init(slots_t *s, const char *what, slot_times_t *st, char *why,
-               size_t why_len);
-int slots_pin(slots_t *s, int device, char *why, size_t why_len);
+int slots_init(slots_t *s, const char *what, slot_times_t *st, kvx_why_t *why);
+int slots_pin(slots_t *s, int device, kvx_why_t *why);
 void slots_cleanup(slots_t *s);
 slot_t *slot_get(slots_t *s);
 void slot_put(slots_t *s, slot_t *x);

@@ -42,19 +42,18 @@ void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent)
 
 /* ---- slots ------------------------------------------------------------- */
 
-int slots_init(slots_t *s, const char *what, slot_times_t *st, char *why,
-               size_t why_len)
+int slots_init(slots_t *s, const char *what, slot_times_t *st, kvx_why_t *why)
 {
     uint32_t n = remote_slots();
     list_init(&s->free);
     s->len = (size_t)n * kvxd.conf.slot_bytes;
     if (kvxd_mem_charge(MEM_STAGING, s->len)) {
-        snprintf(why, why_len,
-                 "peer.slots: %u %s slots of %llu bytes pass the daemon's "
-                 "memory budget (limits.memory_bytes %llu, %llu in use)",
-                 n, what, (unsigned long long)kvxd.conf.slot_bytes,
-                 (unsigned long long)kvxd.conf.memory_bytes,
-                 (unsigned long long)kvxd_mem_used(MEM_KINDS));
+        why_set(why,
+                "peer.slots: %u %s slots of %llu bytes pass the daemon's "
+                "memory budget (limits.memory_bytes %llu, %llu in use)",
+                n, what, (unsigned long long)kvxd.conf.slot_bytes,
+                (unsigned long long)kvxd.conf.memory_bytes,
+                (unsigned long long)kvxd_mem_used(MEM_KINDS));
         s->len = 0;
         return KVX_ERR_LIMIT;
     }
@@ -62,15 +61,15 @@ int slots_init(slots_t *s, const char *what, slot_times_t *st, char *why,
                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (s->mem == MAP_FAILED) {
         s->mem = NULL;
-        snprintf(why, why_len,
-                 "peer.slots: cannot map %zu bytes of %s "
-                 "slots",
-                 s->len, what);
+        why_set(why,
+                "peer.slots: cannot map %zu bytes of %s "
+                "slots",
+                s->len, what);
         return KVX_ERR_NOMEM;
     }
     s->v = calloc(n, sizeof(*s->v));
     if (!s->v) {
-        snprintf(why, why_len, "out of memory");
+        why_set(why, "out of memory");
         return KVX_ERR_NOMEM;
     }
     for (uint32_t i = 0; i < n; i++) {
@@ -88,15 +87,15 @@ int slots_init(slots_t *s, const char *what, slot_times_t *st, char *why,
 }
 
 /* GPU pools: kernels read and write the slots (pinned, mapped). */
-int slots_pin(slots_t *s, int device, char *why, size_t why_len)
+int slots_pin(slots_t *s, int device, kvx_why_t *why)
 {
     if (s->pinned)
         return 0;
     if (gpu_host_register(s->mem, s->len, device)) {
-        snprintf(why, why_len,
-                 "cannot pin the %zu-byte staging slots for "
-                 "the GPU",
-                 s->len);
+        why_set(why,
+                "cannot pin the %zu-byte staging slots for "
+                "the GPU",
+                s->len);
         return KVX_ERR_IO;
     }
     s->pinned = 1;

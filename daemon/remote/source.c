@@ -358,7 +358,7 @@ static int sstream_bind(sstream_t *s, offer_t *o)
         return 0;
     int dev = src->device;
     pl->dst = (plan_mem_t){.layout = &s->dst_layout};
-    if ((rc = slots_pin(&sslots, dev, why, sizeof(why))) ||
+    if ((rc = slots_pin(&sslots, dev, KVX_WHY(why))) ||
         (rc = pool_device_view(src, dev, &pl->src[s->slice].regions, why,
                                sizeof(why))) ||
         (rc = gpu_part_create(pl, dev, &s->gpu, why, sizeof(why))))

@@ -118,7 +118,7 @@ static void setup(void)
     char why[256];
     CHECK_EQ(kvxd_defer_init(kvxd.loop), 0);
     CHECK_EQ(copy_init(kvxd.loop, 2, 0, 0, 0), 0);
-    CHECK_EQ(remote_init(why, sizeof(why)), 0);
+    CHECK_EQ(remote_init(KVX_WHY(why)), 0);
     plan_side_t side = {
         .tp = 1, .pp = 1, .cp = 1, .total_layers = 2, .total_heads = 2};
     char *a0 = kvxd.address;
