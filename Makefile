@@ -62,7 +62,9 @@ DAEMON   := $(COMMON) \
             daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c daemon/net/peer.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
             daemon/copy/gpu_desc.c \
-            daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/xfer_list.c \
+            daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/params.c \
+            daemon/xfer/offer.c daemon/xfer/fetch.c daemon/xfer/sched.c \
+            daemon/xfer/end.c daemon/xfer/xfer_list.c \
             daemon/xfer/batch.c daemon/xfer/serve.c daemon/agree/agree.c \
             daemon/remote/slots.c daemon/remote/pull.c daemon/remote/source.c \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \

@@ -5,8 +5,9 @@ its files has no cycle, and no file reaches a layer above its own.
     scripts/layers.py [-v]      (-v: print every file's edges)
 
 A file's module is its name without extension (xfer_remote.h belongs to
-xfer, gpu_desc.h and gpu_walk.h to gpu). An edge a -> b is an #include of
-b's header or a call of a function b defines. main.c (the table of
+xfer, gpu_desc.h and gpu_walk.h to gpu, and so do xfer's request files,
+ALIAS). An edge a -> b is an #include of b's header or a call of a
+function b defines. main.c (the table of
 contents, daemon/main.c) stands above the layers and may reach every one.
 The includes tell the truth too: a header of another folder is named with
 its folder ("net/peer.h", "common/list.h"), a header of the file's own
@@ -23,7 +24,11 @@ ORDER = ["core", "net", "copy", "xfer", "agree", "remote", "local", "main"]
 RANK = {"core": 0, "net": 1, "copy": 2, "xfer": 3, "agree": 4, "remote": 4,
         "local": 5, "main": 6}
 PUBLIC = ("kvxfer.h", "kvxfer.pb-c.h")
-ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu"}
+# xfer's request files are one module (one state machine: a request's
+# publish, fetch, schedule and end call each other), split for reading
+ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu",
+         "xfer_int": "xfer", "offer": "xfer", "fetch": "xfer",
+         "sched": "xfer", "end": "xfer", "params": "xfer"}
 
 
 def module(path):

@@ -345,8 +345,9 @@ static void queue_event_aux(instance_t *inst, uint64_t request_id,
                             uint32_t aux_len)
 {
     char ks[REQKEY_STR_MAX];
-    if (batch_push(&inst->batches, request_id, key, kind, code, msg, aux,
-                   aux_len, kvxd_now_ms()))
+    if (batch_push(&inst->batches, request_id, key,
+                   &(batch_end_t){kind, code, msg, aux, aux_len},
+                   kvxd_now_ms()))
         log_error("instance %s: out of memory queueing the event of request "
                   "%s",
                   inst->id, reqkey_str(key->b, key->len, ks));

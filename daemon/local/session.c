@@ -614,9 +614,13 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
              "hello: uid %u has %u sessions that said Hello open, its share "
              "of the daemon's (limits.uid_sessions %u)",
              (unsigned)s->uid, us->ranks, ucap);
-    int rc =
-        instance_attach(h->instance_id, (uint32_t)s->uid, (kvx_role_t)h->role,
-                        h->rank, &side, s->id, &s->inst, why, sizeof(why));
+    instance_hello_t ih = {.id = h->instance_id,
+                           .uid = (uint32_t)s->uid,
+                           .role = (kvx_role_t)h->role,
+                           .rank = h->rank,
+                           .side = &side,
+                           .sid = s->id};
+    int rc = instance_attach(&ih, &s->inst, KVX_WHY(why));
     if (rc) {
         reply(s, rq->id, rc, why);
         return;
@@ -650,10 +654,10 @@ static void on_join(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     int first = !s->inst->joined;
     int rc = instance_consumers(s->inst, rq->join->consumers,
-                                rq->join->n_consumers, why, sizeof(why));
+                                rq->join->n_consumers, KVX_WHY(why));
     if (!rc)
         rc = instance_join(s->inst, s->rank, rq->join->rank_addresses,
-                           rq->join->n_rank_addresses, why, sizeof(why));
+                           rq->join->n_rank_addresses, KVX_WHY(why));
     if (!rc && first)
         agree_joined(s->inst); /* the root counts every remote rank */
     if (!rc)
@@ -962,7 +966,7 @@ static int ready_for(session_t *s, kvx_role_t need, const char *what,
                  s->role == KVX_ROLE_CONTEXT ? "context" : "generation");
         return KVX_ERR_STATE;
     }
-    return instance_ready(s->inst, why, why_len);
+    return instance_ready(s->inst, &(kvx_why_t){why, why_len});
 }
 
 /* A PublishReply with params (malloc'd: freed here). */
@@ -1010,11 +1014,19 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
         goto fail;
     uint8_t *params;
     size_t plen;
-    if ((rc = xfer_publish(s->inst, s->rank, &key, p, m->blocks,
-                           (uint32_t)m->n_blocks, m->num_tokens, gs,
-                           (uint32_t)m->n_groups, m->aux.data,
-                           (uint32_t)m->aux.len, m->layerwise, &params, &plen,
-                           why, sizeof(why))))
+    xfer_publish_req_t pr = {.inst = s->inst,
+                             .rank = s->rank,
+                             .key = &key,
+                             .pool = p,
+                             .blocks = m->blocks,
+                             .nblocks = (uint32_t)m->n_blocks,
+                             .num_tokens = m->num_tokens,
+                             .groups = gs,
+                             .ngroups = (uint32_t)m->n_groups,
+                             .aux = m->aux.data,
+                             .aux_len = (uint32_t)m->aux.len,
+                             .layerwise = m->layerwise};
+    if ((rc = xfer_publish(&pr, &params, &plen, KVX_WHY(why))))
         goto fail;
     reply_params(s, rq->id, params, plen);
     return;
@@ -1032,9 +1044,17 @@ static void on_layers_ready(session_t *s, const Kvxfer__Request *rq)
     if (!rc)
         rc = ready_for(s, KVX_ROLE_CONTEXT, "layers_ready", why, sizeof(why));
     if (!rc)
-        rc = xfer_layers_ready(s->inst, s->rank, &key, m->group, m->first,
-                               m->count, m->tokens, m->cuda_event.data,
-                               m->cuda_event.len, s->id, why, sizeof(why));
+        rc = xfer_layers_ready(&(xfer_ready_req_t){.inst = s->inst,
+                                                   .rank = s->rank,
+                                                   .key = &key,
+                                                   .group = m->group,
+                                                   .first = m->first,
+                                                   .count = m->count,
+                                                   .tokens = m->tokens,
+                                                   .ev = m->cuda_event.data,
+                                                   .ev_len = m->cuda_event.len,
+                                                   .owner = s->id},
+                               KVX_WHY(why));
     reply(s, rq->id, rc, rc ? why : "");
 }
 
@@ -1060,7 +1080,7 @@ static void on_append_blocks(session_t *s, const Kvxfer__Request *rq)
                           sizeof(why));
     if (!rc)
         rc = xfer_append_blocks(s->inst, s->rank, &key, p, m->blocks,
-                                (uint32_t)m->n_blocks, why, sizeof(why));
+                                (uint32_t)m->n_blocks, KVX_WHY(why));
     reply(s, rq->id, rc, rc ? why : "");
 }
 
@@ -1077,8 +1097,8 @@ static void on_fetch_progress(session_t *s, const Kvxfer__Request *rq)
                        sizeof(why));
     if (!rc)
         rc = xfer_fetch_progress(s->inst, s->rank, &key,
-                                 rq->fetch_progress->group, &done, &n, why,
-                                 sizeof(why));
+                                 rq->fetch_progress->group, &done, &n,
+                                 KVX_WHY(why));
     if (rc < 0) {
         reply(s, rq->id, rc, why);
         return;
@@ -1118,10 +1138,19 @@ static void on_fetch(session_t *s, const Kvxfer__Request *rq)
     if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch", gs, why,
                               sizeof(why))))
         goto fail;
-    rc = xfer_fetch(s->inst, s->rank, &key, m->context_params.data,
-                    m->context_params.len, p, m->blocks, (uint32_t)m->n_blocks,
-                    m->skip_tokens, m->dp_rank, gs, (uint32_t)m->n_groups, why,
-                    sizeof(why));
+    xfer_fetch_req_t fr = {.inst = s->inst,
+                           .rank = s->rank,
+                           .key = &key,
+                           .params = m->context_params.data,
+                           .params_len = m->context_params.len,
+                           .pool = p,
+                           .blocks = m->blocks,
+                           .nblocks = (uint32_t)m->n_blocks,
+                           .skip_tokens = m->skip_tokens,
+                           .dp_rank = m->dp_rank,
+                           .groups = gs,
+                           .ngroups = (uint32_t)m->n_groups};
+    rc = xfer_fetch(&fr, KVX_WHY(why));
 fail:
     reply(s, rq->id, rc, rc ? why : "");
 }
@@ -1170,7 +1199,7 @@ static void on_cancel(session_t *s, const Kvxfer__Request *rq)
     if (!rc && keyed_cancel(s->inst, &key))
         rc = 0; /* a fetch by key that was still waiting: ended */
     else if (!rc)
-        rc = xfer_cancel(s->inst, &key, s->id, rq->id, why, sizeof(why));
+        rc = xfer_cancel(s->inst, &key, s->id, rq->id, KVX_WHY(why));
     if (rc <= 0)
         reply(s, rq->id, rc, rc ? why : "");
     /* rc 1: answered once the request's copies are fenced */
@@ -1345,7 +1374,7 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
     if (!(inst->role & KVX_ROLE_CONTEXT))
         FAIL(KVX_ERR_STATE, "reserve: instance %s has role generation",
              inst->id);
-    if ((rc = instance_ready(inst, why, sizeof(why))))
+    if ((rc = instance_ready(inst, KVX_WHY(why))))
         goto fail;
     if (!inst->local[0])
         FAIL(KVX_ERR_STATE,
@@ -1394,9 +1423,13 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
     }
     uint8_t *params;
     size_t plen;
-    if ((rc = xfer_reserve(inst, &key, m->num_tokens, &p->layout, gs,
-                           (uint32_t)m->n_groups, &params, &plen, why,
-                           sizeof(why))))
+    xfer_reserve_req_t rr = {.inst = inst,
+                             .key = &key,
+                             .num_tokens = m->num_tokens,
+                             .layout = &p->layout,
+                             .groups = gs,
+                             .ngroups = (uint32_t)m->n_groups};
+    if ((rc = xfer_reserve(&rr, &params, &plen, KVX_WHY(why))))
         goto fail;
     reply_params(s, rq->id, params, plen);
     return;

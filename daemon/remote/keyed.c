@@ -161,7 +161,8 @@ static void kf_fail(kf_t *kf, int kind, int code, const char *msg)
         seen[r] = kf->rank[r].waiting || kf->rank[r].done;
     if (inst && !kf->handed)
         xfer_fetch_end_early(
-            inst, &kf->key, kf->dp_rank, kind, code, msg, seen,
+            inst, &kf->key, kf->dp_rank,
+            &(batch_end_t){kind, code, msg, NULL, 0}, seen,
             xfer_source_id(kf->ctx_inst, kf->ctx_key.b, kf->ctx_key.len));
     free(seen);
     kf_free(kf);
@@ -188,9 +189,7 @@ static int kf_run(kf_t *kf, const xfer_fetch_req_t *rq, kvx_why_t *why)
     q.dp_rank = kf->dp_rank;
     kf->rank[q.rank].done = 1;
     kf->ndone++;
-    int rc = xfer_fetch(q.inst, q.rank, q.key, q.params, q.params_len, q.pool,
-                        q.blocks, q.nblocks, q.skip_tokens, q.dp_rank, q.groups,
-                        q.ngroups, why->msg, why->size);
+    int rc = xfer_fetch(&q, why);
     if (!rc && !kf->handed++) /* the deadline runs from the first call */
         xfer_fetch_deadline(q.inst, &kf->key, kf->until_ms);
     return rc;
@@ -266,8 +265,7 @@ static int kf_resolve_local(kf_t *kf)
     uint8_t *p;
     size_t len;
     xfer_consumer_t who = {kf->inst, kf->key.b, kf->key.len};
-    int rc =
-        xfer_params_for(ci, &kf->ctx_key, &who, &p, &len, why, sizeof(why));
+    int rc = xfer_params_for(ci, &kf->ctx_key, &who, &p, &len, KVX_WHY(why));
     if (rc == XFER_NOT_YET)
         return 0;
     if (rc) {
@@ -363,7 +361,7 @@ int keyed_fetch(const xfer_fetch_req_t *rq, const keyed_source_t *src,
     if (!kf &&
         xfer_fetch_ended(inst, rank, key,
                          xfer_source_id(ctx_instance, ctx_key->b, ctx_key->len),
-                         &rc, why->msg, why->size))
+                         &rc, why))
         return rc; /* it ended already: this rank joins that end */
     if (!kf && xfer_fetch_runs(inst, key)) {
         why_set(why, "fetch_by_key.key: request %s is being fetched already",
@@ -572,7 +570,7 @@ int keyed_release(const keyed_release_req_t *rq, int *later, kvx_why_t *why)
         uint8_t *p;
         size_t len;
         char w[512];
-        rc = xfer_params_for(ci, ctx_key, NULL, &p, &len, w, sizeof(w));
+        rc = xfer_params_for(ci, ctx_key, NULL, &p, &len, KVX_WHY(w));
         if (rc == XFER_NOT_YET)
             rc = KVX_ERR_NOT_FOUND;
         if (rc) {
@@ -708,7 +706,7 @@ static int res_try(const res_t *r)
      * its daemons: the same consumer gets the params again */
     xfer_consumer_t who = {r->consumer, r->consumer_key.b, r->consumer_key.len};
     int rc = xfer_params_for(ci, &r->key, r->consumer_key.len ? &who : NULL, &p,
-                             &len, why, sizeof(why));
+                             &len, KVX_WHY(why));
     if (rc == XFER_NOT_YET)
         return 0;
     res_answer(r->conn, r->id, rc, rc ? why : "", rc ? NULL : p, rc ? 0 : len);

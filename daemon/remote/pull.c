@@ -130,7 +130,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
             plan->src[i] = (plan_mem_t){.layout = &none};
         if ((rc = plan_check_bounds(plan, why, why_len)) ||
             (rc = slots_pin(&rslots, dev, &(kvx_why_t){why, why_len})) ||
-            (rc = xfer_part_upload(p, dev, why, why_len)))
+            (rc = xfer_part_upload(p, dev, &(kvx_why_t){why, why_len})))
             return rc;
     }
     rpart_t *rp = calloc(1, sizeof(*rp) + plan->nslices * sizeof(rstream_t *));
@@ -298,8 +298,8 @@ static int opened_aux(peer_conn_t *c, rstream_t *r, const Kvxfer__PeerOpened *o)
         log_warn("%s", why);
         rc = KVX_ERR_LIMIT;
     } else if (o->aux.len) {
-        rc = xfer_part_set_aux(r->part, o->aux.data, (uint32_t)o->aux.len, why,
-                               sizeof(why));
+        rc = xfer_part_set_aux(r->part, o->aux.data, (uint32_t)o->aux.len,
+                               KVX_WHY(why));
     }
     if (rc)
         xfer_part_fail(r->part, rc, why);

@@ -67,7 +67,7 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
 {
     Kvxfer__ContextParams *cp;
     *later = 0;
-    int rc = xfer_params_decode(params, len, &cp, why->msg, why->size);
+    int rc = xfer_params_decode(params, len, &cp, why);
     if (rc)
         return rc;
     /* the daemons of the ranks, each once */
@@ -111,7 +111,7 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
     reqkey_t key = {.len = (uint32_t)cp->key.len};
     memcpy(key.b, cp->key.data, cp->key.len); /* checked by the decode */
     if (here && (rc = xfer_release(cp->instance_id, &key, cp->token.data,
-                                   cp->token.len, why->msg, why->size)))
+                                   cp->token.len, why)))
         goto out;
     if (!n)
         goto out; /* rc 0: answered now */
@@ -175,7 +175,7 @@ static void on_release(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
                         sizeof(why));
     if (!rc)
         rc = xfer_release(m->instance_id ? m->instance_id : "", &key,
-                          m->token.data, m->token.len, why, sizeof(why));
+                          m->token.data, m->token.len, KVX_WHY(why));
     Kvxfer__PeerReleased a = KVXFER__PEER_RELEASED__INIT;
     a.id = m->id;
     a.code = rc;

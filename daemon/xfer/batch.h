@@ -121,8 +121,7 @@ typedef struct batch_end {
 
 /* Queue a terminal event (message and aux_len bytes of aux copied). */
 int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
-               int kind, int code, const char *message, const uint8_t *aux,
-               uint32_t aux_len, uint64_t now_ms);
+               const batch_end_t *end, uint64_t now_ms);
 
 /* Rank asks for its next batch. Delivers now or waits; returns
  * KVX_ERR_BUSY if this rank already has a poll waiting. */

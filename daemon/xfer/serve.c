@@ -57,8 +57,7 @@ static uint32_t streams_expected(offer_t *o, xfer_served_t *sv,
         uint32_t r = t % ranks, tb = t / ranks; /* rank, table */
         plan_t *p;
         char why[64];
-        if (xfer_offer_plan(o, tb, &gdst[tb], r, gskip[tb], &p, why,
-                            sizeof(why)))
+        if (xfer_offer_plan(o, tb, &gdst[tb], r, gskip[tb], &p, KVX_WHY(why)))
             continue;
         uint32_t k = 0;
         for (uint32_t i = 0; i < p->nslices; i++) {
@@ -146,8 +145,8 @@ static int open_plan(const Kvxfer__PeerOpen *m, const char *ks,
     char why[256];
     /* the request's block tables: the fetch gives a side for each */
     uint32_t ng = m->n_groups ? (uint32_t)m->n_groups : 1;
-    int rc = xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, why,
-                                sizeof(why));
+    int rc =
+        xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, KVX_WHY(why));
     if (!rc && (ng != xfer_offer_ngroups(o) || m->group >= ng)) {
         snprintf(why, sizeof(why),
                  "open: the fetch reads block table %u of %u, the offer of "
@@ -162,7 +161,7 @@ static int open_plan(const Kvxfer__PeerOpen *m, const char *ks,
         } else if (m->n_groups) {
             rc =
                 xfer_side_from_msg(m->groups[k]->parallel, m->groups[k]->layout,
-                                   &gdst[k], why, sizeof(why));
+                                   &gdst[k], KVX_WHY(why));
             gskip[k] = m->groups[k]->skip_tokens;
         } else {
             gdst[0] = dst;
@@ -193,7 +192,7 @@ static int open_plan(const Kvxfer__PeerOpen *m, const char *ks,
     plan_t *plan = NULL;
     if (!rc)
         rc = xfer_offer_plan(o, m->group, &dst, m->dst_rank, m->skip_tokens,
-                             &plan, why, sizeof(why));
+                             &plan, KVX_WHY(why));
     if (rc) {
         refuse(v, rc, "%s", why);
         return rc;

@@ -281,8 +281,9 @@ static void ensure_requests(void)
         uint32_t blocks[4] = {3, 1, 2, 0};
         uint8_t *params;
         size_t plen;
-        if (xfer_publish(ctx, 0, K(1), cpool, blocks, 4, 13, NULL, 0, NULL, 0,
-                         0, &params, &plen, why, sizeof(why)))
+        if (xfer_publish(&(xfer_publish_req_t){ctx, 0, K(1), cpool, blocks, 4,
+                                               13, NULL, 0, NULL, 0, 0},
+                         &params, &plen, KVX_WHY(why)))
             abort();
         Kvxfer__ContextParams *cp =
             kvxfer__context_params__unpack(NULL, plen, params);
@@ -306,8 +307,9 @@ static void ensure_requests(void)
         kvxfer__context_params__free_unpacked(cp, NULL);
         uint32_t gblocks[4] = {0, 2, 1, 3};
         /* refused while the offer's old consumer is ending: next time */
-        xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, NULL, 0, why,
-                   sizeof(why));
+        xfer_fetch(&(xfer_fetch_req_t){gen, 0, K(1), p, n, gpool, gblocks, 4, 0,
+                                       0, NULL, 0},
+                   KVX_WHY(why));
         free(p);
     }
 }
@@ -346,12 +348,14 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
                         .total_heads = 2};
     char *a0 = kvxd.address;
-    if (instance_attach("ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
-                        sizeof(why)) ||
-        instance_join(ctx, 0, &a0, 1, why, sizeof(why)) ||
-        instance_attach("gen", 0, KVX_ROLE_GENERATION, 0, &side, 2, &gen, why,
-                        sizeof(why)) ||
-        instance_join(gen, 0, &a0, 1, why, sizeof(why)))
+    if (instance_attach(
+            &(instance_hello_t){"ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1}, &ctx,
+            KVX_WHY(why)) ||
+        instance_join(ctx, 0, &a0, 1, KVX_WHY(why)) ||
+        instance_attach(
+            &(instance_hello_t){"gen", 0, KVX_ROLE_GENERATION, 0, &side, 2},
+            &gen, KVX_WHY(why)) ||
+        instance_join(gen, 0, &a0, 1, KVX_WHY(why)))
         abort();
     kvx_layout_preset("vllm-nhd", 2, 2, 2, 64, KVX_DTYPE_BF16, 4, 16, &lay);
     cpool = host_pool(1, &lay);

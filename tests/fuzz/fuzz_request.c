@@ -142,8 +142,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         Kvxfer__ContextParams *cp = NULL;
         char why[512];
         int rc = xfer_params_decode(f->context_params.data,
-                                    f->context_params.len, &cp, why,
-                                    sizeof(why));
+                                    f->context_params.len, &cp, KVX_WHY(why));
         if (rc)
             refused(rc, why, sizeof(why));
         else

@@ -69,11 +69,12 @@ static instance_t *spread_instance(const char *id, int root)
     uint32_t rank = root ? 0 : 1;
     instance_t *inst;
     char why[256];
-    CHECK_EQ(instance_attach(id, 0, KVX_ROLE_CONTEXT, rank, &side, 100 + rank,
-                             &inst, why, sizeof(why)),
+    CHECK_EQ(instance_attach(&(instance_hello_t){id, 0, KVX_ROLE_CONTEXT, rank,
+                                                 &side, 100 + rank},
+                             &inst, KVX_WHY(why)),
              0);
     char *addrs[2] = {root ? ME : OTHER, root ? OTHER : ME};
-    CHECK_EQ(instance_join(inst, rank, addrs, 2, why, sizeof(why)), 0);
+    CHECK_EQ(instance_join(inst, rank, addrs, 2, KVX_WHY(why)), 0);
     agree_joined(inst);
     CHECK(instance_spread(inst));
     return inst;
