@@ -59,7 +59,10 @@ CLIENT   := $(COMMON) client/client.c client/reconnect.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
             daemon/core/daemon.c daemon/core/fault.c \
-            daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c daemon/net/peer.c \
+            daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c \
+            daemon/net/peer.c daemon/net/peer_auth.c daemon/net/peer_addr.c \
+            daemon/net/peer_handshake.c daemon/net/peer_init.c \
+            daemon/net/peer_status.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
             daemon/copy/gpu_desc.c \
             daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/params.c \

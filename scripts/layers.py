@@ -29,6 +29,9 @@ PUBLIC = ("kvxfer.h", "kvxfer.pb-c.h")
 ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu",
          "xfer_int": "xfer", "offer": "xfer", "fetch": "xfer",
          "sched": "xfer", "end": "xfer", "params": "xfer"}
+# peer is one module in several files (daemon/net/peer_int.h)
+ALIAS.update({"peer_" + s: "peer" for s in
+              ("int", "auth", "addr", "handshake", "init", "status")})
 
 
 def module(path):

@@ -300,7 +300,7 @@ static int target_check(const char *what, const keyed_source_t *src, int *here,
     if ((*here = !strcmp(addr, kvxd.address)))
         return 0;
     char w[400];
-    if (peer_address_alias(addr, w, sizeof(w)) == KVX_ERR_PEER_GONE) {
+    if (peer_address_alias(addr, KVX_WHY(w)) == KVX_ERR_PEER_GONE) {
         why_set(why, "%s.context_address: %s", what, w);
         return KVX_ERR_PEER_GONE;
     }
@@ -311,14 +311,14 @@ static int target_check(const char *what, const keyed_source_t *src, int *here,
                 what, addr);
         return KVX_ERR_UNSUPPORTED;
     }
-    return peer_address_check(addr, why->msg, why->size);
+    return peer_address_check(addr, why);
 }
 
 /* Ask a->addr for the params a names; *id and *conn name the answer. */
 static int ask_resolve(const ask_t *a, uint64_t *id, uint64_t *conn,
                        kvx_why_t *why)
 {
-    peer_conn_t *c = peer_connect(a->addr, why->msg, why->size);
+    peer_conn_t *c = peer_connect(a->addr, why);
     if (!c)
         return KVX_ERR_PEER_GONE;
     Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;

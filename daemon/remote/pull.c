@@ -142,7 +142,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
     xfer_part_set_remote(p, rp); /* freed with p, whatever happens below */
     for (uint32_t i = 0; i < plan->nslices; i++) {
         const char *addr = cp->rank_addresses[plan->slices[i].src_rank];
-        peer_conn_t *c = peer_connect(addr, why, why_len);
+        peer_conn_t *c = peer_connect(addr, &(kvx_why_t){why, why_len});
         if (!c)
             return KVX_ERR_PEER_GONE;
         rstream_t *r = calloc(1, sizeof(*r));

@@ -106,7 +106,7 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
     }
     /* every address is checked before anything is released */
     for (unsigned k = 0; k < n; k++)
-        if ((rc = peer_address_check(addrs[k], why->msg, why->size)))
+        if ((rc = peer_address_check(addrs[k], why)))
             goto out;
     reqkey_t key = {.len = (uint32_t)cp->key.len};
     memcpy(key.b, cp->key.data, cp->key.len); /* checked by the decode */
@@ -139,7 +139,7 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
     for (unsigned k = 0; k < n; k++) {
         char w[256];
         snprintf(r->addr[k], sizeof(r->addr[k]), "%s", addrs[k]);
-        peer_conn_t *c = peer_connect(addrs[k], w, sizeof(w));
+        peer_conn_t *c = peer_connect(addrs[k], KVX_WHY(w));
         if (!c || peer_send(c, &m)) {
             char e[512];
             snprintf(e, sizeof(e), "release: daemon %s: %s", addrs[k],

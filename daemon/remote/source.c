@@ -254,8 +254,9 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
     x->sends_left++;
     peer_conn_t *c = conn_live(s->conn);
     if (niov) {
-        int rc = c ? peer_send_data(c, &m, NULL, x->pc[k].len, x->iov[k], niov,
-                                    on_sent_direct, &x->ref[k])
+        int rc = c ? peer_send_data(
+                         c, &(peer_piece_t){&m, NULL, x->pc[k].len, x->iov[k],
+                                            niov, on_sent_direct, &x->ref[k]})
                    : KVX_ERR_PEER_GONE;
         if (!rc)
             return;
@@ -266,8 +267,9 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
         on_sent_direct(&x->ref[k], rc);
         return;
     }
-    if (!c || peer_send_data(c, &m, x->mem + d.offset, x->pc[k].len, NULL, 0,
-                             on_sent, x))
+    if (!c ||
+        peer_send_data(c, &(peer_piece_t){&m, x->mem + d.offset, x->pc[k].len,
+                                          NULL, 0, on_sent, x}))
         x->sends_left--; /* the connection is gone: never called back */
 }
 
@@ -678,7 +680,7 @@ static void offer_done_notify(offer_t *o)
         if (any || !first || inst->local[r])
             continue;
         char why[256];
-        peer_conn_t *c = peer_connect(addr, why, sizeof(why));
+        peer_conn_t *c = peer_connect(addr, KVX_WHY(why));
         if (!c)
             continue;
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;

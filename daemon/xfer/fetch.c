@@ -491,7 +491,7 @@ static int fetch_remote(const xfer_fetch_req_t *rq, uint64_t request_id,
             inst->id);
     }
     for (size_t i = 0; i < cp->n_rank_addresses; i++)
-        if ((rc = peer_address_check(cp->rank_addresses[i], WHY_PAIR(why))))
+        if ((rc = peer_address_check(cp->rank_addresses[i], why)))
             return rc;
     plan_side_t src, dst, full;
     uint32_t eff_rank;

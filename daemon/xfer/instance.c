@@ -225,7 +225,7 @@ int instance_join(instance_t *inst, uint32_t rank, char *const *addr, size_t n,
     /* an earlier run's address first: that is why it is not this one */
     for (size_t i = 0; i < n; i++) {
         char w[400];
-        if (peer_address_alias(addr[i], w, sizeof(w)))
+        if (peer_address_alias(addr[i], KVX_WHY(w)))
             return why_fail(why, KVX_ERR_INVALID,
                             "join.rank_addresses[%zu]: %s", i, w);
     }

@@ -158,7 +158,7 @@ int xfer_params_decode(const uint8_t *buf, size_t len,
      * knows: refused by that cause, before anything looks them up */
     for (size_t i = 0; i < p->n_rank_addresses; i++) {
         char w[400];
-        if (peer_address_alias(p->rank_addresses[i], w, sizeof(w)) ==
+        if (peer_address_alias(p->rank_addresses[i], KVX_WHY(w)) ==
             KVX_ERR_PEER_GONE) {
             kvxfer__context_params__free_unpacked(p, NULL);
             return why_fail(why, KVX_ERR_PEER_GONE,

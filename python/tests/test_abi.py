@@ -13,7 +13,7 @@ from kvxfer import _lib
 
 from conftest import REPO
 
-HEADER = os.path.join(REPO, "lib", "include", "kvxfer.h")
+HEADER = os.path.join(REPO, "client", "include", "kvxfer.h")
 
 STRUCTS = {
     "kvx_parallel_t": _lib.Parallel,

@@ -19,7 +19,9 @@
  * daemon must not crash, leak or hang; the copy jobs it starts must come
  * back.
  *
- * fuzz-exclude: daemon/net/peer.c
+ * fuzz-exclude: daemon/net/peer.c daemon/net/peer_auth.c
+ * fuzz-exclude: daemon/net/peer_addr.c daemon/net/peer_handshake.c
+ * fuzz-exclude: daemon/net/peer_init.c daemon/net/peer_status.c
  */
 #include "../../daemon/remote/remote.c"
 
@@ -56,21 +58,19 @@ static uint64_t last_open_stream, last_opened_source, last_pull_slot;
 static uint8_t last_open[4096]; /* the daemon's own last OPEN, packed */
 static size_t last_open_len;
 
-int peer_init(char *why, size_t why_len)
+int peer_init(kvx_why_t *why)
 {
     (void)why;
-    (void)why_len;
     return 0;
 }
 int peer_enabled(void) { return 1; }
 void peer_tick(uint64_t now_ms) { (void)now_ms; }
 void peer_cleanup(void) {}
 void peer_shutdown(void) {}
-peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
+peer_conn_t *peer_connect(const char *address, kvx_why_t *why)
 {
     (void)address;
     (void)why;
-    (void)why_len;
     return &fake;
 }
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
@@ -87,17 +87,15 @@ int peer_conn_lanes(const peer_conn_t *c)
 {
     return c->alive;
 }
-int peer_address_check(const char *address, char *why, size_t why_len)
+int peer_address_check(const char *address, kvx_why_t *why)
 {
     (void)why;
-    (void)why_len;
     return strncmp(address, "kvx://", 6) ? KVX_ERR_INVALID : 0;
 }
-int peer_address_alias(const char *address, char *why, size_t why_len)
+int peer_address_alias(const char *address, kvx_why_t *why)
 {
     (void)address;
     (void)why;
-    (void)why_len;
     return 0;
 }
 void peer_token(const char *instance, uint32_t owner_uid, const char *addr0,
@@ -143,18 +141,12 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     return 0;
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
-                   size_t len, const peer_iov_t *iov, size_t niov,
-                   void (*done)(void *arg, int status), void *arg)
+int peer_send_data(peer_conn_t *c, const peer_piece_t *p)
 {
-    (void)buf;
-    (void)len;
-    (void)iov;
-    (void)niov;
     if (!c->alive || nsent == sizeof(sent) / sizeof(sent[0]))
         return KVX_ERR_PEER_GONE;
-    must_pack(hdr);
-    sent[nsent++] = (pending_t){done, arg};
+    must_pack(p->hdr);
+    sent[nsent++] = (pending_t){p->done, p->arg};
     return 0;
 }
 

@@ -7,7 +7,9 @@
  * its epoch; a lost member's ranks go away and the merges waiting for it
  * fail; a lost root fails the member's waiting poll.
  *
- * unit-exclude: daemon/net/peer.c
+ * unit-exclude: daemon/net/peer.c daemon/net/peer_auth.c
+ * unit-exclude: daemon/net/peer_addr.c daemon/net/peer_handshake.c
+ * unit-exclude: daemon/net/peer_init.c daemon/net/peer_status.c
  */
 #include "../../daemon/agree/agree.c"
 

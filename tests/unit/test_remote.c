@@ -10,7 +10,9 @@
  * (or, when the OPEN never reached it, holds nothing and ends at its
  * lease), every slot is free again and no copy job is left.
  *
- * unit-exclude: daemon/net/peer.c
+ * unit-exclude: daemon/net/peer.c daemon/net/peer_auth.c
+ * unit-exclude: daemon/net/peer_addr.c daemon/net/peer_handshake.c
+ * unit-exclude: daemon/net/peer_init.c daemon/net/peer_status.c
  */
 #include "../../daemon/remote/remote.c"
 #include "../../daemon/remote/source.c"
