@@ -104,21 +104,21 @@ int send_open(rstream_t *r)
     return rc;
 }
 
-int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
-                      size_t why_len)
+int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
+                      kvx_why_t *why)
 {
     plan_t *plan = xfer_part_plan(p);
     const pool_t *pool = xfer_part_pool(p);
     if (!peer_enabled()) {
-        snprintf(why, why_len,
-                 "fetch.context_params: the context ranks are served by "
-                 "daemon '%s', and transfers between daemons are off here "
-                 "(peer.listen is empty)",
-                 cp->rank_addresses[0]);
+        why_set(why,
+                "fetch.context_params: the context ranks are served by "
+                "daemon '%s', and transfers between daemons are off here "
+                "(peer.listen is empty)",
+                cp->rank_addresses[0]);
         return KVX_ERR_UNSUPPORTED;
     }
     if (!pool->gpu) { /* GPU pools: checked below, once unbound */
-        int rc = plan_check_bounds(plan, why, why_len);
+        int rc = plan_check_bounds(plan, why->msg, why->size);
         if (rc)
             return rc;
     }
@@ -128,27 +128,27 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
         static const kvx_layout_t none; /* sources: packed in the slot */
         for (uint32_t i = 0; i < plan->nslices; i++)
             plan->src[i] = (plan_mem_t){.layout = &none};
-        if ((rc = plan_check_bounds(plan, why, why_len)) ||
-            (rc = slots_pin(&rslots, dev, &(kvx_why_t){why, why_len})) ||
-            (rc = xfer_part_upload(p, dev, &(kvx_why_t){why, why_len})))
+        if ((rc = plan_check_bounds(plan, why->msg, why->size)) ||
+            (rc = slots_pin(&rslots, dev, why)) ||
+            (rc = xfer_part_upload(p, dev, why)))
             return rc;
     }
     rpart_t *rp = calloc(1, sizeof(*rp) + plan->nslices * sizeof(rstream_t *));
     if (!rp) {
-        snprintf(why, why_len, "fetch: out of memory");
+        why_set(why, "fetch: out of memory");
         return KVX_ERR_NOMEM;
     }
     rp->nslices = plan->nslices;
     xfer_part_set_remote(p, rp); /* freed with p, whatever happens below */
     for (uint32_t i = 0; i < plan->nslices; i++) {
         const char *addr = cp->rank_addresses[plan->slices[i].src_rank];
-        peer_conn_t *c = peer_connect(addr, &(kvx_why_t){why, why_len});
+        peer_conn_t *c = peer_connect(addr, why);
         if (!c)
             return KVX_ERR_PEER_GONE;
         rstream_t *r = calloc(1, sizeof(*r));
         if (!r || map_put(&rstreams, next_id, r)) {
             free(r);
-            snprintf(why, why_len, "fetch: out of memory");
+            why_set(why, "fetch: out of memory");
             return KVX_ERR_NOMEM;
         }
         r->id = next_id++;
@@ -162,7 +162,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
         rp->streams[rp->nstreams++] = r;
         if (send_open(r)) {
             r->refused = 1; /* no OPEN out: no OPENED to wait for */
-            snprintf(why, why_len, "fetch: cannot reach daemon %s", addr);
+            why_set(why, "fetch: cannot reach daemon %s", addr);
             return KVX_ERR_PEER_GONE;
         }
     }

@@ -259,8 +259,8 @@ uint64_t remote_message_bytes(void);
 void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
                          const peer_iov_t **iov, size_t *niov);
 void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
-int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
-                      size_t why_len);
+int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
+                      kvx_why_t *why);
 void remote_part_stop(genpart_t *p, int code, const char *msg);
 void remote_part_free(struct rpart *rp);
 void remote_offer_stop(offer_t *o, int code, const char *msg);

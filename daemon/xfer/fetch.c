@@ -661,9 +661,8 @@ static int fetch_remote(const xfer_fetch_req_t *rq, uint64_t request_id,
             continue;
         }
         char w[256] = "fetch: this kvxferd moves no data between daemons";
-        if ((rc = xfer_rops.part_start
-                      ? xfer_rops.part_start(p, cp, w, sizeof(w))
-                      : KVX_ERR_UNSUPPORTED) &&
+        if ((rc = xfer_rops.part_start ? xfer_rops.part_start(p, cp, KVX_WHY(w))
+                                       : KVX_ERR_UNSUPPORTED) &&
             (g = map_get(&inst->fetches, request_id)))
             genreq_end(g, KVX_EVENT_ERROR, rc, w); /* reported as an event */
     }

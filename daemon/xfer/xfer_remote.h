@@ -187,8 +187,8 @@ void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
 typedef struct xfer_remote_ops {
     /* start a part whose sources are on other daemons (or reached
      * through them): one stream per slice. 0, or an error with why */
-    int (*part_start)(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
-                      size_t why_len);
+    int (*part_start)(genpart_t *p, const Kvxfer__ContextParams *cp,
+                      kvx_why_t *why);
     /* the request of p is ending: tell the sources, release what waits */
     void (*part_stop)(genpart_t *p, int code, const char *msg);
     /* a part is freed: what remote keeps for it (not NULL) goes */
