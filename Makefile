@@ -75,7 +75,8 @@ DAEMON   := $(COMMON) \
             daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/params.c \
             daemon/xfer/offer.c daemon/xfer/fetch.c daemon/xfer/sched.c \
             daemon/xfer/end.c daemon/xfer/xfer_list.c \
-            daemon/xfer/batch.c daemon/agree/agree.c \
+            daemon/xfer/batch.c daemon/xfer/serve.c daemon/agree/agree.c \
+            daemon/remote/slots.c daemon/remote/pull.c daemon/remote/source.c \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
             daemon/local/session.c daemon/local/session_conn.c \
             daemon/local/server.c daemon/local/stats.c \

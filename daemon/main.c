@@ -384,8 +384,7 @@ int main(int argc, char **argv)
         goto err_copy;
     char why[512];
     /* net first; the layers above register with what is below them */
-    if (peer_init(KVX_WHY(why)) || remote_init(why, sizeof(why)) ||
-        agree_init()) {
+    if (peer_init(KVX_WHY(why)) || remote_init(KVX_WHY(why)) || agree_init()) {
         log_error("%s", why);
         goto err_server;
     }

@@ -1057,11 +1057,19 @@ static void on_fetch_by_key(session_t *s, const Kvxfer__Request *rq)
     if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch_by_key", gs,
                               KVX_WHY(why))))
         goto fail;
-    rc = keyed_fetch(s->inst, s->rank, &key,
-                     m->context_instance ? m->context_instance : "",
-                     m->context_address ? m->context_address : "", &ckey, p,
-                     m->blocks, (uint32_t)m->n_blocks, m->skip_tokens,
-                     m->dp_rank, gs, (uint32_t)m->n_groups, why, sizeof(why));
+    xfer_fetch_req_t q = {.inst = s->inst,
+                          .rank = s->rank,
+                          .key = &key,
+                          .pool = p,
+                          .blocks = m->blocks,
+                          .nblocks = (uint32_t)m->n_blocks,
+                          .skip_tokens = m->skip_tokens,
+                          .dp_rank = m->dp_rank,
+                          .groups = gs,
+                          .ngroups = (uint32_t)m->n_groups};
+    keyed_source_t src = {m->context_instance ? m->context_instance : "",
+                          m->context_address ? m->context_address : "", &ckey};
+    rc = keyed_fetch(&q, &src, KVX_WHY(why));
 fail:
     reply(s, rq->id, rc, rc ? why : "");
 }
@@ -1210,16 +1218,20 @@ static void on_release(session_t *s, const Kvxfer__Request *rq)
             snprintf(why, sizeof(why), "release: params or a key, not both");
             rc = KVX_ERR_INVALID;
         }
-        if (!rc)
-            rc = keyed_release(
-                s->id, rq->id, s->uid, s->admin,
+        keyed_release_req_t kr = {
+            .sid = s->id,
+            .req_id = rq->id,
+            .uid = s->uid,
+            .admin = s->admin,
+            .consumer =
                 s->inst && (s->role & KVX_ROLE_GENERATION) ? s->inst->id : NULL,
-                m->context_instance ? m->context_instance : "",
-                m->context_address ? m->context_address : "", &key, &later, why,
-                sizeof(why));
+            .src = {m->context_instance ? m->context_instance : "",
+                    m->context_address ? m->context_address : "", &key}};
+        if (!rc)
+            rc = keyed_release(&kr, &later, KVX_WHY(why));
     } else
         rc = release_start(m->context_params.data, m->context_params.len, s->id,
-                           rq->id, &later, why, sizeof(why));
+                           rq->id, &later, KVX_WHY(why));
     if (!later)
         reply(s, rq->id, rc, rc ? why : "");
 }

@@ -177,29 +177,21 @@ static kf_t *kf_find(const char *inst, const reqkey_t *key)
     return NULL;
 }
 
-/* Rank r's fetch, with the params: 0, or xfer's refusal with why. */
-static int kf_run(kf_t *kf, instance_t *inst, uint32_t r, pool_t *pool,
-                  const uint32_t *blocks, uint32_t nblocks,
-                  const xfer_group_t *gs, uint32_t ngs, char *why,
-                  size_t why_len)
+/* A rank's fetch (rq: its instance, rank, pool, blocks and groups), with
+ * kf's key, params, skip and DP rank: 0, or xfer's refusal with why. */
+static int kf_run(kf_t *kf, const xfer_fetch_req_t *rq, kvx_why_t *why)
 {
-    kf->rank[r].done = 1;
+    xfer_fetch_req_t q = *rq;
+    q.key = &kf->key;
+    q.params = kf->params;
+    q.params_len = kf->plen;
+    q.skip_tokens = kf->skip;
+    q.dp_rank = kf->dp_rank;
+    kf->rank[q.rank].done = 1;
     kf->ndone++;
-    xfer_fetch_req_t fr = {.inst = inst,
-                           .rank = r,
-                           .key = &kf->key,
-                           .params = kf->params,
-                           .params_len = kf->plen,
-                           .pool = pool,
-                           .blocks = blocks,
-                           .nblocks = nblocks,
-                           .skip_tokens = kf->skip,
-                           .dp_rank = kf->dp_rank,
-                           .groups = gs,
-                           .ngroups = ngs};
-    int rc = xfer_fetch(&fr, &(kvx_why_t){why, why_len});
+    int rc = xfer_fetch(&q, why);
     if (!rc && !kf->handed++) /* the deadline runs from the first call */
-        xfer_fetch_deadline(inst, &kf->key, kf->until_ms);
+        xfer_fetch_deadline(q.inst, &kf->key, kf->until_ms);
     return rc;
 }
 
@@ -228,8 +220,14 @@ static void kf_resolved(kf_t *kf, uint8_t *params, size_t plen)
             continue;
         a->waiting = 0;
         char why[512];
-        int rc = kf_run(kf, inst, r, a->pool, a->blocks, a->nblocks, a->g,
-                        a->ng, why, sizeof(why));
+        xfer_fetch_req_t q = {.inst = inst,
+                              .rank = r,
+                              .pool = a->pool,
+                              .blocks = a->blocks,
+                              .nblocks = a->nblocks,
+                              .groups = a->g,
+                              .ngroups = a->ng};
+        int rc = kf_run(kf, &q, KVX_WHY(why));
         kf_rank_drop(a); /* xfer holds its own while it runs */
         if (rc) {
             /* refused before any rank became a request: it ends here;
@@ -284,42 +282,43 @@ static int kf_resolve_local(kf_t *kf)
 /* The context instance a fetch or release by key names (what: the
  * request's name in messages): 0 with *here set when rank 0 is served by
  * this daemon, else a checked peer address; or the code with why. */
-static int target_check(const char *what, const char *inst, const char *addr,
-                        int *here, char *why, size_t why_len)
+static int target_check(const char *what, const keyed_source_t *src, int *here,
+                        kvx_why_t *why)
 {
+    const char *inst = src->instance, *addr = src->address;
     size_t il = strlen(inst), al = strlen(addr);
     if (!il || il > INSTANCE_ID_MAX) {
-        snprintf(why, why_len, "%s.context_instance: %zu bytes (1 to %u)", what,
-                 il, INSTANCE_ID_MAX);
+        why_set(why, "%s.context_instance: %zu bytes (1 to %u)", what, il,
+                INSTANCE_ID_MAX);
         return KVX_ERR_INVALID;
     }
     if (!al || al >= sizeof(((kf_t *)0)->ctx_addr)) {
-        snprintf(why, why_len, "%s.context_address: %zu bytes (1 to %zu)", what,
-                 al, sizeof(((kf_t *)0)->ctx_addr) - 1);
+        why_set(why, "%s.context_address: %zu bytes (1 to %zu)", what, al,
+                sizeof(((kf_t *)0)->ctx_addr) - 1);
         return KVX_ERR_INVALID;
     }
     if ((*here = !strcmp(addr, kvxd.address)))
         return 0;
     char w[400];
     if (peer_address_alias(addr, KVX_WHY(w)) == KVX_ERR_PEER_GONE) {
-        snprintf(why, why_len, "%s.context_address: %s", what, w);
+        why_set(why, "%s.context_address: %s", what, w);
         return KVX_ERR_PEER_GONE;
     }
     if (!peer_enabled()) {
-        snprintf(why, why_len,
-                 "%s.context_address: '%s' is another daemon, and transfers "
-                 "between daemons are off here (peer.listen is empty)",
-                 what, addr);
+        why_set(why,
+                "%s.context_address: '%s' is another daemon, and transfers "
+                "between daemons are off here (peer.listen is empty)",
+                what, addr);
         return KVX_ERR_UNSUPPORTED;
     }
-    return peer_address_check(addr, &(kvx_why_t){why, why_len});
+    return peer_address_check(addr, why);
 }
 
 /* Ask a->addr for the params a names; *id and *conn name the answer. */
-static int ask_resolve(const ask_t *a, uint64_t *id, uint64_t *conn, char *why,
-                       size_t why_len)
+static int ask_resolve(const ask_t *a, uint64_t *id, uint64_t *conn,
+                       kvx_why_t *why)
 {
-    peer_conn_t *c = peer_connect(a->addr, &(kvx_why_t){why, why_len});
+    peer_conn_t *c = peer_connect(a->addr, why);
     if (!c)
         return KVX_ERR_PEER_GONE;
     Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;
@@ -338,68 +337,68 @@ static int ask_resolve(const ask_t *a, uint64_t *id, uint64_t *conn, char *why,
     m.m_case = KVXFER__PEER_MSG__M_RESOLVE;
     m.resolve = &pr;
     if (peer_send(c, &m)) {
-        snprintf(why, why_len, "cannot send to daemon %s", a->addr);
+        why_set(why, "cannot send to daemon %s", a->addr);
         return KVX_ERR_PEER_GONE;
     }
     *conn = peer_conn_id(c);
     return 0;
 }
 
-int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                const char *ctx_instance, const char *ctx_address,
-                const reqkey_t *ctx_key, pool_t *pool, const uint32_t *blocks,
-                uint32_t nblocks, uint32_t skip, uint32_t dp_rank,
-                const xfer_group_t *gs, uint32_t ngs, char *why, size_t why_len)
+int keyed_fetch(const xfer_fetch_req_t *rq, const keyed_source_t *src,
+                kvx_why_t *why)
 {
+    instance_t *inst = rq->inst;
+    uint32_t rank = rq->rank, nblocks = rq->nblocks, ngs = rq->ngroups;
+    uint32_t skip = rq->skip_tokens, dp_rank = rq->dp_rank;
+    const reqkey_t *key = rq->key, *ctx_key = src->key;
+    const char *ctx_instance = src->instance, *ctx_address = src->address;
+    const xfer_group_t *gs = rq->groups;
     char ks[REQKEY_STR_MAX];
     int here, rc, created = 1;
-    if ((rc = target_check("fetch_by_key", ctx_instance, ctx_address, &here,
-                           why, why_len)))
+    if ((rc = target_check("fetch_by_key", src, &here, why)))
         return rc;
     kf_t *kf = kf_find(inst->id, key);
     if (!kf &&
         xfer_fetch_ended(inst, rank, key,
                          xfer_source_id(ctx_instance, ctx_key->b, ctx_key->len),
-                         &rc, &(kvx_why_t){why, why_len}))
+                         &rc, why))
         return rc; /* it ended already: this rank joins that end */
     if (!kf && xfer_fetch_runs(inst, key)) {
-        snprintf(why, why_len,
-                 "fetch_by_key.key: request %s is being fetched already",
-                 kstr(key, ks));
+        why_set(why, "fetch_by_key.key: request %s is being fetched already",
+                kstr(key, ks));
         return KVX_ERR_EXISTS;
     }
     if (kf) {
         if (strcmp(kf->ctx_inst, ctx_instance) ||
             strcmp(kf->ctx_addr, ctx_address) ||
             !reqkey_eq(&kf->ctx_key, ctx_key)) {
-            snprintf(why, why_len,
-                     "fetch_by_key: request %s is fetched from another "
-                     "context request by another rank",
-                     kstr(key, ks));
+            why_set(why,
+                    "fetch_by_key: request %s is fetched from another "
+                    "context request by another rank",
+                    kstr(key, ks));
             return KVX_ERR_MISMATCH;
         }
         if (kf->dp_rank != dp_rank || kf->skip != skip) {
-            snprintf(why, why_len,
-                     "fetch_by_key: dp_rank %u, skip_tokens %u differ from "
-                     "%u, %u given by another rank",
-                     dp_rank, skip, kf->dp_rank, kf->skip);
+            why_set(why,
+                    "fetch_by_key: dp_rank %u, skip_tokens %u differ from "
+                    "%u, %u given by another rank",
+                    dp_rank, skip, kf->dp_rank, kf->skip);
             return KVX_ERR_MISMATCH;
         }
         if (rank >= kf->nranks || kf->rank[rank].waiting ||
             kf->rank[rank].done) {
-            snprintf(why, why_len,
-                     "fetch_by_key: request %s already fetched by rank %u",
-                     kstr(key, ks), rank);
+            why_set(why, "fetch_by_key: request %s already fetched by rank %u",
+                    kstr(key, ks), rank);
             return KVX_ERR_EXISTS;
         }
         if (kf->params) { /* resolved: straight to xfer */
-            rc = kf_run(kf, inst, rank, pool, blocks, nblocks, gs, ngs, why,
-                        why_len);
+            rc = kf_run(kf, rq, why);
             if (rc && kf->handed)
                 kf_free(kf); /* xfer ended it for every rank */
             else if (rc) {   /* the first rank xfer saw refused: one event */
                 char m[700];
-                snprintf(m, sizeof(m), "fetch_by_key: rank %u: %s", rank, why);
+                snprintf(m, sizeof(m), "fetch_by_key: rank %u: %s", rank,
+                         why->msg);
                 kf_fail(kf, KVX_EVENT_ERROR, rc, m);
                 return 0; /* as across daemons: the event says why */
             } else
@@ -411,7 +410,7 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         if (!(kf = calloc(1, sizeof(*kf))) ||
             !(kf->rank = calloc(inst->nranks, sizeof(*kf->rank)))) {
             free(kf);
-            snprintf(why, why_len, "fetch_by_key: out of memory");
+            why_set(why, "fetch_by_key: out of memory");
             return KVX_ERR_NOMEM;
         }
         snprintf(kf->inst, sizeof(kf->inst), "%s", inst->id);
@@ -451,13 +450,13 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
         kf_rank_drop(a);
         if (created)
             kf_free(kf); /* made just now, nothing else waits */
-        snprintf(why, why_len, "fetch_by_key: out of memory");
+        why_set(why, "fetch_by_key: out of memory");
         return KVX_ERR_NOMEM;
     }
-    memcpy(a->blocks, blocks, nblocks * sizeof(uint32_t));
+    memcpy(a->blocks, rq->blocks, nblocks * sizeof(uint32_t));
     a->nblocks = nblocks;
-    a->pool = pool;
-    pool_ref(pool);
+    a->pool = rq->pool;
+    pool_ref(rq->pool);
     a->waiting = 1;
     if (kf->res_id || kf->conn)
         return 0; /* asked already */
@@ -473,7 +472,7 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
                  .consumer_key = &kf->key,
                  .consumer_uid = inst->owner_uid,
                  .wait_ms = kvxd.conf.fetch_timeout_ms};
-    if ((rc = ask_resolve(&ask, &kf->res_id, &kf->conn, w, sizeof(w)))) {
+    if ((rc = ask_resolve(&ask, &kf->res_id, &kf->conn, KVX_WHY(w)))) {
         char m[400];
         snprintf(m, sizeof(m), "fetch_by_key: daemon %s: %s", ctx_address, w);
         kf_fail(kf, KVX_EVENT_ERROR, rc, m);
@@ -536,8 +535,8 @@ static void krel_finish(krel_t *r, int code, const char *msg,
     char why[600];
     int later = 0;
     if (!code)
-        code = release_start(params, plen, r->sid, r->req_id, &later, why,
-                             sizeof(why));
+        code = release_start(params, plen, r->sid, r->req_id, &later,
+                             KVX_WHY(why));
     else
         snprintf(why, sizeof(why), "release: daemon %s: %s", r->ctx_addr, msg);
     if (!later)
@@ -545,26 +544,27 @@ static void krel_finish(krel_t *r, int code, const char *msg,
     free(r);
 }
 
-int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
-                  const char *consumer, const char *ctx_instance,
-                  const char *ctx_address, const reqkey_t *ctx_key, int *later,
-                  char *why, size_t why_len)
+int keyed_release(const keyed_release_req_t *rq, int *later, kvx_why_t *why)
 {
+    uint64_t sid = rq->sid, req_id = rq->req_id;
+    uint32_t uid = rq->uid;
+    const char *consumer = rq->consumer;
+    const char *ctx_instance = rq->src.instance, *ctx_address = rq->src.address;
+    const reqkey_t *ctx_key = rq->src.key;
     *later = 0;
     char ks[REQKEY_STR_MAX];
     int here, rc;
-    if ((rc = target_check("release", ctx_instance, ctx_address, &here, why,
-                           why_len)))
+    if ((rc = target_check("release", &rq->src, &here, why)))
         return rc;
     if (here) {
         /* the owner's uid, or a generation rank the instance lets in */
         instance_t *ci = instance_find(ctx_instance);
-        if (!ci || (!admin && ci->owner_uid != uid &&
+        if (!ci || (!rq->admin && ci->owner_uid != uid &&
                     !(consumer && instance_allows(ci, consumer, uid)))) {
-            snprintf(why, why_len,
-                     "release.context_instance: no instance '%s' of uid %u "
-                     "on this daemon",
-                     ctx_instance, uid);
+            why_set(why,
+                    "release.context_instance: no instance '%s' of uid %u "
+                    "on this daemon",
+                    ctx_instance, uid);
             return KVX_ERR_NOT_FOUND;
         }
         uint8_t *p;
@@ -574,26 +574,25 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
         if (rc == XFER_NOT_YET)
             rc = KVX_ERR_NOT_FOUND;
         if (rc) {
-            snprintf(why, why_len, "release: request %s: %s", kstr(ctx_key, ks),
-                     w);
+            why_set(why, "release: request %s: %s", kstr(ctx_key, ks), w);
             return rc == KVX_ERR_EXISTS ? KVX_ERR_STATE : rc;
         }
-        rc = release_start(p, len, sid, req_id, later, why, why_len);
+        rc = release_start(p, len, sid, req_id, later, why);
         free(p);
         return rc;
     }
     if (!consumer) {
-        snprintf(why, why_len,
-                 "release: rank 0 of instance %s is served by daemon %s; "
-                 "from another daemon only a generation rank may release "
-                 "by key (its instance let in by the context instance's "
-                 "join), else use the params",
-                 ctx_instance, ctx_address);
+        why_set(why,
+                "release: rank 0 of instance %s is served by daemon %s; "
+                "from another daemon only a generation rank may release "
+                "by key (its instance let in by the context instance's "
+                "join), else use the params",
+                ctx_instance, ctx_address);
         return KVX_ERR_PERM;
     }
     krel_t *r = calloc(1, sizeof(*r));
     if (!r) {
-        snprintf(why, why_len, "release: out of memory");
+        why_set(why, "release: out of memory");
         return KVX_ERR_NOMEM;
     }
     char w[256];
@@ -603,9 +602,9 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
                  .consumer = consumer,
                  .consumer_uid = uid, /* the consumer's session is its */
                  .wait_ms = 0 /* now, or not found */};
-    if ((rc = ask_resolve(&ask, &r->res_id, &r->conn, w, sizeof(w)))) {
+    if ((rc = ask_resolve(&ask, &r->res_id, &r->conn, KVX_WHY(w)))) {
         free(r);
-        snprintf(why, why_len, "release: daemon %s: %s", ctx_address, w);
+        why_set(why, "release: daemon %s: %s", ctx_address, w);
         return rc;
     }
     r->sid = sid;

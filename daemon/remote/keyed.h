@@ -29,37 +29,49 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "xfer/instance.h"
-#include "copy/pool.h"
 #include "common/reqkey.h"
+#include "common/why.h"
+#include "copy/pool.h"
+#include "xfer/instance.h"
 #include "xfer/xfer.h"
 
 void keyed_init(void);
 void keyed_cleanup(void);
 void keyed_tick(uint64_t now_ms);
 
-/* Rank rank of inst fetches key from (ctx_instance at ctx_address,
- * ctx_key) into blocks of pool, and the offer's other groups into gs
- * (ngs; xfer_fetch()'s). 0: accepted (the rest comes as events), or the
- * code with why (nothing kept). */
-int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                const char *ctx_instance, const char *ctx_address,
-                const reqkey_t *ctx_key, pool_t *pool, const uint32_t *blocks,
-                uint32_t nblocks, uint32_t skip, uint32_t dp_rank,
-                const xfer_group_t *gs, uint32_t ngs, char *why,
-                size_t why_len);
-/* Release by key (Release with no params) for client request req_id of
- * session sid (of uid; admin: any uid's instance): the params are found
+/* The context request a fetch or release by key names: its instance,
+ * the daemon serving its rank 0, and its key. */
+typedef struct keyed_source {
+    const char *instance;
+    const char *address;
+    const reqkey_t *key;
+} keyed_source_t;
+
+/* Rank rq->rank of rq->inst fetches rq->key from src into rq's blocks of
+ * its pool, and the offer's other groups into rq's groups (rq->params:
+ * none; found here). 0: accepted (the rest comes as events), or the code
+ * with why (nothing kept). */
+int keyed_fetch(const xfer_fetch_req_t *rq, const keyed_source_t *src,
+                kvx_why_t *why);
+
+/* A Release by key: client request req_id of session sid (of uid; admin:
+ * any uid's instance), for the context request src; consumer: the
+ * session's generation instance, or NULL. */
+typedef struct keyed_release_req {
+    uint64_t sid, req_id;
+    uint32_t uid;
+    int admin;
+    const char *consumer;
+    keyed_source_t src;
+} keyed_release_req_t;
+/* Release by key (Release with no params), as rq says: the params are found
  * as for a fetch by key, without waiting, and handed to release_start().
  * Rank 0 on another daemon: only a generation rank's session may ask
  * (consumer: its instance, which the context instance must let fetch by
  * key); NULL: PERM. uids mean nothing across nodes.
  * 0 with *later set: answered later (kvxd_reply); else the code to
  * answer now, with why (0: done). */
-int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
-                  const char *consumer, const char *ctx_instance,
-                  const char *ctx_address, const reqkey_t *ctx_key, int *later,
-                  char *why, size_t why_len);
+int keyed_release(const keyed_release_req_t *rq, int *later, kvx_why_t *why);
 /* A cancel of key in inst: 1 when a waiting fetch of it ended
  * (CANCELLED), else 0. */
 int keyed_cancel(instance_t *inst, const reqkey_t *key);

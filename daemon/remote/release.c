@@ -63,11 +63,11 @@ static void rel_target_done(rel_t *r, unsigned i, int code, const char *msg)
 }
 
 int release_start(const uint8_t *params, size_t len, uint64_t sid,
-                  uint64_t req_id, int *later, char *why, size_t why_len)
+                  uint64_t req_id, int *later, kvx_why_t *why)
 {
     Kvxfer__ContextParams *cp;
     *later = 0;
-    int rc = xfer_params_decode(params, len, &cp, &(kvx_why_t){why, why_len});
+    int rc = xfer_params_decode(params, len, &cp, why);
     if (rc)
         return rc;
     /* the daemons of the ranks, each once */
@@ -86,38 +86,38 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
         if (k < n)
             continue;
         if (n == TARGETS_MAX) {
-            snprintf(why, why_len,
-                     "release: the params name over %d daemons; at most %d "
-                     "are released at once",
-                     TARGETS_MAX, TARGETS_MAX);
+            why_set(why,
+                    "release: the params name over %d daemons; at most %d "
+                    "are released at once",
+                    TARGETS_MAX, TARGETS_MAX);
             rc = KVX_ERR_LIMIT;
             goto out;
         }
         addrs[n++] = a;
     }
     if (n && !peer_enabled()) {
-        snprintf(why, why_len,
-                 "release: context ranks are served by daemon %s, and "
-                 "transfers between daemons are off here (peer.listen is "
-                 "empty)",
-                 addrs[0]);
+        why_set(why,
+                "release: context ranks are served by daemon %s, and "
+                "transfers between daemons are off here (peer.listen is "
+                "empty)",
+                addrs[0]);
         rc = KVX_ERR_UNSUPPORTED;
         goto out;
     }
     /* every address is checked before anything is released */
     for (unsigned k = 0; k < n; k++)
-        if ((rc = peer_address_check(addrs[k], &(kvx_why_t){why, why_len})))
+        if ((rc = peer_address_check(addrs[k], why)))
             goto out;
     reqkey_t key = {.len = (uint32_t)cp->key.len};
     memcpy(key.b, cp->key.data, cp->key.len); /* checked by the decode */
     if (here && (rc = xfer_release(cp->instance_id, &key, cp->token.data,
-                                   cp->token.len, &(kvx_why_t){why, why_len})))
+                                   cp->token.len, why)))
         goto out;
     if (!n)
         goto out; /* rc 0: answered now */
     rel_t *r = calloc(1, sizeof(*r));
     if (!r) {
-        snprintf(why, why_len, "release: out of memory");
+        why_set(why, "release: out of memory");
         rc = KVX_ERR_NOMEM;
         goto out;
     }
@@ -153,7 +153,7 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
     r->ntargets = n;
     if (!r->pending) { /* nothing went out: answer now */
         rc = r->code;
-        snprintf(why, why_len, "%s", r->msg);
+        why_set(why, "%s", r->msg);
         list_remove(&r->node);
         free(r);
         goto out;

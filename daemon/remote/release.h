@@ -19,6 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/why.h"
+
 void release_init(void);
 void release_cleanup(void);
 void release_tick(uint64_t now_ms);
@@ -28,6 +30,6 @@ void release_tick(uint64_t now_ms);
  * (kvxd_reply, once the other daemons answered); 0: done, answer now;
  * else the error to answer now, with why. */
 int release_start(const uint8_t *params, size_t len, uint64_t sid,
-                  uint64_t req_id, int *later, char *why, size_t why_len);
+                  uint64_t req_id, int *later, kvx_why_t *why);
 
 #endif

@@ -17,13 +17,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/why.h"
 #include "kvxfer.pb-c.h"
 #include "net/peer.h"
 #include "xfer/xfer_remote.h"
 
 /* Register with net and xfer; with peers on, allocate and register the
  * staging slots. 0, or KVX_ERR_NOMEM with why. */
-int remote_init(char *why, size_t why_len);
+int remote_init(kvx_why_t *why);
 void remote_cleanup(void);
 void remote_tick(uint64_t now_ms);
 
@@ -46,8 +47,8 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
 void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
 int remote_on_conn_lost(peer_conn_t *c, int code, const char *msg);
 uint32_t remote_conn_streams(const peer_conn_t *c);
-int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
-                      size_t why_len);
+int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
+                      kvx_why_t *why);
 void remote_part_stop(genpart_t *p, int code, const char *msg);
 void remote_part_free(struct rpart *rp);
 void remote_offer_stop(offer_t *o, int code, const char *msg);

@@ -172,6 +172,32 @@ void part_landed(genpart_t *p, uint64_t u0, uint64_t u1)
     }
 }
 
+/* Units [u0, u1) of remote part p have landed (remote.c: a piece
+ * scattered, or received in place): counted per layer of the destination
+ * as a local part's chunks are (part_try_start() makes the counts of a
+ * local part; a remote part's are made here, at its first piece). */
+void xfer_part_landed(genpart_t *p, uint64_t u0, uint64_t u1)
+{
+    const plan_t *plan = p->plan;
+    if (!p->ldone) {
+        uint32_t nl = p->pool->layout.num_layers;
+        p->ldone = calloc(nl, sizeof(uint32_t));
+        p->lneed = calloc(nl, sizeof(uint32_t));
+        if (!p->ldone || !p->lneed) { /* progress counts at the end only */
+            free(p->ldone);
+            free(p->lneed);
+            p->ldone = p->lneed = NULL;
+            return;
+        }
+        for (uint32_t i = 0; i < plan->nslices; i++) {
+            const plan_slice_t *s = &plan->slices[i];
+            for (uint32_t a = 0; a < s->nlayers; a++)
+                p->lneed[s->layer0 + a - s->dst_layer_base] += plan->nsegs;
+        }
+    }
+    part_landed(p, u0, u1);
+}
+
 /* Bind a fetched part to its sources once they have all published. */
 void part_try_start(genpart_t *p)
 {
@@ -634,9 +660,8 @@ static int fetch_remote(const xfer_fetch_req_t *rq, uint64_t request_id,
             continue;
         }
         char w[256] = "fetch: this kvxferd moves no data between daemons";
-        if ((rc = xfer_rops.part_start
-                      ? xfer_rops.part_start(p, cp, w, sizeof(w))
-                      : KVX_ERR_UNSUPPORTED) &&
+        if ((rc = xfer_rops.part_start ? xfer_rops.part_start(p, cp, KVX_WHY(w))
+                                       : KVX_ERR_UNSUPPORTED) &&
             (g = map_get(&inst->fetches, request_id)))
             genreq_end(g, KVX_EVENT_ERROR, rc, w); /* reported as an event */
     }

@@ -734,6 +734,7 @@ static void layers_mark(offer_t *o, uint32_t group, uint32_t rank,
                         uint32_t first, uint32_t count, uint32_t tokens)
 {
     offer_part_t *sp = OPART(o, group, rank);
+    uint32_t ready0 = sp->ready;
     for (uint32_t l = first; l < first + count; l++)
         if (sp->tok_ready[l] < tokens)
             sp->tok_ready[l] = tokens;
@@ -745,10 +746,10 @@ static void layers_mark(offer_t *o, uint32_t group, uint32_t rank,
               sp->ready);
     instance_t *inst = o->inst;
     uint64_t id = o->request_id;
-    int whole = sp->ready == sp->nlayers;
+    int more = sp->ready > ready0;
     consumer_wake(o);
-    /* peer daemons read a rank's part once all of it is there */
-    if (whole && (o = map_get(&inst->offers, id)) && xfer_rops.offer_published)
+    /* peer daemons read a rank's part layer by layer, each once whole */
+    if (more && (o = map_get(&inst->offers, id)) && xfer_rops.offer_published)
         xfer_rops.offer_published(o);
 }
 

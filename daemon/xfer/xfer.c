@@ -558,11 +558,20 @@ pool_t *xfer_offer_source(const offer_t *o, uint32_t group, uint32_t rank,
 {
     assert(rank < o->inst->nranks && group < o->ngroups);
     const offer_part_t *sp = OPART(o, group, rank);
-    if (!sp->pool || sp->ready < sp->nlayers)
-        return NULL; /* peer daemons read a layer-wise part once whole */
+    if (!sp->pool)
+        return NULL;
     if (mem)
         *mem = pool_mem(sp->pool, sp->blocks, sp->nblocks);
     return sp->pool;
+}
+
+uint32_t xfer_offer_ready(const offer_t *o, uint32_t group, uint32_t rank,
+                          uint32_t *nlayers)
+{
+    assert(rank < o->inst->nranks && group < o->ngroups);
+    const offer_part_t *sp = OPART(o, group, rank);
+    *nlayers = sp->pool ? sp->nlayers : 0;
+    return sp->pool ? sp->ready : 0;
 }
 
 struct roffer *xfer_offer_remote(const offer_t *o)

@@ -83,6 +83,12 @@ int xfer_offer_plan(const offer_t *o, uint32_t group, const plan_side_t *dst,
  * publish. Read only under the offer's fence. */
 pool_t *xfer_offer_source(const offer_t *o, uint32_t group, uint32_t rank,
                           plan_mem_t *mem);
+/* Of rank's part of table group of o: the leading layers whose every
+ * token is there (all of them once published whole; a layer-wise part's
+ * come one by one), of *nlayers, the part's layers; 0 of 0 before that
+ * rank's publish. A peer daemon reads a layer once it is ready. */
+uint32_t xfer_offer_ready(const offer_t *o, uint32_t group, uint32_t rank,
+                          uint32_t *nlayers);
 /* What remote keeps of o (NULL until set), set once; xfer frees it with
  * o through xfer_remote_ops_t.offer_free. */
 struct roffer *xfer_offer_remote(const offer_t *o);
@@ -166,6 +172,9 @@ void xfer_fetch_fail(instance_t *inst, uint64_t request_id, int code,
  * peer daemons; each holds the part's and its request's fence (only
  * while the request runs) until xfer_part_progress() reports it. */
 void xfer_part_fence_hold(genpart_t *p);
+/* Units [u0, u1) of part p are in its pool (a piece scattered or
+ * received in place): FetchProgress counts them per layer. */
+void xfer_part_landed(genpart_t *p, uint64_t u0, uint64_t u1);
 /* Units of part p came back from a copy (status 0 or an error). */
 void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
                         int status);
@@ -178,15 +187,16 @@ void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
 typedef struct xfer_remote_ops {
     /* start a part whose sources are on other daemons (or reached
      * through them): one stream per slice. 0, or an error with why */
-    int (*part_start)(genpart_t *p, const Kvxfer__ContextParams *cp, char *why,
-                      size_t why_len);
+    int (*part_start)(genpart_t *p, const Kvxfer__ContextParams *cp,
+                      kvx_why_t *why);
     /* the request of p is ending: tell the sources, release what waits */
     void (*part_stop)(genpart_t *p, int code, const char *msg);
     /* a part is freed: what remote keeps for it (not NULL) goes */
     void (*part_free)(struct rpart *rp);
     /* offer o is ending: tell every stream reading it */
     void (*offer_stop)(offer_t *o, int code, const char *msg);
-    /* a rank published to o: serve the pulls that waited for it */
+    /* a rank published to o, or made more of its layers ready: serve
+     * the pulls that waited for them */
     void (*offer_published)(offer_t *o);
     /* an offer is freed: what remote keeps for it (not NULL) goes */
     void (*offer_free)(struct roffer *ro);

@@ -335,7 +335,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     if (copy_init(kvxd.loop, 1, 0, 0, 0))
         abort();
     char why[256];
-    if (remote_init(why, sizeof(why)) || agree_init())
+    if (remote_init(KVX_WHY(why)) || agree_init())
         abort();
     plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
                         .total_heads = 2};

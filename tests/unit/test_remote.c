@@ -15,6 +15,7 @@
  * unit-exclude: daemon/net/peer_init.c daemon/net/peer_status.c
  */
 #include "../../daemon/remote/remote.c"
+#include "../../daemon/remote/source.c"
 
 #include <sys/mman.h>
 
@@ -120,7 +121,7 @@ static void setup(void)
     char why[256];
     CHECK_EQ(kvxd_defer_init(kvxd.loop), 0);
     CHECK_EQ(copy_init(kvxd.loop, 2, 0, 0, 0), 0);
-    CHECK_EQ(remote_init(why, sizeof(why)), 0);
+    CHECK_EQ(remote_init(KVX_WHY(why)), 0);
     plan_side_t side = {
         .tp = 1, .pp = 1, .cp = 1, .total_layers = 2, .total_heads = 2};
     char *a0 = kvxd.address;
