@@ -31,6 +31,9 @@ PUBLIC = ("kvxfer.h", "kvxfer.pb-c.h")
 ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu",
          "xfer_int": "xfer", "offer": "xfer", "fetch": "xfer",
          "sched": "xfer", "end": "xfer", "params": "xfer"}
+# remote is one module in several files (daemon/remote/remote_int.h)
+ALIAS.update({"remote_int": "remote", "pull": "remote", "slots": "remote",
+              "source": "remote"})
 # peer is one module in several files (daemon/net/peer_int.h)
 ALIAS.update({"peer_" + s: "peer" for s in
               ("int", "auth", "addr", "handshake", "init", "status")})

@@ -28,6 +28,7 @@
 #include "core/rrq.h"
 #include "kvxfer.pb-c.h"
 #include "net/peer.h"
+#include "remote.h"
 #include "xfer/serve.h"
 #include "xfer/xfer_remote.h"
 
@@ -248,23 +249,6 @@ static inline uint64_t now_ns(void)
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
-
-/* remote.h's entries that slots.c, pull.c and source.c define, declared
- * again here (the same prototypes; remote.c, which includes both, has
- * the compiler check they agree): remote.h is remote.c's, and these files
- * including it would make them a circle with remote.c for
- * scripts/layers.py. */
-uint32_t remote_slots(void);
-uint64_t remote_message_bytes(void);
-void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
-                         const peer_iov_t **iov, size_t *niov);
-void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status);
-int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
-                      kvx_why_t *why);
-void remote_part_stop(genpart_t *p, int code, const char *msg);
-void remote_part_free(struct rpart *rp);
-void remote_offer_stop(offer_t *o, int code, const char *msg);
-void remote_offer_published(offer_t *o);
 
 /* slots.c */
 uint64_t stream_cut_end(const plan_t *pl, uint64_t slice_begin, uint64_t u0,
