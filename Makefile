@@ -54,7 +54,8 @@ endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c
-CLIENT   := $(COMMON) client/client.c client/reconnect.c
+CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
+            client/json.c client/reconnect.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
             daemon/core/daemon.c daemon/core/fault.c \

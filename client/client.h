@@ -1,11 +1,14 @@
 /*
- * client.h — what client.c and reconnect.c share inside libkvxfer: the
- * client struct and the calls each gives the other (kvx__, local to the
- * library by its version script). Not installed.
+ * client.h — what libkvxfer's files share: the client struct and the
+ * calls each gives the others (kvx__, local to the library by its version
+ * script). Not installed.
  *
- * client.c owns the socket and the calls; reconnect.c owns what a
- * client needs to outlive its daemon: the requests in flight, what each
- * pool was registered with, the Hello and the Join, and the attempts.
+ * conn.c owns the socket, its frames and call(); pool.c the pools (host
+ * memfds, CUDA IPC handles and VMM fds); calls.c the requests (publish,
+ * fetch, ready marks, poll, release); json.c the status as JSON;
+ * reconnect.c what a client needs to outlive its daemon: the requests in
+ * flight, what each pool was registered with, the Hello and the Join, and
+ * the attempts.
  */
 #ifndef KVX_CLIENT_H
 #define KVX_CLIENT_H
@@ -13,9 +16,9 @@
 #include <stdint.h>
 
 #include "common/frame.h"
+#include "common/list.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
-#include "common/list.h"
 
 /* A request key the library tracks: in flight (on a bucket of
  * kvx__revive.keys), or lost with the daemon (on gone). */
@@ -85,10 +88,37 @@ typedef struct kvx__ev {
     size_t key_len, aux_len;
 } kvx__ev_t;
 
-/* ---- client.c, for reconnect.c ---- */
+/* ---- conn.c, for the other files ---- */
 int kvx__fail(kvx_client_t *c, int rc, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 int64_t kvx__now_ms(void);
+/* "ENOENT (No such file or directory)" (a thread's buffer) */
+const char *kvx__errno_str(int e);
+/* The message of the last connect (or kvx_params_info) that failed on
+ * this thread: kvx_last_error(NULL). */
+extern __thread char kvx__connect_err[512];
+/* A reply's status as the library returns it: a code it does not know
+ * (or a positive one) is the daemon breaking the protocol. */
+int kvx__reply_code(int32_t status);
+/* Send rq (its id is set here) with nfds fds and wait for its reply,
+ * looked for spin_us before the thread sleeps. Returns the daemon's
+ * status; *out (if not NULL) receives the reply on success. */
+int kvx__call_spin(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
+                   int nfds, int timeout_ms, uint32_t spin_us,
+                   Kvxfer__Reply **out);
+/* kvx__call_spin() with the client's spin. */
+int kvx__call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
+                  int nfds, int timeout_ms, Kvxfer__Reply **out);
+/* kvx__call_fds() with one fd (fd_to_pass >= 0) or none. */
+int kvx__call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
+              int timeout_ms, Kvxfer__Reply **out);
+/* rq[0, n) in one write, then their n replies: (*out)[i] answers rq[i]
+ * (its status may be a refusal; free them with kvx__replies_free()). 0
+ * when the exchange worked; else no reply is kept and, once anything was
+ * sent, the connection is broken. */
+int kvx__call_many(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
+                   int timeout_ms, Kvxfer__Reply ***out);
+void kvx__replies_free(Kvxfer__Reply **rp, size_t n);
 /* Connect c->fd to c->path. */
 int kvx__open(kvx_client_t *c, int timeout_ms);
 /* Close the socket and forget any partial frame. */
@@ -102,7 +132,11 @@ int kvx__register_send(kvx_client_t *c, Kvxfer__RegisterPool *m, const int *fds,
 int kvx__batch_make(kvx_client_t *c, uint64_t seq, const kvx__ev_t *ev,
                     size_t n, kvx_batch_t **out);
 
-/* ---- reconnect.c, for client.c ---- */
+/* ---- pool.c, for conn.c ---- */
+/* Unmap and free the pools kvx_pool_create_host made (kvx_close). */
+void kvx__host_pools_free(kvx_client_t *c);
+
+/* ---- reconnect.c, for the other files ---- */
 void kvx__rv_init(kvx_client_t *c);
 void kvx__rv_cleanup(kvx_client_t *c);
 /* The daemon closed the connection: end what was in flight, and reconnect
