@@ -67,12 +67,8 @@ void kvx_context_params_free(kvx_context_params_t *p)
     p->len = 0;
 }
 
-/* A request answered with context params (Publish, Reserve): *params
- * gets a copy. */
-/* The params a publish or reserve reply carries, copied into *params:
- * 0, or KVX_ERR_PROTOCOL / KVX_ERR_NOMEM with the message set. */
-static int params_take(kvx_client_t *c, const char *what,
-                       const Kvxfer__Reply *r, kvx_context_params_t *params)
+int kvx__params_take(kvx_client_t *c, const char *what, const Kvxfer__Reply *r,
+                     kvx_context_params_t *params)
 {
     if (r->body_case != KVXFER__REPLY__BODY_PUBLISH)
         return kvx__fail(c, KVX_ERR_PROTOCOL, "%s: reply without params", what);
@@ -91,14 +87,13 @@ static int params_call(kvx_client_t *c, Kvxfer__Request *rq, const char *what,
     int rc = kvx__call(c, rq, -1, timeout_ms, &r);
     if (rc)
         return rc;
-    rc = params_take(c, what, r, params);
+    rc = kvx__params_take(c, what, r, params);
     kvxfer__reply__free_unpacked(r, NULL);
     return rc;
 }
 
-/* A key argument: 0, or KVX_ERR_INVALID with the message set. */
-static int key_arg(kvx_client_t *c, const char *fn, const void *key,
-                   size_t key_len)
+int kvx__key_arg(kvx_client_t *c, const char *fn, const void *key,
+                 size_t key_len)
 {
     if (!key || key_len == 0 || key_len > KVX_MAX_KEY)
         return kvx__fail(c, KVX_ERR_INVALID,
@@ -107,26 +102,9 @@ static int key_arg(kvx_client_t *c, const char *fn, const void *key,
     return 0;
 }
 
-int kvx_publish(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
-                const uint32_t *blocks, uint32_t nblocks, uint32_t num_tokens,
-                kvx_context_params_t *params, int timeout_ms)
-{
-    reqkey_t k;
-    reqkey_from_u64(&k, request_id);
-    return kvx_publish_key(c, k.b, k.len, pool_id, blocks, nblocks, num_tokens,
-                           NULL, 0, params, timeout_ms);
-}
-
-/* What groups_msg() builds the GroupBlocks for. */
-enum { GROUPS_PUBLISH, GROUPS_FETCH, GROUPS_RESERVE };
-
-/* groups as GroupBlocks messages into m and mp (KVX_MAX_GROUPS - 1
- * each): a publish's with num_tokens, a fetch's with skip_tokens, a
- * reservation's with num_tokens and no blocks. 0, or an error of fn (c's
- * last error says which). */
-static int groups_msg(kvx_client_t *c, const char *fn,
-                      const kvx_group_t *groups, uint32_t ngroups, int use,
-                      Kvxfer__GroupBlocks *m, Kvxfer__GroupBlocks **mp)
+int kvx__groups_msg(kvx_client_t *c, const char *fn, const kvx_group_t *groups,
+                    uint32_t ngroups, int use, Kvxfer__GroupBlocks *m,
+                    Kvxfer__GroupBlocks **mp)
 {
     if (ngroups && !groups)
         return kvx__fail(c, KVX_ERR_INVALID,
@@ -136,13 +114,13 @@ static int groups_msg(kvx_client_t *c, const char *fn,
                          ngroups, KVX_MAX_GROUPS - 1);
     /* a reservation comes from an observer, which has no Hello reply to
      * tell the daemon's version: kvx_reserve_groups checks the params */
-    if (ngroups && use != GROUPS_RESERVE && c->daemon_minor < 2)
+    if (ngroups && use != KVX__GROUPS_RESERVE && c->daemon_minor < 2)
         return kvx__fail(c, KVX_ERR_VERSION,
                          "%s: the daemon speaks protocol 2.%u; several block "
                          "tables need 2.2",
                          fn, c->daemon_minor);
     for (uint32_t k = 0; k < ngroups; k++) {
-        if (use == GROUPS_RESERVE &&
+        if (use == KVX__GROUPS_RESERVE &&
             (groups[k].blocks || groups[k].num_blocks || groups[k].skip_tokens))
             return kvx__fail(c, KVX_ERR_INVALID,
                              "%s: groups[%u] names blocks or skip_tokens; a "
@@ -158,7 +136,7 @@ static int groups_msg(kvx_client_t *c, const char *fn,
         m[k].n_blocks = groups[k].num_blocks;
         m[k].blocks = (uint32_t *)groups[k].blocks;
         m[k].first_block = groups[k].first_block;
-        if (use == GROUPS_FETCH)
+        if (use == KVX__GROUPS_FETCH)
             m[k].skip_tokens = groups[k].skip_tokens;
         else
             m[k].num_tokens = groups[k].num_tokens;
@@ -167,12 +145,9 @@ static int groups_msg(kvx_client_t *c, const char *fn,
     return 0;
 }
 
-/* Call rq, a request that ends with an event for key: tracked once the
- * daemon took it, so that it ends even if the daemon goes (reconnect.c).
- * params: where a publish's go (NULL: a fetch). */
-static int tracked_call(kvx_client_t *c, Kvxfer__Request *rq, const void *key,
-                        size_t key_len, kvx_context_params_t *params,
-                        int timeout_ms)
+int kvx__tracked_call(kvx_client_t *c, Kvxfer__Request *rq, const void *key,
+                      size_t key_len, kvx_context_params_t *params,
+                      int timeout_ms)
 {
     kvx__key_t *k = kvx__key_new(c, key, key_len);
     if (!k)
@@ -186,93 +161,13 @@ static int tracked_call(kvx_client_t *c, Kvxfer__Request *rq, const void *key,
     return rc;
 }
 
-/* kvx_publish_key, kvx_publish_layerwise and kvx_publish_groups (fn
- * names the call). */
-static int publish(kvx_client_t *c, const char *fn, const void *key,
-                   size_t key_len, uint32_t pool_id, const uint32_t *blocks,
-                   uint32_t nblocks, uint32_t num_tokens,
-                   const kvx_group_t *groups, uint32_t ngroups, const void *aux,
-                   size_t aux_len, int layerwise, kvx_context_params_t *params,
-                   int timeout_ms)
-{
-    if (!c)
-        return KVX_ERR_INVALID;
-    int rc = key_arg(c, fn, key, key_len);
-    if (rc)
-        return rc;
-    if ((!blocks && nblocks) || !params)
-        return kvx__fail(c, KVX_ERR_INVALID,
-                         "%s: a required argument is NULL or 0", fn);
-    if (!aux && aux_len)
-        return kvx__fail(c, KVX_ERR_INVALID, "%s: aux is NULL with aux_len %zu",
-                         fn, aux_len);
-    /* a 2.0 daemon would ignore the flag and read the blocks at once */
-    if (layerwise && c->daemon_minor < 1)
-        return kvx__fail(
-            c, KVX_ERR_VERSION,
-            "%s: the daemon speaks protocol 2.%u; layer-wise offers "
-            "need 2.1",
-            fn, c->daemon_minor);
-    Kvxfer__Publish m = KVXFER__PUBLISH__INIT;
-    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = groups_msg(c, fn, groups, ngroups, GROUPS_PUBLISH, gm, gmp)))
-        return rc;
-    m.n_groups = ngroups;
-    m.groups = gmp;
-    m.key.data = (uint8_t *)key;
-    m.key.len = key_len;
-    m.pool_id = kvx__pool_daemon(c, pool_id);
-    m.n_blocks = nblocks;
-    m.blocks = (uint32_t *)blocks;
-    m.num_tokens = num_tokens;
-    m.aux.data = (uint8_t *)aux;
-    m.aux.len = aux_len;
-    m.layerwise = layerwise;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_PUBLISH;
-    rq.publish = &m;
-    return tracked_call(c, &rq, key, key_len, params, timeout_ms);
-}
-
-int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
-                    uint32_t pool_id, const uint32_t *blocks, uint32_t nblocks,
-                    uint32_t num_tokens, const void *aux, size_t aux_len,
-                    kvx_context_params_t *params, int timeout_ms)
-{
-    return publish(c, "kvx_publish_key", key, key_len, pool_id, blocks, nblocks,
-                   num_tokens, NULL, 0, aux, aux_len, 0, params, timeout_ms);
-}
-
-int kvx_publish_groups(kvx_client_t *c, const void *key, size_t key_len,
-                       uint32_t pool_id, const uint32_t *blocks,
-                       uint32_t nblocks, uint32_t num_tokens,
-                       const kvx_group_t *groups, uint32_t ngroups,
-                       const void *aux, size_t aux_len, int layerwise,
-                       kvx_context_params_t *params, int timeout_ms)
-{
-    return publish(c, "kvx_publish_groups", key, key_len, pool_id, blocks,
-                   nblocks, num_tokens, groups, ngroups, aux, aux_len,
-                   layerwise != 0, params, timeout_ms);
-}
-
-int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
-                          uint32_t pool_id, const uint32_t *blocks,
-                          uint32_t nblocks, uint32_t num_tokens,
-                          const void *aux, size_t aux_len,
-                          kvx_context_params_t *params, int timeout_ms)
-{
-    return publish(c, "kvx_publish_layerwise", key, key_len, pool_id, blocks,
-                   nblocks, num_tokens, NULL, 0, aux, aux_len, 1, params,
-                   timeout_ms);
-}
-
 int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
                       uint32_t pool_id, const uint32_t *blocks,
                       uint32_t nblocks, int timeout_ms)
 {
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_append_blocks", key, key_len);
+    int rc = kvx__key_arg(c, "kvx_append_blocks", key, key_len);
     if (rc)
         return rc;
     if (!blocks && nblocks)
@@ -297,7 +192,7 @@ static int ready(kvx_client_t *c, const char *fn, const void *key,
 {
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, fn, key, key_len);
+    int rc = kvx__key_arg(c, fn, key, key_len);
     if (rc)
         return rc;
     if (count == 0)
@@ -355,7 +250,7 @@ static int fetch_progress(kvx_client_t *c, const char *fn, const void *key,
 {
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, fn, key, key_len);
+    int rc = kvx__key_arg(c, fn, key, key_len);
     if (rc)
         return rc;
     if (!layers_done || !num_layers)
@@ -424,7 +319,7 @@ int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
     const char *fn = pool_id || ngroups ? "kvx_reserve_groups" : "kvx_reserve";
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, fn, key, key_len);
+    int rc = kvx__key_arg(c, fn, key, key_len);
     if (rc)
         return rc;
     if (!instance_id || !params)
@@ -433,7 +328,8 @@ int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
     /* an observer has no Hello reply, so no daemon version: the
      * params returned say whether the daemon took the groups */
     Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = groups_msg(c, fn, groups, ngroups, GROUPS_RESERVE, gm, gmp)))
+    if ((rc = kvx__groups_msg(c, fn, groups, ngroups, KVX__GROUPS_RESERVE, gm,
+                              gmp)))
         return rc;
     Kvxfer__Reserve m = KVXFER__RESERVE__INIT;
     m.instance_id = (char *)instance_id;
@@ -465,314 +361,6 @@ int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
             fn, got, ngroups);
     }
     return 0;
-}
-
-int kvx_fetch_by_key(kvx_client_t *c, const void *key, size_t key_len,
-                     const char *ctx_instance, const char *ctx_address,
-                     const void *ctx_key, size_t ctx_key_len, uint32_t pool_id,
-                     const uint32_t *blocks, uint32_t nblocks,
-                     uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms)
-{
-    return kvx_fetch_by_key_groups(
-        c, key, key_len, ctx_instance, ctx_address, ctx_key, ctx_key_len,
-        pool_id, blocks, nblocks, skip_tokens, dp_rank, NULL, 0, timeout_ms);
-}
-
-int kvx_fetch_by_key_groups(kvx_client_t *c, const void *key, size_t key_len,
-                            const char *ctx_instance, const char *ctx_address,
-                            const void *ctx_key, size_t ctx_key_len,
-                            uint32_t pool_id, const uint32_t *blocks,
-                            uint32_t nblocks, uint32_t skip_tokens,
-                            uint32_t dp_rank, const kvx_group_t *groups,
-                            uint32_t ngroups, int timeout_ms)
-{
-    const char *fn = ngroups ? "kvx_fetch_by_key_groups" : "kvx_fetch_by_key";
-    if (!c)
-        return KVX_ERR_INVALID;
-    int rc = key_arg(c, fn, key, key_len);
-    if (!rc)
-        rc = key_arg(c,
-                     ngroups ? "kvx_fetch_by_key_groups: context"
-                             : "kvx_fetch_by_key: context",
-                     ctx_key, ctx_key_len);
-    if (rc)
-        return rc;
-    if (!ctx_instance || !ctx_address || (!blocks && nblocks))
-        return kvx__fail(c, KVX_ERR_INVALID,
-                         "%s: a required argument is NULL or 0", fn);
-    Kvxfer__FetchByKey m = KVXFER__FETCH_BY_KEY__INIT;
-    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = groups_msg(c, fn, groups, ngroups, GROUPS_FETCH, gm, gmp)))
-        return rc;
-    m.n_groups = ngroups;
-    m.groups = gmp;
-    m.key.data = (uint8_t *)key;
-    m.key.len = key_len;
-    m.context_instance = (char *)ctx_instance;
-    m.context_address = (char *)ctx_address;
-    m.context_key.data = (uint8_t *)ctx_key;
-    m.context_key.len = ctx_key_len;
-    m.pool_id = kvx__pool_daemon(c, pool_id);
-    m.n_blocks = nblocks;
-    m.blocks = (uint32_t *)blocks;
-    m.skip_tokens = skip_tokens;
-    m.dp_rank = dp_rank;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_FETCH_BY_KEY;
-    rq.fetch_by_key = &m;
-    return tracked_call(c, &rq, key, key_len, NULL, timeout_ms);
-}
-
-int kvx_fetch(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
-              size_t params_len, uint32_t pool_id, const uint32_t *blocks,
-              uint32_t nblocks, uint32_t skip_tokens, int timeout_ms)
-{
-    return kvx_fetch_dp(c, request_id, params, params_len, pool_id, blocks,
-                        nblocks, skip_tokens, 0, timeout_ms);
-}
-
-int kvx_fetch_dp(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
-                 size_t params_len, uint32_t pool_id, const uint32_t *blocks,
-                 uint32_t nblocks, uint32_t skip_tokens, uint32_t dp_rank,
-                 int timeout_ms)
-{
-    reqkey_t k;
-    reqkey_from_u64(&k, request_id);
-    return kvx_fetch_key(c, k.b, k.len, params, params_len, pool_id, blocks,
-                         nblocks, skip_tokens, dp_rank, timeout_ms);
-}
-
-int kvx_fetch_key(kvx_client_t *c, const void *key, size_t key_len,
-                  const uint8_t *params, size_t params_len, uint32_t pool_id,
-                  const uint32_t *blocks, uint32_t nblocks,
-                  uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms)
-{
-    return kvx_fetch_groups(c, key, key_len, params, params_len, pool_id,
-                            blocks, nblocks, skip_tokens, dp_rank, NULL, 0,
-                            timeout_ms);
-}
-
-int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
-                     const uint8_t *params, size_t params_len, uint32_t pool_id,
-                     const uint32_t *blocks, uint32_t nblocks,
-                     uint32_t skip_tokens, uint32_t dp_rank,
-                     const kvx_group_t *groups, uint32_t ngroups,
-                     int timeout_ms)
-{
-    const char *fn = ngroups ? "kvx_fetch_groups" : "kvx_fetch_key";
-    if (!c)
-        return KVX_ERR_INVALID;
-    int rc = key_arg(c, fn, key, key_len);
-    if (rc)
-        return rc;
-    if ((!blocks && nblocks) || (!params && params_len))
-        return kvx__fail(c, KVX_ERR_INVALID,
-                         "%s: a required argument is NULL or 0", fn);
-    Kvxfer__Fetch m = KVXFER__FETCH__INIT;
-    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = groups_msg(c, fn, groups, ngroups, GROUPS_FETCH, gm, gmp)))
-        return rc;
-    m.n_groups = ngroups;
-    m.groups = gmp;
-    m.key.data = (uint8_t *)key;
-    m.key.len = key_len;
-    m.context_params.data = (uint8_t *)params;
-    m.context_params.len = params_len;
-    m.pool_id = kvx__pool_daemon(c, pool_id);
-    m.n_blocks = nblocks;
-    m.blocks = (uint32_t *)blocks;
-    m.skip_tokens = skip_tokens;
-    m.dp_rank = dp_rank;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_FETCH;
-    rq.fetch = &m;
-    return tracked_call(c, &rq, key, key_len, NULL, timeout_ms);
-}
-
-/* Item i's reply: its status; the first failing item's message, naming
- * it, becomes the call's error. */
-static int item_status(kvx_client_t *c, const char *fn, size_t i,
-                       const void *key, size_t key_len, const Kvxfer__Reply *r,
-                       int *first_rc)
-{
-    int rc = r->status ? kvx__reply_code(r->status) : 0;
-    if (rc && !*first_rc) {
-        char k[REQKEY_STR_MAX];
-        *first_rc = rc;
-        snprintf(c->err, sizeof(c->err), "%s: item %zu (key %s): %s", fn, i,
-                 reqkey_str(key, key_len, k), r->message);
-    }
-    return rc;
-}
-
-/* An item's arguments, before anything is sent: 0, or KVX_ERR_INVALID
- * naming the item. */
-static int item_arg(kvx_client_t *c, const char *fn, size_t i, const void *key,
-                    size_t key_len, const uint32_t *blocks, uint32_t nblocks,
-                    const void *params, size_t params_len)
-{
-    char what[48];
-    snprintf(what, sizeof(what), "%s: item %zu", fn, i);
-    int rc = key_arg(c, what, key, key_len);
-    if (!rc && !blocks && nblocks)
-        rc = kvx__fail(c, KVX_ERR_INVALID, "%s: blocks is NULL with %u blocks",
-                       what, nblocks);
-    if (!rc && !params && params_len)
-        rc = kvx__fail(c, KVX_ERR_INVALID, "%s: params is NULL with %zu bytes",
-                       what, params_len);
-    return rc;
-}
-
-/* Tracked keys of the items of a kvx_*_many call, made before it is sent
- * (those the daemon takes are tracked, the rest freed). */
-static void many_keys_free(kvx__key_t **k, size_t n)
-{
-    for (size_t i = 0; k && i < n; i++)
-        free(k[i]);
-    free(k);
-}
-
-int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
-                     int timeout_ms)
-{
-    static const char fn[] = "kvx_publish_many";
-    if (!c)
-        return KVX_ERR_INVALID;
-    if ((!items && n) || n > KVX_MANY_MAX)
-        return kvx__fail(c, KVX_ERR_INVALID, "%s: %zu items%s (at most %u)", fn,
-                         n, items ? "" : " at NULL", KVX_MANY_MAX);
-    for (size_t i = 0; i < n; i++) {
-        kvx_publish_item_t *it = &items[i];
-        it->status = 0;
-        it->params.data = NULL;
-        it->params.len = 0;
-        int rc = item_arg(c, fn, i, it->key, it->key_len, it->blocks,
-                          it->num_blocks, NULL, 0);
-        if (rc)
-            return rc;
-    }
-    if (!n)
-        return 0;
-    Kvxfer__Publish *m = calloc(n, sizeof(*m));
-    Kvxfer__Request *rq = calloc(n, sizeof(*rq));
-    Kvxfer__Reply **rp = NULL;
-    kvx__key_t **keys = NULL;
-    int rc = 0, first = 0;
-    if (!m || !rq || !(keys = calloc(n, sizeof(*keys)))) {
-        rc = kvx__fail(c, KVX_ERR_NOMEM, "out of memory");
-        goto out;
-    }
-    for (size_t i = 0; i < n; i++)
-        if (!(keys[i] = kvx__key_new(c, items[i].key, items[i].key_len))) {
-            rc = KVX_ERR_NOMEM;
-            goto out;
-        }
-    for (size_t i = 0; i < n; i++) {
-        kvxfer__publish__init(&m[i]);
-        m[i].key.data = (uint8_t *)items[i].key;
-        m[i].key.len = items[i].key_len;
-        m[i].pool_id = kvx__pool_daemon(c, items[i].pool_id);
-        m[i].n_blocks = items[i].num_blocks;
-        m[i].blocks = (uint32_t *)items[i].blocks;
-        m[i].num_tokens = items[i].num_tokens;
-        kvxfer__request__init(&rq[i]);
-        rq[i].body_case = KVXFER__REQUEST__BODY_PUBLISH;
-        rq[i].publish = &m[i];
-    }
-    if ((rc = kvx__call_many(c, rq, n, timeout_ms, &rp)))
-        goto out;
-    for (size_t i = 0; i < n; i++) {
-        kvx_publish_item_t *it = &items[i];
-        it->status = item_status(c, fn, i, it->key, it->key_len, rp[i], &first);
-        if (it->status)
-            continue;
-        kvx__track(c, keys[i]); /* taken: its event will come */
-        keys[i] = NULL;
-        char what[48];
-        snprintf(what, sizeof(what), "%s: item %zu", fn, i);
-        if (first) { /* the first failure's message stays the error */
-            char keep[sizeof(c->err)];
-            memcpy(keep, c->err, sizeof(keep));
-            it->status = params_take(c, what, rp[i], &it->params);
-            memcpy(c->err, keep, sizeof(keep));
-        } else {
-            first = it->status = params_take(c, what, rp[i], &it->params);
-        }
-    }
-    rc = first;
-out:
-    many_keys_free(keys, n);
-    kvx__replies_free(rp, n);
-    free(m);
-    free(rq);
-    return rc;
-}
-
-int kvx_fetch_many(kvx_client_t *c, kvx_fetch_item_t *items, size_t n,
-                   int timeout_ms)
-{
-    static const char fn[] = "kvx_fetch_many";
-    if (!c)
-        return KVX_ERR_INVALID;
-    if ((!items && n) || n > KVX_MANY_MAX)
-        return kvx__fail(c, KVX_ERR_INVALID, "%s: %zu items%s (at most %u)", fn,
-                         n, items ? "" : " at NULL", KVX_MANY_MAX);
-    for (size_t i = 0; i < n; i++) {
-        kvx_fetch_item_t *it = &items[i];
-        it->status = 0;
-        int rc = item_arg(c, fn, i, it->key, it->key_len, it->blocks,
-                          it->num_blocks, it->params, it->params_len);
-        if (rc)
-            return rc;
-    }
-    if (!n)
-        return 0;
-    Kvxfer__Fetch *m = calloc(n, sizeof(*m));
-    Kvxfer__Request *rq = calloc(n, sizeof(*rq));
-    Kvxfer__Reply **rp = NULL;
-    kvx__key_t **keys = NULL;
-    int rc = 0, first = 0;
-    if (!m || !rq || !(keys = calloc(n, sizeof(*keys)))) {
-        rc = kvx__fail(c, KVX_ERR_NOMEM, "out of memory");
-        goto out;
-    }
-    for (size_t i = 0; i < n; i++)
-        if (!(keys[i] = kvx__key_new(c, items[i].key, items[i].key_len))) {
-            rc = KVX_ERR_NOMEM;
-            goto out;
-        }
-    for (size_t i = 0; i < n; i++) {
-        kvxfer__fetch__init(&m[i]);
-        m[i].key.data = (uint8_t *)items[i].key;
-        m[i].key.len = items[i].key_len;
-        m[i].context_params.data = (uint8_t *)items[i].params;
-        m[i].context_params.len = items[i].params_len;
-        m[i].pool_id = kvx__pool_daemon(c, items[i].pool_id);
-        m[i].n_blocks = items[i].num_blocks;
-        m[i].blocks = (uint32_t *)items[i].blocks;
-        m[i].skip_tokens = items[i].skip_tokens;
-        m[i].dp_rank = items[i].dp_rank;
-        kvxfer__request__init(&rq[i]);
-        rq[i].body_case = KVXFER__REQUEST__BODY_FETCH;
-        rq[i].fetch = &m[i];
-    }
-    if ((rc = kvx__call_many(c, rq, n, timeout_ms, &rp)))
-        goto out;
-    for (size_t i = 0; i < n; i++) {
-        items[i].status = item_status(c, fn, i, items[i].key, items[i].key_len,
-                                      rp[i], &first);
-        if (!items[i].status) { /* taken: its event will come */
-            kvx__track(c, keys[i]);
-            keys[i] = NULL;
-        }
-    }
-    rc = first;
-out:
-    many_keys_free(keys, n);
-    kvx__replies_free(rp, n);
-    free(m);
-    free(rq);
-    return rc;
 }
 
 /* After an early answer (Poll.early) the poll is spun for this long
@@ -933,7 +521,7 @@ int kvx_cancel_key(kvx_client_t *c, const void *key, size_t key_len,
 {
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_cancel_key", key, key_len);
+    int rc = kvx__key_arg(c, "kvx_cancel_key", key, key_len);
     if (rc)
         return rc;
     Kvxfer__Cancel m = KVXFER__CANCEL__INIT;
@@ -965,7 +553,8 @@ int kvx_release_by_key(kvx_client_t *c, const char *ctx_instance,
 {
     if (!c)
         return KVX_ERR_INVALID;
-    int rc = key_arg(c, "kvx_release_by_key: context", ctx_key, ctx_key_len);
+    int rc =
+        kvx__key_arg(c, "kvx_release_by_key: context", ctx_key, ctx_key_len);
     if (rc)
         return rc;
     if (!ctx_instance || !ctx_instance[0] || !ctx_address || !ctx_address[0])

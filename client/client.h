@@ -132,6 +132,40 @@ int kvx__register_send(kvx_client_t *c, Kvxfer__RegisterPool *m, const int *fds,
 int kvx__batch_make(kvx_client_t *c, uint64_t seq, const kvx__ev_t *ev,
                     size_t n, kvx_batch_t **out);
 
+/* ---- calls.c, for verbs.c ---- */
+/* A key argument: 0, or KVX_ERR_INVALID with the message set (fn names
+ * the call, or the item). */
+int kvx__key_arg(kvx_client_t *c, const char *fn, const void *key,
+                 size_t key_len);
+/* What kvx__groups_msg() builds the GroupBlocks for. */
+enum { KVX__GROUPS_PUBLISH, KVX__GROUPS_FETCH, KVX__GROUPS_RESERVE };
+/* groups as GroupBlocks messages into m and mp (KVX_MAX_GROUPS - 1
+ * each): a publish's with num_tokens, a fetch's with skip_tokens, a
+ * reservation's with num_tokens and no blocks. 0, or an error of fn (c's
+ * last error says which). */
+int kvx__groups_msg(kvx_client_t *c, const char *fn, const kvx_group_t *groups,
+                    uint32_t ngroups, int use, Kvxfer__GroupBlocks *m,
+                    Kvxfer__GroupBlocks **mp);
+/* The params a publish or reserve reply carries, copied into *params:
+ * 0, or KVX_ERR_PROTOCOL / KVX_ERR_NOMEM with the message set. */
+int kvx__params_take(kvx_client_t *c, const char *what, const Kvxfer__Reply *r,
+                     kvx_context_params_t *params);
+/* Call rq, a request that ends with an event for key: tracked once the
+ * daemon took it, so that it ends even if the daemon goes (reconnect.c).
+ * params: where a publish's go (NULL: a fetch). */
+int kvx__tracked_call(kvx_client_t *c, Kvxfer__Request *rq, const void *key,
+                      size_t key_len, kvx_context_params_t *params,
+                      int timeout_ms);
+
+/* ---- verbs.c, for compat.c ---- */
+/* kvx_publish / kvx_fetch with fn naming the call in messages (a 2.x
+ * wrapper's name). *replied (may be NULL): a batch's replies came back,
+ * so its items' outcomes are the daemon's. */
+int kvx__publish(kvx_client_t *c, const char *fn, const kvx_publish_args_t *a,
+                 int *replied);
+int kvx__fetch(kvx_client_t *c, const char *fn, const kvx_fetch_args_t *a,
+               int *replied);
+
 /* ---- pool.c, for conn.c ---- */
 /* Unmap and free the pools kvx_pool_create_host made (kvx_close). */
 void kvx__host_pools_free(kvx_client_t *c);

@@ -581,8 +581,8 @@ int kvx__hello_send(kvx_client_t *c, const kvx_hello_t *h, int timeout_ms)
     pc.layers_per_pp = (uint32_t *)h->parallel.layers_per_pp;
     pc.attention_dp = h->parallel.attention_dp;
     Kvxfer__Hello m = KVXFER__HELLO__INIT;
-    m.version_major = h->version_major ? h->version_major : KVX_VERSION_MAJOR;
-    m.version_minor = h->version_major ? h->version_minor : KVX_VERSION_MINOR;
+    m.version_major = h->version_major ? h->version_major : KVX_PROTOCOL_MAJOR;
+    m.version_minor = h->version_major ? h->version_minor : KVX_PROTOCOL_MINOR;
     m.instance_id = (char *)h->instance_id;
     m.role = (Kvxfer__Role)h->role;
     m.rank = h->rank;
