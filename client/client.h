@@ -74,6 +74,7 @@ struct kvx_client {
     char err[512];
     list_t pools;          /* host_pool.node, the newest first */
     uint32_t daemon_minor; /* the daemon's protocol minor, from Hello */
+    int answered; /* the last call got the daemon's reply (kvx_outcome_t) */
     uint32_t spin_us;      /* kvx_set_spin_us: look for a reply this long
                               before sleeping on the socket */
     kvx__revive_t rv;

@@ -377,6 +377,7 @@ int kvx__call_spin(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
         rc = recv_reply(c, rq->id, deadline, spin_us, &r);
     if (rc)
         return conn_failed(c, rc);
+    c->answered = 1;
     if (r->status) {
         rc = kvx__reply_code(r->status);
         snprintf(c->err, sizeof(c->err), "%s", r->message);
@@ -460,6 +461,7 @@ int kvx__call_many(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
         kvx__replies_free(rp, n);
         return conn_failed(c, rc);
     }
+    c->answered = 1;
     *out = rp;
     return 0;
 }

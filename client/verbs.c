@@ -102,9 +102,10 @@ static int batch_mask(kvx_client_t *c, const char *fn, const verb_t *v,
                      fn, v->prefix, v->names[bit_index(bad & -bad)], v->prefix);
 }
 
-static void outcome_set(kvx_outcome_t *o, int rc, const char *msg)
+static void outcome_set(kvx_outcome_t *o, int rc, int answered, const char *msg)
 {
     o->code = rc;
+    o->answered = answered;
     snprintf(o->message, sizeof(o->message), "%s", rc ? msg : "");
 }
 
@@ -368,7 +369,7 @@ static void outcomes_all(kvx_client_t *c, kvx_outcome_t *const *o, size_t n,
 {
     for (size_t i = 0; i < n; i++)
         if (o[i])
-            outcome_set(o[i], rc,
+            outcome_set(o[i], rc, 0,
                         i == bad || bad == n ? c->err
                                              : "not sent: another item of the "
                                                "batch was invalid");
@@ -454,7 +455,7 @@ static int publish_batch(kvx_client_t *c, const char *fn,
             }
         }
         if (o[i])
-            outcome_set(o[i], st, msg);
+            outcome_set(o[i], st, 1, msg);
     }
     rc = first;
 out:
@@ -515,7 +516,7 @@ static int fetch_batch(kvx_client_t *c, const char *fn,
             b.keys[i] = NULL;
         }
         if (o[i])
-            outcome_set(o[i], st, r->message);
+            outcome_set(o[i], st, 1, r->message);
     }
     rc = first;
 out:
@@ -538,6 +539,7 @@ int kvx__publish(kvx_client_t *c, const char *fn, const kvx_publish_args_t *a,
     if (!c)
         return KVX_ERR_INVALID;
     c->err[0] = 0;
+    c->answered = 0;
     if (!a)
         return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
     uint64_t f = a->field_mask;
@@ -548,7 +550,7 @@ int kvx__publish(kvx_client_t *c, const char *fn, const kvx_publish_args_t *a,
         rc = f & KVX_PUBLISH_FIELD_ITEMS ? publish_batch(c, fn, a, t, replied)
                                          : publish_one(c, fn, a, t);
     if (publish_outcome(a))
-        outcome_set(a->outcome, rc, c->err);
+        outcome_set(a->outcome, rc, c->answered, c->err);
     return rc;
 }
 
@@ -561,6 +563,7 @@ int kvx__fetch(kvx_client_t *c, const char *fn, const kvx_fetch_args_t *a,
     if (!c)
         return KVX_ERR_INVALID;
     c->err[0] = 0;
+    c->answered = 0;
     if (!a)
         return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
     uint64_t f = a->field_mask;
@@ -571,7 +574,7 @@ int kvx__fetch(kvx_client_t *c, const char *fn, const kvx_fetch_args_t *a,
         rc = f & KVX_FETCH_FIELD_ITEMS ? fetch_batch(c, fn, a, t, replied)
                                        : fetch_one(c, fn, a, t);
     if (fetch_outcome(a))
-        outcome_set(a->outcome, rc, c->err);
+        outcome_set(a->outcome, rc, c->answered, c->err);
     return rc;
 }
 

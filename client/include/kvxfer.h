@@ -788,7 +788,11 @@ KVX_EXPORT int kvx_group_tokens_ready(kvx_client_t *client, const void *key,
 
 /* One request's result. */
 typedef struct {
-    int code;                      /* 0 or a kvx_status_t */
+    int code; /* 0 or a kvx_status_t */
+    /* 1: code is the daemon's answer to this request; 0: the request
+     * was refused before it was sent, or its answer was lost with the
+     * connection (the daemon may hold it: see KVX_ERR_TIMEOUT) */
+    int answered;
     char message[KVX_MESSAGE_MAX]; /* the message naming the field at
                                       fault; "" when code is 0 */
 } kvx_outcome_t;

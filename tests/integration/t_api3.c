@@ -158,6 +158,7 @@ TEST(api3_args_refused_by_name)
                 "kvx_publish: field_mask bit 0x10000000000 is unknown to "
                 "libkvxfer 3.0.0");
     CHECK_EQ(o.code, KVX_ERR_INVALID);
+    CHECK_EQ(o.answered, 0); /* refused here, never sent */
     CHECK_STR_CONTAINS(o.message, "bit 0x10000000000 is unknown");
     pa = pub_args("r-1", c.pool, b, 2, 7, &p);
     pa.field_mask &= ~KVX_PUBLISH_FIELD_NUM_TOKENS;
@@ -219,6 +220,7 @@ TEST(api3_args_refused_by_name)
     CHECK_EQ(io[1].code, KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(io[1].message, "item 1: field_mask has");
     CHECK_EQ(io[0].code, KVX_ERR_INVALID);
+    CHECK_EQ(io[0].answered + io[1].answered, 0);
     CHECK_STR_CONTAINS(io[0].message, "not sent: another item");
     batch.num_items = KVX_MANY_MAX + 1;
     CHECK_FAILS(kvx_fetch3(g.c, &batch), g.c, KVX_ERR_INVALID,
@@ -288,6 +290,18 @@ TEST(api3_batch_of_every_form_own_errors)
     CHECK_STR_CONTAINS(po[4].message, "998"); /* its own, not item 3's */
     CHECK(!strstr(po[4].message, "999"));
     CHECK(p[3].data == NULL && p[4].data == NULL);
+    for (int i = 0; i < 5; i++)
+        CHECK_EQ(po[i].answered, 1);
+    /* a single call the daemon refuses: its outcome, answered */
+    kvx_outcome_t so;
+    kvx_publish_args_t sa = pub_args("b-bad3", 997, cb[0], 2, 7, &p[3]);
+    sa.field_mask |= KVX_PUBLISH_FIELD_OUTCOME;
+    sa.outcome = &so;
+    CHECK_EQ(kvx_publish3(c.c, &sa), po[3].code);
+    CHECK_EQ(so.code, po[3].code);
+    CHECK_EQ(so.answered, 1);
+    CHECK_STR_CONTAINS(so.message, "997");
+    CHECK(!strcmp(so.message, kvx_last_error(c.c)));
 
     uint32_t gb[3][2] = {{7, 6}, {5, 4}, {3, 2}};
     kvx_context_params_t junk = {(uint8_t *)"junk", 4};
@@ -318,6 +332,8 @@ TEST(api3_batch_of_every_form_own_errors)
     CHECK_EQ(fo[4].code, KVX_ERR_EXISTS);
     CHECK(strcmp(fo[3].message, fo[4].message) != 0);
     CHECK_STR_CONTAINS(kvx_last_error(g.c), "kvx_fetch: item 3 (key gb-junk)");
+    for (int i = 0; i < 5; i++)
+        CHECK_EQ(fo[i].answered, 1);
     for (int i = 0; i < 3; i++) {
         CHECK_EQ(fo[i].code, 0);
         CHECK(!strcmp(fo[i].message, ""));
