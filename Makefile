@@ -57,7 +57,7 @@ endif
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c
 CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
-            client/verbs.c client/compat.c \
+            client/verbs.c client/compat.c client/abi2.c \
             client/json.c client/reconnect.c
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
@@ -179,8 +179,8 @@ restart-bench: all $(BUILD)/restart_bench
 # (kvxfer.h's KVX_API_2X; the tests reach the 3.0 calls as kvx_publish3
 # and kvx_fetch3)
 API_2X := -DKVX_API_2X
-$(BUILD)/obj/tools/bench.o: CFLAGS += $(API_2X)
-$(ITEST) $(BUILD)/tests/gpu $(BUILD)/tests/libkvxtorch.so: CFLAGS += $(API_2X)
+$(BUILD)/obj/tools/bench.o: private CFLAGS += $(API_2X)
+$(ITEST) $(BUILD)/tests/gpu: private CFLAGS += $(API_2X)
 
 # Unit tests include the module's .c (to reach statics) and link the rest
 # of the daemon except main.o and what a "unit-exclude:" line replaces

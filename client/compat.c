@@ -1,15 +1,8 @@
 /*
  * compat — the 2.x variants of publish and fetch, kept for 3.x as thin
  * wrappers: each fills a kvx_publish_args_t or kvx_fetch_args_t and goes
- * through verbs.c, naming itself in messages as it always did.
- *
- * Two 2.x calls changed their signature in 3.0: kvx_publish and
- * kvx_fetch took a uint64_t request_id. A program built against 2.x
- * binds kvx_publish@KVXFER_2.0 and kvx_fetch@KVXFER_2.0 (the version
- * their node gave them), which .symver below points at the 2.x forms; a
- * program built now binds kvx_publish@@KVXFER_3.0, the default
- * (client/libkvxfer.map). The two keep their 2.x parameter lists (8 and
- * 9 parameters): they are an ABI, not a choice.
+ * through verbs.c, naming itself in messages as it always did. The 2.x
+ * kvx_publish and kvx_fetch, whose names 3.0 took, are abi2.c's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -94,25 +87,6 @@ int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
     return kvx__publish(c, "kvx_publish_layerwise", &a, NULL);
 }
 
-/* 2.x kvx_publish: kvx_publish_key with the key of request_id's digits,
- * no aux (kvx_publish@KVXFER_2.0). */
-__attribute__((visibility("default"))) int
-kvx__publish_2(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
-               const uint32_t *blocks, uint32_t nblocks, uint32_t num_tokens,
-               kvx_context_params_t *params, int timeout_ms);
-__asm__(".symver kvx__publish_2, kvx_publish@KVXFER_2.0");
-
-int kvx__publish_2(kvx_client_t *c, uint64_t request_id, uint32_t pool_id,
-                   const uint32_t *blocks, uint32_t nblocks,
-                   uint32_t num_tokens, kvx_context_params_t *params,
-                   int timeout_ms)
-{
-    reqkey_t k;
-    reqkey_from_u64(&k, request_id);
-    return kvx_publish_key(c, k.b, k.len, pool_id, blocks, nblocks, num_tokens,
-                           NULL, 0, params, timeout_ms);
-}
-
 int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
                      const uint8_t *params, size_t params_len, uint32_t pool_id,
                      const uint32_t *blocks, uint32_t nblocks,
@@ -157,22 +131,6 @@ int kvx_fetch_dp(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
     reqkey_from_u64(&k, request_id);
     return kvx_fetch_key(c, k.b, k.len, params, params_len, pool_id, blocks,
                          nblocks, skip_tokens, dp_rank, timeout_ms);
-}
-
-/* 2.x kvx_fetch: kvx_fetch_key with the key of request_id's digits,
- * dp_rank 0 (kvx_fetch@KVXFER_2.0). */
-__attribute__((visibility("default"))) int
-kvx__fetch_2(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
-             size_t params_len, uint32_t pool_id, const uint32_t *blocks,
-             uint32_t nblocks, uint32_t skip_tokens, int timeout_ms);
-__asm__(".symver kvx__fetch_2, kvx_fetch@KVXFER_2.0");
-
-int kvx__fetch_2(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
-                 size_t params_len, uint32_t pool_id, const uint32_t *blocks,
-                 uint32_t nblocks, uint32_t skip_tokens, int timeout_ms)
-{
-    return kvx_fetch_dp(c, request_id, params, params_len, pool_id, blocks,
-                        nblocks, skip_tokens, 0, timeout_ms);
 }
 
 int kvx_fetch_by_key_groups(kvx_client_t *c, const void *key, size_t key_len,
