@@ -3,8 +3,9 @@
  * structs (reached here as kvx_publish3 / kvx_fetch3: this binary is
  * built with KVX_API_2X, so its kvx_publish is the 2.x one): every form
  * through field_mask, batches of mixed forms whose items each get their
- * own code and message, the args refused by name, kvx_version. The 2.x
- * calls, now wrappers, are what every other file of this binary uses.
+ * own code and message (with block tables too), the args refused by
+ * name, kvx_version. The 2.x calls, now wrappers, are what every other
+ * file of this binary uses.
  */
 
 /* A publish's args: key, blocks, tokens, params, timeout. */
@@ -363,4 +364,67 @@ TEST(api3_batch_of_every_form_own_errors)
     rank_close(&g);
     daemon_healthy(d);
     daemon_stop_ok(d);
+}
+
+/* Block tables through the 3.0 batches: each context rank publishes a
+ * hybrid request (KV, window, state slot; t_groups.c's model) as an item
+ * of a batch with FIELD_GROUPS, and the generation rank fetches it as an
+ * item of a batch beside one that fails; the three tables land and the
+ * failing item has its own message. */
+TEST(api3_batch_with_block_tables)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "a3g-ctx", "a3g-gen");
+    kvx_context_params_t p[2];
+    for (int r = 0; r < 2; r++) {
+        fill_req(&h.c[r], 310, hy_cb[r], HY_TOK);
+        fill_req(&h.cw[r], 311, hy_cw[r], HY_TOK);
+        fill_req(&h.cst[r], 312, &hy_cs[r], 1);
+        kvx_group_t gs[2];
+        hy_ctx_groups(&h, r, gs);
+        kvx_outcome_t o;
+        kvx_publish_args_t it =
+            pub_args("310", h.c[r].pool, hy_cb[r], 3, HY_TOK, &p[r]);
+        it.field_mask &= ~KVX_PUBLISH_FIELD_TIMEOUT;
+        it.field_mask |= KVX_PUBLISH_FIELD_GROUPS | KVX_PUBLISH_FIELD_OUTCOME;
+        it.groups = gs;
+        it.num_groups = 2;
+        it.outcome = &o;
+        kvx_publish_args_t b = {.field_mask = KVX_PUBLISH_FIELD_ITEMS,
+                                .items = &it,
+                                .num_items = 1};
+        CHECK_KVX(kvx_publish3(h.c[r].c, &b), h.c[r].c);
+        CHECK_EQ(o.code, 0);
+    }
+    CHECK_EQ(p[0].len, p[1].len);
+    CHECK(!memcmp(p[0].data, p[1].data, p[0].len));
+    kvx_group_t gg[2];
+    hy_gen_groups(&h, 4, gg);
+    kvx_outcome_t fo[2];
+    kvx_fetch_args_t fi[2] = {fetch_args("310", h.g.pool, hy_gb, 3, &p[0]),
+                              fetch_args("g-none", h.g.pool, hy_gb, 3, &p[0])};
+    for (int i = 0; i < 2; i++) {
+        fi[i].field_mask &= ~KVX_FETCH_FIELD_TIMEOUT;
+        fi[i].field_mask |= KVX_FETCH_FIELD_OUTCOME;
+        fi[i].outcome = &fo[i];
+    }
+    fi[0].field_mask |= KVX_FETCH_FIELD_GROUPS;
+    fi[0].groups = gg;
+    fi[0].num_groups = 2;
+    /* item 1: the same offer without its groups: MISMATCH, its own */
+    kvx_fetch_args_t b = {
+        .field_mask = KVX_FETCH_FIELD_ITEMS, .items = fi, .num_items = 2};
+    CHECK_EQ(kvx_fetch3(h.g.c, &b), KVX_ERR_MISMATCH);
+    CHECK_EQ(fo[0].code, 0);
+    CHECK_EQ(fo[1].code, KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(fo[1].message, "fetch.groups: 0 other block tables");
+    wait_event(h.g.c, 310, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(h.c[0].c, 310, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(h.c[1].c, 310, KVX_EVENT_COMPLETE, 0, 3000);
+    hybrid_landed(&h, 310);
+    kvx_context_params_free(&p[0]);
+    kvx_context_params_free(&p[1]);
+    hybrid_close(&h);
+    daemon_healthy(d);
 }
