@@ -27,6 +27,13 @@ CFLAGS   += $(OPT) -g -std=gnu11 -Wall -Wextra -Werror -fPIC $(SAN) \
 LDFLAGS  += $(SAN)
 LIBS     := $(PKG_LIBS) -lpthread
 
+# kvxfer-bench: main, its options table, ranks, daemons, baselines,
+# layer-wise and report (tools/bench.h)
+BENCH_SRC := tools/bench.c tools/bench_opts.c tools/bench_verify.c \
+             tools/bench_rank.c tools/bench_daemon.c tools/bench_baseline.c \
+             tools/bench_layerwise.c tools/bench_report.c
+BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(BENCH_SRC))
+
 # CUDA: with nvcc on PATH (or NVCC=...), the daemon gets the GPU data
 # plane (kernels for sm_80, sm_90, sm_100 + PTX, CUDA runtime linked
 # statically); CUDA=0 forces a host-only build.
@@ -45,7 +52,7 @@ NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC,-fno-threadsafe-statics \
              -gencode arch=compute_100,code=compute_100
 $(BUILD)/obj/daemon/copy/gpu.o: CFLAGS += -I$(CUDA_HOME)/include \
              -DKVX_CUDA_VERSION='"$(CUDA_VER)"'
-$(BUILD)/obj/tools/bench.o: CFLAGS += -DKVX_CUDA
+$(BENCH_OBJ): CFLAGS += -DKVX_CUDA
 BENCH_GPU_OBJ := $(BUILD)/obj/tools/bench_gpu.o
 else
 BENCH_GPU_OBJ :=
@@ -55,20 +62,27 @@ CUDA_LIBS :=
 endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
-COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c
+COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c \
+            common/why.c
 CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
             client/verbs.c client/compat.c client/abi2.c \
             client/json.c client/reconnect.c
 DAEMON   := $(COMMON) \
-            daemon/core/log.c daemon/core/conf.c daemon/core/notify.c \
-            daemon/core/daemon.c daemon/core/fault.c \
-            daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c daemon/net/peer.c \
+            daemon/core/log.c daemon/core/conf.c daemon/core/conf_keys.c \
+            daemon/core/notify.c daemon/core/daemon.c daemon/core/fault.c \
+            daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c \
+            daemon/net/peer.c daemon/net/peer_auth.c daemon/net/peer_addr.c \
+            daemon/net/peer_handshake.c daemon/net/peer_init.c \
+            daemon/net/peer_status.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
             daemon/copy/gpu_desc.c \
-            daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/xfer_list.c \
+            daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/params.c \
+            daemon/xfer/offer.c daemon/xfer/fetch.c daemon/xfer/sched.c \
+            daemon/xfer/end.c daemon/xfer/xfer_list.c \
             daemon/xfer/batch.c daemon/agree/agree.c \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
-            daemon/local/session.c daemon/local/server.c daemon/local/stats.c \
+            daemon/local/session.c daemon/local/session_conn.c \
+            daemon/local/server.c daemon/local/stats.c \
             $(GPU_SRC)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
@@ -163,7 +177,7 @@ $(BUILD)/kvxferd: $(DAEMON_OBJ) $(BUILD)/obj/daemon/main.o
 $(BUILD)/kvxferctl: $(BUILD)/obj/tools/kvxferctl.o $(BUILD)/obj/daemon/copy/plan.o $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/kvxfer-bench: $(BUILD)/obj/tools/bench.o $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
+$(BUILD)/kvxfer-bench: $(BENCH_OBJ) $(BENCH_GPU_OBJ) $(BUILD)/libkvxfer.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) -lm $(CUDA_LIBS)
 
 # kill -9 of the daemon under two ranks, 20 times: socket ready to a
@@ -179,7 +193,7 @@ restart-bench: all $(BUILD)/restart_bench
 # (kvxfer.h's KVX_API_2X; the tests reach the 3.0 calls as kvx_publish3
 # and kvx_fetch3)
 API_2X := -DKVX_API_2X
-$(BUILD)/obj/tools/bench.o: private CFLAGS += $(API_2X)
+$(BENCH_OBJ): private CFLAGS += $(API_2X)
 $(ITEST) $(BUILD)/tests/gpu: private CFLAGS += $(API_2X)
 
 # Unit tests include the module's .c (to reach statics) and link the rest

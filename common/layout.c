@@ -246,13 +246,6 @@ int kvx_layout_split(kvx_layout_t *l, uint32_t per, kvx_layout_part_t *parts,
     return 0;
 }
 
-#define WHY(...)                                                               \
-    do {                                                                       \
-        snprintf(why, why_len, __VA_ARGS__);                                   \
-        rc = KVX_ERR_LAYOUT;                                                   \
-        goto out;                                                              \
-    } while (0)
-
 /* Can no two rows of the grid d[0, n) (a row: elem contiguous bytes)
  * alias? With the dimensions sorted by stride, each stride
  * must clear everything the smaller ones span. 0, or the offending
@@ -330,53 +323,69 @@ static int two_level(const struct place *pl, uint32_t n, struct dim *kv,
 }
 
 int kvx__layout_check(const kvx_layout_t *l, const uint64_t *region_size,
-                      uint32_t nregions, char *why, size_t why_len)
+                      uint32_t nregions, kvx_why_t *why)
 {
     int rc = 0;
-    struct place *pl = NULL;
+    struct place *pl;
     if (l->num_layers < 1 || l->num_layers > KVX_MAX_LAYERS)
-        WHY("layout.num_layers: %u out of range (expected 1..%u)",
-            l->num_layers, KVX_MAX_LAYERS);
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.num_layers: %u out of range (expected 1..%u)",
+                        l->num_layers, KVX_MAX_LAYERS);
     if (l->kv_factor < 1 || l->kv_factor > 2)
-        WHY("layout.kv_factor: %u out of range (expected 1 or 2)",
-            l->kv_factor);
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.kv_factor: %u out of range (expected 1 or 2)",
+                        l->kv_factor);
     if (l->num_heads < 1 || l->num_heads > 4096)
-        WHY("layout.num_heads: %u out of range (expected 1..4096)",
-            l->num_heads);
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.num_heads: %u out of range (expected 1..4096)",
+                        l->num_heads);
     if (l->head_dim < 1 || l->head_dim > 65536)
-        WHY("layout.head_dim: %u out of range (expected 1..65536)",
-            l->head_dim);
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.head_dim: %u out of range (expected 1..65536)",
+                        l->head_dim);
     if (l->elem_size != 1 && l->elem_size != 2 && l->elem_size != 4 &&
         l->elem_size != 8)
-        WHY("layout.elem_size: %u invalid (expected 1, 2, 4 or 8)",
-            l->elem_size);
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.elem_size: %u invalid (expected 1, 2, 4 or 8)",
+                        l->elem_size);
     if (l->dtype != KVX_DTYPE_UNSPECIFIED &&
         kvx_dtype_size(l->dtype) != l->elem_size)
-        WHY("layout.elem_size: %u does not match dtype %s (%u bytes)",
+        return why_fail(
+            why, KVX_ERR_LAYOUT,
+            "layout.elem_size: %u does not match dtype %s (%u bytes)",
             l->elem_size, kvx_dtype_name(l->dtype), kvx_dtype_size(l->dtype));
     if ((unsigned)l->dtype > KVX_DTYPE_INT8)
-        WHY("layout.dtype: unknown value %u", (unsigned)l->dtype);
+        return why_fail(why, KVX_ERR_LAYOUT, "layout.dtype: unknown value %u",
+                        (unsigned)l->dtype);
     if (l->tokens_per_block < 1 || l->tokens_per_block > 65536)
-        WHY("layout.tokens_per_block: %u out of range (expected 1..65536)",
+        return why_fail(
+            why, KVX_ERR_LAYOUT,
+            "layout.tokens_per_block: %u out of range (expected 1..65536)",
             l->tokens_per_block);
     if (l->num_blocks < 1)
-        WHY("layout.num_blocks: 0 (expected at least 1)");
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.num_blocks: 0 (expected at least 1)");
     if (nregions < 1 || nregions > KVX_MAX_REGIONS)
-        WHY("register_pool.regions: %u regions (expected 1..%u)", nregions,
-            KVX_MAX_REGIONS);
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "register_pool.regions: %u regions (expected 1..%u)",
+                        nregions, KVX_MAX_REGIONS);
     uint32_t K = l->kv_factor, P = l->num_layers * K;
     if (l->parts && l->num_parts != P)
-        WHY("layout.parts: %u entries for num_layers %u x kv_factor %u "
+        return why_fail(
+            why, KVX_ERR_LAYOUT,
+            "layout.parts: %u entries for num_layers %u x kv_factor %u "
             "(expected %u)",
             l->num_parts, l->num_layers, K, P);
     if (!l->parts && nregions != 1)
-        WHY("layout.parts: none (the layout is one region), but the pool "
+        return why_fail(
+            why, KVX_ERR_LAYOUT,
+            "layout.parts: none (the layout is one region), but the pool "
             "has %u regions",
             nregions);
 
     uint64_t ps = kvx__layout_part_span(l);
     if (!ps)
-        WHY("layout: size overflows 64 bits");
+        return why_fail(why, KVX_ERR_LAYOUT, "layout: size overflows 64 bits");
     static const char *const dname[] = {"block_stride", "token_stride",
                                         "head_stride", "kv_stride",
                                         "layer_stride"};
@@ -388,45 +397,62 @@ int kvx__layout_check(const kvx_layout_t *l, const uint64_t *region_size,
         {l->parts ? 1 : l->num_layers, l->layer_stride}};
     for (int i = 0; i < 5; i++)
         if (inner[i].count > 1 && inner[i].stride == 0)
-            WHY("layout.%s: 0 with %llu elements along it", dname[i],
-                (unsigned long long)inner[i].count);
+            return why_fail(why, KVX_ERR_LAYOUT,
+                            "layout.%s: 0 with %llu elements along it",
+                            dname[i], (unsigned long long)inner[i].count);
 
     /* every part inside its region */
     pl = malloc(P * sizeof(*pl));
     if (!pl)
-        WHY("layout: out of memory");
+        return why_fail(why, KVX_ERR_LAYOUT, "layout: out of memory");
     for (uint32_t i = 0; i < P; i++) {
         uint32_t a = i / K, k = i % K, r;
         uint64_t o, e;
         if (l->parts) {
             o = l->parts[i].offset;
             r = l->parts[i].region;
-            if (r >= nregions)
-                WHY("layout.parts[%u]: layer %u kv %u in region %u, but the "
+            if (r >= nregions) {
+                rc = why_fail(
+                    why, KVX_ERR_LAYOUT,
+                    "layout.parts[%u]: layer %u kv %u in region %u, but the "
                     "pool has %u regions",
                     i, a, k, r, nregions);
+                goto out;
+            }
         } else {
             uint64_t x, y;
             r = 0;
             if (__builtin_mul_overflow((uint64_t)a, l->layer_stride, &x) ||
                 __builtin_mul_overflow((uint64_t)k, l->kv_stride, &y) ||
-                __builtin_add_overflow(x, y, &o))
-                WHY("layout: layer %u kv %u: its offset overflows 64 bits", a,
+                __builtin_add_overflow(x, y, &o)) {
+                rc = why_fail(
+                    why, KVX_ERR_LAYOUT,
+                    "layout: layer %u kv %u: its offset overflows 64 bits", a,
                     k);
+                goto out;
+            }
         }
         if (__builtin_add_overflow(o, ps, &e)) {
             if (l->parts)
-                WHY("layout.parts[%u]: layer %u kv %u: offset %llu "
-                    "overflows",
-                    i, a, k, (unsigned long long)o);
-            WHY("layout: layer %u kv %u: offset %llu overflows", a, k,
-                (unsigned long long)o);
+                rc = why_fail(why, KVX_ERR_LAYOUT,
+                              "layout.parts[%u]: layer %u kv %u: offset %llu "
+                              "overflows",
+                              i, a, k, (unsigned long long)o);
+            else
+                rc = why_fail(why, KVX_ERR_LAYOUT,
+                              "layout: layer %u kv %u: offset %llu overflows",
+                              a, k, (unsigned long long)o);
+            goto out;
         }
-        if (e > region_size[r])
-            WHY("layout: layer %u kv %u ends at byte %llu of region %u, past "
+        if (e > region_size[r]) {
+            rc = why_fail(
+                why, KVX_ERR_LAYOUT,
+                "layout: layer %u kv %u ends at byte %llu of region %u, past "
                 "its %llu bytes",
                 a, k, (unsigned long long)e, r,
                 (unsigned long long)region_size[r]);
+            goto out;
+        }
         pl[i] = (struct place){r, i, o};
     }
 
@@ -439,10 +465,13 @@ int kvx__layout_check(const kvx_layout_t *l, const uint64_t *region_size,
     qsort(pl, P, sizeof(*pl), place_cmp);
     for (uint32_t i = 0, expect = 0; i < P; i++) {
         if (pl[i].region != expect) {
-            if (pl[i].region > expect)
-                WHY("register_pool.regions[%u]: holds no part of the "
-                    "layout",
-                    expect);
+            if (pl[i].region > expect) {
+                rc = why_fail(why, KVX_ERR_LAYOUT,
+                              "register_pool.regions[%u]: holds no part of the "
+                              "layout",
+                              expect);
+                goto out;
+            }
             continue;
         }
         /* the group of region `expect`: [i, j) */
@@ -457,24 +486,36 @@ int kvx__layout_check(const kvx_layout_t *l, const uint64_t *region_size,
                            inner[3], inner[4], {even ? j - i : 1, step}};
         int grid = l->parts && !even && K == 2 &&
                    two_level(pl + i, j - i, &d[3], &d[4]);
-        if (grid_disjoint(d, 6, (uint64_t)l->head_dim * l->elem_size, &bs, &be))
-            WHY("layout: strides make elements overlap in region %u (a "
+        if (grid_disjoint(d, 6, (uint64_t)l->head_dim * l->elem_size, &bs,
+                          &be)) {
+            rc = why_fail(
+                why, KVX_ERR_LAYOUT,
+                "layout: strides make elements overlap in region %u (a "
                 "stride of %llu is inside the %llu bytes the smaller "
                 "dimensions span)",
                 expect, (unsigned long long)bs, (unsigned long long)be);
+            goto out;
+        }
         for (uint32_t q = i + 1; l->parts && !even && !grid && q < j; q++)
-            if (pl[q].offset < pl[q - 1].offset + ps)
-                WHY("layout.parts: layer %u kv %u overlaps layer %u kv %u in "
+            if (pl[q].offset < pl[q - 1].offset + ps) {
+                rc = why_fail(
+                    why, KVX_ERR_LAYOUT,
+                    "layout.parts: layer %u kv %u overlaps layer %u kv %u in "
                     "region %u at byte %llu",
                     pl[q].index / K, pl[q].index % K, pl[q - 1].index / K,
                     pl[q - 1].index % K, expect,
                     (unsigned long long)pl[q].offset);
+                goto out;
+            }
         expect++;
         i = j - 1;
     }
-    if (pl[P - 1].region + 1 < nregions)
-        WHY("register_pool.regions[%u]: holds no part of the layout",
-            pl[P - 1].region + 1);
+    if (pl[P - 1].region + 1 < nregions) {
+        rc = why_fail(why, KVX_ERR_LAYOUT,
+                      "register_pool.regions[%u]: holds no part of the layout",
+                      pl[P - 1].region + 1);
+        goto out;
+    }
 out:
     free(pl);
     return rc;

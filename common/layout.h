@@ -9,6 +9,7 @@
 #include <stddef.h>
 
 #include "kvxfer.h"
+#include "why.h"
 
 /* Part (layer, kv) of l: its byte offset in its region, *region which.
  * The one place that reads parts[] or the layer and kv strides, so every
@@ -40,6 +41,6 @@ uint64_t kvx__layout_part_span(const kvx_layout_t *l);
  * why naming the field (the part's layer, kv and region).
  */
 int kvx__layout_check(const kvx_layout_t *layout, const uint64_t *region_size,
-                      uint32_t nregions, char *why, size_t why_len);
+                      uint32_t nregions, kvx_why_t *why);
 
 #endif /* KVX_LAYOUT_H */

@@ -8,13 +8,12 @@
 #include "reqkey.h"
 
 int reqkey_set(reqkey_t *k, const void *data, size_t len, const char *field,
-               char *why, size_t why_len)
+               kvx_why_t *why)
 {
-    if (len == 0 || len > KVX_MAX_KEY) {
-        snprintf(why, why_len, "%s: %zu bytes (a key is 1 to %u bytes)", field,
-                 len, KVX_MAX_KEY);
-        return KVX_ERR_INVALID;
-    }
+    if (len == 0 || len > KVX_MAX_KEY)
+        return why_fail(why, KVX_ERR_INVALID,
+                        "%s: %zu bytes (a key is 1 to %u bytes)", field, len,
+                        KVX_MAX_KEY);
     k->len = (uint32_t)len;
     memcpy(k->b, data, len);
     return 0;

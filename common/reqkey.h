@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "kvxfer.h"
+#include "why.h"
 
 typedef struct reqkey {
     uint32_t len;
@@ -26,7 +27,7 @@ typedef struct reqkey {
 /* *k from bytes: 0, or KVX_ERR_INVALID with why naming field (empty, or
  * over KVX_MAX_KEY). */
 int reqkey_set(reqkey_t *k, const void *data, size_t len, const char *field,
-               char *why, size_t why_len);
+               kvx_why_t *why);
 /* The key of request n: its decimal digits. */
 void reqkey_from_u64(reqkey_t *k, uint64_t n);
 /* n when the key is the decimal digits of n (no sign, no leading zero),

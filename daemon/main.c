@@ -240,26 +240,24 @@ static void close_walk(uv_handle_t *h, void *arg)
 /* Plans are charged to the daemon's memory budget (limits.memory_bytes)
  * as they are built, and to the uid of the fetch they serve once it owns
  * them (plan_own()). */
-static int plan_charge(uint64_t bytes, char *why, size_t why_len)
+static int plan_charge(uint64_t bytes, kvx_why_t *why)
 {
     if (!kvxd_mem_charge(MEM_PLANS, bytes))
         return 0;
     char w[200];
     kvxd_mem_why(KVXD_UID_NONE, bytes, w, sizeof(w));
-    snprintf(why, why_len, "plan: its %llu bytes %s", (unsigned long long)bytes,
-             w);
-    return KVX_ERR_LIMIT;
+    return why_fail(why, KVX_ERR_LIMIT, "plan: its %llu bytes %s",
+                    (unsigned long long)bytes, w);
 }
 
-static int plan_own_uid(uint32_t uid, uint64_t bytes, char *why, size_t why_len)
+static int plan_own_uid(uint32_t uid, uint64_t bytes, kvx_why_t *why)
 {
     if (!kvxd_mem_claim_uid(MEM_PLANS, uid, bytes))
         return 0;
     char w[200];
     kvxd_mem_why(uid, bytes, w, sizeof(w));
-    snprintf(why, why_len, "plan: its %llu bytes %s", (unsigned long long)bytes,
-             w);
-    return KVX_ERR_LIMIT;
+    return why_fail(why, KVX_ERR_LIMIT, "plan: its %llu bytes %s",
+                    (unsigned long long)bytes, w);
 }
 
 static void plan_release(uint32_t uid, uint64_t bytes)
@@ -350,7 +348,7 @@ int main(int argc, char **argv)
         (void)setrlimit(RLIMIT_NOFILE, &nofile);
     }
     char fwhy[256];
-    if (fault_init(fwhy, sizeof(fwhy))) {
+    if (fault_init(KVX_WHY(fwhy))) {
         fprintf(stderr, "kvxferd: %s\n", fwhy);
         return 2;
     }
@@ -386,7 +384,7 @@ int main(int argc, char **argv)
         goto err_copy;
     char why[512];
     /* net first; the layers above register with what is below them */
-    if (peer_init(why, sizeof(why)) || remote_init(why, sizeof(why)) ||
+    if (peer_init(KVX_WHY(why)) || remote_init(why, sizeof(why)) ||
         agree_init()) {
         log_error("%s", why);
         goto err_server;

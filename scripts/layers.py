@@ -5,8 +5,11 @@ its files has no cycle, and no file reaches a layer above its own.
     scripts/layers.py [-v]      (-v: print every file's edges)
 
 A file's module is its name without extension (xfer_remote.h belongs to
-xfer, gpu_desc.h and gpu_walk.h to gpu). An edge a -> b is an #include of
-b's header or a call of a function b defines. main.c (the table of
+xfer, gpu_desc.h and gpu_walk.h to gpu, and so do xfer's request files,
+ALIAS), and a file <module>_<part> beside <module>.c or <module>.h
+belongs to that module (conf_keys.c to conf). An edge a -> b is an
+#include of b's header or a call of a
+function b defines. main.c (the table of
 contents, daemon/main.c) stands above the layers and may reach every one.
 The includes tell the truth too: a header of another folder is named with
 its folder ("net/peer.h", "common/list.h"), a header of the file's own
@@ -23,12 +26,27 @@ ORDER = ["core", "net", "copy", "xfer", "agree", "remote", "local", "main"]
 RANK = {"core": 0, "net": 1, "copy": 2, "xfer": 3, "agree": 4, "remote": 4,
         "local": 5, "main": 6}
 PUBLIC = ("kvxfer.h", "kvxfer.pb-c.h")
-ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu"}
+# xfer's request files are one module (one state machine: a request's
+# publish, fetch, schedule and end call each other), split for reading
+ALIAS = {"xfer_remote": "xfer", "gpu_desc": "gpu", "gpu_walk": "gpu",
+         "xfer_int": "xfer", "offer": "xfer", "fetch": "xfer",
+         "sched": "xfer", "end": "xfer", "params": "xfer"}
+# peer is one module in several files (daemon/net/peer_int.h)
+ALIAS.update({"peer_" + s: "peer" for s in
+              ("int", "auth", "addr", "handshake", "init", "status")})
 
 
 def module(path):
-    return ALIAS.get(os.path.basename(path).rsplit(".", 1)[0],
-                     os.path.basename(path).rsplit(".", 1)[0])
+    name = os.path.basename(path).rsplit(".", 1)[0]
+    if name in ALIAS:
+        return ALIAS[name]
+    # a file <module>_<part> beside <module>.c or .h is a room of that
+    # module (conf_keys.c, conf_int.h of conf)
+    head, folder = name.split("_", 1)[0], os.path.dirname(path)
+    if head != name and any(os.path.exists(os.path.join(folder, head + e))
+                            for e in (".c", ".h")):
+        return head
+    return name
 
 
 def strip(text):
@@ -74,8 +92,9 @@ def main():
     edges, why = collections.defaultdict(set), collections.defaultdict(set)
     for f in sources + headers:
         a, text = module(f), strip(open(f).read())
-        for inc in re.findall(r'#include "(?:\w+/)?(\w+)\.h"', text):
-            b = ALIAS.get(inc, inc)
+        for inc in re.findall(r'#include "((?:\w+/)?\w+\.h)"', text):
+            b = module(os.path.join("daemon", inc) if "/" in inc else
+                       os.path.join(os.path.dirname(f), inc))
             if b in layer and b != a:
                 edges[a].add(b)
                 why[a, b].add("#include")

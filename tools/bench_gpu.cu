@@ -21,6 +21,10 @@ struct lay {
     const uint32_t *ids;  /* the request's pool blocks; NULL: block0 on */
     uint64_t block_stride, token_stride, head_stride;
     uint32_t layers, kv, heads, tpb, rowbytes;
+    /* the rows: bgpu_rows_t's, and whether to check or write them */
+    uint64_t r;
+    uint32_t block0, nblocks, head0, layer0, tok_from, tok_to;
+    int check;
 };
 
 static int set_err(char *err, size_t len, const char *what, cudaError_t e)
@@ -157,13 +161,9 @@ extern "C" int bgpu_copy_to_host(int dev, void *dst, const void *src,
 }
 
 /* One thread per row of (block, layer, kv, token, head). */
-__global__ void pat_kernel(struct lay L, uint64_t r,
-                           uint32_t block0, uint32_t nblocks, uint32_t head0,
-                           uint32_t layer0, uint32_t tok_from,
-                           uint32_t tok_to, int check,
-                           unsigned long long *bad)
+__global__ void pat_kernel(struct lay L, unsigned long long *bad)
 {
-    uint64_t rows = (uint64_t)nblocks * L.layers * L.kv * L.tpb * L.heads;
+    uint64_t rows = (uint64_t)L.nblocks * L.layers * L.kv * L.tpb * L.heads;
     unsigned long long mine = 0;
     for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
          i < rows; i += (uint64_t)gridDim.x * blockDim.x) {
@@ -176,14 +176,14 @@ __global__ void pat_kernel(struct lay L, uint64_t r,
         uint32_t l = x % L.layers;
         uint32_t b = (uint32_t)(x / L.layers);
         uint32_t gt = b * L.tpb + t;
-        if (gt < tok_from || gt >= tok_to)
+        if (gt < L.tok_from || gt >= L.tok_to)
             continue;
-        uint32_t blk = L.ids ? L.ids[b] : block0 + b;
+        uint32_t blk = L.ids ? L.ids[b] : L.block0 + b;
         uint8_t *row = (uint8_t *)(uintptr_t)L.part[l * L.kv + kv] +
                        (uint64_t)blk * L.block_stride + t * L.token_stride +
                        h * L.head_stride;
-        uint64_t seed = pat_seed(r, layer0 + l, kv, gt, head0 + h);
-        if (!check) {
+        uint64_t seed = pat_seed(L.r, L.layer0 + l, kv, gt, L.head0 + h);
+        if (!L.check) {
             if ((L.rowbytes & 7) == 0 && ((uintptr_t)row & 7) == 0)
                 for (uint32_t k = 0; k < L.rowbytes; k += 8)
                     *(uint64_t *)(row + k) = pat_word(seed, k);
@@ -206,13 +206,11 @@ __global__ void pat_kernel(struct lay L, uint64_t r,
         atomicAdd(bad, mine);
 }
 
-static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
-                       uint64_t r, const uint32_t *ids, uint32_t block0,
-                       uint32_t nblocks, uint32_t head0, uint32_t layer0,
-                       uint32_t tok_from, uint32_t tok_to, int check,
-                       uint64_t *bad)
+/* Write (check 0) or check the rows; *bad: the mismatched ones. */
+static int run_pattern(const bgpu_rows_t *rows, int check, uint64_t *bad)
 {
-    cudaSetDevice(dev);
+    const kvx_layout_t *l = rows->layout;
+    cudaSetDevice(rows->dev);
     struct lay L;
     uint64_t *lo;
     uint32_t *dids = NULL;
@@ -224,7 +222,7 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
     for (uint32_t a = 0; a < l->num_layers; a++)
         for (uint32_t k = 0; k < l->kv_factor; k++)
             hp[a * l->kv_factor + k] =
-                (uintptr_t)regions[kvx_layout_region(l, a, k)] +
+                (uintptr_t)rows->regions[kvx_layout_region(l, a, k)] +
                 kvx_layout_offset(l, a, k, 0, 0, 0);
     if (cudaMalloc(&lo, np * 8) || cudaMalloc(&dbad, sizeof(*dbad))) {
         free(hp);
@@ -232,9 +230,10 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
     }
     cudaMemcpy(lo, hp, np * 8, cudaMemcpyHostToDevice);
     free(hp);
-    if (ids && (cudaMalloc(&dids, (size_t)nblocks * sizeof(uint32_t)) ||
-                cudaMemcpy(dids, ids, (size_t)nblocks * sizeof(uint32_t),
-                           cudaMemcpyHostToDevice))) {
+    size_t idlen = (size_t)rows->nblocks * sizeof(uint32_t);
+    if (rows->ids &&
+        (cudaMalloc(&dids, idlen) ||
+         cudaMemcpy(dids, rows->ids, idlen, cudaMemcpyHostToDevice))) {
         cudaFree(lo);
         cudaFree(dbad);
         return -1;
@@ -250,8 +249,15 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
     L.heads = l->num_heads;
     L.tpb = l->tokens_per_block;
     L.rowbytes = l->head_dim * l->elem_size;
-    pat_kernel<<<1024, 256>>>(L, r, block0, nblocks, head0,
-                              layer0, tok_from, tok_to, check, dbad);
+    L.r = rows->request;
+    L.block0 = rows->ids ? 0 : rows->block0;
+    L.nblocks = rows->nblocks;
+    L.head0 = rows->head0;
+    L.layer0 = rows->layer0;
+    L.tok_from = check ? rows->tok_from : 0;
+    L.tok_to = check ? rows->tok_to : UINT32_MAX;
+    L.check = check;
+    pat_kernel<<<1024, 256>>>(L, dbad);
     unsigned long long hb = 0;
     cudaError_t e = cudaMemcpy(&hb, dbad, sizeof(hb), cudaMemcpyDeviceToHost);
     cudaFree(lo);
@@ -262,45 +268,15 @@ static int run_pattern(int dev, const kvx_layout_t *l, void *const *regions,
     return e == cudaSuccess ? 0 : -1;
 }
 
-extern "C" int bgpu_fill(int dev, const kvx_layout_t *l, void *const *regions,
-                         uint64_t r, uint32_t block0, uint32_t nblocks,
-                         uint32_t head0, uint32_t layer0)
+extern "C" int bgpu_fill(const bgpu_rows_t *rows)
 {
-    return run_pattern(dev, l, regions, r, NULL, block0, nblocks, head0, layer0,
-                       0, UINT32_MAX, 0, NULL);
+    return run_pattern(rows, 0, NULL);
 }
 
-extern "C" int64_t bgpu_check(int dev, const kvx_layout_t *l,
-                              void *const *regions,
-                              uint64_t r, uint32_t block0, uint32_t nblocks,
-                              uint32_t head0, uint32_t layer0,
-                              uint32_t tok_from, uint32_t tok_to)
+extern "C" int64_t bgpu_check(const bgpu_rows_t *rows)
 {
     uint64_t bad = 0;
-    if (run_pattern(dev, l, regions, r, NULL, block0, nblocks, head0, layer0,
-                    tok_from, tok_to, 1, &bad))
-        return -1;
-    return (int64_t)bad;
-}
-
-extern "C" int bgpu_fill_ids(int dev, const kvx_layout_t *l,
-                             void *const *regions, uint64_t r,
-                             const uint32_t *ids, uint32_t nblocks,
-                             uint32_t head0, uint32_t layer0)
-{
-    return run_pattern(dev, l, regions, r, ids, 0, nblocks, head0, layer0, 0,
-                       UINT32_MAX, 0, NULL);
-}
-
-extern "C" int64_t bgpu_check_ids(int dev, const kvx_layout_t *l,
-                                  void *const *regions, uint64_t r,
-                                  const uint32_t *ids, uint32_t nblocks,
-                                  uint32_t head0, uint32_t layer0,
-                                  uint32_t tok_from, uint32_t tok_to)
-{
-    uint64_t bad = 0;
-    if (run_pattern(dev, l, regions, r, ids, 0, nblocks, head0, layer0,
-                    tok_from, tok_to, 1, &bad))
+    if (run_pattern(rows, 1, &bad))
         return -1;
     return (int64_t)bad;
 }

@@ -21,26 +21,26 @@ int bgpu_alloc(int dev, uint64_t size, int vmm, uint64_t chunk, void **ptr,
                char *err, size_t len);
 int bgpu_memset(int dev, void *p, int v, uint64_t n);
 int bgpu_copy_to_host(int dev, void *dst, const void *src, uint64_t n);
-/* Write / check the reference rows of request r in blocks
- * [block0, block0 + nblocks) of a pool with layout l on device dev, its
- * regions starting at regions[0, kvx_layout_num_regions(l)).
- * Check returns mismatched rows among tokens [tok_from, tok_to), or -1. */
-int bgpu_fill(int dev, const kvx_layout_t *l, void *const *regions, uint64_t r,
-              uint32_t block0, uint32_t nblocks, uint32_t head0,
-              uint32_t layer0);
-int64_t bgpu_check(int dev, const kvx_layout_t *l, void *const *regions,
-                   uint64_t r, uint32_t block0, uint32_t nblocks,
-                   uint32_t head0, uint32_t layer0, uint32_t tok_from,
-                   uint32_t tok_to);
-/* The same over the pool blocks ids[0, nblocks), in any order
- * (kvxfer-bench --shuffle). */
-int bgpu_fill_ids(int dev, const kvx_layout_t *l, void *const *regions,
-                  uint64_t r, const uint32_t *ids, uint32_t nblocks,
-                  uint32_t head0, uint32_t layer0);
-int64_t bgpu_check_ids(int dev, const kvx_layout_t *l, void *const *regions,
-                       uint64_t r, const uint32_t *ids, uint32_t nblocks,
-                       uint32_t head0, uint32_t layer0, uint32_t tok_from,
-                       uint32_t tok_to);
+/* The reference rows of request `request` in a pool with layout `layout`
+ * on device dev, its regions starting at regions[0,
+ * kvx_layout_num_regions(layout)): in the pool blocks ids[0, nblocks), in
+ * any order (kvxfer-bench --shuffle), or without ids in blocks [block0,
+ * block0 + nblocks). head0 and layer0 are the pool's first global head
+ * and layer. */
+typedef struct bgpu_rows {
+    int dev;
+    const kvx_layout_t *layout;
+    void *const *regions;
+    uint64_t request;
+    const uint32_t *ids; /* NULL: blocks from block0 on */
+    uint32_t block0, nblocks;
+    uint32_t head0, layer0;
+    uint32_t tok_from, tok_to; /* bgpu_check: tokens [tok_from, tok_to) */
+} bgpu_rows_t;
+/* Write the rows of every token (tok_from and tok_to are not read). */
+int bgpu_fill(const bgpu_rows_t *rows);
+/* The mismatched rows among tokens [tok_from, tok_to), or -1. */
+int64_t bgpu_check(const bgpu_rows_t *rows);
 /* cudaMemcpyPeer of bytes (one contiguous copy, repeated past 8 GiB). */
 double bgpu_peer_gbps(int src, int dst, uint64_t bytes);
 /* Copies of bytes between pinned host memory and a device (buffers of at

@@ -111,23 +111,9 @@ static int print_json(kvx_client_t *c, const char *what,
     return rc ? 1 : 0;
 }
 
-static int cmd_status(const char *sock, int json)
+/* status: the peer section (UCX, slot times, each peer). */
+static void status_peers(const Kvxfer__StatusReply *s)
 {
-    kvx_client_t *c = open_daemon(sock);
-    int rc;
-    if (json)
-        return print_json(c, "status", kvx_status_json);
-    Kvxfer__Reply *r;
-    if ((rc = kvx__status_get(c, &r, TIMEOUT_MS)))
-        goto fail;
-    const Kvxfer__StatusReply *s = r->status_reply;
-    char b1[32];
-    printf("kvxferd %s (%s), up %llu.%03llu s\n", s->version, s->build,
-           (unsigned long long)(s->uptime_ms / 1000),
-           (unsigned long long)(s->uptime_ms % 1000));
-    printf("address        %s\n", s->daemon_address);
-    printf("copy threads   %u\n", s->worker_threads);
-    printf("gpu            %s\n", s->gpu[0] ? s->gpu : "-");
     if (s->ucx && s->ucx->listen[0])
         printf("peers          UCX %s, %s staging, %u x %llu-byte slots "
                "sent as %llu-byte messages, %u at once per peer, %u lanes, "
@@ -175,36 +161,11 @@ static int cmd_status(const char *sock, int json)
                (unsigned long long)s->peers[i]->bytes_sent,
                (unsigned long long)s->peers[i]->bytes_received,
                (unsigned long long)s->peers[i]->errors, s->peers[i]->lanes);
-    human_bytes(b1, sizeof(b1), s->bytes_moved);
-    printf("bytes moved    %s (%llu)\n", b1,
-           (unsigned long long)s->bytes_moved);
-    printf("transfers done %llu\n", (unsigned long long)s->transfers_done);
-    printf("batches sealed %llu\n", (unsigned long long)s->batches_sealed);
-    printf("batches resent %llu\n", (unsigned long long)s->batches_resent);
-    if (s->n_memory) { /* "budget", then the kinds charged */
-        uint64_t used = 0;
-        for (size_t i = 1; i < s->n_memory; i++)
-            used += s->memory[i]->value;
-        char b2[32];
-        human_bytes(b1, sizeof(b1), used);
-        human_bytes(b2, sizeof(b2), s->memory[0]->value);
-        printf("memory         %s of %s (limits.memory_bytes):", b1, b2);
-        for (size_t i = 1; i < s->n_memory; i++) {
-            human_bytes(b1, sizeof(b1), s->memory[i]->value);
-            printf(" %s %s", s->memory[i]->name, b1);
-        }
-        printf("\n");
-    }
-    printf("\nrequests by state:");
-    for (size_t i = 0; i < s->n_requests_by_state; i++)
-        printf(" %s=%llu", s->requests_by_state[i]->name,
-               (unsigned long long)s->requests_by_state[i]->value);
-    printf("\nerrors by code:   ");
-    if (!s->n_errors_by_code)
-        printf(" none");
-    for (size_t i = 0; i < s->n_errors_by_code; i++)
-        printf(" %s=%llu", s->errors_by_code[i]->name,
-               (unsigned long long)s->errors_by_code[i]->value);
+}
+
+/* status: the sessions and instances, a table each. */
+static void status_sessions(const Kvxfer__StatusReply *s)
+{
     if (s->sessions_total > s->n_sessions)
         printf("\n\nsessions (%u, the first %zu shown):\n", s->sessions_total,
                s->n_sessions);
@@ -244,6 +205,12 @@ static int cmd_status(const char *sock, int json)
                : member      ? x->root
                              : "this daemon");
     }
+}
+
+/* status: the pools, then the config in effect. */
+static void status_pools(const Kvxfer__StatusReply *s)
+{
+    char b1[32];
     if (s->pools_total > s->n_pools)
         printf("\npools (%u, the first %zu shown):\n", s->pools_total,
                s->n_pools);
@@ -262,6 +229,58 @@ static int cmd_status(const char *sock, int json)
     printf("\nconfig:\n");
     for (size_t i = 0; i < s->n_config; i++)
         printf("  %s\n", s->config[i]->name);
+}
+
+static int cmd_status(const char *sock, int json)
+{
+    kvx_client_t *c = open_daemon(sock);
+    int rc;
+    if (json)
+        return print_json(c, "status", kvx_status_json);
+    Kvxfer__Reply *r;
+    if ((rc = kvx__status_get(c, &r, TIMEOUT_MS)))
+        goto fail;
+    const Kvxfer__StatusReply *s = r->status_reply;
+    char b1[32];
+    printf("kvxferd %s (%s), up %llu.%03llu s\n", s->version, s->build,
+           (unsigned long long)(s->uptime_ms / 1000),
+           (unsigned long long)(s->uptime_ms % 1000));
+    printf("address        %s\n", s->daemon_address);
+    printf("copy threads   %u\n", s->worker_threads);
+    printf("gpu            %s\n", s->gpu[0] ? s->gpu : "-");
+    status_peers(s);
+    human_bytes(b1, sizeof(b1), s->bytes_moved);
+    printf("bytes moved    %s (%llu)\n", b1,
+           (unsigned long long)s->bytes_moved);
+    printf("transfers done %llu\n", (unsigned long long)s->transfers_done);
+    printf("batches sealed %llu\n", (unsigned long long)s->batches_sealed);
+    printf("batches resent %llu\n", (unsigned long long)s->batches_resent);
+    if (s->n_memory) { /* "budget", then the kinds charged */
+        uint64_t used = 0;
+        for (size_t i = 1; i < s->n_memory; i++)
+            used += s->memory[i]->value;
+        char b2[32];
+        human_bytes(b1, sizeof(b1), used);
+        human_bytes(b2, sizeof(b2), s->memory[0]->value);
+        printf("memory         %s of %s (limits.memory_bytes):", b1, b2);
+        for (size_t i = 1; i < s->n_memory; i++) {
+            human_bytes(b1, sizeof(b1), s->memory[i]->value);
+            printf(" %s %s", s->memory[i]->name, b1);
+        }
+        printf("\n");
+    }
+    printf("\nrequests by state:");
+    for (size_t i = 0; i < s->n_requests_by_state; i++)
+        printf(" %s=%llu", s->requests_by_state[i]->name,
+               (unsigned long long)s->requests_by_state[i]->value);
+    printf("\nerrors by code:   ");
+    if (!s->n_errors_by_code)
+        printf(" none");
+    for (size_t i = 0; i < s->n_errors_by_code; i++)
+        printf(" %s=%llu", s->errors_by_code[i]->name,
+               (unsigned long long)s->errors_by_code[i]->value);
+    status_sessions(s);
+    status_pools(s);
     kvxfer__reply__free_unpacked(r, NULL);
     kvx_close(c);
     return 0;
@@ -648,11 +667,11 @@ static int cmd_plan(int argc, char **argv)
         tokens = src.tokens_per_block * 4;
     char why[256];
     int rc;
-    if ((rc = plan_side_check(&src, why, sizeof(why)))) {
+    if ((rc = plan_side_check(&src, KVX_WHY(why)))) {
         fprintf(stderr, "kvxferctl: plan: context: %s\n", why);
         return 1;
     }
-    if ((rc = plan_side_check(&dst, why, sizeof(why)))) {
+    if ((rc = plan_side_check(&dst, KVX_WHY(why)))) {
         fprintf(stderr, "kvxferctl: plan: generation: %s\n", why);
         return 1;
     }
@@ -675,8 +694,7 @@ static int cmd_plan(int argc, char **argv)
         uint32_t er;
         if (plan_dp_view(&dst, r, &eff, &er) != 0)
             continue; /* not in group 0 */
-        if ((rc = plan_build(&src, &eff, er, tokens, skip, &p, why,
-                             sizeof(why)))) {
+        if ((rc = plan_build(&src, &eff, er, tokens, skip, &p, KVX_WHY(why)))) {
             fprintf(stderr, "kvxferctl: plan: refused: %s (%s)\n", why,
                     kvx_status_name(rc));
             return 1;

@@ -345,8 +345,9 @@ static void queue_event_aux(instance_t *inst, uint64_t request_id,
                             uint32_t aux_len)
 {
     char ks[REQKEY_STR_MAX];
-    if (batch_push(&inst->batches, request_id, key, kind, code, msg, aux,
-                   aux_len, kvxd_now_ms()))
+    if (batch_push(&inst->batches, request_id, key,
+                   &(batch_end_t){kind, code, msg, aux, aux_len},
+                   kvxd_now_ms()))
         log_error("instance %s: out of memory queueing the event of request "
                   "%s",
                   inst->id, reqkey_str(key->b, key->len, ks));
@@ -394,7 +395,7 @@ static int to_root_on(const instance_t *inst, const Kvxfer__PeerMsg *m,
                       uint64_t *on)
 {
     char why[256];
-    peer_conn_t *c = peer_connect(inst->addresses[0], why, sizeof(why));
+    peer_conn_t *c = peer_connect(inst->addresses[0], KVX_WHY(why));
     if (on)
         *on = c ? peer_conn_id(c) : 0;
     return c ? peer_send(c, m) : KVX_ERR_PEER_GONE;
@@ -427,8 +428,8 @@ static int ranks_send(peer_conn_t *c, const char *instance, uint32_t rank,
 static int announce_send(const announce_t *a)
 {
     char why[256];
-    return ranks_send(peer_connect(a->root, why, sizeof(why)), a->instance,
-                      a->rank, a->joined, a->session, 0);
+    return ranks_send(peer_connect(a->root, KVX_WHY(why)), a->instance, a->rank,
+                      a->joined, a->session, 0);
 }
 
 /* Member: tell the root that a local rank joined (again) or left, as a
@@ -821,7 +822,7 @@ int agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
                   const batch_t *b)
 {
     char why[256];
-    peer_conn_t *c = peer_connect(inst->addresses[rank], why, sizeof(why));
+    peer_conn_t *c = peer_connect(inst->addresses[rank], KVX_WHY(why));
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerBatch pb = KVXFER__PEER_BATCH__INIT;
     Kvxfer__Event *ev, **evp;
@@ -968,9 +969,8 @@ void agree_instance_ends(instance_t *inst)
             continue;
         char why[256];
         spread_t *s = spread_of(inst, 0);
-        poll_fail_send(peer_connect(inst->addresses[r], why, sizeof(why)),
-                       inst->id, r, req, s ? s->sess[r] : 0,
-                       KVX_ERR_PEER_GONE, msg, 0);
+        poll_fail_send(peer_connect(inst->addresses[r], KVX_WHY(why)), inst->id,
+                       r, req, s ? s->sess[r] : 0, KVX_ERR_PEER_GONE, msg, 0);
     }
 }
 

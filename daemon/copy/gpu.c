@@ -337,7 +337,7 @@ static int start(void)
 }
 
 /* Create the context and stream of device d on first use. */
-static int use_device(int d, char *why, size_t why_len)
+static int use_device(int d, kvx_why_t *why)
 {
     if (g.used[d])
         return 0;
@@ -351,18 +351,18 @@ static int use_device(int d, char *why, size_t why_len)
     if (!CU_OK(e = cudaSetDevice(d)) ||
         !CU_OK(e = cudaStreamCreateWithFlags(&g.stream[d],
                                              cudaStreamNonBlocking))) {
-        snprintf(why, why_len, "gpu %d: %s", d, cudaGetErrorString(e));
+        why_set(why, "gpu %d: %s", d, cudaGetErrorString(e));
         return KVX_ERR_IO;
     }
     if (!CU_OK(e = cudaStreamCreateWithFlags(&g.ustream[d],
                                              cudaStreamNonBlocking))) {
-        snprintf(why, why_len, "gpu %d: %s", d, cudaGetErrorString(e));
+        why_set(why, "gpu %d: %s", d, cudaGetErrorString(e));
         cudaStreamDestroy(g.stream[d]);
         return KVX_ERR_IO;
     }
     if (!CU_OK(e = cudaEventCreateWithFlags(&g.uploaded[d],
                                             cudaEventDisableTiming))) {
-        snprintf(why, why_len, "gpu %d: %s", d, cudaGetErrorString(e));
+        why_set(why, "gpu %d: %s", d, cudaGetErrorString(e));
         cudaStreamDestroy(g.stream[d]);
         cudaStreamDestroy(g.ustream[d]);
         return KVX_ERR_IO;
@@ -394,8 +394,7 @@ static int use_device(int d, char *why, size_t why_len)
         wt[d].inited = 1;
     }
     if (pthread_create(&wt[d].th, NULL, waiter_main, (void *)(intptr_t)d)) {
-        snprintf(why, why_len, "gpu %d: cannot start its completion thread",
-                 d);
+        why_set(why, "gpu %d: cannot start its completion thread", d);
         /* undone, so the next use starts it all again */
         cudaStreamDestroy(g.stream[d]);
         cudaStreamDestroy(g.ustream[d]);
@@ -453,33 +452,32 @@ static void vmm_unmap(gpu_import_t *imp, uint32_t n, CUdeviceptr va)
 /* Import r's physical allocations and map them back to back in one
  * reserved range, so the pool reads as one; grant access to the devices
  * that may launch on it. Sets imp->base. */
-static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d, char *why,
-                      size_t why_len)
+static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d,
+                      kvx_why_t *why)
 {
     if (!drv.import || !drv.reserve || !drv.map || !drv.set_access) {
-        snprintf(why, why_len,
-                 "register_pool.kind: the driver lacks the VMM import "
-                 "entry points");
+        why_set(why, "register_pool.kind: the driver lacks the VMM import "
+                     "entry points");
         return KVX_ERR_UNSUPPORTED;
     }
     uint32_t n = r->nfds;
     if (!n || (n > 1 && !r->chunk_sizes)) { /* session.c sends neither */
-        snprintf(why, why_len, "register_pool: a VMM pool without its fds");
+        why_set(why, "register_pool: a VMM pool without its fds");
         return KVX_ERR_INVALID;
     }
     imp->handles = calloc(n, sizeof(*imp->handles));
     imp->chunk = calloc(n, sizeof(*imp->chunk));
     if (!imp->handles || !imp->chunk) {
-        snprintf(why, why_len, "register_pool: out of memory");
+        why_set(why, "register_pool: out of memory");
         return KVX_ERR_NOMEM;
     }
     CUresult cr;
     CUdeviceptr va = 0;
     if ((cr = drv.reserve(&va, r->alloc_size, 0, 0, 0))) {
-        snprintf(why, why_len,
-                 "register_pool.alloc_size: reserving %llu bytes of address "
-                 "space failed (CUresult %d)",
-                 (unsigned long long)r->alloc_size, (int)cr);
+        why_set(why,
+                "register_pool.alloc_size: reserving %llu bytes of address "
+                "space failed (CUresult %d)",
+                (unsigned long long)r->alloc_size, (int)cr);
         return KVX_ERR_INVALID;
     }
     uint64_t off = 0;
@@ -488,19 +486,19 @@ static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d, char *why,
         imp->chunk[k] = n == 1 ? r->alloc_size : r->chunk_sizes[k];
         if ((cr = drv.import(&imp->handles[k], (void *)(uintptr_t)r->fds[k],
                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))) {
-            snprintf(why, why_len,
-                     "register_pool: cuMemImportFromShareableHandle of "
-                     "allocation %u of %u failed (CUresult %d)",
-                     k, n, (int)cr);
+            why_set(why,
+                    "register_pool: cuMemImportFromShareableHandle of "
+                    "allocation %u of %u failed (CUresult %d)",
+                    k, n, (int)cr);
             goto err_unmap;
         }
         if ((cr = drv.map(va + off, imp->chunk[k], 0, imp->handles[k], 0))) {
             drv.release(imp->handles[k]);
-            snprintf(why, why_len,
-                     "register_pool.%s: mapping %llu bytes of allocation "
-                     "%u of %u failed (CUresult %d)",
-                     n == 1 ? "alloc_size" : "chunk_sizes",
-                     (unsigned long long)imp->chunk[k], k, n, (int)cr);
+            why_set(why,
+                    "register_pool.%s: mapping %llu bytes of allocation "
+                    "%u of %u failed (CUresult %d)",
+                    n == 1 ? "alloc_size" : "chunk_sizes",
+                    (unsigned long long)imp->chunk[k], k, n, (int)cr);
             goto err_unmap;
         }
         off += imp->chunk[k];
@@ -521,8 +519,8 @@ static int vmm_import(gpu_import_req_t *r, gpu_import_t *imp, int d, char *why,
         cr = drv.set_access(va, r->alloc_size, acc, 1);
     }
     if (cr) {
-        snprintf(why, why_len,
-                 "register_pool: cuMemSetAccess failed (CUresult %d)", (int)cr);
+        why_set(why, "register_pool: cuMemSetAccess failed (CUresult %d)",
+                (int)cr);
         goto err_unmap;
     }
     for (size_t i = 0; i < nacc; i++)
@@ -538,27 +536,26 @@ err_unmap:
 }
 
 int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
-               int *device, char *why, size_t why_len)
+               int *device, kvx_why_t *why)
 {
     int rc;
     if ((rc = start())) {
-        snprintf(why, why_len, "register_pool: GPU pool refused: %s", g.why);
+        why_set(why, "register_pool: GPU pool refused: %s", g.why);
         goto err_close_fd;
     }
     int d = device_of(r->uuid);
     if (d < 0) {
-        snprintf(why, why_len,
-                 "register_pool.gpu_uuid: the daemon sees no GPU with this "
-                 "UUID (CUDA_VISIBLE_DEVICES of the daemon?)");
+        why_set(why, "register_pool.gpu_uuid: the daemon sees no GPU with this "
+                     "UUID (CUDA_VISIBLE_DEVICES of the daemon?)");
         rc = KVX_ERR_NOT_FOUND;
         goto err_close_fd;
     }
     if (r->offset > r->alloc_size || r->size > r->alloc_size - r->offset) {
-        snprintf(why, why_len,
-                 "register_pool.size: [%llu, +%llu) outside the allocation "
-                 "of %llu bytes",
-                 (unsigned long long)r->offset, (unsigned long long)r->size,
-                 (unsigned long long)r->alloc_size);
+        why_set(why,
+                "register_pool.size: [%llu, +%llu) outside the allocation "
+                "of %llu bytes",
+                (unsigned long long)r->offset, (unsigned long long)r->size,
+                (unsigned long long)r->alloc_size);
         rc = KVX_ERR_INVALID;
         goto err_close_fd;
     }
@@ -581,13 +578,12 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
             /* the bounds above used the size the client gave: it must be
              * the one the allocation was imported with */
             if (r->alloc_size != i->alloc_size || r->vmm != i->vmm) {
-                snprintf(why, why_len,
-                         "register_pool.alloc_size: %llu bytes (%s), but "
-                         "this allocation was imported as %llu bytes (%s)",
-                         (unsigned long long)r->alloc_size,
-                         r->vmm ? "VMM" : "IPC",
-                         (unsigned long long)i->alloc_size,
-                         i->vmm ? "VMM" : "IPC");
+                why_set(
+                    why,
+                    "register_pool.alloc_size: %llu bytes (%s), but "
+                    "this allocation was imported as %llu bytes (%s)",
+                    (unsigned long long)r->alloc_size, r->vmm ? "VMM" : "IPC",
+                    (unsigned long long)i->alloc_size, i->vmm ? "VMM" : "IPC");
                 rc = KVX_ERR_INVALID;
                 goto err_close_fd;
             }
@@ -599,11 +595,11 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
             return 0;
         }
     }
-    if ((rc = use_device(d, why, why_len)))
+    if ((rc = use_device(d, why)))
         goto err_close_fd;
     gpu_import_t *imp = calloc(1, sizeof(*imp));
     if (!imp) {
-        snprintf(why, why_len, "register_pool: out of memory");
+        why_set(why, "register_pool: out of memory");
         rc = KVX_ERR_NOMEM;
         goto err_close_fd;
     }
@@ -622,9 +618,8 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
                                              cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
-            snprintf(why, why_len,
-                     "register_pool.ipc_handle: cudaIpcOpenMemHandle: %s",
-                     cudaGetErrorString(e));
+            why_set(why, "register_pool.ipc_handle: cudaIpcOpenMemHandle: %s",
+                    cudaGetErrorString(e));
             rc = KVX_ERR_INVALID;
             goto err_free;
         }
@@ -636,10 +631,10 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
             (drv.addr_range(&ab, &asz, (CUdeviceptr)(uintptr_t)p) ||
              asz < r->alloc_size)) {
             cudaIpcCloseMemHandle(p);
-            snprintf(why, why_len,
-                     "register_pool.alloc_size: %llu bytes, but the "
-                     "allocation behind ipc_handle holds %zu",
-                     (unsigned long long)r->alloc_size, asz);
+            why_set(why,
+                    "register_pool.alloc_size: %llu bytes, but the "
+                    "allocation behind ipc_handle holds %zu",
+                    (unsigned long long)r->alloc_size, asz);
             rc = KVX_ERR_INVALID;
             goto err_free;
         }
@@ -648,7 +643,7 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
         imp->ipc = h;
         g.imports_legacy++;
     } else {
-        if ((rc = vmm_import(r, imp, d, why, why_len)))
+        if ((rc = vmm_import(r, imp, d, why)))
             goto err_free;
         g.imports_vmm++;
     }
@@ -695,7 +690,7 @@ void gpu_import_unref(gpu_import_t *imp)
 }
 
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
-                   char *why, size_t why_len)
+                   kvx_why_t *why)
 {
     if (device == imp->device) {
         *base = imp->base;
@@ -703,7 +698,7 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
     }
     if (imp->vmm) { /* one mapping; each device needs its access right */
         if (!imp->access[device]) {
-            int rc = use_device(device, why, why_len);
+            int rc = use_device(device, why);
             if (rc)
                 return rc;
             CUmemAccessDesc acc = {
@@ -713,10 +708,10 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
             CUresult cr = drv.set_access((CUdeviceptr)(uintptr_t)imp->base,
                                          imp->alloc_size, &acc, 1);
             if (cr) {
-                snprintf(why, why_len,
-                         "gpu %d cannot access a VMM pool of gpu %d "
-                         "(cuMemSetAccess: CUresult %d)",
-                         device, imp->device, (int)cr);
+                why_set(why,
+                        "gpu %d cannot access a VMM pool of gpu %d "
+                        "(cuMemSetAccess: CUresult %d)",
+                        device, imp->device, (int)cr);
                 return KVX_ERR_UNSUPPORTED;
             }
             imp->access[device] = 1;
@@ -725,7 +720,7 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
         return 0;
     }
     if (!imp->base_on[device]) {
-        int rc = use_device(device, why, why_len);
+        int rc = use_device(device, why);
         if (rc)
             return rc;
         /* a legacy IPC mapping is per context: open it again where the
@@ -736,10 +731,10 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
                                              cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
-            snprintf(why, why_len,
-                     "gpu %d: cannot map a pool of gpu %d for peer access: "
-                     "%s",
-                     device, imp->device, cudaGetErrorString(e));
+            why_set(why,
+                    "gpu %d: cannot map a pool of gpu %d for peer access: "
+                    "%s",
+                    device, imp->device, cudaGetErrorString(e));
             return KVX_ERR_UNSUPPORTED;
         }
         imp->base_on[device] = p;
@@ -819,8 +814,8 @@ static cudaError_t uploaded(int d, cudaStream_t s)
     return e;
 }
 
-int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
-                    size_t why_len)
+int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
+                    kvx_why_t *why)
 {
     int rc = KVX_ERR_NOMEM; /* or KVX_ERR_IO: a CUDA error */
     size_t cap = gpu_desc_size(p), len = 0;
@@ -828,7 +823,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     gpu_part_t *gp = calloc(1, sizeof(*gp));
     size_t *off_sblk = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
     if (!buf || !gp || !off_sblk) {
-        snprintf(why, why_len, "fetch: out of memory for the GPU plan");
+        why_set(why, "fetch: out of memory for the GPU plan");
         goto err_free;
     }
     gp->device = device;
@@ -836,14 +831,13 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
     cudaSetDevice(device);
     cudaStream_t us = upload_stream(device);
     if (!CU_OK(e = cudaMallocAsync(&gp->dmem, cap, us))) {
-        snprintf(why, why_len, "fetch: GPU plan memory: %s",
-                 cudaGetErrorString(e));
+        why_set(why, "fetch: GPU plan memory: %s", cudaGetErrorString(e));
         if (e != cudaErrorMemoryAllocation)
             rc = KVX_ERR_IO;
         goto err_free;
     }
-    if ((rc = gpu_desc_pack(p, buf, cap, (uintptr_t)gp->dmem, &gp->plan,
-                            off_sblk, &len, why, why_len)))
+    if ((rc = gpu_desc_pack(p, &(gpu_desc_buf_t){buf, cap, (uintptr_t)gp->dmem},
+                            &gp->plan, off_sblk, &len, why)))
         goto err_free_dmem;
     gp->nslices = p->nslices;
     /* from pinned memory, so the upload does not synchronize the stream;
@@ -852,10 +846,10 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
      * upload has run */
     gp->pin = pin_get(len ? len : 16);
     if (!gp->pin) {
-        snprintf(why, why_len,
-                 "fetch: no pinned memory for a %zu-byte GPU "
-                 "plan",
-                 len);
+        why_set(why,
+                "fetch: no pinned memory for a %zu-byte GPU "
+                "plan",
+                len);
         rc = KVX_ERR_NOMEM;
         goto err_free_dmem;
     }
@@ -865,8 +859,7 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
         !CU_OK(e = uploaded(device, us)) ||
         !CU_OK(e = waiter_enqueue(device, us, NULL, NULL, gp->pin))) {
         /* the upload may still read the buffer: leak it, do not reuse */
-        snprintf(why, why_len, "fetch: GPU plan upload: %s",
-                 cudaGetErrorString(e));
+        why_set(why, "fetch: GPU plan upload: %s", cudaGetErrorString(e));
         rc = KVX_ERR_IO;
         goto err_free_dmem;
     }
@@ -950,13 +943,12 @@ static uint32_t events_idle;
 static uint64_t events_tick;
 
 int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
-                     gpu_event_t **out, char *why, size_t why_len)
+                     gpu_event_t **out, kvx_why_t *why)
 {
     *out = NULL;
     if (g.state <= 0 || device < 0 || device >= g.ndev || !g.used[device]) {
-        snprintf(why, why_len,
-                 "layers_ready.cuda_event: device %d has no GPU pool here",
-                 device);
+        why_set(why, "layers_ready.cuda_event: device %d has no GPU pool here",
+                device);
         return KVX_ERR_STATE;
     }
     for (gpu_event_t *e = events; e; e = e->next)
@@ -969,7 +961,7 @@ int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
         }
     gpu_event_t *e = calloc(1, sizeof(*e));
     if (!e) {
-        snprintf(why, why_len, "layers_ready: out of memory");
+        why_set(why, "layers_ready: out of memory");
         return KVX_ERR_NOMEM;
     }
     cudaIpcEventHandle_t h;
@@ -979,12 +971,12 @@ int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
     if (ce != cudaSuccess) {
         (void)cudaGetLastError();
         free(e);
-        snprintf(why, why_len,
-                 "layers_ready.cuda_event: cudaIpcOpenEventHandle: %s (make "
-                 "the event with cudaEventInterprocess | "
-                 "cudaEventDisableTiming on the pool's GPU and send "
-                 "cudaIpcGetEventHandle's 64 bytes)",
-                 cudaGetErrorString(ce));
+        why_set(why,
+                "layers_ready.cuda_event: cudaIpcOpenEventHandle: %s (make "
+                "the event with cudaEventInterprocess | "
+                "cudaEventDisableTiming on the pool's GPU and send "
+                "cudaIpcGetEventHandle's 64 bytes)",
+                cudaGetErrorString(ce));
         return KVX_ERR_INVALID;
     }
     memcpy(e->handle, handle, 64);

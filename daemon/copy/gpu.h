@@ -59,7 +59,7 @@ typedef struct gpu_import_req {
  * (several: mapped back to back in one reserved range, as the client had
  * them) are imported from req->fds. */
 int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
-               int *device, char *why, size_t why_len);
+               int *device, kvx_why_t *why);
 void gpu_import_unref(gpu_import_t *imp);
 /* Close what is left of req's fds (an error path before gpu_import);
  * the one closer of a request's fds, in CUDA builds and host-only ones. */
@@ -71,8 +71,8 @@ static inline void gpu_import_req_close(gpu_import_req_t *req)
     req->nfds = 0;
 }
 /* The pool's base as seen from kernels launched on device. */
-int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
-                   size_t why_len);
+int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
+                   kvx_why_t *why);
 
 /* A device with a context (a GPU pool lives there), or -1 when CUDA is
  * not in use. Loop thread. */
@@ -86,7 +86,7 @@ void gpu_host_unregister(void *base);
 /* Upload plan p (bound: src/dst bases are device-visible) for execution
  * on device. */
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
-                    char *why, size_t why_len);
+                    kvx_why_t *why);
 void gpu_part_free(gpu_part_t *gp);
 /* Entries [first, first + n) of slice's source block table in gp's
  * uploaded plan (a chunked prefill appended them): written on the
@@ -117,7 +117,7 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done,
  * one handle from one client (owner: its session) are shared (counted)
  * and kept open while the client is connected. */
 int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
-                     gpu_event_t **out, char *why, size_t why_len);
+                     gpu_event_t **out, kvx_why_t *why);
 void gpu_event_unref(gpu_event_t *e);
 /* Client session owner is gone: its imports are closed (those still
  * watched at their last unref) and never matched again. */

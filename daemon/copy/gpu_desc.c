@@ -69,10 +69,12 @@ size_t gpu_desc_size(const plan_t *p)
     return cap;
 }
 
-int gpu_desc_pack(const plan_t *p, uint8_t *buf, size_t cap, uint64_t base,
-                  gpu_plan_t *out, size_t *off_sblk, size_t *len, char *why,
-                  size_t why_len)
+int gpu_desc_pack(const plan_t *p, const gpu_desc_buf_t *b, gpu_plan_t *out,
+                  size_t *off_sblk, size_t *len, kvx_why_t *why)
 {
+    uint8_t *buf = b->buf;
+    const size_t cap = b->cap;
+    const uint64_t base = b->base;
     const kvx_layout_t *dl = p->dst.layout;
     const uint32_t K = dl->kv_factor;
     const uint64_t row = (uint64_t)dl->head_dim * dl->elem_size;
@@ -83,22 +85,18 @@ int gpu_desc_pack(const plan_t *p, uint8_t *buf, size_t cap, uint64_t base,
     for (uint32_t i = 0; i < p->nslices; i++) {
         const plan_slice_t *s = &p->slices[i];
         maxh = s->nheads > maxh ? s->nheads : maxh;
-        if ((uint64_t)s->nlayers * p->nsegs >> 32) {
-            snprintf(why, why_len,
-                     "fetch: %u layers x %u segments in one slice: more "
-                     "units than the GPU kernel takes (2^32)",
-                     s->nlayers, p->nsegs);
-            return KVX_ERR_UNSUPPORTED;
-        }
+        if ((uint64_t)s->nlayers * p->nsegs >> 32)
+            return why_fail(why, KVX_ERR_UNSUPPORTED,
+                            "fetch: %u layers x %u segments in one slice: more "
+                            "units than the GPU kernel takes (2^32)",
+                            s->nlayers, p->nsegs);
     }
-    if ((uint64_t)K * maxn * maxh * row >= GPU_UNIT_MAX) {
-        snprintf(why, why_len,
-                 "fetch: units of %llu bytes: more than the GPU kernel "
-                 "takes (%llu)",
-                 (unsigned long long)((uint64_t)K * maxn * maxh * row),
-                 (unsigned long long)GPU_UNIT_MAX - 1);
-        return KVX_ERR_UNSUPPORTED;
-    }
+    if ((uint64_t)K * maxn * maxh * row >= GPU_UNIT_MAX)
+        return why_fail(why, KVX_ERR_UNSUPPORTED,
+                        "fetch: units of %llu bytes: more than the GPU kernel "
+                        "takes (%llu)",
+                        (unsigned long long)((uint64_t)K * maxn * maxh * row),
+                        (unsigned long long)GPU_UNIT_MAX - 1);
     int nomem = 0;
     struct pack pk = {buf, 0, cap};
     gpu_slice_t *sl = calloc(p->nslices ? p->nslices : 1, sizeof(*sl));
@@ -172,6 +170,6 @@ err_nomem:
     free(off_spart);
     free(seg_tok);
     free(sl);
-    snprintf(why, why_len, "fetch: out of memory for the GPU plan");
-    return KVX_ERR_NOMEM;
+    return why_fail(why, KVX_ERR_NOMEM,
+                    "fetch: out of memory for the GPU plan");
 }

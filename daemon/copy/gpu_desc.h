@@ -69,17 +69,24 @@ typedef struct gpu_launch {
 extern "C" {
 #endif
 struct plan;
+struct kvx_why;
 /* Bytes gpu_desc_pack() needs for plan p, at most. */
 size_t gpu_desc_size(const struct plan *p);
-/* Lay bound plan p out in buf (cap bytes, gpu_desc_size()) with its
- * pointers as if buf lay at base (the device copy's address; buf itself
- * for a walk in host memory): *out is the plan to pass to the kernel,
+/* Where gpu_desc_pack() lays a plan out: buf, of cap bytes
+ * (gpu_desc_size()), with its pointers as if buf lay at base (the device
+ * copy's address; buf itself for a walk in host memory). */
+typedef struct gpu_desc_buf {
+    uint8_t *buf;
+    size_t cap;
+    uint64_t base;
+} gpu_desc_buf_t;
+/* Lay bound plan p out in b: *out is the plan to pass to the kernel,
  * off_sblk[i] where slice i's source block table lies, *len the bytes
  * to copy. 0, or KVX_ERR_NOMEM, or KVX_ERR_UNSUPPORTED for units or
  * slices past the kernel's 32-bit indices; why says which. */
-int gpu_desc_pack(const struct plan *p, uint8_t *buf, size_t cap, uint64_t base,
-                  gpu_plan_t *out, size_t *off_sblk, size_t *len, char *why,
-                  size_t why_len);
+int gpu_desc_pack(const struct plan *p, const gpu_desc_buf_t *b,
+                  gpu_plan_t *out, size_t *off_sblk, size_t *len,
+                  struct kvx_why *why);
 /* Launch the copy of l's units (u0, u1, packed and packed_mode set; the
  * cut is made here) of the device-resident plan d, bytes in all, on
  * stream with at most ctas blocks. Launches on one device must be

@@ -270,7 +270,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (have) {
         if (lane == 0)
             ticket = atomicAdd(&next_piece, 1ull);
-        gpu_item_get(&p, &l, &hint, poff0, t, 0, &x, &lo, &hi);
+        gpu_item_t it;
+        gpu_item_get(&p, &l, &hint, poff0, t, 0, &it);
+        x = it.x;
+        lo = it.lo;
+        hi = it.hi;
     }
     auto mid = [&]() {
         if (j + 1 < gpu_piece_units(&l, t)) {
@@ -283,12 +287,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         slot.have = t < l.npieces;
         if (slot.have) {
-            gpu_unit_t nx;
-            uint32_t nlo, nhi;
-            gpu_item_get(&p, &l, &hint, poff0, t, j, &nx, &nlo, &nhi);
-            slot.x = nx;
-            slot.lo = nlo;
-            slot.hi = nhi;
+            gpu_item_t n;
+            gpu_item_get(&p, &l, &hint, poff0, t, j, &n);
+            slot.x = n.x;
+            slot.lo = n.lo;
+            slot.hi = n.hi;
         }
     };
 #if STAGE

@@ -11,27 +11,25 @@ const char *gpu_build_info(void) { return "host-only (no CUDA)"; }
 void gpu_status(char *buf, size_t len) { snprintf(buf, len, "host-only"); }
 
 int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
-               int *device, char *why, size_t why_len)
+               int *device, kvx_why_t *why)
 {
     (void)out;
     (void)ptr;
     (void)device;
     gpu_import_req_close(req);
-    snprintf(why, why_len, "register_pool.kind: GPU pool refused: %s",
-             NO_CUDA);
-    return KVX_ERR_UNSUPPORTED;
+    return why_fail(why, KVX_ERR_UNSUPPORTED,
+                    "register_pool.kind: GPU pool refused: %s", NO_CUDA);
 }
 
 void gpu_import_unref(gpu_import_t *imp) { (void)imp; }
 
-int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base, char *why,
-                   size_t why_len)
+int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
+                   kvx_why_t *why)
 {
     (void)imp;
     (void)device;
     (void)base;
-    snprintf(why, why_len, "%s", NO_CUDA);
-    return KVX_ERR_UNSUPPORTED;
+    return why_fail(why, KVX_ERR_UNSUPPORTED, "%s", NO_CUDA);
 }
 
 int gpu_started(void) { return -1; }
@@ -46,14 +44,13 @@ int gpu_host_register(void *base, uint64_t size, int device)
 
 void gpu_host_unregister(void *base) { (void)base; }
 
-int gpu_part_create(const plan_t *p, int device, gpu_part_t **out, char *why,
-                    size_t why_len)
+int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
+                    kvx_why_t *why)
 {
     (void)p;
     (void)device;
     (void)out;
-    snprintf(why, why_len, "%s", NO_CUDA);
-    return KVX_ERR_UNSUPPORTED;
+    return why_fail(why, KVX_ERR_UNSUPPORTED, "%s", NO_CUDA);
 }
 
 void gpu_part_free(gpu_part_t *gp) { (void)gp; }
@@ -68,15 +65,15 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
 }
 
 int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
-                     gpu_event_t **out, char *why, size_t why_len)
+                     gpu_event_t **out, kvx_why_t *why)
 {
     (void)handle;
     (void)device;
     (void)owner;
     *out = NULL;
-    snprintf(why, why_len,
-             "layers_ready.cuda_event: this kvxferd is built without CUDA");
-    return KVX_ERR_UNSUPPORTED;
+    return why_fail(
+        why, KVX_ERR_UNSUPPORTED,
+        "layers_ready.cuda_event: this kvxferd is built without CUDA");
 }
 
 void gpu_event_unref(gpu_event_t *e)

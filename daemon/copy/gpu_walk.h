@@ -280,14 +280,22 @@ GPU_FN void gpu_unit_get(const gpu_plan_t *p, const gpu_launch_t *l,
     x->nelem = (uint32_t)(n[0] * n[1] * n[2]) * x->er;
 }
 
-/* The element range [*lo, *hi) of piece t's unit j, with the unit
- * resolved in *x: the whole unit, or part t % parts of it (the last part
- * takes what the others leave). Empty when the unit is smaller than the
- * part's start. */
+/* An item: a unit resolved, and the element range [lo, hi) of it that
+ * one piece copies. */
+typedef struct gpu_item {
+    gpu_unit_t x;
+    uint32_t lo, hi;
+} gpu_item_t;
+
+/* Piece t's unit j: the unit resolved in it->x, and the element range
+ * [it->lo, it->hi) of it: the whole unit, or part t % parts of it (the
+ * last part takes what the others leave). Empty when the unit is smaller
+ * than the part's start. */
 GPU_FN void gpu_item_get(const gpu_plan_t *p, const gpu_launch_t *l,
                          uint32_t *hint, uint64_t poff0, uint64_t t, uint32_t j,
-                         gpu_unit_t *x, uint32_t *lo, uint32_t *hi)
+                         gpu_item_t *it)
 {
+    gpu_unit_t *x = &it->x;
     uint64_t u, b0 = 0, b1 = ~0ull;
     if (l->per > 1) {
         u = l->u0 + t * l->per + j;
@@ -302,8 +310,8 @@ GPU_FN void gpu_item_get(const gpu_plan_t *p, const gpu_launch_t *l,
     const uint64_t ub = (uint64_t)x->nelem << x->eshift;
     b1 = b1 < ub ? b1 : ub;
     b0 = b0 < b1 ? b0 : b1;
-    *lo = (uint32_t)(b0 >> x->eshift);
-    *hi = (uint32_t)(b1 >> x->eshift);
+    it->lo = (uint32_t)(b0 >> x->eshift);
+    it->hi = (uint32_t)(b1 >> x->eshift);
 }
 
 /* A lane's place in a unit: element col of run (a, b, c), at byte

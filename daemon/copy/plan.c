@@ -11,12 +11,6 @@
 #include <emmintrin.h>
 #endif
 
-#define WHY(code, ...)                                                      \
-    do {                                                                    \
-        snprintf(why, why_len, __VA_ARGS__);                                \
-        return (code);                                                      \
-    } while (0)
-
 uint32_t plan_side_ranks(const plan_side_t *s) { return s->tp * s->pp * s->cp; }
 
 uint32_t plan_pp_layers(const plan_side_t *s, uint32_t p, uint32_t *first)
@@ -44,71 +38,80 @@ uint32_t plan_tp_heads(const plan_side_t *s, uint32_t t, uint32_t *first)
     return 1;
 }
 
-int plan_side_check(const plan_side_t *s, char *why, size_t why_len)
+int plan_side_check(const plan_side_t *s, kvx_why_t *why)
 {
     if (s->tp < 1 || s->pp < 1 || s->cp < 1)
-        WHY(KVX_ERR_INVALID, "parallel: tp, pp and cp must be at least 1");
+        return why_fail(why, KVX_ERR_INVALID,
+                        "parallel: tp, pp and cp must be at least 1");
     if ((uint64_t)s->tp * s->pp * s->cp > KVX_MAX_RANKS)
-        WHY(KVX_ERR_INVALID, "parallel: tp*pp*cp = %llu exceeds %u ranks",
+        return why_fail(
+            why, KVX_ERR_INVALID, "parallel: tp*pp*cp = %llu exceeds %u ranks",
             (unsigned long long)s->tp * s->pp * s->cp, KVX_MAX_RANKS);
     if (s->cp != 1)
-        WHY(KVX_ERR_UNSUPPORTED, "parallel.cp: %u not supported (expected 1)",
-            s->cp);
+        return why_fail(why, KVX_ERR_UNSUPPORTED,
+                        "parallel.cp: %u not supported (expected 1)", s->cp);
     if (s->total_layers < 1 || s->total_layers > KVX_MAX_LAYERS * 64)
-        WHY(KVX_ERR_INVALID, "parallel.total_layers: %u out of range",
-            s->total_layers);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "parallel.total_layers: %u out of range",
+                        s->total_layers);
     if (s->total_heads < 1)
-        WHY(KVX_ERR_INVALID, "parallel.total_kv_heads: 0 (expected >= 1)");
+        return why_fail(why, KVX_ERR_INVALID,
+                        "parallel.total_kv_heads: 0 (expected >= 1)");
     if (s->attention_dp > 1 && s->tp % s->attention_dp)
-        WHY(KVX_ERR_INVALID,
-            "parallel.attention_dp: %u does not divide tp %u",
-            s->attention_dp, s->tp);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "parallel.attention_dp: %u does not divide tp %u",
+                        s->attention_dp, s->tp);
     uint32_t htp = s->attention_dp > 1 ? s->tp / s->attention_dp : s->tp;
     if (htp <= s->total_heads ? s->total_heads % htp
                               : htp % s->total_heads)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "parallel.total_kv_heads: %u heads do not split over tp %u",
             s->total_heads, htp);
     if (s->num_layers_per_pp) {
         if (s->num_layers_per_pp != s->pp)
-            WHY(KVX_ERR_INVALID,
-                "parallel.layers_per_pp: %u entries for pp %u",
-                s->num_layers_per_pp, s->pp);
+            return why_fail(why, KVX_ERR_INVALID,
+                            "parallel.layers_per_pp: %u entries for pp %u",
+                            s->num_layers_per_pp, s->pp);
         uint64_t sum = 0;
         for (uint32_t i = 0; i < s->pp; i++) {
             if (!s->layers_per_pp[i])
-                WHY(KVX_ERR_INVALID, "parallel.layers_per_pp[%u]: 0", i);
+                return why_fail(why, KVX_ERR_INVALID,
+                                "parallel.layers_per_pp[%u]: 0", i);
             sum += s->layers_per_pp[i];
         }
         if (sum != s->total_layers)
-            WHY(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "parallel.layers_per_pp: sum %llu != total_layers %u",
                 (unsigned long long)sum, s->total_layers);
     } else if (s->pp > s->total_layers) {
-        WHY(KVX_ERR_INVALID, "parallel.pp: %u exceeds total_layers %u", s->pp,
-            s->total_layers);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "parallel.pp: %u exceeds total_layers %u", s->pp,
+                        s->total_layers);
     }
     return 0;
 }
 
-int plan_side_layout_check(const plan_side_t *s, char *why, size_t why_len)
+int plan_side_layout_check(const plan_side_t *s, kvx_why_t *why)
 {
     if (s->tokens_per_block < 1 || s->tokens_per_block > 65536)
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "layout.tokens_per_block: %u out of range (expected 1..65536)",
             s->tokens_per_block);
     if (s->head_dim < 1 || s->head_dim > 65536)
-        WHY(KVX_ERR_INVALID,
-            "layout.head_dim: %u out of range (expected 1..65536)",
-            s->head_dim);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "layout.head_dim: %u out of range (expected 1..65536)",
+                        s->head_dim);
     if (s->elem_size != 1 && s->elem_size != 2 && s->elem_size != 4 &&
         s->elem_size != 8)
-        WHY(KVX_ERR_INVALID,
-            "layout.elem_size: %u invalid (expected 1, 2, 4 or 8)",
-            s->elem_size);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "layout.elem_size: %u invalid (expected 1, 2, 4 or 8)",
+                        s->elem_size);
     if (s->kv_factor < 1 || s->kv_factor > 2)
-        WHY(KVX_ERR_INVALID, "layout.kv_factor: %u (expected 1 or 2)",
-            s->kv_factor);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "layout.kv_factor: %u (expected 1 or 2)", s->kv_factor);
     return 0;
 }
 
@@ -140,27 +143,32 @@ int plan_side_equal(const plan_side_t *a, const plan_side_t *b)
            a->attention_dp == b->attention_dp;
 }
 
-int plan_compat(const plan_side_t *a, const plan_side_t *b, char *why,
-                size_t why_len)
+int plan_compat(const plan_side_t *a, const plan_side_t *b, kvx_why_t *why)
 {
     if (a->dtype != b->dtype)
-        WHY(KVX_ERR_MISMATCH, "dtype: context %s, generation %s",
-            kvx_dtype_name(a->dtype), kvx_dtype_name(b->dtype));
+        return why_fail(why, KVX_ERR_MISMATCH,
+                        "dtype: context %s, generation %s",
+                        kvx_dtype_name(a->dtype), kvx_dtype_name(b->dtype));
     if (a->elem_size != b->elem_size)
-        WHY(KVX_ERR_MISMATCH, "elem_size: context %u, generation %u",
-            a->elem_size, b->elem_size);
+        return why_fail(why, KVX_ERR_MISMATCH,
+                        "elem_size: context %u, generation %u", a->elem_size,
+                        b->elem_size);
     if (a->head_dim != b->head_dim)
-        WHY(KVX_ERR_MISMATCH, "head_dim: context %u, generation %u",
-            a->head_dim, b->head_dim);
+        return why_fail(why, KVX_ERR_MISMATCH,
+                        "head_dim: context %u, generation %u", a->head_dim,
+                        b->head_dim);
     if (a->total_heads != b->total_heads)
-        WHY(KVX_ERR_MISMATCH, "total_kv_heads: context %u, generation %u",
-            a->total_heads, b->total_heads);
+        return why_fail(why, KVX_ERR_MISMATCH,
+                        "total_kv_heads: context %u, generation %u",
+                        a->total_heads, b->total_heads);
     if (a->total_layers != b->total_layers)
-        WHY(KVX_ERR_MISMATCH, "total_layers: context %u, generation %u",
-            a->total_layers, b->total_layers);
+        return why_fail(why, KVX_ERR_MISMATCH,
+                        "total_layers: context %u, generation %u",
+                        a->total_layers, b->total_layers);
     if (a->kv_factor != b->kv_factor)
-        WHY(KVX_ERR_MISMATCH, "kv_factor: context %u, generation %u",
-            a->kv_factor, b->kv_factor);
+        return why_fail(why, KVX_ERR_MISMATCH,
+                        "kv_factor: context %u, generation %u", a->kv_factor,
+                        b->kv_factor);
     return 0;
 }
 
@@ -173,10 +181,10 @@ void plan_set_budget(const plan_budget_t *b)
     B = *b;
 }
 
-int plan_own(plan_t *p, uint32_t owner, char *why, size_t why_len)
+int plan_own(plan_t *p, uint32_t owner, kvx_why_t *why)
 {
     assert(p->owner == PLAN_OWNER_NONE);
-    int rc = B.own && p->mem ? B.own(owner, p->mem, why, why_len) : 0;
+    int rc = B.own && p->mem ? B.own(owner, p->mem, why) : 0;
     if (!rc)
         p->owner = owner;
     return rc;
@@ -184,23 +192,23 @@ int plan_own(plan_t *p, uint32_t owner, char *why, size_t why_len)
 
 int plan_build(const plan_side_t *src, const plan_side_t *dst,
                uint32_t dst_rank, uint32_t num_tokens, uint32_t skip,
-               plan_t **out, char *why, size_t why_len)
+               plan_t **out, kvx_why_t *why)
 {
     int rc;
-    if ((rc = plan_side_check(src, why, why_len)) ||
-        (rc = plan_side_check(dst, why, why_len)) ||
-        (rc = plan_side_layout_check(src, why, why_len)) ||
-        (rc = plan_side_layout_check(dst, why, why_len)) ||
-        (rc = plan_compat(src, dst, why, why_len)))
+    if ((rc = plan_side_check(src, why)) || (rc = plan_side_check(dst, why)) ||
+        (rc = plan_side_layout_check(src, why)) ||
+        (rc = plan_side_layout_check(dst, why)) ||
+        (rc = plan_compat(src, dst, why)))
         return rc;
     if (dst_rank >= plan_side_ranks(dst))
-        WHY(KVX_ERR_INVALID, "rank: %u outside the %u ranks", dst_rank,
-            plan_side_ranks(dst));
+        return why_fail(why, KVX_ERR_INVALID, "rank: %u outside the %u ranks",
+                        dst_rank, plan_side_ranks(dst));
     if (num_tokens == 0)
-        WHY(KVX_ERR_INVALID, "num_tokens: 0");
+        return why_fail(why, KVX_ERR_INVALID, "num_tokens: 0");
     if (skip >= num_tokens)
-        WHY(KVX_ERR_INVALID, "skip_tokens: %u leaves nothing of %u tokens",
-            skip, num_tokens);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "skip_tokens: %u leaves nothing of %u tokens", skip,
+                        num_tokens);
 
     uint32_t d_tp = (dst_rank / dst->cp) % dst->tp;
     uint32_t d_pp = dst_rank / (dst->tp * dst->cp);
@@ -218,21 +226,21 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
     uint64_t nseg_max = ceil_div(span, src->tokens_per_block) +
                         ceil_div(span, dst->tokens_per_block) + 2;
     if (nseg_max > UINT32_MAX)
-        WHY(KVX_ERR_INVALID, "plan: %llu segments",
-            (unsigned long long)nseg_max);
+        return why_fail(why, KVX_ERR_INVALID, "plan: %llu segments",
+                        (unsigned long long)nseg_max);
     /* what the plan holds, charged to the daemon's budget before it is
      * allocated */
     uint64_t mem = sizeof(plan_t) +
                    (uint64_t)(max_slices ? max_slices : 1) *
                        (sizeof(plan_slice_t) + sizeof(plan_mem_t)) +
                    nseg_max * sizeof(plan_seg_t);
-    if (B.charge && (rc = B.charge(mem, why, why_len)))
+    if (B.charge && (rc = B.charge(mem, why)))
         return rc;
     plan_t *p = calloc(1, sizeof(*p));
     if (!p) {
         if (B.release)
             B.release(PLAN_OWNER_NONE, mem);
-        WHY(KVX_ERR_NOMEM, "plan: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "plan: out of memory");
     }
     p->mem = mem;
     p->owner = PLAN_OWNER_NONE;
@@ -241,7 +249,7 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
     p->segs = calloc(nseg_max, sizeof(*p->segs));
     if (!p->slices || !p->segs) {
         plan_free(p);
-        WHY(KVX_ERR_NOMEM, "plan: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "plan: out of memory");
     }
 
     for (uint32_t sp = 0; sp < src->pp; sp++) {
@@ -310,7 +318,7 @@ int plan_build(const plan_side_t *src, const plan_side_t *dst,
     p->src = calloc(p->nslices ? p->nslices : 1, sizeof(*p->src));
     if (!p->src) {
         plan_free(p);
-        WHY(KVX_ERR_NOMEM, "plan: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "plan: out of memory");
     }
     *out = p;
     return 0;
@@ -333,7 +341,7 @@ void plan_free(plan_t *p)
  * checked against the layout first, so the byte sum below cannot
  * overflow: the layout itself was checked to fit its pool. */
 static int side_check(const plan_t *p, uint32_t si, const plan_mem_t *m,
-                      int src, char *why, size_t why_len)
+                      int src, kvx_why_t *why)
 {
     const plan_slice_t *s = &p->slices[si];
     const kvx_layout_t *l = m->layout, *dl = p->dst.layout;
@@ -346,16 +354,14 @@ static int side_check(const plan_t *p, uint32_t si, const plan_mem_t *m,
         s->head0 - hb > l->num_heads ||
         s->nheads > l->num_heads - (s->head0 - hb) ||
         dl->kv_factor > l->kv_factor ||
-        row > (uint64_t)l->head_dim * l->elem_size) {
-        snprintf(why, why_len,
-                 "pool %u: the plan %s layers [%u, +%u) heads [%u, +%u) of "
-                 "a layout with %u layers and %u heads (rows of %llu "
-                 "bytes)",
-                 m->pool, verb, s->layer0 - lb, s->nlayers, s->head0 - hb,
-                 s->nheads, l->num_layers, l->num_heads,
-                 (unsigned long long)row);
-        return KVX_ERR_INVALID;
-    }
+        row > (uint64_t)l->head_dim * l->elem_size)
+        return why_fail(
+            why, KVX_ERR_INVALID,
+            "pool %u: the plan %s layers [%u, +%u) heads [%u, +%u) of "
+            "a layout with %u layers and %u heads (rows of %llu "
+            "bytes)",
+            m->pool, verb, s->layer0 - lb, s->nlayers, s->head0 - hb, s->nheads,
+            l->num_layers, l->num_heads, (unsigned long long)row);
     /* the (layer, kv) part of the slice with the least room left in its
      * region after its offset: every segment is checked against it */
     uint64_t room = UINT64_MAX, roff = 0;
@@ -364,13 +370,12 @@ static int side_check(const plan_t *p, uint32_t si, const plan_mem_t *m,
         for (uint32_t kv = 0; kv < dl->kv_factor; kv++) {
             uint32_t layer = s->layer0 - lb + k, r;
             uint64_t o = kvx__layout_part(l, layer, kv, &r);
-            if (r >= m->nregions) {
-                snprintf(why, why_len,
-                         "pool %u: the plan %s layer %u kv %u, in region %u "
-                         "of %u",
-                         m->pool, verb, layer, kv, r, m->nregions);
-                return KVX_ERR_INVALID;
-            }
+            if (r >= m->nregions)
+                return why_fail(
+                    why, KVX_ERR_INVALID,
+                    "pool %u: the plan %s layer %u kv %u, in region %u "
+                    "of %u",
+                    m->pool, verb, layer, kv, r, m->nregions);
             uint64_t sz = m->regions[r].size, left = o <= sz ? sz - o : 0;
             if (left < room) {
                 room = left;
@@ -386,44 +391,40 @@ static int side_check(const plan_t *p, uint32_t si, const plan_mem_t *m,
         const plan_seg_t *g = &p->segs[i];
         uint32_t bi = src ? g->src_blk : g->dst_blk;
         uint32_t tok = src ? g->src_tok : g->dst_tok;
-        if (bi >= m->num_blocks) {
-            snprintf(why, why_len,
-                     "pool %u: the plan %s block table entry %u of %u", m->pool,
-                     verb, bi, m->num_blocks);
-            return KVX_ERR_INVALID;
-        }
+        if (bi >= m->num_blocks)
+            return why_fail(why, KVX_ERR_INVALID,
+                            "pool %u: the plan %s block table entry %u of %u",
+                            m->pool, verb, bi, m->num_blocks);
         uint32_t b = m->blocks[bi];
         if (b >= l->num_blocks || g->n == 0 || tok > l->tokens_per_block ||
-            g->n > l->tokens_per_block - tok) {
-            snprintf(why, why_len,
-                     "pool %u: the plan %s tokens [%u, +%u) of block %u; the "
-                     "pool has %u blocks of %u tokens",
-                     m->pool, verb, tok, g->n, b, l->num_blocks,
-                     l->tokens_per_block);
-            return KVX_ERR_INVALID;
-        }
+            g->n > l->tokens_per_block - tok)
+            return why_fail(
+                why, KVX_ERR_INVALID,
+                "pool %u: the plan %s tokens [%u, +%u) of block %u; the "
+                "pool has %u blocks of %u tokens",
+                m->pool, verb, tok, g->n, b, l->num_blocks,
+                l->tokens_per_block);
         uint64_t end = fixed + (uint64_t)b * l->block_stride +
                        (uint64_t)(tok + g->n - 1) * l->token_stride;
-        if (end > room) {
-            snprintf(why, why_len,
-                     "pool %u: the plan %s layer %u kv %u up to byte %llu of "
-                     "region %u, past its %llu bytes",
-                     m->pool, verb, rl, rk, (unsigned long long)(roff + end),
-                     rr, (unsigned long long)m->regions[rr].size);
-            return KVX_ERR_INVALID;
-        }
+        if (end > room)
+            return why_fail(
+                why, KVX_ERR_INVALID,
+                "pool %u: the plan %s layer %u kv %u up to byte %llu of "
+                "region %u, past its %llu bytes",
+                m->pool, verb, rl, rk, (unsigned long long)(roff + end), rr,
+                (unsigned long long)m->regions[rr].size);
     }
     return 0;
 }
 
-int plan_check_bounds(const plan_t *p, char *why, size_t why_len)
+int plan_check_bounds(const plan_t *p, kvx_why_t *why)
 {
     int rc;
     for (uint32_t i = 0; i < p->nslices; i++) {
         if (p->src && p->src[i].blocks &&
-            (rc = side_check(p, i, &p->src[i], 1, why, why_len)))
+            (rc = side_check(p, i, &p->src[i], 1, why)))
             return rc;
-        if (p->dst.blocks && (rc = side_check(p, i, &p->dst, 0, why, why_len)))
+        if (p->dst.blocks && (rc = side_check(p, i, &p->dst, 0, why)))
             return rc;
     }
     return 0;
@@ -612,17 +613,23 @@ static inline uint8_t *mem_at(const plan_mem_t *m, uint32_t layer, uint32_t kv,
            (uint64_t)token * l->token_stride + (uint64_t)head * l->head_stride;
 }
 
-/* The kv dimension between the addresses of kv 0 and kv 1 (a K and a V
- * part, maybe in two regions) of each side. */
-static struct xdim kv_dim(uint32_t K, const uint8_t *s0, const uint8_t *s1,
-                          uint32_t sr0, uint32_t sr1, const uint8_t *d0,
-                          const uint8_t *d1, uint32_t dr0, uint32_t dr1)
+/* One side's kv 0 and kv 1 (a K and a V part): where each starts, and
+ * in which region. */
+struct kv_pair {
+    const uint8_t *at[2];
+    uint32_t region[2];
+};
+
+/* The kv dimension between the addresses of kv 0 and kv 1 (maybe in two
+ * regions) of each side. */
+static struct xdim kv_dim(uint32_t K, struct kv_pair s, struct kv_pair d)
 {
     if (K < 2)
         return (struct xdim){1, 0, 0, 0};
-    return (struct xdim){2, (uintptr_t)s1 - (uintptr_t)s0,
-                         (uintptr_t)d1 - (uintptr_t)d0,
-                         sr0 != sr1 || dr0 != dr1};
+    return (struct xdim){2, (uintptr_t)s.at[1] - (uintptr_t)s.at[0],
+                         (uintptr_t)d.at[1] - (uintptr_t)d.at[0],
+                         s.region[0] != s.region[1] ||
+                             d.region[0] != d.region[1]};
 }
 
 void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1)
@@ -651,7 +658,8 @@ void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1)
         struct xdim d[3] = {
             {s->nheads, sl->head_stride, dl->head_stride, 0},
             {g->n, sl->token_stride, dl->token_stride, 0},
-            kv_dim(K, src, src1, sr0, sr1, dst, dst1, dr0, dr1),
+            kv_dim(K, (struct kv_pair){{src, src1}, {sr0, sr1}},
+                   (struct kv_pair){{dst, dst1}, {dr0, dr1}}),
         };
         copy_strided(dst, src, (uint64_t)dl->head_dim * dl->elem_size, d, 3,
                      1);
@@ -707,14 +715,16 @@ void plan_exec_packed(const plan_t *p, uint64_t u0, uint64_t u1,
             struct xdim d[3] = {
                 {s->nheads, l->head_stride, hs, 0},
                 {g->n, l->token_stride, ts, 0},
-                kv_dim(K, pool, pool1, r0, r1, buf, buf + ks, 0, 0)};
+                kv_dim(K, (struct kv_pair){{pool, pool1}, {r0, r1}},
+                       (struct kv_pair){{buf, buf + ks}, {0, 0}})};
             /* into a slot UCX reads next: keep it in cache */
             copy_strided(buf, pool, row, d, 3, 0);
         } else {
             struct xdim d[3] = {
                 {s->nheads, hs, l->head_stride, 0},
                 {g->n, ts, l->token_stride, 0},
-                kv_dim(K, buf, buf + ks, 0, 0, pool, pool1, r0, r1)};
+                kv_dim(K, (struct kv_pair){{buf, buf + ks}, {0, 0}},
+                       (struct kv_pair){{pool, pool1}, {r0, r1}})};
             copy_strided(pool, buf, row, d, 3, 1);
         }
         buf += K * ks;

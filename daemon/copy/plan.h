@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/why.h"
 #include "kvxfer.h"
 
 /* One instance as the plan sees it. */
@@ -90,15 +91,15 @@ typedef struct plan {
  * gives them back, the owner's with them. Set once at start by the
  * daemon; without it nothing is charged. */
 typedef struct plan_budget {
-    int (*charge)(uint64_t bytes, char *why, size_t why_len);
-    int (*own)(uint32_t owner, uint64_t bytes, char *why, size_t why_len);
+    int (*charge)(uint64_t bytes, kvx_why_t *why);
+    int (*own)(uint32_t owner, uint64_t bytes, kvx_why_t *why);
     void (*release)(uint32_t owner, uint64_t bytes);
 } plan_budget_t;
 void plan_set_budget(const plan_budget_t *b);
 /* p's bytes are owner's too (the uid of the fetch it serves), within
  * what the budget's own allows: 0, or its error with why (p stays
  * nobody's; the caller frees it). */
-int plan_own(plan_t *p, uint32_t owner, char *why, size_t why_len);
+int plan_own(plan_t *p, uint32_t owner, kvx_why_t *why);
 
 /* Ranks of a side: tp*pp*cp. */
 uint32_t plan_side_ranks(const plan_side_t *s);
@@ -109,12 +110,12 @@ uint32_t plan_tp_heads(const plan_side_t *s, uint32_t t, uint32_t *first);
 
 /* Is side s itself consistent (heads divide over tp, layers over pp)?
  * Returns 0 or KVX_ERR_INVALID / KVX_ERR_UNSUPPORTED with why. */
-int plan_side_check(const plan_side_t *s, char *why, size_t why_len);
+int plan_side_check(const plan_side_t *s, kvx_why_t *why);
 
 /* Are s's layout fields (tokens_per_block, head_dim, elem_size,
  * kv_factor) in range? They come from params and peers, not only from
  * checked pools. 0, or KVX_ERR_INVALID naming the field. */
-int plan_side_layout_check(const plan_side_t *s, char *why, size_t why_len);
+int plan_side_layout_check(const plan_side_t *s, kvx_why_t *why);
 
 /* A rank of a side with attention DP, seen as a rank of the plain side
  * the plan works on: *eff is the side with tp/attention_dp ranks per
@@ -126,14 +127,13 @@ uint32_t plan_dp_view(const plan_side_t *s, uint32_t rank, plan_side_t *eff,
 int plan_side_equal(const plan_side_t *a, const plan_side_t *b);
 
 /* Can src feed dst? 0, or KVX_ERR_MISMATCH naming the mismatch. */
-int plan_compat(const plan_side_t *src, const plan_side_t *dst, char *why,
-                size_t why_len);
+int plan_compat(const plan_side_t *src, const plan_side_t *dst, kvx_why_t *why);
 
 /* Build the plan for destination rank dst_rank moving tokens
  * [skip_tokens, num_tokens). *out is malloc'd; free with plan_free(). */
 int plan_build(const plan_side_t *src, const plan_side_t *dst,
                uint32_t dst_rank, uint32_t num_tokens, uint32_t skip_tokens,
-               plan_t **out, char *why, size_t why_len);
+               plan_t **out, kvx_why_t *why);
 void plan_free(plan_t *p);
 
 /* Bytes moved by units [u0, u1). */
@@ -167,7 +167,7 @@ uint32_t plan_cut_pieces(const plan_t *p, uint64_t u0, uint64_t u1,
  * KVX_ERR_INVALID naming the pool, the region and the range; run before any
  * copy is launched (a wrong plan must fail, not write over an engine's memory).
  */
-int plan_check_bounds(const plan_t *p, char *why, size_t why_len);
+int plan_check_bounds(const plan_t *p, kvx_why_t *why);
 
 /* Execute units [u0, u1) with memcpy on the calling thread. */
 void plan_exec(const plan_t *p, uint64_t u0, uint64_t u1);

@@ -19,12 +19,6 @@
 static map_t pools;
 static uint32_t next_id = 1;
 
-#define WHY(code, ...)                                                      \
-    do {                                                                    \
-        snprintf(why, why_len, __VA_ARGS__);                                \
-        rc = (code);                                                        \
-    } while (0)
-
 void pool_alloc_req_close(pool_alloc_req_t *a, uint32_t n)
 {
     for (uint32_t i = 0; i < n; i++) {
@@ -52,26 +46,28 @@ static int region_cmp(const void *a, const void *b)
 /* A host allocation: a memfd sealed against shrinking; *size its bytes,
  * *ino its identity (two entries for one file are refused). */
 static int host_alloc_check(int fd, uint32_t i, uint64_t *size,
-                            uint64_t *alloced, uint64_t ino[2], char *why,
-                            size_t why_len)
+                            uint64_t *alloced, uint64_t ino[2], kvx_why_t *why)
 {
     int rc = 0;
     struct stat st;
     if (fstat(fd, &st) < 0) {
-        WHY(KVX_ERR_IO, "register_pool.allocations[%u]: fstat: %s", i,
-            strerror(errno));
+        rc = why_fail(why, KVX_ERR_IO,
+                      "register_pool.allocations[%u]: fstat: %s", i,
+                      strerror(errno));
         return rc;
     }
     if (!S_ISREG(st.st_mode)) {
-        WHY(KVX_ERR_INVALID,
-            "register_pool.allocations[%u]: the fd is not a memfd", i);
+        rc =
+            why_fail(why, KVX_ERR_INVALID,
+                     "register_pool.allocations[%u]: the fd is not a memfd", i);
         return rc;
     }
     /* A client that could shrink the file would make the daemon fault on
      * its next access: insist the size is sealed. */
     int seals = fcntl(fd, F_GET_SEALS);
     if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
-        WHY(KVX_ERR_INVALID,
+        rc = why_fail(
+            why, KVX_ERR_INVALID,
             "register_pool.allocations[%u]: memfd lacks F_SEAL_SHRINK (a "
             "client could truncate it under the daemon)",
             i);
@@ -88,23 +84,25 @@ static int host_alloc_check(int fd, uint32_t i, uint64_t *size,
  * other, then the layout against the regions. Nothing is mapped yet. */
 static int regions_check(const pool_region_req_t *r, uint32_t n,
                          const uint64_t *asize, const kvx_layout_t *layout,
-                         char *why, size_t why_len)
+                         kvx_why_t *why)
 {
     int rc = 0;
     uint64_t *sizes = malloc(n * sizeof(*sizes));
     uint32_t *order = malloc(n * sizeof(*order));
     if (!sizes || !order) {
-        WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
+        rc = why_fail(why, KVX_ERR_NOMEM, "register_pool: out of memory");
         goto out;
     }
     for (uint32_t i = 0; i < n; i++) {
         if (r[i].size == 0) {
-            WHY(KVX_ERR_INVALID, "register_pool.regions[%u].size: 0", i);
+            rc = why_fail(why, KVX_ERR_INVALID,
+                          "register_pool.regions[%u].size: 0", i);
             goto out;
         }
         if (r[i].offset > asize[r[i].alloc] ||
             asize[r[i].alloc] - r[i].offset < r[i].size) {
-            WHY(KVX_ERR_INVALID,
+            rc = why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.regions[%u]: [%llu, +%llu) runs past the "
                 "%llu bytes of allocations[%u]",
                 i, (unsigned long long)r[i].offset,
@@ -122,15 +120,15 @@ static int regions_check(const pool_region_req_t *r, uint32_t n,
     for (uint32_t k = 1; k < n; k++) {
         const pool_region_req_t *a = &r[order[k - 1]], *b = &r[order[k]];
         if (a->alloc == b->alloc && b->offset < a->offset + a->size) {
-            WHY(KVX_ERR_INVALID,
-                "register_pool.regions[%u]: bytes [%llu, +%llu) of "
-                "allocations[%u] overlap regions[%u]",
-                order[k], (unsigned long long)b->offset,
-                (unsigned long long)b->size, b->alloc, order[k - 1]);
+            rc = why_fail(why, KVX_ERR_INVALID,
+                          "register_pool.regions[%u]: bytes [%llu, +%llu) of "
+                          "allocations[%u] overlap regions[%u]",
+                          order[k], (unsigned long long)b->offset,
+                          (unsigned long long)b->size, b->alloc, order[k - 1]);
             goto out;
         }
     }
-    rc = kvx__layout_check(layout, sizes, n, why, why_len);
+    rc = kvx__layout_check(layout, sizes, n, why);
 out:
     free(sizes);
     free(order);
@@ -140,11 +138,13 @@ out:
 static void pool_unmap(pool_t *p);
 static uint64_t used_bytes(const pool_t *p, uint32_t i);
 
-int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
-                  uint32_t nallocs, const pool_region_req_t *regions,
-                  uint32_t nregions, const kvx_layout_t *layout, pool_t **out,
-                  char *why, size_t why_len)
+int pool_register(const pool_reg_t *req, pool_t **out, kvx_why_t *why)
 {
+    const uint64_t session_id = req->session_id;
+    pool_alloc_req_t *allocs = req->allocs;
+    const uint32_t nallocs = req->nallocs, nregions = req->nregions;
+    const pool_region_req_t *regions = req->regions;
+    const kvx_layout_t *layout = req->layout;
     int rc = 0;
     int gpu = nallocs ? allocs[0].gpu : 0;
     uint64_t *asize = calloc(nallocs ? nallocs : 1, sizeof(*asize));
@@ -152,7 +152,7 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
     uint64_t(*ino)[2] = calloc(nallocs ? nallocs : 1, sizeof(*ino));
     pool_t *p = calloc(1, sizeof(*p));
     if (!asize || !abytes || !ino || !p) {
-        WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
+        rc = why_fail(why, KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_close;
     }
     assert(nallocs && nregions && nregions <= KVX_MAX_REGIONS);
@@ -163,18 +163,19 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
             continue;
         }
         if ((rc = host_alloc_check(allocs[i].fd, i, &asize[i], &abytes[i],
-                                   ino[i], why, why_len)))
+                                   ino[i], why)))
             goto err_close;
         for (uint32_t k = 0; k < i; k++)
             if (ino[k][0] == ino[i][0] && ino[k][1] == ino[i][1]) {
-                WHY(KVX_ERR_INVALID,
+                rc = why_fail(
+                    why, KVX_ERR_INVALID,
                     "register_pool.allocations[%u]: the same memfd as "
                     "allocations[%u] (list it once; its regions name it)",
                     i, k);
                 goto err_close;
             }
     }
-    if ((rc = regions_check(regions, nregions, asize, layout, why, why_len)))
+    if ((rc = regions_check(regions, nregions, asize, layout, why)))
         goto err_close;
 
     uint32_t P = layout->parts ? layout->num_parts : 0;
@@ -183,7 +184,7 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
     p->parts = P ? malloc(P * sizeof(*p->parts)) : NULL;
     p->imports = gpu ? calloc(nallocs, sizeof(*p->imports)) : NULL;
     if (!p->regions || !p->view || (P && !p->parts) || (gpu && !p->imports)) {
-        WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
+        rc = why_fail(why, KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_free;
     }
     p->gpu = gpu;
@@ -201,12 +202,12 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
         int dev;
         allocs[i].req.offset = 0;
         allocs[i].req.size = allocs[i].req.alloc_size;
-        if ((rc = gpu_import(&allocs[i].req, &p->imports[i], &base, &dev, why,
-                             why_len)))
+        if ((rc = gpu_import(&allocs[i].req, &p->imports[i], &base, &dev, why)))
             goto err_unmap;
         p->nimports = i + 1;
         if (i && dev != p->device) {
-            WHY(KVX_ERR_UNSUPPORTED,
+            rc = why_fail(
+                why, KVX_ERR_UNSUPPORTED,
                 "register_pool.allocations[%u]: on gpu %d, but "
                 "allocations[0] is on gpu %d (a pool lies on one device)",
                 i, dev, p->device);
@@ -218,8 +219,7 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
         pool_region_t *r = &p->regions[i];
         if (gpu) {
             uint8_t *base;
-            rc = gpu_import_ptr(p->imports[r->alloc], p->device, &base, why,
-                                why_len);
+            rc = gpu_import_ptr(p->imports[r->alloc], p->device, &base, why);
             if (rc)
                 goto err_unmap;
             p->view[i] = (plan_region_t){base + r->offset, r->size};
@@ -234,7 +234,8 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
             r->map = NULL;
             log_error("pool: mmap of %llu bytes: %m",
                       (unsigned long long)r->map_len);
-            WHY(KVX_ERR_NOMEM,
+            rc = why_fail(
+                why, KVX_ERR_NOMEM,
                 "register_pool.regions[%u]: mmap of %llu bytes failed: %s", i,
                 (unsigned long long)r->map_len, strerror(errno));
             goto err_unmap;
@@ -252,7 +253,7 @@ int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
     p->session_id = session_id;
     p->users = 1; /* the registration itself */
     if (map_put(&pools, p->id, p)) {
-        WHY(KVX_ERR_NOMEM, "register_pool: out of memory");
+        rc = why_fail(why, KVX_ERR_NOMEM, "register_pool: out of memory");
         goto err_unmap;
     }
     /* holes: per memfd, what copies can touch of it, but no more than
@@ -291,16 +292,17 @@ err_close:
 
 int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
                        uint64_t size, const kvx_layout_t *layout, pool_t **out,
-                       char *why, size_t why_len)
+                       kvx_why_t *why)
 {
     pool_alloc_req_t a = {.fd = fd};
     pool_region_req_t r = {0, offset, size};
-    return pool_register(session_id, &a, 1, &r, 1, layout, out, why, why_len);
+    return pool_register(&(pool_reg_t){session_id, &a, 1, &r, 1, layout}, out,
+                         why);
 }
 
 static uint64_t used_bytes(const pool_t *p, uint32_t i);
 
-int pool_pin(pool_t *p, char *why, size_t why_len)
+int pool_pin(pool_t *p, kvx_why_t *why)
 {
     if (p->gpu || p->pinned)
         return 0;
@@ -309,11 +311,11 @@ int pool_pin(pool_t *p, char *why, size_t why_len)
         if (gpu_host_register(p->regions[i].map, used_bytes(p, i), -1)) {
             while (i--)
                 gpu_host_unregister(p->regions[i].map);
-            snprintf(why, why_len,
-                     "pool %u: cannot register host memory with CUDA for a "
-                     "GPU copy",
-                     p->id);
-            return KVX_ERR_IO;
+            return why_fail(
+                why, KVX_ERR_IO,
+                "pool %u: cannot register host memory with CUDA for a "
+                "GPU copy",
+                p->id);
         }
         bytes += used_bytes(p, i);
     }
@@ -326,30 +328,27 @@ int pool_pin(pool_t *p, char *why, size_t why_len)
 }
 
 int pool_device_view(pool_t *p, int device, const plan_region_t **regions,
-                     char *why, size_t why_len)
+                     kvx_why_t *why)
 {
     if (!p->gpu || device == p->device) {
         *regions = p->view; /* pinned host memory: same address (UVA) */
         return 0;
     }
-    if (device < 0 || device >= POOL_MAX_DEV) {
-        snprintf(why, why_len, "pool %u: no view for gpu %d", p->id, device);
-        return KVX_ERR_INVALID;
-    }
+    if (device < 0 || device >= POOL_MAX_DEV)
+        return why_fail(why, KVX_ERR_INVALID, "pool %u: no view for gpu %d",
+                        p->id, device);
     if (!p->view_on[device]) {
         /* each import maps its whole allocation; a region starts inside
          * it (a tensor slice, a tensor the caching allocator placed in a
          * segment, several regions in one allocation) */
         plan_region_t *v = calloc(p->nregions, sizeof(*v));
-        if (!v) {
-            snprintf(why, why_len, "pool %u: out of memory", p->id);
-            return KVX_ERR_NOMEM;
-        }
+        if (!v)
+            return why_fail(why, KVX_ERR_NOMEM, "pool %u: out of memory",
+                            p->id);
         for (uint32_t i = 0; i < p->nregions; i++) {
             uint8_t *alloc;
             const pool_region_t *r = &p->regions[i];
-            int rc = gpu_import_ptr(p->imports[r->alloc], device, &alloc, why,
-                                    why_len);
+            int rc = gpu_import_ptr(p->imports[r->alloc], device, &alloc, why);
             if (rc) {
                 free(v);
                 return rc;

@@ -76,32 +76,39 @@ typedef struct pool_region_req {
     uint64_t offset, size;
 } pool_region_req_t;
 
-/* Register a pool of regions[0, nregions) over allocs[0, nallocs)
- * (all host or all GPU; the caller checked the counts and the indexes),
- * described by layout (its parts are copied). Checks every region
- * against its allocation, regions against each other (no overlap, none
- * empty) and the layout against the regions, then maps host memfds or
- * imports GPU allocations, each once. Takes every fd (closed on every
- * path). 0, or the code with why naming the region or part. */
-int pool_register(uint64_t session_id, pool_alloc_req_t *allocs,
-                  uint32_t nallocs, const pool_region_req_t *regions,
-                  uint32_t nregions, const kvx_layout_t *layout, pool_t **out,
-                  char *why, size_t why_len);
+/* A pool to register for session session_id: regions[0, nregions) over
+ * allocs[0, nallocs) (all host or all GPU; the caller checked the counts
+ * and the indexes), described by layout (its parts are copied). */
+typedef struct pool_reg {
+    uint64_t session_id;
+    pool_alloc_req_t *allocs; /* their fds are taken */
+    uint32_t nallocs;
+    const pool_region_req_t *regions;
+    uint32_t nregions;
+    const kvx_layout_t *layout;
+} pool_reg_t;
+
+/* Register the pool r describes. Checks every region against its
+ * allocation, regions against each other (no overlap, none empty) and
+ * the layout against the regions, then maps host memfds or imports GPU
+ * allocations, each once. Takes every fd (closed on every path). 0, or
+ * the code with why naming the region or part. */
+int pool_register(const pool_reg_t *r, pool_t **out, kvx_why_t *why);
 /* pool_register() of one region, bytes [offset, offset + size) of a
  * memfd: what kvx_pool_register_host() sends. Takes fd. */
 int pool_register_host(uint64_t session_id, int fd, uint64_t offset,
                        uint64_t size, const kvx_layout_t *layout, pool_t **out,
-                       char *why, size_t why_len);
+                       kvx_why_t *why);
 /* Close what is left of allocs' fds (an error before pool_register). */
 void pool_alloc_req_close(pool_alloc_req_t *allocs, uint32_t nallocs);
 /* Make a host pool readable and writable by GPU kernels (pins it;
  * blocking, once per pool). GPU pools: no-op. */
-int pool_pin(pool_t *p, char *why, size_t why_len);
+int pool_pin(pool_t *p, kvx_why_t *why);
 /* The pool's regions (their own starts, never their allocations') as
  * kernels on device see them (pinned host pools: their own addresses):
  * *regions lives as long as the pool. */
 int pool_device_view(pool_t *p, int device, const plan_region_t **regions,
-                     char *why, size_t why_len);
+                     kvx_why_t *why);
 /* The pool as a plan binds it, read or written through blocks[0, n):
  * its regions in the daemon's mapping, its layout and id. */
 plan_mem_t pool_mem(const pool_t *p, const uint32_t *blocks, uint32_t n);

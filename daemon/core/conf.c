@@ -1,7 +1,8 @@
 /*
- * conf — kvxferd configuration: one declarative table of keys (keys[]) and
- * everything generated from it: the defaults, the YAML loader and its
- * checks, reload, the markdown reference and the key/value listing.
+ * conf — kvxferd configuration: everything generated from the one
+ * declarative table of keys (conf_keys[], in conf_keys.c): the defaults,
+ * the YAML loader and its checks, reload, the markdown reference and the
+ * key/value listing.
  *
  * Owns: the key table and the parsing of config files. Must never depend on
  * another daemon module (no log.h) or touch daemon state: problems go to
@@ -12,7 +13,7 @@
  * no per-key code apart from an optional validator for rules the type and
  * bounds cannot express.
  */
-#include "conf.h"
+#include "conf_int.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -24,10 +25,6 @@
 #include <yaml.h>
 
 #include "kvxfer.h"
-
-#define KiB (1024ull)
-#define MiB (1024ull * KiB)
-#define GiB (1024ull * MiB)
 
 /* Config files are a few KiB; the cap stops a wrong --config (a log, a core
  * dump) from being read whole and fed to the parser. */
@@ -41,654 +38,12 @@
 #define CONF_SHOW_MAX 40
 #define CONF_SHOW_LINE_MAX 256
 
-enum conf_type {
-    CONF_STRING, /* char[] field; length bound by the field size */
-    CONF_PATH,   /* CONF_STRING that must be an absolute path */
-    CONF_MODE,   /* permission bits, octal as chmod reads them */
-    CONF_U32,    /* plain decimal integer */
-    CONF_SIZE,   /* bytes, optionally with a KiB/MiB/GiB suffix */
-    CONF_MS,     /* duration, decimal integer milliseconds */
-    CONF_IDS,    /* list of uint32 ids: uint32_t[] field + unsigned count */
-    CONF_LEVEL,  /* log level name, stored as a syslog priority (int) */
-};
-
 static const char *const type_names[] = {
     [CONF_STRING] = "string",    [CONF_PATH] = "path",
     [CONF_MODE] = "octal mode",  [CONF_U32] = "integer",
     [CONF_SIZE] = "size",        [CONF_MS] = "duration (ms)",
     [CONF_IDS] = "list of ids",  [CONF_LEVEL] = "log level",
 };
-
-struct conf_key {
-    const char *name;      /* "section.key" */
-    enum conf_type type;
-    size_t off;            /* offsetof(kvx_conf_t, field) */
-    size_t size;           /* sizeof field (4 or 8 for numbers) */
-    size_t count_off;      /* CONF_IDS: offsetof the entry count */
-    uint64_t def;          /* numeric default */
-    const char *def_str;   /* CONF_STRING/CONF_PATH default */
-    uint64_t min, max;     /* numeric bounds; CONF_IDS: bounds per id */
-    int reloadable;        /* applied on SIGHUP without a restart */
-    /* Rules beyond type and bounds, checked once the whole file is read.
-     * Returns 0, or 1 with the problem written to why. */
-    int (*check)(const kvx_conf_t *conf, char *why, size_t n);
-    const char *help;      /* one line, no '|' (it lands in a table) */
-};
-
-static int check_group(const kvx_conf_t *conf, char *why, size_t n);
-static int check_hello(const kvx_conf_t *conf, char *why, size_t n);
-static int check_listen(const kvx_conf_t *conf, char *why, size_t n);
-static int check_keepalive(const kvx_conf_t *conf, char *why, size_t n);
-static int check_slots(const kvx_conf_t *conf, char *why, size_t n);
-static int check_ucx_ports(const kvx_conf_t *conf, char *why, size_t n);
-static int check_allowed(const kvx_conf_t *conf, char *why, size_t n);
-
-#define FIELD(f) .off = offsetof(kvx_conf_t, f), .size = sizeof(((kvx_conf_t *)0)->f)
-#define IDS(f, nf) FIELD(f), .count_off = offsetof(kvx_conf_t, nf)
-
-static const struct conf_key keys[] = {
-    {.name = "socket.path",
-     .type = CONF_PATH,
-     FIELD(socket_path),
-     .def_str = "/run/kvxfer/kvxferd.sock",
-     .help = "Unix socket the daemon listens on; a missing directory is "
-             "created (mode 0755) when its parent exists."},
-    {.name = "socket.mode",
-     .type = CONF_MODE,
-     FIELD(socket_mode),
-     .def = 0660,
-     .min = 0,
-     .max = 0777,
-     .help = "Permission bits of the socket file; only peers that can "
-             "write to it can connect."},
-    {.name = "socket.group",
-     .type = CONF_STRING,
-     FIELD(socket_group),
-     .def_str = "",
-     .check = check_group,
-     .help = "Group (name or number) that owns the socket file; empty "
-             "means the daemon's own group."},
-
-    {.name = "auth.allowed_uids",
-     .type = CONF_IDS,
-     IDS(allowed_uids, num_allowed_uids),
-     .min = 0,
-     .max = UINT32_MAX - 1,
-     .help = "Peer uids allowed to connect, besides the daemon's own uid "
-             "and root, which always are."},
-    {.name = "auth.allowed_gids",
-     .type = CONF_IDS,
-     IDS(allowed_gids, num_allowed_gids),
-     .min = 0,
-     .max = UINT32_MAX - 1,
-     .help = "Peer gids allowed to connect: a peer whose gid is listed is "
-             "let in."},
-    {.name = "auth.admin_gids",
-     .type = CONF_IDS,
-     IDS(admin_gids, num_admin_gids),
-     .min = 0,
-     .max = UINT32_MAX - 1,
-     .help = "Groups whose members see every user's sessions, pools, "
-             "instances and requests in status and request lists, as root "
-             "and the daemon's own uid do; other clients see their own "
-             "uid's only."},
-
-    {.name = "limits.max_frame_bytes",
-     .type = CONF_SIZE,
-     FIELD(max_frame_bytes),
-     .def = 16 * MiB,
-     .min = 4 * KiB,
-     .max = 1 * GiB,
-     .help = "Largest frame accepted from a client after Hello; a larger "
-             "length prefix closes the connection."},
-    {.name = "limits.hello_frame_bytes",
-     .type = CONF_SIZE,
-     FIELD(hello_frame_bytes),
-     .def = 4096,
-     .min = 256,
-     .max = 64 * KiB,
-     .check = check_hello,
-     .help = "Largest frame accepted before Hello, the smaller cap for "
-             "unauthenticated peers; at most limits.max_frame_bytes."},
-    {.name = "limits.max_sessions",
-     .type = CONF_U32,
-     FIELD(max_sessions),
-     .def = 1024,
-     .min = 1,
-     .max = 65536,
-     .help = "Sessions that said Hello (ranks) open at once; a Hello "
-             "past it is refused with KVX_ERR_LIMIT naming the key. "
-             "Connections that have not said Hello count in "
-             "limits.hello_sessions instead."},
-    {.name = "limits.uid_sessions",
-     .type = CONF_U32,
-     FIELD(uid_sessions),
-     .def = 0,
-     .min = 0,
-     .max = 65536,
-     .help = "One uid's share of limits.max_sessions: a Hello past it is "
-             "refused with KVX_ERR_LIMIT naming the key, so one tenant "
-             "cannot take every slot; 0 is half of limits.max_sessions."},
-    {.name = "limits.hello_sessions",
-     .type = CONF_U32,
-     FIELD(hello_sessions),
-     .def = 64,
-     .min = 1,
-     .max = 65536,
-     .help = "Connections that have not said Hello (observers: status, "
-             "reserve, release; ranks before their Hello), beside "
-             "limits.max_sessions. When they are all taken, a new "
-             "connection takes the place of the one that has said nothing "
-             "for longest (else of the one idle longest, of the uid "
-             "holding most), so a flood of silent connections never locks "
-             "out status."},
-    {.name = "limits.max_requests",
-     .type = CONF_U32,
-     FIELD(max_requests),
-     .def = 65536,
-     .min = 1,
-     .max = 1048576,
-     .help = "Requests in flight in the whole daemon; more are refused "
-             "with KVX_ERR_LIMIT."},
-    {.name = "limits.max_pools",
-     .type = CONF_U32,
-     FIELD(max_pools),
-     .def = 256,
-     .min = 1,
-     .max = 4096,
-     .help = "Memory pools one session may register."},
-    {.name = "limits.memory_bytes",
-     .type = CONF_SIZE,
-     FIELD(memory_bytes),
-     .def = 2 * GiB,
-     .min = 64 * MiB,
-     .max = 1024 * GiB,
-     .reloadable = 1,
-     .help = "The daemon's memory budget for what it holds for others: "
-             "client frames being read, replies queued, transfer plans "
-             "and the staging slots between daemons (charged at start). "
-             "Work that would pass it is refused with KVX_ERR_LIMIT, "
-             "never an out-of-memory; a lower value on reload refuses new "
-             "work until use falls under it. Also charged: requests "
-             "(offers, reservations, fetches) with their block lists, aux "
-             "payloads, and the pages of host pools not resident when "
-             "they are registered (the daemon would fault them in)."},
-    {.name = "limits.uid_memory_bytes",
-     .type = CONF_SIZE,
-     FIELD(uid_memory_bytes),
-     .def = 0,
-     .min = 0,
-     .max = 1024 * GiB,
-     .reloadable = 1,
-     .help = "One uid's share of limits.memory_bytes: what that uid's "
-             "clients make the daemon hold; work past it is refused with "
-             "KVX_ERR_LIMIT naming the key, so one tenant cannot take the "
-             "whole budget. 0 is half of limits.memory_bytes."},
-    {.name = "limits.batches_kept",
-     .type = CONF_U32,
-     FIELD(batches_kept),
-     .def = 4096,
-     .min = 16,
-     .max = 1048576,
-     .help = "Sealed batches one instance keeps for ranks that have not "
-             "read them; past it the oldest is dropped, and a rank that had "
-             "not read it gets KVX_ERR_LIMIT at its next poll, then reads "
-             "on. Every rank must poll, also one that fetched nothing "
-             "(another attention-DP group), or its batches pile up to "
-             "this. For instances made after a change (restart)."},
-    {.name = "limits.max_blocks_per_request",
-     .type = CONF_U32,
-     FIELD(max_blocks_per_request),
-     .def = 1048576,
-     .min = 1,
-     .max = 16777216,
-     .help = "KV blocks one request may name."},
-    {.name = "limits.session_queue_bytes",
-     .type = CONF_SIZE,
-     FIELD(session_queue_bytes),
-     .def = 4 * MiB,
-     .min = 64 * KiB,
-     .max = 1 * GiB,
-     .reloadable = 1,
-     .help = "Reply bytes one session may have queued (its client not "
-             "reading them yet); past it the daemon reads no more of its "
-             "requests until the client has read them. A session without "
-             "Hello gets at most 256KiB."},
-    {.name = "limits.session_requests",
-     .type = CONF_U32,
-     FIELD(session_requests),
-     .def = 1024,
-     .min = 1,
-     .max = 1048576,
-     .reloadable = 1,
-     .help = "Requests of one session awaiting their replies (held polls "
-             "and cancels); more are refused with KVX_ERR_LIMIT. A session "
-             "without Hello gets at most 8."},
-    {.name = "limits.list_page_entries",
-     .type = CONF_U32,
-     FIELD(list_page_entries),
-     .def = 1000,
-     .min = 1,
-     .max = 65536,
-     .reloadable = 1,
-     .help = "Requests one ListRequests reply lists at most; clients ask "
-             "for the next page (libkvxfer and kvxferctl do)."},
-    {.name = "limits.aux_bytes",
-     .type = CONF_SIZE,
-     FIELD(aux_bytes),
-     .def = 64 * KiB,
-     .min = 0,
-     .max = 1 * MiB,
-     .reloadable = 1,
-     .help = "Largest aux payload (first token, logprobs) a publish may "
-             "carry to the generation side's COMPLETE event; a larger one "
-             "is refused with KVX_ERR_LIMIT, and one from a peer daemon "
-             "fails its request. 0: none. A publish's frame holds it "
-             "(limits.max_frame_bytes)."},
-
-    {.name = "copy.worker_threads",
-     .type = CONF_U32,
-     FIELD(worker_threads),
-     .def = 0,
-     .min = 0,
-     .max = 256,
-     .help = "Copy worker threads; 0 means one per online CPU."},
-    {.name = "copy.pin_threads",
-     .type = CONF_U32,
-     FIELD(copy_pin_threads),
-     .def = 2,
-     .min = 0,
-     .max = 2,
-     .help = "Each copy worker bound to a CPU of its own among those the "
-             "daemon may use (in turn, when there are more workers than "
-             "CPUs): 0 never, 1 always, 2 when it may use fewer than 4 "
-             "CPUs. Two workers woken onto one CPU can share it for "
-             "milliseconds (the scheduler keeps a thread that just ran "
-             "where its cache is), and a request's last copy then takes "
-             "up to twice as long; bound workers cannot move away from "
-             "other busy threads either, which cost a 16-CPU host 8-15 % "
-             "of its bandwidth."},
-    {.name = "copy.chunk_bytes",
-     .type = CONF_SIZE,
-     FIELD(copy_chunk_bytes),
-     .def = 4 * MiB,
-     .min = 4 * KiB,
-     .max = 1 * GiB,
-     .reloadable = 1,
-     .help = "A large transfer is cut into chunks of about this many bytes "
-             "so that many requests progress together."},
-    {.name = "copy.max_inflight_chunks",
-     .type = CONF_U32,
-     FIELD(max_inflight_chunks),
-     .def = 0,
-     .min = 0,
-     .max = 4096,
-     .reloadable = 1,
-     .help = "Chunks queued to or running on the workers at once; 0 means "
-             "twice the number of worker threads."},
-    {.name = "copy.spin_us",
-     .type = CONF_U32,
-     FIELD(spin_us),
-     .def = 20,
-     .min = 0,
-     .max = 1000,
-     .help = "An idle copy worker (one at most) spins this long before "
-             "sleeping; saves a wake-up per small request; 0 turns it "
-             "off."},
-
-    {.name = "copy.inline_bytes",
-     .type = CONF_SIZE,
-     FIELD(copy_inline_bytes),
-     .def = 64 * KiB,
-     .min = 0,
-     .max = 16 * MiB,
-     .help = "A host copy job whose whole plan moves this many bytes or "
-             "fewer runs on the daemon's loop thread instead of waking a "
-             "copy worker (two thread hand-offs cost more than copying a "
-             "few blocks); 0: every job goes to the workers."},
-
-    {.name = "copy.busy_poll",
-     .type = CONF_U32,
-     FIELD(copy_busy_poll),
-     .def = 1,
-     .min = 0,
-     .max = 2,
-     .help = "While a request is in flight here (published and not yet "
-             "consumed or ended, or fetched and not yet ended), the loop "
-             "polls every turn instead of sleeping, so that the engine's "
-             "next call (a fetch, a layer made ready), a CUDA event and "
-             "the copies coming back are read within microseconds; it "
-             "yields its CPU each turn, so that a copy worker or an "
-             "engine's thread waiting there runs at once: 0 never, 1 "
-             "always, 2 when the daemon may use 4 or more CPUs. Idle, it "
-             "sleeps."},
-
-    {.name = "gpu.max_ctas",
-     .type = CONF_U32,
-     FIELD(gpu_max_ctas),
-     .def = 64,
-     .min = 1,
-     .max = 1024,
-     .reloadable = 1,
-     .help = "Thread blocks one GPU copy kernel may use; the GPUs are busy "
-             "running the model."},
-    {.name = "gpu.spin_us",
-     .type = CONF_U32,
-     FIELD(gpu_spin_us),
-     .def = 50,
-     .min = 0,
-     .max = 1000,
-     .help = "The thread that sees a GPU copy finish spins this long for "
-             "the next one, and on each one, before it sleeps; saves two "
-             "wake-ups per small request; 0 turns it off."},
-    {.name = "gpu.event_poll_us",
-     .type = CONF_U32,
-     FIELD(gpu_event_poll_us),
-     .def = 10,
-     .min = 1,
-     .max = 1000,
-     .help = "How often a thread waiting for a GPU event looks at it: the "
-             "engine's events of a layer-wise offer while any is watched, "
-             "and a copy kernel still running after gpu.spin_us (up to 2 "
-             "ms, then it blocks). Shorter finds a layer or a copy done "
-             "sooner and costs more CPU while the GPU works."},
-    {.name = "gpu.chunk_bytes",
-     .type = CONF_SIZE,
-     FIELD(gpu_chunk_bytes),
-     .def = 2 * GiB,
-     .min = 64 * KiB,
-     .max = 4 * GiB,
-     .reloadable = 1,
-     .help = "Bytes one GPU kernel launch moves at most. Each launch "
-             "costs about 20 us beyond its bytes (one H200: 0.81 of "
-             "cudaMemcpy with 256MiB, 0.89 with 1GiB, 0.90 with 2GiB); a "
-             "cancel waits for the request's launches already queued, at "
-             "most copy.max_inflight_chunks of them."},
-    {.name = "gpu.staging_bytes",
-     .type = CONF_SIZE,
-     FIELD(gpu_staging_bytes),
-     .def = 64 * MiB,
-     .min = 0,
-     .max = 64 * GiB,
-     .help = "GPU staging buffer per device with pools, kept for GPU-memory "
-             "slots between daemons (with a CUDA-aware UCX; not used yet); "
-             "allocated once, on the first pool; 0: none. The host staging "
-             "is the peer slots."},
-
-    {.name = "peer.listen",
-     .type = CONF_STRING,
-     FIELD(peer_listen),
-     .def_str = "",
-     .check = check_listen,
-     .help = "IP:PORT this daemon accepts peer daemons on and advertises "
-             "in its address: a TCP socket of the daemon's own, where "
-             "daemons authenticate before UCX is used; port 0 picks a free "
-             "port; empty turns transfers between daemons off."},
-    {.name = "peer.secret_file",
-     .type = CONF_STRING,
-     FIELD(peer_secret_file),
-     .def_str = "",
-     .help = "File holding the cluster secret (16 to 4096 bytes, readable "
-             "by the owner only) that daemons prove to each other; "
-             "required with peer.listen."},
-    {.name = "peer.secret_previous_ms",
-     .type = CONF_MS,
-     FIELD(peer_secret_previous_ms),
-     .def = 600000,
-     .min = 0,
-     .max = 86400000,
-     .reloadable = 1,
-     .help = "After SIGHUP brings a new secret in peer.secret_file, how "
-             "long handshakes still accept the previous one (both MAC a "
-             "daemon that has not rotated yet), so that a cluster "
-             "rotates its secret without a restart."},
-    {.name = "peer.net_devices",
-     .type = CONF_STRING,
-     FIELD(peer_net_devices),
-     .def_str = "",
-     .help = "The network devices UCX may use and listen on (its "
-             "UCX_NET_DEVICES, e.g. \"eth1,mlx5_0:1\"); empty: the "
-             "interface that holds peer.listen's IP and every RDMA "
-             "device, so that UCX's TCP transport listens on no other "
-             "interface; \"all\": every device. The environment's "
-             "UCX_NET_DEVICES, when set, wins."},
-    {.name = "peer.ucx_ports",
-     .type = CONF_STRING,
-     FIELD(peer_ucx_ports),
-     .def_str = "",
-     .check = check_ucx_ports,
-     .help = "Port range LO-HI that UCX's TCP transport listens on for "
-             "the connections of its endpoints (the loop's worker and "
-             "each lane; open it in firewalls between daemons); empty: "
-             "any free port."},
-    {.name = "peer.allowed",
-     .type = CONF_STRING,
-     FIELD(peer_allowed),
-     .def_str = "",
-     .check = check_allowed,
-     .help = "The networks other daemons are in, as IPs or CIDRs "
-             "separated by commas (\"10.0.0.0/16,10.1.0.7\"): this daemon "
-             "dials only daemons there, whatever a request's params name, "
-             "and answers handshakes only from there; empty: the network "
-             "of the interface that holds peer.listen's IP (its address "
-             "and netmask)."},
-    {.name = "peer.keepalive_interval_ms",
-     .type = CONF_MS,
-     FIELD(keepalive_interval_ms),
-     .def = 1000,
-     .min = 10,
-     .max = 600000,
-     .reloadable = 1,
-     .check = check_keepalive,
-     .help = "How often each peer daemon is pinged."},
-    {.name = "peer.keepalive_timeout_ms",
-     .type = CONF_MS,
-     FIELD(keepalive_timeout_ms),
-     .def = 5000,
-     .min = 50,
-     .max = 3600000,
-     .reloadable = 1,
-     .help = "A peer silent this long is lost: every transfer with it ends "
-             "with KVX_ERR_PEER_GONE; the next use reconnects."},
-    {.name = "peer.connect_timeout_ms",
-     .type = CONF_MS,
-     FIELD(peer_connect_timeout_ms),
-     .def = 5000,
-     .min = 10,
-     .max = 600000,
-     .reloadable = 1,
-     .help = "Connecting to a peer and authenticating must finish within "
-             "this."},
-    {.name = "peer.slot_bytes",
-     .type = CONF_SIZE,
-     FIELD(slot_bytes),
-     .def = 4 * MiB,
-     .min = 64 * KiB,
-     .max = 1 * GiB,
-     .help = "Staging slot size: the most one pull asks for; its pieces "
-             "(peer.message_bytes) are gathered, sent and scattered "
-             "each on its own, pipelined."},
-    {.name = "peer.slots",
-     .type = CONF_U32,
-     FIELD(slots),
-     .def = 0,
-     .min = 0,
-     .max = 1024,
-     .check = check_slots,
-     .help = "Staging slots for each direction (sending and receiving); "
-             "allocated and registered once, at start. 0: as many as "
-             "fit in 32 MiB, at least 2 (8 of 4 MiB, 2 of 16 MiB)."},
-    {.name = "peer.message_bytes",
-     .type = CONF_SIZE,
-     FIELD(message_bytes),
-     .def = 4 * MiB,
-     .min = 64 * KiB,
-     .max = 1 * GiB,
-     .help = "Largest message UCX is given: a larger slot is sent as "
-             "pieces of this size (at most 64), received straight into "
-             "their place in the slot."},
-    {.name = "peer.send_window",
-     .type = CONF_U32,
-     FIELD(send_window),
-     .def = 4,
-     .min = 1,
-     .max = 1024,
-     .help = "Messages in flight to one peer at once; more wait, "
-             "gathered, in order, so that one slot finishes while the "
-             "next is gathered and the one before is scattered."},
-    {.name = "peer.lanes",
-     .type = CONF_U32,
-     FIELD(lanes),
-     .def = 2,
-     .min = 0,
-     .max = 16,
-     .help = "UCX workers, each on a thread of its own, that carry slot "
-             "data to and from other daemons (a slot's pieces spread over "
-             "them), so that the wire's copies run on that many cores; 0 "
-             "carries data on the loop's worker. Their addresses are told "
-             "only to authenticated daemons. Both daemons need lanes for a "
-             "connection to use them."},
-    {.name = "peer.direct",
-     .type = CONF_U32,
-     FIELD(direct),
-     .def = 2,
-     .min = 0,
-     .max = 2,
-     .help = "Slot data between daemons skips the staging slots where a "
-             "host pool's runs allow: a piece is received by UCX straight "
-             "into the destination blocks (an iov of their runs, unpacked "
-             "on the lanes' threads) instead of into the receive slot and "
-             "scattered from there, and sent by UCX straight from the "
-             "source blocks instead of gathered into the send slot "
-             "first: a copy fewer on each daemon, fewer threads copying. "
-             "Only for pieces whose runs average 2 KiB or more, and only "
-             "over lanes (where their stall check bounds how long a "
-             "request's fence waits for UCX); GPU pools always go "
-             "through the slots. 0 never, 1 always, 2 when the daemon may "
-             "use fewer than 4 CPUs (where copies, not threads, are what "
-             "is short) and UCX may use no RDMA device (an iov gives up "
-             "UCX's zero-copy rendezvous there)."},
-    {.name = "peer.busy_poll",
-     .type = CONF_U32,
-     FIELD(busy_poll),
-     .def = 2,
-     .min = 0,
-     .max = 2,
-     .help = "While transfers between daemons are in flight the loop "
-             "polls UCX every turn instead of sleeping on its event fd: "
-             "0 never, 1 always, 2 when the daemon may use 4 or more CPUs "
-             "(with fewer, the "
-             "spinning loop takes the copy threads' CPU). Idle, it always "
-             "sleeps."},
-
-    {.name = "peer.gather_ahead",
-     .type = CONF_U32,
-     FIELD(gather_ahead),
-     .def = 0,
-     .min = 0,
-     .max = 8,
-     .help = "Send slots a stream may gather before the generation daemon "
-             "pulls them (the next units it will ask for), so that a PULL "
-             "finds its data ready; only while no PULL waits for a slot "
-             "and more than one slot is free; 0 turns it off."},
-
-    {.name = "deadlines.offer_lease_ms",
-     .type = CONF_MS,
-     FIELD(offer_lease_ms),
-     .def = 30000,
-     .min = 1,
-     .max = 86400000,
-     .reloadable = 1,
-     .help = "How long published KV stays held for a fetch before it is "
-             "released and the request fails with KVX_ERR_TIMED_OUT."},
-    {.name = "deadlines.fetch_timeout_ms",
-     .type = CONF_MS,
-     FIELD(fetch_timeout_ms),
-     .def = 30000,
-     .min = 1,
-     .max = 86400000,
-     .reloadable = 1,
-     .help = "How long a fetch may wait for its data before it fails with "
-             "KVX_ERR_TIMED_OUT."},
-    {.name = "deadlines.poll_timeout_max_ms",
-     .type = CONF_MS,
-     FIELD(poll_timeout_max_ms),
-     .def = 60000,
-     .min = 0,
-     .max = 3600000,
-     .reloadable = 1,
-     .help = "Longest a poll may be held waiting for events; a longer "
-             "client timeout is cut to this."},
-    {.name = "deadlines.drain_timeout_ms",
-     .type = CONF_MS,
-     FIELD(drain_timeout_ms),
-     .def = 5000,
-     .min = 0,
-     .max = 600000,
-     .reloadable = 1,
-     .help = "On shutdown every request ends at once with SHUTDOWN; this "
-             "bounds the wait for in-flight copies to be fenced and the "
-             "last replies to be sent."},
-    {.name = "deadlines.deadline_tick_ms",
-     .type = CONF_MS,
-     FIELD(deadline_tick_ms),
-     .def = 10,
-     .min = 1,
-     .max = 1000,
-     .reloadable = 1,
-     .help = "Granularity of deadline checks: a deadline fires up to this "
-             "late."},
-    {.name = "deadlines.hello_timeout_ms",
-     .type = CONF_MS,
-     FIELD(hello_timeout_ms),
-     .def = 10000,
-     .min = 1,
-     .max = 3600000,
-     .reloadable = 1,
-     .help = "A connection that has sent no request this long after "
-             "connecting is closed. One that sends requests without Hello "
-             "(an observer: status, lists, reserve) stays, under "
-             "deadlines.session_idle_ms."},
-    {.name = "deadlines.session_idle_ms",
-     .type = CONF_MS,
-     FIELD(session_idle_ms),
-     .def = 600000,
-     .min = 0,
-     .max = 86400000,
-     .reloadable = 1,
-     .help = "A session (a rank, or an observer once it has sent a "
-             "request) that holds no pool, waits for no reply and has sent "
-             "nothing this long is closed, so idle clients cannot hold "
-             "limits.max_sessions; 0 never."},
-    {.name = "deadlines.reply_stall_ms",
-     .type = CONF_MS,
-     FIELD(reply_stall_ms),
-     .def = 10000,
-     .min = 1,
-     .max = 3600000,
-     .reloadable = 1,
-     .help = "A session with more than limits.session_queue_bytes of "
-             "replies queued whose client reads none of them this long is "
-             "closed."},
-
-    {.name = "log.level",
-     .type = CONF_LEVEL,
-     FIELD(log_level),
-     .def = LOG_INFO,
-     .min = LOG_ERR,
-     .max = LOG_DEBUG,
-     .reloadable = 1,
-     .help = "Least severe message logged."},
-    {.name = "log.trace_file",
-     .type = CONF_STRING,
-     FIELD(log_trace_file),
-     .def_str = "",
-     .help = "File (appended to) that gets one line per fetch as it ends, "
-             "with the monotonic time of each hop (kvxfer-bench --trace "
-             "reads it); empty: none."},
-};
-
-#define NKEYS (sizeof(keys) / sizeof(keys[0]))
 
 static const struct {
     int level;
@@ -944,19 +299,20 @@ static int section_is(const struct conf_key *k, const char *sec, size_t len)
 /* Index of the first key of section sec, or -1. */
 static int section_find(const char *sec)
 {
-    for (size_t i = 0; i < NKEYS; i++)
-        if (section_is(&keys[i], sec, strlen(sec)))
+    for (size_t i = 0; i < conf_nkeys; i++)
+        if (section_is(&conf_keys[i], sec, strlen(sec)))
             return (int)i;
     return -1;
 }
 
-/* Index of key name in the section starting at keys[sec], or -1. */
+/* Index of key name in the section starting at conf_keys[sec], or -1. */
 static int key_find(int sec, const char *name)
 {
-    size_t len = section_len(keys[sec].name);
+    size_t len = section_len(conf_keys[sec].name);
     for (size_t i = (size_t)sec;
-         i < NKEYS && section_is(&keys[i], keys[sec].name, len); i++)
-        if (!strcmp(keys[i].name + len + 1, name))
+         i < conf_nkeys && section_is(&conf_keys[i], conf_keys[sec].name, len);
+         i++)
+        if (!strcmp(conf_keys[i].name + len + 1, name))
             return (int)i;
     return -1;
 }
@@ -966,25 +322,23 @@ static void list_names(int sec, char *buf, size_t n)
 {
     size_t len = 0;
     buf[0] = '\0';
-    for (size_t i = 0; i < NKEYS && len < n; i++) {
-        const char *name = keys[i].name;
+    for (size_t i = 0; i < conf_nkeys && len < n; i++) {
+        const char *name = conf_keys[i].name;
         size_t sl = section_len(name);
         if (sec < 0) {
-            if (i && section_is(&keys[i - 1], name, sl))
+            if (i && section_is(&conf_keys[i - 1], name, sl))
                 continue;
             len += (size_t)snprintf(buf + len, n - len, "%s%.*s",
                                     len ? ", " : "", (int)sl, name);
-        } else if (section_is(&keys[sec], name, sl)) {
+        } else if (section_is(&conf_keys[sec], name, sl)) {
             len += (size_t)snprintf(buf + len, n - len, "%s%s",
                                     len ? ", " : "", name + sl + 1);
         }
     }
 }
 
-/* ---- validators ---- */
-
 /* A user's text made safe to print and short enough to read. */
-static const char *shown(const char *s, size_t len, char *buf, size_t n)
+const char *conf_shown(const char *s, size_t len, char *buf, size_t n)
 {
     size_t o = 0;
     for (size_t i = 0; i < len && o + 4 < n && i < CONF_SHOW_MAX; i++) {
@@ -999,155 +353,13 @@ static const char *shown(const char *s, size_t len, char *buf, size_t n)
     return buf;
 }
 
-
-/* Names as useradd accepts them, or a numeric gid: nothing that could be
- * read as an option or a path. */
-static int check_group(const kvx_conf_t *conf, char *why, size_t n)
-{
-    const char *g = conf->socket_group;
-    size_t len = strlen(g);
-
-    if (!len)
-        return 0;
-    for (size_t i = 0; i < len; i++) {
-        char ch = g[i];
-        int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                 (ch >= '0' && ch <= '9') || ch == '_' || ch == '.' ||
-                 (ch == '-' && i > 0) || (ch == '$' && i == len - 1 && i);
-        if (!ok) {
-            char what[64];
-            snprintf(why, n, "\"%s\" is not a group name (expected "
-                             "letters, digits, '_', '.', '-' or a number)",
-                     shown(g, len, what, sizeof(what)));
-            return 1;
-        }
-    }
-    return 0;
-}
-
-static int check_hello(const kvx_conf_t *conf, char *why, size_t n)
-{
-    if (conf->hello_frame_bytes <= conf->max_frame_bytes)
-        return 0;
-    snprintf(why, n, "%u is larger than limits.max_frame_bytes (expected "
-                     "at most %u)", conf->hello_frame_bytes,
-             conf->max_frame_bytes);
-    return 1;
-}
-
-static int check_listen(const kvx_conf_t *conf, char *why, size_t n)
-{
-    const char *l = conf->peer_listen;
-    if (!l[0])
-        return 0;
-    const char *colon = strrchr(l, ':');
-    char *end;
-    if (!colon || colon == l) {
-        snprintf(why, n, "'%s' is not IP:PORT", l);
-        return 1;
-    }
-    unsigned long port = strtoul(colon + 1, &end, 10);
-    if (!colon[1] || *end || port > 65535) {
-        snprintf(why, n, "'%s': port must be 0..65535", l);
-        return 1;
-    }
-    if (!strncmp(l, "0.0.0.0:", 8)) {
-        snprintf(why, n, "'%s': give the IP other daemons reach, not 0.0.0.0",
-                 l);
-        return 1;
-    }
-    if (!conf->peer_secret_file[0]) {
-        snprintf(why, n, "needs peer.secret_file (the cluster secret)");
-        return 1;
-    }
-    return 0;
-}
-
-static int check_ucx_ports(const kvx_conf_t *conf, char *why, size_t n)
-{
-    const char *p = conf->peer_ucx_ports;
-    unsigned lo, hi;
-    int used = 0;
-    if (!p[0])
-        return 0;
-    if (sscanf(p, "%u-%u%n", &lo, &hi, &used) != 2 || p[used] || !lo ||
-        lo > hi || hi > 65535) {
-        snprintf(why, n, "'%s' is not LO-HI with 1 <= LO <= HI <= 65535", p);
-        return 1;
-    }
-    return 0;
-}
-
-int conf_net_parse(const char *tok, int *family, uint8_t addr[16],
-                   unsigned *bits)
-{
-    char t[64];
-    while (*tok == ' ')
-        tok++;
-    if (strlen(tok) >= sizeof(t))
-        return KVX_ERR_INVALID;
-    strcpy(t, tok);
-    char *slash = strchr(t, '/'), *end = NULL;
-    long b = -1;
-    if (slash) {
-        *slash = 0;
-        b = strtol(slash + 1, &end, 10);
-    }
-    int v4 = inet_pton(AF_INET, t, addr) == 1,
-        v6 = !v4 && inet_pton(AF_INET6, t, addr) == 1;
-    long max = v4 ? 32 : 128;
-    if ((!v4 && !v6) || (slash && (!slash[1] || *end || b < 0 || b > max)))
-        return KVX_ERR_INVALID;
-    *family = v4 ? AF_INET : AF_INET6;
-    *bits = slash ? (unsigned)b : (unsigned)max;
-    return 0;
-}
-
-static int check_allowed(const kvx_conf_t *conf, char *why, size_t n)
-{
-    char buf[sizeof(conf->peer_allowed)], *save = NULL;
-    snprintf(buf, sizeof(buf), "%s", conf->peer_allowed);
-    for (char *t = strtok_r(buf, ",", &save); t;
-         t = strtok_r(NULL, ",", &save)) {
-        int fam;
-        uint8_t a[16];
-        unsigned bits;
-        if (conf_net_parse(t, &fam, a, &bits)) {
-            while (*t == ' ')
-                t++;
-            snprintf(why, n, "'%.64s' is not an IP or IP/BITS", t);
-            return 1;
-        }
-    }
-    return 0;
-}
-
-static int check_slots(const kvx_conf_t *conf, char *why, size_t n)
-{
-    if (conf->slots == 1) { /* one slot cannot overlap anything */
-        snprintf(why, n, "1: give 0 (as many as fit in 32 MiB) or 2..1024");
-        return 1;
-    }
-    return 0;
-}
-
-static int check_keepalive(const kvx_conf_t *conf, char *why, size_t n)
-{
-    if (conf->keepalive_interval_ms >= conf->keepalive_timeout_ms) {
-        snprintf(why, n, "%u ms is not below peer.keepalive_timeout_ms (%u)",
-                 conf->keepalive_interval_ms, conf->keepalive_timeout_ms);
-        return 1;
-    }
-    return 0;
-}
-
 /* ---- defaults, reload, listings ---- */
 
 void conf_defaults(kvx_conf_t *conf)
 {
     memset(conf, 0, sizeof(*conf));
-    for (size_t i = 0; i < NKEYS; i++) {
-        const struct conf_key *k = &keys[i];
+    for (size_t i = 0; i < conf_nkeys; i++) {
+        const struct conf_key *k = &conf_keys[i];
         switch (k->type) {
         case CONF_STRING:
         case CONF_PATH:
@@ -1168,8 +380,8 @@ int conf_apply_reloadable(kvx_conf_t *cur, const kvx_conf_t *next,
 {
     int changed = 0;
 
-    for (size_t i = 0; i < NKEYS; i++) {
-        const struct conf_key *k = &keys[i];
+    for (size_t i = 0; i < conf_nkeys; i++) {
+        const struct conf_key *k = &conf_keys[i];
         if (key_equal(cur, next, k))
             continue;
         if (k->reloadable) {
@@ -1194,8 +406,8 @@ void conf_print_markdown(FILE *out)
                  "description |\n");
     fprintf(out, "|-----|------|---------|-------|------------|"
                  "-------------|\n");
-    for (size_t i = 0; i < NKEYS; i++) {
-        const struct conf_key *k = &keys[i];
+    for (size_t i = 0; i < conf_nkeys; i++) {
+        const struct conf_key *k = &conf_keys[i];
         fmt_value(&def, k, val, sizeof(val));
         fmt_range(k, range, sizeof(range));
         fprintf(out, "| `%s` | %s | `%s` | %s | %s | %s |\n", k->name,
@@ -1210,11 +422,11 @@ int conf_foreach(const kvx_conf_t *conf,
 {
     char val[1024];
 
-    for (size_t i = 0; fn && i < NKEYS; i++) {
-        fmt_value(conf, &keys[i], val, sizeof(val));
-        fn(keys[i].name, val, arg);
+    for (size_t i = 0; fn && i < conf_nkeys; i++) {
+        fmt_value(conf, &conf_keys[i], val, sizeof(val));
+        fn(conf_keys[i].name, val, arg);
     }
-    return (int)NKEYS;
+    return (int)conf_nkeys;
 }
 
 /* ---- the loader ---- */
@@ -1227,10 +439,10 @@ struct loader {
     int problems;
     yaml_document_t *doc;
     kvx_conf_t conf;
-    size_t section_line[NKEYS]; /* by first key index; 0 = not seen */
-    size_t key_line[NKEYS];     /* 0 = not in the file */
-    yaml_mark_t value_mark[NKEYS];
-    int bad[NKEYS];             /* the value was refused */
+    size_t section_line[CONF_MAX_KEYS]; /* by first key index; 0 = not seen */
+    size_t key_line[CONF_MAX_KEYS];     /* 0 = not in the file */
+    yaml_mark_t value_mark[CONF_MAX_KEYS];
+    int bad[CONF_MAX_KEYS]; /* the value was refused */
 };
 
 enum { PARSE_OK, PARSE_BAD, PARSE_RANGE };
@@ -1427,7 +639,7 @@ static int parse_number(const struct conf_key *k, const char *s,
 
 static void load_ids(struct loader *ld, int ki, const yaml_node_t *vn)
 {
-    const struct conf_key *k = &keys[ki];
+    const struct conf_key *k = &conf_keys[ki];
     /* Each entry reads as an integer with the list's bounds. */
     const struct conf_key id = {.type = CONF_U32, .min = k->min,
                                 .max = k->max};
@@ -1459,7 +671,7 @@ static void load_ids(struct loader *ld, int ki, const yaml_node_t *vn)
         if (strlen(scalar(in)) == in->data.scalar.length)
             rc = parse_number(&id, scalar(in), &v);
         if (rc != PARSE_OK) {
-            shown(scalar(in), in->data.scalar.length, what, sizeof(what));
+            conf_shown(scalar(in), in->data.scalar.length, what, sizeof(what));
             if (rc == PARSE_RANGE)
                 report(ld, &in->start_mark, name,
                        "%s is out of range (expected %s)", what, expected);
@@ -1476,7 +688,7 @@ static void load_ids(struct loader *ld, int ki, const yaml_node_t *vn)
 
 static void load_value(struct loader *ld, int ki, const yaml_node_t *vn)
 {
-    const struct conf_key *k = &keys[ki];
+    const struct conf_key *k = &conf_keys[ki];
     char expected[256], what[64];
     const char *s;
     size_t len;
@@ -1501,7 +713,7 @@ static void load_value(struct loader *ld, int ki, const yaml_node_t *vn)
     }
     s = scalar(vn);
     len = vn->data.scalar.length;
-    shown(s, len, what, sizeof(what));
+    conf_shown(s, len, what, sizeof(what));
     if (strlen(s) != len) {
         report(ld, &vn->start_mark, k->name,
                "value contains a NUL character (expected %s)", expected);
@@ -1541,10 +753,10 @@ static void load_value(struct loader *ld, int ki, const yaml_node_t *vn)
 
 static void load_section(struct loader *ld, int sec, const yaml_node_t *sn)
 {
-    size_t sl = section_len(keys[sec].name);
+    size_t sl = section_len(conf_keys[sec].name);
     char sname[32], names[256], what[64], full[128];
 
-    snprintf(sname, sizeof(sname), "%.*s", (int)sl, keys[sec].name);
+    snprintf(sname, sizeof(sname), "%.*s", (int)sl, conf_keys[sec].name);
     list_names(sec, names, sizeof(names));
     if (node_is_null(sn)) /* every key commented out: all defaults */
         return;
@@ -1573,14 +785,14 @@ static void load_section(struct loader *ld, int sec, const yaml_node_t *sn)
                  : -1;
         if (ki < 0) {
             snprintf(full, sizeof(full), "%s.%s", sname,
-                     shown(scalar(kn), kn->data.scalar.length, what,
-                           sizeof(what)));
+                     conf_shown(scalar(kn), kn->data.scalar.length, what,
+                                sizeof(what)));
             report(ld, &kn->start_mark, full,
                    "unknown key (expected one of %s)", names);
             continue;
         }
         if (ld->key_line[ki]) {
-            report(ld, &kn->start_mark, keys[ki].name,
+            report(ld, &kn->start_mark, conf_keys[ki].name,
                    "duplicate key (expected it once; first at line %zu)",
                    ld->key_line[ki]);
             continue;
@@ -1618,7 +830,7 @@ static void load_root(struct loader *ld, const yaml_node_t *root)
                    node_kind(kn), sections);
             continue;
         }
-        shown(scalar(kn), kn->data.scalar.length, what, sizeof(what));
+        conf_shown(scalar(kn), kn->data.scalar.length, what, sizeof(what));
         sec = strlen(scalar(kn)) == kn->data.scalar.length &&
                       !strchr(scalar(kn), '.')
                   ? section_find(scalar(kn))
@@ -1836,12 +1048,12 @@ int conf_load(const char *path, kvx_conf_t *conf, FILE *err)
 
     /* Rules across keys, on the whole file; a refused value is not
      * checked again against its neighbours. */
-    for (size_t i = 0; i < NKEYS; i++) {
-        if (!keys[i].check || ld->bad[i] || keys[i].check(&ld->conf, why,
-                                                         sizeof(why)) == 0)
+    for (size_t i = 0; i < conf_nkeys; i++) {
+        if (!conf_keys[i].check || ld->bad[i] ||
+            conf_keys[i].check(&ld->conf, KVX_WHY(why)) == 0)
             continue;
         report(ld, ld->key_line[i] ? &ld->value_mark[i] : NULL,
-               keys[i].name, "%s", why);
+               conf_keys[i].name, "%s", why);
     }
 
 out:

@@ -12,17 +12,16 @@ static const char *const names[FAULT_NSITES] = {
 static unsigned long when[FAULT_NSITES]; /* 0: never */
 static unsigned long seen[FAULT_NSITES];
 
-int fault_init(char *why, size_t why_len)
+int fault_init(kvx_why_t *why)
 {
     const char *env = getenv("KVXFERD_FAULT");
     if (!env || !*env)
         return 0;
     char buf[256];
-    if (strlen(env) >= sizeof(buf)) {
-        snprintf(why, why_len, "KVXFERD_FAULT: longer than %zu bytes",
-                 sizeof(buf) - 1);
-        return KVX_ERR_INVALID;
-    }
+    if (strlen(env) >= sizeof(buf))
+        return why_fail(why, KVX_ERR_INVALID,
+                        "KVXFERD_FAULT: longer than %zu bytes",
+                        sizeof(buf) - 1);
     strcpy(buf, env);
     char *save = NULL;
     for (char *t = strtok_r(buf, ",", &save); t;
@@ -34,15 +33,12 @@ int fault_init(char *why, size_t why_len)
                 !strncmp(t, names[i], strlen(names[i])))
                 site = i;
         unsigned long n = colon ? strtoul(colon + 1, &end, 10) : 0;
-        if (site < 0 || !n || !end || *end) {
-            snprintf(
-                why, why_len,
-                "KVXFERD_FAULT: '%.64s' is not SITE:N "
-                "(N >= 1; sites: gather, scatter, batch, lanes, lane_hold, "
-                "conn_hold)",
-                t);
-            return KVX_ERR_INVALID;
-        }
+        if (site < 0 || !n || !end || *end)
+            return why_fail(why, KVX_ERR_INVALID,
+                            "KVXFERD_FAULT: '%.64s' is not SITE:N "
+                            "(N >= 1; sites: gather, scatter, batch, lanes, "
+                            "lane_hold, conn_hold)",
+                            t);
         when[site] = n;
         log_warn("fault injection (tests only): %s %lu fails", names[site],
                  n);

@@ -20,6 +20,8 @@
 
 #include <stddef.h>
 
+#include "common/why.h"
+
 typedef enum {
     FAULT_GATHER,
     FAULT_SCATTER,
@@ -32,7 +34,7 @@ typedef enum {
 
 /* Parse $KVXFERD_FAULT. 0, or KVX_ERR_INVALID with why (a bad value names
  * itself). */
-int fault_init(char *why, size_t why_len);
+int fault_init(kvx_why_t *why);
 /* Does this event at site fail? Thread-safe; 0 when nothing is set. */
 int fault_hit(fault_site_t site);
 /* Is a fault set at site at all? */

@@ -1,211 +1,35 @@
 /*
  * session — one client connection and the protocol edge; see session.h.
+ * This file is the edge: one handler per request, and the replies;
+ * session_conn.c moves the bytes and keeps the sessions.
  *
- * Reading order: on_io() reads bytes and fds -> handle_frame() decodes a
- * Request -> one handler per message validates every field and calls the
- * module that acts -> reply() packs the Reply into the output buffer ->
- * flush() writes what the socket takes, the rest when it is writable.
+ * Reading order: on_io() (session_conn.c) reads bytes and fds ->
+ * session_handle_frame() decodes a Request -> one handler per message
+ * validates every field and calls the module that acts -> reply() packs
+ * the Reply into the output buffer -> session_flush() (session_conn.c)
+ * writes what the socket takes, the rest when it is writable.
  */
 #include <assert.h>
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ioctl.h>
-#include <sys/resource.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "agree/agree.h"
-#include "core/daemon.h"
 #include "common/frame.h"
-#include "xfer/instance.h"
-#include "remote/keyed.h"
 #include "common/layout.h"
+#include "copy/pool.h"
+#include "core/daemon.h"
 #include "core/log.h"
 #include "core/map.h"
-#include "copy/pool.h"
+#include "remote/keyed.h"
 #include "remote/release.h"
-#include "session.h"
+#include "session_int.h"
 #include "stats.h"
+#include "xfer/instance.h"
 #include "xfer/xfer.h"
 
-/* fds received and not yet taken by a request: a GPU pool over many VMM
- * allocations brings one each; more are closed as they come */
-#define MAX_FDS (KVX_MAX_POOL_CHUNKS + 8)
-#define OUT_MAX (256u << 20) /* a client this far behind is dropped */
-/* Fair use of the loop. One session gets at most this many frames, or
- * replies of this many bytes, handled in one turn of the loop; the rest
- * wait for the next turn, after every other session's. */
-#define TURN_FRAMES 32
-#define TURN_BYTES (256u << 10)
-/* A session without Hello (an observer) gets these caps at most. */
-#define HELLO_QUEUE_MAX (256u << 10)
-#define HELLO_REQUESTS_MAX 8u
-/* An input buffer no larger than this is kept while it holds part of a
- * frame; an empty one is given back (charged only while it holds bytes).
- * Over the budget a read still gets IN_MIN bytes (the headroom, as a
- * small reply's), enough to learn which request a frame is. */
-#define IN_KEEP (128u << 10)
-#define IN_MIN 4096u
-
-struct session {
-    uint64_t id;
-    int fd;
-    uv_poll_t poll;
-    int poll_events;
-    pid_t pid;
-    uid_t uid;
-    int admin; /* sees every user's sessions and requests (status) */
-    gid_t gid;
-    frame_reader_t rd;
-    uint8_t *out;
-    size_t out_len, out_off, out_cap;
-    int *fds;        /* received with SCM_RIGHTS, not yet used */
-    uint64_t *fd_at; /* each one's place in the byte stream: the
-                        last byte of the receive it came with,
-                        which lies in the frame it came with */
-    uint32_t nfds, fds_cap;
-    uint64_t rx_bytes;          /* received so far */
-    uint64_t frame_end;         /* stream offset just past the frame being
-                                   handled: its fds are those before it */
-    int hello;                  /* Hello accepted */
-    instance_t *inst;
-    uint32_t rank;
-    kvx_role_t role;
-    map_t pools;                /* pool_id -> pool_t, registered here */
-    int closing;
-    const char *close_why;      /* set: close at the next safe point */
-    uint64_t connected_ms;
-    uint64_t last_rx_ms;  /* bytes last arrived (idle deadline) */
-    int spoke;            /* a whole request has arrived: no longer under
-                             the Hello deadline (an observer) */
-    uint64_t last_tx_ms;  /* the client last took replies, or the
-                             queue last started from empty */
-    uint64_t out_total;   /* reply bytes queued since connect */
-    /* bytes of rd's and out's buffers charged to the memory budget */
-    uint64_t mem_in, mem_out;
-    uint32_t awaiting;    /* requests read and not answered yet */
-    uint64_t skip_left;   /* bytes of a frame over the memory budget
-                             still to be read and dropped (it was
-                             answered LIMIT) */
-    int ranked;           /* said Hello: holds one of limits.max_sessions
-                             (else one of limits.hello_sessions) */
-    int in_paused;        /* over the queue budget: not reading */
-    int resume_queued;    /* a deferred pump() is queued */
-    int fds_lost;         /* fds of a receive were dropped: */
-    uint64_t fds_lost_at; /* ... its last byte in the stream */
-    const char *fds_lost_why;
-    list_t flush_node; /* on flushq: replies queued, not yet sent */
-};
-
-static map_t sessions;
-static uint32_t fds_queued; /* over every session */
-
-/* Session slots: those that said Hello (limits.max_sessions, per uid
- * limits.uid_sessions) and those that have not (limits.hello_sessions),
- * counted in all and per uid (an entry while the uid holds any). */
-typedef struct uid_slots {
-    uint32_t ranks, pre;
-} uid_slots_t;
-static map_t uid_slots;
-static uint32_t nranked, npre;
-
-static uid_slots_t *slots_of(uid_t uid, int make)
-{
-    uid_slots_t *u = map_get(&uid_slots, uid);
-    if (!u && make && (u = calloc(1, sizeof(*u))) &&
-        map_put(&uid_slots, uid, u)) {
-        free(u);
-        u = NULL;
-    }
-    return u;
-}
-
-static void slots_put(uid_t uid)
-{
-    uid_slots_t *u = slots_of(uid, 0);
-    if (u && !u->ranks && !u->pre) {
-        map_del(&uid_slots, uid);
-        free(u);
-    }
-}
-
-/* fds all sessions together may queue: half the open-file limit, so a
- * client sending many cannot starve the daemon of fds. */
-static uint32_t fds_cap_total(void)
-{
-    static uint32_t cap;
-    if (!cap) {
-        struct rlimit rl;
-        cap = getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur == RLIM_INFINITY
-                  ? 65536
-                  : (uint32_t)(rl.rlim_cur / 2);
-        if (cap < 64)
-            cap = 64;
-    }
-    return cap;
-}
-
-/* Drop the first n queued fds of s (closing them unless taken). */
-static void fds_drop(session_t *s, uint32_t n, int close_them)
-{
-    if (!n)
-        return;
-    for (uint32_t i = 0; close_them && i < n; i++)
-        close(s->fds[i]);
-    memmove(s->fds, s->fds + n, (s->nfds - n) * sizeof(int));
-    memmove(s->fd_at, s->fd_at + n, (s->nfds - n) * sizeof(uint64_t));
-    s->nfds -= n;
-    fds_queued -= n;
-}
-static uint64_t next_sid = 1;
-
-/* Sessions to close at a safe point. A write can fail deep inside the end
- * of a request (an event delivered to a gone client); closing there would
- * end other requests while the caller still walks them. So output errors
- * only mark the session, and close_marked() runs from the deferred-work
- * queue (kvxd_defer). */
-static void close_marked(void *arg);
-static int sweep_marked; /* a close could not be deferred: the tick */
-
-static void session_close(session_t *s, const char *why);
-static void session_close_later(session_t *s, const char *why);
-static void flush(session_t *s);
-static void on_io(uv_poll_t *h, int status, int events);
-static void resume_later(session_t *s);
-
-static size_t queued(const session_t *s)
-{
-    return s->out_len - s->out_off;
-}
-
-/* Reply bytes a session may have queued before its input is paused. */
-static size_t queue_cap(const session_t *s)
-{
-    uint64_t c = kvxd.conf.session_queue_bytes;
-    return (size_t)(!s->hello && c > HELLO_QUEUE_MAX ? HELLO_QUEUE_MAX : c);
-}
-
-static uint32_t requests_cap(const session_t *s)
-{
-    uint32_t c = kvxd.conf.session_requests;
-    return !s->hello && c > HELLO_REQUESTS_MAX ? HELLO_REQUESTS_MAX : c;
-}
-
 /* ---- output ----------------------------------------------------------- */
-
-static void want_events(session_t *s)
-{
-    /* paused: only writable; a hang-up shows as writable and fails the
-     * send */
-    int ev = (s->in_paused ? 0 : UV_READABLE | UV_DISCONNECT) |
-             (s->out_len > s->out_off ? UV_WRITABLE : 0);
-    if (s->closing || s->close_why || ev == s->poll_events)
-        return;
-    s->poll_events = ev;
-    uv_poll_start(&s->poll, ev, on_io);
-}
 
 static void reply(session_t *s, uint64_t req_id, int status,
                   const char *message);
@@ -226,7 +50,7 @@ static void flush_all(void)
     list_t *n;
     uv_idle_stop(&flush_idle);
     while ((n = list_pop(&flushq)))
-        flush(LIST_OWNER(n, session_t, flush_node));
+        session_flush(LIST_OWNER(n, session_t, flush_node));
 }
 
 static void on_flush_check(uv_check_t *h)
@@ -333,61 +157,20 @@ void session_reply_msg(uint64_t sid, Kvxfer__Reply *r)
         reply_packed(s, r);
 }
 
-static void flush(session_t *s)
-{
-    if (s->close_why)
-        return;
-    while (s->out_off < s->out_len) {
-        ssize_t n = send(s->fd, s->out + s->out_off, s->out_len - s->out_off,
-                         MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
-                break;
-            log_debug("session %llu: send: %m", (unsigned long long)s->id);
-            session_close_later(s, "send failed");
-            return;
-        }
-        s->out_off += (size_t)n;
-        s->last_tx_ms = kvxd_now_ms();
-    }
-    if (s->out_off == s->out_len) {
-        /* all sent: the buffer goes back, and its charge */
-        s->out_off = s->out_len = 0;
-        free(s->out);
-        s->out = NULL;
-        s->out_cap = 0;
-        kvxd_mem_release_uid(MEM_REPLIES, s->uid, s->mem_out);
-        s->mem_out = 0;
-    }
-    if (s->in_paused && queued(s) <= queue_cap(s) / 2) {
-        /* the client caught up: read its requests again (those already
-         * buffered first, from the deferred queue, not from inside a
-         * reply) */
-        s->in_paused = 0;
-        resume_later(s);
-    }
-    want_events(s);
-}
-
 /* ---- validation helpers ----------------------------------------------- */
 
 /* Block ids inside the pool and not repeated. */
 static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
-                        const char *what, char *why, size_t why_len)
+                        const char *what, kvx_why_t *why)
 {
-    if (n == 0) {
-        snprintf(why, why_len, "%s.blocks: empty", what);
-        return KVX_ERR_INVALID;
-    }
-    if (n > kvxd.conf.max_blocks_per_request) {
-        snprintf(why, why_len,
-                 "%s.blocks: %zu blocks exceed limits.max_blocks_per_request "
-                 "%u",
-                 what, n, kvxd.conf.max_blocks_per_request);
-        return KVX_ERR_LIMIT;
-    }
+    if (n == 0)
+        return why_fail(why, KVX_ERR_INVALID, "%s.blocks: empty", what);
+    if (n > kvxd.conf.max_blocks_per_request)
+        return why_fail(
+            why, KVX_ERR_LIMIT,
+            "%s.blocks: %zu blocks exceed limits.max_blocks_per_request "
+            "%u",
+            what, n, kvxd.conf.max_blocks_per_request);
     /* the first bad entry in table order: out of range, or a repeat of
      * an earlier one; memory bounded by the table, not by the pool */
     uint32_t nb = p->layout.num_blocks;
@@ -395,21 +178,16 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
     for (size_t i = 0; i < n && bad == n; i++)
         if (b[i] >= nb)
             bad = i;
-    if (xfer_blocks_repeat(b, n, &dup)) {
-        snprintf(why, why_len, "%s: out of memory", what);
-        return KVX_ERR_NOMEM;
-    }
-    if (bad < n && bad <= dup) {
-        snprintf(why, why_len,
-                 "%s.blocks[%zu]: block %u outside pool %u's %u blocks", what,
-                 bad, b[bad], p->id, nb);
-        return KVX_ERR_INVALID;
-    }
-    if (dup < n) {
-        snprintf(why, why_len, "%s.blocks[%zu]: block %u listed twice", what,
-                 dup, b[dup]);
-        return KVX_ERR_INVALID;
-    }
+    if (xfer_blocks_repeat(b, n, &dup))
+        return why_fail(why, KVX_ERR_NOMEM, "%s: out of memory", what);
+    if (bad < n && bad <= dup)
+        return why_fail(why, KVX_ERR_INVALID,
+                        "%s.blocks[%zu]: block %u outside pool %u's %u blocks",
+                        what, bad, b[bad], p->id, nb);
+    if (dup < n)
+        return why_fail(why, KVX_ERR_INVALID,
+                        "%s.blocks[%zu]: block %u listed twice", what, dup,
+                        b[dup]);
     return 0;
 }
 
@@ -419,24 +197,20 @@ static int check_blocks(const pool_t *p, const uint32_t *b, size_t n,
 static pool_t *own_pool(session_t *s, uint32_t id);
 static int groups_from_msg(session_t *s, Kvxfer__GroupBlocks *const *m,
                            size_t n, const char *what, xfer_group_t *out,
-                           char *why, size_t why_len)
+                           kvx_why_t *why)
 {
-    if (n >= XFER_MAX_GROUPS) {
-        snprintf(why, why_len, "%s.groups: %zu, at most %u", what, n,
-                 XFER_MAX_GROUPS - 1);
-        return KVX_ERR_LIMIT;
-    }
+    if (n >= XFER_MAX_GROUPS)
+        return why_fail(why, KVX_ERR_LIMIT, "%s.groups: %zu, at most %u", what,
+                        n, XFER_MAX_GROUPS - 1);
     for (size_t k = 0; k < n; k++) {
         char w[48];
         snprintf(w, sizeof(w), "%s.groups[%zu]", what, k);
         pool_t *p = own_pool(s, m[k]->pool_id);
-        if (!p) {
-            snprintf(why, why_len,
-                     "%s.pool_id: no pool %u registered by this session", w,
-                     m[k]->pool_id);
-            return KVX_ERR_NOT_FOUND;
-        }
-        int rc = check_blocks(p, m[k]->blocks, m[k]->n_blocks, w, why, why_len);
+        if (!p)
+            return why_fail(why, KVX_ERR_NOT_FOUND,
+                            "%s.pool_id: no pool %u registered by this session",
+                            w, m[k]->pool_id);
+        int rc = check_blocks(p, m[k]->blocks, m[k]->n_blocks, w, why);
         if (rc)
             return rc;
         out[k] = (xfer_group_t){p,
@@ -450,49 +224,41 @@ static int groups_from_msg(session_t *s, Kvxfer__GroupBlocks *const *m,
 }
 
 static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
-                           char *why, size_t why_len)
+                           kvx_why_t *why)
 {
     memset(l, 0, sizeof(*l));
-    if (!m) {
-        snprintf(why, why_len, "register_pool.layout: missing");
-        return KVX_ERR_INVALID;
-    }
-    if (strlen(m->preset) >= sizeof(l->preset)) {
-        snprintf(why, why_len, "layout.preset: longer than %zu bytes",
-                 sizeof(l->preset) - 1);
-        return KVX_ERR_INVALID;
-    }
+    if (!m)
+        return why_fail(why, KVX_ERR_INVALID, "register_pool.layout: missing");
+    if (strlen(m->preset) >= sizeof(l->preset))
+        return why_fail(why, KVX_ERR_INVALID,
+                        "layout.preset: longer than %zu bytes",
+                        sizeof(l->preset) - 1);
     for (const char *p = m->preset; *p; p++)
         if (*p < 0x21 || *p > 0x7e) { /* status shows it: no odd bytes */
-            snprintf(why, why_len, "layout.preset: byte 0x%02x at %zu is "
-                                   "not printable ASCII",
-                     (unsigned char)*p, (size_t)(p - m->preset));
-            return KVX_ERR_INVALID;
+            return why_fail(why, KVX_ERR_INVALID,
+                            "layout.preset: byte 0x%02x at %zu is "
+                            "not printable ASCII",
+                            (unsigned char)*p, (size_t)(p - m->preset));
         }
-    if (m->n_part_region != m->n_part_offset) {
-        snprintf(why, why_len,
-                 "layout.part_region: %zu entries, but layout.part_offset "
-                 "has %zu",
-                 m->n_part_region, m->n_part_offset);
-        return KVX_ERR_LAYOUT;
-    }
+    if (m->n_part_region != m->n_part_offset)
+        return why_fail(
+            why, KVX_ERR_LAYOUT,
+            "layout.part_region: %zu entries, but layout.part_offset "
+            "has %zu",
+            m->n_part_region, m->n_part_offset);
     if (m->n_part_region &&
-        m->n_part_region != (uint64_t)m->num_layers * m->kv_factor) {
-        snprintf(why, why_len,
-                 "layout.part_region: %zu parts for num_layers %u x "
-                 "kv_factor %u",
-                 m->n_part_region, m->num_layers, m->kv_factor);
-        return KVX_ERR_LAYOUT;
-    }
-    if (m->n_part_region > 2 * KVX_MAX_LAYERS) {
-        snprintf(why, why_len, "layout.part_region: %zu parts (at most %u)",
-                 m->n_part_region, 2 * KVX_MAX_LAYERS);
-        return KVX_ERR_LAYOUT;
-    }
-    if (m->dtype > KVX_DTYPE_INT8) {
-        snprintf(why, why_len, "layout.dtype: unknown value %u", m->dtype);
-        return KVX_ERR_LAYOUT;
-    }
+        m->n_part_region != (uint64_t)m->num_layers * m->kv_factor)
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.part_region: %zu parts for num_layers %u x "
+                        "kv_factor %u",
+                        m->n_part_region, m->num_layers, m->kv_factor);
+    if (m->n_part_region > 2 * KVX_MAX_LAYERS)
+        return why_fail(why, KVX_ERR_LAYOUT,
+                        "layout.part_region: %zu parts (at most %u)",
+                        m->n_part_region, 2 * KVX_MAX_LAYERS);
+    if (m->dtype > KVX_DTYPE_INT8)
+        return why_fail(why, KVX_ERR_LAYOUT, "layout.dtype: unknown value %u",
+                        m->dtype);
     strcpy(l->preset, m->preset);
     l->num_layers = m->num_layers;
     l->kv_factor = m->kv_factor;
@@ -505,10 +271,9 @@ static int layout_from_msg(const Kvxfer__Layout *m, kvx_layout_t *l,
     if (m->n_part_region) {
         /* the caller frees it (layout_msg_free) */
         kvx_layout_part_t *pt = malloc(m->n_part_region * sizeof(*pt));
-        if (!pt) {
-            snprintf(why, why_len, "layout.part_region: out of memory");
-            return KVX_ERR_NOMEM;
-        }
+        if (!pt)
+            return why_fail(why, KVX_ERR_NOMEM,
+                            "layout.part_region: out of memory");
         for (size_t i = 0; i < m->n_part_region; i++)
             pt[i] =
                 (kvx_layout_part_t){m->part_region[i], 0, m->part_offset[i]};
@@ -601,7 +366,7 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     for (size_t i = 0; i < pc->n_layers_per_pp; i++)
         side.layers_per_pp[i] = pc->layers_per_pp[i];
     /* a slot of limits.max_sessions, within the uid's share */
-    uid_slots_t *us = slots_of(s->uid, 0);
+    uid_slots_t *us = session_slots(s->uid, 0);
     uint32_t ucap = kvxd_uid_sessions_cap();
     assert(us && us->pre);
     if (nranked >= kvxd.conf.max_sessions)
@@ -614,9 +379,13 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
              "hello: uid %u has %u sessions that said Hello open, its share "
              "of the daemon's (limits.uid_sessions %u)",
              (unsigned)s->uid, us->ranks, ucap);
-    int rc =
-        instance_attach(h->instance_id, (uint32_t)s->uid, (kvx_role_t)h->role,
-                        h->rank, &side, s->id, &s->inst, why, sizeof(why));
+    instance_hello_t ih = {.id = h->instance_id,
+                           .uid = (uint32_t)s->uid,
+                           .role = (kvx_role_t)h->role,
+                           .rank = h->rank,
+                           .side = &side,
+                           .sid = s->id};
+    int rc = instance_attach(&ih, &s->inst, KVX_WHY(why));
     if (rc) {
         reply(s, rq->id, rc, why);
         return;
@@ -650,10 +419,10 @@ static void on_join(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     int first = !s->inst->joined;
     int rc = instance_consumers(s->inst, rq->join->consumers,
-                                rq->join->n_consumers, why, sizeof(why));
+                                rq->join->n_consumers, KVX_WHY(why));
     if (!rc)
         rc = instance_join(s->inst, s->rank, rq->join->rank_addresses,
-                           rq->join->n_rank_addresses, why, sizeof(why));
+                           rq->join->n_rank_addresses, KVX_WHY(why));
     if (!rc && first)
         agree_joined(s->inst); /* the root counts every remote rank */
     if (!rc)
@@ -676,22 +445,18 @@ static size_t alloc_fds(const Kvxfer__Allocation *a)
  * (need expected, got taken, queued: what was left). 0, or the code with
  * why naming the field. */
 static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
-                          uint32_t got, uint32_t queued, char *why,
-                          size_t why_len)
+                          uint32_t got, uint32_t queued, kvx_why_t *why)
 {
-#define BAD(code, ...)                                                         \
-    do {                                                                       \
-        snprintf(why, why_len, __VA_ARGS__);                                   \
-        return (code);                                                         \
-    } while (0)
     if (m->n_regions > KVX_MAX_REGIONS)
-        BAD(KVX_ERR_LIMIT,
-            "register_pool.regions: %zu regions (at most %u, "
-            "KVX_MAX_REGIONS)",
-            m->n_regions, KVX_MAX_REGIONS);
+        return why_fail(why, KVX_ERR_LIMIT,
+                        "register_pool.regions: %zu regions (at most %u, "
+                        "KVX_MAX_REGIONS)",
+                        m->n_regions, KVX_MAX_REGIONS);
     if (m->n_allocations > m->n_regions || m->n_allocations == 0 ||
         m->n_regions == 0)
-        BAD(m->n_allocations > KVX_MAX_REGIONS ? KVX_ERR_LIMIT
+        return why_fail(
+            why,
+            m->n_allocations > KVX_MAX_REGIONS ? KVX_ERR_LIMIT
                                                : KVX_ERR_INVALID,
             "register_pool: %zu allocations for %zu regions (expected "
             "1..%u regions, each in one allocation, every allocation "
@@ -704,41 +469,47 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
         uint64_t sum = 0;
         int bad = 0;
         if (a->kind > KVXFER__POOL_KIND__POOL_GPU_VMM_FD)
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.allocations[%zu].kind: unknown value %d", i,
                 a->kind);
         if ((a->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD) !=
             (m->allocations[0]->kind == KVXFER__POOL_KIND__POOL_HOST_MEMFD))
-            BAD(KVX_ERR_UNSUPPORTED,
+            return why_fail(
+                why, KVX_ERR_UNSUPPORTED,
                 "register_pool.allocations[%zu].kind: GPU and host memory "
                 "in one pool (unsupported: register them as two pools)",
                 i);
         if (a->n_chunk_sizes > KVX_MAX_POOL_CHUNKS)
-            BAD(KVX_ERR_LIMIT,
-                "register_pool.allocations[%zu].chunk_sizes: %zu "
-                "allocations (at most %u)",
-                i, a->n_chunk_sizes, KVX_MAX_POOL_CHUNKS);
+            return why_fail(why, KVX_ERR_LIMIT,
+                            "register_pool.allocations[%zu].chunk_sizes: %zu "
+                            "allocations (at most %u)",
+                            i, a->n_chunk_sizes, KVX_MAX_POOL_CHUNKS);
         for (size_t k = 0; k < a->n_chunk_sizes; k++)
             bad |= !a->chunk_sizes[k] ||
                    __builtin_add_overflow(sum, a->chunk_sizes[k], &sum);
         if (a->n_chunk_sizes && !vmm)
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.allocations[%zu].chunk_sizes: only VMM "
                 "memory spans several physical allocations",
                 i);
         if (a->n_chunk_sizes && (bad || sum != a->alloc_size))
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.allocations[%zu].chunk_sizes: a size of 0, "
                 "or sizes that do not sum to alloc_size %llu",
                 i, (unsigned long long)a->alloc_size);
         if (a->kind != KVXFER__POOL_KIND__POOL_HOST_MEMFD) {
             if (a->gpu_uuid.len != 16)
-                BAD(KVX_ERR_INVALID,
+                return why_fail(
+                    why, KVX_ERR_INVALID,
                     "register_pool.allocations[%zu].gpu_uuid: %zu bytes "
                     "(expected 16)",
                     i, a->gpu_uuid.len);
             if (!vmm && a->ipc_handle.len != 64)
-                BAD(KVX_ERR_INVALID,
+                return why_fail(
+                    why, KVX_ERR_INVALID,
                     "register_pool.allocations[%zu].ipc_handle: %zu bytes "
                     "(expected 64)",
                     i, a->ipc_handle.len);
@@ -749,7 +520,8 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
                     m->allocations[k]->gpu_uuid.len == 16 &&
                     !memcmp(m->allocations[k]->gpu_uuid.data, a->gpu_uuid.data,
                             16))
-                    BAD(KVX_ERR_INVALID,
+                    return why_fail(
+                        why, KVX_ERR_INVALID,
                         "register_pool.allocations[%zu]: the same "
                         "allocation as allocations[%zu] (list it once; its "
                         "regions name it)",
@@ -758,16 +530,18 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
         fds += alloc_fds(a);
     }
     if (fds > KVX_MAX_POOL_CHUNKS)
-        BAD(KVX_ERR_LIMIT,
+        return why_fail(
+            why, KVX_ERR_LIMIT,
             "register_pool.allocations: %zu fds in all (at most %u)", fds,
             KVX_MAX_POOL_CHUNKS);
     uint8_t *used = calloc(m->n_allocations, 1);
     if (!used)
-        BAD(KVX_ERR_NOMEM, "register_pool: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "register_pool: out of memory");
     for (size_t i = 0; i < m->n_regions; i++) {
         if (m->regions[i]->allocation >= m->n_allocations) {
             free(used);
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.regions[%zu].allocation: %u, but there are "
                 "%zu allocations",
                 i, m->regions[i]->allocation, m->n_allocations);
@@ -777,17 +551,18 @@ static int pool_msg_check(const Kvxfer__RegisterPool *m, size_t need,
     for (size_t i = 0; i < m->n_allocations; i++)
         if (!used[i]) {
             free(used);
-            BAD(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "register_pool.allocations[%zu]: no region lies in it", i);
         }
     free(used);
     if (got < need)
-        BAD(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "register_pool: %zu fd(s) expected with the request, %u "
             "arrived (send them with SCM_RIGHTS)",
             need, queued);
     return 0;
-#undef BAD
 }
 
 static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
@@ -815,7 +590,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         } else {
             nfds = (uint32_t)need;
             memcpy(fds, s->fds, need * sizeof(int));
-            fds_drop(s, (uint32_t)need, 0);
+            session_fds_drop(s, (uint32_t)need, 0);
         }
     }
     if (!rc && need && nfds < need && s->fds_lost &&
@@ -829,7 +604,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         rc = KVX_ERR_LIMIT;
     }
     if (!rc)
-        rc = pool_msg_check(m, need, nfds, mine, why, sizeof(why));
+        rc = pool_msg_check(m, need, nfds, mine, KVX_WHY(why));
     if (!rc && s->pools.n >= kvxd.conf.max_pools) {
         snprintf(why, sizeof(why),
                  "register_pool: %u pools (limits.max_pools)", s->pools.n);
@@ -838,7 +613,7 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
     kvx_layout_t l;
     memset(&l, 0, sizeof(l));
     if (!rc)
-        rc = layout_from_msg(m->layout, &l, why, sizeof(why));
+        rc = layout_from_msg(m->layout, &l, KVX_WHY(why));
     uint32_t na = (uint32_t)m->n_allocations, nr = (uint32_t)m->n_regions;
     pool_alloc_req_t *al = NULL;
     pool_region_req_t *rg = NULL;
@@ -887,7 +662,8 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         rg[i] = (pool_region_req_t){m->regions[i]->allocation,
                                     m->regions[i]->offset, m->regions[i]->size};
     pool_t *p;
-    rc = pool_register(s->id, al, na, rg, nr, &l, &p, why, sizeof(why));
+    rc = pool_register(&(pool_reg_t){s->id, al, na, rg, nr, &l}, &p,
+                       KVX_WHY(why));
     free(fds); /* closed by pool_register, on every path */
     free(al);
     free(rg);
@@ -954,15 +730,13 @@ static void on_deregister_pool(session_t *s, const Kvxfer__Request *rq)
 }
 
 static int ready_for(session_t *s, kvx_role_t need, const char *what,
-                     char *why, size_t why_len)
+                     kvx_why_t *why)
 {
-    if (!(s->role & need)) {
-        snprintf(why, why_len, "%s: instance %s has role %s", what,
-                 s->inst->id,
-                 s->role == KVX_ROLE_CONTEXT ? "context" : "generation");
-        return KVX_ERR_STATE;
-    }
-    return instance_ready(s->inst, why, why_len);
+    if (!(s->role & need))
+        return why_fail(why, KVX_ERR_STATE, "%s: instance %s has role %s", what,
+                        s->inst->id,
+                        s->role == KVX_ROLE_CONTEXT ? "context" : "generation");
+    return instance_ready(s->inst, why);
 }
 
 /* A PublishReply with params (malloc'd: freed here). */
@@ -987,10 +761,10 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__Publish *m = rq->publish;
     int rc;
     reqkey_t key;
-    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "publish.key", why,
-                         sizeof(why))))
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "publish.key",
+                         KVX_WHY(why))))
         goto fail;
-    if ((rc = ready_for(s, KVX_ROLE_CONTEXT, "publish", why, sizeof(why))))
+    if ((rc = ready_for(s, KVX_ROLE_CONTEXT, "publish", KVX_WHY(why))))
         goto fail;
     if (m->aux.len > kvxd.conf.aux_bytes)
         FAIL(KVX_ERR_LIMIT,
@@ -1001,20 +775,27 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
         FAIL(KVX_ERR_NOT_FOUND,
              "publish.pool_id: no pool %u registered by this session",
              m->pool_id);
-    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "publish", why,
-                           sizeof(why))))
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "publish", KVX_WHY(why))))
         goto fail;
     xfer_group_t gs[XFER_MAX_GROUPS];
-    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "publish", gs, why,
-                              sizeof(why))))
+    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "publish", gs,
+                              KVX_WHY(why))))
         goto fail;
     uint8_t *params;
     size_t plen;
-    if ((rc = xfer_publish(s->inst, s->rank, &key, p, m->blocks,
-                           (uint32_t)m->n_blocks, m->num_tokens, gs,
-                           (uint32_t)m->n_groups, m->aux.data,
-                           (uint32_t)m->aux.len, m->layerwise, &params, &plen,
-                           why, sizeof(why))))
+    xfer_publish_req_t pr = {.inst = s->inst,
+                             .rank = s->rank,
+                             .key = &key,
+                             .pool = p,
+                             .blocks = m->blocks,
+                             .nblocks = (uint32_t)m->n_blocks,
+                             .num_tokens = m->num_tokens,
+                             .groups = gs,
+                             .ngroups = (uint32_t)m->n_groups,
+                             .aux = m->aux.data,
+                             .aux_len = (uint32_t)m->aux.len,
+                             .layerwise = m->layerwise};
+    if ((rc = xfer_publish(&pr, &params, &plen, KVX_WHY(why))))
         goto fail;
     reply_params(s, rq->id, params, plen);
     return;
@@ -1027,14 +808,22 @@ static void on_layers_ready(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     const Kvxfer__LayersReady *m = rq->layers_ready;
     reqkey_t key;
-    int rc = reqkey_set(&key, m->key.data, m->key.len, "layers_ready.key", why,
-                        sizeof(why));
+    int rc = reqkey_set(&key, m->key.data, m->key.len, "layers_ready.key",
+                        KVX_WHY(why));
     if (!rc)
-        rc = ready_for(s, KVX_ROLE_CONTEXT, "layers_ready", why, sizeof(why));
+        rc = ready_for(s, KVX_ROLE_CONTEXT, "layers_ready", KVX_WHY(why));
     if (!rc)
-        rc = xfer_layers_ready(s->inst, s->rank, &key, m->group, m->first,
-                               m->count, m->tokens, m->cuda_event.data,
-                               m->cuda_event.len, s->id, why, sizeof(why));
+        rc = xfer_layers_ready(&(xfer_ready_req_t){.inst = s->inst,
+                                                   .rank = s->rank,
+                                                   .key = &key,
+                                                   .group = m->group,
+                                                   .first = m->first,
+                                                   .count = m->count,
+                                                   .tokens = m->tokens,
+                                                   .ev = m->cuda_event.data,
+                                                   .ev_len = m->cuda_event.len,
+                                                   .owner = s->id},
+                               KVX_WHY(why));
     reply(s, rq->id, rc, rc ? why : "");
 }
 
@@ -1043,10 +832,10 @@ static void on_append_blocks(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     const Kvxfer__AppendBlocks *m = rq->append_blocks;
     reqkey_t key;
-    int rc = reqkey_set(&key, m->key.data, m->key.len, "append_blocks.key", why,
-                        sizeof(why));
+    int rc = reqkey_set(&key, m->key.data, m->key.len, "append_blocks.key",
+                        KVX_WHY(why));
     if (!rc)
-        rc = ready_for(s, KVX_ROLE_CONTEXT, "append_blocks", why, sizeof(why));
+        rc = ready_for(s, KVX_ROLE_CONTEXT, "append_blocks", KVX_WHY(why));
     pool_t *p = rc ? NULL : own_pool(s, m->pool_id);
     if (!rc && !p) {
         rc = KVX_ERR_NOT_FOUND;
@@ -1056,11 +845,11 @@ static void on_append_blocks(session_t *s, const Kvxfer__Request *rq)
                  m->pool_id);
     }
     if (!rc)
-        rc = check_blocks(p, m->blocks, m->n_blocks, "append_blocks", why,
-                          sizeof(why));
+        rc = check_blocks(p, m->blocks, m->n_blocks, "append_blocks",
+                          KVX_WHY(why));
     if (!rc)
         rc = xfer_append_blocks(s->inst, s->rank, &key, p, m->blocks,
-                                (uint32_t)m->n_blocks, why, sizeof(why));
+                                (uint32_t)m->n_blocks, KVX_WHY(why));
     reply(s, rq->id, rc, rc ? why : "");
 }
 
@@ -1070,15 +859,14 @@ static void on_fetch_progress(session_t *s, const Kvxfer__Request *rq)
     reqkey_t key;
     uint32_t done = 0, n = 0;
     int rc = reqkey_set(&key, rq->fetch_progress->key.data,
-                        rq->fetch_progress->key.len, "fetch_progress.key", why,
-                        sizeof(why));
+                        rq->fetch_progress->key.len, "fetch_progress.key",
+                        KVX_WHY(why));
     if (!rc)
-        rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_progress", why,
-                       sizeof(why));
+        rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_progress", KVX_WHY(why));
     if (!rc)
         rc = xfer_fetch_progress(s->inst, s->rank, &key,
-                                 rq->fetch_progress->group, &done, &n, why,
-                                 sizeof(why));
+                                 rq->fetch_progress->group, &done, &n,
+                                 KVX_WHY(why));
     if (rc < 0) {
         reply(s, rq->id, rc, why);
         return;
@@ -1101,27 +889,35 @@ static void on_fetch(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__Fetch *m = rq->fetch;
     int rc;
     reqkey_t key;
-    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch.key", why,
-                         sizeof(why))))
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch.key",
+                         KVX_WHY(why))))
         goto fail;
-    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch", why, sizeof(why))))
+    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch", KVX_WHY(why))))
         goto fail;
     pool_t *p = own_pool(s, m->pool_id);
     if (!p)
         FAIL(KVX_ERR_NOT_FOUND,
              "fetch.pool_id: no pool %u registered by this session",
              m->pool_id);
-    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch", why,
-                           sizeof(why))))
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch", KVX_WHY(why))))
         goto fail;
     xfer_group_t gs[XFER_MAX_GROUPS];
-    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch", gs, why,
-                              sizeof(why))))
+    if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch", gs,
+                              KVX_WHY(why))))
         goto fail;
-    rc = xfer_fetch(s->inst, s->rank, &key, m->context_params.data,
-                    m->context_params.len, p, m->blocks, (uint32_t)m->n_blocks,
-                    m->skip_tokens, m->dp_rank, gs, (uint32_t)m->n_groups, why,
-                    sizeof(why));
+    xfer_fetch_req_t fr = {.inst = s->inst,
+                           .rank = s->rank,
+                           .key = &key,
+                           .params = m->context_params.data,
+                           .params_len = m->context_params.len,
+                           .pool = p,
+                           .blocks = m->blocks,
+                           .nblocks = (uint32_t)m->n_blocks,
+                           .skip_tokens = m->skip_tokens,
+                           .dp_rank = m->dp_rank,
+                           .groups = gs,
+                           .ngroups = (uint32_t)m->n_groups};
+    rc = xfer_fetch(&fr, KVX_WHY(why));
 fail:
     reply(s, rq->id, rc, rc ? why : "");
 }
@@ -1166,11 +962,11 @@ static void on_cancel(session_t *s, const Kvxfer__Request *rq)
     char why[512];
     reqkey_t key;
     int rc = reqkey_set(&key, rq->cancel->key.data, rq->cancel->key.len,
-                        "cancel.key", why, sizeof(why));
+                        "cancel.key", KVX_WHY(why));
     if (!rc && keyed_cancel(s->inst, &key))
         rc = 0; /* a fetch by key that was still waiting: ended */
     else if (!rc)
-        rc = xfer_cancel(s->inst, &key, s->id, rq->id, why, sizeof(why));
+        rc = xfer_cancel(s->inst, &key, s->id, rq->id, KVX_WHY(why));
     if (rc <= 0)
         reply(s, rq->id, rc, rc ? why : "");
     /* rc 1: answered once the request's copies are fenced */
@@ -1233,21 +1029,20 @@ static void on_fetch_by_key(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__FetchByKey *m = rq->fetch_by_key;
     int rc;
     reqkey_t key, ckey;
-    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch_by_key.key", why,
-                         sizeof(why))) ||
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "fetch_by_key.key",
+                         KVX_WHY(why))) ||
         (rc = reqkey_set(&ckey, m->context_key.data, m->context_key.len,
-                         "fetch_by_key.context_key", why, sizeof(why))))
+                         "fetch_by_key.context_key", KVX_WHY(why))))
         goto fail;
-    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_by_key", why,
-                        sizeof(why))))
+    if ((rc = ready_for(s, KVX_ROLE_GENERATION, "fetch_by_key", KVX_WHY(why))))
         goto fail;
     pool_t *p = own_pool(s, m->pool_id);
     if (!p)
         FAIL(KVX_ERR_NOT_FOUND,
              "fetch_by_key.pool_id: no pool %u registered by this session",
              m->pool_id);
-    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch_by_key", why,
-                           sizeof(why))))
+    if ((rc = check_blocks(p, m->blocks, m->n_blocks, "fetch_by_key",
+                           KVX_WHY(why))))
         goto fail;
     /* the checks xfer_fetch makes before the params: refused now, as a
      * fetch with params is */
@@ -1260,7 +1055,7 @@ static void on_fetch_by_key(session_t *s, const Kvxfer__Request *rq)
              m->dp_rank, s->inst->id, groups, groups == 1 ? "" : "s");
     xfer_group_t gs[XFER_MAX_GROUPS];
     if ((rc = groups_from_msg(s, m->groups, m->n_groups, "fetch_by_key", gs,
-                              why, sizeof(why))))
+                              KVX_WHY(why))))
         goto fail;
     rc = keyed_fetch(s->inst, s->rank, &key,
                      m->context_instance ? m->context_instance : "",
@@ -1325,8 +1120,8 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__Reserve *m = rq->reserve;
     int rc;
     reqkey_t key;
-    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "reserve.key", why,
-                         sizeof(why))))
+    if ((rc = reqkey_set(&key, m->key.data, m->key.len, "reserve.key",
+                         KVX_WHY(why))))
         goto fail;
     instance_t *inst = m->instance_id ? instance_find(m->instance_id) : NULL;
     if (!inst || (!s->admin && inst->owner_uid != s->uid))
@@ -1337,7 +1132,7 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
     if (!(inst->role & KVX_ROLE_CONTEXT))
         FAIL(KVX_ERR_STATE, "reserve: instance %s has role generation",
              inst->id);
-    if ((rc = instance_ready(inst, why, sizeof(why))))
+    if ((rc = instance_ready(inst, KVX_WHY(why))))
         goto fail;
     if (!inst->local[0])
         FAIL(KVX_ERR_STATE,
@@ -1386,9 +1181,13 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
     }
     uint8_t *params;
     size_t plen;
-    if ((rc = xfer_reserve(inst, &key, m->num_tokens, &p->layout, gs,
-                           (uint32_t)m->n_groups, &params, &plen, why,
-                           sizeof(why))))
+    xfer_reserve_req_t rr = {.inst = inst,
+                             .key = &key,
+                             .num_tokens = m->num_tokens,
+                             .layout = &p->layout,
+                             .groups = gs,
+                             .ngroups = (uint32_t)m->n_groups};
+    if ((rc = xfer_reserve(&rr, &params, &plen, KVX_WHY(why))))
         goto fail;
     reply_params(s, rq->id, params, plen);
     return;
@@ -1406,7 +1205,7 @@ static void on_release(session_t *s, const Kvxfer__Request *rq)
     if (m->context_key.len || (m->context_instance && m->context_instance[0])) {
         reqkey_t key;
         rc = reqkey_set(&key, m->context_key.data, m->context_key.len,
-                        "release.context_key", why, sizeof(why));
+                        "release.context_key", KVX_WHY(why));
         if (!rc && m->context_params.len) {
             snprintf(why, sizeof(why), "release: params or a key, not both");
             rc = KVX_ERR_INVALID;
@@ -1482,7 +1281,7 @@ void session_drained(const char *what)
     ndrain_waiters = 0;
 }
 
-static void handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
+void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
 {
     Kvxfer__Request *rq = kvxfer__request__unpack(NULL, len, buf);
     if (!rq) {
@@ -1582,358 +1381,6 @@ out:
     kvxfer__request__free_unpacked(rq, NULL);
 }
 
-/* ---- input ------------------------------------------------------------ */
-
-/* The fds of a receive of nbytes: queued with their place in the stream
- * (the receive's last byte). A session queues at most MAX_FDS, the daemon
- * at most fds_cap_total() (a share of RLIMIT_NOFILE); more are closed, and
- * the RegisterPool they came with is refused for missing fds. */
-static void take_fds(session_t *s, struct msghdr *mh, size_t nbytes)
-{
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-            continue;
-        size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        int *fds = (int *)CMSG_DATA(c);
-        for (size_t i = 0; i < n; i++) {
-            if (s->nfds == s->fds_cap && s->hello && s->fds_cap < MAX_FDS) {
-                uint32_t cap = s->fds_cap ? s->fds_cap * 2 : 8;
-                if (cap > MAX_FDS)
-                    cap = MAX_FDS;
-                int *nf = realloc(s->fds, cap * sizeof(int));
-                if (nf)
-                    s->fds = nf;
-                uint64_t *na =
-                    nf ? realloc(s->fd_at, cap * sizeof(uint64_t)) : NULL;
-                if (na) {
-                    s->fd_at = na;
-                    s->fds_cap = cap;
-                }
-            }
-            if (nbytes && s->nfds < s->fds_cap && s->hello &&
-                fds_queued < fds_cap_total()) {
-                s->fds[s->nfds] = fds[i];
-                s->fd_at[s->nfds++] = s->rx_bytes + nbytes - 1;
-                fds_queued++;
-            } else {
-                close(fds[i]); /* too many, before hello, or at EOF */
-                if (nbytes && s->hello) {
-                    s->fds_lost = 1;
-                    s->fds_lost_at = s->rx_bytes + nbytes - 1;
-                    s->fds_lost_why =
-                        fds_queued >= fds_cap_total()
-                            ? "the daemon holds as many received fds as it "
-                              "allows (half its RLIMIT_NOFILE)"
-                            : "this session holds as many received fds as "
-                              "it may, or the daemon is out of memory";
-                }
-            }
-        }
-    }
-}
-
-/* Handle the whole frames buffered, within the session's budgets: its
- * queued replies (over it: input paused until the client reads them) and
- * this turn's share of the loop (over it: the rest next turn). Returns 0
- * when more bytes are needed, 1 when it stopped (budget, or closing). */
-static int handle_frames(session_t *s, uint64_t out0, unsigned *frames)
-{
-    const uint8_t *msg;
-    uint32_t len;
-    while (!s->closing && !s->close_why) {
-        if (queued(s) > queue_cap(s)) {
-            s->in_paused = 1; /* flush() resumes it */
-            want_events(s);
-            return 1;
-        }
-        if (*frames >= TURN_FRAMES || s->out_total - out0 >= TURN_BYTES) {
-            resume_later(s);
-            return 1;
-        }
-        uint32_t cap =
-            s->hello ? kvxd.conf.max_frame_bytes : kvxd.conf.hello_frame_bytes;
-        int rc = frame_reader_next(&s->rd, cap, &msg, &len);
-        if (rc == 0)
-            return 0;
-        if (rc < 0) {
-            char why[160];
-            snprintf(why, sizeof(why),
-                     "frame: length %u exceeds the %s cap of %u bytes; "
-                     "closing",
-                     len,
-                     s->hello ? "limits.max_frame_bytes"
-                              : "limits.hello_frame_bytes",
-                     cap);
-            reply(s, 0, KVX_ERR_PROTOCOL, why);
-            session_close(s, "oversized frame");
-            return 1;
-        }
-        s->frame_end += FRAME_HDR + (uint64_t)len;
-        (*frames)++;
-        handle_frame(s, msg, len);
-        /* fds that came with this frame (or before it) and were not
-         * taken: never another frame's */
-        uint32_t k = 0;
-        while (k < s->nfds && s->fd_at[k] < s->frame_end)
-            k++;
-        if (k && !s->closing)
-            fds_drop(s, k, 1);
-        if (s->fds_lost && s->fds_lost_at < s->frame_end)
-            s->fds_lost = 0; /* told to the frame they came with */
-    }
-    return 1;
-}
-
-/* The id of the Request whose first bytes are b[0, n): its field 1, a
- * varint, which protobuf-c packs first. 0 when the bytes do not start
- * with it (an id of 0 is not sent either). */
-static uint64_t request_id_peek(const uint8_t *b, size_t n)
-{
-    if (n < 2 || b[0] != 0x08) /* field 1, varint */
-        return 0;
-    uint64_t id = 0;
-    for (size_t i = 1; i < n && i < 11; i++) {
-        id |= (uint64_t)(b[i] & 0x7f) << (7 * (i - 1));
-        if (!(b[i] & 0x80))
-            return id;
-    }
-    return 0;
-}
-
-/* The buffer is full of the start of one frame, and growing it would
- * pass the memory budget (over_by: the growth refused). The request is
- * answered LIMIT naming the key, and the rest of its frame is read and
- * dropped as it comes; the session goes on. A frame that does not say
- * which request it is gets the reply with id 0 and the session ends
- * (the client could not match it). Returns -1 when closed, else 1. */
-static int frame_over_budget(session_t *s, uint64_t over_by)
-{
-    const uint8_t *b = s->rd.buf + s->rd.off;
-    size_t held = s->rd.len - s->rd.off;
-    assert(held >= FRAME_HDR);
-    uint32_t len = frame_get_len(b);
-    uint64_t id = request_id_peek(b + FRAME_HDR, held - FRAME_HDR);
-    char w[200], m[320];
-    kvxd_mem_why(s->uid, over_by, w, sizeof(w));
-    snprintf(m, sizeof(m), "request: its %u-byte frame %s; %s", len, w,
-             id ? "refused (its bytes are read and dropped)" : "closing");
-    log_warn("session %llu (pid %d uid %u): a %u-byte frame %s",
-             (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid, len, w);
-    s->spoke = 1;
-    s->awaiting++; /* the reply counts it down */
-    reply(s, id, KVX_ERR_LIMIT, m);
-    if (!id) {
-        session_close(s, "memory budget");
-        return -1;
-    }
-    s->skip_left = FRAME_HDR + (uint64_t)len - held;
-    s->frame_end += FRAME_HDR + (uint64_t)len;
-    s->rd.off = s->rd.len = 0;
-    return 1;
-}
-
-/* Bytes of a refused frame that arrived: dropped from the buffer (which
- * held nothing else); once it is all read, the fds that came with it
- * are closed. */
-static void skip_bytes(session_t *s)
-{
-    size_t n = s->rd.len - s->rd.off;
-    size_t d = n < s->skip_left ? n : (size_t)s->skip_left;
-    memmove(s->rd.buf + s->rd.off, s->rd.buf + s->rd.off + d, n - d);
-    s->rd.len -= d;
-    s->skip_left -= d;
-    if (s->skip_left)
-        return;
-    uint32_t k = 0;
-    while (k < s->nfds && s->fd_at[k] < s->frame_end)
-        k++;
-    fds_drop(s, k, 1);
-    if (s->fds_lost && s->fds_lost_at < s->frame_end)
-        s->fds_lost = 0;
-}
-
-/* Give back the input buffer's memory the session no longer needs:
- * all of it when it holds no bytes. */
-static void in_shrink(session_t *s)
-{
-    if (s->closing || s->skip_left)
-        return;
-    size_t cap = frame_reader_shrink(&s->rd, IN_KEEP);
-    if (cap < s->mem_in) {
-        kvxd_mem_release_uid(MEM_FRAMES, s->uid, s->mem_in - cap);
-        s->mem_in = cap;
-    }
-}
-
-/* One receive. Returns -1 (closed), 0 (nothing there), 1 (the socket is
- * drained) or 2 (the buffer filled: maybe more). */
-static int read_once(session_t *s)
-{
-    for (;;) {
-        /* the input buffer's growth is charged before it is made; over
-         * the budget, the room there is is read into (a session without
-         * a buffer gets IN_MIN bytes, the headroom), and a frame that
-         * needs more is refused */
-        size_t want = 65536;
-        size_t ncap = frame_reader_cap_for(&s->rd, want);
-        if (ncap > s->mem_in &&
-            kvxd_mem_charge_uid(MEM_FRAMES, s->uid, ncap - s->mem_in)) {
-            size_t held = s->rd.len - s->rd.off;
-            if (s->rd.cap > held) {
-                want = s->rd.cap - held;
-            } else if (!s->rd.cap) {
-                want = IN_MIN;
-                if (s->mem_in < IN_MIN) {
-                    kvxd_mem_force_uid(MEM_FRAMES, s->uid, IN_MIN - s->mem_in);
-                    s->mem_in = IN_MIN;
-                }
-            } else {
-                return frame_over_budget(s, ncap - s->mem_in) < 0 ? -1 : 2;
-            }
-        } else if (ncap > s->mem_in) {
-            s->mem_in = ncap;
-        }
-        size_t room;
-        uint8_t *buf = frame_reader_space(&s->rd, want, &room);
-        if (!buf) {
-            session_close(s, "out of memory for input");
-            return -1;
-        }
-        assert(s->rd.cap <= s->mem_in);
-        union {
-            char buf[CMSG_SPACE(FRAME_FDS_PER_SEND * sizeof(int))];
-            struct cmsghdr align;
-        } cm;
-        struct iovec iov = {buf, room};
-        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1,
-                            .msg_control = cm.buf,
-                            .msg_controllen = sizeof(cm.buf)};
-        ssize_t n = recvmsg(s->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
-                return 0;
-            session_close(s, "receive failed");
-            return -1;
-        }
-        take_fds(s, &mh, (size_t)n);
-        if ((mh.msg_flags & MSG_CTRUNC) && n > 0) {
-            /* fds were dropped on the way: the daemon is out of fds
-             * (RLIMIT_NOFILE, or the system's). The bytes are whole; the
-             * RegisterPool they came with is refused with LIMIT. */
-            struct rlimit rl;
-            getrlimit(RLIMIT_NOFILE, &rl);
-            log_error("session %llu (pid %d): fds sent with a frame were "
-                      "dropped by the kernel: the daemon is out of file "
-                      "descriptors (RLIMIT_NOFILE %llu, or the system's "
-                      "limit)",
-                      (unsigned long long)s->id, (int)s->pid,
-                      (unsigned long long)rl.rlim_cur);
-            kvxd_count_error(KVX_ERR_LIMIT);
-            s->fds_lost = 1;
-            s->fds_lost_at = s->rx_bytes + (uint64_t)n - 1;
-            s->fds_lost_why = "the daemon is out of file descriptors "
-                              "(EMFILE/ENFILE: its RLIMIT_NOFILE or the "
-                              "system's limit)";
-        }
-        s->rx_bytes += (uint64_t)n;
-        if (n == 0) {
-            session_close(s, "client disconnected");
-            return -1;
-        }
-        s->last_rx_ms = kvxd_now_ms();
-        frame_reader_commit(&s->rd, (size_t)n);
-        if (s->skip_left)
-            skip_bytes(s);
-        return (size_t)n < room ? 1 : 2;
-    }
-}
-
-/* Read and handle what the session sent, within its budgets. */
-static void pump_once(session_t *s)
-{
-    uint64_t out0 = s->out_total;
-    unsigned frames = 0;
-    for (int reads = 0;; reads++) {
-        /* buffered frames first: nothing more is read while they wait */
-        if (handle_frames(s, out0, &frames))
-            return;
-        if (reads == 4) /* level-triggered polling calls us again */
-            return;
-        int r = read_once(s);
-        if (r <= 0)
-            return;
-        if (r == 1) {
-            handle_frames(s, out0, &frames);
-            return;
-        }
-    }
-}
-
-static void pump(session_t *s)
-{
-    pump_once(s);
-    in_shrink(s);
-}
-
-static void resume_cb(void *arg)
-{
-    session_t *s = map_get(&sessions, (uint64_t)(uintptr_t)arg);
-    if (!s)
-        return;
-    s->resume_queued = 0;
-    if (!s->closing && !s->close_why && !s->in_paused)
-        pump(s);
-}
-
-/* Handle the rest of a session's buffered frames at the next turn. */
-static void resume_later(session_t *s)
-{
-    if (s->resume_queued || s->closing || s->close_why)
-        return;
-    if (kvxd_defer(resume_cb, (void *)(uintptr_t)s->id) == 0)
-        s->resume_queued = 1;
-    /* no memory: the next readable event or flush tries again */
-}
-
-static void on_io(uv_poll_t *h, int status, int events)
-{
-    session_t *s = h->data;
-    if (status < 0) {
-        session_close(s, uv_strerror(status));
-        return;
-    }
-    if (events & UV_WRITABLE)
-        flush(s);
-    if (!s->closing && !s->close_why && !s->in_paused &&
-        (events & (UV_READABLE | UV_DISCONNECT)))
-        pump(s);
-}
-
-/* ---- life ------------------------------------------------------------- */
-
-/* Close the sessions marked by session_close_later(): queued with
- * kvxd_defer(), and swept by session_tick() too (a defer that found no
- * memory). */
-static void close_marked(void *arg)
-{
-    /* by id: the session may be gone by now */
-    session_t *s = map_get(&sessions, (uint64_t)(uintptr_t)arg);
-    if (s && s->close_why && !s->closing)
-        session_close(s, s->close_why);
-}
-
-static void session_close_later(session_t *s, const char *why)
-{
-    if (s->closing || s->close_why)
-        return;
-    s->close_why = why;
-    uv_poll_stop(&s->poll); /* nothing more in or out until closed */
-    if (kvxd_defer(close_marked, (void *)(uintptr_t)s->id))
-        sweep_marked = 1; /* no memory: the tick closes it */
-}
-
 int session_init(void)
 {
     static const kvxd_reply_sink_t sink = {session_reply, session_reply_msg};
@@ -1947,339 +1394,4 @@ int session_init(void)
     uv_unref((uv_handle_t *)&flush_check); /* keep nothing alive */
     uv_unref((uv_handle_t *)&flush_idle);
     return 0;
-}
-
-static void on_closed(uv_handle_t *h);
-
-void session_refuse(int fd, int code, const char *message)
-{
-    Kvxfer__Reply r = KVXFER__REPLY__INIT;
-    r.status = code;
-    r.message = (char *)message;
-    uint8_t buf[512];
-    size_t n = kvxfer__reply__get_packed_size(&r);
-    kvxd_count_error(code);
-    if (n + FRAME_HDR <= sizeof(buf)) {
-        frame_put_len(buf, (uint32_t)n);
-        kvxfer__reply__pack(&r, buf + FRAME_HDR);
-        /* a fresh socket's buffer takes it whole */
-        (void)!send(fd, buf, n + FRAME_HDR, MSG_NOSIGNAL | MSG_DONTWAIT);
-    }
-    close(fd);
-}
-
-/* Unread bytes waiting in s's socket: it is speaking. */
-static int has_unread(const session_t *s)
-{
-    int n = 0;
-    return ioctl(s->fd, FIONREAD, &n) == 0 && n > 0;
-}
-
-/* limits.hello_sessions are all taken: the connection without Hello
- * that gives its place to a new one, or NULL. First one that has said
- * nothing (no whole request), else one that is idle (nothing awaited,
- * queued or half read); of those, the uid holding most such slots, then
- * the longest silent or idle. One with bytes waiting is speaking: kept. */
-static session_t *pre_victim(void)
-{
-    session_t *best = NULL;
-    int best_cls = 0;
-    uint32_t best_n = 0;
-    for (uint32_t i = 0; i < sessions.nb; i++)
-        for (map_entry_t *e = sessions.b[i]; e; e = e->next) {
-            session_t *v = e->val;
-            if (v->ranked || v->closing || v->close_why)
-                continue;
-            int cls = !v->spoke ? 2
-                      : !v->awaiting && !queued(v) && v->rd.len == v->rd.off
-                          ? 1
-                          : 0;
-            if (!cls || has_unread(v))
-                continue;
-            uid_slots_t *u = slots_of(v->uid, 0);
-            uint32_t n = u ? u->pre : 0;
-            uint64_t at = v->last_rx_ms;
-            if (!best || cls > best_cls ||
-                (cls == best_cls &&
-                 (n > best_n || (n == best_n && at < best->last_rx_ms)))) {
-                best = v;
-                best_cls = cls;
-                best_n = n;
-            }
-        }
-    return best;
-}
-
-int session_start(int fd, pid_t pid, uid_t uid, gid_t gid, int admin)
-{
-    session_t *v = npre >= kvxd.conf.hello_sessions ? pre_victim() : NULL;
-    if (v) {
-        reply(v, 0, KVX_ERR_LIMIT,
-              "connection closed: limits.hello_sessions connections without "
-              "Hello are open, and this one gave its place to a new one "
-              "(it had said nothing, or been idle, the longest); say Hello, "
-              "or connect again");
-        session_close(v, "gave its place to a new connection "
-                         "(limits.hello_sessions)");
-    }
-    if (npre >= kvxd.conf.hello_sessions) {
-        static uint64_t warned_ms, refused;
-        uint64_t now = kvxd_now_ms();
-        refused++;
-        if (!warned_ms || now >= warned_ms + 10000) { /* a flood: 1 line */
-            warned_ms = now;
-            log_warn("session: refusing pid %d uid %u: %u connections "
-                     "without Hello open, all busy "
-                     "(limits.hello_sessions); %llu refused so far",
-                     (int)pid, (unsigned)uid, npre,
-                     (unsigned long long)refused);
-        }
-        char msg[200];
-        snprintf(msg, sizeof(msg),
-                 "connection refused: the daemon has %u connections without "
-                 "Hello open, each busy, its limits.hello_sessions; closing",
-                 npre);
-        session_refuse(fd, KVX_ERR_LIMIT, msg);
-        return KVX_ERR_LIMIT;
-    }
-    session_t *s = calloc(1, sizeof(*s));
-    if (!s) {
-        close(fd);
-        return KVX_ERR_NOMEM;
-    }
-    s->id = next_sid++;
-    s->fd = fd;
-    list_init(&s->flush_node);
-    s->pid = pid;
-    s->uid = uid;
-    s->admin = admin;
-    s->gid = gid;
-    s->connected_ms = s->last_rx_ms = s->last_tx_ms = kvxd_now_ms();
-    frame_reader_init(&s->rd);
-    int rc = uv_poll_init(kvxd.loop, &s->poll, fd);
-    if (rc) {
-        log_error("session: uv_poll_init: %s", uv_strerror(rc));
-        goto err_free;
-    }
-    s->poll.data = s;
-    uid_slots_t *us = slots_of(uid, 1);
-    if (!us || map_put(&sessions, s->id, s)) {
-        slots_put(uid);
-        uv_close((uv_handle_t *)&s->poll, on_closed); /* closes fd, frees s */
-        return KVX_ERR_NOMEM;
-    }
-    us->pre++;
-    npre++;
-    s->poll_events = UV_READABLE | UV_DISCONNECT;
-    uv_poll_start(&s->poll, s->poll_events, on_io);
-    log_debug("session %llu: connected, pid %d uid %u",
-              (unsigned long long)s->id, (int)pid, (unsigned)uid);
-    return 0;
-
-err_free:
-    free(s);
-    close(fd);
-    return KVX_ERR_IO;
-}
-
-static void on_closed(uv_handle_t *h)
-{
-    session_t *s = h->data;
-    close(s->fd);
-    free(s);
-}
-
-static void session_close(session_t *s, const char *why)
-{
-    if (s->closing)
-        return;
-    s->closing = 1;
-    list_remove(&s->flush_node); /* what is queued is sent below */
-    log_info("session %llu (pid %d%s%s): closed: %s",
-             (unsigned long long)s->id, (int)s->pid,
-             s->inst ? ", instance " : "", s->inst ? s->inst->id : "", why);
-    map_del(&sessions, s->id);
-    uid_slots_t *us = slots_of(s->uid, 0);
-    if (s->ranked) {
-        nranked--;
-        if (us)
-            us->ranks--;
-    } else {
-        npre--;
-        if (us)
-            us->pre--;
-    }
-    slots_put(s->uid);
-    /* last try to deliver what is queued (e.g. a protocol error reply) */
-    if (s->out_len > s->out_off)
-        (void)!send(s->fd, s->out + s->out_off, s->out_len - s->out_off,
-                    MSG_NOSIGNAL | MSG_DONTWAIT);
-    uv_poll_stop(&s->poll);
-    /* pools first: requests using them end with an error for their peers,
-     * and each mapping goes once its last in-flight copy is back */
-    uint32_t n = s->pools.n;
-    pool_t **ps = calloc(n ? n : 1, sizeof(*ps));
-    if (ps) {
-        n = map_values(&s->pools, (void **)ps, n);
-        char msg[160];
-        snprintf(msg, sizeof(msg), "pool owner (pid %d) disconnected",
-                 (int)s->pid);
-        for (uint32_t i = 0; i < n; i++) {
-            keyed_end_pool_users(ps[i], KVX_ERR_PEER_GONE, msg);
-            xfer_end_pool_users(ps[i], KVX_ERR_PEER_GONE, msg);
-            pool_release(ps[i]);
-        }
-        free(ps);
-    }
-    map_free(&s->pools);
-    gpu_events_forget(s->id); /* after its requests ended */
-    if (s->inst && instance_detach(s->inst, s->rank)) {
-        agree_rank(s->inst, s->rank, 0);
-        char msg[256];
-        snprintf(msg, sizeof(msg), "rank %u of instance %s disconnected",
-                 s->rank, s->inst->id);
-        keyed_end_instance(s->inst, KVX_ERR_PEER_GONE, msg);
-        xfer_end_instance(s->inst, KVX_ERR_PEER_GONE, msg);
-    }
-    fds_drop(s, s->nfds, 1);
-    free(s->fds);
-    free(s->fd_at);
-    frame_reader_cleanup(&s->rd);
-    kvxd_mem_release_uid(MEM_FRAMES, s->uid, s->mem_in);
-    kvxd_mem_release_uid(MEM_REPLIES, s->uid, s->mem_out);
-    s->mem_in = s->mem_out = 0;
-    free(s->out);
-    s->out = NULL;
-    uv_close((uv_handle_t *)&s->poll, on_closed);
-}
-
-void session_close_all(const char *why)
-{
-    uint32_t n = sessions.n;
-    session_t **all = calloc(n ? n : 1, sizeof(*all));
-    if (!all)
-        return;
-    n = map_values(&sessions, (void **)all, n);
-    for (uint32_t i = 0; i < n; i++)
-        session_close(all[i], why);
-    free(all);
-    map_free(&sessions);
-}
-
-unsigned session_unflushed(void)
-{
-    unsigned k = 0;
-    for (uint32_t i = 0; i < sessions.nb; i++)
-        for (map_entry_t *e = sessions.b[i]; e; e = e->next) {
-            session_t *s = e->val;
-            k += s->out_len > s->out_off;
-        }
-    return k;
-}
-
-unsigned session_count(void) { return sessions.n; }
-
-void session_tick(uint64_t now)
-{
-    /* a connection that never says Hello must not hold a session slot
-     * forever (limits.max_sessions); status requests need no Hello and
-     * are answered at once */
-    for (uint32_t i = 0; i < sessions.nb; i++)
-        for (map_entry_t *e = sessions.b[i]; e; e = e->next) {
-            session_t *s = e->val;
-            if (s->close_why || s->closing)
-                continue;
-            /* a connection that says nothing; one that asks without
-             * Hello (an observer: a scheduler's reserves, status) is
-             * served as long as it keeps asking */
-            if (!s->hello && !s->spoke &&
-                now - s->connected_ms >= kvxd.conf.hello_timeout_ms) {
-                session_close_later(s, "no Hello or other request within "
-                                       "deadlines.hello_timeout_ms");
-                continue;
-            }
-            /* a client holding a slot and nothing else (limits.
-             * max_sessions): told why, then closed */
-            uint32_t idle = kvxd.conf.session_idle_ms;
-            if ((s->hello || s->spoke) && idle && !s->pools.n && !s->awaiting &&
-                !queued(s) && now - s->last_rx_ms >= idle) {
-                char why[200];
-                snprintf(why, sizeof(why),
-                         "session: idle for %u ms with no pool and no "
-                         "request (deadlines.session_idle_ms); closing",
-                         idle);
-                reply(s, 0, KVX_ERR_TIMED_OUT, why);
-                session_close_later(s, "idle: no pool, no request, nothing "
-                                       "sent within deadlines.session_idle_ms");
-                continue;
-            }
-            /* over its queue budget and reading none of it: its memory
-             * goes back */
-            if (queued(s) > queue_cap(s) &&
-                now - s->last_tx_ms >= kvxd.conf.reply_stall_ms) {
-                log_warn("session %llu (pid %d uid %u%s%s): client not "
-                         "reading its replies: %zu bytes queued, over "
-                         "limits.session_queue_bytes (%zu), none read for "
-                         "%llu ms (deadlines.reply_stall_ms); dropping it",
-                         (unsigned long long)s->id, (int)s->pid,
-                         (unsigned)s->uid, s->inst ? ", instance " : "",
-                         s->inst ? s->inst->id : "", queued(s), queue_cap(s),
-                         (unsigned long long)(now - s->last_tx_ms));
-                kvxd_count_error(KVX_ERR_LIMIT);
-                session_close_later(s, "client not reading its replies");
-            }
-        }
-    if (sweep_marked) { /* what a defer without memory left marked */
-        sweep_marked = 0;
-        for (uint32_t i = 0; i < sessions.nb; i++)
-            for (map_entry_t *e = sessions.b[i]; e; e = e->next)
-                if (((session_t *)e->val)->close_why &&
-                    kvxd_defer(close_marked, (void *)(uintptr_t)e->key))
-                    sweep_marked = 1;
-    }
-}
-
-size_t session_infos(Kvxfer__SessionInfo ***out, int64_t only_uid, uint32_t cap,
-                     uint32_t *total)
-{
-    *total = 0;
-    uint32_t n = sessions.n;
-    session_t **all = calloc(n ? n : 1, sizeof(*all));
-    Kvxfer__SessionInfo **v = calloc(n ? n : 1, sizeof(*v));
-    if (!all || !v) {
-        free(all);
-        free(v);
-        *out = NULL;
-        return 0;
-    }
-    n = map_values(&sessions, (void **)all, n);
-    size_t k = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (only_uid >= 0 && all[i]->uid != (uid_t)only_uid)
-            continue; /* another user's */
-        if ((*total)++ >= cap)
-            continue; /* counted, not listed */
-        Kvxfer__SessionInfo *si = malloc(sizeof(*si));
-        if (!si)
-            break;
-        kvxfer__session_info__init(si);
-        si->session_id = all[i]->id;
-        si->pid = all[i]->pid;
-        si->uid = all[i]->uid;
-        si->instance_id = all[i]->inst ? all[i]->inst->id : "";
-        si->rank = all[i]->rank;
-        si->role = (Kvxfer__Role)(all[i]->hello ? all[i]->role : 0);
-        si->pools = all[i]->pools.n;
-        v[k++] = si;
-    }
-    free(all);
-    *out = v;
-    return k;
-}
-
-void session_infos_free(Kvxfer__SessionInfo **infos, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        free(infos[i]);
-    free(infos);
 }

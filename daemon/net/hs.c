@@ -249,7 +249,7 @@ static void on_accept(uv_stream_t *lis, int status)
 }
 
 int hs_listen(const struct sockaddr_storage *ss, void (*accept)(hs_t *h),
-              struct sockaddr_storage *bound, char *why, size_t why_len)
+              struct sockaddr_storage *bound, kvx_why_t *why)
 {
     assert(!S.on);
     S.accept = accept;
@@ -272,7 +272,7 @@ int hs_listen(const struct sockaddr_storage *ss, void (*accept)(hs_t *h),
     if (!e)
         e = uv_tcp_getsockname(&S.lis, (struct sockaddr *)bound, &len);
     if (e) {
-        snprintf(why, why_len, "%s", uv_strerror(e));
+        why_set(why, "%s", uv_strerror(e));
         uv_close((uv_handle_t *)&S.lis, NULL);
         return KVX_ERR_IO;
     }

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
+#include "common/why.h"
+
 /* Largest handshake frame: a PeerMsg with UCX worker addresses (a few
  * hundred bytes each on TCP and shared memory; more with RDMA devices). */
 #define HS_FRAME_MAX (64u * 1024)
@@ -39,7 +41,7 @@ typedef struct hs_cbs {
  * accepted socket goes to accept(hs); the owner sets its callbacks with
  * hs_attach(), or refuses it with hs_close(). 0, or KVX_ERR_IO with why. */
 int hs_listen(const struct sockaddr_storage *ss, void (*accept)(hs_t *h),
-              struct sockaddr_storage *bound, char *why, size_t why_len);
+              struct sockaddr_storage *bound, kvx_why_t *why);
 void hs_stop(void);
 
 /* Connect to ss; frames can be sent at once (they go once connected). A

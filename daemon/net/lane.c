@@ -665,19 +665,17 @@ void lane_connect(unsigned lane, const uint8_t *addr, size_t len, uint64_t *lep)
     post(lane, c);
 }
 
-void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
-               const void *data, size_t len, const ucp_dt_iov_t *iov,
-               size_t niov, void *cookie)
+void lane_send(unsigned lane, uint64_t lep, const lane_msg_t *m)
 {
     lcmd_t *c = cmd(LC_SEND);
     c->lep = lep;
-    c->hdr = hdr;
-    c->hlen = hlen;
-    c->data = data;
-    c->len = len;
-    c->iov = iov;
-    c->niov = niov;
-    c->cookie = cookie;
+    c->hdr = m->hdr;
+    c->hlen = m->hlen;
+    c->data = m->data;
+    c->len = m->len;
+    c->iov = m->iov;
+    c->niov = m->niov;
+    c->cookie = m->cookie;
     post(lane, c);
 }
 
@@ -748,8 +746,8 @@ static void lane_destroy(lane_t *ln)
     memset(ln, 0, sizeof(*ln));
 }
 
-static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx, char *why,
-                     size_t why_len)
+static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
+                     kvx_why_t *why)
 {
     ln->idx = idx;
     ln->epfd = ln->cfd = -1;
@@ -762,8 +760,8 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx, char *why,
     ucs_status_t st = ucp_worker_create(ctx, &wp, &ln->w);
     if (st != UCS_OK) {
         ln->w = NULL;
-        snprintf(why, why_len, "lane %u: ucp_worker_create: %s", idx,
-                 ucs_status_string(st));
+        why_set(why, "lane %u: ucp_worker_create: %s", idx,
+                ucs_status_string(st));
         return KVX_ERR_IO;
     }
     ucp_am_handler_param_t h = {
@@ -777,14 +775,14 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx, char *why,
         .flags = UCP_AM_FLAG_WHOLE_MSG};
     if ((st = ucp_worker_set_am_recv_handler(ln->w, &h)) != UCS_OK ||
         (st = ucp_worker_get_efd(ln->w, &ln->efd)) != UCS_OK) {
-        snprintf(why, why_len, "lane %u: %s", idx, ucs_status_string(st));
+        why_set(why, "lane %u: %s", idx, ucs_status_string(st));
         return KVX_ERR_IO;
     }
     if ((st = ucp_worker_get_address(ln->w, &ln->addr, &ln->addr_len)) !=
         UCS_OK) {
         ln->addr = NULL;
-        snprintf(why, why_len, "lane %u: ucp_worker_get_address: %s", idx,
-                 ucs_status_string(st));
+        why_set(why, "lane %u: ucp_worker_get_address: %s", idx,
+                ucs_status_string(st));
         return KVX_ERR_IO;
     }
     ln->cfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -794,40 +792,38 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx, char *why,
     if (ln->cfd < 0 || ln->epfd < 0 ||
         epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->efd, &e1) ||
         epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->cfd, &e2)) {
-        snprintf(why, why_len, "lane %u: eventfd/epoll: %s", idx,
-                 strerror(errno));
+        why_set(why, "lane %u: eventfd/epoll: %s", idx, strerror(errno));
         return KVX_ERR_IO;
     }
     return 0;
 }
 
-int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
-                uint32_t bind_ms, void (*ev)(const lane_ev_t *e), char *why,
-                size_t why_len)
+int lanes_start(const lanes_conf_t *cf, kvx_why_t *why)
 {
+    unsigned n = cf->n;
     if (!n)
         return 0;
     if (n > LANES_MAX)
         n = LANES_MAX;
     pthread_mutex_init(&L.mu, NULL);
     atomic_store(&L.next_lep, 1);
-    L.ev = ev;
-    L.spin = spin;
-    L.bind_ms = bind_ms;
-    if (uv_async_init(loop, &L.async, on_async)) {
-        snprintf(why, why_len, "lanes: uv_async_init failed");
+    L.ev = cf->ev;
+    L.spin = cf->spin;
+    L.bind_ms = cf->bind_ms;
+    if (uv_async_init(cf->loop, &L.async, on_async)) {
+        why_set(why, "lanes: uv_async_init failed");
         return KVX_ERR_IO;
     }
     L.async_on = 1;
     int rc;
     for (L.n = 0; L.n < n; L.n++) {
         lane_t *ln = &L.v[L.n];
-        if ((rc = lane_init(ln, L.n, ctx, why, why_len))) {
+        if ((rc = lane_init(ln, L.n, cf->ctx, why))) {
             lane_destroy(ln);
             goto err;
         }
         if (pthread_create(&ln->th, NULL, lane_main, ln)) {
-            snprintf(why, why_len, "lane %u: cannot start its thread", L.n);
+            why_set(why, "lane %u: cannot start its thread", L.n);
             lane_destroy(ln);
             rc = KVX_ERR_IO;
             goto err;

@@ -27,6 +27,8 @@
 #include <ucp/api/ucp.h>
 #include <uv.h>
 
+#include "common/why.h"
+
 #include "common/list.h"
 
 #define LANES_MAX 16
@@ -59,12 +61,20 @@ typedef struct lane_ev {
     list_t node; /* on the event queue, or an endpoint's held */
 } lane_ev_t;
 
-/* Starts n lanes (0: none) on ctx. ev is called on the loop for every
- * event; the event is freed after. spin: a lane polls instead of
- * sleeping while it has requests in flight. 0, or KVX_ERR_IO with why. */
-int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
-                uint32_t bind_ms, void (*ev)(const lane_ev_t *e), char *why,
-                size_t why_len);
+/* What lanes_start() starts. */
+typedef struct lanes_conf {
+    ucp_context_h ctx; /* the lanes' workers are of it */
+    uv_loop_t *loop;   /* where ev runs */
+    unsigned n;        /* how many lanes (0: none; at most LANES_MAX) */
+    int spin;          /* a lane polls instead of sleeping while it has requests
+                          in flight */
+    uint32_t bind_ms;  /* an endpoint not bound is closed after it */
+    /* called on the loop for every event; the event is freed after */
+    void (*ev)(const lane_ev_t *e);
+} lanes_conf_t;
+
+/* Starts cf->n lanes. 0, or KVX_ERR_IO with why. */
+int lanes_start(const lanes_conf_t *cf, kvx_why_t *why);
 unsigned lanes_count(void);
 /* Lane lane's worker address (*len bytes), valid until lanes_stop(). */
 const uint8_t *lane_address(unsigned lane, size_t *len);
@@ -80,13 +90,22 @@ void lanes_stop(void);
 /* An endpoint to the worker at addr (copied). */
 void lane_connect(unsigned lane, const uint8_t *addr, size_t len,
                   uint64_t *lep);
+/* A message lane_send() sends: hdr[0..hlen) as the header, and
+ * data[0..len), or, when niov > 0, the niov places of iov (ucp_dt_iov_t,
+ * adding up to len); cookie comes back with LEV_SENT. */
+typedef struct lane_msg {
+    const uint8_t *hdr;
+    size_t hlen;
+    const void *data;
+    size_t len;
+    const ucp_dt_iov_t *iov;
+    size_t niov;
+    void *cookie;
+} lane_msg_t;
 /* Sent by rendezvous always (the receiver's lane gets it straight into
- * place): data[0..len), or, when niov > 0, the niov places of iov
- * (ucp_dt_iov_t, adding up to len). hdr, data and iov stay the caller's
- * until LEV_SENT. */
-void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
-               const void *data, size_t len, const ucp_dt_iov_t *iov,
-               size_t niov, void *cookie);
+ * place). m is read before this returns; hdr, data and iov stay the
+ * caller's until LEV_SENT. */
+void lane_send(unsigned lane, uint64_t lep, const lane_msg_t *m);
 /* Receive the rendezvous data of desc (len bytes) into dst, or, when
  * niov > 0, into the niov places of iov (ucp_dt_iov_t, adding up to
  * len; the caller's until LEV_RECEIVED). */

@@ -26,6 +26,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/why.h"
+
 #include "kvxfer.pb-c.h"
 
 typedef struct peer_conn peer_conn_t;
@@ -35,7 +37,7 @@ typedef struct peer_conn peer_conn_t;
  * Does nothing when peer.listen is empty. 0, or with why KVX_ERR_INVALID
  * (peer.listen, peer.secret_file, peer.lanes' ports) or KVX_ERR_IO (UCX,
  * a syscall). */
-int peer_init(char *why, size_t why_len);
+int peer_init(kvx_why_t *why);
 int peer_enabled(void);
 /* SIGHUP: read peer.secret_file again. A new secret MACs the handshakes
  * from now on; the previous one is still accepted for
@@ -54,7 +56,7 @@ void peer_shutdown(void);
 /* The outgoing connection to the daemon at address, made on first use
  * and reused while it lives. NULL with why when the address names no
  * peer listener or peers are off. */
-peer_conn_t *peer_connect(const char *address, char *why, size_t why_len);
+peer_conn_t *peer_connect(const char *address, kvx_why_t *why);
 const char *peer_conn_address(const peer_conn_t *c);
 /* A connection's name for the layers above, never reused: they keep it
  * instead of the pointer, which a loss frees. */
@@ -64,7 +66,7 @@ uint64_t peer_conn_id(const peer_conn_t *c);
 peer_conn_t *peer_conn_find(uint64_t id);
 /* Is address this daemon, or one a connection can be made to? 0; or
  * KVX_ERR_INVALID with why, or peer_address_alias()'s refusal. */
-int peer_address_check(const char *address, char *why, size_t why_len);
+int peer_address_check(const char *address, kvx_why_t *why);
 /* Does address name this daemon's listener (its IP and port, however
  * spelt) without being this daemon's address? 0 when not; else
  * KVX_ERR_PEER_GONE (another id: an earlier run's address) or
@@ -74,7 +76,7 @@ int peer_address_check(const char *address, char *why, size_t why_len);
  * run's too. Every earlier run's address is refused with "issued by an
  * earlier run of this daemon (its id was X, this run is Y)". A daemon
  * never dials itself; a handshake that reaches itself anyway fails too. */
-int peer_address_alias(const char *address, char *why, size_t why_len);
+int peer_address_alias(const char *address, kvx_why_t *why);
 /* The capability token of a request of an instance spread over daemons:
  * every daemon of it derives the same one from the cluster secret. The
  * owner's uid goes in, so that an instance of the same name made later
@@ -93,17 +95,26 @@ typedef struct peer_iov {
     size_t len;
 } peer_iov_t;
 
-/* Send a piece of a slot: hdr (a PeerData) as the header, buf[0..len) as
- * the data, or, when niov > 0, the niov places of iov in host memory
- * (adding up to len, in order; UCX reads them, no copy before); queued
- * while peer.send_window sends are in flight. 0: then done(arg, status)
+/* A piece of a slot to send (peer_send_data()). */
+typedef struct peer_piece {
+    const Kvxfer__PeerMsg *hdr; /* the header: a DATA message (PeerData) */
+    const void *buf;            /* the data, buf[0..len) */
+    size_t len;
+    /* or, when niov > 0, the niov places of iov in host memory (adding
+     * up to len, in order; UCX reads them, no copy before) */
+    const peer_iov_t *iov;
+    size_t niov;
+    void (*done)(void *arg, int status);
+    void *arg;
+} peer_piece_t;
+
+/* Send piece p of a slot (p is read before this returns); queued while
+ * peer.send_window sends are in flight. 0: then p->done(p->arg, status)
  * runs on the loop once buf (or iov and its places) may be reused
  * (status 0 or a kvx_status_t), always, also when the connection fails
- * (it may run before this returns). hdr is a DATA message (else
+ * (it may run before this returns). p->hdr is a DATA message (else
  * KVX_ERR_INVALID). An error: not sent, done never runs. */
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
-                   size_t len, const peer_iov_t *iov, size_t niov,
-                   void (*done)(void *arg, int status), void *arg);
+int peer_send_data(peer_conn_t *c, const peer_piece_t *p);
 /* Whether a peer_send_data() to c whose done argument is arg still waits
  * in c's queue (peer.send_window full): not handed to UCX, so no byte of
  * it can have reached the other daemon. */

@@ -81,14 +81,13 @@ typedef struct a_map {
 typedef struct walk {
     const uint8_t *a;
     size_t len, at;
-    char *why;
-    size_t why_len;
+    kvx_why_t *why;
     a_map_t *m;
 } walk_t;
 
 static int w_bad(walk_t *w, const char *what)
 {
-    snprintf(w->why, w->why_len, "%s at byte %zu of %zu", what, w->at, w->len);
+    why_set(w->why, "%s at byte %zu of %zu", what, w->at, w->len);
     return -1;
 }
 
@@ -202,16 +201,15 @@ static int w_header(walk_t *w, int *ver, uint64_t *id)
         flags = a[1];
         w->at = 2;
     } else {
-        snprintf(w->why, w->why_len,
-                 "header byte 0x%02x: address version %d (UCX knows 0 and "
-                 "1)",
-                 a[0], *ver);
+        why_set(w->why,
+                "header byte 0x%02x: address version %d (UCX knows 0 and "
+                "1)",
+                a[0], *ver);
         return -1;
     }
     if (flags &
         ~(A_FLAG_DEBUG | A_FLAG_UUID | A_FLAG_CLIENT | A_FLAG_AM_ONLY)) {
-        snprintf(w->why, w->why_len, "header flags 0x%02x (UCX knows 0x0f)",
-                 flags);
+        why_set(w->why, "header flags 0x%02x (UCX knows 0x0f)", flags);
         return -1;
     }
     *id = 0;
@@ -285,14 +283,14 @@ static int w_device(walk_t *w, int ver, int *last)
 /* The walk of a..a+len into *m: 0 and where the last device ended
  * (m->head..), or -1 with why. */
 static int addr_walk(const uint8_t *a, size_t len, uint64_t *uuid, a_map_t *m,
-                     size_t *end, char *why, size_t why_len)
+                     size_t *end, kvx_why_t *why)
 {
-    walk_t w = {a, len, 0, why, why_len, m};
+    walk_t w = {a, len, 0, why, m};
     int ver;
     uint64_t id;
     if (len < 2 || len > UCX_ADDR_MAX) {
-        snprintf(why, why_len, "%zu bytes (a worker address has 2 to %u)", len,
-                 UCX_ADDR_MAX);
+        why_set(why, "%zu bytes (a worker address has 2 to %u)", len,
+                UCX_ADDR_MAX);
         return -1;
     }
     m->ndev = m->ntl = 0;
@@ -310,17 +308,16 @@ static int addr_walk(const uint8_t *a, size_t len, uint64_t *uuid, a_map_t *m,
     return 0;
 }
 
-int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, char *why,
-                   size_t why_len)
+int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, kvx_why_t *why)
 {
     static __thread a_map_t m; /* 10 KiB: off the lanes' stacks */
     size_t end;
     uint64_t id;
-    if (addr_walk(a, len, &id, &m, &end, why, why_len))
+    if (addr_walk(a, len, &id, &m, &end, why))
         return -1;
     if (end != len) {
-        snprintf(why, why_len, "bytes after the last device at byte %zu of %zu",
-                 end, len);
+        why_set(why, "bytes after the last device at byte %zu of %zu", end,
+                len);
         return -1;
     }
     if (uuid)
@@ -363,15 +360,15 @@ int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, char *why,
 
 /* TCP's device address: flags, family, then the host id (and namespace)
  * on loopback or the IP address; its interface address, the port. */
-static int tcp_fits(const uint8_t *dev, size_t dlen, size_t ilen, char *why,
-                    size_t why_len)
+static int tcp_fits(const uint8_t *dev, size_t dlen, size_t ilen,
+                    kvx_why_t *why)
 {
     size_t want;
     if (ilen != 2 || dlen < 2) {
-        snprintf(why, why_len,
-                 "a TCP transport with a %zu-byte device and %zu-byte port "
-                 "address (2 and 2 at least)",
-                 dlen, ilen);
+        why_set(why,
+                "a TCP transport with a %zu-byte device and %zu-byte port "
+                "address (2 and 2 at least)",
+                dlen, ilen);
         return 0;
     }
     if (dev[0] & TCP_LOOPBACK)
@@ -381,14 +378,14 @@ static int tcp_fits(const uint8_t *dev, size_t dlen, size_t ilen, char *why,
     else if (dev[1] == AF_INET6)
         want = 18;
     else {
-        snprintf(why, why_len, "a TCP transport of address family %u", dev[1]);
+        why_set(why, "a TCP transport of address family %u", dev[1]);
         return 0;
     }
     if (dlen != want || (dev[0] & ~TCP_LOOPBACK)) {
-        snprintf(why, why_len,
-                 "a TCP device address of %zu bytes with flags 0x%02x and "
-                 "family %u (%zu bytes)",
-                 dlen, dev[0], dev[1], want);
+        why_set(why,
+                "a TCP device address of %zu bytes with flags 0x%02x and "
+                "family %u (%zu bytes)",
+                dlen, dev[0], dev[1], want);
         return 0;
     }
     return 1;
@@ -437,7 +434,7 @@ static const char *tl_name(uint16_t csum, char *buf, size_t len)
 /* Whether remote transport t (of address a) can go to this worker's
  * (own: the walk of its own address): 1, or 0 with why (left out). */
 static int tl_fits(const a_map_t *own, const uint8_t *a, const a_tl_t *t,
-                   int *ours, char *why, size_t why_len)
+                   int *ours, kvx_why_t *why)
 {
     const uint8_t *dev = a + t->dev_at, *ifa = a + t->if_at;
     int same = 0, lens = 0;
@@ -452,30 +449,30 @@ static int tl_fits(const a_map_t *own, const uint8_t *a, const a_tl_t *t,
     if (!same)
         return 1; /* not this worker's: UCX passes it by */
     if (t->csum == csum_of.tcp)
-        return tcp_fits(dev, t->dev_len, t->if_len, why, why_len);
+        return tcp_fits(dev, t->dev_len, t->if_len, why);
     if (!lens) {
         char nm[48];
-        snprintf(why, why_len,
-                 "%s with a %zu-byte device and %zu-byte interface address, "
-                 "unlike this worker's",
-                 tl_name(t->csum, nm, sizeof(nm)), t->dev_len, t->if_len);
+        why_set(why,
+                "%s with a %zu-byte device and %zu-byte interface address, "
+                "unlike this worker's",
+                tl_name(t->csum, nm, sizeof(nm)), t->dev_len, t->if_len);
         return 0;
     }
     if ((t->csum == csum_of.cma && t->if_len >= 4 &&
          (ifa[3] & CMA_PID_NS_BYTE) && t->if_len < 16) ||
         (t->csum == csum_of.posix && t->if_len >= 8 &&
          (ifa[7] & POSIX_PID_NS_BYTE) && t->if_len < 16)) {
-        snprintf(why, why_len,
-                 "a %s interface address of %zu bytes that says a process "
-                 "namespace (16 bytes)",
-                 t->csum == csum_of.cma ? "CMA" : "POSIX", t->if_len);
+        why_set(why,
+                "a %s interface address of %zu bytes that says a process "
+                "namespace (16 bytes)",
+                t->csum == csum_of.cma ? "CMA" : "POSIX", t->if_len);
         return 0;
     }
     return 1;
 }
 
 int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
-                 size_t *out_len, char *why, size_t why_len)
+                 size_t *out_len, kvx_why_t *why)
 {
     static __thread a_map_t in, own; /* 10 KiB each: off the lanes' stacks */
     size_t end, n = 0;
@@ -483,27 +480,26 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
     size_t olen;
     char first[160] = "";
     int kept = 0;
-    if (addr_walk(a, len, NULL, &in, &end, why, why_len))
+    if (addr_walk(a, len, NULL, &in, &end, why))
         return -1;
     if (end != len) {
-        snprintf(why, why_len, "bytes after the last device at byte %zu of %zu",
-                 end, len);
+        why_set(why, "bytes after the last device at byte %zu of %zu", end,
+                len);
         return -1;
     }
     csums_init();
     ucs_status_t st = ucp_worker_get_address(w, &oa, &olen);
     if (st != UCS_OK) {
-        snprintf(why, why_len, "this worker's own address: %s",
-                 ucs_status_string(st));
+        why_set(why, "this worker's own address: %s", ucs_status_string(st));
         return -1;
     }
     char d[128];
     int own_ok =
-        !addr_walk((const uint8_t *)oa, olen, NULL, &own, &end, d, sizeof(d)) &&
+        !addr_walk((const uint8_t *)oa, olen, NULL, &own, &end, KVX_WHY(d)) &&
         end == olen;
     if (!own_ok) {
         ucp_worker_release_address(w, oa);
-        snprintf(why, why_len, "this worker's own address: %s", d);
+        why_set(why, "this worker's own address: %s", d);
         return -1;
     }
     memcpy(out, a, in.head);
@@ -516,7 +512,7 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
             int ours;
             if (t->dev != di)
                 continue;
-            if (!tl_fits(&own, a, t, &ours, d, sizeof(d))) {
+            if (!tl_fits(&own, a, t, &ours, KVX_WHY(d))) {
                 if (!first[0])
                     snprintf(first, sizeof(first), "%s", d);
                 continue;
@@ -540,16 +536,16 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
     }
     ucp_worker_release_address(w, oa);
     if (!kept) {
-        snprintf(why, why_len, "none of this worker's transports%s%s",
-                 first[0] ? ": " : "", first);
+        why_set(why, "none of this worker's transports%s%s",
+                first[0] ? ": " : "", first);
         return 0;
     }
     out[last_dev] |= A_LAST;
     *out_len = n;
     if (first[0])
-        snprintf(why, why_len, "left out %s", first);
-    else if (why_len)
-        why[0] = 0;
+        why_set(why, "left out %s", first);
+    else
+        why_set(why, "%s", "");
     return kept;
 }
 
@@ -560,9 +556,9 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
 {
     static __thread a_map_t m;
     size_t len;
-    char why[256];
+    char why[256] = "";
     *ep = NULL;
-    if (addr_walk(addr, UCX_ADDR_MAX, NULL, &m, &len, why, sizeof(why))) {
+    if (addr_walk(addr, UCX_ADDR_MAX, NULL, &m, &len, KVX_WHY(why))) {
         log_warn("peers: a worker address that was not checked: %s", why);
         return UCS_ERR_INVALID_ADDR;
     }
@@ -570,7 +566,7 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
     size_t use_len;
     if (!use)
         return UCS_ERR_NO_MEMORY;
-    int kept = ucx_addr_fit(w, addr, len, use, &use_len, why, sizeof(why));
+    int kept = ucx_addr_fit(w, addr, len, use, &use_len, KVX_WHY(why));
     if (kept <= 0) {
         log_warn("peers: a peer's UCX worker address: %s", why);
         free(use);

@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <ucp/api/ucp.h>
 
+#include "common/why.h"
+
 /* An endpoint to the worker whose address is addr, one that passed
  * ucx_addr_check(): made to what ucx_addr_fit() keeps of it; when it keeps
  * none of w's transports, UCS_ERR_UNREACHABLE (logged, with why). */
@@ -25,8 +27,8 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
  * without reading past it or asserting (UCX 1.13's format, non-unified
  * mode): 0 and *uuid (the worker's id; 0 if not told, when not NULL),
  * or -1 with why (what is wrong, and at which byte). */
-int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, char *why,
-                   size_t why_len);
+int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid,
+                   kvx_why_t *why);
 /* What of the worker address a..a+len worker w can hand to ucp_ep_create()
  * without UCX or a transport reading outside it (ucx.c says how): the
  * address less the transports that fail, into out (len bytes of room), its
@@ -35,7 +37,7 @@ int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, char *why,
  * fails ucx_addr_check(), or w's own address cannot be read) with why. On
  * w's thread. */
 int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
-                 size_t *out_len, char *why, size_t why_len);
+                 size_t *out_len, kvx_why_t *why);
 /* Force-closes ep: 1 when the close goes on and done(arg) comes later
  * (from the worker's progress), 0 when it is over now. */
 int ucx_close(ucp_ep_h ep, ucp_send_nbx_callback_t done, void *arg);

@@ -161,7 +161,8 @@ static void kf_fail(kf_t *kf, int kind, int code, const char *msg)
         seen[r] = kf->rank[r].waiting || kf->rank[r].done;
     if (inst && !kf->handed)
         xfer_fetch_end_early(
-            inst, &kf->key, kf->dp_rank, kind, code, msg, seen,
+            inst, &kf->key, kf->dp_rank,
+            &(batch_end_t){kind, code, msg, NULL, 0}, seen,
             xfer_source_id(kf->ctx_inst, kf->ctx_key.b, kf->ctx_key.len));
     free(seen);
     kf_free(kf);
@@ -184,8 +185,19 @@ static int kf_run(kf_t *kf, instance_t *inst, uint32_t r, pool_t *pool,
 {
     kf->rank[r].done = 1;
     kf->ndone++;
-    int rc = xfer_fetch(inst, r, &kf->key, kf->params, kf->plen, pool, blocks,
-                        nblocks, kf->skip, kf->dp_rank, gs, ngs, why, why_len);
+    xfer_fetch_req_t fr = {.inst = inst,
+                           .rank = r,
+                           .key = &kf->key,
+                           .params = kf->params,
+                           .params_len = kf->plen,
+                           .pool = pool,
+                           .blocks = blocks,
+                           .nblocks = nblocks,
+                           .skip_tokens = kf->skip,
+                           .dp_rank = kf->dp_rank,
+                           .groups = gs,
+                           .ngroups = ngs};
+    int rc = xfer_fetch(&fr, &(kvx_why_t){why, why_len});
     if (!rc && !kf->handed++) /* the deadline runs from the first call */
         xfer_fetch_deadline(inst, &kf->key, kf->until_ms);
     return rc;
@@ -255,8 +267,7 @@ static int kf_resolve_local(kf_t *kf)
     uint8_t *p;
     size_t len;
     xfer_consumer_t who = {kf->inst, kf->key.b, kf->key.len};
-    int rc =
-        xfer_params_for(ci, &kf->ctx_key, &who, &p, &len, why, sizeof(why));
+    int rc = xfer_params_for(ci, &kf->ctx_key, &who, &p, &len, KVX_WHY(why));
     if (rc == XFER_NOT_YET)
         return 0;
     if (rc) {
@@ -290,7 +301,7 @@ static int target_check(const char *what, const char *inst, const char *addr,
     if ((*here = !strcmp(addr, kvxd.address)))
         return 0;
     char w[400];
-    if (peer_address_alias(addr, w, sizeof(w)) == KVX_ERR_PEER_GONE) {
+    if (peer_address_alias(addr, KVX_WHY(w)) == KVX_ERR_PEER_GONE) {
         snprintf(why, why_len, "%s.context_address: %s", what, w);
         return KVX_ERR_PEER_GONE;
     }
@@ -301,14 +312,14 @@ static int target_check(const char *what, const char *inst, const char *addr,
                  what, addr);
         return KVX_ERR_UNSUPPORTED;
     }
-    return peer_address_check(addr, why, why_len);
+    return peer_address_check(addr, &(kvx_why_t){why, why_len});
 }
 
 /* Ask a->addr for the params a names; *id and *conn name the answer. */
 static int ask_resolve(const ask_t *a, uint64_t *id, uint64_t *conn, char *why,
                        size_t why_len)
 {
-    peer_conn_t *c = peer_connect(a->addr, why, why_len);
+    peer_conn_t *c = peer_connect(a->addr, &(kvx_why_t){why, why_len});
     if (!c)
         return KVX_ERR_PEER_GONE;
     Kvxfer__PeerResolve pr = KVXFER__PEER_RESOLVE__INIT;
@@ -349,7 +360,7 @@ int keyed_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
     if (!kf &&
         xfer_fetch_ended(inst, rank, key,
                          xfer_source_id(ctx_instance, ctx_key->b, ctx_key->len),
-                         &rc, why, why_len))
+                         &rc, &(kvx_why_t){why, why_len}))
         return rc; /* it ended already: this rank joins that end */
     if (!kf && xfer_fetch_runs(inst, key)) {
         snprintf(why, why_len,
@@ -559,7 +570,7 @@ int keyed_release(uint64_t sid, uint64_t req_id, uint32_t uid, int admin,
         uint8_t *p;
         size_t len;
         char w[512];
-        rc = xfer_params_for(ci, ctx_key, NULL, &p, &len, w, sizeof(w));
+        rc = xfer_params_for(ci, ctx_key, NULL, &p, &len, KVX_WHY(w));
         if (rc == XFER_NOT_YET)
             rc = KVX_ERR_NOT_FOUND;
         if (rc) {
@@ -696,7 +707,7 @@ static int res_try(const res_t *r)
      * its daemons: the same consumer gets the params again */
     xfer_consumer_t who = {r->consumer, r->consumer_key.b, r->consumer_key.len};
     int rc = xfer_params_for(ci, &r->key, r->consumer_key.len ? &who : NULL, &p,
-                             &len, why, sizeof(why));
+                             &len, KVX_WHY(why));
     if (rc == XFER_NOT_YET)
         return 0;
     res_answer(r->conn, r->id, rc, rc ? why : "", rc ? NULL : p, rc ? 0 : len);
@@ -714,11 +725,11 @@ static void on_resolve(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
     if (!m->instance_id || !m->instance_id[0] ||
         strlen(m->instance_id) > INSTANCE_ID_MAX || !m->consumer_instance ||
         strlen(m->consumer_instance) > INSTANCE_ID_MAX ||
-        reqkey_set(&q.key, m->key.data, m->key.len, "resolve.key", why,
-                   sizeof(why)) ||
+        reqkey_set(&q.key, m->key.data, m->key.len, "resolve.key",
+                   KVX_WHY(why)) ||
         (m->consumer_key.len &&
          reqkey_set(&q.consumer_key, m->consumer_key.data, m->consumer_key.len,
-                    "resolve.consumer_key", why, sizeof(why)))) {
+                    "resolve.consumer_key", KVX_WHY(why)))) {
         res_answer(conn, m->id, KVX_ERR_INVALID,
                    "resolve: instance, consumer or key missing or too long",
                    NULL, 0);

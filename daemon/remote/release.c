@@ -67,7 +67,7 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
 {
     Kvxfer__ContextParams *cp;
     *later = 0;
-    int rc = xfer_params_decode(params, len, &cp, why, why_len);
+    int rc = xfer_params_decode(params, len, &cp, &(kvx_why_t){why, why_len});
     if (rc)
         return rc;
     /* the daemons of the ranks, each once */
@@ -106,12 +106,12 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
     }
     /* every address is checked before anything is released */
     for (unsigned k = 0; k < n; k++)
-        if ((rc = peer_address_check(addrs[k], why, why_len)))
+        if ((rc = peer_address_check(addrs[k], &(kvx_why_t){why, why_len})))
             goto out;
     reqkey_t key = {.len = (uint32_t)cp->key.len};
     memcpy(key.b, cp->key.data, cp->key.len); /* checked by the decode */
     if (here && (rc = xfer_release(cp->instance_id, &key, cp->token.data,
-                                   cp->token.len, why, why_len)))
+                                   cp->token.len, &(kvx_why_t){why, why_len})))
         goto out;
     if (!n)
         goto out; /* rc 0: answered now */
@@ -139,7 +139,7 @@ int release_start(const uint8_t *params, size_t len, uint64_t sid,
     for (unsigned k = 0; k < n; k++) {
         char w[256];
         snprintf(r->addr[k], sizeof(r->addr[k]), "%s", addrs[k]);
-        peer_conn_t *c = peer_connect(addrs[k], w, sizeof(w));
+        peer_conn_t *c = peer_connect(addrs[k], KVX_WHY(w));
         if (!c || peer_send(c, &m)) {
             char e[512];
             snprintf(e, sizeof(e), "release: daemon %s: %s", addrs[k],
@@ -171,11 +171,11 @@ static void on_release(peer_conn_t *c, const Kvxfer__PeerMsg *pm)
     const Kvxfer__PeerRelease *m = pm->release;
     char why[512] = "";
     reqkey_t key;
-    int rc = reqkey_set(&key, m->key.data, m->key.len, "release.key", why,
-                        sizeof(why));
+    int rc =
+        reqkey_set(&key, m->key.data, m->key.len, "release.key", KVX_WHY(why));
     if (!rc)
         rc = xfer_release(m->instance_id ? m->instance_id : "", &key,
-                          m->token.data, m->token.len, why, sizeof(why));
+                          m->token.data, m->token.len, KVX_WHY(why));
     Kvxfer__PeerReleased a = KVXFER__PEER_RELEASED__INIT;
     a.id = m->id;
     a.code = rc;

@@ -743,7 +743,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         return KVX_ERR_UNSUPPORTED;
     }
     if (!pool->gpu) { /* GPU pools: checked below, once unbound */
-        int rc = plan_check_bounds(plan, why, why_len);
+        int rc = plan_check_bounds(plan, &(kvx_why_t){why, why_len});
         if (rc)
             return rc;
     }
@@ -753,9 +753,9 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         static const kvx_layout_t none; /* sources: packed in the slot */
         for (uint32_t i = 0; i < plan->nslices; i++)
             plan->src[i] = (plan_mem_t){.layout = &none};
-        if ((rc = plan_check_bounds(plan, why, why_len)) ||
+        if ((rc = plan_check_bounds(plan, &(kvx_why_t){why, why_len})) ||
             (rc = slots_pin(&rslots, dev, why, why_len)) ||
-            (rc = xfer_part_upload(p, dev, why, why_len)))
+            (rc = xfer_part_upload(p, dev, &(kvx_why_t){why, why_len})))
             return rc;
     }
     rpart_t *rp = calloc(1, sizeof(*rp) + plan->nslices * sizeof(rstream_t *));
@@ -767,7 +767,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
     xfer_part_set_remote(p, rp); /* freed with p, whatever happens below */
     for (uint32_t i = 0; i < plan->nslices; i++) {
         const char *addr = cp->rank_addresses[plan->slices[i].src_rank];
-        peer_conn_t *c = peer_connect(addr, why, why_len);
+        peer_conn_t *c = peer_connect(addr, &(kvx_why_t){why, why_len});
         if (!c)
             return KVX_ERR_PEER_GONE;
         rstream_t *r = calloc(1, sizeof(*r));
@@ -921,8 +921,8 @@ static int opened_aux(peer_conn_t *c, rstream_t *r, const Kvxfer__PeerOpened *o)
         log_warn("%s", why);
         rc = KVX_ERR_LIMIT;
     } else if (o->aux.len) {
-        rc = xfer_part_set_aux(r->part, o->aux.data, (uint32_t)o->aux.len, why,
-                               sizeof(why));
+        rc = xfer_part_set_aux(r->part, o->aux.data, (uint32_t)o->aux.len,
+                               KVX_WHY(why));
     }
     if (rc)
         xfer_part_fail(r->part, rc, why);
@@ -1282,8 +1282,7 @@ static uint32_t streams_expected(offer_t *o, const plan_side_t *gdst,
         uint32_t r = t % ranks, tb = t / ranks; /* rank, table */
         plan_t *p;
         char why[64];
-        if (xfer_offer_plan(o, tb, &gdst[tb], r, gskip[tb], &p, why,
-                            sizeof(why)))
+        if (xfer_offer_plan(o, tb, &gdst[tb], r, gskip[tb], &p, KVX_WHY(why)))
             continue;
         uint32_t k = 0;
         for (uint32_t i = 0; i < p->nslices; i++) {
@@ -1416,8 +1415,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     uint32_t ng = m->n_groups ? (uint32_t)m->n_groups : 1;
     plan_side_t gdst[XFER_MAX_GROUPS];
     uint32_t gskip[XFER_MAX_GROUPS];
-    int rc = xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, why,
-                                sizeof(why));
+    int rc =
+        xfer_side_from_msg(m->dst_parallel, m->dst_layout, &dst, KVX_WHY(why));
     if (!rc && (ng != xfer_offer_ngroups(o) || m->group >= ng)) {
         snprintf(why, sizeof(why),
                  "open: the fetch reads block table %u of %u, the offer of "
@@ -1432,7 +1431,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
         } else if (m->n_groups) {
             rc =
                 xfer_side_from_msg(m->groups[k]->parallel, m->groups[k]->layout,
-                                   &gdst[k], why, sizeof(why));
+                                   &gdst[k], KVX_WHY(why));
             gskip[k] = m->groups[k]->skip_tokens;
         } else {
             gdst[0] = dst;
@@ -1453,8 +1452,8 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
             rc = KVX_ERR_MISMATCH;
         }
     if (!rc)
-        rc = plan_compat(xfer_offer_group_side(o, m->group), &dst, why,
-                         sizeof(why));
+        rc =
+            plan_compat(xfer_offer_group_side(o, m->group), &dst, KVX_WHY(why));
     if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {
         snprintf(why, sizeof(why), "open: destination rank %u of %u",
                  m->dst_rank, plan_side_ranks(&dst));
@@ -1462,7 +1461,7 @@ static void on_open(peer_conn_t *c, const Kvxfer__PeerOpen *m)
     }
     if (!rc)
         rc = xfer_offer_plan(o, m->group, &dst, m->dst_rank, m->skip_tokens,
-                             &plan, why, sizeof(why));
+                             &plan, KVX_WHY(why));
     if (rc) {
         open_refuse(c, m->stream, rc, "%s", why);
         return;
@@ -1629,8 +1628,9 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
     x->sends_left++;
     peer_conn_t *c = conn_live(s->conn);
     if (niov) {
-        int rc = c ? peer_send_data(c, &m, NULL, x->pc[k].len, x->iov[k], niov,
-                                    on_sent_direct, &x->ref[k])
+        int rc = c ? peer_send_data(
+                         c, &(peer_piece_t){&m, NULL, x->pc[k].len, x->iov[k],
+                                            niov, on_sent_direct, &x->ref[k]})
                    : KVX_ERR_PEER_GONE;
         if (!rc)
             return;
@@ -1641,8 +1641,9 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
         on_sent_direct(&x->ref[k], rc);
         return;
     }
-    if (!c || peer_send_data(c, &m, x->mem + d.offset, x->pc[k].len, NULL, 0,
-                             on_sent, x))
+    if (!c ||
+        peer_send_data(c, &(peer_piece_t){&m, x->mem + d.offset, x->pc[k].len,
+                                          NULL, 0, on_sent, x}))
         x->sends_left--; /* the connection is gone: never called back */
 }
 
@@ -1724,7 +1725,7 @@ static int sstream_bind(sstream_t *s, offer_t *o)
         pl->src[i] = i == s->slice ? mem : (plan_mem_t){.layout = &none};
     char why[256];
     int rc;
-    if ((rc = plan_check_bounds(pl, why, sizeof(why)))) {
+    if ((rc = plan_check_bounds(pl, KVX_WHY(why)))) {
         pl->src[s->slice] = (plan_mem_t){.layout = &none};
         log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);
         return rc;
@@ -1734,9 +1735,9 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     int dev = src->device;
     pl->dst = (plan_mem_t){.layout = &s->dst_layout};
     if ((rc = slots_pin(&sslots, dev, why, sizeof(why))) ||
-        (rc = pool_device_view(src, dev, &pl->src[s->slice].regions, why,
-                               sizeof(why))) ||
-        (rc = gpu_part_create(pl, dev, &s->gpu, why, sizeof(why))))
+        (rc = pool_device_view(src, dev, &pl->src[s->slice].regions,
+                               KVX_WHY(why))) ||
+        (rc = gpu_part_create(pl, dev, &s->gpu, KVX_WHY(why))))
         log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);
     return rc;
 }
@@ -2037,7 +2038,7 @@ static void offer_done_notify(offer_t *o)
         if (any || !first || inst->local[r])
             continue;
         char why[256];
-        peer_conn_t *c = peer_connect(addr, why, sizeof(why));
+        peer_conn_t *c = peer_connect(addr, KVX_WHY(why));
         if (!c)
             continue;
         Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;

@@ -213,9 +213,11 @@ int batch_rank_here(const batch_state_t *bs, uint32_t rank)
 }
 
 int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
-               int kind, int code, const char *message, const uint8_t *aux,
-               uint32_t aux_len, uint64_t now_ms)
+               const batch_end_t *end, uint64_t now_ms)
 {
+    const char *message = end->msg;
+    const uint8_t *aux = end->aux;
+    uint32_t aux_len = end->aux_len;
     if (bs->npending == bs->cap_pending) {
         uint32_t ncap = bs->cap_pending ? bs->cap_pending * 2 : 16;
         batch_event_t *n = realloc(bs->pending, ncap * sizeof(*n));
@@ -240,8 +242,8 @@ int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
     }
     e->request_id = request_id;
     e->key = *key;
-    e->kind = kind;
-    e->code = code;
+    e->kind = end->kind;
+    e->code = end->code;
     bs->npending++;
     maybe_seal(bs, now_ms, 0);
     return 0;

@@ -109,10 +109,19 @@ uint64_t batch_rank_resume(batch_state_t *bs, uint32_t rank, uint64_t resume);
 /* Present and not away. */
 int batch_rank_here(const batch_state_t *bs, uint32_t rank);
 
+/* What a terminal event says, as it is pushed: its kind (KVX_EVENT_*),
+ * code, message, and aux_len bytes of aux (NULL, 0: none). */
+typedef struct batch_end {
+    int kind;
+    int code;
+    const char *msg;
+    const uint8_t *aux;
+    uint32_t aux_len;
+} batch_end_t;
+
 /* Queue a terminal event (message and aux_len bytes of aux copied). */
 int batch_push(batch_state_t *bs, uint64_t request_id, const reqkey_t *key,
-               int kind, int code, const char *message, const uint8_t *aux,
-               uint32_t aux_len, uint64_t now_ms);
+               const batch_end_t *end, uint64_t now_ms);
 
 /* Rank asks for its next batch. Delivers now or waits; returns
  * KVX_ERR_BUSY if this rank already has a poll waiting. */

@@ -6,20 +6,14 @@
 #include <sys/random.h>
 
 #include "core/daemon.h"
-#include "instance.h"
 #include "core/log.h"
+#include "instance.h"
 #include "net/peer.h"
 
 /* newest first */
 static list_t instances = {&instances, &instances};
 
 #define INST(n) LIST_OWNER(n, instance_t, node)
-
-#define WHY(code, ...)                                                      \
-    do {                                                                    \
-        snprintf(why, why_len, __VA_ARGS__);                                \
-        return (code);                                                      \
-    } while (0)
 
 instance_t *instance_find(const char *id)
 {
@@ -73,8 +67,7 @@ void instance_set_hooks(const instance_hooks_t *h)
     H = *h;
 }
 
-static int deliver(void *arg, uint32_t rank, uint64_t req_id,
-                   const batch_t *b)
+static int deliver(void *arg, uint32_t rank, uint64_t req_id, const batch_t *b)
 {
     return H.deliver ? H.deliver(arg, rank, req_id, b) : 0;
 }
@@ -107,40 +100,47 @@ static void instance_free(instance_t *inst)
     free(inst);
 }
 
-int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
-                    uint32_t rank, const plan_side_t *side, uint64_t sid,
-                    instance_t **out, char *why, size_t why_len)
+int instance_attach(const instance_hello_t *h, instance_t **out, kvx_why_t *why)
 {
+    const char *id = h->id;
+    uint32_t uid = h->uid, rank = h->rank;
+    kvx_role_t role = h->role;
+    const plan_side_t *side = h->side;
+    uint64_t sid = h->sid;
     int rc;
-    if ((rc = plan_side_check(side, why, why_len)))
+    if ((rc = plan_side_check(side, why)))
         return rc;
     uint32_t nranks = plan_side_ranks(side);
     if (rank >= nranks)
-        WHY(KVX_ERR_INVALID, "hello.rank: %u outside the %u ranks of tp*pp*cp",
-            rank, nranks);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "hello.rank: %u outside the %u ranks of tp*pp*cp", rank,
+                        nranks);
     instance_t *inst = instance_find(id);
     if (inst) {
         /* an instance is its first rank's user's: another uid cannot
          * become one of its ranks (and so cancel its requests or read
          * its batches), root included */
         if (inst->owner_uid != uid)
-            WHY(KVX_ERR_PERM,
+            return why_fail(
+                why, KVX_ERR_PERM,
                 "hello.instance_id: instance %s belongs to uid %u; uid %u "
                 "cannot join it (instance names are first come, first "
                 "served: give each user's engines their own)",
                 id, inst->owner_uid, uid);
         if (inst->role != role)
-            WHY(KVX_ERR_MISMATCH, "hello.role: instance %s has another role",
-                id);
+            return why_fail(why, KVX_ERR_MISMATCH,
+                            "hello.role: instance %s has another role", id);
         if (inst->side.tp != side->tp || inst->side.pp != side->pp ||
             inst->side.cp != side->cp)
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "hello.parallel: tp/pp/cp %u/%u/%u differ from instance %s's "
                 "%u/%u/%u",
-                side->tp, side->pp, side->cp, id, inst->side.tp,
-                inst->side.pp, inst->side.cp);
+                side->tp, side->pp, side->cp, id, inst->side.tp, inst->side.pp,
+                inst->side.cp);
         if (inst->side.attention_dp != side->attention_dp)
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "hello.parallel.attention_dp: %u differs from instance %s's "
                 "%u",
                 side->attention_dp, id, inst->side.attention_dp);
@@ -149,22 +149,25 @@ int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
             inst->side.num_layers_per_pp != side->num_layers_per_pp ||
             memcmp(inst->side.layers_per_pp, side->layers_per_pp,
                    sizeof(side->layers_per_pp)))
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "hello.parallel: layers or heads differ from instance %s's",
                 id);
         if (inst->rank_sid[rank])
-            WHY(KVX_ERR_EXISTS,
-                "hello.rank: rank %u of instance %s is already connected",
-                rank, id);
+            return why_fail(
+                why, KVX_ERR_EXISTS,
+                "hello.rank: rank %u of instance %s is already connected", rank,
+                id);
         if (inst->joined && !inst->local[rank])
-            WHY(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "hello.rank: rank %u of instance %s is served by daemon %s "
                 "(its join), not this one",
                 rank, id, inst->addresses[rank]);
     } else {
         inst = calloc(1, sizeof(*inst));
         if (!inst)
-            WHY(KVX_ERR_NOMEM, "hello: out of memory");
+            return why_fail(why, KVX_ERR_NOMEM, "hello: out of memory");
         snprintf(inst->id, sizeof(inst->id), "%s", id);
         inst->owner_uid = uid;
         inst->role = role;
@@ -179,7 +182,7 @@ int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
             batch_init(&inst->batches, nranks, deliver, inst)) {
             free(inst->rank_sid);
             free(inst);
-            WHY(KVX_ERR_NOMEM, "hello: out of memory");
+            return why_fail(why, KVX_ERR_NOMEM, "hello: out of memory");
         }
         inst->batches.kept_max = kvxd.conf.batches_kept;
         list_unshift(&instances, &inst->node);
@@ -205,32 +208,36 @@ int instance_detach(instance_t *inst, uint32_t rank)
     return 1;
 }
 
-int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
-                  size_t n, char *why, size_t why_len)
+int instance_join(instance_t *inst, uint32_t rank, char *const *addr, size_t n,
+                  kvx_why_t *why)
 {
     if (n != inst->nranks)
-        WHY(KVX_ERR_INVALID,
-            "join.rank_addresses: %zu addresses for %u ranks", n,
-            inst->nranks);
+        return why_fail(why, KVX_ERR_INVALID,
+                        "join.rank_addresses: %zu addresses for %u ranks", n,
+                        inst->nranks);
     for (size_t i = 0; i < n; i++)
         if (!addr[i][0] || strlen(addr[i]) >= sizeof(kvxd.address))
-            WHY(KVX_ERR_INVALID,
-                "join.rank_addresses[%zu]: empty or longer than %zu bytes",
-                i, sizeof(kvxd.address) - 1);
+            return why_fail(
+                why, KVX_ERR_INVALID,
+                "join.rank_addresses[%zu]: empty or longer than %zu bytes", i,
+                sizeof(kvxd.address) - 1);
     /* an earlier run's address first: that is why it is not this one */
     for (size_t i = 0; i < n; i++) {
         char w[400];
-        if (peer_address_alias(addr[i], w, sizeof(w)))
-            WHY(KVX_ERR_INVALID, "join.rank_addresses[%zu]: %s", i, w);
+        if (peer_address_alias(addr[i], KVX_WHY(w)))
+            return why_fail(why, KVX_ERR_INVALID,
+                            "join.rank_addresses[%zu]: %s", i, w);
     }
     if (strcmp(addr[rank], kvxd.address))
-        WHY(KVX_ERR_INVALID,
+        return why_fail(
+            why, KVX_ERR_INVALID,
             "join.rank_addresses[%u]: '%s' is not this daemon ('%s')", rank,
             addr[rank], kvxd.address);
     if (inst->joined) {
         for (size_t i = 0; i < n; i++)
             if (strcmp(addr[i], inst->addresses[i]))
-                WHY(KVX_ERR_MISMATCH,
+                return why_fail(
+                    why, KVX_ERR_MISMATCH,
                     "join.rank_addresses[%zu]: '%s' differs from '%s' given "
                     "by another rank",
                     i, addr[i], inst->addresses[i]);
@@ -240,7 +247,8 @@ int instance_join(instance_t *inst, uint32_t rank, char *const *addr,
      * first join of a spread instance decides which ranks are local) */
     for (size_t i = 0; i < n; i++)
         if (inst->rank_sid[i] && strcmp(addr[i], kvxd.address))
-            WHY(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "join.rank_addresses[%zu]: '%s', but rank %zu is connected "
                 "to this daemon ('%s')",
                 i, addr[i], i, kvxd.address);
@@ -266,7 +274,7 @@ err_nomem:
     free(inst->local);
     inst->addresses = NULL;
     inst->local = NULL;
-    WHY(KVX_ERR_NOMEM, "join: out of memory");
+    return why_fail(why, KVX_ERR_NOMEM, "join: out of memory");
 }
 
 /* A consumers entry e (len bytes): "INSTANCE", the owner's uid, or
@@ -293,13 +301,14 @@ static int consumer_parse(const char *e, size_t len, uint32_t owner,
     return 0;
 }
 
-int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
-                       size_t why_len)
+int instance_consumers(instance_t *inst, char *const *list, size_t n,
+                       kvx_why_t *why)
 {
     size_t len = 0;
     if (n > INSTANCE_CONSUMERS_MAX)
-        WHY(KVX_ERR_LIMIT, "join.consumers: %zu entries, at most %u", n,
-            INSTANCE_CONSUMERS_MAX);
+        return why_fail(why, KVX_ERR_LIMIT,
+                        "join.consumers: %zu entries, at most %u", n,
+                        INSTANCE_CONSUMERS_MAX);
     for (size_t i = 0; i < n; i++) {
         size_t l = strlen(list[i]), nl;
         uint32_t u;
@@ -307,7 +316,8 @@ int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
         if (!l || strchr(list[i], '\n') ||
             consumer_parse(list[i], l, inst->owner_uid, &u, &nm, &nl) ||
             nl > INSTANCE_ID_MAX)
-            WHY(KVX_ERR_INVALID,
+            return why_fail(
+                why, KVX_ERR_INVALID,
                 "join.consumers[%zu]: '%.160s' is not INSTANCE or "
                 "UID:INSTANCE (an instance of 1 to %u bytes, no newline; a "
                 "uid up to %u)",
@@ -316,7 +326,7 @@ int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
     }
     char *c = NULL;
     if (n && !(c = malloc(len)))
-        WHY(KVX_ERR_NOMEM, "join: out of memory");
+        return why_fail(why, KVX_ERR_NOMEM, "join: out of memory");
     for (size_t i = 0, o = 0; i < n; i++) {
         size_t l = strlen(list[i]);
         memcpy(c + o, list[i], l);
@@ -328,7 +338,8 @@ int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
                    (c && inst->consumers && !strcmp(c, inst->consumers));
         free(c);
         if (!same)
-            WHY(KVX_ERR_MISMATCH,
+            return why_fail(
+                why, KVX_ERR_MISMATCH,
                 "join.consumers: differ from those another rank gave");
         return 0;
     }
@@ -337,7 +348,8 @@ int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
         char m[256];
         kvxd_mem_why(inst->owner_uid, len, m, sizeof(m));
         free(c);
-        WHY(KVX_ERR_LIMIT, "join.consumers: %zu bytes %s", len, m);
+        return why_fail(why, KVX_ERR_LIMIT, "join.consumers: %zu bytes %s", len,
+                        m);
     }
     if (inst->consumers)
         kvxd_mem_release_uid(MEM_REQUESTS, inst->owner_uid,
@@ -366,14 +378,16 @@ int instance_allows(const instance_t *inst, const char *consumer,
     return 0;
 }
 
-int instance_ready(const instance_t *inst, char *why, size_t why_len)
+int instance_ready(const instance_t *inst, kvx_why_t *why)
 {
     if (!inst->joined)
-        WHY(KVX_ERR_STATE, "instance %s has not joined (call kvx_join first)",
-            inst->id);
+        return why_fail(why, KVX_ERR_STATE,
+                        "instance %s has not joined (call kvx_join first)",
+                        inst->id);
     for (uint32_t r = 0; r < inst->nranks; r++)
         if (inst->local[r] && !inst->rank_sid[r])
-            WHY(KVX_ERR_STATE,
+            return why_fail(
+                why, KVX_ERR_STATE,
                 "instance %s is incomplete: local rank %u has not said hello",
                 inst->id, r);
     return 0;

@@ -13,11 +13,12 @@
 #include <stdint.h>
 
 #include "batch.h"
+#include "common/list.h"
+#include "common/why.h"
+#include "copy/plan.h"
+#include "core/map.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
-#include "common/list.h"
-#include "core/map.h"
-#include "copy/plan.h"
 
 #define INSTANCE_ID_MAX 128
 #define INSTANCE_CONSUMERS_MAX 4096 /* a join's consumers entries */
@@ -60,12 +61,22 @@ void instance_set_hooks(const instance_hooks_t *h);
 /* Is inst spread over daemons (joined, some ranks elsewhere, peers on)? */
 int instance_spread(const instance_t *inst);
 
+/* A Hello as instance_attach() takes it: session sid of uid says it is
+ * rank `rank` (role) of instance id, whose parallel config is side's. */
+typedef struct instance_hello {
+    const char *id;
+    uint32_t uid;
+    kvx_role_t role;
+    uint32_t rank;
+    const plan_side_t *side;
+    uint64_t sid;
+} instance_hello_t;
+
 /* Hello: attach session sid (of uid) as rank h->rank of instance
  * h->instance_id, creating it (owned by uid), or checking that uid owns
  * it (else KVX_ERR_PERM) and that the config matches. */
-int instance_attach(const char *id, uint32_t uid, kvx_role_t role,
-                    uint32_t rank, const plan_side_t *side, uint64_t sid,
-                    instance_t **out, char *why, size_t why_len);
+int instance_attach(const instance_hello_t *h, instance_t **out,
+                    kvx_why_t *why);
 /* The session of rank went away: the rank leaves the batches (1; 0 when
  * it was not attached); the
  * caller ends the instance's requests (xfer_end_instance). The instance
@@ -74,12 +85,12 @@ int instance_detach(instance_t *inst, uint32_t rank);
 /* Join: every rank must send the same address list. The first sets
  * inst->joined. */
 int instance_join(instance_t *inst, uint32_t rank, char *const *addresses,
-                  size_t n, char *why, size_t why_len);
+                  size_t n, kvx_why_t *why);
 /* Join's consumers (n of them; 0: the default): the first join sets
  * them, later joins must give the same (KVX_ERR_MISMATCH). An entry is
  * "INSTANCE" (that instance of the owner's uid) or "UID:INSTANCE". */
-int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
-                       size_t why_len);
+int instance_consumers(instance_t *inst, char *const *list, size_t n,
+                       kvx_why_t *why);
 /* May instance consumer, owned by consumer_uid (on this daemon or, as
  * its daemon says, on another), fetch or release inst's requests by key?
  * By default only instances of inst's owner uid may; a list names
@@ -87,7 +98,7 @@ int instance_consumers(instance_t *inst, char *const *list, size_t n, char *why,
 int instance_allows(const instance_t *inst, const char *consumer,
                     uint32_t consumer_uid);
 /* 0 if publish/fetch may proceed (joined, every local rank connected). */
-int instance_ready(const instance_t *inst, char *why, size_t why_len);
+int instance_ready(const instance_t *inst, kvx_why_t *why);
 instance_t *instance_find(const char *id);
 /* Batch b as the protocol's events (pointing into b): *ev and *evp are
  * malloc'd, the caller frees both. 0 or KVX_ERR_NOMEM. */

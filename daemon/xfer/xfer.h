@@ -15,10 +15,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/reqkey.h"
+#include "common/why.h"
+#include "copy/pool.h"
 #include "instance.h"
 #include "kvxfer.pb-c.h"
-#include "copy/pool.h"
-#include "common/reqkey.h"
 
 /* The id of a request key: the first 8 bytes of its SHA-256, big-endian;
  * every daemon derives the same, and messages between daemons name
@@ -43,18 +44,84 @@ typedef struct xfer_group {
 /* Groups of a request in all (the first is the plain block table). */
 #define XFER_MAX_GROUPS 8
 
+/* ---- requests as session builds them (one struct per call) ---------- */
+
+/* A rank's Publish: offer blocks of pool for request key from rank, with
+ * aux_len bytes of aux (0: none; the caller checked limits.aux_bytes),
+ * and the ngroups other block tables of groups (every rank gives the
+ * same); layerwise: no layer is ready yet (xfer_layers_ready()). */
+typedef struct xfer_publish_req {
+    instance_t *inst;
+    uint32_t rank;
+    const reqkey_t *key;
+    pool_t *pool;
+    const uint32_t *blocks;
+    uint32_t nblocks;
+    uint32_t num_tokens;
+    const xfer_group_t *groups;
+    uint32_t ngroups;
+    const uint8_t *aux;
+    uint32_t aux_len;
+    int layerwise;
+} xfer_publish_req_t;
+
+/* A rank's Fetch: fill blocks of pool for request key at rank from the
+ * offer params (params_len bytes), skipping skip_tokens, for
+ * attention-DP group dp_rank, and the destination of each of the
+ * ngroups other tables of groups (in the offer's order). */
+typedef struct xfer_fetch_req {
+    instance_t *inst;
+    uint32_t rank;
+    const reqkey_t *key;
+    const uint8_t *params;
+    size_t params_len;
+    pool_t *pool;
+    const uint32_t *blocks;
+    uint32_t nblocks;
+    uint32_t skip_tokens;
+    uint32_t dp_rank;
+    const xfer_group_t *groups;
+    uint32_t ngroups;
+} xfer_fetch_req_t;
+
+/* A Reserve: the instance's scheduler reserves the offer of key for
+ * num_tokens, with layout (a local rank's pool's) and ngroups other
+ * tables of groups (each's pool gives its layout; no blocks). */
+typedef struct xfer_reserve_req {
+    instance_t *inst;
+    const reqkey_t *key;
+    uint32_t num_tokens;
+    const kvx_layout_t *layout;
+    const xfer_group_t *groups;
+    uint32_t ngroups;
+} xfer_reserve_req_t;
+
+/* A LayersReady (or a TokensReady: first 0, count all): layers [first,
+ * first + count) of rank's part of table group of key's offer hold the
+ * KV of tokens [0, tokens) (0: all of them), once the engine's event ev
+ * (ev_len bytes; NULL: none) is reached; owner: the session that sent
+ * it. */
+typedef struct xfer_ready_req {
+    instance_t *inst;
+    uint32_t rank;
+    const reqkey_t *key;
+    uint32_t group;
+    uint32_t first;
+    uint32_t count;
+    uint32_t tokens;
+    const uint8_t *ev;
+    size_t ev_len;
+    uint64_t owner;
+} xfer_ready_req_t;
+
 /* Offer blocks of pool for request key from rank, with aux_len bytes of
  * aux (0: none; the caller checked limits.aux_bytes): the request keeps
  * the first non-empty aux, and refuses another rank's that differs
  * (KVX_ERR_MISMATCH); and the ngroups other block tables of groups (every
  * rank gives the same). On success *params is a malloc'd copy of the
  * packed ContextParams (the caller frees it). */
-int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                 pool_t *pool, const uint32_t *blocks, uint32_t nblocks,
-                 uint32_t num_tokens, const xfer_group_t *groups,
-                 uint32_t ngroups, const uint8_t *aux, uint32_t aux_len,
-                 int layerwise, uint8_t **params, size_t *params_len, char *why,
-                 size_t why_len);
+int xfer_publish(const xfer_publish_req_t *rq, uint8_t **params,
+                 size_t *params_len, kvx_why_t *why);
 
 /* Layer-wise offers (publish with layerwise: no layer ready yet): layers
  * [first, first + count) of rank's part of block table group (0: the
@@ -63,11 +130,11 @@ int xfer_publish(instance_t *inst, uint32_t rank, const reqkey_t *key,
  * (its imports are kept for it, gpu_event_import);
  * with ev (a 64-byte cudaIpcEventHandle_t, GPU pools only) once the
  * event's record is reached (gpu_event_watch). Copies of ready layers
- * start at once. */
-int xfer_layers_ready(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                      uint32_t group, uint32_t first, uint32_t count,
-                      uint32_t tokens, const uint8_t *ev, size_t ev_len,
-                      uint64_t owner, char *why, size_t why_len);
+ * start at once. 0 without a change for an offer that completed
+ * (consumed or released too): a mark after the end is no error; this and
+ * xfer_append_blocks() answer NOT_FOUND only for a key never published
+ * (or ended with an error, or forgotten), CANCELLED for a cancelled one. */
+int xfer_layers_ready(const xfer_ready_req_t *rq, kvx_why_t *why);
 
 /* The first entry of b[0, n) that repeats an earlier one in *at (n:
  * none); 0, or KVX_ERR_NOMEM. O(n) where the ids span at most 64 n,
@@ -79,7 +146,7 @@ int xfer_blocks_repeat(const uint32_t *b, size_t n, size_t *at);
  * them become ready with xfer_layers_ready(tokens). */
 int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
                        const pool_t *pool, const uint32_t *blocks,
-                       uint32_t nblocks, char *why, size_t why_len);
+                       uint32_t nblocks, kvx_why_t *why);
 
 /* The leading layers of rank's pool of block table group (0: the plain
  * one) that rank's fetch of key has landed (*done of *nlayers): 0, or 1
@@ -87,7 +154,7 @@ int xfer_append_blocks(instance_t *inst, uint32_t rank, const reqkey_t *key,
  * INVALID (no such table) with why. */
 int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
                         uint32_t group, uint32_t *done, uint32_t *nlayers,
-                        char *why, size_t why_len);
+                        kvx_why_t *why);
 
 /* The instance's scheduler reserves the offer of key for num_tokens,
  * with layout l (a local rank's pool's: the params' layout summary) and
@@ -95,10 +162,8 @@ int xfer_fetch_progress(instance_t *inst, uint32_t rank, const reqkey_t *key,
  * blocks); the ranks publish later, with the same groups.
  * *params as xfer_publish's. KVX_ERR_EXISTS when the key has an offer
  * already. */
-int xfer_reserve(instance_t *inst, const reqkey_t *key, uint32_t num_tokens,
-                 const kvx_layout_t *l, const xfer_group_t *groups,
-                 uint32_t ngroups, uint8_t **params, size_t *params_len,
-                 char *why, size_t why_len);
+int xfer_reserve(const xfer_reserve_req_t *rq, uint8_t **params,
+                 size_t *params_len, kvx_why_t *why);
 
 /* An offer was made (published first, or reserved): cb(inst, key) is
  * called from inside the call that made it, so it must only take note
@@ -123,7 +188,7 @@ void xfer_consumer_name(const xfer_consumer_t *who, char *buf, size_t n);
  * will), CANCELLED, EXISTS (another consumer took it), with why. */
 int xfer_params_for(instance_t *inst, const reqkey_t *key,
                     const xfer_consumer_t *who, uint8_t **params, size_t *len,
-                    char *why, size_t why_len);
+                    kvx_why_t *why);
 /* Does a fetch of key run in inst? */
 int xfer_fetch_runs(instance_t *inst, const reqkey_t *key);
 /* A fetch of key that never became a request (fetch by key: no offer
@@ -132,7 +197,7 @@ int xfer_fetch_runs(instance_t *inst, const reqkey_t *key);
  * that fetched it; the others' fetches join this end until the fetch
  * timeout (xfer_fetch_ended()), with no second event. */
 void xfer_fetch_end_early(instance_t *inst, const reqkey_t *key,
-                          uint32_t dp_rank, int kind, int code, const char *msg,
+                          uint32_t dp_rank, const batch_end_t *end,
                           const uint8_t *seen, uint64_t src);
 /* What a fetch reads, as a number: context instance and key. */
 uint64_t xfer_source_id(const char *inst, const uint8_t *key, size_t len);
@@ -141,7 +206,7 @@ uint64_t xfer_source_id(const char *inst, const uint8_t *key, size_t len);
  * (0, or EXISTS when this rank fetched it before) and why; 0 when there
  * is no such end. */
 int xfer_fetch_ended(instance_t *inst, uint32_t rank, const reqkey_t *key,
-                     uint64_t src, int *rc, char *why, size_t why_len);
+                     uint64_t src, int *rc, kvx_why_t *why);
 /* The fetch of key ends by until_ms at the latest (a fetch by key's
  * deadline runs from its first rank's call, not from its resolve). */
 void xfer_fetch_deadline(instance_t *inst, const reqkey_t *key,
@@ -150,26 +215,21 @@ void xfer_fetch_deadline(instance_t *inst, const reqkey_t *key,
 /* Fill blocks of pool for request key at rank from the offer params
  * name, and the destination of each of its other groups (ngroups, in the
  * offer's order). */
-int xfer_fetch(instance_t *inst, uint32_t rank, const reqkey_t *key,
-               const uint8_t *params, size_t params_len, pool_t *pool,
-               const uint32_t *blocks, uint32_t nblocks, uint32_t skip_tokens,
-               uint32_t dp_rank, const xfer_group_t *groups, uint32_t ngroups,
-               char *why, size_t why_len);
+int xfer_fetch(const xfer_fetch_req_t *rq, kvx_why_t *why);
 
 /* Cancel request key of inst. Returns 0 when done (reply now), 1 when the
  * reply to (sid, req_id) is sent after the fence, or an error. */
 int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
-                uint64_t req_id, char *why, size_t why_len);
+                uint64_t req_id, kvx_why_t *why);
 
 /* Release the offer of (instance_id, request_id: a key's id) on this
  * daemon, proved
  * by the params' token: it ends COMPLETE ("released") at once and frees
- * its blocks. 0, or KVX_ERR_NOT_FOUND (no such offer here), KVX_ERR_AUTH
- * (another token), KVX_ERR_STATE (being fetched, ending or complete),
- * with why. */
+ * its blocks. 0, or KVX_ERR_NOT_FOUND (no such offer here: also one
+ * released or complete already, a second release), KVX_ERR_AUTH
+ * (another token), KVX_ERR_STATE (being fetched, or ending), with why. */
 int xfer_release(const char *instance_id, const reqkey_t *key,
-                 const uint8_t *token, size_t token_len, char *why,
-                 size_t why_len);
+                 const uint8_t *token, size_t token_len, kvx_why_t *why);
 
 /* A request ended for ranks of an instance spread over daemons: its
  * root merges the reports (the agreement layer registers this; without
@@ -228,7 +288,6 @@ void xfer_free_infos(Kvxfer__RequestInfo **c, size_t n);
 
 /* Decode and validate context params (exposed for fuzzing). */
 int xfer_params_decode(const uint8_t *buf, size_t len,
-                       Kvxfer__ContextParams **out, char *why,
-                       size_t why_len);
+                       Kvxfer__ContextParams **out, kvx_why_t *why);
 
 #endif /* KVX_XFER_H */

@@ -1,8 +1,9 @@
 /*
- * xfer_remote — the calls between xfer.c and remote.c: what remote
+ * xfer_remote — the calls between xfer and remote.c: what remote
  * reads of offers and fetch parts and the operations it asks of them
- * (xfer.c), and the hooks remote registers (xfer_remote_ops_t). The
- * request types are opaque here: their fields are xfer.c's alone.
+ * (daemon/xfer), and the hooks remote registers (xfer_remote_ops_t). The
+ * request types are opaque here: their fields are daemon/xfer's alone
+ * (xfer_int.h).
  * Nothing else includes this.
  *
  * remote.c moves the parts whose source is another daemon (or whose
@@ -22,7 +23,7 @@
 
 #define TOKEN_LEN 16
 
-/* The requests, whose fields are xfer.c's alone: remote.c names them
+/* The requests, whose fields are daemon/xfer's alone: remote.c names them
  * and goes through the calls below. */
 typedef struct offer offer_t;     /* an offer (context side) */
 typedef struct genpart genpart_t; /* one rank's part of a fetch */
@@ -37,8 +38,7 @@ struct rpart;
 void xfer_side_to_msg(const plan_side_t *s, Kvxfer__ParallelConfig *pc,
                       Kvxfer__Layout *lay);
 int xfer_side_from_msg(const Kvxfer__ParallelConfig *pc,
-                       const Kvxfer__Layout *l, plan_side_t *s, char *why,
-                       size_t why_len);
+                       const Kvxfer__Layout *l, plan_side_t *s, kvx_why_t *why);
 
 /* -- offers peer daemons read (the context daemon, "S") --
  * Read through these; changed only by the calls below them. */
@@ -77,7 +77,7 @@ int xfer_offer_gone(const char *inst, uint64_t request_id, const uint8_t *key,
  * table group of o, skipping skip_tokens (plan_build()). */
 int xfer_offer_plan(const offer_t *o, uint32_t group, const plan_side_t *dst,
                     uint32_t dst_rank, uint32_t skip_tokens, plan_t **out,
-                    char *why, size_t why_len);
+                    kvx_why_t *why);
 /* The pool rank published table group of o into, with its blocks as a
  * plan's memory in *mem (when mem is not NULL); NULL before that rank's
  * publish. Read only under the offer's fence. */
@@ -141,7 +141,7 @@ plan_t *xfer_part_plan(const genpart_t *p);
 gpu_part_t *xfer_part_gpu(const genpart_t *p);
 /* Upload the plan to device, with the pool as that device sees it, once
  * (a GPU pool: the scatter is a kernel). 0, or an error with why. */
-int xfer_part_upload(genpart_t *p, int device, char *why, size_t why_len);
+int xfer_part_upload(genpart_t *p, int device, kvx_why_t *why);
 /* What remote keeps of p (NULL until set), set once; xfer frees it with
  * p through xfer_remote_ops_t.part_free. */
 struct rpart *xfer_part_remote(const genpart_t *p);
@@ -152,8 +152,8 @@ int xfer_part_end_code(const genpart_t *p);
  * limits.aux_bytes: the caller checked): p's request keeps the first
  * non-empty one for its COMPLETE event. 0, or KVX_ERR_LIMIT (the memory
  * budget) / KVX_ERR_NOMEM with why. */
-int xfer_part_set_aux(genpart_t *p, const uint8_t *aux, uint32_t len, char *why,
-                      size_t why_len);
+int xfer_part_set_aux(genpart_t *p, const uint8_t *aux, uint32_t len,
+                      kvx_why_t *why);
 
 /* End p's request with an ERROR event (fence first; see xfer.c). */
 void xfer_part_fail(genpart_t *p, int code, const char *msg);

@@ -33,8 +33,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 
 static void check_valid(const kvx_conf_t *c)
 {
-    for (size_t i = 0; i < NKEYS; i++) {
-        const struct conf_key *k = &keys[i];
+    for (size_t i = 0; i < conf_nkeys; i++) {
+        const struct conf_key *k = &conf_keys[i];
         switch (k->type) {
         case CONF_STRING:
         case CONF_PATH:

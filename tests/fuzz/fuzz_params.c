@@ -40,7 +40,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     Kvxfer__ContextParams *p = NULL;
     char why[256];
     memset(why, 0x55, sizeof(why));
-    int rc = xfer_params_decode(data, size, &p, why, sizeof(why));
+    int rc = xfer_params_decode(data, size, &p, KVX_WHY(why));
     if (rc) {
         MUST(rc == KVX_ERR_INVALID);
         MUST(p == NULL);
@@ -55,7 +55,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     MUST(kvxfer__context_params__pack(p, b) == n);
     if (n >= 1 && n <= 65536) {
         Kvxfer__ContextParams *q = NULL;
-        int rc2 = xfer_params_decode(b, n, &q, why, sizeof(why));
+        int rc2 = xfer_params_decode(b, n, &q, KVX_WHY(why));
         if (rc2) {
             MUST(has_field0(&p->base));
             goto out;

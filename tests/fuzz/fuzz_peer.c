@@ -19,7 +19,9 @@
  * daemon must not crash, leak or hang; the copy jobs it starts must come
  * back.
  *
- * fuzz-exclude: daemon/net/peer.c
+ * fuzz-exclude: daemon/net/peer.c daemon/net/peer_auth.c
+ * fuzz-exclude: daemon/net/peer_addr.c daemon/net/peer_handshake.c
+ * fuzz-exclude: daemon/net/peer_init.c daemon/net/peer_status.c
  */
 #include "../../daemon/remote/remote.c"
 
@@ -56,21 +58,19 @@ static uint64_t last_open_stream, last_opened_source, last_pull_slot;
 static uint8_t last_open[4096]; /* the daemon's own last OPEN, packed */
 static size_t last_open_len;
 
-int peer_init(char *why, size_t why_len)
+int peer_init(kvx_why_t *why)
 {
     (void)why;
-    (void)why_len;
     return 0;
 }
 int peer_enabled(void) { return 1; }
 void peer_tick(uint64_t now_ms) { (void)now_ms; }
 void peer_cleanup(void) {}
 void peer_shutdown(void) {}
-peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
+peer_conn_t *peer_connect(const char *address, kvx_why_t *why)
 {
     (void)address;
     (void)why;
-    (void)why_len;
     return &fake;
 }
 const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
@@ -87,17 +87,15 @@ int peer_conn_lanes(const peer_conn_t *c)
 {
     return c->alive;
 }
-int peer_address_check(const char *address, char *why, size_t why_len)
+int peer_address_check(const char *address, kvx_why_t *why)
 {
     (void)why;
-    (void)why_len;
     return strncmp(address, "kvx://", 6) ? KVX_ERR_INVALID : 0;
 }
-int peer_address_alias(const char *address, char *why, size_t why_len)
+int peer_address_alias(const char *address, kvx_why_t *why)
 {
     (void)address;
     (void)why;
-    (void)why_len;
     return 0;
 }
 void peer_token(const char *instance, uint32_t owner_uid, const char *addr0,
@@ -143,18 +141,12 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
     return 0;
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
-                   size_t len, const peer_iov_t *iov, size_t niov,
-                   void (*done)(void *arg, int status), void *arg)
+int peer_send_data(peer_conn_t *c, const peer_piece_t *p)
 {
-    (void)buf;
-    (void)len;
-    (void)iov;
-    (void)niov;
     if (!c->alive || nsent == sizeof(sent) / sizeof(sent[0]))
         return KVX_ERR_PEER_GONE;
-    must_pack(hdr);
-    sent[nsent++] = (pending_t){done, arg};
+    must_pack(p->hdr);
+    sent[nsent++] = (pending_t){p->done, p->arg};
     return 0;
 }
 
@@ -248,7 +240,7 @@ static pool_t *host_pool(uint64_t sid, const kvx_layout_t *l)
         abort();
     pool_t *p;
     char why[256];
-    if (pool_register_host(sid, fd, 0, size, l, &p, why, sizeof(why)))
+    if (pool_register_host(sid, fd, 0, size, l, &p, KVX_WHY(why)))
         abort();
     return p;
 }
@@ -281,8 +273,9 @@ static void ensure_requests(void)
         uint32_t blocks[4] = {3, 1, 2, 0};
         uint8_t *params;
         size_t plen;
-        if (xfer_publish(ctx, 0, K(1), cpool, blocks, 4, 13, NULL, 0, NULL, 0,
-                         0, &params, &plen, why, sizeof(why)))
+        if (xfer_publish(&(xfer_publish_req_t){ctx, 0, K(1), cpool, blocks, 4,
+                                               13, NULL, 0, NULL, 0, 0},
+                         &params, &plen, KVX_WHY(why)))
             abort();
         Kvxfer__ContextParams *cp =
             kvxfer__context_params__unpack(NULL, plen, params);
@@ -306,8 +299,9 @@ static void ensure_requests(void)
         kvxfer__context_params__free_unpacked(cp, NULL);
         uint32_t gblocks[4] = {0, 2, 1, 3};
         /* refused while the offer's old consumer is ending: next time */
-        xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, NULL, 0, why,
-                   sizeof(why));
+        xfer_fetch(&(xfer_fetch_req_t){gen, 0, K(1), p, n, gpool, gblocks, 4, 0,
+                                       0, NULL, 0},
+                   KVX_WHY(why));
         free(p);
     }
 }
@@ -346,12 +340,14 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
                         .total_heads = 2};
     char *a0 = kvxd.address;
-    if (instance_attach("ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
-                        sizeof(why)) ||
-        instance_join(ctx, 0, &a0, 1, why, sizeof(why)) ||
-        instance_attach("gen", 0, KVX_ROLE_GENERATION, 0, &side, 2, &gen, why,
-                        sizeof(why)) ||
-        instance_join(gen, 0, &a0, 1, why, sizeof(why)))
+    if (instance_attach(
+            &(instance_hello_t){"ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1}, &ctx,
+            KVX_WHY(why)) ||
+        instance_join(ctx, 0, &a0, 1, KVX_WHY(why)) ||
+        instance_attach(
+            &(instance_hello_t){"gen", 0, KVX_ROLE_GENERATION, 0, &side, 2},
+            &gen, KVX_WHY(why)) ||
+        instance_join(gen, 0, &a0, 1, KVX_WHY(why)))
         abort();
     kvx_layout_preset("vllm-nhd", 2, 2, 2, 64, KVX_DTYPE_BF16, 4, 16, &lay);
     cpool = host_pool(1, &lay);

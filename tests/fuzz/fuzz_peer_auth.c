@@ -28,6 +28,7 @@
  * fuzz-exclude: daemon/net/hs.c daemon/net/lane.c
  */
 #include "../../daemon/net/peer.c"
+#include "../../daemon/net/peer_auth.c"
 
 #include <dlfcn.h>
 
@@ -48,7 +49,7 @@ typedef ucs_status_t (*ep_create_fn)(ucp_worker_h, const ucp_ep_params_t *,
 static void must_be_checked(const uint8_t *a, size_t len)
 {
     char why[200];
-    if (ucx_addr_check(a, len, NULL, why, sizeof(why))) {
+    if (ucx_addr_check(a, len, NULL, KVX_WHY(why))) {
         fprintf(stderr, "an unchecked worker address reached UCX: %s\n", why);
         abort();
     }
@@ -69,7 +70,7 @@ ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params,
         char why[200];
         size_t len = 2;
         while (len <= UCX_ADDR_MAX &&
-               ucx_addr_check(a, len, NULL, why, sizeof(why)))
+               ucx_addr_check(a, len, NULL, KVX_WHY(why)))
             len++;
         must_be_checked(a, len);
     }
@@ -104,10 +105,9 @@ static unsigned nsocks;
 static void (*accept_cb)(hs_t *h);
 
 int hs_listen(const struct sockaddr_storage *ss, void (*accept)(hs_t *h),
-              struct sockaddr_storage *bound, char *why, size_t why_len)
+              struct sockaddr_storage *bound, kvx_why_t *why)
 {
     (void)why;
-    (void)why_len;
     *bound = *ss;
     accept_cb = accept;
     return 0;
@@ -214,18 +214,10 @@ void hs_close(hs_t *h)
 
 /* ---- lane.c, stubbed ---------------------------------------------------- */
 
-int lanes_start(ucp_context_h ctx, uv_loop_t *loop, unsigned n, int spin,
-                uint32_t bind_ms, void (*ev)(const lane_ev_t *e), char *why,
-                size_t why_len)
+int lanes_start(const lanes_conf_t *cf, kvx_why_t *why)
 {
-    (void)ctx;
-    (void)loop;
-    (void)n;
-    (void)spin;
-    (void)bind_ms;
-    (void)ev;
+    (void)cf;
     (void)why;
-    (void)why_len;
     return 0;
 }
 unsigned lanes_count(void)
@@ -249,19 +241,11 @@ void lane_connect(unsigned lane, const uint8_t *addr, size_t len, uint64_t *lep)
     must_be_checked(addr, len);
     *lep = next_lep++;
 }
-void lane_send(unsigned lane, uint64_t lep, const uint8_t *hdr, size_t hlen,
-               const void *data, size_t len, const ucp_dt_iov_t *iov,
-               size_t niov, void *cookie)
+void lane_send(unsigned lane, uint64_t lep, const lane_msg_t *m)
 {
     (void)lane;
     (void)lep;
-    (void)hdr;
-    (void)hlen;
-    (void)data;
-    (void)len;
-    (void)iov;
-    (void)niov;
-    (void)cookie;
+    (void)m;
     abort(); /* no slot data is sent here */
 }
 void lane_recv(unsigned lane, void *desc, void *dst, size_t len,
@@ -523,13 +507,13 @@ static void bind_to(peer_conn_t *c, uint8_t arg, const uint8_t *b, size_t n)
 static peer_conn_t *nth_conn(uint8_t arg)
 {
     unsigned n = 0;
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         n++;
     if (!n)
         return NULL;
-    peer_conn_t *c = P.conns;
+    peer_conn_t *c = conn_next(NULL);
     for (unsigned i = arg % n; i; i--)
-        c = c->next;
+        c = conn_next(c);
     return c;
 }
 
@@ -541,14 +525,14 @@ static uint64_t passed_ms;
 
 static void reset(void)
 {
-    for (peer_conn_t *c = P.conns; c; c = c->next)
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
         if (c->state != CONN_LOST)
             conn_fail(c, KVX_ERR_SHUTDOWN, "input over");
-    for (int i = 0; i < 100 && P.conns; i++) {
+    for (int i = 0; i < 100 && !list_empty(&P.conns); i++) {
         run_loop();
         peer_tick(clock_ms);
-        for (peer_conn_t *c = P.conns, *nx; c; c = nx) {
-            nx = c->next;
+        for (peer_conn_t *c = conn_next(NULL), *nx; c; c = nx) {
+            nx = conn_next(c);
             if (c->state == CONN_LOST && !c->lost_pending && c->closed &&
                 !c->outstanding && c->close_done) {
                 conn_unlink(c);
@@ -563,8 +547,8 @@ static void reset(void)
     passed_ms = 0;
     /* the HELLOs' nonces are the records' bytes: a new input starts with
      * none seen */
-    P.seen_n = P.seen_next = 0;
-    P.seen_floor = 0;
+    A.seen_n = A.seen_next = 0;
+    A.seen_floor = 0;
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
@@ -598,7 +582,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
      * fuzzer's interface addresses, the machine's interfaces nothing */
     setenv("UCX_NET_DEVICES", "lo", 0);
     char why[256];
-    if (peer_init(why, sizeof(why))) {
+    if (peer_init(KVX_WHY(why))) {
         fprintf(stderr, "peer_init: %s\n", why);
         abort();
     }
@@ -657,7 +641,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             char addr[64], why[256];
             snprintf(addr, sizeof(addr), "kvx://10.0.0.%u:7000/%016x",
                      (unsigned)(arg & 3) + 2, (unsigned)arg);
-            peer_connect(addr, why, sizeof(why));
+            peer_connect(addr, KVX_WHY(why));
             break;
         }
         case 2: /* raw bytes as a frame */

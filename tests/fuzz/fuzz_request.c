@@ -42,7 +42,7 @@ static void on_layout(const Kvxfer__RegisterPool *m)
 {
     kvx_layout_t l;
     char why[512];
-    int rc = layout_from_msg(m->layout, &l, why, sizeof(why));
+    int rc = layout_from_msg(m->layout, &l, KVX_WHY(why));
     if (rc) {
         refused(rc, why, sizeof(why));
         return;
@@ -52,7 +52,7 @@ static void on_layout(const Kvxfer__RegisterPool *m)
                                                  : KVX_MAX_REGIONS + 1;
     for (uint32_t i = 0; i < n && i < KVX_MAX_REGIONS; i++)
         size[i] = m->regions[i]->size;
-    rc = kvx__layout_check(&l, size, n, why, sizeof(why));
+    rc = kvx__layout_check(&l, size, n, KVX_WHY(why));
     if (rc) {
         MUST(rc == KVX_ERR_LAYOUT);
         refused(rc, why, sizeof(why));
@@ -92,7 +92,7 @@ static void on_blocks(uint64_t id, const uint32_t *b, size_t n)
     p.id = 1;
     p.layout.num_blocks = (uint32_t)id;
     char why[512];
-    int rc = check_blocks(&p, b, n, "fuzz", why, sizeof(why));
+    int rc = check_blocks(&p, b, n, "fuzz", KVX_WHY(why));
     if (rc) {
         refused(rc, why, sizeof(why));
         return;
@@ -142,8 +142,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         Kvxfer__ContextParams *cp = NULL;
         char why[512];
         int rc = xfer_params_decode(f->context_params.data,
-                                    f->context_params.len, &cp, why,
-                                    sizeof(why));
+                                    f->context_params.len, &cp, KVX_WHY(why));
         if (rc)
             refused(rc, why, sizeof(why));
         else

@@ -320,7 +320,12 @@ static void ctx_proc(struct daemon *d, struct shared *sh, int dev,
     void *p;
     uint32_t pool;
     kvx_client_t *c = rank(d, "gpu-ctx", KVX_ROLE_CONTEXT, dev, &l, &p, &pool);
-    CHECK_EQ(bgpu_fill(dev, &l, &p, 7, 0, BLOCKS, 0, 0), 0);
+    CHECK_EQ(bgpu_fill(&(bgpu_rows_t){.dev = dev,
+                                      .layout = &l,
+                                      .regions = &p,
+                                      .request = 7,
+                                      .nblocks = BLOCKS}),
+             0);
     uint32_t *b = all_blocks();
     kvx_context_params_t prm;
     CHECK_EQ(kvx_publish(c, 7, pool, b, BLOCKS, BLOCKS * TPB, &prm, 5000), 0);
@@ -373,8 +378,12 @@ TEST_T(cancel_in_flight_no_write_after, 120)
         CHECK_EQ(bgpu_copy_to_host(gen_dev(), s2, p, n), 0);
         CHECK(memcmp(s1, s2, n) == 0);
         /* it was in flight: some but not all of it arrived */
-        int64_t bad =
-            bgpu_check(gen_dev(), &l, &p, 7, 0, BLOCKS, 0, 0, 0, UINT32_MAX);
+        int64_t bad = bgpu_check(&(bgpu_rows_t){.dev = gen_dev(),
+                                                .layout = &l,
+                                                .regions = &p,
+                                                .request = 7,
+                                                .nblocks = BLOCKS,
+                                                .tok_to = UINT32_MAX});
         printf("cancel: %lld of %llu rows not written\n", (long long)bad,
                (unsigned long long)BLOCKS * LAYERS * 2 * TPB * HEADS);
         kvx_batch_t *bt;
@@ -619,7 +628,12 @@ static void ob_case(struct daemon *d, const char *cp, const char *gp, int kind,
     CHECK_EQ(bgpu_memset(cdev, calloc_, OB_SENT, clen), 0);
     if (!shared)
         CHECK_EQ(bgpu_memset(gdev, galloc, OB_SENT, glen), 0);
-    CHECK_EQ(bgpu_fill(cdev, &cl, (void *const *)&cb, req, 0, nb, 0, 0), 0);
+    CHECK_EQ(bgpu_fill(&(bgpu_rows_t){.dev = cdev,
+                                      .layout = &cl,
+                                      .regions = (void *const *)&cb,
+                                      .request = req,
+                                      .nblocks = nb}),
+             0);
     uint32_t cpool, gpool;
     CHECK_EQ(kvx_pool_register_gpu(c, &cl, cb, cs, &cpool, 5000), 0);
     CHECK_EQ(kvx_pool_register_gpu(gc, &gl, gb, gs, &gpool, 5000), 0);
@@ -639,8 +653,12 @@ static void ob_case(struct daemon *d, const char *cp, const char *gp, int kind,
     ob_complete(gc, req, "generation");
     ob_complete(c, req, "context");
 
-    int64_t bad =
-        bgpu_check(gdev, &gl, (void *const *)&gb, req, 0, nb, 0, 0, 0, ntok);
+    int64_t bad = bgpu_check(&(bgpu_rows_t){.dev = gdev,
+                                            .layout = &gl,
+                                            .regions = (void *const *)&gb,
+                                            .request = req,
+                                            .nblocks = nb,
+                                            .tok_to = ntok});
     CHECK_EQ(bgpu_copy_to_host(cdev, now_c, calloc_, clen), 0);
     CHECK_EQ(bgpu_copy_to_host(gdev, now_g, galloc, glen), 0);
     /* outside the destination pool, nothing moved: guards and source */
@@ -759,7 +777,12 @@ TEST_T(layerwise_engine_dies_while_daemon_waits, 120)
         uint32_t pool;
         kvx_client_t *c =
             rank(&d, "gpu-ctx", KVX_ROLE_CONTEXT, 0, &l, &p, &pool);
-        CHECK_EQ(bgpu_fill(0, &l, &p, 7, 0, BLOCKS, 0, 0), 0);
+        CHECK_EQ(bgpu_fill(&(bgpu_rows_t){.dev = 0,
+                                          .layout = &l,
+                                          .regions = &p,
+                                          .request = 7,
+                                          .nblocks = BLOCKS}),
+                 0);
         uint32_t *b = all_blocks();
         kvx_context_params_t prm;
         CHECK_EQ(kvx_publish_layerwise(c, "dies", 4, pool, b, BLOCKS,

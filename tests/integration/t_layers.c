@@ -191,8 +191,8 @@ TEST(layerwise_moves_ready_layers_only)
     CHECK_FAILS(
         kvx_fetch_progress(g.c, gk, strlen(gk), &done, &total, NULL, T_MS), g.c,
         KVX_ERR_NOT_FOUND, "fetch_progress: no fetch of request");
-    CHECK_FAILS(kvx_layers_ready(c.c, k, strlen(k), 0, 1, NULL, T_MS), c.c,
-                KVX_ERR_NOT_FOUND, "layers_ready: no offer of request lw-1");
+    /* complete: a late mark is no error (nothing is left to mark) */
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 0, 1, NULL, T_MS), c.c);
     kvx_context_params_free(&p);
 
     /* all layers ready before the fetch comes: it moves at once */
@@ -262,6 +262,127 @@ TEST(layerwise_two_context_ranks)
     kvx_context_params_free(&p1);
     rank_close(&c0);
     rank_close(&c1);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* A ready mark for an offer whose transfer has finished is not an error:
+ * layers_ready, tokens_ready and append_blocks answer 0 once the offer is
+ * complete, as engines send them in normal use. With replicated heads
+ * (MLA, tp 2 over one latent head) the consumer reads rank 0 alone: the
+ * request completes before rank 1 publishes, and rank 1's marks come
+ * after. A chunked prefill's last marks may come after the fetch too. A
+ * key never published is still NOT_FOUND, for all three. */
+TEST(layerwise_marks_after_the_transfer)
+{
+    daemon_t *d = daemon_start(NULL);
+    model_t mla = {.layers = 2,
+                   .heads = 1,
+                   .head_dim = 32,
+                   .kv = 1,
+                   .dtype = KVX_DTYPE_BF16};
+    side_t cs = {.inst = "lm-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "mla",
+                 .tpb = 4};
+    side_t gs = {.inst = "lm-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "mla",
+                 .tpb = 4};
+    rank_t c0, c1, g;
+    rank_hello_only(d, &mla, &cs, 0, &c0);
+    rank_hello_only(d, &mla, &cs, 1, &c1);
+    rank_join(&c0);
+    rank_join(&c1);
+    rank_pool(&c0, 8);
+    rank_pool(&c1, 8);
+    rank_open(d, &mla, &gs, 0, 8, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t bl[2] = {2, 5};
+    const uint32_t ntok = 7, req = 9;
+    fill_req(&c0, req, bl, ntok);
+    fill_req(&c1, req, bl, ntok);
+    kvx_context_params_t p0, p1;
+    CHECK_KVX(kvx_publish_layerwise(c0.c, "lm", 2, c0.pool, bl, 1, ntok, NULL,
+                                    0, &p0, T_MS),
+              c0.c);
+    CHECK_KVX(kvx_fetch_key(g.c, "lmg", 3, p0.data, p0.len, g.pool, bl, 2, 0, 0,
+                            T_MS),
+              g.c);
+    CHECK_KVX(kvx_append_blocks(c0.c, "lm", 2, c0.pool, bl + 1, 1, T_MS), c0.c);
+    CHECK_KVX(kvx_tokens_ready(c0.c, "lm", 2, 0, 2, ntok, NULL, T_MS), c0.c);
+    CHECK_EQ(wait_key(g.c, "lmg", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = req, .blocks = bl, .ntok = ntok};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    /* rank 0's marks after the end of its transfer */
+    CHECK_EQ(wait_key(c0.c, "lm", 2, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_KVX(kvx_layers_ready(c0.c, "lm", 2, 0, 2, NULL, T_MS), c0.c);
+    CHECK_KVX(kvx_tokens_ready(c0.c, "lm", 2, 0, 2, ntok, NULL, T_MS), c0.c);
+    CHECK_KVX(kvx_append_blocks(c0.c, "lm", 2, c0.pool, bl + 1, 1, T_MS), c0.c);
+    /* rank 1 publishes late (the params of the same offer), then marks */
+    CHECK_KVX(kvx_publish_layerwise(c1.c, "lm", 2, c1.pool, bl, 1, ntok, NULL,
+                                    0, &p1, T_MS),
+              c1.c);
+    CHECK(p1.len == p0.len && memcmp(p1.data, p0.data, p0.len) == 0);
+    CHECK_KVX(kvx_append_blocks(c1.c, "lm", 2, c1.pool, bl + 1, 1, T_MS), c1.c);
+    CHECK_KVX(kvx_tokens_ready(c1.c, "lm", 2, 0, 1, 4, NULL, T_MS), c1.c);
+    CHECK_KVX(kvx_layers_ready(c1.c, "lm", 2, 0, 2, NULL, T_MS), c1.c);
+    /* a key never published: NOT_FOUND, for all three */
+    CHECK_FAILS(kvx_layers_ready(c1.c, "lx", 2, 0, 2, NULL, T_MS), c1.c,
+                KVX_ERR_NOT_FOUND, "layers_ready: no offer of request lx");
+    CHECK_FAILS(kvx_tokens_ready(c1.c, "lx", 2, 0, 2, 4, NULL, T_MS), c1.c,
+                KVX_ERR_NOT_FOUND, "layers_ready: no offer of request lx");
+    CHECK_FAILS(kvx_append_blocks(c1.c, "lx", 2, c1.pool, bl, 1, T_MS), c1.c,
+                KVX_ERR_NOT_FOUND, "append_blocks: no offer of request lx");
+    /* the request's one event, from its end, and no other */
+    ev_t ev[4];
+    CHECK_EQ(collect(c1.c, ev, 4, 2, 300), 1);
+    CHECK_EQ(ev[0].kind, KVX_EVENT_COMPLETE);
+    kvx_context_params_free(&p0);
+    kvx_context_params_free(&p1);
+    rank_close(&c0);
+    rank_close(&c1);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* A key whose offer completed, published again and ended by its lease:
+ * a mark after that end is NOT_FOUND again (the later end is the one its
+ * event told), not 0 from the earlier completion. */
+TEST(layerwise_mark_after_a_later_end)
+{
+    daemon_t *d = daemon_start("deadlines:\n  offer_lease_ms: 300\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "le-ctx", "le-gen", 8, &c, &g, &cs, &gs);
+    uint32_t cb[2] = {1, 2}, gb[2] = {3, 4};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish_layerwise(c.c, "le", 2, c.pool, cb, 2, 7, NULL, 0, &p,
+                                    T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch_key(g.c, "leg", 3, p.data, p.len, g.pool, gb, 2, 0, 0, T_MS),
+        g.c);
+    CHECK_KVX(kvx_layers_ready(c.c, "le", 2, 0, 4, NULL, T_MS), c.c);
+    CHECK_EQ(wait_key(g.c, "leg", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "le", 2, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_KVX(kvx_layers_ready(c.c, "le", 2, 0, 4, NULL, T_MS), c.c);
+    kvx_context_params_free(&p);
+    /* again, fetched by nobody: the lease ends it */
+    CHECK_KVX(kvx_publish_layerwise(c.c, "le", 2, c.pool, cb, 2, 7, NULL, 0, &p,
+                                    T_MS),
+              c.c);
+    CHECK_EQ(wait_key(c.c, "le", 2, 3000).kind, KVX_EVENT_TIMED_OUT);
+    CHECK_FAILS(kvx_layers_ready(c.c, "le", 2, 0, 4, NULL, T_MS), c.c,
+                KVX_ERR_NOT_FOUND, "layers_ready: no offer of request le");
+    kvx_context_params_free(&p);
+    rank_close(&c);
     rank_close(&g);
     daemon_healthy(d);
     daemon_stop_ok(d);

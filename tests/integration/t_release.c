@@ -104,6 +104,76 @@ TEST(release_racing_a_fetch)
     daemon_stop_ok(d);
 }
 
+/* A second release answers NOT_FOUND, whatever state the first left the
+ * offer in: gone (every rank had published), or kept for a rank that
+ * publishes later (replicated heads: MLA, tp 2 over one latent head,
+ * rank 1 not yet published); and so does a release of an offer whose
+ * transfer completed. The message says which, while the daemon
+ * remembers the key. */
+TEST(release_twice)
+{
+    daemon_t *d = daemon_start(NULL);
+    model_t mla = {.layers = 2,
+                   .heads = 1,
+                   .head_dim = 32,
+                   .kv = 1,
+                   .dtype = KVX_DTYPE_BF16};
+    side_t cs = {.inst = "r2-ctx",
+                 .role = KVX_ROLE_CONTEXT,
+                 .tp = 2,
+                 .pp = 1,
+                 .preset = "mla",
+                 .tpb = 4};
+    side_t gs = {.inst = "r2-gen",
+                 .role = KVX_ROLE_GENERATION,
+                 .tp = 1,
+                 .pp = 1,
+                 .preset = "mla",
+                 .tpb = 4};
+    rank_t c0, c1, g;
+    rank_hello_only(d, &mla, &cs, 0, &c0);
+    rank_hello_only(d, &mla, &cs, 1, &c1);
+    rank_join(&c0);
+    rank_join(&c1);
+    rank_pool(&c0, 8);
+    rank_pool(&c1, 8);
+    rank_open(d, &mla, &gs, 0, 8, &g);
+    kvx_client_t *router;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &router), 0);
+    uint32_t bl[2] = {2, 5};
+    kvx_context_params_t p, q;
+    /* rank 1 has not published: the release keeps the offer for it */
+    CHECK_KVX(kvx_publish(c0.c, 1, c0.pool, bl, 2, 7, &p, T_MS), c0.c);
+    CHECK_KVX(kvx_release(router, p.data, p.len, T_MS), router);
+    CHECK_STR_CONTAINS(wait_event(c0.c, 1, KVX_EVENT_COMPLETE, 0, 3000).msg,
+                       "released");
+    CHECK_FAILS(kvx_release(router, p.data, p.len, T_MS), router,
+                KVX_ERR_NOT_FOUND, "request 1 of instance r2-ctx was released");
+    /* rank 1 publishes late: the offer is gone, and still NOT_FOUND */
+    CHECK_KVX(kvx_publish(c1.c, 1, c1.pool, bl, 2, 7, &q, T_MS), c1.c);
+    kvx_context_params_free(&q);
+    CHECK_FAILS(kvx_release(router, p.data, p.len, T_MS), router,
+                KVX_ERR_NOT_FOUND, "request 1 of instance r2-ctx was released");
+    kvx_context_params_free(&p);
+    /* complete: fetched, then released */
+    fill_req(&c0, 2, bl, 7);
+    CHECK_KVX(kvx_publish(c0.c, 2, c0.pool, bl, 2, 7, &p, T_MS), c0.c);
+    CHECK_KVX(kvx_publish(c1.c, 2, c1.pool, bl, 2, 7, &q, T_MS), c1.c);
+    kvx_context_params_free(&q);
+    CHECK_KVX(kvx_fetch(g.c, 2, p.data, p.len, g.pool, bl, 2, 0, T_MS), g.c);
+    wait_event(g.c, 2, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(c0.c, 2, KVX_EVENT_COMPLETE, 0, 3000);
+    CHECK_FAILS(kvx_release(router, p.data, p.len, T_MS), router,
+                KVX_ERR_NOT_FOUND, "request 2 of instance r2-ctx is complete");
+    kvx_context_params_free(&p);
+    kvx_close(router);
+    rank_close(&c0);
+    rank_close(&c1);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
 /* kvx_params_info(): what a router or a generation rank needs from the
  * params, without the daemon; garbage refused, naming why. */
 TEST(params_info)

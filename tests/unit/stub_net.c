@@ -48,10 +48,9 @@ static struct {
     peer_data_ops_t data;
 } reg;
 
-int peer_init(char *why, size_t why_len)
+int peer_init(kvx_why_t *why)
 {
     (void)why;
-    (void)why_len;
     return 0;
 }
 int peer_enabled(void)
@@ -65,10 +64,10 @@ void peer_tick(uint64_t now_ms)
 void peer_cleanup(void) {}
 void peer_shutdown(void) {}
 
-peer_conn_t *peer_connect(const char *address, char *why, size_t why_len)
+peer_conn_t *peer_connect(const char *address, kvx_why_t *why)
 {
     if (net_down && !strcmp(address, net_down)) {
-        snprintf(why, why_len, "daemon %s unreachable (stub)", address);
+        why_set(why, "daemon %s unreachable (stub)", address);
         return NULL;
     }
     for (int i = 0; i < net_nconns; i++)
@@ -141,19 +140,17 @@ __attribute__((unused)) static void net_release_held(void)
     net_nheld = 0;
 }
 
-int peer_address_check(const char *address, char *why, size_t why_len)
+int peer_address_check(const char *address, kvx_why_t *why)
 {
     (void)address;
     (void)why;
-    (void)why_len;
     return 0;
 }
 
-int peer_address_alias(const char *address, char *why, size_t why_len)
+int peer_address_alias(const char *address, kvx_why_t *why)
 {
     (void)address;
     (void)why;
-    (void)why_len;
     return 0;
 }
 
@@ -244,10 +241,14 @@ __attribute__((unused)) static int net_pump(void)
     return 1;
 }
 
-int peer_send_data(peer_conn_t *c, const Kvxfer__PeerMsg *hdr, const void *buf,
-                   size_t len, const peer_iov_t *iov, size_t niov,
-                   void (*done)(void *arg, int status), void *arg)
+int peer_send_data(peer_conn_t *c, const peer_piece_t *p)
 {
+    const Kvxfer__PeerMsg *hdr = p->hdr;
+    const void *buf = p->buf;
+    size_t len = p->len, niov = p->niov;
+    const peer_iov_t *iov = p->iov;
+    void (*done)(void *arg, int status) = p->done;
+    void *arg = p->arg;
     int rc = peer_send(c, hdr);
     if (rc)
         return rc;
@@ -326,7 +327,7 @@ __attribute__((unused)) static void net_deliver(const char *address,
                                                 const Kvxfer__PeerMsg *m)
 {
     char why[64];
-    peer_conn_t *c = peer_connect(address, why, sizeof(why));
+    peer_conn_t *c = peer_connect(address, KVX_WHY(why));
     if (c && (unsigned)m->m_case < 32 && reg.msg[m->m_case])
         reg.msg[m->m_case](c, m);
 }
@@ -338,7 +339,7 @@ __attribute__((unused)) static void net_lose(const char *address,
                                              const char *msg)
 {
     char why[64];
-    peer_conn_t *c = peer_connect(address, why, sizeof(why));
+    peer_conn_t *c = peer_connect(address, KVX_WHY(why));
     if (!c)
         return;
     c->alive = 0;

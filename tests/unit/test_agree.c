@@ -7,7 +7,9 @@
  * its epoch; a lost member's ranks go away and the merges waiting for it
  * fail; a lost root fails the member's waiting poll.
  *
- * unit-exclude: daemon/net/peer.c
+ * unit-exclude: daemon/net/peer.c daemon/net/peer_auth.c
+ * unit-exclude: daemon/net/peer_addr.c daemon/net/peer_handshake.c
+ * unit-exclude: daemon/net/peer_init.c daemon/net/peer_status.c
  */
 #include "../../daemon/agree/agree.c"
 
@@ -69,11 +71,12 @@ static instance_t *spread_instance(const char *id, int root)
     uint32_t rank = root ? 0 : 1;
     instance_t *inst;
     char why[256];
-    CHECK_EQ(instance_attach(id, 0, KVX_ROLE_CONTEXT, rank, &side, 100 + rank,
-                             &inst, why, sizeof(why)),
+    CHECK_EQ(instance_attach(&(instance_hello_t){id, 0, KVX_ROLE_CONTEXT, rank,
+                                                 &side, 100 + rank},
+                             &inst, KVX_WHY(why)),
              0);
     char *addrs[2] = {root ? ME : OTHER, root ? OTHER : ME};
-    CHECK_EQ(instance_join(inst, rank, addrs, 2, why, sizeof(why)), 0);
+    CHECK_EQ(instance_join(inst, rank, addrs, 2, KVX_WHY(why)), 0);
     agree_joined(inst);
     CHECK(instance_spread(inst));
     return inst;

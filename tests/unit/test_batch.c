@@ -104,8 +104,10 @@ static void push(batch_state_t *bs, uint64_t id, uint64_t now)
 {
     char m[32];
     snprintf(m, sizeof(m), "ev%llu", (unsigned long long)id);
-    CHECK_EQ(batch_push(bs, id, K(id), KVX_EVENT_COMPLETE + (int)(id % 4),
-                        -(int)(id % 5), m, NULL, 0, now),
+    CHECK_EQ(batch_push(bs, id, K(id),
+                        &(batch_end_t){KVX_EVENT_COMPLETE + (int)(id % 4),
+                                       -(int)(id % 5), m, NULL, 0},
+                        now),
              0);
 }
 
@@ -603,16 +605,21 @@ TEST(messages_and_aux_are_copied)
     init(&bs, 1);
     char m[16] = "original";
     uint8_t aux[4] = {1, 2, 0, 4};
-    CHECK_EQ(
-        batch_push(&bs, 1, K(1), KVX_EVENT_ERROR, KVX_ERR_IO, m, NULL, 0, 0),
-        0);
+    CHECK_EQ(batch_push(&bs, 1, K(1),
+                        &(batch_end_t){KVX_EVENT_ERROR, KVX_ERR_IO, m, NULL, 0},
+                        0),
+             0);
     strcpy(m, "changed");
-    CHECK_EQ(batch_push(&bs, 2, K(2), KVX_EVENT_COMPLETE, 0, NULL, aux,
-                        sizeof(aux), 0),
+    CHECK_EQ(batch_push(
+                 &bs, 2, K(2),
+                 &(batch_end_t){KVX_EVENT_COMPLETE, 0, NULL, aux, sizeof(aux)},
+                 0),
              0);
     aux[0] = 9;
     /* a length without bytes, or bytes without a length: none */
-    CHECK_EQ(batch_push(&bs, 3, K(3), KVX_EVENT_COMPLETE, 0, "", aux, 0, 0), 0);
+    CHECK_EQ(batch_push(&bs, 3, K(3),
+                        &(batch_end_t){KVX_EVENT_COMPLETE, 0, "", aux, 0}, 0),
+             0);
     CHECK_EQ(batch_poll(&bs, 0, 1, 3, 10, 0), 0);
     CHECK_EQ(nrec, 1);
     CHECK(!strcmp(recs[0].ev[0].msg, "original"));

@@ -174,8 +174,8 @@ static void check_equal_per_field(const kvx_conf_t *a, const kvx_conf_t *b)
 /* Every value of a loaded config obeys the table. */
 static void check_valid(const kvx_conf_t *c)
 {
-    for (size_t i = 0; i < NKEYS; i++) {
-        const struct conf_key *k = &keys[i];
+    for (size_t i = 0; i < conf_nkeys; i++) {
+        const struct conf_key *k = &conf_keys[i];
         switch (k->type) {
         case CONF_STRING:
         case CONF_PATH:
@@ -228,10 +228,10 @@ TEST(defaults_sane)
     CHECK_EQ(c.log_level, LOG_INFO);
     /* The defaults pass the loader's own rules. */
     check_valid(&c);
-    for (size_t i = 0; i < NKEYS; i++) {
-        if (keys[i].check) {
+    for (size_t i = 0; i < conf_nkeys; i++) {
+        if (conf_keys[i].check) {
             char why[256];
-            CHECK_EQ(keys[i].check(&c, why, sizeof(why)), 0);
+            CHECK_EQ(conf_keys[i].check(&c, KVX_WHY(why)), 0);
         }
     }
     /* Fully written: no byte depends on what was there before. */
@@ -397,17 +397,18 @@ TEST(table_sane)
 #undef M
     };
 
-    CHECK_EQ(NKEYS, sizeof(names) / sizeof(names[0]));
-    for (size_t i = 0; i < NKEYS; i++) {
-        const struct conf_key *k = &keys[i];
+    CHECK_EQ(conf_nkeys, sizeof(names) / sizeof(names[0]));
+    for (size_t i = 0; i < conf_nkeys; i++) {
+        const struct conf_key *k = &conf_keys[i];
         int rl = 0;
         CHECK(!strcmp(k->name, names[i]));
         CHECK(strchr(k->name, '.') == strrchr(k->name, '.'));
         CHECK(strchr(k->name, '.') != NULL);
         /* A section's keys are together: the loader relies on it. */
-        if (i && !section_is(&keys[i - 1], k->name, section_len(k->name)))
+        if (i && !section_is(&conf_keys[i - 1], k->name, section_len(k->name)))
             for (size_t j = 0; j < i; j++)
-                CHECK(!section_is(&keys[j], k->name, section_len(k->name)));
+                CHECK(
+                    !section_is(&conf_keys[j], k->name, section_len(k->name)));
         CHECK(k->help && k->help[0]);
         CHECK(!strchr(k->help, '|') && !strchr(k->help, '\n'));
         CHECK(type_names[k->type] != NULL);
@@ -430,11 +431,11 @@ TEST(table_sane)
     }
     for (size_t m = 0; m < sizeof(members) / sizeof(members[0]); m++) {
         int covered = 0;
-        for (size_t i = 0; i < NKEYS; i++) {
-            covered |= keys[i].off == members[m].off &&
-                       keys[i].size == members[m].size;
-            covered |= keys[i].type == CONF_IDS &&
-                       keys[i].count_off == members[m].off;
+        for (size_t i = 0; i < conf_nkeys; i++) {
+            covered |= conf_keys[i].off == members[m].off &&
+                       conf_keys[i].size == members[m].size;
+            covered |= conf_keys[i].type == CONF_IDS &&
+                       conf_keys[i].count_off == members[m].off;
         }
         if (!covered)
             fprintf(stderr, "member at offset %zu has no key\n",
@@ -481,17 +482,17 @@ TEST(example_equals_defaults)
 
     /* The example spells out every key, each under a comment. */
     text = read_all(EXAMPLE, NULL);
-    for (size_t i = 0; i < NKEYS; i++) {
+    for (size_t i = 0; i < conf_nkeys; i++) {
         char sec[64], key[80];
         const char *s, *kl, *prev;
-        size_t sl = section_len(keys[i].name);
-        snprintf(sec, sizeof(sec), "\n%.*s:\n", (int)sl, keys[i].name);
-        snprintf(key, sizeof(key), "\n  %s:", keys[i].name + sl + 1);
+        size_t sl = section_len(conf_keys[i].name);
+        snprintf(sec, sizeof(sec), "\n%.*s:\n", (int)sl, conf_keys[i].name);
+        snprintf(key, sizeof(key), "\n  %s:", conf_keys[i].name + sl + 1);
         s = strstr(text, sec);
         CHECK(s != NULL);
         kl = strstr(s, key);
         if (!kl)
-            fprintf(stderr, "%s missing from the example\n", keys[i].name);
+            fprintf(stderr, "%s missing from the example\n", conf_keys[i].name);
         CHECK(kl != NULL);
         /* kl is the '\n' ending the line above the key: a comment. */
         for (prev = kl - 1; prev > text && prev[-1] != '\n'; prev--)
@@ -1074,7 +1075,7 @@ struct collect {
 static void collect_fn(const char *key, const char *value, void *arg)
 {
     struct collect *c = arg;
-    CHECK(!strcmp(key, keys[c->n].name));
+    CHECK(!strcmp(key, conf_keys[c->n].name));
     c->len += (size_t)snprintf(c->text + c->len, sizeof(c->text) - c->len,
                                "%s=%s\n", key, value);
     c->n++;
@@ -1091,8 +1092,8 @@ TEST(foreach_lists_every_key)
             "limits:\n  hello_frame_bytes: 1000\n"
             "log:\n  level: warning\n",
             &c);
-    CHECK_EQ(conf_foreach(&c, collect_fn, &col), (int)NKEYS);
-    CHECK_EQ(col.n, (int)NKEYS);
+    CHECK_EQ(conf_foreach(&c, collect_fn, &col), (int)conf_nkeys);
+    CHECK_EQ(col.n, (int)conf_nkeys);
     CHECK_STR_CONTAINS(col.text, "\nauth.allowed_uids=[1000, 1001]\n");
     CHECK_STR_CONTAINS(col.text, "\nauth.allowed_gids=[]\n");
     CHECK_STR_CONTAINS(col.text, "socket.mode=0640\n");
@@ -1111,7 +1112,7 @@ static void yaml_fn(const char *key, const char *value, void *arg)
     struct collect *c = arg;
     size_t sl = section_len(key);
 
-    if (!c->n || strncmp(keys[c->n - 1].name, key, sl + 1))
+    if (!c->n || strncmp(conf_keys[c->n - 1].name, key, sl + 1))
         c->len += (size_t)snprintf(c->text + c->len,
                                    sizeof(c->text) - c->len, "%.*s:\n",
                                    (int)sl, key);
@@ -1135,7 +1136,7 @@ TEST(foreach_round_trips)
             "log:\n  level: notice\n",
             &c);
     conf_foreach(&c, yaml_fn, &col);
-    CHECK_EQ(col.n, (int)NKEYS);
+    CHECK_EQ(col.n, (int)conf_nkeys);
     memset(&back, 0, sizeof(back));
     CHECK_EQ(load_text(col.text, &back, &err), 0);
     CHECK_EQ(err[0], '\0');
@@ -1172,11 +1173,11 @@ TEST(markdown_table)
         CHECK_EQ(bars, 7);
         if (rows >= 2) {
             char want[96];
-            snprintf(want, sizeof(want), "| `%s` |", keys[rows - 2].name);
+            snprintf(want, sizeof(want), "| `%s` |", conf_keys[rows - 2].name);
             CHECK(!strncmp(line, want, strlen(want)));
         }
     }
-    CHECK_EQ(rows, (int)NKEYS + 2);
+    CHECK_EQ(rows, (int)conf_nkeys + 2);
     free(md);
     md = markdown();
     CHECK_STR_CONTAINS(md, "| `socket.path` | path | "

@@ -95,7 +95,7 @@ static void make(const char *preset, const shape_t *s, kvx_layout_t *l)
 static int check(const kvx_layout_t *l, uint64_t size, char *why)
 {
     why[0] = 0;
-    return kvx__layout_check(l, &size, 1, why, 256);
+    return kvx__layout_check(l, &size, 1, &(kvx_why_t){why, 256});
 }
 
 static kvx_layout_part_t PT[2 * KVX_MAX_LAYERS];
@@ -626,7 +626,7 @@ TEST_T(accepted_layouts_never_alias, 120)
             size[r] = rnd_in(1, sizeof(mark[0]));
         char why[256];
         why[0] = 0;
-        int rc = kvx__layout_check(&l, size, nreg, why, sizeof(why));
+        int rc = kvx__layout_check(&l, size, nreg, KVX_WHY(why));
         if (rc) {
             CHECK_EQ(rc, KVX_ERR_LAYOUT);
             CHECK(why[0] != 0);
@@ -699,8 +699,7 @@ TEST(split_per_layer_and_per_kv)
             for (uint32_t r = 0; r < s.L * per; r++)
                 size[r] = kvx_layout_region_span(&l, r);
             char why[256];
-            CHECK_EQ(kvx__layout_check(&l, size, s.L * per, why, sizeof(why)),
-                     0);
+            CHECK_EQ(kvx__layout_check(&l, size, s.L * per, KVX_WHY(why)), 0);
             for (uint32_t a = 0; a < s.L; a++)
                 for (uint32_t k = 0; k < s.K; k++) {
                     uint32_t r = kvx_layout_region(&l, a, k);
@@ -722,7 +721,7 @@ TEST(split_per_layer_and_per_kv)
             size[last]--;
             char want[64];
             snprintf(want, sizeof(want), "of region %u, past its", last);
-            CHECK_EQ(kvx__layout_check(&l, size, s.L * per, why, sizeof(why)),
+            CHECK_EQ(kvx__layout_check(&l, size, s.L * per, KVX_WHY(why)),
                      KVX_ERR_LAYOUT);
             CHECK_STR_CONTAINS(why, want);
             /* split again: refused, parts untouched */
@@ -752,45 +751,45 @@ TEST(check_regions_refusals)
     for (int r = 0; r < 9; r++)
         size[r] = kvx_layout_region_span(&l, r < 8 ? r : 0);
     char why[256];
-    CHECK_EQ(kvx__layout_check(&l, size, 8, why, sizeof(why)), 0);
+    CHECK_EQ(kvx__layout_check(&l, size, 8, KVX_WHY(why)), 0);
     /* a region nothing lies in */
-    CHECK_EQ(kvx__layout_check(&l, size, 9, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_EQ(kvx__layout_check(&l, size, 9, KVX_WHY(why)), KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why, "register_pool.regions[8]: holds no part");
     parts[2].region = 0; /* layer 1 kv 0 moved into region 0, region 2 empty */
     parts[2].offset = size[0];
     uint64_t big[8];
     memcpy(big, size, sizeof(big));
     big[0] *= 2;
-    CHECK_EQ(kvx__layout_check(&l, big, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_EQ(kvx__layout_check(&l, big, 8, KVX_WHY(why)), KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why, "register_pool.regions[2]: holds no part");
     /* a part in a region the pool does not have */
     parts[2] = (kvx_layout_part_t){8, 0, 0};
-    CHECK_EQ(kvx__layout_check(&l, size, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_EQ(kvx__layout_check(&l, size, 8, KVX_WHY(why)), KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why,
                        "layout.parts[2]: layer 1 kv 0 in region 8, but the "
                        "pool has 8 regions");
     /* a part past its region, by one byte */
     parts[2] = (kvx_layout_part_t){2, 0, 1};
-    CHECK_EQ(kvx__layout_check(&l, size, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_EQ(kvx__layout_check(&l, size, 8, KVX_WHY(why)), KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why, "layer 1 kv 0 ends at byte");
     CHECK_STR_CONTAINS(why, "of region 2, past its");
     /* two parts on top of each other in one region */
     parts[2] = (kvx_layout_part_t){3, 0, 0};
     big[3] = 4 * size[3];
-    CHECK_EQ(kvx__layout_check(&l, big, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_EQ(kvx__layout_check(&l, big, 8, KVX_WHY(why)), KVX_ERR_LAYOUT);
     /* (region 2 is empty now too: either refusal names a field) */
     CHECK(strstr(why, "overlap") || strstr(why, "regions[2]"));
     /* a count of parts that is not layers x kv */
     parts[2] = (kvx_layout_part_t){2, 0, 0};
     l.num_parts = 7;
-    CHECK_EQ(kvx__layout_check(&l, size, 8, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_EQ(kvx__layout_check(&l, size, 8, KVX_WHY(why)), KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why, "layout.parts: 7 entries for num_layers 4 x "
                             "kv_factor 2");
     /* parts NULL is one region */
     base_layout(&l);
-    CHECK_EQ(kvx__layout_check(&l, size, 2, why, sizeof(why)), KVX_ERR_LAYOUT);
+    CHECK_EQ(kvx__layout_check(&l, size, 2, KVX_WHY(why)), KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why, "the pool has 2 regions");
-    CHECK_EQ(kvx__layout_check(&l, size, KVX_MAX_REGIONS + 1, why, sizeof(why)),
+    CHECK_EQ(kvx__layout_check(&l, size, KVX_MAX_REGIONS + 1, KVX_WHY(why)),
              KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why, "register_pool.regions: 4097 regions");
 }

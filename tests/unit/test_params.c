@@ -96,7 +96,7 @@ static int decode(const uint8_t *b, size_t len, Kvxfer__ContextParams **out,
                   char *why)
 {
     why[0] = 0;
-    return xfer_params_decode(b, len, out, why, 256);
+    return xfer_params_decode(b, len, out, &(kvx_why_t){why, 256});
 }
 
 static void expect_refused(const uint8_t *b, size_t len, const char *needle)
@@ -335,7 +335,7 @@ TEST(small_why_buffer)
     uint8_t g[2] = {0xff, 0xff};
     char why[4] = {'x', 'x', 'x', 'x'};
     Kvxfer__ContextParams *out = NULL;
-    CHECK_EQ(xfer_params_decode(g, sizeof(g), &out, why, 1),
+    CHECK_EQ(xfer_params_decode(g, sizeof(g), &out, &(kvx_why_t){why, 1}),
              KVX_ERR_INVALID);
     CHECK_EQ(why[0], 0);
     CHECK_EQ(why[1], 'x');
@@ -445,14 +445,15 @@ static instance_t *ctx_instance(void)
     s.total_heads = 2;
     instance_t *inst = NULL;
     char why[256];
-    CHECK_EQ(instance_attach("ctx", 0, KVX_ROLE_CONTEXT, 0, &s, 1, &inst, why,
-                             sizeof(why)),
+    CHECK_EQ(instance_attach(
+                 &(instance_hello_t){"ctx", 0, KVX_ROLE_CONTEXT, 0, &s, 1},
+                 &inst, KVX_WHY(why)),
              0);
     CHECK(inst != NULL);
     snprintf(kvxd.address, sizeof(kvxd.address), "unix:/tmp/kvx-test#1");
     char *addrs[1] = {kvxd.address};
-    CHECK_EQ(instance_join(inst, 0, addrs, 1, why, sizeof(why)), 0);
-    CHECK_EQ(instance_ready(inst, why, sizeof(why)), 0);
+    CHECK_EQ(instance_join(inst, 0, addrs, 1, KVX_WHY(why)), 0);
+    CHECK_EQ(instance_ready(inst, KVX_WHY(why)), 0);
     return inst;
 }
 
@@ -483,16 +484,18 @@ TEST(publish_checks_the_block_count)
     size_t plen = 0;
     char why[256] = "";
     /* 33 tokens of 16 per block need 3 blocks */
-    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 2, 33, NULL, 0, NULL, 0,
-                          0, &params, &plen, why, sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 0, K(7), pool, blocks, 2,
+                                                33, NULL, 0, NULL, 0, 0},
+                          &params, &plen, KVX_WHY(why)),
              KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "need 3");
-    CHECK_EQ(xfer_publish(inst, 0, K(7), pool, blocks, 3, 33, NULL, 0, NULL, 0,
-                          0, &params, &plen, why, sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 0, K(7), pool, blocks, 3,
+                                                33, NULL, 0, NULL, 0, 0},
+                          &params, &plen, KVX_WHY(why)),
              0);
     /* the params it returns decode */
     Kvxfer__ContextParams *cp = NULL;
-    CHECK_EQ(xfer_params_decode(params, plen, &cp, why, sizeof(why)), 0);
+    CHECK_EQ(xfer_params_decode(params, plen, &cp, KVX_WHY(why)), 0);
     CHECK_EQ(cp->num_tokens, 33);
     CHECK_EQ(reqkey_to_u64(cp->key.data, cp->key.len), 7);
     CHECK(!strcmp(cp->instance_id, "ctx"));
@@ -512,8 +515,10 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
     uint8_t *params = NULL;
     size_t plen = 0;
     char why[256] = "";
-    int rc = xfer_publish(inst, 0, K(9), pool, blocks, 1, UINT32_MAX, NULL, 0,
-                          NULL, 0, 0, &params, &plen, why, sizeof(why));
+    int rc =
+        xfer_publish(&(xfer_publish_req_t){inst, 0, K(9), pool, blocks, 1,
+                                           UINT32_MAX, NULL, 0, NULL, 0, 0},
+                     &params, &plen, KVX_WHY(why));
     if (rc == 0)
         free(params);
     CHECK_EQ(rc, KVX_ERR_INVALID);
@@ -539,13 +544,15 @@ static instance_t *ctx2_instance(void)
     instance_t *inst = NULL;
     char why[256];
     for (uint32_t r = 0; r < 2; r++)
-        CHECK_EQ(instance_attach("ctx2", 0, KVX_ROLE_CONTEXT, r, &s, 1 + r,
-                                 &inst, why, sizeof(why)),
-                 0);
+        CHECK_EQ(
+            instance_attach(
+                &(instance_hello_t){"ctx2", 0, KVX_ROLE_CONTEXT, r, &s, 1 + r},
+                &inst, KVX_WHY(why)),
+            0);
     snprintf(kvxd.address, sizeof(kvxd.address), "unix:/tmp/kvx-test#1");
     char *addrs[2] = {kvxd.address, kvxd.address};
-    CHECK_EQ(instance_join(inst, 0, addrs, 2, why, sizeof(why)), 0);
-    CHECK_EQ(instance_ready(inst, why, sizeof(why)), 0);
+    CHECK_EQ(instance_join(inst, 0, addrs, 2, KVX_WHY(why)), 0);
+    CHECK_EQ(instance_ready(inst, KVX_WHY(why)), 0);
     return inst;
 }
 
@@ -576,16 +583,18 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     size_t plen = 0;
     char why[256] = "";
     /* rank 0 without aux, rank 1 with: the offer takes rank 1's */
-    CHECK_EQ(xfer_publish(inst, 0, K(3), pool, blocks, 2, 20, NULL, 0, NULL, 0,
-                          0, &params, &plen, why, sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 0, K(3), pool, blocks, 2,
+                                                20, NULL, 0, NULL, 0, 0},
+                          &params, &plen, KVX_WHY(why)),
              0);
     free(params);
     offer_t *o = map_get(&inst->offers, xfer_key_id(K(3)->b, K(3)->len));
     CHECK(o && o->aux_len == 0 && o->aux == NULL);
     CHECK_EQ(kvxd_mem_used(MEM_AUX), 0);
-    CHECK_EQ(xfer_publish(inst, 1, K(3), pool, blocks, 2, 20, NULL, 0,
-                          (const uint8_t *)"tok", 3, 0, &params, &plen, why,
-                          sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 1, K(3), pool, blocks, 2,
+                                                20, NULL, 0,
+                                                (const uint8_t *)"tok", 3, 0},
+                          &params, &plen, KVX_WHY(why)),
              0);
     free(params);
     CHECK_EQ(o->aux_len, 3);
@@ -595,30 +604,34 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     /* another key: rank 0's aux first; rank 1's differs: refused, and
      * nothing of rank 1 is kept (it may publish again) */
     uint64_t req0 = kvxd_mem_used(MEM_REQUESTS);
-    CHECK_EQ(xfer_publish(inst, 0, K(4), pool, blocks, 2, 20, NULL, 0,
-                          (const uint8_t *)"abc", 3, 0, &params, &plen, why,
-                          sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 0, K(4), pool, blocks, 2,
+                                                20, NULL, 0,
+                                                (const uint8_t *)"abc", 3, 0},
+                          &params, &plen, KVX_WHY(why)),
              0);
     free(params);
     /* what a new offer and one rank's tables are charged (MEM_REQUESTS) */
     uint64_t one = kvxd_mem_used(MEM_REQUESTS) - req0;
     CHECK(one > 0);
-    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20, NULL, 0,
-                          (const uint8_t *)"abd", 3, 0, &params, &plen, why,
-                          sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2,
+                                                20, NULL, 0,
+                                                (const uint8_t *)"abd", 3, 0},
+                          &params, &plen, KVX_WHY(why)),
              KVX_ERR_MISMATCH);
     CHECK_STR_CONTAINS(why, "publish.aux");
-    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20, NULL, 0,
-                          (const uint8_t *)"abcd", 4, 0, &params, &plen, why,
-                          sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2,
+                                                20, NULL, 0,
+                                                (const uint8_t *)"abcd", 4, 0},
+                          &params, &plen, KVX_WHY(why)),
              KVX_ERR_MISMATCH);
     o = map_get(&inst->offers, xfer_key_id(K(4)->b, K(4)->len));
     CHECK(o && !o->parts[1].published && o->npublished == 1);
     CHECK(o->aux_len == 3 && !memcmp(o->aux, "abc", 3));
     /* the same bytes: fine */
-    CHECK_EQ(xfer_publish(inst, 1, K(4), pool, blocks, 2, 20, NULL, 0,
-                          (const uint8_t *)"abc", 3, 0, &params, &plen, why,
-                          sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2,
+                                                20, NULL, 0,
+                                                (const uint8_t *)"abc", 3, 0},
+                          &params, &plen, KVX_WHY(why)),
              0);
     free(params);
     CHECK_EQ(kvxd_mem_used(MEM_AUX), 6);
@@ -630,9 +643,11 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     kvxd.conf.uid_memory_bytes = kvxd.conf.memory_bytes;
     uint64_t held = kvxd_mem_used(MEM_REQUESTS);
     static const uint8_t big[64] = {1}; /* more than the offer leaves */
-    CHECK_EQ(xfer_publish(inst, 0, K(5), pool, blocks, 2, 20, NULL, 0, big,
-                          sizeof(big), 0, &params, &plen, why, sizeof(why)),
-             KVX_ERR_LIMIT);
+    CHECK_EQ(
+        xfer_publish(&(xfer_publish_req_t){inst, 0, K(5), pool, blocks, 2, 20,
+                                           NULL, 0, big, sizeof(big), 0},
+                     &params, &plen, KVX_WHY(why)),
+        KVX_ERR_LIMIT);
     CHECK_STR_CONTAINS(why, "publish.aux");
     CHECK_STR_CONTAINS(why, "limits.memory_bytes");
     CHECK(!map_get(&inst->offers, xfer_key_id(K(5)->b, K(5)->len)));

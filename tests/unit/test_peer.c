@@ -1,10 +1,10 @@
 /*
- * test_peer — what peer.c decides from the machine before any
+ * test_peer — what peer_init.c decides from the machine before any
  * connection: whether UCX may use an RDMA device (peer_rdma(), which
  * turns peer.direct's auto setting off), from a UCX device list and a
  * fake /sys/class/infiniband.
  */
-#include "../../daemon/net/peer.c"
+#include "../../daemon/net/peer_init.c"
 
 #include "tests/test.h"
 

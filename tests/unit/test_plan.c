@@ -63,7 +63,7 @@ static plan_t *build(const plan_side_t *a, const plan_side_t *b,
 {
     plan_t *p = NULL;
     char why[256] = "";
-    int rc = plan_build(a, b, rank, ntok, skip, &p, why, sizeof(why));
+    int rc = plan_build(a, b, rank, ntok, skip, &p, KVX_WHY(why));
     if (rc)
         fprintf(stderr, "plan_build: %d %s\n", rc, why);
     CHECK_EQ(rc, 0);
@@ -78,7 +78,7 @@ static void expect_build_error(const plan_side_t *a, const plan_side_t *b,
 {
     plan_t *p = (plan_t *)0x1;
     char why[256] = "";
-    CHECK_EQ(plan_build(a, b, rank, ntok, skip, &p, why, sizeof(why)), code);
+    CHECK_EQ(plan_build(a, b, rank, ntok, skip, &p, KVX_WHY(why)), code);
     CHECK(p == (plan_t *)0x1); /* *out untouched on error */
     CHECK_STR_CONTAINS(why, needle);
 }
@@ -87,7 +87,7 @@ static void expect_side_error(const plan_side_t *s, int code,
                               const char *needle)
 {
     char why[256] = "";
-    int rc = plan_side_check(s, why, sizeof(why));
+    int rc = plan_side_check(s, KVX_WHY(why));
     if (rc != code)
         fprintf(stderr, "rc %d why '%s'\n", rc, why);
     CHECK_EQ(rc, code);
@@ -146,15 +146,15 @@ TEST(side_check_accepts_good_configs)
 {
     char why[256];
     plan_side_t s = side(4, 2, 10, 8, 16);
-    CHECK_EQ(plan_side_check(&s, why, sizeof(why)), 0);
+    CHECK_EQ(plan_side_check(&s, KVX_WHY(why)), 0);
     s = side(8, 1, 10, 2, 16); /* replicated heads */
-    CHECK_EQ(plan_side_check(&s, why, sizeof(why)), 0);
+    CHECK_EQ(plan_side_check(&s, KVX_WHY(why)), 0);
     s = side(1, 3, 10, 1, 1);
     uint32_t lpp[3] = {2, 5, 3};
     set_lpp(&s, lpp, 3);
-    CHECK_EQ(plan_side_check(&s, why, sizeof(why)), 0);
+    CHECK_EQ(plan_side_check(&s, KVX_WHY(why)), 0);
     s = side(1, 10, 10, 1, 1); /* one layer per PP rank */
-    CHECK_EQ(plan_side_check(&s, why, sizeof(why)), 0);
+    CHECK_EQ(plan_side_check(&s, KVX_WHY(why)), 0);
 }
 
 TEST(side_check_refusals)
@@ -232,7 +232,7 @@ TEST(compat_names_each_field)
 {
     plan_side_t a = side(2, 1, 10, 8, 16), b = side(4, 2, 10, 8, 4);
     char why[256];
-    CHECK_EQ(plan_compat(&a, &b, why, sizeof(why)), 0);
+    CHECK_EQ(plan_compat(&a, &b, KVX_WHY(why)), 0);
     static const char *const names[] = {"dtype",          "elem_size",
                                         "head_dim",       "total_kv_heads",
                                         "total_layers",   "kv_factor"};
@@ -247,14 +247,14 @@ TEST(compat_names_each_field)
         default: c.kv_factor = 1; break;
         }
         why[0] = 0;
-        CHECK_EQ(plan_compat(&a, &c, why, sizeof(why)), KVX_ERR_MISMATCH);
+        CHECK_EQ(plan_compat(&a, &c, KVX_WHY(why)), KVX_ERR_MISMATCH);
         CHECK_STR_CONTAINS(why, names[i]);
         /* and plan_build refuses with the same message */
         expect_build_error(&a, &c, 0, 10, 0, KVX_ERR_MISMATCH, names[i]);
     }
     plan_side_t c = b;
     c.dtype = KVX_DTYPE_BF16;
-    CHECK_EQ(plan_compat(&a, &c, why, sizeof(why)), KVX_ERR_MISMATCH);
+    CHECK_EQ(plan_compat(&a, &c, KVX_WHY(why)), KVX_ERR_MISMATCH);
     CHECK_STR_CONTAINS(why, "fp16");
     CHECK_STR_CONTAINS(why, "bf16");
 }
@@ -493,7 +493,7 @@ TEST(segment_count_does_not_wrap)
     uint32_t n = 0x80000005u, skip = n - 100;
     plan_t *p = NULL;
     char why[256] = "";
-    int rc = plan_build(&a, &b, 0, n, skip, &p, why, sizeof(why));
+    int rc = plan_build(&a, &b, 0, n, skip, &p, KVX_WHY(why));
     if (rc) {
         CHECK_EQ(rc, KVX_ERR_NOMEM);
         return;
@@ -733,8 +733,8 @@ static void rank_mem_make(rank_mem_t *m, const plan_side_t *s, uint32_t r,
         order[j] = x;
     }
     char why[256];
-    CHECK_EQ(
-        kvx__layout_check(&m->layout, sizes, m->nregions, why, sizeof(why)), 0);
+    CHECK_EQ(kvx__layout_check(&m->layout, sizes, m->nregions, KVX_WHY(why)),
+             0);
     /* placed in shuffled order, a gap (0..63 bytes: misaligned on
      * purpose, sometimes none) between neighbours */
     uint64_t at = 0;
@@ -906,8 +906,8 @@ static void gpu_walk_exec(const plan_t *p, uint64_t u0, uint64_t u1,
     CHECK(buf && off);
     gpu_plan_t g;
     char why[256];
-    CHECK_EQ(gpu_desc_pack(p, buf, cap, (uintptr_t)buf, &g, off, &len, why,
-                           sizeof(why)),
+    CHECK_EQ(gpu_desc_pack(p, &(gpu_desc_buf_t){buf, cap, (uintptr_t)buf}, &g,
+                           off, &len, KVX_WHY(why)),
              0);
     CHECK(len <= cap);
     gpu_launch_t l = {
@@ -933,10 +933,9 @@ static void gpu_walk_exec(const plan_t *p, uint64_t u0, uint64_t u1,
         uint32_t w = rnd() % warps;
         if (t[w] >= l.npieces)
             continue;
-        gpu_unit_t x;
-        uint32_t lo, hi;
-        gpu_item_get(&g, &l, &hint[w], poff0, t[w], j[w], &x, &lo, &hi);
-        walk_item(&x, lo, hi, unroll);
+        gpu_item_t it;
+        gpu_item_get(&g, &l, &hint[w], poff0, t[w], j[w], &it);
+        walk_item(&it.x, it.lo, it.hi, unroll);
         if (j[w] + 1 < gpu_piece_units(&l, t[w])) {
             j[w]++;
         } else {
@@ -1022,8 +1021,8 @@ static void e2e_pick(e2e_t *c, const char *sp, const char *dp)
         if (!preset_fits(sp, &c->s) || !preset_fits(dp, &c->d))
             continue;
         char why[256];
-        CHECK_EQ(plan_side_check(&c->s, why, sizeof(why)), 0);
-        CHECK_EQ(plan_side_check(&c->d, why, sizeof(why)), 0);
+        CHECK_EQ(plan_side_check(&c->s, KVX_WHY(why)), 0);
+        CHECK_EQ(plan_side_check(&c->d, KVX_WHY(why)), 0);
         c->sp = sp;
         c->dp = dp;
         c->ntok = hd >= 64 ? rnd_in(1, 40) : rnd_in(1, 130);
@@ -1087,7 +1086,7 @@ static void e2e_run(const e2e_t *c)
         p->dst = (plan_mem_t){dst.regions, dst.nregions, &dst.layout,
                               dst.blocks,  dst.nblocks,  100 + r};
         char bwhy[256];
-        if (plan_check_bounds(p, bwhy, sizeof(bwhy))) {
+        if (plan_check_bounds(p, KVX_WHY(bwhy))) {
             fprintf(stderr, "%s\n", bwhy);
             CHECK(!"a plan of valid pools fails its bounds check");
         }
@@ -1391,7 +1390,7 @@ TEST(bounds_check_refuses_outside_the_pool)
     p->dst =
         (plan_mem_t){d.regions, d.nregions, &d.layout, d.blocks, d.nblocks, 9};
     char why[256];
-    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), 0);
+    CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), 0);
 
     /* a pool one byte short of its last block */
     uint32_t last = 0;
@@ -1399,41 +1398,41 @@ TEST(bounds_check_refuses_outside_the_pool)
         if (d.blocks[i] > last)
             last = d.blocks[i];
     d.regions[0].size = (uint64_t)(last + 1) * d.layout.block_stride - 1;
-    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "pool 9: the plan writes layer 1 kv 1 up to byte");
     CHECK_STR_CONTAINS(why, "of region 0, past its");
     d.regions[0].size = kvx_layout_span(&d.layout);
 
     /* a source region (layer 1's V) one byte short */
     s.regions[3].size--;
-    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "pool 7: the plan reads layer 1 kv 1 up to byte");
     CHECK_STR_CONTAINS(why, "of region 3, past its");
     s.regions[3].size++;
     /* a part naming a region the bound side does not have */
     p->src[0].nregions = 3;
-    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "pool 7: the plan reads layer 1 kv 1, in region 3 "
                             "of 3");
     p->src[0].nregions = 4;
-    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), 0);
+    CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), 0);
 
     /* a block id past the layout's blocks */
     uint32_t keep = s.blocks[1];
     s.blocks[1] = s.layout.num_blocks;
-    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "pool 7: the plan reads tokens");
     s.blocks[1] = keep;
 
     /* a table shorter than the plan's segments */
     p->src[0].num_blocks = 1;
-    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), KVX_ERR_INVALID);
+    CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "pool 7: the plan reads block table entry 1 of 1");
     p->src[0].num_blocks = s.nblocks;
 
     /* an unbound side (packed, between daemons) is not checked */
     p->dst = (plan_mem_t){.layout = &d.layout};
-    CHECK_EQ(plan_check_bounds(p, why, sizeof(why)), 0);
+    CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), 0);
     plan_free(p);
     rank_mem_free(&s);
     rank_mem_free(&d);

@@ -10,7 +10,9 @@
  * (or, when the OPEN never reached it, holds nothing and ends at its
  * lease), every slot is free again and no copy job is left.
  *
- * unit-exclude: daemon/net/peer.c
+ * unit-exclude: daemon/net/peer.c daemon/net/peer_auth.c
+ * unit-exclude: daemon/net/peer_addr.c daemon/net/peer_handshake.c
+ * unit-exclude: daemon/net/peer_init.c daemon/net/peer_status.c
  */
 #include "../../daemon/remote/remote.c"
 
@@ -54,8 +56,7 @@ static pool_t *host_pool(uint64_t sid)
           !fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK));
     pool_t *p;
     char why[256];
-    CHECK_EQ(pool_register_host(sid, fd, 0, size, &lay, &p, why, sizeof(why)),
-             0);
+    CHECK_EQ(pool_register_host(sid, fd, 0, size, &lay, &p, KVX_WHY(why)), 0);
     return p;
 }
 
@@ -77,7 +78,9 @@ static pool_t *regions_pool(uint64_t sid)
     pool_alloc_req_t a = {.fd = fd};
     pool_t *p;
     char why[256];
-    CHECK_EQ(pool_register(sid, &a, 1, r, n, &glay, &p, why, sizeof(why)), 0);
+    CHECK_EQ(
+        pool_register(&(pool_reg_t){sid, &a, 1, r, n, &glay}, &p, KVX_WHY(why)),
+        0);
     CHECK_EQ(p->nregions, 4);
     CHECK(p->layout.parts != gparts); /* the pool's own copy */
     return p;
@@ -121,14 +124,16 @@ static void setup(void)
     plan_side_t side = {
         .tp = 1, .pp = 1, .cp = 1, .total_layers = 2, .total_heads = 2};
     char *a0 = kvxd.address;
-    CHECK_EQ(instance_attach("ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1, &ctx, why,
-                             sizeof(why)),
+    CHECK_EQ(instance_attach(
+                 &(instance_hello_t){"ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1},
+                 &ctx, KVX_WHY(why)),
              0);
-    CHECK_EQ(instance_join(ctx, 0, &a0, 1, why, sizeof(why)), 0);
-    CHECK_EQ(instance_attach("gen", 0, KVX_ROLE_GENERATION, 0, &side, 2, &gen,
-                             why, sizeof(why)),
+    CHECK_EQ(instance_join(ctx, 0, &a0, 1, KVX_WHY(why)), 0);
+    CHECK_EQ(instance_attach(&(instance_hello_t){"gen", 0, KVX_ROLE_GENERATION,
+                                                 0, &side, 2},
+                             &gen, KVX_WHY(why)),
              0);
-    CHECK_EQ(instance_join(gen, 0, &a0, 1, why, sizeof(why)), 0);
+    CHECK_EQ(instance_join(gen, 0, &a0, 1, KVX_WHY(why)), 0);
     CHECK_EQ(kvx_layout_preset("vllm-nhd", 2, 2, 2, 1024, KVX_DTYPE_BF16, 4, 16,
                                &lay),
              0);
@@ -149,8 +154,9 @@ static void start_transfer(void)
     char why[256];
     uint8_t *params;
     size_t plen;
-    CHECK_EQ(xfer_publish(ctx, 0, K(1), cpool, cblocks, 4, NTOK, NULL, 0, NULL,
-                          0, 0, &params, &plen, why, sizeof(why)),
+    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){ctx, 0, K(1), cpool, cblocks, 4,
+                                                NTOK, NULL, 0, NULL, 0, 0},
+                          &params, &plen, KVX_WHY(why)),
              0);
     Kvxfer__ContextParams *cp =
         kvxfer__context_params__unpack(NULL, plen, params);
@@ -162,8 +168,9 @@ static void start_transfer(void)
     cp->rank_addresses[0] = orig;
     kvxfer__context_params__free_unpacked(cp, NULL);
     free(params);
-    CHECK_EQ(xfer_fetch(gen, 0, K(1), p, n, gpool, gblocks, 4, 0, 0, NULL, 0,
-                        why, sizeof(why)),
+    CHECK_EQ(xfer_fetch(&(xfer_fetch_req_t){gen, 0, K(1), p, n, gpool, gblocks,
+                                            4, 0, 0, NULL, 0},
+                        KVX_WHY(why)),
              0);
     free(p);
     settle();

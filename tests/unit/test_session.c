@@ -40,7 +40,7 @@ static pool_t fake_pool(uint32_t id, uint32_t nblocks)
 static int blocks(const pool_t *p, const uint32_t *b, size_t n, char *why)
 {
     why[0] = 0;
-    return check_blocks(p, b, n, "publish", why, 256);
+    return check_blocks(p, b, n, "publish", &(kvx_why_t){why, 256});
 }
 
 static void expect_blocks(const pool_t *p, const uint32_t *b, size_t n,
@@ -65,8 +65,7 @@ TEST(blocks_empty)
     uint32_t b[1] = {0};
     expect_blocks(&p, b, 0, KVX_ERR_INVALID, "publish.blocks: empty");
     char why[256];
-    CHECK_EQ(check_blocks(&p, NULL, 0, "fetch", why, sizeof(why)),
-             KVX_ERR_INVALID);
+    CHECK_EQ(check_blocks(&p, NULL, 0, "fetch", KVX_WHY(why)), KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "fetch.blocks: empty");
 }
 
@@ -245,7 +244,7 @@ static void expect_layout_error(const Kvxfer__Layout *m, int code,
 {
     kvx_layout_t l;
     char why[256] = "";
-    int rc = layout_from_msg(m, &l, why, sizeof(why));
+    int rc = layout_from_msg(m, &l, KVX_WHY(why));
     layout_msg_free(&l);
     if (rc != code)
         fprintf(stderr, "rc %d why '%s'\n", rc, why);
@@ -267,16 +266,16 @@ TEST(layout_round_trips_every_preset)
         Kvxfer__Layout m = msg_of(&want);
         memset(&got, 0x5a, sizeof(got));
         char why[256];
-        CHECK_EQ(layout_from_msg(&m, &got, why, sizeof(why)), 0);
+        CHECK_EQ(layout_from_msg(&m, &got, KVX_WHY(why)), 0);
         /* every field, and zeros past the preset name and the layers */
         CHECK(!memcmp(&got, &want, sizeof(got)));
         uint64_t size = kvx_layout_span(&want);
-        CHECK_EQ(kvx__layout_check(&got, &size, 1, why, sizeof(why)), 0);
+        CHECK_EQ(kvx__layout_check(&got, &size, 1, KVX_WHY(why)), 0);
         /* and split per layer and kv: the parts travel */
         kvx_layout_part_t parts[14];
         CHECK_EQ(kvx_layout_split(&want, mla ? 1 : 2, parts, 14), 0);
         m = msg_of(&want);
-        CHECK_EQ(layout_from_msg(&m, &got, why, sizeof(why)), 0);
+        CHECK_EQ(layout_from_msg(&m, &got, KVX_WHY(why)), 0);
         CHECK_EQ(got.num_parts, want.num_parts);
         CHECK(!memcmp(got.parts, parts, want.num_parts * sizeof(*parts)));
         CHECK_EQ(got.layer_stride, want.layer_stride);
@@ -315,10 +314,9 @@ TEST(layout_part_count_mismatch)
     kvx_layout_t out;
     char why[256];
     uint64_t size = 1ull << 30;
-    CHECK_EQ(layout_from_msg(&m, &out, why, sizeof(why)), 0);
+    CHECK_EQ(layout_from_msg(&m, &out, KVX_WHY(why)), 0);
     CHECK(out.parts == NULL);
-    CHECK_EQ(kvx__layout_check(&out, &size, 1, why, sizeof(why)),
-             KVX_ERR_LAYOUT);
+    CHECK_EQ(kvx__layout_check(&out, &size, 1, KVX_WHY(why)), KVX_ERR_LAYOUT);
     CHECK_STR_CONTAINS(why, "num_layers");
     /* more parts than layers can have, even if they agree */
     m = msg_of(&l);
@@ -329,7 +327,7 @@ TEST(layout_part_count_mismatch)
     m.n_part_region = m.n_part_offset = 2 * KVX_MAX_LAYERS;
     pregion[2 * KVX_MAX_LAYERS - 1] = 4095;
     poffset[2 * KVX_MAX_LAYERS - 1] = 77;
-    CHECK_EQ(layout_from_msg(&m, &out, why, sizeof(why)), 0);
+    CHECK_EQ(layout_from_msg(&m, &out, KVX_WHY(why)), 0);
     CHECK_EQ(out.num_parts, 2 * KVX_MAX_LAYERS);
     CHECK_EQ(out.parts[2 * KVX_MAX_LAYERS - 1].region, 4095);
     CHECK_EQ(out.parts[2 * KVX_MAX_LAYERS - 1].offset, 77);
@@ -349,10 +347,10 @@ TEST(layout_preset_too_long)
     m.preset = "0123456789abcde"; /* 15: fits with its NUL */
     kvx_layout_t out;
     char why[256];
-    CHECK_EQ(layout_from_msg(&m, &out, why, sizeof(why)), 0);
+    CHECK_EQ(layout_from_msg(&m, &out, KVX_WHY(why)), 0);
     CHECK(!strcmp(out.preset, "0123456789abcde"));
     m.preset = "";
-    CHECK_EQ(layout_from_msg(&m, &out, why, sizeof(why)), 0);
+    CHECK_EQ(layout_from_msg(&m, &out, KVX_WHY(why)), 0);
     CHECK_EQ(out.preset[0], 0);
 }
 
@@ -365,13 +363,13 @@ TEST(layout_unknown_dtype)
     Kvxfer__Layout m = msg_of(&l);
     char why[256];
     kvx_layout_t out;
-    CHECK_EQ(layout_from_msg(&m, &out, why, sizeof(why)), 0);
+    CHECK_EQ(layout_from_msg(&m, &out, KVX_WHY(why)), 0);
     m.dtype = KVX_DTYPE_INT8 + 1;
     expect_layout_error(&m, KVX_ERR_LAYOUT, "layout.dtype: unknown value 6");
     m.dtype = UINT32_MAX;
     expect_layout_error(&m, KVX_ERR_LAYOUT, "layout.dtype: unknown value");
     m.dtype = 0; /* unspecified is allowed */
-    CHECK_EQ(layout_from_msg(&m, &out, why, sizeof(why)), 0);
+    CHECK_EQ(layout_from_msg(&m, &out, KVX_WHY(why)), 0);
     CHECK_EQ(out.dtype, KVX_DTYPE_UNSPECIFIED);
 }
 
@@ -396,8 +394,7 @@ TEST(layout_decoded_from_the_wire)
     CHECK(got != NULL);
     kvx_layout_t out;
     char why[256];
-    CHECK_EQ(layout_from_msg(got->register_pool->layout, &out, why,
-                             sizeof(why)),
+    CHECK_EQ(layout_from_msg(got->register_pool->layout, &out, KVX_WHY(why)),
              0);
     CHECK(!memcmp(&out, &l, sizeof(l)));
     kvxfer__request__free_unpacked(got, NULL);

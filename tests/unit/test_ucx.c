@@ -213,17 +213,17 @@ TEST(real_addresses_pass_cut_ones_do_not)
         for (int debug = 0; debug < 2; debug++) {
             size_t len = real_address(versions[v], debug, a, UCX_ADDR_MAX);
             uint64_t id = 0;
-            if (ucx_addr_check(a, len, &id, why, sizeof(why)))
+            if (ucx_addr_check(a, len, &id, KVX_WHY(why)))
                 fprintf(stderr, "%s%s: %s\n", versions[v],
                         debug ? " debug" : "", why);
-            CHECK_EQ(ucx_addr_check(a, len, &id, why, sizeof(why)), 0);
+            CHECK_EQ(ucx_addr_check(a, len, &id, KVX_WHY(why)), 0);
             CHECK(id != 0);
             /* every shorter prefix runs past its end; one byte more is
              * left over */
             for (size_t n = 0; n < len; n++)
-                CHECK_EQ(ucx_addr_check(a, n, NULL, why, sizeof(why)), -1);
+                CHECK_EQ(ucx_addr_check(a, n, NULL, KVX_WHY(why)), -1);
             a[len] = 0;
-            CHECK_EQ(ucx_addr_check(a, len + 1, NULL, why, sizeof(why)), -1);
+            CHECK_EQ(ucx_addr_check(a, len + 1, NULL, KVX_WHY(why)), -1);
             CHECK(strstr(why, "bytes after the last device") != NULL);
         }
 }
@@ -233,15 +233,15 @@ TEST(broken_addresses_are_named)
     uint8_t a[UCX_ADDR_MAX + 1];
     char why[200];
     memset(a, 0xff, 64);
-    CHECK_EQ(ucx_addr_check(a, 64, NULL, why, sizeof(why)), -1);
+    CHECK_EQ(ucx_addr_check(a, 64, NULL, KVX_WHY(why)), -1);
     CHECK_STR_CONTAINS(why, "header byte 0xff: address version 15");
-    CHECK_EQ(ucx_addr_check(a, 1, NULL, why, sizeof(why)), -1);
+    CHECK_EQ(ucx_addr_check(a, 1, NULL, KVX_WHY(why)), -1);
     CHECK_STR_CONTAINS(why, "1 bytes");
-    CHECK_EQ(ucx_addr_check(a, UCX_ADDR_MAX + 1, NULL, why, sizeof(why)), -1);
+    CHECK_EQ(ucx_addr_check(a, UCX_ADDR_MAX + 1, NULL, KVX_WHY(why)), -1);
     /* v2 with a header flag UCX does not know */
     a[0] = 0x01;
     a[1] = 0x10;
-    CHECK_EQ(ucx_addr_check(a, 64, NULL, why, sizeof(why)), -1);
+    CHECK_EQ(ucx_addr_check(a, 64, NULL, KVX_WHY(why)), -1);
     CHECK_STR_CONTAINS(why, "header flags");
     /* a real v1 address, its first transport's overhead made negative
      * (UCX asserts on the negative score it makes: select.c:294) */
@@ -253,7 +253,7 @@ TEST(broken_addresses_are_named)
     at += 1 + (df & 0x40 ? 1 : 0) + (df & 0x20 ? 1 : 0) + (df & 0x1f) + 2;
     float f = -1.0f;
     memcpy(a + at, &f, sizeof(f));
-    CHECK_EQ(ucx_addr_check(a, len, NULL, why, sizeof(why)), -1);
+    CHECK_EQ(ucx_addr_check(a, len, NULL, KVX_WHY(why)), -1);
     CHECK_STR_CONTAINS(why, "overhead is negative");
 }
 
@@ -308,7 +308,7 @@ static const a_tl_t *tl_named(const uint8_t *a, size_t len, const char *name,
 {
     size_t end;
     char why[200];
-    CHECK_EQ(addr_walk(a, len, NULL, m, &end, why, sizeof(why)), 0);
+    CHECK_EQ(addr_walk(a, len, NULL, m, &end, KVX_WHY(why)), 0);
     uint16_t c = ucs_crc16_string(name);
     for (unsigned i = 0; i < m->ntl; i++)
         if (m->tl[i].csum == c)
@@ -325,10 +325,10 @@ TEST(fit_keeps_a_real_address)
     uint8_t a[UCX_ADDR_MAX], out[UCX_ADDR_MAX];
     size_t len = address_of(o, a, sizeof(a)), n = 0;
     char why[256];
-    int kept = ucx_addr_fit(w, a, len, out, &n, why, sizeof(why));
+    int kept = ucx_addr_fit(w, a, len, out, &n, KVX_WHY(why));
     static a_map_t m;
     size_t end;
-    CHECK_EQ(addr_walk(a, len, NULL, &m, &end, why, sizeof(why)), 0);
+    CHECK_EQ(addr_walk(a, len, NULL, &m, &end, KVX_WHY(why)), 0);
     CHECK_EQ(kept, (int)m.ntl);
     CHECK_EQ(why[0], 0);
     CHECK_EQ(n, len);
@@ -355,20 +355,19 @@ TEST(fit_leaves_out_tcp_without_a_device_address)
     CHECK_EQ(a[29], 0x88);       /* LAST | 8 */
     a[29] = 0x1c;
     char why[256];
-    CHECK_EQ(ucx_addr_check(a, len, NULL, why, sizeof(why)), 0); /* walks */
+    CHECK_EQ(ucx_addr_check(a, len, NULL, KVX_WHY(why)), 0); /* walks */
     const a_tl_t *tcp = tl_named(a, len, "tcp", &m);
     CHECK(tcp != NULL);
     CHECK_EQ(tcp->dev_len, 0u); /* on the self transport's device now */
-    CHECK_EQ(
-        tcp_fits(a + tcp->dev_at, tcp->dev_len, tcp->if_len, why, sizeof(why)),
-        0);
+    CHECK_EQ(tcp_fits(a + tcp->dev_at, tcp->dev_len, tcp->if_len, KVX_WHY(why)),
+             0);
     CHECK_STR_CONTAINS(why, "a TCP transport with a 0-byte device");
     /* the self transport's interface address, 28 bytes now, goes too */
-    int kept = ucx_addr_fit(w, a, len, out, &n, why, sizeof(why));
+    int kept = ucx_addr_fit(w, a, len, out, &n, KVX_WHY(why));
     CHECK(kept > 0);
     CHECK_STR_CONTAINS(why, "left out transport self with a 0-byte device "
                             "and 28-byte interface address");
-    CHECK_EQ(ucx_addr_check(out, n, NULL, why, sizeof(why)), 0);
+    CHECK_EQ(ucx_addr_check(out, n, NULL, KVX_WHY(why)), 0);
     CHECK(tl_named(out, n, "tcp", &m) == NULL);
     CHECK(tl_named(out, n, "self", &m) == NULL);
     CHECK(tl_named(out, n, "sysv", &m) != NULL); /* the rest is kept */
@@ -406,12 +405,11 @@ TEST(fit_reads_transport_flags)
         {{1, AF_INET, 1, 2, 3, 4, 5, 6, 7, 0x80}, 10, 0},
     };
     for (size_t i = 0; i < sizeof(tcp) / sizeof(tcp[0]); i++) {
-        CHECK_EQ(tcp_fits(tcp[i].dev, tcp[i].dlen, 2, why, sizeof(why)),
-                 tcp[i].ok);
+        CHECK_EQ(tcp_fits(tcp[i].dev, tcp[i].dlen, 2, KVX_WHY(why)), tcp[i].ok);
         if (!tcp[i].ok)
             CHECK(why[0] != 0);
     }
-    CHECK_EQ(tcp_fits(tcp[0].dev, 6, 0, why, sizeof(why)), 0);
+    CHECK_EQ(tcp_fits(tcp[0].dev, 6, 0, KVX_WHY(why)), 0);
     /* CMA and POSIX, in a real address: the flag set, nothing longer */
     static const struct {
         const char *name;
@@ -424,7 +422,7 @@ TEST(fit_reads_transport_flags)
             continue; /* not on this machine */
         CHECK(t->if_len < 16);
         a[t->if_at + ns[i].byte] |= ns[i].bit;
-        CHECK(ucx_addr_fit(w, a, len, out, &n, why, sizeof(why)) > 0);
+        CHECK(ucx_addr_fit(w, a, len, out, &n, KVX_WHY(why)) > 0);
         CHECK_STR_CONTAINS(why, "says a process namespace");
         CHECK(tl_named(out, n, ns[i].name, &m) == NULL);
     }
@@ -464,7 +462,7 @@ static void scan_one(const char *devs, size_t off, uint8_t v)
         _exit(SCAN_REFUSED);
     a[off] = v;
     char why[256];
-    if (ucx_addr_check(a, len, NULL, why, sizeof(why)))
+    if (ucx_addr_check(a, len, NULL, KVX_WHY(why)))
         _exit(SCAN_REFUSED);
     ucp_ep_h ep;
     if (ucx_connect_addr(w, a, no_err, NULL, &ep) != UCS_OK)
