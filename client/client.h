@@ -1,11 +1,14 @@
 /*
- * client.h — what client.c and reconnect.c share inside libkvxfer: the
- * client struct and the calls each gives the other (kvx__, local to the
- * library by its version script). Not installed.
+ * client.h — what libkvxfer's files share: the client struct and the
+ * calls each gives the others (kvx__, local to the library by its version
+ * script). Not installed.
  *
- * client.c owns the socket and the calls; reconnect.c owns what a
- * client needs to outlive its daemon: the requests in flight, what each
- * pool was registered with, the Hello and the Join, and the attempts.
+ * conn.c owns the socket, its frames and call(); pool.c the pools (host
+ * memfds, CUDA IPC handles and VMM fds); calls.c the requests (publish,
+ * fetch, ready marks, poll, release); json.c the status as JSON;
+ * reconnect.c what a client needs to outlive its daemon: the requests in
+ * flight, what each pool was registered with, the Hello and the Join, and
+ * the attempts.
  */
 #ifndef KVX_CLIENT_H
 #define KVX_CLIENT_H
@@ -13,9 +16,9 @@
 #include <stdint.h>
 
 #include "common/frame.h"
+#include "common/list.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
-#include "common/list.h"
 
 /* A request key the library tracks: in flight (on a bucket of
  * kvx__revive.keys), or lost with the daemon (on gone). */
@@ -71,6 +74,7 @@ struct kvx_client {
     char err[512];
     list_t pools;          /* host_pool.node, the newest first */
     uint32_t daemon_minor; /* the daemon's protocol minor, from Hello */
+    int answered; /* the last call got the daemon's reply (kvx_outcome_t) */
     uint32_t spin_us;      /* kvx_set_spin_us: look for a reply this long
                               before sleeping on the socket */
     kvx__revive_t rv;
@@ -85,10 +89,37 @@ typedef struct kvx__ev {
     size_t key_len, aux_len;
 } kvx__ev_t;
 
-/* ---- client.c, for reconnect.c ---- */
+/* ---- conn.c, for the other files ---- */
 int kvx__fail(kvx_client_t *c, int rc, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 int64_t kvx__now_ms(void);
+/* "ENOENT (No such file or directory)" (a thread's buffer) */
+const char *kvx__errno_str(int e);
+/* The message of the last connect (or kvx_params_info) that failed on
+ * this thread: kvx_last_error(NULL). */
+extern __thread char kvx__connect_err[512];
+/* A reply's status as the library returns it: a code it does not know
+ * (or a positive one) is the daemon breaking the protocol. */
+int kvx__reply_code(int32_t status);
+/* Send rq (its id is set here) with nfds fds and wait for its reply,
+ * looked for spin_us before the thread sleeps. Returns the daemon's
+ * status; *out (if not NULL) receives the reply on success. */
+int kvx__call_spin(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
+                   int nfds, int timeout_ms, uint32_t spin_us,
+                   Kvxfer__Reply **out);
+/* kvx__call_spin() with the client's spin. */
+int kvx__call_fds(kvx_client_t *c, Kvxfer__Request *rq, const int *fds,
+                  int nfds, int timeout_ms, Kvxfer__Reply **out);
+/* kvx__call_fds() with one fd (fd_to_pass >= 0) or none. */
+int kvx__call(kvx_client_t *c, Kvxfer__Request *rq, int fd_to_pass,
+              int timeout_ms, Kvxfer__Reply **out);
+/* rq[0, n) in one write, then their n replies: (*out)[i] answers rq[i]
+ * (its status may be a refusal; free them with kvx__replies_free()). 0
+ * when the exchange worked; else no reply is kept and, once anything was
+ * sent, the connection is broken. */
+int kvx__call_many(kvx_client_t *c, Kvxfer__Request *rq, size_t n,
+                   int timeout_ms, Kvxfer__Reply ***out);
+void kvx__replies_free(Kvxfer__Reply **rp, size_t n);
 /* Connect c->fd to c->path. */
 int kvx__open(kvx_client_t *c, int timeout_ms);
 /* Close the socket and forget any partial frame. */
@@ -102,7 +133,45 @@ int kvx__register_send(kvx_client_t *c, Kvxfer__RegisterPool *m, const int *fds,
 int kvx__batch_make(kvx_client_t *c, uint64_t seq, const kvx__ev_t *ev,
                     size_t n, kvx_batch_t **out);
 
-/* ---- reconnect.c, for client.c ---- */
+/* ---- calls.c, for verbs.c ---- */
+/* A key argument: 0, or KVX_ERR_INVALID with the message set (fn names
+ * the call, or the item). */
+int kvx__key_arg(kvx_client_t *c, const char *fn, const void *key,
+                 size_t key_len);
+/* What kvx__groups_msg() builds the GroupBlocks for. */
+enum { KVX__GROUPS_PUBLISH, KVX__GROUPS_FETCH, KVX__GROUPS_RESERVE };
+/* groups as GroupBlocks messages into m and mp (KVX_MAX_GROUPS - 1
+ * each): a publish's with num_tokens, a fetch's with skip_tokens, a
+ * reservation's with num_tokens and no blocks. 0, or an error of fn (c's
+ * last error says which). */
+int kvx__groups_msg(kvx_client_t *c, const char *fn, const kvx_group_t *groups,
+                    uint32_t ngroups, int use, Kvxfer__GroupBlocks *m,
+                    Kvxfer__GroupBlocks **mp);
+/* The params a publish or reserve reply carries, copied into *params:
+ * 0, or KVX_ERR_PROTOCOL / KVX_ERR_NOMEM with the message set. */
+int kvx__params_take(kvx_client_t *c, const char *what, const Kvxfer__Reply *r,
+                     kvx_context_params_t *params);
+/* Call rq, a request that ends with an event for key: tracked once the
+ * daemon took it, so that it ends even if the daemon goes (reconnect.c).
+ * params: where a publish's go (NULL: a fetch). */
+int kvx__tracked_call(kvx_client_t *c, Kvxfer__Request *rq, const void *key,
+                      size_t key_len, kvx_context_params_t *params,
+                      int timeout_ms);
+
+/* ---- verbs.c, for compat.c ---- */
+/* kvx_publish / kvx_fetch with fn naming the call in messages (a 2.x
+ * wrapper's name). *replied (may be NULL): a batch's replies came back,
+ * so its items' outcomes are the daemon's. */
+int kvx__publish(kvx_client_t *c, const char *fn, const kvx_publish_args_t *a,
+                 int *replied);
+int kvx__fetch(kvx_client_t *c, const char *fn, const kvx_fetch_args_t *a,
+               int *replied);
+
+/* ---- pool.c, for conn.c ---- */
+/* Unmap and free the pools kvx_pool_create_host made (kvx_close). */
+void kvx__host_pools_free(kvx_client_t *c);
+
+/* ---- reconnect.c, for the other files ---- */
 void kvx__rv_init(kvx_client_t *c);
 void kvx__rv_cleanup(kvx_client_t *c);
 /* The daemon closed the connection: end what was in flight, and reconnect

@@ -294,7 +294,7 @@ int main(int argc, char **argv)
             return 0;
         case 'V':
             printf("kvxferd %s (protocol %d.%d, build: %s)\n",
-                   KVX_VERSION_STRING, KVX_VERSION_MAJOR, KVX_VERSION_MINOR,
+                   KVX_VERSION_STRING, KVX_PROTOCOL_MAJOR, KVX_PROTOCOL_MINOR,
                    gpu_build_info());
             return 0;
         case 'h':

@@ -2,14 +2,20 @@
 # make check-lib [BUILD=build]: libkvxfer shows only its API (STYLE.md
 # habit 13) and installs as an engine's build expects it.
 #   - the real file, libkvxfer.so.X.Y.Z (X.Y.Z = KVX_VERSION_STRING), has
-#     soname libkvxfer.so.X and links libkvxfer.so.X, libkvxfer.so to it;
+#     soname libkvxfer.so.A (A = KVX_ABI_MAJOR) and links libkvxfer.so.A,
+#     libkvxfer.so to it;
 #   - nm -D lists exactly the functions kvxfer.h declares KVX_EXPORT: no
 #     kvx__ call, no protobuf-c kvxfer__ function, nothing else;
 #   - make install into a temporary prefix lays down the file, its links
 #     and kvxfer.pc; pkg-config --cflags --libs kvxfer works there, a
 #     program built with those flags alone links and runs, and one that
 #     calls an internal kvx__ function does not link; make uninstall
-#     removes every file again.
+#     removes every file again;
+#   - a program linked against a 2.5 library (a stub of the 2.5 API with
+#     2.5's version node) runs against this one: its kvx_publish and
+#     kvx_fetch bind the 2.x forms, kvx_publish@KVXFER_2.0; one built
+#     with KVX_API_2X binds them too; a program calling a 2.x variant gets
+#     a deprecation warning naming kvx_publish / kvx_fetch.
 # Prints PASS/FAIL lines; exits 1 if any check failed.
 set -u
 BUILD=${1:-build}
@@ -25,7 +31,8 @@ some() { head -n 20 "$1" | tr '\n' ' '; [ "$(wc -l <"$1")" -le 20 ] || echo "...
 
 version=$(sed -n 's/^#define KVX_VERSION_STRING "\(.*\)"/\1/p' client/include/kvxfer.h)
 real=libkvxfer.so.$version
-soname=libkvxfer.so.${version%%.*}
+abi=$(sed -n 's/^#define KVX_ABI_MAJOR \([0-9]*\)/\1/p' client/include/kvxfer.h)
+soname=libkvxfer.so.$abi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -56,10 +63,16 @@ done
 nm -D --defined-only "$BUILD/$real" |
     awk '!($2 == "A" && $3 ~ /^KVXFER_/) { sub(/@.*/, "", $3); print $3 }' |
     sort -u >"$tmp/exported"
-sed -n 's/^KVX_EXPORT .*[ *]\(kvx_[a-z0-9_]*\)(.*/\1/p' client/include/kvxfer.h |
+# (the KVX_API_2X block declares the 2.x forms and names the 3.0 calls
+# otherwise: not what a program sees by default); a declaration whose
+# name clang-format put on the next line is joined to its first
+sed -e '/^#else  *\/\* KVX_API_2X \*\/$/,/^#endif \/\* KVX_API_2X \*\//d' \
+    -e '/^KVX_EXPORT .*[a-z]$/{N;s/\n/ /;}' client/include/kvxfer.h \
+    >"$tmp/kvxfer.h"
+sed -n 's/^KVX_EXPORT .*[ *]\(kvx_[a-z0-9_]*\)(.*/\1/p' "$tmp/kvxfer.h" |
     sort -u >"$tmp/declared"
 # a function kvxfer.h declares without KVX_EXPORT would be hidden
-grep -E '^[A-Za-z_].*[ *]kvx_[a-z0-9_]+\(' client/include/kvxfer.h |
+grep -E '^[A-Za-z_].*[ *]kvx_[a-z0-9_]+\(' "$tmp/kvxfer.h" |
     grep -v '^KVX_EXPORT ' >"$tmp/unmarked"
 grep -v '^kvx_[a-z0-9]' "$tmp/exported" >"$tmp/foreign"
 comm -23 "$tmp/declared" "$tmp/exported" >"$tmp/missing"
@@ -166,6 +179,107 @@ if $CC -o "$tmp/internal" "$tmp/internal.c" $flags >/dev/null 2>&1; then
     fail "a program calling kvx__layout_check links against the installed $real"
 else
     pass "kvx__layout_check does not link through -lkvxfer"
+fi
+
+# --- programs built against 2.x ------------------------------------------
+# kvx_publish and kvx_fetch changed their signature in 3.0; their 2.x
+# forms keep their 2.x version. A program linked against 2.5 (here: a stub
+# library with 2.5's soname and version node, as the 2.5 library had)
+# references kvx_publish@KVXFER_2.0; run against this library, with every
+# symbol bound at start, it must find them.
+cat >"$tmp/stub25.c" <<'EOF'
+#include <stdint.h>
+int kvx_publish(void *c, uint64_t id, uint32_t pool, const uint32_t *b,
+                uint32_t nb, uint32_t nt, void *params, int t)
+{ return 0; }
+int kvx_fetch(void *c, uint64_t id, const uint8_t *p, unsigned long pl,
+              uint32_t pool, const uint32_t *b, uint32_t nb, uint32_t skip,
+              int t)
+{ return 0; }
+const char *kvx_status_name(int s) { return "stub"; }
+EOF
+printf 'KVXFER_2.0 { global: kvx_[a-z]*; local: *; };\n' >"$tmp/stub25.map"
+cat >"$tmp/old.c" <<'EOF'
+#include <stdint.h>
+#include <stdio.h>
+/* what kvxfer.h 2.5 declared */
+int kvx_publish(void *c, uint64_t id, uint32_t pool, const uint32_t *b,
+                uint32_t nb, uint32_t nt, void *params, int t);
+int kvx_fetch(void *c, uint64_t id, const uint8_t *p, unsigned long pl,
+              uint32_t pool, const uint32_t *b, uint32_t nb, uint32_t skip,
+              int t);
+const char *kvx_status_name(int s);
+int main(void)
+{
+    /* no client: the 2.x forms refuse it, INVALID */
+    int a = kvx_publish(NULL, 42, 1, NULL, 0, 7, NULL, 100);
+    int b = kvx_fetch(NULL, 42, NULL, 0, 1, NULL, 0, 0, 100);
+    printf("%s %s\n", kvx_status_name(a), kvx_status_name(b));
+    return !(a == -1 && b == -1);
+}
+EOF
+mkdir -p "$tmp/stub"
+if $CC -shared -fPIC -o "$tmp/stub/$soname" "$tmp/stub25.c" \
+        -Wl,-soname,"$soname" -Wl,--version-script="$tmp/stub25.map" \
+        2>"$tmp/cc.err" &&
+    ln -sf "$soname" "$tmp/stub/libkvxfer.so" &&
+    $CC -o "$tmp/old" "$tmp/old.c" -L"$tmp/stub" -lkvxfer 2>>"$tmp/cc.err"; then
+    refs=$(readelf --dyn-syms -W "$tmp/old" |
+        awk '/UND kvx_(publish|fetch)@/ { print $8 }' | sort | tr '\n' ' ')
+    if [ "$refs" = "kvx_fetch@KVXFER_2.0 kvx_publish@KVXFER_2.0 " ]; then
+        pass "a program linked against 2.5 needs $refs"
+    else
+        fail "a program linked against 2.5 needs '$refs'"
+    fi
+    if out=$(LD_BIND_NOW=1 LD_LIBRARY_PATH="$lib" "$tmp/old" 2>&1); then
+        pass "it runs against $real (LD_BIND_NOW), its 2.x calls answering $out"
+    else
+        fail "a 2.5 program against $real: $out"
+    fi
+else
+    fail "building the 2.5 stub and program: $(cat "$tmp/cc.err")"
+fi
+# built now, with KVX_API_2X: the 2.x forms, bound to their 2.x symbols
+cat >"$tmp/api2x.c" <<'EOF'
+#include <kvxfer.h>
+int main(void)
+{
+    int a = kvx_publish(NULL, 42, 1, NULL, 0, 7, NULL, 100);
+    int b = kvx_fetch(NULL, 42, NULL, 0, 1, NULL, 0, 0, 100);
+    return !(a == KVX_ERR_INVALID && b == KVX_ERR_INVALID);
+}
+EOF
+# shellcheck disable=SC2086
+if $CC -Wall -Werror -DKVX_API_2X -DKVX_ALLOW_DEPRECATED -o "$tmp/api2x" \
+        "$tmp/api2x.c" $flags 2>"$tmp/cc.err" &&
+    readelf --dyn-syms -W "$tmp/api2x" | grep -q 'UND kvx_publish@KVXFER_2.0' &&
+    LD_BIND_NOW=1 LD_LIBRARY_PATH="$lib" "$tmp/api2x"; then
+    pass "KVX_API_2X: kvx_publish, kvx_fetch bind kvx_*@KVXFER_2.0 and run"
+else
+    fail "KVX_API_2X program: $(cat "$tmp/cc.err")"
+fi
+# a 2.x variant warns, naming its replacement; KVX_ALLOW_DEPRECATED quiets it
+cat >"$tmp/dep.c" <<'EOF'
+#include <kvxfer.h>
+int main(void)
+{
+    return kvx_fetch_key(NULL, "k", 1, NULL, 0, 1, NULL, 0, 0, 0, 100) !=
+           KVX_ERR_INVALID;
+}
+EOF
+# shellcheck disable=SC2086
+$CC -Wall -o "$tmp/dep" "$tmp/dep.c" $flags >"$tmp/dep.err" 2>&1
+if grep -q "deprecated.*use kvx_fetch" "$tmp/dep.err"; then
+    pass "kvx_fetch_key warns: $(grep -o "is deprecated.*" "$tmp/dep.err" | head -n 1)"
+else
+    fail "kvx_fetch_key does not warn as deprecated: $(cat "$tmp/dep.err")"
+fi
+# shellcheck disable=SC2086
+if $CC -Wall -Werror -DKVX_ALLOW_DEPRECATED -o "$tmp/dep" "$tmp/dep.c" $flags \
+        2>"$tmp/cc.err" && LD_LIBRARY_PATH="$lib" "$tmp/dep"; then
+    pass "with KVX_ALLOW_DEPRECATED it builds under -Werror and runs"
+else
+    fail "KVX_ALLOW_DEPRECATED: $(cat "$tmp/cc.err")"
 fi
 
 # --- make uninstall ---------------------------------------------------------

@@ -14,17 +14,26 @@
  * (it uses MSG_NOSIGNAL).
  *
  * Life of a request:
- *   context rank:    kvx_publish_key() -> context params (opaque bytes)
+ *   context rank:    kvx_publish() -> context params (opaque bytes)
  *   router:          hands the params to the generation instance
- *   generation rank: kvx_fetch_key(params) -> the daemon fills its blocks
+ *   generation rank: kvx_fetch(params) -> the daemon fills its blocks
  *   every rank:      kvx_poll() returns sealed batches of terminal events;
  *                    batch k is identical on every rank of an instance.
  *
  * Requests are named by keys: opaque bytes, 1 to KVX_MAX_KEY, unique
  * among an instance's requests in flight (vLLM's request id string,
  * SGLang's bootstrap room). The calls taking a uint64_t request_id
- * (kvx_publish, kvx_fetch, kvx_cancel, ...) are the same calls with the
- * key of its decimal digits: request 42 is the key "42".
+ * (kvx_cancel, kvx_fetch_dp, ...) are the same calls with the key of its
+ * decimal digits: request 42 is the key "42".
+ *
+ * 3.0: one call per verb. kvx_publish() and kvx_fetch() take a struct of
+ * arguments whose first member, field_mask, says which members the
+ * caller set (UCX's ucp_params_t style): a later release adds members and
+ * bits without new symbols, and a program built against an older header
+ * sets none of them. Keys, DP rank, block tables, fetch by key,
+ * layer-wise offers and batches are members or flags of these. The 2.x
+ * variants (kvx_publish_key, kvx_fetch_groups, kvx_fetch_many, ...) stay
+ * for this release as thin wrappers, marked deprecated.
  */
 #ifndef KVXFER_H
 #define KVXFER_H
@@ -49,9 +58,39 @@ extern "C" {
 #define KVX_EXPORT
 #endif
 
-#define KVX_VERSION_MAJOR 2
-#define KVX_VERSION_MINOR 5
-#define KVX_VERSION_STRING "2.5.0"
+/* This header's release. kvx_version() says the library's, which may be
+ * newer than the header a program was built with. */
+#define KVX_VERSION_MAJOR 3
+#define KVX_VERSION_MINOR 0
+#define KVX_VERSION_STRING "3.0.0"
+/* The protocol the library and the daemon speak (Hello's version): 3.0
+ * changed the API, not the wire. */
+#define KVX_PROTOCOL_MAJOR 2
+#define KVX_PROTOCOL_MINOR 5
+/* The soname's number: libkvxfer.so.2. 3.0 keeps it, because every
+ * program built against 2.x still runs: the two calls whose signature
+ * changed keep their 2.x forms under their old version nodes
+ * (kvx_publish@KVXFER_2.0, kvx_fetch@KVXFER_2.0), as glibc keeps
+ * libc.so.6 (docs/operations.md, "Library versions"). */
+#define KVX_ABI_MAJOR 2
+
+/* Marks the 2.x calls that 3.0 replaced: a program that calls one gets
+ * a compiler warning naming its replacement. They go in the next major
+ * release. kvxfer's own tools and tests, built with -Werror, define
+ * KVX_ALLOW_DEPRECATED to call them without the warning. */
+#if defined(__GNUC__) && !defined(KVX_ALLOW_DEPRECATED)
+#define KVX_DEPRECATED(use) __attribute__((deprecated("use " use)))
+#else
+#define KVX_DEPRECATED(use)
+#endif
+#define KVX_DEPRECATED_PUBLISH                                                 \
+    KVX_DEPRECATED("kvx_publish (kvxfer.h 3.0: its args say the form)")
+#define KVX_DEPRECATED_FETCH                                                   \
+    KVX_DEPRECATED("kvx_fetch (kvxfer.h 3.0: its args say the form)")
+
+/* The library's release, "3.0.0" (KVX_VERSION_STRING of the library that
+ * was loaded, not of the header the program was built with). */
+KVX_EXPORT const char *kvx_version(void);
 
 /* Longest request key, in bytes. */
 #define KVX_MAX_KEY 128u
@@ -540,12 +579,11 @@ KVX_EXPORT int kvx_params_info(const void *params, size_t params_len,
  * (num_tokens, the layout or the aux differ from another rank's),
  * KVX_ERR_LIMIT (aux over limits.aux_bytes, or over the daemon's memory
  * budget). */
-KVX_EXPORT int kvx_publish_key(kvx_client_t *client, const void *key,
-                               size_t key_len, uint32_t pool_id,
-                               const uint32_t *blocks, uint32_t num_blocks,
-                               uint32_t num_tokens, const void *aux,
-                               size_t aux_len, kvx_context_params_t *params,
-                               int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_PUBLISH int
+kvx_publish_key(kvx_client_t *client, const void *key, size_t key_len,
+                uint32_t pool_id, const uint32_t *blocks, uint32_t num_blocks,
+                uint32_t num_tokens, const void *aux, size_t aux_len,
+                kvx_context_params_t *params, int timeout_ms);
 /* 2.1, layer-wise offers: kvx_publish_key, but before the KV exists.
  * The offer (and its params) is made at once, so a fetch may start and
  * wait; no layer of this rank's part is read until kvx_layers_ready names
@@ -556,13 +594,12 @@ KVX_EXPORT int kvx_publish_key(kvx_client_t *client, const void *key,
  * layer-wise or whole; the offer's lease and the fetch's timeout bound
  * the wait for layers. Between daemons a rank's part moves once all its
  * layers are ready. Errors as kvx_publish_key's. */
-KVX_EXPORT int kvx_publish_layerwise(kvx_client_t *client, const void *key,
-                                     size_t key_len, uint32_t pool_id,
-                                     const uint32_t *blocks,
-                                     uint32_t num_blocks, uint32_t num_tokens,
-                                     const void *aux, size_t aux_len,
-                                     kvx_context_params_t *params,
-                                     int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_PUBLISH int
+kvx_publish_layerwise(kvx_client_t *client, const void *key, size_t key_len,
+                      uint32_t pool_id, const uint32_t *blocks,
+                      uint32_t num_blocks, uint32_t num_tokens, const void *aux,
+                      size_t aux_len, kvx_context_params_t *params,
+                      int timeout_ms);
 
 /* Layers [first, first + count) of this rank's pool hold request key's
  * KV (layer numbers of the pool's layout: this rank's layers). Host
@@ -692,14 +729,13 @@ KVX_EXPORT int kvx_reserve_groups(kvx_client_t *client, const char *instance_id,
  * differ), KVX_ERR_LAYOUT (a pool that does not hold this rank's share),
  * KVX_ERR_LIMIT (more than KVX_MAX_GROUPS - 1), KVX_ERR_VERSION (a 2.1
  * daemon). */
-KVX_EXPORT int kvx_publish_groups(kvx_client_t *client, const void *key,
-                                  size_t key_len, uint32_t pool_id,
-                                  const uint32_t *blocks, uint32_t num_blocks,
-                                  uint32_t num_tokens,
-                                  const kvx_group_t *groups, uint32_t ngroups,
-                                  const void *aux, size_t aux_len,
-                                  int layerwise, kvx_context_params_t *params,
-                                  int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_PUBLISH int
+kvx_publish_groups(kvx_client_t *client, const void *key, size_t key_len,
+                   uint32_t pool_id, const uint32_t *blocks,
+                   uint32_t num_blocks, uint32_t num_tokens,
+                   const kvx_group_t *groups, uint32_t ngroups, const void *aux,
+                   size_t aux_len, int layerwise, kvx_context_params_t *params,
+                   int timeout_ms);
 /* A layer-wise offer with groups (kvx_publish_groups with layerwise): the
  * layers [first, first + count) of this rank's pool of table group (0:
  * the plain table, k + 1: groups[k]) hold tokens [0, tokens) of it (0:
@@ -713,11 +749,218 @@ KVX_EXPORT int kvx_group_tokens_ready(kvx_client_t *client, const void *key,
                                       uint32_t tokens, const void *cuda_event,
                                       int timeout_ms);
 
-/* kvx_publish_key with the key of request_id's digits, no aux. */
-KVX_EXPORT int kvx_publish(kvx_client_t *client, uint64_t request_id,
-                           uint32_t pool_id, const uint32_t *blocks,
-                           uint32_t num_blocks, uint32_t num_tokens,
-                           kvx_context_params_t *params, int timeout_ms);
+/* ---- 3.0: kvx_publish and kvx_fetch -------------------------------------
+ *
+ * Each takes a struct of arguments. field_mask, its first member, says
+ * which members the caller set (bits KVX_PUBLISH_FIELD_* /
+ * KVX_FETCH_FIELD_*); the library reads only those, so a later release
+ * may add members (and bits) at the end without a new symbol, and a
+ * member not in the mask takes its default. A bit this library does not
+ * know is KVX_ERR_INVALID naming it ("kvx_publish: field_mask bit 0x400
+ * is unknown to libkvxfer 3.0.0"), never ignored: a program built
+ * against a newer header learns that an older library cannot do what it
+ * asked. A required member missing is KVX_ERR_INVALID naming the field.
+ *
+ * Outcome: the call returns 0 or a kvx_status_t, and kvx_last_error()
+ * gives the message. With KVX_*_FIELD_OUTCOME, *outcome also receives
+ * the code and the message (its own copy, valid after later calls): the
+ * way a batch item tells its own error.
+ *
+ * Batches (KVX_*_FIELD_ITEMS): items[0, num_items) are requests of any
+ * form (with aux, layer-wise, with block tables, by key, each with its
+ * own field_mask), at most KVX_MANY_MAX, sent in one write and answered
+ * in one round trip (an engine's step schedules a batch of them): n
+ * items cost one wake-up of each side instead of n. The daemon takes
+ * them in order and answers each on its own, so each item gets its own
+ * code and message in its outcome (and a publish its own params). An
+ * item sets neither ITEMS nor TIMEOUT: the batch's timeout is the call's.
+ * The call returns 0 when every item succeeded, else the code of the
+ * first that failed, and kvx_last_error() names it ("kvx_fetch: item 3
+ * (key ...): ..."); items after a refused one are still taken. An item
+ * invalid before anything is sent (a NULL key, an unknown bit) fails the
+ * call with nothing sent, its outcome saying why. When the exchange
+ * itself fails (connection lost, timeout) its code is returned and the
+ * items' outcomes say it too: which items the daemon took is unknown, as
+ * after a single call that times out. */
+
+/* The message room of an outcome (kvx_last_error()'s is as long). */
+#define KVX_MESSAGE_MAX 512
+
+/* One request's result. */
+typedef struct {
+    int code; /* 0 or a kvx_status_t */
+    /* 1: code is the daemon's answer to this request; 0: the request
+     * was refused before it was sent, or its answer was lost with the
+     * connection (the daemon may hold it: see KVX_ERR_TIMEOUT) */
+    int answered;
+    char message[KVX_MESSAGE_MAX]; /* the message naming the field at
+                                      fault; "" when code is 0 */
+} kvx_outcome_t;
+
+/* A call's timeout when its field_mask lacks KVX_*_FIELD_TIMEOUT. */
+#define KVX_TIMEOUT_DEFAULT_MS 5000
+
+/* kvx_publish_args_t.field_mask bits */
+/* Required: KEY, BLOCKS (pool_id, blocks, num_blocks), NUM_TOKENS,
+ * PARAMS; each bit names its members. */
+#define KVX_PUBLISH_FIELD_KEY (1ull << 0)
+#define KVX_PUBLISH_FIELD_BLOCKS (1ull << 1)
+#define KVX_PUBLISH_FIELD_NUM_TOKENS (1ull << 2)
+#define KVX_PUBLISH_FIELD_PARAMS (1ull << 3)
+#define KVX_PUBLISH_FIELD_AUX (1ull << 4)
+#define KVX_PUBLISH_FIELD_GROUPS (1ull << 5) /* groups, num_groups */
+#define KVX_PUBLISH_FIELD_FLAGS (1ull << 6)
+#define KVX_PUBLISH_FIELD_OUTCOME (1ull << 7)
+#define KVX_PUBLISH_FIELD_TIMEOUT (1ull << 8)
+#define KVX_PUBLISH_FIELD_ITEMS (1ull << 9) /* items, num_items */
+
+/* kvx_publish_args_t.flags bits */
+/* Layer-wise: the offer is made before the KV exists; no layer of this
+ * rank's part is read until kvx_layers_ready / kvx_tokens_ready names it
+ * (see kvx_publish_layerwise below for the rules). Needs a 2.1 daemon
+ * (else KVX_ERR_VERSION). */
+#define KVX_PUBLISH_LAYERWISE (1u << 0)
+
+typedef struct kvx_publish_args {
+    uint64_t field_mask;
+    /* The request's key, 1 to KVX_MAX_KEY bytes: every context rank
+     * publishes its own blocks under the same key and num_tokens. */
+    const void *key;
+    size_t key_len;
+    /* This rank's blocks of pool_id that hold the request's tokens (a
+     * layer-wise offer may give only the first chunk's, then
+     * kvx_append_blocks). */
+    uint32_t pool_id;
+    const uint32_t *blocks;
+    uint32_t num_blocks;
+    uint32_t num_tokens; /* the prompt's tokens, every rank the same */
+    /* Out: the context params, identical on every rank (free with
+     * kvx_context_params_free). */
+    kvx_context_params_t *params;
+    /* Opaque payload delivered with the KV (see kvx_publish_key below);
+     * default none. */
+    const void *aux;
+    size_t aux_len;
+    /* The request's other block tables (kvx_group_t, below); every rank
+     * the same, in the same order; at most KVX_MAX_GROUPS - 1. Default
+     * none. */
+    const struct kvx_group *groups;
+    uint32_t num_groups;
+    uint32_t flags;         /* KVX_PUBLISH_LAYERWISE; default 0 */
+    kvx_outcome_t *outcome; /* out; default none */
+    int timeout_ms;         /* default KVX_TIMEOUT_DEFAULT_MS */
+    /* A batch: these requests, and no other member but timeout_ms and
+     * outcome. */
+    const struct kvx_publish_args *items;
+    size_t num_items;
+} kvx_publish_args_t;
+
+/* Offer a request's KV (or, with ITEMS, many requests'). Errors name the
+ * field: KVX_ERR_INVALID (an empty or over-long key, blocks that cannot
+ * hold num_tokens, aux NULL with aux_len > 0, a field_mask or flags bit
+ * unknown, a required field missing), KVX_ERR_EXISTS (this rank
+ * published key already), KVX_ERR_MISMATCH (num_tokens, the layout, the
+ * groups or the aux differ from another rank's), KVX_ERR_LIMIT (aux over
+ * limits.aux_bytes, more groups than KVX_MAX_GROUPS - 1, over the
+ * daemon's memory budget), KVX_ERR_LAYOUT (a pool that does not hold
+ * this rank's share), KVX_ERR_VERSION (a daemon too old for layer-wise
+ * (2.1) or block tables (2.2)). */
+#ifndef KVX_API_2X /* (see below) */
+KVX_EXPORT int kvx_publish(kvx_client_t *client,
+                           const kvx_publish_args_t *args);
+#endif
+
+/* kvx_fetch_args_t.field_mask bits */
+/* Required: KEY, BLOCKS (pool_id, blocks, num_blocks), and one of
+ * PARAMS (params, params_len) or CONTEXT (context_instance,
+ * context_address, context_key, context_key_len). */
+#define KVX_FETCH_FIELD_KEY (1ull << 0)
+#define KVX_FETCH_FIELD_BLOCKS (1ull << 1)
+#define KVX_FETCH_FIELD_PARAMS (1ull << 2)
+#define KVX_FETCH_FIELD_CONTEXT (1ull << 3)
+#define KVX_FETCH_FIELD_SKIP_TOKENS (1ull << 4)
+#define KVX_FETCH_FIELD_DP_RANK (1ull << 5)
+#define KVX_FETCH_FIELD_GROUPS (1ull << 6) /* groups, num_groups */
+#define KVX_FETCH_FIELD_OUTCOME (1ull << 7)
+#define KVX_FETCH_FIELD_TIMEOUT (1ull << 8)
+#define KVX_FETCH_FIELD_ITEMS (1ull << 9) /* items, num_items */
+
+typedef struct kvx_fetch_args {
+    uint64_t field_mask;
+    /* The generation side's own name of the request (its events and
+     * kvx_cancel_key use it; it may differ from the context side's). */
+    const void *key;
+    size_t key_len;
+    /* This rank's blocks, covering tokens [0, num_tokens) of the
+     * request. */
+    uint32_t pool_id;
+    const uint32_t *blocks;
+    uint32_t num_blocks;
+    /* Which offer: exactly one of PARAMS (the context params that
+     * kvx_publish returned on the context side) or CONTEXT (fetch by key:
+     * request context_key of context_instance, whose rank 0 is served by
+     * the daemon at context_address; see kvx_fetch_by_key below). */
+    const uint8_t *params;
+    size_t params_len;
+    const char *context_instance;
+    const char *context_address;
+    const void *context_key;
+    size_t context_key_len;
+    uint32_t skip_tokens; /* tokens not written (a prefix cache hit);
+                             default 0 */
+    uint32_t dp_rank;     /* attention DP: the group that receives (see
+                             kvx_fetch_key below); default 0 */
+    /* The destination of each of the offer's other block tables, in its
+     * order (pool_id, blocks, first_block, skip_tokens). Default none. */
+    const struct kvx_group *groups;
+    uint32_t num_groups;
+    kvx_outcome_t *outcome; /* out; default none */
+    int timeout_ms;         /* default KVX_TIMEOUT_DEFAULT_MS */
+    /* A batch: these requests, and no other member but timeout_ms and
+     * outcome. */
+    const struct kvx_fetch_args *items;
+    size_t num_items;
+} kvx_fetch_args_t;
+
+/* Fill blocks with the KV of an offer, writing only tokens >=
+ * skip_tokens (or, with ITEMS, many). Returns once the daemon accepted
+ * the fetch; its end arrives as an event in kvx_poll(). Errors:
+ * KVX_ERR_INVALID (the key, both or neither of PARAMS and CONTEXT, a
+ * field_mask bit unknown, a required field missing), KVX_ERR_EXISTS
+ * (key fetched already), KVX_ERR_MISMATCH (not as many groups as the
+ * offer has), KVX_ERR_AUTH (params whose token is not the offer's), else
+ * as the 2.x calls below say. */
+#ifndef KVX_API_2X
+KVX_EXPORT int kvx_fetch(kvx_client_t *client, const kvx_fetch_args_t *args);
+#else  /* KVX_API_2X */
+/* KVX_API_2X, for a program not moved to 3.0 yet (for 3.x only):
+ * kvx_publish and kvx_fetch are the 2.x calls, bound to their 2.x
+ * symbols (kvx_publish@KVXFER_2.0), and the 3.0 calls are kvx_publish3
+ * and kvx_fetch3. */
+KVX_EXPORT KVX_DEPRECATED_PUBLISH int
+kvx_publish(kvx_client_t *client, uint64_t request_id, uint32_t pool_id,
+            const uint32_t *blocks, uint32_t num_blocks, uint32_t num_tokens,
+            kvx_context_params_t *params,
+            int timeout_ms) __asm__("kvx__publish_2x");
+__asm__(".symver kvx__publish_2x, kvx_publish@KVXFER_2.0");
+KVX_EXPORT KVX_DEPRECATED_FETCH int
+kvx_fetch(kvx_client_t *client, uint64_t request_id, const uint8_t *params,
+          size_t params_len, uint32_t pool_id, const uint32_t *blocks,
+          uint32_t num_blocks, uint32_t skip_tokens,
+          int timeout_ms) __asm__("kvx__fetch_2x");
+__asm__(".symver kvx__fetch_2x, kvx_fetch@KVXFER_2.0");
+int kvx_publish3(kvx_client_t *client,
+                 const kvx_publish_args_t *args) __asm__("kvx_publish");
+int kvx_fetch3(kvx_client_t *client,
+               const kvx_fetch_args_t *args) __asm__("kvx_fetch");
+#endif /* KVX_API_2X */
+
+/* ---- 2.x calls, deprecated by kvx_publish / kvx_fetch ------------------
+ * Each is kvx_publish or kvx_fetch with the members it names; they stay
+ * for 3.x and go in 4.0. The 2.x kvx_publish(client, request_id, ...)
+ * and kvx_fetch(client, request_id, ...) remain for programs built
+ * against 2.x (their symbols' version KVXFER_2.0); a program built
+ * against this header gets the 3.0 calls. */
 
 /* Fill blocks (covering tokens [0, num_tokens) of the request) with the KV
  * named by params, writing only tokens >= skip_tokens. key is the
@@ -727,25 +970,23 @@ KVX_EXPORT int kvx_publish(kvx_client_t *client, uint64_t request_id,
  * and the request completes when they all have their blocks (0 without
  * DP). Returns once the daemon accepted the fetch; its end arrives as an
  * event in kvx_poll(). */
-KVX_EXPORT int kvx_fetch_key(kvx_client_t *client, const void *key,
-                             size_t key_len, const uint8_t *params,
-                             size_t params_len, uint32_t pool_id,
-                             const uint32_t *blocks, uint32_t num_blocks,
-                             uint32_t skip_tokens, uint32_t dp_rank,
-                             int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_FETCH int
+kvx_fetch_key(kvx_client_t *client, const void *key, size_t key_len,
+              const uint8_t *params, size_t params_len, uint32_t pool_id,
+              const uint32_t *blocks, uint32_t num_blocks, uint32_t skip_tokens,
+              uint32_t dp_rank, int timeout_ms);
 /* kvx_fetch_key for an offer with groups (kvx_publish_groups): the
  * destination of each of its other groups, in the offer's order
  * (pool_id, blocks, first_block, skip_tokens; a state slot: its one
  * block, skip 0). The request completes once every group of every rank
  * has landed, on one daemon as between daemons. KVX_ERR_MISMATCH: not as
  * many groups as the offer has. */
-KVX_EXPORT int kvx_fetch_groups(kvx_client_t *client, const void *key,
-                                size_t key_len, const uint8_t *params,
-                                size_t params_len, uint32_t pool_id,
-                                const uint32_t *blocks, uint32_t num_blocks,
-                                uint32_t skip_tokens, uint32_t dp_rank,
-                                const kvx_group_t *groups, uint32_t ngroups,
-                                int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_FETCH int
+kvx_fetch_groups(kvx_client_t *client, const void *key, size_t key_len,
+                 const uint8_t *params, size_t params_len, uint32_t pool_id,
+                 const uint32_t *blocks, uint32_t num_blocks,
+                 uint32_t skip_tokens, uint32_t dp_rank,
+                 const kvx_group_t *groups, uint32_t ngroups, int timeout_ms);
 /* kvx_fetch_key without params: fetch request context_key of
  * context_instance, whose rank 0 is served by the daemon at
  * context_address (its kvx_daemon_address()), as SGLang's decode does
@@ -759,34 +1000,27 @@ KVX_EXPORT int kvx_fetch_groups(kvx_client_t *client, const void *key,
  * else the request ends with KVX_ERR_INVALID. As kvx_fetch_key, this
  * returns once the daemon accepted the fetch; the rest arrives as an
  * event; kvx_cancel_key(key) ends a fetch still waiting. */
-KVX_EXPORT int kvx_fetch_by_key(kvx_client_t *client, const void *key,
-                                size_t key_len, const char *context_instance,
-                                const char *context_address,
-                                const void *context_key, size_t context_key_len,
-                                uint32_t pool_id, const uint32_t *blocks,
-                                uint32_t num_blocks, uint32_t skip_tokens,
-                                uint32_t dp_rank, int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_FETCH int
+kvx_fetch_by_key(kvx_client_t *client, const void *key, size_t key_len,
+                 const char *context_instance, const char *context_address,
+                 const void *context_key, size_t context_key_len,
+                 uint32_t pool_id, const uint32_t *blocks, uint32_t num_blocks,
+                 uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms);
 /* kvx_fetch_by_key for an offer with groups: the destination of each of
  * its other groups, as kvx_fetch_groups. */
-KVX_EXPORT int kvx_fetch_by_key_groups(
+KVX_EXPORT KVX_DEPRECATED_FETCH int kvx_fetch_by_key_groups(
     kvx_client_t *client, const void *key, size_t key_len,
     const char *context_instance, const char *context_address,
     const void *context_key, size_t context_key_len, uint32_t pool_id,
     const uint32_t *blocks, uint32_t num_blocks, uint32_t skip_tokens,
     uint32_t dp_rank, const kvx_group_t *groups, uint32_t ngroups,
     int timeout_ms);
-/* kvx_fetch_key with the key of request_id's digits, dp_rank 0. */
-KVX_EXPORT int kvx_fetch(kvx_client_t *client, uint64_t request_id,
-                         const uint8_t *params, size_t params_len,
-                         uint32_t pool_id, const uint32_t *blocks,
-                         uint32_t num_blocks, uint32_t skip_tokens,
-                         int timeout_ms);
 /* kvx_fetch_key with the key of request_id's digits. */
-KVX_EXPORT int kvx_fetch_dp(kvx_client_t *client, uint64_t request_id,
-                            const uint8_t *params, size_t params_len,
-                            uint32_t pool_id, const uint32_t *blocks,
-                            uint32_t num_blocks, uint32_t skip_tokens,
-                            uint32_t dp_rank, int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_FETCH int
+kvx_fetch_dp(kvx_client_t *client, uint64_t request_id, const uint8_t *params,
+             size_t params_len, uint32_t pool_id, const uint32_t *blocks,
+             uint32_t num_blocks, uint32_t skip_tokens, uint32_t dp_rank,
+             int timeout_ms);
 
 /* Many requests in one round trip (an engine's step schedules a batch of
  * them): one write carries every item's request, then every reply is
@@ -813,8 +1047,9 @@ typedef struct {
     kvx_context_params_t params; /* out, when status is 0 */
     int status;                  /* out */
 } kvx_publish_item_t;
-KVX_EXPORT int kvx_publish_many(kvx_client_t *client, kvx_publish_item_t *items,
-                                size_t n, int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_PUBLISH int
+kvx_publish_many(kvx_client_t *client, kvx_publish_item_t *items, size_t n,
+                 int timeout_ms);
 typedef struct {
     const void *key; /* the generation side's name of the request */
     size_t key_len;
@@ -827,8 +1062,9 @@ typedef struct {
     uint32_t dp_rank;
     int status; /* out */
 } kvx_fetch_item_t;
-KVX_EXPORT int kvx_fetch_many(kvx_client_t *client, kvx_fetch_item_t *items,
-                              size_t n, int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_FETCH int kvx_fetch_many(kvx_client_t *client,
+                                                   kvx_fetch_item_t *items,
+                                                   size_t n, int timeout_ms);
 
 typedef enum {
     KVX_EVENT_COMPLETE = 1,

@@ -318,12 +318,12 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     const Kvxfer__Hello *h = rq->hello;
     if (s->hello)
         FAIL(KVX_ERR_STATE, "hello: already said");
-    if (h->version_major != KVX_VERSION_MAJOR)
+    if (h->version_major != KVX_PROTOCOL_MAJOR)
         FAIL(KVX_ERR_VERSION,
              "hello.version_major: client speaks protocol %u.%u, daemon "
              "speaks %u.%u",
-             h->version_major, h->version_minor, KVX_VERSION_MAJOR,
-             KVX_VERSION_MINOR);
+             h->version_major, h->version_minor, KVX_PROTOCOL_MAJOR,
+             KVX_PROTOCOL_MINOR);
     size_t idlen = strlen(h->instance_id);
     if (idlen == 0 || idlen > INSTANCE_ID_MAX)
         FAIL(KVX_ERR_INVALID, "hello.instance_id: %zu bytes (expected 1..%u)",
@@ -402,8 +402,8 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
              (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
              s->rank, s->inst->id);
     Kvxfer__HelloReply hr = KVXFER__HELLO_REPLY__INIT;
-    hr.version_major = KVX_VERSION_MAJOR;
-    hr.version_minor = KVX_VERSION_MINOR;
+    hr.version_major = KVX_PROTOCOL_MAJOR;
+    hr.version_minor = KVX_PROTOCOL_MINOR;
     hr.session_id = s->id;
     hr.daemon_address = kvxd.address;
     Kvxfer__Reply r = KVXFER__REPLY__INIT;

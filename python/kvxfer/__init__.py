@@ -49,11 +49,12 @@ __all__ = [
 
 
 def version() -> str:
-    """kvxfer's version (kvxfer.h's KVX_VERSION_STRING). Loads the library
-    first, so that it fails (LibraryNotFound) where calls would."""
+    """The loaded libkvxfer's version (kvx_version(), 3.0), which may be
+    newer than this package's ``__version__`` (the kvxfer.h it binds).
+    Loads the library first, so that it fails (LibraryNotFound) where
+    calls would."""
     from . import _lib as lib
-    lib.lib()
-    return __version__
+    return lib.lib().kvx_version().decode()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,6 +121,89 @@ class FetchItem(Structure):
     ]
 
 
+class Outcome(Structure):
+    _fields_ = [("code", c_int), ("answered", c_int),
+                ("message", c_char * 512)]
+
+
+# kvx_publish_args_t / kvx_fetch_args_t: field_mask says which members
+# are set (kvxfer.h, 3.0)
+PUBLISH_FIELD_KEY = 1 << 0
+PUBLISH_FIELD_BLOCKS = 1 << 1
+PUBLISH_FIELD_NUM_TOKENS = 1 << 2
+PUBLISH_FIELD_PARAMS = 1 << 3
+PUBLISH_FIELD_AUX = 1 << 4
+PUBLISH_FIELD_GROUPS = 1 << 5
+PUBLISH_FIELD_FLAGS = 1 << 6
+PUBLISH_FIELD_OUTCOME = 1 << 7
+PUBLISH_FIELD_TIMEOUT = 1 << 8
+PUBLISH_FIELD_ITEMS = 1 << 9
+PUBLISH_LAYERWISE = 1 << 0
+FETCH_FIELD_KEY = 1 << 0
+FETCH_FIELD_BLOCKS = 1 << 1
+FETCH_FIELD_PARAMS = 1 << 2
+FETCH_FIELD_CONTEXT = 1 << 3
+FETCH_FIELD_SKIP_TOKENS = 1 << 4
+FETCH_FIELD_DP_RANK = 1 << 5
+FETCH_FIELD_GROUPS = 1 << 6
+FETCH_FIELD_OUTCOME = 1 << 7
+FETCH_FIELD_TIMEOUT = 1 << 8
+FETCH_FIELD_ITEMS = 1 << 9
+
+
+class PublishArgs(Structure):
+    pass
+
+
+PublishArgs._fields_ = [
+    ("field_mask", c_uint64),
+    ("key", c_void_p),
+    ("key_len", c_size_t),
+    ("pool_id", c_uint32),
+    ("blocks", POINTER(c_uint32)),
+    ("num_blocks", c_uint32),
+    ("num_tokens", c_uint32),
+    ("params", POINTER(ContextParams)),
+    ("aux", c_void_p),
+    ("aux_len", c_size_t),
+    ("groups", POINTER(Group)),
+    ("num_groups", c_uint32),
+    ("flags", c_uint32),
+    ("outcome", POINTER(Outcome)),
+    ("timeout_ms", c_int),
+    ("items", POINTER(PublishArgs)),
+    ("num_items", c_size_t),
+]
+
+
+class FetchArgs(Structure):
+    pass
+
+
+FetchArgs._fields_ = [
+    ("field_mask", c_uint64),
+    ("key", c_void_p),
+    ("key_len", c_size_t),
+    ("pool_id", c_uint32),
+    ("blocks", POINTER(c_uint32)),
+    ("num_blocks", c_uint32),
+    ("params", c_void_p),
+    ("params_len", c_size_t),
+    ("context_instance", c_char_p),
+    ("context_address", c_char_p),
+    ("context_key", c_void_p),
+    ("context_key_len", c_size_t),
+    ("skip_tokens", c_uint32),
+    ("dp_rank", c_uint32),
+    ("groups", POINTER(Group)),
+    ("num_groups", c_uint32),
+    ("outcome", POINTER(Outcome)),
+    ("timeout_ms", c_int),
+    ("items", POINTER(FetchArgs)),
+    ("num_items", c_size_t),
+]
+
+
 class ParamsInfo(Structure):
     _fields_ = [
         ("instance_id", ctypes.c_char * 129),
@@ -179,7 +262,9 @@ class Batch(Structure):
     ]
 
 
-# name -> (restype, argtypes), exactly kvxfer.h's 54 functions
+# name -> (restype, argtypes), exactly kvxfer.h's 55 functions (the 2.x
+# variants included, deprecated in 3.0: kvx_publish and kvx_fetch are
+# the 3.0 calls)
 _client_p = c_void_p
 _PROTOS = {
     "kvx_status_str": (c_char_p, [c_int]),
@@ -225,9 +310,8 @@ _PROTOS = {
                                               POINTER(c_uint32), c_int]),
     "kvx_pool_deregister": (c_int, [_client_p, c_uint32, c_int]),
     "kvx_context_params_free": (None, [POINTER(ContextParams)]),
-    "kvx_publish": (c_int, [_client_p, c_uint64, c_uint32, c_void_p,
-                            c_uint32, c_uint32, POINTER(ContextParams),
-                            c_int]),
+    "kvx_version": (c_char_p, []),
+    "kvx_publish": (c_int, [_client_p, POINTER(PublishArgs)]),
     "kvx_publish_key": (c_int, [_client_p, c_char_p, c_size_t, c_uint32,
                                 c_void_p, c_uint32, c_uint32, c_char_p,
                                 c_size_t, POINTER(ContextParams), c_int]),
@@ -286,8 +370,7 @@ _PROTOS = {
                                    POINTER(c_char_p), c_uint32, c_int]),
     "kvx_release_by_key": (c_int, [_client_p, c_char_p, c_char_p, c_char_p,
                                    c_size_t, c_int]),
-    "kvx_fetch": (c_int, [_client_p, c_uint64, c_char_p, c_size_t, c_uint32,
-                          c_void_p, c_uint32, c_uint32, c_int]),
+    "kvx_fetch": (c_int, [_client_p, POINTER(FetchArgs)]),
     "kvx_fetch_dp": (c_int, [_client_p, c_uint64, c_char_p, c_size_t,
                              c_uint32, c_void_p, c_uint32, c_uint32,
                              c_uint32, c_int]),

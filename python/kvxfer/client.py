@@ -264,20 +264,92 @@ def _groups(groups: Sequence[Group]) -> Tuple[Any, int, Any]:
     return arr, len(groups), keep
 
 
-def _item(it: Any, at: str, key: Key, pool: PoolRef, blocks: Blocks,
-          keep: List[Any]) -> None:
-    """The fields a kvx_publish_item_t and a kvx_fetch_item_t share: key,
-    pool and blocks (their buffers kept alive in keep); ``at`` names the
-    item in errors."""
+def _buf(b: bytes, keep: List[Any]) -> Any:
+    """A C copy of b (kept alive in keep), as a void pointer."""
+    cb = ctypes.create_string_buffer(b, max(len(b), 1))
+    keep.append(cb)
+    return ctypes.cast(cb, ctypes.c_void_p)
+
+
+def _blocks(a: Any, at: str, pool: PoolRef, blocks: Blocks,
+            keep: List[Any]) -> None:
+    """The pool and blocks of a kvx_publish_args_t or kvx_fetch_args_t;
+    ``at`` names the item in errors ("" for a single call)."""
+    a.pool_id = _pool_id(pool, f"{at}pool")
+    ptr, n, kp = u32_array(f"{at}blocks", blocks)
+    keep.append(kp)
+    a.blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
+    a.num_blocks = n
+
+
+def _group_args(a: Any, groups: Optional[Sequence[Group]], bit: int,
+                keep: List[Any]) -> None:
+    if groups:
+        garr, gn, gkeep = _groups(groups)
+        keep += [garr, gkeep]
+        a.groups = ctypes.cast(garr, ctypes.POINTER(_lib.Group))
+        a.num_groups = gn
+        a.field_mask |= bit
+
+
+def _publish_args(a: Any, at: str, key: Key, pool: PoolRef, blocks: Blocks,
+                  num_tokens: int, params: Any, keep: List[Any], *,
+                  aux: Optional[bytes] = None, layerwise: bool = False,
+                  groups: Optional[Sequence[Group]] = None) -> None:
+    """Fill a kvx_publish_args_t (kvx_publish, 3.0): its buffers are kept
+    alive in keep; the params land in ``params``."""
     k = key_bytes(key)
-    kb = ctypes.create_string_buffer(k, len(k))
-    ptr, n, kp = u32_array(f"{at}.blocks", blocks)
-    keep += [kb, kp]
-    it.key = ctypes.cast(kb, ctypes.c_void_p)
-    it.key_len = len(k)
-    it.pool_id = _pool_id(pool, f"{at}.pool")
-    it.blocks = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))
-    it.num_blocks = n
+    a.field_mask = (_lib.PUBLISH_FIELD_KEY | _lib.PUBLISH_FIELD_BLOCKS |
+                    _lib.PUBLISH_FIELD_NUM_TOKENS |
+                    _lib.PUBLISH_FIELD_PARAMS)
+    a.key = _buf(k, keep)
+    a.key_len = len(k)
+    a.num_tokens = integer(f"{at}num_tokens", num_tokens)
+    _blocks(a, at, pool, blocks, keep)
+    a.params = ctypes.pointer(params)
+    keep.append(a.params)
+    if aux:
+        b = bytes(aux)
+        a.aux = _buf(b, keep)
+        a.aux_len = len(b)
+        a.field_mask |= _lib.PUBLISH_FIELD_AUX
+    if layerwise:
+        a.flags = _lib.PUBLISH_LAYERWISE
+        a.field_mask |= _lib.PUBLISH_FIELD_FLAGS
+    _group_args(a, groups, _lib.PUBLISH_FIELD_GROUPS, keep)
+
+
+def _fetch_args(a: Any, at: str, key: Key, pool: PoolRef, blocks: Blocks,
+                keep: List[Any], *, params: Optional[bytes] = None,
+                context: Optional[Tuple[str, str, Key]] = None,
+                skip_tokens: int = 0, dp_rank: int = 0,
+                groups: Optional[Sequence[Group]] = None) -> None:
+    """Fill a kvx_fetch_args_t (kvx_fetch, 3.0): with ``params``, or by
+    key with ``context`` = (instance, address, key)."""
+    k = key_bytes(key)
+    a.field_mask = (_lib.FETCH_FIELD_KEY | _lib.FETCH_FIELD_BLOCKS |
+                    _lib.FETCH_FIELD_SKIP_TOKENS | _lib.FETCH_FIELD_DP_RANK)
+    a.key = _buf(k, keep)
+    a.key_len = len(k)
+    a.skip_tokens = integer(f"{at}skip_tokens", skip_tokens)
+    a.dp_rank = integer(f"{at}dp_rank", dp_rank)
+    _blocks(a, at, pool, blocks, keep)
+    if context is not None:
+        inst, addr, ckey = context
+        ck = key_bytes(ckey)
+        ib, ab = inst.encode(), addr.encode()
+        keep += [ib, ab]
+        a.context_instance = ib
+        a.context_address = ab
+        a.context_key = _buf(ck, keep)
+        a.context_key_len = len(ck)
+        a.field_mask |= _lib.FETCH_FIELD_CONTEXT
+    else:
+        pb = bytes(params or b"")
+        a.params = _buf(pb, keep)
+        a.params_len = len(pb)
+        a.field_mask |= _lib.FETCH_FIELD_PARAMS
+    _group_args(a, groups, _lib.FETCH_FIELD_GROUPS, keep)
 
 
 class Client:
@@ -686,7 +758,7 @@ class Client:
                 layerwise: bool = False,
                 groups: Optional[Sequence[Group]] = None) -> bytes:
         """Offer the KV of request ``key`` in ``blocks`` of ``pool``
-        (kvx_publish_key). ``key``: bytes, a str (its UTF-8) or an int
+        (kvx_publish). ``key``: bytes, a str (its UTF-8) or an int
         (its decimal digits, as kvx_publish makes it), 1 to 128 bytes.
 
         ``aux``: opaque bytes (first output token, logprobs), at most the
@@ -699,37 +771,27 @@ class Client:
         publish.
 
         ``layerwise``: offer the blocks before their KV exists
-        (kvx_publish_layerwise); no layer is read until
+        (KVX_PUBLISH_LAYERWISE); no layer is read until
         :meth:`layers_ready` names it, so the transfer runs behind the
         prefill's forward pass.
 
         ``groups``: the request's other block tables (:class:`Group`:
         sliding-window layers, state slots), every rank the same, in the
-        same order (kvx_publish_groups); with ``layerwise`` each table's
+        same order (KVX_PUBLISH_FIELD_GROUPS); with ``layerwise`` each table's
         layers are made ready on their own (:meth:`layers_ready`'s
         ``group``).
 
         Returns the context params: opaque bytes, identical on every rank,
         for the router to hand to the generation side.
         """
-        k = key_bytes(key)
-        a = bytes(aux) if aux else None
-        num_tokens = integer("num_tokens", num_tokens)
-        pid = _pool_id(pool)
-        ptr, n, keep = u32_array("blocks", blocks)
+        keep: List[Any] = []
         params = _lib.ContextParams()
-        if groups:
-            garr, gn, gkeep = _groups(groups)
-            self._call("kvx_publish_groups", k, len(k), pid, ptr, n,
-                       num_tokens, garr, gn, a, len(a) if a else 0,
-                       1 if layerwise else 0, ctypes.byref(params),
-                       self._ms(timeout))
-            del gkeep
-        else:
-            self._call("kvx_publish_layerwise" if layerwise else
-                       "kvx_publish_key", k, len(k), pid, ptr, n, num_tokens,
-                       a, len(a) if a else 0, ctypes.byref(params),
-                       self._ms(timeout))
+        a = _lib.PublishArgs()
+        _publish_args(a, "", key, pool, blocks, num_tokens, params, keep,
+                      aux=aux, layerwise=layerwise, groups=groups)
+        a.field_mask |= _lib.PUBLISH_FIELD_TIMEOUT
+        a.timeout_ms = self._ms(timeout)
+        self._call("kvx_publish", ctypes.byref(a))
         del keep
         try:
             return ctypes.string_at(params.data, params.len)
@@ -742,98 +804,102 @@ class Client:
               groups: Optional[Sequence[Group]] = None,
               timeout: Timeout = _DEFAULT) -> None:
         """Fill ``blocks`` of ``pool`` with the KV the context ``params``
-        name, writing tokens >= ``skip_tokens`` (kvx_fetch_key). ``key``
+        name, writing tokens >= ``skip_tokens`` (kvx_fetch). ``key``
         is this side's name of the request (its events and :meth:`cancel`
         use it). With attention DP, ``dp_rank`` names the receiving group.
         ``groups``: the destination of each of the offer's other block
         tables, in its order (:class:`Group` with ``skip_tokens``;
-        kvx_fetch_groups). Returns once the daemon accepted the fetch; its
+        KVX_FETCH_FIELD_GROUPS). Returns once the daemon accepted the fetch; its
         end arrives as an :class:`Event` from :meth:`poll`."""
-        k = key_bytes(key)
-        skip = integer("skip_tokens", skip_tokens)
-        dp = 0 if dp_rank is None else integer("dp_rank", dp_rank)
-        pid = _pool_id(pool)
-        ptr, n, keep = u32_array("blocks", blocks)
-        params = bytes(params)
-        if groups:
-            garr, gn, gkeep = _groups(groups)
-            self._call("kvx_fetch_groups", k, len(k), params, len(params),
-                       pid, ptr, n, skip, dp, garr, gn, self._ms(timeout))
-            del gkeep
-        else:
-            self._call("kvx_fetch_key", k, len(k), params, len(params),
-                       pid, ptr, n, skip, dp, self._ms(timeout))
+        keep: List[Any] = []
+        a = _lib.FetchArgs()
+        _fetch_args(a, "", key, pool, blocks, keep, params=params,
+                    skip_tokens=skip_tokens,
+                    dp_rank=0 if dp_rank is None else dp_rank,
+                    groups=groups)
+        a.field_mask |= _lib.FETCH_FIELD_TIMEOUT
+        a.timeout_ms = self._ms(timeout)
+        self._call("kvx_fetch", ctypes.byref(a))
         del keep
 
     def publish_many(self, items: Sequence[Tuple[Key, PoolRef, Blocks, int]],
                      timeout: Timeout = _DEFAULT) -> List[Any]:
-        """Publish many requests in one round trip (kvx_publish_many), as
-        a scheduler step's batch: ``items`` are ``(key, pool, blocks,
-        num_tokens)``, at most 256. Returns one entry per item, in order:
-        its context params (bytes), or the error it got (an exception
-        instance, not raised: the other items are published). An invalid
-        item raises before anything is sent."""
-        arr = (_lib.PublishItem * max(len(items), 1))()
+        """Publish many requests in one round trip (kvx_publish with
+        items), as a scheduler step's batch: ``items`` are ``(key, pool,
+        blocks, num_tokens)``, at most 256. Returns one entry per item, in
+        order: its context params (bytes), or the error it got, with the
+        daemon's message for that item (an exception instance, not
+        raised: the other items are published). An invalid item raises
+        before anything is sent."""
+        n = len(items)
+        arr = (_lib.PublishArgs * max(n, 1))()
+        params = (_lib.ContextParams * max(n, 1))()
         keep: List[Any] = []
         for i, (key, pool, blocks, num_tokens) in enumerate(items):
-            _item(arr[i], f"items[{i}]", key, pool, blocks, keep)
-            arr[i].num_tokens = integer(f"items[{i}].num_tokens", num_tokens)
-        res = self._many("kvx_publish_many", arr, len(items), timeout)
+            _publish_args(arr[i], f"items[{i}].", key, pool, blocks,
+                          num_tokens, params[i], keep)
+        res = self._many("kvx_publish", _lib.PublishArgs, arr, n, timeout)
         lib = _lib.lib()
         for i, r in enumerate(res):
             if r is None:
-                p = arr[i].params
+                p = params[i]
                 res[i] = ctypes.string_at(p.data, p.len)
-                lib.kvx_context_params_free(ctypes.byref(arr[i].params))
+                lib.kvx_context_params_free(ctypes.byref(params[i]))
         return res
 
     def fetch_many(self, items: Sequence[Tuple[Any, ...]],
                    *, skip_tokens: int = 0,
                    timeout: Timeout = _DEFAULT) -> List[Any]:
-        """Fetch many requests in one round trip (kvx_fetch_many):
+        """Fetch many requests in one round trip (kvx_fetch with items):
         ``items`` are ``(key, params, pool, blocks)`` or ``(key, params,
         pool, blocks, skip_tokens)`` (else ``skip_tokens``), at most 256.
         Returns one entry per item: None when the daemon took the fetch
-        (its end arrives as an :class:`Event`), or the error it got (an
-        exception instance, not raised)."""
+        (its end arrives as an :class:`Event`), or the error it got, with
+        the daemon's message for that item (an exception instance, not
+        raised)."""
         skip = integer("skip_tokens", skip_tokens)
-        arr = (_lib.FetchItem * max(len(items), 1))()
+        n = len(items)
+        arr = (_lib.FetchArgs * max(n, 1))()
         keep: List[Any] = []
         for i, item in enumerate(items):
             if len(item) not in (4, 5):
                 raise InvalidArgument(-1, f"items[{i}]: (key, params, pool, "
                                       "blocks[, skip_tokens])")
             key, params, pool, blocks = item[:4]
-            _item(arr[i], f"items[{i}]", key, pool, blocks, keep)
-            pb = bytes(params)
-            pp = ctypes.create_string_buffer(pb, max(len(pb), 1))
-            keep.append(pp)
-            arr[i].params = ctypes.cast(pp, ctypes.c_void_p)
-            arr[i].params_len = len(pb)
-            arr[i].skip_tokens = integer(f"items[{i}].skip_tokens",
-                                         item[4]) if len(item) == 5 else skip
-        return self._many("kvx_fetch_many", arr, len(items), timeout)
+            _fetch_args(arr[i], f"items[{i}].", key, pool, blocks, keep,
+                        params=params,
+                        skip_tokens=item[4] if len(item) == 5 else skip)
+        return self._many("kvx_fetch", _lib.FetchArgs, arr, n, timeout)
 
-    def _many(self, fn: str, arr: Any, n: int, timeout: Timeout) -> List[Any]:
-        """Run a kvx_*_many call: per item None (taken) or its error. A
-        failure of the call itself (nothing sent, connection lost) is
-        raised. The daemon's message is kept for the first failing item;
-        the others get their code's."""
+    def _many(self, fn: str, args: Any, arr: Any, n: int,
+              timeout: Timeout) -> List[Any]:
+        """Run a batch of kvx_publish or kvx_fetch (3.0, its items arr[0,
+        n)): per item None (taken) or its error, with its own code and
+        the daemon's message for it. A failure of the call itself
+        (nothing sent: an invalid item; the connection lost) is raised."""
+        bit = 1 << 7  # KVX_*_FIELD_OUTCOME, the same bit for both verbs
+        out = (_lib.Outcome * max(n, 1))()
+        for i in range(n):
+            arr[i].field_mask |= bit
+            arr[i].outcome = ctypes.pointer(out[i])
+        batch = args()
+        batch.field_mask = (1 << 9) | (1 << 8)  # ITEMS | TIMEOUT
+        batch.items = ctypes.cast(arr, ctypes.POINTER(args))
+        batch.num_items = n
         with self._lock:
             if not self._h:
                 raise Closed(-20, "the client is closed")
             lib = _lib.lib()
-            rc = getattr(lib, fn)(self._h, arr, n, self._ms(timeout))
+            batch.timeout_ms = self._ms(timeout)
+            rc = getattr(lib, fn)(self._h, ctypes.byref(batch))
             msg = lib.kvx_last_error(self._h) if rc else None
-        text = msg.decode(errors="replace") if msg else ""
-        failed = [i for i in range(n) if arr[i].status]
-        if rc and not failed:
-            raise make_error(rc, text)
+        if rc and not any(out[i].answered for i in range(n)):
+            raise make_error(rc, msg.decode(errors="replace") if msg else "")
         res: List[Any] = [None] * n
-        for i in failed:
-            st = arr[i].status
-            res[i] = make_error(st, text if i == failed[0] else
-                                f"{fn}: item {i}: {status_str(st)}")
+        for i in range(n):
+            if out[i].code:
+                text = out[i].message.decode(errors="replace")
+                res[i] = make_error(out[i].code, f"{fn}: item {i}: {text}")
         return res
 
     def poll(self, at_least: int = 1,
@@ -992,28 +1058,21 @@ class Client:
                      dp_rank: int = 0,
                      groups: Optional[Sequence[Group]] = None,
                      timeout: Timeout = _DEFAULT) -> None:
-        """:meth:`fetch` without params (kvx_fetch_by_key): the daemons
+        """:meth:`fetch` without params (kvx_fetch by key,
+        KVX_FETCH_FIELD_CONTEXT): the daemons
         find the offer of ``context_key`` of ``context_instance``, whose
         rank 0 is served by the daemon at ``context_address``, waiting for
         its publish or reservation under the fetch timeout. ``groups``:
-        as :meth:`fetch`'s (kvx_fetch_by_key_groups). The outcome comes
+        as :meth:`fetch`'s. The outcome comes
         as an :class:`Event` for ``key``."""
-        k, ck = key_bytes(key), key_bytes(context_key)
-        skip = integer("skip_tokens", skip_tokens)
-        dp = integer("dp_rank", dp_rank)
-        pid = _pool_id(pool)
-        ptr, n, keep = u32_array("blocks", blocks)
-        if groups:
-            garr, gn, gkeep = _groups(groups)
-            self._call("kvx_fetch_by_key_groups", k, len(k),
-                       context_instance.encode(), context_address.encode(),
-                       ck, len(ck), pid, ptr, n, skip, dp, garr, gn,
-                       self._ms(timeout))
-            del gkeep
-        else:
-            self._call("kvx_fetch_by_key", k, len(k),
-                       context_instance.encode(), context_address.encode(),
-                       ck, len(ck), pid, ptr, n, skip, dp, self._ms(timeout))
+        keep: List[Any] = []
+        a = _lib.FetchArgs()
+        _fetch_args(a, "", key, pool, blocks, keep,
+                    context=(context_instance, context_address, context_key),
+                    skip_tokens=skip_tokens, dp_rank=dp_rank, groups=groups)
+        a.field_mask |= _lib.FETCH_FIELD_TIMEOUT
+        a.timeout_ms = self._ms(timeout)
+        self._call("kvx_fetch", ctypes.byref(a))
         del keep
 
     def release(self, params: Optional[bytes] = None, *,

@@ -91,7 +91,7 @@ __all__ = ["KvxferConnector", "KvxferConnectorMetadata", "VLLM_VERSION",
            "layout_of_kv_caches"]
 
 VLLM_VERSION = "0.33.0"  # the version the tests run against
-MANY_MAX = 256  # kvx_publish_many / kvx_fetch_many: items a call
+MANY_MAX = 256  # kvx_publish / kvx_fetch with items: items a call
 
 log = logging.getLogger("kvxfer.vllm")
 
@@ -685,7 +685,8 @@ class _Worker:
         # sampled, so every kernel that wrote the request's KV (earlier
         # on the same stream) has completed.
         # a step's publishes, then its fetches, each in one round trip
-        # (kvx_publish_many, kvx_fetch_many); an item refused fails alone
+        # (kvx_publish, kvx_fetch with items); an item refused fails alone,
+        # with its own message
         sends = list(meta.sends.items())
         for at in range(0, len(sends), MANY_MAX):
             part = sends[at:at + MANY_MAX]

@@ -29,6 +29,9 @@ STRUCTS = {
     "kvx_group_t": _lib.Group,
     "kvx_publish_item_t": _lib.PublishItem,
     "kvx_fetch_item_t": _lib.FetchItem,
+    "kvx_outcome_t": _lib.Outcome,
+    "kvx_publish_args_t": _lib.PublishArgs,
+    "kvx_fetch_args_t": _lib.FetchArgs,
     "kvx_client_state_t": _lib.ClientState,
     "kvx_reconnect_t": _lib.Reconnect,
 }

@@ -759,11 +759,26 @@ def test_publish_many_and_fetch_many(pair, names):
     assert isinstance(res[0], bytes)
     assert isinstance(res[1], kvxfer.Error)
     assert "item 1" in str(res[1]) and "999" in str(res[1])
-    # the daemon's message is the first failure's: the next is named
-    # alone, not given item 1's words
+    # each item has the daemon's own message for it (3.0): item 2's
+    # names its pool 998, not item 1's words
     assert type(res[2]) is type(res[1])
     assert "item 2" in str(res[2]) and "item 1" not in str(res[2])
+    assert "998" in str(res[2]) and "999" not in str(res[2])
     ctx.cancel(base + 10)
+    # fetches failing alone, each with its own message: params that are
+    # not params, a pool that does not exist
+    out = gen.fetch_many([(base + 20, b"junk", dst, db[0]),
+                          (base + 21, params[0], 997, db[0])])
+    assert isinstance(out[0], kvxfer.InvalidArgument)
+    assert "params" in str(out[0]) and "item 0" in str(out[0])
+    assert isinstance(out[1], kvxfer.Error) and "item 1" in str(out[1])
+    assert "997" in str(out[1]) and "997" not in str(out[0])
+
+
+def test_version_is_the_loaded_librarys():
+    """kvxfer.version() asks the library (kvx_version, 3.0)."""
+    assert kvxfer.version() == "3.0.0"
+    assert kvxfer._lib.lib().kvx_version() == b"3.0.0"
 
 
 def test_spin_us_reads_the_same_bytes(daemon, names):

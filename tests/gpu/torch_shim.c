@@ -121,11 +121,15 @@ int kvxt_transfer(const char *sock, const char *tag, const char *preset,
         snprintf(err, len, "register dst: %s", kvx_last_error(g));
         goto out;
     }
-    if ((rc = kvx_publish(c, req, cp, bl, blocks, blocks * tpb, &prm, 5000))) {
+    char key[24];
+    int klen = snprintf(key, sizeof(key), "%llu", (unsigned long long)req);
+    if ((rc = kvx_publish_key(c, key, (size_t)klen, cp, bl, blocks,
+                              blocks * tpb, NULL, 0, &prm, 5000))) {
         snprintf(err, len, "publish: %s", kvx_last_error(c));
         goto out;
     }
-    if ((rc = kvx_fetch(g, req, prm.data, prm.len, gp, bl, blocks, 0, 5000))) {
+    if ((rc = kvx_fetch_key(g, key, (size_t)klen, prm.data, prm.len, gp, bl,
+                            blocks, 0, 0, 5000))) {
         snprintf(err, len, "fetch: %s", kvx_last_error(g));
         goto out;
     }

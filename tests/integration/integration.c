@@ -46,6 +46,8 @@
  *   t_aux.c            the aux payload
  *   t_layers.c         layer-wise offers: layers ready, progress, faults
  *   t_groups.c         several block tables: a window and state slots
+ *   t_api3.c           kvx_publish and kvx_fetch of 3.0: every form by
+ *                      field_mask, batches whose items fail alone
  *   t_restart.c        the daemon killed under its engines: the requests
  *                      end once, the library reconnects, KV moves again
  *   peer_harness.c     two daemons in two network namespaces
@@ -85,6 +87,7 @@
 #include "t_aux.c"
 #include "t_layers.c"
 #include "t_groups.c"
+#include "t_api3.c"
 #include "t_restart.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */

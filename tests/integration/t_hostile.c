@@ -64,8 +64,8 @@ static void raw_hello(int fd, const char *inst)
     pc.total_layers = M_SMALL.layers;
     pc.total_kv_heads = M_SMALL.heads;
     Kvxfer__Hello h = KVXFER__HELLO__INIT;
-    h.version_major = KVX_VERSION_MAJOR;
-    h.version_minor = KVX_VERSION_MINOR;
+    h.version_major = KVX_PROTOCOL_MAJOR;
+    h.version_minor = KVX_PROTOCOL_MINOR;
     h.instance_id = (char *)inst;
     h.role = KVXFER__ROLE__ROLE_CONTEXT;
     h.parallel = &pc;

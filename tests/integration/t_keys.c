@@ -568,7 +568,7 @@ TEST(protocol_1_clients_are_refused)
     char want[64];
     snprintf(want, sizeof(want),
              "client speaks protocol 1.1, daemon speaks %d.%d",
-             KVX_VERSION_MAJOR, KVX_VERSION_MINOR);
+             KVX_PROTOCOL_MAJOR, KVX_PROTOCOL_MINOR);
     CHECK_FAILS(kvx_hello(c, &h, T_MS), c, KVX_ERR_VERSION, want);
     char *json;
     CHECK_KVX(kvx_status_json(c, &json, T_MS), c);

@@ -79,7 +79,7 @@ TEST(bad_frames)
     pc.total_layers = 4;
     pc.total_kv_heads = 4;
     Kvxfer__Hello hm = KVXFER__HELLO__INIT;
-    hm.version_major = KVX_VERSION_MAJOR;
+    hm.version_major = KVX_PROTOCOL_MAJOR;
     hm.instance_id = "raw-inst";
     hm.role = KVXFER__ROLE__ROLE_CONTEXT;
     hm.parallel = &pc;
@@ -262,8 +262,8 @@ TEST(bad_version)
                      .version_minor = 3};
     CHECK_FAILS(kvx_hello(c, &h, T_MS), c, KVX_ERR_VERSION, "99.3");
     char ours[32]; /* the daemon's own version */
-    snprintf(ours, sizeof(ours), "daemon speaks %d.%d", KVX_VERSION_MAJOR,
-             KVX_VERSION_MINOR);
+    snprintf(ours, sizeof(ours), "daemon speaks %d.%d", KVX_PROTOCOL_MAJOR,
+             KVX_PROTOCOL_MINOR);
     CHECK_STR_CONTAINS(kvx_last_error(c), ours);
     /* the connection still answers status */
     char *json;
@@ -904,7 +904,7 @@ TEST(fds_belong_to_the_frame_they_came_with)
     pc.total_layers = 4;
     pc.total_kv_heads = 4;
     Kvxfer__Hello hm = KVXFER__HELLO__INIT;
-    hm.version_major = KVX_VERSION_MAJOR;
+    hm.version_major = KVX_PROTOCOL_MAJOR;
     hm.instance_id = "fd-frames";
     hm.role = KVXFER__ROLE__ROLE_CONTEXT;
     hm.parallel = &pc;

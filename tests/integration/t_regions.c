@@ -211,7 +211,7 @@ TEST(regions_raw_refusals)
     pc.total_layers = 4;
     pc.total_kv_heads = 4;
     Kvxfer__Hello hm = KVXFER__HELLO__INIT;
-    hm.version_major = KVX_VERSION_MAJOR;
+    hm.version_major = KVX_PROTOCOL_MAJOR;
     hm.instance_id = "rg-raw";
     hm.role = KVXFER__ROLE__ROLE_CONTEXT;
     hm.parallel = &pc;

@@ -1,15 +1,19 @@
 /*
- * test_client — client/client.c's send_all(): fds travel in batches of
+ * test_conn — client/conn.c's send_all(): fds travel in batches of
  * FRAME_FDS_PER_SEND, each with the first byte of its own piece of the
  * frame, so the daemon's receive buffer (that many fds) never truncates
  * them and each receive's fds lie in one frame. Checked against a reader
  * that receives as session.c does, through a small socket buffer (many
  * partial sends), and the refusal of more batches than the frame has
- * bytes.
+ * bytes. (calls.c, pool.c and reconnect.c come along: conn.c calls
+ * them, and unit tests link the daemon's objects, not the library.)
  */
-#include "../../client/client.c"
+#include "../../client/calls.c"
+#include "../../client/conn.c"
+#include "../../client/pool.c"
 #include "../../client/reconnect.c"
 
+#include <sys/mman.h>
 #include <sys/wait.h>
 
 #include "tests/test.h"
@@ -94,7 +98,7 @@ static struct got send_through(int nfds, size_t len, int *rc)
     kvx_client_t *c = client_new();
     c->fd = sv[0];
     fcntl(c->fd, F_SETFL, O_NONBLOCK);
-    *rc = send_all(c, frame, len, fds, nfds, now_ms() + 10000);
+    *rc = send_all(c, frame, len, fds, nfds, kvx__now_ms() + 10000);
     close(sv[0]); /* the reader sees the end */
     c->fd = -1;
     struct got g = {0};

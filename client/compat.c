@@ -1,0 +1,269 @@
+/*
+ * compat — the 2.x variants of publish and fetch, kept for 3.x as thin
+ * wrappers: each fills a kvx_publish_args_t or kvx_fetch_args_t and goes
+ * through verbs.c, naming itself in messages as it always did. The 2.x
+ * kvx_publish and kvx_fetch, whose names 3.0 took, are abi2.c's.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "client.h"
+#include "common/reqkey.h"
+#include "kvxfer.h"
+
+#define PUB_BASE                                                               \
+    (KVX_PUBLISH_FIELD_KEY | KVX_PUBLISH_FIELD_BLOCKS |                        \
+     KVX_PUBLISH_FIELD_NUM_TOKENS | KVX_PUBLISH_FIELD_PARAMS |                 \
+     KVX_PUBLISH_FIELD_TIMEOUT)
+#define FETCH_BASE                                                             \
+    (KVX_FETCH_FIELD_KEY | KVX_FETCH_FIELD_BLOCKS |                            \
+     KVX_FETCH_FIELD_SKIP_TOKENS | KVX_FETCH_FIELD_DP_RANK |                   \
+     KVX_FETCH_FIELD_TIMEOUT)
+
+int kvx_publish_key(kvx_client_t *c, const void *key, size_t key_len,
+                    uint32_t pool_id, const uint32_t *blocks, uint32_t nblocks,
+                    uint32_t num_tokens, const void *aux, size_t aux_len,
+                    kvx_context_params_t *params, int timeout_ms)
+{
+    kvx_publish_args_t a = {.field_mask = PUB_BASE | KVX_PUBLISH_FIELD_AUX,
+                            .key = key,
+                            .key_len = key_len,
+                            .pool_id = pool_id,
+                            .blocks = blocks,
+                            .num_blocks = nblocks,
+                            .num_tokens = num_tokens,
+                            .params = params,
+                            .aux = aux,
+                            .aux_len = aux_len,
+                            .timeout_ms = timeout_ms};
+    return kvx__publish(c, "kvx_publish_key", &a, NULL);
+}
+
+int kvx_publish_groups(kvx_client_t *c, const void *key, size_t key_len,
+                       uint32_t pool_id, const uint32_t *blocks,
+                       uint32_t nblocks, uint32_t num_tokens,
+                       const kvx_group_t *groups, uint32_t ngroups,
+                       const void *aux, size_t aux_len, int layerwise,
+                       kvx_context_params_t *params, int timeout_ms)
+{
+    kvx_publish_args_t a = {.field_mask = PUB_BASE | KVX_PUBLISH_FIELD_AUX |
+                                          KVX_PUBLISH_FIELD_GROUPS |
+                                          KVX_PUBLISH_FIELD_FLAGS,
+                            .key = key,
+                            .key_len = key_len,
+                            .pool_id = pool_id,
+                            .blocks = blocks,
+                            .num_blocks = nblocks,
+                            .num_tokens = num_tokens,
+                            .params = params,
+                            .aux = aux,
+                            .aux_len = aux_len,
+                            .groups = groups,
+                            .num_groups = ngroups,
+                            .flags = layerwise ? KVX_PUBLISH_LAYERWISE : 0,
+                            .timeout_ms = timeout_ms};
+    return kvx__publish(c, "kvx_publish_groups", &a, NULL);
+}
+
+int kvx_publish_layerwise(kvx_client_t *c, const void *key, size_t key_len,
+                          uint32_t pool_id, const uint32_t *blocks,
+                          uint32_t nblocks, uint32_t num_tokens,
+                          const void *aux, size_t aux_len,
+                          kvx_context_params_t *params, int timeout_ms)
+{
+    kvx_publish_args_t a = {.field_mask = PUB_BASE | KVX_PUBLISH_FIELD_AUX |
+                                          KVX_PUBLISH_FIELD_FLAGS,
+                            .key = key,
+                            .key_len = key_len,
+                            .pool_id = pool_id,
+                            .blocks = blocks,
+                            .num_blocks = nblocks,
+                            .num_tokens = num_tokens,
+                            .params = params,
+                            .aux = aux,
+                            .aux_len = aux_len,
+                            .flags = KVX_PUBLISH_LAYERWISE,
+                            .timeout_ms = timeout_ms};
+    return kvx__publish(c, "kvx_publish_layerwise", &a, NULL);
+}
+
+int kvx_fetch_groups(kvx_client_t *c, const void *key, size_t key_len,
+                     const uint8_t *params, size_t params_len, uint32_t pool_id,
+                     const uint32_t *blocks, uint32_t nblocks,
+                     uint32_t skip_tokens, uint32_t dp_rank,
+                     const kvx_group_t *groups, uint32_t ngroups,
+                     int timeout_ms)
+{
+    kvx_fetch_args_t a = {.field_mask = FETCH_BASE | KVX_FETCH_FIELD_PARAMS |
+                                        KVX_FETCH_FIELD_GROUPS,
+                          .key = key,
+                          .key_len = key_len,
+                          .pool_id = pool_id,
+                          .blocks = blocks,
+                          .num_blocks = nblocks,
+                          .params = params,
+                          .params_len = params_len,
+                          .skip_tokens = skip_tokens,
+                          .dp_rank = dp_rank,
+                          .groups = groups,
+                          .num_groups = ngroups,
+                          .timeout_ms = timeout_ms};
+    return kvx__fetch(c, ngroups ? "kvx_fetch_groups" : "kvx_fetch_key", &a,
+                      NULL);
+}
+
+int kvx_fetch_key(kvx_client_t *c, const void *key, size_t key_len,
+                  const uint8_t *params, size_t params_len, uint32_t pool_id,
+                  const uint32_t *blocks, uint32_t nblocks,
+                  uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms)
+{
+    return kvx_fetch_groups(c, key, key_len, params, params_len, pool_id,
+                            blocks, nblocks, skip_tokens, dp_rank, NULL, 0,
+                            timeout_ms);
+}
+
+int kvx_fetch_dp(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
+                 size_t params_len, uint32_t pool_id, const uint32_t *blocks,
+                 uint32_t nblocks, uint32_t skip_tokens, uint32_t dp_rank,
+                 int timeout_ms)
+{
+    reqkey_t k;
+    reqkey_from_u64(&k, request_id);
+    return kvx_fetch_key(c, k.b, k.len, params, params_len, pool_id, blocks,
+                         nblocks, skip_tokens, dp_rank, timeout_ms);
+}
+
+int kvx_fetch_by_key_groups(kvx_client_t *c, const void *key, size_t key_len,
+                            const char *ctx_instance, const char *ctx_address,
+                            const void *ctx_key, size_t ctx_key_len,
+                            uint32_t pool_id, const uint32_t *blocks,
+                            uint32_t nblocks, uint32_t skip_tokens,
+                            uint32_t dp_rank, const kvx_group_t *groups,
+                            uint32_t ngroups, int timeout_ms)
+{
+    kvx_fetch_args_t a = {.field_mask = FETCH_BASE | KVX_FETCH_FIELD_CONTEXT |
+                                        KVX_FETCH_FIELD_GROUPS,
+                          .key = key,
+                          .key_len = key_len,
+                          .pool_id = pool_id,
+                          .blocks = blocks,
+                          .num_blocks = nblocks,
+                          .context_instance = ctx_instance,
+                          .context_address = ctx_address,
+                          .context_key = ctx_key,
+                          .context_key_len = ctx_key_len,
+                          .skip_tokens = skip_tokens,
+                          .dp_rank = dp_rank,
+                          .groups = groups,
+                          .num_groups = ngroups,
+                          .timeout_ms = timeout_ms};
+    return kvx__fetch(
+        c, ngroups ? "kvx_fetch_by_key_groups" : "kvx_fetch_by_key", &a, NULL);
+}
+
+int kvx_fetch_by_key(kvx_client_t *c, const void *key, size_t key_len,
+                     const char *ctx_instance, const char *ctx_address,
+                     const void *ctx_key, size_t ctx_key_len, uint32_t pool_id,
+                     const uint32_t *blocks, uint32_t nblocks,
+                     uint32_t skip_tokens, uint32_t dp_rank, int timeout_ms)
+{
+    return kvx_fetch_by_key_groups(
+        c, key, key_len, ctx_instance, ctx_address, ctx_key, ctx_key_len,
+        pool_id, blocks, nblocks, skip_tokens, dp_rank, NULL, 0, timeout_ms);
+}
+
+/* A 2.x batch goes as a 3.0 batch of items of the same fields, each
+ * with an outcome whose code becomes the item's status; the statuses
+ * stay 0 unless the replies came back (2.x: which items the daemon took
+ * is unknown). */
+int kvx_publish_many(kvx_client_t *c, kvx_publish_item_t *items, size_t n,
+                     int timeout_ms)
+{
+    static const char fn[] = "kvx_publish_many";
+    if (!c)
+        return KVX_ERR_INVALID;
+    if ((!items && n) || n > KVX_MANY_MAX)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: %zu items%s (at most %u)", fn,
+                         n, items ? "" : " at NULL", KVX_MANY_MAX);
+    kvx_publish_args_t *a = calloc(n ? n : 1, sizeof(*a));
+    kvx_outcome_t *o = calloc(n ? n : 1, sizeof(*o));
+    if (!a || !o) {
+        free(a);
+        free(o);
+        return kvx__fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvx_publish_item_t *it = &items[i];
+        it->status = 0;
+        a[i] = (kvx_publish_args_t){
+            .field_mask = (PUB_BASE & ~KVX_PUBLISH_FIELD_TIMEOUT) |
+                          KVX_PUBLISH_FIELD_OUTCOME,
+            .key = it->key,
+            .key_len = it->key_len,
+            .pool_id = it->pool_id,
+            .blocks = it->blocks,
+            .num_blocks = it->num_blocks,
+            .num_tokens = it->num_tokens,
+            .params = &it->params,
+            .outcome = &o[i]};
+    }
+    kvx_publish_args_t b = {.field_mask = KVX_PUBLISH_FIELD_ITEMS |
+                                          KVX_PUBLISH_FIELD_TIMEOUT,
+                            .items = a,
+                            .num_items = n,
+                            .timeout_ms = timeout_ms};
+    int replied;
+    int rc = kvx__publish(c, fn, &b, &replied);
+    for (size_t i = 0; replied && i < n; i++)
+        items[i].status = o[i].code;
+    free(a);
+    free(o);
+    return rc;
+}
+
+int kvx_fetch_many(kvx_client_t *c, kvx_fetch_item_t *items, size_t n,
+                   int timeout_ms)
+{
+    static const char fn[] = "kvx_fetch_many";
+    if (!c)
+        return KVX_ERR_INVALID;
+    if ((!items && n) || n > KVX_MANY_MAX)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: %zu items%s (at most %u)", fn,
+                         n, items ? "" : " at NULL", KVX_MANY_MAX);
+    kvx_fetch_args_t *a = calloc(n ? n : 1, sizeof(*a));
+    kvx_outcome_t *o = calloc(n ? n : 1, sizeof(*o));
+    if (!a || !o) {
+        free(a);
+        free(o);
+        return kvx__fail(c, KVX_ERR_NOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvx_fetch_item_t *it = &items[i];
+        it->status = 0;
+        a[i] = (kvx_fetch_args_t){
+            .field_mask = (FETCH_BASE & ~KVX_FETCH_FIELD_TIMEOUT) |
+                          KVX_FETCH_FIELD_PARAMS | KVX_FETCH_FIELD_OUTCOME,
+            .key = it->key,
+            .key_len = it->key_len,
+            .pool_id = it->pool_id,
+            .blocks = it->blocks,
+            .num_blocks = it->num_blocks,
+            .params = it->params,
+            .params_len = it->params_len,
+            .skip_tokens = it->skip_tokens,
+            .dp_rank = it->dp_rank,
+            .outcome = &o[i]};
+    }
+    kvx_fetch_args_t b = {.field_mask =
+                              KVX_FETCH_FIELD_ITEMS | KVX_FETCH_FIELD_TIMEOUT,
+                          .items = a,
+                          .num_items = n,
+                          .timeout_ms = timeout_ms};
+    int replied;
+    int rc = kvx__fetch(c, fn, &b, &replied);
+    for (size_t i = 0; replied && i < n; i++)
+        items[i].status = o[i].code;
+    free(a);
+    free(o);
+    return rc;
+}

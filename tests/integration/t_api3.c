@@ -1,0 +1,430 @@
+/*
+ * t_api3.c — the 3.0 calls, kvx_publish and kvx_fetch with their args
+ * structs (reached here as kvx_publish3 / kvx_fetch3: this binary is
+ * built with KVX_API_2X, so its kvx_publish is the 2.x one): every form
+ * through field_mask, batches of mixed forms whose items each get their
+ * own code and message (with block tables too), the args refused by
+ * name, kvx_version. The 2.x calls, now wrappers, are what every other
+ * file of this binary uses.
+ */
+
+/* A publish's args: key, blocks, tokens, params, timeout. */
+static kvx_publish_args_t pub_args(const char *key, uint32_t pool,
+                                   const uint32_t *blocks, uint32_t nblocks,
+                                   uint32_t ntok, kvx_context_params_t *p)
+{
+    return (kvx_publish_args_t){
+        .field_mask = KVX_PUBLISH_FIELD_KEY | KVX_PUBLISH_FIELD_BLOCKS |
+                      KVX_PUBLISH_FIELD_NUM_TOKENS | KVX_PUBLISH_FIELD_PARAMS |
+                      KVX_PUBLISH_FIELD_TIMEOUT,
+        .key = key,
+        .key_len = strlen(key),
+        .pool_id = pool,
+        .blocks = blocks,
+        .num_blocks = nblocks,
+        .num_tokens = ntok,
+        .params = p,
+        .timeout_ms = T_MS};
+}
+
+/* A fetch's args with params: key, blocks, params, timeout. */
+static kvx_fetch_args_t fetch_args(const char *key, uint32_t pool,
+                                   const uint32_t *blocks, uint32_t nblocks,
+                                   const kvx_context_params_t *p)
+{
+    return (kvx_fetch_args_t){
+        .field_mask = KVX_FETCH_FIELD_KEY | KVX_FETCH_FIELD_BLOCKS |
+                      KVX_FETCH_FIELD_PARAMS | KVX_FETCH_FIELD_TIMEOUT,
+        .key = key,
+        .key_len = strlen(key),
+        .pool_id = pool,
+        .blocks = blocks,
+        .num_blocks = nblocks,
+        .params = p ? p->data : NULL,
+        .params_len = p ? p->len : 0,
+        .timeout_ms = T_MS};
+}
+
+/* Each form of one request through the args: with aux and an outcome,
+ * with the default timeout, layer-wise by a flag, fetched with a
+ * skip_tokens, and fetched by key (CONTEXT) before it is published. The
+ * bytes land, the aux rides on the COMPLETE, and an outcome of a call
+ * that worked says 0 and "". */
+TEST(api3_every_form_one_by_one)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "a3-ctx", "a3-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    CHECK(!strcmp(kvx_version(), KVX_VERSION_STRING));
+    CHECK(!strcmp(kvx_version(), "3.0.0"));
+
+    /* aux and outcomes; the fetch without TIMEOUT (the default) */
+    uint32_t cb[2] = {0, 1}, gb[2] = {7, 6};
+    kvx_context_params_t p;
+    kvx_outcome_t po = {.code = 99, .message = "stale"}, fo = po;
+    fill_req(&c, 701, cb, 7);
+    kvx_publish_args_t pa = pub_args("a3-aux", c.pool, cb, 2, 7, &p);
+    pa.field_mask |= KVX_PUBLISH_FIELD_AUX | KVX_PUBLISH_FIELD_OUTCOME;
+    pa.aux = "tok-42";
+    pa.aux_len = 6;
+    pa.outcome = &po;
+    CHECK_KVX(kvx_publish3(c.c, &pa), c.c);
+    CHECK_EQ(po.code, 0);
+    CHECK(!strcmp(po.message, ""));
+    kvx_fetch_args_t fa = fetch_args("g-aux", g.pool, gb, 2, &p);
+    fa.field_mask &= ~KVX_FETCH_FIELD_TIMEOUT;
+    fa.field_mask |= KVX_FETCH_FIELD_OUTCOME;
+    fa.outcome = &fo;
+    CHECK_KVX(kvx_fetch3(g.c, &fa), g.c);
+    CHECK_EQ(fo.code, 0);
+    ev_t ge = wait_key(g.c, "g-aux", 5, 3000);
+    CHECK_EQ(ge.kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(ge.aux_len, 6);
+    CHECK(!memcmp(ge.aux, "tok-42", 6));
+    CHECK_EQ(wait_key(c.c, "a3-aux", 6, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = 701, .blocks = gb, .ntok = 7};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+
+    /* layer-wise by a flag: nothing moves until the layers are ready;
+     * fetched with skip_tokens 0 said */
+    uint32_t gb2[2] = {2, 3};
+    pa = pub_args("a3-lw", c.pool, cb, 2, 8, &p);
+    pa.field_mask |= KVX_PUBLISH_FIELD_FLAGS;
+    pa.flags = KVX_PUBLISH_LAYERWISE;
+    CHECK_KVX(kvx_publish3(c.c, &pa), c.c);
+    fa = fetch_args("g-lw", g.pool, gb2, 2, &p);
+    fa.field_mask |= KVX_FETCH_FIELD_SKIP_TOKENS | KVX_FETCH_FIELD_DP_RANK;
+    CHECK_KVX(kvx_fetch3(g.c, &fa), g.c);
+    ev_t e[4];
+    CHECK_EQ(collect(g.c, e, 4, 1, 200), 0); /* waits for the layers */
+    fill_req(&c, 702, cb, 8);
+    CHECK_KVX(kvx_layers_ready(c.c, "a3-lw", 5, 0, c.nlayers, NULL, T_MS), c.c);
+    CHECK_EQ(wait_key(g.c, "g-lw", 4, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "a3-lw", 5, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex2[2] = {{.req = 701, .blocks = gb, .ntok = 7},
+                       {.req = 702, .blocks = gb2, .ntok = 8}};
+    CHECK_EQ(check_pool(&g, ex2, 2, 0xa5), 0);
+    kvx_context_params_free(&p);
+
+    /* fetch by key, before the publish: it waits, then lands */
+    uint32_t gb3[2] = {4, 5};
+    fa = fetch_args("g-bk", g.pool, gb3, 2, NULL);
+    fa.field_mask &= ~KVX_FETCH_FIELD_PARAMS;
+    fa.field_mask |= KVX_FETCH_FIELD_CONTEXT;
+    fa.context_instance = "a3-ctx";
+    fa.context_address = c.addr;
+    fa.context_key = "a3-room";
+    fa.context_key_len = 7;
+    CHECK_KVX(kvx_fetch3(g.c, &fa), g.c);
+    CHECK_EQ(collect(g.c, e, 4, 1, 200), 0);
+    fill_req(&c, 703, cb, 5);
+    pa = pub_args("a3-room", c.pool, cb, 2, 5, &p);
+    pa.field_mask &= ~KVX_PUBLISH_FIELD_TIMEOUT; /* the default */
+    CHECK_KVX(kvx_publish3(c.c, &pa), c.c);
+    CHECK_EQ(wait_key(g.c, "g-bk", 4, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "a3-room", 7, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex3[3] = {{.req = 701, .blocks = gb, .ntok = 7},
+                       {.req = 702, .blocks = gb2, .ntok = 8},
+                       {.req = 703, .blocks = gb3, .ntok = 5}};
+    CHECK_EQ(check_pool(&g, ex3, 3, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Args the library refuses before sending anything, each named: a
+ * field_mask bit it does not know, a required field missing, both or
+ * neither of PARAMS and CONTEXT, a flags bit it does not know, NULL
+ * args, a batch's args with an item's fields, an item with the batch's.
+ * The outcome says the same; the connection stays usable. */
+TEST(api3_args_refused_by_name)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "a3r-ctx", "a3r-gen", 8, &c, &g, &cs, &gs);
+    uint32_t b[2] = {0, 1};
+    kvx_context_params_t p = {0};
+    kvx_outcome_t o = {0};
+
+    kvx_publish_args_t pa = pub_args("r-1", c.pool, b, 2, 7, &p);
+    pa.field_mask |= (1ull << 40) | KVX_PUBLISH_FIELD_OUTCOME;
+    pa.outcome = &o;
+    CHECK_FAILS(kvx_publish3(c.c, &pa), c.c, KVX_ERR_INVALID,
+                "kvx_publish: field_mask bit 0x10000000000 is unknown to "
+                "libkvxfer 3.0.0");
+    CHECK_EQ(o.code, KVX_ERR_INVALID);
+    CHECK_EQ(o.answered, 0); /* refused here, never sent */
+    CHECK_STR_CONTAINS(o.message, "bit 0x10000000000 is unknown");
+    pa = pub_args("r-1", c.pool, b, 2, 7, &p);
+    pa.field_mask &= ~KVX_PUBLISH_FIELD_NUM_TOKENS;
+    CHECK_FAILS(kvx_publish3(c.c, &pa), c.c, KVX_ERR_INVALID,
+                "kvx_publish: field_mask lacks KVX_PUBLISH_FIELD_NUM_TOKENS");
+    pa = pub_args("r-1", c.pool, b, 2, 7, &p);
+    pa.field_mask &= ~KVX_PUBLISH_FIELD_KEY;
+    CHECK_FAILS(kvx_publish3(c.c, &pa), c.c, KVX_ERR_INVALID,
+                "lacks KVX_PUBLISH_FIELD_KEY");
+    pa = pub_args("r-1", c.pool, b, 2, 7, &p);
+    pa.field_mask |= KVX_PUBLISH_FIELD_FLAGS;
+    pa.flags = KVX_PUBLISH_LAYERWISE | 4u;
+    CHECK_FAILS(kvx_publish3(c.c, &pa), c.c, KVX_ERR_INVALID,
+                "kvx_publish: flags bit 0x4 is unknown");
+    CHECK_FAILS(kvx_publish3(c.c, NULL), c.c, KVX_ERR_INVALID,
+                "kvx_publish: args is NULL");
+    pa = pub_args("", c.pool, b, 2, 7, &p);
+    CHECK_FAILS(kvx_publish3(c.c, &pa), c.c, KVX_ERR_INVALID,
+                "kvx_publish: key of 0 bytes");
+
+    kvx_fetch_args_t fa = fetch_args("r-g", g.pool, b, 2, NULL);
+    fa.field_mask |= KVX_FETCH_FIELD_CONTEXT;
+    CHECK_FAILS(kvx_fetch3(g.c, &fa), g.c, KVX_ERR_INVALID,
+                "kvx_fetch: field_mask has both of KVX_FETCH_FIELD_PARAMS "
+                "and KVX_FETCH_FIELD_CONTEXT");
+    fa.field_mask &= ~(KVX_FETCH_FIELD_CONTEXT | KVX_FETCH_FIELD_PARAMS);
+    CHECK_FAILS(kvx_fetch3(g.c, &fa), g.c, KVX_ERR_INVALID, "has neither");
+    fa = fetch_args("r-g", g.pool, b, 2, NULL);
+    fa.field_mask |= 1ull << 10;
+    CHECK_FAILS(kvx_fetch3(g.c, &fa), g.c, KVX_ERR_INVALID,
+                "kvx_fetch: field_mask bit 0x400 is unknown");
+    fa = fetch_args("r-g", g.pool, b, 2, NULL);
+    fa.field_mask &= ~KVX_FETCH_FIELD_BLOCKS;
+    CHECK_FAILS(kvx_fetch3(g.c, &fa), g.c, KVX_ERR_INVALID,
+                "lacks KVX_FETCH_FIELD_BLOCKS");
+
+    /* batches: the batch's args carry items only; an item not the
+     * batch's fields; more than KVX_MANY_MAX */
+    kvx_fetch_args_t items[2] = {fetch_args("r-a", g.pool, b, 2, NULL),
+                                 fetch_args("r-b", g.pool, b, 2, NULL)};
+    kvx_outcome_t io[2] = {{0}, {0}};
+    items[0].field_mask |= KVX_FETCH_FIELD_OUTCOME;
+    items[0].outcome = &io[0];
+    items[1].field_mask |= KVX_FETCH_FIELD_OUTCOME;
+    items[1].outcome = &io[1];
+    kvx_fetch_args_t batch = {.field_mask =
+                                  KVX_FETCH_FIELD_ITEMS | KVX_FETCH_FIELD_KEY,
+                              .items = items,
+                              .num_items = 2};
+    CHECK_FAILS(kvx_fetch3(g.c, &batch), g.c, KVX_ERR_INVALID,
+                "kvx_fetch: field_mask has KVX_FETCH_FIELD_KEY beside "
+                "KVX_FETCH_FIELD_ITEMS");
+    batch.field_mask = KVX_FETCH_FIELD_ITEMS;
+    /* items[1] has TIMEOUT (fetch_args sets it): the batch's */
+    items[0].field_mask &= ~KVX_FETCH_FIELD_TIMEOUT;
+    CHECK_FAILS(kvx_fetch3(g.c, &batch), g.c, KVX_ERR_INVALID,
+                "kvx_fetch: item 1: field_mask has KVX_FETCH_FIELD_TIMEOUT, "
+                "which only the batch's args set");
+    CHECK_EQ(io[1].code, KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(io[1].message, "item 1: field_mask has");
+    CHECK_EQ(io[0].code, KVX_ERR_INVALID);
+    CHECK_EQ(io[0].answered + io[1].answered, 0);
+    CHECK_STR_CONTAINS(io[0].message, "not sent: another item");
+    batch.num_items = KVX_MANY_MAX + 1;
+    CHECK_FAILS(kvx_fetch3(g.c, &batch), g.c, KVX_ERR_INVALID,
+                "257 items (at most 256)");
+    char *json;
+    CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
+    CHECK(!strstr(json, "r-1")); /* nothing was sent */
+    free(json);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* One batch of every form: publishes plain, with aux, layer-wise and
+ * two into pools that do not exist; the two refused get each its own
+ * code and the daemon's message naming its own pool (before 3.0 only
+ * the first failure's message was kept), the others their params. Then
+ * one batch of fetches with params, by key, of the layer-wise offer,
+ * with bad params and of a key fetched already: again each item its own
+ * outcome, and the three taken land. */
+TEST(api3_batch_of_every_form_own_errors)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "a3b-ctx", "a3b-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[3][2] = {{0, 1}, {2, 3}, {4, 5}};
+    kvx_context_params_t p[5];
+    kvx_outcome_t po[5];
+    memset(po, 0x5a, sizeof(po)); /* stale: every outcome is written */
+    kvx_publish_args_t pi[5] = {pub_args("b-plain", c.pool, cb[0], 2, 7, &p[0]),
+                                pub_args("b-aux", c.pool, cb[1], 2, 6, &p[1]),
+                                pub_args("b-lw", c.pool, cb[2], 2, 5, &p[2]),
+                                pub_args("b-bad1", 999, cb[0], 2, 7, &p[3]),
+                                pub_args("b-bad2", 998, cb[0], 2, 7, &p[4])};
+    for (int i = 0; i < 5; i++) {
+        pi[i].field_mask &= ~KVX_PUBLISH_FIELD_TIMEOUT;
+        pi[i].field_mask |= KVX_PUBLISH_FIELD_OUTCOME;
+        pi[i].outcome = &po[i];
+    }
+    pi[1].field_mask |= KVX_PUBLISH_FIELD_AUX;
+    pi[1].aux = "first-token";
+    pi[1].aux_len = 11;
+    pi[2].field_mask |= KVX_PUBLISH_FIELD_FLAGS;
+    pi[2].flags = KVX_PUBLISH_LAYERWISE;
+    fill_req(&c, 801, cb[0], 7);
+    fill_req(&c, 802, cb[1], 6);
+    kvx_publish_args_t pb = {.field_mask = KVX_PUBLISH_FIELD_ITEMS |
+                                           KVX_PUBLISH_FIELD_TIMEOUT,
+                             .items = pi,
+                             .num_items = 5,
+                             .timeout_ms = T_MS};
+    int rc = kvx_publish3(c.c, &pb);
+    CHECK(rc < 0);
+    CHECK_EQ(po[3].code, rc); /* the call returns the first failure's */
+    CHECK_STR_CONTAINS(kvx_last_error(c.c), "kvx_publish: item 3 (key b-bad1)");
+    for (int i = 0; i < 3; i++) {
+        CHECK_EQ(po[i].code, 0);
+        CHECK(!strcmp(po[i].message, ""));
+        CHECK(p[i].len > 0);
+    }
+    CHECK(po[4].code < 0);
+    CHECK_STR_CONTAINS(po[3].message, "999");
+    CHECK(!strstr(po[3].message, "998"));
+    CHECK_STR_CONTAINS(po[4].message, "998"); /* its own, not item 3's */
+    CHECK(!strstr(po[4].message, "999"));
+    CHECK(p[3].data == NULL && p[4].data == NULL);
+    for (int i = 0; i < 5; i++)
+        CHECK_EQ(po[i].answered, 1);
+    /* a single call the daemon refuses: its outcome, answered */
+    kvx_outcome_t so;
+    kvx_publish_args_t sa = pub_args("b-bad3", 997, cb[0], 2, 7, &p[3]);
+    sa.field_mask |= KVX_PUBLISH_FIELD_OUTCOME;
+    sa.outcome = &so;
+    CHECK_EQ(kvx_publish3(c.c, &sa), po[3].code);
+    CHECK_EQ(so.code, po[3].code);
+    CHECK_EQ(so.answered, 1);
+    CHECK_STR_CONTAINS(so.message, "997");
+    CHECK(!strcmp(so.message, kvx_last_error(c.c)));
+
+    uint32_t gb[3][2] = {{7, 6}, {5, 4}, {3, 2}};
+    kvx_context_params_t junk = {(uint8_t *)"junk", 4};
+    kvx_fetch_args_t fi[5] = {fetch_args("gb-plain", g.pool, gb[0], 2, &p[0]),
+                              fetch_args("gb-aux", g.pool, gb[1], 2, NULL),
+                              fetch_args("gb-lw", g.pool, gb[2], 2, &p[2]),
+                              fetch_args("gb-junk", g.pool, gb[0], 2, &junk),
+                              fetch_args("gb-plain", g.pool, gb[0], 2, &p[0])};
+    kvx_outcome_t fo[5];
+    memset(fo, 0x5a, sizeof(fo));
+    for (int i = 0; i < 5; i++) {
+        fi[i].field_mask &= ~KVX_FETCH_FIELD_TIMEOUT;
+        fi[i].field_mask |= KVX_FETCH_FIELD_OUTCOME;
+        fi[i].outcome = &fo[i];
+    }
+    fi[1].field_mask &= ~KVX_FETCH_FIELD_PARAMS;
+    fi[1].field_mask |= KVX_FETCH_FIELD_CONTEXT;
+    fi[1].context_instance = "a3b-ctx";
+    fi[1].context_address = c.addr;
+    fi[1].context_key = "b-aux";
+    fi[1].context_key_len = 5;
+    kvx_fetch_args_t fb = {
+        .field_mask = KVX_FETCH_FIELD_ITEMS, .items = fi, .num_items = 5};
+    rc = kvx_fetch3(g.c, &fb);
+    CHECK_EQ(rc, fo[3].code);
+    CHECK_EQ(fo[3].code, KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(fo[3].message, "params");
+    CHECK_EQ(fo[4].code, KVX_ERR_EXISTS);
+    CHECK(strcmp(fo[3].message, fo[4].message) != 0);
+    CHECK_STR_CONTAINS(kvx_last_error(g.c), "kvx_fetch: item 3 (key gb-junk)");
+    for (int i = 0; i < 5; i++)
+        CHECK_EQ(fo[i].answered, 1);
+    for (int i = 0; i < 3; i++) {
+        CHECK_EQ(fo[i].code, 0);
+        CHECK(!strcmp(fo[i].message, ""));
+    }
+    fill_req(&c, 803, cb[2], 5);
+    CHECK_KVX(kvx_layers_ready(c.c, "b-lw", 4, 0, c.nlayers, NULL, T_MS), c.c);
+    ev_t e[8]; /* one batch may carry them all: collected together */
+    CHECK_EQ(collect(g.c, e, 8, 3, 3000), 3);
+    const char *gk[3] = {"gb-plain", "gb-aux", "gb-lw"};
+    for (int i = 0; i < 3; i++) {
+        int k = 0;
+        while (k < 3 && (e[k].key_len != strlen(gk[i]) ||
+                         memcmp(e[k].key, gk[i], e[k].key_len)))
+            k++;
+        CHECK(k < 3);
+        CHECK_EQ(e[k].kind, KVX_EVENT_COMPLETE);
+        CHECK_EQ(e[k].aux_len, i == 1 ? 11 : 0);
+        CHECK(i != 1 || !memcmp(e[k].aux, "first-token", 11));
+    }
+    expect_t ex[3] = {{.req = 801, .blocks = gb[0], .ntok = 7},
+                      {.req = 802, .blocks = gb[1], .ntok = 6},
+                      {.req = 803, .blocks = gb[2], .ntok = 5}};
+    CHECK_EQ(check_pool(&g, ex, 3, 0xa5), 0);
+    for (int i = 0; i < 3; i++)
+        kvx_context_params_free(&p[i]);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* Block tables through the 3.0 batches: each context rank publishes a
+ * hybrid request (KV, window, state slot; t_groups.c's model) as an item
+ * of a batch with FIELD_GROUPS, and the generation rank fetches it as an
+ * item of a batch beside one that fails; the three tables land and the
+ * failing item has its own message. */
+TEST(api3_batch_with_block_tables)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "a3g-ctx", "a3g-gen");
+    kvx_context_params_t p[2];
+    for (int r = 0; r < 2; r++) {
+        fill_req(&h.c[r], 310, hy_cb[r], HY_TOK);
+        fill_req(&h.cw[r], 311, hy_cw[r], HY_TOK);
+        fill_req(&h.cst[r], 312, &hy_cs[r], 1);
+        kvx_group_t gs[2];
+        hy_ctx_groups(&h, r, gs);
+        kvx_outcome_t o;
+        kvx_publish_args_t it =
+            pub_args("310", h.c[r].pool, hy_cb[r], 3, HY_TOK, &p[r]);
+        it.field_mask &= ~KVX_PUBLISH_FIELD_TIMEOUT;
+        it.field_mask |= KVX_PUBLISH_FIELD_GROUPS | KVX_PUBLISH_FIELD_OUTCOME;
+        it.groups = gs;
+        it.num_groups = 2;
+        it.outcome = &o;
+        kvx_publish_args_t b = {.field_mask = KVX_PUBLISH_FIELD_ITEMS,
+                                .items = &it,
+                                .num_items = 1};
+        CHECK_KVX(kvx_publish3(h.c[r].c, &b), h.c[r].c);
+        CHECK_EQ(o.code, 0);
+    }
+    CHECK_EQ(p[0].len, p[1].len);
+    CHECK(!memcmp(p[0].data, p[1].data, p[0].len));
+    kvx_group_t gg[2];
+    hy_gen_groups(&h, 4, gg);
+    kvx_outcome_t fo[2];
+    kvx_fetch_args_t fi[2] = {fetch_args("310", h.g.pool, hy_gb, 3, &p[0]),
+                              fetch_args("g-none", h.g.pool, hy_gb, 3, &p[0])};
+    for (int i = 0; i < 2; i++) {
+        fi[i].field_mask &= ~KVX_FETCH_FIELD_TIMEOUT;
+        fi[i].field_mask |= KVX_FETCH_FIELD_OUTCOME;
+        fi[i].outcome = &fo[i];
+    }
+    fi[0].field_mask |= KVX_FETCH_FIELD_GROUPS;
+    fi[0].groups = gg;
+    fi[0].num_groups = 2;
+    /* item 1: the same offer without its groups: MISMATCH, its own */
+    kvx_fetch_args_t b = {
+        .field_mask = KVX_FETCH_FIELD_ITEMS, .items = fi, .num_items = 2};
+    CHECK_EQ(kvx_fetch3(h.g.c, &b), KVX_ERR_MISMATCH);
+    CHECK_EQ(fo[0].code, 0);
+    CHECK_EQ(fo[1].code, KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(fo[1].message, "fetch.groups: 0 other block tables");
+    wait_event(h.g.c, 310, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(h.c[0].c, 310, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(h.c[1].c, 310, KVX_EVENT_COMPLETE, 0, 3000);
+    hybrid_landed(&h, 310);
+    kvx_context_params_free(&p[0]);
+    kvx_context_params_free(&p[1]);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
