@@ -613,7 +613,10 @@ kvx_publish_layerwise(kvx_client_t *client, const void *key, size_t key_len,
  * layer (or a ring deeper than the layers in flight): one recorded again
  * before the daemon saw the earlier record makes the earlier layers wait
  * for the later one. NULL: ready now. A layer named twice stays ready (a new
- * event replaces the old). Errors: KVX_ERR_NOT_FOUND (no such offer),
+ * event replaces the old). A mark after the offer's transfer finished
+ * (consumed, complete or released) answers 0: short prompts and
+ * replicated heads reach it in normal use. Errors: KVX_ERR_NOT_FOUND (no
+ * such offer: never published, or ended with an error),
  * KVX_ERR_CANCELLED (cancelled), KVX_ERR_STATE (not published
  * layer-wise by this rank, or ending), KVX_ERR_INVALID (layers outside
  * the pool's, an event for a host pool or one CUDA cannot open). */
@@ -1142,9 +1145,10 @@ KVX_EXPORT int kvx_cancel(kvx_client_t *client, uint64_t request_id,
  * message "released" in their next batch, and the blocks are free (not
  * held until deadlines.offer_lease_ms). params are the ones publish
  * returned; their token is the right to it. Errors: KVX_ERR_NOT_FOUND (no
- * such offer, or a daemon of a rank that has not published yet),
- * KVX_ERR_STATE (it is being fetched: cancel that fetch instead; or it is
- * complete or ending), KVX_ERR_AUTH (a token that is not the offer's),
+ * such offer: never published, a daemon of a rank that has not published
+ * yet, or released or complete already; a second release always answers
+ * this), KVX_ERR_STATE (it is being fetched: cancel that fetch instead;
+ * or it is ending), KVX_ERR_AUTH (a token that is not the offer's),
  * KVX_ERR_PEER_GONE / KVX_ERR_TIMED_OUT (a daemon of a rank did not
  * answer). */
 KVX_EXPORT int kvx_release(kvx_client_t *client, const void *params,
