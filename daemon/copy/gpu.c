@@ -789,8 +789,8 @@ void gpu_host_unregister(void *base)
 /* Where a plan's upload goes. While kernels run on device d, on the
  * upload stream: on the kernel stream it would sit between two launches
  * (an upload there left the memory system idle 8-17 us between requests,
- * H200, docs/benchmarks.md), and the next launch makes the kernel stream
- * wait for it (uploaded(), gpu_launch()). On an idle device, on the
+ * H200, docs/history/benchmarks.md), and the next launch makes the kernel
+ * stream wait for it (uploaded(), gpu_launch()). On an idle device, on the
  * kernel stream, ahead of the launch: a small request's copy then waits
  * for no event between streams. Uploads and launches come from the loop
  * thread alone. */
