@@ -1,5 +1,5 @@
 #!/bin/sh
-# The engine API's figures (docs/benchmarks.md, "Engine API"): pools of
+# The engine API's figures (docs/history/benchmarks.md, "Engine API"): pools of
 # regions against one allocation (host, and GPU where there is one), and
 # the keyed flows (string keys, reserve, fetch by key) against plain
 # uint64 requests, each run R times, interleaved, one JSON line a run.

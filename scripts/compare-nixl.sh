@@ -28,7 +28,7 @@
 # time. MEM=dram runs both on host memory (a CPU machine's dry run).
 # CTX_DEVICE and GEN_DEVICE put the prefill (context) and decode
 # (generation) pools on two GPUs: on one H200 NIXL's UCX did not READ
-# through CUDA IPC (docs/benchmarks.md, "kvxfer beside NIXL"); between
+# through CUDA IPC (docs/history/benchmarks.md, "kvxfer beside NIXL"); between
 # NVLink peers it should. UCX_* variables set here reach NIXL's UCX.
 #
 # Exits 2 with a message when there is no GPU (MEM=vram), no wheel or no

@@ -24,18 +24,34 @@ struct test_entry {
     unsigned timeout_s;
 };
 
-#define TEST_MAX 256
-static struct test_entry test_table[TEST_MAX];
-static int test_count;
+/* Filled by the constructors TEST_T() makes, before main(), in the order
+ * the tests are written; grows as needed: a binary holds any number of
+ * tests (out of memory, it says so and exits before running any). */
+static struct test_entry *test_table;
+static int test_count, test_cap;
 
-#define TEST_T(name, secs)                                                  \
-    static void test_##name(void);                                          \
-    __attribute__((constructor)) static void test_reg_##name(void)          \
-    {                                                                       \
-        if (test_count < TEST_MAX)                                          \
-            test_table[test_count++] =                                      \
-                (struct test_entry){#name, test_##name, (secs)};            \
-    }                                                                       \
+static void test_register(const char *name, test_fn fn, unsigned secs)
+{
+    if (test_count == test_cap) {
+        int cap = test_cap ? 2 * test_cap : 64;
+        struct test_entry *t = realloc(test_table, cap * sizeof(*t));
+        if (!t) {
+            fprintf(stderr, "test.h: out of memory registering test %s\n",
+                    name);
+            exit(1);
+        }
+        test_table = t;
+        test_cap = cap;
+    }
+    test_table[test_count++] = (struct test_entry){name, fn, secs};
+}
+
+#define TEST_T(name, secs)                                                     \
+    static void test_##name(void);                                             \
+    __attribute__((constructor)) static void test_reg_##name(void)             \
+    {                                                                          \
+        test_register(#name, test_##name, (secs));                             \
+    }                                                                          \
     static void test_##name(void)
 #define TEST(name) TEST_T(name, 30)
 

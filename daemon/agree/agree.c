@@ -23,9 +23,24 @@
  * deadline, and a member's event that comes before the root joined is
  * kept until it does (early_t).
  *
+ * Rules, asserted where they matter:
+ *  - only the root merges and queues events into the instance's batches
+ *    (batch.c seals them); a member forwards its reports, never queues;
+ *  - a report covers at most the ranks its request needs, and a request
+ *    needs at most the instance's ranks; a merge entry whose reports all
+ *    came is gone, so a kept one has seen fewer than it expects;
+ *  - a request's merged event goes out once: the first error at once, a
+ *    COMPLETE only when every rank reported and none failed; after the
+ *    error, late reports (even COMPLETE ones) add nothing, so a request
+ *    never goes from failed back to ok;
+ *  - a batch sent to another daemon's rank is one the root sealed;
+ *  - a member forwards polls of its own ranks only, one at a time, and
+ *    keeps at most LATE_MAX batches a rank.
+ *
  * Owns the merge entries, the members' forwarded polls, the
  * announcements and the early events.
  */
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +60,7 @@ typedef struct merge {
     uint32_t seen, expect;
     int emitted;           /* its event is queued: later reports are kept
                               out until every one came, or the deadline */
+    int failed;            /* a report, or the event, was not COMPLETE */
     uint64_t deadline_ms;  /* the missing reports never came: TIMED_OUT */
     uint8_t *aux;          /* a fetch's COMPLETE: the first non-empty aux
                               a report carried */
@@ -165,10 +181,7 @@ static list_t helds = {&helds, &helds};
 #define EARLY(n) LIST_OWNER(n, early_t, node)
 #define HELD(n) LIST_OWNER(n, held_t, node)
 
-static void merge_report(instance_t *inst, uint64_t request_id,
-                         const reqkey_t *key, int offer, int kind, int code,
-                         const char *msg, uint32_t ranks, uint32_t expect,
-                         const uint8_t *aux, uint32_t aux_len);
+static void merge_report(instance_t *inst, const xfer_event_t *ev);
 static int event_ok(const instance_t *inst, const char *from, int kind,
                     int code, uint32_t ranks, uint32_t expect);
 
@@ -227,6 +240,7 @@ static int late_push(spread_t *s, uint32_t rank, const Kvxfer__PeerBatch *pb)
     uint32_t n = 0;
     for (list_t *x = s->late[rank].next; x != &s->late[rank]; x = x->next)
         n++;
+    assert(n <= LATE_MAX);
     late_t *l = NULL;
     size_t len = kvxfer__peer_batch__get_packed_size(pb);
     if (n >= LATE_MAX)
@@ -323,41 +337,66 @@ void agree_joined(instance_t *inst)
     if (!strcmp(EARLY(n)->instance, inst->id)) {
         list_remove(n);
         list_push(&mine, n);
+        assert(nearly > 0); /* nearly counts earlies */
         nearly--;
     }
     LIST_FOREACH_SAFE(n, t, &mine)
     {
         early_t *x = EARLY(n);
+        const xfer_event_t ev = {.request_id = x->request_id,
+                                 .key = &x->key,
+                                 .offer = x->offer,
+                                 .kind = x->kind,
+                                 .code = x->code,
+                                 .msg = x->msg,
+                                 .ranks = x->ranks,
+                                 .expect = x->expect,
+                                 .aux = x->aux,
+                                 .aux_len = x->aux_len};
         if (root && event_ok(inst, x->from, x->kind, x->code, x->ranks,
                              x->expect))
-            merge_report(inst, x->request_id, &x->key, x->offer, x->kind,
-                         x->code, x->msg, x->ranks, x->expect, x->aux,
-                         x->aux_len);
+            merge_report(inst, &ev);
         free(x->msg);
         free(x->aux);
         free(x);
     }
 }
 
-static void queue_event_aux(instance_t *inst, uint64_t request_id,
-                            const reqkey_t *key, int kind, int code,
-                            const char *msg, const uint8_t *aux,
-                            uint32_t aux_len)
+/* Root: ev (its offer, ranks and expect aside) into the instance's
+ * batches, which seal it for every rank alike. */
+static void queue_event_aux(instance_t *inst, const xfer_event_t *ev)
 {
+    /* a member's batches hold no event: the root's seal every batch */
+    assert(is_root(inst));
     char ks[REQKEY_STR_MAX];
-    if (batch_push(&inst->batches, request_id, key,
-                   &(batch_end_t){kind, code, msg, aux, aux_len},
+    const batch_end_t end = {ev->kind, ev->code, ev->msg, ev->aux, ev->aux_len};
+    if (batch_push(&inst->batches, ev->request_id, ev->key, &end,
                    kvxd_now_ms()))
         log_error("instance %s: out of memory queueing the event of request "
                   "%s",
-                  inst->id, reqkey_str(key->b, key->len, ks));
+                  inst->id, reqkey_str(ev->key->b, ev->key->len, ks));
 }
 
-static void queue_event(instance_t *inst, uint64_t request_id,
-                        const reqkey_t *key, int kind, int code,
-                        const char *msg)
+/* Root: the one event of merge entry m goes out (its request's id and
+ * key; aux only with a COMPLETE). */
+static void merge_emit(instance_t *inst, merge_t *m, int kind, int code,
+                       const char *msg)
 {
-    queue_event_aux(inst, request_id, key, kind, code, msg, NULL, 0);
+    /* one event per request, and a COMPLETE only once every rank it
+     * needs reported and none failed: failed never turns back to ok */
+    assert(!m->emitted);
+    assert(kind != KVX_EVENT_COMPLETE || (m->seen >= m->expect && !m->failed));
+    m->emitted = 1;
+    m->failed |= kind != KVX_EVENT_COMPLETE;
+    const int aux = kind == KVX_EVENT_COMPLETE;
+    const xfer_event_t ev = {.request_id = m->request_id,
+                             .key = &m->key,
+                             .kind = kind,
+                             .code = code,
+                             .msg = msg,
+                             .aux = aux ? m->aux : NULL,
+                             .aux_len = aux ? m->aux_len : 0};
+    queue_event_aux(inst, &ev);
 }
 
 /* Root: the requests still waiting for reports end with PEER_GONE (a
@@ -368,6 +407,7 @@ static void queue_event(instance_t *inst, uint64_t request_id,
  * report adds no second event. */
 static void merges_fail(instance_t *inst, const char *msg)
 {
+    assert(is_root(inst)); /* members keep no merges */
     spread_t *s = spread_of(inst, 0);
     if (!s)
         return;
@@ -377,13 +417,12 @@ static void merges_fail(instance_t *inst, const char *msg)
         n = v ? map_values(&s->merges[k], v, n) : 0;
         for (uint32_t i = 0; i < n; i++) {
             merge_t *e = v[i];
+            assert(e->offer == k && e->seen < e->expect);
             if (e->emitted || (k && xfer_offer_runs(inst, e->request_id)) ||
                 (!k && map_get(&inst->fetches, e->request_id)))
                 continue; /* it still runs here: its own report says */
-            e->emitted = 1;
             kvxd_count_error(KVX_ERR_PEER_GONE);
-            queue_event(inst, e->request_id, &e->key, KVX_EVENT_ERROR,
-                        KVX_ERR_PEER_GONE, msg);
+            merge_emit(inst, e, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, msg);
         }
         free(v);
     }
@@ -559,6 +598,9 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
     } else if (r->joined && !present) {
         batch_rank_join(&inst->batches, r->rank);
     }
+    /* the root counts a rank its daemon says joined, and no other */
+    assert(r->joined ? batch_rank_here(&inst->batches, r->rank)
+                     : !inst->batches.present[r->rank]);
     if (r->joined && sess && r->session)
         *sess = r->session; /* (the join puts remote ranks in unsaid) */
     if (r->joined && s)
@@ -571,22 +613,30 @@ static void on_ranks(peer_conn_t *c, const Kvxfer__PeerRanks *r)
  * may carry its aux: the merged COMPLETE carries the first non-empty one
  * (every daemon's comes from the same offer, or from offers of the same
  * request on the context daemons). */
-static void merge_report(instance_t *inst, uint64_t request_id,
-                         const reqkey_t *key, int offer, int kind, int code,
-                         const char *msg, uint32_t ranks, uint32_t expect,
-                         const uint8_t *aux, uint32_t aux_len)
+static void merge_report(instance_t *inst, const xfer_event_t *ev)
 {
+    /* only the root merges; a report covers at most what its request
+     * needs, and that at most the instance (event_ok() holds a member's
+     * to this, xfer its own daemon's) */
+    assert(is_root(inst));
+    assert(ev->expect > 0 && ev->expect <= inst->nranks);
+    assert(ev->ranks <= ev->expect);
+    uint64_t request_id = ev->request_id;
+    int offer = ev->offer ? 1 : 0, kind = ev->kind;
+    uint32_t aux_len = ev->aux_len;
     if (offer || kind != KVX_EVENT_COMPLETE)
         aux_len = 0; /* only a fetch's COMPLETE carries one */
     spread_t *s = spread_of(inst, 1);
-    map_t *mm = s ? &s->merges[offer ? 1 : 0] : NULL;
+    map_t *mm = s ? &s->merges[offer] : NULL;
     merge_t *m = mm ? map_get(mm, request_id) : NULL;
+    /* an entry whose every report came is gone */
+    assert(!m || (m->seen < m->expect && m->offer == offer));
     int created = 0;
     if (mm && !m && (m = calloc(1, sizeof(*m)))) {
         m->request_id = request_id;
-        m->key = *key;
-        m->offer = offer ? 1 : 0;
-        m->expect = expect;
+        m->key = *ev->key;
+        m->offer = offer;
+        m->expect = ev->expect;
         m->deadline_ms = kvxd_now_ms() + (offer ? kvxd.conf.offer_lease_ms
                                                 : kvxd.conf.fetch_timeout_ms);
         created = 1;
@@ -596,17 +646,19 @@ static void merge_report(instance_t *inst, uint64_t request_id,
         }
     }
     if (!m) { /* out of memory: at least the event goes out */
-        queue_event_aux(inst, request_id, key, kind, code, msg, aux, aux_len);
+        xfer_event_t one = *ev;
+        one.aux_len = aux_len;
+        queue_event_aux(inst, &one);
         return;
     }
     if (aux_len && !m->aux_len && (m->aux = malloc(aux_len))) {
-        memcpy(m->aux, aux, aux_len);
+        memcpy(m->aux, ev->aux, aux_len);
         m->aux_len = aux_len;
     }
     /* it needs every rank, and one of another daemon is gone: its report
      * never comes (a rank gone ends the instance's requests) */
     for (uint32_t r = 0; created && kind == KVX_EVENT_COMPLETE &&
-                         expect == inst->nranks && r < inst->nranks;
+                         ev->expect == inst->nranks && r < inst->nranks;
          r++)
         if (!inst->local[r] && !batch_rank_here(&inst->batches, r)) {
             char gone[300];
@@ -614,55 +666,48 @@ static void merge_report(instance_t *inst, uint64_t request_id,
                      "rank %u of instance %s (daemon %s) is not connected",
                      r, inst->id, inst->addresses[r]);
             kvxd_count_error(KVX_ERR_PEER_GONE);
-            m->emitted = 1;
-            queue_event(inst, request_id, key, KVX_EVENT_ERROR,
-                        KVX_ERR_PEER_GONE, gone);
+            merge_emit(inst, m, KVX_EVENT_ERROR, KVX_ERR_PEER_GONE, gone);
             break;
         }
-    m->seen += ranks;
-    if (!m->emitted && (kind != KVX_EVENT_COMPLETE || m->seen >= m->expect)) {
-        m->emitted = 1;
-        queue_event_aux(inst, request_id, key, kind, code, msg,
-                        kind == KVX_EVENT_COMPLETE ? m->aux : NULL,
-                        kind == KVX_EVENT_COMPLETE ? m->aux_len : 0);
-    }
+    m->seen += ev->ranks;
+    m->failed |= kind != KVX_EVENT_COMPLETE;
+    if (!m->emitted && (kind != KVX_EVENT_COMPLETE || m->seen >= m->expect))
+        merge_emit(inst, m, kind, ev->code, ev->msg);
     if (m->seen >= m->expect) { /* every report came */
         map_del(mm, request_id);
         merge_free(m);
     }
 }
 
-void agree_event(instance_t *inst, uint64_t request_id, const reqkey_t *key,
-                 int offer, int kind, int code, const char *msg, uint32_t ranks,
-                 uint32_t expect, const uint8_t *aux, uint32_t aux_len)
+void agree_event(instance_t *inst, const xfer_event_t *ev)
 {
     if (is_root(inst)) {
-        merge_report(inst, request_id, key, offer, kind, code, msg, ranks,
-                     expect, aux, aux_len);
+        merge_report(inst, ev);
         return;
     }
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerEvent e = KVXFER__PEER_EVENT__INIT;
     e.instance_id = inst->id;
-    e.request_id = request_id;
-    e.key.data = (uint8_t *)key->b;
-    e.key.len = key->len;
-    e.kind = kind;
-    e.code = code;
-    e.message = (char *)msg;
-    e.ranks = ranks;
-    e.offer = offer;
-    e.expect = expect;
-    e.aux.data = (uint8_t *)aux;
-    e.aux.len = aux ? aux_len : 0;
+    e.request_id = ev->request_id;
+    e.key.data = (uint8_t *)ev->key->b;
+    e.key.len = ev->key->len;
+    e.kind = ev->kind;
+    e.code = ev->code;
+    e.message = (char *)ev->msg;
+    e.ranks = ev->ranks;
+    e.offer = ev->offer;
+    e.expect = ev->expect;
+    e.aux.data = (uint8_t *)ev->aux;
+    e.aux.len = ev->aux ? ev->aux_len : 0;
     m.m_case = KVXFER__PEER_MSG__M_EVENT;
     m.event = &e;
     if (to_root(inst, &m))
-        log_warn("instance %s: the event of request %s cannot reach the "
-                 "root daemon %s",
-                 inst->id,
-                 reqkey_str(key->b, key->len, (char[REQKEY_STR_MAX]){0}),
-                 inst->addresses[0]);
+        log_warn(
+            "instance %s: the event of request %s cannot reach the "
+            "root daemon %s",
+            inst->id,
+            reqkey_str(ev->key->b, ev->key->len, (char[REQKEY_STR_MAX]){0}),
+            inst->addresses[0]);
 }
 
 /* ---- the fence of a merged batch ---------------------------------------- */
@@ -788,6 +833,8 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
                uint32_t at_least, uint32_t timeout_ms, char *why,
                size_t why_len)
 {
+    /* a member forwards its own ranks' polls (the root's are its own) */
+    assert(!is_root(inst) && rank < inst->nranks && inst->local[rank]);
     spread_t *s = spread_of(inst, 1);
     if (!s) {
         snprintf(why, why_len, "poll: out of memory");
@@ -821,6 +868,10 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
 int agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,
                   const batch_t *b)
 {
+    /* a batch the root sealed (no early answer: a rank of another daemon
+     * never asks Poll.early), for a rank of another daemon */
+    assert(is_root(inst) && rank < inst->nranks && !inst->local[rank]);
+    assert(!b->early && b->seq < inst->batches.next_seq);
     char why[256];
     peer_conn_t *c = peer_connect(inst->addresses[rank], KVX_WHY(why));
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
@@ -933,22 +984,30 @@ static void on_batch(peer_conn_t *c, const Kvxfer__PeerBatch *pb)
     batch_reply(inst, rank, pb->req_id, pb);
 }
 
-/* Root: the answer to a member's poll that no batch answers: code and
- * msg for its engine, or (retry) "ask again"; session: the poll's (a
- * client of the rank that left since is not answered for the next). */
-static void poll_fail_send(peer_conn_t *c, const char *instance,
-                           uint32_t rank, uint64_t req_id, uint64_t session,
-                           int code, const char *msg, int retry)
+/* Root: the answer to a member's poll that no batch answers. */
+typedef struct poll_fail {
+    const char *instance;
+    uint32_t rank;
+    uint64_t req_id;
+    uint64_t session; /* the poll's: a client of the rank that left since
+                         is not answered for the next */
+    int code;         /* and msg, for its engine */
+    const char *msg;
+    int retry; /* or "ask again" */
+} poll_fail_t;
+
+static void poll_fail_send(peer_conn_t *c, const poll_fail_t *f)
 {
+    assert(f->code < 0); /* a failed poll's answer is an error */
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerBatch pb = KVXFER__PEER_BATCH__INIT;
-    pb.instance_id = (char *)instance;
-    pb.rank = rank;
-    pb.req_id = req_id;
-    pb.session = session;
-    pb.code = code;
-    pb.message = (char *)msg;
-    pb.retry = retry;
+    pb.instance_id = (char *)f->instance;
+    pb.rank = f->rank;
+    pb.req_id = f->req_id;
+    pb.session = f->session;
+    pb.code = f->code;
+    pb.message = (char *)f->msg;
+    pb.retry = f->retry;
     m.m_case = KVXFER__PEER_MSG__M_BATCH;
     m.batch = &pb;
     if (c)
@@ -969,8 +1028,13 @@ void agree_instance_ends(instance_t *inst)
             continue;
         char why[256];
         spread_t *s = spread_of(inst, 0);
-        poll_fail_send(peer_connect(inst->addresses[r], KVX_WHY(why)), inst->id,
-                       r, req, s ? s->sess[r] : 0, KVX_ERR_PEER_GONE, msg, 0);
+        const poll_fail_t f = {.instance = inst->id,
+                               .rank = r,
+                               .req_id = req,
+                               .session = s ? s->sess[r] : 0,
+                               .code = KVX_ERR_PEER_GONE,
+                               .msg = msg};
+        poll_fail_send(peer_connect(inst->addresses[r], KVX_WHY(why)), &f);
     }
 }
 
@@ -1001,6 +1065,7 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
         /* its daemon reaches us again (its address, authenticated):
          * back, reading on from where it was */
         batch_rank_back(&inst->batches, p->rank);
+        assert(batch_rank_here(&inst->batches, p->rank));
         if ((s = spread_of(inst, 1)))
             s->via[p->rank] = peer_conn_id(c); /* its word comes over
                                                   this one now */
@@ -1050,9 +1115,15 @@ static void on_poll(peer_conn_t *c, const Kvxfer__PeerPoll *p)
     char msg[512];
     snprintf(msg, sizeof(msg), "poll: instance %s %s (root daemon %s)",
              p->instance_id ? p->instance_id : "", bad, kvxd.address);
-    poll_fail_send(c, p->instance_id, p->rank, p->req_id, p->session,
-                   prc == KVX_ERR_LIMIT ? KVX_ERR_LIMIT : KVX_ERR_STATE, msg,
-                   retry);
+    const poll_fail_t f = {.instance = p->instance_id,
+                           .rank = p->rank,
+                           .req_id = p->req_id,
+                           .session = p->session,
+                           .code = prc == KVX_ERR_LIMIT ? KVX_ERR_LIMIT
+                                                        : KVX_ERR_STATE,
+                           .msg = msg,
+                           .retry = retry};
+    poll_fail_send(c, &f);
 }
 
 /* What a member reports must make sense for this instance: from a daemon
@@ -1117,6 +1188,7 @@ static void early_hold(const char *from, const Kvxfer__PeerEvent *e)
     x->until_ms = kvxd_now_ms() + EARLY_FOR_MS;
     list_push(&earlies, &x->node);
     nearly++;
+    assert(nearly <= EARLY_MAX);
 }
 
 static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
@@ -1156,9 +1228,17 @@ static void on_event(peer_conn_t *c, const Kvxfer__PeerEvent *e)
         kvxd_count_error(e->code);
     char msg[EVENT_MSG_MAX + 1]; /* a peer's message, cut to a sane size */
     snprintf(msg, sizeof(msg), "%s", e->message ? e->message : "");
-    merge_report(inst, xfer_key_id(key.b, key.len), &key, e->offer, e->kind,
-                 e->code, msg, e->ranks, e->expect, e->aux.data,
-                 (uint32_t)e->aux.len);
+    const xfer_event_t ev = {.request_id = xfer_key_id(key.b, key.len),
+                             .key = &key,
+                             .offer = e->offer,
+                             .kind = (int)e->kind,
+                             .code = e->code,
+                             .msg = msg,
+                             .ranks = e->ranks,
+                             .expect = e->expect,
+                             .aux = e->aux.data,
+                             .aux_len = (uint32_t)e->aux.len};
+    merge_report(inst, &ev);
 }
 
 static void on_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
@@ -1261,6 +1341,8 @@ void agree_tick(uint64_t now)
         spread_t *s = SPREAD(n);
         if (s->inst->batches.away[r] && now >= s->away_ms[r] + ANNOUNCE_FOR_MS)
             batch_rank_leave(&s->inst->batches, r);
+        /* only a rank of another daemon is away */
+        assert(!s->inst->batches.away[r] || !s->inst->local[r]);
     }
     /* members' events whose instance never joined here */
     LIST_FOREACH_SAFE(n, t, &earlies)
@@ -1274,6 +1356,7 @@ void agree_tick(uint64_t now)
                  reqkey_str(x->key.b, x->key.len, (char[REQKEY_STR_MAX]){0}),
                  x->from);
         list_remove(n);
+        assert(nearly > 0);
         nearly--;
         free(x->msg);
         free(x->aux);
@@ -1310,6 +1393,7 @@ void agree_tick(uint64_t now)
             merge_t *m = map_get(&s->merges[k], keys[i]);
             if (!m || now < m->deadline_ms)
                 continue;
+            assert(m->offer == k && m->seen < m->expect);
             if (!m->emitted) {
                 char msg[300];
                 snprintf(msg, sizeof(msg),
@@ -1317,12 +1401,11 @@ void agree_tick(uint64_t now)
                          "(other daemons)",
                          m->expect - m->seen, m->expect, inst->id);
                 kvxd_count_error(KVX_ERR_TIMED_OUT);
-                queue_event(inst, m->request_id, &m->key, KVX_EVENT_TIMED_OUT,
-                            KVX_ERR_TIMED_OUT, msg);
                 /* kept a while more, emitted: a report still to come
                  * (a part ending at its own, later deadline) adds no
                  * second event */
-                m->emitted = 1;
+                merge_emit(inst, m, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT,
+                           msg);
                 m->deadline_ms = now + kvxd.conf.offer_lease_ms +
                                  kvxd.conf.fetch_timeout_ms;
                 continue;
@@ -1342,6 +1425,7 @@ void agree_tick(uint64_t now)
             continue;
         for (uint32_t r = 0; r < inst->nranks; r++) {
             fpoll_t *fp = &s->poll[r];
+            assert(!fp->req || inst->local[r]); /* its own ranks' only */
             if (fp->req && !fp->retry_ms &&
                 now >= fp->deadline_ms + POLL_LATE_MS) {
                 char m[300];

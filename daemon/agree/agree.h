@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "xfer/instance.h"
+#include "xfer/xfer.h"
 
 /* Register with the layers below: instance hooks (batch delivery, an
  * instance's end), xfer's spread events, net's batch messages and
@@ -27,13 +28,11 @@ void agree_rank(instance_t *inst, uint32_t rank, int joined);
 void agree_instance_ends(instance_t *inst);
 /* inst is freed. */
 void agree_forget(instance_t *inst);
-/* A terminal event of a request covering `ranks` of the `expect` ranks
- * it needs: merged at the root, forwarded there from a member. aux
- * (aux_len bytes, NULL/0: none): a fetch's COMPLETE, its aux payload;
- * the merged event carries the first non-empty one. */
-void agree_event(instance_t *inst, uint64_t request_id, const reqkey_t *key,
-                 int offer, int kind, int code, const char *msg, uint32_t ranks,
-                 uint32_t expect, const uint8_t *aux, uint32_t aux_len);
+/* A terminal event of a request covering ev->ranks of the ev->expect
+ * ranks it needs: merged at the root, forwarded there from a member.
+ * ev->aux: a fetch's COMPLETE, its aux payload; the merged event carries
+ * the first non-empty one. */
+void agree_event(instance_t *inst, const xfer_event_t *ev);
 /* Member: a local rank polls; the root answers. */
 int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
                uint32_t at_least, uint32_t timeout_ms, char *why,

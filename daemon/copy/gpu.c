@@ -789,8 +789,8 @@ void gpu_host_unregister(void *base)
 /* Where a plan's upload goes. While kernels run on device d, on the
  * upload stream: on the kernel stream it would sit between two launches
  * (an upload there left the memory system idle 8-17 us between requests,
- * H200, docs/benchmarks.md), and the next launch makes the kernel stream
- * wait for it (uploaded(), gpu_launch()). On an idle device, on the
+ * H200, docs/history/benchmarks.md), and the next launch makes the kernel
+ * stream wait for it (uploaded(), gpu_launch()). On an idle device, on the
  * kernel stream, ahead of the launch: a small request's copy then waits
  * for no event between streams. Uploads and launches come from the loop
  * thread alone. */
@@ -927,10 +927,11 @@ struct gpu_event {
     cudaEvent_t ev;
     uint32_t refs;
     uint64_t idle_since; /* refs 0: kept open, see gpu_event_unref() */
-    struct gpu_event *next;
+    list_t node;         /* on events, newest first */
 };
 
-static struct gpu_event *events; /* loop thread only */
+static list_t events = {&events, &events}; /* loop thread only */
+#define EVENT(n) LIST_OWNER(n, gpu_event_t, node)
 
 /* An import nobody references stays open while its client is connected
  * (an engine records its few events again for every layer of every
@@ -951,7 +952,10 @@ int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
                 device);
         return KVX_ERR_STATE;
     }
-    for (gpu_event_t *e = events; e; e = e->next)
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &events)
+    {
+        gpu_event_t *e = EVENT(n);
         if (e->owner == owner && e->device == device &&
             !memcmp(e->handle, handle, 64)) {
             if (!e->refs++)
@@ -959,6 +963,7 @@ int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
             *out = e;
             return 0;
         }
+    }
     gpu_event_t *e = calloc(1, sizeof(*e));
     if (!e) {
         why_set(why, "layers_ready: out of memory");
@@ -983,18 +988,14 @@ int gpu_event_import(const uint8_t handle[64], int device, uint64_t owner,
     e->device = device;
     e->owner = owner;
     e->refs = 1;
-    e->next = events;
-    events = e;
+    list_unshift(&events, &e->node);
     *out = e;
     return 0;
 }
 
 static void event_close(gpu_event_t *e)
 {
-    gpu_event_t **pp = &events;
-    while (*pp != e)
-        pp = &(*pp)->next;
-    *pp = e->next;
+    list_remove(&e->node);
     cudaSetDevice(e->device);
     cudaEventDestroy(e->ev);
     free(e);
@@ -1012,18 +1013,23 @@ void gpu_event_unref(gpu_event_t *e)
     if (++events_idle <= EVENTS_IDLE_MAX)
         return;
     gpu_event_t *old = NULL;
-    for (gpu_event_t *x = events; x; x = x->next)
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &events)
+    {
+        gpu_event_t *x = EVENT(n);
         if (!x->refs && (!old || x->idle_since < old->idle_since))
             old = x;
+    }
     events_idle--;
     event_close(old);
 }
 
 void gpu_events_forget(uint64_t owner)
 {
-    gpu_event_t *e = events, *next;
-    for (; e; e = next) {
-        next = e->next;
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &events)
+    {
+        gpu_event_t *e = EVENT(n);
         if (e->owner != owner)
             continue;
         e->owner = 0; /* never matched again; closed at its last unref */
@@ -1281,8 +1287,10 @@ void gpu_cleanup(void)
     if (g.state <= 0)
         return;
     gpu_stop();
-    while (events) /* the idle ones: the offers holding any are gone */
-        event_close(events);
+    list_t *n;
+    while ((n = list_first(&events))) /* the idle ones: the offers holding
+                                         any are gone */
+        event_close(EVENT(n));
     for (int d = 0; d < g.ndev; d++)
         if (g.used[d]) {
             cudaSetDevice(d);

@@ -34,7 +34,7 @@
 /* UNROLL 16-byte loads in flight per lane. STAGE 1: they land in shared
  * memory (cp.async), UNROLL * THREADS * 16 bytes a CTA, which holds more
  * bytes in flight than registers can; STAGE 0: in registers. On one H200
- * (docs/benchmarks.md, issue 20), 512 threads staging 16 a lane did 680
+ * (docs/history/benchmarks.md, issue 20), 512 threads staging 16 a lane did 680
  * GB/s at 16 CTAs and 1733 at 64; 8 a lane in registers 650 and 1696,
  * 256 threads with 16 in registers 530 and 1538, 24 a lane staged (192
  * KiB) 543 and 1400. Overridable with -D for measurements. */

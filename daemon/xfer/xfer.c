@@ -408,8 +408,17 @@ void xfer_push_event(instance_t *inst, uint64_t request_id, const reqkey_t *key,
     if (e->code)
         kvxd_count_error(e->code);
     if (instance_spread(inst) && xfer_spread_event) {
-        xfer_spread_event(inst, request_id, key, offer, e->kind, e->code,
-                          e->msg, ranks, expect, e->aux, e->aux_len);
+        const xfer_event_t ev = {.request_id = request_id,
+                                 .key = key,
+                                 .offer = offer,
+                                 .kind = e->kind,
+                                 .code = e->code,
+                                 .msg = e->msg,
+                                 .ranks = ranks,
+                                 .expect = expect,
+                                 .aux = e->aux,
+                                 .aux_len = e->aux_len};
+        xfer_spread_event(inst, &ev);
         return;
     }
     if (batch_push(&inst->batches, request_id, key, e, kvxd_now_ms()))

@@ -233,14 +233,19 @@ int xfer_release(const char *instance_id, const reqkey_t *key,
 
 /* A request ended for ranks of an instance spread over daemons: its
  * root merges the reports (the agreement layer registers this; without
- * it every instance is treated as local). ranks: the ranks this request
- * covers here; expect: all it needs; aux (aux_len bytes, NULL/0: none):
- * a fetch's COMPLETE, its aux payload. */
-typedef void (*xfer_spread_event_cb)(instance_t *inst, uint64_t request_id,
-                                     const reqkey_t *key, int offer, int kind,
-                                     int code, const char *msg, uint32_t ranks,
-                                     uint32_t expect, const uint8_t *aux,
-                                     uint32_t aux_len);
+ * it every instance is treated as local). */
+typedef struct xfer_event {
+    uint64_t request_id; /* its key's id */
+    const reqkey_t *key;
+    int offer;      /* an offer's event (1) or a fetch's (0) */
+    int kind, code; /* KVX_EVENT_*, kvx_status_t */
+    const char *msg;
+    uint32_t ranks;     /* the ranks of the instance it covers here */
+    uint32_t expect;    /* all the ranks it needs */
+    const uint8_t *aux; /* a fetch's COMPLETE: its aux payload, aux_len */
+    uint32_t aux_len;   /* bytes (NULL/0: none) */
+} xfer_event_t;
+typedef void (*xfer_spread_event_cb)(instance_t *inst, const xfer_event_t *ev);
 void xfer_set_spread_event(xfer_spread_event_cb cb);
 
 /* End every request of inst with ERROR code. */

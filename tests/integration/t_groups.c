@@ -271,6 +271,85 @@ TEST(groups_refusals_name_the_group)
     daemon_healthy(d);
 }
 
+/* The shape rules of the other tables (protocol.md, "Several block
+ * tables"), with the messages that document them: a table's layers split
+ * evenly over PP, with the same count on every rank (no per-stage counts,
+ * no remainder); its heads are its ranks' own, not replicated, so the
+ * totals of both sides must agree; skip_tokens leaves some of its
+ * tokens. */
+TEST(groups_shape_rules_as_documented)
+{
+    daemon_t *d = daemon_start(NULL);
+    hybrid_t h;
+    hybrid_open(d, &h, "hy-ctx", "hy-gen");
+    kvx_context_params_t p, p1;
+    CHECK_KVX(hybrid_publish(&h, 0, 320, &p), h.c[0].c);
+    /* context rank 1's state pool holds 1 layer, rank 0's 2 */
+    static const model_t M_ONE = {.layers = 1,
+                                  .heads = 4,
+                                  .head_dim = 64,
+                                  .kv = 1,
+                                  .dtype = KVX_DTYPE_FP32};
+    rank_t one;
+    side_t osd;
+    group_pool(&h.c[1], &M_ONE, &osd, 1, 4, &one);
+    kvx_group_t gs[2];
+    hy_ctx_groups(&h, 1, gs);
+    gs[1].pool_id = one.pool;
+    CHECK_EQ(kvx_publish_groups(h.c[1].c, "320", 3, h.c[1].pool, hy_cb[1], 3,
+                                HY_TOK, gs, 2, NULL, 0, 0, &p1, T_MS),
+             KVX_ERR_LAYOUT);
+    CHECK_STR_CONTAINS(kvx_last_error(h.c[1].c),
+                       "publish.groups[1].pool_id: layout has 1 layers, "
+                       "rank 1 holds 2");
+    CHECK_KVX(hybrid_publish(&h, 1, 320, &p1), h.c[1].c);
+
+    /* the generation state pool of 1 layer: 1 in all against 2 */
+    rank_t gone;
+    side_t gsd;
+    group_pool(&h.g, &M_ONE, &gsd, 1, 4, &gone);
+    kvx_group_t gg[2];
+    hy_gen_groups(&h, 4, gg);
+    gg[1].pool_id = gone.pool;
+    CHECK_EQ(kvx_fetch_groups(h.g.c, "320", 3, p.data, p.len, h.g.pool, hy_gb,
+                              3, 0, 0, gg, 2, T_MS),
+             KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(kvx_last_error(h.g.c),
+                       "total_layers: context 2, generation 1");
+    /* half the units on the one generation rank: 2 in all against 2 x 2 */
+    static const model_t M_HALF = {.layers = 2,
+                                   .heads = 2,
+                                   .head_dim = 64,
+                                   .kv = 1,
+                                   .dtype = KVX_DTYPE_FP32};
+    rank_t half;
+    side_t hsd;
+    group_pool(&h.g, &M_HALF, &hsd, 1, 4, &half);
+    hy_gen_groups(&h, 4, gg);
+    gg[1].pool_id = half.pool;
+    CHECK_EQ(kvx_fetch_groups(h.g.c, "320", 3, p.data, p.len, h.g.pool, hy_gb,
+                              3, 0, 0, gg, 2, T_MS),
+             KVX_ERR_MISMATCH);
+    CHECK_STR_CONTAINS(kvx_last_error(h.g.c),
+                       "total_kv_heads: context 4, generation 2");
+    /* the window skipped whole, and past its end */
+    CHECK_EQ(hybrid_fetch(&h, 320, &p, HY_TOK), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(kvx_last_error(h.g.c),
+                       "skip_tokens: 11 leaves nothing of 11 tokens");
+    CHECK_EQ(hybrid_fetch(&h, 320, &p, HY_TOK + 1), KVX_ERR_INVALID);
+    CHECK_STR_CONTAINS(kvx_last_error(h.g.c),
+                       "fetch.groups[0].skip_tokens: 12, more than its 11 "
+                       "tokens");
+    /* refused, nothing written: the right fetch completes */
+    CHECK_KVX(hybrid_fetch(&h, 320, &p, 4), h.g.c);
+    wait_event(h.g.c, 320, KVX_EVENT_COMPLETE, 0, 3000);
+    hybrid_landed(&h, 320);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&p1);
+    hybrid_close(&h);
+    daemon_healthy(d);
+}
+
 /* A fetch waiting for context rank 1 is cancelled: one CANCELLED, and no
  * byte of any group is written, even once rank 1 publishes. */
 TEST(groups_cancel_before_sources_writes_nothing)

@@ -45,7 +45,7 @@ static int64_t worst_status_ms(daemon_t *d, int dur_ms)
 static void check_status_fast(daemon_t *d, int dur_ms, const char *what)
 {
     int64_t w = worst_status_ms(d, dur_ms);
-    if (getenv("KVX_HOSTILE_REPORT")) /* docs/benchmarks.md */
+    if (getenv("KVX_HOSTILE_REPORT")) /* docs/history/benchmarks.md */
         fprintf(stderr, "%s: worst status answer %lld ms over %d ms\n", what,
                 (long long)w, dur_ms);
     if (w > HOSTILE_STATUS_MS)

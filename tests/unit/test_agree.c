@@ -107,8 +107,13 @@ TEST(root_merges_reports_into_one_event)
     instance_t *inst = spread_instance("m1", 1);
     batch_state_t *bs = &inst->batches;
     /* the root's own rank's report: half of what the request needs */
-    agree_event(inst, KID(7), K(7), 1, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
-                0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(7),
+                                      .key = K(7),
+                                      .offer = 1,
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
     CHECK_EQ(bs->npending, 0);
     event_from(OTHER, "m1", 7, 1, KVX_EVENT_COMPLETE, 0, "");
     CHECK_EQ(bs->npending, 1);
@@ -119,10 +124,19 @@ TEST(root_merges_reports_into_one_event)
     event_from(OTHER, "m1", 7, 1, KVX_EVENT_COMPLETE, 0, "");
     CHECK_EQ(bs->npending, 1);
     /* offers and fetches of one id merge apart */
-    agree_event(inst, KID(8), K(8), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
-                0);
-    agree_event(inst, KID(8), K(8), 1, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
-                0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(8),
+                                      .key = K(8),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
+    agree_event(inst, &(xfer_event_t){.request_id = KID(8),
+                                      .key = K(8),
+                                      .offer = 1,
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
     CHECK_EQ(bs->npending, 1);
 }
 
@@ -136,16 +150,25 @@ TEST(root_queues_the_first_error_at_once)
     CHECK_EQ(bs->pending[0].code, KVX_ERR_IO);
     CHECK_STR_CONTAINS(bs->pending[0].message, "copy failed");
     /* the root's own COMPLETE for it adds nothing */
-    agree_event(inst, KID(9), K(9), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
-                0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(9),
+                                      .key = K(9),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
     CHECK_EQ(bs->npending, 1);
 }
 
 TEST(member_forwards_its_reports_to_the_root)
 {
     instance_t *inst = spread_instance("f1", 0);
-    agree_event(inst, KID(21), K(21), 0, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED,
-                "cancelled", 1, 2, NULL, 0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(21),
+                                      .key = K(21),
+                                      .kind = KVX_EVENT_CANCELLED,
+                                      .code = KVX_ERR_CANCELLED,
+                                      .msg = "cancelled",
+                                      .ranks = 1,
+                                      .expect = 2});
     CHECK_EQ(inst->batches.npending, 0); /* the root seals, not we */
     const Kvxfer__PeerMsg *m = net_sent(KVXFER__PEER_MSG__M_EVENT, 0);
     CHECK(m);
@@ -170,8 +193,13 @@ TEST(root_answers_a_member_poll_with_its_sealed_batch)
     m.poll = &p;
     net_deliver(OTHER, &m);
     CHECK(!net_sent(KVXFER__PEER_MSG__M_BATCH, 0)); /* nothing to seal */
-    agree_event(inst, KID(5), K(5), 0, KVX_EVENT_ERROR, KVX_ERR_TIMED_OUT,
-                "late", 1, 2, NULL, 0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(5),
+                                      .key = K(5),
+                                      .kind = KVX_EVENT_ERROR,
+                                      .code = KVX_ERR_TIMED_OUT,
+                                      .msg = "late",
+                                      .ranks = 1,
+                                      .expect = 2});
     const Kvxfer__PeerMsg *b = net_sent(KVXFER__PEER_MSG__M_BATCH, 0);
     CHECK(b);
     CHECK_EQ(b->batch->rank, 1);
@@ -189,8 +217,12 @@ TEST(lost_member_ranks_go_away_and_its_merges_fail)
 {
     instance_t *inst = spread_instance("l1", 1);
     batch_state_t *bs = &inst->batches;
-    agree_event(inst, KID(11), K(11), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
-                0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(11),
+                                      .key = K(11),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
     CHECK_EQ(bs->npending, 0); /* waits for the member's report */
     net_lose(OTHER, "link down");
     CHECK(bs->away[1]);
@@ -201,8 +233,12 @@ TEST(lost_member_ranks_go_away_and_its_merges_fail)
     CHECK_STR_CONTAINS(bs->pending[0].message,
                        "member daemon " OTHER ": link down");
     /* a new request that needs every rank ends at once: one is gone */
-    agree_event(inst, KID(12), K(12), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
-                0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(12),
+                                      .key = K(12),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
     CHECK_EQ(bs->npending, 2);
     CHECK_EQ(bs->pending[1].code, KVX_ERR_PEER_GONE);
 }
@@ -265,23 +301,40 @@ TEST(root_merges_the_first_aux_into_the_complete)
     instance_t *inst = spread_instance("a1", 1);
     batch_state_t *bs = &inst->batches;
     /* the root's own report has none, the member's has one */
-    agree_event(inst, KID(7), K(7), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
-                0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(7),
+                                      .key = K(7),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
     event_aux_from(OTHER, "a1", 7, "first", 5);
     CHECK_EQ(bs->npending, 1);
     CHECK_EQ(bs->pending[0].kind, KVX_EVENT_COMPLETE);
     CHECK_EQ(bs->pending[0].aux_len, 5);
     CHECK(!memcmp(bs->pending[0].aux, "first", 5));
     /* the other way round: the first non-empty one wins */
-    agree_event(inst, KID(8), K(8), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2,
-                (const uint8_t *)"mine", 4);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(8),
+                                      .key = K(8),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2,
+                                      .aux = (const uint8_t *)"mine",
+                                      .aux_len = 4});
     event_aux_from(OTHER, "a1", 8, "theirs", 6);
     CHECK_EQ(bs->npending, 2);
     CHECK_EQ(bs->pending[1].aux_len, 4);
     CHECK(!memcmp(bs->pending[1].aux, "mine", 4));
     /* an offer's event never carries one */
-    agree_event(inst, KID(9), K(9), 1, KVX_EVENT_COMPLETE, 0, "", 2, 2,
-                (const uint8_t *)"x", 1);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(9),
+                                      .key = K(9),
+                                      .offer = 1,
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 2,
+                                      .expect = 2,
+                                      .aux = (const uint8_t *)"x",
+                                      .aux_len = 1});
     CHECK_EQ(bs->npending, 3);
     CHECK_EQ(bs->pending[2].aux_len, 0);
     CHECK(bs->pending[2].aux == NULL);
@@ -292,8 +345,12 @@ TEST(root_fails_a_report_whose_aux_is_over_its_limit)
     instance_t *inst = spread_instance("a2", 1);
     batch_state_t *bs = &inst->batches;
     kvxd.conf.aux_bytes = 8;
-    agree_event(inst, KID(7), K(7), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2, NULL,
-                0);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(7),
+                                      .key = K(7),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
     event_aux_from(OTHER, "a2", 7, "123456789", 9);
     CHECK_EQ(bs->npending, 1);
     CHECK_EQ(bs->pending[0].kind, KVX_EVENT_ERROR);
@@ -305,10 +362,93 @@ TEST(root_fails_a_report_whose_aux_is_over_its_limit)
 TEST(member_forwards_the_aux_of_its_complete)
 {
     instance_t *inst = spread_instance("a3", 0);
-    agree_event(inst, KID(21), K(21), 0, KVX_EVENT_COMPLETE, 0, "", 1, 2,
-                (const uint8_t *)"aux!", 4);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(21),
+                                      .key = K(21),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2,
+                                      .aux = (const uint8_t *)"aux!",
+                                      .aux_len = 4});
     const Kvxfer__PeerMsg *m = net_sent(KVXFER__PEER_MSG__M_EVENT, 0);
     CHECK(m);
     CHECK_EQ(m->event->aux.len, 4);
     CHECK(!memcmp(m->event->aux.data, "aux!", 4));
+}
+
+/* fn() in a child: 1 when it aborts (a failed assert), 0 when it returns */
+static int aborts(void (*fn)(void))
+{
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (!freopen("/dev/null", "w", stderr)) /* the assert's line */
+            _exit(2);
+        fn();
+        _exit(0);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT;
+}
+
+static void emit_after_error(void)
+{
+    instance_t *inst = spread_instance("x1", 1);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(31),
+                                      .key = K(31),
+                                      .kind = KVX_EVENT_ERROR,
+                                      .code = KVX_ERR_IO,
+                                      .msg = "copy failed",
+                                      .ranks = 1,
+                                      .expect = 2});
+    spread_t *s = spread_of(inst, 0);
+    merge_t *m = map_get(&s->merges[0], KID(31));
+    CHECK(m && m->emitted && m->failed);
+    /* a second event for the request, after its error went out: failed
+     * back to ok */
+    m->seen = m->expect;
+    merge_emit(inst, m, KVX_EVENT_COMPLETE, 0, "");
+}
+
+static void report_over_the_ranks(void)
+{
+    instance_t *inst = spread_instance("x2", 1);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(32),
+                                      .key = K(32),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 3}); /* of 2 ranks */
+}
+
+static void root_forwards_a_poll(void)
+{
+    instance_t *inst = spread_instance("x3", 1);
+    char why[256];
+    agree_poll(inst, 0, 1, 1, 1000, why, sizeof(why));
+}
+
+static void merge_within_the_rules(void)
+{
+    instance_t *inst = spread_instance("x4", 1);
+    agree_event(inst, &(xfer_event_t){.request_id = KID(33),
+                                      .key = K(33),
+                                      .kind = KVX_EVENT_COMPLETE,
+                                      .msg = "",
+                                      .ranks = 1,
+                                      .expect = 2});
+    event_from(OTHER, "x4", 33, 0, KVX_EVENT_COMPLETE, 0, "");
+    CHECK_EQ(inst->batches.npending, 1);
+}
+
+/* The merge and seal rules are asserted, in the build the tests run: a
+ * broken one aborts the daemon rather than going on (agree.c's top) */
+TEST(agree_asserts_its_merge_rules)
+{
+    CHECK(!aborts(merge_within_the_rules));
+    CHECK(aborts(emit_after_error));
+    CHECK(aborts(report_over_the_ranks));
+    CHECK(aborts(root_forwards_a_poll));
 }
