@@ -830,20 +830,16 @@ static void batch_reply(instance_t *inst, uint32_t rank, uint64_t req_id,
 }
 
 int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
-               uint32_t at_least, uint32_t timeout_ms, char *why,
-               size_t why_len)
+               uint32_t at_least, uint32_t timeout_ms, kvx_why_t *why)
 {
     /* a member forwards its own ranks' polls (the root's are its own) */
     assert(!is_root(inst) && rank < inst->nranks && inst->local[rank]);
     spread_t *s = spread_of(inst, 1);
-    if (!s) {
-        snprintf(why, why_len, "poll: out of memory");
-        return KVX_ERR_NOMEM;
-    }
-    if (s->poll[rank].req) {
-        snprintf(why, why_len, "poll: this rank already has a poll waiting");
-        return KVX_ERR_BUSY;
-    }
+    if (!s)
+        return why_fail(why, KVX_ERR_NOMEM, "poll: out of memory");
+    if (s->poll[rank].req)
+        return why_fail(why, KVX_ERR_BUSY,
+                        "poll: this rank already has a poll waiting");
     Kvxfer__PeerBatch *pb = late_pop(s, rank); /* sent after a poll failed */
     if (pb) {
         batch_reply(inst, rank, req_id, pb);
@@ -851,12 +847,11 @@ int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
         return 0;
     }
     uint64_t on = 0;
-    if (poll_send(inst, rank, req_id, at_least, timeout_ms, &on)) {
-        snprintf(why, why_len, "poll: the root daemon %s of instance %s is "
-                               "unreachable",
-                 inst->addresses[0], inst->id);
-        return KVX_ERR_PEER_GONE;
-    }
+    if (poll_send(inst, rank, req_id, at_least, timeout_ms, &on))
+        return why_fail(why, KVX_ERR_PEER_GONE,
+                        "poll: the root daemon %s of instance %s is "
+                        "unreachable",
+                        inst->addresses[0], inst->id);
     s->poll[rank] = (fpoll_t){.req = req_id,
                               .at_least = at_least,
                               .deadline_ms = kvxd_now_ms() + timeout_ms,

@@ -35,8 +35,7 @@ void agree_forget(instance_t *inst);
 void agree_event(instance_t *inst, const xfer_event_t *ev);
 /* Member: a local rank polls; the root answers. */
 int agree_poll(instance_t *inst, uint32_t rank, uint64_t req_id,
-               uint32_t at_least, uint32_t timeout_ms, char *why,
-               size_t why_len);
+               uint32_t at_least, uint32_t timeout_ms, kvx_why_t *why);
 /* Root: a sealed batch for a rank served by another daemon; 0, or an
  * error when it could not be sent. */
 int agree_deliver(instance_t *inst, uint32_t rank, uint64_t req_id,

@@ -933,7 +933,7 @@ static void on_poll(session_t *s, const Kvxfer__Request *rq)
         /* batches of an instance spread over daemons come from the
          * daemon of rank 0 */
         int rc = agree_poll(s->inst, s->rank, rq->id, rq->poll->at_least, t,
-                            why, sizeof(why));
+                            KVX_WHY(why));
         if (rc)
             reply(s, rq->id, rc, why);
         return;

@@ -247,13 +247,13 @@ TEST(lost_root_fails_the_members_waiting_poll)
 {
     instance_t *inst = spread_instance("p1", 0);
     char why[256];
-    CHECK_EQ(agree_poll(inst, 1, 42, 1, 5000, why, sizeof(why)), 0);
+    CHECK_EQ(agree_poll(inst, 1, 42, 1, 5000, KVX_WHY(why)), 0);
     const Kvxfer__PeerMsg *m = net_sent(KVXFER__PEER_MSG__M_POLL, 0);
     CHECK(m);
     CHECK_EQ(m->poll->req_id, 42);
     CHECK_EQ(m->poll->rank, 1);
     /* a second poll of the same rank while one waits */
-    CHECK_EQ(agree_poll(inst, 1, 43, 1, 5000, why, sizeof(why)), KVX_ERR_BUSY);
+    CHECK_EQ(agree_poll(inst, 1, 43, 1, 5000, KVX_WHY(why)), KVX_ERR_BUSY);
     CHECK_EQ(nreplies, 0);
     net_lose(OTHER, "root went away");
     CHECK_EQ(nreplies, 1);
@@ -269,8 +269,7 @@ TEST(member_poll_refused_when_the_root_is_unreachable)
     net_down = OTHER;
     instance_t *inst = spread_instance("u1", 0);
     char why[256];
-    CHECK_EQ(agree_poll(inst, 1, 7, 1, 5000, why, sizeof(why)),
-             KVX_ERR_PEER_GONE);
+    CHECK_EQ(agree_poll(inst, 1, 7, 1, 5000, KVX_WHY(why)), KVX_ERR_PEER_GONE);
     CHECK_STR_CONTAINS(why, "root daemon " OTHER " of instance u1 is "
                             "unreachable");
 }
@@ -427,7 +426,7 @@ static void root_forwards_a_poll(void)
 {
     instance_t *inst = spread_instance("x3", 1);
     char why[256];
-    agree_poll(inst, 0, 1, 1, 1000, why, sizeof(why));
+    agree_poll(inst, 0, 1, 1, 1000, KVX_WHY(why));
 }
 
 static void merge_within_the_rules(void)
