@@ -364,6 +364,7 @@ int main(int argc, char **argv)
 
     /* bring up, in order */
     int rc = 1;
+    xfer_init();
     if (kvxd_defer_init(kvxd.loop))
         goto out;
     plan_set_budget(&(plan_budget_t){plan_charge, plan_own_uid, plan_release});

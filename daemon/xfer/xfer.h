@@ -269,6 +269,9 @@ uint32_t xfer_pool_users(const pool_t *pool);
 
 /* Deadlines (lease, fetch timeout). */
 void xfer_tick(uint64_t now_ms);
+/* At start, before the first request: xfer's fixed tables are written
+ * once, so that no page of them faults in on a request's end. */
+void xfer_init(void);
 /* Requests not yet finalized. */
 uint32_t xfer_count(void);
 
