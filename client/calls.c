@@ -1,9 +1,8 @@
 /*
- * calls — libkvxfer's requests: publish, fetch (with params or by key),
- * their batches, ready marks, progress, reserve, poll, cancel and
- * release; see kvxfer.h. Each builds its message and goes through
- * kvx__call() (conn.c); a request that ends with an event is tracked
- * (reconnect.c) so that it ends even if the daemon goes.
+ * calls — libkvxfer's requests besides the verbs of verbs.c: append
+ * blocks, reserve, poll, cancel and release; see kvxfer.h. Each builds its
+ * message and goes through kvx__call() (conn.c); a request that ends with an
+ * event is tracked (reconnect.c) so that it ends even if the daemon goes.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -183,123 +182,6 @@ int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
     rq.body_case = KVXFER__REQUEST__BODY_APPEND_BLOCKS;
     rq.append_blocks = &m;
     return kvx__call(c, &rq, -1, timeout_ms, NULL);
-}
-
-/* kvx_layers_ready and kvx_tokens_ready (fn names the call). */
-static int ready(kvx_client_t *c, const char *fn, const void *key,
-                 size_t key_len, uint32_t group, uint32_t first, uint32_t count,
-                 uint32_t tokens, const void *cuda_event, int timeout_ms)
-{
-    if (!c)
-        return KVX_ERR_INVALID;
-    int rc = kvx__key_arg(c, fn, key, key_len);
-    if (rc)
-        return rc;
-    if (count == 0)
-        return kvx__fail(c, KVX_ERR_INVALID, "%s: count 0", fn);
-    if (group && c->daemon_minor < 2)
-        return kvx__fail(c, KVX_ERR_VERSION,
-                         "%s: the daemon speaks protocol 2.%u; block tables "
-                         "need 2.2",
-                         fn, c->daemon_minor);
-    Kvxfer__LayersReady m = KVXFER__LAYERS_READY__INIT;
-    m.group = group;
-    m.key.data = (uint8_t *)key;
-    m.key.len = key_len;
-    m.first = first;
-    m.count = count;
-    m.tokens = tokens;
-    if (cuda_event) {
-        m.cuda_event.data = (uint8_t *)cuda_event;
-        m.cuda_event.len = 64;
-    }
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_LAYERS_READY;
-    rq.layers_ready = &m;
-    return kvx__call(c, &rq, -1, timeout_ms, NULL);
-}
-
-int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,
-                     uint32_t first, uint32_t count, const void *cuda_event,
-                     int timeout_ms)
-{
-    return ready(c, "kvx_layers_ready", key, key_len, 0, first, count, 0,
-                 cuda_event, timeout_ms);
-}
-
-int kvx_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
-                     uint32_t first, uint32_t count, uint32_t tokens,
-                     const void *cuda_event, int timeout_ms)
-{
-    return ready(c, "kvx_tokens_ready", key, key_len, 0, first, count, tokens,
-                 cuda_event, timeout_ms);
-}
-
-int kvx_group_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
-                           uint32_t group, uint32_t first, uint32_t count,
-                           uint32_t tokens, const void *cuda_event,
-                           int timeout_ms)
-{
-    return ready(c, "kvx_group_tokens_ready", key, key_len, group, first, count,
-                 tokens, cuda_event, timeout_ms);
-}
-
-static int fetch_progress(kvx_client_t *c, const char *fn, const void *key,
-                          size_t key_len, uint32_t group, uint32_t *layers_done,
-                          uint32_t *num_layers, int *ended, int timeout_ms)
-{
-    if (!c)
-        return KVX_ERR_INVALID;
-    int rc = kvx__key_arg(c, fn, key, key_len);
-    if (rc)
-        return rc;
-    if (!layers_done || !num_layers)
-        return kvx__fail(c, KVX_ERR_INVALID,
-                         "%s: a required argument is NULL or 0", fn);
-    /* an older daemon would ignore the group and answer for table 0 */
-    if (group && c->daemon_minor < 3)
-        return kvx__fail(c, KVX_ERR_VERSION,
-                         "%s: the daemon speaks protocol 2.%u; a block table's "
-                         "progress needs 2.3",
-                         fn, c->daemon_minor);
-    Kvxfer__FetchProgress m = KVXFER__FETCH_PROGRESS__INIT;
-    m.key.data = (uint8_t *)key;
-    m.key.len = key_len;
-    m.group = group;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_FETCH_PROGRESS;
-    rq.fetch_progress = &m;
-    Kvxfer__Reply *r = NULL;
-    if ((rc = kvx__call(c, &rq, -1, timeout_ms, &r)))
-        return rc;
-    if (r->body_case != KVXFER__REPLY__BODY_FETCH_PROGRESS) {
-        kvxfer__reply__free_unpacked(r, NULL);
-        c->broken = 1;
-        return kvx__fail(c, KVX_ERR_PROTOCOL,
-                         "fetch_progress: the daemon's reply has no progress");
-    }
-    *layers_done = r->fetch_progress->layers_done;
-    *num_layers = r->fetch_progress->num_layers;
-    if (ended)
-        *ended = r->fetch_progress->ended;
-    kvxfer__reply__free_unpacked(r, NULL);
-    return 0;
-}
-
-int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
-                       uint32_t *layers_done, uint32_t *num_layers, int *ended,
-                       int timeout_ms)
-{
-    return fetch_progress(c, "kvx_fetch_progress", key, key_len, 0, layers_done,
-                          num_layers, ended, timeout_ms);
-}
-
-int kvx_group_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
-                             uint32_t group, uint32_t *layers_done,
-                             uint32_t *num_layers, int *ended, int timeout_ms)
-{
-    return fetch_progress(c, "kvx_group_fetch_progress", key, key_len, group,
-                          layers_done, num_layers, ended, timeout_ms);
 }
 
 int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,
