@@ -184,67 +184,6 @@ int kvx_append_blocks(kvx_client_t *c, const void *key, size_t key_len,
     return kvx__call(c, &rq, -1, timeout_ms, NULL);
 }
 
-int kvx_reserve(kvx_client_t *c, const char *instance_id, const void *key,
-                size_t key_len, uint32_t num_tokens,
-                kvx_context_params_t *params, int timeout_ms)
-{
-    return kvx_reserve_groups(c, instance_id, key, key_len, num_tokens, 0, NULL,
-                              0, params, timeout_ms);
-}
-
-int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
-                       const void *key, size_t key_len, uint32_t num_tokens,
-                       uint32_t pool_id, const kvx_group_t *groups,
-                       uint32_t ngroups, kvx_context_params_t *params,
-                       int timeout_ms)
-{
-    const char *fn = pool_id || ngroups ? "kvx_reserve_groups" : "kvx_reserve";
-    if (!c)
-        return KVX_ERR_INVALID;
-    int rc = kvx__key_arg(c, fn, key, key_len);
-    if (rc)
-        return rc;
-    if (!instance_id || !params)
-        return kvx__fail(c, KVX_ERR_INVALID,
-                         "%s: a required argument is NULL or 0", fn);
-    /* an observer has no Hello reply, so no daemon version: the
-     * params returned say whether the daemon took the groups */
-    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = kvx__groups_msg(c, fn, groups, ngroups, KVX__GROUPS_RESERVE, gm,
-                              gmp)))
-        return rc;
-    Kvxfer__Reserve m = KVXFER__RESERVE__INIT;
-    m.instance_id = (char *)instance_id;
-    m.key.data = (uint8_t *)key;
-    m.key.len = key_len;
-    m.num_tokens = num_tokens;
-    m.pool_id = pool_id ? kvx__pool_daemon(c, pool_id) : 0;
-    m.n_groups = ngroups;
-    m.groups = ngroups ? gmp : NULL;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_RESERVE;
-    rq.reserve = &m;
-    if ((rc = params_call(c, &rq, "reserve", params, timeout_ms)))
-        return rc;
-    if (!ngroups)
-        return 0;
-    Kvxfer__ContextParams *cp =
-        kvxfer__context_params__unpack(NULL, params->len, params->data);
-    size_t got = cp ? cp->n_groups : 0;
-    if (cp)
-        kvxfer__context_params__free_unpacked(cp, NULL);
-    if (got != ngroups) {
-        kvx_context_params_free(params);
-        return kvx__fail(
-            c, KVX_ERR_VERSION,
-            "%s: the daemon's params carry %zu of the %u groups: it "
-            "speaks a protocol before 2.4 (its reservation ends at "
-            "its lease)",
-            fn, got, ngroups);
-    }
-    return 0;
-}
-
 /* After an early answer (Poll.early) the poll is spun for this long
  * before it sleeps: the event is one copy away (a layer: up to a few
  * hundred microseconds; a whole request's last chunk: milliseconds). */

@@ -166,10 +166,12 @@ int kvx__publish(kvx_client_t *c, const char *fn, const kvx_publish_args_t *a,
                  int *replied);
 int kvx__fetch(kvx_client_t *c, const char *fn, const kvx_fetch_args_t *a,
                int *replied);
-/* kvx_ready / kvx_progress with fn naming the call in messages. */
+/* kvx_ready / kvx_progress / kvx_reserve with fn naming the call in
+ * messages. */
 int kvx__ready(kvx_client_t *c, const char *fn, const kvx_ready_args_t *a);
 int kvx__progress(kvx_client_t *c, const char *fn,
                   const kvx_progress_args_t *a);
+int kvx__reserve(kvx_client_t *c, const char *fn, const kvx_reserve_args_t *a);
 
 /* ---- pool.c, for conn.c ---- */
 /* Unmap and free the pools kvx_pool_create_host made (kvx_close). */

@@ -1,8 +1,9 @@
 /*
- * compat — the 2.x variants of publish, fetch, the ready marks and
- * progress, kept for 3.x as thin wrappers: each fills a 3.0 args struct
- * and goes through verbs.c, naming itself in messages as it always did.
- * The 2.x kvx_publish and kvx_fetch, whose names 3.0 took, are abi2.c's.
+ * compat — the 2.x variants of publish, fetch, the ready marks,
+ * progress and reserve, kept for 3.x as thin wrappers: each fills a 3.0 args
+ * struct and goes through verbs.c, naming itself in messages as it always did.
+ * The 2.x kvx_publish, kvx_fetch and kvx_reserve, whose names 3.0 took,
+ * are abi2.c's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -346,4 +347,28 @@ int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
 {
     return kvx_group_fetch_progress(c, key, key_len, 0, layers_done, num_layers,
                                     ended, timeout_ms);
+}
+
+int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
+                       const void *key, size_t key_len, uint32_t num_tokens,
+                       uint32_t pool_id, const kvx_group_t *groups,
+                       uint32_t ngroups, kvx_context_params_t *params,
+                       int timeout_ms)
+{
+    kvx_reserve_args_t a = {
+        .field_mask = KVX_RESERVE_FIELD_KEY | KVX_RESERVE_FIELD_INSTANCE |
+                      KVX_RESERVE_FIELD_NUM_TOKENS | KVX_RESERVE_FIELD_PARAMS |
+                      KVX_RESERVE_FIELD_POOL | KVX_RESERVE_FIELD_GROUPS |
+                      KVX_RESERVE_FIELD_TIMEOUT,
+        .key = key,
+        .key_len = key_len,
+        .instance_id = instance_id,
+        .num_tokens = num_tokens,
+        .params = params,
+        .pool_id = pool_id,
+        .groups = groups,
+        .num_groups = ngroups,
+        .timeout_ms = timeout_ms};
+    return kvx__reserve(
+        c, pool_id || ngroups ? "kvx_reserve_groups" : "kvx_reserve", &a);
 }

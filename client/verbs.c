@@ -1,6 +1,7 @@
 /*
  * verbs — libkvxfer's verbs of 3.0: kvx_publish and kvx_fetch (one
- * request or a batch of them), kvx_ready and kvx_progress, each described
+ * request or a batch of them), kvx_ready, kvx_progress and kvx_reserve,
+ * each described
  * by an args struct whose field_mask says which members are set
  * (kvxfer.h). The 2.x variants
  * (compat.c) fill an args struct and come here, so every form goes
@@ -54,6 +55,11 @@ static const verb_t READY = {"KVX_READY_FIELD_", ready_fields,
                              KVX_READY_FIELD_TIMEOUT * 2 - 1};
 static const verb_t PROGRESS = {"KVX_PROGRESS_FIELD_", progress_fields,
                                 KVX_PROGRESS_FIELD_TIMEOUT * 2 - 1};
+static const char *const reserve_fields[] = {
+    "KEY", "INSTANCE", "NUM_TOKENS", "PARAMS", "POOL", "GROUPS", "TIMEOUT",
+};
+static const verb_t RESERVE = {"KVX_RESERVE_FIELD_", reserve_fields,
+                               KVX_RESERVE_FIELD_TIMEOUT * 2 - 1};
 
 static int bit_index(uint64_t bit)
 {
@@ -713,4 +719,80 @@ int kvx_ready(kvx_client_t *c, const kvx_ready_args_t *a)
 int kvx_progress(kvx_client_t *c, const kvx_progress_args_t *a)
 {
     return kvx__progress(c, "kvx_progress", a);
+}
+
+/* ---- kvx_reserve ------------------------------------------------------- */
+
+int kvx__reserve(kvx_client_t *c, const char *fn, const kvx_reserve_args_t *a)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!a)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
+    uint64_t f = a->field_mask;
+    int rc = mask_known(c, fn, &RESERVE, f);
+    if (!rc)
+        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_KEY);
+    if (!rc)
+        rc = kvx__key_arg(c, fn, a->key, a->key_len);
+    if (!rc)
+        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_INSTANCE);
+    if (!rc)
+        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_NUM_TOKENS);
+    if (!rc)
+        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_PARAMS);
+    if (rc)
+        return rc;
+    if (!a->instance_id || !a->params)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: %s is NULL", fn,
+                         a->instance_id ? "params" : "instance_id");
+    uint32_t pool_id = f & KVX_RESERVE_FIELD_POOL ? a->pool_id : 0;
+    const kvx_group_t *groups = f & KVX_RESERVE_FIELD_GROUPS ? a->groups : NULL;
+    uint32_t ngroups = f & KVX_RESERVE_FIELD_GROUPS ? a->num_groups : 0;
+    /* an observer has no Hello reply, so no daemon version: the
+     * params returned say whether the daemon took the groups */
+    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
+    if ((rc = kvx__groups_msg(c, fn, groups, ngroups, KVX__GROUPS_RESERVE, gm,
+                              gmp)))
+        return rc;
+    Kvxfer__Reserve m = KVXFER__RESERVE__INIT;
+    m.instance_id = (char *)a->instance_id;
+    m.key.data = (uint8_t *)a->key;
+    m.key.len = a->key_len;
+    m.num_tokens = a->num_tokens;
+    m.pool_id = pool_id ? kvx__pool_daemon(c, pool_id) : 0;
+    m.n_groups = ngroups;
+    m.groups = ngroups ? gmp : NULL;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_RESERVE;
+    rq.reserve = &m;
+    Kvxfer__Reply *r;
+    int t =
+        f & KVX_RESERVE_FIELD_TIMEOUT ? a->timeout_ms : KVX_TIMEOUT_DEFAULT_MS;
+    if ((rc = kvx__call(c, &rq, -1, t, &r)))
+        return rc;
+    rc = kvx__params_take(c, "reserve", r, a->params);
+    kvxfer__reply__free_unpacked(r, NULL);
+    if (rc || !ngroups)
+        return rc;
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, a->params->len, a->params->data);
+    size_t got = cp ? cp->n_groups : 0;
+    if (cp)
+        kvxfer__context_params__free_unpacked(cp, NULL);
+    if (got != ngroups) {
+        kvx_context_params_free(a->params);
+        return kvx__fail(
+            c, KVX_ERR_VERSION,
+            "%s: the daemon's params carry %zu of the %u groups: it "
+            "speaks a protocol before 2.4 (its reservation ends at "
+            "its lease)",
+            fn, got, ngroups);
+    }
+    return 0;
+}
+
+int kvx_reserve(kvx_client_t *c, const kvx_reserve_args_t *a)
+{
+    return kvx__reserve(c, "kvx_reserve", a);
 }

@@ -92,6 +92,8 @@ extern "C" {
     KVX_DEPRECATED("kvx_fetch (kvxfer.h 3.0: its args say the form)")
 #define KVX_DEPRECATED_READY KVX_DEPRECATED("kvx_ready (kvxfer.h 3.0)")
 #define KVX_DEPRECATED_PROGRESS KVX_DEPRECATED("kvx_progress (kvxfer.h 3.0)")
+#define KVX_DEPRECATED_RESERVE                                                 \
+    KVX_DEPRECATED("kvx_reserve (kvxfer.h 3.0: its args say the form)")
 
 /* The library's release, "3.0.0" (KVX_VERSION_STRING of the library that
  * was loaded, not of the header the program was built with). */
@@ -670,25 +672,10 @@ kvx_group_fetch_progress(kvx_client_t *client, const void *key, size_t key_len,
                          uint32_t group, uint32_t *layers_done,
                          uint32_t *num_layers, int *ended, int timeout_ms);
 
-/* For the instance's scheduler (vLLM's and SGLang's scheduler process,
- * which is not a rank: connected with kvx_connect_observer, under the
- * uid that owns the instance): reserve the offer of request key of
- * instance_id for num_tokens tokens, and get its context params at once,
- * identical to what the ranks' kvx_publish_key will return. The ranks
- * publish their blocks later under the same key and num_tokens; a fetch
- * that comes first waits for them (under its fetch timeout); an offer no
- * rank publishes ends TIMED_OUT at deadlines.offer_lease_ms, an event for
- * the instance's ranks. Call it on the daemon of the instance's rank 0,
- * once a rank there has registered a pool (its layout goes into the
- * params). Errors: KVX_ERR_NOT_FOUND (no such instance on this daemon),
- * KVX_ERR_STATE (not joined or incomplete, no pool registered yet, rank
- * 0 served elsewhere, local pools of different layouts), KVX_ERR_EXISTS
- * (key reserved or published already), KVX_ERR_INVALID (the key,
- * num_tokens 0). An instance of another uid is NOT_FOUND, as one that
- * does not exist. */
-KVX_EXPORT int kvx_reserve(kvx_client_t *client, const char *instance_id,
-                           const void *key, size_t key_len, uint32_t num_tokens,
-                           kvx_context_params_t *params, int timeout_ms);
+/* kvx_reserve, the scheduler's reservation of an offer: see the 3.0
+ * section below (its 2.x form, kvx_reserve(client, instance_id, key,
+ * key_len, num_tokens, params, timeout_ms), stays as
+ * kvx_reserve@KVXFER_2.0 and under KVX_API_2X). */
 /* 2.2, several block tables (hybrid models): one more block table of
  * a request, in a pool of its own layout (registered as any pool):
  *   - a KV group: layers of another shape or kept otherwise, such as
@@ -721,11 +708,12 @@ typedef struct kvx_group {
  * table's pool, needed when the instance's pools differ in layout (a
  * hybrid model's always do); 0: the one layout they share. A daemon
  * before 2.4 ignores the groups: VERSION. */
-KVX_EXPORT int kvx_reserve_groups(kvx_client_t *client, const char *instance_id,
-                                  const void *key, size_t key_len,
-                                  uint32_t num_tokens, uint32_t pool_id,
-                                  const kvx_group_t *groups, uint32_t ngroups,
-                                  kvx_context_params_t *params, int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_RESERVE int
+kvx_reserve_groups(kvx_client_t *client, const char *instance_id,
+                   const void *key, size_t key_len, uint32_t num_tokens,
+                   uint32_t pool_id, const kvx_group_t *groups,
+                   uint32_t ngroups, kvx_context_params_t *params,
+                   int timeout_ms);
 
 /* kvx_publish_key with ngroups more block tables (every context rank
  * gives the same groups, in the same order); layerwise: as
@@ -1050,6 +1038,73 @@ typedef struct kvx_progress_args {
  * other than 0 and a daemon before 2.3). */
 KVX_EXPORT int kvx_progress(kvx_client_t *client,
                             const kvx_progress_args_t *args);
+
+/* kvx_reserve_args_t.field_mask bits */
+/* Required: KEY, INSTANCE, NUM_TOKENS, PARAMS. */
+#define KVX_RESERVE_FIELD_KEY (1ull << 0)
+#define KVX_RESERVE_FIELD_INSTANCE (1ull << 1)
+#define KVX_RESERVE_FIELD_NUM_TOKENS (1ull << 2)
+#define KVX_RESERVE_FIELD_PARAMS (1ull << 3)
+#define KVX_RESERVE_FIELD_POOL (1ull << 4)
+#define KVX_RESERVE_FIELD_GROUPS (1ull << 5) /* groups, num_groups */
+#define KVX_RESERVE_FIELD_TIMEOUT (1ull << 6)
+
+typedef struct kvx_reserve_args {
+    uint64_t field_mask;
+    /* The request's key, 1 to KVX_MAX_KEY bytes, as the ranks will
+     * publish it. */
+    const void *key;
+    size_t key_len;
+    const char *instance_id; /* the context instance */
+    uint32_t num_tokens;     /* the prompt's tokens, at least 1 */
+    /* Out: the context params (free with kvx_context_params_free). */
+    kvx_context_params_t *params;
+    /* The plain table's pool, needed when the instance's pools differ in
+     * layout (a hybrid model's always do); default 0, the one layout they
+     * share. */
+    uint32_t pool_id;
+    /* The request's other block tables (2.4, hybrid models): each names
+     * a pool of its layout that a rank of the instance registered on
+     * this daemon (pool_id), its num_tokens and first_block, and no
+     * blocks; the ranks then publish the same groups (else MISMATCH,
+     * "... that the reservation made"). A daemon before 2.4 ignores
+     * them: KVX_ERR_VERSION. Default none. */
+    const struct kvx_group *groups;
+    uint32_t num_groups;
+    int timeout_ms; /* default KVX_TIMEOUT_DEFAULT_MS */
+} kvx_reserve_args_t;
+
+/* For the instance's scheduler (vLLM's and SGLang's scheduler process,
+ * which is not a rank: connected with kvx_connect_observer, under the
+ * uid that owns the instance): reserve the offer of request key of
+ * instance_id for num_tokens tokens, and get its context params at once,
+ * identical to what the ranks' kvx_publish will return. The ranks
+ * publish their blocks later under the same key and num_tokens; a fetch
+ * that comes first waits for them (under its fetch timeout); an offer no
+ * rank publishes ends TIMED_OUT at deadlines.offer_lease_ms, an event for
+ * the instance's ranks. Call it on the daemon of the instance's rank 0,
+ * once a rank there has registered a pool (its layout goes into the
+ * params). Errors: KVX_ERR_NOT_FOUND (no such instance on this daemon),
+ * KVX_ERR_STATE (not joined or incomplete, no pool registered yet, rank
+ * 0 served elsewhere, local pools of different layouts), KVX_ERR_EXISTS
+ * (key reserved or published already), KVX_ERR_INVALID (the key,
+ * num_tokens 0). An instance of another uid is NOT_FOUND, as one that
+ * does not exist. KVX_ERR_INVALID also names a field_mask bit unknown or
+ * a required field missing. */
+#ifndef KVX_API_2X
+KVX_EXPORT int kvx_reserve(kvx_client_t *client,
+                           const kvx_reserve_args_t *args);
+#else  /* KVX_API_2X */
+/* The 2.x kvx_reserve, bound to kvx_reserve@KVXFER_2.0; the 3.0 call is
+ * kvx_reserve3. */
+KVX_EXPORT KVX_DEPRECATED_RESERVE int
+kvx_reserve(kvx_client_t *client, const char *instance_id, const void *key,
+            size_t key_len, uint32_t num_tokens, kvx_context_params_t *params,
+            int timeout_ms) __asm__("kvx__reserve_2x");
+__asm__(".symver kvx__reserve_2x, kvx_reserve@KVXFER_2.0");
+int kvx_reserve3(kvx_client_t *client,
+                 const kvx_reserve_args_t *args) __asm__("kvx_reserve");
+#endif /* KVX_API_2X */
 
 /* ---- 2.x calls, deprecated by kvx_publish / kvx_fetch ------------------
  * Each is kvx_publish or kvx_fetch with the members it names; they stay

@@ -357,8 +357,6 @@ _PROTOS = {
                                          c_uint32, POINTER(c_uint32),
                                          POINTER(c_uint32), POINTER(c_int),
                                          c_int]),
-    "kvx_reserve": (c_int, [_client_p, c_char_p, c_char_p, c_size_t, c_uint32,
-                            POINTER(ContextParams), c_int]),
     "kvx_reserve_groups": (c_int, [_client_p, c_char_p, c_char_p, c_size_t,
                                    c_uint32, c_uint32, POINTER(Group),
                                    c_uint32, POINTER(ContextParams), c_int]),

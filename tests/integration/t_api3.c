@@ -632,3 +632,112 @@ TEST(api3_ready_progress_refused_by_name)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* kvx_reserve through its args (kvx_reserve3 here): the scheduler's
+ * params come at once, the rank's kvx_publish returns the same bytes,
+ * and a fetch made before the publish lands them. The 2.x kvx_reserve
+ * (kvx_reserve@KVXFER_2.0) and kvx_reserve_groups still reserve, with
+ * their names in messages; the args are refused by name. */
+TEST(api3_reserve)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "a3s-ctx", "a3s-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &sched), 0);
+    kvx_context_params_t rp, pp, xp = {0};
+    kvx_reserve_args_t ra = {
+        .field_mask = KVX_RESERVE_FIELD_KEY | KVX_RESERVE_FIELD_INSTANCE |
+                      KVX_RESERVE_FIELD_NUM_TOKENS | KVX_RESERVE_FIELD_PARAMS,
+        .key = "a3s",
+        .key_len = 3,
+        .instance_id = "a3s-ctx",
+        .num_tokens = 7,
+        .params = &rp,
+        .pool_id = 77, /* not in the mask: unread */
+        .num_groups = 3};
+    CHECK_KVX(kvx_reserve3(sched, &ra), sched);
+    kvx_params_info_t info;
+    CHECK_EQ(kvx_params_info(rp.data, rp.len, &info), KVX_OK);
+    CHECK_EQ(info.num_tokens, 7);
+    CHECK(!strcmp(info.instance_id, "a3s-ctx"));
+
+    /* refused by name, nothing sent */
+    CHECK_FAILS(kvx_reserve3(sched, NULL), sched, KVX_ERR_INVALID,
+                "kvx_reserve: args is NULL");
+    kvx_reserve_args_t bad = ra;
+    bad.key = "a3s-x";
+    bad.key_len = 5;
+    bad.params = &xp;
+    bad.field_mask |= 1ull << 7;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: field_mask bit 0x80 is unknown to libkvxfer "
+                "3.0.0 (it knows bits 0x7f: KVX_RESERVE_FIELD_KEY to "
+                "KVX_RESERVE_FIELD_TIMEOUT)");
+    bad.field_mask = ra.field_mask & ~KVX_RESERVE_FIELD_INSTANCE;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: field_mask lacks KVX_RESERVE_FIELD_INSTANCE");
+    bad.field_mask = ra.field_mask & ~KVX_RESERVE_FIELD_PARAMS;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: field_mask lacks KVX_RESERVE_FIELD_PARAMS");
+    bad.field_mask = ra.field_mask;
+    bad.instance_id = NULL;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: instance_id is NULL");
+    bad.instance_id = "a3s-ctx";
+    bad.field_mask |= KVX_RESERVE_FIELD_GROUPS;
+    bad.groups = NULL;
+    bad.num_groups = 1;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: groups is NULL with ngroups 1");
+    /* the daemon's refusals, through every optional field */
+    bad = ra;
+    bad.field_mask |= KVX_RESERVE_FIELD_POOL | KVX_RESERVE_FIELD_GROUPS |
+                      KVX_RESERVE_FIELD_TIMEOUT;
+    bad.pool_id = 0;
+    bad.groups = NULL;
+    bad.num_groups = 0;
+    bad.timeout_ms = T_MS;
+    bad.params = &xp;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_EXISTS,
+                "a3s of instance a3s-ctx is reserved");
+    /* the 2.x calls, wrappers now */
+    CHECK_FAILS(kvx_reserve(sched, "a3s-ctx", "z", 1, 0, &xp, T_MS), sched,
+                KVX_ERR_INVALID, "reserve.num_tokens: 0");
+    CHECK_FAILS(kvx_reserve(sched, "a3s-ctx", "", 0, 7, &xp, T_MS), sched,
+                KVX_ERR_INVALID, "kvx_reserve: key of 0 bytes");
+    CHECK_FAILS(
+        kvx_reserve_groups(sched, "a3s-ctx", "z", 1, 7, 0, NULL, 2, &xp, T_MS),
+        sched, KVX_ERR_INVALID,
+        "kvx_reserve_groups: groups is NULL with ngroups 2");
+    kvx_context_params_t p2;
+    CHECK_KVX(kvx_reserve(sched, "a3s-ctx", "a3s-2", 5, 4, &p2, T_MS), sched);
+    CHECK_EQ(kvx_params_info(p2.data, p2.len, &info), KVX_OK);
+    CHECK_EQ(info.num_tokens, 4);
+    kvx_context_params_free(&p2);
+    kvx_close(sched);
+
+    /* the fetch first; the publish returns the reserved params */
+    uint32_t cb[2] = {6, 2}, gb[2] = {3, 4};
+    kvx_fetch_args_t fa = fetch_args("a3s-g", g.pool, gb, 2, &rp);
+    CHECK_KVX(kvx_fetch3(g.c, &fa), g.c);
+    ev_t e[4];
+    CHECK_EQ(collect(g.c, e, 4, 1, 200), 0); /* nothing yet */
+    fill_req(&c, 4343, cb, 7);
+    kvx_publish_args_t pa = pub_args("a3s", c.pool, cb, 2, 7, &pp);
+    CHECK_KVX(kvx_publish3(c.c, &pa), c.c);
+    CHECK_EQ(pp.len, rp.len);
+    CHECK(!memcmp(pp.data, rp.data, rp.len));
+    CHECK_EQ(wait_key(g.c, "a3s-g", 5, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "a3s", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = 4343, .blocks = gb, .ntok = 7};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    kvx_context_params_free(&rp);
+    kvx_context_params_free(&pp);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
