@@ -1,12 +1,14 @@
 /*
- * abi2 — the 2.x kvx_publish and kvx_fetch, whose names 3.0 took.
+ * abi2 — the 2.x kvx_publish, kvx_fetch and kvx_reserve, whose names
+ * 3.0 took.
  *
- * They took a uint64_t request_id. A program built against 2.x binds
- * kvx_publish@KVXFER_2.0 and kvx_fetch@KVXFER_2.0 (the version their node
- * gave them), which .symver below points at these; a program built now
- * binds kvx_publish@@KVXFER_3.0, the default (client/libkvxfer.map). They
- * keep their 2.x parameter lists (8 and 9 parameters): an ABI, not a
- * choice.
+ * kvx_publish and kvx_fetch took a uint64_t request_id, kvx_reserve
+ * positional parameters. A program built against 2.x binds
+ * kvx_publish@KVXFER_2.0, kvx_fetch@KVXFER_2.0 and kvx_reserve@KVXFER_2.0
+ * (the version their node gave them), which .symver below points at
+ * these; a program built now binds kvx_publish@@KVXFER_3.0, the default
+ * (client/libkvxfer.map). They keep their 2.x parameter lists (8, 9 and 7
+ * parameters): an ABI, not a choice.
  *
  * A file of their own: an object with a versioned symbol links only into
  * a shared object whose version script has the node (libkvxfer.so's), so
@@ -75,4 +77,29 @@ int kvx__fetch_2(kvx_client_t *c, uint64_t request_id, const uint8_t *params,
         .skip_tokens = skip_tokens,
         .timeout_ms = timeout_ms};
     return kvx__fetch(c, "kvx_fetch_key", &a, NULL);
+}
+
+/* 2.x kvx_reserve: kvx_reserve_groups without groups
+ * (kvx_reserve@KVXFER_2.0). */
+__attribute__((visibility("default"))) int
+kvx__reserve_2(kvx_client_t *c, const char *instance_id, const void *key,
+               size_t key_len, uint32_t num_tokens,
+               kvx_context_params_t *params, int timeout_ms);
+__asm__(".symver kvx__reserve_2, kvx_reserve@KVXFER_2.0");
+
+int kvx__reserve_2(kvx_client_t *c, const char *instance_id, const void *key,
+                   size_t key_len, uint32_t num_tokens,
+                   kvx_context_params_t *params, int timeout_ms)
+{
+    kvx_reserve_args_t a = {
+        .field_mask = KVX_RESERVE_FIELD_KEY | KVX_RESERVE_FIELD_INSTANCE |
+                      KVX_RESERVE_FIELD_NUM_TOKENS | KVX_RESERVE_FIELD_PARAMS |
+                      KVX_RESERVE_FIELD_TIMEOUT,
+        .key = key,
+        .key_len = key_len,
+        .instance_id = instance_id,
+        .num_tokens = num_tokens,
+        .params = params,
+        .timeout_ms = timeout_ms};
+    return kvx__reserve(c, "kvx_reserve", &a);
 }

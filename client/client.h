@@ -74,9 +74,9 @@ struct kvx_client {
     char err[512];
     list_t pools;          /* host_pool.node, the newest first */
     uint32_t daemon_minor; /* the daemon's protocol minor, from Hello */
-    int answered; /* the last call got the daemon's reply (kvx_outcome_t) */
-    uint32_t spin_us;      /* kvx_set_spin_us: look for a reply this long
-                              before sleeping on the socket */
+    int answered;     /* the last call got the daemon's reply (kvx_outcome_t) */
+    uint32_t spin_us; /* kvx_set_spin_us: look for a reply this long
+                         before sleeping on the socket */
     kvx__revive_t rv;
 };
 
@@ -166,6 +166,12 @@ int kvx__publish(kvx_client_t *c, const char *fn, const kvx_publish_args_t *a,
                  int *replied);
 int kvx__fetch(kvx_client_t *c, const char *fn, const kvx_fetch_args_t *a,
                int *replied);
+/* kvx_ready / kvx_progress / kvx_reserve with fn naming the call in
+ * messages. */
+int kvx__ready(kvx_client_t *c, const char *fn, const kvx_ready_args_t *a);
+int kvx__progress(kvx_client_t *c, const char *fn,
+                  const kvx_progress_args_t *a);
+int kvx__reserve(kvx_client_t *c, const char *fn, const kvx_reserve_args_t *a);
 
 /* ---- pool.c, for conn.c ---- */
 /* Unmap and free the pools kvx_pool_create_host made (kvx_close). */

@@ -1,8 +1,9 @@
 /*
- * compat — the 2.x variants of publish and fetch, kept for 3.x as thin
- * wrappers: each fills a kvx_publish_args_t or kvx_fetch_args_t and goes
- * through verbs.c, naming itself in messages as it always did. The 2.x
- * kvx_publish and kvx_fetch, whose names 3.0 took, are abi2.c's.
+ * compat — the 2.x variants of publish, fetch, the ready marks,
+ * progress and reserve, kept for 3.x as thin wrappers: each fills a 3.0 args
+ * struct and goes through verbs.c, naming itself in messages as it always did.
+ * The 2.x kvx_publish, kvx_fetch and kvx_reserve, whose names 3.0 took,
+ * are abi2.c's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -266,4 +267,108 @@ int kvx_fetch_many(kvx_client_t *c, kvx_fetch_item_t *items, size_t n,
     free(a);
     free(o);
     return rc;
+}
+
+/* The 2.x ready marks and progress: kvx_ready and kvx_progress with the
+ * members they name. */
+#define READY_BASE                                                             \
+    (KVX_READY_FIELD_KEY | KVX_READY_FIELD_LAYERS | KVX_READY_FIELD_TOKENS |   \
+     KVX_READY_FIELD_GROUP | KVX_READY_FIELD_CUDA_EVENT |                      \
+     KVX_READY_FIELD_TIMEOUT)
+
+int kvx_layers_ready(kvx_client_t *c, const void *key, size_t key_len,
+                     uint32_t first, uint32_t count, const void *cuda_event,
+                     int timeout_ms)
+{
+    kvx_ready_args_t a = {.field_mask = READY_BASE,
+                          .key = key,
+                          .key_len = key_len,
+                          .first = first,
+                          .count = count,
+                          .cuda_event = cuda_event,
+                          .timeout_ms = timeout_ms};
+    return kvx__ready(c, "kvx_layers_ready", &a);
+}
+
+int kvx_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
+                     uint32_t first, uint32_t count, uint32_t tokens,
+                     const void *cuda_event, int timeout_ms)
+{
+    kvx_ready_args_t a = {.field_mask = READY_BASE,
+                          .key = key,
+                          .key_len = key_len,
+                          .first = first,
+                          .count = count,
+                          .tokens = tokens,
+                          .cuda_event = cuda_event,
+                          .timeout_ms = timeout_ms};
+    return kvx__ready(c, "kvx_tokens_ready", &a);
+}
+
+int kvx_group_tokens_ready(kvx_client_t *c, const void *key, size_t key_len,
+                           uint32_t group, uint32_t first, uint32_t count,
+                           uint32_t tokens, const void *cuda_event,
+                           int timeout_ms)
+{
+    kvx_ready_args_t a = {.field_mask = READY_BASE,
+                          .key = key,
+                          .key_len = key_len,
+                          .first = first,
+                          .count = count,
+                          .tokens = tokens,
+                          .group = group,
+                          .cuda_event = cuda_event,
+                          .timeout_ms = timeout_ms};
+    return kvx__ready(c, "kvx_group_tokens_ready", &a);
+}
+
+int kvx_group_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
+                             uint32_t group, uint32_t *layers_done,
+                             uint32_t *num_layers, int *ended, int timeout_ms)
+{
+    kvx_progress_args_t a = {
+        .field_mask = KVX_PROGRESS_FIELD_KEY | KVX_PROGRESS_FIELD_GROUP |
+                      KVX_PROGRESS_FIELD_LAYERS | KVX_PROGRESS_FIELD_ENDED |
+                      KVX_PROGRESS_FIELD_TIMEOUT,
+        .key = key,
+        .key_len = key_len,
+        .group = group,
+        .layers_done = layers_done,
+        .num_layers = num_layers,
+        .ended = ended,
+        .timeout_ms = timeout_ms};
+    return kvx__progress(
+        c, group ? "kvx_group_fetch_progress" : "kvx_fetch_progress", &a);
+}
+
+int kvx_fetch_progress(kvx_client_t *c, const void *key, size_t key_len,
+                       uint32_t *layers_done, uint32_t *num_layers, int *ended,
+                       int timeout_ms)
+{
+    return kvx_group_fetch_progress(c, key, key_len, 0, layers_done, num_layers,
+                                    ended, timeout_ms);
+}
+
+int kvx_reserve_groups(kvx_client_t *c, const char *instance_id,
+                       const void *key, size_t key_len, uint32_t num_tokens,
+                       uint32_t pool_id, const kvx_group_t *groups,
+                       uint32_t ngroups, kvx_context_params_t *params,
+                       int timeout_ms)
+{
+    kvx_reserve_args_t a = {
+        .field_mask = KVX_RESERVE_FIELD_KEY | KVX_RESERVE_FIELD_INSTANCE |
+                      KVX_RESERVE_FIELD_NUM_TOKENS | KVX_RESERVE_FIELD_PARAMS |
+                      KVX_RESERVE_FIELD_POOL | KVX_RESERVE_FIELD_GROUPS |
+                      KVX_RESERVE_FIELD_TIMEOUT,
+        .key = key,
+        .key_len = key_len,
+        .instance_id = instance_id,
+        .num_tokens = num_tokens,
+        .params = params,
+        .pool_id = pool_id,
+        .groups = groups,
+        .num_groups = ngroups,
+        .timeout_ms = timeout_ms};
+    return kvx__reserve(
+        c, pool_id || ngroups ? "kvx_reserve_groups" : "kvx_reserve", &a);
 }

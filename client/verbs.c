@@ -1,7 +1,9 @@
 /*
- * verbs — libkvxfer's two verbs of 3.0, kvx_publish and kvx_fetch: one
- * request or a batch of them, each described by an args struct whose
- * field_mask says which members are set (kvxfer.h). The 2.x variants
+ * verbs — libkvxfer's verbs of 3.0: kvx_publish and kvx_fetch (one
+ * request or a batch of them), kvx_ready, kvx_progress and kvx_reserve,
+ * each described
+ * by an args struct whose field_mask says which members are set
+ * (kvxfer.h). The 2.x variants
  * (compat.c) fill an args struct and come here, so every form goes
  * through one check of its arguments and one way to the daemon.
  *
@@ -43,6 +45,21 @@ typedef struct {
 static const verb_t PUBLISH = {"KVX_PUBLISH_FIELD_", publish_fields,
                                PUBLISH_KNOWN};
 static const verb_t FETCH = {"KVX_FETCH_FIELD_", fetch_fields, FETCH_KNOWN};
+static const char *const ready_fields[] = {
+    "KEY", "LAYERS", "TOKENS", "GROUP", "CUDA_EVENT", "TIMEOUT",
+};
+static const char *const progress_fields[] = {
+    "KEY", "GROUP", "LAYERS", "ENDED", "TIMEOUT",
+};
+static const verb_t READY = {"KVX_READY_FIELD_", ready_fields,
+                             KVX_READY_FIELD_TIMEOUT * 2 - 1};
+static const verb_t PROGRESS = {"KVX_PROGRESS_FIELD_", progress_fields,
+                                KVX_PROGRESS_FIELD_TIMEOUT * 2 - 1};
+static const char *const reserve_fields[] = {
+    "KEY", "INSTANCE", "NUM_TOKENS", "PARAMS", "POOL", "GROUPS", "TIMEOUT",
+};
+static const verb_t RESERVE = {"KVX_RESERVE_FIELD_", reserve_fields,
+                               KVX_RESERVE_FIELD_TIMEOUT * 2 - 1};
 
 static int bit_index(uint64_t bit)
 {
@@ -59,9 +76,10 @@ static int mask_known(kvx_client_t *c, const char *what, const verb_t *v,
         return 0;
     return kvx__fail(c, KVX_ERR_INVALID,
                      "%s: field_mask bit 0x%llx is unknown to libkvxfer %s "
-                     "(it knows bits 0x%llx: %sKEY to %sITEMS)",
+                     "(it knows bits 0x%llx: %s%s to %s%s)",
                      what, (unsigned long long)(bad & -bad), KVX_VERSION_STRING,
-                     (unsigned long long)v->known, v->prefix, v->prefix);
+                     (unsigned long long)v->known, v->prefix, v->names[0],
+                     v->prefix, v->names[bit_index(v->known + 1) - 1]);
 }
 
 /* A required bit is set: 0, or KVX_ERR_INVALID naming it. */
@@ -591,4 +609,190 @@ int kvx_fetch(kvx_client_t *c, const kvx_fetch_args_t *a)
 const char *kvx_version(void)
 {
     return KVX_VERSION_STRING;
+}
+
+/* ---- kvx_ready, kvx_progress ------------------------------------------ */
+
+int kvx__ready(kvx_client_t *c, const char *fn, const kvx_ready_args_t *a)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!a)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
+    uint64_t f = a->field_mask;
+    int rc = mask_known(c, fn, &READY, f);
+    if (!rc)
+        rc = mask_has(c, fn, &READY, f, KVX_READY_FIELD_KEY);
+    if (!rc)
+        rc = kvx__key_arg(c, fn, a->key, a->key_len);
+    if (!rc)
+        rc = mask_has(c, fn, &READY, f, KVX_READY_FIELD_LAYERS);
+    if (rc)
+        return rc;
+    uint32_t group = f & KVX_READY_FIELD_GROUP ? a->group : 0;
+    const void *ev = f & KVX_READY_FIELD_CUDA_EVENT ? a->cuda_event : NULL;
+    if (a->count == 0)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: count 0", fn);
+    if (group && c->daemon_minor < 2)
+        return kvx__fail(c, KVX_ERR_VERSION,
+                         "%s: the daemon speaks protocol 2.%u; block tables "
+                         "need 2.2",
+                         fn, c->daemon_minor);
+    Kvxfer__LayersReady m = KVXFER__LAYERS_READY__INIT;
+    m.group = group;
+    m.key.data = (uint8_t *)a->key;
+    m.key.len = a->key_len;
+    m.first = a->first;
+    m.count = a->count;
+    m.tokens = f & KVX_READY_FIELD_TOKENS ? a->tokens : 0;
+    if (ev) {
+        m.cuda_event.data = (uint8_t *)ev;
+        m.cuda_event.len = 64;
+    }
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_LAYERS_READY;
+    rq.layers_ready = &m;
+    return kvx__call(c, &rq, -1,
+                     f & KVX_READY_FIELD_TIMEOUT ? a->timeout_ms
+                                                 : KVX_TIMEOUT_DEFAULT_MS,
+                     NULL);
+}
+
+int kvx__progress(kvx_client_t *c, const char *fn, const kvx_progress_args_t *a)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!a)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
+    uint64_t f = a->field_mask;
+    int rc = mask_known(c, fn, &PROGRESS, f);
+    if (!rc)
+        rc = mask_has(c, fn, &PROGRESS, f, KVX_PROGRESS_FIELD_KEY);
+    if (!rc)
+        rc = kvx__key_arg(c, fn, a->key, a->key_len);
+    if (!rc)
+        rc = mask_has(c, fn, &PROGRESS, f, KVX_PROGRESS_FIELD_LAYERS);
+    if (rc)
+        return rc;
+    if (!a->layers_done || !a->num_layers)
+        return kvx__fail(c, KVX_ERR_INVALID,
+                         "%s: layers_done or num_layers is NULL", fn);
+    uint32_t group = f & KVX_PROGRESS_FIELD_GROUP ? a->group : 0;
+    int *ended = f & KVX_PROGRESS_FIELD_ENDED ? a->ended : NULL;
+    /* an older daemon would ignore the group and answer for table 0 */
+    if (group && c->daemon_minor < 3)
+        return kvx__fail(c, KVX_ERR_VERSION,
+                         "%s: the daemon speaks protocol 2.%u; a block table's "
+                         "progress needs 2.3",
+                         fn, c->daemon_minor);
+    Kvxfer__FetchProgress m = KVXFER__FETCH_PROGRESS__INIT;
+    m.key.data = (uint8_t *)a->key;
+    m.key.len = a->key_len;
+    m.group = group;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_FETCH_PROGRESS;
+    rq.fetch_progress = &m;
+    Kvxfer__Reply *r = NULL;
+    int t =
+        f & KVX_PROGRESS_FIELD_TIMEOUT ? a->timeout_ms : KVX_TIMEOUT_DEFAULT_MS;
+    if ((rc = kvx__call(c, &rq, -1, t, &r)))
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_FETCH_PROGRESS) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        c->broken = 1;
+        return kvx__fail(c, KVX_ERR_PROTOCOL,
+                         "%s: the daemon's reply has no progress", fn);
+    }
+    *a->layers_done = r->fetch_progress->layers_done;
+    *a->num_layers = r->fetch_progress->num_layers;
+    if (ended)
+        *ended = r->fetch_progress->ended;
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
+int kvx_ready(kvx_client_t *c, const kvx_ready_args_t *a)
+{
+    return kvx__ready(c, "kvx_ready", a);
+}
+
+int kvx_progress(kvx_client_t *c, const kvx_progress_args_t *a)
+{
+    return kvx__progress(c, "kvx_progress", a);
+}
+
+/* ---- kvx_reserve ------------------------------------------------------- */
+
+int kvx__reserve(kvx_client_t *c, const char *fn, const kvx_reserve_args_t *a)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!a)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
+    uint64_t f = a->field_mask;
+    int rc = mask_known(c, fn, &RESERVE, f);
+    if (!rc)
+        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_KEY);
+    if (!rc)
+        rc = kvx__key_arg(c, fn, a->key, a->key_len);
+    if (!rc)
+        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_INSTANCE);
+    if (!rc)
+        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_NUM_TOKENS);
+    if (!rc)
+        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_PARAMS);
+    if (rc)
+        return rc;
+    if (!a->instance_id || !a->params)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: %s is NULL", fn,
+                         a->instance_id ? "params" : "instance_id");
+    uint32_t pool_id = f & KVX_RESERVE_FIELD_POOL ? a->pool_id : 0;
+    const kvx_group_t *groups = f & KVX_RESERVE_FIELD_GROUPS ? a->groups : NULL;
+    uint32_t ngroups = f & KVX_RESERVE_FIELD_GROUPS ? a->num_groups : 0;
+    /* an observer has no Hello reply, so no daemon version: the
+     * params returned say whether the daemon took the groups */
+    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
+    if ((rc = kvx__groups_msg(c, fn, groups, ngroups, KVX__GROUPS_RESERVE, gm,
+                              gmp)))
+        return rc;
+    Kvxfer__Reserve m = KVXFER__RESERVE__INIT;
+    m.instance_id = (char *)a->instance_id;
+    m.key.data = (uint8_t *)a->key;
+    m.key.len = a->key_len;
+    m.num_tokens = a->num_tokens;
+    m.pool_id = pool_id ? kvx__pool_daemon(c, pool_id) : 0;
+    m.n_groups = ngroups;
+    m.groups = ngroups ? gmp : NULL;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_RESERVE;
+    rq.reserve = &m;
+    Kvxfer__Reply *r;
+    int t =
+        f & KVX_RESERVE_FIELD_TIMEOUT ? a->timeout_ms : KVX_TIMEOUT_DEFAULT_MS;
+    if ((rc = kvx__call(c, &rq, -1, t, &r)))
+        return rc;
+    rc = kvx__params_take(c, "reserve", r, a->params);
+    kvxfer__reply__free_unpacked(r, NULL);
+    if (rc || !ngroups)
+        return rc;
+    Kvxfer__ContextParams *cp =
+        kvxfer__context_params__unpack(NULL, a->params->len, a->params->data);
+    size_t got = cp ? cp->n_groups : 0;
+    if (cp)
+        kvxfer__context_params__free_unpacked(cp, NULL);
+    if (got != ngroups) {
+        kvx_context_params_free(a->params);
+        return kvx__fail(
+            c, KVX_ERR_VERSION,
+            "%s: the daemon's params carry %zu of the %u groups: it "
+            "speaks a protocol before 2.4 (its reservation ends at "
+            "its lease)",
+            fn, got, ngroups);
+    }
+    return 0;
+}
+
+int kvx_reserve(kvx_client_t *c, const kvx_reserve_args_t *a)
+{
+    return kvx__reserve(c, "kvx_reserve", a);
 }

@@ -12,8 +12,9 @@
 #     calls an internal kvx__ function does not link; make uninstall
 #     removes every file again;
 #   - a program linked against a 2.5 library (a stub of the 2.5 API with
-#     2.5's version node) runs against this one: its kvx_publish and
-#     kvx_fetch bind the 2.x forms, kvx_publish@KVXFER_2.0; one built
+#     2.5's version node) runs against this one: its kvx_publish,
+#     kvx_fetch and kvx_reserve bind the 2.x forms,
+#     kvx_publish@KVXFER_2.0; one built
 #     with KVX_API_2X binds them too; a program calling a 2.x variant gets
 #     a deprecation warning naming kvx_publish / kvx_fetch.
 # Prints PASS/FAIL lines; exits 1 if any check failed.
@@ -182,8 +183,8 @@ else
 fi
 
 # --- programs built against 2.x ------------------------------------------
-# kvx_publish and kvx_fetch changed their signature in 3.0; their 2.x
-# forms keep their 2.x version. A program linked against 2.5 (here: a stub
+# kvx_publish, kvx_fetch and kvx_reserve changed their signature in 3.0;
+# their 2.x forms keep their 2.x version. A program linked against 2.5 (here: a stub
 # library with 2.5's soname and version node, as the 2.5 library had)
 # references kvx_publish@KVXFER_2.0; run against this library, with every
 # symbol bound at start, it must find them.
@@ -195,6 +196,9 @@ int kvx_publish(void *c, uint64_t id, uint32_t pool, const uint32_t *b,
 int kvx_fetch(void *c, uint64_t id, const uint8_t *p, unsigned long pl,
               uint32_t pool, const uint32_t *b, uint32_t nb, uint32_t skip,
               int t)
+{ return 0; }
+int kvx_reserve(void *c, const char *inst, const void *k, unsigned long kl,
+                uint32_t nt, void *params, int t)
 { return 0; }
 const char *kvx_status_name(int s) { return "stub"; }
 EOF
@@ -208,14 +212,18 @@ int kvx_publish(void *c, uint64_t id, uint32_t pool, const uint32_t *b,
 int kvx_fetch(void *c, uint64_t id, const uint8_t *p, unsigned long pl,
               uint32_t pool, const uint32_t *b, uint32_t nb, uint32_t skip,
               int t);
+int kvx_reserve(void *c, const char *inst, const void *k, unsigned long kl,
+                uint32_t nt, void *params, int t);
 const char *kvx_status_name(int s);
 int main(void)
 {
     /* no client: the 2.x forms refuse it, INVALID */
     int a = kvx_publish(NULL, 42, 1, NULL, 0, 7, NULL, 100);
     int b = kvx_fetch(NULL, 42, NULL, 0, 1, NULL, 0, 0, 100);
-    printf("%s %s\n", kvx_status_name(a), kvx_status_name(b));
-    return !(a == -1 && b == -1);
+    int r = kvx_reserve(NULL, "i", "k", 1, 7, NULL, 100);
+    printf("%s %s %s\n", kvx_status_name(a), kvx_status_name(b),
+           kvx_status_name(r));
+    return !(a == -1 && b == -1 && r == -1);
 }
 EOF
 mkdir -p "$tmp/stub"
@@ -225,8 +233,9 @@ if $CC -shared -fPIC -o "$tmp/stub/$soname" "$tmp/stub25.c" \
     ln -sf "$soname" "$tmp/stub/libkvxfer.so" &&
     $CC -o "$tmp/old" "$tmp/old.c" -L"$tmp/stub" -lkvxfer 2>>"$tmp/cc.err"; then
     refs=$(readelf --dyn-syms -W "$tmp/old" |
-        awk '/UND kvx_(publish|fetch)@/ { print $8 }' | sort | tr '\n' ' ')
-    if [ "$refs" = "kvx_fetch@KVXFER_2.0 kvx_publish@KVXFER_2.0 " ]; then
+        awk '/UND kvx_(publish|fetch|reserve)@/ { print $8 }' | sort |
+        tr '\n' ' ')
+    if [ "$refs" = "kvx_fetch@KVXFER_2.0 kvx_publish@KVXFER_2.0 kvx_reserve@KVXFER_2.0 " ]; then
         pass "a program linked against 2.5 needs $refs"
     else
         fail "a program linked against 2.5 needs '$refs'"
@@ -246,15 +255,18 @@ int main(void)
 {
     int a = kvx_publish(NULL, 42, 1, NULL, 0, 7, NULL, 100);
     int b = kvx_fetch(NULL, 42, NULL, 0, 1, NULL, 0, 0, 100);
-    return !(a == KVX_ERR_INVALID && b == KVX_ERR_INVALID);
+    int r = kvx_reserve(NULL, "i", "k", 1, 7, NULL, 100);
+    return !(a == KVX_ERR_INVALID && b == KVX_ERR_INVALID &&
+             r == KVX_ERR_INVALID);
 }
 EOF
 # shellcheck disable=SC2086
 if $CC -Wall -Werror -DKVX_API_2X -DKVX_ALLOW_DEPRECATED -o "$tmp/api2x" \
         "$tmp/api2x.c" $flags 2>"$tmp/cc.err" &&
     readelf --dyn-syms -W "$tmp/api2x" | grep -q 'UND kvx_publish@KVXFER_2.0' &&
+    readelf --dyn-syms -W "$tmp/api2x" | grep -q 'UND kvx_reserve@KVXFER_2.0' &&
     LD_BIND_NOW=1 LD_LIBRARY_PATH="$lib" "$tmp/api2x"; then
-    pass "KVX_API_2X: kvx_publish, kvx_fetch bind kvx_*@KVXFER_2.0 and run"
+    pass "KVX_API_2X: kvx_publish, kvx_fetch, kvx_reserve bind kvx_*@KVXFER_2.0 and run"
 else
     fail "KVX_API_2X program: $(cat "$tmp/cc.err")"
 fi

@@ -31,9 +31,12 @@
  * caller set (UCX's ucp_params_t style): a later release adds members and
  * bits without new symbols, and a program built against an older header
  * sets none of them. Keys, DP rank, block tables, fetch by key,
- * layer-wise offers and batches are members or flags of these. The 2.x
- * variants (kvx_publish_key, kvx_fetch_groups, kvx_fetch_many, ...) stay
- * for this release as thin wrappers, marked deprecated.
+ * layer-wise offers and batches are members or flags of these; so are
+ * the layers, tokens, table and event of a ready mark (kvx_ready) and
+ * the table of a fetch's progress (kvx_progress). The 2.x variants
+ * (kvx_publish_key, kvx_fetch_groups, kvx_fetch_many, kvx_tokens_ready,
+ * kvx_group_fetch_progress, ...) stay for this release as thin wrappers,
+ * marked deprecated.
  */
 #ifndef KVXFER_H
 #define KVXFER_H
@@ -87,6 +90,10 @@ extern "C" {
     KVX_DEPRECATED("kvx_publish (kvxfer.h 3.0: its args say the form)")
 #define KVX_DEPRECATED_FETCH                                                   \
     KVX_DEPRECATED("kvx_fetch (kvxfer.h 3.0: its args say the form)")
+#define KVX_DEPRECATED_READY KVX_DEPRECATED("kvx_ready (kvxfer.h 3.0)")
+#define KVX_DEPRECATED_PROGRESS KVX_DEPRECATED("kvx_progress (kvxfer.h 3.0)")
+#define KVX_DEPRECATED_RESERVE                                                 \
+    KVX_DEPRECATED("kvx_reserve (kvxfer.h 3.0: its args say the form)")
 
 /* The library's release, "3.0.0" (KVX_VERSION_STRING of the library that
  * was loaded, not of the header the program was built with). */
@@ -100,27 +107,27 @@ KVX_EXPORT const char *kvx_version(void);
 /* One status type for the daemon, the protocol and the library. */
 typedef enum {
     KVX_OK = 0,
-    KVX_ERR_INVALID = -1,     /* a field or argument is invalid */
-    KVX_ERR_NOMEM = -2,       /* out of memory */
-    KVX_ERR_IO = -3,          /* socket or system call failed */
-    KVX_ERR_TIMEOUT = -4,     /* the call's own timeout passed */
-    KVX_ERR_PROTOCOL = -5,    /* malformed or oversized frame */
-    KVX_ERR_VERSION = -6,     /* protocol major version differs */
-    KVX_ERR_PERM = -7,        /* peer not allowed by uid/gid lists */
-    KVX_ERR_NOT_FOUND = -8,   /* unknown request, pool or instance */
-    KVX_ERR_EXISTS = -9,      /* already published/fetched/registered */
-    KVX_ERR_STATE = -10,      /* not allowed in this state */
-    KVX_ERR_AUTH = -11,       /* capability token does not match */
-    KVX_ERR_CANCELLED = -12,  /* request was cancelled */
-    KVX_ERR_TIMED_OUT = -13,  /* a daemon deadline (lease, fetch) expired */
-    KVX_ERR_PEER_GONE = -14,  /* the other side disconnected */
-    KVX_ERR_UNSUPPORTED = -15,/* not available in this build/config */
-    KVX_ERR_LIMIT = -16,      /* a configured limit was reached */
-    KVX_ERR_SHUTDOWN = -17,   /* the daemon is draining */
-    KVX_ERR_LAYOUT = -18,     /* layout invalid or does not fit the pool */
-    KVX_ERR_MISMATCH = -19,   /* the two sides' configurations differ */
-    KVX_ERR_CLOSED = -20,     /* the connection is closed */
-    KVX_ERR_BUSY = -21,       /* resource in use */
+    KVX_ERR_INVALID = -1,      /* a field or argument is invalid */
+    KVX_ERR_NOMEM = -2,        /* out of memory */
+    KVX_ERR_IO = -3,           /* socket or system call failed */
+    KVX_ERR_TIMEOUT = -4,      /* the call's own timeout passed */
+    KVX_ERR_PROTOCOL = -5,     /* malformed or oversized frame */
+    KVX_ERR_VERSION = -6,      /* protocol major version differs */
+    KVX_ERR_PERM = -7,         /* peer not allowed by uid/gid lists */
+    KVX_ERR_NOT_FOUND = -8,    /* unknown request, pool or instance */
+    KVX_ERR_EXISTS = -9,       /* already published/fetched/registered */
+    KVX_ERR_STATE = -10,       /* not allowed in this state */
+    KVX_ERR_AUTH = -11,        /* capability token does not match */
+    KVX_ERR_CANCELLED = -12,   /* request was cancelled */
+    KVX_ERR_TIMED_OUT = -13,   /* a daemon deadline (lease, fetch) expired */
+    KVX_ERR_PEER_GONE = -14,   /* the other side disconnected */
+    KVX_ERR_UNSUPPORTED = -15, /* not available in this build/config */
+    KVX_ERR_LIMIT = -16,       /* a configured limit was reached */
+    KVX_ERR_SHUTDOWN = -17,    /* the daemon is draining */
+    KVX_ERR_LAYOUT = -18,      /* layout invalid or does not fit the pool */
+    KVX_ERR_MISMATCH = -19,    /* the two sides' configurations differ */
+    KVX_ERR_CLOSED = -20,      /* the connection is closed */
+    KVX_ERR_BUSY = -21,        /* resource in use */
 } kvx_status_t;
 
 #define KVX_ERR_LAST KVX_ERR_BUSY
@@ -277,7 +284,7 @@ typedef struct kvx_client kvx_client_t;
 typedef struct {
     const char *instance_id; /* unique in the cluster, <= 128 bytes */
     kvx_role_t role;
-    uint32_t rank;           /* pp*(tp*cp) + tp_rank*cp + cp_rank */
+    uint32_t rank; /* pp*(tp*cp) + tp_rank*cp + cp_rank */
     kvx_parallel_t parallel;
     /* 0 = this library's protocol version (tests set others) */
     uint32_t version_major, version_minor;
@@ -534,7 +541,7 @@ KVX_EXPORT void kvx_context_params_free(kvx_context_params_t *params);
  * tokens_per_block T passes ceil(num_tokens / T) blocks to kvx_fetch
  * (whatever skip_tokens). */
 typedef struct {
-    char instance_id[129]; /* the context instance */
+    char instance_id[129];    /* the context instance */
     uint8_t key[KVX_MAX_KEY]; /* the context side's request key */
     uint32_t key_len;
     uint64_t request_id; /* key's uint64_t form; 0 when it is none */
@@ -620,9 +627,10 @@ kvx_publish_layerwise(kvx_client_t *client, const void *key, size_t key_len,
  * KVX_ERR_CANCELLED (cancelled), KVX_ERR_STATE (not published
  * layer-wise by this rank, or ending), KVX_ERR_INVALID (layers outside
  * the pool's, an event for a host pool or one CUDA cannot open). */
-KVX_EXPORT int kvx_layers_ready(kvx_client_t *client, const void *key,
-                                size_t key_len, uint32_t first, uint32_t count,
-                                const void *cuda_event, int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_READY int
+kvx_layers_ready(kvx_client_t *client, const void *key, size_t key_len,
+                 uint32_t first, uint32_t count, const void *cuda_event,
+                 int timeout_ms);
 
 /* A chunked prefill on a layer-wise offer: kvx_layers_ready for the
  * tokens [0, tokens) of those layers only (tokens 0: all of them). A
@@ -634,10 +642,10 @@ KVX_EXPORT int kvx_layers_ready(kvx_client_t *client, const void *key,
  * publish. Errors: KVX_ERR_INVALID (tokens beyond num_tokens or beyond
  * the blocks given; more blocks than num_tokens needs; a block given
  * twice), else kvx_layers_ready's. */
-KVX_EXPORT int kvx_tokens_ready(kvx_client_t *client, const void *key,
-                                size_t key_len, uint32_t first, uint32_t count,
-                                uint32_t tokens, const void *cuda_event,
-                                int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_READY int
+kvx_tokens_ready(kvx_client_t *client, const void *key, size_t key_len,
+                 uint32_t first, uint32_t count, uint32_t tokens,
+                 const void *cuda_event, int timeout_ms);
 KVX_EXPORT int kvx_append_blocks(kvx_client_t *client, const void *key,
                                  size_t key_len, uint32_t pool_id,
                                  const uint32_t *blocks, uint32_t num_blocks,
@@ -651,39 +659,23 @@ KVX_EXPORT int kvx_append_blocks(kvx_client_t *client, const void *key,
  * the fetch has ended and its event is coming. Between daemons layers_done
  * stays 0 until the fetch completes. KVX_ERR_NOT_FOUND: no such fetch in
  * flight. */
-KVX_EXPORT int kvx_fetch_progress(kvx_client_t *client, const void *key,
-                                  size_t key_len, uint32_t *layers_done,
-                                  uint32_t *num_layers, int *ended,
-                                  int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_PROGRESS int
+kvx_fetch_progress(kvx_client_t *client, const void *key, size_t key_len,
+                   uint32_t *layers_done, uint32_t *num_layers, int *ended,
+                   int timeout_ms);
 /* kvx_fetch_progress of one block table of a fetch with groups
  * (kvx_fetch_groups): group 0 the plain table, k + 1 groups[k]; its
  * layers, in its own pool's numbering. KVX_ERR_INVALID: no such table;
  * KVX_ERR_VERSION: the daemon is older than 2.3. */
-KVX_EXPORT int kvx_group_fetch_progress(kvx_client_t *client, const void *key,
-                                        size_t key_len, uint32_t group,
-                                        uint32_t *layers_done,
-                                        uint32_t *num_layers, int *ended,
-                                        int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_PROGRESS int
+kvx_group_fetch_progress(kvx_client_t *client, const void *key, size_t key_len,
+                         uint32_t group, uint32_t *layers_done,
+                         uint32_t *num_layers, int *ended, int timeout_ms);
 
-/* For the instance's scheduler (vLLM's and SGLang's scheduler process,
- * which is not a rank: connected with kvx_connect_observer, under the
- * uid that owns the instance): reserve the offer of request key of
- * instance_id for num_tokens tokens, and get its context params at once,
- * identical to what the ranks' kvx_publish_key will return. The ranks
- * publish their blocks later under the same key and num_tokens; a fetch
- * that comes first waits for them (under its fetch timeout); an offer no
- * rank publishes ends TIMED_OUT at deadlines.offer_lease_ms, an event for
- * the instance's ranks. Call it on the daemon of the instance's rank 0,
- * once a rank there has registered a pool (its layout goes into the
- * params). Errors: KVX_ERR_NOT_FOUND (no such instance on this daemon),
- * KVX_ERR_STATE (not joined or incomplete, no pool registered yet, rank
- * 0 served elsewhere, local pools of different layouts), KVX_ERR_EXISTS
- * (key reserved or published already), KVX_ERR_INVALID (the key,
- * num_tokens 0). An instance of another uid is NOT_FOUND, as one that
- * does not exist. */
-KVX_EXPORT int kvx_reserve(kvx_client_t *client, const char *instance_id,
-                           const void *key, size_t key_len, uint32_t num_tokens,
-                           kvx_context_params_t *params, int timeout_ms);
+/* kvx_reserve, the scheduler's reservation of an offer: see the 3.0
+ * section below (its 2.x form, kvx_reserve(client, instance_id, key,
+ * key_len, num_tokens, params, timeout_ms), stays as
+ * kvx_reserve@KVXFER_2.0 and under KVX_API_2X). */
 /* 2.2, several block tables (hybrid models): one more block table of
  * a request, in a pool of its own layout (registered as any pool):
  *   - a KV group: layers of another shape or kept otherwise, such as
@@ -716,11 +708,12 @@ typedef struct kvx_group {
  * table's pool, needed when the instance's pools differ in layout (a
  * hybrid model's always do); 0: the one layout they share. A daemon
  * before 2.4 ignores the groups: VERSION. */
-KVX_EXPORT int kvx_reserve_groups(kvx_client_t *client, const char *instance_id,
-                                  const void *key, size_t key_len,
-                                  uint32_t num_tokens, uint32_t pool_id,
-                                  const kvx_group_t *groups, uint32_t ngroups,
-                                  kvx_context_params_t *params, int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_RESERVE int
+kvx_reserve_groups(kvx_client_t *client, const char *instance_id,
+                   const void *key, size_t key_len, uint32_t num_tokens,
+                   uint32_t pool_id, const kvx_group_t *groups,
+                   uint32_t ngroups, kvx_context_params_t *params,
+                   int timeout_ms);
 
 /* kvx_publish_key with ngroups more block tables (every context rank
  * gives the same groups, in the same order); layerwise: as
@@ -746,11 +739,10 @@ kvx_publish_groups(kvx_client_t *client, const void *key, size_t key_len,
  * are made ready on their own. A chunked prefill appends blocks to the
  * plain table only: the other tables give all their blocks at the
  * publish. KVX_ERR_INVALID: no such table. */
-KVX_EXPORT int kvx_group_tokens_ready(kvx_client_t *client, const void *key,
-                                      size_t key_len, uint32_t group,
-                                      uint32_t first, uint32_t count,
-                                      uint32_t tokens, const void *cuda_event,
-                                      int timeout_ms);
+KVX_EXPORT KVX_DEPRECATED_READY int
+kvx_group_tokens_ready(kvx_client_t *client, const void *key, size_t key_len,
+                       uint32_t group, uint32_t first, uint32_t count,
+                       uint32_t tokens, const void *cuda_event, int timeout_ms);
 
 /* ---- 3.0: kvx_publish and kvx_fetch -------------------------------------
  *
@@ -958,6 +950,162 @@ int kvx_fetch3(kvx_client_t *client,
                const kvx_fetch_args_t *args) __asm__("kvx_fetch");
 #endif /* KVX_API_2X */
 
+/* ---- 3.0: kvx_ready and kvx_progress ------------------------------------
+ *
+ * The layer-wise verbs, in the same style: an args struct whose
+ * field_mask says which members are set, unknown bits refused by name,
+ * a required one missing refused naming it. */
+
+/* kvx_ready_args_t.field_mask bits */
+/* Required: KEY, LAYERS (first, count). */
+#define KVX_READY_FIELD_KEY (1ull << 0)
+#define KVX_READY_FIELD_LAYERS (1ull << 1) /* first, count */
+#define KVX_READY_FIELD_TOKENS (1ull << 2)
+#define KVX_READY_FIELD_GROUP (1ull << 3)
+#define KVX_READY_FIELD_CUDA_EVENT (1ull << 4)
+#define KVX_READY_FIELD_TIMEOUT (1ull << 5)
+
+typedef struct kvx_ready_args {
+    uint64_t field_mask;
+    /* The key this rank published layer-wise. */
+    const void *key;
+    size_t key_len;
+    /* Layers [first, first + count) of the table's pool (this rank's
+     * layer numbers); count at least 1. */
+    uint32_t first;
+    uint32_t count;
+    /* A chunked prefill: tokens [0, tokens) of those layers are ready;
+     * default 0, all of them. */
+    uint32_t tokens;
+    /* The block table: 0 the plain table, k + 1 the offer's groups[k];
+     * default 0. */
+    uint32_t group;
+    /* The 64 bytes of a cudaIpcGetEventHandle recorded after the work
+     * that writes those layers (GPU pools); default NULL, ready now. */
+    const void *cuda_event;
+    int timeout_ms; /* default KVX_TIMEOUT_DEFAULT_MS */
+} kvx_ready_args_t;
+
+/* Layers of a layer-wise offer (kvx_publish with KVX_PUBLISH_LAYERWISE)
+ * hold its KV: the one call for kvx_layers_ready, kvx_tokens_ready and
+ * kvx_group_tokens_ready, whose comments below give the rules (events,
+ * chunked prefill, block tables). A mark after the offer's transfer
+ * finished (consumed, complete or released) answers 0. Errors:
+ * KVX_ERR_INVALID (a field_mask bit unknown, a required field missing,
+ * the key, count 0, layers or tokens outside the offer's, no such
+ * table, an event for a host pool), KVX_ERR_NOT_FOUND (no such offer),
+ * KVX_ERR_CANCELLED, KVX_ERR_STATE (not published layer-wise by this
+ * rank), KVX_ERR_VERSION (GROUP other than 0 and a daemon before 2.2).
+ * kvx_append_blocks stays its own call: it grows the offer's block
+ * list, a different verb with one form. */
+KVX_EXPORT int kvx_ready(kvx_client_t *client, const kvx_ready_args_t *args);
+
+/* kvx_progress_args_t.field_mask bits */
+/* Required: KEY, LAYERS (layers_done, num_layers). */
+#define KVX_PROGRESS_FIELD_KEY (1ull << 0)
+#define KVX_PROGRESS_FIELD_GROUP (1ull << 1)
+#define KVX_PROGRESS_FIELD_LAYERS (1ull << 2) /* layers_done, num_layers */
+#define KVX_PROGRESS_FIELD_ENDED (1ull << 3)
+#define KVX_PROGRESS_FIELD_TIMEOUT (1ull << 4)
+
+/* The answers are out-pointers among the args, as kvx_publish_args_t's
+ * params and outcome are: a later release adds an answer as a member
+ * and a bit, without a new symbol and without a second struct to grow. */
+typedef struct kvx_progress_args {
+    uint64_t field_mask;
+    /* The generation side's key of the fetch. */
+    const void *key;
+    size_t key_len;
+    /* The block table: 0 the plain table, k + 1 the fetch's groups[k]
+     * (its layers in its own pool's numbering); default 0. */
+    uint32_t group;
+    /* Out: layers [0, *layers_done) of the table's pool, *num_layers in
+     * all, have landed. */
+    uint32_t *layers_done;
+    uint32_t *num_layers;
+    /* Out: 1 once the fetch has ended and its event is coming; default
+     * not asked. */
+    int *ended;
+    int timeout_ms; /* default KVX_TIMEOUT_DEFAULT_MS */
+} kvx_progress_args_t;
+
+/* How far this generation rank's fetch of key has come, so that
+ * attention on landed layers may start while later layers arrive (vLLM's
+ * wait_for_layer_load): the one call for kvx_fetch_progress and
+ * kvx_group_fetch_progress. Errors: KVX_ERR_INVALID (a field_mask bit
+ * unknown, a required field missing, the key, no such table),
+ * KVX_ERR_NOT_FOUND (no such fetch in flight), KVX_ERR_VERSION (GROUP
+ * other than 0 and a daemon before 2.3). */
+KVX_EXPORT int kvx_progress(kvx_client_t *client,
+                            const kvx_progress_args_t *args);
+
+/* kvx_reserve_args_t.field_mask bits */
+/* Required: KEY, INSTANCE, NUM_TOKENS, PARAMS. */
+#define KVX_RESERVE_FIELD_KEY (1ull << 0)
+#define KVX_RESERVE_FIELD_INSTANCE (1ull << 1)
+#define KVX_RESERVE_FIELD_NUM_TOKENS (1ull << 2)
+#define KVX_RESERVE_FIELD_PARAMS (1ull << 3)
+#define KVX_RESERVE_FIELD_POOL (1ull << 4)
+#define KVX_RESERVE_FIELD_GROUPS (1ull << 5) /* groups, num_groups */
+#define KVX_RESERVE_FIELD_TIMEOUT (1ull << 6)
+
+typedef struct kvx_reserve_args {
+    uint64_t field_mask;
+    /* The request's key, 1 to KVX_MAX_KEY bytes, as the ranks will
+     * publish it. */
+    const void *key;
+    size_t key_len;
+    const char *instance_id; /* the context instance */
+    uint32_t num_tokens;     /* the prompt's tokens, at least 1 */
+    /* Out: the context params (free with kvx_context_params_free). */
+    kvx_context_params_t *params;
+    /* The plain table's pool, needed when the instance's pools differ in
+     * layout (a hybrid model's always do); default 0, the one layout they
+     * share. */
+    uint32_t pool_id;
+    /* The request's other block tables (2.4, hybrid models): each names
+     * a pool of its layout that a rank of the instance registered on
+     * this daemon (pool_id), its num_tokens and first_block, and no
+     * blocks; the ranks then publish the same groups (else MISMATCH,
+     * "... that the reservation made"). A daemon before 2.4 ignores
+     * them: KVX_ERR_VERSION. Default none. */
+    const struct kvx_group *groups;
+    uint32_t num_groups;
+    int timeout_ms; /* default KVX_TIMEOUT_DEFAULT_MS */
+} kvx_reserve_args_t;
+
+/* For the instance's scheduler (vLLM's and SGLang's scheduler process,
+ * which is not a rank: connected with kvx_connect_observer, under the
+ * uid that owns the instance): reserve the offer of request key of
+ * instance_id for num_tokens tokens, and get its context params at once,
+ * identical to what the ranks' kvx_publish will return. The ranks
+ * publish their blocks later under the same key and num_tokens; a fetch
+ * that comes first waits for them (under its fetch timeout); an offer no
+ * rank publishes ends TIMED_OUT at deadlines.offer_lease_ms, an event for
+ * the instance's ranks. Call it on the daemon of the instance's rank 0,
+ * once a rank there has registered a pool (its layout goes into the
+ * params). Errors: KVX_ERR_NOT_FOUND (no such instance on this daemon),
+ * KVX_ERR_STATE (not joined or incomplete, no pool registered yet, rank
+ * 0 served elsewhere, local pools of different layouts), KVX_ERR_EXISTS
+ * (key reserved or published already), KVX_ERR_INVALID (the key,
+ * num_tokens 0). An instance of another uid is NOT_FOUND, as one that
+ * does not exist. KVX_ERR_INVALID also names a field_mask bit unknown or
+ * a required field missing. */
+#ifndef KVX_API_2X
+KVX_EXPORT int kvx_reserve(kvx_client_t *client,
+                           const kvx_reserve_args_t *args);
+#else  /* KVX_API_2X */
+/* The 2.x kvx_reserve, bound to kvx_reserve@KVXFER_2.0; the 3.0 call is
+ * kvx_reserve3. */
+KVX_EXPORT KVX_DEPRECATED_RESERVE int
+kvx_reserve(kvx_client_t *client, const char *instance_id, const void *key,
+            size_t key_len, uint32_t num_tokens, kvx_context_params_t *params,
+            int timeout_ms) __asm__("kvx__reserve_2x");
+__asm__(".symver kvx__reserve_2x, kvx_reserve@KVXFER_2.0");
+int kvx_reserve3(kvx_client_t *client,
+                 const kvx_reserve_args_t *args) __asm__("kvx_reserve");
+#endif /* KVX_API_2X */
+
 /* ---- 2.x calls, deprecated by kvx_publish / kvx_fetch ------------------
  * Each is kvx_publish or kvx_fetch with the members it names; they stay
  * for 3.x and go in 4.0. The 2.x kvx_publish(client, request_id, ...)
@@ -1082,10 +1230,10 @@ typedef enum {
 typedef struct {
     uint64_t request_id; /* key's uint64_t form; 0 when it is none */
     kvx_event_kind_t kind;
-    int code;             /* kvx_status_t, 0 for COMPLETE */
-    const char *message;  /* owned by the batch */
-    const uint8_t *key;   /* the request's key (this side's), owned by
-                             the batch */
+    int code;            /* kvx_status_t, 0 for COMPLETE */
+    const char *message; /* owned by the batch */
+    const uint8_t *key;  /* the request's key (this side's), owned by
+                            the batch */
     uint32_t key_len;
     const uint8_t *aux; /* generation side, COMPLETE: the aux payload
                            published with the KV (NULL/0: none; see
@@ -1094,7 +1242,7 @@ typedef struct {
 } kvx_event_t;
 
 typedef struct {
-    uint64_t seq;         /* batch number k, 0, 1, 2, ... per rank */
+    uint64_t seq; /* batch number k, 0, 1, 2, ... per rank */
     uint32_t num_events;
     kvx_event_t *events;
 } kvx_batch_t;

@@ -204,6 +204,69 @@ FetchArgs._fields_ = [
 ]
 
 
+# kvx_ready_args_t / kvx_progress_args_t / kvx_reserve_args_t (3.0)
+READY_FIELD_KEY = 1 << 0
+READY_FIELD_LAYERS = 1 << 1
+READY_FIELD_TOKENS = 1 << 2
+READY_FIELD_GROUP = 1 << 3
+READY_FIELD_CUDA_EVENT = 1 << 4
+READY_FIELD_TIMEOUT = 1 << 5
+PROGRESS_FIELD_KEY = 1 << 0
+PROGRESS_FIELD_GROUP = 1 << 1
+PROGRESS_FIELD_LAYERS = 1 << 2
+PROGRESS_FIELD_ENDED = 1 << 3
+PROGRESS_FIELD_TIMEOUT = 1 << 4
+RESERVE_FIELD_KEY = 1 << 0
+RESERVE_FIELD_INSTANCE = 1 << 1
+RESERVE_FIELD_NUM_TOKENS = 1 << 2
+RESERVE_FIELD_PARAMS = 1 << 3
+RESERVE_FIELD_POOL = 1 << 4
+RESERVE_FIELD_GROUPS = 1 << 5
+RESERVE_FIELD_TIMEOUT = 1 << 6
+
+
+class ReadyArgs(Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("key", c_void_p),
+        ("key_len", c_size_t),
+        ("first", c_uint32),
+        ("count", c_uint32),
+        ("tokens", c_uint32),
+        ("group", c_uint32),
+        ("cuda_event", c_void_p),
+        ("timeout_ms", c_int),
+    ]
+
+
+class ProgressArgs(Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("key", c_void_p),
+        ("key_len", c_size_t),
+        ("group", c_uint32),
+        ("layers_done", POINTER(c_uint32)),
+        ("num_layers", POINTER(c_uint32)),
+        ("ended", POINTER(c_int)),
+        ("timeout_ms", c_int),
+    ]
+
+
+class ReserveArgs(Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("key", c_void_p),
+        ("key_len", c_size_t),
+        ("instance_id", c_char_p),
+        ("num_tokens", c_uint32),
+        ("params", POINTER(ContextParams)),
+        ("pool_id", c_uint32),
+        ("groups", POINTER(Group)),
+        ("num_groups", c_uint32),
+        ("timeout_ms", c_int),
+    ]
+
+
 class ParamsInfo(Structure):
     _fields_ = [
         ("instance_id", ctypes.c_char * 129),
@@ -357,8 +420,9 @@ _PROTOS = {
                                          c_uint32, POINTER(c_uint32),
                                          POINTER(c_uint32), POINTER(c_int),
                                          c_int]),
-    "kvx_reserve": (c_int, [_client_p, c_char_p, c_char_p, c_size_t, c_uint32,
-                            POINTER(ContextParams), c_int]),
+    "kvx_reserve": (c_int, [_client_p, POINTER(ReserveArgs)]),
+    "kvx_ready": (c_int, [_client_p, POINTER(ReadyArgs)]),
+    "kvx_progress": (c_int, [_client_p, POINTER(ProgressArgs)]),
     "kvx_reserve_groups": (c_int, [_client_p, c_char_p, c_char_p, c_size_t,
                                    c_uint32, c_uint32, POINTER(Group),
                                    c_uint32, POINTER(ContextParams), c_int]),

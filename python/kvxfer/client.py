@@ -935,8 +935,8 @@ class Client:
                      group: int = 0,
                      timeout: Timeout = _DEFAULT) -> None:
         """Layers ``[first, first + count)`` of this rank's pool hold the
-        KV of ``key``, published with ``layerwise=True``
-        (kvx_layers_ready). Host pools: call it once they are written.
+        KV of ``key``, published with ``layerwise=True`` (kvx_ready).
+        Host pools: call it once they are written.
         GPU pools: pass ``event``, an interprocess CUDA event recorded on
         the stream after the work that writes them (a
         ``torch.cuda.Event(interprocess=True)``, or the 64 bytes of its
@@ -945,9 +945,9 @@ class Client:
         layer (or a ring deeper than the layers in flight).
 
         ``tokens`` (a chunked prefill): the layers hold tokens
-        ``[0, tokens)`` only (kvx_tokens_ready); None: all of them.
-        ``group``: the block table whose layers these are (0: the plain
-        one, k + 1: the publish's ``groups[k]``; kvx_group_tokens_ready)."""
+        ``[0, tokens)`` only; None: all of them. ``group``: the block
+        table whose layers these are (0: the plain one, k + 1: the
+        publish's ``groups[k]``)."""
         k = key_bytes(key)
         first, count = integer("first", first), integer("count", count)
         toks = 0 if tokens is None else integer("tokens", tokens)
@@ -960,12 +960,18 @@ class Client:
             if len(ev) != 64:
                 raise InvalidArgument(-1, f"event: {len(ev)} bytes (a "
                                       "cudaIpcEventHandle_t has 64)")
-        if group:
-            self._call("kvx_group_tokens_ready", k, len(k), group, first,
-                       count, toks, ev, self._ms(timeout))
-        else:
-            self._call("kvx_tokens_ready", k, len(k), first, count, toks, ev,
-                       self._ms(timeout))
+        keep: List[Any] = []
+        a = _lib.ReadyArgs(
+            field_mask=_lib.READY_FIELD_KEY | _lib.READY_FIELD_LAYERS |
+            _lib.READY_FIELD_TOKENS | _lib.READY_FIELD_GROUP |
+            _lib.READY_FIELD_CUDA_EVENT | _lib.READY_FIELD_TIMEOUT,
+            key=_buf(k, keep),
+            key_len=len(k), first=first, count=count, tokens=toks,
+            group=group, timeout_ms=self._ms(timeout))
+        if ev is not None:
+            a.cuda_event = _buf(ev, keep)
+        self._call("kvx_ready", ctypes.byref(a))
+        del keep
 
     def append_blocks(self, key: Key, pool: PoolRef, blocks: Blocks,
                       timeout: Timeout = _DEFAULT) -> None:
@@ -983,24 +989,26 @@ class Client:
     def fetch_progress(self, key: Key, timeout: Timeout = _DEFAULT, *,
                        group: int = 0) -> Tuple[int, int, bool]:
         """``(layers_done, num_layers, ended)`` of this rank's fetch of
-        ``key`` (kvx_fetch_progress): layers ``[0, layers_done)`` of its
+        ``key`` (kvx_progress): layers ``[0, layers_done)`` of its
         pool have landed, so attention may start on them while later
         layers arrive; ``ended``: its event is coming. ``group``: that
         block table of a fetch with groups (k + 1: ``groups[k]``, its own
-        pool's layers; kvx_group_fetch_progress). Raises
-        :class:`NotFound` once the fetch is over."""
+        pool's layers). Raises :class:`NotFound` once the fetch is over."""
         k = key_bytes(key)
         group = integer("group", group)
         done, total, ended = ctypes.c_uint32(), ctypes.c_uint32(), \
             ctypes.c_int()
-        if group:
-            self._call("kvx_group_fetch_progress", k, len(k), group,
-                       ctypes.byref(done), ctypes.byref(total),
-                       ctypes.byref(ended), self._ms(timeout))
-        else:
-            self._call("kvx_fetch_progress", k, len(k), ctypes.byref(done),
-                       ctypes.byref(total), ctypes.byref(ended),
-                       self._ms(timeout))
+        keep: List[Any] = []
+        a = _lib.ProgressArgs(
+            field_mask=_lib.PROGRESS_FIELD_KEY | _lib.PROGRESS_FIELD_GROUP |
+            _lib.PROGRESS_FIELD_LAYERS | _lib.PROGRESS_FIELD_ENDED |
+            _lib.PROGRESS_FIELD_TIMEOUT,
+            key=_buf(k, keep),
+            key_len=len(k), group=group,
+            layers_done=ctypes.pointer(done), num_layers=ctypes.pointer(total),
+            ended=ctypes.pointer(ended), timeout_ms=self._ms(timeout))
+        self._call("kvx_progress", ctypes.byref(a))
+        del keep
         return int(done.value), int(total.value), bool(ended.value)
 
     def cancel(self, key: Key, timeout: Timeout = _DEFAULT) -> None:
@@ -1020,8 +1028,7 @@ class Client:
         ranks' :meth:`publish` will return (kvx_reserve). Call it on the
         daemon of the instance's rank 0 once a rank registered a pool.
 
-        A hybrid model (kvx_reserve_groups, 2.4): ``groups`` as the ranks
-        will publish them, each :class:`Group` naming a pool of its layout
+        A hybrid model (2.4): ``groups`` as the ranks will publish them, each :class:`Group` naming a pool of its layout
         that a rank registered, ``num_tokens`` and ``first_block``, and no
         blocks (``Group(pool, [], num_tokens=...)``); ``pool``: the plain
         table's pool (needed when the instance's pools differ in layout,
@@ -1044,9 +1051,19 @@ class Client:
             arr[i].pool_id = _pool_id(g.pool, f"{at}.pool")
             arr[i].num_tokens = integer(f"{at}.num_tokens", g.num_tokens)
             arr[i].first_block = integer(f"{at}.first_block", g.first_block)
-        self._call("kvx_reserve_groups", instance_id.encode(), k, len(k),
-                   num_tokens, pid, arr, len(groups), ctypes.byref(params),
-                   self._ms(timeout))
+        keep: List[Any] = []
+        a = _lib.ReserveArgs(
+            field_mask=_lib.RESERVE_FIELD_KEY | _lib.RESERVE_FIELD_INSTANCE |
+            _lib.RESERVE_FIELD_NUM_TOKENS | _lib.RESERVE_FIELD_PARAMS |
+            _lib.RESERVE_FIELD_POOL | _lib.RESERVE_FIELD_GROUPS |
+            _lib.RESERVE_FIELD_TIMEOUT,
+            key=_buf(k, keep),
+            key_len=len(k), instance_id=instance_id.encode(),
+            num_tokens=num_tokens, params=ctypes.pointer(params),
+            pool_id=pid, groups=ctypes.cast(arr, ctypes.POINTER(_lib.Group)),
+            num_groups=len(groups), timeout_ms=self._ms(timeout))
+        self._call("kvx_reserve", ctypes.byref(a))
+        del keep
         try:
             return ctypes.string_at(params.data, params.len)
         finally:

@@ -810,3 +810,32 @@ def test_spin_us_reads_the_same_bytes(daemon, names):
         ctx.close()
     with pytest.raises(kvxfer.InvalidArgument, match="at most"):
         kvxfer.Client(daemon.sock, spin_us=10**6)
+
+
+def test_layerwise_calls_go_through_the_3_0_verbs(pair, names):
+    """layers_ready, fetch_progress and reserve call kvx_ready,
+    kvx_progress and kvx_reserve (3.0 args structs): the library's own
+    refusal names kvx_ready, and the layers, tokens and progress still
+    move and count as before."""
+    ctx, gen = pair
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    fill(src.array, 31)
+    req = names["req"]
+    params = ctx.publish(req, src, [1, 2], num_tokens=2 * TPB,
+                         layerwise=True)
+    gen.fetch(req, params, dst, [4, 5])
+    with pytest.raises(kvxfer.InvalidArgument, match="kvx_ready: count 0"):
+        ctx.layers_ready(req, 0, 0)
+    assert gen.fetch_progress(req) == (0, LAYERS, False)
+    ctx.layers_ready(req, 0, 1, tokens=2 * TPB)
+    deadline = time.monotonic() + 3
+    while gen.fetch_progress(req)[0] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gen.fetch_progress(req, group=0)[:2] == (1, LAYERS)
+    ctx.layers_ready(req, 1, LAYERS - 1)
+    for c in (gen, ctx):
+        assert wait_event(c, req).kind is EventKind.COMPLETE
+    a, b = lo.offset(0, 0, 1), lo.offset(0, 0, 4)
+    n = lo.offset(0, 0, 3) - a
+    assert (dst.array[b:b + n] == src.array[a:a + n]).all()

@@ -4,7 +4,8 @@
  * built with KVX_API_2X, so its kvx_publish is the 2.x one): every form
  * through field_mask, batches of mixed forms whose items each get their
  * own code and message (with block tables too), the args refused by
- * name, kvx_version. The 2.x calls, now wrappers, are what every other
+ * name, kvx_version; kvx_ready and kvx_progress by their args, and
+ * refused by name. The 2.x calls, now wrappers, are what every other
  * file of this binary uses.
  */
 
@@ -427,4 +428,316 @@ TEST(api3_batch_with_block_tables)
     kvx_context_params_free(&p[1]);
     hybrid_close(&h);
     daemon_healthy(d);
+}
+
+/* kvx_progress until *done >= n (or 3 s). */
+static void progress3_reaches(const rank_t *g, kvx_progress_args_t *a,
+                              uint32_t n)
+{
+    int64_t end = now_ms() + 3000;
+    do {
+        CHECK_KVX(kvx_progress(g->c, a), g->c);
+        if (*a->layers_done >= n)
+            return;
+        sleep_ms(5);
+    } while (now_ms() < end);
+}
+
+/* kvx_ready and kvx_progress through their args: a layer-wise offer
+ * whose layers are said ready with the defaults (no event, every token,
+ * the plain table), then by tokens with every field set, then by the
+ * 2.x kvx_tokens_ready (a wrapper now); only ready rows move, progress
+ * counts the landed layers and says ended, and a mark after the
+ * transfer answers 0. */
+TEST(api3_ready_and_progress)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "a3l-ctx", "a3l-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    memset(c.base, 0x11, c.size); /* no layer's KV yet */
+    uint32_t cb[3] = {5, 0, 7}, gb[3] = {2, 6, 4};
+    const uint32_t ntok = 10, req = 171;
+    kvx_context_params_t p;
+    kvx_publish_args_t pa = pub_args("a3l", c.pool, cb, 3, ntok, &p);
+    pa.field_mask |= KVX_PUBLISH_FIELD_FLAGS;
+    pa.flags = KVX_PUBLISH_LAYERWISE;
+    CHECK_KVX(kvx_publish3(c.c, &pa), c.c);
+    kvx_fetch_args_t fa = fetch_args("a3l-g", g.pool, gb, 3, &p);
+    CHECK_KVX(kvx_fetch3(g.c, &fa), g.c);
+
+    uint32_t done = 9, total = 0;
+    int ended = 1;
+    kvx_progress_args_t pr = {.field_mask = KVX_PROGRESS_FIELD_KEY |
+                                            KVX_PROGRESS_FIELD_LAYERS |
+                                            KVX_PROGRESS_FIELD_ENDED,
+                              .key = "a3l-g",
+                              .key_len = 5,
+                              .layers_done = &done,
+                              .num_layers = &total,
+                              .ended = &ended};
+    CHECK_KVX(kvx_progress(g.c, &pr), g.c);
+    CHECK_EQ(done, 0);
+    CHECK_EQ(total, 4);
+    CHECK_EQ(ended, 0);
+
+    /* layer 0, the defaults: it lands, the others stay */
+    fill_layers(&c, req, cb, ntok, 0, 1);
+    kvx_ready_args_t ra = {.field_mask =
+                               KVX_READY_FIELD_KEY | KVX_READY_FIELD_LAYERS,
+                           .key = "a3l",
+                           .key_len = 3,
+                           .first = 0,
+                           .count = 1,
+                           .tokens = 99, /* not in the mask: unread */
+                           .group = 5};
+    CHECK_KVX(kvx_ready(c.c, &ra), c.c);
+    CHECK_EQ(tokens_arrive(&g, req, gb, 0, ntok, 0, 1), 0);
+    progress3_reaches(&g, &pr, 1);
+    CHECK_EQ(done, 1);
+    CHECK_EQ(layers_hold(&g, req, gb, ntok, 1, 4, 0, 0xa5), 0);
+
+    /* layers 1 to 3, tokens [0, 4) only, every field set */
+    fill_tokens(&c, req, cb, 0, 4, 1, 4);
+    ra = (kvx_ready_args_t){
+        .field_mask = KVX_READY_FIELD_KEY | KVX_READY_FIELD_LAYERS |
+                      KVX_READY_FIELD_TOKENS | KVX_READY_FIELD_GROUP |
+                      KVX_READY_FIELD_CUDA_EVENT | KVX_READY_FIELD_TIMEOUT,
+        .key = "a3l",
+        .key_len = 3,
+        .first = 1,
+        .count = 3,
+        .tokens = 4,
+        .group = 0,
+        .cuda_event = NULL,
+        .timeout_ms = T_MS};
+    CHECK_KVX(kvx_ready(c.c, &ra), c.c);
+    CHECK_EQ(tokens_arrive(&g, req, gb, 0, 4, 1, 4), 0);
+    CHECK_EQ(tokens_hold(&g, req, gb, 4, ntok, 1, 4, 0, 0xa5), 0);
+    pr.field_mask |= KVX_PROGRESS_FIELD_GROUP | KVX_PROGRESS_FIELD_TIMEOUT;
+    pr.group = 0;
+    pr.timeout_ms = T_MS;
+    CHECK_KVX(kvx_progress(g.c, &pr), g.c);
+    CHECK_EQ(done, 1); /* layers 1 to 3 are not whole */
+
+    /* the rest by the 2.x call, a wrapper of kvx_ready */
+    fill_tokens(&c, req, cb, 4, ntok, 1, 4);
+    CHECK_KVX(kvx_tokens_ready(c.c, "a3l", 3, 1, 3, 0, NULL, T_MS), c.c);
+    CHECK_EQ(wait_key(g.c, "a3l-g", 5, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "a3l", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = req, .blocks = gb, .ntok = ntok};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    /* ended and polled: no fetch to ask about; a late mark is 0 */
+    CHECK_FAILS(kvx_progress(g.c, &pr), g.c, KVX_ERR_NOT_FOUND,
+                "no fetch of request a3l-g");
+    CHECK_KVX(kvx_ready(c.c, &ra), c.c);
+    CHECK_KVX(kvx_layers_ready(c.c, "a3l", 3, 0, 1, NULL, T_MS), c.c);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* What kvx_ready and kvx_progress refuse, each by name, nothing sent:
+ * NULL args, a field_mask bit unknown, a required field missing, count
+ * 0, NULL out-pointers; a table the fetch does not have is the daemon's
+ * refusal, reached through GROUP. The 2.x wrappers keep their names in
+ * messages. */
+TEST(api3_ready_progress_refused_by_name)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "a3m-ctx", "a3m-gen", 8, &c, &g, &cs, &gs);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    kvx_context_params_t p;
+    kvx_publish_args_t pa = pub_args("a3m", c.pool, cb, 2, 8, &p);
+    pa.field_mask |= KVX_PUBLISH_FIELD_FLAGS;
+    pa.flags = KVX_PUBLISH_LAYERWISE;
+    CHECK_KVX(kvx_publish3(c.c, &pa), c.c);
+    kvx_fetch_args_t fa = fetch_args("a3m-g", g.pool, gb, 2, &p);
+    CHECK_KVX(kvx_fetch3(g.c, &fa), g.c);
+
+    CHECK_FAILS(kvx_ready(c.c, NULL), c.c, KVX_ERR_INVALID,
+                "kvx_ready: args is NULL");
+    kvx_ready_args_t ra = {.field_mask = KVX_READY_FIELD_KEY |
+                                         KVX_READY_FIELD_LAYERS | (1ull << 6),
+                           .key = "a3m",
+                           .key_len = 3,
+                           .count = 1};
+    CHECK_FAILS(kvx_ready(c.c, &ra), c.c, KVX_ERR_INVALID,
+                "kvx_ready: field_mask bit 0x40 is unknown to libkvxfer "
+                "3.0.0 (it knows bits 0x3f: KVX_READY_FIELD_KEY to "
+                "KVX_READY_FIELD_TIMEOUT)");
+    ra.field_mask = KVX_READY_FIELD_KEY;
+    CHECK_FAILS(kvx_ready(c.c, &ra), c.c, KVX_ERR_INVALID,
+                "kvx_ready: field_mask lacks KVX_READY_FIELD_LAYERS");
+    ra.field_mask = KVX_READY_FIELD_LAYERS;
+    CHECK_FAILS(kvx_ready(c.c, &ra), c.c, KVX_ERR_INVALID,
+                "kvx_ready: field_mask lacks KVX_READY_FIELD_KEY");
+    ra.field_mask = KVX_READY_FIELD_KEY | KVX_READY_FIELD_LAYERS;
+    ra.count = 0;
+    CHECK_FAILS(kvx_ready(c.c, &ra), c.c, KVX_ERR_INVALID,
+                "kvx_ready: count 0");
+    CHECK_FAILS(kvx_layers_ready(c.c, "a3m", 3, 0, 0, NULL, T_MS), c.c,
+                KVX_ERR_INVALID, "kvx_layers_ready: count 0");
+    ra.count = 1;
+    ra.key_len = 0;
+    CHECK_FAILS(kvx_ready(c.c, &ra), c.c, KVX_ERR_INVALID,
+                "kvx_ready: key of 0 bytes");
+
+    uint32_t done, total;
+    CHECK_FAILS(kvx_progress(g.c, NULL), g.c, KVX_ERR_INVALID,
+                "kvx_progress: args is NULL");
+    kvx_progress_args_t pr = {.field_mask = KVX_PROGRESS_FIELD_KEY |
+                                            KVX_PROGRESS_FIELD_LAYERS |
+                                            (1ull << 33),
+                              .key = "a3m-g",
+                              .key_len = 5,
+                              .layers_done = &done,
+                              .num_layers = &total};
+    CHECK_FAILS(kvx_progress(g.c, &pr), g.c, KVX_ERR_INVALID,
+                "kvx_progress: field_mask bit 0x200000000 is unknown to "
+                "libkvxfer 3.0.0 (it knows bits 0x1f: KVX_PROGRESS_FIELD_KEY "
+                "to KVX_PROGRESS_FIELD_TIMEOUT)");
+    pr.field_mask = KVX_PROGRESS_FIELD_KEY;
+    CHECK_FAILS(kvx_progress(g.c, &pr), g.c, KVX_ERR_INVALID,
+                "kvx_progress: field_mask lacks KVX_PROGRESS_FIELD_LAYERS");
+    pr.field_mask = KVX_PROGRESS_FIELD_KEY | KVX_PROGRESS_FIELD_LAYERS;
+    pr.num_layers = NULL;
+    CHECK_FAILS(kvx_progress(g.c, &pr), g.c, KVX_ERR_INVALID,
+                "kvx_progress: layers_done or num_layers is NULL");
+    pr.num_layers = &total;
+    pr.field_mask |= KVX_PROGRESS_FIELD_GROUP;
+    pr.group = 1;
+    CHECK_FAILS(kvx_progress(g.c, &pr), g.c, KVX_ERR_INVALID,
+                "fetch_progress.group: 1, but request a3m-g has 1 block "
+                "table");
+    pr.group = 0;
+    CHECK_KVX(kvx_progress(g.c, &pr), g.c);
+    CHECK_EQ(done, 0);
+    CHECK_EQ(total, 4);
+    CHECK_FAILS(kvx_fetch_progress(g.c, "a3m-g", 5, NULL, &total, NULL, T_MS),
+                g.c, KVX_ERR_INVALID, "kvx_fetch_progress: layers_done");
+
+    /* nothing refused above reached the daemon: the offer still waits */
+    CHECK_KVX(kvx_layers_ready(c.c, "a3m", 3, 0, 4, NULL, T_MS), c.c);
+    CHECK_EQ(wait_key(g.c, "a3m-g", 5, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "a3m", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
+
+/* kvx_reserve through its args (kvx_reserve3 here): the scheduler's
+ * params come at once, the rank's kvx_publish returns the same bytes,
+ * and a fetch made before the publish lands them. The 2.x kvx_reserve
+ * (kvx_reserve@KVXFER_2.0) and kvx_reserve_groups still reserve, with
+ * their names in messages; the args are refused by name. */
+TEST(api3_reserve)
+{
+    daemon_t *d = daemon_start(NULL);
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "a3s-ctx", "a3s-gen", 8, &c, &g, &cs, &gs);
+    memset(g.base, 0xa5, g.size);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(d->sock, T_MS, &sched), 0);
+    kvx_context_params_t rp, pp, xp = {0};
+    kvx_reserve_args_t ra = {
+        .field_mask = KVX_RESERVE_FIELD_KEY | KVX_RESERVE_FIELD_INSTANCE |
+                      KVX_RESERVE_FIELD_NUM_TOKENS | KVX_RESERVE_FIELD_PARAMS,
+        .key = "a3s",
+        .key_len = 3,
+        .instance_id = "a3s-ctx",
+        .num_tokens = 7,
+        .params = &rp,
+        .pool_id = 77, /* not in the mask: unread */
+        .num_groups = 3};
+    CHECK_KVX(kvx_reserve3(sched, &ra), sched);
+    kvx_params_info_t info;
+    CHECK_EQ(kvx_params_info(rp.data, rp.len, &info), KVX_OK);
+    CHECK_EQ(info.num_tokens, 7);
+    CHECK(!strcmp(info.instance_id, "a3s-ctx"));
+
+    /* refused by name, nothing sent */
+    CHECK_FAILS(kvx_reserve3(sched, NULL), sched, KVX_ERR_INVALID,
+                "kvx_reserve: args is NULL");
+    kvx_reserve_args_t bad = ra;
+    bad.key = "a3s-x";
+    bad.key_len = 5;
+    bad.params = &xp;
+    bad.field_mask |= 1ull << 7;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: field_mask bit 0x80 is unknown to libkvxfer "
+                "3.0.0 (it knows bits 0x7f: KVX_RESERVE_FIELD_KEY to "
+                "KVX_RESERVE_FIELD_TIMEOUT)");
+    bad.field_mask = ra.field_mask & ~KVX_RESERVE_FIELD_INSTANCE;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: field_mask lacks KVX_RESERVE_FIELD_INSTANCE");
+    bad.field_mask = ra.field_mask & ~KVX_RESERVE_FIELD_PARAMS;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: field_mask lacks KVX_RESERVE_FIELD_PARAMS");
+    bad.field_mask = ra.field_mask;
+    bad.instance_id = NULL;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: instance_id is NULL");
+    bad.instance_id = "a3s-ctx";
+    bad.field_mask |= KVX_RESERVE_FIELD_GROUPS;
+    bad.groups = NULL;
+    bad.num_groups = 1;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
+                "kvx_reserve: groups is NULL with ngroups 1");
+    /* the daemon's refusals, through every optional field */
+    bad = ra;
+    bad.field_mask |= KVX_RESERVE_FIELD_POOL | KVX_RESERVE_FIELD_GROUPS |
+                      KVX_RESERVE_FIELD_TIMEOUT;
+    bad.pool_id = 0;
+    bad.groups = NULL;
+    bad.num_groups = 0;
+    bad.timeout_ms = T_MS;
+    bad.params = &xp;
+    CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_EXISTS,
+                "a3s of instance a3s-ctx is reserved");
+    /* the 2.x calls, wrappers now */
+    CHECK_FAILS(kvx_reserve(sched, "a3s-ctx", "z", 1, 0, &xp, T_MS), sched,
+                KVX_ERR_INVALID, "reserve.num_tokens: 0");
+    CHECK_FAILS(kvx_reserve(sched, "a3s-ctx", "", 0, 7, &xp, T_MS), sched,
+                KVX_ERR_INVALID, "kvx_reserve: key of 0 bytes");
+    CHECK_FAILS(
+        kvx_reserve_groups(sched, "a3s-ctx", "z", 1, 7, 0, NULL, 2, &xp, T_MS),
+        sched, KVX_ERR_INVALID,
+        "kvx_reserve_groups: groups is NULL with ngroups 2");
+    kvx_context_params_t p2;
+    CHECK_KVX(kvx_reserve(sched, "a3s-ctx", "a3s-2", 5, 4, &p2, T_MS), sched);
+    CHECK_EQ(kvx_params_info(p2.data, p2.len, &info), KVX_OK);
+    CHECK_EQ(info.num_tokens, 4);
+    kvx_context_params_free(&p2);
+    kvx_close(sched);
+
+    /* the fetch first; the publish returns the reserved params */
+    uint32_t cb[2] = {6, 2}, gb[2] = {3, 4};
+    kvx_fetch_args_t fa = fetch_args("a3s-g", g.pool, gb, 2, &rp);
+    CHECK_KVX(kvx_fetch3(g.c, &fa), g.c);
+    ev_t e[4];
+    CHECK_EQ(collect(g.c, e, 4, 1, 200), 0); /* nothing yet */
+    fill_req(&c, 4343, cb, 7);
+    kvx_publish_args_t pa = pub_args("a3s", c.pool, cb, 2, 7, &pp);
+    CHECK_KVX(kvx_publish3(c.c, &pa), c.c);
+    CHECK_EQ(pp.len, rp.len);
+    CHECK(!memcmp(pp.data, rp.data, rp.len));
+    CHECK_EQ(wait_key(g.c, "a3s-g", 5, 3000).kind, KVX_EVENT_COMPLETE);
+    CHECK_EQ(wait_key(c.c, "a3s", 3, 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = 4343, .blocks = gb, .ntok = 7};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    kvx_context_params_free(&rp);
+    kvx_context_params_free(&pp);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
 }
