@@ -19,8 +19,8 @@
 #include <yaml.h>
 
 #include "client/internal.h"
-#include "copy/plan.h"
 #include "common/reqkey.h"
+#include "copy/plan.h"
 
 #define TIMEOUT_MS 5000
 

@@ -46,9 +46,9 @@
 #include <string.h>
 
 #include "agree.h"
+#include "common/list.h"
 #include "core/daemon.h"
 #include "core/fault.h"
-#include "common/list.h"
 #include "core/log.h"
 #include "net/peer.h"
 #include "xfer/xfer.h"

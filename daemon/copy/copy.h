@@ -17,8 +17,8 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "gpu.h"
 #include "common/list.h"
+#include "gpu.h"
 #include "plan.h"
 
 typedef struct copy_job copy_job_t;

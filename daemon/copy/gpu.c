@@ -10,13 +10,13 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include "common/layout.h"
+#include "common/list.h"
 #include "core/daemon.h"
+#include "core/log.h"
 #include "gpu.h"
 #include "gpu_desc.h"
 #include "gpu_walk.h"
-#include "common/layout.h"
-#include "common/list.h"
-#include "core/log.h"
 
 #define MAX_DEV 64
 #define CU_OK(call) ((call) == cudaSuccess)

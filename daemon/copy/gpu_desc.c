@@ -6,9 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/layout.h"
 #include "gpu_desc.h"
 #include "gpu_walk.h"
-#include "common/layout.h"
 #include "plan.h"
 
 /* Bump allocator over one host buffer that is then copied to the device

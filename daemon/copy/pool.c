@@ -9,9 +9,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/layout.h"
 #include "copy.h"
 #include "core/daemon.h"
-#include "common/layout.h"
 #include "core/log.h"
 #include "core/map.h"
 #include "pool.h"

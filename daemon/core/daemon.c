@@ -6,8 +6,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon.h"
 #include "common/list.h"
+#include "daemon.h"
 #include "map.h"
 
 kvxd_t kvxd;

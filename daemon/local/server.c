@@ -13,10 +13,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "core/daemon.h"
 #include "common/frame.h"
-#include "kvxfer.pb-c.h"
+#include "core/daemon.h"
 #include "core/log.h"
+#include "kvxfer.pb-c.h"
 #include "server.h"
 #include "session.h"
 

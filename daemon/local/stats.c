@@ -6,13 +6,13 @@
 
 #include "agree/agree.h"
 #include "copy/copy.h"
-#include "core/daemon.h"
 #include "copy/gpu.h"
-#include "xfer/instance.h"
-#include "net/peer.h"
 #include "copy/pool.h"
+#include "core/daemon.h"
+#include "net/peer.h"
 #include "remote/remote.h"
 #include "stats.h"
+#include "xfer/instance.h"
 #include "xfer/xfer.h"
 
 struct conf_acc {

@@ -28,8 +28,8 @@
 
 #include "core/daemon.h"
 #include "core/fault.h"
-#include "lane.h"
 #include "core/log.h"
+#include "lane.h"
 #include "ucx.h"
 
 #define AM_LANE_DATA 2 /* the same id as peer.c's AM_DATA */

@@ -17,8 +17,8 @@
 #include <ucs/algorithm/crc.h>
 #include <ucs/sys/event_set.h>
 
-#include "kvxfer.h"
 #include "core/log.h"
+#include "kvxfer.h"
 #include "ucx.h"
 
 /* ---- a worker address another daemon told ------------------------------

@@ -16,10 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/daemon.h"
-#include "keyed.h"
 #include "common/list.h"
+#include "core/daemon.h"
 #include "core/log.h"
+#include "keyed.h"
 #include "net/peer.h"
 #include "release.h"
 #include "xfer/xfer.h"

@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/daemon.h"
 #include "common/list.h"
+#include "core/daemon.h"
 #include "core/log.h"
 #include "net/peer.h"
 #include "release.h"

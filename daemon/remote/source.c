@@ -361,7 +361,8 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     int dev = src->device;
     pl->dst = (plan_mem_t){.layout = &s->dst_layout};
     if ((rc = slots_pin(&sslots, dev, KVX_WHY(why))) ||
-        (rc = pool_device_view(src, dev, &pl->src[s->slice].regions, KVX_WHY(why))) ||
+        (rc = pool_device_view(src, dev, &pl->src[s->slice].regions,
+                               KVX_WHY(why))) ||
         (rc = gpu_part_create(pl, dev, &s->gpu, KVX_WHY(why))))
         log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);
     return rc;

@@ -243,7 +243,8 @@ void part_try_start(genpart_t *p)
         /* the kernel runs on `device`: every region as that device sees
          * it */
         if (!rc)
-            rc = pool_device_view(p->pool, device, &plan->dst.regions, KVX_WHY(why));
+            rc = pool_device_view(p->pool, device, &plan->dst.regions,
+                                  KVX_WHY(why));
         for (uint32_t i = 0; i < plan->nslices && !rc; i++)
             rc = pool_device_view(
                 OPART(o, p->group, plan->slices[i].src_rank)->pool, device,

@@ -182,7 +182,8 @@ static int open_plan(const Kvxfer__PeerOpen *m, const char *ks,
             rc = KVX_ERR_MISMATCH;
         }
     if (!rc)
-        rc = plan_compat(xfer_offer_group_side(o, m->group), &dst, KVX_WHY(why));
+        rc =
+            plan_compat(xfer_offer_group_side(o, m->group), &dst, KVX_WHY(why));
     if (!rc && m->dst_rank >= plan_side_ranks(&dst)) {
         snprintf(why, sizeof(why), "open: destination rank %u of %u",
                  m->dst_rank, plan_side_ranks(&dst));

@@ -785,8 +785,7 @@ gpu_part_t *xfer_part_gpu(const genpart_t *p)
 int xfer_part_upload(genpart_t *p, int device, kvx_why_t *why)
 {
     assert(!p->gpu); /* once; freed with p (genreq_free()) */
-    int rc =
-        pool_device_view(p->pool, device, &p->plan->dst.regions, why);
+    int rc = pool_device_view(p->pool, device, &p->plan->dst.regions, why);
     return rc ? rc : gpu_part_create(p->plan, device, &p->gpu, why);
 }
 

@@ -16,9 +16,9 @@
 #include <stdint.h>
 
 #include "copy/gpu.h"
-#include "instance.h"
 #include "copy/plan.h"
 #include "copy/pool.h"
+#include "instance.h"
 #include "xfer.h"
 
 #define TOKEN_LEN 16

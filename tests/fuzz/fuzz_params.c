@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "xfer/instance.h"
 #include "pb_quirk.h"
+#include "xfer/instance.h"
 #include "xfer/xfer.h"
 
 #define MUST(c)                                                             \

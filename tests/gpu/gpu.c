@@ -21,9 +21,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "tools/bench_gpu.h"
 #include "kvxfer.h"
 #include "tests/test.h"
+#include "tools/bench_gpu.h"
 
 static const char *build_dir(void)
 {

@@ -10,8 +10,8 @@
 
 #include <stdint.h>
 
-#include "kvxfer.h"
 #include "common/reqkey.h"
+#include "kvxfer.h"
 
 /* The key of request n (its digits), as the uint64_t API makes it. */
 static const reqkey_t *K(uint64_t n)

@@ -12,9 +12,9 @@
 
 #include <stdint.h>
 
+#include "common/layout.h"
 #include "copy/gpu_desc.h"
 #include "copy/gpu_walk.h"
-#include "common/layout.h"
 
 /* ---- helpers ---- */
 
