@@ -116,7 +116,7 @@ help:
 	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
-	@echo "make lint       cppcheck, no warnings allowed"
+	@echo "make lint       cppcheck, layers (scripts/layers.py), signatures (scripts/params.py)"
 	@echo "make format-check  clang-format on the lines changed since origin/main (else HEAD~1)"
 	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
 
@@ -368,6 +368,7 @@ lint: $(GEN)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
 	    --std=c11 $(INCLUDES) -I$(BUILD)/gen daemon common client tools
 	python3 scripts/layers.py
+	python3 scripts/params.py
 
 # clang-format (.clang-format) on changed lines only: the existing code
 # is not fully formatted. BASE=<commit> to compare with another base.
