@@ -25,7 +25,7 @@ case "${1:-}" in
     python3 -c "$need" 2>/dev/null && py=python3 ;;
 --vllm)
     shift
-    vllm=$(sed -n 's/^VLLM_VERSION = "\(.*\)".*/\1/p' python/kvxfer/vllm.py)
+    vllm=$(sed -n 's/^VLLM_VERSION = "\(.*\)".*/\1/p' python/kvxfer/vllm/common.py)
     venv=$BUILD/venv-vllm; pkgs="vllm==$vllm pytest"; tests=tests/vllm; lean=1
     need="import pytest, vllm; assert vllm.__version__ == '$vllm', vllm.__version__" ;;
 esac

@@ -1,0 +1,68 @@
+"""vLLM's KV connector on kvxfer: prefill/decode disaggregation in one
+config line (tested against vLLM 0.33.0, the version this module pins)::
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+                           "kv_connector_module_path": "kvxfer.vllm",
+                           "kv_role": "kv_both"}'
+
+The flow is the one vLLM's proxy drives for its NIXL connector. A request
+sent to the prefill instance with ``kv_transfer_params
+{"do_remote_decode": true}`` and ``max_tokens 1`` finishes there; the
+prefill scheduler reserves the request's offer on kvxferd
+(:meth:`kvxfer.Client.reserve`) and returns its params, at once, in the
+request's ``kv_transfer_params``; its workers publish the request's blocks
+the next step and free them when kvxfer says the offer ended. The proxy
+hands those params to the decode instance, whose scheduler allocates
+blocks and whose workers fetch into them; the request runs once kvxfer's
+COMPLETE arrives. Heterogeneous TP, PP and layouts between the two
+instances are kvxferd's job; this module has no mapping code.
+
+Faults, as vLLM expects them: a fetch that fails (the prefill instance
+died, the offer timed out, params that do not fit) reports the request's
+blocks from ``get_block_ids_with_load_errors`` so that vLLM's
+``kv_load_failure_policy`` applies (``recompute``: the decode computes the
+prompt itself); a decode request aborted while its KV moves is cancelled
+(fenced: no byte is written after the CANCELLED event) before vLLM frees
+its blocks; a decode that needs no transfer (its prefix cache holds the
+whole prompt) or is aborted before it started releases the prefill's
+blocks at once.
+
+The daemon going away (a restart, an upgrade, a crash) costs the requests
+in flight, never the engine: no exception from kvxfer leaves a method
+vLLM's step calls. A decode's fetch in flight reports its blocks as load
+errors (``kv_load_failure_policy``), a prefill's send is reported finished
+so that its blocks are freed; while the daemon is gone, a prefill returns
+no params (its decode computes the prompt) and a decode fetches nothing
+(load errors). The library reconnects by itself (pools stay registered);
+a client it gave up on (reconnection off, a call that timed out) is made
+again here. The next requests go through kvxfer again, without an engine
+restart. Each outage is logged once, and the return.
+
+``kv_connector_extra_config`` keys (all optional):
+
+``socket``
+    kvxferd's socket (default ``$KVXFER_SOCKET``, else
+    ``/run/kvxfer/kvxferd.sock``).
+``timeout_s``
+    the timeout of each call to the daemon (default 10 s).
+``instance_id``
+    this instance's kvxfer name (default vLLM's ``engine_id``).
+``recompute_below_tokens``
+    a decode that misses fewer prompt tokens than this (its prefix cache
+    holds the rest) computes them itself and releases the prefill's
+    blocks instead of fetching (default 0: always fetch what is missing).
+``rank_addresses``
+    the daemon address of every rank, in kvxfer rank order, when the
+    ranks run on several nodes and torch.distributed is not set up to
+    gather them (default: gathered, or this node's daemon for all).
+"""
+
+from kvxfer.vllm.common import (PARAMS_KEY, VLLM_VERSION,
+                                KvxferConnectorMetadata, parallel_rank,
+                                request_key)
+from kvxfer.vllm.connector import KvxferConnector
+from kvxfer.vllm.layout import layout_of_kv_caches
+
+__all__ = ["KvxferConnector", "KvxferConnectorMetadata", "VLLM_VERSION",
+           "PARAMS_KEY", "layout_of_kv_caches", "parallel_rank",
+           "request_key"]

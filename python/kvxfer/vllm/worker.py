@@ -1,0 +1,308 @@
+"""The connector's worker half: one kvxfer rank with the worker's KV
+caches as its pool; it publishes, fetches and reports what ended."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+import kvxfer
+from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
+                            retrying)
+from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata, _extra,
+                                _instance_id, _role, _socket, log,
+                                parallel_rank, request_key)
+from kvxfer.vllm.layout import layout_of_kv_caches
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class _Worker:
+    """One worker: a kvxfer rank with the worker's KV caches as its pool."""
+
+    def __init__(self, vllm_config: "VllmConfig") -> None:
+        self.cfg = vllm_config
+        extra = _extra(vllm_config)
+        self.socket = _socket(extra)
+        self.timeout = float(extra.get("timeout_s", 10.0))
+        self.instance_id = _instance_id(vllm_config)
+        self.rank_addresses = extra.get("rank_addresses")
+        self.client: Optional[kvxfer.Client] = None
+        self.pool: Optional[kvxfer.Pool] = None
+        self.gpu = False
+        self._sending: Dict[bytes, str] = {}  # key -> request id
+        self._recving: Dict[bytes, Tuple[str, List[int], int]] = {}
+        self._done_send: Set[str] = set()
+        self._done_recv: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        self._kv_caches: Optional[Dict[str, torch.Tensor]] = None
+        self._next_connect = 0.0  # when a client given up is made again
+        self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
+
+    def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+        self._connect()
+
+    def _connect(self) -> None:
+        """Connect as this worker's rank, join, register the KV caches."""
+        kv_caches = self._kv_caches
+        assert kv_caches is not None
+        mc = self.cfg.model_config
+        cc = self.cfg.cache_config
+        use_mla = bool(getattr(mc, "use_mla", False))
+        layout, regions, names = layout_of_kv_caches(
+            kv_caches, head_size=mc.get_head_size(),
+            block_size=cc.block_size, use_mla=use_mla)
+        tp_rank, tp, pp_rank, pp = parallel_rank(self.cfg)
+        total_heads = 1 if use_mla else mc.get_total_num_kv_heads()
+        if not use_mla and layout.num_heads * tp == total_heads:
+            layout = layout.with_first_head(tp_rank * layout.num_heads)
+        rank = pp_rank * tp + tp_rank
+        self.client = None
+        client = kvxfer.Client(
+            self.socket, instance_id=self.instance_id,
+            role=_role(self.cfg.kv_transfer_config.kv_role), rank=rank,
+            parallel=kvxfer.Parallel(
+                tp=tp, pp=pp, total_layers=mc.get_total_num_hidden_layers()
+                if hasattr(mc, "get_total_num_hidden_layers")
+                else mc.hf_config.num_hidden_layers,
+                total_kv_heads=total_heads),
+            timeout=self.timeout)
+        try:
+            client.join(self._addresses(client, tp * pp))
+            self.gpu = regions[0].is_cuda
+            self.pool = client.register_regions(
+                layout, regions, device="cuda" if self.gpu else "host",
+                keep=kv_caches)
+        except BaseException:
+            client.close()
+            raise
+        self.client = client
+        log.info("kvxfer rank %d/%d of %s: %d layers (%s), pool %d",
+                 rank, tp * pp, self.instance_id, len(names),
+                 "GPU" if self.gpu else "host", self.pool.id)
+
+    def _addresses(self, client: kvxfer.Client, world: int) -> List[str]:
+        if self.rank_addresses:
+            addrs = [str(a) for a in self.rank_addresses]
+            if len(addrs) != world:
+                raise kvxfer.InvalidArgument(
+                    -1, f"rank_addresses: {len(addrs)} for {world} ranks")
+            return addrs
+        mine = client.daemon_address
+        try:
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized() and \
+                    dist.get_world_size() == world > 1:
+                out: List[Any] = [None] * world
+                dist.all_gather_object(out, mine)
+                return [str(a) for a in out]
+        except (ImportError, RuntimeError) as e:  # pragma: no cover
+            log.warning("gathering the ranks' daemon addresses: %s; "
+                        "assuming one node", e)
+        return [mine] * world
+
+    def start(self, meta: KvxferConnectorMetadata) -> None:
+        if self._kv_caches is None:
+            if meta.sends or meta.recvs:
+                raise kvxfer.StateError(
+                    -1, "kvxfer connector: transfers before "
+                    "register_kv_caches")
+            return
+        self._reconnect()
+        if self.client is not None and (meta.sends or meta.recvs):
+            nudge(self.client)
+        if self.client is None or self.pool is None:
+            # no daemon to talk to: the step's work ends here
+            for rid in meta.sends:
+                self._done_send.add(rid)
+            for rid, r in meta.recvs.items():
+                self._fail_recv(rid, r.block_ids, r.skip_tokens)
+            return
+        # No stream sync before a publish: vLLM finishes a request in
+        # update_from_output, after it read the token its last forward
+        # sampled, so every kernel that wrote the request's KV (earlier
+        # on the same stream) has completed.
+        # a step's publishes, then its fetches, each in one round trip
+        # (kvx_publish, kvx_fetch with items); an item refused fails alone,
+        # with its own message
+        sends = list(meta.sends.items())
+        for at in range(0, len(sends), MANY_MAX):
+            part = sends[at:at + MANY_MAX]
+            res = self._many(
+                self.client.publish_many,
+                [(s.key, self.pool, s.block_ids, s.num_tokens)
+                 for _, s in part],
+                lambda s: self.client.publish(s[0], s[1], s[2], s[3]))
+            for (rid, s), r in zip(part, res):
+                if isinstance(r, kvxfer.Error):
+                    # the decode's fetch fails (and recomputes); free now
+                    if not isinstance(r, DAEMON_GONE):
+                        log.error("request %s: kvxfer publish failed: %s",
+                                  rid, r)
+                    self._done_send.add(rid)
+                else:
+                    self._sending[s.key] = rid
+        recvs = list(meta.recvs.items())
+        for at in range(0, len(recvs), MANY_MAX):
+            part = recvs[at:at + MANY_MAX]
+            res = self._many(
+                self.client.fetch_many,
+                [(r.key, r.params, self.pool, r.block_ids, r.skip_tokens)
+                 for _, r in part],
+                lambda f: self.client.fetch(f[0], f[1], f[2], f[3],
+                                            skip_tokens=f[4]))
+            for (rid, r), e in zip(part, res):
+                if isinstance(e, kvxfer.Error):
+                    if not isinstance(e, DAEMON_GONE):
+                        log.error("request %s: kvxfer fetch refused: %s",
+                                  rid, e)
+                    self._fail_recv(rid, r.block_ids, r.skip_tokens)
+                else:
+                    self._recving[r.key] = (rid, r.block_ids, r.skip_tokens)
+        for rid in meta.cancels:
+            key = request_key(rid)
+            if key not in self._recving:
+                continue
+            try:
+                self.client.cancel(key)
+            except kvxfer.NotFound:
+                pass  # ended already: its event is on the way
+            except DAEMON_GONE as e:
+                self._lost(e)  # it ends with the daemon's other requests
+            except kvxfer.Error as e:
+                log.error("request %s: kvxfer cancel failed: %s", rid, e)
+
+    def _many(self, many: Any, items: List[Any], one: Any) -> List[Any]:
+        """many(items): one entry per item (a result or its error). An
+        item the library refuses before sending (a bad block id) fails
+        the whole call: then each goes alone, so it fails alone. With the
+        daemon gone, every item fails with that error."""
+        assert self.client is not None
+        try:
+            return retrying(self.client, many, items)
+        except DAEMON_GONE as e:
+            self._lost(e)
+            return [e] * len(items)
+        except kvxfer.Error:
+            res: List[Any] = []
+            for it in items:
+                try:
+                    res.append(one(it))
+                except kvxfer.Error as e:
+                    res.append(e)
+            return res
+
+    def _lost(self, e: kvxfer.Error) -> None:
+        """A call found the daemon gone. The library ends the requests in
+        flight with PEER_GONE events in the next poll and reconnects; a
+        client it gave up on is closed here, its requests ended by this
+        worker, and made anew by _reconnect."""
+        self._outage.lost(e, "fetches fail (load errors) and sends end")
+        c = self.client
+        if c is None or not c.closed:
+            return
+        try:
+            c.close()  # the daemon, if it still runs, ends our requests
+        except kvxfer.Error as why:  # pragma: no cover - close() ends it
+            log.debug("closing the kvxfer client: %s", why)
+        self.client = None
+        self.pool = None
+        self._end_all()
+
+    def _end_all(self) -> None:
+        """End every request in flight here (no event will come)."""
+        for rid in self._sending.values():
+            self._done_send.add(rid)
+        for rid, blocks, skip in self._recving.values():
+            self._fail_recv(rid, blocks, skip)
+        self._sending.clear()
+        self._recving.clear()
+
+    def _reconnect(self) -> None:
+        """Make the client again after the library gave it up: at each
+        step 5 ms apart while no daemon listens (an attempt costs a
+        connect()), a second apart after one refused us."""
+        if self.client is not None or self._kv_caches is None:
+            return
+        now = time.monotonic()
+        if now < self._next_connect:
+            return
+        try:
+            self._connect()
+        except kvxfer.Error as e:
+            nobody = isinstance(e, (kvxfer.IOFailure, kvxfer.Closed))
+            self._next_connect = now + (0.005 if nobody else 1.0)
+            self._outage.lost(e, "fetches fail (load errors) and sends end")
+            return
+        self._outage.back("connected to kvxferd again")
+
+    def _fail_recv(self, rid: str, block_ids: List[int], skip: int) -> None:
+        bs = self.cfg.cache_config.block_size
+        self._load_errors.update(block_ids[skip // bs:])
+        self._done_recv.add(rid)
+
+    def get_finished(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        self._reconnect()
+        if self.client is not None:
+            # every step on every rank, pending work or not: the ranks of
+            # an instance read the same batches in lockstep. With the
+            # daemon gone the library's batch ends the requests in flight
+            # (PEER_GONE); then polls fail until it reconnects.
+            try:
+                nudge(self.client)
+                batch: Any = self.client.poll(0, 0)
+            except kvxfer.Error as e:
+                batch = ()
+                self._lost(e)
+            for ev in batch:
+                self._on_event(ev)
+        sending, self._done_send = self._done_send, set()
+        recving, self._done_recv = self._done_recv, set()
+        return sending or None, recving or None
+
+    def _on_event(self, ev: kvxfer.Event) -> None:
+        if ev.kind == kvxfer.EventKind.RECONNECTED:
+            self._outage.back(ev.message)
+            return
+        # the library's end of a request the daemon took with it: the
+        # outage is logged once, not each request
+        gone = gone_event(ev)
+        if gone:
+            self._outage.lost(ev.error, "fetches fail (load errors) and "
+                              "sends end")
+        rid = self._sending.pop(ev.key, None)
+        if rid is not None:
+            if not ev.ok and not gone:
+                log.warning("request %s: offer ended %s: %s", rid,
+                            kvxfer.status_name(ev.code), ev.message)
+            self._done_send.add(rid)
+            return
+        got = self._recving.pop(ev.key, None)
+        if got is None:
+            return
+        rid, blocks, skip = got
+        if ev.ok or ev.kind == kvxfer.EventKind.CANCELLED:
+            self._done_recv.add(rid)
+            return
+        if not gone:
+            log.warning("request %s: KV fetch failed (%s: %s)", rid,
+                        kvxfer.status_name(ev.code), ev.message)
+        self._fail_recv(rid, blocks, skip)
+
+    def take_load_errors(self) -> Set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self) -> None:
+        self._kv_caches = None  # not made again
+        if self.client is not None:
+            try:
+                self.client.close()  # the daemon ends this rank's requests
+            except kvxfer.Error as e:  # pragma: no cover - close() ends it
+                log.debug("closing the kvxfer client: %s", e)
+            self.client = None
+            self.pool = None
