@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "vllm"))
 import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-import test_vllm_connector as t  # noqa: E402
+import harness as t  # noqa: E402
 
 
 def main():
