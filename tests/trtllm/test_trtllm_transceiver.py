@@ -314,3 +314,59 @@ def test_no_daemon_is_a_clear_error(tmp_path):
         kt.KvxferTransceiver(mp, s.Distributed(mp, s._Exchange(1)), kvm,
                              s.CacheTransceiverConfig(backend="UCX"),
                              socket=sock, timeout=1.0)
+
+
+def test_one_rank_refused(instances):
+    """One context rank's publish is refused (a block id outside its
+    pool) while the other's is taken: the refusing rank cancels the key,
+    so both ranks report the send failed, in the same status call, and a
+    generation request for it is reported cancelled by the context
+    side."""
+    ctx, gen = instances(2), instances(2)
+    creqs = ctx.context_requests(120, 24)
+    ctx.write(creqs, model_kv(24, 120))
+    real = ctx.kvms[1].get_cache_indices
+    ctx.kvms[1].get_cache_indices = lambda req, w=None: [999] + real(req)[1:]
+    ctx.send(creqs)
+    assert states(creqs) == [St.DISAGG_CONTEXT_TRANS_IN_PROGRESS,
+                             St.DISAGG_TRANS_ERROR]
+    first = ctx.ctx_status(0)
+    assert [st.error_request_ids for st in first] == [[120], [120]]
+    assert states(creqs) == [St.DISAGG_TRANS_ERROR] * 2
+    assert not any(t.has_inflight_transfer(r)
+                   for t, r in zip(ctx.ranks, creqs))
+    greqs = gen.generation_requests(520, creqs[0])
+    gen.receive(greqs)
+    got = gen.until(gen.gen_status, sent(gen, greqs))
+    assert got["cancelled_requests"] == [[greqs[0]], [greqs[1]]]
+    assert gen.untouched([])
+
+
+def test_context_process_killed(instances, daemon):
+    """The context instance's process is killed (SIGKILL) after handing
+    out params: the generation request ends in DISAGG_TRANS_ERROR, no
+    exception, no byte lands."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    gen = instances(2)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(here, "context_process.py"),
+         daemon.sock, "trtllm-ctx-killed", "2", "130", "30"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ep = proc.stdout.readline().strip()
+        assert ep.startswith(kt.ENDPOINT_PREFIX), ep
+    finally:
+        proc.kill()
+        proc.wait()
+    ctx_req = s.LlmRequest(130, 30, context_only=True)
+    ctx_req.context_phase_params = s.ContextPhaseParams(
+        [], 130, None, None, 0, ep)
+    greqs = gen.generation_requests(530, ctx_req)
+    gen.receive(greqs)
+    got = gen.until(gen.gen_status, settled(greqs))
+    assert states(greqs) == [St.DISAGG_TRANS_ERROR] * 2
+    assert got["error_request_ids"] == [[530]] * 2
+    assert gen.untouched([])
