@@ -45,7 +45,8 @@ class Instance:
     def __init__(self, sock: str, name: str, tp: int = 1, pp: int = 1, *,
                  seed: int = 0, extra_tokens: int = 0,
                  config: Optional[s.CacheTransceiverConfig] = None,
-                 instance_id: Optional[str] = None, **kw: Any) -> None:
+                 instance_id: Optional[str] = None,
+                 attention_dp: bool = False, **kw: Any) -> None:
         self.name, self.tp, self.pp = name, tp, pp
         world = tp * pp
         ex = s._Exchange(world)
@@ -54,7 +55,9 @@ class Instance:
             backend="DEFAULT", kv_transfer_poll_interval_ms=200,
             kv_transfer_sender_future_timeout_ms=200,
             kv_transfer_timeout_ms=20000)
-        self.maps = [s.Mapping(world, r, tp, pp) for r in range(world)]
+        self.maps = [s.Mapping(world, r, tp, pp,
+                               enable_attention_dp=attention_dp)
+                     for r in range(world)]
         self.kvms = [s.KVCacheManager(
             m, alloc, num_layers=LAYERS, num_kv_heads=HEADS,
             head_dim=HEAD_DIM, tokens_per_block=TPB, num_blocks=BLOCKS,
@@ -93,7 +96,8 @@ class Instance:
     def _ranges(self, r: int):
         m, kvm = self.maps[r], self.kvms[r]
         h = kvm.num_kv_heads_per_layer[0]
-        return kvm.pp_layers, range(m.tp_rank * h, (m.tp_rank + 1) * h)
+        first = 0 if m.enable_attention_dp else m.tp_rank * h
+        return kvm.pp_layers, range(first, first + h)
 
     def write(self, reqs: List[s.LlmRequest], full: torch.Tensor) -> None:
         """The prefill: each rank writes its layers and heads of ``full``
@@ -110,11 +114,13 @@ class Instance:
                     v[b, li, :, :, o, :] = full[layer, :, heads.start:
                                                 heads.stop, t, :]
 
-    def read(self, reqs: List[s.LlmRequest], n: int) -> torch.Tensor:
-        """The KV the instance holds for tokens [0, n) of the request."""
+    def read(self, reqs: List[s.LlmRequest], n: int,
+             ranks: Optional[List[int]] = None) -> torch.Tensor:
+        """The KV the instance holds for tokens [0, n) of the request
+        (its requests on ``ranks``, default all)."""
         out = torch.zeros(LAYERS, 2, HEADS, n, HEAD_DIM,
                           dtype=self.kvms[0].pool.dtype)
-        for r, req in enumerate(reqs):
+        for r, req in zip(ranks or range(len(reqs)), reqs):
             kvm = self.kvms[r]
             table = kvm.get_cache_indices(req)
             v = kvm.view()

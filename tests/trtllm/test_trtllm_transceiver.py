@@ -370,3 +370,21 @@ def test_context_process_killed(instances, daemon):
     assert states(greqs) == [St.DISAGG_TRANS_ERROR] * 2
     assert got["error_request_ids"] == [[530]] * 2
     assert gen.untouched([])
+
+
+def test_attention_dp_generation(instances):
+    """A generation instance under attention DP (tp 2, each rank its own
+    requests, every head): each rank fetches its request with its
+    dp_rank; the other rank's events pass it by."""
+    ctx, gen = instances(2), instances(2, attention_dp=True)
+    assert all(t.role == kvxfer.Role.GENERATION for t in gen.ranks)
+    a, full_a = prefill(ctx, 140, 20)
+    b, full_b = prefill(ctx, 141, 28)
+    ga = gen.generation_requests(540, a[0])[0]
+    gb = gen.generation_requests(541, b[0])[0]
+    gen.ranks[0].request_and_receive_async(ga)
+    gen.ranks[1].request_and_receive_async(gb)
+    got = gen.until(gen.gen_status, settled([ga, gb]))
+    assert got["completed_request_ids"] == [[540], [541]]
+    assert same(gen.read([ga], 20, [0]), full_a)
+    assert same(gen.read([gb], 28, [1]), full_b)
