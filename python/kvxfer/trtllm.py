@@ -271,9 +271,10 @@ class KvxferTransceiver(KvCacheTransceiver):
     def _reconnect(self) -> None:
         """Make the client again after the library gave it up (it
         reconnects by itself otherwise): at each call 5 ms apart while no
-        daemon listens, a second apart after one refused us. No collective:
-        the other ranks' addresses are the ones gathered at the start (a
-        daemon restarted on its socket keeps its address)."""
+        daemon listens, a second apart after one refused us. No collective
+        (the ranks are not in step here): the ranks that were on this
+        rank's daemon are on its new run, whose address names that run;
+        the others' daemons did not change."""
         if self.client is not None or self._shut:
             return
         now = time.monotonic()
@@ -282,7 +283,9 @@ class KvxferTransceiver(KvCacheTransceiver):
         client = None
         try:
             client = self._open()
-            self._addresses[self.rank] = client.daemon_address
+            was, now_at = self._addresses[self.rank], client.daemon_address
+            self._addresses = [now_at if a == was else a
+                               for a in self._addresses]
             self._attach(client)
         except kvxfer.Error as e:
             if client is not None:
@@ -313,6 +316,24 @@ class KvxferTransceiver(KvCacheTransceiver):
         self._send.clear()
         self._recv.clear()
 
+    def _call(self, fn: Any) -> Any:
+        """fn(client, pool), once more when the call found the daemon gone
+        and a new one already listens: on the same client when the library
+        reconnects (retrying), else on a client made anew here. Raises
+        what the last try raised."""
+        c = self.client
+        assert c is not None
+        try:
+            return retrying(c, fn, c, self.pool)
+        except DAEMON_GONE as e:
+            self._lost(e)
+            if self.client is not None:
+                raise  # the library is reconnecting: it ends the request
+            self._reconnect()
+            if self.client is None:
+                raise
+            return fn(self.client, self.pool)
+
     def _abandon(self, key: bytes) -> None:
         """After a refused publish or fetch: cancel the key, so that the
         instance's other ranks, whose call may have been taken, end it
@@ -342,6 +363,8 @@ class KvxferTransceiver(KvCacheTransceiver):
             return
         for ev in batch:
             self._on_event(ev)
+        if c.closed:  # the library gave up (reconnection off): make anew
+            self._lost(kvxfer.Closed(-20, "the client is closed"))
 
     def _on_event(self, ev: kvxfer.Event) -> None:
         if ev.kind == kvxfer.EventKind.RECONNECTED:
@@ -421,15 +444,14 @@ class KvxferTransceiver(KvCacheTransceiver):
             log.warning("request %s: already being sent", rid)
             return
         self._reconnect()
-        c = self.client
-        if c is None:
+        if self.client is None:
             self._fail_send(req)
             return
         try:
             blocks = self._blocks(req)
             self._synchronize()
-            params = retrying(c, c.publish, key, self.pool, blocks,
-                              int(req.prompt_len))
+            params = self._call(lambda c, pool: c.publish(
+                key, pool, blocks, int(req.prompt_len)))
         except DAEMON_GONE as e:
             self._lost(e)
             self._fail_send(req)
@@ -490,13 +512,13 @@ class KvxferTransceiver(KvCacheTransceiver):
             self._fail_recv(req)
             return
         self._reconnect()
-        c = self.client
-        if c is None:
+        if self.client is None:
             self._fail_recv(req)
             return
+        blocks = self._blocks(req)
         try:
-            retrying(c, c.fetch, key, params, self.pool, self._blocks(req),
-                     dp_rank=self._dp_rank)
+            self._call(lambda c, pool: c.fetch(key, params, pool, blocks,
+                                               dp_rank=self._dp_rank))
         except DAEMON_GONE as e:
             self._lost(e)
             self._fail_recv(req)

@@ -235,7 +235,7 @@ def test_daemon_restart(instances, own_daemon):
     without raising, and after a restart on the same socket the next
     request moves every byte."""
     d = own_daemon
-    ctx, gen = instances(sock=d.sock), instances(sock=d.sock)
+    ctx, gen = instances(2, sock=d.sock), instances(sock=d.sock)
     creqs, full = prefill(ctx, 110, 24)
     greqs = gen.generation_requests(510, creqs[0])
     gen.receive(greqs)
@@ -246,12 +246,13 @@ def test_daemon_restart(instances, own_daemon):
     creqs, _ = prefill(ctx, 111, 24)
     d.kill9()
     got = ctx.until(ctx.ctx_status, settled(creqs))
-    assert got["error_request_ids"] == [[111]]
-    assert creqs[0].state == St.DISAGG_TRANS_ERROR
+    assert got["error_request_ids"] == [[111], [111]]
+    assert states(creqs) == [St.DISAGG_TRANS_ERROR] * 2
     # while it is gone: a send and a receive fail, nothing raises
     creqs, _ = prefill(ctx, 112, 8)
-    assert creqs[0].state == St.DISAGG_TRANS_ERROR
-    assert ctx.ctx_status(0)[0].error_request_ids == [112]
+    assert states(creqs) == [St.DISAGG_TRANS_ERROR] * 2
+    assert [st.error_request_ids for st in ctx.ctx_status(0)] == \
+        [[112], [112]]
     g = gen.generation_requests(512, creqs[0])
     g[0].py_disaggregated_params.ctx_info_endpoint = \
         greqs[0].py_disaggregated_params.ctx_info_endpoint
@@ -259,8 +260,12 @@ def test_daemon_restart(instances, own_daemon):
     assert g[0].state == St.DISAGG_TRANS_ERROR
     assert gen.gen_status(0)[0].error_request_ids == [512]
     d.start()
+    # an executor iteration's status calls: every rank is back (a publish
+    # before its peers are is refused: the instance is not complete)
+    ctx.ctx_status(0)
+    gen.gen_status(0)
     creqs, full = prefill(ctx, 113, 33)
-    assert creqs[0].state == St.DISAGG_CONTEXT_TRANS_IN_PROGRESS, \
+    assert states(creqs) == [St.DISAGG_CONTEXT_TRANS_IN_PROGRESS] * 2, \
         "the send after the restart was refused"
     greqs = gen.generation_requests(513, creqs[0])
     gen.receive(greqs)
@@ -388,3 +393,34 @@ def test_attention_dp_generation(instances):
     assert got["completed_request_ids"] == [[540], [541]]
     assert same(gen.read([ga], 20, [0]), full_a)
     assert same(gen.read([gb], 28, [1]), full_b)
+
+
+def test_daemon_restart_reconnection_off(instances, own_daemon,
+                                         monkeypatch):
+    """With the library's reconnection off (KVXFER_RECONNECT=0) a lost
+    daemon closes the clients: the transfers in flight fail at once, and
+    the transceiver connects again by itself once a daemon listens (a new
+    client, the pool registered again), without a collective."""
+    monkeypatch.setenv("KVXFER_RECONNECT", "0")
+    d = own_daemon
+    ctx, gen = instances(2, sock=d.sock), instances(sock=d.sock)
+    creqs, _ = prefill(ctx, 150, 16)
+    d.kill9()
+    got = ctx.until(ctx.ctx_status, settled(creqs))
+    assert got["error_request_ids"] == [[150], [150]]
+    assert all(t.client is None for t in ctx.ranks)
+    creqs, _ = prefill(ctx, 151, 16)  # nobody listens: fails, no raise
+    assert states(creqs) == [St.DISAGG_TRANS_ERROR] * 2
+    d.start()
+    # an executor iteration's status calls: every rank connects again
+    ctx.ctx_status(0)
+    old = [id(t) for t in ctx.ranks]
+    creqs, full = prefill(ctx, 152, 40)
+    assert states(creqs) == [St.DISAGG_CONTEXT_TRANS_IN_PROGRESS] * 2, \
+        "the send after the restart was refused"
+    assert [id(t) for t in ctx.ranks] == old
+    greqs = gen.generation_requests(552, creqs[0])
+    gen.receive(greqs)
+    gen.until(gen.gen_status, settled(greqs))
+    assert greqs[0].state == St.DISAGG_GENERATION_TRANS_COMPLETE
+    assert same(gen.read(greqs, 40), full)
