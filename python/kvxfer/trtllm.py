@@ -189,6 +189,10 @@ class KvxferTransceiver(KvCacheTransceiver):
         self.timeout = float(timeout if timeout is not None else
                              os.environ.get("KVXFER_TRTLLM_TIMEOUT_S", 10))
         self.role = _role(role, adp)
+        if adp and self.role != kvxfer.Role.GENERATION:
+            raise kvxfer.Unsupported(
+                -15, f"role: {self.role.name.lower()} under attention DP "
+                "(kvxfer takes attention DP on generation instances only)")
         tp, pp = mapping.tp_size, mapping.pp_size
         self.rank = mapping.pp_rank * tp + mapping.tp_rank
         self._world = tp * pp
@@ -263,7 +267,8 @@ class KvxferTransceiver(KvCacheTransceiver):
                              parallel=self._parallel, timeout=self.timeout)
 
     def _attach(self, client: kvxfer.Client) -> None:
-        """Join and register the pool on a new client (closed on error)."""
+        """Join and register the pool on a new client (the caller closes
+        it on an error)."""
         client.join(self._addresses)
         self.pool = client.register_pool(self._prim, self._layout)
         self.client = client

@@ -393,6 +393,9 @@ def test_attention_dp_generation(instances):
     assert got["completed_request_ids"] == [[540], [541]]
     assert same(gen.read([ga], 20, [0]), full_a)
     assert same(gen.read([gb], 28, [1]), full_b)
+    # a context (or both) instance under attention DP is refused
+    with pytest.raises(kvxfer.Unsupported, match="attention DP"):
+        instances(2, attention_dp=True, role="both")
 
 
 def test_daemon_restart_reconnection_off(instances, own_daemon,
