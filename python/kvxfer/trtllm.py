@@ -23,14 +23,18 @@ Written from TensorRT-LLM's source (the ``KvCacheTransceiver`` ABC of
 ``tensorrt_llm/_torch/disaggregation/kv_cache_transceiver.py`` at
 0b42ceaf8df6 and the files docs/engines/trtllm.md lists) and tested
 against a stand-in with the same signatures (tests/trtllm). It has not
-run inside TensorRT-LLM. Context-first only: generation-first requests,
-layer-wise sending, several attention windows or head counts, beam search
-and block reuse on the generation side are not handled.
+run inside TensorRT-LLM. Generation-first requests are fetched by key
+(``get_disaggregated_params``' ``"kvx0:"`` endpoint, the shared
+``disagg_request_id`` as the key), their first and draft tokens riding as
+the aux payload. Layer-wise sending, several attention windows or head
+counts, beam search, host offload and block reuse on the generation side
+are not handled.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import math
 import os
@@ -43,18 +47,24 @@ from tensorrt_llm._torch.disaggregation.kv_cache_transceiver import (
     CtxTransferStatus, GenTransferStatus, KvCacheTransceiver)
 from tensorrt_llm.bindings import LlmRequestState
 from tensorrt_llm.bindings.executor import ContextPhaseParams
+from tensorrt_llm.disaggregated_params import DisaggScheduleStyle
 
 import kvxfer
 from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
                             retrying)
 
-__all__ = ["KvxferTransceiver", "install", "ENDPOINT_PREFIX", "params_of"]
+__all__ = ["KvxferTransceiver", "install", "ENDPOINT_PREFIX",
+           "BY_KEY_PREFIX", "params_of", "source_of"]
 
 log = logging.getLogger("kvxfer.trtllm")
 
 #: the ``ctx_info_endpoint`` of a request published by this transceiver
 #: starts with this; base64 of kvxfer's context params follows
 ENDPOINT_PREFIX = "kvx1:"
+#: generation-first: the ``ctx_info_endpoint`` a context instance hands
+#: out before any prefill (get_disaggregated_params), then
+#: ``<instance id>@<its rank 0's daemon address>``
+BY_KEY_PREFIX = "kvx0:"
 
 # TensorRT-LLM's DataType names (tensorrt_llm.bindings.DataType) to kvxfer's
 _DTYPES = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "FP8": "fp8",
@@ -77,11 +87,10 @@ def _key(rid: int) -> bytes:
     return kvxfer.key_bytes(rid)
 
 
-def params_of(req: Any) -> bytes:
-    """kvxfer's context params of a generation request: its disaggregated
-    params' ``ctx_info_endpoint`` (else its ``ContextPhaseParams``'
-    ``disagg_info_endpoint``), ``"kvx1:" + base64``. Raises
-    InvalidArgument naming what it found instead."""
+def _endpoint(req: Any) -> Any:
+    """A generation request's ``ctx_info_endpoint`` (its disaggregated
+    params'; else its ``ContextPhaseParams``' ``disagg_info_endpoint``);
+    the first of a list."""
     p = getattr(req, "py_disaggregated_params", None)
     ep = getattr(p, "ctx_info_endpoint", None) if p is not None else None
     if not ep:
@@ -89,18 +98,93 @@ def params_of(req: Any) -> bytes:
         ep = getattr(cpp, "disagg_info_endpoint", None)
     if isinstance(ep, (list, tuple)):
         ep = ep[0] if ep else None
+    return ep
+
+
+def _not_kvxfer(ep: Any) -> kvxfer.InvalidArgument:
+    shown = ep if not isinstance(ep, str) else ep[:40]
+    return kvxfer.InvalidArgument(
+        -1, f"ctx_info_endpoint: {shown!r} holds no kvxfer params (expected "
+        f"{ENDPOINT_PREFIX!r} + base64, or {BY_KEY_PREFIX!r} + instance@"
+        "address; the context instance must run kvxfer's transceiver)")
+
+
+def _context_key(req: Any) -> int:
+    """The context side's id of a generation-first request: the
+    disaggregated params' ``ctx_request_id``, else ``disagg_request_id``
+    (the id both sides share)."""
+    p = req.py_disaggregated_params
+    for rid in (getattr(p, "ctx_request_id", None),
+                getattr(p, "disagg_request_id", None)):
+        if rid is not None:
+            return int(rid)
+    raise kvxfer.InvalidArgument(
+        -1, "disaggregated params: a generation-first request needs "
+        "ctx_request_id or disagg_request_id")
+
+
+def source_of(req: Any) -> Any:
+    """Where a generation request's KV comes from: its kvxfer context
+    params (bytes, context-first), or ``(context instance, its rank 0's
+    daemon address, context key)`` (generation-first, fetched by key).
+    Raises InvalidArgument naming what it found instead."""
+    ep = _endpoint(req)
+    if isinstance(ep, str) and ep.startswith(BY_KEY_PREFIX):
+        inst, at, addr = ep[len(BY_KEY_PREFIX):].rpartition("@")
+        if not inst or not at or not addr:
+            raise _not_kvxfer(ep)
+        return inst, addr, _context_key(req)
+    return params_of(req)
+
+
+def params_of(req: Any) -> bytes:
+    """kvxfer's context params of a generation request: its
+    ``ctx_info_endpoint``, ``"kvx1:" + base64``. Raises InvalidArgument
+    naming what it found instead."""
+    ep = _endpoint(req)
     if not isinstance(ep, str) or not ep.startswith(ENDPOINT_PREFIX):
-        shown = ep if not isinstance(ep, str) else ep[:40]
-        raise kvxfer.InvalidArgument(
-            -1, f"ctx_info_endpoint: {shown!r} holds no kvxfer params "
-            f"(expected {ENDPOINT_PREFIX!r} + base64; the context instance "
-            "must run kvxfer's transceiver)")
+        raise _not_kvxfer(ep)
     try:
         return base64.b64decode(ep[len(ENDPOINT_PREFIX):], validate=True)
     except ValueError as e:
         raise kvxfer.InvalidArgument(
             -1, f"ctx_info_endpoint: not base64 after {ENDPOINT_PREFIX!r} "
             f"({e})") from None
+
+
+def _generation_first(req: Any) -> bool:
+    p = getattr(req, "py_disaggregated_params", None)
+    style = getattr(p, "schedule_style", None) if p is not None else None
+    return style == DisaggScheduleStyle.GENERATION_FIRST
+
+
+def _pack_aux(req: Any) -> bytes:
+    """What a generation-first transfer carries besides the KV (V2's aux
+    slot): the first generated token(s) and the draft tokens."""
+    return json.dumps({
+        "first_gen_tokens": [int(t) for t in req.get_last_tokens()],
+        "draft_tokens": [int(t) for t in
+                         (getattr(req, "py_draft_tokens", None) or [])],
+    }).encode()
+
+
+def _apply_aux(req: Any, aux: bytes) -> None:
+    """Set the tokens a generation-first transfer carried on the request,
+    as TensorRT-LLM's Python transceiver does. Raises ValueError for
+    bytes that are not what _pack_aux makes."""
+    d = json.loads(aux.decode())
+    first = [int(t) for t in d["first_gen_tokens"]]
+    draft = [int(t) for t in d["draft_tokens"]]
+    req.py_first_gen_tokens = first
+    req.py_draft_tokens = draft
+    if req.context_phase_params is None:
+        req.context_phase_params = ContextPhaseParams(
+            first_gen_tokens=first, req_id=req.py_request_id,
+            opaque_state=b"", draft_tokens=draft, ctx_dp_rank=0,
+            disagg_info_endpoint="")
+    else:
+        req.context_phase_params.first_gen_tokens = first
+        req.context_phase_params.draft_tokens = draft
 
 
 def _role(role: Any, attention_dp: bool) -> kvxfer.Role:
@@ -391,7 +475,16 @@ class KvxferTransceiver(KvCacheTransceiver):
         req = self._recv.pop(ev.key, None)
         if req is None:
             return  # cancelled here, or ended already
-        if ev.ok:
+        if ev.ok and _generation_first(req):
+            try:
+                _apply_aux(req, ev.aux)
+            except (ValueError, KeyError, TypeError) as e:
+                log.error("request %s: the transfer's aux is not the first "
+                          "and draft tokens (%s)", request_id(req), e)
+                self._gen_done.append((req, _ERROR))
+                return
+            self._gen_done.append((req, _OK))
+        elif ev.ok:
             self._gen_done.append((req, _OK))
         elif ev.kind == kvxfer.EventKind.CANCELLED or \
                 ev.code == kvxfer.Cancelled.code:
@@ -455,8 +548,9 @@ class KvxferTransceiver(KvCacheTransceiver):
         try:
             blocks = self._blocks(req)
             self._synchronize()
+            aux = _pack_aux(req) if _generation_first(req) else None
             params = self._call(lambda c, pool: c.publish(
-                key, pool, blocks, int(req.prompt_len)))
+                key, pool, blocks, int(req.prompt_len), aux=aux))
         except DAEMON_GONE as e:
             self._lost(e)
             self._fail_send(req)
@@ -511,7 +605,7 @@ class KvxferTransceiver(KvCacheTransceiver):
             log.warning("request %s: already being received", rid)
             return
         try:
-            params = params_of(req)
+            source = source_of(req)
         except kvxfer.Error as e:
             log.error("request %s: %s", rid, e)
             self._fail_recv(req)
@@ -522,8 +616,14 @@ class KvxferTransceiver(KvCacheTransceiver):
             return
         blocks = self._blocks(req)
         try:
-            self._call(lambda c, pool: c.fetch(key, params, pool, blocks,
-                                               dp_rank=self._dp_rank))
+            if isinstance(source, bytes):
+                self._call(lambda c, pool: c.fetch(
+                    key, source, pool, blocks, dp_rank=self._dp_rank))
+            else:
+                inst, addr, ckey = source
+                self._call(lambda c, pool: c.fetch_by_key(
+                    key, inst, addr, ckey, pool, blocks,
+                    dp_rank=self._dp_rank))
         except DAEMON_GONE as e:
             self._lost(e)
             self._fail_recv(req)
@@ -634,11 +734,19 @@ class KvxferTransceiver(KvCacheTransceiver):
         return False  # no engine-side transfer buffer
 
     def prepare_context_requests(self, requests: List[Any]) -> None:
-        """Generation-first scheduling is not offered (see
-        get_disaggregated_params): nothing to gate."""
+        """Generation-first context requests are schedulable at once
+        (CONTEXT_INIT): kvxfer needs nothing from the generation side
+        before the prefill; its fetch by key waits for the publish."""
+        for req in requests:
+            req.state = LlmRequestState.CONTEXT_INIT
 
     def get_disaggregated_params(self) -> Dict[str, Any]:
-        return {}  # context-first only, as the C++ transceiver
+        """What a generation-first request needs to find this instance:
+        ``ctx_info_endpoint`` ``["kvx0:<instance id>@<rank 0's daemon
+        address>"]``; the generation side fetches by key, the key being
+        the request id both sides share."""
+        return {"ctx_dp_rank": 0, "ctx_info_endpoint": [
+            f"{BY_KEY_PREFIX}{self.instance_id}@{self._addresses[0]}"]}
 
     def shutdown(self) -> None:
         """Close the kvxfer rank: the daemon ends its requests (the other

@@ -29,6 +29,12 @@ from a stored index of its main branch of 2026:
 - tensorrt_llm/disaggregated_params.py at
   01009a33a704c61e2c183c40514d7fb59159ab09: ``DisaggregatedParams``,
   ``DisaggScheduleStyle``;
+- tensorrt_llm/_torch/disaggregation/native/auxiliary.py at
+  14e2dcd60eaed301d67c7eb73477aeb1ddefe030: what a generation-first
+  transfer carries (``request.get_last_tokens()``,
+  ``request.py_draft_tokens``), and V2's ``_apply_aux`` (transceiver.py
+  above): ``py_first_gen_tokens``, ``py_draft_tokens``,
+  ``context_phase_params``;
 - tensorrt_llm/_torch/pyexecutor/resource_manager.py (KVCacheManager:
   pp_layers, num_layers, num_kv_heads, num_kv_heads_per_layer,
   total_num_kv_heads_per_layer, head_dim, tokens_per_block, kv_factor,
@@ -369,6 +375,13 @@ class LlmRequest:
         self.state = LlmRequestState.DISAGG_GENERATION_INIT \
             if self.is_generation_only_request else \
             LlmRequestState.CONTEXT_INIT
+        self.last_tokens: List[int] = [0]  # the prefill's sampled token
+        self.py_draft_tokens: List[int] = []
+        self.py_first_gen_tokens: Optional[List[int]] = None
+
+    def get_last_tokens(self) -> List[int]:
+        """The last token of each beam (the binding's get_last_tokens)."""
+        return list(self.last_tokens)
 
 
 class BlockAllocator:

@@ -301,7 +301,8 @@ def test_install_replaces_the_factory(daemon):
         assert isinstance(t, kt.KvxferTransceiver)
         assert isinstance(t, s.KvCacheTransceiver)
         assert t.kv_transfer_timeout_ms == 60000
-        assert t.get_disaggregated_params() == {}
+        ep = t.get_disaggregated_params()["ctx_info_endpoint"]
+        assert ep[0].startswith(kt.BY_KEY_PREFIX)
         assert t.supports_inflight_request_cancellation() is False
     finally:
         t.shutdown()
@@ -427,3 +428,89 @@ def test_daemon_restart_reconnection_off(instances, own_daemon,
     gen.until(gen.gen_status, settled(greqs))
     assert greqs[0].state == St.DISAGG_GENERATION_TRANS_COMPLETE
     assert same(gen.read(greqs, 40), full)
+
+
+def generation_first(rid, n, ep):
+    return s.LlmRequest(rid, n, s.DisaggregatedParams(
+        request_type="generation_only", disagg_request_id=rid,
+        schedule_style=s.DisaggScheduleStyle.GENERATION_FIRST,
+        ctx_info_endpoint=ep, ctx_dp_rank=0))
+
+
+def test_generation_first(instances):
+    """Generation-first: the generation request (its id shared with the
+    context side, the context instance's get_disaggregated_params as its
+    endpoint) fetches by key before the prefill; the context request is
+    schedulable at once, publishes with its first and draft tokens, and
+    the generation side gets the KV, byte for byte, and those tokens."""
+    ctx, gen = instances(2), instances()
+    ep = ctx.ranks[0].get_disaggregated_params()
+    assert [t.get_disaggregated_params() for t in ctx.ranks] == [ep] * 2
+    assert ep["ctx_dp_rank"] == 0
+    greqs = [generation_first(9100, 30, ep["ctx_info_endpoint"])]
+    gen.receive(greqs)
+    assert greqs[0].state == St.DISAGG_GENERATION_TRANS_IN_PROGRESS
+    assert gen.gen_status(0)[0].completed_request_ids == []
+    creqs = ctx.context_requests(
+        9100, 30, disagg_request_id=9100,
+        schedule_style=s.DisaggScheduleStyle.GENERATION_FIRST)
+    for t, r in zip(ctx.ranks, creqs):
+        r.state = St.DISAGG_CONTEXT_WAIT_SCHEDULER
+        t.prepare_context_requests([r])
+        r.last_tokens, r.py_draft_tokens = [4242], [7, 8]
+    assert states(creqs) == [St.CONTEXT_INIT] * 2
+    full = model_kv(30, 9100)
+    ctx.write(creqs, full)
+    ctx.send(creqs)
+    got = gen.until(gen.gen_status, settled(greqs))
+    assert got["completed_request_ids"] == [[9100]]
+    assert greqs[0].state == St.DISAGG_GENERATION_TRANS_COMPLETE
+    assert same(gen.read(greqs, 30), full)
+    assert greqs[0].py_first_gen_tokens == [4242]
+    assert greqs[0].py_draft_tokens == [7, 8]
+    assert greqs[0].context_phase_params.first_gen_tokens == [4242]
+    assert greqs[0].context_phase_params.draft_tokens == [7, 8]
+    got = ctx.until(lambda: ctx.ctx_status(0, mark_complete=True),
+                    settled(creqs))
+    assert got["completed_request_ids"] == [[9100], [9100]]
+
+
+def test_generation_first_cancelled_before_the_prefill(instances):
+    """A generation-first request cancelled while it waits for the
+    prefill: True, forgotten, and no byte lands when the context side
+    publishes later."""
+    ctx, gen = instances(), instances()
+    ep = ctx.ranks[0].get_disaggregated_params()["ctx_info_endpoint"]
+    greqs = [generation_first(9200, 16, ep)]
+    gen.receive(greqs)
+    assert gen.ranks[0].cancel_request(greqs[0]) is True
+    assert gen.ranks[0].check_gen_transfer_complete()
+    creqs = ctx.context_requests(
+        9200, 16, disagg_request_id=9200,
+        schedule_style=s.DisaggScheduleStyle.GENERATION_FIRST)
+    ctx.write(creqs, model_kv(16, 9200))
+    ctx.send(creqs)
+    assert creqs[0].state == St.DISAGG_CONTEXT_TRANS_IN_PROGRESS
+    got = gen.until(gen.gen_status, lambda: True)
+    assert got["completed_request_ids"] == [[]]
+    ctx.ctx_status(0)
+    assert gen.untouched([])
+
+
+def test_generation_first_endpoint_errors(instances):
+    """A by-key endpoint without a shared id, or malformed: the request
+    fails with DISAGG_TRANS_ERROR, no exception."""
+    gen = instances()
+    bad = s.LlmRequest(9300, 16, s.DisaggregatedParams(
+        request_type="generation_only",
+        schedule_style=s.DisaggScheduleStyle.GENERATION_FIRST,
+        ctx_info_endpoint=[kt.BY_KEY_PREFIX + "inst@kvx://x/1"]))
+    gen.ranks[0].request_and_receive_async(bad)
+    assert bad.state == St.DISAGG_TRANS_ERROR
+    with pytest.raises(kvxfer.InvalidArgument, match="disagg_request_id"):
+        kt.source_of(bad)
+    odd = generation_first(9301, 16, kt.BY_KEY_PREFIX + "no-address")
+    gen.ranks[0].request_and_receive_async(odd)
+    assert odd.state == St.DISAGG_TRANS_ERROR
+    assert gen.ranks[0].check_gen_transfer_status(0).error_request_ids == \
+        [9300, 9301]
