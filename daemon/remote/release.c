@@ -89,9 +89,9 @@ static int fan_too_old(const rel_t *r, const peer_conn_t *c, unsigned i,
     if (minor < 0 || (uint32_t)minor >= r->op->minor)
         return 0;
     snprintf(msg, n,
-             "%s: daemon %s speaks protocol 2.%d; renewing a lease needs "
-             "2.%u",
-             r->op->name, r->addr[i], minor, r->op->minor);
+             "%s: daemon %s speaks a protocol before 2.%u, which does not "
+             "renew leases",
+             r->op->name, r->addr[i], r->op->minor);
     return KVX_ERR_UNSUPPORTED;
 }
 
