@@ -1178,7 +1178,9 @@ typedef struct kvx_renew_args {
 /* Renew the leases of offers (the generation side: a rank, or a router or
  * scheduler process connected with kvx_connect_observer): on every
  * daemon of each offer's context ranks, its deadline becomes now + its
- * lease. The params' token is the right to it, as for kvx_release. Each
+ * lease (or + the params' lease, kvx_params_lease, when that is longer:
+ * a spread instance's offer on a daemon whose ranks named no lease). The
+ * params' token is the right to it, as for kvx_release. Each
  * offer's renewal succeeds or fails on its own (its outcome): 0, also
  * for an offer being fetched (the fetch's timeout bounds it, not the
  * lease); KVX_ERR_NOT_FOUND (the offer ended: fetched, released, expired,

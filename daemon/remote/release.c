@@ -25,19 +25,39 @@
 
 #define TARGETS_MAX 64 /* daemons of one instance's ranks */
 
+/* The offer a fan-out acts on, as the params (or a PeerRelease) name
+ * it. */
+typedef struct fan_req {
+    const char *instance_id;
+    const reqkey_t *key;
+    const uint8_t *token;
+    size_t token_len;
+    uint32_t lease_ms; /* renew: the params' lease */
+} fan_req_t;
+
+static int do_release(const fan_req_t *q, kvx_why_t *why)
+{
+    return xfer_release(q->instance_id, q->key, q->token, q->token_len, why);
+}
+
+static int do_renew(const fan_req_t *q, kvx_why_t *why)
+{
+    return xfer_renew(q->instance_id, q->key, q->token, q->token_len,
+                      q->lease_ms, why);
+}
+
 /* What a fan-out does: a release or a renewal. */
 typedef struct fan_op {
     const char *name; /* "release", "renew": its messages start so */
     int ask, answer;  /* its PeerMsg cases */
     uint32_t minor;   /* the peer's protocol minor it needs */
-    int (*local)(const char *instance_id, const reqkey_t *key,
-                 const uint8_t *token, size_t token_len, kvx_why_t *why);
+    int (*local)(const fan_req_t *q, kvx_why_t *why);
 } fan_op_t;
 
 static const fan_op_t RELEASE = {"release", KVXFER__PEER_MSG__M_RELEASE,
-                                 KVXFER__PEER_MSG__M_RELEASED, 0, xfer_release};
+                                 KVXFER__PEER_MSG__M_RELEASED, 0, do_release};
 static const fan_op_t RENEW = {"renew", KVXFER__PEER_MSG__M_RENEW,
-                               KVXFER__PEER_MSG__M_RENEWED, 6, xfer_renew};
+                               KVXFER__PEER_MSG__M_RENEWED, 6, do_renew};
 
 typedef struct rel {
     list_t node;
@@ -143,8 +163,9 @@ static int fan_start(const fan_op_t *op, const uint8_t *params, size_t len,
             goto out;
     reqkey_t key = {.len = (uint32_t)cp->key.len};
     memcpy(key.b, cp->key.data, cp->key.len); /* checked by the decode */
-    if (here && (rc = op->local(cp->instance_id, &key, cp->token.data,
-                                cp->token.len, why)))
+    fan_req_t q = {cp->instance_id, &key, cp->token.data, cp->token.len,
+                   cp->lease_ms};
+    if (here && (rc = op->local(&q, why)))
         goto out;
     if (!n)
         goto out; /* rc 0: answered now */
@@ -167,6 +188,7 @@ static int fan_start(const fan_op_t *op, const uint8_t *params, size_t len,
     pr.key = cp->key;
     pr.token = cp->token;
     pr.id = r->id;
+    pr.lease_ms = cp->lease_ms;
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     m.m_case = (Kvxfer__PeerMsg__MCase)op->ask;
     m.release = &pr; /* the one member of the oneof: renew too */
@@ -224,9 +246,10 @@ static void on_ask(const fan_op_t *op, peer_conn_t *c,
     reqkey_t key;
     snprintf(field, sizeof(field), "%s.key", op->name);
     int rc = reqkey_set(&key, m->key.data, m->key.len, field, KVX_WHY(why));
+    fan_req_t q = {m->instance_id ? m->instance_id : "", &key, m->token.data,
+                   m->token.len, m->lease_ms};
     if (!rc)
-        rc = op->local(m->instance_id ? m->instance_id : "", &key,
-                       m->token.data, m->token.len, KVX_WHY(why));
+        rc = op->local(&q, KVX_WHY(why));
     Kvxfer__PeerReleased a = KVXFER__PEER_RELEASED__INIT;
     a.id = m->id;
     a.code = rc;

@@ -669,7 +669,8 @@ int xfer_lease_resolve(const char *op, uint32_t lease_ms, uint32_t *out,
 }
 
 int xfer_renew(const char *instance_id, const reqkey_t *key,
-               const uint8_t *token, size_t token_len, kvx_why_t *why)
+               const uint8_t *token, size_t token_len, uint32_t lease_ms,
+               kvx_why_t *why)
 {
     instance_t *inst = instance_find(instance_id);
     offer_t *o =
@@ -695,8 +696,12 @@ int xfer_renew(const char *instance_id, const reqkey_t *key,
     /* fetched here or taken by a peer: the fetch bounds it now */
     if (o->consumer || o->taken || !list_linked(&o->lease.node))
         return 0;
+    if (lease_ms > kvxd.conf.offer_lease_max_ms)
+        lease_ms = kvxd.conf.offer_lease_max_ms;
+    if (lease_ms < o->lease_ms)
+        lease_ms = o->lease_ms;
     dl_remove(&o->lease);
-    dl_insert(&xfer_leases, &o->lease, kvxd_now_ms() + o->lease_ms);
+    dl_insert(&xfer_leases, &o->lease, kvxd_now_ms() + lease_ms);
     return 0;
 }
 

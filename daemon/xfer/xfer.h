@@ -234,12 +234,16 @@ int xfer_release(const char *instance_id, const reqkey_t *key,
                  const uint8_t *token, size_t token_len, kvx_why_t *why);
 
 /* Renew the lease of the offer of (instance_id, key) on this daemon,
- * proved by the params' token: its deadline becomes now + its lease. 0
- * (also for an offer being fetched: the fetch's timeout bounds it), or
+ * proved by the params' token: its deadline becomes now + its lease, or
+ * + lease_ms (the params', at most deadlines.offer_lease_max_ms) when
+ * longer: the offers of a spread instance's other daemons, made by
+ * publishes that named no lease, hold those daemons' defaults. 0 (also
+ * for an offer being fetched: the fetch's timeout bounds it), or
  * KVX_ERR_NOT_FOUND (no such offer here, or it has ended), KVX_ERR_AUTH
  * (another token), with why. */
 int xfer_renew(const char *instance_id, const reqkey_t *key,
-               const uint8_t *token, size_t token_len, kvx_why_t *why);
+               const uint8_t *token, size_t token_len, uint32_t lease_ms,
+               kvx_why_t *why);
 
 /* The lease a publish or reservation (op) asked, resolved: 0 is the
  * daemon's deadlines.offer_lease_ms; over deadlines.offer_lease_max_ms is
