@@ -18,6 +18,7 @@ import signal
 import time
 from typing import Any, List
 
+import pytest
 import torch
 
 from vllm.v1.outputs import ModelRunnerOutput
@@ -193,3 +194,14 @@ def test_hung_daemon_costs_a_step_its_budget(engines, own_daemon):
     # left alone a second (QUIET_S), then reserved again
     time.sleep(1.1)
     prefill(p, "req-h-after", prompt_of(20, 60))
+
+
+@pytest.mark.parametrize("key,value", [("lease_s", -1), ("lease_s", "x"),
+                                       ("step_budget_ms", 0),
+                                       ("step_budget_ms", True)])
+def test_bad_lease_config_is_refused_by_name(engines, key, value):
+    """A lease or budget that is no number above 0 stops the engine at
+    start-up, naming the key."""
+    with pytest.raises(kvxfer.InvalidArgument,
+                       match=f"kv_connector_extra_config.{key}"):
+        engines(extra={key: value})

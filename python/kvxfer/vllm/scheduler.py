@@ -226,10 +226,27 @@ class _Scheduler:
 
     QUIET_S = 1.0
 
+    @staticmethod
+    def _positive(extra: Dict[str, Any], key: str, default: Any) -> Any:
+        """extra[key] as a number above 0 (default when absent); else
+        InvalidArgument naming the key, at start-up."""
+        v = extra.get(key, default)
+        if v is None:
+            return None
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = float("nan")
+        if isinstance(v, bool) or not 0 < f < float("inf"):
+            raise kvxfer.InvalidArgument(
+                -1, f"kv_connector_extra_config.{key}: {v!r} is not a "
+                "number above 0")
+        return f
+
     def _lease_init(self, extra: Dict[str, Any]) -> None:
-        self.step_budget = float(extra.get("step_budget_ms", 50)) / 1000.0
-        lease = extra.get("lease_s")
-        self.lease_ms = int(round(float(lease) * 1000)) if lease else 0
+        self.step_budget = self._positive(extra, "step_budget_ms", 50) / 1e3
+        lease = self._positive(extra, "lease_s", None)
+        self.lease_ms = max(1, int(round(lease * 1000))) if lease else 0
         self.renew_leases = bool(extra.get("renew_leases", True))
         # prefill: rid -> (key, tokens) to reserve this step; rid ->
         # (params, tokens) reserved
