@@ -134,12 +134,31 @@ class _Scheduler:
         self._inflight.add(request.request_id)
 
     def _release(self, request_id: str, params: bytes) -> None:
+        """Released at the end of the step's scheduling (_release_step),
+        under its budget: no daemon call in vLLM's scheduling loop."""
+        self._to_release.append((request_id, params))
+
+    def _release_finished(self, request_id: str, params: bytes) -> None:
+        """Released now (an abort may come while the engine is idle, with
+        no step to come), under the finished requests' budget."""
+        left = self._finish_left()
+        if left is None:
+            return  # freed at the offer's lease
         try:
-            self._daemon(kvxfer.Client.release, params)
+            self._release_now(request_id, params, left)
+        except kvxfer.Closed:
+            pass  # logged once; freed at the lease, or gone with a daemon
+
+    def _release_now(self, request_id: str, params: bytes,
+                     timeout: float) -> None:
+        def release(c: kvxfer.Client, p: bytes, t: float) -> None:
+            c.release(p, timeout=t)
+        try:
+            self._timed(release, params, timeout)
         except kvxfer.NotFound:
             pass  # ended already (its lease, or the prefill went away)
         except kvxfer.Closed:
-            pass  # logged once; freed at the lease, or gone with a daemon
+            raise  # logged once; freed at the lease, or gone with a daemon
         except kvxfer.Error as e:
             log.warning("request %s: releasing the prefill's blocks: %s "
                         "(they are freed at the offer's lease)",
@@ -168,7 +187,7 @@ class _Scheduler:
             # prefill's blocks are released now, not at their lease
             p["do_remote_prefill"] = False
             try:
-                self._release(rid, _params_of(p))
+                self._release_finished(rid, _params_of(p))
             except kvxfer.Error as e:
                 log.error("request %s: %s", rid, e)
             return False, None
@@ -259,6 +278,8 @@ class _Scheduler:
         # daemon restarted under its ranks; or the budget was spent),
         # under one budget for the step's finished requests
         self._retry: Dict[str, int] = {}
+        # decode: offers to release at the step's end
+        self._to_release: List[Tuple[str, bytes]] = []
         self._finish_end: Optional[float] = None
         self._last_renew = 0.0
         self._quiet_until = 0.0
@@ -297,20 +318,37 @@ class _Scheduler:
             self._to_reserve[rid] = (request_key(rid), n)
 
     def _daemon_step(self) -> None:
-        """The step's reservations and renewals, within the budget."""
-        if not self._to_reserve and not self._renew_due():
+        """The step's reservations, renewals and releases, within the
+        budget."""
+        if not self._to_reserve and not self._to_release and \
+                not self._renew_due():
             return
         now = time.monotonic()
         end = now + self.step_budget
         if now < self._quiet_until:
             self._to_reserve.clear()  # no params: their decodes compute
+            self._to_release.clear()  # freed at their leases
             return
         try:
             self._reserve_step(end)
             self._renew_step(end)
+            self._release_step(end)
         except kvxfer.Closed:
-            pass  # gone, or too slow (_timed): logged once
+            # gone, or too slow (_timed): logged once; the offers not
+            # released are freed at their leases (or went with the daemon)
+            self._to_release.clear()
         self._to_reserve.clear()
+
+    def _release_step(self, end: float) -> None:
+        """The prefills' blocks the decode does not need (a full prefix
+        hit, an abort before allocation), one release each; what the
+        budget leaves goes at the next step."""
+        while self._to_release:
+            left = self._left(end)
+            if left is None:
+                return
+            rid, params = self._to_release.pop(0)
+            self._release_now(rid, params, left)
 
     @staticmethod
     def _left(end: float) -> Optional[float]:
@@ -369,15 +407,20 @@ class _Scheduler:
                     log.error("request %s: kvxfer reserve failed: %s", rid,
                               r)
 
-    def _reserve_late(self, rid: str, n: int) -> Optional[Tuple[bytes, int]]:
-        """The reservation of a finished request that its step could not
-        make, under what is left of the finished requests' budget."""
+    def _finish_left(self) -> Optional[float]:
+        """What is left of the budget of the requests finished since the
+        last step's scheduling (None: spent, or the daemon left alone)."""
         now = time.monotonic()
         if now < self._quiet_until:
             return None
         if self._finish_end is None:
             self._finish_end = now + self.step_budget
-        left = self._left(self._finish_end)
+        return self._left(self._finish_end)
+
+    def _reserve_late(self, rid: str, n: int) -> Optional[Tuple[bytes, int]]:
+        """The reservation of a finished request that its step could not
+        make, under what is left of the finished requests' budget."""
+        left = self._finish_left()
         if left is None:
             return None
         key = request_key(rid)
