@@ -671,11 +671,11 @@ TEST(api3_reserve)
     bad.key = "a3s-x";
     bad.key_len = 5;
     bad.params = &xp;
-    bad.field_mask |= 1ull << 7;
+    bad.field_mask |= 1ull << 10;
     CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
-                "kvx_reserve: field_mask bit 0x80 is unknown to libkvxfer "
-                "3.0.0 (it knows bits 0x7f: KVX_RESERVE_FIELD_KEY to "
-                "KVX_RESERVE_FIELD_TIMEOUT)");
+                "kvx_reserve: field_mask bit 0x400 is unknown to libkvxfer "
+                "3.0.0 (it knows bits 0x3ff: KVX_RESERVE_FIELD_KEY to "
+                "KVX_RESERVE_FIELD_ITEMS)");
     bad.field_mask = ra.field_mask & ~KVX_RESERVE_FIELD_INSTANCE;
     CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
                 "kvx_reserve: field_mask lacks KVX_RESERVE_FIELD_INSTANCE");

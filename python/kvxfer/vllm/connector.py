@@ -51,6 +51,10 @@ class KvxferConnector(KVConnectorBase_V1):
         return self._sched.get_num_new_matched_tokens(request,
                                                       num_computed_tokens)
 
+    def on_new_request(self, request: "Request") -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
+
     def update_state_after_alloc(self, request: "Request",
                                  blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
