@@ -64,8 +64,8 @@ extern "C" {
 /* This header's release. kvx_version() says the library's, which may be
  * newer than the header a program was built with. */
 #define KVX_VERSION_MAJOR 3
-#define KVX_VERSION_MINOR 0
-#define KVX_VERSION_STRING "3.0.0"
+#define KVX_VERSION_MINOR 1
+#define KVX_VERSION_STRING "3.1.0"
 /* The protocol the library and the daemon speak (Hello's version): 3.0
  * changed the API, not the wire; 2.6 added per-offer leases and their
  * renewal (kvx_renew). */
@@ -96,7 +96,7 @@ extern "C" {
 #define KVX_DEPRECATED_RESERVE                                                 \
     KVX_DEPRECATED("kvx_reserve (kvxfer.h 3.0: its args say the form)")
 
-/* The library's release, "3.0.0" (KVX_VERSION_STRING of the library that
+/* The library's release, "3.1.0" (KVX_VERSION_STRING of the library that
  * was loaded, not of the header the program was built with). */
 KVX_EXPORT const char *kvx_version(void);
 
@@ -753,7 +753,7 @@ kvx_group_tokens_ready(kvx_client_t *client, const void *key, size_t key_len,
  * may add members (and bits) at the end without a new symbol, and a
  * member not in the mask takes its default. A bit this library does not
  * know is KVX_ERR_INVALID naming it ("kvx_publish: field_mask bit 0x400
- * is unknown to libkvxfer 3.0.0"), never ignored: a program built
+ * is unknown to libkvxfer 3.1.0"), never ignored: a program built
  * against a newer header learns that an older library cannot do what it
  * asked. A required member missing is KVX_ERR_INVALID naming the field.
  *
