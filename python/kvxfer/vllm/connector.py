@@ -9,7 +9,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
-from kvxfer.vllm.common import KvxferConnectorMetadata
+from kvxfer.vllm.common import (KvxferConnectorMetadata,
+                                KvxferHandshakeMetadata, check_config)
 from kvxfer.vllm.scheduler import _Scheduler
 from kvxfer.vllm.worker import _Worker
 
@@ -35,6 +36,7 @@ class KvxferConnector(KVConnectorBase_V1):
                  kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role,
                          kv_cache_config=kv_cache_config)
+        check_config(vllm_config)
         self._sched: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -74,7 +76,23 @@ class KvxferConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: Dict[Tuple[int, int], Any]) -> None:
+        """Every worker's daemon address (get_handshake_metadata), which
+        the scheduler hands its workers in the next step's metadata."""
+        assert self._sched is not None
+        self._sched.set_rank_addresses(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: Dict[int, Any]
+                                    ) -> None:
+        self.set_xfer_handshake_metadata_pp_aware(
+            {(0, tp): m for tp, m in metadata.items()})
+
     # -- worker side ------------------------------------------------------
+
+    def get_handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
+        assert self._worker is not None
+        return self._worker.handshake()
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         assert self._worker is not None

@@ -10,7 +10,8 @@ import kvxfer
 from kvxfer._outage import DAEMON_GONE, Outage, nudge, retrying
 from kvxfer.vllm.common import (PARAMS_KEY, KvxferConnectorMetadata, Recv,
                                 Send, _b64, _extra, _instance_id,
-                                _params_of, _socket, log, request_key)
+                                _params_of, _socket, addresses_of, log,
+                                recompute_threshold, request_key)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,7 +30,9 @@ class _Scheduler:
         self.timeout = float(extra.get("timeout_s", 10.0))
         self.instance_id = _instance_id(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
-        self.recompute_below = int(extra.get("recompute_below_tokens", 0))
+        self.recompute_below = recompute_threshold(extra)
+        pc = vllm_config.parallel_config
+        self.world = pc.tensor_parallel_size * pc.pipeline_parallel_size
         self._client: Optional[kvxfer.Client] = None
         self._meta = KvxferConnectorMetadata()
         self._inflight: Set[str] = set()  # fetches the workers run
@@ -136,6 +139,13 @@ class _Scheduler:
             log.warning("request %s: releasing the prefill's blocks: %s "
                         "(they are freed at the offer's lease)",
                         request_id, e)
+
+    def set_rank_addresses(self, metadata: Dict[Any, Any]) -> None:
+        """The workers' daemon addresses (vLLM's handshake metadata) go
+        to the workers in the next step's metadata: they join with them."""
+        addrs = addresses_of(metadata, self.world)
+        if addrs is not None:
+            self._meta.addresses = addrs
 
     def build_connector_meta(self) -> KvxferConnectorMetadata:
         meta, self._meta = self._meta, KvxferConnectorMetadata()

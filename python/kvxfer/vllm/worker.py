@@ -11,7 +11,8 @@ import torch
 import kvxfer
 from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
                             retrying)
-from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata, _extra,
+from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata,
+                                KvxferHandshakeMetadata, _extra,
                                 _instance_id, _role, _socket, log,
                                 parallel_rank, request_key)
 from kvxfer.vllm.layout import layout_of_kv_caches
@@ -39,6 +40,9 @@ class _Worker:
         self._done_recv: Set[str] = set()
         self._load_errors: Set[int] = set()
         self._kv_caches: Optional[Dict[str, torch.Tensor]] = None
+        self.rank = 0
+        self._gathered: Optional[List[str]] = None  # from the handshake
+        self._joined = False
         self._next_connect = 0.0  # when a client given up is made again
         self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
 
@@ -71,8 +75,13 @@ class _Worker:
                 else mc.hf_config.num_hidden_layers,
                 total_kv_heads=total_heads),
             timeout=self.timeout)
+        self.rank = rank
+        self._joined = False
         try:
-            client.join(self._addresses(client, tp * pp))
+            addrs = self._addresses(client, tp * pp)
+            if addrs is not None:
+                client.join(addrs)  # else at the handshake's addresses
+                self._joined = True
             self.gpu = regions[0].is_cuda
             self.pool = client.register_regions(
                 layout, regions, device="cuda" if self.gpu else "host",
@@ -85,25 +94,37 @@ class _Worker:
                  rank, tp * pp, self.instance_id, len(names),
                  "GPU" if self.gpu else "host", self.pool.id)
 
-    def _addresses(self, client: kvxfer.Client, world: int) -> List[str]:
+    def _addresses(self, client: kvxfer.Client, world: int
+                   ) -> Optional[List[str]]:
+        """Every rank's daemon address: rank_addresses when configured,
+        this daemon's alone for one rank, else those the scheduler
+        handed down from vLLM's handshake metadata (None until then)."""
         if self.rank_addresses:
-            addrs = [str(a) for a in self.rank_addresses]
-            if len(addrs) != world:
-                raise kvxfer.InvalidArgument(
-                    -1, f"rank_addresses: {len(addrs)} for {world} ranks")
-            return addrs
-        mine = client.daemon_address
+            return [str(a) for a in self.rank_addresses]
+        if world == 1:
+            return [client.daemon_address]
+        return self._gathered
+
+    def handshake(self) -> Optional[KvxferHandshakeMetadata]:
+        """This rank and its daemon's address, for vLLM's handshake
+        metadata (None before register_kv_caches)."""
+        if self.client is None:
+            return None
+        return KvxferHandshakeMetadata(rank=self.rank,
+                                       address=self.client.daemon_address)
+
+    def _join(self, addresses: List[str]) -> None:
+        """Join with the addresses vLLM's handshake gathered (once)."""
+        self._gathered = list(addresses)
+        if self.client is None or self._joined:
+            return
         try:
-            import torch.distributed as dist
-            if dist.is_available() and dist.is_initialized() and \
-                    dist.get_world_size() == world > 1:
-                out: List[Any] = [None] * world
-                dist.all_gather_object(out, mine)
-                return [str(a) for a in out]
-        except (ImportError, RuntimeError) as e:  # pragma: no cover
-            log.warning("gathering the ranks' daemon addresses: %s; "
-                        "assuming one node", e)
-        return [mine] * world
+            self.client.join(self._gathered)
+            self._joined = True
+        except kvxfer.Error as e:
+            log.error("kvxfer rank %d of %s: join with the ranks' daemon "
+                      "addresses failed: %s", self.rank, self.instance_id,
+                      e)
 
     def start(self, meta: KvxferConnectorMetadata) -> None:
         if self._kv_caches is None:
@@ -112,6 +133,8 @@ class _Worker:
                     -1, "kvxfer connector: transfers before "
                     "register_kv_caches")
             return
+        if meta.addresses is not None:
+            self._join(meta.addresses)
         self._reconnect()
         if self.client is not None and (meta.sends or meta.recvs):
             nudge(self.client)
