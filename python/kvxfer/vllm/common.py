@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata, KVConnectorMetadata)
 
 import kvxfer
+from kvxfer.vllm.hybrid import Table
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,6 +61,7 @@ class Send:
     key: bytes
     block_ids: List[int]
     num_tokens: int
+    groups: List[Table] = field(default_factory=list)  # hybrid models
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Recv:
     params: bytes
     block_ids: List[int]
     skip_tokens: int
+    groups: List[Table] = field(default_factory=list)  # hybrid models
 
 
 @dataclass
@@ -92,6 +95,7 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
 
     rank: int
     address: str
+    pools: List[int] = field(default_factory=list)  # its tables' pools
 
 
 # -- the config --------------------------------------------------------------
@@ -223,3 +227,12 @@ def addresses_of(metadata: Dict[Any, Any], world: int
                   missing, world)
         return None
     return [by_rank[r] for r in range(world)]
+
+
+def pools_of(metadata: Dict[Any, Any]) -> List[int]:
+    """Rank 0's pool of each block table (its handshake metadata), which
+    a hybrid request's reservation names."""
+    for m in metadata.values():
+        if isinstance(m, KvxferHandshakeMetadata) and m.rank == 0:
+            return list(m.pools)
+    return []

@@ -3,14 +3,16 @@ half or its worker half."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import (TYPE_CHECKING, Any, Dict, List, Optional, Set,
+                    Tuple)
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA)
 
 from kvxfer.vllm.common import (KvxferConnectorMetadata,
                                 KvxferHandshakeMetadata, check_config)
+from kvxfer.vllm.hybrid import Tables
 from kvxfer.vllm.scheduler import _Scheduler
 from kvxfer.vllm.worker import _Worker
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector on kvxferd (see the module's documentation).
 
     The scheduler-side instance keeps the requests' transfer state and
@@ -37,12 +39,17 @@ class KvxferConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role,
                          kv_cache_config=kv_cache_config)
         check_config(vllm_config)
+        # a hybrid model's KV cache groups as kvxfer block tables (refused
+        # here, naming the group, when they cannot be)
+        tables = Tables(kv_cache_config)
+        tables.check_parallel(
+            vllm_config.parallel_config.tensor_parallel_size)
         self._sched: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _Scheduler(vllm_config)
+            self._sched = _Scheduler(vllm_config, tables=tables)
         else:
-            self._worker = _Worker(vllm_config)
+            self._worker = _Worker(vllm_config, tables=tables)
 
     # -- scheduler side ---------------------------------------------------
 
@@ -73,6 +80,14 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: Any
                          ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+            self, request: "Request", block_ids: Tuple[List[int], ...]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """vLLM's hybrid memory allocator (SupportsHMA): the request's
+        block ids of every KV cache group, each group a kvxfer table."""
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 

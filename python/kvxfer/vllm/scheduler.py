@@ -4,14 +4,15 @@ release or cancel, and the offers' params."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import kvxfer
 from kvxfer._outage import DAEMON_GONE, Outage, nudge, retrying
 from kvxfer.vllm.common import (PARAMS_KEY, KvxferConnectorMetadata, Recv,
                                 Send, _b64, _extra, _instance_id,
                                 _params_of, _socket, addresses_of, log,
-                                recompute_threshold, request_key)
+                                pools_of, recompute_threshold, request_key)
+from kvxfer.vllm.hybrid import Tables
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -24,12 +25,16 @@ class _Scheduler:
     """The scheduler side: which requests fetch, publish, release or
     cancel, and the offers' params (kvx_reserve)."""
 
-    def __init__(self, vllm_config: "VllmConfig") -> None:
+    def __init__(self, vllm_config: "VllmConfig",
+                 tables: Optional[Tables] = None) -> None:
         extra = _extra(vllm_config)
         self.socket = _socket(extra)
         self.timeout = float(extra.get("timeout_s", 10.0))
         self.instance_id = _instance_id(vllm_config)
-        self.block_size = vllm_config.cache_config.block_size
+        self.tables = tables or Tables(None)
+        self.block_size = self.tables.block_size(
+            vllm_config.cache_config.block_size)
+        self._pools: List[int] = []  # rank 0's pool of each table
         self.recompute_below = recompute_threshold(extra)
         pc = vllm_config.parallel_config
         self.world = pc.tensor_parallel_size * pc.pipeline_parallel_size
@@ -121,11 +126,19 @@ class _Scheduler:
             return
         n = min(int(p.get("remote_num_tokens") or 0),
                 len(request.prompt_token_ids or ()))
-        ids = list(blocks.get_block_ids()[0])
+        ids = self.tables.plain(blocks.get_block_ids())
         need = math.ceil(n / self.block_size)
+        skip = n - num_external_tokens
+        tables = self.tables.recvs(blocks.get_block_ids(), n, skip) \
+            if self.tables.hybrid else []
+        if tables is None:
+            # the fetch is refused (its groups missing): load errors
+            log.error("request %s: a KV cache group has no blocks for "
+                      "tokens [%d, %d)", request.request_id, skip, n)
+            tables = []
         self._meta.recvs[request.request_id] = Recv(
             key=request_key(request.request_id), params=params,
-            block_ids=ids[:need], skip_tokens=n - num_external_tokens)
+            block_ids=ids[:need], skip_tokens=skip, groups=tables)
         self._inflight.add(request.request_id)
 
     def _release(self, request_id: str, params: bytes) -> None:
@@ -146,6 +159,7 @@ class _Scheduler:
         addrs = addresses_of(metadata, self.world)
         if addrs is not None:
             self._meta.addresses = addrs
+        self._pools = pools_of(metadata)
 
     def build_connector_meta(self) -> KvxferConnectorMetadata:
         meta, self._meta = self._meta, KvxferConnectorMetadata()
@@ -184,15 +198,27 @@ class _Scheduler:
             return False, None  # aborted prefill: nothing to send
         groups = block_ids if block_ids and isinstance(
             block_ids[0], (list, tuple)) else [block_ids or []]
-        ids = list(groups[0])
+        ids = self.tables.plain(groups)
         n = request.num_computed_tokens
         need = math.ceil(n / self.block_size)
         if n <= 0 or len(ids) < need:
             return False, None
+        tables = self.tables.sends(groups, n) if self.tables.hybrid else []
+        if tables is None or (tables and not self._pools):
+            log.error("request %s: %s; its decode computes the prompt", rid,
+                      "a KV cache group lacks blocks" if tables is None
+                      else "no pools from the workers' handshake")
+            return False, None
         key = request_key(rid)
         try:
-            params = self._daemon(kvxfer.Client.reserve, self.instance_id,
-                                  key, n)
+            if tables:
+                gs = self.tables.reserved(self._pools, tables)
+                params = self._daemon(
+                    lambda c: c.reserve(self.instance_id, key, n,
+                                        pool=self._pools[0], groups=gs))
+            else:
+                params = self._daemon(kvxfer.Client.reserve,
+                                      self.instance_id, key, n)
         except kvxfer.Closed:
             return False, None  # the daemon is gone (logged once)
         except kvxfer.Error as e:
@@ -200,7 +226,7 @@ class _Scheduler:
             log.error("request %s: kvxfer reserve failed: %s", rid, e)
             return False, None
         self._meta.sends[rid] = Send(key=key, block_ids=ids[:need],
-                                     num_tokens=n)
+                                     num_tokens=n, groups=tables)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

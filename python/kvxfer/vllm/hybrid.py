@@ -1,0 +1,304 @@
+"""Hybrid models (vLLM's hybrid memory allocator): a request's KV cache
+groups as kvxfer block tables.
+
+vLLM gives a hybrid model's request one block table per KV cache group
+(full attention, sliding window, Mamba state). kvxfer carries them as one
+request: the first full-attention group is the plain table (the pool
+registered as before), every other group one more table (a
+:class:`kvxfer.Group`) in a pool of its own layout, over the same memory
+(vLLM's groups overlay one allocation; a block id belongs to one group at
+a time). The request keeps one offer, one lease, one fence and one
+terminal event (docs/protocol.md, "Several block tables").
+
+- A sliding-window group offers only the blocks its window keeps: those
+  holding the tokens from ``num_tokens - 1 - num_retained_tokens`` on,
+  the ones the decode reads when it computes the last prompt token (its
+  ``first_block``; the blocks below were freed by vLLM already).
+- A Mamba group is a state slot: its pool has one-token blocks, a block
+  being a request's state (conv and SSM states, page by page), and the
+  request's state block as the one block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import kvxfer
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+NULL_BLOCK = 0  # vLLM's BlockPool keeps block 0 as its null block
+MAX_TABLES = 8  # KVX_MAX_GROUPS: block tables of a request, the first too
+FULL, WINDOW, STATE = "full", "window", "state"
+
+
+@dataclass
+class Table:
+    """One more block table of a request, as the scheduler sends it to
+    the workers: table k + 1 is the worker's pool k + 1."""
+
+    blocks: List[int]
+    num_tokens: int
+    first_block: int = 0
+    skip_tokens: int = 0
+
+
+@dataclass
+class _Group:
+    gid: int  # the index in kv_cache_config.kv_cache_groups
+    kind: str
+    spec: Any
+    layer_names: List[str]
+
+
+def _kind(spec: Any) -> Optional[str]:
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec,
+                                            SlidingWindowSpec)
+    if isinstance(spec, SlidingWindowSpec):
+        return WINDOW
+    if isinstance(spec, FullAttentionSpec):
+        return FULL
+    if isinstance(spec, MambaSpec):
+        return STATE
+    return None
+
+
+class Tables:
+    """How a KVCacheConfig's groups map to a request's kvxfer block
+    tables (one group: the plain table alone, as before hybrid models)."""
+
+    def __init__(self, kv_cache_config: Optional["KVCacheConfig"]) -> None:
+        self.groups: List[_Group] = []
+        if kv_cache_config is None:
+            return
+        for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+            if not getattr(g, "enable_kv_transfer", True):
+                continue
+            kind = _kind(g.kv_cache_spec)
+            if kind is None:
+                raise kvxfer.Unsupported(
+                    -1, f"kv_cache_groups[{gid}]: "
+                    f"{type(g.kv_cache_spec).__name__} layers "
+                    f"({', '.join(g.layer_names[:3])}...): KvxferConnector "
+                    "moves full attention, sliding window and Mamba groups")
+            self.groups.append(_Group(gid, kind, g.kv_cache_spec,
+                                      list(g.layer_names)))
+        if len(self.groups) <= 1:
+            self.groups = []  # one table: the connector as before
+            return
+        full = [g for g in self.groups if g.kind == FULL]
+        if not full:
+            raise kvxfer.Unsupported(
+                -1, "kv_cache_groups: no full attention group; "
+                "KvxferConnector needs one as a request's first table")
+        self.groups.remove(full[0])
+        self.groups.insert(0, full[0])
+        if len(self.groups) > MAX_TABLES:
+            raise kvxfer.Unsupported(
+                -1, f"kv_cache_groups: {len(self.groups)} groups, kvxfer "
+                f"moves at most {MAX_TABLES} block tables a request")
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.groups)
+
+    def check_parallel(self, tp: int) -> None:
+        """Refuse what kvxfer's rules for the other tables cannot say
+        (docs/protocol.md, "The shape of the other tables"): a group's
+        heads replicated over TP ranks."""
+        for g in self.groups[1:]:
+            if g.kind == WINDOW and \
+                    getattr(g.spec, "max_tp_shards", None) is not None and \
+                    g.spec.max_tp_shards < tp:
+                raise kvxfer.Unsupported(
+                    -1, f"kv_cache_groups[{g.gid}]: sliding-window heads "
+                    f"replicated over tensor_parallel_size {tp} ranks "
+                    f"(max_tp_shards {g.spec.max_tp_shards})")
+
+    # -- the scheduler: a request's tables -------------------------------
+
+    def _window_first(self, g: _Group, n: int) -> int:
+        """The first block of a sliding-window group the decode reads:
+        the one holding token n - 1 - num_retained_tokens."""
+        keep = g.spec.num_retained_tokens
+        return max(0, n - 1 - keep) // g.spec.block_size
+
+    def block_size(self, default: int) -> int:
+        """Tokens per block of the plain table."""
+        return self.groups[0].spec.block_size if self.hybrid else default
+
+    def plain(self, block_ids: Sequence[Sequence[int]]) -> List[int]:
+        """The plain table of a request's block ids (one list per KV cache
+        group, vLLM's order)."""
+        if not self.hybrid:
+            return list(block_ids[0])
+        return list(block_ids[self.groups[0].gid])
+
+    def sends(self, block_ids: Sequence[Sequence[int]], n: int
+              ) -> Optional[List[Table]]:
+        """The other tables a prefill offers for n tokens; None when a
+        group lacks blocks it should hold (nothing can be offered)."""
+        out: List[Table] = []
+        for g in self.groups[1:]:
+            ids = list(block_ids[g.gid])
+            if g.kind == STATE:
+                slot = self._state_slot(ids)
+                if slot is None:
+                    return None
+                out.append(Table([slot], 1))
+                continue
+            need = math.ceil(n / g.spec.block_size)
+            first = self._window_first(g, n) if g.kind == WINDOW else 0
+            blocks = ids[first:need]
+            if len(blocks) != need - first or NULL_BLOCK in blocks:
+                return None
+            out.append(Table(blocks, n, first_block=first))
+        return out
+
+    def recvs(self, block_ids: Sequence[Sequence[int]], n: int, skip: int
+              ) -> Optional[List[Table]]:
+        """The destination of each other table of a decode loading tokens
+        [skip, n); None when a group has no blocks for them."""
+        out: List[Table] = []
+        for g in self.groups[1:]:
+            ids = list(block_ids[g.gid])
+            if g.kind == STATE:
+                slot = self._state_slot(ids)
+                if slot is None:
+                    return None
+                out.append(Table([slot], 1))
+                continue
+            bs = g.spec.block_size
+            need = math.ceil(n / bs)
+            s = skip
+            if g.kind == WINDOW:
+                s = max(skip, self._window_first(g, n) * bs)
+            first = s // bs
+            blocks = ids[first:need]
+            if len(blocks) != need - first or NULL_BLOCK in blocks:
+                return None
+            out.append(Table(blocks, 0, first_block=first, skip_tokens=s))
+        return out
+
+    @staticmethod
+    def _state_slot(ids: List[int]) -> Optional[int]:
+        """The block holding a request's Mamba state (mamba_cache_mode
+        "none": its one block)."""
+        real = [b for b in ids if b != NULL_BLOCK]
+        return real[0] if len(real) == 1 else None
+
+    def groups_of(self, pools: Sequence[Any], tables: Sequence[Table], *,
+                  fetch: bool) -> List[kvxfer.Group]:
+        """kvxfer.Groups of a request's other tables in pools[1:]."""
+        out = []
+        for pool, t in zip(pools[1:], tables):
+            if fetch:
+                out.append(kvxfer.Group(pool, t.blocks,
+                                        first_block=t.first_block,
+                                        skip_tokens=t.skip_tokens))
+            else:
+                out.append(kvxfer.Group(pool, t.blocks,
+                                        num_tokens=t.num_tokens,
+                                        first_block=t.first_block))
+        return out
+
+    def reserved(self, pools: Sequence[int], tables: Sequence[Table]
+                 ) -> List[kvxfer.Group]:
+        """The groups of a reservation: pools, tokens, no blocks."""
+        return [kvxfer.Group(p, [], num_tokens=t.num_tokens,
+                             first_block=t.first_block)
+                for p, t in zip(pools[1:], tables)]
+
+    # -- the worker: a pool per table ------------------------------------
+
+    def layer_sets(self, kv_caches: Dict[str, torch.Tensor]
+                   ) -> List[Tuple[_Group, Dict[str, torch.Tensor]]]:
+        """Each table's group and its layers' caches on this worker."""
+        out = []
+        for g in self.groups:
+            caches = {n: kv_caches[n] for n in g.layer_names
+                      if n in kv_caches}
+            if not caches:
+                raise kvxfer.InvalidArgument(
+                    -1, f"register_kv_caches: no cache of kv_cache_groups"
+                    f"[{g.gid}]'s layers ({g.layer_names[:3]}...)")
+            out.append((g, caches))
+        return out
+
+
+def state_layout(caches: Dict[str, torch.Tensor], spec: Any,
+                 names: List[str]) -> Tuple[kvxfer.Layout,
+                                            List[torch.Tensor]]:
+    """The layout of a Mamba group's per-layer state pages as state slots:
+    one-token blocks, one unit per rank (the whole page: its conv and SSM
+    states, as vLLM's MambaBase views them), the page's bytes as the
+    unit's head_dim. vLLM 0.33 views a Mamba layer's cache as ``[blocks,
+    1, 1, page bytes]`` (int8) over the allocation the groups share."""
+    first = caches[names[0]]
+    if first.dim() != 4 or first.shape[1] != 1 or first.shape[2] != 1:
+        raise kvxfer.Unsupported(
+            -1, f"Mamba cache of {names[0]}: shape {tuple(first.shape)}; "
+            "this connector knows vLLM 0.33's [blocks, 1, 1, bytes] views")
+    content = int(spec.real_page_size_bytes)
+    if first.element_size() != 1 or first.shape[3] < content:
+        raise kvxfer.Unsupported(
+            -1, f"Mamba cache of {names[0]}: {first.dtype} "
+            f"{tuple(first.shape)}, expected the page's bytes (int8)")
+    es = 1
+    nb = first.shape[0]
+    stride = first.stride()
+    regions: List[torch.Tensor] = []
+    bases: List[int] = []
+    parts: List[Tuple[int, int]] = []
+    for n in names:
+        t = caches[n]
+        if tuple(t.shape) != tuple(first.shape) or t.stride() != stride:
+            raise kvxfer.Unsupported(
+                -1, f"Mamba caches of {names[0]} and {n} differ in shape or "
+                "strides")
+        st = t.untyped_storage()
+        base = st.data_ptr()
+        if base not in bases:
+            bases.append(base)
+            regions.append(torch.empty(0, dtype=torch.uint8,
+                                       device=t.device).set_(
+                st, 0, (st.nbytes(),)))
+        parts.append((bases.index(base), t.data_ptr() - base))
+    layout = kvxfer.Layout.custom(
+        num_layers=len(names), kv_factor=1, num_heads=1,
+        head_dim=content, dtype=torch.int8,
+        tokens_per_block=1, num_blocks=nb, kv_stride=0,
+        block_stride=stride[0] * es, token_stride=content,
+        head_stride=content, parts=parts, name="vllm-state")
+    return layout, regions
+
+
+def register_tables(client: kvxfer.Client, tables: Tables,
+                    kv_caches: Dict[str, torch.Tensor], device: str
+                    ) -> List[kvxfer.Pool]:
+    """A pool for each table but the plain one, over the caches of its
+    group's layers (the allocation vLLM's groups share)."""
+    from kvxfer.vllm.layout import layout_of_kv_caches
+    pools = []
+    for g, caches in tables.layer_sets(kv_caches)[1:]:
+        if g.kind == STATE:
+            names = sorted(caches, key=_layer_key)
+            layout, regions = state_layout(caches, g.spec, names)
+        else:
+            layout, regions, _ = layout_of_kv_caches(
+                caches, head_size=g.spec.head_size,
+                head_size_v=g.spec.head_size_v,
+                block_size=g.spec.block_size)
+        pools.append(client.register_regions(layout, regions, device=device,
+                                             keep=kv_caches))
+    return pools
+
+
+def _layer_key(name: str) -> int:
+    from kvxfer.vllm.layout import _layer_index
+    return _layer_index(name)
