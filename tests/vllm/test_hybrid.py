@@ -21,8 +21,8 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec,
 import kvxfer
 import kvxfer.vllm as kv_vllm
 
-from harness import (BLOCK, HEAD, KV_HEADS, TOKEN, landed, pattern,
-                     prompt_of, run, vllm_config)
+from harness import (BLOCK, HEAD, KV_HEADS, TOKEN, landed, load_errors,
+                     pattern, prompt_of, run, vllm_config)
 from hybrid_harness import (WINDOW, HybridEngine, layer_of, specs_of,
                             state_pattern)
 
@@ -147,3 +147,83 @@ def test_refused_groups_name_the_group(model_dir, daemon):
             KVConnectorFactory.create_connector(vc, side, kcc)
         assert "kv_cache_groups[1]: ChunkedLocalAttentionSpec layers" in \
             str(e.value)
+
+
+def _state_of(e: HybridEngine, rid: str, name: str, r: int = 0
+              ) -> torch.Tensor:
+    ids = [b for b in e.blocks_in(rid, name) if b]
+    nbytes = e.specs[name].real_page_size_bytes
+    return e.ranks[r]["caches"][name][ids[0], 0, 0, :nbytes].clone()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_attention_and_mamba(hybrid, tp):
+    """Attention + Mamba layers: the Mamba state moves as a state slot
+    (one block a request), beside the attention KV. The prefill computes
+    the prompt but its last token (the decode computes that one on the
+    state it received, as with vLLM's NIXL connector): the decode's
+    state equals the prefill's after n - 1 tokens, byte for byte, on
+    every TP rank, and its attention KV the prefill's pattern."""
+    p = hybrid("FMFM", tp=tp)
+    d = hybrid("FMFM", tp=tp, layout="LBHNC", salt=5.0)
+    assert len(p.kcc.kv_cache_groups) == 2, p.kcc.kv_cache_groups
+    prompt = prompt_of(45, 33)
+    p_free = p.free_blocks()
+    params = hy_prefill(p, "req-m", prompt)
+    n = len(prompt) - 1
+    assert params["remote_num_tokens"] == n
+    d.add("req-m", prompt, 2, params)
+    seen: Dict[str, Any] = {}
+
+    def loaded():
+        if landed(d, "req-m") and not seen:
+            for r in range(tp):
+                seen.update({(r, k): v for k, v in
+                             snapshot(d, "req-m", r).items()})
+                for name in d.layer_names:
+                    if "mixer" in name:
+                        seen[(r, name, "state")] = _state_of(
+                            d, "req-m", name, r)
+        return "req-m" in d.outputs and p.free_blocks() == p_free
+    run([p, d], loaded)
+    assert d.tokens["req-m"] == [TOKEN] * 2
+    assert d.computed["req-m"][0] == 1, d.computed["req-m"]
+    heads = KV_HEADS // tp
+    for r in range(tp):
+        for name in d.layer_names:
+            layer = layer_of(name)
+            if "mixer" in name:
+                nbytes = d.specs[name].real_page_size_bytes
+                want = state_pattern(prompt, n, layer * 10 + r, nbytes)
+                assert torch.equal(seen[(r, name, "state")], want), name
+                continue
+            ids, cache = seen[(r, name)]
+            want = pattern(prompt, 0, n, layer,
+                           range(r * heads, (r + 1) * heads))
+            got = torch.stack([cache[ids[t // BLOCK], :, t % BLOCK]
+                               for t in range(n)])
+            assert torch.equal(got, want), name
+
+
+def test_mamba_state_between_tp_sizes_refused(hybrid, caplog):
+    """A Mamba state slot is one unit per TP rank (its conv state's
+    channels are not one splittable range: Mamba2 packs x, B and C in
+    them), so prefill TP 2 -> decode TP 1 is refused by kvxferd, naming
+    the mismatch (each rank's page is another size); the decode reports
+    the request in failed_recving (vLLM refuses block-level errors for
+    several groups) and vLLM recomputes the prompt
+    (kv_load_failure_policy recompute)."""
+    p = hybrid("FMFM", tp=2)
+    d = hybrid("FMFM", tp=1, salt=5.0)
+    prompt = prompt_of(45, 34)
+    params = hy_prefill(p, "req-x", prompt)
+    d.add("req-x", prompt, 2, params)
+    run([p, d], lambda: "req-x" in d.outputs)
+    assert d.tokens["req-x"] == [TOKEN] * 2
+    assert not load_errors(d)  # by request, not by block
+    assert [k.failed_recving for k in d.kv_outputs
+            if k.failed_recving] == [{"req-x"}]
+    assert "MISMATCH: head_dim: context 7808, generation 15616" in \
+        caplog.text
+    # recomputed on the decode: all 45 prompt tokens, its own KV
+    assert d.computed["req-x"][0] == 45, d.computed["req-x"]

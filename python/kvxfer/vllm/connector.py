@@ -8,7 +8,8 @@ from typing import (TYPE_CHECKING, Any, Dict, List, Optional, Set,
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA)
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorTransferResults, SupportsHMA)
 
 from kvxfer.vllm.common import (KvxferConnectorMetadata,
                                 KvxferHandshakeMetadata, check_config)
@@ -59,6 +60,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request,
                                                       num_computed_tokens)
+
+    def on_new_request(self, request: "Request") -> None:
+        assert self._sched is not None
+        self._sched.tables.truncate_for_prefill(request)
 
     def update_state_after_alloc(self, request: "Request",
                                  blocks: "KVCacheBlocks",
@@ -135,6 +140,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         assert self._worker is not None
         return self._worker.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: Set[str]
+                             ) -> KVConnectorTransferResults:
+        """get_finished, and (hybrid models) the fetches that failed:
+        vLLM takes those by request, as its block ids are per group."""
+        assert self._worker is not None
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._worker.take_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         assert self._worker is not None

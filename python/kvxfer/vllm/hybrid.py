@@ -107,6 +107,30 @@ class Tables:
     def hybrid(self) -> bool:
         return bool(self.groups)
 
+    @property
+    def has_state(self) -> bool:
+        return any(g.kind == STATE for g in self.groups)
+
+    def truncate_for_prefill(self, request: Any) -> None:
+        """A prefill of a model with Mamba state computes all prompt
+        tokens but the last (as vLLM's NIXL connector does): its state
+        is then the one the decode needs to compute that last token
+        itself, which it must (vLLM recomputes the last prompt token of a
+        fully loaded prompt, and a recurrent state cannot take a token
+        twice). The decode loads the tokens the prefill computed."""
+        p = request.kv_transfer_params
+        if not self.has_state or not p or not p.get("do_remote_decode") \
+                or p.get("_kvxfer_truncated"):
+            return
+        if request.prompt_token_ids is None or \
+                request.num_prompt_tokens < 2:
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        p["_kvxfer_truncated"] = True
+
     def check_parallel(self, tp: int) -> None:
         """Refuse what kvxfer's rules for the other tables cannot say
         (docs/protocol.md, "The shape of the other tables"): a group's

@@ -43,6 +43,7 @@ class _Worker:
         self._done_send: Set[str] = set()
         self._done_recv: Set[str] = set()
         self._load_errors: Set[int] = set()
+        self._failed_recv: Set[str] = set()  # hybrid models' failures
         self._kv_caches: Optional[Dict[str, torch.Tensor]] = None
         self.rank = 0
         self._gathered: Optional[List[str]] = None  # from the handshake
@@ -313,9 +314,20 @@ class _Worker:
         self._outage.back("connected to kvxferd again")
 
     def _fail_recv(self, rid: str, block_ids: List[int], skip: int) -> None:
-        bs = self.tables.block_size(self.cfg.cache_config.block_size)
-        self._load_errors.update(block_ids[skip // bs:])
+        if self.tables.hybrid:
+            # block ids are a group's own: vLLM takes a hybrid model's
+            # failures by request (failed_recving), never by block
+            self._failed_recv.add(rid)
+        else:
+            bs = self.cfg.cache_config.block_size
+            self._load_errors.update(block_ids[skip // bs:])
         self._done_recv.add(rid)
+
+    def take_failed_recving(self) -> Set[str]:
+        """The requests whose fetch failed (hybrid models), reported with
+        finished_recving by get_transfer_results."""
+        out, self._failed_recv = self._failed_recv, set()
+        return out
 
     def get_finished(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         self._reconnect()
