@@ -227,3 +227,18 @@ def test_mamba_state_between_tp_sizes_refused(hybrid, caplog):
         caplog.text
     # recomputed on the decode: all 45 prompt tokens, its own KV
     assert d.computed["req-x"][0] == 45, d.computed["req-x"]
+
+
+def test_window_heads_replicated_over_tp_refused(model_dir, daemon):
+    """TP 8 over 4 KV heads replicates every head twice: kvxfer's other
+    block tables cannot say so, and the connector refuses it at
+    __init__, naming tensor_parallel_size."""
+    vc = vllm_config(model_dir, daemon.sock, "hy-tp8", tp=8)
+    specs = specs_of("FW", 4)  # one head a rank
+    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([n], s) for n, s in specs.items()])
+    for side in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(kvxfer.Unsupported) as e:
+            KVConnectorFactory.create_connector(vc, side, kcc)
+        assert "tensor_parallel_size 8 > 4 KV heads: kv_cache_groups[1]" \
+            in str(e.value)

@@ -44,7 +44,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         # here, naming the group, when they cannot be)
         tables = Tables(kv_cache_config)
         tables.check_parallel(
-            vllm_config.parallel_config.tensor_parallel_size)
+            vllm_config.parallel_config.tensor_parallel_size,
+            vllm_config.model_config.get_total_num_kv_heads())
         self._sched: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:

@@ -76,21 +76,22 @@ class Tables:
         self.groups: List[_Group] = []
         if kv_cache_config is None:
             return
-        for gid, g in enumerate(kv_cache_config.kv_cache_groups):
-            if not getattr(g, "enable_kv_transfer", True):
-                continue
+        groups = [(gid, g) for gid, g in
+                  enumerate(kv_cache_config.kv_cache_groups)
+                  if getattr(g, "enable_kv_transfer", True)]
+        if len(groups) <= 1:
+            return  # one table: the connector as before hybrid models
+        for gid, g in groups:
             kind = _kind(g.kv_cache_spec)
             if kind is None:
                 raise kvxfer.Unsupported(
                     -1, f"kv_cache_groups[{gid}]: "
                     f"{type(g.kv_cache_spec).__name__} layers "
                     f"({', '.join(g.layer_names[:3])}...): KvxferConnector "
-                    "moves full attention, sliding window and Mamba groups")
+                    "moves full attention, sliding window and Mamba groups "
+                    "(or run with --disable-hybrid-kv-cache-manager)")
             self.groups.append(_Group(gid, kind, g.kv_cache_spec,
                                       list(g.layer_names)))
-        if len(self.groups) <= 1:
-            self.groups = []  # one table: the connector as before
-            return
         full = [g for g in self.groups if g.kind == FULL]
         if not full:
             raise kvxfer.Unsupported(
@@ -131,18 +132,18 @@ class Tables:
         request.max_tokens = 1
         p["_kvxfer_truncated"] = True
 
-    def check_parallel(self, tp: int) -> None:
+    def check_parallel(self, tp: int, total_kv_heads: int) -> None:
         """Refuse what kvxfer's rules for the other tables cannot say
         (docs/protocol.md, "The shape of the other tables"): a group's
         heads replicated over TP ranks."""
         for g in self.groups[1:]:
-            if g.kind == WINDOW and \
-                    getattr(g.spec, "max_tp_shards", None) is not None and \
-                    g.spec.max_tp_shards < tp:
+            if g.kind != STATE and tp > total_kv_heads:
                 raise kvxfer.Unsupported(
-                    -1, f"kv_cache_groups[{g.gid}]: sliding-window heads "
-                    f"replicated over tensor_parallel_size {tp} ranks "
-                    f"(max_tp_shards {g.spec.max_tp_shards})")
+                    -1, f"tensor_parallel_size {tp} > {total_kv_heads} KV "
+                    f"heads: kv_cache_groups[{g.gid}]'s heads are "
+                    "replicated over TP ranks, which kvxfer's other block "
+                    "tables cannot say (run with "
+                    "--disable-hybrid-kv-cache-manager)")
 
     # -- the scheduler: a request's tables -------------------------------
 
