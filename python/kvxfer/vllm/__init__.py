@@ -20,6 +20,11 @@ blocks and whose workers fetch into them; the request runs once kvxfer's
 COMPLETE arrives. Heterogeneous TP, PP and layouts between the two
 instances are kvxferd's job; this module has no mapping code.
 
+Hybrid models (vLLM's hybrid memory allocator; the connector is
+``SupportsHMA``): every KV cache group is one kvxfer block table of the
+request (:mod:`kvxfer.vllm.hybrid`): full attention whole, a sliding
+window the blocks it keeps, Mamba state as a state slot.
+
 Faults, as vLLM expects them: a fetch that fails (the prefill instance
 died, the offer timed out, params that do not fit) reports the request's
 blocks from ``get_block_ids_with_load_errors`` so that vLLM's
