@@ -108,7 +108,8 @@ class Engine:
     def __init__(self, model: str, sock: str, name: str, tp: int = 1,
                  layout: str = "LBNHC", extra: Optional[dict] = None,
                  policy: str = "recompute", salt: float = 0.0,
-                 role: str = "kv_both") -> None:
+                 role: str = "kv_both",
+                 rank_socks: Optional[List[str]] = None) -> None:
         self.name, self.tp, self.salt = name, tp, salt
         self.vc = vllm_config(model, sock, name, tp=tp, layout=layout,
                               extra=extra, policy=policy, role=role)
@@ -132,6 +133,11 @@ class Engine:
             vcr = copy.copy(self.vc)
             vcr.parallel_config = copy.copy(self.vc.parallel_config)
             vcr.parallel_config.rank = r
+            if rank_socks:  # ranks on several "nodes": a daemon each
+                vcr.kv_transfer_config = copy.copy(self.vc.kv_transfer_config)
+                vcr.kv_transfer_config.kv_connector_extra_config = {
+                    **self.vc.kv_transfer_config.kv_connector_extra_config,
+                    "socket": rank_socks[r]}
             buf = kvxfer.HostBuffer(kt.size)
             raw = buf.torch(torch.int8)
             views = create_kv_cache_views(raw, spec, NUM_BLOCKS,
@@ -190,8 +196,13 @@ class Engine:
             self._forward(so, r, rank["caches"])
             kv_transfer_state._KV_CONNECTOR_AGENT = rank["conn"]
             try:
-                outs.append(KVConnectorModelRunnerMixin
-                            .kv_connector_no_forward(so, rank["vc"]))
+                # a copy, as vLLM's RPC from a worker process is: an empty
+                # output is vLLM's EMPTY_MODEL_RUNNER_OUTPUT, which
+                # KVOutputAggregator.aggregate writes into, and the
+                # engines of this process would share what it wrote
+                outs.append(copy.copy(KVConnectorModelRunnerMixin
+                                      .kv_connector_no_forward(
+                                          so, rank["vc"])))
             finally:
                 kv_transfer_state._KV_CONNECTOR_AGENT = None
         kvo = self.agg.aggregate(outs).kv_connector_output

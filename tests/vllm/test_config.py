@@ -143,3 +143,55 @@ def test_good_config_accepted(model_dir, daemon):
                      "recompute_below_tokens": 8}, role="kv_producer")
     assert c._sched.recompute_below == 8
     c.shutdown()
+
+
+PEER = """peer:
+  listen: "127.0.0.1:0"
+  secret_file: {secret}
+"""
+
+
+def test_ranks_on_two_daemons(engines, tmp_path):
+    """A prefill whose two TP ranks run on two "nodes" (a daemon each,
+    peers over UCX), with no torch.distributed: each rank joins with
+    both daemons' addresses from vLLM's handshake (before, each took its
+    own daemon for every rank, and nothing moved); the decode on the
+    first node gets every head, rank 1's from the other daemon."""
+    from conftest import Daemon
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    da = Daemon(tmp_path / "a", PEER.format(secret=secret))
+    db = Daemon(tmp_path / "b", PEER.format(secret=secret))
+    try:
+        p = engines(tp=2, sock=da.sock, rank_socks=[da.sock, db.sock])
+        d = engines(tp=1, sock=da.sock)
+        a0 = worker(p, 0).client.daemon_address
+        a1 = worker(p, 1).client.daemon_address
+        assert a0 != a1
+        prompt = prompt_of(40, 23)
+        p_free = p.free_blocks()
+        params = prefill(p, "req-n", prompt)
+        for r in range(2):
+            assert worker(p, r)._gathered == [a0, a1]
+        d.add("req-n", prompt, 2, params)
+        got = {}
+
+        def loaded():
+            if landed(d, "req-n") and not got:
+                got["kv"] = d.kv_of("req-n", 39)
+            return "req-n" in d.outputs and p.free_blocks() == p_free
+        run([p, d], loaded, timeout=30)
+        for layer in range(LAYERS):
+            assert torch.equal(got["kv"][layer],
+                               pattern(prompt, 0, 39, layer,
+                                       range(KV_HEADS)))
+    except BaseException:
+        print("daemon A:\n" + da.tail(30) + "\ndaemon B:\n" +
+              db.tail(30))
+        raise
+    finally:
+        da.stop()
+        db.stop()
