@@ -242,3 +242,33 @@ def test_window_heads_replicated_over_tp_refused(model_dir, daemon):
             KVConnectorFactory.create_connector(vc, side, kcc)
         assert "tensor_parallel_size 8 > 4 KV heads: kv_cache_groups[1]" \
             in str(e.value)
+
+
+def test_sliding_window_with_prefix_hit(hybrid):
+    """A decode whose prefix cache holds the prompt's first 48 tokens (in
+    both groups): only tokens 48..68 move, in both groups; the window's
+    tokens below stay the decode's own."""
+    p = hybrid("FWFW")
+    d = hybrid("FWFW", salt=0.5)
+    prompt = prompt_of(70, 35)
+    d.add("warm", prompt[:49], 1)  # caches 3 full blocks: 48 tokens
+    run([d], lambda: "warm" in d.outputs)
+    params = hy_prefill(p, "req-c", prompt)
+    d.add("req-c", prompt, 2, params)
+    seen: Dict[str, Any] = {}
+
+    def loaded():
+        if landed(d, "req-c") and not seen:
+            seen.update(snapshot(d, "req-c"))
+        return "req-c" in d.outputs
+    run([p, d], loaded)
+    assert d.computed["req-c"][0] == 1, d.computed["req-c"]
+    n, hit = 69, 48
+    for name, (ids, cache) in seen.items():
+        layer = layer_of(name)
+        lo = 2 * BLOCK if layer % 2 else 0  # the window's first block: 2
+        for t in range(lo, n):
+            salt = 0.5 if t < hit else 0.0
+            want = pattern(prompt, t, t + 1, layer, range(KV_HEADS), salt)
+            assert torch.equal(cache[ids[t // BLOCK], :, t % BLOCK],
+                               want[0]), (name, t)
