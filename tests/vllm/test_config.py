@@ -195,3 +195,28 @@ def test_ranks_on_two_daemons(engines, tmp_path):
     finally:
         da.stop()
         db.stop()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("head_size_v", 16, "kv_cache_groups[0] (FullAttentionSpec)"
+     ".head_size_v: 16, head_size 32"),
+    ("state_content_bytes", 100, "kv_cache_groups[0] (FullAttentionSpec)"
+     ".state_content_bytes: 100"),
+])
+def test_pages_refused_at_init(model_dir, daemon, field, value, message):
+    """A KV cache page the connector cannot describe (K and V of other
+    sizes, a packed page) is refused when vLLM makes the connector, from
+    its KVCacheConfig, not at register_kv_caches."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec,
+                                            KVCacheConfig, KVCacheGroupSpec)
+    from harness import BLOCK, HEAD
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS,
+                             head_size=HEAD, dtype=torch.float32,
+                             **{field: value})
+    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    vc = vllm_config(model_dir, daemon.sock, "cfg-page")
+    for side in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(kvxfer.Unsupported) as e:
+            KVConnectorFactory.create_connector(vc, side, kcc)
+        assert message in str(e.value)

@@ -68,6 +68,26 @@ def _kind(spec: Any) -> Optional[str]:
     return None
 
 
+def _check_attention(gid: int, spec: Any) -> None:
+    """Refuse an attention group whose page is not a token's K then V of
+    head_size elements each (or MLA's one latent), naming the field:
+    what layout_of_kv_caches would refuse at register_kv_caches."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+    if not isinstance(spec, AttentionSpec):
+        return
+    at = f"kv_cache_groups[{gid}] ({type(spec).__name__})"
+    for f in ("state_content_bytes", "num_head_slots"):
+        if getattr(spec, f, None) is not None:
+            raise kvxfer.Unsupported(
+                -1, f"{at}.{f}: {getattr(spec, f)}; KvxferConnector moves "
+                "pages of one K and one V per head and token")
+    hv = getattr(spec, "head_size_v", spec.head_size)
+    if not isinstance(spec, MLAAttentionSpec) and hv != spec.head_size:
+        raise kvxfer.Unsupported(
+            -1, f"{at}.head_size_v: {hv}, head_size {spec.head_size}; "
+            "KvxferConnector moves K and V of one head size")
+
+
 class Tables:
     """How a KVCacheConfig's groups map to a request's kvxfer block
     tables (one group: the plain table alone, as before hybrid models)."""
@@ -79,6 +99,8 @@ class Tables:
         groups = [(gid, g) for gid, g in
                   enumerate(kv_cache_config.kv_cache_groups)
                   if getattr(g, "enable_kv_transfer", True)]
+        for gid, g in groups:
+            _check_attention(gid, g.kv_cache_spec)
         if len(groups) <= 1:
             return  # one table: the connector as before hybrid models
         for gid, g in groups:
