@@ -272,3 +272,56 @@ def test_sliding_window_with_prefix_hit(hybrid):
             want = pattern(prompt, t, t + 1, layer, range(KV_HEADS), salt)
             assert torch.equal(cache[ids[t // BLOCK], :, t % BLOCK],
                                want[0]), (name, t)
+
+
+@pytest.fixture
+def hybrid_own(own_daemon, model_dir):
+    made: List[HybridEngine] = []
+
+    def make(kinds: str, **kw: Any) -> HybridEngine:
+        role = "prefill" if not made else "decode"
+        e = HybridEngine(model_dir, own_daemon.sock,
+                         f"hy-{role}-{next(_n)}", kinds, **kw)
+        made.append(e)
+        return e
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_hybrid_daemon_killed_then_back(hybrid_own, own_daemon):
+    """kill -9 of kvxferd with a hybrid request's offer published: the
+    decode's fetch fails by request (failed_recving), vLLM recomputes;
+    a new daemon on the same socket, and the next request moves every
+    group byte for byte (the library registers the groups' pools again
+    under the ids the scheduler reserves with)."""
+    p, d = hybrid_own("FWFW"), hybrid_own("FWFW", salt=0.5)
+    prompt = prompt_of(50, 36)
+    params = hy_prefill(p, "req-k1", prompt)
+    own_daemon.kill9()
+    d.add("req-k1", prompt, 2, params)
+    run([p, d], lambda: "req-k1" in d.outputs)
+    assert [k.failed_recving for k in d.kv_outputs
+            if k.failed_recving] == [{"req-k1"}]
+    assert d.computed["req-k1"][0] == 50  # recomputed
+    own_daemon.start()
+    prompt = prompt_of(50, 37)
+    params = hy_prefill(p, "req-k2", prompt)
+    d.add("req-k2", prompt, 2, params)
+    seen: Dict[str, Any] = {}
+
+    def loaded():
+        if landed(d, "req-k2") and not seen:
+            seen.update(snapshot(d, "req-k2"))
+        return "req-k2" in d.outputs
+    run([p, d], loaded)
+    assert d.computed["req-k2"][0] == 1, d.computed["req-k2"]
+    n = 49
+    first = max(0, n - (WINDOW - 1)) // BLOCK
+    for name, (ids, cache) in seen.items():
+        layer = layer_of(name)
+        lo = first * BLOCK if layer % 2 else 0
+        want = pattern(prompt, lo, n, layer, range(KV_HEADS))
+        got = torch.stack([cache[ids[t // BLOCK], :, t % BLOCK]
+                           for t in range(lo, n)])
+        assert torch.equal(got, want), name

@@ -228,8 +228,8 @@ class _Worker:
         their groups."""
         assert self.client is not None
         if self.tables.hybrid and groups is not None:
-            return self._with_groups(items, groups, fetch=many ==
-                                     self.client.fetch_many)
+            return self._with_groups(
+                items, groups, fetch=many == self.client.fetch_many)
         try:
             return retrying(self.client, many, items)
         except DAEMON_GONE as e:
@@ -263,8 +263,9 @@ class _Worker:
                         self.client, self.client.publish, it[0], it[1],
                         it[2], it[3], groups=gs))
             except DAEMON_GONE as e:
+                # the rest fail with it, as in _many
                 self._lost(e)
-                res.append(e)
+                return res + [e] * (len(items) - len(res))
             except kvxfer.Error as e:
                 res.append(e)
         return res
