@@ -30,6 +30,9 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec,
                                         create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateShapeCalculator, is_conv_state_dim_first)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 import kvxfer
 import kvxfer.vllm as kv_vllm
@@ -39,9 +42,11 @@ from harness import BLOCK, HEAD, KV_HEADS, Engine, pattern, vllm_config
 HY_BLOCKS = 128
 WINDOW = 24  # tokens of the sliding-window layers
 MAMBA_BLOCK = 512  # max_model_len: one state block a request
-# Mamba2-like states of TP 1 (TP splits the first dimension): conv
-# (channels, kernel - 1) and SSM (heads, head dim, state), float32
-CONV, SSM = (16, 4), (4, 16, 60)
+# a Mamba2 mixer: 4 heads of 8, 2 groups, state 16, kernel 4; its conv
+# channels are x (32) | B (32) | C (32)
+M_HEADS, M_HEAD_DIM, M_GROUPS, M_STATE, M_KERNEL = 4, 8, 2, 16, 4
+M_INTER = M_HEADS * M_HEAD_DIM
+M_CONV = M_INTER + 2 * M_GROUPS * M_STATE
 
 
 def layer_of(name: str) -> int:
@@ -64,22 +69,42 @@ def specs_of(kinds: str, tp: int) -> Dict[str, Any]:
                 dtype=torch.float32, sliding_window=WINDOW)
         else:
             page = heads * BLOCK * 2 * HEAD * 4  # the attention page
+            # the shapes a Mamba2 mixer gives (MambaMixer2's
+            # get_state_shape), in the conv layout vLLM is set to
+            shapes = MambaStateShapeCalculator.mamba2_state_shape(
+                tp, M_INTER, M_GROUPS, M_HEADS, M_HEAD_DIM, M_STATE,
+                M_KERNEL)
             out[f"model.layers.{i}.mixer"] = MambaSpec(
-                shapes=((CONV[0] // tp, CONV[1]),
-                        (SSM[0] // tp, SSM[1], SSM[2])),
-                dtypes=(torch.float32, torch.float32),
-                block_size=MAMBA_BLOCK, page_size_padded=page)
+                shapes=shapes, dtypes=(torch.float32, torch.float32),
+                block_size=MAMBA_BLOCK, page_size_padded=page,
+                mamba_type=MambaAttentionBackendEnum.MAMBA2)
     return out
 
 
-def state_pattern(tokens: List[int], end: int, layer: int, nbytes: int,
-                  salt: int = 0) -> torch.Tensor:
-    """A layer's state bytes after tokens [0, end): a hash of them."""
+def state_pattern(tokens: List[int], end: int, layer: int, tp: int,
+                  r: int, salt: int = 0) -> torch.Tensor:
+    """The bytes of TP rank r's state page of a Mamba2 layer after tokens
+    [0, end): the model's state (a hash of the tokens, layer and salt),
+    rank r's share of it in vLLM's layout: its x, B and C channels of
+    the conv state, in the conv layout vLLM is set to, then its heads of
+    the SSM state."""
     h = hashlib.sha256(repr((tokens[:end], layer, salt)).encode())
     seed = int.from_bytes(h.digest()[:8], "little")
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-128, 128, (nbytes,), generator=g,
-                         dtype=torch.int8)
+    conv = torch.randn(M_CONV, M_KERNEL - 1, generator=g)
+    ssm = torch.randn(M_HEADS, M_HEAD_DIM, M_STATE, generator=g)
+    x, bc = M_INTER // tp, M_GROUPS * M_STATE // tp
+    b0 = M_INTER
+    c0 = M_INTER + M_GROUPS * M_STATE
+    mine = torch.cat([conv[r * x:(r + 1) * x],
+                      conv[b0 + r * bc:b0 + (r + 1) * bc],
+                      conv[c0 + r * bc:c0 + (r + 1) * bc]])
+    if not is_conv_state_dim_first():
+        mine = mine.T  # SD: (kernel - 1, channels)
+    hs = M_HEADS // tp
+    return torch.cat([mine.contiguous().view(-1).view(torch.int8),
+                      ssm[r * hs:(r + 1) * hs].contiguous().view(-1)
+                      .view(torch.int8)])
 
 
 class HybridEngine(Engine):
@@ -183,9 +208,9 @@ class HybridEngine(Engine):
                 c = caches[name]
                 if isinstance(self.specs[name], MambaSpec):
                     slot = [b for b in blocks if b][0]
-                    nbytes = self.specs[name].real_page_size_bytes
-                    c[slot, 0, 0, :nbytes] = state_pattern(
-                        toks, end, layer * 10 + r, nbytes, int(self.salt))
+                    st = state_pattern(toks, end, layer, self.tp, r,
+                                       int(self.salt * 10))
+                    c[slot, 0, 0, :st.numel()] = st
                     continue
                 vals = pattern(toks, start, end, layer, heads, self.salt)
                 for p in range(start, end):

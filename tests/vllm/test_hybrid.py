@@ -156,46 +156,56 @@ def _state_of(e: HybridEngine, rid: str, name: str, r: int = 0
     return e.ranks[r]["caches"][name][ids[0], 0, 0, :nbytes].clone()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_attention_and_mamba(hybrid, tp):
-    """Attention + Mamba layers: the Mamba state moves as a state slot
-    (one block a request), beside the attention KV. The prefill computes
-    the prompt but its last token (the decode computes that one on the
-    state it received, as with vLLM's NIXL connector): the decode's
-    state equals the prefill's after n - 1 tokens, byte for byte, on
-    every TP rank, and its attention KV the prefill's pattern."""
-    p = hybrid("FMFM", tp=tp)
-    d = hybrid("FMFM", tp=tp, layout="LBHNC", salt=5.0)
-    assert len(p.kcc.kv_cache_groups) == 2, p.kcc.kv_cache_groups
-    prompt = prompt_of(45, 33)
+@pytest.fixture(params=["SD", "DS"])
+def conv_layout(request, monkeypatch):
+    """vLLM's SSM conv state layout (VLLM_SSM_CONV_STATE_LAYOUT): SD, its
+    default, (kernel - 1, channels); DS (channels, kernel - 1)."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", request.param)
+    mamba_utils.get_conv_state_layout.cache_clear()
+    yield request.param
+    mamba_utils.get_conv_state_layout.cache_clear()
+
+
+def mamba_decode(p: HybridEngine, d: HybridEngine, rid: str,
+                 prompt: List[int]) -> Dict[Any, Any]:
+    """Prefill on p, decode on d: each decode rank's blocks and state
+    pages once the KV landed, before the decode computed anything."""
     p_free = p.free_blocks()
-    params = hy_prefill(p, "req-m", prompt)
-    n = len(prompt) - 1
-    assert params["remote_num_tokens"] == n
-    d.add("req-m", prompt, 2, params)
-    seen: Dict[str, Any] = {}
+    params = hy_prefill(p, rid, prompt)
+    assert params["remote_num_tokens"] == len(prompt) - 1
+    d.add(rid, prompt, 2, params)
+    seen: Dict[Any, Any] = {}
 
     def loaded():
-        if landed(d, "req-m") and not seen:
-            for r in range(tp):
+        if landed(d, rid) and not seen:
+            for r in range(d.tp):
                 seen.update({(r, k): v for k, v in
-                             snapshot(d, "req-m", r).items()})
+                             snapshot(d, rid, r).items()})
                 for name in d.layer_names:
                     if "mixer" in name:
-                        seen[(r, name, "state")] = _state_of(
-                            d, "req-m", name, r)
-        return "req-m" in d.outputs and p.free_blocks() == p_free
+                        seen[(r, name, "state")] = _state_of(d, rid, name,
+                                                             r)
+        return rid in d.outputs and p.free_blocks() == p_free
     run([p, d], loaded)
-    assert d.tokens["req-m"] == [TOKEN] * 2
-    assert d.computed["req-m"][0] == 1, d.computed["req-m"]
-    heads = KV_HEADS // tp
-    for r in range(tp):
+    assert d.tokens[rid] == [TOKEN] * 2
+    assert d.computed[rid][0] == 1, d.computed[rid]
+    return seen
+
+
+def check_mamba(d: HybridEngine, seen: Dict[Any, Any],
+                prompt: List[int]) -> None:
+    """Every decode rank's state page is its share of the prefill's state
+    after n - 1 tokens, its attention KV the prefill's pattern."""
+    n = len(prompt) - 1
+    heads = KV_HEADS // d.tp
+    for r in range(d.tp):
         for name in d.layer_names:
             layer = layer_of(name)
             if "mixer" in name:
-                nbytes = d.specs[name].real_page_size_bytes
-                want = state_pattern(prompt, n, layer * 10 + r, nbytes)
-                assert torch.equal(seen[(r, name, "state")], want), name
+                want = state_pattern(prompt, n, layer, d.tp, r)
+                assert torch.equal(seen[(r, name, "state")], want), \
+                    (name, r)
                 continue
             ids, cache = seen[(r, name)]
             want = pattern(prompt, 0, n, layer,
@@ -205,16 +215,53 @@ def test_attention_and_mamba(hybrid, tp):
             assert torch.equal(got, want), name
 
 
-def test_mamba_state_between_tp_sizes_refused(hybrid, caplog):
-    """A Mamba state slot is one unit per TP rank (its conv state's
-    channels are not one splittable range: Mamba2 packs x, B and C in
-    them), so prefill TP 2 -> decode TP 1 is refused by kvxferd, naming
-    the mismatch (each rank's page is another size); the decode reports
-    the request in failed_recving (vLLM refuses block-level errors for
-    several groups) and vLLM recomputes the prompt
-    (kv_load_failure_policy recompute)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_attention_and_mamba(hybrid, conv_layout, tp):
+    """Attention + Mamba2 layers: the Mamba state moves as state slots
+    (one block a request) beside the attention KV. The prefill computes
+    the prompt but its last token (the decode computes that one on the
+    state it received, as with vLLM's NIXL connector): each decode
+    rank's state page equals its share of the prefill's after n - 1
+    tokens, byte for byte, in either conv layout."""
+    p = hybrid("FMFM", tp=tp)
+    d = hybrid("FMFM", tp=tp, layout="LBHNC", salt=0.5)
+    assert len(p.kcc.kv_cache_groups) == 2, p.kcc.kv_cache_groups
+    prompt = prompt_of(45, 33)
+    check_mamba(d, mamba_decode(p, d, "req-m", prompt), prompt)
+
+
+@pytest.mark.parametrize("conv_layout", ["DS"], indirect=True)
+def test_mamba_state_tp2_to_tp1(hybrid, conv_layout):
+    """With vLLM's DS conv layout the state follows kvxfer's TP rule: the
+    conv state moves as one table per sub-projection (x, B, C: their
+    channels are the units) and the SSM state as one (its heads), so a
+    prefill of TP 2 gives a decode of TP 1 the whole state: x of rank 0
+    then rank 1, B likewise, C likewise, then every head."""
     p = hybrid("FMFM", tp=2)
-    d = hybrid("FMFM", tp=1, salt=5.0)
+    d = hybrid("FMFM", tp=1, salt=0.5)
+    assert len(worker_tables(d)) == 1 + 4  # the KV, x, B, C, SSM
+    prompt = prompt_of(45, 38)
+    check_mamba(d, mamba_decode(p, d, "req-s", prompt), prompt)
+
+
+def worker_tables(e: HybridEngine) -> List[Any]:
+    w = e.ranks[0]["conn"]._worker
+    return [w.pool] + list(w.group_pools)
+
+
+@pytest.mark.parametrize("conv_layout", ["SD"], indirect=True)
+def test_mamba_state_between_tp_sizes_refused(hybrid, conv_layout,
+                                              caplog):
+    """With vLLM's default SD conv layout a channel is a strided column of
+    the conv state, which a kvxfer layout's unit (contiguous elements)
+    cannot be: the page is one unit per TP rank, and prefill TP 2 ->
+    decode TP 1 is refused by kvxferd, naming the mismatch (each rank's
+    page is another size); the decode reports the request in
+    failed_recving (vLLM refuses block-level errors for several groups)
+    and vLLM recomputes the prompt (kv_load_failure_policy recompute)."""
+    p = hybrid("FMFM", tp=2)
+    d = hybrid("FMFM", tp=1, salt=0.5)
+    assert len(worker_tables(d)) == 1 + 1
     prompt = prompt_of(45, 34)
     params = hy_prefill(p, "req-x", prompt)
     d.add("req-x", prompt, 2, params)
@@ -223,55 +270,10 @@ def test_mamba_state_between_tp_sizes_refused(hybrid, caplog):
     assert not load_errors(d)  # by request, not by block
     assert [k.failed_recving for k in d.kv_outputs
             if k.failed_recving] == [{"req-x"}]
-    assert "MISMATCH: head_dim: context 7808, generation 15616" in \
+    assert "MISMATCH: head_dim: context 1600, generation 3200" in \
         caplog.text
     # recomputed on the decode: all 45 prompt tokens, its own KV
     assert d.computed["req-x"][0] == 45, d.computed["req-x"]
-
-
-def test_window_heads_replicated_over_tp_refused(model_dir, daemon):
-    """TP 8 over 4 KV heads replicates every head twice: kvxfer's other
-    block tables cannot say so, and the connector refuses it at
-    __init__, naming tensor_parallel_size."""
-    vc = vllm_config(model_dir, daemon.sock, "hy-tp8", tp=8)
-    specs = specs_of("FW", 4)  # one head a rank
-    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([n], s) for n, s in specs.items()])
-    for side in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        with pytest.raises(kvxfer.Unsupported) as e:
-            KVConnectorFactory.create_connector(vc, side, kcc)
-        assert "tensor_parallel_size 8 > 4 KV heads: kv_cache_groups[1]" \
-            in str(e.value)
-
-
-def test_sliding_window_with_prefix_hit(hybrid):
-    """A decode whose prefix cache holds the prompt's first 48 tokens (in
-    both groups): only tokens 48..68 move, in both groups; the window's
-    tokens below stay the decode's own."""
-    p = hybrid("FWFW")
-    d = hybrid("FWFW", salt=0.5)
-    prompt = prompt_of(70, 35)
-    d.add("warm", prompt[:49], 1)  # caches 3 full blocks: 48 tokens
-    run([d], lambda: "warm" in d.outputs)
-    params = hy_prefill(p, "req-c", prompt)
-    d.add("req-c", prompt, 2, params)
-    seen: Dict[str, Any] = {}
-
-    def loaded():
-        if landed(d, "req-c") and not seen:
-            seen.update(snapshot(d, "req-c"))
-        return "req-c" in d.outputs
-    run([p, d], loaded)
-    assert d.computed["req-c"][0] == 1, d.computed["req-c"]
-    n, hit = 69, 48
-    for name, (ids, cache) in seen.items():
-        layer = layer_of(name)
-        lo = 2 * BLOCK if layer % 2 else 0  # the window's first block: 2
-        for t in range(lo, n):
-            salt = 0.5 if t < hit else 0.0
-            want = pattern(prompt, t, t + 1, layer, range(KV_HEADS), salt)
-            assert torch.equal(cache[ids[t // BLOCK], :, t % BLOCK],
-                               want[0]), (name, t)
 
 
 @pytest.fixture

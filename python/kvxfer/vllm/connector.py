@@ -42,7 +42,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         check_config(vllm_config)
         # a hybrid model's KV cache groups as kvxfer block tables (refused
         # here, naming the group, when they cannot be)
-        tables = Tables(kv_cache_config)
+        tables = Tables(kv_cache_config,
+                        vllm_config.parallel_config.tensor_parallel_size)
         tables.check_parallel(
             vllm_config.parallel_config.tensor_parallel_size,
             vllm_config.model_config.get_total_num_kv_heads())

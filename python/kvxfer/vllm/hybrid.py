@@ -49,11 +49,60 @@ class Table:
 
 
 @dataclass
+class _Part:
+    """The part of a Mamba state page one table moves: bytes from
+    offset, units (what TP splits: channels of a conv sub-projection,
+    heads of the temporal state) of unit_elems elements of dtype."""
+
+    offset: int
+    units: int
+    unit_elems: int
+    dtype: Any
+
+
+@dataclass
 class _Group:
     gid: int  # the index in kv_cache_config.kv_cache_groups
     kind: str
     spec: Any
     layer_names: List[str]
+    part: Optional[_Part] = None  # STATE: the page's part of this table
+
+
+def state_parts(spec: Any, tp: int) -> List[_Part]:
+    """How a Mamba group's state page splits into tables whose units
+    follow kvxfer's TP rule (a rank's units are one range of the
+    model's): with vLLM's DS conv state layout ((channels, kernel - 1)),
+    one table per conv sub-projection (Mamba1: x; Mamba2: x, B, C; GDN:
+    Q, K, V), its channels as units, as vLLM's own
+    derive_mamba_conv_split decomposes them, and one for the temporal
+    (SSM) state, its heads as units. Otherwise (the default SD layout,
+    whose channels are not contiguous; other Mamba kinds; a state every
+    TP rank holds whole): the page as one unit per rank, which moves
+    between equal TP sizes only."""
+    whole = [_Part(0, 1, int(spec.real_page_size_bytes), torch.int8)]
+    if len(spec.shapes) != 2 or getattr(spec, "tp_replicated", False):
+        return whole
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1 import \
+            ssm_conv_transfer_utils as conv
+        if not conv.is_conv_state_dim_first():
+            return whole
+        split = conv.derive_mamba_conv_split(spec, tp)
+    except (ImportError, NotImplementedError, AssertionError):
+        return whole
+    rows = split.conv_rows
+    parts = []
+    off = 0
+    for dim, nbytes in zip(split.local_proj_dims, split.proj_bytes):
+        parts.append(_Part(off, dim, rows, spec.dtypes[0]))
+        off += nbytes
+    ssm = spec.shapes[1]
+    unit = 1
+    for x in ssm[1:]:
+        unit *= x
+    parts.append(_Part(off, ssm[0], unit, spec.dtypes[1]))
+    return parts
 
 
 def _kind(spec: Any) -> Optional[str]:
@@ -92,7 +141,8 @@ class Tables:
     """How a KVCacheConfig's groups map to a request's kvxfer block
     tables (one group: the plain table alone, as before hybrid models)."""
 
-    def __init__(self, kv_cache_config: Optional["KVCacheConfig"]) -> None:
+    def __init__(self, kv_cache_config: Optional["KVCacheConfig"],
+                 tp: int = 1) -> None:
         self.groups: List[_Group] = []
         if kv_cache_config is None:
             return
@@ -112,6 +162,11 @@ class Tables:
                     f"({', '.join(g.layer_names[:3])}...): KvxferConnector "
                     "moves full attention, sliding window and Mamba groups "
                     "(or run with --disable-hybrid-kv-cache-manager)")
+            if kind == STATE:
+                for part in state_parts(g.kv_cache_spec, tp):
+                    self.groups.append(_Group(gid, kind, g.kv_cache_spec,
+                                              list(g.layer_names), part))
+                continue
             self.groups.append(_Group(gid, kind, g.kv_cache_spec,
                                       list(g.layer_names)))
         full = [g for g in self.groups if g.kind == FULL]
@@ -123,8 +178,10 @@ class Tables:
         self.groups.insert(0, full[0])
         if len(self.groups) > MAX_TABLES:
             raise kvxfer.Unsupported(
-                -1, f"kv_cache_groups: {len(self.groups)} groups, kvxfer "
-                f"moves at most {MAX_TABLES} block tables a request")
+                -1, f"kv_cache_groups: {len(self.groups)} block tables "
+                "(a Mamba group's state: one per conv sub-projection and "
+                f"one for the SSM state), kvxfer moves at most {MAX_TABLES}"
+                " a request")
 
     @property
     def hybrid(self) -> bool:
@@ -279,13 +336,14 @@ class Tables:
 
 
 def state_layout(caches: Dict[str, torch.Tensor], spec: Any,
-                 names: List[str]) -> Tuple[kvxfer.Layout,
-                                            List[torch.Tensor]]:
-    """The layout of a Mamba group's per-layer state pages as state slots:
-    one-token blocks, one unit per rank (the whole page: its conv and SSM
-    states, as vLLM's MambaBase views them), the page's bytes as the
-    unit's head_dim. vLLM 0.33 views a Mamba layer's cache as ``[blocks,
-    1, 1, page bytes]`` (int8) over the allocation the groups share."""
+                 names: List[str], part: _Part
+                 ) -> Tuple[kvxfer.Layout, List[torch.Tensor]]:
+    """The layout of one part of a Mamba group's per-layer state pages as
+    state slots: one-token blocks (a block is a request's page), the
+    part's units as heads of unit_elems elements. vLLM 0.33 views a Mamba
+    layer's cache as ``[blocks, 1, 1, page bytes]`` (int8) over the
+    allocation the groups share; MambaBase packs the states in the page
+    one after another."""
     first = caches[names[0]]
     if first.dim() != 4 or first.shape[1] != 1 or first.shape[2] != 1:
         raise kvxfer.Unsupported(
@@ -296,7 +354,9 @@ def state_layout(caches: Dict[str, torch.Tensor], spec: Any,
         raise kvxfer.Unsupported(
             -1, f"Mamba cache of {names[0]}: {first.dtype} "
             f"{tuple(first.shape)}, expected the page's bytes (int8)")
-    es = 1
+    es = torch.tensor([], dtype=part.dtype).element_size()
+    unit = part.unit_elems * es
+    assert part.offset + part.units * unit <= content
     nb = first.shape[0]
     stride = first.stride()
     regions: List[torch.Tensor] = []
@@ -315,13 +375,13 @@ def state_layout(caches: Dict[str, torch.Tensor], spec: Any,
             regions.append(torch.empty(0, dtype=torch.uint8,
                                        device=t.device).set_(
                 st, 0, (st.nbytes(),)))
-        parts.append((bases.index(base), t.data_ptr() - base))
+        parts.append((bases.index(base), t.data_ptr() - base + part.offset))
     layout = kvxfer.Layout.custom(
-        num_layers=len(names), kv_factor=1, num_heads=1,
-        head_dim=content, dtype=torch.int8,
+        num_layers=len(names), kv_factor=1, num_heads=part.units,
+        head_dim=part.unit_elems, dtype=part.dtype,
         tokens_per_block=1, num_blocks=nb, kv_stride=0,
-        block_stride=stride[0] * es, token_stride=content,
-        head_stride=content, parts=parts, name="vllm-state")
+        block_stride=stride[0], token_stride=part.units * unit,
+        head_stride=unit, parts=parts, name="vllm-state")
     return layout, regions
 
 
@@ -335,7 +395,8 @@ def register_tables(client: kvxfer.Client, tables: Tables,
     for g, caches in tables.layer_sets(kv_caches)[1:]:
         if g.kind == STATE:
             names = sorted(caches, key=_layer_key)
-            layout, regions = state_layout(caches, g.spec, names)
+            assert g.part is not None
+            layout, regions = state_layout(caches, g.spec, names, g.part)
         else:
             layout, regions, _ = layout_of_kv_caches(
                 caches, head_size=g.spec.head_size,
