@@ -14,9 +14,11 @@ terminal event (docs/protocol.md, "Several block tables").
   holding the tokens from ``num_tokens - 1 - num_retained_tokens`` on,
   the ones the decode reads when it computes the last prompt token (its
   ``first_block``; the blocks below were freed by vLLM already).
-- A Mamba group is a state slot: its pool has one-token blocks, a block
-  being a request's state (conv and SSM states, page by page), and the
-  request's state block as the one block.
+- A Mamba group is moved as state slots: pools of one-token blocks, a
+  block being a request's state page, the request's state block as the
+  one block; with vLLM's DS conv layout one table per conv
+  sub-projection and one for the SSM state, whose units (channels,
+  heads) follow kvxfer's TP rule (:func:`state_parts`).
 """
 
 from __future__ import annotations
