@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import time
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -24,6 +25,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
                                          init_none_hash)
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
                                         KVCacheGroupSpec, KVCacheTensor,
                                         compute_layout_strides,
@@ -72,32 +74,45 @@ def kv_tensor(spec: Any, num_blocks: int, names: List[str],
                          layer_stride=strides[0], block_stride=strides[1])
 
 
+def vllm_config(model: str, sock: str, name: str, tp: int = 1,
+                layout: str = "LBNHC", extra: Optional[dict] = None,
+                policy: str = "recompute", role: str = "kv_both",
+                **parallel: Any) -> VllmConfig:
+    """The VllmConfig of an instance: the connector's config line, this
+    test's socket, a small CPU model (parallel: ParallelConfig's other
+    fields)."""
+    mc = ModelConfig(model=model, skip_tokenizer_init=True,
+                     dtype="float32", max_model_len=512, seed=0)
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
+                         max_model_len=512, is_encoder_decoder=False)
+    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cc.num_gpu_blocks = NUM_BLOCKS
+    cc.kv_cache_layout = layout
+    kv = KVTransferConfig(
+        kv_connector="KvxferConnector",
+        kv_connector_module_path="kvxfer.vllm", kv_role=role,
+        engine_id=name, kv_load_failure_policy=policy,
+        kv_connector_extra_config={"socket": sock, "timeout_s": 5,
+                                   **(extra or {})})
+    return VllmConfig(model_config=mc, scheduler_config=sc,
+                      cache_config=cc, kv_transfer_config=kv,
+                      device_config=DeviceConfig("cpu"),
+                      parallel_config=ParallelConfig(
+                          tensor_parallel_size=tp, **parallel))
+
+
 class Engine:
     """One vLLM instance: its real Scheduler and a worker connector per
     TP rank, each with KV caches in a kvxfer.HostBuffer."""
 
     def __init__(self, model: str, sock: str, name: str, tp: int = 1,
                  layout: str = "LBNHC", extra: Optional[dict] = None,
-                 policy: str = "recompute", salt: float = 0.0) -> None:
+                 policy: str = "recompute", salt: float = 0.0,
+                 role: str = "kv_both",
+                 rank_socks: Optional[List[str]] = None) -> None:
         self.name, self.tp, self.salt = name, tp, salt
-        mc = ModelConfig(model=model, skip_tokenizer_init=True,
-                         dtype="float32", max_model_len=512, seed=0)
-        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
-                             max_model_len=512, is_encoder_decoder=False)
-        cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-        cc.num_gpu_blocks = NUM_BLOCKS
-        cc.kv_cache_layout = layout
-        kv = KVTransferConfig(
-            kv_connector="KvxferConnector",
-            kv_connector_module_path="kvxfer.vllm", kv_role="kv_both",
-            engine_id=name, kv_load_failure_policy=policy,
-            kv_connector_extra_config={"socket": sock, "timeout_s": 5,
-                                       **(extra or {})})
-        self.vc = VllmConfig(model_config=mc, scheduler_config=sc,
-                             cache_config=cc, kv_transfer_config=kv,
-                             device_config=DeviceConfig("cpu"),
-                             parallel_config=ParallelConfig(
-                                 tensor_parallel_size=tp))
+        self.vc = vllm_config(model, sock, name, tp=tp, layout=layout,
+                              extra=extra, policy=policy, role=role)
         self.heads = KV_HEADS // tp
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads,
                                  head_size=HEAD, dtype=torch.float32)
@@ -118,6 +133,11 @@ class Engine:
             vcr = copy.copy(self.vc)
             vcr.parallel_config = copy.copy(self.vc.parallel_config)
             vcr.parallel_config.rank = r
+            if rank_socks:  # ranks on several "nodes": a daemon each
+                vcr.kv_transfer_config = copy.copy(self.vc.kv_transfer_config)
+                vcr.kv_transfer_config.kv_connector_extra_config = {
+                    **self.vc.kv_transfer_config.kv_connector_extra_config,
+                    "socket": rank_socks[r]}
             buf = kvxfer.HostBuffer(kt.size)
             raw = buf.torch(torch.int8)
             views = create_kv_cache_views(raw, spec, NUM_BLOCKS,
@@ -129,11 +149,27 @@ class Engine:
             conn.register_kv_caches(caches)
             self.ranks.append({"conn": conn, "caches": caches, "buf": buf,
                                "vc": vcr})
+        self.handshake()
         self.agg = KVOutputAggregator(expected_finished_count=tp)
         self.outputs: Dict[str, Any] = {}  # request id -> EngineCoreOutput
         self.tokens: Dict[str, List[int]] = {}
         self.computed: Dict[str, List[int]] = {}  # tokens computed per step
         self.kv_outputs: List[Any] = []  # each step's KVConnectorOutput
+
+    def handshake(self) -> None:
+        """What vLLM's EngineCore does once the workers registered their
+        caches: each worker's get_handshake_metadata keyed by (pp_rank,
+        tp_rank) (as gpu_worker's get_kv_connector_handshake_metadata),
+        merged and handed to the scheduler's connector by EngineCore's own
+        _set_kv_connector_handshake_metadata."""
+        per_worker = []
+        for r, rank in enumerate(self.ranks):
+            m = rank["conn"].get_handshake_metadata()
+            per_worker.append(None if m is None else {(0, r): m})
+        core = SimpleNamespace(
+            scheduler=self.sched, model_executor=SimpleNamespace(
+                get_kv_connector_handshake_metadata=lambda: per_worker))
+        EngineCore._set_kv_connector_handshake_metadata(core)
 
     def free_blocks(self) -> int:
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -160,8 +196,13 @@ class Engine:
             self._forward(so, r, rank["caches"])
             kv_transfer_state._KV_CONNECTOR_AGENT = rank["conn"]
             try:
-                outs.append(KVConnectorModelRunnerMixin
-                            .kv_connector_no_forward(so, rank["vc"]))
+                # a copy, as vLLM's RPC from a worker process is: an empty
+                # output is vLLM's EMPTY_MODEL_RUNNER_OUTPUT, which
+                # KVOutputAggregator.aggregate writes into, and the
+                # engines of this process would share what it wrote
+                outs.append(copy.copy(KVConnectorModelRunnerMixin
+                                      .kv_connector_no_forward(
+                                          so, rank["vc"])))
             finally:
                 kv_transfer_state._KV_CONNECTOR_AGENT = None
         kvo = self.agg.aggregate(outs).kv_connector_output

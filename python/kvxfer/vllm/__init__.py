@@ -3,7 +3,10 @@ config line (tested against vLLM 0.33.0, the version this module pins)::
 
     --kv-transfer-config '{"kv_connector": "KvxferConnector",
                            "kv_connector_module_path": "kvxfer.vllm",
-                           "kv_role": "kv_both"}'
+                           "kv_role": "kv_producer"}'
+
+(``kv_consumer`` on the decode instance; ``kv_both`` makes ranks of both
+roles).
 
 The flow is the one vLLM's proxy drives for its NIXL connector. A request
 sent to the prefill instance with ``kv_transfer_params
@@ -16,6 +19,11 @@ hands those params to the decode instance, whose scheduler allocates
 blocks and whose workers fetch into them; the request runs once kvxfer's
 COMPLETE arrives. Heterogeneous TP, PP and layouts between the two
 instances are kvxferd's job; this module has no mapping code.
+
+Hybrid models (vLLM's hybrid memory allocator; the connector is
+``SupportsHMA``): every KV cache group is one kvxfer block table of the
+request (:mod:`kvxfer.vllm.hybrid`): full attention whole, a sliding
+window the blocks it keeps, Mamba state as a state slot.
 
 Faults, as vLLM expects them: a fetch that fails (the prefill instance
 died, the offer timed out, params that do not fit) reports the request's
@@ -47,14 +55,21 @@ restart. Each outage is logged once, and the return.
     the timeout of each call to the daemon (default 10 s).
 ``instance_id``
     this instance's kvxfer name (default vLLM's ``engine_id``).
-``recompute_below_tokens``
-    a decode that misses fewer prompt tokens than this (its prefix cache
-    holds the rest) computes them itself and releases the prefill's
-    blocks instead of fetching (default 0: always fetch what is missing).
+``kv_recompute_threshold``
+    vLLM's name for it (its NIXL connector reads the same key): a decode
+    that misses fewer prompt tokens than this (its prefix cache holds the
+    rest) computes them itself and releases the prefill's blocks instead
+    of fetching (default 0: always fetch what is missing).
+    ``recompute_below_tokens`` is this connector's earlier name for it.
 ``rank_addresses``
-    the daemon address of every rank, in kvxfer rank order, when the
-    ranks run on several nodes and torch.distributed is not set up to
-    gather them (default: gathered, or this node's daemon for all).
+    the daemon address of every rank, in kvxfer rank order (default: the
+    workers' own, gathered through vLLM's handshake metadata:
+    ``get_handshake_metadata`` on each worker, the scheduler's
+    ``set_xfer_handshake_metadata_pp_aware``, then the next step's
+    metadata to every worker).
+
+A configuration the connector cannot serve is refused when vLLM makes it
+(``__init__``), naming the option (:func:`kvxfer.vllm.common.check_config`).
 """
 
 from kvxfer.vllm.common import (PARAMS_KEY, VLLM_VERSION,

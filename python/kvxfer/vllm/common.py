@@ -11,10 +11,11 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import \
-    KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata, KVConnectorMetadata)
 
 import kvxfer
+from kvxfer.vllm.hybrid import Table
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,6 +61,7 @@ class Send:
     key: bytes
     block_ids: List[int]
     num_tokens: int
+    groups: List[Table] = field(default_factory=list)  # hybrid models
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Recv:
     params: bytes
     block_ids: List[int]
     skip_tokens: int
+    groups: List[Table] = field(default_factory=list)  # hybrid models
 
 
 @dataclass
@@ -80,6 +83,19 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     sends: Dict[str, Send] = field(default_factory=dict)
     recvs: Dict[str, Recv] = field(default_factory=dict)
     cancels: Set[str] = field(default_factory=set)
+    # the daemon address of every rank, in kvxfer rank order: once, after
+    # vLLM handed the scheduler its workers' handshake metadata
+    addresses: Optional[List[str]] = None
+
+
+@dataclass
+class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler at start-up (vLLM's
+    get_handshake_metadata): its kvxfer rank and its daemon's address."""
+
+    rank: int
+    address: str
+    pools: List[int] = field(default_factory=list)  # its tables' pools
 
 
 # -- the config --------------------------------------------------------------
@@ -129,3 +145,94 @@ def _role(kv_role: Optional[str]) -> kvxfer.Role:
     return {"kv_producer": kvxfer.Role.CONTEXT,
             "kv_consumer": kvxfer.Role.GENERATION}.get(kv_role or "",
                                                        kvxfer.Role.BOTH)
+
+
+# -- what the connector refuses at __init__ ---------------------------------
+
+
+def recompute_threshold(extra: Dict[str, Any]) -> int:
+    """kv_recompute_threshold (vLLM's name, as its NIXL connector reads
+    it), or recompute_below_tokens (this connector's earlier name): a
+    decode missing fewer prompt tokens than this computes them itself.
+    Default 0: always fetch what is missing."""
+    got = {k: extra[k] for k in ("kv_recompute_threshold",
+                                 "recompute_below_tokens") if k in extra}
+    vals = set()
+    for k, v in got.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise kvxfer.InvalidArgument(
+                -1, f"kv_connector_extra_config.{k}: {v!r}, expected a "
+                "token count (an integer >= 0)")
+        vals.add(v)
+    if len(vals) > 1:
+        raise kvxfer.InvalidArgument(
+            -1, "kv_connector_extra_config: kv_recompute_threshold "
+            f"{got['kv_recompute_threshold']} and recompute_below_tokens "
+            f"{got['recompute_below_tokens']} differ (recompute_below_tokens"
+            " is the old name of kv_recompute_threshold: give one)")
+    return vals.pop() if vals else 0
+
+
+def check_config(vllm_config: "VllmConfig") -> None:
+    """Refuse, naming the option, a configuration this connector cannot
+    serve: at __init__, before vLLM allocates anything, rather than at
+    register_kv_caches or at the first transfer."""
+    extra = _extra(vllm_config)
+    _instance_id(vllm_config)
+    t = extra.get("timeout_s", 10.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or \
+            not t > 0:
+        raise kvxfer.InvalidArgument(
+            -1, f"kv_connector_extra_config.timeout_s: {t!r}, expected "
+            "seconds > 0")
+    recompute_threshold(extra)
+    pc = vllm_config.parallel_config
+    world = pc.tensor_parallel_size * pc.pipeline_parallel_size
+    addrs = extra.get("rank_addresses")
+    if addrs is not None:
+        if not isinstance(addrs, (list, tuple)) or \
+                not all(isinstance(a, str) and a for a in addrs):
+            raise kvxfer.InvalidArgument(
+                -1, "kv_connector_extra_config.rank_addresses: expected a "
+                "list of daemon addresses (kvxfer rank order)")
+        if len(addrs) != world:
+            raise kvxfer.InvalidArgument(
+                -1, f"kv_connector_extra_config.rank_addresses: "
+                f"{len(addrs)} addresses for {world} ranks (tensor_parallel"
+                f"_size {pc.tensor_parallel_size} x pipeline_parallel_size "
+                f"{pc.pipeline_parallel_size})")
+    for opt in ("decode_context_parallel_size",
+                "prefill_context_parallel_size"):
+        n = int(getattr(pc, opt, 1) or 1)
+        if n > 1:
+            raise kvxfer.Unsupported(
+                -1, f"parallel_config.{opt}: {n}; KvxferConnector moves "
+                "the KV of instances without context parallelism")
+
+
+def addresses_of(metadata: Dict[Any, Any], world: int
+                 ) -> Optional[List[str]]:
+    """The daemon address of every rank, in kvxfer rank order, from the
+    workers' handshake metadata vLLM merged for the scheduler (keyed by
+    (pp_rank, tp_rank)); None, logged, when a rank is missing."""
+    by_rank: Dict[int, str] = {}
+    for m in metadata.values():
+        if isinstance(m, KvxferHandshakeMetadata):
+            by_rank[m.rank] = m.address
+    missing = [r for r in range(world) if r not in by_rank]
+    if missing:
+        log.error("kvxfer: no daemon address from ranks %s of %d in vLLM's "
+                  "handshake metadata: the ranks do not join, transfers "
+                  "fail (or set kv_connector_extra_config.rank_addresses)",
+                  missing, world)
+        return None
+    return [by_rank[r] for r in range(world)]
+
+
+def pools_of(metadata: Dict[Any, Any]) -> List[int]:
+    """Rank 0's pool of each block table (its handshake metadata), which
+    a hybrid request's reservation names."""
+    for m in metadata.values():
+        if isinstance(m, KvxferHandshakeMetadata) and m.rank == 0:
+            return list(m.pools)
+    return []

@@ -3,13 +3,17 @@ half or its worker half."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import (TYPE_CHECKING, Any, Dict, List, Optional, Set,
+                    Tuple)
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorTransferResults, SupportsHMA)
 
-from kvxfer.vllm.common import KvxferConnectorMetadata
+from kvxfer.vllm.common import (KvxferConnectorMetadata,
+                                KvxferHandshakeMetadata, check_config)
+from kvxfer.vllm.hybrid import Tables
 from kvxfer.vllm.scheduler import _Scheduler
 from kvxfer.vllm.worker import _Worker
 
@@ -24,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector on kvxferd (see the module's documentation).
 
     The scheduler-side instance keeps the requests' transfer state and
@@ -35,12 +39,20 @@ class KvxferConnector(KVConnectorBase_V1):
                  kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role,
                          kv_cache_config=kv_cache_config)
+        check_config(vllm_config)
+        # a hybrid model's KV cache groups as kvxfer block tables (refused
+        # here, naming the group, when they cannot be)
+        tables = Tables(kv_cache_config,
+                        vllm_config.parallel_config.tensor_parallel_size)
+        tables.check_parallel(
+            vllm_config.parallel_config.tensor_parallel_size,
+            vllm_config.model_config.get_total_num_kv_heads())
         self._sched: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _Scheduler(vllm_config)
+            self._sched = _Scheduler(vllm_config, tables=tables)
         else:
-            self._worker = _Worker(vllm_config)
+            self._worker = _Worker(vllm_config, tables=tables)
 
     # -- scheduler side ---------------------------------------------------
 
@@ -78,7 +90,31 @@ class KvxferConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+            self, request: "Request", block_ids: Tuple[List[int], ...]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """vLLM's hybrid memory allocator (SupportsHMA): the request's
+        block ids of every KV cache group, each group a kvxfer table."""
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: Dict[Tuple[int, int], Any]) -> None:
+        """Every worker's daemon address (get_handshake_metadata), which
+        the scheduler hands its workers in the next step's metadata."""
+        assert self._sched is not None
+        self._sched.set_rank_addresses(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: Dict[int, Any]
+                                    ) -> None:
+        self.set_xfer_handshake_metadata_pp_aware(
+            {(0, tp): m for tp, m in metadata.items()})
+
     # -- worker side ------------------------------------------------------
+
+    def get_handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
+        assert self._worker is not None
+        return self._worker.handshake()
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -106,6 +142,17 @@ class KvxferConnector(KVConnectorBase_V1):
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         assert self._worker is not None
         return self._worker.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: Set[str]
+                             ) -> KVConnectorTransferResults:
+        """get_finished, and (hybrid models) the fetches that failed:
+        vLLM takes those by request, as its block ids are per group."""
+        assert self._worker is not None
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._worker.take_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         assert self._worker is not None

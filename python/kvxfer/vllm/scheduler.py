@@ -12,7 +12,9 @@ from kvxfer._outage import DAEMON_GONE, Outage, nudge, retrying
 from kvxfer.vllm.common import (MANY_MAX, PARAMS_KEY,
                                 KvxferConnectorMetadata, Recv, Send, _b64,
                                 _extra, _instance_id, _params_of, _socket,
-                                log, request_key)
+                                addresses_of, log, pools_of,
+                                recompute_threshold, request_key)
+from kvxfer.vllm.hybrid import Tables
 
 # kv_transfer_params: the offer's lease in ms (the params say it too)
 LEASE_KEY = "kvxfer_lease_ms"
@@ -28,13 +30,19 @@ class _Scheduler:
     """The scheduler side: which requests fetch, publish, release or
     cancel, and the offers' params (kvx_reserve)."""
 
-    def __init__(self, vllm_config: "VllmConfig") -> None:
+    def __init__(self, vllm_config: "VllmConfig",
+                 tables: Optional[Tables] = None) -> None:
         extra = _extra(vllm_config)
         self.socket = _socket(extra)
         self.timeout = float(extra.get("timeout_s", 10.0))
         self.instance_id = _instance_id(vllm_config)
-        self.block_size = vllm_config.cache_config.block_size
-        self.recompute_below = int(extra.get("recompute_below_tokens", 0))
+        self.tables = tables or Tables(None)
+        self.block_size = self.tables.block_size(
+            vllm_config.cache_config.block_size)
+        self._pools: List[int] = []  # rank 0's pool of each table
+        self.recompute_below = recompute_threshold(extra)
+        pc = vllm_config.parallel_config
+        self.world = pc.tensor_parallel_size * pc.pipeline_parallel_size
         self._client: Optional[kvxfer.Client] = None
         self._meta = KvxferConnectorMetadata()
         self._inflight: Set[str] = set()  # fetches the workers run
@@ -126,11 +134,19 @@ class _Scheduler:
             return
         n = min(int(p.get("remote_num_tokens") or 0),
                 len(request.prompt_token_ids or ()))
-        ids = list(blocks.get_block_ids()[0])
+        ids = self.tables.plain(blocks.get_block_ids())
         need = math.ceil(n / self.block_size)
+        skip = n - num_external_tokens
+        tables = self.tables.recvs(blocks.get_block_ids(), n, skip) \
+            if self.tables.hybrid else []
+        if tables is None:
+            # the fetch is refused (its groups missing): load errors
+            log.error("request %s: a KV cache group has no blocks for "
+                      "tokens [%d, %d)", request.request_id, skip, n)
+            tables = []
         self._meta.recvs[request.request_id] = Recv(
             key=request_key(request.request_id), params=params,
-            block_ids=ids[:need], skip_tokens=n - num_external_tokens)
+            block_ids=ids[:need], skip_tokens=skip, groups=tables)
         self._inflight.add(request.request_id)
 
     def _release(self, request_id: str, params: bytes) -> None:
@@ -163,6 +179,14 @@ class _Scheduler:
             log.warning("request %s: releasing the prefill's blocks: %s "
                         "(they are freed at the offer's lease)",
                         request_id, e)
+
+    def set_rank_addresses(self, metadata: Dict[Any, Any]) -> None:
+        """The workers' daemon addresses (vLLM's handshake metadata) go
+        to the workers in the next step's metadata: they join with them."""
+        addrs = addresses_of(metadata, self.world)
+        if addrs is not None:
+            self._meta.addresses = addrs
+        self._pools = pools_of(metadata)
 
     def build_connector_meta(self) -> KvxferConnectorMetadata:
         self._finish_end = None  # the next finished requests' budget
@@ -207,20 +231,33 @@ class _Scheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: its reservation ends at its lease
-        if got is None and late is not None:
+        groups = block_ids if block_ids and isinstance(
+            block_ids[0], (list, tuple)) else [block_ids or []]
+        ids = self.tables.plain(groups)
+        tables: List[Any] = []
+        if self.tables.hybrid:
+            # a hybrid request's groups are known now: reserved here, one
+            # call under the finished requests' budget
+            n = request.num_computed_tokens
+            tables = self.tables.sends(groups, n)
+            if tables is None or not self._pools:
+                log.error("request %s: %s; its decode computes the prompt",
+                          rid, "a KV cache group lacks blocks"
+                          if tables is None
+                          else "no pools from the workers' handshake")
+                return False, None
+            got = self._reserve_groups(rid, n, tables) if n > 0 else None
+        elif got is None and late is not None:
             got = self._reserve_late(rid, late)
         if got is None:
             return False, None  # not reserved in time: the decode computes
         params, n = got
-        groups = block_ids if block_ids and isinstance(
-            block_ids[0], (list, tuple)) else [block_ids or []]
-        ids = list(groups[0])
         need = math.ceil(n / self.block_size)
         if request.num_computed_tokens < n or len(ids) < need:
             return False, None
         key = request_key(rid)
         self._meta.sends[rid] = Send(key=key, block_ids=ids[:need],
-                                     num_tokens=n)
+                                     num_tokens=n, groups=tables)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -293,7 +330,9 @@ class _Scheduler:
 
     def on_new_request(self, request: "Request") -> None:
         """A decode request with a prefill's params: renewed while it
-        waits (its lease is in the params)."""
+        waits (its lease is in the params); a prefill of a model with
+        Mamba state computes all its prompt but the last token."""
+        self.tables.truncate_for_prefill(request)
         p = self._remote(request)
         if p is None or not self.renew_leases:
             return
@@ -310,9 +349,9 @@ class _Scheduler:
         for its prompt's tokens (max_tokens 1: what it computes)."""
         p = request.kv_transfer_params
         rid = request.request_id
-        if not p or not p.get("do_remote_decode") or \
-                rid in self._reserved or rid in self._to_reserve:
-            return
+        if not p or not p.get("do_remote_decode") or self.tables.hybrid \
+                or rid in self._reserved or rid in self._to_reserve:
+            return  # a hybrid one: reserved when it finished
         n = int(request.num_prompt_tokens)
         if n > 0:
             self._to_reserve[rid] = (request_key(rid), n)
@@ -427,6 +466,29 @@ class _Scheduler:
 
         def one(c: kvxfer.Client, t: float) -> bytes:
             return c.reserve(self.instance_id, key, n, t,
+                             lease_ms=self.lease_ms or None)
+        try:
+            return self._timed(one, left), n
+        except kvxfer.Closed:
+            return None  # gone or slow: logged once
+        except kvxfer.Error as e:
+            log.error("request %s: kvxfer reserve failed: %s", rid, e)
+            return None
+
+    def _reserve_groups(self, rid: str, n: int, tables: List[Any]
+                        ) -> Optional[Tuple[bytes, int]]:
+        """The reservation of a finished hybrid request with its groups
+        (their first blocks are known only now), under what is left of
+        the finished requests' budget."""
+        left = self._finish_left()
+        if left is None:
+            return None
+        key = request_key(rid)
+        gs = self.tables.reserved(self._pools, tables)
+
+        def one(c: kvxfer.Client, t: float) -> bytes:
+            return c.reserve(self.instance_id, key, n, t,
+                             pool=self._pools[0], groups=gs,
                              lease_ms=self.lease_ms or None)
         try:
             return self._timed(one, left), n

@@ -11,9 +11,11 @@ import torch
 import kvxfer
 from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
                             retrying)
-from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata, _extra,
+from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata,
+                                KvxferHandshakeMetadata, _extra,
                                 _instance_id, _role, _socket, log,
                                 parallel_rank, request_key)
+from kvxfer.vllm.hybrid import Tables, register_tables
 from kvxfer.vllm.layout import layout_of_kv_caches
 
 if TYPE_CHECKING:
@@ -23,8 +25,11 @@ if TYPE_CHECKING:
 class _Worker:
     """One worker: a kvxfer rank with the worker's KV caches as its pool."""
 
-    def __init__(self, vllm_config: "VllmConfig") -> None:
+    def __init__(self, vllm_config: "VllmConfig",
+                 tables: Optional[Tables] = None) -> None:
         self.cfg = vllm_config
+        self.tables = tables or Tables(None)
+        self.group_pools: List[kvxfer.Pool] = []  # tables 1.. (hybrid)
         extra = _extra(vllm_config)
         self.socket = _socket(extra)
         self.timeout = float(extra.get("timeout_s", 10.0))
@@ -38,7 +43,11 @@ class _Worker:
         self._done_send: Set[str] = set()
         self._done_recv: Set[str] = set()
         self._load_errors: Set[int] = set()
+        self._failed_recv: Set[str] = set()  # hybrid models' failures
         self._kv_caches: Optional[Dict[str, torch.Tensor]] = None
+        self.rank = 0
+        self._gathered: Optional[List[str]] = None  # from the handshake
+        self._joined = False
         self._next_connect = 0.0  # when a client given up is made again
         self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
 
@@ -53,10 +62,15 @@ class _Worker:
         mc = self.cfg.model_config
         cc = self.cfg.cache_config
         use_mla = bool(getattr(mc, "use_mla", False))
-        layout, regions, names = layout_of_kv_caches(
-            kv_caches, head_size=mc.get_head_size(),
-            block_size=cc.block_size, use_mla=use_mla)
         tp_rank, tp, pp_rank, pp = parallel_rank(self.cfg)
+        plain, total_layers = kv_caches, None
+        if self.tables.hybrid:  # the first full-attention group's layers
+            plain = self.tables.layer_sets(kv_caches)[0][1]
+            total_layers = len(plain) * pp
+        layout, regions, names = layout_of_kv_caches(
+            plain, head_size=mc.get_head_size(),
+            block_size=self.tables.block_size(cc.block_size),
+            use_mla=use_mla)
         total_heads = 1 if use_mla else mc.get_total_num_kv_heads()
         if not use_mla and layout.num_heads * tp == total_heads:
             layout = layout.with_first_head(tp_rank * layout.num_heads)
@@ -66,17 +80,26 @@ class _Worker:
             self.socket, instance_id=self.instance_id,
             role=_role(self.cfg.kv_transfer_config.kv_role), rank=rank,
             parallel=kvxfer.Parallel(
-                tp=tp, pp=pp, total_layers=mc.get_total_num_hidden_layers()
-                if hasattr(mc, "get_total_num_hidden_layers")
-                else mc.hf_config.num_hidden_layers,
+                tp=tp, pp=pp, total_layers=total_layers
+                or (mc.get_total_num_hidden_layers()
+                    if hasattr(mc, "get_total_num_hidden_layers")
+                    else mc.hf_config.num_hidden_layers),
                 total_kv_heads=total_heads),
             timeout=self.timeout)
+        self.rank = rank
+        self._joined = False
         try:
-            client.join(self._addresses(client, tp * pp))
+            addrs = self._addresses(client, tp * pp)
+            if addrs is not None:
+                client.join(addrs)  # else at the handshake's addresses
+                self._joined = True
             self.gpu = regions[0].is_cuda
             self.pool = client.register_regions(
                 layout, regions, device="cuda" if self.gpu else "host",
                 keep=kv_caches)
+            self.group_pools = register_tables(
+                client, self.tables, kv_caches,
+                "cuda" if self.gpu else "host")
         except BaseException:
             client.close()
             raise
@@ -85,25 +108,40 @@ class _Worker:
                  rank, tp * pp, self.instance_id, len(names),
                  "GPU" if self.gpu else "host", self.pool.id)
 
-    def _addresses(self, client: kvxfer.Client, world: int) -> List[str]:
+    def _addresses(self, client: kvxfer.Client, world: int
+                   ) -> Optional[List[str]]:
+        """Every rank's daemon address: rank_addresses when configured,
+        this daemon's alone for one rank, else those the scheduler
+        handed down from vLLM's handshake metadata (None until then)."""
         if self.rank_addresses:
-            addrs = [str(a) for a in self.rank_addresses]
-            if len(addrs) != world:
-                raise kvxfer.InvalidArgument(
-                    -1, f"rank_addresses: {len(addrs)} for {world} ranks")
-            return addrs
-        mine = client.daemon_address
+            return [str(a) for a in self.rank_addresses]
+        if world == 1:
+            return [client.daemon_address]
+        return self._gathered
+
+    def handshake(self) -> Optional[KvxferHandshakeMetadata]:
+        """This rank and its daemon's address, for vLLM's handshake
+        metadata (None before register_kv_caches)."""
+        if self.client is None:
+            return None
+        pools = [] if self.pool is None else \
+            [self.pool.id] + [p.id for p in self.group_pools]
+        return KvxferHandshakeMetadata(rank=self.rank,
+                                       address=self.client.daemon_address,
+                                       pools=pools)
+
+    def _join(self, addresses: List[str]) -> None:
+        """Join with the addresses vLLM's handshake gathered (once)."""
+        self._gathered = list(addresses)
+        if self.client is None or self._joined:
+            return
         try:
-            import torch.distributed as dist
-            if dist.is_available() and dist.is_initialized() and \
-                    dist.get_world_size() == world > 1:
-                out: List[Any] = [None] * world
-                dist.all_gather_object(out, mine)
-                return [str(a) for a in out]
-        except (ImportError, RuntimeError) as e:  # pragma: no cover
-            log.warning("gathering the ranks' daemon addresses: %s; "
-                        "assuming one node", e)
-        return [mine] * world
+            self.client.join(self._gathered)
+            self._joined = True
+        except kvxfer.Error as e:
+            log.error("kvxfer rank %d of %s: join with the ranks' daemon "
+                      "addresses failed: %s", self.rank, self.instance_id,
+                      e)
 
     def start(self, meta: KvxferConnectorMetadata) -> None:
         if self._kv_caches is None:
@@ -112,6 +150,8 @@ class _Worker:
                     -1, "kvxfer connector: transfers before "
                     "register_kv_caches")
             return
+        if meta.addresses is not None:
+            self._join(meta.addresses)
         self._reconnect()
         if self.client is not None and (meta.sends or meta.recvs):
             nudge(self.client)
@@ -136,7 +176,8 @@ class _Worker:
                 self.client.publish_many,
                 [(s.key, self.pool, s.block_ids, s.num_tokens)
                  for _, s in part],
-                lambda s: self.client.publish(s[0], s[1], s[2], s[3]))
+                lambda s: self.client.publish(s[0], s[1], s[2], s[3]),
+                [s.groups for _, s in part])
             for (rid, s), r in zip(part, res):
                 if isinstance(r, kvxfer.Error):
                     # the decode's fetch fails (and recomputes); free now
@@ -154,7 +195,8 @@ class _Worker:
                 [(r.key, r.params, self.pool, r.block_ids, r.skip_tokens)
                  for _, r in part],
                 lambda f: self.client.fetch(f[0], f[1], f[2], f[3],
-                                            skip_tokens=f[4]))
+                                            skip_tokens=f[4]),
+                [r.groups for _, r in part])
             for (rid, r), e in zip(part, res):
                 if isinstance(e, kvxfer.Error):
                     if not isinstance(e, DAEMON_GONE):
@@ -176,12 +218,18 @@ class _Worker:
             except kvxfer.Error as e:
                 log.error("request %s: kvxfer cancel failed: %s", rid, e)
 
-    def _many(self, many: Any, items: List[Any], one: Any) -> List[Any]:
+    def _many(self, many: Any, items: List[Any], one: Any,
+              groups: Optional[List[Any]] = None) -> List[Any]:
         """many(items): one entry per item (a result or its error). An
         item the library refuses before sending (a bad block id) fails
         the whole call: then each goes alone, so it fails alone. With the
-        daemon gone, every item fails with that error."""
+        daemon gone, every item fails with that error. A hybrid model's
+        items (groups: each item's other tables) go one by one, with
+        their groups."""
         assert self.client is not None
+        if self.tables.hybrid and groups is not None:
+            return self._with_groups(
+                items, groups, fetch=many == self.client.fetch_many)
         try:
             return retrying(self.client, many, items)
         except DAEMON_GONE as e:
@@ -195,6 +243,32 @@ class _Worker:
                 except kvxfer.Error as e:
                     res.append(e)
             return res
+
+    def _with_groups(self, items: List[Any], groups: List[Any], *,
+                     fetch: bool) -> List[Any]:
+        """Each publish or fetch alone, with its request's other block
+        tables in this rank's pools of them (kvxfer.Group)."""
+        assert self.client is not None
+        pools = [self.pool] + list(self.group_pools)
+        res: List[Any] = []
+        for it, tables in zip(items, groups):
+            gs = self.tables.groups_of(pools, tables, fetch=fetch)
+            try:
+                if fetch:
+                    res.append(retrying(
+                        self.client, self.client.fetch, it[0], it[1], it[2],
+                        it[3], skip_tokens=it[4], groups=gs))
+                else:
+                    res.append(retrying(
+                        self.client, self.client.publish, it[0], it[1],
+                        it[2], it[3], groups=gs))
+            except DAEMON_GONE as e:
+                # the rest fail with it, as in _many
+                self._lost(e)
+                return res + [e] * (len(items) - len(res))
+            except kvxfer.Error as e:
+                res.append(e)
+        return res
 
     def _lost(self, e: kvxfer.Error) -> None:
         """A call found the daemon gone. The library ends the requests in
@@ -241,9 +315,20 @@ class _Worker:
         self._outage.back("connected to kvxferd again")
 
     def _fail_recv(self, rid: str, block_ids: List[int], skip: int) -> None:
-        bs = self.cfg.cache_config.block_size
-        self._load_errors.update(block_ids[skip // bs:])
+        if self.tables.hybrid:
+            # block ids are a group's own: vLLM takes a hybrid model's
+            # failures by request (failed_recving), never by block
+            self._failed_recv.add(rid)
+        else:
+            bs = self.cfg.cache_config.block_size
+            self._load_errors.update(block_ids[skip // bs:])
         self._done_recv.add(rid)
+
+    def take_failed_recving(self) -> Set[str]:
+        """The requests whose fetch failed (hybrid models), reported with
+        finished_recving by get_transfer_results."""
+        out, self._failed_recv = self._failed_recv, set()
+        return out
 
     def get_finished(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         self._reconnect()
