@@ -1,0 +1,423 @@
+"""KvxferKVManager: one SGLang scheduler rank's side of kvxfer."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from sglang.srt.disaggregation.base.conn import (BaseKVManager, KVArgs,
+                                                 KVPoll)
+
+from .._outage import DAEMON_GONE, Outage, gone_event, nudge, retrying
+from ..client import DEFAULT_SOCKET, Client, EventKind, Parallel, Pool
+from ..errors import Error, InvalidArgument, NotFound, Unsupported
+from .common import (_BOOTSTRAP_MAX_BODY, _BOOTSTRAP_PATH, _PUMP_INTERVAL,
+                     _choose_device, _CudaMemory, _env, _geometry,
+                     _Geometry, _HostMemory, _http_host, _mode_name, log)
+
+# -- the manager ------------------------------------------------------------
+
+@dataclass
+class _PrefillInfo:
+    """A prefill instance as its bootstrap server describes it. SGLang's
+    decode queue reads ``dp_size`` and ``follow_bootstrap_room`` from the
+    manager's ``prefill_info_table`` to choose a prefill DP rank."""
+
+    instance_id: str
+    address: str  # the daemon of its rank 0
+    tp_size: int = 1
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+
+class KvxferKVManager(BaseKVManager):
+    """One scheduler rank's side of kvxfer (SGLang's KV manager).
+
+    Connects to the node's kvxferd as rank ``kv_args.engine_rank`` of this
+    instance (role context on a prefill, generation on a decode), registers
+    the KV buffers of ``kv_args`` as one pool of regions and joins. A
+    prefill's rank 0 then registers the instance with the bootstrap server
+    (``register_to_bootstrap``). Raises :class:`kvxfer.InvalidArgument`
+    for KV buffers it cannot describe and :class:`kvxfer.Unsupported` for
+    SGLang features this backend does not carry yet.
+    """
+
+    def __init__(self, args: KVArgs, disaggregation_mode: Any,
+                 server_args: Any, is_mla_backend: Optional[bool] = False
+                 ) -> None:
+        self.kv_args = args
+        self.server_args = server_args
+        self.disaggregation_mode = disaggregation_mode
+        self.mode = _mode_name(disaggregation_mode)
+        self.is_mla_backend = bool(is_mla_backend)
+        self._check_supported(args, server_args)
+        geo = _geometry(args, self.is_mla_backend)
+        self.layout = geo.layout
+        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+        self.rank = int(args.engine_rank)
+        if not 0 <= self.rank < self.tp_size:
+            raise InvalidArgument(-1, f"kvxfer.sglang: engine_rank "
+                                  f"{self.rank} outside tp_size "
+                                  f"{self.tp_size}")
+        self.aux_ptrs = [int(p) for p in (args.aux_data_ptrs or [])]
+        self.aux_lens = [int(n) for n in (args.aux_data_lens or [])]
+        self.aux_items = [int(n) for n in (args.aux_item_lens or [])]
+        self._check_aux()
+        self.instance_id = _env("KVXFER_SGLANG_INSTANCE",
+                                self._default_instance_id())
+        self.bootstrap_timeout = float(_env("KVXFER_SGLANG_BOOTSTRAP_TIMEOUT",
+                                            "30"))
+        self.prefill_info_table: Dict[str, _PrefillInfo] = {}
+        self._lookup_errors: Dict[str, str] = {}
+        self._waiters: Dict[bytes, Any] = {}
+        self._lock = threading.RLock()
+        self._last_pump = 0.0
+        self._geo = geo
+        self._device = _choose_device([int(p) for p in args.kv_data_ptrs],
+                                      [int(n) for n in args.kv_data_lens],
+                                      _env("KVXFER_SGLANG_DEVICE", "auto"))
+        self._outage = Outage(log, f"kvxfer.sglang {self.mode} rank "
+                              f"{self.rank} of {self.instance_id}")
+        self._closed = False
+        self._next_connect = 0.0
+        self._registered_address = ""  # what the bootstrap server has
+        self._connect()
+        try:
+            if self.mode == "prefill":
+                self.register_to_bootstrap()
+        except BaseException:
+            self.client.close()
+            raise
+
+    def _connect(self) -> None:
+        """Connect as this rank, register the KV buffers, join (the
+        library does it again by itself when the daemon restarts; this
+        runs again only for a client it gave up on)."""
+        geo = self._geo
+        client = Client(
+            _env("KVXFER_SGLANG_SOCKET", DEFAULT_SOCKET),
+            instance_id=self.instance_id,
+            role="context" if self.mode == "prefill" else "generation",
+            rank=self.rank,
+            parallel=Parallel(tp=self.tp_size,
+                              total_layers=geo.total_layers,
+                              total_kv_heads=geo.total_kv_heads))
+        self.client = client
+        try:
+            self.pool = self._register(geo, self._device)
+            client.join(self._rank_addresses())
+        except BaseException:
+            client.close()
+            raise
+
+    # -- set-up ------------------------------------------------------------
+
+    @staticmethod
+    def _check_supported(args: KVArgs, sa: Any) -> None:
+        def no(what: str) -> None:
+            raise Unsupported(-15, f"kvxfer.sglang: {what} is not "
+                              "supported yet (docs/engines/sglang.md)")
+        if int(getattr(sa, "pp_size", 1) or 1) != 1:
+            no("pipeline parallelism (pp_size > 1)")
+        if int(getattr(sa, "dp_size", 1) or 1) != 1 or \
+                getattr(sa, "enable_dp_attention", False):
+            no("data parallelism (dp_size > 1, DP attention)")
+        if int(getattr(sa, "attn_cp_size", 1) or 1) != 1 or \
+                int(getattr(sa, "dcp_size", 1) or 1) != 1:
+            no("context parallelism (attn_cp_size, dcp_size > 1)")
+        if getattr(sa, "enable_kv_cache_sharding", False):
+            no("KV cache sharding (pages spread over the ranks)")
+        if getattr(sa, "disaggregation_enable_kv_checksum", False):
+            no("--disaggregation-enable-kv-checksum (each rank's digest "
+               "would make the ranks' aux payloads differ)")
+        states = getattr(args, "state_types", None)
+        if states:
+            names = [str(getattr(s, "value", s)) for s in states]
+            no(f"state beside the KV ({', '.join(names)}: Mamba, SWA, ...)")
+
+    def _check_aux(self) -> None:
+        n = len(self.aux_ptrs)
+        if len(self.aux_lens) != n or len(self.aux_items) != n:
+            raise InvalidArgument(
+                -1, f"kvxfer.sglang: aux_data_ptrs ({n}), aux_data_lens "
+                f"({len(self.aux_lens)}) and aux_item_lens "
+                f"({len(self.aux_items)}) must have one length")
+        limit = int(_env("KVXFER_SGLANG_AUX_BYTES", "65536"))
+        size = 8 + 4 * n + sum(self.aux_items)
+        if size > limit:
+            raise InvalidArgument(
+                -1, f"kvxfer.sglang: a request's aux rows take {size} bytes "
+                f"(rows of {self.aux_items} bytes), more than the daemon's "
+                f"limits.aux_bytes {limit}: raise limits.aux_bytes and set "
+                "KVXFER_SGLANG_AUX_BYTES to it")
+
+    def _default_instance_id(self) -> str:
+        """The same on every rank of this instance, different from any
+        other instance's: its nodes' shared dist_init_addr (else this
+        host's name) and the port that names it."""
+        sa = self.server_args
+        where = getattr(sa, "dist_init_addr", None) or socket.gethostname()
+        if self.mode == "prefill":
+            port = getattr(sa, "disaggregation_bootstrap_port", 8998)
+        else:
+            port = getattr(sa, "port", 30000)
+        return f"sglang-{self.mode}-{where}-{port}"[:128]
+
+    def _register(self, geo: _Geometry, device: str) -> Pool:
+        if device == "host":
+            mem: List[Any] = [_HostMemory(p, n) for p, n in geo.regions]
+        else:
+            mem = [_CudaMemory(p, n) for p, n in geo.regions]
+        try:
+            return self.client.register_regions(geo.layout, mem)
+        except Error as e:
+            if device == "cuda":
+                raise type(e)(e.code, "kvxfer.sglang: the KV buffers lie in "
+                              "no kvxfer.HostBuffer, so they were "
+                              f"registered as CUDA memory, which failed: "
+                              f"{e.message} (host KV buffers must be "
+                              "allocated in kvxfer.HostBuffer)") from None
+            raise type(e)(e.code, f"kvxfer.sglang: registering the KV "
+                          f"buffers: {e.message}") from None
+
+    def _rank_addresses(self) -> List[str]:
+        """Every rank's daemon address, for join: given by
+        KVXFER_SGLANG_RANK_ADDRESSES, else this daemon's for every rank
+        (an instance on one node)."""
+        given = os.environ.get("KVXFER_SGLANG_RANK_ADDRESSES")
+        if given:
+            addrs = [a.strip() for a in given.split(",") if a.strip()]
+            if len(addrs) != self.tp_size:
+                raise InvalidArgument(
+                    -1, f"KVXFER_SGLANG_RANK_ADDRESSES: {len(addrs)} "
+                    f"addresses for tp_size {self.tp_size}")
+            return addrs
+        nnodes = int(getattr(self.server_args, "nnodes", 1) or 1)
+        if nnodes != 1:
+            raise Unsupported(
+                -15, f"kvxfer.sglang: an instance on {nnodes} nodes needs "
+                "KVXFER_SGLANG_RANK_ADDRESSES (each rank's daemon address, "
+                "in rank order)")
+        return [self.client.daemon_address] * self.tp_size
+
+    # -- bootstrap ---------------------------------------------------------
+
+    def bootstrap_address(self) -> str:
+        """host:port of this prefill instance's bootstrap server."""
+        sa = self.server_args
+        host = _http_host(str(getattr(sa, "host", "127.0.0.1")))
+        return f"{host}:{getattr(sa, 'disaggregation_bootstrap_port', 8998)}"
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill rank 0: tell the bootstrap server this instance's kvxfer
+        name and rank-0 daemon address; retried until
+        KVXFER_SGLANG_BOOTSTRAP_TIMEOUT (the server starts beside the
+        schedulers). Other ranks have nothing to say."""
+        if self.mode != "prefill" or self.rank != 0:
+            return
+        self._put_bootstrap(self.bootstrap_timeout)
+
+    def _put_bootstrap(self, timeout: float) -> None:
+        address = self.client.daemon_address
+        body = json.dumps({"instance_id": self.instance_id,
+                           "address": address,
+                           "tp_size": self.tp_size}).encode()
+        url = f"http://{self.bootstrap_address()}{_BOOTSTRAP_PATH}"
+        end = time.monotonic() + timeout
+        while True:
+            req = urllib.request.Request(
+                url, data=body, method="PUT",
+                headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=2) as r:
+                    r.read()
+                self._registered_address = address
+                return
+            except (urllib.error.URLError, OSError) as e:
+                if time.monotonic() > end:
+                    raise IOError(f"kvxfer.sglang: cannot register with "
+                                  f"the bootstrap server {url}: {e}") from e
+                time.sleep(0.2)
+
+    def _daemon_moved(self) -> None:
+        """After the client reconnected: the new daemon has an address of
+        its own. A prefill's rank 0 tells the bootstrap server (decode
+        ranks look it up again); a decode forgets the prefill instances
+        it knew, whose daemons may have restarted with it."""
+        if self.mode == "decode":
+            self.prefill_info_table.clear()
+            return
+        if self.rank != 0:
+            return
+        try:
+            if self.client.daemon_address == self._registered_address:
+                return
+            self._put_bootstrap(0)  # one try; the next reconnect retries
+        except (Error, OSError) as e:
+            log.warning("kvxfer.sglang: registering the new daemon "
+                        "address with the bootstrap server: %s", e)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode: look the prefill instance behind ``bootstrap_addr`` up
+        (once; SGLang's decode queue calls this before it inits
+        receivers). False while its server does not answer or its rank 0
+        has not registered yet (:meth:`lookup_error` says why)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        url = f"http://{bootstrap_addr}{_BOOTSTRAP_PATH}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                raw = r.read(_BOOTSTRAP_MAX_BODY + 1)
+            d = json.loads(raw)
+            info = _PrefillInfo(instance_id=str(d["instance_id"]),
+                                address=str(d["address"]),
+                                tp_size=int(d.get("tp_size", 1)))
+        except urllib.error.HTTPError as e:
+            why = e.read(512).decode(errors="replace").strip()
+            self._lookup_errors[bootstrap_addr] = f"{url}: {e.code} {why}"
+            return False
+        except (urllib.error.URLError, OSError, ValueError, KeyError,
+                TypeError) as e:
+            self._lookup_errors[bootstrap_addr] = f"{url}: {e}"
+            return False
+        self.prefill_info_table[bootstrap_addr] = info
+        self._lookup_errors.pop(bootstrap_addr, None)
+        return True
+
+    def lookup_error(self, bootstrap_addr: str) -> str:
+        """Why the last lookup of ``bootstrap_addr`` failed."""
+        return self._lookup_errors.get(bootstrap_addr, "not looked up yet")
+
+    def forget_prefill(self, bootstrap_addr: str) -> None:
+        """Drop a cached prefill instance (it went away: look it up anew)."""
+        self.prefill_info_table.pop(bootstrap_addr, None)
+
+    # -- the daemon going away -----------------------------------------------
+
+    def call(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        """fn(client, *args, **kw) for a sender or receiver: made with a
+        client again if the library gave this one up, once more when it
+        was the call that found the daemon gone (the library reconnects
+        inside the next). Raises kvxfer.Error; the daemon's absence is
+        logged once per outage."""
+        with self._lock:
+            self._revive()
+            c = self.client
+            nudge(c)
+            incarnation = c.incarnation
+            try:
+                out = retrying(c, fn, c, *args, **kw)
+            except DAEMON_GONE as e:
+                self._lost(e)
+                raise
+            if c.incarnation != incarnation:
+                self._outage.back("kvxferd is back")
+                self._daemon_moved()
+            return out
+
+    def _lost(self, e: Error) -> None:
+        """The daemon is gone. The library ended the requests in flight
+        (PEER_GONE events) and reconnects; a client it gave up on
+        (reconnection off, a call that timed out) is closed here, its
+        rooms in flight failed, and made again by the next call."""
+        self._outage.lost(e, "the rooms in flight fail and new ones are "
+                          "refused")
+        if not self.client.closed:
+            return
+        self.client.close()
+        for who in list(self._waiters.values()):
+            if who._state == KVPoll.Transferring:
+                who._fail(f"kvxferd went away: {e}", e.code)
+
+    def _revive(self) -> None:
+        """A client the library gave up on, made again (5 ms apart while
+        no daemon listens, a second after one refused us)."""
+        if self._closed or not self.client.closed:
+            return
+        now = time.monotonic()
+        if now < self._next_connect:
+            return
+        try:
+            self._connect()
+        except Error as e:
+            nobody = isinstance(e, DAEMON_GONE)
+            self._next_connect = now + (0.005 if nobody else 1.0)
+            self._outage.lost(e, "the rooms in flight fail and new ones "
+                              "are refused")
+            return
+        self._outage.back("connected to kvxferd again")
+        self._daemon_moved()
+
+    # -- events ------------------------------------------------------------
+
+    def _watch(self, key: bytes, who: Any) -> None:
+        with self._lock:
+            self._waiters[key] = who
+
+    def _unwatch(self, key: bytes, who: Any) -> None:
+        with self._lock:
+            if self._waiters.get(key) is who:
+                del self._waiters[key]
+
+    def pump(self, force: bool = False) -> None:
+        """Read this rank's pending kvxfer events (a non-blocking poll) and
+        hand each to the sender or receiver of its key. Senders and
+        receivers call it from their poll(); polls closer than half a
+        millisecond share one."""
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._last_pump < _PUMP_INTERVAL:
+                return
+            self._last_pump = now
+            self._revive()
+            try:
+                nudge(self.client)
+                batch = self.client.poll(at_least=0, timeout=0)
+            except Error as e:
+                # the daemon is gone: the library's batch ended the rooms
+                # in flight already (PEER_GONE), unless it gave up
+                self._lost(e)
+                return
+            for ev in batch:
+                if ev.kind == EventKind.RECONNECTED:
+                    self._outage.back(ev.message)
+                    self._daemon_moved()
+                    continue
+                if gone_event(ev):
+                    self._outage.lost(ev.error, "the rooms in flight fail "
+                                      "and new ones are refused")
+                who = self._waiters.get(ev.key)
+                if who is not None:
+                    who._on_event(ev)
+
+    def close(self) -> None:
+        """Close the rank's connection: the daemon ends its requests (the
+        other side sees PEER_GONE) and drops the pool. Idempotent."""
+        self._closed = True
+        self.client.close()
+
+    def teardown(self) -> None:
+        """SGLang's role-switch teardown: release the transfer resources."""
+        self.close()
+
+
+
+def _cancel(mgr: KvxferKVManager, key: bytes) -> None:
+    """kvx_cancel_key; NotFound means its end is queued already, and a
+    daemon that went away took the request with it."""
+    try:
+        mgr.client.cancel(key)
+    except NotFound:
+        pass
+    except DAEMON_GONE as e:
+        mgr._lost(e)
+    except Error as e:
+        log.warning("kvxfer.sglang: cancel of %s: %s", key.decode(), e)
+

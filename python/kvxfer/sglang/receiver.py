@@ -1,0 +1,175 @@
+"""KvxferKVReceiver: one request of a decode rank."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, List, Optional
+
+from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
+
+from ..client import Event, key_bytes
+from ..errors import Error, NotFound, PeerGone
+from .common import KvxferTransferError, _unpack_aux
+from .manager import KvxferKVManager, _PrefillInfo, _cancel
+
+# -- decode -----------------------------------------------------------------
+
+class KvxferKVReceiver(BaseKVReceiver):
+    """One request of a decode rank (SGLang's KV receiver).
+
+    KVPoll: Bootstrapping until the prefill instance behind
+    ``bootstrap_addr`` is known (its bootstrap server answered),
+    WaitingForInput until ``send_metadata`` names the pages, Transferring
+    while the fetch by key runs, then Success (the KV is in the pages and
+    the prefill's aux rows in row ``aux_index`` of the metadata buffers)
+    or Failed with kvxfer's reason.
+    """
+
+    require_staging = False  # read by SGLang's staging path
+    abort_notified = False  # read when deferred release is on (it is not)
+
+    def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str,
+                 bootstrap_room: Optional[int] = None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.key = key_bytes(self.bootstrap_room)
+        self.aux_index: Optional[int] = None
+        self.conclude_state: Optional[int] = None
+        self._info: Optional[_PrefillInfo] = None
+        self._state = KVPoll.Bootstrapping
+        self._reason = ""
+        self._code = 0
+        self._fetched = False
+        self._inited_at: Optional[float] = None
+        mgr._watch(self.key, self)
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        """Find the prefill instance (its bootstrap server, looked up once
+        per address); poll() retries until KVXFER_SGLANG_BOOTSTRAP_TIMEOUT
+        when it does not answer yet."""
+        if prefill_dp_rank:
+            self._fail(f"prefill_dp_rank {prefill_dp_rank}: prefill data "
+                       "parallelism is not supported by kvxfer.sglang yet")
+            return
+        self._inited_at = time.monotonic()
+        self._resolve()
+
+    def _resolve(self) -> None:
+        m = self.kv_mgr
+        if m.try_ensure_parallel_info(self.bootstrap_addr):
+            self._info = m.prefill_info_table[self.bootstrap_addr]
+            self._state = KVPoll.WaitingForInput
+        elif (self._inited_at is not None and time.monotonic()
+              - self._inited_at > m.bootstrap_timeout):
+            self._fail(f"no kvxfer prefill instance at bootstrap server "
+                       f"{self.bootstrap_addr} after "
+                       f"{m.bootstrap_timeout:g} s: "
+                       f"{m.lookup_error(self.bootstrap_addr)}")
+
+    def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None,
+                      state_indices: Optional[List] = None,
+                      decode_prefix_len: Optional[int] = None,
+                      destination: Any = None, **_: Any) -> None:
+        """Fetch the room's KV into pages ``kv_indices`` (they cover the
+        prompt from token 0) by key, from the prefill instance found at
+        init; the aux rows go to row ``aux_index``."""
+        if self._state != KVPoll.WaitingForInput:
+            if self._state == KVPoll.Bootstrapping:
+                self._fail("send_metadata() before the prefill instance "
+                           "was found (init)")
+            return
+        if decode_prefix_len:
+            self._fail(f"decode_prefix_len {decode_prefix_len}: the decode "
+                       "radix cache is not supported by kvxfer.sglang yet")
+            return
+        if str(getattr(destination, "value", destination or "device")) \
+                != "device":
+            self._fail("a host KV destination is not supported by "
+                       "kvxfer.sglang")
+            return
+        if any(s is not None for s in (state_indices or [])):
+            self._fail("state indices (Mamba, SWA, ...) are not supported "
+                       "by kvxfer.sglang yet")
+            return
+        self.aux_index = aux_index
+        if hasattr(kv_indices, "cpu"):
+            kv_indices = kv_indices.cpu().numpy()
+        m = self.kv_mgr
+        if self.bootstrap_addr not in m.prefill_info_table:
+            # forgotten since init (the daemons restarted): look it up anew
+            m.try_ensure_parallel_info(self.bootstrap_addr)
+        info = m.prefill_info_table.get(self.bootstrap_addr, self._info)
+        assert info is not None
+        pages = [int(p) for p in kv_indices]
+        try:
+            m.call(lambda c: c.fetch_by_key(self.key, info.instance_id,
+                                            info.address, self.key, m.pool,
+                                            pages))
+        except Error as e:
+            self._fail(str(e), e.code)
+            return
+        self._fetched = True
+        self._state = KVPoll.Transferring
+
+    def _on_event(self, ev: Event) -> None:
+        if self._state != KVPoll.Transferring:
+            return
+        if not ev.ok:
+            if ev.code in (NotFound.code, PeerGone.code):
+                self.kv_mgr.forget_prefill(self.bootstrap_addr)
+            self._fail(str(ev.error), ev.code)
+            return
+        m = self.kv_mgr
+        if m.aux_ptrs and self.aux_index is not None:
+            try:
+                _unpack_aux(ev.aux, m.aux_ptrs, m.aux_lens, m.aux_items,
+                            int(self.aux_index))
+            except ValueError as e:
+                self._fail(f"kvxfer.sglang: {e}")
+                return
+        self._state = KVPoll.Success
+        m._unwatch(self.key, self)
+
+    def _fail(self, reason: str, code: int = 0) -> None:
+        if self._state not in (KVPoll.Success, KVPoll.Failed):
+            self._state = KVPoll.Failed
+            self._reason = reason
+            self._code = code
+            self.conclude_state = KVPoll.Failed
+            self.kv_mgr._unwatch(self.key, self)
+
+    def poll(self) -> KVPoll:
+        if self._state == KVPoll.Bootstrapping and \
+                self._inited_at is not None:
+            self._resolve()
+        elif self._state == KVPoll.Transferring:
+            self.kv_mgr.pump()
+        return self._state
+
+    def failure_exception(self) -> None:
+        self._fail("failed for an unknown reason")
+        self.clear()
+        raise KvxferTransferError(self.bootstrap_room, self._reason,
+                                  self._code)
+
+    def abort(self) -> None:
+        """Cancel the fetch: when this returns the daemon writes none of
+        the pages any more; the request polls Failed."""
+        if self._state in (KVPoll.Success, KVPoll.Failed):
+            return
+        if self._fetched:
+            _cancel(self.kv_mgr, self.key)
+        self._fail("aborted by SGLang (AbortReq)")
+
+    def is_abort_release_safe(self) -> bool:
+        # a kvxfer cancel is a fence: once it returned, no write follows
+        return self._state != KVPoll.Transferring
+
+    def clear(self) -> None:
+        """Forget the request. A fetch still running is cancelled first."""
+        if self._state == KVPoll.Transferring:
+            _cancel(self.kv_mgr, self.key)
+            self._fail("cleared while transferring")
+        self.kv_mgr._unwatch(self.key, self)
+

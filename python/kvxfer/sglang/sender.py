@@ -1,0 +1,151 @@
+"""KvxferKVSender: one request of a prefill rank."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, List, Optional
+
+from sglang.srt.disaggregation.base.conn import (BaseKVSender, KVPoll,
+                                                 KVTransferMetric)
+
+from ..client import Event, key_bytes
+from ..errors import Error
+from .common import KvxferTransferError, _pack_aux
+from .manager import KvxferKVManager, _cancel
+
+# -- prefill ----------------------------------------------------------------
+
+class KvxferKVSender(BaseKVSender):
+    """One request of a prefill rank (SGLang's KV sender).
+
+    KVPoll: WaitingForInput from the start (fetch by key needs no
+    handshake: the decode side finds the offer by its room), Transferring
+    once the last chunk is published, then Success when the decode side
+    has read the KV (the context side's COMPLETE), Failed on any other
+    event or a refused publish.
+    """
+
+    def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str,
+                 bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room)
+        self.key = key_bytes(self.bootstrap_room)
+        self.num_kv_indices: Optional[int] = None
+        self.aux_index: Optional[int] = None
+        self._pages: List[Any] = []
+        self._num_pages = 0
+        self._num_tokens = 0
+        self._state = KVPoll.WaitingForInput
+        self._reason = ""
+        self._code = 0
+        self._published = False
+        self._start: Optional[float] = None
+        self._metric = KVTransferMetric()
+        mgr._watch(self.key, self)
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None
+             ) -> None:
+        """The request will send ``num_kv_indices`` pages; its aux rows
+        are row ``aux_index`` of the metadata buffers."""
+        self.num_kv_indices = int(num_kv_indices)
+        self.aux_index = aux_index
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # the last chunk publishes, even with no new page
+        return num_pages > 0 or last_chunk
+
+    def send(self, kv_indices: Any, state_indices: Optional[List] = None,
+             num_kv_tokens: Optional[int] = None, **_: Any) -> None:
+        """One prefill chunk's pages. kvxfer offers cannot grow yet, so the
+        pages are kept until the last chunk (its pages complete
+        ``num_kv_indices``), which publishes them all with the aux rows."""
+        if self._state in (KVPoll.Success, KVPoll.Failed) or self._published:
+            return
+        if self.num_kv_indices is None:
+            self._fail("send() before init(): SGLang's scheduler inits a "
+                       "sender when its bootstrap is done")
+            return
+        if hasattr(kv_indices, "cpu"):  # a CPU tensor
+            kv_indices = kv_indices.cpu().numpy()
+        pages = [int(p) for p in kv_indices]
+        self._pages.extend(pages)
+        self._num_pages += len(pages)
+        page = int(self.kv_mgr.kv_args.page_size)
+        self._num_tokens += (int(num_kv_tokens) if num_kv_tokens is not None
+                             else len(pages) * page)
+        if self._num_pages > self.num_kv_indices:
+            self._fail(f"{self._num_pages} pages sent for a request of "
+                       f"{self.num_kv_indices}")
+        elif self._num_pages == self.num_kv_indices:
+            self._publish()
+
+    def _publish(self) -> None:
+        m = self.kv_mgr
+        self._start = time.perf_counter()
+        try:
+            aux = None
+            if m.aux_ptrs and self.aux_index is not None:
+                aux = _pack_aux(m.aux_ptrs, m.aux_lens, m.aux_items,
+                                int(self.aux_index))
+            m.call(lambda c: c.publish(self.key, m.pool, self._pages,
+                                       num_tokens=self._num_tokens,
+                                       aux=aux))
+        except Error as e:
+            self._fail(str(e), e.code)
+            return
+        self._published = True
+        self._state = KVPoll.Transferring
+        self._metric.transfer_total_bytes = (
+            self._num_pages * sum(m.kv_args.kv_item_lens))
+
+    def _on_event(self, ev: Event) -> None:
+        if self._state != KVPoll.Transferring:
+            return
+        if ev.ok:
+            self._state = KVPoll.Success
+            self.kv_mgr._unwatch(self.key, self)
+            if self._start is not None:
+                self._metric.transfer_latency_s = (time.perf_counter()
+                                                   - self._start)
+        else:
+            self._fail(str(ev.error), ev.code)
+
+    def _fail(self, reason: str, code: int = 0) -> None:
+        if self._state not in (KVPoll.Success, KVPoll.Failed):
+            self._state = KVPoll.Failed
+            self._reason = reason
+            self._code = code
+            self.kv_mgr._unwatch(self.key, self)
+
+    def poll(self) -> KVPoll:
+        if self._state == KVPoll.Transferring:
+            self.kv_mgr.pump()
+        return self._state
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return self._metric
+
+    def failure_exception(self) -> None:
+        self._fail("failed for an unknown reason")
+        self.clear()
+        raise KvxferTransferError(self.bootstrap_room, self._reason,
+                                  self._code)
+
+    def abort(self) -> None:
+        """Cancel: a published offer is ended on the daemon (the decode
+        side's fetch fails with CANCELLED); the request polls Failed."""
+        if self._state in (KVPoll.Success, KVPoll.Failed):
+            return
+        if self._published:
+            _cancel(self.kv_mgr, self.key)
+        self._fail("aborted by SGLang (AbortReq)")
+
+    def clear(self) -> None:
+        """Forget the request. One still in flight is cancelled first."""
+        if self._state == KVPoll.Transferring:
+            _cancel(self.kv_mgr, self.key)
+            self._fail("cleared while transferring")
+        self.kv_mgr._unwatch(self.key, self)
+
