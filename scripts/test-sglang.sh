@@ -25,7 +25,9 @@ fail() { echo "test-sglang: $*"; echo "0 passed, 1 failed"; exit 1; }
 pip() { "$py" -m pip install -q --disable-pip-version-check --no-cache-dir "$@" 2>&1 |
         grep -v "requires\|dependency conflicts\|dependency resolver"; }
 ready() { "$py" -c 'import pytest, numpy, torch
-from sglang.srt.disaggregation.base.conn import BaseKVManager' 2>/dev/null; }
+from sglang.srt.disaggregation.base.conn import BaseKVManager
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+from sglang.srt.disaggregation.decode import DecodePreallocQueue' 2>/dev/null; }
 if [ ! -x "$py" ]; then
     ${PYTHON:-python3} -m venv "$venv" ||
         fail "cannot make a virtual environment in $venv (Debian: apt-get install python3-venv)"
@@ -34,11 +36,17 @@ if ! ready; then
     echo "test-sglang: installing sglang $SGLANG's base classes into $venv (about 2 minutes)"
     start=$(date +%s)
     pip --no-deps sglang==$SGLANG torch==$TORCH triton==3.8.0 \
+        torchvision==0.29.1 \
         nvidia-cufile==1.15.1.6 nvidia-cusparselt-cu13==0.8.1 \
         nvidia-nvshmem-cu13==3.4.5 nvidia-nccl-cu13==2.30.7
     pip pytest numpy filelock fsspec jinja2 networkx sympy typing_extensions \
         orjson psutil pybase64 requests pillow starlette msgspec pydantic \
         pyzmq tqdm ipython aiohttp
+    # what the bootstrap server (common/conn.py) and the decode queue
+    # (decode.py) import beyond the base classes
+    pip transformers==5.19.0 tokenizers==0.23.2 apache-tvm-ffi dill \
+        sentencepiece compressed-tensors gguf openai partial-json-parser \
+        einops
     if ! "$py" -c 'import torch' 2>/dev/null; then
         echo "test-sglang: torch needs its CUDA packages here; installing them"
         pip torch==$TORCH

@@ -6,11 +6,14 @@ The daemon fixture is python/tests/conftest.py's Daemon (loaded from
 there, not copied): $KVX_BUILD/kvxferd on a private socket.
 """
 
+import contextlib
 import importlib.util
 import itertools
 import os
+import socket
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -56,12 +59,56 @@ def env(daemon, monkeypatch):
     return monkeypatch
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def bootstrap():
+    """SGLang's bootstrap server as the prefill's main process starts it
+    (KvxferKVBootstrapServer is its CommonKVBootstrapServer)."""
     from kvxfer.sglang import KvxferKVBootstrapServer
-    srv = KvxferKVBootstrapServer("127.0.0.1", 0)
+    srv = KvxferKVBootstrapServer("127.0.0.1", free_port())
+    wait_health(srv.address)
     yield srv
     srv.close()
+
+
+def wait_health(addr, timeout=10.0):
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{addr}/health",
+                                        timeout=1) as r:
+                if r.read() == b"OK":
+                    return
+        except OSError:
+            if time.monotonic() > end:
+                raise
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def parallel(tp, dp=1, rank=0, pp=1, pp_rank=0, lb="follow_bootstrap_room"):
+    """SGLang's get_parallel() of a scheduler rank, stated with its own
+    override (what publishing a rank bundle gives): tensor parallel
+    ``tp``, attention DP ``dp`` (attention TP tp / dp), TP rank ``rank``
+    placed by SGLang's derive_attention_ranks, and the load balance."""
+    from sglang.srt.runtime_context import (derive_attention_ranks,
+                                            get_parallel)
+    attn_tp = tp // dp
+    attn_tp_rank, attn_dp_rank = derive_attention_ranks(
+        tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1)
+    with get_parallel().override(
+            tp_size=tp, tp_rank=rank, attn_tp_size=attn_tp,
+            attn_tp_rank=attn_tp_rank, attn_dp_size=dp,
+            attn_dp_rank=attn_dp_rank, attn_cp_size=1, attn_cp_rank=0,
+            pp_size=pp, pp_rank=pp_rank, dp_size=dp,
+            dp_rank=attn_dp_rank if dp > 1 else None,
+            load_balance_method=lb):
+        yield
 
 
 _ports = itertools.count(31000)
@@ -123,6 +170,7 @@ class Rank:
         a.state_types = []
         a.num_draft_entries = 0
         a.pp_rank = 0
+        a.system_dp_rank = None
         a.prefill_start_layer = 0
         a.gpu_id = 0
         self.args = a

@@ -16,10 +16,13 @@ import kvxfer
 from kvxfer.sglang import (KvxferKVBootstrapServer, KvxferKVManager,
                            KvxferKVReceiver, KvxferKVSender,
                            KvxferTransferError)
+from kvxfer.sglang.bootstrap import group_locator
 from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer,
                                                  BaseKVManager,
                                                  BaseKVReceiver,
                                                  BaseKVSender, KVPoll)
+from sglang.srt.disaggregation.common.conn import (CommonKVBootstrapServer,
+                                                   PrefillServerInfo)
 
 _rooms = iter(range(7_000_000_000_001, 8_000_000_000_000, 7919))
 
@@ -172,7 +175,8 @@ def test_prefill_tp2_to_decode_tp1_gets_every_head(env, bootstrap):
     dm = decode(bootstrap, dst)
     try:
         assert m0.instance_id == m1.instance_id
-        assert bootstrap.prefill["tp_size"] == 2
+        assert dm.try_ensure_parallel_info(bootstrap.address)
+        assert dm.prefill_info_table[bootstrap.address].attn_tp_size == 2
         rm, P = room(), p0.page
         s0 = KvxferKVSender(m0, bootstrap.address, rm)
         s1 = KvxferKVSender(m1, bootstrap.address, rm)
@@ -405,44 +409,61 @@ def test_no_prefill_at_the_bootstrap_address_fails_the_receiver(env,
     dst = Rank(seed=24)
     dm = decode(bootstrap, dst)
     try:
-        # a server nobody registered with: 404 until the timeout
+        # a server nobody registered with: 503 until the timeout
         assert not dm.try_ensure_parallel_info(bootstrap.address)
-        assert "404" in dm.lookup_error(bootstrap.address)
+        assert "503" in dm.lookup_error(bootstrap.address)
         r = KvxferKVReceiver(dm, bootstrap.address, room())
         r.init(0)
         assert r.poll() == KVPoll.Bootstrapping
         assert wait_poll(r, KVPoll.WaitingForInput, 3) == KVPoll.Failed
         with pytest.raises(KvxferTransferError,
                            match="no kvxfer prefill instance at bootstrap "
-                           "server .* 404"):
+                           "server .* 503 Prefill server not fully "
+                           "registered"):
             r.failure_exception()
     finally:
         dm.close()
 
 
-def test_bootstrap_server_serves_the_instance_and_refuses_garbage(
+def test_bootstrap_server_is_sglangs_and_serves_the_ranks_rows(
         env, bootstrap):
-    url = f"http://{bootstrap.address}/kvxfer/v1/prefill"
+    """The server is SGLang's CommonKVBootstrapServer; it answers SGLang's
+    own decode-side reads (/route, the parallel info as PrefillServerInfo)
+    with what the prefill ranks registered, rank_ip naming kvxfer's end."""
+    assert issubclass(KvxferKVBootstrapServer, CommonKVBootstrapServer)
+    info_url = (f"http://{bootstrap.address}/route?prefill_dp_rank=-1&"
+                "prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1")
     with pytest.raises(urllib.error.HTTPError) as ei:
-        urllib.request.urlopen(url, timeout=2)
-    assert ei.value.code == 404
-    for body in (b"{", b'{"instance_id": 5, "address": "x"}', b"[]"):
-        req = urllib.request.Request(url, data=body, method="PUT")
-        with pytest.raises(urllib.error.HTTPError) as ei:
-            urllib.request.urlopen(req, timeout=2)
-        assert ei.value.code == 400
+        urllib.request.urlopen(info_url, timeout=2)
+    assert ei.value.code == 503  # no prefill rank registered yet
     with urllib.request.urlopen(f"http://{bootstrap.address}/health",
                                 timeout=2) as r:
         assert r.read() == b"OK"
-    src = Rank(seed=25)
-    pm = prefill(bootstrap, src)
+    p0 = Rank(engine_rank=0, heads=1, total_heads=2, seed=25)
+    p1 = Rank(engine_rank=1, heads=1, total_heads=2, seed=39)
+    m0 = prefill(bootstrap, p0, 2)
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            got = json.loads(r.read())
-        assert got == {"instance_id": pm.instance_id,
-                       "address": pm.client.daemon_address, "tp_size": 1}
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(info_url, timeout=2)
+        assert ei.value.code == 503  # rank 1 missing
+        m1 = prefill(bootstrap, p1, 2)
+        with urllib.request.urlopen(info_url, timeout=2) as r:
+            info = PrefillServerInfo(**json.loads(r.read()))
+        assert (info.attn_tp_size, info.dp_size, info.pp_size,
+                info.page_size, info.kv_cache_dtype) == (2, 1, 1, 4,
+                                                         "float16")
+        assert info.follow_bootstrap_room
+        for rank, m in ((0, m0), (1, m1)):
+            url = (f"http://{bootstrap.address}/route?prefill_dp_rank=0&"
+                   f"prefill_cp_rank=0&target_tp_rank={rank}&"
+                   "target_pp_rank=0")
+            with urllib.request.urlopen(url, timeout=2) as r:
+                row = json.loads(r.read())
+            assert row == {"rank_ip": f"{m.client.daemon_address}#"
+                           f"{m.instance_id}", "rank_port": rank}
+        m1.close()
     finally:
-        pm.close()
+        m0.close()
 
 
 def test_daemon_gone_fails_the_requests_not_the_scheduler(env, bootstrap,
@@ -499,7 +520,8 @@ def after_restart(own, bootstrap, src, dst, pm, dm, r2, before):
     src.set_aux(4, rm, 4242)
     send_chunks(s3, [[6, 7], [8]], 3, P)  # 2 pages, then 3 tokens
     assert s3.poll() == KVPoll.Transferring, s3._reason
-    assert bootstrap.prefill["address"] == pm.client.daemon_address
+    assert group_locator(bootstrap.address, 0).address == \
+        pm.client.daemon_address
     r3 = receiver(dm, bootstrap.address, rm)
     r3.send_metadata(np.asarray([9, 10, 11], np.int32), 6, [])
     assert wait_poll(r3, KVPoll.Success) == KVPoll.Success, r3._reason

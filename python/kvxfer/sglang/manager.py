@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.base.conn import (BaseKVManager, KVArgs,
                                                  KVPoll)
@@ -18,33 +14,22 @@ from sglang.srt.disaggregation.base.conn import (BaseKVManager, KVArgs,
 from .._outage import DAEMON_GONE, Outage, gone_event, nudge, retrying
 from ..client import DEFAULT_SOCKET, Client, EventKind, Parallel, Pool
 from ..errors import Error, InvalidArgument, NotFound, Unsupported
-from .common import (_BOOTSTRAP_MAX_BODY, _BOOTSTRAP_PATH, _PUMP_INTERVAL,
-                     _choose_device, _CudaMemory, _env, _geometry,
-                     _Geometry, _HostMemory, _http_host, _mode_name, log)
+from . import bootstrap as boot
+from .common import (_PUMP_INTERVAL, _choose_device, _CudaMemory, _env,
+                     _geometry, _Geometry, _HostMemory, _mode_name, log)
+from .topology import Topology, topology_of
 
 # -- the manager ------------------------------------------------------------
-
-@dataclass
-class _PrefillInfo:
-    """A prefill instance as its bootstrap server describes it. SGLang's
-    decode queue reads ``dp_size`` and ``follow_bootstrap_room`` from the
-    manager's ``prefill_info_table`` to choose a prefill DP rank."""
-
-    instance_id: str
-    address: str  # the daemon of its rank 0
-    tp_size: int = 1
-    dp_size: int = 1
-    follow_bootstrap_room: bool = True
 
 
 class KvxferKVManager(BaseKVManager):
     """One scheduler rank's side of kvxfer (SGLang's KV manager).
 
-    Connects to the node's kvxferd as rank ``kv_args.engine_rank`` of this
-    instance (role context on a prefill, generation on a decode), registers
-    the KV buffers of ``kv_args`` as one pool of regions and joins. A
-    prefill's rank 0 then registers the instance with the bootstrap server
-    (``register_to_bootstrap``). Raises :class:`kvxfer.InvalidArgument`
+    Connects to the node's kvxferd as a rank of its attention-DP group's
+    kvxfer instance (topology.py; role context on a prefill, generation on
+    a decode), registers the KV buffers of ``kv_args`` as one pool of
+    regions and joins. A prefill rank then puts its row on the bootstrap
+    server (``register_to_bootstrap``). Raises :class:`kvxfer.InvalidArgument`
     for KV buffers it cannot describe and :class:`kvxfer.Unsupported` for
     SGLang features this backend does not carry yet.
     """
@@ -60,21 +45,19 @@ class KvxferKVManager(BaseKVManager):
         self._check_supported(args, server_args)
         geo = _geometry(args, self.is_mla_backend)
         self.layout = geo.layout
-        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
-        self.rank = int(args.engine_rank)
-        if not 0 <= self.rank < self.tp_size:
-            raise InvalidArgument(-1, f"kvxfer.sglang: engine_rank "
-                                  f"{self.rank} outside tp_size "
-                                  f"{self.tp_size}")
+        self.topology: Topology = topology_of(args, server_args, self.mode)
+        self.tp_size = self.topology.attn_tp_size  # of this DP group
+        self.rank = self.topology.rank
         self.aux_ptrs = [int(p) for p in (args.aux_data_ptrs or [])]
         self.aux_lens = [int(n) for n in (args.aux_data_lens or [])]
         self.aux_items = [int(n) for n in (args.aux_item_lens or [])]
         self._check_aux()
-        self.instance_id = _env("KVXFER_SGLANG_INSTANCE",
-                                self._default_instance_id())
+        self.instance_id = self._instance_id()
         self.bootstrap_timeout = float(_env("KVXFER_SGLANG_BOOTSTRAP_TIMEOUT",
                                             "30"))
-        self.prefill_info_table: Dict[str, _PrefillInfo] = {}
+        # what SGLang's decode queue reads (dp_size, follow_bootstrap_room)
+        self.prefill_info_table: Dict[str, boot.PrefillServerInfo] = {}
+        self._groups: Dict[Tuple[str, int], boot.GroupLocator] = {}
         self._lookup_errors: Dict[str, str] = {}
         self._waiters: Dict[bytes, Any] = {}
         self._lock = threading.RLock()
@@ -126,12 +109,6 @@ class KvxferKVManager(BaseKVManager):
                               "supported yet (docs/engines/sglang.md)")
         if int(getattr(sa, "pp_size", 1) or 1) != 1:
             no("pipeline parallelism (pp_size > 1)")
-        if int(getattr(sa, "dp_size", 1) or 1) != 1 or \
-                getattr(sa, "enable_dp_attention", False):
-            no("data parallelism (dp_size > 1, DP attention)")
-        if int(getattr(sa, "attn_cp_size", 1) or 1) != 1 or \
-                int(getattr(sa, "dcp_size", 1) or 1) != 1:
-            no("context parallelism (attn_cp_size, dcp_size > 1)")
         if getattr(sa, "enable_kv_cache_sharding", False):
             no("KV cache sharding (pages spread over the ranks)")
         if getattr(sa, "disaggregation_enable_kv_checksum", False):
@@ -159,16 +136,24 @@ class KvxferKVManager(BaseKVManager):
                 "KVXFER_SGLANG_AUX_BYTES to it")
 
     def _default_instance_id(self) -> str:
-        """The same on every rank of this instance, different from any
-        other instance's: its nodes' shared dist_init_addr (else this
-        host's name) and the port that names it."""
+        """The same on every rank of this attention-DP group, different
+        from any other group's or instance's: its nodes' shared
+        dist_init_addr (else this host's name), the port that names the
+        SGLang instance, and the group."""
         sa = self.server_args
         where = getattr(sa, "dist_init_addr", None) or socket.gethostname()
         if self.mode == "prefill":
             port = getattr(sa, "disaggregation_bootstrap_port", 8998)
         else:
             port = getattr(sa, "port", 30000)
-        return f"sglang-{self.mode}-{where}-{port}"[:128]
+        return f"sglang-{self.mode}-{where}-{port}"[:120]
+
+    def _instance_id(self) -> str:
+        """KVXFER_SGLANG_INSTANCE (else the default), with ``-dpG`` when
+        the SGLang instance has several DP groups (topology.py)."""
+        base = _env("KVXFER_SGLANG_INSTANCE", self._default_instance_id())
+        t = self.topology
+        return base if t.dp_groups == 1 else f"{base}-dp{t.dp_group}"
 
     def _register(self, geo: _Geometry, device: str) -> Pool:
         if device == "host":
@@ -188,73 +173,103 @@ class KvxferKVManager(BaseKVManager):
                           f"buffers: {e.message}") from None
 
     def _rank_addresses(self) -> List[str]:
-        """Every rank's daemon address, for join: given by
-        KVXFER_SGLANG_RANK_ADDRESSES, else this daemon's for every rank
-        (an instance on one node)."""
+        """Every rank's daemon address in this group's instance, for
+        join: from KVXFER_SGLANG_RANK_ADDRESSES (this group's ranks, or
+        every TP rank of the SGLang instance in TP rank order, of which
+        the group's are taken), else this daemon's for every rank (a
+        group on one node, as a group of one rank always is)."""
+        t = self.topology
         given = os.environ.get("KVXFER_SGLANG_RANK_ADDRESSES")
         if given:
             addrs = [a.strip() for a in given.split(",") if a.strip()]
-            if len(addrs) != self.tp_size:
+            whole = t.attn_tp_size * t.attn_dp_size
+            if len(addrs) == whole and whole != t.attn_tp_size:
+                first = t.attn_dp_rank * t.attn_tp_size
+                addrs = addrs[first:first + t.attn_tp_size]
+            if len(addrs) != t.size:
                 raise InvalidArgument(
                     -1, f"KVXFER_SGLANG_RANK_ADDRESSES: {len(addrs)} "
-                    f"addresses for tp_size {self.tp_size}")
+                    f"addresses for a group of {t.size} ranks (attention "
+                    f"TP {t.attn_tp_size}) or an instance of "
+                    f"{whole} TP ranks")
             return addrs
         nnodes = int(getattr(self.server_args, "nnodes", 1) or 1)
-        if nnodes != 1:
+        if nnodes != 1 and t.size != 1:
             raise Unsupported(
-                -15, f"kvxfer.sglang: an instance on {nnodes} nodes needs "
+                -15, f"kvxfer.sglang: an instance on {nnodes} nodes whose "
+                f"attention-TP groups have {t.size} ranks needs "
                 "KVXFER_SGLANG_RANK_ADDRESSES (each rank's daemon address, "
                 "in rank order)")
-        return [self.client.daemon_address] * self.tp_size
+        return [self.client.daemon_address] * t.size
 
     # -- bootstrap ---------------------------------------------------------
 
     def bootstrap_address(self) -> str:
-        """host:port of this prefill instance's bootstrap server."""
+        """host:port of this prefill instance's bootstrap server, as
+        CommonKVManager finds it: the host of --dist-init-addr on an
+        instance over several nodes, else --host (a wildcard as the
+        loopback)."""
         sa = self.server_args
-        host = _http_host(str(getattr(sa, "host", "127.0.0.1")))
+        dist = getattr(sa, "dist_init_addr", None)
+        if dist:
+            host = str(dist).rsplit(":", 1)[0].strip("[]")
+        else:
+            host = str(getattr(sa, "host", "127.0.0.1"))
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1",
+                    "": "127.0.0.1"}.get(host, host)
+        if ":" in host:
+            host = f"[{host}]"
         return f"{host}:{getattr(sa, 'disaggregation_bootstrap_port', 8998)}"
 
+    def _route_row(self, address: str) -> Dict[str, Any]:
+        """This rank's row for ``PUT /route``, CommonKVManager's fields,
+        ``rank_ip`` naming its daemon and instance (bootstrap.py)."""
+        t, sa, a = self.topology, self.server_args, self.kv_args
+        return {
+            "attn_tp_size": t.attn_tp_size, "attn_tp_rank": t.attn_tp_rank,
+            "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": t.attn_dp_size, "attn_dp_rank": t.attn_dp_rank,
+            "pp_size": t.pp_size, "pp_rank": t.pp_rank,
+            "system_dp_size": t.system_dp_size,
+            "system_dp_rank": t.system_dp_rank,
+            "rank_ip": boot.locator_ip(address, self.instance_id),
+            "rank_port": t.rank,
+            "page_size": int(a.page_size),
+            "kv_cache_dtype": getattr(a, "kv_cache_dtype_str", None),
+            "kv_layout": getattr(a, "kv_layout", None),
+            "load_balance_method": t.load_balance_method,
+            "prefill_http_port": getattr(sa, "port", None),
+            "decode_allocation_policy": getattr(
+                sa, "disaggregation_decode_allocation_policy", "early"),
+        }
+
     def register_to_bootstrap(self) -> None:
-        """Prefill rank 0: tell the bootstrap server this instance's kvxfer
-        name and rank-0 daemon address; retried until
-        KVXFER_SGLANG_BOOTSTRAP_TIMEOUT (the server starts beside the
-        schedulers). Other ranks have nothing to say."""
-        if self.mode != "prefill" or self.rank != 0:
+        """Prefill: put this rank's row on the bootstrap server (every
+        rank, as CommonKVManager does: the server answers decodes once
+        all rows are in); retried until KVXFER_SGLANG_BOOTSTRAP_TIMEOUT
+        (the server starts beside the schedulers)."""
+        if self.mode != "prefill":
             return
         self._put_bootstrap(self.bootstrap_timeout)
 
     def _put_bootstrap(self, timeout: float) -> None:
         address = self.client.daemon_address
-        body = json.dumps({"instance_id": self.instance_id,
-                           "address": address,
-                           "tp_size": self.tp_size}).encode()
-        url = f"http://{self.bootstrap_address()}{_BOOTSTRAP_PATH}"
-        end = time.monotonic() + timeout
-        while True:
-            req = urllib.request.Request(
-                url, data=body, method="PUT",
-                headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=2) as r:
-                    r.read()
-                self._registered_address = address
-                return
-            except (urllib.error.URLError, OSError) as e:
-                if time.monotonic() > end:
-                    raise IOError(f"kvxfer.sglang: cannot register with "
-                                  f"the bootstrap server {url}: {e}") from e
-                time.sleep(0.2)
+        try:
+            boot.put_route(self.bootstrap_address(),
+                           self._route_row(address), timeout)
+        except boot.BootstrapError as e:
+            raise IOError(f"kvxfer.sglang: cannot register with the "
+                          f"bootstrap server: {e}") from None
+        self._registered_address = address
 
     def _daemon_moved(self) -> None:
         """After the client reconnected: the new daemon has an address of
-        its own. A prefill's rank 0 tells the bootstrap server (decode
-        ranks look it up again); a decode forgets the prefill instances
-        it knew, whose daemons may have restarted with it."""
+        its own. A prefill rank puts its row again (decodes look it up
+        again); a decode forgets the prefill instances it knew, whose
+        daemons may have restarted with it."""
         if self.mode == "decode":
             self.prefill_info_table.clear()
-            return
-        if self.rank != 0:
+            self._groups.clear()
             return
         try:
             if self.client.daemon_address == self._registered_address:
@@ -265,31 +280,37 @@ class KvxferKVManager(BaseKVManager):
                         "address with the bootstrap server: %s", e)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Decode: look the prefill instance behind ``bootstrap_addr`` up
+        """Decode: the prefill's parallel info behind ``bootstrap_addr``
         (once; SGLang's decode queue calls this before it inits
-        receivers). False while its server does not answer or its rank 0
-        has not registered yet (:meth:`lookup_error` says why)."""
+        receivers, and reads ``dp_size`` and ``follow_bootstrap_room``
+        of ``prefill_info_table`` to choose a prefill DP rank). False
+        while its server does not answer or not every prefill rank has
+        registered yet (:meth:`lookup_error` says why)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
-        url = f"http://{bootstrap_addr}{_BOOTSTRAP_PATH}"
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                raw = r.read(_BOOTSTRAP_MAX_BODY + 1)
-            d = json.loads(raw)
-            info = _PrefillInfo(instance_id=str(d["instance_id"]),
-                                address=str(d["address"]),
-                                tp_size=int(d.get("tp_size", 1)))
-        except urllib.error.HTTPError as e:
-            why = e.read(512).decode(errors="replace").strip()
-            self._lookup_errors[bootstrap_addr] = f"{url}: {e.code} {why}"
-            return False
-        except (urllib.error.URLError, OSError, ValueError, KeyError,
-                TypeError) as e:
-            self._lookup_errors[bootstrap_addr] = f"{url}: {e}"
+            info = boot.prefill_info(bootstrap_addr)
+        except boot.BootstrapError as e:
+            self._lookup_errors[bootstrap_addr] = str(e)
             return False
         self.prefill_info_table[bootstrap_addr] = info
         self._lookup_errors.pop(bootstrap_addr, None)
         return True
+
+    def group_locator(self, bootstrap_addr: str,
+                      dp_group: int) -> Optional[boot.GroupLocator]:
+        """Decode: the kvxfer instance of prefill DP group ``dp_group``
+        behind ``bootstrap_addr`` and its rank 0's daemon (looked up once
+        per group); None when the lookup failed (:meth:`lookup_error`)."""
+        k = (bootstrap_addr, int(dp_group))
+        if k not in self._groups:
+            try:
+                self._groups[k] = boot.group_locator(bootstrap_addr,
+                                                     int(dp_group))
+            except boot.BootstrapError as e:
+                self._lookup_errors[bootstrap_addr] = str(e)
+                return None
+        return self._groups[k]
 
     def lookup_error(self, bootstrap_addr: str) -> str:
         """Why the last lookup of ``bootstrap_addr`` failed."""
@@ -298,6 +319,8 @@ class KvxferKVManager(BaseKVManager):
     def forget_prefill(self, bootstrap_addr: str) -> None:
         """Drop a cached prefill instance (it went away: look it up anew)."""
         self.prefill_info_table.pop(bootstrap_addr, None)
+        for k in [k for k in self._groups if k[0] == bootstrap_addr]:
+            del self._groups[k]
 
     # -- the daemon going away -----------------------------------------------
 

@@ -10,15 +10,16 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 from ..client import Event, key_bytes
 from ..errors import Error, NotFound, PeerGone
 from .common import KvxferTransferError, _unpack_aux
-from .manager import KvxferKVManager, _PrefillInfo, _cancel
+from .bootstrap import GroupLocator
+from .manager import KvxferKVManager, _cancel
 
 # -- decode -----------------------------------------------------------------
 
 class KvxferKVReceiver(BaseKVReceiver):
     """One request of a decode rank (SGLang's KV receiver).
 
-    KVPoll: Bootstrapping until the prefill instance behind
-    ``bootstrap_addr`` is known (its bootstrap server answered),
+    KVPoll: Bootstrapping until the prefill DP group the room goes to is
+    known (its bootstrap server answered with the group's rank 0),
     WaitingForInput until ``send_metadata`` names the pages, Transferring
     while the fetch by key runs, then Success (the KV is in the pages and
     the prefill's aux rows in row ``aux_index`` of the metadata buffers)
@@ -36,7 +37,8 @@ class KvxferKVReceiver(BaseKVReceiver):
         self.key = key_bytes(self.bootstrap_room)
         self.aux_index: Optional[int] = None
         self.conclude_state: Optional[int] = None
-        self._info: Optional[_PrefillInfo] = None
+        self.prefill_dp_rank: Optional[int] = None
+        self._group: Optional[GroupLocator] = None
         self._state = KVPoll.Bootstrapping
         self._reason = ""
         self._code = 0
@@ -45,34 +47,40 @@ class KvxferKVReceiver(BaseKVReceiver):
         mgr._watch(self.key, self)
 
     def init(self, prefill_dp_rank: int = 0) -> None:
-        """Find the prefill instance (its bootstrap server, looked up once
-        per address); poll() retries until KVXFER_SGLANG_BOOTSTRAP_TIMEOUT
+        """The room goes to prefill DP group ``prefill_dp_rank`` (SGLang's
+        decode queue chose it from ``prefill_info_table``): find that
+        group's kvxfer instance on the bootstrap server (looked up once
+        per group); poll() retries until KVXFER_SGLANG_BOOTSTRAP_TIMEOUT
         when it does not answer yet."""
-        if prefill_dp_rank:
-            self._fail(f"prefill_dp_rank {prefill_dp_rank}: prefill data "
-                       "parallelism is not supported by kvxfer.sglang yet")
-            return
+        self.prefill_dp_rank = int(prefill_dp_rank or 0)
         self._inited_at = time.monotonic()
         self._resolve()
 
     def _resolve(self) -> None:
-        m = self.kv_mgr
-        if m.try_ensure_parallel_info(self.bootstrap_addr):
-            self._info = m.prefill_info_table[self.bootstrap_addr]
-            self._state = KVPoll.WaitingForInput
-        elif (self._inited_at is not None and time.monotonic()
-              - self._inited_at > m.bootstrap_timeout):
+        m, addr = self.kv_mgr, self.bootstrap_addr
+        d = int(self.prefill_dp_rank or 0)
+        if m.try_ensure_parallel_info(addr):
+            groups = m.prefill_info_table[addr].dp_size
+            if not 0 <= d < groups:
+                self._fail(f"prefill_dp_rank {d}: the prefill at {addr} "
+                           f"has {groups} DP groups")
+                return
+            self._group = m.group_locator(addr, d)
+            if self._group is not None:
+                self._state = KVPoll.WaitingForInput
+                return
+        if (self._inited_at is not None and time.monotonic()
+                - self._inited_at > m.bootstrap_timeout):
             self._fail(f"no kvxfer prefill instance at bootstrap server "
-                       f"{self.bootstrap_addr} after "
-                       f"{m.bootstrap_timeout:g} s: "
-                       f"{m.lookup_error(self.bootstrap_addr)}")
+                       f"{addr} after {m.bootstrap_timeout:g} s: "
+                       f"{m.lookup_error(addr)}")
 
     def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None,
                       state_indices: Optional[List] = None,
                       decode_prefix_len: Optional[int] = None,
                       destination: Any = None, **_: Any) -> None:
         """Fetch the room's KV into pages ``kv_indices`` (they cover the
-        prompt from token 0) by key, from the prefill instance found at
+        prompt from token 0) by key, from the prefill DP group found at
         init; the aux rows go to row ``aux_index``."""
         if self._state != KVPoll.WaitingForInput:
             if self._state == KVPoll.Bootstrapping:
@@ -96,15 +104,14 @@ class KvxferKVReceiver(BaseKVReceiver):
         if hasattr(kv_indices, "cpu"):
             kv_indices = kv_indices.cpu().numpy()
         m = self.kv_mgr
-        if self.bootstrap_addr not in m.prefill_info_table:
-            # forgotten since init (the daemons restarted): look it up anew
-            m.try_ensure_parallel_info(self.bootstrap_addr)
-        info = m.prefill_info_table.get(self.bootstrap_addr, self._info)
-        assert info is not None
+        # the lookup again when it was forgotten since init (a restart)
+        g = m.group_locator(self.bootstrap_addr,
+                            int(self.prefill_dp_rank or 0)) or self._group
+        assert g is not None
         pages = [int(p) for p in kv_indices]
         try:
-            m.call(lambda c: c.fetch_by_key(self.key, info.instance_id,
-                                            info.address, self.key, m.pool,
+            m.call(lambda c: c.fetch_by_key(self.key, g.instance_id,
+                                            g.address, self.key, m.pool,
                                             pages))
         except Error as e:
             self._fail(str(e), e.code)

@@ -10,7 +10,8 @@ from sglang.srt.disaggregation.base.conn import (BaseKVSender, KVPoll,
 
 from ..client import Event, key_bytes
 from ..errors import Error
-from .common import KvxferTransferError, _pack_aux
+from .bootstrap import BootstrapError, register_dp_rank
+from .common import KvxferTransferError, _env, _pack_aux
 from .manager import KvxferKVManager, _cancel
 
 # -- prefill ----------------------------------------------------------------
@@ -44,6 +45,38 @@ class KvxferKVSender(BaseKVSender):
         self._start: Optional[float] = None
         self._metric = KVTransferMetric()
         mgr._watch(self.key, self)
+        self._place(req_has_disagg_prefill_dp_rank)
+
+    def _place(self, routed: bool) -> None:
+        """With several prefill DP groups, how the decode learns this
+        room's group, as CommonKVSender does it: the room modulo the
+        groups (``follow_bootstrap_room``: a room dispatched elsewhere
+        fails, naming SGLang's switch), or ``/register_dp_rank`` on the
+        bootstrap server when the prefill balances its groups itself
+        (one row per room, from the group's rank 0). ``routed``: the
+        router named the group in the request; the decode has it too."""
+        t = self.kv_mgr.topology
+        if t.dp_groups == 1 or routed:
+            return
+        follow = t.load_balance_method == "follow_bootstrap_room"
+        if follow and not _env("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL"
+                               "_DP_RANK", ""):
+            if self.bootstrap_room % t.dp_groups != t.dp_group:
+                self._fail(
+                    f"follow_bootstrap_room conflict: dispatched to DP "
+                    f"group {t.dp_group} but bootstrap_room "
+                    f"{self.bootstrap_room} implies "
+                    f"{self.bootstrap_room % t.dp_groups}. Set "
+                    "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to "
+                    "allow mixed routing")
+            return
+        if t.rank != 0:
+            return
+        try:
+            register_dp_rank(self.bootstrap_addr, self.bootstrap_room,
+                             t.dp_group)
+        except BootstrapError as e:
+            self._fail(f"registering the room's DP group: {e}")
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None
              ) -> None:
