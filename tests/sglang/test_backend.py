@@ -669,16 +669,59 @@ def test_aux_rows_over_the_daemons_limit_are_refused_at_start(env,
         prefill(bootstrap, Rank(seed=33))
 
 
-def test_decode_prefix_is_refused_per_request(env, bootstrap):
-    src, dst = Rank(seed=34), Rank(seed=35)
+def test_decode_radix_prefix_moves_only_the_suffix(env, bootstrap):
+    """The decode radix cache holds the first 3 pages of the prompt:
+    send_metadata gets the suffix's pages and decode_prefix_len 12, as
+    decode.py passes them; the prefill sends the whole prompt
+    (pop_decode_prefix_len 0). Every token from 12 lands in the suffix's
+    pages, and no other page of the decode, the cached prefix's included,
+    is written."""
+    src, dst = Rank(seed=34, num_pages=16), Rank(seed=35, num_pages=16)
+    before = [b.copy() for _, _, b in dst.buffers()]
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    try:
+        rm, P = room(), src.page
+        num_tokens, prefix = 37, 12  # 10 pages, 3 of them cached
+        src_pages = [11, 3, 7, 0, 15, 9, 2, 12, 5, 14]
+        cached = [1, 2, 3]  # the decode's radix cache holds these
+        dst_suffix = [13, 6, 8, 10, 15, 4, 9]
+        s = KvxferKVSender(pm, bootstrap.address, rm)
+        assert s.pop_decode_prefix_len() == 0
+        s.init(len(src_pages), 2)
+        src.set_aux(2, rm, 4321)
+        send_chunks(s, [src_pages[:5], src_pages[5:]], num_tokens - 5 * P,
+                    P)
+        r = receiver(dm, bootstrap.address, rm)
+        r.send_metadata(np.asarray(dst_suffix, np.int32), 5, [],
+                        decode_prefix_len=prefix)
+        assert wait_poll(r, KVPoll.Success) == KVPoll.Success, r._reason
+        assert wait_poll(s, KVPoll.Success) == KVPoll.Success, s._reason
+        assert_landed(src, dst, src_pages[3:], dst_suffix,
+                      num_tokens - prefix)
+        assert dst.aux[0][5, 0] == 4321
+        for (_, _, d), b in zip(dst.buffers(), before):
+            for p in set(range(17)) - set(dst_suffix):
+                assert np.array_equal(d[p * P:(p + 1) * P],
+                                      b[p * P:(p + 1) * P]), p
+        assert set(cached) <= set(range(17)) - set(dst_suffix)
+    finally:
+        pm.close()
+        dm.close()
+
+
+def test_decode_prefix_not_page_aligned_fails_by_name(env, bootstrap):
+    src, dst = Rank(seed=40), Rank(seed=43)
     pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
     try:
         r = receiver(dm, bootstrap.address, room())
         r.send_metadata(np.asarray([1, 2], np.int32), 0, [],
-                        decode_prefix_len=4)
+                        decode_prefix_len=6)
         assert r.poll() == KVPoll.Failed
-        with pytest.raises(KvxferTransferError, match="radix cache"):
+        with pytest.raises(KvxferTransferError,
+                           match="decode_prefix_len 6 is not a whole "
+                           "number of pages of 4 tokens"):
             r.failure_exception()
+        assert dm.client.requests() == []
     finally:
         pm.close()
         dm.close()

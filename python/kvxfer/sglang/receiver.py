@@ -79,17 +79,15 @@ class KvxferKVReceiver(BaseKVReceiver):
                       state_indices: Optional[List] = None,
                       decode_prefix_len: Optional[int] = None,
                       destination: Any = None, **_: Any) -> None:
-        """Fetch the room's KV into pages ``kv_indices`` (they cover the
-        prompt from token 0) by key, from the prefill DP group found at
-        init; the aux rows go to row ``aux_index``."""
+        """Fetch the room's KV into pages ``kv_indices`` by key, from the
+        prefill DP group found at init; the aux rows go to row
+        ``aux_index``. The pages cover the prompt from token
+        ``decode_prefix_len`` (the decode radix cache holds the tokens
+        before it): the fetch skips those tokens (:meth:`_blocks`)."""
         if self._state != KVPoll.WaitingForInput:
             if self._state == KVPoll.Bootstrapping:
                 self._fail("send_metadata() before the prefill instance "
                            "was found (init)")
-            return
-        if decode_prefix_len:
-            self._fail(f"decode_prefix_len {decode_prefix_len}: the decode "
-                       "radix cache is not supported by kvxfer.sglang yet")
             return
         if str(getattr(destination, "value", destination or "device")) \
                 != "device":
@@ -108,16 +106,51 @@ class KvxferKVReceiver(BaseKVReceiver):
         g = m.group_locator(self.bootstrap_addr,
                             int(self.prefill_dp_rank or 0)) or self._group
         assert g is not None
-        pages = [int(p) for p in kv_indices]
+        skip = int(decode_prefix_len or 0)
+        pages = self._blocks([int(p) for p in kv_indices], skip)
+        if pages is None:
+            return
         try:
             m.call(lambda c: c.fetch_by_key(self.key, g.instance_id,
                                             g.address, self.key, m.pool,
-                                            pages))
+                                            pages, skip_tokens=skip))
         except Error as e:
             self._fail(str(e), e.code)
             return
         self._fetched = True
         self._state = KVPoll.Transferring
+
+    def _blocks(self, pages: List[int], skip: int) -> Optional[List[int]]:
+        """The fetch's block table for ``pages`` holding the tokens from
+        ``skip`` on: kvxfer's covers the prompt from token 0 and writes
+        none of the ``skip`` tokens, so the cached prefix's pages (which
+        SGLang does not pass) are stood in for by as many other pages of
+        the pool, never written: the lowest ids ``pages`` lacks. None
+        (and Failed) when that cannot be done."""
+        if not skip:
+            return pages
+        page = int(self.kv_mgr.kv_args.page_size)
+        if skip < 0 or skip % page:
+            self._fail(f"decode_prefix_len {skip} is not a whole number of "
+                       f"pages of {page} tokens")
+            return None
+        if not pages:
+            self._fail(f"decode_prefix_len {skip}: no page left to fetch "
+                       "into (the decode holds the whole prompt)")
+            return None
+        taken, need = set(pages), skip // page
+        stand_in = []
+        for b in range(self.kv_mgr.layout.num_blocks):
+            if len(stand_in) == need:
+                break
+            if b not in taken:
+                stand_in.append(b)
+        if len(stand_in) < need:
+            self._fail(f"decode_prefix_len {skip}: {need} pages before "
+                       f"the {len(pages)} given pass the pool's "
+                       f"{self.kv_mgr.layout.num_blocks} pages")
+            return None
+        return stand_in + pages
 
     def _on_event(self, ev: Event) -> None:
         if self._state != KVPoll.Transferring:
