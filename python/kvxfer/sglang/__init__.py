@@ -44,4 +44,15 @@ from .sender import KvxferKVSender
 
 __all__ = ["KvxferKVManager", "KvxferKVSender", "KvxferKVReceiver",
            "KvxferKVBootstrapServer", "KvxferTransferError",
-           "SGLANG_VERSION"]
+           "SGLANG_VERSION", "kv_classes"]
+
+
+def kv_classes() -> dict:
+    """The backend's classes by SGLang's KVClassType value: what the
+    entry point ``kvxfer`` of the group
+    ``sglang.disaggregation.transfer_backends`` gives an SGLang that looks
+    transfer backends up there
+    (docs/engines/sglang-0.5.23-transfer-backend-entry-points.patch)."""
+    return {"manager": KvxferKVManager, "sender": KvxferKVSender,
+            "receiver": KvxferKVReceiver,
+            "bootstrap_server": KvxferKVBootstrapServer}
