@@ -31,7 +31,8 @@ Daemon = _base.Daemon
 pytest_runtest_makereport = _base.pytest_runtest_makereport
 
 import kvxfer  # noqa: E402
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.base.conn import (  # noqa: E402
+    KVArgs, KVPoll, StateType)
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 # fetches that wait for a publish give up after this (the timeout test)
@@ -136,7 +137,8 @@ class Rank:
     fill it."""
 
     def __init__(self, *, engine_rank=0, layers=3, heads=2, total_heads=2,
-                 head_dim=8, page=4, num_pages=16, mla=False, seed=0):
+                 head_dim=8, page=4, num_pages=16, mla=False, seed=0,
+                 mamba_slots=0):
         self.layers, self.heads, self.page = layers, heads, page
         self.mla = mla
         tokens = (num_pages + 1) * page
@@ -168,12 +170,34 @@ class Rank:
             a.kv_head_num = heads
             a.total_kv_head_num = total_heads
         a.state_types = []
+        self.state = []
+        if mamba_slots:
+            self._mamba(a, mamba_slots, rng)
         a.num_draft_entries = 0
         a.pp_rank = 0
         a.system_dp_rank = None
         a.prefill_start_layer = 0
         a.gpu_id = 0
         self.args = a
+
+    MAMBA_ITEMS = (48, 48, 48, 96, 96, 96)  # conv, then temporal, per layer
+
+    def _mamba(self, a, slots, rng):
+        """A Mamba pool as SGLang's MambaPool lays it: per layer a conv and
+        a temporal state tensor of ``slots`` slots (and one padding slot),
+        StateType.MAMBA, in HostBuffers."""
+        self.state_buf = kvxfer.HostBuffer(
+            sum(self.MAMBA_ITEMS) * (slots + 1))
+        off = 0
+        for item in self.MAMBA_ITEMS:
+            t = self.state_buf.numpy(np.uint8, (slots + 1, item), offset=off)
+            t[:] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+            self.state.append(t)
+            off += t.nbytes
+        a.state_types = [StateType.MAMBA]
+        a.state_data_ptrs = [[t.ctypes.data for t in self.state]]
+        a.state_data_lens = [[t.nbytes for t in self.state]]
+        a.state_item_lens = [[t[0].nbytes for t in self.state]]
 
     def buffers(self):
         """(layer, kind, array) of every KV buffer."""

@@ -12,11 +12,13 @@ from sglang.srt.disaggregation.base.conn import (BaseKVManager, KVArgs,
                                                  KVPoll)
 
 from .._outage import DAEMON_GONE, Outage, gone_event, nudge, retrying
-from ..client import DEFAULT_SOCKET, Client, EventKind, Parallel, Pool
+from ..client import (DEFAULT_SOCKET, Client, EventKind, Group, Parallel,
+                      Pool)
 from ..errors import Error, InvalidArgument, NotFound, Unsupported
 from . import bootstrap as boot
 from .common import (_PUMP_INTERVAL, _choose_device, _CudaMemory, _env,
                      _geometry, _Geometry, _HostMemory, _mode_name, log)
+from .state import StatePool, state_pools
 from .topology import Topology, topology_of
 
 # -- the manager ------------------------------------------------------------
@@ -45,6 +47,8 @@ class KvxferKVManager(BaseKVManager):
         self._check_supported(args, server_args)
         geo = _geometry(args, self.is_mla_backend)
         self.layout = geo.layout
+        self._states = state_pools(args)
+        self.num_states = len(getattr(args, "state_types", None) or [])
         self.topology: Topology = topology_of(args, server_args, self.mode)
         self.tp_size = self.topology.attn_tp_size  # of this DP group
         self.rank = self.topology.rank
@@ -95,6 +99,8 @@ class KvxferKVManager(BaseKVManager):
         self.client = client
         try:
             self.pool = self._register(geo, self._device)
+            self.state_pools = [self._register_state(sp)
+                                for sp in self._states]
             client.join(self._rank_addresses())
         except BaseException:
             client.close()
@@ -114,10 +120,6 @@ class KvxferKVManager(BaseKVManager):
         if getattr(sa, "disaggregation_enable_kv_checksum", False):
             no("--disaggregation-enable-kv-checksum (each rank's digest "
                "would make the ranks' aux payloads differ)")
-        states = getattr(args, "state_types", None)
-        if states:
-            names = [str(getattr(s, "value", s)) for s in states]
-            no(f"state beside the KV ({', '.join(names)}: Mamba, SWA, ...)")
 
     def _check_aux(self) -> None:
         n = len(self.aux_ptrs)
@@ -171,6 +173,22 @@ class KvxferKVManager(BaseKVManager):
                               "allocated in kvxfer.HostBuffer)") from None
             raise type(e)(e.code, f"kvxfer.sglang: registering the KV "
                           f"buffers: {e.message}") from None
+
+    def _register_state(self, sp: StatePool) -> Pool:
+        mem = [(_HostMemory if self._device == "host" else _CudaMemory)(p, n)
+               for p, n in sp.regions]
+        try:
+            return self.client.register_regions(sp.layout, mem)
+        except Error as e:
+            raise type(e)(e.code, f"kvxfer.sglang: registering the "
+                          f"buffers of state {sp.state}: {e.message}"
+                          ) from None
+
+    def state_groups(self, slots: List[int]) -> List[Group]:
+        """The request's state slots as kvxfer groups, in the pools'
+        order (``slots``: one per state type, state.slots_of)."""
+        return [Group.state(pool, slots[sp.state])
+                for sp, pool in zip(self._states, self.state_pools)]
 
     def _rank_addresses(self) -> List[str]:
         """Every rank's daemon address in this group's instance, for

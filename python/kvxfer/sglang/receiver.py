@@ -7,11 +7,12 @@ from typing import Any, List, Optional
 
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
-from ..client import Event, key_bytes
+from ..client import Event, Group, key_bytes
 from ..errors import Error, NotFound, PeerGone
 from .common import KvxferTransferError, _unpack_aux
 from .bootstrap import GroupLocator
 from .manager import KvxferKVManager, _cancel
+from .state import slots_of
 
 # -- decode -----------------------------------------------------------------
 
@@ -94,10 +95,6 @@ class KvxferKVReceiver(BaseKVReceiver):
             self._fail("a host KV destination is not supported by "
                        "kvxfer.sglang")
             return
-        if any(s is not None for s in (state_indices or [])):
-            self._fail("state indices (Mamba, SWA, ...) are not supported "
-                       "by kvxfer.sglang yet")
-            return
         self.aux_index = aux_index
         if hasattr(kv_indices, "cpu"):
             kv_indices = kv_indices.cpu().numpy()
@@ -108,17 +105,39 @@ class KvxferKVReceiver(BaseKVReceiver):
         assert g is not None
         skip = int(decode_prefix_len or 0)
         pages = self._blocks([int(p) for p in kv_indices], skip)
-        if pages is None:
+        groups = self._state_groups(state_indices)
+        if pages is None or groups is None:
             return
         try:
             m.call(lambda c: c.fetch_by_key(self.key, g.instance_id,
                                             g.address, self.key, m.pool,
-                                            pages, skip_tokens=skip))
+                                            pages, skip_tokens=skip,
+                                            groups=groups or None))
         except Error as e:
             self._fail(str(e), e.code)
             return
         self._fetched = True
         self._state = KVPoll.Transferring
+
+    def _state_groups(self, state_indices: Optional[List]
+                      ) -> Optional[List[Group]]:
+        """The request's state slots as groups (state.py); None (and
+        Failed) when SGLang's state_indices do not fit, or when the
+        prefill's attention TP size differs from this one's."""
+        m = self.kv_mgr
+        if not m.num_states:
+            return []
+        info = m.prefill_info_table.get(self.bootstrap_addr)
+        if info is not None and info.attn_tp_size != m.tp_size:
+            self._fail(f"state slots ({m.num_states} state types) move "
+                       "between equal attention TP sizes only: prefill "
+                       f"{info.attn_tp_size}, decode {m.tp_size}")
+            return None
+        try:
+            return m.state_groups(slots_of(state_indices, m.num_states))
+        except ValueError as e:
+            self._fail(f"kvxfer.sglang: {e}")
+            return None
 
     def _blocks(self, pages: List[int], skip: int) -> Optional[List[int]]:
         """The fetch's block table for ``pages`` holding the tokens from

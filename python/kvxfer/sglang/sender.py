@@ -13,6 +13,7 @@ from ..errors import Error
 from .bootstrap import BootstrapError, register_dp_rank
 from .common import KvxferTransferError, _env, _pack_aux
 from .manager import KvxferKVManager, _cancel
+from .state import slots_of
 
 # -- prefill ----------------------------------------------------------------
 
@@ -112,11 +113,21 @@ class KvxferKVSender(BaseKVSender):
             self._fail(f"{self._num_pages} pages sent for a request of "
                        f"{self.num_kv_indices}")
         elif self._num_pages == self.num_kv_indices:
-            self._publish()
+            self._publish(state_indices)
 
-    def _publish(self) -> None:
+    def _publish(self, state_indices: Optional[List]) -> None:
+        """The last chunk: every page, the aux rows and the request's
+        state slots (the last chunk's ``state_indices``, state.py)."""
         m = self.kv_mgr
         self._start = time.perf_counter()
+        groups = None
+        if m.num_states:
+            try:
+                groups = m.state_groups(slots_of(state_indices,
+                                                 m.num_states))
+            except ValueError as e:
+                self._fail(f"kvxfer.sglang: {e}")
+                return
         try:
             aux = None
             if m.aux_ptrs and self.aux_index is not None:
@@ -124,7 +135,7 @@ class KvxferKVSender(BaseKVSender):
                                 int(self.aux_index))
             m.call(lambda c: c.publish(self.key, m.pool, self._pages,
                                        num_tokens=self._num_tokens,
-                                       aux=aux))
+                                       aux=aux, groups=groups))
         except Error as e:
             self._fail(str(e), e.code)
             return
