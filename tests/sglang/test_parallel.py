@@ -220,3 +220,66 @@ def test_context_parallelism_is_refused_naming_the_options(env,
                            match=f"context parallelism .*{opt}.*Run with "
                            "--attn-cp-size 1 --dcp-size 1"):
             KvxferKVManager(rank.args, "prefill", sa, False)
+
+
+def pp_stage(bootstrap, layers, stage, mode="prefill", seed=0):
+    """Stage ``stage`` of a --pp-size 2 instance (TP 1) holding
+    ``layers`` layers, under its own rank's get_parallel()."""
+    rank = Rank(layers=layers, seed=seed)
+    rank.args.pp_rank = stage
+    sa = server_args(bootstrap.port, 1, mode, pp_size=2)
+    with parallel(1, pp=2, pp_rank=stage):
+        return rank, KvxferKVManager(rank.args, mode, sa, False)
+
+
+def test_prefill_pipeline_stages_to_one_decode(env, bootstrap):
+    """A prefill in 2 PP stages (1 and 2 of 3 layers, SGLang's
+    SGLANG_PP_LAYER_PARTITION) to a decode without PP: each layer lands
+    from the stage that holds it, and the aux rows are the last stage's
+    (the one that computed the first token)."""
+    env.setenv("SGLANG_PP_LAYER_PARTITION", "1,2")
+    s0, m0 = pp_stage(bootstrap, 1, 0, seed=60)
+    s1, m1 = pp_stage(bootstrap, 2, 1, seed=61)
+    dst = Rank(layers=3, seed=62)
+    dm = KvxferKVManager(dst.args, "decode",
+                         server_args(bootstrap.port, 1, "decode"), False)
+    try:
+        assert m0.instance_id == m1.instance_id
+        assert (m0.rank, m1.rank) == (0, 1)
+        rm = room()
+        pages, dpages = [6, 2, 9], [1, 14, 7]
+        senders = []
+        for stage, (rank, m) in enumerate(((s0, m0), (s1, m1))):
+            s = KvxferKVSender(m, bootstrap.address, rm)
+            s.init(3, 2)
+            rank.set_aux(2, rm, 555 + stage)  # only the last stage's go
+            send_chunks(s, [pages[:2], pages[2:]], 1, 4)
+            senders.append(s)
+        assert dm.try_ensure_parallel_info(bootstrap.address)
+        assert dm.prefill_info_table[bootstrap.address].pp_size == 2
+        r = KvxferKVReceiver(dm, bootstrap.address, rm)
+        r.init(0)
+        assert r.poll() == KVPoll.WaitingForInput, r._reason
+        r.send_metadata(np.asarray(dpages, np.int32), 4, [])
+        assert wait_poll(r, KVPoll.Success) == KVPoll.Success, r._reason
+        for s in senders:
+            assert wait_poll(s, KVPoll.Success) == KVPoll.Success, s._reason
+        whole = Rank(layers=3, seed=63)  # the two stages as one model
+        whole.k, whole.v = s0.k + s1.k, s0.v + s1.v
+        assert_landed(whole, dst, pages, dpages, 9)
+        assert dst.aux[0][4, 0] == 556 and int(dst.aux[2][4, 0]) == rm
+    finally:
+        close(m0, m1, dm)
+
+
+def test_pipeline_without_sglangs_partition_is_refused(env, bootstrap):
+    env.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
+    with pytest.raises(kvxfer.Unsupported,
+                       match="pipeline parallelism .* set "
+                       "SGLANG_PP_LAYER_PARTITION"):
+        pp_stage(bootstrap, 1, 0)
+    env.setenv("SGLANG_PP_LAYER_PARTITION", "2,2")
+    with pytest.raises(kvxfer.InvalidArgument,
+                       match="gives PP stage 0 2 layers; its KV buffers "
+                       "hold 1"):
+        pp_stage(bootstrap, 1, 0)

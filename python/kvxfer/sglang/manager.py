@@ -23,6 +23,37 @@ from .topology import Topology, topology_of
 
 # -- the manager ------------------------------------------------------------
 
+def _layers_per_pp(t: Topology, geo: _Geometry) -> List[int]:
+    """Every PP stage's layer count, as kvxfer's Hello wants it: this
+    rank's own without PP; with PP, SGLang's own partition
+    (SGLANG_PP_LAYER_PARTITION, which get_pp_indices reads on every
+    rank), since a stage knows only its own layers and SGLang's even
+    split cannot be told from one stage's count."""
+    if t.pp_size == 1:
+        return [geo.total_layers]
+    given = os.environ.get("SGLANG_PP_LAYER_PARTITION")
+    if not given:
+        raise Unsupported(
+            -15, f"kvxfer.sglang: pipeline parallelism (pp_size "
+            f"{t.pp_size}) needs every stage's layer count, and a stage "
+            "knows only its own: set SGLANG_PP_LAYER_PARTITION (SGLang's "
+            "own, e.g. 30,31 for 61 layers over 2 stages) on every rank")
+    try:
+        parts = [int(x) for x in given.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) != t.pp_size or min(parts) < 1:
+        raise InvalidArgument(
+            -1, f"SGLANG_PP_LAYER_PARTITION {given!r}: expected "
+            f"{t.pp_size} positive layer counts")
+    if parts[t.pp_rank] != geo.total_layers:
+        raise InvalidArgument(
+            -1, f"SGLANG_PP_LAYER_PARTITION {given!r} gives PP stage "
+            f"{t.pp_rank} {parts[t.pp_rank]} layers; its KV buffers hold "
+            f"{geo.total_layers}")
+    return parts
+
+
 
 class KvxferKVManager(BaseKVManager):
     """One scheduler rank's side of kvxfer (SGLang's KV manager).
@@ -52,6 +83,7 @@ class KvxferKVManager(BaseKVManager):
         self.topology: Topology = topology_of(args, server_args, self.mode)
         self.tp_size = self.topology.attn_tp_size  # of this DP group
         self.rank = self.topology.rank
+        self.layers_per_pp = _layers_per_pp(self.topology, geo)
         self.aux_ptrs = [int(p) for p in (args.aux_data_ptrs or [])]
         self.aux_lens = [int(n) for n in (args.aux_data_lens or [])]
         self.aux_items = [int(n) for n in (args.aux_item_lens or [])]
@@ -93,9 +125,10 @@ class KvxferKVManager(BaseKVManager):
             instance_id=self.instance_id,
             role="context" if self.mode == "prefill" else "generation",
             rank=self.rank,
-            parallel=Parallel(tp=self.tp_size,
-                              total_layers=geo.total_layers,
-                              total_kv_heads=geo.total_kv_heads))
+            parallel=Parallel(tp=self.tp_size, pp=self.topology.pp_size,
+                              total_layers=sum(self.layers_per_pp),
+                              total_kv_heads=geo.total_kv_heads,
+                              layers_per_pp=self.layers_per_pp))
         self.client = client
         try:
             self.pool = self._register(geo, self._device)
@@ -113,8 +146,6 @@ class KvxferKVManager(BaseKVManager):
         def no(what: str) -> None:
             raise Unsupported(-15, f"kvxfer.sglang: {what} is not "
                               "supported yet (docs/engines/sglang.md)")
-        if int(getattr(sa, "pp_size", 1) or 1) != 1:
-            no("pipeline parallelism (pp_size > 1)")
         if getattr(sa, "enable_kv_cache_sharding", False):
             no("KV cache sharding (pages spread over the ranks)")
         if getattr(sa, "disaggregation_enable_kv_checksum", False):

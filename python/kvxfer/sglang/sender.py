@@ -130,7 +130,9 @@ class KvxferKVSender(BaseKVSender):
                 return
         try:
             aux = None
-            if m.aux_ptrs and self.aux_index is not None:
+            # the last PP stage computed the first token: its rows only
+            last = m.topology.pp_rank == m.topology.pp_size - 1
+            if m.aux_ptrs and self.aux_index is not None and last:
                 aux = _pack_aux(m.aux_ptrs, m.aux_lens, m.aux_items,
                                 int(self.aux_index))
             m.call(lambda c: c.publish(self.key, m.pool, self._pages,
