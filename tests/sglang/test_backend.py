@@ -94,7 +94,12 @@ def test_classes_are_sglangs_base_classes():
     assert issubclass(KvxferKVBootstrapServer, BaseKVBootstrapServer)
 
 
-def test_transfer_in_several_chunks_lands_every_page(env, bootstrap):
+@pytest.mark.parametrize("stream", ["1", "0"])
+def test_transfer_in_several_chunks_lands_every_page(env, bootstrap, stream):
+    """Streaming (the default) or not: every token lands, no other page
+    is written; streaming moves whole pages (a chunk does not know the
+    prompt's length), so the last page's tail is the prefill's too."""
+    env.setenv("KVXFER_SGLANG_STREAM", stream)
     src, dst = Rank(seed=1, num_pages=16), Rank(seed=2, num_pages=16)
     before = [b.copy() for _, _, b in dst.buffers()]
     pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
@@ -120,18 +125,75 @@ def test_transfer_in_several_chunks_lands_every_page(env, bootstrap):
         assert wait_poll(s, KVPoll.Success) == KVPoll.Success, s._reason
         assert_landed(src, dst, src_pages, dst_pages, num_tokens)
         # nothing else was written: other pages, the last page's tail
-        for (_, _, d), b in zip(dst.buffers(), before):
+        # (streaming: the prefill's tail)
+        for (_, _, d), b, (_, _, sb) in zip(dst.buffers(), before,
+                                            src.buffers()):
             for p in set(range(16)) - set(dst_pages):
                 assert np.array_equal(d[p * P:(p + 1) * P],
                                       b[p * P:(p + 1) * P])
             tail = dst_pages[-1] * P + num_tokens % P
+            want = b if stream == "0" else sb
+            at = src_pages[-1] * P + num_tokens % P if stream == "1" \
+                else tail
             assert np.array_equal(d[tail:(dst_pages[-1] + 1) * P],
-                                  b[tail:(dst_pages[-1] + 1) * P])
+                                  want[at:at + P - num_tokens % P])
         m = s.get_transfer_metric()
         assert m.transfer_total_bytes == 10 * sum(src.args.kv_item_lens)
         assert m.transfer_latency_s is not None
         s.clear()
         r.clear()
+    finally:
+        pm.close()
+        dm.close()
+
+
+def landed(src, dst, src_pages, dst_pages, num_tokens):
+    try:
+        assert_landed(src, dst, src_pages, dst_pages, num_tokens)
+        return True
+    except AssertionError:
+        return False
+
+
+def test_streaming_moves_each_chunk_before_the_last(env, bootstrap):
+    """The decode fetches first; the prefill sends 2 chunks of 3 full
+    pages: their tokens reach the decode's pages while the request is
+    still WaitingForInput on the prefill (kvxfer's layer-wise offer,
+    append_blocks and the chunk's ready tokens), and nothing else does;
+    the last chunk completes it, aux rows included."""
+    src, dst = Rank(seed=44, num_pages=16), Rank(seed=45, num_pages=16)
+    before = [b.copy() for _, _, b in dst.buffers()]
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    try:
+        rm, P = room(), src.page
+        src_pages = [5, 1, 9, 12, 3, 8, 14, 0]  # 30 tokens
+        dst_pages = [7, 2, 11, 4, 15, 6, 10, 13]
+        r = receiver(dm, bootstrap.address, rm)
+        r.send_metadata(np.asarray(dst_pages, np.int32), 1, [])
+        s = KvxferKVSender(pm, bootstrap.address, rm)
+        s.init(len(src_pages), 3)
+        for k in (0, 1):
+            chunk = src_pages[3 * k:3 * k + 3]
+            s.send(np.asarray(chunk, np.int32), None, num_kv_tokens=12)
+            assert s.poll() == KVPoll.WaitingForInput, s._reason
+            end = time.monotonic() + 5
+            while not landed(src, dst, src_pages[:3 * k + 3],
+                             dst_pages[:3 * k + 3], 12 * (k + 1)):
+                assert time.monotonic() < end, f"chunk {k} did not move"
+                assert r.poll() == KVPoll.Transferring, r._reason
+                time.sleep(0.01)
+            for (_, _, d), b in zip(dst.buffers(), before):
+                for p in dst_pages[3 * k + 3:]:  # the pages to come
+                    assert np.array_equal(d[p * P:(p + 1) * P],
+                                          b[p * P:(p + 1) * P])
+        assert r.poll() == KVPoll.Transferring  # no aux yet
+        assert not dst.aux[2].any()
+        src.set_aux(3, rm, 808)
+        s.send(np.asarray(src_pages[6:], np.int32), [], num_kv_tokens=6)
+        assert wait_poll(r, KVPoll.Success) == KVPoll.Success, r._reason
+        assert wait_poll(s, KVPoll.Success) == KVPoll.Success, s._reason
+        assert_landed(src, dst, src_pages, dst_pages, 30)
+        assert dst.aux[0][1, 0] == 808 and int(dst.aux[2][1, 0]) == rm
     finally:
         pm.close()
         dm.close()
@@ -289,10 +351,15 @@ def test_abort_a_sender_before_its_last_chunk_publishes_nothing(env,
         pm.close()
 
 
-def test_abort_published_senders_fails_the_waiting_decode(env, bootstrap):
+@pytest.mark.parametrize("stream", ["1", "0"])
+def test_abort_published_senders_fails_the_waiting_decode(env, bootstrap,
+                                                          stream):
     """TP 2 prefill: rank 0 published, rank 1 not yet, the decode's fetch
     waits for rank 1; SGLang aborts the request on both ranks: the
-    decode fails at once, cancelled by the context side."""
+    decode fails at once, cancelled by the context side. Without
+    streaming nothing reached its pages; streaming, the chunks sent did
+    (the pages are the failed request's own)."""
+    env.setenv("KVXFER_SGLANG_STREAM", stream)
     p0 = Rank(engine_rank=0, heads=1, total_heads=2, seed=15)
     p1 = Rank(engine_rank=1, heads=1, total_heads=2, seed=36)
     dst = Rank(heads=2, total_heads=2, seed=16)
@@ -321,7 +388,7 @@ def test_abort_published_senders_fails_the_waiting_decode(env, bootstrap):
                            match="CANCELLED: context side"):
             r.failure_exception()
         for (_, _, d), b in zip(dst.buffers(), before):
-            assert np.array_equal(d, b)
+            assert stream == "1" or np.array_equal(d, b)
     finally:
         m0.close()
         m1.close()
@@ -504,7 +571,8 @@ def kill9_mid_transfer(env, bootstrap, tmp_path):
     r2 = receiver(dm, bootstrap.address, room())
     r2.send_metadata(np.asarray([3, 4, 5], np.int32), 2, [])
     assert r2.poll() == KVPoll.Transferring
-    assert pm.client.state.in_flight == 1 and dm.client.state.in_flight == 1
+    # a room is two offers and two fetches (the room's and its end)
+    assert pm.client.state.in_flight == 2 and dm.client.state.in_flight == 2
     own.kill9()
     return own, src, dst, pm, dm, s1, r2
 

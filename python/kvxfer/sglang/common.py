@@ -27,6 +27,12 @@ _AUX_VERSION = 1
 _PUMP_INTERVAL = 0.0005  # seconds between two polls of the daemon
 
 
+def end_key(key: bytes) -> bytes:
+    """The key of a room's end offer (sender.py): the room's, then
+    ``.end`` (a room's key is its decimal digits, so none is another's)."""
+    return key + b".end"
+
+
 def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
 

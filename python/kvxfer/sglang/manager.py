@@ -91,6 +91,8 @@ class KvxferKVManager(BaseKVManager):
         self.instance_id = self._instance_id()
         self.bootstrap_timeout = float(_env("KVXFER_SGLANG_BOOTSTRAP_TIMEOUT",
                                             "30"))
+        # prefill: each chunk's pages move as they are computed (sender.py)
+        self.stream = _env("KVXFER_SGLANG_STREAM", "1") != "0"
         # what SGLang's decode queue reads (dp_size, follow_bootstrap_room)
         self.prefill_info_table: Dict[str, boot.PrefillServerInfo] = {}
         self._groups: Dict[Tuple[str, int], boot.GroupLocator] = {}

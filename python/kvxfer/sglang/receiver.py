@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Set
 
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from ..client import Event, Group, key_bytes
 from ..errors import Error, NotFound, PeerGone
-from .common import KvxferTransferError, _unpack_aux
+from .common import KvxferTransferError, _unpack_aux, end_key
 from .bootstrap import GroupLocator
 from .manager import KvxferKVManager, _cancel
 from .state import slots_of
@@ -43,9 +43,12 @@ class KvxferKVReceiver(BaseKVReceiver):
         self._state = KVPoll.Bootstrapping
         self._reason = ""
         self._code = 0
-        self._fetched = False
+        self.end_key = end_key(self.key)
+        self._fetched: List[bytes] = []  # keys fetched
+        self._done: Set[bytes] = set()  # keys complete (or cancelled)
         self._inited_at: Optional[float] = None
         mgr._watch(self.key, self)
+        mgr._watch(self.end_key, self)
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         """The room goes to prefill DP group ``prefill_dp_rank`` (SGLang's
@@ -104,20 +107,39 @@ class KvxferKVReceiver(BaseKVReceiver):
                             int(self.prefill_dp_rank or 0)) or self._group
         assert g is not None
         skip = int(decode_prefix_len or 0)
-        pages = self._blocks([int(p) for p in kv_indices], skip)
+        given = [int(p) for p in kv_indices]
+        pages = self._blocks(given, skip)
         groups = self._state_groups(state_indices)
-        if pages is None or groups is None:
+        if pages is None or groups is None or not self._same_pages():
             return
+        self._state = KVPoll.Transferring
         try:
             m.call(lambda c: c.fetch_by_key(self.key, g.instance_id,
                                             g.address, self.key, m.pool,
-                                            pages, skip_tokens=skip,
+                                            pages, skip_tokens=skip))
+            self._fetched.append(self.key)
+            # the end offer: token 0 of the last page (the room's offer
+            # moves it too), the aux rows, the state slots (sender.py)
+            m.call(lambda c: c.fetch_by_key(self.end_key, g.instance_id,
+                                            g.address, self.end_key,
+                                            m.pool, given[-1:],
                                             groups=groups or None))
+            self._fetched.append(self.end_key)
         except Error as e:
             self._fail(str(e), e.code)
-            return
-        self._fetched = True
-        self._state = KVPoll.Transferring
+
+    def _same_pages(self) -> bool:
+        """The end offer's token lies in the prefill's last page, read
+        into this side's: the two sides' pages must be the same size
+        (as SGLang requires of every backend)."""
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        mine = int(self.kv_mgr.kv_args.page_size)
+        if info is not None and info.page_size not in (None, mine):
+            self._fail(f"page size mismatch: the prefill's is "
+                       f"{info.page_size}, this decode's {mine} (both "
+                       "servers must use the same --page-size)")
+            return False
+        return True
 
     def _state_groups(self, state_indices: Optional[List]
                       ) -> Optional[List[Group]]:
@@ -180,23 +202,36 @@ class KvxferKVReceiver(BaseKVReceiver):
             self._fail(str(ev.error), ev.code)
             return
         m = self.kv_mgr
-        if m.aux_ptrs and self.aux_index is not None:
+        self._done.add(ev.key)
+        if ev.key == self.end_key and m.aux_ptrs and \
+                self.aux_index is not None:
             try:
                 _unpack_aux(ev.aux, m.aux_ptrs, m.aux_lens, m.aux_items,
                             int(self.aux_index))
             except ValueError as e:
                 self._fail(f"kvxfer.sglang: {e}")
                 return
-        self._state = KVPoll.Success
-        m._unwatch(self.key, self)
+        if self._done >= {self.key, self.end_key}:
+            self._state = KVPoll.Success
+            self._unwatch()
 
     def _fail(self, reason: str, code: int = 0) -> None:
+        """Failed with ``reason``; a fetch of the room still running is
+        cancelled first (no page is written after this returns)."""
         if self._state not in (KVPoll.Success, KVPoll.Failed):
             self._state = KVPoll.Failed
             self._reason = reason
             self._code = code
             self.conclude_state = KVPoll.Failed
-            self.kv_mgr._unwatch(self.key, self)
+            for key in self._fetched:
+                if key not in self._done:
+                    _cancel(self.kv_mgr, key)
+                    self._done.add(key)
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        self.kv_mgr._unwatch(self.key, self)
+        self.kv_mgr._unwatch(self.end_key, self)
 
     def poll(self) -> KVPoll:
         if self._state == KVPoll.Bootstrapping and \
@@ -213,12 +248,8 @@ class KvxferKVReceiver(BaseKVReceiver):
                                   self._code)
 
     def abort(self) -> None:
-        """Cancel the fetch: when this returns the daemon writes none of
+        """Cancel the fetches: when this returns the daemon writes none of
         the pages any more; the request polls Failed."""
-        if self._state in (KVPoll.Success, KVPoll.Failed):
-            return
-        if self._fetched:
-            _cancel(self.kv_mgr, self.key)
         self._fail("aborted by SGLang (AbortReq)")
 
     def is_abort_release_safe(self) -> bool:
@@ -227,8 +258,6 @@ class KvxferKVReceiver(BaseKVReceiver):
 
     def clear(self) -> None:
         """Forget the request. A fetch still running is cancelled first."""
-        if self._state == KVPoll.Transferring:
-            _cancel(self.kv_mgr, self.key)
-            self._fail("cleared while transferring")
-        self.kv_mgr._unwatch(self.key, self)
+        self._fail("cleared while transferring")
+        self._unwatch()
 
