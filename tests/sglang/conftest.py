@@ -138,7 +138,7 @@ class Rank:
 
     def __init__(self, *, engine_rank=0, layers=3, heads=2, total_heads=2,
                  head_dim=8, page=4, num_pages=16, mla=False, seed=0,
-                 mamba_slots=0):
+                 mamba_slots=0, swa_layers=0):
         self.layers, self.heads, self.page = layers, heads, page
         self.mla = mla
         tokens = (num_pages + 1) * page
@@ -173,6 +173,8 @@ class Rank:
         self.state = []
         if mamba_slots:
             self._mamba(a, mamba_slots, rng)
+        if swa_layers:
+            self._swa(a, swa_layers, shape, rng)
         a.num_draft_entries = 0
         a.pp_rank = 0
         a.system_dp_rank = None
@@ -198,6 +200,26 @@ class Rank:
         a.state_data_ptrs = [[t.ctypes.data for t in self.state]]
         a.state_data_lens = [[t.nbytes for t in self.state]]
         a.state_item_lens = [[t[0].nbytes for t in self.state]]
+
+    def _swa(self, a, layers, shape, rng):
+        """A hybrid model's sliding-window layers: SWAKVPool's MHA
+        sub-pool (K of every SWA layer, then V, NHD pages as the KV's),
+        StateType.SWA."""
+        one = int(np.prod(shape)) * 2
+        self.swa_buf = kvxfer.HostBuffer(2 * layers * one)
+        bufs = [self.swa_buf.numpy(np.float16, shape, offset=i * one)
+                for i in range(2 * layers)]
+        for b in bufs:
+            b[:] = rng.standard_normal(shape).astype(np.float16)
+        self.swa = bufs
+        a.state_types = list(a.state_types) + [StateType.SWA]
+        a.state_data_ptrs = list(getattr(a, "state_data_ptrs", [])) + \
+            [[b.ctypes.data for b in bufs]]
+        a.state_data_lens = list(getattr(a, "state_data_lens", [])) + \
+            [[b.nbytes for b in bufs]]
+        a.state_item_lens = list(getattr(a, "state_item_lens", [])) + \
+            [[b[0].nbytes * self.page for b in bufs]]
+        a.swa_kv_cache_layout = "nhd"
 
     def buffers(self):
         """(layer, kind, array) of every KV buffer."""

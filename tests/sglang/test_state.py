@@ -90,8 +90,56 @@ def test_state_indices_that_do_not_fit_fail_by_name(env, bootstrap):
 
 def test_other_state_types_are_refused_at_start(env, bootstrap):
     src = Rank(seed=56, mamba_slots=SLOTS)
-    src.args.state_types = [StateType.SWA]
+    src.args.state_types = [StateType.DSA]
     with pytest.raises(kvxfer.Unsupported,
-                       match=r"state_types\[0\] swa is not supported yet"):
+                       match=r"state_types\[0\] dsa is not supported yet"):
         KvxferKVManager(src.args, "prefill", server_args(bootstrap.port),
                         False)
+    src = Rank(seed=57, swa_layers=2)
+    src.args.swa_kv_cache_layout = "hnd"
+    with pytest.raises(kvxfer.Unsupported,
+                       match=r"state_types\[0\] swa in a hnd layout"):
+        KvxferKVManager(src.args, "prefill", server_args(bootstrap.port),
+                        False)
+
+
+@pytest.mark.parametrize("prefix", [0, 4])
+def test_swa_window_moves_from_its_first_page(env, bootstrap, prefix):
+    """A hybrid SWA model: the request's 5 pages (18 tokens) of full
+    attention KV, and its sliding window, the last 2 pages of the SWA
+    sub-pool (prefill.py's window from page 3), move; the decode's window
+    pages get tokens [12, 18) of the SWA layers and nothing else of its
+    SWA pool is written. With a decode radix prefix (prefix 4) the full
+    KV skips it as before; the window lies after it."""
+    src = Rank(seed=58, swa_layers=2)
+    dst = Rank(seed=59, swa_layers=2)
+    before = [b.copy() for b in dst.swa]
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    try:
+        rm, P = room(), src.page
+        pages, dpages = [2, 9, 4, 11, 6], [8, 1, 13, 5, 10]
+        swa_src, swa_dst = [3, 8], [1, 6]  # window pages, SWA pool ids
+        s = KvxferKVSender(pm, bootstrap.address, rm)
+        s.init(5, 0)
+        src.set_aux(0, rm, 7)
+        s.send(np.asarray(pages[:3], np.int32), None, num_kv_tokens=12)
+        s.send(np.asarray(pages[3:], np.int32), [np.asarray(swa_src)],
+               num_kv_tokens=6)
+        assert s.poll() == KVPoll.Transferring, s._reason
+        r = receiver(dm, bootstrap.address, rm)
+        r.send_metadata(np.asarray(dpages[prefix // P:], np.int32), 0,
+                        [np.asarray(swa_dst)], decode_prefix_len=prefix)
+        assert wait_poll(r, KVPoll.Success) == KVPoll.Success, r._reason
+        assert wait_poll(s, KVPoll.Success) == KVPoll.Success, s._reason
+        assert_landed(src, dst, pages[prefix // P:], dpages[prefix // P:],
+                      18 - prefix)
+        for b_src, b_dst, b0 in zip(src.swa, dst.swa, before):
+            assert np.array_equal(b_dst[1 * P:2 * P], b_src[3 * P:4 * P])
+            assert np.array_equal(b_dst[6 * P:6 * P + 2],
+                                  b_src[8 * P:8 * P + 2])
+            rest = [t for t in range(len(b0))
+                    if not (P <= t < 2 * P or 6 * P <= t < 6 * P + 2)]
+            assert np.array_equal(b_dst[rest], b0[rest])
+    finally:
+        pm.close()
+        dm.close()

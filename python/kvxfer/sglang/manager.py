@@ -18,7 +18,7 @@ from ..errors import Error, InvalidArgument, NotFound, Unsupported
 from . import bootstrap as boot
 from .common import (_PUMP_INTERVAL, _choose_device, _CudaMemory, _env,
                      _geometry, _Geometry, _HostMemory, _mode_name, log)
-from .state import StatePool, state_pools
+from .state import StatePool, indices_of, state_pools
 from .topology import Topology, topology_of
 
 # -- the manager ------------------------------------------------------------
@@ -217,11 +217,39 @@ class KvxferKVManager(BaseKVManager):
                           f"buffers of state {sp.state}: {e.message}"
                           ) from None
 
-    def state_groups(self, slots: List[int]) -> List[Group]:
-        """The request's state slots as kvxfer groups, in the pools'
-        order (``slots``: one per state type, state.slots_of)."""
-        return [Group.state(pool, slots[sp.state])
-                for sp, pool in zip(self._states, self.state_pools)]
+    def state_groups(self, state_indices: Optional[List], num_pages: int,
+                     num_tokens: Optional[int]) -> List[Group]:
+        """The request's state tables as kvxfer groups, in the pools'
+        order (state.py): a slot each for Mamba, the window's pages for
+        SWA, the window starting ``len(window)`` pages before the end of
+        the request's ``num_pages``; ``num_tokens`` on the prefill (its
+        prompt), None on the decode, which skips the tokens before its
+        window. Raises ValueError when ``state_indices`` do not fit."""
+        idx = indices_of(state_indices, self._states, self.num_states)
+        page = int(self.kv_args.page_size)
+        out = []
+        for sp, pool in zip(self._states, self.state_pools):
+            ids = idx[sp.state]
+            if not sp.window:
+                out.append(Group.state(pool, ids[0]))
+                continue
+            first = num_pages - len(ids)
+            if first < 0:
+                raise ValueError(f"state_indices[{sp.state}]: a window of "
+                                 f"{len(ids)} pages in a request of "
+                                 f"{num_pages}")
+            if num_tokens is not None:
+                out.append(Group(pool, ids, num_tokens=num_tokens,
+                                 first_block=first))
+            else:
+                out.append(Group(pool, ids, first_block=first,
+                                 skip_tokens=first * page))
+        return out
+
+    @property
+    def has_slots(self) -> bool:
+        """Whether a state type is a slot (Mamba; state.py)."""
+        return any(not sp.window for sp in self._states)
 
     def _rank_addresses(self) -> List[str]:
         """Every rank's daemon address in this group's instance, for

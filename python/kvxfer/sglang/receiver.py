@@ -12,7 +12,6 @@ from ..errors import Error, NotFound, PeerGone
 from .common import KvxferTransferError, _unpack_aux, end_key
 from .bootstrap import GroupLocator
 from .manager import KvxferKVManager, _cancel
-from .state import slots_of
 
 # -- decode -----------------------------------------------------------------
 
@@ -109,7 +108,8 @@ class KvxferKVReceiver(BaseKVReceiver):
         skip = int(decode_prefix_len or 0)
         given = [int(p) for p in kv_indices]
         pages = self._blocks(given, skip)
-        groups = self._state_groups(state_indices)
+        groups = self._state_groups(state_indices,
+                                    len(pages) if pages else len(given))
         if pages is None or groups is None or not self._same_pages():
             return
         self._state = KVPoll.Transferring
@@ -141,22 +141,24 @@ class KvxferKVReceiver(BaseKVReceiver):
             return False
         return True
 
-    def _state_groups(self, state_indices: Optional[List]
-                      ) -> Optional[List[Group]]:
-        """The request's state slots as groups (state.py); None (and
-        Failed) when SGLang's state_indices do not fit, or when the
-        prefill's attention TP size differs from this one's."""
+    def _state_groups(self, state_indices: Optional[List],
+                      num_pages: int) -> Optional[List[Group]]:
+        """The request's state tables as groups (state.py), for a request
+        of ``num_pages`` pages; None (and Failed) when SGLang's
+        state_indices do not fit, or when state slots would move between
+        two attention TP sizes."""
         m = self.kv_mgr
         if not m.num_states:
             return []
         info = m.prefill_info_table.get(self.bootstrap_addr)
-        if info is not None and info.attn_tp_size != m.tp_size:
+        if m.has_slots and info is not None and \
+                info.attn_tp_size != m.tp_size:
             self._fail(f"state slots ({m.num_states} state types) move "
                        "between equal attention TP sizes only: prefill "
                        f"{info.attn_tp_size}, decode {m.tp_size}")
             return None
         try:
-            return m.state_groups(slots_of(state_indices, m.num_states))
+            return m.state_groups(state_indices, num_pages, None)
         except ValueError as e:
             self._fail(f"kvxfer.sglang: {e}")
             return None

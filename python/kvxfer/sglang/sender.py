@@ -13,7 +13,6 @@ from ..errors import Error
 from .bootstrap import BootstrapError, register_dp_rank
 from .common import KvxferTransferError, _env, _pack_aux, end_key
 from .manager import KvxferKVManager, _cancel
-from .state import slots_of
 
 # -- prefill ----------------------------------------------------------------
 
@@ -176,8 +175,8 @@ class KvxferKVSender(BaseKVSender):
         groups = None
         if m.num_states:
             try:
-                groups = m.state_groups(slots_of(state_indices,
-                                                 m.num_states))
+                groups = m.state_groups(state_indices, self._num_pages,
+                                        self._num_tokens)
             except ValueError as e:
                 self._fail(f"kvxfer.sglang: {e}")
                 return

@@ -1,4 +1,7 @@
-"""SGLang's per-request state beside the KV as kvxfer state slots.
+"""SGLang's state beside the KV (``KVArgs.state_types``) as kvxfer block
+tables of their own.
+
+**Mamba**: state slots.
 
 A Mamba (SSM) model keeps, beside its KV pages, a fixed-size state per
 request: its conv and temporal states, one slot of each state tensor
@@ -13,6 +16,15 @@ SGLang's pools lay it; between two attention TP sizes SGLang reslices
 each tensor along its own axis (``state_dim_per_tensor``), which a
 kvxfer head range does not describe, so the state moves between equal
 attention TP sizes only (the receiver refuses others by name).
+
+**SWA**: a hybrid model's sliding-window layers keep their KV in a pool
+of their own (``SWAKVPool``'s MHA sub-pool: its buffers as the KV's, K of
+every layer then V, pages of ``page_size`` tokens), and a request sends
+only the pages of its window (``state_indices``: the window's pages, from
+the window's first page to the last). Here that pool is a KV table of
+the request whose blocks start at the window (``kvxfer.Group`` with
+``first_block``; the decode skips the tokens before its own window):
+heads split over TP as the KV's do, so any two TP sizes work.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 
 from ..errors import InvalidArgument, Unsupported
 from ..layout import DType, Layout
+from .common import _geometry
 
 _MAX_UNIT = 65536  # bytes of one "head": kvxfer's head_dim limit
 
@@ -34,7 +47,8 @@ class StatePool:
 
     state: int  # index in KVArgs.state_types
     layout: Layout
-    regions: List[Tuple[int, int]]  # (ptr, nbytes) per tensor
+    regions: List[Tuple[int, int]]  # (ptr, nbytes), the layout's order
+    window: bool = False  # SWA: a KV table from the window on
 
 
 def _unit(item: int) -> int:
@@ -55,11 +69,13 @@ def state_pools(args: KVArgs) -> List[StatePool]:
     out: List[StatePool] = []
     for i, st in enumerate(types):
         name = str(getattr(st, "value", st))
+        if st == StateType.SWA:
+            out.append(_window_pool(args, i, ptrs, lens, items))
+            continue
         if st != StateType.MAMBA:
             raise Unsupported(
                 -15, f"kvxfer.sglang: state_types[{i}] {name} is not "
-                "supported yet (Mamba state slots are; SWA, DSA and the "
-                "others are KV tables of their own): "
+                "supported yet (Mamba slots and SWA windows are): "
                 "docs/engines/sglang.md")
         if not (i < len(ptrs) and i < len(lens) and i < len(items)) or \
                 not len(ptrs[i]) == len(lens[i]) == len(items[i]) or \
@@ -89,34 +105,77 @@ def state_pools(args: KVArgs) -> List[StatePool]:
     return out
 
 
-def slots_of(state_indices: Optional[Sequence[Any]],
-             num_states: int) -> List[int]:
-    """The request's slot of each state type, from SGLang's
-    ``state_indices`` (per type: the slot, or a list holding an array of
-    one slot, as decode.py and prefill.py give a Mamba slot). Raises
-    ValueError naming what is wrong."""
+def _window_pool(args: KVArgs, i: int, ptrs: List[Any], lens: List[Any],
+                 items: List[Any]) -> StatePool:
+    """The SWA sub-pool as a KV pool (the KV's geometry)."""
+    layout = getattr(args, "swa_kv_cache_layout", None)
+    if layout != "nhd":
+        raise Unsupported(
+            -15, f"kvxfer.sglang: state_types[{i}] swa in a "
+            f"{layout or 'non-MHA'} layout (swa_kv_cache_layout): only an "
+            "MHA sub-pool of NHD pages is supported")
+    if not (i < len(ptrs) and i < len(lens) and i < len(items)):
+        raise InvalidArgument(-1, f"kvxfer.sglang: state {i} (swa): no "
+                              "state_data_ptrs, state_data_lens or "
+                              "state_item_lens")
+    view = _SubPool(args, ptrs[i], lens[i], items[i])
+    try:
+        geo = _geometry(view, False)  # type: ignore[arg-type]
+    except InvalidArgument as e:
+        raise InvalidArgument(e.code, f"state {i} (swa): {e.message}"
+                              ) from None
+    return StatePool(i, geo.layout, geo.regions, window=True)
+
+
+class _SubPool:
+    """A KVArgs whose KV buffers are a state's (_geometry reads these)."""
+
+    def __init__(self, args: KVArgs, ptrs: Any, lens: Any,
+                 items: Any) -> None:
+        self.kv_data_ptrs, self.kv_data_lens = list(ptrs), list(lens)
+        self.kv_item_lens = list(items)
+        self.kv_head_num = getattr(args, "kv_head_num", 0)
+        self.total_kv_head_num = getattr(args, "total_kv_head_num", 0)
+        self.page_size = args.page_size
+        self.kv_cache_dtype_str = getattr(args, "kv_cache_dtype_str", None)
+        self.num_draft_entries = 0
+
+
+def indices_of(state_indices: Optional[Sequence[Any]],
+               pools: Sequence[StatePool], num_states: int
+               ) -> List[List[int]]:
+    """Each state type's indices, flat, from SGLang's ``state_indices``
+    (per type: a Mamba slot, or a list holding an array of one; an SWA
+    window's pages). Raises ValueError naming what is wrong."""
     given = list(state_indices or [])
     if len(given) != num_states:
         raise ValueError(f"state_indices: {len(given)} entries for "
                          f"{num_states} state types")
-    out = []
-    for i, s in enumerate(given):
-        flat: List[int] = []
-        stack = [s]
-        while stack:
-            x = stack.pop()
-            if x is None:
-                continue
-            if hasattr(x, "cpu"):
-                x = x.cpu().numpy()
-            if hasattr(x, "tolist"):
-                x = x.tolist()
-            if isinstance(x, (list, tuple)):
-                stack.extend(reversed(x))
-            else:
-                flat.append(int(x))
-        if len(flat) != 1:
-            raise ValueError(f"state_indices[{i}]: {len(flat)} slots (a "
+    out = [_flat(s) for s in given]
+    for sp in pools:
+        n = len(out[sp.state])
+        if not sp.window and n != 1:
+            raise ValueError(f"state_indices[{sp.state}]: {n} slots (a "
                              "state slot type has one per request)")
-        out.append(flat[0])
+        if sp.window and n == 0:
+            raise ValueError(f"state_indices[{sp.state}]: no page of the "
+                             "sliding window")
     return out
+
+
+def _flat(s: Any) -> List[int]:
+    flat: List[int] = []
+    stack = [s]
+    while stack:
+        x = stack.pop()
+        if x is None:
+            continue
+        if hasattr(x, "cpu"):
+            x = x.cpu().numpy()
+        if hasattr(x, "tolist"):
+            x = x.tolist()
+        if isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        else:
+            flat.append(int(x))
+    return flat
