@@ -283,3 +283,30 @@ def test_pipeline_without_sglangs_partition_is_refused(env, bootstrap):
                        match="gives PP stage 0 2 layers; its KV buffers "
                        "hold 1"):
         pp_stage(bootstrap, 1, 0)
+
+
+@pytest.mark.parametrize("force", ["1", "false"])
+def test_forced_query_is_read_as_sglang_reads_it(env, bootstrap, force):
+    """SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK, SGLang's own
+    switch, read through its envs as its decode queue reads it: "1"
+    registers the room's group for /query_dp_ranks (no conflict),
+    "false" is off (the room's group is the room modulo the groups)."""
+    env.setenv("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", force)
+    pranks, pmgrs = dp_prefill(bootstrap)
+    try:
+        rm = room()
+        while rm % P_DP != 1:
+            rm = room()
+        s = KvxferKVSender(pmgrs[0], bootstrap.address, rm)  # group 0
+        got = CommonKVReceiver.query_prefill_dp_ranks(bootstrap.address,
+                                                      [rm])
+        if force == "1":
+            assert s.poll() == KVPoll.WaitingForInput, s._reason
+            assert got == {str(rm): 0}
+        else:
+            assert s.poll() == KVPoll.Failed
+            assert "follow_bootstrap_room conflict" in s._reason
+            assert got == {}
+        s.clear()
+    finally:
+        close(*pmgrs)

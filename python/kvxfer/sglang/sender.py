@@ -7,11 +7,12 @@ from typing import Any, List, Optional, Set
 
 from sglang.srt.disaggregation.base.conn import (BaseKVSender, KVPoll,
                                                  KVTransferMetric)
+from sglang.srt.environ import envs
 
 from ..client import Event, key_bytes
 from ..errors import Error
 from .bootstrap import BootstrapError, register_dp_rank
-from .common import KvxferTransferError, _env, _pack_aux, end_key
+from .common import KvxferTransferError, _pack_aux, end_key
 from .manager import KvxferKVManager, _cancel
 
 # -- prefill ----------------------------------------------------------------
@@ -69,8 +70,8 @@ class KvxferKVSender(BaseKVSender):
         if t.dp_groups == 1 or routed:
             return
         follow = t.load_balance_method == "follow_bootstrap_room"
-        if follow and not _env("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL"
-                               "_DP_RANK", ""):
+        force = envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get()
+        if follow and not force:
             if self.bootstrap_room % t.dp_groups != t.dp_group:
                 self._fail(
                     f"follow_bootstrap_room conflict: dispatched to DP "
