@@ -793,3 +793,23 @@ def test_decode_prefix_not_page_aligned_fails_by_name(env, bootstrap):
     finally:
         pm.close()
         dm.close()
+
+
+def test_host_destination_is_refused_saying_why(env, bootstrap):
+    from sglang.srt.disaggregation.base.conn import KVTransferDestination
+    src, dst = Rank(seed=46), Rank(seed=47)
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    try:
+        assert dm.supports_host_destination is False
+        r = receiver(dm, bootstrap.address, room())
+        r.send_metadata(np.asarray([1], np.int32), 0, [],
+                        destination=KVTransferDestination.HOST)
+        assert r.poll() == KVPoll.Failed
+        with pytest.raises(KvxferTransferError,
+                           match="host KV destination .* pinned memory, "
+                           "which kvxferd cannot map"):
+            r.failure_exception()
+        assert dm.client.requests() == []
+    finally:
+        pm.close()
+        dm.close()

@@ -95,7 +95,10 @@ class KvxferKVReceiver(BaseKVReceiver):
         if str(getattr(destination, "value", destination or "device")) \
                 != "device":
             self._fail("a host KV destination is not supported by "
-                       "kvxfer.sglang")
+                       "kvxfer.sglang: SGLang's host KV pool is pinned "
+                       "memory, which kvxferd cannot map (host pools lie "
+                       "in a memfd); the manager says "
+                       "supports_host_destination False")
             return
         self.aux_index = aux_index
         if hasattr(kv_indices, "cpu"):
