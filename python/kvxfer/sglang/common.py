@@ -20,8 +20,6 @@ SGLANG_VERSION = "0.5.23"  # the base classes this backend was written for
 
 log = logging.getLogger("kvxfer.sglang")
 
-_BOOTSTRAP_PATH = "/kvxfer/v1/prefill"
-_BOOTSTRAP_MAX_BODY = 4096  # a registration is ~200 bytes
 _AUX_MAGIC = b"KVXS"
 _AUX_VERSION = 1
 _PUMP_INTERVAL = 0.0005  # seconds between two polls of the daemon
