@@ -8,12 +8,15 @@
 # sglang.srt.disaggregation.base.conn imports most of sglang.srt, and that
 # imports torch and triton; a full "pip install sglang" would bring CUDA
 # kernels for a GPU. The smallest set that imports, found by trying: the
-# wheels of sglang, torch and triton without their dependencies, the pure
-# Python packages sglang.srt imports, and the four CUDA libraries torch's
-# libraries link that the CUDA toolkit on this kind of machine lacks (it
-# has the others). Where torch then does not import (no CUDA 13 toolkit),
-# torch is installed again with all its CUDA packages (several GB more).
-# About 2 minutes and 3.2 GB the first time; nothing after.
+# wheels of sglang, torch, torchvision and triton without their
+# dependencies, the Python packages sglang.srt imports (transformers among
+# them: SGLang's own bootstrap server and decode queue, which the tests
+# drive, import it), and the four CUDA libraries torch's libraries link
+# that the CUDA toolkit on this kind of machine lacks (it has the others).
+# Where torch then does not import (no CUDA 13 toolkit), torch is
+# installed again with all its CUDA packages (several GB more). About 2
+# minutes and 3.3 GB the first time; a venv made before the bootstrap
+# server was SGLang's gets the missing packages (about 1 minute).
 cd "$(dirname "$0")/.." || exit 1
 BUILD=${1:-build}
 [ $# -gt 0 ] && shift
