@@ -6,11 +6,14 @@ The daemon fixture is python/tests/conftest.py's Daemon (loaded from
 there, not copied): $KVX_BUILD/kvxferd on a private socket.
 """
 
+import contextlib
 import importlib.util
 import itertools
 import os
+import socket
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -28,7 +31,8 @@ Daemon = _base.Daemon
 pytest_runtest_makereport = _base.pytest_runtest_makereport
 
 import kvxfer  # noqa: E402
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.base.conn import (  # noqa: E402
+    KVArgs, KVPoll, StateType)
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 # fetches that wait for a publish give up after this (the timeout test)
@@ -56,12 +60,56 @@ def env(daemon, monkeypatch):
     return monkeypatch
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def bootstrap():
+    """SGLang's bootstrap server as the prefill's main process starts it
+    (KvxferKVBootstrapServer is its CommonKVBootstrapServer)."""
     from kvxfer.sglang import KvxferKVBootstrapServer
-    srv = KvxferKVBootstrapServer("127.0.0.1", 0)
+    srv = KvxferKVBootstrapServer("127.0.0.1", free_port())
+    wait_health(srv.address)
     yield srv
     srv.close()
+
+
+def wait_health(addr, timeout=10.0):
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{addr}/health",
+                                        timeout=1) as r:
+                if r.read() == b"OK":
+                    return
+        except OSError:
+            if time.monotonic() > end:
+                raise
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def parallel(tp, dp=1, rank=0, pp=1, pp_rank=0, lb="follow_bootstrap_room"):
+    """SGLang's get_parallel() of a scheduler rank, stated with its own
+    override (what publishing a rank bundle gives): tensor parallel
+    ``tp``, attention DP ``dp`` (attention TP tp / dp), TP rank ``rank``
+    placed by SGLang's derive_attention_ranks, and the load balance."""
+    from sglang.srt.runtime_context import (derive_attention_ranks,
+                                            get_parallel)
+    attn_tp = tp // dp
+    attn_tp_rank, attn_dp_rank = derive_attention_ranks(
+        tp_rank=rank, attn_tp_size=attn_tp, attn_cp_size=1)
+    with get_parallel().override(
+            tp_size=tp, tp_rank=rank, attn_tp_size=attn_tp,
+            attn_tp_rank=attn_tp_rank, attn_dp_size=dp,
+            attn_dp_rank=attn_dp_rank, attn_cp_size=1, attn_cp_rank=0,
+            pp_size=pp, pp_rank=pp_rank, dp_size=dp,
+            dp_rank=attn_dp_rank if dp > 1 else None,
+            load_balance_method=lb):
+        yield
 
 
 _ports = itertools.count(31000)
@@ -89,7 +137,8 @@ class Rank:
     fill it."""
 
     def __init__(self, *, engine_rank=0, layers=3, heads=2, total_heads=2,
-                 head_dim=8, page=4, num_pages=16, mla=False, seed=0):
+                 head_dim=8, page=4, num_pages=16, mla=False, seed=0,
+                 mamba_slots=0, swa_layers=0):
         self.layers, self.heads, self.page = layers, heads, page
         self.mla = mla
         tokens = (num_pages + 1) * page
@@ -121,11 +170,56 @@ class Rank:
             a.kv_head_num = heads
             a.total_kv_head_num = total_heads
         a.state_types = []
+        self.state = []
+        if mamba_slots:
+            self._mamba(a, mamba_slots, rng)
+        if swa_layers:
+            self._swa(a, swa_layers, shape, rng)
         a.num_draft_entries = 0
         a.pp_rank = 0
+        a.system_dp_rank = None
         a.prefill_start_layer = 0
         a.gpu_id = 0
         self.args = a
+
+    MAMBA_ITEMS = (48, 48, 48, 96, 96, 96)  # conv, then temporal, per layer
+
+    def _mamba(self, a, slots, rng):
+        """A Mamba pool as SGLang's MambaPool lays it: per layer a conv and
+        a temporal state tensor of ``slots`` slots (and one padding slot),
+        StateType.MAMBA, in HostBuffers."""
+        self.state_buf = kvxfer.HostBuffer(
+            sum(self.MAMBA_ITEMS) * (slots + 1))
+        off = 0
+        for item in self.MAMBA_ITEMS:
+            t = self.state_buf.numpy(np.uint8, (slots + 1, item), offset=off)
+            t[:] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+            self.state.append(t)
+            off += t.nbytes
+        a.state_types = [StateType.MAMBA]
+        a.state_data_ptrs = [[t.ctypes.data for t in self.state]]
+        a.state_data_lens = [[t.nbytes for t in self.state]]
+        a.state_item_lens = [[t[0].nbytes for t in self.state]]
+
+    def _swa(self, a, layers, shape, rng):
+        """A hybrid model's sliding-window layers: SWAKVPool's MHA
+        sub-pool (K of every SWA layer, then V, NHD pages as the KV's),
+        StateType.SWA."""
+        one = int(np.prod(shape)) * 2
+        self.swa_buf = kvxfer.HostBuffer(2 * layers * one)
+        bufs = [self.swa_buf.numpy(np.float16, shape, offset=i * one)
+                for i in range(2 * layers)]
+        for b in bufs:
+            b[:] = rng.standard_normal(shape).astype(np.float16)
+        self.swa = bufs
+        a.state_types = list(a.state_types) + [StateType.SWA]
+        a.state_data_ptrs = list(getattr(a, "state_data_ptrs", [])) + \
+            [[b.ctypes.data for b in bufs]]
+        a.state_data_lens = list(getattr(a, "state_data_lens", [])) + \
+            [[b.nbytes for b in bufs]]
+        a.state_item_lens = list(getattr(a, "state_item_lens", [])) + \
+            [[b[0].nbytes * self.page for b in bufs]]
+        a.swa_kv_cache_layout = "nhd"
 
     def buffers(self):
         """(layer, kind, array) of every KV buffer."""

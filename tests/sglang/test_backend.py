@@ -16,10 +16,13 @@ import kvxfer
 from kvxfer.sglang import (KvxferKVBootstrapServer, KvxferKVManager,
                            KvxferKVReceiver, KvxferKVSender,
                            KvxferTransferError)
+from kvxfer.sglang.bootstrap import group_locator
 from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer,
                                                  BaseKVManager,
                                                  BaseKVReceiver,
                                                  BaseKVSender, KVPoll)
+from sglang.srt.disaggregation.common.conn import (CommonKVBootstrapServer,
+                                                   PrefillServerInfo)
 
 _rooms = iter(range(7_000_000_000_001, 8_000_000_000_000, 7919))
 
@@ -91,7 +94,12 @@ def test_classes_are_sglangs_base_classes():
     assert issubclass(KvxferKVBootstrapServer, BaseKVBootstrapServer)
 
 
-def test_transfer_in_several_chunks_lands_every_page(env, bootstrap):
+@pytest.mark.parametrize("stream", ["1", "0"])
+def test_transfer_in_several_chunks_lands_every_page(env, bootstrap, stream):
+    """Streaming (the default) or not: every token lands, no other page
+    is written; streaming moves whole pages (a chunk does not know the
+    prompt's length), so the last page's tail is the prefill's too."""
+    env.setenv("KVXFER_SGLANG_STREAM", stream)
     src, dst = Rank(seed=1, num_pages=16), Rank(seed=2, num_pages=16)
     before = [b.copy() for _, _, b in dst.buffers()]
     pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
@@ -117,18 +125,75 @@ def test_transfer_in_several_chunks_lands_every_page(env, bootstrap):
         assert wait_poll(s, KVPoll.Success) == KVPoll.Success, s._reason
         assert_landed(src, dst, src_pages, dst_pages, num_tokens)
         # nothing else was written: other pages, the last page's tail
-        for (_, _, d), b in zip(dst.buffers(), before):
+        # (streaming: the prefill's tail)
+        for (_, _, d), b, (_, _, sb) in zip(dst.buffers(), before,
+                                            src.buffers()):
             for p in set(range(16)) - set(dst_pages):
                 assert np.array_equal(d[p * P:(p + 1) * P],
                                       b[p * P:(p + 1) * P])
             tail = dst_pages[-1] * P + num_tokens % P
+            want = b if stream == "0" else sb
+            at = src_pages[-1] * P + num_tokens % P if stream == "1" \
+                else tail
             assert np.array_equal(d[tail:(dst_pages[-1] + 1) * P],
-                                  b[tail:(dst_pages[-1] + 1) * P])
+                                  want[at:at + P - num_tokens % P])
         m = s.get_transfer_metric()
         assert m.transfer_total_bytes == 10 * sum(src.args.kv_item_lens)
         assert m.transfer_latency_s is not None
         s.clear()
         r.clear()
+    finally:
+        pm.close()
+        dm.close()
+
+
+def landed(src, dst, src_pages, dst_pages, num_tokens):
+    try:
+        assert_landed(src, dst, src_pages, dst_pages, num_tokens)
+        return True
+    except AssertionError:
+        return False
+
+
+def test_streaming_moves_each_chunk_before_the_last(env, bootstrap):
+    """The decode fetches first; the prefill sends 2 chunks of 3 full
+    pages: their tokens reach the decode's pages while the request is
+    still WaitingForInput on the prefill (kvxfer's layer-wise offer,
+    append_blocks and the chunk's ready tokens), and nothing else does;
+    the last chunk completes it, aux rows included."""
+    src, dst = Rank(seed=44, num_pages=16), Rank(seed=45, num_pages=16)
+    before = [b.copy() for _, _, b in dst.buffers()]
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    try:
+        rm, P = room(), src.page
+        src_pages = [5, 1, 9, 12, 3, 8, 14, 0]  # 30 tokens
+        dst_pages = [7, 2, 11, 4, 15, 6, 10, 13]
+        r = receiver(dm, bootstrap.address, rm)
+        r.send_metadata(np.asarray(dst_pages, np.int32), 1, [])
+        s = KvxferKVSender(pm, bootstrap.address, rm)
+        s.init(len(src_pages), 3)
+        for k in (0, 1):
+            chunk = src_pages[3 * k:3 * k + 3]
+            s.send(np.asarray(chunk, np.int32), None, num_kv_tokens=12)
+            assert s.poll() == KVPoll.WaitingForInput, s._reason
+            end = time.monotonic() + 5
+            while not landed(src, dst, src_pages[:3 * k + 3],
+                             dst_pages[:3 * k + 3], 12 * (k + 1)):
+                assert time.monotonic() < end, f"chunk {k} did not move"
+                assert r.poll() == KVPoll.Transferring, r._reason
+                time.sleep(0.01)
+            for (_, _, d), b in zip(dst.buffers(), before):
+                for p in dst_pages[3 * k + 3:]:  # the pages to come
+                    assert np.array_equal(d[p * P:(p + 1) * P],
+                                          b[p * P:(p + 1) * P])
+        assert r.poll() == KVPoll.Transferring  # no aux yet
+        assert not dst.aux[2].any()
+        src.set_aux(3, rm, 808)
+        s.send(np.asarray(src_pages[6:], np.int32), [], num_kv_tokens=6)
+        assert wait_poll(r, KVPoll.Success) == KVPoll.Success, r._reason
+        assert wait_poll(s, KVPoll.Success) == KVPoll.Success, s._reason
+        assert_landed(src, dst, src_pages, dst_pages, 30)
+        assert dst.aux[0][1, 0] == 808 and int(dst.aux[2][1, 0]) == rm
     finally:
         pm.close()
         dm.close()
@@ -172,7 +237,8 @@ def test_prefill_tp2_to_decode_tp1_gets_every_head(env, bootstrap):
     dm = decode(bootstrap, dst)
     try:
         assert m0.instance_id == m1.instance_id
-        assert bootstrap.prefill["tp_size"] == 2
+        assert dm.try_ensure_parallel_info(bootstrap.address)
+        assert dm.prefill_info_table[bootstrap.address].attn_tp_size == 2
         rm, P = room(), p0.page
         s0 = KvxferKVSender(m0, bootstrap.address, rm)
         s1 = KvxferKVSender(m1, bootstrap.address, rm)
@@ -285,10 +351,15 @@ def test_abort_a_sender_before_its_last_chunk_publishes_nothing(env,
         pm.close()
 
 
-def test_abort_published_senders_fails_the_waiting_decode(env, bootstrap):
+@pytest.mark.parametrize("stream", ["1", "0"])
+def test_abort_published_senders_fails_the_waiting_decode(env, bootstrap,
+                                                          stream):
     """TP 2 prefill: rank 0 published, rank 1 not yet, the decode's fetch
     waits for rank 1; SGLang aborts the request on both ranks: the
-    decode fails at once, cancelled by the context side."""
+    decode fails at once, cancelled by the context side. Without
+    streaming nothing reached its pages; streaming, the chunks sent did
+    (the pages are the failed request's own)."""
+    env.setenv("KVXFER_SGLANG_STREAM", stream)
     p0 = Rank(engine_rank=0, heads=1, total_heads=2, seed=15)
     p1 = Rank(engine_rank=1, heads=1, total_heads=2, seed=36)
     dst = Rank(heads=2, total_heads=2, seed=16)
@@ -317,7 +388,7 @@ def test_abort_published_senders_fails_the_waiting_decode(env, bootstrap):
                            match="CANCELLED: context side"):
             r.failure_exception()
         for (_, _, d), b in zip(dst.buffers(), before):
-            assert np.array_equal(d, b)
+            assert stream == "1" or np.array_equal(d, b)
     finally:
         m0.close()
         m1.close()
@@ -405,44 +476,61 @@ def test_no_prefill_at_the_bootstrap_address_fails_the_receiver(env,
     dst = Rank(seed=24)
     dm = decode(bootstrap, dst)
     try:
-        # a server nobody registered with: 404 until the timeout
+        # a server nobody registered with: 503 until the timeout
         assert not dm.try_ensure_parallel_info(bootstrap.address)
-        assert "404" in dm.lookup_error(bootstrap.address)
+        assert "503" in dm.lookup_error(bootstrap.address)
         r = KvxferKVReceiver(dm, bootstrap.address, room())
         r.init(0)
         assert r.poll() == KVPoll.Bootstrapping
         assert wait_poll(r, KVPoll.WaitingForInput, 3) == KVPoll.Failed
         with pytest.raises(KvxferTransferError,
                            match="no kvxfer prefill instance at bootstrap "
-                           "server .* 404"):
+                           "server .* 503 Prefill server not fully "
+                           "registered"):
             r.failure_exception()
     finally:
         dm.close()
 
 
-def test_bootstrap_server_serves_the_instance_and_refuses_garbage(
+def test_bootstrap_server_is_sglangs_and_serves_the_ranks_rows(
         env, bootstrap):
-    url = f"http://{bootstrap.address}/kvxfer/v1/prefill"
+    """The server is SGLang's CommonKVBootstrapServer; it answers SGLang's
+    own decode-side reads (/route, the parallel info as PrefillServerInfo)
+    with what the prefill ranks registered, rank_ip naming kvxfer's end."""
+    assert issubclass(KvxferKVBootstrapServer, CommonKVBootstrapServer)
+    info_url = (f"http://{bootstrap.address}/route?prefill_dp_rank=-1&"
+                "prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1")
     with pytest.raises(urllib.error.HTTPError) as ei:
-        urllib.request.urlopen(url, timeout=2)
-    assert ei.value.code == 404
-    for body in (b"{", b'{"instance_id": 5, "address": "x"}', b"[]"):
-        req = urllib.request.Request(url, data=body, method="PUT")
-        with pytest.raises(urllib.error.HTTPError) as ei:
-            urllib.request.urlopen(req, timeout=2)
-        assert ei.value.code == 400
+        urllib.request.urlopen(info_url, timeout=2)
+    assert ei.value.code == 503  # no prefill rank registered yet
     with urllib.request.urlopen(f"http://{bootstrap.address}/health",
                                 timeout=2) as r:
         assert r.read() == b"OK"
-    src = Rank(seed=25)
-    pm = prefill(bootstrap, src)
+    p0 = Rank(engine_rank=0, heads=1, total_heads=2, seed=25)
+    p1 = Rank(engine_rank=1, heads=1, total_heads=2, seed=39)
+    m0 = prefill(bootstrap, p0, 2)
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            got = json.loads(r.read())
-        assert got == {"instance_id": pm.instance_id,
-                       "address": pm.client.daemon_address, "tp_size": 1}
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(info_url, timeout=2)
+        assert ei.value.code == 503  # rank 1 missing
+        m1 = prefill(bootstrap, p1, 2)
+        with urllib.request.urlopen(info_url, timeout=2) as r:
+            info = PrefillServerInfo(**json.loads(r.read()))
+        assert (info.attn_tp_size, info.dp_size, info.pp_size,
+                info.page_size, info.kv_cache_dtype) == (2, 1, 1, 4,
+                                                         "float16")
+        assert info.follow_bootstrap_room
+        for rank, m in ((0, m0), (1, m1)):
+            url = (f"http://{bootstrap.address}/route?prefill_dp_rank=0&"
+                   f"prefill_cp_rank=0&target_tp_rank={rank}&"
+                   "target_pp_rank=0")
+            with urllib.request.urlopen(url, timeout=2) as r:
+                row = json.loads(r.read())
+            assert row == {"rank_ip": f"{m.client.daemon_address}#"
+                           f"{m.instance_id}", "rank_port": rank}
+        m1.close()
     finally:
-        pm.close()
+        m0.close()
 
 
 def test_daemon_gone_fails_the_requests_not_the_scheduler(env, bootstrap,
@@ -483,7 +571,8 @@ def kill9_mid_transfer(env, bootstrap, tmp_path):
     r2 = receiver(dm, bootstrap.address, room())
     r2.send_metadata(np.asarray([3, 4, 5], np.int32), 2, [])
     assert r2.poll() == KVPoll.Transferring
-    assert pm.client.state.in_flight == 1 and dm.client.state.in_flight == 1
+    # a room is two offers and two fetches (the room's and its end)
+    assert pm.client.state.in_flight == 2 and dm.client.state.in_flight == 2
     own.kill9()
     return own, src, dst, pm, dm, s1, r2
 
@@ -499,7 +588,8 @@ def after_restart(own, bootstrap, src, dst, pm, dm, r2, before):
     src.set_aux(4, rm, 4242)
     send_chunks(s3, [[6, 7], [8]], 3, P)  # 2 pages, then 3 tokens
     assert s3.poll() == KVPoll.Transferring, s3._reason
-    assert bootstrap.prefill["address"] == pm.client.daemon_address
+    assert group_locator(bootstrap.address, 0).address == \
+        pm.client.daemon_address
     r3 = receiver(dm, bootstrap.address, rm)
     r3.send_metadata(np.asarray([9, 10, 11], np.int32), 6, [])
     assert wait_poll(r3, KVPoll.Success) == KVPoll.Success, r3._reason
@@ -647,16 +737,79 @@ def test_aux_rows_over_the_daemons_limit_are_refused_at_start(env,
         prefill(bootstrap, Rank(seed=33))
 
 
-def test_decode_prefix_is_refused_per_request(env, bootstrap):
-    src, dst = Rank(seed=34), Rank(seed=35)
+def test_decode_radix_prefix_moves_only_the_suffix(env, bootstrap):
+    """The decode radix cache holds the first 3 pages of the prompt:
+    send_metadata gets the suffix's pages and decode_prefix_len 12, as
+    decode.py passes them; the prefill sends the whole prompt
+    (pop_decode_prefix_len 0). Every token from 12 lands in the suffix's
+    pages, and no other page of the decode, the cached prefix's included,
+    is written."""
+    src, dst = Rank(seed=34, num_pages=16), Rank(seed=35, num_pages=16)
+    before = [b.copy() for _, _, b in dst.buffers()]
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    try:
+        rm, P = room(), src.page
+        num_tokens, prefix = 37, 12  # 10 pages, 3 of them cached
+        src_pages = [11, 3, 7, 0, 15, 9, 2, 12, 5, 14]
+        cached = [1, 2, 3]  # the decode's radix cache holds these
+        dst_suffix = [13, 6, 8, 10, 15, 4, 9]
+        s = KvxferKVSender(pm, bootstrap.address, rm)
+        assert s.pop_decode_prefix_len() == 0
+        s.init(len(src_pages), 2)
+        src.set_aux(2, rm, 4321)
+        send_chunks(s, [src_pages[:5], src_pages[5:]], num_tokens - 5 * P,
+                    P)
+        r = receiver(dm, bootstrap.address, rm)
+        r.send_metadata(np.asarray(dst_suffix, np.int32), 5, [],
+                        decode_prefix_len=prefix)
+        assert wait_poll(r, KVPoll.Success) == KVPoll.Success, r._reason
+        assert wait_poll(s, KVPoll.Success) == KVPoll.Success, s._reason
+        assert_landed(src, dst, src_pages[3:], dst_suffix,
+                      num_tokens - prefix)
+        assert dst.aux[0][5, 0] == 4321
+        for (_, _, d), b in zip(dst.buffers(), before):
+            for p in set(range(17)) - set(dst_suffix):
+                assert np.array_equal(d[p * P:(p + 1) * P],
+                                      b[p * P:(p + 1) * P]), p
+        assert set(cached) <= set(range(17)) - set(dst_suffix)
+    finally:
+        pm.close()
+        dm.close()
+
+
+def test_decode_prefix_not_page_aligned_fails_by_name(env, bootstrap):
+    src, dst = Rank(seed=40), Rank(seed=43)
     pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
     try:
         r = receiver(dm, bootstrap.address, room())
         r.send_metadata(np.asarray([1, 2], np.int32), 0, [],
-                        decode_prefix_len=4)
+                        decode_prefix_len=6)
         assert r.poll() == KVPoll.Failed
-        with pytest.raises(KvxferTransferError, match="radix cache"):
+        with pytest.raises(KvxferTransferError,
+                           match="decode_prefix_len 6 is not a whole "
+                           "number of pages of 4 tokens"):
             r.failure_exception()
+        assert dm.client.requests() == []
+    finally:
+        pm.close()
+        dm.close()
+
+
+def test_host_destination_is_refused_saying_why(env, bootstrap):
+    from sglang.srt.disaggregation.base.conn import KVTransferDestination
+    src, dst = Rank(seed=46), Rank(seed=47)
+    pm, dm = prefill(bootstrap, src), decode(bootstrap, dst)
+    try:
+        assert dm.supports_host_destination is False
+        r = receiver(dm, bootstrap.address, room())
+        r.send_metadata(np.asarray([1], np.int32), 0, [],
+                        destination=KVTransferDestination.HOST)
+        assert r.poll() == KVPoll.Failed
+        with pytest.raises(KvxferTransferError,
+                           match="host KV destination .* pinned memory, "
+                           "which kvxferd cannot map"):
+            r.failure_exception()
+        assert dm.client.requests() == []
     finally:
         pm.close()
         dm.close()
