@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import \
     KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import \
     KVConnectorRole
+from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
                                          init_none_hash)
@@ -78,12 +79,21 @@ class Engine:
 
     def __init__(self, model: str, sock: str, name: str, tp: int = 1,
                  layout: str = "LBNHC", extra: Optional[dict] = None,
-                 policy: str = "recompute", salt: float = 0.0) -> None:
+                 policy: str = "recompute", salt: float = 0.0,
+                 per_layer: bool = False, chunk: int = 1024) -> None:
+        """per_layer: the forward goes layer by layer inside the
+        connector's step, calling wait_for_layer_load before a layer and
+        save_kv_layer after it, as vLLM's attention layers do (and
+        after_layer(engine, rank, layer) then, when set); chunk: the
+        scheduler's token budget a step (chunked prefill below 512)."""
         self.name, self.tp, self.salt = name, tp, salt
+        self.per_layer = per_layer
+        self.after_layer: Optional[Callable[[Any, int, int], None]] = None
         mc = ModelConfig(model=model, skip_tokenizer_init=True,
                          dtype="float32", max_model_len=512, seed=0)
-        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
-                             max_model_len=512, is_encoder_decoder=False)
+        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=chunk,
+                             max_model_len=512, is_encoder_decoder=False,
+                             enable_chunked_prefill=chunk < 512)
         cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
         cc.num_gpu_blocks = NUM_BLOCKS
         cc.kv_cache_layout = layout
@@ -157,11 +167,15 @@ class Engine:
         so = self.sched.schedule()
         outs = []
         for r, rank in enumerate(self.ranks):
-            self._forward(so, r, rank["caches"])
+            if not self.per_layer:
+                self._forward(so, r, rank["caches"])
             kv_transfer_state._KV_CONNECTOR_AGENT = rank["conn"]
             try:
-                outs.append(KVConnectorModelRunnerMixin
-                            .kv_connector_no_forward(so, rank["vc"]))
+                if self.per_layer:
+                    outs.append(self._forward_in_step(so, r, rank))
+                else:
+                    outs.append(KVConnectorModelRunnerMixin
+                                .kv_connector_no_forward(so, rank["vc"]))
             finally:
                 kv_transfer_state._KV_CONNECTOR_AGENT = None
         kvo = self.agg.aggregate(outs).kv_connector_output
@@ -183,22 +197,45 @@ class Engine:
                 if o.finish_reason is not None:
                     self.outputs[o.request_id] = o
 
-    def _forward(self, so: Any, r: int, caches: Dict[str, torch.Tensor]
-                 ) -> None:
+    def _forward(self, so: Any, r: int, caches: Dict[str, torch.Tensor],
+                 conn: Any = None) -> None:
         """What the model's forward writes: the KV of every scheduled
-        token, into the request's blocks (this rank's heads)."""
+        token, into the request's blocks (this rank's heads), layer by
+        layer; with conn, each layer between the connector's
+        wait_for_layer_load and save_kv_layer (vLLM's
+        maybe_transfer_kv_layer), then after_layer."""
         heads = range(r * self.heads, (r + 1) * self.heads)
-        for rid, n in so.num_scheduled_tokens.items():
-            req = self.sched.requests[rid]
-            end = req.num_computed_tokens  # advanced at schedule time
-            start = end - n
-            toks = list(req.all_token_ids)
-            blocks = self.blocks_of(rid)
-            for layer, name in enumerate(self.layer_names):
+        hooks = conn is not None and so.total_num_scheduled_tokens > 0 \
+            and conn.has_connector_metadata()
+        for layer, name in enumerate(self.layer_names):
+            if hooks:
+                conn.wait_for_layer_load(name)
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.sched.requests[rid]
+                end = req.num_computed_tokens  # advanced at schedule time
+                start = end - n
+                toks = list(req.all_token_ids)
+                blocks = self.blocks_of(rid)
                 vals = pattern(toks, start, end, layer, heads, self.salt)
                 for p in range(start, end):
                     caches[name][blocks[p // BLOCK], :, p % BLOCK] = \
                         vals[p - start]
+            if hooks:
+                conn.save_kv_layer(name, caches[name], None)
+            if conn is not None and self.after_layer is not None:
+                self.after_layer(self, r, layer)
+
+    def _forward_in_step(self, so: Any, r: int, rank: Dict[str, Any]
+                         ) -> ModelRunnerOutput:
+        """One rank's step as vLLM's GPU model runner runs it: the
+        connector's lifecycle around the forward (start_load_kv before it
+        when a load is synchronous, else after it; wait_for_save, then
+        the finished transfers)."""
+        with set_forward_context(None, rank["vc"]), \
+                KVConnectorModelRunnerMixin._get_kv_connector_output(
+                    so) as out:
+            self._forward(so, r, rank["caches"], rank["conn"])
+        return ModelRunnerOutput.with_kv_conn_output_only(out)
 
     def kv_of(self, rid: str, n: int, r: int = 0) -> List[torch.Tensor]:
         """Per layer: [n, heads, 2 * HEAD] of rank r's blocks of rid."""

@@ -74,12 +74,32 @@ class Recv:
 
 
 @dataclass
+class LayerChunk:
+    """A prefill chunk of a request offered layer-wise: once this step's
+    forward wrote a layer, that layer holds the request's tokens
+    ``[0, tokens)``. ``publish``: its first chunk (the offer is
+    published with ``blocks``); else ``blocks`` are appended."""
+
+    key: bytes
+    blocks: List[int]
+    num_tokens: int
+    tokens: int
+    publish: bool
+
+
+@dataclass
 class KvxferConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers (vLLM pickles it to them)."""
 
     sends: Dict[str, Send] = field(default_factory=dict)
     recvs: Dict[str, Recv] = field(default_factory=dict)
     cancels: Set[str] = field(default_factory=set)
+    # layer-wise offers (layerwise.py): this step's chunks; the finished
+    # requests (True: sent, report once the offer ends; False: aborted,
+    # cancel it first); the preempted ones (cancel, report nothing)
+    chunks: Dict[str, LayerChunk] = field(default_factory=dict)
+    lw_finished: Dict[str, bool] = field(default_factory=dict)
+    lw_dropped: Set[str] = field(default_factory=set)
 
 
 # -- the config --------------------------------------------------------------

@@ -61,7 +61,11 @@ class KvxferConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"
                              ) -> KVConnectorMetadata:
         assert self._sched is not None
-        return self._sched.build_connector_meta()
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: "Request") -> None:
+        assert self._sched is not None
+        self._sched.lw.on_new_request(request)
 
     def update_connector_output(self,
                                 connector_output: "KVConnectorOutput"
@@ -93,10 +97,18 @@ class KvxferConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
-        return  # the prefill publishes whole requests (request_finished)
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        self._worker.save_layer(meta, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        return
+        assert self._worker is not None
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        self._worker.end_save(meta)
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:

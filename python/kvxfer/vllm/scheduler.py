@@ -11,10 +11,12 @@ from kvxfer._outage import DAEMON_GONE, Outage, nudge, retrying
 from kvxfer.vllm.common import (PARAMS_KEY, KvxferConnectorMetadata, Recv,
                                 Send, _b64, _extra, _instance_id,
                                 _params_of, _socket, log, request_key)
+from kvxfer.vllm.layerwise import LayerPlanner, flag
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -34,6 +36,13 @@ class _Scheduler:
         self._meta = KvxferConnectorMetadata()
         self._inflight: Set[str] = set()  # fetches the workers run
         self._outage = Outage(log, f"kvxfer scheduler of {self.instance_id}")
+        self.lw = LayerPlanner(flag(extra, "layerwise", True),
+                               self.block_size, self.instance_id,
+                               self._reserve_layerwise)
+
+    def _reserve_layerwise(self, key: bytes, num_tokens: int) -> bytes:
+        return self._daemon(kvxfer.Client.reserve, self.instance_id, key,
+                            num_tokens)
 
     def client(self) -> kvxfer.Client:
         """A connection without Hello (the scheduler is no rank), made on
@@ -137,7 +146,10 @@ class _Scheduler:
                         "(they are freed at the offer's lease)",
                         request_id, e)
 
-    def build_connector_meta(self) -> KvxferConnectorMetadata:
+    def build_connector_meta(self, so: Optional["SchedulerOutput"] = None
+                             ) -> KvxferConnectorMetadata:
+        if so is not None:
+            self.lw.plan(so, self._meta)  # layer-wise offers' chunks
         meta, self._meta = self._meta, KvxferConnectorMetadata()
         return meta
 
@@ -167,6 +179,9 @@ class _Scheduler:
             self._meta.cancels.add(rid)
             self._meta.recvs.pop(rid, None)
             return False, None
+        lw = self.lw.finished(request, self._meta)
+        if lw is not None:
+            return lw  # offered layer-wise (layerwise.py)
         if not p.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,

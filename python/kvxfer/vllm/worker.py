@@ -14,6 +14,7 @@ from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
 from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata, _extra,
                                 _instance_id, _role, _socket, log,
                                 parallel_rank, request_key)
+from kvxfer.vllm.layerwise import LayerLoader, LayerSender
 from kvxfer.vllm.layout import layout_of_kv_caches
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ class _Worker:
         self._kv_caches: Optional[Dict[str, torch.Tensor]] = None
         self._next_connect = 0.0  # when a client given up is made again
         self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
+        self.lw = LayerSender(self)  # layer-wise offers (layerwise.py)
+        self.loader = LayerLoader(self)
 
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -81,6 +84,8 @@ class _Worker:
             client.close()
             raise
         self.client = client
+        self.lw.set_layers(names)
+        self.loader.set_layers(names)
         log.info("kvxfer rank %d/%d of %s: %d layers (%s), pool %d",
                  rank, tp * pp, self.instance_id, len(names),
                  "GPU" if self.gpu else "host", self.pool.id)
@@ -221,6 +226,7 @@ class _Worker:
             self._fail_recv(rid, blocks, skip)
         self._sending.clear()
         self._recving.clear()
+        self.lw.end_all()
 
     def _reconnect(self) -> None:
         """Make the client again after the library gave it up: at each
@@ -260,6 +266,7 @@ class _Worker:
                 self._lost(e)
             for ev in batch:
                 self._on_event(ev)
+        self._done_send |= self.lw.take_done()
         sending, self._done_send = self._done_send, set()
         recving, self._done_recv = self._done_recv, set()
         return sending or None, recving or None
@@ -274,6 +281,8 @@ class _Worker:
         if gone:
             self._outage.lost(ev.error, "fetches fail (load errors) and "
                               "sends end")
+        if self.lw.on_event(ev):
+            return  # a layer-wise offer's end
         rid = self._sending.pop(ev.key, None)
         if rid is not None:
             if not ev.ok and not gone:
@@ -292,6 +301,24 @@ class _Worker:
             log.warning("request %s: KV fetch failed (%s: %s)", rid,
                         kvxfer.status_name(ev.code), ev.message)
         self._fail_recv(rid, blocks, skip)
+
+    # -- layer-wise (layerwise.py) ---------------------------------------
+
+    def save_layer(self, meta: KvxferConnectorMetadata, layer_name: str,
+                   kv_layer: torch.Tensor) -> None:
+        """save_kv_layer: the step's layer-wise publishes at its first
+        call, then the layer marked ready."""
+        if self._kv_caches is None:
+            return
+        self.lw.begin(meta)
+        self.lw.layer_saved(layer_name, kv_layer)
+
+    def end_save(self, meta: KvxferConnectorMetadata) -> None:
+        """wait_for_save: the layers no save_kv_layer named marked."""
+        if self._kv_caches is None:
+            return
+        self.lw.begin(meta)
+        self.lw.end_step()
 
     def take_load_errors(self) -> Set[int]:
         out, self._load_errors = self._load_errors, set()
