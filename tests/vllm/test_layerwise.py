@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus
 import kvxfer
 import kvxfer.vllm as kv_vllm
 
-from harness import (BLOCK, KV_HEADS, LAYERS, TOKEN, Engine, landed,
+from harness import (KV_HEADS, LAYERS, TOKEN, Engine, landed,
                      load_errors, pattern, prefill, prompt_of, run, worker)
 
 
@@ -217,6 +217,7 @@ def test_decode_layer_load(engines):
         if layer == 0 and "marked" not in seen:
             seen["marked"] = sender(p).last_marked.get(key)
             seen["kv0"] = d.kv_of("req-ll", 40)[0].clone()
+            seen["blocks"] = d.blocks_of("req-ll")
             passed0.set()
     d.after_layer = decode_layer
     errors = []
@@ -251,6 +252,7 @@ def test_decode_layer_load(engines):
     assert d.computed["req-ll"][0] == 1
     assert d.tokens["req-ll"] == [TOKEN] * 3
     assert not load_errors(d)
-    for layer, kv in enumerate(d.kv_of("req-ll", 39)):
+    # its blocks, free now but not reused
+    for layer, kv in enumerate(d.kv_in(seen["blocks"], 39)):
         assert torch.equal(kv, pattern(prompt, 0, 39, layer,
                                        range(KV_HEADS)))

@@ -71,6 +71,7 @@ class Recv:
     params: bytes
     block_ids: List[int]
     skip_tokens: int
+    sync: bool = False  # layerwise_load: the step's forward reads it
 
 
 @dataclass

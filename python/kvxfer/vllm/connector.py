@@ -92,7 +92,8 @@ class KvxferConnector(KVConnectorBase_V1):
         self._worker.start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a request runs once its whole KV landed
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata",

@@ -420,14 +420,23 @@ class LayerLoader:
         self.w = worker
         self._layer: Dict[str, int] = {}
         self._waiting: Dict[bytes, int] = {}  # key -> layers seen landed
+        self.sync: Set[bytes] = set()  # synchronous loads not ended
         self.waits = 0  # layers waited for (for the tests' assertions)
 
     def set_layers(self, names: List[str]) -> None:
         self._layer = {n: i for i, n in enumerate(names)}
 
     def started(self, keys: List[bytes]) -> None:
-        """The step's fetches the forward reads (start_load_kv)."""
+        """The step's fetches the forward reads (start_load_kv; [] at its
+        wait_for_save)."""
         self._waiting = {k: 0 for k in keys}
+
+    def ended(self, key: bytes) -> bool:
+        """A fetch ended: True when it was a synchronous load."""
+        if key not in self.sync:
+            return False
+        self.sync.discard(key)
+        return True
 
     def wait(self, layer_name: str, timeout_s: float) -> None:
         """Block until layer_name landed for every fetch of the step (or
@@ -440,9 +449,9 @@ class LayerLoader:
         for key in list(self._waiting):
             while self._waiting[key] <= i:
                 try:
-                    done, total, ended = c.fetch_progress(key)
+                    done, _, ended = c.fetch_progress(key)
                 except (kvxfer.NotFound, kvxfer.Cancelled):
-                    done, total, ended = 1 << 30, 0, True  # ended
+                    done, ended = 1 << 30, True  # over
                 except kvxfer.Error as e:
                     if isinstance(e, DAEMON_GONE):
                         self.w._lost(e)

@@ -36,6 +36,8 @@ class _Scheduler:
         self._meta = KvxferConnectorMetadata()
         self._inflight: Set[str] = set()  # fetches the workers run
         self._outage = Outage(log, f"kvxfer scheduler of {self.instance_id}")
+        # the decode loads synchronously, its forward layer by layer
+        self.layerwise_load = flag(extra, "layerwise_load", False)
         self.lw = LayerPlanner(flag(extra, "layerwise", True),
                                self.block_size, self.instance_id,
                                self._reserve_layerwise)
@@ -101,12 +103,22 @@ class _Scheduler:
             log.error("request %s: %s; it is computed here",
                       request.request_id, e)
             return 0, False
-        n = min(int(p.get("remote_num_tokens") or 0),
-                len(request.prompt_token_ids or ()))
+        n = self._loaded_end(p, request)
         count = n - num_computed_tokens
         if count <= 0 or count < self.recompute_below:
             return 0, False  # computed here; the prefill's blocks released
-        return count, True
+        return count, not self.layerwise_load
+
+    def _loaded_end(self, p: Dict[str, Any], request: "Request") -> int:
+        """The end of the prompt tokens vLLM counts as loaded: the
+        offer's, but a synchronous load (layerwise_load) leaves vLLM the
+        last prompt token to compute in the step that loads (the fetch
+        still writes it, before the forward reaches its layer)."""
+        n = min(int(p.get("remote_num_tokens") or 0),
+                len(request.prompt_token_ids or ()))
+        if self.layerwise_load:
+            n = min(n, len(request.prompt_token_ids or ()) - 1)
+        return n
 
     def update_state_after_alloc(self, request: "Request",
                                  blocks: "KVCacheBlocks",
@@ -131,8 +143,11 @@ class _Scheduler:
         need = math.ceil(n / self.block_size)
         self._meta.recvs[request.request_id] = Recv(
             key=request_key(request.request_id), params=params,
-            block_ids=ids[:need], skip_tokens=n - num_external_tokens)
-        self._inflight.add(request.request_id)
+            block_ids=ids[:need],
+            skip_tokens=self._loaded_end(p, request) - num_external_tokens,
+            sync=self.layerwise_load)
+        if not self.layerwise_load:
+            self._inflight.add(request.request_id)
 
     def _release(self, request_id: str, params: bytes) -> None:
         try:

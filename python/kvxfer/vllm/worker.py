@@ -152,6 +152,7 @@ class _Worker:
                 else:
                     self._sending[s.key] = rid
         recvs = list(meta.recvs.items())
+        self.loader.sync.update(r.key for _, r in recvs if r.sync)
         for at in range(0, len(recvs), MANY_MAX):
             part = recvs[at:at + MANY_MAX]
             res = self._many(
@@ -168,6 +169,8 @@ class _Worker:
                     self._fail_recv(rid, r.block_ids, r.skip_tokens)
                 else:
                     self._recving[r.key] = (rid, r.block_ids, r.skip_tokens)
+        self.loader.started([r.key for _, r in recvs
+                             if r.sync and r.key in self._recving])
         for rid in meta.cancels:
             key = request_key(rid)
             if key not in self._recving:
@@ -249,6 +252,8 @@ class _Worker:
     def _fail_recv(self, rid: str, block_ids: List[int], skip: int) -> None:
         bs = self.cfg.cache_config.block_size
         self._load_errors.update(block_ids[skip // bs:])
+        if self.loader.ended(request_key(rid)):
+            return  # a synchronous load: vLLM waits for no finished_recving
         self._done_recv.add(rid)
 
     def get_finished(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
@@ -294,6 +299,9 @@ class _Worker:
         if got is None:
             return
         rid, blocks, skip = got
+        if (ev.ok or ev.kind == kvxfer.EventKind.CANCELLED) and \
+                self.loader.ended(ev.key):
+            return  # a synchronous load, over (its forward ran)
         if ev.ok or ev.kind == kvxfer.EventKind.CANCELLED:
             self._done_recv.add(rid)
             return
@@ -315,10 +323,16 @@ class _Worker:
 
     def end_save(self, meta: KvxferConnectorMetadata) -> None:
         """wait_for_save: the layers no save_kv_layer named marked."""
+        self.loader.started([])
         if self._kv_caches is None:
             return
         self.lw.begin(meta)
         self.lw.end_step()
+
+    def wait_layer(self, layer_name: str) -> None:
+        """wait_for_layer_load: the step's synchronous loads hold the
+        layer (layerwise_load)."""
+        self.loader.wait(layer_name, self.timeout)
 
     def take_load_errors(self) -> Set[int]:
         out, self._load_errors = self._load_errors, set()
