@@ -80,12 +80,14 @@ class Engine:
     def __init__(self, model: str, sock: str, name: str, tp: int = 1,
                  layout: str = "LBNHC", extra: Optional[dict] = None,
                  policy: str = "recompute", salt: float = 0.0,
-                 per_layer: bool = False, chunk: int = 1024) -> None:
+                 per_layer: bool = False, chunk: int = 1024,
+                 log_stats: bool = False) -> None:
         """per_layer: the forward goes layer by layer inside the
         connector's step, calling wait_for_layer_load before a layer and
         save_kv_layer after it, as vLLM's attention layers do (and
         after_layer(engine, rank, layer) then, when set); chunk: the
-        scheduler's token budget a step (chunked prefill below 512)."""
+        scheduler's token budget a step (chunked prefill below 512);
+        log_stats: the scheduler's stats, each step's in self.stats."""
         self.name, self.tp, self.salt = name, tp, salt
         self.per_layer = per_layer
         self.after_layer: Optional[Callable[[Any, int, int], None]] = None
@@ -121,7 +123,8 @@ class Engine:
         self.sched = Scheduler(
             vllm_config=self.vc, kv_cache_config=kcc,
             structured_output_manager=StructuredOutputManager(self.vc),
-            block_size=BLOCK, log_stats=False)
+            block_size=BLOCK, log_stats=log_stats)
+        self.stats: List[Any] = []  # SchedulerStats (log_stats)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.ranks: List[Dict[str, Any]] = []
         for r in range(tp):
@@ -192,6 +195,8 @@ class Engine:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, kv_connector_output=kvo)
         for eco in self.sched.update_from_output(so, mro).values():
+            if eco.scheduler_stats is not None:
+                self.stats.append(eco.scheduler_stats)
             for o in eco.outputs:
                 self.tokens[o.request_id] += list(o.new_token_ids)
                 if o.finish_reason is not None:

@@ -72,6 +72,8 @@ class Recv:
     block_ids: List[int]
     skip_tokens: int
     sync: bool = False  # layerwise_load: the step's forward reads it
+    num_tokens: int = 0  # the offer's tokens (the fetch moves the rest
+    #                      after skip_tokens; the metrics' bytes)
 
 
 @dataclass
@@ -101,6 +103,19 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     chunks: Dict[str, LayerChunk] = field(default_factory=dict)
     lw_finished: Dict[str, bool] = field(default_factory=dict)
     lw_dropped: Set[str] = field(default_factory=set)
+
+
+# -- the metrics' observations (metrics.py makes vLLM's stats of them) ------
+
+# the same names and units as NixlConnector's where they overlap
+STAT_KEYS = ("transfer_duration", "bytes_transferred",
+             "num_failed_transfers", "num_kv_expired_reqs",
+             "layerwise_exposed_time")
+
+
+def new_tally() -> Dict[str, List[float]]:
+    """An interval's observations: a list per STAT_KEYS entry."""
+    return {k: [] for k in STAT_KEYS}
 
 
 # -- the config --------------------------------------------------------------

@@ -3,18 +3,21 @@ half or its worker half."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
 from kvxfer.vllm.common import KvxferConnectorMetadata
+from kvxfer.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.vllm.scheduler import _Scheduler
 from kvxfer.vllm.worker import _Worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics, KVConnectorStats, PromMetric, PromMetricT)
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -119,6 +122,30 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> Set[int]:
         assert self._worker is not None
         return self._worker.take_load_errors()
+
+    # -- metrics (metrics.py) ---------------------------------------------
+
+    def get_kv_connector_stats(self) -> Optional["KVConnectorStats"]:
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return None if data is None else KvxferConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> Optional["KVConnectorStats"]:
+        return KvxferConnectorStats(data=data) if data is not None \
+            else KvxferConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+            cls, vllm_config: "VllmConfig",
+            metric_types: Dict[type["PromMetric"], type["PromMetricT"]],
+            labelnames: List[str],
+            per_engine_labelvalues: Dict[int, List[object]]
+    ) -> Optional["KVConnectorPromMetrics"]:
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -372,6 +372,10 @@ class LayerSender:
 
     # -- ends --------------------------------------------------------------
 
+    def has(self, key: bytes) -> bool:
+        """An offer of key is layer-wise here, not ended."""
+        return key in self._by_key
+
     def on_event(self, ev: kvxfer.Event) -> bool:
         """An event of a layer-wise offer (True: it was one)."""
         rid = self._by_key.pop(ev.key, None)
@@ -422,6 +426,7 @@ class LayerLoader:
         self._waiting: Dict[bytes, int] = {}  # key -> layers seen landed
         self.sync: Set[bytes] = set()  # synchronous loads not ended
         self.waits = 0  # layers waited for (for the tests' assertions)
+        self._waited = 0.0  # seconds the forward waited this step
 
     def set_layers(self, names: List[str]) -> None:
         self._layer = {n: i for i, n in enumerate(names)}
@@ -442,10 +447,24 @@ class LayerLoader:
         """Block until layer_name landed for every fetch of the step (or
         the fetch ended: its event tells how)."""
         i = self._layer.get(layer_name)
-        c = self.w.client
-        if i is None or c is None or not self._waiting:
+        if i is None or self.w.client is None or not self._waiting:
             return
-        end = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        end = t0 + timeout_s
+        try:
+            self._wait(i, layer_name, end, timeout_s)
+        finally:
+            self._waited += time.monotonic() - t0
+
+    def take_waited(self) -> float:
+        """Seconds the step's forward waited for layers in flight (the
+        transfer time layer-wise loading left exposed)."""
+        out, self._waited = self._waited, 0.0
+        return out
+
+    def _wait(self, i: int, layer_name: str, end: float,
+              timeout_s: float) -> None:
+        c = self.w.client
         for key in list(self._waiting):
             while self._waiting[key] <= i:
                 try:

@@ -145,7 +145,7 @@ class _Scheduler:
             key=request_key(request.request_id), params=params,
             block_ids=ids[:need],
             skip_tokens=self._loaded_end(p, request) - num_external_tokens,
-            sync=self.layerwise_load)
+            sync=self.layerwise_load, num_tokens=n)
         if not self.layerwise_load:
             self._inflight.add(request.request_id)
 
