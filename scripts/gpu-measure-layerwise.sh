@@ -4,7 +4,7 @@
 # first token, layer-wise against whole-request (the baseline, from the
 # same run), through the connector's worker half
 # (bin/tests/vllm_layerwise.py measure), 4,096-token prompts: the
-# real-model test's model (4 layers) and the same width with 32 layers.
+# real-model test's model and wider/deeper shapes (below).
 #   scripts/gpu-measure-layerwise.sh [dist/kvxfer] [OUTDIR]
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-gpu-out}
@@ -12,11 +12,15 @@ mkdir -p "$OUT"
 B=$(cd "$B" && pwd)
 KVX_HOME=$B
 . "$B/env.sh"
-for layers in 4 32; do
-    echo "== vllm_layerwise.py measure --tokens 4096 --layers $layers" |
+# the test model (4 layers), 32 layers of its width, and Llama-3-8B's
+# shape (32 layers, hidden 4096, 32 heads, 8 KV heads of 128)
+for shape in "--layers 4" "--layers 32" \
+        "--layers 32 --hidden 4096 --heads 32 --kv-heads 8"; do
+    echo "== vllm_layerwise.py measure --tokens 4096 $shape" |
         tee -a "$OUT/layerwise.txt"
+    # shellcheck disable=SC2086 # $shape is the options, split
     KVXFER_LIB=$B/lib/libkvxfer.so.2 PYTHONUNBUFFERED=1 timeout 300 \
         python3 "$B/bin/tests/vllm_layerwise.py" measure --tokens 4096 \
-        --reps 9 --layers "$layers" --kvxferd "$B/bin/kvxferd" 2>&1 |
+        --reps 9 $shape --kvxferd "$B/bin/kvxferd" 2>&1 |
         grep -v -i warn | tee -a "$OUT/layerwise.txt"
 done

@@ -19,14 +19,18 @@ must equal a colocated run's.
 
   vllm_layerwise.py test [--kvxferd PATH]
       layer-wise, 300 and 4096 tokens; last line "N passed, N failed"
-  vllm_layerwise.py measure [--tokens 4096] [--reps 7] [--layers 4]
+  vllm_layerwise.py measure [--tokens 4096] [--reps 9] [--layers 4]
+                            [--hidden 512 --heads 8 --kv-heads 4]
       the time from the prefill's last layer (the GPU reached its end)
       to the decode's first token, layer-wise and whole-request (the
       baseline: the offer published after the forward and the sampled
       token, as vLLM publishes a finished request), both from this run,
-      medians and their ratio. The decode's fetch is made before the
+      medians and their ratio; and, to read them by, the prefill's
+      forward (GPU time) and the decode's part after its KV landed
+      (cache rebuild, forward). The decode's fetch is made before the
       prefill's forward in both (it waits for the offer), so the two
-      differ only in when the prefill's layers may move.
+      differ only in when the prefill's layers may move. Another shape
+      than the test model's is built on the GPU (random weights, bf16).
 
 No vLLM is needed (the GPU machine has none): the worker half imports
 only ``KVConnectorMetadata`` from vLLM, which a two-line shim provides
@@ -56,6 +60,34 @@ import paged_llama as pl  # noqa: E402
 NEW = 32  # tokens decoded in the check
 P_TPB, D_TPB = 16, 32  # tokens per block: prefill (vLLM's), decode
 _KEEP: List[Any] = []  # host buffers behind the host pools
+
+
+def set_shape(shape: Dict[str, int]) -> None:
+    """The model's shape in paged_llama's constants (every process)."""
+    for k, v in shape.items():
+        setattr(pl, k, v)
+    pl.HD = pl.HIDDEN // pl.HEADS
+
+
+def build_model(dev: str, dtype: torch.dtype) -> Any:
+    """paged_llama's model; another shape: made on the device in dtype
+    (a large one would not fit the host's fp32 first)."""
+    if (pl.HIDDEN, pl.HEADS, pl.KV_HEADS) == (512, 8, 4):
+        return pl.model(dev, dtype)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=pl.VOCAB, hidden_size=pl.HIDDEN,
+                      intermediate_size=2 * pl.HIDDEN,
+                      num_hidden_layers=pl.L, num_attention_heads=pl.HEADS,
+                      num_key_value_heads=pl.KV_HEADS,
+                      max_position_embeddings=16384)
+    torch.manual_seed(0)
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            return LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(was)
 
 
 def shim_vllm() -> Any:
@@ -149,15 +181,15 @@ def read_cache(caches: Dict[str, torch.Tensor], blocks: List[int],
     return cache
 
 
-def prefill_main(sock, device, layers, prompts, jobs, to_decode, started,
+def prefill_main(sock, device, shape, prompts, jobs, to_decode, started,
                  results):
-    pl.L = layers
+    set_shape(shape)
     kvxfer = shim_vllm()
     from kvxfer.vllm.common import (KvxferConnectorMetadata, LayerChunk,
                                     Send)
     from kvxfer.vllm.worker import _Worker
     dev, dtype = pl.device_dtype(device)
-    m = pl.model(dev, dtype)
+    m = build_model(dev, dtype)
     Tmax = max(len(p) for p in prompts.values())
     nb = math.ceil(Tmax / P_TPB) + 8
     caches = kv_caches(nb, P_TPB, True, dev, dtype)
@@ -186,7 +218,11 @@ def prefill_main(sock, device, layers, prompts, jobs, to_decode, started,
             if lw else {})
         from transformers import DynamicCache
         cache = DynamicCache()
-        last = torch.cuda.Event() if dev == "cuda" else None
+        last = torch.cuda.Event(enable_timing=True) if dev == "cuda" \
+            else None
+        begin = torch.cuda.Event(enable_timing=True) if last else None
+        if begin is not None:
+            begin.record()
         hooks = []
 
         def after(i):
@@ -214,6 +250,7 @@ def prefill_main(sock, device, layers, prompts, jobs, to_decode, started,
         if last is not None:
             last.synchronize()
         t_last = time.time()  # the GPU reached the end of the last layer
+        fwd_ms = begin.elapsed_time(last) if begin is not None else 0.0
         first = int(out.logits[0, -1].argmax())  # sampled: request done
         if lw:
             # the next step's metadata: vLLM finished the request
@@ -232,19 +269,21 @@ def prefill_main(sock, device, layers, prompts, jobs, to_decode, started,
             if time.time() > end:
                 raise RuntimeError(f"{rid}: the offer did not end")
             time.sleep(0.0005)
-        results.put(("prefill", rid, t_last, first, w.lw.marks_made))
+        results.put(("prefill", rid, {"t_last": t_last, "first": first,
+                                      "marks": w.lw.marks_made,
+                                      "forward_ms": fwd_ms}))
     w.close()
     sched.close()
 
 
-def decode_main(sock, device, layers, prompts, to_decode, started,
+def decode_main(sock, device, shape, prompts, to_decode, started,
                 results, new):
-    pl.L = layers
+    set_shape(shape)
     shim_vllm()
     from kvxfer.vllm.common import KvxferConnectorMetadata, Recv
     from kvxfer.vllm.worker import _Worker
     dev, dtype = pl.device_dtype(device)
-    m = pl.model(dev, dtype)
+    m = build_model(dev, dtype)
     Tmax = max(len(p) for p in prompts.values())
     nb = math.ceil(Tmax / D_TPB) + 8
     caches = kv_caches(nb, D_TPB, False, dev, dtype)
@@ -267,6 +306,7 @@ def decode_main(sock, device, layers, prompts, to_decode, started,
         while True:  # the engine's steps: get_finished each
             _, recving = w.get_finished()
             if recving and rid in recving:
+                t_landed = time.time()
                 break
             if time.time() > end:
                 raise RuntimeError(f"{rid}: the fetch did not end")
@@ -283,24 +323,24 @@ def decode_main(sock, device, layers, prompts, to_decode, started,
         first = int(out.logits[0, -1].argmax())
         t_first = time.time()
         toks = pl.decode_from(m, cache, first, new)[0] if new else [first]
-        results.put(("decode", rid, t_first, toks, None))
+        results.put(("decode", rid, {"t_first": t_first, "toks": toks,
+                                     "t_landed": t_landed}))
     w.close()
 
 
-def run(kvxferd, device, layers, prompts, plan, new):
+def run(kvxferd, device, shape, prompts, plan, new):
     """Run plan ([(request id, mode, prompt name)]) through a prefill
-    and a decode process; {request id: (t_last, t_first, tokens,
-    prefill's first token, layers marked so far)}."""
+    and a decode process; {request id: what both said of it}."""
     ctx = mp.get_context("spawn")
     jobs, to_decode, started, results = (ctx.Queue() for _ in range(4))
     out: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         daemon, sock = pl.start_daemon(kvxferd, d)
         procs = [ctx.Process(target=prefill_main, args=(
-                     sock, device, layers, prompts, jobs, to_decode, started,
+                     sock, device, shape, prompts, jobs, to_decode, started,
                      results)),
                  ctx.Process(target=decode_main, args=(
-                     sock, device, layers, prompts, to_decode, started,
+                     sock, device, shape, prompts, to_decode, started,
                      results, new))]
         try:
             for p in procs:
@@ -309,20 +349,19 @@ def run(kvxferd, device, layers, prompts, plan, new):
                 jobs.put((rid, mode, name))
                 got: Dict[str, Any] = {}
                 end = time.time() + 300
-                while len(got) < 2:
+                while "prefill" not in got or "decode" not in got:
                     try:
-                        who, r, t, x, marks = results.get(timeout=1)
+                        who, r, said = results.get(timeout=1)
                         assert r == rid, (r, rid)
-                        got[who] = (t, x, marks)
+                        got.update(said)
+                        got[who] = True
                     except queue.Empty:
                         bad = [p for p in procs if p.exitcode is not None]
                         if bad or time.time() > end:
                             raise RuntimeError(
                                 "a process ended" if bad else
                                 f"{rid}: no result in 300 s")
-                out[rid] = (got["prefill"][0], got["decode"][0],
-                            got["decode"][1], got["prefill"][1],
-                            got["prefill"][2])
+                out[rid] = got
             jobs.put(None)
             to_decode.put(None)
             for p in procs:
@@ -346,7 +385,7 @@ def test(kvxferd, device):
             for n, p in prompts.items()}
     plan = [(f"lw-{n}", "layerwise", n) for n in prompts]
     try:
-        res = run(kvxferd, device, pl.L, prompts, plan, NEW)
+        res = run(kvxferd, device, {}, prompts, plan, NEW)
     except Exception as e:  # reported as a failure, with its trace
         import traceback
         traceback.print_exc()
@@ -354,7 +393,8 @@ def test(kvxferd, device):
         print(f"0 passed, {len(plan)} failed")
         return False
     for rid, _, n in plan:
-        _, _, toks, first, marks = res[rid]
+        toks, first, marks = (res[rid][k] for k in ("toks", "first",
+                                                    "marks"))
         ok = toks == refs[n] and first == refs[n][0] and marks > 0
         print(f"{'ok' if ok else 'FAIL'} vllm_layerwise {n} tokens: "
               f"layer-wise through the worker half ({marks} layers marked "
@@ -369,27 +409,36 @@ def test(kvxferd, device):
     return failed == 0
 
 
-def measure(kvxferd, device, tokens, reps, layers):
+def measure(kvxferd, device, tokens, reps, shape):
     prompts = {"p": pl.prompt_of(tokens, 5)}
     plan = [("warm-w", "whole", "p"), ("warm-l", "layerwise", "p")]
     for i in range(reps):  # alternated: drift falls on both
         plan += [(f"w{i}", "whole", "p"), (f"l{i}", "layerwise", "p")]
-    res = run(kvxferd, device, layers, prompts, plan, 0)
-    gap = {"whole": [], "layerwise": []}
+    res = run(kvxferd, device, shape, prompts, plan, 0)
+    set_shape(shape)
+    gap: Dict[str, List[float]] = {"whole": [], "layerwise": []}
+    tail: Dict[str, List[float]] = {"whole": [], "layerwise": []}
+    fwd: Dict[str, List[float]] = {"whole": [], "layerwise": []}
     for rid, mode, _ in plan:
         if rid.startswith("warm"):
             continue
-        t_last, t_first = res[rid][0], res[rid][1]
-        gap[mode].append((t_first - t_last) * 1e3)
-    kv = tokens * layers * 2 * pl.KV_HEADS * pl.HD * 2
-    print(f"prompt {tokens} tokens, {layers} layers x {pl.KV_HEADS} KV "
-          f"heads x {pl.HD} dim, bf16: {kv / 2**20:.1f} MiB of KV; "
-          f"{reps} requests each, alternated")
+        r = res[rid]
+        gap[mode].append((r["t_first"] - r["t_last"]) * 1e3)
+        tail[mode].append((r["t_first"] - r["t_landed"]) * 1e3)
+        fwd[mode].append(r["forward_ms"])
+    kv = tokens * pl.L * 2 * pl.KV_HEADS * pl.HD * 2
+    print(f"model: {pl.L} layers, hidden {pl.HIDDEN}, {pl.HEADS} heads, "
+          f"{pl.KV_HEADS} KV heads x {pl.HD} dim, bf16; prompt {tokens} "
+          f"tokens: {kv / 2**20:.1f} MiB of KV; {reps} requests each, "
+          "alternated")
+    med = statistics.median
     print("the prefill's last layer -> the decode's first token (ms):")
     for mode in ("whole", "layerwise"):
         xs = gap[mode]
-        print(f"  {mode:10s} median {statistics.median(xs):8.3f}  "
-              f"min {min(xs):8.3f}  max {max(xs):8.3f}")
+        print(f"  {mode:10s} median {med(xs):8.3f}  min {min(xs):8.3f}  "
+              f"max {max(xs):8.3f}   (prefill forward {med(fwd[mode]):.3f}"
+              f" ms GPU; decode after its KV landed {med(tail[mode]):.3f} "
+              "ms)")
     r = statistics.median(gap["whole"]) / statistics.median(gap["layerwise"])
     print(f"ratio whole / layer-wise (medians): {r:.2f}x")
     return True
@@ -403,6 +452,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--layers", type=int, default=pl.L)
+    ap.add_argument("--hidden", type=int, default=pl.HIDDEN)
+    ap.add_argument("--heads", type=int, default=pl.HEADS)
+    ap.add_argument("--kv-heads", type=int, default=pl.KV_HEADS)
     ap.add_argument("--device", default=None,
                     help="cpu: host pools and fp32 (a check of this script "
                     "without a GPU)")
@@ -415,7 +467,9 @@ def main():
     if a.what == "test":
         ok = test(a.kvxferd, device)
     else:
-        ok = measure(a.kvxferd, device, a.tokens, a.reps, a.layers)
+        ok = measure(a.kvxferd, device, a.tokens, a.reps, {
+            "L": a.layers, "HIDDEN": a.hidden, "HEADS": a.heads,
+            "KV_HEADS": a.kv_heads})
     return 0 if ok else 1
 
 
