@@ -310,7 +310,7 @@ def decode_main(sock, device, shape, prompts, to_decode, started,
                 break
             if time.time() > end:
                 raise RuntimeError(f"{rid}: the fetch did not end")
-            time.sleep(0.0005)
+            time.sleep(0.0001)
         errors = w.take_load_errors()
         if errors:
             raise RuntimeError(f"{rid}: load errors in {sorted(errors)}")
@@ -418,6 +418,7 @@ def measure(kvxferd, device, tokens, reps, shape):
     set_shape(shape)
     gap: Dict[str, List[float]] = {"whole": [], "layerwise": []}
     tail: Dict[str, List[float]] = {"whole": [], "layerwise": []}
+    land: Dict[str, List[float]] = {"whole": [], "layerwise": []}
     fwd: Dict[str, List[float]] = {"whole": [], "layerwise": []}
     for rid, mode, _ in plan:
         if rid.startswith("warm"):
@@ -425,6 +426,7 @@ def measure(kvxferd, device, tokens, reps, shape):
         r = res[rid]
         gap[mode].append((r["t_first"] - r["t_last"]) * 1e3)
         tail[mode].append((r["t_first"] - r["t_landed"]) * 1e3)
+        land[mode].append((r["t_landed"] - r["t_last"]) * 1e3)
         fwd[mode].append(r["forward_ms"])
     kv = tokens * pl.L * 2 * pl.KV_HEADS * pl.HD * 2
     print(f"model: {pl.L} layers, hidden {pl.HIDDEN}, {pl.HEADS} heads, "
@@ -439,8 +441,14 @@ def measure(kvxferd, device, tokens, reps, shape):
               f"max {max(xs):8.3f}   (prefill forward {med(fwd[mode]):.3f}"
               f" ms GPU; decode after its KV landed {med(tail[mode]):.3f} "
               "ms)")
-    r = statistics.median(gap["whole"]) / statistics.median(gap["layerwise"])
+    r = med(gap["whole"]) / med(gap["layerwise"])
     print(f"ratio whole / layer-wise (medians): {r:.2f}x")
+    print("of which the prefill's last layer -> the KV landed at the "
+          "decode (its get_finished; ms):")
+    for mode in ("whole", "layerwise"):
+        xs = land[mode]
+        print(f"  {mode:10s} median {med(xs):8.3f}  min {min(xs):8.3f}  "
+              f"max {max(xs):8.3f}")
     return True
 
 
