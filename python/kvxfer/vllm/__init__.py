@@ -55,6 +55,18 @@ restart. Each outage is logged once, and the return.
     the daemon address of every rank, in kvxfer rank order, when the
     ranks run on several nodes and torch.distributed is not set up to
     gather them (default: gathered, or this node's daemon for all).
+``layerwise``
+    a prefill's offer is reserved at its first scheduled chunk and
+    published layer-wise from ``save_kv_layer``, each layer ready as the
+    forward writes it (default true; false: whole requests, published
+    the step after they finished). See :mod:`kvxfer.vllm.layerwise`.
+``layerwise_load``
+    the decode loads synchronously and ``wait_for_layer_load`` waits for
+    each layer (``fetch_progress``), so its first token's forward runs
+    while the last layers land (default false).
+
+Metrics: ``vllm:kvxfer_*`` in vLLM's ``/metrics`` and stats log
+(:mod:`kvxfer.vllm.metrics`).
 """
 
 from kvxfer.vllm.common import (PARAMS_KEY, VLLM_VERSION,
