@@ -81,23 +81,26 @@ class Engine:
                  layout: str = "LBNHC", extra: Optional[dict] = None,
                  policy: str = "recompute", salt: float = 0.0,
                  per_layer: bool = False, chunk: int = 1024,
-                 log_stats: bool = False) -> None:
+                 log_stats: bool = False,
+                 num_blocks: int = NUM_BLOCKS) -> None:
         """per_layer: the forward goes layer by layer inside the
         connector's step, calling wait_for_layer_load before a layer and
         save_kv_layer after it, as vLLM's attention layers do (and
         after_layer(engine, rank, layer) then, when set); chunk: the
         scheduler's token budget a step (chunked prefill below 512);
-        log_stats: the scheduler's stats, each step's in self.stats."""
+        log_stats: the scheduler's stats, each step's in self.stats;
+        num_blocks: the KV cache's blocks (few: vLLM preempts)."""
         self.name, self.tp, self.salt = name, tp, salt
         self.per_layer = per_layer
         self.after_layer: Optional[Callable[[Any, int, int], None]] = None
         mc = ModelConfig(model=model, skip_tokenizer_init=True,
                          dtype="float32", max_model_len=512, seed=0)
-        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=chunk,
+        sc = SchedulerConfig(max_num_seqs=min(16, chunk),
+                             max_num_batched_tokens=chunk,
                              max_model_len=512, is_encoder_decoder=False,
                              enable_chunked_prefill=chunk < 512)
         cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-        cc.num_gpu_blocks = NUM_BLOCKS
+        cc.num_gpu_blocks = num_blocks
         cc.kv_cache_layout = layout
         kv = KVTransferConfig(
             kv_connector="KvxferConnector",
@@ -115,9 +118,9 @@ class Engine:
                                  head_size=HEAD, dtype=torch.float32)
         self.layer_names = [f"model.layers.{i}.self_attn.attn"
                             for i in range(LAYERS)]
-        kt = kv_tensor(spec, NUM_BLOCKS, self.layer_names,
+        kt = kv_tensor(spec, num_blocks, self.layer_names,
                        KVCacheLayout[layout])
-        kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[kt],
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[kt],
                             kv_cache_groups=[KVCacheGroupSpec(
                                 self.layer_names, spec)])
         self.sched = Scheduler(
@@ -133,7 +136,7 @@ class Engine:
             vcr.parallel_config.rank = r
             buf = kvxfer.HostBuffer(kt.size)
             raw = buf.torch(torch.int8)
-            views = create_kv_cache_views(raw, spec, NUM_BLOCKS,
+            views = create_kv_cache_views(raw, spec, num_blocks,
                                           KVCacheLayout[layout], kt)
             caches = dict(zip(self.layer_names, views))
             conn = KVConnectorFactory.create_connector(
@@ -170,6 +173,8 @@ class Engine:
         so = self.sched.schedule()
         outs = []
         for r, rank in enumerate(self.ranks):
+            # vLLM's model runner, before the forward
+            rank["conn"].handle_preemptions(so.kv_connector_metadata)
             if not self.per_layer:
                 self._forward(so, r, rank["caches"])
             kv_transfer_state._KV_CONNECTOR_AGENT = rank["conn"]

@@ -256,3 +256,46 @@ def test_decode_layer_load(engines):
     for layer, kv in enumerate(d.kv_in(seen["blocks"], 39)):
         assert torch.equal(kv, pattern(prompt, 0, 39, layer,
                                        range(KV_HEADS)))
+
+
+def test_preempted_prefill(engines):
+    """A layer-wise prefill preempted between its chunks (a decoding
+    request that came first needs its next block): its offer is
+    cancelled before the forward writes its freed blocks again
+    (handle_preemptions), the decode that fetched it early gets load
+    errors and recomputes, and the prefill, run again, finishes without
+    params (its decode computes the prompt); every block is free at the
+    end."""
+    # 8 usable blocks, 3 tokens a step: "long" (64 tokens) decodes a
+    # token a step, req-pe prefills 2; at long's 81st token req-pe holds
+    # 3 blocks (32 tokens), none is free, and vLLM preempts req-pe
+    p = engines(per_layer=True, chunk=3, num_blocks=9)
+    d = engines()
+    p_free = p.free_blocks()
+    p.add("long", prompt_of(64, 37), 40)
+    run([p], lambda: len(p.tokens["long"]) >= 1)
+    prompt = prompt_of(48, 38)
+    p.add("req-pe", prompt, 1, {"do_remote_decode": True})
+    p.step()  # its first chunk: offered
+    d.add("req-pe", prompt, 2, early_params(p, "req-pe"))
+    d.step()
+    # what the worker knows when the preempting step's forward is about
+    # to write its first layer (wait_for_layer_load)
+    w, before = worker(p), []
+    wait_layer = w.wait_layer
+
+    def watch(name: str) -> None:
+        m = sender(p)._meta
+        if name == p.layer_names[0] and m is not None and \
+                "req-pe" in m.lw_dropped:
+            before.append("req-pe" in sender(p)._offers)
+        wait_layer(name)
+    w.wait_layer = watch
+    run([p], lambda: p.sched.requests["req-pe"].num_preemptions > 0)
+    assert before == [False]  # cancelled before the forward (once)
+    run([p, d], lambda: "req-pe" in d.outputs and "req-pe" in p.outputs
+        and "long" in p.outputs, timeout=30)
+    assert load_errors(d)
+    assert d.computed["req-pe"][0] == 48  # recomputed
+    assert p.outputs["req-pe"].kv_transfer_params is None
+    assert p.free_blocks() == p_free

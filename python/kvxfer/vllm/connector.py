@@ -87,6 +87,14 @@ class KvxferConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata
+                           ) -> None:
+        # before the forward: a preempted request's layer-wise offer is
+        # cancelled before its freed blocks are written again
+        assert self._worker is not None
+        if isinstance(kv_connector_metadata, KvxferConnectorMetadata):
+            self._worker.drop_preempted(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext",
                       **kwargs: Any) -> None:
         assert self._worker is not None

@@ -354,6 +354,12 @@ class _Worker:
         self.lw.begin(meta)
         self.lw.end_step()
 
+    def drop_preempted(self, meta: KvxferConnectorMetadata) -> None:
+        """handle_preemptions: the step's layer-wise work now, before the
+        forward, so preempted requests' offers are cancelled first."""
+        if self._kv_caches is not None and meta.lw_dropped:
+            self.lw.begin(meta)
+
     def wait_layer(self, layer_name: str) -> None:
         """wait_for_layer_load: the step's synchronous loads hold the
         layer (layerwise_load)."""
