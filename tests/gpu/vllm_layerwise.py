@@ -96,9 +96,8 @@ def shim_vllm() -> Any:
     vLLM-facing connector), and, when vLLM is missing, the one vLLM class
     the worker half's metadata derives from."""
     kvxfer = pl.kvx()
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
         names = ["vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
                  "vllm.distributed.kv_transfer.kv_connector",
                  "vllm.distributed.kv_transfer.kv_connector.v1",
