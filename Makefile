@@ -98,7 +98,7 @@ UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/t
 ITEST      := $(BUILD)/tests/integration
 
 .PHONY: all deps test asan tsan demo demo-gpu demo-router install uninstall clean bundle help test-gpu lint fuzz
-.PHONY: check-lib test-python test-vllm test-sglang wheel print-daemon-src
+.PHONY: check-lib test-python test-vllm test-sglang test-trtllm wheel print-daemon-src
 all: $(BINS)
 
 help:
@@ -113,6 +113,7 @@ help:
 	@echo "make test-python  the Python package's tests (pytest, a venv under build/)"
 	@echo "make test-vllm  kvxfer.vllm against vLLM's own scheduler (pinned vLLM, a venv)"
 	@echo "make test-sglang  kvxfer.sglang against SGLang 0.5.23's base classes (a venv under build/)"
+	@echo "make test-trtllm  kvxfer.trtllm against a stand-in TensorRT-LLM (torch: test-vllm's venv)"
 	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
@@ -245,6 +246,13 @@ test-vllm: deps
 test-sglang: deps
 	@$(MAKE) --no-print-directory all
 	@scripts/test-sglang.sh $(BUILD)
+
+# tests/trtllm: kvxfer.trtllm's transceiver driven as TensorRT-LLM's
+# executor drives one, against a stand-in written from its source
+# (tests/trtllm/standin.py), in $(BUILD)/venv-vllm (torch and pytest)
+test-trtllm: deps
+	@$(MAKE) --no-print-directory all
+	@scripts/test-python.sh $(BUILD) --trtllm
 
 # A wheel of the Python package with libkvxfer.so.2 and the shared
 # libraries it needs that a machine without our Debian packages lacks

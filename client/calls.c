@@ -57,6 +57,27 @@ int kvx_params_info(const void *params, size_t len, kvx_params_info_t *info)
     return KVX_OK;
 }
 
+int kvx_params_lease(const void *params, size_t len, uint32_t *lease_ms)
+{
+    if (!lease_ms)
+        return KVX_ERR_INVALID;
+    Kvxfer__ContextParams *cp =
+        params && len ? kvxfer__context_params__unpack(NULL, len, params)
+                      : NULL;
+    if (!cp || cp->version != 2) {
+        snprintf(kvx__connect_err, sizeof(kvx__connect_err),
+                 "kvx_params_lease: %zu bytes of params: %s", len,
+                 cp ? "params version is not 2"
+                    : "not a ContextParams message");
+        if (cp)
+            kvxfer__context_params__free_unpacked(cp, NULL);
+        return KVX_ERR_INVALID;
+    }
+    *lease_ms = cp->lease_ms;
+    kvxfer__context_params__free_unpacked(cp, NULL);
+    return KVX_OK;
+}
+
 void kvx_context_params_free(kvx_context_params_t *p)
 {
     if (!p)

@@ -21,14 +21,14 @@
 #include "kvxfer.pb-c.h"
 
 /* The field_mask bits this library knows. */
-#define PUBLISH_KNOWN (KVX_PUBLISH_FIELD_ITEMS * 2 - 1)
+#define PUBLISH_KNOWN (KVX_PUBLISH_FIELD_LEASE * 2 - 1)
 #define FETCH_KNOWN (KVX_FETCH_FIELD_ITEMS * 2 - 1)
 #define PUBLISH_FLAGS_KNOWN KVX_PUBLISH_LAYERWISE
 
 /* Bit b's name, for messages: field_names[verb][b]. */
 static const char *const publish_fields[] = {
-    "KEY",    "BLOCKS", "NUM_TOKENS", "PARAMS",  "AUX",
-    "GROUPS", "FLAGS",  "OUTCOME",    "TIMEOUT", "ITEMS",
+    "KEY",   "BLOCKS",  "NUM_TOKENS", "PARAMS", "AUX",   "GROUPS",
+    "FLAGS", "OUTCOME", "TIMEOUT",    "ITEMS",  "LEASE",
 };
 static const char *const fetch_fields[] = {
     "KEY",     "BLOCKS", "PARAMS",  "CONTEXT", "SKIP_TOKENS",
@@ -56,10 +56,18 @@ static const verb_t READY = {"KVX_READY_FIELD_", ready_fields,
 static const verb_t PROGRESS = {"KVX_PROGRESS_FIELD_", progress_fields,
                                 KVX_PROGRESS_FIELD_TIMEOUT * 2 - 1};
 static const char *const reserve_fields[] = {
-    "KEY", "INSTANCE", "NUM_TOKENS", "PARAMS", "POOL", "GROUPS", "TIMEOUT",
+    "KEY",    "INSTANCE", "NUM_TOKENS", "PARAMS",  "POOL",
+    "GROUPS", "TIMEOUT",  "LEASE",      "OUTCOME", "ITEMS",
 };
 static const verb_t RESERVE = {"KVX_RESERVE_FIELD_", reserve_fields,
-                               KVX_RESERVE_FIELD_TIMEOUT * 2 - 1};
+                               KVX_RESERVE_FIELD_ITEMS * 2 - 1};
+static const char *const renew_fields[] = {
+    "PARAMS",
+    "OUTCOMES",
+    "TIMEOUT",
+};
+static const verb_t RENEW = {"KVX_RENEW_FIELD_", renew_fields,
+                             KVX_RENEW_FIELD_TIMEOUT * 2 - 1};
 
 static int bit_index(uint64_t bit)
 {
@@ -179,6 +187,13 @@ static int publish_msg(kvx_client_t *c, const char *what,
                          "%s: the daemon speaks protocol 2.%u; layer-wise "
                          "offers need 2.1",
                          what, c->daemon_minor);
+    uint32_t lease = f & KVX_PUBLISH_FIELD_LEASE ? a->lease_ms : 0;
+    /* an older daemon would ignore it and hold the offer its own lease */
+    if (lease && c->daemon_minor < 6)
+        return kvx__fail(c, KVX_ERR_VERSION,
+                         "%s: the daemon speaks protocol 2.%u; lease_ms needs "
+                         "2.6",
+                         what, c->daemon_minor);
     if ((rc = kvx__groups_msg(c, what, groups, ngroups, KVX__GROUPS_PUBLISH,
                               pm->gm, pm->gmp)))
         return rc;
@@ -195,6 +210,7 @@ static int publish_msg(kvx_client_t *c, const char *what,
     m->aux.data = (uint8_t *)aux;
     m->aux.len = aux_len;
     m->layerwise = (flags & KVX_PUBLISH_LAYERWISE) != 0;
+    m->lease_ms = lease;
     return 0;
 }
 
@@ -723,61 +739,69 @@ int kvx_progress(kvx_client_t *c, const kvx_progress_args_t *a)
 
 /* ---- kvx_reserve ------------------------------------------------------- */
 
-int kvx__reserve(kvx_client_t *c, const char *fn, const kvx_reserve_args_t *a)
+typedef struct {
+    Kvxfer__Reserve m;
+    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
+} reserve_msg_t;
+
+/* Check a's fields (what names them in messages) and build its message
+ * into rm; the pointers of a are borrowed. */
+static int reserve_msg(kvx_client_t *c, const char *what,
+                       const kvx_reserve_args_t *a, reserve_msg_t *rm)
 {
-    if (!c)
-        return KVX_ERR_INVALID;
-    if (!a)
-        return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
     uint64_t f = a->field_mask;
-    int rc = mask_known(c, fn, &RESERVE, f);
+    int rc = mask_known(c, what, &RESERVE, f);
     if (!rc)
-        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_KEY);
+        rc = mask_has(c, what, &RESERVE, f, KVX_RESERVE_FIELD_KEY);
     if (!rc)
-        rc = kvx__key_arg(c, fn, a->key, a->key_len);
+        rc = kvx__key_arg(c, what, a->key, a->key_len);
     if (!rc)
-        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_INSTANCE);
+        rc = mask_has(c, what, &RESERVE, f, KVX_RESERVE_FIELD_INSTANCE);
     if (!rc)
-        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_NUM_TOKENS);
+        rc = mask_has(c, what, &RESERVE, f, KVX_RESERVE_FIELD_NUM_TOKENS);
     if (!rc)
-        rc = mask_has(c, fn, &RESERVE, f, KVX_RESERVE_FIELD_PARAMS);
+        rc = mask_has(c, what, &RESERVE, f, KVX_RESERVE_FIELD_PARAMS);
     if (rc)
         return rc;
     if (!a->instance_id || !a->params)
-        return kvx__fail(c, KVX_ERR_INVALID, "%s: %s is NULL", fn,
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: %s is NULL", what,
                          a->instance_id ? "params" : "instance_id");
     uint32_t pool_id = f & KVX_RESERVE_FIELD_POOL ? a->pool_id : 0;
     const kvx_group_t *groups = f & KVX_RESERVE_FIELD_GROUPS ? a->groups : NULL;
     uint32_t ngroups = f & KVX_RESERVE_FIELD_GROUPS ? a->num_groups : 0;
     /* an observer has no Hello reply, so no daemon version: the
      * params returned say whether the daemon took the groups */
-    Kvxfer__GroupBlocks gm[KVX_MAX_GROUPS], *gmp[KVX_MAX_GROUPS];
-    if ((rc = kvx__groups_msg(c, fn, groups, ngroups, KVX__GROUPS_RESERVE, gm,
-                              gmp)))
+    if ((rc = kvx__groups_msg(c, what, groups, ngroups, KVX__GROUPS_RESERVE,
+                              rm->gm, rm->gmp)))
         return rc;
-    Kvxfer__Reserve m = KVXFER__RESERVE__INIT;
-    m.instance_id = (char *)a->instance_id;
-    m.key.data = (uint8_t *)a->key;
-    m.key.len = a->key_len;
-    m.num_tokens = a->num_tokens;
-    m.pool_id = pool_id ? kvx__pool_daemon(c, pool_id) : 0;
-    m.n_groups = ngroups;
-    m.groups = ngroups ? gmp : NULL;
-    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
-    rq.body_case = KVXFER__REQUEST__BODY_RESERVE;
-    rq.reserve = &m;
-    Kvxfer__Reply *r;
-    int t =
-        f & KVX_RESERVE_FIELD_TIMEOUT ? a->timeout_ms : KVX_TIMEOUT_DEFAULT_MS;
-    if ((rc = kvx__call(c, &rq, -1, t, &r)))
-        return rc;
-    rc = kvx__params_take(c, "reserve", r, a->params);
-    kvxfer__reply__free_unpacked(r, NULL);
-    if (rc || !ngroups)
-        return rc;
+    Kvxfer__Reserve *m = &rm->m;
+    kvxfer__reserve__init(m);
+    m->instance_id = (char *)a->instance_id;
+    m->key.data = (uint8_t *)a->key;
+    m->key.len = a->key_len;
+    m->num_tokens = a->num_tokens;
+    m->pool_id = pool_id ? kvx__pool_daemon(c, pool_id) : 0;
+    m->n_groups = ngroups;
+    m->groups = ngroups ? rm->gmp : NULL;
+    m->lease_ms = f & KVX_RESERVE_FIELD_LEASE ? a->lease_ms : 0;
+    return 0;
+}
+
+/* The params a reservation got carry what it asked (an older daemon
+ * ignores the groups, and the lease): 0, or KVX_ERR_VERSION with the
+ * params freed. */
+static int reserve_params_check(kvx_client_t *c, const char *what,
+                                const kvx_reserve_args_t *a)
+{
+    uint32_t ngroups =
+        a->field_mask & KVX_RESERVE_FIELD_GROUPS ? a->num_groups : 0;
+    uint32_t lease = a->field_mask & KVX_RESERVE_FIELD_LEASE ? a->lease_ms : 0;
+    if (!ngroups && !lease)
+        return 0;
     Kvxfer__ContextParams *cp =
         kvxfer__context_params__unpack(NULL, a->params->len, a->params->data);
     size_t got = cp ? cp->n_groups : 0;
+    uint32_t got_lease = cp ? cp->lease_ms : 0;
     if (cp)
         kvxfer__context_params__free_unpacked(cp, NULL);
     if (got != ngroups) {
@@ -787,12 +811,222 @@ int kvx__reserve(kvx_client_t *c, const char *fn, const kvx_reserve_args_t *a)
             "%s: the daemon's params carry %zu of the %u groups: it "
             "speaks a protocol before 2.4 (its reservation ends at "
             "its lease)",
-            fn, got, ngroups);
+            what, got, ngroups);
+    }
+    if (lease && !got_lease) {
+        kvx_context_params_free(a->params);
+        return kvx__fail(c, KVX_ERR_VERSION,
+                         "%s: the daemon's params carry no lease: it speaks "
+                         "a protocol before 2.6 (lease_ms needs 2.6; its "
+                         "reservation ends at its own lease)",
+                         what);
     }
     return 0;
+}
+
+static int reserve_one(kvx_client_t *c, const char *fn,
+                       const kvx_reserve_args_t *a, int timeout_ms)
+{
+    reserve_msg_t rm;
+    int rc = reserve_msg(c, fn, a, &rm);
+    if (rc)
+        return rc;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_RESERVE;
+    rq.reserve = &rm.m;
+    Kvxfer__Reply *r;
+    if ((rc = kvx__call(c, &rq, -1, timeout_ms, &r)))
+        return rc;
+    rc = kvx__params_take(c, "reserve", r, a->params);
+    kvxfer__reply__free_unpacked(r, NULL);
+    return rc ? rc : reserve_params_check(c, fn, a);
+}
+
+static kvx_outcome_t *reserve_outcome(const kvx_reserve_args_t *a)
+{
+    return a->field_mask & KVX_RESERVE_FIELD_OUTCOME ? a->outcome : NULL;
+}
+
+/* A scheduler's step of reservations in one round trip: as
+ * publish_batch(), with no key tracked (a reservation is the ranks'
+ * request, not this client's). */
+static int reserve_batch(kvx_client_t *c, const char *fn,
+                         const kvx_reserve_args_t *a, int timeout_ms)
+{
+    const uint64_t ok = KVX_RESERVE_FIELD_ITEMS | KVX_RESERVE_FIELD_TIMEOUT |
+                        KVX_RESERVE_FIELD_OUTCOME;
+    int rc = batch_mask(c, fn, &RESERVE, a->field_mask, ok);
+    if (!rc)
+        rc = batch_items(c, fn, a->items, a->num_items);
+    if (rc || !a->num_items)
+        return rc;
+    size_t n = a->num_items;
+    const kvx_reserve_args_t *it = a->items;
+    reserve_msg_t *rm = calloc(n, sizeof(*rm));
+    kvx_outcome_t **o = calloc(n, sizeof(*o));
+    Kvxfer__Request *rq = calloc(n, sizeof(*rq));
+    Kvxfer__Reply **rp = NULL;
+    int first = 0;
+    if (!rm || !o || !rq) {
+        rc = kvx__fail(c, KVX_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        o[i] = reserve_outcome(&it[i]);
+        if (it[i].params && it[i].field_mask & KVX_RESERVE_FIELD_PARAMS)
+            *it[i].params = (kvx_context_params_t){NULL, 0};
+    }
+    for (size_t i = 0; i < n; i++) {
+        char what[64];
+        snprintf(what, sizeof(what), "%s: item %zu", fn, i);
+        if ((rc = item_mask(c, what, &RESERVE, it[i].field_mask,
+                            KVX_RESERVE_FIELD_ITEMS,
+                            KVX_RESERVE_FIELD_TIMEOUT)) ||
+            (rc = reserve_msg(c, what, &it[i], &rm[i]))) {
+            outcomes_all(c, o, n, i, rc);
+            goto out;
+        }
+        kvxfer__request__init(&rq[i]);
+        rq[i].body_case = KVXFER__REQUEST__BODY_RESERVE;
+        rq[i].reserve = &rm[i].m;
+    }
+    if ((rc = kvx__call_many(c, rq, n, timeout_ms, &rp))) {
+        outcomes_all(c, o, n, n, rc);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const Kvxfer__Reply *r = rp[i];
+        int st = item_status(c, fn, i, it[i].key, it[i].key_len, r, &first);
+        const char *msg = r->message;
+        char keep[sizeof(c->err)];
+        if (!st) {
+            char what[64];
+            snprintf(what, sizeof(what), "%s: item %zu", fn, i);
+            memcpy(keep, c->err, sizeof(keep));
+            st = kvx__params_take(c, what, r, it[i].params);
+            if (!st)
+                st = reserve_params_check(c, what, &it[i]);
+            if (st) {
+                msg = c->err; /* the library's own failure */
+                if (!first)
+                    first = st;
+                else
+                    memcpy(c->err, keep, sizeof(keep));
+            }
+        }
+        if (o[i])
+            outcome_set(o[i], st, 1, msg);
+    }
+    rc = first;
+out:
+    kvx__replies_free(rp, n);
+    free(rm);
+    free(o);
+    free(rq);
+    return rc;
+}
+
+int kvx__reserve(kvx_client_t *c, const char *fn, const kvx_reserve_args_t *a)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    c->err[0] = 0;
+    c->answered = 0;
+    if (!a)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
+    uint64_t f = a->field_mask;
+    int t =
+        f & KVX_RESERVE_FIELD_TIMEOUT ? a->timeout_ms : KVX_TIMEOUT_DEFAULT_MS;
+    int rc = mask_known(c, fn, &RESERVE, f);
+    if (!rc)
+        rc = f & KVX_RESERVE_FIELD_ITEMS ? reserve_batch(c, fn, a, t)
+                                         : reserve_one(c, fn, a, t);
+    if (reserve_outcome(a))
+        outcome_set(a->outcome, rc, c->answered, c->err);
+    return rc;
 }
 
 int kvx_reserve(kvx_client_t *c, const kvx_reserve_args_t *a)
 {
     return kvx__reserve(c, "kvx_reserve", a);
+}
+
+/* ---- kvx_renew --------------------------------------------------------- */
+
+int kvx_renew(kvx_client_t *c, const kvx_renew_args_t *a)
+{
+    const char *fn = "kvx_renew";
+    if (!c)
+        return KVX_ERR_INVALID;
+    c->err[0] = 0;
+    c->answered = 0;
+    if (!a)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: args is NULL", fn);
+    uint64_t f = a->field_mask;
+    int rc = mask_known(c, fn, &RENEW, f);
+    if (!rc)
+        rc = mask_has(c, fn, &RENEW, f, KVX_RENEW_FIELD_PARAMS);
+    if (rc)
+        return rc;
+    size_t n = a->num_params;
+    kvx_outcome_t *o = f & KVX_RENEW_FIELD_OUTCOMES ? a->outcomes : NULL;
+    int t =
+        f & KVX_RENEW_FIELD_TIMEOUT ? a->timeout_ms : KVX_TIMEOUT_DEFAULT_MS;
+    if (!a->params || !n || n > KVX_MANY_MAX)
+        return kvx__fail(c, KVX_ERR_INVALID, "%s: %zu params%s (1 to %u)", fn,
+                         n, a->params ? "" : " at NULL", KVX_MANY_MAX);
+    for (size_t i = 0; i < n; i++)
+        if (!a->params[i].data || !a->params[i].len)
+            return kvx__fail(c, KVX_ERR_INVALID,
+                             "%s: params[%zu] is empty (NULL or 0 bytes)", fn,
+                             i);
+    /* a client that said Hello knows its daemon; an observer's older
+     * daemon refuses the unknown request (KVX_ERR_PROTOCOL) */
+    if (c->rv.has_hello && c->daemon_minor < 6)
+        return kvx__fail(c, KVX_ERR_VERSION,
+                         "%s: the daemon speaks protocol 2.%u; renewing a "
+                         "lease needs 2.6",
+                         fn, c->daemon_minor);
+    Kvxfer__Renew *m = calloc(n, sizeof(*m));
+    Kvxfer__Request *rq = calloc(n, sizeof(*rq));
+    Kvxfer__Reply **rp = NULL;
+    int first = 0;
+    if (!m || !rq) {
+        rc = kvx__fail(c, KVX_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvxfer__renew__init(&m[i]);
+        m[i].context_params.data = a->params[i].data;
+        m[i].context_params.len = a->params[i].len;
+        kvxfer__request__init(&rq[i]);
+        rq[i].body_case = KVXFER__REQUEST__BODY_RENEW;
+        rq[i].renew = &m[i];
+    }
+    if ((rc = kvx__call_many(c, rq, n, t, &rp))) {
+        for (size_t i = 0; o && i < n; i++)
+            outcome_set(&o[i], rc, 0, c->err);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const Kvxfer__Reply *r = rp[i];
+        int st = r->status ? kvx__reply_code(r->status) : 0;
+        if (st && !first) {
+            kvx_params_info_t info;
+            char k[REQKEY_STR_MAX] = "?";
+            if (!kvx_params_info(a->params[i].data, a->params[i].len, &info))
+                reqkey_str(info.key, info.key_len, k);
+            first = st;
+            snprintf(c->err, sizeof(c->err), "%s: item %zu (key %s): %s", fn, i,
+                     k, r->message);
+        }
+        if (o)
+            outcome_set(&o[i], st, 1, r->message);
+    }
+    rc = first;
+out:
+    kvx__replies_free(rp, n);
+    free(m);
+    free(rq);
+    return rc;
 }

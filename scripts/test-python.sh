@@ -3,7 +3,7 @@
 # against BUILD's kvxferd and libkvxfer.so.2. The last line is
 # "N passed, N failed", as tests/run.sh's, which adds it into make test;
 # skipped tests are named above it and count as neither.
-#   scripts/test-python.sh [BUILD] [--gpu|--vllm] [pytest arguments...]
+#   scripts/test-python.sh [BUILD] [--gpu|--vllm|--trtllm] [pytest args...]
 # pytest and numpy come from a virtual environment, BUILD/venv, made here
 # (pip from PyPI). --gpu (make test-gpu): python3 itself when it has
 # pytest and numpy, else BUILD/venv-gpu, which sees the system's packages
@@ -12,7 +12,10 @@
 # kvxfer.vllm pins: vLLM and what pip resolves for it, less the GPU kernel
 # packages and torch's CUDA libraries (scripts/vllm-lean.py; installed once,
 # about 4 minutes and 3.8 GB, where a full install takes 9.4 GB and
-# as much again in pip's cache; no pip cache is kept).
+# as much again in pip's cache; no pip cache is kept). --trtllm (make
+# test-trtllm): tests/trtllm, kvxfer.trtllm against a stand-in TensorRT-LLM
+# (tests/trtllm/standin.py), needing only torch and pytest: it runs in
+# BUILD/venv-vllm, made as --vllm makes it when it lacks them.
 cd "$(dirname "$0")/.." || exit 1
 BUILD=${1:-build}
 [ $# -gt 0 ] && shift
@@ -28,6 +31,11 @@ case "${1:-}" in
     vllm=$(sed -n 's/^VLLM_VERSION = "\(.*\)".*/\1/p' python/kvxfer/vllm/common.py)
     venv=$BUILD/venv-vllm; pkgs="vllm==$vllm pytest"; tests=tests/vllm; lean=1
     need="import pytest, vllm; assert vllm.__version__ == '$vllm', vllm.__version__" ;;
+--trtllm)
+    shift
+    vllm=$(sed -n 's/^VLLM_VERSION = "\(.*\)".*/\1/p' python/kvxfer/vllm/common.py)
+    venv=$BUILD/venv-vllm; pkgs="vllm==$vllm pytest"; tests=tests/trtllm; lean=1
+    need="import pytest, torch" ;;
 esac
 fail() { echo "test-python: $*"; echo "0 passed, 1 failed"; exit 1; }
 # no pip cache: it would hold a second copy of every wheel (CI's disk is small)

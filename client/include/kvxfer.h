@@ -64,12 +64,13 @@ extern "C" {
 /* This header's release. kvx_version() says the library's, which may be
  * newer than the header a program was built with. */
 #define KVX_VERSION_MAJOR 3
-#define KVX_VERSION_MINOR 0
-#define KVX_VERSION_STRING "3.0.0"
+#define KVX_VERSION_MINOR 1
+#define KVX_VERSION_STRING "3.1.0"
 /* The protocol the library and the daemon speak (Hello's version): 3.0
- * changed the API, not the wire. */
+ * changed the API, not the wire; 2.6 added per-offer leases and their
+ * renewal (kvx_renew). */
 #define KVX_PROTOCOL_MAJOR 2
-#define KVX_PROTOCOL_MINOR 5
+#define KVX_PROTOCOL_MINOR 6
 /* The soname's number: libkvxfer.so.2. 3.0 keeps it, because every
  * program built against 2.x still runs: the two calls whose signature
  * changed keep their 2.x forms under their old version nodes
@@ -95,7 +96,7 @@ extern "C" {
 #define KVX_DEPRECATED_RESERVE                                                 \
     KVX_DEPRECATED("kvx_reserve (kvxfer.h 3.0: its args say the form)")
 
-/* The library's release, "3.0.0" (KVX_VERSION_STRING of the library that
+/* The library's release, "3.1.0" (KVX_VERSION_STRING of the library that
  * was loaded, not of the header the program was built with). */
 KVX_EXPORT const char *kvx_version(void);
 
@@ -752,7 +753,7 @@ kvx_group_tokens_ready(kvx_client_t *client, const void *key, size_t key_len,
  * may add members (and bits) at the end without a new symbol, and a
  * member not in the mask takes its default. A bit this library does not
  * know is KVX_ERR_INVALID naming it ("kvx_publish: field_mask bit 0x400
- * is unknown to libkvxfer 3.0.0"), never ignored: a program built
+ * is unknown to libkvxfer 3.1.0"), never ignored: a program built
  * against a newer header learns that an older library cannot do what it
  * asked. A required member missing is KVX_ERR_INVALID naming the field.
  *
@@ -807,7 +808,8 @@ typedef struct {
 #define KVX_PUBLISH_FIELD_FLAGS (1ull << 6)
 #define KVX_PUBLISH_FIELD_OUTCOME (1ull << 7)
 #define KVX_PUBLISH_FIELD_TIMEOUT (1ull << 8)
-#define KVX_PUBLISH_FIELD_ITEMS (1ull << 9) /* items, num_items */
+#define KVX_PUBLISH_FIELD_ITEMS (1ull << 9)  /* items, num_items */
+#define KVX_PUBLISH_FIELD_LEASE (1ull << 10) /* lease_ms (2.6) */
 
 /* kvx_publish_args_t.flags bits */
 /* Layer-wise: the offer is made before the KV exists; no layer of this
@@ -848,6 +850,15 @@ typedef struct kvx_publish_args {
      * outcome. */
     const struct kvx_publish_args *items;
     size_t num_items;
+    /* 2.6: the offer's lease, ms: how long the daemon holds it for a
+     * fetch before it ends TIMED_OUT, unless renewed (kvx_renew). 0 or
+     * not set: the daemon's deadlines.offer_lease_ms; more than its
+     * deadlines.offer_lease_max_ms: KVX_ERR_INVALID naming lease_ms. The
+     * rank whose publish (or the reservation) makes the offer sets it;
+     * a later rank's must be the same or 0 (else KVX_ERR_MISMATCH). The
+     * params carry it (kvx_params_lease). A daemon before 2.6:
+     * KVX_ERR_VERSION. */
+    uint32_t lease_ms;
 } kvx_publish_args_t;
 
 /* Offer a request's KV (or, with ITEMS, many requests'). Errors name the
@@ -1048,6 +1059,9 @@ KVX_EXPORT int kvx_progress(kvx_client_t *client,
 #define KVX_RESERVE_FIELD_POOL (1ull << 4)
 #define KVX_RESERVE_FIELD_GROUPS (1ull << 5) /* groups, num_groups */
 #define KVX_RESERVE_FIELD_TIMEOUT (1ull << 6)
+#define KVX_RESERVE_FIELD_LEASE (1ull << 7)   /* lease_ms (2.6) */
+#define KVX_RESERVE_FIELD_OUTCOME (1ull << 8) /* outcome */
+#define KVX_RESERVE_FIELD_ITEMS (1ull << 9)   /* items, num_items */
 
 typedef struct kvx_reserve_args {
     uint64_t field_mask;
@@ -1072,6 +1086,17 @@ typedef struct kvx_reserve_args {
     const struct kvx_group *groups;
     uint32_t num_groups;
     int timeout_ms; /* default KVX_TIMEOUT_DEFAULT_MS */
+    /* 2.6: the offer's lease, as kvx_publish_args_t.lease_ms; the
+     * ranks' publishes give the same or 0. */
+    uint32_t lease_ms;
+    kvx_outcome_t *outcome; /* out; default none */
+    /* A batch (a scheduler's step: kvx_reserve_many): these
+     * reservations, at most KVX_MANY_MAX, sent in one write and answered
+     * in one round trip, each with its own outcome and params, as
+     * kvx_publish's batches; no other member but timeout_ms and
+     * outcome. */
+    const struct kvx_reserve_args *items;
+    size_t num_items;
 } kvx_reserve_args_t;
 
 /* For the instance's scheduler (vLLM's and SGLang's scheduler process,
@@ -1105,6 +1130,70 @@ __asm__(".symver kvx__reserve_2x, kvx_reserve@KVXFER_2.0");
 int kvx_reserve3(kvx_client_t *client,
                  const kvx_reserve_args_t *args) __asm__("kvx_reserve");
 #endif /* KVX_API_2X */
+/* With KVX_RESERVE_FIELD_ITEMS, kvx_reserve takes a batch: the
+ * scheduler reserves every request of its step in one round trip
+ * instead of one each (a step of 256 costs one wake-up of each side).
+ * The rules are kvx_publish's batches' (above): each item its own
+ * field_mask, outcome and params; 0 when every item succeeded, else the
+ * code of the first that failed, kvx_last_error() naming it ("kvx_reserve:
+ * item 3 (key ...): ..."); an item invalid before anything is sent fails
+ * the call with nothing sent. kvx_reserve_many is this form. A daemon
+ * before 2.6 takes the batch but ignores lease_ms: an item that set one
+ * gets KVX_ERR_VERSION (its reservation ends at the daemon's lease). */
+
+/* ---- 2.6: leases -------------------------------------------------------
+ *
+ * An offer is held for its lease (kvx_publish_args_t.lease_ms, else the
+ * daemon's deadlines.offer_lease_ms), counted from its making, then ends
+ * TIMED_OUT unless a fetch took it. A generation side that holds the
+ * params longer (a request waiting in a decode queue) renews the lease:
+ * each renewal moves the deadline to now + the lease. The params say the
+ * lease; renew about every third of it. */
+
+/* The lease the params' offer was made with, in ms, into *lease_ms (0:
+ * params of a daemon before 2.6, whose lease is its
+ * deadlines.offer_lease_ms). KVX_ERR_INVALID: not params of this
+ * version (kvx_last_error(NULL) says why). */
+KVX_EXPORT int kvx_params_lease(const void *params, size_t params_len,
+                                uint32_t *lease_ms);
+
+/* kvx_renew_args_t.field_mask bits */
+/* Required: PARAMS (params, num_params). */
+#define KVX_RENEW_FIELD_PARAMS (1ull << 0)   /* params, num_params */
+#define KVX_RENEW_FIELD_OUTCOMES (1ull << 1) /* outcomes */
+#define KVX_RENEW_FIELD_TIMEOUT (1ull << 2)
+
+typedef struct kvx_renew_args {
+    uint64_t field_mask;
+    /* The params of the offers to renew, as kvx_publish or kvx_reserve
+     * returned them, 1 to KVX_MANY_MAX: one write, one round trip. */
+    const kvx_context_params_t *params;
+    size_t num_params;
+    /* Out: outcomes[i] is params[i]'s (num_params of them); default
+     * none. */
+    kvx_outcome_t *outcomes;
+    int timeout_ms; /* default KVX_TIMEOUT_DEFAULT_MS */
+} kvx_renew_args_t;
+
+/* Renew the leases of offers (the generation side: a rank, or a router or
+ * scheduler process connected with kvx_connect_observer): on every
+ * daemon of each offer's context ranks, its deadline becomes now + its
+ * lease (or + the params' lease, kvx_params_lease, when that is longer:
+ * a spread instance's offer on a daemon whose ranks named no lease). The
+ * params' token is the right to it, as for kvx_release. Each
+ * offer's renewal succeeds or fails on its own (its outcome): 0, also
+ * for an offer being fetched (the fetch's timeout bounds it, not the
+ * lease); KVX_ERR_NOT_FOUND (the offer ended: fetched, released, expired,
+ * cancelled, or never made); KVX_ERR_AUTH (a token that is not the
+ * offer's); KVX_ERR_INVALID (not params); KVX_ERR_UNSUPPORTED (a daemon of
+ * a rank speaks a protocol before 2.6, or transfers between daemons are
+ * off here); KVX_ERR_PEER_GONE / KVX_ERR_TIMED_OUT (a daemon of a rank
+ * did not answer). Returns 0 when every renewal succeeded, else the code
+ * of the first that failed, kvx_last_error() naming it ("kvx_renew: item
+ * 3 (key ...): ..."). KVX_ERR_VERSION: the daemon (said at Hello) is
+ * before 2.6; an observer's daemon before 2.6 answers
+ * KVX_ERR_PROTOCOL. */
+KVX_EXPORT int kvx_renew(kvx_client_t *client, const kvx_renew_args_t *args);
 
 /* ---- 2.x calls, deprecated by kvx_publish / kvx_fetch ------------------
  * Each is kvx_publish or kvx_fetch with the members it names; they stay

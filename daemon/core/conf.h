@@ -18,8 +18,8 @@
 typedef struct kvx_conf {
     /* socket */
     char socket_path[108];
-    unsigned socket_mode;          /* e.g. 0660 */
-    char socket_group[64];         /* "" = daemon's group */
+    unsigned socket_mode;  /* e.g. 0660 */
+    char socket_group[64]; /* "" = daemon's group */
     /* auth: the daemon's own uid and root are always allowed */
     uint32_t allowed_uids[CONF_MAX_IDS];
     unsigned num_allowed_uids;
@@ -57,7 +57,7 @@ typedef struct kvx_conf {
     uint64_t gpu_chunk_bytes;
     uint64_t gpu_staging_bytes;
     /* peer daemons (UCX) */
-    char peer_listen[64];          /* "IP:PORT"; "" = no peers */
+    char peer_listen[64]; /* "IP:PORT"; "" = no peers */
     char peer_secret_file[108];
     char peer_net_devices[256]; /* UCX_NET_DEVICES; "" = derived */
     char peer_ucx_ports[32];    /* "LO-HI": UCX_TCP_PORT_RANGE; "" */
@@ -68,14 +68,15 @@ typedef struct kvx_conf {
     uint32_t peer_connect_timeout_ms;
     uint64_t slot_bytes;
     uint32_t slots;
-    uint64_t message_bytes;        /* largest UCX message */
-    uint32_t send_window;          /* messages in flight to one peer */
-    uint32_t lanes;                /* peer.lanes: data worker threads */
-    uint32_t direct; /* peer.direct: receive into blocks, 2 auto */
-    uint32_t busy_poll;            /* 0 never, 1 in flight, 2 auto */
-    uint32_t gather_ahead;         /* send slots gathered before a PULL */
+    uint64_t message_bytes; /* largest UCX message */
+    uint32_t send_window;   /* messages in flight to one peer */
+    uint32_t lanes;         /* peer.lanes: data worker threads */
+    uint32_t direct;        /* peer.direct: receive into blocks, 2 auto */
+    uint32_t busy_poll;     /* 0 never, 1 in flight, 2 auto */
+    uint32_t gather_ahead;  /* send slots gathered before a PULL */
     /* deadlines, milliseconds */
     uint32_t offer_lease_ms;
+    uint32_t offer_lease_max_ms; /* the longest lease a client may ask */
     uint32_t fetch_timeout_ms;
     uint32_t poll_timeout_max_ms;
     uint32_t drain_timeout_ms;
@@ -84,9 +85,9 @@ typedef struct kvx_conf {
     uint32_t session_idle_ms; /* 0: never */
     uint32_t reply_stall_ms;
     /* log */
-    int log_level;                 /* syslog priority, LOG_ERR..LOG_DEBUG */
-    char log_trace_file[108];      /* "" = no request trace */
-    uint64_t copy_inline_bytes;    /* host jobs this small: on the loop */
+    int log_level;              /* syslog priority, LOG_ERR..LOG_DEBUG */
+    char log_trace_file[108];   /* "" = no request trace */
+    uint64_t copy_inline_bytes; /* host jobs this small: on the loop */
 } kvx_conf_t;
 
 /* Fill every key with its default. */

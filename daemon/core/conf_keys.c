@@ -543,6 +543,16 @@ const struct conf_key conf_keys[] = {
      .reloadable = 1,
      .help = "How long published KV stays held for a fetch before it is "
              "released and the request fails with KVX_ERR_TIMED_OUT."},
+    {.name = "deadlines.offer_lease_max_ms",
+     .type = CONF_MS,
+     FIELD(offer_lease_max_ms),
+     .def = 600000,
+     .min = 1,
+     .max = 86400000,
+     .reloadable = 1,
+     .help = "The longest lease a publish or reservation may ask for its "
+             "offer (lease_ms); a longer one is refused. Renewals "
+             "(kvx_renew) extend an offer by its own lease each."},
     {.name = "deadlines.fetch_timeout_ms",
      .type = CONF_MS,
      FIELD(fetch_timeout_ms),

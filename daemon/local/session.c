@@ -305,11 +305,11 @@ static pool_t *own_pool(session_t *s, uint32_t id)
 
 /* ---- handlers: one per message, validate then act --------------------- */
 
-#define FAIL(code, ...)                                                     \
-    do {                                                                    \
-        snprintf(why, sizeof(why), __VA_ARGS__);                            \
-        reply(s, rq->id, (code), why);                                      \
-        return;                                                             \
+#define FAIL(code, ...)                                                        \
+    do {                                                                       \
+        snprintf(why, sizeof(why), __VA_ARGS__);                               \
+        reply(s, rq->id, (code), why);                                         \
+        return;                                                                \
     } while (0)
 
 static void on_hello(session_t *s, const Kvxfer__Request *rq)
@@ -339,8 +339,9 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
                  i, (unsigned char)h->instance_id[i]);
     if (h->role < KVXFER__ROLE__ROLE_CONTEXT ||
         h->role > KVXFER__ROLE__ROLE_BOTH)
-        FAIL(KVX_ERR_INVALID, "hello.role: %d (expected context, generation "
-                              "or both)",
+        FAIL(KVX_ERR_INVALID,
+             "hello.role: %d (expected context, generation "
+             "or both)",
              h->role);
     if (!h->parallel)
         FAIL(KVX_ERR_INVALID, "hello.parallel: missing");
@@ -359,8 +360,9 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
              "the generation side only",
              pc->attention_dp);
     if (pc->n_layers_per_pp > 64)
-        FAIL(KVX_ERR_INVALID, "hello.parallel.layers_per_pp: %zu entries "
-                              "(at most 64)",
+        FAIL(KVX_ERR_INVALID,
+             "hello.parallel.layers_per_pp: %zu entries "
+             "(at most 64)",
              pc->n_layers_per_pp);
     side.num_layers_per_pp = (uint32_t)pc->n_layers_per_pp;
     for (size_t i = 0; i < pc->n_layers_per_pp; i++)
@@ -399,8 +401,8 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     s->rank = h->rank;
     s->role = (kvx_role_t)h->role;
     log_info("session %llu: pid %d uid %u is rank %u of instance %s",
-             (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
-             s->rank, s->inst->id);
+             (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid, s->rank,
+             s->inst->id);
     Kvxfer__HelloReply hr = KVXFER__HELLO_REPLY__INIT;
     hr.version_major = KVX_PROTOCOL_MAJOR;
     hr.version_minor = KVX_PROTOCOL_MINOR;
@@ -606,8 +608,8 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
     if (!rc)
         rc = pool_msg_check(m, need, nfds, mine, KVX_WHY(why));
     if (!rc && s->pools.n >= kvxd.conf.max_pools) {
-        snprintf(why, sizeof(why),
-                 "register_pool: %u pools (limits.max_pools)", s->pools.n);
+        snprintf(why, sizeof(why), "register_pool: %u pools (limits.max_pools)",
+                 s->pools.n);
         rc = KVX_ERR_LIMIT;
     }
     kvx_layout_t l;
@@ -794,7 +796,8 @@ static void on_publish(session_t *s, const Kvxfer__Request *rq)
                              .ngroups = (uint32_t)m->n_groups,
                              .aux = m->aux.data,
                              .aux_len = (uint32_t)m->aux.len,
-                             .layerwise = m->layerwise};
+                             .layerwise = m->layerwise,
+                             .lease_ms = m->lease_ms};
     if ((rc = xfer_publish(&pr, &params, &plen, KVX_WHY(why))))
         goto fail;
     reply_params(s, rq->id, params, plen);
@@ -1194,7 +1197,8 @@ static void on_reserve(session_t *s, const Kvxfer__Request *rq)
                              .num_tokens = m->num_tokens,
                              .layout = &p->layout,
                              .groups = gs,
-                             .ngroups = (uint32_t)m->n_groups};
+                             .ngroups = (uint32_t)m->n_groups,
+                             .lease_ms = m->lease_ms};
     if ((rc = xfer_reserve(&rr, &params, &plen, KVX_WHY(why))))
         goto fail;
     reply_params(s, rq->id, params, plen);
@@ -1232,6 +1236,19 @@ static void on_release(session_t *s, const Kvxfer__Request *rq)
     } else
         rc = release_start(m->context_params.data, m->context_params.len, s->id,
                            rq->id, &later, KVX_WHY(why));
+    if (!later)
+        reply(s, rq->id, rc, rc ? why : "");
+}
+
+/* Renew (2.6): no Hello needed, as Release; the params' token is the
+ * right to it. */
+static void on_renew(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[512];
+    int later = 0;
+    const Kvxfer__Renew *m = rq->renew;
+    int rc = renew_start(m->context_params.data, m->context_params.len, s->id,
+                         rq->id, &later, KVX_WHY(why));
     if (!later)
         reply(s, rq->id, rc, rc ? why : "");
 }
@@ -1297,8 +1314,7 @@ void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
 {
     Kvxfer__Request *rq = kvxfer__request__unpack(NULL, len, buf);
     if (!rq) {
-        reply(s, 0, KVX_ERR_PROTOCOL,
-              "frame: not a Request message; closing");
+        reply(s, 0, KVX_ERR_PROTOCOL, "frame: not a Request message; closing");
         session_close(s, "undecodable frame");
         return;
     }
@@ -1336,6 +1352,9 @@ void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         goto out;
     case KVXFER__REQUEST__BODY_RESERVE:
         on_reserve(s, rq);
+        goto out;
+    case KVXFER__REQUEST__BODY_RENEW:
+        on_renew(s, rq);
         goto out;
     case KVXFER__REQUEST__BODY_DRAIN:
         on_drain(s, rq);

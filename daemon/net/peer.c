@@ -529,6 +529,11 @@ uint64_t peer_conn_id(const peer_conn_t *c)
     return c->id;
 }
 
+int peer_conn_minor(const peer_conn_t *c)
+{
+    return c->state == CONN_READY ? (int)c->minor : -1;
+}
+
 peer_conn_t *peer_conn_find(uint64_t id)
 {
     for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))

@@ -61,6 +61,10 @@ const char *peer_conn_address(const peer_conn_t *c);
 /* A connection's name for the layers above, never reused: they keep it
  * instead of the pointer, which a loss frees. */
 uint64_t peer_conn_id(const peer_conn_t *c);
+/* The protocol minor the other daemon said in the handshake (0: a daemon
+ * before 2.6, which does not say it), or -1 while the handshake is not
+ * over: which messages it answers. */
+int peer_conn_minor(const peer_conn_t *c);
 /* The connection named id while peer lists it (lost ones too, until
  * freed: peer_conn_alive() tells), or NULL: it is gone. */
 peer_conn_t *peer_conn_find(uint64_t id);

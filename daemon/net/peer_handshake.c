@@ -224,6 +224,7 @@ static int conn_dial(peer_conn_t *c, const struct sockaddr_storage *ss,
     Kvxfer__PeerMsg m = KVXFER__PEER_MSG__INIT;
     Kvxfer__PeerHello h = KVXFER__PEER_HELLO__INIT;
     h.version = PEER_VERSION;
+    h.minor = KVX_PROTOCOL_MINOR;
     h.address = kvxd.address;
     h.nonce.data = c->nonce_c;
     h.nonce.len = NONCE_LEN;
@@ -552,6 +553,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             hello_refuse(c, "malformed hello");
             return;
         }
+        c->minor = h->minor;
         if (hello_check(c, h))
             return;
 
@@ -564,6 +566,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
         Kvxfer__PeerChallenge ch = KVXFER__PEER_CHALLENGE__INIT;
         hmac("kvx-s", c->nonce_c, c->nonce_s, kvxd.address, c->address, mac);
         ch.address = kvxd.address;
+        ch.minor = KVX_PROTOCOL_MINOR;
         ch.nonce.data = c->nonce_s;
         ch.nonce.len = NONCE_LEN;
         ch.mac.data = mac;
@@ -588,6 +591,7 @@ static void auth_msg(peer_conn_t *c, const Kvxfer__PeerMsg *m)
             ch->mac.len != MAC_LEN)
             break;
         memcpy(c->nonce_s, ch->nonce.data, NONCE_LEN);
+        c->minor = ch->minor;
         /* the server MACs its own address: it must listen where we
          * dialled (its id may be new: a restart) */
         const char *sa = ch->address ? ch->address : "";

@@ -77,6 +77,8 @@ struct peer_conn {
     uint8_t *ucx_addr; /* its worker's address (PeerUcx.worker) */
     size_t ucx_addr_len;
     int outgoing;
+    uint32_t minor; /* its protocol minor (PeerHello/PeerChallenge.minor;
+                       0: a daemon before 2.6) */
     enum conn_state state;
     char address[192]; /* the peer's; for incoming: after HELLO */
     uint8_t nonce_c[NONCE_LEN], nonce_s[NONCE_LEN];

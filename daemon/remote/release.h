@@ -11,7 +11,10 @@
  * + peer.keepalive_timeout_ms). Sits above xfer and net like remote: it
  * registers its messages and loss callback with net.
  *
- * Owns the releases waiting for other daemons' answers.
+ * Renew (2.6) travels the same way: the offer's lease is renewed on
+ * every daemon of its context ranks (PeerRenew, PeerRenewed).
+ *
+ * Owns the releases and renewals waiting for other daemons' answers.
  */
 #ifndef KVX_RELEASE_H
 #define KVX_RELEASE_H
@@ -31,5 +34,10 @@ void release_tick(uint64_t now_ms);
  * else the error to answer now, with why. */
 int release_start(const uint8_t *params, size_t len, uint64_t sid,
                   uint64_t req_id, int *later, kvx_why_t *why);
+/* Renew the lease of the offer of params the same way (Renew:
+ * xfer_renew() here, PeerRenew to the other daemons of its ranks; a
+ * daemon before 2.6 fails its part with KVX_ERR_UNSUPPORTED). */
+int renew_start(const uint8_t *params, size_t len, uint64_t sid,
+                uint64_t req_id, int *later, kvx_why_t *why);
 
 #endif

@@ -59,8 +59,7 @@ void offer_consume(offer_t *o, const char *msg)
     o->consumed = 1;
     xfer_nrequests--;
     if (!list_linked(&o->lease.node))
-        dl_insert(&xfer_leases, &o->lease,
-                  kvxd_now_ms() + kvxd.conf.offer_lease_ms);
+        dl_insert(&xfer_leases, &o->lease, kvxd_now_ms() + o->lease_ms);
     list_t w;
     list_init(&w);
     list_move_all(&o->waiters, &w);
@@ -405,15 +404,14 @@ void xfer_tick(uint64_t now)
         if (expect) /* taken through a peer: the backstop */
             snprintf(m, sizeof(m),
                      "taken by a peer daemon that did not finish within "
-                     "offer_lease_ms + fetch_timeout_ms (%u ms; %u of %u "
+                     "its lease + fetch_timeout_ms (%u ms; %u of %u "
                      "streams done)",
-                     kvxd.conf.offer_lease_ms + kvxd.conf.fetch_timeout_ms,
-                     done, expect);
+                     o->lease_ms + kvxd.conf.fetch_timeout_ms, done, expect);
         else
             snprintf(m, sizeof(m),
                      "offer lease of %u ms expired (%u of %u ranks "
                      "published)",
-                     kvxd.conf.offer_lease_ms, o->npublished, o->inst->nlocal);
+                     o->lease_ms, o->npublished, o->inst->nlocal);
         offer_end(o, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, m);
     }
     while ((n = list_first(&xfer_timeouts)) && DL_NODE(n)->deadline_ms <= now) {

@@ -158,6 +158,7 @@ typedef struct offer_spec {
     const kvx_layout_t *l;
     const xfer_group_t *groups;
     uint32_t ngroups;
+    uint32_t lease_ms; /* resolved (xfer_lease_resolve()) */
 } offer_spec_t;
 
 static int offer_create(instance_t *inst, const reqkey_t *key,
@@ -191,6 +192,7 @@ static int offer_create(instance_t *inst, const reqkey_t *key,
         o->gfirst[k + 1] = sp->groups[k].first_block;
     }
     o->created_ms = kvxd_now_ms();
+    o->lease_ms = sp->lease_ms;
     /* an instance spread over daemons: every daemon of it must give the
      * same params, so the token is derived from the cluster secret */
     if (inst->nlocal < inst->nranks && peer_enabled())
@@ -224,8 +226,7 @@ static int offer_create(instance_t *inst, const reqkey_t *key,
     }
     o->mem = mem;
     xfer_nrequests++;
-    dl_insert(&xfer_leases, &o->lease,
-              o->created_ms + kvxd.conf.offer_lease_ms);
+    dl_insert(&xfer_leases, &o->lease, o->created_ms + o->lease_ms);
     *out = o;
     if (xfer_offer_made)
         xfer_offer_made(inst, key);
@@ -346,8 +347,11 @@ int xfer_reserve(const xfer_reserve_req_t *rq, uint8_t **params,
     const kvx_layout_t *l = rq->layout;
     const xfer_group_t *groups = rq->groups;
     int rc;
+    uint32_t lease;
     if (num_tokens == 0)
         return why_fail(why, KVX_ERR_INVALID, "reserve.num_tokens: 0");
+    if ((rc = xfer_lease_resolve("reserve", rq->lease_ms, &lease, why)))
+        return rc;
     if ((rc = groups_check(inst, 0, NULL, groups, ngroups, "reserve", why)))
         return rc;
     uint64_t request_id = xfer_key_id(key->b, key->len);
@@ -364,7 +368,8 @@ int xfer_reserve(const xfer_reserve_req_t *rq, uint8_t **params,
                        .num_tokens = num_tokens,
                        .l = l,
                        .groups = groups,
-                       .ngroups = ngroups};
+                       .ngroups = ngroups,
+                       .lease_ms = lease};
     if ((rc = offer_create(inst, key, &sp, &o, why)))
         return rc;
     o->reserved = 1;
@@ -519,6 +524,9 @@ int xfer_publish(const xfer_publish_req_t *rq, uint8_t **params,
         return rc;
     if (num_tokens == 0)
         return why_fail(why, KVX_ERR_INVALID, "publish.num_tokens: 0");
+    uint32_t lease;
+    if ((rc = xfer_lease_resolve("publish", rq->lease_ms, &lease, why)))
+        return rc;
     uint64_t need = ceil_div(num_tokens, l->tokens_per_block);
     if (nblocks < need && !layerwise)
         return why_fail(
@@ -544,7 +552,8 @@ int xfer_publish(const xfer_publish_req_t *rq, uint8_t **params,
                            .num_tokens = num_tokens,
                            .l = l,
                            .groups = groups,
-                           .ngroups = ngroups};
+                           .ngroups = ngroups,
+                           .lease_ms = lease};
         if ((rc = offer_create(inst, key, &sp, &o, why)))
             return rc;
     } else {
@@ -562,6 +571,14 @@ int xfer_publish(const xfer_publish_req_t *rq, uint8_t **params,
                 "publish.num_tokens: %u differs from %u published by another "
                 "rank",
                 num_tokens, o->num_tokens);
+        if (rq->lease_ms && rq->lease_ms != o->lease_ms)
+            return why_fail(why, KVX_ERR_MISMATCH,
+                            "publish.lease_ms: %u differs from the offer's "
+                            "lease of %u ms (%s)",
+                            rq->lease_ms, o->lease_ms,
+                            o->reserved && !o->npublished
+                                ? "the reservation's"
+                                : "another rank's publish");
         if (l->tokens_per_block != o->side.tokens_per_block ||
             l->head_dim != o->side.head_dim || l->dtype != o->side.dtype ||
             l->kv_factor != o->side.kv_factor ||

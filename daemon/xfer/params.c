@@ -92,6 +92,7 @@ int params_build(offer_t *o, const kvx_layout_t *l)
     cp.n_rank_addresses = inst->nranks;
     cp.rank_addresses = inst->addresses;
     cp.num_tokens = o->num_tokens;
+    cp.lease_ms = o->lease_ms;
     /* the other groups: their layout summaries and sizes */
     Kvxfer__ParamsGroup pg[XFER_MAX_GROUPS], *pgp[XFER_MAX_GROUPS];
     Kvxfer__ParallelConfig gpc[XFER_MAX_GROUPS];

@@ -653,8 +653,56 @@ void xfer_offer_taken(offer_t *o)
     o->taken = 1;
     dl_remove(&o->lease);
     dl_insert(&xfer_leases, &o->lease,
-              kvxd_now_ms() + kvxd.conf.offer_lease_ms +
-                  kvxd.conf.fetch_timeout_ms);
+              kvxd_now_ms() + o->lease_ms + kvxd.conf.fetch_timeout_ms);
+}
+
+int xfer_lease_resolve(const char *op, uint32_t lease_ms, uint32_t *out,
+                       kvx_why_t *why)
+{
+    if (lease_ms > kvxd.conf.offer_lease_max_ms)
+        return why_fail(why, KVX_ERR_INVALID,
+                        "%s.lease_ms: %u ms is over the daemon's "
+                        "deadlines.offer_lease_max_ms (%u ms)",
+                        op, lease_ms, kvxd.conf.offer_lease_max_ms);
+    *out = lease_ms ? lease_ms : kvxd.conf.offer_lease_ms;
+    return 0;
+}
+
+int xfer_renew(const char *instance_id, const reqkey_t *key,
+               const uint8_t *token, size_t token_len, uint32_t lease_ms,
+               kvx_why_t *why)
+{
+    instance_t *inst = instance_find(instance_id);
+    offer_t *o =
+        inst ? map_get(&inst->offers, xfer_key_id(key->b, key->len)) : NULL;
+    if (o && !reqkey_eq(&o->key, key))
+        o = NULL; /* another key's, whose id collides */
+    if (!o)
+        return why_fail(why, KVX_ERR_NOT_FOUND,
+                        "renew: no offer of request %s of instance %s on "
+                        "daemon %s (ended, or never made)",
+                        ks(key), instance_id, kvxd.address);
+    if (token_len != TOKEN_LEN || !xfer_ct_equal(token, o->token, TOKEN_LEN))
+        return why_fail(why, KVX_ERR_AUTH,
+                        "renew: the params' token is not that of request %s "
+                        "of instance %s",
+                        ks(&o->key), instance_id);
+    if (o->ending || o->consumed || o->consume_fenced)
+        return why_fail(why, KVX_ERR_NOT_FOUND,
+                        "renew: the offer of request %s of instance %s on "
+                        "daemon %s has ended%s%s",
+                        ks(&o->key), instance_id, kvxd.address,
+                        o->ending ? ": " : "", o->ending ? o->end_msg : "");
+    /* fetched here or taken by a peer: the fetch bounds it now */
+    if (o->consumer || o->taken || !list_linked(&o->lease.node))
+        return 0;
+    if (lease_ms > kvxd.conf.offer_lease_max_ms)
+        lease_ms = kvxd.conf.offer_lease_max_ms;
+    if (lease_ms < o->lease_ms)
+        lease_ms = o->lease_ms;
+    dl_remove(&o->lease);
+    dl_insert(&xfer_leases, &o->lease, kvxd_now_ms() + lease_ms);
+    return 0;
 }
 
 int xfer_release(const char *instance_id, const reqkey_t *key,

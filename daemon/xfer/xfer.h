@@ -63,6 +63,7 @@ typedef struct xfer_publish_req {
     const uint8_t *aux;
     uint32_t aux_len;
     int layerwise;
+    uint32_t lease_ms; /* the offer's lease; 0: deadlines.offer_lease_ms */
 } xfer_publish_req_t;
 
 /* A rank's Fetch: fill blocks of pool for request key at rank from the
@@ -94,6 +95,7 @@ typedef struct xfer_reserve_req {
     const kvx_layout_t *layout;
     const xfer_group_t *groups;
     uint32_t ngroups;
+    uint32_t lease_ms; /* as xfer_publish_req_t's */
 } xfer_reserve_req_t;
 
 /* A LayersReady (or a TokensReady: first 0, count all): layers [first,
@@ -230,6 +232,24 @@ int xfer_cancel(instance_t *inst, const reqkey_t *key, uint64_t sid,
  * (another token), KVX_ERR_STATE (being fetched, or ending), with why. */
 int xfer_release(const char *instance_id, const reqkey_t *key,
                  const uint8_t *token, size_t token_len, kvx_why_t *why);
+
+/* Renew the lease of the offer of (instance_id, key) on this daemon,
+ * proved by the params' token: its deadline becomes now + its lease, or
+ * + lease_ms (the params', at most deadlines.offer_lease_max_ms) when
+ * longer: the offers of a spread instance's other daemons, made by
+ * publishes that named no lease, hold those daemons' defaults. 0 (also
+ * for an offer being fetched: the fetch's timeout bounds it), or
+ * KVX_ERR_NOT_FOUND (no such offer here, or it has ended), KVX_ERR_AUTH
+ * (another token), with why. */
+int xfer_renew(const char *instance_id, const reqkey_t *key,
+               const uint8_t *token, size_t token_len, uint32_t lease_ms,
+               kvx_why_t *why);
+
+/* The lease a publish or reservation (op) asked, resolved: 0 is the
+ * daemon's deadlines.offer_lease_ms; over deadlines.offer_lease_max_ms is
+ * KVX_ERR_INVALID naming op.lease_ms. */
+int xfer_lease_resolve(const char *op, uint32_t lease_ms, uint32_t *out,
+                       kvx_why_t *why);
 
 /* A request ended for ranks of an instance spread over daemons: its
  * root merges the reports (the agreement layer registers this; without

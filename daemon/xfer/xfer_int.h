@@ -115,6 +115,7 @@ struct offer {
     offer_part_t *parts; /* nranks * ngroups */
     uint32_t npublished;
     uint64_t created_ms;
+    uint32_t lease_ms; /* its lease (Publish/Reserve.lease_ms, resolved) */
     genreq_t *consumer;
     int ending, end_kind, end_code;
     int reserved; /* made by the scheduler (xfer_reserve) */

@@ -71,6 +71,9 @@ class ParamsInfo:
     num_kv_heads: int
     rank0_address: str
     key: bytes = b""  # the context side's request key
+    # the offer's lease, ms (kvx_params_lease, 2.6): renew it (see
+    # Client.renew) before it runs out; 0 for params of an older daemon
+    lease_ms: int = 0
 
     def blocks_for(self, tokens_per_block: int) -> int:
         """The blocks a rank with ``tokens_per_block`` fetches into."""
@@ -89,7 +92,13 @@ def params_info(params: bytes) -> ParamsInfo:
     if rc:
         msg = lib.lib().kvx_last_error(None)
         raise make_error(rc, msg.decode(errors="replace") if msg else "")
+    lease = ctypes.c_uint32(0)
+    rc = lib.lib().kvx_params_lease(params, len(params), ctypes.byref(lease))
+    if rc:
+        msg = lib.lib().kvx_last_error(None)
+        raise make_error(rc, msg.decode(errors="replace") if msg else "")
     return ParamsInfo(
+        lease_ms=int(lease.value),
         instance_id=out.instance_id.decode(errors="replace"),
         request_id=int(out.request_id), num_tokens=int(out.num_tokens),
         tokens_per_block=int(out.tokens_per_block),

@@ -138,6 +138,7 @@ PUBLISH_FIELD_FLAGS = 1 << 6
 PUBLISH_FIELD_OUTCOME = 1 << 7
 PUBLISH_FIELD_TIMEOUT = 1 << 8
 PUBLISH_FIELD_ITEMS = 1 << 9
+PUBLISH_FIELD_LEASE = 1 << 10  # 2.6
 PUBLISH_LAYERWISE = 1 << 0
 FETCH_FIELD_KEY = 1 << 0
 FETCH_FIELD_BLOCKS = 1 << 1
@@ -173,6 +174,7 @@ PublishArgs._fields_ = [
     ("timeout_ms", c_int),
     ("items", POINTER(PublishArgs)),
     ("num_items", c_size_t),
+    ("lease_ms", c_uint32),
 ]
 
 
@@ -223,6 +225,13 @@ RESERVE_FIELD_PARAMS = 1 << 3
 RESERVE_FIELD_POOL = 1 << 4
 RESERVE_FIELD_GROUPS = 1 << 5
 RESERVE_FIELD_TIMEOUT = 1 << 6
+RESERVE_FIELD_LEASE = 1 << 7  # 2.6
+RESERVE_FIELD_OUTCOME = 1 << 8
+RESERVE_FIELD_ITEMS = 1 << 9
+# kvx_renew_args_t (2.6)
+RENEW_FIELD_PARAMS = 1 << 0
+RENEW_FIELD_OUTCOMES = 1 << 1
+RENEW_FIELD_TIMEOUT = 1 << 2
 
 
 class ReadyArgs(Structure):
@@ -253,16 +262,33 @@ class ProgressArgs(Structure):
 
 
 class ReserveArgs(Structure):
+    pass
+
+
+ReserveArgs._fields_ = [
+    ("field_mask", c_uint64),
+    ("key", c_void_p),
+    ("key_len", c_size_t),
+    ("instance_id", c_char_p),
+    ("num_tokens", c_uint32),
+    ("params", POINTER(ContextParams)),
+    ("pool_id", c_uint32),
+    ("groups", POINTER(Group)),
+    ("num_groups", c_uint32),
+    ("timeout_ms", c_int),
+    ("lease_ms", c_uint32),
+    ("outcome", POINTER(Outcome)),
+    ("items", POINTER(ReserveArgs)),
+    ("num_items", c_size_t),
+]
+
+
+class RenewArgs(Structure):
     _fields_ = [
         ("field_mask", c_uint64),
-        ("key", c_void_p),
-        ("key_len", c_size_t),
-        ("instance_id", c_char_p),
-        ("num_tokens", c_uint32),
         ("params", POINTER(ContextParams)),
-        ("pool_id", c_uint32),
-        ("groups", POINTER(Group)),
-        ("num_groups", c_uint32),
+        ("num_params", c_size_t),
+        ("outcomes", POINTER(Outcome)),
         ("timeout_ms", c_int),
     ]
 
@@ -444,6 +470,8 @@ _PROTOS = {
     "kvx_cancel": (c_int, [_client_p, c_uint64, c_int]),
     "kvx_release": (c_int, [_client_p, c_char_p, c_size_t, c_int]),
     "kvx_params_info": (c_int, [c_char_p, c_size_t, POINTER(ParamsInfo)]),
+    "kvx_params_lease": (c_int, [c_char_p, c_size_t, POINTER(c_uint32)]),
+    "kvx_renew": (c_int, [_client_p, POINTER(RenewArgs)]),
     # the JSON is malloc'd: kept as a void pointer so that it can be freed
     "kvx_status_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),
     "kvx_requests_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),

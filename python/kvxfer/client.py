@@ -295,7 +295,8 @@ def _group_args(a: Any, groups: Optional[Sequence[Group]], bit: int,
 def _publish_args(a: Any, at: str, key: Key, pool: PoolRef, blocks: Blocks,
                   num_tokens: int, params: Any, keep: List[Any], *,
                   aux: Optional[bytes] = None, layerwise: bool = False,
-                  groups: Optional[Sequence[Group]] = None) -> None:
+                  groups: Optional[Sequence[Group]] = None,
+                  lease_ms: Optional[int] = None) -> None:
     """Fill a kvx_publish_args_t (kvx_publish, 3.0): its buffers are kept
     alive in keep; the params land in ``params``."""
     k = key_bytes(key)
@@ -316,6 +317,9 @@ def _publish_args(a: Any, at: str, key: Key, pool: PoolRef, blocks: Blocks,
     if layerwise:
         a.flags = _lib.PUBLISH_LAYERWISE
         a.field_mask |= _lib.PUBLISH_FIELD_FLAGS
+    if lease_ms:
+        a.lease_ms = integer(f"{at}lease_ms", lease_ms)
+        a.field_mask |= _lib.PUBLISH_FIELD_LEASE
     _group_args(a, groups, _lib.PUBLISH_FIELD_GROUPS, keep)
 
 
@@ -756,7 +760,8 @@ class Client:
                 num_tokens: int, timeout: Timeout = _DEFAULT, *,
                 aux: Optional[bytes] = None,
                 layerwise: bool = False,
-                groups: Optional[Sequence[Group]] = None) -> bytes:
+                groups: Optional[Sequence[Group]] = None,
+                lease_ms: Optional[int] = None) -> bytes:
         """Offer the KV of request ``key`` in ``blocks`` of ``pool``
         (kvx_publish). ``key``: bytes, a str (its UTF-8) or an int
         (its decimal digits, as kvx_publish makes it), 1 to 128 bytes.
@@ -781,6 +786,12 @@ class Client:
         layers are made ready on their own (:meth:`layers_ready`'s
         ``group``).
 
+        ``lease_ms`` (2.6): the offer's lease, how long the daemon holds
+        it for a fetch unless renewed (:meth:`renew`); None or 0: the
+        daemon's ``deadlines.offer_lease_ms``. Over its
+        ``deadlines.offer_lease_max_ms``: :class:`InvalidArgument`. The
+        params carry it (:func:`kvxfer.params_info`'s ``lease_ms``).
+
         Returns the context params: opaque bytes, identical on every rank,
         for the router to hand to the generation side.
         """
@@ -788,7 +799,8 @@ class Client:
         params = _lib.ContextParams()
         a = _lib.PublishArgs()
         _publish_args(a, "", key, pool, blocks, num_tokens, params, keep,
-                      aux=aux, layerwise=layerwise, groups=groups)
+                      aux=aux, layerwise=layerwise, groups=groups,
+                      lease_ms=lease_ms)
         a.field_mask |= _lib.PUBLISH_FIELD_TIMEOUT
         a.timeout_ms = self._ms(timeout)
         self._call("kvx_publish", ctypes.byref(a))
@@ -1021,7 +1033,8 @@ class Client:
     def reserve(self, instance_id: str, key: Key, num_tokens: int,
                 timeout: Timeout = _DEFAULT, *,
                 pool: Optional[PoolRef] = None,
-                groups: Optional[Sequence[Group]] = None) -> bytes:
+                groups: Optional[Sequence[Group]] = None,
+                lease_ms: Optional[int] = None) -> bytes:
         """For the instance's scheduler (a client without Hello, of the
         uid that owns the instance): reserve the offer of ``key`` for
         ``num_tokens`` and get its context params now, the bytes the
@@ -1032,7 +1045,8 @@ class Client:
         that a rank registered, ``num_tokens`` and ``first_block``, and no
         blocks (``Group(pool, [], num_tokens=...)``); ``pool``: the plain
         table's pool (needed when the instance's pools differ in layout,
-        as a hybrid model's do)."""
+        as a hybrid model's do). ``lease_ms`` (2.6): the offer's lease, as
+        :meth:`publish`'s; the ranks' publishes give the same or none."""
         k = key_bytes(key)
         num_tokens = integer("num_tokens", num_tokens)
         pid = 0 if pool is None else _pool_id(pool)
@@ -1062,12 +1076,136 @@ class Client:
             num_tokens=num_tokens, params=ctypes.pointer(params),
             pool_id=pid, groups=ctypes.cast(arr, ctypes.POINTER(_lib.Group)),
             num_groups=len(groups), timeout_ms=self._ms(timeout))
+        if lease_ms:
+            a.lease_ms = integer("lease_ms", lease_ms)
+            a.field_mask |= _lib.RESERVE_FIELD_LEASE
         self._call("kvx_reserve", ctypes.byref(a))
         del keep
         try:
             return ctypes.string_at(params.data, params.len)
         finally:
             _lib.lib().kvx_context_params_free(ctypes.byref(params))
+
+    def reserve_many(self, instance_id: str,
+                     items: Sequence[Tuple[Key, int]],
+                     timeout: Timeout = _DEFAULT, *,
+                     lease_ms: Optional[int] = None) -> List[Any]:
+        """A scheduler's step of reservations in one round trip (2.6:
+        kvx_reserve with items, KVX_RESERVE_FIELD_ITEMS): ``items`` are
+        ``(key, num_tokens)`` of instance ``instance_id``, at most 256,
+        each reserved as :meth:`reserve` does (plain table, ``lease_ms``
+        for all). Returns one entry per item, in order: its context params
+        (bytes), or the error it got, with the daemon's message for that
+        item (an exception instance, not raised: the other items are
+        reserved). An invalid item, or a failure of the exchange itself
+        (the connection lost, the timeout), raises."""
+        n = len(items)
+        if n > 256:
+            raise InvalidArgument(-1, f"reserve_many: {n} items (at most "
+                                  "256)")
+        arr = (_lib.ReserveArgs * max(n, 1))()
+        params = (_lib.ContextParams * max(n, 1))()
+        out = (_lib.Outcome * max(n, 1))()
+        keep: List[Any] = []
+        inst = instance_id.encode()
+        lease = integer("lease_ms", lease_ms) if lease_ms else 0
+        for i, item in enumerate(items):
+            if len(item) != 2:
+                raise InvalidArgument(-1, f"items[{i}]: (key, num_tokens)")
+            key, num_tokens = item
+            k = key_bytes(key)
+            a = arr[i]
+            a.field_mask = (
+                _lib.RESERVE_FIELD_KEY | _lib.RESERVE_FIELD_INSTANCE |
+                _lib.RESERVE_FIELD_NUM_TOKENS | _lib.RESERVE_FIELD_PARAMS |
+                _lib.RESERVE_FIELD_OUTCOME |
+                (_lib.RESERVE_FIELD_LEASE if lease else 0))
+            a.key = _buf(k, keep)
+            a.key_len = len(k)
+            a.instance_id = inst
+            a.num_tokens = integer(f"items[{i}].num_tokens", num_tokens)
+            a.params = ctypes.pointer(params[i])
+            a.outcome = ctypes.pointer(out[i])
+            keep += [a.params, a.outcome]
+            a.lease_ms = lease
+        batch = _lib.ReserveArgs()
+        batch.field_mask = (_lib.RESERVE_FIELD_ITEMS |
+                            _lib.RESERVE_FIELD_TIMEOUT)
+        batch.items = ctypes.cast(arr, ctypes.POINTER(_lib.ReserveArgs))
+        batch.num_items = n
+        with self._lock:
+            if not self._h:
+                raise Closed(-20, "the client is closed")
+            lib = _lib.lib()
+            batch.timeout_ms = self._ms(timeout)
+            rc = lib.kvx_reserve(self._h, ctypes.byref(batch))
+            msg = lib.kvx_last_error(self._h) if rc else None
+        del keep
+        if rc and not any(out[i].answered for i in range(n)):
+            raise make_error(rc, msg.decode(errors="replace") if msg else "")
+        res: List[Any] = [None] * n
+        for i in range(n):
+            if out[i].code:
+                text = out[i].message.decode(errors="replace")
+                res[i] = make_error(out[i].code,
+                                    f"kvx_reserve: item {i}: {text}")
+            else:
+                p = params[i]
+                res[i] = ctypes.string_at(p.data, p.len)
+            lib.kvx_context_params_free(ctypes.byref(params[i]))
+        return res
+
+    def renew(self, params: Sequence[bytes],
+              timeout: Timeout = _DEFAULT) -> List[Optional[Error]]:
+        """Renew the leases of offers (2.6, kvx_renew): on every daemon of
+        each offer's context ranks its deadline becomes now + its lease
+        (:func:`kvxfer.params_info`'s ``lease_ms``). For the generation
+        side (a rank, or a router or scheduler client without Hello)
+        while it holds params it has not fetched yet, about every third
+        of the lease. ``params``: 1 to 256, sent in one write. Returns
+        one entry per params, in order: None (renewed; also an offer being
+        fetched, which its fetch's timeout bounds), or the error it got
+        (an exception instance, not raised): :class:`NotFound` once the
+        offer ended (fetched, released, expired), :class:`AuthError`,
+        :class:`Unsupported` (a daemon before 2.6 serves a rank). A
+        failure of the exchange itself raises."""
+        blobs = [bytes(p) for p in params]
+        n = len(blobs)
+        if not 1 <= n <= 256:
+            raise InvalidArgument(-1, f"renew: {n} params (1 to 256)")
+        arr = (_lib.ContextParams * n)()
+        out = (_lib.Outcome * n)()
+        keep: List[Any] = []
+        for i, b in enumerate(blobs):
+            if not b:
+                raise InvalidArgument(-1, f"renew: params[{i}] is empty")
+            cb = ctypes.create_string_buffer(b, len(b))
+            keep.append(cb)
+            arr[i].data = ctypes.cast(cb, ctypes.POINTER(ctypes.c_uint8))
+            arr[i].len = len(b)
+        a = _lib.RenewArgs(
+            field_mask=_lib.RENEW_FIELD_PARAMS | _lib.RENEW_FIELD_OUTCOMES |
+            _lib.RENEW_FIELD_TIMEOUT,
+            params=ctypes.cast(arr, ctypes.POINTER(_lib.ContextParams)),
+            num_params=n,
+            outcomes=ctypes.cast(out, ctypes.POINTER(_lib.Outcome)))
+        with self._lock:
+            if not self._h:
+                raise Closed(-20, "the client is closed")
+            lib = _lib.lib()
+            a.timeout_ms = self._ms(timeout)
+            rc = lib.kvx_renew(self._h, ctypes.byref(a))
+            msg = lib.kvx_last_error(self._h) if rc else None
+        del keep
+        if rc and not any(out[i].answered for i in range(n)):
+            raise make_error(rc, msg.decode(errors="replace") if msg else "")
+        res: List[Optional[Error]] = [None] * n
+        for i in range(n):
+            if out[i].code:
+                text = out[i].message.decode(errors="replace")
+                res[i] = make_error(out[i].code,
+                                    f"kvx_renew: item {i}: {text}")
+        return res
 
     def fetch_by_key(self, key: Key, context_instance: str,
                      context_address: str, context_key: Key, pool: PoolRef,

@@ -172,6 +172,15 @@ CALLS = [
       for f in ("num_tokens", "first_block")],
     ("groups[0].pool", lambda e, v: e.obs.reserve(
         "ranges-ctx", e.key(), TPB, groups=[Group(v, [], TPB)]), 0, U32),
+    # leases (2.6)
+    ("lease_ms", lambda e, v: e.ctx.publish(e.key(), e.src, [0], TPB,
+                                            lease_ms=v), 0, U32),
+    ("lease_ms", lambda e, v: e.obs.reserve("ranges-ctx", e.key(), TPB,
+                                            lease_ms=v), 0, U32),
+    ("lease_ms", lambda e, v: e.obs.reserve_many(
+        "ranges-ctx", [(e.key(), TPB)], lease_ms=v), 0, U32),
+    ("items[0].num_tokens", lambda e, v: e.obs.reserve_many(
+        "ranges-ctx", [(e.key(), v)]), 0, U32),
     *[(arg, lambda e, v, kw=kw: e.gen.fetch_by_key(
         e.key(), "ranges-ctx", e.ctx.daemon_address, e.key(),
         **{"pool": e.dst, "blocks": [0], **kw(v)}), 0, U32)

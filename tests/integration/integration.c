@@ -48,6 +48,8 @@
  *   t_groups.c         several block tables: a window and state slots
  *   t_api3.c           kvx_publish and kvx_fetch of 3.0: every form by
  *                      field_mask, batches whose items fail alone
+ *   t_lease.c          per-offer leases, kvx_renew, reservations in one
+ *                      round trip
  *   t_restart.c        the daemon killed under its engines: the requests
  *                      end once, the library reconnects, KV moves again
  *   peer_harness.c     two daemons in two network namespaces
@@ -88,6 +90,7 @@
 #include "t_layers.c"
 #include "t_groups.c"
 #include "t_api3.c"
+#include "t_lease.c"
 #include "t_restart.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */

@@ -1359,3 +1359,55 @@ TEST_T(peer_spread_fetch_by_key_after_release, 60)
     }
     p_stop_both(a, b);
 }
+
+/* Renewed across a spread context instance whose daemons' default
+ * leases differ: rank 0 on A publishes with a lease of 3 s, rank 1 on B
+ * with none, so B's offer holds B's default, 600 ms. A scheduler on A
+ * renews with A's params every second for 3.5 s: B renews its offer by
+ * the params' lease, not its own shorter one, and a fetch after reads
+ * both ranks' bytes. */
+TEST_T(peer_spread_renew_by_the_params_lease, 60)
+{
+    p_setup();
+    daemon_t *a = p_daemon(0, P_SECRET, NULL, NULL);
+    daemon_t *b =
+        p_daemon(1, P_SECRET, NULL, "deadlines:\n  offer_lease_ms: 600\n");
+    static side_t cs;
+    p_side2(&cs, "sr-ctx", KVX_ROLE_CONTEXT);
+    static side_t gs;
+    p_side(&gs, "sr-gen", KVX_ROLE_GENERATION, "trtllm", 4);
+    rank_t c0, c1, g;
+    p_spread_open(a, b, &cs, 8, &c0, &c1);
+    rank_open(a, &M_SMALL, &gs, 0, 8, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[3] = {5, 1, 3}, gb[3] = {2, 7, 0};
+    const uint32_t ntok = 10;
+    fill_req(&c0, 7, cb, ntok);
+    fill_req(&c1, 7, cb, ntok);
+    kvx_context_params_t p0, p1;
+    CHECK_KVX(ls_publish(&c0, 7, cb, 3, ntok, 3000, &p0), c0.c);
+    CHECK_KVX(ls_publish(&c1, 7, cb, 3, ntok, 0, &p1), c1.c);
+    uint32_t lease = 0;
+    CHECK_EQ(kvx_params_lease(p1.data, p1.len, &lease), KVX_OK);
+    CHECK_EQ(lease, 600); /* B's own */
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(a->sock, T_MS, &sched), 0);
+    kvx_outcome_t o[1];
+    int64_t until = now_ms() + 3500;
+    while (now_ms() < until) {
+        CHECK_KVX(ls_renew(sched, &p0, 1, o), sched);
+        sleep_ms(1000);
+    }
+    CHECK_KVX(kvx_fetch(g.c, 7, p0.data, p0.len, g.pool, gb, 3, 0, T_MS), g.c);
+    wait_event(g.c, 7, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 7, gb, ntok, 0), 0);
+    wait_event(c0.c, 7, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c1.c, 7, KVX_EVENT_COMPLETE, 0, 5000);
+    kvx_close(sched);
+    kvx_context_params_free(&p0);
+    kvx_context_params_free(&p1);
+    rank_close(&g);
+    rank_close(&c0);
+    rank_close(&c1);
+    p_stop_both(a, b);
+}

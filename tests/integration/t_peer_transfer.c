@@ -710,6 +710,57 @@ TEST_T(peer_open_twice, 60)
     p_stop_both(a, b);
 }
 
+/* A renewal reaching a daemon before 2.6 (fake_peer replay: it knows
+ * the secret and says no minor in its CHALLENGE, as a 2.5 daemon; it
+ * never answers a renew): B's renewal fails UNSUPPORTED, naming it, as
+ * soon as the handshake tells B so, not at the answer's deadline; the
+ * renewal of an offer on A in the same call succeeds, and that offer then
+ * moves, every byte. */
+TEST_T(peer_renew_old_daemon, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "ro-ctx", "ro-gen", &c, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p[2];
+    CHECK_KVX(ls_publish(&c, 1, cb, 2, 7, 0, &p[0]), c.c);
+    char a_ipport[64], faddr[192], args[600], out[4096];
+    const char *h = strstr(c.addr, "://");
+    CHECK(h != NULL);
+    snprintf(a_ipport, sizeof(a_ipport), "%.*s",
+             (int)(strrchr(c.addr, '/') - (h + 3)), h + 3);
+    snprintf(args, sizeof(args), "replay %s/secret-A %s %s 3", p_net.dir,
+             p_net.ip[0], a_ipport);
+    FILE *fk = p_fake(0, args, faddr, sizeof(faddr));
+    uint8_t f[4096];
+    size_t fl;
+    p_params_at(&p[0], faddr, f, &fl);
+    p[1] = (kvx_context_params_t){f, fl};
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(b->sock, T_MS, &sched), 0);
+    kvx_outcome_t o[2];
+    CHECK_FAILS(ls_renew(sched, p, 2, o), sched, KVX_ERR_UNSUPPORTED,
+                "which does not renew leases");
+    CHECK_EQ(o[0].code, 0);
+    CHECK_EQ(o[1].code, KVX_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(o[1].message, faddr);
+    p_fake_rest(fk, out, sizeof(out));
+    CHECK_KVX(kvx_fetch(g.c, 1, p[0].data, p[0].len, g.pool, gb, 2, 0, T_MS),
+              g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_close(sched);
+    kvx_context_params_free(&p[0]);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
 /* ---- lanes ------------------------------------------------------------ */
 
 /* Lanes (peer.lanes, 2 by default): slot data goes over UCX workers on
@@ -1014,6 +1065,56 @@ TEST_T(peer_release, 60)
     c.pool = 0;
     kvx_close(router);
     kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
+/* Renewed across daemons (2.6): the context rank on A publishes under
+ * a lease of 500 ms; a scheduler process on B renews it every 150 ms
+ * for 2 s (B asks A, PeerRenew) while a second offer, not renewed, ends
+ * TIMED_OUT at its lease; the generation rank on B then fetches the
+ * first, every byte as A's rank wrote it. Renewing it again after its
+ * transfer, and renewing the expired one, answer NOT_FOUND with A's
+ * message. */
+TEST_T(peer_renew, 60)
+{
+    daemon_t *a, *b;
+    p_two_daemons(&a, &b);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "prn-ctx", "prn-gen", &c, &g);
+    memset(g.base, 0xa5, g.size);
+    uint32_t cb[2] = {0, 1}, cb2[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p[2];
+    CHECK_KVX(ls_publish(&c, 1, cb, 2, 7, 500, &p[0]), c.c);
+    CHECK_KVX(ls_publish(&c, 2, cb2, 2, 7, 500, &p[1]), c.c);
+    kvx_client_t *sched;
+    CHECK_EQ(kvx_connect_observer(b->sock, T_MS, &sched), 0);
+    kvx_outcome_t o[2];
+    int64_t until = now_ms() + 2000;
+    while (now_ms() < until) {
+        CHECK_KVX(ls_renew(sched, &p[0], 1, o), sched);
+        sleep_ms(150);
+    }
+    ev_t e = wait_event(c.c, 2, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 3000);
+    CHECK_STR_CONTAINS(e.msg, "offer lease of 500 ms expired");
+    uint32_t gb[2] = {4, 5};
+    CHECK_KVX(kvx_fetch(g.c, 1, p[0].data, p[0].len, g.pool, gb, 2, 0, T_MS),
+              g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    expect_t ex = {1, gb, 7, 0};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    CHECK_FAILS(ls_renew(sched, p, 2, o), sched, KVX_ERR_NOT_FOUND,
+                "kvx_renew: item 0 (key 1): renew: no offer of request");
+    CHECK_EQ(o[0].code, KVX_ERR_NOT_FOUND);
+    CHECK_EQ(o[1].code, KVX_ERR_NOT_FOUND);
+    CHECK_STR_CONTAINS(o[1].message, "on daemon kvx://");
+    kvx_close(sched);
+    kvx_context_params_free(&p[0]);
+    kvx_context_params_free(&p[1]);
     rank_close(&g);
     rank_close(&c);
     p_stop_both(a, b);

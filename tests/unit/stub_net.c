@@ -90,6 +90,11 @@ uint64_t peer_conn_id(const peer_conn_t *c)
 {
     return c->id;
 }
+int peer_conn_minor(const peer_conn_t *c)
+{
+    (void)c;
+    return KVX_PROTOCOL_MINOR; /* the stub's peers are of this release */
+}
 peer_conn_t *peer_conn_find(uint64_t id)
 {
     for (int i = 0; i < net_nconns; i++)

@@ -164,6 +164,7 @@ static void check_equal_per_field(const kvx_conf_t *a, const kvx_conf_t *b)
     CHECK_EQ(a->copy_chunk_bytes, b->copy_chunk_bytes);
     CHECK_EQ(a->max_inflight_chunks, b->max_inflight_chunks);
     CHECK_EQ(a->offer_lease_ms, b->offer_lease_ms);
+    CHECK_EQ(a->offer_lease_max_ms, b->offer_lease_max_ms);
     CHECK_EQ(a->fetch_timeout_ms, b->fetch_timeout_ms);
     CHECK_EQ(a->poll_timeout_max_ms, b->poll_timeout_max_ms);
     CHECK_EQ(a->drain_timeout_ms, b->drain_timeout_ms);
@@ -294,6 +295,7 @@ TEST(table_sane)
                                         "peer.busy_poll",
                                         "peer.gather_ahead",
                                         "deadlines.offer_lease_ms",
+                                        "deadlines.offer_lease_max_ms",
                                         "deadlines.fetch_timeout_ms",
                                         "deadlines.poll_timeout_max_ms",
                                         "deadlines.drain_timeout_ms",
@@ -318,6 +320,7 @@ TEST(table_sane)
                                              "peer.keepalive_timeout_ms",
                                              "peer.connect_timeout_ms",
                                              "deadlines.offer_lease_ms",
+                                             "deadlines.offer_lease_max_ms",
                                              "deadlines.fetch_timeout_ms",
                                              "deadlines.poll_timeout_max_ms",
                                              "deadlines.drain_timeout_ms",
@@ -385,6 +388,7 @@ TEST(table_sane)
         M(busy_poll),
         M(gather_ahead),
         M(offer_lease_ms),
+        M(offer_lease_max_ms),
         M(fetch_timeout_ms),
         M(poll_timeout_max_ms),
         M(drain_timeout_ms),
@@ -505,8 +509,8 @@ TEST(example_equals_defaults)
 TEST(empty_file_is_defaults)
 {
     static const char *const empties[] = {
-        "", "\n", "# only a comment\n", "---\n", "---\n...\n", "~\n",
-        "socket:\n", "socket:\ncopy: ~\n", "{}\n"};
+        "",    "\n",        "# only a comment\n", "---\n", "---\n...\n",
+        "~\n", "socket:\n", "socket:\ncopy: ~\n", "{}\n"};
     kvx_conf_t def, c;
 
     conf_defaults(&def);
@@ -581,19 +585,25 @@ TEST(sizes_with_suffixes)
         const char *text;
         uint64_t want;
     } good[] = {
-        {"4096", 4096},          {"4KiB", 4096},
-        {"8KiB", 8192},          {"16MiB", 16ull << 20},
-        {"\"16MiB\"", 16ull << 20}, {"16 MiB", 16ull << 20},
-        {"1GiB", 1ull << 30},    {"1024MiB", 1ull << 30},
-        {"1048576KiB", 1ull << 30}, {"5000", 5000},
+        {"4096", 4096},
+        {"4KiB", 4096},
+        {"8KiB", 8192},
+        {"16MiB", 16ull << 20},
+        {"\"16MiB\"", 16ull << 20},
+        {"16 MiB", 16ull << 20},
+        {"1GiB", 1ull << 30},
+        {"1024MiB", 1ull << 30},
+        {"1048576KiB", 1ull << 30},
+        {"5000", 5000},
     };
-    static const char *const bad[] = {"16MB", "16k", "16KB", "1.5GiB",
-                                      "0x1000", "\"\"", "\"4KiB \"", "KiB",
-                                      "16  MiB", "16mib", "+4096", "4_096"};
-    static const char *const range[] = {"4095", "1025MiB", "2GiB", "0",
-                                        "-4KiB",
-                                        "99999999999999999999GiB",
-                                        "17179869184GiB"};
+    static const char *const bad[] = {"16MB",    "16k",   "16KB",      "1.5GiB",
+                                      "0x1000",  "\"\"",  "\"4KiB \"", "KiB",
+                                      "16  MiB", "16mib", "+4096",     "4_096"};
+    static const char *const range[] = {
+        "4095",          "1025MiB",
+        "2GiB",          "0",
+        "-4KiB",         "99999999999999999999GiB",
+        "17179869184GiB"};
     char yaml[128], *err;
     kvx_conf_t c;
 
@@ -678,8 +688,8 @@ TEST(id_lists)
     /* Exactly CONF_MAX_IDS fit. */
     len = (size_t)snprintf(yaml, sizeof(yaml), "auth:\n  allowed_uids:\n");
     for (int i = 0; i < CONF_MAX_IDS; i++)
-        len += (size_t)snprintf(yaml + len, sizeof(yaml) - len,
-                                "    - %d\n", 1000 + i);
+        len += (size_t)snprintf(yaml + len, sizeof(yaml) - len, "    - %d\n",
+                                1000 + i);
     load_ok(yaml, &c);
     CHECK_EQ(c.num_allowed_uids, CONF_MAX_IDS);
     for (int i = 0; i < CONF_MAX_IDS; i++)
@@ -909,18 +919,20 @@ TEST(err_cross_key)
 
 TEST(err_top_level)
 {
-    expect_errors("- socket\n- log\n", 1,
-                  "F:1:1: (top level): got a sequence (expected a mapping "
-                  "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
-                  "log)\n"
-                  "- socket\n"
-                  "^\n");
-    expect_errors("hello\n", 1,
-                  "F:1:1: (top level): got a scalar (expected a mapping "
-                  "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
-                  "log)\n"
-                  "hello\n"
-                  "^\n");
+    expect_errors(
+        "- socket\n- log\n", 1,
+        "F:1:1: (top level): got a sequence (expected a mapping "
+        "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
+        "log)\n"
+        "- socket\n"
+        "^\n");
+    expect_errors(
+        "hello\n", 1,
+        "F:1:1: (top level): got a scalar (expected a mapping "
+        "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
+        "log)\n"
+        "hello\n"
+        "^\n");
     expect_errors("log: {level: info}\n---\nlog: {level: debug}\n", 1,
                   "F:3:1: (top level): a second YAML document (expected one "
                   "document)\n"
@@ -1113,13 +1125,11 @@ static void yaml_fn(const char *key, const char *value, void *arg)
     size_t sl = section_len(key);
 
     if (!c->n || strncmp(conf_keys[c->n - 1].name, key, sl + 1))
-        c->len += (size_t)snprintf(c->text + c->len,
-                                   sizeof(c->text) - c->len, "%.*s:\n",
-                                   (int)sl, key);
-    c->len += (size_t)snprintf(c->text + c->len, sizeof(c->text) - c->len,
-                               value[0] == '[' ? "  %s: %s\n"
-                                               : "  %s: \"%s\"\n",
-                               key + sl + 1, value);
+        c->len += (size_t)snprintf(c->text + c->len, sizeof(c->text) - c->len,
+                                   "%.*s:\n", (int)sl, key);
+    c->len += (size_t)snprintf(
+        c->text + c->len, sizeof(c->text) - c->len,
+        value[0] == '[' ? "  %s: %s\n" : "  %s: \"%s\"\n", key + sl + 1, value);
     c->n++;
 }
 
@@ -1162,8 +1172,9 @@ TEST(markdown_table)
     char *md = markdown(), *line, *save;
     int rows = 0;
 
-    CHECK(!strncmp(md, "| key | type | default | range | reloadable | "
-                       "description |\n|---",
+    CHECK(!strncmp(md,
+                   "| key | type | default | range | reloadable | "
+                   "description |\n|---",
                    61));
     for (line = strtok_r(md, "\n", &save); line;
          line = strtok_r(NULL, "\n", &save), rows++) {
@@ -1208,8 +1219,10 @@ TEST(markdown_matches_docs)
     CHECK(e != NULL);
     *e = '\0';
     if (strcmp(b, md))
-        fprintf(stderr, "docs/configuration.md is stale; regenerate the "
-                        "block with kvxferd --print-config-table:\n%s", md);
+        fprintf(stderr,
+                "docs/configuration.md is stale; regenerate the "
+                "block with kvxferd --print-config-table:\n%s",
+                md);
     CHECK(!strcmp(b, md));
     free(doc);
     free(md);
@@ -1357,8 +1370,9 @@ TEST(deep_and_odd_yaml)
     buf[len++] = '\n';
     CHECK_EQ(load_bytes(buf, len, &c, &err), 1);
     /* Reported where it got too deep; the long line shown cut short. */
-    CHECK(!strncmp(err, "F:2:24: yaml: nested deeper than 16 levels "
-                        "(expected sections of keys)\n  level: [[[[",
+    CHECK(!strncmp(err,
+                   "F:2:24: yaml: nested deeper than 16 levels "
+                   "(expected sections of keys)\n  level: [[[[",
                    75));
     CHECK_STR_CONTAINS(err, "[[[...\n                       ^\n");
     CHECK(strlen(err) < 600);

@@ -256,8 +256,7 @@ TEST(garbage_is_refused)
     const char *t = "{\"version\": 1, \"token\": \"...\"}";
     Kvxfer__ContextParams *out = (Kvxfer__ContextParams *)0x1;
     char why[256];
-    CHECK_EQ(decode((const uint8_t *)t, strlen(t), &out, why),
-             KVX_ERR_INVALID);
+    CHECK_EQ(decode((const uint8_t *)t, strlen(t), &out, why), KVX_ERR_INVALID);
     CHECK(out == (Kvxfer__ContextParams *)0x1);
 }
 
@@ -485,12 +484,12 @@ TEST(publish_checks_the_block_count)
     char why[256] = "";
     /* 33 tokens of 16 per block need 3 blocks */
     CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 0, K(7), pool, blocks, 2,
-                                                33, NULL, 0, NULL, 0, 0},
+                                                33, NULL, 0, NULL, 0, 0, 0},
                           &params, &plen, KVX_WHY(why)),
              KVX_ERR_INVALID);
     CHECK_STR_CONTAINS(why, "need 3");
     CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 0, K(7), pool, blocks, 3,
-                                                33, NULL, 0, NULL, 0, 0},
+                                                33, NULL, 0, NULL, 0, 0, 0},
                           &params, &plen, KVX_WHY(why)),
              0);
     /* the params it returns decode */
@@ -517,7 +516,7 @@ TEST(publish_refuses_a_token_count_whose_block_count_wraps)
     char why[256] = "";
     int rc =
         xfer_publish(&(xfer_publish_req_t){inst, 0, K(9), pool, blocks, 1,
-                                           UINT32_MAX, NULL, 0, NULL, 0, 0},
+                                           UINT32_MAX, NULL, 0, NULL, 0, 0, 0},
                      &params, &plen, KVX_WHY(why));
     if (rc == 0)
         free(params);
@@ -584,17 +583,17 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     char why[256] = "";
     /* rank 0 without aux, rank 1 with: the offer takes rank 1's */
     CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 0, K(3), pool, blocks, 2,
-                                                20, NULL, 0, NULL, 0, 0},
+                                                20, NULL, 0, NULL, 0, 0, 0},
                           &params, &plen, KVX_WHY(why)),
              0);
     free(params);
     offer_t *o = map_get(&inst->offers, xfer_key_id(K(3)->b, K(3)->len));
     CHECK(o && o->aux_len == 0 && o->aux == NULL);
     CHECK_EQ(kvxd_mem_used(MEM_AUX), 0);
-    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 1, K(3), pool, blocks, 2,
-                                                20, NULL, 0,
-                                                (const uint8_t *)"tok", 3, 0},
-                          &params, &plen, KVX_WHY(why)),
+    CHECK_EQ(xfer_publish(
+                 &(xfer_publish_req_t){inst, 1, K(3), pool, blocks, 2, 20, NULL,
+                                       0, (const uint8_t *)"tok", 3, 0, 0},
+                 &params, &plen, KVX_WHY(why)),
              0);
     free(params);
     CHECK_EQ(o->aux_len, 3);
@@ -604,34 +603,34 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     /* another key: rank 0's aux first; rank 1's differs: refused, and
      * nothing of rank 1 is kept (it may publish again) */
     uint64_t req0 = kvxd_mem_used(MEM_REQUESTS);
-    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 0, K(4), pool, blocks, 2,
-                                                20, NULL, 0,
-                                                (const uint8_t *)"abc", 3, 0},
-                          &params, &plen, KVX_WHY(why)),
+    CHECK_EQ(xfer_publish(
+                 &(xfer_publish_req_t){inst, 0, K(4), pool, blocks, 2, 20, NULL,
+                                       0, (const uint8_t *)"abc", 3, 0, 0},
+                 &params, &plen, KVX_WHY(why)),
              0);
     free(params);
     /* what a new offer and one rank's tables are charged (MEM_REQUESTS) */
     uint64_t one = kvxd_mem_used(MEM_REQUESTS) - req0;
     CHECK(one > 0);
-    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2,
-                                                20, NULL, 0,
-                                                (const uint8_t *)"abd", 3, 0},
-                          &params, &plen, KVX_WHY(why)),
+    CHECK_EQ(xfer_publish(
+                 &(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2, 20, NULL,
+                                       0, (const uint8_t *)"abd", 3, 0, 0},
+                 &params, &plen, KVX_WHY(why)),
              KVX_ERR_MISMATCH);
     CHECK_STR_CONTAINS(why, "publish.aux");
-    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2,
-                                                20, NULL, 0,
-                                                (const uint8_t *)"abcd", 4, 0},
-                          &params, &plen, KVX_WHY(why)),
+    CHECK_EQ(xfer_publish(
+                 &(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2, 20, NULL,
+                                       0, (const uint8_t *)"abcd", 4, 0, 0},
+                 &params, &plen, KVX_WHY(why)),
              KVX_ERR_MISMATCH);
     o = map_get(&inst->offers, xfer_key_id(K(4)->b, K(4)->len));
     CHECK(o && !o->parts[1].published && o->npublished == 1);
     CHECK(o->aux_len == 3 && !memcmp(o->aux, "abc", 3));
     /* the same bytes: fine */
-    CHECK_EQ(xfer_publish(&(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2,
-                                                20, NULL, 0,
-                                                (const uint8_t *)"abc", 3, 0},
-                          &params, &plen, KVX_WHY(why)),
+    CHECK_EQ(xfer_publish(
+                 &(xfer_publish_req_t){inst, 1, K(4), pool, blocks, 2, 20, NULL,
+                                       0, (const uint8_t *)"abc", 3, 0, 0},
+                 &params, &plen, KVX_WHY(why)),
              0);
     free(params);
     CHECK_EQ(kvxd_mem_used(MEM_AUX), 6);
@@ -645,7 +644,7 @@ TEST(publish_keeps_the_first_aux_and_refuses_another)
     static const uint8_t big[64] = {1}; /* more than the offer leaves */
     CHECK_EQ(
         xfer_publish(&(xfer_publish_req_t){inst, 0, K(5), pool, blocks, 2, 20,
-                                           NULL, 0, big, sizeof(big), 0},
+                                           NULL, 0, big, sizeof(big), 0, 0},
                      &params, &plen, KVX_WHY(why)),
         KVX_ERR_LIMIT);
     CHECK_STR_CONTAINS(why, "publish.aux");

@@ -156,7 +156,7 @@ static void start_transfer(void)
     uint8_t *params;
     size_t plen;
     CHECK_EQ(xfer_publish(&(xfer_publish_req_t){ctx, 0, K(1), cpool, cblocks, 4,
-                                                NTOK, NULL, 0, NULL, 0, 0},
+                                                NTOK, NULL, 0, NULL, 0, 0, 0},
                           &params, &plen, KVX_WHY(why)),
              0);
     Kvxfer__ContextParams *cp =

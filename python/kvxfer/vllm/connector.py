@@ -54,6 +54,10 @@ class KvxferConnector(KVConnectorBase_V1):
         return self._sched.get_num_new_matched_tokens(request,
                                                       num_computed_tokens)
 
+    def on_new_request(self, request: "Request") -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
+
     def update_state_after_alloc(self, request: "Request",
                                  blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -65,10 +69,6 @@ class KvxferConnector(KVConnectorBase_V1):
                              ) -> KVConnectorMetadata:
         assert self._sched is not None
         return self._sched.build_connector_meta(scheduler_output)
-
-    def on_new_request(self, request: "Request") -> None:
-        assert self._sched is not None
-        self._sched.lw.on_new_request(request)
 
     def update_connector_output(self,
                                 connector_output: "KVConnectorOutput"

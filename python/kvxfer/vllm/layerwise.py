@@ -4,10 +4,11 @@ made ready as the forward writes it, so a fetch copies the early layers
 while the later ones are computed (kvxfer's layer-wise offers:
 ``publish(layerwise=True)``, ``layers_ready``, ``append_blocks``).
 
-The scheduler half (:class:`LayerPlanner`) reserves the offer at the
-request's first scheduled chunk and tells the workers each chunk (its new
-blocks and the tokens its forward completes); the params go to the
-decode from ``request_finished`` as for a whole-request offer. The worker
+The scheduler half (:class:`LayerPlanner`) takes the offer the scheduler
+reserved at the request's first scheduled chunk (its step's
+``reserve_many``) and tells the workers each chunk (its new blocks and
+the tokens its forward completes); the params go to the decode from
+``request_finished`` as for a whole-request offer. The worker
 half (:class:`LayerSender`) publishes at the step's first
 ``save_kv_layer`` (vLLM may start the step's loads after the forward, so
 not in ``start_load_kv``), marks each layer ready from ``save_kv_layer``
@@ -81,13 +82,19 @@ class LayerPlanner:
     """The scheduler side of layer-wise offers."""
 
     def __init__(self, on: bool, block_size: int, instance_id: str,
-                 reserve: Callable[[bytes, int], bytes]) -> None:
+                 take: Callable[[str], Optional[bytes]]) -> None:
         self.on = on
         self.block_size = block_size
         self.instance_id = instance_id
-        self._reserve = reserve  # (key, num_tokens) -> params
+        # request id -> the params the scheduler reserved for it this
+        # step (its _reserve_step), now the layer-wise offer's; None: none
+        self._take = take
         self._new: Dict[str, "Request"] = {}  # not scheduled yet
         self._offers: Dict[str, _Offer] = {}
+
+    def has(self, request_id: str) -> bool:
+        """The request is (or was, preempted) offered layer-wise."""
+        return request_id in self._offers
 
     def on_new_request(self, request: "Request") -> None:
         p = request.kv_transfer_params
@@ -154,21 +161,16 @@ class LayerPlanner:
         return list(ids[0]) if ids else []
 
     def _offer(self, request: "Request") -> Optional[_Offer]:
-        """Reserve the offer of a request's first chunk; None: the request
-        goes whole (the daemon refused; it is logged)."""
+        """The offer of a request's first chunk, with the reservation the
+        scheduler made for it this step; None: not reserved (the daemon
+        refused, was gone or slow: logged there), it goes whole."""
         rid = request.request_id
-        n = request.num_prompt_tokens
-        key = request_key(rid)
-        try:
-            params = self._reserve(key, n)
-        except kvxfer.Closed:
-            return None  # the daemon is gone (logged once)
-        except kvxfer.Error as e:
-            log.error("request %s: kvxfer reserve (layer-wise) failed: %s",
-                      rid, e)
+        params = self._take(rid)
+        if params is None:
             return None
-        o = self._offers[rid] = _Offer(request=request, key=key,
-                                       params=params, num_tokens=n)
+        o = self._offers[rid] = _Offer(request=request, key=request_key(rid),
+                                       params=params,
+                                       num_tokens=request.num_prompt_tokens)
         return o
 
     def finished(self, request: "Request", meta: KvxferConnectorMetadata
