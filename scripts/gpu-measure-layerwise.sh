@@ -4,7 +4,8 @@
 # first token, layer-wise against whole-request (the baseline, from the
 # same run), through the connector's worker half
 # (bin/tests/vllm_layerwise.py measure), 4,096-token prompts: the
-# real-model test's model and wider/deeper shapes (below).
+# real-model test's model and wider/deeper shapes, one daemon and two
+# (below).
 #   scripts/gpu-measure-layerwise.sh [dist/kvxfer] [OUTDIR]
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-gpu-out}
@@ -13,9 +14,11 @@ B=$(cd "$B" && pwd)
 KVX_HOME=$B
 . "$B/env.sh"
 # the test model (4 layers), 32 layers of its width, and Llama-3-8B's
-# shape (32 layers, hidden 4096, 32 heads, 8 KV heads of 128)
-for shape in "--layers 4" "--layers 32" \
-        "--layers 32 --hidden 4096 --heads 32 --kv-heads 8"; do
+# shape (32 layers, hidden 4096, 32 heads, 8 KV heads of 128), on one
+# daemon; then the 8B shape with the decode on a daemon of its own (a
+# transfer between daemons, UCX on 127.0.0.1)
+B8="--layers 32 --hidden 4096 --heads 32 --kv-heads 8"
+for shape in "--layers 4" "--layers 32" "$B8" "$B8 --daemons 2"; do
     echo "== vllm_layerwise.py measure --tokens 4096 $shape" |
         tee -a "$OUT/layerwise.txt"
     # shellcheck disable=SC2086 # $shape is the options, split

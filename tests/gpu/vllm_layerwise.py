@@ -21,6 +21,7 @@ must equal a colocated run's.
       layer-wise, 300 and 4096 tokens; last line "N passed, N failed"
   vllm_layerwise.py measure [--tokens 4096] [--reps 9] [--layers 4]
                             [--hidden 512 --heads 8 --kv-heads 4]
+                            [--daemons 1|2]
       the time from the prefill's last layer (the GPU reached its end)
       to the decode's first token, layer-wise and whole-request (the
       baseline: the offer published after the forward and the sampled
@@ -31,6 +32,8 @@ must equal a colocated run's.
       prefill's forward in both (it waits for the offer), so the two
       differ only in when the prefill's layers may move. Another shape
       than the test model's is built on the GPU (random weights, bf16).
+      --daemons 2: the decode on a daemon of its own, the two peers over
+      UCX on 127.0.0.1 (a transfer between daemons, as between nodes).
 
 No vLLM is needed (the GPU machine has none): the worker half imports
 only ``KVConnectorMetadata`` from vLLM, which a two-line shim provides
@@ -223,6 +226,7 @@ def prefill_main(sock, device, shape, prompts, jobs, to_decode, started,
         if begin is not None:
             begin.record()
         hooks = []
+        cpu_last: List[float] = []  # host: the last layer's end, here
 
         def after(i):
             def hook(mod, args, out):
@@ -234,6 +238,8 @@ def prefill_main(sock, device, shape, prompts, jobs, to_decode, started,
                     w.save_layer(meta, name_i, caches[name_i])
                 if i == pl.L - 1 and last is not None:
                     last.record()
+                elif i == pl.L - 1:
+                    cpu_last.append(time.time())
             return hook
         for i, layer in enumerate(m.model.layers):
             hooks.append(layer.register_forward_hook(after(i)))
@@ -248,7 +254,8 @@ def prefill_main(sock, device, shape, prompts, jobs, to_decode, started,
                 h.remove()
         if last is not None:
             last.synchronize()
-        t_last = time.time()  # the GPU reached the end of the last layer
+        # the GPU reached the end of the last layer (host: it ended then)
+        t_last = cpu_last[0] if cpu_last else time.time()
         fwd_ms = begin.elapsed_time(last) if begin is not None else 0.0
         first = int(out.logits[0, -1].argmax())  # sampled: request done
         if lw:
@@ -327,19 +334,37 @@ def decode_main(sock, device, shape, prompts, to_decode, started,
     w.close()
 
 
-def run(kvxferd, device, shape, prompts, plan, new):
+def start_daemons(kvxferd: str, d: str, n: int) -> List[Any]:
+    """n daemons (1 or 2: the prefill's and the decode's, peers over
+    UCX on 127.0.0.1 with a fresh secret): [(process, socket)]."""
+    if n == 1:
+        return [pl.start_daemon(kvxferd, d)]
+    secret = os.path.join(d, "secret")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    cfg = f'peer:\n  listen: "127.0.0.1:0"\n  secret_file: "{secret}"\n'
+    out = []
+    for name in ("prefill", "decode"):
+        os.mkdir(os.path.join(d, name))
+        out.append(pl.start_daemon(kvxferd, os.path.join(d, name), cfg))
+    return out
+
+
+def run(kvxferd, device, shape, prompts, plan, new, daemons=1):
     """Run plan ([(request id, mode, prompt name)]) through a prefill
-    and a decode process; {request id: what both said of it}."""
+    and a decode process (on one daemon, or each on its own); {request
+    id: what both said of it}."""
     ctx = mp.get_context("spawn")
     jobs, to_decode, started, results = (ctx.Queue() for _ in range(4))
     out: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
-        daemon, sock = pl.start_daemon(kvxferd, d)
+        ds = start_daemons(kvxferd, d, daemons)
         procs = [ctx.Process(target=prefill_main, args=(
-                     sock, device, shape, prompts, jobs, to_decode, started,
-                     results)),
+                     ds[0][1], device, shape, prompts, jobs, to_decode,
+                     started, results)),
                  ctx.Process(target=decode_main, args=(
-                     sock, device, shape, prompts, to_decode, started,
+                     ds[-1][1], device, shape, prompts, to_decode, started,
                      results, new))]
         try:
             for p in procs:
@@ -371,8 +396,9 @@ def run(kvxferd, device, shape, prompts, plan, new):
             for p in procs:
                 if p.is_alive():
                     p.kill()
-            daemon.terminate()
-            daemon.wait(10)
+            for daemon, _ in ds:
+                daemon.terminate()
+                daemon.wait(10)
     return out
 
 
@@ -408,12 +434,12 @@ def test(kvxferd, device):
     return failed == 0
 
 
-def measure(kvxferd, device, tokens, reps, shape):
+def measure(kvxferd, device, tokens, reps, shape, daemons):
     prompts = {"p": pl.prompt_of(tokens, 5)}
     plan = [("warm-w", "whole", "p"), ("warm-l", "layerwise", "p")]
     for i in range(reps):  # alternated: drift falls on both
         plan += [(f"w{i}", "whole", "p"), (f"l{i}", "layerwise", "p")]
-    res = run(kvxferd, device, shape, prompts, plan, 0)
+    res = run(kvxferd, device, shape, prompts, plan, 0, daemons)
     set_shape(shape)
     gap: Dict[str, List[float]] = {"whole": [], "layerwise": []}
     tail: Dict[str, List[float]] = {"whole": [], "layerwise": []}
@@ -427,11 +453,15 @@ def measure(kvxferd, device, tokens, reps, shape):
         tail[mode].append((r["t_first"] - r["t_landed"]) * 1e3)
         land[mode].append((r["t_landed"] - r["t_last"]) * 1e3)
         fwd[mode].append(r["forward_ms"])
-    kv = tokens * pl.L * 2 * pl.KV_HEADS * pl.HD * 2
+    kv = tokens * pl.L * 2 * pl.KV_HEADS * pl.HD * \
+        torch.empty((), dtype=pl.device_dtype(device)[1]).element_size()
+    dt = str(pl.device_dtype(device)[1]).replace("torch.", "")
     print(f"model: {pl.L} layers, hidden {pl.HIDDEN}, {pl.HEADS} heads, "
-          f"{pl.KV_HEADS} KV heads x {pl.HD} dim, bf16; prompt {tokens} "
+          f"{pl.KV_HEADS} KV heads x {pl.HD} dim, {dt}; prompt {tokens} "
           f"tokens: {kv / 2**20:.1f} MiB of KV; {reps} requests each, "
-          "alternated")
+          "alternated; " + ("one daemon" if daemons == 1 else
+                            "two daemons (the prefill's and the decode's, "
+                            "UCX on 127.0.0.1)"))
     med = statistics.median
     print("the prefill's last layer -> the decode's first token (ms):")
     for mode in ("whole", "layerwise"):
@@ -462,6 +492,9 @@ def main():
     ap.add_argument("--hidden", type=int, default=pl.HIDDEN)
     ap.add_argument("--heads", type=int, default=pl.HEADS)
     ap.add_argument("--kv-heads", type=int, default=pl.KV_HEADS)
+    ap.add_argument("--daemons", type=int, choices=(1, 2), default=1,
+                    help="measure: 2 puts the decode on a daemon of its "
+                    "own (a transfer between daemons)")
     ap.add_argument("--device", default=None,
                     help="cpu: host pools and fp32 (a check of this script "
                     "without a GPU)")
@@ -476,7 +509,7 @@ def main():
     else:
         ok = measure(a.kvxferd, device, a.tokens, a.reps, {
             "L": a.layers, "HIDDEN": a.hidden, "HEADS": a.heads,
-            "KV_HEADS": a.kv_heads})
+            "KV_HEADS": a.kv_heads}, a.daemons)
     return 0 if ok else 1
 
 
