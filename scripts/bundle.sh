@@ -15,7 +15,8 @@ for t in gpu integration; do [ -x "$BUILD/tests/$t" ] && cp "$BUILD/tests/$t" "$
 # the real-model test and demo, with the Python package they import
 # (from bin/tests, ../../python)
 if [ -d "$OUT/bin/tests" ]; then
-    cp tests/gpu/real_model.py examples/paged_llama.py "$OUT/bin/tests/"
+    cp tests/gpu/real_model.py tests/gpu/vllm_layerwise.py \
+        examples/paged_llama.py "$OUT/bin/tests/"
     mkdir -p "$OUT/python"
     cp -r python/kvxfer "$OUT/python/"
     rm -rf "$OUT/python/kvxfer/__pycache__" "$OUT/python/kvxfer/_libs"

@@ -68,6 +68,12 @@ else
         --kvxferd "$KB/kvxferd" >"$out" 2>&1
     grep -v -i warn "$out"
     add "$out"
+    # the same model layer-wise through the vLLM connector's worker half
+    vl_src=$(dirname "$rm_src")/vllm_layerwise.py
+    KVXFER_LIB=$lib PYTHONUNBUFFERED=1 python3 "$vl_src" test \
+        --kvxferd "$KB/kvxferd" >"$out" 2>&1
+    grep -v -i warn "$out"
+    add "$out"
 fi
 # the Python package's GPU tests: a build tree only (a bundle has no
 # python/); they skip, saying why, without CUDA torch or CuPy

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import time
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import \
     KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import \
     KVConnectorRole
+from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
                                          init_none_hash)
@@ -77,16 +78,20 @@ def kv_tensor(spec: Any, num_blocks: int, names: List[str],
 def vllm_config(model: str, sock: str, name: str, tp: int = 1,
                 layout: str = "LBNHC", extra: Optional[dict] = None,
                 policy: str = "recompute", role: str = "kv_both",
+                chunk: int = 1024, num_blocks: int = NUM_BLOCKS,
                 **parallel: Any) -> VllmConfig:
     """The VllmConfig of an instance: the connector's config line, this
-    test's socket, a small CPU model (parallel: ParallelConfig's other
-    fields)."""
+    test's socket, a small CPU model (chunk: the scheduler's token budget
+    a step, chunked prefill below 512; num_blocks: the KV cache's blocks;
+    parallel: ParallelConfig's other fields)."""
     mc = ModelConfig(model=model, skip_tokenizer_init=True,
                      dtype="float32", max_model_len=512, seed=0)
-    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
-                         max_model_len=512, is_encoder_decoder=False)
+    sc = SchedulerConfig(max_num_seqs=min(16, chunk),
+                         max_num_batched_tokens=chunk,
+                         max_model_len=512, is_encoder_decoder=False,
+                         enable_chunked_prefill=chunk < 512)
     cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-    cc.num_gpu_blocks = NUM_BLOCKS
+    cc.num_gpu_blocks = num_blocks
     cc.kv_cache_layout = layout
     kv = KVTransferConfig(
         kv_connector="KvxferConnector",
@@ -109,24 +114,38 @@ class Engine:
                  layout: str = "LBNHC", extra: Optional[dict] = None,
                  policy: str = "recompute", salt: float = 0.0,
                  role: str = "kv_both",
-                 rank_socks: Optional[List[str]] = None) -> None:
+                 rank_socks: Optional[List[str]] = None,
+                 per_layer: bool = False, chunk: int = 1024,
+                 log_stats: bool = False,
+                 num_blocks: int = NUM_BLOCKS) -> None:
+        """per_layer: the forward goes layer by layer inside the
+        connector's step, calling wait_for_layer_load before a layer and
+        save_kv_layer after it, as vLLM's attention layers do (and
+        after_layer(engine, rank, layer) then, when set); chunk: the
+        scheduler's token budget a step (chunked prefill below 512);
+        log_stats: the scheduler's stats, each step's in self.stats;
+        num_blocks: the KV cache's blocks (few: vLLM preempts)."""
         self.name, self.tp, self.salt = name, tp, salt
+        self.per_layer = per_layer
+        self.after_layer: Optional[Callable[[Any, int, int], None]] = None
         self.vc = vllm_config(model, sock, name, tp=tp, layout=layout,
-                              extra=extra, policy=policy, role=role)
+                              extra=extra, policy=policy, role=role,
+                              chunk=chunk, num_blocks=num_blocks)
         self.heads = KV_HEADS // tp
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads,
                                  head_size=HEAD, dtype=torch.float32)
         self.layer_names = [f"model.layers.{i}.self_attn.attn"
                             for i in range(LAYERS)]
-        kt = kv_tensor(spec, NUM_BLOCKS, self.layer_names,
+        kt = kv_tensor(spec, num_blocks, self.layer_names,
                        KVCacheLayout[layout])
-        kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[kt],
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[kt],
                             kv_cache_groups=[KVCacheGroupSpec(
                                 self.layer_names, spec)])
         self.sched = Scheduler(
             vllm_config=self.vc, kv_cache_config=kcc,
             structured_output_manager=StructuredOutputManager(self.vc),
-            block_size=BLOCK, log_stats=False)
+            block_size=BLOCK, log_stats=log_stats)
+        self.stats: List[Any] = []  # SchedulerStats (log_stats)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.ranks: List[Dict[str, Any]] = []
         for r in range(tp):
@@ -140,7 +159,7 @@ class Engine:
                     "socket": rank_socks[r]}
             buf = kvxfer.HostBuffer(kt.size)
             raw = buf.torch(torch.int8)
-            views = create_kv_cache_views(raw, spec, NUM_BLOCKS,
+            views = create_kv_cache_views(raw, spec, num_blocks,
                                           KVCacheLayout[layout], kt)
             caches = dict(zip(self.layer_names, views))
             conn = KVConnectorFactory.create_connector(
@@ -193,16 +212,22 @@ class Engine:
         so = self.sched.schedule()
         outs = []
         for r, rank in enumerate(self.ranks):
-            self._forward(so, r, rank["caches"])
+            # vLLM's model runner, before the forward
+            rank["conn"].handle_preemptions(so.kv_connector_metadata)
+            if not self.per_layer:
+                self._forward(so, r, rank["caches"])
             kv_transfer_state._KV_CONNECTOR_AGENT = rank["conn"]
             try:
+                if self.per_layer:
+                    out = self._forward_in_step(so, r, rank)
+                else:
+                    out = (KVConnectorModelRunnerMixin
+                           .kv_connector_no_forward(so, rank["vc"]))
                 # a copy, as vLLM's RPC from a worker process is: an empty
                 # output is vLLM's EMPTY_MODEL_RUNNER_OUTPUT, which
                 # KVOutputAggregator.aggregate writes into, and the
                 # engines of this process would share what it wrote
-                outs.append(copy.copy(KVConnectorModelRunnerMixin
-                                      .kv_connector_no_forward(
-                                          so, rank["vc"])))
+                outs.append(copy.copy(out))
             finally:
                 kv_transfer_state._KV_CONNECTOR_AGENT = None
         kvo = self.agg.aggregate(outs).kv_connector_output
@@ -219,27 +244,52 @@ class Engine:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, kv_connector_output=kvo)
         for eco in self.sched.update_from_output(so, mro).values():
+            if eco.scheduler_stats is not None:
+                self.stats.append(eco.scheduler_stats)
             for o in eco.outputs:
                 self.tokens[o.request_id] += list(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.outputs[o.request_id] = o
 
-    def _forward(self, so: Any, r: int, caches: Dict[str, torch.Tensor]
-                 ) -> None:
+    def _forward(self, so: Any, r: int, caches: Dict[str, torch.Tensor],
+                 conn: Any = None) -> None:
         """What the model's forward writes: the KV of every scheduled
-        token, into the request's blocks (this rank's heads)."""
+        token, into the request's blocks (this rank's heads), layer by
+        layer; with conn, each layer between the connector's
+        wait_for_layer_load and save_kv_layer (vLLM's
+        maybe_transfer_kv_layer), then after_layer."""
         heads = range(r * self.heads, (r + 1) * self.heads)
-        for rid, n in so.num_scheduled_tokens.items():
-            req = self.sched.requests[rid]
-            end = req.num_computed_tokens  # advanced at schedule time
-            start = end - n
-            toks = list(req.all_token_ids)
-            blocks = self.blocks_of(rid)
-            for layer, name in enumerate(self.layer_names):
+        hooks = conn is not None and so.total_num_scheduled_tokens > 0 \
+            and conn.has_connector_metadata()
+        for layer, name in enumerate(self.layer_names):
+            if hooks:
+                conn.wait_for_layer_load(name)
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.sched.requests[rid]
+                end = req.num_computed_tokens  # advanced at schedule time
+                start = end - n
+                toks = list(req.all_token_ids)
+                blocks = self.blocks_of(rid)
                 vals = pattern(toks, start, end, layer, heads, self.salt)
                 for p in range(start, end):
                     caches[name][blocks[p // BLOCK], :, p % BLOCK] = \
                         vals[p - start]
+            if hooks:
+                conn.save_kv_layer(name, caches[name], None)
+            if conn is not None and self.after_layer is not None:
+                self.after_layer(self, r, layer)
+
+    def _forward_in_step(self, so: Any, r: int, rank: Dict[str, Any]
+                         ) -> ModelRunnerOutput:
+        """One rank's step as vLLM's GPU model runner runs it: the
+        connector's lifecycle around the forward (start_load_kv before it
+        when a load is synchronous, else after it; wait_for_save, then
+        the finished transfers)."""
+        with set_forward_context(None, rank["vc"]), \
+                KVConnectorModelRunnerMixin._get_kv_connector_output(
+                    so) as out:
+            self._forward(so, r, rank["caches"], rank["conn"])
+        return ModelRunnerOutput.with_kv_conn_output_only(out)
 
     def kv_of(self, rid: str, n: int, r: int = 0) -> List[torch.Tensor]:
         """Per layer: [n, heads, 2 * HEAD] of rank r's blocks of rid."""

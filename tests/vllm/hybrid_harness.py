@@ -116,6 +116,9 @@ class HybridEngine(Engine):
                  extra: Optional[dict] = None, role: str = "kv_both",
                  salt: float = 0.0) -> None:
         self.name, self.tp, self.salt = name, tp, salt
+        self.per_layer = False  # Engine's forward, not layer by layer
+        self.after_layer = None
+        self.stats: List[Any] = []
         self.vc = vllm_config(model, sock, name, tp=tp, layout=layout,
                               extra=extra, role=role)
         # vLLM keeps its hybrid memory allocator for a connector that

@@ -35,6 +35,10 @@ from harness import (BLOCK, HEAD, KV_HEADS, LAYERS, TOKEN,
                      Engine, kv_tensor, landed, load_errors, pattern,
                      prefill, prompt_of, reported, run, worker)
 
+# a prefill that offers whole requests (after they finished), not
+# layer-wise (test_layerwise.py)
+WHOLE = {"layerwise": False}
+
 
 def test_remote_prefill(engines):
     p, d = engines(), engines(layout="LBHNC")  # another layout, HND
@@ -126,8 +130,9 @@ def test_full_prefix_hit_releases(engines):
 def test_abort_while_transferring(engines, daemon):
     """A decode request aborted while its fetch waits (the prefill has not
     published yet) is cancelled; vLLM frees its blocks only after the
-    fenced cancel, and the prefill's offer ends too."""
-    p, d = engines(), engines()
+    fenced cancel, and the prefill's offer ends too. (A whole-request
+    offer: a layer-wise one is published before the decode fetches.)"""
+    p, d = engines(extra=WHOLE), engines()
     prompt = prompt_of(40, 5)
     p_free, d_free = p.free_blocks(), d.free_blocks()
     p.add("req-x", prompt, 1, {"do_remote_decode": True})
@@ -243,8 +248,9 @@ def test_no_daemon_is_a_clear_error(model_dir, tmp_path):
 
 
 def kill_mid_transfer(p: Engine, d: Engine, daemon: Any) -> Dict[str, Any]:
-    """Two prefill requests and a decode fetch in flight, then kill -9 of
-    the daemon; the engines step until each request ended once. Returns
+    """Two prefill requests and a decode fetch in flight (whole-request
+    offers, WHOLE: published the step after the request finished), then
+    kill -9 of the daemon; the engines step until each request ended once. Returns
     what the checks need."""
     p_free = p.free_blocks()
     pa, pb = prompt_of(40, 21), prompt_of(40, 22)
@@ -347,7 +353,7 @@ def test_daemon_killed_mid_transfer(engines, own_daemon, caplog):
     blocks; a new daemon on the same socket and the next request goes
     through kvxfer again, with the library's reconnection, no restart."""
     daemon = own_daemon
-    p = engines(salt=0.5, sock=daemon.sock)
+    p = engines(salt=0.5, sock=daemon.sock, extra=WHOLE)
     d = engines(sock=daemon.sock)
     was = kill_mid_transfer(p, d, daemon)
     for e in (p, d):  # the library reconnects them, not closed
@@ -374,7 +380,7 @@ def test_daemon_killed_reconnection_off(engines, own_daemon, monkeypatch):
     clients again once the daemon is back."""
     monkeypatch.setenv("KVXFER_RECONNECT", "0")
     daemon = own_daemon
-    p = engines(salt=0.5, sock=daemon.sock)
+    p = engines(salt=0.5, sock=daemon.sock, extra=WHOLE)
     d = engines(sock=daemon.sock)
     was = kill_mid_transfer(p, d, daemon)
     after_restart(p, d, daemon, was)

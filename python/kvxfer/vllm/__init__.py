@@ -67,6 +67,18 @@ restart. Each outage is logged once, and the return.
     ``get_handshake_metadata`` on each worker, the scheduler's
     ``set_xfer_handshake_metadata_pp_aware``, then the next step's
     metadata to every worker).
+``layerwise``
+    a prefill's offer is reserved at its first scheduled chunk and
+    published layer-wise from ``save_kv_layer``, each layer ready as the
+    forward writes it (default true; false: whole requests, published
+    the step after they finished). See :mod:`kvxfer.vllm.layerwise`.
+``layerwise_load``
+    the decode loads synchronously and ``wait_for_layer_load`` waits for
+    each layer (``fetch_progress``), so its first token's forward runs
+    while the last layers land (default false).
+
+Metrics: ``vllm:kvxfer_*`` in vLLM's ``/metrics`` and stats log
+(:mod:`kvxfer.vllm.metrics`).
 
 A configuration the connector cannot serve is refused when vLLM makes it
 (``__init__``), naming the option (:func:`kvxfer.vllm.common.check_config`).

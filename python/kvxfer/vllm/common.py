@@ -74,6 +74,23 @@ class Recv:
     block_ids: List[int]
     skip_tokens: int
     groups: List[Table] = field(default_factory=list)  # hybrid models
+    sync: bool = False  # layerwise_load: the step's forward reads it
+    num_tokens: int = 0  # the offer's tokens (the fetch moves the rest
+    #                      after skip_tokens; the metrics' bytes)
+
+
+@dataclass
+class LayerChunk:
+    """A prefill chunk of a request offered layer-wise: once this step's
+    forward wrote a layer, that layer holds the request's tokens
+    ``[0, tokens)``. ``publish``: its first chunk (the offer is
+    published with ``blocks``); else ``blocks`` are appended."""
+
+    key: bytes
+    blocks: List[int]
+    num_tokens: int
+    tokens: int
+    publish: bool
 
 
 @dataclass
@@ -86,6 +103,12 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     # the daemon address of every rank, in kvxfer rank order: once, after
     # vLLM handed the scheduler its workers' handshake metadata
     addresses: Optional[List[str]] = None
+    # layer-wise offers (layerwise.py): this step's chunks; the finished
+    # requests (True: sent, report once the offer ends; False: aborted,
+    # cancel it first); the preempted ones (cancel, report nothing)
+    chunks: Dict[str, LayerChunk] = field(default_factory=dict)
+    lw_finished: Dict[str, bool] = field(default_factory=dict)
+    lw_dropped: Set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -96,6 +119,19 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
     rank: int
     address: str
     pools: List[int] = field(default_factory=list)  # its tables' pools
+
+
+# -- the metrics' observations (metrics.py makes vLLM's stats of them) ------
+
+# the same names and units as NixlConnector's where they overlap
+STAT_KEYS = ("transfer_duration", "bytes_transferred",
+             "num_failed_transfers", "num_kv_expired_reqs",
+             "layerwise_exposed_time")
+
+
+def new_tally() -> Dict[str, List[float]]:
+    """An interval's observations: a list per STAT_KEYS entry."""
+    return {k: [] for k in STAT_KEYS}
 
 
 # -- the config --------------------------------------------------------------

@@ -3,8 +3,7 @@ half or its worker half."""
 
 from __future__ import annotations
 
-from typing import (TYPE_CHECKING, Any, Dict, List, Optional, Set,
-                    Tuple)
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -14,11 +13,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvxfer.vllm.common import (KvxferConnectorMetadata,
                                 KvxferHandshakeMetadata, check_config)
 from kvxfer.vllm.hybrid import Tables
+from kvxfer.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.vllm.scheduler import _Scheduler
 from kvxfer.vllm.worker import _Worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics, KVConnectorStats, PromMetric, PromMetricT)
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -77,7 +79,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"
                              ) -> KVConnectorMetadata:
         assert self._sched is not None
-        return self._sched.build_connector_meta()
+        return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self,
                                 connector_output: "KVConnectorOutput"
@@ -120,6 +122,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata
+                           ) -> None:
+        # before the forward: a preempted request's layer-wise offer is
+        # cancelled before its freed blocks are written again
+        assert self._worker is not None
+        if isinstance(kv_connector_metadata, KvxferConnectorMetadata):
+            self._worker.drop_preempted(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext",
                       **kwargs: Any) -> None:
         assert self._worker is not None
@@ -128,15 +138,24 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a request runs once its whole KV landed
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
-        return  # the prefill publishes whole requests (request_finished)
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        self._worker.save_layer(meta, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        return
+        assert self._worker is not None
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        self._worker.end_save(meta)
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
@@ -157,6 +176,30 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> Set[int]:
         assert self._worker is not None
         return self._worker.take_load_errors()
+
+    # -- metrics (metrics.py) ---------------------------------------------
+
+    def get_kv_connector_stats(self) -> Optional["KVConnectorStats"]:
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return None if data is None else KvxferConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> Optional["KVConnectorStats"]:
+        return KvxferConnectorStats(data=data) if data is not None \
+            else KvxferConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+            cls, vllm_config: "VllmConfig",
+            metric_types: Dict[type["PromMetric"], type["PromMetricT"]],
+            labelnames: List[str],
+            per_engine_labelvalues: Dict[int, List[object]]
+    ) -> Optional["KVConnectorPromMetrics"]:
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

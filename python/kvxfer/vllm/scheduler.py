@@ -15,6 +15,7 @@ from kvxfer.vllm.common import (MANY_MAX, PARAMS_KEY,
                                 addresses_of, log, pools_of,
                                 recompute_threshold, request_key)
 from kvxfer.vllm.hybrid import Tables
+from kvxfer.vllm.layerwise import LayerPlanner, flag
 
 # kv_transfer_params: the offer's lease in ms (the params say it too)
 LEASE_KEY = "kvxfer_lease_ms"
@@ -22,6 +23,7 @@ LEASE_KEY = "kvxfer_lease_ms"
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -48,6 +50,21 @@ class _Scheduler:
         self._inflight: Set[str] = set()  # fetches the workers run
         self._outage = Outage(log, f"kvxfer scheduler of {self.instance_id}")
         self._lease_init(extra)
+        # the decode loads synchronously, its forward layer by layer
+        # (a hybrid model's groups move whole requests: not layer-wise)
+        self.layerwise_load = flag(extra, "layerwise_load", False) and \
+            not self.tables.hybrid
+        # layer-wise offers take the reservations _reserve_step made
+        self.lw = LayerPlanner(flag(extra, "layerwise", True) and
+                               not self.tables.hybrid,
+                               self.block_size, self.instance_id,
+                               self._take_reservation)
+
+    def _take_reservation(self, request_id: str) -> Optional[bytes]:
+        """The params reserved for a request (_reserve_step), now the
+        layer-wise offer's; None: none (the finish tries again)."""
+        got = self._reserved.pop(request_id, None)
+        return None if got is None else got[0]
 
     def client(self) -> kvxfer.Client:
         """A connection without Hello (the scheduler is no rank), made on
@@ -106,12 +123,22 @@ class _Scheduler:
             log.error("request %s: %s; it is computed here",
                       request.request_id, e)
             return 0, False
-        n = min(int(p.get("remote_num_tokens") or 0),
-                len(request.prompt_token_ids or ()))
+        n = self._loaded_end(p, request)
         count = n - num_computed_tokens
         if count <= 0 or count < self.recompute_below:
             return 0, False  # computed here; the prefill's blocks released
-        return count, True
+        return count, not self.layerwise_load
+
+    def _loaded_end(self, p: Dict[str, Any], request: "Request") -> int:
+        """The end of the prompt tokens vLLM counts as loaded: the
+        offer's, but a synchronous load (layerwise_load) leaves vLLM the
+        last prompt token to compute in the step that loads (the fetch
+        still writes it, before the forward reaches its layer)."""
+        n = min(int(p.get("remote_num_tokens") or 0),
+                len(request.prompt_token_ids or ()))
+        if self.layerwise_load:
+            n = min(n, len(request.prompt_token_ids or ()) - 1)
+        return n
 
     def update_state_after_alloc(self, request: "Request",
                                  blocks: "KVCacheBlocks",
@@ -136,7 +163,7 @@ class _Scheduler:
                 len(request.prompt_token_ids or ()))
         ids = self.tables.plain(blocks.get_block_ids())
         need = math.ceil(n / self.block_size)
-        skip = n - num_external_tokens
+        skip = self._loaded_end(p, request) - num_external_tokens
         tables = self.tables.recvs(blocks.get_block_ids(), n, skip) \
             if self.tables.hybrid else []
         if tables is None:
@@ -146,8 +173,10 @@ class _Scheduler:
             tables = []
         self._meta.recvs[request.request_id] = Recv(
             key=request_key(request.request_id), params=params,
-            block_ids=ids[:need], skip_tokens=skip, groups=tables)
-        self._inflight.add(request.request_id)
+            block_ids=ids[:need], skip_tokens=skip, groups=tables,
+            sync=self.layerwise_load, num_tokens=n)
+        if not self.layerwise_load:
+            self._inflight.add(request.request_id)
 
     def _release(self, request_id: str, params: bytes) -> None:
         """Released at the end of the step's scheduling (_release_step),
@@ -188,9 +217,12 @@ class _Scheduler:
             self._meta.addresses = addrs
         self._pools = pools_of(metadata)
 
-    def build_connector_meta(self) -> KvxferConnectorMetadata:
+    def build_connector_meta(self, so: Optional["SchedulerOutput"] = None
+                             ) -> KvxferConnectorMetadata:
         self._finish_end = None  # the next finished requests' budget
         self._daemon_step()
+        if so is not None:
+            self.lw.plan(so, self._meta)  # layer-wise offers' chunks
         meta, self._meta = self._meta, KvxferConnectorMetadata()
         return meta
 
@@ -228,6 +260,12 @@ class _Scheduler:
         self._to_reserve.pop(rid, None)
         got = self._reserved.pop(rid, None)
         late = self._retry.pop(rid, None)
+        lw = self.lw.finished(request, self._meta)
+        if lw is not None:  # offered layer-wise (layerwise.py)
+            if lw[1] is not None:
+                lw[1][LEASE_KEY] = self._params_lease_ms(
+                    _params_of(lw[1]))
+            return lw
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: its reservation ends at its lease
@@ -330,9 +368,11 @@ class _Scheduler:
 
     def on_new_request(self, request: "Request") -> None:
         """A decode request with a prefill's params: renewed while it
-        waits (its lease is in the params); a prefill of a model with
-        Mamba state computes all its prompt but the last token."""
+        waits (its lease is in the params). A remote-decode prefill:
+        noted for a layer-wise offer; of a model with Mamba state, it
+        computes all its prompt but the last token."""
         self.tables.truncate_for_prefill(request)
+        self.lw.on_new_request(request)
         p = self._remote(request)
         if p is None or not self.renew_leases:
             return
@@ -350,7 +390,8 @@ class _Scheduler:
         p = request.kv_transfer_params
         rid = request.request_id
         if not p or not p.get("do_remote_decode") or self.tables.hybrid \
-                or rid in self._reserved or rid in self._to_reserve:
+                or rid in self._reserved or rid in self._to_reserve or \
+                self.lw.has(rid):
             return  # a hybrid one: reserved when it finished
         n = int(request.num_prompt_tokens)
         if n > 0:

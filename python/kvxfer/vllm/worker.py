@@ -14,8 +14,9 @@ from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
 from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata,
                                 KvxferHandshakeMetadata, _extra,
                                 _instance_id, _role, _socket, log,
-                                parallel_rank, request_key)
+                                new_tally, parallel_rank, request_key)
 from kvxfer.vllm.hybrid import Tables, register_tables
+from kvxfer.vllm.layerwise import LayerLoader, LayerSender
 from kvxfer.vllm.layout import layout_of_kv_caches
 
 if TYPE_CHECKING:
@@ -50,6 +51,13 @@ class _Worker:
         self._joined = False
         self._next_connect = 0.0  # when a client given up is made again
         self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
+        self.lw = LayerSender(self)  # layer-wise offers (layerwise.py)
+        self.loader = LayerLoader(self)
+        # the metrics (metrics.py): this interval's observations, each
+        # fetch's start and bytes, and this rank's bytes per token
+        self.tally = new_tally()
+        self._fetch_t0: Dict[bytes, Tuple[float, int]] = {}
+        self._token_bytes = 0
 
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -104,6 +112,10 @@ class _Worker:
             client.close()
             raise
         self.client = client
+        self._token_bytes = sum(t.shape[1] * t.shape[3] * t.element_size()
+                                for t in kv_caches.values())
+        self.lw.set_layers(names)
+        self.loader.set_layers(names)
         log.info("kvxfer rank %d/%d of %s: %d layers (%s), pool %d",
                  rank, tp * pp, self.instance_id, len(names),
                  "GPU" if self.gpu else "host", self.pool.id)
@@ -188,6 +200,7 @@ class _Worker:
                 else:
                     self._sending[s.key] = rid
         recvs = list(meta.recvs.items())
+        self.loader.sync.update(r.key for _, r in recvs if r.sync)
         for at in range(0, len(recvs), MANY_MAX):
             part = recvs[at:at + MANY_MAX]
             res = self._many(
@@ -205,6 +218,12 @@ class _Worker:
                     self._fail_recv(rid, r.block_ids, r.skip_tokens)
                 else:
                     self._recving[r.key] = (rid, r.block_ids, r.skip_tokens)
+                    self._fetch_t0[r.key] = (
+                        time.monotonic(),
+                        max(0, r.num_tokens - r.skip_tokens)
+                        * self._token_bytes)
+        self.loader.started([r.key for _, r in recvs
+                             if r.sync and r.key in self._recving])
         for rid in meta.cancels:
             key = request_key(rid)
             if key not in self._recving:
@@ -295,6 +314,7 @@ class _Worker:
             self._fail_recv(rid, blocks, skip)
         self._sending.clear()
         self._recving.clear()
+        self.lw.end_all()
 
     def _reconnect(self) -> None:
         """Make the client again after the library gave it up: at each
@@ -322,6 +342,10 @@ class _Worker:
         else:
             bs = self.cfg.cache_config.block_size
             self._load_errors.update(block_ids[skip // bs:])
+        self.tally["num_failed_transfers"].append(1)
+        self._fetch_t0.pop(request_key(rid), None)
+        if self.loader.ended(request_key(rid)):
+            return  # a synchronous load: vLLM waits for no finished_recving
         self._done_recv.add(rid)
 
     def take_failed_recving(self) -> Set[str]:
@@ -345,6 +369,7 @@ class _Worker:
                 self._lost(e)
             for ev in batch:
                 self._on_event(ev)
+        self._done_send |= self.lw.take_done()
         sending, self._done_send = self._done_send, set()
         recving, self._done_recv = self._done_recv, set()
         return sending or None, recving or None
@@ -359,6 +384,12 @@ class _Worker:
         if gone:
             self._outage.lost(ev.error, "fetches fail (load errors) and "
                               "sends end")
+        if ev.kind == kvxfer.EventKind.TIMED_OUT and (
+                ev.key in self._sending or self.lw.has(ev.key)):
+            # an offer no fetch took within its lease
+            self.tally["num_kv_expired_reqs"].append(1)
+        if self.lw.on_event(ev):
+            return  # a layer-wise offer's end
         rid = self._sending.pop(ev.key, None)
         if rid is not None:
             if not ev.ok and not gone:
@@ -370,6 +401,14 @@ class _Worker:
         if got is None:
             return
         rid, blocks, skip = got
+        t0 = self._fetch_t0.pop(ev.key, None)
+        if ev.ok and t0 is not None:
+            # from the fetch's submission to its end, as this rank saw it
+            self.tally["transfer_duration"].append(time.monotonic() - t0[0])
+            self.tally["bytes_transferred"].append(t0[1])
+        if (ev.ok or ev.kind == kvxfer.EventKind.CANCELLED) and \
+                self.loader.ended(ev.key):
+            return  # a synchronous load, over (its forward ran)
         if ev.ok or ev.kind == kvxfer.EventKind.CANCELLED:
             self._done_recv.add(rid)
             return
@@ -377,6 +416,46 @@ class _Worker:
             log.warning("request %s: KV fetch failed (%s: %s)", rid,
                         kvxfer.status_name(ev.code), ev.message)
         self._fail_recv(rid, blocks, skip)
+
+    # -- layer-wise (layerwise.py) ---------------------------------------
+
+    def save_layer(self, meta: KvxferConnectorMetadata, layer_name: str,
+                   kv_layer: torch.Tensor) -> None:
+        """save_kv_layer: the step's layer-wise publishes at its first
+        call, then the layer marked ready."""
+        if self._kv_caches is None:
+            return
+        self.lw.begin(meta)
+        self.lw.layer_saved(layer_name, kv_layer)
+
+    def end_save(self, meta: KvxferConnectorMetadata) -> None:
+        """wait_for_save: the layers no save_kv_layer named marked."""
+        exposed = self.loader.take_waited()
+        if exposed > 0:
+            self.tally["layerwise_exposed_time"].append(exposed)
+        self.loader.started([])
+        if self._kv_caches is None:
+            return
+        self.lw.begin(meta)
+        self.lw.end_step()
+
+    def drop_preempted(self, meta: KvxferConnectorMetadata) -> None:
+        """handle_preemptions: the step's layer-wise work now, before the
+        forward, so preempted requests' offers are cancelled first."""
+        if self._kv_caches is not None and meta.lw_dropped:
+            self.lw.begin(meta)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """wait_for_layer_load: the step's synchronous loads hold the
+        layer (layerwise_load)."""
+        self.loader.wait(layer_name, self.timeout)
+
+    def take_stats(self) -> Optional[Dict[str, List[float]]]:
+        """The interval's observations (None: there were none)."""
+        if not any(self.tally.values()):
+            return None
+        out, self.tally = self.tally, new_tally()
+        return out
 
     def take_load_errors(self) -> Set[int]:
         out, self._load_errors = self._load_errors, set()
