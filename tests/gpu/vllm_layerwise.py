@@ -36,7 +36,8 @@ must equal a colocated run's.
       UCX on 127.0.0.1 (a transfer between daemons, as between nodes).
 
 No vLLM is needed (the GPU machine has none): the worker half imports
-only ``KVConnectorMetadata`` from vLLM, which a two-line shim provides
+only ``KVConnectorMetadata`` and ``KVConnectorHandshakeMetadata`` from
+vLLM, which a short shim provides
 (``shim_vllm``), and ``kvxfer.vllm``'s package ``__init__`` (which loads
 the vLLM-facing connector) is skipped by registering the package's path
 alone. With vLLM installed, the real classes are used.
@@ -110,6 +111,8 @@ def shim_vllm() -> Any:
                 sys.modules[n] = types.ModuleType(n)
         base = sys.modules[names[-1]]
         base.KVConnectorMetadata = type("KVConnectorMetadata", (), {})
+        base.KVConnectorHandshakeMetadata = type(
+            "KVConnectorHandshakeMetadata", (), {})
     if "kvxfer.vllm" not in sys.modules:
         pkg = types.ModuleType("kvxfer.vllm")
         pkg.__path__ = [os.path.join(os.path.dirname(kvxfer.__file__),
