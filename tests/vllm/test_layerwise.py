@@ -304,3 +304,28 @@ def test_preempted_prefill(engines):
     assert d.computed["req-pe"][0] == 48  # recomputed
     assert p.outputs["req-pe"].kv_transfer_params is None
     assert p.free_blocks() == p_free
+
+
+def test_decode_layer_load_daemon_gone(engines, own_daemon, monkeypatch):
+    """layerwise_load with the decode's client given up (the daemon
+    killed, the library's reconnection off) when vLLM schedules the
+    synchronous load: the load fails into load errors and a recompute,
+    and reports no finished_recving (vLLM asserts that a request in
+    finished_recving waits for its KV or has finished: this one runs)."""
+    monkeypatch.setenv("KVXFER_RECONNECT", "0")
+    p = engines(sock=own_daemon.sock, per_layer=True)
+    d = engines(sock=own_daemon.sock, per_layer=True, salt=0.5,
+                extra={"layerwise_load": True})
+    prompt = prompt_of(40, 39)
+    params = prefill(p, "req-lg", prompt)
+    own_daemon.kill9()
+    d.step()  # its poll finds the daemon gone: the client is closed
+    assert worker(d).client is None
+    d.add("req-lg", prompt, 2, params)
+    run([d], lambda: "req-lg" in d.outputs)
+    assert not any("req-lg" in (k.finished_recving or ())
+                   for k in d.kv_outputs)
+    assert load_errors(d)
+    assert d.computed["req-lg"][0] == 1  # scheduled as loaded
+    assert sum(d.computed["req-lg"]) > 40  # then recomputed
+    assert d.tokens["req-lg"] == [TOKEN] * 2

@@ -167,6 +167,9 @@ class _Worker:
         self._reconnect()
         if self.client is not None and (meta.sends or meta.recvs):
             nudge(self.client)
+        # synchronous loads (layerwise_load) end without finished_recving,
+        # also those that fail here: vLLM runs them already
+        self.loader.sync.update(r.key for r in meta.recvs.values() if r.sync)
         if self.client is None or self.pool is None:
             # no daemon to talk to: the step's work ends here
             for rid in meta.sends:
@@ -200,7 +203,6 @@ class _Worker:
                 else:
                     self._sending[s.key] = rid
         recvs = list(meta.recvs.items())
-        self.loader.sync.update(r.key for _, r in recvs if r.sync)
         for at in range(0, len(recvs), MANY_MAX):
             part = recvs[at:at + MANY_MAX]
             res = self._many(
