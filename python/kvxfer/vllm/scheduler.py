@@ -238,6 +238,7 @@ class _Scheduler:
             return False, None
         rid = request.request_id
         self._waiting.pop(rid, None)
+        self._computing.pop(rid, None)  # its lease is the decode's now
         if p.get("do_remote_prefill") and PARAMS_KEY in p:
             # finished before its blocks were allocated (aborted): the
             # prefill's blocks are released now, not at their lease
@@ -348,6 +349,10 @@ class _Scheduler:
         self._reserved: Dict[str, Tuple[bytes, int]] = {}
         # decode: rid -> (request, params, lease ms) waiting in the queue
         self._waiting: Dict[str, Tuple[Any, bytes, int]] = {}
+        # prefill: rid -> (None, params, lease ms) reserved, its prompt
+        # not computed yet: renewed as the decode's waiting requests are,
+        # so a prefill longer than the lease keeps its offer
+        self._computing: Dict[str, Tuple[Any, bytes, int]] = {}
         # prefill: rid -> tokens of a reservation to try again when the
         # request finishes (the instance was not on the daemon yet: a
         # daemon restarted under its ranks; or the budget was spent),
@@ -481,6 +486,9 @@ class _Scheduler:
             for (rid, (_, n)), r in zip(part, res):
                 if isinstance(r, bytes):
                     self._reserved[rid] = (r, n)
+                    lease = self._params_lease_ms(r)
+                    if lease:
+                        self._computing[rid] = (None, r, lease)
                 elif isinstance(r, (kvxfer.NotFound, kvxfer.StateError)):
                     self._retry[rid] = n  # the ranks not there (yet)
                 else:
@@ -540,16 +548,18 @@ class _Scheduler:
             return None
 
     def _renew_due(self) -> bool:
-        if not self._waiting:
+        leases = [lease for _, _, lease in self._waiting.values()] + \
+            [lease for _, _, lease in self._computing.values()]
+        if not leases:
             return False
-        every = min(lease for _, _, lease in self._waiting.values()) / 3000
+        every = min(leases) / 3000
         return time.monotonic() - self._last_renew >= every
 
     def _renew_step(self, end: float) -> None:
         if not self._renew_due():
             return
         self._last_renew = time.monotonic()
-        todo = list(self._waiting.items())
+        todo = list(self._waiting.items()) + list(self._computing.items())
         for i in range(0, len(todo), MANY_MAX):
             part = todo[i:i + MANY_MAX]
             left = self._left(end)
@@ -573,6 +583,11 @@ class _Scheduler:
         request computes the prompt here instead of fetching."""
         for (rid, (request, _, _)), err in zip(part, res):
             if err is None:
+                continue
+            if request is None:
+                # the prefill's own (cancelled: preempted; or expired):
+                # its finish returns params or not as before
+                self._computing.pop(rid, None)
                 continue
             self._waiting.pop(rid, None)
             if isinstance(err, kvxfer.Unsupported):
