@@ -49,6 +49,7 @@ class _Worker:
         self.rank = 0
         self._gathered: Optional[List[str]] = None  # from the handshake
         self._joined = False
+        self._join_refused = False  # logged; tried again by a new client
         self._next_connect = 0.0  # when a client given up is made again
         self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
         self.lw = LayerSender(self)  # layer-wise offers (layerwise.py)
@@ -96,11 +97,14 @@ class _Worker:
             timeout=self.timeout)
         self.rank = rank
         self._joined = False
+        self._join_refused = False
         try:
             addrs = self._addresses(client, tp * pp)
             if addrs is not None:
                 client.join(addrs)  # else at the handshake's addresses
                 self._joined = True
+                if self._gathered is not None and not self.rank_addresses:
+                    self._gathered = addrs
             self.gpu = regions[0].is_cuda
             self.pool = client.register_regions(
                 layout, regions, device="cuda" if self.gpu else "host",
@@ -129,7 +133,18 @@ class _Worker:
             return [str(a) for a in self.rank_addresses]
         if world == 1:
             return [client.daemon_address]
-        return self._gathered
+        if self._gathered is None:
+            return None
+        return self._moved(client)
+
+    def _moved(self, client: kvxfer.Client) -> List[str]:
+        """The gathered addresses with this rank's daemon at its address
+        now: a daemon restarted since they were gathered (or since the last
+        join) has another, and refuses its old one (not this daemon); the
+        ranks that shared it moved with it."""
+        assert self._gathered is not None
+        old, now = self._gathered[self.rank], client.daemon_address
+        return [now if a == old else a for a in self._gathered]
 
     def handshake(self) -> Optional[KvxferHandshakeMetadata]:
         """This rank and its daemon's address, for vLLM's handshake
@@ -142,18 +157,36 @@ class _Worker:
                                        address=self.client.daemon_address,
                                        pools=pools)
 
-    def _join(self, addresses: List[str]) -> None:
-        """Join with the addresses vLLM's handshake gathered (once)."""
-        self._gathered = list(addresses)
-        if self.client is None or self._joined:
+    def _join(self) -> None:
+        """Join with the addresses vLLM's handshake gathered, once they
+        came; at each step until it is made while the daemon is gone (a
+        refusal: logged, tried again by the next client)."""
+        c = self.client
+        if c is None or self._joined or self._join_refused or \
+                self._gathered is None:
             return
+        addrs = self._moved(c)
         try:
-            self.client.join(self._gathered)
-            self._joined = True
+            try:
+                retrying(c, c.join, addrs)
+            except kvxfer.InvalidArgument:
+                if self._moved(c) == addrs:
+                    raise
+                # the call reconnected to a restarted daemon, which
+                # refused its old address: again with its new one
+                addrs = self._moved(c)
+                c.join(addrs)
+        except DAEMON_GONE as e:
+            self._lost(e)  # tried again at the next step
+            return
         except kvxfer.Error as e:
+            self._join_refused = True
             log.error("kvxfer rank %d of %s: join with the ranks' daemon "
                       "addresses failed: %s", self.rank, self.instance_id,
                       e)
+            return
+        self._gathered = addrs
+        self._joined = True
 
     def start(self, meta: KvxferConnectorMetadata) -> None:
         if self._kv_caches is None:
@@ -163,8 +196,9 @@ class _Worker:
                     "register_kv_caches")
             return
         if meta.addresses is not None:
-            self._join(meta.addresses)
-        self._reconnect()
+            self._gathered = list(meta.addresses)
+        self._reconnect()  # a new client joins with them itself
+        self._join()
         if self.client is not None and (meta.sends or meta.recvs):
             nudge(self.client)
         # synchronous loads (layerwise_load) end without finished_recving,
