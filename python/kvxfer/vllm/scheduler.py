@@ -28,6 +28,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _remote_tokens(p: Dict[str, Any]) -> int:
+    """kv_transfer_params' remote_num_tokens (0 when absent); one that is
+    no token count: InvalidArgument, naming it (the proxy's input)."""
+    v = p.get("remote_num_tokens") or 0
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # a JSON number some proxy wrote as 40.0
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise kvxfer.InvalidArgument(
+            -1, f"kv_transfer_params['remote_num_tokens']: {v!r} is not a "
+            "token count")
+    return v
+
+
 class _Scheduler:
     """The scheduler side: which requests fetch, publish, release or
     cancel, and the offers' params (kvx_reserve)."""
@@ -118,6 +131,7 @@ class _Scheduler:
             return 0, False
         try:
             _params_of(p)
+            _remote_tokens(p)
         except kvxfer.Error as e:
             p["do_remote_prefill"] = False
             log.error("request %s: %s; it is computed here",
@@ -134,8 +148,7 @@ class _Scheduler:
         offer's, but a synchronous load (layerwise_load) leaves vLLM the
         last prompt token to compute in the step that loads (the fetch
         still writes it, before the forward reaches its layer)."""
-        n = min(int(p.get("remote_num_tokens") or 0),
-                len(request.prompt_token_ids or ()))
+        n = min(_remote_tokens(p), len(request.prompt_token_ids or ()))
         if self.layerwise_load:
             n = min(n, len(request.prompt_token_ids or ()) - 1)
         return n
@@ -159,8 +172,7 @@ class _Scheduler:
             # the prefix cache holds it all: free the prefill's blocks
             self._release(request.request_id, params)
             return
-        n = min(int(p.get("remote_num_tokens") or 0),
-                len(request.prompt_token_ids or ()))
+        n = min(_remote_tokens(p), len(request.prompt_token_ids or ()))
         ids = self.tables.plain(blocks.get_block_ids())
         need = math.ceil(n / self.block_size)
         skip = self._loaded_end(p, request) - num_external_tokens
