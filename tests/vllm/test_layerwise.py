@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus
 import kvxfer
 import kvxfer.vllm as kv_vllm
 
-from harness import (KV_HEADS, LAYERS, TOKEN, Engine, landed,
+from harness import (HEAD, KV_HEADS, LAYERS, TOKEN, Engine, landed,
                      load_errors, pattern, prefill, prompt_of, run, worker)
 
 
@@ -329,3 +329,38 @@ def test_decode_layer_load_daemon_gone(engines, own_daemon, monkeypatch):
     assert d.computed["req-lg"][0] == 1  # scheduled as loaded
     assert sum(d.computed["req-lg"]) > 40  # then recomputed
     assert d.tokens["req-lg"] == [TOKEN] * 2
+
+
+def test_decode_layer_load_prefix_hit(engines):
+    """layerwise_load with the decode's prefix cache holding 32 of 40
+    tokens: the synchronous fetch moves tokens 32..39 only, the decode
+    computes the last prompt token, and its blocks hold its own KV for
+    0..31 and the prefill's for 32..38; one transfer of 8 tokens' bytes
+    in the metrics."""
+    p = engines(per_layer=True)
+    d = engines(per_layer=True, salt=0.5, extra={"layerwise_load": True})
+    prompt = prompt_of(40, 40)
+    d.add("warm", prompt[:33], 1)  # caches two full blocks (32 tokens)
+    run([d], lambda: "warm" in d.outputs)
+    since = len(d.kv_outputs)
+    params = prefill(p, "req-lp", prompt)
+    d.add("req-lp", prompt, 2, params)
+    seen = {}
+
+    def after(e: Engine, r: int, layer: int) -> None:
+        if layer == LAYERS - 1 and "kv" not in seen and \
+                "req-lp" in e.sched.requests:
+            seen["kv"] = d.kv_of("req-lp", 40)
+    d.after_layer = after
+    run([p, d], lambda: "req-lp" in d.outputs)
+    assert d.computed["req-lp"][0] == 1
+    assert not load_errors(d)
+    for layer in range(LAYERS):
+        kv = seen["kv"][layer]
+        assert torch.equal(kv[:32], pattern(prompt, 0, 32, layer,
+                                            range(KV_HEADS), 0.5))
+        assert torch.equal(kv[32:39], pattern(prompt, 32, 39, layer,
+                                              range(KV_HEADS)))
+    moved = [b for k in d.kv_outputs[since:] if k.kv_connector_stats
+             for b in k.kv_connector_stats.data["bytes_transferred"]]
+    assert moved == [8 * LAYERS * KV_HEADS * 2 * HEAD * 4]  # float32
