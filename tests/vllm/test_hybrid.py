@@ -327,3 +327,41 @@ def test_hybrid_daemon_killed_then_back(hybrid_own, own_daemon):
         got = torch.stack([cache[ids[t // BLOCK], :, t % BLOCK]
                            for t in range(lo, n)])
         assert torch.equal(got, want), name
+
+
+def test_hybrid_new_client_new_pool_ids(hybrid_own, own_daemon,
+                                        monkeypatch):
+    """A worker's client made anew (the library's reconnection off, or a
+    call that timed out) registers its pools under new ids: the decode's
+    ranks registered first on the restarted daemon, the prefill's after.
+    The scheduler reserves a hybrid request with rank 0's pool ids: it
+    takes the new ones, and the next request moves every group."""
+    monkeypatch.setenv("KVXFER_RECONNECT", "0")
+    p, d = hybrid_own("FWFW"), hybrid_own("FWFW", salt=0.5)
+    before = [q.id for q in worker_tables(p)]
+    own_daemon.kill9()
+    own_daemon.start()
+    for e in (d, d, p, p):  # each finds the daemon gone, then connects
+        e.step()
+    after = [q.id for q in worker_tables(p)]
+    assert after != before
+    prompt = prompt_of(50, 38)
+    params = hy_prefill(p, "req-k3", prompt)
+    d.add("req-k3", prompt, 2, params)
+    seen: Dict[str, Any] = {}
+
+    def loaded():
+        if landed(d, "req-k3") and not seen:
+            seen.update(snapshot(d, "req-k3"))
+        return "req-k3" in d.outputs
+    run([p, d], loaded)
+    assert d.computed["req-k3"][0] == 1, d.computed["req-k3"]
+    n = 49
+    first = max(0, n - (WINDOW - 1)) // BLOCK
+    for name, (ids, cache) in seen.items():
+        layer = layer_of(name)
+        lo = first * BLOCK if layer % 2 else 0
+        want = pattern(prompt, lo, n, layer, range(KV_HEADS))
+        got = torch.stack([cache[ids[t // BLOCK], :, t % BLOCK]
+                           for t in range(lo, n)])
+        assert torch.equal(got, want), name

@@ -241,6 +241,12 @@ class _Scheduler:
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
         for r in out.finished_recving or ():
             self._inflight.discard(r)
+        # rank 0 made a client (anew: its pools have new ids); the
+        # connector's KvxferWorkerMetadata
+        pools = getattr(getattr(out, "kv_connector_worker_meta", None),
+                        "pools", None)
+        if isinstance(pools, dict) and 0 in pools:
+            self._pools = list(pools[0])
 
     def request_finished(self, request: "Request", block_ids: Any
                          ) -> Tuple[bool, Optional[Dict[str, Any]]]:

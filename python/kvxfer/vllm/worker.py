@@ -50,6 +50,7 @@ class _Worker:
         self._gathered: Optional[List[str]] = None  # from the handshake
         self._joined = False
         self._join_refused = False  # logged; tried again by a new client
+        self._new_pools = False  # a client made anew: its pools' ids
         self._next_connect = 0.0  # when a client given up is made again
         self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
         self.lw = LayerSender(self)  # layer-wise offers (layerwise.py)
@@ -116,6 +117,7 @@ class _Worker:
             client.close()
             raise
         self.client = client
+        self._new_pools = True
         self._token_bytes = sum(t.shape[1] * t.shape[3] * t.element_size()
                                 for t in kv_caches.values())
         self.lw.set_layers(names)
@@ -492,6 +494,16 @@ class _Worker:
             return None
         out, self.tally = self.tally, new_tally()
         return out
+
+    def new_pools(self) -> Optional[Dict[int, List[int]]]:
+        """{rank: its tables' pool ids} after a client was made (anew: its
+        registration gave them new ids), for the scheduler's reservations
+        of hybrid requests; None when they did not change."""
+        if not self._new_pools or self.pool is None:
+            return None
+        self._new_pools = False
+        return {self.rank: [self.pool.id] + [p.id for p in
+                                             self.group_pools]}
 
     def take_load_errors(self) -> Set[int]:
         out, self._load_errors = self._load_errors, set()
