@@ -365,3 +365,37 @@ def test_hybrid_new_client_new_pool_ids(hybrid_own, own_daemon,
         got = torch.stack([cache[ids[t // BLOCK], :, t % BLOCK]
                            for t in range(lo, n)])
         assert torch.equal(got, want), name
+
+
+def _moved_bytes(d: HybridEngine) -> List[int]:
+    """The bytes_transferred of the decode's fetches, as its workers
+    reported them to vLLM's metrics."""
+    return [b for k in d.kv_outputs if k.kv_connector_stats
+            for b in k.kv_connector_stats.data["bytes_transferred"]]
+
+
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"], indirect=True)
+@pytest.mark.parametrize("kinds,n", [("FWFW", 70), ("FMFM", 45)])
+def test_hybrid_bytes_transferred(hybrid, conv_layout, kinds, n):
+    """vllm:kvxfer_bytes_transferred of a hybrid model's fetch: the bytes
+    each table wrote, the full attention layers' tokens, the sliding
+    window's from its first kept block (tokens 32..69 of 70), a Mamba
+    state's page once per layer (not a page a token)."""
+    p, d = hybrid(kinds), hybrid(kinds, salt=0.5)
+    prompt = prompt_of(n, 39)
+    params = hy_prefill(p, "req-hb", prompt)
+    d.add("req-hb", prompt, 2, params)
+    run([p, d], lambda: "req-hb" in d.outputs)
+    offered = params["remote_num_tokens"]
+    token = KV_HEADS * 2 * HEAD * 4  # a layer's K and V of a token
+    specs = specs_of(kinds, 1)
+    want = 0
+    for name, spec in specs.items():
+        if kinds[layer_of(name)] == "F":
+            want += token * offered
+        elif kinds[layer_of(name)] == "W":
+            first = max(0, offered - 1 - (WINDOW - 1)) // BLOCK
+            want += token * (offered - first * BLOCK)
+        else:
+            want += spec.real_page_size_bytes
+    assert _moved_bytes(d) == [want]

@@ -12,15 +12,38 @@ import kvxfer
 from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
                             retrying)
 from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata,
-                                KvxferHandshakeMetadata, _extra,
+                                KvxferHandshakeMetadata, Recv, _extra,
                                 _instance_id, _role, _socket, log,
                                 new_tally, parallel_rank, request_key)
-from kvxfer.vllm.hybrid import Tables, register_tables
+from kvxfer.vllm.hybrid import STATE, Tables, register_tables
 from kvxfer.vllm.layerwise import LayerLoader, LayerSender
 from kvxfer.vllm.layout import layout_of_kv_caches
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+
+def _token_bytes(caches: Dict[str, torch.Tensor]) -> int:
+    """A token's K and V in attention caches (vLLM's views: [blocks, KV
+    heads, tokens, K|V] in shape order)."""
+    return sum(t.shape[1] * t.shape[3] * t.element_size()
+               for t in caches.values())
+
+
+def _table_bytes(tables: Tables, kv_caches: Dict[str, torch.Tensor]
+                 ) -> List[Tuple[int, int]]:
+    """Per table but the plain one: (a state slot's bytes, 0) for a part
+    of a Mamba state, (0, a token's bytes) for attention."""
+    out = []
+    for g, caches in tables.layer_sets(kv_caches)[1:] \
+            if tables.hybrid else ():
+        if g.kind == STATE and g.part is not None:
+            es = torch.tensor([], dtype=g.part.dtype).element_size()
+            out.append((g.part.units * g.part.unit_elems * es
+                        * len(caches), 0))
+        else:
+            out.append((0, _token_bytes(caches)))
+    return out
 
 
 class _Worker:
@@ -59,7 +82,10 @@ class _Worker:
         # fetch's start and bytes, and this rank's bytes per token
         self.tally = new_tally()
         self._fetch_t0: Dict[bytes, Tuple[float, int]] = {}
-        self._token_bytes = 0
+        self._token_bytes = 0  # the plain table's, a token
+        # each other table's (hybrid): (a state slot's bytes, or 0; a
+        # token's bytes, or 0)
+        self._table_bytes: List[Tuple[int, int]] = []
 
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -118,8 +144,8 @@ class _Worker:
             raise
         self.client = client
         self._new_pools = True
-        self._token_bytes = sum(t.shape[1] * t.shape[3] * t.element_size()
-                                for t in kv_caches.values())
+        self._token_bytes = _token_bytes(plain)
+        self._table_bytes = _table_bytes(self.tables, kv_caches)
         self.lw.set_layers(names)
         self.loader.set_layers(names)
         log.info("kvxfer rank %d/%d of %s: %d layers (%s), pool %d",
@@ -256,10 +282,8 @@ class _Worker:
                     self._fail_recv(rid, r.block_ids, r.skip_tokens)
                 else:
                     self._recving[r.key] = (rid, r.block_ids, r.skip_tokens)
-                    self._fetch_t0[r.key] = (
-                        time.monotonic(),
-                        max(0, r.num_tokens - r.skip_tokens)
-                        * self._token_bytes)
+                    self._fetch_t0[r.key] = (time.monotonic(),
+                                             self._fetch_bytes(r))
         self.loader.started([r.key for _, r in recvs
                              if r.sync and r.key in self._recving])
         for rid in meta.cancels:
@@ -385,6 +409,17 @@ class _Worker:
         if self.loader.ended(request_key(rid)):
             return  # a synchronous load: vLLM waits for no finished_recving
         self._done_recv.add(rid)
+
+    def _fetch_bytes(self, r: Recv) -> int:
+        """The bytes a fetch writes into this rank's KV cache: the plain
+        table's tokens after those held, and each other table's: a
+        sliding window's from its first kept block, a Mamba state's slot
+        once."""
+        out = max(0, r.num_tokens - r.skip_tokens) * self._token_bytes
+        for (slot, token), t in zip(self._table_bytes, r.groups):
+            out += slot * len(t.blocks) + \
+                token * max(0, r.num_tokens - t.skip_tokens)
+        return out
 
     def take_failed_recving(self) -> Set[str]:
         """The requests whose fetch failed (hybrid models), reported with
