@@ -364,3 +364,36 @@ def test_decode_layer_load_prefix_hit(engines):
     moved = [b for k in d.kv_outputs[since:] if k.kv_connector_stats
              for b in k.kv_connector_stats.data["bytes_transferred"]]
     assert moved == [8 * LAYERS * KV_HEADS * 2 * HEAD * 4]  # float32
+
+
+def test_preempted_prefill_whole(engines):
+    """layerwise false: the reservation reserve_many made when the
+    prefill was first scheduled outlives its preemption (nothing was
+    published yet) and is published at its finish with the blocks it
+    was computed into again; the decode gets every byte."""
+    p = engines(per_layer=True, chunk=3, num_blocks=9,
+                extra={"layerwise": False})
+    d = engines(salt=0.5)
+    p_free = p.free_blocks()
+    p.add("long", prompt_of(64, 37), 40)
+    run([p], lambda: len(p.tokens["long"]) >= 1)
+    prompt = prompt_of(48, 38)
+    p.add("req-pw", prompt, 1, {"do_remote_decode": True})
+    run([p], lambda: p.sched.requests["req-pw"].num_preemptions > 0)
+    run([p], lambda: "req-pw" in p.outputs and "long" in p.outputs,
+        timeout=30)
+    params = p.outputs["req-pw"].kv_transfer_params
+    assert params is not None
+    d.add("req-pw", prompt, 2, dict(params))
+    got = {}
+
+    def loaded():
+        if landed(d, "req-pw") and not got:
+            got["kv"] = d.kv_of("req-pw", 47)
+        return "req-pw" in d.outputs and p.free_blocks() == p_free
+    run([p, d], loaded)
+    assert not load_errors(d)
+    assert d.computed["req-pw"][0] == 1
+    for layer in range(LAYERS):
+        assert torch.equal(got["kv"][layer],
+                           pattern(prompt, 0, 47, layer, range(KV_HEADS)))
