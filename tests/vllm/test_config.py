@@ -220,3 +220,74 @@ def test_pages_refused_at_init(model_dir, daemon, field, value, message):
         with pytest.raises(kvxfer.Unsupported) as e:
             KVConnectorFactory.create_connector(vc, side, kcc)
         assert message in str(e.value)
+
+
+def _moves(p: Any, d: Any, rid: str, seed: int) -> None:
+    """A request prefilled on p (TP 2) gets params and its decode on d
+    every byte of both ranks' heads."""
+    prompt = prompt_of(40, seed)
+    params = prefill(p, rid, prompt)
+    d.add(rid, prompt, 2, params)
+    seen = {}
+
+    def loaded():
+        if landed(d, rid) and "kv" not in seen:
+            seen["kv"] = d.kv_of(rid, 39)
+        return rid in d.outputs
+    run([p, d], loaded)
+    for layer in range(LAYERS):
+        assert torch.equal(seen["kv"][layer],
+                           pattern(prompt, 0, 39, layer, range(KV_HEADS)))
+
+
+@pytest.mark.parametrize("reconnect", ["1", "0"])
+def test_join_after_restart_before_first_step(engines, own_daemon,
+                                              monkeypatch, reconnect):
+    """kvxferd restarted (a new address) after vLLM's handshake gathered
+    the ranks' addresses and before the first step: the ranks join with
+    the new daemon's address where the handshake named the old one (the
+    old one is refused: not this daemon), and the prefill's requests get
+    params and move."""
+    monkeypatch.setenv("KVXFER_RECONNECT", reconnect)
+    p = engines(tp=2, sock=own_daemon.sock)
+    d = engines(sock=own_daemon.sock)
+    own_daemon.kill9()
+    own_daemon.start()
+    d.step()
+    _moves(p, d, "req-j1", 41)
+    assert all(worker(p, r)._joined for r in range(2))
+    _moves(p, d, "req-j2", 42)
+
+
+def test_join_retried_after_daemon_gone(engines, own_daemon):
+    """The daemon gone when the first step's metadata brings the
+    addresses: the join fails, and is made again at the next steps, once
+    a daemon is back (else the instance never joins: every reservation
+    refused, no request moves)."""
+    p = engines(tp=2, sock=own_daemon.sock)
+    d = engines(sock=own_daemon.sock)
+    own_daemon.kill9()
+    p.add("req-jg", prompt_of(20, 43), 1, {"do_remote_decode": True})
+    run([p], lambda: "req-jg" in p.outputs)
+    assert p.outputs["req-jg"].kv_transfer_params is None
+    own_daemon.start()
+    d.step()
+    _moves(p, d, "req-j3", 44)
+
+
+def test_rejoin_after_restart_reconnection_off(engines, own_daemon,
+                                               monkeypatch):
+    """Joined, then kvxferd restarted with the library's reconnection
+    off: each worker makes its client again and joins with the new
+    daemon's address in place of the old (the old is refused)."""
+    monkeypatch.setenv("KVXFER_RECONNECT", "0")
+    p = engines(tp=2, sock=own_daemon.sock)
+    d = engines(sock=own_daemon.sock)
+    _moves(p, d, "req-j4", 45)
+    own_daemon.kill9()
+    own_daemon.start()
+    for _ in range(2):  # the clients find the daemon gone, and are made
+        p.step()        # again (a request finishing then has no params)
+        d.step()
+    assert all(worker(p, r)._joined for r in range(2))
+    _moves(p, d, "req-j5", 46)

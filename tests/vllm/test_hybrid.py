@@ -327,3 +327,75 @@ def test_hybrid_daemon_killed_then_back(hybrid_own, own_daemon):
         got = torch.stack([cache[ids[t // BLOCK], :, t % BLOCK]
                            for t in range(lo, n)])
         assert torch.equal(got, want), name
+
+
+def test_hybrid_new_client_new_pool_ids(hybrid_own, own_daemon,
+                                        monkeypatch):
+    """A worker's client made anew (the library's reconnection off, or a
+    call that timed out) registers its pools under new ids: the decode's
+    ranks registered first on the restarted daemon, the prefill's after.
+    The scheduler reserves a hybrid request with rank 0's pool ids: it
+    takes the new ones, and the next request moves every group."""
+    monkeypatch.setenv("KVXFER_RECONNECT", "0")
+    p, d = hybrid_own("FWFW"), hybrid_own("FWFW", salt=0.5)
+    before = [q.id for q in worker_tables(p)]
+    own_daemon.kill9()
+    own_daemon.start()
+    for e in (d, d, p, p):  # each finds the daemon gone, then connects
+        e.step()
+    after = [q.id for q in worker_tables(p)]
+    assert after != before
+    prompt = prompt_of(50, 38)
+    params = hy_prefill(p, "req-k3", prompt)
+    d.add("req-k3", prompt, 2, params)
+    seen: Dict[str, Any] = {}
+
+    def loaded():
+        if landed(d, "req-k3") and not seen:
+            seen.update(snapshot(d, "req-k3"))
+        return "req-k3" in d.outputs
+    run([p, d], loaded)
+    assert d.computed["req-k3"][0] == 1, d.computed["req-k3"]
+    n = 49
+    first = max(0, n - (WINDOW - 1)) // BLOCK
+    for name, (ids, cache) in seen.items():
+        layer = layer_of(name)
+        lo = first * BLOCK if layer % 2 else 0
+        want = pattern(prompt, lo, n, layer, range(KV_HEADS))
+        got = torch.stack([cache[ids[t // BLOCK], :, t % BLOCK]
+                           for t in range(lo, n)])
+        assert torch.equal(got, want), name
+
+
+def _moved_bytes(d: HybridEngine) -> List[int]:
+    """The bytes_transferred of the decode's fetches, as its workers
+    reported them to vLLM's metrics."""
+    return [b for k in d.kv_outputs if k.kv_connector_stats
+            for b in k.kv_connector_stats.data["bytes_transferred"]]
+
+
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"], indirect=True)
+@pytest.mark.parametrize("kinds,n", [("FWFW", 70), ("FMFM", 45)])
+def test_hybrid_bytes_transferred(hybrid, conv_layout, kinds, n):
+    """vllm:kvxfer_bytes_transferred of a hybrid model's fetch: the bytes
+    each table wrote, the full attention layers' tokens, the sliding
+    window's from its first kept block (tokens 32..69 of 70), a Mamba
+    state's page once per layer (not a page a token)."""
+    p, d = hybrid(kinds), hybrid(kinds, salt=0.5)
+    prompt = prompt_of(n, 39)
+    params = hy_prefill(p, "req-hb", prompt)
+    d.add("req-hb", prompt, 2, params)
+    run([p, d], lambda: "req-hb" in d.outputs)
+    offered = params["remote_num_tokens"]
+    token = KV_HEADS * 2 * HEAD * 4  # a layer's K and V of a token
+    specs = specs_of(kinds, 1)
+    want = 0
+    for name, spec in specs.items():
+        if kinds[layer_of(name)] == "F":
+            want += token * offered
+        elif kinds[layer_of(name)] == "W":
+            first = max(0, offered - 1 - (WINDOW - 1)) // BLOCK
+            want += token * (offered - first * BLOCK)
+        else:
+            want += spec.real_page_size_bytes
+    assert _moved_bytes(d) == [want]

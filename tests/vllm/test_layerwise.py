@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus
 import kvxfer
 import kvxfer.vllm as kv_vllm
 
-from harness import (KV_HEADS, LAYERS, TOKEN, Engine, landed,
+from harness import (HEAD, KV_HEADS, LAYERS, TOKEN, Engine, landed,
                      load_errors, pattern, prefill, prompt_of, run, worker)
 
 
@@ -304,3 +304,96 @@ def test_preempted_prefill(engines):
     assert d.computed["req-pe"][0] == 48  # recomputed
     assert p.outputs["req-pe"].kv_transfer_params is None
     assert p.free_blocks() == p_free
+
+
+def test_decode_layer_load_daemon_gone(engines, own_daemon, monkeypatch):
+    """layerwise_load with the decode's client given up (the daemon
+    killed, the library's reconnection off) when vLLM schedules the
+    synchronous load: the load fails into load errors and a recompute,
+    and reports no finished_recving (vLLM asserts that a request in
+    finished_recving waits for its KV or has finished: this one runs)."""
+    monkeypatch.setenv("KVXFER_RECONNECT", "0")
+    p = engines(sock=own_daemon.sock, per_layer=True)
+    d = engines(sock=own_daemon.sock, per_layer=True, salt=0.5,
+                extra={"layerwise_load": True})
+    prompt = prompt_of(40, 39)
+    params = prefill(p, "req-lg", prompt)
+    own_daemon.kill9()
+    d.step()  # its poll finds the daemon gone: the client is closed
+    assert worker(d).client is None
+    d.add("req-lg", prompt, 2, params)
+    run([d], lambda: "req-lg" in d.outputs)
+    assert not any("req-lg" in (k.finished_recving or ())
+                   for k in d.kv_outputs)
+    assert load_errors(d)
+    assert d.computed["req-lg"][0] == 1  # scheduled as loaded
+    assert sum(d.computed["req-lg"]) > 40  # then recomputed
+    assert d.tokens["req-lg"] == [TOKEN] * 2
+
+
+def test_decode_layer_load_prefix_hit(engines):
+    """layerwise_load with the decode's prefix cache holding 32 of 40
+    tokens: the synchronous fetch moves tokens 32..39 only, the decode
+    computes the last prompt token, and its blocks hold its own KV for
+    0..31 and the prefill's for 32..38; one transfer of 8 tokens' bytes
+    in the metrics."""
+    p = engines(per_layer=True)
+    d = engines(per_layer=True, salt=0.5, extra={"layerwise_load": True})
+    prompt = prompt_of(40, 40)
+    d.add("warm", prompt[:33], 1)  # caches two full blocks (32 tokens)
+    run([d], lambda: "warm" in d.outputs)
+    since = len(d.kv_outputs)
+    params = prefill(p, "req-lp", prompt)
+    d.add("req-lp", prompt, 2, params)
+    seen = {}
+
+    def after(e: Engine, r: int, layer: int) -> None:
+        if layer == LAYERS - 1 and "kv" not in seen and \
+                "req-lp" in e.sched.requests:
+            seen["kv"] = d.kv_of("req-lp", 40)
+    d.after_layer = after
+    run([p, d], lambda: "req-lp" in d.outputs)
+    assert d.computed["req-lp"][0] == 1
+    assert not load_errors(d)
+    for layer in range(LAYERS):
+        kv = seen["kv"][layer]
+        assert torch.equal(kv[:32], pattern(prompt, 0, 32, layer,
+                                            range(KV_HEADS), 0.5))
+        assert torch.equal(kv[32:39], pattern(prompt, 32, 39, layer,
+                                              range(KV_HEADS)))
+    moved = [b for k in d.kv_outputs[since:] if k.kv_connector_stats
+             for b in k.kv_connector_stats.data["bytes_transferred"]]
+    assert moved == [8 * LAYERS * KV_HEADS * 2 * HEAD * 4]  # float32
+
+
+def test_preempted_prefill_whole(engines):
+    """layerwise false: the reservation reserve_many made when the
+    prefill was first scheduled outlives its preemption (nothing was
+    published yet) and is published at its finish with the blocks it
+    was computed into again; the decode gets every byte."""
+    p = engines(per_layer=True, chunk=3, num_blocks=9,
+                extra={"layerwise": False})
+    d = engines(salt=0.5)
+    p_free = p.free_blocks()
+    p.add("long", prompt_of(64, 37), 40)
+    run([p], lambda: len(p.tokens["long"]) >= 1)
+    prompt = prompt_of(48, 38)
+    p.add("req-pw", prompt, 1, {"do_remote_decode": True})
+    run([p], lambda: p.sched.requests["req-pw"].num_preemptions > 0)
+    run([p], lambda: "req-pw" in p.outputs and "long" in p.outputs,
+        timeout=30)
+    params = p.outputs["req-pw"].kv_transfer_params
+    assert params is not None
+    d.add("req-pw", prompt, 2, dict(params))
+    got = {}
+
+    def loaded():
+        if landed(d, "req-pw") and not got:
+            got["kv"] = d.kv_of("req-pw", 47)
+        return "req-pw" in d.outputs and p.free_blocks() == p_free
+    run([p, d], loaded)
+    assert not load_errors(d)
+    assert d.computed["req-pw"][0] == 1
+    for layer in range(LAYERS):
+        assert torch.equal(got["kv"][layer],
+                           pattern(prompt, 0, 47, layer, range(KV_HEADS)))

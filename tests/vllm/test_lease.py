@@ -235,3 +235,35 @@ def test_bad_lease_config_is_refused_by_name(engines, key, value):
     with pytest.raises(kvxfer.InvalidArgument,
                        match=f"kv_connector_extra_config.{key}"):
         engines(extra={key: value})
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_prefill_longer_than_the_lease(engines, layerwise):
+    """Lease 1 s; the prefill's 100 tokens computed in chunks of 32 over
+    about 1.6 s (a busy prefill: 0.4 s a step). The offer is reserved at
+    the first chunk, so its lease would end before the prompt is
+    computed: the prefill's scheduler renews its own reservations while
+    their requests compute, and the decode gets every byte."""
+    p = engines(chunk=32, per_layer=True,
+                extra={"lease_s": 1, "layerwise": layerwise})
+    d = engines(salt=0.5)
+    prompt = prompt_of(100, 80)
+    p.add("req-pl", prompt, 1, {"do_remote_decode": True})
+    while "req-pl" not in p.outputs:
+        p.step()
+        time.sleep(0.4)
+    assert p.computed["req-pl"] == [32, 32, 32, 4]
+    params = dict(p.outputs["req-pl"].kv_transfer_params)
+    d.add("req-pl", prompt, 2, params)
+    seen = {}
+
+    def loaded() -> bool:
+        if landed(d, "req-pl") and "kv" not in seen:
+            seen["kv"] = d.kv_of("req-pl", 99)
+        return "req-pl" in d.outputs
+    run([p, d], loaded)
+    assert not load_errors(d)
+    assert d.computed["req-pl"][0] == 1
+    for layer in range(LAYERS):
+        assert torch.equal(seen["kv"][layer],
+                           pattern(prompt, 0, 99, layer, range(KV_HEADS)))

@@ -388,3 +388,19 @@ def test_daemon_killed_reconnection_off(engines, own_daemon, monkeypatch):
         st = worker(e).client.state
         assert st.status == kvxfer.ClientStatus.CONNECTED
         assert st.incarnation == 0  # a new client
+
+
+@pytest.mark.parametrize("bad", ["forty", [40], 39.5])
+def test_bad_remote_num_tokens_computed_locally(engines, bad, caplog):
+    """kvxfer's params with a remote_num_tokens that is no token count (the
+    proxy's input): logged naming it, the decode computes the prompt, and
+    nothing raises into vLLM's scheduler."""
+    p, d = engines(), engines()
+    prompt = prompt_of(20, 8)
+    params = prefill(p, "req-bn", prompt)
+    params["remote_num_tokens"] = bad
+    d.add("req-bn", prompt, 1, params)
+    run([d], lambda: "req-bn" in d.outputs)
+    assert d.tokens["req-bn"] == [TOKEN]
+    assert d.computed["req-bn"][0] == 20
+    assert "kv_transfer_params['remote_num_tokens']" in caplog.text

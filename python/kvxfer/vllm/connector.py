@@ -3,12 +3,13 @@ half or its worker half."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
-    KVConnectorTransferResults, SupportsHMA)
+    KVConnectorTransferResults, KVConnectorWorkerMetadata, SupportsHMA)
 
 from kvxfer.vllm.common import (KvxferConnectorMetadata,
                                 KvxferHandshakeMetadata, check_config)
@@ -28,6 +29,23 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+@dataclass
+class KvxferWorkerMetadata(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler after a step (vLLM's
+    build_connector_worker_meta, the ranks' aggregated): the pools of a
+    client made (rank -> its tables' pool ids), which a hybrid request's
+    reservation names. Here, not in common.py: the worker half imports
+    no more of vLLM (tests/gpu/vllm_layerwise.py's shim)."""
+
+    pools: Dict[int, List[int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata
+                  ) -> "KvxferWorkerMetadata":
+        if isinstance(other, KvxferWorkerMetadata):
+            self.pools.update(other.pools)
+        return self
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -172,6 +190,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             finished_sending=set(sending or ()),
             finished_recving=set(recving or ()),
             failed_recving=self._worker.take_failed_recving())
+
+    def build_connector_worker_meta(self) -> Optional[KvxferWorkerMetadata]:
+        """The pools of a client the worker made anew (new ids), for the
+        scheduler's hybrid reservations."""
+        assert self._worker is not None
+        pools = self._worker.new_pools()
+        return None if pools is None else KvxferWorkerMetadata(pools=pools)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         assert self._worker is not None

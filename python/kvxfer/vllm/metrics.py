@@ -16,7 +16,9 @@ Prometheus metrics ``build_prom_metrics`` made:
     end seen by that worker (successful fetches, per rank);
 ``vllm:kvxfer_bytes_transferred`` (histogram; ``vllm:nixl_bytes_transferred``)
     the bytes a successful fetch wrote into the rank's KV cache (its
-    tokens after those the decode held, times the rank's bytes a token);
+    tokens after those the decode held, times the rank's bytes a token;
+    a hybrid model's: each table's, a sliding window's from its first
+    kept block, a Mamba state's page once);
 ``vllm:kvxfer_num_failed_transfers`` (counter;
 ``vllm:nixl_num_failed_transfers``)
     fetches that failed (their blocks went to ``kv_load_failure_policy``):

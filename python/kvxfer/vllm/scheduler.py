@@ -28,6 +28,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _remote_tokens(p: Dict[str, Any]) -> int:
+    """kv_transfer_params' remote_num_tokens (0 when absent); one that is
+    no token count: InvalidArgument, naming it (the proxy's input)."""
+    v = p.get("remote_num_tokens") or 0
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # a JSON number some proxy wrote as 40.0
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise kvxfer.InvalidArgument(
+            -1, f"kv_transfer_params['remote_num_tokens']: {v!r} is not a "
+            "token count")
+    return v
+
+
 class _Scheduler:
     """The scheduler side: which requests fetch, publish, release or
     cancel, and the offers' params (kvx_reserve)."""
@@ -118,6 +131,7 @@ class _Scheduler:
             return 0, False
         try:
             _params_of(p)
+            _remote_tokens(p)
         except kvxfer.Error as e:
             p["do_remote_prefill"] = False
             log.error("request %s: %s; it is computed here",
@@ -134,8 +148,7 @@ class _Scheduler:
         offer's, but a synchronous load (layerwise_load) leaves vLLM the
         last prompt token to compute in the step that loads (the fetch
         still writes it, before the forward reaches its layer)."""
-        n = min(int(p.get("remote_num_tokens") or 0),
-                len(request.prompt_token_ids or ()))
+        n = min(_remote_tokens(p), len(request.prompt_token_ids or ()))
         if self.layerwise_load:
             n = min(n, len(request.prompt_token_ids or ()) - 1)
         return n
@@ -159,8 +172,7 @@ class _Scheduler:
             # the prefix cache holds it all: free the prefill's blocks
             self._release(request.request_id, params)
             return
-        n = min(int(p.get("remote_num_tokens") or 0),
-                len(request.prompt_token_ids or ()))
+        n = min(_remote_tokens(p), len(request.prompt_token_ids or ()))
         ids = self.tables.plain(blocks.get_block_ids())
         need = math.ceil(n / self.block_size)
         skip = self._loaded_end(p, request) - num_external_tokens
@@ -229,6 +241,12 @@ class _Scheduler:
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
         for r in out.finished_recving or ():
             self._inflight.discard(r)
+        # rank 0 made a client (anew: its pools have new ids); the
+        # connector's KvxferWorkerMetadata
+        pools = getattr(getattr(out, "kv_connector_worker_meta", None),
+                        "pools", None)
+        if isinstance(pools, dict) and 0 in pools:
+            self._pools = list(pools[0])
 
     def request_finished(self, request: "Request", block_ids: Any
                          ) -> Tuple[bool, Optional[Dict[str, Any]]]:
@@ -238,6 +256,7 @@ class _Scheduler:
             return False, None
         rid = request.request_id
         self._waiting.pop(rid, None)
+        self._computing.pop(rid, None)  # its lease is the decode's now
         if p.get("do_remote_prefill") and PARAMS_KEY in p:
             # finished before its blocks were allocated (aborted): the
             # prefill's blocks are released now, not at their lease
@@ -348,6 +367,10 @@ class _Scheduler:
         self._reserved: Dict[str, Tuple[bytes, int]] = {}
         # decode: rid -> (request, params, lease ms) waiting in the queue
         self._waiting: Dict[str, Tuple[Any, bytes, int]] = {}
+        # prefill: rid -> (None, params, lease ms) reserved, its prompt
+        # not computed yet: renewed as the decode's waiting requests are,
+        # so a prefill longer than the lease keeps its offer
+        self._computing: Dict[str, Tuple[Any, bytes, int]] = {}
         # prefill: rid -> tokens of a reservation to try again when the
         # request finishes (the instance was not on the daemon yet: a
         # daemon restarted under its ranks; or the budget was spent),
@@ -481,6 +504,9 @@ class _Scheduler:
             for (rid, (_, n)), r in zip(part, res):
                 if isinstance(r, bytes):
                     self._reserved[rid] = (r, n)
+                    lease = self._params_lease_ms(r)
+                    if lease:
+                        self._computing[rid] = (None, r, lease)
                 elif isinstance(r, (kvxfer.NotFound, kvxfer.StateError)):
                     self._retry[rid] = n  # the ranks not there (yet)
                 else:
@@ -540,16 +566,18 @@ class _Scheduler:
             return None
 
     def _renew_due(self) -> bool:
-        if not self._waiting:
+        leases = [lease for _, _, lease in self._waiting.values()] + \
+            [lease for _, _, lease in self._computing.values()]
+        if not leases:
             return False
-        every = min(lease for _, _, lease in self._waiting.values()) / 3000
+        every = min(leases) / 3000
         return time.monotonic() - self._last_renew >= every
 
     def _renew_step(self, end: float) -> None:
         if not self._renew_due():
             return
         self._last_renew = time.monotonic()
-        todo = list(self._waiting.items())
+        todo = list(self._waiting.items()) + list(self._computing.items())
         for i in range(0, len(todo), MANY_MAX):
             part = todo[i:i + MANY_MAX]
             left = self._left(end)
@@ -573,6 +601,11 @@ class _Scheduler:
         request computes the prompt here instead of fetching."""
         for (rid, (request, _, _)), err in zip(part, res):
             if err is None:
+                continue
+            if request is None:
+                # the prefill's own (cancelled: preempted; or expired):
+                # its finish returns params or not as before
+                self._computing.pop(rid, None)
                 continue
             self._waiting.pop(rid, None)
             if isinstance(err, kvxfer.Unsupported):

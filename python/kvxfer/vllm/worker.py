@@ -12,15 +12,38 @@ import kvxfer
 from kvxfer._outage import (DAEMON_GONE, Outage, gone_event, nudge,
                             retrying)
 from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata,
-                                KvxferHandshakeMetadata, _extra,
+                                KvxferHandshakeMetadata, Recv, _extra,
                                 _instance_id, _role, _socket, log,
                                 new_tally, parallel_rank, request_key)
-from kvxfer.vllm.hybrid import Tables, register_tables
+from kvxfer.vllm.hybrid import STATE, Tables, register_tables
 from kvxfer.vllm.layerwise import LayerLoader, LayerSender
 from kvxfer.vllm.layout import layout_of_kv_caches
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+
+def _token_bytes(caches: Dict[str, torch.Tensor]) -> int:
+    """A token's K and V in attention caches (vLLM's views: [blocks, KV
+    heads, tokens, K|V] in shape order)."""
+    return sum(t.shape[1] * t.shape[3] * t.element_size()
+               for t in caches.values())
+
+
+def _table_bytes(tables: Tables, kv_caches: Dict[str, torch.Tensor]
+                 ) -> List[Tuple[int, int]]:
+    """Per table but the plain one: (a state slot's bytes, 0) for a part
+    of a Mamba state, (0, a token's bytes) for attention."""
+    out = []
+    for g, caches in tables.layer_sets(kv_caches)[1:] \
+            if tables.hybrid else ():
+        if g.kind == STATE and g.part is not None:
+            es = torch.tensor([], dtype=g.part.dtype).element_size()
+            out.append((g.part.units * g.part.unit_elems * es
+                        * len(caches), 0))
+        else:
+            out.append((0, _token_bytes(caches)))
+    return out
 
 
 class _Worker:
@@ -49,6 +72,8 @@ class _Worker:
         self.rank = 0
         self._gathered: Optional[List[str]] = None  # from the handshake
         self._joined = False
+        self._join_refused = False  # logged; tried again by a new client
+        self._new_pools = False  # a client made anew: its pools' ids
         self._next_connect = 0.0  # when a client given up is made again
         self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
         self.lw = LayerSender(self)  # layer-wise offers (layerwise.py)
@@ -57,7 +82,10 @@ class _Worker:
         # fetch's start and bytes, and this rank's bytes per token
         self.tally = new_tally()
         self._fetch_t0: Dict[bytes, Tuple[float, int]] = {}
-        self._token_bytes = 0
+        self._token_bytes = 0  # the plain table's, a token
+        # each other table's (hybrid): (a state slot's bytes, or 0; a
+        # token's bytes, or 0)
+        self._table_bytes: List[Tuple[int, int]] = []
 
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -96,11 +124,14 @@ class _Worker:
             timeout=self.timeout)
         self.rank = rank
         self._joined = False
+        self._join_refused = False
         try:
             addrs = self._addresses(client, tp * pp)
             if addrs is not None:
                 client.join(addrs)  # else at the handshake's addresses
                 self._joined = True
+                if self._gathered is not None and not self.rank_addresses:
+                    self._gathered = addrs
             self.gpu = regions[0].is_cuda
             self.pool = client.register_regions(
                 layout, regions, device="cuda" if self.gpu else "host",
@@ -112,8 +143,9 @@ class _Worker:
             client.close()
             raise
         self.client = client
-        self._token_bytes = sum(t.shape[1] * t.shape[3] * t.element_size()
-                                for t in kv_caches.values())
+        self._new_pools = True
+        self._token_bytes = _token_bytes(plain)
+        self._table_bytes = _table_bytes(self.tables, kv_caches)
         self.lw.set_layers(names)
         self.loader.set_layers(names)
         log.info("kvxfer rank %d/%d of %s: %d layers (%s), pool %d",
@@ -129,7 +161,18 @@ class _Worker:
             return [str(a) for a in self.rank_addresses]
         if world == 1:
             return [client.daemon_address]
-        return self._gathered
+        if self._gathered is None:
+            return None
+        return self._moved(client)
+
+    def _moved(self, client: kvxfer.Client) -> List[str]:
+        """The gathered addresses with this rank's daemon at its address
+        now: a daemon restarted since they were gathered (or since the last
+        join) has another, and refuses its old one (not this daemon); the
+        ranks that shared it moved with it."""
+        assert self._gathered is not None
+        old, now = self._gathered[self.rank], client.daemon_address
+        return [now if a == old else a for a in self._gathered]
 
     def handshake(self) -> Optional[KvxferHandshakeMetadata]:
         """This rank and its daemon's address, for vLLM's handshake
@@ -142,18 +185,36 @@ class _Worker:
                                        address=self.client.daemon_address,
                                        pools=pools)
 
-    def _join(self, addresses: List[str]) -> None:
-        """Join with the addresses vLLM's handshake gathered (once)."""
-        self._gathered = list(addresses)
-        if self.client is None or self._joined:
+    def _join(self) -> None:
+        """Join with the addresses vLLM's handshake gathered, once they
+        came; at each step until it is made while the daemon is gone (a
+        refusal: logged, tried again by the next client)."""
+        c = self.client
+        if c is None or self._joined or self._join_refused or \
+                self._gathered is None:
             return
+        addrs = self._moved(c)
         try:
-            self.client.join(self._gathered)
-            self._joined = True
+            try:
+                retrying(c, c.join, addrs)
+            except kvxfer.InvalidArgument:
+                if self._moved(c) == addrs:
+                    raise
+                # the call reconnected to a restarted daemon, which
+                # refused its old address: again with its new one
+                addrs = self._moved(c)
+                c.join(addrs)
+        except DAEMON_GONE as e:
+            self._lost(e)  # tried again at the next step
+            return
         except kvxfer.Error as e:
+            self._join_refused = True
             log.error("kvxfer rank %d of %s: join with the ranks' daemon "
                       "addresses failed: %s", self.rank, self.instance_id,
                       e)
+            return
+        self._gathered = addrs
+        self._joined = True
 
     def start(self, meta: KvxferConnectorMetadata) -> None:
         if self._kv_caches is None:
@@ -163,10 +224,14 @@ class _Worker:
                     "register_kv_caches")
             return
         if meta.addresses is not None:
-            self._join(meta.addresses)
-        self._reconnect()
+            self._gathered = list(meta.addresses)
+        self._reconnect()  # a new client joins with them itself
+        self._join()
         if self.client is not None and (meta.sends or meta.recvs):
             nudge(self.client)
+        # synchronous loads (layerwise_load) end without finished_recving,
+        # also those that fail here: vLLM runs them already
+        self.loader.sync.update(r.key for r in meta.recvs.values() if r.sync)
         if self.client is None or self.pool is None:
             # no daemon to talk to: the step's work ends here
             for rid in meta.sends:
@@ -200,7 +265,6 @@ class _Worker:
                 else:
                     self._sending[s.key] = rid
         recvs = list(meta.recvs.items())
-        self.loader.sync.update(r.key for _, r in recvs if r.sync)
         for at in range(0, len(recvs), MANY_MAX):
             part = recvs[at:at + MANY_MAX]
             res = self._many(
@@ -218,10 +282,8 @@ class _Worker:
                     self._fail_recv(rid, r.block_ids, r.skip_tokens)
                 else:
                     self._recving[r.key] = (rid, r.block_ids, r.skip_tokens)
-                    self._fetch_t0[r.key] = (
-                        time.monotonic(),
-                        max(0, r.num_tokens - r.skip_tokens)
-                        * self._token_bytes)
+                    self._fetch_t0[r.key] = (time.monotonic(),
+                                             self._fetch_bytes(r))
         self.loader.started([r.key for _, r in recvs
                              if r.sync and r.key in self._recving])
         for rid in meta.cancels:
@@ -348,6 +410,17 @@ class _Worker:
             return  # a synchronous load: vLLM waits for no finished_recving
         self._done_recv.add(rid)
 
+    def _fetch_bytes(self, r: Recv) -> int:
+        """The bytes a fetch writes into this rank's KV cache: the plain
+        table's tokens after those held, and each other table's: a
+        sliding window's from its first kept block, a Mamba state's slot
+        once."""
+        out = max(0, r.num_tokens - r.skip_tokens) * self._token_bytes
+        for (slot, token), t in zip(self._table_bytes, r.groups):
+            out += slot * len(t.blocks) + \
+                token * max(0, r.num_tokens - t.skip_tokens)
+        return out
+
     def take_failed_recving(self) -> Set[str]:
         """The requests whose fetch failed (hybrid models), reported with
         finished_recving by get_transfer_results."""
@@ -456,6 +529,16 @@ class _Worker:
             return None
         out, self.tally = self.tally, new_tally()
         return out
+
+    def new_pools(self) -> Optional[Dict[int, List[int]]]:
+        """{rank: its tables' pool ids} after a client was made (anew: its
+        registration gave them new ids), for the scheduler's reservations
+        of hybrid requests; None when they did not change."""
+        if not self._new_pools or self.pool is None:
+            return None
+        self._new_pools = False
+        return {self.rank: [self.pool.id] + [p.id for p in
+                                             self.group_pools]}
 
     def take_load_errors(self) -> Set[int]:
         out, self._load_errors = self._load_errors, set()
