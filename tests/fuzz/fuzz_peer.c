@@ -83,6 +83,11 @@ peer_conn_t *peer_conn_find(uint64_t id)
     return id == 1 ? &fake : NULL;
 }
 int peer_conn_alive(const peer_conn_t *c) { return c->alive; }
+/* a peer of this release's protocol (renewals go to it) while alive */
+int peer_conn_minor(const peer_conn_t *c)
+{
+    return c->alive ? KVX_PROTOCOL_MINOR : -1;
+}
 int peer_conn_lanes(const peer_conn_t *c)
 {
     return c->alive;
