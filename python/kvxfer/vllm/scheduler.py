@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import kvxfer
 from kvxfer._outage import DAEMON_GONE, Outage, nudge, retrying
+from kvxfer.vllm.bidi import Bidi
 from kvxfer.vllm.common import (MANY_MAX, PARAMS_KEY,
                                 KvxferConnectorMetadata, Recv, Send, _b64,
                                 _extra, _instance_id, _params_of, _socket,
@@ -72,6 +73,7 @@ class _Scheduler:
                                not self.tables.hybrid,
                                self.block_size, self.instance_id,
                                self._take_reservation)
+        self.bidi = Bidi(vllm_config, self)  # multi-turn reuse (bidi.py)
 
     def _take_reservation(self, request_id: str) -> Optional[bytes]:
         """The params reserved for a request (_reserve_step), now the
@@ -126,6 +128,9 @@ class _Scheduler:
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int
                                    ) -> Tuple[int, bool]:
+        got = self.bidi.matched(request, num_computed_tokens)
+        if got is not None:
+            return got  # a decode's offer of the last turn (bidi.py)
         p = self._remote(request)
         if p is None:
             return 0, False
@@ -157,6 +162,7 @@ class _Scheduler:
                                  blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         self._note_prefill(request)
+        self.bidi.after_alloc(request, blocks, num_external_tokens)
         p = self._remote(request)
         self._waiting.pop(request.request_id, None)  # its fetch takes it
         if p is None:
@@ -273,7 +279,8 @@ class _Scheduler:
             self._meta.recvs.pop(rid, None)
             return False, None
         if not p.get("do_remote_decode"):
-            return False, None
+            return self.bidi.decode_finished(request, block_ids)
+        self.bidi.abandoned(request)
         # reserved when it was first scheduled (_reserve_step): no daemon
         # call here, in vLLM's loop over the step's finished requests
         self._to_reserve.pop(rid, None)

@@ -15,6 +15,7 @@ from kvxfer.vllm.common import (MANY_MAX, KvxferConnectorMetadata,
                                 KvxferHandshakeMetadata, Recv, _extra,
                                 _instance_id, _role, _socket, log,
                                 new_tally, parallel_rank, request_key)
+from kvxfer.vllm.bidi import fetch_key
 from kvxfer.vllm.hybrid import STATE, Tables, register_tables
 from kvxfer.vllm.layerwise import LayerLoader, LayerSender
 from kvxfer.vllm.layout import layout_of_kv_caches
@@ -288,6 +289,8 @@ class _Worker:
                              if r.sync and r.key in self._recving])
         for rid in meta.cancels:
             key = request_key(rid)
+            if key not in self._recving:
+                key = fetch_key(rid)  # of a decode's offer (bidi.py)
             if key not in self._recving:
                 continue
             try:
