@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
+from vllm.v1.request import RequestStatus
+
 import kvxfer
 from kvxfer.vllm.common import PARAMS_KEY, _params_of
 
@@ -190,6 +192,61 @@ def test_prefix_cache_hit_releases_the_offer(engines):
     run([p, d], lambda: reported(d, "finished_sending", "h3") == 1,
         timeout=5)
     assert not load_errors(p)
+
+
+def test_below_the_recompute_threshold_computed(engines):
+    """kv_recompute_threshold applies to turn 2's fetch as to any (as
+    vLLM's pull does): fewer missing tokens are computed by the prefill,
+    and the decode's offer is released at once, not held to its lease."""
+    p = engines(extra={**ON, "kv_recompute_threshold": 100}, salt=P_SALT)
+    d = engines(extra=ON, salt=D_SALT)
+    prompt = prompt_of(40, 12)
+    back, _, n = turn1(p, d, "k1", prompt, 8)
+    assert back
+    p.sched.reset_prefix_cache()
+    prompt2 = prompt + d.tokens["k1"] + prompt_of(10, 13)
+    pkv = turn2_computed(p, d, back, prompt2, "k2")
+    assert sum(p.computed["k2"]) == len(prompt2)
+    run([p, d], lambda: reported(d, "finished_sending", "k1") == 1,
+        timeout=5)
+    assert not load_errors(p)
+    for layer in range(LAYERS):
+        assert torch.equal(pkv[layer],
+                           pattern(prompt2, 0, len(prompt2), layer,
+                                   range(KV_HEADS), P_SALT))
+
+
+@pytest.mark.parametrize("when", ["queued", "fetching"])
+def test_turn2_aborted_releases_the_offer(engines, monkeypatch, when):
+    """Turn 2 aborted on the prefill before its blocks were allocated, or
+    while its fetch runs: the decode's offer ends now (released, or
+    fetched and the fetch cancelled), not at its lease; the prefill's
+    blocks come back."""
+    cancelled: List[bytes] = []
+    real = kvxfer.Client.cancel
+
+    def cancel(self, key, *a, **kw):
+        cancelled.append(bytes(key))
+        return real(self, key, *a, **kw)
+    monkeypatch.setattr(kvxfer.Client, "cancel", cancel)
+    p = engines(extra=ON, salt=P_SALT)
+    d = engines(extra=ON, salt=D_SALT)
+    prompt = prompt_of(40, 14)
+    back, _, _ = turn1(p, d, "a1", prompt, 8)
+    assert back
+    free = p.free_blocks()
+    prompt2 = prompt + d.tokens["a1"] + prompt_of(10, 15)
+    p.add("a2", prompt2, 1, {**back})
+    if when == "fetching":
+        p.step()  # allocated, the fetch started
+        assert "a2" in p.sched.connector._sched._inflight
+    p.sched.finish_requests("a2", RequestStatus.FINISHED_ABORTED)
+    run([p, d], lambda: reported(d, "finished_sending", "a1") == 1 and
+        p.free_blocks() == free, timeout=5)
+    assert not load_errors(p)
+    # the fetch (its own key, not the request's) is cancelled
+    from kvxfer.vllm.bidi import fetch_key
+    assert cancelled == ([fetch_key("a2")] if when == "fetching" else [])
 
 
 @pytest.mark.parametrize("extra,role,what", [
