@@ -266,3 +266,14 @@ def test_bad_config_refused(daemon, model_dir, extra, role, what):
     assert what in str(e.value)
     assert "bidirectional_kv_xfer" in str(e.value) or \
         what == "decoder_kv_blocks_ttl"
+
+
+def test_hybrid_model_refused(daemon, model_dir):
+    """A hybrid model (full attention and sliding window groups) with the
+    key: refused at __init__, naming it."""
+    from hybrid_harness import HybridEngine
+    with pytest.raises(kvxfer.Unsupported) as e:
+        HybridEngine(model_dir, daemon.sock, "bad-bidi-hy", "FWFW",
+                     extra=ON)
+    assert "bidirectional_kv_xfer" in str(e.value)
+    assert "hybrid" in str(e.value)

@@ -76,6 +76,14 @@ restart. Each outage is logged once, and the return.
     the decode loads synchronously and ``wait_for_layer_load`` waits for
     each layer (``fetch_progress``), so its first token's forward runs
     while the last layers land (default false).
+``bidirectional_kv_xfer``
+    vLLM's NIXL key: multi-turn reuse. A decode offers a finished
+    request's KV (prompt and generated tokens) for the next turn's
+    prefill, which fetches what its prefix cache lacks (default false;
+    both instances ``kv_both``). See :mod:`kvxfer.vllm.bidi`.
+``decoder_kv_blocks_ttl``
+    vLLM's NIXL key: the lease of such a decode's offer, seconds
+    (default 480).
 
 Metrics: ``vllm:kvxfer_*`` in vLLM's ``/metrics`` and stats log
 (:mod:`kvxfer.vllm.metrics`).

@@ -55,31 +55,52 @@ def fetch_key(request_id: str) -> bytes:
     return request_key(request_id + "#bidi")
 
 
+def _ttl_ms(extra: Dict[str, Any]) -> int:
+    """decoder_kv_blocks_ttl in ms: seconds above 0, else refused."""
+    v = extra.get(TTL_KEY, 480)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = float("nan")
+    if isinstance(v, bool) or not 0 < f < float("inf"):
+        raise kvxfer.InvalidArgument(
+            -1, f"kv_connector_extra_config.{TTL_KEY}: {v!r} is not a "
+            "number of seconds above 0")
+    return max(1, int(round(f * 1000)))
+
+
+def check(vllm_config: "VllmConfig", tables: Any) -> None:
+    """Refuse, naming the options, what multi-turn reuse cannot serve:
+    at __init__ (scheduler and workers), before KV caches exist."""
+    extra = _extra(vllm_config)
+    _ttl_ms(extra)
+    if not flag(extra, KEY, False):
+        return
+    role = vllm_config.kv_transfer_config.kv_role
+    if role != "kv_both":
+        raise kvxfer.InvalidArgument(
+            -1, f"kv_connector_extra_config.{KEY} needs kv_role kv_both "
+            f"(got kv_role {role}): the decode offers its KV and the "
+            "prefill fetches it")
+    if flag(extra, "layerwise_load", False):
+        raise kvxfer.Unsupported(
+            -1, f"kv_connector_extra_config.{KEY} with layerwise_load: "
+            "the prefill's fetch of the last turn is not layer-wise")
+    if tables.hybrid:
+        raise kvxfer.Unsupported(
+            -1, f"kv_connector_extra_config.{KEY}: not for a model of "
+            "several KV cache groups (hybrid)")
+
+
 class Bidi:
     """The scheduler side of multi-turn reuse (sched: its _Scheduler)."""
 
     def __init__(self, vllm_config: "VllmConfig", sched: Any) -> None:
+        """The config (check() refused what it cannot serve)."""
         extra = _extra(vllm_config)
         self.on = flag(extra, KEY, False)
         self.sched = sched
-        ttl = sched._positive(extra, TTL_KEY, 480)
-        self.ttl_ms = max(1, int(round(ttl * 1000)))
-        if not self.on:
-            return
-        role = vllm_config.kv_transfer_config.kv_role
-        if role != "kv_both":
-            raise kvxfer.InvalidArgument(
-                -1, f"kv_connector_extra_config.{KEY} needs kv_role "
-                f"kv_both (got kv_role {role}): the decode offers its KV "
-                "and the prefill fetches it")
-        if sched.tables.hybrid:
-            raise kvxfer.Unsupported(
-                -1, f"kv_connector_extra_config.{KEY}: not for a model of "
-                "several KV cache groups (hybrid)")
-        if sched.layerwise_load:
-            raise kvxfer.Unsupported(
-                -1, f"kv_connector_extra_config.{KEY} with layerwise_load:"
-                " the prefill's fetch of turn 1 is not layer-wise")
+        self.ttl_ms = _ttl_ms(extra)
 
     # -- the prefill of turn 2 ------------------------------------------
 

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
     KVConnectorTransferResults, KVConnectorWorkerMetadata, SupportsHMA)
 
+from kvxfer.vllm.bidi import check as check_bidi
 from kvxfer.vllm.common import (KvxferConnectorMetadata,
                                 KvxferHandshakeMetadata, check_config)
 from kvxfer.vllm.hybrid import Tables
@@ -67,6 +68,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         tables.check_parallel(
             vllm_config.parallel_config.tensor_parallel_size,
             vllm_config.model_config.get_total_num_kv_heads())
+        check_bidi(vllm_config, tables)  # multi-turn reuse (bidi.py)
         self._sched: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
