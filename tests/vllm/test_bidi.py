@@ -21,7 +21,8 @@ import kvxfer
 from kvxfer.vllm.common import PARAMS_KEY, _params_of
 
 from harness import (BLOCK, KV_HEADS, LAYERS, TOKEN, Engine, load_errors,
-                     pattern, prefill, prompt_of, reported, run)
+                     pattern, prefill, prompt_of, reported, run,
+                     worker)
 
 ON = {"bidirectional_kv_xfer": True}
 EXPIRY_KEY = "remote_blocks_expiry_time"  # vLLM's param (wall clock here)
@@ -238,7 +239,12 @@ def test_turn2_aborted_releases_the_offer(engines, monkeypatch, when):
     prompt2 = prompt + d.tokens["a1"] + prompt_of(10, 15)
     p.add("a2", prompt2, 1, {**back})
     if when == "fetching":
-        p.step()  # allocated, the fetch started
+        # allocated, the fetch started; its end not polled this step
+        w = worker(p)
+        monkeypatch.setattr(w, "get_finished", lambda: (None, None))
+        p.step()
+        monkeypatch.undo()  # Client.cancel's wrapper goes too
+        monkeypatch.setattr(kvxfer.Client, "cancel", cancel)
         assert "a2" in p.sched.connector._sched._inflight
     p.sched.finish_requests("a2", RequestStatus.FINISHED_ABORTED)
     run([p, d], lambda: reported(d, "finished_sending", "a1") == 1 and
