@@ -150,6 +150,49 @@ def test_expired_offer_is_computed(engines):
                                    range(KV_HEADS), P_SALT))
 
 
+def hold_queue(e: Engine, seconds: float) -> None:
+    """e's scheduler steps for ``seconds`` admitting no waiting request,
+    as a busy instance does (its running slots taken)."""
+    keep = e.sched.max_num_active_reqs
+    e.sched.max_num_active_reqs = 0
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            e.step()
+            time.sleep(0.01)
+    finally:
+        e.sched.max_num_active_reqs = keep
+
+
+@pytest.mark.parametrize("renew", [True, False])
+def test_turn2_waiting_renews_the_offer(engines, renew):
+    """Turn 2 waits 3 s in the prefill's queue, the decode's offer's lease
+    1 s: the prefill renews it (renew_leases) and fetches the decode's
+    bytes; without renewal the offer ends and the prefill computes the
+    prompt itself, with no load error."""
+    p = engines(extra={**ON, "renew_leases": renew}, salt=P_SALT)
+    d = engines(extra={**ON, "decoder_kv_blocks_ttl": 1}, salt=D_SALT)
+    prompt = prompt_of(40, 16)
+    back, dkv, n = turn1(p, d, "w1", prompt, 8)
+    assert back
+    p.sched.reset_prefix_cache()
+    prompt2 = prompt + d.tokens["w1"] + prompt_of(10, 17)
+    p.add("w2", prompt2, 1, {**back})
+    hold_queue(p, 3.0)
+    run([p, d], lambda: "w2" in p.outputs)
+    assert not load_errors(p)
+    pkv = p.kv_in(p.blocks_of("w2"), len(prompt2))
+    if renew:
+        assert sum(p.computed["w2"]) == len(prompt2) - n
+        assert kv_equal([k[:n] for k in pkv], dkv)
+    else:
+        assert sum(p.computed["w2"]) == len(prompt2)
+        for layer in range(LAYERS):
+            assert torch.equal(pkv[layer],
+                               pattern(prompt2, 0, len(prompt2), layer,
+                                       range(KV_HEADS), P_SALT))
+
+
 def test_released_offer_is_computed(engines):
     """The decode's offer released before turn 2 fetches it: the fetch
     fails (load errors, vLLM's recompute policy) and the prefill computes

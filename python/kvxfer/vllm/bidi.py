@@ -46,6 +46,7 @@ KEY = "bidirectional_kv_xfer"
 TTL_KEY = "decoder_kv_blocks_ttl"  # vLLM's: seconds the decode holds it
 EXPIRY_KEY = "remote_blocks_expiry_time"  # vLLM's param (here wall clock)
 DONE_KEY = "_kvxfer_bidi_done"  # the prefill took (or refused) it
+RENEW_KEY = "_kvxfer_bidi_renew"  # since when its lease is renewed
 EXPIRY_MARGIN_S = 1.0  # an offer this close to its expiry is computed
 
 
@@ -123,6 +124,35 @@ class Bidi:
         return isinstance(t, (int, float)) and \
             time.time() + EXPIRY_MARGIN_S >= float(t)
 
+    def on_new_request(self, request: "Request") -> None:
+        """A turn-2 prefill waiting in the queue renews the decode's
+        offer's lease, as a decode renews a prefill's (renew_leases)."""
+        p = self._offer(request)
+        if p is None or not self.sched.renew_leases:
+            return
+        try:
+            params = _params_of(p)
+        except kvxfer.Error:
+            return  # refused by matched, logged there
+        lease = self.sched._params_lease_ms(params)
+        if lease:  # 0: a daemon before 2.6, which cannot renew
+            self.sched._waiting[request.request_id] = (request, params,
+                                                       lease)
+            p[RENEW_KEY] = time.monotonic()
+
+    def _gone(self, request: "Request", p: Dict[str, Any]) -> bool:
+        """The offer ended before the fetch: a renewal found it gone (the
+        scheduler dropped the request from its renewals), or, not
+        renewed since the request came, its expiry time is (nearly)
+        reached."""
+        since = p.get(RENEW_KEY)
+        if since is not None:
+            if request.request_id not in self.sched._waiting:
+                return True
+            if self.sched._last_renew > since:
+                return False  # renewed: its expiry time is past news
+        return self._expired(p)
+
     def matched(self, request: "Request", num_computed_tokens: int
                 ) -> Optional[Tuple[int, bool]]:
         """get_num_new_matched_tokens of a turn-2 prefill (None: not one).
@@ -137,9 +167,9 @@ class Bidi:
             log.error("request %s: %s; it is computed here",
                       request.request_id, e)
             return 0, False
-        if self._expired(p):
-            log.warning("request %s: the decode's offer of turn 1 expired;"
-                        " it is computed here", request.request_id)
+        if self._gone(request, p):
+            log.warning("request %s: the decode's offer of the last turn "
+                        "ended; it is computed here", request.request_id)
             p[DONE_KEY] = True  # freed at its lease
             return 0, False
         count = self._end(p, request) - num_computed_tokens

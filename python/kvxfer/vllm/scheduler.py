@@ -403,6 +403,7 @@ class _Scheduler:
         computes all its prompt but the last token."""
         self.tables.truncate_for_prefill(request)
         self.lw.on_new_request(request)
+        self.bidi.on_new_request(request)  # a decode's offer: renewed
         p = self._remote(request)
         if p is None or not self.renew_leases:
             return
