@@ -298,6 +298,25 @@ def test_turn2_aborted_releases_the_offer(engines, monkeypatch, when):
     assert cancelled == ([fetch_key("a2")] if when == "fetching" else [])
 
 
+def test_bad_turn2_params_computed(engines):
+    """Turn 2 with a remote_num_tokens that is no number: the prefill
+    computes the prompt (nothing into vLLM's step) and releases the
+    decode's offer."""
+    p = engines(extra=ON, salt=P_SALT)
+    d = engines(extra=ON, salt=D_SALT)
+    prompt = prompt_of(40, 18)
+    back, _, _ = turn1(p, d, "b1", prompt, 8)
+    assert back
+    p.sched.reset_prefix_cache()
+    prompt2 = prompt + d.tokens["b1"] + prompt_of(10, 19)
+    turn2_computed(p, d, {**back, "remote_num_tokens": "many"}, prompt2,
+                   "b2")
+    assert sum(p.computed["b2"]) == len(prompt2)
+    run([p, d], lambda: reported(d, "finished_sending", "b1") == 1,
+        timeout=5)
+    assert not load_errors(p)
+
+
 @pytest.mark.parametrize("extra,role,what", [
     ({**ON}, "kv_producer", "kv_role"),
     ({**ON}, "kv_consumer", "kv_role"),

@@ -18,8 +18,10 @@ the whole prompt to a decode as usual.
   (under kv_recompute_threshold, as vLLM's pull: fewer are computed),
   computes the rest and offers turn 2 (do_remote_decode) as usual; the
   decode of turn 2 fetches only what its prefix cache lacks.
-- An offer past its expiry is not fetched: the prefill computes (as
-  vLLM's _is_turn2_read_expired declines the read). One released or
+- A turn-2 prefill waiting in its queue renews the offer's lease
+  (renew_leases); one not renewed past its expiry is not fetched: the
+  prefill computes (as vLLM's _is_turn2_read_expired declines the
+  read). One released or
   gone fails the fetch: load errors, vLLM's kv_load_failure_policy (as a
   NIXL read that fails). A prefill that does not fetch it (a full prefix
   hit, the threshold, an abort) releases it.
@@ -116,8 +118,11 @@ class Bidi:
     def _end(self, p: Dict[str, Any], request: "Request") -> int:
         """The tokens the fetch fills: the offer's, within the prompt
         but its last token (vLLM computes one to sample)."""
-        return max(0, min(int(p.get("remote_num_tokens") or 0),
-                          int(request.num_prompt_tokens) - 1))
+        try:
+            n = int(p.get("remote_num_tokens") or 0)
+        except (TypeError, ValueError):
+            n = 0  # params not ours: computed, the offer released
+        return max(0, min(n, int(request.num_prompt_tokens) - 1))
 
     def _expired(self, p: Dict[str, Any]) -> bool:
         t = p.get(EXPIRY_KEY)
