@@ -898,16 +898,24 @@ class Client:
         batch.field_mask = (1 << 9) | (1 << 8)  # ITEMS | TIMEOUT
         batch.items = ctypes.cast(arr, ctypes.POINTER(args))
         batch.num_items = n
+        return self._call_items(fn, batch, out, n, timeout)
+
+    def _call_items(self, fn: str, args: Any, out: Any, n: int,
+                    timeout: Timeout) -> List[Optional[Error]]:
+        """fn(args), a call with an outcome per item (out[0, n)): per item
+        None (done) or its error, with its own code and the daemon's
+        message for it. A failure of the call itself, no item answered
+        (nothing sent, the connection lost, the timeout), is raised."""
         with self._lock:
             if not self._h:
                 raise Closed(-20, "the client is closed")
             lib = _lib.lib()
-            batch.timeout_ms = self._ms(timeout)
-            rc = getattr(lib, fn)(self._h, ctypes.byref(batch))
+            args.timeout_ms = self._ms(timeout)
+            rc = getattr(lib, fn)(self._h, ctypes.byref(args))
             msg = lib.kvx_last_error(self._h) if rc else None
         if rc and not any(out[i].answered for i in range(n)):
             raise make_error(rc, msg.decode(errors="replace") if msg else "")
-        res: List[Any] = [None] * n
+        res: List[Optional[Error]] = [None] * n
         for i in range(n):
             if out[i].code:
                 text = out[i].message.decode(errors="replace")
@@ -1133,26 +1141,14 @@ class Client:
                             _lib.RESERVE_FIELD_TIMEOUT)
         batch.items = ctypes.cast(arr, ctypes.POINTER(_lib.ReserveArgs))
         batch.num_items = n
-        with self._lock:
-            if not self._h:
-                raise Closed(-20, "the client is closed")
-            lib = _lib.lib()
-            batch.timeout_ms = self._ms(timeout)
-            rc = lib.kvx_reserve(self._h, ctypes.byref(batch))
-            msg = lib.kvx_last_error(self._h) if rc else None
+        errs = self._call_items("kvx_reserve", batch, out, n, timeout)
         del keep
-        if rc and not any(out[i].answered for i in range(n)):
-            raise make_error(rc, msg.decode(errors="replace") if msg else "")
-        res: List[Any] = [None] * n
+        lib = _lib.lib()
+        res: List[Any] = []
         for i in range(n):
-            if out[i].code:
-                text = out[i].message.decode(errors="replace")
-                res[i] = make_error(out[i].code,
-                                    f"kvx_reserve: item {i}: {text}")
-            else:
-                p = params[i]
-                res[i] = ctypes.string_at(p.data, p.len)
-            lib.kvx_context_params_free(ctypes.byref(params[i]))
+            p = params[i]
+            res.append(errs[i] or ctypes.string_at(p.data, p.len))
+            lib.kvx_context_params_free(ctypes.byref(p))
         return res
 
     def renew(self, params: Sequence[bytes],
@@ -1189,22 +1185,8 @@ class Client:
             params=ctypes.cast(arr, ctypes.POINTER(_lib.ContextParams)),
             num_params=n,
             outcomes=ctypes.cast(out, ctypes.POINTER(_lib.Outcome)))
-        with self._lock:
-            if not self._h:
-                raise Closed(-20, "the client is closed")
-            lib = _lib.lib()
-            a.timeout_ms = self._ms(timeout)
-            rc = lib.kvx_renew(self._h, ctypes.byref(a))
-            msg = lib.kvx_last_error(self._h) if rc else None
+        res = self._call_items("kvx_renew", a, out, n, timeout)
         del keep
-        if rc and not any(out[i].answered for i in range(n)):
-            raise make_error(rc, msg.decode(errors="replace") if msg else "")
-        res: List[Optional[Error]] = [None] * n
-        for i in range(n):
-            if out[i].code:
-                text = out[i].message.decode(errors="replace")
-                res[i] = make_error(out[i].code,
-                                    f"kvx_renew: item {i}: {text}")
         return res
 
     def fetch_by_key(self, key: Key, context_instance: str,
