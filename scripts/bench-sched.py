@@ -62,7 +62,9 @@ def scheduler(sock: str, instance: str) -> _Scheduler:
     vc = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra,
                                            engine_id=instance),
-        cache_config=SimpleNamespace(block_size=16))
+        cache_config=SimpleNamespace(block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                        pipeline_parallel_size=1))
     return _Scheduler(vc)  # type: ignore[arg-type]
 
 
