@@ -33,7 +33,6 @@
 #include "ucx.h"
 
 #define AM_LANE_DATA 2 /* the same id as peer.c's AM_DATA */
-#define HELD_MAX 64    /* messages held for an endpoint not bound yet */
 #define STOP_WAIT_MS 2000
 
 enum lcmd_op {
@@ -41,8 +40,8 @@ enum lcmd_op {
     LC_SEND,
     LC_RECV,
     LC_DROP,
-    LC_BIND,
     LC_CLOSE,
+    LC_ABORT,
     LC_STOP
 };
 
@@ -60,13 +59,16 @@ typedef struct lcmd {
     const ucp_dt_iov_t *iov;
     size_t niov;
     void *cookie;
-    list_t node; /* on its lane's cmds */
+    void *from;     /* LC_RECV: the UCX endpoint the data came on */
+    uint64_t group; /* LC_RECV, LC_ABORT */
+    list_t node;    /* on its lane's cmds */
 } lcmd_t;
 
 struct lane;
 
-/* An endpoint of a lane: outgoing (lane_connect), or the one UCX made
- * for a worker that sent to us (its messages' reply endpoint). */
+/* An endpoint of a lane, made by lane_connect() to another daemon's
+ * lane. The endpoints UCX makes for workers that send to us are UCX's:
+ * never looked at, never closed here (lane.h). */
 typedef struct lep {
     uint64_t id;
     ucp_ep_h ep;
@@ -74,15 +76,25 @@ typedef struct lep {
     int failed;      /* its error reported; to be closed */
     int closing;     /* ucp_ep_close_nbx started */
     int want_closed; /* the loop asked: LEV_CLOSED once closed */
-    int bound;       /* a connection's (lane_bind(), or ours) */
-    int waiting;     /* not bound: a message of it is with the loop */
-    uint64_t until_ms; /* not bound: closed then */
-    /* not bound and waiting: what came since, held until the bind
-     * (then to the loop) or the close (released); at most HELD_MAX */
-    list_t held; /* lane_ev_t.node, in arrival order */
-    unsigned nheld;
-    list_t node; /* on its lane's eps */
+    list_t node;     /* on its lane's eps */
 } lep_t;
+
+/* An endpoint UCX made for a worker that sends to us, while receives
+ * of ours on it are in flight. It is UCX's: UCX destroys it on its own
+ * when its peer fails, but only after failing every request on it
+ * (ucp_ep_set_failed() purges them, and each comes back to us, before
+ * the endpoint goes). So while n > 0 it is there, and closing it is how
+ * the loop ends receives that would otherwise wait on a link that is
+ * down (lane_abort()); with none in flight it is never touched. */
+typedef struct rx {
+    ucp_ep_h ep;
+    struct lane *ln;
+    uint64_t group; /* whose: the loop's (lane_recv()) */
+    uint32_t n;     /* receives in flight on it */
+    int closing;    /* force-closed: freed once n is 0 and the close done */
+    int close_done;
+    list_t node; /* on its lane's rxs */
+} rx_t;
 
 typedef struct lane {
     unsigned idx;
@@ -92,30 +104,31 @@ typedef struct lane {
     ucp_address_t *addr; /* the worker's, told to peers */
     size_t addr_len;
     int efd, cfd, epfd;
-    pthread_mutex_t mu;        /* the command queue */
-    list_t cmds;               /* lcmd_t.node, in the order posted */
+    pthread_mutex_t mu; /* the command queue */
+    list_t cmds;        /* lcmd_t.node, in the order posted */
     /* the lane thread's own */
     list_t eps; /* lep_t.node, the newest first */
+    list_t rxs; /* rx_t.node */
     uint32_t outstanding;
     int stopping;
-    lcmd_t stop_cmd;           /* posted by lanes_stop(), never freed */
+    lcmd_t stop_cmd; /* posted by lanes_stop(), never freed */
 } lane_t;
 
 /* A UCX request of a lane: what to hand back. */
 typedef struct lreq {
     lane_t *ln;
     void *cookie;
+    rx_t *rx; /* a receive: the endpoint it is on */
 } lreq_t;
 
 static struct {
     unsigned n;
     lane_t v[LANES_MAX];
     int spin;
-    uint32_t bind_ms;
     uv_async_t async;
     int async_on;
-    pthread_mutex_t mu;        /* the event queue */
-    list_t evq;                /* lane_ev_t.node, in the order queued */
+    pthread_mutex_t mu; /* the event queue */
+    list_t evq;         /* lane_ev_t.node, in the order queued */
     void (*ev)(const lane_ev_t *e);
     _Atomic uint64_t next_lep;
 } L = {.evq = {&L.evq, &L.evq}};
@@ -123,6 +136,7 @@ static struct {
 #define CMD(n) LIST_OWNER(n, lcmd_t, node)
 #define LEP(n) LIST_OWNER(n, lep_t, node)
 #define EV(n) LIST_OWNER(n, lane_ev_t, node)
+#define RX(n) LIST_OWNER(n, rx_t, node)
 
 /* ---- events to the loop ----------------------------------------------- */
 
@@ -211,27 +225,9 @@ static lep_t *lep_find(lane_t *ln, uint64_t id)
     return NULL;
 }
 
-/* p's held messages: to the loop (bound), or released (closing) */
-static void held_flush(lep_t *p, int deliver)
-{
-    list_t *n;
-    while ((n = list_pop(&p->held))) {
-        lane_ev_t *e = EV(n);
-        if (deliver) {
-            ev_push(e);
-            continue;
-        }
-        if (e->desc)
-            ucp_am_data_release(p->ln->w, e->desc);
-        ev_free(e);
-    }
-    p->nheld = 0;
-}
-
 static void lep_gone(lep_t *p)
 {
     lane_t *ln = p->ln;
-    held_flush(p, 0);
     if (p->want_closed)
         emit(ln, LEV_CLOSED, p->id, UCS_OK, NULL);
     assert(list_linked(&p->node));
@@ -248,12 +244,11 @@ static void close_cb(void *request, ucs_status_t status, void *user_data)
     lep_gone(p);
 }
 
-/* Another endpoint of the lane on p's UCX endpoint, or NULL. Two can
- * share one: when a lane connects to a worker that connected to it
- * first, UCX 1.13's ucp_ep_create() hands back the endpoint it made for
- * that worker's wire-up (matched by the pair's connection number), the
- * one already accepted from its first message (lep_accept()). It is
- * the same connection both ways, so both keep using it. */
+/* Another endpoint of the lane on p's UCX endpoint, or NULL. Two of
+ * ours could share one if ucp_ep_create() handed back an endpoint it
+ * already gave (UCX 1.13 matches a new endpoint to one it made for that
+ * worker's wire-up, by the pair's connection number): it is closed once,
+ * by the last that holds it. */
 static lep_t *lep_sharing(const lep_t *p)
 {
     list_t *n, *t;
@@ -270,7 +265,6 @@ static void lep_close(lep_t *p)
     if (p->closing)
         return;
     p->closing = 1;
-    held_flush(p, 0); /* released while the endpoint is still there */
     /* the UCX endpoint is closed once, by the last that holds it: a
      * second ucp_ep_close_nbx() would destroy it again (freed memory,
      * or by then another connection's endpoint) */
@@ -293,9 +287,8 @@ static void lep_fail(lep_t *p, ucs_status_t status)
 }
 
 /* UCX's error handler of a lane's endpoints: its argument is the lane,
- * not an endpoint of ours, since UCX keeps one handler an endpoint (the
- * last set) and two of ours may share it (lep_sharing()); each that
- * holds it fails. */
+ * not an endpoint of ours, since two of ours may share one UCX endpoint
+ * (lep_sharing()); each that holds it fails. */
 static void ep_err(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
     lane_t *ln = arg;
@@ -314,22 +307,60 @@ static lep_t *lep_new(lane_t *ln, uint64_t id)
         return NULL;
     p->id = id;
     p->ln = ln;
-    list_init(&p->held);
     list_unshift(&ln->eps, &p->node);
     return p;
 }
 
-/* A worker we have not heard from: its reply endpoint becomes an
- * endpoint of ours, unbound until its data checks (the loop binds or
- * closes it). */
-static lep_t *lep_accept(lane_t *ln, ucp_ep_h ep)
+/* ---- endpoints UCX made, while we receive on them ---------------------- */
+
+static rx_t *rx_get(lane_t *ln, ucp_ep_h ep, uint64_t group)
 {
-    lep_t *p = lep_new(ln, atomic_fetch_add(&L.next_lep, 1));
-    if (!p)
+    list_t *n, *t;
+    LIST_FOREACH_SAFE(n, t, &ln->rxs)
+    {
+        if (RX(n)->ep == ep && !RX(n)->closing)
+            return RX(n);
+    }
+    rx_t *x = calloc(1, sizeof(*x));
+    if (!x)
         return NULL;
-    p->ep = ep;
-    p->until_ms = mono_ms() + L.bind_ms;
-    return p;
+    x->ep = ep;
+    x->ln = ln;
+    x->group = group;
+    list_push(&ln->rxs, &x->node);
+    return x;
+}
+
+static void rx_put(rx_t *x)
+{
+    if (x->n || (x->closing && !x->close_done))
+        return;
+    list_remove(&x->node);
+    free(x);
+}
+
+static void rx_close_cb(void *request, ucs_status_t status, void *user_data)
+{
+    (void)status;
+    rx_t *x = user_data;
+    ucp_request_free(request);
+    x->ln->outstanding--;
+    x->close_done = 1;
+    rx_put(x);
+}
+
+/* Force-closes x's endpoint, which fails its receives (their callbacks
+ * come from the close, or from the progress after it). */
+static void rx_close(rx_t *x)
+{
+    if (x->closing)
+        return;
+    x->closing = 1;
+    if (ucx_close(x->ep, rx_close_cb, x))
+        x->ln->outstanding++;
+    else
+        x->close_done = 1;
+    rx_put(x);
 }
 
 static void send_cb(void *request, ucs_status_t status, void *user_data)
@@ -348,76 +379,53 @@ static void recv_cb(void *request, ucs_status_t status, size_t length,
     lreq_t *q = user_data;
     q->ln->outstanding--;
     emit(q->ln, LEV_RECEIVED, 0, status, q->cookie);
+    if (q->rx) {
+        q->rx->n--;
+        rx_put(q->rx);
+    }
     free(q);
     ucp_request_free(request);
 }
 
+/* DATA in. Which connection it is of, and whether it is, the loop
+ * decides from its header alone (lane_conn and lane_mac). The endpoint
+ * it came on is UCX's, made for that worker's wire-up: handed through
+ * the loop to lane_recv() (rx_t), never closed otherwise, since UCX may
+ * destroy it on its own (a peer lost) and closing it then was a use
+ * after free. */
 static ucs_status_t on_data(void *arg, const void *header, size_t hlen,
                             void *data, size_t len,
                             const ucp_am_recv_param_t *param)
 {
     lane_t *ln = arg;
-    lep_t *p = NULL;
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
-        return UCS_OK; /* lanes always send with a reply endpoint */
-    list_t *n, *t;
-    /* the oldest of ours on it (the one accepted from its first message,
-     * when we also connected over it: lep_sharing()), unless it is
-     * failed or closing and another is not */
-    LIST_FOREACH_SAFE(n, t, &ln->eps)
-    {
-        if (LEP(n)->ep == param->reply_ep &&
-            (!p || !(LEP(n)->failed || LEP(n)->closing)))
-            p = LEP(n);
-    }
-    /* an endpoint we do not know while stopping (ours are closing or
-     * gone, the other daemon still sends): dropped, never accepted */
-    if (!p && (ln->stopping || !(p = lep_accept(ln, param->reply_ep))))
-        return UCS_OK; /* stopping, or out of memory: dropped */
-    if (p->failed || p->closing || ln->stopping)
+    if (ln->stopping)
         return UCS_OK; /* dropped (a rendezvous: released) */
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) &&
-        fault_hit(FAULT_LANE_HOLD))
+    int rndv = !!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
+    if (rndv && fault_hit(FAULT_LANE_HOLD))
         return UCS_INPROGRESS; /* kept, never answered: a stalled lane */
-    /* an endpoint no connection has claimed: its first message goes to
-     * the loop, which binds or closes it; what comes meanwhile is held
-     * (HELD_MAX at most: more closes the endpoint, unless it is also
-     * ours to that worker: lep_close()) */
-    int hold = !p->bound && p->waiting;
-    if (hold && p->nheld >= HELD_MAX) {
-        lep_fail(p, UCS_ERR_EXCEEDS_LIMIT);
-        return UCS_OK;
-    }
-    p->waiting = !p->bound;
     /* lanes send by rendezvous only: eager data is never copied, the
      * loop sees its header alone (and refuses it) */
-    int rndv = !!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
     lane_ev_t *e = calloc(1, sizeof(*e));
     uint8_t *h = malloc(hlen ? hlen : 1);
     if (!e || !h) {
         free(e);
         free(h);
-        log_error("lane %u: out of memory for a message; its endpoint "
-                  "closes", ln->idx);
-        lep_fail(p, UCS_ERR_NO_MEMORY);
-        return UCS_OK;
+        log_error("lane %u: out of memory for a message; dropped", ln->idx);
+        return UCS_OK; /* a rendezvous: released; its sender's pull fails
+                          by its timeout */
     }
     memcpy(h, header, hlen);
     e->kind = LEV_ARRIVED;
     e->lane = ln->idx;
-    e->lep = p->id;
     e->msg = "";
     e->hdr = h;
     e->hlen = hlen;
     e->desc = rndv ? data : NULL;
     e->len = len;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+        e->from = param->reply_ep;
     list_init(&e->node);
-    if (hold) {
-        list_push(&p->held, &e->node);
-        p->nheld++;
-    } else {
-        ev_push(e);
-    }
+    ev_push(e);
     return rndv ? UCS_INPROGRESS : UCS_OK;
 }
 
@@ -455,7 +463,6 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             emit(ln, LEV_EP_ERROR, c->lep, UCS_ERR_NO_MEMORY, NULL);
             break;
         }
-        p->bound = 1; /* ours: it only sends */
         ucs_status_t st = ucx_connect_addr(ln->w, c->addr, ep_err, ln, &p->ep);
         if (st != UCS_OK)
             lep_fail(p, st);
@@ -473,12 +480,13 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
         /* rendezvous whatever the size: the receiving lane takes it
          * straight into its place, never a copy on the loop */
         ucp_request_param_t prm = {
-            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                            UCP_OP_ATTR_FIELD_USER_DATA |
-                            UCP_OP_ATTR_FIELD_FLAGS |
-                            UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .op_attr_mask =
+                UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
             .cb.send = send_cb,
             .user_data = q,
+            /* the receiver knows the connection by the header
+             * (on_data()), and ends its receives by the endpoint */
             .flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_RNDV};
         const void *src = c->data;
         size_t n = c->len;
@@ -506,12 +514,11 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             emit(ln, LEV_RECEIVED, 0, UCS_ERR_NO_MEMORY, c->cookie);
             break;
         }
-        ucp_request_param_t prm = {
-            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                            UCP_OP_ATTR_FIELD_USER_DATA |
-                            UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
-            .cb.recv_am = recv_cb,
-            .user_data = q};
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                                   UCP_OP_ATTR_FIELD_USER_DATA |
+                                                   UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+                                   .cb.recv_am = recv_cb,
+                                   .user_data = q};
         void *dst = c->dst;
         size_t n = c->len;
         if (c->niov) { /* straight into its places: no copy after */
@@ -523,18 +530,15 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             n = c->niov;
         }
         r = ucp_am_recv_data_nbx(ln->w, c->desc, dst, n, &prm);
+        if (!UCS_PTR_IS_ERR(r) && r && c->from &&
+            (q->rx = rx_get(ln, c->from, c->group)))
+            q->rx->n++; /* (out of memory: not abortable, still ends by
+                           UCX's own failure of the endpoint) */
         lreq_started(ln, q, r, LEV_RECEIVED);
         break;
     }
     case LC_DROP:
         ucp_am_data_release(ln->w, c->desc);
-        break;
-    case LC_BIND:
-        if ((p = lep_find(ln, c->lep))) {
-            p->bound = 1;
-            p->waiting = 0;
-            held_flush(p, 1);
-        }
         break;
     case LC_CLOSE:
         p = lep_find(ln, c->lep);
@@ -545,12 +549,25 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
         p->want_closed = 1;
         lep_close(p);
         break;
+    case LC_ABORT: {
+        list_t *n, *t;
+        LIST_FOREACH_SAFE(n, t, &ln->rxs)
+        {
+            if (RX(n)->group == c->group)
+                rx_close(RX(n));
+        }
+        break;
+    }
     case LC_STOP: {
         ln->stopping = 1;
         list_t *n, *t;
         LIST_FOREACH_SAFE(n, t, &ln->eps)
         {
             lep_close(LEP(n));
+        }
+        LIST_FOREACH_SAFE(n, t, &ln->rxs)
+        {
+            rx_close(RX(n));
         }
         break;
     }
@@ -587,24 +604,18 @@ static void *lane_main(void *arg)
         int busy = run_cmds(ln);
         while (ucp_worker_progress(ln->w))
             busy = 1;
-        /* endpoints whose error came in a callback, and accepted ones
-         * that no connection claimed in time: closed here */
-        uint64_t now = mono_ms();
+        /* endpoints whose error came in a callback: closed here */
         list_t *n, *t;
         LIST_FOREACH_SAFE(n, t, &ln->eps)
         {
-            lep_t *x = LEP(n);
-            /* (not while its first message is with the loop, which
-             * answers it, then binds or closes) */
-            if ((x->failed ||
-                 (!x->bound && !x->waiting && now >= x->until_ms)) &&
-                !x->closing)
-                lep_close(x);
+            if (LEP(n)->failed && !LEP(n)->closing)
+                lep_close(LEP(n));
         }
         if (ln->stopping) {
             if (!stop_at)
                 stop_at = mono_ms() + STOP_WAIT_MS;
-            if ((list_empty(&ln->eps) && !ln->outstanding) ||
+            if ((list_empty(&ln->eps) && list_empty(&ln->rxs) &&
+                 !ln->outstanding) ||
                 mono_ms() > stop_at)
                 break;
             continue;
@@ -614,7 +625,6 @@ static void *lane_main(void *arg)
         if (ucp_worker_arm(ln->w) == UCS_ERR_BUSY)
             continue;
         struct epoll_event ev[2];
-        /* a second at most: the unbound endpoints' bind time */
         int r = epoll_wait(ln->epfd, ev, 2, 1000);
         for (int i = 0; i < r; i++)
             if (ev[i].data.fd == ln->cfd) {
@@ -679,11 +689,14 @@ void lane_send(unsigned lane, uint64_t lep, const lane_msg_t *m)
     post(lane, c);
 }
 
-void lane_recv(unsigned lane, void *desc, void *dst, size_t len,
-               const ucp_dt_iov_t *iov, size_t niov, void *cookie)
+void lane_recv(unsigned lane, const lane_ev_t *arrived, uint64_t group,
+               void *dst, const ucp_dt_iov_t *iov, size_t niov, void *cookie)
 {
     lcmd_t *c = cmd(LC_RECV);
-    c->desc = desc;
+    c->desc = arrived->desc;
+    c->from = arrived->from;
+    c->group = group;
+    size_t len = arrived->len;
     c->dst = dst;
     c->len = len;
     c->iov = iov;
@@ -699,10 +712,10 @@ void lane_drop(unsigned lane, void *desc)
     post(lane, c);
 }
 
-void lane_bind(unsigned lane, uint64_t lep)
+void lane_abort(unsigned lane, uint64_t group)
 {
-    lcmd_t *c = cmd(LC_BIND);
-    c->lep = lep;
+    lcmd_t *c = cmd(LC_ABORT);
+    c->group = group;
     post(lane, c);
 }
 
@@ -715,7 +728,10 @@ void lane_close(unsigned lane, uint64_t lep)
 
 /* ---- life ---------------------------------------------------------------- */
 
-unsigned lanes_count(void) { return L.n; }
+unsigned lanes_count(void)
+{
+    return L.n;
+}
 
 const uint8_t *lane_address(unsigned lane, size_t *len)
 {
@@ -733,6 +749,8 @@ static void lane_destroy(lane_t *ln)
     list_t *n;
     while ((n = list_pop(&ln->eps))) /* not closed in time */
         free(LEP(n));
+    while ((n = list_pop(&ln->rxs)))
+        free(RX(n));
     if (ln->epfd >= 0)
         close(ln->epfd);
     if (ln->cfd >= 0)
@@ -753,6 +771,7 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
     ln->epfd = ln->cfd = -1;
     list_init(&ln->cmds);
     list_init(&ln->eps);
+    list_init(&ln->rxs);
     list_init(&ln->stop_cmd.node);
     pthread_mutex_init(&ln->mu, NULL);
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
@@ -764,15 +783,14 @@ static int lane_init(lane_t *ln, unsigned idx, ucp_context_h ctx,
                 ucs_status_string(st));
         return KVX_ERR_IO;
     }
-    ucp_am_handler_param_t h = {
-        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                      UCP_AM_HANDLER_PARAM_FIELD_CB |
-                      UCP_AM_HANDLER_PARAM_FIELD_ARG |
-                      UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
-        .id = AM_LANE_DATA,
-        .cb = on_data,
-        .arg = ln,
-        .flags = UCP_AM_FLAG_WHOLE_MSG};
+    ucp_am_handler_param_t h = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                              UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                              UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                                              UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+                                .id = AM_LANE_DATA,
+                                .cb = on_data,
+                                .arg = ln,
+                                .flags = UCP_AM_FLAG_WHOLE_MSG};
     if ((st = ucp_worker_set_am_recv_handler(ln->w, &h)) != UCS_OK ||
         (st = ucp_worker_get_efd(ln->w, &ln->efd)) != UCS_OK) {
         why_set(why, "lane %u: %s", idx, ucs_status_string(st));
@@ -809,7 +827,6 @@ int lanes_start(const lanes_conf_t *cf, kvx_why_t *why)
     atomic_store(&L.next_lep, 1);
     L.ev = cf->ev;
     L.spin = cf->spin;
-    L.bind_ms = cf->bind_ms;
     if (uv_async_init(cf->loop, &L.async, on_async)) {
         why_set(why, "lanes: uv_async_init failed");
         return KVX_ERR_IO;

@@ -7,14 +7,17 @@
  * peer.c owns the connections, their authentication and every decision;
  * a lane only runs UCX for it. Each lane has a worker (its address told
  * to peers after authentication; nothing listens for UCX connection
- * requests) and its endpoints: the ones it made to other daemons' lanes,
- * and the reply endpoints of workers that sent to it. The loop talks to a lane
+ * requests) and the endpoints it made to other daemons' lanes. Data that
+ * comes in is known by its header alone: the endpoints UCX makes for
+ * workers that send to a lane stay UCX's (it may destroy them on its
+ * own), never used or closed here. The loop talks to a lane
  * by commands (a queue and an eventfd), and a lane answers by events (a queue
  * and a uv_async), handled on the loop by the callback given to lanes_start().
  * Endpoints are named by ids; cookies are the loop's, a lane only hands them
  * back.
  *
- * Owns: the lanes' threads, workers, their addresses and endpoints, the UCX
+ * Owns: the lanes' threads, workers, their addresses, the endpoints they
+ * made, the UCX
  * data descriptors of messages that arrived until the loop answers
  * (lane_recv() or lane_drop()).
  */
@@ -36,12 +39,10 @@
 enum lane_ev_kind {
     LEV_SENT,     /* a lane_send() is done: cookie, status */
     LEV_RECEIVED, /* a lane_recv() is done: cookie, status */
-    LEV_ARRIVED,  /* a message came on endpoint lep: hdr, and desc for a
-                     rendezvous (answer with lane_recv() or lane_drop());
-                     NULL: it came eagerly, which lanes never send, and
-                     its data is gone. An endpoint not bound (lane_bind())
-                     has one message at a time reach the loop, the rest
-                     dropped, and is closed unbound after the bind time */
+    LEV_ARRIVED,  /* a message came (lep 0: from whom, only its header
+                     says): hdr, and desc for a rendezvous (answer with
+                     lane_recv() or lane_drop()); NULL: it came eagerly,
+                     which lanes never send, and its data is gone */
     LEV_EP_ERROR, /* endpoint lep failed (the lane closes it) */
     LEV_CLOSED,   /* a lane_close() is done */
 };
@@ -54,10 +55,11 @@ typedef struct lane_ev {
                    in msg */
     const char *msg;
     void *cookie;
-    uint8_t *hdr;        /* LEV_ARRIVED: the header, ours to free */
+    uint8_t *hdr; /* LEV_ARRIVED: the header, ours to free */
     size_t hlen;
-    void *desc;          /* LEV_ARRIVED, rendezvous */
+    void *desc; /* LEV_ARRIVED, rendezvous */
     size_t len;
+    void *from;  /* LEV_ARRIVED: the lane's, for lane_recv() */
     list_t node; /* on the event queue, or an endpoint's held */
 } lane_ev_t;
 
@@ -68,7 +70,6 @@ typedef struct lanes_conf {
     unsigned n;        /* how many lanes (0: none; at most LANES_MAX) */
     int spin;          /* a lane polls instead of sleeping while it has requests
                           in flight */
-    uint32_t bind_ms;  /* an endpoint not bound is closed after it */
     /* called on the loop for every event; the event is freed after */
     void (*ev)(const lane_ev_t *e);
 } lanes_conf_t;
@@ -106,15 +107,18 @@ typedef struct lane_msg {
  * place). m is read before this returns; hdr, data and iov stay the
  * caller's until LEV_SENT. */
 void lane_send(unsigned lane, uint64_t lep, const lane_msg_t *m);
-/* Receive the rendezvous data of desc (len bytes) into dst, or, when
- * niov > 0, into the niov places of iov (ucp_dt_iov_t, adding up to
- * len; the caller's until LEV_RECEIVED). */
-void lane_recv(unsigned lane, void *desc, void *dst, size_t len,
-               const ucp_dt_iov_t *iov, size_t niov, void *cookie);
+/* Receive the rendezvous data of arrived (its len bytes) into dst, or,
+ * when niov > 0, into the niov places of iov (ucp_dt_iov_t, adding up
+ * to len; the caller's until LEV_RECEIVED). group names whose it is
+ * for lane_abort(). */
+void lane_recv(unsigned lane, const lane_ev_t *arrived, uint64_t group,
+               void *dst, const ucp_dt_iov_t *iov, size_t niov, void *cookie);
+/* Receives of group still in flight end now, failed (LEV_RECEIVED with
+ * an error): the endpoints they came on are force-closed. Receives of
+ * another group on the same endpoint end too (a sender's endpoint is
+ * one connection's). */
+void lane_abort(unsigned lane, uint64_t group);
 void lane_drop(unsigned lane, void *desc);
-/* lep's messages are a connection's: no longer one at a time, no bind
- * time */
-void lane_bind(unsigned lane, uint64_t lep);
 void lane_close(unsigned lane, uint64_t lep);
 
 #endif

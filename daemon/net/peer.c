@@ -387,14 +387,14 @@ static void conn_close_ep(peer_conn_t *c)
     if (c->closed)
         return;
     c->closed = 1;
-    /* its endpoints on the lanes too: sends and receives on them come
-     * back failed (LEV_SENT, LEV_RECEIVED; counted in outstanding). A
-     * lane holds no pointer to c, only its requests' */
-    for (unsigned i = 0; i < LANES_MAX; i++) {
+    /* its endpoints on the lanes too: sends on them come back failed
+     * (LEV_SENT), and so do receives of its data still in flight
+     * (LEV_RECEIVED; both counted in outstanding). A lane holds no
+     * pointer to c, only its requests' */
+    for (unsigned i = 0; i < lanes_count(); i++) {
         if (c->out_lep[i])
             lane_close(i, c->out_lep[i]);
-        if (c->in_lep[i])
-            lane_close(i, c->in_lep[i]);
+        lane_abort(i, c->lane_conn);
     }
     if (!c->ep) {
         c->close_done = 1;
@@ -736,24 +736,39 @@ ucs_status_t am_data(void *arg, const void *header, size_t hlen, void *data,
 
 /* ---- what the lanes report (on the loop) ------------------------------- */
 
-static peer_conn_t *conn_of_lep(unsigned lane, uint64_t lep, int *in)
+static peer_conn_t *conn_of_lep(unsigned lane, uint64_t lep)
 {
-    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c)) {
-        if (c->out_lep[lane] == lep) {
-            *in = 0;
+    for (peer_conn_t *c = conn_next(NULL); c; c = conn_next(c))
+        if (c->out_lep[lane] == lep)
             return c;
-        }
-        if (c->in_lep[lane] == lep) {
-            *in = 1;
-            return c;
-        }
-    }
     return NULL;
+}
+
+/* Lane data refused: said once, then at most once a second with how
+ * many more (anyone who can reach a lane's port can send to it). */
+static void lane_refused(unsigned lane, const char *bad)
+{
+    static uint64_t said_ms;
+    static unsigned long long more;
+    uint64_t now = now_ms();
+    if (said_ms && now < said_ms + 1000) {
+        more++;
+        return;
+    }
+    if (more)
+        log_warn("lane %u: data with %s; dropped (and %llu more refused "
+                 "since the last warning)",
+                 lane, bad, more);
+    else
+        log_warn("lane %u: data with %s; dropped", lane, bad);
+    said_ms = now;
+    more = 0;
 }
 
 /* Slot data that came over a lane: lane_conn names the connection, and
  * lane_mac proves that the daemon at its other end sent it (only the two
- * of them have the key); then as am_data(). */
+ * of them have the key; the endpoint it came over is UCX's, and says
+ * nothing: lane.h); then as am_data(). */
 static void lane_arrived(const lane_ev_t *e)
 {
     Kvxfer__PeerMsg *m = kvxfer__peer_msg__unpack(NULL, e->hlen, e->hdr);
@@ -770,31 +785,19 @@ static void lane_arrived(const lane_ev_t *e)
             if (!ct_equal(mac, m->data->lane_mac.data, LANE_MAC_LEN))
                 c = NULL;
         }
-        /* one endpoint a lane for a connection: a second one is not the
-         * daemon's (it never makes one) */
-        if (c && c->in_lep[e->lane] && c->in_lep[e->lane] != e->lep) {
-            bad = "a second endpoint of a connection's";
-            c = NULL;
-        }
     }
     if (c && !e->desc) {
         bad = "eager data, not rendezvous,";
         c = NULL;
     }
     if (!c) {
-        /* not (or no longer) a connection's: dropped, endpoint closed */
-        log_warn("lane %u: data with %s; dropped, and its endpoint closed",
-                 e->lane, bad);
+        /* not (or no longer) a connection's: dropped */
+        lane_refused(e->lane, bad);
         if (m)
             kvxfer__peer_msg__free_unpacked(m, NULL);
         if (e->desc)
             lane_drop(e->lane, e->desc);
-        lane_close(e->lane, e->lep);
         return;
-    }
-    if (!c->in_lep[e->lane]) {
-        c->in_lep[e->lane] = e->lep;
-        lane_bind(e->lane, e->lep);
     }
     c->bytes_received += e->hlen + e->len;
     c->last_seen_ms = now_ms();
@@ -823,7 +826,7 @@ static void lane_arrived(const lane_ev_t *e)
     c->outstanding++;
     if (!c->lane_rx_inflight++)
         c->lane_rx_moved_ms = now_ms();
-    lane_recv(e->lane, e->desc, dst, e->len, (const ucp_dt_iov_t *)iov, niov,
+    lane_recv(e->lane, e, c->lane_conn, dst, (const ucp_dt_iov_t *)iov, niov,
               u);
 }
 
@@ -831,7 +834,6 @@ void on_lane_event(const lane_ev_t *e)
 {
     ureq_t *u = e->cookie;
     peer_conn_t *c;
-    int in;
     switch (e->kind) {
     case LEV_SENT:
         c = u->c;
@@ -874,18 +876,12 @@ void on_lane_event(const lane_ev_t *e)
         lane_arrived(e);
         break;
     case LEV_EP_ERROR:
-        c = conn_of_lep(e->lane, e->lep, &in);
-        if (c && c->state == CONN_READY && !in && !c->lane_ok[e->lane])
+        c = conn_of_lep(e->lane, e->lep);
+        if (c && c->state == CONN_READY && !c->lane_ok[e->lane])
             lanes_off(c, e->lane, e->msg); /* never worked: a firewall? */
-        else if (c && in)
-            /* the other daemon's endpoint into our lane: it closed it
-             * (its lanes off), or the link broke. Its receives here
-             * fail on their own, and a broken link loses the connection
-             * by its keep-alive; the connection goes on */
-            c->in_lep[e->lane] = 0;
         else if (c && c->state != CONN_LOST)
-            conn_fail(c, KVX_ERR_PEER_GONE, "lane %u %s %s failed: %s", e->lane,
-                      in ? "from" : "to", c->address, e->msg);
+            conn_fail(c, KVX_ERR_PEER_GONE, "lane %u to %s failed: %s", e->lane,
+                      c->address, e->msg);
         break;
     case LEV_CLOSED: /* nothing waits for it */
         break;

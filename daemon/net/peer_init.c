@@ -453,7 +453,6 @@ int peer_init(kvx_why_t *why)
                        .loop = kvxd.loop,
                        .n = kvxd.conf.lanes,
                        .spin = P.busy_poll,
-                       .bind_ms = kvxd.conf.peer_connect_timeout_ms,
                        .ev = on_lane_event};
     if ((rc = lanes_start(&lc, why))) {
         uv_close((uv_handle_t *)&P.poll, NULL);

@@ -118,7 +118,7 @@ struct peer_conn {
     /* lanes: the keys of its DATA to us (rx) and ours to it (tx),
      * derived at authentication; our id of the connection (told in
      * PeerUcx) and its; its lanes' worker addresses; our endpoints to its lanes
-     * (out) and the ones its data comes in on (in), by lane, 0 for none;
+     * (out_lep), by lane, 0 for none;
      * whether a send over our lane i has worked yet (until then a failing
      * lane turns lanes off for the connection: lanes_off) */
     uint8_t rx_key[MAC_LEN], tx_key[MAC_LEN];
@@ -127,7 +127,7 @@ struct peer_conn {
     size_t lane_addr_len[LANES_MAX];
     unsigned peer_lanes, lane_next;
     int lanes_off;
-    uint64_t out_lep[LANES_MAX], in_lep[LANES_MAX];
+    uint64_t out_lep[LANES_MAX];
     uint64_t lane_since[LANES_MAX];
     uint8_t lane_ok[LANES_MAX];
     /* sends on our lane i not back yet, and since when it has had them

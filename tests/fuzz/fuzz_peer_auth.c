@@ -248,13 +248,13 @@ void lane_send(unsigned lane, uint64_t lep, const lane_msg_t *m)
     (void)m;
     abort(); /* no slot data is sent here */
 }
-void lane_recv(unsigned lane, void *desc, void *dst, size_t len,
-               const ucp_dt_iov_t *iov, size_t niov, void *cookie)
+void lane_recv(unsigned lane, const lane_ev_t *arrived, uint64_t group,
+               void *dst, const ucp_dt_iov_t *iov, size_t niov, void *cookie)
 {
     (void)lane;
-    (void)desc;
+    (void)arrived;
+    (void)group;
     (void)dst;
-    (void)len;
     (void)iov;
     (void)niov;
     (void)cookie;
@@ -265,10 +265,10 @@ void lane_drop(unsigned lane, void *desc)
     (void)lane;
     (void)desc;
 }
-void lane_bind(unsigned lane, uint64_t lep)
+void lane_abort(unsigned lane, uint64_t group)
 {
     (void)lane;
-    (void)lep;
+    (void)group;
 }
 void lane_close(unsigned lane, uint64_t lep)
 {
