@@ -253,13 +253,14 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
                 ",\"%s\":{\"slots\":%llu,\"bytes\":%llu,"
                 "\"wait_ns\":%llu,\"wire_ns\":%llu,\"copy_ns\":%llu,"
                 "\"loop_lag_ns\":%llu,\"ahead\":%llu,"
-                "\"direct\":%llu,\"free_slots\":%u}",
+                "\"direct\":%llu,\"free_slots\":%u,\"gpu_slots\":%u,"
+                "\"gpu_bytes\":%llu}",
                 i ? "sent" : "received", (unsigned long long)x->slots,
                 (unsigned long long)x->bytes, (unsigned long long)x->wait_ns,
                 (unsigned long long)x->wire_ns, (unsigned long long)x->copy_ns,
                 (unsigned long long)x->loop_lag_ns,
                 (unsigned long long)x->ahead, (unsigned long long)x->direct,
-                x->free_slots);
+                x->free_slots, x->gpu_slots, (unsigned long long)x->gpu_bytes);
         }
         sb_printf(b, "}");
     }

@@ -210,9 +210,11 @@ void ranks_run(const char *perftest, uint64_t total, ranks_result_t *res);
 typedef struct peers_stats {
     /* per direction (B received, A sent): slots, then per slot the
      * average wait, wire, copy and the copy's loop lag in microseconds,
-     * then the slots gathered ahead and the pieces sent direct */
-    double rx[7], tx[7];
-    uint32_t lanes; /* the lanes daemon A's slot data goes over */
+     * then the slots gathered ahead and the pieces sent direct, and the
+     * bytes through slots in GPU memory ("gpu_bytes") */
+    double rx[8], tx[8];
+    char transports[128]; /* daemon B's "ucx.transports", as told */
+    uint32_t lanes;       /* the lanes daemon A's slot data goes over */
 } peers_stats_t;
 
 extern peers_stats_t peers;

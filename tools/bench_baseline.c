@@ -80,6 +80,10 @@ static int wait_until(pid_t pid, uint64_t deadline_ns)
     }
 }
 
+/* The memory ucx_perftest moves: host (NULL), or "cuda" when the
+ * daemons' slots were in GPU memory (baseline_measure()). */
+static const char *pt_mem;
+
 /* One ucx_perftest run's arguments, as its command line has them. */
 typedef struct pt_args {
     const char *bin, *test;
@@ -100,8 +104,12 @@ static pid_t perftest_server(const pt_args_t *a, const char *log)
         }
         cpus_apply(1); /* the server receives, as daemon B */
         /* -f: final figures only; -v: as CSV */
-        execl(a->bin, a->bin, "-t", a->test, "-s", a->s, "-n", a->n, "-w", a->w,
-              "-p", a->p, "-f", "-v", (char *)NULL);
+        if (pt_mem)
+            execl(a->bin, a->bin, "-t", a->test, "-s", a->s, "-n", a->n, "-w",
+                  a->w, "-p", a->p, "-f", "-v", "-m", pt_mem, (char *)NULL);
+        else
+            execl(a->bin, a->bin, "-t", a->test, "-s", a->s, "-n", a->n, "-w",
+                  a->w, "-p", a->p, "-f", "-v", (char *)NULL);
         _exit(127);
     }
     owned[2] = srv;
@@ -126,8 +134,13 @@ static int perftest_client(const pt_args_t *a, uint64_t deadline, char *out,
             dup2(fd, 2);
         close(pfd[0]);
         cpus_apply(0); /* the client sends, as daemon A */
-        execl(a->bin, a->bin, "127.0.0.1", "-t", a->test, "-s", a->s, "-n",
-              a->n, "-w", a->w, "-p", a->p, "-f", "-v", (char *)NULL);
+        if (pt_mem)
+            execl(a->bin, a->bin, "127.0.0.1", "-t", a->test, "-s", a->s, "-n",
+                  a->n, "-w", a->w, "-p", a->p, "-f", "-v", "-m", pt_mem,
+                  (char *)NULL);
+        else
+            execl(a->bin, a->bin, "127.0.0.1", "-t", a->test, "-s", a->s, "-n",
+                  a->n, "-w", a->w, "-p", a->p, "-f", "-v", (char *)NULL);
         _exit(127);
     }
     owned[3] = cli;
@@ -316,7 +329,10 @@ static void baseline_ucx(const char *perftest, uint64_t total,
 static void baseline_gpu(uint64_t total, baseline_t *b)
 {
     int ctx_gpu = o.gpu && !o.ctx_host, gen_gpu = o.gpu && !o.gen_host;
-    if (o.gpu && o.daemons == 2) {
+    if (o.gpu && o.daemons == 2 && pt_mem) {
+        /* GPU slots both sides: UCX moving CUDA memory is the baseline */
+        return;
+    } else if (o.gpu && o.daemons == 2) {
         /* host-staged: D2H on the context GPU, UCX between the daemons,
          * H2D on the generation GPU; the slowest stage bounds it */
         if ((ctx_gpu || gen_gpu) && bgpu_host_gbps(ctx_gpu ? o.ctx_device : -1,
@@ -353,6 +369,11 @@ void baseline_measure(const char *perftest, uint64_t total,
     b->gpu_cap = INFINITY;
     memset(b->runs, 0, sizeof(b->runs));
     b->nruns = o.baseline_runs;
+    /* both daemons' slots were in GPU memory: ucx_perftest moves CUDA
+     * memory too, on the transports the daemons used (UCX_TLS) */
+    pt_mem = o.gpu && o.daemons == 2 && peers.rx[7] > 0 && peers.tx[7] > 0
+                 ? "cuda"
+                 : NULL;
     if (o.daemons == 2)
         baseline_ucx(perftest, total, res, b);
 #ifdef KVX_CUDA
@@ -360,6 +381,7 @@ void baseline_measure(const char *perftest, uint64_t total,
 #endif
     b->name =
         o.daemons == 1 ? NULL
+        : pt_mem       ? "ucx_perftest ucp_am_bw -m cuda (GPU slots both sides)"
         : (!o.gpu || (o.ctx_host && o.gen_host))
             ? (b->ucx_msg_gbps > 0 ? "ucx_perftest ucp_am_bw, the better of "
                                      "slot-sized and piece-sized messages"

@@ -311,19 +311,19 @@ static pid_t peer_spawn(int k)
  * ("ucx.received" of B, "ucx.sent" of A). */
 peers_stats_t peers;
 
-static void slot_times_of(const char *json, const char *key, double out[7])
+static void slot_times_of(const char *json, const char *key, double out[8])
 {
     const char *p = json ? strstr(json, key) : NULL;
-    memset(out, 0, 7 * sizeof(double));
+    memset(out, 0, 8 * sizeof(double));
     if (!p)
         return;
-    static const char *const f[7] = {
+    static const char *const f[8] = {
         "\"slots\":",       "\"wait_ns\":", "\"wire_ns\":", "\"copy_ns\":",
-        "\"loop_lag_ns\":", "\"ahead\":",   "\"direct\":"};
+        "\"loop_lag_ns\":", "\"ahead\":",   "\"direct\":",  "\"gpu_bytes\":"};
     /* this direction's object only: "direct" may be absent from it */
     const char *end = strchr(p, '}');
-    double v[7];
-    for (int i = 0; i < 7; i++) {
+    double v[8];
+    for (int i = 0; i < 8; i++) {
         const char *q = strstr(p, f[i]);
         v[i] = q && (!end || q < end) ? strtod(q + strlen(f[i]), NULL) : 0;
     }
@@ -332,6 +332,7 @@ static void slot_times_of(const char *json, const char *key, double out[7])
         out[i] = v[0] > 0 ? v[i] / v[0] / 1e3 : 0;
     out[5] = v[5];
     out[6] = v[6];
+    out[7] = v[7];
 }
 
 /* --daemons 2: what the daemons' status says: the slot times (peers.rx,
@@ -352,8 +353,11 @@ uint64_t peers_read(void)
         kvx_status_json(c, &json, 2000);
         kvx_close(c);
     }
-    const char *t = json && want_tls ? strstr(json, "\"transports\":\"") : NULL;
-    if (t) {
+    const char *t = json ? strstr(json, "\"transports\":\"") : NULL;
+    if (t)
+        snprintf(peers.transports, sizeof(peers.transports), "%.*s",
+                 (int)strcspn(t + 14, "\""), t + 14);
+    if (t && want_tls) {
         t += 14;
         size_t n = 0;
         while (*t && *t != '"') {

@@ -220,6 +220,11 @@ static void json_peers(const figures_t *f)
     printf("]");
     if (o.gpu)
         printf(",\"d2h_gbps\":%.3f,\"h2d_gbps\":%.3f", b->d2h, b->h2d);
+    /* which memory the slots were in, and what carried the bytes */
+    printf(",\"gpu_slot_bytes\":{\"received\":%.0f,\"sent\":%.0f}"
+           ",\"transports\":",
+           rx[7], tx[7]);
+    json_str(peers.transports);
     /* warm-up included */
     printf(",\"slot_us\":{\"received\":{\"slots\":%.0f,\"wait\":%.1f,"
            "\"wire\":%.1f,\"scatter\":%.1f,\"scatter_lag\":%.1f,"

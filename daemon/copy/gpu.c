@@ -39,17 +39,16 @@ static struct {
 } drv;
 
 static struct {
-    int state;                 /* 0 untried, 1 ok, -1 unavailable */
+    int state; /* 0 untried, 1 ok, -1 unavailable */
     char why[160];
     int ndev;
     cudaUUID_t uuid[MAX_DEV];
-    int used[MAX_DEV];         /* context created: a pool lives here */
+    int used[MAX_DEV];             /* context created: a pool lives here */
     cudaStream_t stream[MAX_DEV];  /* the copy kernels, in launch order */
     cudaStream_t ustream[MAX_DEV]; /* plan uploads: not between kernels */
     cudaEvent_t uploaded[MAX_DEV]; /* after the last upload on ustream */
     int unwaited[MAX_DEV];         /* the kernel stream has not waited for it */
     int inflight[MAX_DEV];         /* launches not yet seen done (atomic) */
-    void *staging[MAX_DEV];    /* device staging, for the cross-node path */
     uint8_t peer[MAX_DEV][MAX_DEV];
     uint64_t launches, imports_legacy, imports_vmm;
 } g;
@@ -62,8 +61,8 @@ struct done_item {
     cudaEvent_t ev;
     gpu_done_cb done; /* a kernel's completion, with arg */
     void *arg;
-    struct pin_buf *pin;       /* or a plan upload's buffer, to reuse */
-    list_t node;               /* on its waiter's queue or free list */
+    struct pin_buf *pin; /* or a plan upload's buffer, to reuse */
+    list_t node;         /* on its waiter's queue or free list */
 };
 
 static struct waiter_thread {
@@ -128,8 +127,8 @@ static struct pin_buf *pin_get(size_t n)
     if (!b)
         return NULL;
     list_init(&b->node);
-    if (!CU_OK(cudaHostAlloc(&b->p, (size_t)4096 << k,
-                             cudaHostAllocPortable))) {
+    if (!CU_OK(
+            cudaHostAlloc(&b->p, (size_t)4096 << k, cudaHostAllocPortable))) {
         (void)cudaGetLastError();
         free(b);
         return NULL;
@@ -271,7 +270,7 @@ struct gpu_import {
     CUmemGenericAllocationHandle *handles;
     uint64_t *chunk; /* their sizes */
     uint32_t nchunks;
-    uint8_t access[MAX_DEV];   /* VMM: devices granted access to it */
+    uint8_t access[MAX_DEV]; /* VMM: devices granted access to it */
     unsigned refs;
     list_t node; /* on imports */
 };
@@ -281,9 +280,9 @@ static list_t imports = {&imports, &imports};
 
 struct gpu_part {
     int device;
-    struct pin_buf *pin;  /* the descriptor's pinned copy (upload source) */
-    void *dmem;           /* device copy of slices, segs, tables, offsets */
-    gpu_plan_t plan;   /* with device pointers; passed by value */
+    struct pin_buf *pin; /* the descriptor's pinned copy (upload source) */
+    void *dmem;          /* device copy of slices, segs, tables, offsets */
+    gpu_plan_t plan;     /* with device pointers; passed by value */
     uint32_t nslices;
     size_t *off_sblk; /* each slice's source block table in dmem */
 };
@@ -292,7 +291,6 @@ const char *gpu_build_info(void)
 {
     return "cuda " KVX_CUDA_VERSION ", kernels sm_80 sm_90 sm_100 + PTX";
 }
-
 
 static int start(void)
 {
@@ -371,11 +369,6 @@ static int use_device(int d, kvx_why_t *why)
         !CU_OK(cudaMemPoolSetAttribute(mp, cudaMemPoolAttrReleaseThreshold,
                                        &keep)))
         (void)cudaGetLastError(); /* only slower */
-    /* staging for the cross-node path: allocated once, here */
-    if (kvxd.conf.gpu_staging_bytes &&
-        !CU_OK(cudaMalloc(&g.staging[d], kvxd.conf.gpu_staging_bytes)))
-        log_warn("gpu %d: cannot allocate %llu staging bytes", d,
-                 (unsigned long long)kvxd.conf.gpu_staging_bytes);
     /* let this device read and write every other device that can */
     for (int o = 0; o < g.ndev; o++) {
         int can = 0;
@@ -399,9 +392,6 @@ static int use_device(int d, kvx_why_t *why)
         cudaStreamDestroy(g.stream[d]);
         cudaStreamDestroy(g.ustream[d]);
         cudaEventDestroy(g.uploaded[d]);
-        if (g.staging[d])
-            cudaFree(g.staging[d]);
-        g.staging[d] = NULL;
         (void)cudaGetLastError();
         return KVX_ERR_IO;
     }
@@ -418,11 +408,11 @@ void gpu_status(char *buf, size_t len)
         return;
     }
     size_t off = (size_t)snprintf(
-        buf, len, "%d devices; staging %llu B/device; "
-                  "launches %llu; imports legacy %llu vmm %llu; in use:",
+        buf, len,
+        "%d devices; staging %llu B/device; "
+        "launches %llu; imports legacy %llu vmm %llu; in use:",
         g.ndev, (unsigned long long)kvxd.conf.gpu_staging_bytes,
-        (unsigned long long)g.launches,
-        (unsigned long long)g.imports_legacy,
+        (unsigned long long)g.launches, (unsigned long long)g.imports_legacy,
         (unsigned long long)g.imports_vmm);
     for (int d = 0; d < g.ndev && off < len; d++)
         if (g.used[d])
@@ -614,8 +604,8 @@ int gpu_import(gpu_import_req_t *r, gpu_import_t **out, uint8_t **ptr,
         cudaIpcMemHandle_t h;
         memcpy(&h, r->ipc_handle, sizeof(h));
         void *p = NULL;
-        cudaError_t e = cudaIpcOpenMemHandle(&p, h,
-                                             cudaIpcMemLazyEnablePeerAccess);
+        cudaError_t e =
+            cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
             why_set(why, "register_pool.ipc_handle: cudaIpcOpenMemHandle: %s",
@@ -702,8 +692,7 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
             if (rc)
                 return rc;
             CUmemAccessDesc acc = {
-                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
-                             .id = device},
+                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = device},
                 .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
             CUresult cr = drv.set_access((CUdeviceptr)(uintptr_t)imp->base,
                                          imp->alloc_size, &acc, 1);
@@ -727,8 +716,8 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
          * kernel runs, which also enables peer access (lazily) */
         void *p = NULL;
         cudaSetDevice(device);
-        cudaError_t e = cudaIpcOpenMemHandle(&p, imp->ipc,
-                                             cudaIpcMemLazyEnablePeerAccess);
+        cudaError_t e =
+            cudaIpcOpenMemHandle(&p, imp->ipc, cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
             why_set(why,
@@ -766,9 +755,8 @@ int gpu_host_register(void *base, uint64_t size, int device)
     }
     if (device >= 0)
         cudaSetDevice(device);
-    cudaError_t e = cudaHostRegister(base, size,
-                                     cudaHostRegisterPortable |
-                                         cudaHostRegisterMapped);
+    cudaError_t e = cudaHostRegister(
+        base, size, cudaHostRegisterPortable | cudaHostRegisterMapped);
     if (e == cudaErrorHostMemoryAlreadyRegistered) {
         (void)cudaGetLastError(); /* pinned by the populate job already */
         return 0;
@@ -783,6 +771,34 @@ int gpu_host_register(void *base, uint64_t size, int device)
 void gpu_host_unregister(void *base)
 {
     cudaHostUnregister(base);
+    (void)cudaGetLastError();
+}
+
+int gpu_mem_alloc(int device, size_t len, void **p, kvx_why_t *why)
+{
+    int rc;
+    *p = NULL;
+    if (g.state <= 0 && start())
+        return why_fail(why, KVX_ERR_UNSUPPORTED, "gpu: %s", g.why);
+    if (device < 0 || device >= g.ndev)
+        return why_fail(why, KVX_ERR_INVALID, "gpu %d: no such device", device);
+    if ((rc = use_device(device, why)))
+        return rc;
+    cudaError_t e;
+    if (!CU_OK(e = cudaSetDevice(device)) || !CU_OK(e = cudaMalloc(p, len))) {
+        *p = NULL;
+        (void)cudaGetLastError();
+        return why_fail(why, KVX_ERR_NOMEM,
+                        "gpu %d: cannot allocate %zu bytes: %s", device, len,
+                        cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+void gpu_mem_free(void *p)
+{
+    if (p)
+        cudaFree(p);
     (void)cudaGetLastError();
 }
 
@@ -1299,8 +1315,6 @@ void gpu_cleanup(void)
             cudaStreamDestroy(g.stream[d]);
             cudaStreamDestroy(g.ustream[d]);
             cudaEventDestroy(g.uploaded[d]);
-            if (g.staging[d])
-                cudaFree(g.staging[d]);
         }
     for (int i = 0; i < pin_nall; i++) {
         cudaFreeHost(pin_all[i]->p);

@@ -45,13 +45,13 @@ typedef struct gpu_import_req {
     uint32_t nfds;
     const uint64_t *chunk_sizes; /* nfds > 1: their sizes, summing to
                                     alloc_size */
-    uint8_t ipc_handle[64];   /* legacy only */
-    uint8_t uuid[16];         /* device, as the client's CUDA names it */
-    uint64_t alloc_id;        /* client's allocation base address */
+    uint8_t ipc_handle[64];      /* legacy only */
+    uint8_t uuid[16];            /* device, as the client's CUDA names it */
+    uint64_t alloc_id;           /* client's allocation base address */
     uint64_t alloc_size;
-    uint64_t offset;          /* pool start inside the allocation */
-    uint64_t size;            /* pool bytes */
-    uint64_t owner;           /* session id: imports are per client */
+    uint64_t offset; /* pool start inside the allocation */
+    uint64_t size;   /* pool bytes */
+    uint64_t owner;  /* session id: imports are per client */
 } gpu_import_req_t;
 
 /* Import (or find the cached import of) the allocation and return the
@@ -82,6 +82,11 @@ int gpu_started(void);
  * already pinned succeeds. */
 int gpu_host_register(void *base, uint64_t size, int device);
 void gpu_host_unregister(void *base);
+/* len bytes of device memory on device (its context started if it was
+ * not), for staging slots: 0 and *p, or an error with why. Loop thread;
+ * blocking. Freed with gpu_mem_free() before gpu_cleanup(). */
+int gpu_mem_alloc(int device, size_t len, void **p, kvx_why_t *why);
+void gpu_mem_free(void *p);
 
 /* Upload plan p (bound: src/dst bases are device-visible) for execution
  * on device. */

@@ -6,9 +6,15 @@
 
 #define NO_CUDA "this kvxferd was built without CUDA (host pools only)"
 
-const char *gpu_build_info(void) { return "host-only (no CUDA)"; }
+const char *gpu_build_info(void)
+{
+    return "host-only (no CUDA)";
+}
 
-void gpu_status(char *buf, size_t len) { snprintf(buf, len, "host-only"); }
+void gpu_status(char *buf, size_t len)
+{
+    snprintf(buf, len, "host-only");
+}
 
 int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
                int *device, kvx_why_t *why)
@@ -21,7 +27,10 @@ int gpu_import(gpu_import_req_t *req, gpu_import_t **out, uint8_t **ptr,
                     "register_pool.kind: GPU pool refused: %s", NO_CUDA);
 }
 
-void gpu_import_unref(gpu_import_t *imp) { (void)imp; }
+void gpu_import_unref(gpu_import_t *imp)
+{
+    (void)imp;
+}
 
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
                    kvx_why_t *why)
@@ -32,7 +41,10 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
     return why_fail(why, KVX_ERR_UNSUPPORTED, "%s", NO_CUDA);
 }
 
-int gpu_started(void) { return -1; }
+int gpu_started(void)
+{
+    return -1;
+}
 
 int gpu_host_register(void *base, uint64_t size, int device)
 {
@@ -42,7 +54,23 @@ int gpu_host_register(void *base, uint64_t size, int device)
     return KVX_ERR_UNSUPPORTED;
 }
 
-void gpu_host_unregister(void *base) { (void)base; }
+void gpu_host_unregister(void *base)
+{
+    (void)base;
+}
+
+int gpu_mem_alloc(int device, size_t len, void **p, kvx_why_t *why)
+{
+    (void)device;
+    (void)len;
+    *p = NULL;
+    return why_fail(why, KVX_ERR_UNSUPPORTED, "%s", NO_CUDA);
+}
+
+void gpu_mem_free(void *p)
+{
+    (void)p;
+}
 
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
                     kvx_why_t *why)
@@ -53,7 +81,10 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
     return why_fail(why, KVX_ERR_UNSUPPORTED, "%s", NO_CUDA);
 }
 
-void gpu_part_free(gpu_part_t *gp) { (void)gp; }
+void gpu_part_free(gpu_part_t *gp)
+{
+    (void)gp;
+}
 
 int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
 {

@@ -352,10 +352,16 @@ const struct conf_key conf_keys[] = {
      .def = 64 * MiB,
      .min = 0,
      .max = 64 * GiB,
-     .help = "GPU staging buffer per device with pools, kept for GPU-memory "
-             "slots between daemons (with a CUDA-aware UCX; not used yet); "
-             "allocated once, on the first pool; 0: none. The host staging "
-             "is the peer slots."},
+     .help = "GPU memory per device for the staging slots of transfers "
+             "between daemons, where the loaded UCX moves CUDA memory "
+             "(status ucx.staging \"gpu\"): half for each direction, in "
+             "slots of peer.slot_bytes (fewer than 2 a direction: host "
+             "slots); made on the device's first GPU pool that moves "
+             "between daemons and kept until the daemon stops. A GPU "
+             "pool's bytes then never cross host memory where UCX's "
+             "transport does not (cuda_ipc within a node, GPUDirect RDMA). "
+             "0, or a UCX without CUDA: the host slots (peer.slots), "
+             "pinned."},
 
     {.name = "peer.listen",
      .type = CONF_STRING,

@@ -129,8 +129,12 @@ int peer_rdma(void);
 /* Whether slot data to c goes over lanes now (peer.lanes, both sides). */
 int peer_conn_lanes(const peer_conn_t *c);
 
-/* Register and unregister memory UCX moves often (staging slots). */
-void *peer_mem_map(void *addr, size_t len);
+/* Whether the loaded UCX moves CUDA device memory (its context says
+ * so: ucp_context_query()'s memory types), known after peer_init(). */
+int peer_cuda(void);
+/* Register and unregister memory UCX moves often (staging slots): host
+ * memory, or device memory (cuda, only where peer_cuda()). */
+void *peer_mem_map(void *addr, size_t len, int cuda);
 void peer_mem_unmap(void *memh);
 
 /* For status. */

@@ -504,14 +504,22 @@ int peer_rdma(void)
     return P.rdma;
 }
 
-void *peer_mem_map(void *addr, size_t len)
+int peer_cuda(void)
 {
-    if (!P.on)
+    return P.on && P.ucx_cuda;
+}
+
+void *peer_mem_map(void *addr, size_t len, int cuda)
+{
+    if (!P.on || (cuda && !P.ucx_cuda))
         return NULL;
-    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
-                                             UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = addr,
-                               .length = len};
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                      UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+        .address = addr,
+        .length = len,
+        .memory_type = cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST};
     ucp_mem_h h;
     return ucp_mem_map(P.ctx, &mp, &h) == UCS_OK ? h : NULL;
 }

@@ -129,7 +129,7 @@ int remote_part_start(genpart_t *p, const Kvxfer__ContextParams *cp,
         for (uint32_t i = 0; i < plan->nslices; i++)
             plan->src[i] = (plan_mem_t){.layout = &none};
         if ((rc = plan_check_bounds(plan, why)) ||
-            (rc = slots_pin(&rslots, dev, why)) ||
+            (rc = slots_device(&rslots, dev, why)) ||
             (rc = xfer_part_upload(p, dev, why)))
             return rc;
     }
@@ -183,8 +183,7 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
     peer_conn_t *c = r->opened ? conn_live(r->conn) : NULL;
     if (c)
         send_end(c, r->source, code, msg);
-    for (uint32_t i = 0; i < remote_slots() && rslots.v; i++) {
-        slot_t *x = &rslots.v[i];
+    for (slot_t *x = slot_next(&rslots, NULL); x; x = slot_next(&rslots, x)) {
         /* pulled, or some pieces in and none landing: nothing more will
          * be written into it (landing pieces free it when back) */
         if (x->owner == r &&
@@ -209,9 +208,9 @@ void remote_part_free(rpart_t *rp)
         rstream_t *r = rp->streams[i];
         assert(r->part); /* only a stream of a freed part is an orphan */
         rstream_stop(r, KVX_ERR_STATE, "request ended");
-        for (uint32_t k = 0; k < remote_slots() && rslots.v; k++)
-            if (rslots.v[k].owner == r) /* a receive still landing */
-                rslots.v[k].owner = NULL;
+        for (slot_t *x = slot_next(&rslots, NULL); x; x = slot_next(&rslots, x))
+            if (x->owner == r) /* a receive still landing */
+                x->owner = NULL;
         if (r->retry_ms) { /* refused, waiting to ask again: no OPEN out */
             r->retry_ms = 0;
             retrying--;
@@ -229,10 +228,19 @@ void remote_part_free(rpart_t *rp)
     free(rp);
 }
 
+/* The slots r receives into: its pool's device's, or the host's. */
+static slots_t *rstream_slots(const rstream_t *r)
+{
+    const pool_t *p = xfer_part_pool(r->part);
+    return slots_for(&rslots, p->gpu ? p->device : -1);
+}
+
 static void pull_schedule(void)
 {
     uint64_t slot_bytes = kvxd.conf.slot_bytes;
-    while (pullq.head && rslots.nfree) {
+    /* in turn: the first waits for a slot of its own set */
+    while (pullq.head &&
+           rstream_slots(RRQ_OWNER(pullq.head, rstream_t, turn))->nfree) {
         rstream_t *r = RRQ_OWNER(rrq_pop(&pullq), rstream_t, turn);
         if (r->ended || r->next_unit >= r->u_end)
             continue;
@@ -251,7 +259,7 @@ static void pull_schedule(void)
             xfer_part_fail(r->part, KVX_ERR_LIMIT, m);
             continue;
         }
-        slot_t *x = slot_get(&rslots);
+        slot_t *x = slot_get(rstream_slots(r));
         x->state = SLOT_PULLED;
         x->owner = r;
         x->u0 = u0;
@@ -342,10 +350,10 @@ void *remote_data_target(peer_conn_t *c, const Kvxfer__PeerData *d, size_t len,
                          const peer_iov_t **iov, size_t *niov)
 {
     rstream_t *r = map_get(&rstreams, d->stream);
+    slot_t *x;
     if (!r || r->conn != peer_conn_id(c) || r->ended ||
-        d->slot >= remote_slots())
+        !(x = slot_at(&rslots, d->slot)))
         return NULL;
-    slot_t *x = &rslots.v[d->slot];
     /* piece_bytes 0: the whole slot in one message (a sender that does
      * not cut slots) */
     uint64_t pb = d->piece_bytes ? d->piece_bytes : d->bytes;
@@ -424,6 +432,7 @@ static void scatter_done(slot_t *x, uint32_t k)
         st_rx.copy_ns += now_ns() - x->t_stage;
         st_rx.slots++;
         st_rx.bytes += x->bytes;
+        x->set->bytes += x->bytes;
     }
     if (r)
         r->units_done += units;
@@ -443,9 +452,9 @@ static void scatter_done(slot_t *x, uint32_t k)
 void remote_on_data(peer_conn_t *c, const Kvxfer__PeerData *d, int status)
 {
     (void)c;
-    if (d->slot >= remote_slots())
+    slot_t *x = slot_at(&rslots, d->slot);
+    if (!x)
         return;
-    slot_t *x = &rslots.v[d->slot];
     int k = piece_at(x, d->offset);
     if (x->state != SLOT_RECEIVING || !x->landing || k < 0)
         return;

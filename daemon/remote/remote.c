@@ -273,7 +273,7 @@ void remote_tick(uint64_t now)
                            "binding the source for a peer failed");
         free(f);
     }
-    if (!list_empty(&pulls) && sslots.nfree)
+    if (!list_empty(&pulls))
         serve_pulls(); /* slots put back where no PULL was served */
     uint32_t n = rstreams.n;
     if (!n || !retrying)
@@ -337,4 +337,8 @@ void remote_ucx_info(Kvxfer__UcxInfo *info)
         remote_slot_times(&rx, &tx);
     info->received = &rx;
     info->sent = &tx;
+    /* "gpu" once a GPU pool's slots are in its device's memory (either
+     * direction): the pieces of host pools still go through host slots */
+    if (on && (rx.gpu_slots || tx.gpu_slots))
+        info->staging = "gpu";
 }

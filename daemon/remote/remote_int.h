@@ -32,6 +32,16 @@
 #include "xfer/serve.h"
 #include "xfer/xfer_remote.h"
 
+/* Status: where the slots' time went (Kvxfer__SlotTimes, summed). */
+typedef struct slot_times {
+    uint64_t slots, bytes, wait_ns, wire_ns, copy_ns;
+    uint64_t direct; /* pieces not scattered (received) or not gathered
+                      * (sent): UCX had their places (peer.direct) */
+    uint64_t lag_ns; /* of copy: a piece's copy finished until the loop
+                      * took it up (busy with UCX, clients, ...) */
+    uint64_t ahead;  /* sent: slots a PULL found gathered ahead */
+} slot_times_t;
+
 enum slot_state { SLOT_FREE, SLOT_PULLED, SLOT_RECEIVING, SLOT_BUSY };
 
 #define MAX_PIECES 64 /* UCX messages per slot, at most */
@@ -46,7 +56,8 @@ typedef plan_piece_t piece_t;
 
 typedef struct slot {
     uint8_t *mem;
-    uint32_t idx;
+    uint32_t idx;          /* named so on the wire (PULL, DATA): slot_at() */
+    struct slots *set;     /* its set: host memory, or a GPU's */
     struct slot_times *st; /* its direction's times (st_rx, st_tx) */
     enum slot_state state;
     void *owner; /* rstream (receive) or sstream (send) */
@@ -90,14 +101,31 @@ typedef struct slot {
     list_t free_node; /* on its slots' free list while free */
 } slot_t;
 
+/* The slots of one direction: one set in host memory (pinned for CUDA
+ * once a GPU pool uses it), and, where the loaded UCX moves CUDA memory
+ * (peer_cuda()), a set in each pool device's memory (gpu.staging_bytes),
+ * made on that device's first use and kept until the daemon stops: a
+ * GPU pool's pieces are gathered and scattered by its kernels there and
+ * never cross host memory where UCX's transport does not (cuda_ipc
+ * within a node, GPUDirect RDMA with an IB-capable UCX). */
+#define SLOT_DEVS 16
+#define SLOT_GPU_BASE 0x10000u /* device d's slot i: (d + 1) * it + i */
 typedef struct slots {
     uint8_t *mem;
     size_t len;
     void *memh;
     slot_t *v;
-    list_t free; /* the last one put back first */
+    uint32_t n;
+    uint32_t base; /* v[0]'s idx */
+    int device;    /* -1: host memory */
+    list_t free;   /* the last one put back first */
     uint32_t nfree;
     int pinned; /* registered with CUDA (GPU pools) */
+    slot_times_t *st;
+    uint64_t bytes; /* moved through this set (a GPU set's, for status) */
+    /* the host set: the GPU sets by device, and which were tried */
+    struct slots *gpu[SLOT_DEVS];
+    uint8_t gpu_tried[SLOT_DEVS];
 } slots_t;
 
 /* D: one slice of a part, pulled from its source daemon. */
@@ -224,15 +252,6 @@ extern rrq_t pullq;
 extern uint32_t retrying; /* rstreams waiting to OPEN again */
 extern list_t pulls;      /* waiting for a send slot */
 
-/* Status: where the slots' time went (Kvxfer__SlotTimes, summed). */
-typedef struct slot_times {
-    uint64_t slots, bytes, wait_ns, wire_ns, copy_ns;
-    uint64_t direct; /* pieces not scattered (received) or not gathered
-                      * (sent): UCX had their places (peer.direct) */
-    uint64_t lag_ns; /* of copy: a piece's copy finished until the loop
-                      * took it up (busy with UCX, clients, ...) */
-    uint64_t ahead;  /* sent: slots a PULL found gathered ahead */
-} slot_times_t;
 extern slot_times_t st_rx, st_tx;
 
 /* An offer no peer opened reads as roffer_none. */
@@ -255,8 +274,11 @@ uint64_t stream_cut_end(const plan_t *pl, uint64_t slice_begin, uint64_t u0,
                         uint64_t end, int layerwise);
 void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent);
 int slots_init(slots_t *s, const char *what, slot_times_t *st, kvx_why_t *why);
-int slots_pin(slots_t *s, int device, kvx_why_t *why);
+int slots_device(slots_t *s, int device, kvx_why_t *why);
 void slots_cleanup(slots_t *s);
+slots_t *slots_for(slots_t *s, int device);
+slot_t *slot_at(slots_t *s, uint32_t idx);
+slot_t *slot_next(slots_t *s, slot_t *prev);
 slot_t *slot_get(slots_t *s);
 void slot_put(slots_t *s, slot_t *x);
 void slot_cut(slot_t *x, const plan_t *plan, uint64_t pb);

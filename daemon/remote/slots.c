@@ -36,16 +36,49 @@ void remote_slot_times(Kvxfer__SlotTimes *received, Kvxfer__SlotTimes *sent)
         to[i]->ahead = from[i]->ahead;
         to[i]->direct = from[i]->direct;
     }
-    received->free_slots = rslots.nfree;
-    sent->free_slots = sslots.nfree;
+    slots_t *sets[2] = {&rslots, &sslots};
+    for (int i = 0; i < 2; i++) {
+        to[i]->free_slots = sets[i]->nfree;
+        for (int d = 0; d < SLOT_DEVS; d++) {
+            const slots_t *g = sets[i]->gpu[d];
+            if (g) {
+                to[i]->free_slots += g->nfree;
+                to[i]->gpu_slots += g->n;
+                to[i]->gpu_bytes += g->bytes;
+            }
+        }
+    }
 }
 
 /* ---- slots ------------------------------------------------------------- */
 
+/* v: n slots over mem, their indices from base */
+static int set_slots(slots_t *s, uint32_t n, kvx_why_t *why)
+{
+    s->v = calloc(n, sizeof(*s->v));
+    if (!s->v)
+        return why_fail(why, KVX_ERR_NOMEM, "out of memory");
+    s->n = n;
+    for (uint32_t i = 0; i < n; i++) {
+        s->v[i].mem = s->mem + (size_t)i * kvxd.conf.slot_bytes;
+        s->v[i].idx = s->base + i;
+        s->v[i].set = s;
+        s->v[i].st = s->st;
+        for (uint32_t k = 0; k < MAX_PIECES; k++)
+            s->v[i].ref[k] = (struct piece_ref){&s->v[i], k};
+        list_push(&s->free, &s->v[i].free_node);
+    }
+    s->nfree = n;
+    return 0;
+}
+
 int slots_init(slots_t *s, const char *what, slot_times_t *st, kvx_why_t *why)
 {
     uint32_t n = remote_slots();
+    memset(s, 0, sizeof(*s));
     list_init(&s->free);
+    s->device = -1;
+    s->st = st;
     s->len = (size_t)n * kvxd.conf.slot_bytes;
     if (kvxd_mem_charge(MEM_STAGING, s->len)) {
         why_set(why,
@@ -67,27 +100,16 @@ int slots_init(slots_t *s, const char *what, slot_times_t *st, kvx_why_t *why)
                 s->len, what);
         return KVX_ERR_NOMEM;
     }
-    s->v = calloc(n, sizeof(*s->v));
-    if (!s->v) {
-        why_set(why, "out of memory");
-        return KVX_ERR_NOMEM;
-    }
-    for (uint32_t i = 0; i < n; i++) {
-        s->v[i].mem = s->mem + (size_t)i * kvxd.conf.slot_bytes;
-        s->v[i].idx = i;
-        s->v[i].st = st;
-        for (uint32_t k = 0; k < MAX_PIECES; k++)
-            s->v[i].ref[k] = (struct piece_ref){&s->v[i], k};
-        list_push(&s->free, &s->v[i].free_node);
-    }
-    s->nfree = n;
+    int rc = set_slots(s, n, why);
+    if (rc)
+        return rc;
     /* registered once, so rendezvous never registers per message */
-    s->memh = peer_mem_map(s->mem, s->len);
+    s->memh = peer_mem_map(s->mem, s->len, 0);
     return 0;
 }
 
 /* GPU pools: kernels read and write the slots (pinned, mapped). */
-int slots_pin(slots_t *s, int device, kvx_why_t *why)
+static int slots_pin(slots_t *s, int device, kvx_why_t *why)
 {
     if (s->pinned)
         return 0;
@@ -102,20 +124,138 @@ int slots_pin(slots_t *s, int device, kvx_why_t *why)
     return 0;
 }
 
-void slots_cleanup(slots_t *s)
+static void set_free(slots_t *s)
 {
     /* places of pieces UCX never gave back (a shutdown drops the lanes'
      * events) */
-    for (uint32_t i = 0; s->v && i < remote_slots(); i++)
+    for (uint32_t i = 0; s->v && i < s->n; i++)
         for (uint32_t k = 0; k < MAX_PIECES; k++)
             free(s->v[i].iov[k]);
+    peer_mem_unmap(s->memh);
+    free(s->v);
+}
+
+/* Device d's set in s (the host set): its slots in d's memory,
+ * registered with UCX as CUDA memory. 0, or an error with why (then
+ * the host set serves d). */
+static int gpu_set(slots_t *s, int d, kvx_why_t *why)
+{
+    uint64_t sb = kvxd.conf.slot_bytes;
+    /* gpu.staging_bytes is the device's, for both directions */
+    uint64_t n = kvxd.conf.gpu_staging_bytes / 2 / sb;
+    if (n > SLOT_GPU_BASE)
+        n = SLOT_GPU_BASE;
+    if (n < 2)
+        return why_fail(why, KVX_ERR_LIMIT,
+                        "gpu.staging_bytes %llu holds fewer than 2 slots "
+                        "of peer.slot_bytes %llu each way",
+                        (unsigned long long)kvxd.conf.gpu_staging_bytes,
+                        (unsigned long long)sb);
+    slots_t *g = calloc(1, sizeof(*g));
+    if (!g)
+        return why_fail(why, KVX_ERR_NOMEM, "out of memory");
+    list_init(&g->free);
+    g->device = d;
+    g->st = s->st;
+    g->base = (uint32_t)(d + 1) * SLOT_GPU_BASE;
+    g->len = (size_t)n * sb;
+    void *mem;
+    int rc = gpu_mem_alloc(d, g->len, &mem, why);
+    if (!rc) {
+        g->mem = mem;
+        rc = set_slots(g, (uint32_t)n, why);
+    }
+    if (!rc && !(g->memh = peer_mem_map(g->mem, g->len, 1)))
+        rc = why_fail(why, KVX_ERR_IO,
+                      "UCX cannot register %zu bytes of GPU %d's memory",
+                      g->len, d);
+    if (rc) {
+        set_free(g);
+        gpu_mem_free(g->mem);
+        free(g);
+        return rc;
+    }
+    s->gpu[d] = g;
+    return 0;
+}
+
+int slots_device(slots_t *s, int device, kvx_why_t *why)
+{
+    /* the host set serves too: a slot taken before the device's set was
+     * made, and every device the GPU sets cannot */
+    int rc = slots_pin(s, device, why);
+    if (rc || device < 0 || device >= SLOT_DEVS || s->gpu_tried[device])
+        return rc;
+    s->gpu_tried[device] = 1;
+    char m[256];
+    if (!peer_cuda())
+        log_info("peers: GPU %d's slots are in host memory: this UCX does "
+                 "not move CUDA memory",
+                 device);
+    else if (!kvxd.conf.gpu_staging_bytes)
+        log_info("peers: GPU %d's slots are in host memory "
+                 "(gpu.staging_bytes 0)",
+                 device);
+    else if (gpu_set(s, device, KVX_WHY(m)))
+        log_warn("peers: GPU %d's slots stay in host memory: %s", device, m);
+    else
+        log_info("peers: %u %s slots of %llu bytes in GPU %d's memory, "
+                 "registered with UCX",
+                 s->gpu[device]->n, s == &rslots ? "receive" : "send",
+                 (unsigned long long)kvxd.conf.slot_bytes, device);
+    return 0;
+}
+
+slots_t *slots_for(slots_t *s, int device)
+{
+    return device >= 0 && device < SLOT_DEVS && s->gpu[device] ? s->gpu[device]
+                                                               : s;
+}
+
+slot_t *slot_at(slots_t *s, uint32_t idx)
+{
+    if (idx >= SLOT_GPU_BASE) {
+        uint32_t d = idx / SLOT_GPU_BASE - 1;
+        if (d >= SLOT_DEVS || !(s = s->gpu[d]))
+            return NULL;
+    }
+    idx -= s->base;
+    return s->v && idx < s->n ? &s->v[idx] : NULL;
+}
+
+/* Every slot of s, host then GPUs: slot_next(s, NULL) first, NULL after
+ * the last. */
+slot_t *slot_next(slots_t *s, slot_t *prev)
+{
+    const slots_t *set = prev ? prev->set : s;
+    uint32_t i = prev ? (uint32_t)(prev - set->v) + 1 : 0;
+    for (;;) {
+        if (set->v && i < set->n)
+            return &set->v[i];
+        int d = set == s ? 0 : set->device + 1;
+        while (d < SLOT_DEVS && !s->gpu[d])
+            d++;
+        if (d >= SLOT_DEVS)
+            return NULL;
+        set = s->gpu[d];
+        i = 0;
+    }
+}
+
+void slots_cleanup(slots_t *s)
+{
+    for (int d = 0; d < SLOT_DEVS; d++)
+        if (s->gpu[d]) {
+            set_free(s->gpu[d]);
+            gpu_mem_free(s->gpu[d]->mem);
+            free(s->gpu[d]);
+        }
+    set_free(s);
     if (s->pinned)
         gpu_host_unregister(s->mem);
-    peer_mem_unmap(s->memh);
     if (s->mem)
         munmap(s->mem, s->len);
     kvxd_mem_release(MEM_STAGING, s->len); /* charged by slots_init() */
-    free(s->v);
     memset(s, 0, sizeof(*s));
 }
 
@@ -134,6 +274,7 @@ slot_t *slot_get(slots_t *s)
 
 void slot_put(slots_t *s, slot_t *x)
 {
+    s = x->set; /* (the caller's direction; the set is the slot's) */
     assert(x->state != SLOT_FREE); /* one owner, one put */
     x->state = SLOT_FREE;
     x->owner = NULL;
@@ -146,7 +287,7 @@ void slot_put(slots_t *s, slot_t *x)
     x->status = 0;
     assert(!x->direct); /* every piece's places went when UCX was done */
     list_push(s->free.next, &x->free_node); /* first */
-    assert(s->nfree < remote_slots());
+    assert(s->nfree < s->n);
     s->nfree++;
 }
 

@@ -200,6 +200,7 @@ static void sslot_release(slot_t *x)
         st_tx.wire_ns += now_ns() - x->t_stage;
         st_tx.slots++;
         st_tx.bytes += x->bytes;
+        x->set->bytes += x->bytes;
     }
     assert(s->sends > 0);
     s->sends--;
@@ -335,6 +336,16 @@ static void piece_gathered(slot_t *x)
     sslot_release(x);
 }
 
+/* The slots s gathers into: its source pool's device's (once
+ * slots_device() made them, at s's first bind), or the host's. */
+static slots_t *sstream_slots(const sstream_t *s, offer_t *o)
+{
+    plan_mem_t mem;
+    const pool_t *src =
+        o ? xfer_offer_source(o, s->group, s->src_rank, &mem) : NULL;
+    return slots_for(&sslots, src && src->gpu ? src->device : -1);
+}
+
 /* Bind s's plan to the published source (it stays until the offer ends,
  * which waits for our gathers); a GPU source gets its plan uploaded, once.
  * Slices of other ranks stay unbound: s gathers only its own. */
@@ -360,7 +371,7 @@ static int sstream_bind(sstream_t *s, offer_t *o)
         return 0;
     int dev = src->device;
     pl->dst = (plan_mem_t){.layout = &s->dst_layout};
-    if ((rc = slots_pin(&sslots, dev, KVX_WHY(why))) ||
+    if ((rc = slots_device(&sslots, dev, KVX_WHY(why))) ||
         (rc = pool_device_view(src, dev, &pl->src[s->slice].regions,
                                KVX_WHY(why))) ||
         (rc = gpu_part_create(pl, dev, &s->gpu, KVX_WHY(why))))
@@ -433,7 +444,8 @@ static void ahead_fill(sstream_t *s)
     offer_t *o = s->offer;
     while (s->nahead < kvxd.conf.gather_ahead && s->pull_bytes &&
            !s->ahead_off && !s->ended && o && !xfer_offer_ending(o) &&
-           list_empty(&pulls) && sslots.nfree > 1 && s->ahead_at < s->u_end) {
+           list_empty(&pulls) && sstream_slots(s, o)->nfree > 1 &&
+           s->ahead_at < s->u_end) {
         uint64_t u0 = s->ahead_at, bytes;
         uint64_t end =
             stream_cut_end(s->plan, s->u_begin, u0, s->u_end, s->layerwise);
@@ -442,7 +454,7 @@ static void ahead_fill(sstream_t *s)
             return; /* a unit larger than its slot: the PULL fails it */
         if (!units_ready(s, o, u1))
             return; /* its layers are not all there yet */
-        slot_t *x = slot_get(&sslots);
+        slot_t *x = slot_get(sstream_slots(s, o));
         x->owner = s;
         x->u0 = u0;
         x->u1 = u1;
@@ -518,11 +530,12 @@ static void serve_pulls_once(void)
     list_t *n, *t;
     LIST_FOREACH_SAFE(n, t, &pulls)
     {
-        if (!sslots.nfree)
-            break;
         pull_t *q = PULL(n);
         sstream_t *s = q->s;
         offer_t *o = s->offer;
+        /* in turn: the first waits for a slot of its own set */
+        if (!sstream_slots(s, o && !xfer_offer_ending(o) ? o : NULL)->nfree)
+            break;
         if (o && !xfer_offer_ending(o) && !units_ready(s, o, q->u1))
             continue; /* its rank has not published them yet */
         assert(s->queued > 0);
@@ -532,7 +545,7 @@ static void serve_pulls_once(void)
             free(q);
             continue;
         }
-        slot_t *x = slot_get(&sslots);
+        slot_t *x = slot_get(sstream_slots(s, o));
         x->owner = s;
         x->u0 = q->u0;
         x->u1 = q->u1;
@@ -785,8 +798,7 @@ static int stream_unsent(const sstream_t *s, const peer_conn_t *c)
 {
     if (!s->gathers)
         return 0;
-    for (uint32_t i = 0; i < remote_slots(); i++) {
-        const slot_t *x = &sslots.v[i];
+    for (slot_t *x = slot_next(&sslots, NULL); x; x = slot_next(&sslots, x)) {
         if (x->owner != s || x->state == SLOT_FREE)
             continue;
         if (x->pending > (uint32_t)__builtin_popcountll(x->direct))

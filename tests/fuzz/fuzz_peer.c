@@ -63,8 +63,14 @@ int peer_init(kvx_why_t *why)
     (void)why;
     return 0;
 }
-int peer_enabled(void) { return 1; }
-void peer_tick(uint64_t now_ms) { (void)now_ms; }
+int peer_enabled(void)
+{
+    return 1;
+}
+void peer_tick(uint64_t now_ms)
+{
+    (void)now_ms;
+}
 void peer_cleanup(void) {}
 void peer_shutdown(void) {}
 peer_conn_t *peer_connect(const char *address, kvx_why_t *why)
@@ -73,7 +79,10 @@ peer_conn_t *peer_connect(const char *address, kvx_why_t *why)
     (void)why;
     return &fake;
 }
-const char *peer_conn_address(const peer_conn_t *c) { return c->address; }
+const char *peer_conn_address(const peer_conn_t *c)
+{
+    return c->address;
+}
 uint64_t peer_conn_id(const peer_conn_t *c)
 {
     return c == &fake ? 1 : 2;
@@ -82,7 +91,10 @@ peer_conn_t *peer_conn_find(uint64_t id)
 {
     return id == 1 ? &fake : NULL;
 }
-int peer_conn_alive(const peer_conn_t *c) { return c->alive; }
+int peer_conn_alive(const peer_conn_t *c)
+{
+    return c->alive;
+}
 /* a peer of this release's protocol (renewals go to it) while alive */
 int peer_conn_minor(const peer_conn_t *c)
 {
@@ -169,13 +181,21 @@ int peer_rdma(void)
     return 0;
 }
 
-void *peer_mem_map(void *addr, size_t len)
+void *peer_mem_map(void *addr, size_t len, int cuda)
 {
     (void)addr;
     (void)len;
+    (void)cuda;
     return NULL;
 }
-void peer_mem_unmap(void *memh) { (void)memh; }
+int peer_cuda(void)
+{
+    return 0;
+}
+void peer_mem_unmap(void *memh)
+{
+    (void)memh;
+}
 size_t peer_infos(Kvxfer__PeerInfo ***out)
 {
     *out = NULL;
@@ -186,7 +206,10 @@ void peer_free_infos(Kvxfer__PeerInfo **v, size_t n)
     (void)v;
     (void)n;
 }
-void peer_ucx_info(Kvxfer__UcxInfo *info) { (void)info; }
+void peer_ucx_info(Kvxfer__UcxInfo *info)
+{
+    (void)info;
+}
 
 /* What remote_init() and agree_init() register, dispatched as peer.c
  * would. */
@@ -329,8 +352,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     kvxd.conf.slot_bytes = 64 * 1024;
     kvxd.conf.slots = 4;
     kvxd.conf.message_bytes = 16 * 1024; /* a slot goes as several pieces */
-    kvxd.conf.gather_ahead = 2; /* OPENs carry pull_bytes: ahead_take()
-                                 * and ahead_fill() meet random PULLs */
+    kvxd.conf.gather_ahead = 2;          /* OPENs carry pull_bytes: ahead_take()
+                                          * and ahead_fill() meet random PULLs */
     kvxd.conf.log_level = 0;
     kvxd.conf.direct = 1; /* pieces into the pool too, whatever the CPUs */
     kvx__log_level = 0;
@@ -342,8 +365,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     char why[256];
     if (remote_init(KVX_WHY(why)) || agree_init())
         abort();
-    plan_side_t side = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 2,
-                        .total_heads = 2};
+    plan_side_t side = {
+        .tp = 1, .pp = 1, .cp = 1, .total_layers = 2, .total_heads = 2};
     char *a0 = kvxd.address;
     if (instance_attach(
             &(instance_hello_t){"ctx", 0, KVX_ROLE_CONTEXT, 0, &side, 1}, &ctx,
@@ -438,8 +461,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     void *dst = land(&fake, &d, pc[k].len, flags);
                     if (dst) {
                         remote_on_data(&fake, &d,
-                                       (flags & 16) && i == 1 ? KVX_ERR_IO
-                                                              : 0);
+                                       (flags & 16) && i == 1 ? KVX_ERR_IO : 0);
                     }
                 }
             } else {
@@ -478,8 +500,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (m->m_case == KVXFER__PEER_MSG__M_OPENED && (flags & 4))
             m->opened->stream = last_open_stream;
         if (m->m_case == KVXFER__PEER_MSG__M_END && (flags & 4))
-            m->end->stream = flags & 8 ? last_open_stream
-                                       : last_opened_source;
+            m->end->stream = flags & 8 ? last_open_stream : last_opened_source;
         if (m->m_case == KVXFER__PEER_MSG__M_DATA) {
             if (flags & 4)
                 m->data->stream = last_open_stream;

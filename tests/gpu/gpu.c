@@ -10,8 +10,8 @@
  * killed mid-read are written out here.
  */
 #include <fcntl.h>
-#include <stdint.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,40 +49,44 @@ static int gen_dev(void)
     return gpus() >= 2 ? 1 : 0;
 }
 
-#define NEED_GPUS(k)                                                        \
-    do {                                                                    \
-        int n_ = gpus();                                                    \
-        if (n_ < (k)) {                                                     \
-            printf("skip: %s needs %d GPU(s), found %d\n", __func__, (k),   \
-                   n_);                                                     \
-            exit(0);                                                        \
-        }                                                                   \
+#define NEED_GPUS(k)                                                           \
+    do {                                                                       \
+        int n_ = gpus();                                                       \
+        if (n_ < (k)) {                                                        \
+            printf("skip: %s needs %d GPU(s), found %d\n", __func__, (k), n_); \
+            exit(0);                                                           \
+        }                                                                      \
     } while (0)
 
-/* Run kvxfer-bench with args; pass when it verified every byte. */
-static void bench(const char *args)
+/* Run kvxfer-bench with args; pass when it verified every byte. Its
+ * JSON line into out (len bytes), when out is not NULL. */
+static void bench_out(const char *args, char *out, size_t len)
 {
-    char cmd[1024];
+    char cmd[1024], buf[8192] = "";
     snprintf(cmd, sizeof(cmd),
              "%s/kvxfer-bench --spawn-daemon --gpu %s%s --json 2>&1",
              build_dir(), args,
-             gen_dev() == 0 && !strstr(args, "--gen-device")
-                 ? " --gen-device 0"
-                 : "");
+             gen_dev() == 0 && !strstr(args, "--gen-device") ? " --gen-device 0"
+                                                             : "");
     FILE *f = popen(cmd, "r");
     CHECK(f);
-    char out[4096] = "";
-    size_t n = fread(out, 1, sizeof(out) - 1, f);
-    out[n] = 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    buf[n] = 0;
     int st = pclose(f);
-    if (st != 0 || !strstr(out, "\"verified\":true")) {
-        fprintf(stderr, "%s\n-> %s\n", cmd, out);
+    if (st != 0 || !strstr(buf, "\"verified\":true")) {
+        fprintf(stderr, "%s\n-> %s\n", cmd, buf);
         CHECK(0);
     }
+    if (out)
+        snprintf(out, len, "%s", buf);
 }
 
-static const char *presets[] = {"trtllm", "vllm-nhd", "vllm-hnd",
-                                "flashinfer"};
+static void bench(const char *args)
+{
+    bench_out(args, NULL, 0);
+}
+
+static const char *presets[] = {"trtllm", "vllm-nhd", "vllm-hnd", "flashinfer"};
 
 /* kvxfer-bench for every preset pair, with extra(a, b)'s arguments. */
 static void every_preset_pair(const char *(*extra)(int a, int b))
@@ -197,6 +201,98 @@ TEST_T(two_daemons_gpu_pools_host_staged, 300)
     bench("--daemons 2 --ctx-host --requests 4 --blocks 8 --layers 4");
     bench("--daemons 2 --gen-host --ctx-device 0 --requests 4 --blocks 8 "
           "--layers 4");
+}
+
+/* ---- two daemons, GPU slots -------------------------------------------- */
+
+/* The bytes through GPU slots a bench run's JSON reports (B received,
+ * A sent), or -1 each where it does not say. */
+static void gpu_slot_bytes(const char *out, double *rx, double *tx)
+{
+    const char *g = strstr(out, "\"gpu_slot_bytes\":{\"received\":");
+    *rx = *tx = -1;
+    if (!g)
+        return;
+    *rx = strtod(g + strlen("\"gpu_slot_bytes\":{\"received\":"), NULL);
+    const char *s = strstr(g, "\"sent\":");
+    if (s)
+        *tx = strtod(s + 7, NULL);
+}
+
+/* With a UCX that moves CUDA memory (the libucx-cu13 wheel's, or a
+ * site's with CUDA), a GPU pool's slots are in its device's memory: the
+ * bytes never cross host memory (cuda_ipc between the two daemons of
+ * this host). Every preset pair, TP split and concat, odd rows, slots in
+ * pieces, and a host pool on one side (whose side keeps host slots),
+ * every byte verified; the daemons' status says which slots carried
+ * them. Skips, saying why, where the daemons' UCX has no CUDA. */
+TEST_T(two_daemons_gpu_slots, 600)
+{
+    NEED_GPUS(1);
+    char out[8192];
+    double rx, tx;
+    bench_out("--daemons 2 --requests 4 --blocks 8 --layers 4", out,
+              sizeof(out));
+    gpu_slot_bytes(out, &rx, &tx);
+    CHECK(rx >= 0 && tx >= 0); /* the bench reports them */
+    if (rx == 0 && tx == 0) {
+        fprintf(stderr, "two_daemons_gpu_slots: skipped: the daemons' UCX "
+                        "does not move CUDA memory (host slots; build with "
+                        "the libucx-cu13 wheel's UCX: make UCX=wheel)\n");
+        return;
+    }
+    CHECK(rx > 0 && tx > 0);
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 4; b++) {
+            char args[512];
+            snprintf(args, sizeof(args),
+                     "--daemons 2 --ctx-layout %s --gen-layout %s "
+                     "--requests 4 --blocks 8 --layers 4 --heads 4 "
+                     "--head-dim 64 --tokens-per-block 16",
+                     presets[a], presets[b]);
+            bench_out(args, out, sizeof(out));
+            gpu_slot_bytes(out, &rx, &tx);
+            CHECK(rx > 0 && tx > 0);
+        }
+    static const char *const more[] = {
+        "--daemons 2 --ctx-ranks 4 --gen-ranks 2 --ctx-layout trtllm "
+        "--gen-layout vllm-nhd --requests 4 --blocks 8 --layers 4",
+        "--daemons 2 --ctx-ranks 1 --gen-ranks 2 --requests 4 --blocks 8 "
+        "--layers 4",
+        "--daemons 2 --requests 4 --blocks 8 --layers 3 --heads 2 "
+        "--head-dim 7 --dtype fp8 --tokens-per-block 5",
+        "--daemons 2 --slot-bytes 1048576 --peer-config "
+        "'message_bytes: 128KiB' --peer-config 'send_window: 1' "
+        "--ctx-layout trtllm --gen-layout vllm-hnd --requests 4 --blocks 8 "
+        "--layers 4",
+        "--daemons 2 --regions 4 --layers 4 --requests 4 --blocks 8",
+    };
+    for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) {
+        bench_out(more[i], out, sizeof(out));
+        gpu_slot_bytes(out, &rx, &tx);
+        CHECK(rx > 0 && tx > 0);
+    }
+    /* a host pool on the context side: its daemon sends from host
+     * slots, the generation daemon receives into GPU slots */
+    bench_out("--daemons 2 --ctx-host --requests 4 --blocks 8 --layers 4", out,
+              sizeof(out));
+    gpu_slot_bytes(out, &rx, &tx);
+    CHECK(rx > 0 && tx == 0);
+    /* gpu.staging_bytes 0: host slots again, the same bytes */
+    char cfg[] = "/tmp/kvx-gpu-cfg-XXXXXX", args[256];
+    int fd = mkstemp(cfg);
+    CHECK(fd >= 0);
+    static const char text[] = "gpu:\n  staging_bytes: 0\n";
+    CHECK(write(fd, text, sizeof(text) - 1) == (ssize_t)sizeof(text) - 1);
+    close(fd);
+    snprintf(args, sizeof(args),
+             "--daemons 2 --requests 4 --blocks 8 --layers 4 "
+             "--daemon-config %s",
+             cfg);
+    bench_out(args, out, sizeof(out));
+    unlink(cfg);
+    gpu_slot_bytes(out, &rx, &tx);
+    CHECK(rx == 0 && tx == 0);
 }
 
 /* ---- cancel in flight and a killed client ----------------------------- */
@@ -343,7 +439,6 @@ static void ctx_proc(struct daemon *d, struct shared *sh, int dev,
     exit(0);
 }
 
-
 TEST_T(cancel_in_flight_no_write_after, 120)
 {
     NEED_GPUS(1);
@@ -361,11 +456,11 @@ TEST_T(cancel_in_flight_no_write_after, 120)
     uint32_t pool;
     pid_t gen = fork();
     if (gen == 0) {
-        kvx_client_t *c = rank(&d, "gpu-gen", KVX_ROLE_GENERATION, gen_dev(),
-                               &l, &p, &pool);
+        kvx_client_t *c =
+            rank(&d, "gpu-gen", KVX_ROLE_GENERATION, gen_dev(), &l, &p, &pool);
         uint32_t *b = all_blocks();
-        CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, b, BLOCKS,
-                           0, 5000),
+        CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, b, BLOCKS, 0,
+                           5000),
                  0);
         usleep(2000); /* let some chunks land */
         CHECK_EQ(kvx_cancel(c, 9, 10000), 0);
@@ -428,11 +523,11 @@ TEST_T(client_killed_while_pool_read, 120)
         kvx_layout_t l;
         void *p;
         uint32_t pool;
-        kvx_client_t *c = rank(&d, "gpu-gen", KVX_ROLE_GENERATION, gen_dev(),
-                               &l, &p, &pool);
+        kvx_client_t *c =
+            rank(&d, "gpu-gen", KVX_ROLE_GENERATION, gen_dev(), &l, &p, &pool);
         uint32_t *b = all_blocks();
-        CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, b, BLOCKS,
-                           0, 5000),
+        CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, b, BLOCKS, 0,
+                           5000),
                  0);
         sh->stage = 1; /* the reads are running: kill the context side */
         kvx_batch_t *bt;
