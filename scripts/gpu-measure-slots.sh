@@ -1,0 +1,43 @@
+#!/bin/sh
+# Issue 38 on the GPU machine: two daemons on one host, GPU pools, a UCX
+# that moves CUDA memory (a bundle built with the libucx-cu13 wheel's
+# UCX). GPU slots against host staging (gpu.staging_bytes 0), one run
+# each, alternated. Each run prints its own baseline, measured in the
+# same run: ucx_perftest ucp_am_bw -m cuda on the same transports with
+# GPU slots, the slowest of D2H, H2D and ucx_perftest with host slots.
+#   scripts/gpu-measure-slots.sh dist/kvxfer OUTDIR
+# Prints one line per run: GB/s, baseline, ratio, the baseline's name,
+# the bytes through GPU slots (B received, A sent) and the transports.
+B=${1:-dist/kvxfer}
+OUT=${2:-/tmp/kvx-slots-out}
+mkdir -p "$OUT"
+B=$(cd "$B" && pwd)
+KVX_HOME=$B . "$B/env.sh"
+TLS=${TLS:-cuda_ipc,cuda_copy,tcp}
+host=$OUT/host-slots.yaml
+printf 'gpu:\n  staging_bytes: 0\n' >"$host"
+big=$OUT/gpu-2g.yaml
+printf 'gpu:\n  staging_bytes: 2GiB\n' >"$big"
+run() { # name, args...
+    name=$1; shift
+    r=$(timeout 240 kvxfer-bench --spawn-daemon --gpu --gen-device 0 \
+        --daemons 2 --json --ucx-tls "$TLS" "$@" 2>&1 | tail -1)
+    echo "== $name: kvxfer-bench $*" >>"$OUT/bench-slots.txt"
+    echo "$r" >>"$OUT/bench-slots.txt"
+    g=$(echo "$r" | grep -o '"gbps":[0-9.]*,"baseline_gbps":[0-9.]*,"ratio":[0-9.]*')
+    n=$(echo "$r" | grep -o '"baseline":"[^"]*"')
+    s=$(echo "$r" | grep -o '"gpu_slot_bytes":{[^}]*}')
+    t=$(echo "$r" | grep -o '"transports":"[^"]*"')
+    echo "$name ${g:-FAILED: $r} $n $s $t"
+}
+M=${M:-"--layers 32 --heads 8 --head-dim 128 --tokens-per-block 16 --dtype bf16 --pool-mib 20000 --layout vllm-nhd"}
+C="--requests 16 --blocks 128 --window 4"
+for i in 1 2; do
+    run "host-slots-4M-$i" $M $C --daemon-config "$host"
+    run "gpu-slots-4M-$i" $M $C
+    run "host-slots-64M-$i" $M $C --slot-bytes 67108864 --daemon-config "$host"
+    run "gpu-slots-64M-$i" $M $C --slot-bytes 67108864 --daemon-config "$big"
+done
+# a layout change (the gather and scatter reorder): trtllm -> vllm-nhd
+run "gpu-slots-64M-trtllm-nhd" $M $C --ctx-layout trtllm --gen-layout vllm-nhd --slot-bytes 67108864 --daemon-config "$big"
+run "host-slots-64M-trtllm-nhd" $M $C --ctx-layout trtllm --gen-layout vllm-nhd --slot-bytes 67108864 --daemon-config "$host"
