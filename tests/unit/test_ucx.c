@@ -11,6 +11,7 @@
  * where.
  */
 #include "../../daemon/net/ucx.c"
+#include "../../daemon/net/ucx_addr.c"
 
 #include "tests/test.h"
 
