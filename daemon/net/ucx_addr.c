@@ -21,10 +21,27 @@
  * what it does not expect (a version other than 1 or 2: "addr version
  * 15", SIGABRT); a length inside the address sends it past the end.
  * ucp_worker_address_query() reads the header only. So the address is
- * walked here first, field by field as UCX 1.13's ucp_address_unpack()
- * reads it (src/ucp/wireup/address.c; non-unified mode, which peer.c
- * sets, and the flags ucp_ep_create() unpacks with), each length checked
- * against what is left, and it must end exactly where UCX would stop.
+ * walked here first, field by field as the loaded UCX's
+ * ucp_address_unpack() reads it (src/ucp/wireup/address.c; non-unified
+ * mode, which peer.c sets, and the flags ucp_ep_create() unpacks with),
+ * each length checked against what is left, and it must end exactly
+ * where UCX would stop.
+ *
+ * UCX 1.12 to 1.22 read the same fields, with three differences, chosen
+ * here by the version the loaded UCX reports (ucp_get_version(), once:
+ * a_fmt_t): from 1.16 a version-2 header keeps UCX's release (its minor
+ * version, modulo 16) in the high 4 bits of byte 0, and a version-1
+ * address ends with an empty device whose MD byte says the release (UCX
+ * reads both, and reads the fields around them as before); a version-1
+ * device's MD index is the low 5 bits of its byte before 1.19 (0x20 and
+ * 0x40 were flags) and the low 7 bits from 1.19, less those two bits
+ * again for an address whose release is 18 or earlier (or not said:
+ * ucp_address_adjust_unpacked_md_index()); and a namespace id
+ * (ucs_sys_ns_t, inside transport addresses: ucx_addr_fit()) is 8 bytes
+ * before 1.22 and 4 from 1.22. A UCX older than 1.12 is refused (a why
+ * on every address); one newer than 1.22 is read as 1.22 (logged once),
+ * and ucx_addr_fit() still refuses every address while this worker's own
+ * does not walk.
  * Past UCX's own checks: indices UCX shifts into 64-bit maps (MD, device)
  * stay under 64, a worker address carries no endpoint addresses, and a
  * transport's overhead, bandwidth and latency are finite and its overhead
@@ -47,14 +64,28 @@
 #define A_SYSDEV 0x20u
 #define A_MD_EMPTY 0x80u
 #define A_NULL 0xffu
-#define A_MAX_RES 128 /* UCP_MAX_RESOURCES */
-#define A_MAX_BITS 64 /* UCP_MD_INDEX_BITS, and the device maps' */
+#define A_MAX_RES 128     /* UCP_MAX_RESOURCES */
+#define A_MAX_BITS 64     /* UCP_MD_INDEX_BITS, and the device maps' */
+#define A_MD_LEGACY 0x60u /* UCP_ADDRESS_FLAG_MD_INDEX_LEGACY_BITS */
+#define A_KNOWN_MIN 12    /* the UCX minor versions read here */
+#define A_KNOWN_MAX 22
+
+/* How the loaded UCX reads what differs between versions (above) */
+typedef struct a_fmt {
+    unsigned major, minor; /* the loaded UCX's */
+    unsigned v1_md;        /* a version-1 device's MD index bits */
+    int legacy_md;         /* 1.19 on: A_MD_LEGACY cleared from a v1
+                              address's MD indices where its release <= 18 */
+    size_t ns_len;         /* sizeof(ucs_sys_ns_t) */
+} a_fmt_t;
 
 /* Where the walk found each device and transport (byte offsets), for
  * ucx_addr_fit(): the one that keeps some transports and not others. */
 typedef struct a_dev {
     size_t at, end; /* its MD byte(s) up to the end of its device address */
     size_t len_at;  /* its device-length byte (flags: LAST) */
+    unsigned md;    /* its MD index (as read, before a legacy adjustment) */
+    int empty;      /* no transports (UCP_ADDRESS_FLAG_MD_EMPTY_DEV) */
 } a_dev_t;
 
 typedef struct a_tl {
@@ -77,7 +108,50 @@ typedef struct walk {
     size_t len, at;
     kvx_why_t *why;
     a_map_t *m;
+    const a_fmt_t *f;
 } walk_t;
+
+static a_fmt_t fmt_loaded;
+
+/* The format of UCX major.minor */
+static a_fmt_t fmt_for(unsigned major, unsigned minor)
+{
+    a_fmt_t f = {.major = major,
+                 .minor = minor,
+                 .v1_md = minor >= 19 ? 0x7f : 0x1f,
+                 .legacy_md = minor >= 19,
+                 .ns_len = minor >= 22 ? 4 : 8};
+    return f;
+}
+
+static void fmt_once(void)
+{
+    unsigned major, minor, release;
+    ucp_get_version(&major, &minor, &release);
+    fmt_loaded = fmt_for(major, minor);
+    if (major == 1 && minor > A_KNOWN_MAX)
+        log_warn("peers: UCX %u.%u is newer than the worker address formats "
+                 "this daemon knows (UCX 1.%d to 1.%d): peers' addresses "
+                 "are read as UCX 1.%d's",
+                 major, minor, A_KNOWN_MIN, A_KNOWN_MAX, A_KNOWN_MAX);
+}
+
+/* The loaded UCX's format; once, whichever thread walks first */
+static const a_fmt_t *fmt(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, fmt_once);
+    return &fmt_loaded;
+}
+
+/* ucp_address_unpack_release_version(): the release a 4-bit packed one
+ * is, the nearest to the loaded UCX's minor version */
+static unsigned release_of(unsigned packed, unsigned minor)
+{
+    int delta = (int)(minor % 16) - (int)packed;
+    int base = (int)(minor / 16) + (delta >= 8) - (delta <= -8);
+    return packed + (unsigned)(base > 0 ? base : 0) * 16;
+}
 
 static int w_bad(walk_t *w, const char *what)
 {
@@ -191,7 +265,7 @@ static int w_header(walk_t *w, int *ver, uint64_t *id)
     if (*ver == A_V1) {
         flags = a[0] >> 4;
         w->at = 1;
-    } else if (*ver == A_V2 && !(a[0] >> 4)) {
+    } else if (*ver == A_V2) { /* high 4 bits: the release (1.16 on) */
         flags = a[1];
         w->at = 2;
     } else {
@@ -235,11 +309,11 @@ static int w_device(walk_t *w, int ver, int *last)
     a_dev_t *d = &m->dev[m->ndev];
     d->at = w->at;
     int empty = !!(a[w->at] & A_MD_EMPTY);
-    if (w_value(w, ver, ver == A_V1 ? 0x1f : 0x7f, &md,
+    if (w_value(w, ver, ver == A_V1 ? w->f->v1_md : 0x7f, &md,
                 "a device's memory domain"))
         return -1;
-    if (md >= A_MAX_BITS)
-        return w_bad(w, "a memory domain index over 63");
+    d->md = md; /* checked at the end (w_md()): a legacy address's */
+    d->empty = empty;
     if (w->at >= w->len)
         return w_bad(w, "a device address length runs past the end");
     uint8_t df = a[w->at] & 0xe0;
@@ -274,14 +348,42 @@ static int w_device(walk_t *w, int ver, int *last)
     return 0;
 }
 
-/* The walk of a..a+len into *m: 0 and where the last device ended
- * (m->head..), or -1 with why. */
-static int addr_walk(const uint8_t *a, size_t len, uint64_t *uuid, a_map_t *m,
-                     size_t *end, kvx_why_t *why)
+/* The MD indices of the devices with transports (UCX reads no other's)
+ * as UCX takes them, each under 64: 0, or -1 naming the first that is not.
+ * From 1.19 a version-1 address's indices lose A_MD_LEGACY where the
+ * address's release, said by a last device that is empty, is 18 or
+ * earlier, or is not said. */
+static int w_md(walk_t *w, int ver)
 {
-    walk_t w = {a, len, 0, why, m};
+    const a_map_t *m = w->m;
+    const a_dev_t *last = &m->dev[m->ndev - 1];
+    unsigned clear = 0;
+    if (ver == A_V1 && w->f->legacy_md &&
+        (!last->empty || release_of(last->md & 0x0f, w->f->minor) <= 18))
+        clear = A_MD_LEGACY;
+    for (unsigned i = 0; i < m->ndev; i++)
+        if (!m->dev[i].empty && (m->dev[i].md & ~clear) >= A_MAX_BITS) {
+            w->at = m->dev[i].at;
+            return w_bad(w, "a memory domain index over 63");
+        }
+    return 0;
+}
+
+/* The walk of a..a+len into *m as UCX of format f reads it: 0 and where
+ * the last device ended (m->head..), or -1 with why. */
+static int addr_walk(const uint8_t *a, size_t len, uint64_t *uuid, a_map_t *m,
+                     size_t *end, const a_fmt_t *f, kvx_why_t *why)
+{
+    walk_t w = {a, len, 0, why, m, f};
     int ver;
     uint64_t id;
+    if (f->major != 1 || f->minor < A_KNOWN_MIN) {
+        why_set(why,
+                "UCX %u.%u, whose worker addresses this daemon cannot read "
+                "(UCX 1.%d or later)",
+                f->major, f->minor, A_KNOWN_MIN);
+        return -1;
+    }
     if (len < 2 || len > UCX_ADDR_MAX) {
         why_set(why, "%zu bytes (a worker address has 2 to %u)", len,
                 UCX_ADDR_MAX);
@@ -296,6 +398,8 @@ static int addr_walk(const uint8_t *a, size_t len, uint64_t *uuid, a_map_t *m,
     for (int last_dev = 0; !last_dev;)
         if (w_device(&w, ver, &last_dev))
             return -1;
+    if (w_md(&w, ver))
+        return -1;
     if (uuid)
         *uuid = id;
     *end = w.at;
@@ -307,7 +411,7 @@ int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, kvx_why_t *why)
     static __thread a_map_t m; /* 10 KiB: off the lanes' stacks */
     size_t end;
     uint64_t id;
-    if (addr_walk(a, len, &id, &m, &end, why))
+    if (addr_walk(a, len, &id, &m, &end, fmt(), why))
         return -1;
     if (end != len) {
         why_set(why, "bytes after the last device at byte %zu of %zu", end,
@@ -339,22 +443,25 @@ int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, kvx_why_t *why)
  * where the transport's own flags inside them make it read no more than
  * that: TCP (a loopback flag: the host id, and a namespace when the id
  * says one; else an IPv4 or IPv6 address by the family; its port), CMA
- * (a process-namespace flag: 8 more bytes) and POSIX shared memory (the
- * same, in the segment id) are read as UCX 1.13 reads them. TCP is kept
- * by those rules alone (its device addresses differ by interface:
- * loopback, IPv4, IPv6). Transports this worker does not have are kept
- * as they are: UCX compares the checksum first and passes them by. What
- * is left over goes to UCX as a new address, the same bytes less what was
- * left out; none of this worker's transports left is "unreachable". */
+ * (a process-namespace flag: the namespace after the process id) and
+ * POSIX shared memory (the same, in the segment id) are read as UCX 1.12
+ * to 1.22 read them, a namespace being ucs_sys_ns_t's size in the loaded
+ * UCX (a_fmt_t: 8 bytes, 4 from 1.22). TCP is kept by those rules alone
+ * (its device addresses differ by interface: loopback, IPv4, IPv6).
+ * Transports this worker does not have are kept as they are: UCX compares
+ * the checksum first and passes them by. What is left over goes to UCX
+ * as a new address, the same bytes less what was left out; none of this
+ * worker's transports left is "unreachable". */
 
 #define TCP_LOOPBACK 0x01u       /* UCT_TCP_DEVICE_ADDR_FLAG_LOOPBACK */
 #define LOCAL_NS_FLAG_BYTE 0x80u /* UCT_IFACE_LOCAL_ADDR_FLAG_NS, bit 63 */
 #define CMA_PID_NS_BYTE 0x80u    /* UCT_CMA_IFACE_ADDR_FLAG_PID_NS, bit 31 */
 #define POSIX_PID_NS_BYTE 0x10u  /* UCT_POSIX_SEG_FLAG_PID_NS, bit 60 */
 
-/* TCP's device address: flags, family, then the host id (and namespace)
- * on loopback or the IP address; its interface address, the port. */
-static int tcp_fits(const uint8_t *dev, size_t dlen, size_t ilen,
+/* TCP's device address: flags, family, then the host id (and namespace,
+ * ns_len bytes) on loopback or the IP address; its interface address, the
+ * port. */
+static int tcp_fits(const uint8_t *dev, size_t dlen, size_t ilen, size_t ns_len,
                     kvx_why_t *why)
 {
     size_t want;
@@ -366,7 +473,7 @@ static int tcp_fits(const uint8_t *dev, size_t dlen, size_t ilen,
         return 0;
     }
     if (dev[0] & TCP_LOOPBACK)
-        want = dlen >= 10 && (dev[9] & LOCAL_NS_FLAG_BYTE) ? 18 : 10;
+        want = dlen >= 10 && (dev[9] & LOCAL_NS_FLAG_BYTE) ? 10 + ns_len : 10;
     else if (dev[1] == AF_INET)
         want = 6;
     else if (dev[1] == AF_INET6)
@@ -426,9 +533,13 @@ static const char *tl_name(uint16_t csum, char *buf, size_t len)
 }
 
 /* Whether remote transport t (of address a) can go to this worker's
- * (own: the walk of its own address): 1, or 0 with why (left out). */
+ * (own: the walk of its own address) in a UCX whose namespace ids are
+ * ns_len bytes: 1, or 0 with why (left out). CMA's address with a
+ * namespace is a process id (4 bytes) and the namespace, aligned to it
+ * (ucs_cma_iface_ext_device_addr_t); POSIX's, the segment id (8 bytes)
+ * and the namespace. */
 static int tl_fits(const a_map_t *own, const uint8_t *a, const a_tl_t *t,
-                   int *ours, kvx_why_t *why)
+                   size_t ns_len, int *ours, kvx_why_t *why)
 {
     const uint8_t *dev = a + t->dev_at, *ifa = a + t->if_at;
     int same = 0, lens = 0;
@@ -443,7 +554,7 @@ static int tl_fits(const a_map_t *own, const uint8_t *a, const a_tl_t *t,
     if (!same)
         return 1; /* not this worker's: UCX passes it by */
     if (t->csum == csum_of.tcp)
-        return tcp_fits(dev, t->dev_len, t->if_len, why);
+        return tcp_fits(dev, t->dev_len, t->if_len, ns_len, why);
     if (!lens) {
         char nm[48];
         why_set(why,
@@ -452,14 +563,16 @@ static int tl_fits(const a_map_t *own, const uint8_t *a, const a_tl_t *t,
                 tl_name(t->csum, nm, sizeof(nm)), t->dev_len, t->if_len);
         return 0;
     }
-    if ((t->csum == csum_of.cma && t->if_len >= 4 &&
-         (ifa[3] & CMA_PID_NS_BYTE) && t->if_len < 16) ||
+    int cma = t->csum == csum_of.cma;
+    size_t ext = cma ? 2 * ns_len : 8 + ns_len;
+    if ((cma && t->if_len >= 4 && (ifa[3] & CMA_PID_NS_BYTE) &&
+         t->if_len < ext) ||
         (t->csum == csum_of.posix && t->if_len >= 8 &&
-         (ifa[7] & POSIX_PID_NS_BYTE) && t->if_len < 16)) {
+         (ifa[7] & POSIX_PID_NS_BYTE) && t->if_len < ext)) {
         why_set(why,
                 "a %s interface address of %zu bytes that says a process "
-                "namespace (16 bytes)",
-                t->csum == csum_of.cma ? "CMA" : "POSIX", t->if_len);
+                "namespace (%zu bytes)",
+                cma ? "CMA" : "POSIX", t->if_len, ext);
         return 0;
     }
     return 1;
@@ -474,7 +587,8 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
     size_t olen;
     char first[160] = "";
     int kept = 0;
-    if (addr_walk(a, len, NULL, &in, &end, why))
+    const a_fmt_t *f = fmt();
+    if (addr_walk(a, len, NULL, &in, &end, f, why))
         return -1;
     if (end != len) {
         why_set(why, "bytes after the last device at byte %zu of %zu", end,
@@ -488,9 +602,9 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
         return -1;
     }
     char d[128];
-    int own_ok =
-        !addr_walk((const uint8_t *)oa, olen, NULL, &own, &end, KVX_WHY(d)) &&
-        end == olen;
+    int own_ok = !addr_walk((const uint8_t *)oa, olen, NULL, &own, &end, f,
+                            KVX_WHY(d)) &&
+                 end == olen;
     if (!own_ok) {
         ucp_worker_release_address(w, oa);
         why_set(why, "this worker's own address: %s", d);
@@ -506,7 +620,7 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
             int ours;
             if (t->dev != di)
                 continue;
-            if (!tl_fits(&own, a, t, &ours, KVX_WHY(d))) {
+            if (!tl_fits(&own, a, t, f->ns_len, &ours, KVX_WHY(d))) {
                 if (!first[0])
                     snprintf(first, sizeof(first), "%s", d);
                 continue;
@@ -552,7 +666,7 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
     size_t len;
     char why[256] = "";
     *ep = NULL;
-    if (addr_walk(addr, UCX_ADDR_MAX, NULL, &m, &len, KVX_WHY(why))) {
+    if (addr_walk(addr, UCX_ADDR_MAX, NULL, &m, &len, fmt(), KVX_WHY(why))) {
         log_warn("peers: a worker address that was not checked: %s", why);
         return UCS_ERR_INVALID_ADDR;
     }

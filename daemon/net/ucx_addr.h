@@ -22,10 +22,11 @@ ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
                               ucp_ep_h *ep);
 /* The most bytes of a worker address taken from another daemon. */
 #define UCX_ADDR_MAX (16u * 1024)
-/* Whether a..a+len is a worker address ucp_ep_create() can unpack
- * without reading past it or asserting (UCX 1.13's format, non-unified
- * mode): 0 and *uuid (the worker's id; 0 if not told, when not NULL),
- * or -1 with why (what is wrong, and at which byte). */
+/* Whether a..a+len is a worker address the loaded UCX's ucp_ep_create()
+ * can unpack without reading past it or asserting (the formats of UCX
+ * 1.12 to 1.22, as the loaded one reads them; non-unified mode): 0 and
+ * *uuid (the worker's id; 0 if not told, when not NULL), or -1 with why
+ * (what is wrong, and at which byte; a UCX older than 1.12 refuses all). */
 int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid,
                    kvx_why_t *why);
 /* What of the worker address a..a+len worker w can hand to ucp_ep_create()
