@@ -449,9 +449,11 @@ int ucx_addr_check(const uint8_t *a, size_t len, uint64_t *uuid, kvx_why_t *why)
  * UCX (a_fmt_t: 8 bytes, 4 from 1.22). TCP is kept by those rules alone
  * (its device addresses differ by interface: loopback, IPv4, IPv6).
  * Transports this worker does not have are kept as they are: UCX compares
- * the checksum first and passes them by. What is left over goes to UCX
- * as a new address, the same bytes less what was left out; none of this
- * worker's transports left is "unreachable". */
+ * the checksum first and passes them by; so are devices without
+ * transports (from 1.16 the last one says the sender's release, by which
+ * UCX 1.22 picks protocols and reads version-1 MD indices). What is left
+ * over goes to UCX as a new address, the same bytes less what was left
+ * out; none of this worker's transports left is "unreachable". */
 
 #define TCP_LOOPBACK 0x01u       /* UCT_TCP_DEVICE_ADDR_FLAG_LOOPBACK */
 #define LOCAL_NS_FLAG_BYTE 0x80u /* UCT_IFACE_LOCAL_ADDR_FLAG_NS, bit 63 */
@@ -615,6 +617,14 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
     size_t last_dev = SIZE_MAX;
     for (unsigned di = 0; di < in.ndev; di++) {
         size_t dev_out = SIZE_MAX, last_tl = SIZE_MAX;
+        const a_dev_t *dv = &in.dev[di];
+        if (dv->empty) { /* as it is (the last one: the release) */
+            memcpy(out + n, a + dv->at, dv->end - dv->at);
+            last_dev = n + (dv->len_at - dv->at);
+            out[last_dev] &= (uint8_t)~A_LAST;
+            n += dv->end - dv->at;
+            continue;
+        }
         for (unsigned ti = 0; ti < in.ntl; ti++) {
             const a_tl_t *t = &in.tl[ti];
             int ours;
@@ -627,7 +637,6 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
             }
             kept += ours;
             if (dev_out == SIZE_MAX) { /* the device, once */
-                const a_dev_t *dv = &in.dev[di];
                 dev_out = n;
                 memcpy(out + n, a + dv->at, dv->end - dv->at);
                 out[n + (dv->len_at - dv->at)] &= (uint8_t)~A_LAST;

@@ -634,6 +634,36 @@ TEST(fit_leaves_out_tcp_without_a_device_address)
     ucp_cleanup(ctx);
 }
 
+/* Devices without transports are kept as they are: from 1.16 the last
+ * one says the sender's release (UCX 1.22 picks its protocols and reads
+ * version-1 MD indices by it). On a UCX whose own address has none, one
+ * is added to the peer's (as a 1.22 peer's is). */
+TEST(fit_keeps_devices_without_transports)
+{
+    ucp_worker_h w, o;
+    ucp_context_h ctx = daemon_like("lo", &w, &o);
+    uint8_t a[UCX_ADDR_MAX], out[UCX_ADDR_MAX];
+    size_t len = address_of(o, a, sizeof(a)), n = 0;
+    static a_map_t m;
+    size_t end;
+    char why[256];
+    CHECK_EQ(addr_walk(a, len, NULL, &m, &end, fmt(), KVX_WHY(why)), 0);
+    if (!m.dev[m.ndev - 1].empty) { /* UCX before 1.16: add 1.22's */
+        a[m.dev[m.ndev - 1].len_at] &= (uint8_t)~A_LAST;
+        a[len++] = 0x86;
+        a[len++] = 0x80;
+    }
+    CHECK_EQ(ucx_addr_check(a, len, NULL, KVX_WHY(why)), 0);
+    CHECK(ucx_addr_fit(w, a, len, out, &n, KVX_WHY(why)) > 0);
+    CHECK_EQ(n, len);
+    CHECK(!memcmp(out, a, len));
+    CHECK_EQ(out[n - 2], 0x86);
+    CHECK_EQ(out[n - 1], 0x80);
+    ucp_worker_destroy(o);
+    ucp_worker_destroy(w);
+    ucp_cleanup(ctx);
+}
+
 /* A namespace id is 8 bytes before UCX 1.22 and 4 from 1.22: TCP's
  * loopback device address with one is 18 or 14 bytes, CMA's interface
  * address 16 or 8, POSIX's 16 or 12; each the other size is left out. */
