@@ -70,7 +70,8 @@ CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/conf_keys.c \
             daemon/core/notify.c daemon/core/daemon.c daemon/core/fault.c \
-            daemon/net/ucx.c daemon/net/hs.c daemon/net/lane.c \
+            daemon/net/ucx.c daemon/net/ucx_addr.c daemon/net/hs.c \
+            daemon/net/lane.c \
             daemon/net/peer.c daemon/net/peer_auth.c daemon/net/peer_addr.c \
             daemon/net/peer_handshake.c daemon/net/peer_init.c \
             daemon/net/peer_status.c \

@@ -35,7 +35,10 @@
  *       listens on IP, authenticates the daemon that dials it and
  *       answers with KIND as its address: "ff" (64 bytes of 0xff as the
  *       worker's), "random" (64 random bytes), "lane" (a good worker
- *       address, 64 bytes of 0xff as lane 0's). Prints "answered".
+ *       address, 64 bytes of 0xff as lane 0's), "set:OFF:HEX" (its real
+ *       worker address, byte OFF set to HEX), "cut:N" (its real worker
+ *       address less its last N bytes), "long" (its real worker address
+ *       and one byte more). Prints "answered".
  *   fake_peer badaddr-to SECRET_FILE TARGET_IP:PORT KIND SECONDS
  *       the same, dialling TARGET: KIND in its RESPONSE; prints
  *       "auth_result CODE MESSAGE" with TARGET's answer.
@@ -440,6 +443,20 @@ static void fill_ucx(Kvxfer__PeerUcx *u, uint64_t conn)
         memcpy(set, my_ucx, my_ucx_len);
         set[off % my_ucx_len] = (uint8_t)val;
         u->worker.data = set;
+        return;
+    }
+    if (sscanf(bad_kind, "cut:%u", &off) == 1) { /* cut short */
+        u->worker.len = off < my_ucx_len ? my_ucx_len - off : 0;
+        return;
+    }
+    if (!strcmp(bad_kind, "long")) { /* one byte past its end */
+        static uint8_t *longer;
+        if (!longer && !(longer = malloc(my_ucx_len + 1)))
+            die("malloc");
+        memcpy(longer, my_ucx, my_ucx_len);
+        longer[my_ucx_len] = 0;
+        u->worker.data = longer;
+        u->worker.len = my_ucx_len + 1;
         return;
     }
     if (!strcmp(bad_kind, "random")) {

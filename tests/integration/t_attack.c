@@ -575,7 +575,8 @@ TEST_T(attack_join_consumers_uncharged, 120)
  * badaddr ... set:OFF:HEX). Byte 29 is the first transport's (self's)
  * interface-address length: 0x10 or 0x1c make that address swallow the
  * next device's header and its 6-byte (IPv4) or 18-byte (loopback) TCP
- * device address, whichever comes first in the peer's address, so TCP's
+ * device address (0x18: UCX 1.22's 14-byte loopback one, its namespace
+ * id 4 bytes), whichever comes first in the peer's address, so TCP's
  * entry lands on self's device, which has no address. ucx_addr_check()
  * passes it (the walk still ends right), and UCX 1.13 handed TCP a NULL
  * device address: SIGSEGV in ucp_wireup_is_reachable(), from
@@ -595,7 +596,8 @@ TEST_T(attack_worker_address_one_byte, 600)
     fill_req(&c, 1, cb, 7);
     kvx_context_params_t p;
     CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
-    const char *vals = getenv("KVX_AT_VALS") ? getenv("KVX_AT_VALS") : "10,1c";
+    const char *vals =
+        getenv("KVX_AT_VALS") ? getenv("KVX_AT_VALS") : "10,18,1c";
     int o0 = 29, o1 = 29;
     if (getenv("KVX_AT_OFFS"))
         CHECK(sscanf(getenv("KVX_AT_OFFS"), "%d,%d", &o0, &o1) == 2);

@@ -207,8 +207,11 @@ static void p_ipport_of(const rank_t *r, char *out, size_t len)
 /* A daemon that knows the secret but tells a broken UCX worker address
  * (fake_peer badaddr): 64 bytes of 0xff (UCX 1.13's ucp_ep_create()
  * asserted "addr version 15" on them, SIGABRT), 64 random bytes (the
- * same crash, or a read past the end, about half the time), and a good
- * worker address with a broken lane address. The daemon that dials it
+ * same crash, or a read past the end, about half the time), a good
+ * worker address with a broken lane address, and its real worker address
+ * (the loaded UCX's: 1.13's, or 1.22's with its release device) cut
+ * short by a byte, one byte longer, or of an address version UCX does
+ * not know (byte 0 set to 2). The daemon that dials it
  * (B) and the daemon it dials (A) refuse the address, say why in their
  * log, stay up, and move verified bytes between them after. */
 TEST_T(peer_bad_worker_address, 150)
@@ -223,7 +226,8 @@ TEST_T(peer_bad_worker_address, 150)
     kvx_context_params_t p;
     CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
     static const char *const kinds[] = {"ff",     "random", "random",
-                                        "random", "random", "lane"};
+                                        "random", "random", "lane",
+                                        "cut:1",  "long",   "set:0:02"};
     char faddr[192], out[4096], args[600], a_ipport[64];
     uint8_t f[4096];
     size_t fl;
@@ -248,6 +252,11 @@ TEST_T(peer_bad_worker_address, 150)
                    "address version 15",
                    2000));
     CHECK(log_wait(b, "refused: its lane 0's UCX address", 2000));
+    CHECK(log_wait(
+        b, "refused: its worker's UCX address: bytes after the last device",
+        2000));
+    CHECK(log_wait(b, "runs past the end", 2000));
+    CHECK(log_wait(b, "header byte 0x02: address version 2", 2000));
     /* it dials A, its RESPONSE telling the broken addresses */
     p_ipport_of(&c, a_ipport, sizeof(a_ipport));
     for (unsigned i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
@@ -270,6 +279,38 @@ TEST_T(peer_bad_worker_address, 150)
     wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
     wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
     CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    kvx_context_params_free(&p);
+    rank_close(&g);
+    rank_close(&c);
+    p_stop_both(a, b);
+}
+
+/* Two daemons whose UCX packs version-2 worker addresses
+ * (UCX_ADDRESS_VERSION=v2, which a UCX build or site may set): UCX 1.16
+ * and later keep their release in the high 4 bits of the header's first
+ * byte (1.22: 0x61), which ucx_addr_check() once refused as an unknown
+ * address version, so no two such daemons reached each other. They
+ * authenticate and move verified bytes. (Before: on UCX 1.22 the fetch
+ * ended PEER_GONE, "its worker's UCX address: header byte 0x61: address
+ * version 1".) */
+TEST_T(peer_address_version_2, 90)
+{
+    daemon_t *a, *b;
+    setenv("UCX_ADDRESS_VERSION", "v2", 1);
+    p_two_daemons(&a, &b);
+    unsetenv("UCX_ADDRESS_VERSION");
+    static side_t cs, gs;
+    rank_t c, g;
+    p_pair(a, b, &cs, &gs, "v2-ctx", "v2-gen", &c, &g);
+    uint32_t cb[2] = {0, 1}, gb[2] = {2, 3};
+    fill_req(&c, 1, cb, 7);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 1, c.pool, cb, 2, 7, &p, T_MS), c.c);
+    CHECK_KVX(kvx_fetch(g.c, 1, p.data, p.len, g.pool, gb, 2, 0, T_MS), g.c);
+    wait_event(g.c, 1, KVX_EVENT_COMPLETE, 0, 8000);
+    wait_event(c.c, 1, KVX_EVENT_COMPLETE, 0, 5000);
+    CHECK_EQ(p_check_req(&g, 1, gb, 7, 0), 0);
+    fprintf(stderr, "fetch over version-2 addresses: complete, verified\n");
     kvx_context_params_free(&p);
     rank_close(&g);
     rank_close(&c);

@@ -7,10 +7,12 @@
  * against UCX 1.13 aborting on a purged wire-up REPLY: bound, and the
  * request fields it relabels. And ucx_addr_check(), the walk of a
  * peer's worker address: real addresses (both formats, with a worker
- * name) pass; cut, padded and broken ones are refused, naming what and
- * where.
+ * name; the loaded UCX's, and kept ones of UCX 1.13 and 1.22, walked as
+ * each UCX version reads them) pass; cut, padded and broken ones are
+ * refused, naming what and where. And ucx_addr_fit().
  */
 #include "../../daemon/net/ucx.c"
+#include "../../daemon/net/ucx_addr.c"
 
 #include "tests/test.h"
 
@@ -257,6 +259,251 @@ TEST(broken_addresses_are_named)
     CHECK_STR_CONTAINS(why, "overhead is negative");
 }
 
+/* ---- the formats of UCX 1.13 to 1.22 ------------------------------------
+ *
+ * Real addresses of a daemon-like worker on loopback (the same context as
+ * daemon_like("lo"), as tests/integration's daemons make them), taken from
+ * each UCX once and kept here, so that either build walks both. */
+
+/* UCX 1.13.1, version 1 (the default): 186 bytes; MD bytes with 1.13's
+ * flags (0x20: registers) */
+static const uint8_t a113_lo[186] = {
+    0x20, 0x3b, 0x48, 0xc3, 0xc2, 0x8f, 0x76, 0x8f, 0x59, 0x20, 0x00, 0x63,
+    0x75, 0x77, 0xcc, 0x2b, 0x32, 0x00, 0xf8, 0xd7, 0x4f, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x4f, 0x03, 0x00, 0x88, 0xcb, 0x6f, 0x65, 0x55, 0x2e, 0x22,
+    0x8c, 0x08, 0x21, 0x12, 0x01, 0x02, 0xa7, 0x23, 0x4a, 0xdf, 0xcc, 0x1c,
+    0x25, 0xbe, 0xf9, 0xff, 0xff, 0xef, 0x00, 0x00, 0x00, 0x00, 0xcf, 0x19,
+    0x17, 0xb7, 0x51, 0x38, 0x53, 0x9e, 0x3e, 0x4b, 0xd7, 0xe0, 0x37, 0x37,
+    0x01, 0x13, 0x23, 0x00, 0x82, 0x85, 0x85, 0x42, 0x08, 0xa7, 0x23, 0x4a,
+    0xdf, 0xcc, 0x1c, 0x25, 0x3e, 0x8d, 0x53, 0x77, 0xcc, 0x2b, 0x32, 0x00,
+    0x4c, 0x3e, 0x50, 0x77, 0xcc, 0xab, 0x33, 0x00, 0x4f, 0x23, 0x00, 0x88,
+    0x02, 0x80, 0xd2, 0x2a, 0x00, 0x00, 0x00, 0x00, 0x43, 0x08, 0xa7, 0x23,
+    0x4a, 0xdf, 0xcc, 0x1c, 0x25, 0x3e, 0xa7, 0xd3, 0x77, 0xcc, 0x2b, 0x32,
+    0x00, 0x4c, 0x3e, 0x50, 0x77, 0xcc, 0xab, 0x33, 0x00, 0x4f, 0x23, 0x00,
+    0x88, 0x75, 0x3c, 0x00, 0x80, 0x03, 0x00, 0x00, 0xc0, 0x24, 0x88, 0xa7,
+    0x23, 0x4a, 0xdf, 0xcc, 0x1c, 0x25, 0x3e, 0x47, 0x8b, 0xbd, 0x37, 0x06,
+    0x36, 0x00, 0x24, 0x2e, 0x50, 0x77, 0xcc, 0xab, 0x33, 0x00, 0x92, 0x21,
+    0x00, 0x84, 0x75, 0x3c, 0x00, 0x00};
+/* UCX 1.22.0, version 1: 184 bytes, a 14-byte loopback TCP device
+ * address (a 4-byte namespace), and the release device (0x86 0x80: empty,
+ * release 6, i.e. 22) at the end */
+static const uint8_t a122_lo[184] = {
+    0x20, 0x00, 0x3d, 0xdb, 0x9d, 0x5b, 0x76, 0xd4, 0x29, 0x00, 0x00, 0x63,
+    0x75, 0x77, 0xcc, 0x2b, 0x32, 0x00, 0x40, 0x97, 0x50, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x4f, 0x03, 0x00, 0x88, 0x07, 0x06, 0x32, 0x52, 0xb8, 0x88,
+    0x8d, 0x95, 0x01, 0x0e, 0x01, 0x02, 0xa7, 0x23, 0x4a, 0xdf, 0xcc, 0x1c,
+    0x25, 0xbe, 0xf9, 0xff, 0xff, 0xef, 0xcf, 0x19, 0x17, 0xb7, 0x51, 0x38,
+    0x53, 0x9e, 0x3e, 0x4b, 0xd7, 0xe0, 0x37, 0x37, 0x01, 0x13, 0x23, 0x00,
+    0x82, 0xcc, 0x99, 0x02, 0x08, 0xa7, 0x23, 0x4a, 0xdf, 0xcc, 0x1c, 0x25,
+    0x3e, 0x8d, 0x53, 0x77, 0xcc, 0x2b, 0x32, 0x00, 0x00, 0x70, 0x50, 0x77,
+    0xcc, 0xab, 0x33, 0x00, 0x4f, 0x23, 0x00, 0x88, 0x07, 0x80, 0xd2, 0x2a,
+    0x00, 0x00, 0x00, 0x00, 0x03, 0x08, 0xa7, 0x23, 0x4a, 0xdf, 0xcc, 0x1c,
+    0x25, 0x3e, 0xa7, 0xd3, 0x77, 0xcc, 0x2b, 0x32, 0x00, 0x00, 0x70, 0x50,
+    0x77, 0xcc, 0xab, 0x33, 0x00, 0x4f, 0x23, 0x00, 0x88, 0x78, 0x3c, 0x00,
+    0x80, 0x03, 0x00, 0x00, 0xc0, 0x04, 0x08, 0xa7, 0x23, 0x4a, 0xdf, 0xcc,
+    0x1c, 0x25, 0x3e, 0x47, 0x8b, 0xbd, 0x37, 0x06, 0x36, 0x00, 0x24, 0x2e,
+    0x50, 0x77, 0xcc, 0xab, 0x33, 0x00, 0x92, 0x21, 0x00, 0x84, 0x78, 0x3c,
+    0x00, 0x00, 0x86, 0x80};
+/* UCX 1.22.0, version 2: 143 bytes, header 0x61 (release 6, version 1) */
+static const uint8_t a122_lo_v2[143] = {
+    0x61, 0x02, 0xca, 0x89, 0x46, 0x61, 0x98, 0x0f, 0x7c, 0x27, 0x00, 0x00,
+    0x63, 0x75, 0x44, 0x26, 0x00, 0x00, 0x80, 0x00, 0x1b, 0x00, 0x88, 0x09,
+    0x89, 0xf1, 0x9d, 0x9d, 0x89, 0x0d, 0xbe, 0x01, 0x0e, 0x01, 0x02, 0xa7,
+    0x23, 0x4a, 0xdf, 0xcc, 0x1c, 0x25, 0xbe, 0xf9, 0xff, 0xff, 0xef, 0xcf,
+    0x19, 0x0c, 0x01, 0x5a, 0x01, 0x80, 0x00, 0x8b, 0x00, 0x82, 0xd4, 0xe1,
+    0x02, 0x08, 0xa7, 0x23, 0x4a, 0xdf, 0xcc, 0x1c, 0x25, 0x3e, 0x8d, 0x53,
+    0x44, 0xe5, 0x43, 0x00, 0x81, 0x00, 0x9b, 0x00, 0x88, 0x0c, 0x80, 0xd2,
+    0x2a, 0x00, 0x00, 0x00, 0x00, 0x03, 0x08, 0xa7, 0x23, 0x4a, 0xdf, 0xcc,
+    0x1c, 0x25, 0x3e, 0xa7, 0xd3, 0x44, 0xe5, 0x43, 0x00, 0x81, 0x00, 0x9b,
+    0x00, 0x88, 0x7e, 0x3c, 0x00, 0x80, 0x03, 0x00, 0x00, 0xc0, 0x04, 0x88,
+    0xa7, 0x23, 0x4a, 0xdf, 0xcc, 0x1c, 0x25, 0x3e, 0x47, 0x8b, 0xfb, 0x55,
+    0x43, 0x00, 0x00, 0x00, 0x99, 0x00, 0x84, 0x7e, 0x3c, 0x00, 0x00};
+
+#define ADDR(x) x, sizeof(x)
+
+/* Walks len bytes of a as UCX major.minor reads them: 0 (and the whole
+ * of it walked), or -1 with why. */
+static int walk_as(unsigned minor, const uint8_t *a, size_t len, kvx_why_t *why)
+{
+    static a_map_t m;
+    size_t end;
+    a_fmt_t f = fmt_for(1, minor);
+    if (addr_walk(a, len, NULL, &m, &end, &f, why))
+        return -1;
+    if (end != len) {
+        why_set(why, "bytes after the last device at byte %zu", end);
+        return -1;
+    }
+    return 0;
+}
+
+/* What differs by the loaded UCX's version, and the release a 4-bit one
+ * is (UCX's ucp_address_unpack_release_version()) */
+TEST(formats_by_ucx_version)
+{
+    static const struct {
+        unsigned minor, v1_md, legacy;
+        size_t ns;
+    } want[] = {{13, 0x1f, 0, 8}, {18, 0x1f, 0, 8}, {19, 0x7f, 1, 8},
+                {21, 0x7f, 1, 8}, {22, 0x7f, 1, 4}, {23, 0x7f, 1, 4}};
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
+        a_fmt_t f = fmt_for(1, want[i].minor);
+        CHECK_EQ(f.v1_md, want[i].v1_md);
+        CHECK_EQ(f.legacy_md, (int)want[i].legacy);
+        CHECK_EQ(f.ns_len, want[i].ns);
+    }
+    CHECK_EQ(release_of(6, 22), 22u);
+    CHECK_EQ(release_of(2, 22), 18u);
+    CHECK_EQ(release_of(15, 22), 15u);
+    CHECK_EQ(release_of(13, 22), 29u);
+    CHECK_EQ(release_of(6, 13), 6u);
+    unsigned maj, min, rel;
+    ucp_get_version(&maj, &min, &rel);
+    CHECK_EQ(fmt()->minor, min);
+}
+
+/* Each version's real address walks as each UCX reads it: a daemon on
+ * one reads its peers' of the other (version 2's release in the header,
+ * version 1's release device); a UCX older than 1.12 reads none. */
+TEST(each_version_walks_as_each_reads)
+{
+    static const unsigned minors[] = {12, 13, 16, 19, 21, 22, 23};
+    char why[200];
+    for (size_t i = 0; i < sizeof(minors) / sizeof(minors[0]); i++) {
+        CHECK_EQ(walk_as(minors[i], ADDR(a113_lo), KVX_WHY(why)), 0);
+        CHECK_EQ(walk_as(minors[i], ADDR(a122_lo), KVX_WHY(why)), 0);
+        CHECK_EQ(walk_as(minors[i], ADDR(a122_lo_v2), KVX_WHY(why)), 0);
+    }
+    CHECK_EQ(ucx_addr_check(ADDR(a122_lo_v2), NULL, KVX_WHY(why)), 0);
+    CHECK_EQ(walk_as(11, ADDR(a122_lo), KVX_WHY(why)), -1);
+    CHECK_STR_CONTAINS(why, "UCX 1.11, whose worker addresses this daemon "
+                            "cannot read");
+    /* every prefix of each, and one byte more, refused, as each reads */
+    uint8_t a[256];
+    const struct {
+        const uint8_t *a;
+        size_t len;
+    } all[] = {{ADDR(a113_lo)}, {ADDR(a122_lo)}, {ADDR(a122_lo_v2)}};
+    for (size_t i = 0; i < 3; i++)
+        for (unsigned minor = 13; minor <= 22; minor += 9) {
+            memcpy(a, all[i].a, all[i].len);
+            for (size_t n = 0; n < all[i].len; n++)
+                CHECK_EQ(walk_as(minor, a, n, KVX_WHY(why)), -1);
+            a[all[i].len] = 0;
+            CHECK_EQ(walk_as(minor, a, all[i].len + 1, KVX_WHY(why)), -1);
+            CHECK_STR_CONTAINS(why, "bytes after the last device");
+        }
+}
+
+/* A 1.22 address broken field by field: each refused, naming the field
+ * and its byte */
+TEST(broken_1_22_addresses_are_named)
+{
+    static const struct {
+        int v2;          /* a122_lo_v2, else a122_lo */
+        size_t at;       /* the byte changed */
+        uint8_t to, or_; /* set to, or (to 0) or'ed with */
+        const char *why;
+    } cases[] = {
+        {1, 0, 0x6f, 0, "header byte 0x6f: address version 15"},
+        {1, 0, 0x02, 0, "header byte 0x02: address version 2"},
+        {1, 1, 0x12, 0, "header flags 0x12"},
+        {1, 10, 0x40, 0, "a memory domain index over 63 at byte 10"},
+        {0, 29, 0, 0x40,
+         "an endpoint address, which no worker's address carries, at "
+         "byte 29"},
+        {0, 182, 0x06, 0,
+         "a transport's name checksum runs past the end at byte 184 of "
+         "184"},
+        {0, 9, 0, 0x40, "a memory domain index over 63 at byte 9"},
+    };
+    uint8_t a[256];
+    char why[200];
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        size_t len = cases[i].v2 ? sizeof(a122_lo_v2) : sizeof(a122_lo);
+        memcpy(a, cases[i].v2 ? a122_lo_v2 : a122_lo, len);
+        if (cases[i].or_)
+            a[cases[i].at] |= cases[i].or_;
+        else
+            a[cases[i].at] = cases[i].to;
+        CHECK_EQ(walk_as(22, a, len, KVX_WHY(why)), -1);
+        CHECK_STR_CONTAINS(why, cases[i].why);
+    }
+    /* the first device says a path count (v2: after its length byte), 0 */
+    memcpy(a, a122_lo_v2, sizeof(a122_lo_v2));
+    a[11] = 0x40;
+    a[12] = 0;
+    CHECK_EQ(walk_as(22, a, sizeof(a122_lo_v2), KVX_WHY(why)), -1);
+    CHECK_STR_CONTAINS(why, "a device with 0 paths");
+    /* a transport's overhead negative, its bandwidth 0 (floats, v1) */
+    float f = -1.0f;
+    memcpy(a, a122_lo, sizeof(a122_lo));
+    memcpy(a + 13, &f, sizeof(f));
+    CHECK_EQ(walk_as(22, a, sizeof(a122_lo), KVX_WHY(why)), -1);
+    CHECK_STR_CONTAINS(why, "overhead is negative");
+    f = 0.0f;
+    memcpy(a, a122_lo, sizeof(a122_lo));
+    memcpy(a + 17, &f, sizeof(f));
+    CHECK_EQ(walk_as(22, a, sizeof(a122_lo), KVX_WHY(why)), -1);
+    CHECK_STR_CONTAINS(why, "bandwidth is 0");
+}
+
+/* A version-1 MD byte as each UCX reads it: 0x40 on the first device is
+ * index 64 to 1.19 and later where the address's release is 19 or later
+ * (1.22's release device: refused), index 0 where the release is 18 or
+ * earlier (UCX clears the two legacy flags) and to UCX before 1.19 (5 bits) */
+TEST(v1_md_index_as_each_reads)
+{
+    uint8_t a[256];
+    char why[200];
+    memcpy(a, a122_lo, sizeof(a122_lo));
+    a[9] |= 0x40;
+    CHECK_EQ(walk_as(22, a, sizeof(a122_lo), KVX_WHY(why)), -1);
+    CHECK_STR_CONTAINS(why, "a memory domain index over 63 at byte 9");
+    CHECK_EQ(walk_as(19, a, sizeof(a122_lo), KVX_WHY(why)), -1);
+    CHECK_EQ(walk_as(18, a, sizeof(a122_lo), KVX_WHY(why)), 0);
+    CHECK_EQ(walk_as(13, a, sizeof(a122_lo), KVX_WHY(why)), 0);
+    a[182] = 0x82; /* the release device says 18 */
+    CHECK_EQ(walk_as(22, a, sizeof(a122_lo), KVX_WHY(why)), 0);
+    /* 1.13's address (no release device): its flags are cleared */
+    memcpy(a, a113_lo, sizeof(a113_lo));
+    CHECK_EQ(a[9], 0x20); /* MD 0, "registers" */
+    a[9] = 0x60;
+    CHECK_EQ(walk_as(22, a, sizeof(a113_lo), KVX_WHY(why)), 0);
+    /* the MD index of an empty device is never read: no limit */
+    memcpy(a, a122_lo, sizeof(a122_lo));
+    a[182] = 0xff;
+    CHECK_EQ(walk_as(22, a, sizeof(a122_lo), KVX_WHY(why)), 0);
+}
+
+/* Counts past UCX's maps: 65 devices, 129 transports */
+TEST(too_many_devices_or_transports)
+{
+    static uint8_t a[4096];
+    char why[200];
+    size_t n = 0;
+    a[n++] = 0x20; /* version 1, a worker id */
+    n += 8;
+    for (int i = 0; i < 65; i++) { /* empty devices */
+        a[n++] = 0x80;
+        a[n++] = i == 64 ? 0x80 : 0x00;
+    }
+    CHECK_EQ(walk_as(22, a, n, KVX_WHY(why)), -1);
+    CHECK_STR_CONTAINS(why, "over 64 devices");
+    n = 9;
+    a[n++] = 0x00; /* MD 0 */
+    a[n++] = 0x80; /* the last device, no address */
+    float bw = 1.0f;
+    for (int i = 0; i < 129; i++) {
+        memset(a + n, 0, 18);
+        memcpy(a + n + 6, &bw, sizeof(bw)); /* checksum 2, overhead 4 */
+        n += 18;
+        a[n++] = i == 128 ? 0x80 : 0x00;
+    }
+    CHECK_EQ(walk_as(22, a, n, KVX_WHY(why)), -1);
+    CHECK_STR_CONTAINS(why, "over 128 transports");
+}
+
 /* ---- ucx_addr_fit(): what a transport reads inside its own addresses ---- */
 
 /* A context as peer_init() makes one (non-unified, AM and wake-up, workers
@@ -308,7 +555,7 @@ static const a_tl_t *tl_named(const uint8_t *a, size_t len, const char *name,
 {
     size_t end;
     char why[200];
-    CHECK_EQ(addr_walk(a, len, NULL, m, &end, KVX_WHY(why)), 0);
+    CHECK_EQ(addr_walk(a, len, NULL, m, &end, fmt(), KVX_WHY(why)), 0);
     uint16_t c = ucs_crc16_string(name);
     for (unsigned i = 0; i < m->ntl; i++)
         if (m->tl[i].csum == c)
@@ -328,7 +575,7 @@ TEST(fit_keeps_a_real_address)
     int kept = ucx_addr_fit(w, a, len, out, &n, KVX_WHY(why));
     static a_map_t m;
     size_t end;
-    CHECK_EQ(addr_walk(a, len, NULL, &m, &end, KVX_WHY(why)), 0);
+    CHECK_EQ(addr_walk(a, len, NULL, &m, &end, fmt(), KVX_WHY(why)), 0);
     CHECK_EQ(kept, (int)m.ntl);
     CHECK_EQ(why[0], 0);
     CHECK_EQ(n, len);
@@ -339,9 +586,12 @@ TEST(fit_keeps_a_real_address)
 }
 
 /* The attack's address: byte 29 of the 186-byte loopback address (the
- * self transport's interface length, 0x88) set to 0x1c. UCX 1.13 hands
- * TCP a NULL device address (SIGSEGV in uct_tcp_iface_is_reachable()):
- * TCP is left out, named, and what is left walks right. */
+ * self transport's interface length, 0x88) set to 0x1c (UCX 1.13; 0x18
+ * from 1.22, whose loopback TCP device address is 4 bytes shorter: the
+ * self transport's address then ends where TCP's entry starts). UCX 1.13
+ * hands TCP a NULL device address (SIGSEGV in
+ * uct_tcp_iface_is_reachable()): TCP is left out, named, and what is left
+ * walks right. */
 TEST(fit_leaves_out_tcp_without_a_device_address)
 {
     ucp_worker_h w, o;
@@ -353,20 +603,28 @@ TEST(fit_leaves_out_tcp_without_a_device_address)
     CHECK(self != NULL);
     CHECK_EQ(self->len_at, 29u); /* v1: header 1, id 8, md 1, device 1, ... */
     CHECK_EQ(a[29], 0x88);       /* LAST | 8 */
-    a[29] = 0x1c;
+    /* self's 8 bytes, the next device's MD and length bytes, its TCP
+     * loopback address (flags, family, host id, namespace) */
+    size_t grown = 8 + 2 + 10 + fmt()->ns_len;
+    a[29] = (uint8_t)grown;
     char why[256];
     CHECK_EQ(ucx_addr_check(a, len, NULL, KVX_WHY(why)), 0); /* walks */
     const a_tl_t *tcp = tl_named(a, len, "tcp", &m);
     CHECK(tcp != NULL);
     CHECK_EQ(tcp->dev_len, 0u); /* on the self transport's device now */
-    CHECK_EQ(tcp_fits(a + tcp->dev_at, tcp->dev_len, tcp->if_len, KVX_WHY(why)),
+    CHECK_EQ(tcp_fits(a + tcp->dev_at, tcp->dev_len, tcp->if_len, fmt()->ns_len,
+                      KVX_WHY(why)),
              0);
     CHECK_STR_CONTAINS(why, "a TCP transport with a 0-byte device");
-    /* the self transport's interface address, 28 bytes now, goes too */
+    /* the self transport's interface address, grown, goes too */
     int kept = ucx_addr_fit(w, a, len, out, &n, KVX_WHY(why));
     CHECK(kept > 0);
-    CHECK_STR_CONTAINS(why, "left out transport self with a 0-byte device "
-                            "and 28-byte interface address");
+    char want[96];
+    snprintf(want, sizeof(want),
+             "left out transport self with a 0-byte device and %zu-byte "
+             "interface address",
+             grown);
+    CHECK_STR_CONTAINS(why, want);
     CHECK_EQ(ucx_addr_check(out, n, NULL, KVX_WHY(why)), 0);
     CHECK(tl_named(out, n, "tcp", &m) == NULL);
     CHECK(tl_named(out, n, "self", &m) == NULL);
@@ -374,6 +632,79 @@ TEST(fit_leaves_out_tcp_without_a_device_address)
     ucp_worker_destroy(o);
     ucp_worker_destroy(w);
     ucp_cleanup(ctx);
+}
+
+/* Devices without transports are kept as they are: from 1.16 the last
+ * one says the sender's release (UCX 1.22 picks its protocols and reads
+ * version-1 MD indices by it). On a UCX whose own address has none, one
+ * is added to the peer's (as a 1.22 peer's is). */
+TEST(fit_keeps_devices_without_transports)
+{
+    ucp_worker_h w, o;
+    ucp_context_h ctx = daemon_like("lo", &w, &o);
+    uint8_t a[UCX_ADDR_MAX], out[UCX_ADDR_MAX];
+    size_t len = address_of(o, a, sizeof(a)), n = 0;
+    static a_map_t m;
+    size_t end;
+    char why[256];
+    CHECK_EQ(addr_walk(a, len, NULL, &m, &end, fmt(), KVX_WHY(why)), 0);
+    if (!m.dev[m.ndev - 1].empty) { /* UCX before 1.16: add 1.22's */
+        a[m.dev[m.ndev - 1].len_at] &= (uint8_t)~A_LAST;
+        a[len++] = 0x86;
+        a[len++] = 0x80;
+    }
+    CHECK_EQ(ucx_addr_check(a, len, NULL, KVX_WHY(why)), 0);
+    CHECK(ucx_addr_fit(w, a, len, out, &n, KVX_WHY(why)) > 0);
+    CHECK_EQ(n, len);
+    CHECK(!memcmp(out, a, len));
+    CHECK_EQ(out[n - 2], 0x86);
+    CHECK_EQ(out[n - 1], 0x80);
+    ucp_worker_destroy(o);
+    ucp_worker_destroy(w);
+    ucp_cleanup(ctx);
+}
+
+/* A namespace id is 8 bytes before UCX 1.22 and 4 from 1.22: TCP's
+ * loopback device address with one is 18 or 14 bytes, CMA's interface
+ * address 16 or 8, POSIX's 16 or 12; each the other size is left out. */
+TEST(fit_namespace_sizes)
+{
+    char why[256];
+    uint8_t dev[18] = {1, AF_INET, 1, 2, 3, 4, 5, 6, 7, 0x80};
+    CHECK_EQ(tcp_fits(dev, 14, 2, 4, KVX_WHY(why)), 1);
+    CHECK_EQ(tcp_fits(dev, 18, 2, 4, KVX_WHY(why)), 0);
+    CHECK_STR_CONTAINS(why, "(14 bytes)");
+    CHECK_EQ(tcp_fits(dev, 18, 2, 8, KVX_WHY(why)), 1);
+    CHECK_EQ(tcp_fits(dev, 14, 2, 8, KVX_WHY(why)), 0);
+    CHECK_STR_CONTAINS(why, "(18 bytes)");
+    csums_init();
+    static const struct {
+        const char *name;
+        unsigned byte, bit;
+        size_t len4, len8;
+    } ns[] = {{"cma", 3, 0x80, 8, 16}, {"posix", 7, 0x10, 12, 16}};
+    for (size_t i = 0; i < 2; i++) {
+        uint8_t ifa[16] = {0};
+        ifa[ns[i].byte] = (uint8_t)ns[i].bit;
+        static a_map_t own;
+        own.ntl = 1;
+        a_tl_t t = {.csum = ucs_crc16_string(ns[i].name), .if_len = 0};
+        int ours;
+        for (int big = 0; big < 2; big++) {
+            size_t have = big ? ns[i].len8 : ns[i].len4;
+            t.if_len = have;
+            own.tl[0] = t;
+            CHECK_EQ(tl_fits(&own, ifa, &t, big ? 8 : 4, &ours, KVX_WHY(why)),
+                     1);
+            CHECK_EQ(ours, 1);
+            t.if_len = big ? ns[i].len4 : ns[i].len8;
+            own.tl[0] = t; /* the same length as ours: only the flag */
+            CHECK_EQ(tl_fits(&own, ifa, &t, big ? 8 : 4, &ours, KVX_WHY(why)),
+                     big ? 0 : 1);
+            if (big)
+                CHECK_STR_CONTAINS(why, "says a process namespace (16 bytes)");
+        }
+    }
 }
 
 /* Flags inside a transport's own addresses that make UCX read more than
@@ -405,11 +736,12 @@ TEST(fit_reads_transport_flags)
         {{1, AF_INET, 1, 2, 3, 4, 5, 6, 7, 0x80}, 10, 0},
     };
     for (size_t i = 0; i < sizeof(tcp) / sizeof(tcp[0]); i++) {
-        CHECK_EQ(tcp_fits(tcp[i].dev, tcp[i].dlen, 2, KVX_WHY(why)), tcp[i].ok);
+        CHECK_EQ(tcp_fits(tcp[i].dev, tcp[i].dlen, 2, 8, KVX_WHY(why)),
+                 tcp[i].ok);
         if (!tcp[i].ok)
             CHECK(why[0] != 0);
     }
-    CHECK_EQ(tcp_fits(tcp[0].dev, 6, 0, KVX_WHY(why)), 0);
+    CHECK_EQ(tcp_fits(tcp[0].dev, 6, 0, 8, KVX_WHY(why)), 0);
     /* CMA and POSIX, in a real address: the flag set, nothing longer */
     static const struct {
         const char *name;
