@@ -219,11 +219,13 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
         sb_printf(b,
                   ",\"bytes_sent\":%llu,\"bytes_received\":%llu,"
                   "\"errors\":%llu,\"streams\":%u,\"last_seen_ms\":%llu,"
-                  "\"lanes\":%u}",
+                  "\"lanes\":%u,\"transports\":",
                   (unsigned long long)x->bytes_sent,
                   (unsigned long long)x->bytes_received,
                   (unsigned long long)x->errors, x->streams,
                   (unsigned long long)x->last_seen_ms, x->lanes);
+        sb_str(b, x->transports ? x->transports : "");
+        sb_printf(b, "}");
     }
     sb_printf(b, "]");
     if (s->ucx) {

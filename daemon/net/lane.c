@@ -76,6 +76,7 @@ typedef struct lep {
     int failed;      /* its error reported; to be closed */
     int closing;     /* ucp_ep_close_nbx started */
     int want_closed; /* the loop asked: LEV_CLOSED once closed */
+    int told;        /* its LEV_INFO sent */
     list_t node;     /* on its lane's eps */
 } lep_t;
 
@@ -118,7 +119,8 @@ typedef struct lane {
 typedef struct lreq {
     lane_t *ln;
     void *cookie;
-    rx_t *rx; /* a receive: the endpoint it is on */
+    uint64_t lep; /* a send: the endpoint it went on */
+    rx_t *rx;     /* a receive: the endpoint it is on */
 } lreq_t;
 
 static struct {
@@ -188,6 +190,7 @@ static uint64_t mono_ms(void)
 static void ev_free(lane_ev_t *e)
 {
     free(e->hdr);
+    free(e->info);
     free(e);
 }
 
@@ -363,10 +366,41 @@ static void rx_close(rx_t *x)
     rx_put(x);
 }
 
+/* The first send of p is done, so UCX has wired p up: what it says of
+ * p's lanes goes to the loop (status: the transports that carry a
+ * connection's bytes). Not told when memory is short. */
+static void lep_tell(lep_t *p)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    p->told = 1;
+    FILE *m = open_memstream(&buf, &len);
+    if (!m)
+        return;
+    ucp_ep_print_info(p->ep, m);
+    fclose(m);
+    lane_ev_t *e = calloc(1, sizeof(*e));
+    if (!e || !buf) {
+        free(e);
+        free(buf);
+        return;
+    }
+    e->kind = LEV_INFO;
+    e->lane = p->ln->idx;
+    e->lep = p->id;
+    e->msg = "";
+    e->info = buf;
+    list_init(&e->node);
+    ev_push(e);
+}
+
 static void send_cb(void *request, ucs_status_t status, void *user_data)
 {
     lreq_t *q = user_data;
     q->ln->outstanding--;
+    lep_t *p = status == UCS_OK ? lep_find(q->ln, q->lep) : NULL;
+    if (p && !p->told && !p->failed && !p->closing)
+        lep_tell(p);
     emit(q->ln, LEV_SENT, 0, status, q->cookie);
     free(q);
     ucp_request_free(request);
@@ -471,6 +505,8 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
     case LC_SEND: {
         p = lep_find(ln, c->lep);
         lreq_t *q = lreq_new(ln, c->cookie);
+        if (q)
+            q->lep = c->lep;
         if (!p || p->failed || p->closing || !q) {
             ucs_status_t st = q ? UCS_ERR_CONNECTION_RESET : UCS_ERR_NO_MEMORY;
             free(q);

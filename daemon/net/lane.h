@@ -45,6 +45,9 @@ enum lane_ev_kind {
                      which lanes never send, and its data is gone */
     LEV_EP_ERROR, /* endpoint lep failed (the lane closes it) */
     LEV_CLOSED,   /* a lane_close() is done */
+    LEV_INFO,     /* endpoint lep's first send is done: info holds what
+                     ucp_ep_print_info() says of it (its lanes, and the
+                     transports each uses) */
 };
 
 typedef struct lane_ev {
@@ -60,7 +63,8 @@ typedef struct lane_ev {
     void *desc; /* LEV_ARRIVED, rendezvous */
     size_t len;
     void *from;  /* LEV_ARRIVED: the lane's, for lane_recv() */
-    list_t node; /* on the event queue, or an endpoint's held */
+    char *info;  /* LEV_INFO, ours to free */
+    list_t node; /* on the event queue */
 } lane_ev_t;
 
 /* What lanes_start() starts. */

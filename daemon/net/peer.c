@@ -885,6 +885,25 @@ void on_lane_event(const lane_ev_t *e)
         break;
     case LEV_CLOSED: /* nothing waits for it */
         break;
+    case LEV_INFO:
+        /* the transports of c's data over this lane, once wired up */
+        if ((c = conn_of_lep(e->lane, e->lep)) && c->state != CONN_LOST) {
+            char tl[sizeof(c->transports)] = "";
+            info_transports(e->info, tl, sizeof(tl));
+            log_info("peer %s: lane %u carries its data over %s", c->address,
+                     e->lane, tl[0] ? tl : "transports unknown");
+            char *save = NULL;
+            for (char *t = strtok_r(tl, ",", &save); t;
+                 t = strtok_r(NULL, ",", &save))
+                if (!strstr(c->transports, t) &&
+                    strlen(c->transports) + strlen(t) + 2 <
+                        sizeof(c->transports)) {
+                    if (c->transports[0])
+                        strcat(c->transports, ",");
+                    strcat(c->transports, t);
+                }
+        }
+        break;
     }
 }
 

@@ -285,5 +285,6 @@ int net_allows(const struct sockaddr_storage *ss);
 
 /* peer_status.c */
 void ep_transports(ucp_ep_h ep, char *out, size_t n);
+void info_transports(char *info, char *out, size_t n);
 
 #endif /* KVX_PEER_INT_H */

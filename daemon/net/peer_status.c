@@ -13,18 +13,14 @@
 static const char *const state_names[] = {"connecting", "connecting",
                                           "connected", "lost"};
 
-/* The transports an endpoint uses, from ucp_ep_print_info ("tl/dev"). */
-void ep_transports(ucp_ep_h ep, char *out, size_t n)
+/* The transports ucp_ep_print_info() names in info ("tl/dev", each
+ * once), added to out (n bytes) and to every transport any connection
+ * used (status ucx.transports). info is cut up. */
+void info_transports(char *info, char *out, size_t n)
 {
-    char *buf = NULL;
-    size_t len = 0;
-    FILE *m = open_memstream(&buf, &len);
-    out[0] = 0;
-    if (!m)
-        return;
-    ucp_ep_print_info(ep, m);
-    fclose(m);
-    for (char *l = strtok(buf, "\n"); l; l = strtok(NULL, "\n")) {
+    char *save = NULL;
+    for (char *l = strtok_r(info, "\n", &save); l;
+         l = strtok_r(NULL, "\n", &save)) {
         char *lane = strstr(l, "lane[");
         char *colon = lane ? strstr(lane, ": ") : NULL;
         if (!colon)
@@ -51,6 +47,21 @@ void ep_transports(ucp_ep_h ep, char *out, size_t n)
             strcat(out, tl);
         }
     }
+}
+
+/* The transports an endpoint uses, from ucp_ep_print_info ("tl/dev"). */
+void ep_transports(ucp_ep_h ep, char *out, size_t n)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *m = open_memstream(&buf, &len);
+    out[0] = 0;
+    if (!m)
+        return;
+    ucp_ep_print_info(ep, m);
+    fclose(m);
+    if (buf)
+        info_transports(buf, out, n);
     free(buf);
 }
 
@@ -86,6 +97,7 @@ size_t peer_infos(Kvxfer__PeerInfo ***out)
         p->lanes = c->lanes_off                    ? 0
                    : c->peer_lanes < lanes_count() ? c->peer_lanes
                                                    : lanes_count();
+        p->transports = c->transports;
         v[k++] = p;
     }
     *out = v;

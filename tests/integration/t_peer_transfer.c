@@ -795,8 +795,13 @@ TEST_T(peer_lanes, 120)
         fprintf(stderr, "%c's peers: %s\n", "AB"[i], pj);
         CHECK_EQ(json_num(pj, "lanes"), 2);
         CHECK_EQ(json_num(pj, "errors"), 0);
+        /* which transports carried each connection's bytes: its own
+         * endpoint's and its lanes', once they sent */
+        CHECK_STR_CONTAINS(pj, "\"transports\":\"tcp/");
         free(pj);
     }
+    CHECK(log_wait(a, "lane 0 carries its data over tcp/", 2000));
+    CHECK(log_wait(b, "lane 1 carries its data over tcp/", 2000));
 
     static const char *const sizes[2] = {"4096", "2097152"};
     for (int i = 0; i < 2; i++) {
