@@ -428,3 +428,56 @@ TEST_T(loss_in_every_state_ends_both_sides_and_frees_every_slot, 120)
     }
     printf("the link lost after each of %d messages\n", total);
 }
+
+/* Slots in a GPU's memory are named on the wire (PULL's slot, DATA's) as
+ * (device + 1) * 65536 + i, beside the host slots 0..n-1: a name finds
+ * its slot, a name of no slot (a device without a set, an index past a
+ * set, the gaps between) finds none, and every slot is walked once,
+ * host first. The GPU set here is made by hand in host memory (no GPU
+ * on this machine): only the naming and the walk are under test. */
+TEST(gpu_slot_names_find_their_slots_and_nothing_else)
+{
+    setup();
+    slots_t *h = &rslots;
+    uint32_t n = h->n;
+    CHECK(n >= 2);
+    slots_t g = {.device = 1, .base = 2 * SLOT_GPU_BASE, .n = 3};
+    slot_t v[3];
+    memset(v, 0, sizeof(v));
+    list_init(&g.free);
+    for (uint32_t i = 0; i < 3; i++) {
+        v[i].idx = g.base + i;
+        v[i].set = &g;
+        list_push(&g.free, &v[i].free_node);
+    }
+    g.v = v;
+    g.nfree = 3;
+    h->gpu[1] = &g;
+    CHECK(slot_at(h, 0) == &h->v[0]);
+    CHECK(slot_at(h, n - 1) == &h->v[n - 1]);
+    CHECK(slot_at(h, n) == NULL);
+    CHECK(slot_at(h, 2 * SLOT_GPU_BASE) == &v[0]);
+    CHECK(slot_at(h, 2 * SLOT_GPU_BASE + 2) == &v[2]);
+    CHECK(slot_at(h, 2 * SLOT_GPU_BASE + 3) == NULL);
+    CHECK(slot_at(h, SLOT_GPU_BASE) == NULL);     /* device 0: none */
+    CHECK(slot_at(h, 3 * SLOT_GPU_BASE) == NULL); /* device 2: none */
+    CHECK(slot_at(h, UINT32_MAX) == NULL);
+    CHECK(slots_for(h, 1) == &g);
+    CHECK(slots_for(h, 0) == h);
+    CHECK(slots_for(h, -1) == h);
+    CHECK(slots_for(h, SLOT_DEVS) == h);
+    uint32_t seen = 0;
+    for (slot_t *x = slot_next(h, NULL); x; x = slot_next(h, x)) {
+        CHECK(x == (seen < n ? &h->v[seen] : &v[seen - n]));
+        seen++;
+    }
+    CHECK_EQ(seen, n + 3);
+    /* a GPU slot goes back to its own set, whatever the caller names */
+    slot_t *x = slot_get(&g);
+    CHECK(x && x->set == &g);
+    CHECK_EQ(g.nfree, 2u);
+    slot_put(h, x);
+    CHECK_EQ(g.nfree, 3u);
+    CHECK_EQ(h->nfree, n);
+    h->gpu[1] = NULL;
+}
