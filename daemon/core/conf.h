@@ -68,12 +68,16 @@ typedef struct kvx_conf {
     uint32_t peer_connect_timeout_ms;
     uint64_t slot_bytes;
     uint32_t slots;
-    uint64_t message_bytes; /* largest UCX message */
-    uint32_t send_window;   /* messages in flight to one peer */
-    uint32_t lanes;         /* peer.lanes: data worker threads */
-    uint32_t direct;        /* peer.direct: receive into blocks, 2 auto */
-    uint32_t busy_poll;     /* 0 never, 1 in flight, 2 auto */
-    uint32_t gather_ahead;  /* send slots gathered before a PULL */
+    uint64_t message_bytes;   /* largest UCX message */
+    uint32_t send_window;     /* messages in flight to one peer */
+    uint32_t lanes;           /* peer.lanes: data worker threads */
+    uint32_t direct;          /* peer.direct: receive into blocks, 2 auto */
+    uint32_t busy_poll;       /* 0 never, 1 in flight, 2 auto */
+    uint32_t gather_ahead;    /* send slots gathered before a PULL */
+    char peer_topology[8];    /* "auto" or "off" */
+    char peer_rails[256];     /* "NIC,NIC": the rails; "" = found */
+    char peer_gpu_rails[512]; /* "BUS_ID=NIC+NIC,...": by hand */
+    char peer_sysfs_root[108];
     /* deadlines, milliseconds */
     uint32_t offer_lease_ms;
     uint32_t offer_lease_max_ms; /* the longest lease a client may ask */

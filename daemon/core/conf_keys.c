@@ -10,6 +10,7 @@
 #include "conf_int.h"
 
 #include <arpa/inet.h>
+#include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
 #include <syslog.h>
@@ -20,9 +21,116 @@ static int check_group(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_hello(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_listen(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_keepalive(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_topology(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *t = conf->peer_topology;
+    if (!strcmp(t, "auto") || !strcmp(t, "off"))
+        return 0;
+    char what[64];
+    return why_fail(why, 1,
+                    "\"%s\" is not a topology mode (expected auto "
+                    "or off)",
+                    conf_shown(t, strlen(t), what, sizeof(what)));
+}
+
+/* The length of the device name ("mlx5_0:1", "eth1") at s, ending at
+ * one of the characters of ends; 0: none there. */
+static size_t rail_name(const char *s, const char *ends)
+{
+    size_t l = 0, colon = 0;
+    for (; s[l] && !strchr(ends, s[l]); l++) {
+        char c = s[l];
+        if (c == ':' && l && !colon)
+            colon = l;
+        else if (!(c >= 'a' && c <= 'z') && !(c >= 'A' && c <= 'Z') &&
+                 !(c >= '0' && c <= '9') && c != '_' && c != '.' && c != '-')
+            return 0;
+        else if (colon && !(c >= '0' && c <= '9'))
+            return 0;
+    }
+    return l && l < 64 && l != colon + 1 ? l : 0;
+}
+
+/* RAIL,RAIL,...: at most 32, no name twice. */
+static int check_rails(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *r = conf->peer_rails;
+    char what[64];
+    unsigned n = 0;
+    if (!r[0])
+        return 0;
+    if (strcmp(conf->peer_topology, "auto"))
+        return why_fail(why, 1, "needs peer.topology: auto");
+    for (const char *s = r;; n++) {
+        size_t l = rail_name(s, ",");
+        if (!l)
+            return why_fail(why, 1,
+                            "\"%s\" is not a device name (expected names "
+                            "as UCX_NET_DEVICES has them, e.g. "
+                            "mlx5_0:1,eth1)",
+                            conf_shown(s, strcspn(s, ","), what, sizeof(what)));
+        for (const char *o = r; o < s; o += strcspn(o, ",") + 1)
+            if (strcspn(o, ",") == l && !strncmp(o, s, l))
+                return why_fail(why, 1, "\"%s\" is named twice",
+                                conf_shown(s, l, what, sizeof(what)));
+        if (n == 32)
+            return why_fail(why, 1, "more than 32 rails");
+        if (!s[l])
+            return 0;
+        s += l + 1;
+    }
+}
+
+/* BUS_ID=RAIL[+RAIL...],...: a bus id as nvidia-smi (8 hex digits of
+ * domain) or CUDA (4) writes it. */
+static int check_gpu_rails(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *s = conf->peer_gpu_rails;
+    char what[64];
+    if (!s[0])
+        return 0;
+    if (strcmp(conf->peer_topology, "auto"))
+        return why_fail(why, 1, "needs peer.topology: auto");
+    for (;;) {
+        size_t el = strcspn(s, ","), bl = strcspn(s, "=,");
+        const char *form = bl == 16 ? "xxxxxxxx:xx:xx.x" : "xxxx:xx:xx.x";
+        int ok = s[bl] == '=' && bl == strlen(form);
+        for (size_t i = 0; ok && i < bl; i++)
+            ok = form[i] == 'x' ? isxdigit((unsigned char)s[i])
+                                : s[i] == form[i];
+        if (!ok)
+            return why_fail(why, 1,
+                            "\"%s\" is not BUS_ID=RAIL[+RAIL...] (expected "
+                            "e.g. 0000:1b:00.0=mlx5_0:1+mlx5_1:1)",
+                            conf_shown(s, el, what, sizeof(what)));
+        for (const char *p = s + bl + 1;;) {
+            size_t l = rail_name(p, "+,");
+            if (!l) {
+                char rail[64];
+                return why_fail(
+                    why, 1,
+                    "\"%s\": \"%s\" is not a device name (expected "
+                    "names as UCX_NET_DEVICES has them, e.g. mlx5_0:1)",
+                    conf_shown(s, bl, what, sizeof(what)),
+                    conf_shown(p, strcspn(p, "+,"), rail, sizeof(rail)));
+            }
+            p += l;
+            if (*p != '+')
+                break;
+            p++;
+        }
+        if (!s[el])
+            return 0;
+        s += el + 1;
+    }
+}
+
 static int check_slots(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_ucx_ports(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_allowed(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_topology(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_rails(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_gpu_rails(const kvx_conf_t *conf, kvx_why_t *why);
 
 #define FIELD(f)                                                               \
     .off = offsetof(kvx_conf_t, f), .size = sizeof(((kvx_conf_t *)0)->f)
@@ -539,6 +647,46 @@ const struct conf_key conf_keys[] = {
              "pulls them (the next units it will ask for), so that a PULL "
              "finds its data ready; only while no PULL waits for a slot "
              "and more than one slot is free; 0 turns it off."},
+    {.name = "peer.topology",
+     .type = CONF_STRING,
+     FIELD(peer_topology),
+     .def_str = "auto",
+     .check = check_topology,
+     .help = "auto: the lanes are grouped by NIC (rails, each lane's UCX "
+             "limited to its NIC, peer.lanes lanes per rail), and a GPU "
+             "pool's slot data goes over the lanes of the NICs nearest to "
+             "its GPU (same PCIe switch, then host bridge, then NUMA "
+             "node), read from sysfs at start; with one NIC (or none that "
+             "UCX may use, or UCX_NET_DEVICES set) it is one rail, as "
+             "off. off: one rail, every lane on the devices of "
+             "peer.net_devices."},
+    {.name = "peer.rails",
+     .type = CONF_STRING,
+     FIELD(peer_rails),
+     .def_str = "",
+     .check = check_rails,
+     .help = "The NICs to use as rails, as UCX_NET_DEVICES names them, "
+             "separated by commas (\"mlx5_0:1,mlx5_1:1\", or \"eth1,eth2\" "
+             "for TCP); each must be up at start; empty: every RDMA port "
+             "that is active and that peer.net_devices allows, else the "
+             "one interface of peer.listen's IP (one rail)."},
+    {.name = "peer.gpu_rails",
+     .type = CONF_STRING,
+     FIELD(peer_gpu_rails),
+     .def_str = "",
+     .check = check_gpu_rails,
+     .help = "Rails chosen by hand for some GPUs, overriding the PCIe "
+             "distance: BUS_ID=RAIL[+RAIL...] separated by commas "
+             "(\"0000:1b:00.0=mlx5_0:1+mlx5_1:1,0000:3d:00.0=mlx5_2:1\"), "
+             "the GPU's PCI bus id as nvidia-smi shows it; each rail "
+             "must be one of the rails."},
+    {.name = "peer.sysfs_root",
+     .type = CONF_PATH,
+     FIELD(peer_sysfs_root),
+     .def_str = "/sys",
+     .help = "Where peer.topology reads the NICs, GPUs and PCIe tree "
+             "(a container that mounts the host's sysfs elsewhere; tests); "
+             "one that cannot be read leaves one rail, with a warning."},
 
     {.name = "deadlines.offer_lease_ms",
      .type = CONF_MS,

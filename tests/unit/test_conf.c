@@ -294,6 +294,10 @@ TEST(table_sane)
                                         "peer.direct",
                                         "peer.busy_poll",
                                         "peer.gather_ahead",
+                                        "peer.topology",
+                                        "peer.rails",
+                                        "peer.gpu_rails",
+                                        "peer.sysfs_root",
                                         "deadlines.offer_lease_ms",
                                         "deadlines.offer_lease_max_ms",
                                         "deadlines.fetch_timeout_ms",
@@ -387,6 +391,10 @@ TEST(table_sane)
         M(direct),
         M(busy_poll),
         M(gather_ahead),
+        M(peer_topology),
+        M(peer_rails),
+        M(peer_gpu_rails),
+        M(peer_sysfs_root),
         M(offer_lease_ms),
         M(offer_lease_max_ms),
         M(fetch_timeout_ms),
@@ -915,6 +923,82 @@ TEST(err_cross_key)
     load_ok("limits:\n  hello_frame_bytes: 8KiB\n  max_frame_bytes: 8KiB\n",
             &c);
     CHECK_EQ(c.hello_frame_bytes, 8192);
+}
+
+/* peer.topology, peer.rails, peer.gpu_rails: each bad value named */
+TEST(err_topology_keys)
+{
+    expect_errors("peer:\n  topology: on\n", 1,
+                  "F:2:13: peer.topology: \"on\" is not a topology mode "
+                  "(expected auto or off)\n"
+                  "  topology: on\n"
+                  "            ^\n");
+    expect_errors("peer:\n  rails: \"mlx5_0:1,,eth1\"\n", 1,
+                  "F:2:10: peer.rails: \"\" is not a device name (expected "
+                  "names as UCX_NET_DEVICES has them, e.g. mlx5_0:1,eth1)\n"
+                  "  rails: \"mlx5_0:1,,eth1\"\n"
+                  "         ^\n");
+    expect_errors("peer:\n  rails: \"mlx5_0:x\"\n", 1,
+                  "F:2:10: peer.rails: \"mlx5_0:x\" is not a device name "
+                  "(expected names as UCX_NET_DEVICES has them, e.g. "
+                  "mlx5_0:1,eth1)\n"
+                  "  rails: \"mlx5_0:x\"\n"
+                  "         ^\n");
+    expect_errors("peer:\n  rails: \"eth1,eth 2\"\n", 1,
+                  "F:2:10: peer.rails: \"eth 2\" is not a device name "
+                  "(expected names as UCX_NET_DEVICES has them, e.g. "
+                  "mlx5_0:1,eth1)\n"
+                  "  rails: \"eth1,eth 2\"\n"
+                  "         ^\n");
+    expect_errors("peer:\n  rails: \"eth1,mlx5_0:1,eth1\"\n", 1,
+                  "F:2:10: peer.rails: \"eth1\" is named twice\n"
+                  "  rails: \"eth1,mlx5_0:1,eth1\"\n"
+                  "         ^\n");
+    expect_errors("peer:\n  topology: \"off\"\n  rails: eth1\n", 1,
+                  "F:3:10: peer.rails: needs peer.topology: auto\n"
+                  "  rails: eth1\n"
+                  "         ^\n");
+    expect_errors("peer:\n  gpu_rails: \"1b:00.0=mlx5_0:1\"\n", 1,
+                  "F:2:14: peer.gpu_rails: \"1b:00.0=mlx5_0:1\" is not "
+                  "BUS_ID=RAIL[+RAIL...] (expected e.g. "
+                  "0000:1b:00.0=mlx5_0:1+mlx5_1:1)\n"
+                  "  gpu_rails: \"1b:00.0=mlx5_0:1\"\n"
+                  "             ^\n");
+    expect_errors("peer:\n  gpu_rails: \"0000:1b:00.0\"\n", 1,
+                  "F:2:14: peer.gpu_rails: \"0000:1b:00.0\" is not "
+                  "BUS_ID=RAIL[+RAIL...] (expected e.g. "
+                  "0000:1b:00.0=mlx5_0:1+mlx5_1:1)\n"
+                  "  gpu_rails: \"0000:1b:00.0\"\n"
+                  "             ^\n");
+    expect_errors("peer:\n  gpu_rails: \"0000:1b:00.0=mlx5_0:1+,x\"\n", 1,
+                  "F:2:14: peer.gpu_rails: \"0000:1b:00.0\": \"\" is not a "
+                  "device name (expected names as UCX_NET_DEVICES has "
+                  "them, e.g. mlx5_0:1)\n"
+                  "  gpu_rails: \"0000:1b:00.0=mlx5_0:1+,x\"\n"
+                  "             ^\n");
+    expect_errors("peer:\n  topology: \"off\"\n"
+                  "  gpu_rails: \"0000:1b:00.0=eth1\"\n",
+                  1,
+                  "F:3:14: peer.gpu_rails: needs peer.topology: auto\n"
+                  "  gpu_rails: \"0000:1b:00.0=eth1\"\n"
+                  "             ^\n");
+    expect_errors("peer:\n  sysfs_root: sys\n", 1,
+                  "F:2:15: peer.sysfs_root: \"sys\" is not an absolute path "
+                  "(expected an absolute path of at most 107 characters)\n"
+                  "  sysfs_root: sys\n"
+                  "              ^\n");
+    kvx_conf_t c;
+    load_ok("peer:\n  topology: auto\n  rails: \"mlx5_0:1,mlx5_1:1,eth1\"\n"
+            "  gpu_rails: \"0000:1b:00.0=mlx5_0:1+mlx5_1:1,"
+            "00000000:3D:00.0=eth1\"\n  sysfs_root: /tmp/sys\n",
+            &c);
+    CHECK(!strcmp(c.peer_topology, "auto"));
+    CHECK(!strcmp(c.peer_rails, "mlx5_0:1,mlx5_1:1,eth1"));
+    CHECK(!strcmp(c.peer_gpu_rails,
+                  "0000:1b:00.0=mlx5_0:1+mlx5_1:1,00000000:3D:00.0=eth1"));
+    CHECK(!strcmp(c.peer_sysfs_root, "/tmp/sys"));
+    load_ok("peer:\n  topology: \"off\"\n", &c);
+    CHECK(!strcmp(c.peer_topology, "off"));
 }
 
 TEST(err_top_level)
