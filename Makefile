@@ -74,7 +74,8 @@ DAEMON   := $(COMMON) \
             daemon/net/lane.c \
             daemon/net/peer.c daemon/net/peer_auth.c daemon/net/peer_addr.c \
             daemon/net/peer_handshake.c daemon/net/peer_init.c \
-            daemon/net/peer_status.c daemon/net/topo.c \
+            daemon/net/peer_status.c daemon/net/peer_rails.c \
+            daemon/net/topo.c \
             daemon/copy/pool.c daemon/copy/copy.c daemon/copy/plan.c \
             daemon/copy/gpu_desc.c \
             daemon/xfer/instance.c daemon/xfer/xfer.c daemon/xfer/params.c \

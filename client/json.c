@@ -123,6 +123,37 @@ static void counts_json(struct sbuf *b, Kvxfer__Count **c, size_t n)
     sb_printf(b, "}");
 }
 
+/* ucx's rails: ,"topology":..,"rails":[..],"gpu_rails":[..] */
+static void json_rails(struct sbuf *b, const Kvxfer__UcxInfo *u)
+{
+    sb_printf(b, ",\"topology\":");
+    sb_str(b, u->topology);
+    sb_printf(b, ",\"rails\":[");
+    for (size_t i = 0; i < u->n_rails; i++) {
+        const Kvxfer__RailInfo *r = u->rails[i];
+        sb_printf(b, "%s{\"nic\":", i ? "," : "");
+        sb_str(b, r->nic);
+        sb_printf(b, ",\"pci\":");
+        sb_str(b, r->pci);
+        sb_printf(b, ",\"numa\":%d,\"lanes\":%u}", (int)r->numa, r->lanes);
+    }
+    sb_printf(b, "],\"gpu_rails\":[");
+    for (size_t i = 0; i < u->n_gpu_rails; i++) {
+        const Kvxfer__GpuRails *g = u->gpu_rails[i];
+        sb_printf(b, "%s{\"gpu\":", i ? "," : "");
+        sb_str(b, g->gpu);
+        sb_printf(b, ",\"rails\":[");
+        for (size_t k = 0; k < g->n_rails; k++) {
+            sb_printf(b, "%s", k ? "," : "");
+            sb_str(b, g->rails[k]);
+        }
+        sb_printf(b, "],\"distance\":");
+        sb_str(b, g->distance);
+        sb_printf(b, "}");
+    }
+    sb_printf(b, "]");
+}
+
 static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
 {
     sb_printf(b, "{\"version\":");
@@ -264,6 +295,7 @@ static void status_json(struct sbuf *b, const Kvxfer__StatusReply *s)
                 (unsigned long long)x->ahead, (unsigned long long)x->direct,
                 x->free_slots, x->gpu_slots, (unsigned long long)x->gpu_bytes);
         }
+        json_rails(b, s->ucx);
         sb_printf(b, "}");
     }
     sb_printf(b, "}");

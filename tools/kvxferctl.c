@@ -111,6 +111,32 @@ static int print_json(kvx_client_t *c, const char *what,
     return rc ? 1 : 0;
 }
 
+/* status: the rails (NICs the lanes are grouped by) and each GPU's. */
+static void status_rails(const Kvxfer__UcxInfo *u)
+{
+    if (!u || !u->listen[0] || !u->n_rails)
+        return;
+    printf("rails          %s:", u->topology);
+    for (size_t i = 0; i < u->n_rails; i++) {
+        const Kvxfer__RailInfo *r = u->rails[i];
+        char numa[16] = "?";
+        if (r->numa >= 0)
+            snprintf(numa, sizeof(numa), "%d", (int)r->numa);
+        printf("%s %s (pci %s, numa %s, %u lanes)", i ? "," : "",
+               r->nic[0] ? r->nic : "UCX's devices", r->pci[0] ? r->pci : "-",
+               numa, r->lanes);
+    }
+    printf("\n");
+    for (size_t i = 0; i < u->n_gpu_rails; i++) {
+        const Kvxfer__GpuRails *g = u->gpu_rails[i];
+        printf("  gpu %s ->", g->gpu);
+        for (size_t k = 0; k < g->n_rails; k++)
+            printf("%s %s", k ? "," : "",
+                   g->rails[k][0] ? g->rails[k] : "UCX's devices");
+        printf(" (%s)\n", g->distance);
+    }
+}
+
 /* status: the peer section (UCX, slot times, each peer). */
 static void status_peers(const Kvxfer__StatusReply *s)
 {
@@ -153,6 +179,7 @@ static void status_peers(const Kvxfer__StatusReply *s)
                    s->ucx->slots);
         }
     }
+    status_rails(s->ucx);
     for (size_t i = 0; i < s->n_peers; i++)
         printf("  %-40s %-10s %-3s sent %llu received %llu errors %llu "
                "lanes %u\n",

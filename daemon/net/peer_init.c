@@ -21,6 +21,7 @@
 #include "core/fault.h"
 #include "core/log.h"
 #include "peer_int.h"
+#include "peer_rails.h"
 #include "ucx.h"
 
 /* ---- UCX on the loop --------------------------------------------------- */
@@ -343,7 +344,7 @@ int peer_init(kvx_why_t *why)
         why_set(why, "UCX configuration: %s", ucs_status_string(st));
         return KVX_ERR_IO;
     }
-    if ((rc = ucx_devices(cfg, why))) {
+    if ((rc = ucx_devices(cfg, why)) || (rc = rails_init(why))) {
         ucp_config_release(cfg);
         return rc;
     }
@@ -460,6 +461,7 @@ int peer_init(kvx_why_t *why)
         uv_close((uv_handle_t *)&P.idle, NULL);
         goto err_listener;
     }
+    rails_set_lanes(0, lanes_count());
     P.poll_on = 1;
     P.on = 1;
     if (!ucx_tcp_guard_bound())

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "peer_int.h"
+#include "peer_rails.h"
 
 static const char *const state_names[] = {"connecting", "connecting",
                                           "connected", "lost"};
@@ -124,4 +125,5 @@ void peer_ucx_info(Kvxfer__UcxInfo *info)
     info->send_window = P.on ? kvxd.conf.send_window : 0;
     info->lanes = lanes_count();
     info->n_lane_ports = 0; /* lanes listen on no port of their own */
+    rails_ucx_info(info);
 }

@@ -65,6 +65,7 @@
  *   t_attack.c         the second round of attacks (issue 34 review),
  *                      each held now
  *   t_faults.c         the same fault, one daemon and two: the same outcome
+ *   t_topo.c           rails (peer.topology) from a fake sysfs tree
  *
  * A test goes in the file of its area; a helper used by one file stays
  * in it, one used by several goes to fixtures.c (peer_harness.c for the
@@ -104,4 +105,5 @@
 #include "t_access.c"
 #include "t_attack.c"
 #include "t_faults.c"
+#include "t_topo.c"
 /* clang-format on */

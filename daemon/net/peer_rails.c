@@ -1,0 +1,303 @@
+/*
+ * peer_rails — the rails and the GPUs' map to them; see peer_rails.h.
+ *
+ * Which NICs are rails: peer.rails when given (each must be up here);
+ * else the RDMA ports that are active and that peer.net_devices allows
+ * (two or more of them: several rails). A node with TCP only keeps one
+ * rail on the interface of peer.listen, as before: making the lanes
+ * listen on every interface that is up would open ports that
+ * peer.net_devices (and its default) keeps closed.
+ */
+#include "peer_rails.h"
+
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/daemon.h"
+#include "core/log.h"
+#include "kvxfer.h"
+#include "peer_int.h"
+#include "topo.h"
+
+static struct {
+    topo_t topo;
+    unsigned n;                /* rails */
+    int nic[RAILS_MAX];        /* topo.nic index of rail r; -1: none */
+    unsigned lanes[RAILS_MAX]; /* for status */
+    char topology[96];         /* for status: how they were chosen */
+    struct {
+        char bdf[TOPO_BDF_LEN];
+        uint32_t rails;
+        const char *how; /* topo_dist_name(), or "peer.gpu_rails" */
+    } gpu[TOPO_MAX_GPUS];
+    unsigned n_gpu;
+    /* status' copies */
+    Kvxfer__RailInfo ri[RAILS_MAX], *rip[RAILS_MAX];
+    Kvxfer__GpuRails gi[TOPO_MAX_GPUS], *gip[TOPO_MAX_GPUS];
+    char *gnames[TOPO_MAX_GPUS][RAILS_MAX];
+} R;
+
+/* Whether the UCX device list (UCX_NET_DEVICES's form; "" or "all":
+ * every device) allows nic ("mlx5_0:1": "mlx5_0:1" or "mlx5_0"). */
+static int list_allows(const char *list, const char *nic)
+{
+    if (!list[0] || !strcmp(list, "all"))
+        return 1;
+    size_t dev = strcspn(nic, ":");
+    for (const char *p = list; *p;) {
+        size_t l = strcspn(p, ",");
+        if ((l == strlen(nic) && !strncmp(p, nic, l)) ||
+            (l == dev && !strncmp(p, nic, dev)))
+            return 1;
+        p += l + (p[l] == ',');
+    }
+    return 0;
+}
+
+/* The NIC of topo that holds peer.listen's IP (the one rail's, when
+ * it names one), or -1. */
+static int listen_nic(void)
+{
+    char addr[sizeof(kvxd.conf.peer_listen) + 16];
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    struct ifaddrs *all;
+    int found = -1;
+    snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
+    if (parse_address(addr, &ss, &sl, NULL) || getifaddrs(&all))
+        return -1;
+    for (struct ifaddrs *i = all; i && found < 0; i = i->ifa_next) {
+        const struct sockaddr *a = i->ifa_addr;
+        if (!a || a->sa_family != ss.ss_family)
+            continue;
+        if (a->sa_family == AF_INET
+                ? !memcmp(&((const struct sockaddr_in *)a)->sin_addr,
+                          &((const struct sockaddr_in *)&ss)->sin_addr, 4)
+                : !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
+                          &((const struct sockaddr_in6 *)&ss)->sin6_addr, 16))
+            found = topo_nic_index(&R.topo, i->ifa_name);
+    }
+    freeifaddrs(all);
+    return found;
+}
+
+static void one_rail(const char *why)
+{
+    R.n = 1;
+    R.nic[0] = -1;
+    snprintf(R.topology, sizeof(R.topology), "%s", why);
+}
+
+/* peer.rails: each name a NIC that is up here. */
+static int rails_given(const char *list, kvx_why_t *why)
+{
+    char names[512] = "";
+    for (const char *p = list; *p;) {
+        size_t l = strcspn(p, ",");
+        char name[64];
+        snprintf(name, sizeof(name), "%.*s", (int)l, p);
+        int i = topo_nic_index(&R.topo, name);
+        if (i < 0) {
+            for (unsigned k = 0; k < R.topo.n_nic; k++)
+                snprintf(names + strlen(names), sizeof(names) - strlen(names),
+                         "%s%s", k ? "," : "", R.topo.nic[k].name);
+            return why_fail(why, KVX_ERR_INVALID,
+                            "peer.rails: '%s' is not a NIC that is up here "
+                            "(found in %s: %s)",
+                            name, kvxd.conf.peer_sysfs_root,
+                            names[0] ? names : "none");
+        }
+        if (R.n == RAILS_MAX)
+            return why_fail(why, KVX_ERR_INVALID,
+                            "peer.rails: more than %d rails", RAILS_MAX);
+        R.nic[R.n++] = i;
+        p += l + (p[l] == ',');
+    }
+    snprintf(R.topology, sizeof(R.topology), "auto (peer.rails)");
+    return 0;
+}
+
+/* peer.gpu_rails' entry for bdf, into *mask: 1 if there is one, 0 if
+ * not, or KVX_ERR_INVALID with why (a rail that is none). */
+static int gpu_by_hand(const char *bdf, uint32_t *mask, kvx_why_t *why)
+{
+    for (const char *p = kvxd.conf.peer_gpu_rails; *p;) {
+        size_t el = strcspn(p, ","), bl = strcspn(p, "=");
+        char b[24], want[TOPO_BDF_LEN];
+        snprintf(b, sizeof(b), "%.*s", (int)bl, p);
+        if (!topo_bdf_norm(b, want) && !strcmp(want, bdf)) {
+            *mask = 0;
+            for (const char *r = p + bl + 1; r < p + el;) {
+                size_t l = strcspn(r, "+,");
+                unsigned k = 0;
+                for (; k < R.n; k++)
+                    if (R.nic[k] >= 0 &&
+                        strlen(R.topo.nic[R.nic[k]].name) == l &&
+                        !strncmp(R.topo.nic[R.nic[k]].name, r, l))
+                        break;
+                if (k == R.n)
+                    return why_fail(why, KVX_ERR_INVALID,
+                                    "peer.gpu_rails: '%.*s' of %s is not "
+                                    "one of the rails",
+                                    (int)l, r, b);
+                *mask |= 1u << k;
+                r += l + (r[l] == '+');
+            }
+            return 1;
+        }
+        p += el + (p[el] == ',');
+    }
+    return 0;
+}
+
+/* Each GPU found: its rails. */
+static int map_gpus(kvx_why_t *why)
+{
+    uint32_t all = (1u << R.n) - 1, among = 0;
+    for (unsigned r = 0; r < R.n; r++)
+        if (R.nic[r] >= 0)
+            among |= 1u << R.nic[r];
+    R.n_gpu = 0;
+    for (unsigned g = 0; g < R.topo.n_gpu; g++) {
+        const topo_pci_t *pci = &R.topo.gpu[g];
+        uint32_t mask;
+        int rc = gpu_by_hand(pci->bdf, &mask, why);
+        if (rc < 0)
+            return rc;
+        const char *how = "peer.gpu_rails";
+        if (!rc) {
+            topo_dist_t d;
+            uint32_t nics = among ? topo_nearest(&R.topo, pci, among, &d) : 0;
+            how = topo_dist_name(among ? d : TOPO_UNKNOWN);
+            mask = nics ? 0 : all;
+            for (unsigned r = 0; r < R.n; r++)
+                if (R.nic[r] >= 0 && (nics & (1u << R.nic[r])))
+                    mask |= 1u << r;
+        }
+        memcpy(R.gpu[R.n_gpu].bdf, pci->bdf, TOPO_BDF_LEN);
+        R.gpu[R.n_gpu].rails = mask;
+        R.gpu[R.n_gpu++].how = how;
+    }
+    return 0;
+}
+
+int rails_init(kvx_why_t *why)
+{
+    memset(&R, 0, sizeof(R));
+    char twhy[256];
+    const char *env = getenv("UCX_NET_DEVICES");
+    if (strcmp(kvxd.conf.peer_topology, "auto")) {
+        one_rail("off");
+        return 0;
+    }
+    if (env && !kvxd.conf.peer_rails[0]) {
+        one_rail("one rail: UCX_NET_DEVICES is set");
+        return 0;
+    }
+    if (topo_discover(kvxd.conf.peer_sysfs_root, &R.topo, KVX_WHY(twhy))) {
+        if (kvxd.conf.peer_rails[0])
+            return why_fail(why, KVX_ERR_INVALID, "peer.rails: %s", twhy);
+        log_warn("peers: peer.topology: %s; one rail", twhy);
+        one_rail("one rail: sysfs cannot be read");
+        return 0;
+    }
+    int rc;
+    if (kvxd.conf.peer_rails[0]) {
+        if ((rc = rails_given(kvxd.conf.peer_rails, why)))
+            return rc;
+    } else {
+        for (unsigned i = 0; i < R.topo.n_nic && R.n < RAILS_MAX; i++)
+            if (R.topo.nic[i].rdma &&
+                list_allows(kvxd.conf.peer_net_devices, R.topo.nic[i].name))
+                R.nic[R.n++] = (int)i;
+        if (R.n < 2) {
+            /* one RDMA port or none: the main context's devices, as
+             * before (they hold that port, if any) */
+            int only = R.n ? R.nic[0] : listen_nic();
+            one_rail(R.n ? "one rail: one RDMA port"
+                         : "one rail: no RDMA port");
+            R.nic[0] = only;
+        } else {
+            snprintf(R.topology, sizeof(R.topology), "auto");
+        }
+    }
+    if ((rc = map_gpus(why)))
+        return rc;
+    if (R.n > 1) {
+        char line[512] = "";
+        for (unsigned r = 0; r < R.n; r++) {
+            const topo_nic_t *x = &R.topo.nic[R.nic[r]];
+            snprintf(line + strlen(line), sizeof(line) - strlen(line),
+                     "%s%s (%s, numa %d)", r ? ", " : "", x->name,
+                     x->pci.bdf[0] ? x->pci.bdf : "no PCI", x->pci.numa);
+        }
+        log_info("peers: rails %s", line);
+    }
+    return 0;
+}
+
+unsigned rails_count(void)
+{
+    return R.n ? R.n : 1;
+}
+
+const char *rails_nic(unsigned r)
+{
+    /* the one rail uses the main context, whatever NIC it names */
+    return R.n > 1 && r < R.n ? R.topo.nic[R.nic[r]].name : "";
+}
+
+uint32_t rails_of_gpu(const char *busid)
+{
+    uint32_t all = (1u << rails_count()) - 1;
+    char b[TOPO_BDF_LEN];
+    if (!busid || topo_bdf_norm(busid, b))
+        return all;
+    for (unsigned g = 0; g < R.n_gpu; g++)
+        if (!strcmp(R.gpu[g].bdf, b))
+            return R.gpu[g].rails ? R.gpu[g].rails : all;
+    return all;
+}
+
+void rails_set_lanes(unsigned r, unsigned lanes)
+{
+    if (r < RAILS_MAX)
+        R.lanes[r] = lanes;
+}
+
+void rails_ucx_info(Kvxfer__UcxInfo *info)
+{
+    if (!R.n) {
+        info->topology = "";
+        return;
+    }
+    info->topology = R.topology;
+    for (unsigned r = 0; r < R.n; r++) {
+        Kvxfer__RailInfo *x = &R.ri[r];
+        kvxfer__rail_info__init(x);
+        const topo_nic_t *n = R.nic[r] >= 0 ? &R.topo.nic[R.nic[r]] : NULL;
+        x->nic = n ? (char *)n->name : kvxd.conf.peer_net_devices;
+        x->pci = n ? (char *)n->pci.bdf : "";
+        x->numa = n ? n->pci.numa : -1;
+        x->lanes = R.lanes[r];
+        R.rip[r] = x;
+    }
+    info->rails = R.rip;
+    info->n_rails = R.n;
+    for (unsigned g = 0; g < R.n_gpu; g++) {
+        Kvxfer__GpuRails *x = &R.gi[g];
+        kvxfer__gpu_rails__init(x);
+        x->gpu = R.gpu[g].bdf;
+        x->distance = (char *)R.gpu[g].how;
+        x->rails = R.gnames[g];
+        for (unsigned r = 0; r < R.n; r++)
+            if (R.gpu[g].rails & (1u << r))
+                R.gnames[g][x->n_rails++] = R.ri[r].nic;
+        R.gip[g] = x;
+    }
+    info->gpu_rails = R.gip;
+    info->n_gpu_rails = R.n_gpu;
+}

@@ -1,0 +1,42 @@
+/*
+ * peer_rails — the rails: the NICs the lanes are grouped by (each lane's
+ * UCX uses its rail's NIC alone), chosen at start from peer.topology,
+ * peer.rails and what topo reads from sysfs; and, for a GPU's PCI bus
+ * id, the rails its slot data goes over (the nearest to it, or
+ * peer.gpu_rails). With peer.topology off, UCX_NET_DEVICES set, or one
+ * NIC, there is one rail: every lane on the devices of
+ * peer.net_devices, as before rails.
+ *
+ * Owns: the rails, the topology read once at start, the map of the GPUs
+ * found there. Loop thread only.
+ */
+#ifndef KVX_PEER_RAILS_H
+#define KVX_PEER_RAILS_H
+
+#include <stdint.h>
+
+#include "common/why.h"
+#include "kvxfer.pb-c.h"
+
+#define RAILS_MAX 16 /* one lane each at least: lane.h's LANES_MAX */
+
+/* Choose the rails. 0, or KVX_ERR_INVALID with why naming the key when
+ * peer.rails or peer.gpu_rails names a NIC that is not here (or not a
+ * rail). What cannot be read (sysfs) leaves one rail, with a warning. */
+int rails_init(kvx_why_t *why);
+/* How many rails (1 at least, after rails_init()). */
+unsigned rails_count(void);
+/* Rail r's NIC as UCX_NET_DEVICES names it; "" for the one rail that is
+ * no single NIC (its lanes use the loop's UCX context). */
+const char *rails_nic(unsigned r);
+/* The rails (bit r: rail r) of the GPU whose PCI bus id is busid (as
+ * CUDA writes it); every rail for NULL (host memory) or a GPU that is not
+ * known. */
+uint32_t rails_of_gpu(const char *busid);
+/* Tell status how many lanes rail r has. */
+void rails_set_lanes(unsigned r, unsigned lanes);
+/* Status: topology, rails, gpu_rails (static storage, valid until the
+ * next rails_init()). */
+void rails_ucx_info(Kvxfer__UcxInfo *info);
+
+#endif
