@@ -203,7 +203,7 @@ $(ITEST) $(BUILD)/tests/gpu: private CFLAGS += $(API_2X)
 # Unit tests include the module's .c (to reach statics) and link the rest
 # of the daemon except main.o and what a "unit-exclude:" line replaces
 # (tests/unit/stub_net.c stands in for net).
-$(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h tests/unit/stub_net.c $(DAEMON_OBJ) $(BUILD)/libkvxfer.a
+$(BUILD)/tests/test_%: tests/unit/test_%.c tests/test.h $(wildcard tests/unit/*.h) tests/unit/stub_net.c $(DAEMON_OBJ) $(BUILD)/libkvxfer.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $< $(filter-out $(call obj,$(shell sed -n 's|^#include "\.\./\.\./\(.*\.c\)"|\1|p; s|^ \* unit-exclude: \(.*\)$$|\1|p' $<)),$(DAEMON_OBJ)) $(LDFLAGS) $(LIBS) $(DAEMON_LIBS) $(CUDA_LIBS)
 

@@ -461,7 +461,7 @@ int peer_init(kvx_why_t *why)
         uv_close((uv_handle_t *)&P.idle, NULL);
         goto err_listener;
     }
-    rails_set_lanes(0, lanes_count());
+    rails_started(lanes_count());
     P.poll_on = 1;
     P.on = 1;
     if (!ucx_tcp_guard_bound())

@@ -27,13 +27,14 @@ static struct {
     unsigned n;                /* rails */
     int nic[RAILS_MAX];        /* topo.nic index of rail r; -1: none */
     unsigned lanes[RAILS_MAX]; /* for status */
-    char topology[96];         /* for status: how they were chosen */
+    char topology[256];        /* for status: how they were chosen */
     struct {
         char bdf[TOPO_BDF_LEN];
         uint32_t rails;
         const char *how; /* topo_dist_name(), or "peer.gpu_rails" */
     } gpu[TOPO_MAX_GPUS];
     unsigned n_gpu;
+    ucp_context_h ctx[RAILS_MAX]; /* rails_open()'s, per rail */
     /* status' copies */
     Kvxfer__RailInfo ri[RAILS_MAX], *rip[RAILS_MAX];
     Kvxfer__GpuRails gi[TOPO_MAX_GPUS], *gip[TOPO_MAX_GPUS];
@@ -186,6 +187,7 @@ static int map_gpus(kvx_why_t *why)
 
 int rails_init(kvx_why_t *why)
 {
+    rails_close();
     memset(&R, 0, sizeof(R));
     char twhy[256];
     const char *env = getenv("UCX_NET_DEVICES");
@@ -262,10 +264,95 @@ uint32_t rails_of_gpu(const char *busid)
     return all;
 }
 
-void rails_set_lanes(unsigned r, unsigned lanes)
+unsigned rails_lanes_total(unsigned per_rail)
 {
-    if (r < RAILS_MAX)
-        R.lanes[r] = lanes;
+    unsigned n = rails_count();
+    return per_rail * n < RAILS_MAX ? per_rail * n : RAILS_MAX;
+}
+
+uint32_t rails_lanes(uint32_t rails, unsigned n)
+{
+    uint32_t m = 0;
+    for (unsigned i = 0; i < n && i < 32; i++)
+        if (rails & (1u << (i % rails_count())))
+            m |= 1u << i;
+    return m;
+}
+
+/* Whether ctx has a transport on device nic (ucp_context_print_info's
+ * resources: "... flags -- rc_verbs/mlx5_0:1", "tcp/eth1"). */
+static int ctx_has(ucp_context_h ctx, const char *nic)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *m = open_memstream(&buf, &len);
+    int found = 0;
+    if (!m)
+        return 1; /* cannot tell: trust it */
+    ucp_context_print_info(ctx, m);
+    fclose(m);
+    size_t nl = strlen(nic);
+    for (char *p = buf; p && !found; p = strchr(p + 1, '/')) {
+        if (*p != '/')
+            continue;
+        found = !strncmp(p + 1, nic, nl) &&
+                (!p[nl + 1] || p[nl + 1] == '\n' || p[nl + 1] == ' ');
+    }
+    free(buf);
+    return found;
+}
+
+int rails_open(ucp_config_t *cfg, const ucp_params_t *prm, unsigned n,
+               ucp_context_h ctx[], kvx_why_t *why)
+{
+    for (unsigned i = 0; i < n; i++)
+        ctx[i] = NULL;
+    if (rails_count() < 2)
+        return 0;
+    for (unsigned r = 0; r < R.n && r < n; r++) {
+        const char *nic = rails_nic(r);
+        ucs_status_t st = ucp_config_modify(cfg, "NET_DEVICES", nic);
+        if (st == UCS_OK)
+            st = ucp_init(prm, cfg, &R.ctx[r]);
+        if (st != UCS_OK) {
+            R.ctx[r] = NULL;
+            rails_close();
+            return why_fail(why, KVX_ERR_IO, "rail %s: ucp_init: %s", nic,
+                            ucs_status_string(st));
+        }
+        if (!ctx_has(R.ctx[r], nic)) {
+            /* its lanes carry data as the loop's worker does, on every
+             * device: slower, never lost */
+            log_warn("peers: UCX has no transport on rail %s; its lanes "
+                     "use the devices of the loop's worker",
+                     nic);
+            ucp_cleanup(R.ctx[r]);
+            R.ctx[r] = NULL;
+            snprintf(R.topology + strlen(R.topology),
+                     sizeof(R.topology) - strlen(R.topology),
+                     "; no UCX transport on %s", nic);
+        }
+    }
+    for (unsigned i = 0; i < n; i++)
+        ctx[i] = R.ctx[i % R.n];
+    return 0;
+}
+
+void rails_close(void)
+{
+    for (unsigned r = 0; r < RAILS_MAX; r++)
+        if (R.ctx[r]) {
+            ucp_cleanup(R.ctx[r]);
+            R.ctx[r] = NULL;
+        }
+}
+
+void rails_started(unsigned n)
+{
+    for (unsigned r = 0; r < RAILS_MAX; r++)
+        R.lanes[r] = 0;
+    for (unsigned i = 0; i < n; i++)
+        R.lanes[i % rails_count()]++;
 }
 
 void rails_ucx_info(Kvxfer__UcxInfo *info)

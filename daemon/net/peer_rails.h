@@ -14,6 +14,7 @@
 #define KVX_PEER_RAILS_H
 
 #include <stdint.h>
+#include <ucp/api/ucp.h>
 
 #include "common/why.h"
 #include "kvxfer.pb-c.h"
@@ -33,8 +34,27 @@ const char *rails_nic(unsigned r);
  * CUDA writes it); every rail for NULL (host memory) or a GPU that is not
  * known. */
 uint32_t rails_of_gpu(const char *busid);
-/* Tell status how many lanes rail r has. */
-void rails_set_lanes(unsigned r, unsigned lanes);
+/* The lanes to start for per_rail lanes a rail (peer.lanes): one rail,
+ * per_rail; more, per_rail each, at most RAILS_MAX in all. Lane i is on
+ * rail i % rails_count(), so that the first lanes of two daemons with
+ * fewer lanes than the other still cover every rail, and lane i of one
+ * daemon (which sends to lane i of the other) is on the same rail of
+ * both when their rails are alike. */
+unsigned rails_lanes_total(unsigned per_rail);
+/* The lanes among the first n (bit i: lane i) whose rail is in rails;
+ * 0 if none. */
+uint32_t rails_lanes(uint32_t rails, unsigned n);
+/* The UCX contexts of the rails' lanes: ctx[i] for lane i of n, a
+ * context of prm and cfg's settings whose devices are lane i's rail's
+ * NIC alone; NULL where the lane uses the loop's context (one rail, or
+ * UCX cannot use that NIC: said once, at warning). 0, or KVX_ERR_IO
+ * with why. cfg is the caller's; its NET_DEVICES is changed. */
+int rails_open(ucp_config_t *cfg, const ucp_params_t *prm, unsigned n,
+               ucp_context_h ctx[], kvx_why_t *why);
+/* The contexts rails_open() made, gone (after the lanes' workers). */
+void rails_close(void);
+/* n lanes started (lane i on rail i % rails_count()): for status. */
+void rails_started(unsigned n);
 /* Status: topology, rails, gpu_rails (static storage, valid until the
  * next rails_init()). */
 void rails_ucx_info(Kvxfer__UcxInfo *info);
