@@ -279,6 +279,15 @@ uint32_t rails_lanes(uint32_t rails, unsigned n)
     return m;
 }
 
+unsigned rails_lane_next(uint32_t rails, unsigned n, unsigned *next)
+{
+    uint32_t m = rails ? rails_lanes(rails, n) : 0;
+    unsigned i = (*next)++ % n;
+    for (unsigned k = 0; m && !(m & (1u << i)) && k < n; k++)
+        i = (*next)++ % n;
+    return i;
+}
+
 /* Whether ctx has a transport on device nic (ucp_context_print_info's
  * resources: "... flags -- rc_verbs/mlx5_0:1", "tcp/eth1"). */
 static int ctx_has(ucp_context_h ctx, const char *nic)

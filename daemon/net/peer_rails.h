@@ -44,6 +44,10 @@ unsigned rails_lanes_total(unsigned per_rail);
 /* The lanes among the first n (bit i: lane i) whose rail is in rails;
  * 0 if none. */
 uint32_t rails_lanes(uint32_t rails, unsigned n);
+/* The lane (of the first n, n > 0) for the next send of data that
+ * should go over rails (0: any), round-robin by *next: one of those
+ * rails' lanes, or any lane when none of the first n is on them. */
+unsigned rails_lane_next(uint32_t rails, unsigned n, unsigned *next);
 /* The UCX contexts of the rails' lanes: ctx[i] for lane i of n, a
  * context of prm and cfg's settings whose devices are lane i's rail's
  * NIC alone; NULL where the lane uses the loop's context (one rail, or

@@ -62,6 +62,19 @@ TEST(rails_are_the_active_rdma_ports)
     CHECK_EQ(rails_lanes(0x3, 10), 0x63);
     /* a peer with 2 lanes: lanes 0 and 1 only, GPU1's rail has none */
     CHECK_EQ(rails_lanes(0x4, 2), 0);
+    /* sends take GPU1's lanes in turn, host data every lane */
+    unsigned next = 0;
+    CHECK_EQ(rails_lane_next(0x4, 10, &next), 2);
+    CHECK_EQ(rails_lane_next(0x4, 10, &next), 7);
+    CHECK_EQ(rails_lane_next(0x4, 10, &next), 2);
+    CHECK_EQ(next, 13);
+    CHECK_EQ(rails_lane_next(0, 10, &next), 3);
+    CHECK_EQ(rails_lane_next(0x1f, 10, &next), 4);
+    /* with a peer of 2 lanes GPU1's rail has none: any lane */
+    next = 0;
+    CHECK_EQ(rails_lane_next(0x4, 2, &next), 0);
+    CHECK_EQ(rails_lane_next(0x4, 2, &next), 1);
+    CHECK_EQ(rails_lane_next(0x4, 2, &next), 0);
     rails_started(10);
     Kvxfer__UcxInfo u = KVXFER__UCX_INFO__INIT;
     rails_ucx_info(&u);
