@@ -10,6 +10,7 @@
  */
 #include "peer_rails.h"
 
+#include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -19,7 +20,7 @@
 #include "core/daemon.h"
 #include "core/log.h"
 #include "kvxfer.h"
-#include "peer_int.h"
+#include "peer.h"
 #include "topo.h"
 
 static struct {
@@ -62,23 +63,22 @@ static int list_allows(const char *list, const char *nic)
  * it names one), or -1. */
 static int listen_nic(void)
 {
-    char addr[sizeof(kvxd.conf.peer_listen) + 16];
-    struct sockaddr_storage ss;
-    socklen_t sl;
+    char ip[64];
+    const char *l = kvxd.conf.peer_listen, *colon = strrchr(l, ':');
+    uint8_t want[16];
     struct ifaddrs *all;
-    int found = -1;
-    snprintf(addr, sizeof(addr), "kvx://%s/x", kvxd.conf.peer_listen);
-    if (parse_address(addr, &ss, &sl, NULL) || getifaddrs(&all))
+    int found = -1, v6 = l[0] == '[';
+    if (!colon || colon - l - 2 * v6 >= (long)sizeof(ip))
+        return -1;
+    snprintf(ip, sizeof(ip), "%.*s", (int)(colon - l - 2 * v6), l + v6);
+    if (inet_pton(v6 ? AF_INET6 : AF_INET, ip, want) != 1 || getifaddrs(&all))
         return -1;
     for (struct ifaddrs *i = all; i && found < 0; i = i->ifa_next) {
         const struct sockaddr *a = i->ifa_addr;
-        if (!a || a->sa_family != ss.ss_family)
+        if (!a || a->sa_family != (v6 ? AF_INET6 : AF_INET))
             continue;
-        if (a->sa_family == AF_INET
-                ? !memcmp(&((const struct sockaddr_in *)a)->sin_addr,
-                          &((const struct sockaddr_in *)&ss)->sin_addr, 4)
-                : !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
-                          &((const struct sockaddr_in6 *)&ss)->sin6_addr, 16))
+        if (v6 ? !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr, want, 16)
+               : !memcmp(&((const struct sockaddr_in *)a)->sin_addr, want, 4))
             found = topo_nic_index(&R.topo, i->ifa_name);
     }
     freeifaddrs(all);
