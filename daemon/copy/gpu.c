@@ -43,6 +43,7 @@ static struct {
     char why[160];
     int ndev;
     cudaUUID_t uuid[MAX_DEV];
+    char pci[MAX_DEV][16];         /* bus ids, "0000:1b:00.0" */
     int used[MAX_DEV];             /* context created: a pool lives here */
     cudaStream_t stream[MAX_DEV];  /* the copy kernels, in launch order */
     cudaStream_t ustream[MAX_DEV]; /* plan uploads: not between kernels */
@@ -308,8 +309,13 @@ static int start(void)
     g.ndev = n < MAX_DEV ? n : MAX_DEV;
     for (int d = 0; d < g.ndev; d++) {
         struct cudaDeviceProp p;
-        if (CU_OK(cudaGetDeviceProperties(&p, d)))
+        if (CU_OK(cudaGetDeviceProperties(&p, d))) {
             g.uuid[d] = p.uuid;
+            snprintf(g.pci[d], sizeof(g.pci[d]), "%04x:%02x:%02x.0",
+                     (unsigned)p.pciDomainID & 0xffff,
+                     (unsigned)p.pciBusID & 0xff,
+                     (unsigned)p.pciDeviceID & 0x1f);
+        }
     }
     struct {
         const char *name;
@@ -331,6 +337,15 @@ static int start(void)
     }
     g.state = 1;
     log_info("gpu: %d devices; %s", g.ndev, gpu_build_info());
+    return 0;
+}
+
+int gpu_pci_id(int device, char *buf, size_t len)
+{
+    if (g.state <= 0 || device < 0 || device >= g.ndev || !g.pci[device][0] ||
+        len <= strlen(g.pci[device]))
+        return KVX_ERR_INVALID;
+    memcpy(buf, g.pci[device], strlen(g.pci[device]) + 1);
     return 0;
 }
 

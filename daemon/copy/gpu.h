@@ -74,6 +74,12 @@ static inline void gpu_import_req_close(gpu_import_req_t *req)
 int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
                    kvx_why_t *why);
 
+/* Device's PCI bus id ("0000:1b:00.0", as cudaDeviceGetPCIBusId
+ * writes it, lower case) into buf (len >= 13): 0, or KVX_ERR_INVALID
+ * (no such device, CUDA not started: no pool yet), KVX_ERR_UNSUPPORTED
+ * (host-only build). For the NIC nearest to it (net's rails). */
+int gpu_pci_id(int device, char *buf, size_t len);
+
 /* A device with a context (a GPU pool lives there), or -1 when CUDA is
  * not in use. Loop thread. */
 int gpu_started(void);

@@ -46,6 +46,14 @@ int gpu_started(void)
     return -1;
 }
 
+int gpu_pci_id(int device, char *buf, size_t len)
+{
+    (void)device;
+    (void)buf;
+    (void)len;
+    return KVX_ERR_UNSUPPORTED;
+}
+
 int gpu_host_register(void *base, uint64_t size, int device)
 {
     (void)base;

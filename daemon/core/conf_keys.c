@@ -603,7 +603,8 @@ const struct conf_key conf_keys[] = {
              "them), so that the wire's copies run on that many cores; 0 "
              "carries data on the loop's worker. Their addresses are told "
              "only to authenticated daemons. Both daemons need lanes for a "
-             "connection to use them."},
+             "connection to use them. With several rails (peer.topology) "
+             "that many on each rail, 16 in all at most."},
     {.name = "peer.direct",
      .type = CONF_U32,
      FIELD(direct),

@@ -871,7 +871,8 @@ int lanes_start(const lanes_conf_t *cf, kvx_why_t *why)
     int rc;
     for (L.n = 0; L.n < n; L.n++) {
         lane_t *ln = &L.v[L.n];
-        if ((rc = lane_init(ln, L.n, cf->ctx, why))) {
+        ucp_context_h ctx = cf->ctxs && cf->ctxs[L.n] ? cf->ctxs[L.n] : cf->ctx;
+        if ((rc = lane_init(ln, L.n, ctx, why))) {
             lane_destroy(ln);
             goto err;
         }

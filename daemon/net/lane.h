@@ -70,6 +70,9 @@ typedef struct lane_ev {
 /* What lanes_start() starts. */
 typedef struct lanes_conf {
     ucp_context_h ctx; /* the lanes' workers are of it */
+    /* or, where ctxs[i] is not NULL, lane i's worker is of ctxs[i] (its
+     * rail's: peer_rails.h); NULL: every lane of ctx */
+    ucp_context_h const *ctxs;
     uv_loop_t *loop;   /* where ev runs */
     unsigned n;        /* how many lanes (0: none; at most LANES_MAX) */
     int spin;          /* a lane polls instead of sleeping while it has requests

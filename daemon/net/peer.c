@@ -32,6 +32,7 @@
 #include "core/fault.h"
 #include "core/log.h"
 #include "peer_int.h"
+#include "peer_rails.h"
 #include "ucx.h"
 
 struct peer_globals P = {.conns = {&P.conns, &P.conns}};
@@ -225,15 +226,15 @@ int peer_send(peer_conn_t *c, const Kvxfer__PeerMsg *m)
 
 /* The lane for c's next slot send, its endpoint made on first use; -1:
  * none (no lanes here or there), or 0..n-1. Sends take the lanes both
- * sides have in turn. */
-static int lane_pick(peer_conn_t *c)
+ * sides have in turn: those of rails (0: any) where there are some. */
+static int lane_pick(peer_conn_t *c, uint32_t rails)
 {
     unsigned n = lanes_count();
     if (c->peer_lanes < n)
         n = c->peer_lanes;
     if (!n || c->lanes_off)
         return -1;
-    unsigned i = c->lane_next++ % n;
+    unsigned i = rails_lane_next(rails, n, &c->lane_next);
     if (!c->out_lep[i]) {
         lane_connect(i, c->lane_addr[i], c->lane_addr_len[i], &c->out_lep[i]);
         c->lane_since[i] = now_ms();
@@ -280,7 +281,7 @@ static void data_start(peer_conn_t *c)
            c->data_inflight < kvxd.conf.send_window) {
         ureq_t *u = UREQ(list_pop(&c->dq));
         c->data_inflight++;
-        int lane = u->keyed ? lane_pick(c) : -1;
+        int lane = u->keyed ? lane_pick(c, u->rails) : -1;
         if (lane >= 0) {
             /* c->outstanding still counts it, until LEV_SENT */
             u->on_lane = 1;
@@ -367,6 +368,7 @@ int peer_send_data(peer_conn_t *c, const peer_piece_t *p)
     u->keyed = c->peer_lanes != 0;
     u->done = p->done;
     u->arg = p->arg;
+    u->rails = p->rails;
     c->outstanding++; /* waiting: keeps c until it is given back */
     list_push(&c->dq, &u->node);
     data_start(c);

@@ -110,6 +110,9 @@ typedef struct peer_piece {
     size_t niov;
     void (*done)(void *arg, int status);
     void *arg;
+    /* the rails its data should go over (peer_gpu_rails() of the GPU
+     * its bytes are of); 0: any */
+    uint32_t rails;
 } peer_piece_t;
 
 /* Send piece p of a slot (p is read before this returns); queued while
@@ -126,6 +129,9 @@ int peer_send_queued(const peer_conn_t *c, const void *arg);
 /* Whether UCX may use an RDMA device here (its device list names one,
  * or is every device and there is one): known after peer_init(). */
 int peer_rdma(void);
+/* The rails (a mask for peer_piece_t.rails) nearest to the GPU whose
+ * PCI bus id is busid, as CUDA writes it (peer.topology); 0: any. */
+uint32_t peer_gpu_rails(const char *busid);
 /* Whether slot data to c goes over lanes now (peer.lanes, both sides). */
 int peer_conn_lanes(const peer_conn_t *c);
 

@@ -367,11 +367,18 @@ int peer_init(kvx_why_t *why)
                         .mt_workers_shared = kvxd.conf.lanes > 0,
                         .name = "kvxferd"};
     st = ucp_init(&prm, cfg, &P.ctx);
-    ucp_config_release(cfg);
     if (st != UCS_OK) {
+        ucp_config_release(cfg);
         why_set(why, "ucp_init: %s", ucs_status_string(st));
         return KVX_ERR_IO;
     }
+    /* the rails' contexts, each on its NIC alone (none with one rail) */
+    unsigned nlanes = rails_lanes_total(kvxd.conf.lanes);
+    ucp_context_h rail_ctx[LANES_MAX];
+    rc = rails_open(cfg, &prm, nlanes, rail_ctx, why);
+    ucp_config_release(cfg);
+    if (rc)
+        goto err_ctx;
     ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
     if (ucp_context_query(P.ctx, &ca) == UCS_OK)
         P.ucx_cuda = !!(ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
@@ -452,7 +459,8 @@ int peer_init(kvx_why_t *why)
         kvxd.conf.busy_poll == 2 ? kvxd_cpus() >= 4 : (int)kvxd.conf.busy_poll;
     lanes_conf_t lc = {.ctx = P.ctx,
                        .loop = kvxd.loop,
-                       .n = kvxd.conf.lanes,
+                       .ctxs = rail_ctx,
+                       .n = nlanes,
                        .spin = P.busy_poll,
                        .ev = on_lane_event};
     if ((rc = lanes_start(&lc, why))) {
@@ -491,6 +499,7 @@ err_worker:
     ucp_worker_destroy(P.worker);
     P.worker = NULL;
 err_ctx:
+    rails_close();
     ucp_cleanup(P.ctx);
     P.ctx = NULL;
     return rc;
@@ -552,6 +561,7 @@ void peer_shutdown(void)
         ucp_worker_release_address(P.worker, P.addr);
     P.addr = NULL;
     ucp_worker_destroy(P.worker);
+    rails_close(); /* after the lanes' workers (peer_stop()) */
     ucp_cleanup(P.ctx);
     P.worker = NULL;
     P.on = 0;

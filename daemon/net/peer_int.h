@@ -158,6 +158,7 @@ typedef struct ureq {
                       P.inflight (the loop's worker) */
     int keyed;     /* its header has lane_conn, lane_mac */
     unsigned lane; /* on_lane: which */
+    uint32_t rails; /* the rails it should go over (0: any) */
     /* keyed: its DATA header unpacked, and the MAC, made when the lane
      * is known (the MAC names it) and packed into buf again */
     Kvxfer__PeerData pd;

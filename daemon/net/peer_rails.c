@@ -241,6 +241,11 @@ int rails_init(kvx_why_t *why)
     return 0;
 }
 
+uint32_t peer_gpu_rails(const char *busid)
+{
+    return rails_count() > 1 ? rails_of_gpu(busid) : 0;
+}
+
 unsigned rails_count(void)
 {
     return R.n ? R.n : 1;

@@ -172,6 +172,7 @@ typedef struct pull {
 
 typedef struct sstream {
     uint64_t id, dst_id;
+    uint32_t rails; /* a GPU source's: peer_gpu_rails() of its GPU; 0 */
     uint64_t conn;  /* peer_conn_id(): looked up to send */
     offer_t *offer; /* NULL once the stream ended */
     offer_t *fence; /* whose fence our gathers hold: set for

@@ -255,10 +255,11 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
     x->sends_left++;
     peer_conn_t *c = conn_live(s->conn);
     if (niov) {
-        int rc = c ? peer_send_data(
-                         c, &(peer_piece_t){&m, NULL, x->pc[k].len, x->iov[k],
-                                            niov, on_sent_direct, &x->ref[k]})
-                   : KVX_ERR_PEER_GONE;
+        int rc =
+            c ? peer_send_data(
+                    c, &(peer_piece_t){&m, NULL, x->pc[k].len, x->iov[k], niov,
+                                       on_sent_direct, &x->ref[k], s->rails})
+              : KVX_ERR_PEER_GONE;
         if (!rc)
             return;
         /* never called back: not sent. With the connection still up (no
@@ -270,7 +271,7 @@ static void piece_send(slot_t *x, uint32_t k, uint32_t niov)
     }
     if (!c ||
         peer_send_data(c, &(peer_piece_t){&m, x->mem + d.offset, x->pc[k].len,
-                                          NULL, 0, on_sent, x}))
+                                          NULL, 0, on_sent, x, s->rails}))
         x->sends_left--; /* the connection is gone: never called back */
 }
 
@@ -374,9 +375,14 @@ static int sstream_bind(sstream_t *s, offer_t *o)
     if ((rc = slots_device(&sslots, dev, KVX_WHY(why))) ||
         (rc = pool_device_view(src, dev, &pl->src[s->slice].regions,
                                KVX_WHY(why))) ||
-        (rc = gpu_part_create(pl, dev, &s->gpu, KVX_WHY(why))))
+        (rc = gpu_part_create(pl, dev, &s->gpu, KVX_WHY(why)))) {
         log_warn("peer stream %llu: %s", (unsigned long long)s->id, why);
-    return rc;
+        return rc;
+    }
+    /* its slots go over the NICs nearest to its GPU */
+    char bus[16];
+    s->rails = gpu_pci_id(dev, bus, sizeof(bus)) ? 0 : peer_gpu_rails(bus);
+    return 0;
 }
 
 /* Are units [u0, u1) of s's slice there to gather: its rank published,

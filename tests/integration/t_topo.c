@@ -159,3 +159,101 @@ TEST_T(topo_rails_refused, 60)
     daemon_healthy(a);
     daemon_stop_ok(a);
 }
+
+/* ---- lanes grouped by rail --------------------------------------------- */
+
+/* A fake tree whose two NICs are real interfaces of the daemon's
+ * namespace (each with a PCI place of its own), into root. */
+static void topo_tree_nics(int side, const char *nic0, const char *nic1,
+                           char *root, size_t len)
+{
+    char script[160], cmd[512];
+    snprintf(root, len, "%s/sys-%c", p_net.dir, "AB"[side]);
+    snprintf(script, sizeof(script), "%s/mknics.sh", p_net.dir);
+    write_file(script, "set -e\n"
+                       "R=$1\n"
+                       "mkdir -p $R/bus/pci/devices $R/class/net\n"
+                       "nic() { # NAME PCIDIR\n"
+                       "  mkdir -p $R/$2/net/$1\n"
+                       "  echo up > $R/$2/net/$1/operstate\n"
+                       "  ln -s ../../ $R/$2/net/$1/device\n"
+                       "  ln -s ../../$2/net/$1 $R/class/net/$1\n"
+                       "}\n"
+                       "nic $2 devices/pci0000:00/0000:00:01.0/0000:01:00.0\n"
+                       "nic $3 devices/pci0000:00/0000:00:02.0/0000:02:00.0\n");
+    snprintf(cmd, sizeof(cmd), "sh %s %s %s %s", script, root, nic0, nic1);
+    CHECK(system(cmd) == 0);
+}
+
+/* Bytes the interface nic of namespace ns received and sent. */
+static long long topo_if_bytes(const char *ns, const char *nic)
+{
+    char cmd[256], out[64];
+    long long rx = -1, tx = -1;
+    snprintf(cmd, sizeof(cmd),
+             "ip netns exec %s cat /sys/class/net/%s/statistics/rx_bytes "
+             "/sys/class/net/%s/statistics/tx_bytes | tr '\\n' ' '",
+             ns, nic, nic);
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 0);
+    CHECK_EQ(sscanf(out, "%lld %lld", &rx, &tx), 2);
+    return rx + tx;
+}
+
+/* Two rails a daemon, each a veth pair between the two namespaces:
+ * lanes on each rail's UCX context alone, slot data spread over both
+ * (host pools: any rail), every byte verified, and the second pair,
+ * which nothing but its rail's lanes can use, carried megabytes. */
+TEST_T(topo_rails_carry_data, 180)
+{
+    p_setup();
+    if (!p_net.netns) {
+        fprintf(stderr, "skipped: needs network namespaces\n");
+        return;
+    }
+    int pid = (int)getpid(), x = 64 + pid % 128;
+    char rail2[2][16];
+    snprintf(rail2[0], sizeof(rail2[0]), "kvxc%d", pid);
+    snprintf(rail2[1], sizeof(rail2[1]), "kvxd%d", pid);
+    CHECK(p_sh(NULL, 0,
+               "ip link add %s netns %s type veth peer name %s netns %s",
+               rail2[0], p_net.ns[0], rail2[1], p_net.ns[1]) == 0);
+    for (int i = 0; i < 2; i++)
+        CHECK(p_sh(NULL, 0,
+                   "ip -n %s addr add 10.%d.1.%d/24 dev %s && "
+                   "ip -n %s link set %s up",
+                   p_net.ns[i], x, i + 1, rail2[i], p_net.ns[i],
+                   rail2[i]) == 0);
+    daemon_t *d[2];
+    for (int i = 0; i < 2; i++) {
+        char root[160], peer[512];
+        topo_tree_nics(i, p_net.veth[i], rail2[i], root, sizeof(root));
+        snprintf(peer, sizeof(peer),
+                 "  sysfs_root: %s\n  lanes: 2\n  rails: \"%s,%s\"\n", root,
+                 p_net.veth[i], rail2[i]);
+        d[i] = p_daemon(i, P_SECRET, peer, NULL);
+    }
+    long long before = topo_if_bytes(p_net.ns[0], rail2[0]);
+    char *json = status_json(d[0]);
+    char want[256];
+    snprintf(want, sizeof(want),
+             "\"topology\":\"auto (peer.rails)\",\"rails\":[{\"nic\":\"%s\","
+             "\"pci\":\"0000:01:00.0\",\"numa\":-1,\"lanes\":2},{\"nic\":"
+             "\"%s\",\"pci\":\"0000:02:00.0\",\"numa\":-1,\"lanes\":2}]",
+             p_net.veth[0], rail2[0]);
+    CHECK_STR_CONTAINS(json, want);
+    CHECK_STR_CONTAINS(json, "\"lanes\":4,\"lane_ports\"");
+    free(json);
+    p_both_ways(d[0], d[1], "rails", 6, 4);
+    for (int i = 0; i < 2; i++) {
+        char *pj = p_peers(d[i]);
+        fprintf(stderr, "%c's peers: %s\n", "AB"[i], pj);
+        CHECK_EQ(json_num(pj, "lanes"), 4);
+        CHECK_EQ(json_num(pj, "errors"), 0);
+        free(pj);
+    }
+    long long moved = topo_if_bytes(p_net.ns[0], rail2[0]) - before;
+    fprintf(stderr, "%s moved %lld bytes\n", rail2[0], moved);
+    CHECK(moved > 1000000);
+    CHECK(!log_contains(d[0], "no UCX transport"));
+    p_stop_both(d[0], d[1]);
+}
