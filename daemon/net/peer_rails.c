@@ -182,6 +182,22 @@ static int map_gpus(kvx_why_t *why)
         R.gpu[R.n_gpu].rails = mask;
         R.gpu[R.n_gpu++].how = how;
     }
+    /* an entry of peer.gpu_rails for a GPU that is not here is no
+     * error (a config shared by nodes), but said */
+    for (const char *p = kvxd.conf.peer_gpu_rails; *p;) {
+        size_t el = strcspn(p, ","), bl = strcspn(p, "=");
+        char b[24], bdf[TOPO_BDF_LEN];
+        unsigned g = 0;
+        snprintf(b, sizeof(b), "%.*s", (int)bl, p);
+        if (!topo_bdf_norm(b, bdf))
+            while (g < R.n_gpu && strcmp(R.gpu[g].bdf, bdf))
+                g++;
+        if (g == R.n_gpu)
+            log_notice("peers: peer.gpu_rails: no GPU %s in %s; its entry "
+                       "is not used",
+                       b, kvxd.conf.peer_sysfs_root);
+        p += el + (p[el] == ',');
+    }
     return 0;
 }
 

@@ -172,6 +172,12 @@ TEST(gpu_rails_by_hand)
     Kvxfer__UcxInfo u = KVXFER__UCX_INFO__INIT;
     rails_ucx_info(&u);
     CHECK(!strcmp(u.gpu_rails[1]->distance, "peer.gpu_rails"));
+    /* an entry for a GPU that is not here: said, not used */
+    CHECK_EQ(rails_with("", "0000:99:00.0=mlx5_0:1,0000:03:00.0=rxe0:1", why,
+                        sizeof(why)),
+             0);
+    CHECK_EQ(rails_of_gpu("0000:03:00.0"), 0x10);
+    CHECK_EQ(rails_of_gpu("0000:99:00.0"), 0x1f);
     /* a rail that is none, named */
     CHECK_EQ(
         rails_with("mlx5_0,mlx5_1", "0000:03:00.0=mlx5_2:1", why, sizeof(why)),
