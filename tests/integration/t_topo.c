@@ -249,6 +249,12 @@ TEST_T(topo_rails_carry_data, 180)
         fprintf(stderr, "%c's peers: %s\n", "AB"[i], pj);
         CHECK_EQ(json_num(pj, "lanes"), 4);
         CHECK_EQ(json_num(pj, "errors"), 0);
+        /* the lanes' endpoints are on both rails */
+        char tl[2][48];
+        snprintf(tl[0], sizeof(tl[0]), "tcp/%s.0", p_net.veth[i]);
+        snprintf(tl[1], sizeof(tl[1]), "tcp/%s.0", rail2[i]);
+        CHECK_STR_CONTAINS(pj, tl[0]);
+        CHECK_STR_CONTAINS(pj, tl[1]);
         free(pj);
     }
     long long moved = topo_if_bytes(p_net.ns[0], rail2[0]) - before;
