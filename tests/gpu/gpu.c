@@ -313,7 +313,8 @@ static void daemon_start(struct daemon *d)
 
 static void daemon_start_cfg(struct daemon *d, const char *cfgtext)
 {
-    snprintf(d->dir, sizeof(d->dir), "/tmp/kvx-gpu-%d", (int)getpid());
+    static int n; /* two daemons of one test: a directory each */
+    snprintf(d->dir, sizeof(d->dir), "/tmp/kvx-gpu-%d-%d", (int)getpid(), n++);
     mkdir(d->dir, 0700);
     snprintf(d->sock, sizeof(d->sock), "%s/s.sock", d->dir);
     char cfg[128], log[128], exe[256];
@@ -437,6 +438,156 @@ static void ctx_proc(struct daemon *d, struct shared *sh, int dev,
         pause(); /* killed by the test */
     }
     exit(0);
+}
+
+/* ---- two daemons: a cancel, and the context daemon killed ------------- */
+
+/* A daemon with peers on (loopback, the secret file), its slots cut into
+ * small pieces sent one at a time and its kernels on one CTA: the 2 GiB
+ * transfer lasts long enough to be cut. */
+static void peer_daemon(struct daemon *d, const char *secret)
+{
+    char cfg[512];
+    snprintf(cfg, sizeof(cfg),
+             "peer:\n  listen: 127.0.0.1:0\n  secret_file: %s\n"
+             "  slot_bytes: 1MiB\n  message_bytes: 64KiB\n"
+             "  send_window: 1\n  keepalive_timeout_ms: 2000\n"
+             "gpu:\n  max_ctas: 1\n",
+             secret);
+    daemon_start_cfg(d, cfg);
+}
+
+/* The daemon's status JSON (the caller frees it), or NULL. */
+static char *status_of(const char *sock)
+{
+    kvx_client_t *o;
+    char *js = NULL;
+    if (kvx_connect_observer(sock, 2000, &o) == 0) {
+        if (kvx_status_json(o, &js, 2000))
+            js = NULL;
+        kvx_close(o);
+    }
+    return js;
+}
+
+/* The number after key in the daemon's status, or 0. */
+static unsigned long long status_num(const char *sock, const char *key)
+{
+    char *js = status_of(sock);
+    const char *q = js ? strstr(js, key) : NULL;
+    unsigned long long v = q ? strtoull(q + strlen(key), NULL, 10) : 0;
+    free(js);
+    return v;
+}
+
+/* Whether the daemon's status holds s. */
+static int status_has(const char *sock, const char *s)
+{
+    char *js = status_of(sock);
+    int has = js && strstr(js, s);
+    free(js);
+    return has;
+}
+
+/* Between two daemons (GPU slots where their UCX moves CUDA memory,
+ * else host slots; it prints which), a GPU pool's fetch is cut while
+ * its bytes arrive: cancelled at the generation daemon (the event says
+ * CANCELLED), then, in a second run, the context daemon killed (ERROR
+ * PEER_GONE). Either way no byte lands in the pool after the event. */
+TEST_T(two_daemons_gpu_cancel_and_peer_death, 300)
+{
+    NEED_GPUS(1);
+    char secret[] = "/tmp/kvx-gpu-secret-XXXXXX";
+    int fd = mkstemp(secret); /* mode 0600 */
+    CHECK(fd >= 0);
+    uint8_t key[32];
+    for (int i = 0; i < 32; i++)
+        key[i] = (uint8_t)(i * 37 + getpid());
+    CHECK(write(fd, key, sizeof(key)) == (ssize_t)sizeof(key));
+    close(fd);
+    for (int death = 0; death < 2; death++) {
+        struct daemon a, b;
+        peer_daemon(&a, secret);
+        peer_daemon(&b, secret);
+        struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
+                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        pid_t ctx = fork();
+        if (ctx == 0)
+            ctx_proc(&a, sh, 0, 0);
+        while (!sh->ready)
+            usleep(1000);
+        pid_t gen = fork();
+        if (gen == 0) {
+            kvx_layout_t l;
+            void *p;
+            uint32_t pool;
+            kvx_client_t *c = rank(&b, "gpu-gen", KVX_ROLE_GENERATION,
+                                   gen_dev(), &l, &p, &pool);
+            uint32_t *bl = all_blocks();
+            CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, bl,
+                               BLOCKS, 0, 10000),
+                     0);
+            /* under way: bytes arrive at B */
+            unsigned long long got = 0;
+            for (int i = 0; i < 5000 && got < (4u << 20); i++) {
+                got = status_num(b.sock, "\"bytes_received\":");
+                usleep(1000);
+            }
+            CHECK(got >= (4u << 20));
+            printf("%s: %s slots\n", death ? "peer death" : "cancel",
+                   status_has(b.sock, "\"staging\":\"gpu\"") ? "GPU" : "host");
+            if (!death) {
+                CHECK_EQ(kvx_cancel(c, 9, 10000), 0);
+            } else {
+                sh->stage = 1; /* the parent kills daemon A */
+            }
+            kvx_batch_t *bt;
+            CHECK_EQ(kvx_poll(c, 1, 20000, &bt), 0);
+            CHECK_EQ(bt->num_events, 1);
+            if (!death) {
+                CHECK_EQ(bt->events[0].kind, KVX_EVENT_CANCELLED);
+            } else {
+                CHECK_EQ(bt->events[0].kind, KVX_EVENT_ERROR);
+                CHECK_EQ(bt->events[0].code, KVX_ERR_PEER_GONE);
+            }
+            kvx_batch_free(bt);
+            /* the daemon promised: no write lands after the event */
+            uint64_t n = kvx_layout_span(&l);
+            uint8_t *s1 = malloc(n), *s2 = malloc(n);
+            CHECK(s1 && s2);
+            CHECK_EQ(bgpu_copy_to_host(gen_dev(), s1, p, n), 0);
+            usleep(300000);
+            CHECK_EQ(bgpu_copy_to_host(gen_dev(), s2, p, n), 0);
+            CHECK(memcmp(s1, s2, n) == 0);
+            int64_t bad = bgpu_check(&(bgpu_rows_t){.dev = gen_dev(),
+                                                    .layout = &l,
+                                                    .regions = &p,
+                                                    .request = 7,
+                                                    .nblocks = BLOCKS,
+                                                    .tok_to = UINT32_MAX});
+            printf("%s: %lld of %llu rows not written\n",
+                   death ? "peer death" : "cancel", (long long)bad,
+                   (unsigned long long)BLOCKS * LAYERS * 2 * TPB * HEADS);
+            CHECK(bad > 0); /* it was cut: not all of it arrived */
+            exit(0);
+        }
+        if (death) {
+            while (!sh->stage)
+                usleep(100);
+            kill(a.pid, SIGKILL);
+            waitpid(a.pid, NULL, 0);
+        }
+        int st;
+        waitpid(gen, &st, 0);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        kill(ctx, SIGKILL);
+        waitpid(ctx, &st, 0);
+        daemon_stop(&b);
+        if (!death)
+            daemon_stop(&a);
+        munmap(sh, sizeof(*sh));
+    }
+    unlink(secret);
 }
 
 TEST_T(cancel_in_flight_no_write_after, 120)
