@@ -38,13 +38,17 @@ for i in 1 2; do
     run "host-slots-64M-$i" $M $C --slot-bytes 67108864 --daemon-config "$host"
     run "gpu-slots-64M-$i" $M $C --slot-bytes 67108864 --daemon-config "$big"
 done
+# 16 MiB slots (a GPU slot goes as one message, whatever
+# peer.message_bytes), and 64 MiB ones with 4 lanes
+run "gpu-slots-16M" $M $C --slot-bytes 16777216 --daemon-config "$big"
+run "gpu-slots-64M-4lanes" $M $C --slot-bytes 67108864 --daemon-config "$big" --peer-config "lanes: 4"
 # a layout change (the gather and scatter reorder): trtllm -> vllm-nhd
 run "gpu-slots-64M-trtllm-nhd" $M $C --ctx-layout trtllm --gen-layout vllm-nhd --slot-bytes 67108864 --daemon-config "$big"
 run "host-slots-64M-trtllm-nhd" $M $C --ctx-layout trtllm --gen-layout vllm-nhd --slot-bytes 67108864 --daemon-config "$host"
 # host pools (the CPU path) with this UCX, on TCP: the segment sizes the
 # daemon sets for UCX 1.13 (128k/512k; no RMA lanes there) against UCX's
 # own (8k/64k), which the environment's values override
-for i in 1 2; do
+[ "${CPU:-1}" = 1 ] && for i in 1 2; do
     TLS=tcp run "cpu-host-seg-kvx-$i" --requests 16 --blocks 32 --window 4 --ctx-host --gen-host
     UCX_TCP_TX_SEG_SIZE=8kb UCX_TCP_RX_SEG_SIZE=64kb TLS=tcp run "cpu-host-seg-ucx-$i" --requests 16 --blocks 32 --window 4 --ctx-host --gen-host
 done

@@ -374,6 +374,14 @@ void baseline_measure(const char *perftest, uint64_t total,
     pt_mem = o.gpu && o.daemons == 2 && peers.rx[7] > 0 && peers.tx[7] > 0
                  ? "cuda"
                  : NULL;
+    /* ucx_perftest allocates CUDA memory through cuda_copy, which the
+     * daemons' own list (their connection's transports) may not name */
+    const char *tls = getenv("UCX_TLS");
+    if (pt_mem && tls && !strstr(tls, "cuda_copy")) {
+        char t[256];
+        snprintf(t, sizeof(t), "%s,cuda_copy", tls);
+        setenv("UCX_TLS", t, 1);
+    }
     if (o.daemons == 2)
         baseline_ucx(perftest, total, res, b);
 #ifdef KVX_CUDA

@@ -422,7 +422,13 @@ static void slot_gather(sstream_t *s, slot_t *x)
     s->sends++;
     xfer_offer_fence_hold(s->offer);
     x->t_stage = now_ns();
-    slot_cut(x, s->plan, remote_message_bytes());
+    /* a GPU slot goes whole: one kernel gathers a piece either way, and
+     * each UCX message costs about 100 us beside its bytes over cuda_ipc
+     * (one H100: 4 MiB pieces moved 41-47 GB/s, whole 64 MiB slots 314;
+     * docs/benchmarks.md); the receiver cuts as the header says */
+    slot_cut(x, s->plan,
+             x->set->device >= 0 ? kvxd.conf.slot_bytes
+                                 : remote_message_bytes());
     x->piece_done = gather_done;
     peer_conn_t *c = conn_live(s->conn);
     int direct = direct_on && !s->gpu && x->pulled && c && peer_conn_lanes(c);
