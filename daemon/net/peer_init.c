@@ -282,8 +282,10 @@ static int ucx_devices(ucp_config_t *cfg, kvx_why_t *why)
      * made through its connection manager did), so rendezvous data goes
      * as active-message fragments; 8 KiB send and 64 KiB receive
      * segments cost a fifth of the bandwidth of 4 MiB slots on the GPU
-     * host, 128 KiB and 512 KiB get it back (docs/benchmarks.md). The
-     * environment's values win. */
+     * host, 128 KiB and 512 KiB get it back (docs/benchmarks.md). UCX
+     * 1.22 needs them as much (the H100 host, host pools: 5.7-6.8 GB/s
+     * with them, 2.1-2.2 with UCX's own), so every version gets them.
+     * The environment's values win. */
     if (!getenv("UCX_TCP_TX_SEG_SIZE"))
         setenv("UCX_TCP_TX_SEG_SIZE", "128k", 1);
     if (!getenv("UCX_TCP_RX_SEG_SIZE"))
