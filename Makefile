@@ -34,6 +34,7 @@ PKG_CFLAGS += $(shell pkg-config --cflags $(DAEMON_PKGS) 2>/dev/null)
 DAEMON_LIBS := $(shell pkg-config --libs $(DAEMON_PKGS) 2>/dev/null)
 UCX_VERSION := $(shell pkg-config --modversion ucx 2>/dev/null)
 UCX_DEP :=
+UCX_BUNDLE :=
 else ifeq ($(UCX),wheel)
 UCX_WHEEL_DIR := build/ucx-wheel
 UCX_HOME    := $(abspath $(UCX_WHEEL_DIR))/libucx
@@ -42,7 +43,9 @@ UCX_DEP     := $(UCX_HOME)/.kvx-ok
 PKG_CFLAGS  += -isystem $(UCX_HOME)/include \
                $(shell pkg-config --cflags libcrypto 2>/dev/null)
 DAEMON_LIBS := -L$(UCX_HOME)/lib -Wl,-rpath,$(UCX_HOME)/lib \
+               -Wl,-rpath,'$$ORIGIN/../lib' \
                -lucp -luct -lucs -lucm $(shell pkg-config --libs libcrypto 2>/dev/null)
+UCX_BUNDLE  := $(UCX_HOME) $(abspath $(UCX_WHEEL_DIR))/libucx_cu13.libs
 else
 UCX_PC := PKG_CONFIG_PATH=$(UCX)/lib/pkgconfig:$(UCX)/lib64/pkgconfig pkg-config
 ifeq ($(shell $(UCX_PC) --exists ucx && echo y),)
@@ -54,7 +57,9 @@ PKG_CFLAGS  += $(patsubst -I%,-isystem %,$(shell $(UCX_PC) --cflags ucx)) \
                $(shell pkg-config --cflags libcrypto 2>/dev/null)
 DAEMON_LIBS := $(shell $(UCX_PC) --libs ucx) \
                -Wl,-rpath,$(shell $(UCX_PC) --variable=libdir ucx) \
+               -Wl,-rpath,'$$ORIGIN/../lib' \
                $(shell pkg-config --libs libcrypto 2>/dev/null)
+UCX_BUNDLE  := $(shell $(UCX_PC) --variable=prefix ucx)
 endif
 
 # one folder per layer (docs/architecture.md): the public header is the
@@ -388,9 +393,11 @@ $(BUILD)/tests/libkvxtorch.so: tests/gpu/torch_shim.c $(BUILD)/libkvxfer.a
 	$(CC) $(CFLAGS) -shared -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
 
 # A relocatable tree for GPU nodes whose image lacks libuv, protobuf-c or
-# libyaml: the binaries plus those libraries from Debian's packages.
+# libyaml: the binaries plus those libraries from Debian's packages, and
+# the UCX built with (UCX=wheel or a site's: its libraries, modules and
+# tools; Debian's: its libraries from its packages).
 bundle: all $(GPU_TESTS)
-	@scripts/bundle.sh $(BUILD) dist/kvxfer
+	@scripts/bundle.sh $(BUILD) dist/kvxfer $(UCX_BUNDLE)
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib \
