@@ -47,7 +47,8 @@ DAEMON_LIBS := -L$(UCX_HOME)/lib -Wl,-rpath,$(UCX_HOME)/lib \
                -lucp -luct -lucs -lucm $(shell pkg-config --libs libcrypto 2>/dev/null)
 UCX_BUNDLE  := $(UCX_HOME) $(abspath $(UCX_WHEEL_DIR))/libucx_cu13.libs
 else
-UCX_PC := PKG_CONFIG_PATH=$(UCX)/lib/pkgconfig:$(UCX)/lib64/pkgconfig pkg-config
+# only its own .pc files: not the system's ucx.pc
+UCX_PC := PKG_CONFIG_LIBDIR=$(UCX)/lib/pkgconfig:$(UCX)/lib64/pkgconfig pkg-config
 ifeq ($(shell $(UCX_PC) --exists ucx && echo y),)
 $(error UCX=$(UCX): no ucx.pc under $(UCX)/lib/pkgconfig or $(UCX)/lib64/pkgconfig (UCX is debian, wheel or a UCX install prefix))
 endif
