@@ -4,7 +4,7 @@ DESTDIR ?=
 CC      ?= cc
 
 # UCX: the UCX the daemon, fake_peer and the tests build against, each in
-# a BUILD folder of its own (README.md, "Building"):
+# a BUILD folder of its own (README.md, "Which UCX"):
 #   UCX=debian   Debian's libucx-dev by pkg-config (the default), in build
 #   UCX=wheel    PyPI's libucx-cu13 (CUDA transports), which
 #                scripts/ucx-wheel.sh fetches into build/ucx-wheel, in
@@ -47,10 +47,13 @@ DAEMON_LIBS := -L$(UCX_HOME)/lib -Wl,-rpath,$(UCX_HOME)/lib \
                -lucp -luct -lucs -lucm $(shell pkg-config --libs libcrypto 2>/dev/null)
 UCX_BUNDLE  := $(UCX_HOME) $(abspath $(UCX_WHEEL_DIR))/libucx_cu13.libs
 else
-# only its own .pc files: not the system's ucx.pc
-UCX_PC := PKG_CONFIG_LIBDIR=$(UCX)/lib/pkgconfig:$(UCX)/lib64/pkgconfig pkg-config
+# only its own .pc files, not the system's ucx.pc; their prefix where
+# they are (a moved install's, or the wheel's, name another)
+UCX_PREFIX := $(abspath $(UCX))
+UCX_PC := PKG_CONFIG_LIBDIR=$(UCX_PREFIX)/lib/pkgconfig:$(UCX_PREFIX)/lib64/pkgconfig \
+          pkg-config --define-prefix
 ifeq ($(shell $(UCX_PC) --exists ucx && echo y),)
-$(error UCX=$(UCX): no ucx.pc under $(UCX)/lib/pkgconfig or $(UCX)/lib64/pkgconfig (UCX is debian, wheel or a UCX install prefix))
+$(error UCX=$(UCX): no ucx.pc under $(UCX_PREFIX)/lib/pkgconfig or lib64/pkgconfig (UCX is debian, wheel or a UCX install prefix))
 endif
 UCX_VERSION := $(shell $(UCX_PC) --modversion ucx)
 UCX_DEP     :=
@@ -60,7 +63,7 @@ DAEMON_LIBS := $(shell $(UCX_PC) --libs ucx) \
                -Wl,-rpath,$(shell $(UCX_PC) --variable=libdir ucx) \
                -Wl,-rpath,'$$ORIGIN/../lib' \
                $(shell pkg-config --libs libcrypto 2>/dev/null)
-UCX_BUNDLE  := $(shell $(UCX_PC) --variable=prefix ucx)
+UCX_BUNDLE  := $(UCX_PREFIX)
 endif
 
 # one folder per layer (docs/architecture.md): the public header is the
