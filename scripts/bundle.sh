@@ -64,9 +64,14 @@ else
         [ -z "$UCX_EXTRA" ] || [ ! -e "$l" ] || cp -L "$l" "$OUT/lib/"
     done
 fi
-libs=$(for b in "$OUT"/bin/kvxferd "$OUT"/bin/kvxferctl "$OUT"/bin/kvxfer-bench "$OUT"/bin/ucx_perftest "$OUT"/bin/tests/*; do
+bins="$OUT/bin/kvxferd $OUT/bin/kvxferctl $OUT/bin/kvxfer-bench $OUT/bin/ucx_perftest $OUT/bin/ucx_info $(ls "$OUT"/bin/tests/* 2>/dev/null)"
+libs=$(for b in $bins; do
     ldd "$b" 2>/dev/null | awk '$3 ~ /^\// {print $3}'
 done | sort -u | grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*)\.so')
+for b in $bins; do # not in the bundle, and the node may not have it either
+    ldd "$b" 2>/dev/null | awk -v b="$(basename "$b")" '/not found/ {
+        print "bundle: warning: " b " needs " $1 ", which the loader does not find here" }' >&2
+done
 tmp=$(mktemp -d)
 for l in $libs; do
     # the UCX built with, as it is
@@ -81,6 +86,13 @@ for l in $libs; do
         pkg=$(dpkg -S "$cand" 2>/dev/null | head -n1 | cut -d: -f1)
         [ -n "$pkg" ] && break
     done
+    if [ -z "$pkg" ] && [ -n "$ucx_lib" ]; then
+        # a site UCX's own dependencies (the wheel's libgomp, a CUDA
+        # toolkit outside Debian's packages), from where the loader found them
+        cp -L "$l" "$OUT/lib/$(basename "$l")"
+        echo "bundle: $(basename "$l") from $(dirname "$l") (no Debian package owns it)"
+        continue
+    fi
     [ -n "$pkg" ] || { echo "bundle: no package owns $l" >&2; exit 1; }
     if [ ! -d "$tmp/$pkg" ]; then
         (cd "$tmp" && apt-get download "$pkg" >/dev/null 2>&1) || {
