@@ -1,16 +1,70 @@
 # kvxfer — build, test, demo, bundle.  `make help` lists the targets.
 PREFIX  ?= /usr/local
 DESTDIR ?=
-BUILD   ?= build
 CC      ?= cc
+
+# UCX: the UCX the daemon, fake_peer and the tests build against, each in
+# a BUILD folder of its own (README.md, "Which UCX"):
+#   UCX=debian   Debian's libucx-dev by pkg-config (the default), in build
+#   UCX=wheel    PyPI's libucx-cu13 (CUDA transports), which
+#                scripts/ucx-wheel.sh fetches into build/ucx-wheel, in
+#                build-ucx-wheel
+#   UCX=/prefix  a UCX installed under /prefix, by its ucx.pc, in
+#                build-ucx-site
+# The wheel's and a site's headers are included with -isystem (theirs trip
+# -Wsign-compare) and their lib folder is the binaries' run path.
+UCX ?= debian
+ifeq ($(UCX),debian)
+BUILD ?= build
+else ifeq ($(UCX),wheel)
+BUILD ?= build-ucx-wheel
+else
+BUILD ?= build-ucx-site
+endif
 
 PKGS     := libuv libprotobuf-c yaml-0.1
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
-# the daemon alone talks UCX and computes HMACs (peer daemons)
+# the daemon alone talks UCX and computes HMACs (peer daemons).
+# UCX_VERSION: the version built against (kvxferd --version); UCX_DEP:
+# what must exist before anything is compiled against it
+ifeq ($(UCX),debian)
 DAEMON_PKGS := ucx libcrypto
 PKG_CFLAGS += $(shell pkg-config --cflags $(DAEMON_PKGS) 2>/dev/null)
 DAEMON_LIBS := $(shell pkg-config --libs $(DAEMON_PKGS) 2>/dev/null)
+UCX_VERSION := $(shell pkg-config --modversion ucx 2>/dev/null)
+UCX_DEP :=
+UCX_BUNDLE :=
+else ifeq ($(UCX),wheel)
+UCX_WHEEL_DIR := build/ucx-wheel
+UCX_HOME    := $(abspath $(UCX_WHEEL_DIR))/libucx
+UCX_VERSION := $(shell scripts/ucx-wheel.sh --version)
+UCX_DEP     := $(UCX_HOME)/.kvx-ok
+PKG_CFLAGS  += -isystem $(UCX_HOME)/include \
+               $(shell pkg-config --cflags libcrypto 2>/dev/null)
+DAEMON_LIBS := -L$(UCX_HOME)/lib -Wl,-rpath,$(UCX_HOME)/lib \
+               -Wl,-rpath,'$$ORIGIN/../lib' \
+               -lucp -luct -lucs -lucm $(shell pkg-config --libs libcrypto 2>/dev/null)
+UCX_BUNDLE  := $(UCX_HOME) $(abspath $(UCX_WHEEL_DIR))/libucx_cu13.libs
+else
+# only its own .pc files, not the system's ucx.pc; their prefix where
+# they are (a moved install's, or the wheel's, name another)
+UCX_PREFIX := $(abspath $(UCX))
+UCX_PC := PKG_CONFIG_LIBDIR=$(UCX_PREFIX)/lib/pkgconfig:$(UCX_PREFIX)/lib64/pkgconfig \
+          pkg-config --define-prefix
+ifeq ($(shell $(UCX_PC) --exists ucx && echo y),)
+$(error UCX=$(UCX): no ucx.pc under $(UCX_PREFIX)/lib/pkgconfig or lib64/pkgconfig (UCX is debian, wheel or a UCX install prefix))
+endif
+UCX_VERSION := $(shell $(UCX_PC) --modversion ucx)
+UCX_DEP     :=
+PKG_CFLAGS  += $(patsubst -I%,-isystem %,$(shell $(UCX_PC) --cflags ucx)) \
+               $(shell pkg-config --cflags libcrypto 2>/dev/null)
+DAEMON_LIBS := $(shell $(UCX_PC) --libs ucx) \
+               -Wl,-rpath,$(shell $(UCX_PC) --variable=libdir ucx) \
+               -Wl,-rpath,'$$ORIGIN/../lib' \
+               $(shell pkg-config --libs libcrypto 2>/dev/null)
+UCX_BUNDLE  := $(UCX_PREFIX)
+endif
 
 # one folder per layer (docs/architecture.md): the public header is the
 # ground; an include across folders names its folder ("net/peer.h",
@@ -106,6 +160,8 @@ all: $(BINS)
 help:
 	@echo "make            build $(BINS)"
 	@echo "make test       install missing packages, build, run every test"
+	@echo "make UCX=wheel  build against PyPI's libucx-cu13 (CUDA) in build-ucx-wheel; UCX=/prefix: a site UCX"
+	@echo "make test-ucx-wheel  the C tests against PyPI's libucx-cu13 (make test-c: this UCX's)"
 	@echo "make asan       the tests under ASan+UBSan"
 	@echo "make tsan       the tests under ThreadSanitizer (host-only build)"
 	@echo "make demo       install missing packages, build, run the end-to-end demo"
@@ -125,6 +181,16 @@ help:
 
 deps:
 	@scripts/deps.sh
+ifeq ($(UCX),wheel)
+	@scripts/ucx-wheel.sh $(UCX_WHEEL_DIR)
+
+# the wheel's UCX, fetched again when the script's version changes
+$(UCX_DEP): scripts/ucx-wheel.sh
+	@scripts/ucx-wheel.sh $(UCX_WHEEL_DIR)
+endif
+
+# kvxferd --version names the UCX it was built against
+$(BUILD)/obj/daemon/main.o: CFLAGS += -DKVX_UCX_BUILT='"$(UCX_VERSION)"'
 
 $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h: proto/kvxfer.proto
 	@mkdir -p $(BUILD)/gen
@@ -134,7 +200,7 @@ $(BUILD)/obj/gen/kvxfer.pb-c.o: $(BUILD)/gen/kvxfer.pb-c.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Wno-unused-parameter -c $< -o $@
 
-$(BUILD)/obj/%.o: %.c $(GEN)
+$(BUILD)/obj/%.o: %.c $(GEN) | $(UCX_DEP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 
@@ -215,7 +281,7 @@ $(ITEST): tests/integration/integration.c $(filter-out %/fake_peer.c %/ucx_close
 # is closed once
 # (no sanitizer: preloaded ahead of an ASan daemon's runtime, which the
 # daemon is then told to accept, it must not need that runtime itself)
-$(BUILD)/tests/libucx_closes.so: tests/integration/ucx_closes.c
+$(BUILD)/tests/libucx_closes.so: tests/integration/ucx_closes.c | $(UCX_DEP)
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out $(SAN),$(CFLAGS)) -shared -o $@ $< $(DAEMON_LIBS)
 
@@ -228,6 +294,18 @@ $(BUILD)/tests/fake_peer: tests/integration/fake_peer.c $(PB_OBJ)
 test: deps
 	@$(MAKE) --no-print-directory all $(UNIT_TESTS) $(ITEST)
 	@BUILD=$(BUILD) KVX_PYTHON_TESTS=1 tests/run.sh
+
+# The C tests (unit, integration) against PyPI's UCX, in build-ucx-wheel;
+# .ci/run runs them. `make test UCX=wheel` adds the Python package's.
+.PHONY: test-ucx-wheel
+test-ucx-wheel: deps
+	@$(MAKE) --no-print-directory UCX=wheel BUILD=build-ucx-wheel test-c
+
+# the C tests of this UCX and BUILD
+.PHONY: test-c
+test-c: deps
+	@$(MAKE) --no-print-directory all $(UNIT_TESTS) $(ITEST)
+	@BUILD=$(BUILD) tests/run.sh
 
 # python/tests with pytest against this build's kvxferd and libkvxfer;
 # pytest and numpy go into a virtual environment, $(BUILD)/venv
@@ -321,9 +399,11 @@ $(BUILD)/tests/libkvxtorch.so: tests/gpu/torch_shim.c $(BUILD)/libkvxfer.a
 	$(CC) $(CFLAGS) -shared -o $@ $< $(BUILD)/libkvxfer.a $(LDFLAGS) $(LIBS)
 
 # A relocatable tree for GPU nodes whose image lacks libuv, protobuf-c or
-# libyaml: the binaries plus those libraries from Debian's packages.
+# libyaml: the binaries plus those libraries from Debian's packages, and
+# the UCX built with (UCX=wheel or a site's: its libraries, modules and
+# tools; Debian's: its libraries from its packages).
 bundle: all $(GPU_TESTS)
-	@scripts/bundle.sh $(BUILD) dist/kvxfer
+	@scripts/bundle.sh $(BUILD) dist/kvxfer $(UCX_BUNDLE)
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib \
@@ -387,4 +467,4 @@ format-check:
 	@scripts/check-format.sh $(BASE)
 
 clean:
-	rm -rf build build-asan build-tsan dist
+	rm -rf build build-asan build-tsan build-ucx-wheel build-ucx-site dist

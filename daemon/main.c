@@ -9,6 +9,7 @@
  * deadline: requests (xfer), peers' keep-alive (peer), opens asked again
  * (remote), polls (instance), hellos (session).
  */
+#include <dlfcn.h>
 #include <errno.h>
 #include <getopt.h>
 #include <signal.h>
@@ -17,6 +18,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/resource.h>
+#include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include "agree/agree.h"
@@ -36,6 +38,14 @@
 #include "remote/remote.h"
 #include "xfer/instance.h"
 #include "xfer/xfer.h"
+
+/* The UCX version built against: the Makefile's (its pkg-config or the
+ * wheel's), else the headers' major.minor */
+#define KVX_STR_(x) #x
+#define KVX_STR(x) KVX_STR_(x)
+#ifndef KVX_UCX_BUILT
+#define KVX_UCX_BUILT ""
+#endif
 
 static uv_signal_t sig_term, sig_int, sig_hup;
 static uv_timer_t tick;
@@ -60,8 +70,28 @@ static void usage(FILE *f)
             "  --check-config        validate the configuration and exit\n"
             "  --print-config-table  print the configuration keys as a "
             "markdown table\n"
-            "  --version             print the version and build\n"
+            "  --version             print the version, the build and "
+            "UCX's\n"
             "  --help                this text\n");
+}
+
+/* --version: the build, then the UCX built against and the one the loader
+ * found, with its file: the daemon runs on any UCX >= 1.13 and what it can
+ * do (transports, memory types) is the loaded one's. */
+static void print_version(void)
+{
+    printf("kvxferd %s (protocol %d.%d, build: %s)\n", KVX_VERSION_STRING,
+           KVX_PROTOCOL_MAJOR, KVX_PROTOCOL_MINOR, gpu_build_info());
+    unsigned maj, min, rel;
+    ucp_get_version(&maj, &min, &rel);
+    Dl_info di;
+    void *fn = dlsym(RTLD_DEFAULT, "ucp_get_version");
+    const char *file =
+        fn && dladdr(fn, &di) && di.dli_fname ? di.dli_fname : "unknown file";
+    printf("UCX: built against %s, loaded %u.%u.%u (%s)\n",
+           KVX_UCX_BUILT[0] ? KVX_UCX_BUILT
+                            : KVX_STR(UCP_API_MAJOR) "." KVX_STR(UCP_API_MINOR),
+           maj, min, rel, file);
 }
 
 /* Load a config file, logging every problem; 0 on success. */
@@ -293,9 +323,7 @@ int main(int argc, char **argv)
             conf_print_markdown(stdout);
             return 0;
         case 'V':
-            printf("kvxferd %s (protocol %d.%d, build: %s)\n",
-                   KVX_VERSION_STRING, KVX_PROTOCOL_MAJOR, KVX_PROTOCOL_MINOR,
-                   gpu_build_info());
+            print_version();
             return 0;
         case 'h':
             usage(stdout);

@@ -2,8 +2,11 @@
  * t_ops.c — the daemon as an operator sees it: the status JSON and its
  * request list, configuration errors and reload, peer credentials and
  * socket.group, the socket file taken over only from a dead daemon,
- * kvxferctl plan, and the copy workers' CPUs.
+ * kvxferctl plan, the copy workers' CPUs, and the UCX kvxferd --version
+ * names.
  */
+
+#include <dlfcn.h>
 
 /* ---- 15. status --------------------------------------------------------- */
 
@@ -576,5 +579,75 @@ TEST(copy_workers_pinned_one_cpu_each)
         CHECK(strcmp(cpus[0], cpus[1]) != 0 && strcmp(cpus[0], mine) != 0);
     else
         CHECK(strcmp(cpus[0], mine) == 0 && strcmp(cpus[1], mine) == 0);
+    daemon_stop_ok(d);
+}
+
+/* ---- kvxferd --version ------------------------------------------------ */
+
+/* The version the UCX library in file reports, asked in a child (UCX's
+ * constructors and memory hooks stay out of this process); "" when it
+ * cannot be opened. */
+static void ucx_version_of(const char *file, char *out, size_t cap)
+{
+    int fds[2];
+    CHECK_EQ(pipe(fds), 0);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(fds[0]);
+        void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+        void (*get)(unsigned *, unsigned *, unsigned *) =
+            h ? (void (*)(unsigned *, unsigned *, unsigned *))dlsym(
+                    h, "ucp_get_version")
+              : NULL;
+        if (get) {
+            unsigned a, b, c;
+            get(&a, &b, &c);
+            dprintf(fds[1], "%u.%u.%u", a, b, c);
+        }
+        _exit(0);
+    }
+    close(fds[1]);
+    ssize_t n = 0, k;
+    while (n < (ssize_t)cap - 1 && (k = read(fds[0], out + n, cap - 1 - n)) > 0)
+        n += k;
+    out[n > 0 ? n : 0] = 0;
+    close(fds[0]);
+    waitpid(pid, NULL, 0);
+}
+
+/* kvxferd --version names the UCX it was built against and the one the
+ * loader found, with its file: that file reports that version, and a
+ * running daemon has that file mapped. */
+TEST(version_names_ucx)
+{
+    char out[2048], cmd[512];
+    snprintf(cmd, sizeof(cmd), "%s/kvxferd --version 2>&1", build_dir());
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "kvxferd ");
+    const char *u = strstr(out, "UCX: built against ");
+    CHECK(u != NULL);
+    char built[32], loaded[32], file[512];
+    CHECK_EQ(sscanf(u, "UCX: built against %31[^,], loaded %31s (%511[^)])",
+                    built, loaded, file),
+             3);
+    unsigned a, b;
+    CHECK_EQ(sscanf(built, "%u.%u", &a, &b), 2);
+    char seen[32];
+    ucx_version_of(file, seen, sizeof(seen));
+    CHECK_STR_CONTAINS(seen, loaded);
+    CHECK_EQ(strlen(seen), strlen(loaded));
+
+    char real[512], maps[64], line[1024];
+    CHECK(realpath(file, real) != NULL);
+    daemon_t *d = daemon_start(NULL);
+    snprintf(maps, sizeof(maps), "/proc/%d/maps", (int)d->pid);
+    FILE *f = fopen(maps, "r");
+    CHECK(f != NULL);
+    int mapped = 0;
+    while (!mapped && fgets(line, sizeof(line), f))
+        mapped = strstr(line, real) != NULL;
+    fclose(f);
+    CHECK(mapped);
     daemon_stop_ok(d);
 }

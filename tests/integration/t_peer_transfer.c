@@ -989,10 +989,15 @@ TEST_T(peer_lane_stalled, 90)
 TEST_T(peer_conn_data_stalled, 90)
 {
     p_setup();
+    /* a piece from a slot goes by UCX's own choice of protocol, and only
+     * one sent by rendezvous can be held: UCX 1.22 sends 2 MiB over TCP
+     * eagerly, in fragments, where 1.13 chose rendezvous */
+    setenv("UCX_RNDV_THRESH", "64k", 1);
     daemon_t *a = p_daemon(0, P_SECRET, "  lanes: 0\n", NULL);
     setenv("KVXFERD_FAULT", "conn_hold:2", 1);
     daemon_t *b = p_daemon(1, P_SECRET, "  lanes: 0\n", NULL);
     unsetenv("KVXFERD_FAULT");
+    unsetenv("UCX_RNDV_THRESH");
     side_t cs, gs;
     rank_t c, g;
     p_side(&cs, "pcs-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 16);
