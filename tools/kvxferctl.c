@@ -62,10 +62,14 @@ static void usage(FILE *f)
 static const char *role_name(int role)
 {
     switch (role) {
-    case 1: return "context";
-    case 2: return "generation";
-    case 3: return "both";
-    default: return "-";
+    case 1:
+        return "context";
+    case 2:
+        return "generation";
+    case 3:
+        return "both";
+    default:
+        return "-";
     }
 }
 
@@ -146,9 +150,8 @@ static void status_peers(const Kvxfer__StatusReply *s)
                "transports %s\n",
                s->ucx->version, s->ucx->staging, s->ucx->slots,
                (unsigned long long)s->ucx->slot_bytes,
-               (unsigned long long)s->ucx->message_bytes,
-               s->ucx->send_window, s->ucx->lanes,
-               s->ucx->transports[0] ? s->ucx->transports : "-");
+               (unsigned long long)s->ucx->message_bytes, s->ucx->send_window,
+               s->ucx->lanes, s->ucx->transports[0] ? s->ucx->transports : "-");
     else
         printf("peers          off (peer.listen is empty)\n");
     if (s->ucx && s->ucx->listen[0]) {
@@ -169,25 +172,32 @@ static void status_peers(const Kvxfer__StatusReply *s)
                 snprintf(ahead, sizeof(ahead), ", %llu pieces %s the pool",
                          (unsigned long long)x->direct,
                          i ? "sent from" : "received into");
+            char gpu[96] = "";
+            if (x->gpu_slots)
+                snprintf(gpu, sizeof(gpu),
+                         " (%u in GPU memory, %.1f MiB through them)",
+                         x->gpu_slots, x->gpu_bytes / 1048576.0);
             printf("slots %-8s %llu (%.1f MiB), per slot: wait %.0f us, "
                    "wire %.0f us, %s %.0f us (loop lag %.0f us)%s; %u of "
-                   "%u free\n",
+                   "%u free%s\n",
                    what[i][0], (unsigned long long)x->slots,
                    x->bytes / 1048576.0, x->wait_ns / n / 1e3,
                    x->wire_ns / n / 1e3, what[i][1], x->copy_ns / n / 1e3,
                    x->loop_lag_ns / n / 1e3, ahead, x->free_slots,
-                   s->ucx->slots);
+                   s->ucx->slots + x->gpu_slots, gpu);
         }
     }
     status_rails(s->ucx);
     for (size_t i = 0; i < s->n_peers; i++)
         printf("  %-40s %-10s %-3s sent %llu received %llu errors %llu "
-               "lanes %u\n",
-               s->peers[i]->address, s->peers[i]->state,
-               s->peers[i]->direction,
+               "lanes %u transports %s\n",
+               s->peers[i]->address, s->peers[i]->state, s->peers[i]->direction,
                (unsigned long long)s->peers[i]->bytes_sent,
                (unsigned long long)s->peers[i]->bytes_received,
-               (unsigned long long)s->peers[i]->errors, s->peers[i]->lanes);
+               (unsigned long long)s->peers[i]->errors, s->peers[i]->lanes,
+               s->peers[i]->transports && s->peers[i]->transports[0]
+                   ? s->peers[i]->transports
+                   : "-");
 }
 
 /* status: the sessions and instances, a table each. */
@@ -220,17 +230,15 @@ static void status_sessions(const Kvxfer__StatusReply *s)
     for (size_t i = 0; i < s->n_instances; i++) {
         const Kvxfer__InstanceInfo *x = s->instances[i];
         char next[24];
-        snprintf(next, sizeof(next), "%llu",
-                 (unsigned long long)x->next_batch);
+        snprintf(next, sizeof(next), "%llu", (unsigned long long)x->next_batch);
         int member = x->spread && strcmp(x->root, s->daemon_address);
         printf("  %-24s %-11s %-5u %-5u %-5u %-6s %-5u %-5u %-5u %s\n", x->id,
                role_name(x->role), x->ranks, x->local_ranks, x->connected,
-               member ? "-" : next, x->batches_kept, x->ranks_away,
-               x->requests,
-               !x->joined    ? "(not joined)"
-               : !x->spread  ? "-"
-               : member      ? x->root
-                             : "this daemon");
+               member ? "-" : next, x->batches_kept, x->ranks_away, x->requests,
+               !x->joined   ? "(not joined)"
+               : !x->spread ? "-"
+               : member     ? x->root
+                            : "this daemon");
     }
 }
 
@@ -244,8 +252,8 @@ static void status_pools(const Kvxfer__StatusReply *s)
     else
         printf("\npools (%zu):\n", s->n_pools);
     if (s->n_pools)
-        printf("  %-6s %-8s %-16s %-10s %-12s %s\n", "POOL", "SESSION",
-               "KIND", "PRESET", "SIZE", "BLOCKS/USERS");
+        printf("  %-6s %-8s %-16s %-10s %-12s %s\n", "POOL", "SESSION", "KIND",
+               "PRESET", "SIZE", "BLOCKS/USERS");
     for (size_t i = 0; i < s->n_pools; i++) {
         const Kvxfer__PoolInfo *x = s->pools[i];
         human_bytes(b1, sizeof(b1), x->size);
@@ -331,16 +339,15 @@ static int cmd_requests(const char *sock, int json)
     if (!q->n_requests)
         printf("no requests in flight\n");
     else
-        printf("%-20s %-20s %-10s %-15s %10s %12s  %s\n", "INSTANCE",
-               "REQUEST", "SIDE", "STATE", "AGE_MS", "DONE/TOTAL",
-               "DETAIL");
+        printf("%-20s %-20s %-10s %-15s %10s %12s  %s\n", "INSTANCE", "REQUEST",
+               "SIDE", "STATE", "AGE_MS", "DONE/TOTAL", "DETAIL");
     for (size_t i = 0; i < q->n_requests; i++) {
         const Kvxfer__RequestInfo *x = q->requests[i];
         char prog[48] = "-";
         if (x->bytes_total)
-            snprintf(prog, sizeof(prog), "%llu%%",
-                     (unsigned long long)(x->bytes_done * 100 /
-                                          x->bytes_total));
+            snprintf(
+                prog, sizeof(prog), "%llu%%",
+                (unsigned long long)(x->bytes_done * 100 / x->bytes_total));
         char ks[REQKEY_STR_MAX];
         printf("%-20s %-20s %-10s %-15s %10llu %12s  %s\n", x->instance_id,
                reqkey_str(x->key.data, x->key.len, ks), x->side, x->state,
@@ -361,8 +368,8 @@ static uint32_t num(const char *name, const char *v)
     char *end;
     unsigned long x = strtoul(v, &end, 10);
     if (!*v || *end || x > 1000000000ul) {
-        fprintf(stderr, "kvxferctl: plan: --%s: '%s' is not a number\n",
-                name, v);
+        fprintf(stderr, "kvxferctl: plan: --%s: '%s' is not a number\n", name,
+                v);
         exit(2);
     }
     return (uint32_t)x;
@@ -381,8 +388,8 @@ struct plan_req {
 static int yerr(const char *file, const yaml_mark_t *m, const char *what,
                 const char *key)
 {
-    fprintf(stderr, "%s:%zu:%zu: %s: %s\n", file, m->line + 1,
-            m->column + 1, key, what);
+    fprintf(stderr, "%s:%zu:%zu: %s: %s\n", file, m->line + 1, m->column + 1,
+            key, what);
     return 1;
 }
 
@@ -393,8 +400,7 @@ static int set_u32(const char *file, const yaml_event_t *ev, const char *key,
     const char *v = (const char *)ev->data.scalar.value;
     unsigned long x = strtoul(v, &end, 10);
     if (!*v || *end || x > 1000000000ul)
-        return yerr(file, &ev->start_mark, "not a non-negative integer",
-                    key);
+        return yerr(file, &ev->start_mark, "not a non-negative integer", key);
     *out = (uint32_t)x;
     return 0;
 }
@@ -410,8 +416,7 @@ static int side_key(const char *file, yaml_parser_t *p, yaml_event_t *kev,
     int rc = 0;
     if (!strcmp(key, "layers_per_pp")) {
         if (v.type != YAML_SEQUENCE_START_EVENT) {
-            rc = yerr(file, &v.start_mark, "expected a list of integers",
-                      key);
+            rc = yerr(file, &v.start_mark, "expected a list of integers", key);
         } else {
             s->num_layers_per_pp = 0;
             for (;;) {
@@ -427,8 +432,9 @@ static int side_key(const char *file, yaml_parser_t *p, yaml_event_t *kev,
                 if (e.type != YAML_SCALAR_EVENT || s->num_layers_per_pp >= 64 ||
                     set_u32(file, &e, key,
                             &s->layers_per_pp[s->num_layers_per_pp++])) {
-                    rc = rc ? rc : yerr(file, &e.start_mark,
-                                        "expected up to 64 integers", key);
+                    rc = rc ? rc
+                            : yerr(file, &e.start_mark,
+                                   "expected up to 64 integers", key);
                     yaml_event_delete(&e);
                     break;
                 }
@@ -485,8 +491,8 @@ static int side_key(const char *file, yaml_parser_t *p, yaml_event_t *kev,
     return rc;
 }
 
-static int load_plan_file(const char *file, plan_side_t *src,
-                          plan_side_t *dst, struct plan_req *rq)
+static int load_plan_file(const char *file, plan_side_t *src, plan_side_t *dst,
+                          struct plan_req *rq)
 {
     FILE *f = fopen(file, "r");
     if (!f) {
@@ -522,10 +528,10 @@ static int load_plan_file(const char *file, plan_side_t *src,
                 snprintf(section, sizeof(section), "%s",
                          (const char *)ev.data.scalar.value);
                 in_request = !strcmp(section, "request");
-                cur[0] = !strcmp(section, "context") ? src
+                cur[0] = !strcmp(section, "context")      ? src
                          : !strcmp(section, "generation") ? dst
-                         : !strcmp(section, "model") ? src
-                                                     : NULL;
+                         : !strcmp(section, "model")      ? src
+                                                          : NULL;
                 cur[1] = !strcmp(section, "model") ? dst : NULL;
                 if (!cur[0] && !in_request)
                     rc = yerr(file, &ev.start_mark,
@@ -542,27 +548,24 @@ static int load_plan_file(const char *file, plan_side_t *src,
                     break;
                 }
                 if (v.type != YAML_SCALAR_EVENT)
-                    rc = yerr(file, &v.start_mark, "expected an integer",
-                              key);
+                    rc = yerr(file, &v.start_mark, "expected an integer", key);
                 else if (!strcmp(key, "tokens"))
                     rc = set_u32(file, &v, key, &rq->tokens);
                 else if (!strcmp(key, "skip_tokens"))
                     rc = set_u32(file, &v, key, &rq->skip);
                 else
-                    rc = yerr(file, &ev.start_mark,
-                              "unknown key (expected tokens, skip_tokens)",
-                              key);
+                    rc =
+                        yerr(file, &ev.start_mark,
+                             "unknown key (expected tokens, skip_tokens)", key);
                 yaml_event_delete(&v);
             } else if (depth == 2 && !cur[0]) {
                 /* a key that is not a scalar at the top (a complex key) */
-                rc = yerr(file, &ev.start_mark,
-                          "expected section: key: value", "yaml");
+                rc = yerr(file, &ev.start_mark, "expected section: key: value",
+                          "yaml");
             } else if (depth == 2 && cur[1] &&
                        strcmp((const char *)ev.data.scalar.value, "layers") &&
-                       strcmp((const char *)ev.data.scalar.value,
-                              "kv_heads") &&
-                       strcmp((const char *)ev.data.scalar.value,
-                              "head_dim") &&
+                       strcmp((const char *)ev.data.scalar.value, "kv_heads") &&
+                       strcmp((const char *)ev.data.scalar.value, "head_dim") &&
                        strcmp((const char *)ev.data.scalar.value, "dtype") &&
                        strcmp((const char *)ev.data.scalar.value, "mla")) {
                 /* tp, pp and the like belong to one side, not the model */
@@ -593,8 +596,8 @@ static int load_plan_file(const char *file, plan_side_t *src,
                         o->total_heads = a->total_heads;
                 }
             } else {
-                rc = yerr(file, &ev.start_mark,
-                          "expected section: key: value", "yaml");
+                rc = yerr(file, &ev.start_mark, "expected section: key: value",
+                          "yaml");
             }
             break;
         default:
@@ -609,9 +612,15 @@ static int load_plan_file(const char *file, plan_side_t *src,
 
 static int cmd_plan(int argc, char **argv)
 {
-    plan_side_t src = {.tp = 1, .pp = 1, .cp = 1, .total_layers = 32,
-                       .total_heads = 8, .kv_factor = 2, .head_dim = 128,
-                       .elem_size = 2, .dtype = KVX_DTYPE_BF16,
+    plan_side_t src = {.tp = 1,
+                       .pp = 1,
+                       .cp = 1,
+                       .total_layers = 32,
+                       .total_heads = 8,
+                       .kv_factor = 2,
+                       .head_dim = 128,
+                       .elem_size = 2,
+                       .dtype = KVX_DTYPE_BF16,
                        .tokens_per_block = 16};
     plan_side_t dst = src;
     uint32_t tokens = 0, skip = 0;
@@ -640,19 +649,45 @@ static int cmd_plan(int argc, char **argv)
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         kvx_dtype_t dt;
         switch (opt) {
-        case 1: src.tp = num("ctx-tp", optarg); break;
-        case 2: src.pp = num("ctx-pp", optarg); break;
-        case 3: dst.tp = num("gen-tp", optarg); break;
-        case 4: dst.pp = num("gen-pp", optarg); break;
-        case 5: src.total_heads = dst.total_heads = num("heads", optarg); break;
-        case 6: src.total_layers = dst.total_layers = num("layers", optarg); break;
-        case 7: src.tokens_per_block = num("ctx-tokens-per-block", optarg); break;
-        case 8: dst.tokens_per_block = num("gen-tokens-per-block", optarg); break;
-        case 9: tokens = num("tokens", optarg); break;
-        case 10: skip = num("skip-tokens", optarg); break;
-        case 11: src.head_dim = dst.head_dim = num("head-dim", optarg); break;
-        case 12: src.head_dim = num("ctx-head-dim", optarg); break;
-        case 13: dst.head_dim = num("gen-head-dim", optarg); break;
+        case 1:
+            src.tp = num("ctx-tp", optarg);
+            break;
+        case 2:
+            src.pp = num("ctx-pp", optarg);
+            break;
+        case 3:
+            dst.tp = num("gen-tp", optarg);
+            break;
+        case 4:
+            dst.pp = num("gen-pp", optarg);
+            break;
+        case 5:
+            src.total_heads = dst.total_heads = num("heads", optarg);
+            break;
+        case 6:
+            src.total_layers = dst.total_layers = num("layers", optarg);
+            break;
+        case 7:
+            src.tokens_per_block = num("ctx-tokens-per-block", optarg);
+            break;
+        case 8:
+            dst.tokens_per_block = num("gen-tokens-per-block", optarg);
+            break;
+        case 9:
+            tokens = num("tokens", optarg);
+            break;
+        case 10:
+            skip = num("skip-tokens", optarg);
+            break;
+        case 11:
+            src.head_dim = dst.head_dim = num("head-dim", optarg);
+            break;
+        case 12:
+            src.head_dim = num("ctx-head-dim", optarg);
+            break;
+        case 13:
+            dst.head_dim = num("gen-head-dim", optarg);
+            break;
         case 14:
         case 15:
             if (kvx_dtype_parse(optarg, &dt)) {
@@ -672,7 +707,9 @@ static int cmd_plan(int argc, char **argv)
             src.kv_factor = dst.kv_factor = 1;
             src.total_heads = dst.total_heads = 1;
             break;
-        case 17: dst.attention_dp = num("gen-dp", optarg); break;
+        case 17:
+            dst.attention_dp = num("gen-dp", optarg);
+            break;
         case 18: {
             struct plan_req rq = {tokens, skip};
             if (load_plan_file(optarg, &src, &dst, &rq))
