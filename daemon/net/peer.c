@@ -897,13 +897,7 @@ void on_lane_event(const lane_ev_t *e)
             char *save = NULL;
             for (char *t = strtok_r(tl, ",", &save); t;
                  t = strtok_r(NULL, ",", &save))
-                if (!strstr(c->transports, t) &&
-                    strlen(c->transports) + strlen(t) + 2 <
-                        sizeof(c->transports)) {
-                    if (c->transports[0])
-                        strcat(c->transports, ",");
-                    strcat(c->transports, t);
-                }
+                transports_add(c->transports, sizeof(c->transports), t);
         }
         break;
     }

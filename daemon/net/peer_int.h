@@ -154,10 +154,10 @@ typedef struct ureq {
     size_t len;
     /* a slot send: its data, and its place in the connection's queue */
     int is_data;
-    int on_lane;   /* sent or received by a lane: not in
-                      P.inflight (the loop's worker) */
-    int keyed;     /* its header has lane_conn, lane_mac */
-    unsigned lane; /* on_lane: which */
+    int on_lane;    /* sent or received by a lane: not in
+                       P.inflight (the loop's worker) */
+    int keyed;      /* its header has lane_conn, lane_mac */
+    unsigned lane;  /* on_lane: which */
     uint32_t rails; /* the rails it should go over (0: any) */
     /* keyed: its DATA header unpacked, and the MAC, made when the lane
      * is known (the MAC names it) and packed into buf again */
@@ -287,5 +287,6 @@ int net_allows(const struct sockaddr_storage *ss);
 /* peer_status.c */
 void ep_transports(ucp_ep_h ep, char *out, size_t n);
 void info_transports(char *info, char *out, size_t n);
+void transports_add(char *list, size_t n, const char *tl);
 
 #endif /* KVX_PEER_INT_H */

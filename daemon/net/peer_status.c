@@ -14,6 +14,17 @@
 static const char *const state_names[] = {"connecting", "connecting",
                                           "connected", "lost"};
 
+/* tl added to the list (n bytes, "a,b"), unless it is there or there
+ * is no room for it */
+void transports_add(char *list, size_t n, const char *tl)
+{
+    if (strstr(list, tl) || strlen(list) + strlen(tl) + 2 >= n)
+        return;
+    if (list[0])
+        strcat(list, ",");
+    strcat(list, tl);
+}
+
 /* The transports ucp_ep_print_info() names in info ("tl/dev", each
  * once), added to out (n bytes) and to every transport any connection
  * used (status ucx.transports). info is cut up. */
@@ -36,17 +47,8 @@ void info_transports(char *info, char *out, size_t n)
             s = c2 + 1;
         if (sscanf(s, "%63[^ ]", tl) != 1 || !strchr(tl, '/'))
             continue; /* "cm": the connection manager, not a transport */
-        if (!strstr(P.transports, tl) &&
-            strlen(P.transports) + strlen(tl) + 2 < sizeof(P.transports)) {
-            if (P.transports[0])
-                strcat(P.transports, ",");
-            strcat(P.transports, tl);
-        }
-        if (!strstr(out, tl) && strlen(out) + strlen(tl) + 2 < n) {
-            if (out[0])
-                strcat(out, ",");
-            strcat(out, tl);
-        }
+        transports_add(P.transports, sizeof(P.transports), tl);
+        transports_add(out, n, tl);
     }
 }
 

@@ -423,9 +423,9 @@ static void slot_gather(sstream_t *s, slot_t *x)
     xfer_offer_fence_hold(s->offer);
     x->t_stage = now_ns();
     /* a GPU slot goes whole: one kernel gathers a piece either way, and
-     * each UCX message costs about 100 us beside its bytes over cuda_ipc
-     * (one H100: 4 MiB pieces moved 41-47 GB/s, whole 64 MiB slots 314;
-     * docs/benchmarks.md); the receiver cuts as the header says */
+     * small messages cost dear over cuda_ipc (one H100, 64 MiB slots: in
+     * 4 MiB pieces 41-47 GB/s, whole 314-342 GB/s; docs/benchmarks.md);
+     * the receiver cuts as the header says */
     slot_cut(x, s->plan,
              x->set->device >= 0 ? kvxd.conf.slot_bytes
                                  : remote_message_bytes());
