@@ -53,7 +53,8 @@
  *   t_restart.c        the daemon killed under its engines: the requests
  *                      end once, the library reconnects, KV moves again
  *   peer_harness.c     two daemons in two network namespaces
- *   t_peer_transfer.c  transfers between daemons, lanes, forged input
+ *   t_peer_transfer.c  transfers between daemons, forged input
+ *   t_peer_lanes.c     lanes between daemons, stalled lanes
  *   t_peer_lost.c      a peer lost, drained or cancelled mid-transfer
  *   t_upgrade.c        a peer restarted, its earlier run's params, the
  *                      cluster secret rotated by reload
@@ -97,6 +98,7 @@
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */
 #include "peer_harness.c"
 #include "t_peer_transfer.c"
+#include "t_peer_lanes.c"
 #include "t_peer_lost.c"
 #include "t_upgrade.c"
 #include "t_peer_spread.c"
