@@ -281,8 +281,12 @@ static int submit_now(copy_job_t *j)
     list_init(&j->node);
     c.inflight++;
     if (j->gpu) { /* the GPU executor; it completes through gpu_done() */
-        gpu_work_t w = {j->unit_begin, j->unit_end, j->bytes, j->packed,
-                        j->packed_gather};
+        gpu_work_t w = {.unit_begin = j->unit_begin,
+                        .unit_end = j->unit_end,
+                        .bytes = j->bytes,
+                        .packed = j->packed,
+                        .gather = j->packed_gather,
+                        .device = j->packed_device};
         if ((j->status = gpu_launch(j->gpu, &w, gpu_done, j)))
             job_finished(j);
         return 0;

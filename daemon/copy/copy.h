@@ -35,6 +35,8 @@ struct copy_job {
      * packed (plan_exec_packed); gather: the slot is the destination */
     uint8_t *packed;
     int packed_gather;
+    int packed_device; /* the slot is device memory (GPU slots), else
+                          pinned host memory */
     uint64_t bytes;
     int status;          /* 0, or why the job did not run */
     uint64_t t_done;     /* CLOCK_MONOTONIC ns it finished */

@@ -1234,18 +1234,13 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
     cudaSetDevice(d);
     uint8_t *packed = NULL;
     int e = cudaSuccess;
-    if (w->packed) {
-        struct cudaPointerAttributes pa;
-        if (cudaPointerGetAttributes(&pa, w->packed) == cudaSuccess &&
-            pa.type == cudaMemoryTypeDevice) {
-            packed = w->packed; /* a staging slot in GPU memory */
-        } else {
-            (void)cudaGetLastError();
-            /* a pinned staging slot in host memory, as the GPU sees it */
-            e = cudaHostGetDevicePointer((void **)&packed, w->packed, 0);
-            if (e != cudaSuccess)
-                packed = NULL;
-        }
+    if (w->packed && w->device) {
+        packed = w->packed; /* a staging slot in GPU memory */
+    } else if (w->packed) {
+        /* a pinned staging slot in host memory, as the GPU sees it */
+        e = cudaHostGetDevicePointer((void **)&packed, w->packed, 0);
+        if (e != cudaSuccess)
+            packed = NULL;
     }
     if (e == cudaSuccess) {
         gpu_launch_t l = {.u0 = w->unit_begin,

@@ -106,12 +106,14 @@ int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
                         const uint32_t *blocks, uint32_t n);
 
 /* One launch: units [unit_begin, unit_end) of a part, bytes in all;
- * between daemons one side is a pinned staging slot holding the units
- * packed (gather: the slot is the destination). */
+ * between daemons one side is a staging slot holding the units packed
+ * (gather: the slot is the destination), in device memory (device) or
+ * pinned host memory. */
 typedef struct gpu_work {
     uint64_t unit_begin, unit_end, bytes;
     uint8_t *packed;
     int gather;
+    int device;
 } gpu_work_t;
 /* Called once the launch has run (status 0 or KVX_ERR_IO), on the
  * device's completion thread: it may only hand the result on. */

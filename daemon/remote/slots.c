@@ -346,6 +346,7 @@ void piece_copy(slot_t *x, uint32_t k, const plan_t *plan, gpu_part_t *gpu,
         j->bytes = b;
         j->packed = x->mem + off;
         j->packed_gather = gather;
+        j->packed_device = x->set->device >= 0;
         j->done = job_done;
         j->owner = x;
         off += b;
