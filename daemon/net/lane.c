@@ -497,7 +497,8 @@ static void run_cmd(lane_t *ln, lcmd_t *c)
             emit(ln, LEV_EP_ERROR, c->lep, UCS_ERR_NO_MEMORY, NULL);
             break;
         }
-        ucs_status_t st = ucx_connect_addr(ln->w, c->addr, ep_err, ln, &p->ep);
+        ucs_status_t st =
+            ucx_connect_addr(ln->w, c->addr, c->addr_len, ep_err, ln, &p->ep);
         if (st != UCS_OK)
             lep_fail(p, st);
         break;

@@ -111,8 +111,8 @@ static int ucx_info_take(peer_conn_t *c, const Kvxfer__PeerUcx *u,
 static void conn_ready(peer_conn_t *c)
 {
     assert(c->state == CONN_AUTH || c->state == CONN_BIND);
-    ucs_status_t st =
-        ucx_connect_addr(P.worker, c->ucx_addr, ep_err_cb, c, &c->ep);
+    ucs_status_t st = ucx_connect_addr(P.worker, c->ucx_addr, c->ucx_addr_len,
+                                       ep_err_cb, c, &c->ep);
     if (st != UCS_OK) {
         conn_fail(c, KVX_ERR_PEER_GONE, "cannot make an endpoint to %s: %s",
                   c->address, ucs_status_string(st));

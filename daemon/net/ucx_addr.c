@@ -666,19 +666,15 @@ int ucx_addr_fit(ucp_worker_h w, const uint8_t *a, size_t len, uint8_t *out,
     return kept;
 }
 
-/* The endpoint, made to what ucx_addr_fit() keeps of addr (which
- * passed ucx_addr_check(), so its walk ends inside it). */
-ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
+/* The endpoint, made to what ucx_addr_fit() keeps of addr[0..len), which
+ * walks it (again: the handshake checked it) within len. */
+ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr, size_t len,
                               ucp_err_handler_cb_t err, void *arg, ucp_ep_h *ep)
 {
-    static __thread a_map_t m;
-    size_t len;
     char why[256] = "";
     *ep = NULL;
-    if (addr_walk(addr, UCX_ADDR_MAX, NULL, &m, &len, fmt(), KVX_WHY(why))) {
-        log_warn("peers: a worker address that was not checked: %s", why);
+    if (!len || len > UCX_ADDR_MAX)
         return UCS_ERR_INVALID_ADDR;
-    }
     uint8_t *use = malloc(len);
     size_t use_len;
     if (!use)

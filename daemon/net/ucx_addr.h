@@ -14,10 +14,11 @@
 
 #include "common/why.h"
 
-/* An endpoint to the worker whose address is addr, one that passed
- * ucx_addr_check(): made to what ucx_addr_fit() keeps of it; when it keeps
- * none of w's transports, UCS_ERR_UNREACHABLE (logged, with why). */
-ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr,
+/* An endpoint to the worker whose address is addr (len bytes): made to
+ * what ucx_addr_fit() keeps of it; when it keeps none of w's transports,
+ * UCS_ERR_UNREACHABLE, and when addr fails its walk,
+ * UCS_ERR_INVALID_ADDR (logged, with why). */
+ucs_status_t ucx_connect_addr(ucp_worker_h w, const uint8_t *addr, size_t len,
                               ucp_err_handler_cb_t err, void *arg,
                               ucp_ep_h *ep);
 /* The most bytes of a worker address taken from another daemon. */

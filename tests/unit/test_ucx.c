@@ -797,7 +797,7 @@ static void scan_one(const char *devs, size_t off, uint8_t v)
     if (ucx_addr_check(a, len, NULL, KVX_WHY(why)))
         _exit(SCAN_REFUSED);
     ucp_ep_h ep;
-    if (ucx_connect_addr(w, a, no_err, NULL, &ep) != UCS_OK)
+    if (ucx_connect_addr(w, a, len, no_err, NULL, &ep) != UCS_OK)
         _exit(SCAN_UNREACHABLE);
     for (int i = 0; i < 200; i++) {
         ucp_worker_progress(w);
