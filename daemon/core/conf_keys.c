@@ -48,10 +48,11 @@ static size_t rail_name(const char *s, const char *ends)
         else if (colon && !(c >= '0' && c <= '9'))
             return 0;
     }
-    return l && l < 64 && l != colon + 1 ? l : 0;
+    return l && l < 64 && (!colon || l != colon + 1) ? l : 0;
 }
 
-/* RAIL,RAIL,...: at most 32, no name twice. */
+/* RAIL,RAIL,...: at most 16 (a lane each at least: lane.h's LANES_MAX),
+ * no name twice. */
 static int check_rails(const kvx_conf_t *conf, kvx_why_t *why)
 {
     const char *r = conf->peer_rails;
@@ -73,8 +74,8 @@ static int check_rails(const kvx_conf_t *conf, kvx_why_t *why)
             if (strcspn(o, ",") == l && !strncmp(o, s, l))
                 return why_fail(why, 1, "\"%s\" is named twice",
                                 conf_shown(s, l, what, sizeof(what)));
-        if (n == 32)
-            return why_fail(why, 1, "more than 32 rails");
+        if (n == 16)
+            return why_fail(why, 1, "more than 16 rails (one lane each)");
         if (!s[l])
             return 0;
         s += l + 1;

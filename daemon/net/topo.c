@@ -155,6 +155,11 @@ int topo_pci_find(const char *root, const char *bdf, topo_pci_t *out)
 
 /* ---- discovery --------------------------------------------------------- */
 
+/* qsort()'s order of names (char[64] each): strcmp's */
+static int name_cmp(const void *a, const void *b)
+{
+    return strcmp(a, b);
+}
 /* The entries of dir, sorted (readdir's order is the file system's). */
 static int list_dir(const char *dir, char (**names)[64])
 {
@@ -178,8 +183,7 @@ static int list_dir(const char *dir, char (**names)[64])
     }
     closedir(d);
     if (n)
-        qsort(*names, (size_t)n, sizeof(**names),
-              (int (*)(const void *, const void *))strcmp);
+        qsort(*names, (size_t)n, sizeof(**names), name_cmp);
     return n;
 }
 

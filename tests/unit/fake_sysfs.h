@@ -17,8 +17,10 @@
 #define KVX_FAKE_SYSFS_H
 
 #include <errno.h>
+#include <ftw.h>
 #include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -129,10 +131,39 @@ static void netdev(const char *name, const char *pcidir, const char *state)
     put(p, state);
 }
 
-static void build_tree(void)
+static int rm_one(const char *path, const struct stat *st, int flag,
+                  struct FTW *f)
+{
+    (void)st;
+    (void)flag;
+    (void)f;
+    return remove(path);
+}
+
+/* The trees this process made, removed at its exit. */
+static char made[8][PATH_MAX];
+static unsigned nmade;
+
+static void trees_remove(void)
+{
+    for (unsigned i = 0; i < nmade; i++)
+        nftw(made[i], rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* root: a new temporary directory, removed at exit */
+static void new_root(void)
 {
     snprintf(root, sizeof(root), "/tmp/kvx_topo_XXXXXX");
     CHECK(mkdtemp(root));
+    if (!nmade)
+        atexit(trees_remove);
+    if (nmade < sizeof(made) / sizeof(made[0]))
+        snprintf(made[nmade++], sizeof(made[0]), "%s", root);
+}
+
+static void build_tree(void)
+{
+    new_root();
     mkdirs("bus/pci/devices");
     mkdirs("class/net");
     mkdirs("class/infiniband");

@@ -928,6 +928,16 @@ TEST(err_cross_key)
 /* peer.topology, peer.rails, peer.gpu_rails: each bad value named */
 TEST(err_topology_keys)
 {
+    /* a one-character interface is a name; 16 rails are the most (a lane
+     * each at least), 17 are refused at load, not at start */
+    kvx_conf_t one;
+    load_ok("peer:\n  rails: e\n", &one);
+    CHECK(!strcmp(one.peer_rails, "e"));
+    load_ok("peer:\n  rails: \"a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p\"\n", &one);
+    expect_errors("peer:\n  rails: \"a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q\"\n", 1,
+                  "F:2:10: peer.rails: more than 16 rails (one lane each)\n"
+                  "  rails: \"a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q\"\n"
+                  "         ^\n");
     expect_errors("peer:\n  topology: on\n", 1,
                   "F:2:13: peer.topology: \"on\" is not a topology mode "
                   "(expected auto or off)\n"
