@@ -126,10 +126,17 @@ TEST(wireup_guard_is_bound)
  * requests of any other pending function, are left as they were. */
 TEST(wireup_requests_relabelled_as_ack)
 {
-    if (ucx_wireup_guard() != 1)
-        return; /* another UCX: nothing to relabel */
     uint8_t req[512];
     void *prog = dlsym(RTLD_DEFAULT, "ucp_wireup_msg_progress");
+    if (ucx_wireup_guard() != 1) {
+        /* another UCX (1.14 and later: no assertion): whatever a request
+         * holds, it is left as it was */
+        memset(req, 0, sizeof(req));
+        memcpy(req + REQ_UCT_FUNC, &prog, sizeof(prog));
+        CHECK_EQ(wireup_relabel(req), 0);
+        CHECK_EQ(req[REQ_WIREUP_TYPE], 0);
+        return;
+    }
     CHECK(prog != NULL);
     for (int type = 0; type < 6; type++) {
         memset(req, 0, sizeof(req));
