@@ -8,7 +8,8 @@
 #include "log.h"
 
 static const char *const names[FAULT_NSITES] = {
-    "gather", "scatter", "batch", "lanes", "lane_hold", "conn_hold"};
+    "gather",    "scatter",   "batch",   "lanes",
+    "lane_hold", "conn_hold", "own_addr"};
 static unsigned long when[FAULT_NSITES]; /* 0: never */
 static unsigned long seen[FAULT_NSITES];
 
@@ -37,11 +38,10 @@ int fault_init(kvx_why_t *why)
             return why_fail(why, KVX_ERR_INVALID,
                             "KVXFERD_FAULT: '%.64s' is not SITE:N "
                             "(N >= 1; sites: gather, scatter, batch, lanes, "
-                            "lane_hold, conn_hold)",
+                            "lane_hold, conn_hold, own_addr)",
                             t);
         when[site] = n;
-        log_warn("fault injection (tests only): %s %lu fails", names[site],
-                 n);
+        log_warn("fault injection (tests only): %s %lu fails", names[site], n);
     }
     return 0;
 }
@@ -50,8 +50,7 @@ int fault_hit(fault_site_t site)
 {
     if (!when[site])
         return 0;
-    return __atomic_add_fetch(&seen[site], 1, __ATOMIC_RELAXED) ==
-           when[site];
+    return __atomic_add_fetch(&seen[site], 1, __ATOMIC_RELAXED) == when[site];
 }
 
 int fault_armed(fault_site_t site)

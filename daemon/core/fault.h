@@ -13,6 +13,8 @@
  * kept there and never answered (a lane whose TCP stalls).
  * conn_hold: the same for the Nth DATA sent by rendezvous on a
  * connection's own endpoint (no lanes), while its messages still flow.
+ * own_addr: at start, this daemon's own worker address is checked one
+ * byte short (as if the loaded UCX's format were one it cannot read).
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -29,6 +31,7 @@ typedef enum {
     FAULT_LANES,
     FAULT_LANE_HOLD,
     FAULT_CONN_HOLD,
+    FAULT_OWN_ADDR,
     FAULT_NSITES
 } fault_site_t;
 

@@ -410,6 +410,21 @@ int peer_init(kvx_why_t *why)
         rc = KVX_ERR_IO;
         goto err_worker;
     }
+    /* a UCX whose addresses the walk does not read (before 1.12, or a
+     * format it does not know) would refuse every peer, one by one:
+     * refused here, once, at start */
+    char aw[200];
+    if (ucx_addr_check((const uint8_t *)P.addr,
+                       P.addr_len - (fault_armed(FAULT_OWN_ADDR) ? 1 : 0), NULL,
+                       KVX_WHY(aw))) {
+        why_set(why,
+                "UCX %s: this daemon cannot read its own worker address "
+                "(%s); peers need a UCX whose address format it knows "
+                "(1.12 to 1.22)",
+                P.version, aw);
+        rc = KVX_ERR_UNSUPPORTED;
+        goto err_worker;
+    }
     if (fault_armed(FAULT_LANES) && (rc = dead_address(why)))
         goto err_worker;
 

@@ -86,6 +86,22 @@ TEST(peer_config_errors)
         CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
         CHECK_STR_CONTAINS(out, secrets[i].want);
     }
+    /* a UCX whose worker addresses it cannot read: refused at start,
+     * once, not peer by peer (KVXFERD_FAULT own_addr: its own address
+     * checked a byte short) */
+    write_file(sec, "0123456789abcdef0123");
+    CHECK(chmod(sec, 0600) == 0);
+    snprintf(cmd, sizeof(cmd),
+             "KVXFERD_FAULT=own_addr:1 timeout 10 %s/kvxferd --config %s 2>&1",
+             build_dir(), cfg);
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    char out[4096] = "";
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+    CHECK_STR_CONTAINS(out, "cannot read its own worker address");
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     CHECK(system(cmd) == 0);
 }
