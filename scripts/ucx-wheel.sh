@@ -8,8 +8,9 @@
 #   scripts/ucx-wheel.sh [DIR]             (default build/ucx-wheel)
 #   scripts/ucx-wheel.sh --version         the version it fetches
 # Idempotent: a DIR that holds this version already is left as it is
-# (DIR/libucx/.kvx-ok names it). Exits 3 when the wheel cannot be
-# downloaded (no network to PyPI), 1 on any other failure.
+# (DIR/libucx/.kvx-ok names it). Exits 3 when PyPI cannot be reached
+# (no network), 1 on any other failure (a wheel whose sha256 is not the
+# one known, for x86_64 only, included).
 set -eu
 VERSION=1.22.0
 # sha256 of libucx_cu13-1.22.0-py3-none-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
@@ -37,16 +38,25 @@ fi
 echo "ucx-wheel: downloading libucx-cu13==$VERSION from PyPI into $DIR"
 $pip download --quiet --no-deps --only-binary=:all: \
     "libucx-cu13==$VERSION" -d "$tmp/whl" || {
-    echo "ucx-wheel: cannot download libucx-cu13==$VERSION (no network to PyPI?)" >&2
     rm -rf "$tmp"
+    # 3 (skipped by CI) only where PyPI cannot be reached at all; a pip
+    # that PyPI answers and that still fails (an old pip, no wheel for
+    # this machine) is a failure
+    if python3 -c 'import urllib.request as u; u.urlopen("https://pypi.org/simple/libucx-cu13/", timeout=10)' >/dev/null 2>&1; then
+        echo "ucx-wheel: PyPI answers, but pip cannot download libucx-cu13==$VERSION (above)" >&2
+        exit 1
+    fi
+    echo "ucx-wheel: cannot download libucx-cu13==$VERSION (no network to PyPI)" >&2
     exit 3; }
 whl=$(ls "$tmp"/whl/libucx_cu13-"$VERSION"-*.whl)
-if [ "$(uname -m)" = x86_64 ]; then
-    sum=$(sha256sum "$whl" | cut -d' ' -f1)
-    [ "$sum" = "$SHA256_X86_64" ] || {
-        echo "ucx-wheel: $(basename "$whl"): sha256 $sum, expected $SHA256_X86_64" >&2
-        exit 1; }
-fi
+# its checksum is known for x86_64 only: elsewhere the wheel is refused
+[ "$(uname -m)" = x86_64 ] || {
+    echo "ucx-wheel: no sha256 of the $(uname -m) wheel is known here; refused" >&2
+    exit 1; }
+sum=$(sha256sum "$whl" | cut -d' ' -f1)
+[ "$sum" = "$SHA256_X86_64" ] || {
+    echo "ucx-wheel: $(basename "$whl"): sha256 $sum, expected $SHA256_X86_64" >&2
+    exit 1; }
 python3 -m zipfile -e "$whl" "$tmp/x"
 got=$(cat "$tmp/x/libucx/UCX_WHEEL_VERSION.txt")
 [ "$got" = "$VERSION" ] || {
