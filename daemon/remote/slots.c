@@ -103,7 +103,10 @@ int slots_init(slots_t *s, const char *what, slot_times_t *st, kvx_why_t *why)
     int rc = set_slots(s, n, why);
     if (rc)
         return rc;
-    /* registered once, so rendezvous never registers per message */
+    /* registered once, so rendezvous never registers per message: with
+     * the loop's UCX context, which the lanes share on one rail; with
+     * several rails (peer.rails) each rail's context registers the slots
+     * on its first use, in its registration cache (not measured) */
     s->memh = peer_mem_map(s->mem, s->len, 0);
     return 0;
 }
