@@ -8,6 +8,9 @@
 #   scripts/gpu-measure-slots.sh dist/kvxfer OUTDIR
 # Prints one line per run: GB/s, baseline, ratio, the baseline's name,
 # the bytes through GPU slots (B received, A sent) and the transports.
+# MPS=1 runs each GPU case twice, alternated: without MPS, then with
+# nvidia-cuda-mps-control -d (needs the right to start it; names end in
+# -mps). QUICK=1 runs only the 4 MiB and 64 MiB cases, once each.
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-slots-out}
 mkdir -p "$OUT"
@@ -18,7 +21,17 @@ host=$OUT/host-slots.yaml
 printf 'gpu:\n  staging_bytes: 0\n' >"$host"
 big=$OUT/gpu-2g.yaml
 printf 'gpu:\n  staging_bytes: 2GiB\n' >"$big"
-run() { # name, args...
+mps_on() {
+    export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "MPS would not start"; exit 1; }
+}
+mps_off() {
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+run1() { # name, args...
     name=$1; shift
     r=$(timeout 240 kvxfer-bench --spawn-daemon --gpu --gen-device 0 \
         --daemons 2 --json --ucx-tls "$TLS" "$@" 2>&1 | tail -1)
@@ -30,8 +43,21 @@ run() { # name, args...
     t=$(echo "$r" | grep -o '"transports":"[^"]*"')
     echo "$name ${g:-FAILED: $r} $n $s $t"
 }
+run() { # name, args...: without MPS, then (MPS=1) with it
+    run1 "$@"
+    if [ "${MPS:-0}" = 1 ]; then
+        name=$1; shift
+        mps_on; run1 "$name-mps" "$@"; mps_off
+    fi
+}
 M=${M:-"--layers 32 --heads 8 --head-dim 128 --tokens-per-block 16 --dtype bf16 --pool-mib 20000 --layout vllm-nhd"}
 C="--requests 16 --blocks 128 --window 4"
+if [ "${QUICK:-0}" = 1 ]; then
+    run "gpu-slots-64M" $M $C --slot-bytes 67108864 --daemon-config "$big"
+    run "gpu-slots-4M" $M $C
+    run "host-slots-4M" $M $C --daemon-config "$host"
+    exit 0
+fi
 for i in 1 2; do
     run "host-slots-4M-$i" $M $C --daemon-config "$host"
     run "gpu-slots-4M-$i" $M $C
