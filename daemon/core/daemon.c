@@ -33,6 +33,15 @@ uint64_t kvxd_now_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
+/* 100 us to 30 s; 4 KiB to 16 GiB */
+const double kvxd_secs_bounds[KVXD_SECS_N] = {
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    30};
+const double kvxd_bytes_bounds[KVXD_BYTES_N] = {
+    4096.0,       16384.0,      65536.0,      262144.0,    1048576.0,
+    4194304.0,    16777216.0,   67108864.0,   268435456.0, 1073741824.0,
+    4294967296.0, 8589934592.0, 17179869184.0};
+
 void kvxd_count_error(int code)
 {
     if (code < 0 && -code < 32)

@@ -11,8 +11,31 @@
 #include <uv.h>
 
 #include "conf.h"
+#include "hist.h"
 #include "kvxfer.h"
 #include "kvxfer.pb-c.h"
+
+/* The metrics' labels (local/metrics.c prints them): where the bytes a
+ * fetch lands come from - a source pool on the destination's GPU, on
+ * another GPU of this daemon, host memory on either side, or a peer
+ * daemon; and which side of a request ended. */
+typedef enum {
+    KVXD_PATH_SAME_GPU,
+    KVXD_PATH_GPU_GPU,
+    KVXD_PATH_HOST,
+    KVXD_PATH_PEER,
+    KVXD_PATHS
+} kvxd_path_t;
+enum { KVXD_SIDE_OFFER, KVXD_SIDE_FETCH, KVXD_SIDES };
+/* End kinds, by KVX_EVENT_COMPLETE (1) .. KVX_EVENT_TIMED_OUT (4). */
+#define KVXD_ENDS 5
+
+/* The histograms' bounds: seconds (durations, loop lag), bytes
+ * (request sizes). */
+#define KVXD_SECS_N 16
+#define KVXD_BYTES_N 13
+extern const double kvxd_secs_bounds[KVXD_SECS_N];
+extern const double kvxd_bytes_bounds[KVXD_BYTES_N];
 
 typedef struct kvxd_stats {
     uint64_t bytes_moved;
@@ -22,6 +45,15 @@ typedef struct kvxd_stats {
                                     a poll said they never arrived */
     uint64_t polls_woken_early;  /* Poll.early answered (xfer) */
     uint64_t errors_by_code[32]; /* index -code */
+    /* metrics (xfer counts them as requests end) */
+    uint64_t bytes_in[KVXD_PATHS];         /* landed here; sum: bytes_moved */
+    uint64_t fetches_done[KVXD_PATHS];     /* fetches COMPLETE, by path */
+    uint64_t ended[KVXD_SIDES][KVXD_ENDS]; /* requests ended, by kind */
+    uint64_t end_codes[KVXD_SIDES][32];    /* ERROR ends, by -code */
+    kvxd_hist_t fetch_seconds;   /* a COMPLETE fetch: made until its end */
+    kvxd_hist_t fetch_bytes;     /* its bytes */
+    kvxd_hist_t exposed_seconds; /* layer-wise offers' last layer ready
+                                    until their fetch's end (local) */
 } kvxd_stats_t;
 
 typedef struct kvxd {

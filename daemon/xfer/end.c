@@ -66,11 +66,42 @@ void offer_consume(offer_t *o, const char *msg)
     waiters_reply(&w);
 }
 
+void xfer_count_end(int side, int kind, int code)
+{
+    if (kind > 0 && kind < KVXD_ENDS)
+        kvxd.stats.ended[side][kind]++;
+    if (kind == KVX_EVENT_ERROR && code < 0 && -code < 32)
+        kvxd.stats.end_codes[side][-code]++;
+}
+
+/* A fetch's end in the metrics: its outcome, and a COMPLETE one's
+ * duration, size, path and (a local layer-wise offer's) exposed time. */
+static void count_fetch_end(const genreq_t *g)
+{
+    xfer_count_end(KVXD_SIDE_FETCH, g->end_kind, g->end_code);
+    if (g->end_kind != KVX_EVENT_COMPLETE)
+        return;
+    uint64_t now = mono_ns();
+    hist_add(&kvxd.stats.fetch_seconds, kvxd_secs_bounds, KVXD_SECS_N,
+             (double)(now - g->t0_ns) / 1e9);
+    hist_add(&kvxd.stats.fetch_bytes, kvxd_bytes_bounds, KVXD_BYTES_N,
+             (double)g->bytes_done);
+    int path = g->remote ? KVXD_PATH_PEER + 1 : 0;
+    for (size_t r = 0; !path && r < GPARTS(g); r++)
+        path = g->parts[r].path; /* a part that moved bytes knows it */
+    kvxd.stats.fetches_done[path ? path - 1 : KVXD_PATH_HOST]++;
+    const offer_t *o = g->offer;
+    if (o && o->lw_all_ns && now >= o->lw_all_ns)
+        hist_add(&kvxd.stats.exposed_seconds, kvxd_secs_bounds, KVXD_SECS_N,
+                 (double)(now - o->lw_all_ns) / 1e9);
+}
+
 void offer_try_finalize(offer_t *o)
 {
     if (!o->ending || o->consumer || o->gathers)
         return; /* the consumer's fence, or our gathers', comes first */
     instance_t *inst = o->inst;
+    xfer_count_end(KVXD_SIDE_OFFER, o->end_kind, o->end_code);
     xfer_push_event(
         inst, o->request_id, &o->key,
         &(batch_end_t){o->end_kind, o->end_code, o->end_msg, NULL, 0}, 1,
@@ -160,6 +191,7 @@ void genreq_end(genreq_t *g, int kind, int code, const char *msg)
                                         : 1));
     if (g->end_kind == KVX_EVENT_COMPLETE)
         kvxd.stats.transfers_done++;
+    count_fetch_end(g);
     if (kvxd.trace)
         xfer_trace_write(g);
     uint32_t seen = 0;

@@ -374,6 +374,7 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
     for (uint32_t k = 0; k < ngroups; k++)
         g->gskip[k + 1] = groups[k].skip_tokens;
     g->created_ms = kvxd_now_ms();
+    g->t0_ns = mono_ns();
     busy_hold(1);
     TRACE_HOP(g, TR_FETCH);
     dl_insert(&xfer_timeouts, &g->timeout,

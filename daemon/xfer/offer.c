@@ -764,6 +764,8 @@ static void layers_mark(offer_t *o, uint32_t group, uint32_t rank,
     instance_t *inst = o->inst;
     uint64_t id = o->request_id;
     int more = sp->ready > ready0;
+    if (more && sp->ready == sp->nlayers)
+        o->lw_all_ns = mono_ns(); /* the last part's whole: the latest */
     consumer_wake(o);
     /* peer daemons read a rank's part layer by layer, each once whole */
     if (more && (o = map_get(&inst->offers, id)) && xfer_rops.offer_published)

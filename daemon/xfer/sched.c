@@ -42,6 +42,26 @@ void xfer_trace_write(genreq_t *g)
             (unsigned long long)g->tr[TR_EVENT]);
 }
 
+/* Where part p's bytes come from (metrics): a peer daemon, or the
+ * offer's pools here against p's, read once (the offer may be gone by
+ * the time the fence's last copies come back). */
+kvxd_path_t xfer_part_path(genpart_t *p)
+{
+    if (p->path)
+        return (kvxd_path_t)(p->path - 1);
+    genreq_t *g = p->req;
+    const pool_t *src = NULL;
+    for (uint32_t r = 0; g->offer && !src && r < g->offer->inst->nranks; r++)
+        src = OPART(g->offer, p->group, r)->pool;
+    kvxd_path_t path = g->remote ? KVXD_PATH_PEER
+                       : !src || !src->gpu || !p->pool || !p->pool->gpu
+                           ? KVXD_PATH_HOST
+                       : src->device == p->pool->device ? KVXD_PATH_SAME_GPU
+                                                        : KVXD_PATH_GPU_GPU;
+    p->path = (int)path + 1;
+    return path;
+}
+
 /* A copy of part p came back (a chunk here, a scattered slot in
  * remote.c): count it, and end the request on error, on its fence, or
  * when every part is done. */
@@ -55,8 +75,10 @@ void xfer_part_progress(genpart_t *p, uint64_t units, uint64_t bytes,
     g->inflight--;
     p->units_done += units;
     g->bytes_done += bytes;
-    if (!status)
+    if (!status) {
         kvxd.stats.bytes_moved += bytes;
+        kvxd.stats.bytes_in[xfer_part_path(p)] += bytes;
+    }
     /* each branch calls genreq_end at most once: it may free g */
     if (status && !g->ending) {
         char m[96];

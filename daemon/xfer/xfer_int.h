@@ -131,7 +131,9 @@ struct offer {
     /* peer daemons reading this offer: remote.c's (struct roffer), never
      * read by xfer, freed through xfer_remote_ops_t.offer_free */
     struct roffer *remote;
-    uint64_t mem; /* the offer's own bytes charged (MEM_REQUESTS) */
+    uint64_t mem;       /* the offer's own bytes charged (MEM_REQUESTS) */
+    uint64_t lw_all_ns; /* layer-wise: when its last layer became ready
+                           (monotonic ns; metrics' exposed time) */
 };
 
 struct genpart {
@@ -154,6 +156,7 @@ struct genpart {
     uint32_t *ldone, *lneed;
     uint32_t inflight;
     int late;         /* fetched once the request was ending: joins its end */
+    int path;         /* metrics: kvxd_path_t + 1 (0: not known yet) */
     gpu_part_t *gpu;  /* plan uploaded to a GPU, when it runs there */
     rrq_entry_t turn; /* on the scheduler's queue (xfer_runq) */
     /* pulled from peer daemons: remote.c's (struct rpart), never read by
@@ -178,6 +181,7 @@ struct genreq {
     int soon;          /* every part settled: Poll.early answered */
     uint32_t inflight;
     uint64_t created_ms;
+    uint64_t t0_ns; /* made (monotonic ns): the duration metrics' start */
     uint64_t bytes_total, bytes_done;
     int ending, end_kind, end_code;
     char end_msg[256];
@@ -381,6 +385,11 @@ void xfer_trace_write(genreq_t *g);
  * ending or by a job run on the loop (the event goes out this turn), nor
  * for parts pulled from peer daemons (they settle by ending). */
 void part_settle(genpart_t *p, int last_out);
+/* Where p's bytes come from, for the metrics (sched.c). */
+kvxd_path_t xfer_part_path(genpart_t *p);
+/* Count a request's end in the metrics: side KVXD_SIDE_*, its end kind
+ * and code (end.c). */
+void xfer_count_end(int side, int kind, int code);
 void xfer_schedule(void);
 
 /* ---- end.c ------------------------------------------------------------ */
