@@ -15,6 +15,13 @@
 
 static void job_finished(copy_job_t *j);
 
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -24,6 +31,7 @@ static struct {
     pthread_t *threads;
     unsigned nthreads;
     unsigned inflight;        /* loop thread only */
+    uint64_t busy_ns[2];      /* loop thread only: copy_busy_ns() */
     int stop;
     unsigned sleeping;        /* workers in pthread_cond_wait */
     int spinning;             /* a worker is spinning for the next job */
@@ -38,6 +46,13 @@ static struct {
 } c = {.todo = {&c.todo, &c.todo},
        .done = {&c.done, &c.done},
        .inline_done = {&c.inline_done, &c.inline_done}};
+
+/* A job is back on the loop: its time goes to the busy sums. */
+static void job_count(const copy_job_t *j)
+{
+    if (j->t_start && j->t_done > j->t_start)
+        c.busy_ns[j->gpu != NULL] += j->t_done - j->t_start;
+}
 
 static inline void cpu_relax(void)
 {
@@ -93,6 +108,7 @@ static void *worker_main(void *arg)
         todo_changed();
         pthread_mutex_unlock(&c.mu);
 
+        j->t_start = now_ns();
         if (j->run)
             j->run(j);
         else
@@ -118,9 +134,7 @@ static void gpu_done(void *arg, int status)
  * completion threads). */
 static void job_finished(copy_job_t *j)
 {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    j->t_done = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+    j->t_done = now_ns();
     pthread_mutex_lock(&c.mu);
     assert(!list_linked(&j->node)); /* off c.todo, or never on it */
     list_push(&c.done, &j->node);
@@ -142,6 +156,7 @@ static void on_async(uv_async_t *a)
         copy_job_t *j = LIST_OWNER(n, copy_job_t, node);
         assert(c.inflight > 0);
         c.inflight--;
+        job_count(j);
         j->done(j);
     }
 }
@@ -164,6 +179,7 @@ static void inline_flush(void)
         copy_job_t *j = LIST_OWNER(n, copy_job_t, node);
         assert(c.inflight > 0);
         c.inflight--;
+        job_count(j);
         j->done(j);
     }
     if (!list_empty(&c.inline_done)) /* submitted by those: next turn */
@@ -280,6 +296,7 @@ static int submit_now(copy_job_t *j)
     assert(!j->node.next || !list_linked(&j->node));
     list_init(&j->node);
     c.inflight++;
+    j->t_start = now_ns();
     if (j->gpu) { /* the GPU executor; it completes through gpu_done() */
         gpu_work_t w = {.unit_begin = j->unit_begin,
                         .unit_end = j->unit_end,
@@ -294,9 +311,7 @@ static int submit_now(copy_job_t *j)
     if (copy_job_inline(j)) {
         /* small: here, now; its done callback at this iteration's check */
         plan_exec(j->plan, j->unit_begin, j->unit_end);
-        struct timespec t;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        j->t_done = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+        j->t_done = now_ns();
         list_push(&c.inline_done, &j->node);
         uv_idle_start(&c.idle, on_idle);
         return 0;
@@ -333,8 +348,18 @@ void copy_submit(copy_job_t *j)
     copy_submit_many(&j, 1);
 }
 
-unsigned copy_inflight(void) { return c.inflight; }
-unsigned copy_threads(void) { return c.nthreads; }
+unsigned copy_inflight(void)
+{
+    return c.inflight;
+}
+unsigned copy_threads(void)
+{
+    return c.nthreads;
+}
+uint64_t copy_busy_ns(int gpu)
+{
+    return c.busy_ns[gpu != 0];
+}
 
 void copy_cleanup(void)
 {

@@ -39,6 +39,7 @@ struct copy_job {
                           pinned host memory */
     uint64_t bytes;
     int status;          /* 0, or why the job did not run */
+    uint64_t t_start;    /* CLOCK_MONOTONIC ns it started (copy sets it) */
     uint64_t t_done;     /* CLOCK_MONOTONIC ns it finished */
     copy_done_cb done;   /* runs on the loop thread */
     void *owner;
@@ -67,6 +68,10 @@ void copy_submit_many(copy_job_t **jobs, size_t n);
 int copy_job_inline(const copy_job_t *job);
 /* Jobs submitted and not yet done. */
 unsigned copy_inflight(void);
+/* Time jobs ran since start, summed (metrics): on the copy threads and
+ * the loop (gpu 0), or from launch to completion on the GPUs (gpu 1: a
+ * launch queued behind another counts its wait too). */
+uint64_t copy_busy_ns(int gpu);
 unsigned copy_threads(void);
 /* Stop the workers after the queue drains and close the async handle. */
 void copy_cleanup(void);
