@@ -92,6 +92,10 @@ typedef struct kvx_conf {
     int log_level;              /* syslog priority, LOG_ERR..LOG_DEBUG */
     char log_trace_file[108];   /* "" = no request trace */
     uint64_t copy_inline_bytes; /* host jobs this small: on the loop */
+    /* metrics (local/http.c, local/metrics.c) */
+    char metrics_listen[64];            /* IP:PORT of /metrics; "" off */
+    uint32_t metrics_publish_ms;        /* the snapshot's period */
+    uint32_t metrics_health_max_lag_ms; /* /health 503 past this lag */
 } kvx_conf_t;
 
 /* Fill every key with its default. */

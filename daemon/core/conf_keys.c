@@ -21,6 +21,7 @@ static int check_group(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_hello(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_listen(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_keepalive(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_metrics_listen(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_topology(const kvx_conf_t *conf, kvx_why_t *why)
 {
     const char *t = conf->peer_topology;
@@ -794,6 +795,35 @@ const struct conf_key conf_keys[] = {
      .help = "File (appended to) that gets one line per fetch as it ends, "
              "with the monotonic time of each hop (kvxfer-bench --trace "
              "reads it); empty: none."},
+
+    {.name = "metrics.listen",
+     .type = CONF_STRING,
+     FIELD(metrics_listen),
+     .def_str = "",
+     .check = check_metrics_listen,
+     .help = "IP:PORT of the HTTP endpoint serving /metrics (Prometheus "
+             "text) and /health, on a thread of its own; empty: off (the "
+             "default). 127.0.0.1:9464 keeps it on this host; port 0 picks "
+             "a free port (logged)."},
+    {.name = "metrics.publish_ms",
+     .type = CONF_MS,
+     FIELD(metrics_publish_ms),
+     .def = 1000,
+     .min = 10,
+     .max = 60000,
+     .reloadable = 1,
+     .help = "How often the loop publishes the snapshot the endpoint "
+             "serves: a scrape sees figures at most this old."},
+    {.name = "metrics.health_max_lag_ms",
+     .type = CONF_MS,
+     FIELD(metrics_health_max_lag_ms),
+     .def = 2000,
+     .min = 1,
+     .max = 600000,
+     .reloadable = 1,
+     .help = "/health (and kvxferctl health) answers 503 (exit 1) when the "
+             "loop lags more than this, or has not published a snapshot "
+             "for metrics.publish_ms plus this; also while draining."},
 };
 
 const size_t conf_nkeys = sizeof(conf_keys) / sizeof(conf_keys[0]);
@@ -854,6 +884,30 @@ static int check_listen(const kvx_conf_t *conf, kvx_why_t *why)
             why, 1, "'%s': give the IP other daemons reach, not 0.0.0.0", l);
     if (!conf->peer_secret_file[0])
         return why_fail(why, 1, "needs peer.secret_file (the cluster secret)");
+    return 0;
+}
+
+/* IP:PORT, an IPv4 or IPv6 address ([::1]:9464 or ::1:9464). */
+static int check_metrics_listen(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *l = conf->metrics_listen;
+    if (!l[0])
+        return 0;
+    const char *colon = strrchr(l, ':');
+    char ip[64], *end;
+    if (!colon || colon == l || (size_t)(colon - l) >= sizeof(ip))
+        return why_fail(why, 1, "'%s' is not IP:PORT", l);
+    unsigned long port = strtoul(colon + 1, &end, 10);
+    if (!colon[1] || *end || port > 65535)
+        return why_fail(why, 1, "'%s': port must be 0..65535", l);
+    size_t n = (size_t)(colon - l);
+    if (l[0] == '[' && n > 2 && l[n - 1] == ']')
+        snprintf(ip, sizeof(ip), "%.*s", (int)(n - 2), l + 1);
+    else
+        snprintf(ip, sizeof(ip), "%.*s", (int)n, l);
+    uint8_t a[16];
+    if (inet_pton(AF_INET, ip, a) != 1 && inet_pton(AF_INET6, ip, a) != 1)
+        return why_fail(why, 1, "'%s': '%s' is not an IP address", l, ip);
     return 0;
 }
 

@@ -308,7 +308,10 @@ TEST(table_sane)
                                         "deadlines.session_idle_ms",
                                         "deadlines.reply_stall_ms",
                                         "log.level",
-                                        "log.trace_file"};
+                                        "log.trace_file",
+                                        "metrics.listen",
+                                        "metrics.publish_ms",
+                                        "metrics.health_max_lag_ms"};
     static const char *const reloadable[] = {"limits.memory_bytes",
                                              "limits.uid_memory_bytes",
                                              "limits.session_queue_bytes",
@@ -332,7 +335,9 @@ TEST(table_sane)
                                              "deadlines.hello_timeout_ms",
                                              "deadlines.session_idle_ms",
                                              "deadlines.reply_stall_ms",
-                                             "log.level"};
+                                             "log.level",
+                                             "metrics.publish_ms",
+                                             "metrics.health_max_lag_ms"};
     /* Every member of kvx_conf_t; each must belong to some key. */
     static const struct {
         size_t off, size;
@@ -406,6 +411,9 @@ TEST(table_sane)
         M(reply_stall_ms),
         M(log_level),
         M(log_trace_file),
+        M(metrics_listen),
+        M(metrics_publish_ms),
+        M(metrics_health_max_lag_ms),
 #undef M
     };
 
@@ -741,13 +749,15 @@ TEST(err_unknown_section)
 {
     expect_errors("sockets:\n  path: /x\n", 1,
                   "F:1:1: sockets: unknown section (expected one of socket, "
-                  "auth, limits, copy, gpu, peer, deadlines, log)\n"
+                  "auth, limits, copy, gpu, peer, deadlines, log, "
+                  "metrics)\n"
                   "sockets:\n"
                   "^\n");
     /* A dotted key at top level is not a shorthand. */
     expect_errors("log.level: info\n", 1,
                   "F:1:1: log.level: unknown section (expected one of "
-                  "socket, auth, limits, copy, gpu, peer, deadlines, log)\n"
+                  "socket, auth, limits, copy, gpu, peer, deadlines, log, "
+                  "metrics)\n"
                   "log.level: info\n"
                   "^\n");
 }
@@ -1017,14 +1027,14 @@ TEST(err_top_level)
         "- socket\n- log\n", 1,
         "F:1:1: (top level): got a sequence (expected a mapping "
         "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
-        "log)\n"
+        "log, metrics)\n"
         "- socket\n"
         "^\n");
     expect_errors(
         "hello\n", 1,
         "F:1:1: (top level): got a scalar (expected a mapping "
         "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
-        "log)\n"
+        "log, metrics)\n"
         "hello\n"
         "^\n");
     expect_errors("log: {level: info}\n---\nlog: {level: debug}\n", 1,
@@ -1091,7 +1101,8 @@ TEST(err_collects_all)
                   "  max_pools: 1\n"
                   "  ^\n"
                   "F:7:1: bogus: unknown section (expected one of socket, "
-                  "auth, limits, copy, gpu, peer, deadlines, log)\n"
+                  "auth, limits, copy, gpu, peer, deadlines, log, "
+                  "metrics)\n"
                   "bogus: {}\n"
                   "^\n"
                   "F:9:10: log.level: invalid value \"loud\" (expected one of "
