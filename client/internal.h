@@ -17,5 +17,7 @@ int kvx__requests_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms);
  * daemon then exits). msg gets the daemon's account of it. */
 int kvx__drain(kvx_client_t *c, uint32_t deadline_ms, int wait, char *msg,
                size_t msg_len, int timeout_ms);
+/* The daemon's metrics text and health (MetricsReply); free as above. */
+int kvx__metrics_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms);
 
 #endif

@@ -324,6 +324,31 @@ int kvx__status_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
     return 0;
 }
 
+int kvx__metrics_get(kvx_client_t *c, Kvxfer__Reply **out, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!out)
+        return kvx__fail(c, KVX_ERR_INVALID,
+                         "%s: a required argument is NULL or 0", __func__);
+    Kvxfer__MetricsRequest m = KVXFER__METRICS_REQUEST__INIT;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_METRICS;
+    rq.metrics = &m;
+    Kvxfer__Reply *r;
+    int rc = kvx__call(c, &rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_METRICS) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        return kvx__fail(c, KVX_ERR_PROTOCOL,
+                         "metrics: reply without metrics (a daemon older "
+                         "than 2.7?)");
+    }
+    *out = r;
+    return 0;
+}
+
 int kvx__drain(kvx_client_t *c, uint32_t deadline_ms, int wait, char *msg,
                size_t msg_len, int timeout_ms)
 {

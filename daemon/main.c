@@ -30,6 +30,7 @@
 #include "core/fault.h"
 #include "core/log.h"
 #include "core/notify.h"
+#include "local/metrics.h"
 #include "local/server.h"
 #include "local/session.h"
 #include "net/peer.h"
@@ -141,6 +142,7 @@ static void on_tick(uv_timer_t *t)
 {
     (void)t;
     uint64_t now = kvxd_now_ms();
+    metrics_tick();
     xfer_tick(now);
     peer_tick(now);
     remote_tick(now);

@@ -4,6 +4,8 @@
  *   kvxferctl [--socket PATH] status [--json]
  *   kvxferctl [--socket PATH] requests [--json]
  *   kvxferctl [--socket PATH] drain [--deadline S] [--no-wait]
+ *   kvxferctl [--socket PATH] metrics
+ *   kvxferctl [--socket PATH] health
  *   kvxferctl plan --ctx-tp N --gen-tp M --heads H --layers L [...]
  *
  * status and requests connect without Hello (any allowed uid may look);
@@ -31,6 +33,8 @@ static void usage(FILE *f)
         "usage: kvxferctl [--socket PATH] status [--json]\n"
         "       kvxferctl [--socket PATH] requests [--json]\n"
         "       kvxferctl [--socket PATH] drain [--deadline S] [--no-wait]\n"
+        "       kvxferctl [--socket PATH] metrics\n"
+        "       kvxferctl [--socket PATH] health\n"
         "       kvxferctl plan [options]\n"
         "\n"
         "  status     version, uptime, config, sessions, pools, requests by\n"
@@ -43,6 +47,11 @@ static void usage(FILE *f)
         "             0; waits for that and says what it did (--no-wait:\n"
         "             returns once the drain started). Root, the daemon's\n"
         "             uid and auth.admin_gids only\n"
+        "  metrics    the daemon's metrics, the Prometheus text its HTTP\n"
+        "             endpoint (metrics.listen) serves\n"
+        "  health     'ok' and exit 0 while the daemon is healthy; else\n"
+        "             why not and exit 1 (draining, loop lag, no answer):\n"
+        "             an exec probe\n"
         "  plan       the slices each generation rank would pull, for two\n"
         "             instance configurations:\n"
         "               --ctx-tp N --ctx-pp N --gen-tp N --gen-pp N\n"
@@ -819,6 +828,54 @@ static int cmd_drain(const char *sock, int argc, char **argv)
     return 0;
 }
 
+/* ---- metrics, health ---------------------------------------------------- */
+
+static const char metrics_help[] =
+    "usage: kvxferctl [--socket PATH] metrics\n"
+    "\n"
+    "Print the daemon's metrics as Prometheus text: what its HTTP endpoint\n"
+    "(metrics.listen) serves at /metrics, asked over the socket and fresh.\n";
+static const char health_help[] =
+    "usage: kvxferctl [--socket PATH] health\n"
+    "\n"
+    "Print 'ok' and exit 0 while the daemon is healthy (its loop turns,\n"
+    "it is not draining, its loop lag is within metrics.health_max_lag_ms);\n"
+    "else print why not and exit 1, as also when it does not answer. For\n"
+    "exec probes; the HTTP endpoint's /health answers the same.\n";
+
+/* 0, 1 (the daemon said no, or did not answer) or 2 (usage). */
+static int cmd_metrics(const char *sock, int argc, char **argv, int health)
+{
+    for (int k = 1; k < argc; k++) {
+        if (!strcmp(argv[k], "--help") || !strcmp(argv[k], "-h")) {
+            fputs(health ? health_help : metrics_help, stdout);
+            return 0;
+        }
+        fprintf(stderr, "kvxferctl: %s: unknown option '%s'\n", argv[0],
+                argv[k]);
+        fputs(health ? health_help : metrics_help, stderr);
+        return 2;
+    }
+    kvx_client_t *c = open_daemon(sock); /* exits 1 when it cannot */
+    Kvxfer__Reply *r = NULL;
+    int rc = kvx__metrics_get(c, &r, TIMEOUT_MS);
+    if (rc) {
+        fprintf(stderr, "kvxferctl: %s: %s: %s\n", argv[0], kvx_status_str(rc),
+                kvx_last_error(c));
+        kvx_close(c);
+        return 1;
+    }
+    const Kvxfer__MetricsReply *m = r->metrics;
+    if (health)
+        printf("%s\n", m->healthy ? "ok" : m->health);
+    else
+        fputs(m->text, stdout);
+    int out = health && !m->healthy;
+    kvxfer__reply__free_unpacked(r, NULL);
+    kvx_close(c);
+    return out;
+}
+
 int main(int argc, char **argv)
 {
     const char *sock = NULL;
@@ -844,6 +901,8 @@ int main(int argc, char **argv)
         return cmd_plan(argc - i, argv + i);
     if (!strcmp(cmd, "drain"))
         return cmd_drain(sock, argc - i, argv + i);
+    if (!strcmp(cmd, "metrics") || !strcmp(cmd, "health"))
+        return cmd_metrics(sock, argc - i, argv + i, cmd[0] == 'h');
     for (int k = i + 1; k < argc; k++) {
         if (!strcmp(argv[k], "--json"))
             json = 1;

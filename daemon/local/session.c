@@ -24,6 +24,7 @@
 #include "core/map.h"
 #include "remote/keyed.h"
 #include "remote/release.h"
+#include "metrics.h"
 #include "session_int.h"
 #include "stats.h"
 #include "xfer/instance.h"
@@ -993,6 +994,28 @@ static void on_status(session_t *s, const Kvxfer__Request *rq)
     stats_free(&st);
 }
 
+static void on_metrics(session_t *s, const Kvxfer__Request *rq)
+{
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    Kvxfer__MetricsReply m = KVXFER__METRICS_REPLY__INIT;
+    char health[128];
+    size_t len;
+    char *text = metrics_text(&len);
+    if (!text) {
+        reply(s, rq->id, KVX_ERR_NOMEM, "metrics: out of memory");
+        return;
+    }
+    m.text = text;
+    m.healthy = metrics_healthy(health, sizeof(health));
+    m.health = health;
+    r.id = rq->id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_METRICS;
+    r.metrics = &m;
+    reply_packed(s, &r);
+    free(text);
+}
+
 static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
@@ -1331,6 +1354,7 @@ void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         goto out;
     }
     if (kvxd.draining && rq->body_case != KVXFER__REQUEST__BODY_STATUS &&
+        rq->body_case != KVXFER__REQUEST__BODY_METRICS &&
         rq->body_case != KVXFER__REQUEST__BODY_POLL &&
         rq->body_case != KVXFER__REQUEST__BODY_LIST_REQUESTS &&
         rq->body_case != KVXFER__REQUEST__BODY_DRAIN) {
@@ -1343,6 +1367,9 @@ void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         goto out;
     case KVXFER__REQUEST__BODY_STATUS:
         on_status(s, rq);
+        goto out;
+    case KVXFER__REQUEST__BODY_METRICS:
+        on_metrics(s, rq);
         goto out;
     case KVXFER__REQUEST__BODY_LIST_REQUESTS:
         on_list_requests(s, rq);
