@@ -66,6 +66,11 @@ DAEMON_LIBS := $(shell $(UCX_PC) --libs ucx) \
 UCX_BUNDLE  := $(UCX_PREFIX)
 endif
 
+# the metrics endpoint (daemon/local/http.c): libmicrohttpd, the daemon's
+# alone
+PKG_CFLAGS  += $(shell pkg-config --cflags libmicrohttpd 2>/dev/null)
+DAEMON_LIBS += $(shell pkg-config --libs libmicrohttpd 2>/dev/null)
+
 # one folder per layer (docs/architecture.md): the public header is the
 # ground; an include across folders names its folder ("net/peer.h",
 # "common/list.h"), so only the roots are on the path
@@ -140,7 +145,7 @@ DAEMON   := $(COMMON) \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
             daemon/local/session.c daemon/local/session_conn.c \
             daemon/local/server.c daemon/local/stats.c \
-            daemon/local/metrics.c \
+            daemon/local/metrics.c daemon/local/http.c \
             $(GPU_SRC)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))

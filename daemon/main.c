@@ -30,6 +30,7 @@
 #include "core/fault.h"
 #include "core/log.h"
 #include "core/notify.h"
+#include "local/http.h"
 #include "local/metrics.h"
 #include "local/server.h"
 #include "local/session.h"
@@ -203,6 +204,7 @@ static int drain_start(const char *who, uint32_t grace_ms)
     dr.started = now;
     dr.ending_at = now + grace_ms;
     server_cleanup();
+    http_publish(); /* /health answers 503 from now on */
     on_tick(&tick);
     return 0;
 }
@@ -421,6 +423,10 @@ int main(int argc, char **argv)
     }
     release_init(); /* after remote and agree: its loss callback last */
     keyed_init();
+    if (http_init(KVX_WHY(why))) { /* last: its snapshot reads them all */
+        log_error("%s", why);
+        goto err_server;
+    }
     kvxd_set_drain(drain_start);
     uv_signal_init(kvxd.loop, &sig_term);
     uv_signal_init(kvxd.loop, &sig_int);
@@ -440,6 +446,7 @@ int main(int argc, char **argv)
 
     /* take down, in reverse */
     rc = 0;
+    http_cleanup();
     session_close_all("daemon exiting");
 err_server:
     server_cleanup();
