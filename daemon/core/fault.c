@@ -8,8 +8,8 @@
 #include "log.h"
 
 static const char *const names[FAULT_NSITES] = {
-    "gather",    "scatter",   "batch",   "lanes",
-    "lane_hold", "conn_hold", "own_addr"};
+    "gather",    "scatter",   "batch",    "lanes",
+    "lane_hold", "conn_hold", "own_addr", "loop_stall"};
 static unsigned long when[FAULT_NSITES]; /* 0: never */
 static unsigned long seen[FAULT_NSITES];
 
@@ -38,7 +38,8 @@ int fault_init(kvx_why_t *why)
             return why_fail(why, KVX_ERR_INVALID,
                             "KVXFERD_FAULT: '%.64s' is not SITE:N "
                             "(N >= 1; sites: gather, scatter, batch, lanes, "
-                            "lane_hold, conn_hold, own_addr)",
+                            "lane_hold, conn_hold, own_addr, "
+                            "loop_stall)",
                             t);
         when[site] = n;
         log_warn("fault injection (tests only): %s %lu fails", names[site], n);

@@ -15,6 +15,8 @@
  * connection's own endpoint (no lanes), while its messages still flow.
  * own_addr: at start, this daemon's own worker address is checked one
  * byte short (as if the loaded UCX's format were one it cannot read).
+ * loop_stall: the Nth MetricsRequest holds the loop for 3 s before it is
+ * answered (a callback stuck: /health must say 503 while it lasts).
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -32,6 +34,7 @@ typedef enum {
     FAULT_LANE_HOLD,
     FAULT_CONN_HOLD,
     FAULT_OWN_ADDR,
+    FAULT_LOOP_STALL,
     FAULT_NSITES
 } fault_site_t;
 

@@ -20,6 +20,7 @@
 #include "common/layout.h"
 #include "copy/pool.h"
 #include "core/daemon.h"
+#include "core/fault.h"
 #include "core/log.h"
 #include "core/map.h"
 #include "remote/keyed.h"
@@ -1000,6 +1001,8 @@ static void on_metrics(session_t *s, const Kvxfer__Request *rq)
     Kvxfer__MetricsReply m = KVXFER__METRICS_REPLY__INIT;
     char health[128];
     size_t len;
+    if (fault_hit(FAULT_LOOP_STALL))
+        sleep(3); /* tests: a stuck callback */
     char *text = metrics_text(&len);
     if (!text) {
         reply(s, rq->id, KVX_ERR_NOMEM, "metrics: out of memory");
