@@ -4,7 +4,8 @@
 # "N passed, N failed", as tests/run.sh's, which adds it into make test;
 # skipped tests are named above it and count as neither.
 #   scripts/test-python.sh [BUILD] [--gpu|--vllm|--trtllm] [pytest args...]
-# pytest and numpy come from a virtual environment, BUILD/venv, made here
+# pytest, numpy and prometheus_client (test_metrics.py parses the
+# metrics text with it) come from a virtual environment, BUILD/venv, made here
 # (pip from PyPI). --gpu (make test-gpu): python3 itself when it has
 # pytest and numpy, else BUILD/venv-gpu, which sees the system's packages
 # (torch, cupy). --vllm (make test-vllm): tests/vllm, the vLLM connector
@@ -20,7 +21,8 @@ cd "$(dirname "$0")/.." || exit 1
 BUILD=${1:-build}
 [ $# -gt 0 ] && shift
 venv=$BUILD/venv; venv_flags=""; py=""
-pkgs="pytest numpy"; need="import pytest, numpy"; tests=python/tests; lean=0
+pkgs="pytest numpy prometheus_client"; need="import pytest, numpy, prometheus_client"
+tests=python/tests; lean=0
 case "${1:-}" in
 --gpu)
     shift
