@@ -423,6 +423,7 @@ int main(int argc, char **argv)
     }
     release_init(); /* after remote and agree: its loss callback last */
     keyed_init();
+    metrics_set_sessions(session_count);
     if (http_init(KVX_WHY(why))) { /* last: its snapshot reads them all */
         log_error("%s", why);
         goto err_server;

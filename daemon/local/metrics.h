@@ -11,6 +11,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* What counts the client connections (session_count(): session calls
+ * this module, so it is registered, not called by name). */
+void metrics_set_sessions(unsigned (*count)(void));
 /* The loop's tick (main.c): measures how late it came. */
 void metrics_tick(void);
 /* The largest loop lag of the last second or so, in ns. */
