@@ -272,14 +272,16 @@ static void text_peers(FILE *f)
     family(f, "kvxfer_peers", "gauge", "Peer daemons known.");
     fprintf(f, "kvxfer_peers %zu\n", n);
     family(f, "kvxfer_peer_bytes_total", "counter",
-           "Bytes exchanged with each peer daemon (a connection's, by "
-           "its address).");
+           "Bytes exchanged with each peer daemon, by its address and "
+           "the connection's (out: this daemon dialled; in: it did).");
     for (size_t i = 0; i < n; i++) {
         static const char *const dir[2] = {"sent", "received"};
         uint64_t v[2] = {p[i]->bytes_sent, p[i]->bytes_received};
         for (int k = 0; k < 2; k++) {
             fputs("kvxfer_peer_bytes_total{peer=\"", f);
             label(f, p[i]->address);
+            fputs("\",conn=\"", f);
+            label(f, p[i]->direction);
             fprintf(f, "\",direction=\"%s\"} %llu\n", dir[k],
                     (unsigned long long)v[k]);
         }
