@@ -3,7 +3,8 @@
 # runs alternately with no endpoint (the default, metrics.listen empty:
 # the baseline) and with the endpoint on and scraped every second, in
 # one run, so that the machine's drift falls on both alike. Prints every
-# value, the medians, and scraped/baseline (target: within 2 %).
+# value, the medians, scraped/baseline and the median of each round's
+# ratio (target: within 2 %).
 #   scripts/bench-metrics.sh [BUILD] [rounds]      (default: build 5)
 # Cases: one-block requests per second (window 64, 200000 requests: a few
 # seconds, several scrapes) and kvxfer-bench's default shape (64
@@ -85,6 +86,10 @@ while IFS='|' read -r label f args; do
     b=$(med < "$TMP/$n.on")
     printf '%-34s %-12s %-12s %s\n' "$label" "$a" "$b" \
         "$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.3f", a ? b / a : 0 }')"
+    # each round's scraped / no endpoint: drift between rounds cancels
+    r=$(paste -d' ' "$TMP/$n.off" "$TMP/$n.on" |
+        awk '{ if ($1) printf "%.3f\n", $2 / $1 }' | med)
+    echo "    median of the rounds' ratios: $r"
     echo "    no endpoint: $(tr '\n' ' ' < "$TMP/$n.off")"
     echo "    scraped:     $(tr '\n' ' ' < "$TMP/$n.on") (scrapes a run: $(tr '\n' ' ' < "$TMP/$n.scrapes"))"
 done < "$TMP/cases"
