@@ -1021,6 +1021,31 @@ TEST(err_topology_keys)
     CHECK(!strcmp(c.peer_topology, "off"));
 }
 
+TEST(err_metrics_listen)
+{
+    expect_errors("metrics:\n  listen: foo:80\n", 1,
+                  "F:2:11: metrics.listen: 'foo:80': 'foo' is not an IP "
+                  "address\n"
+                  "  listen: foo:80\n"
+                  "          ^\n");
+    expect_errors("metrics:\n  listen: 127.0.0.1:99999\n", 1,
+                  "F:2:11: metrics.listen: '127.0.0.1:99999': port must be "
+                  "0..65535\n"
+                  "  listen: 127.0.0.1:99999\n"
+                  "          ^\n");
+    expect_errors("metrics:\n  listen: 9464\n", 1,
+                  "F:2:11: metrics.listen: '9464' is not IP:PORT\n"
+                  "  listen: 9464\n"
+                  "          ^\n");
+    kvx_conf_t c;
+    conf_defaults(&c);
+    CHECK(!strcmp(c.metrics_listen, "")); /* off by default */
+    CHECK_EQ(load_text("metrics:\n  listen: \"[::1]:0\"\n", &c, NULL), 0);
+    CHECK(!strcmp(c.metrics_listen, "[::1]:0"));
+    CHECK_EQ(load_text("metrics:\n  listen: 127.0.0.1:9464\n", &c, NULL), 0);
+    unlink(tmp_path);
+}
+
 TEST(err_top_level)
 {
     expect_errors(
