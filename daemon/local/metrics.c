@@ -114,11 +114,11 @@ static void hist(FILE *f, const char *name, const kvxd_hist_t *h,
     uint64_t cum = 0;
     for (size_t i = 0; i < n; i++) {
         cum += h->b[i];
-        fprintf(f, "%s_bucket{le=\"%.9g\"} %llu\n", name, bounds[i],
+        fprintf(f, "%s_bucket{le=\"%.12g\"} %llu\n", name, bounds[i],
                 (unsigned long long)cum);
     }
     cum += h->b[n];
-    fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.9g\n%s_count %llu\n",
+    fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.17g\n%s_count %llu\n",
             name, (unsigned long long)cum, name, h->sum, name,
             (unsigned long long)h->count);
 }

@@ -242,6 +242,9 @@ def test_text_passes_the_parsers(mdaemon):
     fams = {f.name: f.type for f in text_string_to_metric_families(text)}
     assert fams["kvxfer_bytes"] == "counter"  # the parser drops _total
     assert fams["kvxfer_transfer_duration_seconds"] == "histogram"
+    # bounds written exactly, not rounded to 9 digits
+    assert 'kvxfer_transfer_size_bytes_bucket{le="17179869184"}' in text
+    assert 'kvxfer_transfer_duration_seconds_bucket{le="0.00025"}' in text
     lint(text)
     promtool = shutil.which("promtool")
     if promtool:  # Debian's prometheus package
