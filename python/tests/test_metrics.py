@@ -376,3 +376,59 @@ def test_dashboard_names_only_metrics_that_exist(mdaemon):
     missing = {n for n in types
                if n not in shown and n not in ("kvxfer_build_info",)}
     assert not missing, sorted(missing)
+
+
+def test_between_daemons_bytes_in_and_out_and_per_peer(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    peer = (f"peer:\n  listen: 127.0.0.1:0\n  secret_file: {secret}\n"
+            "metrics:\n  listen: 127.0.0.1:0\n  publish_ms: 20\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = Daemon(tmp_path / "a", extra=peer)
+    b = Daemon(tmp_path / "b", extra=peer)
+    try:
+        pa, pb = http_port(a), http_port(b)
+        lo = layout()
+        ctx = open_rank(a.sock, "p-ctx", "context", layers=LAYERS,
+                        heads=HEADS)
+        gen = open_rank(b.sock, "p-gen", "generation", layers=LAYERS,
+                        heads=HEADS)
+        src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+        src.array[:] = 7
+        dst.array[:] = 0
+        a0, b0 = scrape(pa), scrape(pb)
+        blocks = list(range(32))
+        params = ctx.publish("r", src, blocks, num_tokens=32 * TPB)
+        gen.fetch("r", params, dst, blocks)
+        for c in (gen, ctx):
+            assert wait_event(c, "r").kind is EventKind.COMPLETE
+        for blk in blocks:
+            assert np.array_equal(block_bytes(lo, dst.array, blk),
+                                  block_bytes(lo, src.array, blk))
+        moved = len(blocks) * block_size(lo)
+
+        def delta(s0, s, **labels):
+            return (val(s, "kvxfer_bytes_total", **labels)
+                    - val(s0, "kvxfer_bytes_total", **labels))
+
+        b1 = scrape_until(pb, lambda s: val(
+            s, "kvxfer_transfers_total", path="peer") == 1)
+        assert delta(b0, b1, direction="in", path="peer") == moved
+        assert delta(b0, b1, direction="in", path="host") == 0
+        a1 = scrape_until(pa, lambda s: delta(
+            a0, s, direction="out", path="peer") >= moved)
+        assert delta(a0, a1, direction="out", path="peer") == moved
+        for s, conn in ((a1, "in"), (b1, "out")):  # b dialled a
+            assert val(s, "kvxfer_peers_up") == 1
+            sent = [v for (n, lab), v in s.items()
+                    if n == "kvxfer_peer_bytes_total"
+                    and dict(lab)["conn"] == conn]
+            assert len(sent) == 2 and max(sent) >= moved
+        for p in (pa, pb):
+            lint(get(p, "/metrics")[1])
+        gen.close()
+        ctx.close()
+    finally:
+        assert b.stop() == 0 and a.stop() == 0
