@@ -432,3 +432,32 @@ def test_between_daemons_bytes_in_and_out_and_per_peer(tmp_path):
         ctx.close()
     finally:
         assert b.stop() == 0 and a.stop() == 0
+
+
+def test_layerwise_exposed_time_is_counted(mdaemon):
+    d, port = mdaemon, mdaemon.port
+    ctx = open_rank(d.sock, "m-lw-ctx", "context", layers=LAYERS,
+                    heads=HEADS)
+    gen = open_rank(d.sock, "m-lw-gen", "generation", layers=LAYERS,
+                    heads=HEADS)
+    lo = layout()
+    src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+    before = scrape(port)
+    params = ctx.publish("lw", src, [0, 1], num_tokens=2 * TPB,
+                         layerwise=True)
+    gen.fetch("lw", params, dst, [0, 1])
+    for layer in range(LAYERS):  # the prefill's layers, one by one
+        time.sleep(0.01)
+        ctx.layers_ready("lw", layer)
+    for c in (gen, ctx):
+        assert wait_event(c, "lw").kind is EventKind.COMPLETE
+    h = "kvxfer_layerwise_exposed_seconds"
+    after = scrape_until(port, lambda s: val(s, h + "_count")
+                         - val(before, h + "_count") == 1)
+    # exposed: after the last layer, less than the whole transfer took
+    exposed = val(after, h + "_sum") - val(before, h + "_sum")
+    took = (val(after, "kvxfer_transfer_duration_seconds_sum")
+            - val(before, "kvxfer_transfer_duration_seconds_sum"))
+    assert 0 <= exposed < took
+    gen.close()
+    ctx.close()
