@@ -392,6 +392,7 @@ int main(int argc, char **argv)
 
     /* bring up, in order */
     int rc = 1;
+    gpu_env(); /* before UCX or a pool starts CUDA */
     xfer_init();
     if (kvxd_defer_init(kvxd.loop))
         goto out;

@@ -56,6 +56,10 @@ typedef struct kvx_conf {
     uint32_t gpu_max_ctas;
     uint64_t gpu_chunk_bytes;
     uint64_t gpu_staging_bytes;
+    char gpu_copy_path[8];       /* "kernel", "dma" or "auto" */
+    uint64_t gpu_dma_min_run;    /* auto: DMA for runs of this or more */
+    uint32_t gpu_sm_share;       /* MPS: % of SMs; 0: as the environment */
+    char gpu_stream_priority[8]; /* "normal" or "low" */
     /* peer daemons (UCX) */
     char peer_listen[64]; /* "IP:PORT"; "" = no peers */
     char peer_secret_file[108];

@@ -33,6 +33,30 @@ static int check_topology(const kvx_conf_t *conf, kvx_why_t *why)
                     conf_shown(t, strlen(t), what, sizeof(what)));
 }
 
+static int check_copy_path(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *t = conf->gpu_copy_path;
+    if (!strcmp(t, "kernel") || !strcmp(t, "dma") || !strcmp(t, "auto"))
+        return 0;
+    char what[64];
+    return why_fail(why, 1,
+                    "\"%s\" is not a copy path (expected kernel, dma or "
+                    "auto)",
+                    conf_shown(t, strlen(t), what, sizeof(what)));
+}
+
+static int check_priority(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *t = conf->gpu_stream_priority;
+    if (!strcmp(t, "normal") || !strcmp(t, "low"))
+        return 0;
+    char what[64];
+    return why_fail(why, 1,
+                    "\"%s\" is not a stream priority (expected normal or "
+                    "low)",
+                    conf_shown(t, strlen(t), what, sizeof(what)));
+}
+
 /* The length of the device name ("mlx5_0:1", "eth1") at s, ending at
  * one of the characters of ends; 0: none there. */
 static size_t rail_name(const char *s, const char *ends)
@@ -132,6 +156,8 @@ static int check_allowed(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_topology(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_rails(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_gpu_rails(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_copy_path(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_priority(const kvx_conf_t *conf, kvx_why_t *why);
 
 #define FIELD(f)                                                               \
     .off = offsetof(kvx_conf_t, f), .size = sizeof(((kvx_conf_t *)0)->f)
@@ -471,6 +497,50 @@ const struct conf_key conf_keys[] = {
              "transport does not (cuda_ipc within a node, GPUDirect RDMA). "
              "0, or a UCX without CUDA: the host slots (peer.slots), "
              "pinned."},
+    {.name = "gpu.copy_path",
+     .type = CONF_STRING,
+     FIELD(gpu_copy_path),
+     .def_str = "kernel",
+     .check = check_copy_path,
+     .help = "What moves a GPU pool's bytes within the node and into "
+             "the staging slots: kernel, the daemon's copy kernel (every "
+             "layout change, any run size; it takes SMs from the engine "
+             "while it runs); dma, the GPU's copy engines "
+             "(cudaMemcpyBatchAsync, one copy a contiguous run, no SMs); "
+             "auto, dma where a launch's runs are gpu.dma_min_run or "
+             "longer, else kernel. See docs/operations.md, \"Sharing a "
+             "GPU with the engine\"."},
+    {.name = "gpu.dma_min_run",
+     .type = CONF_SIZE,
+     FIELD(gpu_dma_min_run),
+     .def = 32 * KiB,
+     .min = 256,
+     .max = 1 * GiB,
+     .reloadable = 1,
+     .help = "With gpu.copy_path auto: the shortest contiguous run "
+             "(bytes a block, layer and K or V have in one piece on both "
+             "sides) that the copy engines move; shorter runs go to the "
+             "kernel, where a copy a run would cost more than its bytes."},
+    {.name = "gpu.sm_share",
+     .type = CONF_U32,
+     FIELD(gpu_sm_share),
+     .def = 0,
+     .min = 0,
+     .max = 100,
+     .help = "Under MPS: the percentage of each GPU's SMs the daemon's "
+             "kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for its "
+             "own context, set before CUDA starts); 0 leaves the "
+             "environment's value. Without MPS it has no effect (the log "
+             "says which)."},
+    {.name = "gpu.stream_priority",
+     .type = CONF_STRING,
+     FIELD(gpu_stream_priority),
+     .def_str = "normal",
+     .check = check_priority,
+     .help = "The priority of the daemon's copy streams: normal, or low "
+             "(the device's lowest), so that work of higher priority in "
+             "the same context is scheduled first; across processes it "
+             "matters only under MPS."},
 
     {.name = "peer.listen",
      .type = CONF_STRING,

@@ -277,6 +277,10 @@ TEST(table_sane)
                                         "gpu.event_poll_us",
                                         "gpu.chunk_bytes",
                                         "gpu.staging_bytes",
+                                        "gpu.copy_path",
+                                        "gpu.dma_min_run",
+                                        "gpu.sm_share",
+                                        "gpu.stream_priority",
                                         "peer.listen",
                                         "peer.secret_file",
                                         "peer.secret_previous_ms",
@@ -319,6 +323,7 @@ TEST(table_sane)
                                              "copy.max_inflight_chunks",
                                              "gpu.max_ctas",
                                              "gpu.chunk_bytes",
+                                             "gpu.dma_min_run",
                                              "peer.secret_previous_ms",
                                              "peer.keepalive_interval_ms",
                                              "peer.keepalive_timeout_ms",
@@ -374,6 +379,10 @@ TEST(table_sane)
         M(gpu_event_poll_us),
         M(gpu_chunk_bytes),
         M(gpu_staging_bytes),
+        M(gpu_copy_path),
+        M(gpu_dma_min_run),
+        M(gpu_sm_share),
+        M(gpu_stream_priority),
         M(peer_listen),
         M(peer_secret_file),
         M(peer_secret_previous_ms),
@@ -923,6 +932,35 @@ TEST(err_cross_key)
     load_ok("limits:\n  hello_frame_bytes: 8KiB\n  max_frame_bytes: 8KiB\n",
             &c);
     CHECK_EQ(c.hello_frame_bytes, 8192);
+}
+
+/* gpu.copy_path, gpu.stream_priority, gpu.sm_share: each bad value
+ * named, the good ones loaded */
+TEST(err_gpu_share_keys)
+{
+    kvx_conf_t c;
+    load_ok("gpu:\n  copy_path: auto\n  dma_min_run: 64KiB\n  sm_share: 25\n"
+            "  stream_priority: low\n",
+            &c);
+    CHECK(!strcmp(c.gpu_copy_path, "auto"));
+    CHECK_EQ(c.gpu_dma_min_run, 65536);
+    CHECK_EQ(c.gpu_sm_share, 25);
+    CHECK(!strcmp(c.gpu_stream_priority, "low"));
+    expect_errors("gpu:\n  copy_path: ce\n", 1,
+                  "F:2:14: gpu.copy_path: \"ce\" is not a copy path "
+                  "(expected kernel, dma or auto)\n"
+                  "  copy_path: ce\n"
+                  "             ^\n");
+    expect_errors("gpu:\n  stream_priority: high\n", 1,
+                  "F:2:20: gpu.stream_priority: \"high\" is not a stream "
+                  "priority (expected normal or low)\n"
+                  "  stream_priority: high\n"
+                  "                   ^\n");
+    expect_errors("gpu:\n  sm_share: 101\n", 1,
+                  "F:2:13: gpu.sm_share: 101 is out of range (expected an "
+                  "integer 0..100)\n"
+                  "  sm_share: 101\n"
+                  "            ^\n");
 }
 
 /* peer.topology, peer.rails, peer.gpu_rails: each bad value named */
