@@ -409,7 +409,7 @@ install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib \
 	    $(DESTDIR)$(PREFIX)/lib/pkgconfig \
 	    $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/systemd/system \
-	    $(DESTDIR)/etc/kvxfer
+	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd $(DESTDIR)/etc/kvxfer
 	install -m 755 $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench $(DESTDIR)$(PREFIX)/bin/
 	install -m 644 $(BUILD)/libkvxfer.a $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(BUILD)/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/
@@ -420,6 +420,8 @@ install: all
 	    client/kvxfer.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/kvxferd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
 	install -m 644 systemd/kvxferd.socket $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket
+	install -m 644 systemd/kvxferd-mps.conf systemd/nvidia-mps.service \
+	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/
 	[ -e $(DESTDIR)/etc/kvxfer/kvxferd.yaml ] || install -m 644 config/kvxferd.yaml $(DESTDIR)/etc/kvxfer/kvxferd.yaml
 
 # libkvxfer exports only its API, and an install of it works through
@@ -434,7 +436,9 @@ uninstall:
 	    $(DESTDIR)$(PREFIX)/lib/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc \
 	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
 	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service \
-	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket
+	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket \
+	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/kvxferd-mps.conf \
+	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/nvidia-mps.service
 
 # The daemon's sources, for tests/fuzz/build.sh (one list).
 print-daemon-src:

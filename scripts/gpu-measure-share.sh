@@ -7,6 +7,8 @@
 # layer-wise exposed time on each path.
 #   scripts/gpu-measure-share.sh dist/kvxfer OUTDIR
 # PART=load (the engine cases only), PART=idle (the rest); default both.
+# NOMPS and WITHMPS: the cases without and under MPS (names below);
+# ROUNDS: the idle rounds (2).
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-share-out}
 mkdir -p "$OUT"
@@ -60,18 +62,20 @@ bw() { # label, config, args...
     echo "$name $(echo "$r" | grep -o '"gbps":[0-9.]*,"baseline_gbps":[0-9.]*,"ratio":[0-9.]*')"
 }
 if [ "${PART:-all}" != idle ]; then
-    for c in kernel:$K dma:$D kernel-low:$KL dma-low:$DL kernel-16:$K16; do
-        load "${c%%:*}" "${c#*:}"
+    for c in ${NOMPS:-kernel dma kernel-low dma-low kernel-16}; do
+        load "$c" "$OUT/$c.yaml"
     done
-    mps_on
-    for c in kernel:$K dma:$D kernel-sm25:$KS dma-low:$DL; do
-        load "mps-${c%%:*}" "${c#*:}"
-    done
-    mps_off
+    if [ -n "${WITHMPS-x}" ]; then
+        mps_on
+        for c in ${WITHMPS:-kernel dma kernel-sm25 dma-low}; do
+            load "mps-$c" "$OUT/$c.yaml"
+        done
+        mps_off
+    fi
 fi
 if [ "${PART:-all}" != load ]; then
     S="$M --window 4 --pool-mib 8192 --shuffle"
-    for i in 1 2; do
+    for i in $(seq "${ROUNDS:-2}"); do
         bw "kernel-32K-$i" "$K" $S --requests 16 --blocks 1024
         bw "dma-32K-$i" "$D" $S --requests 16 --blocks 1024
         bw "kernel-2K-$i" "$K" $S --tokens-per-block 1 --requests 16 --blocks 4096

@@ -1300,19 +1300,32 @@ static cudaError_t dma_flush(void)
     a.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     a.flags = cudaMemcpyFlagPreferOverlapWithCompute;
     size_t idx = 0;
+    static int unbatched; /* the driver has no batches: a copy a call */
+    if (!unbatched) {
 #if CUDART_VERSION >= 13000
-    e = cudaMemcpyBatchAsync(dma.dst, dma.src, dma.len, dma.n, &a, &idx, 1,
-                             dma.stream);
+        e = cudaMemcpyBatchAsync(dma.dst, dma.src, dma.len, dma.n, &a, &idx, 1,
+                                 dma.stream);
 #else
-    size_t fail = 0;
-    e = cudaMemcpyBatchAsync(dma.dst, (void **)dma.src, dma.len, dma.n, &a,
-                             &idx, 1, &fail, dma.stream);
+        size_t fail = 0;
+        e = cudaMemcpyBatchAsync(dma.dst, (void **)dma.src, dma.len, dma.n, &a,
+                                 &idx, 1, &fail, dma.stream);
 #endif
-#else
-    for (size_t i = 0; i < dma.n && e == cudaSuccess; i++)
-        e = cudaMemcpyAsync(dma.dst[i], dma.src[i], dma.len[i],
-                            cudaMemcpyDefault, dma.stream);
+        if (e == cudaErrorNotSupported ||
+            e == cudaErrorCallRequiresNewerDriver) {
+            log_warn("gpu: cudaMemcpyBatchAsync: %s; the copy engines' "
+                     "path issues a cudaMemcpyAsync a run",
+                     cudaGetErrorString(e));
+            (void)cudaGetLastError();
+            unbatched = 1;
+        }
+    }
+    if (unbatched)
 #endif
+        for (size_t i = 0; i < dma.n; i++)
+            if ((e = cudaMemcpyAsync(dma.dst[i], dma.src[i], dma.len[i],
+                                     cudaMemcpyDefault, dma.stream)) !=
+                cudaSuccess)
+                break;
     dma.copies += dma.n;
     dma.batches++;
     dma.n = 0;
