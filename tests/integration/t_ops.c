@@ -434,6 +434,67 @@ TEST(ctl_plan)
     unlink(file);
 }
 
+/* Every command kvxferctl --help lists answers COMMAND --help with its
+ * usage and exit 0, as do kvxferctl --help and --version (before, a
+ * command's --help was an unknown option: exit 2). The list is read from
+ * kvxferctl itself, so a command added later is covered too. */
+TEST(ctl_help_every_command)
+{
+    char out[8192], one[4096], args[128];
+    CHECK_EQ(ctl_run("--version", out, sizeof(out)), 0);
+    char want[128];
+    snprintf(want, sizeof(want), "kvxferctl %s (protocol %d.%d)\n",
+             KVX_VERSION_STRING, KVX_PROTOCOL_MAJOR, KVX_PROTOCOL_MINOR);
+    CHECK_STR_CONTAINS(out, want);
+    CHECK_EQ(ctl_run("--help", out, sizeof(out)), 0);
+    const char *p = strstr(out, "\ncommands:\n");
+    CHECK(p != NULL);
+    p += strlen("\ncommands:\n");
+    int n = 0;
+    char name[32];
+    while (sscanf(p, "  %31s", name) == 1 && p[0] == ' ' && p[2] != '-') {
+        snprintf(args, sizeof(args), "%s --help", name);
+        CHECK_EQ(ctl_run(args, one, sizeof(one)), 0);
+        snprintf(want, sizeof(want), "usage: kvxferctl [--socket PATH] %s ",
+                 name);
+        CHECK_STR_CONTAINS(one, want);
+        snprintf(args, sizeof(args), "%s -h", name);
+        CHECK_EQ(ctl_run(args, one, sizeof(one)), 0);
+        n++;
+        p = strchr(p, '\n') + 1;
+    }
+    fprintf(stderr, "%d commands answered --help\n", n);
+    CHECK(n >= 5); /* status requests peers drain plan */
+    /* plan says its defaults */
+    CHECK_EQ(ctl_run("plan --help", out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "--heads H                   total KV heads "
+                            "(default 8)");
+    CHECK_STR_CONTAINS(out, "(default bf16)");
+    /* an unknown option still exits 2 and names it */
+    CHECK_EQ(ctl_run("status --bogus", out, sizeof(out)), 2);
+    CHECK_STR_CONTAINS(out, "status: unknown option '--bogus'");
+}
+
+/* kvxferctl status is a summary (no configuration dump); status --config
+ * prints the configuration in effect, one key=value a line. */
+TEST(ctl_status_summary_and_config)
+{
+    daemon_t *d = daemon_start("limits:\n  max_sessions: 77\n");
+    char out[16384], args[256];
+    snprintf(args, sizeof(args), "--socket %s status", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "requests by state:");
+    CHECK(strstr(out, "limits.max_sessions=") == NULL);
+    CHECK(strstr(out, "\nconfig:") == NULL);
+    snprintf(args, sizeof(args), "--socket %s status --config", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "\nlimits.max_sessions=77\n");
+    CHECK(strstr(out, "requests by state:") == NULL);
+    snprintf(args, sizeof(args), "--socket %s status --config --json", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 2);
+    daemon_stop_ok(d);
+}
+
 /* kB of daemon d's /proc status field (e.g. "RssShmem:"). */
 static long proc_kb(daemon_t *d, const char *field)
 {
