@@ -117,6 +117,7 @@ endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c \
+            common/reqrec.c \
             common/why.c
 CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
             client/verbs.c client/compat.c client/abi2.c \
@@ -124,6 +125,7 @@ CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/conf_keys.c \
             daemon/core/notify.c daemon/core/daemon.c daemon/core/fault.c \
+            daemon/core/records.c \
             daemon/net/ucx.c daemon/net/ucx_addr.c daemon/net/hs.c \
             daemon/net/lane.c \
             daemon/net/peer.c daemon/net/peer_auth.c daemon/net/peer_addr.c \

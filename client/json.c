@@ -377,6 +377,33 @@ static int requests_page(kvx_client_t *c, const Kvxfer__RequestInfo *after,
     return 0;
 }
 
+int kvx__done_get(kvx_client_t *c, uint32_t max, Kvxfer__Reply **out,
+                  int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!out || !timeout_ms)
+        return kvx__fail(c, KVX_ERR_INVALID,
+                         "%s: a required argument is NULL or 0", __func__);
+    Kvxfer__ListRequests m = KVXFER__LIST_REQUESTS__INIT;
+    m.done = 1;
+    m.max_entries = max;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
+    rq.list_requests = &m;
+    Kvxfer__Reply *r;
+    int rc = kvx__call(c, &rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_REQUESTS) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        c->broken = 1;
+        return kvx__fail(c, KVX_ERR_PROTOCOL, "requests: unexpected reply");
+    }
+    *out = r;
+    return 0;
+}
+
 /* Every page, gathered into the first reply (the daemon lists at most
  * limits.list_page_entries a reply). Unpacked messages come from malloc
  * (no allocator is given), so entries move between replies. */

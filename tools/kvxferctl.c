@@ -14,11 +14,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <yaml.h>
 
 #include "client/internal.h"
 #include "common/reqkey.h"
+#include "common/reqrec.h"
 #include "copy/plan.h"
 
 #define TIMEOUT_MS 5000
@@ -354,12 +356,81 @@ fail:
     return 1;
 }
 
+/* requests --done: the records of finished requests, newest last. */
+static int requests_done(const char *sock, int json)
+{
+    kvx_client_t *c = open_daemon(sock);
+    Kvxfer__Reply *r;
+    int rc = kvx__done_get(c, 0, &r, TIMEOUT_MS);
+    if (rc) {
+        fprintf(stderr, "kvxferctl: requests --done: %s: %s\n",
+                kvx_status_str(rc), kvx_last_error(c));
+        kvx_close(c);
+        return 1;
+    }
+    const Kvxfer__RequestsReply *q = r->requests;
+    if (!json && !q->n_done)
+        printf("no finished requests recorded (records.ring %s)\n",
+               q->done_recorded ? "keeps none of this uid's" : "is empty");
+    else if (!json)
+        printf("%zu finished requests shown, %u kept, %llu since start\n"
+               "%-20s %-20s %-20s %-5s %12s %-27s %10s %12s  %s\n",
+               q->n_done, q->done_kept, (unsigned long long)q->done_recorded,
+               "INSTANCE", "KEY", "FROM", "PATH", "BYTES", "START", "US",
+               "MB/S", "OUTCOME");
+    if (json)
+        printf("[");
+    for (size_t i = 0; i < q->n_done; i++) {
+        const Kvxfer__DoneRecord *d = q->done[i];
+        reqrec_t x = {0};
+        snprintf(x.instance, sizeof(x.instance), "%s", d->instance_id);
+        snprintf(x.context, sizeof(x.context), "%s", d->context_instance);
+        x.key_len = d->key.len <= KVX_MAX_KEY ? (uint32_t)d->key.len : 0;
+        memcpy(x.key, d->key.data, x.key_len);
+        x.path = d->path;
+        x.bytes = d->bytes;
+        x.start_us = d->start_us;
+        x.end_us = d->end_us;
+        x.outcome = (int)d->outcome;
+        x.code = d->code;
+        if (json) {
+            char line[REQREC_JSON_MAX];
+            reqrec_json(&x, line, sizeof(line));
+            printf("%s%s", i ? "," : "", line);
+            continue;
+        }
+        char ks[REQKEY_STR_MAX], t[40];
+        time_t sec = (time_t)(x.start_us / 1000000);
+        struct tm tm;
+        gmtime_r(&sec, &tm);
+        strftime(t, sizeof(t), "%Y-%m-%dT%H:%M:%S", &tm);
+        printf("%-20s %-20s %-20s %-5s %12llu %s.%06lluZ %10llu %12.1f  %s",
+               x.instance, reqkey_str(x.key, x.key_len, ks), x.context, x.path,
+               (unsigned long long)x.bytes, t,
+               (unsigned long long)(x.start_us % 1000000),
+               (unsigned long long)(x.end_us > x.start_us
+                                        ? x.end_us - x.start_us
+                                        : 0),
+               reqrec_bandwidth(&x) / 1e6, reqrec_outcome(x.outcome));
+        if (x.code)
+            printf(" %s", kvx_status_name(x.code));
+        printf("\n");
+    }
+    if (json)
+        printf("]\n");
+    kvxfer__reply__free_unpacked(r, NULL);
+    kvx_close(c);
+    return 0;
+}
+
 static int cmd_requests(const char *sock, int argc, char **argv)
 {
-    static const char *const names[] = {"--json", NULL};
-    int set[1] = {0}, rc;
+    static const char *const names[] = {"--json", "--done", NULL};
+    int set[2] = {0, 0}, rc;
     if ((rc = flags(argc, argv, names, set)))
         return rc;
+    if (set[1])
+        return requests_done(sock, set[0]);
     kvx_client_t *c = open_daemon(sock);
     if (set[0])
         return print_json(c, "requests", kvx_requests_json);
@@ -894,12 +965,17 @@ static const ctl_cmd_t cmds[] = {
      "\n"
      "  --json     everything, the configuration included, as JSON\n"
      "  --config   the configuration in effect, one key=value a line\n"},
-    {"requests", cmd_requests, "[--json]",
-     "requests in flight with age and state",
+    {"requests", cmd_requests, "[--done] [--json]",
+     "requests in flight with age and state; --done: finished ones",
      "Every request in flight: instance, key, side, state, age and bytes\n"
      "done; what to run when something looks stuck.\n"
      "\n"
-     "  --json     the same as JSON\n"},
+     "  --done     the finished requests instead, newest last (the daemon\n"
+     "             keeps records.ring of them; one reply lists at most\n"
+     "             limits.list_page_entries): instance, key, the instance\n"
+     "             the KV came from, path (host, gpu, peer), bytes, start,\n"
+     "             duration in microseconds, bandwidth, outcome and code\n"
+     "  --json     the same as JSON (--done: the lines of records.file)\n"},
     {"peers", cmd_peers, "",
      "the peer daemons: state, bytes each way, errors, lanes",
      "One line per peer daemon this daemon knows: its address, state\n"

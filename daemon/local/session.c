@@ -22,6 +22,7 @@
 #include "core/daemon.h"
 #include "core/log.h"
 #include "core/map.h"
+#include "core/records.h"
 #include "remote/keyed.h"
 #include "remote/release.h"
 #include "session_int.h"
@@ -993,6 +994,49 @@ static void on_status(session_t *s, const Kvxfer__Request *rq)
     stats_free(&st);
 }
 
+/* ListRequests.done: the newest max records this session may see. */
+static void list_done(session_t *s, uint64_t id, uint32_t max)
+{
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    Kvxfer__RequestsReply rr = KVXFER__REQUESTS_REPLY__INIT;
+    reqrec_t *v = calloc(max, sizeof(*v));
+    Kvxfer__DoneRecord *d = calloc(max, sizeof(*d));
+    Kvxfer__DoneRecord **dp = calloc(max, sizeof(*dp));
+    if (!v || !d || !dp) {
+        free(v);
+        free(d);
+        free(dp);
+        reply(s, id, KVX_ERR_NOMEM, "list_requests: out of memory");
+        return;
+    }
+    uint32_t n = records_list(v, max, s->admin ? -1 : (int64_t)s->uid,
+                              &rr.done_kept, &rr.done_recorded);
+    for (uint32_t i = 0; i < n; i++) {
+        kvxfer__done_record__init(&d[i]);
+        d[i].instance_id = v[i].instance;
+        d[i].key.data = v[i].key;
+        d[i].key.len = v[i].key_len;
+        d[i].context_instance = v[i].context;
+        d[i].path = (char *)v[i].path;
+        d[i].bytes = v[i].bytes;
+        d[i].start_us = v[i].start_us;
+        d[i].end_us = v[i].end_us;
+        d[i].outcome = (uint32_t)v[i].outcome;
+        d[i].code = v[i].code;
+        dp[i] = &d[i];
+    }
+    rr.done = dp;
+    rr.n_done = n;
+    r.id = id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_REQUESTS;
+    r.requests = &rr;
+    reply_packed(s, &r);
+    free(dp);
+    free(d);
+    free(v);
+}
+
 static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
@@ -1000,6 +1044,10 @@ static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
     uint32_t max = kvxd.conf.list_page_entries;
     if (m->max_entries && m->max_entries < max)
         max = m->max_entries;
+    if (m->done) {
+        list_done(s, rq->id, max);
+        return;
+    }
     int side = 0;
     if (m->after_instance[0]) {
         if (!strcmp(m->after_side, "generation"))

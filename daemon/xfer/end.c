@@ -19,6 +19,7 @@
 #include "copy/copy.h"
 #include "core/daemon.h"
 #include "core/log.h"
+#include "core/records.h"
 #include "core/rrq.h"
 #include "net/peer.h"
 #include "xfer.h"
@@ -115,6 +116,28 @@ void offer_end(offer_t *o, int kind, int code, const char *msg)
     offer_try_finalize(o);
 }
 
+/* The record of a fetch that ends (core/records.h): the generation
+ * side, where its bytes landed. */
+static void genreq_record(const genreq_t *g)
+{
+    reqrec_t r = {0};
+    snprintf(r.instance, sizeof(r.instance), "%s", g->inst->id);
+    snprintf(r.context, sizeof(r.context), "%s", g->src_instance);
+    memcpy(r.key, g->key.b, g->key.len);
+    r.key_len = g->key.len;
+    r.path = g->remote ? "peer" : "host";
+    for (size_t i = 0; !g->remote && i < GPARTS(g); i++)
+        if (g->parts[i].pool && g->parts[i].pool->gpu)
+            r.path = "gpu";
+    r.bytes = g->bytes_done;
+    r.start_us = g->start_us;
+    r.end_us = wall_us();
+    r.outcome = g->end_kind;
+    r.code = g->end_code;
+    r.uid = g->inst->owner_uid;
+    records_add(&r);
+}
+
 void genreq_end(genreq_t *g, int kind, int code, const char *msg)
 {
     if (!g->ending) {
@@ -162,6 +185,7 @@ void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         kvxd.stats.transfers_done++;
     if (kvxd.trace)
         xfer_trace_write(g);
+    genreq_record(g);
     uint32_t seen = 0;
     for (uint32_t r = 0; r < inst->nranks; r++)
         seen += g->parts[r].fetched || g->parts[r].late;

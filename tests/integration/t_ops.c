@@ -71,6 +71,199 @@ TEST(status_and_requests)
     daemon_stop_ok(d);
 }
 
+/* ---- records of finished requests ---------------------------------------- */
+
+/* One transfer of tokens tokens in blocks bl[n] between the pair; waits
+ * for both sides' COMPLETE. */
+static void rec_transfer(rank_t *c, rank_t *g, uint64_t req, const uint32_t *bl,
+                         uint32_t n, uint32_t tokens)
+{
+    kvx_context_params_t p;
+    fill_req(c, req, bl, tokens);
+    CHECK_KVX(kvx_publish(c->c, req, c->pool, bl, n, tokens, &p, T_MS), c->c);
+    CHECK_KVX(kvx_fetch(g->c, req, p.data, p.len, g->pool, bl, n, 0, T_MS),
+              g->c);
+    wait_event(g->c, req, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(c->c, req, KVX_EVENT_COMPLETE, 0, 3000);
+    kvx_context_params_free(&p);
+}
+
+static uint64_t rec_bytes(uint32_t tokens)
+{
+    return (uint64_t)tokens * M_SMALL.layers * M_SMALL.kv * M_SMALL.heads *
+           M_SMALL.head_dim * 2;
+}
+
+/* Every line of path is one JSON object (python3's json module says so):
+ * how many lines, or -1. */
+static int rec_json_lines(const char *path)
+{
+    char cmd[512], out[256];
+    snprintf(cmd, sizeof(cmd),
+             "python3 -c 'import json,sys; n=0\n"
+             "for l in open(sys.argv[1]):\n"
+             "    o=json.loads(l); assert isinstance(o, dict); n+=1\n"
+             "print(n)' %s 2>&1",
+             path);
+    if (cmd_run(cmd, out, sizeof(out)) != 0) {
+        fprintf(stderr, "%s: %s\n", path, out);
+        return -1;
+    }
+    return atoi(out);
+}
+
+/* The line of text whose key is "KEY" (NULL: none), copied. */
+static char *rec_line(const char *text, const char *key)
+{
+    char want[64];
+    snprintf(want, sizeof(want), "\"key\":\"%s\",", key);
+    const char *p = strstr(text, want);
+    if (!p)
+        return NULL;
+    while (p > text && p[0] != '{')
+        p--;
+    size_t n = strcspn(p, "\n");
+    const char *e = strstr(p, "}");
+    if (e && (size_t)(e - p) < n)
+        n = (size_t)(e - p) + 1;
+    return strndup(p, n);
+}
+
+/* Each finished fetch is one record, in the ring (records.ring, the
+ * newest kept) that kvxferctl requests --done lists, and one JSON line
+ * of records.file: instance, key, where the KV came from, path, exactly
+ * the bytes that landed, start and end, bandwidth, outcome and code. */
+TEST(records_one_per_request)
+{
+    daemon_t *d = daemon_start("records:\n  ring: 3\n");
+    char cfg[512], file[200];
+    snprintf(file, sizeof(file), "%s/records.jsonl", d->dir);
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nrecords:\n  ring: 3\n  file: %s\n", d->sock,
+             file);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP); /* records.file is reloadable */
+    CHECK(log_wait(d, "reloaded", 3000));
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rc-ctx", "rc-gen", 16, &c, &g, &cs, &gs);
+    uint32_t bl[5] = {4, 0, 9, 2, 7};
+    for (uint32_t i = 1; i <= 5; i++)
+        rec_transfer(&c, &g, 70 + i, bl, i, i * 4 - 1); /* 4 a block */
+    char *text = read_file(file);
+    fprintf(stderr, "%s", text);
+    CHECK_EQ(rec_json_lines(file), 5);
+    for (uint32_t i = 1; i <= 5; i++) {
+        char key[16];
+        snprintf(key, sizeof(key), "%u", 70 + i);
+        char *l = rec_line(text, key);
+        CHECK(l != NULL);
+        CHECK_STR_CONTAINS(l, "\"instance\":\"rc-gen\",");
+        CHECK_STR_CONTAINS(l, "\"context_instance\":\"rc-ctx\",");
+        CHECK_STR_CONTAINS(l, "\"path\":\"host\",");
+        CHECK_STR_CONTAINS(l, "\"outcome\":\"complete\",\"code\":\"OK\"");
+        CHECK_EQ(json_num(l, "bytes"), (long long)rec_bytes(i * 4 - 1));
+        long long us = json_num(l, "duration_us");
+        CHECK(us >= 0);
+        if (us > 0)
+            CHECK_EQ(json_num(l, "bandwidth_bytes_per_s"),
+                     (long long)(rec_bytes(i * 4 - 1) * 1e6 / (double)us));
+        free(l);
+    }
+    free(text);
+
+    /* the ring keeps the newest 3, oldest first */
+    char args[300], out[8192];
+    snprintf(args, sizeof(args), "--socket %s requests --done --json", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_EQ(count_str(out, "\"instance\":\"rc-gen\""), 3);
+    CHECK(strstr(out, "\"key\":\"72\"") == NULL);
+    CHECK(strstr(out, "\"key\":\"73\"") < strstr(out, "\"key\":\"75\""));
+    char *l = rec_line(out, "75");
+    CHECK(l != NULL);
+    CHECK_EQ(json_num(l, "bytes"), (long long)rec_bytes(19));
+    free(l);
+    snprintf(args, sizeof(args), "--socket %s requests --done", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "3 finished requests shown, 3 kept, 5 since "
+                            "start\n");
+    char want[128];
+    snprintf(want, sizeof(want), "rc-ctx               host  %12llu ",
+             (unsigned long long)rec_bytes(19));
+    CHECK_STR_CONTAINS(out, want);
+
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
+/* records.file is rotated past records.max_bytes (FILE.1 the newest,
+ * records.keep kept, the oldest removed), and reopened on SIGHUP: after
+ * logrotate moved it, the next record goes to a new FILE. */
+TEST(records_rotate_and_reopen)
+{
+    daemon_t *d = daemon_start(NULL);
+    char cfg[512], file[200], path[220];
+    snprintf(file, sizeof(file), "%s/rec.jsonl", d->dir);
+    /* a record is about 400 bytes: every one rotates the file */
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nrecords:\n  file: %s\n  max_bytes: 1\n"
+             "  keep: 2\n",
+             d->sock, file);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "reloaded", 3000));
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rr-ctx", "rr-gen", 8, &c, &g, &cs, &gs);
+    uint32_t bl[1] = {3};
+    for (uint32_t i = 1; i <= 4; i++)
+        rec_transfer(&c, &g, i, bl, 1, 3);
+    char *t = read_file(file);
+    CHECK_EQ((long long)strlen(t), 0); /* reopened empty after the last */
+    free(t);
+    snprintf(path, sizeof(path), "%s.1", file);
+    t = read_file(path);
+    CHECK_EQ(count_str(t, "\n"), 1);
+    CHECK_STR_CONTAINS(t, "\"key\":\"4\",");
+    free(t);
+    snprintf(path, sizeof(path), "%s.2", file);
+    t = read_file(path);
+    CHECK_EQ(count_str(t, "\n"), 1);
+    CHECK_STR_CONTAINS(t, "\"key\":\"3\",");
+    free(t);
+    snprintf(path, sizeof(path), "%s.3", file);
+    CHECK(access(path, F_OK) != 0); /* keep: 2 */
+
+    /* logrotate's way: move it, SIGHUP; never rotated by the daemon */
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nrecords:\n  file: %s\n  max_bytes: 0\n",
+             d->sock, file);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "keys changed", 3000));
+    rec_transfer(&c, &g, 5, bl, 1, 3);
+    snprintf(path, sizeof(path), "%s.moved", file);
+    CHECK(rename(file, path) == 0);
+    rec_transfer(&c, &g, 6, bl, 1, 3); /* still into the moved file */
+    kill(d->pid, SIGHUP);
+    sleep_ms(300);
+    rec_transfer(&c, &g, 7, bl, 1, 3);
+    t = read_file(path);
+    CHECK_EQ(count_str(t, "\n"), 2);
+    CHECK_STR_CONTAINS(t, "\"key\":\"5\",");
+    CHECK_STR_CONTAINS(t, "\"key\":\"6\",");
+    free(t);
+    t = read_file(file);
+    CHECK_EQ(count_str(t, "\n"), 1);
+    CHECK_STR_CONTAINS(t, "\"key\":\"7\",");
+    free(t);
+    CHECK_EQ(rec_json_lines(file), 1);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
 /* ---- 16. configuration -------------------------------------------------- */
 
 /* Run kvxferd with args; returns the exit status, output in *out. */
