@@ -942,6 +942,92 @@ static int cmd_peers(const char *sock, int argc, char **argv)
     return 0;
 }
 
+/* cancel KEY [--instance ID]: without --instance, the one instance
+ * that has KEY in flight (listed by requests). */
+static int cmd_cancel(const char *sock, int argc, char **argv)
+{
+    const char *key = NULL, *inst = NULL;
+    for (int k = 1; k < argc; k++) {
+        if (!strcmp(argv[k], "--instance") && k + 1 < argc)
+            inst = argv[++k];
+        else if (argv[k][0] == '-' && argv[k][1]) {
+            fprintf(stderr,
+                    "kvxferctl: cancel: unknown option '%s' (kvxferctl "
+                    "cancel --help)\n",
+                    argv[k]);
+            return 2;
+        } else if (!key)
+            key = argv[k];
+        else {
+            fprintf(stderr, "kvxferctl: cancel: one KEY at a time ('%s')\n",
+                    argv[k]);
+            return 2;
+        }
+    }
+    if (!key || !key[0] || strlen(key) > KVX_MAX_KEY) {
+        fprintf(stderr,
+                "kvxferctl: cancel: a KEY of 1 to %u bytes is "
+                "required (kvxferctl cancel --help)\n",
+                KVX_MAX_KEY);
+        return 2;
+    }
+    kvx_client_t *c = open_daemon(sock);
+    char found[256] = "";
+    int rc;
+    if (!inst) {
+        Kvxfer__Reply *r;
+        if ((rc = kvx__requests_get(c, &r, TIMEOUT_MS)))
+            goto fail;
+        const Kvxfer__RequestsReply *q = r->requests;
+        int n = 0;
+        for (size_t i = 0; i < q->n_requests; i++) {
+            const Kvxfer__RequestInfo *x = q->requests[i];
+            if (x->key.len != strlen(key) ||
+                memcmp(x->key.data, key, x->key.len))
+                continue;
+            if (n && !strcmp(x->instance_id, found))
+                continue; /* its other side, or another rank's */
+            if (n++ == 0)
+                snprintf(found, sizeof(found), "%s", x->instance_id);
+            else
+                fprintf(stderr, "%s%s", n == 2 ? "" : ", ", x->instance_id);
+            if (n == 2)
+                fprintf(stderr,
+                        "kvxferctl: cancel: %s is in flight in several "
+                        "instances; name one with --instance: %s, ",
+                        key, found);
+        }
+        kvxfer__reply__free_unpacked(r, NULL);
+        if (n > 1) {
+            fprintf(stderr, "\n");
+            kvx_close(c);
+            return 2;
+        }
+        if (!n) {
+            fprintf(stderr,
+                    "kvxferctl: cancel: no request %s in flight "
+                    "(kvxferctl requests)\n",
+                    key);
+            kvx_close(c);
+            return 1;
+        }
+        inst = found;
+    }
+    if ((rc = kvx__cancel_admin(c, inst, (const uint8_t *)key, strlen(key),
+                                TIMEOUT_MS)))
+        goto fail;
+    printf("kvxferctl: cancelled request %s of instance %s: the daemon "
+           "touches its blocks no more\n",
+           key, inst);
+    kvx_close(c);
+    return 0;
+fail:
+    fprintf(stderr, "kvxferctl: cancel: %s: %s\n", kvx_status_str(rc),
+            kvx_last_error(c));
+    kvx_close(c);
+    return 1;
+}
+
 /* ---- the commands ------------------------------------------------------ */
 
 /* One entry per command: `kvxferctl NAME ...` runs run(socket, argc,
@@ -991,6 +1077,18 @@ static const ctl_cmd_t cmds[] = {
      "\n"
      "  --deadline S   seconds requests may still finish (default 0)\n"
      "  --no-wait      return once the drain started\n"},
+    {"cancel", cmd_cancel, "KEY [--instance ID]",
+     "end one request now, as its engine's cancel would (admins)",
+     "The request KEY (its key as kvxferctl requests shows it) ends\n"
+     "CANCELLED, as a cancel from its own instance would end it: its\n"
+     "ranks get the event, its peer daemons are told, and once kvxferctl\n"
+     "returns the daemon touches its blocks no more.\n"
+     "Admins only: root, the daemon's uid and auth.admin_gids (the rule\n"
+     "drain follows).\n"
+     "\n"
+     "  --instance ID   the instance whose request it is (default: the one\n"
+     "                  instance that has KEY in flight; when several do,\n"
+     "                  kvxferctl names them and exits 2)\n"},
     {"plan", cmd_plan, "[options] | --from FILE",
      "the slices each generation rank would pull (no daemon needed)",
      "The plan the daemon would build for two instance configurations,\n"

@@ -976,6 +976,47 @@ static void on_cancel(session_t *s, const Kvxfer__Request *rq)
     /* rc 1: answered once the request's copies are fenced */
 }
 
+/* Cancel{key, instance_id}: an admin (kvxferctl cancel) ends a request
+ * of any instance, without Hello, as the instance's own cancel does. */
+static void on_admin_cancel(session_t *s, const Kvxfer__Request *rq)
+{
+    const Kvxfer__Cancel *m = rq->cancel;
+    char why[512];
+    reqkey_t key;
+    if (!s->admin) {
+        log_warn("session %llu: cancel of a request of instance %.128s "
+                 "refused: uid %u is not an admin",
+                 (unsigned long long)s->id, m->instance_id, (unsigned)s->uid);
+        reply(s, rq->id, KVX_ERR_PERM,
+              "cancel.instance_id: only root, the daemon's uid and members "
+              "of auth.admin_gids may cancel another instance's request");
+        return;
+    }
+    instance_t *inst = instance_find(m->instance_id);
+    if (!inst) {
+        snprintf(why, sizeof(why),
+                 "cancel.instance_id: no instance %.128s on this daemon",
+                 m->instance_id);
+        reply(s, rq->id, KVX_ERR_NOT_FOUND, why);
+        return;
+    }
+    int rc =
+        reqkey_set(&key, m->key.data, m->key.len, "cancel.key", KVX_WHY(why));
+    if (!rc) {
+        char ks[REQKEY_STR_MAX];
+        log_notice("session %llu: uid %u cancels request %s of instance %s",
+                   (unsigned long long)s->id, (unsigned)s->uid,
+                   reqkey_str(key.b, key.len, ks), inst->id);
+    }
+    if (!rc && keyed_cancel(inst, &key))
+        rc = 0; /* a fetch by key that was still waiting: ended */
+    else if (!rc)
+        rc = xfer_cancel(inst, &key, s->id, rq->id, KVX_WHY(why));
+    if (rc <= 0)
+        reply(s, rq->id, rc, rc ? why : "");
+    /* rc 1: answered once the request's copies are fenced */
+}
+
 static void on_status(session_t *s, const Kvxfer__Request *rq)
 {
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
@@ -1407,6 +1448,12 @@ void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
     case KVXFER__REQUEST__BODY_DRAIN:
         on_drain(s, rq);
         goto out;
+    case KVXFER__REQUEST__BODY_CANCEL:
+        if (rq->cancel->instance_id[0]) {
+            on_admin_cancel(s, rq);
+            goto out;
+        }
+        break; /* the session's own instance: after Hello */
     case KVXFER__REQUEST__BODY__NOT_SET:
         reply(s, rq->id, KVX_ERR_PROTOCOL, "request: empty body");
         goto out;

@@ -657,7 +657,7 @@ TEST(ctl_help_every_command)
         p = strchr(p, '\n') + 1;
     }
     fprintf(stderr, "%d commands answered --help\n", n);
-    CHECK(n >= 5); /* status requests peers drain plan */
+    CHECK(n >= 6); /* status requests peers drain cancel plan */
     /* plan says its defaults */
     CHECK_EQ(ctl_run("plan --help", out, sizeof(out)), 0);
     CHECK_STR_CONTAINS(out, "--heads H                   total KV heads "
