@@ -66,6 +66,16 @@ DAEMON_LIBS := $(shell $(UCX_PC) --libs ucx) \
 UCX_BUNDLE  := $(UCX_PREFIX)
 endif
 
+# journald's native protocol (log.format journal) through Debian's
+# libsystemd-dev (scripts/deps.sh installs it); a build without it
+# refuses that format, naming the package
+JOURNAL_LIBS := $(shell pkg-config --libs libsystemd 2>/dev/null)
+ifneq ($(JOURNAL_LIBS),)
+DAEMON_LIBS += $(JOURNAL_LIBS)
+$(BUILD)/obj/daemon/core/log.o: CFLAGS += -DKVX_JOURNAL
+$(BUILD)/tests/test_log: CFLAGS += -DKVX_JOURNAL
+endif
+
 # one folder per layer (docs/architecture.md): the public header is the
 # ground; an include across folders names its folder ("net/peer.h",
 # "common/list.h"), so only the roots are on the path

@@ -240,6 +240,10 @@ static void reload(void)
                 free(buf);
             }
             kvx__log_level = kvxd.conf.log_level;
+            char lw[160];
+            if (log_set_format(kvxd.conf.log_format, KVX_WHY(lw)))
+                log_error("reload: %s; the log stays %s", lw,
+                          log_format_name());
             uv_timer_set_repeat(&tick, kvxd.conf.deadline_tick_ms);
             log_notice("SIGHUP: reloaded %s: %d keys changed", kvxd.config_path,
                        n);
@@ -342,7 +346,8 @@ int main(int argc, char **argv)
         return 2;
     }
 
-    /* configuration */
+    /* configuration (its errors logged as log.format auto has them) */
+    (void)log_set_format("auto", NULL);
     conf_defaults(&kvxd.conf);
     if (kvxd.config_path) {
         int n = load_config(kvxd.config_path, &kvxd.conf,
@@ -369,6 +374,11 @@ int main(int argc, char **argv)
         socket_overridden = 1;
     }
     kvx__log_level = kvxd.conf.log_level;
+    char lwhy[160];
+    if (log_set_format(kvxd.conf.log_format, KVX_WHY(lwhy))) {
+        fprintf(stderr, "kvxferd: %s\n", lwhy);
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
     /* the soft open-file limit up to the hard one: pools over many VMM
      * allocations arrive as one fd each (sessions queue at most half) */

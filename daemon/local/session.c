@@ -401,9 +401,10 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     s->hello = 1;
     s->rank = h->rank;
     s->role = (kvx_role_t)h->role;
-    log_info("session %llu: pid %d uid %u is rank %u of instance %s",
-             (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid, s->rank,
-             s->inst->id);
+    log_f(LOG_INFO, &(log_fields_t){.instance = s->inst->id},
+          "session %llu: pid %d uid %u is rank %u of instance %s",
+          (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid, s->rank,
+          s->inst->id);
     Kvxfer__HelloReply hr = KVXFER__HELLO_REPLY__INIT;
     hr.version_major = KVX_PROTOCOL_MAJOR;
     hr.version_minor = KVX_PROTOCOL_MINOR;
@@ -1004,9 +1005,11 @@ static void on_admin_cancel(session_t *s, const Kvxfer__Request *rq)
         reqkey_set(&key, m->key.data, m->key.len, "cancel.key", KVX_WHY(why));
     if (!rc) {
         char ks[REQKEY_STR_MAX];
-        log_notice("session %llu: uid %u cancels request %s of instance %s",
-                   (unsigned long long)s->id, (unsigned)s->uid,
-                   reqkey_str(key.b, key.len, ks), inst->id);
+        log_f(LOG_NOTICE,
+              &(log_fields_t){.instance = inst->id,
+                              .key = reqkey_str(key.b, key.len, ks)},
+              "session %llu: uid %u cancels request %s of instance %s",
+              (unsigned long long)s->id, (unsigned)s->uid, ks, inst->id);
     }
     if (!rc && keyed_cancel(inst, &key))
         rc = 0; /* a fetch by key that was still waiting: ended */

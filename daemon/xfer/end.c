@@ -28,6 +28,25 @@
 
 /* ---- the end of a request --------------------------------------------- */
 
+/* A request's end in the log, with the fields it is about (log.h): at
+ * info when it failed or timed out (what an operator looks for by
+ * INSTANCE= and KEY=), at debug when it completed or was cancelled (the
+ * engine asked for that). */
+static void end_log(const char *what, const instance_t *inst,
+                    const reqkey_t *key, int kind, int code, const char *msg)
+{
+    int prio = kind == KVX_EVENT_COMPLETE || kind == KVX_EVENT_CANCELLED
+                   ? LOG_DEBUG
+                   : LOG_INFO;
+    char kb[REQKEY_STR_MAX];
+    log_f(prio,
+          &(log_fields_t){.instance = inst->id,
+                          .key = reqkey_str(key->b, key->len, kb),
+                          .code = code},
+          "%s %s/%s ended: %s", what, inst->id, kb,
+          kind == KVX_EVENT_COMPLETE ? "complete" : msg);
+}
+
 /* Forget a consumed offer (all ranks published, lease over, cancel). */
 void offer_drop(offer_t *o)
 {
@@ -84,8 +103,7 @@ void offer_try_finalize(offer_t *o)
         done_forget(inst, &o->key);
     map_del(&inst->offers, o->request_id);
     xfer_nrequests--;
-    log_debug("offer %s/%s ended: %s", inst->id, ks(&o->key),
-              o->end_kind == KVX_EVENT_COMPLETE ? "complete" : o->end_msg);
+    end_log("offer", inst, &o->key, o->end_kind, o->end_code, o->end_msg);
     list_t w;
     list_init(&w);
     list_move_all(&o->waiters, &w);
@@ -200,8 +218,7 @@ void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     }
     map_del(&inst->fetches, g->request_id);
     xfer_nrequests--;
-    log_debug("fetch %s/%s ended: %s", inst->id, ks(&g->key),
-              g->end_kind == KVX_EVENT_COMPLETE ? "complete" : g->end_msg);
+    end_log("fetch", inst, &g->key, g->end_kind, g->end_code, g->end_msg);
     list_t w;
     list_init(&w);
     list_move_all(&g->waiters, &w);

@@ -264,6 +264,84 @@ TEST(records_rotate_and_reopen)
     daemon_stop_ok(d);
 }
 
+/* ---- logs --------------------------------------------------------------- */
+
+/* log.format json: every line the daemon writes is one JSON object
+ * (python3's json module parses each), with time, level and message; a
+ * request that times out is an info line carrying its instance, key and
+ * code, a rank's hello its instance. A reload back to text is in force at
+ * once. */
+TEST(log_json_lines_carry_fields)
+{
+    daemon_t *d = daemon_start("log:\n  format: json\n"
+                               "deadlines:\n  offer_lease_ms: 200\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "lj-ctx", "lj-gen", 8, &c, &g, &cs, &gs);
+    uint32_t bl[2] = {1, 3};
+    rec_transfer(&c, &g, 5, bl, 2, 6);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 9, c.pool, bl, 2, 6, &p, T_MS), c.c);
+    wait_event(c.c, 9, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 3000);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    char cmd[1024], out[2048];
+    snprintf(cmd, sizeof(cmd),
+             "python3 -c 'import json,sys\n"
+             "ls=[json.loads(l) for l in open(sys.argv[1])]\n"
+             "assert ls and all(set(o)>={\"time\",\"level\",\"priority\","
+             "\"message\"} for o in ls), ls\n"
+             "t=[o for o in ls if o.get(\"code\")==\"TIMED_OUT\"]\n"
+             "assert t and t[0][\"instance\"]==\"lj-ctx\" and "
+             "t[0][\"key\"]==\"9\" and t[0][\"level\"]==\"info\", t\n"
+             "assert \"offer lease of 200 ms expired\" in t[0][\"message\"]\n"
+             "h=[o for o in ls if o.get(\"instance\")==\"lj-gen\"]\n"
+             "assert h and \"is rank 0 of instance lj-gen\" in "
+             "h[0][\"message\"], h\n"
+             "print(len(ls), \"lines\")' %s 2>&1",
+             d->log);
+    int rc = cmd_run(cmd, out, sizeof(out));
+    fprintf(stderr, "%s", out);
+    CHECK_EQ(rc, 0);
+    /* back to text by reload */
+    char cfg[256];
+    snprintf(cfg, sizeof(cfg), "socket:\n  path: %s\nlog:\n  format: text\n",
+             d->sock);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "<5>kvxferd: SIGHUP: reloaded", 3000));
+    daemon_stop_ok(d);
+}
+
+/* On a terminal the daemon names levels ("error: ..."), in a file or a
+ * pipe it keeps journald's "<3>" prefix; a bad log.format is refused. */
+TEST(log_level_names_on_a_terminal)
+{
+    char cfg[128], cmd[512], out[4096];
+    snprintf(cfg, sizeof(cfg), "/tmp/kvx-it-%d-tty.yaml", (int)getpid());
+    write_file(cfg, "limits:\n  max_sessions: many\n");
+    snprintf(cmd, sizeof(cmd),
+             "script -qec '%s/kvxferd --config %s' /dev/null 2>&1", build_dir(),
+             cfg);
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 1);
+    fprintf(stderr, "%s", out);
+    CHECK_STR_CONTAINS(out, " error: ");
+    CHECK_STR_CONTAINS(out, "limits.max_sessions");
+    CHECK(strstr(out, "<3>") == NULL);
+    snprintf(cmd, sizeof(cmd), "%s/kvxferd --config %s 2>&1 | cat", build_dir(),
+             cfg);
+    cmd_run(cmd, out, sizeof(out));
+    CHECK_STR_CONTAINS(out, "<3>kvxferd: ");
+    write_file(cfg, "log:\n  format: loud\n");
+    snprintf(cmd, sizeof(cmd), "%s/kvxferd --config %s --check-config 2>&1",
+             build_dir(), cfg);
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "tty.yaml:2:11: log.format: loud (expected "
+                            "auto, text, json or journal)");
+    unlink(cfg);
+}
+
 /* ---- 16. configuration -------------------------------------------------- */
 
 /* Run kvxferd with args; returns the exit status, output in *out. */
