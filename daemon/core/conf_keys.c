@@ -825,7 +825,7 @@ const struct conf_key conf_keys[] = {
      FIELD(records_ring),
      .def = 1024,
      .min = 0,
-     .max = 1000000,
+     .max = 100000,
      .help = "Finished requests kept in memory for kvxferctl requests "
              "--done (440 bytes each), newest replacing oldest; 0: "
              "none kept."},

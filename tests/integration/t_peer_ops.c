@@ -317,6 +317,15 @@ TEST_T(peer_status, 60)
     CHECK(!strcmp(dir, "out"));
     CHECK((long long)recvd >= payload);
     CHECK_EQ(errs, 0);
+    /* B's record of the fetch: pulled from a peer, exactly its bytes */
+    char rec[4096];
+    snprintf(args, sizeof(args), "--socket %s requests --done --json", b->sock);
+    CHECK_EQ(ctl_run(args, rec, sizeof(rec)), 0);
+    fprintf(stderr, "B's records: %s", rec);
+    CHECK_STR_CONTAINS(rec, "\"key\":\"51\",\"side\":\"generation\"");
+    CHECK_STR_CONTAINS(rec, "\"path\":\"peer\",");
+    CHECK_EQ(json_num(rec, "bytes"), payload);
+    CHECK_STR_CONTAINS(rec, "\"outcome\":\"complete\",\"code\":\"OK\"");
 
     rank_close(&c);
     rank_close(&g);
