@@ -62,20 +62,23 @@ static void stamp(char *out, size_t cap, uint64_t us)
 int reqrec_json(const reqrec_t *r, char *buf, size_t len)
 {
     char inst[2 * REQREC_INSTANCE_MAX + 8], ctx[2 * REQREC_INSTANCE_MAX + 8];
+    char gen[2 * REQREC_INSTANCE_MAX + 8];
     char key[REQKEY_STR_MAX + KVX_MAX_KEY], t0[40], t1[40];
     jstr(inst, sizeof(inst), r->instance);
     jstr(ctx, sizeof(ctx), r->context);
+    jstr(gen, sizeof(gen), r->generation);
     reqkey_json(r->key, r->key_len, key);
     stamp(t0, sizeof(t0), r->start_us);
     stamp(t1, sizeof(t1), r->end_us);
     return snprintf(
         buf, len,
-        "{\"instance\":%s,\"key\":%s,\"side\":\"generation\","
-        "\"context_instance\":%s,\"path\":\"%s\",\"bytes\":%llu,"
+        "{\"instance\":%s,\"key\":%s,\"side\":\"%s\","
+        "\"context_instance\":%s,\"generation_instance\":%s,"
+        "\"path\":\"%s\",\"bytes\":%llu,"
         "\"start\":\"%s\",\"end\":\"%s\",\"duration_us\":%llu,"
         "\"bandwidth_bytes_per_s\":%llu,\"outcome\":\"%s\",\"code\":\"%s\"}",
-        inst, key, ctx, r->path ? r->path : "-", (unsigned long long)r->bytes,
-        t0, t1,
+        inst, key, r->side ? r->side : "generation", ctx, gen,
+        r->path ? r->path : "-", (unsigned long long)r->bytes, t0, t1,
         (unsigned long long)(r->end_us > r->start_us ? r->end_us - r->start_us
                                                      : 0),
         (unsigned long long)reqrec_bandwidth(r), reqrec_outcome(r->outcome),

@@ -15,15 +15,21 @@
 #define REQREC_INSTANCE_MAX 128
 
 typedef struct reqrec {
-    char instance[REQREC_INSTANCE_MAX + 1]; /* the fetching (generation)
-                                               instance */
-    char context[REQREC_INSTANCE_MAX + 1];  /* the instance it came from */
-    uint8_t key[KVX_MAX_KEY];               /* the generation side's key */
+    char instance[REQREC_INSTANCE_MAX + 1]; /* the recording side's */
+    const char *side; /* "generation" (a fetch) or "context" (an offer) */
+    char context[REQREC_INSTANCE_MAX + 1];    /* the context instance */
+    char generation[REQREC_INSTANCE_MAX + 1]; /* the generation instance;
+                                                 "" when peer daemons read
+                                                 the offer, or none did */
+    uint8_t key[KVX_MAX_KEY];                 /* the recording side's key */
     uint32_t key_len;
-    const char *path; /* "host", "gpu" (GPU pools, one daemon), "peer" */
-    uint64_t bytes;   /* landed in the destination blocks */
+    const char *path;          /* "host", "gpu" (GPU pools, one daemon), "peer";
+                                  NULL: nothing moved (an offer nobody took) */
+    uint64_t bytes;            /* landed in the destination blocks (a fetch), or
+                                  read from the offer's (an offer) */
     uint64_t start_us, end_us; /* wall clock, microseconds since the epoch:
-                                  the fetch arrived, its event went out */
+                                  the fetch arrived (the offer was made),
+                                  its event went out */
     int outcome;               /* a kvx_event_kind_t */
     int code;                  /* 0 or a kvx_status_t */
     uint32_t uid;              /* the instance's owner (who may see it) */
@@ -35,7 +41,7 @@ const char *reqrec_outcome(int kind);
 uint64_t reqrec_bandwidth(const reqrec_t *r);
 /* One JSON object, no newline, into buf (snprintf's contract: the
  * length it needs is returned; REQREC_JSON_MAX always suffices). */
-#define REQREC_JSON_MAX 1536
+#define REQREC_JSON_MAX 2048
 int reqrec_json(const reqrec_t *r, char *buf, size_t len);
 
 #endif /* KVX_REQREC_H */

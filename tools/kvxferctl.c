@@ -374,10 +374,10 @@ static int requests_done(const char *sock, int json)
                q->done_recorded ? "keeps none of this uid's" : "is empty");
     else if (!json)
         printf("%zu finished requests shown, %u kept, %llu since start\n"
-               "%-20s %-20s %-20s %-5s %12s %-27s %10s %12s  %s\n",
+               "%-20s %-20s %-10s %-20s %-5s %12s %-27s %10s %12s  %s\n",
                q->n_done, q->done_kept, (unsigned long long)q->done_recorded,
-               "INSTANCE", "KEY", "FROM", "PATH", "BYTES", "START", "US",
-               "MB/S", "OUTCOME");
+               "INSTANCE", "KEY", "SIDE", "OTHER_SIDE", "PATH", "BYTES",
+               "START", "US", "MB/S", "OUTCOME");
     if (json)
         printf("[");
     for (size_t i = 0; i < q->n_done; i++) {
@@ -385,9 +385,12 @@ static int requests_done(const char *sock, int json)
         reqrec_t x = {0};
         snprintf(x.instance, sizeof(x.instance), "%s", d->instance_id);
         snprintf(x.context, sizeof(x.context), "%s", d->context_instance);
+        snprintf(x.generation, sizeof(x.generation), "%s",
+                 d->generation_instance);
+        x.side = d->side[0] ? d->side : "generation";
         x.key_len = d->key.len <= KVX_MAX_KEY ? (uint32_t)d->key.len : 0;
         memcpy(x.key, d->key.data, x.key_len);
-        x.path = d->path;
+        x.path = d->path[0] ? d->path : NULL;
         x.bytes = d->bytes;
         x.start_us = d->start_us;
         x.end_us = d->end_us;
@@ -404,9 +407,15 @@ static int requests_done(const char *sock, int json)
         struct tm tm;
         gmtime_r(&sec, &tm);
         strftime(t, sizeof(t), "%Y-%m-%dT%H:%M:%S", &tm);
-        printf("%-20s %-20s %-20s %-5s %12llu %s.%06lluZ %10llu %12.1f  %s",
-               x.instance, reqkey_str(x.key, x.key_len, ks), x.context, x.path,
-               (unsigned long long)x.bytes, t,
+        int gen = !strcmp(x.side, "generation");
+        const char *other = gen ? x.context : x.generation;
+        printf("%-20s %-20s %-10s %-20s %-5s %12llu %s.%06lluZ %10llu "
+               "%12.1f  %s",
+               x.instance, reqkey_str(x.key, x.key_len, ks), x.side,
+               other[0]         ? other
+               : x.path && !gen ? "(peer daemons)"
+                                : "-",
+               x.path ? x.path : "-", (unsigned long long)x.bytes, t,
                (unsigned long long)(x.start_us % 1000000),
                (unsigned long long)(x.end_us > x.start_us
                                         ? x.end_us - x.start_us

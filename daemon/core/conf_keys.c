@@ -827,7 +827,7 @@ const struct conf_key conf_keys[] = {
      .min = 0,
      .max = 100000,
      .help = "Finished requests kept in memory for kvxferctl requests "
-             "--done (440 bytes each), newest replacing oldest; 0: "
+             "--done (584 bytes each), newest replacing oldest; 0: "
              "none kept."},
     {.name = "records.file",
      .type = CONF_STRING,

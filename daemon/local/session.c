@@ -1061,7 +1061,9 @@ static void list_done(session_t *s, uint64_t id, uint32_t max)
         d[i].key.data = v[i].key;
         d[i].key.len = v[i].key_len;
         d[i].context_instance = v[i].context;
-        d[i].path = (char *)v[i].path;
+        d[i].generation_instance = v[i].generation;
+        d[i].side = (char *)v[i].side;
+        d[i].path = (char *)(v[i].path ? v[i].path : "");
         d[i].bytes = v[i].bytes;
         d[i].start_us = v[i].start_us;
         d[i].end_us = v[i].end_us;

@@ -140,6 +140,11 @@ struct offer {
      * read by xfer, freed through xfer_remote_ops_t.offer_free */
     struct roffer *remote;
     uint64_t mem; /* the offer's own bytes charged (MEM_REQUESTS) */
+    /* its record (core/records.h): made at, bytes read by its consumer
+     * here and by peer daemons' pulls, how, and by which instance */
+    uint64_t start_us, served;
+    const char *path;
+    char consumer_id[INSTANCE_ID_MAX + 1];
 };
 
 struct genpart {

@@ -112,11 +112,12 @@ static int rec_json_lines(const char *path)
     return atoi(out);
 }
 
-/* The line of text whose key is "KEY" (NULL: none), copied. */
-static char *rec_line(const char *text, const char *key)
+/* The record in text of KEY's SIDE (generation or context) (NULL:
+ * none), copied. */
+static char *rec_line(const char *text, const char *key, const char *side)
 {
-    char want[64];
-    snprintf(want, sizeof(want), "\"key\":\"%s\",", key);
+    char want[96];
+    snprintf(want, sizeof(want), "\"key\":\"%s\",\"side\":\"%s\",", key, side);
     const char *p = strstr(text, want);
     if (!p)
         return NULL;
@@ -129,10 +130,12 @@ static char *rec_line(const char *text, const char *key)
     return strndup(p, n);
 }
 
-/* Each finished fetch is one record, in the ring (records.ring, the
+/* Each finished request is one record, in the ring (records.ring, the
  * newest kept) that kvxferctl requests --done lists, and one JSON line
- * of records.file: instance, key, where the KV came from, path, exactly
- * the bytes that landed, start and end, bandwidth, outcome and code. */
+ * of records.file: instance, key, side, both sides' instances, path,
+ * exactly the bytes that landed (a fetch) or were read (its offer),
+ * start and end, bandwidth, outcome and code. An offer nobody fetched
+ * is recorded with its outcome and no bytes. */
 TEST(records_one_per_request)
 {
     daemon_t *d = daemon_start("records:\n  ring: 3\n");
@@ -150,47 +153,85 @@ TEST(records_one_per_request)
     uint32_t bl[5] = {4, 0, 9, 2, 7};
     for (uint32_t i = 1; i <= 5; i++)
         rec_transfer(&c, &g, 70 + i, bl, i, i * 4 - 1); /* 4 a block */
+
     char *text = read_file(file);
     fprintf(stderr, "%s", text);
-    CHECK_EQ(rec_json_lines(file), 5);
+    CHECK_EQ(rec_json_lines(file), 10);
     for (uint32_t i = 1; i <= 5; i++) {
         char key[16];
         snprintf(key, sizeof(key), "%u", 70 + i);
-        char *l = rec_line(text, key);
-        CHECK(l != NULL);
-        CHECK_STR_CONTAINS(l, "\"instance\":\"rc-gen\",");
-        CHECK_STR_CONTAINS(l, "\"context_instance\":\"rc-ctx\",");
-        CHECK_STR_CONTAINS(l, "\"path\":\"host\",");
-        CHECK_STR_CONTAINS(l, "\"outcome\":\"complete\",\"code\":\"OK\"");
-        CHECK_EQ(json_num(l, "bytes"), (long long)rec_bytes(i * 4 - 1));
-        long long us = json_num(l, "duration_us");
-        CHECK(us >= 0);
-        if (us > 0)
-            CHECK_EQ(json_num(l, "bandwidth_bytes_per_s"),
-                     (long long)(rec_bytes(i * 4 - 1) * 1e6 / (double)us));
-        free(l);
+        for (int side = 0; side < 2; side++) {
+            char *l = rec_line(text, key, side ? "context" : "generation");
+            CHECK(l != NULL);
+            CHECK_STR_CONTAINS(l, side ? "\"instance\":\"rc-ctx\","
+                                       : "\"instance\":\"rc-gen\",");
+            CHECK_STR_CONTAINS(l, "\"context_instance\":\"rc-ctx\","
+                                  "\"generation_instance\":\"rc-gen\","
+                                  "\"path\":\"host\",");
+            CHECK_STR_CONTAINS(l, "\"outcome\":\"complete\",\"code\":\"OK\"");
+            CHECK_EQ(json_num(l, "bytes"), (long long)rec_bytes(i * 4 - 1));
+            long long us = json_num(l, "duration_us");
+            CHECK(us >= 0);
+            if (us > 0)
+                CHECK_EQ(json_num(l, "bandwidth_bytes_per_s"),
+                         (long long)(rec_bytes(i * 4 - 1) * 1e6 / (double)us));
+            free(l);
+        }
     }
     free(text);
 
-    /* the ring keeps the newest 3, oldest first */
+    /* the ring keeps the newest 3, oldest first: each transfer left its
+     * fetch's record, then its offer's */
     char args[300], out[8192];
     snprintf(args, sizeof(args), "--socket %s requests --done --json", d->sock);
     CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
-    CHECK_EQ(count_str(out, "\"instance\":\"rc-gen\""), 3);
-    CHECK(strstr(out, "\"key\":\"72\"") == NULL);
-    CHECK(strstr(out, "\"key\":\"73\"") < strstr(out, "\"key\":\"75\""));
-    char *l = rec_line(out, "75");
+    CHECK_EQ(count_str(out, "\"instance\":"), 3);
+    CHECK(strstr(out, "\"key\":\"73\"") == NULL);
+    const char *c74 = strstr(out, "\"key\":\"74\",\"side\":\"context\"");
+    const char *g75 = strstr(out, "\"key\":\"75\",\"side\":\"generation\"");
+    const char *c75 = strstr(out, "\"key\":\"75\",\"side\":\"context\"");
+    CHECK(c74 && g75 && c75 && c74 < g75 && g75 < c75);
+    char *l = rec_line(out, "75", "generation");
     CHECK(l != NULL);
     CHECK_EQ(json_num(l, "bytes"), (long long)rec_bytes(19));
     free(l);
     snprintf(args, sizeof(args), "--socket %s requests --done", d->sock);
     CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
-    CHECK_STR_CONTAINS(out, "3 finished requests shown, 3 kept, 5 since "
+    fprintf(stderr, "%s", out);
+    CHECK_STR_CONTAINS(out, "3 finished requests shown, 3 kept, 10 since "
                             "start\n");
-    char want[128];
-    snprintf(want, sizeof(want), "rc-ctx               host  %12llu ",
+    char want[200];
+    snprintf(want, sizeof(want),
+             "rc-gen               75                   generation rc-ctx"
+             "               host  %12llu ",
              (unsigned long long)rec_bytes(19));
     CHECK_STR_CONTAINS(out, want);
+    snprintf(want, sizeof(want),
+             "rc-ctx               75                   context    rc-gen"
+             "               host  %12llu ",
+             (unsigned long long)rec_bytes(19));
+    CHECK_STR_CONTAINS(out, want);
+
+    /* an offer nobody fetches: its lease ends it; no bytes, no path */
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nrecords:\n  ring: 3\n  file: %s\n"
+             "deadlines:\n  offer_lease_ms: 100\n",
+             d->sock, file);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "1 keys changed", 3000));
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 90, c.pool, bl, 1, 3, &p, T_MS), c.c);
+    wait_event(c.c, 90, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 3000);
+    kvx_context_params_free(&p);
+    text = read_file(file);
+    l = rec_line(text, "90", "context");
+    CHECK(l != NULL);
+    CHECK_STR_CONTAINS(l, "\"generation_instance\":\"\",\"path\":\"-\","
+                          "\"bytes\":0,");
+    CHECK_STR_CONTAINS(l, "\"outcome\":\"timed_out\",\"code\":\"TIMED_OUT\"");
+    free(l);
+    free(text);
 
     rank_close(&c);
     rank_close(&g);
@@ -222,15 +263,16 @@ TEST(records_rotate_and_reopen)
     char *t = read_file(file);
     CHECK_EQ((long long)strlen(t), 0); /* reopened empty after the last */
     free(t);
+    /* each transfer: its fetch's record, then its offer's */
     snprintf(path, sizeof(path), "%s.1", file);
     t = read_file(path);
     CHECK_EQ(count_str(t, "\n"), 1);
-    CHECK_STR_CONTAINS(t, "\"key\":\"4\",");
+    CHECK_STR_CONTAINS(t, "\"key\":\"4\",\"side\":\"context\",");
     free(t);
     snprintf(path, sizeof(path), "%s.2", file);
     t = read_file(path);
     CHECK_EQ(count_str(t, "\n"), 1);
-    CHECK_STR_CONTAINS(t, "\"key\":\"3\",");
+    CHECK_STR_CONTAINS(t, "\"key\":\"4\",\"side\":\"generation\",");
     free(t);
     snprintf(path, sizeof(path), "%s.3", file);
     CHECK(access(path, F_OK) != 0); /* keep: 2 */
@@ -250,15 +292,15 @@ TEST(records_rotate_and_reopen)
     sleep_ms(300);
     rec_transfer(&c, &g, 7, bl, 1, 3);
     t = read_file(path);
-    CHECK_EQ(count_str(t, "\n"), 2);
-    CHECK_STR_CONTAINS(t, "\"key\":\"5\",");
-    CHECK_STR_CONTAINS(t, "\"key\":\"6\",");
+    CHECK_EQ(count_str(t, "\n"), 4);
+    CHECK_EQ(count_str(t, "\"key\":\"5\","), 2);
+    CHECK_EQ(count_str(t, "\"key\":\"6\","), 2);
     free(t);
     t = read_file(file);
-    CHECK_EQ(count_str(t, "\n"), 1);
-    CHECK_STR_CONTAINS(t, "\"key\":\"7\",");
+    CHECK_EQ(count_str(t, "\n"), 2);
+    CHECK_EQ(count_str(t, "\"key\":\"7\","), 2);
     free(t);
-    CHECK_EQ(rec_json_lines(file), 1);
+    CHECK_EQ(rec_json_lines(file), 2);
     rank_close(&c);
     rank_close(&g);
     daemon_stop_ok(d);

@@ -326,6 +326,14 @@ TEST_T(peer_status, 60)
     CHECK_STR_CONTAINS(rec, "\"path\":\"peer\",");
     CHECK_EQ(json_num(rec, "bytes"), payload);
     CHECK_STR_CONTAINS(rec, "\"outcome\":\"complete\",\"code\":\"OK\"");
+    /* and A's of the offer: read by a peer daemon, every byte */
+    snprintf(args, sizeof(args), "--socket %s requests --done --json", a->sock);
+    CHECK_EQ(ctl_run(args, rec, sizeof(rec)), 0);
+    fprintf(stderr, "A's records: %s", rec);
+    CHECK_STR_CONTAINS(rec, "\"key\":\"51\",\"side\":\"context\"");
+    CHECK_STR_CONTAINS(rec, "\"generation_instance\":\"\",\"path\":\"peer\",");
+    CHECK_EQ(json_num(rec, "bytes"), payload);
+    CHECK_STR_CONTAINS(rec, "\"outcome\":\"complete\",\"code\":\"OK\"");
 
     rank_close(&c);
     rank_close(&g);

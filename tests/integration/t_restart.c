@@ -717,10 +717,25 @@ TEST_T(ctl_cancel_admin, 60)
     snprintf(args, sizeof(args), "--socket %s requests --done --json", d->sock);
     CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
     fprintf(stderr, "%s", out);
-    CHECK_STR_CONTAINS(out, "\"instance\":\"cn-gen\",\"key\":\"62\",");
-    CHECK_STR_CONTAINS(out, "\"outcome\":\"cancelled\",\"code\":\"CANCELLED\"");
-    long long landed = json_num(out, "bytes");
+    char *l = rec_line(out, "62", "generation");
+    CHECK(l != NULL);
+    CHECK_STR_CONTAINS(l, "\"instance\":\"cn-gen\",");
+    CHECK_STR_CONTAINS(l, "\"outcome\":\"cancelled\",\"code\":\"CANCELLED\"");
+    long long landed = json_num(l, "bytes");
     CHECK(landed > 0 && landed < (long long)BIG_TOK * 1024);
+    free(l);
+    /* its offer: read as much, ended ERROR CANCELLED by the other side */
+    l = rec_line(out, "62", "context");
+    CHECK(l != NULL);
+    CHECK_STR_CONTAINS(l, "\"outcome\":\"error\",\"code\":\"CANCELLED\"");
+    CHECK_EQ(json_num(l, "bytes"), landed);
+    free(l);
+    /* and 61, cancelled before anyone fetched it */
+    l = rec_line(out, "61", "context");
+    CHECK(l != NULL);
+    CHECK_STR_CONTAINS(l, "\"bytes\":0,");
+    CHECK_STR_CONTAINS(l, "\"outcome\":\"cancelled\",\"code\":\"CANCELLED\"");
+    free(l);
     kvx_context_params_free(&p);
     kvx_context_params_free(&px);
     free(bl);
