@@ -730,6 +730,14 @@ TEST_T(ctl_cancel_admin, 60)
     CHECK_STR_CONTAINS(l, "\"outcome\":\"error\",\"code\":\"CANCELLED\"");
     CHECK_EQ(json_num(l, "bytes"), landed);
     free(l);
+    /* another uid sees none of these records */
+    snprintf(cmd, sizeof(cmd),
+             "setpriv --reuid=64021 --regid=64021 --clear-groups "
+             "%s/kvxferctl --socket %s requests --done --json 2>&1",
+             build_dir(), d->sock);
+    char other[256];
+    CHECK_EQ(cmd_run(cmd, other, sizeof(other)), 0);
+    CHECK(!strcmp(other, "[]\n"));
     /* and 61, cancelled before anyone fetched it */
     l = rec_line(out, "61", "context");
     CHECK(l != NULL);
