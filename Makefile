@@ -66,6 +66,16 @@ DAEMON_LIBS := $(shell $(UCX_PC) --libs ucx) \
 UCX_BUNDLE  := $(UCX_PREFIX)
 endif
 
+# journald's native protocol (log.format journal) through Debian's
+# libsystemd-dev (scripts/deps.sh installs it); a build without it
+# refuses that format, naming the package
+JOURNAL_LIBS := $(shell pkg-config --libs libsystemd 2>/dev/null)
+ifneq ($(JOURNAL_LIBS),)
+DAEMON_LIBS += $(JOURNAL_LIBS)
+$(BUILD)/obj/daemon/core/log.o: CFLAGS += -DKVX_JOURNAL
+$(BUILD)/tests/test_log: CFLAGS += -DKVX_JOURNAL
+endif
+
 # one folder per layer (docs/architecture.md): the public header is the
 # ground; an include across folders names its folder ("net/peer.h",
 # "common/list.h"), so only the roots are on the path
@@ -117,6 +127,7 @@ endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c \
+            common/reqrec.c \
             common/why.c
 CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
             client/verbs.c client/compat.c client/abi2.c \
@@ -124,6 +135,7 @@ CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/conf_keys.c \
             daemon/core/notify.c daemon/core/daemon.c daemon/core/fault.c \
+            daemon/core/records.c \
             daemon/net/ucx.c daemon/net/ucx_addr.c daemon/net/hs.c \
             daemon/net/lane.c \
             daemon/net/peer.c daemon/net/peer_auth.c daemon/net/peer_addr.c \

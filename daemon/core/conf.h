@@ -93,8 +93,14 @@ typedef struct kvx_conf {
     uint32_t session_idle_ms; /* 0: never */
     uint32_t reply_stall_ms;
     /* log */
-    int log_level;              /* syslog priority, LOG_ERR..LOG_DEBUG */
-    char log_trace_file[108];   /* "" = no request trace */
+    int log_level;            /* syslog priority, LOG_ERR..LOG_DEBUG */
+    char log_trace_file[108]; /* "" = no request trace */
+    char log_format[16];      /* auto, text, json, journal */
+    /* records (core/records.c) */
+    uint32_t records_ring;      /* entries kept; 0: none */
+    char records_file[108];     /* "" = no file */
+    uint64_t records_max_bytes; /* rotate past this; 0: never */
+    uint32_t records_keep;      /* rotated files kept */
     uint64_t copy_inline_bytes; /* host jobs this small: on the loop */
 } kvx_conf_t;
 

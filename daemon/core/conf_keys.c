@@ -20,6 +20,17 @@
 static int check_group(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_hello(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_listen(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_log_format(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    static const char *const ok[] = {"auto", "text", "json", "journal"};
+    for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
+        if (!strcmp(conf->log_format, ok[i]))
+            return 0;
+    char what[64];
+    return why_fail(why, 1, "%s (expected auto, text, json or journal)",
+                    conf_shown(conf->log_format, strlen(conf->log_format), what,
+                               sizeof(what)));
+}
 static int check_keepalive(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_topology(const kvx_conf_t *conf, kvx_why_t *why)
 {
@@ -864,6 +875,57 @@ const struct conf_key conf_keys[] = {
      .help = "File (appended to) that gets one line per fetch as it ends, "
              "with the monotonic time of each hop (kvxfer-bench --trace "
              "reads it); empty: none."},
+    {.name = "log.format",
+     .type = CONF_STRING,
+     FIELD(log_format),
+     .def_str = "auto",
+     .check = check_log_format,
+     .reloadable = 1,
+     .help = "How log lines are written: journal (sd_journal_send, with "
+             "the fields INSTANCE, KEY, PEER, CODE), json (one JSON object "
+             "a line on stderr, for Loki and the like), text (\"<6>kvxferd: "
+             "...\" on stderr, the priority journald reads from a stream), "
+             "or auto: journal when stderr is journald's stream "
+             "($JOURNAL_STREAM), text with level names (\"info: ...\") on a "
+             "terminal, else text."},
+
+    /* ---- records: one per finished request (core/records.c) ---- */
+    {.name = "records.ring",
+     .type = CONF_U32,
+     FIELD(records_ring),
+     .def = 1024,
+     .min = 0,
+     .max = 100000,
+     .help = "Finished requests kept in memory for kvxferctl requests "
+             "--done (584 bytes each), newest replacing oldest; 0: "
+             "none kept."},
+    {.name = "records.file",
+     .type = CONF_STRING,
+     FIELD(records_file),
+     .def_str = "",
+     .reloadable = 1,
+     .help = "File that gets one JSON line per finished request (appended "
+             "to; reopened on SIGHUP, so logrotate may move it); empty: "
+             "none."},
+    {.name = "records.max_bytes",
+     .type = CONF_SIZE,
+     FIELD(records_max_bytes),
+     .def = 64 * MiB,
+     .min = 0,
+     .max = 1ull << 40,
+     .reloadable = 1,
+     .help = "records.file is rotated once it passes this size: FILE "
+             "becomes FILE.1, FILE.1 FILE.2 and so on, up to records.keep; "
+             "0: never rotated by the daemon."},
+    {.name = "records.keep",
+     .type = CONF_U32,
+     FIELD(records_keep),
+     .def = 4,
+     .min = 1,
+     .max = 100,
+     .reloadable = 1,
+     .help = "Rotated records files kept (FILE.1 the newest); the oldest "
+             "is removed."},
 };
 
 const size_t conf_nkeys = sizeof(conf_keys) / sizeof(conf_keys[0]);

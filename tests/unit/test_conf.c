@@ -312,7 +312,12 @@ TEST(table_sane)
                                         "deadlines.session_idle_ms",
                                         "deadlines.reply_stall_ms",
                                         "log.level",
-                                        "log.trace_file"};
+                                        "log.trace_file",
+                                        "log.format",
+                                        "records.ring",
+                                        "records.file",
+                                        "records.max_bytes",
+                                        "records.keep"};
     static const char *const reloadable[] = {"limits.memory_bytes",
                                              "limits.uid_memory_bytes",
                                              "limits.session_queue_bytes",
@@ -337,7 +342,11 @@ TEST(table_sane)
                                              "deadlines.hello_timeout_ms",
                                              "deadlines.session_idle_ms",
                                              "deadlines.reply_stall_ms",
-                                             "log.level"};
+                                             "log.level",
+                                             "log.format",
+                                             "records.file",
+                                             "records.max_bytes",
+                                             "records.keep"};
     /* Every member of kvx_conf_t; each must belong to some key. */
     static const struct {
         size_t off, size;
@@ -415,6 +424,11 @@ TEST(table_sane)
         M(reply_stall_ms),
         M(log_level),
         M(log_trace_file),
+        M(log_format),
+        M(records_ring),
+        M(records_file),
+        M(records_max_bytes),
+        M(records_keep),
 #undef M
     };
 
@@ -750,15 +764,16 @@ TEST(err_unknown_section)
 {
     expect_errors("sockets:\n  path: /x\n", 1,
                   "F:1:1: sockets: unknown section (expected one of socket, "
-                  "auth, limits, copy, gpu, peer, deadlines, log)\n"
+                  "auth, limits, copy, gpu, peer, deadlines, log, records)\n"
                   "sockets:\n"
                   "^\n");
     /* A dotted key at top level is not a shorthand. */
-    expect_errors("log.level: info\n", 1,
-                  "F:1:1: log.level: unknown section (expected one of "
-                  "socket, auth, limits, copy, gpu, peer, deadlines, log)\n"
-                  "log.level: info\n"
-                  "^\n");
+    expect_errors(
+        "log.level: info\n", 1,
+        "F:1:1: log.level: unknown section (expected one of "
+        "socket, auth, limits, copy, gpu, peer, deadlines, log, records)\n"
+        "log.level: info\n"
+        "^\n");
 }
 
 TEST(err_unknown_key)
@@ -771,7 +786,7 @@ TEST(err_unknown_key)
     /* A key of another section. */
     expect_errors("log:\n  max_sessions: 5\n", 1,
                   "F:2:3: log.max_sessions: unknown key (expected one of "
-                  "level, trace_file)\n"
+                  "level, trace_file, format)\n"
                   "  max_sessions: 5\n"
                   "  ^\n");
 }
@@ -1055,14 +1070,14 @@ TEST(err_top_level)
         "- socket\n- log\n", 1,
         "F:1:1: (top level): got a sequence (expected a mapping "
         "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
-        "log)\n"
+        "log, records)\n"
         "- socket\n"
         "^\n");
     expect_errors(
         "hello\n", 1,
         "F:1:1: (top level): got a scalar (expected a mapping "
         "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
-        "log)\n"
+        "log, records)\n"
         "hello\n"
         "^\n");
     expect_errors("log: {level: info}\n---\nlog: {level: debug}\n", 1,
@@ -1129,7 +1144,7 @@ TEST(err_collects_all)
                   "  max_pools: 1\n"
                   "  ^\n"
                   "F:7:1: bogus: unknown section (expected one of socket, "
-                  "auth, limits, copy, gpu, peer, deadlines, log)\n"
+                  "auth, limits, copy, gpu, peer, deadlines, log, records)\n"
                   "bogus: {}\n"
                   "^\n"
                   "F:9:10: log.level: invalid value \"loud\" (expected one of "
