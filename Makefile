@@ -66,6 +66,16 @@ DAEMON_LIBS := $(shell $(UCX_PC) --libs ucx) \
 UCX_BUNDLE  := $(UCX_PREFIX)
 endif
 
+# journald's native protocol (log.format journal) through Debian's
+# libsystemd-dev (scripts/deps.sh installs it); a build without it
+# refuses that format, naming the package
+JOURNAL_LIBS := $(shell pkg-config --libs libsystemd 2>/dev/null)
+ifneq ($(JOURNAL_LIBS),)
+DAEMON_LIBS += $(JOURNAL_LIBS)
+$(BUILD)/obj/daemon/core/log.o: CFLAGS += -DKVX_JOURNAL
+$(BUILD)/tests/test_log: CFLAGS += -DKVX_JOURNAL
+endif
+
 # the metrics endpoint (daemon/local/http.c): libmicrohttpd, the daemon's
 # alone
 PKG_CFLAGS  += $(shell pkg-config --cflags libmicrohttpd 2>/dev/null)
@@ -122,6 +132,7 @@ endif
 
 GEN      := $(BUILD)/gen/kvxfer.pb-c.c $(BUILD)/gen/kvxfer.pb-c.h
 COMMON   := common/status.c common/frame.c common/layout.c common/reqkey.c \
+            common/reqrec.c \
             common/why.c
 CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
             client/verbs.c client/compat.c client/abi2.c \
@@ -129,6 +140,7 @@ CLIENT   := $(COMMON) client/conn.c client/pool.c client/calls.c \
 DAEMON   := $(COMMON) \
             daemon/core/log.c daemon/core/conf.c daemon/core/conf_keys.c \
             daemon/core/notify.c daemon/core/daemon.c daemon/core/fault.c \
+            daemon/core/records.c \
             daemon/net/ucx.c daemon/net/ucx_addr.c daemon/net/hs.c \
             daemon/net/lane.c \
             daemon/net/peer.c daemon/net/peer_auth.c daemon/net/peer_addr.c \
@@ -415,7 +427,7 @@ install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib \
 	    $(DESTDIR)$(PREFIX)/lib/pkgconfig \
 	    $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/systemd/system \
-	    $(DESTDIR)/etc/kvxfer
+	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd $(DESTDIR)/etc/kvxfer
 	install -m 755 $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench $(DESTDIR)$(PREFIX)/bin/
 	install -m 644 $(BUILD)/libkvxfer.a $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(BUILD)/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/
@@ -426,6 +438,8 @@ install: all
 	    client/kvxfer.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc
 	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/kvxferd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
 	install -m 644 systemd/kvxferd.socket $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket
+	install -m 644 systemd/kvxferd-mps.conf systemd/nvidia-mps.service \
+	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/
 	[ -e $(DESTDIR)/etc/kvxfer/kvxferd.yaml ] || install -m 644 config/kvxferd.yaml $(DESTDIR)/etc/kvxfer/kvxferd.yaml
 
 # libkvxfer exports only its API, and an install of it works through
@@ -440,7 +454,9 @@ uninstall:
 	    $(DESTDIR)$(PREFIX)/lib/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc \
 	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
 	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service \
-	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket
+	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket \
+	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/kvxferd-mps.conf \
+	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/nvidia-mps.service
 
 # The daemon's sources, for tests/fuzz/build.sh (one list).
 print-daemon-src:

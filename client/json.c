@@ -370,6 +370,29 @@ int kvx__drain(kvx_client_t *c, uint32_t deadline_ms, int wait, char *msg,
     return 0;
 }
 
+int kvx__cancel_admin(kvx_client_t *c, const char *instance_id,
+                      const uint8_t *key, size_t key_len, int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!instance_id || !instance_id[0] || !key || !key_len)
+        return kvx__fail(c, KVX_ERR_INVALID,
+                         "%s: instance and key are required", __func__);
+    Kvxfer__Cancel m = KVXFER__CANCEL__INIT;
+    m.instance_id = (char *)instance_id;
+    m.key.data = (uint8_t *)key;
+    m.key.len = key_len;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_CANCEL;
+    rq.cancel = &m;
+    Kvxfer__Reply *r;
+    int rc = kvx__call(c, &rq, -1, timeout_ms, &r);
+    if (rc)
+        return rc;
+    kvxfer__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
 /* One page of ListRequests after the cursor (the last entry of the page
  * before, or NULL: the first page). */
 static int requests_page(kvx_client_t *c, const Kvxfer__RequestInfo *after,
@@ -391,6 +414,33 @@ static int requests_page(kvx_client_t *c, const Kvxfer__RequestInfo *after,
                        : left < 1   ? 1
                                     : (int)left,
                        &r);
+    if (rc)
+        return rc;
+    if (r->body_case != KVXFER__REPLY__BODY_REQUESTS) {
+        kvxfer__reply__free_unpacked(r, NULL);
+        c->broken = 1;
+        return kvx__fail(c, KVX_ERR_PROTOCOL, "requests: unexpected reply");
+    }
+    *out = r;
+    return 0;
+}
+
+int kvx__done_get(kvx_client_t *c, uint32_t max, Kvxfer__Reply **out,
+                  int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    if (!out || !timeout_ms)
+        return kvx__fail(c, KVX_ERR_INVALID,
+                         "%s: a required argument is NULL or 0", __func__);
+    Kvxfer__ListRequests m = KVXFER__LIST_REQUESTS__INIT;
+    m.done = 1;
+    m.max_entries = max;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_LIST_REQUESTS;
+    rq.list_requests = &m;
+    Kvxfer__Reply *r;
+    int rc = kvx__call(c, &rq, -1, timeout_ms, &r);
     if (rc)
         return rc;
     if (r->body_case != KVXFER__REPLY__BODY_REQUESTS) {

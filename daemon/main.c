@@ -30,6 +30,7 @@
 #include "core/fault.h"
 #include "core/log.h"
 #include "core/notify.h"
+#include "core/records.h"
 #include "local/http.h"
 #include "local/metrics.h"
 #include "local/server.h"
@@ -220,7 +221,8 @@ static void reload(void)
 {
     notify_send("RELOADING=1");
     if (!kvxd.config_path) {
-        log_notice("SIGHUP: no --config file; nothing to reload");
+        log_notice("SIGHUP: no --config file; records.file reopened");
+        (void)records_reopen();
     } else {
         kvx_conf_t next = kvxd.conf;
         if (load_config(kvxd.config_path, &next, NULL) == 0) {
@@ -233,8 +235,8 @@ static void reload(void)
             char *buf = NULL;
             size_t len = 0;
             FILE *mem = open_memstream(&buf, &len);
-            int n = conf_apply_reloadable(&kvxd.conf, &next,
-                                          mem ? mem : stderr);
+            int n =
+                conf_apply_reloadable(&kvxd.conf, &next, mem ? mem : stderr);
             if (mem) {
                 fclose(mem);
                 for (char *l = strtok(buf, "\n"); l; l = strtok(NULL, "\n"))
@@ -242,9 +244,14 @@ static void reload(void)
                 free(buf);
             }
             kvx__log_level = kvxd.conf.log_level;
+            char lw[160];
+            if (log_set_format(kvxd.conf.log_format, KVX_WHY(lw)))
+                log_error("reload: %s; the log stays %s", lw,
+                          log_format_name());
             uv_timer_set_repeat(&tick, kvxd.conf.deadline_tick_ms);
-            log_notice("SIGHUP: reloaded %s: %d keys changed",
-                       kvxd.config_path, n);
+            log_notice("SIGHUP: reloaded %s: %d keys changed", kvxd.config_path,
+                       n);
+            (void)records_reopen();     /* it logs what failed */
             (void)peer_reload_secret(); /* it logs what it did */
         } else {
             log_error("SIGHUP: %s has errors; keeping the running "
@@ -343,7 +350,8 @@ int main(int argc, char **argv)
         return 2;
     }
 
-    /* configuration */
+    /* configuration (its errors logged as log.format auto has them) */
+    (void)log_set_format("auto", NULL);
     conf_defaults(&kvxd.conf);
     if (kvxd.config_path) {
         int n = load_config(kvxd.config_path, &kvxd.conf,
@@ -356,8 +364,8 @@ int main(int argc, char **argv)
         }
     }
     if (check_only) {
-        printf("%s: ok\n", kvxd.config_path ? kvxd.config_path
-                                            : "built-in defaults");
+        printf("%s: ok\n",
+               kvxd.config_path ? kvxd.config_path : "built-in defaults");
         return 0;
     }
     if (socket_override) {
@@ -370,6 +378,11 @@ int main(int argc, char **argv)
         socket_overridden = 1;
     }
     kvx__log_level = kvxd.conf.log_level;
+    char lwhy[160];
+    if (log_set_format(kvxd.conf.log_format, KVX_WHY(lwhy))) {
+        fprintf(stderr, "kvxferd: %s\n", lwhy);
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
     /* the soft open-file limit up to the hard one: pools over many VMM
      * allocations arrive as one fd each (sessions queue at most half) */
@@ -396,6 +409,7 @@ int main(int argc, char **argv)
 
     /* bring up, in order */
     int rc = 1;
+    gpu_env(); /* before UCX or a pool starts CUDA */
     xfer_init();
     if (kvxd_defer_init(kvxd.loop))
         goto out;
@@ -408,9 +422,11 @@ int main(int argc, char **argv)
     }
     if (kvxd.trace)
         setvbuf(kvxd.trace, NULL, _IOLBF, 0);
+    if (records_init())
+        goto err_trace;
     if (copy_init(kvxd.loop, nthreads, (int)kvxd.conf.copy_pin_threads,
                   kvxd.conf.spin_us, kvxd.conf.copy_inline_bytes))
-        goto err_defer;
+        goto err_records;
     if (session_init())
         goto err_copy;
     if (server_init())
@@ -453,21 +469,24 @@ err_server:
     server_cleanup();
     peer_cleanup();
 err_copy:
-    gpu_stop();       /* GPU completions are all handed to the copy engine */
+    gpu_stop(); /* GPU completions are all handed to the copy engine */
     copy_cleanup();
     remote_cleanup(); /* after the copies that use the slots */
     peer_shutdown();  /* after the slots' UCX registrations */
     instance_cleanup();
     agree_cleanup();
     release_cleanup();
-    keyed_cleanup();  /* its waiting fetches hold pools */
-    pool_cleanup();   /* drops the pools' GPU imports */
-    gpu_cleanup();    /* frees what is left of CUDA */
-err_defer:
-    kvxd_defer_cleanup(); /* last: drops what the cleanups above queued */
+    keyed_cleanup(); /* its waiting fetches hold pools */
+    pool_cleanup();  /* drops the pools' GPU imports */
+    gpu_cleanup();   /* frees what is left of CUDA */
+err_records:
+    records_cleanup(); /* after every request has ended */
+err_trace:
     if (kvxd.trace)
         fclose(kvxd.trace);
     kvxd.trace = NULL;
+err_defer:
+    kvxd_defer_cleanup(); /* last: drops what the cleanups above queued */
     uv_walk(kvxd.loop, close_walk, NULL);
     uv_run(kvxd.loop, UV_RUN_DEFAULT);
     uv_loop_close(kvxd.loop);

@@ -1,9 +1,10 @@
 #!/bin/sh
 # Install the Debian packages kvxfer builds against, if any is missing
-# (python3-venv: make test puts pytest and numpy into a venv).
+# (python3-venv: make test puts pytest and numpy into a venv;
+# libsystemd-dev: log.format journal).
 # As root: installs them. Otherwise: prints the exact apt-get line and fails.
 set -e
-PKGS="build-essential pkg-config libuv1-dev libucx-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev libssl-dev libmicrohttpd-dev ucx-utils iproute2 python3 python3-venv"
+PKGS="build-essential pkg-config libuv1-dev libucx-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev libssl-dev libsystemd-dev libmicrohttpd-dev ucx-utils iproute2 python3 python3-venv"
 # `deps.sh ci`: also what .ci/run uses (make lint, make fuzz, make format-check)
 [ "${1:-}" != ci ] || PKGS="$PKGS clang libclang-rt-dev clang-format cppcheck"
 missing=""

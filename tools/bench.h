@@ -48,6 +48,7 @@ struct opts {
     uint64_t pool_cap_mib;
     int no_verify, no_warmup, verify_each, trace;
     const char *daemon_config;
+    const char *pass_times; /* --pass-times FILE */
     const char *ctx_layout, *gen_layout;
     int gpu, vmm, ctx_device, gen_device, ctx_host, gen_host;
     int gen_device_set; /* --gen-device given */
@@ -215,6 +216,7 @@ typedef struct peers_stats {
     double rx[8], tx[8];
     char transports[128]; /* daemon B's "ucx.transports", as told */
     uint32_t lanes;       /* the lanes daemon A's slot data goes over */
+    char gpu[512];        /* --gpu: the generation daemon's status "gpu" */
 } peers_stats_t;
 
 extern peers_stats_t peers;
@@ -233,6 +235,9 @@ void daemons_print_logs(void);
 /* The size of the pieces the daemons send slots in, or 0; fills peers and
  * (unless set) UCX_TLS with the transports they used. */
 uint64_t peers_read(void);
+/* --gpu: the generation daemon's status "gpu" (its copy path and how many
+ * launches the copy engines took) into peers.gpu. */
+void gpu_status_read(void);
 /* --trace: the spawned daemon's log.trace_file. */
 const char *trace_path(void);
 /* In a child before exec: run on side k's CPUs, if given. */

@@ -396,6 +396,21 @@ uint64_t peers_read(void)
     return message_bytes;
 }
 
+void gpu_status_read(void)
+{
+    kvx_client_t *c;
+    char *json = NULL;
+    if (kvx_connect_observer(o.gen_socket, 2000, &c) == 0) {
+        kvx_status_json(c, &json, 2000);
+        kvx_close(c);
+    }
+    const char *t = json ? strstr(json, "\"gpu\":\"") : NULL;
+    if (t)
+        snprintf(peers.gpu, sizeof(peers.gpu), "%.*s",
+                 (int)strcspn(t + 7, "\""), t + 7);
+    free(json);
+}
+
 /* The ucx_perftest runs' log, in the temp dir of the two daemons. */
 const char *perftest_log(void)
 {

@@ -280,6 +280,11 @@ static const bench_opt_t table[] = {
         "with --daemons 2, each pass has its own ucx_perftest run\n"
         "right after it (instead of --baseline-runs), and the\n"
         "ratio is the median of the passes' ratios"),
+    STR("pass-times", "FILE", pass_times,
+        "append each timed pass's first fetch and last\n"
+        "completion (CLOCK_MONOTONIC ns) to FILE, a line\n"
+        "a pass: for a load running beside the bench\n"
+        "(scripts/gpu-engine-load.py)"),
     STR("daemon-config", "FILE", daemon_config,
         "config for --spawn-daemon; with --daemons 2 it is\n"
         "appended to each generated config (so it must not\n"

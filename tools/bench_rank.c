@@ -764,6 +764,15 @@ static void kids_passes(kids_t *k, const char *perftest, uint64_t total,
             break;
         res->pass_secs[ps] =
             (double)(sh->last_done_ns - sh->first_fetch_ns) / 1e9;
+        if (o.pass_times) {
+            FILE *f = fopen(o.pass_times, "a");
+            if (f) {
+                fprintf(f, "%llu %llu\n",
+                        (unsigned long long)sh->first_fetch_ns,
+                        (unsigned long long)sh->last_done_ns);
+                fclose(f);
+            }
+        }
         atomic_store(&sh->first_fetch_ns, 0);
         atomic_store(&sh->last_done_ns, 0);
         if (o.daemons == 2 && o.passes > 1) {

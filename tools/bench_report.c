@@ -271,6 +271,10 @@ static void report_json(const figures_t *f)
            o.keyed ? "true" : "false", o.reserve ? "true" : "false",
            o.by_key ? "true" : "false", o.shuffle ? "true" : "false");
     json_passes(f);
+    if (o.gpu) {
+        printf(",\"gpu_status\":");
+        json_str(peers.gpu);
+    }
     if (o.daemons == 2)
         json_peers(f);
     if (o.trace)

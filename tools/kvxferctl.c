@@ -1,72 +1,29 @@
 /*
  * kvxferctl — the operator's view of a running kvxferd.
  *
- *   kvxferctl [--socket PATH] status [--json]
- *   kvxferctl [--socket PATH] requests [--json]
- *   kvxferctl [--socket PATH] drain [--deadline S] [--no-wait]
- *   kvxferctl [--socket PATH] metrics
- *   kvxferctl [--socket PATH] health
- *   kvxferctl plan --ctx-tp N --gen-tp M --heads H --layers L [...]
+ *   kvxferctl [--socket PATH] COMMAND [options]    (kvxferctl --help)
  *
- * status and requests connect without Hello (any allowed uid may look);
- * drain too, and the daemon lets admins only; plan is computed locally
- * with the daemon's own planner.
+ * The commands are one table (cmds[]): a name, the function that runs it,
+ * its synopsis and its help; `kvxferctl COMMAND --help` prints the last
+ * two and exits 0. Commands that ask the daemon connect without Hello
+ * (any allowed uid may look); drain and cancel are for admins, which the
+ * daemon decides; plan is computed locally with the daemon's own planner.
  */
 #include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <yaml.h>
 
 #include "client/internal.h"
 #include "common/reqkey.h"
+#include "common/reqrec.h"
 #include "copy/plan.h"
 
 #define TIMEOUT_MS 5000
-
-static void usage(FILE *f)
-{
-    fprintf(
-        f,
-        "usage: kvxferctl [--socket PATH] status [--json]\n"
-        "       kvxferctl [--socket PATH] requests [--json]\n"
-        "       kvxferctl [--socket PATH] drain [--deadline S] [--no-wait]\n"
-        "       kvxferctl [--socket PATH] metrics\n"
-        "       kvxferctl [--socket PATH] health\n"
-        "       kvxferctl plan [options]\n"
-        "\n"
-        "  status     version, uptime, config, sessions, pools, requests by\n"
-        "             state, bytes moved, transfers, errors, batches\n"
-        "  requests   in-flight requests with age and state (what to run\n"
-        "             when something looks stuck)\n"
-        "  drain      the upgrade step: the daemon stops taking connections\n"
-        "             and requests, lets those in flight finish for S\n"
-        "             seconds (default 0), ends the rest SHUTDOWN and exits\n"
-        "             0; waits for that and says what it did (--no-wait:\n"
-        "             returns once the drain started). Root, the daemon's\n"
-        "             uid and auth.admin_gids only\n"
-        "  metrics    the daemon's metrics, the Prometheus text its HTTP\n"
-        "             endpoint (metrics.listen) serves\n"
-        "  health     'ok' and exit 0 while the daemon is healthy; else\n"
-        "             why not and exit 1 (draining, loop lag, no answer):\n"
-        "             an exec probe\n"
-        "  plan       the slices each generation rank would pull, for two\n"
-        "             instance configurations:\n"
-        "               --ctx-tp N --ctx-pp N --gen-tp N --gen-pp N\n"
-        "               --heads H (total KV heads) --layers L (total)\n"
-        "               --ctx-tokens-per-block T --gen-tokens-per-block T\n"
-        "               --tokens N --skip-tokens N --head-dim D\n"
-        "               --ctx-dtype/--gen-dtype, "
-        "--ctx-head-dim/--gen-head-dim\n"
-        "               --gen-dp D (attention DP), --mla\n"
-        "             or --from FILE: a YAML file with sections context:,\n"
-        "             generation:, model:, request: (docs/operations.md)\n"
-        "\n"
-        "  --socket PATH   daemon socket (default %s)\n",
-        KVX_DEFAULT_SOCKET);
-}
 
 static const char *role_name(int role)
 {
@@ -197,16 +154,42 @@ static void status_peers(const Kvxfer__StatusReply *s)
         }
     }
     status_rails(s->ucx);
-    for (size_t i = 0; i < s->n_peers; i++)
-        printf("  %-40s %-10s %-3s sent %llu received %llu errors %llu "
-               "lanes %u transports %s\n",
-               s->peers[i]->address, s->peers[i]->state, s->peers[i]->direction,
-               (unsigned long long)s->peers[i]->bytes_sent,
-               (unsigned long long)s->peers[i]->bytes_received,
-               (unsigned long long)s->peers[i]->errors, s->peers[i]->lanes,
-               s->peers[i]->transports && s->peers[i]->transports[0]
-                   ? s->peers[i]->transports
-                   : "-");
+    if (s->n_peers) {
+        uint32_t up = 0;
+        for (size_t i = 0; i < s->n_peers; i++)
+            up += !strcmp(s->peers[i]->state, "connected");
+        printf("  %u of %zu peer daemons connected (kvxferctl peers)\n", up,
+               s->n_peers);
+    }
+}
+
+/* peers: one line per peer daemon this daemon knows. */
+static void peers_print(const Kvxfer__StatusReply *s)
+{
+    if (!s->ucx || !s->ucx->listen[0]) {
+        printf("no peer daemons: peer.listen is empty\n");
+        return;
+    }
+    if (!s->n_peers) {
+        printf("no peer daemons yet (this one listens on %s)\n",
+               s->ucx->listen);
+        return;
+    }
+    printf("%-40s %-10s %-3s %14s %14s %6s %5s %12s  %s\n", "PEER", "STATE",
+           "DIR", "SENT", "RECEIVED", "ERRORS", "LANES", "HEARD_FROM",
+           "TRANSPORTS");
+    for (size_t i = 0; i < s->n_peers; i++) {
+        const Kvxfer__PeerInfo *x = s->peers[i];
+        char seen[24];
+        snprintf(seen, sizeof(seen), "%llu ms ago",
+                 (unsigned long long)x->last_seen_ms);
+        printf("%-40s %-10s %-3s %14llu %14llu %6llu %5u %12s  %s\n",
+               x->address, x->state, x->direction,
+               (unsigned long long)x->bytes_sent,
+               (unsigned long long)x->bytes_received,
+               (unsigned long long)x->errors, x->lanes, seen,
+               x->transports && x->transports[0] ? x->transports : "-");
+    }
 }
 
 /* status: the sessions and instances, a table each. */
@@ -270,21 +253,59 @@ static void status_pools(const Kvxfer__StatusReply *s)
                (unsigned long long)x->session_id, x->kind, x->preset, b1,
                x->num_blocks, x->users);
     }
-    printf("\nconfig:\n");
-    for (size_t i = 0; i < s->n_config; i++)
-        printf("  %s\n", s->config[i]->name);
 }
 
-static int cmd_status(const char *sock, int json)
+/* The flags a command takes (each "--NAME", no value): set[i] = 1 for
+ * each one given. 0, or 2 (the exit status) naming what is not one. */
+static int flags(int argc, char **argv, const char *const names[], int set[])
 {
+    for (int k = 1; k < argc; k++) {
+        int i = 0;
+        while (names[i] && strcmp(argv[k], names[i]))
+            i++;
+        if (!names[i]) {
+            fprintf(stderr,
+                    "kvxferctl: %s: unknown option '%s' (kvxferctl %s "
+                    "--help)\n",
+                    argv[0], argv[k], argv[0]);
+            return 2;
+        }
+        set[i] = 1;
+    }
+    return 0;
+}
+
+/* status --config: the configuration in effect, one key=value a line. */
+static void status_config(const Kvxfer__StatusReply *s)
+{
+    for (size_t i = 0; i < s->n_config; i++)
+        printf("%s\n", s->config[i]->name);
+}
+
+static int cmd_status(const char *sock, int argc, char **argv)
+{
+    static const char *const names[] = {"--json", "--config", NULL};
+    int set[2] = {0, 0}, rc;
+    if ((rc = flags(argc, argv, names, set)))
+        return rc;
+    if (set[0] && set[1]) {
+        fprintf(stderr, "kvxferctl: status: --json carries the "
+                        "configuration already (its \"config\" list)\n");
+        return 2;
+    }
     kvx_client_t *c = open_daemon(sock);
-    int rc;
-    if (json)
+    if (set[0])
         return print_json(c, "status", kvx_status_json);
     Kvxfer__Reply *r;
     if ((rc = kvx__status_get(c, &r, TIMEOUT_MS)))
         goto fail;
     const Kvxfer__StatusReply *s = r->status_reply;
+    if (set[1]) {
+        status_config(s);
+        kvxfer__reply__free_unpacked(r, NULL);
+        kvx_close(c);
+        return 0;
+    }
     char b1[32];
     printf("kvxferd %s (%s), up %llu.%03llu s\n", s->version, s->build,
            (unsigned long long)(s->uptime_ms / 1000),
@@ -335,11 +356,92 @@ fail:
     return 1;
 }
 
-static int cmd_requests(const char *sock, int json)
+/* requests --done: the records of finished requests, newest last. */
+static int requests_done(const char *sock, int json)
 {
     kvx_client_t *c = open_daemon(sock);
-    int rc;
+    Kvxfer__Reply *r;
+    int rc = kvx__done_get(c, 0, &r, TIMEOUT_MS);
+    if (rc) {
+        fprintf(stderr, "kvxferctl: requests --done: %s: %s\n",
+                kvx_status_str(rc), kvx_last_error(c));
+        kvx_close(c);
+        return 1;
+    }
+    const Kvxfer__RequestsReply *q = r->requests;
+    if (!json && !q->n_done)
+        printf("no finished requests recorded (records.ring %s)\n",
+               q->done_recorded ? "keeps none of this uid's" : "is empty");
+    else if (!json)
+        printf("%zu finished requests shown, %u kept, %llu since start\n"
+               "%-20s %-20s %-10s %-20s %-5s %12s %-27s %10s %12s  %s\n",
+               q->n_done, q->done_kept, (unsigned long long)q->done_recorded,
+               "INSTANCE", "KEY", "SIDE", "OTHER_SIDE", "PATH", "BYTES",
+               "START", "US", "MB/S", "OUTCOME");
     if (json)
+        printf("[");
+    for (size_t i = 0; i < q->n_done; i++) {
+        const Kvxfer__DoneRecord *d = q->done[i];
+        reqrec_t x = {0};
+        snprintf(x.instance, sizeof(x.instance), "%s", d->instance_id);
+        snprintf(x.context, sizeof(x.context), "%s", d->context_instance);
+        snprintf(x.generation, sizeof(x.generation), "%s",
+                 d->generation_instance);
+        x.side = d->side[0] ? d->side : "generation";
+        x.key_len = d->key.len <= KVX_MAX_KEY ? (uint32_t)d->key.len : 0;
+        memcpy(x.key, d->key.data, x.key_len);
+        x.path = d->path[0] ? d->path : NULL;
+        x.bytes = d->bytes;
+        x.start_us = d->start_us;
+        x.end_us = d->end_us;
+        x.outcome = (int)d->outcome;
+        x.code = d->code;
+        if (json) {
+            char line[REQREC_JSON_MAX];
+            reqrec_json(&x, line, sizeof(line));
+            printf("%s%s", i ? "," : "", line);
+            continue;
+        }
+        char ks[REQKEY_STR_MAX], t[40];
+        time_t sec = (time_t)(x.start_us / 1000000);
+        struct tm tm;
+        gmtime_r(&sec, &tm);
+        strftime(t, sizeof(t), "%Y-%m-%dT%H:%M:%S", &tm);
+        int gen = !strcmp(x.side, "generation");
+        const char *other = gen ? x.context : x.generation;
+        printf("%-20s %-20s %-10s %-20s %-5s %12llu %s.%06lluZ %10llu "
+               "%12.1f  %s",
+               x.instance, reqkey_str(x.key, x.key_len, ks), x.side,
+               other[0]         ? other
+               : x.path && !gen ? "(peer daemons)"
+                                : "-",
+               x.path ? x.path : "-", (unsigned long long)x.bytes, t,
+               (unsigned long long)(x.start_us % 1000000),
+               (unsigned long long)(x.end_us > x.start_us
+                                        ? x.end_us - x.start_us
+                                        : 0),
+               reqrec_bandwidth(&x) / 1e6, reqrec_outcome(x.outcome));
+        if (x.code)
+            printf(" %s", kvx_status_name(x.code));
+        printf("\n");
+    }
+    if (json)
+        printf("]\n");
+    kvxfer__reply__free_unpacked(r, NULL);
+    kvx_close(c);
+    return 0;
+}
+
+static int cmd_requests(const char *sock, int argc, char **argv)
+{
+    static const char *const names[] = {"--json", "--done", NULL};
+    int set[2] = {0, 0}, rc;
+    if ((rc = flags(argc, argv, names, set)))
+        return rc;
+    if (set[1])
+        return requests_done(sock, set[0]);
+    kvx_client_t *c = open_daemon(sock);
+    if (set[0])
         return print_json(c, "requests", kvx_requests_json);
     Kvxfer__Reply *r;
     if ((rc = kvx__requests_get(c, &r, TIMEOUT_MS)))
@@ -619,8 +721,9 @@ static int load_plan_file(const char *file, plan_side_t *src, plan_side_t *dst,
     return rc;
 }
 
-static int cmd_plan(int argc, char **argv)
+static int cmd_plan(const char *sock, int argc, char **argv)
 {
+    (void)sock; /* computed here, with the daemon's planner */
     plan_side_t src = {.tp = 1,
                        .pp = 1,
                        .cp = 1,
@@ -728,7 +831,7 @@ static int cmd_plan(int argc, char **argv)
             break;
         }
         default:
-            usage(stderr);
+            fprintf(stderr, "kvxferctl: plan: see kvxferctl plan --help\n");
             return 2;
         }
     }
@@ -828,38 +931,123 @@ static int cmd_drain(const char *sock, int argc, char **argv)
     return 0;
 }
 
-/* ---- metrics, health ---------------------------------------------------- */
-
-static const char metrics_help[] =
-    "usage: kvxferctl [--socket PATH] metrics\n"
-    "\n"
-    "Print the daemon's metrics as Prometheus text: what its HTTP endpoint\n"
-    "(metrics.listen) serves at /metrics, asked over the socket and fresh.\n";
-static const char health_help[] =
-    "usage: kvxferctl [--socket PATH] health\n"
-    "\n"
-    "Print 'ok' and exit 0 while the daemon is healthy (its loop turns,\n"
-    "it is not draining, its loop lag is within metrics.health_max_lag_ms);\n"
-    "else print why not and exit 1, as also when it does not answer. For\n"
-    "exec probes; the HTTP endpoint's /health answers the same.\n";
-
-/* 0, 1 (the daemon said no, or did not answer) or 2 (usage). */
-static int cmd_metrics(const char *sock, int argc, char **argv, int health)
+static int cmd_peers(const char *sock, int argc, char **argv)
 {
+    static const char *const names[] = {NULL};
+    int rc;
+    if ((rc = flags(argc, argv, names, NULL)))
+        return rc;
+    kvx_client_t *c = open_daemon(sock);
+    Kvxfer__Reply *r;
+    if ((rc = kvx__status_get(c, &r, TIMEOUT_MS))) {
+        fprintf(stderr, "kvxferctl: peers: %s: %s\n", kvx_status_str(rc),
+                kvx_last_error(c));
+        kvx_close(c);
+        return 1;
+    }
+    peers_print(r->status_reply);
+    kvxfer__reply__free_unpacked(r, NULL);
+    kvx_close(c);
+    return 0;
+}
+
+/* cancel KEY [--instance ID]: without --instance, the one instance
+ * that has KEY in flight (listed by requests). */
+static int cmd_cancel(const char *sock, int argc, char **argv)
+{
+    const char *key = NULL, *inst = NULL;
     for (int k = 1; k < argc; k++) {
-        if (!strcmp(argv[k], "--help") || !strcmp(argv[k], "-h")) {
-            fputs(health ? health_help : metrics_help, stdout);
-            return 0;
+        if (!strcmp(argv[k], "--instance") && k + 1 < argc)
+            inst = argv[++k];
+        else if (argv[k][0] == '-' && argv[k][1]) {
+            fprintf(stderr,
+                    "kvxferctl: cancel: unknown option '%s' (kvxferctl "
+                    "cancel --help)\n",
+                    argv[k]);
+            return 2;
+        } else if (!key)
+            key = argv[k];
+        else {
+            fprintf(stderr, "kvxferctl: cancel: one KEY at a time ('%s')\n",
+                    argv[k]);
+            return 2;
         }
-        fprintf(stderr, "kvxferctl: %s: unknown option '%s'\n", argv[0],
-                argv[k]);
-        fputs(health ? health_help : metrics_help, stderr);
+    }
+    if (!key || !key[0] || strlen(key) > KVX_MAX_KEY) {
+        fprintf(stderr,
+                "kvxferctl: cancel: a KEY of 1 to %u bytes is "
+                "required (kvxferctl cancel --help)\n",
+                KVX_MAX_KEY);
         return 2;
     }
-    kvx_client_t *c = open_daemon(sock); /* exits 1 when it cannot */
+    kvx_client_t *c = open_daemon(sock);
+    char found[256] = "";
+    int rc;
+    if (!inst) {
+        Kvxfer__Reply *r;
+        if ((rc = kvx__requests_get(c, &r, TIMEOUT_MS)))
+            goto fail;
+        const Kvxfer__RequestsReply *q = r->requests;
+        int n = 0;
+        for (size_t i = 0; i < q->n_requests; i++) {
+            const Kvxfer__RequestInfo *x = q->requests[i];
+            if (x->key.len != strlen(key) ||
+                memcmp(x->key.data, key, x->key.len))
+                continue;
+            if (n && !strcmp(x->instance_id, found))
+                continue; /* its other side, or another rank's */
+            if (n++ == 0)
+                snprintf(found, sizeof(found), "%s", x->instance_id);
+            else
+                fprintf(stderr, "%s%s", n == 2 ? "" : ", ", x->instance_id);
+            if (n == 2)
+                fprintf(stderr,
+                        "kvxferctl: cancel: %s is in flight in several "
+                        "instances; name one with --instance: %s, ",
+                        key, found);
+        }
+        kvxfer__reply__free_unpacked(r, NULL);
+        if (n > 1) {
+            fprintf(stderr, "\n");
+            kvx_close(c);
+            return 2;
+        }
+        if (!n) {
+            fprintf(stderr,
+                    "kvxferctl: cancel: no request %s in flight "
+                    "(kvxferctl requests)\n",
+                    key);
+            kvx_close(c);
+            return 1;
+        }
+        inst = found;
+    }
+    if ((rc = kvx__cancel_admin(c, inst, (const uint8_t *)key, strlen(key),
+                                TIMEOUT_MS)))
+        goto fail;
+    printf("kvxferctl: cancelled request %s of instance %s: the daemon "
+           "touches its blocks no more\n",
+           key, inst);
+    kvx_close(c);
+    return 0;
+fail:
+    fprintf(stderr, "kvxferctl: cancel: %s: %s\n", kvx_status_str(rc),
+            kvx_last_error(c));
+    kvx_close(c);
+    return 1;
+}
+
+/* metrics, health: the MetricsReply, as text or as an exit status (0
+ * healthy, 1 not, or no answer: open_daemon exits 1). */
+static int metrics_get(const char *sock, int argc, char **argv, int health)
+{
+    static const char *const names[] = {NULL};
+    int rc;
+    if ((rc = flags(argc, argv, names, NULL)))
+        return rc;
+    kvx_client_t *c = open_daemon(sock);
     Kvxfer__Reply *r = NULL;
-    int rc = kvx__metrics_get(c, &r, TIMEOUT_MS);
-    if (rc) {
+    if ((rc = kvx__metrics_get(c, &r, TIMEOUT_MS))) {
         fprintf(stderr, "kvxferctl: %s: %s: %s\n", argv[0], kvx_status_str(rc),
                 kvx_last_error(c));
         kvx_close(c);
@@ -876,6 +1064,138 @@ static int cmd_metrics(const char *sock, int argc, char **argv, int health)
     return out;
 }
 
+static int cmd_metrics(const char *sock, int argc, char **argv)
+{
+    return metrics_get(sock, argc, argv, 0);
+}
+
+static int cmd_health(const char *sock, int argc, char **argv)
+{
+    return metrics_get(sock, argc, argv, 1);
+}
+
+/* ---- the commands ------------------------------------------------------ */
+
+/* One entry per command: `kvxferctl NAME ...` runs run(socket, argc,
+ * argv) with argv[0] the name; `kvxferctl NAME --help` prints synopsis
+ * and help and exits 0. A new command is one entry here. */
+typedef struct ctl_cmd {
+    const char *name;
+    int (*run)(const char *sock, int argc, char **argv);
+    const char *synopsis; /* the options, after the name */
+    const char *summary;  /* one line for kvxferctl --help */
+    const char *help;     /* what it prints or does; its defaults */
+} ctl_cmd_t;
+
+static const ctl_cmd_t cmds[] = {
+    {"status", cmd_status, "[--json | --config]",
+     "the daemon in one page: version, peers, counters, sessions, pools",
+     "Version, uptime, address, copy threads, GPU, the peer daemons in\n"
+     "one line each kind, bytes moved, transfers, batches, the memory\n"
+     "budget, requests by state, errors by code, then the sessions,\n"
+     "instances and pools (the first limits.list_page_entries of each).\n"
+     "\n"
+     "  --json     everything, the configuration included, as JSON\n"
+     "  --config   the configuration in effect, one key=value a line\n"},
+    {"requests", cmd_requests, "[--done] [--json]",
+     "requests in flight with age and state; --done: finished ones",
+     "Every request in flight: instance, key, side, state, age and bytes\n"
+     "done; what to run when something looks stuck.\n"
+     "\n"
+     "  --done     the finished requests instead, newest last (the daemon\n"
+     "             keeps records.ring of them; one reply lists at most\n"
+     "             limits.list_page_entries): instance, key, the instance\n"
+     "             the KV came from, path (host, gpu, peer), bytes, start,\n"
+     "             duration in microseconds, bandwidth, outcome and code\n"
+     "  --json     the same as JSON (--done: the lines of records.file)\n"},
+    {"peers", cmd_peers, "",
+     "the peer daemons: state, bytes each way, errors, lanes",
+     "One line per peer daemon this daemon knows: its address, state\n"
+     "(connecting, connected, lost), who connected (out: this daemon),\n"
+     "bytes sent and received, errors, lanes, when it was last heard\n"
+     "from and the UCX transports its endpoints use.\n"},
+    {"drain", cmd_drain, "[--deadline S] [--no-wait]",
+     "the upgrade step: finish or end what is in flight, then exit 0",
+     "The daemon stops taking connections and requests, lets those in\n"
+     "flight finish for S seconds, ends the rest SHUTDOWN and exits 0;\n"
+     "kvxferctl waits for that and says what it did.\n"
+     "Admins only: root, the daemon's uid and auth.admin_gids.\n"
+     "\n"
+     "  --deadline S   seconds requests may still finish (default 0)\n"
+     "  --no-wait      return once the drain started\n"},
+    {"cancel", cmd_cancel, "KEY [--instance ID]",
+     "end one request now, as its engine's cancel would (admins)",
+     "The request KEY (its key as kvxferctl requests shows it) ends\n"
+     "CANCELLED, as a cancel from its own instance would end it: its\n"
+     "ranks get the event, its peer daemons are told, and once kvxferctl\n"
+     "returns the daemon touches its blocks no more.\n"
+     "Admins only: root, the daemon's uid and auth.admin_gids (the rule\n"
+     "drain follows).\n"
+     "\n"
+     "  --instance ID   the instance whose request it is (default: the one\n"
+     "                  instance that has KEY in flight; when several do,\n"
+     "                  kvxferctl names them and exits 2)\n"},
+    {"metrics", cmd_metrics, "",
+     "the daemon's metrics as Prometheus text (what /metrics serves)",
+     "The daemon's metrics in the Prometheus text format: what its HTTP\n"
+     "endpoint (metrics.listen) serves at /metrics, asked over the socket\n"
+     "and fresh, whether the endpoint is on or not.\n"},
+    {"health", cmd_health, "",
+     "ok and exit 0 while the daemon is healthy, else why and exit 1",
+     "Prints ok and exits 0 while the daemon is healthy: its loop turns,\n"
+     "it is not draining, its loop lag is within\n"
+     "metrics.health_max_lag_ms. Else prints why not and exits 1, as also\n"
+     "when it does not answer (in 5 s). For exec probes; the HTTP\n"
+     "endpoint's /health answers the same.\n"},
+    {"plan", cmd_plan, "[options] | --from FILE",
+     "the slices each generation rank would pull (no daemon needed)",
+     "The plan the daemon would build for two instance configurations,\n"
+     "computed here with its planner: per generation rank, the context\n"
+     "ranks, layers and heads it pulls, and the bytes.\n"
+     "\n"
+     "  --ctx-tp N, --gen-tp N      tensor parallel size (default 1)\n"
+     "  --ctx-pp N, --gen-pp N      pipeline parallel size (default 1)\n"
+     "  --heads H                   total KV heads (default 8)\n"
+     "  --layers L                  total layers (default 32)\n"
+     "  --head-dim D                both sides' head dim (default 128)\n"
+     "  --ctx-head-dim/--gen-head-dim D   one side's (default 128)\n"
+     "  --ctx-dtype/--gen-dtype T   fp32, fp16, bf16, fp8, int8\n"
+     "                              (default bf16)\n"
+     "  --ctx-tokens-per-block T, --gen-tokens-per-block T\n"
+     "                              (default 16)\n"
+     "  --tokens N                  tokens of the request (default 4\n"
+     "                              context blocks: 64)\n"
+     "  --skip-tokens N             prefix already on the generation\n"
+     "                              side (default 0)\n"
+     "  --gen-dp D                  attention DP groups (default 1: none)\n"
+     "  --mla                       one latent head, K only (default off)\n"
+     "  --from FILE                 a YAML file with sections context:,\n"
+     "                              generation:, model:, request:\n"
+     "                              (docs/operations.md); options before\n"
+     "                              it are its defaults, after it win\n"},
+};
+
+#define NCMDS (sizeof(cmds) / sizeof(cmds[0]))
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: kvxferctl [--socket PATH] COMMAND [options]\n"
+               "       kvxferctl COMMAND --help\n"
+               "       kvxferctl --version\n\ncommands:\n");
+    for (size_t i = 0; i < NCMDS; i++)
+        fprintf(f, "  %-10s %s\n", cmds[i].name, cmds[i].summary);
+    fprintf(f,
+            "\n  --socket PATH   daemon socket (default %s)\n"
+            "  --version       kvxferctl's version and protocol\n",
+            KVX_DEFAULT_SOCKET);
+}
+
+static void cmd_help(const ctl_cmd_t *c)
+{
+    printf("usage: kvxferctl [--socket PATH] %s %s\n\n%s", c->name, c->synopsis,
+           c->help);
+}
+
 int main(int argc, char **argv)
 {
     const char *sock = NULL;
@@ -888,6 +1208,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage(stdout);
             return 0;
+        } else if (!strcmp(argv[i], "--version")) {
+            printf("kvxferctl %s (protocol %d.%d)\n", KVX_VERSION_STRING,
+                   KVX_PROTOCOL_MAJOR, KVX_PROTOCOL_MINOR);
+            return 0;
         } else
             break;
     }
@@ -895,28 +1219,19 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    const char *cmd = argv[i];
-    int json = 0;
-    if (!strcmp(cmd, "plan"))
-        return cmd_plan(argc - i, argv + i);
-    if (!strcmp(cmd, "drain"))
-        return cmd_drain(sock, argc - i, argv + i);
-    if (!strcmp(cmd, "metrics") || !strcmp(cmd, "health"))
-        return cmd_metrics(sock, argc - i, argv + i, cmd[0] == 'h');
-    for (int k = i + 1; k < argc; k++) {
-        if (!strcmp(argv[k], "--json"))
-            json = 1;
-        else {
-            fprintf(stderr, "kvxferctl: %s: unknown option '%s'\n", cmd,
-                    argv[k]);
-            return 2;
-        }
+    const ctl_cmd_t *c = NULL;
+    for (size_t k = 0; k < NCMDS && !c; k++)
+        if (!strcmp(argv[i], cmds[k].name))
+            c = &cmds[k];
+    if (!c) {
+        fprintf(stderr, "kvxferctl: unknown command '%s'\n", argv[i]);
+        usage(stderr);
+        return 2;
     }
-    if (!strcmp(cmd, "status"))
-        return cmd_status(sock, json);
-    if (!strcmp(cmd, "requests"))
-        return cmd_requests(sock, json);
-    fprintf(stderr, "kvxferctl: unknown command '%s'\n", cmd);
-    usage(stderr);
-    return 2;
+    for (int k = i + 1; k < argc; k++)
+        if (!strcmp(argv[k], "--help") || !strcmp(argv[k], "-h")) {
+            cmd_help(c);
+            return 0;
+        }
+    return c->run(sock, argc - i, argv + i);
 }

@@ -68,9 +68,10 @@ extern "C" {
 #define KVX_VERSION_STRING "3.1.0"
 /* The protocol the library and the daemon speak (Hello's version): 3.0
  * changed the API, not the wire; 2.6 added per-offer leases and their
- * renewal (kvx_renew). */
+ * renewal (kvx_renew); 2.7 the records of finished requests
+ * (ListRequests.done) and an admin's Cancel of any instance's request. */
 #define KVX_PROTOCOL_MAJOR 2
-#define KVX_PROTOCOL_MINOR 6
+#define KVX_PROTOCOL_MINOR 7
 /* The soname's number: libkvxfer.so.2. 3.0 keeps it, because every
  * program built against 2.x still runs: the two calls whose signature
  * changed keep their 2.x forms under their old version nodes

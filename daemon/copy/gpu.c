@@ -286,11 +286,40 @@ struct gpu_part {
     gpu_plan_t plan;     /* with device pointers; passed by value */
     uint32_t nslices;
     size_t *off_sblk; /* each slice's source block table in dmem */
+    /* gpu.copy_path dma or auto: the descriptor laid out again in host
+     * memory (same offsets), walked for the copy engines' runs */
+    uint8_t *hdesc;
+    gpu_plan_t hplan;
 };
+
+/* The copy engines' batch being built (loop thread). */
+#define DMA_BATCH 4096
+static struct {
+    void *dst[DMA_BATCH];
+    const void *src[DMA_BATCH];
+    size_t len[DMA_BATCH];
+    size_t n;
+    cudaStream_t stream;
+    uint64_t copies, batches, launches_dma;
+} dma;
 
 const char *gpu_build_info(void)
 {
     return "cuda " KVX_CUDA_VERSION ", kernels sm_80 sm_90 sm_100 + PTX";
+}
+
+void gpu_env(void)
+{
+    const char *mps = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
+    if (!kvxd.conf.gpu_sm_share)
+        return;
+    char v[16];
+    snprintf(v, sizeof(v), "%u", kvxd.conf.gpu_sm_share);
+    setenv(mps, v, 1);
+    log_info("gpu: %s=%s (gpu.sm_share): the daemon's kernels use at most "
+             "that share of each GPU's SMs where MPS runs; without MPS it "
+             "changes nothing",
+             mps, v);
 }
 
 static int start(void)
@@ -361,9 +390,14 @@ static int use_device(int d, kvx_why_t *why)
      * unused memory back to the driver at each synchronization, and the
      * next request's allocation maps it again */
     uint64_t keep = 64ull << 20;
+    int lo = 0, hi = 0; /* gpu.stream_priority low: the device's lowest */
+    if (!strcmp(kvxd.conf.gpu_stream_priority, "low") &&
+        !CU_OK(cudaDeviceGetStreamPriorityRange(&lo, &hi)))
+        lo = 0;
     if (!CU_OK(e = cudaSetDevice(d)) ||
-        !CU_OK(e = cudaStreamCreateWithFlags(&g.stream[d],
-                                             cudaStreamNonBlocking))) {
+        !CU_OK(e = cudaStreamCreateWithPriority(
+                   &g.stream[d], cudaStreamNonBlocking,
+                   strcmp(kvxd.conf.gpu_stream_priority, "low") ? 0 : lo))) {
         why_set(why, "gpu %d: %s", d, cudaGetErrorString(e));
         return KVX_ERR_IO;
     }
@@ -412,7 +446,9 @@ static int use_device(int d, kvx_why_t *why)
     }
     wt[d].running = 1;
     g.used[d] = 1;
-    log_info("gpu %d: context, stream and completion thread started", d);
+    log_info("gpu %d: context, stream and completion thread started (copy "
+             "path %s, stream priority %s)",
+             d, kvxd.conf.gpu_copy_path, kvxd.conf.gpu_stream_priority);
     return 0;
 }
 
@@ -425,10 +461,17 @@ void gpu_status(char *buf, size_t len)
     size_t off = (size_t)snprintf(
         buf, len,
         "%d devices; staging %llu B/device; "
-        "launches %llu; imports legacy %llu vmm %llu; in use:",
+        "launches %llu; imports legacy %llu vmm %llu",
         g.ndev, (unsigned long long)kvxd.conf.gpu_staging_bytes,
         (unsigned long long)g.launches, (unsigned long long)g.imports_legacy,
         (unsigned long long)g.imports_vmm);
+    if (off < len)
+        off += (size_t)snprintf(
+            buf + off, len - off,
+            "; copy path %s (copy engines: %llu launches, %llu copies in "
+            "%llu batches); in use:",
+            kvxd.conf.gpu_copy_path, (unsigned long long)dma.launches_dma,
+            (unsigned long long)dma.copies, (unsigned long long)dma.batches);
     for (int d = 0; d < g.ndev && off < len; d++)
         if (g.used[d])
             off += (size_t)snprintf(buf + off, len - off, " %d", d);
@@ -895,7 +938,18 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
         goto err_free_dmem;
     }
     gp->off_sblk = off_sblk; /* gpu_part_set_blocks() writes there */
-    free(buf);
+    if (strcmp(kvxd.conf.gpu_copy_path, "kernel")) {
+        /* the same layout at the host buffer's own address: the walk of
+         * the copy engines' runs reads it (gpu_desc_runs()) */
+        size_t hlen = 0;
+        if (gpu_desc_pack(p, &(gpu_desc_buf_t){buf, cap, (uintptr_t)buf},
+                          &gp->hplan, off_sblk, &hlen, why) == 0)
+            gp->hdesc = buf; /* else the kernel copies it */
+        else
+            free(buf);
+    } else {
+        free(buf);
+    }
     *out = gp;
     return 0;
 
@@ -918,6 +972,9 @@ int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
     if (!b)
         return KVX_ERR_NOMEM;
     memcpy(b->p, blocks, (size_t)n * 4);
+    if (gp->hdesc)
+        memcpy(gp->hdesc + gp->off_sblk[slice] + (size_t)first * 4, blocks,
+               (size_t)n * 4);
     cudaSetDevice(gp->device);
     uint8_t *at = (uint8_t *)gp->dmem + gp->off_sblk[slice] + (size_t)first * 4;
     cudaStream_t us = upload_stream(gp->device);
@@ -945,6 +1002,7 @@ void gpu_part_free(gpu_part_t *gp)
      * (whose fence counts them) lets its parts go; nothing is recorded on
      * the kernel stream, which would come between two launches */
     cudaFreeAsync(gp->dmem, g.ustream[d]);
+    free(gp->hdesc);
     free(gp->off_sblk);
     free(gp);
 }
@@ -1227,6 +1285,91 @@ void gpu_event_unwatch(gpu_watch_t *w)
     free(w);
 }
 
+/* ---- the copy engines' path (gpu.copy_path) --------------------------- */
+
+static cudaError_t dma_flush(void)
+{
+    if (!dma.n)
+        return cudaSuccess;
+    cudaError_t e = cudaSuccess;
+#if CUDART_VERSION >= 12080
+    /* the copies may overlap the engine's kernels: copy engines, not SMs;
+     * the batch reads the source as the stream orders it */
+    struct cudaMemcpyAttributes a;
+    memset(&a, 0, sizeof(a));
+    a.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    a.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t idx = 0;
+    static int unbatched; /* the driver has no batches: a copy a call */
+    if (!unbatched) {
+#if CUDART_VERSION >= 13000
+        e = cudaMemcpyBatchAsync(dma.dst, dma.src, dma.len, dma.n, &a, &idx, 1,
+                                 dma.stream);
+#else
+        size_t fail = 0;
+        e = cudaMemcpyBatchAsync(dma.dst, (void **)dma.src, dma.len, dma.n, &a,
+                                 &idx, 1, &fail, dma.stream);
+#endif
+        if (e == cudaErrorNotSupported ||
+            e == cudaErrorCallRequiresNewerDriver) {
+            log_warn("gpu: cudaMemcpyBatchAsync: %s; the copy engines' "
+                     "path issues a cudaMemcpyAsync a run",
+                     cudaGetErrorString(e));
+            (void)cudaGetLastError();
+            unbatched = 1;
+        }
+    }
+    if (unbatched)
+#endif
+        for (size_t i = 0; i < dma.n; i++)
+            if ((e = cudaMemcpyAsync(dma.dst[i], dma.src[i], dma.len[i],
+                                     cudaMemcpyDefault, dma.stream)) !=
+                cudaSuccess)
+                break;
+    dma.copies += dma.n;
+    dma.batches++;
+    dma.n = 0;
+    return e;
+}
+
+static int dma_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
+{
+    (void)arg;
+    if (dma.n == DMA_BATCH) {
+        cudaError_t e = dma_flush();
+        if (e != cudaSuccess)
+            return (int)e;
+    }
+    dma.dst[dma.n] = (void *)(uintptr_t)dst;
+    dma.src[dma.n] = (const void *)(uintptr_t)src;
+    dma.len[dma.n] = (size_t)len;
+    dma.n++;
+    return 0;
+}
+
+/* Whether launch l of part gp goes to the copy engines. */
+static int use_dma(const gpu_part_t *gp, const gpu_launch_t *l)
+{
+    if (!gp->hdesc)
+        return 0;
+    if (!strcmp(kvxd.conf.gpu_copy_path, "dma"))
+        return 1;
+    return gpu_desc_unit_run(&gp->hplan, l) >= kvxd.conf.gpu_dma_min_run;
+}
+
+/* Units of l as copy-engine copies on the device's stream: a cudaError_t. */
+static int dma_launch(const gpu_part_t *gp, const gpu_launch_t *l, int d)
+{
+    dma.stream = g.stream[d];
+    dma.n = 0;
+    int e = gpu_desc_runs(&gp->hplan, l, dma_run, NULL);
+    if (e == cudaSuccess)
+        e = dma_flush();
+    dma.n = 0;
+    dma.launches_dma++;
+    return e;
+}
+
 int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
 {
     int d = gp->device;
@@ -1256,7 +1399,9 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
             e = cudaStreamWaitEvent(g.stream[d], g.uploaded[d], 0);
         if (e == cudaSuccess) {
             g.unwaited[d] = 0;
-            e = gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas, g.stream[d]);
+            e = use_dma(gp, &l) ? dma_launch(gp, &l, d)
+                                : gpu_kernel_launch(&gp->plan, &l, w->bytes,
+                                                    ctas, g.stream[d]);
         }
         if (e == cudaSuccess) /* the waiter thread counts it done */
             __atomic_add_fetch(&g.inflight[d], 1, __ATOMIC_RELAXED);

@@ -33,6 +33,10 @@ typedef struct gpu_event gpu_event_t;
 /* "cuda 13.0, kernels sm_80 sm_90 sm_100 + PTX" or "host-only". */
 const char *gpu_build_info(void);
 
+/* Before anything starts CUDA (UCX may): the environment gpu.sm_share
+ * asks for (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). */
+void gpu_env(void);
+
 /* Describe the GPU side for status: devices in use, staging, path. */
 void gpu_status(char *buf, size_t len);
 

@@ -173,3 +173,56 @@ err_nomem:
     return why_fail(why, KVX_ERR_NOMEM,
                     "fetch: out of memory for the GPU plan");
 }
+
+/* Runs are found by the kernel's own resolution of a unit (gpu_unit_get:
+ * dimensions contiguous on both sides are already merged into its run),
+ * then runs that continue the previous one on both sides are joined:
+ * adjacent blocks, K then V of regions back to back. */
+int gpu_desc_runs(const gpu_plan_t *g, const gpu_launch_t *l, gpu_run_fn emit,
+                  void *arg)
+{
+    if (l->u1 <= l->u0)
+        return 0;
+    uint32_t hint = gpu_slice_find(g, l->u0);
+    const uint64_t poff0 = l->packed_mode != GPU_PACKED_NONE
+                               ? gpu_packed_off(g, &g->slices[hint], l->u0)
+                               : 0;
+    uint64_t rs = 0, rd = 0, rl = 0; /* the run being joined */
+    for (uint64_t u = l->u0; u < l->u1; u++) {
+        gpu_unit_t x;
+        gpu_unit_get(g, l, &hint, poff0, u, &x);
+        const uint64_t run = (uint64_t)x.er << x.eshift;
+        for (uint32_t c = 0; c < x.n[2]; c++)
+            for (uint32_t b = 0; b < x.n[1]; b++)
+                for (uint32_t a = 0; a < x.n[0]; a++) {
+                    const uint64_t s =
+                        x.src + a * x.ss[0] + b * x.ss[1] + c * x.ss[2];
+                    const uint64_t d =
+                        x.dst + a * x.ds[0] + b * x.ds[1] + c * x.ds[2];
+                    if (rl && s == rs + rl && d == rd + rl) {
+                        rl += run;
+                        continue;
+                    }
+                    int rc = rl ? emit(arg, rd, rs, rl) : 0;
+                    if (rc)
+                        return rc;
+                    rs = s;
+                    rd = d;
+                    rl = run;
+                }
+    }
+    return rl ? emit(arg, rd, rs, rl) : 0;
+}
+
+uint64_t gpu_desc_unit_run(const gpu_plan_t *g, const gpu_launch_t *l)
+{
+    if (l->u1 <= l->u0)
+        return 0;
+    uint32_t hint = gpu_slice_find(g, l->u0);
+    const uint64_t poff0 = l->packed_mode != GPU_PACKED_NONE
+                               ? gpu_packed_off(g, &g->slices[hint], l->u0)
+                               : 0;
+    gpu_unit_t x;
+    gpu_unit_get(g, l, &hint, poff0, l->u0, &x);
+    return (uint64_t)x.er << x.eshift;
+}

@@ -93,6 +93,18 @@ int gpu_desc_pack(const struct plan *p, const gpu_desc_buf_t *b,
  * serialized (one stream). Returns a cudaError_t. */
 int gpu_kernel_launch(const gpu_plan_t *d, gpu_launch_t *l, uint64_t bytes,
                       unsigned ctas, void *stream);
+/* The copy engines' path (gpu.copy_path dma): the contiguous runs of
+ * units [l->u0, l->u1) of plan g as laid out for the host
+ * (gpu_desc_pack() with base = buf; l->packed and packed_mode set as for
+ * a launch), each as emit(arg, dst, src, len) with the addresses the
+ * kernel would use, runs adjacent on both sides joined. A nonzero
+ * return of emit stops the walk and is returned. */
+typedef int (*gpu_run_fn)(void *arg, uint64_t dst, uint64_t src, uint64_t len);
+int gpu_desc_runs(const gpu_plan_t *g, const gpu_launch_t *l, gpu_run_fn emit,
+                  void *arg);
+/* The contiguous run of l's first unit in bytes, before any joining (the
+ * copy path's choice, gpu.copy_path auto). */
+uint64_t gpu_desc_unit_run(const gpu_plan_t *g, const gpu_launch_t *l);
 #ifdef __cplusplus
 }
 #endif

@@ -56,6 +56,10 @@ typedef struct kvx_conf {
     uint32_t gpu_max_ctas;
     uint64_t gpu_chunk_bytes;
     uint64_t gpu_staging_bytes;
+    char gpu_copy_path[8];       /* "kernel", "dma" or "auto" */
+    uint64_t gpu_dma_min_run;    /* auto: DMA for runs of this or more */
+    uint32_t gpu_sm_share;       /* MPS: % of SMs; 0: as the environment */
+    char gpu_stream_priority[8]; /* "normal" or "low" */
     /* peer daemons (UCX) */
     char peer_listen[64]; /* "IP:PORT"; "" = no peers */
     char peer_secret_file[108];
@@ -89,8 +93,14 @@ typedef struct kvx_conf {
     uint32_t session_idle_ms; /* 0: never */
     uint32_t reply_stall_ms;
     /* log */
-    int log_level;              /* syslog priority, LOG_ERR..LOG_DEBUG */
-    char log_trace_file[108];   /* "" = no request trace */
+    int log_level;            /* syslog priority, LOG_ERR..LOG_DEBUG */
+    char log_trace_file[108]; /* "" = no request trace */
+    char log_format[16];      /* auto, text, json, journal */
+    /* records (core/records.c) */
+    uint32_t records_ring;      /* entries kept; 0: none */
+    char records_file[108];     /* "" = no file */
+    uint64_t records_max_bytes; /* rotate past this; 0: never */
+    uint32_t records_keep;      /* rotated files kept */
     uint64_t copy_inline_bytes; /* host jobs this small: on the loop */
     /* metrics (local/http.c, local/metrics.c) */
     char metrics_listen[64];            /* IP:PORT of /metrics; "" off */

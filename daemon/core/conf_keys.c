@@ -20,6 +20,17 @@
 static int check_group(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_hello(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_listen(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_log_format(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    static const char *const ok[] = {"auto", "text", "json", "journal"};
+    for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
+        if (!strcmp(conf->log_format, ok[i]))
+            return 0;
+    char what[64];
+    return why_fail(why, 1, "%s (expected auto, text, json or journal)",
+                    conf_shown(conf->log_format, strlen(conf->log_format), what,
+                               sizeof(what)));
+}
 static int check_keepalive(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_metrics_listen(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_topology(const kvx_conf_t *conf, kvx_why_t *why)
@@ -31,6 +42,30 @@ static int check_topology(const kvx_conf_t *conf, kvx_why_t *why)
     return why_fail(why, 1,
                     "\"%s\" is not a topology mode (expected auto "
                     "or off)",
+                    conf_shown(t, strlen(t), what, sizeof(what)));
+}
+
+static int check_copy_path(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *t = conf->gpu_copy_path;
+    if (!strcmp(t, "kernel") || !strcmp(t, "dma") || !strcmp(t, "auto"))
+        return 0;
+    char what[64];
+    return why_fail(why, 1,
+                    "\"%s\" is not a copy path (expected kernel, dma or "
+                    "auto)",
+                    conf_shown(t, strlen(t), what, sizeof(what)));
+}
+
+static int check_priority(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *t = conf->gpu_stream_priority;
+    if (!strcmp(t, "normal") || !strcmp(t, "low"))
+        return 0;
+    char what[64];
+    return why_fail(why, 1,
+                    "\"%s\" is not a stream priority (expected normal or "
+                    "low)",
                     conf_shown(t, strlen(t), what, sizeof(what)));
 }
 
@@ -133,6 +168,8 @@ static int check_allowed(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_topology(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_rails(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_gpu_rails(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_copy_path(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_priority(const kvx_conf_t *conf, kvx_why_t *why);
 
 #define FIELD(f)                                                               \
     .off = offsetof(kvx_conf_t, f), .size = sizeof(((kvx_conf_t *)0)->f)
@@ -472,6 +509,50 @@ const struct conf_key conf_keys[] = {
              "transport does not (cuda_ipc within a node, GPUDirect RDMA). "
              "0, or a UCX without CUDA: the host slots (peer.slots), "
              "pinned."},
+    {.name = "gpu.copy_path",
+     .type = CONF_STRING,
+     FIELD(gpu_copy_path),
+     .def_str = "kernel",
+     .check = check_copy_path,
+     .help = "What moves a GPU pool's bytes within the node and into "
+             "the staging slots: kernel, the daemon's copy kernel (every "
+             "layout change, any run size; it takes SMs from the engine "
+             "while it runs); dma, the GPU's copy engines "
+             "(cudaMemcpyBatchAsync, one copy a contiguous run, no SMs); "
+             "auto, dma where a launch's runs are gpu.dma_min_run or "
+             "longer, else kernel. See docs/operations.md, \"Sharing a "
+             "GPU with the engine\"."},
+    {.name = "gpu.dma_min_run",
+     .type = CONF_SIZE,
+     FIELD(gpu_dma_min_run),
+     .def = 32 * KiB,
+     .min = 256,
+     .max = 1 * GiB,
+     .reloadable = 1,
+     .help = "With gpu.copy_path auto: the shortest contiguous run "
+             "(bytes a block, layer and K or V have in one piece on both "
+             "sides) that the copy engines move; shorter runs go to the "
+             "kernel, where a copy a run would cost more than its bytes."},
+    {.name = "gpu.sm_share",
+     .type = CONF_U32,
+     FIELD(gpu_sm_share),
+     .def = 0,
+     .min = 0,
+     .max = 100,
+     .help = "Under MPS: the percentage of each GPU's SMs the daemon's "
+             "kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for its "
+             "own context, set before CUDA starts); 0 leaves the "
+             "environment's value. Without MPS it has no effect (the log "
+             "says which)."},
+    {.name = "gpu.stream_priority",
+     .type = CONF_STRING,
+     FIELD(gpu_stream_priority),
+     .def_str = "normal",
+     .check = check_priority,
+     .help = "The priority of the daemon's copy streams: normal, or low "
+             "(the device's lowest), so that work of higher priority in "
+             "the same context is scheduled first; across processes it "
+             "matters only under MPS."},
 
     {.name = "peer.listen",
      .type = CONF_STRING,
@@ -795,6 +876,57 @@ const struct conf_key conf_keys[] = {
      .help = "File (appended to) that gets one line per fetch as it ends, "
              "with the monotonic time of each hop (kvxfer-bench --trace "
              "reads it); empty: none."},
+    {.name = "log.format",
+     .type = CONF_STRING,
+     FIELD(log_format),
+     .def_str = "auto",
+     .check = check_log_format,
+     .reloadable = 1,
+     .help = "How log lines are written: journal (sd_journal_send, with "
+             "the fields INSTANCE, KEY, PEER, CODE), json (one JSON object "
+             "a line on stderr, for Loki and the like), text (\"<6>kvxferd: "
+             "...\" on stderr, the priority journald reads from a stream), "
+             "or auto: journal when stderr is journald's stream "
+             "($JOURNAL_STREAM), text with level names (\"info: ...\") on a "
+             "terminal, else text."},
+
+    /* ---- records: one per finished request (core/records.c) ---- */
+    {.name = "records.ring",
+     .type = CONF_U32,
+     FIELD(records_ring),
+     .def = 1024,
+     .min = 0,
+     .max = 100000,
+     .help = "Finished requests kept in memory for kvxferctl requests "
+             "--done (584 bytes each), newest replacing oldest; 0: "
+             "none kept."},
+    {.name = "records.file",
+     .type = CONF_STRING,
+     FIELD(records_file),
+     .def_str = "",
+     .reloadable = 1,
+     .help = "File that gets one JSON line per finished request (appended "
+             "to; reopened on SIGHUP, so logrotate may move it); empty: "
+             "none."},
+    {.name = "records.max_bytes",
+     .type = CONF_SIZE,
+     FIELD(records_max_bytes),
+     .def = 64 * MiB,
+     .min = 0,
+     .max = 1ull << 40,
+     .reloadable = 1,
+     .help = "records.file is rotated once it passes this size: FILE "
+             "becomes FILE.1, FILE.1 FILE.2 and so on, up to records.keep; "
+             "0: never rotated by the daemon."},
+    {.name = "records.keep",
+     .type = CONF_U32,
+     FIELD(records_keep),
+     .def = 4,
+     .min = 1,
+     .max = 100,
+     .reloadable = 1,
+     .help = "Rotated records files kept (FILE.1 the newest); the oldest "
+             "is removed."},
 
     {.name = "metrics.listen",
      .type = CONF_STRING,

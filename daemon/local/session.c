@@ -23,6 +23,7 @@
 #include "core/fault.h"
 #include "core/log.h"
 #include "core/map.h"
+#include "core/records.h"
 #include "metrics.h"
 #include "remote/keyed.h"
 #include "remote/release.h"
@@ -402,9 +403,10 @@ static void on_hello(session_t *s, const Kvxfer__Request *rq)
     s->hello = 1;
     s->rank = h->rank;
     s->role = (kvx_role_t)h->role;
-    log_info("session %llu: pid %d uid %u is rank %u of instance %s",
-             (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid, s->rank,
-             s->inst->id);
+    log_f(LOG_INFO, &(log_fields_t){.instance = s->inst->id},
+          "session %llu: pid %d uid %u is rank %u of instance %s",
+          (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid, s->rank,
+          s->inst->id);
     Kvxfer__HelloReply hr = KVXFER__HELLO_REPLY__INIT;
     hr.version_major = KVX_PROTOCOL_MAJOR;
     hr.version_minor = KVX_PROTOCOL_MINOR;
@@ -977,6 +979,49 @@ static void on_cancel(session_t *s, const Kvxfer__Request *rq)
     /* rc 1: answered once the request's copies are fenced */
 }
 
+/* Cancel{key, instance_id}: an admin (kvxferctl cancel) ends a request
+ * of any instance, without Hello, as the instance's own cancel does. */
+static void on_admin_cancel(session_t *s, const Kvxfer__Request *rq)
+{
+    const Kvxfer__Cancel *m = rq->cancel;
+    char why[512];
+    reqkey_t key;
+    if (!s->admin) {
+        log_warn("session %llu: cancel of a request of instance %.128s "
+                 "refused: uid %u is not an admin",
+                 (unsigned long long)s->id, m->instance_id, (unsigned)s->uid);
+        reply(s, rq->id, KVX_ERR_PERM,
+              "cancel.instance_id: only root, the daemon's uid and members "
+              "of auth.admin_gids may cancel another instance's request");
+        return;
+    }
+    instance_t *inst = instance_find(m->instance_id);
+    if (!inst) {
+        snprintf(why, sizeof(why),
+                 "cancel.instance_id: no instance %.128s on this daemon",
+                 m->instance_id);
+        reply(s, rq->id, KVX_ERR_NOT_FOUND, why);
+        return;
+    }
+    int rc =
+        reqkey_set(&key, m->key.data, m->key.len, "cancel.key", KVX_WHY(why));
+    if (!rc) {
+        char ks[REQKEY_STR_MAX];
+        log_f(LOG_NOTICE,
+              &(log_fields_t){.instance = inst->id,
+                              .key = reqkey_str(key.b, key.len, ks)},
+              "session %llu: uid %u cancels request %s of instance %s",
+              (unsigned long long)s->id, (unsigned)s->uid, ks, inst->id);
+    }
+    if (!rc && keyed_cancel(inst, &key))
+        rc = 0; /* a fetch by key that was still waiting: ended */
+    else if (!rc)
+        rc = xfer_cancel(inst, &key, s->id, rq->id, KVX_WHY(why));
+    if (rc <= 0)
+        reply(s, rq->id, rc, rc ? why : "");
+    /* rc 1: answered once the request's copies are fenced */
+}
+
 static void on_status(session_t *s, const Kvxfer__Request *rq)
 {
     Kvxfer__Reply r = KVXFER__REPLY__INIT;
@@ -1019,6 +1064,51 @@ static void on_metrics(session_t *s, const Kvxfer__Request *rq)
     free(text);
 }
 
+/* ListRequests.done: the newest max records this session may see. */
+static void list_done(session_t *s, uint64_t id, uint32_t max)
+{
+    Kvxfer__Reply r = KVXFER__REPLY__INIT;
+    Kvxfer__RequestsReply rr = KVXFER__REQUESTS_REPLY__INIT;
+    reqrec_t *v = calloc(max, sizeof(*v));
+    Kvxfer__DoneRecord *d = calloc(max, sizeof(*d));
+    Kvxfer__DoneRecord **dp = calloc(max, sizeof(*dp));
+    if (!v || !d || !dp) {
+        free(v);
+        free(d);
+        free(dp);
+        reply(s, id, KVX_ERR_NOMEM, "list_requests: out of memory");
+        return;
+    }
+    uint32_t n = records_list(v, max, s->admin ? -1 : (int64_t)s->uid,
+                              &rr.done_kept, &rr.done_recorded);
+    for (uint32_t i = 0; i < n; i++) {
+        kvxfer__done_record__init(&d[i]);
+        d[i].instance_id = v[i].instance;
+        d[i].key.data = v[i].key;
+        d[i].key.len = v[i].key_len;
+        d[i].context_instance = v[i].context;
+        d[i].generation_instance = v[i].generation;
+        d[i].side = (char *)v[i].side;
+        d[i].path = (char *)(v[i].path ? v[i].path : "");
+        d[i].bytes = v[i].bytes;
+        d[i].start_us = v[i].start_us;
+        d[i].end_us = v[i].end_us;
+        d[i].outcome = (uint32_t)v[i].outcome;
+        d[i].code = v[i].code;
+        dp[i] = &d[i];
+    }
+    rr.done = dp;
+    rr.n_done = n;
+    r.id = id;
+    r.message = "";
+    r.body_case = KVXFER__REPLY__BODY_REQUESTS;
+    r.requests = &rr;
+    reply_packed(s, &r);
+    free(dp);
+    free(d);
+    free(v);
+}
+
 static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
 {
     char why[512];
@@ -1026,6 +1116,10 @@ static void on_list_requests(session_t *s, const Kvxfer__Request *rq)
     uint32_t max = kvxd.conf.list_page_entries;
     if (m->max_entries && m->max_entries < max)
         max = m->max_entries;
+    if (m->done) {
+        list_done(s, rq->id, max);
+        return;
+    }
     int side = 0;
     if (m->after_instance[0]) {
         if (!strcmp(m->after_side, "generation"))
@@ -1389,6 +1483,12 @@ void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
     case KVXFER__REQUEST__BODY_DRAIN:
         on_drain(s, rq);
         goto out;
+    case KVXFER__REQUEST__BODY_CANCEL:
+        if (rq->cancel->instance_id[0]) {
+            on_admin_cancel(s, rq);
+            goto out;
+        }
+        break; /* the session's own instance: after Hello */
     case KVXFER__REQUEST__BODY__NOT_SET:
         reply(s, rq->id, KVX_ERR_PROTOCOL, "request: empty body");
         goto out;

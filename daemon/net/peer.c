@@ -494,7 +494,8 @@ void conn_fail(peer_conn_t *c, int code, const char *fmt, ...)
         c->hs = NULL;
     }
     if (was_ready || c->outgoing)
-        log_warn("peer %s: %s", c->address[0] ? c->address : "(incoming)", msg);
+        log_f(LOG_WARNING, &(log_fields_t){.peer = c->address, .code = code},
+              "peer %s: %s", c->address[0] ? c->address : "(incoming)", msg);
     list_t *n;
     while ((n = list_pop(&c->q))) {
         qmsg_t *q = QMSG(n);

@@ -492,6 +492,8 @@ static int ahead_take(sstream_t *s, uint32_t slot, uint64_t u0, uint64_t u1)
         ahead_drop(s, x);
         st_tx.ahead++;
         x->pulled = 1;
+        if (s->offer)
+            xfer_offer_served(s->offer, x->bytes);
         x->dst_slot = slot;
         if (!x->pending) { /* all gathered: the wire starts now */
             st_tx.copy_ns += x->gather_ns;
@@ -588,6 +590,7 @@ static void serve_pulls_once(void)
         }
         x->dst_slot = q->slot;
         x->pulled = 1;
+        xfer_offer_served(s->offer, x->bytes);
         /* each piece is gathered on its own (a GPU pool: a kernel writes
          * it; else the copy threads) and sent as soon as it is */
         slot_gather(s, x);

@@ -19,6 +19,7 @@
 #include "copy/copy.h"
 #include "core/daemon.h"
 #include "core/log.h"
+#include "core/records.h"
 #include "core/rrq.h"
 #include "net/peer.h"
 #include "xfer.h"
@@ -26,6 +27,76 @@
 #include "xfer_remote.h"
 
 /* ---- the end of a request --------------------------------------------- */
+
+/* A request's end in the log, with the fields it is about (log.h): at
+ * info when it failed or timed out (what an operator looks for by
+ * INSTANCE= and KEY=), at debug when it completed or was cancelled (the
+ * engine asked for that). */
+static void end_log(const char *what, const instance_t *inst,
+                    const reqkey_t *key, int kind, int code, const char *msg)
+{
+    int prio = kind == KVX_EVENT_COMPLETE || kind == KVX_EVENT_CANCELLED
+                   ? LOG_DEBUG
+                   : LOG_INFO;
+    char kb[REQKEY_STR_MAX];
+    log_f(prio,
+          &(log_fields_t){.instance = inst->id,
+                          .key = reqkey_str(key->b, key->len, kb),
+                          .code = code},
+          "%s %s/%s ended: %s", what, inst->id, kb,
+          kind == KVX_EVENT_COMPLETE ? "complete" : msg);
+}
+
+/* The record of a fetch that ends (core/records.h): the generation
+ * side, where its bytes landed. Its local offer learns what it served. */
+static void genreq_record(const genreq_t *g)
+{
+    reqrec_t r = {0};
+    snprintf(r.instance, sizeof(r.instance), "%s", g->inst->id);
+    r.side = "generation";
+    snprintf(r.context, sizeof(r.context), "%s", g->src_instance);
+    snprintf(r.generation, sizeof(r.generation), "%s", g->inst->id);
+    memcpy(r.key, g->key.b, g->key.len);
+    r.key_len = g->key.len;
+    r.path = g->remote ? "peer" : "host";
+    for (size_t i = 0; !g->remote && i < GPARTS(g); i++)
+        if (g->parts[i].pool && g->parts[i].pool->gpu)
+            r.path = "gpu";
+    r.bytes = g->bytes_done;
+    r.start_us = g->start_us;
+    r.end_us = wall_us();
+    r.outcome = g->end_kind;
+    r.code = g->end_code;
+    r.uid = g->inst->owner_uid;
+    records_add(&r);
+    if (g->offer) {
+        g->offer->served += g->bytes_done;
+        g->offer->path = r.path;
+        snprintf(g->offer->consumer_id, sizeof(g->offer->consumer_id), "%s",
+                 g->inst->id);
+    }
+}
+
+/* The record of an offer that ends (its event goes out): the context
+ * side, what its consumers read. */
+static void offer_record(const offer_t *o, int kind, int code)
+{
+    reqrec_t r = {0};
+    snprintf(r.instance, sizeof(r.instance), "%s", o->inst->id);
+    r.side = "context";
+    snprintf(r.context, sizeof(r.context), "%s", o->inst->id);
+    snprintf(r.generation, sizeof(r.generation), "%s", o->consumer_id);
+    memcpy(r.key, o->key.b, o->key.len);
+    r.key_len = o->key.len;
+    r.path = o->path;
+    r.bytes = o->served;
+    r.start_us = o->start_us;
+    r.end_us = wall_us();
+    r.outcome = kind;
+    r.code = code;
+    r.uid = o->inst->owner_uid;
+    records_add(&r);
+}
 
 /* Forget a consumed offer (all ranks published, lease over, cancel). */
 void offer_drop(offer_t *o)
@@ -47,6 +118,7 @@ void offer_consume(offer_t *o, const char *msg)
     xfer_push_event(inst, o->request_id, &o->key,
                     &(batch_end_t){KVX_EVENT_COMPLETE, 0, msg, NULL, 0}, 1,
                     inst->nlocal, inst->nranks);
+    offer_record(o, KVX_EVENT_COMPLETE, 0);
     for (size_t r = 0; r < OPARTS(o); r++) {
         if (o->parts[r].pool)
             pool_unref(o->parts[r].pool);
@@ -106,6 +178,7 @@ void offer_try_finalize(offer_t *o)
         inst, o->request_id, &o->key,
         &(batch_end_t){o->end_kind, o->end_code, o->end_msg, NULL, 0}, 1,
         inst->nlocal, inst->nranks);
+    offer_record(o, o->end_kind, o->end_code);
     if (o->end_kind == KVX_EVENT_CANCELLED)
         gone_add(1, inst, o->request_id, &o->key, 0);
     else if (o->end_kind == KVX_EVENT_COMPLETE)
@@ -114,8 +187,7 @@ void offer_try_finalize(offer_t *o)
         done_forget(inst, &o->key);
     map_del(&inst->offers, o->request_id);
     xfer_nrequests--;
-    log_debug("offer %s/%s ended: %s", inst->id, ks(&o->key),
-              o->end_kind == KVX_EVENT_COMPLETE ? "complete" : o->end_msg);
+    end_log("offer", inst, &o->key, o->end_kind, o->end_code, o->end_msg);
     list_t w;
     list_init(&w);
     list_move_all(&o->waiters, &w);
@@ -194,6 +266,7 @@ void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     count_fetch_end(g);
     if (kvxd.trace)
         xfer_trace_write(g);
+    genreq_record(g);
     uint32_t seen = 0;
     for (uint32_t r = 0; r < inst->nranks; r++)
         seen += g->parts[r].fetched || g->parts[r].late;
@@ -208,8 +281,7 @@ void genreq_end(genreq_t *g, int kind, int code, const char *msg)
     }
     map_del(&inst->fetches, g->request_id);
     xfer_nrequests--;
-    log_debug("fetch %s/%s ended: %s", inst->id, ks(&g->key),
-              g->end_kind == KVX_EVENT_COMPLETE ? "complete" : g->end_msg);
+    end_log("fetch", inst, &g->key, g->end_kind, g->end_code, g->end_msg);
     list_t w;
     list_init(&w);
     list_move_all(&g->waiters, &w);

@@ -374,6 +374,7 @@ static genreq_t *genreq_new(instance_t *inst, uint64_t request_id,
     for (uint32_t k = 0; k < ngroups; k++)
         g->gskip[k + 1] = groups[k].skip_tokens;
     g->created_ms = kvxd_now_ms();
+    g->start_us = wall_us();
     g->t0_ns = mono_ns();
     busy_hold(1);
     TRACE_HOP(g, TR_FETCH);
@@ -1043,6 +1044,7 @@ static int fetch_one(const xfer_fetch_req_t *rq, uint64_t request_id,
             goto err_free_groups;
         }
         g->offer = o;
+        snprintf(g->src_instance, sizeof(g->src_instance), "%s", ci->id);
         g->src_id = xfer_source_id(ci->id, o->key.b, o->key.len);
         o->consumer = g;
         dl_remove(&o->lease); /* the fetch timeout bounds it now */

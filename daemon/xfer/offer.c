@@ -192,6 +192,7 @@ static int offer_create(instance_t *inst, const reqkey_t *key,
         o->gfirst[k + 1] = sp->groups[k].first_block;
     }
     o->created_ms = kvxd_now_ms();
+    o->start_us = wall_us();
     o->lease_ms = sp->lease_ms;
     /* an instance spread over daemons: every daemon of it must give the
      * same params, so the token is derived from the cluster secret */

@@ -525,6 +525,12 @@ const uint8_t *xfer_offer_params(const offer_t *o, size_t *len)
     return o->params;
 }
 
+void xfer_offer_served(offer_t *o, uint64_t bytes)
+{
+    o->served += bytes;
+    o->path = "peer";
+}
+
 int xfer_offer_ending(const offer_t *o)
 {
     return o->ending;

@@ -60,6 +60,14 @@ static inline uint64_t mono_ns(void)
     return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
+/* Wall clock microseconds (the records' start and end). */
+static inline uint64_t wall_us(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (uint64_t)t.tv_sec * 1000000ull + (uint64_t)t.tv_nsec / 1000;
+}
+
 #define TRACE_HOP(g, h)                                                        \
     do {                                                                       \
         if (kvxd.trace && !(g)->tr[h])                                         \
@@ -131,7 +139,12 @@ struct offer {
     /* peer daemons reading this offer: remote.c's (struct roffer), never
      * read by xfer, freed through xfer_remote_ops_t.offer_free */
     struct roffer *remote;
-    uint64_t mem;       /* the offer's own bytes charged (MEM_REQUESTS) */
+    uint64_t mem; /* the offer's own bytes charged (MEM_REQUESTS) */
+    /* its record (core/records.h): made at, bytes read by its consumer
+     * here and by peer daemons' pulls, how, and by which instance */
+    uint64_t start_us, served;
+    const char *path;
+    char consumer_id[INSTANCE_ID_MAX + 1];
     uint64_t lw_all_ns; /* layer-wise: when its last layer became ready
                            (monotonic ns; metrics' exposed time) */
 };
@@ -199,6 +212,7 @@ struct genreq {
                      (MEM_AUX); a local offer's is read at the end */
     uint32_t aux_len;
     uint64_t tr[TR_N]; /* log.trace_file: each hop's monotonic ns */
+    uint64_t start_us; /* wall clock, its record's start (records.h) */
     uint64_t mem;      /* its state's and parts' tables' bytes charged
                           (MEM_REQUESTS; fetch_bytes()) */
 };

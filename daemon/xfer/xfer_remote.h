@@ -61,6 +61,8 @@ const plan_side_t *xfer_offer_group_side(const offer_t *o, uint32_t group);
 const uint8_t *xfer_offer_aux(const offer_t *o, uint32_t *len);
 /* Its packed ContextParams (*len bytes), as publish returned them. */
 const uint8_t *xfer_offer_params(const offer_t *o, size_t *len);
+/* A peer daemon pulled bytes of o (its record: path peer). */
+void xfer_offer_served(offer_t *o, uint64_t bytes);
 /* Ending (its fence may still be pending); consumed (complete before
  * every local rank published: kept without memory for the late ones);
  * taken by a consumer on this daemon. */

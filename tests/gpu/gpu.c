@@ -161,6 +161,93 @@ TEST_T(host_to_gpu_and_back, 120)
     bench("--gen-host --ctx-device 0 --requests 4 --blocks 8 --layers 4");
 }
 
+/* ---- the copy engines' path (gpu.copy_path) ------------------------- */
+
+/* A daemon config of one gpu: section's text, in a temp file (path out). */
+static void gpu_config(const char *text, char *path, size_t len)
+{
+    snprintf(path, len, "/tmp/kvx-gpu-test-%d.yaml", (int)getpid());
+    FILE *f = fopen(path, "w");
+    CHECK(f);
+    fprintf(f, "gpu:\n%s", text);
+    fclose(f);
+}
+
+/* The launches the copy engines took, from the bench's "gpu_status" (the
+ * daemon's status "gpu": "... (copy engines: N launches, ..."). */
+static long long dma_launches(const char *out)
+{
+    const char *t = strstr(out, "copy engines: ");
+    CHECK(t);
+    return atoll(t + 14);
+}
+
+/* gpu.copy_path dma: every byte verified on every path a GPU pool takes
+ * (every preset pair, TP change, odd rows in fp8, regions, host <-> GPU,
+ * VMM pools, shuffled blocks, small launches, two daemons' host slots),
+ * and the copy engines did move them */
+TEST_T(copy_engines_path, 600)
+{
+    NEED_GPUS(1);
+    char cfg[128], args[768], out[8192];
+    gpu_config("  copy_path: dma\n  stream_priority: low\n", cfg, sizeof(cfg));
+    static const char *cases[] = {
+        "--ctx-ranks 4 --gen-ranks 2 --ctx-layout trtllm --gen-layout "
+        "vllm-nhd --requests 4 --blocks 8 --layers 4",
+        "--requests 4 --blocks 8 --layers 3 --heads 2 --head-dim 7 "
+        "--dtype fp8 --tokens-per-block 5",
+        "--regions 8 --layers 4 --ctx-layout vllm-hnd --gen-layout "
+        "vllm-nhd --requests 4 --blocks 8",
+        "--ctx-host --gen-device 0 --requests 4 --blocks 8 --layers 4",
+        "--gen-host --ctx-device 0 --requests 4 --blocks 8 --layers 4",
+        "--vmm --shuffle --requests 8 --blocks 64 --layers 4",
+        "--daemons 2 --ctx-layout trtllm --gen-layout vllm-nhd --requests 4 "
+        "--blocks 8 --layers 4",
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        snprintf(args, sizeof(args), "%s --daemon-config %s", cases[i], cfg);
+        bench_out(args, out, sizeof(out));
+        if (!strstr(cases[i], "--daemons 2")) /* B is the gen daemon */
+            CHECK(dma_launches(out) > 0);
+    }
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 4; b++) {
+            snprintf(args, sizeof(args),
+                     "--ctx-layout %s --gen-layout %s --requests 4 "
+                     "--blocks 8 --layers 4 --heads 4 --head-dim 64 "
+                     "--tokens-per-block 16 --daemon-config %s",
+                     presets[a], presets[b], cfg);
+            bench_out(args, out, sizeof(out));
+            CHECK(dma_launches(out) > 0);
+        }
+    /* launches of 64 KiB: a request in many pieces */
+    gpu_config("  copy_path: dma\n  chunk_bytes: 64KiB\n", cfg, sizeof(cfg));
+    snprintf(args, sizeof(args),
+             "--shuffle --requests 4 --blocks 32 --layers 4 --daemon-config %s",
+             cfg);
+    bench_out(args, out, sizeof(out));
+    CHECK(dma_launches(out) >= 4 * 8);
+    /* auto: 32 KiB runs (16 tokens x 8 heads x 128 x bf16, the same
+     * layout) go to the copy engines, rows of a layout change to the
+     * kernel */
+    gpu_config("  copy_path: auto\n  dma_min_run: 32KiB\n", cfg, sizeof(cfg));
+    snprintf(args, sizeof(args),
+             "--layout vllm-nhd --heads 8 --head-dim 128 --dtype bf16 "
+             "--tokens-per-block 16 --requests 4 --blocks 8 --layers 4 "
+             "--daemon-config %s",
+             cfg);
+    bench_out(args, out, sizeof(out));
+    CHECK(dma_launches(out) > 0);
+    snprintf(args, sizeof(args),
+             "--ctx-layout trtllm --gen-layout vllm-nhd --heads 8 "
+             "--head-dim 128 --dtype bf16 --tokens-per-block 16 --requests 4 "
+             "--blocks 8 --layers 4 --daemon-config %s",
+             cfg);
+    bench_out(args, out, sizeof(out));
+    CHECK_EQ(dma_launches(out), 0);
+    unlink(cfg);
+}
+
 /* ---- two daemons, GPU pools, host-staged ------------------------------ */
 
 /* Context daemon and generation daemon on one host, talking UCX over

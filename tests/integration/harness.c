@@ -417,6 +417,30 @@ static int log_wait(daemon_t *d, const char *what, int timeout_ms)
     }
 }
 
+/* How many times the daemon log holds what. */
+static int log_count(daemon_t *d, const char *what)
+{
+    char *t = read_file(d->log);
+    int n = 0;
+    for (const char *p = t; (p = strstr(p, what)); p += strlen(what))
+        n++;
+    free(t);
+    return n;
+}
+
+/* Wait up to timeout_ms for what to be in the log more than n times: a
+ * line that an earlier event also wrote (a second SIGHUP's). */
+static int log_wait_more(daemon_t *d, const char *what, int n, int timeout_ms)
+{
+    int64_t end = now_ms() + timeout_ms;
+    while (log_count(d, what) <= n) {
+        if (now_ms() >= end)
+            return 0;
+        sleep_ms(10);
+    }
+    return 1;
+}
+
 /* The daemon answers a status request on a fresh connection. */
 static void daemon_healthy(daemon_t *d)
 {

@@ -71,6 +71,321 @@ TEST(status_and_requests)
     daemon_stop_ok(d);
 }
 
+/* ---- records of finished requests ---------------------------------------- */
+
+/* One transfer of tokens tokens in blocks bl[n] between the pair; waits
+ * for both sides' COMPLETE. */
+static void rec_transfer(rank_t *c, rank_t *g, uint64_t req, const uint32_t *bl,
+                         uint32_t n, uint32_t tokens)
+{
+    kvx_context_params_t p;
+    fill_req(c, req, bl, tokens);
+    CHECK_KVX(kvx_publish(c->c, req, c->pool, bl, n, tokens, &p, T_MS), c->c);
+    CHECK_KVX(kvx_fetch(g->c, req, p.data, p.len, g->pool, bl, n, 0, T_MS),
+              g->c);
+    wait_event(g->c, req, KVX_EVENT_COMPLETE, 0, 3000);
+    wait_event(c->c, req, KVX_EVENT_COMPLETE, 0, 3000);
+    kvx_context_params_free(&p);
+}
+
+static uint64_t rec_bytes(uint32_t tokens)
+{
+    return (uint64_t)tokens * M_SMALL.layers * M_SMALL.kv * M_SMALL.heads *
+           M_SMALL.head_dim * 2;
+}
+
+/* Every line of path is one JSON object (python3's json module says so):
+ * how many lines, or -1. */
+static int rec_json_lines(const char *path)
+{
+    char cmd[512], out[256];
+    snprintf(cmd, sizeof(cmd),
+             "python3 -c 'import json,sys; n=0\n"
+             "for l in open(sys.argv[1]):\n"
+             "    o=json.loads(l); assert isinstance(o, dict); n+=1\n"
+             "print(n)' %s 2>&1",
+             path);
+    if (cmd_run(cmd, out, sizeof(out)) != 0) {
+        fprintf(stderr, "%s: %s\n", path, out);
+        return -1;
+    }
+    return atoi(out);
+}
+
+/* The record in text of KEY's SIDE (generation or context) (NULL:
+ * none), copied. */
+static char *rec_line(const char *text, const char *key, const char *side)
+{
+    char want[96];
+    snprintf(want, sizeof(want), "\"key\":\"%s\",\"side\":\"%s\",", key, side);
+    const char *p = strstr(text, want);
+    if (!p)
+        return NULL;
+    while (p > text && p[0] != '{')
+        p--;
+    size_t n = strcspn(p, "\n");
+    const char *e = strstr(p, "}");
+    if (e && (size_t)(e - p) < n)
+        n = (size_t)(e - p) + 1;
+    return strndup(p, n);
+}
+
+/* Each finished request is one record, in the ring (records.ring, the
+ * newest kept) that kvxferctl requests --done lists, and one JSON line
+ * of records.file: instance, key, side, both sides' instances, path,
+ * exactly the bytes that landed (a fetch) or were read (its offer),
+ * start and end, bandwidth, outcome and code. An offer nobody fetched
+ * is recorded with its outcome and no bytes. */
+TEST(records_one_per_request)
+{
+    daemon_t *d = daemon_start("records:\n  ring: 3\n");
+    char cfg[512], file[200];
+    snprintf(file, sizeof(file), "%s/records.jsonl", d->dir);
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nrecords:\n  ring: 3\n  file: %s\n", d->sock,
+             file);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP); /* records.file is reloadable */
+    CHECK(log_wait(d, "reloaded", 3000));
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rc-ctx", "rc-gen", 16, &c, &g, &cs, &gs);
+    uint32_t bl[5] = {4, 0, 9, 2, 7};
+    for (uint32_t i = 1; i <= 5; i++)
+        rec_transfer(&c, &g, 70 + i, bl, i, i * 4 - 1); /* 4 a block */
+
+    char *text = read_file(file);
+    fprintf(stderr, "%s", text);
+    CHECK_EQ(rec_json_lines(file), 10);
+    for (uint32_t i = 1; i <= 5; i++) {
+        char key[16];
+        snprintf(key, sizeof(key), "%u", 70 + i);
+        for (int side = 0; side < 2; side++) {
+            char *l = rec_line(text, key, side ? "context" : "generation");
+            CHECK(l != NULL);
+            CHECK_STR_CONTAINS(l, side ? "\"instance\":\"rc-ctx\","
+                                       : "\"instance\":\"rc-gen\",");
+            CHECK_STR_CONTAINS(l, "\"context_instance\":\"rc-ctx\","
+                                  "\"generation_instance\":\"rc-gen\","
+                                  "\"path\":\"host\",");
+            CHECK_STR_CONTAINS(l, "\"outcome\":\"complete\",\"code\":\"OK\"");
+            CHECK_EQ(json_num(l, "bytes"), (long long)rec_bytes(i * 4 - 1));
+            long long us = json_num(l, "duration_us");
+            CHECK(us >= 0);
+            if (us > 0)
+                CHECK_EQ(json_num(l, "bandwidth_bytes_per_s"),
+                         (long long)(rec_bytes(i * 4 - 1) * 1e6 / (double)us));
+            free(l);
+        }
+    }
+    free(text);
+
+    /* the ring keeps the newest 3, oldest first: each transfer left its
+     * fetch's record, then its offer's */
+    char args[300], out[8192];
+    snprintf(args, sizeof(args), "--socket %s requests --done --json", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_EQ(count_str(out, "\"instance\":"), 3);
+    CHECK(strstr(out, "\"key\":\"73\"") == NULL);
+    const char *c74 = strstr(out, "\"key\":\"74\",\"side\":\"context\"");
+    const char *g75 = strstr(out, "\"key\":\"75\",\"side\":\"generation\"");
+    const char *c75 = strstr(out, "\"key\":\"75\",\"side\":\"context\"");
+    CHECK(c74 && g75 && c75 && c74 < g75 && g75 < c75);
+    char *l = rec_line(out, "75", "generation");
+    CHECK(l != NULL);
+    CHECK_EQ(json_num(l, "bytes"), (long long)rec_bytes(19));
+    free(l);
+    snprintf(args, sizeof(args), "--socket %s requests --done", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    fprintf(stderr, "%s", out);
+    CHECK_STR_CONTAINS(out, "3 finished requests shown, 3 kept, 10 since "
+                            "start\n");
+    char want[200];
+    snprintf(want, sizeof(want),
+             "rc-gen               75                   generation rc-ctx"
+             "               host  %12llu ",
+             (unsigned long long)rec_bytes(19));
+    CHECK_STR_CONTAINS(out, want);
+    snprintf(want, sizeof(want),
+             "rc-ctx               75                   context    rc-gen"
+             "               host  %12llu ",
+             (unsigned long long)rec_bytes(19));
+    CHECK_STR_CONTAINS(out, want);
+
+    /* an offer nobody fetches: its lease ends it; no bytes, no path */
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nrecords:\n  ring: 3\n  file: %s\n"
+             "deadlines:\n  offer_lease_ms: 100\n",
+             d->sock, file);
+    write_file(d->cfg, cfg);
+    /* the first SIGHUP above wrote the same line */
+    int reloads = log_count(d, "keys changed");
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait_more(d, "keys changed", reloads, 3000));
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 90, c.pool, bl, 1, 3, &p, T_MS), c.c);
+    wait_event(c.c, 90, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 3000);
+    kvx_context_params_free(&p);
+    text = read_file(file);
+    l = rec_line(text, "90", "context");
+    CHECK(l != NULL);
+    CHECK_STR_CONTAINS(l, "\"generation_instance\":\"\",\"path\":\"-\","
+                          "\"bytes\":0,");
+    CHECK_STR_CONTAINS(l, "\"outcome\":\"timed_out\",\"code\":\"TIMED_OUT\"");
+    free(l);
+    free(text);
+
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
+/* records.file is rotated past records.max_bytes (FILE.1 the newest,
+ * records.keep kept, the oldest removed), and reopened on SIGHUP: after
+ * logrotate moved it, the next record goes to a new FILE. */
+TEST(records_rotate_and_reopen)
+{
+    daemon_t *d = daemon_start(NULL);
+    char cfg[512], file[200], path[220];
+    snprintf(file, sizeof(file), "%s/rec.jsonl", d->dir);
+    /* a record is about 400 bytes: every one rotates the file */
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nrecords:\n  file: %s\n  max_bytes: 1\n"
+             "  keep: 2\n",
+             d->sock, file);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "reloaded", 3000));
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "rr-ctx", "rr-gen", 8, &c, &g, &cs, &gs);
+    uint32_t bl[1] = {3};
+    for (uint32_t i = 1; i <= 4; i++)
+        rec_transfer(&c, &g, i, bl, 1, 3);
+    char *t = read_file(file);
+    CHECK_EQ((long long)strlen(t), 0); /* reopened empty after the last */
+    free(t);
+    /* each transfer: its fetch's record, then its offer's */
+    snprintf(path, sizeof(path), "%s.1", file);
+    t = read_file(path);
+    CHECK_EQ(count_str(t, "\n"), 1);
+    CHECK_STR_CONTAINS(t, "\"key\":\"4\",\"side\":\"context\",");
+    free(t);
+    snprintf(path, sizeof(path), "%s.2", file);
+    t = read_file(path);
+    CHECK_EQ(count_str(t, "\n"), 1);
+    CHECK_STR_CONTAINS(t, "\"key\":\"4\",\"side\":\"generation\",");
+    free(t);
+    snprintf(path, sizeof(path), "%s.3", file);
+    CHECK(access(path, F_OK) != 0); /* keep: 2 */
+
+    /* logrotate's way: move it, SIGHUP; never rotated by the daemon */
+    snprintf(cfg, sizeof(cfg),
+             "socket:\n  path: %s\nrecords:\n  file: %s\n  max_bytes: 0\n",
+             d->sock, file);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "keys changed", 3000));
+    rec_transfer(&c, &g, 5, bl, 1, 3);
+    snprintf(path, sizeof(path), "%s.moved", file);
+    CHECK(rename(file, path) == 0);
+    rec_transfer(&c, &g, 6, bl, 1, 3); /* still into the moved file */
+    kill(d->pid, SIGHUP);
+    sleep_ms(300);
+    rec_transfer(&c, &g, 7, bl, 1, 3);
+    t = read_file(path);
+    CHECK_EQ(count_str(t, "\n"), 4);
+    CHECK_EQ(count_str(t, "\"key\":\"5\","), 2);
+    CHECK_EQ(count_str(t, "\"key\":\"6\","), 2);
+    free(t);
+    t = read_file(file);
+    CHECK_EQ(count_str(t, "\n"), 2);
+    CHECK_EQ(count_str(t, "\"key\":\"7\","), 2);
+    free(t);
+    CHECK_EQ(rec_json_lines(file), 2);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
+/* ---- logs --------------------------------------------------------------- */
+
+/* log.format json: every line the daemon writes is one JSON object
+ * (python3's json module parses each), with time, level and message; a
+ * request that times out is an info line carrying its instance, key and
+ * code, a rank's hello its instance. A reload back to text is in force at
+ * once. */
+TEST(log_json_lines_carry_fields)
+{
+    daemon_t *d = daemon_start("log:\n  format: json\n"
+                               "deadlines:\n  offer_lease_ms: 200\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "lj-ctx", "lj-gen", 8, &c, &g, &cs, &gs);
+    uint32_t bl[2] = {1, 3};
+    rec_transfer(&c, &g, 5, bl, 2, 6);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 9, c.pool, bl, 2, 6, &p, T_MS), c.c);
+    wait_event(c.c, 9, KVX_EVENT_TIMED_OUT, KVX_ERR_TIMED_OUT, 3000);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    char cmd[1024], out[2048];
+    snprintf(cmd, sizeof(cmd),
+             "python3 -c 'import json,sys\n"
+             "ls=[json.loads(l) for l in open(sys.argv[1])]\n"
+             "assert ls and all(set(o)>={\"time\",\"level\",\"priority\","
+             "\"message\"} for o in ls), ls\n"
+             "t=[o for o in ls if o.get(\"code\")==\"TIMED_OUT\"]\n"
+             "assert t and t[0][\"instance\"]==\"lj-ctx\" and "
+             "t[0][\"key\"]==\"9\" and t[0][\"level\"]==\"info\", t\n"
+             "assert \"offer lease of 200 ms expired\" in t[0][\"message\"]\n"
+             "h=[o for o in ls if o.get(\"instance\")==\"lj-gen\"]\n"
+             "assert h and \"is rank 0 of instance lj-gen\" in "
+             "h[0][\"message\"], h\n"
+             "print(len(ls), \"lines\")' %s 2>&1",
+             d->log);
+    int rc = cmd_run(cmd, out, sizeof(out));
+    fprintf(stderr, "%s", out);
+    CHECK_EQ(rc, 0);
+    /* back to text by reload */
+    char cfg[256];
+    snprintf(cfg, sizeof(cfg), "socket:\n  path: %s\nlog:\n  format: text\n",
+             d->sock);
+    write_file(d->cfg, cfg);
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "<5>kvxferd: SIGHUP: reloaded", 3000));
+    daemon_stop_ok(d);
+}
+
+/* On a terminal the daemon names levels ("error: ..."), in a file or a
+ * pipe it keeps journald's "<3>" prefix; a bad log.format is refused. */
+TEST(log_level_names_on_a_terminal)
+{
+    char cfg[128], cmd[512], out[4096];
+    snprintf(cfg, sizeof(cfg), "/tmp/kvx-it-%d-tty.yaml", (int)getpid());
+    write_file(cfg, "limits:\n  max_sessions: many\n");
+    snprintf(cmd, sizeof(cmd),
+             "script -qec '%s/kvxferd --config %s' /dev/null 2>&1", build_dir(),
+             cfg);
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 1);
+    fprintf(stderr, "%s", out);
+    CHECK_STR_CONTAINS(out, " error: ");
+    CHECK_STR_CONTAINS(out, "limits.max_sessions");
+    CHECK(strstr(out, "<3>") == NULL);
+    snprintf(cmd, sizeof(cmd), "%s/kvxferd --config %s 2>&1 | cat", build_dir(),
+             cfg);
+    cmd_run(cmd, out, sizeof(out));
+    CHECK_STR_CONTAINS(out, "<3>kvxferd: ");
+    write_file(cfg, "log:\n  format: loud\n");
+    snprintf(cmd, sizeof(cmd), "%s/kvxferd --config %s --check-config 2>&1",
+             build_dir(), cfg);
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "tty.yaml:2:11: log.format: loud (expected "
+                            "auto, text, json or journal)");
+    unlink(cfg);
+}
+
 /* ---- 16. configuration -------------------------------------------------- */
 
 /* Run kvxferd with args; returns the exit status, output in *out. */
@@ -432,6 +747,67 @@ TEST(ctl_plan)
     CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
     CHECK_STR_CONTAINS(out, "total 8388608 bytes");
     unlink(file);
+}
+
+/* Every command kvxferctl --help lists answers COMMAND --help with its
+ * usage and exit 0, as do kvxferctl --help and --version (before, a
+ * command's --help was an unknown option: exit 2). The list is read from
+ * kvxferctl itself, so a command added later is covered too. */
+TEST(ctl_help_every_command)
+{
+    char out[8192], one[4096], args[128];
+    CHECK_EQ(ctl_run("--version", out, sizeof(out)), 0);
+    char want[128];
+    snprintf(want, sizeof(want), "kvxferctl %s (protocol %d.%d)\n",
+             KVX_VERSION_STRING, KVX_PROTOCOL_MAJOR, KVX_PROTOCOL_MINOR);
+    CHECK_STR_CONTAINS(out, want);
+    CHECK_EQ(ctl_run("--help", out, sizeof(out)), 0);
+    const char *p = strstr(out, "\ncommands:\n");
+    CHECK(p != NULL);
+    p += strlen("\ncommands:\n");
+    int n = 0;
+    char name[32];
+    while (sscanf(p, "  %31s", name) == 1 && p[0] == ' ' && p[2] != '-') {
+        snprintf(args, sizeof(args), "%s --help", name);
+        CHECK_EQ(ctl_run(args, one, sizeof(one)), 0);
+        snprintf(want, sizeof(want), "usage: kvxferctl [--socket PATH] %s ",
+                 name);
+        CHECK_STR_CONTAINS(one, want);
+        snprintf(args, sizeof(args), "%s -h", name);
+        CHECK_EQ(ctl_run(args, one, sizeof(one)), 0);
+        n++;
+        p = strchr(p, '\n') + 1;
+    }
+    fprintf(stderr, "%d commands answered --help\n", n);
+    CHECK(n >= 6); /* status requests peers drain cancel plan */
+    /* plan says its defaults */
+    CHECK_EQ(ctl_run("plan --help", out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "--heads H                   total KV heads "
+                            "(default 8)");
+    CHECK_STR_CONTAINS(out, "(default bf16)");
+    /* an unknown option still exits 2 and names it */
+    CHECK_EQ(ctl_run("status --bogus", out, sizeof(out)), 2);
+    CHECK_STR_CONTAINS(out, "status: unknown option '--bogus'");
+}
+
+/* kvxferctl status is a summary (no configuration dump); status --config
+ * prints the configuration in effect, one key=value a line. */
+TEST(ctl_status_summary_and_config)
+{
+    daemon_t *d = daemon_start("limits:\n  max_sessions: 77\n");
+    char out[16384], args[256];
+    snprintf(args, sizeof(args), "--socket %s status", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "requests by state:");
+    CHECK(strstr(out, "limits.max_sessions=") == NULL);
+    CHECK(strstr(out, "\nconfig:") == NULL);
+    snprintf(args, sizeof(args), "--socket %s status --config", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "\nlimits.max_sessions=77\n");
+    CHECK(strstr(out, "requests by state:") == NULL);
+    snprintf(args, sizeof(args), "--socket %s status --config --json", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 2);
+    daemon_stop_ok(d);
 }
 
 /* kB of daemon d's /proc status field (e.g. "RssShmem:"). */

@@ -298,7 +298,42 @@ TEST_T(peer_status, 60)
     CHECK_EQ(pclose(f), 0);
     CHECK_STR_CONTAINS(out, "\nslots received 1 (0.0 MiB), per slot: wait ");
     CHECK(strstr(out, "\nslots sent") == NULL);
+    CHECK_STR_CONTAINS(out, "  1 of 1 peer daemons connected");
     free(out);
+    /* kvxferctl peers: B's one peer, A, connected, with B's bytes */
+    char args[300], pout[4096];
+    snprintf(args, sizeof(args), "--socket %s peers", b->sock);
+    CHECK_EQ(ctl_run(args, pout, sizeof(pout)), 0);
+    fprintf(stderr, "kvxferctl peers:\n%s", pout);
+    CHECK_STR_CONTAINS(pout, "PEER ");
+    char *line = strstr(pout, ipport[0]);
+    CHECK(line != NULL);
+    char st[32], dir[8];
+    unsigned long long sent, recvd, errs;
+    CHECK_EQ(sscanf(strchr(line, ' '), " %31s %7s %llu %llu %llu", st, dir,
+                    &sent, &recvd, &errs),
+             5);
+    CHECK(!strcmp(st, "connected"));
+    CHECK(!strcmp(dir, "out"));
+    CHECK((long long)recvd >= payload);
+    CHECK_EQ(errs, 0);
+    /* B's record of the fetch: pulled from a peer, exactly its bytes */
+    char rec[4096];
+    snprintf(args, sizeof(args), "--socket %s requests --done --json", b->sock);
+    CHECK_EQ(ctl_run(args, rec, sizeof(rec)), 0);
+    fprintf(stderr, "B's records: %s", rec);
+    CHECK_STR_CONTAINS(rec, "\"key\":\"51\",\"side\":\"generation\"");
+    CHECK_STR_CONTAINS(rec, "\"path\":\"peer\",");
+    CHECK_EQ(json_num(rec, "bytes"), payload);
+    CHECK_STR_CONTAINS(rec, "\"outcome\":\"complete\",\"code\":\"OK\"");
+    /* and A's of the offer: read by a peer daemon, every byte */
+    snprintf(args, sizeof(args), "--socket %s requests --done --json", a->sock);
+    CHECK_EQ(ctl_run(args, rec, sizeof(rec)), 0);
+    fprintf(stderr, "A's records: %s", rec);
+    CHECK_STR_CONTAINS(rec, "\"key\":\"51\",\"side\":\"context\"");
+    CHECK_STR_CONTAINS(rec, "\"generation_instance\":\"\",\"path\":\"peer\",");
+    CHECK_EQ(json_num(rec, "bytes"), payload);
+    CHECK_STR_CONTAINS(rec, "\"outcome\":\"complete\",\"code\":\"OK\"");
 
     rank_close(&c);
     rank_close(&g);

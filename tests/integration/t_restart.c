@@ -653,6 +653,105 @@ TEST_T(restart_drain_upgrade, 90)
     CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
 }
 
+/* kvxferctl cancel KEY: a uid that is not an admin is refused (PERM, the
+ * offer still offered); an admin's cancel ends an unfetched offer
+ * CANCELLED at its context rank, and a fetch under way CANCELLED at its
+ * generation rank, the reply coming once its copies are fenced; the
+ * fetch's record says cancelled, with the bytes that had landed. An
+ * unknown key or instance is NOT_FOUND, named. */
+TEST_T(ctl_cancel_admin, 60)
+{
+    daemon_t *d = daemon_start2("  mode: 0666\n",
+                                SLOW_CFG "auth:\n  allowed_uids: [64021]\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_BIG, "cn-ctx", "cn-gen", BIG_BLOCKS + 8, &c, &g, &cs, &gs);
+    uint32_t small[2] = {BIG_BLOCKS, BIG_BLOCKS + 1};
+    kvx_context_params_t px;
+    CHECK_KVX(kvx_publish(c.c, 61, c.pool, small, 2, 8, &px, T_MS), c.c);
+    char out[4096], args[512], cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "setpriv --reuid=64021 --regid=64021 --clear-groups "
+             "%s/kvxferctl --socket %s cancel 61 --instance cn-ctx 2>&1",
+             build_dir(), d->sock);
+    CHECK_EQ(cmd_run(cmd, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "permission denied");
+    CHECK_STR_CONTAINS(out, "only root, the daemon's uid and members of "
+                            "auth.admin_gids may cancel");
+    char *json;
+    CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
+    CHECK_STR_CONTAINS(json, "\"key\":\"61\",\"request_id\":61,"
+                             "\"side\":\"context\",\"state\":\"offered\"");
+    free(json);
+    /* an admin (root): the one instance that has 61 is found */
+    snprintf(args, sizeof(args), "--socket %s cancel 61", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "cancelled request 61 of instance cn-ctx");
+    wait_event(c.c, 61, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 3000);
+    CHECK_KVX(kvx_requests_json(c.c, &json, T_MS), c.c);
+    CHECK(strstr(json, "\"key\":\"61\"") == NULL);
+    free(json);
+    CHECK(log_contains(d, "uid 0 cancels request 61 of instance cn-ctx"));
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "no request 61 in flight");
+    snprintf(args, sizeof(args), "--socket %s cancel 61 --instance nope",
+             d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 1);
+    CHECK_STR_CONTAINS(out, "cancel.instance_id: no instance nope");
+
+    /* a fetch under way, cancelled on the generation side */
+    memset(g.base, 0xa5, g.size);
+    uint32_t *bl = big_blocks();
+    fill_req(&c, 62, bl, BIG_TOK);
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 62, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch(g.c, 62, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
+        g.c);
+    wait_landing(&g, 0xa5);
+    snprintf(args, sizeof(args), "--socket %s cancel 62 --instance cn-gen",
+             d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    wait_event(g.c, 62, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 5000);
+    snprintf(args, sizeof(args), "--socket %s requests --done --json", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    fprintf(stderr, "%s", out);
+    char *l = rec_line(out, "62", "generation");
+    CHECK(l != NULL);
+    CHECK_STR_CONTAINS(l, "\"instance\":\"cn-gen\",");
+    CHECK_STR_CONTAINS(l, "\"outcome\":\"cancelled\",\"code\":\"CANCELLED\"");
+    long long landed = json_num(l, "bytes");
+    CHECK(landed > 0 && landed < (long long)BIG_TOK * 1024);
+    free(l);
+    /* its offer: read as much, ended ERROR CANCELLED by the other side */
+    l = rec_line(out, "62", "context");
+    CHECK(l != NULL);
+    CHECK_STR_CONTAINS(l, "\"outcome\":\"error\",\"code\":\"CANCELLED\"");
+    CHECK_EQ(json_num(l, "bytes"), landed);
+    free(l);
+    /* another uid sees none of these records */
+    snprintf(cmd, sizeof(cmd),
+             "setpriv --reuid=64021 --regid=64021 --clear-groups "
+             "%s/kvxferctl --socket %s requests --done --json 2>&1",
+             build_dir(), d->sock);
+    char other[256];
+    CHECK_EQ(cmd_run(cmd, other, sizeof(other)), 0);
+    CHECK(!strcmp(other, "[]\n"));
+    /* and 61, cancelled before anyone fetched it */
+    l = rec_line(out, "61", "context");
+    CHECK(l != NULL);
+    CHECK_STR_CONTAINS(l, "\"bytes\":0,");
+    CHECK_STR_CONTAINS(l, "\"outcome\":\"cancelled\",\"code\":\"CANCELLED\"");
+    free(l);
+    kvx_context_params_free(&p);
+    kvx_context_params_free(&px);
+    free(bl);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_stop_ok(d);
+}
+
 /* ---- ranks that come back one by one ------------------------------------ */
 
 /* The next batch of c holding an event for req: its seq, and that event

@@ -277,6 +277,10 @@ TEST(table_sane)
                                         "gpu.event_poll_us",
                                         "gpu.chunk_bytes",
                                         "gpu.staging_bytes",
+                                        "gpu.copy_path",
+                                        "gpu.dma_min_run",
+                                        "gpu.sm_share",
+                                        "gpu.stream_priority",
                                         "peer.listen",
                                         "peer.secret_file",
                                         "peer.secret_previous_ms",
@@ -309,6 +313,11 @@ TEST(table_sane)
                                         "deadlines.reply_stall_ms",
                                         "log.level",
                                         "log.trace_file",
+                                        "log.format",
+                                        "records.ring",
+                                        "records.file",
+                                        "records.max_bytes",
+                                        "records.keep",
                                         "metrics.listen",
                                         "metrics.publish_ms",
                                         "metrics.health_max_lag_ms"};
@@ -322,6 +331,7 @@ TEST(table_sane)
                                              "copy.max_inflight_chunks",
                                              "gpu.max_ctas",
                                              "gpu.chunk_bytes",
+                                             "gpu.dma_min_run",
                                              "peer.secret_previous_ms",
                                              "peer.keepalive_interval_ms",
                                              "peer.keepalive_timeout_ms",
@@ -336,6 +346,10 @@ TEST(table_sane)
                                              "deadlines.session_idle_ms",
                                              "deadlines.reply_stall_ms",
                                              "log.level",
+                                             "log.format",
+                                             "records.file",
+                                             "records.max_bytes",
+                                             "records.keep",
                                              "metrics.publish_ms",
                                              "metrics.health_max_lag_ms"};
     /* Every member of kvx_conf_t; each must belong to some key. */
@@ -379,6 +393,10 @@ TEST(table_sane)
         M(gpu_event_poll_us),
         M(gpu_chunk_bytes),
         M(gpu_staging_bytes),
+        M(gpu_copy_path),
+        M(gpu_dma_min_run),
+        M(gpu_sm_share),
+        M(gpu_stream_priority),
         M(peer_listen),
         M(peer_secret_file),
         M(peer_secret_previous_ms),
@@ -411,6 +429,11 @@ TEST(table_sane)
         M(reply_stall_ms),
         M(log_level),
         M(log_trace_file),
+        M(log_format),
+        M(records_ring),
+        M(records_file),
+        M(records_max_bytes),
+        M(records_keep),
         M(metrics_listen),
         M(metrics_publish_ms),
         M(metrics_health_max_lag_ms),
@@ -749,17 +772,18 @@ TEST(err_unknown_section)
 {
     expect_errors("sockets:\n  path: /x\n", 1,
                   "F:1:1: sockets: unknown section (expected one of socket, "
-                  "auth, limits, copy, gpu, peer, deadlines, log, "
+                  "auth, limits, copy, gpu, peer, deadlines, log, records, "
                   "metrics)\n"
                   "sockets:\n"
                   "^\n");
     /* A dotted key at top level is not a shorthand. */
-    expect_errors("log.level: info\n", 1,
-                  "F:1:1: log.level: unknown section (expected one of "
-                  "socket, auth, limits, copy, gpu, peer, deadlines, log, "
-                  "metrics)\n"
-                  "log.level: info\n"
-                  "^\n");
+    expect_errors(
+        "log.level: info\n", 1,
+        "F:1:1: log.level: unknown section (expected one of "
+        "socket, auth, limits, copy, gpu, peer, deadlines, log, records, "
+        "metrics)\n"
+        "log.level: info\n"
+        "^\n");
 }
 
 TEST(err_unknown_key)
@@ -772,7 +796,7 @@ TEST(err_unknown_key)
     /* A key of another section. */
     expect_errors("log:\n  max_sessions: 5\n", 1,
                   "F:2:3: log.max_sessions: unknown key (expected one of "
-                  "level, trace_file)\n"
+                  "level, trace_file, format)\n"
                   "  max_sessions: 5\n"
                   "  ^\n");
 }
@@ -935,6 +959,35 @@ TEST(err_cross_key)
     CHECK_EQ(c.hello_frame_bytes, 8192);
 }
 
+/* gpu.copy_path, gpu.stream_priority, gpu.sm_share: each bad value
+ * named, the good ones loaded */
+TEST(err_gpu_share_keys)
+{
+    kvx_conf_t c;
+    load_ok("gpu:\n  copy_path: auto\n  dma_min_run: 64KiB\n  sm_share: 25\n"
+            "  stream_priority: low\n",
+            &c);
+    CHECK(!strcmp(c.gpu_copy_path, "auto"));
+    CHECK_EQ(c.gpu_dma_min_run, 65536);
+    CHECK_EQ(c.gpu_sm_share, 25);
+    CHECK(!strcmp(c.gpu_stream_priority, "low"));
+    expect_errors("gpu:\n  copy_path: ce\n", 1,
+                  "F:2:14: gpu.copy_path: \"ce\" is not a copy path "
+                  "(expected kernel, dma or auto)\n"
+                  "  copy_path: ce\n"
+                  "             ^\n");
+    expect_errors("gpu:\n  stream_priority: high\n", 1,
+                  "F:2:20: gpu.stream_priority: \"high\" is not a stream "
+                  "priority (expected normal or low)\n"
+                  "  stream_priority: high\n"
+                  "                   ^\n");
+    expect_errors("gpu:\n  sm_share: 101\n", 1,
+                  "F:2:13: gpu.sm_share: 101 is out of range (expected an "
+                  "integer 0..100)\n"
+                  "  sm_share: 101\n"
+                  "            ^\n");
+}
+
 /* peer.topology, peer.rails, peer.gpu_rails: each bad value named */
 TEST(err_topology_keys)
 {
@@ -1052,14 +1105,16 @@ TEST(err_top_level)
         "- socket\n- log\n", 1,
         "F:1:1: (top level): got a sequence (expected a mapping "
         "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
-        "log, metrics)\n"
+        "log, records, "
+        "metrics)\n"
         "- socket\n"
         "^\n");
     expect_errors(
         "hello\n", 1,
         "F:1:1: (top level): got a scalar (expected a mapping "
         "with sections socket, auth, limits, copy, gpu, peer, deadlines, "
-        "log, metrics)\n"
+        "log, records, "
+        "metrics)\n"
         "hello\n"
         "^\n");
     expect_errors("log: {level: info}\n---\nlog: {level: debug}\n", 1,
@@ -1126,7 +1181,7 @@ TEST(err_collects_all)
                   "  max_pools: 1\n"
                   "  ^\n"
                   "F:7:1: bogus: unknown section (expected one of socket, "
-                  "auth, limits, copy, gpu, peer, deadlines, log, "
+                  "auth, limits, copy, gpu, peer, deadlines, log, records, "
                   "metrics)\n"
                   "bogus: {}\n"
                   "^\n"

@@ -951,6 +951,43 @@ static void gpu_walk_exec(const plan_t *p, uint64_t u0, uint64_t u1,
     free(buf);
 }
 
+/* A run of the copy engines' path, done here by memcpy; the runs must
+ * not overlap a run already copied (counted in bytes). */
+static int run_memcpy(void *arg, uint64_t dst, uint64_t src, uint64_t len)
+{
+    uint64_t *bytes = arg;
+    CHECK(len > 0);
+    memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, len);
+    *bytes += len;
+    return 0;
+}
+
+/* Units [u0, u1) of bound plan p as the copy engines' path copies them:
+ * gpu_desc_runs() over the host-laid descriptor. */
+static void gpu_runs_exec(const plan_t *p, uint64_t u0, uint64_t u1,
+                          uint8_t *packed, int mode)
+{
+    if (u0 >= u1)
+        return;
+    size_t cap = gpu_desc_size(p), len = 0;
+    uint8_t *buf = malloc(cap);
+    size_t *off = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
+    CHECK(buf && off);
+    gpu_plan_t g;
+    char why[256];
+    CHECK_EQ(gpu_desc_pack(p, &(gpu_desc_buf_t){buf, cap, (uintptr_t)buf}, &g,
+                           off, &len, KVX_WHY(why)),
+             0);
+    gpu_launch_t l = {
+        .u0 = u0, .u1 = u1, .packed = packed, .packed_mode = mode};
+    uint64_t bytes = 0;
+    CHECK_EQ(gpu_desc_runs(&g, &l, run_memcpy, &bytes), 0);
+    CHECK_EQ(bytes, plan_units_bytes(p, u0, u1));
+    CHECK(gpu_desc_unit_run(&g, &l) > 0);
+    free(off);
+    free(buf);
+}
+
 typedef struct e2e {
     plan_side_t s, d;
     const char *sp, *dp;
@@ -1193,6 +1230,32 @@ static void e2e_run(const e2e_t *c)
                     (unsigned long long)dst.size, dst.base[o], want[o]);
             CHECK(!"GPU walk: destination differs from direct indexing");
         }
+        CHECK(guards_intact(&dst));
+        /* the copy engines' runs: pool to pool, and gathered or
+         * scattered by them against the host's packed layout */
+        memset(dst.base, 0xee, dst.size);
+        for (int i = 0; i < nc - 1; i++) {
+            int k = (start + i) % (nc - 1);
+            gpu_runs_exec(p, cuts[k], cuts[k + 1], NULL, GPU_PACKED_NONE);
+        }
+        CHECK(!memcmp(dst.base, want, dst.size));
+        CHECK(guards_intact(&dst));
+        memset(dst.base, 0xee, dst.size);
+        for (int i = 0; i < nc - 1; i++) {
+            int k = (start + i) % (nc - 1);
+            uint64_t len = plan_units_bytes(p, cuts[k], cuts[k + 1]);
+            memset(buf, 0x5a, len);
+            if (rnd() % 2) {
+                gpu_runs_exec(p, cuts[k], cuts[k + 1], buf,
+                              GPU_PACKED_GATHER);
+                plan_exec_packed(p, cuts[k], cuts[k + 1], buf, 0);
+            } else {
+                plan_exec_packed(p, cuts[k], cuts[k + 1], buf, 1);
+                gpu_runs_exec(p, cuts[k], cuts[k + 1], buf,
+                              GPU_PACKED_SCATTER);
+            }
+        }
+        CHECK(!memcmp(dst.base, want, dst.size));
         CHECK(guards_intact(&dst));
         memset(dst.base, 0xee, dst.size);
         for (int i = 0; i < nc - 1; i++) {

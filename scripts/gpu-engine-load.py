@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""What kvxfer's copies do to an engine's step on the same GPU (issue 39).
+
+A stand-in engine runs a decode-like step loop on the GPU: four bf16
+4096 x 4096 matmuls and a memory-bound add over 128 MiB tensors, each
+step synchronized and timed (an engine waits for its step before it
+samples the next token). The script measures, in one run:
+
+1. the engine alone (its baseline step times);
+2. kvxfer-bench alone with the given arguments (kvxfer's idle GB/s);
+3. the engine while kvxfer-bench runs again: only the steps that lie
+   wholly inside a timed pass (kvxfer-bench --pass-times) count.
+
+It prints one JSON line: the step p50/p90/p99 alone and under load, their
+ratios (the slowdown), kvxfer's GB/s under load against idle, and the
+daemon's copy path as its status tells it. Needs PyTorch with CUDA.
+
+    python3 scripts/gpu-engine-load.py --bench dist/kvxfer/bin/kvxfer-bench \\
+        --label kernel -- --spawn-daemon --gpu --gen-device 0 ...
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def pct(xs, q):
+    """The q-quantile of xs (nearest rank)."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
+    return s[k]
+
+
+class Engine:
+    """The stand-in engine's step: compute, then memory traffic."""
+
+    def __init__(self, dev: int) -> None:
+        torch.cuda.set_device(dev)
+        n = 4096
+        self.w = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(4)]
+        self.x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        m = 64 << 20  # 128 MiB of bf16 each
+        self.a = torch.randn(m, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(m, device="cuda", dtype=torch.bfloat16)
+        self.c = torch.empty_like(self.a)
+        for _ in range(20):
+            self.step()
+
+    def step(self) -> tuple:
+        """One step: its start and end, CLOCK_MONOTONIC ns."""
+        t0 = time.monotonic_ns()
+        y = self.x
+        for w in self.w:
+            y = torch.matmul(y, w)
+        torch.add(self.a, self.b, out=self.c)
+        torch.cuda.synchronize()
+        return t0, time.monotonic_ns()
+
+    def run_for(self, seconds: float) -> list:
+        end = time.monotonic_ns() + int(seconds * 1e9)
+        steps = []
+        while time.monotonic_ns() < end:
+            steps.append(self.step())
+        return steps
+
+
+def bench_json(out: str) -> dict:
+    for line in reversed(out.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError("kvxfer-bench printed no JSON line:\n" + out[-2000:])
+
+
+def run_bench(bench: str, args: list, marks: str) -> dict:
+    p = subprocess.run([bench] + args + ["--json", "--pass-times", marks],
+                       capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError("kvxfer-bench failed (%d):\n%s%s" % (
+            p.returncode, p.stdout[-2000:], p.stderr[-2000:]))
+    return bench_json(p.stdout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bench", required=True, help="kvxfer-bench to run")
+    ap.add_argument("--label", default="", help="the case's name")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--alone-s", type=float, default=2.0,
+                    help="seconds of steps alone (default 2)")
+    ap.add_argument("args", nargs=argparse.REMAINDER,
+                    help="-- then kvxfer-bench's arguments")
+    a = ap.parse_args()
+    args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    eng = Engine(a.device)
+    alone = [e - s for s, e in eng.run_for(a.alone_s)]
+    tmp = tempfile.mkdtemp(prefix="kvx-load-")
+    idle = run_bench(a.bench, args, os.path.join(tmp, "idle"))
+    marks = os.path.join(tmp, "load")
+    p = subprocess.Popen([a.bench] + args + ["--json", "--pass-times", marks],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    steps = []
+    while p.poll() is None:
+        steps.append(eng.step())
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise RuntimeError("kvxfer-bench failed under load (%d):\n%s%s" % (
+            p.returncode, out[-2000:], err[-2000:]))
+    load = bench_json(out)
+    with open(marks) as f:
+        wins = [tuple(int(x) for x in ln.split()) for ln in f if ln.strip()]
+    inside = [e - s for s, e in steps
+              if any(w0 <= s and e <= w1 for w0, w1 in wins)]
+    base = {q: pct(alone, q) for q in (0.5, 0.9, 0.99)}
+    busy = {q: pct(inside, q) for q in (0.5, 0.9, 0.99)}
+    r = {
+        "label": a.label,
+        "steps_alone": len(alone),
+        "steps_under_load": len(inside),
+        "step_ms_alone": {"p50": base[0.5] / 1e6, "p90": base[0.9] / 1e6,
+                          "p99": base[0.99] / 1e6},
+        "step_ms_load": {"p50": busy[0.5] / 1e6, "p90": busy[0.9] / 1e6,
+                         "p99": busy[0.99] / 1e6},
+        "slowdown": {"p50": busy[0.5] / base[0.5],
+                     "p90": busy[0.9] / base[0.9],
+                     "p99": busy[0.99] / base[0.99]},
+        "kvxfer_gbps_idle": idle["gbps"],
+        "kvxfer_gbps_load": load["gbps"],
+        "kvxfer_ratio": load["gbps"] / idle["gbps"] if idle["gbps"] else 0,
+        "gpu_status": load.get("gpu_status", ""),
+        "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+    }
+    print(json.dumps(r), flush=True)
+    if not inside:
+        print("no step lay inside a timed pass: make the passes longer",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

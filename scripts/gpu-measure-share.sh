@@ -1,0 +1,91 @@
+#!/bin/sh
+# Issue 39 on the GPU machine: what kvxfer's copies do to an engine's step
+# on the same GPU, per copy path, without and with MPS, one run per case,
+# alternated (scripts/gpu-engine-load.py: the engine alone, kvxfer alone,
+# then both; each line carries its own baselines). Then the copy engines
+# against the kernel on an idle GPU (32 KiB and 2 KiB runs) and the
+# layer-wise exposed time on each path.
+#   scripts/gpu-measure-share.sh dist/kvxfer OUTDIR
+# PART=load (the engine cases only), PART=idle (the rest); default both.
+# NOMPS and WITHMPS: the cases without and under MPS (names below);
+# ROUNDS: the idle rounds (2).
+B=${1:-dist/kvxfer}
+OUT=${2:-/tmp/kvx-share-out}
+mkdir -p "$OUT"
+B=$(cd "$B" && pwd)
+KVX_HOME=$B . "$B/env.sh"
+HERE=$(cd "$(dirname "$0")" && pwd)
+conf() { # name, gpu: lines...
+    f=$OUT/$1.yaml; shift
+    printf 'gpu:\n' >"$f"
+    for l in "$@"; do printf '  %s\n' "$l" >>"$f"; done
+    echo "$f"
+}
+K=$(conf kernel "copy_path: kernel")
+KL=$(conf kernel-low "copy_path: kernel" "stream_priority: low")
+K16=$(conf kernel-16 "copy_path: kernel" "max_ctas: 16")
+KS=$(conf kernel-sm25 "copy_path: kernel" "sm_share: 25")
+D=$(conf dma "copy_path: dma")
+DL=$(conf dma-low "copy_path: dma" "stream_priority: low")
+mps_on() {
+    export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "MPS would not start"; exit 1; }
+}
+mps_off() {
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+# 32 GiB a pass: 16 requests of 1,024 blocks of the 8B shape (2 MiB a
+# block over 32 layers), shuffled block ids, 8 timed passes
+M="--layers 32 --heads 8 --head-dim 128 --tokens-per-block 16 --dtype bf16 --layout vllm-nhd"
+L="--spawn-daemon --gpu --gen-device 0 $M --requests 16 --blocks 1024 --window 4 --pool-mib 8192 --shuffle --no-verify --passes 8"
+load() { # label, config[, mps]
+    r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --bench "$B/bin/kvxfer-bench" \
+        --label "$1" -- $L --daemon-config "$2" 2>"$OUT/load-$1.err")
+    echo "$r" >>"$OUT/load.jsonl"
+    echo "$1 $(echo "$r" | python3 -c 'import json,sys
+try:
+    r=json.loads(sys.stdin.read())
+    s=r["slowdown"]; a=r["step_ms_alone"]
+    print("step alone p50 %.3f ms p99 %.3f; slowdown p50 x%.3f p90 x%.3f p99 x%.3f; kvxfer %.1f GB/s under load, %.1f idle (%.3f); steps %d" % (a["p50"], a["p99"], s["p50"], s["p90"], s["p99"], r["kvxfer_gbps_load"], r["kvxfer_gbps_idle"], r["kvxfer_ratio"], r["steps_under_load"]))
+except Exception as e:
+    print("FAILED", e)')"
+    [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
+}
+bw() { # label, config, args...
+    name=$1; cfgf=$2; shift 2
+    r=$(timeout 200 kvxfer-bench --spawn-daemon --gpu --gen-device 0 --json \
+        --daemon-config "$cfgf" "$@" 2>&1 | tail -1)
+    echo "== $name: $*" >>"$OUT/idle.txt"; echo "$r" >>"$OUT/idle.txt"
+    echo "$name $(echo "$r" | grep -o '"gbps":[0-9.]*,"baseline_gbps":[0-9.]*,"ratio":[0-9.]*')"
+}
+if [ "${PART:-all}" != idle ]; then
+    for c in ${NOMPS:-kernel dma kernel-low dma-low kernel-16}; do
+        load "$c" "$OUT/$c.yaml"
+    done
+    if [ -n "${WITHMPS-x}" ]; then
+        mps_on
+        for c in ${WITHMPS:-kernel dma kernel-sm25 dma-low}; do
+            load "mps-$c" "$OUT/$c.yaml"
+        done
+        mps_off
+    fi
+fi
+if [ "${PART:-all}" != load ]; then
+    S="$M --window 4 --pool-mib 8192 --shuffle"
+    for i in $(seq "${ROUNDS:-2}"); do
+        bw "kernel-32K-$i" "$K" $S --requests 16 --blocks 1024
+        bw "dma-32K-$i" "$D" $S --requests 16 --blocks 1024
+        bw "kernel-2K-$i" "$K" $S --tokens-per-block 1 --requests 16 --blocks 4096
+        bw "dma-2K-$i" "$D" $S --tokens-per-block 1 --requests 16 --blocks 4096
+    done
+    for c in kernel:$K dma:$D; do
+        r=$(timeout 200 kvxfer-bench --spawn-daemon --json --gpu --gen-device 0 \
+            --layerwise 1 --requests 9 --blocks 4096 --pool-mib 20000 --trace \
+            --daemon-config "${c#*:}" 2>&1 | tail -1)
+        echo "== layerwise ${c%%:*}" >>"$OUT/idle.txt"; echo "$r" >>"$OUT/idle.txt"
+        echo "layerwise-${c%%:*} $(echo "$r" | grep -o '"exposed[a-z_]*":[0-9.]*' | tr '\n' ' ')"
+    done
+fi
