@@ -209,15 +209,19 @@ const struct conf_key conf_keys[] = {
      IDS(allowed_gids, num_allowed_gids),
      .min = 0,
      .max = UINT32_MAX - 1,
-     .help = "Peer gids allowed to connect: a peer whose gid is listed is "
-             "let in."},
+     .group_names = 1,
+     .help = "Peer groups allowed to connect, by name or gid: a peer whose "
+             "gid, or one of whose groups, is listed is let in. A name is "
+             "looked up when the file is read (start, SIGHUP)."},
     {.name = "auth.admin_gids",
      .type = CONF_IDS,
      IDS(admin_gids, num_admin_gids),
      .min = 0,
      .max = UINT32_MAX - 1,
-     .help = "Groups whose members see every user's sessions, pools, "
-             "instances and requests in status and request lists, as root "
+     .group_names = 1,
+     .help = "Groups (names or gids) whose members see every user's "
+             "sessions, pools, instances and requests in status and request "
+             "lists, as root "
              "and the daemon's own uid do; other clients see their own "
              "uid's only."},
 
