@@ -20,6 +20,7 @@
 static int check_group(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_hello(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_listen(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_secret_file(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_log_format(const kvx_conf_t *conf, kvx_why_t *why)
 {
     static const char *const ok[] = {"auto", "text", "json", "journal"};
@@ -570,9 +571,12 @@ const struct conf_key conf_keys[] = {
      .type = CONF_STRING,
      FIELD(peer_secret_file),
      .def_str = "",
+     .check = check_secret_file,
      .help = "File holding the cluster secret (16 to 4096 bytes, readable "
              "by the owner only) that daemons prove to each other; "
-             "required with peer.listen."},
+             "required with peer.listen. An absolute path, or a bare name: "
+             "a credential, the file of that name in "
+             "$CREDENTIALS_DIRECTORY (systemd's LoadCredential=NAME:FILE)."},
     {.name = "peer.secret_previous_ms",
      .type = CONF_MS,
      FIELD(peer_secret_previous_ms),
@@ -990,6 +994,20 @@ static int check_listen(const kvx_conf_t *conf, kvx_why_t *why)
             why, 1, "'%s': give the IP other daemons reach, not 0.0.0.0", l);
     if (!conf->peer_secret_file[0])
         return why_fail(why, 1, "needs peer.secret_file (the cluster secret)");
+    return 0;
+}
+
+/* An absolute path, or a credential's name: no '/', not "." or "..". */
+static int check_secret_file(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *f = conf->peer_secret_file;
+    if (!f[0] || f[0] == '/')
+        return 0;
+    if (strchr(f, '/') || !strcmp(f, ".") || !strcmp(f, ".."))
+        return why_fail(why, 1,
+                        "'%s' is neither an absolute path nor a credential "
+                        "name (a name without '/')",
+                        f);
     return 0;
 }
 
