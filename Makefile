@@ -187,6 +187,7 @@ help:
 	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
+	@echo "make check-units  systemd-analyze verify and security on the installed units"
 	@echo "make lint       cppcheck, layers (scripts/layers.py), signatures (scripts/params.py)"
 	@echo "make format-check  clang-format on the lines changed since origin/main (else HEAD~1)"
 	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
@@ -468,6 +469,7 @@ install: all
 	    -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
 	    client/kvxfer.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvxfer.pc
 	sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@KVX_CONF@|$(KVX_CONF)|g' \
+	    -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' \
 	    systemd/kvxferd.service > $(DESTDIR)$(SYSTEMDUNITDIR)/kvxferd.service
 	chmod 644 $(DESTDIR)$(SYSTEMDUNITDIR)/kvxferd.service
 	install -m 644 systemd/kvxferd.socket $(DESTDIR)$(SYSTEMDUNITDIR)/kvxferd.socket
@@ -478,11 +480,20 @@ install: all
 	    s=$${m##*.}; install -d $(DESTDIR)$(MANDIR)/man$$s; \
 	    install -m 644 $$m $(DESTDIR)$(MANDIR)/man$$s/; done
 	[ -e $(DESTDIR)$(KVX_CONF) ] || install -m 644 config/kvxferd.yaml $(DESTDIR)$(KVX_CONF)
+	@# the unit's LoadCredential= needs the file: a random secret for this
+	@# node (not under DESTDIR: a package must not carry one)
+	[ -n "$(DESTDIR)" ] || [ -e $(SYSCONFDIR)/kvxfer/peer.secret ] || \
+	    (umask 077; head -c 32 /dev/urandom > $(SYSCONFDIR)/kvxfer/peer.secret)
 
 # libkvxfer exports only its API, and an install of it works through
 # pkg-config (the install goes to a temporary directory)
 check-lib: all
 	@MAKE="$(MAKE)" scripts/check-lib.sh $(BUILD)
+
+# the systemd units: systemd-analyze verify and security (at most 2.5)
+.PHONY: check-units
+check-units: all
+	@MAKE="$(MAKE)" scripts/check-units.sh $(BUILD)
 
 uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/kvxferd $(DESTDIR)$(BINDIR)/kvxferctl \

@@ -138,6 +138,17 @@ else
     tail -n 20 "$tmp/stage.log"
     fail "make install DESTDIR=$tmp/stage PREFIX=$prefix"
 fi
+# the secret the unit's LoadCredential= reads: 32 random bytes, 0600
+if [ "$(stat -c %a:%s "$prefix/etc/kvxfer/peer.secret" 2>/dev/null)" = 600:32 ]; then
+    pass "installed etc/kvxfer/peer.secret (0600, 32 bytes)"
+else
+    fail "etc/kvxfer/peer.secret: $(stat -c 'mode %a, %s bytes' "$prefix/etc/kvxfer/peer.secret" 2>&1)"
+fi
+if [ -e "$tmp/stage$prefix/etc/kvxfer/peer.secret" ]; then
+    fail "make install DESTDIR=… writes a secret (a package would carry it)"
+else
+    pass "make install DESTDIR=… writes no secret"
+fi
 for f in "bin/kvxferd" "etc/kvxfer/kvxferd.yaml" "include/kvxfer.h" \
     "lib/systemd/system/kvxferd.service" "lib/systemd/system/kvxferd.socket" \
     "lib/sysusers.d/kvxfer.conf" "lib${ma:+/$ma}/pkgconfig/kvxfer.pc"; do
@@ -354,9 +365,10 @@ fi
 # (it keeps the configuration, which may hold the operator's edits)
 if $MAKE --no-print-directory BUILD="$BUILD" uninstall DESTDIR= \
         PREFIX="$prefix" >"$tmp/uninstall.log" 2>&1; then
-    find "$prefix" ! -type d ! -path "$prefix/etc/kvxfer/kvxferd.yaml" >"$tmp/left"
+    find "$prefix" ! -type d ! -path "$prefix/etc/kvxfer/kvxferd.yaml" \
+        ! -path "$prefix/etc/kvxfer/peer.secret" >"$tmp/left"
     if [ -s "$tmp/left" ]; then fail "make uninstall left: $(some "$tmp/left")"
-    else pass "make uninstall removed every file but etc/kvxfer/kvxferd.yaml"; fi
+    else pass "make uninstall removed every file but etc/kvxfer/kvxferd.yaml and peer.secret"; fi
 else
     tail -n 20 "$tmp/uninstall.log"
     fail "make uninstall PREFIX=$prefix"
