@@ -203,8 +203,8 @@ const struct conf_key conf_keys[] = {
      IDS(allowed_uids, num_allowed_uids),
      .min = 0,
      .max = UINT32_MAX - 1,
-     .help = "Peer uids allowed to connect, besides the daemon's own uid "
-             "and root, which always are."},
+     .help = "Peer uids allowed to connect, besides root and the daemon's "
+             "own uid and group, which always are."},
     {.name = "auth.allowed_gids",
      .type = CONF_IDS,
      IDS(allowed_gids, num_allowed_gids),
