@@ -188,6 +188,7 @@ help:
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
 	@echo "make check-units  systemd-analyze verify and security on the installed units"
+	@echo "make check-man  the man pages render and kvxferd.yaml(5) is current"
 	@echo "make lint       cppcheck, layers (scripts/layers.py), signatures (scripts/params.py)"
 	@echo "make format-check  clang-format on the lines changed since origin/main (else HEAD~1)"
 	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
@@ -489,6 +490,11 @@ install: all
 # pkg-config (the install goes to a temporary directory)
 check-lib: all
 	@MAKE="$(MAKE)" scripts/check-lib.sh $(BUILD)
+
+# the man pages render (man -l) and kvxferd.yaml(5) is current
+.PHONY: check-man
+check-man: $(BUILD)/kvxferd
+	@scripts/check-man.sh $(BUILD)
 
 # the systemd units: systemd-analyze verify and security (at most 2.5)
 .PHONY: check-units
