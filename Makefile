@@ -189,6 +189,8 @@ help:
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
 	@echo "make check-units  systemd-analyze verify and security on the installed units"
 	@echo "make check-man  the man pages render and kvxferd.yaml(5) is current"
+	@echo "make deb        Debian packages in dist/deb (scripts/deps.sh deb: what it needs)"
+	@echo "make test-deb   make deb, then install, run and purge them in a fresh Debian root"
 	@echo "make lint       cppcheck, layers (scripts/layers.py), signatures (scripts/params.py)"
 	@echo "make format-check  clang-format on the lines changed since origin/main (else HEAD~1)"
 	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
@@ -491,6 +493,16 @@ install: all
 check-lib: all
 	@MAKE="$(MAKE)" scripts/check-lib.sh $(BUILD)
 
+# Debian packages (debian/): kvxferd, libkvxfer2, libkvxfer-dev,
+# kvxfer-tools in dist/deb, lintian-clean; scripts/test-deb.sh installs
+# them in a fresh Debian root (make test-deb)
+.PHONY: deb test-deb
+deb:
+	@scripts/deb.sh dist/deb
+
+test-deb: deb
+	@scripts/test-deb.sh dist/deb
+
 # the man pages render (man -l) and kvxferd.yaml(5) is current
 .PHONY: check-man
 check-man: $(BUILD)/kvxferd
@@ -545,4 +557,4 @@ format-check:
 	@scripts/check-format.sh $(BASE)
 
 clean:
-	rm -rf build build-asan build-tsan build-ucx-wheel build-ucx-site dist
+	rm -rf build build-asan build-tsan build-ucx-wheel build-ucx-site build-deb dist
