@@ -114,7 +114,8 @@ ma=$($CC -print-multiarch 2>/dev/null)
 lib=$prefix/lib${ma:+/$ma}
 as_user=""
 if [ "$(id -u)" = 0 ]; then
-    chown nobody "$prefix" && chmod 755 "$tmp" && as_user="setpriv --reuid=nobody --regid=nogroup --clear-groups"
+    chown nobody "$prefix" && chmod 755 "$tmp" &&
+        as_user="setpriv --reuid=nobody --regid=$(id -g nobody) --clear-groups"
 fi
 # shellcheck disable=SC2086 # as_user is words
 if $as_user $MAKE --no-print-directory BUILD="$BUILD" install \
