@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kvxferd.yaml(5) from the key table kvxferd prints.
 
-    build/kvxferd --print-config-table | scripts/man-yaml.py > man/kvxferd.yaml.5
+    build/kvxferd --print-config-table | scripts/man-yaml.py \
+        > man/kvxferd.yaml.5
 
 The table (docs/configuration.md's) is the one source of the keys; this
 only turns it into roff. scripts/check-man.sh checks that
