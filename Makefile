@@ -193,6 +193,10 @@ help:
 	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
+	@echo "make check-units  systemd-analyze verify and security on the installed units"
+	@echo "make check-man  the man pages render and kvxferd.yaml(5) is current"
+	@echo "make deb        Debian packages in dist/deb (scripts/deps.sh deb: what it needs)"
+	@echo "make test-deb   make deb, then install, run and purge them in a fresh Debian root"
 	@echo "make lint       cppcheck, layers (scripts/layers.py), signatures (scripts/params.py)"
 	@echo "make format-check  clang-format on the lines changed since origin/main (else HEAD~1)"
 	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
@@ -423,40 +427,110 @@ $(BUILD)/tests/libkvxtorch.so: tests/gpu/torch_shim.c $(BUILD)/libkvxfer.a
 bundle: all $(GPU_TESTS)
 	@scripts/bundle.sh $(BUILD) dist/kvxfer $(UCX_BUNDLE)
 
+# The GNU directory variables (GNU make manual, "Variables for
+# Installation Directories"), each settable on the command line. Under
+# PREFIX unless set, except where PREFIX is /usr (a distribution's
+# install: debian/rules): there the configuration goes to /etc and the
+# units and sysusers.d file where pkg-config's systemd.pc says.
+# LIBDIR is multiarch where the compiler names a tuple (Debian:
+# lib/x86_64-linux-gnu, which ld.so.conf.d lists also under /usr/local).
+MULTIARCH     ?= $(shell $(CC) -print-multiarch 2>/dev/null)
+EXEC_PREFIX   ?= $(PREFIX)
+BINDIR        ?= $(EXEC_PREFIX)/bin
+LIBDIR        ?= $(EXEC_PREFIX)/lib$(if $(MULTIARCH),/$(MULTIARCH))
+INCLUDEDIR    ?= $(PREFIX)/include
+DATADIR       ?= $(PREFIX)/share
+MANDIR        ?= $(DATADIR)/man
+PKGCONFIGDIR  ?= $(LIBDIR)/pkgconfig
+ifeq ($(PREFIX),/usr)
+SYSCONFDIR    ?= /etc
+SYSTEMD_PC    = $(shell pkg-config --variable=$(1) systemd 2>/dev/null)
+SYSTEMDUNITDIR ?= $(or $(call SYSTEMD_PC,systemdsystemunitdir),/lib/systemd/system)
+SYSUSERSDIR   ?= $(or $(call SYSTEMD_PC,sysusersdir),/usr/lib/sysusers.d)
+else
+SYSCONFDIR    ?= $(PREFIX)/etc
+SYSTEMDUNITDIR ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR   ?= $(PREFIX)/lib/sysusers.d
+endif
+KVX_CONF      := $(SYSCONFDIR)/kvxfer/kvxferd.yaml
+# man/: kvxferd(8), kvxferctl(1), kvxfer-bench(1), kvxferd.yaml(5)
+MAN_PAGES     := $(wildcard man/*.1 man/*.5 man/*.8)
+
+.PHONY: print-install-dirs
+print-install-dirs:
+	@echo BINDIR=$(BINDIR); echo LIBDIR=$(LIBDIR); echo INCLUDEDIR=$(INCLUDEDIR)
+	@echo PKGCONFIGDIR=$(PKGCONFIGDIR); echo SYSCONFDIR=$(SYSCONFDIR)
+	@echo SYSTEMDUNITDIR=$(SYSTEMDUNITDIR); echo SYSUSERSDIR=$(SYSUSERSDIR)
+	@echo DATADIR=$(DATADIR); echo MANDIR=$(MANDIR)
+
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib \
-	    $(DESTDIR)$(PREFIX)/lib/pkgconfig \
-	    $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/systemd/system \
-	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd $(DESTDIR)/etc/kvxfer
-	install -m 755 $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench $(DESTDIR)$(PREFIX)/bin/
-	install -m 644 $(BUILD)/libkvxfer.a $(DESTDIR)$(PREFIX)/lib/
-	install -m 755 $(BUILD)/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/
-	ln -sf $(SO_REAL) $(DESTDIR)$(PREFIX)/lib/$(SO_NAME)
-	ln -sf $(SO_NAME) $(DESTDIR)$(PREFIX)/lib/libkvxfer.so
-	install -m 644 client/include/kvxfer.h $(DESTDIR)$(PREFIX)/include/
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PKGCONFIGDIR) \
+	    $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(SYSTEMDUNITDIR) \
+	    $(DESTDIR)$(SYSUSERSDIR) $(DESTDIR)$(DATADIR)/kvxfer/systemd \
+	    $(DESTDIR)$(SYSCONFDIR)/kvxfer
+	install -m 755 $(BUILD)/kvxferd $(BUILD)/kvxferctl $(BUILD)/kvxfer-bench $(DESTDIR)$(BINDIR)/
+	install -m 644 $(BUILD)/libkvxfer.a $(DESTDIR)$(LIBDIR)/
+	install -m 755 $(BUILD)/$(SO_REAL) $(DESTDIR)$(LIBDIR)/
+	ln -sf $(SO_REAL) $(DESTDIR)$(LIBDIR)/$(SO_NAME)
+	ln -sf $(SO_NAME) $(DESTDIR)$(LIBDIR)/libkvxfer.so
+	install -m 644 client/include/kvxfer.h $(DESTDIR)$(INCLUDEDIR)/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KVX_VERSION)|g' \
-	    client/kvxfer.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc
-	sed 's|@BINDIR@|$(PREFIX)/bin|g' systemd/kvxferd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service
-	install -m 644 systemd/kvxferd.socket $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket
+	    -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
+	    client/kvxfer.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvxfer.pc
+	sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@KVX_CONF@|$(KVX_CONF)|g' \
+	    -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' \
+	    systemd/kvxferd.service > $(DESTDIR)$(SYSTEMDUNITDIR)/kvxferd.service
+	chmod 644 $(DESTDIR)$(SYSTEMDUNITDIR)/kvxferd.service
+	install -m 644 systemd/kvxferd.socket $(DESTDIR)$(SYSTEMDUNITDIR)/kvxferd.socket
+	install -m 644 systemd/kvxfer.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvxfer.conf
 	install -m 644 systemd/kvxferd-mps.conf systemd/nvidia-mps.service \
-	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/
-	[ -e $(DESTDIR)/etc/kvxfer/kvxferd.yaml ] || install -m 644 config/kvxferd.yaml $(DESTDIR)/etc/kvxfer/kvxferd.yaml
+	    $(DESTDIR)$(DATADIR)/kvxfer/systemd/
+	for m in $(MAN_PAGES); do \
+	    s=$${m##*.}; install -d $(DESTDIR)$(MANDIR)/man$$s; \
+	    install -m 644 $$m $(DESTDIR)$(MANDIR)/man$$s/; done
+	[ -e $(DESTDIR)$(KVX_CONF) ] || install -m 644 config/kvxferd.yaml $(DESTDIR)$(KVX_CONF)
+	@# the unit's LoadCredential= needs the file: a random secret for this
+	@# node (not under DESTDIR: a package must not carry one)
+	[ -n "$(DESTDIR)" ] || [ -e $(SYSCONFDIR)/kvxfer/peer.secret ] || \
+	    (umask 077; head -c 32 /dev/urandom > $(SYSCONFDIR)/kvxfer/peer.secret)
 
 # libkvxfer exports only its API, and an install of it works through
 # pkg-config (the install goes to a temporary directory)
 check-lib: all
 	@MAKE="$(MAKE)" scripts/check-lib.sh $(BUILD)
 
+# Debian packages (debian/): kvxferd, libkvxfer2, libkvxfer-dev,
+# kvxfer-tools in dist/deb, lintian-clean; scripts/test-deb.sh installs
+# them in a fresh Debian root (make test-deb)
+.PHONY: deb test-deb
+deb:
+	@scripts/deb.sh dist/deb
+
+test-deb: deb
+	@scripts/test-deb.sh dist/deb
+
+# the man pages render (man -l) and kvxferd.yaml(5) is current
+.PHONY: check-man
+check-man: $(BUILD)/kvxferd
+	@scripts/check-man.sh $(BUILD)
+
+# the systemd units: systemd-analyze verify and security (at most 2.5)
+.PHONY: check-units
+check-units: all
+	@MAKE="$(MAKE)" scripts/check-units.sh $(BUILD)
+
 uninstall:
-	rm -f $(DESTDIR)$(PREFIX)/bin/kvxferd $(DESTDIR)$(PREFIX)/bin/kvxferctl \
-	    $(DESTDIR)$(PREFIX)/bin/kvxfer-bench $(DESTDIR)$(PREFIX)/lib/libkvxfer.a \
-	    $(DESTDIR)$(PREFIX)/lib/libkvxfer.so $(DESTDIR)$(PREFIX)/lib/$(SO_NAME) \
-	    $(DESTDIR)$(PREFIX)/lib/$(SO_REAL) $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvxfer.pc \
-	    $(DESTDIR)$(PREFIX)/include/kvxfer.h \
-	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.service \
-	    $(DESTDIR)$(PREFIX)/lib/systemd/system/kvxferd.socket \
-	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/kvxferd-mps.conf \
-	    $(DESTDIR)$(PREFIX)/share/kvxfer/systemd/nvidia-mps.service
+	rm -f $(DESTDIR)$(BINDIR)/kvxferd $(DESTDIR)$(BINDIR)/kvxferctl \
+	    $(DESTDIR)$(BINDIR)/kvxfer-bench $(DESTDIR)$(LIBDIR)/libkvxfer.a \
+	    $(DESTDIR)$(LIBDIR)/libkvxfer.so $(DESTDIR)$(LIBDIR)/$(SO_NAME) \
+	    $(DESTDIR)$(LIBDIR)/$(SO_REAL) $(DESTDIR)$(PKGCONFIGDIR)/kvxfer.pc \
+	    $(DESTDIR)$(INCLUDEDIR)/kvxfer.h \
+	    $(DESTDIR)$(SYSTEMDUNITDIR)/kvxferd.service \
+	    $(DESTDIR)$(SYSTEMDUNITDIR)/kvxferd.socket \
+	    $(DESTDIR)$(SYSUSERSDIR)/kvxfer.conf \
+	    $(DESTDIR)$(DATADIR)/kvxfer/systemd/kvxferd-mps.conf \
+	    $(DESTDIR)$(DATADIR)/kvxfer/systemd/nvidia-mps.service \
+	    $(foreach m,$(MAN_PAGES),$(DESTDIR)$(MANDIR)/man$(subst .,,$(suffix $(m)))/$(notdir $(m)))
 
 # The daemon's sources, for tests/fuzz/build.sh (one list).
 print-daemon-src:
@@ -489,4 +563,4 @@ format-check:
 	@scripts/check-format.sh $(BASE)
 
 clean:
-	rm -rf build build-asan build-tsan build-ucx-wheel build-ucx-site dist
+	rm -rf build build-asan build-tsan build-ucx-wheel build-ucx-site build-deb dist

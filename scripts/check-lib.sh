@@ -6,8 +6,10 @@
 #     libkvxfer.so to it;
 #   - nm -D lists exactly the functions kvxfer.h declares KVX_EXPORT: no
 #     kvx__ call, no protobuf-c kvxfer__ function, nothing else;
-#   - make install into a temporary prefix lays down the file, its links
-#     and kvxfer.pc; pkg-config --cflags --libs kvxfer works there, a
+#   - make install into a temporary prefix, as a user that is not root,
+#     lays down the file, its links (LIBDIR: lib/<multiarch>) and
+#     kvxfer.pc, the configuration under PREFIX/etc and the units, and
+#     writes nothing outside the prefix; pkg-config --cflags --libs kvxfer works there, a
 #     program built with those flags alone links and runs, and one that
 #     calls an internal kvx__ function does not link; make uninstall
 #     removes every file again;
@@ -101,27 +103,93 @@ else
 fi
 
 # --- make install ---------------------------------------------------------
-# Staged under DESTDIR (install also writes DESTDIR/etc), then moved to
-# PREFIX, as a package manager would unpack it.
+# As a user that is not root, straight into a prefix it owns (no DESTDIR):
+# every file lands under the prefix (the GNU directory variables:
+# SYSCONFDIR, the units, LIBDIR multiarch), nothing outside it is needed.
+# As root the install runs as nobody; a user that is not root runs it as
+# itself.
 prefix=$tmp/prefix
-if $MAKE --no-print-directory BUILD="$BUILD" install DESTDIR="$tmp/stage" \
-        PREFIX="$prefix" >"$tmp/install.log" 2>&1 &&
-    mv "$tmp/stage$prefix" "$prefix"; then
-    pass "make install PREFIX=$prefix"
+mkdir -p "$prefix"
+ma=$($CC -print-multiarch 2>/dev/null)
+lib=$prefix/lib${ma:+/$ma}
+as_user=""
+if [ "$(id -u)" = 0 ]; then
+    chown nobody "$prefix" && chmod 755 "$tmp" &&
+        as_user="setpriv --reuid=nobody --regid=$(id -g nobody) --clear-groups"
+fi
+# shellcheck disable=SC2086 # as_user is words
+if $as_user $MAKE --no-print-directory BUILD="$BUILD" install \
+        PREFIX="$prefix" >"$tmp/install.log" 2>&1; then
+    pass "make install PREFIX=$prefix${as_user:+ as nobody}"
 else
     tail -n 40 "$tmp/install.log"
-    fatal "make install PREFIX=$prefix"
+    fatal "make install PREFIX=$prefix${as_user:+ as nobody}"
 fi
-lib=$prefix/lib
-if [ -f "$lib/$real" ] && [ ! -L "$lib/$real" ]; then pass "installed lib/$real"
-else fail "lib/$real not installed as a plain file"; fi
+# what a make install under DESTDIR writes: only paths below DESTDIR$prefix
+if $MAKE --no-print-directory BUILD="$BUILD" install DESTDIR="$tmp/stage" \
+        PREFIX="$prefix" >"$tmp/stage.log" 2>&1; then
+    (cd "$tmp/stage" && find . ! -type d | sed 's|^\.||') | sort >"$tmp/staged"
+    grep -v "^$prefix/" "$tmp/staged" >"$tmp/outside"
+    if [ -s "$tmp/outside" ]; then
+        fail "make install PREFIX=$prefix writes outside the prefix: $(some "$tmp/outside")"
+    else
+        pass "make install DESTDIR=… PREFIX=$prefix: all $(wc -l <"$tmp/staged") files under the prefix"
+    fi
+else
+    tail -n 20 "$tmp/stage.log"
+    fail "make install DESTDIR=$tmp/stage PREFIX=$prefix"
+fi
+# the secret the unit's LoadCredential= reads: 32 random bytes, 0600
+if [ "$(stat -c %a:%s "$prefix/etc/kvxfer/peer.secret" 2>/dev/null)" = 600:32 ]; then
+    pass "installed etc/kvxfer/peer.secret (0600, 32 bytes)"
+else
+    fail "etc/kvxfer/peer.secret: $(stat -c 'mode %a, %s bytes' "$prefix/etc/kvxfer/peer.secret" 2>&1)"
+fi
+if [ -e "$tmp/stage$prefix/etc/kvxfer/peer.secret" ]; then
+    fail "make install DESTDIR=… writes a secret (a package would carry it)"
+else
+    pass "make install DESTDIR=… writes no secret"
+fi
+for f in "bin/kvxferd" "etc/kvxfer/kvxferd.yaml" "include/kvxfer.h" \
+    "lib/systemd/system/kvxferd.service" "lib/systemd/system/kvxferd.socket" \
+    "lib/sysusers.d/kvxfer.conf" "lib${ma:+/$ma}/pkgconfig/kvxfer.pc"; do
+    if [ -f "$prefix/$f" ]; then pass "installed $f"
+    else fail "$f not installed under $prefix"; fi
+done
+# the unit runs the installed daemon on the installed configuration
+want="ExecStart=$prefix/bin/kvxferd --config $prefix/etc/kvxfer/kvxferd.yaml"
+if grep -qxF "$want" "$prefix/lib/systemd/system/kvxferd.service"; then
+    pass "kvxferd.service: $want"
+else
+    fail "kvxferd.service: no line '$want': $(grep '^ExecStart' "$prefix/lib/systemd/system/kvxferd.service")"
+fi
+if "$prefix/bin/kvxferd" --check-config --config "$prefix/etc/kvxfer/kvxferd.yaml" \
+        >"$tmp/check.log" 2>&1; then
+    pass "the installed kvxferd accepts the installed kvxferd.yaml"
+else
+    fail "kvxferd --check-config on the installed yaml: $(cat "$tmp/check.log")"
+fi
+if [ -f "$lib/$real" ] && [ ! -L "$lib/$real" ]; then pass "installed ${lib#"$prefix/"}/$real"
+else fail "${lib#"$prefix/"}/$real not installed as a plain file"; fi
 for l in "$soname:$real" "libkvxfer.so:$soname"; do
     link=${l%%:*} want=${l#*:}
     got=$(readlink "$lib/$link")
-    if [ "$got" = "$want" ]; then pass "installed lib/$link -> $want"
-    else fail "installed lib/$link -> '$got', expected a link to $want"; fi
+    if [ "$got" = "$want" ]; then pass "installed ${lib#"$prefix/"}/$link -> $want"
+    else fail "installed ${lib#"$prefix/"}/$link -> '$got', expected a link to $want"; fi
 done
-
+# PREFIX=/usr: the configuration in /etc, the units where systemd.pc says
+dirs=$($MAKE --no-print-directory -s BUILD="$BUILD" print-install-dirs PREFIX=/usr)
+unitdir=$(pkg-config --variable=systemdsystemunitdir systemd 2>/dev/null)
+case "$dirs" in
+*"SYSCONFDIR=/etc
+"*) pass "PREFIX=/usr: SYSCONFDIR=/etc" ;;
+*) fail "PREFIX=/usr: SYSCONFDIR is not /etc: $dirs" ;;
+esac
+if [ -z "$unitdir" ] || echo "$dirs" | grep -qxF "SYSTEMDUNITDIR=$unitdir"; then
+    pass "PREFIX=/usr: SYSTEMDUNITDIR=${unitdir:-(no systemd.pc: the default)}"
+else
+    fail "PREFIX=/usr: SYSTEMDUNITDIR is not pkg-config's $unitdir: $dirs"
+fi
 export PKG_CONFIG_PATH="$lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 if flags=$(pkg-config --cflags --libs kvxfer 2>"$tmp/pc.err"); then
     pass "pkg-config --cflags --libs kvxfer: $flags"
@@ -295,11 +363,13 @@ else
 fi
 
 # --- make uninstall ---------------------------------------------------------
+# (it keeps the configuration, which may hold the operator's edits)
 if $MAKE --no-print-directory BUILD="$BUILD" uninstall DESTDIR= \
         PREFIX="$prefix" >"$tmp/uninstall.log" 2>&1; then
-    find "$prefix" ! -type d >"$tmp/left"
+    find "$prefix" ! -type d ! -path "$prefix/etc/kvxfer/kvxferd.yaml" \
+        ! -path "$prefix/etc/kvxfer/peer.secret" >"$tmp/left"
     if [ -s "$tmp/left" ]; then fail "make uninstall left: $(some "$tmp/left")"
-    else pass "make uninstall removed every file"; fi
+    else pass "make uninstall removed every file but etc/kvxfer/kvxferd.yaml and peer.secret"; fi
 else
     tail -n 20 "$tmp/uninstall.log"
     fail "make uninstall PREFIX=$prefix"

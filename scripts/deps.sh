@@ -5,8 +5,14 @@
 # As root: installs them. Otherwise: prints the exact apt-get line and fails.
 set -e
 PKGS="build-essential pkg-config libuv1-dev libucx-dev libprotobuf-c-dev protobuf-c-compiler libyaml-dev libssl-dev libsystemd-dev libmicrohttpd-dev ucx-utils iproute2 python3 python3-venv"
-# `deps.sh ci`: also what .ci/run uses (make lint, make fuzz, make format-check)
-[ "${1:-}" != ci ] || PKGS="$PKGS clang libclang-rt-dev clang-format cppcheck"
+# `deps.sh deb`: also what make deb and make test-deb use (debian/control's
+# Build-Depends, dpkg-buildpackage, lintian, debootstrap; man-db: make
+# check-man; systemd: systemd-analyze for make check-units)
+DEB_PKGS="debhelper dpkg-dev fakeroot lintian debootstrap man-db systemd"
+[ "${1:-}" != deb ] || PKGS="$PKGS $DEB_PKGS"
+# `deps.sh ci`: also what .ci/run uses (make lint, make fuzz, make
+# format-check, make deb)
+[ "${1:-}" != ci ] || PKGS="$PKGS clang libclang-rt-dev clang-format cppcheck $DEB_PKGS"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

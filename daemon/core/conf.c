@@ -17,6 +17,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <grp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -225,7 +226,8 @@ static void fmt_range(const struct conf_key *k, char *buf, size_t n)
         snprintf(buf, n, "absolute, at most %zu characters", k->size - 1);
         return;
     case CONF_IDS:
-        snprintf(buf, n, "at most %u ids, each %llu..%llu", ids_cap(k),
+        snprintf(buf, n, "at most %u %s, each %llu..%llu", ids_cap(k),
+                 k->group_names ? "group names or ids" : "ids",
                  (unsigned long long)k->min, (unsigned long long)k->max);
         return;
     case CONF_LEVEL: {
@@ -273,9 +275,9 @@ static void fmt_expected(const struct conf_key *k, char *buf, size_t n)
         snprintf(buf, n, "milliseconds %s", range);
         break;
     case CONF_IDS:
-        snprintf(buf, n, "a list of at most %u ids, each %llu..%llu",
-                 ids_cap(k), (unsigned long long)k->min,
-                 (unsigned long long)k->max);
+        snprintf(buf, n, "a list of at most %u %s, each %llu..%llu", ids_cap(k),
+                 k->group_names ? "group names or ids" : "ids",
+                 (unsigned long long)k->min, (unsigned long long)k->max);
         break;
     case CONF_LEVEL:
         snprintf(buf, n, "one of %s", range);
@@ -637,6 +639,53 @@ static int parse_number(const struct conf_key *k, const char *s,
     return PARSE_OK;
 }
 
+/* A group's gid by name (the group database, NSS included): PARSE_OK,
+ * PARSE_BAD when no such group exists, PARSE_RANGE when the lookup failed
+ * or the gid is past max; err gets the lookup's errno, 0 if none. */
+static int group_gid(const char *name, uint64_t max, uint64_t *v, int *err)
+{
+    struct group gr, *found = NULL;
+    char buf[16384];
+    int rc = getgrnam_r(name, &gr, buf, sizeof(buf), &found);
+
+    *err = 0;
+    if (rc && rc != ENOENT && rc != ESRCH) {
+        *err = rc;
+        return PARSE_RANGE;
+    }
+    if (!found)
+        return PARSE_BAD;
+    *v = found->gr_gid;
+    return *v > max ? PARSE_RANGE : PARSE_OK;
+}
+
+/* An entry of a group list that is not a number: its gid, or the problem
+ * reported at it. */
+static int load_group_name(struct loader *ld, const struct conf_key *k,
+                           const yaml_node_t *in, const char *name, uint64_t *v)
+{
+    char expected[256], what[64];
+    int err = 0, rc;
+
+    conf_shown(scalar(in), in->data.scalar.length, what, sizeof(what));
+    fmt_expected(k, expected, sizeof(expected));
+    rc = group_gid(scalar(in), k->max, v, &err);
+    if (rc == PARSE_OK)
+        return 0;
+    if (err)
+        report(ld, &in->start_mark, name,
+               "looking up group \"%s\": %s (expected %s)", what, strerror(err),
+               expected);
+    else if (rc == PARSE_RANGE)
+        report(ld, &in->start_mark, name,
+               "group \"%s\" has gid %llu, out of range (expected %s)", what,
+               (unsigned long long)*v, expected);
+    else
+        report(ld, &in->start_mark, name, "no group named \"%s\" (expected %s)",
+               what, expected);
+    return -1;
+}
+
 static void load_ids(struct loader *ld, int ki, const yaml_node_t *vn)
 {
     const struct conf_key *k = &conf_keys[ki];
@@ -670,6 +719,14 @@ static void load_ids(struct loader *ld, int ki, const yaml_node_t *vn)
         }
         if (strlen(scalar(in)) == in->data.scalar.length)
             rc = parse_number(&id, scalar(in), &v);
+        if (rc == PARSE_BAD && k->group_names && in->data.scalar.length &&
+            strlen(scalar(in)) == in->data.scalar.length) {
+            if (load_group_name(ld, k, in, name, &v)) {
+                ld->bad[ki] = 1;
+                continue;
+            }
+            rc = PARSE_OK;
+        }
         if (rc != PARSE_OK) {
             conf_shown(scalar(in), in->data.scalar.length, what, sizeof(what));
             if (rc == PARSE_RANGE)

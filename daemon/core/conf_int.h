@@ -36,6 +36,9 @@ struct conf_key {
     const char *def_str; /* CONF_STRING/CONF_PATH default */
     uint64_t min, max;   /* numeric bounds; CONF_IDS: bounds per id */
     int reloadable;      /* applied on SIGHUP without a restart */
+    /* CONF_IDS: an entry may also be a group name, resolved to its gid
+     * (getgrnam_r) each time the file is loaded */
+    int group_names;
     /* Rules beyond type and bounds, checked once the whole file is read.
      * Returns 0, or 1 with the problem written to why. */
     int (*check)(const kvx_conf_t *conf, kvx_why_t *why);

@@ -20,6 +20,7 @@
 static int check_group(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_hello(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_listen(const kvx_conf_t *conf, kvx_why_t *why);
+static int check_secret_file(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_log_format(const kvx_conf_t *conf, kvx_why_t *why)
 {
     static const char *const ok[] = {"auto", "text", "json", "journal"};
@@ -203,22 +204,26 @@ const struct conf_key conf_keys[] = {
      IDS(allowed_uids, num_allowed_uids),
      .min = 0,
      .max = UINT32_MAX - 1,
-     .help = "Peer uids allowed to connect, besides the daemon's own uid "
-             "and root, which always are."},
+     .help = "Peer uids allowed to connect, besides root and the daemon's "
+             "own uid and group, which always are."},
     {.name = "auth.allowed_gids",
      .type = CONF_IDS,
      IDS(allowed_gids, num_allowed_gids),
      .min = 0,
      .max = UINT32_MAX - 1,
-     .help = "Peer gids allowed to connect: a peer whose gid is listed is "
-             "let in."},
+     .group_names = 1,
+     .help = "Peer groups allowed to connect, by name or gid: a peer whose "
+             "gid, or one of whose groups, is listed is let in. A name is "
+             "looked up when the file is read (start, SIGHUP)."},
     {.name = "auth.admin_gids",
      .type = CONF_IDS,
      IDS(admin_gids, num_admin_gids),
      .min = 0,
      .max = UINT32_MAX - 1,
-     .help = "Groups whose members see every user's sessions, pools, "
-             "instances and requests in status and request lists, as root "
+     .group_names = 1,
+     .help = "Groups (names or gids) whose members see every user's "
+             "sessions, pools, instances and requests in status and request "
+             "lists, as root "
              "and the daemon's own uid do; other clients see their own "
              "uid's only."},
 
@@ -567,9 +572,12 @@ const struct conf_key conf_keys[] = {
      .type = CONF_STRING,
      FIELD(peer_secret_file),
      .def_str = "",
+     .check = check_secret_file,
      .help = "File holding the cluster secret (16 to 4096 bytes, readable "
              "by the owner only) that daemons prove to each other; "
-             "required with peer.listen."},
+             "required with peer.listen. An absolute path, or a bare name: "
+             "a credential, the file of that name in "
+             "$CREDENTIALS_DIRECTORY (systemd's LoadCredential=NAME:FILE)."},
     {.name = "peer.secret_previous_ms",
      .type = CONF_MS,
      FIELD(peer_secret_previous_ms),
@@ -1040,6 +1048,20 @@ static int check_metrics_listen(const kvx_conf_t *conf, kvx_why_t *why)
     uint8_t a[16];
     if (inet_pton(AF_INET, ip, a) != 1 && inet_pton(AF_INET6, ip, a) != 1)
         return why_fail(why, 1, "'%s': '%s' is not an IP address", l, ip);
+    return 0;
+}
+
+/* An absolute path, or a credential's name: no '/', not "." or "..". */
+static int check_secret_file(const kvx_conf_t *conf, kvx_why_t *why)
+{
+    const char *f = conf->peer_secret_file;
+    if (!f[0] || f[0] == '/')
+        return 0;
+    if (strchr(f, '/') || !strcmp(f, ".") || !strcmp(f, ".."))
+        return why_fail(why, 1,
+                        "'%s' is neither an absolute path nor a credential "
+                        "name (a name without '/')",
+                        f);
     return 0;
 }
 

@@ -104,10 +104,19 @@ static int groups_in(pid_t pid, const uint32_t *v, unsigned n)
     return ok;
 }
 
+/* The daemon's own group, when it is not root's: its members may connect
+ * (under systemd/kvxferd.service the group kvxfer, which also owns the
+ * socket). */
+static int own_group(gid_t gid, pid_t pid)
+{
+    uint32_t own = (uint32_t)getgid();
+    return own != 0 && (gid == own || groups_in(pid, &own, 1));
+}
+
 static int peer_allowed(uid_t uid, gid_t gid, pid_t pid)
 {
     const kvx_conf_t *c = &kvxd.conf;
-    if (uid == 0 || uid == getuid())
+    if (uid == 0 || uid == getuid() || own_group(gid, pid))
         return 1;
     for (unsigned i = 0; i < c->num_allowed_uids; i++)
         if (c->allowed_uids[i] == uid)

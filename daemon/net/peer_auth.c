@@ -14,6 +14,7 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -120,10 +121,41 @@ int ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
     return d == 0;
 }
 
+/* The file peer.secret_file names: an absolute path as it is; a bare
+ * name is a credential, the file of that name in $CREDENTIALS_DIRECTORY
+ * (systemd's LoadCredential=; conf_keys.c refuses other relative paths). */
+static int secret_path(char *out, size_t n, kvx_why_t *why)
+{
+    const char *f = kvxd.conf.peer_secret_file;
+    const char *dir = getenv("CREDENTIALS_DIRECTORY");
+
+    if (f[0] == '/') {
+        snprintf(out, n, "%s", f);
+        return 0;
+    }
+    if (!dir || dir[0] != '/') {
+        why_set(why,
+                "peer.secret_file: \"%s\" names a credential, and "
+                "$CREDENTIALS_DIRECTORY is %s (systemd's LoadCredential=%s:"
+                "FILE sets it; else give an absolute path)",
+                f, dir ? "not an absolute path" : "not set", f);
+        return KVX_ERR_INVALID;
+    }
+    if ((size_t)snprintf(out, n, "%s/%s", dir, f) >= n) {
+        why_set(why, "peer.secret_file: $CREDENTIALS_DIRECTORY/%s is too long",
+                f);
+        return KVX_ERR_INVALID;
+    }
+    return 0;
+}
+
 int read_secret(kvx_why_t *why)
 {
     uint8_t buf[SECRET_MAX + 1];
-    const char *f = kvxd.conf.peer_secret_file;
+    char f[4096 + sizeof(kvxd.conf.peer_secret_file)];
+    int rc = secret_path(f, sizeof(f), why);
+    if (rc)
+        return rc;
     int fd = open(f, O_RDONLY | O_CLOEXEC);
     struct stat st;
     if (fd < 0 || fstat(fd, &st)) {

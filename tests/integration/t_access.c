@@ -441,3 +441,90 @@ TEST_T(access_rules_other_daemon, 90)
     rank_close(&c);
     p_stop_both(a, b);
 }
+
+/* A daemon that runs as a user of its own (kvxfer under
+ * systemd/kvxferd.service) lets in the members of its group, by their
+ * gid or a supplementary group, with no auth key set; others are refused
+ * (the socket is mode 0666 here, so only the allow-list decides). */
+#define AX_DAEMON_UID 64030
+#define AX_DAEMON_GID 64031
+TEST_T(access_daemon_group, 60)
+{
+    need_root("access_daemon_group");
+    h_init();
+    char dir[64], sock[128], cfg[128], log[128], text[512];
+    snprintf(dir, sizeof(dir), "/tmp/kvx-grp-%d", (int)getpid());
+    snprintf(sock, sizeof(sock), "%s/s.sock", dir);
+    snprintf(cfg, sizeof(cfg), "%s/k.yaml", dir);
+    snprintf(log, sizeof(log), "%s/kvxferd.log", dir);
+    snprintf(text, sizeof(text), "rm -rf %s; mkdir -p %s", dir, dir);
+    CHECK(system(text) == 0);
+    CHECK(chmod(dir, 0777) == 0);
+    snprintf(text, sizeof(text), "socket:\n  path: %s\n  mode: 0666\n", sock);
+    write_file(cfg, text);
+
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+            close(fd);
+        }
+        char exe[256];
+        snprintf(exe, sizeof(exe), "%s/kvxferd", build_dir());
+        if (setgroups(0, NULL) || setgid(AX_DAEMON_GID) ||
+            setuid(AX_DAEMON_UID))
+            _exit(126);
+        execl(exe, exe, "--config", cfg, (char *)NULL);
+        _exit(127);
+    }
+    kvx_client_t *c = NULL;
+    for (int i = 0; i < 500 && kvx_connect_observer(sock, 200, &c); i++)
+        sleep_ms(10);
+    CHECK(c != NULL); /* root is always let in */
+    kvx_close(c);
+
+    /* uid A, primary group the daemon's: in */
+    char *js = NULL;
+    CHECK(setegid(AX_DAEMON_GID) == 0 && seteuid(AX_UID_A) == 0);
+    int rc = kvx_connect_observer(sock, T_MS, &c);
+    as_uid(0);
+    CHECK_EQ(rc, 0);
+    CHECK_KVX(kvx_status_json(c, &js, T_MS), c);
+    free(js);
+    kvx_close(c);
+
+    /* uid B, the daemon's group only among its supplementary groups: in */
+    gid_t sup = AX_DAEMON_GID;
+    CHECK(setgroups(1, &sup) == 0);
+    as_uid(AX_UID_B);
+    rc = kvx_connect_observer(sock, T_MS, &c);
+    as_uid(0);
+    CHECK_EQ(rc, 0);
+    /* (the daemon reads the groups at accept: they stay until answered) */
+    CHECK_KVX(kvx_status_json(c, &js, T_MS), c);
+    CHECK(setgroups(0, NULL) == 0);
+    free(js);
+    kvx_close(c);
+
+    /* uid B in no group of the daemon's: refused */
+    as_uid(AX_UID_B);
+    rc = kvx_connect_observer(sock, T_MS, &c);
+    if (!rc) {
+        rc = kvx_status_json(c, &js, T_MS);
+        CHECK_EQ(rc, KVX_ERR_PERM);
+        CHECK_STR_CONTAINS(kvx_last_error(c), "uid 64022 is not in");
+        kvx_close(c);
+    }
+    as_uid(0);
+    CHECK(rc != 0);
+
+    CHECK(kill(pid, SIGTERM) == 0);
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    snprintf(text, sizeof(text), "rm -rf %s", dir);
+    CHECK(system(text) == 0);
+}

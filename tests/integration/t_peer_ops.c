@@ -106,6 +106,84 @@ TEST(peer_config_errors)
     CHECK(system(cmd) == 0);
 }
 
+/* peer.secret_file as a bare name is a credential: the file of that name
+ * in $CREDENTIALS_DIRECTORY (systemd's LoadCredential=). Read from there,
+ * the daemon starts; without the variable, or with a short credential,
+ * it stops naming what is wrong; a relative path is refused by
+ * --check-config. */
+TEST(peer_secret_credential)
+{
+    h_init();
+    char dir[64], cred[128], cfg[128], cmd[512], out[4096];
+    snprintf(dir, sizeof(dir), "/tmp/kvx-cred-%d", (int)getpid());
+    snprintf(cred, sizeof(cred), "%s/cluster", dir);
+    snprintf(cfg, sizeof(cfg), "%s/k.yaml", dir);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s; mkdir -p %s", dir, dir);
+    CHECK(system(cmd) == 0);
+    write_file(cred, "0123456789abcdef0123");
+    CHECK(chmod(cred, 0400) == 0); /* as systemd leaves it */
+
+    /* started with the credential: it listens for peers */
+    CHECK(setenv("CREDENTIALS_DIRECTORY", dir, 1) == 0);
+    daemon_t *d = daemon_start2(
+        NULL, "peer:\n  listen: \"127.0.0.1:0\"\n  secret_file: cluster\n");
+    CHECK(unsetenv("CREDENTIALS_DIRECTORY") == 0);
+    char *json = status_json(d);
+    CHECK_STR_CONTAINS(json, "127.0.0.1:");
+    free(json);
+    daemon_stop_ok(d);
+
+    /* start: no $CREDENTIALS_DIRECTORY, then a credential too short */
+    static const struct {
+        const char *env, *content, *want;
+    } cases[] = {
+        {"", NULL,
+         "peer.secret_file: \"cluster\" names a credential, and "
+         "$CREDENTIALS_DIRECTORY is not set"},
+        {"CREDENTIALS_DIRECTORY=%s ", "short", "/cluster holds 5 bytes"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char env[128], text[512];
+        if (cases[i].content) {
+            CHECK(chmod(cred, 0600) == 0);
+            write_file(cred, cases[i].content);
+            CHECK(chmod(cred, 0400) == 0);
+        }
+        snprintf(env, sizeof(env), cases[i].env, dir);
+        snprintf(text, sizeof(text),
+                 "socket:\n  path: %s/s.sock\npeer:\n  listen: "
+                 "\"127.0.0.1:0\"\n  secret_file: cluster\n",
+                 dir);
+        write_file(cfg, text);
+        snprintf(cmd, sizeof(cmd),
+                 "env -u CREDENTIALS_DIRECTORY %stimeout 10 %s/kvxferd "
+                 "--config %s 2>&1",
+                 env, build_dir(), cfg);
+        FILE *f = popen(cmd, "r");
+        CHECK(f != NULL);
+        size_t n = fread(out, 1, sizeof(out) - 1, f);
+        out[n] = 0;
+        int st = pclose(f);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+        CHECK_STR_CONTAINS(out, cases[i].want);
+    }
+
+    /* a relative path is not a credential's name */
+    write_file(cfg, "peer:\n  listen: \"127.0.0.1:0\"\n  secret_file: "
+                    "etc/secret\n");
+    snprintf(cmd, sizeof(cmd), "%s/kvxferd --check-config --config %s 2>&1",
+             build_dir(), cfg);
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    out[n] = 0;
+    CHECK(pclose(f) != 0);
+    CHECK_STR_CONTAINS(out, "'etc/secret' is neither an absolute path nor "
+                            "a credential name");
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+}
+
 /* ---- status and CPU --------------------------------------------------- */
 
 /* With peer.busy_poll 1 the loop polls UCX every turn while transfers

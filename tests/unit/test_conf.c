@@ -7,6 +7,7 @@
 
 #include "tests/test.h"
 
+#include <grp.h>
 #include <stdint.h>
 
 #define EXAMPLE "config/kvxferd.yaml"
@@ -744,21 +745,46 @@ TEST(id_lists)
 
     expect_errors("auth:\n  allowed_gids: [1, -2, x, [3], 4294967295]\n", 4,
                   "F:2:21: auth.allowed_gids[1]: -2 is out of range "
-                  "(expected a list of at most 64 ids, each 0..4294967294)\n"
+                  "(expected a list of at most 64 group names or ids, each "
+                  "0..4294967294)\n"
                   "  allowed_gids: [1, -2, x, [3], 4294967295]\n"
                   "                    ^\n"
-                  "F:2:25: auth.allowed_gids[2]: invalid value \"x\" "
-                  "(expected a list of at most 64 ids, each 0..4294967294)\n"
+                  "F:2:25: auth.allowed_gids[2]: no group named \"x\" "
+                  "(expected a list of at most 64 group names or ids, each "
+                  "0..4294967294)\n"
                   "  allowed_gids: [1, -2, x, [3], 4294967295]\n"
                   "                        ^\n"
                   "F:2:28: auth.allowed_gids[3]: got a sequence "
-                  "(expected a list of at most 64 ids, each 0..4294967294)\n"
+                  "(expected a list of at most 64 group names or ids, each "
+                  "0..4294967294)\n"
                   "  allowed_gids: [1, -2, x, [3], 4294967295]\n"
                   "                           ^\n"
                   "F:2:33: auth.allowed_gids[4]: 4294967295 is out of range "
-                  "(expected a list of at most 64 ids, each 0..4294967294)\n"
+                  "(expected a list of at most 64 group names or ids, each "
+                  "0..4294967294)\n"
                   "  allowed_gids: [1, -2, x, [3], 4294967295]\n"
                   "                                ^\n");
+    /* Groups by name: resolved to their gids at load */
+    struct group *root = getgrnam("root");
+    CHECK(root != NULL);
+    load_ok("auth:\n  allowed_gids: [root, 5]\n  admin_gids: [\"root\"]\n", &c);
+    CHECK_EQ(c.num_allowed_gids, 2);
+    CHECK_EQ(c.allowed_gids[0], root->gr_gid);
+    CHECK_EQ(c.allowed_gids[1], 5);
+    CHECK_EQ(c.num_admin_gids, 1);
+    CHECK_EQ(c.admin_gids[0], root->gr_gid);
+    expect_errors("auth:\n  admin_gids: [kvx-no-such-group]\n", 1,
+                  "F:2:16: auth.admin_gids[0]: no group named "
+                  "\"kvx-no-such-group\" (expected a list of at most 64 "
+                  "group names or ids, each 0..4294967294)\n"
+                  "  admin_gids: [kvx-no-such-group]\n"
+                  "               ^\n");
+    /* uids stay numbers */
+    expect_errors("auth:\n  allowed_uids: [root]\n", 1,
+                  "F:2:18: auth.allowed_uids[0]: invalid value \"root\" "
+                  "(expected a list of at most 64 ids, each 0..4294967294)\n"
+                  "  allowed_uids: [root]\n"
+                  "                 ^\n");
     expect_errors("auth:\n  allowed_uids: 1000\n", 1,
                   "F:2:17: auth.allowed_uids: got a scalar (expected a list "
                   "of at most 64 ids, each 0..4294967294)\n"
