@@ -8,7 +8,7 @@
 #   scripts/gpu-measure-share.sh dist/kvxfer OUTDIR
 # PART=load (the engine cases only), PART=idle (the rest); default both.
 # NOMPS and WITHMPS: the cases without and under MPS (names below);
-# ROUNDS: the idle rounds (2).
+# ROUNDS: the idle rounds (2); NOLW=1 leaves out the layer-wise runs.
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-share-out}
 mkdir -p "$OUT"
@@ -81,7 +81,7 @@ if [ "${PART:-all}" != load ]; then
         bw "kernel-2K-$i" "$K" $S --tokens-per-block 1 --requests 16 --blocks 4096
         bw "dma-2K-$i" "$D" $S --tokens-per-block 1 --requests 16 --blocks 4096
     done
-    for c in kernel:$K dma:$D; do
+    [ -z "$NOLW" ] && for c in kernel:$K dma:$D; do
         r=$(timeout 200 kvxfer-bench --spawn-daemon --json --gpu --gen-device 0 \
             --layerwise 1 --requests 9 --blocks 4096 --pool-mib 20000 --trace \
             --daemon-config "${c#*:}" 2>&1 | tail -1)

@@ -390,14 +390,18 @@ static int use_device(int d, kvx_why_t *why)
      * unused memory back to the driver at each synchronization, and the
      * next request's allocation maps it again */
     uint64_t keep = 64ull << 20;
-    int lo = 0, hi = 0; /* gpu.stream_priority low: the device's lowest */
-    if (!strcmp(kvxd.conf.gpu_stream_priority, "low") &&
+    /* gpu.stream_priority low: the device's lowest (the larger number;
+     * asked once d is current, so that no other device gets a context) */
+    int lo = 0, hi = 0;
+    if (!CU_OK(e = cudaSetDevice(d))) {
+        why_set(why, "gpu %d: %s", d, cudaGetErrorString(e));
+        return KVX_ERR_IO;
+    }
+    if (strcmp(kvxd.conf.gpu_stream_priority, "low") ||
         !CU_OK(cudaDeviceGetStreamPriorityRange(&lo, &hi)))
         lo = 0;
-    if (!CU_OK(e = cudaSetDevice(d)) ||
-        !CU_OK(e = cudaStreamCreateWithPriority(
-                   &g.stream[d], cudaStreamNonBlocking,
-                   strcmp(kvxd.conf.gpu_stream_priority, "low") ? 0 : lo))) {
+    if (!CU_OK(e = cudaStreamCreateWithPriority(&g.stream[d],
+                                                cudaStreamNonBlocking, lo))) {
         why_set(why, "gpu %d: %s", d, cudaGetErrorString(e));
         return KVX_ERR_IO;
     }
