@@ -736,15 +736,20 @@ def start_daemon(build: str, tmp: str) -> Tuple[subprocess.Popen, str, str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(REPO, "build"),
+                    help="kvxferd and kvxfer-bench's folder")
     ap.add_argument("--url", help="a running kvxferd's endpoint")
     ap.add_argument("--socket", help="with --url: load it over this")
     ap.add_argument("--from", dest="src", help="render a --save file")
     ap.add_argument("--save", help="write the scrapes here")
-    ap.add_argument("--dashboard", default=DASHBOARD)
+    ap.add_argument("--dashboard", default=DASHBOARD,
+                    help="the dashboard JSON (default: the shipped one)")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "img",
-                                                  "dashboard.png"))
+                                                  "dashboard.png"),
+                    help="the PNG (default: docs/img/dashboard.png)")
     a = ap.parse_args()
     with open(a.dashboard) as f:
         dash = json.load(f)
