@@ -10,9 +10,10 @@ Grafana (issue 40): a PNG that shows what the dashboard shows.
 1. starts BUILD/kvxferd with metrics.listen 127.0.0.1:0 (or, with --url,
    scrapes a running one, loaded over --socket when given);
 2. drives a demo load over its socket: kvxfer-bench runs on host pools
-   (the default shape, one-block requests, layer-wise), and a few
-   requests that end cancelled, timed out or refused (kvxfer, the Python
-   package);
+   (the default shape, one-block requests, layer-wise), a few requests
+   that end cancelled, timed out or refused, and (not with --url) a
+   second kvxferd's rank fetching from it over the peer link (kvxfer,
+   the Python package);
 3. GETs /metrics every second, as Prometheus would (adding the
    instance and job labels Prometheus adds);
 4. evaluates every panel's PromQL over those samples at each scrape's
@@ -655,18 +656,29 @@ def bench(build: str, sock: str, *args: str) -> None:
           f"exit {r.returncode}", file=sys.stderr)
 
 
-def failures(build: str, sock: str) -> None:
-    """A few requests that do not complete: an offer cancelled, an offer
-    whose lease expires unfetched, a fetch the daemon refuses."""
+def kvxfer_package(build: str) -> Any:
+    """The kvxfer package of this tree, over BUILD's libkvxfer."""
     os.environ.setdefault("KVXFER_LIB",
                           os.path.join(os.path.abspath(build),
                                        "libkvxfer.so.2"))
-    sys.path.insert(0, os.path.join(REPO, "python"))
+    if os.path.join(REPO, "python") not in sys.path:
+        sys.path.insert(0, os.path.join(REPO, "python"))
     import kvxfer
+    return kvxfer
+
+
+def demo_layout(kvxfer: Any, blocks: int) -> Any:
+    return kvxfer.Layout.preset("vllm-nhd", num_layers=4, num_heads=2,
+                                head_dim=64, dtype="bf16",
+                                tokens_per_block=16, num_blocks=blocks)
+
+
+def failures(build: str, sock: str) -> None:
+    """A few requests that do not complete: an offer cancelled, an offer
+    whose lease expires unfetched, a fetch the daemon refuses."""
+    kvxfer = kvxfer_package(build)
     par = kvxfer.Parallel(total_layers=4, total_kv_heads=2)
-    lo = kvxfer.Layout.preset("vllm-nhd", num_layers=4, num_heads=2,
-                              head_dim=64, dtype="bf16",
-                              tokens_per_block=16, num_blocks=64)
+    lo = demo_layout(kvxfer, 64)
     with kvxfer.Client(sock, instance_id="demo-ctx", role="context",
                        parallel=par) as ctx, \
             kvxfer.Client(sock, instance_id="demo-gen", role="generation",
@@ -690,11 +702,39 @@ def failures(build: str, sock: str) -> None:
         ctx.poll(256, 0)
 
 
-def demo(build: str, sock: str) -> None:
-    """The load: ~25 s of phases with pauses between them."""
-    time.sleep(2)
+def between_daemons(build: str, sock: str, peer_sock: str) -> None:
+    """Offers on the scraped daemon fetched by a rank of another daemon
+    (peer_sock): its bytes out, per-peer bytes and peers up. 256 blocks
+    of 16 KiB a request, a request at a time, for about 3 s."""
+    kvxfer = kvxfer_package(build)
+    par = kvxfer.Parallel(total_layers=4, total_kv_heads=2)
+    lo = demo_layout(kvxfer, 256)
+    with kvxfer.Client(sock, instance_id="demo-peer-ctx", role="context",
+                       parallel=par) as ctx, \
+            kvxfer.Client(peer_sock, instance_id="demo-peer-gen",
+                          role="generation", parallel=par) as gen:
+        for c in (ctx, gen):
+            c.join([c.daemon_address])
+        src, dst = ctx.create_host_pool(lo), gen.create_host_pool(lo)
+        blocks = list(range(256))
+        end, i = time.monotonic() + 3, 0
+        while time.monotonic() < end:
+            key = f"peer-{i}"
+            gen.fetch(key, ctx.publish(key, src, blocks,
+                                       num_tokens=256 * 16), dst, blocks)
+            done = time.monotonic() + 20
+            while time.monotonic() < done and not any(
+                    e.key == key.encode() for e in gen.poll(1, 0.2)):
+                pass
+            ctx.poll(256, 0)
+            i += 1
+
+
+def demo(build: str, sock: str, peer_sock: Optional[str]) -> None:
+    """The load: phases a second apart (about 45 s here, on 2 CPUs)."""
+    time.sleep(1)
     bench(build, sock, "--requests", "32", "--blocks", "256")
-    time.sleep(2)
+    time.sleep(1)
     try:
         failures(build, sock)
     except Exception as e:  # the picture is still worth drawing
@@ -702,21 +742,37 @@ def demo(build: str, sock: str) -> None:
               file=sys.stderr)
     bench(build, sock, "--requests", "20000", "--blocks", "1", "--layers",
           "1", "--heads", "1", "--head-dim", "64", "--window", "64")
-    time.sleep(2)
+    time.sleep(1)
     bench(build, sock, "--layerwise", "5", "--requests", "16")
-    time.sleep(2)
+    time.sleep(1)
+    if peer_sock:
+        try:
+            between_daemons(build, sock, peer_sock)
+        except Exception as e:
+            print(f"render-dashboard: between daemons: {e}",
+                  file=sys.stderr)
+        time.sleep(1)
     bench(build, sock, "--requests", "16", "--blocks", "512", "--window",
           "4")
     time.sleep(3)
 
 
-def start_daemon(build: str, tmp: str) -> Tuple[subprocess.Popen, str, str]:
-    sock = os.path.join(tmp, "kvxferd.sock")
-    cfg = os.path.join(tmp, "kvxferd.yaml")
-    log = os.path.join(tmp, "kvxferd.log")
+def start_daemon(build: str, tmp: str,
+                 name: str) -> Tuple[subprocess.Popen, str, str]:
+    """kvxferd NAME in tmp, metrics on and a peer listener (the secret
+    tmp/secret): (process, socket, metrics URL)."""
+    sock = os.path.join(tmp, name + ".sock")
+    cfg = os.path.join(tmp, name + ".yaml")
+    log = os.path.join(tmp, name + ".log")
+    secret = os.path.join(tmp, "secret")
+    if not os.path.exists(secret):
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, os.urandom(32))
+        os.close(fd)
     with open(cfg, "w") as f:
         f.write(f"socket:\n  path: {sock}\nmetrics:\n"
-                "  listen: 127.0.0.1:0\n  publish_ms: 1000\n")
+                "  listen: 127.0.0.1:0\n  publish_ms: 1000\n"
+                f"peer:\n  listen: 127.0.0.1:0\n  secret_file: {secret}\n")
     with open(log, "wb") as lf:
         proc = subprocess.Popen([os.path.join(build, "kvxferd"),
                                  "--config", cfg], stdout=lf,
@@ -757,22 +813,26 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="render-dashboard.")
     try:
         if not a.src:
-            proc = None
+            procs: List[subprocess.Popen] = []
+            peer_sock = None
             if a.url:
                 url, sock = a.url.rstrip("/"), a.socket
             else:
-                proc, sock, url = start_daemon(a.build, tmp)
+                proc, sock, url = start_daemon(a.build, tmp, "kvxferd")
+                procs.append(proc)
+                proc, peer_sock, _ = start_daemon(a.build, tmp, "peer")
+                procs.append(proc)
             sc = Scraper(url)
             sc.start()
             try:
                 if sock:
-                    demo(a.build, sock)
+                    demo(a.build, sock, peer_sock)
                 else:
                     time.sleep(25)
             finally:
                 sc.stop.set()
                 sc.join()
-                if proc:
+                for proc in procs:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(10)
             save = save or os.path.join(tmp, "scrapes.jsonl")
