@@ -7,7 +7,7 @@ set -eu
 cd "$(dirname "$0")/../.."
 CC=${CC:-clang}
 OUT=${OUT:-build/fuzz}
-PKGS="libuv libprotobuf-c yaml-0.1 ucx libcrypto"
+PKGS="libuv libprotobuf-c yaml-0.1 ucx libcrypto libmicrohttpd"
 [ -f build/gen/kvxfer.pb-c.c ] || make build/gen/kvxfer.pb-c.c
 mkdir -p "$OUT"
 # the daemon's sources, from the Makefile (one list), host-only
