@@ -342,17 +342,24 @@ static void slot_times_of(const char *json, const char *key, double out[8])
  * or 0. Sets peers.lanes: the lanes daemon A's slot data goes over (its
  * first connection's "lanes"). */
 
+/* The status JSON of the daemon on sock into *json (free()), or NULL. */
+static void status_of(const char *sock, char **json)
+{
+    kvx_client_t *c;
+    *json = NULL;
+    if (kvx_connect_observer(sock, 2000, &c) == 0) {
+        kvx_status_json(c, json, 2000);
+        kvx_close(c);
+    }
+}
+
 uint64_t peers_read(void)
 {
     static char used_tls[128];
     uint64_t message_bytes = 0;
     int want_tls = !getenv("UCX_TLS");
-    kvx_client_t *c;
-    char *json = NULL;
-    if (kvx_connect_observer(o.gen_socket, 2000, &c) == 0) {
-        kvx_status_json(c, &json, 2000);
-        kvx_close(c);
-    }
+    char *json;
+    status_of(o.gen_socket, &json);
     const char *t = json ? strstr(json, "\"transports\":\"") : NULL;
     if (t)
         snprintf(peers.transports, sizeof(peers.transports), "%.*s",
@@ -381,11 +388,7 @@ uint64_t peers_read(void)
         message_bytes = strtoull(mb + 16, NULL, 10);
     slot_times_of(json, "\"received\":{", peers.rx);
     free(json);
-    json = NULL;
-    if (kvx_connect_observer(o.socket, 2000, &c) == 0) {
-        kvx_status_json(c, &json, 2000);
-        kvx_close(c);
-    }
+    status_of(o.socket, &json);
     slot_times_of(json, "\"sent\":{", peers.tx);
     const char *ln = json ? strstr(json, "\"lanes\":") : NULL;
     if (ln)
@@ -398,12 +401,8 @@ uint64_t peers_read(void)
 
 void gpu_status_read(void)
 {
-    kvx_client_t *c;
-    char *json = NULL;
-    if (kvx_connect_observer(o.gen_socket, 2000, &c) == 0) {
-        kvx_status_json(c, &json, 2000);
-        kvx_close(c);
-    }
+    char *json;
+    status_of(o.gen_socket, &json);
     const char *t = json ? strstr(json, "\"gpu\":\"") : NULL;
     if (t)
         snprintf(peers.gpu, sizeof(peers.gpu), "%.*s",

@@ -889,6 +889,24 @@ static int run_copy(void *arg, uint8_t *a, uint64_t len, uint32_t region)
     return 0;
 }
 
+/* Bound plan p's GPU descriptor laid out in host memory (at its own
+ * address), as gpu.c lays it out for the device: *g, and the buffer to
+ * free(). */
+static uint8_t *desc_on_host(const plan_t *p, gpu_plan_t *g)
+{
+    size_t cap = gpu_desc_size(p), len = 0;
+    uint8_t *buf = malloc(cap);
+    size_t *off = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
+    CHECK(buf && off);
+    char why[256];
+    CHECK_EQ(gpu_desc_pack(p, &(gpu_desc_buf_t){buf, cap, (uintptr_t)buf}, g,
+                           off, &len, KVX_WHY(why)),
+             0);
+    CHECK(len <= cap);
+    free(off);
+    return buf;
+}
+
 /* Units [u0, u1) of bound plan p as the kernel copies them with warps
  * warps: its descriptor (host pointers), the host's cut, each warp's
  * first piece its own and the rest from a counter, the warps' items in
@@ -900,16 +918,8 @@ static void gpu_walk_exec(const plan_t *p, uint64_t u0, uint64_t u1,
 {
     if (u0 >= u1)
         return;
-    size_t cap = gpu_desc_size(p), len = 0;
-    uint8_t *buf = malloc(cap);
-    size_t *off = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
-    CHECK(buf && off);
     gpu_plan_t g;
-    char why[256];
-    CHECK_EQ(gpu_desc_pack(p, &(gpu_desc_buf_t){buf, cap, (uintptr_t)buf}, &g,
-                           off, &len, KVX_WHY(why)),
-             0);
-    CHECK(len <= cap);
+    uint8_t *buf = desc_on_host(p, &g);
     gpu_launch_t l = {
         .u0 = u0, .u1 = u1, .packed = packed, .packed_mode = mode};
     gpu_launch_cut(&l, plan_units_bytes(p, u0, u1), warps);
@@ -947,7 +957,6 @@ static void gpu_walk_exec(const plan_t *p, uint64_t u0, uint64_t u1,
     free(t);
     free(j);
     free(hint);
-    free(off);
     free(buf);
 }
 
@@ -969,22 +978,14 @@ static void gpu_runs_exec(const plan_t *p, uint64_t u0, uint64_t u1,
 {
     if (u0 >= u1)
         return;
-    size_t cap = gpu_desc_size(p), len = 0;
-    uint8_t *buf = malloc(cap);
-    size_t *off = calloc(p->nslices ? p->nslices : 1, sizeof(size_t));
-    CHECK(buf && off);
     gpu_plan_t g;
-    char why[256];
-    CHECK_EQ(gpu_desc_pack(p, &(gpu_desc_buf_t){buf, cap, (uintptr_t)buf}, &g,
-                           off, &len, KVX_WHY(why)),
-             0);
+    uint8_t *buf = desc_on_host(p, &g);
     gpu_launch_t l = {
         .u0 = u0, .u1 = u1, .packed = packed, .packed_mode = mode};
     uint64_t bytes = 0;
     CHECK_EQ(gpu_desc_runs(&g, &l, run_memcpy, &bytes), 0);
     CHECK_EQ(bytes, plan_units_bytes(p, u0, u1));
     CHECK(gpu_desc_unit_run(&g, &l) > 0);
-    free(off);
     free(buf);
 }
 
