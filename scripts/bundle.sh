@@ -106,6 +106,13 @@ for l in $libs; do
     echo "bundle: $name from $pkg"
 done
 rm -rf "$tmp"
+# debug sections only: the bundle is carried to a GPU machine with a size
+# limit (64 MiB), and symbols stay for backtraces
+find "$OUT/bin" "$OUT/lib" -type f | while read -r f; do
+    case $(head -c4 "$f" | od -An -c | tr -d ' ') in
+    177ELF) strip --strip-debug "$f" ;;
+    esac
+done
 cat > "$OUT/env.sh" <<'ENV'
 # . dist/kvxfer/env.sh — put the bundle first on PATH and the loader path
 KVX_HOME=${KVX_HOME:-$(cd "$(dirname "${BASH_SOURCE:-$0}")" && pwd)}
