@@ -249,6 +249,7 @@ static void reload(void)
                 log_error("reload: %s; the log stays %s", lw,
                           log_format_name());
             uv_timer_set_repeat(&tick, kvxd.conf.deadline_tick_ms);
+            copy_set_pace(kvxd.conf.copy_pace, kvxd.conf.gpu_pace);
             log_notice("SIGHUP: reloaded %s: %d keys changed", kvxd.config_path,
                        n);
             (void)records_reopen();     /* it logs what failed */
@@ -427,6 +428,7 @@ int main(int argc, char **argv)
     if (copy_init(kvxd.loop, nthreads, (int)kvxd.conf.copy_pin_threads,
                   kvxd.conf.spin_us, kvxd.conf.copy_inline_bytes))
         goto err_records;
+    copy_set_pace(kvxd.conf.copy_pace, kvxd.conf.gpu_pace);
     if (session_init())
         goto err_copy;
     if (server_init())

@@ -9,6 +9,9 @@
 # PART=load (the engine cases only), PART=idle (the rest); default both.
 # NOMPS and WITHMPS: the cases without and under MPS (names below);
 # ROUNDS: the idle rounds (2); NOLW=1 leaves out the layer-wise runs.
+# Cases: kernel, dma, kernel-low, dma-low, kernel-16 (16 CTAs),
+# kernel-sm25 (gpu.sm_share 25), kernel-p512, dma-p512, kernel-p256
+# (gpu.pace 512 or 256 MiB a millisecond, 16 MiB launches).
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-share-out}
 mkdir -p "$OUT"
@@ -27,6 +30,10 @@ K16=$(conf kernel-16 "copy_path: kernel" "max_ctas: 16")
 KS=$(conf kernel-sm25 "copy_path: kernel" "sm_share: 25")
 D=$(conf dma "copy_path: dma")
 DL=$(conf dma-low "copy_path: dma" "stream_priority: low")
+# gpu.pace: 16 MiB launches, at most 512 MiB a millisecond (537 GB/s)
+KP=$(conf kernel-p512 "copy_path: kernel" "chunk_bytes: 16MiB" "pace: 512MiB")
+DP=$(conf dma-p512 "copy_path: dma" "chunk_bytes: 16MiB" "pace: 512MiB")
+KP2=$(conf kernel-p256 "copy_path: kernel" "chunk_bytes: 16MiB" "pace: 256MiB")
 mps_on() {
     export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

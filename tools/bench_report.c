@@ -271,7 +271,7 @@ static void report_json(const figures_t *f)
            o.keyed ? "true" : "false", o.reserve ? "true" : "false",
            o.by_key ? "true" : "false", o.shuffle ? "true" : "false");
     json_passes(f);
-    if (o.gpu) {
+    if (peers.gpu[0]) {
         printf(",\"gpu_status\":");
         json_str(peers.gpu);
     }

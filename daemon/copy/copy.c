@@ -12,6 +12,11 @@
 
 #include "copy.h"
 #include "core/log.h"
+#include "pace.h"
+
+/* Lanes a pace applies to: 0, the host's copy workers (and the loop's
+ * inline copies); 1 + d, GPU d (the last shared by devices 63 and up). */
+#define LANES 65
 
 static void job_finished(copy_job_t *j);
 
@@ -30,19 +35,26 @@ static struct {
     list_t done; /* finished, for the loop, in that order */
     pthread_t *threads;
     unsigned nthreads;
-    unsigned inflight;        /* loop thread only */
-    uint64_t busy_ns[2];      /* loop thread only: copy_busy_ns() */
+    unsigned inflight;   /* loop thread only */
+    uint64_t busy_ns[2]; /* loop thread only: copy_busy_ns() */
     int stop;
-    unsigned sleeping;        /* workers in pthread_cond_wait */
-    int spinning;             /* a worker is spinning for the next job */
-    long spin_ns;             /* copy.spin_us */
-    uint64_t inline_bytes;    /* copy.inline_bytes */
-    list_t inline_done;       /* run on the loop, done callback pending */
-    uv_check_t check;         /* hands inline_done back, this iteration */
-    uv_idle_t idle;           /* and keeps the loop from blocking first */
+    unsigned sleeping;     /* workers in pthread_cond_wait */
+    int spinning;          /* a worker is spinning for the next job */
+    long spin_ns;          /* copy.spin_us */
+    uint64_t inline_bytes; /* copy.inline_bytes */
+    list_t inline_done;    /* run on the loop, done callback pending */
+    uv_check_t check;      /* hands inline_done back, this iteration */
+    uv_idle_t idle;        /* and keeps the loop from blocking first */
     int inline_open;
     uv_async_t async;
     int async_open;
+    pace_t pace[LANES]; /* loop thread only */
+    list_t held[LANES]; /* paced jobs waiting to start, oldest first */
+    unsigned nheld;
+    uv_timer_t pace_timer; /* the next held job's start */
+    int pace_open;
+    uint64_t paced_jobs; /* held at least once, since start */
+    uint64_t paced_ns;   /* their time held, summed */
 } c = {.todo = {&c.todo, &c.todo},
        .done = {&c.done, &c.done},
        .inline_done = {&c.inline_done, &c.inline_done}};
@@ -90,7 +102,8 @@ static void *worker_main(void *arg)
                 if (i % 64 == 0) {
                     clock_gettime(CLOCK_MONOTONIC, &t);
                     if ((t.tv_sec - t0.tv_sec) * 1000000000L + t.tv_nsec -
-                            t0.tv_nsec > c.spin_ns)
+                            t0.tv_nsec >
+                        c.spin_ns)
                         break;
                 }
             }
@@ -264,6 +277,14 @@ int copy_init(uv_loop_t *loop, unsigned nthreads, int pin, unsigned spin_us,
             goto err_stop_threads;
         }
     }
+    for (int l = 0; l < LANES; l++)
+        list_init(&c.held[l]);
+    if ((rc = uv_timer_init(loop, &c.pace_timer))) {
+        log_error("copy: uv_timer_init: %s", uv_strerror(rc));
+        goto err_stop_threads;
+    }
+    uv_unref((uv_handle_t *)&c.pace_timer); /* held jobs keep the drain */
+    c.pace_open = 1;
     if (pin)
         pin_workers(pin);
     return 0;
@@ -285,17 +306,15 @@ err_close_inline:
 
 int copy_job_inline(const copy_job_t *j)
 {
-    return !j->gpu && !j->run && j->plan->bytes <= c.inline_bytes;
+    /* a paced host lane may hold it past this turn */
+    return !j->gpu && !j->run && j->plan->bytes <= c.inline_bytes &&
+           !c.pace[0].per_ms;
 }
 
-/* Start j at once when it is a GPU launch or small enough for the loop;
- * 1: it is for the workers, to be queued. */
-static int submit_now(copy_job_t *j)
+/* Start j now: a GPU launch, or a small host plan on the loop; 1: it is
+ * for the workers, to be queued. */
+static int start(copy_job_t *j)
 {
-    /* on no queue: zeroed, or popped before its done callback ran */
-    assert(!j->node.next || !list_linked(&j->node));
-    list_init(&j->node);
-    c.inflight++;
     j->t_start = now_ns();
     if (j->gpu) { /* the GPU executor; it completes through gpu_done() */
         gpu_work_t w = {.unit_begin = j->unit_begin,
@@ -319,28 +338,163 @@ static int submit_now(copy_job_t *j)
     return 1;
 }
 
+/* The workers take jobs[0..n) once all of them are queued: a woken
+ * worker can take the loop's CPU (wake-up preemption), and jobs not
+ * queued yet would wait for the loop to get it back. */
+static void queue(copy_job_t **jobs, size_t n)
+{
+    if (!n)
+        return;
+    pthread_mutex_lock(&c.mu);
+    for (size_t i = 0; i < n; i++)
+        list_push(&c.todo, &jobs[i]->node);
+    todo_changed();
+    unsigned sleeping = c.sleeping;
+    pthread_mutex_unlock(&c.mu);
+    if (n >= sleeping)
+        pthread_cond_broadcast(&c.cv);
+    else
+        for (size_t i = 0; i < n; i++)
+            pthread_cond_signal(&c.cv);
+}
+
+/* ---- pace (gpu.pace, copy.pace) --------------------------------------- */
+
+/* The lane a job's bytes are paced on, or -1: not a copy of a plan. */
+static int lane_of(const copy_job_t *j)
+{
+    if (j->run)
+        return -1;
+    if (!j->gpu)
+        return 0;
+    int d = gpu_part_device(j->gpu);
+    return 1 + (d < LANES - 1 ? d : LANES - 2);
+}
+
+static void on_pace_timer(uv_timer_t *t);
+
+/* Arm the timer for the earliest held job's start. */
+static void pace_arm(uint64_t now)
+{
+    uint64_t wait = UINT64_MAX;
+    for (int l = 0; l < LANES && c.nheld; l++)
+        if (!list_empty(&c.held[l])) {
+            uint64_t w = pace_wait(&c.pace[l], now);
+            if (w < wait)
+                wait = w;
+        }
+    if (wait == UINT64_MAX)
+        return;
+    /* libuv's timers count whole milliseconds: round up, at least one
+     * turn of the loop */
+    uv_timer_start(&c.pace_timer, on_pace_timer, (wait + 999999) / 1000000, 0);
+}
+
+/* Held jobs whose time has come start, in order, lane by lane. */
+static void pace_release(int all)
+{
+    copy_job_t *batch[64];
+    size_t n = 0;
+    uint64_t now = now_ns();
+    for (int l = 0; l < LANES && c.nheld; l++) {
+        while (!list_empty(&c.held[l]) &&
+               (all || !pace_wait(&c.pace[l], now))) {
+            copy_job_t *j = LIST_OWNER(list_pop(&c.held[l]), copy_job_t, node);
+            c.nheld--;
+            c.paced_ns += now - j->t_start;
+            pace_charge(&c.pace[l], now, j->bytes);
+            if (start(j))
+                batch[n++] = j;
+            if (n == sizeof(batch) / sizeof(batch[0])) {
+                queue(batch, n);
+                n = 0;
+            }
+        }
+    }
+    queue(batch, n);
+    if (c.nheld)
+        pace_arm(now);
+}
+
+static void on_pace_timer(uv_timer_t *t)
+{
+    (void)t;
+    pace_release(0);
+}
+
+/* 1: j waits for its lane's pace (held, behind any held before it). */
+static int pace_hold(copy_job_t *j)
+{
+    int l = lane_of(j);
+    if (l < 0 || !c.pace[l].per_ms)
+        return 0;
+    uint64_t now = now_ns();
+    if (list_empty(&c.held[l]) && !pace_wait(&c.pace[l], now)) {
+        pace_charge(&c.pace[l], now, j->bytes);
+        return 0;
+    }
+    j->t_start = now; /* until it starts: when it was held */
+    list_push(&c.held[l], &j->node);
+    c.nheld++;
+    c.paced_jobs++;
+    pace_arm(now);
+    return 1;
+}
+
+void copy_drop_aborted(void)
+{
+    for (int l = 0; l < LANES && c.nheld; l++) {
+        list_t *n = c.held[l].next, *next;
+        for (; n != &c.held[l]; n = next) {
+            next = n->next;
+            copy_job_t *j = LIST_OWNER(n, copy_job_t, node);
+            if (!j->abort || !*j->abort)
+                continue;
+            list_remove(n);
+            c.nheld--;
+            c.paced_ns += now_ns() - j->t_start;
+            j->t_start = 0; /* it never ran: no busy time */
+            j->status = KVX_ERR_CANCELLED;
+            job_finished(j);
+        }
+    }
+}
+
+void copy_set_pace(uint64_t host_per_ms, uint64_t gpu_per_ms)
+{
+    c.pace[0].per_ms = host_per_ms;
+    for (int l = 1; l < LANES; l++)
+        c.pace[l].per_ms = gpu_per_ms;
+    if (c.nheld)
+        pace_release(0); /* an unpaced lane lets its jobs go now */
+}
+
+void copy_pace_stats(uint64_t *jobs, uint64_t *ns, unsigned *held)
+{
+    *jobs = c.paced_jobs;
+    *ns = c.paced_ns;
+    *held = c.nheld;
+}
+
+/* j is counted in flight; 1: it is for the workers, to be queued. */
+static int submit_now(copy_job_t *j)
+{
+    /* on no queue: zeroed, or popped before its done callback ran */
+    assert(!j->node.next || !list_linked(&j->node));
+    list_init(&j->node);
+    c.inflight++;
+    if (pace_hold(j))
+        return 0;
+    return start(j);
+}
+
 void copy_submit_many(copy_job_t **jobs, size_t n)
 {
     size_t q = 0;
     for (size_t i = 0; i < n; i++)
         if (submit_now(jobs[i]))
             jobs[q++] = jobs[i];
-    if (!q)
-        return;
-    /* every job queued before any worker is woken: a woken worker can
-     * take the loop's CPU (wake-up preemption), and jobs not queued yet
-     * would wait for the loop to get it back */
-    pthread_mutex_lock(&c.mu);
-    for (size_t i = 0; i < q; i++)
-        list_push(&c.todo, &jobs[i]->node);
-    todo_changed();
-    unsigned sleeping = c.sleeping;
-    pthread_mutex_unlock(&c.mu);
-    if (q >= sleeping)
-        pthread_cond_broadcast(&c.cv);
-    else
-        for (size_t i = 0; i < q; i++)
-            pthread_cond_signal(&c.cv);
+    queue(jobs, q);
 }
 
 void copy_submit(copy_job_t *j)
@@ -363,6 +517,20 @@ uint64_t copy_busy_ns(int gpu)
 
 void copy_cleanup(void)
 {
+    /* held by a pace: they never start, and go back as not run */
+    for (int l = 0; l < LANES && c.nheld; l++) {
+        list_t *n;
+        while ((n = list_pop(&c.held[l]))) {
+            copy_job_t *j = LIST_OWNER(n, copy_job_t, node);
+            c.nheld--;
+            j->status = KVX_ERR_SHUTDOWN;
+            job_finished(j);
+        }
+    }
+    if (c.pace_open) {
+        uv_close((uv_handle_t *)&c.pace_timer, NULL);
+        c.pace_open = 0;
+    }
     pthread_mutex_lock(&c.mu);
     c.stop = 1;
     pthread_cond_broadcast(&c.cv);

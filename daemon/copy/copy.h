@@ -29,7 +29,7 @@ struct copy_job {
      * (e.g. populating a new pool's page tables) */
     void (*run)(copy_job_t *job);
     const plan_t *plan;
-    gpu_part_t *gpu;     /* set: the plan runs on this GPU, not on threads */
+    gpu_part_t *gpu; /* set: the plan runs on this GPU, not on threads */
     uint64_t unit_begin, unit_end;
     /* between daemons (GPU): one side is a staging slot holding the units
      * packed (plan_exec_packed); gather: the slot is the destination */
@@ -38,10 +38,14 @@ struct copy_job {
     int packed_device; /* the slot is device memory (GPU slots), else
                           pinned host memory */
     uint64_t bytes;
-    int status;          /* 0, or why the job did not run */
-    uint64_t t_start;    /* CLOCK_MONOTONIC ns it started (copy sets it) */
-    uint64_t t_done;     /* CLOCK_MONOTONIC ns it finished */
-    copy_done_cb done;   /* runs on the loop thread */
+    int status;        /* 0, or why the job did not run */
+    uint64_t t_start;  /* CLOCK_MONOTONIC ns it started (copy sets it) */
+    uint64_t t_done;   /* CLOCK_MONOTONIC ns it finished */
+    copy_done_cb done; /* runs on the loop thread */
+    /* set: while the job is held by a pace and *abort is nonzero (its
+     * request is ending), copy_drop_aborted() hands it back unrun, with
+     * status KVX_ERR_CANCELLED */
+    const int *abort;
     void *owner;
     list_t node; /* queue link, owned by copy */
 };
@@ -73,6 +77,17 @@ unsigned copy_inflight(void);
  * launch queued behind another counts its wait too). */
 uint64_t copy_busy_ns(int gpu);
 unsigned copy_threads(void);
+/* Bytes a millisecond that copies may start at (gpu.pace, copy.pace): on
+ * the host's workers, and on each GPU; 0: no pace. A job over its lane's
+ * pace is held, in order, and started by a timer; held jobs count as in
+ * flight. Loop thread; a lower or zero pace applies to held jobs too. */
+void copy_set_pace(uint64_t host_per_ms, uint64_t gpu_per_ms);
+/* Held jobs whose *abort is set go back unrun (their done callbacks
+ * follow, from the loop), so that an ending request's fence does not
+ * wait for the pace. Loop thread. */
+void copy_drop_aborted(void);
+/* Jobs held by a pace since start, their time held (ns), held now. */
+void copy_pace_stats(uint64_t *jobs, uint64_t *ns, unsigned *held);
 /* Stop the workers after the queue drains and close the async handle. */
 void copy_cleanup(void);
 

@@ -966,6 +966,11 @@ err_free:
     return rc;
 }
 
+int gpu_part_device(const gpu_part_t *gp)
+{
+    return gp->device;
+}
+
 int gpu_part_set_blocks(gpu_part_t *gp, uint32_t slice, uint32_t first,
                         const uint32_t *blocks, uint32_t n)
 {

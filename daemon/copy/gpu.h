@@ -103,6 +103,8 @@ void gpu_mem_free(void *p);
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
                     kvx_why_t *why);
 void gpu_part_free(gpu_part_t *gp);
+/* The device gp's launches run on. */
+int gpu_part_device(const gpu_part_t *gp);
 /* Entries [first, first + n) of slice's source block table in gp's
  * uploaded plan (a chunked prefill appended them): written on the
  * stream, so launches after this call see them. */

@@ -91,6 +91,12 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
     return why_fail(why, KVX_ERR_UNSUPPORTED, "%s", NO_CUDA);
 }
 
+int gpu_part_device(const gpu_part_t *gp)
+{
+    (void)gp;
+    return 0;
+}
+
 void gpu_part_free(gpu_part_t *gp)
 {
     (void)gp;

@@ -60,6 +60,7 @@ typedef struct kvx_conf {
     uint64_t gpu_dma_min_run;    /* auto: DMA for runs of this or more */
     uint32_t gpu_sm_share;       /* MPS: % of SMs; 0: as the environment */
     char gpu_stream_priority[8]; /* "normal" or "low" */
+    uint64_t gpu_pace;           /* bytes a ms a GPU's copies start; 0 off */
     /* peer daemons (UCX) */
     char peer_listen[64]; /* "IP:PORT"; "" = no peers */
     char peer_secret_file[108];
@@ -102,6 +103,7 @@ typedef struct kvx_conf {
     uint64_t records_max_bytes; /* rotate past this; 0: never */
     uint32_t records_keep;      /* rotated files kept */
     uint64_t copy_inline_bytes; /* host jobs this small: on the loop */
+    uint64_t copy_pace;         /* bytes a ms host copies start; 0 off */
     /* metrics (local/http.c, local/metrics.c) */
     char metrics_listen[64];            /* IP:PORT of /metrics; "" off */
     uint32_t metrics_publish_ms;        /* the snapshot's period */

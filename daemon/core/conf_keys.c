@@ -441,6 +441,19 @@ const struct conf_key conf_keys[] = {
              "copy worker (two thread hand-offs cost more than copying a "
              "few blocks); 0: every job goes to the workers."},
 
+    {.name = "copy.pace",
+     .type = CONF_SIZE,
+     FIELD(copy_pace),
+     .def = 0,
+     .min = 0,
+     .max = 1024 * GiB,
+     .reloadable = 1,
+     .help = "Bytes a millisecond that host copies (the copy workers') may "
+             "start, for memory bandwidth left to the engines; a chunk "
+             "over the pace waits, in order, and a millisecond's worth "
+             "may start at once after a pause; 0: no pace. A reload "
+             "applies it to chunks already waiting."},
+
     {.name = "copy.busy_poll",
      .type = CONF_U32,
      FIELD(copy_busy_poll),
@@ -558,6 +571,21 @@ const struct conf_key conf_keys[] = {
              "(the device's lowest), so that work of higher priority in "
              "the same context is scheduled first; across processes it "
              "matters only under MPS."},
+    {.name = "gpu.pace",
+     .type = CONF_SIZE,
+     FIELD(gpu_pace),
+     .def = 0,
+     .min = 0,
+     .max = 1024 * GiB,
+     .reloadable = 1,
+     .help = "Bytes a millisecond that each GPU's copies (kernel or copy "
+             "engines, pool to pool and into or out of the staging slots) "
+             "may start, so that an engine on that GPU keeps most of it "
+             "while kvxfer moves KV; a chunk over the pace waits, in "
+             "order, and a millisecond's worth may start at once after a "
+             "pause; 0: no pace. A reload (SIGHUP) changes it for chunks "
+             "already waiting too. See docs/operations.md, \"Sharing a "
+             "GPU with the engine\"."},
 
     {.name = "peer.listen",
      .type = CONF_STRING,

@@ -235,6 +235,15 @@ static void text_engines(FILE *f, const Kvxfer__UcxInfo *ucx)
             (double)copy_busy_ns(0) / 1e9);
     fprintf(f, "kvxfer_copy_busy_seconds_total{engine=\"gpu\"} %.9f\n",
             (double)copy_busy_ns(1) / 1e9);
+    uint64_t pj, pns;
+    unsigned held;
+    copy_pace_stats(&pj, &pns, &held);
+    family(f, "kvxfer_copy_paced_jobs_total", "counter",
+           "Copy jobs held by gpu.pace or copy.pace before they started.");
+    fprintf(f, "kvxfer_copy_paced_jobs_total %llu\n", (unsigned long long)pj);
+    family(f, "kvxfer_copy_paced_seconds_total", "counter",
+           "Time copy jobs were held by a pace, summed.");
+    fprintf(f, "kvxfer_copy_paced_seconds_total %.9f\n", (double)pns / 1e9);
     family(f, "kvxfer_copy_jobs_in_flight", "gauge",
            "Copy jobs handed to threads or GPUs, not back yet.");
     fprintf(f, "kvxfer_copy_jobs_in_flight %u\n", copy_inflight());

@@ -46,6 +46,15 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid, uint32_t cap)
     static char gpu[512];
     st->build = (char *)gpu_build_info();
     gpu_status(gpu, sizeof(gpu));
+    uint64_t pj, pns;
+    unsigned held;
+    copy_pace_stats(&pj, &pns, &held);
+    if (kvxd.conf.gpu_pace || kvxd.conf.copy_pace || pj) {
+        size_t n = strlen(gpu);
+        snprintf(gpu + n, sizeof(gpu) - n,
+                 "%spaced: %llu jobs held %.3f ms, %u now", n ? "; " : "",
+                 (unsigned long long)pj, (double)pns / 1e6, held);
+    }
     st->gpu = gpu;
     st->uptime_ms = kvxd_now_ms() - kvxd.start_ms;
     st->daemon_address = kvxd.address;
@@ -73,8 +82,8 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid, uint32_t cap)
             kvxfer__pool_info__init(pi);
             pi->pool_id = pools[i]->id;
             pi->session_id = pools[i]->session_id;
-            static const char *const kinds[2][2] = {
-                {"host", "host (released)"}, {"gpu", "gpu (released)"}};
+            static const char *const kinds[2][2] = {{"host", "host (released)"},
+                                                    {"gpu", "gpu (released)"}};
             pi->kind = (char *)kinds[pools[i]->gpu][pools[i]->released];
             pi->size = pools[i]->size;
             pi->preset = pools[i]->layout.preset;

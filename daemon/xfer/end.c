@@ -238,6 +238,7 @@ void genreq_end(genreq_t *g, int kind, int code, const char *msg)
         }
         assert(g->inflight > 0 /* the fence */);
         g->inflight--;
+        copy_drop_aborted(); /* its chunks a pace holds: unrun */
     }
     if (g->inflight)
         return; /* fence: on_chunk_done comes back here */

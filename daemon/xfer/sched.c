@@ -179,6 +179,7 @@ void xfer_schedule(void)
         job->bytes = plan_units_bytes(p->plan, begin, end);
         job->done = on_chunk_done;
         job->owner = p;
+        job->abort = &p->req->ending; /* a held chunk is dropped */
         TRACE_HOP(p->req, TR_SUBMIT);
         p->inflight++;
         p->req->inflight++;

@@ -5,7 +5,7 @@
  * skipped tokens, pools inside one memfd between guard bands, many
  * requests at once, role "both", a fetch right after a pool registration,
  * the generation side's own request ids, replicated heads, attention DP,
- * and random configuration pairs through kvxfer-bench.
+ * random configuration pairs through kvxfer-bench, and copy.pace.
  */
 
 /* 1. */
@@ -754,4 +754,91 @@ TEST_T(bench_batch_many_a_call, 120)
     CHECK_STR_CONTAINS(out, "\"verified\":true");
     CHECK_EQ(bench_run("--batch --by-key", out, sizeof(out)), 2);
     CHECK_STR_CONTAINS(out, "--batch goes without --reserve, --by-key");
+}
+
+/* ---- copy.pace ------------------------------------------------------- */
+
+/* The holds the status counts: "paced: N jobs held X ms, H now". */
+static uint64_t paced_of(daemon_t *d, unsigned *now)
+{
+    char *st = status_json(d);
+    const char *p = strstr(st, "paced: ");
+    CHECK(p != NULL);
+    uint64_t n = strtoull(p + strlen("paced: "), NULL, 10);
+    const char *h = strstr(p, " ms, ");
+    CHECK(h != NULL);
+    *now = (unsigned)strtoul(h + strlen(" ms, "), NULL, 10);
+    free(st);
+    return n;
+}
+
+static void pace_reload(daemon_t *d, const char *copy_keys)
+{
+    char cfg[512];
+    snprintf(cfg, sizeof(cfg), "socket:\n  path: %s\ncopy:\n%s", d->sock,
+             copy_keys);
+    write_file(d->cfg, cfg);
+    int before = log_count(d, "reloaded");
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait_more(d, "reloaded", before, 3000));
+}
+
+/* copy.pace: a 64 MiB request's chunks wait for the pace and every byte
+ * arrives, the status counting the holds; at 128 bytes a millisecond
+ * each next chunk waits 8 s (the request, minutes), but a cancel drops
+ * its held chunks at once, and a reload to no pace lets a third one's
+ * go: it completes in seconds. */
+TEST_T(copy_pace_holds_cancel_and_reload, 60)
+{
+    daemon_t *d = daemon_start("copy:\n  chunk_bytes: 1MiB\n  pace: 2MiB\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_BIG, "pc-ctx", "pc-gen", BIG_BLOCKS, &c, &g, &cs, &gs);
+    for (uint64_t i = 0; i < c.size; i++)
+        c.base[i] = (uint8_t)(i * 131 + i / 4096);
+    uint32_t *bl = big_blocks();
+    unsigned held;
+    CHECK_EQ(paced_of(d, &held), 0);
+    for (uint64_t id = 31; id <= 33; id++) {
+        memset(g.base, 0xa5, g.size);
+        kvx_context_params_t p;
+        CHECK_KVX(
+            kvx_publish(c.c, id, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+            c.c);
+        CHECK_KVX(
+            kvx_fetch(g.c, id, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
+            g.c);
+        kvx_context_params_free(&p);
+        if (id == 32) { /* slow: cancelled while its chunks are held */
+            sleep_ms(200);
+            CHECK(paced_of(d, &held) > 0 && held > 0);
+            CHECK_KVX(kvx_cancel(g.c, id, T_MS), g.c);
+            wait_event(g.c, id, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 3000);
+            wait_event(c.c, id, KVX_EVENT_ERROR, KVX_ERR_CANCELLED, 3000);
+            CHECK(memchr(g.base, 0xa5, g.size) != NULL); /* not all came */
+            pace_reload(d, "  chunk_bytes: 1MiB\n  pace: 128\n");
+            continue;
+        }
+        if (id == 33) { /* as slow, until the pace is lifted */
+            sleep_ms(200);
+            CHECK(paced_of(d, &held) > 0 && held > 0);
+            CHECK(memchr(g.base, 0xa5, g.size) != NULL);
+            pace_reload(d, "  chunk_bytes: 1MiB\n");
+        }
+        wait_event(g.c, id, KVX_EVENT_COMPLETE, 0, 3000);
+        wait_event(c.c, id, KVX_EVENT_COMPLETE, 0, 3000);
+        CHECK(!memcmp(g.base, c.base, g.size));
+        if (id == 31) {
+            CHECK(paced_of(d, &held) > 0);
+            CHECK_EQ(held, 0);
+            pace_reload(d, "  chunk_bytes: 1MiB\n  pace: 128\n");
+        }
+    }
+    CHECK(paced_of(d, &held) > 0);
+    CHECK_EQ(held, 0);
+    free(bl);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
 }

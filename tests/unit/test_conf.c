@@ -272,6 +272,7 @@ TEST(table_sane)
                                         "copy.max_inflight_chunks",
                                         "copy.spin_us",
                                         "copy.inline_bytes",
+                                        "copy.pace",
                                         "copy.busy_poll",
                                         "gpu.max_ctas",
                                         "gpu.spin_us",
@@ -282,6 +283,7 @@ TEST(table_sane)
                                         "gpu.dma_min_run",
                                         "gpu.sm_share",
                                         "gpu.stream_priority",
+                                        "gpu.pace",
                                         "peer.listen",
                                         "peer.secret_file",
                                         "peer.secret_previous_ms",
@@ -330,9 +332,11 @@ TEST(table_sane)
                                              "limits.aux_bytes",
                                              "copy.chunk_bytes",
                                              "copy.max_inflight_chunks",
+                                             "copy.pace",
                                              "gpu.max_ctas",
                                              "gpu.chunk_bytes",
                                              "gpu.dma_min_run",
+                                             "gpu.pace",
                                              "peer.secret_previous_ms",
                                              "peer.keepalive_interval_ms",
                                              "peer.keepalive_timeout_ms",
@@ -388,6 +392,7 @@ TEST(table_sane)
         M(max_inflight_chunks),
         M(spin_us),
         M(copy_inline_bytes),
+        M(copy_pace),
         M(copy_busy_poll),
         M(gpu_max_ctas),
         M(gpu_spin_us),
@@ -398,6 +403,7 @@ TEST(table_sane)
         M(gpu_dma_min_run),
         M(gpu_sm_share),
         M(gpu_stream_priority),
+        M(gpu_pace),
         M(peer_listen),
         M(peer_secret_file),
         M(peer_secret_previous_ms),
@@ -991,8 +997,10 @@ TEST(err_gpu_share_keys)
 {
     kvx_conf_t c;
     load_ok("gpu:\n  copy_path: auto\n  dma_min_run: 64KiB\n  sm_share: 25\n"
-            "  stream_priority: low\n",
+            "  stream_priority: low\n  pace: 64MiB\ncopy:\n  pace: 4096\n",
             &c);
+    CHECK_EQ(c.gpu_pace, 64 * 1024 * 1024);
+    CHECK_EQ(c.copy_pace, 4096);
     CHECK(!strcmp(c.gpu_copy_path, "auto"));
     CHECK_EQ(c.gpu_dma_min_run, 65536);
     CHECK_EQ(c.gpu_sm_share, 25);

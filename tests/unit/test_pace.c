@@ -1,0 +1,65 @@
+/*
+ * test_pace — the pace's arithmetic (daemon/copy/pace.h): when a lane's
+ * next copy may start, the burst an idle lane allows, and no overflow at
+ * the keys' bounds.
+ */
+#include "copy/pace.h"
+
+#include "tests/test.h"
+
+#define MS 1000000ull
+
+/* No pace: every copy starts now, and the clock never moves. */
+TEST(pace_off_never_waits)
+{
+    pace_t p = {0};
+    pace_charge(&p, 5 * MS, 1ull << 40);
+    CHECK_EQ(pace_wait(&p, 5 * MS), 0);
+    CHECK_EQ(p.t_ns, 0);
+}
+
+/* 1 MiB a millisecond: an idle lane starts a millisecond's worth at
+ * once; past that each MiB waits its millisecond, in order. */
+TEST(pace_burst_then_rate)
+{
+    pace_t p = {.per_ms = 1 << 20};
+    uint64_t now = 100 * MS;
+    CHECK_EQ(pace_wait(&p, now), 0);
+    pace_charge(&p, now, 1 << 20); /* paid from the burst */
+    CHECK_EQ(p.t_ns, now);
+    CHECK_EQ(pace_wait(&p, now), 0);
+    pace_charge(&p, now, 1 << 20); /* the next MiB: a millisecond ahead */
+    CHECK_EQ(pace_wait(&p, now), MS);
+    CHECK_EQ(pace_wait(&p, now + MS / 2), MS / 2);
+    CHECK_EQ(pace_wait(&p, now + MS), 0);
+    /* half a MiB: half a millisecond */
+    pace_charge(&p, now + MS, 1 << 19);
+    CHECK_EQ(pace_wait(&p, now + MS), MS / 2);
+}
+
+/* A long pause saves up no more than one burst. */
+TEST(pace_idle_saves_one_burst)
+{
+    pace_t p = {.per_ms = 4096};
+    pace_charge(&p, 10 * MS, 4096);
+    uint64_t later = 10 * 1000 * MS; /* ten seconds idle */
+    pace_charge(&p, later, 4096);
+    CHECK_EQ(pace_wait(&p, later), 0);
+    pace_charge(&p, later, 4096);
+    CHECK_EQ(pace_wait(&p, later), MS);
+}
+
+/* The keys' bounds: 1 TiB a millisecond, and a charge of 1 TiB at one
+ * byte a millisecond (10^18 ns), neither overflows. */
+TEST(pace_bounds_no_overflow)
+{
+    pace_t p = {.per_ms = 1ull << 40};
+    pace_charge(&p, 0, (1ull << 40) * 3);
+    CHECK_EQ(p.t_ns, 3 * MS); /* at 0, no burst behind it */
+    pace_t q = {.per_ms = 1};
+    pace_charge(&q, 0, 1ull << 40);
+    CHECK_EQ(q.t_ns, (1ull << 40) * MS);
+    pace_t r = {.per_ms = 3};
+    pace_charge(&r, 0, 1);
+    CHECK_EQ(r.t_ns, MS / 3);
+}
