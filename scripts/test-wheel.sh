@@ -14,7 +14,8 @@
 #   3. kvxferd --version from the console script and kvxfer/_bin/kvxferd
 #      directly: the package's version, UCX loaded from the venv;
 #   4. as an unprivileged user (nobody when run as root, else the caller):
-#      kvxferd --socket in a folder of that user's, kvxferctl status, one
+#      kvxferd on a socket in a folder it may not write fails naming
+#      --socket; kvxferd --socket in a folder of that user's, kvxferctl status, one
 #      transfer through the Python client (publish, fetch into other
 #      blocks, every byte compared); every library the daemon and the
 #      client mapped is the venv's, or glibc's;
@@ -138,6 +139,17 @@ else
 fi
 
 # --- 4. a node, unprivileged -------------------------------------------------
+# a socket where the user may not write (the default /run/kvxfer, for a
+# user other than root): the daemon fails, saying what to do
+mkdir -p "$tmp/ro"
+chmod 555 "$tmp/ro"
+out=$(cd "$tmp" && clean timeout 10 kvxferd --socket "$tmp/ro/kvxferd.sock" 2>&1)
+rc=$?
+if [ "$rc" != 0 ] && echo "$out" | grep -q "Permission denied.*--socket PATH"; then
+    pass "kvxferd as $user on a folder it may not write: exit $rc, $(echo "$out" | grep -- --socket | sed "s|$tmp|TMP|g")"
+else
+    fail "kvxferd as $user on a folder it may not write: exit $rc, $out"
+fi
 sock=$tmp/run/kvxferd.sock
 # peers on (loopback): UCX starts, and loads its transport modules
 head -c 32 /dev/urandom > "$tmp/run/peer.secret"
