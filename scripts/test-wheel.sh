@@ -21,7 +21,10 @@
 #      client mapped is the venv's, or glibc's;
 #   5. SIGTERM: the daemon drains and exits 0.
 # Exits 0 when every step passed, 1 when one failed, 3 when it cannot run
-# here (no network to PyPI for libucx-cu13), saying why.
+# here (no network to PyPI for libucx-cu13), saying why. Offline (a GPU
+# machine): PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR, DIR holding the
+# libucx-cu13 wheel (pip download libucx-cu13==1.22.0), and
+# AUDITWHEEL=none where the build venv is not.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 DIST=${1:-dist}
@@ -47,7 +50,11 @@ esac
 # UCX resolved to libucx-cu13's (what pip installs beside the wheel), not
 # to a UCX of this machine's
 out=$(LD_LIBRARY_PATH=$UCX_LIB "$AW" show --json "$whl" 2>/dev/null)
-if res=$(echo "$out" | python3 -c '
+if [ "$AW" = none ]; then
+    echo "SKIP: auditwheel show (AUDITWHEEL=none: a machine without the build venv)"
+elif [ ! -x "$AW" ]; then
+    fail "auditwheel show: no $AW (make wheel makes it; AUDITWHEEL=PATH, or none to skip)"
+elif res=$(echo "$out" | python3 -c '
 import json, sys
 tag = sys.argv[1]
 try:
@@ -169,7 +176,7 @@ while ! grep -q " ready: " "$tmp/kvxferd.log" && [ $i -lt 100 ] &&
     sleep 0.1; i=$((i + 1))
 done
 if [ -S "$sock" ]; then
-    pass "kvxferd as $user (uid $(as id -u)) on $sock: $(grep ready "$tmp/kvxferd.log" | sed "s|$tmp|TMP|g")"
+    pass "kvxferd as $user (uid $(as id -u)) on $sock: $(grep -E " ready: |peers: UCX .* listening" "$tmp/kvxferd.log" | sed "s|$tmp|TMP|g" | tr '\n' ' ')"
 else
     fail "kvxferd as $user did not listen on $sock: $(cat "$tmp/kvxferd.log")"
     exit 1
