@@ -14,11 +14,14 @@
 #   3. kvxferd --version from the console script and kvxfer/_bin/kvxferd
 #      directly: the package's version, UCX loaded from the venv;
 #   4. as an unprivileged user (nobody when run as root, else the caller):
-#      kvxferd on a socket in a folder it may not write fails naming
-#      --socket; kvxferd --socket in a folder of that user's, kvxferctl status, one
+#      kvxferd on a socket in a folder it may not write fails, naming
+#      --socket; kvxferd --socket in a folder of that user's (peers on
+#      loopback: UCX starts and loads its modules), kvxferctl status, one
 #      transfer through the Python client (publish, fetch into other
-#      blocks, every byte compared); every library the daemon and the
-#      client mapped is the venv's, or glibc's;
+#      blocks, every byte compared); every library the daemon mapped is
+#      the venv's or glibc's, the client's libkvxfer and its libraries
+#      the venv's; kvxfer-bench --daemons 2: two daemons of the wheel
+#      move verified bytes over UCX;
 #   5. SIGTERM: the daemon drains and exits 0.
 # Exits 0 when every step passed, 1 when one failed, 3 when it cannot run
 # here (no network to PyPI for libucx-cu13), saying why. Offline (a GPU
@@ -267,6 +270,15 @@ if grep -q "$site/libucx/lib/libucp.so.0" "/proc/$dpid/maps" && [ -n "$modules" 
     pass "daemon: UCX from $(echo "$site" | sed "s|$tmp/v|VENV|")/libucx/lib, its modules from lib/ucx: $modules"
 else
     fail "daemon: UCX not from the venv's libucx, or no module of its lib/ucx loaded ($modules): $(grep -E 'libuc[pstm]' "/proc/$dpid/maps" | awk '{print $6}' | sort -u | tr '\n' ' ')"
+fi
+
+# two daemons of the wheel, a transfer between them over UCX (kvxfer-bench
+# spawns them from kvxfer/_bin, beside itself), every row verified
+if out=$(cd "$tmp" && clean timeout 120 kvxfer-bench --spawn-daemon --daemons 2 \
+        --requests 4 --blocks 8 2>&1) && echo "$out" | grep -q 'verified *yes'; then
+    pass "kvxfer-bench --daemons 2 as $user: $(echo "$out" | grep -E 'UCX_TLS|verified' | tr -s ' ' | tr '\n' ' ')"
+else
+    fail "kvxfer-bench --daemons 2 as $user: $out"
 fi
 
 # --- 5. SIGTERM --------------------------------------------------------------
