@@ -190,7 +190,8 @@ help:
 	@echo "make test-vllm  kvxfer.vllm against vLLM's own scheduler (pinned vLLM, a venv)"
 	@echo "make test-sglang  kvxfer.sglang against SGLang 0.5.23's base classes (a venv under build/)"
 	@echo "make test-trtllm  kvxfer.trtllm against a stand-in TensorRT-LLM (torch: test-vllm's venv)"
-	@echo "make wheel      dist/kvxfer-*.whl, libkvxfer and what it needs inside"
+	@echo "make wheel      dist/kvxfer-*.whl (manylinux): the package, kvxferd, kvxferctl, what they need"
+	@echo "make test-wheel  make wheel, then a node from it alone in a fresh venv, unprivileged"
 	@echo "make install    install under \$$DESTDIR\$$PREFIX"
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
 	@echo "make check-units  systemd-analyze verify and security on the installed units"
@@ -356,10 +357,19 @@ test-trtllm: deps
 	@$(MAKE) --no-print-directory all
 	@scripts/test-python.sh $(BUILD) --trtllm
 
-# A wheel of the Python package with libkvxfer.so.2 and the shared
-# libraries it needs that a machine without our Debian packages lacks
-wheel: all
-	@scripts/wheel.sh $(BUILD) dist
+# A wheel a GPU node can use alone (scripts/wheel.sh): the Python
+# package, libkvxfer.so.2, kvxferd, kvxferctl and kvxfer-bench, the
+# libraries they need grafted by auditwheel (manylinux), depending on
+# PyPI's libucx-cu13 for UCX; so built with UCX=wheel (build-ucx-wheel)
+# whatever UCX= says. make test-wheel installs it into a fresh venv and
+# runs a node from it (scripts/test-wheel.sh).
+.PHONY: test-wheel
+wheel:
+	@$(MAKE) --no-print-directory UCX=wheel BUILD=build-ucx-wheel all
+	@scripts/wheel.sh build-ucx-wheel dist
+
+test-wheel: wheel
+	@scripts/test-wheel.sh dist build/ucx-wheel/libucx/lib
 
 asan:
 	@scripts/deps.sh

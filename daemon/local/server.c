@@ -326,6 +326,17 @@ static int server_start(void)
     return 0;
 }
 
+/* What a daemon that is not root and may not write the socket's folder
+ * (the default /run/kvxfer, a wheel's daemon) is told to do
+ * (docs/operations.md, "From a wheel"). */
+static const char *not_root_hint(int err)
+{
+    if ((err != EACCES && err != EPERM) || geteuid() == 0)
+        return "";
+    return " (kvxferd runs as a user that may not write there: give it a "
+           "socket in a folder it may write, --socket PATH or socket.path)";
+}
+
 int server_init(void)
 {
     const kvx_conf_t *c = &kvxd.conf;
@@ -344,7 +355,9 @@ int server_init(void)
     char dir[108];
     snprintf(dir, sizeof(dir), "%s", c->socket_path);
     if (mkdir(dirname(dir), 0755) < 0 && errno != EEXIST) {
-        log_error("server: mkdir %s: %m", dir);
+        int err = errno;
+        log_error("server: mkdir %s: %s%s", dir, strerror(err),
+                  not_root_hint(err));
         return KVX_ERR_IO;
     }
     if ((rc = clear_stale(srv.path)))
@@ -360,7 +373,9 @@ int server_init(void)
     rc = bind(srv.fd, (struct sockaddr *)&sa, sizeof(sa));
     umask(old);
     if (rc < 0) {
-        log_error("server: bind %s: %m", srv.path);
+        int err = errno;
+        log_error("server: bind %s: %s%s", srv.path, strerror(err),
+                  not_root_hint(err));
         goto err_close_fd;
     }
     if (chmod(srv.path, c->socket_mode) < 0) {
