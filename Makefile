@@ -523,6 +523,7 @@ check-man: $(BUILD)/kvxferd
 check-docs: all
 	@python3 scripts/check-docs.py
 	@scripts/test-check-docs.sh
+	@MAKE="$(MAKE)" scripts/test-hello.sh $(BUILD)
 
 # the systemd units: systemd-analyze verify and security (at most 2.5)
 .PHONY: check-units
