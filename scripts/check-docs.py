@@ -19,6 +19,8 @@ problem as FILE:LINE: what, or 0 printing what it checked.
   written `docs/x.md, "Section"` names a heading of that file.
 - Files: every repository path a doc names in backticks exists; no doc
   names a file outside the repository (DESIGN.md, STYLE.md, /work/...).
+- docs/benchmarks.md is one table of the current figures, every row with
+  its command, machine and date.
 """
 
 import os
@@ -253,6 +255,46 @@ def check_links(path: str, lines: List[str], errs: List[str]) -> int:
     return n
 
 
+def check_benchmarks(errs: List[str]) -> int:
+    """docs/benchmarks.md is one table of the current figures, each row
+    with its command (in backticks), machine and date (YYYY-MM-DD); the
+    dated history is docs/history/benchmarks.md."""
+    path = "docs/benchmarks.md"
+    lines = read(path).splitlines()
+    tables = [i for i, x in enumerate(lines, 1) if x.startswith("| ---")]
+    if len(tables) != 1:
+        errs.append("%s: %d tables; it keeps one table of the current "
+                    "figures (the rest goes to docs/history/benchmarks.md)"
+                    % (path, len(tables)))
+        return 0
+    head = [c.strip() for c in lines[tables[0] - 2].strip("|").split("|")]
+    want = ("command", "machine", "date")
+    if any(w not in head for w in want):
+        errs.append("%s:%d: the table's columns %s lack one of %s"
+                    % (path, tables[0] - 1, head, want))
+        return 0
+    col = {w: head.index(w) for w in want}
+    n = 0
+    for i in range(tables[0], len(lines)):
+        if not lines[i].startswith("|"):
+            break
+        cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+        n += 1
+        if len(cells) != len(head):
+            errs.append("%s:%d: %d cells, the header has %d"
+                        % (path, i + 1, len(cells), len(head)))
+            continue
+        if "`" not in cells[col["command"]]:
+            errs.append("%s:%d: no command (in backticks) in the row"
+                        % (path, i + 1))
+        if not cells[col["machine"]]:
+            errs.append("%s:%d: no machine in the row" % (path, i + 1))
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells[col["date"]]):
+            errs.append("%s:%d: date %r is not YYYY-MM-DD"
+                        % (path, i + 1, cells[col["date"]]))
+    return n
+
+
 def main() -> int:
     os.chdir(ROOT)
     cur = current()
@@ -263,12 +305,14 @@ def main() -> int:
         lines = read(path).splitlines()
         nv += check_versions(path, lines, cur, errs)
         nl += check_links(path, lines, errs)
+    nb = check_benchmarks(errs)
     for e in errs:
         print(e)
     print("check-docs: %d files, %d version statements (release %s, "
-          "protocol %s, soname %s, python %s), %d links and paths: %s"
+          "protocol %s, soname %s, python %s), %d links and paths, "
+          "%d benchmark rows: %s"
           % (len(files), nv, cur["release"], cur["protocol"], cur["abi"],
-             cur["python"], nl,
+             cur["python"], nl, nb,
              "%d problems" % len(errs) if errs else "ok"))
     return 1 if errs else 0
 

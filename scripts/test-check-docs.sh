@@ -65,4 +65,15 @@ expect "file outside the repository" docs/architecture.md \
     'The rules are in DESIGN.md.' "cites a file outside the repository"
 expect "missing repository path" docs/python.md \
     'Run `examples/no_such.py`.' '`examples/no_such.py`: no such file'
+expect "a second benchmark table" docs/benchmarks.md \
+    $'\n| a | b |\n| --- | --- |\n| 1 | 2 |' "2 tables; it keeps one table"
+copy
+sed -i 's/| VM | 2026-12-02 |$/| VM | last week |/' "$tmp/t/docs/benchmarks.md"
+if out=$(python3 scripts/check-docs.py --root "$tmp/t" 2>&1); then
+    echo "FAIL: a benchmark row without a date passes"; fail=1
+elif grep -q "date 'last week' is not YYYY-MM-DD" <<<"$out"; then
+    echo "ok: a benchmark row without a date: $(grep -m1 'last week' <<<"$out")"
+else
+    echo "FAIL: a benchmark row without a date: $out"; fail=1
+fi
 exit $fail
