@@ -520,13 +520,15 @@ check-man: $(BUILD)/kvxferd
 # scripts/test-check-docs.sh), examples/hello.c built through pkg-config
 # against an install and run (scripts/test-hello.sh), the code blocks of
 # README.md, docs/python.md and docs/engines/*.md run as written
-# (scripts/test-doc-snippets.sh)
+# (scripts/test-doc-snippets.sh), docs/engines/vllm-two-nodes.md's
+# daemons on one machine (scripts/test-two-nodes.sh)
 .PHONY: check-docs
 check-docs: all
 	@python3 scripts/check-docs.py
 	@scripts/test-check-docs.sh
 	@MAKE="$(MAKE)" scripts/test-hello.sh $(BUILD)
 	@scripts/test-doc-snippets.sh $(BUILD)
+	@scripts/test-two-nodes.sh $(BUILD)
 
 # the systemd units: systemd-analyze verify and security (at most 2.5)
 .PHONY: check-units

@@ -23,6 +23,10 @@ block is taken by its language:
 - a block whose comment right above is `<!-- doctest: excerpt of PATH
   -->` (the README's C, an entry point in TOML) must be a verbatim part
   of that file: the same lines in a row, indentation aside.
+- a block whose comment right above is `<!-- doctest: run by SCRIPT -->`
+  is run by that script (docs/engines/vllm-two-nodes.md's, by
+  scripts/test-two-nodes.sh, also part of make check-docs): here the
+  script must exist and name the page.
 - a block whose comment right above is `<!-- doctest: skip (REASON) -->`
   is not run; the skips are counted and printed with their reasons.
 - a block of another language, or of none (output, diagrams), is text.
@@ -246,6 +250,19 @@ def main() -> int:
                         passed += 1
                         print("ok    %s %s: a verbatim part of %s"
                               % (where, b.lang, m.group(1)))
+                    continue
+                m = re.match(r"run by (\S+)$", d)
+                if m:
+                    script = os.path.join(REPO, m.group(1))
+                    if os.path.isfile(script) and \
+                            b.path in open(script).read():
+                        passed += 1
+                        print("ok    %s %s: run by %s" % (where, b.lang,
+                                                          m.group(1)))
+                    else:
+                        failed += 1
+                        print("FAIL  %s: %s does not exist or does not run "
+                              "%s" % (where, m.group(1), b.path))
                     continue
                 if d:
                     failed += 1
