@@ -40,8 +40,10 @@ pid=$!
 i=0
 while [ ! -S "$tmp/kvxferd.sock" ]; do
     i=$((i + 1))
-    [ $i -lt 200 ] && kill -0 "$pid" 2>/dev/null ||
-        { cat "$tmp/kvxferd.log"; fail "the installed kvxferd did not start"; }
+    if [ $i -ge 200 ] || ! kill -0 "$pid" 2>/dev/null; then
+        cat "$tmp/kvxferd.log"
+        fail "the installed kvxferd did not start"
+    fi
     sleep 0.05
 done
 if out=$(LD_LIBRARY_PATH="$lib" "$tmp/hello" "$tmp/kvxferd.sock" 2>&1); then
