@@ -196,6 +196,7 @@ help:
 	@echo "make check-lib  libkvxfer exports only kvx_*; installs; links via pkg-config"
 	@echo "make check-units  systemd-analyze verify and security on the installed units"
 	@echo "make check-man  the man pages render and kvxferd.yaml(5) is current"
+	@echo "make check-docs  docs name current versions and live links; their snippets run"
 	@echo "make deb        Debian packages in dist/deb (scripts/deps.sh deb: what it needs)"
 	@echo "make test-deb   make deb, then install, run and purge them in a fresh Debian root"
 	@echo "make lint       cppcheck, layers (scripts/layers.py), signatures (scripts/params.py)"
@@ -523,6 +524,21 @@ test-deb: deb
 .PHONY: check-man
 check-man: $(BUILD)/kvxferd
 	@scripts/check-man.sh $(BUILD)
+
+# the docs match the code: versions, links and sections
+# (scripts/check-docs.py, which must catch planted mistakes:
+# scripts/test-check-docs.sh), examples/hello.c built through pkg-config
+# against an install and run (scripts/test-hello.sh), the code blocks of
+# README.md, docs/python.md and docs/engines/*.md run as written
+# (scripts/test-doc-snippets.sh), docs/engines/vllm-two-nodes.md's
+# daemons on one machine (scripts/test-two-nodes.sh)
+.PHONY: check-docs
+check-docs: all
+	@python3 scripts/check-docs.py
+	@scripts/test-check-docs.sh
+	@MAKE="$(MAKE)" scripts/test-hello.sh $(BUILD)
+	@scripts/test-doc-snippets.sh $(BUILD)
+	@scripts/test-two-nodes.sh $(BUILD)
 
 # the systemd units: systemd-analyze verify and security (at most 2.5)
 .PHONY: check-units

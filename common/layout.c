@@ -1,4 +1,4 @@
-/* layout — presets, offsets and validation; see layout.h and DESIGN.md. */
+/* layout — presets, offsets and validation; see layout.h and docs/design.md. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -49,7 +49,7 @@ static void shape_fit(const char *preset, shape_t *s)
 
 /*
  * The element index in the memory order the preset documents, outermost
- * first, written out per preset from DESIGN.md without reusing any
+ * first, written out per preset from docs/design.md without reusing any
  * stride from layout.c. Offset = index * head_dim * elem_size.
  */
 static uint64_t ref_offset(const char *p, const shape_t *s, uint32_t layer,

@@ -1,0 +1,19 @@
+#!/bin/sh
+# The code blocks of README.md, docs/python.md and docs/engines/*.md run as
+# written (tests/docs/snippets.py says how, and what the doctest comments
+# mean), with BUILD's kvxferd, in BUILD/venv (numpy: made as make
+# test-python makes it when missing). The last line is "N passed, N
+# failed".
+#   scripts/test-doc-snippets.sh [BUILD] [FILE.md ...]
+cd "$(dirname "$0")/.." || exit 1
+BUILD=${1:-build}
+[ $# -gt 0 ] && shift
+py=$BUILD/venv/bin/python
+if ! "$py" -c 'import numpy' 2>/dev/null; then
+    echo "test-doc-snippets: installing numpy into $BUILD/venv"
+    { [ -x "$py" ] || ${PYTHON:-python3} -m venv "$BUILD/venv"; } &&
+        "$py" -m pip install -q --disable-pip-version-check \
+            --no-cache-dir numpy ||
+        { echo "test-doc-snippets: no numpy in $BUILD/venv"; exit 1; }
+fi
+exec "$py" tests/docs/snippets.py --build "$BUILD" "$@"
