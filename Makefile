@@ -197,6 +197,7 @@ help:
 	@echo "make check-man  the man pages render and kvxferd.yaml(5) is current"
 	@echo "make deb        Debian packages in dist/deb (scripts/deps.sh deb: what it needs)"
 	@echo "make test-deb   make deb, then install, run and purge them in a fresh Debian root"
+	@echo "make test-container  the Dockerfile built by buildah, its daemon run and checked"
 	@echo "make lint       cppcheck, layers (scripts/layers.py), signatures (scripts/params.py)"
 	@echo "make format-check  clang-format on the lines changed since origin/main (else HEAD~1)"
 	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
@@ -508,6 +509,13 @@ deb:
 
 test-deb: deb
 	@scripts/test-deb.sh dist/deb
+
+# The Dockerfile built by buildah (no Docker engine) and its image's
+# daemon run and checked (scripts/test-container.sh; docs/operations.md,
+# "Containers and Kubernetes")
+.PHONY: test-container
+test-container:
+	@scripts/test-container.sh
 
 # the man pages render (man -l) and kvxferd.yaml(5) is current
 .PHONY: check-man
