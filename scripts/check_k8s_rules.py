@@ -7,8 +7,9 @@ scripts/check-deploy.sh k8s runs it (make check-k8s) with the manifests:
 A DaemonSet of kvxferd must take no GPU and see them all, run as the
 image's user (the Dockerfile's KVX_UID and KVX_GID), share the node's PID
 namespace, mount the socket's directory from the node, have probes,
-limits and a grace period longer than its drain; its ConfigMap's
-kvxferd.yaml must pass ``kvxferd --check-config``. Every other pod (an
+limits and a grace period longer than its drain, and name this
+release's image; its ConfigMap's kvxferd.yaml must pass
+``kvxferd --check-config``. Every other pod (an
 engine) must mount the same directory, be in the image's group and share
 the node's PID namespace. Prints one line per problem; exits 1 if any.
 """
@@ -41,6 +42,15 @@ def image_ids(dockerfile: str) -> Tuple[int, int]:
             sys.exit(f"check-k8s: {dockerfile}: no ARG {name}=N")
         ids.append(int(m.group(1)))
     return ids[0], ids[1]
+
+
+def version(header: str) -> str:
+    """The release kvxfer.h names (KVX_VERSION_STRING)."""
+    m = re.search(r'^#define KVX_VERSION_STRING "(.*)"$', open(header).read(),
+                  re.M)
+    if not m:
+        sys.exit(f"check-k8s: {header}: no KVX_VERSION_STRING")
+    return m.group(1)
 
 
 def pod_specs(files: List[str]) -> Iterator[Tuple[str, Doc, Doc]]:
@@ -196,6 +206,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kvxferd", default="build/kvxferd")
     ap.add_argument("--dockerfile", default="Dockerfile")
+    ap.add_argument("--header", default="client/include/kvxfer.h")
     ap.add_argument("files", nargs="+")
     a = ap.parse_args()
     uid, gid = image_ids(a.dockerfile)
@@ -210,6 +221,15 @@ def main() -> int:
     engines = [p for p in pods if p[1].get("kind") != "DaemonSet"]
     for where, _, spec in engines:
         check_engine(where, spec, node_dir, gid)
+    # the example's image is this release's
+    want = version(a.header)
+    for where, _, spec in daemons:
+        for c in containers(spec):
+            tag = c.get("image", "").rpartition(":")[2]
+            if tag != want:
+                problem(where, f"container {c['name']}: image "
+                        f"{c.get('image')}: the tag is not this release, "
+                        f"{want} (client/include/kvxfer.h)")
     for p in PROBLEMS:
         print(p)
     if not PROBLEMS:
