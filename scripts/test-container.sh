@@ -27,7 +27,16 @@
 #      supplementary group (a pod's supplementalGroups), runs kvxferctl
 #      status and a kvxfer-bench transfer, every byte verified; a uid
 #      without that group is refused;
-#   7. SIGTERM: the daemon drains and exits 0.
+#   7. SIGTERM: the daemon drains and exits 0;
+#   8. deploy/kubernetes/kvxferd-daemonset.yaml in the image, as far as a
+#      node without Kubernetes can: its setup init container's script, as
+#      root with CHOWN and FOWNER only, over stand-ins of its volumes (the
+#      ConfigMap's file, empty folders for the emptyDirs, a fresh root-owned
+#      0755 socket folder for the hostPath, a root 0400 secret as a Secret
+#      volume gives) with NODE_IP=127.0.0.1 and the ports made 0 (no
+#      clash on this machine); the daemon with the container's args on the
+#      result, the peer link (UCX) on; the readiness probe's command, GET
+#      /health (liveness), then the preStop command drains it.
 # Exits 0 when every step passed, 1 when one failed, 3 when it cannot run
 # here (not root, no buildah or debootstrap, no mirror), saying why.
 set -u
@@ -48,9 +57,11 @@ log=$tmp/log
 B="buildah --root $tmp/store --runroot $tmp/run --storage-driver vfs"
 pid=""
 cfg_mnt=""
+mounts="" # step 8's, newest first
 cleanup() {
     [ -z "$pid" ] || kill -KILL "$pid" 2>/dev/null
     [ -z "$cfg_mnt" ] || umount -l "$cfg_mnt" 2>/dev/null
+    for m in $mounts; do umount -l "$m" 2>/dev/null; done
     [ -z "${root:-}" ] || debroot_umount
     $B rm -a >/dev/null 2>&1
     $B rmi -a -f >/dev/null 2>&1
@@ -232,6 +243,109 @@ if [ "$rc" = 0 ] && grep -q 'exiting (drained)' "$tmp/kvxferd.log"; then
     pass "SIGTERM: kvxferd exiting (drained), exit 0"
 else
     fail "SIGTERM: exit $rc: $(tail -n 3 "$tmp/kvxferd.log")"
+fi
+
+# --- 8. the DaemonSet's setup and configuration, in the image --------------
+ds=deploy/kubernetes/kvxferd-daemonset.yaml
+umount -l "$cfg_mnt" && cfg_mnt=""
+# its parts as shell words: the setup script, the ConfigMap's file, the
+# kvxferd container's args and probe and preStop commands
+py=python3
+[ -x build/venv-deploy/bin/python ] && py=build/venv-deploy/bin/python
+if ! "$py" - "$ds" "$tmp/ds" >"$tmp/ds.sh" <<'PY'
+import os, shlex, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+cm = next(d for d in docs if d["kind"] == "ConfigMap")
+ds = next(d for d in docs if d["kind"] == "DaemonSet")
+spec = ds["spec"]["template"]["spec"]
+setup = spec["initContainers"][0]
+main = spec["containers"][0]
+os.makedirs(sys.argv[2])
+# the ports made 0: this machine may use the manifest's
+conf = cm["data"]["kvxferd.yaml"].replace(":7400", ":0").replace(":9464", ":0")
+open(sys.argv[2] + "/kvxferd.yaml", "w").write(conf)
+open(sys.argv[2] + "/setup.sh", "w").write(setup["command"][2])
+q = lambda v: shlex.quote(" ".join(v))
+print("setup_cmd=" + q(setup["command"][:2]))
+print("setup_mounts=" + q(m["mountPath"] for m in setup["volumeMounts"]))
+print("main_args=" + q(main["args"]))
+print("ready_cmd=" + q(main["readinessProbe"]["exec"]["command"]))
+print("live_path=" + shlex.quote(main["livenessProbe"]["httpGet"]["path"]))
+print("stop_cmd=" + q(main["lifecycle"]["preStop"]["exec"]["command"]))
+print("uid=%d gid=%d" % (spec["securityContext"]["runAsUser"],
+                         spec["securityContext"]["runAsGroup"]))
+PY
+then
+    fail "$ds: cannot read its parts (PyYAML in $py?)"
+else
+    . "$tmp/ds.sh"
+    # stand-ins for the setup container's volumes: the ConfigMap's file,
+    # the Secret (root's, 0400), empty folders (emptyDir: 0777) and a
+    # fresh hostPath folder (root's, 0755)
+    for d in $setup_mounts; do
+        mkdir -p "$root$d"
+        case $d in
+        /run/kvxfer) mode=0755 ;;
+        *) mode=0777 ;;
+        esac
+        mount -t tmpfs -o mode=$mode kvx-$(basename "$d") "$root$d" &&
+            mounts="$root$d $mounts"
+    done
+    cp "$tmp/ds/kvxferd.yaml" "$root/config/kvxferd.yaml"
+    head -c 32 /dev/urandom >"$root/secret/peer.secret"
+    chmod 0400 "$root/secret/peer.secret"
+    mount --bind /sys "$root/sys" && mounts="$root/sys $mounts"
+    # shellcheck disable=SC2086 # setup_cmd: sh -ec
+    if out=$(chroot "$root" /usr/bin/env -i $env NODE_IP=127.0.0.1 \
+            setpriv --bounding-set=-all,+chown,+fowner --inh-caps=-all \
+            --no-new-privs $setup_cmd "$(cat "$tmp/ds/setup.sh")" 2>&1); then
+        pass "the setup container's script as root with CHOWN and FOWNER: $(echo "$out" | tail -n 1)"
+    else
+        fail "the setup container's script: $out"
+    fi
+    got="$(stat -c '%u:%g %a' "$root/run/kvxfer-secret/peer.secret" 2>&1), $(stat -c '%u:%g %a' "$root/run/kvxfer" 2>&1)"
+    [ "$got" = "$uid:$gid 600, $uid:$gid 750" ] &&
+        pass "the secret's copy and the socket folder: $got" ||
+        fail "the secret's copy and the socket folder: $got (expected $uid:$gid 600, $uid:$gid 750)"
+    grep -q 'listen: "127.0.0.1:0"' "$root/etc/kvxfer/kvxferd.yaml" &&
+        pass "the node's IP written into the configuration" ||
+        fail "no node IP in $(cat "$root/etc/kvxfer/kvxferd.yaml")"
+    # the kvxferd container: its args, as the pod's user
+    # shellcheck disable=SC2086
+    EXEC=exec as_image "$uid" "$gid" --clear-groups kvxferd $main_args \
+        >"$tmp/kvxferd2.log" 2>&1 &
+    pid=$!
+    if wait_socket "$root/run/kvxfer/kvxferd.sock" && kill -0 "$pid" 2>/dev/null; then
+        pass "kvxferd with the DaemonSet's configuration and secret ($main_args)"
+    else
+        cat "$tmp/kvxferd2.log"
+        fail "kvxferd with the DaemonSet's configuration did not start"
+    fi
+    # shellcheck disable=SC2086
+    if out=$(as_image "$uid" "$gid" --clear-groups $ready_cmd 2>&1); then
+        pass "readiness probe ($ready_cmd): $out"
+    else
+        fail "readiness probe ($ready_cmd): $out"
+    fi
+    out=$(as_image "$uid" "$gid" --clear-groups kvxferctl status 2>&1)
+    echo "$out" | grep -q '^peers  *UCX' && echo "$out" | grep -q '127\.0\.0\.1:' &&
+        pass "the peer link on: $(echo "$out" | grep -m1 '127\.0\.0\.1:' | tr -s ' ' | cut -c1-100)" ||
+        fail "the peer link is not on: $out"
+    port=$(sed -n 's/.*metrics: serving .* (port \([0-9]*\)).*/\1/p' "$tmp/kvxferd2.log" | head -n 1)
+    if [ -n "$port" ] && command -v curl >/dev/null &&
+        out=$(curl -sf "http://127.0.0.1:$port$live_path" 2>&1); then
+        pass "liveness probe: GET $live_path: $out"
+    elif command -v curl >/dev/null; then
+        fail "liveness probe: GET $live_path on port '$port': $out"
+    fi
+    # shellcheck disable=SC2086
+    out=$(as_image "$uid" "$gid" --clear-groups $stop_cmd 2>&1)
+    wait "$pid"
+    rc=$?
+    pid=""
+    [ "$rc" = 0 ] && echo "$out" | grep -q 'drained' &&
+        pass "preStop ($stop_cmd): $out" ||
+        fail "preStop ($stop_cmd): exit $rc: $out $(tail -n 3 "$tmp/kvxferd2.log")"
 fi
 
 echo "test-container: $( [ $failed = 0 ] && echo PASS || echo FAIL) in $(( $(date +%s) - start )) s"
