@@ -34,9 +34,10 @@
 #      ConfigMap's file, empty folders for the emptyDirs, a fresh root-owned
 #      0755 socket folder for the hostPath, a root 0400 secret as a Secret
 #      volume gives) with NODE_IP=127.0.0.1 and the ports made 0 (no
-#      clash on this machine); the daemon with the container's args on the
-#      result, the peer link (UCX) on; the readiness probe's command, GET
-#      /health (liveness), then the preStop command drains it.
+#      clash on this machine), the rest of the image read-only
+#      (readOnlyRootFilesystem); the daemon with the container's args and
+#      volumes on the result, the peer link (UCX) on; the readiness probe's
+#      command, GET /health (liveness), then the preStop command drains it.
 # Exits 0 when every step passed, 1 when one failed, 3 when it cannot run
 # here (not root, no buildah or debootstrap, no mirror), saying why.
 set -u
@@ -269,6 +270,7 @@ q = lambda v: shlex.quote(" ".join(v))
 print("setup_cmd=" + q(setup["command"][:2]))
 print("setup_mounts=" + q(m["mountPath"] for m in setup["volumeMounts"]))
 print("main_args=" + q(main["args"]))
+print("main_mounts=" + q(m["mountPath"] for m in main["volumeMounts"]))
 print("ready_cmd=" + q(main["readinessProbe"]["exec"]["command"]))
 print("live_path=" + shlex.quote(main["livenessProbe"]["httpGet"]["path"]))
 print("stop_cmd=" + q(main["lifecycle"]["preStop"]["exec"]["command"]))
@@ -279,11 +281,14 @@ then
     fail "$ds: cannot read its parts (PyYAML in $py?)"
 else
     . "$tmp/ds.sh"
-    # stand-ins for the setup container's volumes: the ConfigMap's file,
-    # the Secret (root's, 0400), empty folders (emptyDir: 0777) and a
-    # fresh hostPath folder (root's, 0755)
-    for d in $setup_mounts; do
-        mkdir -p "$root$d"
+    # stand-ins for the pod's volumes: the ConfigMap's file, the Secret
+    # (root's, 0400), empty folders (emptyDir: 0777) and a fresh hostPath
+    # folder (root's, 0755); the rest of the image read-only
+    # (readOnlyRootFilesystem)
+    for d in $setup_mounts $main_mounts; do mkdir -p "$root$d"; done
+    mount --rbind "$root" "$root" && mounts="$root $mounts" &&
+        mount -o remount,bind,ro "$root"
+    for d in $(echo $setup_mounts $main_mounts | tr ' ' '\n' | sort -u); do
         case $d in
         /run/kvxfer) mode=0755 ;;
         *) mode=0777 ;;
@@ -295,6 +300,10 @@ else
     head -c 32 /dev/urandom >"$root/secret/peer.secret"
     chmod 0400 "$root/secret/peer.secret"
     mount --bind /sys "$root/sys" && mounts="$root/sys $mounts"
+    if touch "$root/usr/kvx-rw" 2>/dev/null; then
+        rm -f "$root/usr/kvx-rw"
+        fail "the image's root is writable: readOnlyRootFilesystem not imitated"
+    fi
     # shellcheck disable=SC2086 # setup_cmd: sh -ec
     if out=$(chroot "$root" /usr/bin/env -i $env NODE_IP=127.0.0.1 \
             setpriv --bounding-set=-all,+chown,+fowner --inh-caps=-all \
