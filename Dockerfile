@@ -36,9 +36,11 @@ RUN apt-get update && \
         curl -fsSLo /tmp/cuda-keyring.deb \
             "https://developer.download.nvidia.com/compute/cuda/repos/$CUDA_REPO/x86_64/cuda-keyring_1.1-1_all.deb" && \
         dpkg -i /tmp/cuda-keyring.deb && apt-get update && \
-        apt-get install -y --no-install-recommends "cuda-minimal-build-$CUDA"; \
+        apt-get install -y --no-install-recommends "cuda-minimal-build-$CUDA" && \
+        { [ -e /usr/local/cuda ] || ln -s "/usr/local/cuda-${CUDA/-/.}" /usr/local/cuda; }; \
     fi && \
     rm -rf /var/lib/apt/lists/*
+# (the Makefile takes the nvcc it finds on PATH)
 ENV PATH=/usr/local/cuda/bin:$PATH
 COPY . .
 RUN make deb
