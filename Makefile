@@ -199,6 +199,9 @@ help:
 	@echo "make check-docs  docs name current versions and live links; their snippets run"
 	@echo "make deb        Debian packages in dist/deb (scripts/deps.sh deb: what it needs)"
 	@echo "make test-deb   make deb, then install, run and purge them in a fresh Debian root"
+	@echo "make check-k8s  deploy/kubernetes/ against the Kubernetes schemas and kvxfer's rules"
+	@echo "make check-dockerfile  hadolint on the Dockerfile"
+	@echo "make test-container  the Dockerfile built by buildah, its daemon run and checked"
 	@echo "make lint       cppcheck, layers (scripts/layers.py), signatures (scripts/params.py)"
 	@echo "make format-check  clang-format on the lines changed since origin/main (else HEAD~1)"
 	@echo "make fuzz       libFuzzer targets, FUZZ_SECONDS each (clang)"
@@ -519,6 +522,23 @@ deb:
 
 test-deb: deb
 	@scripts/test-deb.sh dist/deb
+
+# The container recipes (docs/operations.md, "Containers and Kubernetes"):
+# deploy/kubernetes/ against the Kubernetes schemas and kvxfer's rules,
+# then broken copies of it and of the Dockerfile, each of which must fail
+# (scripts/check-deploy.sh; its tools from PyPI into $(BUILD)/venv-deploy);
+# the Dockerfile by hadolint; the Dockerfile built by buildah (no Docker
+# engine) and its image's daemon run and checked (scripts/test-container.sh)
+.PHONY: check-k8s check-dockerfile test-container
+check-k8s: $(BUILD)/kvxferd
+	@BUILD=$(BUILD) scripts/check-deploy.sh k8s
+	@BUILD=$(BUILD) scripts/check-deploy.sh selftest
+
+check-dockerfile:
+	@BUILD=$(BUILD) scripts/check-deploy.sh dockerfile
+
+test-container:
+	@scripts/test-container.sh
 
 # the man pages render (man -l) and kvxferd.yaml(5) is current
 .PHONY: check-man

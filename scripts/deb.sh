@@ -3,7 +3,8 @@
 # in OUT (default dist/deb), then lintian on them.
 #   scripts/deb.sh [OUT]
 # dpkg-buildpackage (debhelper, debian/) runs on a copy of the tree's
-# files (tracked, and untracked ones git does not ignore), so that the
+# files (tracked, and untracked ones git does not ignore; outside git,
+# every file but build*/ and dist*/), so that the
 # tree's own build folders play no part; debian/changelog is written there
 # for the version of client/include/kvxfer.h, dated by the last commit.
 # lintian: any error fails; warnings are printed.
@@ -21,8 +22,15 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 src=$tmp/kvxfer-$version
 mkdir -p "$src"
-git ls-files -z -co --exclude-standard | grep -zv '^build' |
-    xargs -0 cp --parents -P -t "$src" 2>/dev/null || true
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -z -co --exclude-standard | grep -zv '^build' |
+        xargs -0 cp --parents -P -t "$src" 2>/dev/null || true
+else
+    # no git (the Dockerfile's build, a tarball): every file but the
+    # build folders and packages
+    tar -c --exclude='./build*' --exclude='./dist*' --exclude=./.git . |
+        tar -x -C "$src"
+fi
 for f in Makefile debian/rules debian/control client/include/kvxfer.h; do
     [ -e "$src/$f" ] || { echo "deb: copying the tree: $f missing" >&2; exit 1; }
 done

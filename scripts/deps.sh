@@ -11,8 +11,8 @@ PKGS="build-essential pkg-config libuv1-dev libucx-dev libprotobuf-c-dev protobu
 DEB_PKGS="debhelper dpkg-dev fakeroot lintian debootstrap man-db systemd"
 [ "${1:-}" != deb ] || PKGS="$PKGS $DEB_PKGS"
 # `deps.sh ci`: also what .ci/run uses (make lint, make fuzz, make
-# format-check, make deb)
-[ "${1:-}" != ci ] || PKGS="$PKGS clang libclang-rt-dev clang-format cppcheck $DEB_PKGS"
+# format-check, make deb; buildah: make test-container)
+[ "${1:-}" != ci ] || PKGS="$PKGS clang libclang-rt-dev clang-format cppcheck buildah $DEB_PKGS"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -23,8 +23,7 @@
 # here (not root, no debootstrap, no mirror), saying why.
 set -u
 DEBS=${1:-dist/deb}
-MIRROR=${KVX_DEB_MIRROR:-http://deb.debian.org/debian}
-SUITE=${KVX_DEB_SUITE:-$(. /etc/os-release 2>/dev/null; echo "${VERSION_CODENAME:-bookworm}")}
+. "$(dirname "$0")/debroot.sh"
 start=$(date +%s)
 failed=0
 pass() { echo "PASS: $*"; }
@@ -39,37 +38,26 @@ for d in "$@"; do
 done
 
 root=$(mktemp -d /tmp/kvxfer-debroot.XXXXXX)
-chmod 755 "$root" # the root of the chroot: others must reach /usr
 log=$root.log
 cleanup() {
     if [ -f "$root/tmp/kvxferd.pid" ]; then
         kill "$(cat "$root/tmp/kvxferd.pid")" 2>/dev/null
     fi
-    for m in dev/shm proc; do
-        mountpoint -q "$root/$m" 2>/dev/null && umount -l "$root/$m"
-    done
+    debroot_umount
     rm -rf "$root" "$log"
 }
 trap cleanup EXIT
 trap 'exit 1' INT TERM
-# in the root, as root or as USER (su, a login shell's environment)
-in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
-    LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive "$@"; }
-as() { u=$1; shift; in_root setpriv --reuid="$u" --regid="$u" --init-groups "$@"; }
 
 # --- 1. a fresh root, the packages ---------------------------------------
 t0=$(date +%s)
-if ! debootstrap --variant=minbase "$SUITE" "$root" "$MIRROR" >"$log" 2>&1; then
-    tail -n 5 "$log"
-    if grep -qiE 'resolve|connect|download|Release' "$log"; then
-        skip "debootstrap $SUITE from $MIRROR failed: no mirror?"
-    fi
-    fail "debootstrap --variant=minbase $SUITE $root"
-    exit 1
-fi
-pass "debootstrap --variant=minbase $SUITE $root ($(( $(date +%s) - t0 )) s)"
-mount -t proc proc "$root/proc"
-mkdir -p "$root/dev/shm" && mount -t tmpfs -o mode=1777 shm "$root/dev/shm"
+debroot_make "$log"
+case $? in
+0) pass "debootstrap --variant=minbase $SUITE $root ($(( $(date +%s) - t0 )) s)" ;;
+3) skip "debootstrap $SUITE from $MIRROR failed: no mirror?" ;;
+*) fail "debootstrap --variant=minbase $SUITE $root"; exit 1 ;;
+esac
+debroot_mount
 mkdir -p "$root/tmp/debs"
 cp "$@" "$root/tmp/debs/"
 t0=$(date +%s)
@@ -124,8 +112,7 @@ in_root setpriv --reuid=kvxfer --regid=kvxfer --init-groups --bounding-set=-all 
     sh -c '/usr/bin/kvxferd --config /etc/kvxfer/kvxferd.yaml >/tmp/kvxferd.log 2>&1 &
            echo $! >/tmp/kvxferd.pid'
 sock=$root/run/kvxfer/kvxferd.sock
-i=0
-while [ ! -S "$sock" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+wait_socket "$sock"
 pid=$(cat "$root/tmp/kvxferd.pid")
 kuid=$(in_root id -u kvxfer)
 kgid=$(in_root id -g kvxfer)
@@ -171,9 +158,7 @@ fi
 
 # --- 5. drain ----------------------------------------------------------------
 kill -TERM "$pid"
-i=0
-while kill -0 "$pid" 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
-if kill -0 "$pid" 2>/dev/null; then
+if ! wait_exit "$pid"; then
     fail "kvxferd still runs 10 s after SIGTERM"
 elif grep -q 'exiting (drained)' "$root/tmp/kvxferd.log"; then
     pass "SIGTERM: kvxferd exiting (drained)"
