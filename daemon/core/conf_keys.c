@@ -543,14 +543,17 @@ const struct conf_key conf_keys[] = {
     {.name = "gpu.dma_min_run",
      .type = CONF_SIZE,
      FIELD(gpu_dma_min_run),
-     .def = 32 * KiB,
+     .def = 4 * MiB,
      .min = 256,
      .max = 1 * GiB,
      .reloadable = 1,
      .help = "With gpu.copy_path auto: the shortest contiguous run "
              "(bytes a block, layer and K or V have in one piece on both "
              "sides) that the copy engines move; shorter runs go to the "
-             "kernel, where a copy a run would cost more than its bytes."},
+             "kernel. A copy costs the copy engines about 4.4 us whatever "
+             "its size: 32 KiB runs moved 7.7 GB/s on an H100, where the "
+             "kernel moved 1,430, so the default leaves every usual KV "
+             "layout to the kernel."},
     {.name = "gpu.sm_share",
      .type = CONF_U32,
      FIELD(gpu_sm_share),
