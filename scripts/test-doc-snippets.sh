@@ -16,4 +16,10 @@ if ! "$py" -c 'import numpy' 2>/dev/null; then
             --no-cache-dir numpy ||
         { echo "test-doc-snippets: no numpy in $BUILD/venv"; exit 1; }
 fi
+# docs/python.md installs the wheel that make wheel writes to dist/
+if ! ls dist/kvxfer-*-manylinux_*.whl >/dev/null 2>&1; then
+    echo "test-doc-snippets: no wheel in dist/: make wheel"
+    ${MAKE:-make} --no-print-directory wheel >/dev/null ||
+        echo "test-doc-snippets: make wheel failed; docs/python.md's install block will fail"
+fi
 exec "$py" tests/docs/snippets.py --build "$BUILD" "$@"
