@@ -391,14 +391,13 @@ static void pace_arm(uint64_t now)
 }
 
 /* Held jobs whose time has come start, in order, lane by lane. */
-static void pace_release(int all)
+static void pace_release(void)
 {
     copy_job_t *batch[64];
     size_t n = 0;
     uint64_t now = now_ns();
     for (int l = 0; l < LANES && c.nheld; l++) {
-        while (!list_empty(&c.held[l]) &&
-               (all || !pace_wait(&c.pace[l], now))) {
+        while (!list_empty(&c.held[l]) && !pace_wait(&c.pace[l], now)) {
             copy_job_t *j = LIST_OWNER(list_pop(&c.held[l]), copy_job_t, node);
             c.nheld--;
             c.paced_ns += now - j->t_start;
@@ -419,7 +418,7 @@ static void pace_release(int all)
 static void on_pace_timer(uv_timer_t *t)
 {
     (void)t;
-    pace_release(0);
+    pace_release();
 }
 
 /* 1: j waits for its lane's pace (held, behind any held before it). */
@@ -466,7 +465,7 @@ void copy_set_pace(uint64_t host_per_ms, uint64_t gpu_per_ms)
     for (int l = 1; l < LANES; l++)
         c.pace[l].per_ms = gpu_per_ms;
     if (c.nheld)
-        pace_release(0); /* an unpaced lane lets its jobs go now */
+        pace_release(); /* an unpaced lane lets its jobs go now */
 }
 
 void copy_pace_stats(uint64_t *jobs, uint64_t *ns, unsigned *held)
