@@ -461,9 +461,12 @@ void copy_drop_aborted(void)
 
 void copy_set_pace(uint64_t host_per_ms, uint64_t gpu_per_ms)
 {
-    c.pace[0].per_ms = host_per_ms;
+    /* what a lane owes for copies started at the old pace is owed at
+     * the new one: a faster pace lets its held jobs go sooner */
+    uint64_t now = now_ns();
+    pace_set(&c.pace[0], now, host_per_ms);
     for (int l = 1; l < LANES; l++)
-        c.pace[l].per_ms = gpu_per_ms;
+        pace_set(&c.pace[l], now, gpu_per_ms);
     if (c.nheld)
         pace_release(); /* an unpaced lane lets its jobs go now */
 }

@@ -80,7 +80,8 @@ unsigned copy_threads(void);
 /* Bytes a millisecond that copies may start at (gpu.pace, copy.pace): on
  * the host's workers, and on each GPU; 0: no pace. A job over its lane's
  * pace is held, in order, and started by a timer; held jobs count as in
- * flight. Loop thread; a lower or zero pace applies to held jobs too. */
+ * flight. Loop thread; a new pace applies to held jobs too, and to what
+ * a lane owes for the jobs it started (pace_set()). */
 void copy_set_pace(uint64_t host_per_ms, uint64_t gpu_per_ms);
 /* Held jobs whose *abort is set go back unrun (their done callbacks
  * follow, from the loop), so that an ending request's fence does not

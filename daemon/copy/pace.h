@@ -37,4 +37,24 @@ static inline void pace_charge(pace_t *p, uint64_t now, uint64_t bytes)
               bytes % p->per_ms * 1000000u / p->per_ms;
 }
 
+/* The lane's pace becomes per_ms at now. The bytes it owes (started and
+ * not yet paid at the old pace) are owed at the new one, so that a
+ * faster pace lets the next copy go sooner, not after the old pace's
+ * wait; off, it owes nothing, and a pace set again later starts idle. */
+static inline void pace_set(pace_t *p, uint64_t now, uint64_t per_ms)
+{
+    if (per_ms == p->per_ms)
+        return;
+    if (!per_ms) {
+        p->t_ns = 0;
+    } else if (p->per_ms && p->t_ns > now) {
+        /* (t_ns - now) * old can pass 2^64 (at the keys' bounds, 2^100):
+         * in double, capped at 2^62 ns (146 years) */
+        double owed =
+            (double)(p->t_ns - now) * (double)p->per_ms / (double)per_ms;
+        p->t_ns = now + (owed < 0x1p62 ? (uint64_t)owed : 1ull << 62);
+    }
+    p->per_ms = per_ms;
+}
+
 #endif /* KVX_PACE_H */

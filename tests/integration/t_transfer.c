@@ -842,3 +842,54 @@ TEST_T(copy_pace_holds_cancel_and_reload, 60)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* A reload to a faster pace applies to what the lane owes: at 128 bytes
+ * a millisecond a started 1 MiB chunk holds the next for 8 s, which at
+ * 64 MiB a millisecond is microseconds, so the request completes in
+ * seconds. A pace turned off owes nothing: set again later, the lane
+ * starts idle, not 8 s behind a chunk started before it was off. */
+TEST_T(copy_pace_reload_faster_applies_to_held, 60)
+{
+    daemon_t *d = daemon_start("copy:\n  chunk_bytes: 1MiB\n  pace: 128\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_BIG, "pf-ctx", "pf-gen", BIG_BLOCKS, &c, &g, &cs, &gs);
+    for (uint64_t i = 0; i < c.size; i++)
+        c.base[i] = (uint8_t)(i * 71 + i / 8192);
+    uint32_t *bl = big_blocks();
+    unsigned held;
+    for (uint64_t id = 41; id <= 43; id++) {
+        memset(g.base, 0xa5, g.size);
+        kvx_context_params_t p;
+        CHECK_KVX(
+            kvx_publish(c.c, id, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+            c.c);
+        CHECK_KVX(
+            kvx_fetch(g.c, id, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
+            g.c);
+        kvx_context_params_free(&p);
+        if (id == 41) { /* held 8 s a chunk, until the pace is raised */
+            sleep_ms(200);
+            CHECK(paced_of(d, &held) > 0 && held > 0);
+            pace_reload(d, "  chunk_bytes: 1MiB\n  pace: 64MiB\n");
+        } else if (id == 42) { /* one chunk charged at 128, then off */
+            sleep_ms(200);
+            CHECK(paced_of(d, &held) > 0 && held > 0);
+            pace_reload(d, "  chunk_bytes: 1MiB\n");
+        }
+        wait_event(g.c, id, KVX_EVENT_COMPLETE, 0, 3000);
+        wait_event(c.c, id, KVX_EVENT_COMPLETE, 0, 3000);
+        CHECK(!memcmp(g.base, c.base, g.size));
+        if (id == 41) /* 42 starts 8 s behind a chunk at this pace */
+            pace_reload(d, "  chunk_bytes: 1MiB\n  pace: 128\n");
+        if (id == 42) /* 43: a fast pace, after the lane was off */
+            pace_reload(d, "  chunk_bytes: 1MiB\n  pace: 64MiB\n");
+    }
+    CHECK(paced_of(d, &held) > 0);
+    CHECK_EQ(held, 0);
+    free(bl);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}

@@ -63,3 +63,33 @@ TEST(pace_bounds_no_overflow)
     pace_charge(&r, 0, 1);
     CHECK_EQ(r.t_ns, MS / 3);
 }
+
+/* A new pace applies to what the lane owes: 8 s owed at 128 bytes a
+ * millisecond (one MiB started) is 16 us at 64 MiB, then 16 s at 64;
+ * off, it owes nothing, and a pace set again starts from an idle lane. */
+TEST(pace_set_applies_to_what_is_owed)
+{
+    pace_t p = {.per_ms = 128};
+    uint64_t now = 100 * MS;
+    pace_charge(&p, now, 1 << 20); /* 8192 ms, less the burst */
+    CHECK_EQ(pace_wait(&p, now), 8191 * MS);
+    pace_set(&p, now, 64 << 20);
+    CHECK_EQ(p.per_ms, 64 << 20);
+    CHECK_EQ(pace_wait(&p, now), 8191 * MS / (512 * 1024)); /* 15.6 us */
+    pace_set(&p, now, 64);
+    CHECK_EQ(pace_wait(&p, now), 15623ull << 20); /* 16.4 s */
+    pace_set(&p, now, 0);
+    CHECK_EQ(pace_wait(&p, now), 0);
+    pace_set(&p, now, 1 << 20);
+    CHECK_EQ(pace_wait(&p, now), 0);
+    pace_charge(&p, now, 1 << 20); /* from an idle lane's burst */
+    CHECK_EQ(pace_wait(&p, now), 0);
+    /* the bounds: 2^60 bytes started at a TiB a millisecond, owed at
+     * one byte a millisecond, are capped, not wrapped */
+    pace_t q = {.per_ms = 1ull << 40};
+    pace_charge(&q, 0, 1ull << 60);
+    pace_set(&q, 0, 1);
+    CHECK_EQ(q.t_ns, 1ull << 62);
+    pace_set(&q, 0, 1ull << 40);
+    CHECK_EQ(q.t_ns, (1ull << 62) >> 40);
+}
