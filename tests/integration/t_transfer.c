@@ -893,3 +893,74 @@ TEST_T(copy_pace_reload_faster_applies_to_held, 60)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* SIGTERM while a request's chunks are held at a slow pace: they are
+ * dropped unrun, the request ends SHUTDOWN on both sides, and the
+ * daemon drains (every copy fenced) and exits 0, without ASan's word. */
+TEST_T(copy_pace_sigterm_drops_held, 60)
+{
+    daemon_t *d = daemon_start("copy:\n  chunk_bytes: 1MiB\n  pace: 128\n"
+                               "deadlines:\n  drain_timeout_ms: 20000\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_BIG, "ps-ctx", "ps-gen", BIG_BLOCKS, &c, &g, &cs, &gs);
+    uint32_t *bl = big_blocks();
+    unsigned held;
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 51, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+              c.c);
+    CHECK_KVX(
+        kvx_fetch(g.c, 51, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
+        g.c);
+    kvx_context_params_free(&p);
+    sleep_ms(200);
+    CHECK(paced_of(d, &held) > 0 && held > 0);
+    kill(d->pid, SIGTERM);
+    wait_event(g.c, 51, KVX_EVENT_ERROR, KVX_ERR_SHUTDOWN, 5000);
+    int st = daemon_wait(d, 10000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK(log_contains(d, "drained in"));
+    CHECK(!log_contains(d, "not fenced"));
+    free(bl);
+    rank_close(&c);
+    rank_close(&g);
+}
+
+/* The context side goes while the fetch's chunks are held at a slow
+ * pace: its rank cancels one offer, then disconnects during a second;
+ * each fetch ends at once (its held chunks dropped unrun, no wait for
+ * the pace), and the daemon stays healthy. */
+TEST_T(copy_pace_context_side_ends_held, 60)
+{
+    daemon_t *d = daemon_start("copy:\n  chunk_bytes: 1MiB\n  pace: 128\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_BIG, "pe-ctx", "pe-gen", BIG_BLOCKS, &c, &g, &cs, &gs);
+    uint32_t *bl = big_blocks();
+    unsigned held;
+    for (uint64_t id = 61; id <= 62; id++) {
+        kvx_context_params_t p;
+        CHECK_KVX(
+            kvx_publish(c.c, id, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+            c.c);
+        CHECK_KVX(
+            kvx_fetch(g.c, id, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
+            g.c);
+        kvx_context_params_free(&p);
+        sleep_ms(200);
+        CHECK(paced_of(d, &held) > 0 && held > 0);
+        if (id == 61) {
+            CHECK_KVX(kvx_cancel(c.c, id, T_MS), c.c);
+        } else {
+            rank_close(&c);
+        }
+        wait_event(g.c, id, KVX_EVENT_ERROR,
+                   id == 61 ? KVX_ERR_CANCELLED : KVX_ERR_PEER_GONE, 3000);
+        (void)paced_of(d, &held);
+        CHECK_EQ(held, 0);
+    }
+    free(bl);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
