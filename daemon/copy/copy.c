@@ -363,8 +363,8 @@ static void queue(copy_job_t **jobs, size_t n)
 /* The lane a job's bytes are paced on, or -1: not a copy of a plan. */
 static int lane_of(const copy_job_t *j)
 {
-    if (j->run)
-        return -1;
+    if (j->run) /* a host copy into or out of a staging slot, or other */
+        return j->packed ? 0 : -1;
     if (!j->gpu)
         return 0;
     int d = gpu_part_device(j->gpu);
@@ -431,6 +431,12 @@ static int pace_hold(copy_job_t *j)
     if (list_empty(&c.held[l]) && !pace_wait(&c.pace[l], now)) {
         pace_charge(&c.pace[l], now, j->bytes);
         return 0;
+    }
+    if (j->abort && *j->abort) { /* its end has come: unrun at once */
+        j->t_start = 0;
+        j->status = KVX_ERR_CANCELLED;
+        job_finished(j);
+        return 1;
     }
     j->t_start = now; /* until it starts: when it was held */
     list_push(&c.held[l], &j->node);

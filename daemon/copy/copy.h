@@ -31,8 +31,9 @@ struct copy_job {
     const plan_t *plan;
     gpu_part_t *gpu; /* set: the plan runs on this GPU, not on threads */
     uint64_t unit_begin, unit_end;
-    /* between daemons (GPU): one side is a staging slot holding the units
-     * packed (plan_exec_packed); gather: the slot is the destination */
+    /* between daemons: one side is a staging slot holding the units
+     * packed (plan_exec_packed); gather: the slot is the destination. A
+     * host one runs as run(), and is paced as a host copy (copy.pace) */
     uint8_t *packed;
     int packed_gather;
     int packed_device; /* the slot is device memory (GPU slots), else
@@ -44,7 +45,7 @@ struct copy_job {
     copy_done_cb done; /* runs on the loop thread */
     /* set: while the job is held by a pace and *abort is nonzero (its
      * request is ending), copy_drop_aborted() hands it back unrun, with
-     * status KVX_ERR_CANCELLED */
+     * status KVX_ERR_CANCELLED; so does a submit that a pace would hold */
     const int *abort;
     void *owner;
     list_t node; /* queue link, owned by copy */

@@ -448,7 +448,8 @@ const struct conf_key conf_keys[] = {
      .min = 0,
      .max = 1024 * GiB,
      .reloadable = 1,
-     .help = "Bytes a millisecond that host copies (the copy workers') may "
+     .help = "Bytes a millisecond that host copies (the copy workers', "
+             "pool to pool and into or out of the staging slots) may "
              "start, for memory bandwidth left to the engines; a chunk "
              "over the pace waits, in order, and a millisecond's worth "
              "may start at once after a pause; 0: no pace. A reload "

@@ -177,6 +177,7 @@ static void rstream_stop(rstream_t *r, int code, const char *msg)
     if (r->ended)
         return;
     r->ended = 1;
+    slots_owner_ended(&rslots, r);
     r->end_code = code;
     snprintf(r->end_msg, sizeof(r->end_msg), "%s", msg);
     rq_drop(r);

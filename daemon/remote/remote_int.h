@@ -79,6 +79,8 @@ typedef struct slot {
     uint64_t ready;      /* send: a bit per piece gathered ahead */
     uint64_t gather_ns;  /* send: an unpulled slot's gather time */
     int status;          /* the first failure (copy or receive) */
+    int ending;          /* its stream ended: its copies a pace holds go
+                            back unrun (copy_job_t.abort) */
     /* for status: wait from t_wait, copy or wire from t_stage */
     uint64_t t_wait, t_stage;
     /* a piece is copied by one GPU kernel, or by up to jpp jobs of about
@@ -286,6 +288,7 @@ void slot_cut(slot_t *x, const plan_t *plan, uint64_t pb);
 void piece_copy(slot_t *x, uint32_t k, const plan_t *plan, gpu_part_t *gpu,
                 int gather);
 int piece_at(const slot_t *x, uint64_t off);
+void slots_owner_ended(slots_t *s, const void *owner);
 void send_end_ex(peer_conn_t *c, uint64_t stream, int code, const char *msg,
                  int final);
 void send_end(peer_conn_t *c, uint64_t stream, int code, const char *msg);

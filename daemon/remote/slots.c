@@ -287,7 +287,7 @@ void slot_put(slots_t *s, slot_t *x)
     x->sends_left = 0;
     x->pulled = x->ahead = 0;
     x->ready = x->gather_ns = 0;
-    x->status = 0;
+    x->status = x->ending = 0;
     assert(!x->direct); /* every piece's places went when UCX was done */
     list_push(s->free.next, &x->free_node); /* first */
     assert(s->nfree < s->n);
@@ -352,12 +352,24 @@ void piece_copy(slot_t *x, uint32_t k, const plan_t *plan, gpu_part_t *gpu,
         j->packed_device = x->set->device >= 0;
         j->done = job_done;
         j->owner = x;
+        j->abort = &x->ending; /* held by a pace: dropped at the end */
         off += b;
         u = e;
     }
     x->piece_jobs[k] = (uint8_t)n;
     for (uint32_t i = 0; i < n; i++)
         copy_submit(&jobs[i]);
+}
+
+/* owner's stream has ended: the copies of its slots that a pace holds
+ * (gpu.pace, copy.pace) go back unrun, with KVX_ERR_CANCELLED, so that
+ * the stream's end does not wait for the pace. */
+void slots_owner_ended(slots_t *s, const void *owner)
+{
+    for (slot_t *x = slot_next(s, NULL); x; x = slot_next(s, x))
+        if (x->owner == owner && x->state != SLOT_FREE)
+            x->ending = 1;
+    copy_drop_aborted();
 }
 
 /* The piece of x at byte offset off, or -1. */

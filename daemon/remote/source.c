@@ -66,6 +66,7 @@ void sstream_end(sstream_t *s)
     if (s->ended)
         return;
     s->ended = 1;
+    slots_owner_ended(&sslots, s);
     /* a stream not ended is on its offer's list */
     assert(s->offer && list_linked(&s->node));
     list_remove(&s->node);

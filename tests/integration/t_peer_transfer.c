@@ -1268,3 +1268,85 @@ TEST_T(peer_groups_window_and_state, 60)
     hybrid_close(&h);
     p_stop_both(a, b);
 }
+
+/* The paced chunks a status counts: "paced: N jobs held X ms, H now". */
+static uint64_t p_paced(daemon_t *d, unsigned *now)
+{
+    char *st = status_json(d);
+    const char *p = strstr(st, "paced: ");
+    uint64_t n = p ? strtoull(p + strlen("paced: "), NULL, 10) : 0;
+    const char *h = p ? strstr(p, " ms, ") : NULL;
+    *now = h ? (unsigned)strtoul(h + strlen(" ms, "), NULL, 10) : 0;
+    free(st);
+    return n;
+}
+
+/* copy.pace on one daemon (paced 0: A, the context side; 1: B, the
+ * generation side) paces its host copies into or out of the staging
+ * slots too: at 256 bytes a millisecond a 4 MiB request takes hours. A
+ * cancel from the generation side while they are held ends the request
+ * on both sides at once (the held copies go back unrun), and so does
+ * SIGTERM: the paced daemon drains with every copy fenced, exits 0. */
+static void p_pace_case(int paced)
+{
+    static const char *const peer = "  slot_bytes: 1MiB\n  slots: 2\n"
+                                    "  message_bytes: 256KiB\n  direct: 0\n";
+    static const char *const slow = "copy:\n  pace: 256\n"
+                                    "deadlines:\n  drain_timeout_ms: 20000\n";
+    p_setup();
+    daemon_t *d[2];
+    d[0] = p_daemon(0, P_SECRET, peer, paced == 0 ? slow : NULL);
+    d[1] = p_daemon(1, P_SECRET, peer, paced == 1 ? slow : NULL);
+    static side_t cs, gs;
+    rank_t c, g;
+    p_side(&cs, "pq-ctx", KVX_ROLE_CONTEXT, "vllm-nhd", 16);
+    p_side(&gs, "pq-gen", KVX_ROLE_GENERATION, "flashinfer", 16);
+    rank_open(d[0], &M_BIG, &cs, 0, 256, &c);
+    rank_open(d[1], &M_BIG, &gs, 0, 256, &g);
+    rank_t *mine = paced ? &g : &c;
+    uint32_t bl[256];
+    for (uint32_t i = 0; i < 256; i++)
+        bl[i] = i;
+    unsigned held;
+    for (uint64_t req = 7; req <= 8; req++) {
+        fill_req(&c, req, bl, 4096);
+        kvx_context_params_t p;
+        CHECK_KVX(kvx_publish(c.c, req, c.pool, bl, 256, 4096, &p, T_MS), c.c);
+        CHECK_KVX(kvx_fetch(g.c, req, p.data, p.len, g.pool, bl, 256, 0, T_MS),
+                  g.c);
+        kvx_context_params_free(&p);
+        int64_t end = now_ms() + 5000;
+        while (p_paced(d[paced], &held) == 0 || held == 0) {
+            CHECK(now_ms() < end);
+            sleep_ms(20);
+        }
+        if (req == 7) {
+            CHECK_KVX(kvx_cancel(g.c, req, T_MS), g.c);
+            wait_event(g.c, req, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 3000);
+            wait_event(c.c, req, KVX_EVENT_ERROR, KVX_ERR_CANCELLED, 3000);
+            (void)p_paced(d[paced], &held);
+            CHECK_EQ(held, 0);
+            continue;
+        }
+        kill(d[paced]->pid, SIGTERM);
+        wait_event(mine->c, req, KVX_EVENT_ERROR, KVX_ERR_SHUTDOWN, 3000);
+        int st = daemon_wait(d[paced], 10000);
+        CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        CHECK(log_contains(d[paced], "drained in"));
+        CHECK(!log_contains(d[paced], "not fenced"));
+    }
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d[!paced]);
+    daemon_stop_ok(d[!paced]);
+}
+
+TEST_T(peer_copy_pace_holds_gathers, 90)
+{
+    p_pace_case(0);
+}
+
+TEST_T(peer_copy_pace_holds_scatters, 90)
+{
+    p_pace_case(1);
+}
