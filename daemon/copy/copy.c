@@ -371,6 +371,12 @@ static int lane_of(const copy_job_t *j)
     return 1 + (d < LANES - 1 ? d : LANES - 2);
 }
 
+int copy_job_paced(const copy_job_t *j)
+{
+    int l = lane_of(j);
+    return l >= 0 && c.pace[l].per_ms;
+}
+
 static void on_pace_timer(uv_timer_t *t);
 
 /* Arm the timer for the earliest held job's start. */

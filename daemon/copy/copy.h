@@ -71,6 +71,9 @@ void copy_submit_many(copy_job_t **jobs, size_t n);
 /* 1 when job, submitted now, would run on the loop thread (a small host
  * plan, copy.inline_bytes) and be done within this loop turn. */
 int copy_job_inline(const copy_job_t *job);
+/* 1 when job's lane has a pace (gpu.pace, copy.pace): submitted now, it
+ * may wait for it. */
+int copy_job_paced(const copy_job_t *job);
 /* Jobs submitted and not yet done. */
 unsigned copy_inflight(void);
 /* Time jobs ran since start, summed (metrics): on the copy threads and

@@ -192,9 +192,10 @@ void xfer_schedule(void)
         }
         batch[nbatch++] = job;
         /* a job run on the loop ends this turn: its event needs no
-         * early answer */
+         * early answer; nor does one a pace may hold (it need not be
+         * one copy away, and a woken caller would spin for it) */
         if (!more)
-            part_settle(p, !copy_job_inline(job));
+            part_settle(p, !copy_job_inline(job) && !copy_job_paced(job));
         if (nbatch == sizeof(batch) / sizeof(batch[0])) {
             copy_submit_many(batch, nbatch);
             nbatch = 0;

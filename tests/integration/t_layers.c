@@ -687,3 +687,63 @@ TEST(layerwise_sleeping_poll_woken_early)
     daemon_healthy(d);
     daemon_stop_ok(d);
 }
+
+/* A fetch's last copies held by copy.pace are not "one copy away": the
+ * sleeping poll of a spinning client is not answered early (Poll.early,
+ * after which it would spin 20 ms while the copies wait); its event
+ * comes once a reload lifts the pace, every byte in place. */
+TEST(layerwise_paced_last_layer_wakes_no_poll_early)
+{
+    daemon_t *d = daemon_start("copy:\n  inline_bytes: 0\n  chunk_bytes: "
+                               "4KiB\n  max_inflight_chunks: 64\n");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "lp-ctx", "lp-gen", 8, &c, &g, &cs, &gs);
+    CHECK_KVX(kvx_set_spin_us(g.c, 100), g.c);
+    memset(g.base, 0xa5, g.size);
+    const char *k = "lp-1", *gk = "lp-1g";
+    uint32_t cb[3] = {1, 3, 5}, gb[3] = {6, 2, 0};
+    const uint32_t ntok = 11, req = 91;
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish_layerwise(c.c, k, strlen(k), c.pool, cb, 3, ntok,
+                                    NULL, 0, &p, T_MS),
+              c.c);
+    CHECK_KVX(kvx_fetch_key(g.c, gk, strlen(gk), p.data, p.len, g.pool, gb, 3,
+                            0, 0, T_MS),
+              g.c);
+    fill_layers(&c, req, cb, ntok, 0, 2);
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 0, 2, NULL, T_MS), c.c);
+    CHECK_EQ(progress_reaches(&g, gk, 2), 2);
+    /* 4 KiB chunks at a byte a millisecond: 4 s each; the first of
+     * the last two layers starts, the others wait */
+    pace_reload(d, "  inline_bytes: 0\n  chunk_bytes: 4KiB\n  "
+                   "max_inflight_chunks: 64\n  pace: 1\n");
+    lw_poller_t pl = {.c = g.c};
+    pthread_t th;
+    CHECK_EQ(pthread_create(&th, NULL, lw_poll_main, &pl), 0);
+    usleep(200 * 1000); /* its poll waits in the daemon, asleep */
+    fill_layers(&c, req, cb, ntok, 2, 4);
+    CHECK_KVX(kvx_layers_ready(c.c, k, strlen(k), 2, 2, NULL, T_MS), c.c);
+    usleep(300 * 1000);
+    unsigned held;
+    CHECK(paced_of(d, &held) > 0 && held > 0);
+    char *json = status_json(d);
+    CHECK_STR_CONTAINS(json, "\"polls_woken_early\":0,");
+    free(json);
+    pace_reload(
+        d,
+        "  inline_bytes: 0\n  chunk_bytes: 4KiB\n  max_inflight_chunks: 64\n");
+    CHECK_EQ(pthread_join(th, NULL), 0);
+    CHECK_KVX(pl.rc, g.c);
+    CHECK_EQ(pl.b->num_events, 1);
+    CHECK_EQ(pl.b->events[0].kind, KVX_EVENT_COMPLETE);
+    kvx_batch_free(pl.b);
+    CHECK_EQ(wait_key(c.c, k, strlen(k), 3000).kind, KVX_EVENT_COMPLETE);
+    expect_t ex = {.req = req, .blocks = gb, .ntok = ntok};
+    CHECK_EQ(check_pool(&g, &ex, 1, 0xa5), 0);
+    kvx_context_params_free(&p);
+    rank_close(&c);
+    rank_close(&g);
+    daemon_healthy(d);
+    daemon_stop_ok(d);
+}
