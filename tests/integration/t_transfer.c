@@ -772,6 +772,26 @@ static uint64_t paced_of(daemon_t *d, unsigned *now)
     return n;
 }
 
+/* Request id, M_BIG's 64 MiB in blocks bl: published by c, fetched by g. */
+static void big_request(rank_t *c, rank_t *g, uint64_t id, const uint32_t *bl)
+{
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c->c, id, c->pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
+              c->c);
+    CHECK_KVX(
+        kvx_fetch(g->c, id, p.data, p.len, g->pool, bl, BIG_BLOCKS, 0, T_MS),
+        g->c);
+    kvx_context_params_free(&p);
+}
+
+/* 200 ms after a request started at a slow pace: chunks are held. */
+static void held_soon(daemon_t *d)
+{
+    unsigned held;
+    sleep_ms(200);
+    CHECK(paced_of(d, &held) > 0 && held > 0);
+}
+
 static void pace_reload(daemon_t *d, const char *copy_keys)
 {
     char cfg[512];
@@ -801,17 +821,9 @@ TEST_T(copy_pace_holds_cancel_and_reload, 60)
     CHECK_EQ(paced_of(d, &held), 0);
     for (uint64_t id = 31; id <= 33; id++) {
         memset(g.base, 0xa5, g.size);
-        kvx_context_params_t p;
-        CHECK_KVX(
-            kvx_publish(c.c, id, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
-            c.c);
-        CHECK_KVX(
-            kvx_fetch(g.c, id, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
-            g.c);
-        kvx_context_params_free(&p);
+        big_request(&c, &g, id, bl);
         if (id == 32) { /* slow: cancelled while its chunks are held */
-            sleep_ms(200);
-            CHECK(paced_of(d, &held) > 0 && held > 0);
+            held_soon(d);
             CHECK_KVX(kvx_cancel(g.c, id, T_MS), g.c);
             wait_event(g.c, id, KVX_EVENT_CANCELLED, KVX_ERR_CANCELLED, 3000);
             wait_event(c.c, id, KVX_EVENT_ERROR, KVX_ERR_CANCELLED, 3000);
@@ -820,8 +832,7 @@ TEST_T(copy_pace_holds_cancel_and_reload, 60)
             continue;
         }
         if (id == 33) { /* as slow, until the pace is lifted */
-            sleep_ms(200);
-            CHECK(paced_of(d, &held) > 0 && held > 0);
+            held_soon(d);
             CHECK(memchr(g.base, 0xa5, g.size) != NULL);
             pace_reload(d, "  chunk_bytes: 1MiB\n");
         }
@@ -860,21 +871,12 @@ TEST_T(copy_pace_reload_faster_applies_to_held, 60)
     unsigned held;
     for (uint64_t id = 41; id <= 43; id++) {
         memset(g.base, 0xa5, g.size);
-        kvx_context_params_t p;
-        CHECK_KVX(
-            kvx_publish(c.c, id, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
-            c.c);
-        CHECK_KVX(
-            kvx_fetch(g.c, id, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
-            g.c);
-        kvx_context_params_free(&p);
+        big_request(&c, &g, id, bl);
         if (id == 41) { /* held 8 s a chunk, until the pace is raised */
-            sleep_ms(200);
-            CHECK(paced_of(d, &held) > 0 && held > 0);
+            held_soon(d);
             pace_reload(d, "  chunk_bytes: 1MiB\n  pace: 64MiB\n");
         } else if (id == 42) { /* one chunk charged at 128, then off */
-            sleep_ms(200);
-            CHECK(paced_of(d, &held) > 0 && held > 0);
+            held_soon(d);
             pace_reload(d, "  chunk_bytes: 1MiB\n");
         }
         wait_event(g.c, id, KVX_EVENT_COMPLETE, 0, 3000);
@@ -905,16 +907,8 @@ TEST_T(copy_pace_sigterm_drops_held, 60)
     side_t cs, gs;
     pair_open(d, &M_BIG, "ps-ctx", "ps-gen", BIG_BLOCKS, &c, &g, &cs, &gs);
     uint32_t *bl = big_blocks();
-    unsigned held;
-    kvx_context_params_t p;
-    CHECK_KVX(kvx_publish(c.c, 51, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
-              c.c);
-    CHECK_KVX(
-        kvx_fetch(g.c, 51, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
-        g.c);
-    kvx_context_params_free(&p);
-    sleep_ms(200);
-    CHECK(paced_of(d, &held) > 0 && held > 0);
+    big_request(&c, &g, 51, bl);
+    held_soon(d);
     kill(d->pid, SIGTERM);
     wait_event(g.c, 51, KVX_EVENT_ERROR, KVX_ERR_SHUTDOWN, 5000);
     int st = daemon_wait(d, 10000);
@@ -939,16 +933,8 @@ TEST_T(copy_pace_context_side_ends_held, 60)
     uint32_t *bl = big_blocks();
     unsigned held;
     for (uint64_t id = 61; id <= 62; id++) {
-        kvx_context_params_t p;
-        CHECK_KVX(
-            kvx_publish(c.c, id, c.pool, bl, BIG_BLOCKS, BIG_TOK, &p, T_MS),
-            c.c);
-        CHECK_KVX(
-            kvx_fetch(g.c, id, p.data, p.len, g.pool, bl, BIG_BLOCKS, 0, T_MS),
-            g.c);
-        kvx_context_params_free(&p);
-        sleep_ms(200);
-        CHECK(paced_of(d, &held) > 0 && held > 0);
+        big_request(&c, &g, id, bl);
+        held_soon(d);
         if (id == 61) {
             CHECK_KVX(kvx_cancel(c.c, id, T_MS), c.c);
         } else {
