@@ -45,7 +45,9 @@ struct copy_job {
     copy_done_cb done; /* runs on the loop thread */
     /* set: while the job is held by a pace and *abort is nonzero (its
      * request is ending), copy_drop_aborted() hands it back unrun, with
-     * status KVX_ERR_CANCELLED; so does a submit that a pace would hold */
+     * status KVX_ERR_CANCELLED; so does a submit that a pace would hold.
+     * Like plan and owner, it is the submitter's memory, which the
+     * submitter keeps until the job's done callback (its fence) */
     const int *abort;
     void *owner;
     list_t node; /* queue link, owned by copy */
