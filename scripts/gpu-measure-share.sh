@@ -11,7 +11,11 @@
 # ROUNDS: the idle rounds (2); NOLW=1 leaves out the layer-wise runs.
 # Cases: kernel, dma, kernel-low, dma-low, kernel-16 (16 CTAs),
 # kernel-sm25 (gpu.sm_share 25), kernel-p512, dma-p512, kernel-p256
-# (gpu.pace 512 or 256 MiB a millisecond, 16 MiB launches).
+# (gpu.pace 512 or 256 MiB a millisecond, 16 MiB launches), kernel-sm10,
+# kernel-p512-c64 (64 MiB launches), kernel-sm25-p512, dma-p1024.
+# A case name ending in -seq (dma-seq, kernel-seq, mps-...) takes each
+# request's blocks in order instead of shuffled: a layer's K or V of a
+# request is then one run of 32 MiB on both sides.
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-share-out}
 mkdir -p "$OUT"
@@ -34,6 +38,10 @@ DL=$(conf dma-low "copy_path: dma" "stream_priority: low")
 KP=$(conf kernel-p512 "copy_path: kernel" "chunk_bytes: 16MiB" "pace: 512MiB")
 DP=$(conf dma-p512 "copy_path: dma" "chunk_bytes: 16MiB" "pace: 512MiB")
 KP2=$(conf kernel-p256 "copy_path: kernel" "chunk_bytes: 16MiB" "pace: 256MiB")
+conf kernel-sm10 "copy_path: kernel" "sm_share: 10" >/dev/null
+conf kernel-p512-c64 "copy_path: kernel" "chunk_bytes: 64MiB" "pace: 512MiB" >/dev/null
+conf kernel-sm25-p512 "copy_path: kernel" "sm_share: 25" "chunk_bytes: 16MiB" "pace: 512MiB" >/dev/null
+conf dma-p1024 "copy_path: dma" "chunk_bytes: 64MiB" "pace: 1GiB" >/dev/null
 mps_on() {
     export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -47,10 +55,11 @@ mps_off() {
 # 32 GiB a pass: 16 requests of 1,024 blocks of the 8B shape (2 MiB a
 # block over 32 layers), shuffled block ids, 8 timed passes
 M="--layers 32 --heads 8 --head-dim 128 --tokens-per-block 16 --dtype bf16 --layout vllm-nhd"
-L="--spawn-daemon --gpu --gen-device 0 $M --requests 16 --blocks 1024 --window 4 --pool-mib 8192 --shuffle --no-verify --passes 8"
-load() { # label, config[, mps]
+L="--spawn-daemon --gpu --gen-device 0 $M --requests 16 --blocks 1024 --window 4 --pool-mib 8192 --no-verify --passes 8"
+load() { # label, config
+    case $1 in *-seq) sh= ;; *) sh=--shuffle ;; esac
     r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --bench "$B/bin/kvxfer-bench" \
-        --label "$1" -- $L --daemon-config "$2" 2>"$OUT/load-$1.err")
+        --label "$1" -- $L $sh --daemon-config "$2" 2>"$OUT/load-$1.err")
     echo "$r" >>"$OUT/load.jsonl"
     echo "$1 $(echo "$r" | python3 -c 'import json,sys
 try:
@@ -70,12 +79,12 @@ bw() { # label, config, args...
 }
 if [ "${PART:-all}" != idle ]; then
     for c in ${NOMPS:-kernel dma kernel-low dma-low kernel-16}; do
-        load "$c" "$OUT/$c.yaml"
+        load "$c" "$OUT/${c%-seq}.yaml"
     done
     if [ -n "${WITHMPS-x}" ]; then
         mps_on
         for c in ${WITHMPS:-kernel dma kernel-sm25 dma-low}; do
-            load "mps-$c" "$OUT/$c.yaml"
+            load "mps-$c" "$OUT/${c%-seq}.yaml"
         done
         mps_off
     fi

@@ -1173,3 +1173,138 @@ TEST_T(layerwise_engine_dies_while_daemon_waits, 120)
     daemon_stop(&d);
     bench("--requests 2 --blocks 8 --layers 4");
 }
+
+/* ---- a pace on the GPU's copies (gpu.pace) ----------------------------- */
+
+/* The jobs a pace held, from the bench's "gpu_status" ("... paced: N jobs
+ * held X ms, H now"), or -1 where it does not say. */
+static long long paced_jobs(const char *out)
+{
+    const char *t = strstr(out, "paced: ");
+    return t ? atoll(t + 7) : -1;
+}
+
+/* The chunks a daemon's pace holds now (its status "gpu": "... paced:
+ * N jobs held X ms, H now"), or -1. */
+static long held_now(const char *sock)
+{
+    char *js = status_of(sock);
+    const char *t = js ? strstr(js, "paced: ") : NULL;
+    unsigned long long n;
+    double ms;
+    long h = -1;
+    if (t &&
+        sscanf(t, "paced: %llu jobs held %lf ms, %ld now", &n, &ms, &h) != 3)
+        h = -1;
+    free(js);
+    return h;
+}
+
+/* gpu.pace on a GPU: every byte verified through the kernel, the copy
+ * engines and two daemons' slots while the pace holds chunks back (it
+ * says how many it held); then a 2 GiB fetch at 256 KiB a millisecond
+ * (8 s of pace) is cancelled: the event comes at once, no byte lands
+ * after it, and a SIGTERM during the next such fetch ends the daemon at
+ * once with exit 0. */
+TEST_T(pace_holds_bytes_cancel_and_stop, 300)
+{
+    NEED_GPUS(1);
+    char cfg[128], args[768], out[8192];
+    static const char *paths[] = {"kernel", "dma"};
+    for (int i = 0; i < 3; i++) {
+        char text[160];
+        snprintf(text, sizeof(text),
+                 "  copy_path: %s\n  chunk_bytes: 256KiB\n  pace: 1MiB\n",
+                 paths[i % 2]);
+        gpu_config(text, cfg, sizeof(cfg));
+        /* 4 x 128 MiB at 1 MiB a millisecond: half a second of pace */
+        snprintf(args, sizeof(args),
+                 "%s--layout vllm-nhd --heads 8 --head-dim 128 --dtype bf16 "
+                 "--tokens-per-block 16 --requests 4 --blocks 256 --layers 8 "
+                 "--daemon-config %s",
+                 i == 2 ? "--daemons 2 " : "", cfg);
+        bench_out(args, out, sizeof(out));
+        printf("pace, %s%s: %lld jobs held\n", i == 2 ? "two daemons, " : "",
+               paths[i % 2], paced_jobs(out));
+        CHECK(paced_jobs(out) > 0);
+    }
+    unlink(cfg);
+
+    for (int stop = 0; stop < 2; stop++) {
+        struct daemon d;
+        daemon_start_cfg(&d, "gpu:\n  chunk_bytes: 1MiB\n  pace: 256KiB\n");
+        struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
+                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        pid_t ctx = fork();
+        if (ctx == 0)
+            ctx_proc(&d, sh, 0, 0);
+        while (!sh->ready)
+            usleep(1000);
+        pid_t gen = fork();
+        if (gen == 0) {
+            kvx_layout_t l;
+            void *p;
+            uint32_t pool;
+            kvx_client_t *c = rank(&d, "gpu-gen", KVX_ROLE_GENERATION,
+                                   gen_dev(), &l, &p, &pool);
+            uint32_t *b = all_blocks();
+            CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, b,
+                               BLOCKS, 0, 5000),
+                     0);
+            usleep(300000);              /* ~75 MiB of the pace's 2 GiB */
+            CHECK(held_now(d.sock) > 0); /* the pace holds chunks */
+            int64_t t0 = now_ms();
+            if (!stop) {
+                CHECK_EQ(kvx_cancel(c, 9, 10000), 0);
+                kvx_batch_t *bt;
+                CHECK_EQ(kvx_poll(c, 1, 5000, &bt), 0);
+                CHECK_EQ(bt->num_events, 1);
+                CHECK_EQ(bt->events[0].kind, KVX_EVENT_CANCELLED);
+                kvx_batch_free(bt);
+                int64_t ms = now_ms() - t0;
+                printf("pace: cancelled after %lld ms\n", (long long)ms);
+                CHECK(ms < 2000); /* not the pace's 7 s left */
+                uint64_t n = kvx_layout_span(&l);
+                uint8_t *s1 = malloc(n), *s2 = malloc(n);
+                CHECK(s1 && s2);
+                CHECK_EQ(bgpu_copy_to_host(gen_dev(), s1, p, n), 0);
+                usleep(300000);
+                CHECK_EQ(bgpu_copy_to_host(gen_dev(), s2, p, n), 0);
+                CHECK(memcmp(s1, s2, n) == 0);
+                int64_t bad = bgpu_check(&(bgpu_rows_t){.dev = gen_dev(),
+                                                        .layout = &l,
+                                                        .regions = &p,
+                                                        .request = 7,
+                                                        .nblocks = BLOCKS,
+                                                        .tok_to = UINT32_MAX});
+                printf("pace: %lld of %llu rows not written\n", (long long)bad,
+                       (unsigned long long)BLOCKS * LAYERS * 2 * TPB * HEADS);
+                CHECK(bad > 0);
+            } else {
+                sh->stage = 1; /* the parent stops the daemon */
+                pause();
+            }
+            exit(0);
+        }
+        if (stop) {
+            while (!sh->stage)
+                usleep(1000);
+            int64_t t0 = now_ms();
+            daemon_stop(&d); /* exit 0 */
+            int64_t ms = now_ms() - t0;
+            printf("pace: SIGTERM ended the daemon after %lld ms\n",
+                   (long long)ms);
+            CHECK(ms < 3000);
+            kill(gen, SIGKILL);
+        }
+        int st;
+        waitpid(gen, &st, 0);
+        if (!stop)
+            CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        kill(ctx, SIGKILL);
+        waitpid(ctx, &st, 0);
+        if (!stop)
+            daemon_stop(&d);
+        munmap(sh, sizeof(*sh));
+    }
+}
