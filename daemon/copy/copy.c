@@ -48,8 +48,10 @@ static struct {
     int inline_open;
     uv_async_t async;
     int async_open;
-    pace_t pace[LANES]; /* loop thread only */
-    list_t held[LANES]; /* paced jobs waiting to start, oldest first */
+    pace_t pace[LANES];      /* loop thread only */
+    uint64_t gpu_conf;       /* gpu.pace */
+    uint64_t engines[LANES]; /* GPU lanes: the engines' pace (GpuPace) */
+    list_t held[LANES];      /* paced jobs waiting to start, oldest first */
     unsigned nheld;
     uv_timer_t pace_timer; /* the next held job's start */
     int pace_open;
@@ -360,6 +362,12 @@ static void queue(copy_job_t **jobs, size_t n)
 
 /* ---- pace (gpu.pace, copy.pace) --------------------------------------- */
 
+/* The lane of GPU device d. */
+static int gpu_lane(int d)
+{
+    return 1 + (d < 0 ? 0 : d < LANES - 1 ? d : LANES - 2);
+}
+
 /* The lane a job's bytes are paced on, or -1: not a copy of a plan. */
 static int lane_of(const copy_job_t *j)
 {
@@ -367,8 +375,7 @@ static int lane_of(const copy_job_t *j)
         return j->packed ? 0 : -1;
     if (!j->gpu)
         return 0;
-    int d = gpu_part_device(j->gpu);
-    return 1 + (d < LANES - 1 ? d : LANES - 2);
+    return gpu_lane(gpu_part_device(j->gpu));
 }
 
 int copy_job_paced(const copy_job_t *j)
@@ -477,10 +484,30 @@ void copy_set_pace(uint64_t host_per_ms, uint64_t gpu_per_ms)
      * the new one: a faster pace lets its held jobs go sooner */
     uint64_t now = now_ns();
     pace_set(&c.pace[0], now, host_per_ms);
-    for (int l = 1; l < LANES; l++)
-        pace_set(&c.pace[l], now, gpu_per_ms);
+    c.gpu_conf = gpu_per_ms;
+    for (int l = 1; l < LANES; l++) /* the engines' paces stay */
+        pace_set(&c.pace[l], now, pace_lowest(gpu_per_ms, c.engines[l]));
     if (c.nheld)
         pace_release(); /* an unpaced lane lets its jobs go now */
+}
+
+void copy_set_gpu_pace(int device, uint64_t per_ms)
+{
+    int l = gpu_lane(device);
+    c.engines[l] = per_ms;
+    uint64_t want = pace_lowest(c.gpu_conf, per_ms);
+    if (want == c.pace[l].per_ms)
+        return;
+    pace_set(&c.pace[l], now_ns(), want);
+    if (!list_empty(&c.held[l]))
+        pace_release(); /* a faster (or no) pace lets them go sooner */
+}
+
+uint64_t copy_gpu_pace(int device, uint64_t *engines)
+{
+    int l = gpu_lane(device);
+    *engines = c.engines[l];
+    return c.pace[l].per_ms;
 }
 
 void copy_pace_stats(uint64_t *jobs, uint64_t *ns, unsigned *held)

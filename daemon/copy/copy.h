@@ -89,6 +89,15 @@ unsigned copy_threads(void);
  * flight. Loop thread; a new pace applies to held jobs too, and to what
  * a lane owes for the jobs it started (pace_set()). */
 void copy_set_pace(uint64_t host_per_ms, uint64_t gpu_per_ms);
+/* GPUs whose lanes are paced apart: devices 63 and up share the last. */
+#define COPY_PACE_DEVICES 64
+/* The engines' pace of GPU device (the lowest their GpuPace gives it; 0:
+ * none): its lane goes at the lowest of this and gpu.pace, as
+ * copy_set_pace() says. Loop thread. */
+void copy_set_gpu_pace(int device, uint64_t per_ms);
+/* Device's effective pace (bytes a millisecond, 0: none); *engines, the
+ * engines' part of it (copy_set_gpu_pace()). */
+uint64_t copy_gpu_pace(int device, uint64_t *engines);
 /* Held jobs whose *abort is set go back unrun (their done callbacks
  * follow, from the loop), so that an ending request's fence does not
  * wait for the pace. Loop thread. */

@@ -15,6 +15,13 @@ typedef struct pace {
     uint64_t t_ns;   /* the lane's clock: when its started bytes are paid */
 } pace_t;
 
+/* The pace of a lane that several paces bound (gpu.pace, the engines'
+ * GpuPace): the lowest of a and b that is set (0: neither is). */
+static inline uint64_t pace_lowest(uint64_t a, uint64_t b)
+{
+    return !a ? b : !b ? a : a < b ? a : b;
+}
+
 /* Nanoseconds from now until a copy may start on p (0: now). */
 static inline uint64_t pace_wait(const pace_t *p, uint64_t now)
 {

@@ -93,3 +93,15 @@ TEST(pace_set_applies_to_what_is_owed)
     pace_set(&q, 0, 1ull << 40);
     CHECK_EQ(q.t_ns, (1ull << 62) >> 40);
 }
+
+/* A lane bound by several paces (gpu.pace, the engines' GpuPace) goes
+ * at the lowest that is set. */
+TEST(pace_lowest_of_those_set)
+{
+    CHECK_EQ(pace_lowest(0, 0), 0);
+    CHECK_EQ(pace_lowest(4096, 0), 4096);
+    CHECK_EQ(pace_lowest(0, 4096), 4096);
+    CHECK_EQ(pace_lowest(4096, 1000), 1000);
+    CHECK_EQ(pace_lowest(1000, 4096), 1000);
+    CHECK_EQ(pace_lowest(1ull << 40, 1ull << 40), 1ull << 40);
+}
