@@ -157,7 +157,7 @@ DAEMON   := $(COMMON) \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
             daemon/local/session.c daemon/local/session_conn.c \
             daemon/local/server.c daemon/local/stats.c \
-            daemon/local/metrics.c daemon/local/http.c \
+            daemon/local/metrics.c daemon/local/http.c daemon/local/pacing.c \
             $(GPU_SRC)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))

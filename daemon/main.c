@@ -33,6 +33,7 @@
 #include "core/records.h"
 #include "local/http.h"
 #include "local/metrics.h"
+#include "local/pacing.h"
 #include "local/server.h"
 #include "local/session.h"
 #include "net/peer.h"
@@ -429,7 +430,7 @@ int main(int argc, char **argv)
                   kvxd.conf.spin_us, kvxd.conf.copy_inline_bytes))
         goto err_records;
     copy_set_pace(kvxd.conf.copy_pace, kvxd.conf.gpu_pace);
-    if (session_init())
+    if (pacing_init(kvxd.loop) || session_init())
         goto err_copy;
     if (server_init())
         goto err_copy;
@@ -471,7 +472,8 @@ err_server:
     server_cleanup();
     peer_cleanup();
 err_copy:
-    gpu_stop(); /* GPU completions are all handed to the copy engine */
+    pacing_cleanup(); /* the engines' paces, before their lanes go */
+    gpu_stop();       /* GPU completions are all handed to the copy engine */
     copy_cleanup();
     remote_cleanup(); /* after the copies that use the slots */
     peer_shutdown();  /* after the slots' UCX registrations */

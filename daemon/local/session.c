@@ -18,6 +18,7 @@
 #include "agree/agree.h"
 #include "common/frame.h"
 #include "common/layout.h"
+#include "copy/copy.h"
 #include "copy/pool.h"
 #include "core/daemon.h"
 #include "core/fault.h"
@@ -25,6 +26,7 @@
 #include "core/map.h"
 #include "core/records.h"
 #include "metrics.h"
+#include "pacing.h"
 #include "remote/keyed.h"
 #include "remote/release.h"
 #include "session_int.h"
@@ -314,6 +316,26 @@ static pool_t *own_pool(session_t *s, uint32_t id)
         reply(s, rq->id, (code), why);                                         \
         return;                                                                \
     } while (0)
+
+/* The GPU devices of s's pools, as pacing.h counts them. */
+static uint64_t gpu_devices(const session_t *s)
+{
+    pool_t *ps[64];
+    uint64_t mask = 0;
+    uint32_t n = s->pools.n;
+    pool_t **all = n > 64 ? calloc(n, sizeof(*all)) : ps;
+    if (!all)
+        return 0;
+    n = map_values(&s->pools, (void **)all, n);
+    for (uint32_t i = 0; i < n; i++)
+        if (all[i]->gpu)
+            mask |= 1ull << (all[i]->device < COPY_PACE_DEVICES - 1
+                                 ? all[i]->device
+                                 : COPY_PACE_DEVICES - 1);
+    if (all != ps)
+        free(all);
+    return mask;
+}
 
 static void on_hello(session_t *s, const Kvxfer__Request *rq)
 {
@@ -700,6 +722,8 @@ static void on_register_pool(session_t *s, const Kvxfer__Request *rq)
         FAIL(KVX_ERR_NOMEM, "register_pool: out of memory");
     }
     pool_populate(p);
+    if (p->gpu)
+        pacing_devices(s->id, gpu_devices(s));
     log_info("session %llu: pool %u registered: %s %s, %u blocks, %llu "
              "bytes in %u regions",
              (unsigned long long)s->id, p->id, p->gpu ? "gpu" : "host",
@@ -732,6 +756,7 @@ static void on_deregister_pool(session_t *s, const Kvxfer__Request *rq)
              id, users);
     map_del(&s->pools, id);
     pool_release(p);
+    pacing_devices(s->id, gpu_devices(s));
     reply(s, rq->id, 0, "");
 }
 
@@ -1373,6 +1398,26 @@ static void on_renew(session_t *s, const Kvxfer__Request *rq)
         reply(s, rq->id, rc, rc ? why : "");
 }
 
+/* GpuPace{bytes_per_ms, hold_ms} (2.8): this rank's pace for the GPUs
+ * of its pools, now and later (pacing.h). */
+static void on_gpu_pace(session_t *s, const Kvxfer__Request *rq)
+{
+    char why[256];
+    const Kvxfer__GpuPace *m = rq->gpu_pace;
+    if (m->bytes_per_ms > PACING_MAX_PER_MS)
+        FAIL(KVX_ERR_INVALID,
+             "gpu_pace.bytes_per_ms: %llu is over 1 TiB (%llu), the most "
+             "gpu.pace takes",
+             (unsigned long long)m->bytes_per_ms,
+             (unsigned long long)PACING_MAX_PER_MS);
+    if (m->hold_ms > PACING_MAX_HOLD_MS)
+        FAIL(KVX_ERR_INVALID, "gpu_pace.hold_ms: %u is over %u", m->hold_ms,
+             PACING_MAX_HOLD_MS);
+    if (pacing_set(s->id, m->bytes_per_ms, m->hold_ms, gpu_devices(s)))
+        FAIL(KVX_ERR_NOMEM, "gpu_pace: out of memory");
+    reply(s, rq->id, 0, "");
+}
+
 /* Drain requests waiting for the drain to end (Drain.wait): answered by
  * session_drained(), before the daemon exits. */
 #define DRAIN_WAITERS 16
@@ -1533,6 +1578,9 @@ void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         break;
     case KVXFER__REQUEST__BODY_CANCEL:
         on_cancel(s, rq);
+        break;
+    case KVXFER__REQUEST__BODY_GPU_PACE:
+        on_gpu_pace(s, rq);
         break;
     default:
         reply(s, rq->id, KVX_ERR_PROTOCOL, "request: unknown body");

@@ -21,6 +21,7 @@
 #include "core/daemon.h"
 #include "core/log.h"
 #include "core/map.h"
+#include "pacing.h"
 #include "remote/keyed.h"
 #include "session_int.h"
 #include "xfer/instance.h"
@@ -682,6 +683,7 @@ void session_close(session_t *s, const char *why)
         free(ps);
     }
     map_free(&s->pools);
+    pacing_end(s->id);        /* its pace ends with it */
     gpu_events_forget(s->id); /* after its requests ended */
     if (s->inst && instance_detach(s->inst, s->rank)) {
         agree_rank(s->inst, s->rank, 0);

@@ -10,6 +10,7 @@
 #include "copy/pool.h"
 #include "core/daemon.h"
 #include "net/peer.h"
+#include "pacing.h"
 #include "remote/remote.h"
 #include "stats.h"
 #include "xfer/instance.h"
@@ -43,7 +44,7 @@ static void add_conf(const char *key, const char *value, void *arg)
 void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid, uint32_t cap)
 {
     st->version = KVX_VERSION_STRING;
-    static char gpu[512];
+    static char gpu[2048];
     st->build = (char *)gpu_build_info();
     gpu_status(gpu, sizeof(gpu));
     uint64_t pj, pns;
@@ -54,6 +55,12 @@ void stats_fill(Kvxfer__StatusReply *st, int64_t only_uid, uint32_t cap)
         snprintf(gpu + n, sizeof(gpu) - n,
                  "%spaced: %llu jobs held %.3f ms, %u now", n ? "; " : "",
                  (unsigned long long)pj, (double)pns / 1e6, held);
+    }
+    char paces[1024];
+    pacing_status(paces, sizeof(paces));
+    if (paces[0]) {
+        size_t n = strlen(gpu);
+        snprintf(gpu + n, sizeof(gpu) - n, "%s%s", n ? "; " : "", paces);
     }
     st->gpu = gpu;
     st->uptime_ms = kvxd_now_ms() - kvxd.start_ms;

@@ -1,0 +1,243 @@
+/* pacing — the GPU paces engines set; see pacing.h. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "copy/copy.h"
+#include "copy/pace.h"
+#include "copy/pool.h"
+#include "core/daemon.h"
+#include "core/log.h"
+#include "kvxfer.h"
+#include "pacing.h"
+
+/* One session's pace: few (a node's engine ranks), so a list. */
+typedef struct entry {
+    struct entry *next;
+    uint64_t sid;
+    uint64_t per_ms;
+    uint64_t until_ms; /* loop time it lapses at; 0: it does not */
+    uint64_t devices;  /* its GPU pools' devices */
+} entry_t;
+
+static struct {
+    uv_loop_t *loop;
+    entry_t *list;
+    uint32_t n;
+    uv_timer_t timer; /* the earliest lapse */
+    int open;
+    uint64_t armed_ms;                   /* when the timer fires; 0: off */
+    uint64_t applied[COPY_PACE_DEVICES]; /* what copy was told */
+} g;
+
+static entry_t **find(uint64_t sid)
+{
+    entry_t **p = &g.list;
+    while (*p && (*p)->sid != sid)
+        p = &(*p)->next;
+    return p;
+}
+
+static void drop(entry_t **p)
+{
+    entry_t *e = *p;
+    *p = e->next;
+    g.n--;
+    free(e);
+}
+
+/* Each device's lane gets the lowest pace of the sessions on it. */
+static void apply(void)
+{
+    uint64_t low[COPY_PACE_DEVICES] = {0};
+    for (entry_t *e = g.list; e; e = e->next)
+        for (int d = 0; d < COPY_PACE_DEVICES; d++)
+            if (e->devices >> d & 1)
+                low[d] = pace_lowest(low[d], e->per_ms);
+    for (int d = 0; d < COPY_PACE_DEVICES; d++)
+        if (low[d] != g.applied[d]) {
+            copy_set_gpu_pace(d, low[d]);
+            g.applied[d] = low[d];
+        }
+}
+
+static void on_timer(uv_timer_t *t);
+
+/* The timer fires at the earliest lapse. */
+static void arm(void)
+{
+    uint64_t first = 0;
+    for (entry_t *e = g.list; e; e = e->next)
+        if (e->until_ms && (!first || e->until_ms < first))
+            first = e->until_ms;
+    if (first == g.armed_ms || !g.open)
+        return;
+    g.armed_ms = first;
+    if (!first) {
+        uv_timer_stop(&g.timer);
+        return;
+    }
+    uint64_t now = uv_now(g.loop);
+    uv_timer_start(&g.timer, on_timer, first > now ? first - now : 0, 0);
+}
+
+static void on_timer(uv_timer_t *t)
+{
+    (void)t;
+    uint64_t now = uv_now(g.loop);
+    int lapsed = 0;
+    for (entry_t **p = &g.list; *p;) {
+        if ((*p)->until_ms && (*p)->until_ms <= now) {
+            log_debug("session %llu: its gpu pace of %llu B/ms lapsed",
+                      (unsigned long long)(*p)->sid,
+                      (unsigned long long)(*p)->per_ms);
+            drop(p);
+            lapsed = 1;
+        } else {
+            p = &(*p)->next;
+        }
+    }
+    g.armed_ms = 0;
+    if (lapsed)
+        apply();
+    arm();
+}
+
+int pacing_init(uv_loop_t *loop)
+{
+    g.loop = loop;
+    int rc = uv_timer_init(loop, &g.timer);
+    if (rc) {
+        log_error("pacing: uv_timer_init: %s", uv_strerror(rc));
+        return KVX_ERR_IO;
+    }
+    uv_unref((uv_handle_t *)&g.timer); /* keeps nothing alive */
+    g.open = 1;
+    return 0;
+}
+
+void pacing_cleanup(void)
+{
+    while (g.list)
+        drop(&g.list);
+    apply();
+    if (g.open) {
+        uv_close((uv_handle_t *)&g.timer, NULL);
+        g.open = 0;
+    }
+}
+
+int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
+               uint64_t devices)
+{
+    entry_t **p = find(sid);
+    if (!per_ms) { /* withdrawn */
+        if (*p)
+            drop(p);
+    } else {
+        if (!*p) {
+            entry_t *e = calloc(1, sizeof(*e));
+            if (!e)
+                return KVX_ERR_NOMEM;
+            e->sid = sid;
+            e->next = g.list;
+            g.list = e;
+            g.n++;
+            p = &g.list;
+        }
+        (*p)->per_ms = per_ms;
+        (*p)->devices = devices;
+        (*p)->until_ms = hold_ms ? uv_now(g.loop) + hold_ms : 0;
+    }
+    apply();
+    arm();
+    return 0;
+}
+
+void pacing_devices(uint64_t sid, uint64_t devices)
+{
+    entry_t **p = find(sid);
+    if (!*p || (*p)->devices == devices)
+        return;
+    (*p)->devices = devices;
+    apply();
+}
+
+void pacing_end(uint64_t sid)
+{
+    entry_t **p = find(sid);
+    if (!*p)
+        return;
+    drop(p);
+    apply();
+    arm();
+}
+
+uint32_t pacing_sessions(void)
+{
+    return g.n;
+}
+
+uint64_t pacing_devices_used(void)
+{
+    uint64_t used = 0;
+    for (entry_t *e = g.list; e; e = e->next)
+        used |= e->devices;
+    uint32_t np = pool_count();
+    pool_t **pools = calloc(np ? np : 1, sizeof(*pools));
+    if (!pools)
+        return used;
+    np = pool_list(pools, np);
+    for (uint32_t i = 0; i < np; i++)
+        if (pools[i]->gpu && !pools[i]->released)
+            used |= 1ull << (pools[i]->device < COPY_PACE_DEVICES - 1
+                                 ? pools[i]->device
+                                 : COPY_PACE_DEVICES - 1);
+    free(pools);
+    return used;
+}
+
+/* Append to buf (len bytes, *at used) what fmt says. */
+#define ADD(...)                                                               \
+    do {                                                                       \
+        if (at < len)                                                          \
+            at += (size_t)snprintf(buf + at, len - at, __VA_ARGS__);           \
+    } while (0)
+
+void pacing_status(char *buf, size_t len)
+{
+    size_t at = 0;
+    const char *sep = "gpu pace: ";
+    if (len)
+        buf[0] = 0;
+    if (kvxd.conf.gpu_pace) {
+        ADD("%sconfig %llu B/ms", sep, (unsigned long long)kvxd.conf.gpu_pace);
+        sep = ", ";
+    }
+    if (g.n) {
+        uint64_t low = 0;
+        uint32_t nopool = 0;
+        for (entry_t *e = g.list; e; e = e->next) {
+            low = pace_lowest(low, e->per_ms);
+            nopool += !e->devices;
+        }
+        ADD("%sengines %u (lowest %llu B/ms, %u without a GPU pool)", sep, g.n,
+            (unsigned long long)low, nopool);
+        sep = ", ";
+    }
+    uint64_t used = pacing_devices_used();
+    for (int d = 0; d < COPY_PACE_DEVICES; d++) {
+        uint64_t engines, eff;
+        if (!(used >> d & 1) || !(eff = copy_gpu_pace(d, &engines)))
+            continue;
+        uint32_t on = 0;
+        for (entry_t *e = g.list; e; e = e->next)
+            on += e->devices >> d & 1;
+        if (engines == eff && on)
+            ADD("%sdevice %d %llu B/ms (%u engine%s)", sep, d,
+                (unsigned long long)eff, on, on == 1 ? "" : "s");
+        else
+            ADD("%sdevice %d %llu B/ms (config)", sep, d,
+                (unsigned long long)eff);
+        sep = ", ";
+    }
+}
