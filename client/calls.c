@@ -375,6 +375,40 @@ int kvx_cancel_key(kvx_client_t *c, const void *key, size_t key_len,
     return kvx__call(c, &rq, -1, timeout_ms, NULL);
 }
 
+int kvx__pace_send(kvx_client_t *c, uint64_t per_ms, uint32_t hold_ms,
+                   int timeout_ms)
+{
+    Kvxfer__GpuPace m = KVXFER__GPU_PACE__INIT;
+    m.bytes_per_ms = per_ms;
+    m.hold_ms = hold_ms;
+    Kvxfer__Request rq = KVXFER__REQUEST__INIT;
+    rq.body_case = KVXFER__REQUEST__BODY_GPU_PACE;
+    rq.gpu_pace = &m;
+    return kvx__call(c, &rq, -1, timeout_ms, NULL);
+}
+
+int kvx_gpu_pace(kvx_client_t *c, uint64_t bytes_per_ms, uint32_t hold_ms,
+                 int timeout_ms)
+{
+    if (!c)
+        return KVX_ERR_INVALID;
+    c->err[0] = 0;
+    c->answered = 0;
+    /* an observer's daemon is not known: it answers STATE (no Hello) */
+    if (c->rv.has_hello && c->daemon_minor < 8)
+        return kvx__fail(c, KVX_ERR_VERSION,
+                         "kvx_gpu_pace: the daemon speaks protocol 2.%u; a "
+                         "GPU pace needs 2.8",
+                         c->daemon_minor);
+    int rc = kvx__pace_send(c, bytes_per_ms, hold_ms, timeout_ms);
+    if (!rc) { /* what a reconnection sets again */
+        c->rv.pace_per_ms = bytes_per_ms;
+        c->rv.pace_hold_ms = hold_ms;
+        c->rv.pace_at_ms = kvx__now_ms();
+    }
+    return rc;
+}
+
 int kvx_release(kvx_client_t *c, const void *params, size_t params_len,
                 int timeout_ms)
 {

@@ -61,6 +61,11 @@ typedef struct kvx__revive {
     kvx__key_t *gone_keys;
     uint32_t ngone;
     list_t pools; /* kvx__pool_t.node */
+    /* the last GPU pace set (kvx_gpu_pace; per_ms 0: none), its hold
+     * and when it was set: set again for what is left of the hold */
+    uint64_t pace_per_ms;
+    uint32_t pace_hold_ms;
+    int64_t pace_at_ms;
 } kvx__revive_t;
 
 struct kvx_client {
@@ -129,6 +134,9 @@ int kvx__join_send(kvx_client_t *c, char **addrs, uint32_t n, char **cons,
                    uint32_t ncons, int timeout_ms);
 int kvx__register_send(kvx_client_t *c, Kvxfer__RegisterPool *m, const int *fds,
                        int nfds, int timeout_ms, uint32_t *daemon_id);
+/* Send GpuPace{per_ms, hold_ms}: the daemon's status. */
+int kvx__pace_send(kvx_client_t *c, uint64_t per_ms, uint32_t hold_ms,
+                   int timeout_ms);
 /* One allocation holding the batch, its events and their bytes. */
 int kvx__batch_make(kvx_client_t *c, uint64_t seq, const kvx__ev_t *ev,
                     size_t n, kvx_batch_t **out);

@@ -404,8 +404,28 @@ static int left_ms(int64_t deadline, uint32_t cap)
     return l < 1 ? 1 : l > cap ? (int)cap : (int)l;
 }
 
-/* One attempt: connect, Hello, Join, every pool. *reached: a daemon
- * took the connection. */
+/* The last GPU pace, for what is left of its hold: a daemon before 2.8
+ * has none to set, and a lapsed one is not set again. */
+static int pace_again(kvx_client_t *c, int timeout_ms)
+{
+    kvx__revive_t *rv = &c->rv;
+    int64_t left = rv->pace_hold_ms
+                       ? rv->pace_at_ms + rv->pace_hold_ms - kvx__now_ms()
+                       : 0;
+    if (!rv->pace_per_ms || c->daemon_minor < 8 ||
+        (rv->pace_hold_ms && left <= 0))
+        return 0;
+    int rc = kvx__pace_send(c, rv->pace_per_ms, (uint32_t)left, timeout_ms);
+    if (rc) {
+        char why[sizeof(c->err)];
+        memcpy(why, c->err, sizeof(why));
+        kvx__fail(c, rc, "setting the GPU pace again: %s", why);
+    }
+    return rc;
+}
+
+/* One attempt: connect, Hello, Join, every pool, the GPU pace. *reached: a
+ * daemon took the connection. */
 static int attempt(kvx_client_t *c, int64_t deadline, int *reached)
 {
     kvx__revive_t *rv = &c->rv;
@@ -445,6 +465,8 @@ static int attempt(kvx_client_t *c, int64_t deadline, int *reached)
             p->daemon_id = id;
         }
     }
+    if (!rc)
+        rc = pace_again(c, left_ms(end, rv->attempt_timeout_ms));
     if (rc) {
         memcpy(c->address, old, sizeof(old));
         kvx__shut(c);

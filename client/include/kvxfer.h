@@ -64,14 +64,15 @@ extern "C" {
 /* This header's release. kvx_version() says the library's, which may be
  * newer than the header a program was built with. */
 #define KVX_VERSION_MAJOR 3
-#define KVX_VERSION_MINOR 1
-#define KVX_VERSION_STRING "3.1.0"
+#define KVX_VERSION_MINOR 2
+#define KVX_VERSION_STRING "3.2.0"
 /* The protocol the library and the daemon speak (Hello's version): 3.0
  * changed the API, not the wire; 2.6 added per-offer leases and their
  * renewal (kvx_renew); 2.7 the records of finished requests
- * (ListRequests.done) and an admin's Cancel of any instance's request. */
+ * (ListRequests.done) and an admin's Cancel of any instance's request;
+ * 2.8 the GPU pace an engine sets (GpuPace, kvx_gpu_pace). */
 #define KVX_PROTOCOL_MAJOR 2
-#define KVX_PROTOCOL_MINOR 7
+#define KVX_PROTOCOL_MINOR 8
 /* The soname's number: libkvxfer.so.2. 3.0 keeps it, because every
  * program built against 2.x still runs: the two calls whose signature
  * changed keep their 2.x forms under their old version nodes
@@ -97,7 +98,7 @@ extern "C" {
 #define KVX_DEPRECATED_RESERVE                                                 \
     KVX_DEPRECATED("kvx_reserve (kvxfer.h 3.0: its args say the form)")
 
-/* The library's release, "3.1.0" (KVX_VERSION_STRING of the library that
+/* The library's release, "3.2.0" (KVX_VERSION_STRING of the library that
  * was loaded, not of the header the program was built with). */
 KVX_EXPORT const char *kvx_version(void);
 
@@ -1195,6 +1196,23 @@ typedef struct kvx_renew_args {
  * before 2.6; an observer's daemon before 2.6 answers
  * KVX_ERR_PROTOCOL. */
 KVX_EXPORT int kvx_renew(kvx_client_t *client, const kvx_renew_args_t *args);
+
+/* Set the pace at which the daemon's copies may start on the GPUs of
+ * this rank's pools (3.2, protocol 2.8): bytes_per_ms bytes a
+ * millisecond, on every device where this client has a GPU pool, now
+ * or registered later (a client without one yet: recorded, 0). Each
+ * device goes at the lowest of gpu.pace and the paces of every live
+ * client with a GPU pool there. bytes_per_ms 0 withdraws this client's
+ * pace. The pace lapses hold_ms after the call unless the client calls
+ * again (an engine calls it each step while it decodes, so that copies
+ * go at full speed once it stops); hold_ms 0: it holds until changed or
+ * the client's session ends. A reconnection to a restarted daemon sets
+ * the last pace again for what is left of its hold. Errors:
+ * KVX_ERR_INVALID (bytes_per_ms over 1 TiB, hold_ms over 60000: the
+ * message names the field), KVX_ERR_STATE (no Hello: only a rank sets
+ * a pace), KVX_ERR_VERSION (the daemon, said at Hello, is before 2.8). */
+KVX_EXPORT int kvx_gpu_pace(kvx_client_t *client, uint64_t bytes_per_ms,
+                            uint32_t hold_ms, int timeout_ms);
 
 /* ---- 2.x calls, deprecated by kvx_publish / kvx_fetch ------------------
  * Each is kvx_publish or kvx_fetch with the members it names; they stay

@@ -52,6 +52,8 @@
  *                      round trip
  *   t_restart.c        the daemon killed under its engines: the requests
  *                      end once, the library reconnects, KV moves again
+ *   t_pace.c           the GPU pace an engine sets: recorded, lowest,
+ *                      lapsed, ended, set again after a restart
  *   peer_harness.c     two daemons in two network namespaces
  *   t_peer_transfer.c  transfers between daemons, forged input
  *   t_peer_lanes.c     lanes between daemons, stalled lanes
@@ -94,6 +96,7 @@
 #include "t_api3.c"
 #include "t_lease.c"
 #include "t_restart.c"
+#include "t_pace.c"
 
 /* cross-daemon (UCX) tests, two daemons in two network namespaces */
 #include "peer_harness.c"
