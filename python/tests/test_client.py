@@ -777,8 +777,8 @@ def test_publish_many_and_fetch_many(pair, names):
 
 def test_version_is_the_loaded_librarys():
     """kvxfer.version() asks the library (kvx_version, 3.0)."""
-    assert kvxfer.version() == "3.1.0"
-    assert kvxfer._lib.lib().kvx_version() == b"3.1.0"
+    assert kvxfer.version() == "3.2.0"
+    assert kvxfer._lib.lib().kvx_version() == b"3.2.0"
 
 
 def test_spin_us_reads_the_same_bytes(daemon, names):

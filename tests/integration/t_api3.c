@@ -59,7 +59,7 @@ TEST(api3_every_form_one_by_one)
     pair_open(d, &M_SMALL, "a3-ctx", "a3-gen", 8, &c, &g, &cs, &gs);
     memset(g.base, 0xa5, g.size);
     CHECK(!strcmp(kvx_version(), KVX_VERSION_STRING));
-    CHECK(!strcmp(kvx_version(), "3.1.0"));
+    CHECK(!strcmp(kvx_version(), "3.2.0"));
 
     /* aux and outcomes; the fetch without TIMEOUT (the default) */
     uint32_t cb[2] = {0, 1}, gb[2] = {7, 6};
@@ -158,7 +158,7 @@ TEST(api3_args_refused_by_name)
     pa.outcome = &o;
     CHECK_FAILS(kvx_publish3(c.c, &pa), c.c, KVX_ERR_INVALID,
                 "kvx_publish: field_mask bit 0x10000000000 is unknown to "
-                "libkvxfer 3.1.0");
+                "libkvxfer 3.2.0");
     CHECK_EQ(o.code, KVX_ERR_INVALID);
     CHECK_EQ(o.answered, 0); /* refused here, never sent */
     CHECK_STR_CONTAINS(o.message, "bit 0x10000000000 is unknown");
@@ -569,7 +569,7 @@ TEST(api3_ready_progress_refused_by_name)
                            .count = 1};
     CHECK_FAILS(kvx_ready(c.c, &ra), c.c, KVX_ERR_INVALID,
                 "kvx_ready: field_mask bit 0x40 is unknown to libkvxfer "
-                "3.1.0 (it knows bits 0x3f: KVX_READY_FIELD_KEY to "
+                "3.2.0 (it knows bits 0x3f: KVX_READY_FIELD_KEY to "
                 "KVX_READY_FIELD_TIMEOUT)");
     ra.field_mask = KVX_READY_FIELD_KEY;
     CHECK_FAILS(kvx_ready(c.c, &ra), c.c, KVX_ERR_INVALID,
@@ -600,7 +600,7 @@ TEST(api3_ready_progress_refused_by_name)
                               .num_layers = &total};
     CHECK_FAILS(kvx_progress(g.c, &pr), g.c, KVX_ERR_INVALID,
                 "kvx_progress: field_mask bit 0x200000000 is unknown to "
-                "libkvxfer 3.1.0 (it knows bits 0x1f: KVX_PROGRESS_FIELD_KEY "
+                "libkvxfer 3.2.0 (it knows bits 0x1f: KVX_PROGRESS_FIELD_KEY "
                 "to KVX_PROGRESS_FIELD_TIMEOUT)");
     pr.field_mask = KVX_PROGRESS_FIELD_KEY;
     CHECK_FAILS(kvx_progress(g.c, &pr), g.c, KVX_ERR_INVALID,
@@ -674,7 +674,7 @@ TEST(api3_reserve)
     bad.field_mask |= 1ull << 10;
     CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
                 "kvx_reserve: field_mask bit 0x400 is unknown to libkvxfer "
-                "3.1.0 (it knows bits 0x3ff: KVX_RESERVE_FIELD_KEY to "
+                "3.2.0 (it knows bits 0x3ff: KVX_RESERVE_FIELD_KEY to "
                 "KVX_RESERVE_FIELD_ITEMS)");
     bad.field_mask = ra.field_mask & ~KVX_RESERVE_FIELD_INSTANCE;
     CHECK_FAILS(kvx_reserve3(sched, &bad), sched, KVX_ERR_INVALID,
