@@ -472,6 +472,7 @@ _PROTOS = {
     "kvx_params_info": (c_int, [c_char_p, c_size_t, POINTER(ParamsInfo)]),
     "kvx_params_lease": (c_int, [c_char_p, c_size_t, POINTER(c_uint32)]),
     "kvx_renew": (c_int, [_client_p, POINTER(RenewArgs)]),
+    "kvx_gpu_pace": (c_int, [_client_p, c_uint64, c_uint32, c_int]),  # 3.2
     # the JSON is malloc'd: kept as a void pointer so that it can be freed
     "kvx_status_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),
     "kvx_requests_json": (c_int, [_client_p, POINTER(c_void_p), c_int]),

@@ -1189,6 +1189,24 @@ class Client:
         del keep
         return res
 
+    def gpu_pace(self, bytes_per_ms: int, hold_ms: int = 0,
+                 timeout: Timeout = _DEFAULT) -> None:
+        """Set the pace at which the daemon's copies may start on the GPUs
+        of this rank's pools, registered now or later (3.2, kvx_gpu_pace):
+        ``bytes_per_ms`` bytes a millisecond (at most 1 TiB; 0 withdraws
+        this rank's pace). Each device goes at the lowest of ``gpu.pace``
+        and the paces of the ranks with a GPU pool there. The pace lapses
+        ``hold_ms`` (at most 60000) after the call unless the rank calls
+        again: an engine calls it each step while it decodes, and copies
+        go at full speed once it stops; 0 holds it until changed or the
+        client closes. A reconnection sets it again for what is left of
+        its hold. Raises :class:`InvalidArgument` (a bound, naming the
+        field), :class:`StateError` (no Hello: only a rank sets a pace),
+        :class:`VersionMismatch` (the daemon is before protocol 2.8)."""
+        per_ms = integer("bytes_per_ms", bytes_per_ms, hi=U64_MAX)
+        hold = integer("hold_ms", hold_ms)
+        self._call("kvx_gpu_pace", per_ms, hold, self._ms(timeout))
+
     def fetch_by_key(self, key: Key, context_instance: str,
                      context_address: str, context_key: Key, pool: PoolRef,
                      blocks: Blocks, *, skip_tokens: int = 0,

@@ -839,3 +839,27 @@ def test_layerwise_calls_go_through_the_3_0_verbs(pair, names):
     a, b = lo.offset(0, 0, 1), lo.offset(0, 0, 4)
     n = lo.offset(0, 0, 3) - a
     assert (dst.array[b:b + n] == src.array[a:a + n]).all()
+
+
+def test_gpu_pace_set_withdrawn_and_bounded(daemon, pair):
+    ctx, gen = pair
+    obs = kvxfer.Client(daemon.sock)
+    try:
+        gen.gpu_pace(512 << 20)  # hold 0: until withdrawn
+        gpu = obs.status()["gpu"]
+        assert ("engines 1 (lowest 536870912 B/ms, 1 without a GPU pool)"
+                in gpu), gpu
+        with pytest.raises(kvxfer.InvalidArgument, match="gpu_pace.hold_ms"):
+            gen.gpu_pace(1000, hold_ms=60001)
+        with pytest.raises(kvxfer.InvalidArgument,
+                           match="gpu_pace.bytes_per_ms"):
+            gen.gpu_pace((1 << 40) + 1)
+        with pytest.raises(kvxfer.InvalidArgument, match="bytes_per_ms"):
+            gen.gpu_pace(-1)
+        with pytest.raises(kvxfer.StateError, match="hello"):
+            obs.gpu_pace(1000)
+        assert "lowest 536870912 B/ms" in obs.status()["gpu"]
+        gen.gpu_pace(0)
+        assert "engines" not in obs.status()["gpu"]
+    finally:
+        obs.close()
