@@ -588,8 +588,10 @@ const struct conf_key conf_keys[] = {
              "while kvxfer moves KV; a chunk over the pace waits, in "
              "order, and a millisecond's worth may start at once after a "
              "pause; 0: no pace. A reload (SIGHUP) changes it for chunks "
-             "already waiting too. See docs/operations.md, \"Sharing a "
-             "GPU with the engine\"."},
+             "already waiting too. Engines may set their own for their "
+             "GPUs (GpuPace): each GPU goes at the lowest that is set. "
+             "See docs/operations.md, \"Sharing a GPU with the "
+             "engine\"."},
 
     {.name = "peer.listen",
      .type = CONF_STRING,
