@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvxfer
 from kvxfer.vllm.hybrid import Table
+from kvxfer.vllm.pace import pace_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,6 +110,9 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     chunks: Dict[str, LayerChunk] = field(default_factory=dict)
     lw_finished: Dict[str, bool] = field(default_factory=dict)
     lw_dropped: Set[str] = field(default_factory=set)
+    # the step runs a forward (tokens scheduled): the workers set their
+    # GPU pace (pace.py)
+    forward: bool = False
 
 
 @dataclass
@@ -222,6 +226,7 @@ def check_config(vllm_config: "VllmConfig") -> None:
             -1, f"kv_connector_extra_config.timeout_s: {t!r}, expected "
             "seconds > 0")
     recompute_threshold(extra)
+    pace_config(extra)
     pc = vllm_config.parallel_config
     world = pc.tensor_parallel_size * pc.pipeline_parallel_size
     addrs = extra.get("rank_addresses")

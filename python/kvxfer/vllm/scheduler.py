@@ -242,6 +242,8 @@ class _Scheduler:
         if so is not None:
             self.lw.plan(so, self._meta)  # layer-wise offers' chunks
         meta, self._meta = self._meta, KvxferConnectorMetadata()
+        meta.forward = bool(so is not None and
+                            so.total_num_scheduled_tokens)  # gpu_pace
         return meta
 
     def update_connector_output(self, out: "KVConnectorOutput") -> None:

@@ -19,6 +19,7 @@ from kvxfer.vllm.bidi import fetch_key
 from kvxfer.vllm.hybrid import STATE, Tables, register_tables
 from kvxfer.vllm.layerwise import LayerLoader, LayerSender
 from kvxfer.vllm.layout import layout_of_kv_caches
+from kvxfer.vllm.pace import GpuPacer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,6 +80,7 @@ class _Worker:
         self._outage = Outage(log, f"kvxfer worker of {self.instance_id}")
         self.lw = LayerSender(self)  # layer-wise offers (layerwise.py)
         self.loader = LayerLoader(self)
+        self.pacer = GpuPacer(extra)  # gpu_pace (pace.py)
         # the metrics (metrics.py): this interval's observations, each
         # fetch's start and bytes, and this rank's bytes per token
         self.tally = new_tally()
@@ -228,6 +230,10 @@ class _Worker:
             self._gathered = list(meta.addresses)
         self._reconnect()  # a new client joins with them itself
         self._join()
+        if meta.forward:  # the engine computes: kvxfer's copies paced
+            gone = self.pacer.step(self.client)
+            if gone is not None:
+                self._lost(gone)
         if self.client is not None and (meta.sends or meta.recvs):
             nudge(self.client)
         # synchronous loads (layerwise_load) end without finished_recving,
