@@ -1,0 +1,128 @@
+/*
+ * test_pacing — the engines' GPU paces (daemon/local/pacing.c) on the
+ * real copy lanes (daemon/copy/copy.c), with no GPU: each device's lane
+ * goes at the lowest pace of the sessions with a pool there, beside
+ * gpu.pace (and its reload); a pace without a device waits for one; a
+ * lapse and a session's end give the lane back; the status says who set
+ * each device's pace. The integration tests (t_pace.c) see the same
+ * through the daemon, less the devices, which the CPU build cannot have.
+ */
+#include "../../daemon/local/pacing.c"
+
+#include "tests/test.h"
+
+#include <string.h>
+
+static uv_loop_t loop;
+
+static void setup(void)
+{
+    conf_defaults(&kvxd.conf);
+    CHECK_EQ(uv_loop_init(&loop), 0);
+    CHECK_EQ(copy_init(&loop, 1, 0, 0, 0), 0);
+    CHECK_EQ(pacing_init(&loop), 0);
+}
+
+static uint64_t lane(int device)
+{
+    uint64_t engines;
+    return copy_gpu_pace(device, &engines);
+}
+
+static uint64_t engines_of(int device)
+{
+    uint64_t engines;
+    (void)copy_gpu_pace(device, &engines);
+    return engines;
+}
+
+#define DEV(d) (1ull << (d))
+
+/* Two sessions on device 0, one of them on device 1 too: each device at
+ * its sessions' lowest; gpu.pace lower still wins, and a reload keeps
+ * the sessions' paces. */
+TEST(pacing_lowest_per_device_and_config)
+{
+    setup();
+    CHECK_EQ(pacing_set(1, 8192, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 1000, 0, DEV(0) | DEV(1)), 0);
+    CHECK_EQ(lane(0), 1000);
+    CHECK_EQ(lane(1), 1000);
+    CHECK_EQ(lane(2), 0);
+    CHECK_EQ(pacing_set(2, 0, 0, DEV(0) | DEV(1)), 0); /* withdrawn */
+    CHECK_EQ(lane(0), 8192);
+    CHECK_EQ(lane(1), 0);
+    copy_set_pace(0, 4096); /* gpu.pace, as a reload sets it */
+    CHECK_EQ(lane(0), 4096);
+    CHECK_EQ(engines_of(0), 8192);
+    CHECK_EQ(lane(1), 4096);
+    copy_set_pace(0, 0); /* gpu.pace off: the engine's again */
+    CHECK_EQ(lane(0), 8192);
+    CHECK_EQ(lane(1), 0);
+    pacing_cleanup();
+    CHECK_EQ(lane(0), 0);
+}
+
+/* A pace set before any GPU pool applies once one registers, to its
+ * device, and moves with the session's pools. */
+TEST(pacing_waits_for_a_device)
+{
+    setup();
+    CHECK_EQ(pacing_set(7, 5000, 0, 0), 0);
+    for (int d = 0; d < COPY_PACE_DEVICES; d++)
+        CHECK_EQ(lane(d), 0);
+    CHECK_EQ(pacing_sessions(), 1);
+    pacing_devices(7, DEV(3));
+    CHECK_EQ(lane(3), 5000);
+    pacing_devices(7, DEV(5));
+    CHECK_EQ(lane(3), 0);
+    CHECK_EQ(lane(5), 5000);
+    pacing_devices(99, DEV(3)); /* a session without a pace: nothing */
+    CHECK_EQ(lane(3), 0);
+    pacing_end(7);
+    CHECK_EQ(lane(5), 0);
+    CHECK_EQ(pacing_sessions(), 0);
+    pacing_cleanup();
+}
+
+/* A pace lapses hold_ms after its last call (the loop's timer); one of
+ * hold 0 stays; calling again moves the lapse. */
+TEST(pacing_lapses_on_the_loop)
+{
+    setup();
+    CHECK_EQ(pacing_set(1, 3000, 50, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 9000, 0, DEV(0)), 0);
+    CHECK_EQ(lane(0), 3000);
+    uint64_t t0 = uv_now(&loop);
+    while (lane(0) == 3000 && uv_now(&loop) - t0 < 5000)
+        uv_run(&loop, UV_RUN_ONCE);
+    CHECK(uv_now(&loop) - t0 >= 50); /* not before its hold */
+    CHECK_EQ(lane(0), 9000);         /* session 2's, which stays */
+    CHECK_EQ(pacing_sessions(), 1);
+    CHECK_EQ(g.armed_ms, 0); /* nothing left to lapse */
+    pacing_end(2);
+    CHECK_EQ(lane(0), 0);
+    pacing_cleanup();
+}
+
+/* The status names gpu.pace, the engines, and each device's pace with
+ * who set it. */
+TEST(pacing_status_says_who)
+{
+    setup();
+    char buf[1024];
+    pacing_status(buf, sizeof(buf));
+    CHECK_EQ(buf[0], 0);
+    kvxd.conf.gpu_pace = 4096;
+    copy_set_pace(0, 4096);
+    CHECK_EQ(pacing_set(1, 1000, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 2000, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(3, 8192, 0, DEV(1)), 0);
+    CHECK_EQ(pacing_set(4, 500, 0, 0), 0);
+    pacing_status(buf, sizeof(buf));
+    CHECK_STR_CONTAINS(buf, "gpu pace: config 4096 B/ms, engines 4 (lowest "
+                            "500 B/ms, 1 without a GPU pool), device 0 "
+                            "1000 B/ms (2 engines), device 1 4096 B/ms "
+                            "(config)");
+    pacing_cleanup();
+}
