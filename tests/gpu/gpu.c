@@ -1308,3 +1308,75 @@ TEST_T(pace_holds_bytes_cancel_and_stop, 300)
         munmap(sh, sizeof(*sh));
     }
 }
+
+/* The pace an engine sets (GpuPace, kvx_gpu_pace): a generation rank
+ * with a GPU pool sets 256 KiB a millisecond, held 1 s, then fetches
+ * 2 GiB (8 s at that pace) on the same device as the source: the status
+ * names the device's pace and who set it, and the pace holds chunks;
+ * the rank stops calling, the pace lapses, and the rest lands at full
+ * speed (the fetch ends within 5 s of the check, where 7 s of pace were
+ * left); every byte is checked. */
+TEST_T(engine_pace_holds_then_lapses, 120)
+{
+    NEED_GPUS(1);
+    struct daemon d;
+    daemon_start_cfg(&d, "gpu:\n  chunk_bytes: 1MiB\n");
+    struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE,
+                             MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    pid_t ctx = fork();
+    if (ctx == 0)
+        ctx_proc(&d, sh, gen_dev(), 0);
+    while (!sh->ready)
+        usleep(1000);
+    pid_t gen = fork();
+    if (gen == 0) {
+        kvx_layout_t l;
+        void *p;
+        uint32_t pool;
+        kvx_client_t *c =
+            rank(&d, "gpu-gen", KVX_ROLE_GENERATION, gen_dev(), &l, &p, &pool);
+        CHECK_EQ(kvx_gpu_pace(c, 256 << 10, 1000, 5000), 0);
+        char want[64];
+        snprintf(want, sizeof(want), "device %d 262144 B/ms (1 engine)",
+                 gen_dev());
+        char *js = status_of(d.sock);
+        CHECK(js && strstr(js, want));
+        free(js);
+        uint32_t *b = all_blocks();
+        CHECK_EQ(kvx_fetch(c, 9, sh->params, sh->params_len, pool, b, BLOCKS, 0,
+                           5000),
+                 0);
+        usleep(300000);
+        long held = held_now(d.sock);
+        printf("engine pace: %ld chunks held\n", held);
+        CHECK(held > 0);
+        int64_t t0 = now_ms();
+        kvx_batch_t *bt;
+        CHECK_EQ(kvx_poll(c, 1, 30000, &bt), 0);
+        CHECK_EQ(bt->num_events, 1);
+        CHECK_EQ(bt->events[0].kind, KVX_EVENT_COMPLETE);
+        kvx_batch_free(bt);
+        int64_t ms = now_ms() - t0;
+        printf("engine pace: the fetch ended %lld ms after the check\n",
+               (long long)ms);
+        CHECK(ms < 5000);
+        js = status_of(d.sock);
+        CHECK(js && !strstr(js, "engines"));
+        free(js);
+        CHECK_EQ(bgpu_check(&(bgpu_rows_t){.dev = gen_dev(),
+                                           .layout = &l,
+                                           .regions = &p,
+                                           .request = 7,
+                                           .nblocks = BLOCKS,
+                                           .tok_to = BLOCKS * TPB}),
+                 0);
+        exit(0);
+    }
+    int st;
+    waitpid(gen, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    kill(ctx, SIGKILL);
+    waitpid(ctx, &st, 0);
+    daemon_stop(&d);
+    munmap(sh, sizeof(*sh));
+}
