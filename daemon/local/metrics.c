@@ -245,15 +245,16 @@ static void text_engines(FILE *f, const Kvxfer__UcxInfo *ucx)
     family(f, "kvxfer_copy_paced_seconds_total", "counter",
            "Time copy jobs were held by a pace, summed.");
     fprintf(f, "kvxfer_copy_paced_seconds_total %.9f\n", (double)pns / 1e9);
-    family(f, "kvxfer_gpu_pace_bytes_per_ms", "gauge",
-           "Bytes a millisecond each GPU's copies may start at: the lowest "
-           "of gpu.pace and the engines' GpuPace (0: no pace), for each "
-           "device with a GPU pool.");
+    /* Prometheus's base unit: bytes a second (gpu.pace counts a ms) */
+    family(f, "kvxfer_gpu_pace_bytes_per_second", "gauge",
+           "Bytes a second each GPU's copies may start at: the lowest of "
+           "gpu.pace and the engines' GpuPace, times 1000 (0: no pace), for "
+           "each device with a GPU pool.");
     uint64_t used = pacing_devices_used(), engines;
     for (int dv = 0; dv < COPY_PACE_DEVICES; dv++)
         if (used >> dv & 1)
-            fprintf(f, "kvxfer_gpu_pace_bytes_per_ms{device=\"%d\"} %llu\n", dv,
-                    (unsigned long long)copy_gpu_pace(dv, &engines));
+            fprintf(f, "kvxfer_gpu_pace_bytes_per_second{device=\"%d\"} %.0f\n",
+                    dv, (double)copy_gpu_pace(dv, &engines) * 1000.0);
     family(f, "kvxfer_gpu_pace_sessions", "gauge",
            "Sessions (engine ranks) whose GpuPace is in force now.");
     fprintf(f, "kvxfer_gpu_pace_sessions %u\n", pacing_sessions());
