@@ -755,7 +755,7 @@ kvx_group_tokens_ready(kvx_client_t *client, const void *key, size_t key_len,
  * may add members (and bits) at the end without a new symbol, and a
  * member not in the mask takes its default. A bit this library does not
  * know is KVX_ERR_INVALID naming it ("kvx_publish: field_mask bit 0x400
- * is unknown to libkvxfer 3.1.0"), never ignored: a program built
+ * is unknown to libkvxfer 3.2.0"), never ignored: a program built
  * against a newer header learns that an older library cannot do what it
  * asked. A required member missing is KVX_ERR_INVALID naming the field.
  *
