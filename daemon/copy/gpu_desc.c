@@ -174,10 +174,53 @@ err_nomem:
                     "fetch: out of memory for the GPU plan");
 }
 
+/* Runs being joined by gpu_desc_runs(): a run waits in the slot of the
+ * address its source continues at, so that a later run that starts there
+ * (on both sides) extends it, whatever came between. A layout that keeps
+ * the blocks of one layer's K together (vLLM's, a request's blocks in
+ * order) yields its runs block by block, layer and K or V inside each:
+ * 2 x layers runs are open at once, each growing by a block. */
+#define OPEN_RUNS 256 /* a power of 2; 2 x 128 layers */
+
+typedef struct open_run {
+    uint64_t src, dst, len; /* len 0: the slot is free */
+} open_run_t;
+
+static unsigned open_slot(uint64_t src)
+{
+    /* Fibonacci hashing of the address (runs start at least 2 bytes
+     * apart: the low bits say little) */
+    return (unsigned)((src >> 1) * 0x9E3779B97F4A7C15ull >> 56) &
+           (OPEN_RUNS - 1);
+}
+
+/* Run [s, s + len) -> [d, ...) joins the open run it continues, or is
+ * opened in the slot where it would continue, emitting the run there. */
+static int open_add(open_run_t *o, uint64_t d, uint64_t s, uint64_t len,
+                    gpu_run_fn emit, void *arg)
+{
+    open_run_t *at = &o[open_slot(s)];
+    if (at->len && at->src + at->len == s && at->dst + at->len == d) {
+        at->len += len;
+        open_run_t *to = &o[open_slot(s + len)];
+        if (to == at)
+            return 0;
+        int rc = to->len ? emit(arg, to->dst, to->src, to->len) : 0;
+        *to = *at;
+        at->len = 0;
+        return rc;
+    }
+    open_run_t *to = &o[open_slot(s + len)];
+    int rc = to->len ? emit(arg, to->dst, to->src, to->len) : 0;
+    *to = (open_run_t){s, d, len};
+    return rc;
+}
+
 /* Runs are found by the kernel's own resolution of a unit (gpu_unit_get:
  * dimensions contiguous on both sides are already merged into its run),
- * then runs that continue the previous one on both sides are joined:
- * adjacent blocks, K then V of regions back to back. */
+ * then runs that continue an earlier one on both sides are joined
+ * (open_add): adjacent blocks, K then V of regions back to back. Every
+ * byte of the units is emitted once; the order is not the units'. */
 int gpu_desc_runs(const gpu_plan_t *g, const gpu_launch_t *l, gpu_run_fn emit,
                   void *arg)
 {
@@ -187,31 +230,24 @@ int gpu_desc_runs(const gpu_plan_t *g, const gpu_launch_t *l, gpu_run_fn emit,
     const uint64_t poff0 = l->packed_mode != GPU_PACKED_NONE
                                ? gpu_packed_off(g, &g->slices[hint], l->u0)
                                : 0;
-    uint64_t rs = 0, rd = 0, rl = 0; /* the run being joined */
-    for (uint64_t u = l->u0; u < l->u1; u++) {
+    open_run_t open[OPEN_RUNS] = {{0}};
+    int rc = 0;
+    for (uint64_t u = l->u0; u < l->u1 && !rc; u++) {
         gpu_unit_t x;
         gpu_unit_get(g, l, &hint, poff0, u, &x);
         const uint64_t run = (uint64_t)x.er << x.eshift;
-        for (uint32_t c = 0; c < x.n[2]; c++)
-            for (uint32_t b = 0; b < x.n[1]; b++)
-                for (uint32_t a = 0; a < x.n[0]; a++) {
-                    const uint64_t s =
-                        x.src + a * x.ss[0] + b * x.ss[1] + c * x.ss[2];
-                    const uint64_t d =
-                        x.dst + a * x.ds[0] + b * x.ds[1] + c * x.ds[2];
-                    if (rl && s == rs + rl && d == rd + rl) {
-                        rl += run;
-                        continue;
-                    }
-                    int rc = rl ? emit(arg, rd, rs, rl) : 0;
-                    if (rc)
-                        return rc;
-                    rs = s;
-                    rd = d;
-                    rl = run;
-                }
+        for (uint32_t c = 0; c < x.n[2] && !rc; c++)
+            for (uint32_t b = 0; b < x.n[1] && !rc; b++)
+                for (uint32_t a = 0; a < x.n[0] && !rc; a++)
+                    rc = open_add(
+                        open, x.dst + a * x.ds[0] + b * x.ds[1] + c * x.ds[2],
+                        x.src + a * x.ss[0] + b * x.ss[1] + c * x.ss[2], run,
+                        emit, arg);
     }
-    return rl ? emit(arg, rd, rs, rl) : 0;
+    for (unsigned i = 0; i < OPEN_RUNS && !rc; i++)
+        if (open[i].len)
+            rc = emit(arg, open[i].dst, open[i].src, open[i].len);
+    return rc;
 }
 
 uint64_t gpu_desc_unit_run(const gpu_plan_t *g, const gpu_launch_t *l)

@@ -97,7 +97,8 @@ int gpu_kernel_launch(const gpu_plan_t *d, gpu_launch_t *l, uint64_t bytes,
  * units [l->u0, l->u1) of plan g as laid out for the host
  * (gpu_desc_pack() with base = buf; l->packed and packed_mode set as for
  * a launch), each as emit(arg, dst, src, len) with the addresses the
- * kernel would use, runs adjacent on both sides joined. A nonzero
+ * kernel would use, runs adjacent on both sides joined (in no set
+ * order: a run joins any open one it continues). A nonzero
  * return of emit stops the walk and is returned. */
 typedef int (*gpu_run_fn)(void *arg, uint64_t dst, uint64_t src, uint64_t len);
 int gpu_desc_runs(const gpu_plan_t *g, const gpu_launch_t *l, gpu_run_fn emit,
