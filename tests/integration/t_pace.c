@@ -221,6 +221,46 @@ TEST_T(gpu_pace_reconnect_sets_again, 60)
     daemon_stop_ok(d);
 }
 
+/* While the daemon drains (Drain.deadline_ms), the fetches it lets
+ * finish still copy on the engines' GPUs: a rank sets, renews and
+ * withdraws its pace then as before (the status says it), where other
+ * new requests are refused SHUTDOWN. */
+TEST_T(gpu_pace_while_draining, 60)
+{
+    daemon_t *d = daemon_start("");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "pd-ctx", "pd-gen", 16, &c, &g, &cs, &gs);
+    uint32_t bl[2] = {0, 1};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 71, c.pool, bl, 2, 8, &p, T_MS), c.c);
+    kvx_context_params_free(&p);
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "%s/kvxferctl --socket %s drain --deadline 3 "
+             ">/dev/null 2>&1",
+             build_dir(), d->sock);
+    FILE *ctl = popen(cmd, "r");
+    CHECK(ctl != NULL);
+    CHECK(log_wait(d, "draining: 1 requests in flight", 5000));
+    CHECK_FAILS(kvx_publish(c.c, 72, c.pool, bl, 2, 8, &p, T_MS), c.c,
+                KVX_ERR_SHUTDOWN, "shutting down");
+    CHECK_KVX(kvx_gpu_pace(g.c, 6000, 2000, T_MS), g.c);
+    char *js; /* the daemon takes no new connection: asked on c's */
+    CHECK_KVX(kvx_status_json(c.c, &js, T_MS), c.c);
+    CHECK_STR_CONTAINS(js, "gpu pace: engines 1 (lowest 6000 B/ms");
+    free(js);
+    CHECK_KVX(kvx_gpu_pace(g.c, 0, 0, T_MS), g.c);
+    CHECK_KVX(kvx_status_json(c.c, &js, T_MS), c.c);
+    CHECK(strstr(js, "gpu pace") == NULL);
+    free(js);
+    pclose(ctl);
+    int s = daemon_wait(d, 10000);
+    CHECK(s != -1 && WIFEXITED(s) && WEXITSTATUS(s) == 0);
+    rank_close(&c);
+    rank_close(&g);
+}
+
 /* A stand-in daemon of protocol 2.7 at path: it answers the Hello of one
  * client, then reads and answers nothing until the client goes. */
 static void old_daemon_main(void *arg)
