@@ -1499,7 +1499,9 @@ void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len)
         rq->body_case != KVXFER__REQUEST__BODY_METRICS &&
         rq->body_case != KVXFER__REQUEST__BODY_POLL &&
         rq->body_case != KVXFER__REQUEST__BODY_LIST_REQUESTS &&
-        rq->body_case != KVXFER__REQUEST__BODY_DRAIN) {
+        rq->body_case != KVXFER__REQUEST__BODY_DRAIN &&
+        /* the fetches a drain lets finish copy on the engines' GPUs */
+        rq->body_case != KVXFER__REQUEST__BODY_GPU_PACE) {
         reply(s, rq->id, KVX_ERR_SHUTDOWN, "daemon is shutting down");
         goto out;
     }

@@ -199,26 +199,69 @@ TEST_T(gpu_pace_reconnect_sets_again, 60)
     pace_wait_for(d, "engines 1 (lowest 7000 B/ms"); /* b's lapsed */
     daemon_kill9(d);
     daemon_restart(d);
-    /* the first call after the restart reconnects each */
+    /* the first call after the restart reconnects each: a poll, which
+     * sets no pace of its own */
     int64_t end = now_ms() + 10000;
-    while (kvx_gpu_pace(b.c, 0, 0, T_MS) == KVX_ERR_CLOSED) {
-        CHECK(now_ms() < end);
-        sleep_ms(10);
+    rank_t *rs[2] = {&a, &b};
+    for (int i = 0; i < 2; i++) {
+        kvx_batch_t *bt = NULL;
+        while (kvx_poll(rs[i]->c, 0, 0, &bt) == KVX_ERR_CLOSED) {
+            CHECK(now_ms() < end);
+            sleep_ms(10);
+        }
+        kvx_batch_free(bt);
+        CHECK_EQ(state_of(rs[i]->c).status, KVX_CLIENT_CONNECTED);
     }
-    CHECK_EQ(state_of(b.c).status, KVX_CLIENT_CONNECTED);
-    kvx_batch_t *bt = NULL;
-    while (kvx_poll(a.c, 0, 0, &bt) == KVX_ERR_CLOSED) {
-        CHECK(now_ms() < end);
-        sleep_ms(10);
-    }
-    kvx_batch_free(bt);
-    CHECK_EQ(state_of(a.c).status, KVX_CLIENT_CONNECTED);
     char st[1024];
     pace_status(d, st, sizeof(st));
     CHECK_STR_CONTAINS(st, "gpu pace: engines 1 (lowest 7000 B/ms");
+    /* b's call after the reconnection sets its own */
+    CHECK_KVX(kvx_gpu_pace(b.c, 3000, 0, T_MS), b.c);
+    pace_status(d, st, sizeof(st));
+    CHECK_STR_CONTAINS(st, "gpu pace: engines 2 (lowest 3000 B/ms");
     kvx_close(a.c);
     kvx_close(b.c);
     daemon_stop_ok(d);
+}
+
+/* While the daemon drains (Drain.deadline_ms), the fetches it lets
+ * finish still copy on the engines' GPUs: a rank sets, renews and
+ * withdraws its pace then as before (the status says it), where other
+ * new requests are refused SHUTDOWN. */
+TEST_T(gpu_pace_while_draining, 60)
+{
+    daemon_t *d = daemon_start("");
+    rank_t c, g;
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, "pd-ctx", "pd-gen", 16, &c, &g, &cs, &gs);
+    uint32_t bl[2] = {0, 1};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c.c, 71, c.pool, bl, 2, 8, &p, T_MS), c.c);
+    kvx_context_params_free(&p);
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "%s/kvxferctl --socket %s drain --deadline 3 "
+             ">/dev/null 2>&1",
+             build_dir(), d->sock);
+    FILE *ctl = popen(cmd, "r");
+    CHECK(ctl != NULL);
+    CHECK(log_wait(d, "draining: 1 requests in flight", 5000));
+    CHECK_FAILS(kvx_publish(c.c, 72, c.pool, bl, 2, 8, &p, T_MS), c.c,
+                KVX_ERR_SHUTDOWN, "shutting down");
+    CHECK_KVX(kvx_gpu_pace(g.c, 6000, 2000, T_MS), g.c);
+    char *js; /* the daemon takes no new connection: asked on c's */
+    CHECK_KVX(kvx_status_json(c.c, &js, T_MS), c.c);
+    CHECK_STR_CONTAINS(js, "gpu pace: engines 1 (lowest 6000 B/ms");
+    free(js);
+    CHECK_KVX(kvx_gpu_pace(g.c, 0, 0, T_MS), g.c);
+    CHECK_KVX(kvx_status_json(c.c, &js, T_MS), c.c);
+    CHECK(strstr(js, "gpu pace") == NULL);
+    free(js);
+    pclose(ctl);
+    int s = daemon_wait(d, 10000);
+    CHECK(s != -1 && WIFEXITED(s) && WEXITSTATUS(s) == 0);
+    rank_close(&c);
+    rank_close(&g);
 }
 
 /* A stand-in daemon of protocol 2.7 at path: it answers the Hello of one

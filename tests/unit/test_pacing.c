@@ -12,6 +12,7 @@
 #include "tests/test.h"
 
 #include <string.h>
+#include <unistd.h>
 
 static uv_loop_t loop;
 
@@ -102,6 +103,28 @@ TEST(pacing_lapses_on_the_loop)
     CHECK_EQ(g.armed_ms, 0); /* nothing left to lapse */
     pacing_end(2);
     CHECK_EQ(lane(0), 0);
+    pacing_cleanup();
+}
+
+/* A hold counts from the call, not from the start of the loop's turn
+ * that took it: a turn that spent 120 ms before the call (an import, a
+ * large request) leaves the loop's clock (uv_now) behind, and a hold of
+ * 150 ms counted from it would lapse 120 ms early. */
+TEST(pacing_hold_counts_from_the_call)
+{
+    setup();
+    uv_update_time(&loop);
+    usleep(120000); /* the turn's work before the GpuPace frame */
+    uint64_t t0 = uv_hrtime();
+    CHECK_EQ(pacing_set(1, 3000, 150, DEV(0)), 0);
+    while (lane(0) == 3000 && uv_hrtime() - t0 < 5000000000ull)
+        uv_run(&loop, UV_RUN_ONCE);
+    CHECK_EQ(lane(0), 0);
+    uint64_t held_ms = (uv_hrtime() - t0) / 1000000;
+    if (held_ms < 150)
+        fprintf(stderr, "lapsed %llu ms after the call\n",
+                (unsigned long long)held_ms);
+    CHECK(held_ms >= 150); /* never before its hold */
     pacing_cleanup();
 }
 
