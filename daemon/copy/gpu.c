@@ -1357,13 +1357,13 @@ static int dma_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
 }
 
 /* Whether launch l of part gp goes to the copy engines. */
-static int use_dma(const gpu_part_t *gp, const gpu_launch_t *l)
+static int use_dma(const gpu_part_t *gp, const gpu_launch_t *l, uint64_t bytes)
 {
     if (!gp->hdesc)
         return 0;
     if (!strcmp(kvxd.conf.gpu_copy_path, "dma"))
         return 1;
-    return gpu_desc_unit_run(&gp->hplan, l) >= kvxd.conf.gpu_dma_min_run;
+    return gpu_desc_runs_long(&gp->hplan, l, bytes, kvxd.conf.gpu_dma_min_run);
 }
 
 /* Units of l as copy-engine copies on the device's stream: a cudaError_t. */
@@ -1408,9 +1408,10 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
             e = cudaStreamWaitEvent(g.stream[d], g.uploaded[d], 0);
         if (e == cudaSuccess) {
             g.unwaited[d] = 0;
-            e = use_dma(gp, &l) ? dma_launch(gp, &l, d)
-                                : gpu_kernel_launch(&gp->plan, &l, w->bytes,
-                                                    ctas, g.stream[d]);
+            e = use_dma(gp, &l, w->bytes)
+                    ? dma_launch(gp, &l, d)
+                    : gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas,
+                                        g.stream[d]);
         }
         if (e == cudaSuccess) /* the waiter thread counts it done */
             __atomic_add_fetch(&g.inflight[d], 1, __ATOMIC_RELAXED);

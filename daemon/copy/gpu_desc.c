@@ -262,3 +262,26 @@ uint64_t gpu_desc_unit_run(const gpu_plan_t *g, const gpu_launch_t *l)
     gpu_unit_get(g, l, &hint, poff0, l->u0, &x);
     return (uint64_t)x.er << x.eshift;
 }
+
+/* gpu_desc_runs_long()'s count: a nonzero return stops the walk. */
+typedef struct runs_count {
+    uint64_t n, max;
+} runs_count_t;
+
+static int count_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
+{
+    (void)dst;
+    (void)src;
+    (void)len;
+    runs_count_t *c = arg;
+    return ++c->n > c->max;
+}
+
+int gpu_desc_runs_long(const gpu_plan_t *g, const gpu_launch_t *l,
+                       uint64_t bytes, uint64_t min_run)
+{
+    if (gpu_desc_unit_run(g, l) >= min_run)
+        return 1;
+    runs_count_t c = {0, min_run ? bytes / min_run : UINT64_MAX};
+    return gpu_desc_runs(g, l, count_run, &c) == 0;
+}

@@ -106,6 +106,13 @@ int gpu_desc_runs(const gpu_plan_t *g, const gpu_launch_t *l, gpu_run_fn emit,
 /* The contiguous run of l's first unit in bytes, before any joining (the
  * copy path's choice, gpu.copy_path auto). */
 uint64_t gpu_desc_unit_run(const gpu_plan_t *g, const gpu_launch_t *l);
+/* gpu.copy_path auto: 1 when the runs of launch l (bytes long), joined
+ * as gpu_desc_runs() joins them, are min_run long or longer on average
+ * (a request's blocks in order, in vLLM's layout: a layer's K of every
+ * block in one run), else 0. Stops walking as soon as the runs are too
+ * many: a table of scattered blocks costs about bytes / min_run units. */
+int gpu_desc_runs_long(const gpu_plan_t *g, const gpu_launch_t *l,
+                       uint64_t bytes, uint64_t min_run);
 #ifdef __cplusplus
 }
 #endif

@@ -1380,3 +1380,30 @@ TEST_T(engine_pace_holds_then_lapses, 120)
     daemon_stop(&d);
     munmap(sh, sizeof(*sh));
 }
+
+/* gpu.copy_path auto with the default gpu.dma_min_run (4 MiB): a
+ * request's 1,024 blocks in order on both sides join into one run a
+ * layer's K or V (32 MiB) and go to the copy engines; shuffled, each
+ * block's 32 KiB stays a run of its own and goes to the kernel. Bytes
+ * verified both ways. */
+TEST_T(auto_path_takes_joined_runs, 120)
+{
+    NEED_GPUS(1);
+    char cfg[128], args[512], out[8192];
+    gpu_config("  copy_path: auto\n", cfg, sizeof(cfg));
+    for (int shuffled = 0; shuffled < 2; shuffled++) {
+        snprintf(args, sizeof(args),
+                 "--layout vllm-nhd --heads 8 --head-dim 128 --dtype bf16 "
+                 "--tokens-per-block 16 --layers 8 --requests 2 --blocks "
+                 "1024 --pool-mib 2048 %s--daemon-config %s",
+                 shuffled ? "--shuffle " : "", cfg);
+        bench_out(args, out, sizeof(out));
+        printf("auto, %s: %lld launches on the copy engines\n",
+               shuffled ? "shuffled" : "in order", dma_launches(out));
+        if (shuffled)
+            CHECK_EQ(dma_launches(out), 0);
+        else
+            CHECK(dma_launches(out) > 0);
+    }
+    unlink(cfg);
+}

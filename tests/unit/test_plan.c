@@ -976,6 +976,9 @@ static void gpu_walk_exec(const plan_t *p, uint64_t u0, uint64_t u1,
 /* A run of the copy engines' path, done here by memcpy; the runs must
  * not overlap a run already copied (counted in bytes). */
 static uint64_t runs_emitted; /* by gpu_desc_runs(), since reset */
+/* gpu_runs_exec() also asks gpu_desc_runs_long(probe_min) of each range
+ * when probe_min is set: ranges asked, ranges found long */
+static uint64_t probe_min, probe_n, probe_long;
 
 static int run_memcpy(void *arg, uint64_t dst, uint64_t src, uint64_t len)
 {
@@ -1001,6 +1004,10 @@ static void gpu_runs_exec(const plan_t *p, uint64_t u0, uint64_t u1,
     uint64_t bytes = 0;
     CHECK_EQ(gpu_desc_runs(&g, &l, run_memcpy, &bytes), 0);
     CHECK_EQ(bytes, plan_units_bytes(p, u0, u1));
+    if (probe_min) {
+        probe_n++;
+        probe_long += (uint64_t)gpu_desc_runs_long(&g, &l, bytes, probe_min);
+    }
     CHECK(gpu_desc_unit_run(&g, &l) > 0);
     free(buf);
 }
@@ -1371,6 +1378,19 @@ TEST(copy_engine_runs_join_blocks_in_order)
     CHECK(runs_emitted > 0);
     CHECK(runs_emitted <= 140); /* 118 here; 192 when runs join only the
                                    one before them */
+    /* auto's choice: joined runs of 64 KiB (2 blocks) or more on average
+     * in the ranges in order that are not cut too short (random cuts),
+     * in none scattered */
+    probe_min = 64 << 10;
+    probe_n = probe_long = 0;
+    e2e_run(&c);
+    CHECK(probe_n > 0 && probe_long * 4 >= probe_n); /* 7 of 16 */
+    in_order = 0;
+    probe_n = probe_long = 0;
+    e2e_run(&c);
+    CHECK(probe_n > 0);
+    CHECK_EQ(probe_long, 0);
+    probe_min = 0;
     in_order = 0;
     force_split = -1;
     aligned = 0;
