@@ -12,7 +12,8 @@
 # Cases: kernel, dma, kernel-low, dma-low, kernel-16 (16 CTAs),
 # kernel-sm25 (gpu.sm_share 25), kernel-p512, dma-p512, kernel-p256
 # (gpu.pace 512 or 256 MiB a millisecond, 16 MiB launches), kernel-sm10,
-# kernel-p512-c64, kernel-p512-c32 (64 or 32 MiB launches), kernel-sm25-p512, dma-p1024.
+# kernel-p512-c64, kernel-p512-c32 (64 or 32 MiB launches), kernel-sm25-p512,
+# dma-p1024, auto (gpu.copy_path auto).
 # A case name ending in -seq (dma-seq, kernel-seq, mps-...) takes each
 # request's blocks in order instead of shuffled: a layer's K or V of a
 # request is then one run of 32 MiB on both sides.
@@ -41,6 +42,7 @@ KP2=$(conf kernel-p256 "copy_path: kernel" "chunk_bytes: 16MiB" "pace: 256MiB")
 conf kernel-sm10 "copy_path: kernel" "sm_share: 10" >/dev/null
 conf kernel-p512-c64 "copy_path: kernel" "chunk_bytes: 64MiB" "pace: 512MiB" >/dev/null
 conf kernel-p512-c32 "copy_path: kernel" "chunk_bytes: 32MiB" "pace: 512MiB" >/dev/null
+conf auto "copy_path: auto" >/dev/null
 conf kernel-sm25-p512 "copy_path: kernel" "sm_share: 25" "chunk_bytes: 16MiB" "pace: 512MiB" >/dev/null
 conf dma-p1024 "copy_path: dma" "chunk_bytes: 64MiB" "pace: 1GiB" >/dev/null
 mps_on() {
