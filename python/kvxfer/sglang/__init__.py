@@ -36,8 +36,11 @@ config): ``KVXFER_SGLANG_SOCKET`` (the daemon's socket),
 this rank's DP group, for a group spread over several nodes),
 ``KVXFER_SGLANG_BOOTSTRAP_TIMEOUT`` (seconds, default 30),
 ``KVXFER_SGLANG_AUX_BYTES`` (the daemon's ``limits.aux_bytes``, default
-65536) and ``KVXFER_SGLANG_STREAM`` (0: publish a room's pages at its
-last chunk).
+65536), ``KVXFER_SGLANG_STREAM`` (0: publish a room's pages at its
+last chunk), ``KVXFER_SGLANG_GPU_PACE`` (bytes a millisecond: the pace
+each rank sets for kvxfer's copies on its GPU while the engine computes,
+kvxfer/_pace.py) and ``KVXFER_SGLANG_GPU_PACE_HOLD_MS`` (its hold,
+default 200).
 """
 
 from .bootstrap import KvxferKVBootstrapServer

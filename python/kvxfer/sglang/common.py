@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.base.conn import KVArgs
 
+from .._pace import HOLD_MS, pace_config
 from ..errors import InvalidArgument, Unsupported
 from ..layout import DType, Layout
 from ..memory import host_buffer_of, span_of
@@ -33,6 +34,33 @@ def end_key(key: bytes) -> bytes:
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
+
+
+def _env_int(name: str, default: int) -> Any:
+    """An integer environment variable: its value, ``default`` when unset
+    or empty, the string itself when it is no integer (for the refusal
+    to show)."""
+    given = os.environ.get(name)
+    if not given:
+        return default
+    try:
+        return int(given)
+    except ValueError:
+        return given
+
+
+GPU_PACE = "KVXFER_SGLANG_GPU_PACE"
+GPU_PACE_HOLD = "KVXFER_SGLANG_GPU_PACE_HOLD_MS"
+
+
+def _gpu_pace() -> Tuple[int, int]:
+    """(bytes a millisecond, hold in ms) of the rank's GPU pace from
+    KVXFER_SGLANG_GPU_PACE (0 or unset: none) and
+    KVXFER_SGLANG_GPU_PACE_HOLD_MS; raises InvalidArgument naming the
+    variable (kvxfer/_pace.py)."""
+    return pace_config(_env_int(GPU_PACE, 0),
+                       _env_int(GPU_PACE_HOLD, HOLD_MS),
+                       (GPU_PACE, GPU_PACE_HOLD))
 
 
 def _mode_name(mode: Any) -> str:

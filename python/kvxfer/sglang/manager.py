@@ -12,12 +12,14 @@ from sglang.srt.disaggregation.base.conn import (BaseKVManager, KVArgs,
                                                  KVPoll)
 
 from .._outage import DAEMON_GONE, Outage, gone_event, nudge, retrying
+from .._pace import GpuPacer
 from ..client import (DEFAULT_SOCKET, Client, EventKind, Group, Parallel,
                       Pool)
 from ..errors import Error, InvalidArgument, NotFound, Unsupported
 from . import bootstrap as boot
-from .common import (_PUMP_INTERVAL, _choose_device, _CudaMemory, _env,
-                     _geometry, _Geometry, _HostMemory, _mode_name, log)
+from .common import (_PUMP_INTERVAL, GPU_PACE, _choose_device,
+                     _CudaMemory, _env, _geometry, _Geometry, _gpu_pace,
+                     _HostMemory, _mode_name, log)
 from .state import StatePool, indices_of, state_pools
 from .topology import Topology, topology_of
 
@@ -75,6 +77,8 @@ class KvxferKVManager(BaseKVManager):
         self.disaggregation_mode = disaggregation_mode
         self.mode = _mode_name(disaggregation_mode)
         self.is_mla_backend = bool(is_mla_backend)
+        # the GPU pace while the engine computes (pace(), kvxfer/_pace.py)
+        self.pacer = GpuPacer(*_gpu_pace(), log, GPU_PACE)
         self._check_supported(args, server_args)
         geo = _geometry(args, self.is_mla_backend)
         self.layout = geo.layout
@@ -456,6 +460,30 @@ class KvxferKVManager(BaseKVManager):
             return
         self._outage.back("connected to kvxferd again")
         self._daemon_moved()
+
+    # -- the GPU pace --------------------------------------------------------
+
+    def pace(self) -> None:
+        """The engine computes: set this rank's GPU pace
+        (KVXFER_SGLANG_GPU_PACE) for the next hold, at most once a
+        quarter of it (kvxfer/_pace.py). SGLang 0.5.23 calls a backend
+        at no point of every step: a prefill sender's send() (after each
+        forward, per chunk) and a decode receiver's poll() while its
+        fetch runs call this. Never raises: a daemon gone goes to the
+        outage handling, other failures are logged once."""
+        if not self.pacer.per_ms:
+            return
+        with self._lock:
+            c = self.client
+            if self._closed or c.closed:
+                return  # the next call or pump makes a client again
+            incarnation = c.incarnation
+            gone = self.pacer.step(c)
+            if gone is not None:
+                self._lost(gone)
+            elif c.incarnation != incarnation:  # reconnected inside it
+                self._outage.back("kvxferd is back")
+                self._daemon_moved()
 
     # -- events ------------------------------------------------------------
 

@@ -116,6 +116,7 @@ class KvxferKVReceiver(BaseKVReceiver):
         if pages is None or groups is None or not self._same_pages():
             return
         self._state = KVPoll.Transferring
+        m.pace()  # before the fetch's copies start (poll())
         try:
             m.call(lambda c: c.fetch_by_key(self.key, g.instance_id,
                                             g.address, self.key, m.pool,
@@ -239,10 +240,14 @@ class KvxferKVReceiver(BaseKVReceiver):
         self.kv_mgr._unwatch(self.end_key, self)
 
     def poll(self) -> KVPoll:
+        """While the fetch runs, the rank's GPU pace is set
+        (KvxferKVManager.pace): the decode's loop polls its receivers at
+        each step, and a fetch in flight is what copies onto its GPU."""
         if self._state == KVPoll.Bootstrapping and \
                 self._inited_at is not None:
             self._resolve()
         elif self._state == KVPoll.Transferring:
+            self.kv_mgr.pace()
             self.kv_mgr.pump()
         return self._state
 

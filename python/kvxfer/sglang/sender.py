@@ -108,7 +108,9 @@ class KvxferKVSender(BaseKVSender):
         each chunk appends its pages and marks its tokens ready, so they
         move while later chunks are computed; else the last chunk
         publishes every page. Either way the last chunk publishes the
-        room's end offer (see :class:`KvxferKVSender`)."""
+        room's end offer (see :class:`KvxferKVSender`). A forward ran:
+        the rank's GPU pace is set first (KvxferKVManager.pace)."""
+        self.kv_mgr.pace()
         if self._state in (KVPoll.Success, KVPoll.Failed) or \
                 self._ended:
             return
