@@ -147,10 +147,11 @@ int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
         (*p)->per_ms = per_ms;
         (*p)->devices = devices;
         /* from now, not from the start of the loop's turn, which may
-         * have done long work before this call */
+         * have done long work before this call; the loop's clock counts
+         * whole milliseconds, rounded down, so one more: never early */
         if (hold_ms)
             uv_update_time(g.loop);
-        (*p)->until_ms = hold_ms ? uv_now(g.loop) + hold_ms : 0;
+        (*p)->until_ms = hold_ms ? uv_now(g.loop) + hold_ms + 1 : 0;
     }
     apply();
     arm();
