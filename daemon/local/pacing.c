@@ -194,9 +194,7 @@ uint64_t pacing_devices_used(void)
     np = pool_list(pools, np);
     for (uint32_t i = 0; i < np; i++)
         if (pools[i]->gpu && !pools[i]->released)
-            used |= 1ull << (pools[i]->device < COPY_PACE_DEVICES - 1
-                                 ? pools[i]->device
-                                 : COPY_PACE_DEVICES - 1);
+            used |= pacing_device_bit(pools[i]->device);
     free(pools);
     return used;
 }

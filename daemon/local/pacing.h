@@ -22,6 +22,13 @@
 #define PACING_MAX_PER_MS (1ull << 40)
 #define PACING_MAX_HOLD_MS 60000u
 
+/* Device d's bit in a devices mask: devices 63 and up share the last
+ * (COPY_PACE_DEVICES - 1, as copy.c's lanes do). */
+static inline uint64_t pacing_device_bit(int d)
+{
+    return 1ull << (d < 0 ? 0 : d < 63 ? d : 63);
+}
+
 int pacing_init(uv_loop_t *loop);
 void pacing_cleanup(void);
 /* Session sid's GpuPace: per_ms bytes a millisecond (0 withdraws it) on

@@ -329,9 +329,7 @@ static uint64_t gpu_devices(const session_t *s)
     n = map_values(&s->pools, (void **)all, n);
     for (uint32_t i = 0; i < n; i++)
         if (all[i]->gpu)
-            mask |= 1ull << (all[i]->device < COPY_PACE_DEVICES - 1
-                                 ? all[i]->device
-                                 : COPY_PACE_DEVICES - 1);
+            mask |= pacing_device_bit(all[i]->device);
     if (all != ps)
         free(all);
     return mask;
