@@ -409,6 +409,16 @@ int main(int argc, char **argv)
         nthreads = n > 0 ? (unsigned)n : 1;
     }
 
+    /* Signals are caught before the socket listens: a SIGTERM that comes
+     * while the rest starts (UCX, CUDA) waits for the loop and drains the
+     * daemon (exit 0), rather than killing it half started. */
+    uv_signal_init(kvxd.loop, &sig_term);
+    uv_signal_init(kvxd.loop, &sig_int);
+    uv_signal_init(kvxd.loop, &sig_hup);
+    uv_signal_start(&sig_term, on_signal, SIGTERM);
+    uv_signal_start(&sig_int, on_signal, SIGINT);
+    uv_signal_start(&sig_hup, on_signal, SIGHUP);
+
     /* bring up, in order */
     int rc = 1;
     gpu_env(); /* before UCX or a pool starts CUDA */
@@ -434,6 +444,8 @@ int main(int argc, char **argv)
         goto err_copy;
     if (server_init())
         goto err_copy;
+    if (fault_armed(FAULT_START_HOLD))
+        sleep(1);
     char why[512];
     /* net first; the layers above register with what is below them */
     if (peer_init(KVX_WHY(why)) || remote_init(KVX_WHY(why)) || agree_init()) {
@@ -448,12 +460,6 @@ int main(int argc, char **argv)
         goto err_server;
     }
     kvxd_set_drain(drain_start);
-    uv_signal_init(kvxd.loop, &sig_term);
-    uv_signal_init(kvxd.loop, &sig_int);
-    uv_signal_init(kvxd.loop, &sig_hup);
-    uv_signal_start(&sig_term, on_signal, SIGTERM);
-    uv_signal_start(&sig_int, on_signal, SIGINT);
-    uv_signal_start(&sig_hup, on_signal, SIGHUP);
     uv_timer_init(kvxd.loop, &tick);
     uv_timer_start(&tick, on_tick, kvxd.conf.deadline_tick_ms,
                    kvxd.conf.deadline_tick_ms);

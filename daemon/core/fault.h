@@ -17,6 +17,9 @@
  * byte short (as if the loaded UCX's format were one it cannot read).
  * loop_stall: the Nth MetricsRequest holds the loop for 3 s before it is
  * answered (a callback stuck: /health must say 503 while it lasts).
+ * start_hold: at start, once its socket listens, the daemon waits 1 s
+ * before it brings up the rest (a slow UCX or CUDA start), the window in
+ * which a SIGTERM must still drain it.
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -35,6 +38,7 @@ typedef enum {
     FAULT_CONN_HOLD,
     FAULT_OWN_ADDR,
     FAULT_LOOP_STALL,
+    FAULT_START_HOLD,
     FAULT_NSITES
 } fault_site_t;
 

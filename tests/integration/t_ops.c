@@ -614,6 +614,21 @@ TEST(socket_group)
     daemon_stop_ok(d);
 }
 
+/* A SIGTERM that comes once the socket listens, while the rest of the
+ * daemon still starts (KVXFERD_FAULT=start_hold:1 holds it there 1 s),
+ * drains it: exit 0, where it used to die of the signal (status 15). */
+TEST(sigterm_while_starting)
+{
+    setenv("KVXFERD_FAULT", "start_hold:1", 1);
+    daemon_t *d = daemon_start(NULL);
+    unsetenv("KVXFERD_FAULT");
+    if (log_contains(d, "ready")) /* the machine took over 1 s */
+        printf("sigterm_while_starting: the daemon was already ready\n");
+    daemon_stop_ok(d);
+    CHECK(log_contains(d, "SIGTERM: draining"));
+    CHECK(log_contains(d, "exiting (drained)"));
+}
+
 /* ---- the socket file -------------------------------------------------- */
 
 /* Run kvxferd --config cfg; kill it after timeout_ms. Returns the wait
