@@ -15,6 +15,12 @@ It prints one JSON line: the step p50/p90/p99 alone and under load, their
 ratios (the slowdown), kvxfer's GB/s under load against idle, and the
 daemon's copy path as its status tells it. Needs PyTorch with CUDA.
 
+--step matmul or --step add keeps one half of the step (compute bound, or
+HBM bound), to tell which half the copies slow. --smi samples the GPU's
+SM clock, power and clock-event reasons with nvidia-smi every 100 ms and
+reports their medians over the steps alone and over the steps under load
+(a GPU at its power cap lowers its clock when copies add HBM traffic).
+
     python3 scripts/gpu-engine-load.py --bench dist/kvxfer/bin/kvxfer-bench \\
         --label kernel -- --spawn-daemon --gpu --gen-device 0 ...
 """
@@ -24,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -41,8 +48,9 @@ def pct(xs, q):
 class Engine:
     """The stand-in engine's step: compute, then memory traffic."""
 
-    def __init__(self, dev: int) -> None:
+    def __init__(self, dev: int, kind: str = "both") -> None:
         torch.cuda.set_device(dev)
+        self.kind = kind
         n = 4096
         self.w = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
                   for _ in range(4)]
@@ -58,9 +66,11 @@ class Engine:
         """One step: its start and end, CLOCK_MONOTONIC ns."""
         t0 = time.monotonic_ns()
         y = self.x
-        for w in self.w:
-            y = torch.matmul(y, w)
-        torch.add(self.a, self.b, out=self.c)
+        if self.kind != "add":
+            for w in self.w:
+                y = torch.matmul(y, w)
+        if self.kind != "matmul":
+            torch.add(self.a, self.b, out=self.c)
         torch.cuda.synchronize()
         return t0, time.monotonic_ns()
 
@@ -70,6 +80,53 @@ class Engine:
         while time.monotonic_ns() < end:
             steps.append(self.step())
         return steps
+
+
+class Smi:
+    """nvidia-smi sampling the GPU every 100 ms, each line stamped with
+    CLOCK_MONOTONIC as it arrives."""
+
+    FIELDS = "clocks.sm,clocks.mem,power.draw,"
+
+    def __init__(self, dev: int) -> None:
+        self.rows = []  # (ns, sm MHz, mem MHz, W, reasons)
+        why = "clocks_event_reasons.active"  # clocks_throttle_ before 535
+        if subprocess.run(["nvidia-smi", "--query-gpu=" + why,
+                           "--format=csv"], capture_output=True).returncode:
+            why = "clocks_throttle_reasons.active"
+        self.p = subprocess.Popen(
+            ["nvidia-smi", "-i", str(dev), "--query-gpu=" + self.FIELDS + why,
+             "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+
+    def _read(self) -> None:
+        for ln in self.p.stdout:
+            f = [x.strip() for x in ln.split(",")]
+            try:
+                self.rows.append((time.monotonic_ns(), float(f[0]),
+                                  float(f[1]), float(f[2]), f[3]))
+            except (ValueError, IndexError):
+                pass
+
+    def stop(self) -> None:
+        self.p.terminate()
+        self.p.wait()
+
+    def over(self, wins: list) -> dict:
+        """Medians over the samples inside any (start, end) window."""
+        rs = [r for r in self.rows
+              if any(w0 <= r[0] <= w1 for w0, w1 in wins)]
+        if not rs:
+            return {"samples": 0}
+        why = {}
+        for r in rs:
+            why[r[4]] = why.get(r[4], 0) + 1
+        return {"samples": len(rs), "sm_mhz": pct([r[1] for r in rs], 0.5),
+                "mem_mhz": pct([r[2] for r in rs], 0.5),
+                "power_w": pct([r[3] for r in rs], 0.5),
+                "reasons": max(why, key=why.get)}
 
 
 def bench_json(out: str) -> dict:
@@ -95,14 +152,24 @@ def main() -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--alone-s", type=float, default=2.0,
                     help="seconds of steps alone (default 2)")
+    ap.add_argument("--step", choices=("both", "matmul", "add"),
+                    default="both", help="the step's halves (default both)")
+    ap.add_argument("--smi", action="store_true",
+                    help="sample clocks and power with nvidia-smi")
     ap.add_argument("args", nargs=argparse.REMAINDER,
                     help="-- then kvxfer-bench's arguments")
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
-    eng = Engine(a.device)
+    eng = Engine(a.device, a.step)
+    smi = Smi(a.device) if a.smi else None
+    t_alone = time.monotonic_ns()
     alone = [e - s for s, e in eng.run_for(a.alone_s)]
+    t_alone = (t_alone, time.monotonic_ns())
     tmp = tempfile.mkdtemp(prefix="kvx-load-")
     idle = run_bench(a.bench, args, os.path.join(tmp, "idle"))
+    with open(os.path.join(tmp, "idle")) as f:
+        wins_idle = [tuple(int(x) for x in ln.split()) for ln in f
+                     if ln.strip()]
     marks = os.path.join(tmp, "load")
     p = subprocess.Popen([a.bench] + args + ["--json", "--pass-times", marks],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -137,7 +204,13 @@ def main() -> int:
         "kvxfer_ratio": load["gbps"] / idle["gbps"] if idle["gbps"] else 0,
         "gpu_status": load.get("gpu_status", ""),
         "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+        "step": a.step,
     }
+    if smi:
+        smi.stop()
+        r["gpu_alone"] = smi.over([t_alone])
+        r["gpu_copies_alone"] = smi.over(wins_idle)
+        r["gpu_load"] = smi.over(wins)
     print(json.dumps(r), flush=True)
     if not inside:
         print("no step lay inside a timed pass: make the passes longer",

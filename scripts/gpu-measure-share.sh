@@ -7,8 +7,11 @@
 # layer-wise exposed time on each path.
 #   scripts/gpu-measure-share.sh dist/kvxfer OUTDIR
 # PART=load (the engine cases only), PART=idle (the rest); default both.
-# NOMPS and WITHMPS: the cases without and under MPS (names below);
+# NOMPS and WITHMPS: the cases without and under MPS (names below; set
+# empty, none);
 # ROUNDS: the idle rounds (2); NOLW=1 leaves out the layer-wise runs.
+# STEP=matmul or STEP=add keeps one half of the engine's step; SMI=1
+# samples the SM clock and power (gpu-engine-load.py --step, --smi).
 # Cases: kernel, dma, kernel-low, dma-low, kernel-16 (16 CTAs),
 # kernel-sm25 (gpu.sm_share 25), kernel-p512, dma-p512, kernel-p256
 # (gpu.pace 512 or 256 MiB a millisecond, 16 MiB launches), kernel-sm10,
@@ -62,13 +65,17 @@ L="--spawn-daemon --gpu --gen-device 0 $M --requests 16 --blocks 1024 --window 4
 load() { # label, config
     case $1 in *-seq) sh= ;; *) sh=--shuffle ;; esac
     r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --bench "$B/bin/kvxfer-bench" \
-        --label "$1" -- $L $sh --daemon-config "$2" 2>"$OUT/load-$1.err")
+        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} ${SMI:+--smi} -- $L $sh --daemon-config "$2" 2>"$OUT/load-$1.err")
     echo "$r" >>"$OUT/load.jsonl"
     echo "$1 $(echo "$r" | python3 -c 'import json,sys
 try:
     r=json.loads(sys.stdin.read())
     s=r["slowdown"]; a=r["step_ms_alone"]
     print("step alone p50 %.3f ms p99 %.3f; slowdown p50 x%.3f p90 x%.3f p99 x%.3f; kvxfer %.1f GB/s under load, %.1f idle (%.3f); steps %d" % (a["p50"], a["p99"], s["p50"], s["p90"], s["p99"], r["kvxfer_gbps_load"], r["kvxfer_gbps_idle"], r["kvxfer_ratio"], r["steps_under_load"]))
+    for k in ("gpu_alone", "gpu_load", "gpu_copies_alone"):
+        g = r.get(k)
+        if g and g.get("samples"):
+            print("  %s: SM %.0f MHz, mem %.0f MHz, %.0f W, reasons %s (%d samples)" % (k, g["sm_mhz"], g["mem_mhz"], g["power_w"], g["reasons"], g["samples"]))
 except Exception as e:
     print("FAILED", e)')"
     [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
@@ -83,7 +90,7 @@ bw() { # label, config, args...
     echo "$name $(echo "$r" | grep -o '"baseline_gbps":[0-9.]*') $(echo "$r" | grep -o '"pass_gbps":[^]]*]') $(echo "$r" | grep -o 'copy engines: [^)]*')"
 }
 if [ "${PART:-all}" != idle ]; then
-    for c in ${NOMPS:-kernel dma kernel-low dma-low kernel-16}; do
+    for c in ${NOMPS-kernel dma kernel-low dma-low kernel-16}; do
         load "$c" "$OUT/${c%-seq}.yaml"
     done
     if [ -n "${WITHMPS-x}" ]; then
