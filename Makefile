@@ -286,6 +286,17 @@ $(BUILD)/restart_bench: $(BUILD)/obj/tools/restart_bench.o $(BUILD)/libkvxfer.a
 restart-bench: all $(BUILD)/restart_bench
 	@scripts/restart_bench.sh $(BUILD)
 
+# gpu.copy_path auto's walk of a 2 GiB launch on the loop: one walk
+# against the two it took (tools/walk_bench.c, docs/benchmarks.md)
+$(BUILD)/walk_bench: $(BUILD)/obj/tools/walk_bench.o \
+		$(BUILD)/obj/daemon/copy/plan.o $(BUILD)/obj/daemon/copy/gpu_desc.o \
+		$(BUILD)/libkvxfer.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+.PHONY: walk-bench
+walk-bench: $(BUILD)/walk_bench
+	@$(BUILD)/walk_bench
+
 # The benches and the C tests still call the 2.x kvx_publish/kvx_fetch
 # (kvxfer.h's KVX_API_2X; the tests reach the 3.0 calls as kvx_publish3
 # and kvx_fetch3)

@@ -1356,22 +1356,36 @@ static int dma_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
     return 0;
 }
 
-/* Whether launch l of part gp goes to the copy engines. */
-static int use_dma(const gpu_part_t *gp, const gpu_launch_t *l, uint64_t bytes)
+/* Launch l of part gp (bytes long) on the copy engines, if it goes
+ * there: gpu.copy_path dma, or auto and its runs, joined, are
+ * gpu.dma_min_run long or longer on average. A cudaError_t, or -1 when
+ * it goes to the kernel (nothing issued). auto's choice is made in the
+ * walk that lays out the copies: the runs wait in the batch until the
+ * walk ends, and the walk stops at the first run past bytes / min_run
+ * (scattered blocks cost that many runs, not the launch's units). */
+static int dma_launch(const gpu_part_t *gp, const gpu_launch_t *l, int d,
+                      uint64_t bytes)
 {
-    if (!gp->hdesc)
-        return 0;
-    if (!strcmp(kvxd.conf.gpu_copy_path, "dma"))
-        return 1;
-    return gpu_desc_runs_long(&gp->hplan, l, bytes, kvxd.conf.gpu_dma_min_run);
-}
-
-/* Units of l as copy-engine copies on the device's stream: a cudaError_t. */
-static int dma_launch(const gpu_part_t *gp, const gpu_launch_t *l, int d)
-{
+    if (!gp->hdesc) /* made under gpu.copy_path kernel */
+        return -1;
+    const uint64_t min_run = kvxd.conf.gpu_dma_min_run;
+    const uint64_t max = min_run ? bytes / min_run : UINT64_MAX;
+    int e;
     dma.stream = g.stream[d];
     dma.n = 0;
-    int e = gpu_desc_runs(&gp->hplan, l, dma_run, NULL);
+    if (!strcmp(kvxd.conf.gpu_copy_path, "dma") ||
+        gpu_desc_unit_run(&gp->hplan, l) >= min_run)
+        e = gpu_desc_runs(&gp->hplan, l, dma_run, NULL);
+    else if (max <= DMA_BATCH) /* the runs fit the batch unflushed */
+        e = gpu_desc_runs_upto(&gp->hplan, l, max, dma_run, NULL);
+    else if (gpu_desc_runs_long(&gp->hplan, l, bytes, min_run))
+        e = gpu_desc_runs(&gp->hplan, l, dma_run, NULL);
+    else
+        e = GPU_RUNS_MANY;
+    if (e == GPU_RUNS_MANY) {
+        dma.n = 0;
+        return -1;
+    }
     if (e == cudaSuccess)
         e = dma_flush();
     dma.n = 0;
@@ -1408,10 +1422,11 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
             e = cudaStreamWaitEvent(g.stream[d], g.uploaded[d], 0);
         if (e == cudaSuccess) {
             g.unwaited[d] = 0;
-            e = use_dma(gp, &l, w->bytes)
-                    ? dma_launch(gp, &l, d)
-                    : gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas,
-                                        g.stream[d]);
+            e = dma_launch(gp, &l, d, w->bytes);
+            if (e == -1) /* the kernel's: scattered blocks, or a layout
+                            change */
+                e = gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas,
+                                      g.stream[d]);
         }
         if (e == cudaSuccess) /* the waiter thread counts it done */
             __atomic_add_fetch(&g.inflight[d], 1, __ATOMIC_RELAXED);

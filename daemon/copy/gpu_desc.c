@@ -263,18 +263,26 @@ uint64_t gpu_desc_unit_run(const gpu_plan_t *g, const gpu_launch_t *l)
     return (uint64_t)x.er << x.eshift;
 }
 
-/* gpu_desc_runs_long()'s count: a nonzero return stops the walk. */
-typedef struct runs_count {
+/* gpu_desc_runs_upto()'s count, before the caller's emit. */
+typedef struct runs_upto {
     uint64_t n, max;
-} runs_count_t;
+    gpu_run_fn emit;
+    void *arg;
+} runs_upto_t;
 
-static int count_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
+static int upto_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
 {
-    (void)dst;
-    (void)src;
-    (void)len;
-    runs_count_t *c = arg;
-    return ++c->n > c->max;
+    runs_upto_t *u = arg;
+    if (++u->n > u->max)
+        return GPU_RUNS_MANY;
+    return u->emit ? u->emit(u->arg, dst, src, len) : 0;
+}
+
+int gpu_desc_runs_upto(const gpu_plan_t *g, const gpu_launch_t *l, uint64_t max,
+                       gpu_run_fn emit, void *arg)
+{
+    runs_upto_t u = {0, max, emit, arg};
+    return gpu_desc_runs(g, l, upto_run, &u);
 }
 
 int gpu_desc_runs_long(const gpu_plan_t *g, const gpu_launch_t *l,
@@ -282,6 +290,6 @@ int gpu_desc_runs_long(const gpu_plan_t *g, const gpu_launch_t *l,
 {
     if (gpu_desc_unit_run(g, l) >= min_run)
         return 1;
-    runs_count_t c = {0, min_run ? bytes / min_run : UINT64_MAX};
-    return gpu_desc_runs(g, l, count_run, &c) == 0;
+    return gpu_desc_runs_upto(g, l, min_run ? bytes / min_run : UINT64_MAX,
+                              NULL, NULL) == 0;
 }

@@ -106,6 +106,14 @@ int gpu_desc_runs(const gpu_plan_t *g, const gpu_launch_t *l, gpu_run_fn emit,
 /* The contiguous run of l's first unit in bytes, before any joining (the
  * copy path's choice, gpu.copy_path auto). */
 uint64_t gpu_desc_unit_run(const gpu_plan_t *g, const gpu_launch_t *l);
+/* The runs of launch l as gpu_desc_runs() emits them, if there are at
+ * most max of them: 0 when every run was emitted; GPU_RUNS_MANY when a
+ * run past the max came (the walk stops there, the runs before it were
+ * emitted); else emit's nonzero return. emit NULL only counts. One walk
+ * for gpu.copy_path auto's choice and its copies. */
+#define GPU_RUNS_MANY (-1)
+int gpu_desc_runs_upto(const gpu_plan_t *g, const gpu_launch_t *l, uint64_t max,
+                       gpu_run_fn emit, void *arg);
 /* gpu.copy_path auto: 1 when the runs of launch l (bytes long), joined
  * as gpu_desc_runs() joins them, are min_run long or longer on average
  * (a request's blocks in order, in vLLM's layout: a layer's K of every

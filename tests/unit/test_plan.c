@@ -1396,6 +1396,76 @@ TEST(copy_engine_runs_join_blocks_in_order)
     aligned = 0;
 }
 
+/* gpu_desc_runs_upto(): gpu.copy_path auto's choice and its copies in
+ * one walk. With room for every run it emits what gpu_desc_runs() emits
+ * and returns 0; one short, it emits max runs and says GPU_RUNS_MANY; an
+ * emit's error comes back as it is. */
+static uint64_t upto_bytes, upto_fail_at;
+static int upto_emit(void *arg, uint64_t dst, uint64_t src, uint64_t len)
+{
+    (void)dst;
+    (void)src;
+    uint64_t *n = arg;
+    upto_bytes += len;
+    return ++*n == upto_fail_at ? 5 : 0;
+}
+
+TEST(copy_engine_runs_upto_one_walk)
+{
+    for (int ord = 1; ord >= 0; ord--) {
+        plan_side_t a = side(1, 1, 4, 8, 16);
+        a.head_dim = 128;
+        a.dtype = KVX_DTYPE_BF16;
+        in_order = ord;
+        aligned = 1;
+        force_split = 0;
+        rank_mem_t sm, dm;
+        rank_mem_make(&sm, &a, 0, "vllm-nhd", 24);
+        rank_mem_make(&dm, &a, 0, "vllm-nhd", 24);
+        plan_t *p = build(&a, &a, 0, 24 * 16, 0);
+        p->src[0] = (plan_mem_t){sm.regions, sm.nregions, &sm.layout,
+                                 sm.blocks,  sm.nblocks,  0};
+        p->dst = (plan_mem_t){dm.regions, dm.nregions, &dm.layout,
+                              dm.blocks,  dm.nblocks,  100};
+        gpu_plan_t g;
+        uint8_t *buf = desc_on_host(p, &g);
+        gpu_launch_t l = {.u0 = 0, .u1 = p->nunits};
+        uint64_t all = 0;
+        upto_fail_at = 0;
+        upto_bytes = 0;
+        CHECK_EQ(gpu_desc_runs(&g, &l, upto_emit, &all), 0);
+        CHECK_EQ(upto_bytes, p->bytes);
+        CHECK(all > 1);
+        CHECK(ord ? all < 24 * 8 : all >= 24 * 8); /* joined in order */
+        uint64_t n = 0;
+        upto_bytes = 0;
+        CHECK_EQ(gpu_desc_runs_upto(&g, &l, all, upto_emit, &n), 0);
+        CHECK_EQ(n, all);
+        CHECK_EQ(upto_bytes, p->bytes);
+        n = 0;
+        CHECK_EQ(gpu_desc_runs_upto(&g, &l, all - 1, upto_emit, &n),
+                 GPU_RUNS_MANY);
+        CHECK_EQ(n, all - 1);
+        CHECK_EQ(gpu_desc_runs_upto(&g, &l, all - 1, NULL, NULL),
+                 GPU_RUNS_MANY);
+        CHECK_EQ(gpu_desc_runs_upto(&g, &l, all, NULL, NULL), 0);
+        n = 0;
+        upto_fail_at = 2;
+        CHECK_EQ(gpu_desc_runs_upto(&g, &l, all, upto_emit, &n), 5);
+        CHECK_EQ(n, 2);
+        /* auto's choice stays gpu_desc_runs_long()'s */
+        CHECK_EQ(gpu_desc_runs_long(&g, &l, p->bytes, p->bytes / all), 1);
+        CHECK_EQ(gpu_desc_runs_long(&g, &l, p->bytes, p->bytes / all + 1), 0);
+        free(buf);
+        plan_free(p);
+        rank_mem_free(&sm);
+        rank_mem_free(&dm);
+    }
+    in_order = 0;
+    force_split = -1;
+    aligned = 0;
+}
+
 /* gpu_fdiv() is exact for every n < 2^32; the launch cut covers the
  * units with pieces near GPU_PIECE_BYTES, finer for small launches. */
 TEST(gpu_fdiv_and_cut)
