@@ -155,7 +155,8 @@ DAEMON   := $(COMMON) \
             daemon/xfer/batch.c daemon/xfer/serve.c daemon/agree/agree.c \
             daemon/remote/slots.c daemon/remote/pull.c daemon/remote/source.c \
             daemon/remote/remote.c daemon/remote/release.c daemon/remote/keyed.c \
-            daemon/local/session.c daemon/local/session_conn.c \
+            daemon/local/session.c daemon/local/session_pool.c \
+            daemon/local/session_conn.c \
             daemon/local/server.c daemon/local/stats.c \
             daemon/local/metrics.c daemon/local/http.c daemon/local/pacing.c \
             $(GPU_SRC)

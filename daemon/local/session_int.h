@@ -1,8 +1,9 @@
 /*
  * session_int — what session.c (the protocol edge: one handler per
- * request, the replies) and session_conn.c (the connection: bytes and
- * fds in and out, a session's start, tick and close, the table of
- * sessions) share; private to daemon/local.
+ * request, the replies), session_pool.c (the edge's pool requests) and
+ * session_conn.c (the connection: bytes and fds in and out, a session's
+ * start, tick and close, the table of sessions) share; private to
+ * daemon/local.
  */
 #ifndef KVX_SESSION_INT_H
 #define KVX_SESSION_INT_H
@@ -14,6 +15,7 @@
 
 #include "common/frame.h"
 #include "common/list.h"
+#include "copy/pool.h"
 #include "core/daemon.h"
 #include "core/map.h"
 #include "kvxfer.h"
@@ -123,6 +125,18 @@ void session_close_later(session_t *s, const char *why);
 
 /* Decode one Request frame of s and hand it to its handler. */
 void session_handle_frame(session_t *s, const uint8_t *buf, uint32_t len);
+/* Pool id of s, or NULL when s has none by that id (or it is released). */
+pool_t *session_own_pool(session_t *s, uint32_t id);
+/* The GPU devices of s's pools, as pacing.h counts them. */
+uint64_t session_gpu_devices(const session_t *s);
+
+/* ---- session_pool.c: the edge's pool requests ---- */
+
+/* RegisterPool: check it, take the fds that came with its frame, and
+ * register the pool; one reply either way. */
+void session_on_register_pool(session_t *s, const Kvxfer__Request *rq);
+/* DeregisterPool: release a pool of s that no request uses. */
+void session_on_deregister_pool(session_t *s, const Kvxfer__Request *rq);
 
 /* ---- a session's queue and its caps ---- */
 

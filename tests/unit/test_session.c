@@ -1,11 +1,13 @@
 /*
- * test_session — the protocol edge's own validators, static in
- * daemon/local/session.c: check_blocks (block tables) and layout_from_msg
- * (Layout message -> kvx_layout_t). Both short tables (pairwise check)
- * and long ones (bitmap) are covered, and a random comparison against a
- * reference checker.
+ * test_session — the protocol edge's own validators: check_blocks
+ * (block tables), static in daemon/local/session.c, and layout_from_msg
+ * (Layout message -> kvx_layout_t), static in session_pool.c. Both short
+ * tables (pairwise check) and long ones (bitmap) are covered, and a
+ * random comparison against a reference checker.
  */
 #include "../../daemon/local/session.c"
+#undef FAIL /* session_pool.c has its own */
+#include "../../daemon/local/session_pool.c"
 
 #include "tests/test.h"
 
