@@ -45,6 +45,7 @@ static struct {
     cudaUUID_t uuid[MAX_DEV];
     char pci[MAX_DEV][16];         /* bus ids, "0000:1b:00.0" */
     int used[MAX_DEV];             /* context created: a pool lives here */
+    int mps[MAX_DEV];              /* gpu_mps(), once used */
     cudaStream_t stream[MAX_DEV];  /* the copy kernels, in launch order */
     cudaStream_t ustream[MAX_DEV]; /* plan uploads: not between kernels */
     cudaEvent_t uploaded[MAX_DEV]; /* after the last upload on ustream */
@@ -378,6 +379,22 @@ int gpu_pci_id(int device, char *buf, size_t len)
     return 0;
 }
 
+/* cudaDevAttrMpsEnabled (CUDA 12.x headers name it; its value is used so
+ * that an older toolkit builds): a driver that does not know it answers
+ * an error, and then nobody knows (-1). */
+#define DEV_ATTR_MPS_ENABLED 133
+
+static int device_mps(int d)
+{
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, (enum cudaDeviceAttr)DEV_ATTR_MPS_ENABLED,
+                               d) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    return v != 0;
+}
+
 /* Create the context and stream of device d on first use. */
 static int use_device(int d, kvx_why_t *why)
 {
@@ -450,10 +467,33 @@ static int use_device(int d, kvx_why_t *why)
     }
     wt[d].running = 1;
     g.used[d] = 1;
+    g.mps[d] = device_mps(d);
     log_info("gpu %d: context, stream and completion thread started (copy "
-             "path %s, stream priority %s)",
-             d, kvxd.conf.gpu_copy_path, kvxd.conf.gpu_stream_priority);
+             "path %s, stream priority %s, %s)",
+             d, kvxd.conf.gpu_copy_path, kvxd.conf.gpu_stream_priority,
+             g.mps[d] > 0    ? "an MPS client"
+             : g.mps[d] == 0 ? "no MPS"
+                             : "MPS unknown");
+    if (!g.mps[d])
+        log_notice("gpu %d: not an MPS client: the daemon's copies and the "
+                   "engines' kernels on this GPU take turns (an engine's "
+                   "step measured x3.5 slower while the daemon copied); run "
+                   "the daemon and the engines under MPS, see \"Sharing a "
+                   "GPU with the engine\" in the operations guide",
+                   d);
     return 0;
+}
+
+void gpu_counts(gpu_counts_t *c)
+{
+    *c = (gpu_counts_t){g.launches, dma.launches_dma, dma.copies};
+}
+
+int gpu_mps(int device)
+{
+    if (g.state <= 0 || device < 0 || device >= g.ndev || !g.used[device])
+        return -1;
+    return g.mps[device];
 }
 
 void gpu_status(char *buf, size_t len)
@@ -478,7 +518,10 @@ void gpu_status(char *buf, size_t len)
             (unsigned long long)dma.copies, (unsigned long long)dma.batches);
     for (int d = 0; d < g.ndev && off < len; d++)
         if (g.used[d])
-            off += (size_t)snprintf(buf + off, len - off, " %d", d);
+            off += (size_t)snprintf(buf + off, len - off, " %d (%s)", d,
+                                    g.mps[d] > 0    ? "MPS"
+                                    : g.mps[d] == 0 ? "no MPS"
+                                                    : "MPS unknown");
 }
 
 static int device_of(const uint8_t uuid[16])

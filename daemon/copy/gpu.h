@@ -40,6 +40,20 @@ void gpu_env(void);
 /* Describe the GPU side for status: devices in use, staging, path. */
 void gpu_status(char *buf, size_t len);
 
+/* What the GPUs took since start (loop thread): launches, those of them
+ * on the copy engines (gpu.copy_path dma or auto), and the copies those
+ * were cut into. */
+typedef struct gpu_counts {
+    uint64_t launches, launches_dma, dma_copies;
+} gpu_counts_t;
+void gpu_counts(gpu_counts_t *c);
+
+/* Whether the daemon's context on device d is an MPS client, shared with
+ * the engines' (their kernels and its copies then run side by side): 1,
+ * 0 (not: they take turns on the GPU), or -1 (no pool there yet, a
+ * driver that cannot say, or a host-only build). */
+int gpu_mps(int device);
+
 /* What a client sends to register a GPU pool. */
 typedef struct gpu_import_req {
     int vmm;  /* 1: fds are VMM shareable handles */

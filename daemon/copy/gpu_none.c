@@ -43,6 +43,17 @@ int gpu_import_ptr(gpu_import_t *imp, int device, uint8_t **base,
 
 void gpu_env(void) {}
 
+void gpu_counts(gpu_counts_t *c)
+{
+    *c = (gpu_counts_t){0, 0, 0};
+}
+
+int gpu_mps(int device)
+{
+    (void)device;
+    return -1;
+}
+
 int gpu_started(void)
 {
     return -1;

@@ -11,6 +11,7 @@
 #include <uv.h>
 
 #include "copy/copy.h"
+#include "copy/gpu.h"
 #include "copy/pool.h"
 #include "core/daemon.h"
 #include "metrics.h"
@@ -255,6 +256,28 @@ static void text_engines(FILE *f, const Kvxfer__UcxInfo *ucx)
         if (used >> dv & 1)
             fprintf(f, "kvxfer_gpu_pace_bytes_per_second{device=\"%d\"} %.0f\n",
                     dv, (double)copy_gpu_pace(dv, &engines) * 1000.0);
+    gpu_counts_t gc;
+    gpu_counts(&gc);
+    family(f, "kvxfer_gpu_launches_total", "counter",
+           "GPU copy launches, by what moved their bytes: the copy kernel, "
+           "or the copy engines (gpu.copy_path dma, or auto's choice).");
+    fprintf(f, "kvxfer_gpu_launches_total{path=\"kernel\"} %llu\n",
+            (unsigned long long)(gc.launches - gc.launches_dma));
+    fprintf(f, "kvxfer_gpu_launches_total{path=\"copy_engines\"} %llu\n",
+            (unsigned long long)gc.launches_dma);
+    family(f, "kvxfer_gpu_copy_engine_copies_total", "counter",
+           "Copies the copy engines' launches were cut into (one a joined "
+           "run).");
+    fprintf(f, "kvxfer_gpu_copy_engine_copies_total %llu\n",
+            (unsigned long long)gc.dma_copies);
+    family(f, "kvxfer_gpu_mps", "gauge",
+           "1 when the daemon's context on the device is an MPS client "
+           "(its copies run beside the engines' kernels), 0 when it is not "
+           "(they take turns), for each device with a GPU pool whose "
+           "driver says.");
+    for (int dv = 0; dv < COPY_PACE_DEVICES; dv++)
+        if (gpu_mps(dv) >= 0)
+            fprintf(f, "kvxfer_gpu_mps{device=\"%d\"} %d\n", dv, gpu_mps(dv));
     family(f, "kvxfer_gpu_pace_sessions", "gauge",
            "Sessions (engine ranks) whose GpuPace is in force now.");
     fprintf(f, "kvxfer_gpu_pace_sessions %u\n", pacing_sessions());

@@ -1400,6 +1400,14 @@ TEST_T(auto_path_takes_joined_runs, 120)
         bench_out(args, out, sizeof(out));
         printf("auto, %s: %lld launches on the copy engines\n",
                shuffled ? "shuffled" : "in order", dma_launches(out));
+        /* the status says whether device 0's context is an MPS client
+         * (kvxfer_gpu_mps) */
+        const char *mps = strstr(out, "in use: 0 (");
+        CHECK(mps);
+        printf("device 0: %.16s\n", mps + 9);
+        CHECK(!strncmp(mps + 11, "MPS)", 4) ||
+              !strncmp(mps + 11, "no MPS)", 7) ||
+              !strncmp(mps + 11, "MPS unknown)", 12));
         if (shuffled)
             CHECK_EQ(dma_launches(out), 0);
         else

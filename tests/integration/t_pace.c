@@ -328,3 +328,22 @@ TEST_T(gpu_pace_old_daemon, 30)
     CHECK(wait_children(&pid, 1, 5000));
     unlink(path);
 }
+
+/* The GPU's metrics in a daemon with no GPU pool: launches by path and
+ * the copy engines' copies, all 0; no device, so no kvxfer_gpu_mps line
+ * (a GPU test checks the status's MPS word on a GPU). */
+TEST_T(gpu_metrics_without_a_gpu_pool, 30)
+{
+    daemon_t *d = daemon_start("");
+    CHECK_EQ(pace_metric(d, "kvxfer_gpu_launches_total{path=\"kernel\"}"), 0);
+    CHECK_EQ(pace_metric(d, "kvxfer_gpu_launches_total{path=\"copy_engines\"}"),
+             0);
+    CHECK_EQ(pace_metric(d, "kvxfer_gpu_copy_engine_copies_total"), 0);
+    CHECK_EQ(pace_metric(d, "kvxfer_gpu_mps{device=\"0\"}"), -1);
+    char args[256];
+    static char out[1 << 17];
+    snprintf(args, sizeof(args), "--socket %s metrics", d->sock);
+    CHECK_EQ(ctl_run(args, out, sizeof(out)), 0);
+    CHECK_STR_CONTAINS(out, "# TYPE kvxfer_gpu_mps gauge");
+    daemon_stop_ok(d);
+}
