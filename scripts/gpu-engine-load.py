@@ -17,9 +17,12 @@ daemon's copy path as its status tells it. Needs PyTorch with CUDA.
 
 --step matmul or --step add keeps one half of the step (compute bound, or
 HBM bound), to tell which half the copies slow. --smi samples the GPU's
-SM clock, power and clock-event reasons with nvidia-smi every 100 ms and
-reports their medians over the steps alone and over the steps under load
-(a GPU at its power cap lowers its clock when copies add HBM traffic).
+SM clock, power, kernel time (utilization.gpu) and clock-event reasons
+with nvidia-smi every 100 ms and reports their medians over the steps
+alone, over the steps under load and over kvxfer's passes alone (a GPU
+at its power cap lowers its clock when copies add HBM traffic; copies
+that the driver runs as a kernel show kernel time while kvxfer runs
+alone, where the copy engines show none).
 
     python3 scripts/gpu-engine-load.py --bench dist/kvxfer/bin/kvxfer-bench \\
         --label kernel -- --spawn-daemon --gpu --gen-device 0 ...
@@ -86,10 +89,12 @@ class Smi:
     """nvidia-smi sampling the GPU every 100 ms, each line stamped with
     CLOCK_MONOTONIC as it arrives."""
 
-    FIELDS = "clocks.sm,clocks.mem,power.draw,"
+    # utilization.gpu: the share of the sample in which any kernel ran
+    # (copies on the copy engines alone leave it near 0)
+    FIELDS = "clocks.sm,clocks.mem,power.draw,utilization.gpu,"
 
     def __init__(self, dev: int) -> None:
-        self.rows = []  # (ns, sm MHz, mem MHz, W, reasons)
+        self.rows = []  # (ns, sm MHz, mem MHz, W, kernel %, reasons)
         why = "clocks_event_reasons.active"  # clocks_throttle_ before 535
         if subprocess.run(["nvidia-smi", "--query-gpu=" + why,
                            "--format=csv"], capture_output=True).returncode:
@@ -106,7 +111,8 @@ class Smi:
             f = [x.strip() for x in ln.split(",")]
             try:
                 self.rows.append((time.monotonic_ns(), float(f[0]),
-                                  float(f[1]), float(f[2]), f[3]))
+                                  float(f[1]), float(f[2]), float(f[3]),
+                                  f[4]))
             except (ValueError, IndexError):
                 pass
 
@@ -122,10 +128,11 @@ class Smi:
             return {"samples": 0}
         why = {}
         for r in rs:
-            why[r[4]] = why.get(r[4], 0) + 1
+            why[r[5]] = why.get(r[5], 0) + 1
         return {"samples": len(rs), "sm_mhz": pct([r[1] for r in rs], 0.5),
                 "mem_mhz": pct([r[2] for r in rs], 0.5),
                 "power_w": pct([r[3] for r in rs], 0.5),
+                "kernel_pct": pct([r[4] for r in rs], 0.5),
                 "reasons": max(why, key=why.get)}
 
 

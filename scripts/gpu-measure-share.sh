@@ -75,7 +75,7 @@ try:
     for k in ("gpu_alone", "gpu_load", "gpu_copies_alone"):
         g = r.get(k)
         if g and g.get("samples"):
-            print("  %s: SM %.0f MHz, mem %.0f MHz, %.0f W, reasons %s (%d samples)" % (k, g["sm_mhz"], g["mem_mhz"], g["power_w"], g["reasons"], g["samples"]))
+            print("  %s: SM %.0f MHz, mem %.0f MHz, %.0f W, kernels %.0f%%, reasons %s (%d samples)" % (k, g["sm_mhz"], g["mem_mhz"], g["power_w"], g["kernel_pct"], g["reasons"], g["samples"]))
 except Exception as e:
     print("FAILED", e)')"
     [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
