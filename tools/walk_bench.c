@@ -101,13 +101,12 @@ static int two_walks(const gpu_plan_t *g, const gpu_launch_t *l, uint64_t bytes)
     return gpu_desc_runs(g, l, run_add, NULL) == 0;
 }
 
-/* auto now (gpu.c's dma_launch()): one walk that stops past the max. */
+/* auto now (gpu.c's dma_launch(): gpu_desc_runs_auto()): one walk while
+ * the runs fit the batch unissued. */
 static int one_walk(const gpu_plan_t *g, const gpu_launch_t *l, uint64_t bytes)
 {
     batch.n = batch.issued = 0;
-    if (gpu_desc_unit_run(g, l) >= MIN_RUN)
-        return gpu_desc_runs(g, l, run_add, NULL) == 0;
-    int e = gpu_desc_runs_upto(g, l, bytes / MIN_RUN, run_add, NULL);
+    int e = gpu_desc_runs_auto(g, l, bytes, MIN_RUN, BATCH, run_add, NULL);
     if (e == GPU_RUNS_MANY)
         batch.n = 0;
     return e == 0;

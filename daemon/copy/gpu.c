@@ -1401,30 +1401,22 @@ static int dma_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
 
 /* Launch l of part gp (bytes long) on the copy engines, if it goes
  * there: gpu.copy_path dma, or auto and its runs, joined, are
- * gpu.dma_min_run long or longer on average. A cudaError_t, or -1 when
- * it goes to the kernel (nothing issued). auto's choice is made in the
- * walk that lays out the copies: the runs wait in the batch until the
- * walk ends, and the walk stops at the first run past bytes / min_run
- * (scattered blocks cost that many runs, not the launch's units). */
+ * gpu.dma_min_run long or longer on average (gpu_desc_runs_auto(): the
+ * choice is made in the walk that lays out the copies, the runs waiting
+ * in the batch until it ends). A cudaError_t, or -1 when it goes to the
+ * kernel (nothing issued). */
 static int dma_launch(const gpu_part_t *gp, const gpu_launch_t *l, int d,
                       uint64_t bytes)
 {
     if (!gp->hdesc) /* made under gpu.copy_path kernel */
         return -1;
-    const uint64_t min_run = kvxd.conf.gpu_dma_min_run;
-    const uint64_t max = min_run ? bytes / min_run : UINT64_MAX;
-    int e;
     dma.stream = g.stream[d];
     dma.n = 0;
-    if (!strcmp(kvxd.conf.gpu_copy_path, "dma") ||
-        gpu_desc_unit_run(&gp->hplan, l) >= min_run)
-        e = gpu_desc_runs(&gp->hplan, l, dma_run, NULL);
-    else if (max <= DMA_BATCH) /* the runs fit the batch unflushed */
-        e = gpu_desc_runs_upto(&gp->hplan, l, max, dma_run, NULL);
-    else if (gpu_desc_runs_long(&gp->hplan, l, bytes, min_run))
-        e = gpu_desc_runs(&gp->hplan, l, dma_run, NULL);
-    else
-        e = GPU_RUNS_MANY;
+    int e = !strcmp(kvxd.conf.gpu_copy_path, "dma")
+                ? gpu_desc_runs(&gp->hplan, l, dma_run, NULL)
+                : gpu_desc_runs_auto(&gp->hplan, l, bytes,
+                                     kvxd.conf.gpu_dma_min_run, DMA_BATCH,
+                                     dma_run, NULL);
     if (e == GPU_RUNS_MANY) {
         dma.n = 0;
         return -1;
@@ -1432,7 +1424,8 @@ static int dma_launch(const gpu_part_t *gp, const gpu_launch_t *l, int d,
     if (e == cudaSuccess)
         e = dma_flush();
     dma.n = 0;
-    dma.launches_dma++;
+    if (e == cudaSuccess) /* counted as gpu_launch() counts launches */
+        dma.launches_dma++;
     return e;
 }
 

@@ -114,6 +114,17 @@ uint64_t gpu_desc_unit_run(const gpu_plan_t *g, const gpu_launch_t *l);
 #define GPU_RUNS_MANY (-1)
 int gpu_desc_runs_upto(const gpu_plan_t *g, const gpu_launch_t *l, uint64_t max,
                        gpu_run_fn emit, void *arg);
+/* gpu.copy_path auto for launch l (bytes long): its runs to emit when
+ * they are min_run long or longer on average. In one walk when at most
+ * cap runs would pass (bytes / min_run <= cap: emit must keep cap runs
+ * without issuing any, since the walk may yet find them too many); else
+ * counted first, then walked again. 0: every run emitted (the copy
+ * engines'); GPU_RUNS_MANY: too many (the kernel's; the runs emitted
+ * before it, at most cap, are to be dropped); else emit's nonzero
+ * return. */
+int gpu_desc_runs_auto(const gpu_plan_t *g, const gpu_launch_t *l,
+                       uint64_t bytes, uint64_t min_run, uint64_t cap,
+                       gpu_run_fn emit, void *arg);
 /* gpu.copy_path auto: 1 when the runs of launch l (bytes long), joined
  * as gpu_desc_runs() joins them, are min_run long or longer on average
  * (a request's blocks in order, in vLLM's layout: a layer's K of every

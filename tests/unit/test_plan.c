@@ -1410,6 +1410,23 @@ static int upto_emit(void *arg, uint64_t dst, uint64_t src, uint64_t len)
     return ++*n == upto_fail_at ? 5 : 0;
 }
 
+/* A batch of auto_cap runs, issued (counted in auto_flushes) when full
+ * and another run comes, as gpu.c's dma_run(). */
+static uint64_t auto_cap, auto_n, auto_flushes;
+static int auto_emit(void *arg, uint64_t dst, uint64_t src, uint64_t len)
+{
+    (void)arg;
+    (void)dst;
+    (void)src;
+    if (auto_n == auto_cap) {
+        auto_flushes++;
+        auto_n = 0;
+    }
+    auto_n++;
+    upto_bytes += len;
+    return 0;
+}
+
 TEST(copy_engine_runs_upto_one_walk)
 {
     for (int ord = 1; ord >= 0; ord--) {
@@ -1453,6 +1470,26 @@ TEST(copy_engine_runs_upto_one_walk)
         upto_fail_at = 2;
         CHECK_EQ(gpu_desc_runs_upto(&g, &l, all, upto_emit, &n), 5);
         CHECK_EQ(n, 2);
+        /* gpu_desc_runs_auto() chooses as gpu_desc_runs_long(), whatever
+         * the batch holds; a choice of the kernel never comes after runs
+         * were issued (a flush: the same units would be copied twice) */
+        for (uint64_t k = 1; k <= 2 * all + 2; k++) {
+            const uint64_t min_run = p->bytes / k;
+            const uint64_t caps[] = {1, all / 2 + 1, all - 1, all, 4096};
+            for (size_t ci = 0; ci < sizeof(caps) / sizeof(caps[0]); ci++) {
+                auto_cap = caps[ci];
+                auto_n = auto_flushes = 0;
+                upto_bytes = 0;
+                int e = gpu_desc_runs_auto(&g, &l, p->bytes, min_run, auto_cap,
+                                           auto_emit, NULL);
+                CHECK(e == 0 || e == GPU_RUNS_MANY);
+                CHECK_EQ(e == 0, gpu_desc_runs_long(&g, &l, p->bytes, min_run));
+                if (e == 0)
+                    CHECK_EQ(upto_bytes, p->bytes);
+                else
+                    CHECK_EQ(auto_flushes, 0);
+            }
+        }
         /* auto's choice stays gpu_desc_runs_long()'s */
         CHECK_EQ(gpu_desc_runs_long(&g, &l, p->bytes, p->bytes / all), 1);
         CHECK_EQ(gpu_desc_runs_long(&g, &l, p->bytes, p->bytes / all + 1), 0);
