@@ -106,34 +106,54 @@ class Smi:
         self.t = threading.Thread(target=self._read, daemon=True)
         self.t.start()
 
+    @staticmethod
+    def _num(x: str):
+        """A field's number; None for [N/A] or [Not Supported]."""
+        try:
+            return float(x)
+        except ValueError:
+            return None
+
     def _read(self) -> None:
         for ln in self.p.stdout:
             f = [x.strip() for x in ln.split(",")]
-            try:
-                self.rows.append((time.monotonic_ns(), float(f[0]),
-                                  float(f[1]), float(f[2]), float(f[3]),
-                                  f[4]))
-            except (ValueError, IndexError):
-                pass
+            if len(f) == 5:
+                self.rows.append((time.monotonic_ns(),)
+                                 + tuple(self._num(x) for x in f[:4])
+                                 + (f[4],))
 
     def stop(self) -> None:
         self.p.terminate()
         self.p.wait()
+        self.t.join(timeout=2)  # the lines still in the pipe
 
     def over(self, wins: list) -> dict:
-        """Medians over the samples inside any (start, end) window."""
+        """Medians over the samples inside any (start, end) window; a
+        field the GPU never gave is None."""
         rs = [r for r in self.rows
               if any(w0 <= r[0] <= w1 for w0, w1 in wins)]
         if not rs:
             return {"samples": 0}
+
+        def med(i):
+            v = [r[i] for r in rs if r[i] is not None]
+            return pct(v, 0.5) if v else None
         why = {}
         for r in rs:
             why[r[5]] = why.get(r[5], 0) + 1
-        return {"samples": len(rs), "sm_mhz": pct([r[1] for r in rs], 0.5),
-                "mem_mhz": pct([r[2] for r in rs], 0.5),
-                "power_w": pct([r[3] for r in rs], 0.5),
-                "kernel_pct": pct([r[4] for r in rs], 0.5),
+        return {"samples": len(rs), "sm_mhz": med(1), "mem_mhz": med(2),
+                "power_w": med(3), "kernel_pct": med(4),
                 "reasons": max(why, key=why.get)}
+
+
+def start_smi(dev: int):
+    """An Smi, or None (with a warning) where nvidia-smi cannot run."""
+    try:
+        return Smi(dev)
+    except OSError as e:
+        print("--smi: nvidia-smi: %s; no clocks sampled" % e,
+              file=sys.stderr)
+        return None
 
 
 def bench_json(out: str) -> dict:
@@ -168,7 +188,16 @@ def main() -> int:
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
     eng = Engine(a.device, a.step)
-    smi = Smi(a.device) if a.smi else None
+    smi = start_smi(a.device) if a.smi else None
+    try:
+        return measure(a, args, eng, smi)
+    finally:
+        if smi:
+            smi.stop()
+
+
+def measure(a, args: list, eng: "Engine", smi) -> int:
+    """The three phases and the JSON line (main's body)."""
     t_alone = time.monotonic_ns()
     alone = [e - s for s, e in eng.run_for(a.alone_s)]
     t_alone = (t_alone, time.monotonic_ns())

@@ -65,7 +65,7 @@ L="--spawn-daemon --gpu --gen-device 0 $M --requests 16 --blocks 1024 --window 4
 load() { # label, config
     case $1 in *-seq) sh= ;; *) sh=--shuffle ;; esac
     r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --bench "$B/bin/kvxfer-bench" \
-        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} ${SMI:+--smi} -- $L $sh --daemon-config "$2" 2>"$OUT/load-$1.err")
+        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) -- $L $sh --daemon-config "$2" 2>"$OUT/load-$1.err")
     echo "$r" >>"$OUT/load.jsonl"
     echo "$1 $(echo "$r" | python3 -c 'import json,sys
 try:
@@ -75,7 +75,8 @@ try:
     for k in ("gpu_alone", "gpu_load", "gpu_copies_alone"):
         g = r.get(k)
         if g and g.get("samples"):
-            print("  %s: SM %.0f MHz, mem %.0f MHz, %.0f W, kernels %.0f%%, reasons %s (%d samples)" % (k, g["sm_mhz"], g["mem_mhz"], g["power_w"], g["kernel_pct"], g["reasons"], g["samples"]))
+            n = lambda x: "n/a" if x is None else "%.0f" % x
+            print("  %s: SM %s MHz, mem %s MHz, %s W, kernels %s%%, reasons %s (%d samples)" % (k, n(g["sm_mhz"]), n(g["mem_mhz"]), n(g["power_w"]), n(g["kernel_pct"]), g["reasons"], g["samples"]))
 except Exception as e:
     print("FAILED", e)')"
     [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
@@ -93,7 +94,7 @@ if [ "${PART:-all}" != idle ]; then
     for c in ${NOMPS-kernel dma kernel-low dma-low kernel-16}; do
         load "$c" "$OUT/${c%-seq}.yaml"
     done
-    if [ -n "${WITHMPS-x}" ]; then
+    if [ -n "$(echo ${WITHMPS-x})" ]; then
         mps_on
         for c in ${WITHMPS:-kernel dma kernel-sm25 dma-low}; do
             load "mps-$c" "$OUT/${c%-seq}.yaml"
