@@ -1404,7 +1404,7 @@ TEST_T(auto_path_takes_joined_runs, 120)
          * (kvxfer_gpu_mps) */
         const char *mps = strstr(out, "in use: 0 (");
         CHECK(mps);
-        printf("device 0: %.16s\n", mps + 9);
+        printf("device 0: %.16s\n", mps + 10);
         CHECK(!strncmp(mps + 11, "MPS)", 4) ||
               !strncmp(mps + 11, "no MPS)", 7) ||
               !strncmp(mps + 11, "MPS unknown)", 12));
