@@ -1,13 +1,15 @@
 /*
  * fuzz_request — one Request message as the daemon's protocol edge sees
  * it: protobuf decode, re-encode, and the validators of daemon/local/session.c
- * (included to reach its statics): layout_from_msg + the pool check for
- * RegisterPool, check_blocks for Publish and Fetch (against a pool whose
+ * and session_pool.c (included to reach their statics): layout_from_msg +
+ * the pool check for RegisterPool, check_blocks for Publish and Fetch (against a pool whose
  * block count comes from the request id), xfer_params_decode for Fetch.
  * Whatever a validator accepts must really hold.
  *
  */
 #include "../../daemon/local/session.c"
+#undef FAIL /* session_pool.c has its own */
+#include "../../daemon/local/session_pool.c"
 
 #include <stdio.h>
 
