@@ -259,16 +259,17 @@ static void text_engines(FILE *f, const Kvxfer__UcxInfo *ucx)
     gpu_counts_t gc;
     gpu_counts(&gc);
     family(f, "kvxfer_gpu_launches_total", "counter",
-           "GPU copy launches, by what moved their bytes: the copy kernel, "
-           "or the copy engines (gpu.copy_path dma, or auto's choice).");
+           "GPU copy launches, by path: kernel (the copy kernel, on the "
+           "SMs) or dma (the GPU's DMA copy engines; gpu.copy_path dma, or "
+           "auto's choice).");
     fprintf(f, "kvxfer_gpu_launches_total{path=\"kernel\"} %llu\n",
             (unsigned long long)(gc.launches - gc.launches_dma));
-    fprintf(f, "kvxfer_gpu_launches_total{path=\"copy_engines\"} %llu\n",
+    fprintf(f, "kvxfer_gpu_launches_total{path=\"dma\"} %llu\n",
             (unsigned long long)gc.launches_dma);
-    family(f, "kvxfer_gpu_copy_engine_copies_total", "counter",
-           "Copies the copy engines' launches were cut into (one a joined "
+    family(f, "kvxfer_gpu_dma_copies_total", "counter",
+           "Copies the dma path's launches were cut into (one a joined "
            "run).");
-    fprintf(f, "kvxfer_gpu_copy_engine_copies_total %llu\n",
+    fprintf(f, "kvxfer_gpu_dma_copies_total %llu\n",
             (unsigned long long)gc.dma_copies);
     family(f, "kvxfer_gpu_mps", "gauge",
            "1 when the daemon's context on the device is an MPS client "

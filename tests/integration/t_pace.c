@@ -336,9 +336,8 @@ TEST_T(gpu_metrics_without_a_gpu_pool, 30)
 {
     daemon_t *d = daemon_start("");
     CHECK_EQ(pace_metric(d, "kvxfer_gpu_launches_total{path=\"kernel\"}"), 0);
-    CHECK_EQ(pace_metric(d, "kvxfer_gpu_launches_total{path=\"copy_engines\"}"),
-             0);
-    CHECK_EQ(pace_metric(d, "kvxfer_gpu_copy_engine_copies_total"), 0);
+    CHECK_EQ(pace_metric(d, "kvxfer_gpu_launches_total{path=\"dma\"}"), 0);
+    CHECK_EQ(pace_metric(d, "kvxfer_gpu_dma_copies_total"), 0);
     CHECK_EQ(pace_metric(d, "kvxfer_gpu_mps{device=\"0\"}"), -1);
     char args[256];
     static char out[1 << 17];
