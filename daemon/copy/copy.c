@@ -16,7 +16,7 @@
 
 /* Lanes a pace applies to: 0, the host's copy workers (and the loop's
  * inline copies); 1 + d, GPU d (the last shared by devices 63 and up). */
-#define LANES 65
+#define LANES (1 + COPY_PACE_DEVICES)
 
 static void job_finished(copy_job_t *j);
 
@@ -365,7 +365,7 @@ static void queue(copy_job_t **jobs, size_t n)
 /* The lane of GPU device d. */
 static int gpu_lane(int d)
 {
-    return 1 + (d < 0 ? 0 : d < LANES - 1 ? d : LANES - 2);
+    return 1 + copy_pace_device(d);
 }
 
 /* The lane a job's bytes are paced on, or -1: not a copy of a plan. */

@@ -91,6 +91,11 @@ unsigned copy_threads(void);
 void copy_set_pace(uint64_t host_per_ms, uint64_t gpu_per_ms);
 /* GPUs whose lanes are paced apart: devices 63 and up share the last. */
 #define COPY_PACE_DEVICES 64
+/* Device d's pace index, 0..COPY_PACE_DEVICES - 1 (its lane's). */
+static inline int copy_pace_device(int d)
+{
+    return d < 0 ? 0 : d < COPY_PACE_DEVICES - 1 ? d : COPY_PACE_DEVICES - 1;
+}
 /* The engines' pace of GPU device (the lowest their GpuPace gives it; 0:
  * none): its lane goes at the lowest of this and gpu.pace, as
  * copy_set_pace() says. Loop thread. */

@@ -18,15 +18,16 @@
 
 #include <uv.h>
 
+#include "copy/copy.h"
+
 /* The bounds of a GpuPace: gpu.pace's own, and a minute of hold. */
 #define PACING_MAX_PER_MS (1ull << 40)
 #define PACING_MAX_HOLD_MS 60000u
 
-/* Device d's bit in a devices mask: devices 63 and up share the last
- * (COPY_PACE_DEVICES - 1, as copy.c's lanes do). */
+/* Device d's bit in a devices mask: its lane's (copy_pace_device()). */
 static inline uint64_t pacing_device_bit(int d)
 {
-    return 1ull << (d < 0 ? 0 : d < 63 ? d : 63);
+    return 1ull << copy_pace_device(d);
 }
 
 int pacing_init(uv_loop_t *loop);
