@@ -298,12 +298,10 @@ int gpu_desc_runs_auto(const gpu_plan_t *g, const gpu_launch_t *l,
                        uint64_t bytes, uint64_t min_run, uint64_t cap,
                        gpu_run_fn emit, void *arg)
 {
-    if (gpu_desc_unit_run(g, l) >= min_run) /* one run a unit is enough */
-        return gpu_desc_runs(g, l, emit, arg);
     const uint64_t max = min_run ? bytes / min_run : UINT64_MAX;
-    if (max <= cap)
+    if (gpu_desc_unit_run(g, l) < min_run && max <= cap) /* one walk */
         return gpu_desc_runs_upto(g, l, max, emit, arg);
-    if (gpu_desc_runs_upto(g, l, max, NULL, NULL))
+    if (!gpu_desc_runs_long(g, l, bytes, min_run)) /* counted first */
         return GPU_RUNS_MANY;
     return gpu_desc_runs(g, l, emit, arg);
 }
