@@ -111,7 +111,7 @@ CUDA     ?= $(if $(NVCC),1,0)
 ifeq ($(CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_VER  := $(shell $(NVCC) --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
-GPU_SRC   := daemon/copy/gpu.c
+GPU_SRC   := daemon/copy/gpu.c daemon/copy/gpu_dma.c
 GPU_OBJ   := $(BUILD)/obj/daemon/copy/gpu_kernel.o
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt
 NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC,-fno-threadsafe-statics \
@@ -119,7 +119,8 @@ NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC,-fno-threadsafe-statics \
              -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_100,code=sm_100 \
              -gencode arch=compute_100,code=compute_100
-$(BUILD)/obj/daemon/copy/gpu.o: CFLAGS += -I$(CUDA_HOME)/include \
+$(BUILD)/obj/daemon/copy/gpu.o $(BUILD)/obj/daemon/copy/gpu_dma.o: \
+             CFLAGS += -I$(CUDA_HOME)/include \
              -DKVX_CUDA_VERSION='"$(CUDA_VER)"'
 $(BENCH_OBJ): CFLAGS += -DKVX_CUDA
 BENCH_GPU_OBJ := $(BUILD)/obj/tools/bench_gpu.o

@@ -16,6 +16,7 @@
 #include "core/log.h"
 #include "gpu.h"
 #include "gpu_desc.h"
+#include "gpu_dma.h"
 #include "gpu_walk.h"
 
 #define MAX_DEV 64
@@ -293,17 +294,6 @@ struct gpu_part {
     gpu_plan_t hplan;
 };
 
-/* The copy engines' batch being built (loop thread). */
-#define DMA_BATCH 4096
-static struct {
-    void *dst[DMA_BATCH];
-    const void *src[DMA_BATCH];
-    size_t len[DMA_BATCH];
-    size_t n;
-    cudaStream_t stream;
-    uint64_t copies, batches, launches_dma;
-} dma;
-
 const char *gpu_build_info(void)
 {
     return "cuda " KVX_CUDA_VERSION ", kernels sm_80 sm_90 sm_100 + PTX";
@@ -486,7 +476,9 @@ static int use_device(int d, kvx_why_t *why)
 
 void gpu_counts(gpu_counts_t *c)
 {
-    *c = (gpu_counts_t){g.launches, dma.launches_dma, dma.copies};
+    gpu_dma_counts_t dc;
+    gpu_dma_counts(&dc);
+    *c = (gpu_counts_t){g.launches, dc.launches, dc.copies};
 }
 
 int gpu_mps(int device)
@@ -502,6 +494,8 @@ void gpu_status(char *buf, size_t len)
         snprintf(buf, len, "%s", g.state < 0 ? g.why : "idle (no GPU pool)");
         return;
     }
+    gpu_dma_counts_t dc;
+    gpu_dma_counts(&dc);
     size_t off = (size_t)snprintf(
         buf, len,
         "%d devices; staging %llu B/device; "
@@ -514,8 +508,8 @@ void gpu_status(char *buf, size_t len)
             buf + off, len - off,
             "; copy path %s (copy engines: %llu launches, %llu copies in "
             "%llu batches); in use:",
-            kvxd.conf.gpu_copy_path, (unsigned long long)dma.launches_dma,
-            (unsigned long long)dma.copies, (unsigned long long)dma.batches);
+            kvxd.conf.gpu_copy_path, (unsigned long long)dc.launches,
+            (unsigned long long)dc.copies, (unsigned long long)dc.batches);
     for (int d = 0; d < g.ndev && off < len; d++)
         if (g.used[d])
             off += (size_t)snprintf(buf + off, len - off, " %d (%s)", d,
@@ -1337,96 +1331,15 @@ void gpu_event_unwatch(gpu_watch_t *w)
     free(w);
 }
 
-/* ---- the copy engines' path (gpu.copy_path) --------------------------- */
-
-static cudaError_t dma_flush(void)
-{
-    if (!dma.n)
-        return cudaSuccess;
-    cudaError_t e = cudaSuccess;
-#if CUDART_VERSION >= 12080
-    /* the copies may overlap the engine's kernels: copy engines, not SMs;
-     * the batch reads the source as the stream orders it */
-    struct cudaMemcpyAttributes a;
-    memset(&a, 0, sizeof(a));
-    a.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    a.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-    size_t idx = 0;
-    static int unbatched; /* the driver has no batches: a copy a call */
-    if (!unbatched) {
-#if CUDART_VERSION >= 13000
-        e = cudaMemcpyBatchAsync(dma.dst, dma.src, dma.len, dma.n, &a, &idx, 1,
-                                 dma.stream);
-#else
-        size_t fail = 0;
-        e = cudaMemcpyBatchAsync(dma.dst, (void **)dma.src, dma.len, dma.n, &a,
-                                 &idx, 1, &fail, dma.stream);
-#endif
-        if (e == cudaErrorNotSupported ||
-            e == cudaErrorCallRequiresNewerDriver) {
-            log_warn("gpu: cudaMemcpyBatchAsync: %s; the copy engines' "
-                     "path issues a cudaMemcpyAsync a run",
-                     cudaGetErrorString(e));
-            (void)cudaGetLastError();
-            unbatched = 1;
-        }
-    }
-    if (unbatched)
-#endif
-        for (size_t i = 0; i < dma.n; i++)
-            if ((e = cudaMemcpyAsync(dma.dst[i], dma.src[i], dma.len[i],
-                                     cudaMemcpyDefault, dma.stream)) !=
-                cudaSuccess)
-                break;
-    dma.copies += dma.n;
-    dma.batches++;
-    dma.n = 0;
-    return e;
-}
-
-static int dma_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
-{
-    (void)arg;
-    if (dma.n == DMA_BATCH) {
-        cudaError_t e = dma_flush();
-        if (e != cudaSuccess)
-            return (int)e;
-    }
-    dma.dst[dma.n] = (void *)(uintptr_t)dst;
-    dma.src[dma.n] = (const void *)(uintptr_t)src;
-    dma.len[dma.n] = (size_t)len;
-    dma.n++;
-    return 0;
-}
-
 /* Launch l of part gp (bytes long) on the copy engines, if it goes
- * there: gpu.copy_path dma, or auto and its runs, joined, are
- * gpu.dma_min_run long or longer on average (gpu_desc_runs_auto(): the
- * choice is made in the walk that lays out the copies, the runs waiting
- * in the batch until it ends). A cudaError_t, or -1 when it goes to the
+ * there (gpu_dma_launch()): a cudaError_t, or -1 when it goes to the
  * kernel (nothing issued). */
 static int dma_launch(const gpu_part_t *gp, const gpu_launch_t *l, int d,
                       uint64_t bytes)
 {
     if (!gp->hdesc) /* made under gpu.copy_path kernel */
         return -1;
-    dma.stream = g.stream[d];
-    dma.n = 0;
-    int e = !strcmp(kvxd.conf.gpu_copy_path, "dma")
-                ? gpu_desc_runs(&gp->hplan, l, dma_run, NULL)
-                : gpu_desc_runs_auto(&gp->hplan, l, bytes,
-                                     kvxd.conf.gpu_dma_min_run, DMA_BATCH,
-                                     dma_run, NULL);
-    if (e == GPU_RUNS_MANY) {
-        dma.n = 0;
-        return -1;
-    }
-    if (e == cudaSuccess)
-        e = dma_flush();
-    dma.n = 0;
-    if (e == cudaSuccess) /* counted as gpu_launch() counts launches */
-        dma.launches_dma++;
-    return e;
+    return gpu_dma_launch(&gp->hplan, l, g.stream[d], bytes);
 }
 
 int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
