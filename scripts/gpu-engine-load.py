@@ -24,6 +24,14 @@ at its power cap lowers its clock when copies add HBM traffic; copies
 that the driver runs as a kernel show kernel time while kvxfer runs
 alone, where the copy engines show none).
 
+--self-copy GIB leaves kvxfer out: the engine's own process copies GIB
+GiB a pass device to device on a side stream of its own context, in
+--piece-mib pieces (cudaMemcpyAsync, or an elementwise kernel with
+--copy-kernel). That is what an in-engine transfer layer does, and it
+tells what copies cost the step when they do not time-slice with it.
+--elsewhere runs the same copies from a second process (a context of
+its own, as kvxferd's), the baseline for that comparison.
+
     python3 scripts/gpu-engine-load.py --bench dist/kvxfer/bin/kvxfer-bench \\
         --label kernel -- --spawn-daemon --gpu --gen-device 0 ...
 """
@@ -74,7 +82,9 @@ class Engine:
                 y = torch.matmul(y, w)
         if self.kind != "matmul":
             torch.add(self.a, self.b, out=self.c)
-        torch.cuda.synchronize()
+        # its own stream only: a copy on a side stream (--self-copy)
+        # must not be waited for
+        torch.cuda.current_stream().synchronize()
         return t0, time.monotonic_ns()
 
     def run_for(self, seconds: float) -> list:
@@ -83,6 +93,52 @@ class Engine:
         while time.monotonic_ns() < end:
             steps.append(self.step())
         return steps
+
+
+class SelfCopy:
+    """Copies from the engine's own context: src to dst on a side stream,
+    in pieces, at most 8 in flight; each pass's window is recorded."""
+
+    def __init__(self, gib: float, piece_mib: int, kernel: bool,
+                 passes: int) -> None:
+        self.piece = piece_mib << 20
+        self.n = max(1, int(gib * (1 << 30)) // self.piece)
+        self.hold = min(self.n, max(1, (8 << 30) // self.piece))
+        self.src = torch.empty(self.hold * self.piece, dtype=torch.uint8,
+                               device="cuda")
+        self.dst = torch.empty_like(self.src)
+        self.kernel = kernel
+        self.passes = passes
+        self.stream = torch.cuda.Stream()
+        self.wins = []
+        self.run_pass()  # warm: first launches and allocations
+
+    def run_pass(self) -> tuple:
+        evs = []
+        t0 = time.monotonic_ns()
+        with torch.cuda.stream(self.stream):
+            for i in range(self.n):
+                o = (i % self.hold) * self.piece
+                s = self.src[o:o + self.piece]
+                d = self.dst[o:o + self.piece]
+                if self.kernel:
+                    torch.bitwise_or(s, 0, out=d)
+                else:
+                    d.copy_(s, non_blocking=True)
+                e = torch.cuda.Event()
+                e.record(self.stream)
+                evs.append(e)
+                if len(evs) >= 8:
+                    evs.pop(0).synchronize()
+        self.stream.synchronize()
+        return t0, time.monotonic_ns()
+
+    def run(self) -> dict:
+        """passes timed; their windows and GB/s (the median pass)."""
+        wins = [self.run_pass() for _ in range(self.passes)]
+        self.wins = wins
+        per = sorted(self.n * self.piece / (w1 - w0) for w0, w1 in wins)
+        return {"gbps": per[len(per) // 2]}
 
 
 class Smi:
@@ -163,8 +219,15 @@ def bench_json(out: str) -> dict:
     raise RuntimeError("kvxfer-bench printed no JSON line:\n" + out[-2000:])
 
 
-def run_bench(bench: str, args: list, marks: str) -> dict:
-    p = subprocess.run([bench] + args + ["--json", "--pass-times", marks],
+def marks_args(cmd: list, marks: str, copier: bool) -> list:
+    """cmd, told to write its passes' windows to marks."""
+    if copier:
+        return cmd + ["--copier-out", marks]
+    return cmd + ["--json", "--pass-times", marks]
+
+
+def run_bench(cmd: list, marks: str, copier: bool = False) -> dict:
+    p = subprocess.run(marks_args(cmd, marks, copier),
                        capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         raise RuntimeError("kvxfer-bench failed (%d):\n%s%s" % (
@@ -174,7 +237,18 @@ def run_bench(bench: str, args: list, marks: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--bench", required=True, help="kvxfer-bench to run")
+    ap.add_argument("--bench", help="kvxfer-bench to run")
+    ap.add_argument("--self-copy", type=float, metavar="GIB",
+                    help="no kvxfer: copy GIB GiB a pass in this process")
+    ap.add_argument("--piece-mib", type=int, default=64,
+                    help="--self-copy's piece (default 64 MiB)")
+    ap.add_argument("--copy-kernel", action="store_true",
+                    help="--self-copy with a kernel, not cudaMemcpyAsync")
+    ap.add_argument("--passes", type=int, default=8,
+                    help="--self-copy's timed passes (default 8)")
+    ap.add_argument("--elsewhere", action="store_true",
+                    help="--self-copy's copies from a second process")
+    ap.add_argument("--copier-out", help=argparse.SUPPRESS)
     ap.add_argument("--label", default="", help="the case's name")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--alone-s", type=float, default=2.0,
@@ -187,6 +261,16 @@ def main() -> int:
                     help="-- then kvxfer-bench's arguments")
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    if not a.bench and a.self_copy is None:
+        ap.error("give --bench (kvxfer) or --self-copy GIB")
+    if a.copier_out:  # --elsewhere's second process
+        torch.cuda.set_device(a.device)
+        c = SelfCopy(a.self_copy, a.piece_mib, a.copy_kernel, a.passes)
+        r = c.run()
+        with open(a.copier_out, "w") as f:
+            f.write("".join("%d %d\n" % w for w in c.wins))
+        print(json.dumps(r), flush=True)
+        return 0
     eng = Engine(a.device, a.step)
     smi = start_smi(a.device) if a.smi else None
     try:
@@ -196,18 +280,16 @@ def main() -> int:
             smi.stop()
 
 
-def measure(a, args: list, eng: "Engine", smi) -> int:
-    """The three phases and the JSON line (main's body)."""
-    t_alone = time.monotonic_ns()
-    alone = [e - s for s, e in eng.run_for(a.alone_s)]
-    t_alone = (t_alone, time.monotonic_ns())
+def bench_beside(a, cmd: list, eng: "Engine", copier=False) -> tuple:
+    """kvxfer-bench (or --elsewhere's copier) alone, then again while the
+    engine steps: each run's JSON and pass windows, and the steps."""
     tmp = tempfile.mkdtemp(prefix="kvx-load-")
-    idle = run_bench(a.bench, args, os.path.join(tmp, "idle"))
+    idle = run_bench(cmd, os.path.join(tmp, "idle"), copier)
     with open(os.path.join(tmp, "idle")) as f:
         wins_idle = [tuple(int(x) for x in ln.split()) for ln in f
                      if ln.strip()]
     marks = os.path.join(tmp, "load")
-    p = subprocess.Popen([a.bench] + args + ["--json", "--pass-times", marks],
+    p = subprocess.Popen(marks_args(cmd, marks, copier),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     steps = []
@@ -217,9 +299,54 @@ def measure(a, args: list, eng: "Engine", smi) -> int:
     if p.returncode != 0:
         raise RuntimeError("kvxfer-bench failed under load (%d):\n%s%s" % (
             p.returncode, out[-2000:], err[-2000:]))
-    load = bench_json(out)
     with open(marks) as f:
         wins = [tuple(int(x) for x in ln.split()) for ln in f if ln.strip()]
+    return idle, wins_idle, bench_json(out), wins, steps
+
+
+def copier_args(a) -> list:
+    """The command of --elsewhere's copier, without --copier-out."""
+    r = [sys.executable, os.path.abspath(__file__), "--device",
+         str(a.device), "--self-copy", str(a.self_copy), "--piece-mib",
+         str(a.piece_mib), "--passes", str(a.passes)]
+    return r + (["--copy-kernel"] if a.copy_kernel else [])
+
+
+def self_copy(a, eng: "Engine") -> tuple:
+    """--self-copy: the same two phases with this process's own copies,
+    the loaded one on a thread beside the steps (or, --elsewhere, in a
+    second process, as bench_beside runs kvxfer-bench)."""
+    what = "kernel" if a.copy_kernel else "cudaMemcpyAsync"
+    if a.elsewhere:
+        idle, wins_idle, load, wins, steps = bench_beside(
+            a, copier_args(a), eng, copier=True)
+        load["gpu_status"] = "copies from a second process: %s, %d MiB " \
+            "pieces" % (what, a.piece_mib)
+        return idle, wins_idle, load, wins, steps
+    c = SelfCopy(a.self_copy, a.piece_mib, a.copy_kernel, a.passes)
+    idle = c.run()
+    wins_idle = c.wins
+    load = {}
+    t = threading.Thread(target=lambda: load.update(c.run()))
+    t.start()
+    steps = []
+    while t.is_alive():
+        steps.append(eng.step())
+    t.join()
+    load["gpu_status"] = "self-copy: %s, %d MiB pieces" % (what, a.piece_mib)
+    return idle, wins_idle, load, c.wins, steps
+
+
+def measure(a, args: list, eng: "Engine", smi) -> int:
+    """The three phases and the JSON line (main's body)."""
+    t_alone = time.monotonic_ns()
+    alone = [e - s for s, e in eng.run_for(a.alone_s)]
+    t_alone = (t_alone, time.monotonic_ns())
+    if a.self_copy is not None:
+        idle, wins_idle, load, wins, steps = self_copy(a, eng)
+    else:
+        idle, wins_idle, load, wins, steps = bench_beside(
+            a, [a.bench] + args, eng)
     inside = [e - s for s, e in steps
               if any(w0 <= s and e <= w1 for w0, w1 in wins)]
     base = {q: pct(alone, q) for q in (0.5, 0.9, 0.99)}

@@ -20,6 +20,11 @@
 # A case name ending in -seq (dma-seq, kernel-seq, mps-...) takes each
 # request's blocks in order instead of shuffled: a layer's K or V of a
 # request is then one run of 32 MiB on both sides.
+# SELF: cases without kvxfer, copies from the engine's own process and
+# context (gpu-engine-load.py --self-copy, 32 GiB a pass, no MPS): self-dma
+# (64 MiB cudaMemcpyAsync pieces), self-dma4 (4 MiB), self-kernel (64 MiB
+# by an elementwise kernel), self-other (self-dma's copies from a second
+# process: a context of its own, as kvxferd's); default none.
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-share-out}
 mkdir -p "$OUT"
@@ -62,12 +67,8 @@ mps_off() {
 # block over 32 layers), shuffled block ids, 8 timed passes
 M="--layers 32 --heads 8 --head-dim 128 --tokens-per-block 16 --dtype bf16 --layout vllm-nhd"
 L="--spawn-daemon --gpu --gen-device 0 $M --requests 16 --blocks 1024 --window 4 --pool-mib 8192 --no-verify --passes 8"
-load() { # label, config
-    case $1 in *-seq) sh= ;; *) sh=--shuffle ;; esac
-    r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --bench "$B/bin/kvxfer-bench" \
-        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) -- $L $sh --daemon-config "$2" 2>"$OUT/load-$1.err")
-    echo "$r" >>"$OUT/load.jsonl"
-    echo "$1 $(echo "$r" | python3 -c 'import json,sys
+summary() { # a JSON line of gpu-engine-load.py on stdin: its figures
+    python3 -c 'import json,sys
 try:
     r=json.loads(sys.stdin.read())
     s=r["slowdown"]; a=r["step_ms_alone"]
@@ -78,7 +79,28 @@ try:
             n = lambda x: "n/a" if x is None else "%.0f" % x
             print("  %s: SM %s MHz, mem %s MHz, %s W, kernels %s%%, reasons %s (%d samples)" % (k, n(g["sm_mhz"]), n(g["mem_mhz"]), n(g["power_w"]), n(g["kernel_pct"]), g["reasons"], g["samples"]))
 except Exception as e:
-    print("FAILED", e)')"
+    print("FAILED", e)'
+}
+load() { # label, config
+    case $1 in *-seq) sh= ;; *) sh=--shuffle ;; esac
+    r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --bench "$B/bin/kvxfer-bench" \
+        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) -- $L $sh --daemon-config "$2" 2>"$OUT/load-$1.err")
+    echo "$r" >>"$OUT/load.jsonl"
+    echo "$1 $(echo "$r" | summary)"
+    [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
+}
+selfload() { # label
+    case $1 in
+    self-dma) o="--piece-mib 64" ;;
+    self-dma4) o="--piece-mib 4" ;;
+    self-kernel) o="--piece-mib 64 --copy-kernel" ;;
+    self-other) o="--piece-mib 64 --elsewhere" ;;
+    *) echo "$1: no such SELF case"; return ;;
+    esac
+    r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --self-copy 32 --passes 40 $o \
+        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) 2>"$OUT/load-$1.err")
+    echo "$r" >>"$OUT/load.jsonl"
+    echo "$1 $(echo "$r" | summary)"
     [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
 }
 bw() { # label, config, args...
@@ -91,6 +113,9 @@ bw() { # label, config, args...
     echo "$name $(echo "$r" | grep -o '"baseline_gbps":[0-9.]*') $(echo "$r" | grep -o '"pass_gbps":[^]]*]') $(echo "$r" | grep -o 'copy engines: [^)]*')"
 }
 if [ "${PART:-all}" != idle ]; then
+    for c in ${SELF-}; do
+        selfload "self-$c"
+    done
     for c in ${NOMPS-kernel dma kernel-low dma-low kernel-16}; do
         load "$c" "$OUT/${c%-seq}.yaml"
     done
