@@ -19,7 +19,9 @@
 # dma-p1024, auto (gpu.copy_path auto).
 # A case name ending in -seq (dma-seq, kernel-seq, mps-...) takes each
 # request's blocks in order instead of shuffled: a layer's K or V of a
-# request is then one run of 32 MiB on both sides.
+# request is then one run of 32 MiB on both sides. A name ending in -host
+# (dma-seq-host) puts the generation side's pool in host memory: the
+# copies cross PCIe (device to host) instead of staying in the GPU.
 # SELF: cases without kvxfer, copies from the engine's own process and
 # context (gpu-engine-load.py --self-copy, 32 GiB a pass, no MPS): self-dma
 # (64 MiB cudaMemcpyAsync pieces), self-dma4 (4 MiB), self-kernel (64 MiB
@@ -81,10 +83,12 @@ try:
 except Exception as e:
     print("FAILED", e)'
 }
-load() { # label, config
-    case $1 in *-seq) sh= ;; *) sh=--shuffle ;; esac
+load() { # label (its case name, mps- first under MPS), case name
+    c=${2%-host}
+    case $2 in *-host) host=--gen-host ;; *) host= ;; esac
+    case $c in *-seq) sh= ;; *) sh=--shuffle ;; esac
     r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --bench "$B/bin/kvxfer-bench" \
-        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) -- $L $sh --daemon-config "$2" 2>"$OUT/load-$1.err")
+        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) -- $L $sh $host --daemon-config "$OUT/${c%-seq}.yaml" 2>"$OUT/load-$1.err")
     echo "$r" >>"$OUT/load.jsonl"
     echo "$1 $(echo "$r" | summary)"
     [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
@@ -117,12 +121,12 @@ if [ "${PART:-all}" != idle ]; then
         selfload "self-$c"
     done
     for c in ${NOMPS-kernel dma kernel-low dma-low kernel-16}; do
-        load "$c" "$OUT/${c%-seq}.yaml"
+        load "$c" "$c"
     done
     if [ -n "$(echo ${WITHMPS-x})" ]; then
         mps_on
         for c in ${WITHMPS:-kernel dma kernel-sm25 dma-low}; do
-            load "mps-$c" "$OUT/${c%-seq}.yaml"
+            load "mps-$c" "$c"
         done
         mps_off
     fi
