@@ -14,6 +14,7 @@
 typedef struct entry {
     struct entry *next;
     uint64_t sid;
+    uint32_t uid; /* its user's: its pace binds no other user's copies */
     uint64_t per_ms;
     uint64_t until_ms; /* loop time it lapses at; 0: it does not */
     uint64_t devices;  /* its GPU pools' devices */
@@ -45,13 +46,43 @@ static void drop(entry_t **p)
     free(e);
 }
 
-/* Each device's lane gets the lowest pace of the sessions on it. */
+uint64_t pacing_shared(void)
+{
+    uint32_t uid[COPY_PACE_DEVICES];
+    uint64_t seen = 0, shared = 0;
+    uint32_t np = pool_count();
+    pool_t **pools = calloc(np ? np : 1, sizeof(*pools));
+    if (!pools)
+        return ~0ull; /* cannot tell: no engine's pace binds another's */
+    np = pool_list(pools, np);
+    for (uint32_t i = 0; i < np; i++) {
+        const pool_t *p = pools[i];
+        if (!p->gpu || p->released)
+            continue;
+        uint64_t bit = pacing_device_bit(p->device);
+        int d = copy_pace_device(p->device);
+        if (!(seen & bit)) {
+            seen |= bit;
+            uid[d] = p->uid;
+        } else if (uid[d] != p->uid) {
+            shared |= bit;
+        }
+    }
+    free(pools);
+    return shared;
+}
+
+/* Each device's lane gets the lowest pace of the sessions on it, unless
+ * the GPU pools there are of more than one user: then no engine's pace
+ * binds it (one tenant must not slow another's transfers), only
+ * gpu.pace. */
 static void apply(void)
 {
     uint64_t low[COPY_PACE_DEVICES] = {0};
+    uint64_t shared = g.list ? pacing_shared() : 0;
     for (entry_t *e = g.list; e; e = e->next)
         for (int d = 0; d < COPY_PACE_DEVICES; d++)
-            if (e->devices >> d & 1)
+            if ((e->devices & ~shared) >> d & 1)
                 low[d] = pace_lowest(low[d], e->per_ms);
     for (int d = 0; d < COPY_PACE_DEVICES; d++)
         if (low[d] != g.applied[d]) {
@@ -126,7 +157,7 @@ void pacing_cleanup(void)
     }
 }
 
-int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
+int pacing_set(uint64_t sid, uint32_t uid, uint64_t per_ms, uint32_t hold_ms,
                uint64_t devices)
 {
     entry_t **p = find(sid);
@@ -139,6 +170,7 @@ int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
             if (!e)
                 return KVX_ERR_NOMEM;
             e->sid = sid;
+            e->uid = uid;
             e->next = g.list;
             g.list = e;
             g.n++;
@@ -161,20 +193,19 @@ int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
 void pacing_devices(uint64_t sid, uint64_t devices)
 {
     entry_t **p = find(sid);
-    if (!*p || (*p)->devices == devices)
-        return;
-    (*p)->devices = devices;
-    apply();
+    if (*p)
+        (*p)->devices = devices;
+    apply(); /* a pool came or went: which devices users share may too */
 }
 
 void pacing_end(uint64_t sid)
 {
     entry_t **p = find(sid);
-    if (!*p)
-        return;
-    drop(p);
-    apply();
-    arm();
+    if (*p) {
+        drop(p);
+        arm();
+    }
+    apply(); /* its pools may leave a device to one user */
 }
 
 uint32_t pacing_sessions(void)
@@ -228,13 +259,25 @@ void pacing_status(char *buf, size_t len)
         sep = ", ";
     }
     uint64_t used = pacing_devices_used();
+    uint64_t shared = g.n ? pacing_shared() : 0;
     for (int d = 0; d < COPY_PACE_DEVICES; d++) {
         uint64_t engines, eff;
-        if (!(used >> d & 1) || !(eff = copy_gpu_pace(d, &engines)))
-            continue;
         uint32_t on = 0;
         for (entry_t *e = g.list; e; e = e->next)
             on += e->devices >> d & 1;
+        if (!(used >> d & 1))
+            continue;
+        eff = copy_gpu_pace(d, &engines);
+        if (shared >> d & 1 && on) {
+            ADD("%sdevice %d %s%.0llu%s (%u engine%s not applied: users share "
+                "it)",
+                sep, d, eff ? "" : "unpaced", (unsigned long long)eff,
+                eff ? " B/ms" : "", on, on == 1 ? "'s" : "s'");
+            sep = ", ";
+            continue;
+        }
+        if (!eff)
+            continue;
         if (engines == eff && on)
             ADD("%sdevice %d %llu B/ms (%u engine%s)", sep, d,
                 (unsigned long long)eff, on, on == 1 ? "" : "s");

@@ -1036,8 +1036,21 @@ static void on_gpu_pace(session_t *s, const Kvxfer__Request *rq)
     if (m->hold_ms > PACING_MAX_HOLD_MS)
         FAIL(KVX_ERR_INVALID, "gpu_pace.hold_ms: %u is over %u", m->hold_ms,
              PACING_MAX_HOLD_MS);
-    if (pacing_set(s->id, m->bytes_per_ms, m->hold_ms, session_gpu_devices(s)))
+    uint64_t devices = session_gpu_devices(s);
+    if (pacing_set(s->id, (uint32_t)s->uid, m->bytes_per_ms, m->hold_ms,
+                   devices))
         FAIL(KVX_ERR_NOMEM, "gpu_pace: out of memory");
+    uint64_t shared = m->bytes_per_ms ? devices & pacing_shared() : 0;
+    if (shared) {
+        /* recorded, and it binds once the device is this user's alone */
+        snprintf(why, sizeof(why),
+                 "gpu_pace: not applied on %d of its devices: other users' "
+                 "GPU pools are on them (an engine's pace binds only a "
+                 "device of one user)",
+                 __builtin_popcountll(shared));
+        reply(s, rq->id, 0, why);
+        return;
+    }
     reply(s, rq->id, 0, "");
 }
 

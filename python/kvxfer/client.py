@@ -1195,7 +1195,8 @@ class Client:
         of this rank's pools, registered now or later (3.2, kvx_gpu_pace):
         ``bytes_per_ms`` bytes a millisecond (at most 1 TiB; 0 withdraws
         this rank's pace). Each device goes at the lowest of ``gpu.pace``
-        and the paces of the ranks with a GPU pool there. The pace lapses
+        and the paces of the ranks with a GPU pool there (only ``gpu.pace``
+        where GPU pools of more than one uid share it). The pace lapses
         ``hold_ms`` (at most 60000) after the call unless the rank calls
         again: an engine calls it each step while it decodes, and copies
         go at full speed once it stops; 0 holds it until changed or the

@@ -4,10 +4,34 @@
  * goes at the lowest pace of the sessions with a pool there, beside
  * gpu.pace (and its reload); a pace without a device waits for one; a
  * lapse and a session's end give the lane back; the status says who set
- * each device's pace. The integration tests (t_pace.c) see the same
- * through the daemon, less the devices, which the CPU build cannot have.
+ * each device's pace; a device that users share takes no engine's pace.
+ * The integration tests (t_pace.c) see the same through the daemon, less
+ * the devices, which the CPU build cannot have: here pacing.c sees a
+ * table of pools the tests fill in place of the registry.
  */
+#include "../../daemon/copy/pool.h"
+
+static pool_t fake[8];
+static uint32_t nfake;
+
+static uint32_t fake_pool_count(void)
+{
+    return nfake;
+}
+
+static uint32_t fake_pool_list(pool_t **out, uint32_t max)
+{
+    uint32_t n = nfake < max ? nfake : max;
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = &fake[i];
+    return n;
+}
+
+#define pool_count fake_pool_count
+#define pool_list fake_pool_list
 #include "../../daemon/local/pacing.c"
+#undef pool_count
+#undef pool_list
 
 #include "tests/test.h"
 
@@ -16,8 +40,20 @@
 
 static uv_loop_t loop;
 
+/* A live GPU pool of user uid on device d in the table. */
+static pool_t *gpu_pool(uint32_t uid, int d)
+{
+    pool_t *p = &fake[nfake++];
+    memset(p, 0, sizeof(*p));
+    p->gpu = 1;
+    p->device = d;
+    p->uid = uid;
+    return p;
+}
+
 static void setup(void)
 {
+    nfake = 0;
     conf_defaults(&kvxd.conf);
     CHECK_EQ(uv_loop_init(&loop), 0);
     CHECK_EQ(copy_init(&loop, 1, 0, 0, 0), 0);
@@ -45,12 +81,12 @@ static uint64_t engines_of(int device)
 TEST(pacing_lowest_per_device_and_config)
 {
     setup();
-    CHECK_EQ(pacing_set(1, 8192, 0, DEV(0)), 0);
-    CHECK_EQ(pacing_set(2, 1000, 0, DEV(0) | DEV(1)), 0);
+    CHECK_EQ(pacing_set(1, 1000, 8192, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 1000, 1000, 0, DEV(0) | DEV(1)), 0);
     CHECK_EQ(lane(0), 1000);
     CHECK_EQ(lane(1), 1000);
     CHECK_EQ(lane(2), 0);
-    CHECK_EQ(pacing_set(2, 0, 0, DEV(0) | DEV(1)), 0); /* withdrawn */
+    CHECK_EQ(pacing_set(2, 1000, 0, 0, DEV(0) | DEV(1)), 0); /* withdrawn */
     CHECK_EQ(lane(0), 8192);
     CHECK_EQ(lane(1), 0);
     copy_set_pace(0, 4096); /* gpu.pace, as a reload sets it */
@@ -69,7 +105,7 @@ TEST(pacing_lowest_per_device_and_config)
 TEST(pacing_waits_for_a_device)
 {
     setup();
-    CHECK_EQ(pacing_set(7, 5000, 0, 0), 0);
+    CHECK_EQ(pacing_set(7, 1000, 5000, 0, 0), 0);
     for (int d = 0; d < COPY_PACE_DEVICES; d++)
         CHECK_EQ(lane(d), 0);
     CHECK_EQ(pacing_sessions(), 1);
@@ -91,8 +127,8 @@ TEST(pacing_waits_for_a_device)
 TEST(pacing_lapses_on_the_loop)
 {
     setup();
-    CHECK_EQ(pacing_set(1, 3000, 50, DEV(0)), 0);
-    CHECK_EQ(pacing_set(2, 9000, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(1, 1000, 3000, 50, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 1000, 9000, 0, DEV(0)), 0);
     CHECK_EQ(lane(0), 3000);
     uint64_t t0 = uv_now(&loop);
     while (lane(0) == 3000 && uv_now(&loop) - t0 < 5000)
@@ -116,7 +152,7 @@ TEST(pacing_hold_counts_from_the_call)
     uv_update_time(&loop);
     usleep(120000); /* the turn's work before the GpuPace frame */
     uint64_t t0 = uv_hrtime();
-    CHECK_EQ(pacing_set(1, 3000, 150, DEV(0)), 0);
+    CHECK_EQ(pacing_set(1, 1000, 3000, 150, DEV(0)), 0);
     while (lane(0) == 3000 && uv_hrtime() - t0 < 5000000000ull)
         uv_run(&loop, UV_RUN_ONCE);
     CHECK_EQ(lane(0), 0);
@@ -138,14 +174,55 @@ TEST(pacing_status_says_who)
     CHECK_EQ(buf[0], 0);
     kvxd.conf.gpu_pace = 4096;
     copy_set_pace(0, 4096);
-    CHECK_EQ(pacing_set(1, 1000, 0, DEV(0)), 0);
-    CHECK_EQ(pacing_set(2, 2000, 0, DEV(0)), 0);
-    CHECK_EQ(pacing_set(3, 8192, 0, DEV(1)), 0);
-    CHECK_EQ(pacing_set(4, 500, 0, 0), 0);
+    CHECK_EQ(pacing_set(1, 1000, 1000, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 1000, 2000, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(3, 1000, 8192, 0, DEV(1)), 0);
+    CHECK_EQ(pacing_set(4, 1000, 500, 0, 0), 0);
     pacing_status(buf, sizeof(buf));
     CHECK_STR_CONTAINS(buf, "gpu pace: config 4096 B/ms, engines 4 (lowest "
                             "500 B/ms, 1 without a GPU pool), device 0 "
                             "1000 B/ms (2 engines), device 1 4096 B/ms "
                             "(config)");
+    pacing_cleanup();
+}
+
+/* Users who share a device: no engine's pace binds it (one tenant would
+ * slow another's transfers), gpu.pace still does, and the status says
+ * why; a device of one user keeps it. The rule follows the pools: the
+ * other user's pool leaving gives the device the pace back, and one
+ * arriving takes it away at once, with no call from the engine. */
+TEST(pacing_not_across_users)
+{
+    setup();
+    gpu_pool(1000, 0);
+    pool_t *other = gpu_pool(2000, 0);
+    gpu_pool(1000, 1);
+    CHECK_EQ(pacing_shared(), DEV(0));
+    CHECK_EQ(pacing_set(1, 1000, 1000, 0, DEV(0) | DEV(1)), 0);
+    CHECK_EQ(lane(0), 0);
+    CHECK_EQ(lane(1), 1000);
+    char buf[1024];
+    pacing_status(buf, sizeof(buf));
+    CHECK_STR_CONTAINS(buf, "device 0 unpaced (1 engine's not applied: "
+                            "users share it), device 1 1000 B/ms (1 "
+                            "engine)");
+    copy_set_pace(0, 4096); /* gpu.pace binds whoever shares the device */
+    CHECK_EQ(lane(0), 4096);
+    pacing_status(buf, sizeof(buf));
+    CHECK_STR_CONTAINS(buf, "device 0 4096 B/ms (1 engine's not applied: "
+                            "users share it)");
+    copy_set_pace(0, 0);
+    other->released = 1; /* the other user's pool leaves */
+    pacing_devices(2, 0);
+    CHECK_EQ(pacing_shared(), 0);
+    CHECK_EQ(lane(0), 1000);
+    gpu_pool(2000, 0); /* and another arrives: its registration alone */
+    pacing_devices(2, DEV(0));
+    CHECK_EQ(lane(0), 0);
+    CHECK_EQ(lane(1), 1000);
+    /* the other user's session ends: its pools are released first */
+    fake[nfake - 1].released = 1;
+    pacing_end(2);
+    CHECK_EQ(lane(0), 1000);
     pacing_cleanup();
 }
