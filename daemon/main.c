@@ -273,6 +273,82 @@ static void on_signal(uv_signal_t *h, int signum)
         drain(signum == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 
+/* ---- signals while the daemon starts ----------------------------------
+ * Until the loop runs, libuv's watchers could only queue a signal, and a
+ * start stuck in UCX or CUDA would then never stop. So the start has
+ * plain handlers: a SIGTERM or SIGINT is kept, and handed to the loop's
+ * watchers once the start is done (the daemon then drains and exits 0);
+ * a second one, or a start still going START_SIGNAL_WAIT_S after the
+ * first, ends the daemon at once (exit 1). A SIGHUP is kept for the loop
+ * too. Only async-signal-safe calls here. */
+#define START_SIGNAL_WAIT_S 10
+
+static volatile sig_atomic_t start_stop, start_hup;
+
+static void say(const char *m, size_t n)
+{
+    (void)!write(STDERR_FILENO, m, n);
+}
+#define SAY(m) say(m, sizeof(m) - 1)
+
+static void on_start_signal(int signum)
+{
+    if (signum == SIGHUP) {
+        start_hup = 1;
+        return;
+    }
+    if (start_stop) {
+        SAY("kvxferd: a second SIGTERM or SIGINT while starting: exiting "
+            "now, not drained\n");
+        _exit(1);
+    }
+    start_stop = signum;
+    SAY("kvxferd: SIGTERM or SIGINT while starting: draining once started "
+        "(a second one, or 10 s more, ends it now)\n");
+    alarm(START_SIGNAL_WAIT_S);
+}
+
+static void on_start_alarm(int signum)
+{
+    (void)signum;
+    SAY("kvxferd: the start did not finish within 10 s of SIGTERM or "
+        "SIGINT: exiting now, not drained\n");
+    _exit(1);
+}
+
+static void start_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART; /* as libuv's: UCX and CUDA see no EINTR */
+    sa.sa_handler = on_start_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    sa.sa_handler = on_start_alarm;
+    sigaction(SIGALRM, &sa, NULL);
+}
+
+/* The start is done: the loop's watchers take over (libuv installs its
+ * own handlers), and what came during the start is raised again for
+ * them. */
+static void loop_signals(void)
+{
+    uv_signal_init(kvxd.loop, &sig_term);
+    uv_signal_init(kvxd.loop, &sig_int);
+    uv_signal_init(kvxd.loop, &sig_hup);
+    uv_signal_start(&sig_term, on_signal, SIGTERM);
+    uv_signal_start(&sig_int, on_signal, SIGINT);
+    uv_signal_start(&sig_hup, on_signal, SIGHUP);
+    alarm(0);
+    signal(SIGALRM, SIG_DFL);
+    if (start_stop)
+        raise(start_stop);
+    if (start_hup)
+        raise(SIGHUP);
+}
+
 static void close_walk(uv_handle_t *h, void *arg)
 {
     (void)arg;
@@ -410,14 +486,9 @@ int main(int argc, char **argv)
     }
 
     /* Signals are caught before the socket listens: a SIGTERM that comes
-     * while the rest starts (UCX, CUDA) waits for the loop and drains the
-     * daemon (exit 0), rather than killing it half started. */
-    uv_signal_init(kvxd.loop, &sig_term);
-    uv_signal_init(kvxd.loop, &sig_int);
-    uv_signal_init(kvxd.loop, &sig_hup);
-    uv_signal_start(&sig_term, on_signal, SIGTERM);
-    uv_signal_start(&sig_int, on_signal, SIGINT);
-    uv_signal_start(&sig_hup, on_signal, SIGHUP);
+     * while the rest starts (UCX, CUDA) drains the daemon once started
+     * (exit 0), rather than killing it half started (start_signals()). */
+    start_signals();
 
     /* bring up, in order */
     int rc = 1;
@@ -444,8 +515,11 @@ int main(int argc, char **argv)
         goto err_copy;
     if (server_init())
         goto err_copy;
-    if (fault_armed(FAULT_START_HOLD))
-        sleep(1);
+    if (fault_armed(FAULT_START_HOLD)) { /* a start stuck, signals or not */
+        uint64_t end = kvxd_now_ms() + 1000 * fault_value(FAULT_START_HOLD);
+        for (uint64_t t; (t = kvxd_now_ms()) < end;)
+            usleep((useconds_t)((end - t) * 1000));
+    }
     char why[512];
     /* net first; the layers above register with what is below them */
     if (peer_init(KVX_WHY(why)) || remote_init(KVX_WHY(why)) || agree_init()) {
@@ -460,6 +534,7 @@ int main(int argc, char **argv)
         goto err_server;
     }
     kvxd_set_drain(drain_start);
+    loop_signals();
     uv_timer_init(kvxd.loop, &tick);
     uv_timer_start(&tick, on_tick, kvxd.conf.deadline_tick_ms,
                    kvxd.conf.deadline_tick_ms);

@@ -58,3 +58,8 @@ int fault_armed(fault_site_t site)
 {
     return when[site] != 0;
 }
+
+unsigned long fault_value(fault_site_t site)
+{
+    return when[site];
+}

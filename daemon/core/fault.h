@@ -17,9 +17,10 @@
  * byte short (as if the loaded UCX's format were one it cannot read).
  * loop_stall: the Nth MetricsRequest holds the loop for 3 s before it is
  * answered (a callback stuck: /health must say 503 while it lasts).
- * start_hold: at start, once its socket listens, the daemon waits 1 s
- * before it brings up the rest (a slow UCX or CUDA start), the window in
- * which a SIGTERM must still drain it.
+ * start_hold: at start, once its socket listens, the daemon waits N s
+ * (signals do not cut it short) before it brings up the rest (a slow or
+ * stuck UCX or CUDA start), the window in which a SIGTERM must still
+ * drain it, and a second one end it.
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -49,5 +50,7 @@ int fault_init(kvx_why_t *why);
 int fault_hit(fault_site_t site);
 /* Is a fault set at site at all? */
 int fault_armed(fault_site_t site);
+/* Its N (0: not set). */
+unsigned long fault_value(fault_site_t site);
 
 #endif /* KVX_FAULT_H */

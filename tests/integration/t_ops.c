@@ -629,6 +629,60 @@ TEST(sigterm_while_starting)
     CHECK(log_contains(d, "exiting (drained)"));
 }
 
+/* A start that is stuck (start_hold:60, which signals do not cut short,
+ * as a hung UCX or CUDA call) still stops: the first SIGTERM is kept,
+ * and a second ends the daemon at once with exit 1, not drained. */
+TEST(second_sigterm_ends_a_stuck_start)
+{
+    setenv("KVXFERD_FAULT", "start_hold:60", 1);
+    daemon_t *d = daemon_start(NULL);
+    unsetenv("KVXFERD_FAULT");
+    kill(d->pid, SIGTERM);
+    CHECK(log_wait(d,
+                   "SIGTERM or SIGINT while starting: draining once "
+                   "started",
+                   5000));
+    CHECK_EQ(daemon_wait(d, 300), -1); /* kept: the start goes on */
+    kill(d->pid, SIGTERM);
+    int st = daemon_wait(d, 5000);
+    CHECK(st != -1 && WIFEXITED(st));
+    CHECK_EQ(WEXITSTATUS(st), 1);
+    CHECK(log_contains(d, "a second SIGTERM or SIGINT while starting: "
+                          "exiting now, not drained"));
+}
+
+/* One SIGINT into a stuck start: 10 s later the daemon gives up waiting
+ * for the start and exits 1 (it does not hang until systemd's SIGKILL). */
+TEST_T(sigint_ends_a_stuck_start_later, 40)
+{
+    setenv("KVXFERD_FAULT", "start_hold:60", 1);
+    daemon_t *d = daemon_start(NULL);
+    unsetenv("KVXFERD_FAULT");
+    int64_t t0 = now_ms();
+    kill(d->pid, SIGINT);
+    int st = daemon_wait(d, 20000);
+    int64_t took = now_ms() - t0;
+    CHECK(st != -1 && WIFEXITED(st));
+    CHECK_EQ(WEXITSTATUS(st), 1);
+    CHECK(took >= 9000);
+    CHECK(log_contains(d, "the start did not finish within 10 s of SIGTERM "
+                          "or SIGINT: exiting now, not drained"));
+}
+
+/* A SIGHUP while starting does not kill the daemon (its default action):
+ * it is kept, and the loop reloads once the start is done. */
+TEST(sighup_while_starting_reloads_after)
+{
+    setenv("KVXFERD_FAULT", "start_hold:1", 1);
+    daemon_t *d = daemon_start(NULL);
+    unsetenv("KVXFERD_FAULT");
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "ready", 10000));
+    CHECK(log_wait(d, "SIGHUP:", 5000));
+    CHECK_EQ(daemon_wait(d, 100), -1);
+    daemon_stop_ok(d);
+}
+
 /* ---- the socket file -------------------------------------------------- */
 
 /* Run kvxferd --config cfg; kill it after timeout_ms. Returns the wait
