@@ -283,7 +283,12 @@ static void on_signal(uv_signal_t *h, int signum)
  * too. Only async-signal-safe calls here. */
 #define START_SIGNAL_WAIT_S 10
 
-static volatile sig_atomic_t start_stop, start_hup;
+/* start_over: loop_signals() has handed the signals to the loop. The
+ * flags are taken with atomic exchanges: a handler may run on any thread
+ * (the copy workers exist by then; libuv blocks every signal on the main
+ * thread while it installs a watcher, so one that comes then goes to
+ * another thread), even while loop_signals() runs. */
+static volatile sig_atomic_t start_stop, start_hup, start_over;
 
 static void say(const char *m, size_t n)
 {
@@ -291,26 +296,43 @@ static void say(const char *m, size_t n)
 }
 #define SAY(m) say(m, sizeof(m) - 1)
 
+/* The loop's watchers took over while this handler ran: if the flag it
+ * set is still there (loop_signals() looked before it was set), the
+ * handler hands the signal on itself; the exchange makes it one of the
+ * two, never both. */
+static void start_handoff(volatile sig_atomic_t *flag, int signum)
+{
+    if (__atomic_load_n(&start_over, __ATOMIC_SEQ_CST) &&
+        __atomic_exchange_n(flag, 0, __ATOMIC_SEQ_CST))
+        kill(getpid(), signum);
+}
+
 static void on_start_signal(int signum)
 {
-    if (signum == SIGHUP) {
-        start_hup = 1;
-        return;
-    }
-    if (start_stop) {
+    int saved = errno; /* write() and kill() may set it */
+    if (__atomic_load_n(&start_over, __ATOMIC_SEQ_CST)) {
+        kill(getpid(), signum); /* libuv's handler has it now */
+    } else if (signum == SIGHUP) {
+        __atomic_store_n(&start_hup, 1, __ATOMIC_SEQ_CST);
+        start_handoff(&start_hup, SIGHUP);
+    } else if (__atomic_exchange_n(&start_stop, signum, __ATOMIC_SEQ_CST)) {
         SAY("kvxferd: a second SIGTERM or SIGINT while starting: exiting "
             "now, not drained\n");
         _exit(1);
+    } else {
+        SAY("kvxferd: SIGTERM or SIGINT while starting: draining once "
+            "started (a second one, or 10 s more, ends it now)\n");
+        alarm(START_SIGNAL_WAIT_S);
+        start_handoff(&start_stop, signum);
     }
-    start_stop = signum;
-    SAY("kvxferd: SIGTERM or SIGINT while starting: draining once started "
-        "(a second one, or 10 s more, ends it now)\n");
-    alarm(START_SIGNAL_WAIT_S);
+    errno = saved;
 }
 
 static void on_start_alarm(int signum)
 {
     (void)signum;
+    if (__atomic_load_n(&start_over, __ATOMIC_SEQ_CST))
+        return; /* armed by a handler that ran beside loop_signals() */
     SAY("kvxferd: the start did not finish within 10 s of SIGTERM or "
         "SIGINT: exiting now, not drained\n");
     _exit(1);
@@ -320,7 +342,11 @@ static void start_signals(void)
 {
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
-    sigemptyset(&sa.sa_mask);
+    sigemptyset(&sa.sa_mask); /* no handler nests in another */
+    sigaddset(&sa.sa_mask, SIGTERM);
+    sigaddset(&sa.sa_mask, SIGINT);
+    sigaddset(&sa.sa_mask, SIGHUP);
+    sigaddset(&sa.sa_mask, SIGALRM);
     sa.sa_flags = SA_RESTART; /* as libuv's: UCX and CUDA see no EINTR */
     sa.sa_handler = on_start_signal;
     sigaction(SIGTERM, &sa, NULL);
@@ -332,7 +358,9 @@ static void start_signals(void)
 
 /* The start is done: the loop's watchers take over (libuv installs its
  * own handlers), and what came during the start is raised again for
- * them. */
+ * them. SIGALRM keeps on_start_alarm(), which now ignores it: a handler
+ * on another thread may arm the alarm after alarm(0) here, and SIGALRM's
+ * default would kill the daemon 10 s later. */
 static void loop_signals(void)
 {
     uv_signal_init(kvxd.loop, &sig_term);
@@ -341,11 +369,13 @@ static void loop_signals(void)
     uv_signal_start(&sig_term, on_signal, SIGTERM);
     uv_signal_start(&sig_int, on_signal, SIGINT);
     uv_signal_start(&sig_hup, on_signal, SIGHUP);
+    __atomic_store_n(&start_over, 1, __ATOMIC_SEQ_CST);
     alarm(0);
-    signal(SIGALRM, SIG_DFL);
-    if (start_stop)
-        raise(start_stop);
-    if (start_hup)
+    int stop = __atomic_exchange_n(&start_stop, 0, __ATOMIC_SEQ_CST);
+    if (stop)
+        raise(stop);
+    /* after a stop, a reload would only say READY=1 after STOPPING=1 */
+    if (__atomic_exchange_n(&start_hup, 0, __ATOMIC_SEQ_CST) && !stop)
         raise(SIGHUP);
 }
 

@@ -683,6 +683,23 @@ TEST(sighup_while_starting_reloads_after)
     daemon_stop_ok(d);
 }
 
+/* A SIGHUP and a SIGTERM both while starting: one drain, exit 0, and no
+ * reload after it (its READY=1 would follow STOPPING=1). */
+TEST(sighup_and_sigterm_while_starting_drain_once)
+{
+    setenv("KVXFERD_FAULT", "start_hold:1", 1);
+    daemon_t *d = daemon_start(NULL);
+    unsetenv("KVXFERD_FAULT");
+    kill(d->pid, SIGHUP);
+    kill(d->pid, SIGTERM);
+    int st = daemon_wait(d, 10000);
+    CHECK(st != -1 && WIFEXITED(st));
+    CHECK_EQ(WEXITSTATUS(st), 0);
+    CHECK(log_contains(d, "SIGTERM: draining"));
+    CHECK(log_contains(d, "exiting (drained)"));
+    CHECK(!log_contains(d, "SIGHUP:"));
+}
+
 /* ---- the socket file -------------------------------------------------- */
 
 /* Run kvxferd --config cfg; kill it after timeout_ms. Returns the wait
