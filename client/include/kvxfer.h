@@ -1204,8 +1204,8 @@ KVX_EXPORT int kvx_renew(kvx_client_t *client, const kvx_renew_args_t *args);
  * device goes at the lowest of gpu.pace and the paces of every live
  * client with a GPU pool there, unless the GPU pools there are of more
  * than one uid: such a device takes gpu.pace only (one user cannot slow
- * another's copies). bytes_per_ms 0 withdraws this client's
- * pace. The pace lapses hold_ms after the call unless the client calls
+ * the copies on a GPU it shares with another). bytes_per_ms 0 withdraws this
+ * client's pace. The pace lapses hold_ms after the call unless the client calls
  * again (an engine calls it each step while it decodes, so that copies
  * go at full speed once it stops); hold_ms 0: it holds until changed or
  * the client's session ends. A reconnection to a restarted daemon sets

@@ -280,7 +280,8 @@ static void text_engines(FILE *f, const Kvxfer__UcxInfo *ucx)
         if (gpu_mps(dv) >= 0)
             fprintf(f, "kvxfer_gpu_mps{device=\"%d\"} %d\n", dv, gpu_mps(dv));
     family(f, "kvxfer_gpu_pace_sessions", "gauge",
-           "Sessions (engine ranks) whose GpuPace is in force now.");
+           "Sessions (engine ranks) whose GpuPace is recorded and has not "
+           "lapsed (it binds no device that users share).");
     fprintf(f, "kvxfer_gpu_pace_sessions %u\n", pacing_sessions());
     family(f, "kvxfer_copy_jobs_in_flight", "gauge",
            "Copy jobs handed to threads or GPUs, not back yet.");

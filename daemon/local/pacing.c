@@ -27,6 +27,7 @@ static struct {
     uv_timer_t timer; /* the earliest lapse */
     int open;
     uint64_t armed_ms;                   /* when the timer fires; 0: off */
+    uint64_t shared; /* devices users share, as apply() last found them */
     uint64_t applied[COPY_PACE_DEVICES]; /* what copy was told */
 } g;
 
@@ -46,14 +47,17 @@ static void drop(entry_t **p)
     free(e);
 }
 
-uint64_t pacing_shared(void)
+/* Devices whose live GPU pools are of more than one user: the pools'
+ * walk (apply() runs it whenever a pool comes or goes, and at each
+ * pace); without memory for it, what it found last. */
+static uint64_t find_shared(void)
 {
     uint32_t uid[COPY_PACE_DEVICES];
     uint64_t seen = 0, shared = 0;
     uint32_t np = pool_count();
     pool_t **pools = calloc(np ? np : 1, sizeof(*pools));
     if (!pools)
-        return ~0ull; /* cannot tell: no engine's pace binds another's */
+        return g.shared;
     np = pool_list(pools, np);
     for (uint32_t i = 0; i < np; i++) {
         const pool_t *p = pools[i];
@@ -79,7 +83,7 @@ uint64_t pacing_shared(void)
 static void apply(void)
 {
     uint64_t low[COPY_PACE_DEVICES] = {0};
-    uint64_t shared = g.list ? pacing_shared() : 0;
+    uint64_t shared = g.shared = find_shared();
     for (entry_t *e = g.list; e; e = e->next)
         for (int d = 0; d < COPY_PACE_DEVICES; d++)
             if ((e->devices & ~shared) >> d & 1)
@@ -190,6 +194,11 @@ int pacing_set(uint64_t sid, uint32_t uid, uint64_t per_ms, uint32_t hold_ms,
     return 0;
 }
 
+uint64_t pacing_shared(void)
+{
+    return g.shared;
+}
+
 void pacing_devices(uint64_t sid, uint64_t devices)
 {
     entry_t **p = find(sid);
@@ -259,7 +268,6 @@ void pacing_status(char *buf, size_t len)
         sep = ", ";
     }
     uint64_t used = pacing_devices_used();
-    uint64_t shared = g.n ? pacing_shared() : 0;
     for (int d = 0; d < COPY_PACE_DEVICES; d++) {
         uint64_t engines, eff;
         uint32_t on = 0;
@@ -268,7 +276,7 @@ void pacing_status(char *buf, size_t len)
         if (!(used >> d & 1))
             continue;
         eff = copy_gpu_pace(d, &engines);
-        if (shared >> d & 1 && on) {
+        if (g.shared >> d & 1 && on) {
             ADD("%sdevice %d %s%.0llu%s (%u engine%s not applied: users share "
                 "it)",
                 sep, d, eff ? "" : "unpaced", (unsigned long long)eff,

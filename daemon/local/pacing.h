@@ -50,7 +50,9 @@ void pacing_end(uint64_t sid);
 /* Sessions whose pace is in force now. */
 uint32_t pacing_sessions(void);
 /* Devices whose live GPU pools are of more than one user (a mask, as
- * above): no engine's pace binds them. */
+ * above): no engine's pace binds them. As of the last pace call or GPU
+ * pool registered or gone (pacing_set(), pacing_devices(),
+ * pacing_end()). */
 uint64_t pacing_shared(void);
 /* Devices that have a GPU pool, or an engine's pace (a mask, as above). */
 uint64_t pacing_devices_used(void);

@@ -197,8 +197,8 @@ TEST(pacing_not_across_users)
     gpu_pool(1000, 0);
     pool_t *other = gpu_pool(2000, 0);
     gpu_pool(1000, 1);
-    CHECK_EQ(pacing_shared(), DEV(0));
     CHECK_EQ(pacing_set(1, 1000, 1000, 0, DEV(0) | DEV(1)), 0);
+    CHECK_EQ(pacing_shared(), DEV(0));
     CHECK_EQ(lane(0), 0);
     CHECK_EQ(lane(1), 1000);
     char buf[1024];
