@@ -14,7 +14,6 @@
 typedef struct entry {
     struct entry *next;
     uint64_t sid;
-    uint32_t uid; /* its user's: its pace binds no other user's copies */
     uint64_t per_ms;
     uint64_t until_ms; /* loop time it lapses at; 0: it does not */
     uint64_t devices;  /* its GPU pools' devices */
@@ -161,7 +160,7 @@ void pacing_cleanup(void)
     }
 }
 
-int pacing_set(uint64_t sid, uint32_t uid, uint64_t per_ms, uint32_t hold_ms,
+int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
                uint64_t devices)
 {
     entry_t **p = find(sid);
@@ -174,7 +173,6 @@ int pacing_set(uint64_t sid, uint32_t uid, uint64_t per_ms, uint32_t hold_ms,
             if (!e)
                 return KVX_ERR_NOMEM;
             e->sid = sid;
-            e->uid = uid;
             e->next = g.list;
             g.list = e;
             g.n++;

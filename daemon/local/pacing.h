@@ -34,12 +34,12 @@ static inline uint64_t pacing_device_bit(int d)
 
 int pacing_init(uv_loop_t *loop);
 void pacing_cleanup(void);
-/* Session sid's (of user uid) GpuPace: per_ms bytes a millisecond (0
- * withdraws it) on the devices of its GPU pools (a mask, bit d for
- * device d, the last bit for devices 63 and up), for hold_ms from now
- * (0: until changed or the session ends). 0, or KVX_ERR_NOMEM (nothing
- * changed). */
-int pacing_set(uint64_t sid, uint32_t uid, uint64_t per_ms, uint32_t hold_ms,
+/* Session sid's GpuPace: per_ms bytes a millisecond (0 withdraws it) on
+ * the devices of its GPU pools (a mask, bit d for device d, the last
+ * bit for devices 63 and up), for hold_ms from now (0: until changed or
+ * the session ends). 0, or KVX_ERR_NOMEM (nothing changed). Whose
+ * devices users share is read from the pools' uids. */
+int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
                uint64_t devices);
 /* Session sid's GPU pools are now on these devices; called whenever a
  * session's GPU pool registers or leaves (whatever its pace), since the

@@ -1037,8 +1037,7 @@ static void on_gpu_pace(session_t *s, const Kvxfer__Request *rq)
         FAIL(KVX_ERR_INVALID, "gpu_pace.hold_ms: %u is over %u", m->hold_ms,
              PACING_MAX_HOLD_MS);
     uint64_t devices = session_gpu_devices(s);
-    if (pacing_set(s->id, (uint32_t)s->uid, m->bytes_per_ms, m->hold_ms,
-                   devices))
+    if (pacing_set(s->id, m->bytes_per_ms, m->hold_ms, devices))
         FAIL(KVX_ERR_NOMEM, "gpu_pace: out of memory");
     uint64_t shared = m->bytes_per_ms ? devices & pacing_shared() : 0;
     if (shared) {

@@ -81,12 +81,12 @@ static uint64_t engines_of(int device)
 TEST(pacing_lowest_per_device_and_config)
 {
     setup();
-    CHECK_EQ(pacing_set(1, 1000, 8192, 0, DEV(0)), 0);
-    CHECK_EQ(pacing_set(2, 1000, 1000, 0, DEV(0) | DEV(1)), 0);
+    CHECK_EQ(pacing_set(1, 8192, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 1000, 0, DEV(0) | DEV(1)), 0);
     CHECK_EQ(lane(0), 1000);
     CHECK_EQ(lane(1), 1000);
     CHECK_EQ(lane(2), 0);
-    CHECK_EQ(pacing_set(2, 1000, 0, 0, DEV(0) | DEV(1)), 0); /* withdrawn */
+    CHECK_EQ(pacing_set(2, 0, 0, DEV(0) | DEV(1)), 0); /* withdrawn */
     CHECK_EQ(lane(0), 8192);
     CHECK_EQ(lane(1), 0);
     copy_set_pace(0, 4096); /* gpu.pace, as a reload sets it */
@@ -105,7 +105,7 @@ TEST(pacing_lowest_per_device_and_config)
 TEST(pacing_waits_for_a_device)
 {
     setup();
-    CHECK_EQ(pacing_set(7, 1000, 5000, 0, 0), 0);
+    CHECK_EQ(pacing_set(7, 5000, 0, 0), 0);
     for (int d = 0; d < COPY_PACE_DEVICES; d++)
         CHECK_EQ(lane(d), 0);
     CHECK_EQ(pacing_sessions(), 1);
@@ -127,8 +127,8 @@ TEST(pacing_waits_for_a_device)
 TEST(pacing_lapses_on_the_loop)
 {
     setup();
-    CHECK_EQ(pacing_set(1, 1000, 3000, 50, DEV(0)), 0);
-    CHECK_EQ(pacing_set(2, 1000, 9000, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(1, 3000, 50, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 9000, 0, DEV(0)), 0);
     CHECK_EQ(lane(0), 3000);
     uint64_t t0 = uv_now(&loop);
     while (lane(0) == 3000 && uv_now(&loop) - t0 < 5000)
@@ -152,7 +152,7 @@ TEST(pacing_hold_counts_from_the_call)
     uv_update_time(&loop);
     usleep(120000); /* the turn's work before the GpuPace frame */
     uint64_t t0 = uv_hrtime();
-    CHECK_EQ(pacing_set(1, 1000, 3000, 150, DEV(0)), 0);
+    CHECK_EQ(pacing_set(1, 3000, 150, DEV(0)), 0);
     while (lane(0) == 3000 && uv_hrtime() - t0 < 5000000000ull)
         uv_run(&loop, UV_RUN_ONCE);
     CHECK_EQ(lane(0), 0);
@@ -174,10 +174,10 @@ TEST(pacing_status_says_who)
     CHECK_EQ(buf[0], 0);
     kvxd.conf.gpu_pace = 4096;
     copy_set_pace(0, 4096);
-    CHECK_EQ(pacing_set(1, 1000, 1000, 0, DEV(0)), 0);
-    CHECK_EQ(pacing_set(2, 1000, 2000, 0, DEV(0)), 0);
-    CHECK_EQ(pacing_set(3, 1000, 8192, 0, DEV(1)), 0);
-    CHECK_EQ(pacing_set(4, 1000, 500, 0, 0), 0);
+    CHECK_EQ(pacing_set(1, 1000, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(2, 2000, 0, DEV(0)), 0);
+    CHECK_EQ(pacing_set(3, 8192, 0, DEV(1)), 0);
+    CHECK_EQ(pacing_set(4, 500, 0, 0), 0);
     pacing_status(buf, sizeof(buf));
     CHECK_STR_CONTAINS(buf, "gpu pace: config 4096 B/ms, engines 4 (lowest "
                             "500 B/ms, 1 without a GPU pool), device 0 "
@@ -197,7 +197,7 @@ TEST(pacing_not_across_users)
     gpu_pool(1000, 0);
     pool_t *other = gpu_pool(2000, 0);
     gpu_pool(1000, 1);
-    CHECK_EQ(pacing_set(1, 1000, 1000, 0, DEV(0) | DEV(1)), 0);
+    CHECK_EQ(pacing_set(1, 1000, 0, DEV(0) | DEV(1)), 0);
     CHECK_EQ(pacing_shared(), DEV(0));
     CHECK_EQ(lane(0), 0);
     CHECK_EQ(lane(1), 1000);
