@@ -26,7 +26,8 @@
 # context (gpu-engine-load.py --self-copy, 32 GiB a pass, no MPS): self-dma
 # (64 MiB cudaMemcpyAsync pieces), self-dma4 (4 MiB), self-kernel (64 MiB
 # by an elementwise kernel), self-other (self-dma's copies from a second
-# process: a context of its own, as kvxferd's); default none.
+# process: a context of its own, as kvxferd's); default none. A SELF case
+# in WITHMPS (self-dma, self-other) runs it under MPS.
 B=${1:-dist/kvxfer}
 OUT=${2:-/tmp/kvx-share-out}
 mkdir -p "$OUT"
@@ -93,7 +94,7 @@ load() { # label (its case name, mps- first under MPS), case name
     echo "$1 $(echo "$r" | summary)"
     [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
 }
-selfload() { # label
+selfload() { # case, label (the case's name unless given)
     case $1 in
     self-dma) o="--piece-mib 64" ;;
     self-dma4) o="--piece-mib 4" ;;
@@ -101,11 +102,12 @@ selfload() { # label
     self-other) o="--piece-mib 64 --elsewhere" ;;
     *) echo "$1: no such SELF case"; return ;;
     esac
+    n=${2:-$1}
     r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --self-copy 32 --passes 40 $o \
-        --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) 2>"$OUT/load-$1.err")
+        --label "$n${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) 2>"$OUT/load-$n.err")
     echo "$r" >>"$OUT/load.jsonl"
-    echo "$1 $(echo "$r" | summary)"
-    [ -s "$OUT/load-$1.err" ] && tail -3 "$OUT/load-$1.err"
+    echo "$n $(echo "$r" | summary)"
+    [ -s "$OUT/load-$n.err" ] && tail -3 "$OUT/load-$n.err"
 }
 bw() { # label, config, args...
     name=$1; cfgf=$2; shift 2
@@ -126,7 +128,10 @@ if [ "${PART:-all}" != idle ]; then
     if [ -n "$(echo ${WITHMPS-x})" ]; then
         mps_on
         for c in ${WITHMPS:-kernel dma kernel-sm25 dma-low}; do
-            load "mps-$c" "$c"
+            case $c in
+            self-*) selfload "$c" "mps-$c" ;;
+            *) load "mps-$c" "$c" ;;
+            esac
         done
         mps_off
     fi
