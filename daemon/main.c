@@ -290,11 +290,15 @@ static void on_signal(uv_signal_t *h, int signum)
  * another thread), even while loop_signals() runs. */
 static volatile sig_atomic_t start_stop, start_hup, start_over;
 
-static void say(const char *m, size_t n)
-{
-    (void)!write(STDERR_FILENO, m, n);
-}
-#define SAY(m) say(m, sizeof(m) - 1)
+#define STR_(x) #x
+#define STR(x) STR_(x)
+#define START_WAIT STR(START_SIGNAL_WAIT_S) " s"
+static const char start_kept[] =
+    "SIGTERM or SIGINT while starting: draining once started (a second "
+    "one, or " START_WAIT " more, ends it now)";
+static const char start_late[] =
+    "the start did not finish within " START_WAIT " of SIGTERM or SIGINT: "
+    "exiting now, not drained";
 
 /* The loop's watchers took over while this handler ran: if the flag it
  * set is still there (loop_signals() looked before it was set), the
@@ -316,12 +320,11 @@ static void on_start_signal(int signum)
         __atomic_store_n(&start_hup, 1, __ATOMIC_SEQ_CST);
         start_handoff(&start_hup, SIGHUP);
     } else if (__atomic_exchange_n(&start_stop, signum, __ATOMIC_SEQ_CST)) {
-        SAY("kvxferd: a second SIGTERM or SIGINT while starting: exiting "
-            "now, not drained\n");
+        log_say(LOG_ERR, "a second SIGTERM or SIGINT while starting: "
+                         "exiting now, not drained");
         _exit(1);
     } else {
-        SAY("kvxferd: SIGTERM or SIGINT while starting: draining once "
-            "started (a second one, or 10 s more, ends it now)\n");
+        log_say(LOG_NOTICE, start_kept);
         alarm(START_SIGNAL_WAIT_S);
         start_handoff(&start_stop, signum);
     }
@@ -333,8 +336,7 @@ static void on_start_alarm(int signum)
     (void)signum;
     if (__atomic_load_n(&start_over, __ATOMIC_SEQ_CST))
         return; /* armed by a handler that ran beside loop_signals() */
-    SAY("kvxferd: the start did not finish within 10 s of SIGTERM or "
-        "SIGINT: exiting now, not drained\n");
+    log_say(LOG_ERR, start_late);
     _exit(1);
 }
 
@@ -378,6 +380,75 @@ static void loop_signals(void)
     if (__atomic_exchange_n(&start_hup, 0, __ATOMIC_SEQ_CST) && !stop)
         raise(SIGHUP);
 }
+
+/* ---- signals while the daemon takes down -----------------------------
+ * Once the loop has stopped, its watchers no longer run, and a take-down
+ * stuck in UCX or CUDA would wait for systemd's SIGKILL. So the take-down
+ * has plain handlers too: a SIGTERM or SIGINT then (a stop asked again:
+ * the drain is over) ends the daemon at once with exit 1, and so does a
+ * take-down still going TAKEDOWN_WAIT_S after it began (under the unit's
+ * TimeoutStopSec with the default drain). Both name the step it was in.
+ * A SIGHUP is ignored. The request records are written as each request
+ * ends, so an early exit loses none. */
+#define TAKEDOWN_WAIT_S 20
+#define DOWN_WAIT STR(TAKEDOWN_WAIT_S) " s"
+static const char down_late[] =
+    "the take-down did not finish within " DOWN_WAIT ": exiting now";
+
+static const char *volatile down_at = "";
+
+static void down_exit(const char *why)
+{
+    char m[200];
+    size_t n = 0;
+    const char *at = down_at;
+    for (const char *p = why; *p && n < 120; p++)
+        m[n++] = *p;
+    for (const char *p = " (in "; *p; p++)
+        m[n++] = *p;
+    for (const char *p = at; *p && n < sizeof(m) - 3; p++)
+        m[n++] = *p;
+    m[n++] = ')';
+    m[n] = 0;
+    log_say(LOG_ERR, m);
+    _exit(1);
+}
+
+static void on_down_signal(int signum)
+{
+    (void)signum;
+    down_exit("a SIGTERM or SIGINT while taking down: exiting now");
+}
+
+static void on_down_alarm(int signum)
+{
+    (void)signum;
+    down_exit(down_late);
+}
+
+/* The loop is done: its watchers give the signals back (libuv sets them
+ * to their defaults), and these handlers take them. */
+static void takedown_signals(void)
+{
+    uv_signal_stop(&sig_term);
+    uv_signal_stop(&sig_int);
+    uv_signal_stop(&sig_hup);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sigfillset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sa.sa_handler = on_down_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sa.sa_handler = on_down_alarm;
+    sigaction(SIGALRM, &sa, NULL);
+    sa.sa_handler = SIG_IGN;
+    sigaction(SIGHUP, &sa, NULL);
+    alarm(TAKEDOWN_WAIT_S);
+}
+
+/* A step of the take-down, named for the lines above. */
+#define DOWN(fn, ...) (down_at = #fn, fn(__VA_ARGS__))
 
 static void close_walk(uv_handle_t *h, void *arg)
 {
@@ -576,32 +647,39 @@ int main(int argc, char **argv)
     uv_run(kvxd.loop, UV_RUN_DEFAULT);
 
     /* take down, in reverse */
+    takedown_signals();
+    if (fault_armed(FAULT_DOWN_HOLD)) { /* a take-down stuck */
+        down_at = "a held take-down (KVXFERD_FAULT=down_hold)";
+        uint64_t end = kvxd_now_ms() + 1000 * fault_value(FAULT_DOWN_HOLD);
+        for (uint64_t t; (t = kvxd_now_ms()) < end;)
+            usleep((useconds_t)((end - t) * 1000));
+    }
     rc = 0;
-    http_cleanup();
-    session_close_all("daemon exiting");
+    DOWN(http_cleanup);
+    DOWN(session_close_all, "daemon exiting");
 err_server:
-    server_cleanup();
-    peer_cleanup();
+    DOWN(server_cleanup);
+    DOWN(peer_cleanup);
 err_copy:
-    pacing_cleanup(); /* the engines' paces, before their lanes go */
-    gpu_stop();       /* GPU completions are all handed to the copy engine */
-    copy_cleanup();
-    remote_cleanup(); /* after the copies that use the slots */
-    peer_shutdown();  /* after the slots' UCX registrations */
-    instance_cleanup();
-    agree_cleanup();
-    release_cleanup();
-    keyed_cleanup(); /* its waiting fetches hold pools */
-    pool_cleanup();  /* drops the pools' GPU imports */
-    gpu_cleanup();   /* frees what is left of CUDA */
+    DOWN(pacing_cleanup); /* the engines' paces, before their lanes go */
+    DOWN(gpu_stop); /* GPU completions are all handed to the copy engine */
+    DOWN(copy_cleanup);
+    DOWN(remote_cleanup); /* after the copies that use the slots */
+    DOWN(peer_shutdown);  /* after the slots' UCX registrations */
+    DOWN(instance_cleanup);
+    DOWN(agree_cleanup);
+    DOWN(release_cleanup);
+    DOWN(keyed_cleanup); /* its waiting fetches hold pools */
+    DOWN(pool_cleanup);  /* drops the pools' GPU imports */
+    DOWN(gpu_cleanup);   /* frees what is left of CUDA */
 err_records:
-    records_cleanup(); /* after every request has ended */
+    DOWN(records_cleanup); /* after every request has ended */
 err_trace:
     if (kvxd.trace)
         fclose(kvxd.trace);
     kvxd.trace = NULL;
 err_defer:
-    kvxd_defer_cleanup(); /* last: drops what the cleanups above queued */
+    DOWN(kvxd_defer_cleanup); /* last: drops what the cleanups above queued */
     uv_walk(kvxd.loop, close_walk, NULL);
     uv_run(kvxd.loop, UV_RUN_DEFAULT);
     uv_loop_close(kvxd.loop);

@@ -8,8 +8,8 @@
 #include "log.h"
 
 static const char *const names[FAULT_NSITES] = {
-    "gather",    "scatter",  "batch",      "lanes",     "lane_hold",
-    "conn_hold", "own_addr", "loop_stall", "start_hold"};
+    "gather",    "scatter",  "batch",      "lanes",      "lane_hold",
+    "conn_hold", "own_addr", "loop_stall", "start_hold", "down_hold"};
 static unsigned long when[FAULT_NSITES]; /* 0: never */
 static unsigned long seen[FAULT_NSITES];
 
@@ -39,7 +39,7 @@ int fault_init(kvx_why_t *why)
                             "KVXFERD_FAULT: '%.64s' is not SITE:N "
                             "(N >= 1; sites: gather, scatter, batch, lanes, "
                             "lane_hold, conn_hold, own_addr, "
-                            "loop_stall, start_hold)",
+                            "loop_stall, start_hold, down_hold)",
                             t);
         when[site] = n;
         log_warn("fault injection (tests only): %s %lu fails", names[site], n);

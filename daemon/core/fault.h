@@ -21,6 +21,9 @@
  * (signals do not cut it short) before it brings up the rest (a slow or
  * stuck UCX or CUDA start), the window in which a SIGTERM must still
  * drain it, and a second one end it.
+ * down_hold: once the loop has stopped, the daemon waits N s (signals do
+ * not cut it short) before it takes down the rest (a stuck UCX or CUDA
+ * take-down), which a SIGTERM or TAKEDOWN_WAIT_S must still end.
  * Read once at start; the daemon warns in its log when any is set.
  */
 #ifndef KVX_FAULT_H
@@ -40,6 +43,7 @@ typedef enum {
     FAULT_OWN_ADDR,
     FAULT_LOOP_STALL,
     FAULT_START_HOLD,
+    FAULT_DOWN_HOLD,
     FAULT_NSITES
 } fault_site_t;
 

@@ -140,6 +140,84 @@ static void write_json(int prio, const log_fields_t *f, const char *msg)
     (void)!write(2, line, n);
 }
 
+/* v as `width` decimal digits at out + *n */
+static void put_num(char *out, size_t *n, unsigned long v, int width)
+{
+    for (int i = width - 1; i >= 0; i--, v /= 10)
+        out[*n + (size_t)i] = (char)('0' + v % 10);
+    *n += (size_t)width;
+}
+
+static void put_str(char *out, size_t *n, size_t cap, const char *s)
+{
+    while (*s && *n + 1 < cap)
+        out[(*n)++] = *s++;
+}
+
+/* "YYYY-MM-DDTHH:MM:SS.uuuuuuZ" of t without gmtime_r(), which may take
+ * glibc's time zone lock (days to a civil date: H. Hinnant's
+ * civil_from_days). */
+static void put_utc(char *out, size_t *n, const struct timespec *t)
+{
+    long s = (long)t->tv_sec, z = s / 86400 + 719468;
+    long era = (z >= 0 ? z : z - 146096) / 146097;
+    unsigned long doe = (unsigned long)(z - era * 146097);
+    unsigned long yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    unsigned long doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    unsigned long mp = (5 * doy + 2) / 153;
+    unsigned long d = doy - (153 * mp + 2) / 5 + 1;
+    unsigned long m = mp < 10 ? mp + 3 : mp - 9;
+    unsigned long y = (unsigned long)((long)yoe + era * 400 + (m <= 2));
+    unsigned long sod = (unsigned long)(s % 86400);
+    put_num(out, n, y, 4);
+    out[(*n)++] = '-';
+    put_num(out, n, m, 2);
+    out[(*n)++] = '-';
+    put_num(out, n, d, 2);
+    out[(*n)++] = 'T';
+    put_num(out, n, sod / 3600, 2);
+    out[(*n)++] = ':';
+    put_num(out, n, sod / 60 % 60, 2);
+    out[(*n)++] = ':';
+    put_num(out, n, sod % 60, 2);
+    out[(*n)++] = '.';
+    put_num(out, n, (unsigned long)t->tv_nsec / 1000, 6);
+    out[(*n)++] = 'Z';
+}
+
+void log_say(int prio, const char *msg)
+{
+    char line[1024];
+    size_t n = 0;
+    if (prio < 0 || prio > LOG_DEBUG)
+        prio = LOG_INFO;
+    if (fmt == FMT_JSON) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        put_str(line, &n, sizeof(line), "{\"time\":\"");
+        put_utc(line, &n, &ts);
+        put_str(line, &n, sizeof(line), "\",\"level\":\"");
+        put_str(line, &n, sizeof(line), level_name(prio));
+        put_str(line, &n, sizeof(line), "\",\"priority\":");
+        put_num(line, &n, (unsigned long)prio, 1);
+        put_str(line, &n, sizeof(line), ",\"message\":");
+        n += jstr(line + n, sizeof(line) - n - 3, msg);
+        put_str(line, &n, sizeof(line), "}\n");
+    } else if (fmt == FMT_TTY) {
+        put_str(line, &n, sizeof(line), level_name(prio));
+        put_str(line, &n, sizeof(line), ": ");
+        put_str(line, &n, sizeof(line) - 1, msg);
+        line[n++] = '\n';
+    } else {
+        put_str(line, &n, sizeof(line), "<");
+        put_num(line, &n, (unsigned long)prio, 1);
+        put_str(line, &n, sizeof(line), ">kvxferd: ");
+        put_str(line, &n, sizeof(line) - 1, msg);
+        line[n++] = '\n';
+    }
+    (void)!write(2, line, n);
+}
+
 #ifdef KVX_JOURNAL
 static void write_journal(int prio, const log_fields_t *f, const char *msg)
 {

@@ -42,6 +42,12 @@ void kvx__log_f(int prio, const log_fields_t *f, const char *fmt, ...)
 int log_set_format(const char *format, kvx_why_t *why);
 /* The format in force: "text", "tty", "json" or "journal". */
 const char *log_format_name(void);
+/* One line from a signal handler: async-signal-safe (one write(), no
+ * stdio, locale or lock), whatever the level. json gives the same
+ * object as log_error() (its time in UTC), journal the text form (its
+ * "<3>" is the priority journald reads from the daemon's stderr), tty
+ * the level without the time. */
+void log_say(int prio, const char *msg);
 
 #define log_at(prio, ...)                                                      \
     do {                                                                       \

@@ -347,6 +347,15 @@ static daemon_t *daemon_start(const char *extra)
     return daemon_start2(NULL, extra);
 }
 
+/* daemon_start() with KVXFERD_FAULT=fault (fault.h) for this daemon only */
+static daemon_t *daemon_start_fault(const char *fault, const char *extra)
+{
+    setenv("KVXFERD_FAULT", fault, 1);
+    daemon_t *d = daemon_start(extra);
+    unsetenv("KVXFERD_FAULT");
+    return d;
+}
+
 /* Wait for the daemon to exit within timeout_ms; returns the wait status,
  * or -1 on timeout. */
 static int daemon_wait(daemon_t *d, int timeout_ms)

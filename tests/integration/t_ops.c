@@ -310,6 +310,25 @@ TEST(records_rotate_and_reopen)
 
 /* ---- logs --------------------------------------------------------------- */
 
+/* Every line of d's log parses as a JSON object with time, level,
+ * priority and message (python3's json module), and the python lines in
+ * check hold over them (ls: the objects; d: the datetime module). */
+static void log_json_check(daemon_t *d, const char *check)
+{
+    char cmd[2048], out[2048];
+    snprintf(cmd, sizeof(cmd),
+             "python3 -c 'import json,sys,datetime as d\n"
+             "ls=[json.loads(l) for l in open(sys.argv[1])]\n"
+             "assert ls and all(set(o)>={\"time\",\"level\",\"priority\","
+             "\"message\"} for o in ls), ls\n"
+             "%s"
+             "print(len(ls), \"lines\")' %s 2>&1",
+             check, d->log);
+    int rc = cmd_run(cmd, out, sizeof(out));
+    fprintf(stderr, "%s", out);
+    CHECK_EQ(rc, 0);
+}
+
 /* log.format json: every line the daemon writes is one JSON object
  * (python3's json module parses each), with time, level and message; a
  * request that times out is an info line carrying its instance, key and
@@ -330,24 +349,15 @@ TEST(log_json_lines_carry_fields)
     kvx_context_params_free(&p);
     rank_close(&c);
     rank_close(&g);
-    char cmd[1024], out[2048];
-    snprintf(cmd, sizeof(cmd),
-             "python3 -c 'import json,sys\n"
-             "ls=[json.loads(l) for l in open(sys.argv[1])]\n"
-             "assert ls and all(set(o)>={\"time\",\"level\",\"priority\","
-             "\"message\"} for o in ls), ls\n"
-             "t=[o for o in ls if o.get(\"code\")==\"TIMED_OUT\"]\n"
-             "assert t and t[0][\"instance\"]==\"lj-ctx\" and "
-             "t[0][\"key\"]==\"9\" and t[0][\"level\"]==\"info\", t\n"
-             "assert \"offer lease of 200 ms expired\" in t[0][\"message\"]\n"
-             "h=[o for o in ls if o.get(\"instance\")==\"lj-gen\"]\n"
-             "assert h and \"is rank 0 of instance lj-gen\" in "
-             "h[0][\"message\"], h\n"
-             "print(len(ls), \"lines\")' %s 2>&1",
-             d->log);
-    int rc = cmd_run(cmd, out, sizeof(out));
-    fprintf(stderr, "%s", out);
-    CHECK_EQ(rc, 0);
+    log_json_check(d, "t=[o for o in ls if o.get(\"code\")==\"TIMED_OUT\"]\n"
+                      "assert t and t[0][\"instance\"]==\"lj-ctx\" and "
+                      "t[0][\"key\"]==\"9\" and t[0][\"level\"]==\"info\", "
+                      "t\n"
+                      "assert \"offer lease of 200 ms expired\" in "
+                      "t[0][\"message\"]\n"
+                      "h=[o for o in ls if o.get(\"instance\")==\"lj-gen\"]\n"
+                      "assert h and \"is rank 0 of instance lj-gen\" in "
+                      "h[0][\"message\"], h\n");
     /* back to text by reload */
     char cfg[256];
     snprintf(cfg, sizeof(cfg), "socket:\n  path: %s\nlog:\n  format: text\n",
@@ -614,14 +624,29 @@ TEST(socket_group)
     daemon_stop_ok(d);
 }
 
+/* Send sig to d: it exits 1, within max_ms and not before min_ms, and
+ * its log has line. */
+static void signal_exits_1(daemon_t *d, int sig, int min_ms, int max_ms,
+                           const char *line)
+{
+    int64_t t0 = now_ms();
+    kill(d->pid, sig);
+    int st = daemon_wait(d, max_ms);
+    int64_t took = now_ms() - t0;
+    CHECK(st != -1 && WIFEXITED(st));
+    CHECK_EQ(WEXITSTATUS(st), 1);
+    CHECK(took >= min_ms);
+    if (!log_contains(d, line))
+        fprintf(stderr, "no \"%s\" in %s\n", line, d->log);
+    CHECK(log_contains(d, line));
+}
+
 /* A SIGTERM that comes once the socket listens, while the rest of the
  * daemon still starts (KVXFERD_FAULT=start_hold:1 holds it there 1 s),
  * drains it: exit 0, where it used to die of the signal (status 15). */
 TEST(sigterm_while_starting)
 {
-    setenv("KVXFERD_FAULT", "start_hold:1", 1);
-    daemon_t *d = daemon_start(NULL);
-    unsetenv("KVXFERD_FAULT");
+    daemon_t *d = daemon_start_fault("start_hold:1", NULL);
     if (log_contains(d, "ready")) /* the machine took over 1 s */
         printf("sigterm_while_starting: the daemon was already ready\n");
     daemon_stop_ok(d);
@@ -634,48 +659,33 @@ TEST(sigterm_while_starting)
  * and a second ends the daemon at once with exit 1, not drained. */
 TEST(second_sigterm_ends_a_stuck_start)
 {
-    setenv("KVXFERD_FAULT", "start_hold:60", 1);
-    daemon_t *d = daemon_start(NULL);
-    unsetenv("KVXFERD_FAULT");
+    daemon_t *d = daemon_start_fault("start_hold:60", NULL);
     kill(d->pid, SIGTERM);
     CHECK(log_wait(d,
                    "SIGTERM or SIGINT while starting: draining once "
                    "started",
                    5000));
     CHECK_EQ(daemon_wait(d, 300), -1); /* kept: the start goes on */
-    kill(d->pid, SIGTERM);
-    int st = daemon_wait(d, 5000);
-    CHECK(st != -1 && WIFEXITED(st));
-    CHECK_EQ(WEXITSTATUS(st), 1);
-    CHECK(log_contains(d, "a second SIGTERM or SIGINT while starting: "
-                          "exiting now, not drained"));
+    signal_exits_1(d, SIGTERM, 0, 5000,
+                   "a second SIGTERM or SIGINT while starting: exiting now, "
+                   "not drained");
 }
 
 /* One SIGINT into a stuck start: 10 s later the daemon gives up waiting
  * for the start and exits 1 (it does not hang until systemd's SIGKILL). */
 TEST_T(sigint_ends_a_stuck_start_later, 40)
 {
-    setenv("KVXFERD_FAULT", "start_hold:60", 1);
-    daemon_t *d = daemon_start(NULL);
-    unsetenv("KVXFERD_FAULT");
-    int64_t t0 = now_ms();
-    kill(d->pid, SIGINT);
-    int st = daemon_wait(d, 20000);
-    int64_t took = now_ms() - t0;
-    CHECK(st != -1 && WIFEXITED(st));
-    CHECK_EQ(WEXITSTATUS(st), 1);
-    CHECK(took >= 9000);
-    CHECK(log_contains(d, "the start did not finish within 10 s of SIGTERM "
-                          "or SIGINT: exiting now, not drained"));
+    daemon_t *d = daemon_start_fault("start_hold:60", NULL);
+    signal_exits_1(d, SIGINT, 9000, 20000,
+                   "the start did not finish within 10 s of SIGTERM or "
+                   "SIGINT: exiting now, not drained");
 }
 
 /* A SIGHUP while starting does not kill the daemon (its default action):
  * it is kept, and the loop reloads once the start is done. */
 TEST(sighup_while_starting_reloads_after)
 {
-    setenv("KVXFERD_FAULT", "start_hold:1", 1);
-    daemon_t *d = daemon_start(NULL);
-    unsetenv("KVXFERD_FAULT");
+    daemon_t *d = daemon_start_fault("start_hold:1", NULL);
     kill(d->pid, SIGHUP);
     CHECK(log_wait(d, "ready", 10000));
     CHECK(log_wait(d, "SIGHUP:", 5000));
@@ -687,9 +697,7 @@ TEST(sighup_while_starting_reloads_after)
  * reload after it (its READY=1 would follow STOPPING=1). */
 TEST(sighup_and_sigterm_while_starting_drain_once)
 {
-    setenv("KVXFERD_FAULT", "start_hold:1", 1);
-    daemon_t *d = daemon_start(NULL);
-    unsetenv("KVXFERD_FAULT");
+    daemon_t *d = daemon_start_fault("start_hold:1", NULL);
     kill(d->pid, SIGHUP);
     kill(d->pid, SIGTERM);
     int st = daemon_wait(d, 10000);
@@ -698,6 +706,60 @@ TEST(sighup_and_sigterm_while_starting_drain_once)
     CHECK(log_contains(d, "SIGTERM: draining"));
     CHECK(log_contains(d, "exiting (drained)"));
     CHECK(!log_contains(d, "SIGHUP:"));
+}
+
+/* Under log.format json, the lines a signal handler writes while the
+ * daemon starts are JSON objects like every other line (they were plain
+ * text), their time in UTC within a minute of the test's clock. */
+TEST(json_lines_while_starting)
+{
+    daemon_t *d = daemon_start_fault("start_hold:60", "log:\n  format: json\n");
+    kill(d->pid, SIGTERM);
+    CHECK(log_wait(d, "draining once started", 5000));
+    kill(d->pid, SIGTERM);
+    int st = daemon_wait(d, 5000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 1);
+    log_json_check(
+        d, "s=[o for o in ls if \"while starting\" in o[\"message\"]]\n"
+           "assert [o[\"level\"] for o in s]==[\"notice\",\"error\"], s\n"
+           "assert \"exiting now, not drained\" in s[1][\"message\"]\n"
+           "for o in s:\n"
+           " t=d.datetime.strptime(o[\"time\"],\"%Y-%m-%dT%H:%M:%S.%fZ\")\n"
+           " t=t.replace(tzinfo=d.timezone.utc)\n"
+           " assert abs((d.datetime.now(d.timezone.utc)-t).total_seconds())"
+           "<60,o\n");
+}
+
+/* A take-down stuck after the drain (down_hold:60, as a hung UCX or CUDA
+ * call once the loop has stopped) still stops: a SIGTERM then ends the
+ * daemon at once with exit 1, naming the step. It used to go unheard
+ * until systemd's SIGKILL. */
+TEST(sigterm_ends_a_stuck_takedown)
+{
+    daemon_t *d = daemon_start_fault("down_hold:60", NULL);
+    CHECK(log_wait(d, "ready", 10000));
+    kill(d->pid, SIGTERM);
+    CHECK(log_wait(d, "drain: ", 10000));
+    CHECK_EQ(daemon_wait(d, 500), -1); /* held */
+    kill(d->pid, SIGHUP);              /* ignored, not its default */
+    CHECK_EQ(daemon_wait(d, 300), -1);
+    signal_exits_1(d, SIGTERM, 0, 5000,
+                   "a SIGTERM or SIGINT while taking down: exiting now (in "
+                   "a held take-down");
+    CHECK(!log_contains(d, "exiting (drained)"));
+}
+
+/* With no second signal, a stuck take-down ends by itself 20 s after it
+ * began, exit 1. */
+TEST_T(stuck_takedown_ends_later, 50)
+{
+    daemon_t *d = daemon_start_fault("down_hold:60", NULL);
+    CHECK(log_wait(d, "ready", 10000));
+    /* the signal drains it; the take-down, held, ends 20 s later */
+    signal_exits_1(d, SIGINT, 18000, 30000,
+                   "the take-down did not finish within 20 s: exiting now "
+                   "(in a held take-down");
+    CHECK(log_contains(d, "drain: "));
 }
 
 /* ---- the socket file -------------------------------------------------- */

@@ -208,3 +208,48 @@ TEST(journal_refused_without_libsystemd)
     CHECK_STR_CONTAINS(w, "libsystemd-dev");
 }
 #endif
+
+/* log_say()'s own UTC time (a signal handler may not call gmtime_r())
+ * agrees with strftime() over gmtime_r(), leap days and years included. */
+TEST(signal_time_matches_gmtime)
+{
+    static const long days[] = {0,     59,    60,    365,   789,   10957,
+                                11016, 11017, 11323, 20429, 20794, 24855,
+                                47540, 47541, 47542, 95000};
+    for (size_t i = 0; i < sizeof(days) / sizeof(days[0]); i++)
+        for (long sec = 0; sec < 86400; sec += 86399 / 7) {
+            struct timespec ts = {.tv_sec = days[i] * 86400 + sec,
+                                  .tv_nsec = 123456789};
+            char got[40], want[40];
+            size_t n = 0;
+            put_utc(got, &n, &ts);
+            got[n] = 0;
+            struct tm tm;
+            gmtime_r(&ts.tv_sec, &tm);
+            strftime(want, sizeof(want), "%Y-%m-%dT%H:%M:%S.123456Z", &tm);
+            if (strcmp(got, want))
+                fprintf(stderr, "day %ld s %ld: %s, want %s\n", days[i], sec,
+                        got, want);
+            CHECK_EQ(strcmp(got, want), 0);
+        }
+}
+
+static void say_text(void)
+{
+    char w[160];
+    CHECK_EQ(log_set_format("text", KVX_WHY(w)), 0);
+    log_say(LOG_ERR, "stuck \"here\"");
+    CHECK_EQ(log_set_format("json", KVX_WHY(w)), 0);
+    log_say(LOG_NOTICE, "stuck \"here\"\t");
+    CHECK_EQ(log_set_format("text", KVX_WHY(w)), 0);
+}
+
+/* log_say(): the text form with its priority, the JSON object escaped. */
+TEST(signal_lines_in_the_format)
+{
+    char out[2048];
+    capture(say_text, out, sizeof(out));
+    CHECK(!strncmp(out, "<3>kvxferd: stuck \"here\"\n{\"time\":\"", 33));
+    CHECK(strstr(out, "Z\",\"level\":\"notice\",\"priority\":5,\"message\":"
+                      "\"stuck \\\"here\\\"\\u0009\"}\n") != NULL);
+}
