@@ -366,6 +366,9 @@ def measure(a, args: list, eng: "Engine", smi) -> int:
         "kvxfer_gbps_load": load["gbps"],
         "kvxfer_ratio": load["gbps"] / idle["gbps"] if idle["gbps"] else 0,
         "gpu_status": load.get("gpu_status", ""),
+        # kvxfer-bench --trace: each hop's p50 and p99 alone and beside
+        "trace_us_idle": idle.get("trace_us"),
+        "trace_us_load": load.get("trace_us"),
         "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
         "step": a.step,
     }

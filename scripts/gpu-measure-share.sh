@@ -11,7 +11,9 @@
 # empty, none);
 # ROUNDS: the idle rounds (2); NOLW=1 leaves out the layer-wise runs.
 # STEP=matmul or STEP=add keeps one half of the engine's step; SMI=1
-# samples the SM clock and power (gpu-engine-load.py --step, --smi).
+# samples the SM clock and power (gpu-engine-load.py --step, --smi);
+# TRACE=1 adds kvxfer-bench --trace: how long each launch's copies took
+# on the GPU, alone and beside the engine.
 # Cases: kernel, dma, kernel-low, dma-low, kernel-16 (16 CTAs),
 # kernel-sm25 (gpu.sm_share 25), kernel-p512, dma-p512, kernel-p256
 # (gpu.pace 512 or 256 MiB a millisecond, 16 MiB launches), kernel-sm10,
@@ -69,13 +71,17 @@ mps_off() {
 # 32 GiB a pass: 16 requests of 1,024 blocks of the 8B shape (2 MiB a
 # block over 32 layers), shuffled block ids, 8 timed passes
 M="--layers 32 --heads 8 --head-dim 128 --tokens-per-block 16 --dtype bf16 --layout vllm-nhd"
-L="--spawn-daemon --gpu --gen-device 0 $M --requests 16 --blocks 1024 --window 4 --pool-mib 8192 --no-verify --passes 8"
+L="--spawn-daemon --gpu --gen-device 0 $M --requests 16 --blocks 1024 --window 4 --pool-mib 8192 --no-verify --passes 8${TRACE:+ --trace}"
 summary() { # a JSON line of gpu-engine-load.py on stdin: its figures
     python3 -c 'import json,sys
 try:
     r=json.loads(sys.stdin.read())
     s=r["slowdown"]; a=r["step_ms_alone"]
     print("step alone p50 %.3f ms p99 %.3f; slowdown p50 x%.3f p90 x%.3f p99 x%.3f; kvxfer %.1f GB/s under load, %.1f idle (%.3f); steps %d" % (a["p50"], a["p99"], s["p50"], s["p90"], s["p99"], r["kvxfer_gbps_load"], r["kvxfer_gbps_idle"], r["kvxfer_ratio"], r["steps_under_load"]))
+    h = "submitted -> last copy done (thread)"
+    ti, tl = r.get("trace_us_idle") or {}, r.get("trace_us_load") or {}
+    if h in ti and h in tl:
+        print("  copies on the GPU p50/p99 us: alone %.0f/%.0f, beside %.0f/%.0f; the daemon part beside %.0f/%.0f" % (*ti[h], *tl[h], *[v for k, v in tl.items() if k.startswith("made ->")][0]))
     for k in ("gpu_alone", "gpu_load", "gpu_copies_alone"):
         g = r.get(k)
         if g and g.get("samples"):
