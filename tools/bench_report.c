@@ -68,28 +68,42 @@ static void trace_report(FILE *out, int json)
     FILE *f = fopen(trace_path(), "r");
     if (!f)
         die("--trace: %s: %s", trace_path(), strerror(errno));
-    uint64_t *d[NHOPS];
+    uint64_t *d[NHOPS], (*hr)[NHOPS] = calloc(o.requests, sizeof(*hr));
     for (int i = 0; i < NHOPS; i++)
         if (!(d[i] = calloc(o.requests, sizeof(uint64_t))))
             die("out of memory");
-    uint32_t n = 0;
+    uint8_t *have = calloc(o.requests, 1);
+    if (!hr || !have)
+        die("out of memory");
     char key[300];
     unsigned long long t[6];
+    /* with --passes, every pass fetches the same requests again: each
+     * one's last line is the pass whose times call_ns and ev_ns hold */
     while (trace_next(f, key, t)) {
         const char *dg = strrchr(key, '-'); /* keyed: "decode-R" */
         dg = dg ? dg + 1 : key;
         char *end;
         unsigned long long r = strtoull(dg, &end, 10);
-        if (*end || r >= o.requests || !call_ns[r] || n >= o.requests)
+        if (*end || r >= o.requests || !call_ns[r])
             continue; /* the warm-up's, or not rank 0's */
         uint64_t h[NHOPS] = {
             t[0] - call_ns[r], t[1] - t[0],           t[2] - t[1],
             t[3] - t[2],       t[4] - t[3],           t[5] - t[4],
             ev_ns[r] - t[5],   ev_ns[r] - call_ns[r], t[5] - t[0]};
         for (int i = 0; i < NHOPS; i++)
-            d[i][n] = (int64_t)h[i] < 0 ? 0 : h[i];
+            hr[r][i] = (int64_t)h[i] < 0 ? 0 : h[i];
+        have[r] = 1;
+    }
+    uint32_t n = 0;
+    for (uint32_t r = 0; r < o.requests; r++) {
+        if (!have[r])
+            continue;
+        for (int i = 0; i < NHOPS; i++)
+            d[i][n] = hr[r][i];
         n++;
     }
+    free(hr);
+    free(have);
     fclose(f);
     unlink(trace_path());
     if (!n)

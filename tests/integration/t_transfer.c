@@ -655,6 +655,21 @@ static int bench_run(const char *args, char *out, size_t cap)
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
 
+/* The [p50, p99] of hop in kvxfer-bench --json --trace's output. */
+static void trace_hop(const char *out, const char *hop, double *p50,
+                      double *p99)
+{
+    char k[128];
+    snprintf(k, sizeof(k), "\"%s\":[", hop);
+    const char *at = strstr(out, k);
+    if (!at)
+        fprintf(stderr, "no %s in %s\n", k, out);
+    CHECK(at);
+    char *e;
+    *p50 = strtod(at + strlen(k), &e);
+    *p99 = strtod(e + 1, NULL);
+}
+
 /* kvxfer-bench with pools smaller than its requests (blocks reused):
  * each slot written once, every request sampled, every slot checked
  * whole after the pass ("verify":"sampled"); --trace reads the spawned
@@ -674,15 +689,34 @@ TEST_T(bench_reused_pools_sampled_and_traced, 120)
     CHECK_STR_CONTAINS(out, "\"submitted -> last copy done (thread)\":[");
     /* each request's part in the daemon lies inside its whole: so do
      * their p50s and p99s */
-    const char *dk =
-        strstr(out, "\"made -> event queued (the daemon's part)\":[");
-    const char *tk = strstr(out, "\"fetch call -> event (total)\":[");
-    CHECK(dk && tk);
-    char *e;
-    double d50 = strtod(strchr(dk, '[') + 1, &e), d99 = strtod(e + 1, NULL);
-    double t50 = strtod(strchr(tk, '[') + 1, &e), t99 = strtod(e + 1, NULL);
+    double d50, d99, t50, t99;
+    trace_hop(out, "made -> event queued (the daemon's part)", &d50, &d99);
+    trace_hop(out, "fetch call -> event (total)", &t50, &t99);
     CHECK(d50 > 0 && d50 <= d99);
     CHECK(d50 <= t50 && d99 <= t99);
+}
+
+/* --trace with --passes: every pass fetches the same requests, and each
+ * request's hops come from one pass, the last, whose times the rank
+ * kept. The hops were the first pass's daemon times against the last
+ * pass's client times: a hop over the client's clock then spanned whole
+ * passes, longer than the request itself. */
+TEST_T(bench_traced_over_passes, 120)
+{
+    char out[8192];
+    CHECK_EQ(bench_run("--spawn-daemon --json --trace --passes 3 "
+                       "--requests 8 --window 4 --blocks 8 --layers 2 "
+                       "--heads 2 --head-dim 64 --pool-mib 1",
+                       out, sizeof(out)),
+             0);
+    CHECK_STR_CONTAINS(out, "\"trace_requests\":8,");
+    double t50, t99, c50, c99, d50, d99, e50, e99;
+    trace_hop(out, "fetch call -> event (total)", &t50, &t99);
+    trace_hop(out, "fetch call -> fetch made (daemon)", &c50, &c99);
+    trace_hop(out, "made -> event queued (the daemon's part)", &d50, &d99);
+    trace_hop(out, "event queued -> client has it", &e50, &e99);
+    CHECK(c99 <= t99 && d99 <= t99 && e99 <= t99);
+    CHECK(d50 > 0);
 }
 
 /* kvxfer-bench --layerwise, small: every way it measures runs and the
