@@ -16,6 +16,7 @@
 #include <syslog.h>
 
 #include "kvxfer.h"
+#include "log.h"
 
 static int check_group(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_hello(const kvx_conf_t *conf, kvx_why_t *why);
@@ -24,9 +25,12 @@ static int check_secret_file(const kvx_conf_t *conf, kvx_why_t *why);
 static int check_log_format(const kvx_conf_t *conf, kvx_why_t *why)
 {
     static const char *const ok[] = {"auto", "text", "json", "journal"};
+    char w[200];
     for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
-        if (!strcmp(conf->log_format, ok[i]))
-            return 0;
+        if (!strcmp(conf->log_format, ok[i])) /* journal needs libsystemd */
+            return log_format_check(ok[i], KVX_WHY(w))
+                       ? why_fail(why, 1, "%s", w)
+                       : 0;
     char what[64];
     return why_fail(why, 1, "%s (expected auto, text, json or journal)",
                     conf_shown(conf->log_format, strlen(conf->log_format), what,
@@ -701,7 +705,8 @@ const struct conf_key conf_keys[] = {
      .check = check_slots,
      .help = "Staging slots for each direction (sending and receiving); "
              "allocated and registered once, at start. 0: as many as "
-             "fit in 32 MiB, at least 2 (8 of 4 MiB, 2 of 16 MiB)."},
+             "fit in 32 MiB, at least 2 (8 of 4 MiB, 2 of 16 MiB); 1 is "
+             "refused (one slot cannot overlap anything)."},
     {.name = "peer.message_bytes",
      .type = CONF_SIZE,
      FIELD(message_bytes),

@@ -43,34 +43,44 @@ static int stderr_is_journal(void)
            (unsigned long long)st.st_ino == ino;
 }
 
-int log_set_format(const char *format, kvx_why_t *why)
+/* format's FMT_, or -1 with why (without the key's name) */
+static int format_parse(const char *format, kvx_why_t *why)
 {
 #ifdef KVX_JOURNAL
     int journal = 1;
 #else
     int journal = 0;
 #endif
-    int f;
     if (!strcmp(format, "auto"))
-        f = journal && stderr_is_journal() ? FMT_JOURNAL
-            : isatty(2)                    ? FMT_TTY
-                                           : FMT_TEXT;
-    else if (!strcmp(format, "text"))
-        f = FMT_TEXT;
-    else if (!strcmp(format, "json"))
-        f = FMT_JSON;
-    else if (!strcmp(format, "journal") && journal)
-        f = FMT_JOURNAL;
-    else if (!strcmp(format, "journal"))
+        return journal && stderr_is_journal() ? FMT_JOURNAL
+               : isatty(2)                    ? FMT_TTY
+                                              : FMT_TEXT;
+    if (!strcmp(format, "text"))
+        return FMT_TEXT;
+    if (!strcmp(format, "json"))
+        return FMT_JSON;
+    if (!strcmp(format, "journal") && journal)
+        return FMT_JOURNAL;
+    if (!strcmp(format, "journal"))
         return why_fail(why, -1,
-                        "log.format: journal, but this kvxferd was built "
-                        "without libsystemd (scripts/deps.sh installs "
+                        "journal, but this kvxferd was built without "
+                        "libsystemd (scripts/deps.sh installs "
                         "libsystemd-dev)");
-    else
-        return why_fail(why, -1,
-                        "log.format: %.32s (expected auto, text, json or "
-                        "journal)",
-                        format);
+    return why_fail(why, -1, "%.32s (expected auto, text, json or journal)",
+                    format);
+}
+
+int log_format_check(const char *format, kvx_why_t *why)
+{
+    return format_parse(format, why) < 0 ? -1 : 0;
+}
+
+int log_set_format(const char *format, kvx_why_t *why)
+{
+    char w[200];
+    int f = format_parse(format, KVX_WHY(w));
+    if (f < 0)
+        return why_fail(why, -1, "log.format: %s", w);
     fmt = f;
     return 0;
 }

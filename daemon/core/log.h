@@ -40,6 +40,9 @@ void kvx__log_f(int prio, const log_fields_t *f, const char *fmt, ...)
  * "json" or "journal". 0, or -1 with why (journal in a build without
  * libsystemd); the format in force is unchanged then. */
 int log_set_format(const char *format, kvx_why_t *why);
+/* Whether log_set_format() would take format: 0, or -1 with why (what
+ * is wrong, without the key's name), as --check-config must say it. */
+int log_format_check(const char *format, kvx_why_t *why);
 /* The format in force: "text", "tty", "json" or "journal". */
 const char *log_format_name(void);
 /* One line from a signal handler: async-signal-safe (one write(), no

@@ -167,7 +167,8 @@ static void text_transfers(FILE *f, const Kvxfer__UcxInfo *ucx)
                         side_names[d], kvx_status_name(-c),
                         (unsigned long long)s->end_codes[d][c]);
     family(f, "kvxfer_reply_errors_total", "counter",
-           "Error replies to clients' calls, by error code.");
+           "Errors by code: error replies to clients' calls, requests "
+           "that ended in error, refused connections.");
     for (int c = 1; c < 32; c++)
         if (s->errors_by_code[c])
             fprintf(f, "kvxfer_reply_errors_total{code=\"%s\"} %llu\n",
@@ -241,7 +242,8 @@ static void text_engines(FILE *f, const Kvxfer__UcxInfo *ucx)
     unsigned held;
     copy_pace_stats(&pj, &pns, &held);
     family(f, "kvxfer_copy_paced_jobs_total", "counter",
-           "Copy jobs held by gpu.pace or copy.pace before they started.");
+           "Copy jobs held by a pace (gpu.pace, copy.pace or an engine's "
+           "GpuPace) before they started.");
     fprintf(f, "kvxfer_copy_paced_jobs_total %llu\n", (unsigned long long)pj);
     family(f, "kvxfer_copy_paced_seconds_total", "counter",
            "Time copy jobs were held by a pace, summed.");

@@ -4,6 +4,7 @@
  * from the repository root (config/ and docs/ are read from there).
  */
 #include "../../daemon/core/conf.c"
+#include "../../daemon/core/log.h"
 
 #include "tests/test.h"
 
@@ -1632,4 +1633,28 @@ TEST(deep_and_odd_yaml)
     free(err);
     free(buf);
     unlink(tmp_path);
+}
+
+/* log.format journal passes a check only where the daemon can start
+ * with it: a build without libsystemd refused it only at start (exit 2)
+ * after --check-config had said the file was fine. */
+TEST(log_format_journal_as_the_log_takes_it)
+{
+    char w[200];
+    int log_takes = log_format_check("journal", KVX_WHY(w)) == 0;
+    if (log_takes) {
+        kvx_conf_t c;
+        load_ok("log:\n  format: journal\n", &c);
+        CHECK(!strcmp(c.log_format, "journal"));
+    } else {
+        expect_errors("log:\n  format: journal\n", 1,
+                      "F:2:11: log.format: journal, but this kvxferd was "
+                      "built without libsystemd (scripts/deps.sh installs "
+                      "libsystemd-dev)\n"
+                      "  format: journal\n"
+                      "          ^\n");
+    }
+    printf("log_format_journal_as_the_log_takes_it: this build %s "
+           "journal\n",
+           log_takes ? "takes" : "refuses");
 }
