@@ -426,13 +426,12 @@ static void on_down_alarm(int signum)
     down_exit(down_late);
 }
 
-/* The loop is done: its watchers give the signals back (libuv sets them
- * to their defaults), and these handlers take them. */
+/* The loop is done: these handlers take the signals from its watchers.
+ * The watchers stay started: stopping or closing one sets its signal to
+ * its default action (libuv), and one that came before sigaction() here
+ * would kill the daemon; close_walk() leaves them. */
 static void takedown_signals(void)
 {
-    uv_signal_stop(&sig_term);
-    uv_signal_stop(&sig_int);
-    uv_signal_stop(&sig_hup);
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
     sigfillset(&sa.sa_mask);
@@ -453,6 +452,10 @@ static void takedown_signals(void)
 static void close_walk(uv_handle_t *h, void *arg)
 {
     (void)arg;
+    if (h->type == UV_SIGNAL) { /* takedown_signals() has the signal */
+        uv_unref(h);
+        return;
+    }
     if (!uv_is_closing(h))
         uv_close(h, NULL);
 }
@@ -682,7 +685,7 @@ err_defer:
     DOWN(kvxd_defer_cleanup); /* last: drops what the cleanups above queued */
     uv_walk(kvxd.loop, close_walk, NULL);
     uv_run(kvxd.loop, UV_RUN_DEFAULT);
-    uv_loop_close(kvxd.loop);
+    uv_loop_close(kvxd.loop); /* UV_EBUSY: the signal watchers stay */
 out:
     log_notice("kvxferd exiting (%s)", rc ? "error" : "drained");
     return rc;

@@ -762,6 +762,27 @@ TEST_T(stuck_takedown_ends_later, 50)
     CHECK(log_contains(d, "drain: "));
 }
 
+/* SIGTERMs that keep coming through the end of the drain and the start
+ * of the take-down never kill the daemon by their default action: the
+ * take-down's handlers take them from the loop's watchers with no gap
+ * (stopping a watcher used to set SIGTERM to SIG_DFL first). Exit 0 or
+ * 1, whichever step the flood met. */
+TEST_T(sigterm_flood_into_the_takedown, 60)
+{
+    for (int i = 0; i < 40; i++) {
+        daemon_t *d = daemon_start(NULL);
+        CHECK(log_wait(d, "ready", 10000));
+        int64_t end = now_ms() + 20000;
+        while (daemon_wait(d, 0) == -1 && now_ms() < end)
+            kill(d->pid, i % 2 ? SIGINT : SIGTERM);
+        int st = daemon_wait(d, 0);
+        if (st != -1 && WIFSIGNALED(st))
+            fprintf(stderr, "run %d: killed by signal %d\n", i, WTERMSIG(st));
+        CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) <= 1);
+        daemon_forget(d);
+    }
+}
+
 /* ---- the socket file -------------------------------------------------- */
 
 /* Run kvxferd --config cfg; kill it after timeout_ms. Returns the wait
