@@ -267,7 +267,9 @@ static void reload(void)
 static void on_signal(uv_signal_t *h, int signum)
 {
     (void)h;
-    if (signum == SIGHUP)
+    if (signum == SIGHUP && kvxd.draining) /* READY=1 after STOPPING=1 */
+        log_notice("SIGHUP: ignored while draining");
+    else if (signum == SIGHUP)
         reload();
     else
         drain(signum == SIGTERM ? "SIGTERM" : "SIGINT");
@@ -688,5 +690,15 @@ err_defer:
     uv_loop_close(kvxd.loop); /* UV_EBUSY: the signal watchers stay */
 out:
     log_notice("kvxferd exiting (%s)", rc ? "error" : "drained");
+    /* Past here a signal changes nothing, and UCX's library, on its way
+     * out, sets SIGHUP (its debug signal) back to its default: one then
+     * would kill the daemon by it. The threads that take signals are
+     * gone; blocked, they die with the process. */
+    sigset_t quiet;
+    sigemptyset(&quiet);
+    sigaddset(&quiet, SIGHUP);
+    sigaddset(&quiet, SIGTERM);
+    sigaddset(&quiet, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &quiet, NULL);
     return rc;
 }

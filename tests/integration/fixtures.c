@@ -441,6 +441,28 @@ static int ctl_run(const char *args, char *out, size_t cap)
     return cmd_run(cmd, out, cap);
 }
 
+/* A daemon draining with one offer in flight (request 71 of instance
+ * ci, published and not fetched): kvxferctl drain --deadline 3 runs in
+ * the background (pclose() the handle) and the drain has begun. */
+static FILE *drain_with_offer(daemon_t *d, const char *ci, const char *gi,
+                              rank_t *c, rank_t *g)
+{
+    side_t cs, gs;
+    pair_open(d, &M_SMALL, ci, gi, 16, c, g, &cs, &gs);
+    uint32_t bl[2] = {0, 1};
+    kvx_context_params_t p;
+    CHECK_KVX(kvx_publish(c->c, 71, c->pool, bl, 2, 8, &p, T_MS), c->c);
+    kvx_context_params_free(&p);
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "%s/kvxferctl --socket %s drain --deadline 3 >/dev/null 2>&1",
+             build_dir(), d->sock);
+    FILE *ctl = popen(cmd, "r");
+    CHECK(ctl != NULL);
+    CHECK(log_wait(d, "draining: 1 requests in flight", 5000));
+    return ctl;
+}
+
 /* ---- two uids in one process ------------------------------------------ */
 
 /* The next connections are made as uid (0: root again): the daemon takes

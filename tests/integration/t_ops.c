@@ -783,6 +783,54 @@ TEST_T(sigterm_flood_into_the_takedown, 60)
     }
 }
 
+/* SIGHUPs that keep coming once a drain began (a reload racing a stop)
+ * never kill the daemon by their default action: not in the take-down,
+ * which ignores them, and not after it, where UCX's library has set
+ * SIGHUP back to its default on its way out. It exits 0 (drained), and
+ * reloads nothing while it drains. */
+TEST_T(sighup_flood_into_the_exit, 60)
+{
+    for (int i = 0; i < 20; i++) {
+        daemon_t *d = daemon_start(NULL);
+        CHECK(log_wait(d, "ready", 10000));
+        kill(d->pid, SIGTERM);
+        int64_t end = now_ms() + 20000;
+        while (daemon_wait(d, 0) == -1 && now_ms() < end)
+            kill(d->pid, SIGHUP);
+        int st = daemon_wait(d, 0);
+        if (st != -1 && WIFSIGNALED(st))
+            fprintf(stderr, "run %d: killed by signal %d\n", i, WTERMSIG(st));
+        CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        /* nor does one reload it once it drains (READY=1 after
+         * STOPPING=1) */
+        char *t = read_file(d->log), *dr = strstr(t, "SIGTERM: draining");
+        CHECK(dr != NULL);
+        if (strstr(dr, "SIGHUP: reloaded") || strstr(dr, "SIGHUP: no"))
+            fprintf(stderr, "run %d: reloaded while draining:\n%s\n", i, dr);
+        CHECK(!strstr(dr, "SIGHUP: reloaded") && !strstr(dr, "SIGHUP: no"));
+        free(t);
+        daemon_forget(d);
+    }
+}
+
+/* A SIGHUP while the daemon drains (kvxferctl drain, an offer still in
+ * flight) reloads nothing: a reload would tell systemd READY=1 after
+ * STOPPING=1, and change the keys of a daemon on its way out. */
+TEST_T(sighup_while_draining_reloads_nothing, 30)
+{
+    daemon_t *d = daemon_start("");
+    rank_t c, g;
+    FILE *ctl = drain_with_offer(d, "hd-ctx", "hd-gen", &c, &g);
+    kill(d->pid, SIGHUP);
+    CHECK(log_wait(d, "SIGHUP: ignored while draining", 5000));
+    CHECK(!log_contains(d, "SIGHUP: reloaded"));
+    pclose(ctl);
+    int st = daemon_wait(d, 10000);
+    CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    rank_close(&c);
+    rank_close(&g);
+}
+
 /* ---- the socket file -------------------------------------------------- */
 
 /* Run kvxferd --config cfg; kill it after timeout_ms. Returns the wait

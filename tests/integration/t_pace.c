@@ -232,20 +232,9 @@ TEST_T(gpu_pace_while_draining, 60)
 {
     daemon_t *d = daemon_start("");
     rank_t c, g;
-    side_t cs, gs;
-    pair_open(d, &M_SMALL, "pd-ctx", "pd-gen", 16, &c, &g, &cs, &gs);
+    FILE *ctl = drain_with_offer(d, "pd-ctx", "pd-gen", &c, &g);
     uint32_t bl[2] = {0, 1};
     kvx_context_params_t p;
-    CHECK_KVX(kvx_publish(c.c, 71, c.pool, bl, 2, 8, &p, T_MS), c.c);
-    kvx_context_params_free(&p);
-    char cmd[1024];
-    snprintf(cmd, sizeof(cmd),
-             "%s/kvxferctl --socket %s drain --deadline 3 "
-             ">/dev/null 2>&1",
-             build_dir(), d->sock);
-    FILE *ctl = popen(cmd, "r");
-    CHECK(ctl != NULL);
-    CHECK(log_wait(d, "draining: 1 requests in flight", 5000));
     CHECK_FAILS(kvx_publish(c.c, 72, c.pool, bl, 2, 8, &p, T_MS), c.c,
                 KVX_ERR_SHUTDOWN, "shutting down");
     CHECK_KVX(kvx_gpu_pace(g.c, 6000, 2000, T_MS), g.c);
