@@ -46,9 +46,11 @@ static void drop(entry_t **p)
     free(e);
 }
 
-/* Devices whose live GPU pools are of more than one user: the pools'
- * walk (apply() runs it whenever a pool comes or goes, and at each
- * pace); without memory for it, what it found last. */
+/* Devices whose live GPU pools are of more than one user: a walk of
+ * every pool of the daemon, run only when a GPU pool comes or goes
+ * (apply(1)); a pace or a lapse takes what the last walk found, so that
+ * a GpuPace, sent each step, costs none. Without memory for it, what
+ * the last one found. */
 static uint64_t find_shared(void)
 {
     uint32_t uid[COPY_PACE_DEVICES];
@@ -78,11 +80,11 @@ static uint64_t find_shared(void)
 /* Each device's lane gets the lowest pace of the sessions on it, unless
  * the GPU pools there are of more than one user: then no engine's pace
  * binds it (one tenant must not slow another's transfers), only
- * gpu.pace. */
-static void apply(void)
+ * gpu.pace. walk: a GPU pool came or went, find who shares anew. */
+static void apply(int walk)
 {
     uint64_t low[COPY_PACE_DEVICES] = {0};
-    uint64_t shared = g.shared = find_shared();
+    uint64_t shared = walk ? (g.shared = find_shared()) : g.shared;
     for (entry_t *e = g.list; e; e = e->next)
         for (int d = 0; d < COPY_PACE_DEVICES; d++)
             if ((e->devices & ~shared) >> d & 1)
@@ -132,7 +134,7 @@ static void on_timer(uv_timer_t *t)
     }
     g.armed_ms = 0;
     if (lapsed)
-        apply();
+        apply(0);
     arm();
 }
 
@@ -153,7 +155,7 @@ void pacing_cleanup(void)
 {
     while (g.list)
         drop(&g.list);
-    apply();
+    apply(0);
     if (g.open) {
         uv_close((uv_handle_t *)&g.timer, NULL);
         g.open = 0;
@@ -187,7 +189,7 @@ int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
             uv_update_time(g.loop);
         (*p)->until_ms = hold_ms ? uv_now(g.loop) + hold_ms + 1 : 0;
     }
-    apply();
+    apply(0);
     arm();
     return 0;
 }
@@ -202,7 +204,7 @@ void pacing_devices(uint64_t sid, uint64_t devices)
     entry_t **p = find(sid);
     if (*p)
         (*p)->devices = devices;
-    apply(); /* a pool came or went: which devices users share may too */
+    apply(1); /* a pool came or went: which devices users share may too */
 }
 
 void pacing_end(uint64_t sid)
@@ -212,7 +214,7 @@ void pacing_end(uint64_t sid)
         drop(p);
         arm();
     }
-    apply(); /* its pools may leave a device to one user */
+    apply(1); /* its pools may leave a device to one user */
 }
 
 uint32_t pacing_sessions(void)

@@ -38,7 +38,8 @@ void pacing_cleanup(void);
  * the devices of its GPU pools (a mask, bit d for device d, the last
  * bit for devices 63 and up), for hold_ms from now (0: until changed or
  * the session ends). 0, or KVX_ERR_NOMEM (nothing changed). Whose
- * devices users share is read from the pools' uids. */
+ * devices users share: as pacing_shared() says (no walk of the pools:
+ * an engine calls it each step). */
 int pacing_set(uint64_t sid, uint64_t per_ms, uint32_t hold_ms,
                uint64_t devices);
 /* Session sid's GPU pools are now on these devices; called whenever a
@@ -50,8 +51,8 @@ void pacing_end(uint64_t sid);
 /* Sessions whose pace is in force now. */
 uint32_t pacing_sessions(void);
 /* Devices whose live GPU pools are of more than one user (a mask, as
- * above): no engine's pace binds them. As of the last pace call or GPU
- * pool registered or gone (pacing_set(), pacing_devices(),
+ * above): no engine's pace binds them, read from the pools' uids. As
+ * of the last GPU pool registered or gone (pacing_devices(),
  * pacing_end()). */
 uint64_t pacing_shared(void);
 /* Devices that have a GPU pool, or an engine's pace (a mask, as above). */

@@ -397,8 +397,10 @@ void session_on_deregister_pool(session_t *s, const Kvxfer__Request *rq)
              "deregister_pool.pool_id: pool %u is used by %u requests; "
              "cancel them first",
              id, users);
+    int gpu = p->gpu;
     map_del(&s->pools, id);
     pool_release(p);
-    pacing_devices(s->id, session_gpu_devices(s));
+    if (gpu) /* as at its registration: a host pool changes no pace */
+        pacing_devices(s->id, session_gpu_devices(s));
     session_reply(s->id, rq->id, 0, "");
 }
