@@ -23,7 +23,9 @@
 # request's blocks in order instead of shuffled: a layer's K or V of a
 # request is then one run of 32 MiB on both sides. A name ending in -host
 # (dma-seq-host) puts the generation side's pool in host memory: the
-# copies cross PCIe (device to host) instead of staying in the GPU.
+# copies cross PCIe (device to host) instead of staying in the GPU; one
+# ending in -into (dma-seq-into) puts the context side's pool there
+# instead: host to device, into the engine's GPU.
 # SELF: cases without kvxfer, copies from the engine's own process and
 # context (gpu-engine-load.py --self-copy, 32 GiB a pass, no MPS): self-dma
 # (64 MiB cudaMemcpyAsync pieces), self-dma4 (4 MiB), self-kernel (64 MiB
@@ -92,7 +94,8 @@ except Exception as e:
 }
 load() { # label (its case name, mps- first under MPS), case name
     c=${2%-host}
-    case $2 in *-host) host=--gen-host ;; *) host= ;; esac
+    c=${c%-into}
+    case $2 in *-host) host=--gen-host ;; *-into) host=--ctx-host ;; *) host= ;; esac
     case $c in *-seq) sh= ;; *) sh=--shuffle ;; esac
     r=$(timeout 200 python3 "$HERE/gpu-engine-load.py" --bench "$B/bin/kvxfer-bench" \
         --label "$1${STEP:+-$STEP}" ${STEP:+--step $STEP} $([ "${SMI:-0}" = 1 ] && echo --smi) -- $L $sh $host --daemon-config "$OUT/${c%-seq}.yaml" 2>"$OUT/load-$1.err")

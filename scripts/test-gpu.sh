@@ -9,7 +9,10 @@ BUILD=${1:-build}
 [ $# -gt 0 ] && shift
 # a build tree has tests/gpu, a bundle bin/tests/gpu
 if [ -x "$BUILD/tests/gpu" ]; then T="$BUILD/tests"; KB=$BUILD
-else T="$BUILD/bin/tests"; KB="$BUILD/bin"; fi
+else T="$BUILD/bin/tests"; KB="$BUILD/bin"
+    # the bundle's libraries (the tests have no run path to them)
+    export LD_LIBRARY_PATH="$BUILD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 if [ ! -x "$T/gpu" ]; then
     echo "test-gpu: skipped: this build has no CUDA (nvcc was not found)"
     echo "0 passed, 0 failed"

@@ -292,6 +292,7 @@ struct gpu_part {
      * memory (same offsets), walked for the copy engines' runs */
     uint8_t *hdesc;
     gpu_plan_t hplan;
+    int host; /* it reads or writes host memory: its copies cross PCIe */
 };
 
 const char *gpu_build_info(void)
@@ -929,6 +930,25 @@ static cudaError_t uploaded(int d, cudaStream_t s)
     return e;
 }
 
+/* Whether any of m's regions is host memory (a host pool, pinned and
+ * mapped for the kernel); the driver says (in the current context). */
+static int mem_on_host(const plan_mem_t *m)
+{
+    for (uint32_t r = 0; r < m->nregions; r++) {
+        struct cudaPointerAttributes a;
+        if (!m->regions[r].base)
+            continue;
+        if (cudaPointerGetAttributes(&a, m->regions[r].base) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;
+        }
+        if (a.type == cudaMemoryTypeHost ||
+            a.type == cudaMemoryTypeUnregistered)
+            return 1;
+    }
+    return 0;
+}
+
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
                     kvx_why_t *why)
 {
@@ -980,6 +1000,9 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
     }
     gp->off_sblk = off_sblk; /* gpu_part_set_blocks() writes there */
     if (strcmp(kvxd.conf.gpu_copy_path, "kernel")) {
+        gp->host = mem_on_host(&p->dst); /* auto's rule over PCIe */
+        for (uint32_t i = 0; i < p->nslices && !gp->host; i++)
+            gp->host = mem_on_host(&p->src[i]);
         /* the same layout at the host buffer's own address: the walk of
          * the copy engines' runs reads it (gpu_desc_runs()) */
         size_t hlen = 0;
@@ -1332,14 +1355,14 @@ void gpu_event_unwatch(gpu_watch_t *w)
 }
 
 /* Launch l of part gp (bytes long) on the copy engines, if it goes
- * there (gpu_dma_launch()): a cudaError_t, or -1 when it goes to the
- * kernel (nothing issued). */
+ * there (gpu_dma_launch(); host: a host staging slot is one side): a
+ * cudaError_t, or -1 when it goes to the kernel (nothing issued). */
 static int dma_launch(const gpu_part_t *gp, const gpu_launch_t *l, int d,
-                      uint64_t bytes)
+                      uint64_t bytes, int host)
 {
     if (!gp->hdesc) /* made under gpu.copy_path kernel */
         return -1;
-    return gpu_dma_launch(&gp->hplan, l, g.stream[d], bytes);
+    return gpu_dma_launch(&gp->hplan, l, g.stream[d], bytes, gp->host || host);
 }
 
 int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
@@ -1371,7 +1394,7 @@ int gpu_launch(gpu_part_t *gp, const gpu_work_t *w, gpu_done_cb done, void *arg)
             e = cudaStreamWaitEvent(g.stream[d], g.uploaded[d], 0);
         if (e == cudaSuccess) {
             g.unwaited[d] = 0;
-            e = dma_launch(gp, &l, d, w->bytes);
+            e = dma_launch(gp, &l, d, w->bytes, w->packed && !w->device);
             if (e == -1) /* the kernel's: scattered blocks, or a layout
                             change */
                 e = gpu_kernel_launch(&gp->plan, &l, w->bytes, ctas,

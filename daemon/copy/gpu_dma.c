@@ -81,14 +81,16 @@ static int dma_run(void *arg, uint64_t dst, uint64_t src, uint64_t len)
 }
 
 int gpu_dma_launch(const gpu_plan_t *hplan, const gpu_launch_t *l, void *stream,
-                   uint64_t bytes)
+                   uint64_t bytes, int host)
 {
     dma.stream = stream;
     dma.n = 0;
+    uint64_t min_run =
+        host ? kvxd.conf.gpu_dma_min_run_host : kvxd.conf.gpu_dma_min_run;
     int e = !strcmp(kvxd.conf.gpu_copy_path, "dma")
                 ? gpu_desc_runs(hplan, l, dma_run, NULL)
-                : gpu_desc_runs_auto(hplan, l, bytes, kvxd.conf.gpu_dma_min_run,
-                                     DMA_BATCH, dma_run, NULL);
+                : gpu_desc_runs_auto(hplan, l, bytes, min_run, DMA_BATCH,
+                                     dma_run, NULL);
     if (e == GPU_RUNS_MANY) {
         dma.n = 0;
         return -1;

@@ -16,10 +16,11 @@
 /* Launch l of the plan hplan (laid out in host memory, bytes long) on
  * stream (a cudaStream_t) for gpu.copy_path dma; for auto, only when its
  * runs, joined, are gpu.dma_min_run long or longer on average
- * (gpu_desc_runs_auto(): chosen in the walk that lays out the copies).
+ * (gpu.dma_min_run_host when host says it reads or writes host memory;
+ * gpu_desc_runs_auto(): chosen in the walk that lays out the copies).
  * A cudaError_t, or -1 when it goes to the kernel (nothing issued). */
 int gpu_dma_launch(const gpu_plan_t *hplan, const gpu_launch_t *l, void *stream,
-                   uint64_t bytes);
+                   uint64_t bytes, int host);
 
 /* Launches issued on the copy engines, the copies and batches they were
  * cut into, since start. */

@@ -58,6 +58,7 @@ typedef struct kvx_conf {
     uint64_t gpu_staging_bytes;
     char gpu_copy_path[8];       /* "kernel", "dma" or "auto" */
     uint64_t gpu_dma_min_run;    /* auto: DMA for runs of this or more */
+    uint64_t gpu_dma_min_run_host; /* the same, a launch over PCIe */
     uint32_t gpu_sm_share;       /* MPS: % of SMs; 0: as the environment */
     char gpu_stream_priority[8]; /* "normal" or "low" */
     uint64_t gpu_pace;           /* bytes a ms a GPU's copies start; 0 off */

@@ -1381,6 +1381,37 @@ TEST_T(engine_pace_holds_then_lapses, 120)
     munmap(sh, sizeof(*sh));
 }
 
+/* gpu.copy_path auto over PCIe (a host pool on one side, either way):
+ * single blocks' 32 KiB runs, shuffled, reach gpu.dma_min_run_host
+ * (32 KiB), so the copy engines take them, where within the GPU they go
+ * to the kernel (the test above); with dma_min_run_host above them, the
+ * kernel again. Every byte verified. */
+TEST_T(auto_path_over_pcie_takes_blocks, 180)
+{
+    NEED_GPUS(1);
+    char cfg[128], args[512], out[8192];
+    static const char *const side[] = {"--ctx-host", "--gen-host"};
+    for (int k = 0; k < 4; k++) {
+        gpu_config(k < 2 ? "  copy_path: auto\n"
+                         : "  copy_path: auto\n  dma_min_run_host: 64KiB\n",
+                   cfg, sizeof(cfg));
+        snprintf(args, sizeof(args),
+                 "--layout vllm-nhd --heads 8 --head-dim 128 --dtype bf16 "
+                 "--tokens-per-block 16 --layers 8 --requests 2 --blocks "
+                 "256 --pool-mib 256 --shuffle %s --daemon-config %s",
+                 side[k % 2], cfg);
+        bench_out(args, out, sizeof(out));
+        printf("auto, %s, dma_min_run_host %s: %lld launches on the copy "
+               "engines\n",
+               side[k % 2], k < 2 ? "32KiB" : "64KiB", dma_launches(out));
+        if (k < 2)
+            CHECK(dma_launches(out) > 0);
+        else
+            CHECK_EQ(dma_launches(out), 0);
+    }
+    unlink(cfg);
+}
+
 /* gpu.copy_path auto with the default gpu.dma_min_run (4 MiB): a
  * request's 1,024 blocks in order on both sides join into one run a
  * layer's K or V (32 MiB) and go to the copy engines; shuffled, each
