@@ -10,8 +10,10 @@ BUILD=${1:-build}
 # a build tree has tests/gpu, a bundle bin/tests/gpu
 if [ -x "$BUILD/tests/gpu" ]; then T="$BUILD/tests"; KB=$BUILD
 else T="$BUILD/bin/tests"; KB="$BUILD/bin"
-    # the bundle's libraries (the tests have no run path to them)
+    # the bundle's libraries (the tests have no run path to them), and
+    # its ucx_perftest (kvxfer-bench --daemons 2's baseline)
     export LD_LIBRARY_PATH="$BUILD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export PATH="$(cd "$BUILD/bin" && pwd):$PATH"
 fi
 if [ ! -x "$T/gpu" ]; then
     echo "test-gpu: skipped: this build has no CUDA (nvcc was not found)"
