@@ -68,17 +68,18 @@ static void trace_report(FILE *out, int json)
     FILE *f = fopen(trace_path(), "r");
     if (!f)
         die("--trace: %s: %s", trace_path(), strerror(errno));
-    uint64_t *d[NHOPS], (*hr)[NHOPS] = calloc(o.requests, sizeof(*hr));
+    uint64_t *d[NHOPS];
     for (int i = 0; i < NHOPS; i++)
         if (!(d[i] = calloc(o.requests, sizeof(uint64_t))))
             die("out of memory");
     uint8_t *have = calloc(o.requests, 1);
-    if (!hr || !have)
+    if (!have)
         die("out of memory");
     char key[300];
     unsigned long long t[6];
     /* with --passes, every pass fetches the same requests again: each
-     * one's last line is the pass whose times call_ns and ev_ns hold */
+     * one's last line (d[i][r], overwritten) is the pass whose times
+     * call_ns and ev_ns hold */
     while (trace_next(f, key, t)) {
         const char *dg = strrchr(key, '-'); /* keyed: "decode-R" */
         dg = dg ? dg + 1 : key;
@@ -91,18 +92,17 @@ static void trace_report(FILE *out, int json)
             t[3] - t[2],       t[4] - t[3],           t[5] - t[4],
             ev_ns[r] - t[5],   ev_ns[r] - call_ns[r], t[5] - t[0]};
         for (int i = 0; i < NHOPS; i++)
-            hr[r][i] = (int64_t)h[i] < 0 ? 0 : h[i];
+            d[i][r] = (int64_t)h[i] < 0 ? 0 : h[i];
         have[r] = 1;
     }
-    uint32_t n = 0;
+    uint32_t n = 0; /* the requests seen, to the front (n <= r) */
     for (uint32_t r = 0; r < o.requests; r++) {
         if (!have[r])
             continue;
         for (int i = 0; i < NHOPS; i++)
-            d[i][n] = hr[r][i];
+            d[i][n] = d[i][r];
         n++;
     }
-    free(hr);
     free(have);
     fclose(f);
     unlink(trace_path());

@@ -165,10 +165,10 @@ static int run_case(uint32_t nb, int shuffle, int reps)
         pool_make(&dst, nb, shuffle, 1ull << 42) ||
         plan_build(&s, &s, 0, nb * 16, 0, &p, KVX_WHY(why)))
         goto out;
-    p->src[0] =
-        (plan_mem_t){src.regions, src.nregions, &src.layout, src.blocks, nb, 0};
-    p->dst =
-        (plan_mem_t){dst.regions, dst.nregions, &dst.layout, dst.blocks, nb, 1};
+    p->src[0] = (plan_mem_t){
+        src.regions, src.nregions, &src.layout, src.blocks, nb, 0, 0};
+    p->dst = (plan_mem_t){
+        dst.regions, dst.nregions, &dst.layout, dst.blocks, nb, 1, 0};
     size_t cap = gpu_desc_size(p), len = 0;
     gpu_plan_t g;
     snprintf(why, sizeof(why), "out of memory");

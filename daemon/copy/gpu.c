@@ -930,25 +930,6 @@ static cudaError_t uploaded(int d, cudaStream_t s)
     return e;
 }
 
-/* Whether any of m's regions is host memory (a host pool, pinned and
- * mapped for the kernel); the driver says (in the current context). */
-static int mem_on_host(const plan_mem_t *m)
-{
-    for (uint32_t r = 0; r < m->nregions; r++) {
-        struct cudaPointerAttributes a;
-        if (!m->regions[r].base)
-            continue;
-        if (cudaPointerGetAttributes(&a, m->regions[r].base) != cudaSuccess) {
-            (void)cudaGetLastError();
-            continue;
-        }
-        if (a.type == cudaMemoryTypeHost ||
-            a.type == cudaMemoryTypeUnregistered)
-            return 1;
-    }
-    return 0;
-}
-
 int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
                     kvx_why_t *why)
 {
@@ -1000,9 +981,9 @@ int gpu_part_create(const plan_t *p, int device, gpu_part_t **out,
     }
     gp->off_sblk = off_sblk; /* gpu_part_set_blocks() writes there */
     if (strcmp(kvxd.conf.gpu_copy_path, "kernel")) {
-        gp->host = mem_on_host(&p->dst); /* auto's rule over PCIe */
-        for (uint32_t i = 0; i < p->nslices && !gp->host; i++)
-            gp->host = mem_on_host(&p->src[i]);
+        gp->host = p->dst.host; /* auto's rule over PCIe */
+        for (uint32_t i = 0; i < p->nslices; i++)
+            gp->host |= p->src[i].host;
         /* the same layout at the host buffer's own address: the walk of
          * the copy engines' runs reads it (gpu_desc_runs()) */
         size_t hlen = 0;

@@ -64,6 +64,7 @@ typedef struct plan_mem {
     const uint32_t *blocks;
     uint32_t num_blocks;
     uint32_t pool;
+    uint8_t host; /* host memory (a host pool): copies to a GPU cross PCIe */
 } plan_mem_t;
 
 typedef struct plan {

@@ -368,7 +368,8 @@ plan_mem_t pool_mem(const pool_t *p, const uint32_t *blocks, uint32_t n)
                         .layout = &p->layout,
                         .blocks = blocks,
                         .num_blocks = n,
-                        .pool = p->id};
+                        .pool = p->id,
+                        .host = !p->gpu};
 }
 
 /* Undo the mappings and imports (what of them exists). */

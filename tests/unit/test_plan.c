@@ -1140,11 +1140,17 @@ static void e2e_run(const e2e_t *c)
             const rank_mem_t *m = &src[s->src_rank];
             CHECK_EQ(s->src_layer_base, m->l0);
             CHECK_EQ(s->src_head_base, m->h0);
-            p->src[i] = (plan_mem_t){m->regions, m->nregions, &m->layout,
-                                     m->blocks,  m->nblocks,  s->src_rank};
+            p->src[i] =
+                (plan_mem_t){m->regions, m->nregions, &m->layout, m->blocks,
+                             m->nblocks, s->src_rank, 1};
         }
-        p->dst = (plan_mem_t){dst.regions, dst.nregions, &dst.layout,
-                              dst.blocks,  dst.nblocks,  100 + r};
+        p->dst = (plan_mem_t){dst.regions,
+                              dst.nregions,
+                              &dst.layout,
+                              dst.blocks,
+                              dst.nblocks,
+                              100 + r,
+                              1};
         char bwhy[256];
         if (plan_check_bounds(p, KVX_WHY(bwhy))) {
             fprintf(stderr, "%s\n", bwhy);
@@ -1440,10 +1446,10 @@ TEST(copy_engine_runs_upto_one_walk)
         rank_mem_make(&sm, &a, 0, "vllm-nhd", 24);
         rank_mem_make(&dm, &a, 0, "vllm-nhd", 24);
         plan_t *p = build(&a, &a, 0, 24 * 16, 0);
-        p->src[0] = (plan_mem_t){sm.regions, sm.nregions, &sm.layout,
-                                 sm.blocks,  sm.nblocks,  0};
-        p->dst = (plan_mem_t){dm.regions, dm.nregions, &dm.layout,
-                              dm.blocks,  dm.nblocks,  100};
+        p->src[0] = (plan_mem_t){sm.regions, sm.nregions, &sm.layout, sm.blocks,
+                                 sm.nblocks, 0,           1};
+        p->dst = (plan_mem_t){dm.regions, dm.nregions, &dm.layout, dm.blocks,
+                              dm.nblocks, 100,         1};
         gpu_plan_t g;
         uint8_t *buf = desc_on_host(p, &g);
         gpu_launch_t l = {.u0 = 0, .u1 = p->nunits};
@@ -1618,10 +1624,10 @@ TEST(bounds_check_refuses_outside_the_pool)
     force_split = 0;
     rank_mem_make(&d, &b, 0, "trtllm", 3);
     force_split = -1;
-    p->src[0] =
-        (plan_mem_t){s.regions, s.nregions, &s.layout, s.blocks, s.nblocks, 7};
-    p->dst =
-        (plan_mem_t){d.regions, d.nregions, &d.layout, d.blocks, d.nblocks, 9};
+    p->src[0] = (plan_mem_t){s.regions, s.nregions, &s.layout, s.blocks,
+                             s.nblocks, 7,          1};
+    p->dst = (plan_mem_t){d.regions, d.nregions, &d.layout, d.blocks,
+                          d.nblocks, 9,          1};
     char why[256];
     CHECK_EQ(plan_check_bounds(p, KVX_WHY(why)), 0);
 
